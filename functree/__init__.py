@@ -1,0 +1,117 @@
+"""functree: Swift's differentiable-programming design for JAX.
+
+Models are immutable pytrees whose leaves are their parameters; key paths read and write
+nested parameters; differential operators carry the Swift proposal's names.
+
+    >>> import functree as ft
+"""
+
+from functree import nn
+from functree._derivative import (
+    DifferentiableFunction,
+    derivative,
+    differentiable,
+    with_recomputation_in_pullbacks,
+    without_derivative,
+)
+from functree._display import Summary, summary
+from functree._jit import ControlFlowError, jit
+from functree._module import (
+    DifferentiationWarning,
+    FrozenModuleError,
+    Module,
+    NonDifferentiableFieldWarning,
+    field,
+)
+from functree._operators import (
+    differential,
+    gradient,
+    hessian,
+    jacobian,
+    pullback,
+    value_with_differential,
+    value_with_gradient,
+    value_with_pullback,
+)
+from functree._parameters import mask, parameters, select, tree_map, update, with_parameters
+from functree._paths import (
+    KeyPath,
+    all_key_paths,
+    all_writable_key_paths,
+    get,
+    key_path,
+    recursively_all_key_paths,
+    recursively_all_writable_key_paths,
+    set,  # noqa: A004 - Swift's name; ft.set never shadows the builtin at call sites
+)
+from functree._state_dict import FlatDictReport, from_flat_dict, to_flat_dict
+from functree._tangent import (
+    inner_product,
+    move,
+    tangent_add,
+    tangent_norm,
+    tangent_scale,
+    tangent_subtract,
+    zero_tangent_vector,
+    zero_tangent_vector_initializer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # models
+    "Module",
+    "field",
+    "FrozenModuleError",
+    "summary",
+    "Summary",
+    # key paths
+    "KeyPath",
+    "key_path",
+    "get",
+    "set",
+    "all_key_paths",
+    "all_writable_key_paths",
+    "recursively_all_key_paths",
+    "recursively_all_writable_key_paths",
+    "to_flat_dict",
+    "from_flat_dict",
+    "FlatDictReport",
+    # parameter view
+    "parameters",
+    "with_parameters",
+    "update",
+    "tree_map",
+    "select",
+    "mask",
+    # the Differentiable protocol
+    "move",
+    "zero_tangent_vector",
+    "zero_tangent_vector_initializer",
+    "tangent_add",
+    "tangent_subtract",
+    "tangent_scale",
+    "inner_product",
+    "tangent_norm",
+    # differential operators
+    "gradient",
+    "value_with_gradient",
+    "value_with_pullback",
+    "pullback",
+    "value_with_differential",
+    "differential",
+    "derivative",
+    "jacobian",
+    "hessian",
+    "differentiable",
+    "DifferentiableFunction",
+    "without_derivative",
+    "with_recomputation_in_pullbacks",
+    # compilation and diagnostics
+    "jit",
+    "ControlFlowError",
+    "DifferentiationWarning",
+    "NonDifferentiableFieldWarning",
+    # subpackages
+    "nn",
+]

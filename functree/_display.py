@@ -1,0 +1,155 @@
+"""Readable display of models: a short repr and ``ft.summary`` tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from typing import Any
+
+import jax
+import numpy as np
+
+from functree._module import Module
+
+__all__ = ["summary", "Summary"]
+
+_SHORT_DTYPES = {
+    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
+    "int32": "i32", "int64": "i64", "int8": "i8", "int16": "i16", "uint8": "u8",
+    "uint32": "u32", "bool": "bool", "complex64": "c64", "complex128": "c128",
+}
+
+
+def short_array(x: Any) -> str:
+    """``f32[2,4]`` for an array (or ShapeDtypeStruct / tracer)."""
+    dtype = _SHORT_DTYPES.get(str(x.dtype), str(x.dtype))
+    return f"{dtype}[{','.join(map(str, x.shape))}]"
+
+
+def _value_repr(x: Any, indent: int) -> str:
+    if isinstance(x, Module):
+        return module_repr(x, indent)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return short_array(x)
+    if isinstance(x, list):
+        return "[" + ", ".join(_value_repr(v, indent) for v in x) + "]"
+    if isinstance(x, tuple) and not hasattr(type(x), "_fields"):
+        inner = ", ".join(_value_repr(v, indent) for v in x)
+        return f"({inner},)" if len(x) == 1 else f"({inner})"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_value_repr(v, indent)}" for k, v in x.items()) + "}"
+    if callable(x) and hasattr(x, "__name__"):
+        return x.__name__
+    return repr(x)
+
+
+def module_repr(m: Module, indent: int = 0) -> str:
+    """``Dense(weight=f32[2,4], bias=f32[4], activation=relu)``; nested models on lines."""
+    cls = type(m)
+    parts = [f"{n}={_value_repr(m.__dict__.get(n, '?'), indent + 2)}" for n in cls.__ft_fields__]
+    one_line = f"{cls.__name__}({', '.join(parts)})"
+    if len(one_line) + indent <= 88 and "\n" not in one_line:
+        return one_line
+    pad = " " * (indent + 2)
+    return f"{cls.__name__}(\n" + "".join(f"{pad}{p},\n" for p in parts) + " " * indent + ")"
+
+
+def module_html(m: Module) -> str:
+    return f"<pre>{html.escape(module_repr(m))}</pre>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    count: int
+    nbytes: int
+    parameter: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """A table of a model's leaves: key path, shape, dtype, count, bytes, with totals.
+
+    Prints as text; shows as an HTML table in notebooks.
+    """
+
+    name: str
+    rows: tuple[Row, ...]
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(r.count for r in self.rows if r.parameter)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(r.nbytes for r in self.rows if r.parameter)
+
+    def _table(self) -> list[tuple[str, ...]]:
+        out = [("path", "shape", "dtype", "count", "bytes", "kind")]
+        for r in self.rows:
+            kind = "parameter" if r.parameter else "carried"
+            out.append((r.path, str(r.shape), r.dtype, f"{r.count:,}", _bytes(r.nbytes), kind))
+        return out
+
+    def __str__(self) -> str:
+        table = self._table()
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+        lines.insert(1, "-" * len(lines[0]))
+        carried = sum(r.count for r in self.rows if not r.parameter)
+        lines.append("-" * len(lines[0]))
+        lines.append(
+            f"{self.name}: {self.parameter_count:,} parameters ({_bytes(self.parameter_bytes)})"
+            + (f", {carried:,} carried values" if carried else "")
+        )
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        table = self._table()
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in table[0])
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table[1:]
+        )
+        foot = html.escape(str(self).splitlines()[-1])
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><p>{foot}</p>"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def summary(model: Any) -> Summary:
+    """A table of every data leaf of ``model`` by key path, with parameter totals.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> print(ft.summary({"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}))  # doctest: +NORMALIZE_WHITESPACE
+      path  shape   dtype    count  bytes  kind
+      -----------------------------------------
+      b     (3,)    float32  3      12 B   parameter
+      w     (2, 3)  float32  6      24 B   parameter
+      -----------------------------------------
+      dict: 9 parameters (36 B)
+    """
+    from functree._parameters import parameters
+    from functree._state_dict import to_flat_dict
+
+    params = to_flat_dict(parameters(model))
+    rows = []
+    for path, leaf in to_flat_dict(model).items():
+        arr = np.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
+        count = int(np.prod(arr.shape)) if arr.shape else 1
+        nbytes = count * np.dtype(arr.dtype).itemsize
+        rows.append(Row(path, tuple(arr.shape), str(arr.dtype), count, nbytes, path in params))
+    return Summary(type(model).__name__, tuple(rows))
+
+
+_ = jax

@@ -1,0 +1,283 @@
+"""The parameter view of a model (Swift's ``allDifferentiableVariables``) and maps over it.
+
+``ft.parameters(model)`` has the model's type and structure with every non-parameter
+leaf (``no_derivative`` fields, integer and boolean arrays) replaced by ``None``. Gradients
+and per-parameter optimizer state have exactly this structure, so one key path reads all
+of them and ``ft.move(model, along=update)`` applies any of them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree._module import Module
+from functree._paths import KeyPath, walk
+
+__all__ = [
+    "parameters",
+    "with_parameters",
+    "update",
+    "tree_map",
+    "select",
+    "mask",
+    "is_parameter_leaf",
+    "first_difference",
+]
+
+STRUCTURE_MISMATCH = """\
+{what}: the trees differ first at {path}: {detail}.
+Trees passed together must have the structure of the first one (a model's parameter view, \
+its gradient or optimizer moments). Build them from the same model, e.g. \
+`ft.gradient(loss, at=model)` or `ft.parameters(model)`."""
+
+
+def is_parameter_leaf(x: Any) -> bool:
+    """Whether a leaf can carry a derivative: a floating (or complex) array or Python float."""
+    if isinstance(x, float):
+        return True
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _mark(x: Any) -> Any:
+    """A tree shaped like ``x`` with True at leaves outside no_derivative fields."""
+    if isinstance(x, Module):
+        cls = type(x)
+        new = dict(x.__dict__)
+        for name in cls.__ft_fields__:
+            if name in cls.__ft_static__:
+                continue
+            if name in cls.__ft_no_derivative__:
+                new[name] = jax.tree.map(lambda _: False, x.__dict__[name])
+            else:
+                new[name] = _mark(x.__dict__[name])
+        out = object.__new__(cls)
+        out.__dict__.update(new)
+        return out
+    return jax.tree.map(
+        lambda y: _mark(y) if isinstance(y, Module) else True,
+        x,
+        is_leaf=lambda y: isinstance(y, Module),
+    )
+
+
+# treedef -> tuple of bools: which leaf positions lie outside no_derivative fields.
+# Computed once per tree definition; afterwards parameters() is one C++ flatten,
+# a dtype test per leaf and one C++ unflatten.
+_MASK_CACHE: dict[Any, tuple[bool, ...]] = {}
+
+
+def _trainable_positions(x: Any, treedef: Any) -> tuple[bool, ...]:
+    positions = _MASK_CACHE.get(treedef)
+    if positions is None:
+        positions = tuple(bool(b) for b in jax.tree.leaves(_mark(x)))
+        _MASK_CACHE[treedef] = positions
+    return positions
+
+
+def parameters(model: Any) -> Any:
+    """The parameter view: ``model`` with every non-parameter leaf replaced by ``None``.
+
+    Non-parameters are leaves of ``no_derivative`` fields and non-floating leaves
+    (integer and boolean arrays, Python ints). Static fields stay in the tree definition.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> class BN(ft.Module):
+      ...     scale: jnp.ndarray
+      ...     mean: jnp.ndarray = ft.field(no_derivative=True)
+      >>> ft.parameters(BN(jnp.ones(2), jnp.zeros(2)))
+      BN(scale=f32[2], mean=None)
+    """
+    leaves, treedef = jax.tree.flatten(model)
+    positions = _trainable_positions(model, treedef)
+    return jax.tree.unflatten(
+        treedef,
+        [x if keep and is_parameter_leaf(x) else None for x, keep in zip(leaves, positions)],
+    )
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def with_parameters(model: Any, params: Any) -> Any:
+    """Write a parameter view back into ``model`` (Swift's ``allParameters`` setter).
+
+    ``None`` in ``params`` keeps the model's leaf.
+    """
+    return _map_checked(
+        "ft.with_parameters",
+        lambda p, x: x if p is None else p,
+        params,
+        model,
+        is_leaf=_is_none,
+    )
+
+
+def update(params: Any, *, with_gradients: Any, updater: Callable[[Any, Any], Any]) -> Any:
+    """Seed 001's ``update(withGradients:)``: ``updater(param, gradient)`` at every parameter.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.update({"w": jnp.ones(2)}, with_gradients={"w": jnp.ones(2)},
+      ...           updater=lambda p, g: p - 0.1 * g)["w"]
+      Array([0.9, 0.9], dtype=float32)
+    """
+    return tree_map(updater, params, with_gradients)
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """``fn`` over the leaves of ``tree`` and of every tree in ``rest`` shaped like it.
+
+    ``None`` leaves of the first tree (non-parameters in a parameter view) are skipped.
+    A structure mismatch raises an error naming the first differing key path.
+    """
+    return _map_checked("ft.tree_map", fn, tree, *rest)
+
+
+def _map_checked(what: str, fn: Callable[..., Any], tree: Any, *rest: Any, **kw: Any) -> Any:
+    try:
+        return jax.tree.map(fn, tree, *rest, **kw)
+    except ValueError as e:
+        for other in rest:
+            diff = first_difference(tree, other, none_is_leaf=bool(kw))
+            if diff is not None:
+                path, detail = diff
+                raise ValueError(STRUCTURE_MISMATCH.format(what=what, path=path, detail=detail)) from None
+        raise e
+
+
+def _node_signature(x: Any, none_is_leaf: bool) -> Any:
+    if x is None:
+        return "leaf" if none_is_leaf else "None"
+    if isinstance(x, Module):
+        cls = type(x)
+        return (cls.__name__, tuple(x.__dict__[n] for n in cls.__ft_static__))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, len(x))
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted(map(str, x))))
+    leaves = jax.tree.leaves(x, is_leaf=lambda y: y is not x)
+    return "leaf" if len(leaves) == 1 and leaves[0] is x else type(x).__name__
+
+
+def first_difference(a: Any, b: Any, *, none_is_leaf: bool = False) -> tuple[KeyPath, str] | None:
+    """The first key path where two trees' structures differ, with a description."""
+    from functree._paths import children
+
+    def describe(x: Any) -> str:
+        sig = _node_signature(x, none_is_leaf)
+        return "a leaf" if sig == "leaf" else "None" if x is None else f"{type(x).__name__} {sig}"
+
+    stack = [(KeyPath(), a, b)]
+    while stack:
+        path, x, y = stack.pop()
+        sx, sy = _node_signature(x, none_is_leaf), _node_signature(y, none_is_leaf)
+        if sx == "leaf" and sy == "leaf":
+            continue
+        if sx != sy:
+            return path, f"the first has {describe(x)}, the other has {describe(y)}"
+        kx, ky = children(x), children(y)
+        for (ex, vx), (_, vy) in reversed(list(zip(kx, ky))):
+            if isinstance(x, Module) and ex.key in type(x).__ft_static__:
+                continue
+            stack.append((path + (ex,), vx, vy))
+    return None
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    """Glob match of a dotted name or any of its prefixes (``encoder`` covers ``encoder.w``)."""
+    parts = name.split(".")
+    prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        for candidate in prefixes:
+            if fnmatch.fnmatchcase(candidate, pattern) or fnmatch.fnmatchcase("." + candidate, pattern):
+                return True
+    return False
+
+
+def select(tree: Any, *patterns: str, exclude: Sequence[str] = ()) -> Any:
+    """A boolean tree shaped like the parameter view: True where a pattern matches.
+
+    Patterns are globs over the dotted names of :func:`to_flat_dict` (``layers.0.weight``):
+    ``"encoder.*"``, ``"*.bias"``, ``"layers.[01].*"``. A pattern also matches everything
+    under a matching node (``"encoder"`` selects ``encoder.weight``). ``exclude=`` patterns
+    win over ``patterns``. Non-parameters are ``None``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> params = {"encoder": {"w": jnp.ones(2), "b": jnp.ones(2)}, "head": jnp.ones(2)}
+      >>> ft.select(params, "encoder.*", exclude=["*.b"])
+      {'encoder': {'b': False, 'w': True}, 'head': False}
+    """
+    if not patterns:
+        raise ValueError("ft.select needs at least one pattern, e.g. ft.select(model, '*.bias').")
+    for p in (*patterns, *exclude):
+        if not isinstance(p, str):
+            raise TypeError(f"Patterns are strings like '*.bias', got {p!r} ({type(p).__name__}).")
+    names = _leaf_names(tree)
+    view = parameters(tree)
+    leaves, treedef = jax.tree.flatten(view, is_leaf=_is_none)
+    out = [
+        None if leaf is None else (_matches(name, patterns) and not _matches(name, exclude))
+        for leaf, name in zip(leaves, names)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+mask = select
+"""Alias of :func:`select`, named for its use as a weight-decay or freezing mask."""
+
+
+_NAMES_CACHE: dict[Any, list[str]] = {}
+
+
+def _leaf_names(tree: Any) -> list[str]:
+    """Dotted names of the leaves of ``tree``, in JAX flatten order (None leaves included)."""
+    treedef = jax.tree.structure(tree, is_leaf=_is_none)
+    names = _NAMES_CACHE.get(treedef)
+    if names is None:
+        path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+        names = [_jax_path_name(p) for p, _ in path_leaves]
+        _NAMES_CACHE[treedef] = names
+    return names
+
+
+def _jax_path_name(path: Sequence[Any]) -> str:
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(getattr(key, "key", key)))
+    return ".".join(parts)
+
+
+def leaf_paths(tree: Any) -> list[tuple[KeyPath, Any]]:
+    """(key path, leaf) for every data leaf, in declaration/insertion order, None skipped."""
+    return [
+        (p, v)
+        for p, v in walk(tree, writable=True)
+        if v is not None and not _is_container(v)
+    ]
+
+
+def _is_container(x: Any) -> bool:
+    from functree._paths import children
+
+    if isinstance(x, (Module, list, tuple, dict)):
+        return True
+    return bool(children(x)) if not isinstance(x, (jax.Array, np.ndarray, float, int)) else False

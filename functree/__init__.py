@@ -6,7 +6,7 @@ nested parameters; differential operators carry the Swift proposal's names.
     >>> import functree as ft
 """
 
-from functree import nn
+from functree import losses, nn, optim, train
 from functree._derivative import (
     DifferentiableFunction,
     derivative,
@@ -114,4 +114,7 @@ __all__ = [
     "NonDifferentiableFieldWarning",
     # subpackages
     "nn",
+    "optim",
+    "train",
+    "losses",
 ]

@@ -1,0 +1,3 @@
+"""functree.losses."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""functree.optim."""
+
+__all__: list[str] = []

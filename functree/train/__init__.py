@@ -1,0 +1,3 @@
+"""functree.train."""
+
+__all__: list[str] = []

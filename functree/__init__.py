@@ -7,12 +7,20 @@ nested parameters; differential operators carry the Swift proposal's names.
 """
 
 from functree import losses, nn, optim, train
+from functree._config import config
 from functree._derivative import (
     DifferentiableFunction,
     derivative,
     differentiable,
     with_recomputation_in_pullbacks,
     without_derivative,
+)
+from functree._diagnostics import (
+    DiagnosticReport,
+    NonDifferentiableWarning,
+    UnusedParameterWarning,
+    ZeroDerivativeWarning,
+    diagnose,
 )
 from functree._display import Summary, summary
 from functree._jit import ControlFlowError, jit
@@ -112,6 +120,12 @@ __all__ = [
     "ControlFlowError",
     "DifferentiationWarning",
     "NonDifferentiableFieldWarning",
+    "ZeroDerivativeWarning",
+    "NonDifferentiableWarning",
+    "UnusedParameterWarning",
+    "diagnose",
+    "DiagnosticReport",
+    "config",
     # subpackages
     "nn",
     "optim",

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree import _operators
 from functree._parameters import is_parameter_leaf, parameters
@@ -115,7 +116,8 @@ def derivative(
     ``(value, pullback)`` (``mode="reverse"``, pullback maps a result cotangent to the
     cotangents of the ``wrt`` arguments) or ``(value, differential)`` (``mode="forward"``,
     differential maps the tangents of the ``wrt`` arguments to a result tangent).
-    ``wrt`` picks argument indices (default: all). If ``f`` was declared with
+    ``wrt`` picks argument indices (default: every argument that carries floats; arguments
+    that are not arrays, such as a string flag, are passed through as constants). If ``f`` was declared with
     :func:`differentiable`, the derivative is registered on it and the decorated function
     is returned unchanged; otherwise a new differentiable function carrying the derivative
     is returned.
@@ -161,11 +163,50 @@ def _as_tuple(x: Any, n: int) -> tuple:
     return tuple(x)
 
 
+def _is_data(x: Any) -> bool:
+    """Whether every leaf of ``x`` is an array or a number (a valid JAX argument)."""
+    return all(
+        isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+        or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+        for leaf in jax.tree.leaves(x)
+    )
+
+
+def _split_static(
+    fn: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None, args: tuple
+) -> tuple[Callable[..., Any], Callable[..., Any], tuple[int, ...], tuple, Callable[[int], int | None]]:
+    """Bind arguments that are not arrays (a string flag, a callable) as constants.
+
+    Returns the function and derivative of the array arguments only, the differentiated
+    positions among them (``wrt``, by default every argument that carries floats), the
+    array arguments, and a map from an original position to its new one (None if bound).
+    """
+    dynamic = [i for i, a in enumerate(args) if _is_data(a)]
+    position = {i: k for k, i in enumerate(dynamic)}
+    if wrt is None:
+        wrt = tuple(i for i in dynamic if jax.tree.leaves(parameters(args[i])))
+    if len(dynamic) == len(args):
+        return fn, deriv, wrt, args, position.get
+
+    def full(dyn: tuple) -> list[Any]:
+        out = list(args)
+        for i, value in zip(dynamic, dyn):
+            out[i] = value
+        return out
+
+    return (
+        lambda *dyn: fn(*full(dyn)),
+        lambda *dyn: deriv(*full(dyn)),
+        wrt,
+        tuple(args[i] for i in dynamic),
+        position.get,
+    )
+
+
 def _with_pullback(
     fn: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None, args: tuple
 ) -> Any:
-    n = len(args)
-    indices = tuple(range(n)) if wrt is None else wrt
+    fn, deriv, indices, dyn_args, new_position = _split_static(fn, deriv, wrt, args)
     pullback_of_call: list[Callable[..., Any]] = []
     custom = jax.custom_vjp(fn)
 
@@ -179,13 +220,15 @@ def _with_pullback(
 
     def bwd(residuals: Any, cotangent: Any) -> tuple:
         cts = _as_tuple(pullback_of_call[-1](cotangent, *residuals), len(indices))
-        out: list[Any] = [None] * n
+        out: list[Any] = [None] * len(dyn_args)
         for i, ct in zip(indices, cts):
-            out[i] = ct
+            k = new_position(i)
+            if k is not None:
+                out[k] = ct
         return tuple(out)
 
     custom.defvjp(fwd, bwd)
-    return custom(*args)
+    return custom(*dyn_args)
 
 
 def _tangent_view(primal: Any, tangent: Any) -> Any:
@@ -197,17 +240,17 @@ def _tangent_view(primal: Any, tangent: Any) -> Any:
 def _with_differential(
     fn: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None, args: tuple
 ) -> Any:
-    n = len(args)
-    indices = tuple(range(n)) if wrt is None else wrt
+    fn, deriv, indices, dyn_args, new_position = _split_static(fn, deriv, wrt, args)
+    chosen_positions = [k for k in map(new_position, indices) if k is not None]
     custom = jax.custom_jvp(fn)
 
     def jvp(primals: tuple, tangents: tuple) -> tuple:
         value, df = _split(deriv(*primals), fn, "differential")
-        chosen = [_tangent_view(primals[i], tangents[i]) for i in indices]
+        chosen = [_tangent_view(primals[k], tangents[k]) for k in chosen_positions]
         return value, df(*chosen)
 
     custom.defjvp(jvp)
-    return custom(*args)
+    return custom(*dyn_args)
 
 
 def without_derivative(at: Any) -> Any:
@@ -220,7 +263,12 @@ def without_derivative(at: Any) -> Any:
       >>> ft.gradient(lambda x: x * ft.without_derivative(at=x), at=3.0)
       Array(3., dtype=float32, weak_type=True)
     """
-    with jax.named_scope("ft.without_derivative"):
+    from functree import _diagnostics  # local: only this function of the module uses it
+
+    # The named scope marks the stop_gradient in the jaxpr as intentional; a constant (no
+    # tracer, so no equation) is reported to the analysis directly.
+    _diagnostics.note_without_derivative(at)
+    with jax.named_scope(_diagnostics._SCOPE):
         return jax.tree.map(
             lambda x: jax.lax.stop_gradient(x) if is_parameter_leaf(x) else x, at
         )

@@ -7,6 +7,7 @@ import html
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module
@@ -32,15 +33,25 @@ def _value_repr(x: Any, indent: int) -> str:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return short_array(x)
     if isinstance(x, list):
-        return "[" + ", ".join(_value_repr(v, indent) for v in x) + "]"
+        return _sequence([_value_repr(v, indent + 2) for v in x], "[", "]", indent)
     if isinstance(x, tuple) and not hasattr(type(x), "_fields"):
-        inner = ", ".join(_value_repr(v, indent) for v in x)
-        return f"({inner},)" if len(x) == 1 else f"({inner})"
+        items = [_value_repr(v, indent + 2) for v in x]
+        return _sequence(items, "(", ",)" if len(x) == 1 else ")", indent)
     if isinstance(x, dict):
-        return "{" + ", ".join(f"{k!r}: {_value_repr(v, indent)}" for k, v in x.items()) + "}"
+        items = [f"{k!r}: {_value_repr(v, indent + 2)}" for k, v in x.items()]
+        return _sequence(items, "{", "}", indent)
     if callable(x) and hasattr(x, "__name__"):
         return x.__name__
     return repr(x)
+
+
+def _sequence(items: list[str], open_: str, close: str, indent: int) -> str:
+    """One line when it fits; otherwise one item per line, indented under the opener."""
+    one_line = open_ + ", ".join(items) + close
+    if len(one_line) + indent <= 88 and "\n" not in one_line:
+        return one_line
+    pad = " " * (indent + 2)
+    return open_ + "\n" + "".join(f"{pad}{item},\n" for item in items) + " " * indent + close.lstrip(",")
 
 
 def module_repr(m: Module, indent: int = 0) -> str:
@@ -145,11 +156,10 @@ def summary(model: Any) -> Summary:
     params = to_flat_dict(parameters(model))
     rows = []
     for path, leaf in to_flat_dict(model).items():
-        arr = np.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
+        # A Python scalar leaf is what JAX makes of it (0.5 -> float32 unless x64 is on).
+        arr = leaf if hasattr(leaf, "dtype") else jax.ShapeDtypeStruct((), jnp.result_type(leaf))
         count = int(np.prod(arr.shape)) if arr.shape else 1
         nbytes = count * np.dtype(arr.dtype).itemsize
         rows.append(Row(path, tuple(arr.shape), str(arr.dtype), count, nbytes, path in params))
     return Summary(type(model).__name__, tuple(rows))
 
-
-_ = jax

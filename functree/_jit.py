@@ -8,6 +8,8 @@ partitioned in Python, and the call returns without blocking (asynchronous dispa
 from __future__ import annotations
 
 import functools
+import inspect
+import linecache
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,27 +18,55 @@ import jax
 __all__ = ["jit"]
 
 TRACED_BOOL = """\
-{error}
+Python control flow on a traced value inside ft.jit{where}:
+{source}
+Under jit the value is not known until run time, so Python cannot branch on it. Use
 
-functree: Python control flow (`if`, `while`, `and`, `bool(...)`) on a traced value inside \
-ft.jit{where}. Under jit the value is not known until run time. Use
-    jnp.where(cond, a, b)                        # choose between two values
-    jax.lax.cond(cond, true_fn, false_fn, x)     # choose between two computations
-    jax.lax.while_loop / jax.lax.fori_loop       # loops with traced bounds
-or mark the argument static: ft.jit(f, static_argnames=("flag",))."""
+    wrong:  if x > 0: y = f(x)
+            else:     y = g(x)
+    right:  y = jnp.where(x > 0, f(x), g(x))               # choose between two values
+       or:  y = jax.lax.cond(x > 0, f, g, x)               # choose between two computations
+       or:  jax.lax.while_loop(cond_fn, body_fn, init)     # a loop on a traced condition
+
+or, if the value is configuration, make it static: ft.jit(f, static_argnames=("flag",)).
+
+JAX said: {error}"""
+
+TRACED_INTEGER = """\
+A traced value is used as a Python integer inside ft.jit{where}:
+{source}
+Under jit the value is not known until run time (`range(n)`, `int(x)`, `my_list[i]` need it \
+now). Use
+
+    wrong:  for i in range(n): x = step(i, x)
+    right:  x = jax.lax.fori_loop(0, n, step, x)       # a loop with a traced bound
+       or:  y = jnp.asarray(my_list)[i]                  # index an array, not a list
+
+or, if the value is configuration, make it static: ft.jit(f, static_argnames=("n",)).
+
+JAX said: {error}"""
+
+_INTERNAL = ("/jax/", "/jaxlib/", "functree/_jit.py")
 
 
-def _where(tb: Any) -> str:
-    """The innermost user frame of a traceback (outside jax), as ' at file:line'."""
-    frame = None
+def _user_frame(tb: Any) -> Any:
+    """The innermost traceback entry outside JAX and this module (the user's line)."""
+    found = None
     while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if "/jax/" not in name and "/jaxlib/" not in name and "functree/_jit" not in name:
-            frame = tb
+        if not any(part in tb.tb_frame.f_code.co_filename for part in _INTERNAL):
+            found = tb
         tb = tb.tb_next
-    if frame is None:
-        return ""
-    return f" at {frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}"
+    return found
+
+
+def _explain(template: str, error: Exception) -> str:
+    tb = _user_frame(error.__traceback__)
+    if tb is None:
+        return template.format(where="", source="", error=error)
+    filename, lineno = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+    line = linecache.getline(filename, lineno).strip()
+    source = f"\n    {line}\n" if line else ""
+    return template.format(where=f" at {filename}:{lineno}", source=source, error=error)
 
 
 def _explain_control_flow(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,14 +76,22 @@ def _explain_control_flow(f: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return f(*args, **kwargs)
         except jax.errors.TracerBoolConversionError as e:
-            message = TRACED_BOOL.format(error=e, where=_where(e.__traceback__))
-            raise ControlFlowError(message) from None
+            error = ControlFlowError(_explain(TRACED_BOOL, e))
+            raise error.with_traceback(e.__traceback__) from None
+        except jax.errors.TracerIntegerConversionError as e:
+            error = ControlFlowError(_explain(TRACED_INTEGER, e))
+            raise error.with_traceback(e.__traceback__) from None
 
     return traced
 
 
 class ControlFlowError(TypeError):
-    """Python control flow on a traced value inside ``ft.jit``."""
+    """Python control flow on a traced value inside ``ft.jit``: ``if``/``while``/``bool()``
+    on a traced value, or a traced value used as a Python integer (``range(n)``).
+
+    The message names the file and line and shows the ``jnp.where`` / ``jax.lax.cond`` /
+    ``jax.lax.fori_loop`` rewrite. It is a ``TypeError``, like JAX's own errors.
+    """
 
 
 def jit(
@@ -80,11 +118,31 @@ def jit(
     if f is None:
         return functools.partial(jit, donate=donate, **jax_jit_options)
     if donate is not None:
-        items = (donate,) if isinstance(donate, (int, str)) else tuple(donate)
-        nums = tuple(i for i in items if isinstance(i, int))
-        names = tuple(i for i in items if isinstance(i, str))
-        if nums:
-            jax_jit_options["donate_argnums"] = nums
-        if names:
-            jax_jit_options["donate_argnames"] = names
+        nums, names = _donated(f, donate)
+        jax_jit_options["donate_argnums"] = nums
+        jax_jit_options["donate_argnames"] = names
     return jax.jit(_explain_control_flow(f), **jax_jit_options)
+
+
+def _donated(
+    f: Callable[..., Any], donate: int | str | Sequence[int | str]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Both the indices and the names of the donated arguments.
+
+    JAX applies ``donate_argnums`` to positional and ``donate_argnames`` to keyword
+    arguments; giving both complete sets donates an argument however it is passed.
+    """
+    items = (donate,) if isinstance(donate, (int, str)) else tuple(donate)
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(f).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # no signature (some builtins): take items as given
+        params = []
+    nums = {i for i in items if isinstance(i, int)}
+    names = {i for i in items if isinstance(i, str)}
+    nums |= {params.index(n) for n in names if n in params}
+    names |= {params[i] for i in nums if -len(params) <= i < len(params)}
+    return tuple(sorted(nums)), tuple(sorted(names))

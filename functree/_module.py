@@ -62,6 +62,15 @@ hashed by identity, recompile every jit call and are invisible to grad and optim
        or:  {field}: jax.Array                                   # a trained parameter
 """
 
+MODULE_IN_STATIC = """\
+Static field {cls}.{field} holds a {type} with {count} array leaves. A static field is \
+part of the tree definition: its arrays would be invisible to grad and optimizers (never \
+trained) and every new instance would recompile jitted functions.
+
+    wrong:  {field}: {type} = ft.field(static=True)
+    right:  {field}: {type}                          # a submodule is a parameter field
+"""
+
 MISSING_FIELDS = """\
 {cls}.__init__ did not set field(s) {names}. Every field must be assigned in __init__:
 
@@ -78,6 +87,15 @@ It will be carried, not trained. Say which it is:
 """
 
 UNKNOWN_FIELD = "{cls} has no field {name!r}; its fields are {fields}."
+
+NOT_A_FIELD = """\
+{cls}.__init__ assigns self.{name}, which is not a declared field: it would be lost the \
+first time JAX rebuilds the module (jit, grad, tree_map). Declare it in the class body:
+
+    {name}: int = ft.field(static=True)          # configuration, e.g. a size or a flag
+    {name}: jax.Array                            # a parameter
+    {name}: jax.Array = ft.field(no_derivative=True)   # carried state
+"""
 
 
 class FrozenModuleError(dataclasses.FrozenInstanceError):
@@ -139,6 +157,14 @@ def _is_array(x: Any) -> bool:
 
 
 def _check_static(cls: type, name: str, value: Any) -> None:
+    if isinstance(value, Module):
+        count = len(jax.tree.leaves(value))
+        if count:
+            raise TypeError(
+                MODULE_IN_STATIC.format(
+                    cls=cls.__name__, field=name, type=type(value).__name__, count=count
+                )
+            )
     if _is_array(value):
         raise TypeError(
             ARRAY_IN_STATIC.format(
@@ -167,6 +193,16 @@ def _non_differentiable_type_name(value: Any) -> str | None:
 _ANNOTATION_TYPES = {bool: "bool", int: "int", str: "str"}
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that lands a warning on the user's line: the first frame
+    outside this module (the class statement, or the constructor call)."""
+    frame, level = inspect.currentframe(), 1
+    frame = frame.f_back if frame is not None else None  # the function that warns
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _warn_annotation(cls: type, f: dataclasses.Field) -> None:
     """Swift's synthesis warning, at class definition: a non-differentiable parameter."""
     ann = f.type
@@ -185,7 +221,7 @@ def _warn_annotation(cls: type, f: dataclasses.Field) -> None:
                 cls=cls.__name__, field=f.name, what="annotation", type=type_name
             ),
             NonDifferentiableFieldWarning,
-            stacklevel=4,
+            stacklevel=_user_stacklevel(),
         )
 
 
@@ -240,38 +276,19 @@ class Module:
         for f in fields:
             if field_kind(f) == STATIC and f.default is not dataclasses.MISSING:
                 _check_static(cls, f.name, f.default)
-            if field_kind(f) == PARAMETER and f.name in cls.__dict__.get("__annotations__", {}):
+            if field_kind(f) == PARAMETER and f.name in inspect.get_annotations(cls):
                 _warn_annotation(cls, f)
+        cls.__init__ = _make_init(cls)  # type: ignore[method-assign]
         jax.tree_util.register_dataclass(
             cls,
             data_fields=[n for n in cls.__ft_fields__ if n not in cls.__ft_static__],
             meta_fields=list(cls.__ft_static__),
         )
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Fast path: JAX unflatten (and a full keyword construction) sets fields directly.
-        if not args and kwargs.keys() == self.__ft_field_set__:
-            self.__dict__.update(kwargs)
-            return
-        cls = type(self)
-        if cls.__ft_user_init__ is not None:
-            self.__dict__[_INIT_FLAG] = True
-            try:
-                cls.__ft_user_init__(self, *args, **kwargs)
-            finally:
-                del self.__dict__[_INIT_FLAG]
-            missing = [n for n in cls.__ft_fields__ if n not in self.__dict__]
-            missing = [n for n in missing if not _fill_default(self, n)]
-            if missing:
-                raise TypeError(
-                    MISSING_FIELDS.format(cls=cls.__name__, names=missing, first=missing[0])
-                )
-        else:
-            self.__dict__.update(_bind_fields(cls, args, kwargs))
-        _validate(self)
-
     def __setattr__(self, name: str, value: Any) -> None:
         if _INIT_FLAG in self.__dict__:
+            if name not in type(self).__ft_field_set__:
+                raise AttributeError(NOT_A_FIELD.format(cls=type(self).__name__, name=name))
             object.__setattr__(self, name, value)
             return
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))
@@ -316,6 +333,73 @@ class Module:
         from functree._display import module_html
 
         return module_html(self)
+
+
+def _make_init(cls: type) -> Callable[..., None]:
+    """The class's ``__init__``: JAX's unflatten calls ``cls(**fields)`` on every jit
+    output, so that exact call takes the cheapest path there is (a closure holding the
+    field set, the kwargs dict installed as the instance dict, no copy)."""
+    fields = cls.__ft_field_set__  # type: ignore[attr-defined]
+    statics = cls.__ft_static__  # type: ignore[attr-defined]
+    set_dict = object.__setattr__
+
+    # A non-empty instance dict means a subclass's __init__ is running and called
+    # super().__init__(...): that must not replace the dict, so it takes the slow path.
+    def __init__(self: Module, *args: Any, **kwargs: Any) -> None:
+        if args or kwargs.keys() != fields or self.__dict__:
+            _construct(self, cls, args, kwargs)
+            return
+        set_dict(self, "__dict__", kwargs)
+
+    def __init_with_statics__(self: Module, *args: Any, **kwargs: Any) -> None:
+        if args or kwargs.keys() != fields or self.__dict__:
+            _construct(self, cls, args, kwargs)
+            return
+        # A full keyword construction is a construction too: static values must hash.
+        # (Unhashable values, arrays included, raise TypeError from hash.)
+        try:
+            for name in statics:
+                hash(kwargs[name])
+        except TypeError:
+            for name in statics:
+                _check_static(cls, name, kwargs[name])
+        set_dict(self, "__dict__", kwargs)
+
+    if statics:
+        __init__ = __init_with_statics__
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    return __init__
+
+
+def _construct(self: Module, owner: type, args: tuple, kwargs: dict) -> None:
+    """A user's construction: their ``__init__``, or dataclass-style field binding.
+
+    ``owner`` is the class whose ``__init__`` runs: ``type(self)``, or a base class when a
+    subclass's ``__init__`` calls ``super().__init__(...)``, which then only sets fields
+    (the outermost call checks missing fields and validates).
+    """
+    if _INIT_FLAG in self.__dict__:
+        base_init = owner.__ft_user_init__  # type: ignore[attr-defined]
+        if base_init is not None:
+            base_init(self, *args, **kwargs)
+        else:
+            self.__dict__.update(_bind_fields(owner, args, kwargs))
+        return
+    cls = type(self)
+    user_init = cls.__ft_user_init__
+    if user_init is not None:
+        self.__dict__[_INIT_FLAG] = True
+        try:
+            user_init(self, *args, **kwargs)
+        finally:
+            del self.__dict__[_INIT_FLAG]
+        missing = [n for n in cls.__ft_fields__ if n not in self.__dict__]
+        missing = [n for n in missing if not _fill_default(self, n)]
+        if missing:
+            raise TypeError(MISSING_FIELDS.format(cls=cls.__name__, names=missing, first=missing[0]))
+    else:
+        self.__dict__.update(_bind_fields(cls, args, kwargs))
+    _validate(self)
 
 
 def _fill_default(self: Module, name: str) -> bool:
@@ -370,7 +454,7 @@ def _validate(self: Module) -> None:
                     cls=cls.__name__, field=name, what="value", type=type_name
                 ),
                 NonDifferentiableFieldWarning,
-                stacklevel=3,
+                stacklevel=_user_stacklevel(),
             )
 
 

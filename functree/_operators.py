@@ -22,8 +22,9 @@ operator                       math
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +36,7 @@ from functree._module import Module
 from functree._parameters import (
     _leaf_names,
     _matches,
+    bounded_put,
     is_parameter_leaf,
     parameters,
     with_parameters,
@@ -91,6 +93,14 @@ PATTERN_SELECTS_NON_PARAMETER = """\
 wrt={patterns!r} selects {path}, which is not a parameter ({why}). \
 Non-parameters are carried, not differentiated.
     right:  ft.{op}(f, wrt="{example}")   # select parameters only
+"""
+
+REVERSE_ONLY = """\
+ft.{op}: {fn} calls a function whose custom derivative is reverse-mode only \
+(@ft.derivative(of=f) returning (value, pullback)); forward mode cannot use a pullback.
+
+    right:  @ft.derivative(of=f, mode="forward")   # register (value, differential) instead
+       or:  use a reverse-mode operator: ft.gradient, ft.pullback, ft.jacobian(f, mode="reverse")
 """
 
 BAD_WRT = "wrt must be an argument index, a tuple of indices, or key-path pattern(s); got {wrt!r}."
@@ -153,28 +163,59 @@ class _Plan:
 
     def _select(self, x: Any, view: Any) -> Any:
         assert self.patterns is not None
-        names = _leaf_names(x)
-        model_leaves = jax.tree.leaves(x, is_leaf=_is_none)
         leaves, treedef = jax.tree.flatten(view, is_leaf=_is_none)
-        chosen = [_matches(n, self.patterns) for n in names]
-        if not any(chosen):
-            raise ValueError(
-                PATTERN_SELECTS_NOTHING.format(
-                    patterns=self.patterns, fn=_fn_name(self.f), extra="", examples=names[:3]
-                )
-            )
-        for name, pick, leaf, orig in zip(names, chosen, leaves, model_leaves):
-            if pick and leaf is None and orig is not None:
-                why = "a no_derivative field" if is_parameter_leaf(orig) else f"dtype {getattr(orig, 'dtype', type(orig).__name__)}"
-                example = next((n for n, lf in zip(names, leaves) if lf is not None), "*")
-                raise ValueError(
-                    PATTERN_SELECTS_NON_PARAMETER.format(
-                        patterns=self.patterns, path=name, why=why, op=self.op, example=example
-                    )
-                )
+        key = (jax.tree.structure(x, is_leaf=_is_none), treedef, self.patterns)
+        chosen = _SELECTION_CACHE.get(key)
+        if chosen is None:
+            chosen = self._choose(x, leaves)
+            bounded_put(_SELECTION_CACHE, key, chosen)
         return jax.tree.unflatten(
             treedef, [leaf if pick else None for leaf, pick in zip(leaves, chosen)]
         )
+
+    def _choose(self, x: Any, leaves: list[Any]) -> tuple[bool, ...]:
+        """Which parameter leaves the patterns select; computed once per tree definition.
+
+        Each pattern must select at least one parameter. Non-parameters under a selected
+        node are skipped (``wrt="encoder"`` takes encoder's parameters, not its running
+        statistics); a pattern that selects only non-parameters is an error.
+        """
+        assert self.patterns is not None
+        names = _leaf_names(x)
+        model_leaves = jax.tree.leaves(x, is_leaf=_is_none)
+        parameter_names = [n for n, leaf in zip(names, leaves) if leaf is not None]
+        chosen = [False] * len(names)
+        for pattern in self.patterns:
+            hits = [
+                i for i, n in enumerate(names)
+                if model_leaves[i] is not None and _matches(n, (pattern,))
+            ]
+            if not hits:
+                raise ValueError(
+                    PATTERN_SELECTS_NOTHING.format(
+                        patterns=pattern, fn=_fn_name(self.f), extra="", examples=parameter_names[:3]
+                    )
+                )
+            usable = [i for i in hits if leaves[i] is not None]
+            if not usable:
+                orig = model_leaves[hits[0]]
+                why = (
+                    "a no_derivative field"
+                    if is_parameter_leaf(orig)
+                    else f"dtype {getattr(orig, 'dtype', type(orig).__name__)}"
+                )
+                raise ValueError(
+                    PATTERN_SELECTS_NON_PARAMETER.format(
+                        patterns=pattern,
+                        path=names[hits[0]],
+                        why=why,
+                        op=self.op,
+                        example=parameter_names[0] if parameter_names else "*",
+                    )
+                )
+            for i in usable:
+                chosen[i] = True
+        return tuple(chosen)
 
     def _why_not(self, i: int, x: Any) -> str:
         if isinstance(x, Module):
@@ -215,6 +256,21 @@ class _Plan:
                 f"This differential takes a tuple of {len(self.indices)} tangents (wrt={self.indices})."
             )
         return t
+
+
+# (structure of x, structure of its parameter view, patterns) -> chosen leaf positions.
+_SELECTION_CACHE: dict[Any, tuple[bool, ...]] = {}
+
+
+@contextlib.contextmanager
+def _explain_reverse_only(op: str, fn: Callable[..., Any]) -> Iterator[None]:
+    """Turn JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function"."""
+    try:
+        yield
+    except TypeError as e:
+        if "forward-mode autodiff (jvp) to a custom_vjp" not in str(e):
+            raise
+        raise TypeError(REVERSE_ONLY.format(op=op, fn=_fn_name(fn))) from e
 
 
 def _check_scalar(op: str, f: Callable[..., Any], has_aux: bool) -> Callable[[Any], Any]:
@@ -260,12 +316,16 @@ def value_with_gradient(
     """
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        plan = _Plan("value_with_gradient", fn, args, wrt)
-        g = plan.wrap(_check_scalar("ft.value_with_gradient", fn, has_aux))
-        _diagnostics.check("gradient", fn, g, plan)
-        return jax.value_and_grad(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+        return _value_and_grad("value_with_gradient", fn, args, wrt, has_aux)
 
     return _operator("value_with_gradient", f, at, impl)
+
+
+def _value_and_grad(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
+    plan = _Plan(op, fn, args, wrt)
+    g = plan.wrap(_check_scalar(f"ft.{op}", fn, has_aux))
+    _diagnostics.check("gradient", fn, g, plan)
+    return jax.value_and_grad(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
 
 
 def gradient(
@@ -286,8 +346,7 @@ def gradient(
     """
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        out = value_with_gradient(fn, wrt=wrt, has_aux=has_aux)(*args)
-        (value, grads) = out
+        value, grads = _value_and_grad("gradient", fn, args, wrt, has_aux)
         return (grads, value[1]) if has_aux else grads
 
     return _operator("gradient", f, at, impl)
@@ -308,17 +367,21 @@ def value_with_pullback(
     """
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        plan = _Plan("value_with_pullback", fn, args, wrt)
-        g = plan.wrap()
-        _diagnostics.check("pullback", fn, g, plan)
-        out = jax.vjp(g, *plan.primals, has_aux=has_aux)
-
-        def pullback_fn(cotangent: Any) -> Any:
-            return plan.result(out[1](cotangent))
-
-        return (out[0], pullback_fn, out[2]) if has_aux else (out[0], pullback_fn)
+        return _vjp("value_with_pullback", fn, args, wrt, has_aux)
 
     return _operator("value_with_pullback", f, at, impl)
+
+
+def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
+    plan = _Plan(op, fn, args, wrt)
+    g = plan.wrap()
+    _diagnostics.check("pullback", fn, g, plan)
+    out = jax.vjp(g, *plan.primals, has_aux=has_aux)
+
+    def pullback_fn(cotangent: Any) -> Any:
+        return plan.result(out[1](cotangent))
+
+    return (out[0], pullback_fn, out[2]) if has_aux else (out[0], pullback_fn)
 
 
 def pullback(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
@@ -332,7 +395,7 @@ def pullback(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     """
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        return value_with_pullback(fn, wrt=wrt)(*args)[1]
+        return _vjp("pullback", fn, args, wrt, False)[1]
 
     return _operator("pullback", f, at, impl)
 
@@ -352,24 +415,30 @@ def value_with_differential(
     """
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        plan = _Plan("value_with_differential", fn, args, wrt)
-        g = plan.wrap()
-        _diagnostics.check("differential", fn, g, plan)
-        out = jax.linearize(g, *plan.primals, has_aux=has_aux)
-
-        def differential_fn(tangent: Any) -> Any:
-            return out[1](*plan.split_input(tangent))
-
-        return (out[0], differential_fn, out[2]) if has_aux else (out[0], differential_fn)
+        return _linearize("value_with_differential", fn, args, wrt, has_aux)
 
     return _operator("value_with_differential", f, at, impl)
+
+
+def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
+    plan = _Plan(op, fn, args, wrt)
+    g = plan.wrap()
+    _diagnostics.check("differential", fn, g, plan)
+    with _explain_reverse_only(op, fn):
+        out = jax.linearize(g, *plan.primals, has_aux=has_aux)
+
+    def differential_fn(tangent: Any) -> Any:
+        with _explain_reverse_only(op, fn):
+            return out[1](*plan.split_input(tangent))
+
+    return (out[0], differential_fn, out[2]) if has_aux else (out[0], differential_fn)
 
 
 def differential(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     """The differential ``t ↦ J_f(x) t`` at ``at`` (forward mode)."""
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        return value_with_differential(fn, wrt=wrt)(*args)[1]
+        return _linearize("differential", fn, args, wrt, False)[1]
 
     return _operator("differential", f, at, impl)
 
@@ -390,7 +459,7 @@ def derivative(f: Callable[..., Any], at: Any = _MISSING, *, wrt: int = 0) -> An
                 f"ft.derivative takes a scalar floating argument, got shape {jnp.shape(x)} "
                 f"dtype {jnp.result_type(x)}. For arrays use ft.gradient, ft.jacobian or ft.differential."
             )
-        _, df = value_with_differential(fn, wrt=wrt)(*args)
+        _, df = _linearize("derivative", fn, args, wrt, False)
         return df(jnp.ones((), jnp.result_type(x)))
 
     return _operator("derivative", f, at, impl)
@@ -415,7 +484,10 @@ def jacobian(
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         plan = _Plan("jacobian", fn, args, wrt)
         g = plan.wrap()
-        return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+        if not has_aux:  # with aux, the analysis cannot tell the result from the aux
+            _diagnostics.check("pullback", fn, g, plan)
+        with _explain_reverse_only("jacobian", fn):
+            return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
 
     return _operator("jacobian", f, at, impl)
 
@@ -433,6 +505,7 @@ def hessian(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         plan = _Plan("hessian", fn, args, wrt)
         g = plan.wrap(_check_scalar("ft.hessian", fn, False))
+        _diagnostics.check("gradient", fn, g, plan)
         return jax.hessian(g, argnums=plan.argnums)(*plan.primals)
 
     return _operator("hessian", f, at, impl)

@@ -73,13 +73,23 @@ def _mark(x: Any) -> Any:
 # Computed once per tree definition; afterwards parameters() is one C++ flatten,
 # a dtype test per leaf and one C++ unflatten.
 _MASK_CACHE: dict[Any, tuple[bool, ...]] = {}
+# Tree definitions include static values; a program whose static values change every step
+# makes new ones forever, so the caches are bounded.
+CACHE_LIMIT = 4096
+
+
+def bounded_put(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    """``cache[key] = value``, clearing the cache first when it is full."""
+    if len(cache) >= CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
 
 
 def _trainable_positions(x: Any, treedef: Any) -> tuple[bool, ...]:
     positions = _MASK_CACHE.get(treedef)
     if positions is None:
         positions = tuple(bool(b) for b in jax.tree.leaves(_mark(x)))
-        _MASK_CACHE[treedef] = positions
+        bounded_put(_MASK_CACHE, treedef, positions)
     return positions
 
 
@@ -126,13 +136,19 @@ def with_parameters(model: Any, params: Any) -> Any:
 def update(params: Any, *, with_gradients: Any, updater: Callable[[Any, Any], Any]) -> Any:
     """Seed 001's ``update(withGradients:)``: ``updater(param, gradient)`` at every parameter.
 
+    A ``None`` gradient (a parameter not differentiated, e.g. outside a ``wrt=`` pattern)
+    or a ``None`` parameter (a non-parameter in a parameter view) is left as it is.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.update({"w": jnp.ones(2)}, with_gradients={"w": jnp.ones(2)},
       ...           updater=lambda p, g: p - 0.1 * g)["w"]
       Array([0.9, 0.9], dtype=float32)
     """
-    return tree_map(updater, params, with_gradients)
+    def apply(gradient: Any, param: Any) -> Any:
+        return param if gradient is None or param is None else updater(param, gradient)
+
+    return _map_checked("ft.update", apply, with_gradients, params, is_leaf=_is_none)
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
@@ -147,7 +163,9 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 def _map_checked(what: str, fn: Callable[..., Any], tree: Any, *rest: Any, **kw: Any) -> Any:
     try:
         return jax.tree.map(fn, tree, *rest, **kw)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
+        # A later tree may have the first as a prefix (jax.tree.map then hands a whole
+        # subtree to fn, which fails with a TypeError): look for the difference either way.
         for other in rest:
             diff = first_difference(tree, other, none_is_leaf=bool(kw))
             if diff is not None:
@@ -248,7 +266,7 @@ def _leaf_names(tree: Any) -> list[str]:
     if names is None:
         path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
         names = [_jax_path_name(p) for p, _ in path_leaves]
-        _NAMES_CACHE[treedef] = names
+        bounded_put(_NAMES_CACHE, treedef, names)
     return names
 
 

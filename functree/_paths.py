@@ -10,6 +10,7 @@ its parameter view, its gradient and any optimizer-state tree shaped like them.
 from __future__ import annotations
 
 import re
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -38,6 +39,11 @@ Cannot parse key path {text!r}. Write it as printed by functree (".layers[0].wei
 
 NO_SUCH_PATH = """\
 Key path {path} does not exist: {where} has no {entry}. {children}"""
+
+BAD_TO = """\
+to={to!r} ({type}) is neither a type nor a dtype.
+    right:  ft.recursively_all_key_paths(model, to=jax.Array)     # by type
+       or:  ft.recursively_all_key_paths(model, to=jnp.float32)   # by dtype"""
 
 SHAPE_MISMATCH = """\
 ft.set({path}): expected shape {expected_shape} and dtype {expected_dtype}, \
@@ -69,7 +75,7 @@ class KeyPath(tuple):
       >>> import functree as ft
       >>> kp = ft.key_path({"layers": [{"w": 1.0}]}, "layers.0.w")
       >>> kp
-      KeyPath('['layers'][0]['w']')
+      KeyPath("['layers'][0]['w']")
       >>> kp.get({"layers": [{"w": 1.0}]})
       1.0
     """
@@ -81,7 +87,7 @@ class KeyPath(tuple):
         return "".join(str(e) for e in self) or "<root>"
 
     def __repr__(self) -> str:
-        return f"KeyPath('{self}')"
+        return f"KeyPath({str(self)!r})"
 
     def __add__(self, other: Any) -> KeyPath:  # type: ignore[override]
         return KeyPath(tuple(self) + tuple(other))
@@ -104,19 +110,24 @@ class KeyPath(tuple):
 
 def _child(node: Any, entry: Entry, prefix: KeyPath) -> Any:
     try:
-        if entry.kind == ATTR:
-            if isinstance(node, Module) or _is_namedtuple(node):
-                return getattr(node, entry.key)
-            raise LookupError
-        if entry.kind == INDEX:
-            if isinstance(node, (list, tuple)):
+        if isinstance(node, Module):
+            if entry.kind == ATTR and entry.key in type(node).__ft_field_set__:
+                return node.__dict__[entry.key]
+        elif _is_namedtuple(node) and entry.kind == ATTR:
+            return getattr(node, entry.key)
+        elif isinstance(node, (list, tuple)):
+            if entry.kind == INDEX:
                 return node[entry.key]
-            raise LookupError
-        if isinstance(node, Mapping):
-            return node[entry.key]
-        raise LookupError
+        elif isinstance(node, Mapping):
+            if entry.kind != ATTR:  # an int dict key prints as [0], like an index
+                return node[entry.key]
+        elif node is not None:
+            for e, value in _generic_children(node):
+                if e == entry:
+                    return value
     except (LookupError, AttributeError, TypeError):
-        raise KeyError(_no_such_path(prefix + (entry,), prefix, node, entry)) from None
+        pass
+    raise KeyError(_no_such_path(prefix + (entry,), prefix, node, entry))
 
 
 def _no_such_path(path: Any, prefix: KeyPath, node: Any, entry: Entry) -> str:
@@ -176,10 +187,21 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
         out[entry.key] = new_child
         return out
     if isinstance(tree, tuple):
-        return tuple(new_child if i == entry.key else v for i, v in enumerate(tree))
-    out = dict(tree)
-    out[entry.key] = new_child
-    return type(tree)(out) if not isinstance(tree, dict) or type(tree) is not dict else out
+        index = entry.key % len(tree)  # [-1] addresses the last element
+        return tuple(new_child if i == index else v for i, v in enumerate(tree))
+    if isinstance(tree, Mapping):
+        out = dict(tree)
+        out[entry.key] = new_child
+        return out if type(tree) is dict else type(tree)(out)
+    return _set_generic_child(tree, entry, new_child)
+
+
+def _set_generic_child(tree: Any, entry: Entry, new_child: Any) -> Any:
+    """Replace one child of any other registered pytree node, through its flatten."""
+    kids, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
+    position = [e for e, _ in children(tree)].index(entry)
+    kids[position] = new_child
+    return jax.tree_util.tree_unflatten(treedef, kids)
 
 
 def children(node: Any) -> list[tuple[Entry, Any]]:
@@ -245,16 +267,7 @@ def _type_filter(to: Any) -> Any:
     """A predicate for ``to=``: a Python class (isinstance) or a dtype (leaf dtype)."""
     if to is None:
         return lambda v: True
-    dtype = None
-    if isinstance(to, np.dtype):
-        dtype = to
-    elif isinstance(to, type) and issubclass(to, np.generic):
-        dtype = np.dtype(to)
-    elif not isinstance(to, type) or (hasattr(to, "dtype") and not issubclass(to, (Module, jax.Array))):
-        try:
-            dtype = np.dtype(to)
-        except TypeError:
-            dtype = None
+    dtype = _as_dtype(to)
     if dtype is not None:
         def has_dtype(v: Any) -> bool:
             if isinstance(v, float):
@@ -264,13 +277,31 @@ def _type_filter(to: Any) -> Any:
     return lambda v: isinstance(v, to)
 
 
+def _as_dtype(to: Any) -> np.dtype | None:
+    """The dtype ``to`` names (``jnp.float32``, ``np.float32``, ``"bfloat16"``), else None."""
+    if isinstance(to, np.dtype):
+        return to
+    if isinstance(to, type) and issubclass(to, np.generic):
+        return np.dtype(to)
+    if isinstance(getattr(to, "dtype", None), np.dtype):  # jnp.float32 and friends
+        return np.dtype(to.dtype)
+    if isinstance(to, str):
+        try:
+            return np.dtype(jnp.dtype(to))
+        except TypeError:
+            return None
+    if not isinstance(to, (type, tuple, types.UnionType)):
+        raise TypeError(BAD_TO.format(to=to, type=type(to).__name__))
+    return None
+
+
 def all_key_paths(x: Any) -> list[KeyPath]:
     """Key paths to the direct children of ``x`` in declaration order, static fields included.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.all_key_paths({"w": jnp.ones(2), "b": 1.0})
-      [KeyPath('['w']'), KeyPath('['b']')]
+      [KeyPath("['w']"), KeyPath("['b']")]
     """
     return [KeyPath((e,)) for e, _ in children(x)]
 

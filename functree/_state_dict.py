@@ -13,6 +13,10 @@ from functree._parameters import _jax_path_name
 
 __all__ = ["to_flat_dict", "from_flat_dict", "FlatDictReport"]
 
+DUPLICATE_NAME = """\
+ft.to_flat_dict: two leaves share the dotted name {name!r} ({first} and {second}); a dict key \
+containing "." collides with a nested path. Rename the key, e.g. {fixed!r}."""
+
 FLAT_DICT_MISMATCH = """\
 ft.from_flat_dict: the flat dict does not fit the template.
 {report}
@@ -38,7 +42,26 @@ def to_flat_dict(tree: Any) -> dict[str, Any]:
       {'b': 0.5, 'layers.0.w': Array([1., 1.], dtype=float32)}
     """
     path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {_jax_path_name(p): leaf for p, leaf in path_leaves}
+    flat = {_jax_path_name(p): leaf for p, leaf in path_leaves}
+    if len(flat) != len(path_leaves):
+        _raise_duplicate(path_leaves)
+    return flat
+
+
+def _raise_duplicate(path_leaves: list[tuple[Any, Any]]) -> None:
+    seen: dict[str, Any] = {}
+    for path, _ in path_leaves:
+        name = _jax_path_name(path)
+        if name in seen:
+            raise ValueError(
+                DUPLICATE_NAME.format(
+                    name=name,
+                    first=jax.tree_util.keystr(seen[name]),
+                    second=jax.tree_util.keystr(path),
+                    fixed=name.replace(".", "_"),
+                )
+            )
+        seen[name] = path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +125,16 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
 
 
 def _python_scalar_fits(old: Any, new: Any) -> bool:
-    """A Python float leaf (Swift's ``bias: Float``) accepts a float scalar array."""
-    return isinstance(old, float) and np.shape(new) == () and "float" in str(getattr(new, "dtype", "float"))
+    """A Python scalar leaf (Swift's ``bias: Float``) accepts a scalar array of its kind.
+
+    Checkpoints store Python floats, ints and bools as 0-d arrays (float32, int32, bool).
+    """
+    if not isinstance(old, (bool, int, float)) or np.shape(new) != ():
+        return False
+    kind = np.dtype(getattr(new, "dtype", type(new))).kind
+    if isinstance(old, bool):
+        return kind == "b"
+    return kind in ("i", "u") if isinstance(old, int) else kind == "f"
 
 
 def _fmt(spec: tuple[tuple[int, ...], str]) -> str:

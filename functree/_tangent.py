@@ -91,8 +91,17 @@ def tangent_subtract(a: Any, b: Any) -> Any:
 
 
 def tangent_scale(a: Any, scale: Any) -> Any:
-    """``scale * a`` at every leaf, keeping each leaf's dtype."""
-    return jax.tree.map(lambda t: (t * scale).astype(jnp.result_type(t)), a)
+    """``scale * a`` at every leaf, keeping each leaf's dtype.
+
+    ``scale`` may be a Python number or a scalar array of any float dtype (a learning rate
+    held as a float32 array scales bfloat16 leaves without a promotion error).
+    """
+
+    def scaled(t: Any) -> Any:
+        dtype = jnp.result_type(t)
+        return (t * jax.lax.convert_element_type(scale, dtype)).astype(dtype)
+
+    return jax.tree.map(scaled, a)
 
 
 def _accumulation_dtype(leaves: list[Any]) -> Any:

@@ -1,3 +1,45 @@
-"""functree.losses."""
+"""Losses with swift-apis' names and ``(predicted, expected)`` argument order.
 
-__all__: list[str] = []
+Every loss takes ``reduction="mean" | "sum" | "none"`` and checks its inputs: shapes that
+would silently broadcast, and float labels where class indices are needed, are errors.
+"""
+
+from functree.losses._classification import (
+    categorical_hinge,
+    hinge,
+    kl_divergence,
+    sigmoid_cross_entropy,
+    softmax_cross_entropy,
+    squared_hinge,
+)
+from functree.losses._reduction import REDUCTIONS
+from functree.losses._regression import (
+    huber,
+    l1,
+    l2,
+    log_cosh,
+    mean_absolute_error,
+    mean_absolute_percentage_error,
+    mean_squared_error,
+    mean_squared_logarithmic_error,
+    poisson,
+)
+
+__all__ = [
+    "mean_squared_error",
+    "mean_absolute_error",
+    "l1",
+    "l2",
+    "huber",
+    "softmax_cross_entropy",
+    "sigmoid_cross_entropy",
+    "kl_divergence",
+    "mean_squared_logarithmic_error",
+    "mean_absolute_percentage_error",
+    "log_cosh",
+    "poisson",
+    "hinge",
+    "squared_hinge",
+    "categorical_hinge",
+    "REDUCTIONS",
+]

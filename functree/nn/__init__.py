@@ -1,5 +1,115 @@
-"""Layers: every layer is a :class:`functree.Module`."""
+"""Layers: every layer is a :class:`functree.Module` (and a :class:`functree.nn.Layer`).
 
+Training vs inference is a static flag switched for a whole model with
+``ft.nn.training(model)`` / ``ft.nn.inference(model)`` (inference is the default);
+layer state such as BatchNorm's running statistics travels explicitly through
+``ft.nn.collect_state`` and ``ft.nn.apply_state``.
+"""
+
+from functree.nn import initializers
+from functree.nn._activations import (
+    celu,
+    elu,
+    gelu,
+    glu,
+    hard_sigmoid,
+    hard_swish,
+    hard_tanh,
+    leaky_relu,
+    log_sigmoid,
+    log_softmax,
+    mish,
+    relu,
+    relu6,
+    selu,
+    sigmoid,
+    silu,
+    softmax,
+    softplus,
+    swish,
+    tanh,
+)
+from functree.nn._attention import MultiheadAttention
+from functree.nn._check import LayerInputError
+from functree.nn._conv import Conv1D, Conv1DTranspose, Conv2D, Conv2DTranspose
+from functree.nn._dropout import Dropout
+from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense, identity
+from functree.nn._mode import Layer, inference, inferring, is_training, training
+from functree.nn._normalization import BatchNorm, LayerNorm
+from functree.nn._pooling import (
+    AvgPool1D,
+    AvgPool2D,
+    Flatten,
+    GlobalAvgPool1D,
+    GlobalAvgPool2D,
+    GlobalMaxPool1D,
+    GlobalMaxPool2D,
+    MaxPool1D,
+    MaxPool2D,
+)
+from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState
+from functree.nn._sequential import Lambda, Sequential
+from functree.nn._state import apply_state, collect_state, record_state
 
-__all__ = ["Dense", "identity"]
+__all__ = [
+    # base, modes and state
+    "Layer",
+    "LayerInputError",
+    "training",
+    "inference",
+    "inferring",
+    "is_training",
+    "record_state",
+    "collect_state",
+    "apply_state",
+    # layers
+    "Dense",
+    "Sequential",
+    "Lambda",
+    "Conv1D",
+    "Conv2D",
+    "Conv1DTranspose",
+    "Conv2DTranspose",
+    "MaxPool1D",
+    "MaxPool2D",
+    "AvgPool1D",
+    "AvgPool2D",
+    "GlobalMaxPool1D",
+    "GlobalMaxPool2D",
+    "GlobalAvgPool1D",
+    "GlobalAvgPool2D",
+    "Flatten",
+    "Dropout",
+    "LayerNorm",
+    "BatchNorm",
+    "Embedding",
+    "GRUCell",
+    "LSTMCell",
+    "LSTMState",
+    "RNN",
+    "MultiheadAttention",
+    # activations and initializers
+    "identity",
+    "relu",
+    "relu6",
+    "leaky_relu",
+    "elu",
+    "celu",
+    "selu",
+    "gelu",
+    "glu",
+    "sigmoid",
+    "log_sigmoid",
+    "hard_sigmoid",
+    "hard_swish",
+    "hard_tanh",
+    "silu",
+    "swish",
+    "mish",
+    "softplus",
+    "softmax",
+    "log_softmax",
+    "tanh",
+    "initializers",
+]

@@ -8,20 +8,32 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._module import Module, field
+from functree._module import field
+from functree.nn._check import check_input
+from functree.nn._mode import Layer
 
 __all__ = ["Dense", "identity"]
 
+Initializer = Callable[..., jax.Array]
+glorot_uniform = jax.nn.initializers.glorot_uniform()
+
 
 def identity(x: Any) -> Any:
-    """The identity activation (swift-apis' default)."""
+    """The identity activation (swift-apis' default).
+
+    Example:
+      >>> import functree as ft
+      >>> ft.nn.identity(3.0)
+      3.0
+    """
     return x
 
 
-class Dense(Module):
+class Dense(Layer):
     """``y = activation(x @ weight + bias)``: a fully connected layer (swift-apis' ``Dense``).
 
-    Weights are glorot-uniform, biases zero. ``activation`` is static configuration.
+    ``weight`` is ``[input_size, output_size]``, glorot-uniform by default; ``bias`` is zero.
+    ``activation`` is static configuration. Inputs are ``[..., input_size]``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -45,12 +57,16 @@ class Dense(Module):
         *,
         key: jax.Array,
         dtype: Any = jnp.float32,
+        weight_initializer: Initializer = glorot_uniform,
+        bias_initializer: Initializer = jax.nn.initializers.zeros,
     ):
-        self.weight = jax.nn.initializers.glorot_uniform()(key, (input_size, output_size), dtype)
-        self.bias = jnp.zeros((output_size,), dtype) if use_bias else None
+        self.weight = weight_initializer(key, (input_size, output_size), dtype)
+        bias_key = jax.random.fold_in(key, 1)
+        self.bias = bias_initializer(bias_key, (output_size,), dtype) if use_bias else None
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        check_input(self, x, (self.weight.shape[0],))
         y = x @ self.weight
         if self.bias is not None:
             y = y + self.bias

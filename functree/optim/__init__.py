@@ -1,3 +1,126 @@
-"""functree.optim."""
+"""functree.optim: optimizers as optax transformations, with a learning context.
 
-__all__: list[str] = []
+Every optimizer here is an optax ``GradientTransformation`` (and every optax
+transformation works wherever a functree optimizer does). The state carries a
+:class:`LearningContext` (step, sweep, samples seen, minibatch size, loss) and the
+hyperparameters as arrays, so schedules read the context and changing a learning rate
+never recompiles a jitted step::
+
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
+    state = opt.init(model)
+    model, state, loss = opt.minimize(loss_fn, model, state, x, y)
+"""
+
+from functree.optim._aliases import (
+    DEFAULT_NO_DECAY,
+    adadelta,
+    adagrad,
+    adam,
+    adamax,
+    adamw,
+    amsgrad,
+    lion,
+    moments,
+    radam,
+    rmsprop,
+    sgd,
+)
+from functree.optim._context import LearningContext, context, initial_context, next_sweep
+from functree.optim._groups import groups
+from functree.optim._hyper import (
+    HyperState,
+    Rate,
+    hyperparameters,
+    inject,
+    per_minibatch,
+    per_samples,
+    set_hyperparameters,
+)
+from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState, all_finite
+from functree.optim._optimizer import ContextState, Optimizer, OptimizerWrapper, with_context
+from functree.optim._schedules import (
+    constant,
+    cosine_decay,
+    exponential_decay,
+    inverse_time_decay,
+    linear_warmup,
+    piecewise,
+    schedule,
+    warmup_cosine_decay,
+)
+from functree.optim._transforms import (
+    add_gradient_noise,
+    add_parameter_noise,
+    clip,
+    clip_by_global_norm,
+    clip_by_norm,
+    clip_per_sample,
+    freeze,
+    l1_regularization,
+    l2_regularization,
+    per_example_clipping,
+    reduce_on_plateau,
+    skip_non_finite,
+    weight_decay,
+)
+
+__all__ = [
+    # optimizers
+    "sgd",
+    "rmsprop",
+    "adagrad",
+    "adadelta",
+    "adam",
+    "adamw",
+    "adamax",
+    "amsgrad",
+    "radam",
+    "lion",
+    "moments",
+    "DEFAULT_NO_DECAY",
+    # Optimizer and hooks
+    "Optimizer",
+    "OptimizerWrapper",
+    "with_context",
+    "ContextState",
+    "LossScaleOptimizer",
+    "LossScaleState",
+    "all_finite",
+    # gradient transformations and groups
+    "clip",
+    "clip_by_norm",
+    "clip_by_global_norm",
+    "clip_per_sample",
+    "per_example_clipping",
+    "l1_regularization",
+    "l2_regularization",
+    "weight_decay",
+    "add_parameter_noise",
+    "add_gradient_noise",
+    "skip_non_finite",
+    "freeze",
+    "reduce_on_plateau",
+    "groups",
+    # learning context
+    "LearningContext",
+    "context",
+    "next_sweep",
+    "initial_context",
+    # hyperparameters and rate units
+    "hyperparameters",
+    "set_hyperparameters",
+    "inject",
+    "HyperState",
+    "Rate",
+    "per_minibatch",
+    "per_samples",
+    # schedules
+    "schedule",
+    "constant",
+    "piecewise",
+    "exponential_decay",
+    "cosine_decay",
+    "linear_warmup",
+    "warmup_cosine_decay",
+    "inverse_time_decay",
+]

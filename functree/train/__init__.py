@@ -1,3 +1,50 @@
-"""functree.train."""
+"""functree.train: the training step, the Trainer, data, metrics and checkpoints."""
 
-__all__: list[str] = []
+from functree.train._callbacks import (
+    Callback,
+    EarlyStopping,
+    HistoryLogger,
+    ModelCheckpoint,
+    ReduceLROnPlateau,
+    TrainingContext,
+)
+from functree.train._checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointManager,
+    load,
+    save,
+)
+from functree.train._data import Batches, DataContext, batches, to_arrays
+from functree.train._history import History
+from functree.train._metrics import StepOutput, accuracy, mean
+from functree.train._step import EvalStep, TrainStep, eval_step, train_step
+from functree.train._trainer import NonFiniteError, Trainer
+
+__all__ = [
+    "Trainer",
+    "NonFiniteError",
+    "History",
+    "TrainingContext",
+    "Callback",
+    "EarlyStopping",
+    "ReduceLROnPlateau",
+    "ModelCheckpoint",
+    "HistoryLogger",
+    "train_step",
+    "eval_step",
+    "TrainStep",
+    "EvalStep",
+    "StepOutput",
+    "accuracy",
+    "mean",
+    "batches",
+    "Batches",
+    "DataContext",
+    "to_arrays",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
+    "load",
+    "save",
+]

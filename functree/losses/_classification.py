@@ -1,0 +1,147 @@
+"""Classification and divergence losses, ``(predicted, expected)`` as in swift-apis.
+
+``reduction="none"`` returns one value per example (the class axis is the last one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functree._display import short_array
+from functree.losses._reduction import check_float, check_same_shape, reduce
+
+__all__ = [
+    "softmax_cross_entropy",
+    "sigmoid_cross_entropy",
+    "kl_divergence",
+    "hinge",
+    "squared_hinge",
+    "categorical_hinge",
+]
+
+FLOAT_LABELS = """\
+softmax_cross_entropy: labels {given} have the shape of class indices {index_shape} but a \
+floating dtype. Class indices must be integers; probabilities must have the logits' shape \
+{prob_shape}.
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels)            # labels float
+    right:  ft.losses.softmax_cross_entropy(logits, labels.astype(jnp.int32))
+       or:  ft.losses.softmax_cross_entropy(logits, jax.nn.one_hot(labels, {classes}))
+"""
+
+LABEL_SHAPE = """\
+softmax_cross_entropy: for logits {logits}, expected integer labels of shape {index_shape} \
+or probabilities of shape {prob_shape}, got {given}.
+
+    right:  ft.losses.softmax_cross_entropy(logits, labels.reshape({index_shape}))
+"""
+
+
+def softmax_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") -> jax.Array:
+    """``-sum_c labels[c] * log_softmax(logits)[c]`` per example, averaged over examples.
+
+    ``labels`` are integer class indices ``[...]`` (``optax.softmax_cross_entropy_with_integer_labels``)
+    or probabilities with the logits' shape ``[..., classes]`` (``optax.softmax_cross_entropy``).
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> logits = jnp.array([[2.0, 0.0], [0.0, 2.0]])
+      >>> ft.losses.softmax_cross_entropy(logits, jnp.array([0, 1]))
+      Array(0.12692..., dtype=float32)
+      >>> ft.losses.softmax_cross_entropy(logits, jax.nn.one_hot(jnp.array([0, 1]), 2))
+      Array(0.12692..., dtype=float32)
+    """
+    name = "softmax_cross_entropy"
+    logits = check_float(name, "logits", logits)
+    labels = jnp.asarray(labels)
+    index_shape, prob_shape = list(logits.shape[:-1]), list(logits.shape)
+    if labels.shape == logits.shape[:-1]:
+        if not jnp.issubdtype(labels.dtype, jnp.integer):
+            raise TypeError(
+                FLOAT_LABELS.format(
+                    given=short_array(labels), index_shape=index_shape, prob_shape=prob_shape,
+                    classes=logits.shape[-1],
+                )
+            )
+        values = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    elif labels.shape == logits.shape:
+        values = optax.softmax_cross_entropy(logits, labels.astype(logits.dtype))
+    else:
+        raise ValueError(
+            LABEL_SHAPE.format(
+                logits=short_array(logits), index_shape=index_shape, prob_shape=prob_shape,
+                given=short_array(labels),
+            )
+        )
+    return reduce(name, values, reduction)
+
+
+def sigmoid_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") -> jax.Array:
+    """``-(labels * log(sigmoid(logits)) + (1 - labels) * log(1 - sigmoid(logits)))``,
+    elementwise (``optax.sigmoid_binary_cross_entropy``); ``labels`` in [0, 1], same shape.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.sigmoid_cross_entropy(jnp.array([0.0, 0.0]), jnp.array([0.0, 1.0]))
+      Array(0.6931472, dtype=float32)
+    """
+    logits, labels = check_same_shape("sigmoid_cross_entropy", logits, labels)
+    return reduce("sigmoid_cross_entropy", optax.sigmoid_binary_cross_entropy(logits, labels), reduction)
+
+
+def kl_divergence(predicted: Any, expected: Any, *, reduction: str = "sum") -> jax.Array:
+    """``KL(expected || predicted) = sum expected * log(expected / predicted)`` over the last
+    axis, for probabilities (swift-apis' ``kullbackLeiblerDivergence``; ``optax.kl_divergence``).
+    Terms with ``expected == 0`` are zero.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.kl_divergence(jnp.array([0.5, 0.5]), jnp.array([1.0, 0.0]))
+      Array(0.6931472, dtype=float32)
+    """
+    predicted, expected = check_same_shape("kl_divergence", predicted, expected)
+    values = optax.kl_divergence(jnp.log(predicted), expected)
+    return reduce("kl_divergence", values, reduction)
+
+
+def hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``mean(max(0, 1 - expected * predicted))`` for labels in {-1, 1}, elementwise.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.hinge(jnp.array([0.5, -2.0]), jnp.array([1.0, -1.0]))
+      Array(0.25, dtype=float32)
+    """
+    predicted, expected = check_same_shape("hinge", predicted, expected)
+    return reduce("hinge", jax.nn.relu(1 - expected * predicted), reduction)
+
+
+def squared_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``mean(max(0, 1 - expected * predicted)^2)`` for labels in {-1, 1}, elementwise.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.squared_hinge(jnp.array([0.5, -2.0]), jnp.array([1.0, -1.0]))
+      Array(0.125, dtype=float32)
+    """
+    predicted, expected = check_same_shape("squared_hinge", predicted, expected)
+    return reduce("squared_hinge", jnp.square(jax.nn.relu(1 - expected * predicted)), reduction)
+
+
+def categorical_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``max(0, 1 + max_c((1 - expected) * predicted) - sum_c(expected * predicted))`` per
+    example, for one-hot ``expected`` over the last axis.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.categorical_hinge(jnp.array([[2.0, 0.5]]), jnp.array([[1.0, 0.0]]))
+      Array(0., dtype=float32)
+    """
+    predicted, expected = check_same_shape("categorical_hinge", predicted, expected)
+    positive = jnp.sum(expected * predicted, axis=-1)
+    negative = jnp.max((1 - expected) * predicted, axis=-1)
+    return reduce("categorical_hinge", jax.nn.relu(1 + negative - positive), reduction)

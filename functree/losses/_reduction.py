@@ -1,0 +1,81 @@
+"""Reductions and input checks shared by the losses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from functree._display import short_array
+
+__all__ = ["reduce", "check_same_shape", "check_float", "REDUCTIONS"]
+
+REDUCTIONS = ("mean", "sum", "none")
+
+BAD_REDUCTION = """\
+{loss}: reduction must be one of {choices}, got {given!r}.
+
+    wrong:  ft.losses.{loss}(predicted, expected, reduction={given!r})
+    right:  ft.losses.{loss}(predicted, expected, reduction="mean")
+"""
+
+SHAPE_MISMATCH = """\
+{loss}: predicted and expected must have the same shape; expected {expected_shape}, got \
+predicted {given}. Broadcasting them would silently compare every prediction with every \
+target. Reshape one of them:
+
+    wrong:  ft.losses.{loss}(model(x), y)               # e.g. f32[32,1] vs f32[32]
+    right:  ft.losses.{loss}(model(x).reshape(y.shape), y)
+"""
+
+NOT_FLOAT = """\
+{loss}: {what} must be a floating array, got {given}.
+
+    wrong:  ft.losses.{loss}({example})
+    right:  ft.losses.{loss}({fixed})
+"""
+
+
+def _describe(x: Any) -> str:
+    return short_array(x) if hasattr(x, "dtype") else f"{type(x).__name__} {jnp.shape(x)}"
+
+
+def check_float(loss: str, what: str, x: Any) -> jax.Array:
+    """``x`` as an array, or a clear error if it is not floating."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise TypeError(
+            NOT_FLOAT.format(
+                loss=loss, what=what, given=_describe(x),
+                example=f"{what}, ..." if what == "predicted" else f"..., {what}",
+                fixed=f"{what}.astype(jnp.float32), ..." if what == "predicted" else f"..., {what}.astype(jnp.float32)",
+            )
+        )
+    return x
+
+
+def check_same_shape(loss: str, predicted: Any, expected: Any) -> tuple[jax.Array, jax.Array]:
+    """Both as arrays of ``predicted``'s floating dtype, or an error naming both shapes."""
+    predicted = check_float(loss, "predicted", predicted)
+    expected = jnp.asarray(expected)
+    if predicted.shape != expected.shape:
+        raise ValueError(
+            SHAPE_MISMATCH.format(
+                loss=loss,
+                expected_shape=f"{_describe(expected)} ({list(expected.shape)})",
+                given=_describe(predicted),
+            )
+        )
+    return predicted, expected.astype(predicted.dtype)
+
+
+def reduce(loss: str, values: jax.Array, reduction: str) -> jax.Array:
+    """``mean``, ``sum`` or ``none`` (the values unreduced)."""
+    if reduction == "mean":
+        return jnp.mean(values)
+    if reduction == "sum":
+        return jnp.sum(values)
+    if reduction == "none":
+        return values
+    raise ValueError(BAD_REDUCTION.format(loss=loss, choices=list(REDUCTIONS), given=reduction))

@@ -1,0 +1,139 @@
+"""Regression losses with swift-apis' names, argument order ``(predicted, expected)`` and
+default reductions (``mean`` for the *mean_* losses, ``sum`` for ``l1``, ``l2``, ``huber``).
+``reduction="none"`` returns the elementwise values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functree.losses._reduction import check_same_shape, reduce
+
+__all__ = [
+    "mean_squared_error",
+    "mean_absolute_error",
+    "mean_squared_logarithmic_error",
+    "mean_absolute_percentage_error",
+    "l1",
+    "l2",
+    "huber",
+    "log_cosh",
+    "poisson",
+]
+
+
+def mean_squared_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``mean((predicted - expected)^2)``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.mean_squared_error(jnp.array([1.0, 2.0]), jnp.array([0.0, 4.0]))
+      Array(2.5, dtype=float32)
+    """
+    predicted, expected = check_same_shape("mean_squared_error", predicted, expected)
+    return reduce("mean_squared_error", optax.squared_error(predicted, expected), reduction)
+
+
+def mean_absolute_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``mean(|predicted - expected|)``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.mean_absolute_error(jnp.array([1.0, 2.0]), jnp.array([0.0, 4.0]))
+      Array(1.5, dtype=float32)
+    """
+    predicted, expected = check_same_shape("mean_absolute_error", predicted, expected)
+    return reduce("mean_absolute_error", jnp.abs(predicted - expected), reduction)
+
+
+def l1(predicted: Any, expected: Any, *, reduction: str = "sum") -> jax.Array:
+    """``sum(|predicted - expected|)`` (swift-apis' ``l1Loss``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.l1(jnp.array([1.0, 2.0]), jnp.array([0.0, 4.0]))
+      Array(3., dtype=float32)
+    """
+    predicted, expected = check_same_shape("l1", predicted, expected)
+    return reduce("l1", jnp.abs(predicted - expected), reduction)
+
+
+def l2(predicted: Any, expected: Any, *, reduction: str = "sum") -> jax.Array:
+    """``sum((predicted - expected)^2)`` (swift-apis' ``l2Loss``; no factor 1/2, unlike
+    ``optax.l2_loss``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.l2(jnp.array([1.0, 2.0]), jnp.array([0.0, 4.0]))
+      Array(5., dtype=float32)
+    """
+    predicted, expected = check_same_shape("l2", predicted, expected)
+    return reduce("l2", optax.squared_error(predicted, expected), reduction)
+
+
+def huber(predicted: Any, expected: Any, *, delta: float = 1.0, reduction: str = "sum") -> jax.Array:
+    """Huber loss: with ``e = |predicted - expected|``, ``e^2 / 2`` if ``e <= delta`` else
+    ``delta * (e - delta / 2)``, summed (swift-apis' ``huberLoss``; ``optax.huber_loss``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.huber(jnp.array([0.5, 3.0]), jnp.array([0.0, 0.0]))
+      Array(2.625, dtype=float32)
+    """
+    predicted, expected = check_same_shape("huber", predicted, expected)
+    return reduce("huber", optax.huber_loss(predicted, expected, delta=delta), reduction)
+
+
+def mean_squared_logarithmic_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``mean((log(1 + max(predicted, 0)) - log(1 + max(expected, 0)))^2)``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.mean_squared_logarithmic_error(jnp.array([0.0, 3.0]), jnp.array([0.0, 0.0]))
+      Array(0.96090..., dtype=float32)
+    """
+    predicted, expected = check_same_shape("mean_squared_logarithmic_error", predicted, expected)
+    diff = jnp.log1p(jnp.maximum(predicted, 0)) - jnp.log1p(jnp.maximum(expected, 0))
+    return reduce("mean_squared_logarithmic_error", jnp.square(diff), reduction)
+
+
+def mean_absolute_percentage_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``100 * mean(|(expected - predicted) / expected|)`` (``|expected|`` floored at machine epsilon).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.mean_absolute_percentage_error(jnp.array([1.5, 1.0]), jnp.array([1.0, 2.0]))
+      Array(50., dtype=float32)
+    """
+    predicted, expected = check_same_shape("mean_absolute_percentage_error", predicted, expected)
+    eps = jnp.finfo(predicted.dtype).eps
+    values = 100 * jnp.abs((expected - predicted) / jnp.maximum(jnp.abs(expected), eps))
+    return reduce("mean_absolute_percentage_error", values, reduction)
+
+
+def log_cosh(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``mean(log(cosh(predicted - expected)))``, computed stably (``optax.log_cosh``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.log_cosh(jnp.array([0.0, 1.0]), jnp.array([0.0, 0.0]))
+      Array(0.21689..., dtype=float32)
+    """
+    predicted, expected = check_same_shape("log_cosh", predicted, expected)
+    return reduce("log_cosh", optax.log_cosh(predicted, expected), reduction)
+
+
+def poisson(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``mean(predicted - expected * log(predicted))`` for positive rates ``predicted``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.poisson(jnp.array([1.0, 2.0]), jnp.array([1.0, 0.0]))
+      Array(1.5, dtype=float32)
+    """
+    predicted, expected = check_same_shape("poisson", predicted, expected)
+    return reduce("poisson", predicted - jax.scipy.special.xlogy(expected, predicted), reduction)

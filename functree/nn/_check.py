@@ -1,0 +1,88 @@
+"""Trace-time checks of layer inputs, with errors that name the layer and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from functree._display import short_array
+
+__all__ = ["LayerInputError", "check_input"]
+
+WRONG_INPUT = """\
+{layer}{where} expects inputs {expected}, got {given}.
+{fix}"""
+
+FIX_FLOAT = "Pass a floating array, e.g. layer(x.astype(jnp.float32))."
+FIX_INT = "Pass integer indices, e.g. layer(tokens.astype(jnp.int32))."
+FIX_SHAPE = "Pass a batch whose last axes are {pattern}, or build the layer for the size you have ({given_last})."
+
+
+class LayerInputError(ValueError):
+    """A batch with the wrong shape or dtype for a layer (raised at trace time).
+
+    ``path`` is the layer's key path inside the model when known (``Sequential`` and
+    ``ft.nn.collect_state`` fill it in as the error travels out).
+    """
+
+    def __init__(
+        self, layer: Any, expected: str, given: str, fix: str, path: Any = None
+    ) -> None:
+        self.layer, self.expected, self.given, self.fix, self.path = (
+            layer, expected, given, fix, path
+        )
+        where = "" if path is None else f" at {path}"
+        super().__init__(
+            WRONG_INPUT.format(
+                layer=type(layer).__name__, where=where, expected=expected, given=given, fix=fix
+            )
+        )
+
+    def at(self, path: Any) -> LayerInputError:
+        """The same error with the layer's key path set to ``path``."""
+        return LayerInputError(self.layer, self.expected, self.given, self.fix, path)
+
+    def under(self, prefix: Any) -> LayerInputError:
+        """The same error with ``prefix`` prepended to the key path."""
+        from functree._paths import KeyPath
+
+        return self.at(KeyPath(prefix) + (self.path or KeyPath()))
+
+
+def _pattern(trailing: Sequence[int | str | None], leading: str) -> str:
+    dims = [str(d) if d is not None else "_" for d in trailing]
+    return "[" + ", ".join(([leading] if leading else []) + dims) + "]"
+
+
+def check_input(
+    layer: Any,
+    x: Any,
+    trailing: Sequence[int | str | None],
+    *,
+    kind: str = "float",
+    leading: str = "...",
+    min_rank: int | None = None,
+) -> None:
+    """Raise :class:`LayerInputError` unless ``x`` is ``[..., *trailing]`` of dtype ``kind``.
+
+    ``trailing`` entries are sizes, or a name/None for any size. ``kind`` is ``"float"``
+    (inexact dtypes) or ``"int"`` (integer dtypes).
+    """
+    shape = jnp.shape(x)
+    dtype = getattr(x, "dtype", None)
+    dtype = jnp.result_type(x) if dtype is None else dtype
+    expected = f"{_pattern(trailing, leading)} ({kind})"
+    given = short_array(x) if hasattr(x, "shape") else f"{type(x).__name__} {shape}"
+    need = len(trailing) if min_rank is None else max(min_rank, len(trailing))
+    ok_kind = jnp.issubdtype(dtype, jnp.inexact if kind == "float" else jnp.integer)
+    if not ok_kind:
+        raise LayerInputError(layer, expected, given, FIX_FLOAT if kind == "float" else FIX_INT)
+    ok_shape = len(shape) >= need and all(
+        not isinstance(d, int) or d == s for d, s in zip(trailing, shape[len(shape) - len(trailing):])
+    )
+    if not ok_shape:
+        given_last = f"last axis {shape[-1]}" if shape else "a scalar"
+        fix = FIX_SHAPE.format(pattern=_pattern(trailing, ""), given_last=given_last)
+        raise LayerInputError(layer, expected, given, fix)

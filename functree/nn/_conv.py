@@ -1,0 +1,207 @@
+"""Convolutions over channels-last inputs: ``Conv1D``, ``Conv2D`` and their transposes.
+
+Inputs are ``[..., *spatial, in_channels]`` (swift-apis' NWC / NHWC) with any number of
+leading batch axes (none included); filters are ``[*kernel_size, in_channels // groups,
+out_channels]`` (WIO / HWIO), glorot-uniform, biases zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from functree._module import field
+from functree.nn._check import check_input
+from functree.nn._linear import Initializer, glorot_uniform, identity
+from functree.nn._mode import Layer
+
+__all__ = ["Conv1D", "Conv2D", "Conv1DTranspose", "Conv2DTranspose"]
+
+BAD_GROUPS = """\
+{cls}: in_channels ({cin}) and out_channels ({cout}) must be divisible by groups ({groups}).
+
+    wrong:  {cls}(3, 8, 3, groups=2, key=k)
+    right:  {cls}(4, 8, 3, groups=2, key=k)
+"""
+
+TRANSPOSE_GROUPS = """\
+{cls} does not support groups (lax.conv_transpose has no feature groups).
+
+    wrong:  {cls}(4, 8, 3, groups=2, key=k)
+    right:  {cls}(4, 8, 3, key=k)
+"""
+
+Padding = str | int | Sequence[int] | Sequence[tuple[int, int]]
+
+_SPEC = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
+
+
+def _tuple(value: int | Sequence[int], n: int) -> tuple[int, ...]:
+    return (value,) * n if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def _padding(padding: Padding, n: int) -> str | tuple[tuple[int, int], ...]:
+    if isinstance(padding, str):
+        return padding.upper()
+    if isinstance(padding, int):
+        return ((padding, padding),) * n
+    return tuple((p, p) if isinstance(p, int) else (int(p[0]), int(p[1])) for p in padding)
+
+
+class _Conv(Layer):
+    weight: jax.Array
+    bias: jax.Array | None
+    strides: tuple[int, ...] = field(static=True, default=(1,))
+    padding: Any = field(static=True, default="SAME")
+    dilation: tuple[int, ...] = field(static=True, default=(1,))
+    groups: int = field(static=True, default=1)
+    activation: Callable[[Any], Any] = field(static=True, default=identity)
+
+    _rank: ClassVar[int] = 1
+    _transpose: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        strides: int | Sequence[int] = 1,
+        padding: Padding = "SAME",
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        activation: Callable[[Any], Any] = identity,
+        use_bias: bool = True,
+        *,
+        key: jax.Array,
+        dtype: Any = jnp.float32,
+        weight_initializer: Initializer = glorot_uniform,
+        bias_initializer: Initializer = jax.nn.initializers.zeros,
+    ):
+        n = self._rank
+        if self._transpose and groups != 1:
+            raise ValueError(TRANSPOSE_GROUPS.format(cls=type(self).__name__))
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(
+                BAD_GROUPS.format(cls=type(self).__name__, cin=in_channels, cout=out_channels, groups=groups)
+            )
+        shape = (*_tuple(kernel_size, n), in_channels // groups, out_channels)
+        self.weight = weight_initializer(key, shape, dtype)
+        bias_key = jax.random.fold_in(key, 1)
+        self.bias = bias_initializer(bias_key, (out_channels,), dtype) if use_bias else None
+        self.strides = _tuple(strides, n)
+        self.padding = _padding(padding, n)
+        self.dilation = _tuple(dilation, n)
+        self.groups = groups
+        self.activation = activation
+
+    @property
+    def in_channels(self) -> int:
+        return self.weight.shape[-2] * self.groups
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n = self._rank
+        spatial = ("length",) if n == 1 else ("height", "width")
+        check_input(self, x, (*spatial, self.in_channels), leading="...")
+        batch = x.shape[: x.ndim - n - 1]
+        flat = x.reshape((-1, *x.shape[x.ndim - n - 1:]))
+        y = self._convolve(flat)
+        if self.bias is not None:
+            y = y + self.bias
+        return self.activation(y.reshape((*batch, *y.shape[1:])))
+
+    def _convolve(self, x: jax.Array) -> jax.Array:
+        return jax.lax.conv_general_dilated(
+            x,
+            self.weight,
+            window_strides=self.strides,
+            padding=self.padding,
+            rhs_dilation=self.dilation,
+            dimension_numbers=_SPEC[self._rank],
+            feature_group_count=self.groups,
+        )
+
+
+class _ConvTranspose(_Conv):
+    _transpose: ClassVar[bool] = True
+
+    def _convolve(self, x: jax.Array) -> jax.Array:
+        # Flipped so that y[i*stride + k] += x[i] @ weight[k] (the adjoint of Conv, as in
+        # Keras and PyTorch); lax.conv_transpose without transpose_kernel flips it back.
+        return jax.lax.conv_transpose(
+            x,
+            jnp.flip(self.weight, axis=tuple(range(self._rank))),
+            strides=self.strides,
+            padding=self.padding,
+            rhs_dilation=self.dilation,
+            dimension_numbers=_SPEC[self._rank],
+        )
+
+
+_DOC = """{what} over ``[..., {spatial}, in_channels]`` inputs (channels last).
+
+    {math}
+
+    Args: ``in_channels, out_channels, kernel_size, strides=1, padding="SAME"`` (``"SAME"``,
+    ``"VALID"``, an int or per-axis ``(low, high)`` pairs){groups_arg}, ``dilation=1``,
+    ``activation=identity, use_bias=True``; keyword-only ``key``, ``dtype``,
+    ``weight_initializer``, ``bias_initializer``. ``weight`` is ``[{kernel}, in_channels{per_group},
+    out_channels]``.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> conv = ft.nn.{name}(3, 8, {ks}, {stride_arg}key=jax.random.key(0))
+      >>> conv.weight.shape
+      {wshape}
+      >>> conv(jnp.ones((2, {xshape}, 3))).shape
+      {yshape}
+    """
+
+_CONV_MATH = (
+    "``y[b, i, o] = activation(bias[o] + sum_{k, c} x[b, i*stride + k*dilation - pad, c] "
+    "* weight[k, c, o])`` (a cross-correlation, as in lax and every framework)."
+)
+_TRANSPOSE_MATH = (
+    "The transpose (adjoint) of a strided convolution, used to upsample: "
+    "``y[b, i*stride + k, o] += x[b, i, c] * weight[k, c, o]`` for ``VALID`` padding; "
+    "the output is ``stride`` times longer with ``SAME`` padding (``lax.conv_transpose``)."
+)
+
+
+class Conv1D(_Conv):
+    _rank: ClassVar[int] = 1
+    __doc__ = _DOC.format(
+        what="A 1-D convolution", spatial="length", math=_CONV_MATH, kernel="width",
+        groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups",
+        name="Conv1D", ks=3, stride_arg="", wshape="(3, 3, 8)", xshape=10, yshape="(2, 10, 8)",
+    )
+
+
+class Conv2D(_Conv):
+    _rank: ClassVar[int] = 2
+    __doc__ = _DOC.format(
+        what="A 2-D convolution", spatial="height, width", math=_CONV_MATH, kernel="height, width",
+        groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups",
+        name="Conv2D", ks="(3, 3)", stride_arg="strides=2, ", wshape="(3, 3, 3, 8)",
+        xshape="10, 10", yshape="(2, 5, 5, 8)",
+    )
+
+
+class Conv1DTranspose(_ConvTranspose):
+    _rank: ClassVar[int] = 1
+    __doc__ = _DOC.format(
+        what="A 1-D transposed convolution", spatial="length", math=_TRANSPOSE_MATH, kernel="width",
+        groups_arg="", per_group="", name="Conv1DTranspose", ks=3, stride_arg="strides=2, ",
+        wshape="(3, 3, 8)", xshape=10, yshape="(2, 20, 8)",
+    )
+
+
+class Conv2DTranspose(_ConvTranspose):
+    _rank: ClassVar[int] = 2
+    __doc__ = _DOC.format(
+        what="A 2-D transposed convolution", spatial="height, width", math=_TRANSPOSE_MATH,
+        kernel="height, width", groups_arg="", per_group="", name="Conv2DTranspose", ks="(3, 3)",
+        stride_arg="strides=2, ", wshape="(3, 3, 3, 8)", xshape="5, 5", yshape="(2, 10, 10, 8)",
+    )

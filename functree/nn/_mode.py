@@ -1,0 +1,128 @@
+"""Training vs inference: a static ``training`` flag, switched for a whole model at once.
+
+Layers whose behaviour differs between the two phases (``Dropout``, ``BatchNorm``) carry
+``training: bool = ft.field(static=True, default=False)``. As in swift-apis, inference is
+the default. The flag lives in the tree definition, so switching it changes the jit cache
+key (one compilation per phase) and costs nothing per call inside a compiled step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from functree._module import Module
+
+__all__ = ["Layer", "training", "inference", "inferring", "is_training"]
+
+TRAINING_FIELD = "training"
+
+# (treedef, flag) -> treedef with every `training` field set to flag: computed once per
+# tree definition; afterwards switching is a C++ flatten, a dict lookup and an unflatten.
+_MODE_CACHE: dict[tuple[Any, bool], Any] = {}
+
+
+def _is_module(x: Any) -> bool:
+    return isinstance(x, Module)
+
+
+def _switch(tree: Any, flag: bool) -> Any:
+    return jax.tree.map(
+        lambda y: _switch_module(y, flag) if isinstance(y, Module) else y, tree, is_leaf=_is_module
+    )
+
+
+def _switch_module(m: Module, flag: bool) -> Module:
+    cls = type(m)
+    changes = {n: _switch(m.__dict__[n], flag) for n in cls.__ft_fields__ if n not in cls.__ft_static__}
+    if TRAINING_FIELD in cls.__ft_static__:
+        changes[TRAINING_FIELD] = flag
+    return m.replace(**changes)
+
+
+def _with_mode(model: Any, flag: bool) -> Any:
+    leaves, treedef = jax.tree.flatten(model)
+    new_def = _MODE_CACHE.get((treedef, flag))
+    if new_def is None:
+        new_def = jax.tree.structure(_switch(model, flag))
+        _MODE_CACHE[(treedef, flag)] = new_def
+    return jax.tree.unflatten(new_def, leaves)
+
+
+def training(model: Any) -> Any:
+    """A copy of ``model`` with every layer in training mode (Dropout drops, BatchNorm
+    normalizes with batch statistics and records new running statistics).
+
+    Example:
+      >>> import functree as ft, jax
+      >>> model = ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.Dropout(0.5))
+      >>> ft.nn.training(model).layers[1].training
+      True
+    """
+    return _with_mode(model, True)
+
+
+def inference(model: Any) -> Any:
+    """A copy of ``model`` with every layer in inference mode (the default).
+
+    Example:
+      >>> import functree as ft
+      >>> ft.nn.inference(ft.nn.training(ft.nn.Dropout(0.5))).training
+      False
+    """
+    return _with_mode(model, False)
+
+
+def inferring(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """``model(*args, **kwargs)`` run in inference mode (swift-apis' ``inferring(from:)``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> drop = ft.nn.training(ft.nn.Dropout(0.5))
+      >>> ft.nn.inferring(drop, jnp.ones(3))
+      Array([1., 1., 1.], dtype=float32)
+    """
+    return inference(model)(*args, **kwargs)
+
+
+def is_training(model: Any) -> bool:
+    """Whether any layer of ``model`` is in training mode.
+
+    Example:
+      >>> import functree as ft
+      >>> ft.nn.is_training(ft.nn.Dropout(0.1)), ft.nn.is_training(ft.nn.training(ft.nn.Dropout(0.1)))
+      (False, True)
+    """
+    found = []
+
+    def visit(y: Any) -> Any:
+        if isinstance(y, Module):
+            cls = type(y)
+            if TRAINING_FIELD in cls.__ft_static__ and y.__dict__[TRAINING_FIELD]:
+                found.append(True)
+            for n in cls.__ft_fields__:
+                if n not in cls.__ft_static__:
+                    jax.tree.map(visit, y.__dict__[n], is_leaf=_is_module)
+        return y
+
+    jax.tree.map(visit, model, is_leaf=_is_module)
+    return bool(found)
+
+
+class Layer(Module):
+    """Base class of functree's layers: a :class:`functree.Module` with ``inferring``.
+
+    Any Module works with ``ft.nn.training`` / ``ft.nn.inference``; subclassing ``Layer``
+    adds the method form of Swift's ``model.inferring(from: x)``.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> dense = ft.nn.Dense(2, 1, key=jax.random.key(0))
+      >>> dense.inferring(jnp.ones((4, 2))).shape
+      (4, 1)
+    """
+
+    def inferring(self, *args: Any, **kwargs: Any) -> Any:
+        """``self(*args, **kwargs)`` with every layer in inference mode."""
+        return inferring(self, *args, **kwargs)

@@ -1,0 +1,199 @@
+"""Pooling over channels-last inputs, and ``Flatten``.
+
+``MaxPool1D/2D`` and ``AvgPool1D/2D`` slide a window over the spatial axes of
+``[..., *spatial, channels]`` (``lax.reduce_window``); ``strides`` default to the window
+(swift-apis' defaults take them explicitly). ``GlobalMaxPool*`` / ``GlobalAvgPool*`` reduce
+every spatial axis. Average pooling with ``"SAME"`` padding divides by the number of
+real (unpadded) elements in each window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from functree._module import field
+from functree.nn._check import check_input
+from functree.nn._mode import Layer
+
+__all__ = [
+    "MaxPool1D",
+    "MaxPool2D",
+    "AvgPool1D",
+    "AvgPool2D",
+    "GlobalMaxPool1D",
+    "GlobalMaxPool2D",
+    "GlobalAvgPool1D",
+    "GlobalAvgPool2D",
+    "Flatten",
+]
+
+
+def _tuple(value: int | Sequence[int], n: int) -> tuple[int, ...]:
+    return (value,) * n if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def _spatial(n: int) -> tuple[str, ...]:
+    return ("length", "channels") if n == 1 else ("height", "width", "channels")
+
+
+class _Pool(Layer):
+    pool_size: tuple[int, ...] = field(static=True, default=(2,))
+    strides: tuple[int, ...] = field(static=True, default=(2,))
+    padding: str = field(static=True, default="VALID")
+
+    _rank: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        pool_size: int | Sequence[int] = 2,
+        strides: int | Sequence[int] | None = None,
+        padding: str = "VALID",
+    ):
+        self.pool_size = _tuple(pool_size, self._rank)
+        self.strides = self.pool_size if strides is None else _tuple(strides, self._rank)
+        self.padding = padding.upper()
+
+    def _window(self, x: jax.Array, init: Any, op: Any) -> jax.Array:
+        check_input(self, x, _spatial(self._rank))
+        lead = x.ndim - self._rank - 1
+        dims = (1,) * lead + self.pool_size + (1,)
+        strides = (1,) * lead + self.strides + (1,)
+        return jax.lax.reduce_window(x, init, op, dims, strides, self.padding)
+
+
+class _MaxPool(_Pool):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self._window(x, -jnp.inf, jax.lax.max)  # a Python scalar: lax sees the monoid
+
+
+class _AvgPool(_Pool):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        total = self._window(x, 0.0, jax.lax.add)
+        if self.padding == "VALID":
+            return total / jnp.array(_prod(self.pool_size), x.dtype)
+        counts = self._window(jnp.ones(x.shape[-self._rank - 1:], x.dtype), 0.0, jax.lax.add)
+        return total / counts
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for v in xs:
+        out *= v
+    return out
+
+
+_POOL_DOC = """{op} pooling over ``[..., {spatial}, channels]`` (``pool_size=2``, ``strides=pool_size``, ``padding="VALID"``).
+
+    ``y[..., i, c] = {formula}`` over the window ``x[..., i*stride : i*stride + pool_size, c]``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> x = jnp.arange({n}.0).reshape({shape})
+      >>> ft.nn.{name}({size})(x){out}
+    """
+
+
+class MaxPool1D(_MaxPool):
+    _rank: ClassVar[int] = 1
+    __doc__ = _POOL_DOC.format(
+        op="1-D max", spatial="length", formula="max(window)", n=4, shape="1, 4, 1",
+        name="MaxPool1D", size=2, out=".ravel()\n      Array([1., 3.], dtype=float32)",
+    )
+
+
+class MaxPool2D(_MaxPool):
+    _rank: ClassVar[int] = 2
+    __doc__ = _POOL_DOC.format(
+        op="2-D max", spatial="height, width", formula="max(window)", n=16, shape="1, 4, 4, 1",
+        name="MaxPool2D", size="(2, 2)", out=".ravel()\n      Array([ 5.,  7., 13., 15.], dtype=float32)",
+    )
+
+
+class AvgPool1D(_AvgPool):
+    _rank: ClassVar[int] = 1
+    __doc__ = _POOL_DOC.format(
+        op="1-D average", spatial="length", formula="mean(window)", n=4, shape="1, 4, 1",
+        name="AvgPool1D", size=2, out=".ravel()\n      Array([0.5, 2.5], dtype=float32)",
+    )
+
+
+class AvgPool2D(_AvgPool):
+    _rank: ClassVar[int] = 2
+    __doc__ = _POOL_DOC.format(
+        op="2-D average", spatial="height, width", formula="mean(window)", n=16, shape="1, 4, 4, 1",
+        name="AvgPool2D", size="(2, 2)", out=".ravel()\n      Array([ 2.5,  4.5, 10.5, 12.5], dtype=float32)",
+    )
+
+
+class _GlobalPool(Layer):
+    _rank: ClassVar[int] = 1
+    _max: ClassVar[bool] = False
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        check_input(self, x, _spatial(self._rank))
+        axes = tuple(range(x.ndim - self._rank - 1, x.ndim - 1))
+        return jnp.max(x, axis=axes) if self._max else jnp.mean(x, axis=axes)
+
+
+_GLOBAL_DOC = """Global {op} pooling: ``[..., {spatial}, channels] -> [..., channels]``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.nn.{name}()(jnp.arange({n}.0).reshape({shape}))
+      {out}
+    """
+
+
+class GlobalMaxPool1D(_GlobalPool):
+    _rank: ClassVar[int] = 1
+    _max: ClassVar[bool] = True
+    __doc__ = _GLOBAL_DOC.format(
+        op="max", spatial="length", name="GlobalMaxPool1D", n=6, shape="1, 3, 2",
+        out="Array([[4., 5.]], dtype=float32)",
+    )
+
+
+class GlobalMaxPool2D(_GlobalPool):
+    _rank: ClassVar[int] = 2
+    _max: ClassVar[bool] = True
+    __doc__ = _GLOBAL_DOC.format(
+        op="max", spatial="height, width", name="GlobalMaxPool2D", n=8, shape="1, 2, 2, 2",
+        out="Array([[6., 7.]], dtype=float32)",
+    )
+
+
+class GlobalAvgPool1D(_GlobalPool):
+    _rank: ClassVar[int] = 1
+    __doc__ = _GLOBAL_DOC.format(
+        op="average", spatial="length", name="GlobalAvgPool1D", n=6, shape="1, 3, 2",
+        out="Array([[2., 3.]], dtype=float32)",
+    )
+
+
+class GlobalAvgPool2D(_GlobalPool):
+    _rank: ClassVar[int] = 2
+    __doc__ = _GLOBAL_DOC.format(
+        op="average", spatial="height, width", name="GlobalAvgPool2D", n=8, shape="1, 2, 2, 2",
+        out="Array([[3., 4.]], dtype=float32)",
+    )
+
+
+class Flatten(Layer):
+    """``[batch, d1, d2, ...] -> [batch, d1 * d2 * ...]`` (swift-apis' ``Flatten``).
+
+    ``batch_dims`` (static, default 1) leading axes are kept.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.nn.Flatten()(jnp.ones((2, 3, 4))).shape
+      (2, 12)
+    """
+
+    batch_dims: int = field(static=True, default=1)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x.reshape((*x.shape[: self.batch_dims], -1))

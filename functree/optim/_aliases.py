@@ -1,0 +1,489 @@
+"""The optimizers: optax numerics behind functree hyperparameters and learning context.
+
+Each function returns an optax ``GradientTransformationExtraArgs``: ``tx.init(model)``
+(a Module or any pytree; its parameter view is used) and ``tx.update(grads, state,
+model, minibatch_size=..., loss=...)``. Defaults follow swift-apis where it has the
+optimizer. ``weight_decay`` is the L2 term added to the gradient (torch's coupled
+``weight_decay``), except in :func:`adamw` and :func:`lion`, where it is decoupled.
+Every hyperparameter may be a number, a schedule of the learning context, a piecewise
+list or a rate with a unit (see :mod:`functree.optim._hyper`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functree._parameters import select
+from functree.optim._hyper import inject
+
+__all__ = [
+    "sgd",
+    "rmsprop",
+    "adagrad",
+    "adadelta",
+    "adam",
+    "adamw",
+    "adamax",
+    "amsgrad",
+    "radam",
+    "lion",
+    "moments",
+    "DEFAULT_NO_DECAY",
+]
+
+DEFAULT_NO_DECAY = ("*.bias", "*.scale")
+"""Parameters that decoupled weight decay skips by default: biases and normalization scales."""
+
+BAD_MOMENTUM_FORM = """\
+momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu) or "unit_gain" (v = γ'v + ηg, w -= v).{extra}
+"""
+
+
+def _decay_mask(exclude: Sequence[str]) -> Any:
+    exclude = tuple(exclude)
+    return lambda params: select(params, "*", exclude=exclude)
+
+
+def _l2(weight_decay: Any) -> optax.GradientTransformation:
+    return optax.add_decayed_weights(weight_decay)
+
+
+def _with_decay(hyper: dict[str, Any], weight_decay: Any) -> dict[str, Any]:
+    """Declare ``weight_decay`` only when it is not the number 0 (then no L2 term, no params needed)."""
+    if isinstance(weight_decay, (int, float)) and weight_decay == 0:
+        return hyper
+    return {**hyper, "weight_decay": weight_decay}
+
+
+def _decayed(weight_decay: Any, *rest: optax.GradientTransformation) -> optax.GradientTransformation:
+    return optax.chain(*rest) if weight_decay is None else optax.chain(_l2(weight_decay), *rest)
+
+
+def _tree_zeros(params: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, params)
+
+
+class UnitGainState(NamedTuple):
+    """Velocity ``v`` of unit-gain momentum (parameter-view structure)."""
+
+    velocity: Any
+
+
+def _unit_gain_momentum(learning_rate: Any, momentum: Any) -> optax.GradientTransformation:
+    def init(params: Any) -> UnitGainState:
+        return UnitGainState(_tree_zeros(params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, UnitGainState]:
+        v = jax.tree.map(lambda v, g: momentum * v + learning_rate * g, state.velocity, updates)
+        return jax.tree.map(jnp.negative, v), UnitGainState(v)
+
+    return optax.GradientTransformation(init, update)
+
+
+def sgd(
+    learning_rate: Any = 0.01,
+    momentum: Any = 0.0,
+    nesterov: bool = False,
+    weight_decay: Any = 0.0,
+    *,
+    momentum_form: str = "literature",
+) -> optax.GradientTransformationExtraArgs:
+    """Stochastic gradient descent with momentum (torch.optim.SGD, swift-apis SGD).
+
+    Literature form (default; ``nesterov`` uses ``g + γu`` as the step)::
+
+        u ← γ u + (g + λ w);   w ← w − η u
+
+    Unit-gain form (CNTK, ``momentum_form="unit_gain"``)::
+
+        v ← γ' v + η (g + λ w);   w ← w − v
+
+    With a constant η the forms agree when ``γ' = γ``; for a rate changing from η₋ to η,
+    ``γ' = γ η / η₋``. State: ``optax.TraceState`` (``trace``) or ``UnitGainState``
+    (``velocity``), shaped like the model's parameters.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.sgd(0.1, momentum=0.9)
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> updates, state = tx.update({"w": jnp.ones(2)}, state)
+      >>> updates["w"]
+      Array([-0.1, -0.1], dtype=float32)
+    """
+    if momentum_form == "literature":
+        def factory(learning_rate: Any, momentum: Any, weight_decay: Any = None) -> Any:
+            return _decayed(weight_decay, optax.sgd(learning_rate, momentum, nesterov))
+    elif momentum_form == "unit_gain":
+        if nesterov:
+            raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=" Nesterov needs the literature form."))
+
+        def factory(learning_rate: Any, momentum: Any, weight_decay: Any = None) -> Any:
+            return _decayed(weight_decay, _unit_gain_momentum(learning_rate, momentum))
+    else:
+        raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=""))
+    hyper = {"learning_rate": learning_rate, "momentum": momentum}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.sgd", factory, hyper)
+
+
+def rmsprop(
+    learning_rate: Any = 1e-3,
+    rho: Any = 0.9,
+    epsilon: Any = 1e-8,
+    momentum: Any = 0.0,
+    weight_decay: Any = 0.0,
+    *,
+    centered: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """RMSProp (torch.optim.RMSprop with ``alpha=rho``; swift-apis RMSProp)::
+
+        s ← ρ s + (1 − ρ) g²;   u ← μ u + g / (√s + ε);   w ← w − η u
+
+    (``centered``: ``√(s − ḡ²)`` with ``ḡ ← ρ ḡ + (1 − ρ) g``.) State: optax's
+    ``ScaleByRmsState`` (``nu``) and ``TraceState``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.rmsprop(0.01)
+      >>> updates, _ = tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}))
+      >>> updates["w"]   # -0.01 / sqrt(0.1)
+      Array([-0.0316...], dtype=float32)
+    """
+
+    def factory(learning_rate: Any, rho: Any, epsilon: Any, momentum: Any, weight_decay: Any = None) -> Any:
+        return _decayed(
+            weight_decay,
+            optax.rmsprop(learning_rate, rho, epsilon, eps_in_sqrt=False, centered=centered, momentum=momentum),
+        )
+
+    hyper = {"learning_rate": learning_rate, "rho": rho, "epsilon": epsilon, "momentum": momentum}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.rmsprop", factory, hyper)
+
+
+class AdagradState(NamedTuple):
+    """Sum of squared gradients (parameter-view structure)."""
+
+    sum_of_squares: Any
+
+
+def _scale_by_adagrad(initial: Any, epsilon: Any) -> optax.GradientTransformation:
+    def init(params: Any) -> AdagradState:
+        return AdagradState(jax.tree.map(lambda p: jnp.full_like(p, initial), params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, AdagradState]:
+        s = jax.tree.map(lambda s, g: s + g * g, state.sum_of_squares, updates)
+        return jax.tree.map(lambda g, s: g / (jnp.sqrt(s) + epsilon), updates, s), AdagradState(s)
+
+    return optax.GradientTransformation(init, update)
+
+
+def adagrad(
+    learning_rate: Any = 1e-3,
+    initial_accumulator_value: Any = 0.1,
+    epsilon: Any = 1e-8,
+    weight_decay: Any = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    """AdaGrad (torch.optim.Adagrad, swift-apis AdaGrad)::
+
+        s ← s + g²   (s₀ = initial_accumulator_value);   w ← w − η g / (√s + ε)
+
+    optax's ``adagrad`` puts ε inside the root (``g / √(s + ε)``); this follows torch.
+    State: ``AdagradState`` (``sum_of_squares``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.adagrad(0.1, initial_accumulator_value=0.0)
+      >>> updates, _ = tx.update({"w": jnp.full(1, 2.0)}, tx.init({"w": jnp.ones(1)}))
+      >>> updates["w"]
+      Array([-0.1], dtype=float32)
+    """
+
+    def factory(learning_rate: Any, initial_accumulator_value: Any, epsilon: Any, weight_decay: Any = None) -> Any:
+        return _decayed(
+            weight_decay,
+            _scale_by_adagrad(initial_accumulator_value, epsilon),
+            optax.scale_by_learning_rate(learning_rate),
+        )
+
+    hyper = {"learning_rate": learning_rate, "initial_accumulator_value": initial_accumulator_value,
+             "epsilon": epsilon}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.adagrad", factory, hyper)
+
+
+def adadelta(
+    learning_rate: Any = 1.0, rho: Any = 0.95, epsilon: Any = 1e-6, weight_decay: Any = 0.0
+) -> optax.GradientTransformationExtraArgs:
+    """AdaDelta (torch.optim.Adadelta, swift-apis AdaDelta)::
+
+        s ← ρ s + (1 − ρ) g²;   Δ = √(d + ε) / √(s + ε) · g;   d ← ρ d + (1 − ρ) Δ²;   w ← w − η Δ
+
+    State: optax's ``ScaleByAdaDeltaState`` (``e_g``, ``e_x``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.adadelta()
+      >>> updates, _ = tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}))
+      >>> updates["w"]   # -sqrt(1e-6) / sqrt(0.05 + 1e-6)
+      Array([-0.00447...], dtype=float32)
+    """
+
+    def factory(learning_rate: Any, rho: Any, epsilon: Any, weight_decay: Any = None) -> Any:
+        return _decayed(
+            weight_decay, optax.scale_by_adadelta(rho, epsilon), optax.scale_by_learning_rate(learning_rate)
+        )
+
+    hyper = {"learning_rate": learning_rate, "rho": rho, "epsilon": epsilon}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.adadelta", factory, hyper)
+
+
+def adam(
+    learning_rate: Any = 1e-3,
+    beta1: Any = 0.9,
+    beta2: Any = 0.999,
+    epsilon: Any = 1e-8,
+    weight_decay: Any = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    """Adam (torch.optim.Adam, optax.adam, swift-apis Adam)::
+
+        m ← β₁ m + (1 − β₁) g;   v ← β₂ v + (1 − β₂) g²
+        m̂ = m / (1 − β₁ᵗ);   v̂ = v / (1 − β₂ᵗ);   w ← w − η m̂ / (√v̂ + ε)
+
+    State: optax's ``ScaleByAdamState`` (``mu``, ``nu``) shaped like the model's
+    parameters; read them with :func:`moments`.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+      >>> opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+      >>> state = opt.init(model)
+      >>> loss = lambda m, x, y: ((m(x) - y) ** 2).mean()
+      >>> x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+      >>> model, state, value = opt.minimize(loss, model, state, x, y)
+      >>> ft.optim.moments(state)["mu"].weight.shape
+      (2, 1)
+    """
+
+    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
+        return _decayed(weight_decay, optax.adam(learning_rate, beta1, beta2, epsilon))
+
+    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.adam", factory, hyper)
+
+
+def adamw(
+    learning_rate: Any = 1e-3,
+    beta1: Any = 0.9,
+    beta2: Any = 0.999,
+    epsilon: Any = 1e-8,
+    weight_decay: Any = 0.01,
+    *,
+    exclude: Sequence[str] = DEFAULT_NO_DECAY,
+) -> optax.GradientTransformationExtraArgs:
+    """Adam with decoupled weight decay (torch.optim.AdamW, optax.adamw)::
+
+        w ← w − η (m̂ / (√v̂ + ε) + λ w)     (λ w only where the name matches no ``exclude``)
+
+    ``exclude`` are globs over dotted parameter names; by default biases and
+    normalization scales are not decayed (``exclude=()`` decays everything, as torch).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.adamw(0.1, weight_decay=0.5)
+      >>> params = {"weight": jnp.ones(1), "bias": jnp.ones(1)}
+      >>> updates, _ = tx.update({"weight": jnp.zeros(1), "bias": jnp.zeros(1)}, tx.init(params), params)
+      >>> updates
+      {'bias': Array([-0.], dtype=float32), 'weight': Array([-0.05], dtype=float32)}
+    """
+
+    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
+        if weight_decay is None:
+            return optax.adam(learning_rate, beta1, beta2, epsilon)
+        return optax.adamw(learning_rate, beta1, beta2, epsilon, weight_decay=weight_decay, mask=_decay_mask(exclude))
+
+    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.adamw", factory, hyper)
+
+
+def adamax(
+    learning_rate: Any = 0.002,
+    beta1: Any = 0.9,
+    beta2: Any = 0.999,
+    epsilon: Any = 1e-8,
+    weight_decay: Any = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    """AdaMax (torch.optim.Adamax, optax.adamax, swift-apis AdaMax)::
+
+        m ← β₁ m + (1 − β₁) g;   u ← max(β₂ u, |g| + ε);   w ← w − η m / ((1 − β₁ᵗ) u)
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.adamax(0.1)
+      >>> updates, _ = tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}))
+      >>> updates["w"]
+      Array([-0.1], dtype=float32)
+    """
+
+    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
+        return _decayed(weight_decay, optax.adamax(learning_rate, beta1, beta2, epsilon))
+
+    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.adamax", factory, hyper)
+
+
+class AMSGradState(NamedTuple):
+    """First and second moments and the running maximum of the second (parameter view)."""
+
+    count: jax.Array
+    mu: Any
+    nu: Any
+    nu_max: Any
+
+
+def _scale_by_amsgrad(beta1: Any, beta2: Any, epsilon: Any) -> optax.GradientTransformation:
+    def init(params: Any) -> AMSGradState:
+        return AMSGradState(jnp.zeros((), jnp.int32), _tree_zeros(params), _tree_zeros(params), _tree_zeros(params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, AMSGradState]:
+        g = updates
+        count = state.count + 1
+        t = count.astype(jnp.float32)
+        mu = jax.tree.map(lambda m, g: beta1 * m + (1 - beta1) * g, state.mu, g)
+        nu = jax.tree.map(lambda v, g: beta2 * v + (1 - beta2) * g * g, state.nu, g)
+        nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu)
+        c1, c2 = 1 - beta1**t, 1 - beta2**t
+        out = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v) / jnp.sqrt(c2) + epsilon), mu, nu_max)
+        return out, AMSGradState(count, mu, nu, nu_max)
+
+    return optax.GradientTransformation(init, update)
+
+
+def amsgrad(
+    learning_rate: Any = 1e-3,
+    beta1: Any = 0.9,
+    beta2: Any = 0.999,
+    epsilon: Any = 1e-8,
+    weight_decay: Any = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    """AMSGrad (torch.optim.Adam(amsgrad=True), swift-apis AMSGrad)::
+
+        m, v as in Adam;   v̄ ← max(v̄, v);   w ← w − η (m / (1 − β₁ᵗ)) / (√v̄ / √(1 − β₂ᵗ) + ε)
+
+    The maximum is over raw second moments, as torch and swift-apis; ``optax.amsgrad``
+    takes it over bias-corrected ones, so it differs in early steps.
+    State: ``AMSGradState`` (``mu``, ``nu``, ``nu_max``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.amsgrad(0.1)
+      >>> updates, _ = tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}))
+      >>> updates["w"]
+      Array([-0.1], dtype=float32)
+    """
+
+    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
+        return _decayed(
+            weight_decay, _scale_by_amsgrad(beta1, beta2, epsilon), optax.scale_by_learning_rate(learning_rate)
+        )
+
+    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.amsgrad", factory, hyper)
+
+
+def radam(
+    learning_rate: Any = 1e-3,
+    beta1: Any = 0.9,
+    beta2: Any = 0.999,
+    epsilon: Any = 1e-8,
+    weight_decay: Any = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    """Rectified Adam (torch.optim.RAdam, optax.radam, swift-apis RAdam)::
+
+        ρ∞ = 2/(1 − β₂) − 1;   ρₜ = ρ∞ − 2t β₂ᵗ / (1 − β₂ᵗ)
+        ρₜ > 5:  w ← w − η rₜ m̂ / (√v̂ + ε),  rₜ = √((ρₜ−4)(ρₜ−2)ρ∞ / ((ρ∞−4)(ρ∞−2)ρₜ))
+        else:    w ← w − η m̂
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.radam(0.1)
+      >>> updates, _ = tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}))
+      >>> updates["w"]     # no rectification yet: -η m̂
+      Array([-0.1], dtype=float32)
+    """
+
+    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
+        return _decayed(weight_decay, optax.radam(learning_rate, beta1, beta2, epsilon, threshold=5.0))
+
+    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.radam", factory, hyper)
+
+
+def lion(
+    learning_rate: Any = 1e-4,
+    beta1: Any = 0.9,
+    beta2: Any = 0.99,
+    weight_decay: Any = 0.0,
+    *,
+    exclude: Sequence[str] = DEFAULT_NO_DECAY,
+) -> optax.GradientTransformationExtraArgs:
+    """Lion (optax.lion; Chen et al. 2023), decoupled weight decay with ``exclude`` masks::
+
+        w ← w − η (sign(β₁ m + (1 − β₁) g) + λ w);   m ← β₂ m + (1 − β₂) g
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.lion(0.1)
+      >>> updates, _ = tx.update({"w": jnp.full(1, 3.0)}, tx.init({"w": jnp.ones(1)}))
+      >>> updates["w"]
+      Array([-0.1], dtype=float32)
+    """
+
+    def factory(learning_rate: Any, beta1: Any, beta2: Any, weight_decay: Any = None) -> Any:
+        if weight_decay is None:
+            return optax.chain(optax.scale_by_lion(beta1, beta2), optax.scale_by_learning_rate(learning_rate))
+        return optax.lion(learning_rate, beta1, beta2, weight_decay=weight_decay, mask=_decay_mask(exclude))
+
+    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2}
+    hyper = _with_decay(hyper, weight_decay)
+    return inject("ft.optim.lion", factory, hyper)
+
+
+MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x")
+
+
+def _is_moment_state(x: Any) -> bool:
+    fields = getattr(x, "_fields", None) if isinstance(x, tuple) else None
+    return fields is not None and any(f in fields for f in MOMENT_FIELDS)
+
+
+def moments(state: Any) -> dict[str, Any]:
+    """The per-parameter state (moments) by name; each has the parameter view's structure.
+
+    Names are the optax state fields (``mu``, ``nu``, ``trace``, ...). Read one
+    parameter's moment with the model's key path: ``ft.get(moments(state)["mu"], kp)``.
+    A name found in several places (parameter groups) is listed once per place as
+    ``name``, ``name#1``, ...
+    """
+    out: dict[str, Any] = {}
+    for node in jax.tree.leaves(state, is_leaf=_is_moment_state):
+        if not _is_moment_state(node):
+            continue
+        for field in MOMENT_FIELDS:
+            if field in getattr(node, "_fields", ()):
+                key, i = field, 1
+                while key in out:
+                    key, i = f"{field}#{i}", i + 1
+                out[key] = getattr(node, field)
+    return out

@@ -1,0 +1,164 @@
+"""The learning context (CNTK): where training stands, carried in the optimizer state.
+
+Every functree optimizer keeps a :class:`LearningContext` in its state. ``opt.update(...,
+minibatch_size=n, loss=l)`` advances it; the training loop advances the sweep with
+:func:`next_sweep`. Schedules and rate units read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["LearningContext", "context", "next_sweep", "initial_context", "advance"]
+
+NO_CONTEXT = """\
+This optimizer state holds no ft.optim.LearningContext.
+Build the state with a functree optimizer, which adds one to any optax transform:
+
+    wrong:  state = optax.adam(1e-3).init(params)
+    right:  opt = ft.optim.Optimizer(optax.adam(1e-3)); state = opt.init(model)
+       or:  state = ft.optim.adam(1e-3).init(model)
+"""
+
+
+COUNTERS = ("step", "sweep", "samples_seen", "minibatch_size")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class LearningContext:
+    """Where training stands. All of it is arrays, so a jitted step never recompiles.
+
+    Attributes:
+      step: optimizer steps taken (updates applied).
+      sweep: passes over the data set (epochs), advanced by :func:`next_sweep`.
+      samples_seen: examples consumed by the steps taken.
+      minibatch_size: size of the latest minibatch (1 until one is given).
+      loss: the latest loss given to ``update(..., loss=)`` (NaN until one is given).
+
+    The four counts are packed in one int32 array (``counters``) and the loss is a float32
+    scalar: two leaves, so the context adds almost nothing to a jitted step's dispatch.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.sgd(0.1)
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> _, state = tx.update({"w": jnp.ones(2)}, state, minibatch_size=8, loss=0.5)
+      >>> ctx = ft.optim.context(state)
+      >>> int(ctx.step), int(ctx.samples_seen), float(ctx.loss)
+      (1, 8, 0.5)
+      >>> ctx.replace(step=10)
+      LearningContext(step=10, sweep=0, samples_seen=8, minibatch_size=8, loss=0.5)
+    """
+
+    counters: jax.Array
+    loss: jax.Array
+
+    @property
+    def step(self) -> jax.Array:
+        return self.counters[0]
+
+    @property
+    def sweep(self) -> jax.Array:
+        return self.counters[1]
+
+    @property
+    def samples_seen(self) -> jax.Array:
+        return self.counters[2]
+
+    @property
+    def minibatch_size(self) -> jax.Array:
+        return self.counters[3]
+
+    def replace(self, **changes: Any) -> LearningContext:
+        """A context with some fields changed (``step=``, ``sweep=``, ..., ``loss=``)."""
+        loss = changes.pop("loss", self.loss)
+        unknown = set(changes) - set(COUNTERS)
+        if unknown:
+            raise TypeError(f"LearningContext has no field(s) {sorted(unknown)}; fields: {[*COUNTERS, 'loss']}.")
+        counters = self.counters
+        if changes:
+            counters = jnp.stack([
+                jnp.asarray(changes[n]).astype(jnp.int32) if n in changes else self.counters[i]
+                for i, n in enumerate(COUNTERS)
+            ])
+        return LearningContext(counters, jnp.asarray(loss).astype(jnp.float32))
+
+    _replace = replace
+
+    def __repr__(self) -> str:
+        try:
+            values = [int(c) for c in self.counters] + [float(self.loss)]
+        except (TypeError, jax.errors.ConcretizationTypeError):
+            return f"LearningContext(counters={self.counters!r}, loss={self.loss!r})"
+        return "LearningContext(" + ", ".join(f"{n}={v}" for n, v in zip((*COUNTERS, "loss"), values)) + ")"
+
+
+jax.tree_util.register_dataclass(LearningContext, data_fields=["counters", "loss"], meta_fields=[])
+
+
+def initial_context() -> LearningContext:
+    """The context before the first step: zeros, minibatch size 1, loss NaN."""
+    return LearningContext(jnp.array([0, 0, 0, 1], jnp.int32), jnp.full((), jnp.nan, jnp.float32))
+
+
+def current(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) -> LearningContext:
+    """The context seen *during* a step: this minibatch's size and loss, counts before it."""
+    counters, new_loss = ctx.counters, ctx.loss
+    if minibatch_size is not None:
+        counters = counters.at[3].set(jnp.asarray(minibatch_size).astype(jnp.int32))
+    if loss is not None:
+        new_loss = jnp.asarray(loss).astype(jnp.float32)
+    return LearningContext(counters, new_loss)
+
+
+def advance(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) -> LearningContext:
+    """The context after a step on a minibatch of ``minibatch_size`` examples."""
+    ctx = current(ctx, minibatch_size, loss)
+    m = ctx.counters[3]
+    step = jnp.stack([jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32), m, jnp.zeros((), jnp.int32)])
+    return LearningContext(ctx.counters + step, ctx.loss)
+
+
+def _is_context(x: Any) -> bool:
+    return isinstance(x, LearningContext)
+
+
+def contexts(state: Any) -> list[LearningContext]:
+    """Every learning context in an optimizer state, in flatten order."""
+    return [x for x in jax.tree.leaves(state, is_leaf=_is_context) if _is_context(x)]
+
+
+def context(state: Any) -> LearningContext:
+    """The learning context of an optimizer state (the first one, in flatten order).
+
+    All contexts in one state advance together; transforms under a skip (non-finite
+    gradients) or an accumulation do not count the steps they did not take.
+    """
+    found = contexts(state)
+    if not found:
+        raise ValueError(NO_CONTEXT)
+    return found[0]
+
+
+_SWEEP = np.array([0, 1, 0, 0], np.int32)
+
+
+def next_sweep(state: Any) -> Any:
+    """``state`` with every learning context's sweep advanced by one (call once per epoch).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> state = ft.optim.adam().init({"w": jnp.ones(2)})
+      >>> int(ft.optim.context(ft.optim.next_sweep(state)).sweep)
+      1
+    """
+    if not contexts(state):
+        raise ValueError(NO_CONTEXT)
+    return jax.tree.map(
+        lambda x: LearningContext(x.counters + _SWEEP, x.loss) if _is_context(x) else x, state, is_leaf=_is_context
+    )

@@ -1,0 +1,394 @@
+"""Hyperparameters as arrays in the optimizer state, driven by the learning context.
+
+One mechanism serves every functree optimizer (like ``optax.inject_hyperparams``, but the
+names are declared, so a callable mask is never mistaken for a schedule, and schedules
+read the :class:`~functree.optim.LearningContext` instead of a private count).
+
+A hyperparameter is one of
+
+* a number: stored in the state; :func:`set_hyperparameters` changes it between steps
+  without recompiling a jitted step;
+* a schedule: any callable of the learning context (``ft.optim.piecewise``,
+  ``ft.optim.cosine_decay`` ...), evaluated every step;
+* a rate with a unit: ``ft.optim.per_minibatch(v)`` (the same as ``v``) or
+  ``ft.optim.per_samples(v, n)``: losses are means over the minibatch, so a rate meant
+  for ``n`` samples becomes ``v · M / n`` on a minibatch of ``M`` (CNTK's
+  ``RateOnMinibatch``). ``v`` may itself be a number (settable) or a schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from functree._parameters import parameters
+from functree.optim._checks import check_gradients
+from functree.optim._context import LearningContext, advance, current, initial_context
+
+__all__ = [
+    "HyperState",
+    "Rate",
+    "per_minibatch",
+    "per_samples",
+    "inject",
+    "hyperparameters",
+    "set_hyperparameters",
+]
+
+OUT_OF_RANGE = """\
+{where}: {name}={value!r} is out of range; {name} must be {rule}.
+
+    right:  {where}({name}={example})
+"""
+
+NOT_A_SCHEDULE = """\
+The schedule given for {name} failed when called with the learning context: {error}
+functree schedules take a ft.optim.LearningContext, not a step count. Wrap an optax schedule:
+
+    wrong:  ft.optim.adam(optax.cosine_decay_schedule(1e-3, 1000))
+    right:  ft.optim.adam(ft.optim.schedule(optax.cosine_decay_schedule(1e-3, 1000), unit="steps"))
+"""
+
+UNKNOWN_HYPERPARAMETER = """\
+set_hyperparameters: this state has no hyperparameter {name!r}. It has: {known}.
+"""
+
+SCHEDULED_HYPERPARAMETER = """\
+set_hyperparameters: {name!r} follows a schedule, which would overwrite the value at the \
+next step. Give a number when building the optimizer to make it settable:
+
+    wrong:  ft.optim.adam(ft.optim.cosine_decay(1e-3, 1000)); set_hyperparameters(state, {name}=...)
+    right:  ft.optim.adam(1e-3);                            set_hyperparameters(state, {name}=...)
+"""
+
+BAD_HYPERPARAMETER_SHAPE = """\
+set_hyperparameters: {name!r} is a scalar; given shape {shape}.
+"""
+
+# name -> (predicate on a float, human rule, example value)
+RULES: dict[str, tuple[Callable[[float], bool], str, str]] = {
+    "learning_rate": (lambda v: v >= 0, ">= 0", "1e-3"),
+    "momentum": (lambda v: 0 <= v <= 1, "in [0, 1]", "0.9"),
+    "beta1": (lambda v: 0 <= v < 1, "in [0, 1)", "0.9"),
+    "beta2": (lambda v: 0 <= v < 1, "in [0, 1)", "0.999"),
+    "rho": (lambda v: 0 <= v <= 1, "in [0, 1]", "0.9"),
+    "epsilon": (lambda v: v >= 0, ">= 0", "1e-8"),
+    "weight_decay": (lambda v: v >= 0, ">= 0", "1e-4"),
+    "initial_accumulator_value": (lambda v: v >= 0, ">= 0", "0.1"),
+    "threshold": (lambda v: v > 0, "> 0", "1.0"),
+    "weight": (lambda v: v >= 0, ">= 0", "1e-4"),
+    "std": (lambda v: v >= 0, ">= 0", "0.01"),
+    "eta": (lambda v: v >= 0, ">= 0", "0.01"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rate:
+    """A rate meant for ``samples`` examples (``None``: per minibatch), CNTK's RateOnMinibatch."""
+
+    value: Any
+    samples: int | None = None
+
+    def scale(self, ctx: LearningContext) -> Any:
+        if self.samples is None:
+            return 1.0
+        return ctx.minibatch_size.astype(jnp.float32) / float(self.samples)
+
+
+def per_minibatch(value: Any) -> Rate:
+    """A rate applied to each minibatch's mean gradient as it is (the default for numbers).
+
+    Example:
+      >>> import functree as ft
+      >>> tx = ft.optim.sgd(ft.optim.per_minibatch(0.1))
+    """
+    return Rate(value, None)
+
+
+def per_samples(value: Any, samples: int) -> Rate:
+    """A rate meant for ``samples`` examples: ``η_eff = value · M / samples`` for a minibatch of M.
+
+    Losses are means, so ``per_samples(v, 1)`` is CNTK's per-sample rate: the summed
+    gradient times ``v``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.sgd(ft.optim.per_samples(0.01, 1))
+      >>> state = tx.init({"w": jnp.zeros(())})
+      >>> updates, state = tx.update({"w": jnp.ones(())}, state, minibatch_size=32)
+      >>> updates["w"]   # -0.01 * 32 / 1
+      Array(-0.32, dtype=float32)
+    """
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples <= 0:
+        raise ValueError(f"per_samples(value, samples): samples must be a positive int, got {samples!r}.")
+    return Rate(value, samples)
+
+
+@dataclasses.dataclass(frozen=True)
+class HyperState:
+    """State of a functree optimizer: the context, hyperparameters and the optax state.
+
+    Attributes:
+      context: the :class:`LearningContext`.
+      values: settable hyperparameters (numbers, and the ``v`` of ``per_samples(v, n)``),
+        packed in one float32 array in the order of ``names`` (``None`` if there are none).
+      scheduled: values that scheduled hyperparameters took at the latest step (read
+        only), in the order of ``scheduled_names`` (``None`` if there are none).
+      inner: the state of the optax transformation doing the numerics; per-parameter
+        moments in it have the model's parameter-view structure.
+      names, scheduled_names: static (part of the tree definition).
+
+    Read them by name with :func:`hyperparameters`; packing keeps a jitted step's
+    dispatch cost independent of how many hyperparameters there are.
+    """
+
+    context: LearningContext
+    values: jax.Array | None
+    scheduled: jax.Array | None
+    inner: Any
+    names: tuple[str, ...] = ()
+    scheduled_names: tuple[str, ...] = ()
+
+    def replace(self, **changes: Any) -> HyperState:
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    HyperState, data_fields=["context", "values", "scheduled", "inner"], meta_fields=["names", "scheduled_names"]
+)
+
+
+def _pack(xs: list[jax.Array]) -> jax.Array | None:
+    return jnp.stack(xs) if xs else None
+
+
+def _is_number(x: Any) -> bool:
+    return (isinstance(x, (int, float, np.number)) and not isinstance(x, bool)) or (
+        isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 0
+    )
+
+
+def _is_concrete(x: jax.Array) -> bool:
+    try:
+        float(x)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return False
+    return True
+
+
+def _validate(where: str, name: str, spec: Any) -> None:
+    rule = RULES.get(name)
+    value = spec.value if isinstance(spec, Rate) else spec
+    if rule is None or not _is_number(value) or (isinstance(value, jax.Array) and not _is_concrete(value)):
+        return
+    ok, text, example = rule
+    v = float(value)
+    if math.isnan(v) or not ok(v):
+        raise ValueError(OUT_OF_RANGE.format(where=where, name=name, value=value, rule=text, example=example))
+
+
+def _piecewise_values(spec: Any) -> list[Any]:
+    """The values of a raw CNTK schedule list (checked like numbers), else nothing."""
+    inner = spec.value if isinstance(spec, Rate) else spec
+    if isinstance(inner, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in inner):
+        return [p[1] for p in inner]
+    return []
+
+
+def _as_spec(spec: Any) -> Any:
+    if isinstance(spec, Rate):
+        return Rate(_as_spec(spec.value), spec.samples)
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(p, (list, tuple)) for p in spec):
+        from functree.optim._schedules import piecewise
+
+        return piecewise(spec)
+    return spec
+
+
+def _call(name: str, fn: Callable[[LearningContext], Any], ctx: LearningContext) -> jax.Array:
+    try:
+        out = fn(ctx)
+    except (TypeError, AttributeError) as e:
+        raise TypeError(NOT_A_SCHEDULE.format(name=name, error=e)) from None
+    return jnp.asarray(out).astype(jnp.float32)
+
+
+def _scalar(x: Any) -> jax.Array:
+    return jnp.array(x, dtype=jnp.float32)  # a fresh buffer: states may be donated
+
+
+class _Spec:
+    """How one hyperparameter is computed: a stored value or a schedule, times a rate unit."""
+
+    def __init__(self, name: str, spec: Any):
+        self.name = name
+        self.rate = spec if isinstance(spec, Rate) else Rate(spec, None)
+        self.scheduled = callable(self.rate.value)
+
+    def effective(self, ctx: LearningContext, stored: jax.Array | None) -> jax.Array:
+        base = _call(self.name, self.rate.value, ctx) if self.scheduled else stored
+        assert base is not None
+        return base if self.rate.samples is None else base * self.rate.scale(ctx)
+
+
+def inject(
+    where: str,
+    factory: Callable[..., optax.GradientTransformation],
+    hyper: Mapping[str, Any],
+    static: Mapping[str, Any] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """An optax transformation whose named hyperparameters live in a :class:`HyperState`.
+
+    ``factory(**hyper_values, **static)`` builds the optax transformation doing the
+    numerics; it is rebuilt each step (at trace time) with the current values as arrays.
+    ``update`` takes the extra arguments ``minibatch_size=`` and ``loss=``, which advance
+    the learning context; others pass through to the inner transformation.
+    """
+    static = dict(static or {})
+    specs = {}
+    for name, spec in hyper.items():
+        for value in _piecewise_values(spec):
+            _validate(where, name, value)
+        spec = _as_spec(spec)
+        _validate(where, name, spec)
+        specs[name] = _Spec(name, spec)
+
+    names = tuple(n for n, sp in specs.items() if not sp.scheduled)
+    scheduled_names = tuple(n for n, sp in specs.items() if sp.scheduled)
+
+    def build(ctx: LearningContext, values: jax.Array | None) -> tuple[Any, jax.Array | None]:
+        stored = {n: values[i] for i, n in enumerate(names)} if values is not None else {}
+        eff = {n: sp.effective(ctx, stored.get(n)) for n, sp in specs.items()}
+        tx = optax.with_extra_args_support(factory(**eff, **static))
+        return tx, _pack([eff[n] for n in scheduled_names])
+
+    def init(params: Any) -> HyperState:
+        params = parameters(params)
+        ctx = initial_context()
+        values = _pack([_scalar(specs[n].rate.value) for n in names])
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
+            tx, scheduled = build(ctx, values)
+            return HyperState(ctx, values, scheduled, tx.init(params), names, scheduled_names)
+
+    def update(
+        updates: Any,
+        state: Any,
+        params: Any = None,
+        *,
+        minibatch_size: Any = None,
+        loss: Any = None,
+        **extra: Any,
+    ) -> tuple[Any, HyperState]:
+        if params is not None:
+            params = parameters(params)
+            check_gradients(updates, params)
+        ctx = current(state.context, minibatch_size, loss)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
+            tx, scheduled = build(ctx, state.values)
+            new_updates, inner = tx.update(updates, state.inner, params, **extra)
+        # float32 hyperparameters must not promote bfloat16 moments or updates: a state
+        # whose dtypes drift would recompile the jitted step on its second call.
+        inner = jax.tree.map(_like, inner, state.inner)
+        new_updates = jax.tree.map(_like, new_updates, updates)
+        return new_updates, state.replace(context=advance(ctx), scheduled=scheduled, inner=inner)
+
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+
+
+def _like(new: Any, old: Any) -> Any:
+    dtype = getattr(old, "dtype", None)
+    return new if dtype is None or new.dtype == dtype else new.astype(dtype)
+
+
+def _is_hyper(x: Any) -> bool:
+    return isinstance(x, HyperState)
+
+
+def _label(path: tuple) -> str:
+    for key in reversed(path):
+        if isinstance(key, jax.tree_util.DictKey):
+            return str(key.key)
+    return jax.tree_util.keystr(path)
+
+
+def _entries(state: Any) -> list[tuple[str, str, bool, Any]]:
+    """(label, name, settable, value) for every hyperparameter in the state."""
+    found = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_hyper)[0]
+    out = []
+    for path, node in found:
+        if not _is_hyper(node):
+            continue
+        label = _label(path)
+        out += [(label, n, True, node.values[i]) for i, n in enumerate(node.names)]
+        out += [(label, n, False, node.scheduled[i]) for i, n in enumerate(node.scheduled_names)]
+    return out
+
+
+def _keys(entries: list[tuple[str, str, bool, Any]]) -> list[str]:
+    counts: dict[str, int] = {}
+    for _, name, _, _ in entries:
+        counts[name] = counts.get(name, 0) + 1
+    return [name if counts[name] == 1 else f"{label}/{name}" for label, name, _, _ in entries]
+
+
+def hyperparameters(state: Any) -> dict[str, jax.Array]:
+    """Current hyperparameter values by name (a name used twice is prefixed by its group).
+
+    Numbers read as stored (a ``per_samples(v, n)`` rate reads ``v``); scheduled ones
+    read the value the latest step used.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> state = ft.optim.adam(1e-3).init({"w": jnp.ones(2)})
+      >>> sorted(ft.optim.hyperparameters(state))
+      ['beta1', 'beta2', 'epsilon', 'learning_rate']
+      >>> state = ft.optim.set_hyperparameters(state, learning_rate=1e-4)
+      >>> ft.optim.hyperparameters(state)["learning_rate"]
+      Array(0.0001, dtype=float32)
+    """
+    entries = _entries(state)
+    return {k: e[3] for k, e in zip(_keys(entries), entries)}
+
+
+def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **changes: Any) -> Any:
+    """A new state with hyperparameters changed; jitted steps do not recompile.
+
+    A bare name (``learning_rate``) changes it everywhere in the state; a qualified name
+    (``"head.*/learning_rate"``, as :func:`hyperparameters` lists it) changes one group's.
+    """
+    changes = {**(values or {}), **changes}
+    entries = _entries(state)
+    keys = _keys(entries)
+    todo: dict[tuple[str, str], Any] = {}
+    for key, value in changes.items():
+        hits = [e for k, e in zip(keys, entries) if k == key or e[1] == key]
+        if not hits:
+            raise KeyError(UNKNOWN_HYPERPARAMETER.format(name=key, known=sorted(set(keys))))
+        for label, name, settable, _ in hits:
+            if not settable:
+                raise ValueError(SCHEDULED_HYPERPARAMETER.format(name=name))
+            _validate("set_hyperparameters", name, value)
+            if np.ndim(value) != 0:
+                raise ValueError(BAD_HYPERPARAMETER_SHAPE.format(name=key, shape=np.shape(value)))
+            todo[(label, name)] = _scalar(value)
+
+    def replace(path: tuple, node: Any) -> Any:
+        if not _is_hyper(node):
+            return node
+        label = _label(path)
+        hits = [(i, todo[(label, n)]) for i, n in enumerate(node.names) if (label, n) in todo]
+        if not hits:
+            return node
+        values = node.values
+        for i, v in hits:
+            values = values.at[i].set(v)
+        return node.replace(values=values)
+
+    return jax.tree_util.tree_map_with_path(replace, state, is_leaf=_is_hyper)

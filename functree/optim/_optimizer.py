@@ -1,0 +1,419 @@
+"""``ft.optim.Optimizer``: optax numerics behind TF RFC 234's overridable ``minimize`` hooks.
+
+``minimize`` runs, in order (each step is a method a subclass overrides, or a function
+given to the constructor)::
+
+    transform_loss(loss)                          # e.g. loss scaling
+    get_gradients(loss_fn, model, *batch)         # → (loss, grads), grads = ∇ transform_loss(loss)
+    transform_unaggregated_gradients(grads)       # per replica, before the all-reduce
+    aggregate_gradients(grads)                    # mean over the data-parallel axis, if bound
+    transform_gradients(grads)                    # e.g. clipping
+    update(grads, state, model) → (updates, state)   # the optax transformation
+    apply_updates(model, updates) → model         # ft.move(model, along=updates)
+
+Everything is pure: the optimizer object holds configuration only, the state is a pytree
+of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functree._operators import value_with_gradient
+from functree._parameters import parameters
+from functree._tangent import move
+from functree.optim._checks import check_gradients
+from functree.optim._context import LearningContext, advance, contexts, current, initial_context
+
+__all__ = ["Optimizer", "OptimizerWrapper", "ContextState", "with_context"]
+
+FROZEN_OPTIMIZER = """\
+Optimizers are immutable; build a new one instead of assigning {name!r}:
+
+    wrong:  opt.{name} = ...
+    right:  opt = ft.optim.Optimizer(transform, {name}=...)
+"""
+
+NOT_A_TRANSFORM = """\
+ft.optim.Optimizer needs an optax GradientTransformation (an object with init and update), \
+got {given}.
+
+    right:  ft.optim.Optimizer(ft.optim.adam(1e-3))
+       or:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
+"""
+
+STATEFUL_HOOK = """\
+{hook}= takes functions from a gradient tree to a gradient tree; got the optax \
+transformation {given}, which has state. Chain it into the transform instead:
+
+    wrong:  ft.optim.Optimizer(ft.optim.adam(), {hook}=optax.clip_by_global_norm(1.0))
+    right:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), ft.optim.adam()))
+"""
+
+BAD_ACCUMULATION = """\
+accumulate={k} needs the batch's leading dimension to be a multiple of {k}; \
+the leaf at {path} has shape {shape}.
+Each step splits the batch into {k} microbatches and averages their gradients:
+
+    right:  opt.minimize(loss_fn, model, state, x[: {k} * (len(x) // {k})], ...)
+"""
+
+
+class ContextState(NamedTuple):
+    """State of a transformation that had no learning context of its own."""
+
+    context: LearningContext
+    inner: Any
+
+
+def _present(**extra: Any) -> dict[str, Any]:
+    return {k: v for k, v in extra.items() if v is not None}
+
+
+def with_context(transform: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``transform`` taking ``minibatch_size=``/``loss=`` and keeping a learning context.
+
+    A transformation whose state already holds one (any functree optimizer) is only
+    given extra-argument support; any other optax transformation gets a
+    :class:`ContextState` around its state. ``init`` takes a Module (its parameter view).
+    """
+    inner = optax.with_extra_args_support(transform)
+
+    def init(params: Any) -> Any:
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
+            state = inner.init(parameters(params))
+        return state if contexts(state) else ContextState(initial_context(), state)
+
+    def update(
+        updates: Any, state: Any, params: Any = None, *, minibatch_size: Any = None, loss: Any = None, **extra: Any
+    ) -> tuple[Any, Any]:
+        grads = updates
+        if params is not None:
+            params = parameters(params)
+            check_gradients(grads, params)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
+            if isinstance(state, ContextState):
+                ctx = current(state.context, minibatch_size, loss)
+                out, new = inner.update(grads, state.inner, params, **extra)
+                return out, ContextState(advance(ctx), new)
+            extra.update(_present(minibatch_size=minibatch_size, loss=loss))
+            return inner.update(grads, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+
+
+def _hooks(hook: str, fns: Any) -> tuple[Callable[[Any], Any], ...]:
+    if fns is None:
+        return ()
+    if callable(fns) and not isinstance(fns, optax.GradientTransformation):
+        fns = (fns,)
+    if isinstance(fns, optax.GradientTransformation):
+        raise TypeError(STATEFUL_HOOK.format(hook=hook, given=type(fns).__name__))
+    fns = tuple(fns)
+    for f in fns:
+        if isinstance(f, optax.GradientTransformation) or not callable(f):
+            raise TypeError(STATEFUL_HOOK.format(hook=hook, given=type(f).__name__))
+    return fns
+
+
+def _chain(fns: Sequence[Callable[[Any], Any]], grads: Any) -> Any:
+    for f in fns:
+        grads = f(grads)
+    return grads
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def leading_dimension(batch: Sequence[Any]) -> int:
+    """The minibatch size of ``batch``: the leading dimension of its first array (1 if none)."""
+    for leaf in jax.tree.leaves(batch):
+        shape = getattr(leaf, "shape", ())
+        if len(shape) >= 1:
+            return int(shape[0])
+    return 1
+
+
+def pmean_if_bound(grads: Any, axis_name: Any) -> Any:
+    """Mean of ``grads`` over ``axis_name`` when that axis is bound (vmap/shard_map/pmap)."""
+    if axis_name is None:
+        return grads
+    try:
+        return jax.lax.pmean(grads, axis_name)
+    except NameError:  # the axis is not bound here: a single replica
+        return grads
+
+
+class Optimizer:
+    """An optimizer with TF RFC 234's overridable ``minimize`` hooks, over an optax transform.
+
+    Args:
+      transform: any optax ``GradientTransformation`` (``ft.optim.adam(...)``,
+        ``optax.adam(...)``, chains, groups ...). A transform without a learning context
+        gets one.
+      transform_loss: ``loss -> loss`` applied before differentiation.
+      get_gradients: ``(loss_fn, model, *batch, has_aux=) -> (loss_or_(loss, aux), grads)``.
+      transform_unaggregated_gradients: ``grads -> grads`` (or a sequence, applied in
+        order) before aggregation.
+      aggregate_gradients: ``grads -> grads``; default: mean over ``axis_name`` when bound.
+      transform_gradients: ``grads -> grads`` (or a sequence) after aggregation, e.g.
+        clipping.
+      apply_updates: ``(model, updates) -> model``; default ``ft.move(model, along=updates)``.
+      axis_name: the data-parallel axis name (for the default aggregation).
+      accumulate: split each batch into this many microbatches along its leading axis and
+        average their gradients inside the step (``lax.scan``: memory of one microbatch);
+        one optimizer step per call, ``samples_seen`` grows by the whole batch.
+
+    ``minimize`` returns ``(model, state, loss)`` or ``(model, state, (loss, aux))``; with
+    ``accumulate`` the loss is the microbatches' mean and ``aux`` is stacked.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+      >>> clip = lambda grads: ft.tree_map(lambda g: jnp.clip(g, -1.0, 1.0), grads)
+      >>> opt = ft.optim.Optimizer(ft.optim.sgd(0.1), transform_gradients=clip)
+      >>> state = opt.init(model)
+      >>> loss_fn = lambda m, x, y: ((m(x) - y) ** 2).mean()
+      >>> step = ft.jit(lambda m, s, x, y: opt.minimize(loss_fn, m, s, x, y), donate=(0, 1))
+      >>> x, y = jnp.ones((8, 3)), jnp.ones((8, 1))
+      >>> for _ in range(50):
+      ...     model, state, loss = step(model, state, x, y)
+      >>> bool(loss < 1e-3), int(ft.optim.context(state).samples_seen)
+      (True, 400)
+    """
+
+    _transform: optax.GradientTransformationExtraArgs
+    _raw_transform: optax.GradientTransformation
+    _transform_loss: Callable[[Any], Any] | None
+    _get_gradients: Callable[..., Any] | None
+    _unaggregated: tuple[Callable[[Any], Any], ...]
+    _aggregate: Callable[[Any], Any] | None
+    _transform_gradients: tuple[Callable[[Any], Any], ...]
+    _apply_updates: Callable[[Any, Any], Any] | None
+    _axis_name: Any
+    _accumulate: int
+
+    def __init__(
+        self,
+        transform: optax.GradientTransformation,
+        *,
+        transform_loss: Callable[[Any], Any] | None = None,
+        get_gradients: Callable[..., Any] | None = None,
+        transform_unaggregated_gradients: Any = (),
+        aggregate_gradients: Callable[[Any], Any] | None = None,
+        transform_gradients: Any = (),
+        apply_updates: Callable[[Any, Any], Any] | None = None,
+        axis_name: Any = None,
+        accumulate: int = 1,
+    ):
+        if not (hasattr(transform, "init") and hasattr(transform, "update")):
+            raise TypeError(NOT_A_TRANSFORM.format(given=type(transform).__name__))
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be a positive int (microbatches per step), got {accumulate!r}.")
+        set_ = object.__setattr__
+        set_(self, "_transform", with_context(transform))
+        set_(self, "_raw_transform", transform)
+        set_(self, "_transform_loss", transform_loss)
+        set_(self, "_get_gradients", get_gradients)
+        set_(self, "_unaggregated", _hooks("transform_unaggregated_gradients", transform_unaggregated_gradients))
+        set_(self, "_aggregate", aggregate_gradients)
+        set_(self, "_transform_gradients", _hooks("transform_gradients", transform_gradients))
+        set_(self, "_apply_updates", apply_updates)
+        set_(self, "_axis_name", axis_name)
+        set_(self, "_accumulate", accumulate)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(FROZEN_OPTIMIZER.format(name=name))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._raw_transform!r})"
+
+    # --- configuration, read by the orchestration (wrappers delegate these) ---------------
+    @property
+    def transform(self) -> optax.GradientTransformationExtraArgs:
+        """The optax transformation (with learning-context support)."""
+        return self._transform
+
+    @property
+    def accumulate(self) -> int:
+        """Microbatches per step."""
+        return self._accumulate
+
+    # --- state ---------------------------------------------------------------------------
+    def init(self, model: Any) -> Any:
+        """The optimizer state for ``model`` (a Module or pytree; its parameter view is used)."""
+        return self.transform.init(model)
+
+    def update(self, grads: Any, state: Any, model: Any = None, **extra: Any) -> tuple[Any, Any]:
+        """``(updates, state)``; ``extra`` holds ``minibatch_size=``/``loss=`` (optax extra args)."""
+        return self.transform.update(grads, state, model, **extra)
+
+    # --- RFC 234 hooks -------------------------------------------------------------------
+    def transform_loss(self, loss: Any) -> Any:
+        """The loss that is differentiated (identity by default)."""
+        return loss if self._transform_loss is None else self._transform_loss(loss)
+
+    def get_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
+                      state: Any = None) -> tuple[Any, Any]:
+        """``(loss, grads)`` or ``((loss, aux), grads)``: grads of ``transform_loss(loss_fn(model, *batch))``."""
+        if self._get_gradients is not None:
+            return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux)
+
+        def objective(m: Any) -> tuple[Any, Any]:
+            out = loss_fn(m, *batch)
+            return self.transform_loss(out[0] if has_aux else out), out
+
+        (_, out), grads = value_with_gradient(objective, at=model, has_aux=True)
+        return out, grads
+
+    def transform_unaggregated_gradients(self, grads: Any) -> Any:
+        """Per-replica gradient transforms, before aggregation."""
+        return _chain(self._unaggregated, grads)
+
+    def aggregate_gradients(self, grads: Any) -> Any:
+        """The data-parallel all-reduce: mean over ``axis_name`` when bound, else identity."""
+        if self._aggregate is not None:
+            return self._aggregate(grads)
+        return pmean_if_bound(grads, self._axis_name)
+
+    def transform_gradients(self, grads: Any) -> Any:
+        """Gradient transforms after aggregation (clipping, ...)."""
+        return _chain(self._transform_gradients, grads)
+
+    def apply_updates(self, model: Any, updates: Any) -> Any:
+        """``ft.move(model, along=updates)`` by default."""
+        if self._apply_updates is not None:
+            return self._apply_updates(model, updates)
+        return move(model, along=updates)
+
+    # --- orchestration -------------------------------------------------------------------
+    def compute_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
+                          state: Any = None) -> tuple[Any, Any]:
+        """``(loss, grads)`` after the gradient hooks (``((loss, aux), grads)`` with ``has_aux``)."""
+        if self.accumulate > 1:
+            out, grads = self._accumulated_gradients(loss_fn, model, batch, has_aux, state)
+        else:
+            out, grads = self.get_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state)
+        grads = self.transform_unaggregated_gradients(grads)
+        grads = self.aggregate_gradients(grads)
+        return out, self.transform_gradients(grads)
+
+    def apply_gradients(self, grads: Any, model: Any, state: Any, *, minibatch_size: Any = None,
+                        loss: Any = None) -> tuple[Any, Any]:
+        """``(model, state)`` after one optimizer step along ``grads``."""
+        updates, state = self.update(grads, state, model, **_present(minibatch_size=minibatch_size, loss=loss))
+        return self.apply_updates(model, updates), state
+
+    def minimize(self, loss_fn: Callable[..., Any], model: Any, state: Any, *batch: Any, has_aux: bool = False,
+                 minibatch_size: Any = None) -> tuple[Any, Any, Any]:
+        """One step on ``loss_fn(model, *batch)``: ``(model, state, loss)`` or ``(..., (loss, aux))``.
+
+        Advances the learning context by one step and ``minibatch_size`` samples (the
+        batch's leading dimension unless given) and stores the loss in it.
+        """
+        if minibatch_size is None:
+            minibatch_size = leading_dimension(batch)
+        out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state)
+        loss = out[0] if has_aux else out
+        model, state = self.apply_gradients(grads, model, state, minibatch_size=minibatch_size, loss=loss)
+        return model, state, out
+
+    def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
+                               state: Any) -> tuple[Any, Any]:
+        k = self.accumulate
+        micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
+
+        def body(total: Any, mb: tuple) -> tuple[Any, Any]:
+            out, grads = self.get_gradients(loss_fn, model, *mb, has_aux=has_aux, state=state)
+            return jax.tree.map(jnp.add, total, grads), out
+
+        zeros = jax.tree.map(jnp.zeros_like, parameters(model))
+        total, outs = jax.lax.scan(body, zeros, micro)
+        grads = jax.tree.map(lambda g: g / k, total)
+        if has_aux:
+            return (jnp.mean(outs[0]), outs[1]), grads
+        return jnp.mean(outs), grads
+
+
+def _split(path: Any, x: Any, k: int) -> Any:
+    shape = jnp.shape(x)
+    if not shape or shape[0] % k:
+        raise ValueError(BAD_ACCUMULATION.format(k=k, path=jax.tree_util.keystr(path) or "<root>", shape=shape))
+    return jnp.reshape(x, (k, shape[0] // k, *shape[1:]))
+
+
+class OptimizerWrapper(Optimizer):
+    """An Optimizer that delegates every hook to ``inner``; subclasses override some.
+
+    Wrappers compose: ``LossScaleOptimizer(OptimizerWrapper(Optimizer(adam())))``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> class Halve(ft.optim.OptimizerWrapper):
+      ...     def transform_gradients(self, grads):
+      ...         return ft.tree_map(lambda g: g / 2, super().transform_gradients(grads))
+      >>> opt = Halve(ft.optim.Optimizer(ft.optim.sgd(1.0)))
+      >>> w, state = {"w": jnp.zeros(())}, None
+      >>> state = opt.init(w)
+      >>> w, state, loss = opt.minimize(lambda w: w["w"] * 4.0, w, state)
+      >>> w["w"]
+      Array(-2., dtype=float32)
+    """
+
+    inner: Optimizer
+
+    def __init__(self, inner: Optimizer):
+        if not isinstance(inner, Optimizer):
+            raise TypeError(f"{type(self).__name__} wraps an ft.optim.Optimizer, got {type(inner).__name__}.")
+        object.__setattr__(self, "inner", inner)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
+
+    @property
+    def transform(self) -> optax.GradientTransformationExtraArgs:
+        return self.inner.transform
+
+    @property
+    def accumulate(self) -> int:
+        return self.inner.accumulate
+
+    def init(self, model: Any) -> Any:
+        return self.inner.init(model)
+
+    def update(self, grads: Any, state: Any, model: Any = None, **extra: Any) -> tuple[Any, Any]:
+        return self.inner.update(grads, state, model, **extra)
+
+    def transform_loss(self, loss: Any) -> Any:
+        return self.inner.transform_loss(loss)
+
+    def get_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
+                      state: Any = None) -> tuple[Any, Any]:
+        # The inner get_gradients differentiates inner.transform_loss; route ours through it.
+        if type(self).transform_loss is OptimizerWrapper.transform_loss:
+            return self.inner.get_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state)
+
+        def objective(m: Any, *b: Any) -> tuple[Any, Any]:
+            out = loss_fn(m, *b)
+            return self.transform_loss(out[0] if has_aux else out), out
+
+        (_, out), grads = self.inner.get_gradients(objective, model, *batch, has_aux=True, state=state)
+        return out, grads
+
+    def transform_unaggregated_gradients(self, grads: Any) -> Any:
+        return self.inner.transform_unaggregated_gradients(grads)
+
+    def aggregate_gradients(self, grads: Any) -> Any:
+        return self.inner.aggregate_gradients(grads)
+
+    def transform_gradients(self, grads: Any) -> Any:
+        return self.inner.transform_gradients(grads)
+
+    def apply_updates(self, model: Any, updates: Any) -> Any:
+        return self.inner.apply_updates(model, updates)

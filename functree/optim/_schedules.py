@@ -1,0 +1,157 @@
+"""Schedules: callables of the learning context, reusing optax's schedule numerics.
+
+A schedule maps a :class:`~functree.optim.LearningContext` to a value. ``unit`` picks the
+counter that drives it: ``"steps"`` (optimizer steps), ``"samples"`` (examples seen) or
+``"sweeps"`` (epochs, advanced by :func:`~functree.optim.next_sweep`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from functree.optim._context import LearningContext
+
+__all__ = [
+    "schedule",
+    "constant",
+    "piecewise",
+    "exponential_decay",
+    "cosine_decay",
+    "linear_warmup",
+    "warmup_cosine_decay",
+    "inverse_time_decay",
+]
+
+UNITS = ("steps", "samples", "sweeps")
+
+BAD_UNIT = """\
+unit={unit!r} is not a learning-context counter; use one of {units}:
+
+    right:  ft.optim.piecewise([(100, 1e-2), (1, 1e-3)], unit="sweeps")
+"""
+
+BAD_PIECEWISE = """\
+ft.optim.piecewise takes (count, value) pairs with positive counts; got {pairs!r}.
+Each pair holds its value for `count` units; the last value holds afterwards:
+
+    right:  ft.optim.piecewise([(1000, 1e-2), (1000, 1e-3), (1, 1e-4)], unit="samples")
+"""
+
+
+def counter(ctx: LearningContext, unit: str) -> jax.Array:
+    """The context's count in ``unit``."""
+    if unit == "steps":
+        return ctx.step
+    if unit == "samples":
+        return ctx.samples_seen
+    return ctx.sweep
+
+
+def _check_unit(unit: str) -> None:
+    if unit not in UNITS:
+        raise ValueError(BAD_UNIT.format(unit=unit, units=UNITS))
+
+
+def schedule(fn: Callable[[Any], Any], unit: str = "steps") -> Callable[[LearningContext], Any]:
+    """Drive a count-based schedule (any optax schedule) by a learning-context counter.
+
+    Example:
+      >>> import functree as ft, optax
+      >>> lr = ft.optim.schedule(optax.linear_schedule(1.0, 0.0, 10), unit="sweeps")
+      >>> tx = ft.optim.sgd(lr)
+    """
+    _check_unit(unit)
+
+    def at(ctx: LearningContext) -> Any:
+        with jax.numpy_dtype_promotion("standard"):  # optax schedules mix int counts and floats
+            return fn(counter(ctx, unit))
+
+    at.__qualname__ = f"schedule({getattr(fn, '__name__', 'fn')}, unit={unit!r})"
+    return at
+
+
+def constant(value: float) -> Callable[[LearningContext], Any]:
+    """``value`` at every step (a schedule; a plain number is settable instead)."""
+    return lambda ctx: jnp.asarray(value, jnp.float32)
+
+
+def piecewise(pairs: Sequence[tuple[int, float]], unit: str = "steps") -> Callable[[LearningContext], Any]:
+    """CNTK's schedule list: each ``(count, value)`` holds for ``count`` units, in order.
+
+    .. math:: v(c) = v_i \\text{ for } \\textstyle\\sum_{j<i} n_j \\le c < \\sum_{j\\le i} n_j,
+       \\text{ the last } v \\text{ afterwards}
+
+    Example:
+      >>> import functree as ft
+      >>> lr = ft.optim.piecewise([(2, 0.1), (3, 0.01), (1, 0.001)], unit="steps")
+      >>> ctx = ft.optim.initial_context()
+      >>> [round(float(lr(ctx.replace(step=s))), 6) for s in range(7)]
+      [0.1, 0.1, 0.01, 0.01, 0.01, 0.001, 0.001]
+    """
+    _check_unit(unit)
+    pairs = list(pairs)
+    if not pairs or any(len(p) != 2 or int(p[0]) <= 0 for p in pairs):
+        raise ValueError(BAD_PIECEWISE.format(pairs=pairs))
+    ends = jnp.asarray(np.cumsum([int(c) for c, _ in pairs])[:-1], jnp.int32)
+    values = jnp.asarray([float(v) for _, v in pairs], jnp.float32)
+
+    def at(ctx: LearningContext) -> jax.Array:
+        index = jnp.sum(counter(ctx, unit) >= ends)
+        return values[index]
+
+    return at
+
+
+def exponential_decay(
+    init_value: float, transition_steps: int, decay_rate: float, *, staircase: bool = False,
+    end_value: float | None = None, unit: str = "steps",
+) -> Callable[[LearningContext], Any]:
+    """``init_value · decay_rate^(c / transition_steps)`` (``optax.exponential_decay``)."""
+    return schedule(
+        optax.exponential_decay(init_value, transition_steps, decay_rate, staircase=staircase, end_value=end_value),
+        unit,
+    )
+
+
+def cosine_decay(
+    init_value: float, decay_steps: int, alpha: float = 0.0, *, unit: str = "steps"
+) -> Callable[[LearningContext], Any]:
+    """``init · ((1-α)·½(1 + cos(π c / decay_steps)) + α)`` (``optax.cosine_decay_schedule``)."""
+    return schedule(optax.cosine_decay_schedule(init_value, decay_steps, alpha), unit)
+
+
+def linear_warmup(
+    peak_value: float, warmup_steps: int, init_value: float = 0.0, *, unit: str = "steps"
+) -> Callable[[LearningContext], Any]:
+    """Linear from ``init_value`` to ``peak_value`` over ``warmup_steps``, then constant."""
+    return schedule(optax.linear_schedule(init_value, peak_value, warmup_steps), unit)
+
+
+def warmup_cosine_decay(
+    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int,
+    end_value: float = 0.0, *, unit: str = "steps",
+) -> Callable[[LearningContext], Any]:
+    """Linear warmup to ``peak_value``, then cosine decay to ``end_value`` at ``decay_steps``.
+
+    Example:
+      >>> import functree as ft
+      >>> lr = ft.optim.warmup_cosine_decay(0.0, 1.0, warmup_steps=10, decay_steps=100)
+      >>> float(lr(ft.optim.initial_context().replace(step=10)))
+      1.0
+    """
+    return schedule(
+        optax.warmup_cosine_decay_schedule(init_value, peak_value, warmup_steps, decay_steps, end_value),
+        unit,
+    )
+
+
+def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") -> Callable[[LearningContext], Any]:
+    """swift-apis' learning-rate ``decay``: ``init_value / (1 + decay · c)``."""
+    _check_unit(unit)
+    return lambda ctx: init_value / (1.0 + decay * counter(ctx, unit).astype(jnp.float32))

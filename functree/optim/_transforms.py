@@ -1,0 +1,322 @@
+"""Gradient transformations optax lacks, or needs the learning context for (CNTK's options).
+
+All are optax transformations taking ``minibatch_size=``/``loss=`` extra arguments; their
+thresholds, weights and noise scales are hyperparameters (numbers, schedules, rates).
+Chain them with an optimizer: ``optax.chain(ft.optim.clip_by_norm(1.0), ft.optim.adam())``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functree._operators import value_with_gradient
+from functree._parameters import select
+from functree.optim._aliases import DEFAULT_NO_DECAY
+from functree.optim._context import LearningContext
+from functree.optim._hyper import inject
+
+__all__ = [
+    "clip",
+    "clip_by_norm",
+    "clip_by_global_norm",
+    "clip_per_sample",
+    "per_example_clipping",
+    "l1_regularization",
+    "l2_regularization",
+    "weight_decay",
+    "add_parameter_noise",
+    "add_gradient_noise",
+    "skip_non_finite",
+    "freeze",
+    "reduce_on_plateau",
+]
+
+NEEDS_PARAMS = """\
+{name} needs the parameters: pass the model to update.
+
+    wrong:  updates, state = tx.update(grads, state)
+    right:  updates, state = tx.update(grads, state, model)
+"""
+
+NEEDS_LOSS = """\
+ft.optim.reduce_on_plateau needs the loss of each step:
+
+    wrong:  updates, state = tx.update(grads, state, model)
+    right:  updates, state = tx.update(grads, state, model, loss=loss)
+       or:  model, state, loss = ft.optim.Optimizer(tx).minimize(loss_fn, model, state, *batch)
+"""
+
+
+def _stateless(fn: Callable[[Any, Any], Any], name: str, needs_params: bool = False) -> optax.GradientTransformation:
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if needs_params and params is None:
+            raise ValueError(NEEDS_PARAMS.format(name=name))
+        return fn(updates, params), state
+
+    def init(params: Any) -> optax.EmptyState:
+        return optax.EmptyState()
+
+    return optax.GradientTransformation(init, update)
+
+
+def clip(threshold: Any) -> optax.GradientTransformationExtraArgs:
+    """Elementwise truncation: ``g ← clip(g, −t, t)`` (``optax.clip``)."""
+    return inject("ft.optim.clip", lambda threshold: optax.clip(threshold), {"threshold": threshold})
+
+
+def _clip_tensor(g: Any, t: Any) -> Any:
+    norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
+    factor = jnp.minimum(1.0, t / jnp.maximum(norm, 1e-30))
+    return (g * factor).astype(g.dtype)
+
+
+def clip_by_norm(threshold: Any) -> optax.GradientTransformationExtraArgs:
+    """Per-tensor norm clipping: ``g ← g · min(1, t / ‖g‖₂)`` for each parameter separately.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.clip_by_norm(1.0)
+      >>> g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.3, 0.4])}
+      >>> tx.update(g, tx.init(g))[0]
+      {'a': Array([0.6, 0.8], dtype=float32), 'b': Array([0.3, 0.4], dtype=float32)}
+    """
+
+    def factory(threshold: Any) -> Any:
+        return _stateless(lambda g, _: jax.tree.map(lambda x: _clip_tensor(x, threshold), g), "clip_by_norm")
+
+    return inject("ft.optim.clip_by_norm", factory, {"threshold": threshold})
+
+
+def clip_by_global_norm(threshold: Any) -> optax.GradientTransformationExtraArgs:
+    """Global norm clipping: ``g ← g · min(1, t / ‖g‖)`` over all parameters (optax)."""
+    return inject("ft.optim.clip_by_global_norm", lambda threshold: optax.clip_by_global_norm(threshold),
+                  {"threshold": threshold})
+
+
+def clip_per_sample(threshold: Any, *, truncation: bool = True) -> optax.GradientTransformationExtraArgs:
+    """CNTK's ``gradient_clipping_threshold_per_sample``: clip the *summed* gradient.
+
+    The minibatch's summed gradient ``M ḡ`` is clipped at ``t · M`` (``M`` from the
+    learning context), elementwise (``truncation=True``) or by each tensor's norm; the
+    result is divided by ``M`` again. Since functree gradients are means, this equals
+    clipping the mean gradient at ``t``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.clip_per_sample(0.5)
+      >>> g = {"w": jnp.array([0.2, 2.0])}
+      >>> tx.update(g, tx.init(g), minibatch_size=10)[0]["w"]
+      Array([0.2, 0.5], dtype=float32)
+    """
+
+    def factory(threshold: Any, minibatch: Any) -> Any:
+        def fn(g: Any, _: Any) -> Any:
+            def one(x: Any) -> Any:
+                total = x * minibatch
+                limit = threshold * minibatch
+                clipped = jnp.clip(total, -limit, limit) if truncation else _clip_tensor(total, limit)
+                return (clipped / minibatch).astype(x.dtype)
+
+            return jax.tree.map(one, g)
+
+        return _stateless(fn, "clip_per_sample")
+
+    minibatch = _MinibatchSize()
+    return inject("ft.optim.clip_per_sample", factory, {"threshold": threshold, "minibatch": minibatch})
+
+
+class _MinibatchSize:
+    """A schedule returning the context's minibatch size (internal)."""
+
+    def __call__(self, ctx: LearningContext) -> jax.Array:
+        return ctx.minibatch_size.astype(jnp.float32)
+
+
+def per_example_clipping(threshold: float) -> Callable[..., Any]:
+    """A ``get_gradients`` hook: clip each example's gradient to global norm ``t``, then average.
+
+    .. math:: g = \\frac{1}{M} \\sum_i g_i \\min(1, t / \\|g_i\\|)
+
+    Per-example gradients come from ``vmap`` over the batch's leading axis (each example
+    is given to ``loss_fn`` as a batch of one). Used for differential privacy.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> opt = ft.optim.Optimizer(ft.optim.sgd(1.0), get_gradients=ft.optim.per_example_clipping(1.0))
+      >>> w = {"w": jnp.zeros(())}
+      >>> x = jnp.array([1.0, 100.0])          # example gradients: -1 and -100
+      >>> w, state, loss = opt.minimize(lambda p, x: -(p["w"] * x).mean(), w, opt.init(w), x)
+      >>> w["w"]                               # mean of clipped: (1 + 1) / 2
+      Array(1., dtype=float32)
+    """
+    if not threshold > 0:
+        raise ValueError(f"per_example_clipping: threshold must be > 0, got {threshold!r}.")
+
+    def get_gradients(loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False) -> Any:
+        def one(example: tuple) -> Any:
+            single = jax.tree.map(lambda x: x[None], example)
+            return value_with_gradient(lambda m: loss_fn(m, *single), at=model, has_aux=has_aux)
+
+        outs, grads = jax.vmap(one)(batch)
+        norms = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
+                             for g in jax.tree.leaves(grads)))
+        factor = jnp.minimum(1.0, threshold / jnp.maximum(norms, 1e-30))
+        mean = jax.tree.map(lambda g: jnp.tensordot(factor, g, axes=1).astype(g.dtype) / g.shape[0], grads)
+        if has_aux:
+            return (jnp.mean(outs[0]), outs[1]), mean
+        return jnp.mean(outs), mean
+
+    return get_gradients
+
+
+def l1_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
+    """L1 penalty ``λ‖w‖₁`` added to the gradient: ``g ← g + λ sign(w)``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx, w = ft.optim.l1_regularization(0.1), {"w": jnp.array([2.0, -3.0])}
+      >>> tx.update({"w": jnp.zeros(2)}, tx.init(w), w)[0]["w"]
+      Array([ 0.1, -0.1], dtype=float32)
+    """
+
+    def factory(weight: Any) -> Any:
+        return _stateless(lambda g, p: jax.tree.map(lambda g, w: g + weight * jnp.sign(w), g, p),
+                          "l1_regularization", needs_params=True)
+
+    return inject("ft.optim.l1_regularization", factory, {"weight": weight})
+
+
+def l2_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
+    """L2 penalty ``λ/2 ‖w‖²`` added to the gradient (seed 003): ``g ← g + λ w``."""
+
+    def factory(weight: Any) -> Any:
+        return _stateless(lambda g, p: jax.tree.map(lambda g, w: g + weight * w, g, p),
+                          "l2_regularization", needs_params=True)
+
+    return inject("ft.optim.l2_regularization", factory, {"weight": weight})
+
+
+def weight_decay(rate: Any, *, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> optax.GradientTransformationExtraArgs:
+    """Decoupled weight decay after the optimizer: ``u ← u − r w`` where no ``exclude`` glob matches.
+
+    Put it after the optimizer in a chain (``r`` is the per-step shrink factor, i.e.
+    ``η λ`` in AdamW's notation; give a schedule to follow the learning rate). By default
+    biases and normalization scales are not decayed.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.weight_decay(0.1)
+      >>> p = {"weight": jnp.ones(1), "bias": jnp.ones(1)}
+      >>> tx.update({"weight": jnp.zeros(1), "bias": jnp.zeros(1)}, tx.init(p), p)[0]
+      {'bias': Array([0.], dtype=float32), 'weight': Array([-0.1], dtype=float32)}
+    """
+    exclude = tuple(exclude)
+
+    def factory(weight_decay: Any) -> Any:
+        def fn(u: Any, p: Any) -> Any:
+            mask = select(p, "*", exclude=exclude)
+            return jax.tree.map(lambda u, w, m: u - weight_decay * w if m else u, u, p, mask)
+
+        return _stateless(fn, "weight_decay", needs_params=True)
+
+    return inject("ft.optim.weight_decay", factory, {"weight_decay": rate})
+
+
+class NoiseState(NamedTuple):
+    """The random key of a noise transformation."""
+
+    key: jax.Array
+
+
+def _split_like(key: jax.Array, tree: Any) -> tuple[jax.Array, Any]:
+    leaves, treedef = jax.tree.flatten(tree)
+    key, *keys = jax.random.split(key, len(leaves) + 1)
+    return key, jax.tree.unflatten(treedef, keys)
+
+
+def add_parameter_noise(std: Any, *, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+    """CNTK's ``gaussian_noise_injection_std_dev``: ``u ← u + 𝒩(0, σ²)``, after the update.
+
+    Put it last in a chain; the parameters move by the update plus fresh noise each step.
+    """
+
+    def factory(std: Any) -> Any:
+        def init(params: Any) -> NoiseState:
+            return NoiseState(jax.random.key(seed))
+
+        def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, NoiseState]:
+            key, keys = _split_like(state.key, updates)
+            noisy = jax.tree.map(lambda x, k: x + (std * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype),
+                                 updates, keys)
+            return noisy, NoiseState(key)
+
+        return optax.GradientTransformation(init, update)
+
+    return inject("ft.optim.add_parameter_noise", factory, {"std": std})
+
+
+def add_gradient_noise(eta: Any, gamma: float = 0.55, *, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+    """Annealed Gaussian gradient noise (``optax.add_noise``): ``g ← g + 𝒩(0, η / (1 + t)^γ)``."""
+    return inject("ft.optim.add_gradient_noise", lambda eta: optax.add_noise(eta, gamma, seed), {"eta": eta})
+
+
+def skip_non_finite(transform: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Skip steps with a NaN/Inf gradient: zero updates, inner state (and context) kept.
+
+    ``optax.apply_if_finite``; ``state.total_notfinite`` counts the skipped steps and
+    ``state.notfinite_count`` the consecutive ones. Without it, non-finite gradients
+    propagate into the parameters.
+    """
+    return optax.apply_if_finite(transform, max_consecutive_errors=2**31 - 1)  # pyright: ignore[reportReturnType]
+
+
+def freeze(*patterns: str) -> optax.GradientTransformationExtraArgs:
+    """Zero the updates of parameters whose dotted names match ``patterns`` (all if none given).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, optax
+      >>> tx = optax.chain(ft.optim.sgd(1.0), ft.optim.freeze("encoder.*"))
+      >>> p = {"encoder": {"w": jnp.ones(1)}, "head": jnp.ones(1)}
+      >>> tx.update(p, tx.init(p), p)[0]
+      {'encoder': {'w': Array([0.], dtype=float32)}, 'head': Array([-1.], dtype=float32)}
+    """
+    if not patterns:
+        return optax.with_extra_args_support(optax.set_to_zero())  # pyright: ignore[reportReturnType]
+    return optax.masked(optax.set_to_zero(), lambda params: select(params, *patterns))
+
+
+class PlateauState(NamedTuple):
+    """optax's reduce-on-plateau state; ``inner.scale`` multiplies the updates."""
+
+    inner: Any
+
+
+def reduce_on_plateau(
+    factor: float = 0.1, patience: int = 10, *, rtol: float = 1e-4, atol: float = 0.0, cooldown: int = 0,
+    accumulation_size: int = 1, min_scale: float = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    """Scale the updates by ``factor`` when the loss stops improving (``optax.contrib``).
+
+    Reads the loss each step from ``update(..., loss=)`` (``Optimizer.minimize`` passes
+    it). Put it after the optimizer: ``optax.chain(ft.optim.sgd(0.1), ft.optim.reduce_on_plateau())``.
+    Use ``accumulation_size`` to average noisy minibatch losses.
+    """
+    tx = optax.contrib.reduce_on_plateau(factor, patience, rtol, atol, cooldown, accumulation_size, min_scale)
+
+    def init(params: Any) -> PlateauState:
+        return PlateauState(tx.init(params))
+
+    def update(updates: Any, state: Any, params: Any = None, *, loss: Any = None,
+               **extra: Any) -> tuple[Any, PlateauState]:
+        if loss is None:
+            raise ValueError(NEEDS_LOSS)
+        with jax.numpy_dtype_promotion("standard"):  # optax.contrib mixes int counters and floats
+            updates, inner = tx.update(updates, state.inner, params, value=jnp.asarray(loss, jnp.float32))
+        return updates, PlateauState(inner)
+
+    return optax.GradientTransformationExtraArgs(init, update)

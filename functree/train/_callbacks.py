@@ -1,0 +1,289 @@
+"""Callbacks: seed 003's progress callback, called with the learning context.
+
+A callback sees a :class:`TrainingContext` (step, sweep, samples seen, minibatch size,
+learning rate, metrics) at every log interval (``on_log``), at the end of every epoch
+(``on_epoch_end``, with epoch means and validation metrics) and at the end of training.
+It may read and replace ``trainer.model`` / ``trainer.opt_state`` and set
+``trainer.stop_training = True``. A plain function ``fn(context)`` is called at every log
+interval and epoch end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from functree.optim import hyperparameters, set_hyperparameters
+
+if TYPE_CHECKING:
+    from functree.train._checkpoint import CheckpointManager
+    from functree.train._trainer import Trainer
+
+__all__ = [
+    "TrainingContext",
+    "Callback",
+    "EarlyStopping",
+    "ReduceLROnPlateau",
+    "ModelCheckpoint",
+    "HistoryLogger",
+    "as_callback",
+]
+
+MISSING_MONITOR = """\
+{who} monitors {monitor!r}, but the metrics at this point are {given}.
+Validation metrics need validation data; metric names come from Trainer(metrics=...):
+
+    wrong:  trainer.fit(data, callbacks=[{who}(monitor="val_loss")])
+    right:  trainer.fit(data, validation_data=val, callbacks=[{who}(monitor="val_loss")])"""
+
+BAD_MODE = """\
+{who}: mode must be "min" or "max", got {mode!r}.
+    right:  {who}(monitor="val_accuracy", mode="max")"""
+
+NO_LEARNING_RATE = """\
+ReduceLROnPlateau sets the learning rate through ft.optim.set_hyperparameters, but this \
+optimizer state has no settable learning rate ({error}).
+
+    wrong:  Trainer(model, optax.adam(1e-3), loss_fn)
+    right:  Trainer(model, ft.optim.Optimizer(ft.optim.adam(1e-3)), loss_fn)"""
+
+NOT_A_CALLBACK = """\
+A callback is a ft.train.Callback or a function of the TrainingContext, got {given}.
+    right:  callbacks=[ft.train.EarlyStopping(patience=3), lambda ctx: print(ctx.step)]"""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingContext:
+    """What callbacks see (host values, read at a log interval or an epoch end).
+
+    Attributes:
+      event: ``"log"``, ``"epoch"`` or ``"end"``.
+      step: training steps run by the Trainer (all ``fit`` calls).
+      sweep: the epoch (the learning context's sweep).
+      samples_seen: examples consumed by the optimizer steps taken.
+      minibatch_size: the size of the latest minibatch.
+      learning_rate: the current learning rate (None if the state has none).
+      metrics: means over the interval (``"log"``) or the epoch (``"epoch"``), with
+        ``val_*`` validation metrics at epoch ends.
+    """
+
+    event: str
+    step: int
+    sweep: int
+    samples_seen: int
+    minibatch_size: int
+    learning_rate: float | None
+    metrics: dict[str, float]
+
+
+class Callback:
+    """Base class: override any of the hooks (each does nothing by default)."""
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        """Before the first step of ``fit``."""
+
+    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
+        """At every log interval."""
+
+    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        """At the end of every epoch (after validation)."""
+
+    def on_train_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        """When ``fit`` ends (also when stopped early)."""
+
+
+class _FunctionCallback(Callback):
+    def __init__(self, fn: Callable[[TrainingContext], Any]):
+        self.fn = fn
+
+    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
+        self.fn(context)
+
+    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        self.fn(context)
+
+
+def as_callback(cb: Any) -> Callback:
+    """A :class:`Callback` from itself or from a function of the context."""
+    if isinstance(cb, Callback):
+        return cb
+    if callable(cb):
+        return _FunctionCallback(cb)
+    raise TypeError(NOT_A_CALLBACK.format(given=repr(cb)[:80]))
+
+
+class _Monitor:
+    """Tracks the best value of one metric and the epochs since it improved."""
+
+    def __init__(self, who: str, monitor: str, mode: str, min_delta: float):
+        if mode not in ("min", "max"):
+            raise ValueError(BAD_MODE.format(who=who, mode=mode))
+        self.who, self.monitor, self.mode, self.min_delta = who, monitor, mode, abs(min_delta)
+        self.best = math.inf if mode == "min" else -math.inf
+        self.wait = 0
+
+    def value(self, context: TrainingContext) -> float:
+        if self.monitor not in context.metrics:
+            raise ValueError(
+                MISSING_MONITOR.format(who=self.who, monitor=self.monitor, given=sorted(context.metrics))
+            )
+        return context.metrics[self.monitor]
+
+    def improved(self, value: float) -> bool:
+        """Record ``value``; True when it beats the best by more than ``min_delta``."""
+        better = (value < self.best - self.min_delta) if self.mode == "min" else (
+            value > self.best + self.min_delta
+        )
+        if better:
+            self.best, self.wait = value, 0
+        else:
+            self.wait += 1
+        return better
+
+
+def _copy(tree: Any) -> Any:
+    # The training step donates the model's buffers; a kept copy must own its own.
+    return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved for ``patience`` epochs.
+
+    With ``restore_best=True`` the trainer's model is set back to the best epoch's.
+
+    Example:
+      >>> import functree as ft
+      >>> stop = ft.train.EarlyStopping(monitor="val_loss", patience=2)
+    """
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 5, *, mode: str = "min",
+                 min_delta: float = 0.0, restore_best: bool = False):
+        self._monitor = _Monitor("EarlyStopping", monitor, mode, min_delta)
+        self.patience, self.restore_best = patience, restore_best
+        self.best_model: Any = None
+        self.stopped_epoch: int | None = None
+
+    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        if self._monitor.improved(self._monitor.value(context)):
+            if self.restore_best:
+                self.best_model = _copy(trainer.model)
+        elif self._monitor.wait >= self.patience:
+            trainer.stop_training = True
+            self.stopped_epoch = context.sweep
+            if self.restore_best and self.best_model is not None:
+                trainer.model = self.best_model
+
+
+class ReduceLROnPlateau(Callback):
+    """Multiply the learning rate by ``factor`` when ``monitor`` stalls for ``patience`` epochs.
+
+    The rate lives in the optimizer state (``ft.optim.set_hyperparameters``), so the
+    compiled step is reused: no recompilation.
+
+    Example:
+      >>> import functree as ft
+      >>> reduce = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)
+    """
+
+    def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 2, *,
+                 mode: str = "min", min_delta: float = 0.0, min_lr: float = 0.0, cooldown: int = 0):
+        if not 0 < factor < 1:
+            raise ValueError(f"ReduceLROnPlateau factor must be in (0, 1), got {factor!r}; e.g. factor=0.5.")
+        self._monitor = _Monitor("ReduceLROnPlateau", monitor, mode, min_delta)
+        self.factor, self.patience, self.min_lr, self.cooldown = factor, patience, min_lr, cooldown
+        self._cooling = 0
+
+    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        improved = self._monitor.improved(self._monitor.value(context))
+        if self._cooling > 0:
+            self._cooling -= 1
+            self._monitor.wait = 0
+            return
+        if improved or self._monitor.wait < self.patience:
+            return
+        try:
+            lr = float(hyperparameters(trainer.opt_state)["learning_rate"])
+            new = max(lr * self.factor, self.min_lr)
+            trainer.opt_state = set_hyperparameters(trainer.opt_state, learning_rate=new)
+        except (KeyError, ValueError) as e:
+            raise ValueError(NO_LEARNING_RATE.format(error=e)) from None
+        self._monitor.wait, self._cooling = 0, self.cooldown
+
+
+class ModelCheckpoint(Callback):
+    """Save the trainer (model, optimizer state, position, config) through a
+    :class:`CheckpointManager`: every epoch, or every ``every_steps`` steps at log
+    intervals, and at the end of training.
+
+    ``directory`` is a path or a :class:`CheckpointManager`; ``max_to_keep``,
+    ``best_metric`` and ``mode`` configure a manager built from a path.
+
+    Example:
+      >>> import functree as ft, tempfile
+      >>> save = ft.train.ModelCheckpoint(tempfile.mkdtemp() + "/ckpt", best_metric="val_loss")
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | CheckpointManager, *,
+                 every_steps: int | None = None, max_to_keep: int | None = 3,
+                 best_metric: str | None = None, mode: str = "min"):
+        from functree.train._checkpoint import CheckpointManager
+
+        if isinstance(directory, CheckpointManager):
+            self.manager = directory
+        else:
+            self.manager = CheckpointManager(directory, max_to_keep, best_metric, mode)
+        self.every_steps = every_steps
+        self._last_saved: int | None = None
+
+    def _save(self, trainer: Trainer, context: TrainingContext) -> None:
+        if self._last_saved == context.step:
+            return
+        best = self.manager.best_metric
+        if best is not None and best not in context.metrics:
+            return  # ranked checkpoints are written where the metric exists (epoch ends)
+        trainer.save(self.manager, metrics=context.metrics)
+        self._last_saved = context.step
+
+    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
+        if self.every_steps and (self._last_saved is None or context.step - self._last_saved >= self.every_steps):
+            self._save(trainer, context)
+
+    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        if not self.every_steps:
+            self._save(trainer, context)
+
+    def on_train_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        if self.manager.best_metric is None:
+            self._save(trainer, context)
+        self.manager.wait_until_finished()
+
+
+class HistoryLogger(Callback):
+    """Append every log and epoch record to a JSON-lines file (one object per line).
+
+    Example:
+      >>> import functree as ft, tempfile
+      >>> logger = ft.train.HistoryLogger(tempfile.mkdtemp() + "/history.jsonl")
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+
+    def _write(self, context: TrainingContext) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(dataclasses.asdict(context)) + "\n")
+
+    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
+        self._write(context)
+
+    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        self._write(context)

@@ -1,0 +1,221 @@
+"""Minibatches: seed 003's readers, with a minibatch size that may be a function.
+
+``ft.train.batches(arrays, batch_size, shuffle=True, key=...)`` cuts a tree of arrays
+(an array, a tuple ``(x, y)``, a dict) along its leading axis. Epoch ``e`` is shuffled by
+``jax.random.fold_in(key, e)``, so any epoch and any batch within it can be reproduced
+(exact resume). Arrays on an accelerator stay there (one gather per minibatch); arrays in
+host memory (NumPy, or jax arrays on the CPU backend) are sliced as NumPy views. Any other
+iterable of batches (NumPy arrays, tuples or dicts of arrays, a
+``torch.utils.data.DataLoader``, a ``tf.data.Dataset``) is accepted by the Trainer as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree._parameters import _leaf_names
+
+__all__ = ["batches", "Batches", "DataContext", "to_arrays"]
+
+LENGTH_MISMATCH = """\
+ft.train.batches: all arrays must have the same number of examples (leading axis), but \
+{first} has {n} and {name} has {m}.
+
+    wrong:  ft.train.batches((x[:100], y), 32)
+    right:  ft.train.batches((x, y), 32)          # x.shape[0] == y.shape[0]"""
+
+NO_ARRAYS = """\
+ft.train.batches needs arrays with a leading (example) axis, got {what}.
+
+    wrong:  ft.train.batches([], 32)
+    right:  ft.train.batches((x, y), 32)"""
+
+BAD_BATCH_SIZE = """\
+The minibatch size must be a positive int, got {size!r}{where}.
+
+    wrong:  ft.train.batches(data, batch_size={size!r})
+    right:  ft.train.batches(data, batch_size=32)
+       or:  ft.train.batches(data, batch_size=lambda c: 32 if c.sweep < 2 else 128)"""
+
+
+class DataContext(NamedTuple):
+    """What a functional minibatch size sees: seed 003's learning context, on the host."""
+
+    step: int  # minibatches read before this one (all epochs)
+    sweep: int  # the epoch
+    samples_seen: int  # examples read before this minibatch (all epochs)
+
+
+def _check_size(size: Any, where: str = "") -> int:
+    if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(BAD_BATCH_SIZE.format(size=size, where=where))
+    return int(size)
+
+
+class Batches:
+    """Re-iterable minibatches of a tree of arrays; see :func:`batches`."""
+
+    def __init__(
+        self,
+        arrays: Any,
+        batch_size: int | Callable[[DataContext], int],
+        *,
+        shuffle: bool,
+        key: jax.Array | None,
+        drop_last: bool,
+    ):
+        leaves = jax.tree.leaves(arrays)
+        if not leaves or any(np.ndim(x) == 0 for x in leaves):
+            raise ValueError(NO_ARRAYS.format(what=repr(arrays)[:80]))
+        names = _leaf_names(arrays)
+        lengths = [np.shape(x)[0] for x in leaves]
+        for name, m in zip(names, lengths):
+            if m != lengths[0]:
+                raise ValueError(
+                    LENGTH_MISMATCH.format(first=names[0] or "the first array", n=lengths[0],
+                                           name=name, m=m)
+                )
+        if not callable(batch_size):
+            _check_size(batch_size)
+        self.arrays, self.batch_size = jax.tree.map(_host_if_cpu, arrays), batch_size
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.key = jax.random.key(0) if key is None else key
+        self.num_examples = int(lengths[0])
+        self._epochs_started = 0
+        self._starts: list[tuple[int, int]] = [(0, 0)]  # (step, samples) at each epoch start
+
+    def __len__(self) -> int:
+        """Minibatches per epoch (only for an int batch size)."""
+        if callable(self.batch_size):
+            raise TypeError("len() of ft.train.batches with a functional batch size is unknown.")
+        full, rest = divmod(self.num_examples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def _sizes(self, epoch: int) -> list[int]:
+        """The minibatch sizes of ``epoch`` (calls a functional batch size in order)."""
+        while len(self._starts) <= epoch:
+            e = len(self._starts) - 1
+            sizes = self._epoch_sizes(e, *self._starts[e])
+            self._starts.append((self._starts[e][0] + len(sizes), self._starts[e][1] + sum(sizes)))
+        return self._epoch_sizes(epoch, *self._starts[epoch])
+
+    def _epoch_sizes(self, epoch: int, step: int, seen: int) -> list[int]:
+        sizes, taken = [], 0
+        while taken < self.num_examples:
+            size = self.batch_size
+            if callable(size):
+                context = DataContext(step + len(sizes), epoch, seen + taken)
+                size = _check_size(size(context), f" from batch_size({context})")
+            if size > self.num_examples - taken and self.drop_last:
+                break
+            size = min(size, self.num_examples - taken)
+            sizes.append(size)
+            taken += size
+        return sizes
+
+    def _order(self, epoch: int) -> Any:
+        if not self.shuffle:
+            return None
+        perm = jax.random.permutation(jax.random.fold_in(self.key, epoch), self.num_examples)
+        if all(isinstance(x, jax.Array) for x in jax.tree.leaves(self.arrays)):
+            return perm
+        return np.asarray(perm)  # once per epoch, outside any step
+
+    def iterate(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        """The minibatches of ``epoch``, from minibatch number ``start`` on."""
+        sizes = self._sizes(epoch)
+        order = self._order(epoch)
+        offset = sum(sizes[:start])
+        for size in sizes[start:]:
+            if order is None:
+                batch = jax.tree.map(lambda x, a=offset, b=offset + size: x[a:b], self.arrays)
+            else:
+                index = order[offset : offset + size]
+                batch = jax.tree.map(lambda x, i=index: _take(x, i), self.arrays)
+            offset += size
+            yield batch
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self._epochs_started
+        self._epochs_started += 1
+        return self.iterate(epoch)
+
+    def __repr__(self) -> str:
+        size = getattr(self.batch_size, "__name__", self.batch_size)
+        return (f"Batches({self.num_examples} examples, batch_size={size}, "
+                f"shuffle={self.shuffle}, drop_last={self.drop_last})")
+
+
+def _host_if_cpu(x: Any) -> Any:
+    """A CPU-resident jax array as a NumPy view: slicing it costs ~1 µs instead of an
+    eager device op per minibatch (tens of µs); the jitted step reads it directly."""
+    on_cpu = isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.devices())
+    if on_cpu and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(x)
+    return x
+
+
+def _take(x: Any, index: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return jnp.take(x, index, axis=0)
+    return np.take(x, index, axis=0)
+
+
+def batches(
+    arrays: Any,
+    batch_size: int | Callable[[DataContext], int] = 32,
+    *,
+    shuffle: bool = True,
+    key: jax.Array | None = None,
+    drop_last: bool = False,
+) -> Batches:
+    """Minibatches of ``arrays`` (a tree of arrays with a common leading axis).
+
+    Each iteration is one epoch (sweep); epoch ``e`` is ordered by a permutation drawn from
+    ``jax.random.fold_in(key, e)`` (``key`` defaults to ``jax.random.key(0)``), so runs
+    are reproducible. ``batch_size`` may be a function of the :class:`DataContext`
+    (``step``, ``sweep``, ``samples_seen``), seed 003's functional minibatch size; every
+    distinct size compiles the training step once. ``drop_last`` drops a final short
+    minibatch (no extra compilation).
+
+    Example:
+      >>> import functree as ft, numpy as np
+      >>> x, y = np.arange(10.0).reshape(5, 2), np.arange(5)
+      >>> data = ft.train.batches((x, y), batch_size=2, shuffle=False)
+      >>> [b[1].tolist() for b in data]
+      [[0, 1], [2, 3], [4]]
+      >>> growing = ft.train.batches(x, batch_size=lambda c: 1 + c.step, shuffle=False)
+      >>> [len(b) for b in growing]
+      [1, 2, 2]
+    """
+    return Batches(arrays, batch_size, shuffle=shuffle, key=key, drop_last=drop_last)
+
+
+def _leaf_to_array(x: Any) -> Any:
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+        return x
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor
+        return x.detach().cpu().numpy()
+    if hasattr(x, "__array__") or hasattr(x, "numpy"):  # tf.Tensor, other array-likes
+        return np.asarray(x)
+    return x
+
+
+def to_arrays(batch: Any) -> Any:
+    """A batch from any loader with its tensors turned into NumPy/JAX arrays.
+
+    Lists are kept as lists; torch and TensorFlow tensors become NumPy arrays.
+    """
+    if isinstance(batch, _ARRAYS) or (
+        type(batch) is tuple and all(isinstance(x, _ARRAYS) for x in batch)
+    ):
+        return batch  # the common case, without a tree traversal
+    return jax.tree.map(_leaf_to_array, batch)
+
+
+_ARRAYS = (jax.Array, np.ndarray)

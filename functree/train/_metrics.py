@@ -1,0 +1,193 @@
+"""Metrics: per-minibatch values computed inside the jitted step, averaged on device.
+
+A metric is any function ``metric(out) -> scalar`` of a :class:`StepOutput` (the loss,
+the loss function's aux output, the batch and the model). The value of a metric over
+several minibatches is the mean weighted by minibatch size,
+
+    metric = Σ_b n_b · metric_b / Σ_b n_b,
+
+which is the exact per-example mean for accuracy and for mean-reduced losses. Per-step
+values are written into a device buffer by the step and reach the host only when the
+training loop reads it (at log intervals): no per-step synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["StepOutput", "accuracy", "mean", "resolve_metrics", "batch_size_of"]
+
+NO_LOGITS = """\
+ft.train.accuracy needs the model's outputs (logits) as the loss function's aux output, \
+got aux={aux}.
+
+    wrong:  def loss_fn(model, batch): return ft.losses.cross_entropy(model(x), y)
+    right:  def loss_fn(model, batch):
+                logits = model(x)
+                return ft.losses.cross_entropy(logits, y), logits     # (loss, aux)"""
+
+NO_LABELS = """\
+ft.train.accuracy could not find the labels in the batch ({batch}). It reads batch[-1] \
+of a tuple/list or batch["label"], ["labels"], ["y"] of a dict. Name them, e.g.
+
+    metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, out.batch["target"])}}"""
+
+SHAPES = """\
+ft.train.accuracy: logits of shape {logits} do not fit labels of shape {labels}. Labels are \
+class indices of shape logits.shape[:-1], one-hot/probabilities of shape logits.shape, or \
+binary 0/1 targets with logits of shape labels.shape or labels.shape + (1,)."""
+
+BAD_METRIC = """\
+A metric must be a function of the step output (out.loss, out.aux, out.batch, out.model) \
+returning a scalar, got {name}={value!r}.
+
+    wrong:  metrics={{"accuracy": 0.5}}
+    right:  metrics={{"accuracy": ft.train.accuracy, "mse": ft.train.mean("mse")}}"""
+
+NOT_SCALAR = """\
+The metric {name!r} returned shape {shape}; a metric returns one number per minibatch.
+    right:  {name!r}: lambda out: jnp.mean(...)"""
+
+MISSING_AUX_KEY = """\
+ft.train.mean({key!r}) reads aux[{key!r}], but the loss function's aux is {aux}.
+    right:  def loss_fn(model, batch): ...; return loss, {{{key!r}: value}}"""
+
+
+class StepOutput(NamedTuple):
+    """What a metric sees: this minibatch's loss and aux output, the batch, the model."""
+
+    loss: jax.Array
+    aux: Any
+    batch: Any
+    model: Any
+
+
+def _describe(x: Any) -> str:
+    return str(jax.tree.map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}{list(np.shape(a))}", x))
+
+
+def _find_logits(aux: Any) -> Any:
+    if isinstance(aux, Mapping):
+        for name in ("logits", "outputs", "predictions", "y_pred"):
+            if name in aux:
+                return aux[name]
+    if isinstance(aux, (tuple, list)) and aux:
+        return aux[0]
+    if hasattr(aux, "shape"):
+        return aux
+    raise ValueError(NO_LOGITS.format(aux=_describe(aux)))
+
+
+def _find_labels(batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        for name in ("label", "labels", "y", "target", "targets"):
+            if name in batch:
+                return batch[name]
+    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return batch[-1]
+    raise ValueError(NO_LABELS.format(batch=_describe(batch)))
+
+
+def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
+    """Fraction of examples whose predicted class equals the label."""
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels)
+    if labels.shape == logits.shape[:-1] and logits.shape[-1] > 1:
+        hits = jnp.argmax(logits, axis=-1) == labels.astype(jnp.int32)
+    elif labels.shape == logits.shape and logits.ndim >= 1 and logits.shape[-1] > 1:
+        hits = jnp.argmax(logits, axis=-1) == jnp.argmax(labels, axis=-1)
+    elif labels.shape == logits.shape or logits.shape == (*labels.shape, 1):
+        hits = (logits.reshape(labels.shape) > 0) == (labels > 0.5)
+    else:
+        raise ValueError(SHAPES.format(logits=logits.shape, labels=labels.shape))
+    return jnp.mean(hits.astype(jnp.float32))
+
+
+def accuracy(out: StepOutput) -> jax.Array:
+    """Classification accuracy of ``out.aux`` (the logits) against the batch's labels.
+
+    Labels are ``batch[-1]`` (tuple) or ``batch["label"]`` (dict); logits are the aux
+    output (or ``aux["logits"]``). Integer labels compare with ``argmax(logits)``; one-hot
+    labels with ``argmax`` of both; binary labels with ``logits > 0``.
+    ``ft.train.accuracy.of(logits, labels)`` is the plain function.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> logits = jnp.array([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0]])
+      >>> out = ft.train.StepOutput(jnp.zeros(()), logits, (None, jnp.array([0, 1, 1])), None)
+      >>> ft.train.accuracy(out)
+      Array(0.6666667, dtype=float32)
+    """
+    return _accuracy_of(_find_logits(out.aux), _find_labels(out.batch))
+
+
+accuracy.of = _accuracy_of  # type: ignore[attr-defined]
+
+
+def mean(source: str | Callable[[StepOutput], Any]) -> Callable[[StepOutput], jax.Array]:
+    """A metric averaging ``aux[source]`` (a name) or ``source(out)`` (a function).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> out = ft.train.StepOutput(jnp.zeros(()), {"mse": jnp.array([1.0, 3.0])}, None, None)
+      >>> ft.train.mean("mse")(out)
+      Array(2., dtype=float32)
+    """
+    if isinstance(source, str):
+        key = source
+
+        def from_aux(out: StepOutput) -> jax.Array:
+            if not isinstance(out.aux, Mapping) or key not in out.aux:
+                raise ValueError(MISSING_AUX_KEY.format(key=key, aux=_describe(out.aux)))
+            return jnp.mean(jnp.asarray(out.aux[key], jnp.float32))
+
+        from_aux.__name__ = source
+        return from_aux
+
+    def of_fn(out: StepOutput) -> jax.Array:
+        return jnp.mean(jnp.asarray(source(out)).astype(jnp.float32))
+
+    of_fn.__name__ = getattr(source, "__name__", "mean")
+    return of_fn
+
+
+def resolve_metrics(
+    metrics: Mapping[str, Any] | Sequence[Any] | None,
+) -> dict[str, Callable[[StepOutput], Any]]:
+    """``{name: fn}`` from a dict, a list of functions (named by ``__name__``) or None."""
+    if metrics is None:
+        return {}
+    items = metrics.items() if isinstance(metrics, Mapping) else (
+        (m if isinstance(m, str) else getattr(m, "__name__", repr(m)), m) for m in metrics
+    )
+    out = {}
+    for name, fn in items:
+        if isinstance(fn, str):
+            fn = mean(fn)
+        if not callable(fn):
+            raise TypeError(BAD_METRIC.format(name=name, value=fn))
+        out[str(name)] = fn
+    return out
+
+
+def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOutput) -> dict[str, jax.Array]:
+    """Every metric on one minibatch, as float32 scalars (checked at trace time)."""
+    values = {"loss": jnp.asarray(out.loss, jnp.float32)}
+    for name, fn in fns.items():
+        value = jnp.asarray(fn(out))
+        if value.shape != ():
+            raise ValueError(NOT_SCALAR.format(name=name, shape=value.shape))
+        values[name] = value.astype(jnp.float32)
+    return values
+
+
+def batch_size_of(batch: Any) -> int:
+    """The number of examples in a batch: the leading axis of its first array leaf."""
+    for leaf in jax.tree.leaves(batch):
+        if np.ndim(leaf) >= 1:
+            return int(np.shape(leaf)[0])
+    return 1

@@ -1,0 +1,308 @@
+"""The training step: one jitted, donated, non-blocking call per minibatch.
+
+``ft.train.train_step(loss_fn, optimizer)`` builds a :class:`TrainStep`; calling it runs
+
+    (loss, aux), g = compute_gradients(loss_fn, model, batch)    # optimizer hooks (RFC 234)
+    model, opt_state = apply_gradients(g, model, opt_state)       # optax update + ft.move
+    model = apply_state(model, recorded state)                    # BatchNorm statistics
+    metrics = {"loss": loss, name: metric(out) ...}
+
+inside one ``ft.jit`` program that donates the model and the optimizer state. Like Keras'
+``Model.train_step``, each stage is a method a subclass may override: ``compute_loss``,
+``compute_metrics``, ``apply``, ``step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functree import nn
+from functree._jit import jit
+from functree._parameters import _is_none, parameters
+from functree.optim import Optimizer, context
+from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
+
+__all__ = ["TrainStep", "EvalStep", "train_step", "eval_step", "NONFINITE"]
+
+NONFINITE = "nonfinite"
+"""Metrics key of the non-finite report: -1 finite, -2 the loss only, else the index of
+the first parameter leaf (flatten order) whose gradient was not finite."""
+
+BAD_OPTIMIZER = """\
+train_step needs a ft.optim.Optimizer or an optax GradientTransformation, got {given}.
+
+    wrong:  ft.train.train_step(loss_fn, 1e-3)
+    right:  ft.train.train_step(loss_fn, ft.optim.Optimizer(ft.optim.adam(1e-3)))
+       or:  ft.train.train_step(loss_fn, optax.adam(1e-3))"""
+
+BAD_ON_NAN = """\
+on_nan must be "stop", "skip" or None, got {given!r}.
+
+    right:  ft.train.train_step(loss_fn, opt, on_nan="skip")   # keep the last finite model"""
+
+LOSS_NOT_SCALAR = """\
+The loss function must return a scalar loss (or (loss, aux)); got a loss of shape {shape}.
+
+    wrong:  return (model(x) - y) ** 2
+    right:  return jnp.mean((model(x) - y) ** 2)"""
+
+
+def as_optimizer(optimizer: Any) -> Optimizer:
+    """An :class:`ft.optim.Optimizer` from itself or from an optax transformation."""
+    if isinstance(optimizer, Optimizer):
+        return optimizer
+    if isinstance(optimizer, optax.GradientTransformation) or (
+        hasattr(optimizer, "init") and hasattr(optimizer, "update")
+    ):
+        return Optimizer(optimizer)
+    raise TypeError(BAD_OPTIMIZER.format(given=repr(optimizer)[:80]))
+
+
+def _split_output(out: Any) -> tuple[Any, Any]:
+    loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    if jnp.shape(loss) != ():
+        raise ValueError(LOSS_NOT_SCALAR.format(shape=jnp.shape(loss)))
+    return loss, aux
+
+
+def _first_nonfinite(loss: jax.Array, grads: Any) -> jax.Array:
+    """-1 when all finite, -2 when only the loss is not, else the first bad leaf's index."""
+    leaves = jax.tree.leaves(grads)
+    if not leaves:
+        return jnp.where(jnp.isfinite(loss), -1, -2).astype(jnp.int32)
+    bad = jnp.stack([~jnp.all(jnp.isfinite(g)) for g in leaves])
+    first = jnp.where(jnp.any(bad), jnp.argmax(bad), -1)
+    return jnp.where((first == -1) & ~jnp.isfinite(loss), -2, first).astype(jnp.int32)
+
+
+def _merge_microbatches(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, *x.shape[2:]) if x.ndim >= 2 else x
+
+
+def _select(keep_new: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(keep_new, n, o), new, old)
+
+
+def unalias(tree: Any) -> Any:
+    """``tree`` with every array that appears at several leaves copied (donation-safe)."""
+    seen: set[int] = set()
+
+    def fresh(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            if id(x) in seen:
+                return jnp.copy(x)
+            seen.add(id(x))
+        return x
+
+    return jax.tree.map(fresh, tree)
+
+
+def parameter_names(model: Any) -> list[str]:
+    """Dotted names of the parameter leaves, in the order gradients flatten."""
+    from functree._parameters import _leaf_names
+
+    view = parameters(model)
+    names = _leaf_names(view)
+    leaves = jax.tree.leaves(view, is_leaf=_is_none)
+    return [n for n, leaf in zip(names, leaves) if leaf is not None]
+
+
+class TrainStep:
+    """``step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)``, jitted.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch)`` (or ``loss_fn(model, batch, *, key)`` when the
+        step is called with a key) returning a scalar loss or ``(loss, aux)``.
+      optimizer: a :class:`ft.optim.Optimizer` or an optax transformation.
+      metrics: ``{name: fn(StepOutput) -> scalar}`` or a list of such functions.
+      on_nan: ``None`` (update whatever happens) or ``"skip"``/``"stop"``: a step whose
+        loss or gradient is not finite leaves model and optimizer state unchanged and
+        reports ``metrics["nonfinite"]`` (see :data:`NONFINITE`).
+      donate: donate the model and optimizer state buffers (default True): the arrays
+        passed in are invalid afterwards; use the returned ones.
+
+    With a ``key``, the loss function gets ``jax.random.fold_in(key, step)`` where
+    ``step`` is the learning context's step: one base key reproduces every step, also
+    after restoring a checkpoint. Layers that record state (BatchNorm) are run under
+    ``ft.nn.collect_state`` and their no_derivative fields updated. With an optimizer
+    that accumulates ``k`` microbatches, aux arrays are merged back to one row per
+    example and layer state comes from the last microbatch.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+      >>> def loss_fn(model, batch):
+      ...     x, y = batch
+      ...     return jnp.mean((model(x) - y) ** 2)
+      >>> opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+      >>> step = ft.train.train_step(loss_fn, opt)
+      >>> state = opt.init(model)
+      >>> batch = (jnp.ones((4, 2)), jnp.zeros((4, 1)))
+      >>> for _ in range(100):
+      ...     model, state, metrics = step(model, state, batch)
+      >>> bool(metrics["loss"] < 1e-6)
+      True
+
+    Override a stage by subclassing, e.g. an L1 penalty in ``compute_loss``:
+
+      >>> class L1Step(ft.train.TrainStep):
+      ...     def compute_loss(self, model, batch, key=None):
+      ...         loss, aux = super().compute_loss(model, batch, key)
+      ...         return loss + 1e-3 * jnp.abs(model.weight).sum(), aux
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        optimizer: Any,
+        *,
+        metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+        on_nan: str | None = None,
+        donate: bool = True,
+    ):
+        if on_nan not in (None, "stop", "skip"):
+            raise ValueError(BAD_ON_NAN.format(given=on_nan))
+        self.loss_fn = loss_fn
+        self.optimizer = as_optimizer(optimizer)
+        self.metrics = resolve_metrics(metrics)
+        self.on_nan = on_nan
+        self._compiled = jit(self.step, donate=(0, 1) if donate else None)
+        self._first_call = donate
+
+    # --- stages a subclass may override ------------------------------------------------
+    def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
+        """``(loss, aux)`` of ``loss_fn`` on one minibatch (aux is None without one)."""
+        out = self.loss_fn(model, batch) if key is None else self.loss_fn(model, batch, key=key)
+        return _split_output(out)
+
+    def compute_metrics(self, out: StepOutput) -> dict[str, jax.Array]:
+        """``{"loss": ..., name: metric(out)}`` as float32 scalars."""
+        return evaluate_metrics(self.metrics, out)
+
+    def apply(
+        self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None,
+        enabled: jax.Array | None = None,
+    ) -> tuple[Any, Any, Any, Any, jax.Array | None]:
+        """One optimizer step: ``(model, opt_state, loss, aux, nonfinite)``.
+
+        ``nonfinite`` is None unless ``on_nan`` is set; then a non-finite step, or one
+        with ``enabled`` False, leaves ``model`` and ``opt_state`` as they were.
+        """
+        opt = self.optimizer
+
+        def objective(m: Any, b: Any) -> tuple[Any, Any]:
+            (loss, aux), updates = nn.collect_state(lambda mm: self.compute_loss(mm, b, key), m)
+            return loss, (aux, updates)
+
+        size = batch_size_of(batch)
+        (loss, (aux, updates)), grads = opt.compute_gradients(
+            objective, model, batch, has_aux=True, state=opt_state
+        )
+        new_model, new_state = opt.apply_gradients(
+            grads, model, opt_state, minibatch_size=size, loss=loss
+        )
+        if opt.accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
+            aux = jax.tree.map(_merge_microbatches, aux)
+            updates = jax.tree.map(lambda u: u[-1], updates)  # the last microbatch's state
+        if updates:
+            new_model = nn.apply_state(new_model, updates)
+        if self.on_nan is None and enabled is None:
+            return new_model, new_state, loss, aux, None
+        nonfinite = _first_nonfinite(loss, grads)
+        keep = nonfinite == -1 if enabled is None else (nonfinite == -1) & enabled
+        new_model = _select(keep, new_model, model)
+        new_state = _select(keep, new_state, opt_state)
+        return new_model, new_state, loss, aux, nonfinite
+
+    def step(
+        self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None,
+        enabled: jax.Array | None = None,
+    ) -> tuple[Any, Any, dict[str, jax.Array]]:
+        """The whole step, unjitted (``__call__`` is this under ``ft.jit``)."""
+        if key is not None:
+            key = jax.random.fold_in(key, context(opt_state).step)
+        new_model, new_state, loss, aux, nonfinite = self.apply(model, opt_state, batch, key, enabled)
+        metrics = self.compute_metrics(StepOutput(loss, aux, batch, model))
+        if nonfinite is not None:
+            metrics[NONFINITE] = nonfinite
+        return new_model, new_state, metrics
+
+    def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
+        if self._first_call:
+            self._first_call = False
+            model, opt_state = unalias((model, opt_state))
+        try:
+            return self._compiled(model, opt_state, batch, key)
+        except jax.errors.JaxRuntimeError as e:
+            if "donate the same buffer twice" not in str(e):
+                raise
+        # A fresh state may hold one array at several leaves (donation needs distinct
+        # buffers); outputs never do, so this copy happens at most once per state.
+        model, opt_state = unalias((model, opt_state))
+        return self._compiled(model, opt_state, batch, key)
+
+    def __repr__(self) -> str:
+        name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
+        return (f"{type(self).__name__}({name}, {self.optimizer!r}, metrics={list(self.metrics)}, "
+                f"on_nan={self.on_nan!r})")
+
+
+class EvalStep:
+    """``step(model, batch, key=None) -> metrics``: the loss and metrics, jitted, no update.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+      >>> evaluate = ft.train.eval_step(lambda m, b: jnp.mean(m(b[0]) ** 2))
+      >>> sorted(evaluate(model, (jnp.zeros((3, 2)), None)))
+      ['loss']
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        *,
+        metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+    ):
+        self.loss_fn = loss_fn
+        self.metrics = resolve_metrics(metrics)
+        self._compiled = jit(self.step)
+
+    def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
+        """``(loss, aux)`` of ``loss_fn`` on one minibatch."""
+        out = self.loss_fn(model, batch) if key is None else self.loss_fn(model, batch, key=key)
+        return _split_output(out)
+
+    def step(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
+        """The loss and metrics of ``model`` on ``batch``, unjitted."""
+        loss, aux = self.compute_loss(model, batch, key)
+        return evaluate_metrics(self.metrics, StepOutput(loss, aux, batch, model))
+
+    def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
+        return self._compiled(model, batch, key)
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: Any,
+    *,
+    metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+    on_nan: str | None = None,
+    donate: bool = True,
+) -> TrainStep:
+    """A jitted training step; see :class:`TrainStep`."""
+    return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, donate=donate)
+
+
+def eval_step(
+    loss_fn: Callable[..., Any],
+    *,
+    metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+) -> EvalStep:
+    """A jitted evaluation step (loss and metrics, no update); see :class:`EvalStep`."""
+    return EvalStep(loss_fn, metrics=metrics)

@@ -1,0 +1,516 @@
+"""``ft.train.Trainer``: seed 003's trainer: model, loss, learner, reader, progress callback.
+
+The loop never blocks per step: each step is one jitted, donated call that also writes
+its metrics into a device buffer; the host reads the buffer only every ``log_every``
+steps and at epoch ends (one transfer), then updates the history, the progress bar and
+the callbacks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree import nn
+from functree._jit import jit
+from functree.optim import context, hyperparameters, next_sweep
+from functree.train._callbacks import Callback, TrainingContext, _copy, as_callback
+from functree.train._checkpoint import Checkpoint, CheckpointManager
+from functree.train._data import Batches, batches, to_arrays
+from functree.train._history import History
+from functree.train._metrics import batch_size_of
+from functree.train._progress import Progress
+from functree.train._step import NONFINITE, EvalStep, TrainStep, parameter_names, unalias
+
+__all__ = ["Trainer", "NonFiniteError"]
+
+NONFINITE_STOP = """\
+Training stopped at step {step}: {what} was not finite.
+The step was not applied: trainer.model and trainer.opt_state are those after step \
+{previous}, and trainer.history holds the values up to here. Try a lower learning rate, \
+gradient clipping, checking the data for NaN/inf, or skipping such steps:
+
+    ft.train.Trainer(model, optimizer, loss_fn, on_nan="skip")"""
+
+EMPTY_DATA = """\
+The training data gave no minibatch{why}.
+
+    right:  trainer.fit(ft.train.batches((x, y), batch_size=32), epochs=5)
+       or:  trainer.fit(iterator, steps=1000)       # a one-shot iterator needs steps="""
+
+BAD_LENGTH = """\
+{what} must be a positive int, got {value!r}.
+    right:  trainer.fit(data, epochs=10)   or   trainer.fit(data, steps=1000)"""
+
+BAD_TRAIN_STEP = """\
+train_step= takes a ft.train.TrainStep subclass or instance, got {given}.
+
+    right:  class MyStep(ft.train.TrainStep):
+                def compute_loss(self, model, batch, key=None): ...
+            ft.train.Trainer(model, optimizer, loss_fn, train_step=MyStep)"""
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or a gradient became NaN/inf during :meth:`Trainer.fit` (``on_nan="stop"``)."""
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _is_array_tree(data: Any) -> bool:
+    """An array, or a tuple/dict of arrays: in-memory data to cut into minibatches."""
+    if _is_array(data):
+        return True
+    if isinstance(data, (tuple, Mapping)):
+        leaves = jax.tree.leaves(data)
+        return bool(leaves) and all(_is_array(x) and np.ndim(x) >= 1 for x in leaves)
+    return False
+
+
+def _inputs(batch: Any) -> Any:
+    """The model inputs of a batch: ``batch[0]``, ``batch["x"]``-like, or the batch."""
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    if isinstance(batch, Mapping):
+        for name in ("x", "inputs", "input", "image", "images", "features"):
+            if name in batch:
+                return batch[name]
+    return batch
+
+
+def _positive(what: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(BAD_LENGTH.format(what=what, value=value))
+
+
+class _Means:
+    """Host-side weighted means: Σ n·v / Σ n over the steps added."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weight = 0.0
+
+    def add(self, values: Mapping[str, np.ndarray], weights: np.ndarray) -> None:
+        for name, column in values.items():
+            finite = np.isfinite(column)
+            self.sums[name] = self.sums.get(name, 0.0) + float(np.sum(np.where(finite, column, 0) * weights))
+            if not finite.all():
+                self.sums[name] = math.nan
+        self.weight += float(np.sum(weights))
+
+    def means(self) -> dict[str, float]:
+        return {k: v / self.weight for k, v in self.sums.items()} if self.weight else {}
+
+
+class Trainer:
+    """Fit a model: ``Trainer(model, optimizer, loss_fn, metrics=...).fit(data, epochs=...)``.
+
+    Args:
+      model: the initial model (copied: the caller's arrays stay valid; the trainer's
+        steps donate their own). Trained in ``ft.nn.training`` mode, evaluated in
+        ``ft.nn.inference`` mode.
+      optimizer: a ``ft.optim.Optimizer`` or an optax transformation.
+      loss_fn: ``loss_fn(model, batch)`` → loss or ``(loss, aux)``; with ``key=`` given to
+        the Trainer, ``loss_fn(model, batch, *, key)`` (a fresh key every step).
+      metrics: ``{name: fn(StepOutput)}`` or a list (``ft.train.accuracy``,
+        ``ft.train.mean("mse")``); ``loss`` is always recorded.
+      key: base PRNG key for the loss (dropout) and for shuffling in-memory data.
+      on_nan: ``"stop"`` (default: raise :class:`NonFiniteError` naming the step and the
+        first parameter whose gradient was not finite; that step is not applied),
+        ``"skip"`` (skip such steps, recorded in ``trainer.skipped``) or ``None``.
+      opt_state: an optimizer state to continue from (default ``optimizer.init(model)``).
+      train_step: a :class:`TrainStep` subclass (or instance) with overridden stages.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp, numpy as np
+      >>> x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+      >>> y = x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+      >>> def loss_fn(model, batch):
+      ...     x, y = batch
+      ...     return jnp.mean((model(x) - y) ** 2)
+      >>> trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)),
+      ...                            ft.optim.Optimizer(ft.optim.adam(0.1)), loss_fn)
+      >>> history = trainer.fit(ft.train.batches((x, y), 16), epochs=30, progress=False)
+      >>> len(history.steps["loss"]), len(history.epochs["loss"])
+      (120, 30)
+      >>> bool(history.epochs["loss"][-1] < 1e-2)
+      True
+      >>> sorted(trainer.evaluate((x, y)))
+      ['loss']
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        loss_fn: Callable[..., Any],
+        *,
+        metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+        key: jax.Array | None = None,
+        on_nan: str | None = "stop",
+        opt_state: Any = None,
+        train_step: type[TrainStep] | TrainStep | None = None,
+    ):
+        self.train_step = self._make_step(train_step, loss_fn, optimizer, metrics, on_nan)
+        self.optimizer = self.train_step.optimizer
+        self.eval_step = EvalStep(loss_fn, metrics=self.train_step.metrics)
+        self.on_nan = self.train_step.on_nan
+        self.model = unalias(_copy(nn.training(model)))
+        state = self.optimizer.init(self.model) if opt_state is None else _copy(opt_state)
+        self.opt_state = unalias(state)
+        self.key = key
+        self.history = History()
+        self.steps_run = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.stop_training = False
+        self.skipped: list[tuple[int, str]] = []
+        self._buffer: Any = None
+        self._buffered = 0
+        self._names: list[str] | None = None
+        self._param_names: list[str] | None = None
+        self._last_context: Any = None
+        self._fused = jit(self._fused_step, donate=(0, 1, 2))
+        self._eval_fused = jit(self._fused_eval, donate=(1,))
+        self._predict = jit(lambda model, batch, fn: fn(model, batch), static_argnums=2)
+
+    @staticmethod
+    def _make_step(train_step: Any, loss_fn: Any, optimizer: Any, metrics: Any, on_nan: Any) -> TrainStep:
+        if train_step is None:
+            return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan)
+        if isinstance(train_step, TrainStep):
+            return train_step
+        if isinstance(train_step, type) and issubclass(train_step, TrainStep):
+            return train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan)
+        raise TypeError(BAD_TRAIN_STEP.format(given=repr(train_step)[:80]))
+
+    # --- the jitted programs -------------------------------------------------------------
+    def _fused_step(self, model: Any, opt_state: Any, buffer: Any, batch: Any, key: Any) -> Any:
+        enabled = ~buffer["halted"] if self.on_nan == "stop" else None
+        model, opt_state, metrics = self.train_step.step(model, opt_state, batch, key, enabled)
+        i = buffer["count"]
+        values = {k: buffer["values"][k].at[i].set(metrics[k]) for k in buffer["values"]}
+        if "learning_rate" in buffer:
+            lr = jnp.asarray(hyperparameters(opt_state)["learning_rate"], jnp.float32)
+            buffer = {**buffer, "learning_rate": buffer["learning_rate"].at[i].set(lr)}
+        bad = metrics.get(NONFINITE, jnp.array(-1, jnp.int32))
+        return model, opt_state, {
+            **buffer,
+            "values": values,
+            "weight": buffer["weight"].at[i].set(float(batch_size_of(batch))),
+            "nonfinite": buffer["nonfinite"].at[i].set(bad),
+            "halted": buffer["halted"] | (bad != -1),
+            "count": i + 1,
+        }
+
+    def _fused_eval(self, model: Any, sums: Any, batch: Any) -> Any:
+        metrics = self.eval_step.step(model, batch)
+        w = float(batch_size_of(batch))
+        return {"values": {k: sums["values"][k] + w * v for k, v in metrics.items()},
+                "weight": sums["weight"] + w}
+
+    def _new_buffer(self, capacity: int) -> Any:
+        assert self._names is not None
+        buffer = {
+            "values": {k: jnp.zeros(capacity, jnp.float32) for k in self._names},
+            "weight": jnp.zeros(capacity, jnp.float32),
+            "nonfinite": jnp.full(capacity, -1, jnp.int32),
+            "halted": jnp.zeros((), bool),
+            "count": jnp.zeros((), jnp.int32),
+        }
+        if self._has_learning_rate():
+            buffer["learning_rate"] = jnp.zeros(capacity, jnp.float32)
+        return buffer
+
+    def _has_learning_rate(self) -> bool:
+        try:
+            return "learning_rate" in hyperparameters(self.opt_state)
+        except (ValueError, KeyError):
+            return False
+
+    def _metric_names(self, batch: Any) -> list[str]:
+        if type(self.train_step).compute_metrics is TrainStep.compute_metrics:
+            return ["loss", *self.train_step.metrics]
+        # An overridden compute_metrics: trace once (no compilation) to learn its names.
+        shapes = jax.eval_shape(self.train_step.step, self.model, self.opt_state, batch, self.key)
+        return [k for k in shapes[2] if k != NONFINITE]
+
+    # --- data ----------------------------------------------------------------------------
+    def _as_data(self, data: Any, batch_size: int | None, shuffle: bool = True) -> Any:
+        if isinstance(data, Batches) or not _is_array_tree(data):
+            return data
+        key = jax.random.fold_in(jax.random.key(0) if self.key is None else self.key, 1)
+        return batches(data, batch_size or 32, shuffle=shuffle, key=key)
+
+    def _epoch_iter(self, data: Any) -> Iterator[Any]:
+        if isinstance(data, Batches):
+            return data.iterate(self.epoch, self.batch_in_epoch)
+        return iter(data)
+
+    @staticmethod
+    def _epoch_length(data: Any) -> int | None:
+        try:
+            return len(data)
+        except TypeError:
+            return None
+
+    # --- reading the device buffer (log intervals only) ----------------------------------
+    def _read(self, window: _Means, epoch: _Means, bar: Progress) -> dict[str, float]:
+        if self._buffered == 0:
+            return window.means()
+        host, ctx = jax.device_get((self._buffer, context(self.opt_state)))
+        n = int(host["count"])
+        first = self.steps_run - self._buffered + 1
+        steps = list(range(first, first + n))
+        values = {k: v[:n] for k, v in host["values"].items()}
+        weights = host["weight"][:n]
+        columns = {k: v.tolist() for k, v in values.items()}
+        if "learning_rate" in host:
+            columns["learning_rate"] = host["learning_rate"][:n].tolist()
+        self.history.add_steps(steps, columns)
+        self._buffer = self._new_buffer(len(host["weight"]))
+        self._buffered = 0
+        self._last_context = ctx
+        self._check_finite(steps, host["nonfinite"][:n])
+        window.add(values, weights)
+        epoch.add(values, weights)
+        shown = dict(window.means())
+        if "learning_rate" in columns:
+            shown["lr"] = columns["learning_rate"][-1]
+        bar.update(n, shown)
+        return window.means()
+
+    def _check_finite(self, steps: list[int], nonfinite: np.ndarray) -> None:
+        bad = np.flatnonzero(nonfinite != -1)
+        if not len(bad):
+            return
+        if self._param_names is None:
+            self._param_names = parameter_names(self.model)
+        names = [
+            "the loss" if nonfinite[i] == -2 else
+            f"the gradient of parameter {self._param_names[nonfinite[i]]!r}"
+            for i in bad
+        ]
+        if self.on_nan == "skip":
+            self.skipped.extend((steps[i], name) for i, name in zip(bad, names))
+            return
+        step = steps[bad[0]]
+        self.batch_in_epoch -= self.steps_run - (step - 1)
+        self.steps_run = step - 1
+        self.stop_training = True
+        raise NonFiniteError(NONFINITE_STOP.format(step=step, what=names[0], previous=step - 1))
+
+    def _context(self, event: str, metrics: Mapping[str, float]) -> TrainingContext:
+        ctx = self._last_context or jax.device_get(context(self.opt_state))
+        lr = None
+        if self._has_learning_rate():
+            lr = float(hyperparameters(self.opt_state)["learning_rate"])
+        return TrainingContext(
+            event=event,
+            step=self.steps_run,
+            sweep=int(ctx.sweep),
+            samples_seen=int(ctx.samples_seen),
+            minibatch_size=int(ctx.minibatch_size),
+            learning_rate=lr,
+            metrics=dict(metrics),
+        )
+
+    # --- fit -----------------------------------------------------------------------------
+    def fit(
+        self,
+        data: Any,
+        epochs: int | None = None,
+        *,
+        steps: int | None = None,
+        validation_data: Any = None,
+        callbacks: Sequence[Callback | Callable[[TrainingContext], Any]] = (),
+        progress: bool = True,
+        log_every: int = 50,
+        batch_size: int | None = None,
+    ) -> History:
+        """Train for ``epochs`` passes over ``data`` or for ``steps`` minibatches.
+
+        ``data`` is ``ft.train.batches(...)``, arrays / a tuple or dict of arrays (cut into
+        shuffled minibatches of ``batch_size``, default 32), or any iterable of batches
+        (a list, a torch DataLoader, a tf.data Dataset; iterated once per epoch).
+        Metrics reach the host every ``log_every`` steps and at epoch ends; callbacks get
+        the :class:`TrainingContext` then. Returns :attr:`history` (all runs so far).
+        A :class:`Batches` run continues at the position where the last run (or a
+        restored checkpoint) stopped.
+        """
+        _positive("epochs", epochs)
+        _positive("steps", steps)
+        _positive("log_every", log_every)
+        if epochs is None and steps is None:
+            epochs = 1
+        data = self._as_data(data, batch_size)
+        cbs = [as_callback(c) for c in callbacks]
+        length = self._epoch_length(data)
+        total = steps if steps is not None else (
+            epochs * length - self.batch_in_epoch if length is not None and epochs else None
+        )
+        bar = Progress(total, enabled=progress)
+        self.stop_training = False
+        self._last_context = None
+        for cb in cbs:
+            cb.on_train_begin(self)
+        taken = epochs_done = 0
+        window, epoch = _Means(), _Means()
+        try:
+            while not self.stop_training and (epochs is None or epochs_done < epochs):
+                if steps is not None and taken >= steps:
+                    break
+                ran, complete = self._run_epoch(data, steps, taken, log_every, cbs, window, epoch, bar)
+                taken += ran
+                if ran == 0:
+                    if taken == 0:
+                        raise ValueError(EMPTY_DATA.format(why=f" ({type(data).__name__})"))
+                    break  # a one-shot iterator is exhausted
+                if complete:
+                    window = _Means()
+                    self._end_epoch(epoch, bar, validation_data, cbs, batch_size)
+                    epoch = _Means()
+                    epochs_done += 1
+            self._read(window, epoch, bar)
+        finally:
+            bar.close()
+        end = self._context("end", window.means())
+        for cb in cbs:
+            cb.on_train_end(self, end)
+        return self.history
+
+    def _run_epoch(self, data: Any, steps: int | None, taken: int, log_every: int,
+                   cbs: list[Callback], window: _Means, epoch: _Means, bar: Progress) -> tuple[int, bool]:
+        """Steps of one epoch: ``(steps run, whether the epoch was completed)``."""
+        ran = 0
+        length = self._epoch_length(data)
+        for batch in self._epoch_iter(data):
+            batch = to_arrays(batch)
+            if self._names is None:
+                self._names = self._metric_names(batch)
+            if self._buffer is None or (self._buffered == 0 and self._buffer["weight"].shape[0] != log_every):
+                self._buffer = self._new_buffer(log_every)
+            self.model, self.opt_state, self._buffer = self._fused(
+                self.model, self.opt_state, self._buffer, batch, self.key
+            )
+            ran += 1
+            self.steps_run += 1
+            self.batch_in_epoch += 1
+            self._buffered += 1
+            if self._buffered >= log_every:
+                means = self._read(window, epoch, bar)
+                log = self._context("log", means)
+                window.__init__()
+                for cb in cbs:
+                    cb.on_log(self, log)
+            if self.stop_training or (steps is not None and taken + ran >= steps):
+                return ran, length is not None and self.batch_in_epoch >= length
+        return ran, ran > 0
+
+    def _end_epoch(self, epoch: _Means, bar: Progress, validation_data: Any, cbs: list[Callback],
+                   batch_size: int | None) -> None:
+        self._read(_Means(), epoch, bar)
+        values = epoch.means()
+        if validation_data is not None:
+            val = self.evaluate(validation_data, batch_size=batch_size)
+            values.update({f"val_{k}": v for k, v in val.items()})
+        self.opt_state = next_sweep(self.opt_state)
+        self.epoch += 1
+        self.batch_in_epoch = 0
+        self._last_context = None
+        self.history.add_epoch(self.epoch, {**values, "last_step": self.steps_run})
+        bar.set_description(f"epoch {self.epoch + 1}")
+        ctx = self._context("epoch", values)
+        for cb in cbs:
+            cb.on_epoch_end(self, ctx)
+
+    # --- evaluate / predict --------------------------------------------------------------
+    def evaluate(self, data: Any, *, batch_size: int | None = None) -> dict[str, float]:
+        """The loss and metrics of the model (inference mode) over ``data``: means
+        weighted by minibatch size, accumulated on device, read once at the end."""
+        data = self._as_data(data, batch_size, shuffle=False)
+        model = nn.inference(self.model)
+        sums: Any = None
+        batches_iter: Iterable[Any] = data.iterate(0) if isinstance(data, Batches) else data
+        for batch in batches_iter:
+            batch = to_arrays(batch)
+            if sums is None:
+                shapes = jax.eval_shape(self.eval_step.step, model, batch)
+                sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
+                        "weight": jnp.zeros((), jnp.float32)}
+            sums = self._eval_fused(model, sums, batch)
+        if sums is None:
+            raise ValueError(EMPTY_DATA.format(why=" to evaluate"))
+        host = jax.device_get(sums)
+        return {k: float(v) / float(host["weight"]) for k, v in host["values"].items()}
+
+    def predict(self, data: Any, fn: Callable[[Any, Any], Any] | None = None, *,
+                batch_size: int | None = None) -> Any:
+        """``fn(model, batch)`` over ``data`` (inference mode), concatenated along axis 0.
+
+        ``fn`` defaults to ``model(inputs)`` with inputs ``batch[0]`` (tuples),
+        ``batch["x"]`` (dicts) or the batch itself (arrays).
+        """
+        fn = fn or _default_predict
+        if _is_array(data):
+            data = batches(data, batch_size or 32, shuffle=False)
+        data = self._as_data(data, batch_size, shuffle=False)
+        model = nn.inference(self.model)
+        batches_iter: Iterable[Any] = data.iterate(0) if isinstance(data, Batches) else data
+        outputs = [self._predict(model, to_arrays(b), fn) for b in batches_iter]
+        if not outputs:
+            raise ValueError(EMPTY_DATA.format(why=" to predict"))
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outputs)
+
+    # --- checkpoints ---------------------------------------------------------------------
+    def save(self, manager: CheckpointManager | str, *, metrics: Mapping[str, Any] | None = None) -> None:
+        """Checkpoint the model, optimizer state (with its learning context), position in
+        the data, PRNG key and configuration at the current step."""
+        if not isinstance(manager, CheckpointManager):
+            manager = CheckpointManager(manager)
+        config = {
+            "trainer": {"steps_run": self.steps_run, "epoch": self.epoch,
+                        "batch_in_epoch": self.batch_in_epoch, "on_nan": self.on_nan},
+            "optimizer": repr(self.optimizer),
+            "train_step": repr(self.train_step),
+        }
+        manager.save(self.steps_run, self.model, self.opt_state, metrics=metrics, config=config,
+                     extra={"key": self.key})
+
+    def restore(self, manager: CheckpointManager | str, step: int | None = None, *,
+                optimizer_state: bool = True) -> Checkpoint:
+        """Continue from a checkpoint: model and optimizer state are checked against the
+        trainer's (key path, shape, dtype), position and key restored.
+
+        ``optimizer_state=False`` restores the model, position and key only and keeps this
+        trainer's optimizer state: a saved model continued with new optimizer options
+        (seed 003); the learning context then starts from this trainer's.
+        """
+        if not isinstance(manager, CheckpointManager):
+            manager = CheckpointManager(manager)
+        include = ("model", "opt_state", "extra") if optimizer_state else ("model", "extra")
+        ckpt = manager.restore(step, template=self.model, opt_state_template=self.opt_state,
+                               include=include)
+        opt_state = ckpt.opt_state if optimizer_state else self.opt_state
+        self.model, self.opt_state = unalias((ckpt.model, opt_state))
+        position = ckpt.config.get("trainer", {})
+        self.steps_run = int(position.get("steps_run", ckpt.step))
+        self.epoch = int(position.get("epoch", 0))
+        self.batch_in_epoch = int(position.get("batch_in_epoch", 0))
+        if isinstance(ckpt.extra, Mapping) and ckpt.extra.get("key") is not None:
+            self.key = ckpt.extra["key"]
+        self._buffer, self._buffered = None, 0
+        return ckpt
+
+    def __repr__(self) -> str:
+        return f"Trainer({self.train_step!r}, steps_run={self.steps_run}, epoch={self.epoch})"
+
+
+def _default_predict(model: Any, batch: Any) -> Any:
+    return model(_inputs(batch))

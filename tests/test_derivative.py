@@ -1,0 +1,268 @@
+"""Custom derivatives (@ft.differentiable, @ft.derivative(of=)), without_derivative and
+recomputation in pullbacks (checkpointing)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import functree as ft
+
+
+def make_scaled_square() -> tuple[Any, list[str]]:
+    """square(x) = x², registered with a deliberately wrong pullback (100·v instead of 2x·v)."""
+    calls: list[str] = []
+
+    @ft.differentiable
+    def square(x: jax.Array) -> jax.Array:
+        return x * x
+
+    @ft.derivative(of=square)
+    def d_square(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+        calls.append("derivative")
+        return x * x, lambda v: 100.0 * v
+
+    return square, calls
+
+
+def test_registered_pullback_is_used_alone_inside_a_larger_function_and_under_jit():
+    square, calls = make_scaled_square()
+    x = jnp.array([1.0, 2.0])
+    np.testing.assert_allclose(square(x), [1.0, 4.0])
+    assert calls == []  # calling is just calling
+    np.testing.assert_allclose(ft.gradient(lambda x: square(x).sum(), at=x), [100.0, 100.0])
+    larger = lambda x: jnp.sin(square(x)).sum() + x.sum()  # noqa: E731
+    expected = 100.0 * jnp.cos(x * x) + 1.0
+    np.testing.assert_allclose(ft.gradient(larger, at=x), expected, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(ft.gradient(larger))(x), expected, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(larger)(x), expected, rtol=1e-6)
+    per_example = jax.vmap(ft.gradient(lambda x: square(x).sum()))(jnp.ones((3, 2)))
+    np.testing.assert_allclose(per_example, np.full((3, 2), 100.0))
+    assert "derivative" in calls
+
+
+def test_the_forward_pass_is_not_recomputed_in_the_pullback():
+    square, calls = make_scaled_square()
+    jax.jit(ft.gradient(lambda x: square(x).sum()))(jnp.ones(2))
+    assert calls == ["derivative"]
+
+
+def test_a_correct_custom_pullback_passes_finite_difference_checks():
+    @ft.differentiable
+    def softplus(x: jax.Array) -> jax.Array:
+        return jnp.logaddexp(x, 0.0)
+
+    @ft.derivative(of=softplus)
+    def d_softplus(x: jax.Array) -> Any:
+        return softplus.fn(x), lambda v: v * jax.nn.sigmoid(x)
+
+    x = jnp.array([-3.0, -0.5, 0.0, 2.0])
+    check_grads(softplus, (x,), order=1, modes=("rev",))
+    np.testing.assert_allclose(ft.gradient(lambda x: softplus(x).sum(), at=x), jax.nn.sigmoid(x), rtol=1e-6)
+    # Stable where the naive formula overflows.
+    assert np.isfinite(ft.gradient(lambda x: softplus(x).sum(), at=jnp.array([200.0])))[0]
+
+
+def test_forward_mode_derivative_is_used_by_forward_and_reverse_operators():
+    @ft.differentiable
+    def cube(x: jax.Array) -> jax.Array:
+        return x * x * x
+
+    @ft.derivative(of=cube, mode="forward")
+    def d_cube(x: jax.Array) -> Any:
+        return cube.fn(x), lambda t: 10.0 * t  # deliberately not 3x²
+
+    np.testing.assert_allclose(ft.derivative(cube, at=2.0), 10.0)
+    np.testing.assert_allclose(ft.differential(cube, at=jnp.ones(2))(jnp.ones(2)), [10.0, 10.0])
+    np.testing.assert_allclose(ft.gradient(lambda x: cube(x).sum(), at=jnp.ones(2)), [10.0, 10.0])
+    np.testing.assert_allclose(ft.jacobian(cube, at=jnp.ones(2), mode="forward"), 10.0 * np.eye(2))
+    np.testing.assert_allclose(jax.jit(ft.derivative(cube))(1.0), 10.0)
+
+
+def test_a_correct_forward_derivative_passes_finite_difference_checks():
+    @ft.differentiable
+    def sinc(x: jax.Array) -> jax.Array:
+        return jnp.sin(x) / x
+
+    @ft.derivative(of=sinc, mode="forward")
+    def d_sinc(x: jax.Array) -> Any:
+        return sinc.fn(x), lambda t: t * (x * jnp.cos(x) - jnp.sin(x)) / (x * x)
+
+    check_grads(sinc, (jnp.array([0.5, 1.5, -2.0]),), order=1, modes=("fwd", "rev"))
+
+
+def test_wrt_restricts_the_differentiated_arguments():
+    @ft.differentiable
+    def scale(x: jax.Array, factor: jax.Array) -> jax.Array:
+        return x * factor
+
+    @ft.derivative(of=scale, wrt=0)
+    def d_scale(x: jax.Array, factor: jax.Array) -> Any:
+        return x * factor, lambda v: v * factor
+
+    np.testing.assert_allclose(ft.gradient(lambda x: scale(x, 3.0).sum(), at=jnp.ones(2)), [3.0, 3.0])
+
+
+def test_several_arguments_pullback_returns_a_tuple():
+    @ft.differentiable
+    def mul(a: jax.Array, b: jax.Array) -> jax.Array:
+        return a * b
+
+    @ft.derivative(of=mul)
+    def d_mul(a: jax.Array, b: jax.Array) -> Any:
+        return a * b, lambda v: (v * b, v * a)
+
+    da, db = ft.gradient(mul, wrt=(0, 1))(2.0, 5.0)
+    assert (float(da), float(db)) == (5.0, 2.0)
+    check_grads(mul, (jnp.array([1.0, 2.0]), jnp.array([3.0, -1.0])), order=1, modes=("rev",))
+
+
+def test_undeclared_function_gets_a_new_differentiable_function():
+    @ft.derivative(of=jnp.tanh)
+    def tanh(x: jax.Array) -> Any:
+        y = jnp.tanh(x)
+        return y, lambda v: 0.0 * v  # deliberately zero
+
+    assert isinstance(tanh, ft.DifferentiableFunction)
+    assert float(ft.gradient(tanh, at=0.5)) == 0.0
+    # The original function is untouched.
+    assert float(ft.gradient(jnp.tanh, at=0.0)) == 1.0
+    assert "tanh" in repr(tanh) and "reverse" in repr(tanh)
+
+
+class Scale(ft.Module):
+    weight: jax.Array
+    calls: jax.Array = ft.field(default_factory=lambda: jnp.zeros((), jnp.int32))
+
+    @ft.differentiable
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.weight * x
+
+
+@ft.derivative(of=Scale.__call__)
+def _d_scale_call(self: Scale, x: jax.Array) -> Any:
+    # Cotangent of a Module: its parameter view (None at the integer leaf).
+    return self.weight * x, lambda v: (Scale(7.0 * v * x, None), (v * self.weight).sum())
+
+
+def test_custom_derivative_of_a_method_with_a_module_argument():
+    layer = Scale(jnp.ones(2))
+    grads = ft.gradient(lambda m: m(2.0).sum(), at=layer)
+    assert isinstance(grads, Scale) and grads.calls is None
+    np.testing.assert_allclose(grads.weight, [14.0, 14.0])
+    np.testing.assert_allclose(ft.gradient(lambda x: layer(x).sum(), at=2.0), 2.0)
+
+
+def test_bad_mode_is_an_error():
+    with pytest.raises(ValueError, match=r"mode is \"reverse\" .* or \"forward\"(.|\n)*got 'backward'"):
+        ft.derivative(of=jnp.sin, mode="backward")
+
+
+def test_derivative_returning_the_wrong_thing_is_an_error_showing_the_shape():
+    @ft.derivative(of=jnp.cos)
+    def cos(x: jax.Array) -> Any:
+        return jnp.cos(x)  # forgot the pullback
+
+    with pytest.raises(TypeError) as info:
+        ft.gradient(cos, at=1.0)
+    message = str(info.value)
+    assert "must return a pair (value, pullback)" in message and "return y, lambda v:" in message
+
+
+def test_derivative_without_of_or_f_is_an_error():
+    with pytest.raises(TypeError, match=r"ft.derivative\(f, at=x\) or @ft.derivative\(of=f\)"):
+        ft.derivative()
+
+
+def test_without_derivative_stops_the_derivative():
+    g = ft.gradient(lambda x: x * ft.without_derivative(at=x), at=3.0)
+    assert float(g) == 3.0
+    tree = ft.without_derivative(at={"w": jnp.ones(2), "n": jnp.arange(2)})
+    assert tree["n"].dtype == jnp.int32
+
+
+def count_primitive(f: Callable[..., Any], x: Any, name: str) -> int:
+    return len(re.findall(rf"\b{name}\b", str(jax.make_jaxpr(f)(x))))
+
+
+def test_with_recomputation_in_pullbacks_recomputes_the_forward_pass():
+    def block(x: jax.Array) -> jax.Array:
+        return jnp.sin(jnp.sin(jnp.sin(x)))
+
+    def loss(f: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda x: f(x).sum()
+
+    x = jnp.linspace(0.0, 1.0, 7)
+    remat = ft.with_recomputation_in_pullbacks(block)
+    np.testing.assert_allclose(ft.gradient(loss(remat), at=x), jax.grad(loss(block))(x), rtol=1e-6)
+    assert count_primitive(ft.gradient(loss(block)), x, "sin") == 3
+    # Forward pass (3), then the pullback recomputes the two inner sines it needs cos of.
+    assert count_primitive(ft.gradient(loss(remat)), x, "sin") == 5
+    assert remat.__name__ == "block"
+    # Recomputation really happens at run time: a callback in the block runs twice.
+    runs: list[int] = []
+
+    def traced_block(x: jax.Array) -> jax.Array:
+        jax.debug.callback(lambda: runs.append(1))
+        return block(x)
+
+    jax.block_until_ready(jax.jit(ft.gradient(loss(ft.with_recomputation_in_pullbacks(traced_block))))(x))
+    assert len(runs) == 2
+
+
+def test_recomputation_policy_by_name_and_unknown_policy():
+    def mlp(x: jax.Array) -> jax.Array:
+        return jnp.tanh(jnp.tanh(x @ jnp.ones((3, 3))) @ jnp.ones((3, 3))).sum()
+
+    x = jnp.ones((2, 3))
+    saving = ft.with_recomputation_in_pullbacks(mlp, policy="dots_with_no_batch_dims_saveable")
+    np.testing.assert_allclose(ft.gradient(saving, at=x), jax.grad(mlp)(x), rtol=1e-6)
+    with pytest.raises(ValueError, match="Unknown checkpoint policy 'save_all'; choose one of"):
+        ft.with_recomputation_in_pullbacks(mlp, policy="save_all")
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_arguments_that_are_not_arrays_pass_through_as_constants(mode):
+    @ft.differentiable
+    def activate(kind: str, x: jax.Array, power: int) -> jax.Array:
+        return jnp.tanh(x) ** power if kind == "tanh" else x
+
+    if mode == "reverse":
+
+        @ft.derivative(of=activate)
+        def d_activate(kind: str, x: jax.Array, power: int) -> Any:
+            return activate.fn(kind, x, power), lambda v: v * 5.0  # only x carries floats
+
+    else:
+
+        @ft.derivative(of=activate, mode="forward")
+        def d_activate(kind: str, x: jax.Array, power: int) -> Any:
+            return activate.fn(kind, x, power), lambda t: t * 5.0
+
+    grad = ft.gradient(activate, wrt=1)("tanh", 1.0, 2)
+    assert float(grad) == 5.0
+    jitted = jax.jit(ft.gradient(activate, wrt=1), static_argnums=0)
+    assert float(jitted("tanh", 1.0, 2)) == 5.0
+
+
+def test_forward_mode_through_a_reverse_only_derivative_explains_the_fix():
+    square, _ = make_scaled_square()
+    for call in (
+        lambda: ft.derivative(square, at=2.0),
+        lambda: ft.differential(square, at=jnp.ones(2))(jnp.ones(2)),
+        lambda: ft.jacobian(square, at=jnp.ones(2), mode="forward"),
+    ):
+        with pytest.raises(TypeError) as info:
+            call()
+        message = str(info.value)
+        assert "custom derivative is reverse-mode only" in message
+        assert '@ft.derivative(of=f, mode="forward")' in message
+    # Reverse mode is fine, hessians included (forward over the pullback's own operations).
+    np.testing.assert_allclose(ft.jacobian(square, at=jnp.ones(2)), 100.0 * np.eye(2))

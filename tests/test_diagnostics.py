@@ -1,0 +1,564 @@
+"""Differentiation diagnostics: activity analysis on the jaxpr, warnings, errors, switches."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import functree as ft
+from functree import _diagnostics
+
+X3 = jnp.array([0.5, -1.0, 2.0])
+
+
+def _line(f: Callable) -> int:
+    return inspect.getsourcelines(f)[1]
+
+
+@jax.custom_jvp
+def _straight_through_round(x):
+    return jnp.round(x)
+
+
+@_straight_through_round.defjvp
+def _straight_through_round_jvp(primals, tangents):
+    return _straight_through_round(primals[0]), tangents[0]
+
+
+@ft.differentiable
+def _rounded(x):
+    return jnp.round(x)
+
+
+@ft.derivative(of=_rounded)
+def _rounded_pullback(x):
+    return _rounded(x), lambda v: v  # a registered derivative: trusted, never second-guessed
+
+
+def _scan_active(x):
+    return lax.scan(lambda c, xi: (0.5 * c + xi, c), 0.0, x)[0]
+
+
+def _scan_inactive(x):
+    count = lax.scan(lambda c, _: (c + 1.0, None), 0.0, None, length=3)[0]
+    return count + 0.0 * lax.stop_gradient(x.sum())
+
+
+# (id, program, point, expected warning category or None, expected activity of the leaf)
+CATALOGUE = [
+    # must NOT warn: comparisons only choose between active values
+    ("where", lambda x: jnp.where(x > 0, x, 0.0).sum(), X3, None, "active"),
+    ("clip", lambda x: jnp.clip(x, -1.0, 1.0).sum(), X3, None, "active"),
+    ("maximum", lambda x: jnp.maximum(x, 0.5).sum(), X3, None, "active"),
+    ("relu", lambda x: jax.nn.relu(x).sum(), X3, None, "active"),
+    ("abs", lambda x: jnp.abs(x).sum(), X3, None, "active"),
+    ("sort", lambda x: jnp.sort(x)[-1], X3, None, "active"),
+    ("top_k", lambda x: lax.top_k(x, 2)[0].sum(), X3, None, "active"),
+    ("gather", lambda x: x[jnp.array([0, 2])].sum(), X3, None, "active"),
+    ("argmax_gather", lambda x: x[jnp.argmax(x)], X3, None, "active"),
+    ("argsort_gather", lambda x: jnp.take_along_axis(x, jnp.argsort(x), 0)[0], X3, None, "active"),
+    ("piecewise", lambda x: jnp.where(x < 1, x**2, 2 * x - 1).sum(), X3, None, "active"),
+    ("cond", lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x).sum(), X3, None, "active"),
+    ("scan", _scan_active, X3, None, "active"),
+    ("fori", lambda x: lax.fori_loop(0, 3, lambda i, c: c * 2.0, x).sum(), X3, None, "active"),
+    (
+        "while",
+        lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x))[1].sum(),
+        X3,
+        None,
+        "active",
+    ),
+    ("remat", lambda x: jax.checkpoint(jnp.sin)(x).sum(), X3, None, "active"),
+    ("jit", lambda x: jax.jit(lambda a: a * a)(x).sum(), X3, None, "active"),
+    ("vmap", lambda x: jax.vmap(lambda a: a * 2.0)(x).sum(), X3, None, "active"),
+    ("softmax", lambda x: jax.nn.softmax(x)[0] + jax.nn.logsumexp(x), X3, None, "active"),
+    ("custom_jvp_straight_through", lambda x: _straight_through_round(x).sum(), X3, None, "active"),
+    ("registered_derivative", lambda x: _rounded(x).sum(), X3, None, "active"),
+    ("straight_through", lambda x: x + ft.without_derivative(at=jnp.round(x) - x), 1.5, None, "active"),
+    ("norm", lambda x: jnp.linalg.norm(x), X3, None, "active"),
+    # intentional zero derivatives: quiet
+    ("without_derivative", lambda x: ft.without_derivative(at=x) * 2.0, 1.0, None, "without_derivative"),
+    (
+        "without_derivative_of_round",
+        lambda x: ft.without_derivative(at=jnp.round(x)).sum(),
+        X3,
+        None,
+        "without_derivative",
+    ),
+    ("seed_silenced", lambda x: ft.without_derivative(at=jnp.sqrt(3.0)), 1.0, None, "unused"),
+    # must warn
+    ("seed_constant", lambda x: jnp.sqrt(3.0), 1.0, ft.ZeroDerivativeWarning, "unused"),
+    ("times_zero", lambda x: x * 0.0, 1.0, ft.ZeroDerivativeWarning, "zero mask"),
+    ("scan_inactive", _scan_inactive, X3, ft.NonDifferentiableWarning, "non-differentiable"),
+    (
+        "int_roundtrip",
+        lambda x: x.astype(jnp.int32).astype(jnp.float32),
+        1.0,
+        ft.NonDifferentiableWarning,
+        "non-differentiable",
+    ),
+    ("round", lambda x: jnp.round(x).sum(), X3, ft.NonDifferentiableWarning, "non-differentiable"),
+    ("floor_sign", lambda x: (jnp.floor(x) + jnp.sign(x)).sum(), X3, ft.NonDifferentiableWarning, "non-differentiable"),
+    ("argmax", lambda x: jnp.argmax(x).astype(jnp.float32), X3, ft.NonDifferentiableWarning, "non-differentiable"),
+    ("fraction_positive", lambda x: jnp.mean(x > 0), X3, ft.NonDifferentiableWarning, "non-differentiable"),
+    ("stop_gradient", lambda x: lax.stop_gradient(x).sum(), X3, ft.NonDifferentiableWarning, "non-differentiable"),
+    (
+        "cond_on_constants",
+        lambda x: lax.cond(x > 0, lambda: 1.0, lambda: 0.0),
+        1.0,
+        ft.NonDifferentiableWarning,
+        "non-differentiable",
+    ),
+    (
+        "bitwise",
+        lambda x: (x.astype(jnp.int32) & 1).astype(jnp.float32),
+        3.0,
+        ft.NonDifferentiableWarning,
+        "non-differentiable",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "program, point, category, status", [c[1:] for c in CATALOGUE], ids=[c[0] for c in CATALOGUE]
+)
+def test_catalogue(program, point, category, status):
+    report = ft.diagnose(program, at=point)
+    assert report.analysed, report.note
+    assert [f.category for f in report.findings] == ([category] if category else [])
+    assert report.activity == (("<root>", status),)
+    assert report.ok == (category is None)
+
+
+@pytest.mark.parametrize(
+    "program, point, category, status", [c[1:] for c in CATALOGUE], ids=[c[0] for c in CATALOGUE]
+)
+def test_diagnostics_never_change_results(program, point, category, status):
+    def derivatives():
+        try:
+            value, pullback = ft.value_with_pullback(program, at=point)
+            return value, pullback(jnp.ones_like(value))
+        except ValueError:  # lax.while_loop has no reverse mode: use forward mode
+            value, differential = ft.value_with_differential(program, at=point)
+            return value, differential(jnp.ones_like(jnp.asarray(point)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ft.DifferentiationWarning)
+        on = derivatives()
+        with ft.config.override(diagnostics=False):
+            off = derivatives()
+    assert all(jnp.array_equal(a, b) for a, b in zip(on, off))
+
+
+# ------------------------------------------------------------------ warnings and locations
+
+
+def test_seed_002_zero_derivative_warns_at_the_function():
+    f = lambda x: jnp.sqrt(3.0)  # noqa: E731
+    with pytest.warns(ft.ZeroDerivativeWarning, match="will always have a zero derivative") as rec:
+        grad = ft.gradient(f, at=1.0)
+    assert grad == 0.0
+    assert rec[0].filename == __file__
+    assert rec[0].lineno == _line(f)
+    assert "ft.without_derivative(at=" in str(rec[0].message)
+
+
+def test_seed_002_without_derivative_silences():
+    ft.gradient(lambda x: ft.without_derivative(at=jnp.sqrt(3.0)), at=1.0)  # no warning
+
+
+def test_non_differentiable_names_operation_and_line():
+    def f(x):
+        y = x * 2.0
+        return y.astype(jnp.int32).astype(jnp.float32)
+
+    with pytest.warns(ft.NonDifferentiableWarning, match="cannot differentiate through") as rec:
+        ft.gradient(f, at=1.0)
+    message = str(rec[0].message)
+    assert "conversion to int32" in message
+    assert f"{__file__}:{_line(f) + 2}" in message
+    assert (rec[0].filename, rec[0].lineno) == (__file__, _line(f) + 2)
+
+
+def test_stop_gradient_suggests_without_derivative():
+    with pytest.warns(ft.NonDifferentiableWarning, match="stop_gradient") as rec:
+        ft.gradient(lambda x: lax.stop_gradient(x) * 2.0, at=1.0)
+    assert "ft.without_derivative" in str(rec[0].message)
+
+
+@pytest.mark.parametrize("operator", [ft.value_with_pullback, ft.value_with_differential])
+def test_pullback_and_differential_warn_too(operator):
+    with pytest.warns(ft.ZeroDerivativeWarning):
+        operator(lambda x: jnp.ones(2) * 4.0, at=1.0)
+
+
+def test_has_aux_analyses_the_value_only():
+    def loss(x):
+        return (x * x).sum(), jnp.argmax(x).astype(jnp.float32)  # aux is non-differentiable
+
+    (_, _), grad = ft.value_with_gradient(loss, at=X3, has_aux=True)  # no warning
+    assert jnp.allclose(grad, 2 * X3)
+    assert ft.diagnose(loss, at=X3, has_aux=True).ok
+
+
+def test_unused_argument_among_several():
+    f = lambda x, y: x * 2.0  # noqa: E731
+    with pytest.warns(ft.ZeroDerivativeWarning, match="argument 1 \\(`y`\\)"):
+        ft.gradient(f, wrt=(0, 1))(1.0, 2.0)
+
+
+def test_warnings_are_one_family():
+    for w in (ft.ZeroDerivativeWarning, ft.NonDifferentiableWarning, ft.UnusedParameterWarning):
+        assert issubclass(w, ft.DifferentiationWarning)
+    assert issubclass(ft.NonDifferentiableFieldWarning, ft.DifferentiationWarning)
+
+
+# ------------------------------------------------------------------ modules
+
+
+class Net(ft.Module):
+    first: ft.nn.Dense
+    second: ft.nn.Dense
+    mask: jax.Array = ft.field(no_derivative=True)
+
+    def __call__(self, x):
+        return self.first(x) * 2.0
+
+
+class Gated(ft.Module):
+    weight: jax.Array
+    bias: jax.Array
+    mask: jax.Array = ft.field(no_derivative=True)
+
+    def __call__(self, x):
+        return x @ self.weight + self.bias * self.mask
+
+
+class Thresholded(ft.Module):
+    weight: jax.Array
+    threshold: jax.Array
+
+    def __call__(self, x):
+        return jnp.where(x.sum() > self.threshold, x @ self.weight, 0.0)
+
+
+def _net(key):
+    k1, k2 = jax.random.split(key)
+    return Net(ft.nn.Dense(3, 2, key=k1), ft.nn.Dense(3, 2, key=k2), jnp.zeros(2))
+
+
+def test_unused_layer_lists_key_paths(key):
+    net = _net(key)
+    loss = lambda m: m(jnp.ones(3)).sum()  # noqa: E731
+    with pytest.warns(ft.UnusedParameterWarning, match="2 parameter") as rec:
+        grads = ft.gradient(loss, at=net)
+    message = str(rec[0].message)
+    assert "second.weight" in message and "second.bias" in message
+    assert "first.weight" not in message.split("zero gradient:")[1].split("Call")[0]
+    assert rec[0].lineno == _line(loss)
+    assert jnp.all(grads.second.weight == 0)
+
+
+def test_pattern_selecting_used_parameters_is_quiet(key):
+    ft.gradient(lambda m: m(jnp.ones(3)).sum(), at=_net(key), wrt="first.*")
+
+
+def test_bias_times_constant_zero_mask(key):
+    model = Gated(jnp.ones((3, 2)), jnp.ones(2), jnp.zeros(2))
+    report = ft.diagnose(lambda m: m(jnp.ones(3)).sum(), at=model)
+    assert [f.category for f in report.findings] == [ft.UnusedParameterWarning]
+    assert report.findings[0].paths == ("bias",)
+    assert "multiplied by a constant zero" in report.findings[0].message
+    assert dict(report.activity) == {"weight": "active", "bias": "zero mask"}
+    # a nonzero mask uses the bias
+    assert ft.diagnose(lambda m: m(jnp.ones(3)).sum(), at=model.replace(mask=jnp.ones(2))).ok
+
+
+def test_parameter_only_in_a_comparison_is_non_differentiable():
+    model = Thresholded(jnp.ones((3, 2)), jnp.array(0.5))
+    with pytest.warns(ft.NonDifferentiableWarning, match="threshold") as rec:
+        ft.gradient(lambda m: m(jnp.ones(3)).sum(), at=model)
+    assert "comparison `gt`" in str(rec[0].message)
+
+
+@pytest.mark.slow  # mostly JAX's first compilations of the layers' initializers
+def test_realistic_mlp_classifier_finds_nothing(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    model = [ft.nn.Dense(64, 32, jax.nn.relu, key=k1), ft.nn.Dense(32, 10, key=k2)]
+    x = jax.random.normal(k3, (256, 64))
+    y = jnp.arange(256) % 10
+
+    def loss(model, x, y):
+        for layer in model:
+            x = layer(x)
+        logp = jax.nn.log_softmax(x)
+        accuracy = jnp.mean(jnp.argmax(x, -1) == y)
+        return -jnp.take_along_axis(logp, y[:, None], 1).mean(), accuracy
+
+    report = ft.diagnose(loss, has_aux=True)(model, x, y)
+    assert report.ok, str(report)
+    assert {s for _, s in report.activity} == {"active"}
+    assert len(report.activity) == 4
+    ft.jit(ft.gradient(loss, has_aux=True))(model, x, y)  # and no warning
+
+
+# ------------------------------------------------------------------ robustness, cost, switches
+
+
+def test_python_control_flow_under_eager_gradient_is_not_flagged():
+    # make_jaxpr cannot trace this, jax.grad can: no analysis, no warning, same result
+    grad = ft.gradient(lambda x: x * x if x > 0 else -x, at=2.0)
+    assert grad == 4.0
+
+
+def test_unknown_primitive_is_assumed_differentiable():
+    from jax.extend.core import Primitive
+
+    opaque = Primitive("ft_test_opaque")
+    opaque.def_impl(lambda x: x)
+    opaque.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    report = ft.diagnose(lambda x: opaque.bind(x).sum(), at=X3)
+    assert report.ok and report.activity == (("<root>", "active"),)
+
+
+def test_under_vmap():
+    per_example = jax.vmap(lambda x: ft.gradient(lambda y: (y * y).sum(), at=x))
+    assert per_example(jnp.ones((2, 3))).shape == (2, 3)  # no warning
+    with pytest.warns(ft.NonDifferentiableWarning):
+        jax.vmap(lambda x: ft.gradient(lambda y: jnp.floor(y).sum(), at=x))(jnp.ones((2, 3)))
+
+
+def test_analysis_failure_never_breaks_differentiation(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("analysis bug")
+
+    monkeypatch.setattr(_diagnostics, "_analyse", broken)
+    f = lambda x: jnp.sqrt(3.0) + 0.0 * x  # noqa: E731
+    assert ft.gradient(f, at=1.0) == 0.0
+    report = ft.diagnose(f, at=1.0)
+    assert not report.analysed and "analysis bug" in report.note
+
+
+def test_analysis_runs_once_per_signature():
+    traces = itertools.count()  # not a pytree: the closure's key stays the same
+
+    def f(x):
+        next(traces)
+        return (x * x).sum()
+
+    ft.gradient(f, at=jnp.ones(3))
+    assert next(traces) == 2  # jax.grad's trace plus the analysis
+    ft.gradient(f, at=jnp.ones(3) * 2)
+    assert next(traces) == 4  # only jax.grad traced again
+    ft.gradient(f, at=jnp.ones(4))  # a new signature is analysed again
+    assert next(traces) == 7
+
+
+def test_warns_once_per_signature():
+    f = lambda x: jnp.sqrt(3.0) + 0.0 * lax.stop_gradient(x)  # noqa: E731
+    with pytest.warns(ft.NonDifferentiableWarning):
+        ft.gradient(f, at=1.0)
+    ft.gradient(f, at=2.0)  # same signature: analysed already, no warning (filters: error)
+
+
+def test_python_values_in_closures_are_part_of_the_key():
+    def scaled(scale):
+        return lambda x: x * scale
+
+    ft.gradient(scaled(1.0), at=1.0)  # active: no warning
+    with pytest.warns(ft.ZeroDerivativeWarning, match="multiplied by a constant zero"):
+        ft.gradient(scaled(0.0), at=1.0)
+
+
+def test_nested_operators():
+    inner = lambda x: ft.gradient(lambda y: (y**3).sum(), at=x).sum()  # noqa: E731
+    assert ft.gradient(inner, at=jnp.array([1.0, 2.0])).tolist() == [6.0, 12.0]
+    quiet = lambda x: ft.gradient(lambda y: (y * y).sum(), at=x).sum() + ft.without_derivative(at=2.0)  # noqa: E731
+    ft.gradient(quiet, at=jnp.ones(2))
+
+
+def test_jitted_step_analyses_at_trace_time_only():
+    calls = []
+    original = _diagnostics._run
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    step = ft.jit(lambda w, x: w - 0.1 * ft.gradient(lambda w: ((x @ w) ** 2).sum(), at=w))
+    w, x = jnp.ones(3), jnp.ones((4, 3))
+    _diagnostics._run = counting
+    try:
+        for _ in range(3):
+            w = step(w, x)
+    finally:
+        _diagnostics._run = original
+    assert len(calls) == 1
+
+
+def test_config_switch_turns_warnings_off():
+    with ft.config.override(diagnostics=False):
+        assert ft.gradient(lambda x: jnp.sqrt(3.0), at=1.0) == 0.0  # no warning
+    assert ft.config.diagnostics is True
+    assert repr(ft.config) == "ft.config(diagnostics=True)"
+
+
+def test_config_rejects_non_bool():
+    with pytest.raises(TypeError, match=r"ft\.config\.diagnostics = False"):
+        ft.config.diagnostics = "no"
+    with pytest.raises(AttributeError, match="has no option 'speed'"), ft.config.override(speed=True):
+        pass
+
+
+@pytest.mark.parametrize(
+    "value, expected", [("0", "False"), ("off", "False"), ("1", "True"), ("", "True")]
+)
+def test_environment_variable(value, expected):
+    env = {**os.environ, "FUNCTREE_DIAGNOSTICS": value}
+    code = "import functree as ft; print(ft.config.diagnostics)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == expected, out.stderr
+
+
+def test_environment_variable_typo_is_an_error():
+    env = {**os.environ, "FUNCTREE_DIAGNOSTICS": "maybe"}
+    out = subprocess.run([sys.executable, "-c", "import functree"], env=env, capture_output=True, text=True)
+    assert "FUNCTREE_DIAGNOSTICS='maybe' is not a switch" in out.stderr
+
+
+def test_report_text_and_html():
+    report = ft.diagnose(lambda x: jnp.round(x), at=1.0)
+    text = str(report)
+    assert "1 finding(s)" in text and "NonDifferentiableWarning" in text and "`round`" in text
+    page = report._repr_html_()
+    assert "<table>" in page and "non-differentiable" in page
+    assert "no findings" in str(ft.diagnose(jnp.sin, at=1.0))
+
+
+def test_diagnose_raises_the_functions_own_errors():
+    with pytest.raises(TypeError, match="missing 1 required positional argument"):
+        ft.diagnose(lambda x, y: x * y, at=1.0)
+
+
+# ------------------------------------------------------------------ errors that show the fix
+
+
+def test_integer_argument_error():
+    with pytest.raises(TypeError, match="Only floating-point values carry derivatives") as e:
+        ft.gradient(lambda x, y: x * y, wrt=1)(1.0, 2)
+    assert "wrt=0" in str(e.value)
+
+
+def test_no_derivative_field_error():
+    model = Gated(jnp.ones((3, 2)), jnp.ones(2), jnp.ones(2))
+    with pytest.raises(ValueError, match="selects mask, which is not a parameter") as e:
+        ft.gradient(lambda m: m(jnp.ones(3)).sum(), at=model, wrt="mask")
+    assert "no_derivative" in str(e.value)
+
+
+def test_non_scalar_result_error():
+    with pytest.raises(TypeError, match="needs a scalar result") as e:
+        ft.gradient(lambda x: x * 2.0, at=X3)
+    assert "ft.jacobian(f, at=x)" in str(e.value)
+
+
+def test_control_flow_error_names_the_line_and_the_fix():
+    @ft.jit
+    def f(x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+    with pytest.raises(ft.ControlFlowError, match=r"jnp\.where") as e:
+        f(X3)
+    message = str(e.value)
+    assert f"{__file__}:{_line(f) + 2}" in message
+    assert "if x.sum() > 0:" in message and "jax.lax.cond" in message
+    assert isinstance(e.value, TypeError)
+
+
+def test_control_flow_error_for_traced_integer():
+    @ft.jit
+    def f(x, n):
+        for _ in range(n):
+            x = x * 2.0
+        return x
+
+    with pytest.raises(ft.ControlFlowError, match="fori_loop") as e:
+        f(X3, jnp.array(3))
+    assert f"{__file__}:{_line(f) + 2}" in str(e.value)
+
+
+def test_control_flow_in_differentiated_function_under_jit():
+    def loss(w):
+        return w.sum() if w.sum() > 0 else -w.sum()
+
+    with pytest.raises(ft.ControlFlowError, match=r"jnp\.where"):
+        ft.jit(lambda w: ft.gradient(loss, at=w))(X3)
+
+
+# ------------------------------------------------------------------ construction-time checks
+
+
+def test_annotation_warning_at_class_definition():
+    with pytest.warns(ft.NonDifferentiableFieldWarning) as rec:
+
+        class M(ft.Module):
+            weight: jax.Array
+            flag: bool
+            count: int
+            name: str
+            act: Callable[[jax.Array], jax.Array]
+
+    assert [str(r.message).split(" is a")[0] for r in rec] == ["M.flag", "M.count", "M.name", "M.act"]
+    assert all(r.filename == __file__ for r in rec)
+    assert rec[0].lineno == inspect.currentframe().f_lineno - 9
+    assert "flag: bool = ft.field(static=True)" in str(rec[0].message)
+    assert "flag: bool = ft.field(no_derivative=True)" in str(rec[0].message)
+
+
+def test_annotation_warning_without_postponed_annotations():
+    namespace: dict = {}
+    with pytest.warns(ft.NonDifferentiableFieldWarning, match="M.flag") as rec:
+        exec("import functree as ft\nclass M(ft.Module):\n    flag: bool\n", namespace)
+    assert len(rec) == 1 and rec[0].lineno == 2
+
+
+def test_value_warning_at_construction_and_no_double_warning():
+    class M(ft.Module):
+        weight: jax.Array
+        extra: object
+
+    with pytest.warns(ft.NonDifferentiableFieldWarning, match="M.extra") as rec:
+        m = M(jnp.ones(2), 3)
+    assert len(rec) == 1 and rec[0].filename == __file__
+    jax.tree.map(lambda x: x, m)  # unflattening does not warn again
+
+    with pytest.warns(ft.NonDifferentiableFieldWarning) as rec:
+
+        class N(ft.Module):
+            weight: jax.Array
+            count: int
+
+    N(jnp.ones(2), 3)  # annotated: warned once at the class, not again per instance
+    assert len(rec) == 1
+
+
+def test_marked_fields_do_not_warn():
+    class M(ft.Module):
+        weight: jax.Array
+        count: int = ft.field(static=True, default=1)
+        steps: jax.Array = ft.field(no_derivative=True, default=0)
+        act: Callable = ft.field(static=True, default=jax.nn.relu)
+
+    M(jnp.ones(2))

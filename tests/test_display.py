@@ -1,0 +1,107 @@
+"""Display: a model's short repr, its HTML form, and ft.summary tables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+import functree as ft
+
+
+class Dense(ft.Module):
+    weight: jax.Array
+    bias: jax.Array
+    activation: Callable[[jax.Array], jax.Array] = ft.field(static=True, default=jax.nn.relu)
+
+
+class BatchNorm(ft.Module):
+    scale: jax.Array
+    running_mean: jax.Array = ft.field(no_derivative=True)
+    step: jax.Array = ft.field(default_factory=lambda: jnp.zeros((), jnp.int32))
+
+
+class Net(ft.Module):
+    layers: list
+    norm: BatchNorm
+    table: dict
+    scale: float
+    bias: jax.Array | None = None
+
+
+def make_net() -> Net:
+    return Net(
+        layers=[Dense(jnp.ones((2, 4)), jnp.zeros(4)), Dense(jnp.ones((4, 1), jnp.bfloat16), jnp.zeros(1))],
+        norm=BatchNorm(jnp.ones(4), jnp.zeros(4)),
+        table={"emb": jnp.ones((3, 2), jnp.float16)},
+        scale=0.5,
+    )
+
+
+def test_dense_repr_is_short():
+    assert repr(Dense(jnp.ones((2, 4)), jnp.zeros(4))) == "Dense(weight=f32[2,4], bias=f32[4], activation=relu)"
+
+
+def test_repr_of_scalars_containers_none_and_dtypes():
+    bn = BatchNorm(jnp.ones(4), jnp.zeros(4))
+    assert repr(bn) == "BatchNorm(scale=f32[4], running_mean=f32[4], step=i32[])"
+    r = repr(make_net())
+    assert r.startswith("Net(\n  layers=[\n    Dense(")
+    assert "bf16[4,1]" in r and "{'emb': f16[3,2]}" in r and "scale=0.5" in r and "bias=None" in r
+    assert repr(ft.parameters(bn)) == "BatchNorm(scale=f32[4], running_mean=None, step=None)"
+    assert repr(Dense((jnp.ones(1),), jnp.ones(1))) == "Dense(weight=(f32[1],), bias=f32[1], activation=relu)"
+
+
+def test_repr_of_a_model_inside_jit_shows_tracers_shortly():
+    seen = []
+    jax.jit(lambda m: seen.append(repr(m)) or m.weight)(Dense(jnp.ones((2, 4)), jnp.zeros(4)))
+    assert seen == ["Dense(weight=f32[2,4], bias=f32[4], activation=relu)"]
+
+
+def test_module_html_and_pretty_forms():
+    d = Dense(jnp.ones((2, 4)), jnp.zeros(4))
+    assert d._repr_html_() == "<pre>Dense(weight=f32[2,4], bias=f32[4], activation=relu)</pre>"
+
+    class Printer:
+        def __init__(self) -> None:
+            self.text_: list[str] = []
+
+        def text(self, s: str) -> None:
+            self.text_.append(s)
+
+    p = Printer()
+    d._repr_pretty_(p, cycle=False)
+    assert p.text_ == [repr(d)]
+
+
+def test_summary_table_and_totals():
+    s = ft.summary(make_net())
+    text = str(s)
+    lines = text.splitlines()
+    assert lines[0].split() == ["path", "shape", "dtype", "count", "bytes", "kind"]
+    rows = {line.split()[0]: line for line in lines[2:-2]}
+    assert set(rows) == {
+        "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias",
+        "norm.scale", "norm.running_mean", "norm.step", "table.emb", "scale",
+    }
+    assert rows["layers.1.weight"].split()[3] == "bfloat16"
+    assert rows["norm.running_mean"].endswith("carried") and rows["norm.step"].endswith("carried")
+    assert rows["layers.0.weight"].endswith("parameter")
+    # 8 + 4 + 4 + 1 + 4 + 6 + 1 parameters; 8*4 + 4*4 + 4*2 + 1*4 + 4*4 + 6*2 + 4 bytes.
+    assert s.parameter_count == 28
+    assert s.parameter_bytes == 32 + 16 + 8 + 4 + 16 + 12 + 4  # the Python float is float32
+    assert lines[-1] == "Net: 28 parameters (92 B), 5 carried values"
+    assert repr(s) == text
+
+
+def test_summary_html_table():
+    html = ft.summary(make_net())._repr_html_()
+    assert html.startswith("<table><thead><tr><th>path</th>")
+    assert "<td>layers.0.weight</td>" in html and "<td>carried</td>" in html
+    assert html.endswith("<p>Net: 28 parameters (92 B), 5 carried values</p>")
+
+
+def test_summary_units_for_large_models():
+    s = ft.summary({"w": jnp.zeros((1024, 1024))})
+    assert str(s).splitlines()[-1] == "dict: 1,048,576 parameters (4.0 MiB)"

@@ -1,0 +1,135 @@
+"""ft.jit: jax.jit for functions of Modules: donation, shardings, no per-call filtering."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+
+
+class Dense(ft.Module):
+    weight: jax.Array
+    bias: jax.Array
+    activation: Callable[[jax.Array], jax.Array] = ft.field(static=True, default=jax.nn.relu)
+    steps: jax.Array = ft.field(no_derivative=True, default_factory=lambda: jnp.zeros((), jnp.int32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.activation(x @ self.weight + self.bias)
+
+
+def make_dense(seed: int = 0) -> Dense:
+    return Dense(jax.random.normal(jax.random.key(seed), (3, 2)), jnp.zeros(2))
+
+
+def sgd_step(model: Dense, x: jax.Array) -> tuple[Dense, jax.Array]:
+    loss, grads = ft.value_with_gradient(lambda m: jnp.mean(m(x) ** 2), at=model)
+    model = ft.move(model, along=ft.tangent_scale(grads, -0.1))
+    return model.replace(steps=model.steps + 1), loss
+
+
+def test_jit_runs_a_training_step_on_a_module():
+    step = ft.jit(sgd_step)
+    model, x = make_dense(), jnp.ones((4, 3))
+    new, loss = step(model, x)
+    ref_model, ref_loss = sgd_step(model, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(new.weight, ref_model.weight, rtol=1e-6)
+    assert int(new.steps) == 1 and new.activation is jax.nn.relu
+
+
+def test_new_model_of_the_same_structure_does_not_retrace():
+    traces: list[int] = []
+
+    @ft.jit
+    def step(model: Dense, x: jax.Array) -> Any:
+        traces.append(1)
+        return sgd_step(model, x)
+
+    x = jnp.ones((4, 3))
+    model, _ = step(make_dense(0), x)
+    model, _ = step(model, x)
+    step(make_dense(1), x)
+    step(make_dense(2), jnp.zeros((4, 3)))
+    assert len(traces) == 1
+    step(make_dense(0).replace(activation=jnp.tanh), x)  # a static change retraces
+    assert len(traces) == 2
+
+
+@pytest.mark.parametrize("donate", [0, (0,), "model", ("model",)])
+def test_donation_by_index_or_name_releases_the_input_buffers(donate):
+    step = ft.jit(lambda model, x: sgd_step(model, x), donate=donate)
+    model, x = make_dense(), jnp.ones((4, 3))
+    new, _ = step(model, x)
+    assert model.weight.is_deleted() and model.bias.is_deleted()
+    assert not new.weight.is_deleted() and not x.is_deleted()
+
+
+def test_donation_mixing_indices_and_names():
+    f = ft.jit(lambda a, b: (a + 1, b * 2), donate=(0, "b"))
+    a, b = jnp.ones(3), jnp.ones(2)
+    f(a, b)
+    assert a.is_deleted() and b.is_deleted()
+
+
+def test_decorator_forms():
+    @ft.jit
+    def double(x: jax.Array) -> jax.Array:
+        return 2 * x
+
+    @ft.jit(donate=0)
+    def triple(x: jax.Array) -> jax.Array:
+        return 3 * x
+
+    np.testing.assert_array_equal(double(jnp.ones(2)), [2.0, 2.0])
+    x = jnp.ones(2)
+    np.testing.assert_array_equal(triple(x), [3.0, 3.0])
+    assert x.is_deleted()
+
+
+def test_options_pass_through_to_jax_jit():
+    @ft.jit(static_argnames=("power",))
+    def pow_(x: jax.Array, power: int) -> jax.Array:
+        return x**power
+
+    np.testing.assert_array_equal(pow_(jnp.full(2, 2.0), power=3), [8.0, 8.0])
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    shard = ft.jit(lambda m: m.weight * 2, in_shardings=None, out_shardings=sharding)
+    out = shard(make_dense())
+    assert out.sharding == sharding and out.devices() == {device}
+
+
+def test_call_returns_without_blocking():
+    @ft.jit
+    def heavy(x: jax.Array) -> jax.Array:
+        for _ in range(6):
+            x = jnp.tanh(x @ x)
+        return x
+
+    x = jnp.ones((1200, 1200)) / 1200
+    jax.block_until_ready(heavy(x))  # compile
+    y = heavy(x)
+    ready_at_return = y.is_ready()
+    jax.block_until_ready(y)
+    assert not ready_at_return
+    assert y.is_ready()
+
+
+def test_python_control_flow_on_a_traced_value_explains_the_fix():
+    @ft.jit
+    def clip(x: jax.Array) -> jax.Array:
+        if x.sum() > 0:
+            return x
+        return -x
+
+    with pytest.raises(ft.ControlFlowError) as info:
+        clip(jnp.ones(2))
+    message = str(info.value)
+    assert "jnp.where" in message and "jax.lax.cond" in message and "static_argnames" in message

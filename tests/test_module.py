@@ -1,0 +1,352 @@
+"""ft.Module: a frozen dataclass registered through JAX's native dataclass path."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+
+
+class Dense(ft.Module):
+    weight: jax.Array
+    bias: jax.Array
+    activation: Callable[[jax.Array], jax.Array] = ft.field(static=True, default=jax.nn.relu)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.activation(x @ self.weight + self.bias)
+
+
+def make_dense() -> Dense:
+    return Dense(jnp.arange(8.0).reshape(2, 4) / 8, jnp.zeros(4))
+
+
+class Stateful(ft.Module):
+    weight: jax.Array
+    steps: jax.Array = ft.field(no_derivative=True, default_factory=lambda: jnp.zeros((), jnp.int32))
+    previous: jax.Array = ft.field(no_derivative=True, default=None)
+    name: str = ft.field(static=True, default="stateful")
+
+
+def test_module_is_a_frozen_dataclass_registered_with_jax():
+    d = make_dense()
+    assert dataclasses.is_dataclass(d)
+    assert [f.name for f in dataclasses.fields(d)] == ["weight", "bias", "activation"]
+    leaves, treedef = jax.tree.flatten(d)
+    assert len(leaves) == 2
+    assert jax.tree.unflatten(treedef, leaves).activation is jax.nn.relu
+    # The static field lives in the tree definition.
+    other = d.replace(activation=jax.nn.tanh)
+    assert jax.tree.structure(other) != treedef
+
+
+def test_jit_grad_vmap_accept_models_directly():
+    d = make_dense()
+    x = jnp.ones((3, 2))
+    out = jax.jit(lambda m, x: m(x))(d, x)
+    np.testing.assert_allclose(out, d(x))
+    grads = jax.grad(lambda m: m(x).sum())(d)
+    assert isinstance(grads, Dense) and grads.weight.shape == (2, 4)
+    batched = jax.vmap(lambda m, x: m(x), in_axes=(None, 0))(d, jnp.ones((5, 3, 2)))
+    assert batched.shape == (5, 3, 4)
+    ensemble = jax.vmap(lambda k: Dense(jax.random.normal(k, (2, 4)), jnp.zeros(4)))(
+        jax.random.split(jax.random.key(0), 3)
+    )
+    assert ensemble.weight.shape == (3, 2, 4) and ensemble.activation is jax.nn.relu
+
+
+def test_optax_accepts_a_model_with_only_float_leaves_directly():
+    d = make_dense()
+    opt = optax.sgd(0.1)
+    state = opt.init(d)
+    grads = jax.grad(lambda m: m(jnp.ones((1, 2))).sum())(d)
+    updates, _ = opt.update(grads, state, d)
+    new = optax.apply_updates(d, updates)
+    assert isinstance(new, Dense)
+    np.testing.assert_allclose(new.weight, d.weight - 0.1 * grads.weight)
+
+
+def test_orbax_saves_and_restores_a_model(tmp_path):
+    import orbax.checkpoint as ocp
+
+    model = Stateful(jnp.arange(3.0), previous=jnp.ones(2))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", model)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt", model)
+    assert isinstance(restored, Stateful)
+    np.testing.assert_array_equal(restored.weight, model.weight)
+    np.testing.assert_array_equal(restored.previous, model.previous)
+    assert restored.name == "stateful"
+
+
+def test_three_kinds_of_field():
+    m = Stateful(jnp.ones(2))
+    kinds = {f.name: f.metadata.get("functree.kind", "parameter") for f in dataclasses.fields(m)}
+    assert kinds == {
+        "weight": "parameter",
+        "steps": "no_derivative",
+        "previous": "no_derivative",
+        "name": "static",
+    }
+    assert m.steps.dtype == jnp.int32 and m.previous is None and m.name == "stateful"
+    # Static in the treedef, no_derivative carried as leaves (and traced), parameters leaves.
+    assert len(jax.tree.leaves(m)) == 2
+    params = ft.parameters(m)
+    assert params.steps is None and params.weight is m.weight
+
+
+def test_default_factory_makes_a_fresh_value_per_instance():
+    class Bag(ft.Module):
+        items: list = ft.field(default_factory=list)
+
+    assert Bag().items is not Bag().items
+
+
+def test_field_cannot_be_both_static_and_no_derivative():
+    with pytest.raises(ValueError, match="either static=True or no_derivative=True"):
+        ft.field(static=True, no_derivative=True)
+
+
+@pytest.mark.parametrize("construct", ["positional", "keywords", "default", "replace"])
+def test_unhashable_static_value_is_an_error_naming_the_field(construct):
+    class Config(ft.Module):
+        weight: jax.Array
+        sizes: tuple = ft.field(static=True, default=(1, 2))
+
+    w = jnp.ones(2)
+    with pytest.raises(TypeError) as info:
+        if construct == "positional":
+            Config(w, [1, 2])
+        elif construct == "keywords":
+            Config(weight=w, sizes=[1, 2])
+        elif construct == "replace":
+            Config(w).replace(sizes=[1, 2])
+        else:
+
+            class Listed(ft.Module):
+                weight: jax.Array
+                sizes: tuple = ft.field(static=True, default_factory=lambda: [1, 2])
+
+            Listed(w)
+
+    message = str(info.value)
+    assert "sizes" in message
+    assert "unhashable" in message
+    assert "right:" in message and "tuple" in message
+
+
+@pytest.mark.parametrize("array", [jnp.ones(3), np.ones(3)])
+def test_array_in_static_field_is_an_error(array):
+    class Config(ft.Module):
+        table: object = ft.field(static=True)
+
+    for make in (lambda: Config(array), lambda: Config(table=array)):
+        with pytest.raises(TypeError) as info:
+            make()
+        message = str(info.value)
+        assert "Config.table" in message and "(3,)" in message
+        assert "ft.field(no_derivative=True)" in message
+
+
+def test_assignment_raises_and_shows_the_functional_fix():
+    d = make_dense()
+    with pytest.raises(ft.FrozenModuleError) as info:
+        d.weight = jnp.zeros((2, 4))
+    message = str(info.value)
+    assert "model = model.replace(weight=value)" in message
+    assert 'ft.set(model, ".weight", value)' in message
+    assert isinstance(info.value, dataclasses.FrozenInstanceError)
+    with pytest.raises(ft.FrozenModuleError):
+        del d.bias
+
+
+def test_custom_init_assigns_fields_like_a_normal_class():
+    calls = []
+
+    class Linear(ft.Module):
+        weight: jax.Array
+        bias: jax.Array
+        features: int = ft.field(static=True)
+
+        def __init__(self, n_in: int, n_out: int, *, key: jax.Array):
+            calls.append((n_in, n_out))
+            self.weight = jax.random.normal(key, (n_in, n_out))
+            self.bias = jnp.zeros(n_out)
+            self.features = n_out
+
+    layer = Linear(3, 2, key=jax.random.key(0))
+    assert layer.weight.shape == (3, 2) and layer.features == 2
+    # JAX's unflatten (cls(**fields)) bypasses the custom __init__.
+    rebuilt = jax.jit(lambda m: m)(layer)
+    assert calls == [(3, 2)]
+    assert rebuilt.features == 2
+    with pytest.raises(ft.FrozenModuleError):
+        layer.features = 3
+
+
+def test_custom_init_missing_field_is_an_error():
+    class Half(ft.Module):
+        a: jax.Array
+        b: jax.Array
+
+        def __init__(self):
+            self.a = jnp.ones(1)
+
+    with pytest.raises(TypeError, match=r"did not set field\(s\) \['b'\]"):
+        Half()
+
+
+def test_custom_init_assigning_an_undeclared_attribute_is_an_error():
+    class Sloppy(ft.Module):
+        weight: jax.Array
+
+        def __init__(self):
+            self.weight = jnp.ones(2)
+            self.size = 2
+
+    with pytest.raises(AttributeError) as info:
+        Sloppy()
+    message = str(info.value)
+    assert "self.size" in message and "size: int = ft.field(static=True)" in message
+
+
+def test_super_init_in_a_custom_init_is_harmless():
+    class Base(ft.Module):
+        w: jax.Array
+
+        def __init__(self, n: int = 2):
+            super().__init__()
+            self.w = jnp.ones(n)
+
+    class Child(Base):
+        extra: jax.Array
+
+        def __init__(self):
+            super().__init__(3)
+            self.extra = jnp.zeros(1)
+
+    assert Base().w.shape == (2,)
+    child = Child()
+    assert child.w.shape == (3,) and child.extra.shape == (1,)
+    assert jax.tree.map(lambda x: x, child).w.shape == (3,)
+
+
+def test_subclass_of_a_dataclass_style_module_calls_super_with_fields():
+    class Point(ft.Module):
+        x: jax.Array
+        y: jax.Array
+
+    class Labeled(Point):
+        label: str = ft.field(static=True, default="p")
+
+        def __init__(self, x: jax.Array, label: str):
+            super().__init__(x=x, y=x * 2)
+            self.label = label
+
+    p = Labeled(jnp.ones(2), "q")
+    np.testing.assert_array_equal(p.y, [2.0, 2.0])
+    assert p.label == "q"
+
+
+def test_replace_returns_a_copy_and_checks_names():
+    d = make_dense()
+    e = d.replace(bias=jnp.ones(4))
+    assert e is not d and e.weight is d.weight
+    np.testing.assert_array_equal(d.bias, np.zeros(4))
+    with pytest.raises(AttributeError, match=r"Dense has no field 'bais'; its fields are \['weight', 'bias', 'activation'\]"):
+        d.replace(bais=1.0)
+
+
+def test_dataclass_style_construction_errors():
+    with pytest.raises(TypeError, match="missing field"):
+        Dense(jnp.ones((2, 4)))
+    with pytest.raises(TypeError, match="no field 'wieght'"):
+        Dense(wieght=1.0, bias=1.0)
+    with pytest.raises(TypeError, match="multiple values for field 'weight'"):
+        Dense(jnp.ones(1), weight=jnp.ones(1), bias=jnp.ones(1))
+    with pytest.raises(TypeError, match="takes 3 field"):
+        Dense(1, 2, 3, 4)
+
+
+def test_field_holding_one_of_several_module_types():
+    class A(ft.Module):
+        w: jax.Array
+
+    class B(ft.Module):
+        u: jax.Array
+        v: jax.Array
+
+    class Holder(ft.Module):
+        inner: A | B
+
+    traces = []
+
+    @jax.jit
+    def total(h: Holder) -> jax.Array:
+        traces.append(type(h.inner).__name__)
+        return sum(x.sum() for x in jax.tree.leaves(h))
+
+    assert float(total(Holder(A(jnp.ones(2))))) == 2.0
+    assert float(total(Holder(B(jnp.ones(2), jnp.ones(3))))) == 5.0
+    assert traces == ["A", "B"]
+    grads = ft.gradient(total, at=Holder(B(jnp.ones(2), jnp.ones(3))))
+    assert isinstance(grads.inner, B)
+
+
+def test_integer_and_boolean_leaves_are_not_differentiated():
+    class Mixed(ft.Module):
+        weight: jax.Array
+        index: jax.Array
+        mask: jax.Array
+
+    m = Mixed(jnp.ones(3), jnp.arange(3), jnp.array([True, False, True]))
+    params = ft.parameters(m)
+    assert params.index is None and params.mask is None
+    grads = ft.gradient(lambda m: (m.weight[m.index] * m.mask.astype(jnp.float32)).sum(), at=m)
+    np.testing.assert_array_equal(grads.weight, [1.0, 0.0, 1.0])
+    assert grads.index is None and grads.mask is None
+
+
+def test_copy_and_pickle_round_trip():
+    m = Stateful(jnp.arange(3.0), previous=jnp.ones(2))
+    for clone in (copy.copy(m), copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert isinstance(clone, Stateful)
+        np.testing.assert_array_equal(clone.weight, m.weight)
+        np.testing.assert_array_equal(clone.previous, m.previous)
+        assert clone.name == "stateful"
+        with pytest.raises(ft.FrozenModuleError):
+            clone.weight = 1.0
+
+
+def test_module_with_arrays_in_a_static_field_is_an_error():
+    class PReLU(ft.Module):
+        slope: jax.Array
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return jnp.where(x > 0, x, self.slope * x)
+
+    class Layer(ft.Module):
+        weight: jax.Array
+        activation: Callable[[jax.Array], jax.Array] = ft.field(static=True, default=jax.nn.relu)
+
+    with pytest.raises(TypeError) as info:
+        Layer(jnp.ones(2), PReLU(jnp.full(2, 0.1)))
+    message = str(info.value)
+    assert "Layer.activation holds a PReLU with 1 array leaves" in message
+    assert "activation: PReLU                          # a submodule is a parameter field" in message
+    with pytest.raises(TypeError, match="holds a PReLU"):
+        Layer(jnp.ones(2)).replace(activation=PReLU(jnp.ones(2)))
+
+    class Empty(ft.Module):
+        pass
+
+    assert isinstance(Layer(jnp.ones(2), Empty()).activation, Empty)  # no arrays: allowed

@@ -1,0 +1,86 @@
+"""MultiheadAttention against jax.nn.dot_product_attention and a numpy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import functree as ft
+
+
+def _x64(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _heads(mha, q, k, v):
+    def project(dense, x):
+        y = np.asarray(x, np.float64) @ np.asarray(dense.weight, np.float64) + np.asarray(dense.bias, np.float64)
+        return y.reshape(*y.shape[:-1], mha.num_heads, -1)
+
+    return project(mha.query_projection, q), project(mha.key_projection, k), project(mha.value_projection, v)
+
+
+def _output(mha, out):
+    dense = mha.output_projection
+    out = out.reshape(*out.shape[:-2], -1)
+    return out @ np.asarray(dense.weight, np.float64) + np.asarray(dense.bias, np.float64)
+
+
+def _reference(mha, q, k, v, mask=None):
+    Q, K, V = (jnp.asarray(a, jnp.float32) for a in _heads(mha, q, k, v))
+    out = jax.nn.dot_product_attention(Q, K, V, mask=mask)
+    return _output(mha, np.asarray(out, np.float64))
+
+
+def _numpy_reference(mha, q, k, v, mask):
+    Q, K, V = _heads(mha, q, k, v)
+    logits = np.einsum("bqhd,bkhd->bhqk", Q, K) / np.sqrt(Q.shape[-1])
+    logits = np.where(mask, logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", weights, V)
+    return _output(mha, out)
+
+
+def test_self_attention_matches_jax(key):
+    mha = ft.nn.MultiheadAttention(8, 2, key=key)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 8))
+    np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(mha, x), _reference(mha, x, x, x), rtol=1e-5, atol=1e-5)
+
+
+def test_cross_attention_with_mask_and_sizes(key):
+    mha = ft.nn.MultiheadAttention(6, 3, key_size=4, value_size=5, output_size=7, qk_size=2, vo_size=3, key=key)
+    q = jax.random.normal(jax.random.key(1), (2, 4, 6))
+    k = jax.random.normal(jax.random.key(2), (2, 3, 4))
+    v = jax.random.normal(jax.random.key(3), (2, 3, 5))
+    mask = jax.random.bernoulli(jax.random.key(4), 0.7, (2, 1, 4, 3)).at[..., 0].set(True)
+    y = jax.jit(lambda m, *a, mask: m(*a, mask=mask))(mha, q, k, v, mask=mask)
+    assert y.shape == (2, 4, 7)
+    np.testing.assert_allclose(y, _numpy_reference(mha, q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask_ignores_the_future(key):
+    mha = ft.nn.MultiheadAttention(4, 2, key=key)
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    causal = jnp.tril(jnp.ones((5, 5), bool))
+    f = jax.jit(lambda m, x: m(x, mask=causal))
+    y, y2 = f(mha, x), f(mha, x.at[3:].set(100.0))
+    np.testing.assert_allclose(y[:3], y2[:3], rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_finite_differences(key):
+    with jax.enable_x64(True):
+        mha = _x64(ft.nn.MultiheadAttention(4, 2, key=key))
+        x = jax.random.normal(jax.random.key(1), (3, 4), jnp.float64)
+        check_grads(jax.jit(lambda m, x: m(x)), (mha, x), order=1, modes=["rev"])
+
+
+def test_errors(key):
+    with pytest.raises(ValueError, match=r"query_size \(6\) must be divisible by num_heads \(4\)"):
+        ft.nn.MultiheadAttention(6, 4, key=key)
+    mha = ft.nn.MultiheadAttention(4, 2, key=key)
+    with pytest.raises(ft.nn.LayerInputError, match=r"MultiheadAttention expects inputs \[\.\.\., queries, 4\] \(float\), got f32\[3,5\]"):
+        mha(jnp.ones((3, 5)))
+    with pytest.raises(ft.nn.LayerInputError, match=r"mask broadcastable to \[2, 3, 3\] \(bool\), got f32\[3,3\]"):
+        mha(jnp.ones((3, 4)), mask=jnp.ones((3, 3)))

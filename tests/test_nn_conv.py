@@ -1,0 +1,122 @@
+"""Conv1D/Conv2D and transposes against direct loops, gradients and input errors."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import functree as ft
+
+
+def _x64(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _conv_reference(x, w, b, strides, pads):
+    """Cross-correlation by explicit loops over output positions (channels last, batch first)."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    n = w.ndim - 2
+    x = np.pad(x, [(0, 0), *pads, (0, 0)])
+    out_shape = [(x.shape[1 + d] - w.shape[d]) // strides[d] + 1 for d in range(n)]
+    y = np.zeros((x.shape[0], *out_shape, w.shape[-1]))
+    for pos in itertools.product(*map(range, out_shape)):
+        window = tuple(slice(p * s, p * s + k) for p, s, k in zip(pos, strides, w.shape[:n]))
+        patch = x[(slice(None), *window)]  # [batch, *kernel, cin]
+        y[(slice(None), *pos)] = np.tensordot(patch, w, axes=(list(range(1, n + 2)), list(range(n + 1))))
+    return y + np.asarray(b)
+
+
+def _transpose_reference(x, w, b, strides):
+    """y[i*s + k] += x[i] @ w[k] (VALID padding)."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    n = w.ndim - 2
+    out_shape = [(x.shape[1 + d] - 1) * strides[d] + w.shape[d] for d in range(n)]
+    y = np.zeros((x.shape[0], *out_shape, w.shape[-1]))
+    for pos in itertools.product(*map(range, x.shape[1:1 + n])):
+        for k in itertools.product(*map(range, w.shape[:n])):
+            target = tuple(p * s + kk for p, s, kk in zip(pos, strides, k))
+            y[(slice(None), *target)] += x[(slice(None), *pos)] @ w[k]
+    return y + np.asarray(b)
+
+
+@pytest.mark.parametrize("strides,padding,pads", [(1, "VALID", [(0, 0)]), (2, "SAME", [(1, 1)]), (1, 2, [(2, 2)])])
+def test_conv1d_matches_loops(key, strides, padding, pads):
+    conv = ft.nn.Conv1D(2, 3, 3, strides=strides, padding=padding, key=key,
+                        bias_initializer=ft.nn.initializers.normal(1.0))
+    x = jax.random.normal(jax.random.key(1), (2, 7, 2))
+    expected = _conv_reference(x, conv.weight, conv.bias, (strides,), pads)
+    np.testing.assert_allclose(conv(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_conv2d_matches_loops_with_strides(key):
+    conv = ft.nn.Conv2D(2, 4, (3, 2), strides=(2, 1), padding="VALID", activation=jax.nn.relu, key=key)
+    x = jax.random.normal(jax.random.key(1), (2, 7, 5, 2))
+    expected = np.maximum(_conv_reference(x, conv.weight, conv.bias, (2, 1), [(0, 0), (0, 0)]), 0)
+    np.testing.assert_allclose(conv(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_conv_is_per_group_conv(key):
+    conv = ft.nn.Conv1D(4, 6, 3, groups=2, padding="VALID", key=key)
+    assert conv.weight.shape == (3, 2, 6)
+    x = jax.random.normal(jax.random.key(1), (1, 6, 4))
+    w = conv.weight
+    first = _conv_reference(x[..., :2], w[..., :3], np.zeros(3), (1,), [(0, 0)])
+    second = _conv_reference(x[..., 2:], w[..., 3:], np.zeros(3), (1,), [(0, 0)])
+    np.testing.assert_allclose(conv(x), np.concatenate([first, second], -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls,shape", [(ft.nn.Conv1DTranspose, (2, 4, 2)), (ft.nn.Conv2DTranspose, (2, 3, 2, 2))])
+def test_transposed_conv_matches_scatter(key, cls, shape):
+    conv = cls(2, 3, 3, strides=2, padding="VALID", key=key)
+    x = jax.random.normal(jax.random.key(1), shape)
+    expected = _transpose_reference(x, conv.weight, conv.bias, (2,) * (len(shape) - 2))
+    np.testing.assert_allclose(conv(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_transposed_conv_is_adjoint_of_conv(key):
+    """<conv(x), y> == <x, conv_T(y)> with the same weight (SAME padding, stride 1, no bias)."""
+    conv = ft.nn.Conv1D(2, 3, 3, use_bias=False, key=key)
+    convt = ft.nn.Conv1DTranspose(3, 2, 3, use_bias=False, key=key)
+    convt = convt.replace(weight=conv.weight.transpose(0, 2, 1))
+    x = jax.random.normal(jax.random.key(1), (1, 6, 2))
+    y = jax.random.normal(jax.random.key(2), (1, 6, 3))
+    np.testing.assert_allclose(jnp.vdot(conv(x), y), jnp.vdot(x, convt(y)), rtol=1e-5)
+
+
+def test_same_padding_shapes_and_unbatched_inputs(key):
+    assert ft.nn.Conv2D(3, 5, 3, strides=2, key=key)(jnp.ones((9, 9, 3))).shape == (5, 5, 5)
+    assert ft.nn.Conv2DTranspose(3, 5, 3, strides=2, key=key)(jnp.ones((2, 2, 4, 4, 3))).shape == (2, 2, 8, 8, 5)
+    assert ft.nn.Conv1D(3, 5, 3, dilation=2, padding="VALID", key=key)(jnp.ones((10, 3))).shape == (6, 5)
+
+
+@pytest.mark.parametrize("cls", [ft.nn.Conv1D, ft.nn.Conv1DTranspose])
+def test_gradients_finite_differences(key, cls):
+    with jax.enable_x64(True):
+        conv = _x64(cls(2, 2, 3, strides=2, key=key, activation=jnp.tanh))
+        x = jax.random.normal(jax.random.key(1), (1, 5, 2), jnp.float64)
+        check_grads(jax.jit(lambda m, x: m(x)), (conv, x), order=1, modes=["rev"])
+
+
+def test_conv2d_gradient_finite_differences(key):
+    with jax.enable_x64(True):
+        conv = _x64(ft.nn.Conv2D(2, 2, 2, key=key))
+        x = jax.random.normal(jax.random.key(1), (1, 3, 3, 2), jnp.float64)
+        check_grads(jax.jit(lambda m, x: m(x)), (conv, x), order=1, modes=["rev"])
+
+
+def test_wrong_channels_is_an_error(key):
+    conv = ft.nn.Conv2D(3, 8, 3, key=key)
+    with pytest.raises(ft.nn.LayerInputError, match=r"Conv2D expects inputs \[\.\.\., height, width, 3\] \(float\), got f32\[2,8,8,1\]"):
+        conv(jnp.ones((2, 8, 8, 1)))
+    with pytest.raises(ft.nn.LayerInputError, match=r"got f32\[3\]"):
+        conv(jnp.ones(3))
+
+
+def test_bad_groups_are_errors(key):
+    with pytest.raises(ValueError, match=r"divisible by groups \(2\)"):
+        ft.nn.Conv1D(3, 8, 3, groups=2, key=key)
+    with pytest.raises(ValueError, match="does not support groups"):
+        ft.nn.Conv1DTranspose(4, 8, 3, groups=2, key=key)

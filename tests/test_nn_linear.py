@@ -1,0 +1,66 @@
+"""Dense: reference computation, gradients, initialisation and input errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import functree as ft
+
+
+def _x64(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def test_matches_reference(key):
+    layer = ft.nn.Dense(3, 4, jax.nn.tanh, key=key)
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    expected = np.tanh(np.asarray(x) @ np.asarray(layer.weight) + np.asarray(layer.bias))
+    np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_initialisation_is_glorot_uniform_with_zero_bias(key):
+    layer = ft.nn.Dense(300, 200, key=key)
+    limit = np.sqrt(6 / (300 + 200))
+    assert float(jnp.max(jnp.abs(layer.weight))) <= limit
+    assert float(jnp.std(layer.weight)) == pytest.approx(limit / np.sqrt(3), rel=0.02)
+    assert not jnp.any(layer.bias)
+
+
+def test_no_bias_custom_initializer_and_dtype(key):
+    layer = ft.nn.Dense(2, 3, use_bias=False, key=key, dtype=jnp.bfloat16,
+                        weight_initializer=ft.nn.initializers.ones)
+    assert layer.bias is None and layer.weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(layer(jnp.ones((1, 2), jnp.bfloat16)).astype(jnp.float32), 2.0)
+
+
+def test_unbatched_and_many_batch_axes(key):
+    layer = ft.nn.Dense(3, 2, key=key)
+    assert layer(jnp.ones(3)).shape == (2,)
+    assert layer(jnp.ones((4, 5, 3))).shape == (4, 5, 2)
+
+
+def test_gradient_finite_differences(key):
+    with jax.enable_x64(True):
+        layer = _x64(ft.nn.Dense(3, 2, jax.nn.sigmoid, key=key))
+        x = jax.random.normal(jax.random.key(1), (4, 3), jnp.float64)
+        check_grads(jax.jit(lambda m, x: m(x)), (layer, x), order=1, modes=["rev"])
+
+
+def test_wrong_trailing_shape_names_layer_and_shapes(key):
+    layer = ft.nn.Dense(2, 4, key=key)
+    with pytest.raises(ft.nn.LayerInputError, match=r"Dense expects inputs \[\.\.\., 2\] \(float\), got f32\[4,3\]"):
+        layer(jnp.ones((4, 3)))
+
+
+def test_wrong_dtype_is_an_error_at_trace_time(key):
+    layer = ft.nn.Dense(2, 4, key=key)
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)got i32\[4,2\].*astype\(jnp.float32\)"):
+        jax.jit(layer)(jnp.ones((4, 2), jnp.int32))
+
+
+def test_repr_and_parameter_view(key):
+    layer = ft.nn.Dense(2, 4, jax.nn.relu, key=key)
+    assert repr(layer) == "Dense(weight=f32[2,4], bias=f32[4], activation=relu)"
+    assert ft.parameters(layer).weight.shape == (2, 4)

@@ -1,0 +1,83 @@
+"""Pooling and Flatten against numpy window loops; gradients; input errors."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import functree as ft
+
+
+def _pool_reference(x, size, strides, op):
+    x = np.asarray(x)
+    n = len(size)
+    out_shape = [(x.shape[1 + d] - size[d]) // strides[d] + 1 for d in range(n)]
+    y = np.zeros((x.shape[0], *out_shape, x.shape[-1]))
+    for pos in itertools.product(*map(range, out_shape)):
+        window = tuple(slice(p * s, p * s + k) for p, s, k in zip(pos, strides, size))
+        y[(slice(None), *pos)] = op(x[(slice(None), *window)], axis=tuple(range(1, n + 1)))
+    return y
+
+
+@pytest.mark.parametrize(
+    "cls,op,size,strides,shape",
+    [
+        (ft.nn.MaxPool1D, np.max, (3,), (2,), (2, 9, 3)),
+        (ft.nn.AvgPool1D, np.mean, (2,), (2,), (2, 8, 3)),
+        (ft.nn.MaxPool2D, np.max, (2, 3), (2, 1), (2, 6, 7, 3)),
+        (ft.nn.AvgPool2D, np.mean, (2, 2), (1, 2), (2, 5, 6, 3)),
+    ],
+)
+def test_window_pooling_matches_loops(cls, op, size, strides, shape):
+    x = jax.random.normal(jax.random.key(1), shape)
+    layer = cls(size, strides)
+    np.testing.assert_allclose(layer(x), _pool_reference(x, size, strides, op), rtol=1e-6)
+
+
+def test_strides_default_to_pool_size_and_unbatched():
+    assert ft.nn.MaxPool2D(2)(jnp.ones((6, 6, 1))).shape == (3, 3, 1)
+    assert ft.nn.AvgPool1D(3)(jnp.ones((4, 2, 9, 1))).shape == (4, 2, 3, 1)
+
+
+def test_same_average_divides_by_real_elements():
+    x = jnp.arange(1.0, 6.0).reshape(1, 5, 1)
+    y = ft.nn.AvgPool1D(2, padding="same")(x)
+    # windows [1, 2], [3, 4], [5] (the padded element is not counted)
+    np.testing.assert_allclose(y.ravel(), [1.5, 3.5, 5.0])
+
+
+@pytest.mark.parametrize(
+    "cls,op,shape",
+    [
+        (ft.nn.GlobalMaxPool1D, np.max, (2, 5, 3)),
+        (ft.nn.GlobalAvgPool1D, np.mean, (2, 5, 3)),
+        (ft.nn.GlobalMaxPool2D, np.max, (2, 4, 5, 3)),
+        (ft.nn.GlobalAvgPool2D, np.mean, (2, 4, 5, 3)),
+    ],
+)
+def test_global_pooling(cls, op, shape):
+    x = jax.random.normal(jax.random.key(1), shape)
+    axes = tuple(range(1, len(shape) - 1))
+    np.testing.assert_allclose(cls()(x), op(np.asarray(x), axis=axes), rtol=1e-6)
+
+
+def test_flatten():
+    x = jnp.arange(24.0).reshape(2, 3, 4)
+    np.testing.assert_array_equal(ft.nn.Flatten()(x), np.arange(24.0).reshape(2, 12))
+    assert ft.nn.Flatten(batch_dims=2)(jnp.ones((2, 3, 4, 5))).shape == (2, 3, 20)
+
+
+@pytest.mark.parametrize("layer", [ft.nn.MaxPool2D(2), ft.nn.AvgPool2D(2, padding="SAME"), ft.nn.GlobalAvgPool2D()])
+def test_gradients_finite_differences(layer):
+    with jax.enable_x64(True):
+        # distinct values so max pooling is differentiable at the test point
+        x = jax.random.permutation(jax.random.key(1), jnp.arange(1.0, 1.0 + 2 * 5 * 5 * 2, dtype=jnp.float64))
+        check_grads(jax.jit(layer), (x.reshape(2, 5, 5, 2) / 7.0,), order=1, modes=["rev"])
+
+
+def test_missing_spatial_axis_is_an_error():
+    with pytest.raises(ft.nn.LayerInputError, match=r"MaxPool2D expects inputs \[\.\.\., height, width, channels\] \(float\), got f32\[4,4\]"):
+        ft.nn.MaxPool2D(2)(jnp.ones((4, 4)))

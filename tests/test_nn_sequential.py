@@ -1,0 +1,81 @@
+"""Sequential and Lambda: composition, key splitting, key paths in errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+
+
+def _mlp(key):
+    k1, k2 = jax.random.split(key)
+    return ft.nn.Sequential(ft.nn.Dense(3, 8, key=k1), jax.nn.relu, ft.nn.Dropout(0.5), ft.nn.Dense(8, 2, key=k2))
+
+
+def test_applies_layers_in_order(key):
+    model = _mlp(key)
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    d0, _, _, d3 = model.layers
+    np.testing.assert_allclose(model(x), d3(jax.nn.relu(d0(x))), rtol=1e-6)
+    assert isinstance(model.layers[1], ft.nn.Lambda)
+    assert len(model) == 4 and model[0] is d0 and len(model[:2]) == 2
+
+
+def test_key_paths_and_jit(key):
+    model = _mlp(key)
+    names = list(ft.to_flat_dict(model))
+    assert names == ["layers.0.weight", "layers.0.bias", "layers.3.weight", "layers.3.bias"]
+    x = jnp.ones((2, 3))
+    np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(model, x), model(x), rtol=1e-6)
+
+
+def test_key_is_split_among_layers_that_take_one(key):
+    model = ft.nn.training(ft.nn.Sequential(ft.nn.Dropout(0.5), ft.nn.Dropout(0.5)))
+    x = jnp.ones(1000)
+    a = model(x, key=jax.random.key(1))
+    k1, _ = jax.random.split(jax.random.key(1))
+    first = model.layers[0](x, key=k1)
+    kept = first != 0
+    # the second dropout uses a different key: its mask differs from the first one's
+    assert not jnp.array_equal(a != 0, kept)
+    assert jnp.all((a == 0) | (a == 4.0))
+
+
+def test_dropout_in_training_without_key_is_an_error(key):
+    model = ft.nn.training(_mlp(key))
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        model(jnp.ones((2, 3)))
+
+
+def test_input_error_carries_key_path(key):
+    model = ft.nn.Sequential(ft.nn.Sequential(ft.nn.Dense(3, 4, key=key)))
+    with pytest.raises(ft.nn.LayerInputError, match=r"Dense at \.layers\[0\]\.layers\[0\] expects inputs \[\.\.\., 3\]"):
+        model(jnp.ones((2, 5)))
+
+
+def test_a_list_of_layers_is_accepted(key):
+    model = ft.nn.Sequential([ft.nn.Dense(3, 2, key=key), jnp.tanh])
+    assert len(model) == 2 and isinstance(model[1], ft.nn.Lambda)
+    np.testing.assert_allclose(model(jnp.ones(3)), jnp.tanh(model[0](jnp.ones(3))), rtol=1e-6)
+
+
+def test_non_callable_layer_is_an_error():
+    with pytest.raises(TypeError, match="Sequential layer 0 is a int"):
+        ft.nn.Sequential(3)
+
+
+def test_gradient_through_sequential(key):
+    model = _mlp(key)
+    grads = ft.gradient(lambda m: jnp.sum(m(jnp.ones((2, 3)))), at=model)
+    assert grads.layers[0].weight.shape == (3, 8)
+    assert jax.tree.leaves(grads.layers[1]) == [] and isinstance(grads.layers[1], ft.nn.Lambda)
+
+
+def test_gradient_finite_differences(key):
+    from jax.test_util import check_grads
+
+    with jax.enable_x64(True):
+        model = jax.tree.map(lambda a: a.astype(jnp.float64), _mlp(key))
+        x = jax.random.normal(jax.random.key(1), (2, 3), jnp.float64)
+        check_grads(jax.jit(lambda m, x: m(x)), (model, x), order=1, modes=["rev"])

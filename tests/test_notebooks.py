@@ -1,0 +1,89 @@
+"""Every notebook in ``notebooks/`` runs top to bottom in a fresh kernel, without errors.
+
+Each notebook is executed from a copy in a temporary directory (the committed notebook and
+its outputs are never rewritten), with matplotlib's non-interactive backend. The kernel is
+ipykernel's native ``python3`` kernel, which runs on this interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import sys
+
+import nbclient
+import nbformat
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+COLAB = "https://colab.research.google.com/github/functree/functree/blob/main/notebooks/{name}"
+INSTALL = ("import functree", "except ImportError", "%pip install")
+DEVICE_PINS = ("jax_platform", "JAX_PLATFORM", "CUDA_VISIBLE_DEVICES", 'jax.devices("cpu")')
+# Executed cells must not print warnings (tqdm bars also write to stderr, so only these).
+WARNING_MARKERS = ("Warning:", "WARNING:")
+# Environment-dependent, not ours: tqdm.auto without ipywidgets (the test extra has none;
+# Colab and Jupyter have it) falls back to a text bar with this warning.
+TOLERATED = ("TqdmWarning: IProgress not found",)
+
+
+def _cells(nb: dict, kind: str) -> list[str]:
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == kind]
+
+
+def _read(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_notebooks_exist():
+    names = {p.stem[:2] for p in NOTEBOOKS}
+    assert {"01", "02", "03", "04", "05", "06"} <= names, sorted(p.name for p in NOTEBOOKS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_has_colab_badge_and_install_cell(path):
+    nb = _read(path)
+    markdown = _cells(nb, "markdown")
+    assert markdown and COLAB.format(name=path.name) in markdown[0], "first cell: Colab badge"
+    code = _cells(nb, "code")
+    assert code and all(s in code[0] for s in INSTALL), "first code cell: install functree"
+    pinned = [s for s in code if any(p in s for p in DEVICE_PINS)]
+    assert not pinned, f"the same notebook must run on CPU, GPU and TPU runtimes: {pinned}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_committed_with_outputs(path):
+    nb = _read(path)
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all(c["execution_count"] is not None for c in code[1:]), "run it before committing"
+    errors = [o for c in code for o in c["outputs"] if o["output_type"] == "error"]
+    assert not errors, errors
+    assert path.stat().st_size < 200_000, "keep figures small (figsize=(5, 3))"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    copy = tmp_path / path.name
+    shutil.copy(path, copy)
+    nb = nbformat.read(copy, as_version=4)
+    nb.cells.insert(1, nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+    assert nb.cells[1].outputs[0]["text"].strip() == sys.executable
+    stderr = [
+        line
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.get("name") == "stderr"
+        for line in o["text"].splitlines()
+        if any(m in line for m in WARNING_MARKERS) and not any(t in line for t in TOLERATED)
+    ]
+    assert not stderr, "\n".join(stderr)

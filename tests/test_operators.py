@@ -1,0 +1,362 @@
+"""Differential operators under Swift's names, checked against JAX and finite differences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax.test_util import check_grads
+from test_paths import nested_trees
+
+import functree as ft
+
+
+class BatchNorm(ft.Module):
+    scale: jax.Array
+    running_mean: jax.Array = ft.field(no_derivative=True)
+
+
+class Net(ft.Module):
+    encoder: BatchNorm
+    weight: jax.Array
+    bias: float
+    steps: jax.Array
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jnp.tanh(x * self.encoder.scale - self.encoder.running_mean)
+        return h @ self.weight + self.bias
+
+
+def make_net() -> Net:
+    return Net(
+        encoder=BatchNorm(jnp.array([1.0, 2.0]), jnp.array([0.1, -0.1])),
+        weight=jnp.array([[0.5], [-1.5]]),
+        bias=0.25,
+        steps=jnp.zeros((), jnp.int32),
+    )
+
+
+X = jnp.array([[0.3, -0.7], [1.0, 0.2], [-0.4, 0.9]])
+
+
+def loss(net: Net, x: jax.Array = X) -> jax.Array:
+    return jnp.mean(net(x) ** 2)
+
+
+def f(x: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.sin(x) * x**2)
+
+
+def finite_difference_gradient(fn: Any, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Central differences in float64."""
+    x = np.asarray(x, np.float64)
+    fn = jax.jit(fn)
+    out = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        e = np.zeros_like(x)
+        e[i] = eps
+        out[i] = (float(fn(x + e)) - float(fn(x - e))) / (2 * eps)
+    return out
+
+
+# ------------------------------------------------------------------ gradients
+
+
+def test_gradient_curried_and_at_a_point_match_jax_grad():
+    x = jnp.array([0.3, -1.2, 2.0])
+    np.testing.assert_allclose(ft.gradient(f)(x), jax.grad(f)(x), rtol=1e-6)
+    np.testing.assert_allclose(ft.gradient(f, at=x), jax.grad(f)(x), rtol=1e-6)
+    value, grad = ft.value_with_gradient(f, at=x)
+    np.testing.assert_allclose(value, f(x), rtol=1e-6)
+    np.testing.assert_allclose(grad, jax.grad(f)(x), rtol=1e-6)
+
+
+def test_gradient_matches_finite_differences_in_float64():
+    with jax.enable_x64(True):
+        x = np.array([0.3, -1.2, 2.0])
+        np.testing.assert_allclose(
+            ft.gradient(f, at=jnp.asarray(x)), finite_difference_gradient(f, x), rtol=1e-6
+        )
+        net = make_net()
+        as64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64) if ft._parameters.is_parameter_leaf(a) else a, net)
+        x64 = jnp.asarray(X, jnp.float64)
+        grads = ft.gradient(lambda n: loss(n, x64), at=as64)
+        w = np.asarray(as64.weight)
+        fd = finite_difference_gradient(lambda w_: loss(as64.replace(weight=jnp.asarray(w_)), x64), w)
+        np.testing.assert_allclose(grads.weight, fd, rtol=1e-6)
+
+
+def test_gradient_of_a_module_has_the_parameter_view_structure():
+    net = make_net()
+    grads = ft.gradient(loss, at=net)
+    assert isinstance(grads, Net)
+    assert grads.steps is None and grads.encoder.running_mean is None
+    assert jax.tree.structure(grads) == jax.tree.structure(ft.parameters(net))
+    expected = jax.grad(lambda p: loss(ft.with_parameters(net, p)))(ft.parameters(net))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # Usable with move and with the model's key paths.
+    moved = ft.move(net, along=ft.tangent_scale(grads, -0.1))
+    kp = ft.key_path(net, "encoder.scale")
+    np.testing.assert_allclose(kp.get(moved), kp.get(net) - 0.1 * kp.get(grads), rtol=1e-6)
+    assert loss(moved) < loss(net)
+
+
+def test_gradient_passes_keyword_arguments_through():
+    net = make_net()
+    g1 = ft.gradient(loss)(net, x=X[:1])
+    g2 = jax.grad(lambda p: loss(ft.with_parameters(net, p), X[:1]))(ft.parameters(net))
+    np.testing.assert_allclose(g1.weight, g2.weight, rtol=1e-6)
+
+
+def test_has_aux():
+    def with_aux(x: jax.Array) -> tuple[jax.Array, dict]:
+        return f(x), {"norm": jnp.linalg.norm(x)}
+
+    x = jnp.array([1.0, 2.0])
+    (_, aux), grad = ft.value_with_gradient(with_aux, at=x, has_aux=True)
+    np.testing.assert_allclose(aux["norm"], np.sqrt(5.0), rtol=1e-6)
+    np.testing.assert_allclose(grad, jax.grad(f)(x), rtol=1e-6)
+    grad2, aux2 = ft.gradient(with_aux, at=x, has_aux=True)
+    np.testing.assert_allclose(grad2, grad)
+    assert set(aux2) == {"norm"}
+    _, pullback, _ = ft.value_with_pullback(with_aux, at=x, has_aux=True)
+    np.testing.assert_allclose(pullback(jnp.ones(())), grad, rtol=1e-6)
+    _, differential, _ = ft.value_with_differential(with_aux, at=x, has_aux=True)
+    np.testing.assert_allclose(differential(jnp.array([1.0, 0.0])), grad[0], rtol=1e-6)
+
+
+def test_wrt_index_tuple_and_negative_index():
+    def g(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+        return jnp.sum(a * b**2 + c)
+
+    a, b, c = jnp.ones(2), jnp.full(2, 3.0), jnp.zeros(2)
+    np.testing.assert_allclose(ft.gradient(g, wrt=1)(a, b, c), [6.0, 6.0])
+    np.testing.assert_allclose(ft.gradient(g, wrt=-1)(a, b, c), [1.0, 1.0])
+    ga, gc = ft.gradient(g, wrt=(0, 2))(a, b, c)
+    np.testing.assert_allclose(ga, [9.0, 9.0])
+    np.testing.assert_allclose(gc, [1.0, 1.0])
+    (ga1,) = ft.gradient(g, wrt=(0,))(a, b, c)  # a 1-tuple gives a 1-tuple
+    np.testing.assert_allclose(ga1, ga)
+
+
+def test_wrt_patterns_select_parameters_of_the_first_argument():
+    net = make_net()
+    grads = ft.gradient(loss, wrt="encoder")(net)
+    assert grads.weight is None and grads.bias is None
+    assert grads.encoder.scale is not None and grads.encoder.running_mean is None
+    full = ft.gradient(loss, at=net)
+    np.testing.assert_allclose(grads.encoder.scale, full.encoder.scale, rtol=1e-6)
+    both = ft.gradient(loss, wrt=["weight", "bias"])(net)
+    assert both.encoder.scale is None and both.weight is not None and both.bias is not None
+    everything = ft.gradient(loss, wrt="*")(net)
+    assert jax.tree.structure(everything) == jax.tree.structure(full)
+
+
+# ------------------------------------------------------------------ pullbacks, differentials
+
+
+def test_value_with_pullback_matches_vjp():
+    def h(x: jax.Array) -> jax.Array:
+        return jnp.stack([x[0] * x[1], jnp.exp(x[1]), x[0] ** 3])
+
+    x = jnp.array([0.5, -0.3])
+    value, pb = ft.value_with_pullback(h, at=x)
+    _, vjp = jax.vjp(h, x)
+    v = jnp.array([1.0, 2.0, -1.0])
+    np.testing.assert_allclose(value, h(x))
+    np.testing.assert_allclose(pb(v), vjp(v)[0], rtol=1e-6)
+    np.testing.assert_allclose(ft.pullback(h, at=x)(v), vjp(v)[0], rtol=1e-6)
+    np.testing.assert_allclose(ft.pullback(h)(x)(v), vjp(v)[0], rtol=1e-6)
+
+
+def test_pullback_of_a_module_returns_the_parameter_view():
+    net = make_net()
+    value, pb = ft.value_with_pullback(lambda n: n(X), at=net)
+    cot = pb(jnp.ones_like(value))
+    assert isinstance(cot, Net) and cot.steps is None
+    expected = ft.gradient(lambda n: n(X).sum(), at=net)
+    np.testing.assert_allclose(cot.weight, expected.weight, rtol=1e-6)
+
+
+def test_value_with_differential_matches_jvp():
+    x = jnp.array([0.3, -1.2, 2.0])
+    t = jnp.array([1.0, 0.5, -2.0])
+    value, df = ft.value_with_differential(jnp.sin, at=x)
+    expected = jax.jvp(jnp.sin, (x,), (t,))
+    np.testing.assert_allclose(value, expected[0])
+    np.testing.assert_allclose(df(t), expected[1], rtol=1e-6)
+    np.testing.assert_allclose(ft.differential(jnp.sin, at=x)(t), expected[1], rtol=1e-6)
+
+
+def test_differential_with_respect_to_several_arguments_takes_a_tuple():
+    def g(a: jax.Array, b: jax.Array) -> jax.Array:
+        return a * jnp.exp(b)
+
+    a, b = jnp.array([1.0, 2.0]), jnp.array([0.0, 1.0])
+    df = ft.differential(g, wrt=(0, 1))(a, b)
+    ta, tb = jnp.ones(2), jnp.array([1.0, 0.0])
+    expected = jax.jvp(g, (a, b), (ta, tb))[1]
+    np.testing.assert_allclose(df((ta, tb)), expected, rtol=1e-6)
+    with pytest.raises(TypeError, match=r"takes a tuple of 2 tangents \(wrt=\(0, 1\)\)"):
+        df(ta)
+
+
+def test_differential_of_a_module_takes_a_parameter_view_tangent():
+    net = make_net()
+    tangent = ft.tangent_scale(ft.zero_tangent_vector(net), 0.0)
+    tangent = ft.set(tangent, ".weight", jnp.ones((2, 1)))
+    _, df = ft.value_with_differential(loss, at=net)
+    grads = ft.gradient(loss, at=net)
+    np.testing.assert_allclose(df(tangent), grads.weight.sum(), rtol=1e-5)
+
+
+def test_scalar_derivative():
+    np.testing.assert_allclose(ft.derivative(lambda x: x**3, at=2.0), 12.0)
+    curve = ft.derivative(lambda t: jnp.array([jnp.cos(t), jnp.sin(t)]))
+    np.testing.assert_allclose(curve(0.0), [0.0, 1.0], atol=1e-7)
+    with pytest.raises(TypeError, match=r"scalar floating argument, got shape \(2,\)"):
+        ft.derivative(jnp.sin, at=jnp.ones(2))
+    with pytest.raises(TypeError, match="dtype int32"):
+        ft.derivative(lambda n: n * 2.0, at=jnp.asarray(3))
+
+
+# ------------------------------------------------------------------ jacobians, hessians
+
+
+def some_function(x: jax.Array) -> jax.Array:
+    return jnp.stack([x[0] * x[1], jnp.sin(x[0]), x[1] ** 3, x[0] + 2 * x[1]])
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_jacobian_both_modes_match_jax(mode):
+    x = jnp.array([1.0, 2.0])
+    expected = jax.jacrev(some_function)(x)
+    np.testing.assert_allclose(ft.jacobian(some_function, at=x, mode=mode), expected, rtol=1e-6)
+    net = make_net()
+    jac = ft.jacobian(lambda n: n(X)[:, 0], at=net, mode=mode)
+    assert isinstance(jac, Net) and jac.weight.shape == (3, 2, 1) and jac.steps is None
+
+
+def test_jacobian_mode_must_be_reverse_or_forward():
+    with pytest.raises(ValueError, match="mode is 'reverse' or 'forward', got 'sideways'"):
+        ft.jacobian(f, mode="sideways")
+
+
+def test_hessian_matches_jax_and_finite_differences():
+    x = jnp.array([0.3, -1.2, 2.0])
+    np.testing.assert_allclose(ft.hessian(f, at=x), jax.hessian(f)(x), rtol=1e-5)
+    with jax.enable_x64(True):
+        x64 = np.array([0.3, -1.2, 2.0])
+        grad = jax.jit(jax.grad(f))
+        fd = np.stack(
+            [finite_difference_gradient(lambda y, i=i: grad(y)[i], x64) for i in range(3)]
+        )
+        np.testing.assert_allclose(ft.hessian(f, at=jnp.asarray(x64)), fd, rtol=1e-6)
+    with pytest.raises(TypeError, match=r"ft\.hessian needs a scalar result"):
+        ft.hessian(jnp.sin, at=x)
+
+
+def test_operators_compose_with_jit_and_check_grads():
+    x = jnp.array([0.3, -1.2, 2.0])
+    jitted = jax.jit(ft.gradient(f))
+    np.testing.assert_allclose(jitted(x), jax.grad(f)(x), rtol=1e-6)
+    # The gradient function is itself differentiable (second order by finite differences).
+    check_grads(ft.gradient(f), (x,), order=1, modes=("rev", "fwd"))
+
+
+# ------------------------------------------------------------------ errors that say what to do
+
+
+def test_gradient_of_a_non_scalar_result_is_an_error_with_the_fix():
+    with pytest.raises(TypeError) as info:
+        ft.gradient(jnp.sin, at=jnp.ones(3))
+    message = str(info.value)
+    assert "ft.gradient needs a scalar result" in message and "shape (3,)" in message
+    assert "ft.gradient(lambda x: f(x).sum(), at=x)" in message
+    assert "ft.value_with_pullback" in message and "ft.jacobian" in message
+    with pytest.raises(TypeError, match=r"ft\.value_with_gradient needs a scalar result"):
+        ft.value_with_gradient(jnp.sin, at=jnp.ones(3))
+
+
+@pytest.mark.parametrize("point", [3, jnp.arange(3), jnp.array([True, False])])
+def test_differentiating_with_respect_to_integers_or_bools_is_an_error(point):
+    with pytest.raises(TypeError) as info:
+        ft.gradient(lambda x: jnp.sum(x).astype(jnp.float32), at=point)
+    message = str(info.value)
+    assert "Cannot differentiate with respect to argument 0" in message
+    assert "x.astype(jnp.float32)" in message
+
+
+def test_integer_argument_error_suggests_the_other_arguments():
+    with pytest.raises(TypeError, match=r"argument 1 .*\n(.|\n)*wrt=0"):
+        ft.gradient(lambda x, n: x * n, wrt=1)(2.0, 3)
+
+
+def test_module_without_parameters_is_an_error():
+    class Frozen(ft.Module):
+        table: jax.Array = ft.field(no_derivative=True)
+
+    with pytest.raises(TypeError, match="Frozen has no parameters"):
+        ft.gradient(lambda m: m.table.sum(), at=Frozen(jnp.ones(2)))
+
+
+def test_wrt_pattern_selecting_a_no_derivative_field_is_an_error_naming_it():
+    with pytest.raises(ValueError) as info:
+        ft.gradient(loss, wrt="encoder.running_mean")(make_net())
+    message = str(info.value)
+    assert "selects encoder.running_mean, which is not a parameter (a no_derivative field)" in message
+    assert 'ft.gradient(f, wrt="encoder.scale")' in message
+    with pytest.raises(ValueError, match=r"selects steps, which is not a parameter \(dtype int32\)"):
+        ft.gradient(loss, wrt="steps")(make_net())
+
+
+def test_wrt_pattern_selecting_nothing_is_an_error_listing_names():
+    with pytest.raises(ValueError) as info:
+        ft.gradient(loss, wrt=["weight", "decoder.*"])(make_net())
+    message = str(info.value)
+    assert "wrt='decoder.*' selects no parameter" in message
+    assert "'encoder.scale'" in message
+
+
+def test_point_that_is_not_a_pytree_of_arrays_is_an_error():
+    with pytest.raises(TypeError) as info:
+        ft.gradient(lambda d: d["x"] * 2.0, at={"x": 1.0, "name": "hello"})
+    message = str(info.value)
+    assert "the value at ['name'] is a str" in message
+    assert "ft.field(static=True)" in message
+
+
+def test_bad_wrt_values():
+    with pytest.raises(TypeError, match="wrt must be an argument index"):
+        ft.gradient(f, wrt=1.5)(jnp.ones(2))
+    with pytest.raises(TypeError, match="wrt must be an argument index"):
+        ft.gradient(f, wrt=True)(jnp.ones(2))
+    with pytest.raises(IndexError, match=r"wrt=2 but .* was called with 1 argument"):
+        ft.gradient(f, wrt=2)(jnp.ones(2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(nested_trees())
+def test_gradient_of_random_trees_has_the_parameter_view_structure(tree: Any):
+    def total(t: Any) -> jax.Array:
+        leaves = jax.tree.leaves(ft.parameters(t))
+        return sum((jnp.sin(jnp.asarray(x, jnp.float32)) ** 2).sum() for x in leaves) + jnp.zeros(())
+
+    params = ft.parameters(tree)
+    if not jax.tree.leaves(params):
+        with pytest.raises(TypeError, match="Cannot differentiate with respect to argument 0"):
+            ft.gradient(total, at=tree)
+        return
+    grads = ft.gradient(total, at=tree)
+    assert jax.tree.structure(grads, is_leaf=lambda x: x is None) == jax.tree.structure(
+        params, is_leaf=lambda x: x is None
+    )
+    expected = jax.grad(lambda p: total(ft.with_parameters(tree, p)))(params)
+    for g, e, p in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), jax.tree.leaves(params)):
+        assert jnp.result_type(g) == jnp.result_type(p)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=1e-2, atol=1e-2)

@@ -1,0 +1,314 @@
+"""functree.optim optimizers: torch/optax agreement, convergence, recompilation, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+import functree.optim as fo
+
+STEPS = 100
+STEPS_CONVERGE = 400
+
+
+def _problem(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"weight": rng.normal(size=(5, 3)).astype(np.float32), "bias": rng.normal(size=3).astype(np.float32)}
+    x = rng.normal(size=(16, 5)).astype(np.float32)
+    y = rng.normal(size=(16, 3)).astype(np.float32)
+    return params, x, y
+
+
+def _loss(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["weight"] + p["bias"]) - y) ** 2)
+
+
+def _run_optax(tx, steps=STEPS):
+    # optax's own aliases mix Python floats and int32 counts: standard promotion only.
+    with jax.numpy_dtype_promotion("standard"):
+        return _run_ours(tx, steps)
+
+
+def _run_ours(tx, steps=STEPS, seed=0):
+    params, x, y = _problem(seed)
+    params = jax.tree.map(jnp.asarray, params)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(_loss)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(steps):
+        params, state = step(params, state)
+    return params
+
+
+def _run_torch(make, steps=STEPS, seed=0):
+    torch = pytest.importorskip("torch")
+    params, x, y = _problem(seed)
+    w = torch.tensor(params["weight"], requires_grad=True)
+    b = torch.tensor(params["bias"], requires_grad=True)
+    opt = make(torch.optim, [w, b])
+    xt, yt = torch.tensor(x), torch.tensor(y)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.mean((torch.tanh(xt @ w + b) - yt) ** 2)
+        loss.backward()
+        opt.step()
+    return {"weight": w.detach().numpy(), "bias": b.detach().numpy()}
+
+
+TORCH_CASES = {
+    "sgd": (lambda: fo.sgd(0.1), lambda o, p: o.SGD(p, lr=0.1)),
+    "sgd_momentum": (lambda: fo.sgd(0.05, momentum=0.9), lambda o, p: o.SGD(p, lr=0.05, momentum=0.9)),
+    "sgd_nesterov": (lambda: fo.sgd(0.05, 0.9, nesterov=True),
+                     lambda o, p: o.SGD(p, lr=0.05, momentum=0.9, nesterov=True)),
+    "sgd_l2": (lambda: fo.sgd(0.05, 0.9, weight_decay=0.01),
+               lambda o, p: o.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01)),
+    "rmsprop": (lambda: fo.rmsprop(0.002, rho=0.9), lambda o, p: o.RMSprop(p, lr=0.002, alpha=0.9, eps=1e-8)),
+    "rmsprop_momentum_centered": (
+        lambda: fo.rmsprop(0.002, rho=0.9, momentum=0.5, centered=True),
+        lambda o, p: o.RMSprop(p, lr=0.002, alpha=0.9, eps=1e-8, momentum=0.5, centered=True)),
+    "adagrad": (lambda: fo.adagrad(0.1), lambda o, p: o.Adagrad(p, lr=0.1, initial_accumulator_value=0.1, eps=1e-8)),
+    "adadelta": (lambda: fo.adadelta(), lambda o, p: o.Adadelta(p, lr=1.0, rho=0.95, eps=1e-6)),
+    "adam": (lambda: fo.adam(0.01), lambda o, p: o.Adam(p, lr=0.01, eps=1e-8)),
+    "adam_l2": (lambda: fo.adam(0.01, weight_decay=0.1), lambda o, p: o.Adam(p, lr=0.01, weight_decay=0.1)),
+    "adamw": (lambda: fo.adamw(0.01, exclude=()), lambda o, p: o.AdamW(p, lr=0.01, weight_decay=0.01)),
+    "adamax": (lambda: fo.adamax(0.01), lambda o, p: o.Adamax(p, lr=0.01, eps=1e-8)),
+    "amsgrad": (lambda: fo.amsgrad(0.01), lambda o, p: o.Adam(p, lr=0.01, amsgrad=True)),
+    "radam": (lambda: fo.radam(0.01), lambda o, p: o.RAdam(p, lr=0.01)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_CASES))
+def test_matches_torch_over_100_steps(name):
+    ours, theirs = TORCH_CASES[name]
+    expected = _run_torch(theirs)
+    got = _run_ours(ours())
+    for k in expected:
+        np.testing.assert_allclose(np.asarray(got[k]), expected[k], rtol=2e-4, atol=2e-5, err_msg=f"{name}.{k}")
+
+
+def test_lion_matches_torch_when_available():
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.optim, "Lion"):
+        pytest.skip("torch.optim has no Lion; compared with optax below")
+    expected = _run_torch(lambda o, p: o.Lion(p, lr=1e-3, betas=(0.9, 0.99)))
+    got = _run_ours(fo.lion(1e-3))
+    for k in expected:
+        np.testing.assert_allclose(np.asarray(got[k]), expected[k], rtol=2e-4, atol=2e-5)
+
+
+OPTAX_CASES = {
+    "sgd": (lambda: fo.sgd(0.05, 0.9, nesterov=True), lambda: optax.sgd(0.05, 0.9, nesterov=True), 1e-6),
+    "rmsprop": (lambda: fo.rmsprop(0.002), lambda: optax.rmsprop(0.002, 0.9, 1e-8, eps_in_sqrt=False), 1e-6),
+    "adagrad": (lambda: fo.adagrad(0.1, epsilon=1e-10), lambda: optax.adagrad(0.1, 0.1, eps=1e-10), 1e-5),
+    "adadelta": (lambda: fo.adadelta(1.0, 0.9, 1e-6), lambda: optax.adadelta(1.0, 0.9, 1e-6), 1e-6),
+    "adam": (lambda: fo.adam(0.01), lambda: optax.adam(0.01), 1e-6),
+    "adamw": (lambda: fo.adamw(0.01, exclude=()), lambda: optax.adamw(0.01, weight_decay=0.01), 1e-6),
+    "adamax": (lambda: fo.adamax(0.01), lambda: optax.adamax(0.01), 1e-6),
+    "radam": (lambda: fo.radam(0.01), lambda: optax.radam(0.01), 1e-4),
+    "lion": (lambda: fo.lion(1e-3, weight_decay=0.01, exclude=()), lambda: optax.lion(1e-3, weight_decay=0.01), 1e-6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTAX_CASES))
+def test_matches_optax_over_100_steps(name):
+    ours, theirs, tol = OPTAX_CASES[name]
+    expected, got = _run_optax(theirs()), _run_ours(ours())
+    for k in expected:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(expected[k]), rtol=20 * tol + 2e-4, atol=tol + 2e-5)
+
+
+def test_amsgrad_differs_from_optax_by_design():
+    # optax takes the max over bias-corrected second moments; torch and swift-apis over raw ones.
+    ours, theirs = _run_ours(fo.amsgrad(0.01), steps=5), _run_optax(optax.amsgrad(0.01), steps=5)
+    assert not np.allclose(np.asarray(ours["weight"]), np.asarray(theirs["weight"]), rtol=1e-6, atol=1e-7)
+
+
+def test_unit_gain_momentum_equals_literature_when_converted():
+    lit = _run_ours(fo.sgd(0.05, momentum=0.9))
+    unit = _run_ours(fo.sgd(0.05, momentum=0.9, momentum_form="unit_gain"))
+    for k in lit:
+        np.testing.assert_allclose(np.asarray(unit[k]), np.asarray(lit[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_unit_gain_momentum_with_changing_rate_uses_ratio():
+    # η halves at step 3: the unit-gain momentum must be γ' = γ η_t / η_{t-1} at that step.
+    lr = fo.piecewise([(3, 0.1), (1, 0.05)])
+    mom = fo.piecewise([(3, 0.9), (1, 0.45), (1, 0.9)])
+    lit = _run_ours(fo.sgd(lr, momentum=0.9), steps=8)
+    unit = _run_ours(fo.sgd(lr, momentum=mom, momentum_form="unit_gain"), steps=8)
+    for k in lit:
+        np.testing.assert_allclose(np.asarray(unit[k]), np.asarray(lit[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_momentum_form():
+    with pytest.raises(ValueError, match="momentum_form='heavy'"):
+        fo.sgd(momentum_form="heavy")
+    with pytest.raises(ValueError, match="Nesterov needs the literature form"):
+        fo.sgd(momentum=0.9, nesterov=True, momentum_form="unit_gain")
+
+
+# --- convergence on quadratic, Rosenbrock and XOR, and no recompilation -----------------
+
+ALL = {
+    "sgd": lambda: fo.sgd(0.01, momentum=0.9),
+    "rmsprop": lambda: fo.rmsprop(0.01),
+    "adagrad": lambda: fo.adagrad(0.3),
+    "adadelta": lambda: fo.adadelta(10.0),
+    "adam": lambda: fo.adam(0.05),
+    "adamw": lambda: fo.adamw(0.05, weight_decay=1e-4),
+    "adamax": lambda: fo.adamax(0.05),
+    "amsgrad": lambda: fo.amsgrad(0.05),
+    "radam": lambda: fo.radam(0.05),
+    "lion": lambda: fo.lion(0.03),
+}
+
+
+def _quadratic():
+    target = jnp.array([1.0, -2.0, 3.0])
+    return {"x": jnp.zeros(3)}, lambda p: jnp.sum((p["x"] - target) ** 2), 1e-2
+
+
+def _rosenbrock():
+    def f(p):
+        x, y = p["xy"][0], p["xy"][1]
+        return (1 - x) ** 2 + 10.0 * (y - x**2) ** 2
+
+    return {"xy": jnp.array([-1.0, 1.0])}, f, 0.3
+
+
+class XOR(ft.Module):
+    hidden: ft.nn.Dense
+    out: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.out(self.hidden(x))
+
+
+XS = jnp.array([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+YS = jnp.array([[0.0], [1.0], [1.0], [0.0]])
+
+
+def _xor():
+    k1, k2 = jax.random.split(jax.random.key(1))
+    model = XOR(ft.nn.Dense(2, 8, jax.nn.tanh, key=k1), ft.nn.Dense(8, 1, key=k2))
+    return model, lambda m: jnp.mean((m(XS) - YS) ** 2), 0.05
+
+
+PROBLEMS = {"quadratic": _quadratic, "rosenbrock": _rosenbrock, "xor": _xor}
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_converges_without_recompiling(name, problem):
+    model, loss_fn, tol = PROBLEMS[problem]()
+    opt = fo.Optimizer(ALL[name]())
+    state = opt.init(model)
+    traces = []
+
+    def step(m, s):
+        traces.append(1)
+        return opt.minimize(loss_fn, m, s)
+
+    step = ft.jit(step, donate=(0, 1))
+    first = float(loss_fn(model))
+    for _ in range(STEPS_CONVERGE):
+        model, state, loss = step(model, state)
+    assert len(traces) == 1
+    assert float(loss) < min(tol, first), (name, problem, float(loss))
+    assert int(fo.context(state).step) == STEPS_CONVERGE
+
+
+# --- per-parameter state and bad input -------------------------------------------------
+
+def test_moments_follow_the_models_key_paths():
+    model = _xor()[0]
+    opt = fo.Optimizer(fo.adam(0.01))
+    state = opt.init(model)
+    step = ft.jit(lambda m, s: opt.minimize(lambda m: jnp.mean((m(XS) - YS) ** 2), m, s))
+    model, state, _ = step(model, state)
+    mu = fo.moments(state)["mu"]
+    assert type(mu) is XOR
+    assert ft.get(mu, "hidden.weight").shape == (2, 8)
+    np.testing.assert_allclose(ft.get(mu, "hidden.weight"), mu.hidden.weight)
+    assert fo.moments(fo.sgd(0.1, 0.9).init(model))["trace"].out.bias.shape == (1,)
+
+
+@pytest.mark.parametrize(
+    ("make", "name", "value"),
+    [
+        (lambda: fo.adam(learning_rate=-1e-3), "learning_rate", "-0.001"),
+        (lambda: fo.adam(beta1=1.0), "beta1", "1.0"),
+        (lambda: fo.adam(beta2=-0.1), "beta2", "-0.1"),
+        (lambda: fo.adam(epsilon=-1.0), "epsilon", "-1.0"),
+        (lambda: fo.sgd(momentum=1.5), "momentum", "1.5"),
+        (lambda: fo.rmsprop(rho=2.0), "rho", "2.0"),
+        (lambda: fo.adagrad(initial_accumulator_value=-1.0), "initial_accumulator_value", "-1.0"),
+        (lambda: fo.adamw(weight_decay=-0.1), "weight_decay", "-0.1"),
+        (lambda: fo.sgd(fo.per_samples(-1.0, 1)), "learning_rate", "-1.0"),
+        (lambda: fo.sgd(float("nan")), "learning_rate", "nan"),
+        (lambda: fo.sgd([(10, 0.1), (5, -0.01)]), "learning_rate", "-0.01"),
+        (lambda: fo.adam(beta1=fo.per_minibatch([(1, 0.9), (1, 1.2)])), "beta1", "1.2"),
+    ],
+)
+def test_out_of_range_hyperparameters_fail_at_construction(make, name, value):
+    with pytest.raises(ValueError, match=rf"{name}={value} is out of range") as info:
+        make()
+    assert "right:" in str(info.value)
+
+
+def test_gradient_not_matching_the_model_names_the_key_path():
+    model = _xor()[0]
+    opt = fo.Optimizer(fo.adam())
+    state = opt.init(model)
+    grads = ft.gradient(lambda m: jnp.mean(m(XS)), at=model)
+    bad = grads.replace(hidden=grads.hidden.replace(weight=jnp.zeros((3, 8))))
+    with pytest.raises(ValueError, match=r"hidden\.weight: expected shape \(2, 8\).*given shape \(3, 8\)"):
+        opt.update(bad, state, model)
+    with pytest.raises(ValueError, match=r"differ|fit the model's parameters at"):
+        fo.adam().update({"w": jnp.ones(2)}, fo.adam().init({"v": jnp.ones(2)}), {"v": jnp.ones(2)})
+    with pytest.raises(ValueError, match="does not fit the model's parameters at"):
+        opt.update({"a": 1.0}, state, model)
+
+
+def test_optimizers_are_plain_optax_transforms():
+    params = {"w": jnp.ones(3)}
+    for make in ALL.values():
+        tx = make()
+        assert isinstance(tx, optax.GradientTransformation)
+        state = tx.init(params)
+        chained = optax.chain(optax.clip_by_global_norm(1.0), tx)
+        u, _ = chained.update(params, chained.init(params), params)
+        assert u["w"].shape == (3,)
+        assert jax.tree.structure(tx.update(params, state, params)[1]) == jax.tree.structure(state)
+
+
+def test_every_optimizer_documents_its_update_rule():
+    for name in ALL:
+        doc = getattr(fo, name).__doc__
+        assert "Example:" in doc and ("←" in doc), name
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "amsgrad", "lion"])
+def test_bfloat16_parameters_keep_their_state_dtype_and_compile_once(name):
+    model = ft.nn.Dense(3, 2, key=jax.random.key(0), dtype=jnp.bfloat16)
+    opt = fo.Optimizer(ALL[name]())
+    state = opt.init(model)
+    traces = []
+
+    def step(m, s):
+        traces.append(1)
+        return opt.minimize(lambda m: jnp.mean(m(jnp.ones((4, 3), jnp.bfloat16))).astype(jnp.float32), m, s)
+
+    step = ft.jit(step)
+    for _ in range(3):
+        model, state, _ = step(model, state)
+    assert len(traces) == 1
+    assert model.weight.dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(fo.moments(state))} == {jnp.dtype(jnp.bfloat16)}

@@ -1,0 +1,33 @@
+"""Parameter groups by glob over dotted names, and their errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+import functree.optim as fo
+
+
+def test_groups_by_pattern_and_their_errors():
+    class Net(ft.Module):
+        encoder: ft.nn.Dense
+        head: ft.nn.Dense
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    net = Net(ft.nn.Dense(2, 2, key=k1), ft.nn.Dense(2, 1, key=k2))
+    grads = jax.tree.map(jnp.ones_like, ft.parameters(net))
+    tx = fo.groups({"encoder.*": fo.sgd(0.1), "head.*": fo.sgd(1.0)})
+    u, _ = tx.update(grads, tx.init(net), net)
+    np.testing.assert_allclose(u.encoder.weight, -0.1)
+    np.testing.assert_allclose(u.head.bias, -1.0)
+    tx = fo.groups({"encoder.*": fo.sgd(0.1)}, default=fo.adam(0.5))
+    u, _ = tx.update(grads, tx.init(net), net)
+    np.testing.assert_allclose(u.head.weight, -0.5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"parameter 'head\.weight' matches no group pattern") as info:
+        fo.groups({"encoder.*": fo.sgd()}).init(net)
+    assert "default=" in str(info.value)
+    with pytest.raises(ValueError, match=r"'encoder\.bias' matches two groups, 'encoder\.\*' and '\*\.bias'"):
+        fo.groups({"encoder.*": fo.sgd(), "*.bias": fo.sgd(), "head.weight": fo.sgd()}).init(net)
+    with pytest.raises(ValueError, match="needs at least one"):
+        fo.groups({})

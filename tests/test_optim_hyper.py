@@ -1,0 +1,110 @@
+"""Hyperparameters as arrays in the state: rate units, reading, setting, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+import functree.optim as fo
+
+
+def _params():
+    return {"w": jnp.zeros(())}
+
+
+ONE = {"w": jnp.ones(())}
+
+
+def test_per_samples_rate_with_changing_minibatch_size():
+    # per_samples(v, n) on mean gradients: η = v · M / n.
+    tx = fo.sgd(fo.per_samples(0.01, 4))
+    state = tx.init(_params())
+    got = []
+    for m in [4, 8, 2, 32]:
+        u, state = tx.update(ONE, state, minibatch_size=m)
+        got.append(float(u["w"]))
+    np.testing.assert_allclose(got, [-0.01, -0.02, -0.005, -0.08], rtol=1e-6)
+    assert float(fo.hyperparameters(state)["learning_rate"]) == pytest.approx(0.01)
+    state = fo.set_hyperparameters(state, learning_rate=0.1)
+    u, _ = tx.update(ONE, state, minibatch_size=8)
+    assert float(u["w"]) == pytest.approx(-0.2)
+
+
+def test_per_minibatch_is_the_plain_number():
+    tx = fo.sgd(fo.per_minibatch(0.3))
+    u, _ = tx.update(ONE, tx.init(_params()), minibatch_size=64)
+    assert float(u["w"]) == pytest.approx(-0.3)
+
+
+def test_per_samples_with_a_schedule_value():
+    tx = fo.sgd(fo.per_samples(fo.piecewise([(1, 0.1), (1, 0.2)]), 1))
+    state = tx.init(_params())
+    u1, state = tx.update(ONE, state, minibatch_size=2)
+    u2, state = tx.update(ONE, state, minibatch_size=3)
+    assert (float(u1["w"]), float(u2["w"])) == pytest.approx((-0.2, -0.6))
+
+
+def test_per_samples_bad_count():
+    with pytest.raises(ValueError, match="samples must be a positive int, got 0"):
+        fo.per_samples(0.1, 0)
+
+
+def test_hyperparameters_by_name_and_set():
+    tx = optax.chain(fo.clip_by_global_norm(2.0), fo.adam(1e-3, weight_decay=0.1))
+    state = tx.init(_params())
+    hp = fo.hyperparameters(state)
+    assert sorted(hp) == ["beta1", "beta2", "epsilon", "learning_rate", "threshold", "weight_decay"]
+    assert float(hp["beta2"]) == pytest.approx(0.999)
+    state2 = fo.set_hyperparameters(state, learning_rate=0.5, threshold=1.0)
+    hp2 = fo.hyperparameters(state2)
+    assert (float(hp2["learning_rate"]), float(hp2["threshold"])) == pytest.approx((0.5, 1.0))
+    assert jax.tree.structure(state2) == jax.tree.structure(state)
+
+
+def test_set_hyperparameters_errors():
+    state = fo.adam(fo.cosine_decay(1e-3, 10)).init(_params())
+    with pytest.raises(ValueError, match="'learning_rate' follows a schedule"):
+        fo.set_hyperparameters(state, learning_rate=1e-4)
+    with pytest.raises(KeyError, match=r"no hyperparameter 'lr'\. It has: .*'learning_rate'"):
+        fo.set_hyperparameters(state, lr=1e-4)
+    with pytest.raises(ValueError, match=r"beta1=1\.5 is out of range"):
+        fo.set_hyperparameters(state, beta1=1.5)
+    with pytest.raises(ValueError, match="'beta1' is a scalar; given shape \\(2,\\)"):
+        fo.set_hyperparameters(state, beta1=jnp.ones(2) * 0.5)
+    # the scheduled value is reported
+    assert float(fo.hyperparameters(state)["learning_rate"]) == pytest.approx(1e-3)
+
+
+def test_changing_hyperparameters_does_not_recompile():
+    opt = fo.Optimizer(fo.adam(1e-2))
+    params = {"w": jnp.array([1.0, -2.0])}
+    state = opt.init(params)
+    traces = []
+
+    def step(p, s):
+        traces.append(1)
+        return opt.minimize(lambda p: jnp.sum(p["w"] ** 2), p, s)
+
+    step = ft.jit(step)
+    params, state, _ = step(params, state)
+    for lr in [1e-3, 0.5, 0.0]:
+        state = fo.set_hyperparameters(state, learning_rate=lr, beta1=0.5)
+        before = params
+        params, state, _ = step(params, state)
+    assert len(traces) == 1
+    np.testing.assert_array_equal(params["w"], before["w"])  # lr 0 moved nothing
+
+
+def test_grouped_hyperparameters_are_qualified():
+    tx = fo.groups({"a": fo.sgd(0.1), "b": fo.sgd(0.2)})
+    p = {"a": jnp.ones(()), "b": jnp.ones(())}
+    state = tx.init(p)
+    assert float(fo.hyperparameters(state)["b/learning_rate"]) == pytest.approx(0.2)
+    state = fo.set_hyperparameters(state, {"a/learning_rate": 1.0})
+    u, _ = tx.update(p, state, p)
+    assert (float(u["a"]), float(u["b"])) == pytest.approx((-1.0, -0.2))
+    state = fo.set_hyperparameters(state, learning_rate=0.0)
+    u, _ = tx.update(p, state, p)
+    assert (float(u["a"]), float(u["b"])) == (0.0, 0.0)

@@ -1,0 +1,59 @@
+"""Dynamic loss scaling: overflow skips the step and halves the scale; growth."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+import functree.optim as fo
+
+
+def _model():
+    return ft.nn.Dense(3, 2, key=jax.random.key(0))
+
+
+X = jnp.ones((8, 3))
+
+
+def test_loss_scaling_overflow_skips_and_halves():
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.adam(0.1)), initial_scale=2.0**15, growth_interval=3)
+    model = _model()
+    state = opt.init(model)
+    step = ft.jit(lambda m, s, x: opt.minimize(lambda m, x: jnp.mean(m(x)) * x[0, 0], m, s, x))
+    model1, state1, _ = step(model, state, X)
+    assert float(state1.scale) == 2.0**15
+    big = jnp.full((8, 3), 1e36)
+    model2, state2, _ = step(model1, state1, big)
+    np.testing.assert_array_equal(model2.weight, model1.weight)
+    np.testing.assert_array_equal(model2.bias, model1.bias)
+    assert float(state2.scale) == 2.0**14 and int(state2.skipped) == 1
+    assert int(fo.context(state2).step) == 1
+    np.testing.assert_array_equal(fo.moments(state2)["mu"].weight, fo.moments(state1)["mu"].weight)
+    m, s = model2, state2
+    for _ in range(3):
+        m, s, _ = step(m, s, X)
+    assert float(s.scale) == 2.0**15 and int(s.good_steps) == 0
+
+
+def test_loss_scaling_gives_unscaled_gradients():
+    inner = fo.Optimizer(fo.sgd(1.0))
+    opt = fo.LossScaleOptimizer(inner, initial_scale=1024.0)
+    p = {"w": jnp.zeros(())}
+    state = opt.init(p)
+    loss, grads = opt.compute_gradients(lambda p: 3.0 * p["w"] + 1.0, p, state=state)
+    assert float(grads["w"]) == 3.0 and float(loss) == 1.0
+    with pytest.raises(ValueError, match="needs the optimizer state"):
+        opt.compute_gradients(lambda p: p["w"], p)
+    with pytest.raises(ValueError, match="initial_scale must be positive"):
+        fo.LossScaleOptimizer(inner, initial_scale=0.0)
+
+
+def test_loss_scale_argument_and_state_errors():
+    inner = fo.Optimizer(fo.sgd(1.0))
+    with pytest.raises(ValueError, match="growth_interval must be positive, got 0"):
+        fo.LossScaleOptimizer(inner, growth_interval=0)
+    opt = fo.LossScaleOptimizer(inner)
+    p = {"w": jnp.zeros(())}
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer\.update needs the optimizer state"):
+        opt.update(p, inner.init(p), p)

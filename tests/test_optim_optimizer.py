@@ -1,0 +1,188 @@
+"""ft.optim.Optimizer: minimize, RFC 234 hooks, wrappers, aggregation, loss scaling, checkpoints."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+import functree.optim as fo
+
+
+def _model():
+    return ft.nn.Dense(3, 2, key=jax.random.key(0))
+
+
+X = jnp.ones((8, 3))
+Y = jnp.zeros((8, 2))
+
+
+def _loss(m, x, y):
+    return jnp.mean((m(x) - y) ** 2)
+
+
+def test_minimize_contract_with_ft_and_optax_transforms():
+    for tx in [fo.adam(1e-2), optax.adam(1e-2)]:
+        opt = fo.Optimizer(tx)
+        model = _model()
+        state = opt.init(model)
+        model2, state, loss = opt.minimize(_loss, model, state, X, Y)
+        assert float(loss) == pytest.approx(float(_loss(model, X, Y)))
+        ctx = fo.context(state)
+        assert (int(ctx.step), int(ctx.samples_seen), int(ctx.minibatch_size)) == (1, 8, 8)
+        assert float(ctx.loss) == pytest.approx(float(loss))
+        model3, state, (loss, aux) = opt.minimize(lambda m, x, y: (_loss(m, x, y), m(x)), model2, state, X, Y,
+                                                  has_aux=True)
+        assert aux.shape == (8, 2)
+        assert float(_loss(model3, X, Y)) < float(_loss(model, X, Y))
+        _, state, _ = opt.minimize(_loss, model3, state, X, Y, minibatch_size=100)
+        assert int(fo.context(state).samples_seen) == 116
+
+
+def test_compute_then_apply_gradients_equals_minimize():
+    opt = fo.Optimizer(fo.sgd(0.1, 0.9))
+    model = _model()
+    state = opt.init(model)
+    loss, grads = opt.compute_gradients(_loss, model, X, Y)
+    m1, s1 = opt.apply_gradients(grads, model, state, minibatch_size=8, loss=loss)
+    m2, s2, _ = opt.minimize(_loss, model, state, X, Y)
+    np.testing.assert_array_equal(m1.weight, m2.weight)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b) | jnp.all(jnp.isnan(a))), s1, s2))
+
+
+def test_hooks_via_constructor_run_in_rfc_order():
+    calls = []
+
+    def tag(name, f=lambda g: g):
+        def hook(x):
+            calls.append(name)
+            return f(x)
+
+        return hook
+
+    opt = fo.Optimizer(
+        fo.sgd(1.0),
+        transform_loss=tag("loss", lambda loss: 2.0 * loss),
+        transform_unaggregated_gradients=tag("unaggregated"),
+        aggregate_gradients=tag("aggregate"),
+        transform_gradients=[tag("clip", lambda g: ft.tree_map(lambda x: jnp.clip(x, -0.5, 0.5), g)), tag("after")],
+        apply_updates=lambda m, u: (calls.append("apply"), ft.move(m, along=u))[1],
+    )
+    p = {"w": jnp.zeros(())}
+    p, _, loss = opt.minimize(lambda p: 3.0 * p["w"], p, opt.init(p))
+    assert list(dict.fromkeys(calls)) == ["loss", "unaggregated", "aggregate", "clip", "after", "apply"]
+    assert float(p["w"]) == -0.5  # d(2·3w)/dw = 6, clipped to 0.5
+    assert float(loss) == 0.0  # the reported loss is not transformed
+
+
+def test_hooks_via_subclass_and_wrappers_compose():
+    class Doubling(fo.Optimizer):
+        def transform_gradients(self, grads):
+            return ft.tree_map(lambda g: 2 * g, grads)
+
+    class Plus(fo.OptimizerWrapper):
+        def transform_gradients(self, grads):
+            return ft.tree_map(lambda g: g + 1, super().transform_gradients(grads))
+
+    class ScaleLoss(fo.OptimizerWrapper):
+        def transform_loss(self, loss):
+            return 10.0 * super().transform_loss(loss)
+
+    opt = ScaleLoss(Plus(Doubling(fo.sgd(1.0))))
+    p = {"w": jnp.zeros(())}
+    p, state, _ = opt.minimize(lambda p: p["w"], p, opt.init(p))
+    assert float(p["w"]) == -21.0  # (10 · 1) · 2 + 1
+    assert int(fo.context(state).step) == 1
+    assert "ScaleLoss(Plus(Doubling(" in repr(opt)
+
+
+def test_optimizer_is_immutable_and_checks_its_arguments():
+    opt = fo.Optimizer(fo.adam())
+    with pytest.raises(AttributeError, match="Optimizers are immutable") as info:
+        opt.transform = None
+    assert "right:" in str(info.value)
+    with pytest.raises(TypeError, match="needs an optax GradientTransformation"):
+        fo.Optimizer(lambda g: g)
+    with pytest.raises(TypeError, match=r"transform_gradients= takes functions .* Chain it into the transform"):
+        fo.Optimizer(fo.adam(), transform_gradients=optax.clip_by_global_norm(1.0))
+    with pytest.raises(TypeError, match=r"wraps an ft\.optim\.Optimizer"):
+        fo.OptimizerWrapper(fo.adam())
+
+
+def test_default_aggregation_is_the_mean_over_a_bound_axis():
+    opt = fo.Optimizer(fo.sgd(1.0), axis_name="data")
+    p = {"w": jnp.zeros(())}
+    xs = jnp.array([1.0, 2.0, 3.0, 6.0])
+
+    def step(x):
+        _, grads = opt.compute_gradients(lambda p, x: p["w"] * x, p, x)
+        return grads["w"]
+
+    np.testing.assert_allclose(jax.vmap(step, axis_name="data")(xs), [3.0] * 4)
+    assert float(step(xs[0])) == 1.0  # axis not bound: identity
+    custom = fo.Optimizer(fo.sgd(1.0), aggregate_gradients=lambda g: ft.tree_map(lambda x: 10 * x, g))
+    _, grads = custom.compute_gradients(lambda p: p["w"], p)
+    assert float(grads["w"]) == 10.0
+
+
+def test_state_is_checkpointable_with_orbax(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    model = _model()
+    opt = fo.Optimizer(optax.chain(fo.clip_by_global_norm(1.0), fo.adam(fo.piecewise([(2, 0.1), (1, 0.01)]))))
+    state = opt.init(model)
+    model, state, _ = opt.minimize(_loss, model, state, X, Y)
+    state = fo.set_hyperparameters(state, threshold=0.5)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "state", state)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "state", opt.init(_model()))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    assert int(fo.context(restored).step) == 1
+    assert float(fo.hyperparameters(restored)["threshold"]) == 0.5
+    np.testing.assert_array_equal(fo.moments(restored)["mu"].weight, fo.moments(state)["mu"].weight)
+
+
+def test_a_jitted_step_donates_and_never_recompiles():
+    opt = fo.LossScaleOptimizer(fo.Optimizer(optax.chain(fo.clip(1.0), fo.adamw(1e-2)), accumulate=2))
+    model = _model()
+    state = opt.init(model)
+    traces = []
+
+    def step(m, s, x, y):
+        traces.append(1)
+        return opt.minimize(_loss, m, s, x, y)
+
+    step = ft.jit(step, donate=(0, 1))
+    for i in range(5):
+        model, state, _ = step(model, state, X + i, Y)
+        state = fo.set_hyperparameters(fo.next_sweep(state), learning_rate=1e-2 / (i + 1))
+    assert len(traces) == 1
+    ctx = fo.context(state)
+    assert (int(ctx.step), int(ctx.sweep), int(ctx.samples_seen)) == (5, 5, 40)
+
+
+class Normed(ft.Module):
+    dense: ft.nn.Dense
+    running_mean: jax.Array = ft.field(no_derivative=True)
+    calls: jax.Array = ft.field(default_factory=lambda: jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        return self.dense(x - self.running_mean)
+
+
+def test_models_with_non_parameters_keep_them_untouched():
+    model = Normed(_model(), jnp.full((3,), 0.5))
+    opt = fo.Optimizer(fo.adamw(0.1, weight_decay=0.5))
+    state = opt.init(model)
+    assert fo.moments(state)["mu"].running_mean is None and fo.moments(state)["mu"].calls is None
+    new, state, _ = ft.jit(lambda m, s: opt.minimize(_loss, m, s, X, Y))(model, state)
+    np.testing.assert_array_equal(new.running_mean, model.running_mean)
+    assert new.calls.dtype == jnp.int32 and int(new.calls) == 0
+    assert not np.allclose(new.dense.weight, model.dense.weight)
+    # the same transform used directly as an optax transform over the parameter view
+    tx = fo.adamw(0.1, weight_decay=0.5)
+    view = ft.parameters(model)
+    grads = ft.gradient(lambda m: _loss(m, X, Y), at=model)
+    updates, _ = tx.update(grads, tx.init(view), view)
+    np.testing.assert_allclose(ft.move(model, along=updates).dense.weight, new.dense.weight, rtol=1e-6)

@@ -1,0 +1,79 @@
+"""Schedules of the learning context: piecewise (CNTK), optax schedules by unit."""
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import functree.optim as fo
+
+
+def _params():
+    return {"w": jnp.zeros(())}
+
+
+ONE = {"w": jnp.ones(())}
+
+
+@pytest.mark.parametrize(
+    ("unit", "sizes", "sweep_at", "expected"),
+    [
+        ("steps", [1] * 6, (), [1.0, 1.0, 0.5, 0.5, 0.5, 0.25]),
+        ("samples", [2] * 6, (), [1.0, 0.5, 0.5, 0.25, 0.25, 0.25]),  # seen 0,2,4,6,...
+        ("sweeps", [1] * 6, (2, 4), [1.0, 1.0, 1.0, 1.0, 0.5, 0.5]),  # sweep 0,0,1,1,2,2
+    ],
+)
+def test_piecewise_units(unit, sizes, sweep_at, expected):
+    tx = fo.sgd(fo.piecewise([(2, 1.0), (3, 0.5), (1, 0.25)], unit=unit))
+    state = tx.init(_params())
+    got = []
+    for i, m in enumerate(sizes):
+        if i in sweep_at:
+            state = fo.next_sweep(state)
+        u, state = tx.update(ONE, state, minibatch_size=m)
+        got.append(-float(u["w"]))
+    assert got == pytest.approx(expected)
+    assert fo.hyperparameters(state)["learning_rate"] == pytest.approx(expected[-1])
+
+
+def test_raw_piecewise_list_is_accepted():
+    tx = fo.sgd([(1, 1.0), (1, 0.5)])
+    state = tx.init(_params())
+    got = [-float(tx.update(ONE, state)[0]["w"])]
+    _, state = tx.update(ONE, state)
+    got.append(-float(tx.update(ONE, state)[0]["w"]))
+    assert got == [1.0, 0.5]
+
+
+@pytest.mark.parametrize("pairs", [[], [(0, 1.0)], [(1, 2.0, 3.0)]])
+def test_piecewise_bad_pairs(pairs):
+    with pytest.raises(ValueError, match="takes \\(count, value\\) pairs"):
+        fo.piecewise(pairs)
+
+
+def test_bad_unit():
+    with pytest.raises(ValueError, match="unit='epochs' is not a learning-context counter"):
+        fo.piecewise([(1, 1.0)], unit="epochs")
+
+
+def test_schedules_reuse_optax():
+    ctx = fo.initial_context()
+    at = lambda s, c: float(s(ctx.replace(step=jnp.asarray(c, jnp.int32))))  # noqa: E731
+    cos = optax.cosine_decay_schedule(1.0, 10)
+    assert at(fo.cosine_decay(1.0, 10), 3) == pytest.approx(float(cos(3)))
+    assert at(fo.exponential_decay(1.0, 2, 0.5), 4) == pytest.approx(0.25)
+    assert at(fo.linear_warmup(1.0, 4), 1) == pytest.approx(0.25)
+    assert at(fo.linear_warmup(1.0, 4), 9) == pytest.approx(1.0)
+    wc = fo.warmup_cosine_decay(0.0, 1.0, 2, 12)
+    assert [at(wc, c) for c in (0, 1, 2)] == pytest.approx([0.0, 0.5, 1.0])
+    assert at(wc, 12) == pytest.approx(0.0, abs=1e-6)
+    assert at(fo.constant(0.3), 99) == pytest.approx(0.3)
+    assert at(fo.inverse_time_decay(1.0, 0.5), 2) == pytest.approx(0.5)
+    sweeps = fo.schedule(optax.linear_schedule(1.0, 0.0, 4), unit="sweeps")
+    assert float(sweeps(ctx.replace(sweep=jnp.asarray(2, jnp.int32)))) == pytest.approx(0.5)
+
+
+def test_an_optax_schedule_given_directly_explains_the_fix():
+    tx = fo.adam(optax.cosine_decay_schedule(1e-3, 100))
+    with pytest.raises(TypeError, match=r"take a ft\.optim\.LearningContext, not a step count") as info:
+        tx.init(_params())
+    assert "ft.optim.schedule(" in str(info.value)

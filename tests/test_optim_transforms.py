@@ -1,0 +1,215 @@
+"""Clipping, regularization, weight-decay masks, noise, skipping, freezing, plateau."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+import functree.optim as fo
+
+
+def _update(tx, grads, params=None, **extra):
+    state = tx.init(grads if params is None else params)
+    return tx.update(grads, state, params, **extra)
+
+
+def test_elementwise_clip():
+    u, _ = _update(fo.clip(1.0), {"w": jnp.array([-3.0, 0.5, 2.0])})
+    np.testing.assert_allclose(u["w"], [-1.0, 0.5, 1.0])
+
+
+def test_per_tensor_and_global_norm_clipping():
+    g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0, 0.5])}
+    u, _ = _update(fo.clip_by_norm(1.0), g)
+    np.testing.assert_allclose(u["a"], [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(u["b"], [0.0, 0.5])
+    u, _ = _update(fo.clip_by_global_norm(1.0), g)
+    total = np.sqrt(25.25)
+    np.testing.assert_allclose(u["a"], np.array([3.0, 4.0]) / total, rtol=1e-6)
+    np.testing.assert_allclose(u["b"], np.array([0.0, 0.5]) / total, rtol=1e-6)
+
+
+def test_cntk_per_sample_clipping_scales_threshold_by_minibatch():
+    g = {"w": jnp.array([0.3, -2.0])}
+    u, _ = _update(fo.clip_per_sample(0.5), g, minibatch_size=8)
+    np.testing.assert_allclose(u["w"], [0.3, -0.5])
+    g = {"w": jnp.array([3.0, 4.0])}  # summed: [24, 32], norm 40 > 0.5 * 8 = 4 → [2.4, 3.2] / 8
+    u, _ = _update(fo.clip_per_sample(0.5, truncation=False), g, minibatch_size=8)
+    np.testing.assert_allclose(u["w"], [0.3, 0.4], rtol=1e-6)
+
+
+def test_true_per_example_clipping():
+    x = jnp.array([[1.0, 0.0], [0.0, 10.0], [3.0, 4.0]])
+
+    def loss_fn(p, x):
+        return jnp.mean(x @ p["w"])
+
+    opt = fo.Optimizer(fo.sgd(1.0), get_gradients=fo.per_example_clipping(1.0))
+    p = {"w": jnp.zeros(2)}
+    _, grads = opt.compute_gradients(loss_fn, p, x)
+    # example gradients are the rows; clipped to norm 1 and averaged
+    expected = (np.array([1.0, 0.0]) + np.array([0.0, 1.0]) + np.array([0.6, 0.8])) / 3
+    np.testing.assert_allclose(grads["w"], expected, rtol=1e-6)
+    (_, aux), grads2 = opt.compute_gradients(lambda p, x: (loss_fn(p, x), x.sum()), p, x, has_aux=True)
+    np.testing.assert_allclose(grads2["w"], expected, rtol=1e-6)
+    assert aux.shape == (3,)
+    with pytest.raises(ValueError, match="threshold must be > 0"):
+        fo.per_example_clipping(0.0)
+
+
+def test_l1_and_l2_regularization_follow_seed_003():
+    p = {"w": jnp.array([2.0, -3.0, 0.0])}
+    g = {"w": jnp.array([1.0, 1.0, 1.0])}
+    u, _ = _update(fo.l1_regularization(0.1), g, p)
+    np.testing.assert_allclose(u["w"], [1.1, 0.9, 1.0])
+    u, _ = _update(fo.l2_regularization(0.1), g, p)
+    np.testing.assert_allclose(u["w"], [1.2, 0.7, 1.0], rtol=1e-6)
+    # through SGD: w ← w − η (g + λ w)
+    tx = optax.chain(fo.l2_regularization(0.1), fo.sgd(0.5))
+    u, _ = _update(tx, g, p)
+    np.testing.assert_allclose(u["w"], -0.5 * np.array([1.2, 0.7, 1.0]), rtol=1e-6)
+
+
+def test_regularization_needs_params():
+    tx = fo.l1_regularization(0.1)
+    g = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match="l1_regularization needs the parameters") as info:
+        tx.update(g, tx.init(g))
+    assert "tx.update(grads, state, model)" in str(info.value)
+
+
+class Block(ft.Module):
+    dense: ft.nn.Dense
+    scale: jax.Array
+
+
+def _block():
+    return Block(ft.nn.Dense(2, 2, key=jax.random.key(0)), jnp.ones(2))
+
+
+def test_decoupled_weight_decay_masks_biases_and_scales_by_default():
+    model = _block()
+    zeros = jax.tree.map(jnp.zeros_like, ft.parameters(model))
+    u, _ = _update(fo.weight_decay(0.1), zeros, model)
+    np.testing.assert_allclose(u.dense.weight, -0.1 * model.dense.weight, rtol=1e-6)
+    np.testing.assert_array_equal(u.dense.bias, 0.0)
+    np.testing.assert_array_equal(u.scale, 0.0)
+    u, _ = _update(fo.weight_decay(0.1, exclude=("dense.*",)), zeros, model)
+    np.testing.assert_array_equal(u.dense.weight, 0.0)
+    np.testing.assert_allclose(u.scale, -0.1)
+    u, _ = _update(fo.adamw(0.1, weight_decay=0.5), zeros, model)
+    np.testing.assert_allclose(u.dense.weight, -0.05 * model.dense.weight, rtol=1e-6)
+    np.testing.assert_array_equal(u.dense.bias, 0.0)
+    u, _ = _update(fo.adamw(0.1, weight_decay=0.5, exclude=()), zeros, model)
+    np.testing.assert_allclose(u.scale, -0.05, rtol=1e-6)
+
+
+def test_parameter_noise_after_the_update():
+    tx = optax.chain(fo.sgd(0.0), fo.add_parameter_noise(0.5, seed=1))
+    p = {"w": jnp.zeros(20000)}
+    state = tx.init(p)
+    u1, state = tx.update(p, state, p)
+    u2, state = tx.update(p, state, p)
+    assert float(jnp.std(u1["w"])) == pytest.approx(0.5, rel=0.03)
+    assert abs(float(jnp.mean(u1["w"]))) < 0.02
+    assert not np.allclose(u1["w"], u2["w"])  # fresh noise every step
+    state = fo.set_hyperparameters(state, std=0.0)
+    u3, _ = tx.update(p, state, p)
+    np.testing.assert_array_equal(u3["w"], 0.0)
+
+
+def test_gradient_noise_is_annealed():
+    tx = fo.add_gradient_noise(1.0, gamma=0.55, seed=0)
+    g = {"w": jnp.zeros(20000)}
+    state = tx.init(g)
+    stds = []
+    for _ in range(3):
+        u, state = tx.update(g, state)
+        stds.append(float(jnp.std(u["w"])))
+    expected = [np.sqrt(1.0 / (1 + t) ** 0.55) for t in (0, 1, 2)]
+    np.testing.assert_allclose(stds, expected, rtol=0.05)
+
+
+def test_skip_non_finite_counts_and_keeps_parameters():
+    opt = fo.Optimizer(fo.skip_non_finite(fo.adam(0.1)))
+    p = {"w": jnp.array([1.0, 2.0])}
+    state = opt.init(p)
+    p1, state = opt.apply_gradients({"w": jnp.array([1.0, 1.0])}, p, state)
+    p2, state2 = opt.apply_gradients({"w": jnp.array([jnp.nan, 1.0])}, p1, state)
+    np.testing.assert_array_equal(p2["w"], p1["w"])
+    assert int(state2.total_notfinite) == 1
+    assert int(fo.context(state2).step) == 1  # the skipped step is not counted as a step
+    np.testing.assert_array_equal(fo.moments(state2)["mu"]["w"], fo.moments(state)["mu"]["w"])
+
+
+def test_non_finite_gradients_propagate_without_skipping():
+    opt = fo.Optimizer(fo.sgd(0.1))
+    p = {"w": jnp.array([1.0, 2.0])}
+    p2, _ = opt.apply_gradients({"w": jnp.array([jnp.inf, 1.0])}, p, opt.init(p))
+    assert not np.isfinite(p2["w"][0]) and p2["w"][1] == pytest.approx(1.9)
+
+
+def test_freeze_by_pattern_and_in_groups():
+    model = _block()
+    grads = jax.tree.map(jnp.ones_like, ft.parameters(model))
+    tx = optax.chain(fo.sgd(1.0), fo.freeze("dense.*"))
+    u, _ = _update(tx, grads, model)
+    np.testing.assert_array_equal(u.dense.weight, 0.0)
+    np.testing.assert_array_equal(u.scale, -1.0)
+    tx = fo.groups({"dense": fo.freeze(), "scale": fo.sgd(1.0)})
+    u, _ = _update(tx, grads, model)
+    np.testing.assert_array_equal(u.dense.bias, 0.0)
+    np.testing.assert_array_equal(u.scale, -1.0)
+
+
+def test_reduce_on_plateau_reads_the_loss():
+    tx = optax.chain(fo.sgd(1.0), fo.reduce_on_plateau(factor=0.5, patience=2))
+    g = {"w": jnp.ones(())}
+    state = tx.init(g)
+    scales = []
+    for loss in [3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]:
+        u, state = tx.update(g, state, g, loss=loss)
+        scales.append(-float(u["w"]))
+    assert scales[:3] == [1.0, 1.0, 1.0]
+    assert scales[-1] < 1.0
+    with pytest.raises(ValueError, match="reduce_on_plateau needs the loss"):
+        tx.update(g, state, g)
+
+
+def test_reduce_on_plateau_through_minimize():
+    opt = fo.Optimizer(optax.chain(fo.sgd(0.1), fo.reduce_on_plateau(0.5, patience=1)))
+    p = {"w": jnp.zeros(())}
+    state = opt.init(p)
+    for _ in range(4):  # constant loss: a plateau
+        p, state, _ = opt.minimize(lambda p: 1.0 + 1e-3 * p["w"], p, state)
+    assert float(state[1].inner.scale) < 1.0
+
+
+def test_gradient_accumulation_in_one_step_matches_the_full_batch():
+    x = jax.random.normal(jax.random.key(0), (12, 3))
+    y = jnp.arange(12.0)[:, None]
+    model = ft.nn.Dense(3, 1, key=jax.random.key(1))
+    loss_fn = lambda m, x, y: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+    full = fo.Optimizer(fo.adam(0.1))
+    acc = fo.Optimizer(fo.adam(0.1), accumulate=3)
+    s_full, s_acc = full.init(model), acc.init(model)
+    m_full, s_full, l_full = ft.jit(lambda m, s: full.minimize(loss_fn, m, s, x, y))(model, s_full)
+    m_acc, s_acc, l_acc = ft.jit(lambda m, s: acc.minimize(loss_fn, m, s, x, y))(model, s_acc)
+    np.testing.assert_allclose(m_acc.weight, m_full.weight, rtol=1e-5, atol=1e-6)
+    assert float(l_acc) == pytest.approx(float(l_full), rel=1e-5)
+    ctx = fo.context(s_acc)
+    assert (int(ctx.step), int(ctx.samples_seen), int(ctx.minibatch_size)) == (1, 12, 12)
+    aux_fn = lambda m, x, y: (loss_fn(m, x, y), y.sum())  # noqa: E731
+    (_, aux), _ = ft.jit(lambda m: acc.compute_gradients(aux_fn, m, x, y, has_aux=True))(model)
+    np.testing.assert_allclose(aux, [6.0, 22.0, 38.0])
+
+
+def test_accumulation_errors():
+    with pytest.raises(ValueError, match="accumulate must be a positive int"):
+        fo.Optimizer(fo.sgd(), accumulate=0)
+    opt = fo.Optimizer(fo.sgd(), accumulate=4)
+    p = {"w": jnp.zeros(())}
+    with pytest.raises(ValueError, match=r"accumulate=4 needs the batch's leading dimension.*shape \(6,\)"):
+        opt.minimize(lambda p, x: jnp.mean(x) * p["w"], p, opt.init(p), jnp.ones(6))

@@ -1,0 +1,214 @@
+"""The parameter view: ft.parameters, with_parameters, update, tree_map, select/mask."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from test_paths import assert_same_tree, nested_trees
+
+import functree as ft
+
+
+class BatchNorm(ft.Module):
+    scale: jax.Array
+    offset: jax.Array
+    running_mean: jax.Array = ft.field(no_derivative=True)
+    momentum: float = ft.field(static=True, default=0.9)
+
+
+class Encoder(ft.Module):
+    weight: jax.Array
+    bias: jax.Array
+    norm: BatchNorm
+
+
+class Model(ft.Module):
+    encoder: Encoder
+    head: dict
+    step: jax.Array
+    flag: jax.Array
+
+
+def make_model() -> Model:
+    return Model(
+        encoder=Encoder(jnp.ones((2, 3)), jnp.zeros(3), BatchNorm(jnp.ones(3), jnp.zeros(3), jnp.zeros(3))),
+        head={"weight": jnp.ones((3, 1)), "bias": jnp.zeros(1)},
+        step=jnp.zeros((), jnp.int32),
+        flag=jnp.array(True),
+    )
+
+
+def test_parameters_puts_none_at_non_parameters_and_keeps_static():
+    model = make_model()
+    params = ft.parameters(model)
+    assert isinstance(params, Model)
+    assert params.step is None and params.flag is None
+    assert params.encoder.norm.running_mean is None
+    assert params.encoder.norm.momentum == 0.9
+    assert params.encoder.weight is model.encoder.weight
+    assert sorted(ft.to_flat_dict(params)) == [
+        "encoder.bias", "encoder.norm.offset", "encoder.norm.scale", "encoder.weight",
+        "head.bias", "head.weight",
+    ]
+
+
+def test_parameters_of_python_scalars():
+    params = ft.parameters({"w": 1.5, "n": 3, "b": True})
+    assert params == {"w": 1.5, "n": None, "b": None}
+
+
+def test_with_parameters_writes_back_and_none_keeps_the_model_leaf():
+    model = make_model()
+    params = jax.tree.map(lambda x: x + 1, ft.parameters(model))
+    new = ft.with_parameters(model, params)
+    np.testing.assert_array_equal(new.encoder.weight, np.full((2, 3), 2.0))
+    assert new.step is model.step and new.encoder.norm.running_mean is model.encoder.norm.running_mean
+
+
+def test_with_parameters_structure_mismatch_names_the_path():
+    model = make_model()
+    params = ft.parameters(model)
+    wrong = params.replace(head={"weight": params.head["weight"]})
+    with pytest.raises(ValueError) as info:
+        ft.with_parameters(model, wrong)
+    message = str(info.value)
+    assert "ft.with_parameters" in message and ".head" in message
+    assert "ft.parameters(model)" in message
+
+
+def test_update_applies_the_updater_at_every_parameter():
+    params = ft.parameters(make_model())
+    grads = jax.tree.map(jnp.ones_like, params)
+    new = ft.update(params, with_gradients=grads, updater=lambda p, g: p - 0.5 * g)
+    np.testing.assert_array_equal(new.encoder.weight, np.full((2, 3), 0.5))
+    assert new.step is None
+
+
+def test_tree_map_skips_none_and_maps_several_trees():
+    params = ft.parameters(make_model())
+    seen = []
+    ft.tree_map(lambda p: seen.append(p.shape), params)
+    assert len(seen) == 6
+    total = ft.tree_map(lambda a, b, c: a + b + c, params, params, params)
+    np.testing.assert_array_equal(total.encoder.norm.scale, np.full(3, 3.0))
+
+
+def test_tree_map_structure_mismatch_names_the_first_differing_key_path():
+    a = {"layers": [{"w": jnp.ones(1)}, {"w": jnp.ones(1)}]}
+    b = {"layers": [{"w": jnp.ones(1)}, {"u": jnp.ones(1)}]}
+    with pytest.raises(ValueError) as info:
+        ft.tree_map(jnp.add, a, b)
+    message = str(info.value)
+    assert "ft.tree_map: the trees differ first at ['layers'][1]" in message
+    assert "ft.gradient(loss, at=model)" in message
+    c = {"layers": [{"w": jnp.ones(1)}]}
+    with pytest.raises(ValueError, match=r"differ first at \['layers'\]: the first has list"):
+        ft.tree_map(jnp.add, a, c)
+
+
+def test_tree_map_mismatch_between_modules_with_different_static_values():
+    a = BatchNorm(jnp.ones(1), jnp.ones(1), jnp.ones(1), momentum=0.9)
+    b = BatchNorm(jnp.ones(1), jnp.ones(1), jnp.ones(1), momentum=0.5)
+    with pytest.raises(ValueError, match="differ first at <root>"):
+        ft.tree_map(jnp.add, {"m": a}["m"], b)
+
+
+def test_heterogeneous_dtypes_in_one_update_call():
+    params = {
+        "f32": jnp.ones(2, jnp.float32),
+        "bf16": jnp.ones(2, jnp.bfloat16),
+        "f16": jnp.ones(2, jnp.float16),
+    }
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    new = ft.update(params, with_gradients=grads, updater=lambda p, g: p - 0.5 * g)
+    for name, leaf in new.items():
+        assert leaf.dtype == params[name].dtype
+        np.testing.assert_allclose(np.asarray(leaf, np.float32), 0.75)
+
+
+def test_float64_with_float32_under_x64():
+    with jax.enable_x64(True):
+        params = {"w": jnp.ones(2, jnp.float32), "d": jnp.ones(2, jnp.float64)}
+        grads = ft.gradient(lambda p: p["w"].sum().astype(jnp.float64) + (p["d"] ** 2).sum(), at=params)
+        assert grads["d"].dtype == jnp.float64
+        new = ft.update(params, with_gradients=grads, updater=lambda p, g: p - 0.25 * g)
+        assert new["d"].dtype == jnp.float64 and new["w"].dtype == jnp.float32
+        np.testing.assert_allclose(new["d"], [0.5, 0.5])
+        np.testing.assert_allclose(new["w"], [0.75, 0.75])
+
+
+def test_select_and_mask_by_glob_over_dotted_names():
+    model = make_model()
+    chosen = ft.select(model, "encoder.*")
+    assert isinstance(chosen, Model)
+    assert chosen.encoder.weight is True and chosen.encoder.norm.scale is True
+    assert chosen.head == {"weight": False, "bias": False}
+    assert chosen.step is None and chosen.encoder.norm.running_mean is None
+    biases = ft.mask(model, "*.bias")
+    assert biases.encoder.bias is True and biases.head["bias"] is True
+    assert biases.encoder.weight is False and biases.encoder.norm.offset is False
+    # A node selects everything under it; exclude wins.
+    assert ft.select(model, "encoder", exclude=["encoder.norm"]).encoder.norm.scale is False
+    assert ft.select(model, "encoder", exclude=["encoder.norm"]).encoder.weight is True
+
+
+def test_mask_drives_optax_weight_decay():
+    model = make_model()
+    params = ft.parameters(model)
+    decay = optax.add_decayed_weights(0.1, mask=ft.mask(model, "*.weight"))
+    grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = decay.update(grads, decay.init(params), params)
+    np.testing.assert_allclose(updates.encoder.weight, np.full((2, 3), 0.1))
+    np.testing.assert_allclose(updates.encoder.bias, np.zeros(3))
+
+
+def test_select_errors():
+    with pytest.raises(ValueError, match="at least one pattern"):
+        ft.select(make_model())
+    with pytest.raises(TypeError, match="Patterns are strings like"):
+        ft.select(make_model(), 3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(nested_trees())
+def test_parameters_and_with_parameters_round_trip_on_random_trees(tree: Any):
+    params = ft.parameters(tree)
+    for leaf in jax.tree.leaves(params):
+        assert ft._parameters.is_parameter_leaf(leaf)
+    assert_same_tree(ft.with_parameters(tree, params), tree)
+    # Every parameter leaf of a no_derivative field is None in the view.
+    for kp in ft.recursively_all_writable_key_paths(tree, to=ft._parameters.Module):
+        node = kp.get(tree)
+        if hasattr(node, "state") and node.state is not None:
+            assert jax.tree.leaves(kp.get(params).state) == []
+    doubled = ft.tree_map(lambda p: p * 2, params)
+    back = ft.with_parameters(tree, doubled)
+    for before, after in zip(jax.tree.leaves(params), jax.tree.leaves(ft.parameters(back))):
+        np.testing.assert_allclose(np.asarray(after, np.float32), np.asarray(before, np.float32) * 2, rtol=1e-2)
+
+
+def test_update_leaves_parameters_without_a_gradient_unchanged():
+    model = make_model()
+    grads = ft.gradient(lambda m: (m.encoder.weight**2).sum() + m.head["bias"].sum(), wrt="encoder.weight")(model)
+    assert grads.head["bias"] is None
+    new = ft.update(ft.parameters(model), with_gradients=grads, updater=lambda p, g: p - 0.25 * g)
+    np.testing.assert_allclose(new.encoder.weight, np.full((2, 3), 0.5))
+    assert new.head["bias"] is model.head["bias"]
+    with pytest.raises(ValueError, match=r"ft.update: the trees differ first at \.head"):
+        ft.update(ft.parameters(model), with_gradients=grads.replace(head=[1.0]), updater=jnp.subtract)
+
+
+def test_caches_keyed_by_tree_definition_are_bounded():
+    from functree import _parameters
+
+    cache: dict[int, int] = {}
+    for i in range(_parameters.CACHE_LIMIT + 10):
+        _parameters.bounded_put(cache, i, i)
+    assert len(cache) <= _parameters.CACHE_LIMIT
+    assert cache[_parameters.CACHE_LIMIT + 9] == _parameters.CACHE_LIMIT + 9

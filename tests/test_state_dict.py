@@ -1,0 +1,126 @@
+"""Flat state dicts: ft.to_flat_dict and ft.from_flat_dict, checked by key path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from test_paths import assert_same_tree, nested_trees
+
+import functree as ft
+
+
+class Dense(ft.Module):
+    weight: jax.Array
+    bias: jax.Array
+
+
+class Net(ft.Module):
+    layers: list
+    scale: float
+    steps: jax.Array = ft.field(no_derivative=True, default=None)
+    name: str = ft.field(static=True, default="net")
+
+
+def make_net() -> Net:
+    return Net(
+        layers=[Dense(jnp.ones((2, 3)), jnp.zeros(3)), Dense(jnp.ones((3, 1)), jnp.zeros(1))],
+        scale=0.5,
+        steps=jnp.zeros((), jnp.int32),
+    )
+
+
+def test_to_flat_dict_names_leaves_by_dotted_key_path():
+    flat = ft.to_flat_dict(make_net())
+    assert sorted(flat) == [
+        "layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight", "scale", "steps",
+    ]
+    assert flat["layers.1.weight"].shape == (3, 1)
+    # The parameter view has no None entries in its flat dict.
+    assert "steps" not in ft.to_flat_dict(ft.parameters(make_net()))
+
+
+def test_from_flat_dict_round_trip_rebuilds_the_model():
+    net = make_net()
+    flat = {k: (v + 1 if k != "steps" else v) for k, v in ft.to_flat_dict(net).items()}
+    new = ft.from_flat_dict(net, flat)
+    assert isinstance(new, Net) and new.name == "net"
+    np.testing.assert_array_equal(new.layers[0].weight, np.full((2, 3), 2.0))
+    assert new.scale == 1.5
+
+
+def test_from_flat_dict_accepts_numpy_and_a_float_scalar_for_a_python_float():
+    net = make_net()
+    flat = {k: np.asarray(v) for k, v in ft.to_flat_dict(net).items()}
+    new = ft.from_flat_dict(net, flat)
+    np.testing.assert_array_equal(new.layers[1].bias, [0.0])
+
+
+def test_strict_mismatch_lists_missing_unexpected_and_mismatched_in_one_error():
+    net = make_net()
+    flat = ft.to_flat_dict(net)
+    del flat["layers.0.bias"]
+    flat["layers.2.weight"] = jnp.ones(1)
+    flat["layers.1.weight"] = jnp.ones((1, 3))
+    flat["steps"] = jnp.zeros((), jnp.float32)
+    with pytest.raises(ValueError) as info:
+        ft.from_flat_dict(net, flat)
+    message = str(info.value)
+    assert "missing keys:    ['layers.0.bias']" in message
+    assert "unexpected keys: ['layers.2.weight']" in message
+    assert "layers.1.weight: expected shape (3, 1) dtype float32, given shape (1, 3) dtype float32" in message
+    assert "steps: expected shape () dtype int32, given shape () dtype float32" in message
+    assert "strict=False" in message
+
+
+def test_non_strict_fills_what_matches_and_returns_the_report():
+    net = make_net()
+    flat = {"layers.0.weight": jnp.full((2, 3), 7.0), "layers.1.bias": jnp.ones(5), "extra": 1.0}
+    new, report = ft.from_flat_dict(net, flat, strict=False)
+    np.testing.assert_array_equal(new.layers[0].weight, np.full((2, 3), 7.0))
+    assert new.layers[1].bias is net.layers[1].bias
+    assert not report.ok
+    assert report.unexpected == ("extra",)
+    assert "layers.0.bias" in report.missing and "layers.0.weight" not in report.missing
+    assert report.mismatched == (("layers.1.bias", "shape (1,) dtype float32", "shape (5,) dtype float32"),)
+    _, clean = ft.from_flat_dict(net, ft.to_flat_dict(net), strict=False)
+    assert clean.ok and str(clean) == "  everything matched"
+
+
+def test_flat_dict_of_a_parameter_view_restores_into_the_parameter_view():
+    net = make_net()
+    params = ft.parameters(net)
+    restored = ft.from_flat_dict(params, ft.to_flat_dict(params))
+    assert restored.steps is None
+    assert_same_tree(restored, params)
+
+
+@settings(max_examples=30, deadline=None)
+@given(nested_trees())
+def test_flat_dict_round_trip_on_random_trees(tree: Any):
+    flat = ft.to_flat_dict(tree)
+    assert len(flat) == len(jax.tree.leaves(tree))
+    assert_same_tree(ft.from_flat_dict(tree, flat), tree)
+    rebuilt, report = ft.from_flat_dict(tree, flat, strict=False)
+    assert report.ok
+    assert_same_tree(rebuilt, tree)
+
+
+def test_dotted_dict_key_colliding_with_a_nested_path_is_an_error():
+    with pytest.raises(ValueError) as info:
+        ft.to_flat_dict({"a.b": jnp.ones(1), "a": {"b": jnp.ones(1)}})
+    message = str(info.value)
+    assert "share the dotted name 'a.b'" in message and "['a']['b']" in message
+    assert "Rename the key, e.g. 'a_b'" in message
+
+
+def test_python_scalars_accept_scalar_arrays_of_their_kind_only():
+    template = {"f": 0.5, "i": 3, "b": True}
+    restored = ft.from_flat_dict(template, {"f": jnp.float32(1.5), "i": np.int32(4), "b": np.bool_(False)})
+    assert float(restored["f"]) == 1.5 and int(restored["i"]) == 4 and not bool(restored["b"])
+    _, report = ft.from_flat_dict(template, {"f": jnp.int32(1), "i": np.float32(4), "b": 1}, strict=False)
+    assert [name for name, _, _ in report.mismatched] == ["b", "f", "i"]

@@ -1,0 +1,139 @@
+"""The Differentiable protocol: move, zero tangent vectors, tangent arithmetic."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from test_paths import assert_same_tree, nested_trees
+
+import functree as ft
+
+
+class Layer(ft.Module):
+    weight: jax.Array
+    bias: float
+    count: jax.Array = ft.field(no_derivative=True, default=None)
+
+
+def make_layer() -> Layer:
+    return Layer(jnp.ones((2, 2)), 0.5, jnp.zeros((), jnp.int32))
+
+
+def test_move_adds_the_tangent_and_none_means_unchanged():
+    layer = make_layer()
+    t = Layer(jnp.full((2, 2), -0.25), 0.25, None)
+    moved = ft.move(layer, along=t)
+    np.testing.assert_array_equal(moved.weight, np.full((2, 2), 0.75))
+    assert moved.bias == 0.75
+    assert moved.count is layer.count
+
+
+def test_move_along_a_gradient_is_gradient_descent():
+    layer = make_layer()
+    grads = ft.gradient(lambda m: (m.weight**2).sum() + m.bias, at=layer)
+    moved = ft.move(layer, along=ft.tangent_scale(grads, -0.1))
+    np.testing.assert_allclose(moved.weight, np.full((2, 2), 0.8))
+    np.testing.assert_allclose(moved.bias, 0.4)
+
+
+def test_move_keeps_each_parameters_dtype():
+    x = {"h": jnp.ones(2, jnp.bfloat16), "f": jnp.ones(2, jnp.float16), "s": jnp.ones(2)}
+    t = {"h": jnp.full(2, 0.5), "f": jnp.full(2, 0.5), "s": jnp.full(2, 0.5, jnp.bfloat16)}
+    moved = ft.move(x, along=t)
+    assert {k: v.dtype for k, v in moved.items()} == {k: v.dtype for k, v in x.items()}
+
+
+def test_move_structure_mismatch_names_the_path():
+    with pytest.raises(ValueError, match=r"ft.move: the trees differ first at \['b'\]"):
+        ft.move({"a": jnp.ones(1), "b": [jnp.ones(1)]}, along={"a": jnp.ones(1), "b": jnp.ones(1)})
+
+
+def test_zero_tangent_vector_has_the_parameter_view_structure():
+    layer = make_layer()
+    zero = ft.zero_tangent_vector(layer)
+    assert isinstance(zero, Layer) and zero.count is None
+    np.testing.assert_array_equal(zero.weight, np.zeros((2, 2)))
+    assert zero.bias.dtype == jnp.float32 and float(zero.bias) == 0.0
+    assert_same_tree(ft.move(layer, along=zero).weight, layer.weight)
+
+
+def test_zero_tangent_vector_initializer_holds_no_reference_to_the_arrays():
+    big = jnp.ones((256, 256))
+    model = Layer(big, 1.0, jnp.zeros((), jnp.int32))
+    ref = weakref.ref(big)
+    init = ft.zero_tangent_vector_initializer(model)
+    del big, model
+    gc.collect()
+    assert ref() is None
+    zero = init()
+    assert zero.weight.shape == (256, 256) and zero.weight.dtype == jnp.float32
+    assert zero.count is None
+    # The closure's captured cells hold shapes and dtypes only.
+    captured = [c.cell_contents for c in init.__closure__ or ()]
+    assert all(not isinstance(leaf, jax.Array) for c in captured for leaf in jax.tree.leaves(c))
+
+
+def test_tangent_arithmetic():
+    a = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(3.0), "n": None}
+    b = {"w": jnp.array([0.5, -1.0]), "b": jnp.array(1.0), "n": None}
+    np.testing.assert_array_equal(ft.tangent_add(a, b)["w"], [1.5, 1.0])
+    np.testing.assert_array_equal(ft.tangent_subtract(a, b)["w"], [0.5, 3.0])
+    assert ft.tangent_add(a, b)["n"] is None
+    np.testing.assert_array_equal(ft.tangent_scale(a, 2.0)["w"], [2.0, 4.0])
+    assert float(ft.inner_product(a, b)) == pytest.approx(0.5 - 2.0 + 3.0)
+    assert float(ft.tangent_norm(a)) == pytest.approx(np.sqrt(1 + 4 + 9))
+    assert float(ft.inner_product({}, {})) == 0.0
+
+
+def test_tangent_scale_keeps_dtypes_and_inner_product_accumulates_in_float32():
+    a = {"h": jnp.full(1000, 0.1, jnp.bfloat16), "s": jnp.ones(2)}
+    scaled = ft.tangent_scale(a, 3.0)
+    assert scaled["h"].dtype == jnp.bfloat16
+    value = ft.inner_product(a, a)
+    assert value.dtype == jnp.float32
+    assert float(value) == pytest.approx(1000 * float(jnp.bfloat16(0.1)) ** 2 + 2, rel=1e-2)
+
+
+def test_inner_product_in_float64_when_a_leaf_is():
+    with jax.enable_x64(True):
+        a = {"d": jnp.ones(2, jnp.float64), "s": jnp.ones(2, jnp.float32)}
+        assert ft.inner_product(a, a).dtype == jnp.float64
+
+
+def test_tangent_add_mismatch_names_the_path():
+    with pytest.raises(ValueError, match=r"ft.tangent_add: the trees differ first at \['x'\]"):
+        ft.tangent_add({"x": [jnp.ones(1)]}, {"x": (jnp.ones(1),)})
+
+
+def test_tangent_ops_are_jittable():
+    a = {"w": jnp.ones(3)}
+    out = jax.jit(lambda a: ft.tangent_norm(ft.tangent_add(a, ft.tangent_scale(a, 2.0))))(a)
+    assert float(out) == pytest.approx(3 * np.sqrt(3))
+
+
+@settings(max_examples=30, deadline=None)
+@given(nested_trees())
+def test_move_along_zero_is_identity_and_along_a_tangent_inverts(tree: Any):
+    zero = ft.zero_tangent_vector(tree)
+    assert_same_tree(ft.move(tree, along=zero), tree)
+    assert_same_tree(ft.zero_tangent_vector_initializer(tree)(), zero)
+    ones = jax.tree.map(lambda z: jnp.ones_like(z), zero)
+    there = ft.move(tree, along=ones)
+    back = ft.move(there, along=ft.tangent_scale(ones, -1.0))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+        assert jnp.result_type(a) == jnp.result_type(b)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=0.07)
+
+
+def test_tangent_scale_by_a_float32_array_keeps_bfloat16_leaves():
+    a = {"h": jnp.ones(2, jnp.bfloat16), "s": jnp.ones(2)}
+    scaled = ft.tangent_scale(a, jnp.asarray(0.5, jnp.float32))
+    assert scaled["h"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(scaled["h"], np.float32), [0.5, 0.5])

@@ -1,0 +1,92 @@
+"""Callbacks: the learning context they see, early stopping, plateau, checkpoints, logs."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.train import Trainer
+
+RNG = np.random.default_rng(1)
+X = RNG.normal(size=(48, 2)).astype(np.float32)
+Y = (X @ np.array([[2.0], [-1.0]], np.float32)).astype(np.float32)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def make(lr=0.05):
+    return Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)),
+                   ft.optim.Optimizer(ft.optim.sgd(lr)), loss_fn)
+
+
+def data():
+    return ft.train.batches((X, Y), 16, key=jax.random.key(2))  # 3 steps per epoch
+
+
+def test_function_callback_sees_the_learning_context():
+    seen = []
+    make().fit(data(), epochs=2, log_every=2, progress=False, callbacks=[seen.append])
+    events = [(c.event, c.step, c.sweep, c.samples_seen) for c in seen]
+    assert events == [("log", 2, 0, 32), ("epoch", 3, 1, 48), ("log", 5, 1, 80), ("epoch", 6, 2, 96)]
+    assert all(c.minibatch_size == 16 and c.learning_rate == pytest.approx(0.05) for c in seen)
+    assert set(seen[1].metrics) == {"loss"}
+
+
+def test_early_stopping_restores_best():
+    trainer = make(lr=0.0)  # nothing improves after the first epoch
+    stop = ft.train.EarlyStopping(monitor="loss", patience=2, restore_best=True)
+    history = trainer.fit(data(), epochs=20, progress=False, callbacks=[stop])
+    assert len(history.epochs["epoch"]) == 3 and stop.stopped_epoch == 3
+    assert trainer.stop_training and stop.best_model is not None
+
+
+def test_reduce_lr_on_plateau_without_recompiling():
+    trainer = make(lr=0.0)
+    reduce = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)
+    trainer.fit(data(), epochs=5, progress=False, callbacks=[reduce])
+    lr = float(ft.optim.hyperparameters(trainer.opt_state)["learning_rate"])
+    assert lr == 0.0  # 0 * 0.5
+    trainer = make(lr=0.4)
+    reduce = ft.train.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1, min_delta=1e9)
+    history = trainer.fit(data(), epochs=3, validation_data=(X, Y), progress=False, callbacks=[reduce])
+    assert history.steps["learning_rate"][0] == pytest.approx(0.4)
+    # epoch 1 improves (from inf), epochs 2 and 3 do not: halved after each
+    assert history.steps["learning_rate"][3:6] == [pytest.approx(0.4)] * 3
+    assert history.steps["learning_rate"][-1] == pytest.approx(0.2)
+    assert float(ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]) == pytest.approx(0.1)
+    assert trainer._fused._cache_size() == 1
+
+
+def test_model_checkpoint_keeps_best_and_history_logger(tmp_path):
+    trainer = make()
+    save = ft.train.ModelCheckpoint(tmp_path / "ckpt", max_to_keep=1, best_metric="val_loss")
+    log = ft.train.HistoryLogger(tmp_path / "log.jsonl")
+    trainer.fit(data(), epochs=3, validation_data=(X, Y), progress=False, callbacks=[save, log])
+    assert save.manager.all_steps() == [9]  # improving: the best is the last
+    ckpt = save.manager.restore()
+    assert ckpt.config["trainer"]["epoch"] == 3 and "val_loss" in ckpt.metrics
+    np.testing.assert_array_equal(ckpt.model.weight, trainer.model.weight)
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records] == ["epoch"] * 3
+    assert records[-1]["samples_seen"] == 144
+
+
+def test_callback_errors():
+    with pytest.raises(ValueError, match=r"(?s)EarlyStopping monitors 'val_loss'.*validation_data=val"):
+        make().fit(data(), epochs=1, progress=False, callbacks=[ft.train.EarlyStopping()])
+    with pytest.raises(ValueError, match=r'mode must be "min" or "max"'):
+        ft.train.EarlyStopping(mode="lowest")
+    with pytest.raises(TypeError, match=r"A callback is a ft.train.Callback"):
+        make().fit(data(), epochs=1, progress=False, callbacks=[3])
+    trainer = Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)),
+                      ft.optim.Optimizer(ft.optim.with_context(__import__("optax").sgd(0.1))),
+                      loss_fn)
+    reduce = ft.train.ReduceLROnPlateau(monitor="loss", patience=0, min_delta=1e9)
+    with pytest.raises(ValueError, match=r"no settable learning rate"):
+        trainer.fit(data(), epochs=2, progress=False, callbacks=[reduce])

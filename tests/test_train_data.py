@@ -1,0 +1,99 @@
+"""ft.train.batches: coverage of every example, reproducible shuffles, functional sizes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.train._data import DataContext, to_arrays
+
+
+def test_every_example_once_per_epoch_and_epochs_differ():
+    x = np.arange(10)
+    data = ft.train.batches({"x": x, "y": x * 2}, 3, key=jax.random.key(1))
+    first = [b for b in data]
+    second = [b for b in data]
+    assert [len(b["x"]) for b in first] == [3, 3, 3, 1] and len(data) == 4
+    for epoch in (first, second):
+        seen = np.concatenate([b["x"] for b in epoch])
+        assert sorted(seen.tolist()) == list(range(10))
+        for b in epoch:
+            np.testing.assert_array_equal(b["y"], b["x"] * 2)
+    assert np.concatenate([b["x"] for b in first]).tolist() != np.concatenate(
+        [b["x"] for b in second]
+    ).tolist()
+
+
+def test_epochs_are_reproducible_and_resumable():
+    x = np.arange(20.0)
+    a = ft.train.batches(x, 4, key=jax.random.key(5))
+    b = ft.train.batches(x, 4, key=jax.random.key(5))
+    full = list(a.iterate(3))
+    resumed = list(b.iterate(3, start=2))
+    assert len(resumed) == 3
+    for u, v in zip(full[2:], resumed):
+        np.testing.assert_array_equal(u, v)
+
+
+def test_no_shuffle_keeps_order_and_drop_last():
+    x = np.arange(7)
+    data = ft.train.batches(x, 3, shuffle=False, drop_last=True)
+    assert [b.tolist() for b in data] == [[0, 1, 2], [3, 4, 5]]
+    assert len(data) == 2
+
+
+def test_cpu_jax_arrays_are_sliced_on_the_host():
+    x = jnp.arange(8.0)
+    batch = next(iter(ft.train.batches(x, 4, key=jax.random.key(0))))
+    on_cpu = jax.devices()[0].platform == "cpu"
+    assert isinstance(batch, np.ndarray if on_cpu else jax.Array) and batch.shape == (4,)
+
+
+def test_functional_batch_size_sees_the_context():
+    seen = []
+
+    def size(ctx):
+        seen.append(ctx)
+        return 2 if ctx.sweep == 0 else 5
+
+    data = ft.train.batches(np.arange(10), size, shuffle=False)
+    assert [len(b) for b in data] == [2, 2, 2, 2, 2]
+    assert [len(b) for b in data] == [5, 5]
+    assert seen[:2] == [DataContext(0, 0, 0), DataContext(1, 0, 2)]
+    assert DataContext(5, 1, 10) in seen
+    with pytest.raises(TypeError, match=r"functional batch size"):
+        len(data)
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(ValueError, match=r"but x has 5 and y has 4"):
+        ft.train.batches({"x": np.zeros(5), "y": np.zeros(4)}, 2)
+    with pytest.raises(ValueError, match=r"positive int, got 0"):
+        ft.train.batches(np.zeros(5), 0)
+    with pytest.raises(ValueError, match=r"positive int, got -1 from batch_size\(DataContext"):
+        list(ft.train.batches(np.zeros(5), lambda c: -1))
+    with pytest.raises(ValueError, match=r"leading .example. axis"):
+        ft.train.batches([], 2)
+
+
+class FakeTensor:
+    """Stands in for a torch tensor: detach().cpu().numpy()."""
+
+    def __init__(self, value):
+        self.value = np.asarray(value)
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def numpy(self):
+        return self.value
+
+
+def test_to_arrays_converts_foreign_tensors():
+    batch = to_arrays((FakeTensor([1.0, 2.0]), [FakeTensor([3])]))
+    assert isinstance(batch[0], np.ndarray) and isinstance(batch[1], list)
+    np.testing.assert_array_equal(batch[1][0], [3])

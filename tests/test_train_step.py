@@ -1,0 +1,168 @@
+"""ft.train.train_step / eval_step: the jitted, donated step and its overridable stages."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+from functree.train import TrainStep
+
+
+def mse(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def problem(seed=0):
+    kx, km = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (16, 3))
+    y = x @ jnp.array([[1.0], [-2.0], [0.5]])
+    return ft.nn.Dense(3, 1, key=km), (x, y)
+
+
+def test_step_equals_optimizer_minimize_and_converges():
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.adam(0.1))
+    step = ft.train.train_step(mse, opt)
+    minimize = jax.jit(lambda m, s, b: opt.minimize(mse, m, s, b))
+    m1, s1 = model, opt.init(model)
+    m2, s2 = jax.tree.map(jnp.copy, model), opt.init(model)
+    for _ in range(200):
+        m1, s1, metrics = step(m1, s1, batch)
+        m2, s2, _ = minimize(m2, s2, batch)
+    np.testing.assert_allclose(m1.weight, m2.weight, rtol=1e-6, atol=1e-7)
+    assert float(metrics["loss"]) < 1e-4
+    ctx = ft.optim.context(s1)
+    assert int(ctx.step) == 200 and int(ctx.samples_seen) == 200 * 16
+
+
+def test_donates_model_and_state_and_never_recompiles():
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.01))
+    step = ft.train.train_step(mse, opt)
+    state = opt.init(model)
+    new_model, state, _ = step(model, state, batch)
+    assert model.weight.is_deleted()
+    assert not new_model.weight.is_deleted()
+    new_model, state, _ = step(new_model, state, batch)
+    state = ft.optim.set_hyperparameters(state, learning_rate=0.5)
+    new_model, state, _ = step(new_model, state, batch)
+    assert step._compiled._cache_size() == 1
+
+
+def test_optax_transform_accepted_and_no_donation_option():
+    model, batch = problem()
+    step = ft.train.train_step(mse, optax.sgd(0.1), donate=False)
+    state = step.optimizer.init(model)
+    out, state, _ = step(model, state, batch)
+    assert not model.weight.is_deleted()
+    assert float(mse(out, batch)) < float(mse(model, batch))
+
+
+def test_key_is_folded_with_the_step():
+    seen = []
+
+    def loss(model, batch, *, key):
+        noise = jax.random.normal(key, ())
+        return mse(model, batch) + 0.0 * noise, noise
+
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.0))
+    step = ft.train.train_step(loss, opt, metrics={"noise": lambda out: out.aux})
+    state = opt.init(model)
+    key = jax.random.key(7)
+    for _ in range(3):
+        model, state, metrics = step(model, state, batch, key)
+        seen.append(float(metrics["noise"]))
+    assert len(set(seen)) == 3
+    expected = float(jax.random.normal(jax.random.fold_in(key, 1), ()))
+    assert seen[1] == pytest.approx(expected)
+
+
+def test_batchnorm_statistics_are_threaded():
+    key = jax.random.key(0)
+    model = ft.nn.training(ft.nn.Sequential(ft.nn.Dense(2, 2, key=key), ft.nn.BatchNorm(2)))
+    x = jnp.array([[0.0, 1.0], [2.0, 5.0], [1.0, -1.0]])
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.01))
+    step = ft.train.train_step(lambda m, b: jnp.mean(m(b) ** 2), opt)
+    before = np.asarray(model.layers[1].running_mean).copy()
+    model, _, _ = step(model, opt.init(model), x)
+    assert not np.allclose(model.layers[1].running_mean, before)
+
+
+def test_skip_non_finite_steps_and_name_the_parameter():
+    model, (x, y) = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(mse, opt, on_nan="skip", donate=False)
+    state = opt.init(model)
+    bad = (x.at[0, 0].set(jnp.nan), y)
+    out, new_state, metrics = step(model, state, bad)
+    np.testing.assert_array_equal(out.weight, model.weight)
+    assert int(ft.optim.context(new_state).step) == 0
+    names = ft.train._step.parameter_names(model)
+    assert names[int(metrics["nonfinite"])] == "weight"
+    out, new_state, metrics = step(model, state, (x, y))
+    assert int(metrics["nonfinite"]) == -1 and int(ft.optim.context(new_state).step) == 1
+
+
+def test_overriding_compute_loss():
+    class L2Step(TrainStep):
+        def compute_loss(self, model, batch, key=None):
+            loss, aux = super().compute_loss(model, batch, key)
+            return loss + 10.0 * jnp.sum(model.weight**2), aux
+
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.01))
+    plain = ft.train.train_step(mse, opt, donate=False)
+    penalised = L2Step(mse, opt, donate=False)
+    state = opt.init(model)
+    a, _, la = plain(model, state, batch)
+    b, _, lb = penalised(model, state, batch)
+    assert float(lb["loss"]) > float(la["loss"])
+    assert float(jnp.sum(b.weight**2)) < float(jnp.sum(a.weight**2))
+
+
+def test_eval_step_metrics():
+    model, (x, y) = problem()
+
+    def loss(m, batch):
+        logits = m(batch[0])
+        return jnp.mean(logits**2), logits
+
+    evaluate = ft.train.eval_step(loss, metrics=[ft.train.accuracy])
+    labels = (y > 0).astype(jnp.float32)
+    metrics = evaluate(model, (x, labels))
+    assert sorted(metrics) == ["accuracy", "loss"]
+    expected = jnp.mean(((model(x) > 0) == (labels > 0.5)).astype(jnp.float32))
+    assert float(metrics["accuracy"]) == pytest.approx(float(expected))
+    assert not model.weight.is_deleted()
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r'on_nan must be "stop", "skip" or None'):
+        ft.train.train_step(mse, optax.sgd(0.1), on_nan="ignore")
+    with pytest.raises(TypeError, match=r"wrong:  ft.train.train_step\(loss_fn, 1e-3\)"):
+        ft.train.train_step(mse, 1e-3)
+    model, (x, y) = problem()
+    step = ft.train.train_step(lambda m, b: (m(b[0]) - b[1]) ** 2, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"scalar loss.*shape \(16, 1\)"):
+        step(model, step.optimizer.init(model), (x, y))
+
+
+def test_gradient_accumulation_keeps_aux_per_example_and_state():
+    key = jax.random.key(0)
+    model = ft.nn.training(ft.nn.Sequential(ft.nn.Dense(3, 2, key=key), ft.nn.BatchNorm(2)))
+    x, labels = jax.random.normal(key, (8, 3)), jnp.array([0, 1] * 4)
+
+    def loss(m, batch):
+        logits = m(batch[0])
+        return jnp.mean(logits**2), logits
+
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.01), accumulate=2)
+    step = ft.train.train_step(loss, opt, metrics=[ft.train.accuracy], donate=False)
+    out, state, metrics = step(model, opt.init(model), (x, labels))
+    assert 0.0 <= float(metrics["accuracy"]) <= 1.0
+    assert int(ft.optim.context(state).samples_seen) == 8
+    assert not np.allclose(out.layers[1].running_mean, model.layers[1].running_mean)

@@ -1,0 +1,203 @@
+"""ft.train.Trainer: fit/evaluate/predict, no per-step sync, exact resume, NaN handling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.train import NonFiniteError, Trainer
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(64, 3)).astype(np.float32)
+Y = (X @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+LABELS = (Y[:, 0] > 0).astype(np.int32)
+
+
+def mlp(seed=0, dropout=0.0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    layers = [ft.nn.Dense(3, 8, jax.nn.relu, key=k1)]
+    if dropout:
+        layers.append(ft.nn.Dropout(dropout))
+    layers.append(ft.nn.Dense(8, 2, key=k2))
+    return ft.nn.Sequential(*layers)
+
+
+def classify(model, batch, *, key=None):
+    x, labels = batch
+    logits = model(x, key=key)
+    loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+    return loss, logits
+
+
+def regress(model, batch):
+    x, y = batch
+    return jnp.mean((model(x)[:, :1] - y) ** 2)
+
+
+def adam(lr=0.05):
+    return ft.optim.Optimizer(ft.optim.adam(lr))
+
+
+def test_fit_records_steps_and_epochs_and_learns():
+    trainer = Trainer(mlp(), adam(), classify, metrics=[ft.train.accuracy])
+    data = ft.train.batches((X, LABELS), 16, key=jax.random.key(1))
+    history = trainer.fit(data, epochs=10, validation_data=(X, LABELS), progress=False, log_every=3)
+    assert history.steps["step"] == list(range(1, 41))
+    assert len(history.steps["loss"]) == 40 and len(history.steps["accuracy"]) == 40
+    assert history.steps["learning_rate"][0] == pytest.approx(0.05)
+    assert history.epochs["epoch"] == list(range(1, 11))
+    assert history["val_accuracy"][-1] > 0.9 and history["loss"][-1] < history["loss"][0]
+    ctx = ft.optim.context(trainer.opt_state)
+    assert (int(ctx.step), int(ctx.sweep), int(ctx.samples_seen)) == (40, 10, 640)
+    # the epoch mean is the size-weighted mean of the step values
+    np.testing.assert_allclose(history.epochs["loss"][0], np.mean(history.steps["loss"][:4]), rtol=1e-6)
+    result = trainer.evaluate((X, LABELS), batch_size=20)
+    assert result["accuracy"] == pytest.approx(history["val_accuracy"][-1], abs=1e-6)
+    logits = trainer.predict(X, batch_size=10)
+    assert logits.shape == (64, 2)
+    acc = float(np.mean(np.argmax(np.asarray(logits), -1) == LABELS))
+    assert acc == pytest.approx(result["accuracy"], abs=1e-6)
+
+
+def test_callers_model_stays_valid():
+    model = mlp()
+    trainer = Trainer(model, adam(), classify)
+    trainer.fit((X, LABELS), steps=3, progress=False)
+    assert not model.layers[0].weight.is_deleted()
+    assert not np.allclose(model.layers[0].weight, trainer.model.layers[0].weight)
+
+
+def test_loop_reads_the_device_only_at_log_intervals(monkeypatch):
+    trainer = Trainer(mlp(), adam(), classify)
+    data = ft.train.batches((X, LABELS), 4, key=jax.random.key(1))  # 16 steps per epoch
+    trainer.fit(data, steps=2, progress=False, log_every=10)  # compile outside the count
+    calls = []
+    original = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: calls.append(1) or original(x))
+
+    def no_blocking(*args, **kwargs):
+        raise AssertionError("block_until_ready inside the training loop")
+
+    monkeypatch.setattr(jax, "block_until_ready", no_blocking)
+    trainer.fit(data, steps=40, progress=False, log_every=10)
+    # 4 log reads + 2 epoch ends (reads + context) + the final read: far fewer than 40
+    assert len(calls) <= 10
+    assert trainer._fused._cache_size() == 1
+
+
+def test_steps_cross_epochs_and_generic_iterables():
+    batches = [(X[i : i + 16], LABELS[i : i + 16]) for i in range(0, 64, 16)]
+    trainer = Trainer(mlp(), adam(), classify)
+    history = trainer.fit(batches, steps=10, progress=False)
+    assert len(history.steps["loss"]) == 10 and history.epochs["epoch"] == [1, 2]
+    one_shot = iter(batches)
+    history = trainer.fit(one_shot, steps=10, progress=False)
+    assert len(history.steps["loss"]) == 14  # the iterator ran out after 4 steps
+    with pytest.raises(ValueError, match=r"gave no minibatch"):
+        trainer.fit([], epochs=1, progress=False)
+    with pytest.raises(ValueError, match=r"epochs must be a positive int"):
+        trainer.fit(batches, epochs=0, progress=False)
+
+
+def test_bad_batch_surfaces_the_layer_error_unchanged():
+    trainer = Trainer(mlp(), adam(), classify)
+    wrong = (np.zeros((8, 5), np.float32), np.zeros(8, np.int32))
+    with pytest.raises(ft.nn.LayerInputError) as info:
+        trainer.fit([wrong], progress=False)
+    assert "Dense at .layers[0] expects inputs [..., 3]" in str(info.value)
+    assert "f32[8,5]" in str(info.value)
+
+
+def nan_data(bad_step):
+    batches = [(X[i : i + 8].copy(), Y[i : i + 8]) for i in range(0, 64, 8)]
+    batches[bad_step - 1][0][0, 0] = np.nan
+    return batches
+
+
+def test_nan_stops_with_step_and_parameter_and_keeps_last_finite_model():
+    trainer = Trainer(mlp(), adam(0.01), regress)
+    with pytest.raises(NonFiniteError, match=r"step 6: the gradient of parameter 'layers.0.weight'"):
+        trainer.fit(nan_data(6), epochs=1, progress=False, log_every=4)
+    assert trainer.steps_run == 5 and int(ft.optim.context(trainer.opt_state).step) == 5
+    reference = Trainer(mlp(), adam(0.01), regress)
+    reference.fit(nan_data(6)[:5], epochs=1, progress=False)
+    for a, b in zip(jax.tree.leaves(trainer.model), jax.tree.leaves(reference.model)):
+        np.testing.assert_array_equal(a, b)
+    assert len(trainer.history.steps["loss"]) == 8  # every step read before stopping
+
+
+def test_nan_skip_continues():
+    trainer = Trainer(mlp(), adam(0.01), regress, on_nan="skip")
+    trainer.fit(nan_data(3), epochs=2, progress=False, log_every=4)
+    assert trainer.skipped == [(3, "the gradient of parameter 'layers.0.weight'"),
+                               (11, "the gradient of parameter 'layers.0.weight'")]
+    assert int(ft.optim.context(trainer.opt_state).step) == 14
+    assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(trainer.model))
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact(tmp_path):
+    def make():
+        return Trainer(mlp(dropout=0.2), adam(0.01), classify, key=jax.random.key(3))
+
+    data = ft.train.batches((X, LABELS), 12, key=jax.random.key(4))  # 6 steps per epoch
+    straight = make()
+    straight.fit(data, steps=100, progress=False)
+    first = make()
+    first.fit(data, steps=50, progress=False)
+    first.save(tmp_path / "ckpt")
+    second = make()
+    second.restore(tmp_path / "ckpt")
+    assert (second.steps_run, second.epoch, second.batch_in_epoch) == (50, 8, 2)
+    second.fit(data, steps=50, progress=False)
+    for a, b in zip(jax.tree.leaves(straight.model), jax.tree.leaves(second.model)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(straight.opt_state), jax.tree.leaves(second.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_restore_checks_the_template(tmp_path):
+    trainer = Trainer(mlp(), adam(), classify)
+    trainer.save(tmp_path / "ckpt")
+    other = Trainer(ft.nn.Sequential(ft.nn.Dense(3, 4, key=jax.random.key(0)),
+                                     ft.nn.Dense(4, 2, key=jax.random.key(1))), adam(), classify)
+    with pytest.raises(ft.train.CheckpointError, match=r"layers.0.weight: expected shape \(3, 4\)"):
+        other.restore(tmp_path / "ckpt")
+
+
+def test_progress_bar(capsys):
+    trainer = Trainer(mlp(), adam(), classify, metrics={"acc": ft.train.accuracy})
+    trainer.fit((X, LABELS), epochs=2, batch_size=16, log_every=2, progress=True)
+    err = capsys.readouterr().err
+    assert "8/8" in err and "loss=" in err and "lr=0.0500" in err and "acc=" in err
+    trainer.fit((X, LABELS), epochs=1, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_custom_train_step_class():
+    class Frozen(ft.train.TrainStep):
+        def apply(self, model, opt_state, batch, key=None, enabled=None):
+            loss, aux = self.compute_loss(model, batch, key)
+            return model, opt_state, loss, aux, None
+
+    model = mlp()
+    trainer = Trainer(model, adam(), classify, train_step=Frozen, on_nan=None)
+    trainer.fit((X, LABELS), steps=3, progress=False)
+    np.testing.assert_array_equal(trainer.model.layers[0].weight, model.layers[0].weight)
+    with pytest.raises(TypeError, match=r"train_step= takes a ft.train.TrainStep"):
+        Trainer(model, adam(), classify, train_step=lambda *a: None)
+
+
+def test_restore_model_with_new_optimizer_options(tmp_path):
+    trainer = Trainer(mlp(), adam(), classify)
+    trainer.fit((X, LABELS), steps=4, progress=False)
+    trainer.save(tmp_path / "ckpt")
+    sgd = Trainer(mlp(seed=5), ft.optim.Optimizer(ft.optim.sgd(0.1)), classify)
+    with pytest.raises(ft.train.CheckpointError, match=r"optimizer|opt_state"):
+        sgd.restore(tmp_path / "ckpt")
+    sgd.restore(tmp_path / "ckpt", optimizer_state=False)
+    np.testing.assert_array_equal(sgd.model.layers[0].weight, trainer.model.layers[0].weight)
+    assert sgd.steps_run == 4
+    sgd.fit((X, LABELS), steps=2, progress=False)
+    assert int(ft.optim.context(sgd.opt_state).step) == 2

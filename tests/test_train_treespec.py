@@ -1,0 +1,60 @@
+"""Trees as named arrays plus JSON type information, and back."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+from functree.train._treespec import SpecError, decode, encode
+
+
+class Config(ft.Module):
+    w: jax.Array
+    dtype: object = ft.field(static=True, default=np.dtype("float32"))
+    callback: object = ft.field(static=True, default=None)
+
+
+def test_roundtrip_through_json():
+    tree = {
+        "state": optax.adam(0.1).init({"w": jnp.ones(2)}),
+        "dense": ft.nn.Dense(2, 2, jax.nn.gelu, key=jax.random.key(0)),
+        "numbers": [1, 2.5, True, np.float32(3)],
+        "nothing": None,
+        "keys": {3: jax.random.key(1), 4: jnp.zeros(1)},
+    }
+    arrays, spec = encode(tree)
+    back = decode(json.loads(json.dumps(spec)), arrays)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    assert back["dense"].activation is jax.nn.gelu and 3 in back["keys"]
+    assert back["numbers"][:3] == [1, 2.5, True] and isinstance(back["numbers"][3], np.float32)
+    np.testing.assert_array_equal(jax.random.key_data(back["keys"][3]), jax.random.key_data(tree["keys"][3]))
+
+
+def test_unrebuildable_static_value():
+    arrays, spec = encode(Config(jnp.ones(1), callback=lambda x: x))
+    with pytest.raises(SpecError, match=r"static value at 'callback'.*<lambda>"):
+        decode(spec, arrays)
+    arrays, spec = encode(Config(jnp.ones(1)))
+    assert decode(spec, arrays).dtype == np.dtype("float32")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    counts: jax.Array
+    name: str = dataclasses.field(metadata={"static": True}, default="ctx")
+
+
+def test_registered_dataclass_roundtrip():
+    tree = Registered(jnp.arange(3), "run")
+    arrays, spec = encode(tree)
+    assert spec["kind"] == "dataclass" and spec["static"] == {"name": {"json": "run"}}
+    back = decode(json.loads(json.dumps(spec)), arrays)
+    assert type(back) is Registered and back.name == "run"
+    np.testing.assert_array_equal(back.counts, tree.counts)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)

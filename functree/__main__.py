@@ -40,7 +40,7 @@ def main(steps: int = 3000, log_every: int = 300) -> jax.Array:
     # this key trains on every backend because JAX's PRNG is the same everywhere.
     model = Classifier(hidden_size=4, key=jax.random.key(4))
     optimizer = ft.optim.adam(learning_rate=0.02)
-    state = optimizer.init(model)
+    state = optimizer.init(model)  # pyright: ignore[reportArgumentType] (optax types Params narrowly)
     print(model)
 
     @ft.jit(donate=(0, 1))

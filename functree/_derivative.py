@@ -293,7 +293,7 @@ def with_recomputation_in_pullbacks(
             names = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
             raise ValueError(f"Unknown checkpoint policy {policy!r}; choose one of {names}.")
         policy = getattr(jax.checkpoint_policies, policy)
-    return functools.wraps(f)(jax.checkpoint(f, policy=policy))
+    return functools.wraps(f)(jax.checkpoint(f, policy=policy))  # pyright: ignore[reportArgumentType]
 
 
 # jnp is re-exported for doctests' namespaces.

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
@@ -647,7 +648,7 @@ _CACHE_SIZE = 1024
 
 def _leaf_key(x: Any, depth: int, baked: bool = True) -> Any:
     if isinstance(x, jax.core.Tracer):
-        aval = x.aval
+        aval: Any = x.aval
         return ("T", aval.shape, aval.dtype, getattr(aval, "weak_type", False))
     if isinstance(x, (jax.Array, np.ndarray, np.generic)):
         return ("A", x.shape, x.dtype, getattr(x, "weak_type", False))

@@ -36,6 +36,9 @@ __all__ = [
 _KIND = "functree.kind"
 PARAMETER, NO_DERIVATIVE, STATIC = "parameter", "no_derivative", "static"
 _INIT_FLAG = "__ft_initializing__"
+# Non-empty while a user's __init__ runs: only then can a full-keyword call be a
+# subclass's super().__init__(...) rather than a construction (or JAX's unflatten).
+_USER_INITS_RUNNING: list[Module] = []
 
 FROZEN_MESSAGE = """\
 Cannot assign to field {field!r} of {cls}: modules are immutable values.
@@ -168,7 +171,8 @@ def _check_static(cls: type, name: str, value: Any) -> None:
     if _is_array(value):
         raise TypeError(
             ARRAY_IN_STATIC.format(
-                cls=cls.__name__, field=name, shape=tuple(value.shape), dtype=value.dtype
+                cls=cls.__name__, field=name, shape=tuple(getattr(value, "shape", ())),
+                dtype=getattr(value, "dtype", None),
             )
         )
     try:
@@ -343,16 +347,19 @@ def _make_init(cls: type) -> Callable[..., None]:
     statics = cls.__ft_static__  # type: ignore[attr-defined]
     set_dict = object.__setattr__
 
-    # A non-empty instance dict means a subclass's __init__ is running and called
-    # super().__init__(...): that must not replace the dict, so it takes the slow path.
+    running = _USER_INITS_RUNNING
+
+    # While a user's __init__ runs, a non-empty instance dict means a subclass's __init__
+    # called super().__init__(...): that must not replace the dict (slow path). Reading
+    # self.__dict__ would create one, so it is looked at only then.
     def __init__(self: Module, *args: Any, **kwargs: Any) -> None:
-        if args or kwargs.keys() != fields or self.__dict__:
+        if args or kwargs.keys() != fields or (running and self.__dict__):
             _construct(self, cls, args, kwargs)
             return
         set_dict(self, "__dict__", kwargs)
 
     def __init_with_statics__(self: Module, *args: Any, **kwargs: Any) -> None:
-        if args or kwargs.keys() != fields or self.__dict__:
+        if args or kwargs.keys() != fields or (running and self.__dict__):
             _construct(self, cls, args, kwargs)
             return
         # A full keyword construction is a construction too: static values must hash.
@@ -389,9 +396,11 @@ def _construct(self: Module, owner: type, args: tuple, kwargs: dict) -> None:
     user_init = cls.__ft_user_init__
     if user_init is not None:
         self.__dict__[_INIT_FLAG] = True
+        _USER_INITS_RUNNING.append(self)
         try:
             user_init(self, *args, **kwargs)
         finally:
+            _USER_INITS_RUNNING.pop()
             del self.__dict__[_INIT_FLAG]
         missing = [n for n in cls.__ft_fields__ if n not in self.__dict__]
         missing = [n for n in missing if not _fill_default(self, n)]

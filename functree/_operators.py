@@ -381,7 +381,7 @@ def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) 
     def pullback_fn(cotangent: Any) -> Any:
         return plan.result(out[1](cotangent))
 
-    return (out[0], pullback_fn, out[2]) if has_aux else (out[0], pullback_fn)
+    return (out[0], pullback_fn, *out[2:])  # out[2:] is (aux,) when has_aux
 
 
 def pullback(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
@@ -431,7 +431,7 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
         with _explain_reverse_only(op, fn):
             return out[1](*plan.split_input(tangent))
 
-    return (out[0], differential_fn, out[2]) if has_aux else (out[0], differential_fn)
+    return (out[0], differential_fn, *out[2:])  # out[2:] is (aux,) when has_aux
 
 
 def differential(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:

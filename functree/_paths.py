@@ -192,7 +192,7 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
     if isinstance(tree, Mapping):
         out = dict(tree)
         out[entry.key] = new_child
-        return out if type(tree) is dict else type(tree)(out)
+        return out if type(tree) is dict else type(tree)(out)  # pyright: ignore[reportCallIssue]
     return _set_generic_child(tree, entry, new_child)
 
 

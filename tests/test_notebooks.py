@@ -22,9 +22,6 @@ INSTALL = ("import functree", "except ImportError", "%pip install")
 DEVICE_PINS = ("jax_platform", "JAX_PLATFORM", "CUDA_VISIBLE_DEVICES", 'jax.devices("cpu")')
 # Executed cells must not print warnings (tqdm bars also write to stderr, so only these).
 WARNING_MARKERS = ("Warning:", "WARNING:")
-# Environment-dependent, not ours: tqdm.auto without ipywidgets (the test extra has none;
-# Colab and Jupyter have it) falls back to a text bar with this warning.
-TOLERATED = ("TqdmWarning: IProgress not found",)
 
 
 def _cells(nb: dict, kind: str) -> list[str]:
@@ -84,6 +81,6 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
         for o in c.outputs
         if o.get("name") == "stderr"
         for line in o["text"].splitlines()
-        if any(m in line for m in WARNING_MARKERS) and not any(t in line for t in TOLERATED)
+        if any(m in line for m in WARNING_MARKERS)
     ]
     assert not stderr, "\n".join(stderr)

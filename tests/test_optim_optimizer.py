@@ -186,3 +186,22 @@ def test_models_with_non_parameters_keep_them_untouched():
     grads = ft.gradient(lambda m: _loss(m, X, Y), at=model)
     updates, _ = tx.update(grads, tx.init(view), view)
     np.testing.assert_allclose(ft.move(model, along=updates).dense.weight, new.dense.weight, rtol=1e-6)
+
+
+def test_data_parallel_replicas_keep_identical_state():
+    # Each replica sees another shard; gradients and the stored loss are means over the
+    # axis, so model and optimizer state come out unmapped (identical on every replica).
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), axis_name="r")
+    model = {"w": jnp.ones(3)}
+    state = opt.init(model)
+    shards = jnp.arange(12.0).reshape(4, 1, 3)
+
+    def loss(m, x):
+        return jnp.sum((m["w"] * x) ** 2)
+
+    new_model, new_state, losses = jax.vmap(
+        lambda x: opt.minimize(loss, model, state, x), axis_name="r", out_axes=(None, None, 0)
+    )(shards)
+    grads = jnp.mean(jax.vmap(lambda x: jax.grad(loss)(model, x)["w"])(shards), axis=0)
+    np.testing.assert_allclose(new_model["w"], model["w"] - 0.1 * grads, rtol=1e-6)
+    np.testing.assert_allclose(ft.optim.context(new_state).loss, jnp.mean(losses), rtol=1e-6)

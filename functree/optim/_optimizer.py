@@ -276,6 +276,11 @@ class Optimizer:
         """Per-replica gradient transforms, before aggregation."""
         return _chain(self._unaggregated, grads)
 
+    @property
+    def axis_name(self) -> Any:
+        """The data-parallel axis name (``None``: no data parallelism)."""
+        return self._axis_name
+
     def aggregate_gradients(self, grads: Any) -> Any:
         """The data-parallel all-reduce: mean over ``axis_name`` when bound, else identity."""
         if self._aggregate is not None:
@@ -320,7 +325,8 @@ class Optimizer:
         if minibatch_size is None:
             minibatch_size = leading_dimension(batch)
         out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state)
-        loss = out[0] if has_aux else out
+        # Replicas store the mean loss, so the optimizer state stays identical across them.
+        loss = pmean_if_bound(out[0] if has_aux else out, self.axis_name)
         model, state = self.apply_gradients(grads, model, state, minibatch_size=minibatch_size, loss=loss)
         return model, state, out
 
@@ -383,6 +389,10 @@ class OptimizerWrapper(Optimizer):
     @property
     def accumulate(self) -> int:
         return self.inner.accumulate
+
+    @property
+    def axis_name(self) -> Any:
+        return self.inner.axis_name
 
     def init(self, model: Any) -> Any:
         return self.inner.init(model)

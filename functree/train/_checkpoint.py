@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -230,7 +230,7 @@ class CheckpointManager:
         optimizer and trainer options, data position, notes.
         """
         step = int(step)
-        metrics = _json_value(dict(metrics or {}))
+        metrics = cast("dict[str, Any]", _json_value(dict(metrics or {})))
         if self.best_metric is not None and self.best_metric not in metrics:
             raise CheckpointError(
                 MISSING_METRIC.format(step=step, metric=self.best_metric, given=sorted(metrics))

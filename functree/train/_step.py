@@ -15,7 +15,7 @@ inside one ``ft.jit`` program that donates the model and the optimizer state. Li
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,8 @@ def as_optimizer(optimizer: Any) -> Optimizer:
 
 
 def _split_output(out: Any) -> tuple[Any, Any]:
-    loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    loss = cast(Any, loss)
     if jnp.shape(loss) != ():
         raise ValueError(LOSS_NOT_SCALAR.format(shape=jnp.shape(loss)))
     return loss, aux

@@ -390,6 +390,7 @@ class Trainer:
         """Steps of one epoch: ``(steps run, whether the epoch was completed)``."""
         ran = 0
         length = self._epoch_length(data)
+        bar.set_description(f"epoch {self.epoch + 1}")
         for batch in self._epoch_iter(data):
             batch = to_arrays(batch)
             if self._names is None:
@@ -425,7 +426,6 @@ class Trainer:
         self.batch_in_epoch = 0
         self._last_context = None
         self.history.add_epoch(self.epoch, {**values, "last_step": self.steps_run})
-        bar.set_description(f"epoch {self.epoch + 1}")
         ctx = self._context("epoch", values)
         for cb in cbs:
             cb.on_epoch_end(self, ctx)

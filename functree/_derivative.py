@@ -45,6 +45,12 @@ class DifferentiableFunction:
     Calling it evaluates the original function; differentiating it (alone, inside a larger
     function, jitted or not) uses the registered derivative. Create one with
     :func:`differentiable`; register derivatives with :func:`derivative`.
+
+    Example:
+      >>> import functree as ft
+      >>> square = ft.differentiable(lambda x: x * x)
+      >>> isinstance(square, ft.DifferentiableFunction), square(3.0)
+      (True, 9.0)
     """
 
     def __init__(self, fn: Callable[..., Any]):

@@ -369,6 +369,13 @@ class DiagnosticReport:
     (the derivative can be nonzero), ``non-differentiable`` (reaches the result only
     through zero-derivative operations), ``without_derivative`` (intentionally stopped),
     ``zero mask`` (multiplied by a constant zero) or ``unused``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.diagnose(lambda x: jnp.sum(x ** 2), at=jnp.ones(2)).ok
+      True
+      >>> ft.diagnose(lambda x: jnp.round(x), at=1.0).activity
+      (('<root>', 'non-differentiable'),)
     """
 
     function: str

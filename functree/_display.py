@@ -84,6 +84,11 @@ class Summary:
     """A table of a model's leaves: key path, shape, dtype, count, bytes, with totals.
 
     Prints as text; shows as an HTML table in notebooks.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.summary({"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}).parameter_count
+      9
     """
 
     name: str

@@ -102,7 +102,18 @@ first time JAX rebuilds the module (jit, grad, tree_map). Declare it in the clas
 
 
 class FrozenModuleError(dataclasses.FrozenInstanceError):
-    """Raised when assigning to a field of a constructed :class:`Module`."""
+    """Raised when assigning to a field of a constructed :class:`Module`.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> class Linear(ft.Module):
+      ...     w: jnp.ndarray
+      >>> try:
+      ...     Linear(jnp.ones(2)).w = jnp.zeros(2)
+      ... except ft.FrozenModuleError as e:
+      ...     print(type(e).__name__)
+      FrozenModuleError
+    """
 
 
 class DifferentiationWarning(UserWarning):

@@ -435,7 +435,14 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
 
 
 def differential(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
-    """The differential ``t ↦ J_f(x) t`` at ``at`` (forward mode)."""
+    """The differential ``t ↦ J_f(x) t`` at ``at`` (forward mode).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> df = ft.differential(lambda x: x ** 2, at=jnp.array([1.0, 2.0]))
+      >>> df(jnp.array([1.0, 1.0]))
+      Array([2., 4.], dtype=float32)
+    """
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         return _linearize("differential", fn, args, wrt, False)[1]

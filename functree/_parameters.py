@@ -123,6 +123,11 @@ def with_parameters(model: Any, params: Any) -> Any:
     """Write a parameter view back into ``model`` (Swift's ``allParameters`` setter).
 
     ``None`` in ``params`` keeps the model's leaf.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.with_parameters({"w": jnp.ones(2), "n": 3}, {"w": jnp.zeros(2), "n": None})
+      {'n': 3, 'w': Array([0., 0.], dtype=float32)}
     """
     return _map_checked(
         "ft.with_parameters",
@@ -156,6 +161,11 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 
     ``None`` leaves of the first tree (non-parameters in a parameter view) are skipped.
     A structure mismatch raises an error naming the first differing key path.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.tree_map(lambda p, g: p - 0.1 * g, {"w": jnp.ones(2)}, {"w": jnp.ones(2)})
+      {'w': Array([0.9, 0.9], dtype=float32)}
     """
     return _map_checked("ft.tree_map", fn, tree, *rest)
 

@@ -307,7 +307,16 @@ def all_key_paths(x: Any) -> list[KeyPath]:
 
 
 def all_writable_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
-    """Like :func:`all_key_paths` but only data fields (no static fields), filtered by ``to``."""
+    """Like :func:`all_key_paths` but only data fields (no static fields), filtered by ``to``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> class Affine(ft.Module):
+      ...     w: jnp.ndarray
+      ...     act: str = ft.field(static=True, default="relu")
+      >>> ft.all_writable_key_paths(Affine(jnp.ones(2)))
+      [KeyPath('.w')]
+    """
     keep = _type_filter(to)
     static = _static_names(x)
     return [
@@ -391,6 +400,13 @@ def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
 
     Canonical strings (starting with ``.`` or ``[``) parse without a tree; dotted names are
     resolved against ``tree``.
+
+    Example:
+      >>> import functree as ft
+      >>> ft.key_path(None, ".layers[0].w")
+      KeyPath('.layers[0].w')
+      >>> ft.key_path({"layers": [{"w": 1.0}]}, "layers.0.w").name
+      'layers.0.w'
     """
     if isinstance(path, KeyPath):
         return path
@@ -407,7 +423,13 @@ def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
 
 
 def get(tree: Any, path: KeyPath | str) -> Any:
-    """The value at ``path`` in ``tree``: ``ft.get(model, ".layers[0].weight")``."""
+    """The value at ``path`` in ``tree``: ``ft.get(model, ".layers[0].weight")``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.get({"layers": [jnp.ones(2), jnp.zeros(1)]}, "layers.1")
+      Array([0.], dtype=float32)
+    """
     return key_path(tree, path).get(tree)
 
 

@@ -58,7 +58,15 @@ def _zeros(spec: Any) -> Any:
 
 
 def zero_tangent_vector(x: Any) -> Any:
-    """Zeros shaped like the parameter view of ``x``: ``move(x, along=zero) == x``."""
+    """Zeros shaped like the parameter view of ``x``: ``move(x, along=zero) == x``.
+
+    Non-parameters (here an integer array) are ``None`` in the result.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.zero_tangent_vector({"w": jnp.ones(2), "n": jnp.zeros((), jnp.int32)})
+      {'n': None, 'w': Array([0., 0.], dtype=float32)}
+    """
     return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a)), parameters(x))
 
 
@@ -81,12 +89,24 @@ def zero_tangent_vector_initializer(x: Any) -> Callable[[], Any]:
 
 
 def tangent_add(a: Any, b: Any) -> Any:
-    """``a + b`` leafwise over two tangent trees."""
+    """``a + b`` leafwise over two tangent trees.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.tangent_add({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 4.0])})
+      {'w': Array([4., 6.], dtype=float32)}
+    """
     return _map_checked("ft.tangent_add", jnp.add, a, b)
 
 
 def tangent_subtract(a: Any, b: Any) -> Any:
-    """``a - b`` leafwise over two tangent trees."""
+    """``a - b`` leafwise over two tangent trees.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.tangent_subtract({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 4.0])})
+      {'w': Array([-2., -2.], dtype=float32)}
+    """
     return _map_checked("ft.tangent_subtract", jnp.subtract, a, b)
 
 
@@ -95,6 +115,11 @@ def tangent_scale(a: Any, scale: Any) -> Any:
 
     ``scale`` may be a Python number or a scalar array of any float dtype (a learning rate
     held as a float32 array scales bfloat16 leaves without a promotion error).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.tangent_scale({"w": jnp.array([1.0, 2.0])}, 0.5)
+      {'w': Array([0.5, 1. ], dtype=float32)}
     """
 
     def scaled(t: Any) -> Any:
@@ -110,7 +135,13 @@ def _accumulation_dtype(leaves: list[Any]) -> Any:
 
 
 def inner_product(a: Any, b: Any) -> jax.Array:
-    """``Σ ⟨a_i, b_i⟩`` over leaves, accumulated in float32 (float64 if any leaf is)."""
+    """``Σ ⟨a_i, b_i⟩`` over leaves, accumulated in float32 (float64 if any leaf is).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.inner_product({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 4.0])})
+      Array(11., dtype=float32)
+    """
     products = jax.tree.leaves(
         _map_checked("ft.inner_product", lambda x, y: jnp.vdot(x, y), a, b)
     )
@@ -121,5 +152,11 @@ def inner_product(a: Any, b: Any) -> jax.Array:
 
 
 def tangent_norm(a: Any) -> jax.Array:
-    """The Euclidean norm ``sqrt(⟨a, a⟩)`` of a tangent tree."""
+    """The Euclidean norm ``sqrt(⟨a, a⟩)`` of a tangent tree.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.tangent_norm({"w": jnp.array([3.0, 4.0])})
+      Array(5., dtype=float32)
+    """
     return jnp.sqrt(inner_product(a, a))

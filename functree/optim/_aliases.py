@@ -475,6 +475,15 @@ def moments(state: Any) -> dict[str, Any]:
     parameter's moment with the model's key path: ``ft.get(moments(state)["mu"], kp)``.
     A name found in several places (parameter groups) is listed once per place as
     ``name``, ``name#1``, ...
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.sgd(0.1, momentum=0.9)
+      >>> _, state = tx.update({"w": jnp.array([1.0, -2.0])}, tx.init({"w": jnp.ones(2)}))
+      >>> ft.optim.moments(state)
+      {'trace': {'w': Array([ 1., -2.], dtype=float32)}}
+      >>> sorted(ft.optim.moments(ft.optim.adam().init({"w": jnp.ones(2)})))
+      ['mu', 'nu']
     """
     out: dict[str, Any] = {}
     for node in jax.tree.leaves(state, is_leaf=_is_moment_state):

@@ -102,7 +102,15 @@ jax.tree_util.register_dataclass(LearningContext, data_fields=["counters", "loss
 
 
 def initial_context() -> LearningContext:
-    """The context before the first step: zeros, minibatch size 1, loss NaN."""
+    """The context before the first step: zeros, minibatch size 1, loss NaN.
+
+    Example:
+      >>> import functree as ft
+      >>> ft.optim.initial_context()
+      LearningContext(step=0, sweep=0, samples_seen=0, minibatch_size=1, loss=nan)
+      >>> float(ft.optim.linear_warmup(1.0, 10)(ft.optim.initial_context().replace(step=5)))
+      0.5
+    """
     return LearningContext(jnp.array([0, 0, 0, 1], jnp.int32), jnp.full((), jnp.nan, jnp.float32))
 
 
@@ -138,6 +146,14 @@ def context(state: Any) -> LearningContext:
 
     All contexts in one state advance together; transforms under a skip (non-finite
     gradients) or an accumulation do not count the steps they did not take.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.sgd(0.1)
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> _, state = tx.update({"w": jnp.ones(2)}, state, minibatch_size=16)
+      >>> ft.optim.context(state)
+      LearningContext(step=1, sweep=0, samples_seen=16, minibatch_size=16, loss=nan)
     """
     found = contexts(state)
     if not found:

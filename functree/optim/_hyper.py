@@ -250,6 +250,13 @@ def inject(
     numerics; it is rebuilt each step (at trace time) with the current values as arrays.
     ``update`` takes the extra arguments ``minibatch_size=`` and ``loss=``, which advance
     the learning context; others pass through to the inner transformation.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, optax
+      >>> tx = ft.optim.inject("scale", lambda factor: optax.scale(factor), {"factor": 2.0})
+      >>> g = {"w": jnp.ones(2)}; state = tx.init(g)
+      >>> ft.optim.hyperparameters(state), tx.update(g, state)[0]
+      ({'factor': Array(2., dtype=float32)}, {'w': Array([2., 2.], dtype=float32)})
     """
     static = dict(static or {})
     specs = {}
@@ -362,6 +369,14 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
 
     A bare name (``learning_rate``) changes it everywhere in the state; a qualified name
     (``"head.*/learning_rate"``, as :func:`hyperparameters` lists it) changes one group's.
+    Scheduled hyperparameters cannot be set (a ``ValueError``); the state is not mutated.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.sgd(0.1)
+      >>> state = ft.optim.set_hyperparameters(tx.init({"w": jnp.ones(2)}), learning_rate=0.5)
+      >>> tx.update({"w": jnp.ones(2)}, state)[0]          # the step uses 0.5, not 0.1
+      {'w': Array([-0.5, -0.5], dtype=float32)}
     """
     changes = {**(values or {}), **changes}
     entries = _entries(state)

@@ -32,7 +32,15 @@ class LossScaleState(NamedTuple):
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every leaf is finite (a scalar bool array)."""
+    """Whether every element of every leaf is finite (a scalar bool array).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.optim.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])})
+      Array(False, dtype=bool)
+      >>> ft.optim.all_finite({"a": jnp.ones(2)})
+      Array(True, dtype=bool)
+    """
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
     return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
 

@@ -81,6 +81,15 @@ def with_context(transform: optax.GradientTransformation) -> optax.GradientTrans
     A transformation whose state already holds one (any functree optimizer) is only
     given extra-argument support; any other optax transformation gets a
     :class:`ContextState` around its state. ``init`` takes a Module (its parameter view).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, optax
+      >>> tx = ft.optim.with_context(optax.sgd(0.1))
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> updates, state = tx.update({"w": jnp.ones(2)}, state, minibatch_size=4)
+      >>> updates["w"], ft.optim.context(state)
+      (Array([-0.1, -0.1], dtype=float32),
+       LearningContext(step=1, sweep=0, samples_seen=4, minibatch_size=4, loss=nan))
     """
     inner = optax.with_extra_args_support(transform)
 

@@ -77,7 +77,14 @@ def schedule(fn: Callable[[Any], Any], unit: str = "steps") -> Callable[[Learnin
 
 
 def constant(value: float) -> Callable[[LearningContext], Any]:
-    """``value`` at every step (a schedule; a plain number is settable instead)."""
+    """``value`` at every step (a schedule; a plain number is settable instead).
+
+    Example:
+      >>> import functree as ft
+      >>> lr = ft.optim.constant(0.1)
+      >>> lr(ft.optim.initial_context().replace(step=1000))
+      Array(0.1, dtype=float32)
+    """
     return lambda ctx: jnp.asarray(value, jnp.float32)
 
 
@@ -112,7 +119,19 @@ def exponential_decay(
     init_value: float, transition_steps: int, decay_rate: float, *, staircase: bool = False,
     end_value: float | None = None, unit: str = "steps",
 ) -> Callable[[LearningContext], Any]:
-    """``init_value · decay_rate^(c / transition_steps)`` (``optax.exponential_decay``)."""
+    """``init_value · decay_rate^(c / transition_steps)`` (``optax.exponential_decay``).
+
+    With ``staircase=True`` the exponent is ``⌊c / transition_steps⌋``.
+
+    Example:
+      >>> import functree as ft
+      >>> lr, ctx = ft.optim.exponential_decay(1.0, 10, 0.5), ft.optim.initial_context()
+      >>> [float(lr(ctx.replace(step=s))) for s in (0, 10, 20)]
+      [1.0, 0.5, 0.25]
+      >>> lr = ft.optim.exponential_decay(1.0, 10, 0.5, staircase=True)
+      >>> [float(lr(ctx.replace(step=s))) for s in (0, 5, 10, 15, 20)]
+      [1.0, 1.0, 0.5, 0.5, 0.25]
+    """
     return schedule(
         optax.exponential_decay(init_value, transition_steps, decay_rate, staircase=staircase, end_value=end_value),
         unit,
@@ -122,14 +141,32 @@ def exponential_decay(
 def cosine_decay(
     init_value: float, decay_steps: int, alpha: float = 0.0, *, unit: str = "steps"
 ) -> Callable[[LearningContext], Any]:
-    """``init · ((1-α)·½(1 + cos(π c / decay_steps)) + α)`` (``optax.cosine_decay_schedule``)."""
+    """``init · ((1-α)·½(1 + cos(π c / decay_steps)) + α)`` (``optax.cosine_decay_schedule``).
+
+    ``c`` is capped at ``decay_steps``: the value stays at ``α · init`` afterwards.
+
+    Example:
+      >>> import functree as ft
+      >>> lr, ctx = ft.optim.cosine_decay(1.0, 100, alpha=0.1), ft.optim.initial_context()
+      >>> [round(float(lr(ctx.replace(step=s))), 4) for s in (0, 50, 100, 150)]
+      [1.0, 0.55, 0.1, 0.1]
+    """
     return schedule(optax.cosine_decay_schedule(init_value, decay_steps, alpha), unit)
 
 
 def linear_warmup(
     peak_value: float, warmup_steps: int, init_value: float = 0.0, *, unit: str = "steps"
 ) -> Callable[[LearningContext], Any]:
-    """Linear from ``init_value`` to ``peak_value`` over ``warmup_steps``, then constant."""
+    """Linear from ``init_value`` to ``peak_value`` over ``warmup_steps``, then constant.
+
+    .. math:: v(c) = v_0 + (v_{peak} - v_0) \\min(c / \\text{warmup\\_steps}, 1)
+
+    Example:
+      >>> import functree as ft
+      >>> lr, ctx = ft.optim.linear_warmup(1.0, 4), ft.optim.initial_context()
+      >>> [float(lr(ctx.replace(step=s))) for s in range(6)]
+      [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    """
     return schedule(optax.linear_schedule(init_value, peak_value, warmup_steps), unit)
 
 
@@ -152,6 +189,13 @@ def warmup_cosine_decay(
 
 
 def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") -> Callable[[LearningContext], Any]:
-    """swift-apis' learning-rate ``decay``: ``init_value / (1 + decay · c)``."""
+    """swift-apis' learning-rate ``decay``: ``init_value / (1 + decay · c)``.
+
+    Example:
+      >>> import functree as ft
+      >>> lr, ctx = ft.optim.inverse_time_decay(1.0, 1.0, unit="sweeps"), ft.optim.initial_context()
+      >>> [float(lr(ctx.replace(sweep=s))) for s in (0, 1, 3)]
+      [1.0, 0.5, 0.25]
+    """
     _check_unit(unit)
     return lambda ctx: init_value / (1.0 + decay * counter(ctx, unit).astype(jnp.float32))

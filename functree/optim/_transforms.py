@@ -65,7 +65,14 @@ def _stateless(fn: Callable[[Any, Any], Any], name: str, needs_params: bool = Fa
 
 
 def clip(threshold: Any) -> optax.GradientTransformationExtraArgs:
-    """Elementwise truncation: ``g ← clip(g, −t, t)`` (``optax.clip``)."""
+    """Elementwise truncation: ``g ← clip(g, −t, t)`` (``optax.clip``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx, g = ft.optim.clip(1.0), {"w": jnp.array([-3.0, 0.5, 2.0])}
+      >>> tx.update(g, tx.init(g))[0]
+      {'w': Array([-1. ,  0.5,  1. ], dtype=float32)}
+    """
     return inject("ft.optim.clip", lambda threshold: optax.clip(threshold), {"threshold": threshold})
 
 
@@ -93,7 +100,17 @@ def clip_by_norm(threshold: Any) -> optax.GradientTransformationExtraArgs:
 
 
 def clip_by_global_norm(threshold: Any) -> optax.GradientTransformationExtraArgs:
-    """Global norm clipping: ``g ← g · min(1, t / ‖g‖)`` over all parameters (optax)."""
+    """Global norm clipping: ``g ← g · min(1, t / ‖g‖)`` over all parameters (optax).
+
+    ``‖g‖`` is the 2-norm of all leaves together, so every tensor is scaled by one factor.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.clip_by_global_norm(1.0)
+      >>> g = {"a": jnp.array([3.0]), "b": jnp.array([4.0])}     # global norm 5
+      >>> tx.update(g, tx.init(g))[0]
+      {'a': Array([0.6], dtype=float32), 'b': Array([0.8], dtype=float32)}
+    """
     return inject("ft.optim.clip_by_global_norm", lambda threshold: optax.clip_by_global_norm(threshold),
                   {"threshold": threshold})
 
@@ -192,7 +209,14 @@ def l1_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
 
 
 def l2_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
-    """L2 penalty ``λ/2 ‖w‖²`` added to the gradient (seed 003): ``g ← g + λ w``."""
+    """L2 penalty ``λ/2 ‖w‖²`` added to the gradient (seed 003): ``g ← g + λ w``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx, w = ft.optim.l2_regularization(0.1), {"w": jnp.array([2.0, -3.0])}
+      >>> tx.update({"w": jnp.ones(2)}, tx.init(w), w)[0]["w"]
+      Array([1.2, 0.7], dtype=float32)
+    """
 
     def factory(weight: Any) -> Any:
         return _stateless(lambda g, p: jax.tree.map(lambda g, w: g + weight * w, g, p),
@@ -243,6 +267,13 @@ def add_parameter_noise(std: Any, *, seed: int = 0) -> optax.GradientTransformat
     """CNTK's ``gaussian_noise_injection_std_dev``: ``u ← u + 𝒩(0, σ²)``, after the update.
 
     Put it last in a chain; the parameters move by the update plus fresh noise each step.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx, u = ft.optim.add_parameter_noise(0.01, seed=0), {"w": jnp.zeros(1000)}
+      >>> noisy, state = tx.update(u, tx.init(u))
+      >>> round(float(noisy["w"].std()), 2)
+      0.01
     """
 
     def factory(std: Any) -> Any:
@@ -261,7 +292,17 @@ def add_parameter_noise(std: Any, *, seed: int = 0) -> optax.GradientTransformat
 
 
 def add_gradient_noise(eta: Any, gamma: float = 0.55, *, seed: int = 0) -> optax.GradientTransformationExtraArgs:
-    """Annealed Gaussian gradient noise (``optax.add_noise``): ``g ← g + 𝒩(0, η / (1 + t)^γ)``."""
+    """Annealed Gaussian gradient noise (``optax.add_noise``): ``g ← g + 𝒩(0, η / (1 + t)^γ)``.
+
+    ``η`` is the variance (not the standard deviation); ``t`` counts steps from 0.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx, g = ft.optim.add_gradient_noise(0.01, seed=0), {"w": jnp.zeros(10_000)}
+      >>> noisy, state = tx.update(g, tx.init(g))
+      >>> round(float(noisy["w"].std()), 2)        # √η at the first step
+      0.1
+    """
     return inject("ft.optim.add_gradient_noise", lambda eta: optax.add_noise(eta, gamma, seed), {"eta": eta})
 
 
@@ -271,6 +312,13 @@ def skip_non_finite(transform: optax.GradientTransformation) -> optax.GradientTr
     ``optax.apply_if_finite``; ``state.total_notfinite`` counts the skipped steps and
     ``state.notfinite_count`` the consecutive ones. Without it, non-finite gradients
     propagate into the parameters.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> tx = ft.optim.skip_non_finite(ft.optim.sgd(1.0))
+      >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init({"w": jnp.ones(2)}))
+      >>> updates["w"], int(state.total_notfinite), int(ft.optim.context(state).step)
+      (Array([0., 0.], dtype=float32), 1, 0)
     """
     return optax.apply_if_finite(transform, max_consecutive_errors=2**31 - 1)  # pyright: ignore[reportReturnType]
 
@@ -305,6 +353,17 @@ def reduce_on_plateau(
     Reads the loss each step from ``update(..., loss=)`` (``Optimizer.minimize`` passes
     it). Put it after the optimizer: ``optax.chain(ft.optim.sgd(0.1), ft.optim.reduce_on_plateau())``.
     Use ``accumulation_size`` to average noisy minibatch losses.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, optax
+      >>> tx = optax.chain(ft.optim.sgd(1.0), ft.optim.reduce_on_plateau(factor=0.5, patience=1))
+      >>> w = {"w": jnp.zeros(())}; state = tx.init(w)
+      >>> for loss in [1.0, 1.0, 1.0]:                # no improvement: halve each step
+      ...     updates, state = tx.update({"w": jnp.ones(())}, state, w, loss=loss)
+      ...     print(float(updates["w"]))
+      -1.0
+      -0.5
+      -0.25
     """
     tx = optax.contrib.reduce_on_plateau(factor, patience, rtol, atol, cooldown, accumulation_size, min_scale)
 

@@ -73,6 +73,17 @@ class TrainingContext:
       learning_rate: the current learning rate (None if the state has none).
       metrics: means over the interval (``"log"``) or the epoch (``"epoch"``), with
         ``val_*`` validation metrics at epoch ends.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> loss_fn = lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2)
+      >>> trainer = ft.train.Trainer({"w": jnp.zeros(2)}, ft.optim.sgd(0.1), loss_fn)
+      >>> seen = []  # a plain function is a callback too
+      >>> _ = trainer.fit((jnp.eye(2), jnp.array([1.0, 2.0])), epochs=1, progress=False,
+      ...                 callbacks=[seen.append])
+      >>> c = seen[-1]  # the end of epoch 1: one step of 2 examples
+      >>> c.event, c.step, c.sweep, c.samples_seen, round(c.learning_rate, 6), c.metrics
+      ('epoch', 1, 1, 2, 0.1, {'loss': 2.5})
     """
 
     event: str
@@ -85,7 +96,24 @@ class TrainingContext:
 
 
 class Callback:
-    """Base class: override any of the hooks (each does nothing by default)."""
+    """Base class: override any of the hooks (each does nothing by default).
+
+    Hooks get the :class:`Trainer` (``trainer.model``, ``trainer.opt_state`` and
+    ``trainer.stop_training`` may be set) and, but for ``on_train_begin``, the
+    :class:`TrainingContext`.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> class PrintLoss(ft.train.Callback):
+      ...     def on_epoch_end(self, trainer, context):
+      ...         print(context.event, context.step, round(context.metrics["loss"], 4))
+      >>> loss_fn = lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2)
+      >>> trainer = ft.train.Trainer({"w": jnp.zeros(2)}, ft.optim.sgd(0.1), loss_fn)
+      >>> _ = trainer.fit((jnp.eye(2), jnp.array([1.0, 2.0])), epochs=2, progress=False,
+      ...                 callbacks=[PrintLoss()])
+      epoch 1 2.5
+      epoch 2 2.025
+    """
 
     def on_train_begin(self, trainer: Trainer) -> None:
         """Before the first step of ``fit``."""

@@ -89,7 +89,22 @@ PATH_EXISTS = """\
 
 
 class Checkpoint(NamedTuple):
-    """What :meth:`CheckpointManager.restore` returns."""
+    """What :meth:`CheckpointManager.restore` returns.
+
+    ``model``, ``opt_state`` and ``extra`` are the saved trees (None where not saved or
+    not in ``include``); ``step``, ``metrics`` and ``config`` are as given to ``save``.
+
+    Example:
+      >>> import functree as ft, jax, tempfile
+      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+      >>> with tempfile.TemporaryDirectory() as d, ft.train.CheckpointManager(d + "/run") as mngr:
+      ...     mngr.save(5, model, metrics={"loss": 0.25}, config={"lr": 0.1})
+      ...     ckpt = mngr.restore()
+      >>> ckpt.step, ckpt.metrics, ckpt.config, ckpt.opt_state
+      (5, {'loss': 0.25}, {'lr': 0.1}, None)
+      >>> ckpt.model
+      Dense(weight=f32[2,1], bias=f32[1], activation=identity)
+    """
 
     model: Any
     opt_state: Any
@@ -391,7 +406,20 @@ def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) ->
 
 
 def load(path: str | os.PathLike[str], template: Any = None) -> Any:
-    """Load a tree written by :func:`save`; with ``template``, check it leaf by leaf."""
+    """Load a tree written by :func:`save`; with ``template``, check it leaf by leaf.
+
+    Without a template the tree is rebuilt with its saved types (Modules, NamedTuples,
+    Python scalars); with one, every leaf must match it in key path, shape and dtype.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp, tempfile
+      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     ft.train.save(d + "/model", model)
+      ...     restored, checked = ft.train.load(d + "/model"), ft.train.load(d + "/model", model)
+      >>> restored, bool(jnp.all(checked.weight == model.weight))
+      (Dense(weight=f32[2,1], bias=f32[1], activation=identity), True)
+    """
     path = Path(path).absolute()
     args = ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
     try:

@@ -44,7 +44,18 @@ The minibatch size must be a positive int, got {size!r}{where}.
 
 
 class DataContext(NamedTuple):
-    """What a functional minibatch size sees: seed 003's learning context, on the host."""
+    """What a functional minibatch size sees: seed 003's learning context, on the host.
+
+    Before each minibatch ``batch_size(DataContext(step, sweep, samples_seen))`` is called;
+    ``samples_seen`` is the sum of the sizes of the minibatches read before it.
+
+    Example:
+      >>> import functree as ft, numpy as np
+      >>> seen = []
+      >>> data = ft.train.batches(np.arange(5), lambda c: seen.append(c) or 2, shuffle=False)
+      >>> [b.tolist() for b in data], seen[-1]
+      ([[0, 1], [2, 3], [4]], DataContext(step=2, sweep=0, samples_seen=4))
+    """
 
     step: int  # minibatches read before this one (all epochs)
     sweep: int  # the epoch
@@ -58,7 +69,20 @@ def _check_size(size: Any, where: str = "") -> int:
 
 
 class Batches:
-    """Re-iterable minibatches of a tree of arrays; see :func:`batches`."""
+    """Re-iterable minibatches of a tree of arrays; see :func:`batches`.
+
+    Each ``iter()`` is the next epoch; ``iterate(epoch, start)`` replays minibatch
+    ``start`` on of any epoch (exact resume). ``len()`` is ``ceil(n / batch_size)``
+    (``floor`` with ``drop_last``).
+
+    Example:
+      >>> import functree as ft, numpy as np
+      >>> data = ft.train.batches(np.arange(6), batch_size=4, shuffle=False)
+      >>> data, len(data)
+      (Batches(6 examples, batch_size=4, shuffle=False, drop_last=False), 2)
+      >>> [b.tolist() for b in data], [b.tolist() for b in data.iterate(0, start=1)]
+      ([[0, 1, 2, 3], [4, 5]], [[4, 5]])
+    """
 
     def __init__(
         self,
@@ -209,7 +233,15 @@ def _leaf_to_array(x: Any) -> Any:
 def to_arrays(batch: Any) -> Any:
     """A batch from any loader with its tensors turned into NumPy/JAX arrays.
 
-    Lists are kept as lists; torch and TensorFlow tensors become NumPy arrays.
+    Lists are kept as lists; torch and TensorFlow tensors become NumPy arrays. An array or
+    a tuple of arrays is returned as it is (no tree traversal).
+
+    Example:
+      >>> import functree as ft, numpy as np
+      >>> class Tensor:  # stands in for a torch.Tensor or tf.Tensor
+      ...     def __array__(self, dtype=None, copy=None): return np.arange(3.0)
+      >>> ft.train.to_arrays({"x": Tensor(), "y": [1, 2]})
+      {'x': array([0., 1., 2.]), 'y': [1, 2]}
     """
     if isinstance(batch, _ARRAYS) or (
         type(batch) is tuple and all(isinstance(x, _ARRAYS) for x in batch)

@@ -59,7 +59,19 @@ ft.train.mean({key!r}) reads aux[{key!r}], but the loss function's aux is {aux}.
 
 
 class StepOutput(NamedTuple):
-    """What a metric sees: this minibatch's loss and aux output, the batch, the model."""
+    """What a metric sees: this minibatch's loss and aux output, the batch, the model.
+
+    A metric is ``fn(out: StepOutput) -> scalar``; ``aux`` is the second item of a loss
+    function returning ``(loss, aux)`` (else None), ``model`` the model before the update.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> max_abs = lambda out: jnp.max(jnp.abs(out.aux))
+      >>> loss_fn = lambda m, b: (jnp.mean(b * m), b * m)  # (loss, aux)
+      >>> evaluate = ft.train.eval_step(loss_fn, metrics={"max_abs": max_abs})
+      >>> evaluate(jnp.float32(2.0), jnp.array([1.0, -3.0]))
+      {'loss': Array(-2., dtype=float32), 'max_abs': Array(6., dtype=float32)}
+    """
 
     loss: jax.Array
     aux: Any

@@ -296,7 +296,21 @@ def train_step(
     on_nan: str | None = None,
     donate: bool = True,
 ) -> TrainStep:
-    """A jitted training step; see :class:`TrainStep`."""
+    """A jitted training step; see :class:`TrainStep`.
+
+    ``step(model, opt_state, batch)`` computes ``g = ∇ loss_fn(model, batch)``, applies
+    one optimizer update and returns ``(model, opt_state, metrics)`` with
+    ``metrics = {"loss": loss, name: metric(out), ...}`` (float32 scalars, on device).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> loss_fn = lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2)
+      >>> opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+      >>> step, model = ft.train.train_step(loss_fn, opt), {"w": jnp.zeros(2)}
+      >>> model, state, metrics = step(model, opt.init(model), (jnp.eye(2), jnp.array([1.0, 2.0])))
+      >>> round(float(metrics["loss"]), 4), model["w"]  # (1² + 2²) / 2; w ← 0 - 0.1·(-1, -2)
+      (2.5, Array([0.1, 0.2], dtype=float32))
+    """
     return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, donate=donate)
 
 
@@ -305,5 +319,17 @@ def eval_step(
     *,
     metrics: Mapping[str, Any] | Sequence[Any] | None = None,
 ) -> EvalStep:
-    """A jitted evaluation step (loss and metrics, no update); see :class:`EvalStep`."""
+    """A jitted evaluation step (loss and metrics, no update); see :class:`EvalStep`.
+
+    ``evaluate(model, batch)`` returns ``{"loss": loss_fn(model, batch), name:
+    metric(StepOutput(loss, aux, batch, model)), ...}``; the model is not changed.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> loss_fn = lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2)
+      >>> mae = lambda out: jnp.mean(jnp.abs(out.batch[0] @ out.model["w"] - out.batch[1]))
+      >>> evaluate = ft.train.eval_step(loss_fn, metrics={"mae": mae})
+      >>> evaluate({"w": jnp.zeros(2)}, (jnp.eye(2), jnp.array([1.0, 2.0])))
+      {'loss': Array(2.5, dtype=float32), 'mae': Array(1.5, dtype=float32)}
+    """
     return EvalStep(loss_fn, metrics=metrics)

@@ -56,7 +56,23 @@ train_step= takes a ft.train.TrainStep subclass or instance, got {given}.
 
 
 class NonFiniteError(FloatingPointError):
-    """The loss or a gradient became NaN/inf during :meth:`Trainer.fit` (``on_nan="stop"``)."""
+    """The loss or a gradient became NaN/inf during :meth:`Trainer.fit` (``on_nan="stop"``).
+
+    A ``FloatingPointError`` whose message names the step and the loss or the first
+    parameter whose gradient was not finite; that step and any after it are not applied.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> loss_fn = lambda m, b: jnp.mean(jnp.log(-m["w"] * b))  # log(-1): NaN
+      >>> trainer = ft.train.Trainer({"w": jnp.ones(1)}, ft.optim.sgd(0.1), loss_fn)
+      >>> try:
+      ...     trainer.fit(jnp.ones((4, 1)), progress=False)
+      ... except ft.train.NonFiniteError as e:
+      ...     print(str(e).splitlines()[0])
+      Training stopped at step 1: the loss was not finite.
+      >>> trainer.steps_run, trainer.model["w"]  # the model from before step 1
+      (0, Array([1.], dtype=float32))
+    """
 
 
 def _is_array(x: Any) -> bool:

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from functree import _operators
@@ -301,6 +300,3 @@ def with_recomputation_in_pullbacks(
         policy = getattr(jax.checkpoint_policies, policy)
     return functools.wraps(f)(jax.checkpoint(f, policy=policy))  # pyright: ignore[reportArgumentType]
 
-
-# jnp is re-exported for doctests' namespaces.
-_ = jnp

@@ -14,10 +14,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from functree._module import Module
-from functree._paths import KeyPath, walk
+from functree._paths import KeyPath
 
 __all__ = [
     "parameters",
@@ -292,20 +291,3 @@ def _jax_path_name(path: Sequence[Any]) -> str:
         else:
             parts.append(str(getattr(key, "key", key)))
     return ".".join(parts)
-
-
-def leaf_paths(tree: Any) -> list[tuple[KeyPath, Any]]:
-    """(key path, leaf) for every data leaf, in declaration/insertion order, None skipped."""
-    return [
-        (p, v)
-        for p, v in walk(tree, writable=True)
-        if v is not None and not _is_container(v)
-    ]
-
-
-def _is_container(x: Any) -> bool:
-    from functree._paths import children
-
-    if isinstance(x, (Module, list, tuple, dict)):
-        return True
-    return bool(children(x)) if not isinstance(x, (jax.Array, np.ndarray, float, int)) else False

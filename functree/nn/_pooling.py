@@ -9,6 +9,7 @@ real (unpadded) elements in each window.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -74,16 +75,9 @@ class _AvgPool(_Pool):
     def __call__(self, x: jax.Array) -> jax.Array:
         total = self._window(x, 0.0, jax.lax.add)
         if self.padding == "VALID":
-            return total / jnp.array(_prod(self.pool_size), x.dtype)
+            return total / jnp.array(math.prod(self.pool_size), x.dtype)
         counts = self._window(jnp.ones(x.shape[-self._rank - 1:], x.dtype), 0.0, jax.lax.add)
         return total / counts
-
-
-def _prod(xs: Sequence[int]) -> int:
-    out = 1
-    for v in xs:
-        out *= v
-    return out
 
 
 _POOL_DOC = """{op} pooling over ``[..., {spatial}, channels]`` (``pool_size=2``, ``strides=pool_size``, ``padding="VALID"``).

@@ -1,0 +1,61 @@
+"""One home for the small tree helpers every module needs.
+
+* :func:`is_none`: the ``is_leaf`` that keeps ``None`` (a parameter view's non-parameters)
+  as a leaf;
+* :func:`dotted_name`: the dotted name of a JAX key path (``layers.0.weight``), the names
+  of ``ft.to_flat_dict`` and of every glob pattern;
+* :func:`bounded_put`: the one cache policy (caches keyed by tree definitions are bounded,
+  because static values change tree definitions);
+* :func:`all_finite`: whether every element of a tree is finite (non-finite steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["is_none", "dotted_name", "bounded_put", "CACHE_LIMIT", "all_finite"]
+
+CACHE_LIMIT = 4096
+"""Entries a tree-definition cache holds before it is cleared (one policy for all)."""
+
+
+def is_none(x: Any) -> bool:
+    """``x is None``: pass as ``is_leaf`` to keep a parameter view's ``None`` leaves."""
+    return x is None
+
+
+def dotted_name(path: Sequence[Any]) -> str:
+    """The dotted name of a JAX key path: ``(GetAttrKey('layers'), SequenceKey(0))`` → ``layers.0``.
+
+    Example:
+      >>> import jax
+      >>> from functree._tree import dotted_name
+      >>> [dotted_name(p) for p, _ in jax.tree_util.tree_flatten_with_path({"a": [1, 2]})[0]]
+      ['a.0', 'a.1']
+    """
+    return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
+
+
+def bounded_put(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    """``cache[key] = value``, clearing the cache first when it holds ``CACHE_LIMIT`` entries."""
+    if len(cache) >= CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every array leaf of ``tree`` is finite (a scalar bool array).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.optim.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])})
+      Array(False, dtype=bool)
+      >>> ft.optim.all_finite({"a": jnp.ones(2), "n": None})
+      Array(True, dtype=bool)
+    """
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)

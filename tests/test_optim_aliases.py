@@ -312,3 +312,28 @@ def test_bfloat16_parameters_keep_their_state_dtype_and_compile_once(name):
     assert len(traces) == 1
     assert model.weight.dtype == jnp.bfloat16
     assert {x.dtype for x in jax.tree.leaves(fo.moments(state))} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_weight_decay_skips_fields_a_layer_declares_and_excluded_names():
+    class Norm(ft.Module):
+        gain: jax.Array = ft.field(decay=False)
+        shift: jax.Array = ft.field(decay=False)
+
+    class Block(ft.Module):
+        weight: jax.Array
+        norm: Norm
+        head: jax.Array
+
+    model = Block(jnp.ones(2), Norm(jnp.ones(2), jnp.ones(2)), jnp.ones(2))
+    flat = lambda t: {k: bool(v) for k, v in ft.to_flat_dict(t).items()}
+    assert flat(fo.decay_mask(ft.parameters(model), ())) == {
+        "weight": True, "norm.gain": False, "norm.shift": False, "head": True}
+    assert flat(fo.decay_mask(ft.parameters(model), ("head",)))["head"] is False
+    for tx in (fo.adamw(0.1, weight_decay=0.5), fo.lion(0.1, weight_decay=0.5),
+               optax.chain(fo.sgd(0.0), fo.weight_decay(0.5))):
+        opt = fo.Optimizer(tx)
+        zero = jax.tree.map(jnp.zeros_like, ft.parameters(model))
+        updates, _ = opt.update(zero, opt.init(model), model)
+        np.testing.assert_array_equal(updates.norm.gain, 0.0)
+        np.testing.assert_array_equal(updates.norm.shift, 0.0)
+        assert float(jnp.abs(updates.weight).sum()) > 0  # the weight is decayed

@@ -49,7 +49,7 @@ def test_context_of_a_state_without_one():
 def test_optimizer_adds_a_context_to_plain_optax():
     opt = fo.Optimizer(optax.sgd(0.5))
     state = opt.init(_params())
-    assert isinstance(state, fo.ContextState)
+    assert isinstance(state, fo.OptimizerState)
     updates, state = opt.update(ONE, state, _params(), minibatch_size=4)
     assert float(updates["w"]) == -0.5
     assert int(fo.context(state).samples_seen) == 4
@@ -61,3 +61,56 @@ def test_context_replace_and_repr():
     assert int(jax.jit(lambda c: c.replace(sweep=c.step + 1))(ctx).sweep) == 4
     with pytest.raises(TypeError, match=r"no field\(s\) \['epoch'\]"):
         ctx.replace(epoch=1)
+
+
+def _contexts(state):
+    from functree.optim._context import contexts
+
+    return contexts(state)
+
+
+def _model():
+    import functree as ft
+
+    return ft.nn.Sequential([ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.Dense(3, 1, key=jax.random.key(1))])
+
+
+def _loss(m, x):
+    return jnp.mean(m(x) ** 2)
+
+
+X = jnp.ones((4, 2))
+NAN_X = jnp.full((4, 2), jnp.nan)
+
+
+@pytest.mark.parametrize("kind", ["chain", "groups", "skip", "accumulate", "loss_scale"])
+def test_one_consistent_context_in_every_optimizer_state(kind):
+    """Chains, groups, skipped steps, accumulation and loss-scale overflow: one context,
+    advanced by one rule (a step and its samples when applied, nothing when skipped)."""
+    if kind == "chain":
+        opt = fo.Optimizer(optax.chain(fo.clip_by_norm(1.0), fo.weight_decay(1e-3), fo.adam(1e-2)))
+    elif kind == "groups":
+        opt = fo.Optimizer(fo.groups({"layers.0.*": fo.sgd(0.1), "layers.1.*": fo.adam(1e-2)}))
+    elif kind == "skip":
+        opt = fo.Optimizer(optax.chain(fo.clip_by_norm(1.0), fo.skip_non_finite(fo.adam(1e-2))))
+    elif kind == "accumulate":
+        opt = fo.Optimizer(optax.chain(fo.clip(1.0), fo.adam(1e-2)), accumulate=2)
+    else:
+        opt = fo.LossScaleOptimizer(fo.Optimizer(optax.chain(fo.clip(1.0), fo.adam(1e-2))), initial_scale=4.0)
+    model = _model()
+    state = opt.init(model)
+    assert len(_contexts(state)) == 1
+    assert all(h.context is None for h in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, fo.HyperState))
+               if isinstance(h, fo.HyperState))
+    model, state, _ = opt.minimize(_loss, model, state, X)
+    model, state, _ = opt.minimize(_loss, model, state, X)
+    if kind in ("skip", "loss_scale"):  # a non-finite step is skipped: no step, no samples
+        before = state
+        model, state, _ = opt.minimize(_loss, model, state, NAN_X)
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all((a == b) | (jnp.isnan(a) & jnp.isnan(b)))),
+                                         fo.moments(state), fo.moments(before)))
+    (ctx,) = _contexts(state)
+    assert (int(ctx.step), int(ctx.samples_seen), int(ctx.minibatch_size)) == (2, 8, 4)
+    assert fo.context(state) is ctx
+    state = fo.next_sweep(state)
+    assert int(fo.context(state).sweep) == 1

@@ -120,7 +120,9 @@ def test_default_aggregation_is_the_mean_over_a_bound_axis():
         return grads["w"]
 
     np.testing.assert_allclose(jax.vmap(step, axis_name="data")(xs), [3.0] * 4)
-    assert float(step(xs[0])) == 1.0  # axis not bound: identity
+    with pytest.raises(ValueError, match=r"axis_name='data', but no axis of that name is bound") as info:
+        step(xs[0])  # never a silent single replica
+    assert "jax.vmap(step, axis_name='data')" in str(info.value)
     custom = fo.Optimizer(fo.sgd(1.0), aggregate_gradients=lambda g: ft.tree_map(lambda x: 10 * x, g))
     _, grads = custom.compute_gradients(lambda p: p["w"], p)
     assert float(grads["w"]) == 10.0
@@ -205,3 +207,45 @@ def test_data_parallel_replicas_keep_identical_state():
     grads = jnp.mean(jax.vmap(lambda x: jax.grad(loss)(model, x)["w"])(shards), axis=0)
     np.testing.assert_allclose(new_model["w"], model["w"] - 0.1 * grads, rtol=1e-6)
     np.testing.assert_allclose(ft.optim.context(new_state).loss, jnp.mean(losses), rtol=1e-6)
+
+
+def test_a_misspelt_axis_name_is_an_error_not_a_single_replica():
+    opt = fo.Optimizer(fo.sgd(0.1), axis_name="btach")
+    w = {"w": jnp.zeros(2)}
+    state = opt.init(w)
+    xs = jnp.array([[1.0, 3.0], [3.0, 1.0]])
+    step = lambda x: opt.minimize(lambda p, x: -jnp.sum(p["w"] * x), w, state, x[None])[0]
+    with pytest.raises(ValueError, match="axis_name='btach'"):
+        jax.vmap(step, axis_name="batch")(xs)
+    right = fo.Optimizer(fo.sgd(0.1), axis_name="batch")
+    new = jax.vmap(lambda x: right.minimize(lambda p, x: -jnp.sum(p["w"] * x), w, right.init(w), x[None])[0],
+                   axis_name="batch")(xs)
+    np.testing.assert_allclose(new["w"], [[0.2, 0.2], [0.2, 0.2]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [lambda: fo.adam(0.1), lambda: fo.sgd(0.1, momentum=0.9),
+                                  lambda: optax.chain(fo.clip_by_global_norm(1.0), fo.adamw(0.1))])
+def test_a_none_gradient_means_no_update(make):
+    """A partial gradient (ft.gradient(wrt=...)) leaves the other parameters and their moments."""
+    model = ft.nn.Sequential([ft.nn.Dense(3, 4, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1))])
+    opt = fo.Optimizer(make())
+    state = opt.init(model)
+    full = ft.gradient(lambda m: _loss(m, X, Y), at=model)
+    model, state = opt.apply_gradients(full, model, state)  # moments become non-zero everywhere
+    grads = ft.gradient(lambda m: _loss(m, X, Y), at=model, wrt="layers.1.*")
+    assert grads.layers[0].weight is None and grads.layers[1].weight is not None
+    new_model, new_state = jax.jit(opt.apply_gradients)(grads, model, state)
+    np.testing.assert_array_equal(new_model.layers[0].weight, model.layers[0].weight)
+    np.testing.assert_array_equal(new_model.layers[0].bias, model.layers[0].bias)
+    assert not np.array_equal(new_model.layers[1].weight, model.layers[1].weight)
+    for name, moment in fo.moments(new_state).items():
+        np.testing.assert_array_equal(moment.layers[0].weight, fo.moments(state)[name].layers[0].weight)
+    assert int(fo.context(new_state).step) == 2
+
+
+def test_a_gradient_for_a_non_parameter_is_an_error_naming_it():
+    model = ft.nn.BatchNorm(2)
+    opt = fo.Optimizer(fo.sgd(0.1))
+    grads = jax.tree.map(jnp.ones_like, model)  # running statistics are not parameters
+    with pytest.raises(ValueError, match=r"at running_mean: the leaf is not a parameter"):
+        opt.update(grads, opt.init(model), model)

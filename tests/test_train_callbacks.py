@@ -85,7 +85,7 @@ def test_callback_errors():
     with pytest.raises(TypeError, match=r"A callback is a ft.train.Callback"):
         make().fit(data(), epochs=1, progress=False, callbacks=[3])
     trainer = Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)),
-                      ft.optim.Optimizer(ft.optim.with_context(__import__("optax").sgd(0.1))),
+                      ft.optim.Optimizer(__import__("optax").sgd(0.1)),
                       loss_fn)
     reduce = ft.train.ReduceLROnPlateau(monitor="loss", patience=0, min_delta=1e9)
     with pytest.raises(ValueError, match=r"no settable learning rate"):

@@ -1,16 +1,18 @@
 """functree.optim: optimizers as optax transformations, with a learning context.
 
 Every optimizer here is an optax ``GradientTransformation`` (and every optax
-transformation works wherever a functree optimizer does). The state carries a
-:class:`LearningContext` (step, sweep, samples seen, minibatch size, loss) and the
-hyperparameters as arrays, so schedules read the context and changing a learning rate
-never recompiles a jitted step::
+transformation works wherever a functree optimizer does). An :class:`Optimizer`'s state
+(:class:`OptimizerState`) carries one :class:`LearningContext` (step, sweep, samples
+seen, minibatch size, loss); the hyperparameters live as arrays in the transforms'
+states, so schedules read the context and changing a learning rate never recompiles a
+jitted step::
 
     opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
     state = opt.init(model)
     model, state, loss = opt.minimize(loss_fn, model, state, x, y)
 """
 
+from functree._tree import all_finite
 from functree.optim._aliases import (
     DEFAULT_NO_DECAY,
     adadelta,
@@ -19,6 +21,7 @@ from functree.optim._aliases import (
     adamax,
     adamw,
     amsgrad,
+    decay_mask,
     lion,
     moments,
     radam,
@@ -36,8 +39,8 @@ from functree.optim._hyper import (
     per_samples,
     set_hyperparameters,
 )
-from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState, all_finite
-from functree.optim._optimizer import ContextState, Optimizer, OptimizerWrapper, with_context
+from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState
+from functree.optim._optimizer import Optimizer, OptimizerWrapper, StepResult
 from functree.optim._schedules import (
     constant,
     cosine_decay,
@@ -48,6 +51,8 @@ from functree.optim._schedules import (
     schedule,
     warmup_cosine_decay,
 )
+from functree.optim._skip import SkipState, skip_non_finite
+from functree.optim._state import OptimizerState
 from functree.optim._transforms import (
     add_gradient_noise,
     add_parameter_noise,
@@ -60,7 +65,6 @@ from functree.optim._transforms import (
     l2_regularization,
     per_example_clipping,
     reduce_on_plateau,
-    skip_non_finite,
     weight_decay,
 )
 
@@ -78,11 +82,13 @@ __all__ = [
     "lion",
     "moments",
     "DEFAULT_NO_DECAY",
+    "decay_mask",
     # Optimizer and hooks
     "Optimizer",
     "OptimizerWrapper",
-    "with_context",
-    "ContextState",
+    "OptimizerState",
+    "StepResult",
+    "SkipState",
     "LossScaleOptimizer",
     "LossScaleState",
     "all_finite",

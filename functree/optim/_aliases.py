@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from functree._module import Module
 from functree._parameters import select
+from functree._tree import is_none
 from functree.optim._hyper import inject
 
 __all__ = [
@@ -34,19 +36,57 @@ __all__ = [
     "lion",
     "moments",
     "DEFAULT_NO_DECAY",
+    "decay_mask",
 ]
 
 DEFAULT_NO_DECAY = ("*.bias", "*.scale")
-"""Parameters that decoupled weight decay skips by default: biases and normalization scales."""
+"""Name globs that weight decay skips by default, besides the fields layers declare
+``ft.field(decay=False)`` (every bias and normalisation scale/offset of ``ft.nn``)."""
 
 BAD_MOMENTUM_FORM = """\
 momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu) or "unit_gain" (v = γ'v + ηg, w -= v).{extra}
 """
 
 
+def _declared_no_decay(tree: Any, inherited: bool = False) -> Any:
+    """A tree of bools shaped like ``tree``: True under a Module field declared ``decay=False``."""
+    if isinstance(tree, Module):
+        cls = type(tree)
+        fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+        out = object.__new__(cls)  # a mask shaped like the model, never constructed by a user
+        out.__dict__.update(tree.__dict__)
+        for name in cls.__ft_fields__:
+            if name not in cls.__ft_static__:
+                declared = inherited or fields[name].metadata.get("decay", True) is False
+                out.__dict__[name] = _declared_no_decay(tree.__dict__[name], declared)
+        return out
+    return jax.tree.map(
+        lambda x: _declared_no_decay(x, inherited) if isinstance(x, Module) else None if x is None else inherited,
+        tree, is_leaf=lambda x: x is None or isinstance(x, Module),
+    )
+
+
+def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
+    """Which parameters weight decay applies to: a tree of bools shaped like ``params``.
+
+    A parameter is decayed unless its layer declares the field ``ft.field(decay=False)``
+    (every bias, and every scale and offset of a normalisation layer in ``ft.nn``) or its
+    dotted name matches a glob in ``exclude``.
+
+    Example:
+      >>> import functree as ft, jax
+      >>> model = ft.nn.Sequential([ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.LayerNorm(2)])
+      >>> {k: bool(v) for k, v in ft.to_flat_dict(ft.optim.decay_mask(ft.parameters(model), ())).items()}
+      {'layers.0.weight': True, 'layers.0.bias': False, 'layers.1.scale': False, 'layers.1.offset': False}
+    """
+    by_name = select(params, "*", exclude=tuple(exclude))
+    declared = _declared_no_decay(params)
+    return jax.tree.map(lambda m, d: None if m is None else bool(m) and not d, by_name, declared, is_leaf=is_none)
+
+
 def _decay_mask(exclude: Sequence[str]) -> Any:
     exclude = tuple(exclude)
-    return lambda params: select(params, "*", exclude=exclude)
+    return lambda params: decay_mask(params, exclude)
 
 
 def _l2(weight_decay: Any) -> optax.GradientTransformation:

@@ -1,4 +1,4 @@
-"""Input checks shared by the optimizers: gradient trees against the model's parameters."""
+"""The optimizer's input check: a gradient tree against the model's parameter view."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from functree._parameters import _jax_path_name, first_difference
+from functree._parameters import first_difference
+from functree._tree import bounded_put, dotted_name, is_none
 
 __all__ = ["check_gradients"]
 
@@ -21,32 +22,31 @@ Gradients must have the parameter view's structure. Compute them from the same m
 """
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
+def check_gradients(grads: Any, params: Any) -> list[bool]:
+    """Check that ``grads`` fits ``params`` (a parameter view); the positions without a gradient.
 
-
-def check_gradients(grads: Any, params: Any) -> None:
-    """Raise naming the first key path where ``grads`` does not fit ``params`` (a view).
-
-    Structures are compared first (one C++ comparison), then each leaf's shape. Runs in
-    Python: under ``jit`` only while tracing.
+    Raises naming the first key path where the structures or shapes differ, or where a
+    gradient is given for a non-parameter. A ``None`` gradient for a parameter is allowed
+    (a partial gradient, e.g. ``ft.gradient(loss, wrt="head.*")``): the returned list has
+    ``True`` at those leaf positions (flatten order of ``params`` with ``None`` leaves).
+    Runs in Python: under ``jit`` only while tracing.
     """
-    g_leaves, g_def = jax.tree.flatten(grads, is_leaf=_is_none)
-    p_leaves, p_def = jax.tree.flatten(params, is_leaf=_is_none)
+    g_leaves, g_def = jax.tree.flatten(grads, is_leaf=is_none)
+    p_leaves, p_def = jax.tree.flatten(params, is_leaf=is_none)
     if g_def != p_def:
         diff = first_difference(params, grads) or first_difference(params, grads, none_is_leaf=True)
         path, detail = diff or ("<root>", "different structures")
         raise ValueError(GRADIENT_MISMATCH.format(path=path or "<root>", detail=detail))
-    for name, g, p in zip(_names(params, p_def), g_leaves, p_leaves):
-        if g is None or p is None:
-            if (g is None) != (p is None):
-                given = "None" if g is None else f"shape {np.shape(g)}"
-                detail = f"the parameter is {'None' if p is None else 'an array'}, the gradient is {given}"
-                raise ValueError(GRADIENT_MISMATCH.format(path=name, detail=detail))
-            continue
-        if np.shape(g) != np.shape(p):
+    missing = []
+    for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
+        missing.append(g is None and p is not None)
+        if p is None and g is not None:
+            detail = f"the leaf is not a parameter (None in the parameter view), the gradient has shape {np.shape(g)}"
+            raise ValueError(GRADIENT_MISMATCH.format(path=_names(params, p_def)[i], detail=detail))
+        if g is not None and np.shape(g) != np.shape(p):
             detail = f"expected shape {np.shape(p)} (the parameter's), given shape {np.shape(g)}"
-            raise ValueError(GRADIENT_MISMATCH.format(path=name, detail=detail))
+            raise ValueError(GRADIENT_MISMATCH.format(path=_names(params, p_def)[i], detail=detail))
+    return missing
 
 
 _NAMES: dict[Any, list[str]] = {}
@@ -55,7 +55,7 @@ _NAMES: dict[Any, list[str]] = {}
 def _names(tree: Any, treedef: Any) -> list[str]:
     names = _NAMES.get(treedef)
     if names is None:
-        path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
-        names = [_jax_path_name(p) or "<root>" for p, _ in path_leaves]
-        _NAMES[treedef] = names
+        path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)
+        names = [dotted_name(p) or "<root>" for p, _ in path_leaves]
+        bounded_put(_NAMES, treedef, names)
     return names

@@ -1,8 +1,10 @@
 """The learning context (CNTK): where training stands, carried in the optimizer state.
 
-Every functree optimizer keeps a :class:`LearningContext` in its state. ``opt.update(...,
-minibatch_size=n, loss=l)`` advances it; the training loop advances the sweep with
-:func:`next_sweep`. Schedules and rate units read it.
+An :class:`ft.optim.Optimizer`'s state holds one :class:`LearningContext`;
+``opt.update(..., minibatch_size=n, loss=l)`` advances it and passes it to every
+transform (optax extra argument ``context=``); the training loop advances the sweep with
+:func:`next_sweep`. Schedules and rate units read it. A functree transform used alone as
+an optax transformation keeps a context of its own.
 """
 
 from __future__ import annotations
@@ -142,10 +144,11 @@ def contexts(state: Any) -> list[LearningContext]:
 
 
 def context(state: Any) -> LearningContext:
-    """The learning context of an optimizer state (the first one, in flatten order).
+    """The learning context of an optimizer state.
 
-    All contexts in one state advance together; transforms under a skip (non-finite
-    gradients) or an accumulation do not count the steps they did not take.
+    An :class:`ft.optim.Optimizer`'s state holds exactly one. A state of functree
+    transforms used alone (``optax.chain(ft.optim.clip(1.0), ft.optim.adam())``) holds
+    one per transform; this returns the first, in flatten order.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

@@ -43,9 +43,17 @@ __all__ = [
 ]
 
 OUT_OF_RANGE = """\
-{where}: {name}={value!r} is out of range; {name} must be {rule}.
+{where}: {name}={value!r} is out of range; {name} must be finite and {rule}.
 
     right:  {where}({name}={example})
+"""
+
+NEEDS_CONTEXT = """\
+{where}: this state belongs to an ft.optim.Optimizer (which owns the learning context), \
+so update it through the optimizer:
+
+    wrong:  updates, state.inner = tx.update(grads, state.inner, model)
+    right:  updates, state = opt.update(grads, state, model)     # opt = ft.optim.Optimizer(tx)
 """
 
 NOT_A_SCHEDULE = """\
@@ -136,7 +144,9 @@ class HyperState:
     """State of a functree optimizer: the context, hyperparameters and the optax state.
 
     Attributes:
-      context: the :class:`LearningContext`.
+      context: the transform's own :class:`LearningContext` when it is used as a plain
+        optax transformation; ``None`` inside an :class:`ft.optim.Optimizer`, whose
+        :class:`OptimizerState` holds the one context and passes it to ``update``.
       values: settable hyperparameters (numbers, and the ``v`` of ``per_samples(v, n)``),
         packed in one float32 array in the order of ``names`` (``None`` if there are none).
       scheduled: values that scheduled hyperparameters took at the latest step (read
@@ -149,7 +159,7 @@ class HyperState:
     dispatch cost independent of how many hyperparameters there are.
     """
 
-    context: LearningContext
+    context: LearningContext | None
     values: jax.Array | None
     scheduled: jax.Array | None
     inner: Any
@@ -190,7 +200,7 @@ def _validate(where: str, name: str, spec: Any) -> None:
         return
     ok, text, example = rule
     v = float(value)
-    if math.isnan(v) or not ok(v):
+    if not math.isfinite(v) or not ok(v):
         raise ValueError(OUT_OF_RANGE.format(where=where, name=name, value=value, rule=text, example=example))
 
 
@@ -289,14 +299,22 @@ def inject(
         state: Any,
         params: Any = None,
         *,
+        context: LearningContext | None = None,
         minibatch_size: Any = None,
         loss: Any = None,
         **extra: Any,
     ) -> tuple[Any, HyperState]:
-        if params is not None:
-            params = parameters(params)
-            check_gradients(updates, params)
-        ctx = current(state.context, minibatch_size, loss)
+        if state.context is None:
+            # Inside an ft.optim.Optimizer: it made the parameter view, checked the
+            # gradients and owns the one learning context; trust all three.
+            if context is None:
+                raise ValueError(NEEDS_CONTEXT.format(where=where))
+            ctx = context
+        else:  # standalone optax use: this transform keeps its own context
+            if params is not None:
+                params = parameters(params)
+                check_gradients(updates, params)
+            ctx = current(state.context, minibatch_size, loss)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             tx, scheduled = build(ctx, state.values)
             new_updates, inner = tx.update(updates, state.inner, params, **extra)
@@ -304,7 +322,8 @@ def inject(
         # whose dtypes drift would recompile the jitted step on its second call.
         inner = jax.tree.map(_like, inner, state.inner)
         new_updates = jax.tree.map(_like, new_updates, updates)
-        return new_updates, state.replace(context=advance(ctx), scheduled=scheduled, inner=inner)
+        own = None if state.context is None else advance(ctx)
+        return new_updates, state.replace(context=own, scheduled=scheduled, inner=inner)
 
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
 

@@ -8,9 +8,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from functree._tree import all_finite
 from functree.optim._optimizer import Optimizer, OptimizerWrapper
 
-__all__ = ["LossScaleOptimizer", "LossScaleState", "all_finite"]
+__all__ = ["LossScaleOptimizer", "LossScaleState"]
 
 NEEDS_STATE = """\
 LossScaleOptimizer.{method} needs the optimizer state (it holds the loss scale):
@@ -29,20 +30,6 @@ class LossScaleState(NamedTuple):
     good_steps: jax.Array
     skipped: jax.Array
     inner: Any
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every leaf is finite (a scalar bool array).
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> ft.optim.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])})
-      Array(False, dtype=bool)
-      >>> ft.optim.all_finite({"a": jnp.ones(2)})
-      Array(True, dtype=bool)
-    """
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
 
 
 class LossScaleOptimizer(OptimizerWrapper):
@@ -99,14 +86,18 @@ class LossScaleOptimizer(OptimizerWrapper):
         inv = 1.0 / scale
         return out, jax.tree.map(lambda g: (g.astype(jnp.float32) * inv).astype(g.dtype), grads)
 
-    def update(self, grads: Any, state: Any, model: Any = None, **extra: Any) -> tuple[Any, Any]:
+    def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
+               loss: Any = None, apply_if: Any = None) -> tuple[Any, Any]:
         if not isinstance(state, LossScaleState):
             raise ValueError(NEEDS_STATE.format(method="update"))
         finite = all_finite(grads)
-        safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-        updates, inner = self.inner.update(safe, state.inner, model, **extra)
-        updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
-        inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner, state.inner)
+        ok = finite if apply_if is None else finite & apply_if
+        # The inner optimizer skips by its one rule: zero updates, its state (and the
+        # learning context) unchanged. Zeroed gradients keep NaNs out of the math.
+        safe = jax.tree.map(lambda g: None if g is None else jnp.where(finite, g, jnp.zeros_like(g)), grads,
+                            is_leaf=lambda x: x is None)
+        updates, inner = self.inner.update(safe, state.inner, model, minibatch_size=minibatch_size, loss=loss,
+                                           apply_if=ok)
         good = jnp.where(finite, state.good_steps + 1, 0)
         grow = good >= self.growth_interval
         scale = jnp.where(finite, jnp.where(grow, state.scale * 2.0, state.scale), jnp.maximum(state.scale / 2.0, 1.0))

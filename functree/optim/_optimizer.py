@@ -27,10 +27,15 @@ import optax
 from functree._operators import value_with_gradient
 from functree._parameters import parameters
 from functree._tangent import move
+from functree._tree import all_finite, is_none
+from functree.nn._state import apply_state, collect_state
 from functree.optim._checks import check_gradients
-from functree.optim._context import LearningContext, advance, contexts, current, initial_context
+from functree.optim._context import LearningContext, advance, current, initial_context
+from functree.optim._replicas import axis_size, replica_mean
+from functree.optim._skip import applied_in, guard
+from functree.optim._state import OptimizerState, release_contexts, unalias_state
 
-__all__ = ["Optimizer", "OptimizerWrapper", "ContextState", "with_context"]
+__all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "leading_dimension"]
 
 FROZEN_OPTIMIZER = """\
 Optimizers are immutable; build a new one instead of assigning {name!r}:
@@ -55,6 +60,14 @@ transformation {given}, which has state. Chain it into the transform instead:
     right:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), ft.optim.adam()))
 """
 
+NOT_OPTIMIZER_STATE = """\
+Optimizer.update needs the state that Optimizer.init made (an ft.optim.OptimizerState), \
+got {given}:
+
+    wrong:  state = ft.optim.adam().init(model);  opt.update(grads, state, model)
+    right:  state = opt.init(model);              opt.update(grads, state, model)
+"""
+
 BAD_ACCUMULATION = """\
 accumulate={k} needs the batch's leading dimension to be a multiple of {k}; \
 the leaf at {path} has shape {shape}.
@@ -62,58 +75,6 @@ Each step splits the batch into {k} microbatches and averages their gradients:
 
     right:  opt.minimize(loss_fn, model, state, x[: {k} * (len(x) // {k})], ...)
 """
-
-
-class ContextState(NamedTuple):
-    """State of a transformation that had no learning context of its own."""
-
-    context: LearningContext
-    inner: Any
-
-
-def _present(**extra: Any) -> dict[str, Any]:
-    return {k: v for k, v in extra.items() if v is not None}
-
-
-def with_context(transform: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``transform`` taking ``minibatch_size=``/``loss=`` and keeping a learning context.
-
-    A transformation whose state already holds one (any functree optimizer) is only
-    given extra-argument support; any other optax transformation gets a
-    :class:`ContextState` around its state. ``init`` takes a Module (its parameter view).
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp, optax
-      >>> tx = ft.optim.with_context(optax.sgd(0.1))
-      >>> state = tx.init({"w": jnp.ones(2)})
-      >>> updates, state = tx.update({"w": jnp.ones(2)}, state, minibatch_size=4)
-      >>> updates["w"], ft.optim.context(state)
-      (Array([-0.1, -0.1], dtype=float32),
-       LearningContext(step=1, sweep=0, samples_seen=4, minibatch_size=4, loss=nan))
-    """
-    inner = optax.with_extra_args_support(transform)
-
-    def init(params: Any) -> Any:
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
-            state = inner.init(parameters(params))
-        return state if contexts(state) else ContextState(initial_context(), state)
-
-    def update(
-        updates: Any, state: Any, params: Any = None, *, minibatch_size: Any = None, loss: Any = None, **extra: Any
-    ) -> tuple[Any, Any]:
-        grads = updates
-        if params is not None:
-            params = parameters(params)
-            check_gradients(grads, params)
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
-            if isinstance(state, ContextState):
-                ctx = current(state.context, minibatch_size, loss)
-                out, new = inner.update(grads, state.inner, params, **extra)
-                return out, ContextState(advance(ctx), new)
-            extra.update(_present(minibatch_size=minibatch_size, loss=loss))
-            return inner.update(grads, state, params, **extra)
-
-    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
 
 
 def _hooks(hook: str, fns: Any) -> tuple[Callable[[Any], Any], ...]:
@@ -136,10 +97,6 @@ def _chain(fns: Sequence[Callable[[Any], Any]], grads: Any) -> Any:
     return grads
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def leading_dimension(batch: Sequence[Any]) -> int:
     """The minibatch size of ``batch``: the leading dimension of its first array (1 if none)."""
     for leaf in jax.tree.leaves(batch):
@@ -149,14 +106,16 @@ def leading_dimension(batch: Sequence[Any]) -> int:
     return 1
 
 
-def pmean_if_bound(grads: Any, axis_name: Any) -> Any:
-    """Mean of ``grads`` over ``axis_name`` when that axis is bound (vmap/shard_map/pmap)."""
-    if axis_name is None:
-        return grads
-    try:
-        return jax.lax.pmean(grads, axis_name)
-    except NameError:  # the axis is not bound here: a single replica
-        return grads
+class StepResult(NamedTuple):
+    """What :meth:`Optimizer.step` returns: the new model and state, the loss function's
+    output, the gradients that were applied (after the hooks) and whether the step was
+    applied (a bool array; ``True`` unless a guard skipped it)."""
+
+    model: Any
+    state: Any
+    out: Any
+    grads: Any
+    applied: Any
 
 
 class Optimizer:
@@ -164,8 +123,9 @@ class Optimizer:
 
     Args:
       transform: any optax ``GradientTransformation`` (``ft.optim.adam(...)``,
-        ``optax.adam(...)``, chains, groups ...). A transform without a learning context
-        gets one.
+        ``optax.adam(...)``, chains, groups ...). The optimizer's state holds the one
+        learning context; functree transforms read it through the optax extra argument
+        ``context=``.
       transform_loss: ``loss -> loss`` applied before differentiation.
       get_gradients: ``(loss_fn, model, *batch, has_aux=) -> (loss_or_(loss, aux), grads)``.
       transform_unaggregated_gradients: ``grads -> grads`` (or a sequence, applied in
@@ -226,7 +186,7 @@ class Optimizer:
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int (microbatches per step), got {accumulate!r}.")
         set_ = object.__setattr__
-        set_(self, "_transform", with_context(transform))
+        set_(self, "_transform", optax.with_extra_args_support(transform))
         set_(self, "_raw_transform", transform)
         set_(self, "_transform_loss", transform_loss)
         set_(self, "_get_gradients", get_gradients)
@@ -246,7 +206,7 @@ class Optimizer:
     # --- configuration, read by the orchestration (wrappers delegate these) ---------------
     @property
     def transform(self) -> optax.GradientTransformationExtraArgs:
-        """The optax transformation (with learning-context support)."""
+        """The optax transformation doing the numerics (it takes optax extra arguments)."""
         return self._transform
 
     @property
@@ -256,12 +216,45 @@ class Optimizer:
 
     # --- state ---------------------------------------------------------------------------
     def init(self, model: Any) -> Any:
-        """The optimizer state for ``model`` (a Module or pytree; its parameter view is used)."""
-        return self.transform.init(model)
+        """The :class:`OptimizerState` for ``model`` (a Module or pytree; its parameter view is used).
 
-    def update(self, grads: Any, state: Any, model: Any = None, **extra: Any) -> tuple[Any, Any]:
-        """``(updates, state)``; ``extra`` holds ``minibatch_size=``/``loss=`` (optax extra args)."""
-        return self.transform.update(grads, state, model, **extra)
+        It holds one learning context; the functree transforms inside hold none of their
+        own. No leaf shares a buffer with the model or another leaf, so a step may donate
+        both.
+        """
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
+            inner = self._transform.init(parameters(model))
+        state = OptimizerState(initial_context(), release_contexts(inner))
+        return unalias_state(state, model)
+
+    def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
+               loss: Any = None, apply_if: Any = None) -> tuple[Any, Any]:
+        """``(updates, state)`` for ``grads`` (the parameter view's structure).
+
+        The one boundary of the optimizer: the parameter view is made and the gradients
+        are checked here, once; the transforms trust both. A ``None`` gradient leaves its
+        parameter and that parameter's moments unchanged. The learning context advances
+        by one step and ``minibatch_size`` samples (kept from the previous step if not
+        given) unless the step is skipped: ``apply_if`` is False, or a
+        :func:`skip_non_finite` inside skipped it; a skipped step returns zero updates
+        and the state it was given.
+        """
+        if not isinstance(state, OptimizerState):
+            raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
+        params = None if model is None else parameters(model)
+        grads, partial = _checked_gradients(grads, params)
+        ctx = current(state.context, minibatch_size, loss)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
+            updates, inner = self._transform.update(grads, state.inner, params, context=ctx)
+        if partial is not None:
+            updates, inner = _keep_unchanged(partial, updates, inner, state.inner)
+        if apply_if is not None:
+            updates, inner = guard(apply_if, updates, inner, state.inner)
+        applied = _both(apply_if, applied_in(inner))
+        new = OptimizerState(advance(ctx), inner)
+        if applied is not None:
+            new = new.replace(context=_select_context(applied, new.context, state.context))
+        return updates, new
 
     # --- RFC 234 hooks -------------------------------------------------------------------
     def transform_loss(self, loss: Any) -> Any:
@@ -291,10 +284,17 @@ class Optimizer:
         return self._axis_name
 
     def aggregate_gradients(self, grads: Any) -> Any:
-        """The data-parallel all-reduce: mean over ``axis_name`` when bound, else identity."""
+        """The data-parallel all-reduce: the replicas' mean gradient over ``axis_name``.
+
+        Identity without an ``axis_name``; a ``ValueError`` naming it when that axis is
+        not bound where the step runs. Under ``shard_map`` both ``check_vma`` settings
+        give the mean (see :func:`functree.optim._replicas.replica_mean`).
+        """
         if self._aggregate is not None:
             return self._aggregate(grads)
-        return pmean_if_bound(grads, self._axis_name)
+        if self._axis_name is None:
+            return grads
+        return replica_mean(grads, self._axis_name, reduced="sum")
 
     def transform_gradients(self, grads: Any) -> Any:
         """Gradient transforms after aggregation (clipping, ...)."""
@@ -319,9 +319,10 @@ class Optimizer:
         return out, self.transform_gradients(grads)
 
     def apply_gradients(self, grads: Any, model: Any, state: Any, *, minibatch_size: Any = None,
-                        loss: Any = None) -> tuple[Any, Any]:
-        """``(model, state)`` after one optimizer step along ``grads``."""
-        updates, state = self.update(grads, state, model, **_present(minibatch_size=minibatch_size, loss=loss))
+                        loss: Any = None, apply_if: Any = None) -> tuple[Any, Any]:
+        """``(model, state)`` after one optimizer step along ``grads`` (see :meth:`update`)."""
+        updates, state = self.update(grads, state, model, minibatch_size=minibatch_size, loss=loss,
+                                     apply_if=apply_if)
         return self.apply_updates(model, updates), state
 
     def minimize(self, loss_fn: Callable[..., Any], model: Any, state: Any, *batch: Any, has_aux: bool = False,
@@ -329,15 +330,46 @@ class Optimizer:
         """One step on ``loss_fn(model, *batch)``: ``(model, state, loss)`` or ``(..., (loss, aux))``.
 
         Advances the learning context by one step and ``minibatch_size`` samples (the
-        batch's leading dimension unless given) and stores the loss in it.
+        batch's leading dimension, times the replicas when ``axis_name`` is bound) and
+        stores the loss in it. Layer state that the model records in training mode
+        (BatchNorm statistics) is collected and written back into the returned model.
+        """
+        result = self.step(loss_fn, model, state, batch, has_aux=has_aux, minibatch_size=minibatch_size)
+        return result.model, result.state, result.out
+
+    def step(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *, has_aux: bool = False,
+             minibatch_size: Any = None, skip_non_finite: bool = False, enabled: Any = None) -> StepResult:
+        """The whole step, with what a training loop reports: a :class:`StepResult`.
+
+        ``skip_non_finite=True`` skips a step whose loss or gradient is not finite, and
+        ``enabled=False`` (an array) skips it regardless: the model (with its layer
+        state) and the optimizer state come back unchanged, bit for bit.
         """
         if minibatch_size is None:
             minibatch_size = leading_dimension(batch)
-        out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state)
-        # Replicas store the mean loss, so the optimizer state stays identical across them.
-        loss = pmean_if_bound(out[0] if has_aux else out, self.axis_name)
-        model, state = self.apply_gradients(grads, model, state, minibatch_size=minibatch_size, loss=loss)
-        return model, state, out
+            if self.axis_name is not None:
+                minibatch_size *= axis_size(self.axis_name)
+
+        def objective(m: Any, *b: Any) -> tuple[Any, Any]:
+            out, layer_state = collect_state(lambda mm: loss_fn(mm, *b), m)
+            return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
+
+        (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,
+                                                                   state=state)
+        if self.accumulate > 1:  # microbatch outputs come stacked: (k, ...); the state of the last
+            layer_state = jax.tree.map(lambda u: u[-1], layer_state)
+            out = (loss, out[1]) if has_aux else loss
+        if self.axis_name is not None:  # replicas store the mean loss: their states stay identical
+            loss = replica_mean(loss, self.axis_name, reduced="value")
+        ok = _both(all_finite((loss, grads)) if skip_non_finite else None, enabled)
+        new_model, new_state = self.apply_gradients(grads, model, state, minibatch_size=minibatch_size,
+                                                    loss=loss, apply_if=ok)
+        if layer_state:
+            new_model = apply_state(new_model, layer_state)
+        applied = jnp.asarray(True) if ok is None else ok
+        if ok is not None:
+            new_model = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_model, model)
+        return StepResult(new_model, new_state, out, grads, applied)
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
                                state: Any) -> tuple[Any, Any]:
@@ -354,6 +386,49 @@ class Optimizer:
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), grads
         return jnp.mean(outs), grads
+
+
+def _both(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    return a if b is None else a & b
+
+
+def _select_context(ok: Any, new: LearningContext, old: LearningContext) -> LearningContext:
+    return LearningContext(jnp.where(ok, new.counters, old.counters), jnp.where(ok, new.loss, old.loss))
+
+
+def _checked_gradients(grads: Any, params: Any) -> tuple[Any, Any]:
+    """``(grads, partial)``: grads with zeros where a parameter has a ``None`` gradient, and the
+    positions of those parameters (``None`` when every parameter has a gradient)."""
+    if params is None:
+        return grads, None
+    missing = check_gradients(grads, params)
+    if not any(missing):
+        return grads, None
+    filled = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None and p is not None else g, grads, params,
+                          is_leaf=is_none)
+    return filled, (jax.tree.structure(params, is_leaf=is_none), tuple(missing))
+
+
+def _keep_unchanged(partial: tuple[Any, tuple[bool, ...]], updates: Any, new_inner: Any,
+                    old_inner: Any) -> tuple[Any, Any]:
+    """No update for parameters without a gradient: ``None`` updates, their moments as they were."""
+    treedef, missing = partial
+
+    def per_parameter(x: Any) -> bool:
+        return jax.tree.structure(x, is_leaf=is_none) == treedef
+
+    def keep(new: Any, old: Any) -> Any:
+        if not per_parameter(new):
+            return new
+        news, olds = jax.tree.leaves(new, is_leaf=is_none), jax.tree.leaves(old, is_leaf=is_none)
+        return treedef.unflatten([o if m else n for n, o, m in zip(news, olds, missing)])
+
+    inner = jax.tree.map(keep, new_inner, old_inner, is_leaf=per_parameter)
+    leaves = jax.tree.leaves(updates, is_leaf=is_none)
+    updates = treedef.unflatten([None if m else u for u, m in zip(leaves, missing)])
+    return updates, inner
 
 
 def _split(path: Any, x: Any, k: int) -> Any:
@@ -406,8 +481,10 @@ class OptimizerWrapper(Optimizer):
     def init(self, model: Any) -> Any:
         return self.inner.init(model)
 
-    def update(self, grads: Any, state: Any, model: Any = None, **extra: Any) -> tuple[Any, Any]:
-        return self.inner.update(grads, state, model, **extra)
+    def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
+               loss: Any = None, apply_if: Any = None) -> tuple[Any, Any]:
+        return self.inner.update(grads, state, model, minibatch_size=minibatch_size, loss=loss,
+                                 apply_if=apply_if)
 
     def transform_loss(self, loss: Any) -> Any:
         return self.inner.transform_loss(loss)

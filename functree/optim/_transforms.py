@@ -16,7 +16,7 @@ import optax
 
 from functree._operators import value_with_gradient
 from functree._parameters import select
-from functree.optim._aliases import DEFAULT_NO_DECAY
+from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
 
@@ -31,7 +31,6 @@ __all__ = [
     "weight_decay",
     "add_parameter_noise",
     "add_gradient_noise",
-    "skip_non_finite",
     "freeze",
     "reduce_on_plateau",
 ]
@@ -229,8 +228,9 @@ def weight_decay(rate: Any, *, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> opt
     """Decoupled weight decay after the optimizer: ``u ← u − r w`` where no ``exclude`` glob matches.
 
     Put it after the optimizer in a chain (``r`` is the per-step shrink factor, i.e.
-    ``η λ`` in AdamW's notation; give a schedule to follow the learning rate). By default
-    biases and normalization scales are not decayed.
+    ``η λ`` in AdamW's notation; give a schedule to follow the learning rate). Fields a
+    layer declares ``ft.field(decay=False)`` (every ``ft.nn`` bias and normalisation
+    scale/offset) and names matching ``exclude`` are not decayed (:func:`decay_mask`).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -243,7 +243,7 @@ def weight_decay(rate: Any, *, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> opt
 
     def factory(weight_decay: Any) -> Any:
         def fn(u: Any, p: Any) -> Any:
-            mask = select(p, "*", exclude=exclude)
+            mask = decay_mask(p, exclude)
             return jax.tree.map(lambda u, w, m: u - weight_decay * w if m else u, u, p, mask)
 
         return _stateless(fn, "weight_decay", needs_params=True)
@@ -306,23 +306,6 @@ def add_gradient_noise(eta: Any, gamma: float = 0.55, *, seed: int = 0) -> optax
     return inject("ft.optim.add_gradient_noise", lambda eta: optax.add_noise(eta, gamma, seed), {"eta": eta})
 
 
-def skip_non_finite(transform: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """Skip steps with a NaN/Inf gradient: zero updates, inner state (and context) kept.
-
-    ``optax.apply_if_finite``; ``state.total_notfinite`` counts the skipped steps and
-    ``state.notfinite_count`` the consecutive ones. Without it, non-finite gradients
-    propagate into the parameters.
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> tx = ft.optim.skip_non_finite(ft.optim.sgd(1.0))
-      >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init({"w": jnp.ones(2)}))
-      >>> updates["w"], int(state.total_notfinite), int(ft.optim.context(state).step)
-      (Array([0., 0.], dtype=float32), 1, 0)
-    """
-    return optax.apply_if_finite(transform, max_consecutive_errors=2**31 - 1)  # pyright: ignore[reportReturnType]
-
-
 def freeze(*patterns: str) -> optax.GradientTransformationExtraArgs:
     """Zero the updates of parameters whose dotted names match ``patterns`` (all if none given).
 
@@ -371,7 +354,9 @@ def reduce_on_plateau(
         return PlateauState(tx.init(params))
 
     def update(updates: Any, state: Any, params: Any = None, *, loss: Any = None,
-               **extra: Any) -> tuple[Any, PlateauState]:
+               context: LearningContext | None = None, **extra: Any) -> tuple[Any, PlateauState]:
+        if loss is None and context is not None:  # inside an Optimizer: the step's loss
+            loss = context.loss
         if loss is None:
             raise ValueError(NEEDS_LOSS)
         with jax.numpy_dtype_promotion("standard"):  # optax.contrib mixes int counters and floats

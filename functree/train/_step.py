@@ -2,9 +2,8 @@
 
 ``ft.train.train_step(loss_fn, optimizer)`` builds a :class:`TrainStep`; calling it runs
 
-    (loss, aux), g = compute_gradients(loss_fn, model, batch)    # optimizer hooks (RFC 234)
-    model, opt_state = apply_gradients(g, model, opt_state)       # optax update + ft.move
-    model = apply_state(model, recorded state)                    # BatchNorm statistics
+    result = optimizer.step(loss_fn, model, opt_state, batch)   # hooks (RFC 234), optax update,
+                                                                 # ft.move, BatchNorm statistics
     metrics = {"loss": loss, name: metric(out) ...}
 
 inside one ``ft.jit`` program that donates the model and the optimizer state. Like Keras'
@@ -21,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functree import nn
 from functree._jit import jit
 from functree._parameters import _is_none, parameters
 from functree.optim import Optimizer, context
@@ -83,10 +81,6 @@ def _first_nonfinite(loss: jax.Array, grads: Any) -> jax.Array:
 
 def _merge_microbatches(x: jax.Array) -> jax.Array:
     return x.reshape(-1, *x.shape[2:]) if x.ndim >= 2 else x
-
-
-def _select(keep_new: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda n, o: jnp.where(keep_new, n, o), new, old)
 
 
 def unalias(tree: Any) -> Any:
@@ -173,7 +167,8 @@ class TrainStep:
         self.metrics = resolve_metrics(metrics)
         self.on_nan = on_nan
         self._compiled = jit(self.step, donate=(0, 1) if donate else None)
-        self._first_call = donate
+        self._donate = donate
+        self._last: tuple[Any, Any] = (None, None)
 
     # --- stages a subclass may override ------------------------------------------------
     def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
@@ -192,33 +187,21 @@ class TrainStep:
         """One optimizer step: ``(model, opt_state, loss, aux, nonfinite)``.
 
         ``nonfinite`` is None unless ``on_nan`` is set; then a non-finite step, or one
-        with ``enabled`` False, leaves ``model`` and ``opt_state`` as they were.
+        with ``enabled`` False, leaves ``model`` and ``opt_state`` as they were (the
+        optimizer's one skipping rule: :meth:`ft.optim.Optimizer.step`).
         """
-        opt = self.optimizer
-
-        def objective(m: Any, b: Any) -> tuple[Any, Any]:
-            (loss, aux), updates = nn.collect_state(lambda mm: self.compute_loss(mm, b, key), m)
-            return loss, (aux, updates)
-
         size = batch_size_of(batch)
-        (loss, (aux, updates)), grads = opt.compute_gradients(
-            objective, model, batch, has_aux=True, state=opt_state
+        guarded = self.on_nan is not None
+        result = self.optimizer.step(
+            lambda m, b: self.compute_loss(m, b, key), model, opt_state, (batch,), has_aux=True,
+            minibatch_size=size, skip_non_finite=guarded, enabled=enabled,
         )
-        new_model, new_state = opt.apply_gradients(
-            grads, model, opt_state, minibatch_size=size, loss=loss
-        )
-        if opt.accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
+        loss, aux = result.out
+        if self.optimizer.accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
             aux = jax.tree.map(_merge_microbatches, aux)
-            updates = jax.tree.map(lambda u: u[-1], updates)  # the last microbatch's state
-        if updates:
-            new_model = nn.apply_state(new_model, updates)
-        if self.on_nan is None and enabled is None:
-            return new_model, new_state, loss, aux, None
-        nonfinite = _first_nonfinite(loss, grads)
-        keep = nonfinite == -1 if enabled is None else (nonfinite == -1) & enabled
-        new_model = _select(keep, new_model, model)
-        new_state = _select(keep, new_state, opt_state)
-        return new_model, new_state, loss, aux, nonfinite
+        if not guarded and enabled is None:
+            return result.model, result.state, loss, aux, None
+        return result.model, result.state, loss, aux, _first_nonfinite(loss, result.grads)
 
     def step(
         self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None,
@@ -234,18 +217,15 @@ class TrainStep:
         return new_model, new_state, metrics
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
-        if self._first_call:
-            self._first_call = False
+        if self._donate and (model is not self._last[0] or opt_state is not self._last[1]):
+            # Donation needs distinct buffers. Outputs never share one, so only a model or
+            # state that did not come from this step is looked at (once): a model that holds
+            # one array at two leaves gets a copy, with a warning naming both key paths.
             model, opt_state = unalias((model, opt_state))
-        try:
-            return self._compiled(model, opt_state, batch, key)
-        except jax.errors.JaxRuntimeError as e:
-            if "donate the same buffer twice" not in str(e):
-                raise
-        # A fresh state may hold one array at several leaves (donation needs distinct
-        # buffers); outputs never do, so this copy happens at most once per state.
-        model, opt_state = unalias((model, opt_state))
-        return self._compiled(model, opt_state, batch, key)
+        out = self._compiled(model, opt_state, batch, key)
+        if self._donate:
+            self._last = (out[0], out[1])
+        return out
 
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))

@@ -1,0 +1,82 @@
+"""Data-parallel replicas: the axis an optimizer aggregates over, and the mean over it.
+
+An ``axis_name`` is bound by ``jax.shard_map``, ``jax.vmap(axis_name=...)`` or
+``jax.pmap``. Aggregation is the mean of the replicas' gradients; how to take it depends
+on what arrives:
+
+* a gradient that varies over the axis (``vmap``, ``shard_map(check_vma=False)``, or a
+  sharded parameter) holds each replica's own gradient: ``pmean``;
+* under ``shard_map`` with JAX's varying-axes checking (``check_vma=True``, the default),
+  the gradient of a replicated parameter arrives already *summed* over the axis (JAX
+  inserts the ``psum`` when it transposes the parameter's broadcast): divide by the
+  axis size.
+
+Whether the checking is on is read structurally, from the type of ``axis_index``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+__all__ = ["axis_size", "replica_mean", "UNBOUND_AXIS"]
+
+UNBOUND_AXIS = """\
+The optimizer aggregates gradients over axis_name={name!r}, but no axis of that name is \
+bound where the step runs{bound}. Run the step inside the transformation that binds it, \
+or drop axis_name on one device:
+
+    wrong:  opt = ft.optim.Optimizer(tx, axis_name={name!r}); opt.minimize(...)
+    right:  jax.shard_map(step, mesh=mesh, in_specs=..., out_specs=...)   # mesh axis {name!r}
+       or:  jax.vmap(step, axis_name={name!r})
+       or:  ft.train.train_step(loss_fn, opt, mesh=mesh)                  # functree binds it
+"""
+
+
+def axis_size(name: Any) -> int:
+    """The number of replicas along ``name``; a ``ValueError`` naming it when it is unbound."""
+    try:
+        return int(jax.lax.axis_size(name))
+    except NameError:  # turned into an error that names the axis and the fix
+        raise ValueError(UNBOUND_AXIS.format(name=name, bound="")) from None
+
+
+def _varying(x: Any) -> frozenset[Any]:
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _tracks_varying(name: Any) -> bool:
+    """Whether JAX tracks which values vary over ``name`` (shard_map with check_vma=True)."""
+    return name in _varying(jax.lax.axis_index(name))
+
+
+def replica_mean(tree: Any, name: Any, *, reduced: str = "sum") -> Any:
+    """The mean over the replicas along ``name`` of every array leaf of ``tree``.
+
+    ``reduced`` says what a leaf that does *not* vary over ``name`` already holds, when
+    JAX tracks varying axes: ``"sum"`` (a gradient of a replicated parameter: divide by
+    the axis size) or ``"value"`` (a value equal on every replica, e.g. a loss computed
+    from replicated data: kept).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree.optim._replicas import replica_mean
+      >>> jax.vmap(lambda x: replica_mean(x, "r"), axis_name="r")(jnp.arange(4.0))
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+    """
+    n = axis_size(name)
+    tracked = _tracks_varying(name)
+
+    def one(x: Any) -> Any:
+        if x is None:
+            return None
+        if not tracked or name in _varying(x):
+            return jax.lax.pmean(x, name)
+        return x / n if reduced == "sum" else x
+
+    return jax.tree.map(one, tree)

@@ -331,7 +331,8 @@ class Optimizer:
 
         Advances the learning context by one step and ``minibatch_size`` samples (the
         batch's leading dimension, times the replicas when ``axis_name`` is bound) and
-        stores the loss in it. Layer state that the model records in training mode
+        stores the loss in it. With an ``axis_name`` the loss returned (and stored) is the
+        mean over the replicas: the global batch's loss. Layer state that the model records in training mode
         (BatchNorm statistics) is collected and written back into the returned model.
         """
         result = self.step(loss_fn, model, state, batch, has_aux=has_aux, minibatch_size=minibatch_size)
@@ -359,8 +360,9 @@ class Optimizer:
         if self.accumulate > 1:  # microbatch outputs come stacked: (k, ...); the state of the last
             layer_state = jax.tree.map(lambda u: u[-1], layer_state)
             out = (loss, out[1]) if has_aux else loss
-        if self.axis_name is not None:  # replicas store the mean loss: their states stay identical
+        if self.axis_name is not None:  # the global batch's loss: replicas' states stay identical
             loss = replica_mean(loss, self.axis_name, reduced="value")
+            out = (loss, out[1]) if has_aux else loss
         ok = _both(all_finite((loss, grads)) if skip_non_finite else None, enabled)
         new_model, new_state = self.apply_gradients(grads, model, state, minibatch_size=minibatch_size,
                                                     loss=loss, apply_if=ok)

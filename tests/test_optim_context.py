@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+import functree as ft
 import functree.optim as fo
 
 
@@ -114,3 +115,40 @@ def test_one_consistent_context_in_every_optimizer_state(kind):
     assert fo.context(state) is ctx
     state = fo.next_sweep(state)
     assert int(fo.context(state).sweep) == 1
+
+
+class _OldContextState(__import__("typing").NamedTuple):
+    """The pre-redesign wrapper of a plain optax transform's state."""
+
+    context: fo.LearningContext
+    inner: object
+
+
+def test_upgrade_state_converts_pre_redesign_layouts():
+    model = _model()
+    ctx = fo.initial_context().replace(step=5, samples_seen=40, minibatch_size=8, loss=0.5)
+    # ft adam: the old state was the HyperState itself, holding its own context
+    opt = fo.Optimizer(fo.adam(1e-2))
+    new = opt.init(model)
+    old = new.inner.replace(context=ctx)
+    up = fo.upgrade_state(old, opt, model)
+    assert fo.context(up) is ctx and len(_contexts(up)) == 1
+    assert jax.tree.structure(up) == jax.tree.structure(new)
+    # a plain optax transform: the old state was ContextState(context, inner)
+    opt = fo.Optimizer(optax.sgd(0.1, momentum=0.9))
+    up = fo.upgrade_state(_OldContextState(ctx, opt.init(model).inner), opt, model)
+    assert int(fo.context(up).step) == 5
+    # the old skip_non_finite was optax.apply_if_finite; the old LossScaleState wrapped it all
+    inner_tx = fo.adam(1e-2)
+    old_skip = optax.apply_if_finite(inner_tx, 10).init(ft.parameters(model))
+    old_skip = old_skip._replace(total_notfinite=jnp.asarray(3, jnp.int32), inner_state=old_skip.inner_state.replace(context=ctx))
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.skip_non_finite(inner_tx)))
+    old = fo.LossScaleState(jnp.asarray(8.0), jnp.asarray(1, jnp.int32), jnp.asarray(2, jnp.int32), old_skip)
+    up = fo.upgrade_state(old, opt, model)
+    assert int(up.inner.inner.skipped) == 3 and float(up.scale) == 8.0 and int(fo.context(up).step) == 5
+    model, up, _ = opt.minimize(_loss, model, up, X)  # and it trains on
+    assert int(fo.context(up).step) == 6
+    with pytest.raises(ValueError, match=r"upgrade_state: the old state does not fit"):
+        fo.upgrade_state(old, fo.Optimizer(fo.sgd(0.1)), model)
+    with pytest.raises(ValueError, match=r"holds no ft\.optim\.LearningContext"):
+        fo.upgrade_state(optax.adam(1e-3).init(ft.parameters(model)), opt, model)

@@ -166,3 +166,33 @@ def test_gradient_accumulation_keeps_aux_per_example_and_state():
     assert 0.0 <= float(metrics["accuracy"]) <= 1.0
     assert int(ft.optim.context(state).samples_seen) == 8
     assert not np.allclose(out.layers[1].running_mean, model.layers[1].running_mean)
+
+
+def test_a_state_holding_the_parameters_themselves_is_donated_safely():
+    """Donation aliasing is handled where the state is created: no retry, no error text."""
+    keep_params = optax.GradientTransformation(lambda p: p, lambda u, s, p=None: (u, s))  # state IS params
+    model, batch = problem()
+    opt = ft.optim.Optimizer(optax.chain(keep_params, optax.sgd(0.1)))
+    state = opt.init(model)
+    assert state.inner[0].weight is not model.weight  # a fresh buffer, made by init
+    step = ft.train.train_step(mse, opt)
+    for _ in range(3):
+        model, state, _ = step(model, state, batch)
+    assert step._compiled._cache_size() == 1
+
+
+def test_a_model_holding_one_array_twice_is_copied_once_before_donation():
+    class Twice(ft.Module):
+        a: jax.Array
+        b: jax.Array
+
+        def __call__(self, x):
+            return x @ self.a + x @ self.b
+
+    w = jnp.ones((3, 1))
+    model, (x, y) = Twice(w, w), problem()[1]
+    step = ft.train.train_step(mse, ft.optim.Optimizer(optax.sgd(0.01)))
+    state = step.optimizer.init(model)
+    model, state, _ = step(model, state, (x, y))
+    model, state, _ = step(model, state, (x, y))
+    assert model.a is not model.b

@@ -52,7 +52,7 @@ from functree.optim._schedules import (
     warmup_cosine_decay,
 )
 from functree.optim._skip import SkipState, skip_non_finite
-from functree.optim._state import OptimizerState
+from functree.optim._state import OptimizerState, upgrade_state
 from functree.optim._transforms import (
     add_gradient_noise,
     add_parameter_noise,
@@ -87,6 +87,7 @@ __all__ = [
     "Optimizer",
     "OptimizerWrapper",
     "OptimizerState",
+    "upgrade_state",
     "StepResult",
     "SkipState",
     "LossScaleOptimizer",

@@ -25,7 +25,7 @@ import jax
 
 from functree.optim._context import LearningContext
 
-__all__ = ["OptimizerState", "release_contexts", "unalias_state"]
+__all__ = ["OptimizerState", "release_contexts", "unalias_state", "upgrade_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,3 +84,76 @@ def unalias_state(state: Any, model: Any) -> Any:
         return x
 
     return jax.tree.map(fresh, state)
+
+
+UPGRADE_MISMATCH = """\
+ft.optim.upgrade_state: the old state does not fit {optimizer}: {detail}.
+Give the optimizer (same transforms, same order) and the model the old state was made for:
+
+    right:  state = ft.optim.upgrade_state(old_state, optimizer, model)
+"""
+
+NO_OLD_CONTEXT = """\
+ft.optim.upgrade_state: the old state holds no ft.optim.LearningContext, so it was not \
+made by a functree optimizer; build a new one with optimizer.init(model).
+"""
+
+
+def _is_context(x: Any) -> bool:
+    return isinstance(x, LearningContext)
+
+
+def _legacy_nodes(x: Any) -> Any:
+    """Old states' nodes as the new ones: optax's ``ApplyIfFiniteState`` (the old
+    ``skip_non_finite``) becomes a ``SkipState`` with the same counts."""
+    from functree.optim._skip import SkipState
+
+    fields = getattr(x, "_fields", None) if isinstance(x, tuple) else None
+    if fields == ("notfinite_count", "last_finite", "total_notfinite", "inner_state"):
+        return SkipState(x.total_notfinite, x.notfinite_count, x.last_finite, x.inner_state)
+    return x
+
+
+def upgrade_state(old_state: Any, optimizer: Any, model: Any) -> Any:
+    """An optimizer state saved by functree before the one-context redesign, as today's state.
+
+    Old states kept a learning context in every functree transform (and wrapped plain
+    optax transforms in a ``ContextState``). The new state keeps the first of those
+    contexts once; every other value (hyperparameters, moments, counts, loss scale) is
+    carried over in order, checked against ``optimizer.init(model)``'s shapes and dtypes.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> from functree.optim._hyper import HyperState
+      >>> opt = ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9))
+      >>> w = {"w": jnp.ones(2)}
+      >>> new = opt.init(w)
+      >>> old = new.inner.replace(context=new.context.replace(step=7))   # the old layout
+      >>> int(ft.optim.context(ft.optim.upgrade_state(old, opt, w)).step)
+      7
+    """
+    contexts = [x for x in jax.tree.leaves(old_state, is_leaf=_is_context) if _is_context(x)]
+    if not contexts:
+        raise ValueError(NO_OLD_CONTEXT)
+    template = optimizer.init(model)
+    def strip(tree: Any) -> Any:  # contexts out, legacy nodes converted (and their insides)
+        def one(x: Any) -> Any:
+            return None if _is_context(x) else strip(_legacy_nodes(x)) if _legacy_nodes(x) is not x else x
+
+        return jax.tree.map(one, tree, is_leaf=lambda x: _is_context(x) or _legacy_nodes(x) is not x)
+
+    old_leaves = jax.tree.leaves(strip(old_state))
+    new_leaves, treedef = jax.tree.flatten(strip(template))
+    if len(old_leaves) != len(new_leaves):
+        raise ValueError(UPGRADE_MISMATCH.format(
+            optimizer=optimizer, detail=f"{len(old_leaves)} arrays besides the contexts, expected {len(new_leaves)}"))
+    for i, (o, n) in enumerate(zip(old_leaves, new_leaves)):
+        if jax.numpy.shape(o) != jax.numpy.shape(n) or jax.numpy.result_type(o) != jax.numpy.result_type(n):
+            raise ValueError(UPGRADE_MISMATCH.format(
+                optimizer=optimizer,
+                detail=f"array {i} has shape {jax.numpy.shape(o)} {jax.numpy.result_type(o)}, expected "
+                       f"{jax.numpy.shape(n)} {jax.numpy.result_type(n)}"))
+    rebuilt = treedef.unflatten([jax.numpy.asarray(o) for o in old_leaves])
+    ctx = contexts[0]
+    return jax.tree.map(lambda x: x.replace(context=ctx) if isinstance(x, OptimizerState) else x, rebuilt,
+                        is_leaf=lambda x: isinstance(x, OptimizerState))

@@ -325,7 +325,8 @@ def test_weight_decay_skips_fields_a_layer_declares_and_excluded_names():
         head: jax.Array
 
     model = Block(jnp.ones(2), Norm(jnp.ones(2), jnp.ones(2)), jnp.ones(2))
-    flat = lambda t: {k: bool(v) for k, v in ft.to_flat_dict(t).items()}
+    def flat(t):
+        return {k: bool(v) for k, v in ft.to_flat_dict(t).items()}
     assert flat(fo.decay_mask(ft.parameters(model), ())) == {
         "weight": True, "norm.gain": False, "norm.shift": False, "head": True}
     assert flat(fo.decay_mask(ft.parameters(model), ("head",)))["head"] is False

@@ -214,7 +214,8 @@ def test_a_misspelt_axis_name_is_an_error_not_a_single_replica():
     w = {"w": jnp.zeros(2)}
     state = opt.init(w)
     xs = jnp.array([[1.0, 3.0], [3.0, 1.0]])
-    step = lambda x: opt.minimize(lambda p, x: -jnp.sum(p["w"] * x), w, state, x[None])[0]
+    def step(x):
+        return opt.minimize(lambda p, x: -jnp.sum(p["w"] * x), w, state, x[None])[0]
     with pytest.raises(ValueError, match="axis_name='btach'"):
         jax.vmap(step, axis_name="batch")(xs)
     right = fo.Optimizer(fo.sgd(0.1), axis_name="batch")

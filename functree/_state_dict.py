@@ -46,13 +46,23 @@ def _spec(x: Any) -> tuple[tuple[int, ...], str]:
     return tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))
 
 
+_DEEP = 64  # key paths longer than this are checked for a cycle (no model nests this deep)
+
+
 def _flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """JAX's flatten with paths; a tree that contains itself raises naming where."""
+    """JAX's flatten with paths; a tree that contains itself raises naming where.
+
+    On a cycle JAX's C++ flatten either raises (a ``SystemError`` around a recursion
+    error) or stops at its recursion limit and returns absurdly long key paths.
+    """
     try:
-        return jax.tree_util.tree_flatten_with_path(tree)
-    except (RecursionError, SystemError):  # JAX's C++ flatten reports deep recursion as SystemError
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    except (RecursionError, SystemError):
         check_acyclic(tree)
         raise
+    if any(len(path) > _DEEP for path, _ in path_leaves):
+        check_acyclic(tree)
+    return path_leaves, treedef
 
 
 def to_flat_dict(tree: Any) -> dict[str, Any]:

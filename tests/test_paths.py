@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -331,3 +332,166 @@ def test_key_paths_through_any_registered_pytree_node():
 def test_module_paths_address_fields_only():
     with pytest.raises(KeyError, match=r"has no \.replace"):
         ft.get(make_net(), ".replace")
+
+
+# ----------------------------------------------------------------- scalar leaves of ft.set
+
+
+def test_set_on_a_python_float_leaf_takes_floats_ints_and_0d_floating_arrays_only():
+    tree = {"lr": 0.5, "count": 3, "flag": True}
+    assert ft.set(tree, "lr", 0.25)["lr"] == 0.25
+    assert type(ft.set(tree, "lr", 2)["lr"]) is float  # an int becomes a float: the leaf stays a float
+    assert ft.set(tree, "lr", jnp.float32(2.0))["lr"] == 2.0
+    assert ft.set(tree, "count", np.int32(4))["count"] == 4
+    assert ft.set(tree, "flag", False)["flag"] is False
+    with pytest.raises(ValueError) as info:
+        ft.set(tree, "lr", "0.1")
+    message = str(info.value)
+    assert "ft.set(['lr']): the value there is a Python float" in message
+    assert "takes a float, an int or a 0-d floating array; given a str '0.1'" in message
+    assert "right:  ft.set(tree, \"['lr']\", float(value))" in message
+    for bad, described in ((jnp.ones(5), "an array of shape (5,) and dtype float32"), (1 + 2j, "a Python complex"),
+                       (True, "a Python bool True"), (None, "a NoneType None")):
+        with pytest.raises(ValueError, match=re.escape(described)):
+            ft.set(tree, "lr", bad)
+    with pytest.raises(ValueError, match=r"the value there is a Python int, .* given a Python float 2\.5"):
+        ft.set(tree, "count", 2.5)
+    with pytest.raises(ValueError, match=r"a Python bool, so it takes a bool or a 0-d bool array"):
+        ft.set(tree, "flag", 1)
+
+
+def test_set_on_a_0d_array_leaf_takes_numbers_of_its_kind_only():
+    tree = {"i": jnp.zeros((), jnp.int32), "f": jnp.zeros(())}
+    assert ft.set(tree, "i", 7)["i"] == 7
+    assert ft.set(tree, "f", 7)["f"] == 7  # an int fits a floating leaf
+    with pytest.raises(ValueError) as info:
+        ft.set(tree, "i", "abc")
+    message = str(info.value)
+    assert "the value there is an array of shape () and dtype int32" in message
+    assert "takes an array of that shape and dtype or a Python int; given a str 'abc'" in message
+    assert "jnp.asarray(value, jnp.int32).reshape(())" in message
+    for bad in (2.5, 1 + 2j, True):
+        with pytest.raises(ValueError, match=r"ft\.set\(\['i'\]\)"):
+            ft.set(tree, "i", bad)
+    with pytest.raises(ValueError, match=r"expected shape \(\) and dtype int32, got shape \(5,\)"):
+        ft.set(tree, "i", jnp.ones(5, jnp.int32))
+    with pytest.raises(ValueError, match=r"Python float or int; given a Python complex"):
+        ft.set(tree, "f", 1j)
+
+
+def test_set_on_a_python_float_leaf_inside_jit_takes_a_traced_scalar():
+    tree = {"lr": 0.5, "w": jnp.ones(2)}  # closed over: "lr" stays a Python float under jit
+    out = jax.jit(lambda v: ft.set(tree, "lr", v))(jnp.float32(0.1))
+    np.testing.assert_allclose(out["lr"], 0.1, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"a Python float, .* given an array of shape \(2,\)"):
+        jax.jit(lambda w: ft.set(tree, "lr", w))(tree["w"])
+
+
+# ----------------------------------------------------------------- cycles
+
+
+class Holder(ft.Module):
+    items: list
+    w: jax.Array
+
+
+def test_a_module_that_contains_itself_raises_naming_where_the_cycle_closes():
+    looped = Holder([jnp.ones(1)], jnp.zeros(2))
+    looped.items.append(looped)  # a list field that holds its own module
+    for walk in (ft.recursively_all_key_paths, ft.recursively_all_writable_key_paths):
+        with pytest.raises(ValueError) as info:
+            walk(looped)
+        message = str(info.value)
+        assert "The tree contains itself: the Holder at .items[1] is the same object as its ancestor at <root>" in message
+        assert "build a new Holder" in message
+    inner = Holder([], jnp.zeros(2))
+    object.__setattr__(inner, "items", [inner])  # past the frozen check
+    with pytest.raises(ValueError, match=r"Holder at \['m'\]\.items\[0\] is the same object as its ancestor at \['m'\]"):
+        ft.recursively_all_key_paths({"m": inner})
+    with pytest.raises(ValueError, match=r"contains itself"):
+        ft.to_flat_dict(looped)
+    with pytest.raises(ValueError, match=r"contains itself"):
+        ft.from_flat_dict(looped, {})
+
+
+def test_a_shared_subtree_is_no_cycle():
+    shared = [jnp.ones(1), {"x": jnp.ones(2)}]
+    tree = {"a": shared, "b": shared, "c": Holder(shared, jnp.ones(1))}
+    paths = [str(p) for p in ft.recursively_all_key_paths(tree, to=jax.Array)]
+    assert paths == [
+        "['a'][0]", "['a'][1]['x']", "['b'][0]", "['b'][1]['x']", "['c'].items[0]", "['c'].items[1]['x']", "['c'].w",
+    ]
+
+
+# ----------------------------------------------------------------- printed key paths and names
+
+
+def test_printed_key_paths_round_trip_quotes_backslashes_control_characters_and_unicode():
+    keys = ["it's", 'say "hi"', "both ' and \"", "back\\slash", "line\nbreak\ttab\x00nul", "ünï ✓", "]", "", "a.b"]
+    tree = {k: [jnp.ones(1)] for k in keys}
+    paths = ft.recursively_all_key_paths(tree, to=jax.Array)
+    assert len(paths) == len(keys)
+    for key, kp in zip(keys, paths):
+        assert ft.KeyPath.parse(str(kp)) == kp
+        assert ft.key_path(tree, str(kp)) == kp
+        assert ft.get(tree, str(kp)) is tree[key][0]
+    assert str(paths[3]) == "['back\\\\slash'][0]"
+    assert ft.get(tree, "['line\\nbreak\\ttab\\x00nul'][0]") is tree["line\nbreak\ttab\x00nul"][0]
+
+
+def test_int_and_other_literal_dict_keys_round_trip():
+    tree = {0: jnp.ones(1), -2: jnp.ones(2)}
+    paths = ft.recursively_all_key_paths(tree)
+    assert [str(p) for p in paths] == ["[0]", "[-2]"]
+    assert all(ft.KeyPath.parse(str(p)) == p and ft.key_path(tree, str(p)) == p for p in paths)
+    odd = {1.5: 1.0, (1, "]"): 2.0, None: 3.0}
+    for kp in ft.recursively_all_key_paths(odd):
+        assert ft.KeyPath.parse(str(kp)) == kp
+        assert ft.get(odd, str(kp)) == kp.get(odd)
+    assert [str(p) for p in ft.recursively_all_key_paths(odd)] == ["[1.5]", "[(1, ']')]", "[None]"]
+
+
+def test_key_path_parse_rejects_text_that_is_no_printed_path():
+    for text in ("[x", ".layers[", "['a\\q']", "a.b", "[1.5"):
+        with pytest.raises(ValueError, match=r"Cannot parse key path"):
+            ft.KeyPath.parse(text)
+
+
+def test_a_flat_name_never_resolves_to_a_different_leaf():
+    x, y = jnp.ones(1), jnp.zeros(1)
+    # "['a']" is both the printed path of key 'a' and the flat name of key "['a']".
+    both = {"['a']": x, "a": y}
+    with pytest.raises(ValueError) as info:
+        ft.get(both, "['a']")
+    message = str(info.value)
+    assert "\"['a']\" names 2 different values in this tree" in message
+    assert "['a'] (dotted name 'a')" in message and "[\"['a']\"] (dotted name \"['a']\")" in message
+    assert "ft.get(tree, ft.KeyPath.parse('[\"[\\'a\\']\"]'))" in message
+    assert ft.get(both, ft.KeyPath.parse("[\"['a']\"]")) is x
+    assert ft.get(both, "a") is y
+    assert list(ft.to_flat_dict(both)) == ["['a']", "a"]
+    # With no rival, a flat name that looks printed resolves to its own leaf.
+    assert ft.get({"['a']": x}, "['a']") is x
+    assert ft.get({".w": x}, ".w") is x
+    # Dict keys holding dots: the flat name resolves; a nested path of the same name is ambiguous.
+    assert ft.get({"a.b": x, "c": y}, "a.b") is x
+    with pytest.raises(ValueError, match=r"'a\.b' names 2 different values"):
+        ft.get({"a.b": x, "a": {"b": y}}, "a.b")
+    with pytest.raises(ValueError, match=r"'0' names 2 different values"):
+        ft.get({0: x, "0": y}, "0")
+    assert ft.get({0: x, "0": y}, "[0]") is x and ft.get({0: x, "0": y}, "['0']") is y
+    with pytest.raises(ValueError, match=r"'<root>' names 2 different values"):
+        ft.get({"<root>": x}, "<root>")
+
+
+def test_an_unknown_dotted_name_names_the_closest_names():
+    net = make_net()
+    with pytest.raises(KeyError) as info:
+        ft.get(net, "layers.0.weigth")
+    message = info.value.args[0]
+    assert "No value in this Net has the dotted name 'layers.0.weigth'" in message
+    assert "the Dense at .layers[0] has no child named 'weigth' (its children: ['weight', 'bias', 'activation'])" in message
+    assert "Closest names: ['layers.0.weight'" in message
+    assert "right:  ft.get(tree, 'layers.0.weight')" in message
+    with pytest.raises(KeyError, match=r"the Net has no child named 'lyers'"):
+        ft.get(net, "lyers.0")

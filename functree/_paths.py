@@ -50,10 +50,17 @@ No value in this {root} has the dotted name {text!r}: {where} has no child named
     right:  ft.get(tree, {suggestion!r})"""
 
 AMBIGUOUS_NAME = """\
-{text!r} names {count} different values in this tree: {candidates}. It reads both as a \
-printed key path and as a dotted flat-dict name (a dict key holds ".", brackets or quotes). \
+{text!r} names {count} different values in this tree: {candidates}. {reason} \
 Pass the key path itself, not a string:
     right:  ft.get(tree, ft.KeyPath.parse({printed!r}))   # {printed}"""
+
+AS_PRINTED = """\
+It reads both as a printed key path and as a dotted flat-dict name (a dict key holds \
+brackets, quotes or a leading ".")."""
+
+AS_DOTTED = """\
+Several dotted flat-dict names spell it (a dict key holding "." reads like a nested path; \
+an int key reads like a str key of the same digits)."""
 
 CYCLE = """\
 The tree contains itself: the {type} at {path} is the same object as its ancestor at \
@@ -601,10 +608,13 @@ def _exists(tree: Any, path: KeyPath) -> bool:
     return True
 
 
-def _ambiguous(text: str, candidates: list[KeyPath]) -> ValueError:
+def _ambiguous(text: str, candidates: list[KeyPath], printed_too: bool) -> ValueError:
     listed = ", ".join(f"{kp} (dotted name {kp.name!r})" for kp in candidates)
     return ValueError(
-        AMBIGUOUS_NAME.format(text=text, count=len(candidates), candidates=listed, printed=str(candidates[-1]))
+        AMBIGUOUS_NAME.format(
+            text=text, count=len(candidates), candidates=listed, printed=str(candidates[-1]),
+            reason=AS_PRINTED if printed_too else AS_DOTTED,
+        )
     )
 
 
@@ -652,12 +662,12 @@ def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
     dotted, deepest = _dotted_search(tree, path)
     if parsed is not None and (not dotted or _exists(tree, parsed)):
         if any(kp != parsed for kp in dotted):
-            raise _ambiguous(path, [parsed] + [kp for kp in dotted if kp != parsed])
+            raise _ambiguous(path, [parsed] + [kp for kp in dotted if kp != parsed], printed_too=True)
         return parsed
     if len(dotted) == 1:
         return dotted[0]
     if dotted:
-        raise _ambiguous(path, dotted)
+        raise _ambiguous(path, dotted, printed_too=False)
     if path[:1] in (".", "["):
         raise ValueError(BAD_PATH.format(text=path))
     raise _no_such_name(tree, path, deepest)

@@ -100,7 +100,9 @@ class Entry(NamedTuple):
         """The JAX key of this entry (``GetAttrKey``, ``SequenceKey`` or ``DictKey``)."""
         if self.kind == ATTR:
             return jax.tree_util.GetAttrKey(self.key)
-        return jax.tree_util.SequenceKey(self.key) if self.kind == INDEX else jax.tree_util.DictKey(self.key)
+        if self.kind == INDEX and isinstance(self.key, int):
+            return jax.tree_util.SequenceKey(self.key)
+        return jax.tree_util.DictKey(self.key)  # also any other node's key: its name is str(key)
 
 
 def _mapping_entry(key: Any) -> Entry:
@@ -245,6 +247,13 @@ def _dtype_kind(dtype: Any) -> str | None:
     return None
 
 
+def _quoted(path: KeyPath) -> str:
+    """``path`` as a string literal for a fix in an error message, double-quoted when it can be."""
+    text = str(path)
+    plain = '"' not in text and "\\" not in text and text.isprintable()
+    return f'"{text}"' if plain else repr(text)
+
+
 def _describe(x: Any) -> str:
     spec = _leaf_spec(x)
     if spec is not None:
@@ -268,7 +277,7 @@ def _check_leaf(path: KeyPath, old: Any, new: Any) -> Any:
         if new_spec != old_spec:
             raise ValueError(
                 SHAPE_MISMATCH.format(
-                    path=path, quoted=repr(str(path)), expected_shape=shape,
+                    path=path, quoted=_quoted(path), expected_shape=shape,
                     expected_dtype=dtype, given_shape=new_spec[0], given_dtype=new_spec[1],
                 )
             )
@@ -281,7 +290,7 @@ def _check_leaf(path: KeyPath, old: Any, new: Any) -> Any:
         accepts += f" or a Python {_PY_NUMBERS[leaf_kind]}"
     raise ValueError(
         LEAF_MISMATCH.format(
-            path=path, quoted=repr(str(path)), expected=f"an array of shape {shape} and dtype {dtype}",
+            path=path, quoted=_quoted(path), expected=f"an array of shape {shape} and dtype {dtype}",
             accepts=accepts, given=_describe(new), fix=f"jnp.asarray(value, jnp.{dtype}).reshape({shape})",
         )
     )
@@ -298,7 +307,7 @@ def _check_python_scalar(path: KeyPath, old_kind: str, new: Any) -> Any:
     py = _PY_TYPES[old_kind].__name__
     raise ValueError(
         LEAF_MISMATCH.format(
-            path=path, quoted=repr(str(path)), expected=f"a Python {py}", accepts=_PY_ACCEPTS[old_kind],
+            path=path, quoted=_quoted(path), expected=f"a Python {py}", accepts=_PY_ACCEPTS[old_kind],
             given=_describe(new), fix=f"{py}(value)",
         )
     )

@@ -9,8 +9,11 @@ its parameter view, its gradient and any optimizer-state tree shaped like them.
 
 from __future__ import annotations
 
+import ast
+import difflib
 import re
 import types
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import STATIC, Module
+from functree._tree import dotted_name
 
 __all__ = [
     "KeyPath",
@@ -40,6 +44,29 @@ Cannot parse key path {text!r}. Write it as printed by functree (".layers[0].wei
 NO_SUCH_PATH = """\
 Key path {path} does not exist: {where} has no {entry}. {children}"""
 
+NO_SUCH_NAME = """\
+No value in this {root} has the dotted name {text!r}: {where} has no child named {part!r} \
+(its children: {children}). Closest names: {close}.
+    right:  ft.get(tree, {suggestion!r})"""
+
+AMBIGUOUS_NAME = """\
+{text!r} names {count} different values in this tree: {candidates}. {reason} \
+Pass the key path itself, not a string:
+    right:  ft.get(tree, ft.KeyPath.parse({printed!r}))   # {printed}"""
+
+AS_PRINTED = """\
+It reads both as a printed key path and as a dotted flat-dict name (a dict key holds \
+brackets, quotes or a leading ".")."""
+
+AS_DOTTED = """\
+Several dotted flat-dict names spell it (a dict key holding "." reads like a nested path; \
+an int key reads like a str key of the same digits)."""
+
+CYCLE = """\
+The tree contains itself: the {type} at {path} is the same object as its ancestor at \
+{ancestor}, so a walk over it would never end. A pytree must be a tree: build a new \
+{type} instead of putting a value inside itself (e.g. a list field that holds its own module)."""
+
 BAD_TO = """\
 to={to!r} ({type}) is neither a type nor a dtype.
     right:  ft.recursively_all_key_paths(model, to=jax.Array)     # by type
@@ -48,7 +75,11 @@ to={to!r} ({type}) is neither a type nor a dtype.
 SHAPE_MISMATCH = """\
 ft.set({path}): expected shape {expected_shape} and dtype {expected_dtype}, \
 got shape {given_shape} and dtype {given_dtype}.
-Convert first, e.g. ft.set(tree, "{path}", value.astype(jnp.{expected_dtype}).reshape({expected_shape}))."""
+Convert first, e.g. ft.set(tree, {quoted}, value.astype(jnp.{expected_dtype}).reshape({expected_shape}))."""
+
+LEAF_MISMATCH = """\
+ft.set({path}): the value there is {expected}, so it takes {accepts}; given {given}.
+    right:  ft.set(tree, {quoted}, {fix})"""
 
 
 class Entry(NamedTuple):
@@ -62,14 +93,29 @@ class Entry(NamedTuple):
 
     @property
     def name(self) -> str:
-        """This entry in a dotted flat-dict name."""
-        return str(self.key)
+        """This entry in a dotted flat-dict name (the name ``ft.to_flat_dict`` gives it)."""
+        return dotted_name((self.jax_key(),))
+
+    def jax_key(self) -> Any:
+        """The JAX key of this entry (``GetAttrKey``, ``SequenceKey`` or ``DictKey``)."""
+        if self.kind == ATTR:
+            return jax.tree_util.GetAttrKey(self.key)
+        if self.kind == INDEX and isinstance(self.key, int):
+            return jax.tree_util.SequenceKey(self.key)
+        return jax.tree_util.DictKey(self.key)  # also any other node's key: its name is str(key)
+
+
+def _mapping_entry(key: Any) -> Entry:
+    """The entry of a mapping key: an ``int`` key is ``[0]``, like an index (and like JAX prints it)."""
+    return Entry(INDEX, key) if type(key) is int else Entry(KEY, key)
 
 
 class KeyPath(tuple):
     """A path from a root value to a nested value: ``.layers[0].weight``.
 
     Hashable and comparable (a tuple of entries), so it can key dicts and be stored.
+    ``str(kp)`` parses back exactly with :meth:`KeyPath.parse`, whatever its dict keys
+    hold (quotes, backslashes, control characters, ints).
 
     Example:
       >>> import functree as ft
@@ -78,10 +124,29 @@ class KeyPath(tuple):
       KeyPath("['layers'][0]['w']")
       >>> kp.get({"layers": [{"w": 1.0}]})
       1.0
+      >>> ft.KeyPath.parse(str(kp)) == kp
+      True
     """
 
     def __new__(cls, entries: Any = ()) -> KeyPath:
         return super().__new__(cls, tuple(entries))
+
+    @classmethod
+    def parse(cls, text: str) -> KeyPath:
+        """The key path ``text`` prints (``".layers[0]['w']"``), without a tree to resolve names.
+
+        Example:
+          >>> import functree as ft
+          >>> kp = ft.recursively_all_key_paths({'say "hi"': [1.0, 2.0]})[-1]
+          >>> print(kp)
+          ['say "hi"'][1]
+          >>> ft.KeyPath.parse(str(kp)) == kp
+          True
+        """
+        parsed = _parse_printed(text) if isinstance(text, str) else None
+        if parsed is None:
+            raise ValueError(BAD_PATH.format(text=text))
+        return parsed
 
     def __str__(self) -> str:
         return "".join(str(e) for e in self) or "<root>"
@@ -95,7 +160,7 @@ class KeyPath(tuple):
     @property
     def name(self) -> str:
         """Dotted flat-dict name: ``layers.0.weight``."""
-        return ".".join(e.name for e in self)
+        return dotted_name(tuple(e.jax_key() for e in self))
 
     def get(self, tree: Any) -> Any:
         """The value at this path in ``tree``."""
@@ -151,30 +216,106 @@ def _leaf_spec(x: Any) -> tuple[tuple[int, ...], Any] | None:
     return None
 
 
-def _check_leaf(path: KeyPath, old: Any, new: Any) -> None:
-    old_spec, new_spec = _leaf_spec(old), _leaf_spec(new)
+# ----------------------------------------------------------------- leaf checks of ft.set
+# Kinds: "b" bool, "i" integer, "f" floating, "c" complex. A Python number fits a leaf of
+# its own kind or of a wider one (an int fits a float leaf, a float fits a complex leaf).
+_WIDER = {"b": "b", "i": "ifc", "f": "fc", "c": "c"}
+_PY_TYPES = {"b": bool, "i": int, "f": float, "c": complex}
+_PY_ACCEPTS = {
+    "b": "a bool or a 0-d bool array",
+    "i": "an int or a 0-d integer array",
+    "f": "a float, an int or a 0-d floating array",
+    "c": "a number or a 0-d floating or complex array",
+}
+_PY_NUMBERS = {"b": "bool", "i": "int", "f": "float or int", "c": "complex, float or int"}
+
+
+def _number_kind(x: Any) -> str | None:
+    """The kind of a Python number (``True`` → "b", ``2`` → "i"), None for anything else."""
+    if isinstance(x, (np.generic, jax.Array)):
+        return None
+    for kind in "bifc":  # bool before int: a bool is an int
+        if isinstance(x, _PY_TYPES[kind]):
+            return kind
+    return None
+
+
+def _dtype_kind(dtype: Any) -> str | None:
+    for kind, generic in (("b", jnp.bool_), ("i", jnp.integer), ("f", jnp.floating), ("c", jnp.complexfloating)):
+        if jnp.issubdtype(dtype, generic):
+            return kind
+    return None
+
+
+def _quoted(path: KeyPath) -> str:
+    """``path`` as a string literal for a fix in an error message, double-quoted when it can be."""
+    text = str(path)
+    plain = '"' not in text and "\\" not in text and text.isprintable()
+    return f'"{text}"' if plain else repr(text)
+
+
+def _describe(x: Any) -> str:
+    spec = _leaf_spec(x)
+    if spec is not None:
+        return f"an array of shape {spec[0]} and dtype {spec[1]}"
+    text = repr(x)
+    shown = f" {text}" if len(text) <= 40 else ""
+    return f"a {type(x).__name__}{shown}" if _number_kind(x) is None else f"a Python {type(x).__name__}{shown}"
+
+
+def _check_leaf(path: KeyPath, old: Any, new: Any) -> Any:
+    """``new`` if it fits the leaf ``old`` (same shape and dtype, or a number of its kind)."""
+    old_kind = _number_kind(old)
+    if old_kind is not None:
+        return _check_python_scalar(path, old_kind, new)
+    old_spec = _leaf_spec(old)
     if old_spec is None:
-        return
-    if new_spec is None:
-        if isinstance(new, (int, float, complex)) and not isinstance(new, bool) and old_spec[0] == ():
-            return
-        new_spec = (jnp.shape(new), type(new).__name__) if not isinstance(new, Module) else ("-", type(new).__name__)
-    if old_spec[0] != new_spec[0] or old_spec[1] != new_spec[1]:
-        raise ValueError(
-            SHAPE_MISMATCH.format(
-                path=path,
-                expected_shape=old_spec[0],
-                expected_dtype=old_spec[1],
-                given_shape=new_spec[0],
-                given_dtype=new_spec[1],
+        return new  # not a leaf (a submodule, None, a static value): anything goes
+    new_spec = _leaf_spec(new)
+    shape, dtype = old_spec
+    if new_spec is not None:
+        if new_spec != old_spec:
+            raise ValueError(
+                SHAPE_MISMATCH.format(
+                    path=path, quoted=_quoted(path), expected_shape=shape,
+                    expected_dtype=dtype, given_shape=new_spec[0], given_dtype=new_spec[1],
+                )
             )
+        return new
+    kind, leaf_kind = _number_kind(new), _dtype_kind(dtype)
+    if shape == () and kind is not None and leaf_kind is not None and leaf_kind in _WIDER[kind]:
+        return new
+    accepts = "an array of that shape and dtype"
+    if shape == () and leaf_kind is not None:
+        accepts += f" or a Python {_PY_NUMBERS[leaf_kind]}"
+    raise ValueError(
+        LEAF_MISMATCH.format(
+            path=path, quoted=_quoted(path), expected=f"an array of shape {shape} and dtype {dtype}",
+            accepts=accepts, given=_describe(new), fix=f"jnp.asarray(value, jnp.{dtype}).reshape({shape})",
         )
+    )
+
+
+def _check_python_scalar(path: KeyPath, old_kind: str, new: Any) -> Any:
+    """A Python scalar leaf takes a number or a 0-d array of its kind; a number keeps its type."""
+    kind = _number_kind(new)
+    spec = _leaf_spec(new)
+    if kind is None and spec is not None and spec[0] == ():
+        kind = _dtype_kind(spec[1])
+    if kind is not None and old_kind in _WIDER[kind]:
+        return _PY_TYPES[old_kind](new) if _number_kind(new) is not None else new
+    py = _PY_TYPES[old_kind].__name__
+    raise ValueError(
+        LEAF_MISMATCH.format(
+            path=path, quoted=_quoted(path), expected=f"a Python {py}", accepts=_PY_ACCEPTS[old_kind],
+            given=_describe(new), fix=f"{py}(value)",
+        )
+    )
 
 
 def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
     if depth == len(path):
-        _check_leaf(path, tree, value)
-        return value
+        return _check_leaf(path, tree, value)
     entry = path[depth]
     child = _child(tree, entry, KeyPath(path[:depth]))
     new_child = _set(child, path, depth + 1, value)
@@ -213,7 +354,7 @@ def children(node: Any) -> list[tuple[Entry, Any]]:
     if isinstance(node, (list, tuple)):
         return [(Entry(INDEX, i), v) for i, v in enumerate(node)]
     if isinstance(node, Mapping):
-        return [(Entry(KEY, k), v) for k, v in node.items()]
+        return [(_mapping_entry(k), v) for k, v in node.items()]
     if node is None or _leaf_spec(node) is not None or isinstance(node, (int, float, complex, str)):
         return []
     return _generic_children(node)
@@ -224,10 +365,8 @@ def _generic_children(node: Any) -> list[tuple[Entry, Any]]:
     leaves = jax.tree_util.tree_leaves(node, is_leaf=lambda x: x is not node)
     if len(leaves) == 1 and leaves[0] is node:
         return []
-    from jax._src.tree_util import flatten_one_level_with_keys
-
     try:
-        pairs, _ = flatten_one_level_with_keys(node)
+        pairs, _ = jax.tree_util.flatten_one_level_with_keys(node)
     except ValueError:
         return []
     out = []
@@ -237,7 +376,7 @@ def _generic_children(node: Any) -> list[tuple[Entry, Any]]:
         elif isinstance(key, jax.tree_util.SequenceKey):
             out.append((Entry(INDEX, key.idx), value))
         elif isinstance(key, jax.tree_util.DictKey):
-            out.append((Entry(KEY, key.key), value))
+            out.append((_mapping_entry(key.key), value))
         else:
             out.append((Entry(INDEX, getattr(key, "key", len(out))), value))
     return out
@@ -251,16 +390,47 @@ def _static_names(node: Any) -> frozenset[str]:
 
 
 def walk(tree: Any, *, writable: bool = False) -> Iterator[tuple[KeyPath, Any]]:
-    """Pre-order walk over every nested value (interior nodes included), root excluded."""
-    stack: list[tuple[KeyPath, Any]] = [(KeyPath(), tree)]
+    """Pre-order walk over every nested value (interior nodes included), root excluded.
+
+    Raises ``ValueError`` naming the key path where a value contains itself (a cycle):
+    the ids of the nodes on the current path are tracked, so shared subtrees are fine.
+    """
+    on_path: dict[int, KeyPath] = {}  # id of each interior node on the current path
+    stack: list[tuple[KeyPath | None, Any]] = [(KeyPath(), tree)]
     while stack:
         path, node = stack.pop()
+        if path is None:  # every child of this node is done
+            del on_path[node]
+            continue
         static = _static_names(node) if writable else frozenset()
         kids = [(e, v) for e, v in children(node) if not (e.kind == ATTR and e.key in static)]
-        for entry, value in reversed(kids):
-            stack.append((path + (entry,), value))
+        if kids:
+            if id(node) in on_path:
+                raise ValueError(
+                    CYCLE.format(type=type(node).__name__, path=path, ancestor=on_path[id(node)])
+                )
+            on_path[id(node)] = path
+            stack.append((None, id(node)))
+            for entry, value in reversed(kids):
+                stack.append((path + (entry,), value))
         if path:
             yield path, node
+
+
+def check_acyclic(tree: Any) -> None:
+    """Raise ``ValueError`` naming the key path where ``tree`` contains itself, if it does.
+
+    Example:
+      >>> from functree._paths import check_acyclic
+      >>> loop = [1.0]
+      >>> loop.append(loop)
+      >>> check_acyclic([1.0, [2.0]])
+      >>> check_acyclic(loop)
+      Traceback (most recent call last):
+      ValueError: The tree contains itself: the list at [1] is the same object as its ancestor at <root>, ...
+    """
+    for _ in walk(tree):
+        pass
 
 
 def _type_filter(to: Any) -> Any:
@@ -358,48 +528,131 @@ def recursively_all_writable_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
     return [p for p, v in walk(x, writable=True) if keep(v)]
 
 
-_TOKEN = re.compile(r"""\.([A-Za-z_][A-Za-z0-9_]*)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\]""")
+# An attribute (an identifier), an index, or a quoted string key in brackets (Python's repr).
+_TOKEN = re.compile(
+    r"""\.([^\W\d]\w*)|\[(-?[0-9]+)\]|\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\]""", re.DOTALL
+)
+_LITERAL_KEYS = (bool, int, float, complex, bytes, tuple, type(None))
 
 
-def _parse_canonical(text: str) -> KeyPath | None:
+def _literal(text: str) -> Any:
+    """The Python literal ``text`` spells (``'a\\n'``, ``1.5``, ``(1, 'x')``); raises if none."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an invalid escape is no key, not a warning
+        return ast.literal_eval(text)
+
+
+def _parse_printed(text: str) -> KeyPath | None:
+    """The key path ``text`` prints, or None: the inverse of ``str(kp)``."""
+    if text in ("", "<root>"):
+        return KeyPath()
     entries, pos = [], 0
     while pos < len(text):
         m = _TOKEN.match(text, pos)
-        if m is None:
-            return None
-        if m.group(1) is not None:
+        if m is not None and m.group(1) is not None:
             entries.append(Entry(ATTR, m.group(1)))
-        elif m.group(2) is not None:
+        elif m is not None and m.group(2) is not None:
             entries.append(Entry(INDEX, int(m.group(2))))
+        elif m is not None:
+            try:
+                entries.append(Entry(KEY, _literal(m.group(3))))
+            except (SyntaxError, ValueError, Warning):
+                return None
         else:
-            entries.append(Entry(KEY, m.group(3)[1:-1]))
+            entry, end = _parse_other_key(text, pos)
+            if entry is None:
+                return None
+            entries.append(entry)
+            pos = end
+            continue
         pos = m.end()
     return KeyPath(entries)
 
 
-def _resolve_dotted(tree: Any, text: str) -> KeyPath:
-    entries: list[Entry] = []
-    node = tree
-    for part in text.split("."):
-        match = None
+def _parse_other_key(text: str, pos: int) -> tuple[Entry | None, int]:
+    """A ``[literal]`` entry at ``pos`` for keys other than strings and ints (``[1.5]``, ``[True]``)."""
+    if not text.startswith("[", pos):
+        return None, pos
+    end = text.find("]", pos)
+    while end != -1:
+        try:
+            key = _literal(text[pos + 1 : end])
+            if isinstance(key, _LITERAL_KEYS):
+                hash(key)
+                return _mapping_entry(key), end + 1
+        except Exception:  # any text that is no literal key: try the next "]"
+            pass
+        end = text.find("]", end + 1)
+    return None, pos
+
+
+def _dotted_search(tree: Any, text: str) -> tuple[list[KeyPath], tuple[KeyPath, Any, str]]:
+    """Every key path whose dotted name is ``text``, and the deepest prefix reached.
+
+    A dict key may itself hold dots (``{"a.b": ...}``), so each child whose name is a
+    prefix of the rest (followed by ``.`` or the end) is tried. The deepest prefix is
+    ``(path, node, rest)``, for the error when nothing matches.
+    """
+    found: list[KeyPath] = []
+    deepest: tuple[KeyPath, Any, str] = (KeyPath(), tree, text)
+    stack = [(KeyPath(), tree, text)]
+    while stack:
+        path, node, rest = stack.pop()
+        if len(path) > len(deepest[0]):
+            deepest = (path, node, rest)
         for entry, value in children(node):
-            if entry.name == part:
-                match = (entry, value)
-                break
-        if match is None:
-            raise KeyError(
-                _no_such_path(KeyPath(entries) + (Entry(KEY, part),), KeyPath(entries), node, Entry(KEY, part))
-            )
-        entries.append(match[0])
-        node = match[1]
-    return KeyPath(entries)
+            name = entry.name
+            if rest == name:
+                found.append(path + (entry,))
+            elif rest.startswith(name + "."):
+                stack.append((path + (entry,), value, rest[len(name) + 1 :]))
+    return sorted(dict.fromkeys(found), key=len), deepest
+
+
+def _exists(tree: Any, path: KeyPath) -> bool:
+    try:
+        path.get(tree)
+    except KeyError:
+        return False
+    return True
+
+
+def _ambiguous(text: str, candidates: list[KeyPath], printed_too: bool) -> ValueError:
+    listed = ", ".join(f"{kp} (dotted name {kp.name!r})" for kp in candidates)
+    return ValueError(
+        AMBIGUOUS_NAME.format(
+            text=text, count=len(candidates), candidates=listed, printed=str(candidates[-1]),
+            reason=AS_PRINTED if printed_too else AS_DOTTED,
+        )
+    )
+
+
+def _no_such_name(tree: Any, text: str, deepest: tuple[KeyPath, Any, str]) -> KeyError:
+    path, node, rest = deepest
+    try:
+        names = [kp.name for kp, _ in walk(tree)]
+    except ValueError:  # a cycle: no list of names
+        names = []
+    close = difflib.get_close_matches(text, names, n=3, cutoff=0.5)
+    where = f"the {type(node).__name__} at {path}" if path else f"the {type(tree).__name__}"
+    return KeyError(
+        NO_SUCH_NAME.format(
+            root=type(tree).__name__, text=text, where=where, part=rest.split(".")[0],
+            children=[e.name for e, _ in children(node)], close=close or "none",
+            suggestion=close[0] if close else (names[0] if names else "<root>"),
+        )
+    )
 
 
 def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
     """A :class:`KeyPath` from a key path or its string (``".layers[0].w"`` or ``"layers.0.w"``).
 
-    Canonical strings (starting with ``.`` or ``[``) parse without a tree; dotted names are
-    resolved against ``tree``.
+    A string is read two ways: as a printed key path (``str(kp)``, which starts with ``.``
+    or ``[``) and as a dotted flat-dict name (``kp.name``, the keys of
+    :func:`to_flat_dict`), resolved against ``tree``. When both readings name values in
+    ``tree`` and they differ (``{"['a']": x, "a": y}``) the string is ambiguous and this
+    raises instead of picking one; a string neither reading finds raises naming the
+    closest names. Without a tree (``tree=None``) a printed key path parses as is.
 
     Example:
       >>> import functree as ft
@@ -407,19 +660,26 @@ def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
       KeyPath('.layers[0].w')
       >>> ft.key_path({"layers": [{"w": 1.0}]}, "layers.0.w").name
       'layers.0.w'
+      >>> ft.key_path({"a.b": 1.0}, "a.b")
+      KeyPath("['a.b']")
     """
     if isinstance(path, KeyPath):
         return path
     if not isinstance(path, str):
         raise TypeError(f"A key path is a ft.KeyPath or a string, got {type(path).__name__}.")
-    if path in ("", "<root>"):
-        return KeyPath()
-    if path[0] in ".[":
-        parsed = _parse_canonical(path)
-        if parsed is None:
-            raise ValueError(BAD_PATH.format(text=path))
+    parsed = _parse_printed(path) if path[:1] in ("", ".", "[", "<") else None
+    dotted, deepest = _dotted_search(tree, path)
+    if parsed is not None and (not dotted or _exists(tree, parsed)):
+        if any(kp != parsed for kp in dotted):
+            raise _ambiguous(path, [parsed] + [kp for kp in dotted if kp != parsed], printed_too=True)
         return parsed
-    return _resolve_dotted(tree, path)
+    if len(dotted) == 1:
+        return dotted[0]
+    if dotted:
+        raise _ambiguous(path, dotted, printed_too=False)
+    if path[:1] in (".", "["):
+        raise ValueError(BAD_PATH.format(text=path))
+    raise _no_such_name(tree, path, deepest)
 
 
 def get(tree: Any, path: KeyPath | str) -> Any:

@@ -7,30 +7,62 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from functree._parameters import _jax_path_name
+from functree._paths import check_acyclic
+from functree._tree import dotted_name
 
 __all__ = ["to_flat_dict", "from_flat_dict", "FlatDictReport"]
 
 DUPLICATE_NAME = """\
-ft.to_flat_dict: two leaves share the dotted name {name!r} ({first} and {second}); a dict key \
-containing "." collides with a nested path. Rename the key, e.g. {fixed!r}."""
+ft.{fn}: two leaves share the dotted name {name!r} ({first} and {second}); a dict key \
+containing "." collides with a nested path (or an int key with a str key of the same digits). \
+Rename the key, e.g. {fixed!r}."""
 
 FLAT_DICT_MISMATCH = """\
 ft.from_flat_dict: the flat dict does not fit the template.
 {report}
 Pass strict=False to fill what matches and get this report back instead."""
 
+TORCH_HINT = """\
+torch tensors ({names}): pass cast=True (it converts them through .detach().cpu().numpy() to \
+the template's floating dtypes), or convert the state dict first: \
+{{k: v.detach().cpu().numpy() for k, v in state_dict.items()}}"""
 
-def _is_none(x: Any) -> bool:
-    return x is None
+FLOAT_HINT = """\
+floating dtypes differ ({names}): pass cast=True to convert floating values to the template's \
+dtypes: ft.from_flat_dict(template, flat, cast=True)"""
+
+CAST_HINT = """\
+cast=True converts floating values of the same shape only; convert these yourself: {names}"""
+
+_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}
 
 
 def _spec(x: Any) -> tuple[tuple[int, ...], str]:
     if isinstance(x, (float, int, complex)) and not hasattr(x, "dtype"):
         return (), type(x).__name__
     return tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))
+
+
+_DEEP = 64  # key paths longer than this are checked for a cycle (no model nests this deep)
+
+
+def _flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """JAX's flatten with paths; a tree that contains itself raises naming where.
+
+    On a cycle JAX's C++ flatten either raises (a ``SystemError`` around a recursion
+    error) or stops at its recursion limit and returns absurdly long key paths.
+    """
+    try:
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    except (RecursionError, SystemError):
+        check_acyclic(tree)
+        raise
+    if any(len(path) > _DEEP for path, _ in path_leaves):
+        check_acyclic(tree)
+    return path_leaves, treedef
 
 
 def to_flat_dict(tree: Any) -> dict[str, Any]:
@@ -41,24 +73,25 @@ def to_flat_dict(tree: Any) -> dict[str, Any]:
       >>> ft.to_flat_dict({"layers": [{"w": jnp.ones(2)}], "b": 0.5})
       {'b': 0.5, 'layers.0.w': Array([1., 1.], dtype=float32)}
     """
-    path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    flat = {_jax_path_name(p): leaf for p, leaf in path_leaves}
+    path_leaves, _ = _flatten_with_path(tree)
+    flat = {dotted_name(p): leaf for p, leaf in path_leaves}
     if len(flat) != len(path_leaves):
-        _raise_duplicate(path_leaves)
+        _raise_duplicate(path_leaves, "to_flat_dict")
     return flat
 
 
-def _raise_duplicate(path_leaves: list[tuple[Any, Any]]) -> None:
+def _raise_duplicate(path_leaves: list[tuple[Any, Any]], fn: str) -> None:
     seen: dict[str, Any] = {}
     for path, _ in path_leaves:
-        name = _jax_path_name(path)
+        name = dotted_name(path)
         if name in seen:
             raise ValueError(
                 DUPLICATE_NAME.format(
+                    fn=fn,
                     name=name,
                     first=jax.tree_util.keystr(seen[name]),
                     second=jax.tree_util.keystr(path),
-                    fixed=name.replace(".", "_"),
+                    fixed=name.replace(".", "_") if "." in name else f"k{name}",
                 )
             )
         seen[name] = path
@@ -66,11 +99,15 @@ def _raise_duplicate(path_leaves: list[tuple[Any, Any]]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class FlatDictReport:
-    """What did not fit in :func:`from_flat_dict`: names missing, unexpected and mismatched."""
+    """What did not fit in :func:`from_flat_dict`: names missing, unexpected and mismatched.
+
+    ``hints`` say how to fix mismatches (a torch tensor, a float64 array: ``cast=True``).
+    """
 
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[tuple[str, str, str], ...] = ()  # (name, expected, given)
+    hints: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -84,10 +121,11 @@ class FlatDictReport:
             lines.append(f"  unexpected keys: {list(self.unexpected)}")
         for name, expected, given in self.mismatched:
             lines.append(f"  {name}: expected {expected}, given {given}")
+        lines.extend(f"  hint: {hint}" for hint in self.hints)
         return "\n".join(lines) or "  everything matched"
 
 
-def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = True) -> Any:
+def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = True, cast: bool = False) -> Any:
     """Rebuild a tree shaped like ``template`` from a flat dict made by :func:`to_flat_dict`.
 
     Every leaf's shape and dtype is checked against the template. With ``strict=True`` any
@@ -95,33 +133,51 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
     mismatches by name; with ``strict=False`` the template's leaf is kept wherever the
     flat dict does not fit, and ``(tree, report)`` is returned.
 
+    ``cast=True`` converts what is only a floating dtype away: a float64 NumPy array, a
+    torch tensor (through ``.detach().cpu().numpy()``; torch is never imported) or a
+    Python float becomes the template leaf's floating dtype when its shape is the
+    template's. Shapes are never changed, and integer or bool values are never cast.
+
     Example:
-      >>> import functree as ft, jax.numpy as jnp
+      >>> import functree as ft, jax.numpy as jnp, numpy as np
       >>> template = {"w": jnp.zeros(2)}
       >>> ft.from_flat_dict(template, {"w": jnp.ones(2)})["w"]
       Array([1., 1.], dtype=float32)
+      >>> ft.from_flat_dict(template, {"w": np.ones(2)}, cast=True)["w"]   # float64 -> float32
+      Array([1., 1.], dtype=float32)
     """
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-    names = [_jax_path_name(p) for p, _ in path_leaves]
+    path_leaves, treedef = _flatten_with_path(template)
+    names = [dotted_name(p) for p, _ in path_leaves]
+    if len(frozenset(names)) != len(names):
+        _raise_duplicate(path_leaves, "from_flat_dict")
     missing, mismatched, leaves = [], [], []
+    hinted: dict[str, list[str]] = {}
     for name, (_, old) in zip(names, path_leaves):
         if name not in flat:
             missing.append(name)
             leaves.append(old)
             continue
-        new = flat[name]
-        if _spec(old) != _spec(new) and not _python_scalar_fits(old, new):
-            mismatched.append((name, _fmt(_spec(old)), _fmt(_spec(new))))
-            leaves.append(old)
-        else:
+        new = _cast(old, flat[name]) if cast else flat[name]
+        if _fits(old, new):
             leaves.append(new)
+            continue
+        mismatched.append((name, _fmt(_spec(old)), _fmt(_spec(new))))
+        kind = _hint_kind(old, new, cast)
+        if kind is not None:
+            hinted.setdefault(kind, []).append(name)
+        leaves.append(old)
     known = frozenset(names)
     unexpected = tuple(k for k in flat if k not in known)
-    report = FlatDictReport(tuple(missing), unexpected, tuple(mismatched))
+    hints = tuple(_HINTS[kind].format(names=_listed(names)) for kind, names in hinted.items())
+    report = FlatDictReport(tuple(missing), unexpected, tuple(mismatched), hints)
     if strict and not report.ok:
         raise ValueError(FLAT_DICT_MISMATCH.format(report=report))
     tree = jax.tree.unflatten(treedef, leaves)
     return tree if strict else (tree, report)
+
+
+def _fits(old: Any, new: Any) -> bool:
+    return _spec(old) == _spec(new) or _python_scalar_fits(old, new)
 
 
 def _python_scalar_fits(old: Any, new: Any) -> bool:
@@ -131,10 +187,87 @@ def _python_scalar_fits(old: Any, new: Any) -> bool:
     """
     if not isinstance(old, (bool, int, float)) or np.shape(new) != ():
         return False
-    kind = np.dtype(getattr(new, "dtype", type(new))).kind
+    try:
+        kind = np.dtype(getattr(new, "dtype", type(new))).kind
+    except TypeError:  # a dtype NumPy does not know (torch.float32)
+        return False
     if isinstance(old, bool):
         return kind == "b"
     return kind in ("i", "u") if isinstance(old, int) else kind == "f"
+
+
+def _is_torch_like(x: Any) -> bool:
+    """A tensor with ``.detach()``, ``.cpu()`` and ``.numpy()`` (torch's), without importing torch."""
+    return all(callable(getattr(x, method, None)) for method in ("detach", "cpu", "numpy"))
+
+
+def _to_numpy(x: Any) -> np.ndarray | None:
+    """``x`` as a NumPy array (a torch-like tensor through ``.detach().cpu().numpy()``), else None."""
+    if _is_torch_like(x):
+        tensor = x.detach().cpu()
+        try:
+            return np.asarray(tensor.numpy())
+        except TypeError:  # bfloat16 has no NumPy dtype in torch: widen to float32 first
+            return np.asarray(tensor.float().numpy())
+    if isinstance(x, (np.ndarray, np.generic, jax.Array, float, int)) or hasattr(x, "__array__"):
+        return np.asarray(x)
+    return None
+
+
+def _template_dtype(old: Any) -> np.dtype | None:
+    if isinstance(old, float):
+        return np.dtype(np.float64)  # a Python float leaf: any floating value, kept a float
+    dtype = getattr(old, "dtype", None)
+    return None if dtype is None else np.dtype(dtype)
+
+
+def _cast(old: Any, new: Any) -> Any:
+    """``new`` converted to the template leaf's floating dtype when only the dtype differs."""
+    if _fits(old, new):
+        return new
+    value = _to_numpy(new)
+    if value is None:
+        return new
+    if _fits(old, value):
+        return _like(old, value)
+    dtype = _template_dtype(old)
+    if dtype is None or value.shape != np.shape(old) or not _both_floating(value.dtype, dtype):
+        return new
+    return _like(old, value.astype(dtype))
+
+
+def _like(old: Any, value: np.ndarray) -> Any:
+    """A converted value in the template leaf's container: a JAX array, a Python scalar, NumPy."""
+    if isinstance(old, (bool, int, float)) and not isinstance(old, np.generic):
+        return type(old)(value)
+    return jnp.asarray(value) if isinstance(old, jax.Array) else value
+
+
+def _both_floating(a: Any, b: Any) -> bool:
+    return bool(jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating))
+
+
+def _hint_kind(old: Any, new: Any, cast: bool) -> str | None:
+    """Which hint fixes one mismatched leaf: "torch", "float", "cast" or None (shapes say it all)."""
+    shape = np.shape(old)
+    if cast:
+        value, dtype = _to_numpy(new), _template_dtype(old)
+        fits = value is not None and dtype is not None and value.shape == shape
+        return None if value is None or (fits and _both_floating(value.dtype, dtype)) else "cast"
+    if _is_torch_like(new):
+        return "torch"
+    given, dtype = getattr(new, "dtype", None), _template_dtype(old)
+    if given is None or dtype is None or np.shape(new) != shape:
+        return None
+    try:
+        return "float" if _both_floating(given, dtype) else None
+    except TypeError:  # a dtype NumPy does not know
+        return None
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
 
 
 def _fmt(spec: tuple[tuple[int, ...], str]) -> str:

@@ -124,3 +124,78 @@ def test_python_scalars_accept_scalar_arrays_of_their_kind_only():
     assert float(restored["f"]) == 1.5 and int(restored["i"]) == 4 and not bool(restored["b"])
     _, report = ft.from_flat_dict(template, {"f": jnp.int32(1), "i": np.float32(4), "b": 1}, strict=False)
     assert [name for name, _, _ in report.mismatched] == ["b", "f", "i"]
+
+
+# ----------------------------------------------------------------- torch tensors and cast=True
+
+
+def torch_state_dict(torch: Any, dtype: Any) -> dict[str, Any]:
+    """A torch state dict shaped like make_net() (weights transposed to the template's shapes)."""
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)]
+    flat = {}
+    for i, linear in enumerate(linears):
+        flat[f"layers.{i}.weight"] = linear.weight.T.to(dtype)  # requires grad: cast detaches
+        flat[f"layers.{i}.bias"] = linear.bias.to(dtype)
+    flat["scale"] = torch.tensor(0.25, dtype=torch.float64)
+    flat["steps"] = torch.tensor(7, dtype=torch.int32)
+    return flat
+
+
+def test_torch_tensors_are_reported_with_what_to_do():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError) as info:
+        ft.from_flat_dict(make_net(), torch_state_dict(torch, torch.float32))
+    message = str(info.value)
+    assert "layers.0.weight: expected shape (2, 3) dtype float32, given shape (2, 3) dtype torch.float32" in message
+    assert "hint: torch tensors (layers.0.weight, layers.0.bias, layers.1.weight, layers.1.bias, scale and 1 more)" in message
+    assert "pass cast=True" in message and "{k: v.detach().cpu().numpy() for k, v in state_dict.items()}" in message
+
+
+def test_cast_converts_torch_tensors_to_the_template_dtypes():
+    torch = pytest.importorskip("torch")
+    net = make_net().replace(layers=[make_net().layers[0], Dense(jnp.ones((3, 1), jnp.bfloat16), jnp.zeros(1, jnp.bfloat16))])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        flat = torch_state_dict(torch, dtype)
+        new = ft.from_flat_dict(net, flat, cast=True)
+        assert_same_tree(jax.tree.map(jnp.zeros_like, new), jax.tree.map(jnp.zeros_like, net))
+        assert isinstance(new.layers[0].weight, jax.Array) and isinstance(new.scale, float)
+        expected = flat["layers.0.weight"].detach().double().numpy()
+        np.testing.assert_allclose(np.asarray(new.layers[0].weight, np.float64), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+        np.testing.assert_allclose(np.asarray(new.layers[1].bias, np.float64), flat["layers.1.bias"].detach().double().numpy(), rtol=1e-2)
+        assert new.scale == 0.25 and int(new.steps) == 7 and new.steps.dtype == jnp.int32
+
+
+def test_cast_never_reshapes_and_never_casts_integers():
+    torch = pytest.importorskip("torch")
+    flat = torch_state_dict(torch, torch.float32)
+    flat["layers.0.weight"] = flat["layers.0.weight"].T  # (3, 2): the torch layout
+    flat["steps"] = torch.tensor(7)  # int64
+    with pytest.raises(ValueError) as info:
+        ft.from_flat_dict(make_net(), flat, cast=True)
+    message = str(info.value)
+    assert "layers.0.weight: expected shape (2, 3) dtype float32, given shape (3, 2) dtype torch.float32" in message
+    assert "steps: expected shape () dtype int32, given shape () dtype torch.int64" in message
+    assert "hint: cast=True converts floating values of the same shape only; convert these yourself: layers.0.weight, steps" in message
+    _, report = ft.from_flat_dict(make_net(), flat, cast=True, strict=False)
+    assert [name for name, _, _ in report.mismatched] == ["layers.0.weight", "steps"]
+
+
+def test_float64_numpy_arrays_need_cast_and_get_a_hint():
+    net = make_net()
+    flat = {k: np.asarray(v, np.float64) if k != "steps" else v for k, v in ft.to_flat_dict(net).items()}
+    with pytest.raises(ValueError) as info:
+        ft.from_flat_dict(net, flat)
+    message = str(info.value)
+    assert "layers.0.weight: expected shape (2, 3) dtype float32, given shape (2, 3) dtype float64" in message
+    assert "hint: floating dtypes differ (layers.0.weight, layers.0.bias, layers.1.weight, layers.1.bias): pass cast=True" in message
+    new = ft.from_flat_dict(net, flat, cast=True)
+    assert_same_tree(new, net)
+    assert isinstance(new.layers[0].weight, jax.Array)
+    _, report = ft.from_flat_dict(net, {**flat, "steps": np.float32(1.0)}, cast=True, strict=False)
+    assert report.mismatched == (("steps", "shape () dtype int32", "shape () dtype float32"),)
+
+
+def test_from_flat_dict_rejects_a_template_whose_names_collide():
+    with pytest.raises(ValueError, match=r"ft\.from_flat_dict: two leaves share the dotted name 'a\.b'"):
+        ft.from_flat_dict({"a.b": jnp.ones(1), "a": {"b": jnp.ones(1)}}, {"a.b": jnp.ones(1)})

@@ -1,0 +1,141 @@
+"""Property tests of key paths and flat dicts on random trees with arbitrary dict keys.
+
+Keys hold quotes, backslashes, control characters, dots, brackets and unicode, so printed
+key paths must round-trip exactly and a string must never resolve to a different value.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from test_paths import Carry, Pair, arrays, assert_same_tree
+
+import functree as ft
+from functree._paths import ATTR, INDEX, KEY, Entry
+
+SETTINGS = settings(max_examples=50, deadline=None)
+
+# Keys chosen to collide: a printed path ("['a']", ".a", "[0]"), dots, the root's names.
+TRICKY = ["a", "a.b", "['a']", '["a"]', ".a", "[0]", "0", "<root>", "", "b", "'", '"', "\\", "\n"]
+STR_KEYS = st.one_of(st.sampled_from(TRICKY), st.text(max_size=4))
+INT_KEYS = st.integers(-3, 3)
+
+
+def trees() -> st.SearchStrategy:
+    """Nested dicts (all-str or all-int keys), lists, tuples and Modules of array and float leaves."""
+    leaves = st.one_of(arrays(), st.floats(-10, 10, allow_nan=False, width=32))
+
+    def extend(children: st.SearchStrategy) -> st.SearchStrategy:
+        return st.one_of(
+            st.dictionaries(STR_KEYS, children, min_size=1, max_size=3),
+            st.dictionaries(INT_KEYS, children, min_size=1, max_size=2),
+            st.lists(children, min_size=1, max_size=3),
+            st.lists(children, min_size=1, max_size=2).map(tuple),
+            st.builds(Pair, children, children, st.sampled_from(["p", "q"])),
+            st.builds(Carry, children, st.one_of(st.none(), arrays())),
+        )
+
+    return st.recursive(leaves, extend, max_leaves=6)
+
+
+def assert_resolves_to(tree: Any, text: str, kp: ft.KeyPath, all_paths: list[ft.KeyPath]) -> None:
+    """``text`` resolves to ``kp``, or raises because another path prints or is named as ``text``."""
+    try:
+        assert ft.key_path(tree, text) == kp
+    except ValueError as error:
+        assert "different values in this tree" in str(error)
+        rivals = [p for p in [ft.KeyPath(), *all_paths] if p != kp and text in (str(p), p.name)]
+        assert rivals, f"{text!r} was called ambiguous, but only {kp} answers to it"
+
+
+# ----------------------------------------------------------------- printing and parsing
+
+
+entries = st.one_of(
+    st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,5}", fullmatch=True).map(lambda k: Entry(ATTR, k)),
+    st.integers(-(10**6), 10**6).map(lambda k: Entry(INDEX, k)),
+    st.text().map(lambda k: Entry(KEY, k)),
+    st.one_of(st.booleans(), st.floats(allow_nan=False, allow_infinity=False), st.none(), st.tuples(st.integers(), st.text(max_size=3)))
+    .map(lambda k: Entry(KEY, k)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(entries, max_size=5))
+def test_printed_key_paths_parse_back_exactly(path_entries: list[Entry]):
+    kp = ft.KeyPath(path_entries)
+    assert ft.KeyPath.parse(str(kp)) == kp
+    assert ft.key_path(None, str(kp)) == kp
+    assert eval(repr(kp), {"KeyPath": ft.KeyPath.parse}) == kp  # repr shows the printed form
+
+
+# ----------------------------------------------------------------- get, set, names
+
+
+@SETTINGS
+@given(trees())
+def test_every_path_and_its_strings_reach_their_own_value(tree: Any):
+    paths = ft.recursively_all_key_paths(tree)
+    for kp in paths:
+        value = kp.get(tree)
+        assert ft.get(tree, kp) is value
+        assert ft.KeyPath.parse(str(kp)) == kp
+        assert_resolves_to(tree, str(kp), kp, paths)
+        assert_resolves_to(tree, kp.name, kp, paths)
+
+
+@SETTINGS
+@given(trees())
+def test_set_then_get_returns_the_new_value_and_leaves_the_others(tree: Any):
+    leaf_paths = ft.recursively_all_writable_key_paths(tree, to=jax.Array)
+    for kp in leaf_paths:
+        old = kp.get(tree)
+        new_value = jnp.zeros_like(old) if old.dtype != jnp.bool_ else ~old
+        new = ft.set(tree, kp, new_value)
+        assert ft.get(new, kp) is new_value
+        assert jax.tree.structure(new) == jax.tree.structure(tree)
+        for other in leaf_paths:
+            if other != kp:
+                assert other.get(new) is other.get(tree)
+
+
+@SETTINGS
+@given(trees())
+def test_scalar_leaves_reject_strings_complex_numbers_and_arrays(tree: Any):
+    for kp in ft.recursively_all_writable_key_paths(tree, to=float):
+        assert ft.get(ft.set(tree, kp, 2), kp) == 2.0 and isinstance(ft.get(ft.set(tree, kp, 2), kp), float)
+        for bad in ("1.0", 1 + 2j, jnp.ones(5)):
+            with pytest.raises(ValueError, match=r"the value there is a Python float"):
+                ft.set(tree, kp, bad)
+    for kp in ft.recursively_all_writable_key_paths(tree, to=jax.Array):
+        with pytest.raises(ValueError, match=re.escape(f"ft.set({kp})")):
+            ft.set(tree, kp, "not an array")
+
+
+# ----------------------------------------------------------------- flat dicts
+
+
+@SETTINGS
+@given(trees())
+def test_flat_dict_round_trips_or_names_the_colliding_leaves(tree: Any):
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    names = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in leaves]
+    try:
+        flat = ft.to_flat_dict(tree)
+    except ValueError as error:
+        assert "share the dotted name" in str(error)
+        assert len(frozenset(names)) < len(names)
+        return
+    assert len(flat) == len(leaves)
+    assert_same_tree(ft.from_flat_dict(tree, flat), tree)
+    # float64 NumPy copies of every leaf come back in the template's dtypes with cast=True.
+    wide = {k: np.asarray(v, np.float64) if jnp.issubdtype(jnp.result_type(v), jnp.floating) else v
+            for k, v in flat.items()}
+    assert_same_tree(ft.from_flat_dict(tree, wide, cast=True), tree)

@@ -250,3 +250,15 @@ def test_a_gradient_for_a_non_parameter_is_an_error_naming_it():
     grads = jax.tree.map(jnp.ones_like, model)  # running statistics are not parameters
     with pytest.raises(ValueError, match=r"at running_mean: the leaf is not a parameter"):
         opt.update(grads, opt.init(model), model)
+
+
+def test_minimize_updates_layer_state_of_a_model_in_training_mode():
+    """BatchNorm statistics follow the data in a hand-written minimize loop."""
+    model = ft.nn.training(ft.nn.Sequential([ft.nn.BatchNorm(4, momentum=0.9), ft.nn.Dense(4, 1, key=jax.random.key(0))]))
+    opt = fo.Optimizer(fo.adam(1e-2))
+    state = opt.init(model)
+    x = 5.0 + jax.random.normal(jax.random.key(1), (32, 4))
+    step = ft.jit(lambda m, s, x: opt.minimize(lambda m, x: jnp.mean((m(x) - 1.0) ** 2), m, s, x), donate=(0, 1))
+    for _ in range(100):
+        model, state, _ = step(model, state, x)
+    np.testing.assert_allclose(model.layers[0].running_mean, x.mean(0), rtol=1e-3)  # 0.9^100: converged

@@ -31,3 +31,17 @@ def test_groups_by_pattern_and_their_errors():
         fo.groups({"encoder.*": fo.sgd(), "*.bias": fo.sgd(), "head.weight": fo.sgd()}).init(net)
     with pytest.raises(ValueError, match="needs at least one"):
         fo.groups({})
+
+
+def test_moments_of_parameter_groups_merge_into_the_parameter_view():
+    model = ft.nn.Sequential([ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.Dense(3, 1, key=jax.random.key(1))])
+    opt = ft.optim.Optimizer(ft.optim.groups({"layers.0.*": ft.optim.adam(0.1), "layers.1.*": ft.optim.sgd(0.1, 0.9)}))
+    state = opt.init(model)
+    grads = jax.tree.map(jnp.ones_like, ft.parameters(model))
+    _, state = opt.update(grads, state, model)
+    moments = ft.optim.moments(state)
+    assert sorted(moments) == ["mu", "nu", "trace"]
+    kp = ft.key_path(model, ".layers[0].weight")
+    assert kp.get(moments["mu"]).shape == (2, 3)
+    assert moments["mu"].layers[1].weight is None  # the sgd group keeps no mu
+    np.testing.assert_allclose(moments["trace"].layers[1].bias, 1.0)

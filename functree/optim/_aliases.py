@@ -508,13 +508,34 @@ def _is_moment_state(x: Any) -> bool:
     return fields is not None and any(f in fields for f in MOMENT_FIELDS)
 
 
+def _masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _merge(trees: list[Any]) -> Any | None:
+    """One tree from parameter groups' moments (each filled only at its group's parameters),
+    or None when they overlap or differ in structure."""
+    flat = [jax.tree.flatten(t, is_leaf=lambda x: _masked(x) or x is None) for t in trees]
+    treedef = flat[0][1]
+    if any(d != treedef for _, d in flat):
+        return None
+    out = []
+    for values in zip(*(leaves for leaves, _ in flat)):
+        given = [v for v in values if not _masked(v) and v is not None]
+        if len(given) > 1:
+            return None
+        out.append(given[0] if given else None)
+    return treedef.unflatten(out)
+
+
 def moments(state: Any) -> dict[str, Any]:
     """The per-parameter state (moments) by name; each has the parameter view's structure.
 
     Names are the optax state fields (``mu``, ``nu``, ``trace``, ...). Read one
     parameter's moment with the model's key path: ``ft.get(moments(state)["mu"], kp)``.
-    A name found in several places (parameter groups) is listed once per place as
-    ``name``, ``name#1``, ...
+    Parameter groups' moments are merged into one tree (``None`` where a group's
+    optimizer keeps no such moment); a name found in several overlapping places (two
+    momentum transforms in a chain) is listed once per place as ``name``, ``name#1``, ...
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -524,15 +545,23 @@ def moments(state: Any) -> dict[str, Any]:
       {'trace': {'w': Array([ 1., -2.], dtype=float32)}}
       >>> sorted(ft.optim.moments(ft.optim.adam().init({"w": jnp.ones(2)})))
       ['mu', 'nu']
+      >>> tx = ft.optim.groups({"a": ft.optim.adam(), "b": ft.optim.adam()})
+      >>> ft.optim.moments(tx.init({"a": jnp.ones(1), "b": jnp.zeros(2)}))["mu"]
+      {'a': Array([0.], dtype=float32), 'b': Array([0., 0.], dtype=float32)}
     """
-    out: dict[str, Any] = {}
+    found: dict[str, list[Any]] = {}
     for node in jax.tree.leaves(state, is_leaf=_is_moment_state):
         if not _is_moment_state(node):
             continue
         for field in MOMENT_FIELDS:
             if field in getattr(node, "_fields", ()):
-                key, i = field, 1
-                while key in out:
-                    key, i = f"{field}#{i}", i + 1
-                out[key] = getattr(node, field)
+                found.setdefault(field, []).append(getattr(node, field))
+    out: dict[str, Any] = {}
+    for field, trees in found.items():
+        merged = _merge(trees)
+        if merged is not None:
+            out[field] = merged
+            continue
+        for i, tree in enumerate(trees):
+            out[field if i == 0 else f"{field}#{i}"] = tree
     return out

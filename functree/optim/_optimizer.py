@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import parameters
 from functree._tangent import move
@@ -351,12 +352,16 @@ class Optimizer:
             if self.axis_name is not None:
                 minibatch_size *= axis_size(self.axis_name)
 
-        def objective(m: Any, *b: Any) -> tuple[Any, Any]:
-            out, layer_state = collect_state(lambda mm: loss_fn(mm, *b), m)
-            return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
+        if _has_layer_state(model):  # collect what BatchNorm & co. record in training mode
+            def objective(m: Any, *b: Any) -> tuple[Any, Any]:
+                out, layer_state = collect_state(lambda mm: loss_fn(mm, *b), m)
+                return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
 
-        (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,
-                                                                   state=state)
+            (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,
+                                                                       state=state)
+        else:  # the user's loss function as it is (custom get_gradients hooks see it unchanged)
+            out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state)
+            loss, layer_state = (out[0] if has_aux else out), {}
         if self.accumulate > 1:  # microbatch outputs come stacked: (k, ...); the state of the last
             layer_state = jax.tree.map(lambda u: u[-1], layer_state)
             out = (loss, out[1]) if has_aux else loss
@@ -388,6 +393,15 @@ class Optimizer:
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), grads
         return jnp.mean(outs), grads
+
+
+def _stateful(x: Any) -> bool:
+    return isinstance(x, Module) and bool(type(x).__ft_no_derivative__)
+
+
+def _has_layer_state(model: Any) -> bool:
+    """Whether ``model`` holds a layer with ``no_derivative`` fields (state it may record)."""
+    return any(_stateful(x) for x in jax.tree.leaves(model, is_leaf=_stateful))
 
 
 def _both(a: Any, b: Any) -> Any:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -172,15 +173,25 @@ def test_corrupted_checkpoint_is_reported_and_nothing_is_changed(tmp_path):
     np.testing.assert_array_equal(manager.restore(1).model["w"], np.ones(3))
 
 
-def test_unimportable_class_needs_a_template(tmp_path):
+def test_unregistered_class_needs_registering_or_a_template(tmp_path):
     class Local(ft.Module):
         w: jax.Array
 
+    class State(NamedTuple):
+        count: jax.Array
+
     manager = CheckpointManager(tmp_path / "ckpt")
-    manager.save(1, Local(jnp.ones(2)))
-    with pytest.raises(SpecError, match=r"at 'model'.*cannot be imported by name"):
+    manager.save(1, Local(jnp.ones(2)), State(jnp.array(3)))
+    with pytest.raises(SpecError, match=r"step 1 .*\n.*at 'opt_state'.*State is not a registered type") as info:
         manager.restore()
-    assert type(manager.restore(template=Local(jnp.zeros(2))).model) is Local
+    assert "ft.train.register(MyClass)" in str(info.value) and "template=" in str(info.value)
+    # a Module subclass defined in this process is found without importing anything
+    assert type(manager.restore(include=("model",)).model) is Local
+    ckpt = manager.restore(opt_state_template=State(jnp.array(0)))
+    assert type(ckpt.opt_state) is State and int(ckpt.opt_state.count) == 3
+    ft.train.register(State, name="tests.checkpoint.State")
+    manager.save(2, Local(jnp.ones(2)), State(jnp.array(4)))
+    assert type(manager.restore(2).opt_state) is State
 
 
 def test_single_tree_save_and_load(tmp_path):

@@ -43,6 +43,7 @@ def test_unrebuildable_static_value():
     assert decode(spec, arrays).dtype == np.dtype("float32")
 
 
+@ft.train.register
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Registered:

@@ -69,8 +69,7 @@ No checkpoint {what} in {path} (steps present: {steps}).
     right:  manager.restore()          # the latest, or one of {steps}"""
 
 CORRUPTED = """\
-The checkpoint at step {step} ({path}) is corrupted or incomplete and cannot be read
-({error}).
+The checkpoint at step {step} ({path}) is corrupted or incomplete and cannot be read ({error}).
 Nothing was changed on disk. Restore another step instead: {others}
 
     wrong:  manager.restore({step})

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 from pathlib import Path
 
 import jax
@@ -127,7 +128,7 @@ def test_callables_with_fields_are_not_called(tmp_path, builtin):
 class Finaliser:
     """A class in this process with side effects in __init__ and __del__."""
 
-    log: list = []
+    log: typing.ClassVar[list] = []
 
     def __init__(self):
         Finaliser.log.append("init")

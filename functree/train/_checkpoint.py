@@ -288,7 +288,7 @@ def _json_value(x: Any) -> Any:
 def checksum(x: Any) -> int:
     """CRC-32 (zlib) of an array's bytes in C order."""
     a = np.ascontiguousarray(np.asarray(x)).reshape(-1)
-    return zlib.crc32(a.view(np.uint8))
+    return zlib.crc32(cast(Any, a.view(np.uint8)))
 
 
 def _describe(arrays: dict[str, Any]) -> dict[str, Any]:

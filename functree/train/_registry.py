@@ -176,7 +176,7 @@ def register(obj: Any, name: str | None = None) -> Any:
     if not callable(obj) or (is_class and not _is_buildable(obj)):
         raise TypeError(NOT_REGISTRABLE.format(given=obj))
     name = name or _default_name(obj)
-    table = _types if is_class else _functions
+    table: dict[str, Any] = _types if is_class else _functions
     old = table.get(name)
     if old is not None and old is not obj:
         raise ValueError(NAME_TAKEN.format(name=name, old=old, new=obj, short=name.split(".")[-1]))

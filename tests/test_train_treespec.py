@@ -59,3 +59,35 @@ def test_registered_dataclass_roundtrip():
     assert type(back) is Registered and back.name == "run"
     np.testing.assert_array_equal(back.counts, tree.counts)
     assert jax.tree.structure(back) == jax.tree.structure(tree)
+
+
+def test_every_name_in_the_functree_table_resolves():
+    from functree.train import _registry
+
+    for package, names in _registry.FUNCTREE_TYPES.items():
+        for name in names:
+            assert _registry.lookup_type(f"{package}.{name}"), f"{package}.{name} is gone"
+    for name in _registry.OPTAX_STATES:
+        assert _registry.lookup_type(f"optax.{name}"), name
+
+
+@pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad", "adadelta", "adam", "adamw",
+                                  "adamax", "amsgrad", "radam", "lion"])
+def test_every_functree_optimizer_state_rebuilds_without_a_template(name):
+    model = ft.nn.Sequential(ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.BatchNorm(3))
+    optimizer = ft.optim.Optimizer(optax.chain(ft.optim.clip_by_global_norm(1.0),
+                                               getattr(ft.optim, name)(1e-3)))
+    state = optimizer.init(model)
+    arrays, spec = encode(state)
+    back = decode(json.loads(json.dumps(spec)), arrays)
+    assert jax.tree.structure(back) == jax.tree.structure(state)
+    assert "_" not in "".join(c.split(".")[-2] for c in _classes(spec))  # public names only
+
+
+def _classes(spec):
+    if isinstance(spec, dict):
+        return ([spec["class"]] if "class" in spec else []) + [
+            c for v in spec.values() for c in _classes(v)]
+    if isinstance(spec, list):
+        return [c for v in spec for c in _classes(v)]
+    return []

@@ -11,13 +11,14 @@ private module path, so moving a class between private modules does not break ol
 checkpoints; names written by format 1 (``functree.nn._linear:Dense``) are matched
 through :data:`ALIASES` and the private paths of registered objects.
 
-To add a type functree's optimizers put into their states, add one line to
-:func:`_functree_types` below.
+To add a type functree's optimizers put into their states, add its name to
+:data:`FUNCTREE_TYPES` below.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,28 +74,43 @@ _names: dict[int, str] = {}  # id(obj) -> public name (objects are kept alive ab
 _builtins_loaded = False
 
 
+# functree's own state types by public name: package -> class names. Looked up in the
+# already-imported modules of that package (private module moves do not matter). Add a
+# name here when an optimizer or layer puts a new NamedTuple or dataclass into a tree.
+FUNCTREE_TYPES = {
+    "functree.optim": (
+        "LearningContext", "HyperState", "ContextState", "LossScaleState", "AdagradState",
+        "AMSGradState", "UnitGainState", "NoiseState", "PlateauState",
+    ),
+    "functree.nn": ("LSTMState",),
+    "functree.train": ("DataContext", "StepOutput"),
+}
+
+
+def _find(package: str, name: str) -> type | None:
+    """``name`` in ``package`` or one of its already-imported private modules."""
+    for module_name, module in list(sys.modules.items()):
+        if module_name == package or module_name.startswith(package + "."):
+            obj = getattr(module, name, None)
+            if isinstance(obj, type) and obj.__module__.startswith(package):
+                return obj
+    return None
+
+
 def _functree_types() -> dict[str, type]:
-    """functree's and optax's state types by public name: the one table to extend."""
+    """functree's and optax's state types by public name."""
     import optax
 
-    from functree import nn, optim
-    from functree.optim import _aliases, _transforms
-    from functree.train import _data, _metrics
+    import functree.nn
+    import functree.optim
+    import functree.train  # noqa: F401  (their private modules define the types)
 
-    table: dict[str, type] = {
-        "functree.optim.LearningContext": optim.LearningContext,
-        "functree.optim.HyperState": optim.HyperState,
-        "functree.optim.ContextState": optim.ContextState,
-        "functree.optim.LossScaleState": optim.LossScaleState,
-        "functree.optim.AdagradState": _aliases.AdagradState,
-        "functree.optim.AMSGradState": _aliases.AMSGradState,
-        "functree.optim.UnitGainState": _aliases.UnitGainState,
-        "functree.optim.NoiseState": _transforms.NoiseState,
-        "functree.optim.PlateauState": _transforms.PlateauState,
-        "functree.nn.LSTMState": nn.LSTMState,
-        "functree.train.DataContext": _data.DataContext,
-        "functree.train.StepOutput": _metrics.StepOutput,
-    }
+    table: dict[str, type] = {}
+    for package, names in FUNCTREE_TYPES.items():
+        for name in names:
+            cls = _find(package, name)
+            if cls is not None:
+                table[f"{package}.{name}"] = cls
     for name in OPTAX_STATES:
         cls = getattr(optax, name, None)
         if isinstance(cls, type):
@@ -129,7 +145,7 @@ def _functree_modules() -> Iterator[tuple[str, type]]:
     for package in (functree, nn, optim, train, losses):
         for name in package.__all__:
             obj = getattr(package, name)
-            if isinstance(obj, type) and issubclass(obj, Module):
+            if isinstance(obj, type) and issubclass(obj, Module) and obj is not Module:
                 yield f"{package.__name__}.{name}", obj
 
 

@@ -165,7 +165,7 @@ def _add(table: dict[str, Any], name: str, obj: Any) -> None:
     _names.setdefault(id(obj), name)
 
 
-def _default_name(obj: Any) -> str:
+def default_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
@@ -191,7 +191,7 @@ def register(obj: Any, name: str | None = None) -> Any:
     is_class = isinstance(obj, type)
     if not callable(obj) or (is_class and not _is_buildable(obj)):
         raise TypeError(NOT_REGISTRABLE.format(given=obj))
-    name = name or _default_name(obj)
+    name = name or default_name(obj)
     table: dict[str, Any] = _types if is_class else _functions
     old = table.get(name)
     if old is not None and old is not obj:
@@ -212,7 +212,7 @@ def _is_buildable(cls: type) -> bool:
 def type_name(cls: type) -> str:
     """The name a checkpoint stores for ``cls``."""
     _load_builtins()
-    return _names.get(id(cls)) or _default_name(cls)
+    return _names.get(id(cls)) or default_name(cls)
 
 
 def function_name(fn: Any) -> str | None:

@@ -32,7 +32,13 @@ import numpy as np
 
 from functree._module import Module, _check_static
 from functree.train import _registry
-from functree.train._registry import function_name, lookup_function, lookup_type, type_name
+from functree.train._registry import (
+    default_name,
+    function_name,
+    lookup_function,
+    lookup_type,
+    type_name,
+)
 
 __all__ = ["encode", "decode", "CheckpointError", "SpecError"]
 
@@ -75,6 +81,8 @@ def _encode_static(value: Any) -> dict[str, Any]:
     if isinstance(value, type) and issubclass(value, np.generic):
         return {"scalar_type": np.dtype(value).name}
     name = function_name(value)
+    if name is None and callable(value) and hasattr(value, "__qualname__"):
+        name = default_name(value)  # loadable once the loading process registers it
     return {"function": name} if name else {"repr": repr(value)}
 
 

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functree as ft
 from functree.train._treespec import SpecError, decode, encode
@@ -91,3 +93,47 @@ def _classes(spec):
     if isinstance(spec, list):
         return [c for v in spec for c in _classes(v)]
     return []
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.sampled_from(
+        ["leaf", "module", "namedtuple", "dataclass", "dict", "list", "opaque", "os.system",
+         "functree.nn.Dense", "optax.ScaleByAdamState", "builtins:eval", "weight", "O"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["kind", "class", "key", "items", "fields", "static", "keys", "json",
+                         "function", "import", "dtype", "tuple", "python", "prng"]), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def _nodes(spec, out):
+    out.append(spec)
+    if isinstance(spec, dict):
+        for v in spec.values():
+            _nodes(v, out)
+    elif isinstance(spec, list):
+        for v in spec:
+            _nodes(v, out)
+    return out
+
+
+_ENCODED = encode({
+    "model": ft.nn.Sequential(ft.nn.Dense(2, 2, jax.nn.relu, key=jax.random.key(0)), ft.nn.Lambda(jnp.tanh)),
+    "state": optax.adam(0.1).init({"w": jnp.ones(2)}),
+    "n": [1, 2.5],
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(where=st.integers(0, 10**6), key=st.sampled_from(["kind", "class", "key", "items", "fields",
+                                                          "static", "keys", "activation", "fn"]),
+       value=_JSON)
+def test_any_damaged_spec_raises_only_spec_errors(where, key, value):
+    arrays, spec = _ENCODED
+    spec = json.loads(json.dumps(spec))
+    dicts = [n for n in _nodes(spec, []) if isinstance(n, dict)]
+    dicts[where % len(dicts)][key] = value
+    try:
+        decode(spec, arrays)
+    except SpecError:
+        pass

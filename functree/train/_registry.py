@@ -153,11 +153,11 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if _builtins_loaded:
         return
-    _builtins_loaded = True
     for name, cls in [*_functree_types().items(), *_functree_modules()]:
         _add(_types, name, cls)
     for name, fn in _functree_functions().items():
         _add(_functions, name, fn)
+    _builtins_loaded = True  # last: another thread never sees a half-filled table as done
 
 
 def _add(table: dict[str, Any], name: str, obj: Any) -> None:

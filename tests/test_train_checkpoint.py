@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -172,15 +173,25 @@ def test_corrupted_checkpoint_is_reported_and_nothing_is_changed(tmp_path):
     np.testing.assert_array_equal(manager.restore(1).model["w"], np.ones(3))
 
 
-def test_unimportable_class_needs_a_template(tmp_path):
+def test_unregistered_class_needs_registering_or_a_template(tmp_path):
     class Local(ft.Module):
         w: jax.Array
 
+    class State(NamedTuple):
+        count: jax.Array
+
     manager = CheckpointManager(tmp_path / "ckpt")
-    manager.save(1, Local(jnp.ones(2)))
-    with pytest.raises(SpecError, match=r"at 'model'.*cannot be imported by name"):
+    manager.save(1, Local(jnp.ones(2)), State(jnp.array(3)))
+    with pytest.raises(SpecError, match=r"step 1 .*\n.*at 'opt_state'.*State is not a registered type") as info:
         manager.restore()
-    assert type(manager.restore(template=Local(jnp.zeros(2))).model) is Local
+    assert "ft.train.register(MyClass)" in str(info.value) and "template=" in str(info.value)
+    # a Module subclass defined in this process is found without importing anything
+    assert type(manager.restore(include=("model",)).model) is Local
+    ckpt = manager.restore(opt_state_template=State(jnp.array(0)))
+    assert type(ckpt.opt_state) is State and int(ckpt.opt_state.count) == 3
+    ft.train.register(State, name="tests.checkpoint.State")
+    manager.save(2, Local(jnp.ones(2)), State(jnp.array(4)))
+    assert type(manager.restore(2).opt_state) is State
 
 
 def test_single_tree_save_and_load(tmp_path):
@@ -259,3 +270,147 @@ def test_asynchronous_save(tmp_path):
         manager.wait_until_finished()
         assert_same(manager.restore(1).model, model)
         assert manager.restore(1, include=("extra",)).model is None
+
+
+SAVE_LOOP = textwrap.dedent(
+    """
+    import sys
+    import jax.numpy as jnp
+    import functree as ft
+
+    manager = ft.train.CheckpointManager(sys.argv[1], max_to_keep=2, best_metric="loss")
+    for step in range(1, 10_000):
+        loss = 1.0 / step if step % 7 == 3 else 5.0 + (step % 5)  # best so far at steps 3, 10, ...
+        manager.save(step, {"w": jnp.full(5000, float(step))}, metrics={"loss": loss})
+        print("ACK", step, flush=True)
+    """
+)
+
+
+def _loss(step):
+    return 1.0 / step if step % 7 == 3 else 5.0 + (step % 5)
+
+
+def test_sigkill_at_a_random_moment_keeps_the_last_acknowledged_and_the_best(tmp_path):
+    directory = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", SAVE_LOOP, str(directory)],
+                            stdout=subprocess.PIPE, text=True)
+    acked = 0
+    try:
+        kill_after = 4 + np.random.default_rng().integers(0, 12)  # saves to wait for
+        while acked < kill_after:
+            line = proc.stdout.readline()
+            assert line, "the saving process ended early"
+            acked = int(line.split()[1])
+        time.sleep(np.random.default_rng().uniform(0, 0.05))  # somewhere inside a save
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        acked = max([acked] + [int(x.split()[1]) for x in proc.stdout.read().split("\n") if x])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    manager = CheckpointManager(directory, max_to_keep=2, best_metric="loss")
+    latest = manager.latest_step()
+    assert latest in (acked, acked + 1)  # a save may finish just before its ACK is printed
+    np.testing.assert_array_equal(np.asarray(manager.restore().model["w"]), np.full(5000, float(latest)))
+    best = min(range(1, latest + 1), key=_loss)
+    assert best in manager.all_steps()
+    assert float(manager.restore(best).model["w"][0]) == best
+    manager.save(latest + 1, {"w": jnp.zeros(1)}, metrics={"loss": 9.0})  # takes the stale lock
+    assert not any("tmp" in n or "lock" in n for n in os.listdir(directory))
+
+
+def _failing(monkeypatch, error):
+    from orbax.checkpoint._src.path import atomicity
+
+    def fail(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
+
+
+def _trainer(steps=3):
+    model = ft.nn.Sequential(ft.nn.Dense(2, 3, jax.nn.relu, key=jax.random.key(0)), ft.nn.Dropout(0.2),
+                             ft.nn.Dense(3, 1, key=jax.random.key(1)))
+
+    def loss_fn(model, batch, *, key=None):
+        x, y = batch
+        return jnp.mean((model(x, key=key) - y) ** 2)
+
+    trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.adam(0.01)), loss_fn, key=jax.random.key(2))
+    x = np.random.default_rng(0).normal(size=(16, 2)).astype(np.float32)
+    if steps:
+        trainer.fit((x, x[:, :1] * 2), steps=steps, batch_size=8, progress=False)
+    return trainer
+
+
+def _snapshot(trainer):
+    leaves = jax.tree.leaves((trainer.model, trainer.opt_state))
+    return [np.asarray(x).copy() for x in leaves], (trainer.steps_run, trainer.epoch, trainer.batch_in_epoch)
+
+
+def test_full_or_read_only_disk_raises_and_changes_nothing(tmp_path, monkeypatch):
+    trainer = _trainer()
+    manager = CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, trainer.model, trainer.opt_state)
+    before = _snapshot(trainer)
+    for error in [OSError(28, "No space left on device"), OSError(30, "Read-only file system")]:
+        _failing(monkeypatch, error)
+        with pytest.raises(OSError, match=error.strerror):
+            trainer.save(manager, metrics={"loss": 1.0})
+        monkeypatch.undo()
+        after = _snapshot(trainer)
+        assert after[1] == before[1]
+        for a, b in zip(after[0], before[0]):
+            np.testing.assert_array_equal(a, b)
+        assert manager.all_steps() == [1] and not (tmp_path / "ckpt" / ".functree-writer.lock").exists()
+    # the writer lock itself cannot be created on a read-only directory
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(".functree-writer.lock"):
+            raise OSError(30, "Read-only file system", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(OSError, match="Read-only"):
+        manager.save(99, trainer.model)
+    monkeypatch.undo()
+    assert manager.all_steps() == [1]
+    restored = _trainer(steps=0)
+    restored.restore(manager)
+    for a, b in zip(_snapshot(restored)[0], before[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+FRESH_RESUME = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    import test_train_checkpoint as t
+    import functree as ft
+    trainer = t._trainer()
+    trainer.restore(sys.argv[1])
+    trainer.fit(t._data(), steps=5, progress=False)
+    ft.train.save(sys.argv[1] + "_resumed", (trainer.model, trainer.opt_state))
+    """
+)
+
+
+def _data():
+    x = np.random.default_rng(0).normal(size=(16, 2)).astype(np.float32)
+    return ft.train.batches((x, x[:, :1] * 2), 8, key=jax.random.key(5))
+
+
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
+    straight = _trainer()
+    straight.fit(_data(), steps=10, progress=False)
+    first = _trainer()
+    first.fit(_data(), steps=5, progress=False)
+    first.save(tmp_path / "ckpt")
+    subprocess.run([sys.executable, "-c", FRESH_RESUME, str(tmp_path / "ckpt"), os.path.dirname(__file__)],
+                   check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    model, opt_state = ft.train.load(tmp_path / "ckpt_resumed")
+    for a, b in zip(jax.tree.leaves((straight.model, straight.opt_state)), jax.tree.leaves((model, opt_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

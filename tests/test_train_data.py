@@ -77,6 +77,19 @@ def test_bad_inputs_name_the_problem():
         ft.train.batches([], 2)
 
 
+@pytest.mark.parametrize("size", [0, -3, 2.5, True])
+def test_bad_batch_size_in_batches_and_in_fit(size):
+    with pytest.raises(ValueError, match=rf"(?s)positive int, got {size!r}.*batch_size={size!r}"):
+        ft.train.batches(np.zeros((5, 1), np.float32), batch_size=size)
+    trainer = ft.train.Trainer(ft.nn.Dense(1, 1, key=jax.random.key(0)),
+                               ft.optim.Optimizer(ft.optim.sgd(0.1)),
+                               lambda m, b: jnp.mean(m(b[0]) ** 2))
+    x = np.zeros((5, 1), np.float32)
+    with pytest.raises(ValueError, match=rf"(?s)positive int, got {size!r}.*batch_size={size!r}"):
+        trainer.fit((x, x), epochs=1, batch_size=size, progress=False)  # was: silently 32
+    assert trainer.steps_run == 0
+
+
 class FakeTensor:
     """Stands in for a torch tensor: detach().cpu().numpy()."""
 

@@ -1,5 +1,6 @@
 """Trees as named arrays plus JSON type information, and back."""
 
+import contextlib
 import dataclasses
 import json
 
@@ -8,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functree as ft
 from functree.train._treespec import SpecError, decode, encode
@@ -43,6 +46,7 @@ def test_unrebuildable_static_value():
     assert decode(spec, arrays).dtype == np.dtype("float32")
 
 
+@ft.train.register
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Registered:
@@ -58,3 +62,77 @@ def test_registered_dataclass_roundtrip():
     assert type(back) is Registered and back.name == "run"
     np.testing.assert_array_equal(back.counts, tree.counts)
     assert jax.tree.structure(back) == jax.tree.structure(tree)
+
+
+def test_every_name_in_the_functree_table_resolves():
+    from functree.train import _registry
+
+    for package, names in _registry.FUNCTREE_TYPES.items():
+        for name in names:
+            assert _registry.lookup_type(f"{package}.{name}"), f"{package}.{name} is gone"
+    for name in _registry.OPTAX_STATES:
+        assert _registry.lookup_type(f"optax.{name}"), name
+
+
+@pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad", "adadelta", "adam", "adamw",
+                                  "adamax", "amsgrad", "radam", "lion"])
+def test_every_functree_optimizer_state_rebuilds_without_a_template(name):
+    model = ft.nn.Sequential(ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.BatchNorm(3))
+    optimizer = ft.optim.Optimizer(optax.chain(ft.optim.clip_by_global_norm(1.0),
+                                               getattr(ft.optim, name)(1e-3)))
+    state = optimizer.init(model)
+    arrays, spec = encode(state)
+    back = decode(json.loads(json.dumps(spec)), arrays)
+    assert jax.tree.structure(back) == jax.tree.structure(state)
+    assert "_" not in "".join(c.split(".")[-2] for c in _classes(spec))  # public names only
+
+
+def _classes(spec):
+    if isinstance(spec, dict):
+        return ([spec["class"]] if "class" in spec else []) + [
+            c for v in spec.values() for c in _classes(v)]
+    if isinstance(spec, list):
+        return [c for v in spec for c in _classes(v)]
+    return []
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.sampled_from(
+        ["leaf", "module", "namedtuple", "dataclass", "dict", "list", "opaque", "os.system",
+         "functree.nn.Dense", "optax.ScaleByAdamState", "builtins:eval", "weight", "O"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["kind", "class", "key", "items", "fields", "static", "keys", "json",
+                         "function", "import", "dtype", "tuple", "python", "prng"]), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def _nodes(spec, out):
+    out.append(spec)
+    if isinstance(spec, dict):
+        for v in spec.values():
+            _nodes(v, out)
+    elif isinstance(spec, list):
+        for v in spec:
+            _nodes(v, out)
+    return out
+
+
+_ENCODED = encode({
+    "model": ft.nn.Sequential(ft.nn.Dense(2, 2, jax.nn.relu, key=jax.random.key(0)), ft.nn.Lambda(jnp.tanh)),
+    "state": optax.adam(0.1).init({"w": jnp.ones(2)}),
+    "n": [1, 2.5],
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(where=st.integers(0, 10**6), key=st.sampled_from(["kind", "class", "key", "items", "fields",
+                                                          "static", "keys", "activation", "fn"]),
+       value=_JSON)
+def test_any_damaged_spec_raises_only_spec_errors(where, key, value):
+    arrays, spec = _ENCODED
+    spec = json.loads(json.dumps(spec))
+    dicts = [n for n in _nodes(spec, []) if isinstance(n, dict)]
+    dicts[where % len(dicts)][key] = value
+    with contextlib.suppress(SpecError):  # any other exception fails the test
+        decode(spec, arrays)

@@ -251,8 +251,9 @@ class ModelCheckpoint(Callback):
     :class:`CheckpointManager`: every epoch, or every ``every_steps`` steps at log
     intervals, and at the end of training.
 
-    ``directory`` is a path or a :class:`CheckpointManager`; ``max_to_keep``,
-    ``best_metric`` and ``mode`` configure a manager built from a path.
+    ``directory`` is a path or a :class:`CheckpointManager`; ``max_to_keep`` (a positive
+    int, or None to keep all), ``best_metric`` and ``mode`` configure a manager built from
+    a path. One run writes a directory at a time (a second writer gets a CheckpointError).
 
     Example:
       >>> import functree as ft, tempfile

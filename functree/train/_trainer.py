@@ -262,7 +262,7 @@ class Trainer:
         if isinstance(data, Batches) or not _is_array_tree(data):
             return data
         key = jax.random.fold_in(jax.random.key(0) if self.key is None else self.key, 1)
-        return batches(data, batch_size or 32, shuffle=shuffle, key=key)
+        return batches(data, 32 if batch_size is None else batch_size, shuffle=shuffle, key=key)
 
     def _epoch_iter(self, data: Any) -> Iterator[Any]:
         if isinstance(data, Batches):
@@ -489,7 +489,8 @@ class Trainer:
         """Checkpoint the model, optimizer state (with its learning context), position in
         the data, PRNG key and configuration at the current step."""
         if not isinstance(manager, CheckpointManager):
-            manager = CheckpointManager(manager)
+            with CheckpointManager(manager) as owned:
+                return self.save(owned, metrics=metrics)
         config = {
             "trainer": {"steps_run": self.steps_run, "epoch": self.epoch,
                         "batch_in_epoch": self.batch_in_epoch, "on_nan": self.on_nan},
@@ -509,7 +510,8 @@ class Trainer:
         (seed 003); the learning context then starts from this trainer's.
         """
         if not isinstance(manager, CheckpointManager):
-            manager = CheckpointManager(manager)
+            with CheckpointManager(manager) as owned:
+                return self.restore(owned, step, optimizer_state=optimizer_state)
         include = ("model", "opt_state", "extra") if optimizer_state else ("model", "extra")
         ckpt = manager.restore(step, template=self.model, opt_state_template=self.opt_state,
                                include=include)

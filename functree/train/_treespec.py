@@ -6,35 +6,61 @@ configuration, a Python float as a float. Orbax alone restores dicts and lists. 
 is split into
 
 * ``arrays``: ``{name: array}`` with dotted key-path names (``model.layers.0.weight``);
-* ``spec``: JSON describing every node by kind and, for classes, by import path
-  (``"functree.nn._linear:Dense"``). No pickle: loading imports classes by name only.
+* ``spec``: JSON describing every node by kind and, for classes, by a public name
+  (``"functree.nn.Dense"``).
 
-Static field values are stored as JSON when they are JSON values or tuples of them, as an
-import path when they are importable functions or classes (``jax.nn.relu``), and otherwise
-only as their ``repr`` (such a tree needs a template to be loaded).
+The spec is data: decoding looks every name up in the registry of
+:mod:`functree.train._registry` (functree's types, optax states, registered classes and
+functions, Module subclasses defined in this process) and never imports, calls or
+constructs anything else. Objects are built with ``object.__new__`` and their fields set;
+restored Modules go through the same static-field checks as constructed ones. Any
+malformed spec raises :class:`SpecError` naming the key path and the problem.
+
+Static field values are stored as JSON when they are JSON scalars or tuples of them, as a
+registered name for functions and scalar types (``jax.nn.relu``), as a dtype name, and
+otherwise only as their ``repr`` (such a tree needs a template to be loaded).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._module import Module
+from functree._module import Module, _check_static
+from functree.train import _registry
+from functree.train._registry import (
+    default_name,
+    function_name,
+    lookup_function,
+    lookup_type,
+    type_name,
+)
 
 __all__ = ["encode", "decode", "CheckpointError", "SpecError"]
 
 NO_TEMPLATE = """\
 Cannot rebuild {what} at {path!r} without a template: {why}.
-Define classes at module level (importable), or load with a template built the same way:
+A checkpoint only names types and functions; it never imports or runs them. Either
+register them before loading, or load with a template built the same way:
 
-    wrong:  ft.train.load(path)                   or  manager.restore()
-    right:  ft.train.load(path, template=model)   or  manager.restore(template=model,
-                                                          opt_state_template=opt_state)"""
+    ft.train.register(MyClass)                        # or register(my_function)
+    ft.train.load(path, template=model)               # or manager.restore(template=model,
+                                                      #     opt_state_template=opt_state)"""
+
+MALFORMED = """\
+The checkpoint's type description is damaged at {path!r}: {why}.
+The checkpoint cannot be rebuilt from it; restore another step, or load with a template
+to read the arrays alone:  ft.train.load(path, template=model)"""
+
+AMBIGUOUS = "{count} different Module classes named {name!r} are defined in this process"
+
+_PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+_PYTHON_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
+_DICT_KEYS = {"int": int, "str": str}
 
 
 class CheckpointError(ValueError):
@@ -45,25 +71,6 @@ class SpecError(CheckpointError):
     """A stored tree cannot be rebuilt from its description alone."""
 
 
-def _import_path(obj: Any) -> str | None:
-    """``module:qualname`` when importing it gives back ``obj`` itself."""
-    module, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not module or not qual or "<" in qual:
-        return None
-    try:
-        return f"{module}:{qual}" if _resolve(f"{module}:{qual}") is obj else None
-    except (ImportError, AttributeError):
-        return None
-
-
-def _resolve(path: str) -> Any:
-    module, qual = path.split(":")
-    obj: Any = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _encode_static(value: Any) -> dict[str, Any]:
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"json": value}
@@ -71,24 +78,51 @@ def _encode_static(value: Any) -> dict[str, Any]:
         return {"tuple": [_encode_static(v) for v in value]}
     if isinstance(value, np.dtype):
         return {"dtype": str(value)}
-    path = _import_path(value)
-    return {"import": path} if path else {"repr": repr(value)}
+    if isinstance(value, type) and issubclass(value, np.generic):
+        return {"scalar_type": np.dtype(value).name}
+    name = function_name(value)
+    if name is None and callable(value) and hasattr(value, "__qualname__"):
+        name = default_name(value)  # loadable once the loading process registers it
+    return {"function": name} if name else {"repr": repr(value)}
 
 
-def _decode_static(code: dict[str, Any], path: str) -> Any:
-    if "json" in code:
-        return code["json"]
-    if "tuple" in code:
-        return tuple(_decode_static(c, path) for c in code["tuple"])
-    if "dtype" in code:
-        return np.dtype(code["dtype"])
-    if "import" in code:
-        return _resolve(code["import"])
-    raise SpecError(
-        NO_TEMPLATE.format(
-            what="a static value", path=path, why=f"{code['repr']} has no import path"
-        )
-    )
+def _safe_dtype(name: Any, path: str) -> np.dtype:
+    if not isinstance(name, str):
+        raise SpecError(MALFORMED.format(path=path, why=f"dtype {name!r} is not a string"))
+    try:
+        dtype = np.dtype(jnp.dtype(name))
+    except TypeError:
+        raise SpecError(MALFORMED.format(path=path, why=f"unknown dtype {name!r}")) from None
+    if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
+        raise SpecError(MALFORMED.format(path=path, why=f"dtype {name!r} is not a numeric dtype"))
+    return dtype
+
+
+def _decode_static(code: Any, path: str) -> Any:
+    if not isinstance(code, dict) or len(code) != 1:
+        raise SpecError(MALFORMED.format(path=path, why=f"static value {code!r} is not encoded"))
+    (tag, value), = code.items()
+    if tag == "json":
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            why = f"static value {value!r} is not a JSON scalar"
+            raise SpecError(MALFORMED.format(path=path, why=why))
+        return value
+    if tag == "tuple" and isinstance(value, list):
+        return tuple(_decode_static(c, path) for c in value)
+    if tag == "dtype":
+        return _safe_dtype(value, path)
+    if tag == "scalar_type":
+        return _safe_dtype(value, path).type
+    if tag in ("function", "import") and isinstance(value, str):  # "import": format 1
+        fn = lookup_function(value)
+        if fn is None:
+            why = f"the function {value!r} is not registered"
+            raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
+        return fn
+    if tag == "repr":
+        why = f"{str(value)[:200]} has no registered name"
+        raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
+    raise SpecError(MALFORMED.format(path=path, why=f"unknown static encoding {tag!r}"))
 
 
 def _join(prefix: str, part: Any) -> str:
@@ -127,8 +161,7 @@ class _Encoder:
             return self.module(x, path)
         if _is_namedtuple(x):
             children = [self.node(v, _join(path, f)) for f, v in zip(type(x)._fields, x)]
-            return {"kind": "namedtuple", "class": _import_path(type(x)) or repr(type(x)),
-                    "items": children}
+            return {"kind": "namedtuple", "class": type_name(type(x)), "items": children}
         if isinstance(x, (list, tuple)):
             kind = "list" if isinstance(x, list) else "tuple"
             return {"kind": kind, "items": [self.node(v, _join(path, i)) for i, v in enumerate(x)]}
@@ -151,7 +184,7 @@ class _Encoder:
         names = [f.name for f in dataclasses.fields(x)]
         return {
             "kind": "dataclass",
-            "class": _import_path(type(x)) or repr(type(x)),
+            "class": type_name(type(x)),
             "static": {n: _encode_static(getattr(x, n)) for n in names if n not in data},
             "fields": {n: self.node(getattr(x, n), _join(path, n)) for n in data},
         }
@@ -164,8 +197,7 @@ class _Encoder:
             for n in cls.__ft_fields__
             if n not in cls.__ft_static__
         }
-        return {"kind": "module", "class": _import_path(cls) or repr(cls), "static": static,
-                "fields": fields}
+        return {"kind": "module", "class": type_name(cls), "static": static, "fields": fields}
 
 
 def encode(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -185,64 +217,170 @@ def encode(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return encoder.arrays, spec
 
 
-def _decode_leaf(spec: dict[str, Any], arrays: dict[str, Any]) -> Any:
-    x = arrays[spec["key"]]
+def _decode_leaf(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") -> Any:
+    key = spec.get("key")
+    if not isinstance(key, str) or key not in arrays:
+        raise SpecError(MALFORMED.format(path=path, why=f"no stored array named {key!r}"))
+    x = arrays[key]
     if "python" in spec:
-        return {"bool": bool, "int": int, "float": float, "complex": complex}[spec["python"]](
-            np.asarray(x)
-        )
+        cast = _PYTHON_SCALARS.get(spec["python"])
+        if cast is None or np.ndim(x) != 0:
+            why = f"a Python {spec['python']!r} scalar stored as shape {np.shape(x)}"
+            raise SpecError(MALFORMED.format(path=path, why=why))
+        return cast(np.asarray(x))
     if "prng" in spec:
+        if spec["prng"] not in _PRNG_IMPLS:
+            raise SpecError(MALFORMED.format(path=path, why=f"unknown PRNG {spec['prng']!r}"))
         return jax.random.wrap_key_data(jnp.asarray(x), impl=spec["prng"])
     if spec.get("numpy_scalar"):
         return np.asarray(x)[()]
     return x
 
 
-def _class(spec: dict[str, Any], path: str) -> Any:
-    if ":" not in spec["class"]:
-        why = f"{spec['class']} cannot be imported by name"
+def _class(spec: dict[str, Any], path: str, kind: str) -> Any:
+    name = spec.get("class")
+    if not isinstance(name, str):
+        raise SpecError(MALFORMED.format(path=path, why=f"class name {name!r} is not a string"))
+    found = lookup_type(name)
+    if len(found) > 1:
+        why = AMBIGUOUS.format(count=len(found), name=name)
         raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why))
-    try:
-        return _resolve(spec["class"])
-    except (ImportError, AttributeError) as e:
-        why = f"importing {spec['class']} failed ({e})"
-        raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why)) from None
+    if not found:
+        why = f"{name[:200]} is not a registered type"
+        raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why))
+    cls = found[0]
+    fits = {
+        "module": issubclass(cls, Module),
+        "namedtuple": issubclass(cls, tuple) and hasattr(cls, "_fields"),
+        "dataclass": dataclasses.is_dataclass(cls) and not issubclass(cls, Module),
+    }[kind]
+    if not fits:
+        why = f"{name} is stored as a {kind} but is a {cls.__name__} class"
+        raise SpecError(MALFORMED.format(path=path, why=why))
+    return cls
 
 
-def decode(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") -> Any:
-    """Rebuild the tree described by ``spec`` from ``arrays`` (inverse of :func:`encode`)."""
-    kind = spec["kind"]
+def _check_names(cls: type, given: list[str], expected: list[str], path: str) -> None:
+    if sorted(given) != sorted(expected) or len(set(given)) != len(given):
+        why = f"{cls.__name__} has fields {sorted(expected)}, the checkpoint gives {sorted(given)}"
+        raise SpecError(MALFORMED.format(path=path, why=why))
+
+
+def _items(spec: dict[str, Any], key: str, kind: type) -> Any:
+    value = spec.get(key)
+    if not isinstance(value, kind):
+        raise TypeError(f"{key!r} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:
+    cls = _class(spec, path, "module")
+    static, fields = _items(spec, "static", dict), _items(spec, "fields", dict)
+    _check_names(cls, [*static, *fields], list(cls.__ft_fields__), path)
+    if sorted(static) != sorted(cls.__ft_static__):
+        why = f"{cls.__name__}'s static fields are {sorted(cls.__ft_static__)}, not {sorted(static)}"
+        raise SpecError(MALFORMED.format(path=path, why=why))
+    values = {}
+    for n, c in static.items():
+        values[n] = _decode_static(c, _join(path, n))
+        try:
+            _check_static(cls, n, values[n])
+        except TypeError as e:
+            raise SpecError(MALFORMED.format(path=_join(path, n), why=str(e))) from None
+    for n, s in fields.items():
+        values[n] = _decode(s, arrays, _join(path, n))
+    out = object.__new__(cls)
+    out.__dict__.update({n: values[n] for n in cls.__ft_fields__})
+    return out
+
+
+def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:
+    cls = _class(spec, path, "dataclass")
+    static, fields = _items(spec, "static", dict), _items(spec, "fields", dict)
+    _check_names(cls, [*static, *fields], [f.name for f in dataclasses.fields(cls)], path)
+    out = object.__new__(cls)
+    for n, c in static.items():
+        object.__setattr__(out, n, _decode_static(c, _join(path, n)))
+    for n, s in fields.items():
+        object.__setattr__(out, n, _decode(s, arrays, _join(path, n)))
+    return out
+
+
+def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
+    if not isinstance(spec, dict):
+        raise SpecError(MALFORMED.format(path=path, why=f"a node is {type(spec).__name__}"))
+    kind = spec.get("kind")
     if kind == "none":
         return None
     if kind == "leaf":
-        return _decode_leaf(spec, arrays)
+        return _decode_leaf(spec, arrays, path)
     if kind in ("list", "tuple"):
-        items = [decode(s, arrays, _join(path, i)) for i, s in enumerate(spec["items"])]
+        items = [_decode(s, arrays, _join(path, i)) for i, s in enumerate(_items(spec, "items", list))]
         return items if kind == "list" else tuple(items)
     if kind == "dict":
-        casts = {"int": int, "str": str}
+        keys, specs = _items(spec, "keys", list), _items(spec, "items", list)
+        if len(keys) != len(specs):
+            raise SpecError(MALFORMED.format(path=path, why=f"{len(keys)} keys for {len(specs)} items"))
         out = {}
-        for (ktype, k), s in zip(spec["keys"], spec["items"]):
-            out[casts.get(ktype, str)(k)] = decode(s, arrays, _join(path, k))
+        for (ktype, k), s in zip(keys, specs):
+            if ktype not in _DICT_KEYS or not isinstance(k, str):
+                raise SpecError(MALFORMED.format(path=path, why=f"dict key {[ktype, k]!r}"))
+            out[_DICT_KEYS[ktype](k)] = _decode(s, arrays, _join(path, k))
         return out
     if kind == "namedtuple":
-        cls = _class(spec, path)
-        return cls(*[decode(s, arrays, _join(path, f)) for f, s in zip(cls._fields, spec["items"])])
+        cls = _class(spec, path, "namedtuple")
+        specs = _items(spec, "items", list)
+        if len(specs) != len(cls._fields):
+            why = f"{cls.__name__} has {len(cls._fields)} fields, the checkpoint gives {len(specs)}"
+            raise SpecError(MALFORMED.format(path=path, why=why))
+        return tuple.__new__(cls, [_decode(s, arrays, _join(path, f)) for f, s in zip(cls._fields, specs)])
     if kind == "module":
-        cls = _class(spec, path)
-        values = {n: _decode_static(c, _join(path, n)) for n, c in spec["static"].items()}
-        for n, s in spec["fields"].items():
-            values[n] = decode(s, arrays, _join(path, n))
-        out = object.__new__(cls)
-        out.__dict__.update({n: values[n] for n in cls.__ft_fields__})
-        return out
+        return _decode_module(spec, arrays, path)
     if kind == "dataclass":
-        cls = _class(spec, path)
-        out = object.__new__(cls)
-        for n, c in spec["static"].items():
-            object.__setattr__(out, n, _decode_static(c, _join(path, n)))
-        for n, s in spec["fields"].items():
-            object.__setattr__(out, n, decode(s, arrays, _join(path, n)))
-        return out
-    why = f"{spec['type']} is not a Module, dataclass, NamedTuple, dict, list or tuple"
-    raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why))
+        return _decode_dataclass(spec, arrays, path)
+    if kind == "opaque":
+        why = f"{str(spec.get('type'))[:200]} is not a Module, dataclass, NamedTuple, dict, list or tuple"
+        raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why))
+    raise SpecError(MALFORMED.format(path=path, why=f"unknown node kind {str(kind)[:100]!r}"))
+
+
+def _decode(spec: Any, arrays: dict[str, Any], path: str) -> Any:
+    try:
+        return _decode_node(spec, arrays, path)
+    except SpecError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
+            RecursionError) as e:
+        why = f"{type(e).__name__}: {str(e)[:200]}"
+        raise SpecError(MALFORMED.format(path=path, why=why)) from None
+
+
+def decode(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") -> Any:
+    """Rebuild the tree described by ``spec`` from ``arrays`` (inverse of :func:`encode`).
+
+    Only registered types and functions are used (see :func:`functree.train.register`);
+    anything else, and any damage to ``spec``, raises :class:`SpecError`.
+    """
+    return _decode(spec, arrays, path)
+
+
+def leaf_specs(spec: Any, path: str = "") -> list[dict[str, Any]]:
+    """The ``leaf`` nodes of ``spec`` (raising :class:`SpecError` on a malformed one)."""
+    out, stack = [], [spec]
+    while stack:
+        s = stack.pop()
+        if not isinstance(s, dict):
+            raise SpecError(MALFORMED.format(path=path, why=f"a node is {type(s).__name__}"))
+        if s.get("kind") == "leaf":
+            if not isinstance(s.get("key"), str):
+                raise SpecError(MALFORMED.format(path=path, why=f"leaf key {s.get('key')!r}"))
+            out.append(s)
+        items, fields = s.get("items", []), s.get("fields", {})
+        if not isinstance(items, list) or not isinstance(fields, dict):
+            raise SpecError(MALFORMED.format(path=path, why="items or fields of the wrong type"))
+        stack.extend(items)
+        stack.extend(fields.values())
+    return out
+
+
+register = _registry.register

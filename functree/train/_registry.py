@@ -1,0 +1,270 @@
+"""The names a checkpoint may use for types and static functions: an explicit registry.
+
+A checkpoint is data. Loading one never imports, calls or constructs anything *because
+the checkpoint names it*: a stored name is only looked up in this registry (functree's
+own types, the optax states its optimizers use, ``jax.nn`` and functree activations,
+elementwise ``jax.numpy`` functions, and what the user registered with :func:`register`)
+or among the :class:`functree.Module` subclasses already defined in the running process.
+
+Names are public and stable (``functree.nn.Dense``, ``optax.ScaleByAdamState``), never a
+private module path, so moving a class between private modules does not break old
+checkpoints; names written by format 1 (``functree.nn._linear:Dense``) are matched
+through :data:`ALIASES` and the private paths of registered objects.
+
+To add a type functree's optimizers put into their states, add its name to
+:data:`FUNCTREE_TYPES` below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from functree._module import Module
+
+__all__ = ["register", "type_name", "function_name", "lookup_type", "lookup_function"]
+
+# Old (format 1) names of objects that have since moved or been renamed: old -> public.
+ALIASES: dict[str, str] = {}
+
+# optax state classes that functree optimizers (and optax chains around them) produce.
+OPTAX_STATES = (
+    "AddDecayedWeightsState", "AddNoiseState", "ApplyIfFiniteState", "ClipByGlobalNormState",
+    "ClipState", "EmaState", "EmptyState", "FactoredState", "InjectHyperparamsState",
+    "InjectStatefulHyperparamsState", "MaskedNode", "MaskedState", "MultiStepsState",
+    "MultiTransformState", "NonNegativeParamsState", "PartitionState", "ScaleByAdaDeltaState",
+    "ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "ScaleByLionState",
+    "ScaleByNovogradState", "ScaleByRmsState", "ScaleByRStdDevState", "ScaleByRssState",
+    "ScaleByScheduleState", "ScaleByTrustRatioState", "ScaleState", "TraceState",
+    "ZeroNansState",
+)
+
+# Pure elementwise jax.numpy functions allowed as static values (e.g. in Lambda layers).
+JNP_FUNCTIONS = (
+    "abs", "arccos", "arcsin", "arctan", "arctanh", "cos", "cosh", "exp", "exp2", "expm1",
+    "log", "log1p", "log2", "negative", "reciprocal", "sign", "sin", "sinh", "sqrt",
+    "square", "tan", "tanh", "ravel",
+)
+
+# Scalar types allowed as static values (dtype arguments).
+JNP_SCALAR_TYPES = (
+    "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "bfloat16", "float16", "float32", "float64", "complex64", "complex128",
+)
+
+NOT_REGISTRABLE = """\
+ft.train.register takes a class (a NamedTuple, a dataclass registered with JAX, or a \
+Module subclass) or a function, got {given!r}.
+
+    wrong:  ft.train.register({given!r})
+    right:  ft.train.register(MyState)        # or register(my_activation)"""
+
+NAME_TAKEN = """\
+The checkpoint name {name!r} is already registered for {old!r}; cannot register {new!r} \
+under it.
+
+    wrong:  ft.train.register(obj, name={name!r})
+    right:  ft.train.register(obj, name="mypackage.{short}")"""
+
+_types: dict[str, type] = {}
+_functions: dict[str, Any] = {}
+_names: dict[int, str] = {}  # id(obj) -> public name (objects are kept alive above)
+_builtins_loaded = False
+
+
+# functree's own state types by public name: package -> class names. Looked up in the
+# already-imported modules of that package (private module moves do not matter). Add a
+# name here when an optimizer or layer puts a new NamedTuple or dataclass into a tree.
+FUNCTREE_TYPES = {
+    "functree.optim": (
+        "LearningContext", "HyperState", "ContextState", "LossScaleState", "AdagradState",
+        "AMSGradState", "UnitGainState", "NoiseState", "PlateauState",
+    ),
+    "functree.nn": ("LSTMState",),
+    "functree.train": ("DataContext", "StepOutput"),
+}
+
+
+def _find(package: str, name: str) -> type | None:
+    """``name`` in ``package`` or one of its already-imported private modules."""
+    for module_name, module in list(sys.modules.items()):
+        if module_name == package or module_name.startswith(package + "."):
+            obj = getattr(module, name, None)
+            if isinstance(obj, type) and obj.__module__.startswith(package):
+                return obj
+    return None
+
+
+def _functree_types() -> dict[str, type]:
+    """functree's and optax's state types by public name."""
+    import optax
+
+    import functree.nn
+    import functree.optim
+    import functree.train  # noqa: F401  (their private modules define the types)
+
+    table: dict[str, type] = {}
+    for package, names in FUNCTREE_TYPES.items():
+        for name in names:
+            cls = _find(package, name)
+            if cls is not None:
+                table[f"{package}.{name}"] = cls
+    for name in OPTAX_STATES:
+        cls = getattr(optax, name, None)
+        if isinstance(cls, type):
+            table[f"optax.{name}"] = cls
+    return table
+
+
+def _functree_functions() -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from functree.nn import _activations
+
+    table: dict[str, Any] = {}
+    for name in dir(jax.nn):
+        obj = getattr(jax.nn, name)
+        if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
+            table[f"jax.nn.{name}"] = obj
+    for name in _activations.__all__:
+        table[f"functree.nn.{name}"] = getattr(_activations, name)
+    for name in JNP_FUNCTIONS:
+        table[f"jax.numpy.{name}"] = getattr(jnp, name)
+    for name in JNP_SCALAR_TYPES:
+        table[f"jax.numpy.{name}"] = getattr(jnp, name)
+    return table
+
+
+def _functree_modules() -> Iterator[tuple[str, type]]:
+    import functree
+    from functree import losses, nn, optim, train
+
+    for package in (functree, nn, optim, train, losses):
+        for name in package.__all__:
+            obj = getattr(package, name)
+            if isinstance(obj, type) and issubclass(obj, Module) and obj is not Module:
+                yield f"{package.__name__}.{name}", obj
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    for name, cls in [*_functree_types().items(), *_functree_modules()]:
+        _add(_types, name, cls)
+    for name, fn in _functree_functions().items():
+        _add(_functions, name, fn)
+    _builtins_loaded = True  # last: another thread never sees a half-filled table as done
+
+
+def _add(table: dict[str, Any], name: str, obj: Any) -> None:
+    table[name] = obj
+    _names.setdefault(id(obj), name)
+
+
+def default_name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def register(obj: Any, name: str | None = None) -> Any:
+    """Allow checkpoints to rebuild ``obj`` (a class) or refer to it (a function) by name.
+
+    Restoring without a template builds only registered types (and Module subclasses
+    defined in the running process); a static function (an activation, a Lambda's
+    function) is only looked up among registered ones. ``name`` defaults to
+    ``module.qualname``; returns ``obj``, so it works as a decorator.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp, tempfile, typing
+      >>> @ft.train.register
+      ... class Counter(typing.NamedTuple):
+      ...     count: jax.Array
+      >>> path = tempfile.mkdtemp() + "/c"
+      >>> ft.train.save(path, Counter(jnp.array(3)))
+      >>> ft.train.load(path)
+      Counter(count=Array(3, dtype=int32))
+    """
+    _load_builtins()
+    is_class = isinstance(obj, type)
+    if not callable(obj) or (is_class and not _is_buildable(obj)):
+        raise TypeError(NOT_REGISTRABLE.format(given=obj))
+    name = name or default_name(obj)
+    table: dict[str, Any] = _types if is_class else _functions
+    old = table.get(name)
+    if old is not None and old is not obj:
+        raise ValueError(NAME_TAKEN.format(name=name, old=old, new=obj, short=name.split(".")[-1]))
+    table[name] = obj
+    _names[id(obj)] = name
+    return obj
+
+
+def _is_buildable(cls: type) -> bool:
+    return (
+        issubclass(cls, Module)
+        or (issubclass(cls, tuple) and hasattr(cls, "_fields"))
+        or dataclasses.is_dataclass(cls)
+    )
+
+
+def type_name(cls: type) -> str:
+    """The name a checkpoint stores for ``cls``."""
+    _load_builtins()
+    return _names.get(id(cls)) or default_name(cls)
+
+
+def function_name(fn: Any) -> str | None:
+    """The registered name of a static function or scalar type, or None."""
+    _load_builtins()
+    return _names.get(id(fn))
+
+
+def _module_subclasses() -> Iterator[type]:
+    stack = list(Module.__subclasses__())
+    seen: set[int] = set()
+    while stack:
+        cls = stack.pop()
+        if id(cls) not in seen:
+            seen.add(id(cls))
+            yield cls
+            stack.extend(cls.__subclasses__())
+
+
+def _private_name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', '?')}"
+
+
+def lookup_type(name: str) -> list[type]:
+    """The classes a stored type name may mean (registered first), without importing."""
+    _load_builtins()
+    name = ALIASES.get(name, name)
+    if name in _types:
+        return [_types[name]]
+    if ":" in name:  # format 1: module:qualname
+        known = [c for c in _types.values() if _private_name(c) == name]
+        if known:
+            return known[:1]
+        name = name.replace(":", ".")
+        if name in _types:
+            return [_types[name]]
+    return [c for c in _module_subclasses() if type_name(c) == name]
+
+
+def lookup_function(name: str) -> Any:
+    """The registered function or scalar type stored as ``name``, or None."""
+    _load_builtins()
+    name = ALIASES.get(name, name)
+    if name in _functions:
+        return _functions[name]
+    if ":" in name:  # format 1
+        for fn in _functions.values():
+            if _private_name(fn) == name:
+                return fn
+        return _functions.get(name.replace(":", "."))
+    return None
+
+
+def registered_callable(fn: Callable[..., Any]) -> bool:
+    return function_name(fn) is not None

@@ -414,3 +414,44 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     model, opt_state = ft.train.load(tmp_path / "ckpt_resumed")
     for a, b in zip(jax.tree.leaves((straight.model, straight.opt_state)), jax.tree.leaves((model, opt_state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_pre_redesign_optimizer_state_says_how_to_convert_and_converts(tmp_path):
+    """Checkpoints written before the one-context optimizer state (format 1) still load."""
+    import json
+
+    from functree.train._checkpoint import CheckpointManager
+    from functree.train._registry import lookup_type
+
+    model = ft.nn.Dense(2, 3, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
+    new = opt.init(model)
+    old = new.inner.replace(context=new.context.replace(step=9, samples_seen=90))  # the old layout
+    with CheckpointManager(tmp_path / "ck") as manager:
+        manager.save(1, model, old)
+
+    def private_names(node):  # as format 1 wrote them: module:qualname
+        if isinstance(node, dict):
+            if "class" in node:
+                found = lookup_type(node["class"])[0]
+                node["class"] = f"{found.__module__}:{found.__qualname__}"
+            for value in node.values():
+                private_names(value)
+        elif isinstance(node, list):
+            for value in node:
+                private_names(value)
+
+    path = tmp_path / "ck" / "1" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    private_names(meta["spec"])
+    meta["format"] = "functree-checkpoint-1"
+    del meta["checksums"], meta["digest"]
+    path.write_text(json.dumps(meta))
+    manager = CheckpointManager(tmp_path / "ck")
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)before functree's one-context.*upgrade_state"):
+        manager.restore(template=model, opt_state_template=new)
+    restored = manager.restore(template=model)
+    state = ft.optim.upgrade_state(restored.opt_state, opt, restored.model)
+    assert int(ft.optim.context(state).step) == 9
+    assert jax.tree.structure(state) == jax.tree.structure(new)
+    manager.close()

@@ -19,7 +19,7 @@ non-finite step under ``skip_non_finite``, a loss-scale overflow, ``on_nan="skip
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -97,6 +97,14 @@ NO_OLD_CONTEXT = """\
 ft.optim.upgrade_state: the old state holds no ft.optim.LearningContext, so it was not \
 made by a functree optimizer; build a new one with optimizer.init(model).
 """
+
+
+class ContextState(NamedTuple):
+    """The state layout before the one-context redesign, for plain optax transforms (read
+    from old checkpoints only; :func:`upgrade_state` converts it)."""
+
+    context: LearningContext
+    inner: Any
 
 
 def _is_context(x: Any) -> bool:

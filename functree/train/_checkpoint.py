@@ -81,7 +81,15 @@ The checkpoint's {part} at step {step} does not fit the template:
 Build the template the same way as the saved {part} (same layer sizes, dtypes and \
 optimizer), or restore without a template to get the saved {part} back as it was:
 
-    manager.restore(step).{part}"""
+    manager.restore(step).{part}{hint}"""
+
+OLD_OPTIMIZER_LAYOUT = """
+
+This checkpoint was written before functree's one-context optimizer state (format \
+functree-checkpoint-1). Restore the old state without a template and convert it:
+
+    old = manager.restore(step, opt_state_template=None).opt_state
+    opt_state = ft.optim.upgrade_state(old, optimizer, model)"""
 
 BAD_MODE = """\
 mode must be "min" or "max", got {mode!r}.
@@ -351,7 +359,8 @@ def _verify_arrays(meta: dict[str, Any], arrays: dict[str, Any]) -> tuple[str, s
     return None
 
 
-def _rebuild(part: str, spec: dict[str, Any], arrays: dict[str, Any], template: Any, step: int) -> Any:
+def _rebuild(part: str, spec: dict[str, Any], arrays: dict[str, Any], template: Any, step: int,
+             old_format: bool = False) -> Any:
     if template is None:
         return decode(spec, arrays, part)
     prefix = part + "."
@@ -362,7 +371,8 @@ def _rebuild(part: str, spec: dict[str, Any], arrays: dict[str, Any], template: 
     }
     tree, report = from_flat_dict(template, flat, strict=False)
     if not report.ok:
-        raise CheckpointError(TEMPLATE_MISMATCH.format(part=part, step=step, report=report))
+        hint = OLD_OPTIMIZER_LAYOUT if old_format and part == "opt_state" else ""
+        raise CheckpointError(TEMPLATE_MISMATCH.format(part=part, step=step, report=report, hint=hint))
     return tree
 
 
@@ -593,7 +603,8 @@ class CheckpointManager:
         parts = dict(zip(_PARTS, meta["spec"]["items"]))
         try:
             rebuilt = {
-                p: _rebuild(p, parts[p], arrays, templates[p], chosen) if p in include else None
+                p: _rebuild(p, parts[p], arrays, templates[p], chosen, meta["format"] != FORMAT)
+                if p in include else None
                 for p in _PARTS
             }
         except SpecError as e:
@@ -694,5 +705,5 @@ def _rebuild_single(spec: dict[str, Any], arrays: dict[str, Any], template: Any)
     flat = {s["key"]: _decode_leaf(s, arrays, s["key"]) for s in leaf_specs(spec)}
     tree, report = from_flat_dict(template, flat, strict=False)
     if not report.ok:
-        raise CheckpointError(TEMPLATE_MISMATCH.format(part="tree", step="-", report=report))
+        raise CheckpointError(TEMPLATE_MISMATCH.format(part="tree", step="-", report=report, hint=""))
     return tree

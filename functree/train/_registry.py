@@ -79,8 +79,9 @@ _builtins_loaded = False
 # name here when an optimizer or layer puts a new NamedTuple or dataclass into a tree.
 FUNCTREE_TYPES = {
     "functree.optim": (
-        "LearningContext", "HyperState", "ContextState", "LossScaleState", "AdagradState",
-        "AMSGradState", "UnitGainState", "NoiseState", "PlateauState",
+        "LearningContext", "HyperState", "OptimizerState", "SkipState", "LossScaleState",
+        "AdagradState", "AMSGradState", "UnitGainState", "NoiseState", "PlateauState",
+        "ContextState",  # format 1's wrapper of plain optax states; ft.optim.upgrade_state reads it
     ),
     "functree.nn": ("LSTMState",),
     "functree.train": ("DataContext", "StepOutput"),

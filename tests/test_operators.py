@@ -336,8 +336,9 @@ def test_bad_wrt_values():
         ft.gradient(f, wrt=1.5)(jnp.ones(2))
     with pytest.raises(TypeError, match="wrt must be an argument index"):
         ft.gradient(f, wrt=True)(jnp.ones(2))
-    with pytest.raises(IndexError, match=r"wrt=2 but .* was called with 1 argument"):
+    with pytest.raises(IndexError, match=r"wrt=2 names argument 2, but f was called with 1 arg") as e:
         ft.gradient(f, wrt=2)(jnp.ones(2))
+    assert "right:  ft.gradient(f, wrt=0)(x, y)" in str(e.value)
 
 
 @settings(max_examples=30, deadline=None)

@@ -799,13 +799,39 @@ def _run(
 _CACHE: dict[Any, DiagnosticReport] = {}
 
 
+_TRACER, _ARRAY, _NUMPY, _PYTHON, _OTHER = range(5)
+_KINDS: dict[type, int] = {}  # a leaf's type -> how its key is made (one isinstance per type)
+
+
+def _kind(t: type) -> int:
+    kind = _KINDS.get(t)
+    if kind is None:
+        if issubclass(t, jax.core.Tracer):
+            kind = _TRACER
+        elif issubclass(t, jax.Array):
+            kind = _ARRAY
+        elif issubclass(t, (np.ndarray, np.generic)):
+            kind = _NUMPY
+        elif t in (bool, int, float, complex, str, type(None)):
+            kind = _PYTHON
+        else:
+            kind = _OTHER
+        bounded_put(_KINDS, t, kind)
+    return kind
+
+
 def _leaf_key(x: Any, depth: int, baked: bool = True) -> Any:
-    if isinstance(x, jax.core.Tracer):
-        aval: Any = x.aval
-        return ("T", aval.shape, aval.dtype, getattr(aval, "weak_type", False))
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return ("A", x.shape, x.dtype, getattr(x, "weak_type", False))
-    if isinstance(x, (bool, int, float, complex, str)) or x is None:
+    """A leaf's part of the signature: its abstract value (arrays; a tracer's differs from a
+    concrete array's, whose zeros the analysis can see) or its value (Python scalars)."""
+    kind = _KINDS.get(type(x))
+    if kind is None:
+        kind = _kind(type(x))
+    if kind <= _ARRAY:
+        aval = x.aval
+        return (kind, aval.shape, aval.dtype, getattr(aval, "weak_type", False))
+    if kind == _NUMPY:
+        return (kind, x.shape, x.dtype)
+    if kind == _PYTHON:
         # Python values are baked into the trace, except where they are differentiated.
         return (type(x), x) if baked else type(x)
     if callable(x) and not isinstance(x, type):
@@ -819,7 +845,7 @@ def _leaf_key(x: Any, depth: int, baked: bool = True) -> Any:
 
 def _value_key(v: Any, depth: int, baked: bool = True) -> Any:
     leaves, treedef = jax.tree.flatten(v)
-    return (treedef, tuple(_leaf_key(x, depth, baked) for x in leaves))
+    return (treedef, tuple([_leaf_key(x, depth, baked) for x in leaves]))
 
 
 def _callable_key(f: Any, depth: int = 0) -> Any:
@@ -857,7 +883,7 @@ def _signature(kind: str, f: Any, plan: Plan) -> Any:
         kind,
         _callable_key(f),
         plan.indices,
-        tuple(jax.tree.structure(p) for p in plan.primals),
+        plan.patterns,  # with the arguments' signature, fixes the primals' structure
         tuple(_value_key(a, 0, i not in differentiated) for i, a in enumerate(plan.args)),
     )
 

@@ -69,6 +69,19 @@ ft.{op}: {fn} calls a function whose custom derivative is reverse-mode only \
        or:  use a reverse-mode operator: ft.gradient, ft.pullback, ft.jacobian(f, mode="reverse")
 """
 
+SCALAR_ARGUMENT = """\
+ft.derivative takes a scalar floating argument, got shape {shape} dtype {dtype} \
+(argument {index}). For arrays use ft.gradient, ft.jacobian or ft.differential:
+
+    wrong:  ft.derivative(f, at=jnp.ones(3))
+    right:  ft.jacobian(f, at=jnp.ones(3), mode="forward")
+"""
+
+BAD_JACOBIAN_MODE = """\
+mode is 'reverse' or 'forward', got {mode!r}.
+
+    right:  ft.jacobian(f, at=x, mode="forward")   # columns from differentials
+"""
 
 
 def _calls_reverse_only(g: Callable[..., Any], primals: Sequence[Any]) -> bool:
@@ -308,8 +321,7 @@ def derivative(f: Callable[..., Any], at: Any = _MISSING, *, wrt: int = 0) -> An
         x = args[wrt]
         if jnp.shape(x) != () or not is_parameter_leaf(x):
             raise TypeError(
-                f"ft.derivative takes a scalar floating argument, got shape {jnp.shape(x)} "
-                f"dtype {jnp.result_type(x)}. For arrays use ft.gradient, ft.jacobian or ft.differential."
+                SCALAR_ARGUMENT.format(index=wrt, shape=jnp.shape(x), dtype=jnp.result_type(x))
             )
         _, df = _linearize("derivative", fn, args, wrt, False)
         return df(jnp.ones((), jnp.result_type(x)))
@@ -330,7 +342,7 @@ def jacobian(
              [0., 2.]], dtype=float32)
     """
     if mode not in ("reverse", "forward"):
-        raise ValueError(f"mode is 'reverse' or 'forward', got {mode!r}.")
+        raise ValueError(BAD_JACOBIAN_MODE.format(mode=mode))
     transform = jax.jacrev if mode == "reverse" else jax.jacfwd
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:

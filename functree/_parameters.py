@@ -49,7 +49,14 @@ def is_parameter_leaf(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
+    inexact = _INEXACT.get(dtype)
+    if inexact is None:
+        inexact = bool(jnp.issubdtype(dtype, jnp.inexact))
+        bounded_put(_INEXACT, dtype, inexact)
+    return inexact
+
+
+_INEXACT: dict[Any, bool] = {}  # dtype -> whether it is floating or complex
 
 
 def _mark(x: Any) -> Any:

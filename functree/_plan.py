@@ -15,8 +15,8 @@ Example:
   >>> plan = Plan("gradient", lambda w, n: w * n, (jnp.ones(2), 3), 0)
   >>> plan.primals, plan.argnums
   ((Array([1., 1.], dtype=float32),), 0)
-  >>> plan.wrap()(jnp.full(2, 2.0))
-  Array([6., 6.], dtype=float32)
+  >>> plan.wrap()(jnp.full(2, 2.0)).tolist()
+  [6.0, 6.0]
 """
 
 from __future__ import annotations
@@ -76,26 +76,45 @@ wrt={wrt!r} names argument {index}, but {fn} was called with {count} argument(s)
     right:  ft.gradient(f, wrt=0)(x, y)        # argument indices count from 0
 """
 
+TANGENT_TUPLE = """\
+This differential takes a tuple of {count} tangents (wrt={wrt}), one per argument:
+
+    right:  df = ft.differential(f, wrt=(0, 1))(x, y);  df((tx, ty))
+"""
+
 
 def fn_name(f: Callable[..., Any]) -> str:
     """The name an error message gives ``f``: its qualified name, else its ``repr``."""
     return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
 
 
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex)
+_POINT_TYPES: dict[type, bool] = {}  # leaf types known to be arrays or numbers
+
+
+def _is_point_leaf(leaf: Any) -> bool:
+    t = type(leaf)
+    if t in _POINT_TYPES:
+        return True
+    if issubclass(t, _ARRAY_TYPES):
+        bounded_put(_POINT_TYPES, t, True)
+        return True
+    return hasattr(leaf, "dtype") and hasattr(leaf, "shape")
+
+
 def _check_point(f: Callable[..., Any], index: int, x: Any) -> None:
+    if all(_is_point_leaf(leaf) for leaf in jax.tree.leaves(x)):
+        return  # the common case: no key paths built
     for path, leaf in jax.tree_util.tree_flatten_with_path(x)[0]:
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
-            continue
-        if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
-            continue
-        raise TypeError(
-            NOT_A_PYTREE_OF_ARRAYS.format(
-                index=index,
-                fn=fn_name(f),
-                path=jax.tree_util.keystr(path) or "<root>",
-                type=type(leaf).__name__,
+        if not _is_point_leaf(leaf):
+            raise TypeError(
+                NOT_A_PYTREE_OF_ARRAYS.format(
+                    index=index,
+                    fn=fn_name(f),
+                    path=jax.tree_util.keystr(path) or "<root>",
+                    type=type(leaf).__name__,
+                )
             )
-        )
 
 
 class Plan:
@@ -222,9 +241,7 @@ class Plan:
         if self.single:
             return (t,)
         if not isinstance(t, tuple) or len(t) != len(self.indices):
-            raise TypeError(
-                f"This differential takes a tuple of {len(self.indices)} tangents (wrt={self.indices})."
-            )
+            raise TypeError(TANGENT_TUPLE.format(count=len(self.indices), wrt=self.indices))
         return t
 
 

@@ -243,7 +243,7 @@ def _only_cut(s: _State) -> _State:
 
 # Source directories that are never the user's line: JAX, jaxlib and the standard library
 # (whose site-packages, where user code can live, is not excluded).
-_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib))
+_LIBRARIES = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (jax, jaxlib))
 _STDLIB = os.path.join(sysconfig.get_path("stdlib"), "")
 _SITE = tuple({os.path.join(sysconfig.get_path(k), "") for k in ("purelib", "platlib")})
 _USER_FILES: dict[str, bool] = {}

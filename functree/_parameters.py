@@ -49,7 +49,10 @@ def is_parameter_leaf(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
-    inexact = _INEXACT.get(dtype)
+    try:
+        inexact = _INEXACT.get(dtype)
+    except TypeError:  # an unhashable dtype-like: no cache
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
     if inexact is None:
         inexact = bool(jnp.issubdtype(dtype, jnp.inexact))
         bounded_put(_INEXACT, dtype, inexact)

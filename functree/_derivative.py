@@ -13,6 +13,7 @@ import numpy as np
 
 from functree import _operators
 from functree._parameters import is_parameter_leaf, parameters
+from functree._tree import is_none
 
 __all__ = [
     "differentiable",
@@ -239,7 +240,7 @@ def _with_pullback(
 def _tangent_view(primal: Any, tangent: Any) -> Any:
     """JAX's tangent for an argument, reduced to its parameter view (None elsewhere)."""
     view = parameters(primal)
-    return jax.tree.map(lambda p, t: None if p is None else t, view, tangent, is_leaf=lambda x: x is None)
+    return jax.tree.map(lambda p, t: None if p is None else t, view, tangent, is_leaf=is_none)
 
 
 def _with_differential(

@@ -34,19 +34,26 @@ import dataclasses
 import functools
 import html
 import inspect
+import json
+import os
+import re
+import sysconfig
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.core
+import jaxlib
 import numpy as np
-from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from functree._config import config
 from functree._module import DifferentiationWarning, Module
+from functree._parameters import parameters
+from functree._plan import Plan
+from functree._tree import CACHE_LIMIT, bounded_put, dotted_name
 
 __all__ = [
     "ZeroDerivativeWarning",
@@ -54,6 +61,7 @@ __all__ = [
     "UnusedParameterWarning",
     "DiagnosticReport",
     "Finding",
+    "LeafActivity",
     "diagnose",
     "check",
 ]
@@ -98,8 +106,8 @@ zero gradient:
 {names}
 Call the layers you defined, or stop differentiating these parameters:
 
-    wrong:  ft.gradient(loss, at=model)                  # {first} never reaches the loss
-    right:  ft.gradient(loss, at=model, wrt="{keep}")    # differentiate what is used
+    wrong:  ft.gradient(loss, at=model)    # {first} never reaches the loss
+    right:  {fix}
        or:  name: jax.Array = ft.field(no_derivative=True)   # carried, never trained
 """
 
@@ -137,13 +145,44 @@ _MAX_ORIGINS = 16
 _MAX_FIXED_POINT = 64
 _ZERO_TEST_MAX_SIZE = 1 << 16
 
-# A state is (active, cut, quiet, zeroed, origins, is_zero): four bitmasks over the
-# differentiation input leaves, the frozenset of (bits, label, file, line) cuts that made
-# bits inactive, and whether the value is a known constant zero.
-_State = tuple
+
+
+class _Op(NamedTuple):
+    """A zero-derivative operation: its description and the user's source line."""
+
+    label: str
+    file: str
+    line: int
+
+
+class _Origin(NamedTuple):
+    """Where differentiation inputs were cut: the inputs' bits and the operation."""
+
+    bits: int
+    op: _Op
+
+
+class _State(NamedTuple):
+    """What the analysis knows about one value of the program.
+
+    Four bitmasks over the differentiation input leaves (bit ``k + 1`` is leaf ``k``): on
+    which the value depends ``active``-ly, only through a ``cut`` (zero-derivative
+    operation), only through ``ft.without_derivative`` (``quiet``), only through a product
+    with a constant zero (``zeroed``); the ``origins`` of its cuts; and whether the value
+    is a known constant zero.
+    """
+
+    active: int
+    cut: int
+    quiet: int
+    zeroed: int
+    origins: frozenset[_Origin]
+    is_zero: bool
+
+
 _MARK = 1  # bit 0 of ``quiet``: the value passed through ft.without_derivative
-_EMPTY: _State = (0, 0, 0, 0, frozenset(), False)
-_ZERO: _State = (0, 0, 0, 0, frozenset(), True)
+_EMPTY = _State(0, 0, 0, 0, frozenset(), False)
+_ZERO = _State(0, 0, 0, 0, frozenset(), True)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -174,31 +213,66 @@ def _const_state(value: Any) -> _State:
 
 
 def _join(a: _State, b: _State) -> _State:
-    origins = a[4] | b[4] if b[4] else a[4]
-    return (a[0] | b[0], a[1] | b[1], a[2] | b[2], a[3] | b[3], origins, a[5] and b[5])
+    return _State(
+        a.active | b.active,
+        a.cut | b.cut,
+        a.quiet | b.quiet,
+        a.zeroed | b.zeroed,
+        a.origins | b.origins if b.origins else a.origins,
+        a.is_zero and b.is_zero,
+    )
 
 
 def _join_all(states: Sequence[_State]) -> _State:
-    out = (0, 0, 0, 0, frozenset(), True)
+    out = _ZERO
     for s in states:
         out = _join(out, s)
-    if len(out[4]) > _MAX_ORIGINS:
-        out = (*out[:4], frozenset(sorted(out[4], key=repr)[:_MAX_ORIGINS]), out[5])
+    if len(out.origins) > _MAX_ORIGINS:
+        out = out._replace(origins=frozenset(sorted(out.origins, key=repr)[:_MAX_ORIGINS]))
     return out
 
 
 def _not_zero(s: _State) -> _State:
-    return s if not s[5] else (*s[:5], False)
+    return s._replace(is_zero=False) if s.is_zero else s
+
+
+def _only_cut(s: _State) -> _State:
+    """A dependence through a discrete choice (a branch index, a loop's predicate)."""
+    return _State(0, s.cut | s.active, 0, 0, s.origins, False)
+
+
+# Source directories that are never the user's line: JAX, jaxlib and the standard library
+# (whose site-packages, where user code can live, is not excluded).
+_LIBRARIES = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (jax, jaxlib))
+_STDLIB = os.path.join(sysconfig.get_path("stdlib"), "")
+_SITE = tuple({os.path.join(sysconfig.get_path(k), "") for k in ("purelib", "platlib")})
+_USER_FILES: dict[str, bool] = {}
+
+
+def _is_user_file(name: str) -> bool:
+    user = _USER_FILES.get(name)
+    if user is None:
+        stdlib = name.startswith(_STDLIB) and not name.startswith(_SITE)
+        user = not (stdlib or name.startswith(_LIBRARIES))
+        bounded_put(_USER_FILES, name, user)
+    return user
 
 
 def _where(eqn: Any) -> tuple[str, int]:
+    """The user's source line of an equation: the innermost traced frame outside JAX,
+    jaxlib and the standard library (functree's own layers count as the user's).
+
+    Reads only public attributes (``eqn.source_info.traceback.frames``, each frame's
+    ``file_name`` and ``line_num``), and never raises: anything unexpected (a JAX that
+    records no traceback) gives ``("<unknown>", 0)``.
+    """
     try:
-        frame = source_info_util.user_frame(eqn.source_info.traceback)
+        for frame in eqn.source_info.traceback.frames:
+            if _is_user_file(frame.file_name):
+                return (frame.file_name, int(frame.line_num))
     except Exception:
-        frame = None
-    if frame is None:
-        return ("<unknown>", 0)
-    return (frame.file_name, frame.start_line)
+        pass
+    return ("<unknown>", 0)
 
 
 def _label(eqn: Any) -> str:
@@ -214,10 +288,10 @@ def _label(eqn: Any) -> str:
 
 def _cut(s: _State, eqn: Any) -> _State:
     """Moves the active bits of ``s`` to ``cut``, recording where."""
-    if not s[0]:
-        return (*s[:5], False)
-    origin = (s[0], _label(eqn), *_where(eqn))
-    return (0, s[1] | s[0], s[2], s[3], s[4] | {origin}, False)
+    if not s.active:
+        return _not_zero(s)
+    origin = _Origin(s.active, _Op(_label(eqn), *_where(eqn)))
+    return _State(0, s.cut | s.active, s.quiet, s.zeroed, s.origins | {origin}, False)
 
 
 def _scoped(eqn: Any, scoped: bool) -> bool:
@@ -273,17 +347,17 @@ def _elementary(eqn: Any, ins: list, scoped: bool) -> list:
     u = _join_all(ins) if ins else _EMPTY
     if name == "stop_gradient":
         if scoped:  # ft.without_derivative: all of it is intentional, and marked as such
-            quiet = u[2] | u[1] | u[0] | _MARK
-            return [(0, 0, quiet, u[3], u[4], u[5])] * len(eqn.outvars)
+            quiet = u.quiet | u.cut | u.active | _MARK
+            return [_State(0, 0, quiet, u.zeroed, u.origins, u.is_zero)] * len(eqn.outvars)
         return [_cut(u, eqn)] * len(eqn.outvars)
     if name in _ZERO_DERIVATIVE_FLOAT:
         return [_cut(u, eqn)] * len(eqn.outvars)
-    if name in _ANNIHILATING and any(s[5] for s in ins):
-        live = u[0] | u[1]
-        return [(0, u[1], u[2], u[3] | live, u[4], True)] * len(eqn.outvars)
+    if name in _ANNIHILATING and any(s.is_zero for s in ins):
+        live = u.active | u.cut
+        return [_State(0, u.cut, u.quiet, u.zeroed | live, u.origins, True)] * len(eqn.outvars)
     floats = [s for v, s in zip(eqn.invars, ins) if _is_inexact(v.aval)]
-    zero = name in _ZERO_PRESERVING and bool(floats) and all(s[5] for s in floats)
-    out_state = (*u[:5], zero)
+    zero = name in _ZERO_PRESERVING and bool(floats) and all(s.is_zero for s in floats)
+    out_state = u._replace(is_zero=zero)
     return [out_state if _is_inexact(v.aval) else _cut(u, eqn) for v in eqn.outvars]
 
 
@@ -295,8 +369,8 @@ def _cond(eqn: Any, ins: list, scoped: bool) -> list:
         results.append(_analyse(jaxpr, consts, operands, scoped))
     outs = [_join_all(column) for column in zip(*results)]
     # The branch taken depends on the (integer) index: a non-differentiable dependence.
-    pick = (0, index[1] | index[0], 0, 0, index[4], False)
-    return [_not_zero(_join(o, pick)) if not o[5] else o for o in outs]
+    pick = _only_cut(index)
+    return [o if o.is_zero else _not_zero(_join(o, pick)) for o in outs]
 
 
 def _fixed_point(step: Callable[[list], list], carry: list) -> list:
@@ -319,7 +393,7 @@ def _while(eqn: Any, ins: list, scoped: bool) -> list:
     cond, cond_c = _open(p["cond_jaxpr"])
     (pred,) = _analyse(cond, cond_c, [*cond_consts, *carry], scoped)
     # How many iterations run depends on the predicate: a non-differentiable dependence.
-    stop = (0, pred[1] | pred[0], 0, 0, pred[4], False)
+    stop = _only_cut(pred)
     return [_join(c, stop) for c in carry]
 
 
@@ -356,31 +430,40 @@ class Finding:
     paths: tuple[str, ...] = ()
 
     def emit(self) -> None:
+        if len(_REGISTRY) >= CACHE_LIMIT:  # the one bounded policy, for warnings' registry too
+            _REGISTRY.clear()
         warnings.warn_explicit(
             self.message, self.category, self.filename, self.lineno, registry=_REGISTRY
         )
+
+
+class LeafActivity(NamedTuple):
+    """One differentiated leaf of a :class:`DiagnosticReport`: its dotted name and status."""
+
+    name: str
+    status: str
 
 
 @dataclasses.dataclass(frozen=True)
 class DiagnosticReport:
     """Every finding of the differentiation diagnostics for one function and signature.
 
-    ``activity`` lists each differentiated leaf (dotted name) with its status: ``active``
-    (the derivative can be nonzero), ``non-differentiable`` (reaches the result only
-    through zero-derivative operations), ``without_derivative`` (intentionally stopped),
-    ``zero mask`` (multiplied by a constant zero) or ``unused``.
+    ``activity`` lists each differentiated leaf as a :class:`LeafActivity` (dotted name,
+    status): ``active`` (the derivative can be nonzero), ``non-differentiable`` (reaches
+    the result only through zero-derivative operations), ``without_derivative``
+    (intentionally stopped), ``zero mask`` (multiplied by a constant zero) or ``unused``.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.diagnose(lambda x: jnp.sum(x ** 2), at=jnp.ones(2)).ok
       True
       >>> ft.diagnose(lambda x: jnp.round(x), at=1.0).activity
-      (('<root>', 'non-differentiable'),)
+      (LeafActivity(name='<root>', status='non-differentiable'),)
     """
 
     function: str
     findings: tuple[Finding, ...]
-    activity: tuple[tuple[str, str], ...]
+    activity: tuple[LeafActivity, ...]
     analysed: bool = True
     note: str = ""
 
@@ -466,121 +549,186 @@ def _argument_name(f: Any, index: int) -> str:
         return f"argument {index}"
 
 
-def _leaf_name(path: Any) -> str:
-    from functree._parameters import _jax_path_name
-
-    return _jax_path_name(path) or "<root>"
-
-
 def _contains_module(x: Any) -> bool:
     leaves = jax.tree.leaves(x, is_leaf=lambda y: isinstance(y, Module))
     return isinstance(x, Module) or any(isinstance(y, Module) for y in leaves)
 
 
-def _ops(origins: Any, bits: int) -> list[tuple[str, str, int]]:
-    found = sorted({(label, file, line) for b, label, file, line in origins if b & bits})
-    return found
+def _ops(origins: frozenset[_Origin], bits: int) -> list[_Op]:
+    """The zero-derivative operations that cut any of ``bits``, sorted by label and line."""
+    return sorted({o.op for o in origins if o.bits & bits})
 
 
-def _format_ops(ops: list[tuple[str, str, int]]) -> str:
-    return "\n".join(f"    {label} at {file}:{line}" for label, file, line in ops)
+def _format_ops(ops: Sequence[_Op]) -> str:
+    return "\n".join(f"    {op.label} at {op.file}:{op.line}" for op in ops)
 
 
-class _Arguments:
-    """The differentiated arguments: their leaves' bits, names and Module-ness."""
+class _Leaf(NamedTuple):
+    """A differentiated leaf: its dotted name and its bit in the analysis' masks."""
 
-    def __init__(self, f: Any, plan: Any):
-        self.groups: list[tuple[str, list[tuple[str, int]], bool]] = []
-        bit = 1  # bit 0 is _MARK
-        for index, primal in zip(plan.indices, plan.primals):
-            leaves = jax.tree_util.tree_flatten_with_path(primal)[0]
-            names = [(_leaf_name(path), 1 << (bit + k)) for k, (path, _) in enumerate(leaves)]
-            bit += len(leaves)
-            is_module = _contains_module(plan.args[index])
-            self.groups.append((_argument_name(f, index), names, is_module))
-        self.all_bits = (1 << bit) - 2
+    name: str
+    bit: int
+
+
+class _Group(NamedTuple):
+    """One differentiated argument of the function."""
+
+    what: str  # "argument 0 (`model`)"
+    index: int
+    leaves: tuple[_Leaf, ...]
+    is_module: bool
+    parameter_names: tuple[str, ...]  # every parameter of the argument, differentiated or not
+
+    @property
+    def bits(self) -> int:
+        return functools.reduce(lambda x, y: x | y, [leaf.bit for leaf in self.leaves], 0)
+
+
+def _groups(f: Any, plan: Plan) -> tuple[_Group, ...]:
+    groups = []
+    bit = 1  # bit 0 is _MARK
+    for index, primal in zip(plan.indices, plan.primals):
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(primal)[0]]
+        leaves = tuple(_Leaf(dotted_name(p) or "<root>", 1 << (bit + k)) for k, p in enumerate(paths))
+        bit += len(leaves)
+        arg = plan.args[index]
+        is_module = _contains_module(arg)
+        every = jax.tree_util.tree_flatten_with_path(parameters(arg))[0] if is_module else []
+        names = tuple(dotted_name(p) for p, _ in every)
+        groups.append(_Group(_argument_name(f, index), index, leaves, is_module, names))
+    return tuple(groups)
+
+
+def _all_bits(groups: Sequence[_Group]) -> int:
+    return functools.reduce(lambda x, y: x | y, [g.bits for g in groups], 0)
 
 
 def _status(bit: int, total: _State) -> str:
-    if total[0] & bit:
+    if total.active & bit:
         return "active"
-    if total[2] & bit:
+    if total.quiet & bit:
         return "without_derivative"
-    if total[1] & bit:
+    if total.cut & bit:
         return "non-differentiable"
-    if total[3] & bit:
+    if total.zeroed & bit:
         return "zero mask"
     return "unused"
 
 
-def _findings(f: Any, args: _Arguments, total: _State, quiet_constant: bool) -> list[Finding]:
+_UNUSED = ("unused", "zero mask")
+_GLOB_SPECIAL = re.compile(r"([*?\[])")
+
+
+def used_patterns(used: Sequence[str], every: Sequence[str]) -> tuple[str, ...]:
+    """``wrt=`` patterns that select every ``used`` parameter and no other of ``every``.
+
+    For each used dotted name, its shortest prefix under which no other parameter lies
+    (``layers.0`` when ``layers.1`` is unused; ``layers`` when all layers are used).
+
+    Example:
+      >>> from functree._diagnostics import used_patterns
+      >>> every = ["layers.0.w", "layers.0.b", "layers.1.w", "layers.2.w", "head.w"]
+      >>> used_patterns(["layers.0.w", "layers.0.b", "layers.2.w", "head.w"], every)
+      ('layers.0', 'layers.2', 'head')
+    """
+    used_set = set(used)
+    others = [n for n in every if n not in used_set]
+    out: list[str] = []
+    for name in used:
+        parts = name.split(".")
+        for k in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:k])
+            if not any(o == prefix or o.startswith(prefix + ".") for o in others):
+                break
+        pattern = _GLOB_SPECIAL.sub(r"[\1]", prefix)
+        if pattern not in out:
+            out.append(pattern)
+    return tuple(out)
+
+
+def _wrt_literal(patterns: Sequence[str]) -> str:
+    quoted = [json.dumps(p, ensure_ascii=False) for p in patterns]
+    return quoted[0] if len(quoted) == 1 else "(" + ", ".join(quoted) + ")"
+
+
+def _unused_finding(
+    fn: str, file: str, line: int, group: _Group, statuses: Sequence[tuple[_Leaf, str]]
+) -> Finding | None:
+    unused = [(leaf.name, s) for leaf, s in statuses if s in _UNUSED]
+    if not unused:
+        return None
+    used = [leaf.name for leaf, s in statuses if s not in _UNUSED]
+    wrt = _wrt_literal(used_patterns(used, group.parameter_names or used))
+    if group.index == 0:
+        fix = f'ft.gradient(loss, at=model, wrt={wrt})    # differentiate what is used'
+    else:
+        fix = f"ft.gradient(loss, wrt={wrt})(model, ...)   # patterns select in argument 0"
+    listing = "\n".join(
+        f"    {n}" + ("   (multiplied by a constant zero)" if s == "zero mask" else "")
+        for n, s in unused
+    )
+    message = UNUSED_PARAMETERS.format(
+        fn=fn, count=len(unused), what=group.what, names=listing, fix=fix, first=unused[0][0]
+    )
+    return Finding(UnusedParameterWarning, message, file, line, tuple(n for n, _ in unused))
+
+
+def _cut_finding(
+    fn: str, file: str, line: int, group: _Group, statuses: Sequence[tuple[_Leaf, str]], total: _State
+) -> Finding | None:
+    cut = [leaf for leaf, s in statuses if s == "non-differentiable"]
+    if not cut:
+        return None
+    listing = "\n".join(
+        f"    {leaf.name}   (through {', '.join(op.label for op in _ops(total.origins, leaf.bit))})"
+        for leaf in cut
+    )
+    ops = _ops(total.origins, functools.reduce(lambda x, y: x | y, [leaf.bit for leaf in cut]))
+    where = (ops[0].file, ops[0].line) if ops else (file, line)
+    message = NON_DIFFERENTIABLE_PARAMETERS.format(
+        fn=fn, count=len(cut), what=group.what, names=listing + "\n" + _format_ops(ops)
+    )
+    return Finding(NonDifferentiableWarning, message, *where, tuple(leaf.name for leaf in cut))
+
+
+def _findings(
+    f: Any, groups: Sequence[_Group], total: _State, quiet_constant: bool
+) -> list[Finding]:
     fn = _fn_name(f)
     file, line = _location(f)
-    if not total[0] & args.all_bits:
-        return _whole_function(fn, file, line, args, total, quiet_constant)
+    if not total.active & _all_bits(groups):
+        return _whole_function(fn, file, line, groups, total, quiet_constant)
     out: list[Finding] = []
-    for what, names, is_module in args.groups:
-        statuses = [(n, _status(b, total), b) for n, b in names]
-        if not any(s in ("active", "without_derivative") for _, s, _ in statuses):
-            out.extend(_whole_function(fn, file, line, _only(args, what), total, False))
+    for group in groups:
+        statuses = [(leaf, _status(leaf.bit, total)) for leaf in group.leaves]
+        if not any(s in ("active", "without_derivative") for _, s in statuses):
+            out.extend(_whole_function(fn, file, line, [group], total, False))
             continue
-        if not is_module:
+        if not group.is_module:
             continue
-        unused = [(n, s) for n, s, _ in statuses if s in ("unused", "zero mask")]
-        if unused:
-            keep = next(n for n, s, _ in statuses if s == "active")
-            keep = keep.split(".")[0] + ".*" if "." in keep else keep
-            listing = "\n".join(
-                f"    {n}" + ("   (multiplied by a constant zero)" if s == "zero mask" else "")
-                for n, s in unused
-            )
-            message = UNUSED_PARAMETERS.format(
-                fn=fn, count=len(unused), what=what, names=listing, keep=keep, first=unused[0][0]
-            )
-            out.append(
-                Finding(UnusedParameterWarning, message, file, line, tuple(n for n, _ in unused))
-            )
-        cut = [(n, b) for n, s, b in statuses if s == "non-differentiable"]
-        if cut:
-            listing = "\n".join(
-                f"    {n}   (through {', '.join(label for label, _, _ in _ops(total[4], b))})"
-                for n, b in cut
-            )
-            ops = _ops(total[4], functools.reduce(lambda x, y: x | y, [b for _, b in cut]))
-            where = ops[0][1:] if ops else (file, line)
-            message = NON_DIFFERENTIABLE_PARAMETERS.format(
-                fn=fn, count=len(cut), what=what, names=listing + "\n" + _format_ops(ops)
-            )
-            out.append(
-                Finding(NonDifferentiableWarning, message, *where, tuple(n for n, _ in cut))
-            )
+        found = (
+            _unused_finding(fn, file, line, group, statuses),
+            _cut_finding(fn, file, line, group, statuses, total),
+        )
+        out.extend(x for x in found if x is not None)
     return out
 
 
-def _only(args: _Arguments, what: str) -> _Arguments:
-    sub = object.__new__(_Arguments)
-    sub.groups = [g for g in args.groups if g[0] == what]
-    sub.all_bits = functools.reduce(
-        lambda x, y: x | y, [b for g in sub.groups for _, b in g[1]], 0
-    )
-    return sub
-
-
 def _whole_function(
-    fn: str, file: str, line: int, args: _Arguments, total: _State, quiet_constant: bool
+    fn: str, file: str, line: int, groups: Sequence[_Group], total: _State, quiet_constant: bool
 ) -> list[Finding]:
-    bits = args.all_bits
-    what = ", ".join(g[0] for g in args.groups)
-    paths = tuple(n for g in args.groups for n, _ in g[1])
-    if total[1] & bits:
-        ops = _ops(total[4], total[1] & bits)
-        where = ops[0][1:] if ops else (file, line)
+    bits = _all_bits(groups)
+    what = ", ".join(g.what for g in groups)
+    paths = tuple(leaf.name for g in groups for leaf in g.leaves)
+    if total.cut & bits:
+        ops = _ops(total.origins, total.cut & bits)
+        where = (ops[0].file, ops[0].line) if ops else (file, line)
         message = NON_DIFFERENTIABLE.format(fn=fn, what=what, ops=_format_ops(ops))
         return [Finding(NonDifferentiableWarning, message, *where, paths)]
-    if total[2] & (bits | _MARK) or quiet_constant:
+    if total.quiet & (bits | _MARK) or quiet_constant:
         return []
     detail = " with respect to " + what
-    if total[3] & bits:
+    if total.zeroed & bits:
         detail += " (it is multiplied by a constant zero)"
     message = ZERO_DERIVATIVE.format(fn=fn, what=detail)
     return [Finding(ZeroDerivativeWarning, message, file, line, paths)]
@@ -605,11 +753,6 @@ def note_without_derivative(value: Any) -> None:
         _TRACE.quiet_constant = True
 
 
-@dataclasses.dataclass(frozen=True)
-class _Result:
-    report: DiagnosticReport
-
-
 def _trace(g: Callable[..., Any], primals: Sequence[Any]) -> tuple[Any, Any, bool]:
     # Nested operators (a gradient inside a differentiated function) trace inside ours.
     saved = (_TRACE.active, _TRACE.quiet_constant)
@@ -623,7 +766,9 @@ def _trace(g: Callable[..., Any], primals: Sequence[Any]) -> tuple[Any, Any, boo
         _TRACE.active, _TRACE.quiet_constant = saved
 
 
-def _run(f: Any, g: Callable[..., Any], plan: Any, first_output_only: bool, strict: bool) -> _Result:
+def _run(
+    f: Any, g: Callable[..., Any], plan: Plan, first_output_only: bool, strict: bool
+) -> DiagnosticReport:
     """Trace ``g`` and analyse it; never raises unless ``strict`` (then tracing errors do)."""
     name = _fn_name(f)
     try:
@@ -631,35 +776,62 @@ def _run(f: Any, g: Callable[..., Any], plan: Any, first_output_only: bool, stri
     except Exception as e:
         if strict:
             raise
-        return _Result(DiagnosticReport(name, (), (), False, f"tracing failed: {type(e).__name__}"))
+        return DiagnosticReport(name, (), (), False, f"tracing failed: {type(e).__name__}")
     try:
-        args = _Arguments(f, plan)
+        groups = _groups(f, plan)
         nin = len(closed.jaxpr.invars)
-        ins = [(1 << (i + 1), 0, 0, 0, frozenset(), False) for i in range(nin)]
+        ins = [_State(1 << (i + 1), 0, 0, 0, frozenset(), False) for i in range(nin)]
         outs = _analyse(closed.jaxpr, closed.consts, ins, False)
         if first_output_only and isinstance(shape, tuple) and len(shape) == 2:
             outs = outs[: len(jax.tree.leaves(shape[0]))]
         total = _join_all(outs) if outs else _EMPTY
-        findings = tuple(_findings(f, args, total, quiet_constant))
-        activity = tuple((n, _status(b, total)) for g_ in args.groups for n, b in g_[1])
-        return _Result(DiagnosticReport(name, findings, activity))
+        findings = tuple(_findings(f, groups, total, quiet_constant))
+        activity = tuple(
+            LeafActivity(leaf.name, _status(leaf.bit, total)) for g_ in groups for leaf in g_.leaves
+        )
+        return DiagnosticReport(name, findings, activity)
     except Exception as e:  # an analysis bug must never break differentiation
-        return _Result(DiagnosticReport(name, (), (), False, f"analysis failed: {e!r}"))
+        return DiagnosticReport(name, (), (), False, f"analysis failed: {e!r}")
 
 
-# Cache: (kind, function key, signature) -> _Result. Keys hold code objects, tree
-# definitions and abstract values, not the user's arrays.
-_CACHE: dict[Any, _Result] = {}
-_CACHE_SIZE = 1024
+# (kind, function key, signature) -> the report. Keys hold code objects, tree definitions
+# and abstract values, not the user's arrays; bounded like every tree-definition cache.
+_CACHE: dict[Any, DiagnosticReport] = {}
+
+
+_TRACER, _ARRAY, _NUMPY, _PYTHON, _OTHER = range(5)
+_KINDS: dict[type, int] = {}  # a leaf's type -> how its key is made (one isinstance per type)
+
+
+def _kind(t: type) -> int:
+    kind = _KINDS.get(t)
+    if kind is None:
+        if issubclass(t, jax.core.Tracer):
+            kind = _TRACER
+        elif issubclass(t, jax.Array):
+            kind = _ARRAY
+        elif issubclass(t, (np.ndarray, np.generic)):
+            kind = _NUMPY
+        elif t in (bool, int, float, complex, str, type(None)):
+            kind = _PYTHON
+        else:
+            kind = _OTHER
+        bounded_put(_KINDS, t, kind)
+    return kind
 
 
 def _leaf_key(x: Any, depth: int, baked: bool = True) -> Any:
-    if isinstance(x, jax.core.Tracer):
-        aval: Any = x.aval
-        return ("T", aval.shape, aval.dtype, getattr(aval, "weak_type", False))
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return ("A", x.shape, x.dtype, getattr(x, "weak_type", False))
-    if isinstance(x, (bool, int, float, complex, str)) or x is None:
+    """A leaf's part of the signature: its abstract value (arrays; a tracer's differs from a
+    concrete array's, whose zeros the analysis can see) or its value (Python scalars)."""
+    kind = _KINDS.get(type(x))
+    if kind is None:
+        kind = _kind(type(x))
+    if kind <= _ARRAY:
+        aval = x.aval
+        return (kind, aval.shape, aval.dtype, getattr(aval, "weak_type", False))
+    if kind == _NUMPY:
+        return (kind, x.shape, x.dtype)
+    if kind == _PYTHON:
         # Python values are baked into the trace, except where they are differentiated.
         return (type(x), x) if baked else type(x)
     if callable(x) and not isinstance(x, type):
@@ -673,7 +845,7 @@ def _leaf_key(x: Any, depth: int, baked: bool = True) -> Any:
 
 def _value_key(v: Any, depth: int, baked: bool = True) -> Any:
     leaves, treedef = jax.tree.flatten(v)
-    return (treedef, tuple(_leaf_key(x, depth, baked) for x in leaves))
+    return (treedef, tuple([_leaf_key(x, depth, baked) for x in leaves]))
 
 
 def _callable_key(f: Any, depth: int = 0) -> Any:
@@ -705,18 +877,18 @@ def _hashable(x: Any) -> bool:
         return False
 
 
-def _signature(kind: str, f: Any, plan: Any) -> Any:
+def _signature(kind: str, f: Any, plan: Plan) -> Any:
     differentiated = {i % len(plan.args) for i in plan.indices}
     return (
         kind,
         _callable_key(f),
         plan.indices,
-        tuple(jax.tree.structure(p) for p in plan.primals),
+        plan.patterns,  # with the arguments' signature, fixes the primals' structure
         tuple(_value_key(a, 0, i not in differentiated) for i, a in enumerate(plan.args)),
     )
 
 
-def _cache_key(kind: str, f: Any, plan: Any) -> Any:
+def _cache_key(kind: str, f: Any, plan: Plan) -> Any:
     try:
         key = _signature(kind, f, plan)
         hash(key)
@@ -725,7 +897,7 @@ def _cache_key(kind: str, f: Any, plan: Any) -> Any:
         return None
 
 
-def check(kind: str, fn: Any, g: Any, plan: Any) -> None:
+def check(kind: str, fn: Any, g: Any, plan: Plan) -> None:
     """Analyse ``g`` (the function being differentiated) before differentiation.
 
     Called by every differential operator. The analysis and its warnings happen once per
@@ -737,12 +909,10 @@ def check(kind: str, fn: Any, g: Any, plan: Any) -> None:
     key = _cache_key(kind, fn, plan)
     if key is not None and key in _CACHE:
         return
-    result = _run(fn, g, plan, first_output_only=kind == "gradient", strict=False)
+    report = _run(fn, g, plan, first_output_only=kind == "gradient", strict=False)
     if key is not None:
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = result
-    for finding in result.report.findings:
+        bounded_put(_CACHE, key, report)
+    for finding in report.findings:
         finding.emit()
 
 
@@ -761,15 +931,14 @@ def diagnose(
       >>> report.findings[0].category.__name__
       'NonDifferentiableWarning'
       >>> report.activity
-      (('<root>', 'non-differentiable'),)
+      (LeafActivity(name='<root>', status='non-differentiable'),)
       >>> ft.diagnose(lambda x: jnp.maximum(x, 0.0), at=1.0).ok
       True
     """
-    from functree._operators import _Plan
 
     def run(*args: Any, **kwargs: Any) -> DiagnosticReport:
         fn = functools.partial(f, **kwargs) if kwargs else f
-        plan = _Plan("diagnose", fn, args, wrt)
-        return _run(fn, plan.wrap(), plan, first_output_only=has_aux, strict=True).report
+        plan = Plan("diagnose", fn, args, wrt)
+        return _run(fn, plan.wrap(), plan, first_output_only=has_aux, strict=True)
 
     return run if at is inspect.Parameter.empty else run(at)

@@ -24,23 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.extend import core as jcore
 
 from functree import _diagnostics
-from functree._module import Module
-from functree._parameters import (
-    _leaf_names,
-    _matches,
-    bounded_put,
-    is_parameter_leaf,
-    parameters,
-    with_parameters,
-)
+from functree._parameters import is_parameter_leaf
+from functree._plan import Plan
+from functree._plan import fn_name as _fn_name
 
 __all__ = [
     "gradient",
@@ -66,35 +61,6 @@ Reduce it first, or ask for the operator that takes non-scalar results:
        or:  ft.jacobian(f, at=x)
 """
 
-NOT_DIFFERENTIABLE_ARGUMENT = """\
-Cannot differentiate with respect to argument {index} of {fn}: {why}
-Only floating-point values carry derivatives (integers and bools do not; \
-no_derivative fields are carried, not differentiated).
-
-    right:  ft.{op}(f, wrt={suggest})   # differentiate with respect to other arguments
-       or:  pass the value as float: x.astype(jnp.float32)
-"""
-
-NOT_A_PYTREE_OF_ARRAYS = """\
-Cannot differentiate at argument {index} of {fn}: the value at {path} is a \
-{type}, not an array or number.
-Differentiation points are pytrees of arrays. Keep configuration in a static field:
-
-    class Model(ft.Module):
-        name: str = ft.field(static=True)
-"""
-
-PATTERN_SELECTS_NOTHING = """\
-wrt={patterns!r} selects no parameter of {fn}'s first argument{extra}.
-Patterns are globs over dotted names such as {examples}.
-"""
-
-PATTERN_SELECTS_NON_PARAMETER = """\
-wrt={patterns!r} selects {path}, which is not a parameter ({why}). \
-Non-parameters are carried, not differentiated.
-    right:  ft.{op}(f, wrt="{example}")   # select parameters only
-"""
-
 REVERSE_ONLY = """\
 ft.{op}: {fn} calls a function whose custom derivative is reverse-mode only \
 (@ft.derivative(of=f) returning (value, pullback)); forward mode cannot use a pullback.
@@ -103,172 +69,64 @@ ft.{op}: {fn} calls a function whose custom derivative is reverse-mode only \
        or:  use a reverse-mode operator: ft.gradient, ft.pullback, ft.jacobian(f, mode="reverse")
 """
 
-BAD_WRT = "wrt must be an argument index, a tuple of indices, or key-path pattern(s); got {wrt!r}."
+SCALAR_ARGUMENT = """\
+ft.derivative takes a scalar floating argument, got shape {shape} dtype {dtype} \
+(argument {index}). For arrays use ft.gradient, ft.jacobian or ft.differential:
+
+    wrong:  ft.derivative(f, at=jnp.ones(3))
+    right:  ft.jacobian(f, at=jnp.ones(3), mode="forward")
+"""
+
+BAD_JACOBIAN_MODE = """\
+mode is 'reverse' or 'forward', got {mode!r}.
+
+    right:  ft.jacobian(f, at=x, mode="forward")   # columns from differentials
+"""
 
 
-def _fn_name(f: Callable[..., Any]) -> str:
-    return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
+def _calls_reverse_only(g: Callable[..., Any], primals: Sequence[Any]) -> bool:
+    """Whether ``g``'s program calls a reverse-only custom derivative (read from its jaxpr).
+
+    A ``custom_vjp`` call (what ``@ft.derivative(of=f)`` registers) anywhere in the
+    program, nested calls and control flow included, except inside a ``custom_jvp`` call
+    (forward mode uses that rule, not its body). Never raises: a program that cannot be
+    traced reports ``False``.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the failed operator's own trace warned already
+            closed = jax.make_jaxpr(g)(*primals)
+    except Exception:
+        return False
+    return _has_reverse_only(closed.jaxpr)
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-def _check_point(f: Callable[..., Any], index: int, x: Any) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(x)[0]:
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+def _has_reverse_only(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name.startswith("custom_vjp_call"):
+            return True
+        if name.startswith("custom_jvp_call"):
             continue
-        if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
-            continue
-        raise TypeError(
-            NOT_A_PYTREE_OF_ARRAYS.format(
-                index=index,
-                fn=_fn_name(f),
-                path=jax.tree_util.keystr(path) or "<root>",
-                type=type(leaf).__name__,
-            )
-        )
-
-
-class _Plan:
-    """How to split the call's arguments into differentiated views and the rest."""
-
-    def __init__(self, op: str, f: Callable[..., Any], args: tuple, wrt: Any):
-        self.op, self.f, self.args = op, f, args
-        self.patterns: tuple[str, ...] | None = None
-        if isinstance(wrt, str):
-            wrt = (wrt,)
-        if isinstance(wrt, (list, tuple)) and wrt and all(isinstance(w, str) for w in wrt):
-            self.patterns, self.indices, self.single = tuple(wrt), (0,), True
-        elif isinstance(wrt, int) and not isinstance(wrt, bool):
-            self.indices, self.single = (wrt,), True
-        elif isinstance(wrt, tuple) and wrt and all(isinstance(i, int) for i in wrt):
-            self.indices, self.single = tuple(wrt), False
-        else:
-            raise TypeError(BAD_WRT.format(wrt=wrt))
-        for i in self.indices:
-            if not -len(args) <= i < len(args):
-                raise IndexError(f"wrt={wrt!r} but {_fn_name(f)} was called with {len(args)} argument(s).")
-        self.primals = tuple(self._view(i) for i in self.indices)
-
-    def _view(self, i: int) -> Any:
-        x = self.args[i]
-        _check_point(self.f, i, x)
-        view = parameters(x)
-        if self.patterns is not None:
-            view = self._select(x, view)
-        if not jax.tree.leaves(view):
-            raise TypeError(self._why_not(i, x))
-        return view
-
-    def _select(self, x: Any, view: Any) -> Any:
-        assert self.patterns is not None
-        leaves, treedef = jax.tree.flatten(view, is_leaf=_is_none)
-        key = (jax.tree.structure(x, is_leaf=_is_none), treedef, self.patterns)
-        chosen = _SELECTION_CACHE.get(key)
-        if chosen is None:
-            chosen = self._choose(x, leaves)
-            bounded_put(_SELECTION_CACHE, key, chosen)
-        return jax.tree.unflatten(
-            treedef, [leaf if pick else None for leaf, pick in zip(leaves, chosen)]
-        )
-
-    def _choose(self, x: Any, leaves: list[Any]) -> tuple[bool, ...]:
-        """Which parameter leaves the patterns select; computed once per tree definition.
-
-        Each pattern must select at least one parameter. Non-parameters under a selected
-        node are skipped (``wrt="encoder"`` takes encoder's parameters, not its running
-        statistics); a pattern that selects only non-parameters is an error.
-        """
-        assert self.patterns is not None
-        names = _leaf_names(x)
-        model_leaves = jax.tree.leaves(x, is_leaf=_is_none)
-        parameter_names = [n for n, leaf in zip(names, leaves) if leaf is not None]
-        chosen = [False] * len(names)
-        for pattern in self.patterns:
-            hits = [
-                i for i, n in enumerate(names)
-                if model_leaves[i] is not None and _matches(n, (pattern,))
-            ]
-            if not hits:
-                raise ValueError(
-                    PATTERN_SELECTS_NOTHING.format(
-                        patterns=pattern, fn=_fn_name(self.f), extra="", examples=parameter_names[:3]
-                    )
-                )
-            usable = [i for i in hits if leaves[i] is not None]
-            if not usable:
-                orig = model_leaves[hits[0]]
-                why = (
-                    "a no_derivative field"
-                    if is_parameter_leaf(orig)
-                    else f"dtype {getattr(orig, 'dtype', type(orig).__name__)}"
-                )
-                raise ValueError(
-                    PATTERN_SELECTS_NON_PARAMETER.format(
-                        patterns=pattern,
-                        path=names[hits[0]],
-                        why=why,
-                        op=self.op,
-                        example=parameter_names[0] if parameter_names else "*",
-                    )
-                )
-            for i in usable:
-                chosen[i] = True
-        return tuple(chosen)
-
-    def _why_not(self, i: int, x: Any) -> str:
-        if isinstance(x, Module):
-            why = f"{type(x).__name__} has no parameters (only no_derivative, integer or bool leaves)."
-        else:
-            dtypes = sorted({str(getattr(leaf, "dtype", type(leaf).__name__)) for leaf in jax.tree.leaves(x)})
-            why = f"it holds only non-differentiable values ({', '.join(dtypes) or 'no leaves'})."
-        others = [j for j in range(len(self.args)) if j not in self.indices]
-        suggest = (others[0] if len(others) == 1 else tuple(others)) if others else "..."
-        return NOT_DIFFERENTIABLE_ARGUMENT.format(
-            index=i, fn=_fn_name(self.f), why=why, op=self.op, suggest=suggest
-        )
-
-    def rebuild(self, primals: Sequence[Any]) -> tuple:
-        args = list(self.args)
-        for i, p in zip(self.indices, primals):
-            args[i] = with_parameters(self.args[i], p)
-        return tuple(args)
-
-    def wrap(self, pack: Callable[[Any], Any] = lambda out: out) -> Callable[..., Any]:
-        def g(*primals: Any) -> Any:
-            return pack(self.f(*self.rebuild(primals)))
-
-        return g
-
-    @property
-    def argnums(self) -> int | tuple[int, ...]:
-        return 0 if self.single else tuple(range(len(self.primals)))
-
-    def result(self, tangents: Sequence[Any]) -> Any:
-        return tangents[0] if self.single else tuple(tangents)
-
-    def split_input(self, t: Any) -> tuple:
-        if self.single:
-            return (t,)
-        if not isinstance(t, tuple) or len(t) != len(self.indices):
-            raise TypeError(
-                f"This differential takes a tuple of {len(self.indices)} tangents (wrt={self.indices})."
-            )
-        return t
-
-
-# (structure of x, structure of its parameter view, patterns) -> chosen leaf positions.
-_SELECTION_CACHE: dict[Any, tuple[bool, ...]] = {}
+        if any(_has_reverse_only(j) for j in jcore.jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 @contextlib.contextmanager
-def _explain_reverse_only(op: str, fn: Callable[..., Any]) -> Iterator[None]:
-    """Turn JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function"."""
+def _explain_reverse_only(
+    op: str, fn: Callable[..., Any], g: Callable[..., Any], primals: Sequence[Any]
+) -> Iterator[None]:
+    """Explain a forward-mode failure caused by a reverse-only custom derivative.
+
+    Costs nothing when forward mode succeeds. When JAX raises a ``TypeError``, the program
+    of ``g`` is inspected (not the error's text): if it calls a reverse-only rule, that is
+    the cause and :data:`REVERSE_ONLY` says how to fix it; otherwise JAX's error propagates.
+    """
     try:
         yield
     except TypeError as e:
-        if "forward-mode autodiff (jvp) to a custom_vjp" not in str(e):
+        if not _calls_reverse_only(g, primals):
             raise
         raise TypeError(REVERSE_ONLY.format(op=op, fn=_fn_name(fn))) from e
 
@@ -322,7 +180,7 @@ def value_with_gradient(
 
 
 def _value_and_grad(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
-    plan = _Plan(op, fn, args, wrt)
+    plan = Plan(op, fn, args, wrt)
     g = plan.wrap(_check_scalar(f"ft.{op}", fn, has_aux))
     _diagnostics.check("gradient", fn, g, plan)
     return jax.value_and_grad(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
@@ -373,7 +231,7 @@ def value_with_pullback(
 
 
 def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
-    plan = _Plan(op, fn, args, wrt)
+    plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
     _diagnostics.check("pullback", fn, g, plan)
     out = jax.vjp(g, *plan.primals, has_aux=has_aux)
@@ -421,14 +279,14 @@ def value_with_differential(
 
 
 def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
-    plan = _Plan(op, fn, args, wrt)
+    plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
     _diagnostics.check("differential", fn, g, plan)
-    with _explain_reverse_only(op, fn):
+    with _explain_reverse_only(op, fn, g, plan.primals):
         out = jax.linearize(g, *plan.primals, has_aux=has_aux)
 
     def differential_fn(tangent: Any) -> Any:
-        with _explain_reverse_only(op, fn):
+        with _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here, not above
             return out[1](*plan.split_input(tangent))
 
     return (out[0], differential_fn, *out[2:])  # out[2:] is (aux,) when has_aux
@@ -463,8 +321,7 @@ def derivative(f: Callable[..., Any], at: Any = _MISSING, *, wrt: int = 0) -> An
         x = args[wrt]
         if jnp.shape(x) != () or not is_parameter_leaf(x):
             raise TypeError(
-                f"ft.derivative takes a scalar floating argument, got shape {jnp.shape(x)} "
-                f"dtype {jnp.result_type(x)}. For arrays use ft.gradient, ft.jacobian or ft.differential."
+                SCALAR_ARGUMENT.format(index=wrt, shape=jnp.shape(x), dtype=jnp.result_type(x))
             )
         _, df = _linearize("derivative", fn, args, wrt, False)
         return df(jnp.ones((), jnp.result_type(x)))
@@ -485,15 +342,17 @@ def jacobian(
              [0., 2.]], dtype=float32)
     """
     if mode not in ("reverse", "forward"):
-        raise ValueError(f"mode is 'reverse' or 'forward', got {mode!r}.")
+        raise ValueError(BAD_JACOBIAN_MODE.format(mode=mode))
     transform = jax.jacrev if mode == "reverse" else jax.jacfwd
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        plan = _Plan("jacobian", fn, args, wrt)
+        plan = Plan("jacobian", fn, args, wrt)
         g = plan.wrap()
         if not has_aux:  # with aux, the analysis cannot tell the result from the aux
             _diagnostics.check("pullback", fn, g, plan)
-        with _explain_reverse_only("jacobian", fn):
+        if mode == "reverse":
+            return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+        with _explain_reverse_only("jacobian", fn, g, plan.primals):
             return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
 
     return _operator("jacobian", f, at, impl)
@@ -510,7 +369,7 @@ def hessian(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     """
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        plan = _Plan("hessian", fn, args, wrt)
+        plan = Plan("hessian", fn, args, wrt)
         g = plan.wrap(_check_scalar("ft.hessian", fn, False))
         _diagnostics.check("gradient", fn, g, plan)
         return jax.hessian(g, argnums=plan.argnums)(*plan.primals)

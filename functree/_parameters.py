@@ -17,6 +17,12 @@ import jax.numpy as jnp
 
 from functree._module import Module
 from functree._paths import KeyPath
+from functree._tree import CACHE_LIMIT as CACHE_LIMIT  # re-exported: older importers
+from functree._tree import bounded_put, dotted_name, is_none
+
+# Older names, kept importable until every importer uses functree._tree directly.
+_is_none = is_none
+_jax_path_name = dotted_name
 
 __all__ = [
     "parameters",
@@ -43,7 +49,17 @@ def is_parameter_leaf(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
+    try:
+        inexact = _INEXACT.get(dtype)
+    except TypeError:  # an unhashable dtype-like: no cache
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
+    if inexact is None:
+        inexact = bool(jnp.issubdtype(dtype, jnp.inexact))
+        bounded_put(_INEXACT, dtype, inexact)
+    return inexact
+
+
+_INEXACT: dict[Any, bool] = {}  # dtype -> whether it is floating or complex
 
 
 def _mark(x: Any) -> Any:
@@ -72,16 +88,6 @@ def _mark(x: Any) -> Any:
 # Computed once per tree definition; afterwards parameters() is one C++ flatten,
 # a dtype test per leaf and one C++ unflatten.
 _MASK_CACHE: dict[Any, tuple[bool, ...]] = {}
-# Tree definitions include static values; a program whose static values change every step
-# makes new ones forever, so the caches are bounded.
-CACHE_LIMIT = 4096
-
-
-def bounded_put(cache: dict[Any, Any], key: Any, value: Any) -> None:
-    """``cache[key] = value``, clearing the cache first when it is full."""
-    if len(cache) >= CACHE_LIMIT:
-        cache.clear()
-    cache[key] = value
 
 
 def _trainable_positions(x: Any, treedef: Any) -> tuple[bool, ...]:
@@ -114,10 +120,6 @@ def parameters(model: Any) -> Any:
     )
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def with_parameters(model: Any, params: Any) -> Any:
     """Write a parameter view back into ``model`` (Swift's ``allParameters`` setter).
 
@@ -133,7 +135,7 @@ def with_parameters(model: Any, params: Any) -> Any:
         lambda p, x: x if p is None else p,
         params,
         model,
-        is_leaf=_is_none,
+        is_leaf=is_none,
     )
 
 
@@ -152,7 +154,7 @@ def update(params: Any, *, with_gradients: Any, updater: Callable[[Any, Any], An
     def apply(gradient: Any, param: Any) -> Any:
         return param if gradient is None or param is None else updater(param, gradient)
 
-    return _map_checked("ft.update", apply, with_gradients, params, is_leaf=_is_none)
+    return _map_checked("ft.update", apply, with_gradients, params, is_leaf=is_none)
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
@@ -253,7 +255,7 @@ def select(tree: Any, *patterns: str, exclude: Sequence[str] = ()) -> Any:
             raise TypeError(f"Patterns are strings like '*.bias', got {p!r} ({type(p).__name__}).")
     names = _leaf_names(tree)
     view = parameters(tree)
-    leaves, treedef = jax.tree.flatten(view, is_leaf=_is_none)
+    leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
     out = [
         None if leaf is None else (_matches(name, patterns) and not _matches(name, exclude))
         for leaf, name in zip(leaves, names)
@@ -270,24 +272,10 @@ _NAMES_CACHE: dict[Any, list[str]] = {}
 
 def _leaf_names(tree: Any) -> list[str]:
     """Dotted names of the leaves of ``tree``, in JAX flatten order (None leaves included)."""
-    treedef = jax.tree.structure(tree, is_leaf=_is_none)
+    treedef = jax.tree.structure(tree, is_leaf=is_none)
     names = _NAMES_CACHE.get(treedef)
     if names is None:
-        path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
-        names = [_jax_path_name(p) for p, _ in path_leaves]
+        path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)
+        names = [dotted_name(p) for p, _ in path_leaves]
         bounded_put(_NAMES_CACHE, treedef, names)
     return names
-
-
-def _jax_path_name(path: Sequence[Any]) -> str:
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(getattr(key, "key", key)))
-    return ".".join(parts)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._parameters import _map_checked, parameters
+from functree._tree import is_none
 
 __all__ = [
     "move",
@@ -24,10 +25,6 @@ __all__ = [
     "inner_product",
     "tangent_norm",
 ]
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
 
 
 def _step(t: Any, x: Any) -> Any:
@@ -50,7 +47,7 @@ def move(x: Any, *, along: Any) -> Any:
       >>> ft.move({"w": jnp.ones(2), "n": 3}, along={"w": -0.5 * jnp.ones(2), "n": None})
       {'n': 3, 'w': Array([0.5, 0.5], dtype=float32)}
     """
-    return _map_checked("ft.move", _step, along, x, is_leaf=_is_none)
+    return _map_checked("ft.move", _step, along, x, is_leaf=is_none)
 
 
 def _zeros(spec: Any) -> Any:

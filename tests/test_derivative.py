@@ -266,3 +266,37 @@ def test_forward_mode_through_a_reverse_only_derivative_explains_the_fix():
         assert '@ft.derivative(of=f, mode="forward")' in message
     # Reverse mode is fine, hessians included (forward over the pullback's own operations).
     np.testing.assert_allclose(ft.jacobian(square, at=jnp.ones(2)), 100.0 * np.eye(2))
+
+
+def test_reverse_only_rules_are_found_in_the_program_not_in_the_error_text():
+    from functree._operators import _has_reverse_only
+
+    square, _ = make_scaled_square()
+
+    @jax.custom_jvp
+    def wrapped(x):
+        return square(x)  # forward mode uses wrapped's rule, never this body
+
+    wrapped.defjvp(lambda primals, tangents: (wrapped(primals[0]), 2.0 * tangents[0]))
+
+    def nested(x):
+        return jax.lax.cond(x.sum() > 0, lambda y: jax.jit(square)(y), lambda y: y, x)
+
+    program = lambda f: jax.make_jaxpr(f)(jnp.ones(2)).jaxpr  # noqa: E731
+    assert _has_reverse_only(program(nested))
+    assert not _has_reverse_only(program(wrapped))
+    assert not _has_reverse_only(program(jnp.sin))
+    np.testing.assert_allclose(ft.derivative(lambda s: wrapped(s * jnp.ones(2)), at=1.0), [2.0, 2.0])
+    with pytest.raises(TypeError, match="custom derivative is reverse-mode only"):
+        ft.differential(nested, at=jnp.ones(2))(jnp.ones(2))
+
+
+def test_other_forward_mode_type_errors_are_not_explained_as_reverse_only():
+    square, _ = make_scaled_square()
+
+    def broken(x):
+        return square(x) + "a"  # the function's own TypeError
+
+    with pytest.raises(TypeError) as info:
+        ft.jacobian(broken, at=jnp.ones(2), mode="forward")
+    assert "reverse-mode only" not in str(info.value)

@@ -562,3 +562,105 @@ def test_marked_fields_do_not_warn():
         act: Callable = ft.field(static=True, default=jax.nn.relu)
 
     M(jnp.ones(2))
+
+
+# ------------------------------------------------------------------ the unused-parameter fix
+
+
+class _Stack(ft.Module):
+    layers: list
+    head: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.head(self.layers[2](self.layers[0](x)))  # layers[1] is never called
+
+
+def _stack(key):
+    keys = jax.random.split(key, 4)
+    return _Stack([ft.nn.Dense(3, 3, key=k) for k in keys[:3]], ft.nn.Dense(3, 1, key=keys[3]))
+
+
+def _suggested_wrt(message: str):
+    import ast
+    import re
+
+    return ast.literal_eval(re.search(r"wrt=(.*?)\)( |\()", message).group(1))
+
+
+def test_unused_layer_suggestion_excludes_it_and_silences_the_warning(key):
+    model = _stack(key)
+    loss = lambda m: m(jnp.ones(3)).sum()  # noqa: E731
+    with pytest.warns(ft.UnusedParameterWarning) as rec:
+        ft.gradient(loss, at=model)
+    message = str(rec[0].message)
+    assert "layers.1.weight" in message and '"layers.*"' not in message
+    wrt = _suggested_wrt(message)
+    assert wrt == ("layers.0", "layers.2", "head")
+    grads = ft.gradient(loss, at=model, wrt=wrt)  # no warning (filterwarnings: error)
+    assert grads.layers[1].weight is None and grads.head.weight.shape == (3, 1)
+
+
+def test_unused_suggestion_is_one_pattern_when_one_subtree_is_used(key):
+    model = _net(key)  # second is unused; mask is not a parameter
+    with pytest.warns(ft.UnusedParameterWarning) as rec:
+        ft.gradient(lambda m: m(jnp.ones(3)).sum(), at=model)
+    assert _suggested_wrt(str(rec[0].message)) == "first"
+
+
+def test_unused_suggestion_for_a_model_that_is_not_the_first_argument(key):
+    net = _net(key)
+    with pytest.warns(ft.UnusedParameterWarning) as rec:
+        ft.gradient(lambda x, m: m(x).sum(), wrt=1)(jnp.ones(3), net)
+    message = str(rec[0].message)
+    assert 'ft.gradient(loss, wrt="first")(model, ...)' in message
+    assert "patterns select in argument 0" in message
+
+
+def test_used_patterns_never_cover_an_unused_parameter():
+    every = ["a.0.w", "a.0.b", "a.1.w", "a.10.w", "b*c.w"]
+    patterns = _diagnostics.used_patterns(["a.0.w", "a.0.b", "a.10.w", "b*c.w"], every)
+    assert patterns == ("a.0", "a.10", "b[*]c")
+    from functree._parameters import _matches
+
+    assert [n for n in every if _matches(n, patterns)] == ["a.0.w", "a.0.b", "a.10.w", "b*c.w"]
+    assert _diagnostics.used_patterns(["a.0.w"], ["a.0.w", "a.0.b"]) == ("a.0.w",)
+
+
+# ------------------------------------------------------------------ records and internals
+
+
+def test_activity_records_are_named():
+    (leaf,) = ft.diagnose(lambda x: jnp.round(x), at=1.0).activity
+    assert (leaf.name, leaf.status) == ("<root>", "non-differentiable")
+    assert isinstance(leaf, _diagnostics.LeafActivity)
+
+
+def test_source_line_of_an_equation_without_traceback_never_raises():
+    from types import SimpleNamespace
+
+    assert _diagnostics._where(SimpleNamespace(source_info=None)) == ("<unknown>", 0)
+    eqn = jax.make_jaxpr(jnp.round)(1.0).jaxpr.eqns[0]
+    assert _diagnostics._where(eqn) == ("<unknown>", 0)  # only JAX's own frames
+    f = lambda x: jnp.round(x)  # noqa: E731
+    (eqn,) = jax.make_jaxpr(f)(1.0).jaxpr.eqns
+    assert _diagnostics._where(eqn) == (__file__, _line(f))
+
+
+def test_no_private_jax_imports_and_no_import_cycle():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(ft.__file__).parent
+    modules = ["_diagnostics", "_operators", "_plan", "_parameters", "_tangent", "_derivative"]
+    imported = {}
+    for name in modules:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported[name] = {
+            node.module if isinstance(node, ast.ImportFrom) else alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        }
+        assert not any(m and m.startswith("jax._src") for m in imported[name]), name
+    assert "functree._operators" not in imported["_diagnostics"]
+    assert "functree._diagnostics" not in imported["_plan"]

@@ -202,8 +202,9 @@ def test_differential_with_respect_to_several_arguments_takes_a_tuple():
     ta, tb = jnp.ones(2), jnp.array([1.0, 0.0])
     expected = jax.jvp(g, (a, b), (ta, tb))[1]
     np.testing.assert_allclose(df((ta, tb)), expected, rtol=1e-6)
-    with pytest.raises(TypeError, match=r"takes a tuple of 2 tangents \(wrt=\(0, 1\)\)"):
+    with pytest.raises(TypeError, match=r"takes a tuple of 2 tangents \(wrt=\(0, 1\)\)") as e:
         df(ta)
+    assert "df((tx, ty))" in str(e.value)
 
 
 def test_differential_of_a_module_takes_a_parameter_view_tangent():
@@ -219,8 +220,9 @@ def test_scalar_derivative():
     np.testing.assert_allclose(ft.derivative(lambda x: x**3, at=2.0), 12.0)
     curve = ft.derivative(lambda t: jnp.array([jnp.cos(t), jnp.sin(t)]))
     np.testing.assert_allclose(curve(0.0), [0.0, 1.0], atol=1e-7)
-    with pytest.raises(TypeError, match=r"scalar floating argument, got shape \(2,\)"):
+    with pytest.raises(TypeError, match=r"scalar floating argument, got shape \(2,\)") as e:
         ft.derivative(jnp.sin, at=jnp.ones(2))
+    assert 'right:  ft.jacobian(f, at=jnp.ones(3), mode="forward")' in str(e.value)
     with pytest.raises(TypeError, match="dtype int32"):
         ft.derivative(lambda n: n * 2.0, at=jnp.asarray(3))
 
@@ -243,8 +245,9 @@ def test_jacobian_both_modes_match_jax(mode):
 
 
 def test_jacobian_mode_must_be_reverse_or_forward():
-    with pytest.raises(ValueError, match="mode is 'reverse' or 'forward', got 'sideways'"):
+    with pytest.raises(ValueError, match="mode is 'reverse' or 'forward', got 'sideways'") as e:
         ft.jacobian(f, mode="sideways")
+    assert 'mode="forward"' in str(e.value)
 
 
 def test_hessian_matches_jax_and_finite_differences():
@@ -336,8 +339,9 @@ def test_bad_wrt_values():
         ft.gradient(f, wrt=1.5)(jnp.ones(2))
     with pytest.raises(TypeError, match="wrt must be an argument index"):
         ft.gradient(f, wrt=True)(jnp.ones(2))
-    with pytest.raises(IndexError, match=r"wrt=2 but .* was called with 1 argument"):
+    with pytest.raises(IndexError, match=r"wrt=2 names argument 2, but f was called with 1 arg") as e:
         ft.gradient(f, wrt=2)(jnp.ones(2))
+    assert "right:  ft.gradient(f, wrt=0)(x, y)" in str(e.value)
 
 
 @settings(max_examples=30, deadline=None)

@@ -205,10 +205,24 @@ def test_update_leaves_parameters_without_a_gradient_unchanged():
 
 
 def test_caches_keyed_by_tree_definition_are_bounded():
-    from functree import _parameters
+    from functree import _diagnostics, _parameters, _plan, _tree
 
     cache: dict[int, int] = {}
-    for i in range(_parameters.CACHE_LIMIT + 10):
-        _parameters.bounded_put(cache, i, i)
-    assert len(cache) <= _parameters.CACHE_LIMIT
-    assert cache[_parameters.CACHE_LIMIT + 9] == _parameters.CACHE_LIMIT + 9
+    for i in range(_tree.CACHE_LIMIT + 10):
+        _tree.bounded_put(cache, i, i)
+    assert len(cache) <= _tree.CACHE_LIMIT
+    assert cache[_tree.CACHE_LIMIT + 9] == _tree.CACHE_LIMIT + 9
+    # one policy: every tree-definition cache is filled through _tree.bounded_put
+    assert _parameters.bounded_put is _tree.bounded_put is _plan.bounded_put
+    assert _diagnostics.bounded_put is _tree.bounded_put
+    # older names stay importable from _parameters until their importers move to _tree
+    assert _parameters._is_none is _tree.is_none and _parameters._jax_path_name is _tree.dotted_name
+
+
+def test_dotted_names_come_from_one_function():
+    from functree._parameters import _leaf_names
+
+    model = {"layers": [{"w": jnp.ones(2)}, {"w": jnp.ones(2)}], "n": (jnp.zeros(()),)}
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
+    assert _leaf_names(model) == [jax.tree_util.keystr(p, simple=True, separator=".") for p in paths]
+    assert _leaf_names(model) == ["layers.0.w", "layers.1.w", "n.0"]

@@ -1,0 +1,249 @@
+"""How an operator call splits its arguments into differentiated views and the rest.
+
+A :class:`Plan` reads ``wrt`` (an argument index, a tuple of indices, or key-path glob
+patterns over the first argument), checks each chosen argument is a pytree of arrays
+with at least one parameter, and builds the differentiated *primals*: each argument's
+parameter view (``None`` at non-parameters), narrowed to the leaves the patterns select.
+``plan.wrap()`` is the function of the primals that JAX differentiates: it writes them
+back into the arguments (``ft.with_parameters``) and calls the user's function.
+
+Both the operators and the diagnostics use plans; neither imports the other for it.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from functree._plan import Plan
+  >>> plan = Plan("gradient", lambda w, n: w * n, (jnp.ones(2), 3), 0)
+  >>> plan.primals, plan.argnums
+  ((Array([1., 1.], dtype=float32),), 0)
+  >>> plan.wrap()(jnp.full(2, 2.0)).tolist()
+  [6.0, 6.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from functree._module import Module
+from functree._parameters import (
+    _leaf_names,
+    _matches,
+    is_parameter_leaf,
+    parameters,
+    with_parameters,
+)
+from functree._tree import bounded_put, is_none
+
+__all__ = ["Plan", "fn_name"]
+
+NOT_DIFFERENTIABLE_ARGUMENT = """\
+Cannot differentiate with respect to argument {index} of {fn}: {why}
+Only floating-point values carry derivatives (integers and bools do not; \
+no_derivative fields are carried, not differentiated).
+
+    right:  ft.{op}(f, wrt={suggest})   # differentiate with respect to other arguments
+       or:  pass the value as float: x.astype(jnp.float32)
+"""
+
+NOT_A_PYTREE_OF_ARRAYS = """\
+Cannot differentiate at argument {index} of {fn}: the value at {path} is a \
+{type}, not an array or number.
+Differentiation points are pytrees of arrays. Keep configuration in a static field:
+
+    class Model(ft.Module):
+        name: str = ft.field(static=True)
+"""
+
+PATTERN_SELECTS_NOTHING = """\
+wrt={patterns!r} selects no parameter of {fn}'s first argument{extra}.
+Patterns are globs over dotted names such as {examples}.
+"""
+
+PATTERN_SELECTS_NON_PARAMETER = """\
+wrt={patterns!r} selects {path}, which is not a parameter ({why}). \
+Non-parameters are carried, not differentiated.
+    right:  ft.{op}(f, wrt="{example}")   # select parameters only
+"""
+
+BAD_WRT = "wrt must be an argument index, a tuple of indices, or key-path pattern(s); got {wrt!r}."
+
+WRT_OUT_OF_RANGE = """\
+wrt={wrt!r} names argument {index}, but {fn} was called with {count} argument(s).
+
+    right:  ft.gradient(f, wrt=0)(x, y)        # argument indices count from 0
+"""
+
+TANGENT_TUPLE = """\
+This differential takes a tuple of {count} tangents (wrt={wrt}), one per argument:
+
+    right:  df = ft.differential(f, wrt=(0, 1))(x, y);  df((tx, ty))
+"""
+
+
+def fn_name(f: Callable[..., Any]) -> str:
+    """The name an error message gives ``f``: its qualified name, else its ``repr``."""
+    return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
+
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex)
+_POINT_TYPES: dict[type, bool] = {}  # leaf types known to be arrays or numbers
+
+
+def _is_point_leaf(leaf: Any) -> bool:
+    t = type(leaf)
+    if t in _POINT_TYPES:
+        return True
+    if issubclass(t, _ARRAY_TYPES):
+        bounded_put(_POINT_TYPES, t, True)
+        return True
+    return hasattr(leaf, "dtype") and hasattr(leaf, "shape")
+
+
+def _check_point(f: Callable[..., Any], index: int, x: Any) -> None:
+    if all(_is_point_leaf(leaf) for leaf in jax.tree.leaves(x)):
+        return  # the common case: no key paths built
+    for path, leaf in jax.tree_util.tree_flatten_with_path(x)[0]:
+        if not _is_point_leaf(leaf):
+            raise TypeError(
+                NOT_A_PYTREE_OF_ARRAYS.format(
+                    index=index,
+                    fn=fn_name(f),
+                    path=jax.tree_util.keystr(path) or "<root>",
+                    type=type(leaf).__name__,
+                )
+            )
+
+
+class Plan:
+    """How to split the call's arguments into differentiated views and the rest."""
+
+    def __init__(self, op: str, f: Callable[..., Any], args: tuple, wrt: Any):
+        self.op, self.f, self.args = op, f, args
+        self.patterns: tuple[str, ...] | None = None
+        if isinstance(wrt, str):
+            wrt = (wrt,)
+        if isinstance(wrt, (list, tuple)) and wrt and all(isinstance(w, str) for w in wrt):
+            self.patterns, self.indices, self.single = tuple(wrt), (0,), True
+        elif isinstance(wrt, int) and not isinstance(wrt, bool):
+            self.indices, self.single = (wrt,), True
+        elif isinstance(wrt, tuple) and wrt and all(isinstance(i, int) for i in wrt):
+            self.indices, self.single = tuple(wrt), False
+        else:
+            raise TypeError(BAD_WRT.format(wrt=wrt))
+        for i in self.indices:
+            if not -len(args) <= i < len(args):
+                raise IndexError(
+                    WRT_OUT_OF_RANGE.format(wrt=wrt, index=i, fn=fn_name(f), count=len(args))
+                )
+        self.primals = tuple(self._view(i) for i in self.indices)
+
+    def _view(self, i: int) -> Any:
+        x = self.args[i]
+        _check_point(self.f, i, x)
+        view = parameters(x)
+        if self.patterns is not None:
+            view = self._select(x, view)
+        if not jax.tree.leaves(view):
+            raise TypeError(self._why_not(i, x))
+        return view
+
+    def _select(self, x: Any, view: Any) -> Any:
+        assert self.patterns is not None
+        leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
+        key = (jax.tree.structure(x, is_leaf=is_none), treedef, self.patterns)
+        chosen = _SELECTION_CACHE.get(key)
+        if chosen is None:
+            chosen = self._choose(x, leaves)
+            bounded_put(_SELECTION_CACHE, key, chosen)
+        return jax.tree.unflatten(
+            treedef, [leaf if pick else None for leaf, pick in zip(leaves, chosen)]
+        )
+
+    def _choose(self, x: Any, leaves: list[Any]) -> tuple[bool, ...]:
+        """Which parameter leaves the patterns select; computed once per tree definition.
+
+        Each pattern must select at least one parameter. Non-parameters under a selected
+        node are skipped (``wrt="encoder"`` takes encoder's parameters, not its running
+        statistics); a pattern that selects only non-parameters is an error.
+        """
+        assert self.patterns is not None
+        names = _leaf_names(x)
+        model_leaves = jax.tree.leaves(x, is_leaf=is_none)
+        parameter_names = [n for n, leaf in zip(names, leaves) if leaf is not None]
+        chosen = [False] * len(names)
+        for pattern in self.patterns:
+            hits = [
+                i for i, n in enumerate(names)
+                if model_leaves[i] is not None and _matches(n, (pattern,))
+            ]
+            if not hits:
+                raise ValueError(
+                    PATTERN_SELECTS_NOTHING.format(
+                        patterns=pattern, fn=fn_name(self.f), extra="", examples=parameter_names[:3]
+                    )
+                )
+            usable = [i for i in hits if leaves[i] is not None]
+            if not usable:
+                orig = model_leaves[hits[0]]
+                why = (
+                    "a no_derivative field"
+                    if is_parameter_leaf(orig)
+                    else f"dtype {getattr(orig, 'dtype', type(orig).__name__)}"
+                )
+                raise ValueError(
+                    PATTERN_SELECTS_NON_PARAMETER.format(
+                        patterns=pattern,
+                        path=names[hits[0]],
+                        why=why,
+                        op=self.op,
+                        example=parameter_names[0] if parameter_names else "*",
+                    )
+                )
+            for i in usable:
+                chosen[i] = True
+        return tuple(chosen)
+
+    def _why_not(self, i: int, x: Any) -> str:
+        if isinstance(x, Module):
+            why = f"{type(x).__name__} has no parameters (only no_derivative, integer or bool leaves)."
+        else:
+            dtypes = sorted({str(getattr(leaf, "dtype", type(leaf).__name__)) for leaf in jax.tree.leaves(x)})
+            why = f"it holds only non-differentiable values ({', '.join(dtypes) or 'no leaves'})."
+        others = [j for j in range(len(self.args)) if j not in self.indices]
+        suggest = (others[0] if len(others) == 1 else tuple(others)) if others else "..."
+        return NOT_DIFFERENTIABLE_ARGUMENT.format(
+            index=i, fn=fn_name(self.f), why=why, op=self.op, suggest=suggest
+        )
+
+    def rebuild(self, primals: Sequence[Any]) -> tuple:
+        args = list(self.args)
+        for i, p in zip(self.indices, primals):
+            args[i] = with_parameters(self.args[i], p)
+        return tuple(args)
+
+    def wrap(self, pack: Callable[[Any], Any] = lambda out: out) -> Callable[..., Any]:
+        def g(*primals: Any) -> Any:
+            return pack(self.f(*self.rebuild(primals)))
+
+        return g
+
+    @property
+    def argnums(self) -> int | tuple[int, ...]:
+        return 0 if self.single else tuple(range(len(self.primals)))
+
+    def result(self, tangents: Sequence[Any]) -> Any:
+        return tangents[0] if self.single else tuple(tangents)
+
+    def split_input(self, t: Any) -> tuple:
+        if self.single:
+            return (t,)
+        if not isinstance(t, tuple) or len(t) != len(self.indices):
+            raise TypeError(TANGENT_TUPLE.format(count=len(self.indices), wrt=self.indices))
+        return t
+
+
+# (structure of x, structure of its parameter view, patterns) -> chosen leaf positions.
+_SELECTION_CACHE: dict[Any, tuple[bool, ...]] = {}

@@ -17,12 +17,7 @@ import jax.numpy as jnp
 
 from functree._module import Module
 from functree._paths import KeyPath
-from functree._tree import CACHE_LIMIT as CACHE_LIMIT  # re-exported: older importers
 from functree._tree import bounded_put, dotted_name, is_none
-
-# Older names, kept importable until every importer uses functree._tree directly.
-_is_none = is_none
-_jax_path_name = dotted_name
 
 __all__ = [
     "parameters",

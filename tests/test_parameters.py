@@ -215,8 +215,8 @@ def test_caches_keyed_by_tree_definition_are_bounded():
     # one policy: every tree-definition cache is filled through _tree.bounded_put
     assert _parameters.bounded_put is _tree.bounded_put is _plan.bounded_put
     assert _diagnostics.bounded_put is _tree.bounded_put
-    # older names stay importable from _parameters until their importers move to _tree
-    assert _parameters._is_none is _tree.is_none and _parameters._jax_path_name is _tree.dotted_name
+    # one is_none and one dotted-name function: no module keeps a copy
+    assert not hasattr(_parameters, "_is_none") and not hasattr(_parameters, "_jax_path_name")
 
 
 def test_dotted_names_come_from_one_function():

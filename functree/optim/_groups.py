@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import optax
 
-from functree._parameters import _is_none, _leaf_names, _matches
+from functree._parameters import _leaf_names, _matches
+from functree._tree import is_none
 
 __all__ = ["groups"]
 
@@ -33,7 +34,7 @@ EMPTY = "ft.optim.groups needs at least one {{pattern: transform}} entry, got {g
 
 def _label_tree(params: Any, patterns: tuple[str, ...], has_default: bool) -> Any:
     names = _leaf_names(params)
-    leaves, treedef = jax.tree.flatten(params, is_leaf=_is_none)
+    leaves, treedef = jax.tree.flatten(params, is_leaf=is_none)
     labels = []
     for name, leaf in zip(names, leaves):
         if leaf is None:

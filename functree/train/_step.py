@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from functree._jit import jit
-from functree._parameters import _is_none, parameters
+from functree._parameters import parameters
+from functree._tree import is_none
 from functree.optim import Optimizer, context
 from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
 
@@ -103,7 +104,7 @@ def parameter_names(model: Any) -> list[str]:
 
     view = parameters(model)
     names = _leaf_names(view)
-    leaves = jax.tree.leaves(view, is_leaf=_is_none)
+    leaves = jax.tree.leaves(view, is_leaf=is_none)
     return [n for n, leaf in zip(names, leaves) if leaf is not None]
 
 

@@ -120,6 +120,8 @@ def _check_point(f: Callable[..., Any], index: int, x: Any) -> None:
             continue
         if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
             continue
+        if callable(leaf):  # a function kept as a leaf (Equinox modules): not differentiated
+            continue
         raise TypeError(
             NOT_A_PYTREE_OF_ARRAYS.format(
                 index=index,

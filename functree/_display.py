@@ -143,6 +143,10 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
+def _is_data(leaf: Any) -> bool:
+    return hasattr(leaf, "dtype") or isinstance(leaf, (bool, int, float, complex))
+
+
 def summary(model: Any) -> Summary:
     """A table of every data leaf of ``model`` by key path, with parameter totals.
 
@@ -165,7 +169,7 @@ def summary(model: Any) -> Summary:
     params = to_flat_dict(parameters(model))
     rows = []
     for path, leaf in to_flat_dict(model).items():
-        if not (hasattr(leaf, "dtype") or isinstance(leaf, (bool, int, float, complex))):
+        if not _is_data(leaf):
             continue  # a function kept as a leaf (inside an Equinox module): no data
         # A Python scalar leaf is what JAX makes of it (0.5 -> float32 unless x64 is on).
         arr = leaf if hasattr(leaf, "dtype") else jax.ShapeDtypeStruct((), jnp.result_type(leaf))

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 
-
 __all__ = ["label_aware", "is_label_tree"]
 
 _LABEL_TYPES = (str, bool, int)

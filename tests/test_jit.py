@@ -169,5 +169,5 @@ def test_static_leaves_make_functions_static_and_return_them():
     apply({"w": jnp.zeros((3, 2)), "fn": jnp.tanh}, jnp.ones((1, 3)))  # another function retraces
     assert len(traces) == 2
     assert ft._jit.has_untraceable_leaves(layer) and not ft._jit.has_untraceable_leaves({"w": layer["w"], "n": 3})
-    spec = ft._jit.eval_shape(lambda l, x: l["fn"](x @ l["w"]), layer, jnp.ones((5, 3)))
+    spec = ft._jit.eval_shape(lambda d, x: d["fn"](x @ d["w"]), layer, jnp.ones((5, 3)))
     assert spec.shape == (5, 2)

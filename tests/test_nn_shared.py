@@ -66,7 +66,7 @@ def test_adam_steps_keep_the_tie_and_match_one_matrix():
     step = ft.train.train_step(lm_loss, opt)
     state = opt.init(lm)
     for _ in range(4):
-        lm, state, metrics = step(lm, state, (TOKENS, TARGETS))
+        lm, state, _ = step(lm, state, (TOKENS, TARGETS))
     full = lm.resolve()
     np.testing.assert_array_equal(full.head.weight, full.embed.embeddings.T)
     # reference: Adam by hand (float64 moments) on the single matrix and the bias

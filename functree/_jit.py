@@ -134,8 +134,8 @@ def jit(
       ...     return 2 * x
       >>> f(jnp.ones(2))
       Array([2., 2.], dtype=float32)
-      >>> apply = ft.jit(lambda fn, x: fn(x), static_leaves=True)  # a function as a leaf
-      >>> apply({"fn": jax.nn.relu}["fn"], jnp.array([-1.0, 2.0]))
+      >>> apply = ft.jit(lambda layer, x: layer["fn"](x), static_leaves=True)
+      >>> apply({"fn": jax.nn.relu}, jnp.array([-1.0, 2.0]))  # a function as a leaf
       Array([0., 2.], dtype=float32)
     """
     if f is None:

@@ -34,7 +34,7 @@ def _value_repr(x: Any, indent: int) -> str:
         return short_array(x)
     if isinstance(x, list):
         return _sequence([_value_repr(v, indent + 2) for v in x], "[", "]", indent)
-    if isinstance(x, tuple) and not hasattr(type(x), "_fields"):
+    if isinstance(x, tuple) and type(x).__repr__ is tuple.__repr__:  # not a NamedTuple, KeyPath
         items = [_value_repr(v, indent + 2) for v in x]
         return _sequence(items, "(", ",)" if len(x) == 1 else ")", indent)
     if isinstance(x, dict):

@@ -116,6 +116,7 @@ def test_one_layer_at_two_fields_pytorch_style():
     layer = ft.nn.Dense(2, 2, key=jax.random.key(0))
     tied = ft.nn.Shared(Pair(layer, layer), {"b": "a"})
     assert tied.model.b is None and len(jax.tree.leaves(tied)) == 2
+    assert "ties=((KeyPath('.b'), KeyPath('.a'), None),)" in repr(tied)
     x = jnp.ones((1, 2))
     np.testing.assert_allclose(tied(x), layer(layer(x)), rtol=1e-6)
     assert ft.nn.is_training(ft.nn.training(tied).resolve().b) is False  # Dense has no mode

@@ -7,6 +7,7 @@ nested parameters; differential operators carry the Swift proposal's names.
 """
 
 from functree import losses, nn, optim, train
+from functree._alias import AliasWarning
 from functree._config import config
 from functree._derivative import (
     DifferentiableFunction,
@@ -123,6 +124,7 @@ __all__ = [
     "ZeroDerivativeWarning",
     "NonDifferentiableWarning",
     "UnusedParameterWarning",
+    "AliasWarning",
     "diagnose",
     "DiagnosticReport",
     "config",

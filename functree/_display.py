@@ -34,7 +34,7 @@ def _value_repr(x: Any, indent: int) -> str:
         return short_array(x)
     if isinstance(x, list):
         return _sequence([_value_repr(v, indent + 2) for v in x], "[", "]", indent)
-    if isinstance(x, tuple) and not hasattr(type(x), "_fields"):
+    if isinstance(x, tuple) and type(x).__repr__ is tuple.__repr__:  # not a NamedTuple, KeyPath
         items = [_value_repr(v, indent + 2) for v in x]
         return _sequence(items, "(", ",)" if len(x) == 1 else ")", indent)
     if isinstance(x, dict):
@@ -42,7 +42,8 @@ def _value_repr(x: Any, indent: int) -> str:
         return _sequence(items, "{", "}", indent)
     if callable(x) and hasattr(x, "__name__"):
         return x.__name__
-    return repr(x)
+    # Another library's multi-line repr (an Equinox module): indent it under its field.
+    return repr(x).replace("\n", "\n" + " " * indent)
 
 
 def _sequence(items: list[str], open_: str, close: str, indent: int) -> str:
@@ -142,8 +143,15 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
+def _is_data(leaf: Any) -> bool:
+    return hasattr(leaf, "dtype") or isinstance(leaf, (bool, int, float, complex))
+
+
 def summary(model: Any) -> Summary:
     """A table of every data leaf of ``model`` by key path, with parameter totals.
+
+    Leaves that hold no data (the functions an Equinox module keeps as leaves) are left
+    out.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -161,6 +169,8 @@ def summary(model: Any) -> Summary:
     params = to_flat_dict(parameters(model))
     rows = []
     for path, leaf in to_flat_dict(model).items():
+        if not _is_data(leaf):
+            continue  # a function kept as a leaf (inside an Equinox module): no data
         # A Python scalar leaf is what JAX makes of it (0.5 -> float32 unless x64 is on).
         arr = leaf if hasattr(leaf, "dtype") else jax.ShapeDtypeStruct((), jnp.result_type(leaf))
         count = int(np.prod(arr.shape)) if arr.shape else 1

@@ -3,6 +3,15 @@
 Static fields already live in each Module's tree definition, so a Module passes through
 ``jax.jit`` as it is: flattening runs in JAX's C++ dataclass path, nothing is
 partitioned in Python, and the call returns without blocking (asynchronous dispatch).
+
+Two things cost Python work, and only where asked for or needed:
+
+* ``static_leaves=True`` makes every leaf JAX cannot trace (the functions an Equinox
+  module keeps as leaves, strings) static, as ``eqx.filter_jit`` does: a tree map over the
+  arguments and results per call;
+* a donating ``ft.jit`` checks for aliased arguments only when XLA refuses to donate one
+  buffer twice: it then warns (:class:`ft.AliasWarning`, naming both key paths), copies
+  the repeated leaf and runs again. The successful call costs one Python frame.
 """
 
 from __future__ import annotations
@@ -10,12 +19,18 @@ from __future__ import annotations
 import functools
 import inspect
 import linecache
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
-__all__ = ["jit"]
+from functree._alias import ALIASED, AliasWarning, alias_names, copy_aliases, find_aliases
+
+__all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape"]
+
+DONATED_TWICE = "donate the same buffer twice"
 
 TRACED_BOOL = """\
 Python control flow on a traced value inside ft.jit{where}:
@@ -98,30 +113,184 @@ def jit(
     f: Callable[..., Any] | None = None,
     *,
     donate: int | str | Sequence[int | str] | None = None,
+    static_leaves: bool = False,
     **jax_jit_options: Any,
 ) -> Any:
     """``jax.jit`` for functions of Modules.
 
     ``donate`` names arguments whose buffers XLA may reuse for the outputs (argument
-    indices or names; a training step donates the model and optimizer state). Other
-    options (``static_argnames``, ``in_shardings``, ``out_shardings`` ...) pass through to
-    ``jax.jit``. Usable as ``@ft.jit`` or ``@ft.jit(donate=(0, 1))``.
+    indices or names; a training step donates the model and optimizer state). Donated
+    arguments holding one array at two leaves are copied apart, with an
+    :class:`ft.AliasWarning` naming both key paths. ``static_leaves=True`` makes leaves
+    that are not arrays or numbers static instead of an error: the functions inside an
+    Equinox module (``eqx.filter_jit``'s rule), at the cost of a Python tree map per call.
+    Other options (``static_argnames``, ``in_shardings``, ``out_shardings`` ...) pass
+    through to ``jax.jit``. Usable as ``@ft.jit`` or ``@ft.jit(donate=(0, 1))``.
 
     Example:
-      >>> import functree as ft, jax.numpy as jnp
+      >>> import functree as ft, jax, jax.numpy as jnp
       >>> @ft.jit
       ... def f(x):
       ...     return 2 * x
       >>> f(jnp.ones(2))
       Array([2., 2.], dtype=float32)
+      >>> apply = ft.jit(lambda layer, x: layer["fn"](x), static_leaves=True)
+      >>> apply({"fn": jax.nn.relu}, jnp.array([-1.0, 2.0]))  # a function as a leaf
+      Array([0., 2.], dtype=float32)
     """
     if f is None:
-        return functools.partial(jit, donate=donate, **jax_jit_options)
+        return functools.partial(jit, donate=donate, static_leaves=static_leaves, **jax_jit_options)
+    jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
+    return jitted if donate is None else _alias_checked(f, jitted)
+
+
+def unchecked_jit(
+    f: Callable[..., Any],
+    *,
+    donate: int | str | Sequence[int | str] | None = None,
+    static_leaves: bool = False,
+    **jax_jit_options: Any,
+) -> Any:
+    """:func:`jit` without the aliasing check: for callers that untie their donated state
+    once when they create it (``ft.train.Trainer``, ``TrainStep``). Without
+    ``static_leaves`` this is ``jax.jit`` itself (no Python frame per call)."""
     if donate is not None:
         nums, names = _donated(f, donate)
         jax_jit_options["donate_argnums"] = nums
         jax_jit_options["donate_argnames"] = names
+    if static_leaves:
+        return _static_leaves_jit(f, jax_jit_options)
     return jax.jit(_explain_control_flow(f), **jax_jit_options)
+
+
+# --- leaves JAX cannot trace, made static -----------------------------------------------
+_TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex)
+
+
+def _traceable(x: Any) -> bool:
+    return isinstance(x, _TRACEABLE) or hasattr(x, "__jax_array__")
+
+
+class _Static:
+    """A leaf JAX cannot trace, held in a pytree node with no children: it travels in the
+    tree definition (hashed into the jit cache key, rebuilt on output)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Static) and self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
+
+
+def _is_static(x: Any) -> bool:
+    return isinstance(x, _Static)
+
+
+def _hide(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x if _traceable(x) else _Static(x), tree)
+
+
+def _show(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.value if _is_static(x) else x, tree, is_leaf=_is_static)
+
+
+def has_untraceable_leaves(tree: Any) -> bool:
+    """Whether ``tree`` has a leaf that is not an array or number (an Equinox module's
+    functions): such a tree needs ``ft.jit(..., static_leaves=True)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> has_untraceable_leaves({"w": jnp.ones(2)}), has_untraceable_leaves([jax.nn.relu])
+      (False, True)
+    """
+    return not all(_traceable(x) for x in jax.tree.leaves(tree))
+
+
+def eval_shape(f: Callable[..., Any], *args: Any) -> Any:
+    """``jax.eval_shape`` that also takes arguments with untraceable leaves (kept static).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> eval_shape(lambda fn, x: fn(x), jax.nn.relu, jnp.ones(3))
+      ShapeDtypeStruct(shape=(3,), dtype=float32)
+    """
+    return _show(jax.eval_shape(lambda *a: _hide(f(*_show(a))), *_hide(args)))
+
+
+def _static_leaves_jit(f: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    @functools.wraps(f)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        return _hide(f(*_show(args), **_show(kwargs)))
+
+    jitted = jax.jit(_explain_control_flow(inner), **options)
+
+    @functools.wraps(f)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _show(jitted(*_hide(args), **_hide(kwargs)))
+
+    _expose(call, jitted, ("clear_cache", "_cache_size"))
+    return call
+
+
+# --- donation of aliased arguments ------------------------------------------------------
+def _alias_checked(f: Callable[..., Any], jitted: Any) -> Callable[..., Any]:
+    @functools.wraps(f)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return jitted(*args, **kwargs)
+        except jax.errors.JaxRuntimeError as e:
+            if DONATED_TWICE not in str(e):
+                raise
+        # XLA refused before running: the buffers are intact. Copy apart and run again.
+        args, kwargs = _untie_arguments(f, args, kwargs)
+        return jitted(*args, **kwargs)
+
+    _expose(call, jitted)
+    return call
+
+
+def _untie_arguments(f: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    tree = (args, kwargs)
+    pairs = find_aliases(tree)
+    if not pairs:
+        return args, kwargs
+    try:
+        params = list(inspect.signature(f).parameters)
+    except (TypeError, ValueError):
+        params = []
+    names = [(_argument_name(a, params), _argument_name(b, params)) for a, b in alias_names(tree, pairs)]
+    listed = ", ".join(f"{a!r} and {b!r}" for a, b in names)
+    what = f"The arguments of {getattr(f, '__name__', 'the function')}"
+    message = ALIASED.format(what=what, pairs=listed, first=names[0][0], second=names[0][1])
+    warnings.warn(message, AliasWarning, stacklevel=3)
+    return copy_aliases(tree, pairs)
+
+
+def _argument_name(dotted: str, params: list[str]) -> str:
+    """``0.1.weight`` of the ``(args, kwargs)`` tree → ``model.weight`` (argument 1's name)."""
+    kind, _, rest = dotted.partition(".")
+    head, _, tail = rest.partition(".")
+    if kind == "0" and head.isdigit() and int(head) < len(params):
+        head = params[int(head)]
+    elif kind == "0":
+        head = f"args[{head}]"
+    return f"{head}.{tail}" if tail else head
+
+
+def _expose(call: Any, jitted: Any,
+            names: Sequence[str] = ("lower", "trace", "eval_shape", "clear_cache", "_cache_size")) -> None:
+    """Keep ``lower``, ``trace``, ``eval_shape`` and the cache helpers of the jitted function."""
+    for name in names:
+        if hasattr(jitted, name):
+            setattr(call, name, getattr(jitted, name))
 
 
 def _donated(

@@ -99,7 +99,9 @@ def _is_point_leaf(leaf: Any) -> bool:
     if issubclass(t, _ARRAY_TYPES):
         bounded_put(_POINT_TYPES, t, True)
         return True
-    return hasattr(leaf, "dtype") and hasattr(leaf, "shape")
+    if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
+        return True
+    return callable(leaf)  # a function kept as a leaf (Equinox modules): carried, not differentiated
 
 
 def _check_point(f: Callable[..., Any], index: int, x: Any) -> None:

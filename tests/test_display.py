@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -105,3 +106,22 @@ def test_summary_html_table():
 def test_summary_units_for_large_models():
     s = ft.summary({"w": jnp.zeros((1024, 1024))})
     assert str(s).splitlines()[-1] == "dict: 1,048,576 parameters (4.0 MiB)"
+
+
+def test_summary_leaves_out_function_leaves():
+    table = ft.summary({"w": jnp.ones((2, 3)), "fn": jax.nn.relu})
+    assert [r.path for r in table.rows] == ["w"] and table.parameter_count == 6
+    assert "fn" not in str(table)
+
+
+def test_a_foreign_multiline_repr_is_indented_under_its_field():
+    class Foreign:
+        def __repr__(self):
+            return "Foreign(\n  a=1,\n)"
+
+    class Holder(ft.Module):
+        inner: Any = ft.field(static=True)
+        weight: jax.Array
+
+    text = repr(Holder(Foreign(), jnp.ones(2)))
+    assert text.splitlines() == ["Holder(", "  inner=Foreign(", "    a=1,", "  ),", "  weight=f32[2],", ")"]

@@ -133,3 +133,41 @@ def test_python_control_flow_on_a_traced_value_explains_the_fix():
         clip(jnp.ones(2))
     message = str(info.value)
     assert "jnp.where" in message and "jax.lax.cond" in message and "static_argnames" in message
+
+
+def test_without_donation_jit_is_jax_jit_itself():
+    assert type(ft.jit(lambda x: x)) is type(jax.jit(lambda x: x))  # no Python frame per call
+
+
+def test_donated_aliased_arguments_warn_with_both_paths_and_still_run():
+    w = jnp.ones(2)
+    shared = {"a": make_dense(0).replace(bias=w), "b": make_dense(1).replace(bias=w)}
+    pair = ft.jit(lambda models, x: [sgd_step(m, x)[0] for m in models.values()], donate="models")
+    with pytest.warns(ft.AliasWarning, match=r"'models.a.bias' and 'models.b.bias'") as info:
+        out = pair(shared, jnp.ones((4, 3)))
+    assert "ft.nn.Shared" in str(info[0].message)
+    expected = sgd_step(make_dense(0).replace(bias=jnp.ones(2)), jnp.ones((4, 3)))[0]
+    np.testing.assert_allclose(out[0].bias, expected.bias, rtol=1e-6)
+    again = pair({"a": out[0], "b": out[1]}, jnp.ones((4, 3)))  # distinct now: no warning
+    assert len(again) == 2 and pair._cache_size() == 1 and callable(pair.lower)
+
+
+def test_static_leaves_make_functions_static_and_return_them():
+    traces = []
+
+    @ft.jit(static_leaves=True)
+    def apply(layer, x):
+        traces.append(1)
+        return {"y": layer["fn"](x @ layer["w"]), "fn": layer["fn"]}
+
+    layer = {"w": jnp.ones((3, 2)), "fn": jax.nn.relu}
+    out = apply(layer, -jnp.ones((1, 3)))
+    np.testing.assert_array_equal(out["y"], [[0.0, 0.0]])
+    assert out["fn"] is jax.nn.relu
+    apply({"w": jnp.zeros((3, 2)), "fn": jax.nn.relu}, jnp.ones((1, 3)))
+    assert len(traces) == 1
+    apply({"w": jnp.zeros((3, 2)), "fn": jnp.tanh}, jnp.ones((1, 3)))  # another function retraces
+    assert len(traces) == 2
+    assert ft._jit.has_untraceable_leaves(layer) and not ft._jit.has_untraceable_leaves({"w": layer["w"], "n": 3})
+    spec = ft._jit.eval_shape(lambda d, x: d["fn"](x @ d["w"]), layer, jnp.ones((5, 3)))
+    assert spec.shape == (5, 2)

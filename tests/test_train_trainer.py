@@ -201,3 +201,55 @@ def test_restore_model_with_new_optimizer_options(tmp_path):
     assert sgd.steps_run == 4
     sgd.fit((X, LABELS), steps=2, progress=False)
     assert int(ft.optim.context(sgd.opt_state).step) == 2
+
+
+def keyed_loss(model, batch, *, key):
+    """A loss written as documented: ``loss_fn(model, batch, *, key)`` (key required)."""
+    x, labels = batch
+    logits = model(x, key=key)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)), logits
+
+
+def test_a_loss_that_requires_a_key_evaluates_and_validates():
+    trainer = Trainer(mlp(dropout=0.3), adam(), keyed_loss, metrics=[ft.train.accuracy], key=jax.random.key(2))
+    history = trainer.fit((X, LABELS), epochs=2, batch_size=16, validation_data=(X, LABELS), progress=False)
+    assert len(history.epochs["val_loss"]) == 2
+    first, again = trainer.evaluate((X, LABELS)), trainer.evaluate((X, LABELS), batch_size=64)
+    assert first["loss"] == pytest.approx(again["loss"], rel=1e-5)  # inference: the key changes nothing
+    logits = trainer.inference_model(X)
+    expected = float(keyed_loss(trainer.inference_model, (X, LABELS), key=jax.random.key(9))[0])
+    assert first["loss"] == pytest.approx(expected, rel=1e-5)
+    np.testing.assert_allclose(trainer.predict(X, batch_size=16), logits, rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_and_predict_pass_a_fixed_key_to_functions_that_take_one():
+    seen = []
+
+    def noisy_loss(model, batch, key=None):  # a key used beyond Dropout: evaluation is reproducible
+        seen.append(key is not None)
+        return jnp.mean(model(batch[0])[:, :1] - batch[1]) + jax.random.normal(key, ())
+
+    trainer = Trainer(mlp(), adam(), noisy_loss, key=jax.random.key(0))
+    a, b = trainer.evaluate((X, Y), batch_size=16), trainer.evaluate((X, Y), batch_size=16)
+    assert a == b and all(seen)
+    other = Trainer(mlp(), adam(), noisy_loss, key=jax.random.key(1)).evaluate((X, Y), batch_size=16)
+    assert other != a
+    sample = trainer.predict(X, lambda m, batch, *, key: jax.random.normal(key, (batch.shape[0],)), batch_size=16)
+    assert sample.shape == (64,) and len(np.unique(np.asarray(sample))) == 64  # a key per batch
+
+
+def test_a_loss_that_requires_a_key_needs_the_trainers_key():
+    with pytest.raises(ValueError, match=r"keyed_loss\(model, batch, \*, key\) requires a PRNG key") as info:
+        Trainer(mlp(dropout=0.3), adam(), keyed_loss)
+    assert "key=jax.random.key(0)" in str(info.value)
+
+
+def test_the_trained_model_for_inference():
+    trainer = Trainer(mlp(dropout=0.5), adam(), classify, key=jax.random.key(0))
+    trainer.fit((X, LABELS), steps=2, progress=False)
+    with pytest.raises(ValueError, match=r"needs a PRNG key"):
+        trainer.model(X)  # trainer.model is the training-mode model
+    out = trainer.inference_model(X)
+    np.testing.assert_array_equal(out, trainer.inference_model(X))  # deterministic
+    np.testing.assert_allclose(trainer.predict(X), out, rtol=1e-6, atol=1e-6)
+    assert ft.nn.is_training(trainer.model) and not ft.nn.is_training(trainer.inference_model)

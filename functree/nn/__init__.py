@@ -50,6 +50,7 @@ from functree.nn._pooling import (
 )
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState
 from functree.nn._sequential import Lambda, Sequential
+from functree.nn._shared import Shared
 from functree.nn._state import apply_state, collect_state, record_state
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "Dense",
     "Sequential",
     "Lambda",
+    "Shared",
     "Conv1D",
     "Conv2D",
     "Conv1DTranspose",

@@ -8,6 +8,7 @@ the callbacks.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree import nn
-from functree._jit import jit
+from functree._alias import copy_aliases, warn_aliases
+from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
 from functree.optim import context, hyperparameters, next_sweep
 from functree.train._callbacks import Callback, TrainingContext, _copy, as_callback
 from functree.train._checkpoint import Checkpoint, CheckpointManager
@@ -53,6 +55,19 @@ train_step= takes a ft.train.TrainStep subclass or instance, got {given}.
     right:  class MyStep(ft.train.TrainStep):
                 def compute_loss(self, model, batch, key=None): ...
             ft.train.Trainer(model, optimizer, loss_fn, train_step=MyStep)"""
+
+
+LOSS_NEEDS_KEY = """\
+The loss function {name}{signature} requires a PRNG key, but the Trainer has none: \
+every training step calls loss_fn(model, batch, key=...) with a fresh key derived from \
+the Trainer's.
+
+    wrong:  ft.train.Trainer(model, optimizer, loss_fn)
+    right:  ft.train.Trainer(model, optimizer, loss_fn, key=jax.random.key(0))"""
+
+EVAL_KEY_SALT = 0x5EED
+"""Folded into the trainer's key for evaluation and prediction keys (distinct from the
+training steps' ``fold_in(key, step)`` and the shuffling key ``fold_in(key, 1)``)."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -100,6 +115,28 @@ def _inputs(batch: Any) -> Any:
     return batch
 
 
+def key_parameter(fn: Callable[..., Any]) -> str | None:
+    """Whether ``fn`` takes ``key=``: ``"required"``, ``"optional"`` (a default, or
+    ``**kwargs``) or None (no such keyword, or no signature to read).
+
+    Example:
+      >>> key_parameter(lambda m, b, *, key: 0), key_parameter(lambda m, b, key=None: 0)
+      ('required', 'optional')
+      >>> key_parameter(lambda m, b: 0) is None
+      True
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    p = params.get("key")
+    if p is None:
+        return "optional" if any(q.kind is q.VAR_KEYWORD for q in params.values()) else None
+    if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
+        return None
+    return "required" if p.default is p.empty else "optional"
+
+
 def _positive(what: str, value: Any) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(BAD_LENGTH.format(what=what, value=value))
@@ -130,10 +167,14 @@ class Trainer:
     Args:
       model: the initial model (copied: the caller's arrays stay valid; the trainer's
         steps donate their own). Trained in ``ft.nn.training`` mode, evaluated in
-        ``ft.nn.inference`` mode.
+        ``ft.nn.inference`` mode: ``trainer.model`` is the training-mode model (Dropout
+        there needs a key), :attr:`inference_model` the one to call for predictions.
+        Leaves that are not arrays (an Equinox module's functions) are kept static.
       optimizer: a ``ft.optim.Optimizer`` or an optax transformation.
       loss_fn: ``loss_fn(model, batch)`` → loss or ``(loss, aux)``; with ``key=`` given to
         the Trainer, ``loss_fn(model, batch, *, key)`` (a fresh key every step).
+        :meth:`evaluate` and validation call a loss that takes ``key`` with a fixed
+        evaluation key (the model is in inference mode there, so Dropout ignores it).
       metrics: ``{name: fn(StepOutput)}`` or a list (``ft.train.accuracy``,
         ``ft.train.mean("mse")``); ``loss`` is always recorded.
       key: base PRNG key for the loss (dropout) and for shuffling in-memory data.
@@ -159,6 +200,8 @@ class Trainer:
       True
       >>> sorted(trainer.evaluate((x, y)))
       ['loss']
+      >>> trainer.inference_model(x[:2]).shape  # the trained model, for predictions
+      (2, 1)
     """
 
     def __init__(
@@ -177,9 +220,16 @@ class Trainer:
         self.optimizer = self.train_step.optimizer
         self.eval_step = EvalStep(loss_fn, metrics=self.train_step.metrics)
         self.on_nan = self.train_step.on_nan
-        self.model = unalias(_copy(nn.training(model)))
+        self._loss_key = key_parameter(loss_fn)
+        if self._loss_key == "required" and key is None and train_step is None:
+            raise ValueError(LOSS_NEEDS_KEY.format(
+                name=getattr(loss_fn, "__name__", "loss_fn"), signature=_signature(loss_fn)))
+        # An accidental tie (one array at two leaves) is named once here; _copy unties it.
+        warn_aliases(model, what="The model given to ft.train.Trainer")
+        self.model = _copy(nn.training(model))
         state = self.optimizer.init(self.model) if opt_state is None else _copy(opt_state)
-        self.opt_state = unalias(state)
+        # A fresh optimizer state may share arrays with the model or within itself.
+        self.model, self.opt_state = copy_aliases((self.model, state))
         self.key = key
         self.history = History()
         self.steps_run = 0
@@ -192,9 +242,10 @@ class Trainer:
         self._names: list[str] | None = None
         self._param_names: list[str] | None = None
         self._last_context: Any = None
-        self._fused = jit(self._fused_step, donate=(0, 1, 2))
-        self._eval_fused = jit(self._fused_eval, donate=(1,))
-        self._predict = jit(lambda model, batch, fn: fn(model, batch), static_argnums=2)
+        static = has_untraceable_leaves(self.model)  # Equinox submodules keep functions
+        self._fused = unchecked_jit(self._fused_step, donate=(0, 1, 2), static_leaves=static)
+        self._eval_fused = unchecked_jit(self._fused_eval, donate=(1,), static_leaves=static)
+        self._predict = unchecked_jit(_call_predict, static_argnums=2, static_leaves=static)
 
     @staticmethod
     def _make_step(train_step: Any, loss_fn: Any, optimizer: Any, metrics: Any, on_nan: Any) -> TrainStep:
@@ -225,11 +276,13 @@ class Trainer:
             "count": i + 1,
         }
 
-    def _fused_eval(self, model: Any, sums: Any, batch: Any) -> Any:
-        metrics = self.eval_step.step(model, batch)
+    def _fused_eval(self, model: Any, sums: Any, batch: Any, key: Any) -> Any:
+        if key is not None:
+            key = jax.random.fold_in(key, sums["count"])
+        metrics = self.eval_step.step(model, batch, key)
         w = float(batch_size_of(batch))
         return {"values": {k: sums["values"][k] + w * v for k, v in metrics.items()},
-                "weight": sums["weight"] + w}
+                "weight": sums["weight"] + w, "count": sums["count"] + 1}
 
     def _new_buffer(self, capacity: int) -> Any:
         assert self._names is not None
@@ -254,7 +307,7 @@ class Trainer:
         if type(self.train_step).compute_metrics is TrainStep.compute_metrics:
             return ["loss", *self.train_step.metrics]
         # An overridden compute_metrics: trace once (no compilation) to learn its names.
-        shapes = jax.eval_shape(self.train_step.step, self.model, self.opt_state, batch, self.key)
+        shapes = eval_shape(self.train_step.step, self.model, self.opt_state, batch, self.key)
         return [k for k in shapes[2] if k != NONFINITE]
 
     # --- data ----------------------------------------------------------------------------
@@ -447,20 +500,50 @@ class Trainer:
             cb.on_epoch_end(self, ctx)
 
     # --- evaluate / predict --------------------------------------------------------------
+    @property
+    def inference_model(self) -> Any:
+        """The trained model in inference mode (``ft.nn.inference(trainer.model)``): call
+        it for predictions. ``trainer.model`` is in training mode, where Dropout needs a
+        key.
+
+        Example:
+          >>> import functree as ft, jax, jax.numpy as jnp
+          >>> model = ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.Dropout(0.5))
+          >>> trainer = ft.train.Trainer(model, ft.optim.sgd(0.1), lambda m, b: 0.0)
+          >>> ft.nn.is_training(trainer.model), ft.nn.is_training(trainer.inference_model)
+          (True, False)
+          >>> trainer.inference_model(jnp.ones((1, 2))).shape
+          (1, 2)
+        """
+        return nn.inference(self.model)
+
+    def _eval_key(self, fn: Callable[..., Any]) -> Any:
+        """A fixed key for ``fn`` when it takes ``key=`` (else None): derived from the
+        trainer's key, the same for every evaluation."""
+        if key_parameter(fn) is None:
+            return None
+        base = jax.random.key(0) if self.key is None else self.key
+        return jax.random.fold_in(base, EVAL_KEY_SALT)
+
     def evaluate(self, data: Any, *, batch_size: int | None = None) -> dict[str, float]:
         """The loss and metrics of the model (inference mode) over ``data``: means
-        weighted by minibatch size, accumulated on device, read once at the end."""
+        weighted by minibatch size, accumulated on device, read once at the end.
+
+        A loss function that takes ``key=`` gets ``fold_in(eval_key, batch index)`` with a
+        fixed evaluation key derived from the trainer's: evaluations are reproducible.
+        """
         data = self._as_data(data, batch_size, shuffle=False)
-        model = nn.inference(self.model)
+        model = self.inference_model
+        key = self._eval_key(self.eval_step.loss_fn)
         sums: Any = None
         batches_iter: Iterable[Any] = data.iterate(0) if isinstance(data, Batches) else data
         for batch in batches_iter:
             batch = to_arrays(batch)
             if sums is None:
-                shapes = jax.eval_shape(self.eval_step.step, model, batch)
+                shapes = eval_shape(self.eval_step.step, model, batch, key)
                 sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
-                        "weight": jnp.zeros((), jnp.float32)}
-            sums = self._eval_fused(model, sums, batch)
+                        "weight": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+            sums = self._eval_fused(model, sums, batch, key)
         if sums is None:
             raise ValueError(EMPTY_DATA.format(why=" to evaluate"))
         host = jax.device_get(sums)
@@ -471,15 +554,21 @@ class Trainer:
         """``fn(model, batch)`` over ``data`` (inference mode), concatenated along axis 0.
 
         ``fn`` defaults to ``model(inputs)`` with inputs ``batch[0]`` (tuples),
-        ``batch["x"]`` (dicts) or the batch itself (arrays).
+        ``batch["x"]`` (dicts) or the batch itself (arrays). An ``fn`` that takes ``key=``
+        gets ``fold_in(eval_key, batch index)`` (see :meth:`evaluate`). For one batch,
+        call :attr:`inference_model` directly.
         """
         fn = fn or _default_predict
         if _is_array(data):
             data = batches(data, batch_size or 32, shuffle=False)
         data = self._as_data(data, batch_size, shuffle=False)
-        model = nn.inference(self.model)
+        model = self.inference_model
+        key = self._eval_key(fn)
         batches_iter: Iterable[Any] = data.iterate(0) if isinstance(data, Batches) else data
-        outputs = [self._predict(model, to_arrays(b), fn) for b in batches_iter]
+        outputs = [
+            self._predict(model, to_arrays(b), fn, None if key is None else jax.random.fold_in(key, i))
+            for i, b in enumerate(batches_iter)
+        ]
         if not outputs:
             raise ValueError(EMPTY_DATA.format(why=" to predict"))
         return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outputs)
@@ -532,3 +621,14 @@ class Trainer:
 
 def _default_predict(model: Any, batch: Any) -> Any:
     return model(_inputs(batch))
+
+
+def _call_predict(model: Any, batch: Any, fn: Callable[..., Any], key: Any) -> Any:
+    return fn(model, batch) if key is None else fn(model, batch, key=key)
+
+
+def _signature(fn: Callable[..., Any]) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return ""

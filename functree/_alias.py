@@ -1,0 +1,117 @@
+"""Accidental aliasing: one array object at several leaves of a model.
+
+PyTorch ties weights by putting one layer object at two fields. In a pytree that is two
+leaves that happen to hold the same array: the first gradient step writes two different
+arrays back (the tie is gone), and a donated step fails because XLA cannot donate one
+buffer twice. The supported tie is :class:`ft.nn.Shared` (one leaf, placed at every use);
+an accidental alias is found here once, when a model or optimizer state is created for a
+donated step, and copied so that each leaf owns its buffer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from functree._tree import dotted_name
+
+__all__ = ["AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases"]
+
+ALIASED = """\
+{what} holds one array object at several leaves: {pairs}. A gradient step gives each \
+leaf its own new array, so the two are trained as independent copies from here on (they \
+have been copied now, so that donation can reuse each buffer).
+To tie them (one parameter used at both places, trained once with the summed gradient):
+
+    wrong:  layer = ft.nn.Dense(4, 4, key=key); model = Model(a=layer, b=layer)
+    right:  model = ft.nn.Shared(Model(a=layer, b=layer), {{"{second}": "{first}"}})
+
+To keep them independent, build them apart (or copy one with jnp.copy) to silence this."""
+
+
+class AliasWarning(UserWarning):
+    """A model holds one array object at two leaves (PyTorch-style tying).
+
+    Such a tie does not survive a training step; the message names both key paths and
+    shows :class:`ft.nn.Shared`, the tie that does.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, warnings
+      >>> w = jnp.ones(2)
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = ft.train.Trainer({"a": w, "b": w}, ft.optim.sgd(0.1), lambda m, b: 0.0)
+      >>> caught[0].category.__name__, "'a' and 'b'" in str(caught[0].message)
+      ('AliasWarning', True)
+    """
+
+
+def find_aliases(tree: Any) -> list[tuple[int, int]]:
+    """``(first, repeat)`` leaf indices (flatten order) of every array seen twice.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> w = jnp.ones(2)
+      >>> find_aliases({"a": w, "b": jnp.zeros(2), "c": w})
+      [(0, 2)]
+    """
+    first: dict[int, int] = {}
+    pairs = []
+    for i, leaf in enumerate(jax.tree.leaves(tree)):
+        if isinstance(leaf, jax.Array):
+            j = first.setdefault(id(leaf), i)
+            if j != i:
+                pairs.append((j, i))
+    return pairs
+
+
+def alias_names(tree: Any, pairs: Sequence[tuple[int, int]]) -> list[tuple[str, str]]:
+    """The dotted key paths (``layers.0.weight``) of the leaves in ``pairs``."""
+    paths = [dotted_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return [(paths[a], paths[b]) for a, b in pairs]
+
+
+def warn_aliases(tree: Any, *, what: str = "The model") -> list[tuple[int, int]]:
+    """Warn (:class:`AliasWarning`) naming both key paths of every aliased leaf of ``tree``;
+    returns :func:`find_aliases`' pairs (empty, and no warning, when there are none).
+
+    Call it once where a model enters a donated step (``Trainer``, the first call of a
+    train step), not per step.
+    """
+    pairs = find_aliases(tree)
+    if pairs:
+        names = alias_names(tree, pairs)
+        listed = ", ".join(f"{a!r} and {b!r}" for a, b in names)
+        warnings.warn(
+            ALIASED.format(what=what, pairs=listed, first=names[0][0], second=names[0][1]),
+            AliasWarning,
+            stacklevel=3,
+        )
+    return pairs
+
+
+def copy_aliases(tree: Any, pairs: Sequence[tuple[int, int]] | None = None) -> Any:
+    """``tree`` with the repeated leaf of each pair copied (each leaf owns its buffer).
+
+    ``pairs`` defaults to :func:`find_aliases` of ``tree``; with none the tree is returned
+    as it is (no copy).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> w = jnp.ones(2)
+      >>> out = copy_aliases({"a": w, "b": w})
+      >>> out["a"] is w, out["b"] is w
+      (True, False)
+    """
+    if pairs is None:
+        pairs = find_aliases(tree)
+    if not pairs:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    for _, repeat in pairs:
+        leaves[repeat] = jnp.copy(leaves[repeat])
+    return jax.tree.unflatten(treedef, leaves)

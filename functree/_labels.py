@@ -1,0 +1,62 @@
+"""Label trees shaped like a model, given to optax (``multi_transform``, ``partition``,
+``masked``).
+
+A label tree built by ``jax.tree.map(fn, model)`` or ``ft.mask(model, ...)`` has the
+model's class, and a Module with ``__call__`` is callable, so optax takes it for a label
+*function* and calls ``labels(params)``: the model's forward pass runs on a tree of
+strings. Every ``Module.__call__`` is therefore wrapped once, at class creation: called
+with one argument of its own class while its leaves are labels (strings, bools, ints),
+it returns itself (the labels) instead of running the model.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+__all__ = ["label_aware", "is_label_tree"]
+
+_LABEL_TYPES = (str, bool, int)
+
+
+def is_label_tree(tree: Any) -> bool:
+    """Whether every leaf of ``tree`` is a label (a string, bool or int) and it has one.
+
+    Example:
+      >>> is_label_tree({"w": "adam", "b": True}), is_label_tree({"w": 1.0}), is_label_tree({})
+      (True, False, False)
+    """
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, _LABEL_TYPES) for x in leaves)
+
+
+def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a Module's ``__call__`` so that a label tree called as a label function (by
+    optax) returns itself; every other call runs ``call`` unchanged.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> class Scale(ft.Module):
+      ...     w: jax.Array
+      ...     __call__ = label_aware(lambda self, x: self.w * x)
+      >>> model = Scale(jnp.ones(2))
+      >>> labels = jax.tree.map(lambda p: "adam", model)
+      >>> labels(model)  # what optax does with a callable label tree
+      Scale(w='adam')
+      >>> model(jnp.ones(2))
+      Array([1., 1.], dtype=float32)
+    """
+    if getattr(call, "__ft_label_aware__", False):
+        return call
+
+    @functools.wraps(call)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and type(args[0]) is type(self) and is_label_tree(self):
+            return self
+        return call(self, *args, **kwargs)
+
+    __call__.__ft_label_aware__ = True  # type: ignore[attr-defined]
+    return __call__

@@ -1,0 +1,134 @@
+"""``ft.nn.Shared``: weight tying that survives gradients, optimizers and checkpoints.
+
+A tie stores the value once. ``Shared(model, {target: source})`` keeps ``model`` with the
+target removed (``None``) and puts the source's value there whenever the model is used:
+
+    resolve(shared) = model with model[target] = transform(model[source])
+
+so the pytree has one leaf for the tied value. Its gradient is then the sum over both
+uses (the chain rule through the copy), ``∂L/∂w = ∂L/∂w_source + transformᵀ(∂L/∂w_target)``,
+and the optimizer's moments and a checkpoint hold it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from functree._module import Module, field
+from functree._paths import KeyPath, key_path
+
+__all__ = ["Shared"]
+
+BAD_TIE = """\
+ft.nn.Shared ties {{target: source}} or {{target: (source, transform)}} with key paths \
+into the model, got {given!r}.
+
+    right:  ft.nn.Shared(model, {{"head.weight": ("embed.embeddings", jnp.transpose)}})
+       or:  ft.nn.Shared(model, {{"decoder": "encoder"}})   # one layer at two places"""
+
+SOURCE_UNDER_TARGET = """\
+ft.nn.Shared: the source {source!r} lies inside the tied target {target!r}, which is \
+removed from the stored model. Tie each place to the one value that stays:
+
+    wrong:  {{"b": "a", "c": "b"}}
+    right:  {{"b": "a", "c": "a"}}"""
+
+BAD_TARGET = """\
+ft.nn.Shared can tie a field of a Module, an item of a list, tuple or dict; the target \
+{path} lies in a {type}. Tie the enclosing value instead."""
+
+NOTHING_TIED = """\
+ft.nn.Shared needs at least one tie {target: source}.
+
+    right:  ft.nn.Shared(model, {"decoder": "encoder"})"""
+
+
+def _removed(tree: Any, path: KeyPath) -> Any:
+    """``tree`` with ``None`` at ``path`` (``ft.set`` would refuse: None has no shape)."""
+    parent_path, last = KeyPath(path[:-1]), path[-1]
+    parent = parent_path.get(tree)
+    if isinstance(parent, Module) or hasattr(parent, "_replace"):
+        new = parent.replace(**{last.key: None}) if isinstance(parent, Module) else parent._replace(**{last.key: None})
+    elif isinstance(parent, (list, tuple)):
+        new = type(parent)(None if i == last.key % len(parent) else v for i, v in enumerate(parent))
+    elif isinstance(parent, Mapping):
+        new = {**parent, last.key: None}
+    else:
+        raise ValueError(BAD_TARGET.format(path=path, type=type(parent).__name__))
+    return parent_path.set(tree, new) if parent_path else new
+
+
+def _inside(path: KeyPath, prefix: KeyPath) -> bool:
+    return len(path) >= len(prefix) and tuple(path[: len(prefix)]) == tuple(prefix)
+
+
+class Shared(Module):
+    """A model in which some places hold the same value, stored once (weight tying).
+
+    ``Shared(model, {target: source})`` ties the value at key path ``target`` to the one
+    at ``source`` (any value: an array, a layer); ``{target: (source, transform)}`` puts
+    ``transform(source value)`` there, e.g. an embedding matrix used transposed as the
+    output projection. The stored ``model`` holds ``None`` at each target, so gradients,
+    optimizer state and checkpoints have one leaf per tied value and the tie holds after
+    any number of steps. :meth:`resolve` gives the complete model; calling a ``Shared``
+    calls it.
+
+    Args:
+      model: the model, with any value at the targets (one layer object at two fields,
+        PyTorch-style, works; its shape is checked against the source's).
+      ties: ``{target: source}`` or ``{target: (source, transform)}``; key paths as in
+        :func:`ft.get` (``"head.weight"``, ``".layers[1]"``).
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> class LM(ft.Module):
+      ...     embed: ft.nn.Embedding
+      ...     head: ft.nn.Dense
+      ...     def __call__(self, tokens):
+      ...         return self.head(self.embed(tokens))
+      >>> k1, k2 = jax.random.split(jax.random.key(0))
+      >>> lm = ft.nn.Shared(LM(ft.nn.Embedding(10, 4, key=k1), ft.nn.Dense(4, 10, key=k2)),
+      ...                   {"head.weight": ("embed.embeddings", jnp.transpose)})
+      >>> lm(jnp.array([1, 2])).shape
+      (2, 10)
+      >>> sorted(ft.to_flat_dict(lm))  # the tied matrix is stored once
+      ['model.embed.embeddings', 'model.head.bias']
+      >>> bool((lm.resolve().head.weight == lm.model.embed.embeddings.T).all())
+      True
+    """
+
+    model: Any
+    ties: tuple[tuple[KeyPath, KeyPath, Callable[[Any], Any] | None], ...] = field(static=True)
+
+    def __init__(self, model: Any, ties: Mapping[str | KeyPath, Any]):
+        if not isinstance(ties, Mapping) or not ties:
+            raise ValueError(NOTHING_TIED if isinstance(ties, Mapping) else BAD_TIE.format(given=ties))
+        parsed = []
+        for target, spec in ties.items():
+            source, transform = spec if isinstance(spec, tuple) and len(spec) == 2 else (spec, None)
+            if not isinstance(source, (str, KeyPath)) or not (transform is None or callable(transform)):
+                raise ValueError(BAD_TIE.format(given={target: spec}))
+            parsed.append((key_path(model, target), key_path(model, source), transform))
+        for target, _, _ in parsed:
+            for _, source, _ in parsed:
+                if _inside(source, target):
+                    raise ValueError(SOURCE_UNDER_TARGET.format(source=source, target=target))
+        stored = model
+        for target, source, transform in parsed:
+            value = source.get(model)
+            target.set(model, value if transform is None else transform(value))  # shapes agree
+            stored = _removed(stored, target)
+        self.model = stored
+        self.ties = tuple(parsed)
+
+    def resolve(self) -> Any:
+        """The complete model: each target holds its source's (transformed) value."""
+        model = self.model
+        for target, source, transform in self.ties:
+            value = source.get(model)
+            model = target.set(model, value if transform is None else transform(value))
+        return model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)

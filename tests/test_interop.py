@@ -1,0 +1,162 @@
+"""Interop: Equinox modules inside functree Modules; optax label trees and apply_updates."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+from functree._labels import is_label_tree, label_aware
+
+X = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+Y = (X @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+
+LABEL_HOOK = getattr(ft.nn.Dense.__call__, "__ft_label_aware__", False)
+needs_label_hook = pytest.mark.skipif(
+    not LABEL_HOOK, reason="needs Module.__init_subclass__ to wrap __call__ with functree._labels.label_aware"
+)
+
+
+def mse(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+# --- Equinox inside functree ----------------------------------------------------------
+def mixed_model():
+    eqx = pytest.importorskip("equinox")
+
+    class Mixed(ft.Module):
+        mlp: eqx.nn.MLP
+        head: ft.nn.Dense
+
+        def __call__(self, x):
+            return self.head(jax.vmap(self.mlp)(x))
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = Mixed(eqx.nn.MLP(3, 4, 8, 1, key=k1), ft.nn.Dense(4, 1, key=k2))
+    return model, [w for w in caught if issubclass(w.category, ft.NonDifferentiableFieldWarning)]
+
+
+def test_equinox_submodule_gives_no_false_warning():
+    _, caught = mixed_model()
+    if caught and "callable" in str(caught[0].message):
+        pytest.skip("needs functree/_module.py: a callable pytree with array leaves is a submodule")
+    assert caught == []
+
+
+def test_equinox_submodule_jits_behind_static_leaves_and_differentiates():
+    model, _ = mixed_model()
+    with pytest.raises(TypeError, match=r"custom_jvp|PjitFunction|function"):
+        ft.jit(lambda m, x: m(x))(model, X)  # plain jax.jit rules: functions are not arrays
+    forward = ft.jit(lambda m, x: m(x), static_leaves=True)
+    np.testing.assert_allclose(forward(model, X), model(X), rtol=1e-5, atol=1e-6)
+    forward(model, X)
+    assert forward._cache_size() == 1
+    grad = ft.gradient(lambda m: mse(m, (X, Y)), at=model)
+    assert grad.mlp.activation is None and grad.mlp.layers[0].weight.shape == (8, 3)
+
+    def step(m, x):  # a function returning the model: its function leaves come back
+        g = ft.gradient(lambda mm: jnp.mean(mm(x) ** 2), at=m)
+        return ft.move(m, along=ft.tangent_scale(g, -0.1))
+
+    activation, before = model.mlp.activation, jnp.copy(model.head.weight)
+    new = ft.jit(step, static_leaves=True, donate=0)(model, X)
+    assert new.mlp.activation is activation
+    assert not np.allclose(new.head.weight, before)
+
+
+def test_equinox_submodule_summary_and_repr():
+    model, _ = mixed_model()
+    text = str(ft.summary(model))
+    assert "mlp.layers.0.weight" in text and "activation" not in text
+    assert ft.summary(model).parameter_count == 8 * 3 + 8 + 4 * 8 + 4 + 4 + 1
+    lines = repr(model).splitlines()
+    assert lines[0] == "Mixed(" and lines[1].startswith("  mlp=MLP(")
+    assert all(line.startswith("    ") for line in lines[2:5])  # indented under its field
+
+
+def _select_passes_functions():
+    from functree.train import _step
+
+    try:
+        _step._select(jnp.array(True), [jax.nn.relu], [jax.nn.relu])
+    except TypeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("on_nan", [None, "stop"])
+def test_trainer_trains_a_model_with_an_equinox_submodule(on_nan):
+    model, _ = mixed_model()
+    if on_nan == "stop" and not _select_passes_functions():
+        pytest.skip("needs functree/train/_step.py: _select passes non-array leaves through")
+    trainer = ft.train.Trainer(model, ft.optim.adam(0.02), mse, on_nan=on_nan)
+    history = trainer.fit((X, Y), epochs=15, batch_size=8, progress=False)
+    assert history.epochs["loss"][-1] < 0.5 * history.epochs["loss"][0]
+    assert trainer.evaluate((X, Y))["loss"] == pytest.approx(float(mse(trainer.inference_model, (X, Y))), rel=1e-5)
+    assert trainer.predict(X).shape == (32, 1)
+
+
+# --- optax label trees ------------------------------------------------------------------
+def two_layer():
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return ft.nn.Sequential(ft.nn.Dense(3, 4, jax.nn.relu, key=k1), ft.nn.Dense(4, 1, key=k2))
+
+
+def test_label_aware_call_returns_the_labels_only_for_a_label_tree():
+    class Scale(ft.Module):
+        w: jax.Array
+        __call__ = label_aware(lambda self, x: self.w * x)
+
+    model = Scale(jnp.ones(2))
+    labels = jax.tree.map(lambda p: "adam", model)
+    assert labels(model) is labels and labels(ft.parameters(model)) is labels
+    np.testing.assert_array_equal(model(jnp.full(2, 3.0)), [3.0, 3.0])
+    assert label_aware(Scale.__call__) is Scale.__call__  # wrapped once
+    assert is_label_tree(labels) and not is_label_tree(model) and not is_label_tree(Scale(None))
+
+
+@needs_label_hook
+@pytest.mark.parametrize("combine", [optax.multi_transform, optax.partition])
+def test_optax_partition_with_a_label_tree_shaped_like_the_model(combine):
+    model = two_layer()
+    labels = jax.tree.map(lambda p: "fast" if p.ndim == 2 else "frozen", model)
+    tx = combine({"fast": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels)
+    state = tx.init(model)
+    grads = ft.gradient(lambda m: mse(m, (X, Y)), at=model)
+    updates, state = tx.update(grads, state, model)
+    new = ft.move(model, along=updates)
+    np.testing.assert_allclose(new.layers[0].weight, model.layers[0].weight - 0.1 * grads.layers[0].weight,
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(new.layers[1].bias, model.layers[1].bias)
+
+
+@needs_label_hook
+def test_optax_masked_with_ft_mask():
+    model = two_layer()
+    tx = optax.masked(optax.sgd(1.0), ft.mask(model, "*.weight"))
+    grads = ft.gradient(lambda m: mse(m, (X, Y)), at=model)
+    updates, _ = tx.update(grads, tx.init(ft.parameters(model)), ft.parameters(model))
+    np.testing.assert_allclose(updates.layers[1].weight, -grads.layers[1].weight, rtol=1e-6)
+    np.testing.assert_array_equal(updates.layers[1].bias, grads.layers[1].bias)  # masked: passed through
+
+
+# --- optax.apply_updates vs ft.move -----------------------------------------------------
+def test_apply_updates_needs_the_parameter_view_and_ft_move_takes_the_model():
+    model = ft.nn.Sequential(ft.nn.Dense(3, 4, key=jax.random.key(0)), ft.nn.BatchNorm(4))
+    tx = optax.sgd(0.1)
+    grads = ft.gradient(lambda m: jnp.sum(m(X)), at=model)
+    updates, _ = tx.update(grads, tx.init(ft.parameters(model)))
+    with pytest.raises(TypeError, match=r"NoneType"):  # running statistics have no update
+        optax.apply_updates(model, updates)
+    moved = ft.move(model, along=updates)
+    by_view = ft.with_parameters(model, optax.apply_updates(ft.parameters(model), updates))
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(by_view)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(moved.layers[1].running_mean, model.layers[1].running_mean)

@@ -1,0 +1,158 @@
+"""ft.nn.Shared: weight tying that stays tied; ft.AliasWarning for an accidental alias."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+
+VOCAB, WIDTH = 6, 3
+TOKENS = jnp.array([[0, 1, 2, 3], [4, 5, 0, 2]])
+TARGETS = jnp.array([[1, 2, 3, 4], [5, 0, 2, 1]])
+
+
+class LM(ft.Module):
+    embed: ft.nn.Embedding
+    head: ft.nn.Dense
+
+    def __call__(self, tokens):
+        return self.head(jnp.tanh(self.embed(tokens)))
+
+
+def tied_lm(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    model = LM(ft.nn.Embedding(VOCAB, WIDTH, key=k1), ft.nn.Dense(WIDTH, VOCAB, key=k2))
+    return ft.nn.Shared(model, {"head.weight": ("embed.embeddings", jnp.transpose)})
+
+
+def lm_loss(model, batch):
+    tokens, targets = batch
+    logits = model(tokens)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
+
+
+def loss_of_matrix(e, bias, batch):
+    """The same loss written by hand with one matrix ``e`` used at both places."""
+    tokens, targets = batch
+    logits = jnp.tanh(e[tokens]) @ e.T + bias
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
+
+
+def test_one_leaf_and_the_gradient_is_the_sum_of_both_uses():
+    lm = tied_lm()
+    assert sorted(ft.to_flat_dict(lm)) == ["model.embed.embeddings", "model.head.bias"]
+    grad = ft.gradient(lambda m: lm_loss(m, (TOKENS, TARGETS)), at=lm)
+    # by hand: the untied model's two gradients, summed through the transpose
+    full = lm.resolve()
+    g = ft.gradient(lambda m: lm_loss(m, (TOKENS, TARGETS)), at=full)
+    expected = g.embed.embeddings + g.head.weight.T
+    np.testing.assert_allclose(grad.model.embed.embeddings, expected, rtol=1e-5, atol=1e-7)
+    assert grad.model.head.weight is None
+    # and against one matrix used twice in float64
+    e = np.asarray(lm.model.embed.embeddings, np.float64)
+    b = np.asarray(lm.model.head.bias, np.float64)
+    with jax.enable_x64(True):
+        ref = jax.grad(loss_of_matrix)(jnp.asarray(e), jnp.asarray(b), (TOKENS, TARGETS))
+    np.testing.assert_allclose(grad.model.embed.embeddings, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_steps_keep_the_tie_and_match_one_matrix():
+    lm = tied_lm()
+    e0, b0 = jnp.copy(lm.model.embed.embeddings), jnp.copy(lm.model.head.bias)
+    opt = ft.optim.Optimizer(ft.optim.adam(0.05))
+    step = ft.train.train_step(lm_loss, opt)
+    state = opt.init(lm)
+    for _ in range(4):
+        lm, state, _ = step(lm, state, (TOKENS, TARGETS))
+    full = lm.resolve()
+    np.testing.assert_array_equal(full.head.weight, full.embed.embeddings.T)
+    # reference: Adam by hand (float64 moments) on the single matrix and the bias
+    params = [np.asarray(e0, np.float64), np.asarray(b0, np.float64)]
+    m = [np.zeros_like(p) for p in params]
+    v = [np.zeros_like(p) for p in params]
+    grad_fn = jax.grad(lambda e, b: loss_of_matrix(e, b, (TOKENS, TARGETS)), argnums=(0, 1))
+    for t in range(1, 5):
+        grads = grad_fn(jnp.asarray(params[0], jnp.float32), jnp.asarray(params[1], jnp.float32))
+        for i, g in enumerate(grads):
+            g = np.asarray(g, np.float64)
+            m[i] = 0.9 * m[i] + 0.1 * g
+            v[i] = 0.999 * v[i] + 0.001 * g * g
+            params[i] = params[i] - 0.05 * (m[i] / (1 - 0.9**t)) / (np.sqrt(v[i] / (1 - 0.999**t)) + 1e-8)
+    np.testing.assert_allclose(lm.model.embed.embeddings, params[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lm.model.head.bias, params[1], rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_round_trip_keeps_one_array(tmp_path):
+    lm = tied_lm()
+    ft.train.save(tmp_path / "lm", lm)
+    loaded = ft.train.load(tmp_path / "lm", template=tied_lm(seed=1))
+    assert len(jax.tree.leaves(loaded)) == 2
+    np.testing.assert_array_equal(loaded.model.embed.embeddings, lm.model.embed.embeddings)
+    full = loaded.resolve()
+    np.testing.assert_array_equal(full.head.weight, full.embed.embeddings.T)
+
+
+def test_trainer_fits_a_tied_model():
+    trainer = ft.train.Trainer(tied_lm(), ft.optim.adam(0.05), lm_loss)
+    history = trainer.fit([(TOKENS, TARGETS)] * 4, epochs=5, progress=False)
+    assert history.epochs["loss"][-1] < history.epochs["loss"][0]
+    full = trainer.inference_model.resolve()
+    np.testing.assert_array_equal(full.head.weight, full.embed.embeddings.T)
+    assert trainer.predict([(TOKENS, TARGETS)]).shape == (2, 4, VOCAB)
+
+
+class Pair(ft.Module):
+    a: ft.nn.Dense
+    b: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+
+def test_one_layer_at_two_fields_pytorch_style():
+    layer = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    tied = ft.nn.Shared(Pair(layer, layer), {"b": "a"})
+    assert tied.model.b is None and len(jax.tree.leaves(tied)) == 2
+    assert "ties=((KeyPath('.b'), KeyPath('.a'), None),)" in repr(tied)
+    x = jnp.ones((1, 2))
+    np.testing.assert_allclose(tied(x), layer(layer(x)), rtol=1e-6)
+    assert ft.nn.is_training(ft.nn.training(tied).resolve().b) is False  # Dense has no mode
+    np.testing.assert_array_equal(tied.resolve().b.weight, layer.weight)
+
+
+def test_accidental_alias_warns_naming_both_paths_and_unties():
+    layer = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    with pytest.warns(ft.AliasWarning, match=r"'a.weight' and 'b.weight', 'a.bias' and 'b.bias'") as info:
+        trainer = ft.train.Trainer(Pair(layer, layer), ft.optim.sgd(0.1),
+                                   lambda m, batch: jnp.mean(m(batch) ** 2))
+    assert "ft.nn.Shared(Model(a=layer, b=layer), {\"b.weight\": \"a.weight\"})" in str(info[0].message)
+    trainer.fit([jnp.ones((4, 2))], steps=2, progress=False)  # donation works: copies apart
+    assert not np.array_equal(trainer.model.a.weight, trainer.model.b.weight)
+
+
+def test_no_warning_for_distinct_arrays():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.train.Trainer(Pair(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.Dense(2, 2, key=jax.random.key(1))),
+                         ft.optim.sgd(0.1), lambda m, batch: jnp.mean(m(batch) ** 2))
+
+
+def test_bad_ties_explain_the_fix():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = LM(ft.nn.Embedding(VOCAB, WIDTH, key=k1), ft.nn.Dense(WIDTH, VOCAB, key=k2))
+    with pytest.raises(ValueError, match=r"expected shape \(3, 6\)"):  # the transpose is missing
+        ft.nn.Shared(model, {"head.weight": "embed.embeddings"})
+    with pytest.raises(ValueError, match=r"ties \{target: source\}"):
+        ft.nn.Shared(model, {"head.weight": 3})
+    with pytest.raises(ValueError, match=r"ties \{target: source\}"):
+        ft.nn.Shared(model, ["head.weight"])
+    with pytest.raises(ValueError, match=r"at least one tie"):
+        ft.nn.Shared(model, {})
+    layer = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"lies inside the tied target"):
+        ft.nn.Shared(Pair(layer, layer), {"b": "a", "a.bias": "b.bias"})
+    with pytest.raises(KeyError):
+        ft.nn.Shared(model, {"head.kernel": "embed.embeddings"})

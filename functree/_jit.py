@@ -30,7 +30,6 @@ from functree._alias import ALIASED, AliasWarning, alias_names, copy_aliases, fi
 
 __all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape"]
 
-DONATED_TWICE = "donate the same buffer twice"
 
 TRACED_BOOL = """\
 Python control flow on a traced value inside ft.jit{where}:
@@ -141,7 +140,7 @@ def jit(
     if f is None:
         return functools.partial(jit, donate=donate, static_leaves=static_leaves, **jax_jit_options)
     jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
-    return jitted if donate is None else _alias_checked(f, jitted)
+    return jitted if donate is None else _alias_checked(f, jitted, _donated(f, donate))
 
 
 def unchecked_jit(
@@ -241,17 +240,28 @@ def _static_leaves_jit(f: Callable[..., Any], options: dict[str, Any]) -> Callab
 
 
 # --- donation of aliased arguments ------------------------------------------------------
-def _alias_checked(f: Callable[..., Any], jitted: Any) -> Callable[..., Any]:
+def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any]) -> Callable[..., Any]:
+    """``jitted``, copying apart donated arguments that hold one array at two leaves.
+
+    Outputs of a jitted call never share buffers, so only arguments that are not the
+    previous call's outputs are looked at (a training loop passes those back): once per
+    new model or state, by identity, structurally; nothing depends on XLA's error.
+    """
+    nums, names = donated
+    last: list[tuple[Any, ...]] = [()]
+
+    def fresh(args: tuple, kwargs: dict) -> bool:
+        outs = last[0]
+        given = [args[i] for i in nums if i < len(args)] + [kwargs[n] for n in names if n in kwargs]
+        return not all(any(x is o for o in outs) for x in given)
+
     @functools.wraps(f)
     def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return jitted(*args, **kwargs)
-        except jax.errors.JaxRuntimeError as e:
-            if DONATED_TWICE not in str(e):
-                raise
-        # XLA refused before running: the buffers are intact. Copy apart and run again.
-        args, kwargs = _untie_arguments(f, args, kwargs)
-        return jitted(*args, **kwargs)
+        if fresh(args, kwargs):
+            args, kwargs = _untie_arguments(f, args, kwargs)
+        result = jitted(*args, **kwargs)
+        last[0] = tuple(result) if isinstance(result, tuple) else (result,)  # held: ids stay unique
+        return result
 
     _expose(call, jitted)
     return call

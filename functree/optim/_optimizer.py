@@ -375,7 +375,8 @@ class Optimizer:
             new_model = apply_state(new_model, layer_state)
         applied = jnp.asarray(True) if ok is None else ok
         if ok is not None:
-            new_model = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_model, model)
+            new_model = jax.tree.map(lambda n, o: jnp.where(ok, n, o) if isinstance(n, jax.Array) else n,
+                                     new_model, model)
         return StepResult(new_model, new_state, out, grads, applied)
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functree._jit import jit
+from functree._alias import copy_aliases, warn_aliases
+from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._parameters import parameters
 from functree._tree import is_none
 from functree.optim import Optimizer, context
@@ -82,20 +83,6 @@ def _first_nonfinite(loss: jax.Array, grads: Any) -> jax.Array:
 
 def _merge_microbatches(x: jax.Array) -> jax.Array:
     return x.reshape(-1, *x.shape[2:]) if x.ndim >= 2 else x
-
-
-def unalias(tree: Any) -> Any:
-    """``tree`` with every array that appears at several leaves copied (donation-safe)."""
-    seen: set[int] = set()
-
-    def fresh(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            if id(x) in seen:
-                return jnp.copy(x)
-            seen.add(id(x))
-        return x
-
-    return jax.tree.map(fresh, tree)
 
 
 def parameter_names(model: Any) -> list[str]:
@@ -167,7 +154,7 @@ class TrainStep:
         self.optimizer = as_optimizer(optimizer)
         self.metrics = resolve_metrics(metrics)
         self.on_nan = on_nan
-        self._compiled = jit(self.step, donate=(0, 1) if donate else None)
+        self._compiled: Any = None
         self._donate = donate
         self._last: tuple[Any, Any] = (None, None)
 
@@ -218,11 +205,15 @@ class TrainStep:
         return new_model, new_state, metrics
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
+        if self._compiled is None:  # built on first use: Equinox submodules need static leaves
+            static = has_untraceable_leaves(model)
+            self._compiled = unchecked_jit(self.step, donate=(0, 1) if self._donate else None, static_leaves=static)
         if self._donate and (model is not self._last[0] or opt_state is not self._last[1]):
             # Donation needs distinct buffers. Outputs never share one, so only a model or
-            # state that did not come from this step is looked at (once): a model that holds
-            # one array at two leaves gets a copy, with a warning naming both key paths.
-            model, opt_state = unalias((model, opt_state))
+            # state that did not come from this step is looked at (once, by identity): one
+            # array at two leaves is copied apart, with a warning naming both key paths.
+            warn_aliases(model, what="The model given to the train step")
+            model, opt_state = copy_aliases((model, opt_state))
         out = self._compiled(model, opt_state, batch, key)
         if self._donate:
             self._last = (out[0], out[1])
@@ -253,7 +244,7 @@ class EvalStep:
     ):
         self.loss_fn = loss_fn
         self.metrics = resolve_metrics(metrics)
-        self._compiled = jit(self.step)
+        self._compiled: Any = None
 
     def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
         """``(loss, aux)`` of ``loss_fn`` on one minibatch."""
@@ -266,6 +257,8 @@ class EvalStep:
         return evaluate_metrics(self.metrics, StepOutput(loss, aux, batch, model))
 
     def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
+        if self._compiled is None:  # built on first use: Equinox submodules need static leaves
+            self._compiled = unchecked_jit(self.step, static_leaves=has_untraceable_leaves(model))
         return self._compiled(model, batch, key)
 
 

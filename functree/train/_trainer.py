@@ -27,7 +27,7 @@ from functree.train._data import Batches, batches, to_arrays
 from functree.train._history import History
 from functree.train._metrics import batch_size_of
 from functree.train._progress import Progress
-from functree.train._step import NONFINITE, EvalStep, TrainStep, parameter_names, unalias
+from functree.train._step import NONFINITE, EvalStep, TrainStep, parameter_names
 
 __all__ = ["Trainer", "NonFiniteError"]
 
@@ -605,7 +605,7 @@ class Trainer:
         ckpt = manager.restore(step, template=self.model, opt_state_template=self.opt_state,
                                include=include)
         opt_state = ckpt.opt_state if optimizer_state else self.opt_state
-        self.model, self.opt_state = unalias((ckpt.model, opt_state))
+        self.model, self.opt_state = copy_aliases((ckpt.model, opt_state))
         position = ckpt.config.get("trainer", {})
         self.steps_run = int(position.get("steps_run", ckpt.step))
         self.epoch = int(position.get("epoch", 0))

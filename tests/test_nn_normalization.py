@@ -65,17 +65,18 @@ def test_batch_norm_inference_uses_running_statistics():
 def test_batch_norm_other_axis():
     bn = ft.nn.training(ft.nn.BatchNorm(3, axis=1))
     x = jax.random.normal(jax.random.key(0), (4, 3, 5))
-    y = bn(x)
+    y, _ = ft.nn.collect_state(lambda m: m(x), bn)
     np.testing.assert_allclose(jnp.mean(y, axis=(0, 2)), 0, atol=1e-5)
     with pytest.raises(ft.nn.LayerInputError, match=r"BatchNorm expects inputs with 3 features at axis 1 \(float\), got f32\[4,2,5\]"):
-        bn(jnp.ones((4, 2, 5)))
+        ft.nn.inference(bn)(jnp.ones((4, 2, 5)))
 
 
 def test_running_statistics_are_not_parameters():
     bn = ft.nn.BatchNorm(2)
     view = ft.parameters(bn)
     assert view.running_mean is None and view.running_variance is None
-    grads = ft.gradient(lambda m: jnp.sum(ft.nn.training(m)(jnp.array([[1.0, 2.0], [3.0, 5.0]])) ** 3), at=bn)
+    x = jnp.array([[1.0, 2.0], [3.0, 5.0]])
+    grads = ft.gradient(lambda m: jnp.sum(ft.nn.collect_state(lambda t: t(x), ft.nn.training(m))[0] ** 3), at=bn)
     assert grads.running_mean is None and grads.scale.shape == (2,)
 
 
@@ -84,7 +85,8 @@ def test_batch_norm_training_gradient_finite_differences():
         bn = _x64(ft.nn.training(ft.nn.BatchNorm(2)))
         bn = bn.replace(scale=jnp.array([1.5, 0.5]), offset=jnp.array([0.1, 0.2]))
         x = jax.random.normal(jax.random.key(0), (4, 2), jnp.float64)
-        check_grads(jax.jit(lambda m, x: jnp.sum(jnp.sin(m(x)))), (bn, x), order=1, modes=["rev"])
+        check_grads(jax.jit(lambda m, x: jnp.sum(jnp.sin(ft.nn.collect_state(lambda t: t(x), m)[0]))), (bn, x),
+                    order=1, modes=["rev"])
 
 
 def test_batch_norm_wrong_features_is_an_error():

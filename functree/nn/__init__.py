@@ -50,7 +50,13 @@ from functree.nn._pooling import (
 )
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState
 from functree.nn._sequential import Lambda, Sequential
-from functree.nn._state import apply_state, collect_state, record_state
+from functree.nn._state import (
+    UncollectedStateWarning,
+    apply_state,
+    collect_state,
+    record_state,
+    value_with_gradient_and_state,
+)
 
 __all__ = [
     # base, modes and state
@@ -63,6 +69,8 @@ __all__ = [
     "record_state",
     "collect_state",
     "apply_state",
+    "value_with_gradient_and_state",
+    "UncollectedStateWarning",
     # layers
     "Dense",
     "Sequential",

@@ -36,7 +36,7 @@ from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense, identity
 from functree.nn._mode import Layer, inference, inferring, is_training, training
-from functree.nn._normalization import BatchNorm, LayerNorm
+from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._pooling import (
     AvgPool1D,
     AvgPool2D,
@@ -91,6 +91,8 @@ __all__ = [
     "Dropout",
     "LayerNorm",
     "BatchNorm",
+    "RMSNorm",
+    "GroupNorm",
     "Embedding",
     "GRUCell",
     "LSTMCell",

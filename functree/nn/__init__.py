@@ -49,6 +49,7 @@ from functree.nn._pooling import (
     MaxPool2D,
 )
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState
+from functree.nn._rotary import RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
 from functree.nn._state import (
     UncollectedStateWarning,
@@ -99,6 +100,8 @@ __all__ = [
     "LSTMState",
     "RNN",
     "MultiheadAttention",
+    "RotaryEmbedding",
+    "apply_rotary",
     # activations and initializers
     "identity",
     "relu",

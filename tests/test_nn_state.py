@@ -83,11 +83,11 @@ def test_value_with_gradient_and_state_matches_collect_state(key):
 
     (loss, state), grads = ft.value_with_gradient(by_hand, at=net, has_aux=True)
     loss2, grads2, state2 = ft.nn.value_with_gradient_and_state(loss_fn, net, x, scale=2.0)
-    np.testing.assert_allclose(loss2, loss, rtol=1e-6)
+    np.testing.assert_allclose(loss2, loss, rtol=1e-5, atol=1e-6)
     assert sorted(map(str, state2)) == [".body.layers[1].running_mean", ".body.layers[1].running_variance"]
     for a, b in zip(jax.tree.leaves(grads2), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-    (loss3, aux), _g, state3 = ft.nn.value_with_gradient_and_state(
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    (_loss3, aux), _g, state3 = ft.nn.value_with_gradient_and_state(
         lambda m, x: (jnp.mean(m(x) ** 2), "aux"), net, x, has_aux=True)
     assert aux == "aux" and set(state3) == set(state)
 
@@ -145,8 +145,8 @@ def test_training_step_under_grad_and_jit(key):
     m1, v1 = step(model, x)
     m2, v2 = step(m1, x)
     eager_value, eager_updates = loss(model, x)
-    np.testing.assert_allclose(v1, eager_value, rtol=1e-5)
-    np.testing.assert_allclose(m1.layers[1].running_mean, eager_updates[ft.key_path(model, ".layers[1].running_mean")], rtol=1e-5)
+    np.testing.assert_allclose(v1, eager_value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m1.layers[1].running_mean, eager_updates[ft.key_path(model, ".layers[1].running_mean")], rtol=1e-5, atol=1e-6)
     assert not jnp.allclose(m1.layers[1].running_mean, m2.layers[1].running_mean)
     assert float(v2) < float(v1)
     grads = jax.grad(lambda m: loss(m, x)[0])(model)

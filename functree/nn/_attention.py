@@ -174,7 +174,7 @@ def _fused_attention(
     implementation: Any,
 ) -> jax.Array:
     """``jax.nn.dot_product_attention`` on ``[..., T, N, H]`` heads (leading axes folded)."""
-    lead, (t, n, h), s = q.shape[:-3], q.shape[-3:], k.shape[-3]
+    lead, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
     batch = math.prod(lead)
     q4, k4, v4 = (a.reshape((batch, *a.shape[-3:])) for a in (q, k, v))
     if mask is not None and mask.ndim > 3:

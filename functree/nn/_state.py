@@ -206,7 +206,7 @@ def _warn_uncollected(layer: Any, names: tuple[str, ...]) -> None:
     _SEARCHES[cls] = searches + 1
     try:
         path = _find_path(layer)
-    except Exception:  # noqa: BLE001 - naming the path is best effort
+    except Exception:  # naming the path is best effort
         path = None
     marker = (cls.__qualname__, str(path) if path is not None else "?" + ",".join(names))
     if marker in _WARNED:

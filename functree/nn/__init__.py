@@ -3,7 +3,8 @@
 Training vs inference is a static flag switched for a whole model with
 ``ft.nn.training(model)`` / ``ft.nn.inference(model)`` (inference is the default);
 layer state such as BatchNorm's running statistics travels explicitly through
-``ft.nn.collect_state`` and ``ft.nn.apply_state``.
+``ft.nn.collect_state`` and ``ft.nn.apply_state`` (in a hand-written loop:
+``ft.nn.value_with_gradient_and_state``).
 """
 
 from functree.nn import initializers

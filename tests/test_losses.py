@@ -158,6 +158,8 @@ def test_softmax_cross_entropy_gradient_finite_differences():
     with jax.enable_x64(True):
         logits = jnp.asarray([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]], jnp.float64)
         check_grads(jax.jit(lambda z: ft.losses.softmax_cross_entropy(z, jnp.array([1, 2]))), (logits,), order=1, modes=["rev"])
+        check_grads(jax.jit(lambda z: ft.losses.softmax_cross_entropy(z, jnp.array([1, -1]), label_smoothing=0.1,
+                                                                      ignore_index=-1)), (logits,), order=1, modes=["rev"])
 
 
 def test_losses_are_jittable_and_differentiable_through_a_model(key):

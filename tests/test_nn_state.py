@@ -66,9 +66,9 @@ def test_hand_written_loop_without_state_warns_with_the_key_path(key, fresh_warn
         jax.jit(ft.value_with_gradient(loss_fn, wrt=0))(net, x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ft.value_with_gradient(loss_fn, wrt=0)(net, x)  # that path already warned
-        ft.nn.value_with_gradient_and_state(loss_fn, net, x)  # collected: no warning
-        ft.nn.inference(net)(x)  # inference records nothing
+        jax.jit(ft.value_with_gradient(loss_fn, wrt=0))(net, x + 1)  # that path already warned
+        jax.jit(lambda m, x: ft.nn.value_with_gradient_and_state(loss_fn, m, x))(net, x)  # collected
+        jax.jit(lambda m, x: m(x))(ft.nn.inference(net), x)  # inference records nothing
 
 
 def test_value_with_gradient_and_state_matches_collect_state(key):

@@ -40,9 +40,9 @@ def test_registered_pullback_is_used_alone_inside_a_larger_function_and_under_ji
     np.testing.assert_allclose(ft.gradient(lambda x: square(x).sum(), at=x), [100.0, 100.0])
     larger = lambda x: jnp.sin(square(x)).sum() + x.sum()  # noqa: E731
     expected = 100.0 * jnp.cos(x * x) + 1.0
-    np.testing.assert_allclose(ft.gradient(larger, at=x), expected, rtol=1e-6)
-    np.testing.assert_allclose(jax.jit(ft.gradient(larger))(x), expected, rtol=1e-6)
-    np.testing.assert_allclose(jax.grad(larger)(x), expected, rtol=1e-6)
+    np.testing.assert_allclose(ft.gradient(larger, at=x), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(ft.gradient(larger))(x), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(larger)(x), expected, rtol=1e-5, atol=1e-6)
     per_example = jax.vmap(ft.gradient(lambda x: square(x).sum()))(jnp.ones((3, 2)))
     np.testing.assert_allclose(per_example, np.full((3, 2), 100.0))
     assert "derivative" in calls
@@ -65,7 +65,7 @@ def test_a_correct_custom_pullback_passes_finite_difference_checks():
 
     x = jnp.array([-3.0, -0.5, 0.0, 2.0])
     check_grads(softplus, (x,), order=1, modes=("rev",))
-    np.testing.assert_allclose(ft.gradient(lambda x: softplus(x).sum(), at=x), jax.nn.sigmoid(x), rtol=1e-6)
+    np.testing.assert_allclose(ft.gradient(lambda x: softplus(x).sum(), at=x), jax.nn.sigmoid(x), rtol=1e-5, atol=1e-6)
     # Stable where the naive formula overflows.
     assert np.isfinite(ft.gradient(lambda x: softplus(x).sum(), at=jnp.array([200.0])))[0]
 
@@ -201,7 +201,7 @@ def test_with_recomputation_in_pullbacks_recomputes_the_forward_pass():
 
     x = jnp.linspace(0.0, 1.0, 7)
     remat = ft.with_recomputation_in_pullbacks(block)
-    np.testing.assert_allclose(ft.gradient(loss(remat), at=x), jax.grad(loss(block))(x), rtol=1e-6)
+    np.testing.assert_allclose(ft.gradient(loss(remat), at=x), jax.grad(loss(block))(x), rtol=1e-5, atol=1e-6)
     assert count_primitive(ft.gradient(loss(block)), x, "sin") == 3
     # Forward pass (3), then the pullback recomputes the two inner sines it needs cos of.
     assert count_primitive(ft.gradient(loss(remat)), x, "sin") == 5
@@ -223,7 +223,7 @@ def test_recomputation_policy_by_name_and_unknown_policy():
 
     x = jnp.ones((2, 3))
     saving = ft.with_recomputation_in_pullbacks(mlp, policy="dots_with_no_batch_dims_saveable")
-    np.testing.assert_allclose(ft.gradient(saving, at=x), jax.grad(mlp)(x), rtol=1e-6)
+    np.testing.assert_allclose(ft.gradient(saving, at=x), jax.grad(mlp)(x), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="Unknown checkpoint policy 'save_all'; choose one of"):
         ft.with_recomputation_in_pullbacks(mlp, policy="save_all")
 

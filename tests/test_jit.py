@@ -38,8 +38,8 @@ def test_jit_runs_a_training_step_on_a_module():
     model, x = make_dense(), jnp.ones((4, 3))
     new, loss = step(model, x)
     ref_model, ref_loss = sgd_step(model, x)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    np.testing.assert_allclose(new.weight, ref_model.weight, rtol=1e-6)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new.weight, ref_model.weight, rtol=1e-5, atol=1e-6)
     assert int(new.steps) == 1 and new.activation is jax.nn.relu
 
 

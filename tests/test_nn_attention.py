@@ -84,3 +84,74 @@ def test_errors(key):
         mha(jnp.ones((3, 5)))
     with pytest.raises(ft.nn.LayerInputError, match=r"mask broadcastable to \[2, 3, 3\] \(bool\), got f32\[3,3\]"):
         mha(jnp.ones((3, 4)), mask=jnp.ones((3, 3)))
+
+
+def _explicit(mha, x, mask=None, causal=False, dropout=0.0, key=None):
+    """functree's hand-written attention (the path used for dropout and float64)."""
+    from functree.nn._attention import attention_weights_times_values
+
+    q, k, v = (mha._heads(p(x)) for p in (mha.query_projection, mha.key_projection, mha.value_projection))
+    out = attention_weights_times_values(q, k, v, mask, causal, dropout, key)
+    return mha.output_projection(out.reshape((*out.shape[:-2], -1)))
+
+
+def test_dot_product_attention_path_matches_the_hand_written_one(key):
+    mha = ft.nn.MultiheadAttention(8, 2, key=key)
+    x = jax.random.normal(jax.random.key(1), (2, 3, 6, 8))  # two leading batch axes
+    mask = jax.random.bernoulli(jax.random.key(2), 0.6, (2, 3, 2, 6, 6)).at[..., 0].set(True)
+
+    @jax.jit
+    def both(mha, x, mask):
+        causal = mha.replace(causal=True)
+        fused = (mha(x, mask=mask), causal(x), causal(x, mask=mask))
+        return fused, (_explicit(mha, x, mask), _explicit(mha, x, causal=True), _explicit(mha, x, mask, causal=True))
+
+    for a, b in zip(*both(mha, x, mask)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_flag_equals_a_lower_triangular_mask(key):
+    mha = ft.nn.MultiheadAttention(4, 2, causal=True, key=key)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 4))
+    tril = jnp.tril(jnp.ones((5, 5), bool))
+    np.testing.assert_allclose(mha(x), mha.replace(causal=False)(x, mask=tril), rtol=1e-5, atol=1e-6)
+    y2 = mha(x.at[:, 3:].set(100.0))
+    np.testing.assert_allclose(mha(x)[:, :3], y2[:, :3], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout(key):
+    mha = ft.nn.MultiheadAttention(4, 2, dropout=0.5, key=key)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 4))
+    np.testing.assert_array_equal(mha(x), mha.replace(dropout=0.0)(x))  # inference: no dropout
+    train = ft.nn.training(mha)
+    drop_key = jax.random.key(7)
+    y = train(x, key=drop_key)
+    np.testing.assert_allclose(y, _explicit(mha, x, dropout=0.5, key=drop_key), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(y, mha(x), atol=1e-3)
+    assert ft.nn.training(ft.nn.Sequential(mha))(x, key=drop_key).shape == (3, 5, 4)  # Sequential passes keys
+    with pytest.raises(ValueError, match=r"(?s)dropout=0.5\) is in training mode and needs a PRNG key.*key=jax.random.key\(step\)"):
+        train(x)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.0"):
+        ft.nn.MultiheadAttention(4, 2, dropout=1.0, key=key)
+
+
+def test_bfloat16_attention_under_strict_promotion(key):
+    mha = ft.nn.MultiheadAttention(8, 2, key=key, dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (2, 4, 8)).astype(jnp.bfloat16)
+    y = mha(x)
+    assert y.dtype == jnp.bfloat16
+    reference = _explicit(_x32(mha), x.astype(jnp.float32))
+    np.testing.assert_allclose(y.astype(jnp.float32), reference, rtol=0.05, atol=0.05)
+
+
+def _x32(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def test_dot_product_attention_gradients_match_the_hand_written_ones(key):
+    mha = ft.nn.MultiheadAttention(4, 2, causal=True, key=key)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 4))
+    fused = jax.grad(lambda m: jnp.sum(jnp.sin(m(x))))(mha)
+    explicit = jax.grad(lambda m: jnp.sum(jnp.sin(_explicit(m, x, causal=True))))(mha)
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(explicit)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -83,7 +83,7 @@ def test_transposed_conv_is_adjoint_of_conv(key):
     convt = convt.replace(weight=conv.weight.transpose(0, 2, 1))
     x = jax.random.normal(jax.random.key(1), (1, 6, 2))
     y = jax.random.normal(jax.random.key(2), (1, 6, 3))
-    np.testing.assert_allclose(jnp.vdot(conv(x), y), jnp.vdot(x, convt(y)), rtol=1e-5)
+    np.testing.assert_allclose(jnp.vdot(conv(x), y), jnp.vdot(x, convt(y)), rtol=1e-5, atol=1e-5)
 
 
 def test_same_padding_shapes_and_unbatched_inputs(key):

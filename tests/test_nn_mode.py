@@ -46,7 +46,7 @@ def test_switching_costs_no_recompilation_per_call(key):
     @jax.jit
     def f(m, x):
         traces.append(1)
-        return m(x, key=jax.random.key(0))
+        return ft.nn.collect_state(lambda m: m(x, key=jax.random.key(0)), m)
 
     net, x = _net(key), jnp.ones((3, 2))
     for _ in range(3):

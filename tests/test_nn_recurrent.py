@@ -90,7 +90,7 @@ def test_gradients_finite_differences(key, cell_cls):
 def test_jit_and_key_paths(key):
     rnn = ft.nn.RNN(ft.nn.GRUCell(3, 4, key=key))
     xs = jnp.ones((2, 5, 3))
-    np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(rnn, xs), rnn(xs), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(rnn, xs), rnn(xs), rtol=1e-5, atol=1e-6)
     assert "cell.hidden_weight" in ft.to_flat_dict(rnn)
 
 

@@ -27,7 +27,7 @@ def test_key_paths_and_jit(key):
     names = list(ft.to_flat_dict(model))
     assert names == ["layers.0.weight", "layers.0.bias", "layers.3.weight", "layers.3.bias"]
     x = jnp.ones((2, 3))
-    np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(model, x), model(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(model, x), model(x), rtol=1e-5, atol=1e-6)
 
 
 def test_key_is_split_among_layers_that_take_one(key):

@@ -28,7 +28,7 @@ def test_minimize_contract_with_ft_and_optax_transforms():
         model = _model()
         state = opt.init(model)
         model2, state, loss = opt.minimize(_loss, model, state, X, Y)
-        assert float(loss) == pytest.approx(float(_loss(model, X, Y)))
+        assert float(loss) == pytest.approx(float(_loss(model, X, Y)), rel=1e-5)
         ctx = fo.context(state)
         assert (int(ctx.step), int(ctx.samples_seen), int(ctx.minibatch_size)) == (1, 8, 8)
         assert float(ctx.loss) == pytest.approx(float(loss))
@@ -187,7 +187,7 @@ def test_models_with_non_parameters_keep_them_untouched():
     view = ft.parameters(model)
     grads = ft.gradient(lambda m: _loss(m, X, Y), at=model)
     updates, _ = tx.update(grads, tx.init(view), view)
-    np.testing.assert_allclose(ft.move(model, along=updates).dense.weight, new.dense.weight, rtol=1e-6)
+    np.testing.assert_allclose(ft.move(model, along=updates).dense.weight, new.dense.weight, rtol=1e-5, atol=1e-6)
 
 
 def test_data_parallel_replicas_keep_identical_state():
@@ -205,8 +205,8 @@ def test_data_parallel_replicas_keep_identical_state():
         lambda x: opt.minimize(loss, model, state, x), axis_name="r", out_axes=(None, None, 0)
     )(shards)
     grads = jnp.mean(jax.vmap(lambda x: jax.grad(loss)(model, x)["w"])(shards), axis=0)
-    np.testing.assert_allclose(new_model["w"], model["w"] - 0.1 * grads, rtol=1e-6)
-    np.testing.assert_allclose(ft.optim.context(new_state).loss, jnp.mean(losses), rtol=1e-6)
+    np.testing.assert_allclose(new_model["w"], model["w"] - 0.1 * grads, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ft.optim.context(new_state).loss, jnp.mean(losses), rtol=1e-5, atol=1e-6)
 
 
 def test_a_misspelt_axis_name_is_an_error_not_a_single_replica():

@@ -32,7 +32,7 @@ def test_step_equals_optimizer_minimize_and_converges():
     for _ in range(200):
         m1, s1, metrics = step(m1, s1, batch)
         m2, s2, _ = minimize(m2, s2, batch)
-    np.testing.assert_allclose(m1.weight, m2.weight, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(m1.weight, m2.weight, rtol=1e-5, atol=1e-6)
     assert float(metrics["loss"]) < 1e-4
     ctx = ft.optim.context(s1)
     assert int(ctx.step) == 200 and int(ctx.samples_seen) == 200 * 16

@@ -1,7 +1,9 @@
 """Losses with swift-apis' names and ``(predicted, expected)`` argument order.
 
-Every loss takes ``reduction="mean" | "sum" | "none"`` and checks its inputs: shapes that
-would silently broadcast, and float labels where class indices are needed, are errors.
+Every loss takes ``reduction="mean" | "sum" | "none"`` and defaults to the mean (over
+examples for the per-example losses: cross entropies, ``kl_divergence``,
+``categorical_hinge``). Inputs are checked: shapes that would silently broadcast, and float
+labels where class indices are needed, are errors.
 """
 
 from functree.losses._classification import (

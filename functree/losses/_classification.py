@@ -41,11 +41,41 @@ or probabilities of shape {prob_shape}, got {given}.
 """
 
 
-def softmax_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") -> jax.Array:
-    """``-sum_c labels[c] * log_softmax(logits)[c]`` per example, averaged over examples.
+BAD_SMOOTHING = """\
+softmax_cross_entropy: label_smoothing must be a number in [0, 1), got {given!r}.
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels, label_smoothing={given!r})
+    right:  ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=0.1)
+"""
+
+IGNORE_WITH_PROBABILITIES = """\
+softmax_cross_entropy: ignore_index={index} needs integer class labels {index_shape}, got \
+probabilities {given}. Mask probability targets by giving padded rows zero weight instead:
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, probabilities, ignore_index={index})
+    right:  ft.losses.softmax_cross_entropy(logits, labels, ignore_index={index})   # labels int
+       or:  (ft.losses.softmax_cross_entropy(logits, probabilities, reduction="none") * keep).sum() / keep.sum()
+"""
+
+
+def softmax_cross_entropy(
+    logits: Any,
+    labels: Any,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int | None = None,
+    reduction: str = "mean",
+) -> jax.Array:
+    """``-sum_c target[c] * log_softmax(logits)[c]`` per example, averaged over examples.
 
     ``labels`` are integer class indices ``[...]`` (``optax.softmax_cross_entropy_with_integer_labels``)
     or probabilities with the logits' shape ``[..., classes]`` (``optax.softmax_cross_entropy``).
+
+    ``label_smoothing=a`` trains on ``target = (1 - a) * labels + a / classes`` (Szegedy et
+    al. 2016; ``labels`` one-hot for class indices). ``ignore_index=i`` (integer labels
+    only, e.g. a padding token) gives positions whose label is ``i`` a loss of zero; the
+    mean is then taken over the other positions only (zero if every position is ignored),
+    ``"sum"`` sums them, ``"none"`` returns zeros at ignored positions.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -54,22 +84,42 @@ def softmax_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") 
       Array(0.12692..., dtype=float32)
       >>> ft.losses.softmax_cross_entropy(logits, jax.nn.one_hot(jnp.array([0, 1]), 2))
       Array(0.12692..., dtype=float32)
+      >>> ft.losses.softmax_cross_entropy(logits, jnp.array([0, -100]), ignore_index=-100)
+      Array(0.12692..., dtype=float32)
+      >>> ft.losses.softmax_cross_entropy(logits, jnp.array([0, 1]), label_smoothing=0.2)
+      Array(0.32692..., dtype=float32)
     """
     name = "softmax_cross_entropy"
     logits = check_float(name, "logits", logits)
     labels = jnp.asarray(labels)
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 <= label_smoothing < 1:
+        raise ValueError(BAD_SMOOTHING.format(given=label_smoothing))
     index_shape, prob_shape = list(logits.shape[:-1]), list(logits.shape)
+    classes = logits.shape[-1]
+    keep = None
     if labels.shape == logits.shape[:-1]:
         if not jnp.issubdtype(labels.dtype, jnp.integer):
             raise TypeError(
                 FLOAT_LABELS.format(
                     given=short_array(labels), index_shape=index_shape, prob_shape=prob_shape,
-                    classes=logits.shape[-1],
+                    classes=classes,
                 )
             )
-        values = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        if ignore_index is not None:
+            keep = labels != ignore_index
+            labels = jnp.where(keep, labels, 0)
+        if label_smoothing:
+            values = _smoothed(logits, jax.nn.one_hot(labels, classes, dtype=logits.dtype), label_smoothing)
+        else:
+            values = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     elif labels.shape == logits.shape:
-        values = optax.softmax_cross_entropy(logits, labels.astype(logits.dtype))
+        if ignore_index is not None:
+            raise ValueError(
+                IGNORE_WITH_PROBABILITIES.format(
+                    index=ignore_index, index_shape=index_shape, given=short_array(labels)
+                )
+            )
+        values = _smoothed(logits, labels.astype(logits.dtype), label_smoothing)
     else:
         raise ValueError(
             LABEL_SHAPE.format(
@@ -77,7 +127,19 @@ def softmax_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") 
                 given=short_array(labels),
             )
         )
+    if keep is None:
+        return reduce(name, values, reduction)
+    values = jnp.where(keep, values, jnp.zeros((), values.dtype))
+    if reduction == "mean":
+        count = jnp.sum(keep).astype(values.dtype)
+        return jnp.sum(values) / jnp.maximum(count, jnp.ones((), values.dtype))
     return reduce(name, values, reduction)
+
+
+def _smoothed(logits: jax.Array, targets: jax.Array, smoothing: float) -> jax.Array:
+    if smoothing:
+        targets = optax.smooth_labels(targets, smoothing)
+    return optax.softmax_cross_entropy(logits, targets)
 
 
 def sigmoid_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") -> jax.Array:
@@ -93,10 +155,11 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") 
     return reduce("sigmoid_cross_entropy", optax.sigmoid_binary_cross_entropy(logits, labels), reduction)
 
 
-def kl_divergence(predicted: Any, expected: Any, *, reduction: str = "sum") -> jax.Array:
+def kl_divergence(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
     """``KL(expected || predicted) = sum expected * log(expected / predicted)`` over the last
-    axis, for probabilities (swift-apis' ``kullbackLeiblerDivergence``; ``optax.kl_divergence``).
-    Terms with ``expected == 0`` are zero.
+    axis, for probabilities (``optax.kl_divergence``), averaged over examples (swift-apis'
+    ``kullbackLeiblerDivergence`` sums them: ``reduction="sum"``). Terms with
+    ``expected == 0`` are zero.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

@@ -1,5 +1,7 @@
-"""Regression losses with swift-apis' names, argument order ``(predicted, expected)`` and
-default reductions (``mean`` for the *mean_* losses, ``sum`` for ``l1``, ``l2``, ``huber``).
+"""Regression losses with swift-apis' names and argument order ``(predicted, expected)``.
+
+Every loss reduces with the mean by default (as optax users and Keras expect;
+swift-apis summed ``l1``, ``l2`` and ``huber``: pass ``reduction="sum"`` for that).
 ``reduction="none"`` returns the elementwise values.
 """
 
@@ -50,39 +52,44 @@ def mean_absolute_error(predicted: Any, expected: Any, *, reduction: str = "mean
     return reduce("mean_absolute_error", jnp.abs(predicted - expected), reduction)
 
 
-def l1(predicted: Any, expected: Any, *, reduction: str = "sum") -> jax.Array:
-    """``sum(|predicted - expected|)`` (swift-apis' ``l1Loss``).
+def l1(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``mean(|predicted - expected|)``; swift-apis' ``l1Loss`` sums (``reduction="sum"``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.losses.l1(jnp.array([1.0, 2.0]), jnp.array([0.0, 4.0]))
+      Array(1.5, dtype=float32)
+      >>> ft.losses.l1(jnp.array([1.0, 2.0]), jnp.array([0.0, 4.0]), reduction="sum")
       Array(3., dtype=float32)
     """
     predicted, expected = check_same_shape("l1", predicted, expected)
     return reduce("l1", jnp.abs(predicted - expected), reduction)
 
 
-def l2(predicted: Any, expected: Any, *, reduction: str = "sum") -> jax.Array:
-    """``sum((predicted - expected)^2)`` (swift-apis' ``l2Loss``; no factor 1/2, unlike
-    ``optax.l2_loss``).
+def l2(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
+    """``mean((predicted - expected)^2)`` (no factor 1/2, unlike ``optax.l2_loss``);
+    swift-apis' ``l2Loss`` sums (``reduction="sum"``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.losses.l2(jnp.array([1.0, 2.0]), jnp.array([0.0, 4.0]))
+      Array(2.5, dtype=float32)
+      >>> ft.losses.l2(jnp.array([1.0, 2.0]), jnp.array([0.0, 4.0]), reduction="sum")
       Array(5., dtype=float32)
     """
     predicted, expected = check_same_shape("l2", predicted, expected)
     return reduce("l2", optax.squared_error(predicted, expected), reduction)
 
 
-def huber(predicted: Any, expected: Any, *, delta: float = 1.0, reduction: str = "sum") -> jax.Array:
+def huber(predicted: Any, expected: Any, *, delta: float = 1.0, reduction: str = "mean") -> jax.Array:
     """Huber loss: with ``e = |predicted - expected|``, ``e^2 / 2`` if ``e <= delta`` else
-    ``delta * (e - delta / 2)``, summed (swift-apis' ``huberLoss``; ``optax.huber_loss``).
+    ``delta * (e - delta / 2)``, averaged (``optax.huber_loss``; swift-apis' ``huberLoss``
+    sums: ``reduction="sum"``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.losses.huber(jnp.array([0.5, 3.0]), jnp.array([0.0, 0.0]))
-      Array(2.625, dtype=float32)
+      Array(1.3125, dtype=float32)
     """
     predicted, expected = check_same_shape("huber", predicted, expected)
     return reduce("huber", optax.huber_loss(predicted, expected, delta=delta), reduction)

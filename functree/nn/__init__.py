@@ -3,7 +3,8 @@
 Training vs inference is a static flag switched for a whole model with
 ``ft.nn.training(model)`` / ``ft.nn.inference(model)`` (inference is the default);
 layer state such as BatchNorm's running statistics travels explicitly through
-``ft.nn.collect_state`` and ``ft.nn.apply_state``.
+``ft.nn.collect_state`` and ``ft.nn.apply_state`` (in a hand-written loop:
+``ft.nn.value_with_gradient_and_state``).
 """
 
 from functree.nn import initializers
@@ -36,7 +37,7 @@ from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense, identity
 from functree.nn._mode import Layer, inference, inferring, is_training, training
-from functree.nn._normalization import BatchNorm, LayerNorm
+from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._pooling import (
     AvgPool1D,
     AvgPool2D,
@@ -49,9 +50,16 @@ from functree.nn._pooling import (
     MaxPool2D,
 )
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState
+from functree.nn._rotary import RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
 from functree.nn._shared import Shared
-from functree.nn._state import apply_state, collect_state, record_state
+from functree.nn._state import (
+    UncollectedStateWarning,
+    apply_state,
+    collect_state,
+    record_state,
+    value_with_gradient_and_state,
+)
 
 __all__ = [
     # base, modes and state
@@ -64,6 +72,8 @@ __all__ = [
     "record_state",
     "collect_state",
     "apply_state",
+    "value_with_gradient_and_state",
+    "UncollectedStateWarning",
     # layers
     "Dense",
     "Sequential",
@@ -85,12 +95,16 @@ __all__ = [
     "Dropout",
     "LayerNorm",
     "BatchNorm",
+    "RMSNorm",
+    "GroupNorm",
     "Embedding",
     "GRUCell",
     "LSTMCell",
     "LSTMState",
     "RNN",
     "MultiheadAttention",
+    "RotaryEmbedding",
+    "apply_rotary",
     # activations and initializers
     "identity",
     "relu",

@@ -53,7 +53,7 @@ def _padding(padding: Padding, n: int) -> str | tuple[tuple[int, int], ...]:
 
 class _Conv(Layer):
     weight: jax.Array
-    bias: jax.Array | None
+    bias: jax.Array | None = field(decay=False)
     strides: tuple[int, ...] = field(static=True, default=(1,))
     padding: Any = field(static=True, default="SAME")
     dilation: tuple[int, ...] = field(static=True, default=(1,))

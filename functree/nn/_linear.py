@@ -45,7 +45,7 @@ class Dense(Layer):
     """
 
     weight: jax.Array
-    bias: jax.Array | None
+    bias: jax.Array | None = field(decay=False)
     activation: Callable[[Any], Any] = field(static=True, default=identity)
 
     def __init__(

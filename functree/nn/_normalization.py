@@ -1,4 +1,10 @@
-"""Normalization layers: ``LayerNorm`` and ``BatchNorm`` (with running statistics)."""
+"""Normalization layers: ``LayerNorm``, ``RMSNorm``, ``GroupNorm`` and ``BatchNorm``.
+
+Statistics are computed in float32 (or the input's dtype when wider) whatever the input
+dtype: bfloat16 has 8 bits of mantissa, so ``mean(x)`` and ``x - mean`` lose the signal
+at an input mean of 100. Outputs keep the input's dtype. Every scale and offset is
+declared ``ft.field(decay=False)``: weight decay leaves normalisation parameters alone.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +20,44 @@ from functree.nn._check import LayerInputError, check_input
 from functree.nn._mode import Layer
 from functree.nn._state import record_state
 
-__all__ = ["LayerNorm", "BatchNorm"]
+__all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"]
+
+BAD_GROUPS = """\
+GroupNorm: channels ({channels}) must be divisible by groups ({groups}).
+
+    wrong:  ft.nn.GroupNorm({groups}, {channels})
+    right:  ft.nn.GroupNorm({suggestion}, {channels})
+"""
+
+
+def statistics_dtype(dtype: Any) -> Any:
+    """float32 for narrower floating dtypes (bfloat16, float16), else ``dtype`` itself.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> statistics_dtype(jnp.bfloat16), statistics_dtype(jnp.float64)
+      (dtype('float32'), dtype('float64'))
+    """
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else dtype
+
+
+def _scale_and_shift(
+    y: jax.Array, scale: jax.Array | None, offset: jax.Array | None, dtype: Any
+) -> jax.Array:
+    """``y * scale + offset`` in ``y``'s (statistics) dtype, returned in ``dtype``."""
+    if scale is not None:
+        y = y * scale.astype(y.dtype)
+    if offset is not None:
+        y = y + offset.astype(y.dtype)
+    return y.astype(dtype)
 
 
 class LayerNorm(Layer):
     """Normalize over the trailing ``shape`` axes: ``y = (x - mean) / sqrt(var + epsilon) * scale + offset``.
 
-    Mean and (biased) variance are taken per example over the last ``len(shape)`` axes;
+    Mean and (biased) variance are taken per example over the last ``len(shape)`` axes,
+    in float32 for bfloat16/float16 inputs (the output keeps the input dtype);
     ``scale`` starts at one and ``offset`` at zero (swift-apis' names). Either can be
     turned off with ``use_scale=False`` / ``use_offset=False``.
 
@@ -31,8 +68,8 @@ class LayerNorm(Layer):
       Array([[-1.225,  0.   ,  1.225]], dtype=float32)
     """
 
-    scale: jax.Array | None
-    offset: jax.Array | None
+    scale: jax.Array | None = field(decay=False)
+    offset: jax.Array | None = field(decay=False)
     shape: tuple[int, ...] = field(static=True, default=())
     epsilon: float = field(static=True, default=1e-5)
 
@@ -53,14 +90,108 @@ class LayerNorm(Layer):
     def __call__(self, x: jax.Array) -> jax.Array:
         check_input(self, x, self.shape)
         axes = tuple(range(x.ndim - len(self.shape), x.ndim))
-        mean = jnp.mean(x, axis=axes, keepdims=True)
-        var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, x.dtype))
-        if self.scale is not None:
-            y = y * self.scale
-        if self.offset is not None:
-            y = y + self.offset
-        return y
+        xs = x.astype(statistics_dtype(x.dtype))
+        mean = jnp.mean(xs, axis=axes, keepdims=True)
+        var = jnp.mean(jnp.square(xs - mean), axis=axes, keepdims=True)
+        y = (xs - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype))
+        return _scale_and_shift(y, self.scale, self.offset, x.dtype)
+
+
+class RMSNorm(Layer):
+    """Root-mean-square normalization: ``y = x / sqrt(mean(x^2) + epsilon) * scale``.
+
+    Zhang & Sennrich (2019): LayerNorm without centering and without offset. The mean
+    square is taken per example over the last ``len(shape)`` axes, in float32 for
+    bfloat16/float16 inputs (the output keeps the input dtype); ``scale`` starts at one
+    (``use_scale=False`` drops it).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> norm = ft.nn.RMSNorm(2)
+      >>> y = norm(jnp.array([[3.0, 4.0]]))                # rms = sqrt(12.5)
+      >>> [round(v, 3) for v in y[0].tolist()]
+      [0.849, 1.131]
+    """
+
+    scale: jax.Array | None = field(decay=False)
+    shape: tuple[int, ...] = field(static=True, default=())
+    epsilon: float = field(static=True, default=1e-6)
+
+    def __init__(
+        self,
+        shape: int | Sequence[int],
+        epsilon: float = 1e-6,
+        use_scale: bool = True,
+        *,
+        dtype: Any = jnp.float32,
+    ):
+        self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.scale = jnp.ones(self.shape, dtype) if use_scale else None
+        self.epsilon = float(epsilon)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        check_input(self, x, self.shape)
+        axes = tuple(range(x.ndim - len(self.shape), x.ndim))
+        xs = x.astype(statistics_dtype(x.dtype))
+        mean_square = jnp.mean(jnp.square(xs), axis=axes, keepdims=True)
+        y = xs * jax.lax.rsqrt(mean_square + jnp.asarray(self.epsilon, xs.dtype))
+        return _scale_and_shift(y, self.scale, None, x.dtype)
+
+
+class GroupNorm(Layer):
+    """Group normalization (Wu & He 2018) of channels-last inputs ``[batch, ..., channels]``.
+
+    The channels are split into ``groups`` consecutive groups of ``channels // groups``;
+    for each example and group, mean and (biased) variance are taken over every axis but
+    the batch (first) axis and the channels outside the group:
+    ``y = (x - mean_g) / sqrt(var_g + epsilon) * scale + offset`` with per-channel
+    ``scale`` (ones) and ``offset`` (zeros). ``groups=1`` normalizes each example over all
+    its values (LayerNorm over ``[..., channels]``); ``groups=channels`` is instance norm.
+    Statistics in float32 for bfloat16/float16 inputs; the output keeps the input dtype.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> norm = ft.nn.GroupNorm(2, 4)
+      >>> x = jnp.array([[[0.0, 2.0, 10.0, 30.0]]])  # batch 1, length 1, 4 channels
+      >>> norm(x).round(3)                           # groups (0, 2) and (10, 30)
+      Array([[[-1.,  1., -1.,  1.]]], dtype=float32)
+    """
+
+    scale: jax.Array | None = field(decay=False)
+    offset: jax.Array | None = field(decay=False)
+    groups: int = field(static=True, default=1)
+    channels: int = field(static=True, default=1)
+    epsilon: float = field(static=True, default=1e-5)
+
+    def __init__(
+        self,
+        groups: int,
+        channels: int,
+        epsilon: float = 1e-5,
+        use_scale: bool = True,
+        use_offset: bool = True,
+        *,
+        dtype: Any = jnp.float32,
+    ):
+        if groups < 1 or channels % groups:
+            divisors = [g for g in range(1, channels + 1) if channels % g == 0]
+            nearest = min(divisors, key=lambda g: abs(g - groups))
+            raise ValueError(BAD_GROUPS.format(channels=channels, groups=groups, suggestion=nearest))
+        self.groups = groups
+        self.scale = jnp.ones((channels,), dtype) if use_scale else None
+        self.offset = jnp.zeros((channels,), dtype) if use_offset else None
+        self.channels = channels
+        self.epsilon = float(epsilon)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        check_input(self, x, (self.channels,), leading="batch, ...", min_rank=2)
+        xs = x.astype(statistics_dtype(x.dtype))
+        grouped = xs.reshape((*x.shape[:-1], self.groups, self.channels // self.groups))
+        axes = (*range(1, x.ndim - 1), x.ndim)  # all but batch and group
+        mean = jnp.mean(grouped, axis=axes, keepdims=True)
+        var = jnp.mean(jnp.square(grouped - mean), axis=axes, keepdims=True)
+        y = ((grouped - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype))).reshape(x.shape)
+        return _scale_and_shift(y, self.scale, self.offset, x.dtype)
 
 
 class BatchNorm(Layer):
@@ -73,7 +204,9 @@ class BatchNorm(Layer):
         running_mean     <- momentum * running_mean     + (1 - momentum) * mean_B
         running_variance <- momentum * running_variance + (1 - momentum) * var_B
 
-    Inference (the default): the running statistics replace the batch ones.
+    Inference (the default): the running statistics replace the batch ones. Statistics
+    and normalization run in float32 for bfloat16/float16 inputs; the output keeps the
+    input dtype.
     ``running_mean`` / ``running_variance`` are ``no_derivative`` fields (carried, not
     trained); swift-apis' defaults ``momentum=0.99, epsilon=1e-3``.
 
@@ -89,8 +222,8 @@ class BatchNorm(Layer):
       [1.0, 1.03]
     """
 
-    scale: jax.Array
-    offset: jax.Array
+    scale: jax.Array = field(decay=False)
+    offset: jax.Array = field(decay=False)
     running_mean: jax.Array = field(no_derivative=True)
     running_variance: jax.Array = field(no_derivative=True)
     axis: int = field(static=True, default=-1)
@@ -127,9 +260,10 @@ class BatchNorm(Layer):
         shape = [1] * x.ndim
         shape[axis] = features
         reduce = tuple(i for i in range(x.ndim) if i != axis)
+        xs = x.astype(statistics_dtype(x.dtype))
         if self.training:
-            mean = jnp.mean(x, axis=reduce)
-            var = jnp.mean(jnp.square(x - mean.reshape(shape)), axis=reduce)
+            mean = jnp.mean(xs, axis=reduce)
+            var = jnp.mean(jnp.square(xs - mean.reshape(shape)), axis=reduce)
             m = self.momentum
             record_state(
                 self,
@@ -137,6 +271,7 @@ class BatchNorm(Layer):
                 running_variance=m * self.running_variance + (1 - m) * var.astype(self.running_variance.dtype),
             )
         else:
-            mean, var = self.running_mean.astype(x.dtype), self.running_variance.astype(x.dtype)
-        inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, x.dtype)) * self.scale.astype(x.dtype)
-        return (x - mean.reshape(shape)) * inv.reshape(shape) + self.offset.astype(x.dtype).reshape(shape)
+            mean, var = self.running_mean.astype(xs.dtype), self.running_variance.astype(xs.dtype)
+        inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype)) * self.scale.astype(xs.dtype)
+        y = (xs - mean.reshape(shape)) * inv.reshape(shape) + self.offset.astype(xs.dtype).reshape(shape)
+        return y.astype(x.dtype)

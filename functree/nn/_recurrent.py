@@ -66,8 +66,8 @@ class GRUCell(Layer):
 
     input_weight: jax.Array
     hidden_weight: jax.Array
-    input_bias: jax.Array
-    hidden_bias: jax.Array
+    input_bias: jax.Array = field(decay=False)
+    hidden_bias: jax.Array = field(decay=False)
 
     def __init__(self, input_size: int, hidden_size: int, *, key: jax.Array,
                  dtype: Any = jnp.float32, input_initializer: Initializer = _glorot,
@@ -120,7 +120,7 @@ class LSTMCell(Layer):
 
     input_weight: jax.Array
     hidden_weight: jax.Array
-    bias: jax.Array
+    bias: jax.Array = field(decay=False)
 
     def __init__(self, input_size: int, hidden_size: int, *, key: jax.Array,
                  dtype: Any = jnp.float32, forget_bias: float = 1.0,

@@ -6,12 +6,23 @@ values for its ``no_derivative`` fields. ``ft.nn.collect_state(fn, model)`` runs
 ``ft.nn.apply_state(model, updates)`` writes them back. Nothing is mutated: the records
 are ordinary outputs of the traced function, so they pass through ``jax.jit``,
 ``jax.grad(..., has_aux=True)`` and ``ft.value_with_gradient(..., has_aux=True)``.
-Outside ``collect_state`` (or in inference mode) nothing is recorded.
+
+A hand-written training loop uses :func:`value_with_gradient_and_state`::
+
+    loss, grads, state = ft.nn.value_with_gradient_and_state(loss_fn, model, x, y)
+    updates, opt_state = optimizer.update(grads, opt_state, model)
+    model = ft.nn.apply_state(ft.move(model, along=updates), state)
+
+Outside ``collect_state`` nothing is recorded, and a layer that records state there (a
+BatchNorm in training mode under a plain ``ft.value_with_gradient``) warns once per key
+path with :class:`UncollectedStateWarning`: its statistics would never update.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +33,13 @@ from functree._module import Module
 from functree._paths import ATTR, Entry, KeyPath, walk
 from functree.nn._check import LayerInputError
 
-__all__ = ["record_state", "collect_state", "apply_state"]
+__all__ = [
+    "record_state",
+    "collect_state",
+    "apply_state",
+    "value_with_gradient_and_state",
+    "UncollectedStateWarning",
+]
 
 NOT_STATE_FIELD = """\
 ft.nn.record_state({cls}, {name}=...): {cls}.{name} is not a no_derivative field; only \
@@ -41,6 +58,50 @@ unknown. Call the layers of the model fn receives, and put jit around collect_st
     wrong:  ft.nn.collect_state(jax.jit(lambda m: m(x)), model)
     right:  jax.jit(lambda model: ft.nn.collect_state(lambda m: m(x), model))(model)
 """
+
+
+UNCOLLECTED_STATE = """\
+{cls}{where} ran in training mode and recorded new {fields}, but nothing collects layer \
+state here: the values are dropped and {cls}.{first} keeps its initial value (a \
+BatchNorm then trains on batch statistics but predicts with its initial ones). Collect \
+the state and write it back:
+
+    wrong:  loss, grads = ft.value_with_gradient(lambda m: loss_fn(m, x, y), at=model)
+            model = ft.move(model, along=updates)
+    right:  loss, grads, state = ft.nn.value_with_gradient_and_state(loss_fn, model, x, y)
+            model = ft.nn.apply_state(ft.move(model, along=updates), state)
+       or:  out, state = ft.nn.collect_state(lambda m: m(x), model)
+            model = ft.nn.apply_state(model, state)
+       or:  ft.train.train_step / ft.train.Trainer, which collect it for you.
+
+To only evaluate, use ft.nn.inference(model). This warning is shown once per layer \
+(ft.nn.UncollectedStateWarning).
+"""
+
+# Frames searched (outwards) for a model holding a layer that records uncollected state,
+# and how many such searches one layer class may cost before it is no longer reported.
+_FRAME_DEPTH = 48
+_SEARCH_BUDGET = 64
+
+
+class UncollectedStateWarning(UserWarning):
+    """A layer recorded state (BatchNorm's running statistics) that nothing collects.
+
+    Raised once per layer key path (per class and fields when the path cannot be found)
+    when ``ft.nn.record_state`` runs outside :func:`collect_state`, e.g. a BatchNorm in
+    training mode under a plain ``ft.value_with_gradient``. Fix: collect the state with
+    :func:`value_with_gradient_and_state` or :func:`collect_state` and write it back with
+    :func:`apply_state`.
+
+    Example:
+      >>> import functree as ft, warnings
+      >>> issubclass(ft.nn.UncollectedStateWarning, UserWarning)
+      True
+    """
+
+
+_WARNED: set[tuple[str, str]] = set()
+_SEARCHES: dict[type, int] = {}
 
 
 class _Collector:
@@ -82,9 +143,10 @@ def record_state(layer: Module, **values: Any) -> None:
       {KeyPath('.count'): Array(1., dtype=float32)}
     """
     stack = _stack()
-    if not stack:
-        return
     cls = type(layer)
+    if not stack:
+        _warn_uncollected(layer, tuple(values))
+        return
     for name in values:
         if name not in cls.__ft_no_derivative__:
             raise TypeError(
@@ -100,6 +162,62 @@ def record_state(layer: Module, **values: Any) -> None:
             value = jnp.asarray(value).astype(old.dtype)
         for path in collector.paths[id(layer)]:
             collector.updates[KeyPath((*path, Entry(ATTR, name)))] = value
+
+
+def _path_in(root: Any, layer: Any) -> KeyPath | None:
+    if root is layer:
+        return KeyPath()
+    for path, value in walk(root):
+        if value is layer:
+            return path
+    return None
+
+
+def _find_path(layer: Any) -> KeyPath | None:
+    """The key path of ``layer`` in the largest model found in the callers' local variables.
+
+    A layer does not know where it sits; the loss function (or a Sequential, or the user's
+    module) that called it holds a model containing it. The longest path found belongs to
+    the outermost such model. Only called when a warning may be shown.
+    """
+    best: KeyPath | None = None
+    frame = sys._getframe(3)
+    for _ in range(_FRAME_DEPTH):
+        if frame is None:
+            break
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, Module) and value is not layer:
+                path = _path_in(value, layer)
+                if path is not None and (best is None or len(path) >= len(best)):
+                    best = path
+        frame = frame.f_back
+    return best
+
+
+def _warn_uncollected(layer: Any, names: tuple[str, ...]) -> None:
+    from functree import _diagnostics
+
+    if _diagnostics._TRACE.active:  # ft's silent pre-trace; the real trace that follows warns
+        return
+    cls = type(layer)
+    searches = _SEARCHES.get(cls, 0)
+    if searches >= _SEARCH_BUDGET:
+        return
+    _SEARCHES[cls] = searches + 1
+    try:
+        path = _find_path(layer)
+    except Exception:  # naming the path is best effort
+        path = None
+    marker = (cls.__qualname__, str(path) if path is not None else "?" + ",".join(names))
+    if marker in _WARNED:
+        return
+    _WARNED.add(marker)
+    where = f" at {path}" if path else ""
+    fields = " and ".join(names) if names else "state"
+    message = UNCOLLECTED_STATE.format(
+        cls=cls.__name__, where=where, fields=fields, first=names[0] if names else "state"
+    )
+    warnings.warn(message, UncollectedStateWarning, stacklevel=4)
 
 
 def collect_state(fn: Callable[[Any], Any], model: Any) -> tuple[Any, dict[KeyPath, Any]]:
@@ -154,3 +272,49 @@ def _set_named(model: Any, path: Any, value: Any) -> Any:
     from functree._paths import key_path
 
     return key_path(model, path).set(model, value)
+
+
+def value_with_gradient_and_state(
+    loss_fn: Callable[..., Any], model: Any, *args: Any, has_aux: bool = False, **kwargs: Any
+) -> tuple[Any, Any, dict[KeyPath, Any]]:
+    """``(loss, gradient, state)`` of ``loss_fn(model, *args, **kwargs)`` with respect to ``model``.
+
+    ``ft.value_with_gradient`` with :func:`collect_state` inside: ``state`` holds the new
+    values the model's layers recorded (BatchNorm's running statistics in training mode),
+    to be written back with :func:`apply_state` after the optimizer's update. With
+    ``has_aux=True``, ``loss_fn`` returns ``(loss, aux)`` and the first result is
+    ``(loss, aux)``. The gradient has the parameter view's structure, as with
+    ``ft.value_with_gradient``. Works inside ``jax.jit``.
+
+    Example: the hand-written loop (``Optimizer.minimize`` and ``ft.train`` do the same):
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> model = ft.nn.training(ft.nn.Sequential(
+      ...     ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.BatchNorm(3, momentum=0.5)))
+      >>> optimizer = ft.optim.sgd(0.1)
+      >>> opt_state = optimizer.init(model)
+      >>> def loss_fn(m, x, y):
+      ...     return ft.losses.mean_squared_error(m(x), y)
+      >>> x, y = jnp.array([[5.0, 6.0], [4.0, 5.0]]), jnp.zeros((2, 3))
+      >>> for _ in range(3):
+      ...     loss, grads, state = ft.nn.value_with_gradient_and_state(loss_fn, model, x, y)
+      ...     updates, opt_state = optimizer.update(grads, opt_state, model)
+      ...     model = ft.nn.apply_state(ft.move(model, along=updates), state)
+      >>> sorted(map(str, state))
+      ['.layers[1].running_mean', '.layers[1].running_variance']
+      >>> bool(jnp.all(model.layers[1].running_mean != 0))
+      True
+    """
+    from functree._operators import value_with_gradient
+
+    def objective(m: Any, *a: Any, **kw: Any) -> tuple[Any, Any]:
+        out, state = collect_state(lambda mm: loss_fn(mm, *a, **kw), m)
+        if has_aux:
+            loss, aux = out
+            return loss, (aux, state)
+        return out, state
+
+    (loss, extra), grads = value_with_gradient(objective, wrt=0, has_aux=True)(model, *args, **kwargs)
+    if has_aux:
+        aux, state = extra
+        return (loss, aux), grads, state
+    return loss, grads, extra

@@ -1,0 +1,78 @@
+"""Rotary position embeddings: the direct formula, the relative-position property, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import functree as ft
+
+
+def _direct(x, positions, base=10000.0):
+    """Loops over the formula: pair (i, i + d/2) rotated by p * base^(-2i/d)."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    out = np.empty_like(x)
+    for index in np.ndindex(*x.shape[:-1]):
+        p = float(np.broadcast_to(positions, x.shape[:-1])[index])
+        for i in range(d // 2):
+            a = p * base ** (-2 * i / d)
+            u, v = x[index][i], x[index][i + d // 2]
+            out[index + (i,)] = u * np.cos(a) - v * np.sin(a)
+            out[index + (i + d // 2,)] = v * np.cos(a) + u * np.sin(a)
+    return out
+
+
+def test_matches_the_direct_formula():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 6))
+    positions = np.arange(5) * 3
+    np.testing.assert_allclose(ft.nn.apply_rotary(x, positions), _direct(x, positions), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ft.nn.apply_rotary(x, positions, base=100.0), _direct(x, positions, 100.0),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_layer_over_heads_matches_the_function():
+    q = jax.random.normal(jax.random.key(0), (2, 5, 3, 4))  # [batch, T, heads, size]
+    rope = ft.nn.RotaryEmbedding(4, seq_axis=-3)
+    np.testing.assert_allclose(rope(q), _direct(q, np.arange(5)[:, None]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rope(q, positions=np.arange(7, 12)[:, None]), _direct(q, np.arange(7, 12)[:, None]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_scores_depend_only_on_relative_position():
+    q, k = jax.random.normal(jax.random.key(1), (2, 8))
+
+    def score(m, n):
+        return jnp.dot(ft.nn.apply_rotary(q, m), ft.nn.apply_rotary(k, n))
+
+    for m, n, shift in [(3, 1, 5), (0, 4, 11), (7, 7, 2)]:
+        np.testing.assert_allclose(score(m, n), score(m + shift, n + shift), rtol=1e-4, atol=1e-4)
+    assert not np.isclose(score(3, 1), score(1, 3), atol=1e-3)
+    np.testing.assert_allclose(jnp.linalg.norm(ft.nn.apply_rotary(q, 5)), jnp.linalg.norm(q), rtol=1e-5)
+
+
+def test_bfloat16_keeps_dtype_and_gradient_finite_differences():
+    x = jax.random.normal(jax.random.key(0), (4, 6))
+    y = ft.nn.apply_rotary(x.astype(jnp.bfloat16), jnp.arange(4) * 1000)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(y.astype(jnp.float32), _direct(x.astype(jnp.bfloat16).astype(jnp.float32),
+                                                              np.arange(4) * 1000), rtol=0.02, atol=0.02)
+    with jax.enable_x64(True):
+        x64 = jax.random.normal(jax.random.key(0), (3, 4), jnp.float64)
+        check_grads(lambda x: ft.nn.apply_rotary(x, jnp.arange(3)), (x64,), order=1, modes=["rev"])
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r"(?s)even size.*got f32\[3,5\]"):
+        ft.nn.apply_rotary(jnp.ones((3, 5)), jnp.arange(3))
+    with pytest.raises(ValueError, match=r"(?s)positions i32\[4\] must broadcast against x's leading axes \[2, 3, 5\].*arange\(T\)\[:, None\]"):
+        ft.nn.apply_rotary(jnp.ones((2, 3, 5, 4)), jnp.arange(4))
+    with pytest.raises(ValueError, match=r"even size"):
+        ft.nn.RotaryEmbedding(5)
+    with pytest.raises(ValueError, match=r"seq_axis must count from the end"):
+        ft.nn.RotaryEmbedding(4, seq_axis=1)
+    with pytest.raises(ft.nn.LayerInputError, match=r"RotaryEmbedding expects inputs \[\.\.\., T, 4\] \(float\), got f32\[5,6\]"):
+        ft.nn.RotaryEmbedding(4)(jnp.ones((5, 6)))
+    with pytest.raises(ft.nn.LayerInputError, match=r"RotaryEmbedding expects inputs \[\.\.\., T, _, 4\] \(float\), got f32\[5,4\]"):
+        ft.nn.RotaryEmbedding(4, seq_axis=-3)(jnp.ones((5, 4)))

@@ -110,7 +110,7 @@ def test_train_step_traces_once_over_three_calls():
     for _ in range(3):
         model, state, metrics = step(model, state, batch)
         counts.append(len(traces))
-    assert counts[0] >= 1
+    assert 1 <= counts[0] <= 2  # the trace, and the diagnostics' analysis of the loss
     assert counts[1] == counts[2] == counts[0]
     assert jnp.isfinite(metrics["loss"])
 

@@ -21,7 +21,7 @@ def _one(runner: Runner) -> tuple[float, float]:
 
 
 def asynchronous(quick: bool) -> list[Table]:
-    rounds = 5 if quick else 21
+    rounds = 5 if quick else 31
     runners = {name: build(MNIST_MLP) for name, build in available((RAW, *FUNCTREE)).items()}
     for r in runners.values():
         r.block(2)

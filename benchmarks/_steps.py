@@ -119,4 +119,4 @@ def compile_time(quick: bool) -> list[Table]:
     jax.block_until_ready(jax.numpy.ones(1))  # backend up before any timing
     if quick:
         return [_compile_table(TINY, 2)]
-    return [_compile_table(TINY, 7), _compile_table(MNIST_MLP, 5)]
+    return [_compile_table(TINY, 5), _compile_table(MNIST_MLP, 3)]

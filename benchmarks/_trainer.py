@@ -1,0 +1,78 @@
+"""Family 9: ``Trainer.fit`` per-step overhead over a bare loop of jitted steps.
+
+``Trainer(model, Optimizer(adam), loss_fn).fit(batches, epochs=1)`` with its defaults
+(progress bar on, ``log_every=50``, ``on_nan="stop"``), its bar written to a buffer
+instead of the terminal, against ``for batch in batches: model, state, m =
+step(model, state, batch)`` with ``step = ft.train.train_step(loss_fn, opt)``, blocking
+at the end. Raw JAX's loop is shown for scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+
+import jax
+from _harness import Table, interleave, paired_rows
+from _impls import functree_model, raw
+from _models import LEARNING_RATE, MNIST_MLP, TINY, Spec, data, loss_of
+
+import functree as ft
+
+BARE = "bare loop of ft.train.train_step"
+
+
+def _table(spec: Spec, steps: int, rounds: int) -> Table:
+    batch = data(spec)
+    batches = [batch] * steps
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return loss_of(spec, model(x), y)
+
+    opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
+    trainer = ft.train.Trainer(functree_model(spec), opt, loss_fn)
+    step = ft.train.train_step(loss_fn, opt)
+    model = functree_model(spec)
+    carry = [model, opt.init(model)]
+    raw_runner = raw(spec)
+
+    def fit() -> float:
+        start = time.perf_counter()
+        with contextlib.redirect_stderr(io.StringIO()):
+            trainer.fit(batches, epochs=1)
+        return (time.perf_counter() - start) / steps
+
+    def bare() -> float:
+        start = time.perf_counter()
+        m, s = carry
+        for b in batches:
+            m, s, metrics = step(m, s, b)
+        jax.block_until_ready(metrics)
+        carry[:] = [m, s]
+        return (time.perf_counter() - start) / steps
+
+    def raw_loop() -> float:
+        start = time.perf_counter()
+        raw_runner.block(steps)
+        return (time.perf_counter() - start) / steps
+
+    blocks = {BARE: bare, "Trainer.fit (progress bar, log_every=50)": fit,
+              "raw jax.jit + optax loop (for scale)": raw_loop}
+    for b in blocks.values():
+        b()
+    values = interleave(blocks, rounds)
+    rows = paired_rows(values, BARE, scale=1e6)
+    rows[1].ok = rows[1].ratio is not None and rows[1].ratio <= 1.05
+    table = Table(f"trainer-{spec.name}", f"9. Trainer.fit overhead: {spec.label}, Adam",
+                  "µs/step", "Trainer.fit ≤ 1.05× the bare loop", rows, ratio_label="× bare loop")
+    table.notes.append(f"median of {rounds} interleaved rounds × {steps} steps (one fit, one "
+                       "epoch, per round); the Trainer's defaults include on_nan=\"stop\"")
+    return table
+
+
+def trainer(quick: bool) -> list[Table]:
+    if quick:
+        return [_table(TINY, 100, 3), _table(MNIST_MLP, 20, 3)]
+    return [_table(TINY, 500, 9), _table(MNIST_MLP, 100, 7)]

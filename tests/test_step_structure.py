@@ -1,0 +1,178 @@
+"""Structural checks of a training step (no timing; the benchmarks in benchmarks/ time it).
+
+The step is the dispatch-bound benchmark's: an MLP 8-16-16-1 on a batch of 4, one Adam
+step. Checked: ``ft.train.train_step`` traces once over three calls; the donated model and
+optimizer state alias the outputs in the compiled program (``memory_analysis``) and are
+deleted after a call; the step's jaxpr has about as many equations as raw JAX + optax's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import functree as ft
+
+SIZES = (8, 16, 16, 1)
+LR = 1e-3
+# Measured on the code before the optimizer-core rewrite: raw 150, functree 177 (both
+# opt.minimize under ft.jit and ft.train.train_step). The target is raw + a few.
+EXTRA_EQUATIONS = 8
+
+
+def _batch():
+    x = jax.random.normal(jax.random.key(1), (4, SIZES[0]))
+    y = jax.random.normal(jax.random.key(2), (4, SIZES[-1]))
+    return x, y
+
+
+def _model():
+    keys = jax.random.split(jax.random.key(0), len(SIZES) - 1)
+    last = len(SIZES) - 2
+    return ft.nn.Sequential([
+        ft.nn.Dense(i, o, jax.nn.relu if n < last else ft.nn.identity, key=k)
+        for n, (i, o, k) in enumerate(zip(SIZES[:-1], SIZES[1:], keys))
+    ])
+
+
+def _loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def _raw_step():
+    tx = optax.adam(LR)
+
+    def loss_fn(params, x, y):
+        for i in range(len(SIZES) - 1):
+            x = x @ params[f"w{i}"] + params[f"b{i}"]
+            if i < len(SIZES) - 2:
+                x = jax.nn.relu(x)
+        return jnp.mean((x - y) ** 2)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    params = {}
+    for i, layer in enumerate(_model().layers):
+        params[f"w{i}"], params[f"b{i}"] = jnp.array(layer.weight), jnp.array(layer.bias)
+    return step, (params, tx.init(params))
+
+
+def _minimize_step():
+    opt = ft.optim.Optimizer(ft.optim.adam(LR))
+
+    @ft.jit(donate=(0, 1))
+    def step(model, state, x, y):
+        return opt.minimize(_loss, model, state, x, y)
+
+    model = _model()
+    return step, (model, opt.init(model))
+
+
+def _train_step():
+    opt = ft.optim.Optimizer(ft.optim.adam(LR))
+    step = ft.train.train_step(lambda m, b: _loss(m, *b), opt)
+    model = _model()
+    return (lambda model, state, x, y: step(model, state, (x, y))), (model, opt.init(model))
+
+
+def _equations(step, carry) -> int:
+    """Equations in the jitted step's program (the body of its one ``jit`` equation)."""
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam mixes float and int32
+        closed = jax.make_jaxpr(step)(*carry, *_batch())
+    (call,) = closed.jaxpr.eqns
+    return len(call.params["jaxpr"].jaxpr.eqns)
+
+
+def _nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def test_train_step_traces_once_over_three_calls():
+    traces = []
+
+    def loss_fn(model, batch):
+        traces.append(1)  # runs only while JAX traces
+        return _loss(model, *batch)
+
+    opt = ft.optim.Optimizer(ft.optim.adam(LR))
+    step = ft.train.train_step(loss_fn, opt)
+    model = _model()
+    state, batch = opt.init(model), _batch()
+    counts = []
+    for _ in range(3):
+        model, state, metrics = step(model, state, batch)
+        counts.append(len(traces))
+    assert 1 <= counts[0] <= 2  # the trace, and the diagnostics' analysis of the loss
+    assert counts[1] == counts[2] == counts[0]
+    assert jnp.isfinite(metrics["loss"])
+
+
+def test_train_step_traces_once_over_three_calls_with_new_batches():
+    traces = []
+
+    def loss_fn(model, batch):
+        traces.append(1)
+        return _loss(model, *batch)
+
+    opt = ft.optim.Optimizer(ft.optim.adam(LR))
+    step = ft.train.train_step(loss_fn, opt)
+    model = _model()
+    state = opt.init(model)
+    counts = []
+    for i in range(3):
+        x, y = _batch()
+        model, state, _ = step(model, state, (x + i, y))
+        counts.append(len(traces))
+    assert counts == [counts[0]] * 3
+
+
+def test_donated_parameters_and_adam_moments_alias_the_outputs():
+    step, (model, state) = _minimize_step()
+    compiled = step.lower(model, state, *_batch()).compile()
+    aliased = compiled.memory_analysis().alias_size_in_bytes
+    assert aliased >= 3 * _nbytes(model)  # parameters, m and v, written in place
+    raw_step, (params, raw_state) = _raw_step()
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam mixes float and int32
+        raw_aliased = raw_step.lower(params, raw_state, *_batch()).compile().memory_analysis().alias_size_in_bytes
+    assert raw_aliased == _nbytes((params, raw_state))  # the reference aliases everything
+
+
+@pytest.mark.parametrize("make", [_minimize_step, _train_step], ids=["ft.jit", "train_step"])
+def test_donated_model_buffers_are_deleted_after_a_call(make):
+    step, (model, state) = make()
+    leaves = jax.tree.leaves(model)
+    model, state, _ = step(model, state, *_batch())
+    assert all(x.is_deleted() for x in leaves)
+    assert not any(x.is_deleted() for x in jax.tree.leaves((model, state)))
+
+
+@pytest.mark.xfail(strict=False, reason="the learning context's loss leaf is replaced without "
+                   "being read, so jit prunes the input and it is neither donated nor aliased")
+@pytest.mark.parametrize("make", [_minimize_step, _train_step], ids=["ft.jit", "train_step"])
+def test_every_optimizer_state_buffer_is_donated(make):
+    step, (model, state) = make()
+    leaves = jax.tree.leaves(state)
+    step(model, state, *_batch())
+    assert all(x.is_deleted() for x in leaves)
+
+
+def test_raw_reference_step_equation_count_is_stable():
+    step, carry = _raw_step()
+    assert 120 <= _equations(step, carry) <= 180  # 150 with jax 0.10.2 / optax 0.2.8
+
+
+@pytest.mark.xfail(strict=False, reason="optimizer-core rewrite pending: 177 equations vs "
+                   "raw's 150 before it; turn on at merge")
+@pytest.mark.parametrize("make", [_minimize_step, _train_step], ids=["ft.jit", "train_step"])
+def test_step_equation_count_is_within_a_few_of_raw(make):
+    raw_step, raw_carry = _raw_step()
+    step, carry = make()
+    assert _equations(step, carry) <= _equations(raw_step, raw_carry) + EXTRA_EQUATIONS

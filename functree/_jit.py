@@ -157,6 +157,9 @@ def unchecked_jit(
         nums, names = _donated(f, donate)
         jax_jit_options["donate_argnums"] = nums
         jax_jit_options["donate_argnames"] = names
+        # A donated leaf the program overwrites without reading (the learning context's
+        # loss) would be pruned, and then neither donated nor aliased to its output.
+        jax_jit_options.setdefault("keep_unused", True)
     if static_leaves:
         return _static_leaves_jit(f, jax_jit_options)
     return jax.jit(_explain_control_flow(f), **jax_jit_options)

@@ -129,9 +129,8 @@ def current(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) 
 def advance(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) -> LearningContext:
     """The context after a step on a minibatch of ``minibatch_size`` examples."""
     ctx = current(ctx, minibatch_size, loss)
-    m = ctx.counters[3]
-    step = jnp.stack([jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32), m, jnp.zeros((), jnp.int32)])
-    return LearningContext(ctx.counters + step, ctx.loss)
+    # counters + (1, 0, m, 0): one step and its m samples, as arithmetic on constants
+    return LearningContext(ctx.counters + ctx.counters[3] * _SAMPLES + _STEP, ctx.loss)
 
 
 def _is_context(x: Any) -> bool:
@@ -165,6 +164,8 @@ def context(state: Any) -> LearningContext:
 
 
 _SWEEP = np.array([0, 1, 0, 0], np.int32)
+_STEP = np.array([1, 0, 0, 0], np.int32)
+_SAMPLES = np.array([0, 0, 1, 0], np.int32)
 
 
 def next_sweep(state: Any) -> Any:

@@ -281,7 +281,7 @@ def inject(
     scheduled_names = tuple(n for n, sp in specs.items() if sp.scheduled)
 
     def build(ctx: LearningContext, values: jax.Array | None) -> tuple[Any, jax.Array | None]:
-        stored = {n: values[i] for i, n in enumerate(names)} if values is not None else {}
+        stored = dict(zip(names, jnp.unstack(values))) if values is not None else {}
         eff = {n: sp.effective(ctx, stored.get(n)) for n, sp in specs.items()}
         tx = optax.with_extra_args_support(factory(**eff, **static))
         return tx, _pack([eff[n] for n in scheduled_names])

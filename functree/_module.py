@@ -395,6 +395,17 @@ def _tuple_source(items: list[str]) -> str:
 def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
     """``flatten``, ``flatten_with_keys`` and ``unflatten`` for ``cls``, generated once
     from its field names (identifiers) as straight-line code, as dataclasses does.
+    For ``weight``, ``bias`` and a static ``activation``::
+
+        def flatten(self):
+            d = self.__dict__
+            return (d['weight'], d['bias']), (d['activation'],)
+        def unflatten(aux, children):
+            obj = _new(_cls)
+            d = obj.__dict__
+            d['weight'], d['bias'] = children
+            d['activation'], = aux
+            return obj
 
     Children are the data fields (parameters and no_derivative) in declaration order,
     keyed by ``GetAttrKey(name)``; the auxiliary data is the tuple of static values
@@ -406,19 +417,20 @@ def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
     namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
     for i, name in enumerate(data):
         namespace[f"_k{i}"] = jax.tree_util.GetAttrKey(name)
-    aux = _tuple_source([f"self.{n}" for n in static])
-    children = _tuple_source([f"self.{n}" for n in data])
-    keyed = _tuple_source([f"(_k{i}, self.{n})" for i, n in enumerate(data)])
-    fill = []
-    if data:
-        fill.append(", ".join(f"d[{n!r}]" for n in data) + ("," if len(data) == 1 else "") + " = children")
-    if static:
-        fill.append(", ".join(f"d[{n!r}]" for n in static) + ("," if len(static) == 1 else "") + " = aux")
-    body = "\n".join(f"    {line}" for line in fill)
+    aux = _tuple_source([f"d[{n!r}]" for n in static])
+    children = _tuple_source([f"d[{n!r}]" for n in data])
+    keyed = _tuple_source([f"(_k{i}, d[{n!r}])" for i, n in enumerate(data)])
+    fill = [f"    {targets}= {source}" for targets, source in (
+        ("".join(f"d[{n!r}], " for n in data), "children"),
+        ("".join(f"d[{n!r}], " for n in static), "aux"),
+    ) if targets]
+    body = "\n".join(fill)
     source = f"""\
 def flatten(self):
+    d = self.__dict__
     return {children}, {aux}
 def flatten_with_keys(self):
+    d = self.__dict__
     return {keyed}, {aux}
 def unflatten(aux, children):
     obj = _new(_cls)

@@ -28,7 +28,7 @@ import inspect
 import typing
 import warnings
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import jax
 import numpy as np
@@ -134,7 +134,6 @@ class NonDifferentiableFieldWarning(DifferentiationWarning):
     """A parameter field whose type or value can never carry a derivative."""
 
 
-_T = TypeVar("_T")
 
 
 def field(
@@ -320,7 +319,7 @@ class Module:
         d = self.__dict__
         return {n: d[n] for n in type(self).__ft_fields__ if n in d}
 
-    def replace(self: _T, **changes: Any) -> _T:
+    def replace(self, **changes: Any) -> Self:
         """A copy with some fields replaced: ``model.replace(weight=w)``.
 
         The copy holds the fields only: values cached on ``self`` (a
@@ -438,7 +437,7 @@ def unflatten(aux, children):
 {body}
     return obj
 """
-    exec(source, namespace)  # noqa: S102 - names are the class's field identifiers
+    exec(source, namespace)  # field names only appear as string literals
     functions = namespace["flatten"], namespace["flatten_with_keys"], namespace["unflatten"]
     for fn in functions:
         fn.__qualname__ = f"{cls.__qualname__}.<{fn.__name__}>"

@@ -474,7 +474,7 @@ def _constructor(init: Callable[..., None], kind: str = "user") -> Callable[...,
     A nested call (a subclass's ``super().__init__(...)``) only runs ``init``."""
 
     @functools.wraps(init)
-    def __init__(self: Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Module, /, *args: Any, **kwargs: Any) -> None:
         d = self.__dict__
         if _BUILDING in d:
             init(self, *args, **kwargs)
@@ -493,29 +493,37 @@ def _constructor(init: Callable[..., None], kind: str = "user") -> Callable[...,
 def _dataclass_init(cls: type) -> Callable[..., None]:
     """A dataclass-style ``__init__``: positional or keyword arguments bound to fields."""
 
-    def __init__(self: Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Module, /, *args: Any, **kwargs: Any) -> None:
         self.__dict__.update(_bind_fields(cls, args, kwargs))
 
     __init__.__qualname__ = f"{cls.__qualname__}.__init__"
     __init__.__module__ = cls.__module__
-    __init__.__signature__ = _fields_signature(cls)  # type: ignore[attr-defined]
+    signature = _fields_signature(cls)
+    if signature is not None:
+        __init__.__signature__ = signature  # type: ignore[attr-defined]
     return _constructor(__init__, "generated")
 
 
-def _fields_signature(cls: type) -> inspect.Signature:
-    """``(self, weight, bias, activation=relu)``: the generated ``__init__``'s signature."""
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+def _fields_signature(cls: type) -> inspect.Signature | None:
+    """``(self, weight, bias, activation=relu)``: the generated ``__init__``'s signature.
+    A field without a default after one with a default (a subclass's new field) is shown
+    keyword-only; None where no signature fits (a field named ``self``)."""
+    p = inspect.Parameter
+    params, kind = [p("self", p.POSITIONAL_OR_KEYWORD)], p.POSITIONAL_OR_KEYWORD
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         default = f.default
         if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
             default = _Factory(f.default_factory)
-        params.append(
-            inspect.Parameter(
-                f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                default=inspect.Parameter.empty if default is dataclasses.MISSING else default,
-            )
-        )
-    return inspect.Signature(params)
+        if default is dataclasses.MISSING:
+            if params[-1].default is not p.empty:
+                kind = p.KEYWORD_ONLY
+            params.append(p(f.name, kind))
+        else:
+            params.append(p(f.name, kind, default=default))
+    try:
+        return inspect.Signature(params)
+    except ValueError:
+        return None
 
 
 class _Factory:

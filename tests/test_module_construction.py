@@ -189,6 +189,19 @@ def test_generated_init_binds_fields_and_has_their_signature():
     with pytest.raises(TypeError, match="Point3 has no field 'w'"):
         Point3(w=1.0)
 
+    class Labeled(Point):
+        label: str = ft.field(static=True)  # no default after fields with defaults
+
+    assert str(inspect.signature(Labeled)) == "(x, y=None, tags=<factory tuple>, *, label)"
+    assert Labeled(jnp.ones(1), label="a").label == "a"
+    with pytest.raises(TypeError, match=r"missing field\(s\) \['label'\]"):
+        Labeled(jnp.ones(1))
+
+    class Odd(ft.Module):
+        self: jax.Array  # no signature fits; construction still binds
+
+    assert Odd(self=jnp.ones(1)).self.shape == (1,)
+
 
 def test_replace_drops_cached_properties():
     m = Normed(jnp.array([2.0, 0.0]))

@@ -1,9 +1,16 @@
 """Module: an immutable model whose data leaves are its parameters.
 
-A subclass of :class:`Module` with annotated fields becomes a dataclass registered
-with JAX's *native* dataclass pytree path (``jax.tree_util.register_dataclass``), so
-flattening and unflattening run in C++ and ``jax.jit``, ``jax.grad``, ``jax.vmap``,
-optax and orbax accept models directly.
+A subclass of :class:`Module` with annotated fields becomes a dataclass and a JAX
+pytree (``jax.tree_util.register_pytree_with_keys``), so ``jax.jit``, ``jax.grad``,
+``jax.vmap``, optax and orbax accept models directly.
+
+Construction and reconstruction are separate paths:
+
+* ``Cls(...)`` is a user construction: it runs the class's ``__init__`` exactly as
+  for a normal class (or a generated dataclass-style one), then freezes and validates;
+* JAX's unflatten (every jit output, ``tree_map``, gradient) never calls ``__init__``:
+  small per-class functions, generated once from the field names, read and fill the
+  instance dict directly (``object.__new__`` plus the fields, no checks).
 
 Three kinds of field, as in Swift:
 
@@ -16,11 +23,12 @@ Three kinds of field, as in Swift:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
 import warnings
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import jax
 import numpy as np
@@ -35,10 +43,12 @@ __all__ = [
 
 _KIND = "functree.kind"
 PARAMETER, NO_DERIVATIVE, STATIC = "parameter", "no_derivative", "static"
-_INIT_FLAG = "__ft_initializing__"
-# Non-empty while a user's __init__ runs: only then can a full-keyword call be a
-# subclass's super().__init__(...) rather than a construction (or JAX's unflatten).
-_USER_INITS_RUNNING: list[Module] = []
+# In an instance's dict while its outermost __init__ runs (field assignment allowed);
+# removed before the instance is returned. Unflattened instances never carry it.
+_BUILDING = "__ft_building__"
+# Marks the __init__ functions this module installs: "user" (a user's __init__ wrapped to
+# freeze and validate after the outermost call) or "generated" (dataclass-style binding).
+_INIT_KIND = "__ft_init__"
 
 FROZEN_MESSAGE = """\
 Cannot assign to field {field!r} of {cls}: modules are immutable values.
@@ -124,7 +134,6 @@ class NonDifferentiableFieldWarning(DifferentiationWarning):
     """A parameter field whose type or value can never carry a derivative."""
 
 
-_T = TypeVar("_T")
 
 
 def field(
@@ -245,8 +254,10 @@ class Module:
 
     Subclasses declare annotated fields; each is a parameter unless marked with
     :func:`field`. ``__init__`` may be written as for a normal class (assigning
-    ``self.x = ...``); after construction the instance is immutable and
-    :meth:`replace` returns modified copies.
+    ``self.x = ...``; wrong arguments raise ``TypeError`` as usual); without one, a
+    dataclass-style ``__init__`` takes the fields positionally or by name. After
+    construction the instance is immutable and :meth:`replace` returns modified copies.
+    JAX rebuilds instances (jit outputs, ``tree_map``) without calling ``__init__``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -261,6 +272,8 @@ class Module:
       Dense(weight=f32[2,4], bias=f32[4], activation=relu)
       >>> d(jnp.ones((1, 2))).shape
       (1, 4)
+      >>> jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(d)[0][0][0])
+      '.weight'
     """
 
     # Filled per subclass by __init_subclass__; read on hot paths, so plain attributes.
@@ -269,16 +282,9 @@ class Module:
     __ft_kinds__: ClassVar[dict[str, str]] = {}
     __ft_static__: ClassVar[tuple[str, ...]] = ()
     __ft_no_derivative__: ClassVar[tuple[str, ...]] = ()
-    __ft_user_init__: ClassVar[Callable[..., None] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        user_init = cls.__dict__.get("__init__")
-        if user_init is not None:
-            # Keep the user's __init__ for user calls; JAX's C++ unflatten calls
-            # cls(**fields), which must take the fast field-setting path instead.
-            cls.__ft_user_init__ = user_init
-            del cls.__init__  # type: ignore[misc]
         dataclasses.dataclass(init=False, repr=False, eq=False)(cls)
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
         cls.__ft_fields__ = tuple(f.name for f in fields)
@@ -293,26 +299,32 @@ class Module:
                 _check_static(cls, f.name, f.default)
             if field_kind(f) == PARAMETER and f.name in inspect.get_annotations(cls):
                 _warn_annotation(cls, f)
-        cls.__init__ = _make_init(cls)  # type: ignore[method-assign]
-        jax.tree_util.register_dataclass(
-            cls,
-            data_fields=[n for n in cls.__ft_fields__ if n not in cls.__ft_static__],
-            meta_fields=list(cls.__ft_static__),
-        )
+        _install_init(cls)
+        flatten, flatten_with_keys, unflatten = _pytree_functions(cls)
+        jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if _INIT_FLAG in self.__dict__:
+        if _BUILDING in self.__dict__:
             if name not in type(self).__ft_field_set__:
                 raise AttributeError(NOT_A_FIELD.format(cls=type(self).__name__, name=name))
-            object.__setattr__(self, name, value)
+            self.__dict__[name] = value
             return
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))
 
     def __delattr__(self, name: str) -> None:
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))
 
-    def replace(self: _T, **changes: Any) -> _T:
+    def __getstate__(self) -> dict[str, Any]:
+        """pickle and ``copy`` carry the fields only (not cached properties)."""
+        d = self.__dict__
+        return {n: d[n] for n in type(self).__ft_fields__ if n in d}
+
+    def replace(self, **changes: Any) -> Self:
         """A copy with some fields replaced: ``model.replace(weight=w)``.
+
+        The copy holds the fields only: values cached on ``self`` (a
+        ``functools.cached_property``) are not carried over, so they are computed
+        afresh from the new fields.
 
         Example:
           >>> import functree as ft, jax.numpy as jnp
@@ -331,10 +343,10 @@ class Module:
                 )
             if cls.__ft_kinds__[name] == STATIC:  # type: ignore[attr-defined]
                 _check_static(cls, name, value)
-        new = object.__new__(cls)
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(changes)
-        return new
+        d = self.__dict__
+        values = {n: d[n] for n in cls.__ft_fields__ if n in d}  # type: ignore[attr-defined]
+        values.update(changes)
+        return from_fields(cls, values)
 
     def __repr__(self) -> str:
         from functree._display import module_repr
@@ -350,75 +362,187 @@ class Module:
         return module_html(self)
 
 
-def _make_init(cls: type) -> Callable[..., None]:
-    """The class's ``__init__``: JAX's unflatten calls ``cls(**fields)`` on every jit
-    output, so that exact call takes the cheapest path there is (a closure holding the
-    field set, the kwargs dict installed as the instance dict, no copy)."""
-    fields = cls.__ft_field_set__  # type: ignore[attr-defined]
-    statics = cls.__ft_static__  # type: ignore[attr-defined]
-    set_dict = object.__setattr__
+_M = TypeVar("_M", bound=Module)
 
-    running = _USER_INITS_RUNNING
 
-    # While a user's __init__ runs, a non-empty instance dict means a subclass's __init__
-    # called super().__init__(...): that must not replace the dict (slow path). Reading
-    # self.__dict__ would create one, so it is looked at only then.
-    def __init__(self: Module, *args: Any, **kwargs: Any) -> None:
-        if args or kwargs.keys() != fields or (running and self.__dict__):
-            _construct(self, cls, args, kwargs)
+def from_fields(cls: type[_M], values: dict[str, Any]) -> _M:
+    """An instance of ``cls`` holding exactly ``values`` (field name -> value), built
+    without ``__init__`` and without checks: the one way functree copies a Module.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> from functree._module import from_fields
+      >>> class P(ft.Module):
+      ...     w: jnp.ndarray
+      ...     def __init__(self, n: int):
+      ...         self.w = jnp.zeros(n)
+      >>> from_fields(P, {"w": jnp.ones(2)}).w
+      Array([1., 1.], dtype=float32)
+    """
+    obj = object.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
+
+
+def _tuple_source(items: list[str]) -> str:
+    """Python source of a tuple display: ``()``, ``(a,)``, ``(a, b)``."""
+    if len(items) == 1:
+        return f"({items[0]},)"
+    return "(" + ", ".join(items) + ")"
+
+
+def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
+    """``flatten``, ``flatten_with_keys`` and ``unflatten`` for ``cls``, generated once
+    from its field names (identifiers) as straight-line code, as dataclasses does.
+    For ``weight``, ``bias`` and a static ``activation``::
+
+        def flatten(self):
+            d = self.__dict__
+            return (d['weight'], d['bias']), (d['activation'],)
+        def unflatten(aux, children):
+            obj = _new(_cls)
+            d = obj.__dict__
+            d['weight'], d['bias'] = children
+            d['activation'], = aux
+            return obj
+
+    Children are the data fields (parameters and no_derivative) in declaration order,
+    keyed by ``GetAttrKey(name)``; the auxiliary data is the tuple of static values
+    (hashed and compared by jit). ``unflatten`` fills a bare instance's dict: no
+    ``__init__``, no checks.
+    """
+    static = cls.__ft_static__  # type: ignore[attr-defined]
+    data = [n for n in cls.__ft_fields__ if n not in static]  # type: ignore[attr-defined]
+    namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    for i, name in enumerate(data):
+        namespace[f"_k{i}"] = jax.tree_util.GetAttrKey(name)
+    aux = _tuple_source([f"d[{n!r}]" for n in static])
+    children = _tuple_source([f"d[{n!r}]" for n in data])
+    keyed = _tuple_source([f"(_k{i}, d[{n!r}])" for i, n in enumerate(data)])
+    fill = [f"    {targets}= {source}" for targets, source in (
+        ("".join(f"d[{n!r}], " for n in data), "children"),
+        ("".join(f"d[{n!r}], " for n in static), "aux"),
+    ) if targets]
+    body = "\n".join(fill)
+    source = f"""\
+def flatten(self):
+    d = self.__dict__
+    return {children}, {aux}
+def flatten_with_keys(self):
+    d = self.__dict__
+    return {keyed}, {aux}
+def unflatten(aux, children):
+    obj = _new(_cls)
+    d = obj.__dict__
+{body}
+    return obj
+"""
+    exec(source, namespace)  # field names only appear as string literals
+    functions = namespace["flatten"], namespace["flatten_with_keys"], namespace["unflatten"]
+    for fn in functions:
+        fn.__qualname__ = f"{cls.__qualname__}.<{fn.__name__}>"
+        fn.__module__ = cls.__module__
+    return functions
+
+
+def _install_init(cls: type) -> None:
+    """Give ``cls`` an ``__init__`` that freezes and validates after the outermost call.
+
+    The class's own ``__init__`` is wrapped (behaving exactly as written: unknown
+    arguments raise ``TypeError``); an ``__init__`` inherited from a Module base is
+    already wrapped and kept; a class without one (or inheriting a generated one) gets a
+    dataclass-style ``__init__`` over its fields.
+    """
+    own = cls.__dict__.get("__init__")
+    if own is not None:
+        if getattr(own, _INIT_KIND, None) is None:
+            cls.__init__ = _constructor(own)  # type: ignore[misc]
+        return
+    inherited = cls.__init__  # type: ignore[misc]
+    kind = getattr(inherited, _INIT_KIND, None)
+    if kind == "user":
+        return
+    if inherited is object.__init__ or kind == "generated":
+        cls.__init__ = _dataclass_init(cls)  # type: ignore[misc]
+    else:  # a non-Module base's __init__ (a mixin)
+        cls.__init__ = _constructor(inherited)  # type: ignore[misc]
+
+
+def _constructor(init: Callable[..., None], kind: str = "user") -> Callable[..., None]:
+    """Wrap ``init``: the outermost call (a construction) allows field assignment while
+    it runs, then fills defaults, checks every field is set, validates and freezes.
+    A nested call (a subclass's ``super().__init__(...)``) only runs ``init``."""
+
+    @functools.wraps(init)
+    def __init__(self: Module, /, *args: Any, **kwargs: Any) -> None:
+        d = self.__dict__
+        if _BUILDING in d:
+            init(self, *args, **kwargs)
             return
-        set_dict(self, "__dict__", kwargs)
-
-    def __init_with_statics__(self: Module, *args: Any, **kwargs: Any) -> None:
-        if args or kwargs.keys() != fields or (running and self.__dict__):
-            _construct(self, cls, args, kwargs)
-            return
-        # A full keyword construction is a construction too: static values must hash.
-        # (Unhashable values, arrays included, raise TypeError from hash.)
+        d[_BUILDING] = True
         try:
-            for name in statics:
-                hash(kwargs[name])
-        except TypeError:
-            for name in statics:
-                _check_static(cls, name, kwargs[name])
-        set_dict(self, "__dict__", kwargs)
+            init(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(_BUILDING, None)
+        _finish(self)
 
-    if statics:
-        __init__ = __init_with_statics__
-    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    setattr(__init__, _INIT_KIND, kind)
     return __init__
 
 
-def _construct(self: Module, owner: type, args: tuple, kwargs: dict) -> None:
-    """A user's construction: their ``__init__``, or dataclass-style field binding.
+def _dataclass_init(cls: type) -> Callable[..., None]:
+    """A dataclass-style ``__init__``: positional or keyword arguments bound to fields."""
 
-    ``owner`` is the class whose ``__init__`` runs: ``type(self)``, or a base class when a
-    subclass's ``__init__`` calls ``super().__init__(...)``, which then only sets fields
-    (the outermost call checks missing fields and validates).
-    """
-    if _INIT_FLAG in self.__dict__:
-        base_init = owner.__ft_user_init__  # type: ignore[attr-defined]
-        if base_init is not None:
-            base_init(self, *args, **kwargs)
-        else:
-            self.__dict__.update(_bind_fields(owner, args, kwargs))
-        return
-    cls = type(self)
-    user_init = cls.__ft_user_init__
-    if user_init is not None:
-        self.__dict__[_INIT_FLAG] = True
-        _USER_INITS_RUNNING.append(self)
-        try:
-            user_init(self, *args, **kwargs)
-        finally:
-            _USER_INITS_RUNNING.pop()
-            del self.__dict__[_INIT_FLAG]
-        missing = [n for n in cls.__ft_fields__ if n not in self.__dict__]
-        missing = [n for n in missing if not _fill_default(self, n)]
-        if missing:
-            raise TypeError(MISSING_FIELDS.format(cls=cls.__name__, names=missing, first=missing[0]))
-    else:
+    def __init__(self: Module, /, *args: Any, **kwargs: Any) -> None:
         self.__dict__.update(_bind_fields(cls, args, kwargs))
+
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__module__ = cls.__module__
+    signature = _fields_signature(cls)
+    if signature is not None:
+        __init__.__signature__ = signature  # type: ignore[attr-defined]
+    return _constructor(__init__, "generated")
+
+
+def _fields_signature(cls: type) -> inspect.Signature | None:
+    """``(self, weight, bias, activation=relu)``: the generated ``__init__``'s signature.
+    A field without a default after one with a default (a subclass's new field) is shown
+    keyword-only; None where no signature fits (a field named ``self``)."""
+    p = inspect.Parameter
+    params, kind = [p("self", p.POSITIONAL_OR_KEYWORD)], p.POSITIONAL_OR_KEYWORD
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        default = f.default
+        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+            default = _Factory(f.default_factory)
+        if default is dataclasses.MISSING:
+            if params[-1].default is not p.empty:
+                kind = p.KEYWORD_ONLY
+            params.append(p(f.name, kind))
+        else:
+            params.append(p(f.name, kind, default=default))
+    try:
+        return inspect.Signature(params)
+    except ValueError:
+        return None
+
+
+class _Factory:
+    """Shown as the default of a field with a ``default_factory``."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+
+    def __repr__(self) -> str:
+        return f"<factory {getattr(self.factory, '__name__', self.factory)}>"
+
+
+def _finish(self: Module) -> None:
+    """After the outermost ``__init__``: fill defaults, require every field, validate."""
+    cls = type(self)
+    d = self.__dict__
+    missing = [n for n in cls.__ft_fields__ if n not in d and not _fill_default(self, n)]
+    if missing:
+        raise TypeError(MISSING_FIELDS.format(cls=cls.__name__, names=missing, first=missing[0]))
     _validate(self)
 
 

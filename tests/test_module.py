@@ -1,4 +1,4 @@
-"""ft.Module: a frozen dataclass registered through JAX's native dataclass path."""
+"""ft.Module: a frozen dataclass and a JAX pytree (generated flatten/unflatten per class)."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def test_custom_init_assigns_fields_like_a_normal_class():
 
     layer = Linear(3, 2, key=jax.random.key(0))
     assert layer.weight.shape == (3, 2) and layer.features == 2
-    # JAX's unflatten (cls(**fields)) bypasses the custom __init__.
+    # JAX's unflatten rebuilds the instance without calling __init__.
     rebuilt = jax.jit(lambda m: m)(layer)
     assert calls == [(3, 2)]
     assert rebuilt.features == 2

@@ -19,10 +19,11 @@ Dropout (rate={rate}) is in training mode and needs a PRNG key for its mask.
 """
 
 BAD_RATE = """\
-Dropout rate must be in [0, 1), got {rate}.
+Dropout rate must be in [0, 1), got {rate} (rate is the probability of zeroing an \
+element; 1 would zero everything).
 
-    wrong:  ft.nn.Dropout({rate})
-    right:  ft.nn.Dropout(0.1)
+    wrong:  ft.nn.Dropout(rate={rate})
+    right:  ft.nn.Dropout(rate=0.1)
 """
 
 

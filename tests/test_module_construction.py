@@ -1,0 +1,372 @@
+"""ft.Module construction: a user's __init__ runs as for a normal class; JAX's unflatten
+rebuilds instances without it; copies carry fields only."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import pickle
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree._module import from_fields
+from functree._tree import dotted_name
+
+CALLS: list[tuple] = []
+
+
+class Scaled(ft.Module):
+    weight: jax.Array
+    scale: float = ft.field(static=True)
+
+    def __init__(self, weight, scale: float = 1.0):
+        CALLS.append((weight, scale))
+        if scale <= 0:
+            raise ValueError(f"scale must be positive, got {scale}")
+        self.weight = jnp.asarray(weight, jnp.float32)
+        self.scale = float(scale)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.scale * self.weight * x
+
+
+class Sized(ft.Module):
+    w: jax.Array
+    n: int = ft.field(static=True)
+
+    def __init__(self, size: int):
+        self.w = jnp.ones(size)
+        self.n = size
+
+
+class Normed(ft.Module):
+    w: jax.Array
+
+    @functools.cached_property
+    def norm(self) -> jax.Array:
+        return jnp.sqrt(jnp.sum(self.w**2))
+
+
+def test_wrong_keywords_for_a_custom_init_raise_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'w'"):
+        Sized(w="not an array", n=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'w'"):
+        Sized(w=jnp.ones(2), n=2)  # the fields' names are not arguments of __init__
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'size'"):
+        Sized()
+    assert Sized(size=3).w.shape == (3,)
+
+
+def test_keyword_construction_with_field_names_runs_the_custom_init():
+    CALLS.clear()
+    s = Scaled(weight=[1.0, 2.0], scale=2.0)
+    assert CALLS == [([1.0, 2.0], 2.0)]
+    assert isinstance(s.weight, jax.Array) and s.weight.dtype == jnp.float32
+    np.testing.assert_array_equal(s(jnp.ones(2)), [2.0, 4.0])
+    with pytest.raises(ValueError, match="scale must be positive, got -1"):
+        Scaled(weight=[1.0], scale=-1)
+
+
+def test_jax_rebuilds_instances_without_calling_init():
+    s = Scaled([1.0, 2.0], 3.0)
+    CALLS.clear()
+    rebuilt = [
+        jax.jit(lambda m: m)(s),
+        jax.tree.map(lambda x: x * 2, s),
+        jax.grad(lambda m: m(jnp.ones(2)).sum())(s),
+        jax.tree.unflatten(*reversed(jax.tree.flatten(s))),
+    ]
+    assert CALLS == []
+    for r in rebuilt:
+        assert type(r) is Scaled and r.scale == 3.0
+        assert "__ft_building__" not in vars(r)
+        with pytest.raises(ft.FrozenModuleError):
+            r.weight = jnp.zeros(2)
+    np.testing.assert_array_equal(rebuilt[1].weight, [2.0, 4.0])
+    np.testing.assert_array_equal(rebuilt[2].weight, [3.0, 3.0])
+
+
+def test_unflatten_accepts_any_leaves_without_checks():
+    # Transforms put non-arrays in leaf positions (None, object(), tracers): no validation.
+    s = Scaled([1.0], 2.0)
+    marker = object()
+    r = jax.tree.unflatten(jax.tree.structure(s), [marker])
+    assert r.weight is marker and r.scale == 2.0
+
+
+def test_construction_is_frozen_validated_and_leaves_no_marker():
+    s = Scaled([1.0], 2.0)
+    assert set(vars(s)) == {"weight", "scale"}
+    with pytest.raises(ft.FrozenModuleError):
+        s.scale = 3.0
+
+    class Broken(ft.Module):
+        w: jax.Array
+
+        def __init__(self):
+            self.w = jnp.ones(1)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        Broken()
+
+
+def test_static_values_are_the_aux_data_and_key_paths_are_unchanged():
+    a, b, c = Scaled([1.0], 2.0), Scaled([5.0], 2.0), Scaled([1.0], 3.0)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert jax.tree.structure(a) != jax.tree.structure(c)
+    assert hash(jax.tree.structure(a)) == hash(jax.tree.structure(b))
+    model = ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0)), Scaled([1.0], 2.0))
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
+    assert [jax.tree_util.keystr(p) for p in paths] == [
+        ".layers[0].weight", ".layers[0].bias", ".layers[1].weight"
+    ]
+    assert [dotted_name(p) for p in paths] == ["layers.0.weight", "layers.0.bias", "layers.1.weight"]
+
+
+def test_super_init_chain_and_inherited_custom_init():
+    class Base(ft.Module):
+        w: jax.Array
+        n: int = ft.field(static=True)
+
+        def __init__(self, n: int):
+            self.w = jnp.zeros(n)
+            self.n = n
+
+    class Child(Base):
+        extra: jax.Array = ft.field(default=None)
+
+    class Grandchild(Base):
+        u: jax.Array
+
+        def __init__(self, n: int):
+            super().__init__(n)
+            self.u = jnp.ones(1)
+
+    child = Child(2)  # inherits Base.__init__; extra gets its default
+    assert child.n == 2 and child.extra is None
+    with pytest.raises(TypeError):
+        Child(w=jnp.ones(2), n=2, extra=None)  # Base.__init__ takes n only
+    g = Grandchild(3)
+    assert g.w.shape == (3,) and g.u.shape == (1,)
+    assert set(vars(g)) == {"w", "n", "u"}
+    assert inspect.signature(Child).parameters.keys() == {"n"}
+
+
+def test_a_mixins_init_runs_and_its_assignments_must_be_fields():
+    class Seeded:
+        def __init__(self, seed: int):
+            self.w = jax.random.normal(jax.random.key(seed), (2,))
+
+    class Model(Seeded, ft.Module):
+        w: jax.Array
+
+    np.testing.assert_array_equal(Model(0).w, jax.random.normal(jax.random.key(0), (2,)))
+    with pytest.raises(ft.FrozenModuleError):
+        Model(0).w = jnp.zeros(2)
+
+
+def test_generated_init_binds_fields_and_has_their_signature():
+    class Point(ft.Module):
+        x: jax.Array
+        y: jax.Array = ft.field(default=None)
+        tags: tuple = ft.field(static=True, default_factory=tuple)
+
+    class Point3(Point):
+        z: jax.Array = ft.field(default=None)
+
+    assert list(inspect.signature(Point).parameters) == ["x", "y", "tags"]
+    assert str(inspect.signature(Point3)) == "(x, y=None, tags=<factory tuple>, z=None)"
+    p = Point3(jnp.ones(1), z=jnp.zeros(1))
+    assert p.y is None and p.tags == () and p.z.shape == (1,)
+    with pytest.raises(TypeError, match="Point3 has no field 'w'"):
+        Point3(w=1.0)
+
+    class Labeled(Point):
+        label: str = ft.field(static=True)  # no default after fields with defaults
+
+    assert str(inspect.signature(Labeled)) == "(x, y=None, tags=<factory tuple>, *, label)"
+    assert Labeled(jnp.ones(1), label="a").label == "a"
+    with pytest.raises(TypeError, match=r"missing field\(s\) \['label'\]"):
+        Labeled(jnp.ones(1))
+
+    class Odd(ft.Module):
+        self: jax.Array  # no signature fits; construction still binds
+
+    assert Odd(self=jnp.ones(1)).self.shape == (1,)
+
+
+def test_replace_drops_cached_properties():
+    m = Normed(jnp.array([2.0, 0.0]))
+    assert float(m.norm) == 2.0
+    zeros = m.replace(w=jnp.zeros(2))
+    assert "norm" not in vars(zeros)
+    assert float(zeros.norm) == 0.0
+    assert float(m.norm) == 2.0
+
+
+def test_ft_set_and_tree_map_drop_cached_properties():
+    m = Normed(jnp.array([3.0, 4.0]))
+    assert float(m.norm) == 5.0
+    assert float(ft.set(m, ".w", jnp.zeros(2)).norm) == 0.0
+    nested = {"layer": m}
+    assert float(ft.set(nested, "['layer'].w", jnp.ones(2))["layer"].norm) == pytest.approx(2**0.5)
+    assert float(jax.tree.map(lambda x: 2 * x, m).norm) == 10.0
+    assert float(jax.jit(lambda m: m.norm)(m)) == 5.0
+
+
+@pytest.mark.parametrize("clone", [copy.copy, copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))])
+def test_copy_and_pickle_carry_fields_only_and_skip_init(clone):
+    s = Scaled([1.0, 2.0], 2.0)
+    CALLS.clear()
+    c = clone(s)
+    assert CALLS == [] and type(c) is Scaled and set(vars(c)) == {"weight", "scale"}
+    np.testing.assert_array_equal(c.weight, s.weight)
+    m = Normed(jnp.array([3.0, 4.0]))
+    _ = m.norm
+    assert set(vars(clone(m))) == {"w"}
+
+
+def test_from_fields_builds_without_init():
+    CALLS.clear()
+    s = from_fields(Scaled, {"weight": jnp.ones(2), "scale": 5.0})
+    assert CALLS == [] and s.scale == 5.0
+    with pytest.raises(ft.FrozenModuleError):
+        s.scale = 1.0
+
+
+def test_callable_in_a_parameter_field_warns_on_construction_only():
+    class Holder(ft.Module):
+        w: jax.Array
+        fn: object
+
+    with pytest.warns(ft.NonDifferentiableFieldWarning, match="Holder.fn"):
+        h = Holder(jnp.ones(1), jnp.sin)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.tree.map(lambda x: x, h)  # rebuilding does not re-validate
+
+
+# --- every ft.nn layer: keyword construction runs the layer's __init__ -----------------
+
+K = jax.random.key(0)
+
+
+def _cell() -> ft.nn.GRUCell:
+    return ft.nn.GRUCell(2, 3, key=K)
+
+
+# (positional call, the same call by keywords)
+LAYER_CALLS: dict[type, tuple[Callable[[], ft.Module], Callable[[], ft.Module]]] = {
+    ft.nn.Dense: (
+        lambda: ft.nn.Dense(2, 3, jax.nn.relu, False, key=K),
+        lambda: ft.nn.Dense(input_size=2, output_size=3, activation=jax.nn.relu, use_bias=False, key=K),
+    ),
+    ft.nn.Lambda: (lambda: ft.nn.Lambda(jnp.tanh), lambda: ft.nn.Lambda(fn=jnp.tanh)),
+    **{
+        cls: (
+            lambda cls=cls: cls(2, 4, 3, 1, "VALID", key=K),
+            lambda cls=cls: cls(in_channels=2, out_channels=4, kernel_size=3, strides=1, padding="VALID", key=K),
+        )
+        for cls in (ft.nn.Conv1D, ft.nn.Conv2D, ft.nn.Conv1DTranspose, ft.nn.Conv2DTranspose)
+    },
+    **{
+        cls: (lambda cls=cls: cls(3, 1, "same"), lambda cls=cls: cls(pool_size=3, strides=1, padding="same"))
+        for cls in (ft.nn.MaxPool1D, ft.nn.MaxPool2D, ft.nn.AvgPool1D, ft.nn.AvgPool2D)
+    },
+    **{
+        cls: (cls, cls)
+        for cls in (ft.nn.GlobalMaxPool1D, ft.nn.GlobalMaxPool2D, ft.nn.GlobalAvgPool1D, ft.nn.GlobalAvgPool2D)
+    },
+    ft.nn.Flatten: (lambda: ft.nn.Flatten(2), lambda: ft.nn.Flatten(batch_dims=2)),
+    ft.nn.Dropout: (
+        lambda: ft.nn.Dropout(0.25, training=True),
+        lambda: ft.nn.Dropout(rate=0.25, training=True),
+    ),
+    ft.nn.LayerNorm: (lambda: ft.nn.LayerNorm(4, 1e-3), lambda: ft.nn.LayerNorm(shape=4, epsilon=1e-3)),
+    ft.nn.BatchNorm: (
+        lambda: ft.nn.BatchNorm(4, -1, 0.9),
+        lambda: ft.nn.BatchNorm(feature_count=4, axis=-1, momentum=0.9),
+    ),
+    ft.nn.Embedding: (
+        lambda: ft.nn.Embedding(5, 3, key=K),
+        lambda: ft.nn.Embedding(vocabulary_size=5, embedding_size=3, key=K),
+    ),
+    ft.nn.GRUCell: (_cell, lambda: ft.nn.GRUCell(input_size=2, hidden_size=3, key=K)),
+    ft.nn.LSTMCell: (
+        lambda: ft.nn.LSTMCell(2, 3, key=K),
+        lambda: ft.nn.LSTMCell(input_size=2, hidden_size=3, key=K),
+    ),
+    ft.nn.RNN: (lambda: ft.nn.RNN(_cell(), -3, True), lambda: ft.nn.RNN(cell=_cell(), time_axis=-3, reverse=True)),
+    ft.nn.MultiheadAttention: (
+        lambda: ft.nn.MultiheadAttention(4, 2, key=K),
+        lambda: ft.nn.MultiheadAttention(query_size=4, num_heads=2, key=K),
+    ),
+}
+
+
+def _layer_classes() -> list[type]:
+    return [
+        getattr(ft.nn, n)
+        for n in ft.nn.__all__
+        if inspect.isclass(getattr(ft.nn, n)) and issubclass(getattr(ft.nn, n), ft.Module)
+        and getattr(ft.nn, n) is not ft.nn.Layer
+    ]
+
+
+def test_every_layer_class_is_covered():
+    # Sequential takes its layers positionally only (``Sequential(*layers)``).
+    assert set(_layer_classes()) == set(LAYER_CALLS) | {ft.nn.Sequential}
+
+
+@pytest.mark.parametrize("cls", list(LAYER_CALLS), ids=lambda c: c.__name__)
+def test_keyword_construction_equals_positional_construction(cls):
+    positional, keywords = (make() for make in LAYER_CALLS[cls])
+    assert type(keywords) is cls
+    assert jax.tree.structure(keywords) == jax.tree.structure(positional)
+    for a, b in zip(jax.tree.leaves(keywords), jax.tree.leaves(positional)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cls", _layer_classes(), ids=lambda c: c.__name__)
+def test_field_names_as_keywords_go_through_the_layers_init(cls):
+    """Passing the fields themselves is either the layer's own __init__ call (and runs it)
+    or a TypeError: never a silent bypass of __init__."""
+    layer = LAYER_CALLS[cls][0]() if cls in LAYER_CALLS else ft.nn.Sequential(ft.nn.Lambda(jnp.tanh))
+    fields = dict(vars(layer))
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    params = {n for n, p in inspect.signature(cls).parameters.items() if p.kind not in kinds}
+    if set(fields) <= params:
+        again = cls(**fields)
+        assert jax.tree.structure(again) == jax.tree.structure(layer)
+    else:
+        with pytest.raises(TypeError):
+            cls(**fields)
+
+
+def test_pool_by_keywords_normalizes_its_sizes():
+    pool = ft.nn.MaxPool2D(pool_size=3, strides=1, padding="same")
+    assert pool.pool_size == (3, 3) and pool.strides == (1, 1) and pool.padding == "SAME"
+    assert ft.nn.MaxPool2D(pool_size=3, strides=1, padding="same")(jnp.ones((1, 4, 4, 1))).shape == (1, 4, 4, 1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ft.nn.Dropout(1.5),
+    lambda: ft.nn.Dropout(rate=1.5),
+    lambda: ft.nn.Dropout(rate=1.5, training=True),
+    lambda: ft.nn.Dropout(rate=-0.1, training=True),
+    lambda: ft.nn.Dropout(rate=float("nan")),
+])
+def test_dropout_rate_outside_zero_one_is_a_value_error(make):
+    with pytest.raises(ValueError) as info:
+        make()
+    message = str(info.value)
+    assert "rate must be in [0, 1), got" in message
+    assert "wrong:  ft.nn.Dropout(rate=" in message and "right:  ft.nn.Dropout(rate=0.1)" in message

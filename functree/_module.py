@@ -33,6 +33,8 @@ from typing import Any, ClassVar, Self, TypeVar
 import jax
 import numpy as np
 
+from functree._labels import label_aware
+
 __all__ = [
     "Module",
     "field",
@@ -210,6 +212,9 @@ def _non_differentiable_type_name(value: Any) -> str | None:
     if isinstance(value, (bool, int, str)) and not isinstance(value, float):
         return type(value).__name__
     if callable(value) and not isinstance(value, (Module, jax.Array)):
+        # A callable pytree with array leaves (an Equinox module) is a submodule.
+        if any(_is_array(leaf) for leaf in jax.tree.leaves(value)):
+            return None
         return "callable"
     return None
 
@@ -300,6 +305,8 @@ class Module:
             if field_kind(f) == PARAMETER and f.name in inspect.get_annotations(cls):
                 _warn_annotation(cls, f)
         _install_init(cls)
+        if "__call__" in cls.__dict__:  # optax calls a label tree shaped like the model
+            cls.__call__ = label_aware(cls.__dict__["__call__"])  # type: ignore[method-assign]
         flatten, flatten_with_keys, unflatten = _pytree_functions(cls)
         jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
 

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from functree._tree import dotted_name
 
@@ -76,7 +76,7 @@ for the loss), got {given}.
     right:  compute_dtype=jnp.bfloat16"""
 
 
-def check_data_axis(mesh: Mesh, data_axis: str, call: str = "ft.shard") -> None:
+def check_data_axis(mesh: Mesh | AbstractMesh, data_axis: str, call: str = "ft.shard") -> None:
     """Raise a clear error when ``mesh`` has no axis named ``data_axis``."""
     if data_axis not in mesh.axis_names:
         raise ValueError(MISSING_AXIS.format(axis=data_axis, axes=tuple(mesh.axis_names), call=call,
@@ -160,7 +160,7 @@ def _check_rules(rules: Any) -> None:
         raise TypeError(BAD_RULES.format(given=repr(rules)[:80]))
 
 
-def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh, data_axis: str = "data",
+def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, data_axis: str = "data",
                     strict: bool = True) -> Any:
     """The tree of ``PartitionSpec``s that ``rules`` give the array leaves of ``tree``.
 

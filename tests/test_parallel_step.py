@@ -1,0 +1,160 @@
+"""The data-parallel step on 8 simulated CPU devices (each test runs in a subprocess).
+
+8 devices = 1 device: the same MLP trained 20 SGD and 20 Adam steps on batches of 64
+ends with the same parameters as one device on the full batch, with parameters and
+optimizer state replicated, sharded by "fsdp", or sharded by a rules mapping.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _devices import run
+
+import functree as ft
+from functree.parallel import DataParallelStep
+
+COMMON = """
+import jax, jax.numpy as jnp, numpy as np
+import functree as ft
+from jax.sharding import PartitionSpec as P
+from functree.parallel import DataParallelStep
+
+assert len(jax.devices()) == 8
+mesh = jax.make_mesh((8,), ("data",))
+
+def mlp():
+    k = jax.random.split(jax.random.key(0), 3)
+    return ft.nn.Sequential(ft.nn.Dense(16, 128, jax.nn.relu, key=k[0]),
+                            ft.nn.Dense(128, 64, jax.nn.relu, key=k[1]), ft.nn.Dense(64, 4, key=k[2]))
+
+def loss_fn(model, batch):
+    x, y = batch
+    logits = model(x)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1)), logits
+
+rng = np.random.default_rng(0)
+xs = rng.normal(size=(20, 64, 16)).astype(np.float32)
+ys = rng.integers(0, 4, size=(20, 64)).astype(np.int32)
+
+def train(step, opt, steps=20):
+    model = mlp()
+    state = opt.init(model)
+    for i in range(steps):
+        model, state, metrics = step(model, state, (xs[i], ys[i]))
+    return model, state, metrics
+
+def max_rel(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)) / (1e-6 + np.abs(np.asarray(y)))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+"""
+
+
+def test_eight_devices_equal_one_device_replicated_fsdp_and_rules():
+    out = run(COMMON + """
+rules = {"layers.1.weight": P("data", None), "layers.0.weight": P(None, "data"), "layers.2.weight": P("data"),
+         "layers.*": P()}
+res = {}
+for name, make in [("sgd", lambda: ft.optim.sgd(0.1, momentum=0.9)), ("adam", lambda: ft.optim.adam(1e-2))]:
+    opt = ft.optim.Optimizer(make())
+    ref, ref_state, ref_metrics = train(ft.train.train_step(loss_fn, opt), opt)
+    for sharding in [None, "fsdp", rules]:
+        step = DataParallelStep(loss_fn, opt, mesh=mesh, sharding=sharding)
+        model, state, metrics = train(step, opt)
+        for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+        ctx = ft.optim.context(state)
+        res[f"{name}-{sharding if isinstance(sharding, (str, type(None))) else 'rules'}"] = {
+            "rel": max_rel(model, ref),
+            "samples": int(ctx.samples_seen),
+            "sharded": [not x.sharding.is_fully_replicated for x in jax.tree.leaves(model)],
+            "moments_sharded": sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state)),
+        }
+report(res)
+""")
+    for key, r in out.items():
+        assert r["samples"] == 20 * 64, key  # the learning context counts the global batch
+    assert not any(out["sgd-None"]["sharded"]) and out["adam-None"]["moments_sharded"] == 0
+    # fsdp: 16x128 and 128x64 weights sharded, the 64x4 weight and the biases replicated
+    assert out["adam-fsdp"]["sharded"] == [True, False, True, False, False, False]  # (weight, bias) x 3
+    assert out["adam-fsdp"]["moments_sharded"] == 4  # mu and nu of both large weights
+    assert out["sgd-fsdp"]["moments_sharded"] == 2  # the momentum of both
+    assert out["adam-rules"]["sharded"] == [True, False, True, False, True, False]
+    assert out["adam-rules"]["moments_sharded"] == 6
+
+
+def test_custom_sum_aggregator_and_per_replica_clipping():
+    out = run(COMMON + """
+model = mlp()
+batch = (xs[0], ys[0])
+def one_step(opt, model=model):
+    step = DataParallelStep(loss_fn, opt, mesh=mesh, donate=False)
+    new, _, _ = step(model, opt.init(model), batch)
+    return jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new, model)
+
+psum = lambda g: jax.tree.map(lambda x: jax.lax.psum(x, "data"), g)
+seen = []
+def spy(g):
+    seen.append(str(jax.typeof(jax.tree.leaves(g)[0])))
+    return psum(g)
+default = one_step(ft.optim.Optimizer(ft.optim.sgd(0.1)))
+named = one_step(ft.optim.Optimizer(ft.optim.sgd(0.1), axis_name="data"))
+summed = one_step(ft.optim.Optimizer(ft.optim.sgd(0.1), aggregate_gradients=spy))
+ratio = [float(np.max(np.abs(s - 8 * d))) for s, d in zip(jax.tree.leaves(summed), jax.tree.leaves(default))]
+same = [float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(named), jax.tree.leaves(default))]
+
+# per-replica clipping: each device clips its own gradient before the mean
+c = 1e-3
+clip = lambda g: jax.tree.map(lambda x: jnp.clip(x, -c, c), g)
+clipped = one_step(ft.optim.Optimizer(ft.optim.sgd(1.0), transform_unaggregated_gradients=clip))
+grad = lambda b: ft.gradient(lambda m: loss_fn(m, b)[0], at=model)
+per_device = [clip(grad((xs[0][8 * i: 8 * i + 8], ys[0][8 * i: 8 * i + 8]))) for i in range(8)]
+expected = jax.tree.map(lambda *g: -sum(g) / 8, *per_device)
+after_mean = jax.tree.map(lambda g: -g, clip(grad(batch)))
+err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+          for a, b in zip(jax.tree.leaves(clipped), jax.tree.leaves(expected)))
+differs = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(after_mean)))
+report({"ratio": ratio, "same": same, "seen": seen[0], "clip_err": err, "clip_differs": differs,
+        "scale": max(float(np.max(np.abs(d))) for d in jax.tree.leaves(default))})
+""")
+    assert max(out["ratio"]) <= 1e-6 * max(out["scale"], 1.0) * 8  # summed = 8 x mean, to rounding
+    assert max(out["same"]) == 0.0  # axis_name="data" or None: the same mean
+    assert "{V:data}" in out["seen"]  # the aggregator saw per-device (varying) gradients
+    assert out["clip_err"] < 1e-6  # clip threshold 1e-3: every update is at most 1e-3
+    assert out["clip_differs"] > 1e-4  # clipping before the mean is not clipping after it
+
+
+def test_indivisible_batch_and_bfloat16_master_parameters():
+    out = run(COMMON + """
+opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+step = DataParallelStep(loss_fn, opt, mesh=mesh)
+model = mlp()
+try:
+    step(model, opt.init(model), (xs[0][:60], ys[0][:60]))
+    error = ""
+except ValueError as e:
+    error = str(e)
+half = DataParallelStep(loss_fn, opt, mesh=mesh, compute_dtype=jnp.bfloat16)
+m16, s16, metrics16 = train(half, opt)
+m32, s32, metrics32 = train(DataParallelStep(loss_fn, opt, mesh=mesh), opt)
+report({"error": error,
+        "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves((m16, s16)) if jnp.issubdtype(x.dtype, jnp.floating)}),
+        "loss16": float(metrics16["loss"]), "loss32": float(metrics32["loss"]),
+        "rel": max_rel(m16, m32)})
+""")
+    assert "60 examples" in out["error"] and "8 devices of mesh axis 'data'" in out["error"]
+    assert "batch_size=56, drop_last=True" in out["error"]
+    assert out["dtypes"] == ["float32"]  # master parameters and Adam state stay float32
+    assert abs(out["loss16"] - out["loss32"]) < 0.05 * out["loss32"]
+    assert 0 < out["rel"]  # it did compute in bfloat16
+
+
+def test_missing_data_axis_names_the_mesh_axes():
+    mesh = jax.make_mesh((1,), ("batch",))
+    with pytest.raises(ValueError, match=r"no axis 'data'; its axes are \('batch',\)"):
+        DataParallelStep(lambda m, b: jnp.mean(b), ft.optim.sgd(0.1), mesh=mesh)
+    step = DataParallelStep(lambda m, b: jnp.mean(b * m["w"]), ft.optim.sgd(0.1), mesh=mesh, data_axis="batch")
+    model, _, metrics = step({"w": jnp.ones(())}, ft.optim.Optimizer(ft.optim.sgd(0.1)).init({"w": jnp.ones(())}),
+                             jnp.arange(4.0))
+    assert float(metrics["loss"]) == 1.5 and float(model["w"]) == pytest.approx(1 - 0.1 * 1.5)

@@ -137,7 +137,7 @@ def test_cast_gradients_come_back_in_the_master_dtype():
 
 
 def test_compute_dtype_must_be_floating():
-    with pytest.raises(TypeError, match="compute_dtype must be a floating dtype.*int8"):
+    with pytest.raises(TypeError, match=r"compute_dtype must be a floating dtype.*int8"):
         ft.cast(model(), jnp.int8)
     with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
         ft.parallel.DataParallelStep(lambda m, b: 0.0, ft.optim.sgd(0.1), mesh=jax.make_mesh((1,), ("data",)),

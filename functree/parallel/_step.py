@@ -224,6 +224,10 @@ class DataParallelStep(TrainStep):
         return (place(model, self.model_specs(model), self.mesh),
                 place(opt_state, self.state_specs(opt_state), self.mesh))
 
+    def shard_batch(self, batch: Any) -> Any:
+        """The global batch from this process's share (:func:`shard_batch` on this mesh)."""
+        return shard_batch(batch, self.mesh, self.data_axis)
+
     # --- the step ------------------------------------------------------------------------
     def _per_device(self, model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, ...]:
         axis, dtype = self.data_axis, self.compute_dtype
@@ -289,7 +293,7 @@ class DataParallelStep(TrainStep):
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
         model, opt_state = self.place(model, opt_state)
-        return super().__call__(model, opt_state, shard_batch(batch, self.mesh, self.data_axis), key)
+        return super().__call__(model, opt_state, self.shard_batch(batch), key)
 
     def __repr__(self) -> str:
         return (f"{super().__repr__()[:-1]}, mesh={dict(self.mesh.shape)}, data_axis={self.data_axis!r}, "
@@ -337,7 +341,14 @@ class DataParallelEvalStep(EvalStep):
         batch = constrain(batch, batch_specs(batch, self.data_axis), self.mesh)
         return super().step(model, batch, key)
 
+    def shard_batch(self, batch: Any) -> Any:
+        """The global batch from this process's share (:func:`shard_batch` on this mesh)."""
+        return shard_batch(batch, self.mesh, self.data_axis)
+
+    def place(self, model: Any) -> Any:
+        """``model`` placed on the mesh by the sharding rules."""
+        return place(model, partition_specs(model, self.sharding, mesh=self.mesh, data_axis=self.data_axis),
+                     self.mesh)
+
     def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
-        specs = partition_specs(model, self.sharding, mesh=self.mesh, data_axis=self.data_axis)
-        model = place(model, specs, self.mesh)
-        return super().__call__(model, shard_batch(batch, self.mesh, self.data_axis), key)
+        return super().__call__(self.place(model), self.shard_batch(batch), key)

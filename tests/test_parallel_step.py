@@ -158,3 +158,42 @@ def test_missing_data_axis_names_the_mesh_axes():
     model, _, metrics = step({"w": jnp.ones(())}, ft.optim.Optimizer(ft.optim.sgd(0.1)).init({"w": jnp.ones(())}),
                              jnp.arange(4.0))
     assert float(metrics["loss"]) == 1.5 and float(model["w"]) == pytest.approx(1 - 0.1 * 1.5)
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x, y = (d.data / 16.0).astype("float32"), d.target.astype("int32")
+    return (x[:1440], y[:1440]), (x[1440:], y[1440:])
+
+
+def _digits_run(opt, compute_dtype):
+    (xtr, ytr), (xte, yte) = _digits()
+    k = jax.random.split(jax.random.key(0), 2)
+    model = ft.nn.Sequential(ft.nn.Dense(64, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 10, key=k[1]))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+
+    step = DataParallelStep(loss_fn, opt, mesh=jax.make_mesh((1,), ("data",)), compute_dtype=compute_dtype)
+    state = opt.init(model)
+    for _ in range(8):
+        for batch in ft.train.batches((xtr, ytr), 64, drop_last=True):
+            model, state, _ = step(model, state, batch)
+    accuracy = float(jnp.mean(jnp.argmax(model(jnp.asarray(xte)), -1) == jnp.asarray(yte)))
+    return model, state, accuracy
+
+
+def test_bfloat16_digits_within_one_point_and_float16_with_loss_scaling():
+    _, _, acc32 = _digits_run(ft.optim.Optimizer(ft.optim.adam(3e-3)), None)
+    model, state, acc16 = _digits_run(ft.optim.Optimizer(ft.optim.adam(3e-3)), jnp.bfloat16)
+    assert acc32 > 0.85 and abs(acc16 - acc32) <= 0.01
+    floats = [x for x in jax.tree.leaves((model, state)) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+    opt = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.adam(3e-3)), initial_scale=2.0**20)
+    model, state, acc_half = _digits_run(opt, jnp.float16)
+    assert int(state.skipped) >= 1  # 2^20 overflows float16 at first: those steps were skipped
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(model))
+    assert acc_half > 0.85

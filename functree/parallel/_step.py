@@ -148,6 +148,11 @@ def shard_batch(batch: Any, mesh: Mesh, data_axis: str = "data") -> Any:
     return jax.tree.map(one, batch)
 
 
+def _on_mesh(tree: Any, mesh: Mesh) -> bool:
+    return all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+               for x in jax.tree.leaves(tree) if is_array(x))
+
+
 def _stack(x: Any) -> Any:
     return x[None] if is_array(x) else x
 
@@ -220,7 +225,13 @@ class DataParallelStep(TrainStep):
                                strict=False)
 
     def place(self, model: Any, opt_state: Any) -> tuple[Any, Any]:
-        """``(model, opt_state)`` placed on the mesh by the sharding rules."""
+        """``(model, opt_state)`` placed on the mesh by the sharding rules.
+
+        Arrays already on this mesh (a previous step's outputs) are passed as they are:
+        the step's sharding constraints keep them placed by the rules.
+        """
+        if _on_mesh((model, opt_state), self.mesh):
+            return model, opt_state
         return (place(model, self.model_specs(model), self.mesh),
                 place(opt_state, self.state_specs(opt_state), self.mesh))
 

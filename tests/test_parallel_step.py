@@ -125,7 +125,7 @@ report({"ratio": ratio, "same": same, "seen": seen[0], "clip_err": err, "clip_di
     assert out["clip_differs"] > 1e-4  # clipping before the mean is not clipping after it
 
 
-def test_indivisible_batch_and_bfloat16_master_parameters():
+def test_indivisible_batch_bfloat16_master_parameters_eval_and_trainer():
     out = run(COMMON + """
 opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
 step = DataParallelStep(loss_fn, opt, mesh=mesh)
@@ -138,7 +138,18 @@ except ValueError as e:
 half = DataParallelStep(loss_fn, opt, mesh=mesh, compute_dtype=jnp.bfloat16)
 m16, s16, metrics16 = train(half, opt)
 m32, s32, metrics32 = train(DataParallelStep(loss_fn, opt, mesh=mesh), opt)
+# evaluation and the Trainer on the mesh: the same numbers as on one device
+evaluate = ft.parallel.DataParallelEvalStep(loss_fn, mesh=mesh, sharding="fsdp", metrics=[ft.train.accuracy])
+plain = ft.train.eval_step(loss_fn, metrics=[ft.train.accuracy])
+ev8, ev1 = evaluate(m32, (xs[1], ys[1])), plain(m32, (xs[1], ys[1]))
+trainers = [ft.train.Trainer(mlp(), opt, loss_fn, train_step=s) for s in
+            (None, DataParallelStep(loss_fn, opt, mesh=mesh, sharding="fsdp"))]
+for t in trainers:
+    t.fit((xs[:4].reshape(-1, 16), ys[:4].reshape(-1)), batch_size=64, epochs=2, progress=False)
 report({"error": error,
+        "eval": [float(ev8["loss"]), float(ev1["loss"]), float(ev8["accuracy"]), float(ev1["accuracy"])],
+        "trainer": max_rel(trainers[1].model, trainers[0].model),
+        "trainer_sharded": not trainers[1].model.layers[0].weight.sharding.is_fully_replicated,
         "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves((m16, s16)) if jnp.issubdtype(x.dtype, jnp.floating)}),
         "loss16": float(metrics16["loss"]), "loss32": float(metrics32["loss"]),
         "rel": max_rel(m16, m32)})
@@ -148,6 +159,9 @@ report({"error": error,
     assert out["dtypes"] == ["float32"]  # master parameters and Adam state stay float32
     assert abs(out["loss16"] - out["loss32"]) < 0.05 * out["loss32"]
     assert out["rel"] > 0  # it did compute in bfloat16
+    loss8, loss1, acc8, acc1 = out["eval"]
+    assert loss8 == pytest.approx(loss1, rel=1e-5) and acc8 == acc1
+    assert out["trainer"] < 1e-3 and out["trainer_sharded"]  # Trainer(train_step=DataParallelStep)
 
 
 def test_missing_data_axis_names_the_mesh_axes():

@@ -7,6 +7,7 @@ optimizer state replicated, sharded by "fsdp", or sharded by a rules mapping.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _devices import run
 
@@ -211,3 +212,23 @@ def test_bfloat16_digits_within_one_point_and_float16_with_loss_scaling():
     assert int(state.skipped) >= 1  # 2^20 overflows float16 at first: those steps were skipped
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(model))
     assert acc_half > 0.85
+
+
+def test_layer_state_and_keys_on_a_one_device_mesh():
+    k = jax.random.split(jax.random.key(0), 2)
+    model = ft.nn.training(ft.nn.Sequential(ft.nn.Dense(4, 8, key=k[0]), ft.nn.BatchNorm(8), ft.nn.Dropout(0.5),
+                                            ft.nn.Dense(8, 1, key=k[1])))
+
+    def loss_fn(model, batch, *, key=None):
+        return jnp.mean((model(batch[0], key=key) - batch[1]) ** 2)
+
+    x, y = jnp.arange(32.0).reshape(8, 4) / 32, jnp.ones((8, 1))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = DataParallelStep(loss_fn, opt, donate=False)  # mesh=None: the default device
+    new, state, metrics = step(model, opt.init(model), (x, y), key=jax.random.key(1))
+    assert bool(jnp.isfinite(metrics["loss"]))
+    hidden = model.layers[0](x)
+    np.testing.assert_allclose(new.layers[1].running_mean, 0.99 * model.layers[1].running_mean + 0.01 * hidden.mean(0),
+                               rtol=1e-5, atol=1e-7)  # BatchNorm statistics recorded and applied
+    again, _, _ = DataParallelStep(loss_fn, opt, donate=False)(model, opt.init(model), (x, y), key=jax.random.key(1))
+    np.testing.assert_array_equal(again.layers[0].weight, new.layers[0].weight)  # one key, one result

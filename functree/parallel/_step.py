@@ -49,7 +49,7 @@ from functree.parallel._rules import (
 from functree.train._metrics import batch_size_of
 from functree.train._step import EvalStep, TrainStep, _first_nonfinite, _select
 
-__all__ = ["DataParallelStep", "DataParallelEvalStep", "DataParallelOptimizer", "shard_batch"]
+__all__ = ["DataParallelStep", "DataParallelEvalStep", "DataParallelOptimizer", "shard_batch", "one_device_mesh"]
 
 BATCH_NOT_DIVISIBLE = """\
 The batch has {size} examples (leading axis of {path}), which the {n} devices of mesh axis \
@@ -148,6 +148,11 @@ def shard_batch(batch: Any, mesh: Mesh, data_axis: str = "data") -> Any:
     return jax.tree.map(one, batch)
 
 
+def one_device_mesh(data_axis: str = "data") -> Mesh:
+    """A mesh of the default device alone (``compute_dtype`` without a mesh)."""
+    return jax.make_mesh((1,), (data_axis,), devices=jax.devices()[:1])
+
+
 def _on_mesh(tree: Any, mesh: Mesh) -> bool:
     return all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
                for x in jax.tree.leaves(tree) if is_array(x))
@@ -168,7 +173,8 @@ class DataParallelStep(TrainStep):
     """A :class:`ft.train.TrainStep` whose batch is split over ``data_axis`` of ``mesh``.
 
     Args (besides those of ``TrainStep``):
-      mesh: a ``jax.sharding.Mesh``, e.g. ``jax.make_mesh((8,), ("data",))``.
+      mesh: a ``jax.sharding.Mesh``, e.g. ``jax.make_mesh((8,), ("data",))`` (default:
+        the default device alone, for ``compute_dtype`` on one device).
       data_axis: the mesh axis the batch's leading axis is split over.
       sharding: ``None`` (parameters and optimizer state replicated), ``"fsdp"`` or
         ``{pattern: PartitionSpec}`` (see :func:`ft.partition_specs`).
@@ -199,7 +205,7 @@ class DataParallelStep(TrainStep):
         loss_fn: Callable[..., Any],
         optimizer: Any,
         *,
-        mesh: Mesh,
+        mesh: Mesh | None = None,
         data_axis: str = "data",
         sharding: Any = None,
         compute_dtype: Any = None,
@@ -207,6 +213,7 @@ class DataParallelStep(TrainStep):
         on_nan: str | None = None,
         donate: bool = True,
     ):
+        mesh = one_device_mesh(data_axis) if mesh is None else mesh
         check_data_axis(mesh, data_axis, "ft.train.train_step")
         _check_rules(sharding)
         self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)
@@ -329,12 +336,13 @@ class DataParallelEvalStep(EvalStep):
         self,
         loss_fn: Callable[..., Any],
         *,
-        mesh: Mesh,
+        mesh: Mesh | None = None,
         data_axis: str = "data",
         sharding: Any = None,
         compute_dtype: Any = None,
         metrics: Mapping[str, Any] | Sequence[Any] | None = None,
     ):
+        mesh = one_device_mesh(data_axis) if mesh is None else mesh
         check_data_axis(mesh, data_axis, "ft.train.eval_step")
         _check_rules(sharding)
         self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)

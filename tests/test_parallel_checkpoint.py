@@ -41,6 +41,7 @@ def _setup():
     return scope
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_restores_on_one_device_and_back_onto_eight(tmp_path):
     first = run(SETUP + f"""
 mesh = jax.make_mesh((8,), ("data",))

@@ -78,6 +78,7 @@ report({"process": jax.process_index(), "devices": jax.device_count(), "local": 
 """
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one():
     port = free_port()
     procs = [start(WORKER, devices=2, args=(str(i), str(port))) for i in range(2)]

@@ -50,6 +50,7 @@ def max_rel(a, b):
 """
 
 
+@pytest.mark.slow
 def test_eight_devices_equal_one_device_replicated_fsdp_and_rules():
     out = run(COMMON + """
 rules = {"layers.1.weight": P("data", None), "layers.0.weight": P(None, "data"), "layers.2.weight": P("data"),
@@ -84,6 +85,7 @@ report(res)
     assert out["adam-rules"]["moments_sharded"] == 6
 
 
+@pytest.mark.slow
 def test_custom_sum_aggregator_and_per_replica_clipping():
     out = run(COMMON + """
 model = mlp()
@@ -126,6 +128,7 @@ report({"ratio": ratio, "same": same, "seen": seen[0], "clip_err": err, "clip_di
     assert out["clip_differs"] > 1e-4  # clipping before the mean is not clipping after it
 
 
+@pytest.mark.slow
 def test_indivisible_batch_bfloat16_master_parameters_eval_and_trainer():
     out = run(COMMON + """
 opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
@@ -201,6 +204,7 @@ def _digits_run(opt, compute_dtype):
     return model, state, accuracy
 
 
+@pytest.mark.slow
 def test_bfloat16_digits_within_one_point_and_float16_with_loss_scaling():
     _, _, acc32 = _digits_run(ft.optim.Optimizer(ft.optim.adam(3e-3)), None)
     model, state, acc16 = _digits_run(ft.optim.Optimizer(ft.optim.adam(3e-3)), jnp.bfloat16)
@@ -225,10 +229,29 @@ def test_layer_state_and_keys_on_a_one_device_mesh():
     x, y = jnp.arange(32.0).reshape(8, 4) / 32, jnp.ones((8, 1))
     opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
     step = DataParallelStep(loss_fn, opt, donate=False)  # mesh=None: the default device
-    new, state, metrics = step(model, opt.init(model), (x, y), key=jax.random.key(1))
+    new, _, metrics = step(model, opt.init(model), (x, y), key=jax.random.key(1))
     assert bool(jnp.isfinite(metrics["loss"]))
     hidden = model.layers[0](x)
     np.testing.assert_allclose(new.layers[1].running_mean, 0.99 * model.layers[1].running_mean + 0.01 * hidden.mean(0),
                                rtol=1e-5, atol=1e-7)  # BatchNorm statistics recorded and applied
     again, _, _ = DataParallelStep(loss_fn, opt, donate=False)(model, opt.init(model), (x, y), key=jax.random.key(1))
     np.testing.assert_array_equal(again.layers[0].weight, new.layers[0].weight)  # one key, one result
+
+
+def test_accumulation_and_on_nan_skip_match_the_plain_step():
+    def loss_fn(model, batch):
+        return jnp.mean((batch[0] @ model["w"] - batch[1]) ** 2), batch[0] @ model["w"]
+
+    x, y = jnp.arange(24.0).reshape(8, 3) / 24, jnp.arange(8.0)
+    for opt in (ft.optim.Optimizer(ft.optim.adam(0.1), accumulate=2), ft.optim.Optimizer(ft.optim.sgd(0.1))):
+        plain = ft.train.train_step(loss_fn, opt, on_nan="skip", donate=False)
+        parallel = DataParallelStep(loss_fn, opt, on_nan="skip", donate=False, metrics={"aux_rows": lambda o: o.aux.shape[0] * 1.0})
+        model = {"w": jnp.ones(3)}
+        a, sa, ma = plain(model, opt.init(model), (x, y))
+        b, sb, mb = parallel(model, opt.init(model), (x, y))
+        np.testing.assert_allclose(b["w"], a["w"], rtol=1e-6)
+        assert int(mb["nonfinite"]) == -1 and float(mb["aux_rows"]) == 8.0  # aux: one row per example
+        assert int(ft.optim.context(sb).samples_seen) == int(ft.optim.context(sa).samples_seen) == 8
+        bad, _, mbad = parallel(model, opt.init(model), (x.at[0, 0].set(jnp.nan), y))
+        assert int(mbad["nonfinite"]) == 0  # the gradient of leaf 0 (w) was not finite
+        np.testing.assert_array_equal(bad["w"], model["w"])  # the non-finite step was skipped

@@ -247,7 +247,7 @@ def test_accumulation_and_on_nan_skip_match_the_plain_step():
         plain = ft.train.train_step(loss_fn, opt, on_nan="skip", donate=False)
         parallel = DataParallelStep(loss_fn, opt, on_nan="skip", donate=False, metrics={"aux_rows": lambda o: o.aux.shape[0] * 1.0})
         model = {"w": jnp.ones(3)}
-        a, sa, ma = plain(model, opt.init(model), (x, y))
+        a, sa, _ = plain(model, opt.init(model), (x, y))
         b, sb, mb = parallel(model, opt.init(model), (x, y))
         np.testing.assert_allclose(b["w"], a["w"], rtol=1e-6)
         assert int(mb["nonfinite"]) == -1 and float(mb["aux_rows"]) == 8.0  # aux: one row per example

@@ -15,7 +15,7 @@ Nothing here communicates by itself: meshes and ``NamedSharding`` place the arra
 """
 
 from functree.parallel._cast import cast
-from functree.parallel._checkpoint import load, sharded_target
+from functree.parallel._checkpoint import load, mesh_shape, sharded_target
 from functree.parallel._mesh import auto_mesh
 from functree.parallel._rules import FSDP_MIN_SIZE, partition_specs
 from functree.parallel._shard import shard
@@ -38,4 +38,5 @@ __all__ = [
     "auto_mesh",
     "load",
     "sharded_target",
+    "mesh_shape",
 ]

@@ -22,7 +22,7 @@ from functree.parallel._rules import partition_specs
 from functree.train._checkpoint import FORMAT, _rebuild_single
 from functree.train._treespec import CheckpointError, encode
 
-__all__ = ["sharded_target", "load"]
+__all__ = ["sharded_target", "load", "mesh_shape"]
 
 NEEDS_TEMPLATE = """\
 Restoring onto a mesh needs a template (the tree's structure, shapes and dtypes) to place \
@@ -30,6 +30,24 @@ each array by the sharding rules:
 
     wrong:  ft.parallel.load(path, None, mesh=mesh)
     right:  ft.parallel.load(path, (model, opt_state), mesh=mesh, sharding="fsdp")"""
+
+
+def mesh_shape(tree: Any) -> dict[str, int]:
+    """``{axis: size}`` of the mesh the tree's arrays live on (``{}`` off any mesh).
+
+    What a checkpoint records about where it was written from.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> from functree.parallel import mesh_shape
+      >>> mesh_shape(ft.shard({"w": jnp.ones(4)}, jax.make_mesh((1,), ("data",)))), mesh_shape({"w": 1.0})
+      ({'data': 1}, {})
+    """
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
+    return {}
 
 
 def sharded_target(template: Any, mesh: Mesh, rules: Any = None, *, data_axis: str = "data") -> Any:

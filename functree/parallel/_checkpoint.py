@@ -97,6 +97,6 @@ def load(path: str | os.PathLike[str], template: Any, *, mesh: Mesh, sharding: A
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         restored = checkpointer.restore(path, args=args)
     meta = restored["meta"]
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith(FORMAT.rsplit("-", 1)[0]):
         raise CheckpointError(f"{path} is not a functree checkpoint (no {FORMAT} metadata).")
     return _rebuild_single(meta["spec"], dict(restored["arrays"]), template)

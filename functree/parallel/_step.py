@@ -47,7 +47,7 @@ from functree.parallel._rules import (
     partition_specs,
 )
 from functree.train._metrics import batch_size_of
-from functree.train._step import EvalStep, TrainStep, _first_nonfinite, _select
+from functree.train._step import EvalStep, TrainStep, _first_nonfinite
 
 __all__ = ["DataParallelStep", "DataParallelEvalStep", "DataParallelOptimizer", "shard_batch", "one_device_mesh"]
 
@@ -156,6 +156,11 @@ def one_device_mesh(data_axis: str = "data") -> Mesh:
 def _on_mesh(tree: Any, mesh: Mesh) -> bool:
     return all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
                for x in jax.tree.leaves(tree) if is_array(x))
+
+
+def _select(keep: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``keep`` else ``old``, leaf by leaf (a skipped step changes nothing)."""
+    return jax.tree.map(lambda n, o: jnp.where(keep, n, o) if is_array(n) else n, new, old)
 
 
 def _stack(x: Any) -> Any:

@@ -47,6 +47,7 @@ def start(code: str, devices: int = 8, args: tuple[str, ...] = ()) -> subprocess
 def result(proc: subprocess.Popen, timeout: float = 300) -> Any:
     """The reported object of a process started by :func:`start` (raises with its stderr)."""
     out, err = proc.communicate(timeout=timeout)
+    proc.stderr_text = err  # type: ignore[attr-defined]  # for tests that read what it printed
     lines = [line for line in out.splitlines() if line.startswith(MARK)]
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"subprocess failed (exit {proc.returncode}):\n{out[-3000:]}\n{err[-6000:]}")
@@ -62,3 +63,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+def results(procs: list[subprocess.Popen], timeout: float = 300) -> list[Any]:
+    """:func:`result` of several processes read together (none blocks on a full pipe)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(procs)) as pool:
+        return list(pool.map(lambda p: result(p, timeout), procs))

@@ -6,7 +6,7 @@ nested parameters; differential operators carry the Swift proposal's names.
     >>> import functree as ft
 """
 
-from functree import losses, nn, optim, train
+from functree import losses, nn, optim, parallel, train
 from functree._alias import AliasWarning
 from functree._config import config
 from functree._derivative import (
@@ -64,6 +64,7 @@ from functree._tangent import (
     zero_tangent_vector,
     zero_tangent_vector_initializer,
 )
+from functree.parallel import cast, partition_specs, shard
 
 __version__ = "0.1.0"
 
@@ -116,6 +117,10 @@ __all__ = [
     "DifferentiableFunction",
     "without_derivative",
     "with_recomputation_in_pullbacks",
+    # beyond one device
+    "shard",
+    "partition_specs",
+    "cast",
     # compilation and diagnostics
     "jit",
     "ControlFlowError",
@@ -133,4 +138,5 @@ __all__ = [
     "optim",
     "train",
     "losses",
+    "parallel",
 ]

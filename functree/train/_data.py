@@ -43,6 +43,33 @@ The minibatch size must be a positive int, got {size!r}{where}.
        or:  ft.train.batches(data, batch_size=lambda c: 32 if c.sweep < 2 else 128)"""
 
 
+BAD_SHARD = """\
+shard=(index, count) gives process `index` of `count` its share of every minibatch; \
+got shard={shard!r}{why}.
+
+    right:  ft.train.batches(data, 64, shard=(jax.process_index(), jax.process_count()))"""
+
+
+def _check_shard(shard: Any) -> tuple[int, int]:
+    ok = isinstance(shard, tuple) and len(shard) == 2 and all(isinstance(v, (int, np.integer)) for v in shard)
+    if not ok or not 0 <= shard[0] < shard[1]:
+        raise ValueError(BAD_SHARD.format(shard=shard, why=""))
+    return int(shard[0]), int(shard[1])
+
+
+def _rows(offset: int, size: int, shard: tuple[int, int] | None) -> tuple[int, int]:
+    """(first, end) of this process's rows of the minibatch of ``size`` rows at ``offset``."""
+    if shard is None:
+        return offset, offset + size
+    index, count = shard
+    if size % count:
+        why = f": a minibatch of {size} examples does not split evenly into {count} shares " \
+              f"(use a batch size that is a multiple of {count}, and drop_last=True)"
+        raise ValueError(BAD_SHARD.format(shard=shard, why=why))
+    share = size // count
+    return offset + index * share, offset + (index + 1) * share
+
+
 class DataContext(NamedTuple):
     """What a functional minibatch size sees: seed 003's learning context, on the host.
 
@@ -92,7 +119,9 @@ class Batches:
         shuffle: bool,
         key: jax.Array | None,
         drop_last: bool,
+        shard: tuple[int, int] | None = None,
     ):
+        self.shard = None if shard is None else _check_shard(shard)
         leaves = jax.tree.leaves(arrays)
         if not leaves or any(np.ndim(x) == 0 for x in leaves):
             raise ValueError(NO_ARRAYS.format(what=repr(arrays)[:80]))
@@ -156,10 +185,11 @@ class Batches:
         order = self._order(epoch)
         offset = sum(sizes[:start])
         for size in sizes[start:]:
+            first, end = _rows(offset, size, self.shard)  # with shard=: this process's rows
             if order is None:
-                batch = jax.tree.map(lambda x, a=offset, b=offset + size: x[a:b], self.arrays)
+                batch = jax.tree.map(lambda x, a=first, b=end: x[a:b], self.arrays)
             else:
-                index = order[offset : offset + size]
+                index = order[first:end]
                 batch = jax.tree.map(lambda x, i=index: _take(x, i), self.arrays)
             offset += size
             yield batch
@@ -197,6 +227,7 @@ def batches(
     shuffle: bool = True,
     key: jax.Array | None = None,
     drop_last: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> Batches:
     """Minibatches of ``arrays`` (a tree of arrays with a common leading axis).
 
@@ -205,7 +236,10 @@ def batches(
     are reproducible. ``batch_size`` may be a function of the :class:`DataContext`
     (``step``, ``sweep``, ``samples_seen``), seed 003's functional minibatch size; every
     distinct size compiles the training step once. ``drop_last`` drops a final short
-    minibatch (no extra compilation).
+    minibatch (no extra compilation). ``shard=(jax.process_index(), jax.process_count())``
+    yields each process its share of every minibatch (rows ``i·b/P`` to ``(i+1)·b/P`` of
+    the same shuffled minibatch in every process); the data-parallel step assembles the
+    global minibatch from the shares.
 
     Example:
       >>> import functree as ft, numpy as np
@@ -217,7 +251,7 @@ def batches(
       >>> [len(b) for b in growing]
       [1, 2, 2]
     """
-    return Batches(arrays, batch_size, shuffle=shuffle, key=key, drop_last=drop_last)
+    return Batches(arrays, batch_size, shuffle=shuffle, key=key, drop_last=drop_last, shard=shard)
 
 
 def _leaf_to_array(x: Any) -> Any:

@@ -1,0 +1,44 @@
+"""``ft.cast``: a model with its floating parameters in another dtype (mixed precision)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from functree._parameters import parameters, with_parameters
+from functree.parallel._rules import check_compute_dtype
+
+__all__ = ["cast", "cast_floating"]
+
+
+def cast(tree: Any, dtype: Any) -> Any:
+    """``tree`` with every floating *parameter* leaf cast to ``dtype``.
+
+    Parameters are the leaves of ``ft.parameters(tree)``: integer and boolean leaves,
+    ``no_derivative`` fields (BatchNorm statistics) and static fields are left as they are.
+    Differentiating through ``cast`` gives gradients in the original dtype, which is how a
+    float32 master copy trains in bfloat16: ``loss_fn(ft.cast(model, jnp.bfloat16), x)``.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> bn = ft.nn.BatchNorm(3)
+      >>> half = ft.cast(bn, jnp.bfloat16)
+      >>> half.scale.dtype, half.running_mean.dtype
+      (dtype(bfloat16), dtype('float32'))
+    """
+    dtype = check_compute_dtype(dtype)
+    view = parameters(tree)
+    return with_parameters(tree, jax.tree.map(lambda p: p.astype(dtype), view))
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """Every floating array leaf of ``tree`` (inputs of a batch) cast to ``dtype``."""
+
+    def one(x: Any) -> Any:
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return jnp.asarray(x).astype(dtype)
+        return x
+
+    return jax.tree.map(one, tree)

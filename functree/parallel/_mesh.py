@@ -1,0 +1,61 @@
+"""Placing arrays on a mesh: outside a jitted program (``place``) and inside one (``constrain``).
+
+functree places arrays with ``NamedSharding``s on the *Auto*-typed twin of the user's mesh
+(same devices, same axis names): ``jax.make_mesh`` gives Explicit axes by default, whose
+sharding-in-types rules would leak into every model's code; with Auto axes XLA's SPMD
+partitioner propagates the shardings through the step instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["auto_mesh", "place", "constrain", "is_array"]
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis of type Auto (the mesh itself when it already is)."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is an array leaf that gets a sharding (not a Python scalar or None)."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _place_leaf(x: Any, sharding: NamedSharding) -> Any:
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)  # the same value in every process: each takes its own shards
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """``tree`` with each array leaf put on ``NamedSharding(mesh, spec)`` (outside jit)."""
+    mesh = auto_mesh(mesh)
+    return jax.tree.map(
+        lambda x, s: _place_leaf(x, NamedSharding(mesh, s)) if is_array(x) else x,
+        tree, specs,
+    )
+
+
+def constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """``tree`` with each array leaf constrained to ``NamedSharding(mesh, spec)`` (inside jit)."""
+    mesh = auto_mesh(mesh)
+    return jax.tree.map(
+        lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)) if is_array(x) else x,
+        tree, specs,
+    )
+
+
+def replicated(tree: Any) -> Any:
+    """A spec tree giving every array leaf of ``tree`` ``P()``."""
+    return jax.tree.map(lambda x: PartitionSpec() if is_array(x) else x, tree)

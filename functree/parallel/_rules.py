@@ -1,0 +1,213 @@
+"""Sharding rules by key path: the ``PartitionSpec`` of every leaf of a model or state.
+
+``rules`` is one of
+
+* ``None``: every leaf replicated (``P()``);
+* ``"fsdp"``: each floating leaf with at least :data:`FSDP_MIN_SIZE` elements is split
+  over ``data_axis`` along its largest dimension divisible by the axis size (the first
+  such on ties); smaller or indivisible leaves are replicated;
+* ``{pattern: PartitionSpec}``: glob patterns over the dotted names of ``ft.to_flat_dict``
+  (``"encoder.*.weight"``, ``"*.bias"``); the first matching pattern wins, unmatched leaves
+  are replicated.
+
+A pattern matches a leaf when it matches its dotted name or any dotted suffix of it, so
+the optimizer moments of a parameter (``1.mu.encoder.0.weight``) follow the parameter's
+rule (``encoder.*.weight``). A leaf matched only through a suffix (an optimizer moment)
+keeps the rule when the spec fits its shape and is replicated otherwise (factored
+moments); a leaf the pattern names itself must fit. Non-floating leaves (integers,
+counts, PRNG keys) are always replicated.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from functree._tree import dotted_name
+
+__all__ = ["partition_specs", "FSDP_MIN_SIZE", "check_data_axis", "check_compute_dtype"]
+
+FSDP_MIN_SIZE = 1024
+"""Leaves with fewer elements are replicated by ``"fsdp"`` (sharding them saves little
+memory and costs one collective each)."""
+
+MISSING_AXIS = """\
+The mesh has no axis {axis!r}; its axes are {axes}.
+
+    wrong:  {call}(..., mesh=jax.make_mesh((8,), ("batch",)), data_axis="data")
+    right:  {call}(..., mesh=jax.make_mesh((8,), ("data",)), data_axis="data")
+       or:  {call}(..., mesh=mesh, data_axis={first!r})"""
+
+UNMATCHED_RULE = """\
+The sharding rule {pattern!r} matches no parameter. Closest names: {close}.
+Patterns are globs over the dotted names of ft.to_flat_dict(model):
+
+    wrong:  sharding={{{pattern!r}: P(...)}}
+    right:  sharding={{{suggestion!r}: P(...)}}"""
+
+BAD_SPEC = """\
+The sharding rule {pattern!r} gives {spec} to {path}, of shape {shape}, which it cannot \
+split: {why}.
+Each sharded dimension must be divisible by the size of its mesh axes ({sizes}):
+
+    wrong:  sharding={{{pattern!r}: {spec}}}
+    right:  sharding={{{pattern!r}: P()}}     # replicate it, or pick a divisible dimension"""
+
+BAD_RULES = """\
+sharding= takes None, "fsdp" or a mapping {{pattern: PartitionSpec}}, got {given}.
+
+    wrong:  sharding="zero3"
+    right:  sharding="fsdp"
+       or:  sharding={{"encoder.*.weight": P(None, "model"), "*.bias": P()}}"""
+
+BAD_COMPUTE_DTYPE = """\
+compute_dtype must be a floating dtype (the parameters and floating inputs are cast to it \
+for the loss), got {given}.
+
+    wrong:  compute_dtype=jnp.int8
+    right:  compute_dtype=jnp.bfloat16"""
+
+
+def check_data_axis(mesh: Mesh | AbstractMesh, data_axis: str, call: str = "ft.shard") -> None:
+    """Raise a clear error when ``mesh`` has no axis named ``data_axis``."""
+    if data_axis not in mesh.axis_names:
+        raise ValueError(MISSING_AXIS.format(axis=data_axis, axes=tuple(mesh.axis_names), call=call,
+                                             first=mesh.axis_names[0]))
+
+
+def check_compute_dtype(dtype: Any) -> Any:
+    """``dtype`` as a NumPy dtype, or a clear error when it is not floating."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(BAD_COMPUTE_DTYPE.format(given=dtype))
+    return dt
+
+
+def _is_floating(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and np.issubdtype(dtype, np.floating)
+
+
+def _suffixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))]
+
+
+def _axis_size(mesh: Mesh, entry: Any) -> int:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def _misfit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> str | None:
+    """Why ``spec`` cannot split ``shape`` on ``mesh`` (None when it can)."""
+    if len(spec) > len(shape):
+        return f"the spec has {len(spec)} entries and the leaf {len(shape)} dimensions"
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            if name not in mesh.axis_names:
+                return f"the mesh has no axis {name!r} (its axes: {tuple(mesh.axis_names)})"
+        size = _axis_size(mesh, entry)
+        if shape[dim] % size:
+            return f"dimension {dim} has size {shape[dim]}, not divisible by mesh axis {entry!r} of size {size}"
+    return None
+
+
+def _fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> PartitionSpec:
+    if math.prod(shape) < FSDP_MIN_SIZE or size == 1:
+        return PartitionSpec()
+    dims = [d for d in range(len(shape)) if shape[d] % size == 0]
+    if not dims:
+        return PartitionSpec()
+    best = max(dims, key=lambda d: (shape[d], -d))
+    return PartitionSpec(*([None] * best), axis)
+
+
+def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh, used: set[str]) -> PartitionSpec:
+    for pattern, spec in rules.items():
+        direct = fnmatch.fnmatchcase(name, pattern)
+        if not (direct or any(fnmatch.fnmatchcase(s, pattern) for s in _suffixes(name))):
+            continue
+        used.add(pattern)
+        spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)
+        why = _misfit(spec, tuple(leaf.shape), mesh)
+        if why is None:
+            return spec
+        if direct:
+            sizes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
+            raise ValueError(BAD_SPEC.format(pattern=pattern, spec=spec, path=name, shape=tuple(leaf.shape),
+                                             why=why, sizes=sizes))
+        return PartitionSpec()  # a moment of another shape (factored): replicated
+    return PartitionSpec()
+
+
+def _check_rules(rules: Any) -> None:
+    if rules is None or rules == "fsdp":
+        return
+    if not isinstance(rules, Mapping) or not all(isinstance(k, str) for k in rules):
+        raise TypeError(BAD_RULES.format(given=repr(rules)[:80]))
+
+
+def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, data_axis: str = "data",
+                    strict: bool = True) -> Any:
+    """The tree of ``PartitionSpec``s that ``rules`` give the array leaves of ``tree``.
+
+    ``tree`` is a model, a parameter view, an optimizer state or any pytree of arrays (or
+    of ``jax.ShapeDtypeStruct``); ``rules`` is ``None``, ``"fsdp"`` or
+    ``{pattern: PartitionSpec}`` (see the module docstring). Non-array leaves stay as they
+    are; every array leaf gets a spec.
+
+    Raises ``ValueError`` for a ``data_axis`` the mesh lacks, a pattern that matches no
+    floating leaf (naming the closest names; not with ``strict=False``, for a tree that
+    holds only part of the model) and a spec that cannot split the leaf it names.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> params = {"dense": {"weight": jnp.ones((64, 32)), "bias": jnp.ones(32)}}
+      >>> ft.partition_specs(params, "fsdp", mesh=mesh)["dense"]
+      {'bias': P(), 'weight': P()}
+      >>> ft.partition_specs(params, {"*.weight": P(None, "data")}, mesh=mesh)["dense"]
+      {'bias': P(), 'weight': P(None, 'data')}
+    """
+    check_data_axis(mesh, data_axis, "ft.partition_specs")
+    _check_rules(rules)
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    names = [dotted_name(p) for p, _ in path_leaves]
+    used: set[str] = set()
+    specs = []
+    for name, (_, leaf) in zip(names, path_leaves):
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            specs.append(leaf)
+        elif not _is_floating(leaf) or rules is None:
+            specs.append(PartitionSpec())
+        elif rules == "fsdp":
+            specs.append(_fsdp_spec(tuple(leaf.shape), data_axis, mesh.shape[data_axis]))
+        else:
+            specs.append(_rule_spec(name, leaf, rules, mesh, used))
+    if strict and isinstance(rules, Mapping):
+        floating = [(n, leaf) for n, (_, leaf) in zip(names, path_leaves) if _is_floating(leaf)]
+        if any(len(leaf.shape) for _, leaf in floating):  # not only scalars (an SGD state)
+            _check_all_used(rules, used, [n for n, _ in floating])
+    return jax.tree.unflatten(treedef, specs)
+
+
+def _check_all_used(rules: Mapping[str, Any], used: set[str], names: list[str]) -> None:
+    for pattern in rules:
+        if pattern not in used:
+            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)
+            raise ValueError(UNMATCHED_RULE.format(pattern=pattern, close=", ".join(map(repr, close)),
+                                                   suggestion=close[0] if close else "*.weight"))

@@ -1,0 +1,73 @@
+"""Run a Python snippet in a fresh process with N simulated CPU devices; return its JSON.
+
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` must be set before JAX starts, and
+the test process has started it with one device, so multi-device tests run their code in a
+subprocess. The snippet calls ``report(obj)`` to hand back a JSON-serialisable object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = "@@REPORT@@"
+
+PRELUDE = f"""\
+import json, jax
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+def report(obj):
+    print({MARK!r} + json.dumps(obj), flush=True)
+"""
+
+
+def env_with_devices(devices: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def start(code: str, devices: int = 8, args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start ``code`` (with ``report``) in a new Python process with ``devices`` CPU devices."""
+    source = PRELUDE + textwrap.dedent(code)
+    return subprocess.Popen(
+        [sys.executable, "-W", "error", "-c", source, *args], env=env_with_devices(devices), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def result(proc: subprocess.Popen, timeout: float = 300) -> Any:
+    """The reported object of a process started by :func:`start` (raises with its stderr)."""
+    out, err = proc.communicate(timeout=timeout)
+    proc.stderr_text = err  # type: ignore[attr-defined]  # for tests that read what it printed
+    lines = [line for line in out.splitlines() if line.startswith(MARK)]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"subprocess failed (exit {proc.returncode}):\n{out[-3000:]}\n{err[-6000:]}")
+    return json.loads(lines[-1][len(MARK):])
+
+
+def run(code: str, devices: int = 8, timeout: float = 300) -> Any:
+    """Run ``code`` with ``devices`` simulated CPU devices and return what it reported."""
+    return result(start(code, devices), timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def results(procs: list[subprocess.Popen], timeout: float = 300) -> list[Any]:
+    """:func:`result` of several processes read together (none blocks on a full pipe)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(procs)) as pool:
+        return list(pool.map(lambda p: result(p, timeout), procs))

@@ -1,0 +1,90 @@
+"""Checkpoints move between device counts: 8-device FSDP → 1 device → 8 devices.
+
+An 8-device FSDP run saves (model, Adam state) at step 10 and trains on to step 20; this
+(1-device) process restores step 10, trains 5 steps and saves; a fresh 8-device process
+restores that onto the 8-device mesh, sharded again, and trains the last 5 steps. The end
+equals the uninterrupted run.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _devices import run
+
+import functree as ft
+from functree.parallel import DataParallelStep
+
+SETUP = """
+import jax, jax.numpy as jnp, numpy as np
+import functree as ft
+from functree.parallel import DataParallelStep
+
+def mlp():
+    k = jax.random.split(jax.random.key(0), 2)
+    return ft.nn.Sequential(ft.nn.Dense(16, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 4, key=k[1]))
+
+def loss_fn(model, batch):
+    x, y = batch
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+
+rng = np.random.default_rng(0)
+xs = rng.normal(size=(20, 64, 16)).astype(np.float32)
+ys = rng.integers(0, 4, size=(20, 64)).astype(np.int32)
+opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+"""
+
+
+def _setup():
+    scope: dict = {}
+    exec(SETUP, scope)
+    return scope
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_restores_on_one_device_and_back_onto_eight(tmp_path):
+    first = run(SETUP + f"""
+mesh = jax.make_mesh((8,), ("data",))
+step = DataParallelStep(loss_fn, opt, mesh=mesh, sharding="fsdp")
+model = mlp()
+state = opt.init(model)
+for i in range(20):
+    if i == 10:
+        assert not model.layers[0].weight.sharding.is_fully_replicated
+        ft.train.save({str(tmp_path / "step10")!r}, (model, state))
+    model, state, _ = step(model, state, (xs[i], ys[i]))
+report([np.asarray(x).tolist() for x in jax.tree.leaves(model)])
+""")
+    s = _setup()
+    template = (s["mlp"](), s["opt"].init(s["mlp"]()))
+    one = jax.make_mesh((1,), ("data",))
+    model, state = ft.parallel.load(tmp_path / "step10", template, mesh=one, sharding="fsdp")
+    assert int(ft.optim.context(state).step) == 10
+    step = DataParallelStep(s["loss_fn"], s["opt"], mesh=one, sharding="fsdp")
+    for i in range(10, 15):
+        model, state, _ = step(model, state, (s["xs"][i], s["ys"][i]))
+    ft.train.save(tmp_path / "step15", (model, state))
+
+    last = run(SETUP + f"""
+mesh = jax.make_mesh((8,), ("data",))
+template = (mlp(), opt.init(mlp()))
+model, state = ft.parallel.load({str(tmp_path / "step15")!r}, template, mesh=mesh, sharding="fsdp")
+sharded = not model.layers[0].weight.sharding.is_fully_replicated
+moment = any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state))  # Adam moments
+step = DataParallelStep(loss_fn, opt, mesh=mesh, sharding="fsdp")
+for i in range(15, 20):
+    model, state, _ = step(model, state, (xs[i], ys[i]))
+report({{"sharded": sharded, "moment": moment, "steps": int(ft.optim.context(state).step),
+        "params": [np.asarray(x).tolist() for x in jax.tree.leaves(model)]}})
+""")
+    assert last["sharded"] and last["moment"] and last["steps"] == 20
+    for a, b in zip(last["params"], first):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=2e-6)
+
+
+def test_load_onto_a_mesh_needs_a_template(tmp_path):
+    ft.train.save(tmp_path / "m", {"w": jnp.ones(2)})
+    with pytest.raises(ft.train.CheckpointError, match="needs a template"):
+        ft.parallel.load(tmp_path / "m", None, mesh=jax.make_mesh((1,), ("data",)))
+    restored = ft.parallel.load(tmp_path / "m", {"w": jnp.zeros(2)}, mesh=jax.make_mesh((1,), ("data",)))
+    np.testing.assert_array_equal(restored["w"], np.ones(2))

@@ -1,0 +1,171 @@
+"""Several processes: each its share of every batch (batches(shard=)), one global step.
+
+The two-process test starts two Python processes on localhost (``jax.distributed`` with
+gloo collectives on CPU), 2 simulated devices each: a 4-device mesh over 2 processes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _devices import free_port, results, start
+
+import functree as ft
+
+
+def data():
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(256, 16)).astype(np.float32), rng.integers(0, 4, 256).astype(np.int32)
+
+
+def test_shares_concatenate_to_the_same_shuffled_batches():
+    x, y = data()
+    whole = list(ft.train.batches((x, y), 32, key=jax.random.key(3)))
+    shares = [list(ft.train.batches((x, y), 32, key=jax.random.key(3), shard=(i, 4))) for i in range(4)]
+    assert len(whole) == 8 and all(len(s) == 8 for s in shares)
+    for b, parts in zip(whole, zip(*shares)):
+        assert all(p[0].shape == (8, 16) for p in parts)
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), b[0])
+        np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), b[1])
+    unshuffled = ft.train.batches(np.arange(12), 6, shuffle=False, shard=(1, 3))
+    assert [b.tolist() for b in unshuffled] == [[2, 3], [8, 9]]
+
+
+def test_bad_shard_and_indivisible_minibatch():
+    with pytest.raises(ValueError, match=r"got shard=\(2, 2\)"):
+        ft.train.batches(np.arange(8), 4, shard=(2, 2))
+    data = ft.train.batches(np.arange(10), 4, shuffle=False, shard=(0, 2))
+    with pytest.raises(ValueError, match="a minibatch of 2 examples does not split evenly into 4 shares "
+                                         r"\(use a batch size that is a multiple of 4, and drop_last=True\)"):
+        list(ft.train.batches(np.arange(10), 4, shuffle=False, shard=(0, 4)))
+    assert [b.tolist() for b in data] == [[0, 1], [4, 5], [8]]  # the last minibatch has 2: one each
+    assert [b.tolist() for b in ft.train.batches(np.arange(10), 4, shuffle=False, shard=(1, 2))] == [
+        [2, 3], [6, 7], [9]]
+
+
+WORKER = """
+import sys
+import numpy as np
+process_id, port = int(sys.argv[1]), int(sys.argv[2])
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
+                           initialization_timeout=120)
+import jax.numpy as jnp
+import functree as ft
+from jax.experimental import multihost_utils
+from functree.parallel import DataParallelStep
+
+rng = np.random.default_rng(1)
+x, y = rng.normal(size=(256, 16)).astype(np.float32), rng.integers(0, 4, 256).astype(np.int32)
+mesh = jax.make_mesh((4,), ("data",))
+k = jax.random.split(jax.random.key(0), 2)
+model = ft.nn.Sequential(ft.nn.Dense(16, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 4, key=k[1]))
+
+def loss_fn(model, batch):
+    x, y = batch
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+
+opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+step = DataParallelStep(loss_fn, opt, mesh=mesh, sharding="fsdp")
+state = opt.init(model)
+data = ft.train.batches((x, y), 32, key=jax.random.key(3), shard=(jax.process_index(), jax.process_count()))
+for epoch in range(2):
+    for batch in data:
+        model, state, metrics = step(model, state, batch)
+sharded = [not w.sharding.is_fully_replicated for w in jax.tree.leaves(model)]
+params = [multihost_utils.process_allgather(w, tiled=True).tolist() for w in jax.tree.leaves(model)]
+report({"process": jax.process_index(), "devices": jax.device_count(), "local": jax.local_device_count(),
+        "params": params, "sharded": sharded, "samples": int(ft.optim.context(state).samples_seen)})
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one():
+    port = free_port()
+    procs = [start(WORKER, devices=2, args=(str(i), str(port))) for i in range(2)]
+    outs = results(procs)
+    assert [o["process"] for o in outs] == [0, 1]
+    assert all(o["devices"] == 4 and o["local"] == 2 for o in outs)
+    assert outs[0]["sharded"] == [True, False, False, False]  # the 16x128 weight is split over 4
+    assert all(o["samples"] == 2 * 256 for o in outs)  # the global batches were counted
+    for a, b in zip(outs[0]["params"], outs[1]["params"]):
+        np.testing.assert_array_equal(a, b)  # identical in both processes
+
+    # one process, one device, the whole batches
+    x, y = data()
+    k = jax.random.split(jax.random.key(0), 2)
+    model = ft.nn.Sequential(ft.nn.Dense(16, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 4, key=k[1]))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    step, state = ft.train.train_step(loss_fn, opt), opt.init(model)
+    data_ = ft.train.batches((x, y), 32, key=jax.random.key(3))
+    for _ in range(2):
+        for batch in data_:
+            model, state, _ = step(model, state, batch)
+    for a, b in zip(outs[0]["params"], jax.tree.leaves(model)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=1e-5, atol=2e-6)
+
+
+TRAINER_WORKER = """
+import sys
+import numpy as np
+process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
+                           initialization_timeout=120)
+import jax.numpy as jnp
+import functree as ft
+from jax.experimental import multihost_utils
+from sklearn.datasets import load_digits
+
+d = load_digits()
+x, y = (d.data[:1024] / 16.0).astype(np.float32), d.target[:1024].astype(np.int32)
+k = jax.random.split(jax.random.key(0), 2)
+model = ft.nn.Sequential(ft.nn.Dense(64, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 10, key=k[1]))
+
+def loss_fn(model, batch):
+    x, y = batch
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+
+mesh = jax.make_mesh((4,), ("data",))
+trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9)), loss_fn, mesh=mesh,
+                           sharding="fsdp")
+data = ft.train.batches((x, y), 64, key=jax.random.key(3), shard=(jax.process_index(), jax.process_count()))
+trainer.fit(data, epochs=2, callbacks=[ft.train.HistoryLogger(out + "/history.jsonl")])
+params = [multihost_utils.process_allgather(w, tiled=True).tolist() for w in jax.tree.leaves(trainer.model)]
+report({"params": params})
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_trainer_fit_like_one_process(tmp_path):
+    import inspect
+
+    if "mesh" not in inspect.signature(ft.train.Trainer).parameters:
+        pytest.skip("Trainer(mesh=...) is wired into ft.train at merge (see functree.parallel)")
+    from sklearn.datasets import load_digits
+
+    port = free_port()
+    procs = [start(TRAINER_WORKER, devices=2, args=(str(i), str(port), str(tmp_path))) for i in range(2)]
+    outs = results(procs)
+    bars = [p.stderr_text.count("epoch 2") > 0 for p in procs]
+    assert bars == [True, False]  # one progress bar: process 0's
+    assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 2  # one history file, 2 epochs
+    for a, b in zip(outs[0]["params"], outs[1]["params"]):
+        np.testing.assert_array_equal(a, b)
+
+    d = load_digits()
+    x, y = (d.data[:1024] / 16.0).astype(np.float32), d.target[:1024].astype(np.int32)
+    k = jax.random.split(jax.random.key(0), 2)
+    model = ft.nn.Sequential(ft.nn.Dense(64, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 10, key=k[1]))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+
+    trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9)), loss_fn)
+    trainer.fit(ft.train.batches((x, y), 64, key=jax.random.key(3)), epochs=2, progress=False)
+    for a, b in zip(outs[0]["params"], jax.tree.leaves(trainer.model)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=1e-5, atol=1e-6)

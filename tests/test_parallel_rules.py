@@ -1,0 +1,144 @@
+"""Sharding rules (ft.partition_specs), ft.shard and ft.cast, on one process.
+
+The rules only read the mesh's axis names and sizes, so an ``AbstractMesh`` of 8 (or
+8 x 2) devices checks them without devices; placement runs on a 1-device mesh here and
+on 8 simulated devices in test_parallel_step.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import functree as ft
+from functree._tree import dotted_name
+from functree.parallel import FSDP_MIN_SIZE
+
+MESH = AbstractMesh((8,), ("data",))
+MESH2 = AbstractMesh((8, 2), ("data", "model"))
+
+
+class Block(ft.Module):
+    weight: jax.Array
+    bias: jax.Array
+    steps: jax.Array
+    mean: jax.Array = ft.field(no_derivative=True)
+    name: str = ft.field(static=True, default="block")
+
+
+def block(n_in=64, n_out=32):
+    return Block(jnp.ones((n_in, n_out)), jnp.ones(n_out), jnp.zeros((), jnp.int32), jnp.zeros(n_out))
+
+
+def model():
+    return {"encoder": [block(), block(32, 16)], "head": block(16, 8)}
+
+
+def test_none_replicates_every_array_leaf():
+    specs = ft.partition_specs(model(), None, mesh=MESH)
+    assert all(s == P() for s in jax.tree.leaves(specs))
+    assert specs["head"].name == "block"  # static fields stay
+
+
+def test_fsdp_shards_large_floating_leaves_along_largest_divisible_dimension():
+    tree = {"wide": jnp.ones((30, 64)), "tall": jnp.ones((64, 32)), "odd": jnp.ones((33, 35)),
+            "small": jnp.ones((8, 8)), "ints": jnp.ones((64, 32), jnp.int32)}
+    specs = ft.partition_specs(tree, "fsdp", mesh=MESH)
+    assert specs["wide"] == P(None, "data")  # 30 is not divisible by 8: dimension 1
+    assert specs["tall"] == P("data")  # the largest divisible dimension
+    assert specs["odd"] == P()  # 33 x 35 = 1155 elements, no dimension divisible by 8
+    assert specs["small"] == P()  # fewer than FSDP_MIN_SIZE elements
+    assert 8 * 8 < FSDP_MIN_SIZE <= 30 * 64
+    assert specs["ints"] == P()  # never sharded
+
+
+def test_fsdp_moments_follow_their_parameters():
+    m = model()
+    state = ft.optim.Optimizer(ft.optim.adam(1e-3)).init(m)
+    specs = ft.partition_specs(state, "fsdp", mesh=MESH)
+    moments = [s for s in jax.tree.leaves(specs) if s != P()]
+    assert moments == [P("data")] * 2  # mu and nu of encoder.0.weight (encoder.1.weight is small)
+
+
+def test_rules_first_match_wins_and_unmatched_leaves_are_replicated():
+    rules = {"encoder.0.weight": P("data", "model"), "encoder.*.weight": P(None, "model"), "*.bias": P("model")}
+    specs = ft.partition_specs(model(), rules, mesh=MESH2)
+    assert specs["encoder"][0].weight == P("data", "model")
+    assert specs["encoder"][1].weight == P(None, "model")
+    assert specs["encoder"][0].bias == P("model")
+    assert specs["head"].weight == P()  # no rule
+    assert specs["head"].mean == P()  # "*.bias" does not match "head.mean"
+
+
+def test_rules_reach_the_optimizer_moments_by_dotted_suffix():
+    m = model()
+    state = ft.optim.Optimizer(ft.optim.adam(1e-3)).init(m)
+    specs = ft.partition_specs(state, {"encoder.*.weight": P(None, "model")}, mesh=MESH2, strict=False)
+    flat = {dotted_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(specs)[0]}
+    sharded = sorted(n for n, s in flat.items() if s == P(None, "model"))
+    assert len(sharded) == 4 and all(n.endswith(("encoder.0.weight", "encoder.1.weight")) for n in sharded)
+    assert any(".mu." in n for n in sharded) and any(".nu." in n for n in sharded)
+
+
+def test_rule_matching_no_parameter_names_the_pattern_and_closest_names():
+    with pytest.raises(ValueError, match=r"'encoder\.\*\.weights' matches no parameter") as e:
+        ft.partition_specs(model(), {"encoder.*.weights": P("data")}, mesh=MESH)
+    assert "'encoder.0.weight'" in str(e.value) or "'encoder.1.weight'" in str(e.value)
+
+
+def test_rule_spec_that_does_not_divide_the_shape_names_path_shape_and_axis_size():
+    with pytest.raises(ValueError, match=r"head\.weight, of shape \(16, 8\)") as e:
+        ft.partition_specs(model(), {"head.weight": P("data", "model")}, mesh=AbstractMesh((32, 2), ("data", "model")))
+    assert "not divisible by mesh axis 'data' of size 32" in str(e.value)
+    with pytest.raises(ValueError, match="has no axis 'tensor'"):
+        ft.partition_specs(model(), {"head.weight": P("tensor")}, mesh=MESH)
+    with pytest.raises(ValueError, match="3 entries and the leaf 2 dimensions"):
+        ft.partition_specs(model(), {"head.weight": P(None, None, "data")}, mesh=MESH)
+
+
+def test_missing_data_axis_names_the_mesh_axes():
+    with pytest.raises(ValueError, match=r"no axis 'data'; its axes are \('batch',\)"):
+        ft.partition_specs(model(), "fsdp", mesh=AbstractMesh((8,), ("batch",)))
+
+
+def test_bad_rules_type():
+    with pytest.raises(TypeError, match='sharding= takes None, "fsdp"'):
+        ft.partition_specs(model(), "zero3", mesh=MESH)
+
+
+def test_shard_places_and_builds_in_shards_on_a_one_device_mesh():
+    mesh = jax.make_mesh((1,), ("data",))
+    placed = ft.shard(model(), mesh, "fsdp")
+    weight = placed["encoder"][0].weight
+    assert isinstance(weight.sharding, NamedSharding) and weight.sharding.mesh.axis_names == ("data",)
+    built = ft.shard(lambda: ft.nn.Dense(64, 32, key=jax.random.key(0)), mesh, {"weight": P(None, "data")})
+    assert isinstance(built, ft.nn.Dense) and built.weight.sharding.spec == P(None, "data")
+    np.testing.assert_array_equal(built.weight, ft.nn.Dense(64, 32, key=jax.random.key(0)).weight)
+    dense = ft.nn.Dense(2, 2, key=jax.random.key(0))  # a callable Module is a tree, not a builder
+    assert isinstance(ft.shard(dense, mesh), ft.nn.Dense)
+
+
+def test_cast_touches_floating_parameters_only():
+    m = model()
+    half = ft.cast(m, jnp.bfloat16)
+    assert half["head"].weight.dtype == jnp.bfloat16 and half["head"].bias.dtype == jnp.bfloat16
+    assert half["head"].steps.dtype == jnp.int32  # integer leaf
+    assert half["head"].mean.dtype == jnp.float32  # no_derivative statistic
+    assert half["head"].name == "block"  # static field
+
+
+def test_cast_gradients_come_back_in_the_master_dtype():
+    w = {"w": jnp.arange(3.0)}
+    g = ft.gradient(lambda p: jnp.sum(ft.cast(p, jnp.bfloat16)["w"] ** 2).astype(jnp.float32), at=w)
+    assert g["w"].dtype == jnp.float32
+    np.testing.assert_allclose(g["w"], [0.0, 2.0, 4.0])
+
+
+def test_compute_dtype_must_be_floating():
+    with pytest.raises(TypeError, match=r"compute_dtype must be a floating dtype.*int8"):
+        ft.cast(model(), jnp.int8)
+    with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
+        ft.parallel.DataParallelStep(lambda m, b: 0.0, ft.optim.sgd(0.1), mesh=jax.make_mesh((1,), ("data",)),
+                                     compute_dtype=jnp.int32)

@@ -1,0 +1,257 @@
+"""The data-parallel step on 8 simulated CPU devices (each test runs in a subprocess).
+
+8 devices = 1 device: the same MLP trained 20 SGD and 20 Adam steps on batches of 64
+ends with the same parameters as one device on the full batch, with parameters and
+optimizer state replicated, sharded by "fsdp", or sharded by a rules mapping.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _devices import run
+
+import functree as ft
+from functree.parallel import DataParallelStep
+
+COMMON = """
+import jax, jax.numpy as jnp, numpy as np
+import functree as ft
+from jax.sharding import PartitionSpec as P
+from functree.parallel import DataParallelStep
+
+assert len(jax.devices()) == 8
+mesh = jax.make_mesh((8,), ("data",))
+
+def mlp():
+    k = jax.random.split(jax.random.key(0), 3)
+    return ft.nn.Sequential(ft.nn.Dense(16, 128, jax.nn.relu, key=k[0]),
+                            ft.nn.Dense(128, 64, jax.nn.relu, key=k[1]), ft.nn.Dense(64, 4, key=k[2]))
+
+def loss_fn(model, batch):
+    x, y = batch
+    logits = model(x)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1)), logits
+
+rng = np.random.default_rng(0)
+xs = rng.normal(size=(20, 64, 16)).astype(np.float32)
+ys = rng.integers(0, 4, size=(20, 64)).astype(np.int32)
+
+def train(step, opt, steps=20):
+    model = mlp()
+    state = opt.init(model)
+    for i in range(steps):
+        model, state, metrics = step(model, state, (xs[i], ys[i]))
+    return model, state, metrics
+
+def max_rel(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)) / (1e-6 + np.abs(np.asarray(y)))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+"""
+
+
+@pytest.mark.slow
+def test_eight_devices_equal_one_device_replicated_fsdp_and_rules():
+    out = run(COMMON + """
+rules = {"layers.1.weight": P("data", None), "layers.0.weight": P(None, "data"), "layers.2.weight": P("data"),
+         "layers.*": P()}
+res = {}
+for name, make in [("sgd", lambda: ft.optim.sgd(0.1, momentum=0.9)), ("adam", lambda: ft.optim.adam(1e-2))]:
+    opt = ft.optim.Optimizer(make())
+    ref, ref_state, ref_metrics = train(ft.train.train_step(loss_fn, opt), opt)
+    for sharding in [None, "fsdp", rules]:
+        step = DataParallelStep(loss_fn, opt, mesh=mesh, sharding=sharding)
+        model, state, metrics = train(step, opt)
+        for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+        ctx = ft.optim.context(state)
+        res[f"{name}-{sharding if isinstance(sharding, (str, type(None))) else 'rules'}"] = {
+            "rel": max_rel(model, ref),
+            "samples": int(ctx.samples_seen),
+            "sharded": [not x.sharding.is_fully_replicated for x in jax.tree.leaves(model)],
+            "moments_sharded": sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state)),
+        }
+report(res)
+""")
+    for key, r in out.items():
+        assert r["samples"] == 20 * 64, key  # the learning context counts the global batch
+    assert not any(out["sgd-None"]["sharded"]) and out["adam-None"]["moments_sharded"] == 0
+    # fsdp: 16x128 and 128x64 weights sharded, the 64x4 weight and the biases replicated
+    assert out["adam-fsdp"]["sharded"] == [True, False, True, False, False, False]  # (weight, bias) x 3
+    assert out["adam-fsdp"]["moments_sharded"] == 4  # mu and nu of both large weights
+    assert out["sgd-fsdp"]["moments_sharded"] == 2  # the momentum of both
+    assert out["adam-rules"]["sharded"] == [True, False, True, False, True, False]
+    assert out["adam-rules"]["moments_sharded"] == 6
+
+
+@pytest.mark.slow
+def test_custom_sum_aggregator_and_per_replica_clipping():
+    out = run(COMMON + """
+model = mlp()
+batch = (xs[0], ys[0])
+def one_step(opt, model=model):
+    step = DataParallelStep(loss_fn, opt, mesh=mesh, donate=False)
+    new, _, _ = step(model, opt.init(model), batch)
+    return jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new, model)
+
+psum = lambda g: jax.tree.map(lambda x: jax.lax.psum(x, "data"), g)
+seen = []
+def spy(g):
+    seen.append(str(jax.typeof(jax.tree.leaves(g)[0])))
+    return psum(g)
+default = one_step(ft.optim.Optimizer(ft.optim.sgd(0.1)))
+named = one_step(ft.optim.Optimizer(ft.optim.sgd(0.1), axis_name="data"))
+summed = one_step(ft.optim.Optimizer(ft.optim.sgd(0.1), aggregate_gradients=spy))
+ratio = [float(np.max(np.abs(s - 8 * d))) for s, d in zip(jax.tree.leaves(summed), jax.tree.leaves(default))]
+same = [float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(named), jax.tree.leaves(default))]
+
+# per-replica clipping: each device clips its own gradient before the mean
+c = 1e-3
+clip = lambda g: jax.tree.map(lambda x: jnp.clip(x, -c, c), g)
+clipped = one_step(ft.optim.Optimizer(ft.optim.sgd(1.0), transform_unaggregated_gradients=clip))
+grad = lambda b: ft.gradient(lambda m: loss_fn(m, b)[0], at=model)
+per_device = [clip(grad((xs[0][8 * i: 8 * i + 8], ys[0][8 * i: 8 * i + 8]))) for i in range(8)]
+expected = jax.tree.map(lambda *g: -sum(g) / 8, *per_device)
+after_mean = jax.tree.map(lambda g: -g, clip(grad(batch)))
+err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+          for a, b in zip(jax.tree.leaves(clipped), jax.tree.leaves(expected)))
+differs = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(after_mean)))
+report({"ratio": ratio, "same": same, "seen": seen[0], "clip_err": err, "clip_differs": differs,
+        "scale": max(float(np.max(np.abs(d))) for d in jax.tree.leaves(default))})
+""")
+    assert max(out["ratio"]) <= 1e-6 * max(out["scale"], 1.0) * 8  # summed = 8 x mean, to rounding
+    assert max(out["same"]) == 0.0  # axis_name="data" or None: the same mean
+    assert "{V:data}" in out["seen"]  # the aggregator saw per-device (varying) gradients
+    assert out["clip_err"] < 1e-6  # clip threshold 1e-3: every update is at most 1e-3
+    assert out["clip_differs"] > 1e-4  # clipping before the mean is not clipping after it
+
+
+@pytest.mark.slow
+def test_indivisible_batch_bfloat16_master_parameters_eval_and_trainer():
+    out = run(COMMON + """
+opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+step = DataParallelStep(loss_fn, opt, mesh=mesh)
+model = mlp()
+try:
+    step(model, opt.init(model), (xs[0][:60], ys[0][:60]))
+    error = ""
+except ValueError as e:
+    error = str(e)
+half = DataParallelStep(loss_fn, opt, mesh=mesh, compute_dtype=jnp.bfloat16)
+m16, s16, metrics16 = train(half, opt)
+m32, s32, metrics32 = train(DataParallelStep(loss_fn, opt, mesh=mesh), opt)
+# evaluation and the Trainer on the mesh: the same numbers as on one device
+evaluate = ft.parallel.DataParallelEvalStep(loss_fn, mesh=mesh, sharding="fsdp", metrics=[ft.train.accuracy])
+plain = ft.train.eval_step(loss_fn, metrics=[ft.train.accuracy])
+ev8, ev1 = evaluate(m32, (xs[1], ys[1])), plain(m32, (xs[1], ys[1]))
+trainers = [ft.train.Trainer(mlp(), opt, loss_fn, train_step=s) for s in
+            (None, DataParallelStep(loss_fn, opt, mesh=mesh, sharding="fsdp"))]
+for t in trainers:
+    t.fit((xs[:4].reshape(-1, 16), ys[:4].reshape(-1)), batch_size=64, epochs=2, progress=False)
+report({"error": error,
+        "eval": [float(ev8["loss"]), float(ev1["loss"]), float(ev8["accuracy"]), float(ev1["accuracy"])],
+        "trainer": max_rel(trainers[1].model, trainers[0].model),
+        "trainer_sharded": not trainers[1].model.layers[0].weight.sharding.is_fully_replicated,
+        "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves((m16, s16)) if jnp.issubdtype(x.dtype, jnp.floating)}),
+        "loss16": float(metrics16["loss"]), "loss32": float(metrics32["loss"]),
+        "rel": max_rel(m16, m32)})
+""")
+    assert "60 examples" in out["error"] and "8 devices of mesh axis 'data'" in out["error"]
+    assert "batch_size=56, drop_last=True" in out["error"]
+    assert out["dtypes"] == ["float32"]  # master parameters and Adam state stay float32
+    assert abs(out["loss16"] - out["loss32"]) < 0.05 * out["loss32"]
+    assert out["rel"] > 0  # it did compute in bfloat16
+    loss8, loss1, acc8, acc1 = out["eval"]
+    assert loss8 == pytest.approx(loss1, rel=1e-5) and acc8 == acc1
+    assert out["trainer"] < 1e-3 and out["trainer_sharded"]  # Trainer(train_step=DataParallelStep)
+
+
+def test_missing_data_axis_names_the_mesh_axes():
+    mesh = jax.make_mesh((1,), ("batch",))
+    with pytest.raises(ValueError, match=r"no axis 'data'; its axes are \('batch',\)"):
+        DataParallelStep(lambda m, b: jnp.mean(b), ft.optim.sgd(0.1), mesh=mesh)
+    step = DataParallelStep(lambda m, b: jnp.mean(b * m["w"]), ft.optim.sgd(0.1), mesh=mesh, data_axis="batch")
+    model, _, metrics = step({"w": jnp.ones(())}, ft.optim.Optimizer(ft.optim.sgd(0.1)).init({"w": jnp.ones(())}),
+                             jnp.arange(4.0))
+    assert float(metrics["loss"]) == 1.5 and float(model["w"]) == pytest.approx(1 - 0.1 * 1.5)
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x, y = (d.data / 16.0).astype("float32"), d.target.astype("int32")
+    return (x[:1440], y[:1440]), (x[1440:], y[1440:])
+
+
+def _digits_run(opt, compute_dtype):
+    (xtr, ytr), (xte, yte) = _digits()
+    k = jax.random.split(jax.random.key(0), 2)
+    model = ft.nn.Sequential(ft.nn.Dense(64, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 10, key=k[1]))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+
+    step = DataParallelStep(loss_fn, opt, mesh=jax.make_mesh((1,), ("data",)), compute_dtype=compute_dtype)
+    state = opt.init(model)
+    for _ in range(8):
+        for batch in ft.train.batches((xtr, ytr), 64, drop_last=True):
+            model, state, _ = step(model, state, batch)
+    accuracy = float(jnp.mean(jnp.argmax(model(jnp.asarray(xte)), -1) == jnp.asarray(yte)))
+    return model, state, accuracy
+
+
+@pytest.mark.slow
+def test_bfloat16_digits_within_one_point_and_float16_with_loss_scaling():
+    _, _, acc32 = _digits_run(ft.optim.Optimizer(ft.optim.adam(3e-3)), None)
+    model, state, acc16 = _digits_run(ft.optim.Optimizer(ft.optim.adam(3e-3)), jnp.bfloat16)
+    assert acc32 > 0.85 and abs(acc16 - acc32) <= 0.01
+    floats = [x for x in jax.tree.leaves((model, state)) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+    opt = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.adam(3e-3)), initial_scale=2.0**20)
+    model, state, acc_half = _digits_run(opt, jnp.float16)
+    assert int(state.skipped) >= 1  # 2^20 overflows float16 at first: those steps were skipped
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(model))
+    assert acc_half > 0.85
+
+
+def test_layer_state_and_keys_on_a_one_device_mesh():
+    k = jax.random.split(jax.random.key(0), 2)
+    model = ft.nn.training(ft.nn.Sequential(ft.nn.Dense(4, 8, key=k[0]), ft.nn.BatchNorm(8), ft.nn.Dropout(0.5),
+                                            ft.nn.Dense(8, 1, key=k[1])))
+
+    def loss_fn(model, batch, *, key=None):
+        return jnp.mean((model(batch[0], key=key) - batch[1]) ** 2)
+
+    x, y = jnp.arange(32.0).reshape(8, 4) / 32, jnp.ones((8, 1))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = DataParallelStep(loss_fn, opt, donate=False)  # mesh=None: the default device
+    new, _, metrics = step(model, opt.init(model), (x, y), key=jax.random.key(1))
+    assert bool(jnp.isfinite(metrics["loss"]))
+    hidden = model.layers[0](x)
+    np.testing.assert_allclose(new.layers[1].running_mean, 0.99 * model.layers[1].running_mean + 0.01 * hidden.mean(0),
+                               rtol=1e-5, atol=1e-7)  # BatchNorm statistics recorded and applied
+    again, _, _ = DataParallelStep(loss_fn, opt, donate=False)(model, opt.init(model), (x, y), key=jax.random.key(1))
+    np.testing.assert_array_equal(again.layers[0].weight, new.layers[0].weight)  # one key, one result
+
+
+def test_accumulation_and_on_nan_skip_match_the_plain_step():
+    def loss_fn(model, batch):
+        return jnp.mean((batch[0] @ model["w"] - batch[1]) ** 2), batch[0] @ model["w"]
+
+    x, y = jnp.arange(24.0).reshape(8, 3) / 24, jnp.arange(8.0)
+    for opt in (ft.optim.Optimizer(ft.optim.adam(0.1), accumulate=2), ft.optim.Optimizer(ft.optim.sgd(0.1))):
+        plain = ft.train.train_step(loss_fn, opt, on_nan="skip", donate=False)
+        parallel = DataParallelStep(loss_fn, opt, on_nan="skip", donate=False, metrics={"aux_rows": lambda o: o.aux.shape[0] * 1.0})
+        model = {"w": jnp.ones(3)}
+        a, sa, _ = plain(model, opt.init(model), (x, y))
+        b, sb, mb = parallel(model, opt.init(model), (x, y))
+        np.testing.assert_allclose(b["w"], a["w"], rtol=1e-6)
+        assert int(mb["nonfinite"]) == -1 and float(mb["aux_rows"]) == 8.0  # aux: one row per example
+        assert int(ft.optim.context(sb).samples_seen) == int(ft.optim.context(sa).samples_seen) == 8
+        bad, _, mbad = parallel(model, opt.init(model), (x.at[0, 0].set(jnp.nan), y))
+        assert int(mbad["nonfinite"]) == 0  # the gradient of leaf 0 (w) was not finite
+        np.testing.assert_array_equal(bad["w"], model["w"])  # the non-finite step was skipped

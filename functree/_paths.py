@@ -417,6 +417,31 @@ def walk(tree: Any, *, writable: bool = False) -> Iterator[tuple[KeyPath, Any]]:
             yield path, node
 
 
+def has_cycle(tree: Any) -> bool:
+    """Whether ``tree`` contains itself: a lean walk (one-level flattens, ids on the current
+    path, no key paths). Run it before JAX's C++ flatten, which on a cycle through a
+    Python-registered node (every Module) leaves the interpreter's recursion count broken."""
+    on_path: dict[int, None] = {}  # (this module's `set` is ft.set)
+    stack: list[tuple[Any, bool]] = [(tree, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            on_path.pop(id(node), None)
+            continue
+        if node is None or isinstance(node, (jax.Array, np.ndarray, float, int, complex, str)):
+            continue
+        try:
+            kids, _ = jax.tree_util.flatten_one_level(node)
+        except ValueError:  # a leaf
+            continue
+        if id(node) in on_path:
+            return True
+        on_path[id(node)] = None
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids)
+    return False
+
+
 def check_acyclic(tree: Any) -> None:
     """Raise ``ValueError`` naming the key path where ``tree`` contains itself, if it does.
 

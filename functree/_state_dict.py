@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._paths import check_acyclic
+from functree._paths import check_acyclic, has_cycle
 from functree._tree import dotted_name
 
 __all__ = ["to_flat_dict", "from_flat_dict", "FlatDictReport"]
@@ -46,23 +46,17 @@ def _spec(x: Any) -> tuple[tuple[int, ...], str]:
     return tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))
 
 
-_DEEP = 64  # key paths longer than this are checked for a cycle (no model nests this deep)
 
 
 def _flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
     """JAX's flatten with paths; a tree that contains itself raises naming where.
 
-    On a cycle JAX's C++ flatten either raises (a ``SystemError`` around a recursion
-    error) or stops at its recursion limit and returns absurdly long key paths.
+    Checked first: on a cycle JAX's C++ flatten raises, stops at its recursion limit, or
+    (through Module's Python flatten) leaves the interpreter's recursion count broken.
     """
-    try:
-        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    except (RecursionError, SystemError):
-        check_acyclic(tree)
-        raise
-    if any(len(path) > _DEEP for path, _ in path_leaves):
-        check_acyclic(tree)
-    return path_leaves, treedef
+    if has_cycle(tree):
+        check_acyclic(tree)  # raises, naming where
+    return jax.tree_util.tree_flatten_with_path(tree)
 
 
 def to_flat_dict(tree: Any) -> dict[str, Any]:

@@ -307,6 +307,8 @@ class HistoryLogger(Callback):
         self.path = Path(path)
 
     def _write(self, context: TrainingContext) -> None:
+        if jax.process_index() != 0:  # one history file for all processes
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps(dataclasses.asdict(context)) + "\n")

@@ -661,12 +661,22 @@ NOT_READABLE = """\
 Pass the directory written by ft.train.save(path, tree)."""
 
 
-def load(path: str | os.PathLike[str], template: Any = None) -> Any:
+LOAD_NEEDS_TEMPLATE = """\
+ft.train.load(path, mesh=...) places the arrays by the template's structure; pass one:
+
+    wrong:  ft.train.load(path, mesh=mesh, sharding="fsdp")
+    right:  ft.train.load(path, model_template, mesh=mesh, sharding="fsdp")"""
+
+
+def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None, sharding: Any = None,
+         data_axis: str = "data") -> Any:
     """Load a tree written by :func:`save`; with ``template``, check it leaf by leaf.
 
     Without a template the tree is rebuilt with its saved types (registered types and
     Module subclasses only, see :func:`functree.train.register`); with one, every leaf
-    must match it in key path, shape and dtype. Every array's CRC-32 is checked.
+    must match it in key path, shape and dtype. Every array's CRC-32 is checked. With
+    ``mesh`` (and ``sharding``: None, "fsdp" or rules) the arrays are restored onto that
+    mesh, placed by the rules, whatever device count wrote them.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, tempfile
@@ -678,7 +688,14 @@ def load(path: str | os.PathLike[str], template: Any = None) -> Any:
       (Dense(weight=f32[2,1], bias=f32[1], activation=identity), True)
     """
     path = Path(path).absolute()
-    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+    target = None
+    if mesh is not None:  # restore each array straight into its shards on this mesh
+        from functree.parallel import sharded_target
+
+        if template is None:
+            raise CheckpointError(LOAD_NEEDS_TEMPLATE)
+        target, _ = encode(sharded_target(template, mesh, sharding, data_axis=data_axis))
+    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(path, args=args)

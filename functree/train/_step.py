@@ -269,6 +269,10 @@ def train_step(
     metrics: Mapping[str, Any] | Sequence[Any] | None = None,
     on_nan: str | None = None,
     donate: bool = True,
+    mesh: Any = None,
+    data_axis: str = "data",
+    sharding: Any = None,
+    compute_dtype: Any = None,
 ) -> TrainStep:
     """A jitted training step; see :class:`TrainStep`.
 
@@ -285,6 +289,11 @@ def train_step(
       >>> round(float(metrics["loss"]), 4), model["w"]  # (1² + 2²) / 2; w ← 0 - 0.1·(-1, -2)
       (2.5, Array([0.1, 0.2], dtype=float32))
     """
+    if mesh is not None or sharding is not None or compute_dtype is not None:
+        from functree.parallel import DataParallelStep  # functree.parallel imports this module
+
+        return DataParallelStep(loss_fn, optimizer, mesh=mesh, data_axis=data_axis, sharding=sharding,
+                                compute_dtype=compute_dtype, metrics=metrics, on_nan=on_nan, donate=donate)
     return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, donate=donate)
 
 
@@ -292,6 +301,10 @@ def eval_step(
     loss_fn: Callable[..., Any],
     *,
     metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+    mesh: Any = None,
+    data_axis: str = "data",
+    sharding: Any = None,
+    compute_dtype: Any = None,
 ) -> EvalStep:
     """A jitted evaluation step (loss and metrics, no update); see :class:`EvalStep`.
 
@@ -306,4 +319,9 @@ def eval_step(
       >>> evaluate({"w": jnp.zeros(2)}, (jnp.eye(2), jnp.array([1.0, 2.0])))
       {'loss': Array(2.5, dtype=float32), 'mae': Array(1.5, dtype=float32)}
     """
+    if mesh is not None or sharding is not None or compute_dtype is not None:
+        from functree.parallel import DataParallelEvalStep
+
+        return DataParallelEvalStep(loss_fn, mesh=mesh, data_axis=data_axis, sharding=sharding,
+                                    compute_dtype=compute_dtype, metrics=metrics)
     return EvalStep(loss_fn, metrics=metrics)

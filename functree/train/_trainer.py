@@ -27,7 +27,8 @@ from functree.train._data import Batches, batches, to_arrays
 from functree.train._history import History
 from functree.train._metrics import batch_size_of
 from functree.train._progress import Progress
-from functree.train._step import NONFINITE, EvalStep, TrainStep, parameter_names
+from functree.train._step import NONFINITE, TrainStep, eval_step, parameter_names
+from functree.train._step import train_step as make_train_step
 
 __all__ = ["Trainer", "NonFiniteError"]
 
@@ -215,10 +216,17 @@ class Trainer:
         on_nan: str | None = "stop",
         opt_state: Any = None,
         train_step: type[TrainStep] | TrainStep | None = None,
+        mesh: Any = None,
+        data_axis: str = "data",
+        sharding: Any = None,
+        compute_dtype: Any = None,
     ):
-        self.train_step = self._make_step(train_step, loss_fn, optimizer, metrics, on_nan)
+        parallel: dict[str, Any] = {}
+        if mesh is not None or sharding is not None or compute_dtype is not None:
+            parallel = {"mesh": mesh, "data_axis": data_axis, "sharding": sharding, "compute_dtype": compute_dtype}
+        self.train_step = self._make_step(train_step, loss_fn, optimizer, metrics, on_nan, parallel)
         self.optimizer = self.train_step.optimizer
-        self.eval_step = EvalStep(loss_fn, metrics=self.train_step.metrics)
+        self.eval_step = eval_step(loss_fn, metrics=self.train_step.metrics, **parallel)
         self.on_nan = self.train_step.on_nan
         self._loss_key = key_parameter(loss_fn)
         if self._loss_key == "required" and key is None and train_step is None:
@@ -230,6 +238,8 @@ class Trainer:
         state = self.optimizer.init(self.model) if opt_state is None else _copy(opt_state)
         # A fresh optimizer state may share arrays with the model or within itself.
         self.model, self.opt_state = copy_aliases((self.model, state))
+        if hasattr(self.train_step, "place"):  # a data-parallel step: arrays on its mesh by its rules
+            self.model, self.opt_state = self.train_step.place(self.model, self.opt_state)
         self.key = key
         self.history = History()
         self.steps_run = 0
@@ -248,14 +258,20 @@ class Trainer:
         self._predict = unchecked_jit(_call_predict, static_argnums=2, static_leaves=static)
 
     @staticmethod
-    def _make_step(train_step: Any, loss_fn: Any, optimizer: Any, metrics: Any, on_nan: Any) -> TrainStep:
+    def _make_step(train_step: Any, loss_fn: Any, optimizer: Any, metrics: Any, on_nan: Any,
+                   parallel: dict[str, Any]) -> TrainStep:
         if train_step is None:
-            return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan)
+            return make_train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, **parallel)
         if isinstance(train_step, TrainStep):
             return train_step
         if isinstance(train_step, type) and issubclass(train_step, TrainStep):
-            return train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan)
+            return train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, **parallel)
         raise TypeError(BAD_TRAIN_STEP.format(given=repr(train_step)[:80]))
+
+    @staticmethod
+    def _global(step: Any, batch: Any) -> Any:
+        """The global batch from this process's share, on a data-parallel step's mesh."""
+        return step.shard_batch(batch) if hasattr(step, "shard_batch") else batch
 
     # --- the jitted programs -------------------------------------------------------------
     def _fused_step(self, model: Any, opt_state: Any, buffer: Any, batch: Any, key: Any) -> Any:
@@ -424,7 +440,7 @@ class Trainer:
         total = steps if steps is not None else (
             epochs * length - self.batch_in_epoch if length is not None and epochs else None
         )
-        bar = Progress(total, enabled=progress)
+        bar = Progress(total, enabled=progress and jax.process_index() == 0)  # one bar for all processes
         self.stop_training = False
         self._last_context = None
         for cb in cbs:
@@ -461,7 +477,7 @@ class Trainer:
         length = self._epoch_length(data)
         bar.set_description(f"epoch {self.epoch + 1}")
         for batch in self._epoch_iter(data):
-            batch = to_arrays(batch)
+            batch = self._global(self.train_step, to_arrays(batch))
             if self._names is None:
                 self._names = self._metric_names(batch)
             if self._buffer is None or (self._buffered == 0 and self._buffer["weight"].shape[0] != log_every):
@@ -538,7 +554,7 @@ class Trainer:
         sums: Any = None
         batches_iter: Iterable[Any] = data.iterate(0) if isinstance(data, Batches) else data
         for batch in batches_iter:
-            batch = to_arrays(batch)
+            batch = self._global(self.eval_step, to_arrays(batch))
             if sums is None:
                 shapes = eval_shape(self.eval_step.step, model, batch, key)
                 sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
@@ -566,7 +582,8 @@ class Trainer:
         key = self._eval_key(fn)
         batches_iter: Iterable[Any] = data.iterate(0) if isinstance(data, Batches) else data
         outputs = [
-            self._predict(model, to_arrays(b), fn, None if key is None else jax.random.fold_in(key, i))
+            self._predict(model, self._global(self.eval_step, to_arrays(b)), fn,
+                          None if key is None else jax.random.fold_in(key, i))
             for i, b in enumerate(batches_iter)
         ]
         if not outputs:

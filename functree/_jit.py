@@ -1,17 +1,19 @@
 """``ft.jit``: jit for functions of Modules, with no per-call filtering.
 
 Static fields already live in each Module's tree definition, so a Module passes through
-``jax.jit`` as it is: flattening runs in JAX's C++ dataclass path, nothing is
-partitioned in Python, and the call returns without blocking (asynchronous dispatch).
+``jax.jit`` as it is: each Module class flattens through small functions generated
+once for it (and rebuilds without calling ``__init__``), nothing is partitioned in
+Python, and the call returns without blocking (asynchronous dispatch).
 
 Two things cost Python work, and only where asked for or needed:
 
 * ``static_leaves=True`` makes every leaf JAX cannot trace (the functions an Equinox
   module keeps as leaves, strings) static, as ``eqx.filter_jit`` does: a tree map over the
   arguments and results per call;
-* a donating ``ft.jit`` checks for aliased arguments only when XLA refuses to donate one
-  buffer twice: it then warns (:class:`ft.AliasWarning`, naming both key paths), copies
-  the repeated leaf and runs again. The successful call costs one Python frame.
+* a donating ``ft.jit`` looks for aliased arguments (one array at two leaves) only in
+  arguments that are not its previous call's outputs (a training loop passes those
+  back): it then warns (:class:`ft.AliasWarning`, naming both key paths) and copies the
+  repeated leaf. A call on its own outputs costs one Python frame and identity checks.
 """
 
 from __future__ import annotations

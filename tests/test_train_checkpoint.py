@@ -455,3 +455,16 @@ def test_a_pre_redesign_optimizer_state_says_how_to_convert_and_converts(tmp_pat
     assert int(ft.optim.context(state).step) == 9
     assert jax.tree.structure(state) == jax.tree.structure(new)
     manager.close()
+
+
+def test_a_checkpoint_records_the_mesh_it_was_written_from(tmp_path):
+    import json
+
+    mesh = jax.make_mesh((1,), ("data",))
+    model = ft.shard(ft.nn.Dense(2, 3, key=jax.random.key(0)), mesh, "fsdp")
+    ft.train.save(tmp_path / "sharded", model)
+    ft.train.save(tmp_path / "plain", ft.nn.Dense(2, 3, key=jax.random.key(0)))
+    meta = lambda name: json.loads((tmp_path / name / "meta" / "metadata").read_text())  # noqa: E731
+    assert meta("sharded")["mesh"] == {"data": 1} and meta("plain")["mesh"] == {}
+    back = ft.train.load(tmp_path / "sharded", model, mesh=mesh, sharding="fsdp")
+    np.testing.assert_array_equal(back.weight, model.weight)

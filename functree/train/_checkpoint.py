@@ -299,11 +299,24 @@ def checksum(x: Any) -> int:
     return zlib.crc32(cast(Any, a.view(np.uint8)))
 
 
+def _local(x: Any) -> bool:
+    """Whether this process holds all of ``x`` (an array spread over processes does not)."""
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
 def _describe(arrays: dict[str, Any]) -> dict[str, Any]:
+    """Each array's dtype, shape and CRC-32. An array spread over several processes is
+    written collectively by orbax and never gathered here: its CRC is not taken (None)."""
     return {
-        k: {"crc32": checksum(v), "dtype": str(np.asarray(v).dtype), "shape": list(np.shape(v))}
+        k: {"crc32": checksum(v) if _local(v) else None, "dtype": str(v.dtype), "shape": list(np.shape(v))}
         for k, v in arrays.items()
     }
+
+
+def _mesh_of(tree: Any) -> dict[str, int]:
+    from functree.parallel import mesh_shape  # functree.parallel imports ft.train
+
+    return mesh_shape(tree)
 
 
 def _digest(meta: dict[str, Any]) -> int:
@@ -349,11 +362,13 @@ def _verify_arrays(meta: dict[str, Any], arrays: dict[str, Any]) -> tuple[str, s
         extra = sorted(set(sums) ^ set(arrays))[:5]
         return (extra[0], f"is missing or unexpected (arrays {extra} differ from the metadata)")
     for key, want in sums.items():
-        x = np.asarray(arrays[key])
+        x = arrays[key]
         if not isinstance(want, dict):
             return (key, "has a damaged checksum entry")
-        if str(x.dtype) != want.get("dtype") or list(x.shape) != want.get("shape"):
-            return (key, f"is {x.dtype}{list(x.shape)}, written as {want.get('dtype')}{want.get('shape')}")
+        if str(x.dtype) != want.get("dtype") or list(np.shape(x)) != want.get("shape"):
+            return (key, f"is {x.dtype}{list(np.shape(x))}, written as {want.get('dtype')}{want.get('shape')}")
+        if want.get("crc32") is None or not _local(x):  # spread over processes: not gathered
+            continue
         if checksum(x) != want.get("crc32"):
             return (key, f"fails its CRC-32 check (stored {want.get('crc32')}, read {checksum(x)})")
     return None
@@ -471,6 +486,7 @@ class CheckpointManager:
             "metrics": metrics,
             "config": _json_value(dict(config or {})),
             "checksums": _describe(arrays),
+            "mesh": _mesh_of(arrays),  # {axis: size} it was written from ({} off any mesh)
         })
         args = ocp.args.Composite(
             arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
@@ -650,7 +666,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) ->
         raise CheckpointError(PATH_EXISTS.format(path=path))
     arrays, spec = encode(tree)
     arrays = {k: np.asarray(v) if not isinstance(v, jax.Array) else v for k, v in arrays.items()}
-    meta = _sealed({"format": FORMAT, "spec": spec, "checksums": _describe(arrays)})
+    meta = _sealed({"format": FORMAT, "spec": spec, "checksums": _describe(arrays), "mesh": _mesh_of(arrays)})
     args = ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(path, args=args, force=overwrite)

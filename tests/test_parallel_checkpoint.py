@@ -88,3 +88,36 @@ def test_load_onto_a_mesh_needs_a_template(tmp_path):
         ft.parallel.load(tmp_path / "m", None, mesh=jax.make_mesh((1,), ("data",)))
     restored = ft.parallel.load(tmp_path / "m", {"w": jnp.zeros(2)}, mesh=jax.make_mesh((1,), ("data",)))
     np.testing.assert_array_equal(restored["w"], np.ones(2))
+
+
+@pytest.mark.slow
+def test_checkpoint_manager_restores_onto_a_mesh_in_shards(tmp_path):
+    """CheckpointManager.restore(mesh=, sharding=): a 4-device FSDP save restored onto 2
+    devices sharded again (and onto the default device without a mesh); a part without a
+    template (extra) comes back on the host."""
+    out = run(SETUP + f"""
+from jax.sharding import NamedSharding
+mesh = jax.make_mesh((4,), ("data",))
+model = ft.shard(mlp(), mesh, "fsdp")
+state = ft.shard(opt.init(mlp()), mesh, "fsdp")
+with ft.train.CheckpointManager({str(tmp_path / "ck")!r}) as manager:
+    manager.save(3, model, state, extra={{"note": np.arange(3.0)}})
+report({{"written": [str(model.layers[0].weight.sharding.spec)]}})
+""", devices=4)
+    assert out["written"] == ["P(None, 'data')"]
+    out = run(SETUP + f"""
+mesh = jax.make_mesh((2,), ("data",))
+manager = ft.train.CheckpointManager({str(tmp_path / "ck")!r})
+ck = manager.restore(template=mlp(), opt_state_template=opt.init(mlp()), mesh=mesh, sharding="fsdp")
+w = ck.model.layers[0].weight
+mu = ft.optim.moments(ck.opt_state)["mu"].layers[0].weight
+plain = manager.restore(template=mlp(), opt_state_template=opt.init(mlp()))
+report({{"w": [len(w.sharding.device_set), w.sharding.is_fully_replicated],
+        "mu": [len(mu.sharding.device_set), mu.sharding.is_fully_replicated],
+        "extra": [type(ck.extra["note"]).__name__, np.asarray(ck.extra["note"]).tolist()],
+        "same": bool(np.array_equal(np.asarray(w), np.asarray(plain.model.layers[0].weight))),
+        "plain": len(plain.model.layers[0].weight.sharding.device_set)}})
+manager.close()
+""", devices=2)
+    assert out["w"] == [2, False] and out["mu"] == [2, False]
+    assert out["extra"] == ["ndarray", [0.0, 1.0, 2.0]] and out["same"] and out["plain"] == 1

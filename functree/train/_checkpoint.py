@@ -391,10 +391,51 @@ def _rebuild(part: str, spec: dict[str, Any], arrays: dict[str, Any], template: 
     return tree
 
 
-def _read(mngr: ocp.CheckpointManager, step: int) -> tuple[dict[str, Any], Any]:
-    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+def _read(mngr: ocp.CheckpointManager, step: int, placement: Any = None) -> tuple[dict[str, Any], Any]:
+    """The arrays and metadata at ``step``; ``placement(meta)`` gives orbax's restore target
+    (arrays restored straight into their shards) or None (the default device)."""
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    target = (placement or _default_placement)(meta)
+    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
     restored = mngr.restore(step, args=args)
     return dict(restored["arrays"]), restored["meta"]
+
+
+def _default_placement(meta: Any) -> Any:
+    """Arrays written from a mesh, restored without one: onto the default device (orbax
+    refuses to guess a target for another topology). None: restore as saved."""
+    sums = meta.get("checksums") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or not meta.get("mesh") or not isinstance(sums, dict):
+        return None
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def one(w: dict[str, Any]) -> Any:
+        dtype = np.dtype(w["dtype"])
+        if jax.dtypes.canonicalize_dtype(dtype) != dtype:  # float64 without x64: on the host
+            return np.zeros(tuple(w["shape"]), dtype)
+        return jax.ShapeDtypeStruct(tuple(w["shape"]), dtype, sharding=device)
+
+    return {k: one(w) for k, w in sums.items()}
+
+
+def _placement(templates: dict[str, Any], mesh: Any, sharding: Any, data_axis: str) -> Any:
+    """Orbax's restore target on ``mesh``: each part with a template placed by the rules;
+    the arrays of a part without one (shape and dtype from the metadata) on the host."""
+    from functree.parallel import sharded_target  # functree.parallel imports ft.train
+
+    placed = {p: None if t is None else sharded_target(t, mesh, sharding, data_axis=data_axis)
+              for p, t in templates.items()}
+    known, _ = encode(placed)
+
+    def target(meta: Any) -> dict[str, Any]:
+        sums = meta.get("checksums") if isinstance(meta, dict) else None
+        if not isinstance(sums, dict):  # format 1 or damaged: restored as saved, checked later
+            return None  # type: ignore[return-value]
+        # arrays of parts without a template come back as host NumPy arrays, as saved
+        return {k: known[k] if k in known else np.zeros(tuple(w["shape"]), np.dtype(w["dtype"]))
+                for k, w in sums.items()}
+
+    return target
 
 
 class CheckpointManager:
@@ -587,6 +628,9 @@ class CheckpointManager:
         opt_state_template: Any = None,
         extra_template: Any = None,
         include: tuple[str, ...] = ("model", "opt_state", "extra"),
+        mesh: Any = None,
+        sharding: Any = None,
+        data_axis: str = "data",
     ) -> Checkpoint:
         """The :class:`Checkpoint` at ``step`` (default: the latest).
 
@@ -596,6 +640,11 @@ class CheckpointManager:
         only registered types (:func:`functree.train.register`). Parts left out of
         ``include`` come back as None (e.g. ``include=("model",)`` to continue a saved
         model with new optimizer options). Damage raises :class:`CheckpointError`.
+
+        With ``mesh`` (and ``sharding``: None, ``"fsdp"`` or rules by key path, as for
+        ``ft.shard``) every array is restored straight into its shards on that mesh,
+        whatever device count wrote it: the templates' arrays placed by the rules (optimizer
+        moments follow their parameters), the rest replicated.
         """
         steps = self.all_steps()
         chosen = steps[-1] if step is None and steps else step
@@ -605,7 +654,9 @@ class CheckpointManager:
                 NO_CHECKPOINT.format(what=what, path=self.directory, steps=steps, step=step or "")
             )
         try:
-            arrays, meta = _read(self._mngr, chosen)
+            templates = {"model": template, "opt_state": opt_state_template, "extra": extra_template}
+            placement = None if mesh is None else _placement(templates, mesh, sharding, data_axis)
+            arrays, meta = _read(self._mngr, chosen, placement)
         except Exception as e:  # orbax raises many types for damaged files
             error = f"{type(e).__name__}: {str(e)[:300]}"
             raise self._damaged(CORRUPTED, chosen, steps, error=error) from e
@@ -711,9 +762,12 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
         if template is None:
             raise CheckpointError(LOAD_NEEDS_TEMPLATE)
         target, _ = encode(sharded_target(template, mesh, sharding, data_axis=data_axis))
-    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            if target is None:  # written from a mesh: onto the default device
+                saved = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+                target = _default_placement(saved["meta"])
+            args = ocp.args.Composite(arrays=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
             restored = checkpointer.restore(path, args=args)
         meta, arrays = restored["meta"], dict(restored["arrays"])
     except Exception as e:

@@ -253,6 +253,9 @@ def test_moments_follow_the_models_key_paths():
         (lambda: fo.adamw(weight_decay=-0.1), "weight_decay", "-0.1"),
         (lambda: fo.sgd(fo.per_samples(-1.0, 1)), "learning_rate", "-1.0"),
         (lambda: fo.sgd(float("nan")), "learning_rate", "nan"),
+        (lambda: fo.sgd(float("inf")), "learning_rate", "inf"),
+        (lambda: fo.adam(learning_rate=float("inf")), "learning_rate", "inf"),
+        (lambda: fo.lion(float("-inf")), "learning_rate", "-inf"),
         (lambda: fo.sgd([(10, 0.1), (5, -0.01)]), "learning_rate", "-0.01"),
         (lambda: fo.adam(beta1=fo.per_minibatch([(1, 0.9), (1, 1.2)])), "beta1", "1.2"),
     ],
@@ -338,3 +341,10 @@ def test_weight_decay_skips_fields_a_layer_declares_and_excluded_names():
         np.testing.assert_array_equal(updates.norm.gain, 0.0)
         np.testing.assert_array_equal(updates.norm.shift, 0.0)
         assert float(jnp.abs(updates.weight).sum()) > 0  # the weight is decayed
+
+
+def test_set_hyperparameters_rejects_non_finite_values():
+    state = fo.Optimizer(fo.adam(1e-3)).init({"w": jnp.ones(2)})
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"learning_rate=.* is out of range; learning_rate must be finite"):
+            fo.set_hyperparameters(state, learning_rate=bad)

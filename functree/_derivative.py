@@ -147,6 +147,8 @@ def derivative(
     if mode not in ("reverse", "forward"):
         raise ValueError(BAD_MODE.format(mode=mode))
     indices = _normalize_wrt(wrt)
+    if getattr(of, "__ft_label_aware__", False):  # a Module's __call__, as Module wraps it
+        of = of.__wrapped__  # type: ignore[union-attr]
 
     def register(deriv: Callable[..., Any]) -> Any:
         target = of if isinstance(of, DifferentiableFunction) else DifferentiableFunction(of)

@@ -29,6 +29,20 @@ from functree.train._treespec import SpecError
 W = np.random.default_rng(0).normal(size=(32, 32)).astype(np.float32)  # incompressible
 
 
+# Reading deliberately damaged files can leave tensorstore futures that complete after
+# orbax closed their event loop; Python reports that as an unraisable exception when they
+# are garbage-collected. It is orbax's background cleanup, never a wrong value (every test
+# here asserts what was loaded): ignored in this module, and collected after each test so
+# it never surfaces in another module's test.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(autouse=True)
+def _collect_orbax_leftovers():
+    yield
+    gc.collect()
+
+
 def meta_path(directory, step=1):
     return Path(directory) / str(step) / "meta" / "metadata"
 

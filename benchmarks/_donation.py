@@ -47,8 +47,7 @@ def donation(quick: bool) -> list[Table]:
                   "parameters and optimizer state aliased to outputs", rows, plain=True,
                   columns=("params + state bytes", "aliased bytes", "inputs deleted after a call",
                            "not donated"))
-    table.notes.append("aliased bytes: compiled.memory_analysis().alias_size_in_bytes; "
-                       "ft.train.train_step's program is read through its private _compiled "
-                       "(TrainStep has no public lower); Equinox filter_jit and nnx.jit do not "
-                       "donate by default")
+    table.notes.append("aliased bytes: compiled.memory_analysis().alias_size_in_bytes "
+                       "(ft.train.train_step through TrainStep.lower); Equinox filter_jit and "
+                       "nnx.jit do not donate by default")
     return [table]

@@ -183,9 +183,7 @@ def functree_train_step(spec: Spec) -> Runner:
 
     step = ft.train.train_step(loss_fn, opt)
     model = functree_model(spec)
-    # TrainStep has no public ``lower``; its jitted program is read for the checks only.
-    lowerable = step if hasattr(step, "lower") else getattr(step, "_compiled", None)
-    return Runner(step, (model, opt.init(model)), (data(spec),), lowerable=lowerable)
+    return Runner(step, (model, opt.init(model)), (data(spec),))
 
 
 # --- Equinox -------------------------------------------------------------------------------

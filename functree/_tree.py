@@ -59,3 +59,46 @@ def all_finite(tree: Any) -> jax.Array:
     """
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
+
+
+def register_record(cls: type, data_fields: Sequence[str], meta_fields: Sequence[str] = ()) -> type:
+    """Register a frozen dataclass of state (an optimizer state, the learning context) as a
+    pytree that JAX rebuilds without calling its ``__init__``.
+
+    ``jax.tree_util.register_dataclass`` rebuilds through the frozen dataclass's
+    ``__init__`` (an ``object.__setattr__`` per field): about 2.5 µs for six fields on every
+    jit output. Here the rebuild is ``object.__new__`` and one dict update (about 0.8 µs);
+    key paths are the same ``GetAttrKey``s.
+
+    Example:
+      >>> import dataclasses, jax
+      >>> from functree._tree import register_record
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Count:
+      ...     n: jax.Array
+      ...     name: str = "steps"
+      >>> _ = register_record(Count, ["n"], ["name"])
+      >>> jax.tree.map(lambda n: n + 1, Count(1))
+      Count(n=2, name='steps')
+    """
+    data, meta = tuple(data_fields), tuple(meta_fields)
+    keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
+    new = object.__new__
+
+    def flatten(x: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        d = x.__dict__
+        return tuple([d[n] for n in data]), tuple([d[n] for n in meta])
+
+    def flatten_with_keys(x: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        d = x.__dict__
+        return tuple(zip(keys, [d[n] for n in data])), tuple([d[n] for n in meta])
+
+    def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
+        x = new(cls)
+        d = x.__dict__
+        d.update(zip(data, children))
+        d.update(zip(meta, aux))
+        return x
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls

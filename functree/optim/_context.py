@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._tree import register_record
+
 __all__ = ["LearningContext", "context", "next_sweep", "initial_context", "advance"]
 
 NO_CONTEXT = """\
@@ -100,7 +102,7 @@ class LearningContext:
         return "LearningContext(" + ", ".join(f"{n}={v}" for n, v in zip((*COUNTERS, "loss"), values)) + ")"
 
 
-jax.tree_util.register_dataclass(LearningContext, data_fields=["counters", "loss"], meta_fields=[])
+register_record(LearningContext, ["counters", "loss"])
 
 
 def initial_context() -> LearningContext:

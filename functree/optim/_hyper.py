@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from functree._parameters import parameters
+from functree._tree import register_record
 from functree.optim._checks import check_gradients
 from functree.optim._context import LearningContext, advance, current, initial_context
 
@@ -170,9 +171,7 @@ class HyperState:
         return dataclasses.replace(self, **changes)
 
 
-jax.tree_util.register_dataclass(
-    HyperState, data_fields=["context", "values", "scheduled", "inner"], meta_fields=["names", "scheduled_names"]
-)
+register_record(HyperState, ["context", "values", "scheduled", "inner"], ["names", "scheduled_names"])
 
 
 def _pack(xs: list[jax.Array]) -> jax.Array | None:

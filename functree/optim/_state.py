@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from functree._tree import register_record
 from functree.optim._context import LearningContext
 
 __all__ = ["OptimizerState", "release_contexts", "unalias_state", "upgrade_state"]
@@ -52,7 +53,7 @@ class OptimizerState:
         return dataclasses.replace(self, **changes)
 
 
-jax.tree_util.register_dataclass(OptimizerState, data_fields=["context", "inner"], meta_fields=[])
+register_record(OptimizerState, ["context", "inner"])
 
 
 def _is_hyper(x: Any) -> bool:

@@ -204,10 +204,28 @@ class TrainStep:
             metrics[NONFINITE] = nonfinite
         return new_model, new_state, metrics
 
-    def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
+    def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
             static = has_untraceable_leaves(model)
             self._compiled = unchecked_jit(self.step, donate=(0, 1) if self._donate else None, static_leaves=static)
+        return self._compiled
+
+    def lower(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
+        """The jitted step lowered for these arguments (``jax.stages.Lowered``): read its
+        ``.compile().cost_analysis()`` or ``memory_analysis()``. Nothing runs or is donated.
+
+        Example:
+          >>> import functree as ft, jax, jax.numpy as jnp
+          >>> model, opt = ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.Optimizer(ft.optim.sgd(0.1))
+          >>> step = ft.train.train_step(lambda m, b: jnp.mean(m(b) ** 2), opt)
+          >>> compiled = step.lower(model, opt.init(model), jnp.ones((4, 2))).compile()
+          >>> compiled.cost_analysis()["flops"] > 0
+          True
+        """
+        return self._program(model).lower(model, opt_state, batch, key)
+
+    def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
+        self._program(model)
         if self._donate and (model is not self._last[0] or opt_state is not self._last[1]):
             # Donation needs distinct buffers. Outputs never share one, so only a model or
             # state that did not come from this step is looked at (once, by identity): one

@@ -222,7 +222,8 @@ class TrainStep:
           >>> compiled.cost_analysis()["flops"] > 0
           True
         """
-        return self._program(model).lower(model, opt_state, batch, key)
+        program = self._program(model)
+        return program.lower(model, opt_state, batch) if key is None else program.lower(model, opt_state, batch, key)
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
         self._program(model)

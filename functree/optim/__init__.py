@@ -33,6 +33,7 @@ from functree.optim._groups import groups
 from functree.optim._hyper import (
     HyperState,
     Rate,
+    hyperparameter_names,
     hyperparameters,
     inject,
     per_minibatch,
@@ -115,6 +116,7 @@ __all__ = [
     "initial_context",
     # hyperparameters and rate units
     "hyperparameters",
+    "hyperparameter_names",
     "set_hyperparameters",
     "inject",
     "HyperState",

@@ -41,6 +41,7 @@ __all__ = [
     "inject",
     "hyperparameters",
     "set_hyperparameters",
+    "hyperparameter_names",
 ]
 
 OUT_OF_RANGE = """\
@@ -343,17 +344,31 @@ def _label(path: tuple) -> str:
     return jax.tree_util.keystr(path)
 
 
-def _entries(state: Any) -> list[tuple[str, str, bool, Any]]:
-    """(label, name, settable, value) for every hyperparameter in the state."""
+def _entries(state: Any, values: bool = True) -> list[tuple[str, str, bool, Any]]:
+    """(label, name, settable, value) for every hyperparameter in the state (value None
+    unless ``values``: reading them is one ``unstack`` per transform, not one op per value)."""
     found = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_hyper)[0]
     out = []
     for path, node in found:
         if not _is_hyper(node):
             continue
         label = _label(path)
-        out += [(label, n, True, node.values[i]) for i, n in enumerate(node.names)]
-        out += [(label, n, False, node.scheduled[i]) for i, n in enumerate(node.scheduled_names)]
+        stored = jnp.unstack(node.values) if values and node.names else [None] * len(node.names)
+        latest = jnp.unstack(node.scheduled) if values and node.scheduled_names else [None] * len(node.scheduled_names)
+        out += [(label, n, True, v) for n, v in zip(node.names, stored)]
+        out += [(label, n, False, v) for n, v in zip(node.scheduled_names, latest)]
     return out
+
+
+def hyperparameter_names(state: Any) -> list[str]:
+    """The names :func:`hyperparameters` lists, without reading any value.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.optim.hyperparameter_names(ft.optim.sgd(0.1).init({"w": jnp.ones(2)}))
+      ['learning_rate', 'momentum']
+    """
+    return _keys(_entries(state, values=False))
 
 
 def _keys(entries: list[tuple[str, str, bool, Any]]) -> list[str]:

@@ -20,7 +20,7 @@ import numpy as np
 from functree import nn
 from functree._alias import copy_aliases, warn_aliases
 from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
-from functree.optim import context, hyperparameters, next_sweep
+from functree.optim import context, hyperparameter_names, hyperparameters, next_sweep
 from functree.train._callbacks import Callback, TrainingContext, _copy, as_callback
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, batches, to_arrays
@@ -314,10 +314,7 @@ class Trainer:
         return buffer
 
     def _has_learning_rate(self) -> bool:
-        try:
-            return "learning_rate" in hyperparameters(self.opt_state)
-        except (ValueError, KeyError):
-            return False
+        return "learning_rate" in hyperparameter_names(self.opt_state)
 
     def _metric_names(self, batch: Any) -> list[str]:
         if type(self.train_step).compute_metrics is TrainStep.compute_metrics:

@@ -78,6 +78,7 @@ class Row:
     count: int
     nbytes: int
     parameter: bool
+    leaves: int = 0  # > 0: a group of that many leaves under ``path`` (summary(depth=k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,8 @@ class Summary:
         out = [("path", "shape", "dtype", "count", "bytes", "kind")]
         for r in self.rows:
             kind = "parameter" if r.parameter else "carried"
-            out.append((r.path, str(r.shape), r.dtype, f"{r.count:,}", _bytes(r.nbytes), kind))
+            shape = f"{r.leaves} leaves" if r.leaves else str(r.shape)
+            out.append((r.path, shape, r.dtype, f"{r.count:,}", _bytes(r.nbytes), kind))
         return out
 
     def __str__(self) -> str:
@@ -147,11 +149,13 @@ def _is_data(leaf: Any) -> bool:
     return hasattr(leaf, "dtype") or isinstance(leaf, (bool, int, float, complex))
 
 
-def summary(model: Any) -> Summary:
+def summary(model: Any, depth: int | None = None) -> Summary:
     """A table of every data leaf of ``model`` by key path, with parameter totals.
 
     Leaves that hold no data (the functions an Equinox module keeps as leaves) are left
-    out.
+    out. ``depth=k`` groups the rows by the first ``k`` parts of their dotted paths (one
+    row per submodule, its parameters and carried values apart), with leaf counts:
+    ``ft.summary(model, depth=1)`` lists the top-level layers.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -176,5 +180,30 @@ def summary(model: Any) -> Summary:
         count = int(np.prod(arr.shape)) if arr.shape else 1
         nbytes = count * np.dtype(arr.dtype).itemsize
         rows.append(Row(path, tuple(arr.shape), str(arr.dtype), count, nbytes, path in params))
+    if depth is not None:
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(BAD_DEPTH.format(depth=depth))
+        rows = _grouped(rows, depth)
     return Summary(type(model).__name__, tuple(rows))
+
+
+BAD_DEPTH = """\
+ft.summary(model, depth=k) groups rows by the first k parts of their key paths; k must be \
+a positive int, got {depth!r}.
+
+    right:  ft.summary(model, depth=1)     # one row per top-level submodule
+"""
+
+
+def _grouped(rows: list[Row], depth: int) -> list[Row]:
+    groups: dict[tuple[str, bool], list[Row]] = {}
+    for r in rows:
+        prefix = ".".join(r.path.split(".")[:depth])
+        groups.setdefault((prefix, r.parameter), []).append(r)
+    out = []
+    for (prefix, parameter), members in groups.items():
+        dtypes = ",".join(dict.fromkeys(m.dtype for m in members))
+        out.append(Row(prefix, (), dtypes, sum(m.count for m in members), sum(m.nbytes for m in members),
+                       parameter, leaves=len(members)))
+    return out
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import functree as ft
 
@@ -125,3 +126,17 @@ def test_a_foreign_multiline_repr_is_indented_under_its_field():
 
     text = repr(Holder(Foreign(), jnp.ones(2)))
     assert text.splitlines() == ["Holder(", "  inner=Foreign(", "    a=1,", "  ),", "  weight=f32[2],", ")"]
+
+
+def test_summary_grouped_by_depth():
+    model = ft.nn.Sequential([ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.BatchNorm(3),
+                              ft.nn.Dense(3, 1, key=jax.random.key(1))])
+    full = ft.summary(model)
+    grouped = ft.summary(model, depth=2)
+    assert [(r.path, r.parameter, r.leaves, r.count) for r in grouped.rows] == [
+        ("layers.0", True, 2, 9), ("layers.1", True, 2, 6), ("layers.1", False, 2, 6), ("layers.2", True, 2, 4)]
+    assert grouped.parameter_count == full.parameter_count == 19
+    assert "2 leaves" in str(grouped)
+    assert [r.path for r in ft.summary(model, depth=1).rows] == ["layers", "layers"]
+    with pytest.raises(ValueError, match=r"k must be a positive int, got 0"):
+        ft.summary(model, depth=0)

@@ -80,8 +80,8 @@ def _mark(x: Any) -> Any:
 
 
 # treedef -> tuple of bools: which leaf positions lie outside no_derivative fields.
-# Computed once per tree definition; afterwards parameters() is one C++ flatten,
-# a dtype test per leaf and one C++ unflatten.
+# Computed once per tree definition; afterwards parameters() is one flatten,
+# a dtype test per leaf and one unflatten.
 _MASK_CACHE: dict[Any, tuple[bool, ...]] = {}
 
 

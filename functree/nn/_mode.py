@@ -19,7 +19,7 @@ __all__ = ["Layer", "training", "inference", "inferring", "is_training"]
 TRAINING_FIELD = "training"
 
 # (treedef, flag) -> treedef with every `training` field set to flag: computed once per
-# tree definition; afterwards switching is a C++ flatten, a dict lookup and an unflatten.
+# tree definition; afterwards switching is a flatten, a dict lookup and an unflatten.
 _MODE_CACHE: dict[tuple[Any, bool], Any] = {}
 
 

@@ -149,11 +149,12 @@ def derivative(
     indices = _normalize_wrt(wrt)
     if getattr(of, "__ft_label_aware__", False):  # a Module's __call__, as Module wraps it
         of = of.__wrapped__  # type: ignore[union-attr]
+    fn: Callable[..., Any] = of  # type: ignore[assignment]  # not None: checked above
 
     def register(deriv: Callable[..., Any]) -> Any:
-        target = of if isinstance(of, DifferentiableFunction) else DifferentiableFunction(of)
+        target = fn if isinstance(fn, DifferentiableFunction) else DifferentiableFunction(fn)
         setattr(target, mode, (deriv, indices))
-        return deriv if target is of else target
+        return deriv if target is fn else target
 
     return register
 

@@ -43,8 +43,8 @@ def check_gradients(grads: Any, params: Any) -> list[bool]:
         if p is None and g is not None:
             detail = f"the leaf is not a parameter (None in the parameter view), the gradient has shape {np.shape(g)}"
             raise ValueError(GRADIENT_MISMATCH.format(path=_names(params, p_def)[i], detail=detail))
-        if g is not None and np.shape(g) != np.shape(p):
-            detail = f"expected shape {np.shape(p)} (the parameter's), given shape {np.shape(g)}"
+        if g is not None and np.shape(g) != np.shape(p):  # type: ignore[arg-type]  # p is an array here
+            detail = f"expected shape {np.shape(p)} (the parameter's), given shape {np.shape(g)}"  # type: ignore[arg-type]
             raise ValueError(GRADIENT_MISMATCH.format(path=_names(params, p_def)[i], detail=detail))
     return missing
 

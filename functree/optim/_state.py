@@ -119,7 +119,8 @@ def _legacy_nodes(x: Any) -> Any:
 
     fields = getattr(x, "_fields", None) if isinstance(x, tuple) else None
     if fields == ("notfinite_count", "last_finite", "total_notfinite", "inner_state"):
-        return SkipState(x.total_notfinite, x.notfinite_count, x.last_finite, x.inner_state)
+        consecutive, last_finite, total, inner = x  # optax.ApplyIfFiniteState, by position
+        return SkipState(total, consecutive, last_finite, inner)
     return x
 
 

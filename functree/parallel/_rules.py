@@ -104,12 +104,12 @@ def _suffixes(name: str) -> list[str]:
     return [".".join(parts[i:]) for i in range(len(parts))]
 
 
-def _axis_size(mesh: Mesh, entry: Any) -> int:
+def _axis_size(mesh: Mesh | AbstractMesh, entry: Any) -> int:
     names = entry if isinstance(entry, tuple) else (entry,)
     return math.prod(mesh.shape[n] for n in names)
 
 
-def _misfit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> str | None:
+def _misfit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> str | None:
     """Why ``spec`` cannot split ``shape`` on ``mesh`` (None when it can)."""
     if len(spec) > len(shape):
         return f"the spec has {len(spec)} entries and the leaf {len(shape)} dimensions"
@@ -135,7 +135,7 @@ def _fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> PartitionSpec:
     return PartitionSpec(*([None] * best), axis)
 
 
-def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh, used: set[str]) -> PartitionSpec:
+def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, used: set[str]) -> PartitionSpec:
     for pattern, spec in rules.items():
         direct = fnmatch.fnmatchcase(name, pattern)
         if not (direct or any(fnmatch.fnmatchcase(s, pattern) for s in _suffixes(name))):

@@ -238,8 +238,9 @@ class Trainer:
         state = self.optimizer.init(self.model) if opt_state is None else _copy(opt_state)
         # A fresh optimizer state may share arrays with the model or within itself.
         self.model, self.opt_state = copy_aliases((self.model, state))
-        if hasattr(self.train_step, "place"):  # a data-parallel step: arrays on its mesh by its rules
-            self.model, self.opt_state = self.train_step.place(self.model, self.opt_state)
+        place = getattr(self.train_step, "place", None)
+        if place is not None:  # a data-parallel step: arrays on its mesh by its rules
+            self.model, self.opt_state = place(self.model, self.opt_state)
         self.key = key
         self.history = History()
         self.steps_run = 0

@@ -8,6 +8,7 @@ of them and ``ft.move(model, along=update)`` applies any of them.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._module import Module
+from functree._module import NO_DERIVATIVE, Module, field_kind, from_fields
 from functree._paths import KeyPath
 from functree._tree import bounded_put, dotted_name, is_none
 
@@ -57,26 +58,37 @@ def is_parameter_leaf(x: Any) -> bool:
 _INEXACT: dict[Any, bool] = {}  # dtype -> whether it is floating or complex
 
 
-def _mark(x: Any) -> Any:
-    """A tree shaped like ``x`` with True at leaves outside no_derivative fields."""
-    if isinstance(x, Module):
-        cls = type(x)
-        new = dict(x.__dict__)
+def field_mask(tree: Any, flagged: Callable[[dataclasses.Field], bool], inherited: bool = False) -> Any:
+    """A tree of bools shaped like ``tree``: True at every leaf that lies under a Module
+    field for which ``flagged(field)`` holds (``None`` leaves stay ``None``).
+
+    The one walk behind the field rules that become masks: ``no_derivative`` fields (the
+    parameter view) and ``ft.field(decay=False)`` (weight decay).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> from functree._parameters import field_mask
+      >>> bn = ft.nn.BatchNorm(2)
+      >>> field_mask(bn, lambda f: f.name == "running_mean").running_mean
+      True
+    """
+    if isinstance(tree, Module):
+        cls = type(tree)
+        fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+        values = dict(tree.__dict__)
         for name in cls.__ft_fields__:
-            if name in cls.__ft_static__:
-                continue
-            if name in cls.__ft_no_derivative__:
-                new[name] = jax.tree.map(lambda _: False, x.__dict__[name])
-            else:
-                new[name] = _mark(x.__dict__[name])
-        out = object.__new__(cls)
-        out.__dict__.update(new)
-        return out
+            if name not in cls.__ft_static__:
+                values[name] = field_mask(values[name], flagged, inherited or flagged(fields[name]))
+        return from_fields(cls, values)  # a mask shaped like the model, not a user's construction
     return jax.tree.map(
-        lambda y: _mark(y) if isinstance(y, Module) else True,
-        x,
+        lambda y: field_mask(y, flagged, inherited) if isinstance(y, Module) else inherited,
+        tree,
         is_leaf=lambda y: isinstance(y, Module),
     )
+
+
+def _is_no_derivative(f: dataclasses.Field) -> bool:
+    return field_kind(f) == NO_DERIVATIVE
 
 
 # treedef -> tuple of bools: which leaf positions lie outside no_derivative fields.
@@ -88,7 +100,7 @@ _MASK_CACHE: dict[Any, tuple[bool, ...]] = {}
 def _trainable_positions(x: Any, treedef: Any) -> tuple[bool, ...]:
     positions = _MASK_CACHE.get(treedef)
     if positions is None:
-        positions = tuple(bool(b) for b in jax.tree.leaves(_mark(x)))
+        positions = tuple(not b for b in jax.tree.leaves(field_mask(x, _is_no_derivative)))
         bounded_put(_MASK_CACHE, treedef, positions)
     return positions
 

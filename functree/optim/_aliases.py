@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functree._module import Module
-from functree._parameters import select
+from functree._parameters import field_mask, select
 from functree._tree import is_none
 from functree.optim._hyper import inject
 
@@ -48,22 +47,8 @@ momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu) or "unit_gain" 
 """
 
 
-def _declared_no_decay(tree: Any, inherited: bool = False) -> Any:
-    """A tree of bools shaped like ``tree``: True under a Module field declared ``decay=False``."""
-    if isinstance(tree, Module):
-        cls = type(tree)
-        fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
-        out = object.__new__(cls)  # a mask shaped like the model, never constructed by a user
-        out.__dict__.update(tree.__dict__)
-        for name in cls.__ft_fields__:
-            if name not in cls.__ft_static__:
-                declared = inherited or fields[name].metadata.get("decay", True) is False
-                out.__dict__[name] = _declared_no_decay(tree.__dict__[name], declared)
-        return out
-    return jax.tree.map(
-        lambda x: _declared_no_decay(x, inherited) if isinstance(x, Module) else None if x is None else inherited,
-        tree, is_leaf=lambda x: x is None or isinstance(x, Module),
-    )
+def _no_decay(f: Any) -> bool:
+    return f.metadata.get("decay", True) is False
 
 
 def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
@@ -80,7 +65,7 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
       {'layers.0.weight': True, 'layers.0.bias': False, 'layers.1.scale': False, 'layers.1.offset': False}
     """
     by_name = select(params, "*", exclude=tuple(exclude))
-    declared = _declared_no_decay(params)
+    declared = field_mask(params, _no_decay)
     return jax.tree.map(lambda m, d: None if m is None else bool(m) and not d, by_name, declared, is_leaf=is_none)
 
 

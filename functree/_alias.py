@@ -11,7 +11,7 @@ donated step, and copied so that each leaf owns its buffer.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from functree._tree import dotted_name
 
-__all__ = ["AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases"]
+__all__ = [
+    "DonationGuard","AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases"]
 
 ALIASED = """\
 {what} holds one array object at several leaves: {pairs}. A gradient step gives each \
@@ -75,16 +76,19 @@ def alias_names(tree: Any, pairs: Sequence[tuple[int, int]]) -> list[tuple[str, 
     return [(paths[a], paths[b]) for a, b in pairs]
 
 
-def warn_aliases(tree: Any, *, what: str = "The model") -> list[tuple[int, int]]:
+def warn_aliases(tree: Any, *, what: str = "The model",
+                 rename: Callable[[str], str] | None = None) -> list[tuple[int, int]]:
     """Warn (:class:`AliasWarning`) naming both key paths of every aliased leaf of ``tree``;
     returns :func:`find_aliases`' pairs (empty, and no warning, when there are none).
+    ``rename`` turns a dotted key path into the name shown (an argument's name).
 
-    Call it once where a model enters a donated step (``Trainer``, the first call of a
-    train step), not per step.
+    Call it where a model enters a donated step, not per step (:class:`DonationGuard`).
     """
     pairs = find_aliases(tree)
     if pairs:
         names = alias_names(tree, pairs)
+        if rename is not None:
+            names = [(rename(a), rename(b)) for a, b in names]
         listed = ", ".join(f"{a!r} and {b!r}" for a, b in names)
         warnings.warn(
             ALIASED.format(what=what, pairs=listed, first=names[0][0], second=names[0][1]),
@@ -92,6 +96,35 @@ def warn_aliases(tree: Any, *, what: str = "The model") -> list[tuple[int, int]]
             stacklevel=3,
         )
     return pairs
+
+
+class DonationGuard:
+    """When a donated call must look for aliased leaves: only for inputs that are not its
+    previous call's outputs (outputs never share a buffer, and a training loop passes them
+    back), so a steady loop pays a few identity checks and nothing else.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functree._alias import DonationGuard
+      >>> guard, w = DonationGuard(), jnp.ones(2)
+      >>> guard.fresh(w)
+      True
+      >>> guard.remember((w,)); guard.fresh(w)
+      False
+    """
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, ...] = ()
+
+    def fresh(self, *inputs: Any) -> bool:
+        last = self._last
+        return not all(any(x is o for o in last) for x in inputs)
+
+    def remember(self, outputs: Any) -> None:
+        """Hold the call's outputs (held, so their ids stay unique until the next call)."""
+        self._last = tuple(outputs) if isinstance(outputs, tuple) else (outputs,)
 
 
 def copy_aliases(tree: Any, pairs: Sequence[tuple[int, int]] | None = None) -> Any:

@@ -21,14 +21,13 @@ from __future__ import annotations
 import functools
 import inspect
 import linecache
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from functree._alias import ALIASED, AliasWarning, alias_names, copy_aliases, find_aliases
+from functree._alias import DonationGuard, copy_aliases, warn_aliases
 
 __all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape"]
 
@@ -246,47 +245,27 @@ def _static_leaves_jit(f: Callable[..., Any], options: dict[str, Any]) -> Callab
 
 # --- donation of aliased arguments ------------------------------------------------------
 def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any]) -> Callable[..., Any]:
-    """``jitted``, copying apart donated arguments that hold one array at two leaves.
-
-    Outputs of a jitted call never share buffers, so only arguments that are not the
-    previous call's outputs are looked at (a training loop passes those back): once per
-    new model or state, by identity, structurally; nothing depends on XLA's error.
-    """
+    """``jitted``, copying apart donated arguments that hold one array at two leaves
+    (looked for by :class:`DonationGuard`: structurally, never from XLA's error)."""
     nums, names = donated
-    last: list[tuple[Any, ...]] = [()]
-
-    def fresh(args: tuple, kwargs: dict) -> bool:
-        outs = last[0]
-        given = [args[i] for i in nums if i < len(args)] + [kwargs[n] for n in names if n in kwargs]
-        return not all(any(x is o for o in outs) for x in given)
-
-    @functools.wraps(f)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if fresh(args, kwargs):
-            args, kwargs = _untie_arguments(f, args, kwargs)
-        result = jitted(*args, **kwargs)
-        last[0] = tuple(result) if isinstance(result, tuple) else (result,)  # held: ids stay unique
-        return result
-
-    _expose(call, jitted)
-    return call
-
-
-def _untie_arguments(f: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    tree = (args, kwargs)
-    pairs = find_aliases(tree)
-    if not pairs:
-        return args, kwargs
+    guard = DonationGuard()
     try:
         params = list(inspect.signature(f).parameters)
     except (TypeError, ValueError):
         params = []
-    names = [(_argument_name(a, params), _argument_name(b, params)) for a, b in alias_names(tree, pairs)]
-    listed = ", ".join(f"{a!r} and {b!r}" for a, b in names)
     what = f"The arguments of {getattr(f, '__name__', 'the function')}"
-    message = ALIASED.format(what=what, pairs=listed, first=names[0][0], second=names[0][1])
-    warnings.warn(message, AliasWarning, stacklevel=3)
-    return copy_aliases(tree, pairs)
+
+    @functools.wraps(f)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if guard.fresh(*[args[i] for i in nums if i < len(args)], *[kwargs[n] for n in names if n in kwargs]):
+            pairs = warn_aliases((args, kwargs), what=what, rename=lambda n: _argument_name(n, params))
+            args, kwargs = copy_aliases((args, kwargs), pairs)
+        result = jitted(*args, **kwargs)
+        guard.remember(result)
+        return result
+
+    _expose(call, jitted)
+    return call
 
 
 def _argument_name(dotted: str, params: list[str]) -> str:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from functree._alias import copy_aliases
 from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import parameters
@@ -34,7 +35,7 @@ from functree.optim._checks import check_gradients
 from functree.optim._context import LearningContext, advance, current, initial_context
 from functree.optim._replicas import axis_size, replica_mean
 from functree.optim._skip import applied_in, guard
-from functree.optim._state import OptimizerState, release_contexts, unalias_state
+from functree.optim._state import OptimizerState, release_contexts
 
 __all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "leading_dimension"]
 
@@ -226,7 +227,9 @@ class Optimizer:
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             inner = self._transform.init(parameters(model))
         state = OptimizerState(initial_context(), release_contexts(inner))
-        return unalias_state(state, model)
+        # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
+        # here, where the state is created, so a step can donate both.
+        return copy_aliases((model, state))[1]
 
     def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
                loss: Any = None, apply_if: Any = None) -> tuple[Any, Any]:

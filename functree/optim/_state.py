@@ -26,7 +26,7 @@ import jax
 from functree._tree import register_record
 from functree.optim._context import LearningContext
 
-__all__ = ["OptimizerState", "release_contexts", "unalias_state", "upgrade_state"]
+__all__ = ["OptimizerState", "release_contexts", "upgrade_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,26 +65,6 @@ def _is_hyper(x: Any) -> bool:
 def release_contexts(inner: Any) -> Any:
     """``inner`` with every functree transform's own context removed (the optimizer owns one)."""
     return jax.tree.map(lambda x: x.replace(context=None) if _is_hyper(x) else x, inner, is_leaf=_is_hyper)
-
-
-def unalias_state(state: Any, model: Any) -> Any:
-    """``state`` with fresh buffers wherever a leaf is a buffer the model or another leaf holds.
-
-    Donating a step's model and state needs distinct buffers; a transform may keep the
-    parameters themselves in its state (an EMA, lookahead), so the copy happens here,
-    where the state is created, once.
-    """
-    seen = {id(x) for x in jax.tree.leaves(model) if isinstance(x, jax.Array)}
-
-    def fresh(x: Any) -> Any:
-        if not isinstance(x, jax.Array):
-            return x
-        if id(x) in seen:
-            return x.copy()
-        seen.add(id(x))
-        return x
-
-    return jax.tree.map(fresh, state)
 
 
 UPGRADE_MISMATCH = """\

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functree._alias import copy_aliases, warn_aliases
+from functree._alias import DonationGuard, copy_aliases, warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._parameters import parameters
 from functree._tree import is_none
@@ -156,7 +156,7 @@ class TrainStep:
         self.on_nan = on_nan
         self._compiled: Any = None
         self._donate = donate
-        self._last: tuple[Any, Any] = (None, None)
+        self._guard = DonationGuard()
 
     # --- stages a subclass may override ------------------------------------------------
     def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
@@ -227,15 +227,14 @@ class TrainStep:
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
         self._program(model)
-        if self._donate and (model is not self._last[0] or opt_state is not self._last[1]):
-            # Donation needs distinct buffers. Outputs never share one, so only a model or
-            # state that did not come from this step is looked at (once, by identity): one
-            # array at two leaves is copied apart, with a warning naming both key paths.
+        if self._donate and self._guard.fresh(model, opt_state):
+            # Donation needs distinct buffers: one array at two leaves is copied apart, with
+            # a warning naming both key paths.
             warn_aliases(model, what="The model given to the train step")
             model, opt_state = copy_aliases((model, opt_state))
         out = self._compiled(model, opt_state, batch, key)
         if self._donate:
-            self._last = (out[0], out[1])
+            self._guard.remember(out)
         return out
 
     def __repr__(self) -> str:

@@ -32,9 +32,9 @@ from functree._tangent import move
 from functree._tree import all_finite, is_none
 from functree.nn._state import apply_state, collect_state
 from functree.optim._checks import check_gradients
-from functree.optim._context import LearningContext, advance, current, initial_context
+from functree.optim._context import advance, current, initial_context
 from functree.optim._replicas import axis_size, replica_mean
-from functree.optim._skip import applied_in, guard
+from functree.optim._skip import applied_in, guard, select
 from functree.optim._state import OptimizerState, release_contexts
 
 __all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "leading_dimension"]
@@ -257,7 +257,7 @@ class Optimizer:
         applied = _both(apply_if, applied_in(inner))
         new = OptimizerState(advance(ctx), inner)
         if applied is not None:
-            new = new.replace(context=_select_context(applied, new.context, state.context))
+            new = new.replace(context=select(applied, new.context, state.context))
         return updates, new
 
     # --- RFC 234 hooks -------------------------------------------------------------------
@@ -378,8 +378,7 @@ class Optimizer:
             new_model = apply_state(new_model, layer_state)
         applied = jnp.asarray(True) if ok is None else ok
         if ok is not None:
-            new_model = jax.tree.map(lambda n, o: jnp.where(ok, n, o) if isinstance(n, jax.Array) else n,
-                                     new_model, model)
+            new_model = select(ok, new_model, model)
         return StepResult(new_model, new_state, out, grads, applied)
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
@@ -412,10 +411,6 @@ def _both(a: Any, b: Any) -> Any:
     if a is None:
         return b
     return a if b is None else a & b
-
-
-def _select_context(ok: Any, new: LearningContext, old: LearningContext) -> LearningContext:
-    return LearningContext(jnp.where(ok, new.counters, old.counters), jnp.where(ok, new.loss, old.loss))
 
 
 def _checked_gradients(grads: Any, params: Any) -> tuple[Any, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["axis_size", "replica_mean", "UNBOUND_AXIS"]
+__all__ = ["axis_size", "replica_mean", "varying_axes", "UNBOUND_AXIS"]
 
 UNBOUND_AXIS = """\
 The optimizer aggregates gradients over axis_name={name!r}, but no axis of that name is \
@@ -42,7 +42,9 @@ def axis_size(name: Any) -> int:
         raise ValueError(UNBOUND_AXIS.format(name=name, bound="")) from None
 
 
-def _varying(x: Any) -> frozenset[Any]:
+def varying_axes(x: Any) -> frozenset[Any]:
+    """The mapped axes ``x`` varies over (JAX's varying-axes type; jax 0.10 names it
+    ``manual_axis_type.varying``, later versions ``vma``)."""
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
     if vma is None:
@@ -50,9 +52,9 @@ def _varying(x: Any) -> frozenset[Any]:
     return frozenset(vma)
 
 
-def _tracks_varying(name: Any) -> bool:
+def _tracksvarying_axes(name: Any) -> bool:
     """Whether JAX tracks which values vary over ``name`` (shard_map with check_vma=True)."""
-    return name in _varying(jax.lax.axis_index(name))
+    return name in varying_axes(jax.lax.axis_index(name))
 
 
 def replica_mean(tree: Any, name: Any, *, reduced: str = "sum") -> Any:
@@ -70,12 +72,12 @@ def replica_mean(tree: Any, name: Any, *, reduced: str = "sum") -> Any:
       Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
     """
     n = axis_size(name)
-    tracked = _tracks_varying(name)
+    tracked = _tracksvarying_axes(name)
 
     def one(x: Any) -> Any:
         if x is None:
             return None
-        if not tracked or name in _varying(x):
+        if not tracked or name in varying_axes(x):
             return jax.lax.pmean(x, name)
         return x / n if reduced == "sum" else x
 

@@ -17,18 +17,21 @@ import optax
 
 from functree._tree import all_finite, is_none
 
-__all__ = ["guard", "all_finite", "SkipState", "skip_non_finite", "applied_in"]
+__all__ = ["guard", "select", "all_finite", "SkipState", "skip_non_finite", "applied_in"]
 
 
-def _select(ok: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda n, o: n if n is None else jnp.where(ok, n, o), new, old, is_leaf=is_none)
+def select(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``ok``, else ``old``, leaf by leaf; leaves that are not arrays (``None``,
+    an Equinox module's functions) come from ``new``."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o) if isinstance(n, jax.Array) else n, new, old,
+                        is_leaf=is_none)
 
 
 def guard(ok: jax.Array, updates: Any, new_state: Any, old_state: Any) -> tuple[Any, Any]:
     """``(updates, new_state)`` when ``ok``, else ``(zeros, old_state)``: a step that did not happen."""
     zeros = jax.tree.map(lambda u: None if u is None else jnp.where(ok, u, jnp.zeros_like(u)), updates,
                          is_leaf=is_none)
-    return zeros, _select(ok, new_state, old_state)
+    return zeros, select(ok, new_state, old_state)
 
 
 class SkipState(NamedTuple):

@@ -38,6 +38,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from functree import nn
 from functree._parameters import parameters
 from functree.optim import Optimizer, OptimizerWrapper
+from functree.optim._replicas import varying_axes
+from functree.optim._skip import select
 from functree.parallel._cast import cast, cast_floating
 from functree.parallel._mesh import auto_mesh, constrain, is_array, place
 from functree.parallel._rules import (
@@ -58,16 +60,6 @@ Use a batch size that is a multiple of {n}:
 
     wrong:  ft.train.batches(data, batch_size={size})
     right:  ft.train.batches(data, batch_size={right}, drop_last=True)"""
-
-
-def varying_axes(x: Any) -> frozenset:
-    """The mesh axes ``x`` varies over inside ``shard_map`` (jax 0.10: ``manual_axis_type``)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        manual = getattr(aval, "manual_axis_type", None)
-        vma = manual.varying if manual is not None else ()
-    return frozenset(vma)
 
 
 def _axis_varies(x: Any, axis: str) -> bool:
@@ -156,11 +148,6 @@ def one_device_mesh(data_axis: str = "data") -> Mesh:
 def _on_mesh(tree: Any, mesh: Mesh) -> bool:
     return all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
                for x in jax.tree.leaves(tree) if is_array(x))
-
-
-def _select(keep: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``keep`` else ``old``, leaf by leaf (a skipped step changes nothing)."""
-    return jax.tree.map(lambda n, o: jnp.where(keep, n, o) if is_array(n) else n, new, old)
 
 
 def _stack(x: Any) -> Any:
@@ -298,21 +285,23 @@ class DataParallelStep(TrainStep):
         updates = jax.tree.map(lambda x: _merge_devices(x, -1), updates)
         grads = constrain(grads, partition_specs(parameters(model), self.sharding, mesh=mesh,
                                                  data_axis=axis, strict=False), mesh)
+        nonfinite = keep = None
+        if self.on_nan is not None or enabled is not None:  # the optimizer's one skipping rule
+            nonfinite = _first_nonfinite(loss, grads)
+            keep = nonfinite == -1 if enabled is None else (nonfinite == -1) & enabled
         new_model, new_state = self.optimizer.apply_gradients(
-            grads, model, opt_state, minibatch_size=batch_size_of(batch), loss=loss
+            grads, model, opt_state, minibatch_size=batch_size_of(batch), loss=loss, apply_if=keep
         )
         if updates:
             if self.compute_dtype is not None:  # statistics recorded in the compute dtype
                 updates = jax.tree.map(lambda u: u.astype(jnp.float32) if u.dtype == self.compute_dtype else u,
                                        updates)
             new_model = nn.apply_state(new_model, updates)
+        if keep is not None:  # the model, layer state included, as it was
+            new_model = select(keep, new_model, model)
         new_model = constrain(new_model, model_specs, mesh)
         new_state = constrain(new_state, state_specs, mesh)
-        if self.on_nan is None and enabled is None:
-            return new_model, new_state, loss, aux, None
-        nonfinite = _first_nonfinite(loss, grads)
-        keep = nonfinite == -1 if enabled is None else (nonfinite == -1) & enabled
-        return _select(keep, new_model, model), _select(keep, new_state, opt_state), loss, aux, nonfinite
+        return new_model, new_state, loss, aux, nonfinite
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
         model, opt_state = self.place(model, opt_state)

@@ -10,27 +10,15 @@ so no host holds the whole state.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
 from functree.parallel._mesh import auto_mesh, is_array
 from functree.parallel._rules import partition_specs
-from functree.train._checkpoint import FORMAT, _rebuild_single
-from functree.train._treespec import CheckpointError, encode
 
 __all__ = ["sharded_target", "load", "mesh_shape"]
-
-NEEDS_TEMPLATE = """\
-Restoring onto a mesh needs a template (the tree's structure, shapes and dtypes) to place \
-each array by the sharding rules:
-
-    wrong:  ft.parallel.load(path, None, mesh=mesh)
-    right:  ft.parallel.load(path, (model, opt_state), mesh=mesh, sharding="fsdp")"""
-
 
 def mesh_shape(tree: Any) -> dict[str, int]:
     """``{axis: size}`` of the mesh the tree's arrays live on (``{}`` off any mesh).
@@ -74,7 +62,8 @@ def sharded_target(template: Any, mesh: Mesh, rules: Any = None, *, data_axis: s
 
 def load(path: str | os.PathLike[str], template: Any, *, mesh: Mesh, sharding: Any = None,
          data_axis: str = "data") -> Any:
-    """A tree written by ``ft.train.save``, restored onto ``mesh`` placed by ``sharding``.
+    """A tree written by ``ft.train.save``, restored onto ``mesh`` placed by ``sharding``:
+    ``ft.train.load(path, template, mesh=, sharding=)`` under the name of this package.
 
     Works whatever mesh or device count wrote it (an 8-device FSDP run restores on one
     device, and back): orbax reads each target shard directly.
@@ -89,14 +78,6 @@ def load(path: str | os.PathLike[str], template: Any, *, mesh: Mesh, sharding: A
       >>> bool(jnp.all(restored.weight == model.weight)), restored.weight.sharding.spec
       (True, P())
     """
-    if template is None:
-        raise CheckpointError(NEEDS_TEMPLATE)
-    target, _ = encode(sharded_target(template, mesh, sharding, data_axis=data_axis))
-    path = Path(path).absolute()
-    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        restored = checkpointer.restore(path, args=args)
-    meta = restored["meta"]
-    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith(FORMAT.rsplit("-", 1)[0]):
-        raise CheckpointError(f"{path} is not a functree checkpoint (no {FORMAT} metadata).")
-    return _rebuild_single(meta["spec"], dict(restored["arrays"]), template)
+    from functree.train import load as load_checkpoint  # one reader: checksums, registry, errors
+
+    return load_checkpoint(path, template, mesh=mesh, sharding=sharding, data_axis=data_axis)

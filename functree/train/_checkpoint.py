@@ -729,10 +729,11 @@ Pass the directory written by ft.train.save(path, tree)."""
 
 
 LOAD_NEEDS_TEMPLATE = """\
-ft.train.load(path, mesh=...) places the arrays by the template's structure; pass one:
+Restoring onto a mesh needs a template (the tree's structure, shapes and dtypes) to place \
+each array by the sharding rules:
 
     wrong:  ft.train.load(path, mesh=mesh, sharding="fsdp")
-    right:  ft.train.load(path, model_template, mesh=mesh, sharding="fsdp")"""
+    right:  ft.train.load(path, (model, opt_state), mesh=mesh, sharding="fsdp")"""
 
 
 def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None, sharding: Any = None,

@@ -24,7 +24,7 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -391,14 +391,14 @@ def _rebuild(part: str, spec: dict[str, Any], arrays: dict[str, Any], template: 
     return tree
 
 
-def _read(mngr: ocp.CheckpointManager, step: int, placement: Any = None) -> tuple[dict[str, Any], Any]:
-    """The arrays and metadata at ``step``; ``placement(meta)`` gives orbax's restore target
-    (arrays restored straight into their shards) or None (the default device)."""
-    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+def _read(restore: Callable[[Any], Any], placement: Any = None) -> tuple[dict[str, Any], Any]:
+    """The arrays and metadata of one checkpoint: the metadata first (it says where the
+    arrays go: ``placement(meta)`` gives orbax's restore target, by default
+    :func:`_default_placement`), then the arrays alone. ``restore(args)`` is orbax's."""
+    meta = restore(ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     target = (placement or _default_placement)(meta)
-    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-    restored = mngr.restore(step, args=args)
-    return dict(restored["arrays"]), restored["meta"]
+    arrays = restore(ocp.args.Composite(arrays=ocp.args.StandardRestore(target)))["arrays"]
+    return dict(arrays), meta
 
 
 def _default_placement(meta: Any) -> Any:
@@ -656,7 +656,7 @@ class CheckpointManager:
         try:
             templates = {"model": template, "opt_state": opt_state_template, "extra": extra_template}
             placement = None if mesh is None else _placement(templates, mesh, sharding, data_axis)
-            arrays, meta = _read(self._mngr, chosen, placement)
+            arrays, meta = _read(lambda args: self._mngr.restore(chosen, args=args), placement)
         except Exception as e:  # orbax raises many types for damaged files
             error = f"{type(e).__name__}: {str(e)[:300]}"
             raise self._damaged(CORRUPTED, chosen, steps, error=error) from e
@@ -765,12 +765,8 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
         target, _ = encode(sharded_target(template, mesh, sharding, data_axis=data_axis))
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            if target is None:  # written from a mesh: onto the default device
-                saved = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-                target = _default_placement(saved["meta"])
-            args = ocp.args.Composite(arrays=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-            restored = checkpointer.restore(path, args=args)
-        meta, arrays = restored["meta"], dict(restored["arrays"])
+            placement = None if target is None else lambda _: target
+            arrays, meta = _read(lambda args: checkpointer.restore(path, args=args), placement)
     except Exception as e:
         why = f"{type(e).__name__}: {str(e)[:300]}"
         raise CheckpointError(NOT_READABLE.format(path=path, why=why)) from e

@@ -304,7 +304,8 @@ class DataParallelStep(TrainStep):
         return new_model, new_state, loss, aux, nonfinite
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
-        model, opt_state = self.place(model, opt_state)
+        if self._guard.fresh(model, opt_state):  # a previous step's outputs are placed already
+            model, opt_state = self.place(model, opt_state)
         return super().__call__(model, opt_state, self.shard_batch(batch), key)
 
     def __repr__(self) -> str:

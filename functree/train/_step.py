@@ -233,8 +233,7 @@ class TrainStep:
             warn_aliases(model, what="The model given to the train step")
             model, opt_state = copy_aliases((model, opt_state))
         out = self._compiled(model, opt_state, batch, key)
-        if self._donate:
-            self._guard.remember(out)
+        self._guard.remember(out)
         return out
 
     def __repr__(self) -> str:

@@ -235,9 +235,9 @@ class Trainer:
         # An accidental tie (one array at two leaves) is named once here; _copy unties it.
         warn_aliases(model, what="The model given to ft.train.Trainer")
         self.model = _copy(nn.training(model))
-        state = self.optimizer.init(self.model) if opt_state is None else _copy(opt_state)
-        # A fresh optimizer state may share arrays with the model or within itself.
-        self.model, self.opt_state = copy_aliases((self.model, state))
+        # Every buffer is the Trainer's own: the copies above, and Optimizer.init's state
+        # (which never shares a buffer with the model).
+        self.opt_state = self.optimizer.init(self.model) if opt_state is None else _copy(opt_state)
         place = getattr(self.train_step, "place", None)
         if place is not None:  # a data-parallel step: arrays on its mesh by its rules
             self.model, self.opt_state = place(self.model, self.opt_state)

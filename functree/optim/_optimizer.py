@@ -110,14 +110,21 @@ def leading_dimension(batch: Sequence[Any]) -> int:
 
 class StepResult(NamedTuple):
     """What :meth:`Optimizer.step` returns: the new model and state, the loss function's
-    output, the gradients that were applied (after the hooks) and whether the step was
-    applied (a bool array; ``True`` unless a guard skipped it)."""
+    output and the gradients after the hooks (what a training loop reports).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> opt = ft.optim.Optimizer(ft.optim.sgd(0.5))
+      >>> w = {"w": jnp.ones(2)}
+      >>> result = opt.step(lambda p, x: jnp.sum(p["w"] * x), w, opt.init(w), (jnp.ones(2),))
+      >>> result.model["w"], result.grads["w"]
+      (Array([0.5, 0.5], dtype=float32), Array([1., 1.], dtype=float32))
+    """
 
     model: Any
     state: Any
     out: Any
     grads: Any
-    applied: Any
 
 
 class Optimizer:
@@ -376,10 +383,9 @@ class Optimizer:
                                                     loss=loss, apply_if=ok)
         if layer_state:
             new_model = apply_state(new_model, layer_state)
-        applied = jnp.asarray(True) if ok is None else ok
         if ok is not None:
             new_model = select(ok, new_model, model)
-        return StepResult(new_model, new_state, out, grads, applied)
+        return StepResult(new_model, new_state, out, grads)
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
                                state: Any) -> tuple[Any, Any]:

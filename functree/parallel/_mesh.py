@@ -18,7 +18,15 @@ __all__ = ["auto_mesh", "place", "constrain", "is_array"]
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
-    """``mesh`` with every axis of type Auto (the mesh itself when it already is)."""
+    """``mesh`` with every axis of type Auto (the mesh itself when it already is):
+    ``jax.make_mesh`` gives Explicit axes, and functree places arrays by sharding rules.
+
+    Example:
+      >>> import jax
+      >>> from functree.parallel import auto_mesh
+      >>> auto_mesh(jax.make_mesh((1,), ("data",))).axis_types
+      (Auto,)
+    """
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))

@@ -73,6 +73,13 @@ class DataParallelOptimizer(OptimizerWrapper):
     optimizer's ``axis_name``, or a custom aggregator) on the per-device gradients; a
     gradient that still varies over ``data_axis`` afterwards (an optimizer without
     ``axis_name``, whose default aggregation is the identity) is averaged over it.
+
+    Example:
+      >>> import functree as ft
+      >>> from functree.parallel import DataParallelOptimizer
+      >>> opt = DataParallelOptimizer(ft.optim.Optimizer(ft.optim.sgd(0.1)), "data")
+      >>> opt.axis_name                # the step's data axis, bound inside its shard_map
+      'data'
     """
 
     data_axis: str

@@ -27,9 +27,20 @@ def report(obj):
 """
 
 
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for ``devices`` simulated CPU devices.
+
+    Their collectives meet in a rendezvous that XLA abandons (killing the process) after
+    40 s; on a 2-core machine running other tests, one device's thread can be starved that
+    long, so the tests give it 10 minutes.
+    """
+    return (f"--xla_force_host_platform_device_count={devices} "
+            "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+
+
 def env_with_devices(devices: int) -> dict[str, str]:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     return env

@@ -1,7 +1,6 @@
 """Aggregation over a bound axis: vmap, and shard_map with both check_vma settings."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -10,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _devices import env_with_devices
 
 import functree as ft
 import functree.optim as fo
@@ -41,7 +41,7 @@ SHARD_MAP = textwrap.dedent("""
 
 
 def test_shard_map_gives_the_mean_gradient_and_counts_the_global_batch_with_either_check_vma():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = env_with_devices(4)
     proc = subprocess.run([sys.executable, "-c", SHARD_MAP], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -22,6 +22,7 @@ Three kinds of field, as in Swift:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -33,6 +34,7 @@ from typing import Any, ClassVar, Self, TypeVar
 import jax
 import numpy as np
 
+from functree import _functions
 from functree._labels import label_aware
 
 __all__ = [
@@ -322,9 +324,30 @@ class Module:
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))
 
     def __getstate__(self) -> dict[str, Any]:
-        """pickle and ``copy`` carry the fields only (not cached properties)."""
+        """pickle carries the fields only (not cached properties); builtin functions
+        (``jax.nn.relu``, a ``custom_jvp``) as their public names (:mod:`functree._functions`)."""
         d = self.__dict__
-        return {n: d[n] for n in type(self).__ft_fields__ if n in d}
+        return {n: by_name(d[n]) for n in type(self).__ft_fields__ if n in d}
+
+    def __copy__(self) -> Self:
+        d = self.__dict__
+        return from_fields(type(self), {n: d[n] for n in type(self).__ft_fields__ if n in d})
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        """Data fields deep-copied; static fields (functions, classes, hashable
+        configuration) and builtin functions anywhere kept by identity, so the copy's tree
+        definition equals the original's."""
+        cls = type(self)
+        copied = object.__new__(cls)
+        memo[id(self)] = copied  # a field that holds this module gets the copy
+        if id(_functions.ByName) not in memo:
+            memo.update({id(f): f for f in _functions.builtin_functions().values()})
+            memo[id(_functions.ByName)] = _functions.ByName
+        d, kinds = self.__dict__, cls.__ft_kinds__
+        copied.__dict__.update({
+            n: d[n] if kinds[n] == STATIC else copy.deepcopy(d[n], memo) for n in cls.__ft_fields__ if n in d
+        })
+        return copied
 
     def replace(self, **changes: Any) -> Self:
         """A copy with some fields replaced: ``model.replace(weight=w)``.
@@ -389,6 +412,18 @@ def from_fields(cls: type[_M], values: dict[str, Any]) -> _M:
     obj = object.__new__(cls)
     obj.__dict__.update(values)
     return obj
+
+
+def by_name(value: Any) -> Any:
+    """``value`` with each builtin function in it (also inside lists, tuples and dicts) as a
+    :class:`functree._functions.ByName`; submodules are left to their own ``__getstate__``."""
+    name = _functions.builtin_name(value)
+    if name is not None:
+        return _functions.ByName(name)
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return kind(by_name(v) for v in value)
+    return {k: by_name(v) for k, v in value.items()} if kind is dict else value
 
 
 def _tuple_source(items: list[str]) -> str:

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from functree._functions import builtin_functions
 from functree._module import Module
 
 __all__ = ["register", "type_name", "function_name", "lookup_type", "lookup_function"]
@@ -39,19 +40,6 @@ OPTAX_STATES = (
     "ScaleByNovogradState", "ScaleByRmsState", "ScaleByRStdDevState", "ScaleByRssState",
     "ScaleByScheduleState", "ScaleByTrustRatioState", "ScaleState", "TraceState",
     "ZeroNansState",
-)
-
-# Pure elementwise jax.numpy functions allowed as static values (e.g. in Lambda layers).
-JNP_FUNCTIONS = (
-    "abs", "arccos", "arcsin", "arctan", "arctanh", "cos", "cosh", "exp", "exp2", "expm1",
-    "log", "log1p", "log2", "negative", "reciprocal", "sign", "sin", "sinh", "sqrt",
-    "square", "tan", "tanh", "ravel",
-)
-
-# Scalar types allowed as static values (dtype arguments).
-JNP_SCALAR_TYPES = (
-    "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "bfloat16", "float16", "float32", "float64", "complex64", "complex128",
 )
 
 NOT_REGISTRABLE = """\
@@ -119,26 +107,6 @@ def _functree_types() -> dict[str, type]:
     return table
 
 
-def _functree_functions() -> dict[str, Any]:
-    import jax
-    import jax.numpy as jnp
-
-    from functree.nn import _activations
-
-    table: dict[str, Any] = {}
-    for name in dir(jax.nn):
-        obj = getattr(jax.nn, name)
-        if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
-            table[f"jax.nn.{name}"] = obj
-    for name in _activations.__all__:
-        table[f"functree.nn.{name}"] = getattr(_activations, name)
-    for name in JNP_FUNCTIONS:
-        table[f"jax.numpy.{name}"] = getattr(jnp, name)
-    for name in JNP_SCALAR_TYPES:
-        table[f"jax.numpy.{name}"] = getattr(jnp, name)
-    return table
-
-
 def _functree_modules() -> Iterator[tuple[str, type]]:
     import functree
     from functree import losses, nn, optim, train
@@ -156,7 +124,7 @@ def _load_builtins() -> None:
         return
     for name, cls in [*_functree_types().items(), *_functree_modules()]:
         _add(_types, name, cls)
-    for name, fn in _functree_functions().items():
+    for name, fn in builtin_functions().items():
         _add(_functions, name, fn)
     _builtins_loaded = True  # last: another thread never sees a half-filled table as done
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ast
 import difflib
+import operator
 import re
 import types
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import STATIC, Module
-from functree._tree import dotted_name
+from functree._tree import bounded_put, cached, dotted_name
 
 __all__ = [
     "KeyPath",
@@ -458,6 +460,150 @@ def check_acyclic(tree: Any) -> None:
         pass
 
 
+_ATOMS = frozenset({type(jnp.zeros(())), np.ndarray, float, int, bool, complex, str, type(None)})
+_DATA: dict[type, Any] = {}  # Module class -> a function from its __dict__ to its data fields
+_CHECKED: dict[int, weakref.ref] = {}  # id -> the Module root whose tree is known acyclic
+
+
+def _data_getter(cls: type) -> Any:
+    names = [n for n in cls.__ft_fields__ if n not in cls.__ft_static__]  # type: ignore[attr-defined]
+    if len(names) == 1:
+        name = names[0]
+        return lambda d: (d[name],)
+    return operator.itemgetter(*names) if names else (lambda d: ())
+
+
+def _frozen_tree(tree: Any) -> bool:
+    """Whether every node JAX would walk into is a Module, a tuple or None, and no Module
+    with such nodes in it is met twice: such a tree has no cycle, and cannot get one
+    (nothing in it is mutable). One pass at C speed per node where it can be."""
+    inner: dict[int, None] = {}  # Modules holding more than leaves (a cycle passes one)
+    stack = [tree]
+    pop, push, push_all = stack.pop, stack.append, stack.extend
+    only_atoms, data = _ATOMS.issuperset, _DATA
+    while stack:
+        node = pop()
+        kind = type(node)
+        getter = data.get(kind)
+        if getter is not None:
+            kids = getter(node.__dict__)
+            if not only_atoms(map(type, kids)):
+                if id(node) in inner:  # shared, or a module built holding itself
+                    return False
+                inner[id(node)] = None
+                push_all(kids)
+        elif kind is tuple:
+            push_all(node)
+        elif kind in _ATOMS:
+            continue
+        elif isinstance(node, Module):
+            data[kind] = _data_getter(kind)
+            push(node)
+        elif isinstance(node, tuple):  # a namedtuple
+            push_all(node)
+        elif not isinstance(node, (jax.Array, np.generic)):
+            return False  # a list, a dict, another node: the full check
+    return True
+
+
+def ensure_acyclic(tree: Any) -> None:
+    """:func:`check_acyclic`, at no cost for a Module root already found frozen and acyclic.
+
+    Run before any JAX flatten (see :func:`has_cycle`). A Module whose nodes are Modules
+    and tuples is immutable, so its verdict is kept (by identity, weakly).
+    """
+    ref = _CHECKED.get(id(tree))
+    if ref is not None and ref() is tree:
+        return
+    if _frozen_tree(tree):
+        if isinstance(tree, Module):
+            bounded_put(_CHECKED, id(tree), weakref.ref(tree))
+        return
+    if has_cycle(tree):
+        check_acyclic(tree)  # raises, naming where
+
+
+class _Walk(NamedTuple):
+    """One tree definition's :func:`walk`: its key paths and what a hit must re-check."""
+
+    paths: tuple[KeyPath, ...]
+    parents: tuple[int, ...]  # position of each path's parent (-1: the root)
+    mappings: tuple[tuple[int, tuple[Any, ...]], ...]  # (position, its keys with their types)
+
+
+_WALKS: dict[Any, _Walk] = {}
+_LEAF_OK: dict[type, bool] = {}  # JAX leaf types that walk() does not enter either
+
+
+def _walk_leaf(kind: type) -> bool:
+    ok = _LEAF_OK.get(kind)
+    if ok is None:
+        ok = not issubclass(kind, (list, tuple, Mapping))
+        _LEAF_OK[kind] = ok
+    return ok
+
+
+def _key_signature(mapping: Mapping) -> tuple[Any, ...]:
+    """A mapping's keys in order with their types: ``{1: x}`` and ``{True: x}`` differ here,
+    though their JAX tree definitions are equal (as are ``{"a", "b"}`` in either order)."""
+    return tuple((type(k), k) for k in mapping)
+
+
+def _node_at(tree: Any, walked: _Walk, position: int) -> Any:
+    return tree if position < 0 else walked.paths[position].get(tree)
+
+
+def _cached_walk(tree: Any, writable: bool) -> tuple[_Walk, list[Any] | None]:
+    """``walk(tree)`` as a :class:`_Walk`, cached per tree definition; the values too
+    when it was walked now (else None: a hit has only the paths).
+
+    The cache is keyed by JAX's tree definition. Where walk() and JAX may see equal tree
+    definitions differently, a hit re-checks: every JAX leaf is a leaf of walk() too
+    (not an unregistered list or mapping), and every mapping has the same keys in the
+    same order, of the same types.
+    """
+    ensure_acyclic(tree)
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+    except (TypeError, ValueError):  # a tree JAX cannot flatten (dict keys int and str)
+        leaves, treedef = [], None
+    fits = treedef is not None and all(_walk_leaf(t) for t in {type(x) for x in leaves})
+    key, walked = cached(_WALKS, (treedef, writable)) if fits else (None, None)
+    if walked is not None and all(
+        _key_signature(_node_at(tree, walked, i)) == keys for i, keys in walked.mappings
+    ):
+        return walked, None
+    items = list(walk(tree, writable=writable))
+    paths = tuple(p for p, _ in items)
+    index = {p: i for i, p in enumerate(paths)}
+    parents = tuple(index.get(KeyPath(p[:-1]), -1) for p in paths)
+    nodes = [(-1, tree)] + list(enumerate(v for _, v in items))
+    mappings = tuple((i, _key_signature(v)) for i, v in nodes if isinstance(v, Mapping))
+    walked = _Walk(paths, parents, mappings)
+    if key is not None:
+        bounded_put(_WALKS, key, walked)
+    return walked, [v for _, v in items]
+
+
+def _walk_values(tree: Any, walked: _Walk) -> list[Any]:
+    """The value at each of ``walked.paths`` in ``tree``, each read from its parent's."""
+    values: list[Any] = []
+    for path, parent in zip(walked.paths, walked.parents):
+        node = tree if parent < 0 else values[parent]
+        values.append(_child(node, path[-1], path))
+    return values
+
+
+def _cached_key_paths(x: Any, to: Any, writable: bool) -> list[KeyPath]:
+    keep = None if to is None else _type_filter(to)
+    walked, values = _cached_walk(x, writable)
+    if keep is None:
+        return list(walked.paths)
+    if values is None:
+        values = _walk_values(x, walked)
+    return [p for p, v in zip(walked.paths, values) if keep(v)]
+
+
 def _type_filter(to: Any) -> Any:
     """A predicate for ``to=``: a Python class (isinstance) or a dtype (leaf dtype)."""
     if to is None:
@@ -534,8 +680,7 @@ def recursively_all_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
       >>> [str(p) for p in ft.recursively_all_key_paths(tree, to=jnp.float32)]
       ["['inner']['w']"]
     """
-    keep = _type_filter(to)
-    return [p for p, v in walk(x) if keep(v)]
+    return _cached_key_paths(x, to, writable=False)
 
 
 def recursively_all_writable_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
@@ -549,8 +694,7 @@ def recursively_all_writable_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
       >>> model["layers"][0]
       Array([0.9, 0.9], dtype=float32)
     """
-    keep = _type_filter(to)
-    return [p for p, v in walk(x, writable=True) if keep(v)]
+    return _cached_key_paths(x, to, writable=True)
 
 
 # An attribute (an identifier), an index, or a quoted string key in brackets (Python's repr).
@@ -611,6 +755,25 @@ def _parse_other_key(text: str, pos: int) -> tuple[Entry | None, int]:
     return None, pos
 
 
+def _named_children(node: Any, rest: str) -> list[tuple[Entry, Any]]:
+    """The children of ``node`` whose dotted name may start ``rest``, in children order.
+
+    A field's name and an index's digits hold no ".", so a Module, a namedtuple or a
+    sequence has at most one such child, found without listing the others; a mapping's
+    keys may hold dots, so every child of any other node is a candidate.
+    """
+    head = rest.partition(".")[0]
+    if isinstance(node, Module):
+        fields = type(node).__ft_field_set__
+        return [(Entry(ATTR, head), node.__dict__[head])] if head in fields else []
+    if _is_namedtuple(node):
+        return [(Entry(ATTR, head), getattr(node, head))] if head in node._fields else []
+    if isinstance(node, (list, tuple)):
+        i = int(head) if head.isdigit() and head.isascii() else -1
+        return [(Entry(INDEX, i), node[i])] if 0 <= i < len(node) and str(i) == head else []
+    return children(node)
+
+
 def _dotted_search(tree: Any, text: str) -> tuple[list[KeyPath], tuple[KeyPath, Any, str]]:
     """Every key path whose dotted name is ``text``, and the deepest prefix reached.
 
@@ -625,7 +788,7 @@ def _dotted_search(tree: Any, text: str) -> tuple[list[KeyPath], tuple[KeyPath, 
         path, node, rest = stack.pop()
         if len(path) > len(deepest[0]):
             deepest = (path, node, rest)
-        for entry, value in children(node):
+        for entry, value in _named_children(node, rest):
             name = entry.name
             if rest == name:
                 found.append(path + (entry,))

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._paths import check_acyclic, has_cycle
-from functree._tree import dotted_name
+from functree._paths import ensure_acyclic
+from functree._tree import bounded_put, cached, dotted_name
 
 __all__ = ["to_flat_dict", "from_flat_dict", "FlatDictReport"]
 
@@ -46,17 +46,32 @@ def _spec(x: Any) -> tuple[tuple[int, ...], str]:
     return tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))
 
 
+_NAMES: dict[Any, tuple[str, ...]] = {}  # tree definition -> its leaves' dotted names
 
 
-def _flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """JAX's flatten with paths; a tree that contains itself raises naming where.
+def _named_leaves(tree: Any, fn: str) -> tuple[list[Any], Any, tuple[str, ...]]:
+    """``(leaves, treedef, names)``: the dotted names are cached per tree definition.
 
-    Checked first: on a cycle JAX's C++ flatten raises, stops at its recursion limit, or
-    (through Module's Python flatten) leaves the interpreter's recursion count broken.
+    Only for trees whose dict keys are all ``str``: ``{1: x}``, ``{1.0: x}`` and
+    ``{True: x}`` have equal tree definitions but different names.
     """
-    if has_cycle(tree):
-        check_acyclic(tree)  # raises, naming where
-    return jax.tree_util.tree_flatten_with_path(tree)
+    ensure_acyclic(tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    key, names = cached(_NAMES, treedef)
+    if names is None:
+        path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+        names = tuple(dotted_name(p) for p, _ in path_leaves)
+        if len(frozenset(names)) != len(names):
+            _raise_duplicate(path_leaves, fn)
+        if key is not None and _str_keys_only(path_leaves):
+            bounded_put(_NAMES, key, names)
+    return leaves, treedef, names
+
+
+def _str_keys_only(path_leaves: list[tuple[Any, Any]]) -> bool:
+    return all(
+        type(k.key) is str for path, _ in path_leaves for k in path if isinstance(k, jax.tree_util.DictKey)
+    )
 
 
 def to_flat_dict(tree: Any) -> dict[str, Any]:
@@ -67,11 +82,8 @@ def to_flat_dict(tree: Any) -> dict[str, Any]:
       >>> ft.to_flat_dict({"layers": [{"w": jnp.ones(2)}], "b": 0.5})
       {'b': 0.5, 'layers.0.w': Array([1., 1.], dtype=float32)}
     """
-    path_leaves, _ = _flatten_with_path(tree)
-    flat = {dotted_name(p): leaf for p, leaf in path_leaves}
-    if len(flat) != len(path_leaves):
-        _raise_duplicate(path_leaves, "to_flat_dict")
-    return flat
+    leaves, _, names = _named_leaves(tree, "to_flat_dict")
+    return dict(zip(names, leaves))
 
 
 def _raise_duplicate(path_leaves: list[tuple[Any, Any]], fn: str) -> None:
@@ -140,13 +152,10 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
       >>> ft.from_flat_dict(template, {"w": np.ones(2)}, cast=True)["w"]   # float64 -> float32
       Array([1., 1.], dtype=float32)
     """
-    path_leaves, treedef = _flatten_with_path(template)
-    names = [dotted_name(p) for p, _ in path_leaves]
-    if len(frozenset(names)) != len(names):
-        _raise_duplicate(path_leaves, "from_flat_dict")
+    olds, treedef, names = _named_leaves(template, "from_flat_dict")
     missing, mismatched, leaves = [], [], []
     hinted: dict[str, list[str]] = {}
-    for name, (_, old) in zip(names, path_leaves):
+    for name, old in zip(names, olds):
         if name not in flat:
             missing.append(name)
             leaves.append(old)

@@ -5,7 +5,7 @@
 * :func:`dotted_name`: the dotted name of a JAX key path (``layers.0.weight``), the names
   of ``ft.to_flat_dict`` and of every glob pattern;
 * :func:`bounded_put`: the one cache policy (caches keyed by tree definitions are bounded,
-  because static values change tree definitions);
+  because static values change tree definitions); :func:`cached` looks one up;
 * :func:`all_finite`: whether every element of a tree is finite (non-finite steps).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["is_none", "dotted_name", "bounded_put", "CACHE_LIMIT", "all_finite"]
+__all__ = ["is_none", "dotted_name", "bounded_put", "cached", "CACHE_LIMIT", "all_finite"]
 
 CACHE_LIMIT = 4096
 """Entries a tree-definition cache holds before it is cleared (one policy for all)."""
@@ -45,6 +45,15 @@ def bounded_put(cache: dict[Any, Any], key: Any, value: Any) -> None:
     if len(cache) >= CACHE_LIMIT:
         cache.clear()
     cache[key] = value
+
+
+def cached(cache: dict[Any, Any], key: Any) -> tuple[Any, Any]:
+    """``(key, cache.get(key))``, or ``(None, None)`` where ``key`` cannot be hashed or
+    compared (a tree definition holding such auxiliary data): then nothing is cached."""
+    try:
+        return key, cache.get(key)
+    except (TypeError, ValueError):
+        return None, None
 
 
 def all_finite(tree: Any) -> jax.Array:

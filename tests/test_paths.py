@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import hypothesis.strategies as st
@@ -496,3 +496,74 @@ def test_an_unknown_dotted_name_names_the_closest_names():
     assert "right:  ft.get(tree, 'layers.0.weight')" in message
     with pytest.raises(KeyError, match=r"the Net has no child named 'lyers'"):
         ft.get(net, "lyers.0")
+
+
+# ----------------------------------------------------- caches per tree definition
+
+
+class Frozen(Mapping):
+    """A Mapping JAX does not know (a leaf to JAX, a node to the walk)."""
+
+    def __init__(self, **items: Any):
+        self._items = items
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_equal_tree_definitions_with_keys_of_other_types_get_their_own_names():
+    one, true, half = {1: jnp.ones(1)}, {True: jnp.ones(1)}, {1.0: jnp.ones(1)}
+    assert jax.tree.structure(one) == jax.tree.structure(true) == jax.tree.structure(half)
+    for _ in range(2):
+        assert list(ft.to_flat_dict(one)) == ["1"] and list(ft.to_flat_dict(true)) == ["True"]
+        assert list(ft.to_flat_dict(half)) == ["1.0"]
+        assert [str(p) for p in ft.recursively_all_key_paths(one)] == ["[1]"]
+        assert [str(p) for p in ft.recursively_all_key_paths(true)] == ["[True]"]
+
+
+def test_dict_insertion_order_and_unregistered_mappings_are_rechecked_on_a_cache_hit():
+    ab, ba = {"a": 1.0, "b": 2.0}, {"b": 2.0, "a": 1.0}
+    assert [str(p) for p in ft.recursively_all_key_paths(ab)] == ["['a']", "['b']"]
+    assert [str(p) for p in ft.recursively_all_key_paths(ba)] == ["['b']", "['a']"]
+    leaf, mapping = [jnp.ones(1)], [Frozen(w=jnp.ones(1))]
+    assert jax.tree.structure(leaf) == jax.tree.structure(mapping)
+    assert [str(p) for p in ft.recursively_all_key_paths(leaf)] == ["[0]"]
+    assert [str(p) for p in ft.recursively_all_key_paths(mapping)] == ["[0]", "[0]['w']"]
+    assert ft.recursively_all_key_paths(mapping, to=jax.Array) == [ft.KeyPath.parse("[0]['w']")]
+
+
+class Loop(ft.Module):
+    """A module built holding itself: immutable afterwards, but a cycle."""
+
+    inner: tuple
+
+    def __init__(self):
+        self.inner = (jnp.ones(1), self)
+
+
+def test_cycles_are_found_before_any_flatten_also_in_frozen_looking_trees():
+    loop = Loop()
+    for call in (ft.to_flat_dict, ft.recursively_all_key_paths, ft.recursively_all_writable_key_paths):
+        with pytest.raises(ValueError, match=r"the Loop at \.inner\[1\] is the same object as its ancestor at <root>"):
+            call(loop)
+    cyclic = [jnp.ones(1)]
+    cyclic.append(cyclic)
+    with pytest.raises(ValueError, match=r"the list at \[1\] is the same object"):
+        ft.to_flat_dict(cyclic)
+    shared = Dense(jnp.ones((2, 2)), jnp.ones(2))
+    tied = ft.nn.Sequential(Inner(shared.weight), Inner(shared.weight))  # shared leaves: no cycle
+    assert list(ft.to_flat_dict(tied)) == ["layers.0.w", "layers.1.w"]
+
+
+def test_dotted_names_through_sequences_take_canonical_indices_only():
+    model = {"layers": [jnp.ones(1), jnp.zeros(2)]}
+    assert ft.get(model, "layers.1").shape == (2,)
+    for wrong in ("layers.01", "layers.-1", "layers.+1", "layers.2", "layers.١"):
+        with pytest.raises(KeyError, match="has no child named"):
+            ft.get(model, wrong)

@@ -18,7 +18,9 @@ from hypothesis import given, settings
 from test_paths import Carry, Pair, arrays, assert_same_tree
 
 import functree as ft
+from functree import _paths, _state_dict
 from functree._paths import ATTR, INDEX, KEY, Entry
+from functree._tree import dotted_name
 
 SETTINGS = settings(max_examples=50, deadline=None)
 
@@ -139,3 +141,40 @@ def test_flat_dict_round_trips_or_names_the_colliding_leaves(tree: Any):
     wide = {k: np.asarray(v, np.float64) if jnp.issubdtype(jnp.result_type(v), jnp.floating) else v
             for k, v in flat.items()}
     assert_same_tree(ft.from_flat_dict(tree, wide, cast=True), tree)
+
+
+# ----------------------------------------------------- caches per tree definition
+
+
+def _uncached_flat(tree: Any) -> dict[str, Any] | None:
+    """to_flat_dict as it was before its cache: JAX's paths named one by one."""
+    path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    flat = {dotted_name(p): leaf for p, leaf in path_leaves}
+    return flat if len(flat) == len(path_leaves) else None
+
+
+def _reordered(tree: Any) -> Any:
+    """The same tree definition, new leaves, and every dict's keys in JAX's (sorted) order."""
+    return jax.tree.map(lambda x: jnp.zeros_like(x) if isinstance(x, jax.Array) else x, tree)
+
+
+@SETTINGS
+@given(trees())
+def test_cached_and_uncached_key_paths_and_flat_dicts_agree(tree: Any):
+    _paths._WALKS.clear()
+    _state_dict._NAMES.clear()
+    for t in (tree, tree, _reordered(tree), tree):  # a miss, a hit, a twin, the first again
+        for writable in (False, True):
+            listed = ft.recursively_all_writable_key_paths if writable else ft.recursively_all_key_paths
+            walked = list(_paths.walk(t, writable=writable))
+            assert listed(t) == [p for p, _ in walked]
+            for to in (jax.Array, jnp.float32, Pair, float):
+                keep = _paths._type_filter(to)
+                assert listed(t, to=to) == [p for p, v in walked if keep(v)]
+        expected = _uncached_flat(t)
+        if expected is None:
+            with pytest.raises(ValueError, match="share the dotted name"):
+                ft.to_flat_dict(t)
+            continue
+        flat = ft.to_flat_dict(t)
+        assert list(flat) == list(expected) and all(flat[k] is v for k, v in expected.items())

@@ -2,8 +2,9 @@
 
 Host-side operations, no jit: listing every key path, reading and writing the deepest
 parameter (``kp.get`` / ``kp.set``, and ``ft.get`` with a dotted string that is parsed
-each call), and the flat state dict. ``jax.tree_util.tree_flatten_with_path`` is shown
-for scale.
+each call), and the flat state dict, also of a model rebuilt each call (as a jit output
+is: no result known for that object). ``jax.tree_util.tree_flatten_with_path`` and
+``jax.tree.unflatten`` are shown for scale.
 """
 
 from __future__ import annotations
@@ -34,13 +35,19 @@ def key_paths(quick: bool) -> list[Table]:
     deepest = [p for p in paths if isinstance(p.get(model), jax.Array)][-1]
     name = deepest.name
     value = jnp.zeros_like(deepest.get(model))
+    leaves_, treedef = jax.tree.flatten(model)
     operations: dict[str, Callable[[], Any]] = {
         "ft.recursively_all_key_paths(model)": lambda: ft.recursively_all_key_paths(model),
+        "ft.recursively_all_key_paths(model, to=jax.Array)":
+            lambda: ft.recursively_all_key_paths(model, to=jax.Array),
         "kp.get(model)": lambda: deepest.get(model),
         "kp.set(model, value)": lambda: deepest.set(model, value),
         f'ft.get(model, "{name}")': lambda: ft.get(model, name),
         f'ft.set(model, "{name}", value)': lambda: ft.set(model, name, value),
         "ft.to_flat_dict(model)": lambda: ft.to_flat_dict(model),
+        "ft.to_flat_dict(a new model: tree_unflatten each call)":
+            lambda: ft.to_flat_dict(jax.tree.unflatten(treedef, leaves_)),
+        "jax.tree.unflatten (for scale)": lambda: jax.tree.unflatten(treedef, leaves_),
         "jax.tree_util.tree_flatten_with_path (for scale)":
             lambda: jax.tree_util.tree_flatten_with_path(model),
     }

@@ -549,8 +549,15 @@ def _key_signature(mapping: Mapping) -> tuple[Any, ...]:
     return tuple((type(k), k) for k in mapping)
 
 
-def _node_at(tree: Any, walked: _Walk, position: int) -> Any:
-    return tree if position < 0 else walked.paths[position].get(tree)
+def _same_mappings(tree: Any, walked: _Walk) -> bool:
+    """Whether each mapping ``walked`` met is in ``tree`` too, with the same key signature."""
+    try:
+        return all(
+            _key_signature(tree if i < 0 else walked.paths[i].get(tree)) == keys
+            for i, keys in walked.mappings
+        )
+    except (KeyError, TypeError):  # not there, or no longer a mapping
+        return False
 
 
 def _cached_walk(tree: Any, writable: bool) -> tuple[_Walk, list[Any] | None]:
@@ -569,9 +576,7 @@ def _cached_walk(tree: Any, writable: bool) -> tuple[_Walk, list[Any] | None]:
         leaves, treedef = [], None
     fits = treedef is not None and all(_walk_leaf(t) for t in {type(x) for x in leaves})
     key, walked = cached(_WALKS, (treedef, writable)) if fits else (None, None)
-    if walked is not None and all(
-        _key_signature(_node_at(tree, walked, i)) == keys for i, keys in walked.mappings
-    ):
+    if walked is not None and _same_mappings(tree, walked):
         return walked, None
     items = list(walk(tree, writable=writable))
     paths = tuple(p for p, _ in items)

@@ -593,9 +593,16 @@ def _cached_walk(tree: Any, writable: bool) -> tuple[_Walk, list[Any] | None]:
 def _walk_values(tree: Any, walked: _Walk) -> list[Any]:
     """The value at each of ``walked.paths`` in ``tree``, each read from its parent's."""
     values: list[Any] = []
+    append = values.append
     for path, parent in zip(walked.paths, walked.parents):
         node = tree if parent < 0 else values[parent]
-        values.append(_child(node, path[-1], path))
+        kind, key = path[-1]
+        if kind == ATTR and isinstance(node, Module):  # the common cases first, inline
+            append(node.__dict__[key])
+        elif kind == INDEX and type(node) in (list, tuple):
+            append(node[key])
+        else:
+            append(_child(node, path[-1], path))
     return values
 
 

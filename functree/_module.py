@@ -18,6 +18,11 @@ Three kinds of field, as in Swift:
 * ``field(no_derivative=True)``: data leaves carried and traced but never
   differentiated (Swift's ``@noDerivative var``);
 * ``field(static=True)``: configuration kept in the tree definition (Swift's ``let``).
+
+``copy.deepcopy`` copies the data fields and keeps static values (functions, classes)
+by identity, so a copy has the original's tree definition and trains with its optimizer
+state; ``pickle`` stores jax.nn and ft.nn activations by their public names
+(:mod:`functree._functions`, the table checkpoints use).
 """
 
 from __future__ import annotations

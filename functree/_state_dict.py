@@ -77,6 +77,8 @@ def _str_keys_only(path_leaves: list[tuple[Any, Any]]) -> bool:
 def to_flat_dict(tree: Any) -> dict[str, Any]:
     """A flat dict from dotted key-path names to leaves (``None`` leaves skipped).
 
+    The names are computed once per tree definition; a later call costs a JAX flatten.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.to_flat_dict({"layers": [{"w": jnp.ones(2)}], "b": 0.5})

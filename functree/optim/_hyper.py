@@ -29,8 +29,8 @@ import numpy as np
 import optax
 
 from functree._parameters import parameters
-from functree._tree import register_record
-from functree.optim._checks import check_gradients
+from functree._tree import is_none, register_record
+from functree.optim._checks import checked_gradients, keep_unchanged
 from functree.optim._context import LearningContext, advance, current, initial_context
 
 __all__ = [
@@ -76,6 +76,14 @@ next step. Give a number when building the optimizer to make it settable:
 
     wrong:  ft.optim.adam(ft.optim.cosine_decay(1e-3, 1000)); set_hyperparameters(state, {name}=...)
     right:  ft.optim.adam(1e-3);                            set_hyperparameters(state, {name}=...)
+"""
+
+PARTIAL_WITHOUT_MODEL = """\
+{where}: the gradient has None leaves and no model was given, so the optimizer cannot \
+tell parameters without a gradient (no update) from non-parameters ({error}). Pass the model:
+
+    wrong:  updates, state = tx.update(grads, state)
+    right:  updates, state = tx.update(grads, state, model)
 """
 
 BAD_HYPERPARAMETER_SHAPE = """\
@@ -309,19 +317,26 @@ def inject(
             # gradients and owns the one learning context; trust all three.
             if context is None:
                 raise ValueError(NEEDS_CONTEXT.format(where=where))
-            ctx = context
+            ctx, partial = context, None
         else:  # standalone optax use: this transform keeps its own context
-            if params is not None:
-                params = parameters(params)
-                check_gradients(updates, params)
+            params = None if params is None else parameters(params)
+            # a None gradient (ft.gradient(..., wrt=)) means no update, as through an Optimizer
+            updates, partial = checked_gradients(updates, params)
             ctx = current(state.context, minibatch_size, loss)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             tx, scheduled = build(ctx, state.values)
-            new_updates, inner = tx.update(updates, state.inner, params, **extra)
+            try:
+                new_updates, inner = tx.update(updates, state.inner, params, **extra)
+            except ValueError as e:  # a partial gradient without the model: which are parameters?
+                if params is not None or not any(x is None for x in jax.tree.leaves(updates, is_leaf=is_none)):
+                    raise
+                raise ValueError(PARTIAL_WITHOUT_MODEL.format(where=where, error=e)) from None
         # float32 hyperparameters must not promote bfloat16 moments or updates: a state
         # whose dtypes drift would recompile the jitted step on its second call.
         inner = jax.tree.map(_like, inner, state.inner)
         new_updates = jax.tree.map(_like, new_updates, updates)
+        if partial is not None:
+            new_updates, inner = keep_unchanged(partial, new_updates, inner, state.inner)
         own = None if state.context is None else advance(ctx)
         return new_updates, state.replace(context=own, scheduled=scheduled, inner=inner)
 

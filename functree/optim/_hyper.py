@@ -87,7 +87,18 @@ tell parameters without a gradient (no update) from non-parameters ({error}). Pa
 """
 
 BAD_HYPERPARAMETER_SHAPE = """\
-set_hyperparameters: {name!r} is a scalar; given shape {shape}.
+set_hyperparameters: {name!r} takes a scalar, or one value per member of a stacked state \
+(shape {members}); given shape {shape}.
+
+    right:  set_hyperparameters(states, {name}=jnp.array([...]))    # shape {members}
+"""
+
+STACKED_ALONG_ANOTHER_AXIS = """\
+These hyperparameters are packed in an array of shape {shape}: {n} values {names} along the \
+last axis, so stacked optimizer states must put their member axes first:
+
+    wrong:  states = jax.tree.map(lambda *x: jnp.stack(x, axis=-1), *member_states)
+    right:  states = jax.tree.map(lambda *x: jnp.stack(x), *member_states)   # or jax.vmap(opt.init)
 """
 
 # name -> (predicate on a float, human rule, example value)
@@ -158,7 +169,8 @@ class HyperState:
         optax transformation; ``None`` inside an :class:`ft.optim.Optimizer`, whose
         :class:`OptimizerState` holds the one context and passes it to ``update``.
       values: settable hyperparameters (numbers, and the ``v`` of ``per_samples(v, n)``),
-        packed in one float32 array in the order of ``names`` (``None`` if there are none).
+        packed along the last axis of one float32 array in the order of ``names``
+        (``None`` if there are none); a stacked state adds leading member axes.
       scheduled: values that scheduled hyperparameters took at the latest step (read
         only), in the order of ``scheduled_names`` (``None`` if there are none).
       inner: the state of the optax transformation doing the numerics; per-parameter
@@ -238,6 +250,10 @@ def _call(name: str, fn: Callable[[LearningContext], Any], ctx: LearningContext)
     return jnp.asarray(out).astype(jnp.float32)
 
 
+def _is_concrete_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array, list, tuple)) and not isinstance(x, jax.core.Tracer)
+
+
 def _scalar(x: Any) -> jax.Array:
     return jnp.array(x, dtype=jnp.float32)  # a fresh buffer: states may be donated
 
@@ -289,7 +305,7 @@ def inject(
     scheduled_names = tuple(n for n, sp in specs.items() if sp.scheduled)
 
     def build(ctx: LearningContext, values: jax.Array | None) -> tuple[Any, jax.Array | None]:
-        stored = dict(zip(names, jnp.unstack(values))) if values is not None else {}
+        stored = dict(zip(names, jnp.unstack(values, axis=-1))) if values is not None else {}
         eff = {n: sp.effective(ctx, stored.get(n)) for n, sp in specs.items()}
         tx = optax.with_extra_args_support(factory(**eff, **static))
         return tx, _pack([eff[n] for n in scheduled_names])
@@ -368,11 +384,21 @@ def _entries(state: Any, values: bool = True) -> list[tuple[str, str, bool, Any]
         if not _is_hyper(node):
             continue
         label = _label(path)
-        stored = jnp.unstack(node.values) if values and node.names else [None] * len(node.names)
-        latest = jnp.unstack(node.scheduled) if values and node.scheduled_names else [None] * len(node.scheduled_names)
+        stored = _unpacked(node.values, node.names) if values else [None] * len(node.names)
+        latest = _unpacked(node.scheduled, node.scheduled_names) if values else [None] * len(node.scheduled_names)
         out += [(label, n, True, v) for n, v in zip(node.names, stored)]
         out += [(label, n, False, v) for n, v in zip(node.scheduled_names, latest)]
     return out
+
+
+def _unpacked(packed: jax.Array | None, names: tuple[str, ...]) -> list[Any]:
+    """One array per name from values packed along the last axis (leading axes: members)."""
+    if not names:
+        return []
+    assert packed is not None
+    if jnp.shape(packed)[-1:] != (len(names),):
+        raise ValueError(STACKED_ALONG_ANOTHER_AXIS.format(shape=jnp.shape(packed), n=len(names), names=names))
+    return jnp.unstack(packed, axis=-1)
 
 
 def hyperparameter_names(state: Any) -> list[str]:
@@ -418,6 +444,8 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
     A bare name (``learning_rate``) changes it everywhere in the state; a qualified name
     (``"head.*/learning_rate"``, as :func:`hyperparameters` lists it) changes one group's.
     Scheduled hyperparameters cannot be set (a ``ValueError``); the state is not mutated.
+    On a stacked state (a vmapped ensemble or sweep) give a scalar for every member or an
+    array with one value per member.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -434,12 +462,14 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
         hits = [e for k, e in zip(keys, entries) if k == key or e[1] == key]
         if not hits:
             raise KeyError(UNKNOWN_HYPERPARAMETER.format(name=key, known=sorted(set(keys))))
-        for label, name, settable, _ in hits:
+        for label, name, settable, now in hits:
             if not settable:
                 raise ValueError(SCHEDULED_HYPERPARAMETER.format(name=name))
-            _validate("set_hyperparameters", name, value)
-            if np.ndim(value) != 0:
-                raise ValueError(BAD_HYPERPARAMETER_SHAPE.format(name=key, shape=np.shape(value)))
+            for v in np.ravel(value).tolist() if _is_concrete_array(value) else [value]:
+                _validate("set_hyperparameters", name, v)
+            if np.ndim(value) != 0 and np.shape(value) != np.shape(now):  # one per member
+                raise ValueError(BAD_HYPERPARAMETER_SHAPE.format(name=key, shape=np.shape(value),
+                                                                 members=np.shape(now)))
             todo[(label, name)] = _scalar(value)
 
     def replace(path: tuple, node: Any) -> Any:
@@ -451,7 +481,7 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
             return node
         values = node.values
         for i, v in hits:
-            values = values.at[i].set(v)
+            values = values.at[..., i].set(v)
         return node.replace(values=values)
 
     return jax.tree_util.tree_map_with_path(replace, state, is_leaf=_is_hyper)

@@ -251,7 +251,15 @@ def _call(name: str, fn: Callable[[LearningContext], Any], ctx: LearningContext)
 
 
 def _is_concrete_array(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, jax.Array, list, tuple)) and not isinstance(x, jax.core.Tracer)
+    return isinstance(x, (np.ndarray, list, tuple)) or (isinstance(x, jax.Array) and _is_concrete_value(x))
+
+
+def _is_concrete_value(x: jax.Array) -> bool:
+    try:
+        np.asarray(x)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return False
+    return True
 
 
 def _scalar(x: Any) -> jax.Array:
@@ -398,7 +406,7 @@ def _unpacked(packed: jax.Array | None, names: tuple[str, ...]) -> list[Any]:
     assert packed is not None
     if jnp.shape(packed)[-1:] != (len(names),):
         raise ValueError(STACKED_ALONG_ANOTHER_AXIS.format(shape=jnp.shape(packed), n=len(names), names=names))
-    return jnp.unstack(packed, axis=-1)
+    return list(jnp.unstack(packed, axis=-1))
 
 
 def hyperparameter_names(state: Any) -> list[str]:

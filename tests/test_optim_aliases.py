@@ -348,3 +348,59 @@ def test_set_hyperparameters_rejects_non_finite_values():
     for bad in (float("inf"), float("nan")):
         with pytest.raises(ValueError, match=r"learning_rate=.* is out of range; learning_rate must be finite"):
             fo.set_hyperparameters(state, learning_rate=bad)
+
+
+def _aliases():
+    names = [n for n in fo._aliases.__all__ if n not in ("moments", "DEFAULT_NO_DECAY", "decay_mask")]
+    cases = {n: getattr(fo, n)(0.05) for n in names}
+    cases |= {"sgd_momentum": fo.sgd(0.05, momentum=0.9), "sgd_nesterov_l2": fo.sgd(0.05, 0.9, True, 0.01),
+              "sgd_unit_gain": fo.sgd(0.05, 0.9, momentum_form="unit_gain"), "adam_l2": fo.adam(0.05, weight_decay=0.1),
+              "rmsprop_centered": fo.rmsprop(0.05, momentum=0.5, centered=True), "lion_decay": fo.lion(0.05, weight_decay=0.1)}
+    return cases
+
+
+ALIASES = _aliases()
+
+
+def _two_layers():
+    return ft.nn.Sequential([ft.nn.Dense(3, 4, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1))])
+
+
+def _mse(m):
+    x = jnp.linspace(-1.0, 1.0, 15).reshape(5, 3)
+    return jnp.mean((m(x) - 0.5) ** 2)
+
+
+@pytest.mark.parametrize("name", sorted(ALIASES))
+def test_each_alias_alone_takes_a_partial_gradient_as_no_update(name):
+    """README's loop with ft.gradient(wrt=): the other layer and its moments stay, as through an Optimizer."""
+    tx, model = ALIASES[name], _two_layers()
+    state = tx.init(model)
+    step = ft.jit(lambda g, s, m: tx.update(g, s, m))
+    updates, state = step(ft.gradient(_mse, at=model), state, model)  # moments non-zero everywhere
+    model = ft.move(model, along=updates)
+    grads = ft.gradient(_mse, at=model, wrt="layers.1")
+    assert grads.layers[0].weight is None
+    updates, new_state = step(grads, state, model)
+    assert updates.layers[0].weight is None and updates.layers[0].bias is None
+    new_model = ft.move(model, along=updates)
+    np.testing.assert_array_equal(new_model.layers[0].weight, model.layers[0].weight)
+    assert not np.array_equal(new_model.layers[1].weight, model.layers[1].weight)
+    for key, moment in fo.moments(new_state).items():
+        np.testing.assert_array_equal(moment.layers[0].weight, fo.moments(state)[key].layers[0].weight)
+    # exactly what ft.optim.Optimizer does with the same partial gradient
+    opt = fo.Optimizer(tx)
+    opt_state = opt.init(model)
+    opt_state = opt_state.replace(inner=fo._state.release_contexts(state))
+    opt_state = opt_state.replace(context=fo.context(state))
+    expected, expected_state = jax.jit(opt.update)(grads, opt_state, model)
+    np.testing.assert_array_equal(updates.layers[1].weight, expected.layers[1].weight)
+    for key, moment in fo.moments(expected_state).items():
+        np.testing.assert_array_equal(fo.moments(new_state)[key].layers[1].weight, moment.layers[1].weight)
+
+
+def test_a_partial_gradient_without_the_model_is_an_error_naming_the_fix():
+    tx, model = fo.adam(0.1), _two_layers()
+    grads = ft.gradient(_mse, at=model, wrt="layers.1")
+    with pytest.raises(ValueError, match=r"(?s)ft.optim.adam: the gradient has None leaves.*tx.update\(grads, state, model\)"):
+        tx.update(grads, tx.init(model))

@@ -152,3 +152,59 @@ def test_upgrade_state_converts_pre_redesign_layouts():
         fo.upgrade_state(old, fo.Optimizer(fo.sgd(0.1)), model)
     with pytest.raises(ValueError, match=r"holds no ft\.optim\.LearningContext"):
         fo.upgrade_state(optax.adam(1e-3).init(ft.parameters(model)), opt, model)
+
+
+def _ensemble_step(tx, wrapped):
+    opt = fo.Optimizer(tx) if wrapped else None
+
+    def loss(m, x):
+        return jnp.mean((m(x) - 0.5) ** 2)
+
+    def step(m, s, x, on):
+        value, grads = ft.value_with_gradient(lambda mm: loss(mm, x), at=m)
+        if wrapped:  # members skip different steps: their step counts differ
+            u, s = opt.update(grads, s, m, minibatch_size=x.shape[0], loss=value, apply_if=on)
+        else:
+            u, s = tx.update(grads, s, m, minibatch_size=x.shape[0], loss=value)
+        return ft.move(m, along=u), s
+
+    return (opt.init if wrapped else tx.init), step
+
+
+@pytest.mark.parametrize("members", [3, 4])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["alias", "Optimizer"])
+def test_a_vmapped_ensemble_reads_one_context_per_member(members, wrapped):
+    """Each member's context, moments and hyperparameters equal those of its separate run."""
+    init, step = _ensemble_step(fo.sgd(0.1, momentum=0.9), wrapped)
+    models = jax.vmap(lambda k: ft.nn.Dense(3, 1, key=k))(jax.random.split(jax.random.key(0), members))
+    states = jax.vmap(init)(models)
+    xs = jnp.linspace(-1.0, 1.0, members * 12).reshape(members, 4, 3)
+    ons = jnp.array([[t % (i + 1) == 0 for i in range(members)] for t in range(5)])  # member i: every (i+1)th
+    vstep, one = jax.jit(jax.vmap(step)), jax.jit(step)
+    for on in ons:
+        models, states = vstep(models, states, xs, on)
+    ctx = fo.context(states)
+    expected_steps = [int(ons[:, i].sum()) if wrapped else 5 for i in range(members)]
+    np.testing.assert_array_equal(ctx.step, expected_steps)
+    np.testing.assert_array_equal(ctx.samples_seen, 4 * np.array(expected_steps))
+    np.testing.assert_array_equal(ctx.minibatch_size, [4] * members)
+    np.testing.assert_array_equal(ctx.sweep, [0] * members)
+    np.testing.assert_array_equal(fo.context(fo.next_sweep(states)).sweep, [1] * members)
+    hp = fo.hyperparameters(states)
+    np.testing.assert_array_equal(hp["learning_rate"], np.full(members, 0.1, np.float32))
+    np.testing.assert_array_equal(hp["momentum"], np.full(members, 0.9, np.float32))
+    for i in range(members):
+        model = jax.tree.map(lambda a, i=i: a[i], models)
+        m = ft.nn.Dense(3, 1, key=jax.random.split(jax.random.key(0), members)[i])
+        s = init(m)
+        for on in ons:
+            m, s = one(m, s, xs[i], on[i])
+        np.testing.assert_allclose(model.weight, m.weight, atol=1e-6)  # weights ~1: float32 rounding
+        np.testing.assert_allclose(fo.moments(states)["trace"].weight[i], fo.moments(s)["trace"].weight, atol=1e-6)
+        np.testing.assert_array_equal(ctx.step[i], fo.context(s).step)
+        np.testing.assert_allclose(ctx.loss[i], fo.context(s).loss, atol=1e-6)
+    assert repr(ctx).startswith(f"LearningContext(step={expected_steps}, sweep={[0] * members}")
+    changed = ctx.replace(step=jnp.arange(members), loss=0.0)
+    np.testing.assert_array_equal(changed.step, np.arange(members))
+    np.testing.assert_array_equal(changed.samples_seen, ctx.samples_seen)
+    np.testing.assert_array_equal(changed.loss, np.zeros(members, np.float32))

@@ -71,7 +71,7 @@ def test_set_hyperparameters_errors():
         fo.set_hyperparameters(state, lr=1e-4)
     with pytest.raises(ValueError, match=r"beta1=1\.5 is out of range"):
         fo.set_hyperparameters(state, beta1=1.5)
-    with pytest.raises(ValueError, match="'beta1' is a scalar; given shape \\(2,\\)"):
+    with pytest.raises(ValueError, match=r"'beta1' takes a scalar, or one value per member .*\(shape \(\)\); given shape \(2,\)"):
         fo.set_hyperparameters(state, beta1=jnp.ones(2) * 0.5)
     # the scheduled value is reported
     assert float(fo.hyperparameters(state)["learning_rate"]) == pytest.approx(1e-3)
@@ -108,3 +108,67 @@ def test_grouped_hyperparameters_are_qualified():
     state = fo.set_hyperparameters(state, learning_rate=0.0)
     u, _ = tx.update(p, state, p)
     assert (float(u["a"]), float(u["b"])) == (0.0, 0.0)
+
+
+RATES = [1e-3, 1e-2, 3e-2, 1e-1]
+X_SWEEP = jnp.linspace(-1.0, 1.0, 24).reshape(8, 3)
+
+
+def _sweep_loss(m, x):
+    return jnp.mean((m(x) - 0.5) ** 2)
+
+
+@pytest.mark.parametrize("members", [3, 4])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["alias", "Optimizer"])
+def test_a_vmapped_learning_rate_sweep_reads_per_member_values(members, wrapped):
+    """Stacked states read one value per member under each name, as separate runs do."""
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    tx = fo.adam(1e-3)
+    opt = fo.Optimizer(tx) if wrapped else None
+
+    def init(lr):
+        return fo.set_hyperparameters(opt.init(model) if wrapped else tx.init(model), learning_rate=lr)
+
+    def step(m, s):
+        if wrapped:
+            return opt.minimize(_sweep_loss, m, s, X_SWEEP)[:2]
+        u, s = tx.update(ft.gradient(lambda mm: _sweep_loss(mm, X_SWEEP), at=m), s, m, minibatch_size=8)
+        return ft.move(m, along=u), s
+
+    rates = jnp.array(RATES[:members])
+    models, states = jax.vmap(lambda lr: (model, init(lr)))(rates)
+    sweep, one = jax.jit(jax.vmap(step)), jax.jit(step)
+    for _ in range(3):
+        models, states = sweep(models, states)
+    hp = fo.hyperparameters(states)
+    assert sorted(hp) == ["beta1", "beta2", "epsilon", "learning_rate"]
+    np.testing.assert_array_equal(hp["learning_rate"], rates)
+    np.testing.assert_array_equal(hp["beta2"], np.full(members, 0.999, np.float32))
+    np.testing.assert_array_equal(hp["epsilon"], np.full(members, 1e-8, np.float32))
+    ctx = fo.context(states)
+    np.testing.assert_array_equal(ctx.step, [3] * members)
+    np.testing.assert_array_equal(ctx.samples_seen, [24] * members)
+    for i, lr in enumerate(RATES[:members]):  # member i is the separate run with lr
+        m, s = model, init(lr)
+        for _ in range(3):
+            m, s = one(m, s)
+        np.testing.assert_allclose(models.weight[i], m.weight, atol=1e-6)  # weights ~0.5: float32 rounding
+        np.testing.assert_allclose(fo.moments(states)["nu"].weight[i], fo.moments(s)["nu"].weight, atol=1e-8)
+        np.testing.assert_allclose(fo.context(states).loss[i], fo.context(s).loss, atol=1e-6)
+    # setting one value per member, or one for all
+    states = fo.set_hyperparameters(states, learning_rate=rates[::-1], beta1=0.8)
+    np.testing.assert_array_equal(fo.hyperparameters(states)["learning_rate"], rates[::-1])
+    np.testing.assert_array_equal(fo.hyperparameters(states)["beta1"], np.full(members, 0.8, np.float32))
+    with pytest.raises(ValueError, match=rf"one value per member .*\(shape \({members},\)\); given shape \(2,\)"):
+        fo.set_hyperparameters(states, learning_rate=jnp.ones(2) * 0.1)
+    with pytest.raises(ValueError, match=r"beta1=1\.5 is out of range"):
+        fo.set_hyperparameters(states, beta1=jnp.array([0.5] * (members - 1) + [1.5]))
+
+
+def test_states_stacked_along_a_later_axis_are_an_error_naming_the_fix():
+    members = [fo.adam(lr).init({"w": jnp.ones(2)}) for lr in RATES[:3]]
+    states = jax.tree.map(lambda *x: jnp.stack(x, axis=-1), *members)
+    with pytest.raises(ValueError, match=r"(?s)packed in an array of shape \(4, 3\).*jnp.stack\(x\)"):
+        fo.hyperparameters(states)
+    with pytest.raises(ValueError, match=r"(?s)counters have shape \(4, 3\).*member axes first"):
+        fo.context(states)

@@ -7,6 +7,14 @@ optimizer. ``weight_decay`` is the L2 term added to the gradient (torch's couple
 ``weight_decay``), except in :func:`adamw` and :func:`lion`, where it is decoupled.
 Every hyperparameter may be a number, a schedule of the learning context, a piecewise
 list or a rate with a unit (see :mod:`functree.optim._hyper`).
+
+A ``None`` gradient (a partial gradient, ``ft.gradient(loss, at=model, wrt="head")``)
+means no update: that parameter and its moments stay as they are, alone as through an
+:class:`ft.optim.Optimizer` (give the model to ``update`` so it can tell parameters from
+non-parameters)::
+
+    grads = ft.gradient(loss, at=model, wrt="layers.1")
+    updates, state = tx.update(grads, state, model)     # updates.layers[0].weight is None
 """
 
 from __future__ import annotations

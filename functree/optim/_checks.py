@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from functree._parameters import first_difference
 from functree._tree import bounded_put, dotted_name, is_none
 
-__all__ = ["check_gradients"]
+__all__ = ["check_gradients", "checked_gradients", "keep_unchanged"]
 
 GRADIENT_MISMATCH = """\
 The gradient does not fit the model's parameters at {path}: {detail}.
@@ -59,3 +60,36 @@ def _names(tree: Any, treedef: Any) -> list[str]:
         names = [dotted_name(p) or "<root>" for p, _ in path_leaves]
         bounded_put(_NAMES, treedef, names)
     return names
+
+
+def checked_gradients(grads: Any, params: Any) -> tuple[Any, Any]:
+    """``(grads, partial)``: grads with zeros where a parameter has a ``None`` gradient, and the
+    positions of those parameters (``None`` when every parameter has a gradient)."""
+    if params is None:
+        return grads, None
+    missing = check_gradients(grads, params)
+    if not any(missing):
+        return grads, None
+    filled = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None and p is not None else g, grads, params,
+                          is_leaf=is_none)
+    return filled, (jax.tree.structure(params, is_leaf=is_none), tuple(missing))
+
+
+def keep_unchanged(partial: tuple[Any, tuple[bool, ...]], updates: Any, new_inner: Any,
+                   old_inner: Any) -> tuple[Any, Any]:
+    """No update for parameters without a gradient: ``None`` updates, their moments as they were."""
+    treedef, missing = partial
+
+    def per_parameter(x: Any) -> bool:
+        return jax.tree.structure(x, is_leaf=is_none) == treedef
+
+    def keep(new: Any, old: Any) -> Any:
+        if not per_parameter(new):
+            return new
+        news, olds = jax.tree.leaves(new, is_leaf=is_none), jax.tree.leaves(old, is_leaf=is_none)
+        return treedef.unflatten([o if m else n for n, o, m in zip(news, olds, missing)])
+
+    inner = jax.tree.map(keep, new_inner, old_inner, is_leaf=per_parameter)
+    leaves = jax.tree.leaves(updates, is_leaf=is_none)
+    updates = treedef.unflatten([None if m else u for u, m in zip(leaves, missing)])
+    return updates, inner

@@ -32,6 +32,14 @@ Build the state with a functree optimizer, which adds one to any optax transform
 
 COUNTERS = ("step", "sweep", "samples_seen", "minibatch_size")
 
+STACKED_ALONG_ANOTHER_AXIS = """\
+This learning context's counters have shape {shape}; the counts are packed along the last \
+axis (size 4), so stacked optimizer states must put their member axes first:
+
+    wrong:  states = jax.tree.map(lambda *x: jnp.stack(x, axis=-1), *member_states)
+    right:  states = jax.tree.map(lambda *x: jnp.stack(x), *member_states)   # or jax.vmap(opt.init)
+"""
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class LearningContext:
@@ -44,8 +52,10 @@ class LearningContext:
       minibatch_size: size of the latest minibatch (1 until one is given).
       loss: the latest loss given to ``update(..., loss=)`` (NaN until one is given).
 
-    The four counts are packed in one int32 array (``counters``) and the loss is a float32
-    scalar: two leaves, so the context adds almost nothing to a jitted step's dispatch.
+    The four counts are packed along the last axis of one int32 array (``counters``) and
+    the loss is a float32 scalar: two leaves, so the context adds almost nothing to a jitted
+    step's dispatch. Stacked states (a vmapped ensemble or learning-rate sweep) add leading
+    axes: ``counters`` is ``(..., 4)`` and every field reads one value per member.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -64,19 +74,19 @@ class LearningContext:
 
     @property
     def step(self) -> jax.Array:
-        return self.counters[0]
+        return self.counters[..., 0]
 
     @property
     def sweep(self) -> jax.Array:
-        return self.counters[1]
+        return self.counters[..., 1]
 
     @property
     def samples_seen(self) -> jax.Array:
-        return self.counters[2]
+        return self.counters[..., 2]
 
     @property
     def minibatch_size(self) -> jax.Array:
-        return self.counters[3]
+        return self.counters[..., 3]
 
     def replace(self, **changes: Any) -> LearningContext:
         """A context with some fields changed (``step=``, ``sweep=``, ..., ``loss=``)."""
@@ -85,18 +95,21 @@ class LearningContext:
         if unknown:
             raise TypeError(f"LearningContext has no field(s) {sorted(unknown)}; fields: {[*COUNTERS, 'loss']}.")
         counters = self.counters
+        batch = counters.shape[:-1]  # stacked contexts (vmapped ensembles, sweeps): leading axes
         if changes:
             counters = jnp.stack([
-                jnp.asarray(changes[n]).astype(jnp.int32) if n in changes else self.counters[i]
+                jnp.broadcast_to(jnp.asarray(changes[n]).astype(jnp.int32), batch) if n in changes
+                else self.counters[..., i]
                 for i, n in enumerate(COUNTERS)
-            ])
-        return LearningContext(counters, jnp.asarray(loss).astype(jnp.float32))
+            ], axis=-1)
+        return LearningContext(counters, jnp.broadcast_to(jnp.asarray(loss).astype(jnp.float32), batch))
 
     _replace = replace
 
     def __repr__(self) -> str:
-        try:
-            values = [int(c) for c in self.counters] + [float(self.loss)]
+        try:  # stacked contexts show one list per field, a member per entry
+            values = [np.asarray(self.counters[..., i]).tolist() for i in range(len(COUNTERS))]
+            values.append(np.asarray(self.loss).tolist())
         except (TypeError, jax.errors.ConcretizationTypeError):
             return f"LearningContext(counters={self.counters!r}, loss={self.loss!r})"
         return "LearningContext(" + ", ".join(f"{n}={v}" for n, v in zip((*COUNTERS, "loss"), values)) + ")"
@@ -122,7 +135,7 @@ def current(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) 
     """The context seen *during* a step: this minibatch's size and loss, counts before it."""
     counters, new_loss = ctx.counters, ctx.loss
     if minibatch_size is not None:
-        counters = counters.at[3].set(jnp.asarray(minibatch_size).astype(jnp.int32))
+        counters = counters.at[..., 3].set(jnp.asarray(minibatch_size).astype(jnp.int32))
     if loss is not None:
         new_loss = jnp.asarray(loss).astype(jnp.float32)
     return LearningContext(counters, new_loss)
@@ -132,7 +145,7 @@ def advance(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) 
     """The context after a step on a minibatch of ``minibatch_size`` examples."""
     ctx = current(ctx, minibatch_size, loss)
     # counters + (1, 0, m, 0): one step and its m samples, as arithmetic on constants
-    return LearningContext(ctx.counters + ctx.counters[3] * _SAMPLES + _STEP, ctx.loss)
+    return LearningContext(ctx.counters + ctx.counters[..., 3:] * _SAMPLES + _STEP, ctx.loss)
 
 
 def _is_context(x: Any) -> bool:
@@ -140,8 +153,12 @@ def _is_context(x: Any) -> bool:
 
 
 def contexts(state: Any) -> list[LearningContext]:
-    """Every learning context in an optimizer state, in flatten order."""
-    return [x for x in jax.tree.leaves(state, is_leaf=_is_context) if _is_context(x)]
+    """Every learning context in an optimizer state, in flatten order (stacked: members first)."""
+    found = [x for x in jax.tree.leaves(state, is_leaf=_is_context) if _is_context(x)]
+    for ctx in found:
+        if jnp.shape(ctx.counters)[-1:] != (len(COUNTERS),):
+            raise ValueError(STACKED_ALONG_ANOTHER_AXIS.format(shape=jnp.shape(ctx.counters)))
+    return found
 
 
 def context(state: Any) -> LearningContext:
@@ -152,12 +169,18 @@ def context(state: Any) -> LearningContext:
     one per transform; this returns the first, in flatten order.
 
     Example:
-      >>> import functree as ft, jax.numpy as jnp
+      >>> import functree as ft, jax, jax.numpy as jnp
       >>> tx = ft.optim.sgd(0.1)
       >>> state = tx.init({"w": jnp.ones(2)})
       >>> _, state = tx.update({"w": jnp.ones(2)}, state, minibatch_size=16)
       >>> ft.optim.context(state)
       LearningContext(step=1, sweep=0, samples_seen=16, minibatch_size=16, loss=nan)
+
+    Stacked states (``jax.vmap`` over members) read one value per member:
+
+      >>> states = jax.vmap(lambda w: tx.init({"w": w}))(jnp.ones((3, 2)))
+      >>> ft.optim.context(states).step
+      Array([0, 0, 0], dtype=int32)
     """
     found = contexts(state)
     if not found:

@@ -29,8 +29,8 @@ import numpy as np
 import optax
 
 from functree._parameters import parameters
-from functree._tree import register_record
-from functree.optim._checks import check_gradients
+from functree._tree import is_none, register_record
+from functree.optim._checks import checked_gradients, keep_unchanged
 from functree.optim._context import LearningContext, advance, current, initial_context
 
 __all__ = [
@@ -78,8 +78,27 @@ next step. Give a number when building the optimizer to make it settable:
     right:  ft.optim.adam(1e-3);                            set_hyperparameters(state, {name}=...)
 """
 
+PARTIAL_WITHOUT_MODEL = """\
+{where}: the gradient has None leaves and no model was given, so the optimizer cannot \
+tell parameters without a gradient (no update) from non-parameters ({error}). Pass the model:
+
+    wrong:  updates, state = tx.update(grads, state)
+    right:  updates, state = tx.update(grads, state, model)
+"""
+
 BAD_HYPERPARAMETER_SHAPE = """\
-set_hyperparameters: {name!r} is a scalar; given shape {shape}.
+set_hyperparameters: {name!r} takes a scalar, or one value per member of a stacked state \
+(shape {members}); given shape {shape}.
+
+    right:  set_hyperparameters(states, {name}=jnp.array([...]))    # shape {members}
+"""
+
+STACKED_ALONG_ANOTHER_AXIS = """\
+These hyperparameters are packed in an array of shape {shape}: {n} values {names} along the \
+last axis, so stacked optimizer states must put their member axes first:
+
+    wrong:  states = jax.tree.map(lambda *x: jnp.stack(x, axis=-1), *member_states)
+    right:  states = jax.tree.map(lambda *x: jnp.stack(x), *member_states)   # or jax.vmap(opt.init)
 """
 
 # name -> (predicate on a float, human rule, example value)
@@ -150,7 +169,8 @@ class HyperState:
         optax transformation; ``None`` inside an :class:`ft.optim.Optimizer`, whose
         :class:`OptimizerState` holds the one context and passes it to ``update``.
       values: settable hyperparameters (numbers, and the ``v`` of ``per_samples(v, n)``),
-        packed in one float32 array in the order of ``names`` (``None`` if there are none).
+        packed along the last axis of one float32 array in the order of ``names``
+        (``None`` if there are none); a stacked state adds leading member axes.
       scheduled: values that scheduled hyperparameters took at the latest step (read
         only), in the order of ``scheduled_names`` (``None`` if there are none).
       inner: the state of the optax transformation doing the numerics; per-parameter
@@ -230,6 +250,18 @@ def _call(name: str, fn: Callable[[LearningContext], Any], ctx: LearningContext)
     return jnp.asarray(out).astype(jnp.float32)
 
 
+def _is_concrete_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, list, tuple)) or (isinstance(x, jax.Array) and _is_concrete_value(x))
+
+
+def _is_concrete_value(x: jax.Array) -> bool:
+    try:
+        np.asarray(x)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return False
+    return True
+
+
 def _scalar(x: Any) -> jax.Array:
     return jnp.array(x, dtype=jnp.float32)  # a fresh buffer: states may be donated
 
@@ -281,7 +313,7 @@ def inject(
     scheduled_names = tuple(n for n, sp in specs.items() if sp.scheduled)
 
     def build(ctx: LearningContext, values: jax.Array | None) -> tuple[Any, jax.Array | None]:
-        stored = dict(zip(names, jnp.unstack(values))) if values is not None else {}
+        stored = dict(zip(names, jnp.unstack(values, axis=-1))) if values is not None else {}
         eff = {n: sp.effective(ctx, stored.get(n)) for n, sp in specs.items()}
         tx = optax.with_extra_args_support(factory(**eff, **static))
         return tx, _pack([eff[n] for n in scheduled_names])
@@ -309,19 +341,26 @@ def inject(
             # gradients and owns the one learning context; trust all three.
             if context is None:
                 raise ValueError(NEEDS_CONTEXT.format(where=where))
-            ctx = context
+            ctx, partial = context, None
         else:  # standalone optax use: this transform keeps its own context
-            if params is not None:
-                params = parameters(params)
-                check_gradients(updates, params)
+            params = None if params is None else parameters(params)
+            # a None gradient (ft.gradient(..., wrt=)) means no update, as through an Optimizer
+            updates, partial = checked_gradients(updates, params)
             ctx = current(state.context, minibatch_size, loss)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             tx, scheduled = build(ctx, state.values)
-            new_updates, inner = tx.update(updates, state.inner, params, **extra)
+            try:
+                new_updates, inner = tx.update(updates, state.inner, params, **extra)
+            except ValueError as e:  # a partial gradient without the model: which are parameters?
+                if params is not None or not any(x is None for x in jax.tree.leaves(updates, is_leaf=is_none)):
+                    raise
+                raise ValueError(PARTIAL_WITHOUT_MODEL.format(where=where, error=e)) from None
         # float32 hyperparameters must not promote bfloat16 moments or updates: a state
         # whose dtypes drift would recompile the jitted step on its second call.
         inner = jax.tree.map(_like, inner, state.inner)
         new_updates = jax.tree.map(_like, new_updates, updates)
+        if partial is not None:
+            new_updates, inner = keep_unchanged(partial, new_updates, inner, state.inner)
         own = None if state.context is None else advance(ctx)
         return new_updates, state.replace(context=own, scheduled=scheduled, inner=inner)
 
@@ -353,11 +392,21 @@ def _entries(state: Any, values: bool = True) -> list[tuple[str, str, bool, Any]
         if not _is_hyper(node):
             continue
         label = _label(path)
-        stored = jnp.unstack(node.values) if values and node.names else [None] * len(node.names)
-        latest = jnp.unstack(node.scheduled) if values and node.scheduled_names else [None] * len(node.scheduled_names)
+        stored = _unpacked(node.values, node.names) if values else [None] * len(node.names)
+        latest = _unpacked(node.scheduled, node.scheduled_names) if values else [None] * len(node.scheduled_names)
         out += [(label, n, True, v) for n, v in zip(node.names, stored)]
         out += [(label, n, False, v) for n, v in zip(node.scheduled_names, latest)]
     return out
+
+
+def _unpacked(packed: jax.Array | None, names: tuple[str, ...]) -> list[Any]:
+    """One array per name from values packed along the last axis (leading axes: members)."""
+    if not names:
+        return []
+    assert packed is not None
+    if jnp.shape(packed)[-1:] != (len(names),):
+        raise ValueError(STACKED_ALONG_ANOTHER_AXIS.format(shape=jnp.shape(packed), n=len(names), names=names))
+    return list(jnp.unstack(packed, axis=-1))
 
 
 def hyperparameter_names(state: Any) -> list[str]:
@@ -403,6 +452,8 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
     A bare name (``learning_rate``) changes it everywhere in the state; a qualified name
     (``"head.*/learning_rate"``, as :func:`hyperparameters` lists it) changes one group's.
     Scheduled hyperparameters cannot be set (a ``ValueError``); the state is not mutated.
+    On a stacked state (a vmapped ensemble or sweep) give a scalar for every member or an
+    array with one value per member.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -419,12 +470,14 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
         hits = [e for k, e in zip(keys, entries) if k == key or e[1] == key]
         if not hits:
             raise KeyError(UNKNOWN_HYPERPARAMETER.format(name=key, known=sorted(set(keys))))
-        for label, name, settable, _ in hits:
+        for label, name, settable, now in hits:
             if not settable:
                 raise ValueError(SCHEDULED_HYPERPARAMETER.format(name=name))
-            _validate("set_hyperparameters", name, value)
-            if np.ndim(value) != 0:
-                raise ValueError(BAD_HYPERPARAMETER_SHAPE.format(name=key, shape=np.shape(value)))
+            for v in np.ravel(value).tolist() if _is_concrete_array(value) else [value]:
+                _validate("set_hyperparameters", name, v)
+            if np.ndim(value) != 0 and np.shape(value) != np.shape(now):  # one per member
+                raise ValueError(BAD_HYPERPARAMETER_SHAPE.format(name=key, shape=np.shape(value),
+                                                                 members=np.shape(now)))
             todo[(label, name)] = _scalar(value)
 
     def replace(path: tuple, node: Any) -> Any:
@@ -436,7 +489,7 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
             return node
         values = node.values
         for i, v in hits:
-            values = values.at[i].set(v)
+            values = values.at[..., i].set(v)
         return node.replace(values=values)
 
     return jax.tree_util.tree_map_with_path(replace, state, is_leaf=_is_hyper)

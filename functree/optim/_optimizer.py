@@ -29,9 +29,9 @@ from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import parameters
 from functree._tangent import move
-from functree._tree import all_finite, is_none
+from functree._tree import all_finite
 from functree.nn._state import apply_state, collect_state
-from functree.optim._checks import check_gradients
+from functree.optim._checks import checked_gradients, keep_unchanged
 from functree.optim._context import advance, current, initial_context
 from functree.optim._replicas import axis_size, replica_mean
 from functree.optim._skip import applied_in, guard, select
@@ -253,12 +253,12 @@ class Optimizer:
         if not isinstance(state, OptimizerState):
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
         params = None if model is None else parameters(model)
-        grads, partial = _checked_gradients(grads, params)
+        grads, partial = checked_gradients(grads, params)
         ctx = current(state.context, minibatch_size, loss)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             updates, inner = self._transform.update(grads, state.inner, params, context=ctx)
         if partial is not None:
-            updates, inner = _keep_unchanged(partial, updates, inner, state.inner)
+            updates, inner = keep_unchanged(partial, updates, inner, state.inner)
         if apply_if is not None:
             updates, inner = guard(apply_if, updates, inner, state.inner)
         applied = _both(apply_if, applied_in(inner))
@@ -417,39 +417,6 @@ def _both(a: Any, b: Any) -> Any:
     if a is None:
         return b
     return a if b is None else a & b
-
-
-def _checked_gradients(grads: Any, params: Any) -> tuple[Any, Any]:
-    """``(grads, partial)``: grads with zeros where a parameter has a ``None`` gradient, and the
-    positions of those parameters (``None`` when every parameter has a gradient)."""
-    if params is None:
-        return grads, None
-    missing = check_gradients(grads, params)
-    if not any(missing):
-        return grads, None
-    filled = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None and p is not None else g, grads, params,
-                          is_leaf=is_none)
-    return filled, (jax.tree.structure(params, is_leaf=is_none), tuple(missing))
-
-
-def _keep_unchanged(partial: tuple[Any, tuple[bool, ...]], updates: Any, new_inner: Any,
-                    old_inner: Any) -> tuple[Any, Any]:
-    """No update for parameters without a gradient: ``None`` updates, their moments as they were."""
-    treedef, missing = partial
-
-    def per_parameter(x: Any) -> bool:
-        return jax.tree.structure(x, is_leaf=is_none) == treedef
-
-    def keep(new: Any, old: Any) -> Any:
-        if not per_parameter(new):
-            return new
-        news, olds = jax.tree.leaves(new, is_leaf=is_none), jax.tree.leaves(old, is_leaf=is_none)
-        return treedef.unflatten([o if m else n for n, o, m in zip(news, olds, missing)])
-
-    inner = jax.tree.map(keep, new_inner, old_inner, is_leaf=per_parameter)
-    leaves = jax.tree.leaves(updates, is_leaf=is_none)
-    updates = treedef.unflatten([None if m else u for u, m in zip(leaves, missing)])
-    return updates, inner
 
 
 def _split(path: Any, x: Any, k: int) -> Any:

@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functree._parameters import with_parameters
 from functree._tree import is_none, register_record
 
 __all__ = ["AverageState", "ema", "uniform_average", "averaged", "with_average"]
@@ -63,6 +62,13 @@ the optimizer:
 
     right:  opt = ft.optim.Optimizer(ft.optim.adam(1e-3), average=ft.optim.ema(0.999))
             model = ft.optim.averaged(state, model)      # state = opt.init(model), then steps
+"""
+
+OTHER_MODEL = """\
+ft.optim.averaged: the optimizer state was made for another model (its averaged \
+parameters do not fit this model's leaves). Give the model the state was made for:
+
+    right:  state = opt.init(model);  ...;  ft.optim.averaged(state, model)
 """
 
 TWO_AVERAGES = """\
@@ -229,5 +235,11 @@ def averaged(state: Any, model: Any) -> Any:
         raise ValueError(TWO_AVERAGES.format(count=len(found)))
     node = found[0]
     average = node.average if isinstance(node, AverageState) else node.slow
-    cast = jax.tree.map(lambda a, m: None if a is None else a.astype(m.dtype), average, model, is_leaf=is_none)
-    return with_parameters(model, cast)
+    # Leaf by leaf, not by tree structure: the model may be in another mode (a static
+    # flag) than the one the state was made for.
+    averages = jax.tree.leaves(average, is_leaf=is_none)
+    leaves, treedef = jax.tree.flatten(model, is_leaf=is_none)
+    if len(averages) != len(leaves) or any(
+            a is not None and jnp.shape(a) != jnp.shape(m) for a, m in zip(averages, leaves)):
+        raise ValueError(OTHER_MODEL)
+    return treedef.unflatten([m if a is None else a.astype(jnp.result_type(m)) for a, m in zip(averages, leaves)])

@@ -106,3 +106,26 @@ def test_wrt_errors():
     assert "encoder.weight" in str(info.value)
     with pytest.raises(ValueError, match=r"already trains wrt=\('a\.\*',\)"):
         ft.train.Trainer(net(), ft.optim.Optimizer(ft.optim.adam(), wrt="a.*"), lambda m, b: 0.0, wrt="b.*")
+
+
+def test_data_parallel_trainer_trains_the_subset_with_an_average():
+    from _devices import run
+
+    out = run("""
+        import jax.numpy as jnp, numpy as np, functree as ft
+        class Net(ft.Module):
+            encoder: ft.nn.Dense
+            head: ft.nn.Dense
+            def __call__(self, x):
+                return self.head(jnp.tanh(self.encoder(x)))
+        net = Net(ft.nn.Dense(2, 4, key=jax.random.key(0)), ft.nn.Dense(4, 1, key=jax.random.key(1)))
+        x = np.random.default_rng(0).normal(size=(16, 2)).astype(np.float32)
+        mesh = jax.make_mesh((2,), ("data",))
+        opt = ft.optim.Optimizer(ft.optim.adam(1e-2), average=ft.optim.ema(0.9))
+        t = ft.train.Trainer(net, opt, lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), mesh=mesh, wrt="head.*")
+        t.fit(ft.train.batches((x, x[:, :1]), batch_size=8), epochs=2, progress=False)
+        report({"frozen": bool((t.model.encoder.weight == net.encoder.weight).all()),
+                "trained": bool((t.model.head.weight != net.head.weight).any()),
+                "averaged": bool((t.averaged_model.head.weight != t.model.head.weight).any())})
+    """, devices=2)
+    assert out == {"frozen": True, "trained": True, "averaged": True}

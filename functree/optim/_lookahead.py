@@ -78,8 +78,13 @@ def _contexts_as(fresh: Any, current: Any) -> Any:
 def _bound(fast: optax.GradientTransformationExtraArgs, current: Any, extra: dict[str, Any]) -> Any:
     """``fast`` with this step's extra arguments (the learning context) bound: optax's
     lookahead calls its fast optimizer without them."""
-    return optax.GradientTransformation(lambda p: _contexts_as(fast.init(p), current),
-                                        lambda u, s, p=None: fast.update(u, s, p, **extra))
+    def init(params: Any) -> Any:
+        return _contexts_as(fast.init(params), current)
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return fast.update(updates, state, params, **extra)
+
+    return optax.GradientTransformation(init, update)  # pyright: ignore[reportArgumentType]
 
 
 def lookahead(fast_optimizer: optax.GradientTransformation, sync_period: int, slow_step_size: float,
@@ -114,6 +119,7 @@ def lookahead(fast_optimizer: optax.GradientTransformation, sync_period: int, sl
             raise ValueError(NEEDS_PARAMS)
         inner = optax.lookahead(_bound(fast, state.inner.fast_state, extra), sync_period, slow_step_size,
                                 reset_state)
+        both: Any
         both, new_inner = inner.update(updates, state.inner, optax.LookaheadParams(params, state.slow))
         slow = jax.tree.map(lambda s, u: None if s is None else s + u, state.slow, both.slow, is_leaf=is_none)
         return both.fast, SlowState(new_inner, slow)

@@ -83,6 +83,13 @@ def test_skipped_steps_leave_the_average_and_low_precision_averages_in_float32()
     jax.tree.map(np.testing.assert_array_equal, result.state, state)
     model, state, _ = opt.minimize(mse, model, state, x, y)
     assert ft.optim.averaged(state, model).weight.dtype == jnp.bfloat16
+    # a step skipped by skip_non_finite inside the transform: the average stays too
+    w = {"w": jnp.ones(2)}
+    opt = ft.optim.Optimizer(ft.optim.skip_non_finite(ft.optim.sgd(0.1)), average=ft.optim.ema(0.5))
+    w, state, _ = opt.minimize(lambda p: p["w"].sum(), w, opt.init(w))
+    _, skipped = opt.update({"w": jnp.array([jnp.nan, 1.0])}, state, w)
+    assert int(skipped.inner[0].skipped) == 1
+    jax.tree.map(np.testing.assert_array_equal, skipped.inner[1], state.inner[1])
 
 
 def test_frozen_parameters_have_no_average():

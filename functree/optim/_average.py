@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from functree._tree import is_none, register_record
+from functree.optim._skip import applied_in, select
 
 __all__ = ["AverageState", "ema", "uniform_average", "averaged", "with_average"]
 
@@ -198,12 +199,29 @@ def uniform_average(*, start: int = 0, every: int = 1) -> optax.GradientTransfor
 
 
 def with_average(transform: Any, average: Any) -> Any:
-    """``transform`` followed by the averaging transform ``average`` (``Optimizer(average=)``)."""
+    """``transform`` followed by the averaging transform ``average`` (``Optimizer(average=)``).
+
+    The state is ``optax.chain``'s, ``(transform's, average's)``; a step that a
+    :func:`ft.optim.skip_non_finite` inside ``transform`` skipped leaves the average as it was.
+    """
     if average is None:
         return transform
     if not (hasattr(average, "init") and hasattr(average, "update")):
         raise TypeError(NOT_AVERAGING.format(given=type(average).__name__))
-    return optax.chain(transform, average)
+    inner, avg = optax.with_extra_args_support(transform), optax.with_extra_args_support(average)
+
+    def init(params: Any) -> tuple[Any, Any]:
+        return inner.init(params), avg.init(params)
+
+    def update(updates: Any, state: tuple[Any, Any], params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        updates, first = inner.update(updates, state[0], params, **extra)
+        updates, second = avg.update(updates, state[1], params, **extra)
+        applied = applied_in(first)
+        if applied is not None:
+            second = select(applied, second, state[1])
+        return updates, (first, second)
+
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
 
 
 def _has_average(x: Any) -> bool:

@@ -110,7 +110,7 @@ def test_trainer_averaged_model_evaluation_and_checkpoint(tmp_path):
     opt = ft.optim.Optimizer(ft.optim.adam(1e-2), average=ft.optim.ema(0.9))
     trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), opt, loss_fn)
     data = ft.train.batches((X, Y), batch_size=8, shuffle=False)
-    trainer.fit(data, epochs=3, progress=False)
+    history = trainer.fit(data, epochs=3, validation_data=(X, Y), progress=False)
     avg = trainer.averaged_model
     assert not ft.nn.is_training(avg)
     np.testing.assert_array_equal(avg.weight, ft.optim.averaged(trainer.opt_state, trainer.model).weight)
@@ -118,6 +118,7 @@ def test_trainer_averaged_model_evaluation_and_checkpoint(tmp_path):
     got = trainer.evaluate((X, Y), batch_size=16, averaged=True)["loss"]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, want))
     assert got != trainer.evaluate((X, Y), batch_size=16)["loss"]
+    np.testing.assert_allclose(history.epochs["val_averaged_loss"][-1], got, rtol=0, atol=1e-6 * max(1.0, want))
     ft.train.save(tmp_path / "state", trainer.opt_state)
     loaded = ft.train.load(tmp_path / "state")  # no template: AverageState by its registered name
     assert type(loaded.inner[1]).__name__ == "AverageState"

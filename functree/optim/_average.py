@@ -37,7 +37,7 @@ import optax
 from functree._tree import is_none, register_record
 from functree.optim._skip import applied_in, select
 
-__all__ = ["AverageState", "ema", "uniform_average", "averaged", "with_average"]
+__all__ = ["AverageState", "ema", "uniform_average", "averaged", "keeps_average", "with_average"]
 
 NEEDS_PARAMS = """\
 {name} averages the parameters, so update needs them: pass the model.
@@ -230,6 +230,15 @@ def _has_average(x: Any) -> bool:
     return isinstance(x, (AverageState, SlowState))
 
 
+def _averages(state: Any) -> list[Any]:
+    return [x for x in jax.tree.leaves(state, is_leaf=_has_average) if _has_average(x)]
+
+
+def keeps_average(state: Any) -> bool:
+    """Whether the optimizer state keeps averaged parameters (:func:`averaged` reads them)."""
+    return len(_averages(state)) == 1
+
+
 def averaged(state: Any, model: Any) -> Any:
     """``model`` with the averaged parameters that the optimizer state keeps.
 
@@ -246,7 +255,7 @@ def averaged(state: Any, model: Any) -> Any:
       >>> ft.optim.averaged(state, model).weight.shape    # before any step: the model
       (2, 1)
     """
-    found = [x for x in jax.tree.leaves(state, is_leaf=_has_average) if _has_average(x)]
+    found = _averages(state)
     if not found:
         raise ValueError(NO_AVERAGE)
     if len(found) > 1:

@@ -22,6 +22,7 @@ from functree._alias import copy_aliases, warn_aliases
 from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
 from functree.optim import context, hyperparameter_names, hyperparameters, next_sweep
 from functree.optim._average import averaged as averaged_parameters
+from functree.optim._average import keeps_average
 from functree.optim._subset import with_wrt
 from functree.train._callbacks import Callback, TrainingContext, _copy, as_callback
 from functree.train._checkpoint import Checkpoint, CheckpointManager
@@ -510,6 +511,9 @@ class Trainer:
         if validation_data is not None:
             val = self.evaluate(validation_data, batch_size=batch_size)
             values.update({f"val_{k}": v for k, v in val.items()})
+            if keeps_average(self.opt_state):  # Optimizer(average=) or lookahead: validate that model too
+                val = self.evaluate(validation_data, batch_size=batch_size, averaged=True)
+                values.update({f"val_averaged_{k}": v for k, v in val.items()})
         self.opt_state = next_sweep(self.opt_state)
         self.epoch += 1
         self.batch_in_epoch = 0

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from functree._tree import is_none, register_record
+from functree.optim._lookahead import SlowState
 from functree.optim._skip import applied_in, select
 
 __all__ = ["AverageState", "ema", "uniform_average", "averaged", "keeps_average", "with_average"]
@@ -225,8 +226,6 @@ def with_average(transform: Any, average: Any) -> Any:
 
 
 def _has_average(x: Any) -> bool:
-    from functree.optim._lookahead import SlowState
-
     return isinstance(x, (AverageState, SlowState))
 
 

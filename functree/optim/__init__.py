@@ -28,6 +28,7 @@ from functree.optim._aliases import (
     rmsprop,
     sgd,
 )
+from functree.optim._average import AverageState, averaged, ema, uniform_average
 from functree.optim._context import LearningContext, context, initial_context, next_sweep
 from functree.optim._groups import groups
 from functree.optim._hyper import (
@@ -40,6 +41,7 @@ from functree.optim._hyper import (
     per_samples,
     set_hyperparameters,
 )
+from functree.optim._lookahead import SlowState, lookahead
 from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState
 from functree.optim._optimizer import Optimizer, OptimizerWrapper, StepResult
 from functree.optim._schedules import (
@@ -109,6 +111,13 @@ __all__ = [
     "freeze",
     "reduce_on_plateau",
     "groups",
+    # weight averaging and lookahead (averaged parameters kept by the optimizer)
+    "ema",
+    "uniform_average",
+    "averaged",
+    "AverageState",
+    "lookahead",
+    "SlowState",
     # learning context
     "LearningContext",
     "context",

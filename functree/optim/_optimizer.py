@@ -27,15 +27,17 @@ import optax
 from functree._alias import copy_aliases
 from functree._module import Module
 from functree._operators import value_with_gradient
-from functree._parameters import parameters
 from functree._tangent import move
 from functree._tree import all_finite
 from functree.nn._state import apply_state, collect_state
+from functree.optim._average import with_average
 from functree.optim._checks import checked_gradients, keep_unchanged
 from functree.optim._context import advance, current, initial_context
+from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
 from functree.optim._skip import applied_in, guard, select
 from functree.optim._state import OptimizerState, release_contexts
+from functree.optim._subset import check_wrt, drop_frozen, trained_view
 
 __all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "leading_dimension"]
 
@@ -147,6 +149,15 @@ class Optimizer:
       accumulate: split each batch into this many microbatches along its leading axis and
         average their gradients inside the step (``lax.scan``: memory of one microbatch);
         one optimizer step per call, ``samples_seen`` grows by the whole batch.
+      average: a weight-averaging transform (``ft.optim.ema(0.999)``,
+        ``ft.optim.uniform_average()``) chained after ``transform``; the averaged model
+        is ``ft.optim.averaged(state, model)``.
+      wrt: key-path patterns (as ``ft.gradient(wrt=)``): train only those parameters.
+        Gradients are computed for them alone, the others get no optimizer state and
+        stay bit for bit.
+
+    An ``optax.lookahead(...)`` transform runs as ``ft.optim.lookahead(...)`` (slow
+    weights in the state, the model holds the fast ones).
 
     ``minimize`` returns ``(model, state, loss)`` or ``(model, state, (loss, aux))``; with
     ``accumulate`` the loss is the microbatches' mean and ``aux`` is stacked.
@@ -176,6 +187,7 @@ class Optimizer:
     _apply_updates: Callable[[Any, Any], Any] | None
     _axis_name: Any
     _accumulate: int
+    _wrt: tuple[str, ...] | None
 
     def __init__(
         self,
@@ -189,13 +201,15 @@ class Optimizer:
         apply_updates: Callable[[Any, Any], Any] | None = None,
         axis_name: Any = None,
         accumulate: int = 1,
+        average: Any = None,
+        wrt: Any = None,
     ):
         if not (hasattr(transform, "init") and hasattr(transform, "update")):
             raise TypeError(NOT_A_TRANSFORM.format(given=type(transform).__name__))
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int (microbatches per step), got {accumulate!r}.")
         set_ = object.__setattr__
-        set_(self, "_transform", optax.with_extra_args_support(transform))
+        set_(self, "_transform", optax.with_extra_args_support(with_average(from_optax(transform), average)))
         set_(self, "_raw_transform", transform)
         set_(self, "_transform_loss", transform_loss)
         set_(self, "_get_gradients", get_gradients)
@@ -205,6 +219,7 @@ class Optimizer:
         set_(self, "_apply_updates", apply_updates)
         set_(self, "_axis_name", axis_name)
         set_(self, "_accumulate", accumulate)
+        set_(self, "_wrt", check_wrt(wrt))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(FROZEN_OPTIMIZER.format(name=name))
@@ -223,6 +238,11 @@ class Optimizer:
         """Microbatches per step."""
         return self._accumulate
 
+    @property
+    def wrt(self) -> tuple[str, ...] | None:
+        """The key-path patterns of the trained parameters (``None``: all of them)."""
+        return self._wrt
+
     # --- state ---------------------------------------------------------------------------
     def init(self, model: Any) -> Any:
         """The :class:`OptimizerState` for ``model`` (a Module or pytree; its parameter view is used).
@@ -232,7 +252,7 @@ class Optimizer:
         both.
         """
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
-            inner = self._transform.init(parameters(model))
+            inner = self._transform.init(trained_view(model, self.wrt))
         state = OptimizerState(initial_context(), release_contexts(inner))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.
@@ -252,7 +272,9 @@ class Optimizer:
         """
         if not isinstance(state, OptimizerState):
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
-        params = None if model is None else parameters(model)
+        params = None if model is None else trained_view(model, self.wrt)
+        if self.wrt is not None and params is not None:
+            grads = drop_frozen(grads, params)
         grads, partial = checked_gradients(grads, params)
         ctx = current(state.context, minibatch_size, loss)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
@@ -282,7 +304,7 @@ class Optimizer:
             out = loss_fn(m, *batch)
             return self.transform_loss(out[0] if has_aux else out), out
 
-        (_, out), grads = value_with_gradient(objective, at=model, has_aux=True)
+        (_, out), grads = value_with_gradient(objective, at=model, wrt=self.wrt or 0, has_aux=True)
         return out, grads
 
     def transform_unaggregated_gradients(self, grads: Any) -> Any:
@@ -396,7 +418,7 @@ class Optimizer:
             out, grads = self.get_gradients(loss_fn, model, *mb, has_aux=has_aux, state=state)
             return jax.tree.map(jnp.add, total, grads), out
 
-        zeros = jax.tree.map(jnp.zeros_like, parameters(model))
+        zeros = jax.tree.map(jnp.zeros_like, trained_view(model, self.wrt))
         total, outs = jax.lax.scan(body, zeros, micro)
         grads = jax.tree.map(lambda g: g / k, total)
         if has_aux:
@@ -461,6 +483,10 @@ class OptimizerWrapper(Optimizer):
     @property
     def accumulate(self) -> int:
         return self.inner.accumulate
+
+    @property
+    def wrt(self) -> tuple[str, ...] | None:
+        return self.inner.wrt
 
     @property
     def axis_name(self) -> Any:

@@ -36,10 +36,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from functree import nn
-from functree._parameters import parameters
 from functree.optim import Optimizer, OptimizerWrapper
 from functree.optim._replicas import varying_axes
 from functree.optim._skip import select
+from functree.optim._subset import trained_view
 from functree.parallel._cast import cast, cast_floating
 from functree.parallel._mesh import auto_mesh, constrain, is_array, place
 from functree.parallel._rules import (
@@ -290,7 +290,7 @@ class DataParallelStep(TrainStep):
         local = batch_size_of(batch) // n
         aux = jax.tree.map(lambda x: _merge_devices(x, local), aux)
         updates = jax.tree.map(lambda x: _merge_devices(x, -1), updates)
-        grads = constrain(grads, partition_specs(parameters(model), self.sharding, mesh=mesh,
+        grads = constrain(grads, partition_specs(trained_view(model, self.optimizer.wrt), self.sharding, mesh=mesh,
                                                  data_axis=axis, strict=False), mesh)
         nonfinite = keep = None
         if self.on_nan is not None or enabled is not None:  # the optimizer's one skipping rule

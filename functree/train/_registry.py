@@ -38,7 +38,7 @@ OPTAX_STATES = (
     "MultiTransformState", "NonNegativeParamsState", "PartitionState", "ScaleByAdaDeltaState",
     "ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "ScaleByLionState",
     "ScaleByNovogradState", "ScaleByRmsState", "ScaleByRStdDevState", "ScaleByRssState",
-    "ScaleByScheduleState", "ScaleByTrustRatioState", "ScaleState", "TraceState",
+    "ScaleByScheduleState", "ScaleByTrustRatioState", "ScaleState", "TraceState", "LookaheadState",
     "ZeroNansState",
 )
 
@@ -69,6 +69,7 @@ FUNCTREE_TYPES = {
     "functree.optim": (
         "LearningContext", "HyperState", "OptimizerState", "SkipState", "LossScaleState",
         "AdagradState", "AMSGradState", "UnitGainState", "NoiseState", "PlateauState",
+        "AverageState", "SlowState",
         "ContextState",  # format 1's wrapper of plain optax states; ft.optim.upgrade_state reads it
     ),
     "functree.nn": ("LSTMState",),

@@ -21,6 +21,9 @@ from functree import nn
 from functree._alias import copy_aliases, warn_aliases
 from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
 from functree.optim import context, hyperparameter_names, hyperparameters, next_sweep
+from functree.optim._average import averaged as averaged_parameters
+from functree.optim._average import keeps_average
+from functree.optim._subset import with_wrt
 from functree.train._callbacks import Callback, TrainingContext, _copy, as_callback
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, batches, to_arrays
@@ -184,6 +187,8 @@ class Trainer:
         ``"skip"`` (skip such steps, recorded in ``trainer.skipped``) or ``None``.
       opt_state: an optimizer state to continue from (default ``optimizer.init(model)``).
       train_step: a :class:`TrainStep` subclass (or instance) with overridden stages.
+      wrt: key-path patterns of the parameters to train (``ft.optim.Optimizer(wrt=)``);
+        the others stay bit for bit and get no optimizer state.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, numpy as np
@@ -220,10 +225,12 @@ class Trainer:
         data_axis: str = "data",
         sharding: Any = None,
         compute_dtype: Any = None,
+        wrt: Any = None,
     ):
         parallel: dict[str, Any] = {}
         if mesh is not None or sharding is not None or compute_dtype is not None:
             parallel = {"mesh": mesh, "data_axis": data_axis, "sharding": sharding, "compute_dtype": compute_dtype}
+        optimizer = with_wrt(optimizer, wrt)
         self.train_step = self._make_step(train_step, loss_fn, optimizer, metrics, on_nan, parallel)
         self.optimizer = self.train_step.optimizer
         self.eval_step = eval_step(loss_fn, metrics=self.train_step.metrics, **parallel)
@@ -504,6 +511,9 @@ class Trainer:
         if validation_data is not None:
             val = self.evaluate(validation_data, batch_size=batch_size)
             values.update({f"val_{k}": v for k, v in val.items()})
+            if keeps_average(self.opt_state):  # Optimizer(average=) or lookahead: validate that model too
+                val = self.evaluate(validation_data, batch_size=batch_size, averaged=True)
+                values.update({f"val_averaged_{k}": v for k, v in val.items()})
         self.opt_state = next_sweep(self.opt_state)
         self.epoch += 1
         self.batch_in_epoch = 0
@@ -531,6 +541,13 @@ class Trainer:
         """
         return nn.inference(self.model)
 
+    @property
+    def averaged_model(self) -> Any:
+        """The model with the optimizer's averaged parameters (``ft.optim.averaged``:
+        ``Optimizer(tx, average=ft.optim.ema(0.999))``, or lookahead's slow weights), in
+        inference mode."""
+        return nn.inference(averaged_parameters(self.opt_state, self.model))
+
     def _eval_key(self, fn: Callable[..., Any]) -> Any:
         """A fixed key for ``fn`` when it takes ``key=`` (else None): derived from the
         trainer's key, the same for every evaluation."""
@@ -539,15 +556,16 @@ class Trainer:
         base = jax.random.key(0) if self.key is None else self.key
         return jax.random.fold_in(base, EVAL_KEY_SALT)
 
-    def evaluate(self, data: Any, *, batch_size: int | None = None) -> dict[str, float]:
+    def evaluate(self, data: Any, *, batch_size: int | None = None, averaged: bool = False) -> dict[str, float]:
         """The loss and metrics of the model (inference mode) over ``data``: means
         weighted by minibatch size, accumulated on device, read once at the end.
+        ``averaged=True`` evaluates :attr:`averaged_model` instead.
 
         A loss function that takes ``key=`` gets ``fold_in(eval_key, batch index)`` with a
         fixed evaluation key derived from the trainer's: evaluations are reproducible.
         """
         data = self._as_data(data, batch_size, shuffle=False)
-        model = self.inference_model
+        model = self.averaged_model if averaged else self.inference_model
         key = self._eval_key(self.eval_step.loss_fn)
         sums: Any = None
         batches_iter: Iterable[Any] = data.iterate(0) if isinstance(data, Batches) else data

@@ -1,0 +1,271 @@
+"""Weight averaging: an EMA or a uniform (SWA) average of the parameters, kept by the optimizer.
+
+``ft.optim.Optimizer(tx, average=ft.optim.ema(0.999))`` chains an averaging transform
+after ``tx``. It leaves the updates alone and folds each step's new parameters
+``θ_t = θ_{t-1} + u_t`` into an average kept in the optimizer state (float32 for
+low-precision parameters), so checkpoints save it with the rest of the state and a jitted
+step updates it in place. ``ft.optim.averaged(state, model)`` is the model with the
+averaged parameters, for evaluation or validation.
+
+Every average here is one incremental rule over the averaged steps ``k = 1, 2, ...``::
+
+    θ̄_k = θ̄_{k-1} + w_k (θ_k − θ̄_{k-1})
+
+* ``ema(d)`` (debiased, the default): ``w_k = (1 − d) / (1 − d^k)``. This is optax's
+  debiased EMA ``m_k / (1 − d^k)`` with ``m_k = d m_{k-1} + (1 − d) θ_k``, ``m_0 = 0``:
+  a weighted mean of the iterates with weights ``∝ d^{k-i}``, exact from the first step.
+* ``ema(d, debias=False)``: ``w_1 = 1``, then ``w_k = 1 − d``: the first average is a copy,
+  then a plain EMA (``torch.optim.swa_utils.AveragedModel`` with
+  ``get_ema_multi_avg_fn(d)``, timm's ``ModelEmaV2``).
+* ``uniform_average()``: ``w_k = 1 / k``: the mean of the iterates (SWA;
+  ``AveragedModel``'s default).
+
+Steps up to ``start`` are not averaged (the average follows the parameters until then);
+after it, every ``every``-th step is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functree._tree import is_none, register_record
+from functree.optim._lookahead import SlowState
+from functree.optim._skip import applied_in, select
+
+__all__ = ["AverageState", "ema", "uniform_average", "averaged", "keeps_average", "with_average"]
+
+NEEDS_PARAMS = """\
+{name} averages the parameters, so update needs them: pass the model.
+
+    wrong:  updates, state = tx.update(grads, state)
+    right:  updates, state = tx.update(grads, state, model)
+"""
+
+BAD_DECAY = "ft.optim.ema: decay must be a number in [0, 1), got {given!r} (0.999 is typical)."
+
+BAD_SCHEDULE = "{name}: {what} must be a {kind} int, got {given!r}."
+
+NOT_AVERAGING = """\
+average= takes a weight-averaging transformation (ft.optim.ema or \
+ft.optim.uniform_average), got {given}.
+
+    right:  ft.optim.Optimizer(ft.optim.adam(1e-3), average=ft.optim.ema(0.999))
+"""
+
+NO_AVERAGE = """\
+ft.optim.averaged: this optimizer state keeps no averaged parameters. Average them with \
+the optimizer:
+
+    right:  opt = ft.optim.Optimizer(ft.optim.adam(1e-3), average=ft.optim.ema(0.999))
+            model = ft.optim.averaged(state, model)      # state = opt.init(model), then steps
+"""
+
+OTHER_MODEL = """\
+ft.optim.averaged: the optimizer state was made for another model (its averaged \
+parameters do not fit this model's leaves). Give the model the state was made for:
+
+    right:  state = opt.init(model);  ...;  ft.optim.averaged(state, model)
+"""
+
+TWO_AVERAGES = """\
+ft.optim.averaged: this optimizer state keeps {count} averages of the parameters; \
+give the optimizer one (average= or one ft.optim.ema / uniform_average / lookahead in the chain).
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class AverageState:
+    """State of :func:`ema` and :func:`uniform_average`.
+
+    Attributes:
+      steps: updates seen (applied steps of the optimizer).
+      count: updates folded into the average (steps after ``start``, every ``every``-th).
+      average: the averaged parameters: the parameter view's structure (``None`` at
+        non-parameters and at parameters an ``Optimizer(wrt=)`` does not train), float32
+        for parameters of lower precision.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> state = ft.optim.ema(0.9).init({"w": jnp.ones(2)})
+      >>> int(state.count), state.average
+      (0, {'w': Array([1., 1.], dtype=float32)})
+    """
+
+    steps: jax.Array
+    count: jax.Array
+    average: Any
+
+    def replace(self, **changes: Any) -> AverageState:
+        return dataclasses.replace(self, **changes)
+
+
+register_record(AverageState, ["steps", "count", "average"])
+
+
+def _wide(x: Any) -> Any:
+    """The average's dtype: the parameter's, at least float32 (a bfloat16 average at
+    decay 0.999 would round every step's change away)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _averaging(name: str, weight: Callable[[jax.Array], jax.Array], start: int,
+               every: int) -> optax.GradientTransformationExtraArgs:
+    for what, value, low, kind in (("start", start, 0, "non-negative"), ("every", every, 1, "positive")):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(BAD_SCHEDULE.format(name=name, what=what, kind=kind, given=value))
+
+    def init(params: Any) -> AverageState:
+        zero = jnp.zeros((), jnp.int32)
+        return AverageState(zero, zero.copy(), jax.tree.map(_wide, params))
+
+    def update(updates: Any, state: AverageState, params: Any = None, **extra: Any) -> tuple[Any, AverageState]:
+        if params is None:
+            raise ValueError(NEEDS_PARAMS.format(name=name))
+        steps = state.steps + 1
+        take = (steps > start) & ((steps - start) % every == 0)
+        count = state.count + take.astype(jnp.int32)
+        # Before the first averaged step the average follows the parameters (w = 1);
+        # between averaged steps it stays (w = 0).
+        w = jnp.where(take, weight(jnp.maximum(count, 1)), jnp.where(count == 0, 1.0, 0.0))
+
+        def fold(avg: Any, p: Any, u: Any) -> Any:
+            if avg is None or p is None:
+                return avg
+            new = p if u is None else p + u
+            return avg + w.astype(avg.dtype) * (new.astype(avg.dtype) - avg)
+
+        average = jax.tree.map(fold, state.average, params, updates, is_leaf=is_none)
+        return updates, AverageState(steps, count, average)
+
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+
+
+def ema(decay: float, *, debias: bool = True, start: int = 0, every: int = 1) -> optax.GradientTransformationExtraArgs:
+    """An exponential moving average of the parameters (Polyak–Ruppert with decay ``d``).
+
+    ``θ̄_k = θ̄_{k-1} + w_k (θ_k − θ̄_{k-1})`` over the averaged steps, with
+    ``w_k = (1 − d)/(1 − d^k)`` (``debias=True``: optax's debiased EMA, a normalized
+    ``d``-weighted mean of the iterates) or ``w_1 = 1, w_k = 1 − d`` (``debias=False``:
+    copy, then EMA, as ``torch.optim.swa_utils.AveragedModel(get_ema_multi_avg_fn(d))``).
+    Use it as ``Optimizer(tx, average=ft.optim.ema(d))`` and read the averaged model with
+    :func:`ft.optim.averaged`.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> opt = ft.optim.Optimizer(ft.optim.sgd(1.0), average=ft.optim.ema(0.5))
+      >>> w = {"w": jnp.zeros(())}
+      >>> state = opt.init(w)
+      >>> for _ in range(2):     # parameters 1, then 2: averaged (0.5·1 + 1·2) / 1.5
+      ...     w, state, _ = opt.minimize(lambda p: -p["w"], w, state)
+      >>> float(w["w"]), round(float(ft.optim.averaged(state, w)["w"]), 4)
+      (2.0, 1.6667)
+    """
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+        raise ValueError(BAD_DECAY.format(given=decay))
+    d = float(decay)
+
+    def weight(k: jax.Array) -> jax.Array:
+        if debias:
+            return (1.0 - d) / (1.0 - jnp.power(jnp.float32(d), k.astype(jnp.float32)))
+        return jnp.where(k == 1, 1.0, 1.0 - d)
+
+    return _averaging("ft.optim.ema", weight, start, every)
+
+
+def uniform_average(*, start: int = 0, every: int = 1) -> optax.GradientTransformationExtraArgs:
+    """The running mean of the parameters after each averaged step (stochastic weight averaging).
+
+    ``θ̄_k = θ̄_{k-1} + (θ_k − θ̄_{k-1}) / k``: the mean of the ``k`` iterates averaged
+    so far, as ``torch.optim.swa_utils.AveragedModel``'s default. SWA averages late in
+    training: ``start`` steps are skipped, then every ``every``-th step is averaged (e.g.
+    the steps per epoch, to average once an epoch).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> opt = ft.optim.Optimizer(ft.optim.sgd(1.0), average=ft.optim.uniform_average(start=1))
+      >>> w = {"w": jnp.zeros(())}
+      >>> state = opt.init(w)
+      >>> for _ in range(3):     # parameters 1, 2, 3: the mean of 2 and 3
+      ...     w, state, _ = opt.minimize(lambda p: -p["w"], w, state)
+      >>> ft.optim.averaged(state, w)["w"]
+      Array(2.5, dtype=float32)
+    """
+    return _averaging("ft.optim.uniform_average", lambda k: 1.0 / k.astype(jnp.float32), start, every)
+
+
+def with_average(transform: Any, average: Any) -> Any:
+    """``transform`` followed by the averaging transform ``average`` (``Optimizer(average=)``).
+
+    The state is ``optax.chain``'s, ``(transform's, average's)``; a step that a
+    :func:`ft.optim.skip_non_finite` inside ``transform`` skipped leaves the average as it was.
+    """
+    if average is None:
+        return transform
+    if not (hasattr(average, "init") and hasattr(average, "update")):
+        raise TypeError(NOT_AVERAGING.format(given=type(average).__name__))
+    inner, avg = optax.with_extra_args_support(transform), optax.with_extra_args_support(average)
+
+    def init(params: Any) -> tuple[Any, Any]:
+        return inner.init(params), avg.init(params)
+
+    def update(updates: Any, state: tuple[Any, Any], params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        updates, first = inner.update(updates, state[0], params, **extra)
+        updates, second = avg.update(updates, state[1], params, **extra)
+        applied = applied_in(first)
+        if applied is not None:
+            second = select(applied, second, state[1])
+        return updates, (first, second)
+
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+
+
+def _has_average(x: Any) -> bool:
+    return isinstance(x, (AverageState, SlowState))
+
+
+def _averages(state: Any) -> list[Any]:
+    return [x for x in jax.tree.leaves(state, is_leaf=_has_average) if _has_average(x)]
+
+
+def keeps_average(state: Any) -> bool:
+    """Whether the optimizer state keeps averaged parameters (:func:`averaged` reads them)."""
+    return len(_averages(state)) == 1
+
+
+def averaged(state: Any, model: Any) -> Any:
+    """``model`` with the averaged parameters that the optimizer state keeps.
+
+    The average comes from an :func:`ema` or :func:`uniform_average` (``Optimizer(tx,
+    average=...)`` or chained), or the slow weights of an :func:`ft.optim.lookahead`.
+    Parameters without an average (frozen by ``Optimizer(wrt=)``) and non-parameters
+    (BatchNorm statistics) are the model's; averages are cast to the parameters' dtypes.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+      >>> opt = ft.optim.Optimizer(ft.optim.adam(1e-2), average=ft.optim.ema(0.99))
+      >>> state = opt.init(model)
+      >>> ft.optim.averaged(state, model).weight.shape    # before any step: the model
+      (2, 1)
+    """
+    found = _averages(state)
+    if not found:
+        raise ValueError(NO_AVERAGE)
+    if len(found) > 1:
+        raise ValueError(TWO_AVERAGES.format(count=len(found)))
+    node = found[0]
+    average = node.average if isinstance(node, AverageState) else node.slow
+    # Leaf by leaf, not by tree structure: the model may be in another mode (a static
+    # flag) than the one the state was made for.
+    averages = jax.tree.leaves(average, is_leaf=is_none)
+    leaves, treedef = jax.tree.flatten(model, is_leaf=is_none)
+    if len(averages) != len(leaves) or any(
+            a is not None and jnp.shape(a) != jnp.shape(m) for a, m in zip(averages, leaves)):
+        raise ValueError(OTHER_MODEL)
+    return treedef.unflatten([m if a is None else a.astype(jnp.result_type(m)) for a, m in zip(averages, leaves)])

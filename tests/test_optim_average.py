@@ -1,0 +1,148 @@
+"""Weight averaging: ft.optim.ema / uniform_average, ft.optim.averaged, the Trainer's averaged model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+
+X = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+Y = np.random.default_rng(1).normal(size=(16, 1)).astype(np.float32)
+
+
+def mse(m, x, y):
+    return jnp.mean((m(x) - y) ** 2)
+
+
+def iterates(average, steps=8):
+    """Train a Dense with sgd and ``average``; the parameters after each step and the state."""
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), average=average)
+    state = opt.init(model)
+    seen = []
+    for _ in range(steps):
+        model, state, _ = opt.minimize(mse, model, state, X, Y)
+        seen.append(np.asarray(model.weight, np.float64))
+    return model, state, seen
+
+
+def hand_ema(seen, d, debias):
+    avg, m = None, 0.0
+    for k, p in enumerate(seen, 1):
+        if debias:  # optax's debiased EMA: m_k / (1 - d^k), m_0 = 0
+            m = d * m + (1 - d) * p
+            avg = m / (1 - d**k)
+        else:  # copy, then EMA
+            avg = p if avg is None else d * avg + (1 - d) * p
+    return avg
+
+
+@pytest.mark.parametrize("debias", [True, False])
+def test_ema_equals_a_hand_written_ema(debias):
+    model, state, seen = iterates(ft.optim.ema(0.8, debias=debias))
+    got = ft.optim.averaged(state, model).weight
+    # float32 incremental update vs float64 closed form over 8 steps of O(1) weights
+    np.testing.assert_allclose(got, hand_ema(seen, 0.8, debias), rtol=0, atol=1e-6)
+    assert not np.allclose(got, model.weight, atol=1e-3)  # an average, not the last iterate
+
+
+def test_ema_and_uniform_average_equal_torch_averaged_model():
+    torch = pytest.importorskip("torch")
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    for average, torch_fn in [(ft.optim.ema(0.8, debias=False), get_ema_multi_avg_fn(0.8)),
+                              (ft.optim.uniform_average(), None)]:
+        model, state, seen = iterates(average)
+        live = torch.nn.Linear(3, 1, bias=False).double()
+        swa = AveragedModel(live, multi_avg_fn=torch_fn) if torch_fn else AveragedModel(live)
+        for p in seen:
+            with torch.no_grad():
+                live.weight.copy_(torch.from_numpy(p.T))
+            swa.update_parameters(live)
+        want = swa.module.weight.detach().numpy().T
+        np.testing.assert_allclose(ft.optim.averaged(state, model).weight, want, rtol=0, atol=1e-6)
+
+
+def test_start_and_every_choose_the_averaged_steps():
+    model, state, seen = iterates(ft.optim.uniform_average(start=2, every=3), steps=8)
+    # steps 1..8: averaged are 5 and 8 (after start=2, every 3rd)
+    np.testing.assert_allclose(ft.optim.averaged(state, model).weight, (seen[4] + seen[7]) / 2, rtol=0, atol=1e-6)
+    assert int(state.inner[1].count) == 2 and int(state.inner[1].steps) == 8
+    _, state, seen = iterates(ft.optim.ema(0.5, start=4), steps=3)  # before start: follows the model
+    np.testing.assert_array_equal(state.inner[1].average.weight, seen[-1])
+
+
+def test_skipped_steps_leave_the_average_and_low_precision_averages_in_float32():
+    model = jax.tree.map(lambda x: x.astype(jnp.bfloat16), ft.nn.Dense(3, 1, key=jax.random.key(0)))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), average=ft.optim.ema(0.99))
+    state = opt.init(model)
+    assert state.inner[1].average.weight.dtype == jnp.float32
+    x, y = X.astype(jnp.bfloat16), Y.astype(jnp.bfloat16)
+    result = opt.step(mse, model, state, (x, y), enabled=jnp.array(False))
+    jax.tree.map(np.testing.assert_array_equal, result.state, state)
+    model, state, _ = opt.minimize(mse, model, state, x, y)
+    assert ft.optim.averaged(state, model).weight.dtype == jnp.bfloat16
+    # a step skipped by skip_non_finite inside the transform: the average stays too
+    w = {"w": jnp.ones(2)}
+    opt = ft.optim.Optimizer(ft.optim.skip_non_finite(ft.optim.sgd(0.1)), average=ft.optim.ema(0.5))
+    w, state, _ = opt.minimize(lambda p: p["w"].sum(), w, opt.init(w))
+    _, skipped = opt.update({"w": jnp.array([jnp.nan, 1.0])}, state, w)
+    assert int(skipped.inner[0].skipped) == 1
+    jax.tree.map(np.testing.assert_array_equal, skipped.inner[1], state.inner[1])
+
+
+def test_frozen_parameters_have_no_average():
+    model = ft.nn.training(ft.nn.Sequential([ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.nn.BatchNorm(2),
+                                             ft.nn.Dense(2, 1, key=jax.random.key(1))]))
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2), average=ft.optim.ema(0.9), wrt="layers.2.*")
+    state = opt.init(model)
+    average = state.inner[1].average
+    assert average.layers[0].weight is None and average.layers[1].running_mean is None
+    trained, state, _ = opt.minimize(mse, model, state, X, Y)
+    avg = ft.optim.averaged(state, ft.nn.inference(trained))  # any mode: leaf by leaf
+    np.testing.assert_array_equal(avg.layers[0].weight, model.layers[0].weight)
+    np.testing.assert_array_equal(avg.layers[1].running_mean, trained.layers[1].running_mean)  # statistics: the model's
+
+
+def test_trainer_averaged_model_evaluation_and_checkpoint(tmp_path):
+    loss_fn = lambda m, b: mse(m, *b)  # noqa: E731
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2), average=ft.optim.ema(0.9))
+    trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), opt, loss_fn)
+    data = ft.train.batches((X, Y), batch_size=8, shuffle=False)
+    history = trainer.fit(data, epochs=3, validation_data=(X, Y), progress=False)
+    avg = trainer.averaged_model
+    assert not ft.nn.is_training(avg)
+    np.testing.assert_array_equal(avg.weight, ft.optim.averaged(trainer.opt_state, trainer.model).weight)
+    want = float(mse(avg, X, Y))
+    got = trainer.evaluate((X, Y), batch_size=16, averaged=True)["loss"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, want))
+    assert got != trainer.evaluate((X, Y), batch_size=16)["loss"]
+    np.testing.assert_allclose(history.epochs["val_averaged_loss"][-1], got, rtol=0, atol=1e-6 * max(1.0, want))
+    ft.train.save(tmp_path / "state", trainer.opt_state)
+    loaded = ft.train.load(tmp_path / "state")  # no template: AverageState by its registered name
+    assert type(loaded.inner[1]).__name__ == "AverageState"
+    np.testing.assert_array_equal(ft.optim.averaged(loaded, trainer.model).weight, avg.weight)
+
+
+def test_average_errors():
+    w = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match=r"decay must be a number in \[0, 1\)"):
+        ft.optim.ema(1.0)
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        ft.optim.ema(0.9, every=0)
+    with pytest.raises(ValueError, match="start must be a non-negative int"):
+        ft.optim.uniform_average(start=-1)
+    with pytest.raises(TypeError, match="average= takes a weight-averaging transformation"):
+        ft.optim.Optimizer(ft.optim.adam(), average=0.999)
+    with pytest.raises(ValueError, match="keeps no averaged parameters") as info:
+        ft.optim.averaged(ft.optim.Optimizer(ft.optim.adam()).init(w), w)
+    assert "average=ft.optim.ema(0.999)" in str(info.value)
+    tx = ft.optim.ema(0.9)
+    with pytest.raises(ValueError, match="pass the model"):
+        tx.update(w, tx.init(w))
+    two = ft.optim.Optimizer(ft.optim.lookahead(ft.optim.sgd(0.1), 2, 0.5), average=ft.optim.ema(0.9))
+    with pytest.raises(ValueError, match="made for another model"):
+        ft.optim.averaged(ft.optim.Optimizer(ft.optim.sgd(), average=tx).init(w), {"w": jnp.ones(3)})
+    with pytest.raises(ValueError, match="keeps 2 averages"):
+        ft.optim.averaged(two.init(w), w)

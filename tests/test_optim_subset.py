@@ -1,0 +1,131 @@
+"""Training a subset of the parameters: Optimizer(wrt=) and Trainer(wrt=)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+
+
+class Net(ft.Module):
+    encoder: ft.nn.Dense
+    head: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.encoder(x)))
+
+
+def net():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return Net(ft.nn.Dense(3, 4, key=k1), ft.nn.Dense(4, 1, key=k2))
+
+
+X = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+Y = np.random.default_rng(1).normal(size=(16, 1)).astype(np.float32)
+
+
+def mse(m, x, y):
+    return jnp.mean((m(x) - y) ** 2)
+
+
+def test_frozen_parameters_get_no_state_and_stay_bit_identical():
+    model = net()
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2), wrt="encoder.*")
+    state = opt.init(model)
+    mu = ft.optim.moments(state)["mu"]
+    assert mu.head.weight is None and mu.head.bias is None  # absent, not zeros
+    assert mu.encoder.weight.shape == (3, 4)
+    full = ft.optim.Optimizer(ft.optim.adam(1e-2)).init(model)
+    size = lambda s: sum(x.size for x in jax.tree.leaves(s))  # noqa: E731
+    assert size(full) - size(state) == 2 * (4 * 1 + 1)  # head's mu and nu
+    step = ft.jit(lambda m, s: opt.minimize(mse, m, s, X, Y), donate=(0, 1))
+    trained = jax.tree.map(jnp.copy, model)
+    for _ in range(5):
+        trained, state, _ = step(trained, state)
+    np.testing.assert_array_equal(trained.head.weight, model.head.weight)
+    np.testing.assert_array_equal(trained.head.bias, model.head.bias)
+    assert not np.array_equal(trained.encoder.weight, model.encoder.weight)
+    assert ft.optim.moments(state)["mu"].head.weight is None
+
+
+def test_equal_to_gradient_wrt_and_a_manual_optax_loop():
+    params = {"encoder": {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}, "head": {"w": jnp.full((2, 1), 0.5)}}
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["encoder"]["w"] + p["encoder"]["b"]) @ p["head"]["w"] - y) ** 2)
+
+    tx = optax.adam(1e-2)
+    manual, s = params, tx.init(params["encoder"])
+    for _ in range(4):
+        g = ft.gradient(loss, wrt="encoder.*")(manual, X, Y)
+        assert g["head"]["w"] is None
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int counts
+            u, s = tx.update(g["encoder"], s, manual["encoder"])
+        manual = {**manual, "encoder": optax.apply_updates(manual["encoder"], u)}
+    opt = ft.optim.Optimizer(tx, wrt="encoder.*")
+    p, state = params, opt.init(params)
+    for _ in range(4):
+        p, state, _ = opt.minimize(loss, p, state, X, Y)
+    # the same operations in the same order, unjitted: equal to float32 rounding of O(1) values
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), p, manual)
+    np.testing.assert_array_equal(p["head"]["w"], params["head"]["w"])
+
+
+def test_full_gradients_from_a_custom_hook_leave_frozen_parameters_alone():
+    model = net()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="head")
+    grads = jax.tree.map(jnp.ones_like, ft.parameters(model))  # every parameter
+    updates, _ = opt.update(grads, opt.init(model), model)
+    assert updates.encoder.weight is None
+    np.testing.assert_allclose(updates.head.weight, -0.1)
+
+
+def test_trainer_trains_the_subset():
+    data = ft.train.batches((X, Y), batch_size=8, shuffle=False)
+    loss_fn = lambda m, b: mse(m, *b)  # noqa: E731
+    by_trainer = ft.train.Trainer(net(), ft.optim.adam(1e-2), loss_fn, wrt="encoder.*")
+    by_optimizer = ft.train.Trainer(net(), ft.optim.Optimizer(ft.optim.adam(1e-2), wrt="encoder.*"), loss_fn)
+    for t in (by_trainer, by_optimizer):
+        t.fit(data, epochs=2, progress=False)
+        np.testing.assert_array_equal(t.model.head.weight, net().head.weight)
+        assert not np.array_equal(t.model.encoder.weight, net().encoder.weight)
+    assert by_trainer.optimizer.wrt == ("encoder.*",)
+    np.testing.assert_array_equal(by_trainer.model.encoder.weight, by_optimizer.model.encoder.weight)
+    wrapped = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.sgd(0.1)))
+    t = ft.train.Trainer(net(), wrapped, loss_fn, wrt="head.*")
+    assert t.optimizer.wrt == ("head.*",) and wrapped.wrt is None  # the given optimizer is not changed
+
+
+def test_wrt_errors():
+    with pytest.raises(TypeError, match=r"wrt= takes key-path patterns"):
+        ft.optim.Optimizer(ft.optim.adam(), wrt=3)
+    with pytest.raises(ValueError, match=r"wrt='decoder\.\*'\) selects no parameter") as info:
+        ft.optim.Optimizer(ft.optim.adam(), wrt="decoder.*").init(net())
+    assert "encoder.weight" in str(info.value)
+    with pytest.raises(ValueError, match=r"already trains wrt=\('a\.\*',\)"):
+        ft.train.Trainer(net(), ft.optim.Optimizer(ft.optim.adam(), wrt="a.*"), lambda m, b: 0.0, wrt="b.*")
+
+
+def test_data_parallel_trainer_trains_the_subset_with_an_average():
+    from _devices import run
+
+    out = run("""
+        import jax.numpy as jnp, numpy as np, functree as ft
+        class Net(ft.Module):
+            encoder: ft.nn.Dense
+            head: ft.nn.Dense
+            def __call__(self, x):
+                return self.head(jnp.tanh(self.encoder(x)))
+        net = Net(ft.nn.Dense(2, 4, key=jax.random.key(0)), ft.nn.Dense(4, 1, key=jax.random.key(1)))
+        x = np.random.default_rng(0).normal(size=(16, 2)).astype(np.float32)
+        mesh = jax.make_mesh((2,), ("data",))
+        opt = ft.optim.Optimizer(ft.optim.adam(1e-2), average=ft.optim.ema(0.9))
+        t = ft.train.Trainer(net, opt, lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), mesh=mesh, wrt="head.*")
+        t.fit(ft.train.batches((x, x[:, :1]), batch_size=8), epochs=2, progress=False)
+        report({"frozen": bool((t.model.encoder.weight == net.encoder.weight).all()),
+                "trained": bool((t.model.head.weight != net.head.weight).any()),
+                "averaged": bool((t.averaged_model.head.weight != t.model.head.weight).any())})
+    """, devices=2)
+    assert out == {"frozen": True, "trained": True, "averaged": True}

@@ -82,7 +82,7 @@ class NaNReport:
       ...     return jnp.sum(jnp.log(w))
       >>> report = ft.diagnose(loss, at=jnp.array([1.0, 0.0]), nan=True)
       >>> report.primitive, report.phase, report.value
-      ('log', 'forward', '-inf')
+      ('log', 'forward', '-inf (1 of 2 elements)')
       >>> ft.diagnose(loss, at=jnp.array([1.0, 2.0]), nan=True).ok
       True
     """
@@ -641,6 +641,7 @@ def provenance_for_step(loss_fn: Callable[..., Any], model: Any, batch: Any, key
     """
     from functree.nn import collect_state
 
+    @functools.wraps(loss_fn)  # its name and its arguments' names for the report
     def loss(m: Any, b: Any, k: Any) -> Any:  # layer state recorded as the step records it
         out, _ = collect_state(lambda mm: loss_fn(mm, b) if k is None else loss_fn(mm, b, key=k), m)
         return out

@@ -70,7 +70,8 @@ class NaNReport:
 
     ``kind`` is ``"operation"`` (an equation of the program; a non-finite constant or
     literal counts as made by the equation that reads it) or ``"input"`` (an argument
-    already held NaN/inf: ``argument`` and ``path`` name it). ``phase`` is ``"forward"`` (computing the loss),
+    already held NaN/inf: ``argument`` and ``path`` name it); ``"unknown"`` when the
+    analysis could not run or found the run finite (``note`` says why). ``phase`` is ``"forward"`` (computing the loss),
     ``"backward"`` (computing the gradient) or ``"input"``. ``parameters`` are the dotted
     key paths of the differentiated parameters the operation depends on (forward) or
     whose gradients it feeds (backward); ``inputs`` the other arguments it reads.
@@ -121,7 +122,7 @@ class NaNReport:
             return (f"{self.function}: {self.path} holds {self.value}{at}: given to the "
                     f"function, not computed")
         if self.kind != "operation":
-            return f"{self.function}: not analysed{at}"
+            return f"{self.function}: no provenance{at}"
         what = f"the derivative of `{self.primitive}`" if self.phase == "backward" else f"`{self.primitive}`"
         return (f"{self.function}: {what} first produced {self.value} at {self.where} "
                 f"({self.phase} pass{at})")
@@ -215,13 +216,15 @@ class _Run:
         their origin is a *mask* origin, which an infinite result inherits but a NaN does
         not (``-inf - -inf`` in a softmax of a fully masked row is new).
         """
+        out_flags = [_flags(x) for x in outs]
+        if not any(n or i for n, i in out_flags):  # the common case: inputs never read back
+            return [None] * len(outs)
         flags = [_flags(x) for x, _ in ins]
         real = [(o, n) for (_, o), (n, i) in zip(ins, flags) if (n or i) and o and not o.mask]
         masked = next((o for (_, o), (n, i) in zip(ins, flags) if (n or i) and o and o.mask), None)
         loose = any((n or i) and o is None for (_, o), (n, i) in zip(ins, flags))
         result: list[_Origin | None] = []
-        for x in outs:
-            n, i = _flags(x)
+        for x, (n, i) in zip(outs, out_flags):
             if not (n or i):
                 result.append(None)
             elif real:  # a NaN prefers an input that holds one
@@ -353,9 +356,10 @@ def _forward_scan(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
         ys_d = out_d[ncarry:] if ys_d is None else [a | b for a, b in zip(ys_d, out_d[ncarry:])]
         ys_o = out_o[ncarry:] if ys_o is None else [a or b for a, b in zip(ys_o, out_o[ncarry:])]
     ys.sort(key=lambda t: t[0])
-    stacked = [jnp.stack([y[k] for _, y in ys]) for k in range(len(jaxpr.outvars) - ncarry)]
     if length == 0:
         stacked = _bind(eqn, ins)[ncarry:]
+    else:
+        stacked = [jnp.stack([y[k] for _, y in ys]) for k in range(len(jaxpr.outvars) - ncarry)]
     n_ys = len(jaxpr.outvars) - ncarry
     return ([*carry, *stacked], [*carry_d, *(ys_d or [0] * n_ys)],
             [*carry_o, *(ys_o or [None] * n_ys)], tapes)
@@ -577,8 +581,9 @@ def _report(function: str, origin: _Origin, leaves: Sequence[_Leaf], labels: Seq
         return NaNReport(function, "input", "input", value=origin.value, argument=leaf.argument,
                          path=_input_name(leaf, labels))
     file, line = _source(origin.eqn)
+    name = "add_any" if origin.eqn is None else origin.eqn.primitive.name  # summed cotangents
     return NaNReport(
-        function, "operation", origin.phase, origin.eqn.primitive.name, file, line, origin.value,
+        function, "operation", origin.phase, name, file, line, origin.value,
         _names(origin.deps, leaves, True, labels), _names(origin.deps, leaves, False, labels),
         origin.context,
     )
@@ -695,9 +700,11 @@ def trainer_provenance(trainer: Any, step: int, applied_after: int = 0) -> NaNRe
 
     report = provenance_for_step(loss, trainer.model, batch, key, has_aux=True)
     if report is None:
-        return None
+        note = (f"run again eagerly, step {step}'s loss and gradient are finite "
+                f"(a failure of the compiled program only, or of a nondeterministic one)")
+        return NaNReport(_fn_name(train_step.loss_fn), "unknown", step=step, note=note)
     note = report.note
-    if applied_after:
+    if applied_after and not report.note:
         note = (f"analysed with the model after {applied_after} later step(s): the model "
                 f"before a skipped step is not kept")
     return dataclasses.replace(report, step=step, note=note)

@@ -231,6 +231,56 @@ def test_through_a_custom_jvp():
     assert report.context == ("custom_jvp",)
 
 
+@jax.custom_vjp
+def _clipped(x):
+    return jnp.log(x)  # <- vjp body
+
+
+def _clipped_fwd(x):
+    return jnp.log(x), x
+
+
+def _clipped_bwd(x, g):
+    return (g / x,)
+
+
+_clipped.defvjp(_clipped_fwd, _clipped_bwd)
+
+
+def _uses_custom_vjp(x):
+    return jnp.sum(_clipped(x + 1.0))  # <- vjp call
+
+
+def test_through_a_custom_vjp():
+    report = ft.diagnose(_uses_custom_vjp, at=jnp.array([-1.0, 1.0]), nan=True)
+    _check(report, _clipped, "<- vjp body", "log", "forward")
+    assert report.context == ("custom_vjp",)
+    exp_of_log = ft.diagnose(lambda x: jnp.sum(jnp.exp(_clipped(x))), at=jnp.array([0.0, 1.0]), nan=True)
+    assert (exp_of_log.primitive, exp_of_log.phase) == ("custom_vjp_call", "backward")
+
+
+def _while_log(x):
+    def body(state):
+        i, total = state
+        return i + 1, total + jnp.log(x[i])  # <- while log
+
+    return lax.while_loop(lambda s: s[0] < x.shape[0], body, (0, 0.0))[1]
+
+
+def test_inside_a_while_loop_forward():
+    report = ft.diagnose(_while_log, at=jnp.array([1.0, 0.0]), nan=True)
+    _check(report, _while_log, "<- while log", "log", "forward")
+    assert report.context == ("while iteration 1",)
+
+
+def test_an_empty_scan():
+    def loss(x):
+        total, ys = lax.scan(lambda c, a: (c + a, a * 2.0), 0.0, x)
+        return total + jnp.sum(ys) + jnp.log(jnp.sum(x))
+
+    assert ft.diagnose(loss, at=jnp.zeros(0), nan=True).primitive == "log"
+
+
 def _where_trap(x):
     return jnp.sum(jnp.where(x > 0, jnp.log(x), 0.0))  # <- where trap
 

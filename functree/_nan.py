@@ -49,6 +49,7 @@ from functree._tree import dotted_name, is_none
 
 __all__ = ["NaNReport", "nan_report", "provenance_for_step"]
 
+CONSTANT_LOSS = "the loss is a non-finite constant: it is computed from no argument"
 _FUNCTREE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Calls whose body runs once with the call's operands: entered forward and backward.
 _CALL_PARAMS = {
@@ -294,9 +295,9 @@ def _forward_eqn(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
                  context: tuple[str, ...]) -> tuple[list, list[int], list, Any]:
     name = eqn.primitive.name
     body = _CALL_PARAMS.get(name) or _CUSTOM.get(name)
-    if body and body in eqn.params:
+    if body and body in eqn.params and len(_open(eqn.params[body])[0].invars) == len(ins):
         jaxpr, consts = _open(eqn.params[body])
-        label = _CONTEXT_NAMES.get(name, name)
+        label = _CONTEXT_NAMES.get(name) or name
         if name in ("jit", "pjit") and eqn.params.get("name"):
             label = f"jit({eqn.params['name']})"
         tape = _forward(run, jaxpr, consts, ins, deps, orgs, (*context, label))
@@ -327,10 +328,6 @@ def _forward_cond(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
     return outs, [tape.dep(v) | pick for v in jaxpr.outvars], [tape.org(v) for v in jaxpr.outvars], (index, tape)
 
 
-def _slice(x: Any, i: int) -> Any:
-    return x[i]
-
-
 def _forward_scan(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
                   context: tuple[str, ...]) -> tuple[list, list[int], list, Any]:
     p = eqn.params
@@ -343,7 +340,7 @@ def _forward_scan(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
     tapes, ys, ys_d, ys_o = [], [], None, None
     for i in order:
         where = (*context, f"scan iteration {i} of {length}")
-        tape = _forward(run, jaxpr, consts, [*c_in, *carry, *[_slice(x, i) for x in xs]],
+        tape = _forward(run, jaxpr, consts, [*c_in, *carry, *[x[i] for x in xs]],
                         [*cd, *carry_d, *xs_d], [*co, *carry_o, *xs_o], where)
         tapes.append((i, tape))
         outs = [tape.read(v) for v in jaxpr.outvars]
@@ -612,9 +609,12 @@ def nan_report(f: Callable[..., Any], args: tuple, *, wrt: Any = 0, has_aux: boo
                     in_orgs, ())
     n_loss = len(jax.tree.leaves(shape[0] if has_aux else shape))
     loss_vars = closed.jaxpr.outvars[:n_loss]
-    bad = [tape.org(v) for v in loss_vars if any(_flags(tape.read(v)))]
-    if bad:  # every non-finite value has an origin: an input, or the equation that made it
-        return _report(function, min(bad, key=_order), leaves, labels)
+    bad = [v for v in loss_vars if any(_flags(tape.read(v)))]
+    if bad:  # a non-finite value has an origin (an input, an equation) unless it is a constant
+        found = [o for o in map(tape.org, bad) if o is not None]
+        if not found:
+            return NaNReport(function, "unknown", "forward", note=CONSTANT_LOSS)
+        return _report(function, min(found, key=_order), leaves, labels)
     seeds = [_Cot(jnp.ones_like(tape.read(v)), None) if _inexact(tape.read(v)) else None for v in loss_vars]
     in_ct = _backward(run, tape, [*seeds, *[None] * (len(closed.jaxpr.outvars) - n_loss)])
     bad = [c.origin for c, leaf in zip(in_ct, leaves)

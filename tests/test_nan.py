@@ -383,6 +383,14 @@ def test_the_report_prints_and_renders():
     assert "<table>" in page and "<code>log</code>" in page and "&lt;root&gt;" in page
 
 
+def test_a_constant_non_finite_loss():
+    report = ft.diagnose(lambda w: jnp.sum(w) * 0.0 + jnp.nan, at=jnp.ones(2), nan=True)
+    assert (report.kind, report.primitive) == ("operation", "add")
+    report = ft.diagnose(lambda w: (jnp.float32(jnp.inf), w), at=jnp.ones(2), has_aux=True, nan=True)
+    assert (report.kind, report.note) == ("unknown", "the loss is a non-finite constant: it is computed from no argument")
+    assert str(report).endswith("note: the loss is a non-finite constant: it is computed from no argument")
+
+
 def test_non_array_leaves_are_carried():
     def loss(p, scale, name):
         return jnp.sum(jnp.log(p * scale)) if name == "log" else jnp.sum(p)

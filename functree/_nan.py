@@ -443,6 +443,35 @@ def _backward_eqn(run: _Run, tape: _Tape, eqn: Any, sub: Any, outs: list,
     return _pullback(run, tape, eqn, outs, need)
 
 
+def _vjp(primitive: Any, params: tuple, where: tuple[int, ...], live: tuple[int, ...],
+         ins: list, cts: list) -> Any:
+    """The cotangents of ``ins[where]`` given those of the outputs ``live``."""
+    def f(*xs: Any) -> list[Any]:
+        args = list(ins)
+        for k, x in zip(where, xs):
+            args[k] = x
+        results = primitive.bind(*args, **primitive.get_bind_params(dict(params)))
+        results = list(results) if primitive.multiple_results else [results]
+        return [results[k] for k in live]
+
+    return jax.vjp(f, *[ins[k] for k in where])[1](cts)
+
+
+# One executable per primitive, parameters, positions and abstract inputs (jit's cache):
+# a loop body's runs, and later analyses, share it, and one compilation replaces the
+# several small ones an eager jax.vjp would make.
+_compiled_vjp = jax.jit(_vjp, static_argnums=(0, 1, 2, 3))
+
+
+def _pullback_fn(eqn: Any, where: tuple[int, ...], live: tuple[int, ...]) -> Any:
+    params = tuple(sorted(eqn.params.items()))
+    try:
+        hash(params)
+    except TypeError:  # parameters jit cannot key on: run it eagerly
+        return functools.partial(_vjp, eqn.primitive, params, where, live)
+    return functools.partial(_compiled_vjp, eqn.primitive, params, where, live)
+
+
 def _pullback(run: _Run, tape: _Tape, eqn: Any, outs: list, need: list[bool]) -> list[_Cot | None]:
     """The pullback of one elementary equation (custom rules included), its origins checked."""
     ins = [tape.read(v) for v in eqn.invars]
@@ -451,18 +480,14 @@ def _pullback(run: _Run, tape: _Tape, eqn: Any, outs: list, need: list[bool]) ->
     if not live:
         return [None] * len(ins)
 
-    def f(*xs: Any) -> list[Any]:
-        args = list(ins)
-        for k, x in zip(where, xs):
-            args[k] = x
-        results = _bind(eqn, args)
-        return [results[k] for k in live]
-
+    cts = [outs[k].value for k in live]
     try:
-        _, pull = jax.vjp(f, *[ins[k] for k in where])
-        grads = pull([outs[k].value for k in live])
-    except Exception:  # no pullback (a while loop, an integer-valued rule): carries nothing
-        return [None] * len(ins)
+        grads = _pullback_fn(eqn, tuple(where), tuple(live))(ins, cts)
+    except Exception:
+        try:  # a rule that needs concrete values
+            grads = _vjp(eqn.primitive, tuple(eqn.params.items()), tuple(where), tuple(live), ins, cts)
+        except Exception:  # no pullback (a while loop, an integer-valued rule): carries nothing
+            return [None] * len(ins)
     deps = functools.reduce(lambda a, b: a | b, [tape.dep(eqn.invars[k]) for k in where], 0)
     pairs = [(x, tape.org(v)) for v, x in zip(eqn.invars, ins)]
     pairs += [(outs[k].value, outs[k].origin) for k in live]

@@ -470,4 +470,4 @@ def test_provenance_for_step_runs_layer_state_and_keys():
 
     report = provenance_for_step(loss, model, jnp.ones((4, 2)), jax.random.key(1))
     assert report is not None and (report.primitive, report.phase) == ("log", "forward")
-    assert provenance_for_step(lambda m, b: jnp.sum(m(b) ** 2), model, jnp.ones((4, 2))) is None
+    assert provenance_for_step(lambda m, b: jnp.sum(m["w"] * b), {"w": jnp.ones(2)}, jnp.ones(2)) is None

@@ -25,8 +25,9 @@ propagated with the values). A non-finite array given as an argument is the orig
 itself: the report names the argument and key path. A loss and gradient that are finite
 give a report with ``ok`` True, whatever intermediate infinities were masked away.
 
-This costs one trace and one eager dispatch (plus a pullback) per equation: it runs only
-when asked, or after a training step failed, never inside a jitted step.
+This costs one trace, one eager dispatch per equation and one compiled pullback per
+distinct equation (cached by primitive, parameters and shapes): it runs only when asked,
+or after a training step failed, never inside a jitted step.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ from functree._tree import dotted_name, is_none
 
 __all__ = ["NaNReport", "nan_report", "provenance_for_step"]
 
+ANALYSIS_FAILED = "the provenance analysis failed ({error}); the step's failure stands"
+FINITE_AGAIN = ("run again eagerly, step {step}'s loss and gradient are finite (a failure "
+                "of the compiled program only, or of a nondeterministic one)")
+LATER_MODEL = ("analysed with the model after {count} later step(s): the model before a "
+               "skipped step is not kept")
+NO_BATCH = ("the failing batch cannot be read again from a {what} (only ft.train.batches "
+            "and lists are replayed); to analyse it, keep it and call "
+            "ft.diagnose(loss_fn, nan=True)(model, batch)")
 CONSTANT_LOSS = "the loss is a non-finite constant: it is computed from no argument"
 _FUNCTREE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Calls whose body runs once with the call's operands: entered forward and backward.
@@ -684,16 +693,10 @@ def provenance_for_step(loss_fn: Callable[..., Any], model: Any, batch: Any, key
         report = nan_report(loss, (model, batch, key), has_aux=has_aux)
         return None if report.ok else dataclasses.replace(report, function=function)
     except Exception as e:  # diagnostics after a failure must never hide the failure
-        return NaNReport(function, "unknown", note=f"provenance analysis failed: {type(e).__name__}: {e}")
+        return NaNReport(function, "unknown", note=ANALYSIS_FAILED.format(error=f"{type(e).__name__}: {e}"))
 
 
-
-NO_BATCH = ("the failing batch cannot be read again from a {what} (only ft.train.batches "
-            "and lists are replayed); to analyse it, keep it and call "
-            "ft.diagnose(loss_fn, nan=True)(model, batch)")
-
-
-def trainer_provenance(trainer: Any, step: int, applied_after: int = 0) -> NaNReport | None:
+def trainer_provenance(trainer: Any, step: int, applied_after: int = 0) -> NaNReport:
     """The provenance of ``trainer``'s failing ``step``: its batch read again from the
     data given to ``fit`` (an ``ft.train.batches`` position, or a list index), the model
     the trainer holds (that before the step when it stopped; with ``on_nan="skip"``, one
@@ -725,13 +728,11 @@ def trainer_provenance(trainer: Any, step: int, applied_after: int = 0) -> NaNRe
 
     report = provenance_for_step(loss, trainer.model, batch, key, has_aux=True)
     if report is None:
-        note = (f"run again eagerly, step {step}'s loss and gradient are finite "
-                f"(a failure of the compiled program only, or of a nondeterministic one)")
+        note = FINITE_AGAIN.format(step=step)
         return NaNReport(_fn_name(train_step.loss_fn), "unknown", step=step, note=note)
     note = report.note
     if applied_after and not report.note:
-        note = (f"analysed with the model after {applied_after} later step(s): the model "
-                f"before a skipped step is not kept")
+        note = LATER_MODEL.format(count=applied_after)
     return dataclasses.replace(report, step=step, note=note)
 
 

@@ -14,7 +14,13 @@ import pytest
 from jax import lax
 
 import functree as ft
-from functree._nan import provenance_for_step
+from functree._nan import (
+    ANALYSIS_FAILED,
+    FINITE_AGAIN,
+    LATER_MODEL,
+    provenance_for_step,
+    trainer_provenance,
+)
 
 
 def _line(fn: Callable, marker: str) -> int:
@@ -471,3 +477,24 @@ def test_provenance_for_step_runs_layer_state_and_keys():
     report = provenance_for_step(loss, model, jnp.ones((4, 2)), jax.random.key(1))
     assert report is not None and (report.primitive, report.phase) == ("log", "forward")
     assert provenance_for_step(lambda m, b: jnp.sum(m["w"] * b), {"w": jnp.ones(2)}, jnp.ones(2)) is None
+
+
+def test_a_failed_analysis_is_a_note_not_an_error():
+    def loss(m, b):
+        if b.shape[0] > 1:
+            raise RuntimeError("boom")
+        return jnp.sum(m["w"] * b)
+
+    report = provenance_for_step(loss, {"w": jnp.ones(2)}, jnp.ones((2, 2)))
+    assert (report.kind, report.note) == ("unknown", ANALYSIS_FAILED.format(error="RuntimeError: boom"))
+
+
+def test_a_step_finite_when_run_again_and_a_later_model_are_said():
+    data = [jnp.ones(2), jnp.zeros(2)]
+    trainer = ft.train.Trainer({"w": jnp.ones(2)}, ft.optim.sgd(0.1), lambda m, b: jnp.sum(jnp.log(m["w"] * b)),
+                               on_nan="skip")
+    trainer.fit(data, progress=False)
+    assert [s for s, _ in trainer.skipped] == [2] and trainer.nan_report.primitive == "log"
+    trainer.batch_in_epoch = 2  # as during the epoch: after its end, the position starts again
+    assert trainer_provenance(trainer, 1).note == FINITE_AGAIN.format(step=1)
+    assert trainer_provenance(trainer, 2, applied_after=3).note == LATER_MODEL.format(count=3)

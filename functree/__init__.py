@@ -32,6 +32,7 @@ from functree._module import (
     NonDifferentiableFieldWarning,
     field,
 )
+from functree._nan import NaNReport
 from functree._operators import (
     differential,
     gradient,
@@ -132,6 +133,7 @@ __all__ = [
     "AliasWarning",
     "diagnose",
     "DiagnosticReport",
+    "NaNReport",
     "config",
     # subpackages
     "nn",

@@ -917,13 +917,19 @@ def check(kind: str, fn: Any, g: Any, plan: Plan) -> None:
 
 
 def diagnose(
-    f: Callable[..., Any], at: Any = inspect.Parameter.empty, *, wrt: Any = 0, has_aux: bool = False
+    f: Callable[..., Any], at: Any = inspect.Parameter.empty, *, wrt: Any = 0, has_aux: bool = False,
+    nan: bool = False,
 ) -> Any:
     """The differentiation diagnostics of ``f`` at ``at`` as a report, without warnings.
 
     ``wrt`` is as in :func:`ft.gradient`; with ``has_aux=True`` only the first result is
     analysed. Without ``at``, returns a function of ``f``'s arguments giving the report.
     Runs afresh on every call (no cache), whatever ``ft.config.diagnostics`` says.
+
+    With ``nan=True`` the report is a :class:`ft.NaNReport` instead: ``f`` and its
+    gradient are run equation by equation on these values and the first operation whose
+    result turned NaN or infinite is named, with its source line, phase (forward or
+    backward) and the parameters' key paths (see ``functree._nan``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -936,8 +942,12 @@ def diagnose(
       True
     """
 
-    def run(*args: Any, **kwargs: Any) -> DiagnosticReport:
+    def run(*args: Any, **kwargs: Any) -> Any:
         fn = functools.partial(f, **kwargs) if kwargs else f
+        if nan:
+            from functree._nan import nan_report  # functree._nan builds on this module
+
+            return nan_report(fn, args, wrt=wrt, has_aux=has_aux)
         plan = Plan("diagnose", fn, args, wrt)
         return _run(fn, plan.wrap(), plan, first_output_only=has_aux, strict=True)
 

@@ -20,6 +20,7 @@ import numpy as np
 from functree import nn
 from functree._alias import copy_aliases, warn_aliases
 from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
+from functree._nan import provenance_text, trainer_provenance
 from functree.optim import context, hyperparameter_names, hyperparameters, next_sweep
 from functree.optim._average import averaged as averaged_parameters
 from functree.optim._average import keeps_average
@@ -255,6 +256,8 @@ class Trainer:
         self.batch_in_epoch = 0
         self.stop_training = False
         self.skipped: list[tuple[int, str]] = []
+        self.nan_report: Any = None  # ft.NaNReport of the first stopped or skipped step
+        self._data: Any = None  # what fit() reads: the failing batch is read again from it
         self._buffer: Any = None
         self._buffered = 0
         self._names: list[str] | None = None
@@ -388,13 +391,21 @@ class Trainer:
             for i in bad
         ]
         if self.on_nan == "skip":
+            if not self.skipped:
+                self.nan_report = self._provenance(steps[bad[0]], nonfinite[bad[0] + 1:])
             self.skipped.extend((steps[i], name) for i, name in zip(bad, names))
             return
         step = steps[bad[0]]
         self.batch_in_epoch -= self.steps_run - (step - 1)
         self.steps_run = step - 1
         self.stop_training = True
-        raise NonFiniteError(NONFINITE_STOP.format(step=step, what=names[0], previous=step - 1))
+        self.nan_report = self._provenance(step, nonfinite[:0])
+        raise NonFiniteError(NONFINITE_STOP.format(step=step, what=names[0], previous=step - 1)
+                             + provenance_text(self.nan_report))
+
+    def _provenance(self, step: int, later: np.ndarray) -> Any:
+        """The NaN provenance of ``step`` (see ``functree._nan.trainer_provenance``)."""
+        return trainer_provenance(self, step, int(np.sum(later == -1)))
 
     def _context(self, event: str, metrics: Mapping[str, float]) -> TrainingContext:
         ctx = self._last_context or jax.device_get(context(self.opt_state))
@@ -440,6 +451,7 @@ class Trainer:
         if epochs is None and steps is None:
             epochs = 1
         data = self._as_data(data, batch_size)
+        self._data = data
         cbs = [as_callback(c) for c in callbacks]
         length = self._epoch_length(data)
         total = steps if steps is not None else (

@@ -55,12 +55,17 @@ if mode == "fit":
     if jax.process_index() == 0:
         os.remove(directory + "/.functree-writer.lock")
     multihost_utils.sync_global_devices("lock removed")
-    trainer.fit(data, epochs=2, progress=False, callbacks=[ft.train.ModelCheckpoint(directory, max_to_keep=2)])
+    save = ft.train.ModelCheckpoint(directory, max_to_keep=2, best_metric="loss")
+    trainer.fit(data, epochs=2, progress=False, callbacks=[save])
+    single = None
 else:
     trainer.restore(directory, step=8)
     trainer.fit(data, epochs=1, progress=False)
+    # written whole by one process, verified here across two (each weight gathered once)
+    single = ft.train.load(out + "/single", model, mesh=mesh, sharding="fsdp")
+    single = [multihost_utils.process_allgather(w, tiled=True).tolist() for w in jax.tree.leaves(single)]
 params = [multihost_utils.process_allgather(w, tiled=True).tolist() for w in jax.tree.leaves(trainer.model)]
-report({"params": params, "refused": refused, "steps": trainer.steps_run,
+report({"params": params, "refused": refused, "steps": trainer.steps_run, "single": single,
         "files": sorted(os.listdir(directory))})
 """
 
@@ -121,8 +126,12 @@ def test_two_processes_save_as_one_and_restore_in_one_process(job):
 @pytest.mark.slow
 def test_two_processes_resume_to_the_uninterrupted_result(job):
     out, outs = job
+    model = one_process_trainer()[0].model
+    ft.train.save(out / "single", model)
     resumed = run_job(out, "resume")
     assert all(o["steps"] == 16 for o in resumed)
+    for a, b in zip(resumed[1]["single"], jax.tree.leaves(model)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
     for a, b in zip(outs[0]["params"], resumed[0]["params"]):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=1e-6)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping
 from typing import Any, cast
 
 import jax
@@ -68,9 +69,8 @@ def _contains(outer: tuple[slice, ...], inner: tuple[slice, ...], shape: tuple[i
 
 
 def _local_part(x: Any, slices: tuple[slice, ...]) -> Any:
-    """This process's copy of ``x[slices]``; None if it holds no shard containing it."""
-    if not _spread(x):
-        return np.asarray(x)[slices]
+    """This process's copy of ``x[slices]`` (``x`` spread over processes); None if it holds
+    no shard containing it."""
     for s in x.addressable_shards:
         if _contains(s.index, slices, x.shape):
             start = [i.start or 0 for i in s.index]
@@ -85,25 +85,22 @@ def _problem(want: Any, x: Any) -> str | None:
     shape = tuple(np.shape(x))
     if str(x.dtype) != want.get("dtype") or list(shape) != want.get("shape"):
         return f"is {x.dtype}{list(shape)}, written as {want.get('dtype')}{want.get('shape')}"
-    sums = want["shards"] if "shards" in want else {_where((), ()) if not shape else
-                                                    ",".join(f"0:{n}" for n in shape): want.get("crc32")}
+    sums = want["shards"] if "shards" in want else {",".join(f"0:{n}" for n in shape): want.get("crc32")}
     try:
         shards = {where: _slices(where, shape) for where in sums}
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError):
         return "has a damaged checksum entry"
     if sum(math.prod(b.stop - b.start for b in s) for s in shards.values()) != math.prod(shape):
         return "has shards in its checksum entry that do not cover it"
-    index_map = x.sharding.devices_indices_map(shape) if _spread(x) else {}
-    whole = None
-    for where, slices in shards.items():
-        part = _local_part(x, slices)
-        if part is None and not any(_contains(i, slices, shape) for i in index_map.values()):
-            if whole is None:  # no process read this shard whole: gather it (collective)
-                from jax.experimental import multihost_utils
+    devices = x.sharding.devices_indices_map(shape).values() if _spread(x) else ()
+    whole = None if devices else np.asarray(x)
+    if devices and not all(any(_contains(i, s, shape) for i in devices) for s in shards.values()):
+        from jax.experimental import multihost_utils  # no process read some shard whole
 
-                whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-            part = whole[slices]
-        if part is not None and checksum(part) != sums[where]:
+        whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))  # collective
+    for where, slices in shards.items():
+        part = whole[slices] if whole is not None else _local_part(x, slices)
+        if part is not None and checksum(part) != sums[where]:  # None: another process checks it
             at = f" (shard {where})" if "shards" in want else ""
             return f"fails its CRC-32 check{at} (stored {sums[where]}, read {checksum(part)})"
     return None
@@ -118,7 +115,8 @@ def verify(sums: Any, arrays: dict[str, Any]) -> tuple[str, str] | None:
         differ = sorted(set(sums) ^ set(arrays))[:5]
         found = (differ[0], f"is missing or unexpected (arrays {differ} differ from the metadata)")
     else:
-        found = next(((k, p) for k, x in arrays.items() if (p := _problem(sums[k], x))), None)
+        problems = [(k, _problem(sums[k], x)) for k, x in arrays.items()]  # all: each may gather
+        found = next(((k, p) for k, p in problems if p), None)
     return next((tuple(f) for f in gather(found) if f), None)  # type: ignore[return-value]
 
 
@@ -139,7 +137,7 @@ def default_placement(meta: Any) -> Any:
     return {k: one(w) for k, w in sums.items()}
 
 
-def placement(parts: dict[str, Any], mesh: Any, sharding: Any, data_axis: str) -> Any:
+def placement(parts: Mapping[str, Any], mesh: Any, sharding: Any, data_axis: str) -> Any:
     """Orbax's restore target on ``mesh`` (a function of the metadata): the arrays of each
     part with a template (``{name: template or None}``, ``""`` for a lone tree) placed by
     the rules, the others (shape and dtype from the metadata) on the host."""

@@ -392,10 +392,10 @@ class CheckpointManager:
             self.delete(step)
 
     def _step_metrics(self, step: int) -> dict[str, Any]:
-        if step not in self._metrics:
+        if step not in self._metrics:  # the JSON file alone: no orbax call, no collective
             try:
-                meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            except Exception:  # an unreadable checkpoint never ranks as the best
+                meta = json.loads((self.directory / str(step) / "meta" / "metadata").read_text())
+            except (OSError, ValueError):  # an unreadable checkpoint never ranks as the best
                 meta = {}
             metrics = meta.get("metrics") if isinstance(meta, dict) else None
             self._metrics[step] = metrics if isinstance(metrics, dict) else {}

@@ -618,7 +618,7 @@ class Trainer:
             with CheckpointManager(manager) as owned:
                 return self.restore(owned, step, optimizer_state=optimizer_state)
         include = ("model", "opt_state", "extra") if optimizer_state else ("model", "extra")
-        ts = self.train_step  # a data-parallel step's arrays are read straight into their shards
+        ts: Any = self.train_step  # a data-parallel step's arrays are read straight into their shards
         placed = {"mesh": ts.mesh, "sharding": ts.sharding, "data_axis": ts.data_axis} if hasattr(ts, "place") else {}
         ckpt = manager.restore(step, template=self.model, opt_state_template=self.opt_state,
                                include=include, **placed)

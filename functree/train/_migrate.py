@@ -52,12 +52,12 @@ def migrate(source: str | os.PathLike[str], destination: str | os.PathLike[str])
     are read: migrate only checkpoints you trust.
 
     Example:
-      >>> import functree as ft, tempfile
-      >>> try:
-      ...     ft.train.migrate(tempfile.mkdtemp(), tempfile.mkdtemp() + "/new")
-      ... except ft.train.CheckpointError as e:
-      ...     print(str(e).splitlines()[0][-60:])
-      not a format-1 functree checkpoint (it holds no checkpoint).
+      >>> import functree as ft, jax.numpy as jnp, tempfile
+      >>> d = tempfile.mkdtemp()
+      >>> ft.train.save(d + "/new", {"w": jnp.ones(2)})
+      >>> ft.train.migrate(d + "/new", d + "/copy")
+      Traceback (most recent call last):
+      functree.train._treespec.CheckpointError: ...new is not a format-1 functree checkpoint (its format is 'functree-checkpoint-2'); only those need migrating...
     """
     source, destination = Path(source).absolute(), Path(destination).absolute()
     steps = [p for p in source.iterdir() if STEP_DIR.match(p.name)] if source.is_dir() else []

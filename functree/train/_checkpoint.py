@@ -453,7 +453,7 @@ class CheckpointManager:
         if chosen is None or chosen not in steps:
             what = "at all" if not steps else f"at step {step}"
             raise CheckpointError(NO_CHECKPOINT.format(what=what, path=self.directory, steps=steps, step=step or ""))
-        templates = dict(zip(_PARTS, (template, opt_state_template, extra_template)))
+        templates: dict[str, Any] = dict(zip(_PARTS, (template, opt_state_template, extra_template)))
         target = None if mesh is None else placement(templates, mesh, sharding, data_axis)
         try:
             arrays, meta = _read(lambda args: self._mngr.restore(chosen, args=args),

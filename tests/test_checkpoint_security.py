@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 import functree as ft
 from functree.train import CheckpointError, CheckpointManager
-from functree.train._checkpoint import LOCK_NAME, _digest
+from functree.train._checkpoint import _digest
+from functree.train._directory import LOCK_NAME
 from functree.train._treespec import SpecError
 
 W = np.random.default_rng(0).normal(size=(32, 32)).astype(np.float32)  # incompressible
@@ -126,7 +127,8 @@ def test_static_functions_come_only_from_the_registry(tmp_path, evil_module, nam
 
     rewrite_meta(directory, change)
     message = restore_error(directory)
-    assert "step 1" in message and f"the function {name!r} is not registered" in message
+    why = f"the function {name!r} is not registered" if tag == "function" else "unknown static encoding 'import'"
+    assert "step 1" in message and why in message  # "import" is format 1's: only ft.train.migrate reads it
     assert "model.layers.0.activation" in message
     assert not evil_module.exists()
 
@@ -221,7 +223,9 @@ def test_old_format_with_private_names_still_loads(tmp_path):
     rewrite_meta(directory, change, reseal=False)
     text = meta_path(directory).read_text()
     assert "functree.nn._linear:Dense" in text and "optax._src.transform:ScaleByAdamState" in text
-    ckpt = CheckpointManager(directory).restore()
+    assert "ft.train.migrate" in restore_error(directory)  # never on the normal read path
+    ft.train.migrate(directory, tmp_path / "v2")
+    ckpt = CheckpointManager(tmp_path / "v2").restore()
     assert ckpt.model.layers[0].activation is jax.nn.relu and ckpt.model.layers[1].fn is jnp.tanh
     assert jax.tree.structure(ckpt.opt_state) == jax.tree.structure(opt_state)
 
@@ -362,6 +366,18 @@ DAMAGE = {
     "metrics not dict": (lambda m: m.__setitem__("metrics", [1]), "'metrics' is list"),
     "no checksums": (lambda m: m.pop("checksums"), "has no checksums"),
     "unknown format": (lambda m: m.__setitem__("format", "other"), "no functree-checkpoint-2 metadata"),
+    "one array at two leaves": (lambda m: _dense(m)["fields"]["bias"].__setitem__("key", "model.layers.0.weight"),
+                                "at 'model.layers.0.bias': it names the stored array 'model.layers.0.weight', "
+                                "which 'model.layers.0.weight' names too"),
+    "an array named nowhere": (lambda m: _dense(m)["fields"].__setitem__("bias", {"kind": "none"}),
+                               "at 'model.layers.0.bias': the stored arrays ['model.layers.0.bias'] are named "
+                               "by no leaf"),
+    "relabelled format 1": (lambda m: (m.__setitem__("format", "functree-checkpoint-1"), m.pop("checksums")),
+                            "format functree-checkpoint-1, without checksums); read it once through a migration"),
+    "shards that do not cover": (lambda m: m["checksums"].__setitem__("model.layers.0.weight", {
+        "dtype": "float32", "shape": [2, 3], "shards": {"0:1,0:3": 0}}), "shards in its checksum entry that do not"),
+    "a damaged shard": (lambda m: m["checksums"].__setitem__("model.layers.0.weight", {
+        "dtype": "float32", "shape": [2, 3], "shards": {"0:9": 0}}), "has a damaged checksum entry"),
 }
 
 
@@ -372,6 +388,21 @@ def test_damaged_spec_raises_a_checkpoint_error_naming_step_and_problem(tmp_path
     rewrite_meta(directory, change)
     message = restore_error(directory)
     assert "step 1" in message and problem in message, message
+
+
+def test_format_1_is_read_only_by_an_explicit_migration(tmp_path):
+    ft.train.save(tmp_path / "m", {"w": W})
+    rewrite_meta(tmp_path, lambda m: None, step="m")  # resealed, still format 2
+    with pytest.raises(CheckpointError, match=r"not a format-1 .*its format is 'functree-checkpoint-2'"):
+        ft.train.migrate(tmp_path / "m", tmp_path / "m2")
+    rewrite_meta(tmp_path, lambda m: (m.__setitem__("format", "functree-checkpoint-1"),
+                                                   m.pop("checksums"), m.pop("digest")), step="m", reseal=False)
+    with pytest.raises(CheckpointError, match=r"not a readable .*ft.train.migrate\("):
+        ft.train.load(tmp_path / "m")  # relabelling never switches the checks off
+    ft.train.migrate(tmp_path / "m", tmp_path / "m2")  # explicit: a checked copy
+    np.testing.assert_array_equal(ft.train.load(tmp_path / "m2")["w"], W)
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint"):
+        ft.train.migrate(tmp_path / "nothing", tmp_path / "m3")
 
 
 def test_restored_modules_pass_the_static_checks(tmp_path):

@@ -58,7 +58,7 @@ report([np.asarray(x).tolist() for x in jax.tree.leaves(model)])
     s = _setup()
     template = (s["mlp"](), s["opt"].init(s["mlp"]()))
     one = jax.make_mesh((1,), ("data",))
-    model, state = ft.parallel.load(tmp_path / "step10", template, mesh=one, sharding="fsdp")
+    model, state = ft.train.load(tmp_path / "step10", template, mesh=one, sharding="fsdp")
     assert int(ft.optim.context(state).step) == 10
     step = DataParallelStep(s["loss_fn"], s["opt"], mesh=one, sharding="fsdp")
     for i in range(10, 15):
@@ -68,7 +68,7 @@ report([np.asarray(x).tolist() for x in jax.tree.leaves(model)])
     last = run(SETUP + f"""
 mesh = jax.make_mesh((8,), ("data",))
 template = (mlp(), opt.init(mlp()))
-model, state = ft.parallel.load({str(tmp_path / "step15")!r}, template, mesh=mesh, sharding="fsdp")
+model, state = ft.train.load({str(tmp_path / "step15")!r}, template, mesh=mesh, sharding="fsdp")
 sharded = not model.layers[0].weight.sharding.is_fully_replicated
 moment = any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state))  # Adam moments
 step = DataParallelStep(loss_fn, opt, mesh=mesh, sharding="fsdp")
@@ -85,8 +85,8 @@ report({{"sharded": sharded, "moment": moment, "steps": int(ft.optim.context(sta
 def test_load_onto_a_mesh_needs_a_template(tmp_path):
     ft.train.save(tmp_path / "m", {"w": jnp.ones(2)})
     with pytest.raises(ft.train.CheckpointError, match="needs a template"):
-        ft.parallel.load(tmp_path / "m", None, mesh=jax.make_mesh((1,), ("data",)))
-    restored = ft.parallel.load(tmp_path / "m", {"w": jnp.zeros(2)}, mesh=jax.make_mesh((1,), ("data",)))
+        ft.train.load(tmp_path / "m", mesh=jax.make_mesh((1,), ("data",)))
+    restored = ft.train.load(tmp_path / "m", {"w": jnp.zeros(2)}, mesh=jax.make_mesh((1,), ("data",)))
     np.testing.assert_array_equal(restored["w"], np.ones(2))
 
 

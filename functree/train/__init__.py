@@ -18,6 +18,7 @@ from functree.train._checkpoint import (
 from functree.train._data import Batches, DataContext, batches, to_arrays
 from functree.train._history import History
 from functree.train._metrics import StepOutput, accuracy, mean
+from functree.train._migrate import migrate
 from functree.train._registry import register
 from functree.train._step import EvalStep, TrainStep, eval_step, train_step
 from functree.train._trainer import NonFiniteError, Trainer
@@ -48,5 +49,6 @@ __all__ = [
     "CheckpointManager",
     "load",
     "save",
+    "migrate",
     "register",
 ]

@@ -1,28 +1,20 @@
 """Checkpoints: the model, the optimizer state (with its learning context) and the
 configuration at a step, written through orbax and rebuilt with their original types.
 
-Each checkpoint is an orbax step directory with two items: ``arrays`` (every leaf by its
-dotted key path, ``model.layers.0.weight``, ``opt_state.0.mu.layers.0.weight``) and
-``meta`` (JSON: the tree's types by public name, the step, metrics, configuration, a
-CRC-32 of every array's bytes and one of the metadata itself). Restoring verifies both.
-Orbax writes into a temporary directory and renames it when complete, so a process killed
-mid-save leaves the previous checkpoint loadable.
-
-One writer at a time: a save holds ``.functree-writer.lock`` (pid and host) in the
-directory; a second writer gets a :class:`CheckpointError`, a lock left by a dead process
-on this host is taken over. Opening a manager never deletes anything; leftovers of killed
-saves are removed by the next writer, under the lock. Retention re-reads the directory.
+A checkpoint is an orbax directory with two items: ``arrays`` (every leaf by its dotted
+key path, ``model.layers.0.weight``) and ``meta`` (JSON: the tree's types by public name
+(:mod:`._treespec`), the step, metrics, configuration, CRC-32s of the arrays
+(:mod:`._arrays`) and one of the metadata itself). One writer (:func:`_args`) and one
+reader (:func:`_read`) serve :func:`save`/:func:`load` and :class:`CheckpointManager`,
+whose directory policy (lock, retention) is :mod:`._directory`. Orbax writes into a
+temporary directory renamed when complete, so a killed save leaves the previous
+checkpoint loadable. Every process of a job calls ``save``: each writes its shards.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import socket
-import time
-import uuid
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,10 +25,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from functree._state_dict import from_flat_dict
+from functree.train import _directory as policy
+from functree.train._arrays import default_placement, describe, placement, verify
+from functree.train._processes import agreed
 from functree.train._treespec import (
     CheckpointError,
     SpecError,
     _decode_leaf,
+    check_names,
     decode,
     encode,
     leaf_specs,
@@ -45,35 +41,29 @@ from functree.train._treespec import (
 __all__ = ["Checkpoint", "CheckpointManager", "save", "load", "CheckpointError"]
 
 FORMAT = "functree-checkpoint-2"
-_READABLE_FORMATS = ("functree-checkpoint-1", FORMAT)
 _PARTS = ("model", "opt_state", "extra")
-LOCK_NAME = ".functree-writer.lock"
 
-NOT_A_CHECKPOINT_DIRECTORY = """\
-{path} is not a checkpoint directory: it holds {entries}, which are not checkpoint steps.
-Nothing was written. Give the checkpoints a directory of their own:
+DAMAGED = """\
+The checkpoint at step {step} in {path} {problem}.
+Nothing was loaded or changed on disk. Restore another step instead: {others}
 
-    wrong:  ft.train.CheckpointManager("{path}")
-    right:  ft.train.CheckpointManager("{path}/checkpoints")"""
+    wrong:  manager.restore({step})
+    right:  manager.restore({suggestion})"""
 
-NOT_A_DIRECTORY = """\
-{path} exists and is a file, not a directory. Nothing was written.
+NOT_READABLE = """\
+{path} is not a readable functree checkpoint ({problem}).
+Pass the directory written by ft.train.save(path, tree)."""
 
-    wrong:  ft.train.CheckpointManager("{path}")
-    right:  ft.train.CheckpointManager("{path}_checkpoints")"""
+FORMAT_1 = """\
+it was written by an older functree (format functree-checkpoint-1, without checksums); \
+read it once through a migration that writes a checked copy:  \
+ft.train.migrate("{path}", "{path}-v2")"""
 
 NO_CHECKPOINT = """\
 No checkpoint {what} in {path} (steps present: {steps}).
 
     wrong:  manager.restore({step})
     right:  manager.restore()          # the latest, or one of {steps}"""
-
-CORRUPTED = """\
-The checkpoint at step {step} ({path}) is corrupted or incomplete and cannot be read ({error}).
-Nothing was changed on disk. Restore another step instead: {others}
-
-    wrong:  manager.restore({step})
-    right:  manager.restore({suggestion})"""
 
 TEMPLATE_MISMATCH = """\
 The checkpoint's {part} at step {step} does not fit the template:
@@ -97,6 +87,13 @@ mode must be "min" or "max", got {mode!r}.
     wrong:  CheckpointManager(path, best_metric="val_loss", mode={mode!r})
     right:  CheckpointManager(path, best_metric="val_loss", mode="min")"""
 
+BAD_MAX_TO_KEEP = """\
+max_to_keep must be a positive int (how many recent checkpoints to keep) or None (keep
+all), got {value!r}.
+
+    wrong:  CheckpointManager(path, max_to_keep={value!r})
+    right:  CheckpointManager(path, max_to_keep=3)       # or max_to_keep=None: keep all"""
+
 MISSING_METRIC = """\
 The checkpoint at step {step} ranks by {metric!r} but its metrics are {given}.
 
@@ -115,6 +112,13 @@ PATH_EXISTS = """\
 
     wrong:  ft.train.save("{path}", tree)
     right:  ft.train.save("{path}", tree, overwrite=True)"""
+
+LOAD_NEEDS_TEMPLATE = """\
+Restoring onto a mesh needs a template (the tree's structure, shapes and dtypes) to place \
+each array by the sharding rules:
+
+    wrong:  ft.train.load(path, mesh=mesh, sharding="fsdp")
+    right:  ft.train.load(path, (model, opt_state), mesh=mesh, sharding="fsdp")"""
 
 
 class Checkpoint(NamedTuple):
@@ -142,145 +146,8 @@ class Checkpoint(NamedTuple):
     config: dict[str, Any]
     extra: Any = None
 
-BAD_MAX_TO_KEEP = """\
-max_to_keep must be a positive int (how many recent checkpoints to keep) or None (keep
-all), got {value!r}.
 
-    wrong:  CheckpointManager(path, max_to_keep={value!r})
-    right:  CheckpointManager(path, max_to_keep=3)       # or max_to_keep=None: keep all"""
-
-CHECKSUM_MISMATCH = """\
-The checkpoint at step {step} in {path} is corrupted: the array {key!r} {why}.
-Its bytes changed after it was written (disk or copy error, or tampering); nothing was
-loaded. Restore another step instead: {others}
-
-    wrong:  manager.restore({step})
-    right:  manager.restore({suggestion})"""
-
-BAD_METADATA = """\
-The checkpoint at step {step} in {path} has damaged metadata: {why}.
-Nothing was loaded. Restore another step instead: {others}
-
-    wrong:  manager.restore({step})
-    right:  manager.restore({suggestion})"""
-
-WRITER_ACTIVE = """\
-Another writer is saving checkpoints into {path}: {lock} names pid {pid} on host {host!r}
-(since {since}). Two writers in one directory would delete each other's checkpoints, so
-nothing was written. Give each run its own directory:
-
-    wrong:  CheckpointManager("{path}")                 # in two processes at once
-    right:  CheckpointManager("{path}/run_2")
-If that process is gone (e.g. it ran on another host and was killed), delete {lock}."""
-
-_STEP_DIR = re.compile(r"^\d+$")
-_TMP = ".orbax-checkpoint-tmp"
-
-
-def _check_max_to_keep(value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(BAD_MAX_TO_KEEP.format(value=value))
-
-
-def _check_directory(path: Path) -> None:
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(NOT_A_DIRECTORY.format(path=path))
-    if not path.exists():
-        return
-    foreign = sorted(
-        e.name
-        for e in path.iterdir()
-        if not (_STEP_DIR.match(e.name) or _TMP in e.name or e.name.startswith(LOCK_NAME))
-    )
-    if foreign:
-        shown = ", ".join(repr(n) for n in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
-        raise CheckpointError(NOT_A_CHECKPOINT_DIRECTORY.format(path=path, entries=shown))
-
-
-class _WriterLock:
-    """``LOCK_NAME`` in the directory, created exclusively, holding ``{pid, host, time}``."""
-
-    def __init__(self, directory: Path):
-        self.path = directory / LOCK_NAME
-        self.held = False
-        self.token = uuid.uuid4().hex
-
-    def _owner(self) -> dict[str, Any]:
-        try:
-            owner = json.loads(self.path.read_text())
-            return owner if isinstance(owner, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    def _stale(self, owner: dict[str, Any]) -> bool:
-        if not owner:  # unreadable: being written right now, or left half-written long ago
-            try:
-                return time.time() - self.path.stat().st_mtime > 60
-            except OSError:
-                return True
-        if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
-            return False
-        try:
-            os.kill(owner["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
-
-    def acquire(self) -> bool:
-        """Take the lock; False if this object already held it."""
-        if self.held:
-            return False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._owner()
-                if not self._stale(owner):
-                    raise CheckpointError(WRITER_ACTIVE.format(
-                        path=self.path.parent, lock=self.path, pid=owner.get("pid", "?"),
-                        host=owner.get("host", "?"),
-                        since=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("time", 0))),
-                    )) from None
-                self._break()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-                           "token": self.token}, f)
-            self.held = True
-            return True
-        raise CheckpointError(f"Could not take the writer lock {self.path}; retry the save.")
-
-    def _break(self) -> None:
-        """Remove a stale lock: rename first, so two breakers never remove a fresh lock."""
-        moved = self.path.with_name(f"{LOCK_NAME}.stale-{uuid.uuid4().hex}")
-        try:
-            os.rename(self.path, moved)
-            os.unlink(moved)
-        except OSError:
-            pass
-
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        try:
-            if json.loads(self.path.read_text()).get("token") == self.token:
-                self.path.unlink()
-        except (OSError, ValueError):
-            pass
-
-
-def _remove_leftovers(directory: Path) -> None:
-    """Temporary directories of saves that were killed (only called under the lock)."""
-    for entry in directory.iterdir():
-        if _TMP in entry.name:
-            shutil.rmtree(entry, ignore_errors=True)
-
+# --- the writer and the reader --------------------------------------------------------------
 
 def _json_value(x: Any) -> Any:
     """Metrics and configuration as JSON: arrays become numbers or lists."""
@@ -293,51 +160,31 @@ def _json_value(x: Any) -> Any:
     return x
 
 
-def checksum(x: Any) -> int:
-    """CRC-32 (zlib) of an array's bytes in C order."""
-    a = np.ascontiguousarray(np.asarray(x)).reshape(-1)
-    return zlib.crc32(cast(Any, a.view(np.uint8)))
-
-
-def _local(x: Any) -> bool:
-    """Whether this process holds all of ``x`` (an array spread over processes does not)."""
-    return not isinstance(x, jax.Array) or x.is_fully_addressable
-
-
-def _describe(arrays: dict[str, Any]) -> dict[str, Any]:
-    """Each array's dtype, shape and CRC-32. An array spread over several processes is
-    written collectively by orbax and never gathered here: its CRC is not taken (None)."""
-    return {
-        k: {"crc32": checksum(v) if _local(v) else None, "dtype": str(v.dtype), "shape": list(np.shape(v))}
-        for k, v in arrays.items()
-    }
-
-
-def _mesh_of(tree: Any) -> dict[str, int]:
-    from functree.parallel import mesh_shape  # functree.parallel imports ft.train
-
-    return mesh_shape(tree)
-
-
 def _digest(meta: dict[str, Any]) -> int:
     body = {k: v for k, v in meta.items() if k != "digest"}
     return zlib.crc32(json.dumps(body, sort_keys=True, allow_nan=True).encode())
 
 
-def _sealed(meta: dict[str, Any]) -> dict[str, Any]:
-    meta = json.loads(json.dumps(meta, allow_nan=True))
+def _args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
+    """Orbax's save arguments: the arrays and the sealed metadata (collective: every
+    process of a job calls it, each describing the shards it writes)."""
+    from functree.parallel import mesh_shape  # functree.parallel imports ft.train
+
+    arrays = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in arrays.items()}
+    meta = json.loads(json.dumps({"format": FORMAT, **fields, "spec": spec, "checksums": describe(arrays),
+                                  "mesh": mesh_shape(arrays)}, allow_nan=True))
     meta["digest"] = _digest(meta)
-    return meta
+    return ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta))
 
 
-def _verify_meta(meta: Any, manager: bool) -> str | None:
-    """What is wrong with ``meta`` (None when it is whole)."""
-    if not isinstance(meta, dict) or meta.get("format") not in _READABLE_FORMATS:
+def _metadata_problem(meta: Any, path: Path, manager: bool) -> str | None:
+    if isinstance(meta, dict) and meta.get("format") == "functree-checkpoint-1":
+        return FORMAT_1.format(path=path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return f"no {FORMAT} metadata"
-    if meta["format"] != "functree-checkpoint-1" and meta.get("digest") != _digest(meta):
+    if meta.get("digest") != _digest(meta):
         return "its CRC-32 does not match its contents (it was changed after it was written)"
-    spec = meta.get("spec")
-    if not isinstance(spec, dict):
+    if not isinstance(meta.get("spec"), dict):
         return "the type description is missing"
     if manager:
         if not isinstance(meta.get("step"), int) or isinstance(meta.get("step"), bool):
@@ -345,98 +192,108 @@ def _verify_meta(meta: Any, manager: bool) -> str | None:
         for key in ("metrics", "config"):
             if not isinstance(meta.get(key), dict):
                 return f"{key!r} is {type(meta.get(key)).__name__}, not a dict"
-        items = spec.get("items")
-        if spec.get("kind") != "dict" or not isinstance(items, list) or len(items) != len(_PARTS):
+        items = meta["spec"].get("items")
+        if meta["spec"].get("kind") != "dict" or not isinstance(items, list) or len(items) != len(_PARTS):
             return "the type description does not hold model, opt_state and extra"
     return None
 
 
-def _verify_arrays(meta: dict[str, Any], arrays: dict[str, Any]) -> tuple[str, str] | None:
-    """``(key, what is wrong)`` for the first array that does not match its checksum."""
-    if meta["format"] == "functree-checkpoint-1":
-        return None
-    sums = meta.get("checksums")
-    if not isinstance(sums, dict):
-        return ("<all>", "has no checksums in the metadata")
-    if set(sums) != set(arrays):
-        extra = sorted(set(sums) ^ set(arrays))[:5]
-        return (extra[0], f"is missing or unexpected (arrays {extra} differ from the metadata)")
-    for key, want in sums.items():
-        x = arrays[key]
-        if not isinstance(want, dict):
-            return (key, "has a damaged checksum entry")
-        if str(x.dtype) != want.get("dtype") or list(np.shape(x)) != want.get("shape"):
-            return (key, f"is {x.dtype}{list(np.shape(x))}, written as {want.get('dtype')}{want.get('shape')}")
-        if want.get("crc32") is None or not _local(x):  # spread over processes: not gathered
-            continue
-        if checksum(x) != want.get("crc32"):
-            return (key, f"fails its CRC-32 check (stored {want.get('crc32')}, read {checksum(x)})")
-    return None
+def _read(restore: Callable[[Any], Any], path: Path, placement: Any = None, manager: bool = False,
+          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The verified arrays and metadata of the checkpoint at ``path``: the metadata first
+    (``placement(meta)`` gives orbax's restore target), then the arrays alone.
+    ``restore(args)`` is orbax's. Damage raises ``_Damage(problem)``."""
+    try:
+        meta = restore(ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        target = (placement or default_placement)(meta)
+        arrays = dict(restore(ocp.args.Composite(arrays=ocp.args.StandardRestore(target)))["arrays"])
+    except Exception as e:  # orbax raises many types for damaged files
+        error = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
+        raise _Damage(f"is corrupted or incomplete and cannot be read ({error})") from e
+    problem = _metadata_problem(meta, path, manager)
+    if problem:
+        raise _Damage(f"has damaged metadata: {problem}")
+    bad = verify(meta.get("checksums"), arrays)
+    if bad:
+        raise _Damage(f"is corrupted: the array {bad[0]!r} {bad[1]}")
+    return arrays, meta
 
 
-def _rebuild(part: str, spec: dict[str, Any], arrays: dict[str, Any], template: Any, step: int,
-             old_format: bool = False) -> Any:
+class _Damage(Exception):
+    pass
+
+
+def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: str = "",
+             step: Any = "-", hint: str = "") -> Any:
+    """The tree ``spec`` describes: with its saved types, or checked against ``template``."""
     if template is None:
         return decode(spec, arrays, part)
-    prefix = part + "."
-    flat = {
-        s["key"][len(prefix):]: _decode_leaf(s, arrays, s["key"])
-        for s in leaf_specs(spec, part)
-        if s["key"].startswith(prefix)
-    }
+    prefix = part + "." if part else ""
+    flat = {s["key"][len(prefix):]: _decode_leaf(s, arrays, s["key"])
+            for _, s in leaf_specs(spec, part) if s["key"].startswith(prefix)}
     tree, report = from_flat_dict(template, flat, strict=False)
     if not report.ok:
-        hint = OLD_OPTIMIZER_LAYOUT if old_format and part == "opt_state" else ""
-        raise CheckpointError(TEMPLATE_MISMATCH.format(part=part, step=step, report=report, hint=hint))
+        raise CheckpointError(TEMPLATE_MISMATCH.format(part=part or "tree", step=step, report=report, hint=hint))
     return tree
 
 
-def _read(restore: Callable[[Any], Any], placement: Any = None) -> tuple[dict[str, Any], Any]:
-    """The arrays and metadata of one checkpoint: the metadata first (it says where the
-    arrays go: ``placement(meta)`` gives orbax's restore target, by default
-    :func:`_default_placement`), then the arrays alone. ``restore(args)`` is orbax's."""
-    meta = restore(ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    target = (placement or _default_placement)(meta)
-    arrays = restore(ocp.args.Composite(arrays=ocp.args.StandardRestore(target)))["arrays"]
-    return dict(arrays), meta
+def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) -> None:
+    """Save one tree (a model, an optimizer state, anything) to ``path``, atomically.
+
+    Every process of a multi-process job calls it (each writes its shards).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, tempfile
+      >>> path = tempfile.mkdtemp() + "/model"
+      >>> ft.train.save(path, {"w": jnp.ones(2), "steps": 3})
+      >>> ft.train.load(path)
+      {'w': Array([1., 1.], dtype=float32), 'steps': 3}
+    """
+    path = Path(path).absolute()
+    if agreed(lambda: path.exists()) and not overwrite:
+        raise CheckpointError(PATH_EXISTS.format(path=path))
+    args = _args(*encode(tree))
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(path, args=args, force=overwrite)
 
 
-def _default_placement(meta: Any) -> Any:
-    """Arrays written from a mesh, restored without one: onto the default device (orbax
-    refuses to guess a target for another topology). None: restore as saved."""
-    sums = meta.get("checksums") if isinstance(meta, dict) else None
-    if not isinstance(meta, dict) or not meta.get("mesh") or not isinstance(sums, dict):
-        return None
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None, sharding: Any = None,
+         data_axis: str = "data") -> Any:
+    """Load a tree written by :func:`save`; with ``template``, check it leaf by leaf.
 
-    def one(w: dict[str, Any]) -> Any:
-        dtype = np.dtype(w["dtype"])
-        if jax.dtypes.canonicalize_dtype(dtype) != dtype:  # float64 without x64: on the host
-            return np.zeros(tuple(w["shape"]), dtype)
-        return jax.ShapeDtypeStruct(tuple(w["shape"]), dtype, sharding=device)
+    Without a template the tree is rebuilt with its saved types (registered types and
+    Module subclasses only, see :func:`functree.train.register`); with one, every leaf
+    must match it in key path, shape and dtype. Every array's CRC-32 is checked. With
+    ``mesh`` (and ``sharding``: None, "fsdp" or rules) the arrays are restored onto that
+    mesh, placed by the rules, whatever device count wrote them, each device reading its
+    own shards.
 
-    return {k: one(w) for k, w in sums.items()}
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp, tempfile
+      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     ft.train.save(d + "/model", model)
+      ...     restored, checked = ft.train.load(d + "/model"), ft.train.load(d + "/model", model)
+      >>> restored, bool(jnp.all(checked.weight == model.weight))
+      (Dense(weight=f32[2,1], bias=f32[1], activation=identity), True)
+    """
+    path = Path(path).absolute()
+    if mesh is not None and template is None:
+        raise CheckpointError(LOAD_NEEDS_TEMPLATE)
+    target = None if mesh is None else placement({"": template}, mesh, sharding, data_axis)
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            arrays, meta = _read(lambda args: checkpointer.restore(path, args=args), path, target)
+        tree = _rebuild(meta["spec"], arrays, template)
+        check_names(meta["spec"], arrays)
+        return tree
+    except _Damage as e:
+        raise CheckpointError(NOT_READABLE.format(path=path, problem=e)) from e.__cause__
+    except SpecError as e:
+        raise SpecError(f"Checkpoint {path}:\n{e}") from None
 
 
-def _placement(templates: dict[str, Any], mesh: Any, sharding: Any, data_axis: str) -> Any:
-    """Orbax's restore target on ``mesh``: each part with a template placed by the rules;
-    the arrays of a part without one (shape and dtype from the metadata) on the host."""
-    from functree.parallel import sharded_target  # functree.parallel imports ft.train
-
-    placed = {p: None if t is None else sharded_target(t, mesh, sharding, data_axis=data_axis)
-              for p, t in templates.items()}
-    known, _ = encode(placed)
-
-    def target(meta: Any) -> dict[str, Any]:
-        sums = meta.get("checksums") if isinstance(meta, dict) else None
-        if not isinstance(sums, dict):  # format 1 or damaged: restored as saved, checked later
-            return None  # type: ignore[return-value]
-        # arrays of parts without a template come back as host NumPy arrays, as saved
-        return {k: known[k] if k in known else np.zeros(tuple(w["shape"]), np.dtype(w["dtype"]))
-                for k, w in sums.items()}
-
-    return target
-
+# --- the manager ------------------------------------------------------------------------------
 
 class CheckpointManager:
     """Save checkpoints at steps; keep the last ``max_to_keep`` and the best by a metric.
@@ -450,7 +307,9 @@ class CheckpointManager:
 
     With ``best_metric="val_loss"`` the checkpoint with the lowest (``mode="min"``) or
     highest (``mode="max"``) value is kept as well as the last ``max_to_keep`` (a
-    positive int, or None to keep all). One process writes a directory at a time.
+    positive int, or None to keep all). One job writes a directory at a time: every
+    process of a multi-process job calls ``save``; its primary process holds the lock.
+    A failed save leaves nothing behind: the same manager saves the next step.
 
     Example:
       >>> import functree as ft, jax, tempfile
@@ -466,125 +325,90 @@ class CheckpointManager:
       Array([20.], dtype=float32)
     """
 
-    def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        max_to_keep: int | None = 3,
-        best_metric: str | None = None,
-        mode: str = "min",
-        *,
-        asynchronous: bool = False,
-    ):
+    def __init__(self, directory: str | os.PathLike[str], max_to_keep: int | None = 3,
+                 best_metric: str | None = None, mode: str = "min", *, asynchronous: bool = False):
         if mode not in ("min", "max"):
             raise ValueError(BAD_MODE.format(mode=mode))
-        _check_max_to_keep(max_to_keep)
+        if max_to_keep is not None and (isinstance(max_to_keep, (bool, np.bool_)) or not isinstance(
+                max_to_keep, (int, np.integer)) or max_to_keep < 1):
+            raise ValueError(BAD_MAX_TO_KEEP.format(value=max_to_keep))
         self.directory = Path(directory).absolute()
-        _check_directory(self.directory)
-        self.best_metric, self.mode = best_metric, mode
-        self.max_to_keep = max_to_keep
+        policy.check_directory(self.directory)
+        self.best_metric, self.mode, self.max_to_keep = best_metric, mode, max_to_keep
         self._metrics: dict[int, dict[str, Any]] = {}
-        self._lock = _WriterLock(self.directory)
+        self._lock = policy.WriterLock(self.directory)
         self._asynchronous = asynchronous
         # Retention (last k plus the best) is applied here, from the metrics stored in
-        # each checkpoint's own JSON and the steps on disk, so it holds across processes.
-        # Orbax's temporary-directory cleanup is off: it would delete another writer's
-        # in-flight save; leftovers are removed under the writer lock instead.
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=asynchronous,
-            cleanup_tmp_directories=False,
-            save_root_metadata=False,
-            create=True,
-        )
+        # each checkpoint and the steps on disk, so it holds across managers. Orbax's
+        # temporary-directory cleanup is off: it would delete another writer's in-flight
+        # save; leftovers are removed under the writer lock instead.
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=asynchronous, create=True,
+                                               cleanup_tmp_directories=False, save_root_metadata=False)
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
-    def save(
-        self,
-        step: int,
-        model: Any,
-        opt_state: Any = None,
-        *,
-        metrics: Mapping[str, Any] | None = None,
-        config: Mapping[str, Any] | None = None,
-        extra: Any = None,
-    ) -> None:
+    def save(self, step: int, model: Any, opt_state: Any = None, *, metrics: Mapping[str, Any] | None = None,
+             config: Mapping[str, Any] | None = None, extra: Any = None) -> None:
         """Write a checkpoint of ``model``, ``opt_state`` and ``extra`` (any tree) at ``step``.
 
         ``metrics`` (numbers) rank checkpoints for ``best_metric``; ``config`` is any JSON:
-        optimizer and trainer options, data position, notes.
+        optimizer and trainer options, data position, notes. Every process of a job calls it.
         """
         step = int(step)
         metrics = cast("dict[str, Any]", _json_value(dict(metrics or {})))
         if self.best_metric is not None and self.best_metric not in metrics:
-            raise CheckpointError(
-                MISSING_METRIC.format(step=step, metric=self.best_metric, given=sorted(metrics))
-            )
+            raise CheckpointError(MISSING_METRIC.format(step=step, metric=self.best_metric, given=sorted(metrics)))
         arrays, spec = encode({"model": model, "opt_state": opt_state, "extra": extra})
-        arrays = {k: np.asarray(v) if not isinstance(v, jax.Array) else v for k, v in arrays.items()}
-        meta = _sealed({
-            "format": FORMAT,
-            "step": step,
-            "spec": spec,
-            "metrics": metrics,
-            "config": _json_value(dict(config or {})),
-            "checksums": _describe(arrays),
-            "mesh": _mesh_of(arrays),  # {axis: size} it was written from ({} off any mesh)
-        })
-        args = ocp.args.Composite(
-            arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
-        )
-        if self._lock.acquire():
-            try:
-                self._mngr.wait_until_finished()
-                _remove_leftovers(self.directory)
-            except BaseException:
-                self._lock.release()
-                raise
+        args = _args(arrays, spec, step=step, metrics=metrics, config=_json_value(dict(config or {})))
         try:
-            self._mngr.reload()
-            if (self.directory / str(step)).exists():
-                raise CheckpointError(STEP_EXISTS.format(path=self.directory, step=step))
+            agreed(lambda: self._begin(step))
             self._mngr.save(step, args=args, force=True)
             self._metrics[step] = metrics
             self._prune(step)
         except BaseException:
-            self.wait_until_finished()
+            self._end(failed=True)
             raise
         if not self._asynchronous:
+            self._end()
+
+    def _begin(self, step: int) -> None:
+        """The primary process's part: the lock, the leftovers, no second save of a step."""
+        if self._lock.acquire():
+            policy.remove_leftovers(self.directory)
+        if (self.directory / str(step)).exists():
+            raise CheckpointError(STEP_EXISTS.format(path=self.directory, step=step))
+
+    def _end(self, failed: bool = False) -> None:
+        """After a save: a failed one's partial step removed (under the lock), the lock released."""
+        try:
+            self._mngr.wait_until_finished()
+        finally:
+            if failed and self._lock.token is not None:
+                policy.remove_leftovers(self.directory)
             self._lock.release()
 
     def _prune(self, newest: int) -> None:
         steps = sorted(set(self.all_steps()) | {newest})
-        keep = set(steps if self.max_to_keep is None else steps[-self.max_to_keep:])
-        best = self.best_step(steps)
-        if best is not None:
-            keep.add(best)
-        for step in steps:
-            if step not in keep:
-                self._mngr.delete(step)
-                self._metrics.pop(step, None)
+        for step in agreed(lambda: policy.to_delete(steps, self.max_to_keep, self.best_step(steps))):
+            self.delete(step)
 
     def _step_metrics(self, step: int) -> dict[str, Any]:
-        if step not in self._metrics:
-            args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        if step not in self._metrics:  # the JSON file alone: no orbax call, no collective
             try:
-                meta = self._mngr.restore(step, args=args)["meta"]
-            except Exception:  # an unreadable checkpoint never ranks as the best
-                return {}
-            metrics = meta.get("metrics", {}) if isinstance(meta, dict) else {}
+                meta = json.loads((self.directory / str(step) / "meta" / "metadata").read_text())
+            except (OSError, ValueError):  # an unreadable checkpoint never ranks as the best
+                meta = {}
+            metrics = meta.get("metrics") if isinstance(meta, dict) else None
             self._metrics[step] = metrics if isinstance(metrics, dict) else {}
         return self._metrics[step]
 
     def delete(self, step: int) -> None:
-        """Remove the checkpoint at ``step``."""
+        """Remove the checkpoint at ``step`` (every process of a job calls it)."""
         self._mngr.delete(int(step))
         self._metrics.pop(int(step), None)
 
     def wait_until_finished(self) -> None:
         """Block until an asynchronous save has been written (and release the lock)."""
-        try:
-            self._mngr.wait_until_finished()
-        finally:
-            self._lock.release()
+        self._end()
 
     def all_steps(self) -> list[int]:
         """The steps with a complete checkpoint, ascending (read from the directory)."""
@@ -603,35 +427,13 @@ class CheckpointManager:
         """The kept step with the best ``best_metric`` (None without one)."""
         if self.best_metric is None:
             return None
-        scored = []
-        for step in self.all_steps() if steps is None else steps:
-            value = self._step_metrics(step).get(self.best_metric)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
-                scored.append((value, step))
-        if not scored:
-            return None
-        return (min(scored) if self.mode == "min" else max(scored))[1]
+        metric = self.best_metric
+        return policy.best(((self._step_metrics(s).get(metric), s) for s in (
+            self.all_steps() if steps is None else steps)), self.mode)
 
-    def _damaged(self, message: str, step: int, steps: list[int], **kw: Any) -> CheckpointError:
-        others = [s for s in steps if s != step]
-        return CheckpointError(message.format(
-            path=self.directory if message is not CORRUPTED else self.directory / str(step),
-            step=step, others=f"steps {others}" if others else "none is left",
-            suggestion=others[-1] if others else "", **kw,
-        ))
-
-    def restore(
-        self,
-        step: int | None = None,
-        *,
-        template: Any = None,
-        opt_state_template: Any = None,
-        extra_template: Any = None,
-        include: tuple[str, ...] = ("model", "opt_state", "extra"),
-        mesh: Any = None,
-        sharding: Any = None,
-        data_axis: str = "data",
-    ) -> Checkpoint:
+    def restore(self, step: int | None = None, *, template: Any = None, opt_state_template: Any = None,
+                extra_template: Any = None, include: tuple[str, ...] = _PARTS, mesh: Any = None,
+                sharding: Any = None, data_axis: str = "data") -> Checkpoint:
         """The :class:`Checkpoint` at ``step`` (default: the latest).
 
         ``template`` (a model), ``opt_state_template`` and ``extra_template`` are checked
@@ -643,47 +445,31 @@ class CheckpointManager:
 
         With ``mesh`` (and ``sharding``: None, ``"fsdp"`` or rules by key path, as for
         ``ft.shard``) every array is restored straight into its shards on that mesh,
-        whatever device count wrote it: the templates' arrays placed by the rules (optimizer
-        moments follow their parameters), the rest replicated.
+        whatever device count or process count wrote it: the templates' arrays placed by
+        the rules (optimizer moments follow their parameters), the rest on the host.
         """
         steps = self.all_steps()
         chosen = steps[-1] if step is None and steps else step
         if chosen is None or chosen not in steps:
             what = "at all" if not steps else f"at step {step}"
-            raise CheckpointError(
-                NO_CHECKPOINT.format(what=what, path=self.directory, steps=steps, step=step or "")
-            )
+            raise CheckpointError(NO_CHECKPOINT.format(what=what, path=self.directory, steps=steps, step=step or ""))
+        templates: dict[str, Any] = dict(zip(_PARTS, (template, opt_state_template, extra_template)))
+        target = None if mesh is None else placement(templates, mesh, sharding, data_axis)
         try:
-            templates = {"model": template, "opt_state": opt_state_template, "extra": extra_template}
-            placement = None if mesh is None else _placement(templates, mesh, sharding, data_axis)
-            arrays, meta = _read(lambda args: self._mngr.restore(chosen, args=args), placement)
-        except Exception as e:  # orbax raises many types for damaged files
-            error = f"{type(e).__name__}: {str(e)[:300]}"
-            raise self._damaged(CORRUPTED, chosen, steps, error=error) from e
-        problem = _verify_meta(meta, manager=True)
-        if problem:
-            raise self._damaged(BAD_METADATA, chosen, steps, why=problem)
-        bad = _verify_arrays(meta, arrays)
-        if bad:
-            raise self._damaged(CHECKSUM_MISMATCH, chosen, steps, key=bad[0], why=bad[1])
-        templates = {"model": template, "opt_state": opt_state_template, "extra": extra_template}
-        parts = dict(zip(_PARTS, meta["spec"]["items"]))
-        try:
-            rebuilt = {
-                p: _rebuild(p, parts[p], arrays, templates[p], chosen, meta["format"] != FORMAT)
-                if p in include else None
-                for p in _PARTS
-            }
+            arrays, meta = _read(lambda args: self._mngr.restore(chosen, args=args),
+                                 self.directory / str(chosen), target, manager=True)
+            hint = OLD_OPTIMIZER_LAYOUT if meta.get("migrated_from") else ""
+            parts = {p: _rebuild(s, arrays, templates[p], p, chosen, hint * (p == "opt_state"))
+                     if p in include else None for p, s in zip(_PARTS, meta["spec"]["items"])}
+            check_names(meta["spec"], arrays)
+        except _Damage as e:
+            others = [s for s in steps if s != chosen]
+            raise CheckpointError(DAMAGED.format(
+                step=chosen, path=self.directory, problem=e, others=f"steps {others}" if others else "none is left",
+                suggestion=others[-1] if others else "")) from e.__cause__
         except SpecError as e:
             raise SpecError(f"Checkpoint step {chosen} in {self.directory}:\n{e}") from None
-        return Checkpoint(
-            model=rebuilt["model"],
-            opt_state=rebuilt["opt_state"],
-            step=int(meta["step"]),
-            metrics=meta["metrics"],
-            config=meta["config"],
-            extra=rebuilt["extra"],
-        )
+        return Checkpoint(step=int(meta["step"]), metrics=meta["metrics"], config=meta["config"], **parts)
 
     def close(self) -> None:
         """Finish pending saves, release the writer lock and orbax's resources."""
@@ -700,94 +486,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.directory)!r}, steps={self.all_steps()})"
-
-
-def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) -> None:
-    """Save one tree (a model, an optimizer state, anything) to ``path``, atomically.
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp, tempfile
-      >>> path = tempfile.mkdtemp() + "/model"
-      >>> ft.train.save(path, {"w": jnp.ones(2), "steps": 3})
-      >>> ft.train.load(path)
-      {'w': Array([1., 1.], dtype=float32), 'steps': 3}
-    """
-    path = Path(path).absolute()
-    if path.exists() and not overwrite:
-        raise CheckpointError(PATH_EXISTS.format(path=path))
-    arrays, spec = encode(tree)
-    arrays = {k: np.asarray(v) if not isinstance(v, jax.Array) else v for k, v in arrays.items()}
-    meta = _sealed({"format": FORMAT, "spec": spec, "checksums": _describe(arrays), "mesh": _mesh_of(arrays)})
-    args = ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta))
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        checkpointer.save(path, args=args, force=overwrite)
-
-
-NOT_READABLE = """\
-{path} is not a readable functree checkpoint ({why}).
-Pass the directory written by ft.train.save(path, tree)."""
-
-
-LOAD_NEEDS_TEMPLATE = """\
-Restoring onto a mesh needs a template (the tree's structure, shapes and dtypes) to place \
-each array by the sharding rules:
-
-    wrong:  ft.train.load(path, mesh=mesh, sharding="fsdp")
-    right:  ft.train.load(path, (model, opt_state), mesh=mesh, sharding="fsdp")"""
-
-
-def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None, sharding: Any = None,
-         data_axis: str = "data") -> Any:
-    """Load a tree written by :func:`save`; with ``template``, check it leaf by leaf.
-
-    Without a template the tree is rebuilt with its saved types (registered types and
-    Module subclasses only, see :func:`functree.train.register`); with one, every leaf
-    must match it in key path, shape and dtype. Every array's CRC-32 is checked. With
-    ``mesh`` (and ``sharding``: None, "fsdp" or rules) the arrays are restored onto that
-    mesh, placed by the rules, whatever device count wrote them.
-
-    Example:
-      >>> import functree as ft, jax, jax.numpy as jnp, tempfile
-      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
-      >>> with tempfile.TemporaryDirectory() as d:
-      ...     ft.train.save(d + "/model", model)
-      ...     restored, checked = ft.train.load(d + "/model"), ft.train.load(d + "/model", model)
-      >>> restored, bool(jnp.all(checked.weight == model.weight))
-      (Dense(weight=f32[2,1], bias=f32[1], activation=identity), True)
-    """
-    path = Path(path).absolute()
-    target = None
-    if mesh is not None:  # restore each array straight into its shards on this mesh
-        from functree.parallel import sharded_target
-
-        if template is None:
-            raise CheckpointError(LOAD_NEEDS_TEMPLATE)
-        target, _ = encode(sharded_target(template, mesh, sharding, data_axis=data_axis))
-    try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            placement = None if target is None else lambda _: target
-            arrays, meta = _read(lambda args: checkpointer.restore(path, args=args), placement)
-    except Exception as e:
-        why = f"{type(e).__name__}: {str(e)[:300]}"
-        raise CheckpointError(NOT_READABLE.format(path=path, why=why)) from e
-    problem = _verify_meta(meta, manager=False)
-    if problem:
-        raise CheckpointError(NOT_READABLE.format(path=path, why=f"damaged metadata: {problem}"))
-    bad = _verify_arrays(meta, arrays)
-    if bad:
-        why = f"the array {bad[0]!r} {bad[1]}"
-        raise CheckpointError(NOT_READABLE.format(path=path, why=why))
-    try:
-        if template is None:
-            return decode(meta["spec"], arrays)
-        return _rebuild_single(meta["spec"], arrays, template)
-    except SpecError as e:
-        raise SpecError(f"Checkpoint {path}:\n{e}") from None
-
-
-def _rebuild_single(spec: dict[str, Any], arrays: dict[str, Any], template: Any) -> Any:
-    flat = {s["key"]: _decode_leaf(s, arrays, s["key"]) for s in leaf_specs(spec)}
-    tree, report = from_flat_dict(template, flat, strict=False)
-    if not report.ok:
-        raise CheckpointError(TEMPLATE_MISMATCH.format(part="tree", step="-", report=report, hint=""))
-    return tree

@@ -8,8 +8,9 @@ or among the :class:`functree.Module` subclasses already defined in the running 
 
 Names are public and stable (``functree.nn.Dense``, ``optax.ScaleByAdamState``), never a
 private module path, so moving a class between private modules does not break old
-checkpoints; names written by format 1 (``functree.nn._linear:Dense``) are matched
-through :data:`ALIASES` and the private paths of registered objects.
+checkpoints. Names written by format 1 (``functree.nn._linear:Dense``) are translated
+once, by :func:`functree.train.migrate`, through :data:`ALIASES` and the private paths
+of registered objects; reading never accepts them.
 
 To add a type functree's optimizers put into their states, add its name to
 :data:`FUNCTREE_TYPES` below.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from functree._functions import builtin_functions
@@ -202,39 +203,28 @@ def _module_subclasses() -> Iterator[type]:
             stack.extend(cls.__subclasses__())
 
 
-def _private_name(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', '?')}"
-
-
 def lookup_type(name: str) -> list[type]:
     """The classes a stored type name may mean (registered first), without importing."""
     _load_builtins()
-    name = ALIASES.get(name, name)
     if name in _types:
         return [_types[name]]
-    if ":" in name:  # format 1: module:qualname
-        known = [c for c in _types.values() if _private_name(c) == name]
-        if known:
-            return known[:1]
-        name = name.replace(":", ".")
-        if name in _types:
-            return [_types[name]]
     return [c for c in _module_subclasses() if type_name(c) == name]
 
 
 def lookup_function(name: str) -> Any:
     """The registered function or scalar type stored as ``name``, or None."""
     _load_builtins()
-    name = ALIASES.get(name, name)
-    if name in _functions:
-        return _functions[name]
-    if ":" in name:  # format 1
-        for fn in _functions.values():
-            if _private_name(fn) == name:
-                return fn
-        return _functions.get(name.replace(":", "."))
-    return None
+    return _functions.get(name)
 
 
-def registered_callable(fn: Callable[..., Any]) -> bool:
-    return function_name(fn) is not None
+def public_name(old: str, kind: str) -> str:
+    """The name format 2 stores for a format-1 name (``module:qualname``) of a ``"class"``
+    or a ``"function"``; unknown names are returned as they are, and refused on reading."""
+    _load_builtins()
+    old = ALIASES.get(old, old)
+    if ":" not in old:
+        return old
+    known = [*_types.items(), *((type_name(c), c) for c in _module_subclasses())] if kind == "class" \
+        else list(_functions.items())
+    private = [n for n, obj in known if f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', '?')}" == old]
+    return private[0] if private else old.replace(":", ".")

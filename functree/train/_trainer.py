@@ -621,7 +621,8 @@ class Trainer:
     # --- checkpoints ---------------------------------------------------------------------
     def save(self, manager: CheckpointManager | str, *, metrics: Mapping[str, Any] | None = None) -> None:
         """Checkpoint the model, optimizer state (with its learning context), position in
-        the data, PRNG key and configuration at the current step."""
+        the data, PRNG key and configuration at the current step (every process of a
+        multi-process job calls it: each writes its shards)."""
         if not isinstance(manager, CheckpointManager):
             with CheckpointManager(manager) as owned:
                 return self.save(owned, metrics=metrics)
@@ -647,8 +648,10 @@ class Trainer:
             with CheckpointManager(manager) as owned:
                 return self.restore(owned, step, optimizer_state=optimizer_state)
         include = ("model", "opt_state", "extra") if optimizer_state else ("model", "extra")
+        ts: Any = self.train_step  # a data-parallel step's arrays are read straight into their shards
+        placed = {"mesh": ts.mesh, "sharding": ts.sharding, "data_axis": ts.data_axis} if hasattr(ts, "place") else {}
         ckpt = manager.restore(step, template=self.model, opt_state_template=self.opt_state,
-                               include=include)
+                               include=include, **placed)
         opt_state = ckpt.opt_state if optimizer_state else self.opt_state
         self.model, self.opt_state = copy_aliases((ckpt.model, opt_state))
         position = ckpt.config.get("trainer", {})

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module, _check_static
-from functree.train import _registry
 from functree.train._registry import (
     default_name,
     function_name,
@@ -40,7 +39,7 @@ from functree.train._registry import (
     type_name,
 )
 
-__all__ = ["encode", "decode", "CheckpointError", "SpecError"]
+__all__ = ["encode", "decode", "leaf_specs", "check_names", "CheckpointError", "SpecError"]
 
 NO_TEMPLATE = """\
 Cannot rebuild {what} at {path!r} without a template: {why}.
@@ -113,7 +112,7 @@ def _decode_static(code: Any, path: str) -> Any:
         return _safe_dtype(value, path)
     if tag == "scalar_type":
         return _safe_dtype(value, path).type
-    if tag in ("function", "import") and isinstance(value, str):  # "import": format 1
+    if tag == "function" and isinstance(value, str):
         fn = lookup_function(value)
         if fn is None:
             why = f"the function {value!r} is not registered"
@@ -364,23 +363,37 @@ def decode(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") -> Any:
     return _decode(spec, arrays, path)
 
 
-def leaf_specs(spec: Any, path: str = "") -> list[dict[str, Any]]:
-    """The ``leaf`` nodes of ``spec`` (raising :class:`SpecError` on a malformed one)."""
-    out, stack = [], [spec]
+def leaf_specs(spec: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """``(key path, node)`` of every ``leaf`` node of ``spec`` (:class:`SpecError` on a
+    malformed one)."""
+    out, stack = [], [(path, spec)]
     while stack:
-        s = stack.pop()
+        at, s = stack.pop()
         if not isinstance(s, dict):
-            raise SpecError(MALFORMED.format(path=path, why=f"a node is {type(s).__name__}"))
+            raise SpecError(MALFORMED.format(path=at, why=f"a node is {type(s).__name__}"))
         if s.get("kind") == "leaf":
             if not isinstance(s.get("key"), str):
-                raise SpecError(MALFORMED.format(path=path, why=f"leaf key {s.get('key')!r}"))
-            out.append(s)
-        items, fields = s.get("items", []), s.get("fields", {})
+                raise SpecError(MALFORMED.format(path=at, why=f"leaf key {s.get('key')!r}"))
+            out.append((at, s))
+        items, fields, keys = s.get("items", []), s.get("fields", {}), s.get("keys")
         if not isinstance(items, list) or not isinstance(fields, dict):
-            raise SpecError(MALFORMED.format(path=path, why="items or fields of the wrong type"))
-        stack.extend(items)
-        stack.extend(fields.values())
+            raise SpecError(MALFORMED.format(path=at, why="items or fields of the wrong type"))
+        names = [k[-1] if isinstance(k, list) and k else i for i, k in enumerate(keys)] \
+            if isinstance(keys, list) and len(keys) == len(items) else range(len(items))
+        stack.extend((_join(at, n), c) for n, c in [*zip(names, items), *fields.items()])
     return out
 
 
-register = _registry.register
+def check_names(spec: Any, arrays: dict[str, Any]) -> None:
+    """Every stored array named by exactly one leaf of ``spec``, else :class:`SpecError`:
+    an array named at two leaves would load as one buffer at both."""
+    named: dict[str, str] = {}
+    for path, leaf in reversed(leaf_specs(spec)):
+        if leaf["key"] in named:
+            why = f"it names the stored array {leaf['key']!r}, which {named[leaf['key']]!r} names too"
+            raise SpecError(MALFORMED.format(path=path, why=why))
+        named[leaf["key"]] = path
+    unnamed = sorted(set(arrays) - set(named))
+    if unnamed:
+        why = f"the stored arrays {unnamed[:5]} are named by no leaf"
+        raise SpecError(MALFORMED.format(path=unnamed[0], why=why))

@@ -1,15 +1,16 @@
-"""Checkpoints that move between device counts: restore straight into sharded arrays.
+"""Where a tree's arrays go on a mesh, before they exist: checkpoints moved between
+device counts.
 
 ``ft.train.save`` writes a sharded tree through orbax without gathering it (each process
-writes its shards). Restoring onto another mesh needs *sharded targets*: every array's
-shape, dtype and ``NamedSharding`` on the new mesh, which :func:`sharded_target` builds
-from a template and the sharding rules; orbax then reads each device's shard directly,
-so no host holds the whole state.
+writes its shards). Restoring onto another mesh (``ft.train.load(path, template,
+mesh=mesh, sharding=rules)``) needs *sharded targets*: every array's shape, dtype and
+``NamedSharding`` on the new mesh, which :func:`sharded_target` builds from a template
+and the sharding rules; orbax then reads each device's shard directly, so no host holds
+the whole state. :func:`mesh_shape` is what a checkpoint records of the mesh it left.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -18,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding
 from functree.parallel._mesh import auto_mesh, is_array
 from functree.parallel._rules import partition_specs
 
-__all__ = ["sharded_target", "load", "mesh_shape"]
+__all__ = ["sharded_target", "mesh_shape"]
+
 
 def mesh_shape(tree: Any) -> dict[str, int]:
     """``{axis: size}`` of the mesh the tree's arrays live on (``{}`` off any mesh).
@@ -58,26 +60,3 @@ def sharded_target(template: Any, mesh: Mesh, rules: Any = None, *, data_axis: s
         if is_array(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
         template, specs,
     )
-
-
-def load(path: str | os.PathLike[str], template: Any, *, mesh: Mesh, sharding: Any = None,
-         data_axis: str = "data") -> Any:
-    """A tree written by ``ft.train.save``, restored onto ``mesh`` placed by ``sharding``:
-    ``ft.train.load(path, template, mesh=, sharding=)`` under the name of this package.
-
-    Works whatever mesh or device count wrote it (an 8-device FSDP run restores on one
-    device, and back): orbax reads each target shard directly.
-
-    Example:
-      >>> import functree as ft, jax, jax.numpy as jnp, tempfile
-      >>> mesh = jax.make_mesh((1,), ("data",))
-      >>> model = ft.nn.Dense(64, 32, key=jax.random.key(0))
-      >>> with tempfile.TemporaryDirectory() as d:
-      ...     ft.train.save(d + "/m", model)
-      ...     restored = ft.parallel.load(d + "/m", model, mesh=mesh, sharding="fsdp")
-      >>> bool(jnp.all(restored.weight == model.weight)), restored.weight.sharding.spec
-      (True, P())
-    """
-    from functree.train import load as load_checkpoint  # one reader: checksums, registry, errors
-
-    return load_checkpoint(path, template, mesh=mesh, sharding=sharding, data_axis=data_axis)

@@ -152,7 +152,8 @@ for t in trainers:
     t.fit((xs[:4].reshape(-1, 16), ys[:4].reshape(-1)), batch_size=64, epochs=2, progress=False)
 report({"error": error,
         "eval": [float(ev8["loss"]), float(ev1["loss"]), float(ev8["accuracy"]), float(ev1["accuracy"])],
-        "trainer": max_rel(trainers[1].model, trainers[0].model),
+        "trainer": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                       for a, b in zip(jax.tree.leaves(trainers[1].model), jax.tree.leaves(trainers[0].model))),
         "trainer_sharded": not trainers[1].model.layers[0].weight.sharding.is_fully_replicated,
         "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves((m16, s16)) if jnp.issubdtype(x.dtype, jnp.floating)}),
         "loss16": float(metrics16["loss"]), "loss32": float(metrics32["loss"]),
@@ -165,7 +166,9 @@ report({"error": error,
     assert out["rel"] > 0  # it did compute in bfloat16
     loss8, loss1, acc8, acc1 = out["eval"]
     assert loss8 == pytest.approx(loss1, rel=1e-5) and acc8 == acc1
-    assert out["trainer"] < 1e-3 and out["trainer_sharded"]  # Trainer(train_step=DataParallelStep)
+    # Trainer(train_step=DataParallelStep): parameters of magnitude <= 1 after 8 Adam steps at lr 1e-2,
+    # equal up to float32 rounding of the per-device means
+    assert out["trainer"] < 2e-6 and out["trainer_sharded"]
 
 
 def test_missing_data_axis_names_the_mesh_axes():

@@ -258,3 +258,29 @@ def test_accumulation_and_on_nan_skip_match_the_plain_step():
         bad, _, mbad = parallel(model, opt.init(model), (x.at[0, 0].set(jnp.nan), y))
         assert int(mbad["nonfinite"]) == 0  # the gradient of leaf 0 (w) was not finite
         np.testing.assert_array_equal(bad["w"], model["w"])  # the non-finite step was skipped
+
+
+@pytest.mark.slow
+def test_two_dimensional_mesh_data_and_tensor_parallel_equals_one_device():
+    """A ("data", "model") mesh: the batch split over "data" (shard_map manual over it alone),
+    parameters split over "model" by Megatron-style rules (and over "data" by FSDP-style
+    ones), left to the compiler; 10 Adam steps equal one device's."""
+    out = run(COMMON + """
+mesh2 = jax.make_mesh((4, 2), ("data", "model"))
+rules = {"layers.0.weight": P("data", "model"), "layers.0.bias": P("model"),   # column-parallel
+         "layers.1.weight": P("model", "data"), "layers.*": P()}               # row-parallel
+opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+ref, _, ref_metrics = train(ft.train.train_step(loss_fn, opt), opt, steps=10)
+step = ft.train.TrainStep(loss_fn, opt, mesh=mesh2, sharding=rules)
+model, state, metrics = train(step, opt, steps=10)
+report({"diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref))),
+        "loss": [float(metrics["loss"]), float(ref_metrics["loss"])],
+        "specs": [str(x.sharding.spec) for x in jax.tree.leaves(model)],
+        "samples": int(ft.optim.context(state).samples_seen)})
+""")
+    assert out["diff"] < 2e-6  # parameters of magnitude < 1: float32 rounding of the sharded sums
+    assert out["loss"][0] == pytest.approx(out["loss"][1], abs=1e-5)
+    assert out["specs"][:3] == ["P('data', 'model')", "P('model',)",
+                                "P('model', 'data')"]
+    assert out["samples"] == 10 * 64

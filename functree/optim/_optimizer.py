@@ -11,6 +11,12 @@ given to the constructor)::
     update(grads, state, model) → (updates, state)   # the optax transformation
     apply_updates(model, updates) → model         # ft.move(model, along=updates)
 
+``step`` (what ``minimize`` and ``ft.train.TrainStep`` run) is two halves, each a method:
+``gradients`` (the loss, the gradients through the hooks above, recorded layer state: per
+replica, inside ``shard_map`` on a mesh) and ``apply_step`` (the one gate, from one
+finiteness reduction: ``on_nan``, ``enabled`` and an optimizer that handles overflow itself;
+then ``update`` and ``apply_updates`` through it).
+
 Everything is pure: the optimizer object holds configuration only, the state is a pytree
 of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
 """

@@ -29,7 +29,7 @@ from functree._alias import DonationGuard, copy_aliases, warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._parameters import parameters
 from functree._tree import is_none
-from functree.optim import Optimizer, context, hyperparameters
+from functree.optim import Optimizer, context, hyperparameter_names, hyperparameters
 from functree.optim._optimizer import Gradients
 from functree.optim._replicas import varying_axes
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
@@ -160,6 +160,36 @@ def _merge_devices(x: Any, local: int) -> Any:
 def _replica_mean(x: Any, axis: str) -> Any:
     """The mean over ``axis`` of a value that still varies over it (else the value)."""
     return jax.lax.pmean(x, axis) if axis in varying_axes(x) else x
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _without(spec: Any, axis: str) -> Any:
+    """``spec`` with ``axis`` removed from every dimension (that dimension whole over it)."""
+    if not isinstance(spec, PartitionSpec):
+        return spec
+
+    def one(entry: Any) -> Any:
+        if isinstance(entry, tuple):
+            rest = tuple(e for e in entry if e != axis)
+            return rest if len(rest) > 1 else (rest[0] if rest else None)
+        return None if entry == axis else entry
+
+    return PartitionSpec(*(one(e) for e in spec))
+
+
+def _only(spec: Any, axis: str) -> Any:
+    """``spec`` with every axis but ``axis`` removed."""
+    if not isinstance(spec, PartitionSpec):
+        return spec
+
+    def one(entry: Any) -> Any:
+        entries = entry if isinstance(entry, tuple) else (entry,)
+        return axis if axis in entries else None
+
+    return PartitionSpec(*(one(e) for e in spec))
 
 
 def _placement(mesh: Any, data_axis: str, sharding: Any, call: str) -> Placement | None:
@@ -333,7 +363,11 @@ class TrainStep:
         batch, in_batch = where.constrain_batch(batch)
         state_specs = where.state_specs(opt_state)
         opt_state = where.constrain(opt_state, state_specs)
-        gathered = where.constrain(model, jax.tree.map(lambda _: PartitionSpec(), model))  # FSDP: all-gather
+        # shard_map names the manual (data) axis alone; other axes stay with the compiler.
+        state_in = jax.tree.map(lambda p: _only(p, axis), state_specs, is_leaf=_is_spec)
+        # FSDP: the all-gather over the data axis; other axes (tensor parallel) stay as placed.
+        gathered = where.constrain(model, jax.tree.map(lambda p: _without(p, axis), where.model_specs(model),
+                                                       is_leaf=_is_spec))
 
         def per_device(m: Any, s: Any, b: tuple) -> Gradients:
             # Varying over the data axis: each device differentiates its own shard, and the
@@ -349,7 +383,7 @@ class TrainStep:
 
         stacked = PartitionSpec(axis)  # apply() asks the optimizer for (loss, aux)
         g = jax.shard_map(
-            per_device, mesh=where.mesh, in_specs=(PartitionSpec(), state_specs, in_batch),
+            per_device, mesh=where.mesh, in_specs=(PartitionSpec(), state_in, in_batch),
             out_specs=Gradients(PartitionSpec(), (PartitionSpec(), stacked), PartitionSpec(), stacked),
             axis_names={axis},
         )(gathered, opt_state, batch)
@@ -374,29 +408,30 @@ class TrainStep:
 
     def record(self, log: dict[str, Any], metrics: Mapping[str, Any], batch: Any, opt_state: Any) -> dict[str, Any]:
         """``log`` after one step, on device: ``halt = [steps, step that stopped (-1), its
-        nonfinite]``; with ``values`` (the Trainer's buffer) the metrics, the batch size,
-        the nonfinite report and the learning rate at row ``steps``."""
+        nonfinite]``; with ``rows`` (the Trainer's buffer) row ``steps`` set to the metrics
+        in their order (``nonfinite`` among them) and the learning rate, if the optimizer
+        has one: one write per step."""
         count, stopped, index = log["halt"][0], log["halt"][1], log["halt"][2]
         bad = metrics.get(NONFINITE)
         if bad is not None and self.on_nan == "stop":
             first = (stopped < 0) & (bad != -1)
             stopped, index = jnp.where(first, count, stopped), jnp.where(first, bad, index)
         new = {**log, "halt": jnp.stack([count + 1, stopped, index])}
-        if "values" in log:
-            new["values"] = {k: v.at[count].set(metrics[k]) for k, v in log["values"].items()}
-            new["weight"] = log["weight"].at[count].set(float(batch_size_of(batch)))
-            if bad is not None:
-                new["nonfinite"] = log["nonfinite"].at[count].set(bad)
-            if "learning_rate" in log:
-                lr = jnp.asarray(hyperparameters(opt_state)["learning_rate"], jnp.float32)
-                new["learning_rate"] = log["learning_rate"].at[count].set(lr)
+        if "rows" in log:
+            row = [jnp.asarray(v, jnp.float32) for v in metrics.values()]
+            if "learning_rate" in hyperparameter_names(opt_state):
+                row.append(jnp.asarray(hyperparameters(opt_state)["learning_rate"], jnp.float32))
+            new["rows"] = log["rows"].at[count].set(jnp.stack(row))
         return new
 
     def _logged(self, model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:
         """The jitted program: :meth:`step` (gated by ``log``'s stop under "stop") and :meth:`record`."""
         enabled = None if log is None or self.on_nan != "stop" else log["halt"][1] < 0
         model, opt_state, metrics = self.step(model, opt_state, batch, key, enabled)
-        return model, opt_state, metrics, None if log is None else self.record(log, metrics, batch, opt_state)
+        if log is None:
+            return model, opt_state, metrics, None
+        log = self.record(log, metrics, batch, opt_state)
+        return model, opt_state, (None if "rows" in log else metrics), log  # rows hold them: no more outputs
 
     def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
@@ -419,14 +454,18 @@ class TrainStep:
         """
         return self._program(model).lower(model, opt_state, batch, key, self._new_halt_log())
 
-    def run(self, model: Any, opt_state: Any, batch: Any, key: Any = None, log: Any = None) -> Any:
+    def run(self, model: Any, opt_state: Any, batch: Any, key: Any = None, log: Any = None, *,
+            owned: bool = False) -> Any:
         """One call of the jitted program: ``(model, opt_state, metrics, log)``; ``log`` is
-        None or a tree :meth:`record` updates on device (the Trainer's metric buffer)."""
+        None or a tree :meth:`record` updates on device (the Trainer's metric buffer, whose
+        ``rows`` hold the metrics: ``metrics`` is None then). ``owned``: the caller knows
+        that no two leaves of ``model`` and ``opt_state`` share a buffer (the Trainer copies
+        them once), so new inputs are not searched for aliases."""
         program = self._program(model)
         if self._guard.fresh(model, opt_state):  # not the previous call's outputs
             if self.placement is not None:
                 model, opt_state = self.placement.place(model, opt_state)
-            if self._donate:
+            if self._donate and not owned:
                 # Donation needs distinct buffers: one array at two leaves is copied apart,
                 # with a warning naming both key paths.
                 warn_aliases(model, what="The model given to the train step")

@@ -272,25 +272,25 @@ class Trainer:
 
     def _new_buffer(self, capacity: int) -> Any:
         assert self._names is not None
-        buffer = {
-            "halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
-            "values": {k: jnp.zeros(capacity, jnp.float32) for k in self._names},
-            "weight": jnp.zeros(capacity, jnp.float32),
-            "nonfinite": jnp.full(capacity, -1, jnp.int32),
-        }
-        if self._has_learning_rate():
-            buffer["learning_rate"] = jnp.zeros(capacity, jnp.float32)
-        return buffer
+        columns = len(self._names) + self._has_learning_rate()
+        return {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
+                "rows": jnp.zeros((capacity, columns), jnp.float32)}  # one row per step: TrainStep.record
+
+    def _context_arrays(self) -> tuple[Any, Any]:
+        """The learning context and the learning rate (None if none), on device."""
+        lr = hyperparameters(self.opt_state)["learning_rate"] if self._has_learning_rate() else None
+        return context(self.opt_state), lr
 
     def _has_learning_rate(self) -> bool:
         return "learning_rate" in hyperparameter_names(self.opt_state)
 
     def _metric_names(self, batch: Any) -> list[str]:
+        """The step's metrics in the order it returns them (``nonfinite`` included)."""
         if type(self.train_step).compute_metrics is TrainStep.compute_metrics:
-            return ["loss", *self.train_step.metrics]
+            return ["loss", *self.train_step.metrics, *([NONFINITE] if self.on_nan != "ignore" else [])]
         # An overridden compute_metrics: trace once (no compilation) to learn its names.
         shapes = eval_shape(self.train_step.step, self.model, self.opt_state, batch, self.key)
-        return [k for k in shapes[2] if k != NONFINITE]
+        return list(shapes[2])
 
     # --- data ----------------------------------------------------------------------------
     def _as_data(self, data: Any, batch_size: int | None, shuffle: bool = True) -> Any:
@@ -315,21 +315,24 @@ class Trainer:
     def _read(self, window: _Means, epoch: _Means, bar: Progress) -> dict[str, float]:
         if self._buffered == 0:
             return window.means()
-        host, ctx = jax.device_get((self._buffer, context(self.opt_state)))
+        host, ctx = jax.device_get((self._buffer, self._context_arrays()))  # one transfer
         n = int(host["halt"][0])
         first = self.steps_run - self._buffered + 1
         steps = list(range(first, first + n))
-        values = {k: v[:n] for k, v in host["values"].items()}
-        weights = host["weight"][:n]
+        assert self._names is not None
+        rows = host["rows"][:n]
+        values = {k: rows[:, i] for i, k in enumerate(self._names) if k != NONFINITE}
+        nonfinite = rows[:, self._names.index(NONFINITE)] if NONFINITE in self._names else np.full(n, -1.0)
+        inflight, self._inflight = self._inflight, []
+        weights = np.array([batch_size_of(b) for b in inflight[:n]], np.float32)  # host-known sizes
         columns = {k: v.tolist() for k, v in values.items()}
-        if "learning_rate" in host:
-            columns["learning_rate"] = host["learning_rate"][:n].tolist()
+        if rows.shape[1] > len(self._names):
+            columns["learning_rate"] = rows[:, -1].tolist()
         self.history.add_steps(steps, columns)
-        self._buffer = self._new_buffer(len(host["weight"]))
+        self._buffer = self._new_buffer(len(host["rows"]))
         self._buffered = 0
         self._last_context = ctx
-        inflight, self._inflight = self._inflight, []
-        self._check_finite(steps, host["nonfinite"][:n], host["halt"], inflight)
+        self._check_finite(steps, nonfinite.astype(np.int32), host["halt"], inflight)
         window.add(values, weights)
         epoch.add(values, weights)
         shown = dict(window.means())
@@ -362,10 +365,8 @@ class Trainer:
         return "the loss" if index < 0 else f"the gradient of parameter {self._param_names[index]!r}"
 
     def _context(self, event: str, metrics: Mapping[str, float]) -> TrainingContext:
-        ctx = self._last_context or jax.device_get(context(self.opt_state))
-        lr = None
-        if self._has_learning_rate():
-            lr = float(hyperparameters(self.opt_state)["learning_rate"])
+        ctx, lr = self._last_context or jax.device_get(self._context_arrays())
+        lr = None if lr is None else float(lr)
         return TrainingContext(
             event=event,
             step=self.steps_run,
@@ -453,11 +454,11 @@ class Trainer:
             batch = to_arrays(batch)
             if self._names is None:
                 self._names = self._metric_names(batch)
-            if self._buffer is None or (self._buffered == 0 and self._buffer["weight"].shape[0] != log_every):
+            if self._buffer is None or (self._buffered == 0 and self._buffer["rows"].shape[0] != log_every):
                 self._buffer = self._new_buffer(log_every)
             self._inflight.append(batch)
             self.model, self.opt_state, _, self._buffer = run(self.model, self.opt_state, batch, self.key,
-                                                              self._buffer)
+                                                              self._buffer, owned=True)
             ran += 1
             self.steps_run += 1
             self.batch_in_epoch += 1

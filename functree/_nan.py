@@ -55,9 +55,6 @@ FINITE_AGAIN = ("run again eagerly, step {step}'s loss and gradient are finite (
                 "of the compiled program only, or of a nondeterministic one)")
 LATER_MODEL = ("analysed with the model after {count} later step(s): the model before a "
                "skipped step is not kept")
-NO_BATCH = ("the failing batch cannot be read again from a {what} (only ft.train.batches "
-            "and lists are replayed); to analyse it, keep it and call "
-            "ft.diagnose(loss_fn, nan=True)(model, batch)")
 CONSTANT_LOSS = "the loss is a non-finite constant: it is computed from no argument"
 _FUNCTREE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Calls whose body runs once with the call's operands: entered forward and backward.
@@ -696,40 +693,21 @@ def provenance_for_step(loss_fn: Callable[..., Any], model: Any, batch: Any, key
         return NaNReport(function, "unknown", note=ANALYSIS_FAILED.format(error=f"{type(e).__name__}: {e}"))
 
 
-def trainer_provenance(trainer: Any, step: int, applied_after: int = 0) -> NaNReport:
-    """The provenance of ``trainer``'s failing ``step``: its batch read again from the
-    data given to ``fit`` (an ``ft.train.batches`` position, or a list index), the model
-    the trainer holds (that before the step when it stopped; with ``on_nan="skip"``, one
-    ``applied_after`` steps later), and the step's key (``fold_in(key, step)`` of the
-    learning context's step at the time). Runs only after a failure.
+def step_report(loss_fn: Callable[..., Any], model: Any, batch: Any, key: Any, step: int,
+                applied_after: int = 0) -> NaNReport:
+    """The provenance of training step ``step`` (1-based), run again on its inputs: ``model``
+    is the one before the step, or one ``applied_after`` steps later (said in the note when
+    the step was skipped and training went on). Runs only after a failure.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> loss_fn = lambda m, b: jnp.sum(jnp.log(m["w"] * b))
+      >>> step_report(loss_fn, {"w": jnp.ones(2)}, jnp.zeros(2), None, step=3).step
+      3
     """
-    from functree.optim import context
-    from functree.train._data import Batches, to_arrays
-
-    data = trainer._data
-    index = trainer.batch_in_epoch - 1 - (trainer.steps_run - step)
-    if isinstance(data, Batches):
-        batch = next(iter(data.iterate(trainer.epoch, index)), None)
-    elif isinstance(data, (list, tuple)) and 0 <= index < len(data):
-        batch = data[index]
-    else:
-        note = NO_BATCH.format(what=type(data).__name__)
-        return NaNReport(_fn_name(trainer.train_step.loss_fn), "unknown", step=step, note=note)
-    shard = getattr(trainer.train_step, "shard_batch", None)
-    batch = to_arrays(batch) if shard is None else shard(to_arrays(batch))
-    key = trainer.key
-    if key is not None:  # the key the step folded in: its learning context's step then
-        key = jax.random.fold_in(key, int(jax.device_get(context(trainer.opt_state).step)) - applied_after)
-    train_step = trainer.train_step
-
-    @functools.wraps(train_step.loss_fn)
-    def loss(model: Any, b: Any, key: Any = None) -> Any:
-        return train_step.compute_loss(model, b, key)  # a subclass's compute_loss included
-
-    report = provenance_for_step(loss, trainer.model, batch, key, has_aux=True)
+    report = provenance_for_step(loss_fn, model, batch, key)
     if report is None:
-        note = FINITE_AGAIN.format(step=step)
-        return NaNReport(_fn_name(train_step.loss_fn), "unknown", step=step, note=note)
+        return NaNReport(_fn_name(loss_fn), "unknown", step=step, note=FINITE_AGAIN.format(step=step))
     note = report.note
     if applied_after and not report.note:
         note = LATER_MODEL.format(count=applied_after)

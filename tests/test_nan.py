@@ -19,7 +19,7 @@ from functree._nan import (
     FINITE_AGAIN,
     LATER_MODEL,
     provenance_for_step,
-    trainer_provenance,
+    step_report,
 )
 
 
@@ -495,6 +495,6 @@ def test_a_step_finite_when_run_again_and_a_later_model_are_said():
                                on_nan="skip")
     trainer.fit(data, progress=False)
     assert [s for s, _ in trainer.skipped] == [2] and trainer.nan_report.primitive == "log"
-    trainer.batch_in_epoch = 2  # as during the epoch: after its end, the position starts again
-    assert trainer_provenance(trainer, 1).note == FINITE_AGAIN.format(step=1)
-    assert trainer_provenance(trainer, 2, applied_after=3).note == LATER_MODEL.format(count=3)
+    loss = trainer.train_step.loss_fn
+    assert step_report(loss, trainer.model, data[0], None, step=1).note == FINITE_AGAIN.format(step=1)
+    assert step_report(loss, trainer.model, data[1], None, step=2, applied_after=3).note == LATER_MODEL.format(count=3)

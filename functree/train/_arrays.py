@@ -141,7 +141,7 @@ def placement(parts: Mapping[str, Any], mesh: Any, sharding: Any, data_axis: str
     """Orbax's restore target on ``mesh`` (a function of the metadata): the arrays of each
     part with a template (``{name: template or None}``, ``""`` for a lone tree) placed by
     the rules, the others (shape and dtype from the metadata) on the host."""
-    from functree.parallel import sharded_target  # functree.parallel imports ft.train
+    from functree.parallel import sharded_target
 
     known, _ = encode({p: None if t is None else sharded_target(t, mesh, sharding, data_axis=data_axis)
                        for p, t in parts.items()})

@@ -168,7 +168,7 @@ def _digest(meta: dict[str, Any]) -> int:
 def _args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     """Orbax's save arguments: the arrays and the sealed metadata (collective: every
     process of a job calls it, each describing the shards it writes)."""
-    from functree.parallel import mesh_shape  # functree.parallel imports ft.train
+    from functree.parallel import mesh_shape
 
     arrays = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in arrays.items()}
     meta = json.loads(json.dumps({"format": FORMAT, **fields, "spec": spec, "checksums": describe(arrays),

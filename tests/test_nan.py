@@ -461,10 +461,13 @@ def test_skipped_steps_keep_the_first_provenance():
     assert report.note == ""  # step 5 closed its window: the model is the one it had
 
 
-def test_an_iterator_that_cannot_be_replayed_says_so():
+def test_a_one_shot_iterator_is_diagnosed_from_the_batch_in_flight():
+    # A DataLoader-like iterator cannot be read again: the Trainer keeps references to the
+    # batches of the steps in flight, so the failing step's batch is at hand.
     trainer = ft.train.Trainer({"w": jnp.ones(1)}, ft.optim.sgd(0.1), lambda m, b: jnp.sum(jnp.log(m["w"] * b)))
-    with pytest.raises(ft.train.NonFiniteError, match="cannot be read again from a list_iterator"):
-        trainer.fit(iter([jnp.zeros(1)]), progress=False)
+    with pytest.raises(ft.train.NonFiniteError, match="`log` first produced -inf") as info:
+        trainer.fit(iter([jnp.ones(1), jnp.zeros(1)]), progress=False)
+    assert info.value.report.step == 2 and trainer.nan_report is info.value.report
 
 
 def test_provenance_for_step_runs_layer_state_and_keys():

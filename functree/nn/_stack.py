@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field, from_fields
-from functree._paths import KeyPath
-from functree._tree import dotted_name
+from functree._paths import KeyPath, children, walk
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
@@ -45,8 +44,9 @@ ft.nn.Stack.from_layers needs at least one module, got {given!r}.
     right:  ft.nn.Stack.from_layers([block0, block1, block2])"""
 
 DIFFERENT_STRUCTURE = """\
-ft.nn.Stack: member {index} differs from member 0 at {path}: {first} vs {given}. Stacked \
-members must have identical structure (types, static fields, leaf shapes and dtypes).
+ft.nn.Stack: member {index} differs from member 0 at {path}: {first} in member 0, {given} \
+in member {index}. Stacked members must have identical structure (types, static fields, leaf \
+shapes and dtypes).
     right:  ft.nn.Stack.from_layers([Block(64, key=k) for k in jax.random.split(key, n)])"""
 
 CHANGES_SHAPE = """\
@@ -79,20 +79,42 @@ def _spec(x: Any) -> tuple[tuple[int, ...], str]:
     return tuple(jnp.shape(x)), str(jnp.result_type(x))
 
 
+def _show(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        from functree._display import short_array
+
+        return short_array(x)
+    if isinstance(x, (Module, list, tuple, dict)):
+        return f"a {type(x).__name__}"
+    return getattr(x, "__name__", None) or repr(x)[:60]
+
+
+def _differ(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):
+        return True
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return _spec(x) != _spec(y)
+    if children(x) or isinstance(x, Module):
+        return False  # compared through its children (static fields included)
+    try:
+        return bool(x != y)
+    except Exception:  # a value that does not compare to a bool
+        return x is not y
+
+
 def _first_difference(first: Any, other: Any) -> tuple[str, str, str] | None:
-    """``(path, first's, other's)`` where ``other`` differs from ``first``, or None."""
-    if jax.tree.structure(first) != jax.tree.structure(other):
-        a = jax.tree_util.tree_flatten_with_path(first)[0]
-        b = jax.tree_util.tree_flatten_with_path(other)[0]
-        for (pa, _), (pb, _) in zip(a, b):
-            if pa != pb:
-                return dotted_name(pa) or "<root>", f"a leaf at {dotted_name(pa)}", f"a leaf at {dotted_name(pb)}"
-        if len(a) != len(b):
-            return "<root>", f"{len(a)} leaves", f"{len(b)} leaves"
-        return "<root>", str(jax.tree.structure(first)), str(jax.tree.structure(other))
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(first)[0], jax.tree.leaves(other)):
-        if _spec(x) != _spec(y):
-            return dotted_name(path) or "<root>", f"shape {_spec(x)[0]} {_spec(x)[1]}", f"shape {_spec(y)[0]} {_spec(y)[1]}"
+    """``(key path, first's value, other's value)`` where ``other`` differs from ``first``
+    (type, static value, leaf shape or dtype, set of children), or None."""
+    if _differ(first, other):
+        return "<root>", _show(first), _show(other)
+    a, b = list(walk(first)), list(walk(other))
+    for (pa, x), (pb, y) in zip(a, b):
+        if pa != pb:
+            return str(pa), f"{pa} = {_show(x)}", f"{pb} = {_show(y)}"
+        if _differ(x, y):
+            return str(pa), _show(x), _show(y)
+    if len(a) != len(b):
+        return "<root>", f"{len(a)} values", f"{len(b)} values"
     return None
 
 
@@ -183,7 +205,7 @@ class Stack(Layer):
             return y, values
 
         try:
-            x, values = jax.lax.scan(checkpointed(body, self.remat), x, (self.layers, keys))
+            x, values = jax.lax.scan(checkpointed(body, self.remat), x, (self.layers, keys), length=self.n)
         except LayerInputError as e:
             raise e.under(KeyPath.parse(".layers")) from None
         record_under(self, "layers", paths, values)

@@ -367,3 +367,57 @@ def test_a_block_that_changes_the_shape_of_x():
     with pytest.raises(ValueError, match=r"maps f32\[3,4\] to bf16\[3,4\]"):
         ft.nn.Stack(lambda k: ft.nn.Lambda(lambda x: x.astype(jnp.bfloat16)), 2, key=jax.random.key(0))(
             jnp.ones((3, 4)))
+
+
+@pytest.mark.slow
+def test_fsdp_and_tensor_parallel_on_eight_devices_equal_one_device():
+    from _devices import run
+
+    out = run("""
+import jax.numpy as jnp, numpy as np
+import functree as ft
+from jax.sharding import PartitionSpec as P
+
+class Block(ft.Module):
+    norm: ft.nn.LayerNorm
+    up: ft.nn.Dense
+    down: ft.nn.Dense
+    def __init__(self, d, *, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = ft.nn.LayerNorm(d)
+        self.up = ft.nn.Dense(d, 4 * d, jax.nn.gelu, key=k1)
+        self.down = ft.nn.Dense(4 * d, d, key=k2)
+    def __call__(self, x):
+        return x + self.down(self.up(self.norm(x)))
+
+def loss_fn(m, batch):
+    x, y = batch
+    return jnp.mean((m(x) - y) ** 2)
+
+rng = np.random.default_rng(0)
+xs = rng.normal(size=(4, 64, 32)).astype(np.float32)
+ys = rng.normal(size=(4, 64, 32)).astype(np.float32)
+
+def train(**kw):
+    m = ft.nn.Stack(lambda k: Block(32, key=k), 8, key=jax.random.key(0), remat=True)
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    step, s = ft.train.train_step(loss_fn, opt, **kw), opt.init(m)
+    for i in range(4):
+        m, s, _ = step(m, s, (xs[i], ys[i]))
+    return m
+
+one = train()
+fsdp = train(mesh=jax.make_mesh((8,), ("data",)), sharding="fsdp")
+tp = train(mesh=jax.make_mesh((4, 2), ("data", "model")),
+           sharding={"*.up.weight": P(None, "model"), "*.down.weight": P("model", None)})
+def diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+report({"fsdp": diff(fsdp, one), "tp": diff(tp, one),
+        "scale": max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(one)),
+        "fsdp_spec": str(fsdp.layers.up.weight.sharding.spec), "tp_spec": str(tp.layers.up.weight.sharding.spec)})
+""")
+    # 4 Adam steps (lr 1e-2), 8 devices vs 1: the sums differ in order only, and Adam's
+    # normalisation carries that into the parameters: measured 1.2e-5 and 7.8e-6 of a scale of 1.
+    assert out["fsdp"] <= 1e-4 * out["scale"] and out["tp"] <= 1e-4 * out["scale"], out
+    assert out["fsdp_spec"] == "P(None, None, 'data')"  # never the layer axis
+    assert out["tp_spec"] == "P(None, None, 'model')"  # the member's rule, layer axis prepended

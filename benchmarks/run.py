@@ -17,6 +17,8 @@ takes a comma-separated list of these names):
     diagnostics  7. steady-state cost of ft.config.diagnostics     none
     keypaths     8. key paths on a 1000-leaf model                sub-millisecond
     trainer      9. Trainer.fit over a bare step loop             ≤ 1.05×
+    depth       10. first call at 4/16/64 blocks: Stack, Sequential  Stack 64 ≤ 2× Stack 4,
+                    and raw lax.scan                                 ≤ 1.3× raw scan at 64
 
 Run by hand on a quiet machine (``--quick`` for a one-minute smoke run); the tests never
 assert wall-clock time.
@@ -34,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _async import asynchronous
+from _depth import depth
 from _diagnostics import diagnostics
 from _donation import donation
 from _harness import machine
@@ -52,6 +55,7 @@ FAMILIES = {
     "diagnostics": diagnostics,
     "keypaths": key_paths,
     "trainer": trainer,
+    "depth": depth,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

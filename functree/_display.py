@@ -79,6 +79,7 @@ class Row:
     nbytes: int
     parameter: bool
     leaves: int = 0  # > 0: a group of that many leaves under ``path`` (summary(depth=k))
+    label: str = ""  # shown instead of the shape: "12 × Block (3,200 each)" for a Stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,7 @@ class Summary:
         out = [("path", "shape", "dtype", "count", "bytes", "kind")]
         for r in self.rows:
             kind = "parameter" if r.parameter else "carried"
-            shape = f"{r.leaves} leaves" if r.leaves else str(r.shape)
+            shape = r.label or (f"{r.leaves} leaves" if r.leaves else str(r.shape))
             out.append((r.path, shape, r.dtype, f"{r.count:,}", _bytes(r.nbytes), kind))
         return out
 
@@ -155,7 +156,8 @@ def summary(model: Any, depth: int | None = None) -> Summary:
     Leaves that hold no data (the functions an Equinox module keeps as leaves) are left
     out. ``depth=k`` groups the rows by the first ``k`` parts of their dotted paths (one
     row per submodule, its parameters and carried values apart), with leaf counts:
-    ``ft.summary(model, depth=1)`` lists the top-level layers.
+    ``ft.summary(model, depth=1)`` lists the top-level layers. An ``ft.nn.Stack`` shows
+    once, as ``12 × Block (3,200 each)`` with its total count.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -180,6 +182,7 @@ def summary(model: Any, depth: int | None = None) -> Summary:
         count = int(np.prod(arr.shape)) if arr.shape else 1
         nbytes = count * np.dtype(arr.dtype).itemsize
         rows.append(Row(path, tuple(arr.shape), str(arr.dtype), count, nbytes, path in params))
+    rows = _stacks_once(model, rows)
     if depth is not None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(BAD_DEPTH.format(depth=depth))
@@ -195,6 +198,38 @@ a positive int, got {depth!r}.
 """
 
 
+def _stacks_once(model: Any, rows: list[Row]) -> list[Row]:
+    """Each outermost ``ft.nn.Stack``'s rows as one row (parameters and carried apart)."""
+    from functree._stacked import outermost
+
+    stacks = outermost(model)
+    if not stacks:
+        return rows
+    out: list[Row] = []
+    groups: dict[tuple[str, bool], int] = {}  # (stack name, parameter) -> position in out
+    for r in rows:
+        hit = next(((name, s) for name, s in stacks if not name or r.path.startswith(name + ".")), None)
+        if hit is None:
+            out.append(r)
+            continue
+        name = hit[0]
+        at = groups.get((name, r.parameter))
+        if at is None:
+            groups[(name, r.parameter)] = len(out)
+            out.append(dataclasses.replace(r, path=name or "<root>", shape=(), leaves=1))
+            continue
+        g = out[at]
+        dtypes = ",".join(dict.fromkeys(g.dtype.split(",") + [r.dtype]))
+        out[at] = dataclasses.replace(g, dtype=dtypes, count=g.count + r.count, nbytes=g.nbytes + r.nbytes,
+                                      leaves=g.leaves + 1)
+    by_name = dict(stacks)
+    for (name, _), at in groups.items():
+        stack, g = by_name[name], out[at]
+        n = len(stack)
+        out[at] = dataclasses.replace(g, label=f"{n} × {type(stack.layers).__name__} ({g.count // n:,} each)")
+    return out
+
+
 def _grouped(rows: list[Row], depth: int) -> list[Row]:
     groups: dict[tuple[str, bool], list[Row]] = {}
     for r in rows:
@@ -202,8 +237,11 @@ def _grouped(rows: list[Row], depth: int) -> list[Row]:
         groups.setdefault((prefix, r.parameter), []).append(r)
     out = []
     for (prefix, parameter), members in groups.items():
+        if len(members) == 1 and members[0].label:  # a Stack's row is already one row
+            out.append(dataclasses.replace(members[0], path=prefix))
+            continue
         dtypes = ",".join(dict.fromkeys(m.dtype for m in members))
         out.append(Row(prefix, (), dtypes, sum(m.count for m in members), sum(m.nbytes for m in members),
-                       parameter, leaves=len(members)))
+                       parameter, leaves=sum(m.leaves or 1 for m in members)))
     return out
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree import _stacked
 from functree._module import STATIC, Module
 from functree._tree import bounded_put, cached, dotted_name
 
@@ -176,6 +177,8 @@ class KeyPath(tuple):
 
 
 def _child(node: Any, entry: Entry, prefix: KeyPath) -> Any:
+    if entry.kind == INDEX and _stacked.is_stacked(node):  # a member of an ft.nn.Stack
+        return _stacked.member(node, entry.key, prefix)
     try:
         if isinstance(node, Module):
             if entry.kind == ATTR and entry.key in type(node).__ft_field_set__:
@@ -321,6 +324,8 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
     entry = path[depth]
     child = _child(tree, entry, KeyPath(path[:depth]))
     new_child = _set(child, path, depth + 1, value)
+    if entry.kind == INDEX and _stacked.is_stacked(tree):
+        return _stacked.with_member(tree, entry.key, new_child, KeyPath(path[:depth]))
     if isinstance(tree, Module):
         return tree.replace(**{entry.key: new_child})
     if _is_namedtuple(tree):
@@ -802,7 +807,7 @@ def _dotted_search(tree: Any, text: str) -> tuple[list[KeyPath], tuple[KeyPath, 
         path, node, rest = stack.pop()
         if len(path) > len(deepest[0]):
             deepest = (path, node, rest)
-        for entry, value in _named_children(node, rest):
+        for entry, value in _named_children(node, rest) + _stacked.member_children(node, rest, path):
             name = entry.name
             if rest == name:
                 found.append(path + (entry,))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree import _stacked
 from functree._paths import ensure_acyclic
 from functree._tree import bounded_put, cached, dotted_name
 
@@ -74,16 +75,20 @@ def _str_keys_only(path_leaves: list[tuple[Any, Any]]) -> bool:
     )
 
 
-def to_flat_dict(tree: Any) -> dict[str, Any]:
+def to_flat_dict(tree: Any, *, unstack: bool = False) -> dict[str, Any]:
     """A flat dict from dotted key-path names to leaves (``None`` leaves skipped).
 
     The names are computed once per tree definition; a later call costs a JAX flatten.
+    An ``ft.nn.Stack`` gives one stacked leaf per field (``blocks.layers.up.weight``, shape
+    ``(n, ...)``); with ``unstack=True``, one leaf per member (``blocks.3.up.weight``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.to_flat_dict({"layers": [{"w": jnp.ones(2)}], "b": 0.5})
       {'b': 0.5, 'layers.0.w': Array([1., 1.], dtype=float32)}
     """
+    if unstack:
+        tree = _stacked.expand(tree)
     leaves, _, names = _named_leaves(tree, "to_flat_dict")
     return dict(zip(names, leaves))
 
@@ -146,6 +151,11 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
     Python float becomes the template leaf's floating dtype when its shape is the
     template's. Shapes are never changed, and integer or bool values are never cast.
 
+    The stacks of ``template`` (``ft.nn.Stack``) take either form of
+    :func:`to_flat_dict`: stacked leaves (``blocks.layers.up.weight``) or, when ``flat``
+    holds a name that is no stacked leaf's, one entry per member (``blocks.3.up.weight``,
+    a torch state dict's ``h.0.mlp.c_fc.weight``).
+
     Example:
       >>> import functree as ft, jax.numpy as jnp, numpy as np
       >>> template = {"w": jnp.zeros(2)}
@@ -155,6 +165,11 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
       Array([1., 1.], dtype=float32)
     """
     olds, treedef, names = _named_leaves(template, "from_flat_dict")
+    if _stacked.wants_members(template, flat, frozenset(names)):  # per-member names of a Stack
+        out = from_flat_dict(_stacked.expand(template), flat, strict=strict, cast=cast)
+        tree, report = (out, None) if strict else out
+        tree = _stacked.restack(template, tree)
+        return tree if strict else (tree, report)
     missing, mismatched, leaves = [], [], []
     hinted: dict[str, list[str]] = {}
     for name, old in zip(names, olds):

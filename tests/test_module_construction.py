@@ -312,6 +312,10 @@ LAYER_CALLS: dict[type, tuple[Callable[[], ft.Module], Callable[[], ft.Module]]]
 }
 
 
+def _dense(key: jax.Array) -> ft.Module:
+    return ft.nn.Dense(2, 2, key=key)
+
+
 def _tied() -> ft.Module:
     return ft.nn.Sequential(ft.nn.Dense(2, 2, key=K), ft.nn.Dense(2, 2, key=K))
 
@@ -325,6 +329,8 @@ _NEWER: dict[str, tuple[Callable[[type], ft.Module], Callable[[type], ft.Module]
         lambda c: c(_tied(), {".layers[1].weight": ".layers[0].weight"}),
         lambda c: c(model=_tied(), ties={".layers[1].weight": ".layers[0].weight"}),
     ),
+    "Stack": (lambda c: c(_dense, 3, key=K, remat=True), lambda c: c(make=_dense, n=3, key=K, remat=True)),
+    "Remat": (lambda c: c(_tied(), policy="dots_saveable"), lambda c: c(layer=_tied(), policy="dots_saveable")),
 }
 for _name, (_positional, _keywords) in _NEWER.items():
     if hasattr(ft.nn, _name):

@@ -50,9 +50,11 @@ from functree.nn._pooling import (
     MaxPool2D,
 )
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState
+from functree.nn._remat import Remat
 from functree.nn._rotary import RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
 from functree.nn._shared import Shared
+from functree.nn._stack import Stack
 from functree.nn._state import (
     UncollectedStateWarning,
     apply_state,
@@ -79,6 +81,8 @@ __all__ = [
     "Sequential",
     "Lambda",
     "Shared",
+    "Stack",
+    "Remat",
     "Conv1D",
     "Conv2D",
     "Conv1DTranspose",

@@ -16,6 +16,13 @@ rule (``encoder.*.weight``). A leaf matched only through a suffix (an optimizer 
 keeps the rule when the spec fits its shape and is replicated otherwise (factored
 moments); a leaf the pattern names itself must fit. Non-floating leaves (integers,
 counts, PRNG keys) are always replicated.
+
+A leaf of an ``ft.nn.Stack`` (``blocks.layers.up.weight``, shape ``(n, ...)``) has a
+leading layer axis per enclosing stack. ``"fsdp"`` splits one of its other dimensions,
+never the layer axis. A rule's spec describes one member (``P(None, "model")`` for a
+Dense weight of any stack depth: the layer axes are prepended unsplit), unless it has one
+entry per dimension of the stacked leaf, layer axes included (``P("stage", None, None)``),
+which is how a rule asks to split the layer axis.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from functree._stacked import stack_depths
 from functree._tree import dotted_name
 
 __all__ = ["partition_specs", "FSDP_MIN_SIZE", "check_data_axis", "check_compute_dtype"]
@@ -125,23 +133,34 @@ def _misfit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | AbstractMe
     return None
 
 
-def _fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> PartitionSpec:
+def _fsdp_spec(shape: tuple[int, ...], axis: str, size: int, layers: int = 0) -> PartitionSpec:
+    """Split the largest divisible dimension after the first ``layers`` (a stack's layer axes)."""
     if math.prod(shape) < FSDP_MIN_SIZE or size == 1:
         return PartitionSpec()
-    dims = [d for d in range(len(shape)) if shape[d] % size == 0]
+    dims = [d for d in range(layers, len(shape)) if shape[d] % size == 0]
     if not dims:
         return PartitionSpec()
     best = max(dims, key=lambda d: (shape[d], -d))
     return PartitionSpec(*([None] * best), axis)
 
 
-def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, used: set[str]) -> PartitionSpec:
+def _member_spec(spec: PartitionSpec, ndim: int, layers: int) -> PartitionSpec:
+    """A rule's spec for a leaf under ``layers`` stacks: one member's, with the layer axes
+    prepended unsplit, unless it names every dimension of the stacked leaf."""
+    if not layers or len(spec) == ndim:
+        return spec
+    return PartitionSpec(*([None] * layers), *spec)
+
+
+def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, used: set[str],
+               layers: int = 0) -> PartitionSpec:
     for pattern, spec in rules.items():
         direct = fnmatch.fnmatchcase(name, pattern)
         if not (direct or any(fnmatch.fnmatchcase(s, pattern) for s in _suffixes(name))):
             continue
         used.add(pattern)
         spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)
+        spec = _member_spec(spec, len(leaf.shape), layers)
         why = _misfit(spec, tuple(leaf.shape), mesh)
         if why is None:
             return spec
@@ -187,17 +206,18 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
     _check_rules(rules)
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     names = [dotted_name(p) for p, _ in path_leaves]
+    depths = stack_depths(tree)  # leading layer axes of each leaf (ft.nn.Stack)
     used: set[str] = set()
     specs = []
-    for name, (_, leaf) in zip(names, path_leaves):
+    for name, (_, leaf), layers in zip(names, path_leaves, depths):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             specs.append(leaf)
         elif not _is_floating(leaf) or rules is None:
             specs.append(PartitionSpec())
         elif rules == "fsdp":
-            specs.append(_fsdp_spec(tuple(leaf.shape), data_axis, mesh.shape[data_axis]))
+            specs.append(_fsdp_spec(tuple(leaf.shape), data_axis, mesh.shape[data_axis], layers))
         else:
-            specs.append(_rule_spec(name, leaf, rules, mesh, used))
+            specs.append(_rule_spec(name, leaf, rules, mesh, used, layers))
     if strict and isinstance(rules, Mapping):
         floating = [(n, leaf) for n, (_, leaf) in zip(names, path_leaves) if _is_floating(leaf)]
         if any(len(leaf.shape) for _, leaf in floating):  # not only scalars (an SGD state)

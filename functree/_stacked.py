@@ -1,0 +1,134 @@
+"""Stacked members: addressing one member of an ``ft.nn.Stack`` by key path.
+
+A stacked node (``ft.nn.Stack``) holds ``n`` members of one structure as a single block
+whose every leaf has a leading axis of size ``n``. Its JAX children are the stacked
+leaves (``blocks.layers.up.weight``, shape ``(n, ...)``); key paths may also go through
+a member index (``blocks.3.up.weight``, shape ``(...)``), which JAX never sees:
+
+* :func:`member` / :func:`with_member`: ``_child`` and ``_set`` of ``ft.get``/``ft.set``;
+* :func:`member_children`: the member a dotted name's next part names (``ft.key_path``);
+* :func:`expand` / :func:`restack`: every stack as a tuple of its members and back
+  (``ft.to_flat_dict(unstack=True)`` and ``ft.from_flat_dict`` of per-member names);
+* :func:`stack_depths`: how many leading stack axes each leaf has (sharding rules);
+* :func:`outermost`: the dotted names of the outermost stacks (``ft.summary``).
+
+A node is stacked when its class sets ``__ft_stacked__ = True`` and defines
+``__len__``, ``_member(i)`` and ``_with_member(i, member)``; this module imports no layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from functree._tree import dotted_name
+
+__all__ = ["is_stacked", "member", "with_member", "member_children", "expand", "restack",
+           "stack_depths", "outermost", "wants_members"]
+
+OUT_OF_RANGE = """\
+Key path {path}: member {index} does not exist; the {cls} holds {n} members (0 to {last}, \
+or -{n} to -1 from the end).
+    wrong:  ft.get(model, {wrong!r})
+    right:  ft.get(model, {right!r})"""
+
+
+def is_stacked(x: Any) -> bool:
+    """Whether ``x`` is a stacked node (an ``ft.nn.Stack``)."""
+    return getattr(type(x), "__ft_stacked__", False) is True
+
+
+def check_index(node: Any, index: int, where: Any = ()) -> int:
+    """``index`` as a member number in ``range(len(node))`` (negative counts from the end);
+    ``where`` is the key path of ``node``, for the error."""
+    n = len(node)
+    if not isinstance(index, int) or isinstance(index, bool) or not -n <= index < n:
+        from functree._paths import KeyPath
+
+        prefix = KeyPath(where).name
+        dotted = (prefix + "." if prefix else "")
+        raise IndexError(OUT_OF_RANGE.format(path=f"{KeyPath(where)}[{index}]".replace("<root>", ""), index=index,
+                                             cls=type(node).__name__, n=n, last=n - 1,
+                                             wrong=f"{dotted}{index}", right=f"{dotted}{n - 1}"))
+    return index % n
+
+
+def member(node: Any, index: int, where: Any = ()) -> Any:
+    """Member ``index`` of the stacked ``node`` (``where`` is its key path, for the error)."""
+    return node._member(check_index(node, index, where))
+
+
+def with_member(node: Any, index: int, value: Any, where: Any = ()) -> Any:
+    """A copy of the stacked ``node`` with member ``index`` replaced by ``value``."""
+    return node._with_member(check_index(node, index, where), value)
+
+
+def member_children(node: Any, rest: str, where: Any = ()) -> list[tuple[Any, Any]]:
+    """``[(Entry(INDEX, i), member i)]`` when the dotted name ``rest`` starts with a member
+    number ``i`` of the stacked ``node``; ``[]`` otherwise (only that member is sliced)."""
+    if not is_stacked(node):
+        return []
+    head = rest.split(".", 1)[0]
+    if not head.isdigit():
+        return []
+    from functree._paths import INDEX, Entry
+
+    index = int(head)
+    return [(Entry(INDEX, index), member(node, index, where))]
+
+
+def _is_stack(x: Any) -> bool:
+    return is_stacked(x)
+
+
+def expand(tree: Any) -> Any:
+    """``tree`` with every stack replaced by the tuple of its (expanded) members.
+
+    Example:
+      >>> import functree as ft, jax
+      >>> from functree._stacked import expand
+      >>> stack = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 3, key=jax.random.key(0))
+      >>> sorted(ft.to_flat_dict(expand({"blocks": stack})))[:2]
+      ['blocks.0.bias', 'blocks.0.weight']
+    """
+    def one(x: Any) -> Any:
+        return tuple(expand(x._member(i)) for i in range(len(x))) if is_stacked(x) else x
+
+    return jax.tree.map(one, tree, is_leaf=_is_stack)
+
+
+def restack(template: Any, expanded: Any) -> Any:
+    """Inverse of :func:`expand`: ``expanded`` (stacks as member tuples) shaped like ``template``."""
+    def one(t: Any, e: Any) -> Any:
+        if not is_stacked(t):
+            return e
+        block = t._member(0)
+        members = [restack(block, m) for m in e]
+        leaves = jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *members)
+        return t._with_layers(leaves)
+
+    return jax.tree.map(one, template, expanded, is_leaf=_is_stack)
+
+
+def stack_depths(tree: Any) -> list[int]:
+    """For each leaf of ``tree`` (JAX's flatten order), its number of leading stack axes."""
+    def depths(x: Any, depth: int) -> Any:
+        return jax.tree.map(lambda y: depths(y.layers, depth + 1) if is_stacked(y) else depth, x,
+                            is_leaf=_is_stack)
+
+    return jax.tree.leaves(depths(tree, 0))
+
+
+def outermost(tree: Any) -> list[tuple[str, Any]]:
+    """``[(dotted name, stack)]`` of the stacks of ``tree`` not inside another stack."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_stack)
+    return [(dotted_name(p), x) for p, x in pairs if is_stacked(x)]
+
+
+def wants_members(template: Any, flat: Mapping[str, Any], names: Any) -> bool:
+    """Whether ``flat`` names members of ``template``'s stacks (``blocks.3.up.weight``)
+    rather than stacked leaves: ``template`` has a stack and ``flat`` a name not in ``names``."""
+    return any(k not in names for k in flat) and bool(outermost(template))

@@ -1,0 +1,167 @@
+"""Rematerialisation: recompute a layer in the backward pass instead of storing its activations.
+
+``jax.checkpoint`` (remat) saves only what its ``policy`` allows of the forward pass;
+the backward pass recomputes the rest, trading one more forward computation for the
+memory of the activations. :class:`Remat` wraps any layer; ``ft.nn.Stack(...,
+remat=...)`` wraps each block of a stack.
+
+A layer rebuilt inside a JAX transformation (``jax.checkpoint``, ``jax.lax.scan``) is a
+new object that ``ft.nn.collect_state`` does not know; :func:`call_collecting` runs it
+under its own collection and :func:`record_under` files the state it recorded under the
+wrapping layer's key path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from functree._module import field
+from functree._paths import ATTR, Entry, KeyPath
+from functree.nn._mode import Layer
+
+__all__ = ["Remat", "remat_policy", "call_collecting", "record_under"]
+
+BAD_POLICY = """\
+remat={given!r} is not a rematerialisation policy. Pass True (save nothing, recompute the \
+whole block), the name of a policy in jax.checkpoint_policies, or a policy function:
+
+    wrong:  ft.nn.Remat(layer, policy={given!r})
+    right:  ft.nn.Remat(layer, policy="dots_with_no_batch_dims_saveable")
+       or:  ft.nn.Stack(make, 12, key=k, remat=True)
+Policy names: {names}."""
+
+FACTORY_POLICY = """\
+remat={given!r} names a policy factory that takes arguments; call it and pass the policy:
+
+    wrong:  remat={given!r}
+    right:  remat=jax.checkpoint_policies.{given}("name", ...)"""
+
+NOT_IN_MODEL = """\
+A {cls} recorded layer state inside ft.nn.collect_state, but it is not part of the model \
+passed to collect_state, so its key path is unknown. Call the layers of the model fn receives:
+
+    wrong:  ft.nn.collect_state(lambda m: other_model(x), model)
+    right:  ft.nn.collect_state(lambda m: m(x), model)"""
+
+
+@functools.cache
+def _policy_names() -> list[str]:
+    """Names of the policies in ``jax.checkpoint_policies`` usable as is: ``f(prim, ...)``
+    or ``f(*_, ...)``; the others (``save_only_these_names(*names)``) are factories."""
+    names = []
+    for name in dir(jax.checkpoint_policies):
+        fn = getattr(jax.checkpoint_policies, name)
+        if name.startswith("_") or not callable(fn):
+            continue
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            continue
+        if params[:1] in (["prim"], ["_"]):
+            names.append(name)
+    return names
+
+
+def remat_policy(remat: Any) -> Any:
+    """Check ``remat`` (None/False: off; True; a ``jax.checkpoint_policies`` name; a policy)."""
+    if remat is None or isinstance(remat, bool):
+        return remat
+    if isinstance(remat, str):
+        if remat in _policy_names():
+            return remat
+        if callable(getattr(jax.checkpoint_policies, remat, None)):
+            raise ValueError(FACTORY_POLICY.format(given=remat))
+    elif callable(remat):
+        return remat
+    raise ValueError(BAD_POLICY.format(given=remat, names=", ".join(_policy_names())))
+
+
+def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
+    """``fn`` under ``jax.checkpoint`` with ``remat``'s policy; ``fn`` itself when off."""
+    if remat is None or remat is False:
+        return fn
+    policy: Any = None  # remat=True: save nothing but the inputs
+    if isinstance(remat, str):
+        policy = getattr(jax.checkpoint_policies, remat)
+    elif callable(remat):
+        policy = remat
+    return jax.checkpoint(fn, policy=policy, prevent_cse=False)  # inside scan: CSE is safe
+
+
+def collecting() -> bool:
+    """Whether ``ft.nn.collect_state`` is collecting layer state now."""
+    from functree.nn._state import _stack
+
+    return bool(_stack())
+
+
+def call_collecting(call: Callable[[Any], Any], layer: Any, paths: list[KeyPath]) -> tuple[Any, tuple[Any, ...]]:
+    """``(call(layer), values)``: the state ``layer`` (a rebuilt copy) records, its key
+    paths (relative to ``layer``) stored into ``paths`` while tracing."""
+    from functree.nn._state import collect_state
+
+    out, updates = collect_state(call, layer)
+    paths[:] = list(updates)
+    return out, tuple(updates.values())
+
+
+def record_under(owner: Any, field_name: str, paths: list[KeyPath], values: Any) -> None:
+    """File state recorded by ``owner.<field_name>`` (at ``paths``) under ``owner``'s key path."""
+    if not paths:
+        return
+    from functree.nn._state import _stack
+
+    collector = next((c for c in reversed(_stack()) if id(owner) in c.paths), None)
+    if collector is None:
+        raise ValueError(NOT_IN_MODEL.format(cls=type(owner).__name__))
+    for where in collector.paths[id(owner)]:
+        for path, value in zip(paths, values):
+            collector.updates[KeyPath((*where, Entry(ATTR, field_name), *path))] = value
+
+
+class Remat(Layer):
+    """``layer`` recomputed in the backward pass (``jax.checkpoint``) instead of stored.
+
+    ``policy`` chooses what the forward pass keeps: None saves nothing but the inputs
+    (the least memory, one more forward pass); a name from ``jax.checkpoint_policies``
+    (``"dots_with_no_batch_dims_saveable"`` keeps matrix products) or a policy function.
+    Values and gradients equal those of ``layer``; layer state and ``key=`` pass through.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> dense = ft.nn.Dense(3, 3, jax.nn.gelu, key=jax.random.key(0))
+      >>> remat = ft.nn.Remat(dense, policy="dots_saveable")
+      >>> x = jnp.ones((2, 3))
+      >>> g1 = jax.grad(lambda m: jnp.sum(m(x)))(dense)
+      >>> g2 = jax.grad(lambda m: jnp.sum(m(x)))(remat).layer
+      >>> bool(jnp.allclose(g1.weight, g2.weight))
+      True
+    """
+
+    layer: Any
+    policy: Any = field(static=True, default=True)
+
+    def __init__(self, layer: Any, *, policy: Any = None):
+        self.layer = layer
+        self.policy = True if policy is None else remat_policy(policy)
+
+    def __call__(self, *args: Any, key: jax.Array | None = None, **kwargs: Any) -> Any:
+        from functree.nn._sequential import takes_key
+
+        if key is not None and takes_key(self.layer):
+            kwargs["key"] = key
+        if not collecting():
+            return checkpointed(lambda layer, *a: layer(*a, **kwargs), self.policy)(self.layer, *args)
+        paths: list[KeyPath] = []
+
+        def run(layer: Any, *a: Any) -> Any:
+            return call_collecting(lambda m: m(*a, **kwargs), layer, paths)
+
+        out, values = checkpointed(run, self.policy)(self.layer, *args)
+        record_under(self, "layer", paths, values)
+        return out

@@ -1,0 +1,264 @@
+"""Stack: ``n`` blocks of one structure, parameters stacked, applied with ``jax.lax.scan``.
+
+``stack(x) = f_{n-1}(... f_1(f_0(x)))`` where member ``i`` is the block whose every leaf
+is ``leaf[i]`` of the stacked block. One block is traced and compiled whatever ``n`` is
+(``lax.scan``), so compile time and the step's jaxpr do not grow with depth, and the
+parameters are initialised by one ``jax.vmap`` over ``n`` keys.
+
+Key paths address members too: ``ft.get(model, "blocks.3.up.weight")`` is member 3's
+array (see :mod:`functree._stacked`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from functree._module import Module, field, from_fields
+from functree._paths import KeyPath, children, walk
+from functree.nn._check import LayerInputError
+from functree.nn._mode import Layer
+from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
+from functree.nn._sequential import Sequential, takes_key
+
+__all__ = ["Stack"]
+
+BAD_N = """\
+ft.nn.Stack needs n >= 1 members (an int), got n={n!r}.
+
+    wrong:  ft.nn.Stack(make, {n!r}, key=k)
+    right:  ft.nn.Stack(make, 12, key=k)"""
+
+NOT_A_MODULE = """\
+ft.nn.Stack: make(key) must return an ft.Module (one block), got {type}.
+
+    wrong:  ft.nn.Stack(lambda k: jax.random.normal(k, (4, 4)), 12, key=k)
+    right:  ft.nn.Stack(lambda k: Block(64, key=k), 12, key=k)"""
+
+EMPTY_LAYERS = """\
+ft.nn.Stack.from_layers needs at least one module, got {given!r}.
+
+    right:  ft.nn.Stack.from_layers([block0, block1, block2])"""
+
+DIFFERENT_STRUCTURE = """\
+ft.nn.Stack: member {index} differs from member 0 at {path}: {first} in member 0, {given} \
+in member {index}. Stacked members must have identical structure (types, static fields, leaf \
+shapes and dtypes).
+    right:  ft.nn.Stack.from_layers([Block(64, key=k) for k in jax.random.split(key, n)])"""
+
+CHANGES_SHAPE = """\
+ft.nn.Stack: each member maps x to the same shape and dtype (it is applied with \
+jax.lax.scan), but a {block} maps {given} to {returned}.
+    wrong:  ft.nn.Stack(lambda k: ft.nn.Dense(64, 128, key=k), n, key=k)
+    right:  ft.nn.Stack(lambda k: ft.nn.Dense(64, 64, key=k), n, key=k)   # or put the \
+change of shape before or after the Stack"""
+
+OUT_OF_RANGE = """\
+stack[{index}]: the Stack holds {n} members (0 to {last}, or -{n} to -1 from the end).
+    wrong:  stack[{index}]
+    right:  stack[{last}]   # or stack[-1], the last member"""
+
+BAD_MEMBER = """\
+ft.set({path}): a member of this Stack is a {expected}; given {given}.
+    right:  ft.set(model, {path!r}, block)   # a block of the same structure and shapes"""
+
+
+def _describe(tree: Any) -> str:
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) == 1 and hasattr(leaves[0], "shape"):
+        from functree._display import short_array
+
+        return short_array(leaves[0])
+    return f"{type(tree).__name__} {jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), tree)}"
+
+
+def _spec(x: Any) -> tuple[tuple[int, ...], str]:
+    return tuple(jnp.shape(x)), str(jnp.result_type(x))
+
+
+def _show(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        from functree._display import short_array
+
+        return short_array(x)
+    if isinstance(x, (Module, list, tuple, dict)):
+        return f"a {type(x).__name__}"
+    return getattr(x, "__name__", None) or repr(x)[:60]
+
+
+def _differ(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):
+        return True
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return _spec(x) != _spec(y)
+    if children(x) or isinstance(x, Module):
+        return False  # compared through its children (static fields included)
+    try:
+        return bool(x != y)
+    except Exception:  # a value that does not compare to a bool
+        return x is not y
+
+
+def _first_difference(first: Any, other: Any) -> tuple[str, str, str] | None:
+    """``(key path, first's value, other's value)`` where ``other`` differs from ``first``
+    (type, static value, leaf shape or dtype, set of children), or None."""
+    if _differ(first, other):
+        return "<root>", _show(first), _show(other)
+    a, b = list(walk(first)), list(walk(other))
+    for (pa, x), (pb, y) in zip(a, b):
+        if pa != pb:
+            return str(pa), f"{pa} = {_show(x)}", f"{pb} = {_show(y)}"
+        if _differ(x, y):
+            return str(pa), _show(x), _show(y)
+    if len(a) != len(b):
+        return "<root>", f"{len(a)} values", f"{len(b)} values"
+    return None
+
+
+def _check_n(n: Any) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(BAD_N.format(n=n))
+    return n
+
+
+class Stack(Layer):
+    """``n`` blocks of one structure applied in order, with parameters stacked (``lax.scan``).
+
+    ``make(key)`` builds one block; it runs once, under ``jax.vmap`` over ``n`` split
+    keys, so every leaf of :attr:`layers` has a leading axis of size ``n`` and init costs
+    the same for any ``n``. ``stack(x, *args, key=None, **kwargs)`` computes
+    ``x_{i+1} = member_i(x_i, *args, **kwargs)`` for ``i = 0..n-1`` with ``jax.lax.scan``:
+    each member maps ``x`` to the same shape and dtype; ``key=`` is split into one key per
+    member for blocks that take one (Dropout); layer state (BatchNorm) is collected per
+    member. ``remat=True`` (or a ``jax.checkpoint_policies`` name, or a policy) recomputes
+    each block in the backward pass instead of storing its activations.
+
+    ``len(stack) == n``; ``stack[i]`` is member ``i`` (the block's own type);
+    ``stack.unstack()`` is an ``ft.nn.Sequential`` of the members;
+    :meth:`from_layers` stacks existing blocks. Key paths reach members:
+    ``ft.get(model, "blocks.3.up.weight")``, ``ft.to_flat_dict(model, unstack=True)``.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> stack = ft.nn.Stack(lambda k: ft.nn.Dense(4, 4, jax.nn.tanh, key=k), 3, key=jax.random.key(0))
+      >>> len(stack), stack.layers.weight.shape, stack[1].weight.shape
+      (3, (3, 4, 4), (4, 4))
+      >>> x = jnp.ones((2, 4))
+      >>> bool(jnp.allclose(stack(x), stack.unstack()(x), atol=1e-6))
+      True
+      >>> ft.get({"blocks": stack}, "blocks.2.bias").shape
+      (4,)
+    """
+
+    layers: Any
+    n: int = field(static=True)
+    remat: Any = field(static=True, default=None)
+    __ft_stacked__: ClassVar[bool] = True
+
+    def __init__(self, make: Callable[[jax.Array], Any], n: int, *, key: jax.Array, remat: Any = None):
+        n = _check_n(n)
+        self.remat = remat_policy(remat)
+        layers = jax.vmap(make)(jax.random.split(key, n))
+        if not isinstance(layers, Module):
+            raise TypeError(NOT_A_MODULE.format(type=type(layers).__name__))
+        self.layers = layers
+        self.n = n
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[Any], *, remat: Any = None) -> Stack:
+        """A stack of existing blocks (identical structure, shapes and dtypes).
+
+        Example:
+          >>> import functree as ft, jax
+          >>> blocks = [ft.nn.Dense(2, 2, key=k) for k in jax.random.split(jax.random.key(0), 4)]
+          >>> ft.nn.Stack.from_layers(blocks).layers.weight.shape
+          (4, 2, 2)
+        """
+        layers = list(layers)
+        if not layers:
+            raise ValueError(EMPTY_LAYERS.format(given=layers))
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Module):
+                raise TypeError(NOT_A_MODULE.format(type=type(layer).__name__))
+            diff = _first_difference(layers[0], layer)
+            if diff is not None:
+                raise ValueError(DIFFERENT_STRUCTURE.format(index=i, path=diff[0], first=diff[1], given=diff[2]))
+        stacked = jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *layers)
+        return from_fields(cls, {"layers": stacked, "n": len(layers), "remat": remat_policy(remat)})
+
+    def __call__(self, x: Any, *args: Any, key: jax.Array | None = None, **kwargs: Any) -> Any:
+        keys = jax.random.split(key, self.n) if key is not None and takes_key(self.layers) else None
+        state = collecting()
+        paths: list[KeyPath] = []
+
+        def body(carry: Any, xs: tuple[Any, Any]) -> tuple[Any, Any]:
+            member, k = xs
+            kw = kwargs if k is None else {**kwargs, "key": k}
+            if state:
+                y, values = call_collecting(lambda m: m(carry, *args, **kw), member, paths)
+            else:
+                y, values = member(carry, *args, **kw), ()
+            _check_carry(member, carry, y)
+            return y, values
+
+        try:
+            x, values = jax.lax.scan(checkpointed(body, self.remat), x, (self.layers, keys), length=self.n)
+        except LayerInputError as e:
+            raise e.under(KeyPath.parse(".layers")) from None
+        record_under(self, "layers", paths, values)
+        return x
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """Member ``index`` (the block's type), or a Stack of a slice of the members."""
+        if isinstance(index, slice):
+            members = range(self.n)[index]
+            if not members:
+                raise IndexError(f"stack[{index.start}:{index.stop}:{index.step}] selects no member of {self.n}.")
+            picked = jnp.asarray(list(members), jnp.int32)
+            return self._with_layers(jax.tree.map(lambda a: a[picked], self.layers))
+        if not isinstance(index, int) or isinstance(index, bool) or not -self.n <= index < self.n:
+            raise IndexError(OUT_OF_RANGE.format(index=index, n=self.n, last=self.n - 1))
+        return self._member(index)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._member(i) for i in range(self.n))
+
+    def unstack(self) -> Sequential:
+        """An ``ft.nn.Sequential`` of the members (the same function, unrolled).
+
+        Example:
+          >>> import functree as ft, jax
+          >>> stack = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 3, key=jax.random.key(0))
+          >>> len(stack.unstack().layers)
+          3
+        """
+        return Sequential(*self)
+
+    # The stacked-node protocol of functree._stacked (per-member key paths).
+    def _member(self, i: int) -> Any:
+        return jax.tree.map(lambda a: a[i], self.layers)
+
+    def _with_member(self, i: int, value: Any) -> Stack:
+        diff = _first_difference(self._member(i), value)
+        if diff is not None:
+            raise ValueError(BAD_MEMBER.format(path=f"[{i}]", expected=_describe(self._member(i)),
+                                               given=_describe(value)))
+        return self._with_layers(jax.tree.map(lambda a, v: a.at[i].set(v), self.layers, value))
+
+    def _with_layers(self, layers: Any) -> Stack:
+        n = len(jax.tree.leaves(layers)[0]) if jax.tree.leaves(layers) else self.n
+        return from_fields(type(self), {"layers": layers, "n": n, "remat": self.remat})
+
+
+def _check_carry(block: Any, x: Any, y: Any) -> None:
+    same = jax.tree.structure(x) == jax.tree.structure(y) and all(
+        _spec(a) == _spec(b) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y))
+    )
+    if not same:
+        raise ValueError(CHANGES_SHAPE.format(block=type(block).__name__, given=_describe(x), returned=_describe(y)))

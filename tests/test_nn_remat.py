@@ -1,0 +1,86 @@
+"""ft.nn.Remat and Stack(remat=...): same values and gradients, less temporary memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+
+
+class Block(ft.Module):
+    norm: ft.nn.LayerNorm
+    up: ft.nn.Dense
+    down: ft.nn.Dense
+
+    def __init__(self, d, *, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = ft.nn.LayerNorm(d)
+        self.up = ft.nn.Dense(d, 4 * d, jax.nn.gelu, key=k1)
+        self.down = ft.nn.Dense(4 * d, d, key=k2)
+
+    def __call__(self, x):
+        return x + self.down(self.up(self.norm(x)))
+
+
+def stack(remat, n=3, d=8):
+    return ft.nn.Stack(lambda k: Block(d, key=k), n, key=jax.random.key(0), remat=remat)
+
+
+def sum_of_squares(m, x):
+    return jnp.sum(m(x) ** 2)
+
+
+@pytest.mark.parametrize("remat", [True, "dots_with_no_batch_dims_saveable", jax.checkpoint_policies.dots_saveable])
+def test_stack_remat_gradients_equal_no_remat(remat):
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    grad = jax.jit(jax.grad(sum_of_squares))
+    g, g_ref = grad(stack(remat), x), grad(stack(None), x)
+    # Recomputation repeats the same operations: measured spread 0 to 2e-7 of the largest value.
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
+def _temp_bytes(remat):
+    x = jnp.ones((256, 32))
+    compiled = jax.jit(jax.grad(sum_of_squares)).lower(stack(remat, n=12, d=32), x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_remat_cuts_the_gradients_temporary_memory_by_at_least_30_percent():
+    # 12 blocks at batch 256: measured 11.5 MB without remat, 0.9 MB with remat=True.
+    assert _temp_bytes(True) <= 0.7 * _temp_bytes(None)
+
+
+def test_remat_wraps_any_layer():
+    dense = ft.nn.Dense(3, 3, jax.nn.gelu, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    for policy in (None, "nothing_saveable", jax.checkpoint_policies.everything_saveable):
+        remat = ft.nn.Remat(dense, policy=policy)
+        np.testing.assert_allclose(remat(x), dense(x), atol=1e-6)
+        g, g_ref = jax.grad(sum_of_squares)(remat, x).layer, jax.grad(sum_of_squares)(dense, x)
+        np.testing.assert_allclose(g.weight, g_ref.weight, atol=1e-5 * float(jnp.max(jnp.abs(g_ref.weight))))
+
+
+def test_remat_passes_keys_and_collects_state():
+    inner = ft.nn.Sequential(ft.nn.Dense(3, 3, key=jax.random.key(0)), ft.nn.BatchNorm(3), ft.nn.Dropout(0.5))
+    model = ft.nn.training(ft.nn.Sequential(ft.nn.Remat(inner)))
+    x, key = jnp.arange(12.0).reshape(4, 3), jax.random.key(3)
+    y, state = ft.nn.collect_state(lambda m: m(x, key=key), model)
+    y_ref, state_ref = ft.nn.collect_state(lambda m: m(x, key=key), ft.nn.training(ft.nn.Sequential(inner)))
+    np.testing.assert_allclose(y, y_ref, atol=1e-6)
+    assert sorted(map(str, state)) == [".layers[0].layer.layers[1].running_mean",
+                                       ".layers[0].layer.layers[1].running_variance"]
+    np.testing.assert_allclose(state[ft.KeyPath.parse(".layers[0].layer.layers[1].running_mean")],
+                               state_ref[ft.KeyPath.parse(".layers[0].layers[1].running_mean")], atol=1e-6)
+
+
+def test_bad_policies():
+    dense = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"remat='save_everything' is not a rematerialisation policy(.|\n)*"
+                                         r"Policy names: checkpoint_dots, "):
+        ft.nn.Remat(dense, policy="save_everything")
+    with pytest.raises(ValueError, match=r"names a policy factory(.|\n)*save_only_these_names\(\"name\""):
+        ft.nn.Stack(lambda k: Block(4, key=k), 2, key=jax.random.key(0), remat="save_only_these_names")
+    with pytest.raises(ValueError, match=r"remat=3 is not a rematerialisation policy"):
+        ft.nn.Stack(lambda k: Block(4, key=k), 2, key=jax.random.key(0), remat=3)

@@ -1,0 +1,423 @@
+"""ft.nn.Stack: stacked members applied with lax.scan, addressed by per-member key paths."""
+
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+import functree as ft
+
+D = 8
+
+
+class Block(ft.Module):
+    norm: ft.nn.LayerNorm
+    up: ft.nn.Dense
+    down: ft.nn.Dense
+
+    def __init__(self, d=D, *, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = ft.nn.LayerNorm(d)
+        self.up = ft.nn.Dense(d, 4 * d, jax.nn.gelu, key=k1)
+        self.down = ft.nn.Dense(4 * d, d, key=k2)
+
+    def __call__(self, x):
+        return x + self.down(self.up(self.norm(x)))
+
+
+class Model(ft.Module):
+    blocks: ft.nn.Stack
+    head: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.head(self.blocks(x))
+
+
+def model(n=4, remat=None, seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return Model(ft.nn.Stack(lambda k: Block(key=k), n, key=k1, remat=remat), ft.nn.Dense(D, 2, key=k2))
+
+
+def unrolled(m):
+    return Model(m.blocks.unstack(), m.head)
+
+
+X = jax.random.normal(jax.random.key(9), (5, D))
+
+
+def loss(m, x=X):
+    return jnp.mean(m(x) ** 2)
+
+
+# ------------------------------------------------------------------ construction and indexing
+def test_init_stacks_parameters_on_a_leading_axis():
+    m = model(n=3)
+    assert len(m.blocks) == 3
+    assert m.blocks.layers.up.weight.shape == (3, D, 4 * D)
+    assert isinstance(m.blocks[1], Block) and m.blocks[1].up.weight.shape == (D, 4 * D)
+    np.testing.assert_array_equal(m.blocks[-1].down.bias, m.blocks.layers.down.bias[2])
+    assert not np.array_equal(m.blocks[0].up.weight, m.blocks[1].up.weight)  # one key per member
+    assert [b.up.weight.shape for b in m.blocks] == [(D, 4 * D)] * 3
+    assert len(m.blocks[1:]) == 2 and isinstance(m.blocks[1:], ft.nn.Stack)
+
+
+def test_init_runs_make_once():
+    calls = []
+
+    def make(k):
+        calls.append(k)
+        return Block(key=k)
+
+    ft.nn.Stack(make, 16, key=jax.random.key(0))
+    assert len(calls) == 1
+
+
+def test_from_layers_and_unstack_round_trip():
+    blocks = [Block(key=k) for k in jax.random.split(jax.random.key(1), 3)]
+    stack = ft.nn.Stack.from_layers(blocks)
+    assert len(stack) == 3
+    for i, b in enumerate(stack.unstack()):
+        for a, c in zip(jax.tree.leaves(b), jax.tree.leaves(blocks[i])):
+            np.testing.assert_array_equal(a, c)
+
+
+# ------------------------------------------------------------------ Stack == unrolled model
+def test_output_and_gradient_equal_the_unrolled_model():
+    m = model(n=4)
+    y, g = jax.jit(jax.value_and_grad(loss))(m)
+    y_ref, g_ref = jax.jit(jax.value_and_grad(loss))(unrolled(m))
+    # Same operations in the same order, compiled apart: measured spread 0 to 1e-7.
+    np.testing.assert_allclose(y, y_ref, atol=1e-6 * abs(float(y_ref)))
+    stacked_ref = jax.tree.map(lambda *xs: jnp.stack(xs), *g_ref.blocks.layers)
+    for a, b in zip(jax.tree.leaves(g.blocks.layers), jax.tree.leaves(stacked_ref)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
+def test_gradient_equals_the_unrolled_gradient_in_float64():
+    with jax.enable_x64(True):
+        m = jax.tree.map(lambda a: a.astype(jnp.float64), model(n=3))
+        x = X.astype(jnp.float64)
+        grad = jax.jit(jax.grad(loss))
+        g, g_ref = grad(m, x), grad(unrolled(m), x)
+        stacked_ref = jax.tree.map(lambda *xs: jnp.stack(xs), *g_ref.blocks.layers)
+        for a, b in zip(jax.tree.leaves(g.blocks.layers), jax.tree.leaves(stacked_ref)):
+            np.testing.assert_allclose(a, b, atol=1e-12)
+
+
+def test_extra_arguments_reach_every_member():
+    class Scale(ft.Module):
+        w: jax.Array
+
+        def __call__(self, x, factor, *, shift):
+            return x * self.w * factor + shift
+
+    stack = ft.nn.Stack(lambda k: Scale(jnp.full((2,), 2.0)), 3, key=jax.random.key(0))
+    np.testing.assert_allclose(stack(jnp.ones(2), 0.5, shift=1.0), jnp.full((2,), 4.0))  # x -> x + 1, 3 times
+
+
+class Norms(ft.Module):
+    """A pre-norm transformer block: causal attention and a GELU MLP (RMSNorm, LayerNorm)."""
+
+    norm1: ft.nn.RMSNorm
+    attention: ft.nn.MultiheadAttention
+    norm2: ft.nn.LayerNorm
+    mlp: ft.nn.Sequential
+
+    def __init__(self, d=D, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.norm1, self.norm2 = ft.nn.RMSNorm(d), ft.nn.LayerNorm(d)
+        self.attention = ft.nn.MultiheadAttention(d, 2, causal=True, key=k1)
+        self.mlp = ft.nn.Sequential(ft.nn.Dense(d, 2 * d, ft.nn.gelu, key=k2), ft.nn.Dense(2 * d, d, key=k3))
+
+    def __call__(self, x, *, mask=None):
+        x = x + self.attention(self.norm1(x), mask=mask)
+        return x + self.mlp(self.norm2(x))
+
+
+def test_transformer_blocks_with_a_mask_keyword():
+    stack = ft.nn.Stack(lambda k: Norms(key=k), 3, key=jax.random.key(0), remat=True)
+    x = jax.random.normal(jax.random.key(1), (2, 5, D))
+    mask = jnp.ones((5, 5), bool).at[:, 0].set(False).at[0, 0].set(True)
+    y, y_ref = jax.jit(lambda s: (s(x, mask=mask), _apply(s, x, mask)))(stack)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5 * float(jnp.max(jnp.abs(y_ref))))
+
+
+def _apply(stack, x, mask):
+    for block in stack:
+        x = block(x, mask=mask)
+    return x
+
+
+# ------------------------------------------------------------------ dropout and layer state
+class Noisy(ft.Module):
+    dense: ft.nn.Dense
+    norm: ft.nn.BatchNorm
+    drop: ft.nn.Dropout
+
+    def __init__(self, *, key):
+        self.dense, self.norm, self.drop = ft.nn.Dense(3, 3, key=key), ft.nn.BatchNorm(3), ft.nn.Dropout(0.5)
+
+    def __call__(self, x, *, key=None):
+        return self.drop(self.norm(self.dense(x)), key=key)
+
+
+def test_dropout_gets_a_fresh_key_per_member_and_state_is_collected():
+    stack = ft.nn.training(ft.nn.Stack(lambda k: Noisy(key=k), 3, key=jax.random.key(0)))
+    x, key = jnp.arange(12.0).reshape(4, 3), jax.random.key(5)
+    y, state = ft.nn.collect_state(lambda s: s(x, key=key), stack)
+    # Sequential splits its key the same way among the members that take one.
+    y_ref, state_ref = ft.nn.collect_state(lambda s: s(x, key=key), stack.unstack())
+    np.testing.assert_allclose(y, y_ref, atol=1e-6)
+    assert sorted(map(str, state)) == [".layers.norm.running_mean", ".layers.norm.running_variance"]
+    for name in ("running_mean", "running_variance"):
+        ref = jnp.stack([state_ref[ft.KeyPath.parse(f".layers[{i}].norm.{name}")] for i in range(3)])
+        np.testing.assert_allclose(state[ft.KeyPath.parse(f".layers.norm.{name}")], ref, atol=1e-6)
+    updated = ft.nn.apply_state(stack, state)
+    assert updated.layers.norm.running_mean.shape == (3, 3)
+    same_key = ft.nn.Stack.from_layers([stack[0]] * 3)
+    masks = [ft.nn.training(b.drop)(jnp.ones(64), key=k) for b, k in zip(same_key, jax.random.split(key, 3))]
+    assert not np.array_equal(masks[0], masks[1])
+
+
+def test_state_under_value_with_gradient_and_state_inside_a_model():
+    m = ft.nn.training(ft.nn.Sequential(ft.nn.Stack(lambda k: Noisy(key=k), 2, key=jax.random.key(0))))
+    x = jnp.arange(12.0).reshape(4, 3)
+    _, grads, state = ft.nn.value_with_gradient_and_state(
+        lambda mm, xx: jnp.mean(mm(xx, key=jax.random.key(1)) ** 2), m, x)
+    assert sorted(map(str, state)) == [".layers[0].layers.norm.running_mean",
+                                       ".layers[0].layers.norm.running_variance"]
+    assert grads.layers[0].layers.dense.weight.shape == (2, 3, 3)
+
+
+# ------------------------------------------------------------------ per-member key paths
+def test_get_and_set_one_member():
+    m = model(n=4)
+    w = ft.get(m, "blocks.3.up.weight")
+    np.testing.assert_array_equal(w, m.blocks.layers.up.weight[3])
+    np.testing.assert_array_equal(ft.get(m, ".blocks[3].up.weight"), w)
+    np.testing.assert_array_equal(ft.get(m, ".blocks[-1].up.weight"), w)
+    m2 = ft.set(m, "blocks.3.up.weight", jnp.zeros_like(w))
+    np.testing.assert_array_equal(m2.blocks.layers.up.weight[3], 0)
+    np.testing.assert_array_equal(m2.blocks.layers.up.weight[:3], m.blocks.layers.up.weight[:3])
+    block = ft.get(m, "blocks.1")
+    assert isinstance(block, Block)
+    m3 = ft.set(m, "blocks.0", block)
+    np.testing.assert_array_equal(m3.blocks.layers.down.weight[0], m.blocks.layers.down.weight[1])
+    assert ft.get(m, "blocks.layers.up.weight").shape == (4, D, 4 * D)
+
+
+def test_per_member_set_with_the_wrong_shape_names_the_path():
+    m = model(n=4)
+    with pytest.raises(ValueError, match=r"ft.set\(.blocks\[3\].up.weight\): expected shape \(8, 32\)"):
+        ft.set(m, "blocks.3.up.weight", jnp.zeros((4, D, 4 * D)))
+    with pytest.raises(ValueError, match=r"a member of this Stack is a Block"):
+        ft.set(m, "blocks.2", Block(d=4, key=jax.random.key(0)))
+
+
+def test_member_out_of_range():
+    m = model(n=4)
+    with pytest.raises(IndexError, match=r"member 4 does not exist; the Stack holds 4 members(.|\n)*'blocks.3'"):
+        ft.get(m, "blocks.4.up.weight")
+    with pytest.raises(IndexError, match=r"member 4 does not exist"):
+        ft.get(m, ".blocks[4].up.weight")
+    with pytest.raises(IndexError, match=r"stack\[-5\]: the Stack holds 4 members(.|\n)*right:  stack\[3\]"):
+        m.blocks[-5]
+
+
+def test_flat_dict_stacked_and_per_member_forms():
+    m = model(n=3)
+    stacked = ft.to_flat_dict(m)
+    assert "blocks.layers.up.weight" in stacked and stacked["blocks.layers.up.weight"].shape == (3, D, 4 * D)
+    members = ft.to_flat_dict(m, unstack=True)
+    assert list(members)[:2] == ["blocks.0.norm.scale", "blocks.0.norm.offset"]
+    assert members["blocks.2.up.weight"].shape == (D, 4 * D) and "head.weight" in members
+    assert len(members) == 3 * 6 + 2
+    zero = jax.tree.map(jnp.zeros_like, m)
+    for flat in (stacked, members):
+        back = ft.from_flat_dict(zero, flat)
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(m)):
+            np.testing.assert_array_equal(a, b)
+        assert jax.tree.structure(back) == jax.tree.structure(m)
+
+
+def test_torch_style_state_dict_maps_onto_a_stack():
+    m = model(n=2)
+    torch_like = {k: np.asarray(v, np.float64) for k, v in ft.to_flat_dict(m, unstack=True).items()}
+    back = ft.from_flat_dict(m, torch_like, cast=True)
+    np.testing.assert_allclose(back.blocks.layers.up.weight, m.blocks.layers.up.weight, atol=1e-7)
+    del torch_like["blocks.1.up.bias"]
+    _, report = ft.from_flat_dict(m, torch_like, strict=False, cast=True)
+    assert report.missing == ("blocks.1.up.bias",)
+    with pytest.raises(ValueError, match=r"missing keys:    \['blocks.1.up.bias'\]"):
+        ft.from_flat_dict(m, torch_like, cast=True)
+
+
+# ------------------------------------------------------------------ globs: decay, groups, sharding
+def test_decay_mask_and_groups_by_glob_on_stacked_leaves():
+    params = ft.parameters(model(n=3))
+    mask = ft.optim.decay_mask(params)
+    assert mask.blocks.layers.up.weight is True and mask.blocks.layers.up.bias is False
+    assert mask.blocks.layers.norm.scale is False
+    tx = ft.optim.groups({"blocks.*": ft.optim.sgd(0.1), "head.*": ft.optim.sgd(1.0)})
+    updates, _ = tx.update(params, tx.init(params), params)
+    np.testing.assert_allclose(updates.blocks.layers.up.weight, -0.1 * params.blocks.layers.up.weight, atol=1e-7)
+
+
+def test_fsdp_never_splits_the_layer_axis_unless_a_rule_asks():
+    mesh = AbstractMesh((8,), ("data",))
+    stack = ft.nn.Stack(lambda k: ft.nn.Dense(16, 8, key=k), 64, key=jax.random.key(0))  # weight (64, 16, 8)
+    assert ft.partition_specs(stack, "fsdp", mesh=mesh).layers.weight == P(None, "data")
+    assert ft.partition_specs(stack, {"*.weight": P(None, "data")}, mesh=mesh,
+                              strict=False).layers.weight == P(None, None, "data")  # one member's spec
+    assert ft.partition_specs(stack, {"*.weight": P("data", None, None)}, mesh=mesh,
+                              strict=False).layers.weight == P("data", None, None)  # asks for the layer axis
+    nested = ft.nn.Stack(lambda k: ft.nn.Stack(lambda k2: ft.nn.Dense(16, 8, key=k2), 8, key=k), 8,
+                         key=jax.random.key(0))  # weight (8, 8, 16, 8)
+    assert ft.partition_specs(nested, "fsdp", mesh=mesh).layers.layers.weight == P(None, None, "data")
+
+
+# ------------------------------------------------------------------ display, training, checkpoints
+def test_summary_shows_a_stack_once():
+    m = model(n=12)
+    text = str(ft.summary(m))
+    per = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(m.blocks[0]))
+    assert re.search(rf"\nblocks +12 × Block \({per:,} each\) +float32 +{12 * per:,} ", text), text
+    assert ft.summary(m).parameter_count == ft.summary(unrolled(m)).parameter_count
+    assert "blocks.layers" not in text
+    assert "12 × Block" in str(ft.summary(m, depth=1))
+
+
+def test_trainer_and_checkpoint_round_trip():
+    m = model(n=3)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, D)).astype(np.float32)
+    y = rng.normal(size=(32, 2)).astype(np.float32)
+    trainer = ft.train.Trainer(m, ft.optim.Optimizer(ft.optim.adam(1e-2)),
+                               lambda mm, b: jnp.mean((mm(b[0]) - b[1]) ** 2))
+    history = trainer.fit(ft.train.batches((x, y), 16), epochs=3, progress=False)
+    assert history.epochs["loss"][-1] < history.epochs["loss"][0]
+    trained = trainer.model
+    assert isinstance(trained.blocks, ft.nn.Stack) and trained.blocks.layers.up.weight.shape == (3, D, 4 * D)
+    with tempfile.TemporaryDirectory() as d:
+        ft.train.save(d + "/m", trained)
+        for restored in (ft.train.load(d + "/m"), ft.train.load(d + "/m", trained)):
+            assert jax.tree.structure(restored) == jax.tree.structure(trained)
+            for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(trained)):
+                np.testing.assert_array_equal(a, b)
+
+
+def _equations(jaxpr) -> int:
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _equations(inner)
+    return count
+
+
+def test_the_train_step_jaxpr_does_not_grow_with_depth():
+    opt = ft.optim.Optimizer(ft.optim.adamw(1e-3))
+
+    def step(m, state):
+        _, grads = ft.value_with_gradient(loss, at=m)
+        updates, state = opt.update(grads, state, m)
+        return ft.move(m, along=updates), state
+
+    sizes = []
+    for n in (2, 9):
+        m = model(n=n)
+        sizes.append(_equations(jax.make_jaxpr(step)(m, opt.init(m)).jaxpr))
+    assert sizes[0] == sizes[1]
+
+
+# ------------------------------------------------------------------ bad input
+def test_bad_n_and_make():
+    for n in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=r"ft\.nn\.Stack needs n >= 1 members"):
+            ft.nn.Stack(lambda k: Block(key=k), n, key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"make\(key\) must return an ft.Module"):
+        ft.nn.Stack(lambda k: jax.random.normal(k, (2,)), 3, key=jax.random.key(0))
+
+
+def test_members_of_different_structure():
+    k = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"member 1 differs from member 0 at .weight: f32\[2,3\] in member 0, "
+                                         r"f32\[2,4\] in member 1"):
+        ft.nn.Stack.from_layers([ft.nn.Dense(2, 3, key=k), ft.nn.Dense(2, 4, key=k)])
+    with pytest.raises(ValueError, match=r"at .activation: identity in member 0, relu in member 1"):
+        ft.nn.Stack.from_layers([ft.nn.Dense(2, 3, key=k), ft.nn.Dense(2, 3, jax.nn.relu, key=k)])
+    with pytest.raises(ValueError, match=r"at <root>: a Dense in member 0, a LayerNorm in member 2"):
+        ft.nn.Stack.from_layers([ft.nn.Dense(2, 3, key=k)] * 2 + [ft.nn.LayerNorm(3)])
+    with pytest.raises(ValueError, match=r"from_layers needs at least one module"):
+        ft.nn.Stack.from_layers([])
+
+
+def test_a_block_that_changes_the_shape_of_x():
+    stack = ft.nn.Stack(lambda k: ft.nn.Dense(4, 6, key=k), 2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"a Dense maps f32\[3,4\] to f32\[3,6\](.|\n)*Dense\(64, 64"):
+        stack(jnp.ones((3, 4)))
+    with pytest.raises(ValueError, match=r"maps f32\[3,4\] to bf16\[3,4\]"):
+        ft.nn.Stack(lambda k: ft.nn.Lambda(lambda x: x.astype(jnp.bfloat16)), 2, key=jax.random.key(0))(
+            jnp.ones((3, 4)))
+
+
+@pytest.mark.slow
+def test_fsdp_and_tensor_parallel_on_eight_devices_equal_one_device():
+    from _devices import run
+
+    out = run("""
+import jax.numpy as jnp, numpy as np
+import functree as ft
+from jax.sharding import PartitionSpec as P
+
+class Block(ft.Module):
+    norm: ft.nn.LayerNorm
+    up: ft.nn.Dense
+    down: ft.nn.Dense
+    def __init__(self, d, *, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = ft.nn.LayerNorm(d)
+        self.up = ft.nn.Dense(d, 4 * d, jax.nn.gelu, key=k1)
+        self.down = ft.nn.Dense(4 * d, d, key=k2)
+    def __call__(self, x):
+        return x + self.down(self.up(self.norm(x)))
+
+def loss_fn(m, batch):
+    x, y = batch
+    return jnp.mean((m(x) - y) ** 2)
+
+rng = np.random.default_rng(0)
+xs = rng.normal(size=(4, 64, 32)).astype(np.float32)
+ys = rng.normal(size=(4, 64, 32)).astype(np.float32)
+
+def train(**kw):
+    m = ft.nn.Stack(lambda k: Block(32, key=k), 8, key=jax.random.key(0), remat=True)
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    step, s = ft.train.train_step(loss_fn, opt, **kw), opt.init(m)
+    for i in range(4):
+        m, s, _ = step(m, s, (xs[i], ys[i]))
+    return m
+
+one = train()
+fsdp = train(mesh=jax.make_mesh((8,), ("data",)), sharding="fsdp")
+tp = train(mesh=jax.make_mesh((4, 2), ("data", "model")),
+           sharding={"*.up.weight": P(None, "model"), "*.down.weight": P("model", None)})
+def diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+report({"fsdp": diff(fsdp, one), "tp": diff(tp, one),
+        "scale": max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(one)),
+        "fsdp_spec": str(fsdp.layers.up.weight.sharding.spec), "tp_spec": str(tp.layers.up.weight.sharding.spec)})
+""")
+    # 4 Adam steps (lr 1e-2), 8 devices vs 1: the sums differ in order only, and Adam's
+    # normalisation carries that into the parameters: measured 1.2e-5 and 7.8e-6 of a scale of 1.
+    assert out["fsdp"] <= 1e-4 * out["scale"] and out["tp"] <= 1e-4 * out["scale"], out
+    assert out["fsdp_spec"] == "P(None, None, 'data')"  # never the layer axis
+    assert out["tp_spec"] == "P(None, None, 'model')"  # the member's rule, layer axis prepended

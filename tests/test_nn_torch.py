@@ -24,6 +24,18 @@ def _seed():
     torch.manual_seed(0)
 
 
+def build(make):
+    """``make()``'s model with random NumPy values: no initializer compiled per shape (fast)."""
+    rng = np.random.default_rng(2)
+
+    def fill(path, leaf):
+        value = rng.uniform(0.5, 1.5, leaf.shape) if "variance" in jax.tree_util.keystr(path) else \
+            rng.normal(0.0, 0.5, leaf.shape)
+        return jnp.asarray(value.astype(leaf.dtype))
+
+    return jax.tree_util.tree_map_with_path(fill, jax.eval_shape(make))
+
+
 def close(actual, expected):
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape
@@ -39,7 +51,7 @@ def run_torch(module, x):
 def both_ways(torch_module, ft_model, x_torch, x_ft=None, ft_call=None, **options):
     """torch → ft and ft → torch: the same outputs; returns the loaded ft model."""
     x_ft = x_torch if x_ft is None else x_ft
-    call = ft_call or (lambda m, *a: m(*a))
+    call = jax.jit(ft_call or (lambda m, *a: m(*a)))  # one compile per model, not one per op
     loaded = ft.nn.load_torch_state_dict(ft_model, torch_module.state_dict(), **options)
     close(call(loaded, *(jnp.asarray(a) for a in x_ft)), to_ft_layout(run_torch(torch_module, x_torch), x_torch, x_ft))
     # the other way: the ft model's own (different) weights into the torch module
@@ -73,11 +85,11 @@ def test_cnn_conv_batch_norm_pool_flatten_linear():
         nn.Flatten(), nn.Linear(6 * 3 * 3, 10),
     )
     randomize_batch_norms(net)
-    model = ft.nn.Sequential(
+    model = build(lambda: ft.nn.Sequential(
         ft.nn.Conv2D(3, 8, 3, padding=1, key=K[0]), ft.nn.BatchNorm(8, epsilon=1e-5), ft.nn.relu,
         ft.nn.MaxPool2D(2), ft.nn.Conv2D(8, 6, 3, strides=2, padding="VALID", groups=2, key=K[1]),
         ft.nn.BatchNorm(6, epsilon=1e-5), ft.nn.relu, ft.nn.Flatten(), ft.nn.Dense(54, 10, key=K[2]),
-    )
+    ))
     x, x_ft = nchw((4, 3, 16, 16))
     running_var = net[1].running_var.numpy().copy()
     loaded = both_ways(net, model, (x,), (x_ft,), flattened={"8": (6, 3, 3)})
@@ -94,10 +106,10 @@ def test_mlp_with_exact_and_tanh_gelu_and_prefix_rename():
         def forward(self, x):
             return self.module(x)
 
-    model = ft.nn.Sequential(
+    model = build(lambda: ft.nn.Sequential(
         ft.nn.Dense(5, 16, ft.nn.gelu_exact, key=K[0]), ft.nn.Dense(16, 16, ft.nn.gelu, key=K[1]),
         ft.nn.Dense(16, 2, use_bias=False, key=K[2]),
-    )
+    ))
     rename = {"module.0": "0", "module.2": "1", "module.4": "2"}
     x = np.random.default_rng(0).normal(size=(7, 5)).astype(np.float32)
     both_ways(Wrapped(), model, (x,), rename=rename)
@@ -130,10 +142,10 @@ class TorchEncoder(nn.Module):
 
 
 def test_embedding_layer_norm_attention_rms_norm_and_a_parameter():
-    model = Encoder(
+    model = build(lambda: Encoder(
         ft.nn.Embedding(11, 8, key=K[0]), ft.nn.LayerNorm(8), ft.nn.MultiheadAttention(8, 2, key=K[1]),
         ft.nn.RMSNorm(8), jax.random.normal(K[2], (6, 8)),
-    )
+    ))
     tokens = np.random.default_rng(0).integers(0, 11, size=(3, 6)).astype(np.int32)
     mask = np.ones((3, 6), bool)
     mask[1, 4:] = False
@@ -142,7 +154,7 @@ def test_embedding_layer_norm_attention_rms_norm_and_a_parameter():
 
 def test_attention_with_other_key_and_value_sizes():
     mha = nn.MultiheadAttention(8, 4, kdim=5, vdim=3, batch_first=True)
-    model = ft.nn.MultiheadAttention(8, 4, key_size=5, value_size=3, key=K[0])
+    model = build(lambda: ft.nn.MultiheadAttention(8, 4, key_size=5, value_size=3, key=K[0]))
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(2, n, d)).astype(np.float32) for n, d in [(4, 8), (6, 5), (6, 3)])
     both_ways(mha, model, (q, k, v))
@@ -151,7 +163,7 @@ def test_attention_with_other_key_and_value_sizes():
 
 @pytest.mark.parametrize("kind", ["GRU", "LSTM"])
 def test_recurrent_layers_and_cells(kind):
-    cell = getattr(ft.nn, f"{kind}Cell")(4, 6, key=K[0])
+    cell = build(lambda: getattr(ft.nn, f"{kind}Cell")(4, 6, key=K[0]))
     x = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
     both_ways(getattr(nn, kind)(4, 6, batch_first=True), ft.nn.RNN(cell), (x,))
     both_ways(getattr(nn, f"{kind}Cell")(4, 6), cell, (x[:, 0],), ft_call=lambda m, x: m(m.zero_state((2,)), x)[1])
@@ -160,21 +172,20 @@ def test_recurrent_layers_and_cells(kind):
 def test_conv1d_transposed_convolutions_group_norm_batch_norm_1d():
     net = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.BatchNorm1d(4))
     randomize_batch_norms(net)
-    model = ft.nn.Sequential(ft.nn.Conv1D(3, 4, 3, padding=1, key=K[0]), ft.nn.GroupNorm(2, 4),
-                             ft.nn.BatchNorm(4, epsilon=1e-5))
+    model = build(lambda: ft.nn.Sequential(ft.nn.Conv1D(3, 4, 3, padding=1, key=K[0]), ft.nn.GroupNorm(2, 4),
+                                           ft.nn.BatchNorm(4, epsilon=1e-5)))
     x, x_ft = nchw((2, 3, 9))
     both_ways(net, model, (x,), (x_ft,))
     up = nn.ConvTranspose2d(3, 5, 3, stride=2)
     x, x_ft = nchw((2, 3, 4, 4))
-    both_ways(up, ft.nn.Conv2DTranspose(3, 5, 3, strides=2, padding="VALID", key=K[1]), (x,), (x_ft,))
+    both_ways(up, build(lambda: ft.nn.Conv2DTranspose(3, 5, 3, strides=2, padding="VALID", key=K[1])), (x,), (x_ft,))
 
 
 def test_state_dict_round_trip_keeps_every_value_and_dtype():
-    model = ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[0], dtype=jnp.bfloat16), ft.nn.BatchNorm(4))
+    model = build(lambda: ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[0], dtype=jnp.bfloat16), ft.nn.BatchNorm(4)))
     sd = ft.nn.torch_state_dict(model)
     assert sd["0.weight"].dtype == torch.bfloat16 and tuple(sd["0.weight"].shape) == (4, 3)
-    back = ft.nn.load_torch_state_dict(ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[1], dtype=jnp.bfloat16),
-                                                        ft.nn.BatchNorm(4)), sd)
+    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), sd)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -189,8 +200,8 @@ def test_num_batches_tracked_dropped_and_float64_cast():
 
 def test_strict_error_names_missing_unexpected_and_mis_shaped_torch_keys():
     net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(5), nn.Linear(4, 2))
-    model = ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[0]), ft.nn.LayerNorm(4), ft.nn.Dense(4, 2, key=K[1]),
-                             ft.nn.Dense(2, 2, key=K[2]))
+    model = build(lambda: ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[0]), ft.nn.LayerNorm(4),
+                                           ft.nn.Dense(4, 2, key=K[1]), ft.nn.Dense(2, 2, key=K[2])))
     sd = {**net.state_dict(), "extra.weight": torch.zeros(1)}
     with pytest.raises(ValueError) as e:
         ft.nn.load_torch_state_dict(model, sd)
@@ -208,12 +219,13 @@ def test_strict_error_names_missing_unexpected_and_mis_shaped_torch_keys():
 
 def test_lstm_of_other_layers_and_directions_reported():
     lstm = nn.LSTM(4, 6, num_layers=2, bidirectional=True)
-    _, report = ft.nn.load_torch_state_dict(ft.nn.RNN(ft.nn.LSTMCell(4, 6, key=K[0])), lstm.state_dict(), strict=False)
+    _, report = ft.nn.load_torch_state_dict(build(lambda: ft.nn.RNN(ft.nn.LSTMCell(4, 6, key=K[0]))),
+                                            lstm.state_dict(), strict=False)
     assert not report.missing and "weight_ih_l1" in report.unexpected and "weight_ih_l0_reverse" in report.unexpected
 
 
 def test_flattened_errors():
-    model = ft.nn.Sequential(ft.nn.Flatten(), ft.nn.Dense(12, 2, key=K[0]))
+    model = build(lambda: ft.nn.Sequential(ft.nn.Flatten(), ft.nn.Dense(12, 2, key=K[0])))
     with pytest.raises(ValueError, match=r"flattened= names \['fc'\], which are not Dense layers.*\['1'\]"):
         ft.nn.torch_state_dict(model, flattened={"fc": (3, 2, 2)})
     with pytest.raises(ValueError, match=r"has 18 values per example; the Dense layer takes 12"):

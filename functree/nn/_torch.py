@@ -187,12 +187,12 @@ def _rnn(layer: RNN) -> list[Local] | None:
     return None  # another cell: walked into, its leaves matched by name
 
 
-_LAYERS: tuple[tuple[type, Callable[[Any], list[Local] | None]], ...] = (
+_LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None]], ...] = (
     (_Conv, _conv),
-    ((LayerNorm, GroupNorm, RMSNorm, BatchNorm), _norm),  # type: ignore[dict-item]
+    ((LayerNorm, GroupNorm, RMSNorm, BatchNorm), _norm),
     (Embedding, lambda layer: [_same("weight", "embeddings")]),
     (MultiheadAttention, _attention),
-    ((GRUCell, LSTMCell), _cell),  # type: ignore[dict-item]
+    ((GRUCell, LSTMCell), _cell),
     (RNN, _rnn),
 )
 

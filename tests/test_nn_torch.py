@@ -224,6 +224,14 @@ def test_lstm_of_other_layers_and_directions_reported():
     assert not report.missing and "weight_ih_l1" in report.unexpected and "weight_ih_l0_reverse" in report.unexpected
 
 
+def test_rename_by_a_function_both_ways():
+    model = build(lambda: {"encoder": ft.nn.LayerNorm(3)})
+    sd = ft.nn.torch_state_dict(model, rename=lambda name: "backbone." + name, numpy=True)
+    assert set(sd) == {"backbone.encoder.weight", "backbone.encoder.bias"}
+    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), sd, rename=lambda name: name[9:])
+    np.testing.assert_array_equal(back["encoder"].scale, model["encoder"].scale)
+
+
 def test_flattened_errors():
     model = build(lambda: ft.nn.Sequential(ft.nn.Flatten(), ft.nn.Dense(12, 2, key=K[0])))
     with pytest.raises(ValueError, match=r"flattened= names \['fc'\], which are not Dense layers.*\['1'\]"):

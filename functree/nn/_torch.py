@@ -20,7 +20,7 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
 
 A layer's torch name is its key path with ``Sequential``'s ``layers`` and ``Shared``'s
 ``model`` left out (``features.layers.0`` is torch's ``features.0``); any other array leaf
-is matched by that name as it is (``nn.Parameter``\\ s). ``rename=`` maps torch name
+is matched by that name as it is (a torch ``nn.Parameter``). ``rename=`` maps torch name
 prefixes onto the model's where they differ. Only single-layer, unidirectional ``GRU`` /
 ``LSTM`` map onto ``RNN`` (torch's other layers and directions stay unmatched, reported).
 

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 MARGIN = 10.0
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
 
 def _pairs(actual: Any, expected: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -54,12 +55,13 @@ def assert_close_trained(actual: Any, expected: Any, *, spread: float, margin: f
                          err_msg: str = "") -> None:
     """Every leaf of ``actual`` within ``margin * spread * max|leaf|`` of ``expected``'s.
 
-    ``spread`` is the measured :func:`scaled_error` between the two computations (at least
-    the dtype's epsilon: one rounding). Trees, arrays and scalars.
+    ``spread`` is the measured :func:`scaled_error` between the two computations, at least
+    one float32 rounding (the library computes in float32 even where the values compared
+    are Python floats or float64; wider for bfloat16). Trees, arrays and scalars.
     """
     _log(actual, expected, spread, err_msg)
     for name, a, e in _pairs(actual, expected):
-        floor = float(np.finfo(e.dtype).eps) if e.dtype.kind == "f" else 0.0
+        floor = max(float(np.finfo(e.dtype).eps), FLOAT32_EPS) if e.dtype.kind == "f" else 0.0
         scale = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(e), initial=0.0)))
         atol = margin * max(spread, floor) * scale
         np.testing.assert_allclose(a, e, rtol=0, atol=atol, err_msg=f"{name} {err_msg}".strip())

@@ -106,7 +106,8 @@ def test_two_processes_train_like_one():
     for _ in range(2):
         for batch in data_:
             model, state, _ = step(model, state, batch)
-    assert_close_trained([np.float32(a) for a in outs[0]["params"]], jax.tree.leaves(model), spread=1e-6)
+    assert_close_trained([np.float32(a) for a in outs[0]["params"]], jax.tree.leaves(model),
+                         spread=5e-7)  # 2 processes vs 1: measured max 3.4e-7
 
 
 TRAINER_WORKER = """
@@ -167,4 +168,5 @@ def test_two_processes_trainer_fit_like_one_process(tmp_path):
 
     trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9)), loss_fn)
     trainer.fit(ft.train.batches((x, y), 64, key=jax.random.key(3)), epochs=2, progress=False)
-    assert_close_trained([np.float32(a) for a in outs[0]["params"]], jax.tree.leaves(trainer.model), spread=1e-6)
+    assert_close_trained([np.float32(a) for a in outs[0]["params"]], jax.tree.leaves(trainer.model),
+                         spread=5e-7)  # measured max 3.4e-7

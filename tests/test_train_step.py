@@ -33,7 +33,7 @@ def test_step_equals_optimizer_minimize_and_converges():
     for _ in range(200):
         m1, s1, metrics = step(m1, s1, batch)
         m2, s2, _ = minimize(m2, s2, batch)
-    assert_close_trained(m1, m2, spread=1e-6)  # TrainStep vs jitted minimize, 200 Adam steps
+    assert_close_trained(m1, m2, spread=0)  # TrainStep vs jitted minimize, 200 Adam steps: measured 0
     assert float(metrics["loss"]) < 1e-4
     ctx = ft.optim.context(s1)
     assert int(ctx.step) == 200 and int(ctx.samples_seen) == 200 * 16

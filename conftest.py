@@ -1,4 +1,19 @@
-"""Test configuration: strict dtype promotion, and every warning is an error (pyproject)."""
+"""Test configuration: strict dtype promotion, and every warning is an error (pyproject).
+
+Float tolerances (the rule for every test). Two computations of the same numbers in another
+order (another batch split or device count, another CPU's instruction set) differ by rounding
+*relative to the magnitude of the values*, not of each element. So:
+
+* compare with ``np.testing.assert_allclose(actual, expected, rtol=0, atol=...)`` with the atol
+  scaled to each leaf's magnitude; for trained results ``tests/_tolerance.py``'s
+  ``assert_close_trained(actual, expected, spread=s)`` does it per leaf;
+* never divide by an element (an error over ``1e-6 + |y|`` turns rounding at a near-zero
+  parameter into a large "relative" error), never a tolerance read off one machine's run;
+* ``s`` is the largest ``scaled_error`` measured between the two computations under every XLA
+  CPU instruction set (``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2``, ``AVX``, ``AVX2``, ``AVX512``; each
+  sums in another order; ``FUNCTREE_SPREAD_LOG=file`` records them), and the assertion allows
+  ``MARGIN`` (10) times it. Subprocess tests append to the inherited ``XLA_FLAGS``.
+"""
 
 import jax
 import pytest

@@ -67,7 +67,7 @@ from functree._tangent import (
 )
 from functree.parallel import cast, partition_specs, shard
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it; CHANGELOG.md names each release
 
 __all__ = [
     # models

@@ -40,7 +40,10 @@ def xla_flags(devices: int) -> str:
 
 def env_with_devices(devices: int) -> dict[str, str]:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(devices)
+    # Appended to the inherited flags (an instruction-set sweep's --xla_cpu_max_isa stays);
+    # an inherited device count gives way to this one.
+    inherited = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*inherited, xla_flags(devices)])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     return env

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _tolerance import assert_close_trained
 
 import functree as ft
 from functree._labels import is_label_tree, label_aware
@@ -55,7 +56,7 @@ def test_equinox_submodule_jits_behind_static_leaves_and_differentiates():
     with pytest.raises(TypeError, match=r"custom_jvp|PjitFunction|function"):
         ft.jit(lambda m, x: m(x))(model, X)  # plain jax.jit rules: functions are not arrays
     forward = ft.jit(lambda m, x: m(x), static_leaves=True)
-    np.testing.assert_allclose(forward(model, X), model(X), rtol=1e-5, atol=1e-6)
+    assert_close_trained(forward(model, X), model(X), spread=2e-7)  # jitted vs eager: measured max 1.4e-7
     forward(model, X)
     assert forward._cache_size() == 1
     grad = ft.gradient(lambda m: mse(m, (X, Y)), at=model)
@@ -87,7 +88,8 @@ def test_trainer_trains_a_model_with_an_equinox_submodule(on_nan):
     trainer = ft.train.Trainer(model, ft.optim.adam(0.02), mse, on_nan=on_nan)
     history = trainer.fit((X, Y), epochs=15, batch_size=8, progress=False)
     assert history.epochs["loss"][-1] < 0.5 * history.epochs["loss"][0]
-    assert trainer.evaluate((X, Y))["loss"] == pytest.approx(float(mse(trainer.inference_model, (X, Y))), rel=1e-5)
+    assert_close_trained(trainer.evaluate((X, Y))["loss"], mse(trainer.inference_model, (X, Y)),
+                         spread=1e-6)  # batched evaluate vs one call: measured max 5.4e-7
     assert trainer.predict(X).shape == (32, 1)
 
 

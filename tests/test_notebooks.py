@@ -7,7 +7,9 @@ ipykernel's native ``python3`` kernel, which runs on this interpreter.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import pathlib
 import shutil
 import sys
@@ -18,8 +20,14 @@ import pytest
 from _devices import xla_flags
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
-COLAB = "https://colab.research.google.com/github/functree/functree/blob/main/notebooks/{name}"
-INSTALL = ("import functree", "except ImportError", "%pip install")
+_spec = importlib.util.spec_from_file_location("sync_repository", NOTEBOOKS[0].parent / "sync_repository.py")
+sync_repository = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sync_repository)
+REPO = sync_repository.repository()  # pyproject.toml's [project.urls] Repository: OWNER/REPO
+COLAB = f"https://colab.research.google.com/github/{REPO}/blob/main/notebooks/{{name}}"
+# functree from the badge's repository (no package of that name is published); skipped
+# where functree imports (here: PYTHONPATH or the installed package)
+INSTALL = ("import functree", "except ImportError", f"%pip install -q git+https://github.com/{REPO}\n")
 DEVICE_PINS = ("jax_platform", "JAX_PLATFORM", "CUDA_VISIBLE_DEVICES", 'jax.devices("cpu")')
 # Executed cells must not print warnings (tqdm bars also write to stderr, so only these).
 WARNING_MARKERS = ("Warning:", "WARNING:")
@@ -44,9 +52,21 @@ def test_notebook_has_colab_badge_and_install_cell(path):
     markdown = _cells(nb, "markdown")
     assert markdown and COLAB.format(name=path.name) in markdown[0], "first cell: Colab badge"
     code = _cells(nb, "code")
-    assert code and all(s in code[0] for s in INSTALL), "first code cell: install functree"
+    assert code and all(s in code[0] + "\n" for s in INSTALL), "first code cell: install functree"
+    assert not sync_repository.sync(path, REPO, write=False), "run: python notebooks/sync_repository.py"
     pinned = [s for s in code if any(p in s for p in DEVICE_PINS)]
     assert not pinned, f"the same notebook must run on CPU, GPU and TPU runtimes: {pinned}"
+
+
+def test_sync_repository_rewrites_badge_and_install_cell_for_another_repository(tmp_path):
+    copy = tmp_path / NOTEBOOKS[0].name
+    shutil.copy(NOTEBOOKS[0], copy)
+    assert sync_repository.sync(copy, "someone/fork")
+    nb = _read(copy)
+    assert f"colab.research.google.com/github/someone/fork/blob/main/notebooks/{copy.name}" in _cells(nb, "markdown")[0]
+    assert _cells(nb, "code")[0].endswith("%pip install -q git+https://github.com/someone/fork")
+    assert not sync_repository.sync(copy, "someone/fork")  # idempotent
+    assert _cells(nb, "code")[1:] == _cells(_read(NOTEBOOKS[0]), "code")[1:]  # nothing else changed
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -64,7 +84,7 @@ def test_notebook_is_committed_with_outputs(path):
 def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     if path.stem.startswith("07"):  # 8 simulated devices, as the notebook sets them by default
-        monkeypatch.setenv("XLA_FLAGS", xla_flags(8))
+        monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}")
     copy = tmp_path / path.name
     shutil.copy(path, copy)
     nb = nbformat.read(copy, as_version=4)

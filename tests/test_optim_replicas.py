@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _devices import env_with_devices
+from _tolerance import assert_close_trained
 
 import functree as ft
 import functree.optim as fo
@@ -55,8 +56,8 @@ def test_shard_map_gives_the_mean_gradient_and_counts_the_global_batch_with_eith
         w, s, loss = opt.minimize(lambda p, xb: jnp.mean((xb @ p["w"] - 1.0) ** 2), w, s, x)
         losses.append(float(loss))
     for check in ("True", "False"):
-        np.testing.assert_allclose(result[check]["w"], w["w"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(result[check]["losses"], losses, rtol=1e-5, atol=1e-6)
+        assert_close_trained(np.float32(result[check]["w"]), w["w"], spread=2e-7)  # 4 shards vs 1 batch: measured max 1.9e-7
+        assert_close_trained(np.float32(result[check]["losses"]), np.float32(losses), spread=2e-7)
         assert result[check]["samples"] == 24
 
 

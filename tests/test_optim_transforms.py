@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _tolerance import assert_close_trained
 
 import functree as ft
 import functree.optim as fo
@@ -197,8 +198,8 @@ def test_gradient_accumulation_in_one_step_matches_the_full_batch():
     s_full, s_acc = full.init(model), acc.init(model)
     m_full, s_full, l_full = ft.jit(lambda m, s: full.minimize(loss_fn, m, s, x, y))(model, s_full)
     m_acc, s_acc, l_acc = ft.jit(lambda m, s: acc.minimize(loss_fn, m, s, x, y))(model, s_acc)
-    np.testing.assert_allclose(m_acc.weight, m_full.weight, rtol=1e-5, atol=1e-6)
-    assert float(l_acc) == pytest.approx(float(l_full), rel=1e-5)
+    assert_close_trained(m_acc, m_full, spread=2e-7)  # 3 micro-batches vs the full batch: measured max 1.5e-7
+    assert_close_trained(l_acc, l_full, spread=2e-7)
     ctx = fo.context(s_acc)
     assert (int(ctx.step), int(ctx.samples_seen), int(ctx.minibatch_size)) == (1, 12, 12)
     aux_fn = lambda m, x, y: (loss_fn(m, x, y), y.sum())  # noqa: E731

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _devices import run
+from _tolerance import assert_close_trained
 
 import functree as ft
 from functree.parallel import DataParallelStep
@@ -78,8 +79,8 @@ report({{"sharded": sharded, "moment": moment, "steps": int(ft.optim.context(sta
         "params": [np.asarray(x).tolist() for x in jax.tree.leaves(model)]}})
 """)
     assert last["sharded"] and last["moment"] and last["steps"] == 20
-    for a, b in zip(last["params"], first):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=2e-6)
+    assert_close_trained([np.float32(a) for a in last["params"]], [np.float32(b) for b in first],
+                         spread=2e-6)  # resumed on 1 device vs on 8: measured max 1.0e-6
 
 
 def test_load_onto_a_mesh_needs_a_template(tmp_path):

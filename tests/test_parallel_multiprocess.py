@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _devices import free_port, results, start
+from _tolerance import assert_close_trained
 
 import functree as ft
 
@@ -105,8 +106,8 @@ def test_two_processes_train_like_one():
     for _ in range(2):
         for batch in data_:
             model, state, _ = step(model, state, batch)
-    for a, b in zip(outs[0]["params"], jax.tree.leaves(model)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=1e-5, atol=2e-6)
+    assert_close_trained([np.float32(a) for a in outs[0]["params"]], jax.tree.leaves(model),
+                         spread=5e-7)  # 2 processes vs 1: measured max 3.4e-7
 
 
 TRAINER_WORKER = """
@@ -167,5 +168,5 @@ def test_two_processes_trainer_fit_like_one_process(tmp_path):
 
     trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9)), loss_fn)
     trainer.fit(ft.train.batches((x, y), 64, key=jax.random.key(3)), epochs=2, progress=False)
-    for a, b in zip(outs[0]["params"], jax.tree.leaves(trainer.model)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_close_trained([np.float32(a) for a in outs[0]["params"]], jax.tree.leaves(trainer.model),
+                         spread=5e-7)  # measured max 3.4e-7

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _tolerance import assert_close_trained
 
 import functree as ft
 from functree.train import TrainStep
@@ -32,7 +33,7 @@ def test_step_equals_optimizer_minimize_and_converges():
     for _ in range(200):
         m1, s1, metrics = step(m1, s1, batch)
         m2, s2, _ = minimize(m2, s2, batch)
-    np.testing.assert_allclose(m1.weight, m2.weight, rtol=1e-5, atol=1e-6)
+    assert_close_trained(m1, m2, spread=0)  # TrainStep vs jitted minimize, 200 Adam steps: measured 0
     assert float(metrics["loss"]) < 1e-4
     ctx = ft.optim.context(s1)
     assert int(ctx.step) == 200 and int(ctx.samples_seen) == 200 * 16

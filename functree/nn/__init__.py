@@ -12,6 +12,7 @@ from functree.nn._activations import (
     celu,
     elu,
     gelu,
+    gelu_exact,
     glu,
     hard_sigmoid,
     hard_swish,
@@ -62,6 +63,7 @@ from functree.nn._state import (
     record_state,
     value_with_gradient_and_state,
 )
+from functree.nn._torch import load_torch_state_dict, torch_state_dict
 
 __all__ = [
     # base, modes and state
@@ -109,6 +111,9 @@ __all__ = [
     "MultiheadAttention",
     "RotaryEmbedding",
     "apply_rotary",
+    # torch interop
+    "load_torch_state_dict",
+    "torch_state_dict",
     # activations and initializers
     "identity",
     "relu",
@@ -118,6 +123,7 @@ __all__ = [
     "celu",
     "selu",
     "gelu",
+    "gelu_exact",
     "glu",
     "sigmoid",
     "log_sigmoid",

@@ -152,6 +152,13 @@ trainers = [ft.train.Trainer(mlp(), opt, loss_fn, train_step=s) for s in
 for t in trainers:
     t.fit((xs[:4].reshape(-1, 16), ys[:4].reshape(-1)), batch_size=64, epochs=2, progress=False)
 assert_close_trained(trainers[1].model, trainers[0].model, spread=SPREAD_8_VS_1, err_msg="Trainer")
+# a dataset whose last batch the 8 devices cannot split (100 = 64 + 36): evaluated whole
+val = (xs[1:3].reshape(-1, 16)[:100], ys[1:3].reshape(-1)[:100])
+short8 = ft.train.Trainer(m32, opt, loss_fn, mesh=mesh, sharding="fsdp").evaluate(val, batch_size=64)
+short1 = ft.train.Trainer(m32, opt, loss_fn).evaluate(val, batch_size=64)
+assert_close_trained(short8["loss"], short1["loss"], spread=SPREAD_8_VS_1, err_msg="short last batch")
+assert_close_trained(evaluate(m32, (xs[1][:60], ys[1][:60]))["loss"], plain(m32, (xs[1][:60], ys[1][:60]))["loss"],
+                     spread=SPREAD_8_VS_1, err_msg="eval step, 60 examples")
 report({"error": error,
         "eval": [float(ev8["loss"]), float(ev1["loss"]), float(ev8["accuracy"]), float(ev1["accuracy"])],
         "trainer_sharded": not trainers[1].model.layers[0].weight.sharding.is_fully_replicated,

@@ -130,12 +130,26 @@ class Placement:
         return (place(model, self.model_specs(model), self.mesh),
                 place(opt_state, self.state_specs(opt_state), self.mesh))
 
-    def shard_batch(self, batch: Any) -> Any:
-        """The global batch from this process's share (:func:`shard_batch` on this mesh)."""
+    def shard_batch(self, batch: Any, *, whole: bool = False) -> Any:
+        """The global batch from this process's share (:func:`shard_batch` on this mesh).
+
+        ``whole=True`` (evaluation): a one-process batch the data axis cannot split evenly
+        (the last, short batch of a dataset) is replicated over the mesh instead of refused.
+        """
+        if whole and jax.process_count() == 1 and not self.divides(batch):
+            return jax.device_put(batch, NamedSharding(self.mesh, PartitionSpec()))
         return shard_batch(batch, self.mesh, self.data_axis)
 
-    def constrain_batch(self, batch: Any) -> tuple[Any, Any]:
-        """Inside a jitted step: ``(batch, specs)`` with the batch split along the data axis."""
+    def divides(self, batch: Any) -> bool:
+        """Whether every leaf's leading (example) axis splits evenly over the data axis."""
+        return all(np.shape(x)[0] % self.devices == 0 for x in jax.tree.leaves(batch) if np.ndim(x) >= 1)
+
+    def constrain_batch(self, batch: Any, *, whole: bool = False) -> tuple[Any, Any]:
+        """Inside a jitted step: ``(batch, specs)`` with the batch split along the data axis
+        (``whole=True``: replicated when it does not split evenly, as :meth:`shard_batch`)."""
+        if whole and not self.divides(batch):
+            specs = jax.tree.map(lambda _: PartitionSpec(), batch)
+            return constrain(batch, specs, self.mesh), specs
         check_batch(batch, self.devices, self.data_axis)
         specs = batch_specs(batch, self.data_axis)
         return constrain(batch, specs, self.mesh), specs

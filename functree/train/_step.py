@@ -582,19 +582,19 @@ class EvalStep:
     def step(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
         """The loss and metrics of ``model`` on ``batch``, unjitted."""
         if self.placement is not None:
-            batch, _ = self.placement.constrain_batch(batch)
+            batch, _ = self.placement.constrain_batch(batch, whole=True)  # a short last batch too
         loss, aux = self.compute_loss(model, batch, key)
         return evaluate_metrics(self.metrics, StepOutput(loss, aux, batch, model))
 
     def shard_batch(self, batch: Any) -> Any:
         """The global batch from this process's share, on the step's mesh (else the batch)."""
-        return batch if self.placement is None else self.placement.shard_batch(batch)
+        return batch if self.placement is None else self.placement.shard_batch(batch, whole=True)
 
     def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
             self._compiled = unchecked_jit(self.step, static_leaves=has_untraceable_leaves(model))
         if self.placement is not None:
-            model, batch = self.placement.place(model), self.placement.shard_batch(batch)
+            model, batch = self.placement.place(model), self.placement.shard_batch(batch, whole=True)
         return self._compiled(model, batch, key)
 
 

@@ -44,6 +44,14 @@ from functree.train._step import train_step as make_train_step
 
 __all__ = ["Trainer", "NonFiniteError"]
 
+WRT_WITH_STEP = """\
+Trainer(wrt=...) cannot change a TrainStep instance's optimizer: the step was built with its own.
+Give the patterns to the optimizer the step is built with:
+
+    wrong:  ft.train.Trainer(model, opt, loss_fn, train_step=ft.train.TrainStep(loss_fn, opt), wrt="head.*")
+    right:  opt = ft.optim.Optimizer(ft.optim.adam(1e-3), wrt="head.*")
+            ft.train.Trainer(model, opt, loss_fn, train_step=ft.train.TrainStep(loss_fn, opt))"""
+
 EMPTY_DATA = """\
 The training data gave no minibatch{why}.
 
@@ -223,6 +231,8 @@ class Trainer:
         parallel: dict[str, Any] = {}
         if mesh is not None or sharding is not None or compute_dtype is not None:
             parallel = {"mesh": mesh, "data_axis": data_axis, "sharding": sharding, "compute_dtype": compute_dtype}
+        if wrt is not None and isinstance(train_step, TrainStep):
+            raise ValueError(WRT_WITH_STEP)
         optimizer = with_wrt(optimizer, wrt)
         self.train_step = self._make_step(train_step, loss_fn, optimizer, metrics, on_nan, parallel)
         self.optimizer = self.train_step.optimizer

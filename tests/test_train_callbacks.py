@@ -60,7 +60,7 @@ def test_reduce_lr_on_plateau_without_recompiling():
     assert history.steps["learning_rate"][3:6] == [pytest.approx(0.4)] * 3
     assert history.steps["learning_rate"][-1] == pytest.approx(0.2)
     assert float(ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]) == pytest.approx(0.1)
-    assert trainer._fused._cache_size() == 1
+    assert trainer.train_step._compiled._cache_size() == 1
 
 
 def test_model_checkpoint_keeps_best_and_history_logger(tmp_path):

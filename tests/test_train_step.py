@@ -141,8 +141,8 @@ def test_eval_step_metrics():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match=r'on_nan must be "stop", "skip" or None'):
-        ft.train.train_step(mse, optax.sgd(0.1), on_nan="ignore")
+    with pytest.raises(ValueError, match=r'on_nan must be "stop", "skip" or "ignore", got \'nan\''):
+        ft.train.train_step(mse, optax.sgd(0.1), on_nan="nan")
     with pytest.raises(TypeError, match=r"wrong:  ft.train.train_step\(loss_fn, 1e-3\)"):
         ft.train.train_step(mse, 1e-3)
     model, (x, y) = problem()
@@ -197,3 +197,84 @@ def test_a_model_holding_one_array_twice_is_copied_once_before_donation():
         model, state, _ = step(model, state, (x, y))
     model, state, _ = step(model, state, (x, y))  # its own outputs: not looked at again
     assert model.a is not model.b
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+
+
+def test_stop_is_the_default_and_halts_then_raises_with_the_failing_inputs():
+    model, (x, y) = problem()
+    opt = ft.optim.Optimizer(ft.optim.adam(0.1))
+    step = ft.train.train_step(mse, opt, donate=False)
+    assert step.on_nan == ft.train.Trainer(model, opt, mse).on_nan == "stop"  # one default
+    state = opt.init(model)
+    model1, state1, _ = step(model, state, (x, y))
+    bad = (x.at[3, 1].set(jnp.inf), y)
+    model2, state2, metrics = step(model1, state1, bad)
+    assert int(metrics["nonfinite"]) == 0  # leaf 0: the weight
+    _same((model2, state2), (model1, state1))  # not applied: bit for bit
+    model3, state3, _ = step(model2, state2, (x, y))  # halted: later steps are not applied either
+    _same((model3, state3), (model1, state1))
+    with pytest.raises(ft.train.NonFiniteError, match=r"step 2: the gradient of parameter 'weight'") as info:
+        step.check()
+    assert info.value.batch is bad and info.value.parameter == "weight" and info.value.model is model3
+    step.check()  # raised once; the step runs again afterwards
+    model4, _, _ = step(model3, state3, (x, y))
+    assert not np.array_equal(model4.weight, model3.weight)
+
+
+def test_skip_and_ignore_do_not_halt_and_none_means_ignore():
+    model, (x, y) = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    state = opt.init(model)
+    skip = ft.train.train_step(mse, opt, on_nan="skip", donate=False)
+    bad = (x.at[0, 0].set(jnp.nan), y)
+    same, _, _ = skip(model, state, bad)
+    _same(same, model)
+    moved, _, _ = skip(same, state, (x, y))  # the next finite step is applied
+    assert not np.array_equal(moved.weight, model.weight)
+    ignore = ft.train.train_step(mse, opt, on_nan=None, donate=False)
+    assert ignore.on_nan == "ignore"
+    broken, _, metrics = ignore(model, state, bad)
+    assert "nonfinite" not in metrics and not bool(jnp.all(jnp.isfinite(broken.weight)))
+
+
+class Halving(ft.optim.Optimizer):
+    """An overridden Optimizer.step: half of every update (and a hook through the constructor)."""
+
+    def step(self, loss_fn, model, state, batch, **options):
+        result = super().step(loss_fn, model, state, batch, **options)
+        return result._replace(model=ft.tree_map(lambda new, old: (new + old) / 2, result.model, model))
+
+
+def test_an_overridden_optimizer_step_and_hooks_are_honoured_with_and_without_a_mesh():
+    model, batch = problem()
+    mesh = jax.make_mesh((1,), ("data",))
+    clip = lambda g: ft.tree_map(lambda v: jnp.clip(v, -0.1, 0.1), g)  # noqa: E731
+    plain = ft.optim.Optimizer(ft.optim.sgd(0.1), transform_gradients=clip)
+    halving = Halving(ft.optim.sgd(0.1), transform_gradients=clip)
+    state = plain.init(model)
+    full, _, _ = ft.train.train_step(mse, plain, donate=False)(model, state, batch)
+    for where in ({}, {"mesh": mesh}, {"mesh": mesh, "sharding": "fsdp"}):
+        half, _, _ = ft.train.TrainStep(mse, halving, donate=False, **where)(model, state, batch)
+        np.testing.assert_allclose(half.weight, (full.weight + model.weight) / 2, rtol=0, atol=1e-7)
+        assert float(jnp.max(jnp.abs(half.weight - model.weight))) <= 0.1 * 0.1 / 2 + 1e-7  # clipped
+
+
+def test_parallel_never_imports_train():
+    """No import cycle: functree.parallel's modules import nothing of functree.train at import
+    time (train imports parallel; the older step names resolve lazily)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(ft.__file__).parent / "parallel"
+    for path in root.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level: what runs on import
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("functree.train") for n in names), (path.name, names)
+    assert ft.parallel.DataParallelStep is ft.train._step.DataParallelStep  # the older name, kept
+    assert isinstance(ft.parallel.DataParallelStep(mse, ft.optim.sgd(0.1)), TrainStep)

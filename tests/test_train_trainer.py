@@ -83,7 +83,7 @@ def test_loop_reads_the_device_only_at_log_intervals(monkeypatch):
     trainer.fit(data, steps=40, progress=False, log_every=10)
     # 4 log reads + 2 epoch ends (reads + context) + the final read: far fewer than 40
     assert len(calls) <= 10
-    assert trainer._fused._cache_size() == 1
+    assert trainer.train_step._compiled._cache_size() == 1  # the TrainStep's own program, once
 
 
 def test_steps_cross_epochs_and_generic_iterables():
@@ -253,3 +253,39 @@ def test_the_trained_model_for_inference():
     np.testing.assert_array_equal(out, trainer.inference_model(X))  # deterministic
     np.testing.assert_allclose(trainer.predict(X), out, rtol=1e-6, atol=1e-6)
     assert ft.nn.is_training(trainer.model) and not ft.nn.is_training(trainer.inference_model)
+
+
+def test_float16_with_loss_scaling_trains_through_overflows_with_the_default_on_nan():
+    def loss16(model, batch):
+        x, y = batch
+        pred = ft.parallel.cast(model, jnp.float16)(x.astype(jnp.float16))
+        return jnp.mean((pred[:, :1] - y.astype(jnp.float16)) ** 2).astype(jnp.float32)
+
+    opt = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.sgd(1e-2)), initial_scale=2.0**24)
+    trainer = Trainer(mlp(), opt, loss16)  # on_nan: the default "stop"
+    history = trainer.fit((X, Y), batch_size=16, epochs=8, progress=False)
+    state = trainer.opt_state
+    assert int(state.skipped) >= 9  # 2^24 .. 2^16 overflow float16: skipped by the optimizer itself
+    assert float(state.scale) <= 2.0**15 and trainer.skipped == []  # the scale came down; no NaN stop
+    loss = history.epochs["loss"]
+    assert loss[-1] < 0.8 * loss[2]  # it trains: the epochs after the overflows lower the loss
+
+
+def test_a_one_shot_iterator_for_several_epochs_names_the_fix():
+    trainer = Trainer(mlp(), adam(), classify)
+    generator = ((X[i : i + 16], LABELS[i : i + 16]) for i in range(0, 64, 16))
+    with pytest.raises(ValueError, match=r"one-shot iterator(.|\n)*ft.train.batches(.|\n)*steps=1000"):
+        trainer.fit(generator, epochs=3, progress=False)
+    trainer.fit(generator, epochs=1, progress=False)  # one epoch, or steps=, is fine
+    assert trainer.steps_run == 4
+
+
+def test_a_stop_error_holds_the_failing_steps_inputs():
+    batches = nan_data(3)
+    trainer = Trainer(mlp(), adam(0.01), regress)
+    with pytest.raises(NonFiniteError) as info:
+        trainer.fit(batches, epochs=1, progress=False, log_every=4)
+    error = info.value
+    assert error.step == 3 and error.parameter == "layers.0.weight" and error.loss_fn is regress
+    np.testing.assert_array_equal(error.batch[0], batches[2][0])  # the failing batch, as given
+    assert error.model is trainer.model  # the model from before step 3

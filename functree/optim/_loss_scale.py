@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from functree._tree import all_finite
 from functree.optim._optimizer import Optimizer, OptimizerWrapper
+from functree.optim._skip import select
 
 __all__ = ["LossScaleOptimizer", "LossScaleState"]
 
@@ -86,11 +87,19 @@ class LossScaleOptimizer(OptimizerWrapper):
         inv = 1.0 / scale
         return out, jax.tree.map(lambda g: (g.astype(jnp.float32) * inv).astype(g.dtype), grads)
 
+    @property
+    def handles_nonfinite(self) -> bool:
+        return True  # an overflow is this optimizer's own business: skip, halve the scale
+
     def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
-               loss: Any = None, apply_if: Any = None) -> tuple[Any, Any]:
+               loss: Any = None, apply_if: Any = None, finite: Any = None) -> tuple[Any, Any]:
+        """The inner update when every gradient is ``finite`` (computed here unless the step
+        gives it: one reduction), the scale adjusted; ``apply_if`` False returns ``state``
+        unchanged, scale included."""
         if not isinstance(state, LossScaleState):
             raise ValueError(NEEDS_STATE.format(method="update"))
-        finite = all_finite(grads)
+        if finite is None:
+            finite = all_finite(grads)
         ok = finite if apply_if is None else finite & apply_if
         # The inner optimizer skips by its one rule: zero updates, its state (and the
         # learning context) unchanged. Zeroed gradients keep NaNs out of the math.
@@ -101,6 +110,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         good = jnp.where(finite, state.good_steps + 1, 0)
         grow = good >= self.growth_interval
         scale = jnp.where(finite, jnp.where(grow, state.scale * 2.0, state.scale), jnp.maximum(state.scale / 2.0, 1.0))
-        good = jnp.where(grow, 0, good)
+        good = jnp.where(grow, 0, good).astype(jnp.int32)
         skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
-        return updates, LossScaleState(scale, good.astype(jnp.int32), skipped, inner)
+        if apply_if is not None:  # a step the caller's gate closed did not happen
+            scale, good, skipped = select(apply_if, (scale, good, skipped), state[:3])
+        return updates, LossScaleState(scale, good, skipped, inner)

@@ -11,6 +11,12 @@ given to the constructor)::
     update(grads, state, model) → (updates, state)   # the optax transformation
     apply_updates(model, updates) → model         # ft.move(model, along=updates)
 
+``step`` (what ``minimize`` and ``ft.train.TrainStep`` run) is two halves, each a method:
+``gradients`` (the loss, the gradients through the hooks above, recorded layer state: per
+replica, inside ``shard_map`` on a mesh) and ``apply_step`` (the one gate, from one
+finiteness reduction: ``on_nan``, ``enabled`` and an optimizer that handles overflow itself;
+then ``update`` and ``apply_updates`` through it).
+
 Everything is pure: the optimizer object holds configuration only, the state is a pytree
 of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
 """
@@ -29,15 +35,15 @@ from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import parameters
 from functree._tangent import move
-from functree._tree import all_finite, is_none
+from functree._tree import is_none
 from functree.nn._state import apply_state, collect_state
 from functree.optim._checks import check_gradients
 from functree.optim._context import advance, current, initial_context
 from functree.optim._replicas import axis_size, replica_mean
-from functree.optim._skip import applied_in, guard, select
+from functree.optim._skip import applied_in, check_on_nan, gate, guard, select
 from functree.optim._state import OptimizerState, release_contexts
 
-__all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "leading_dimension"]
+__all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "leading_dimension"]
 
 FROZEN_OPTIMIZER = """\
 Optimizers are immutable; build a new one instead of assigning {name!r}:
@@ -125,6 +131,20 @@ class StepResult(NamedTuple):
     state: Any
     out: Any
     grads: Any
+    nonfinite: Any = None
+    """-1, or the index of the first parameter whose gradient was not finite (-2: only the
+    loss) when the step's gate closed on it; None when the step did not check."""
+
+
+class Gradients(NamedTuple):
+    """The first half of a step (:meth:`Optimizer.gradients`): the loss, the loss function's
+    output (the loss or ``(loss, aux)``), the gradients after the hooks, and the layer state
+    the model recorded (``{key path: value}``)."""
+
+    loss: Any
+    out: Any
+    grads: Any
+    layer_state: Any
 
 
 class Optimizer:
@@ -239,7 +259,7 @@ class Optimizer:
         return copy_aliases((model, state))[1]
 
     def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
-               loss: Any = None, apply_if: Any = None) -> tuple[Any, Any]:
+               loss: Any = None, apply_if: Any = None, finite: Any = None) -> tuple[Any, Any]:
         """``(updates, state)`` for ``grads`` (the parameter view's structure).
 
         The one boundary of the optimizer: the parameter view is made and the gradients
@@ -248,7 +268,8 @@ class Optimizer:
         by one step and ``minibatch_size`` samples (kept from the previous step if not
         given) unless the step is skipped: ``apply_if`` is False, or a
         :func:`skip_non_finite` inside skipped it; a skipped step returns zero updates
-        and the state it was given.
+        and the state it was given. ``finite`` is the step's finiteness of ``grads`` when
+        it was computed already (see :attr:`handles_nonfinite`; unused here).
         """
         if not isinstance(state, OptimizerState):
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
@@ -330,11 +351,19 @@ class Optimizer:
         return out, self.transform_gradients(grads)
 
     def apply_gradients(self, grads: Any, model: Any, state: Any, *, minibatch_size: Any = None,
-                        loss: Any = None, apply_if: Any = None) -> tuple[Any, Any]:
+                        loss: Any = None, apply_if: Any = None, finite: Any = None) -> tuple[Any, Any]:
         """``(model, state)`` after one optimizer step along ``grads`` (see :meth:`update`)."""
         updates, state = self.update(grads, state, model, minibatch_size=minibatch_size, loss=loss,
-                                     apply_if=apply_if)
+                                     apply_if=apply_if, finite=finite)
         return self.apply_updates(model, updates), state
+
+    @property
+    def handles_nonfinite(self) -> bool:
+        """Whether this optimizer handles non-finite gradients itself (``LossScaleOptimizer``:
+        it skips the step and lowers the scale). :meth:`step` then hands it the finiteness
+        of the gradients (``update(..., finite=)``) from its one reduction, and such a step
+        is never a NaN stop or skip; only a non-finite loss is."""
+        return False
 
     def minimize(self, loss_fn: Callable[..., Any], model: Any, state: Any, *batch: Any, has_aux: bool = False,
                  minibatch_size: Any = None) -> tuple[Any, Any, Any]:
@@ -350,18 +379,38 @@ class Optimizer:
         return result.model, result.state, result.out
 
     def step(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *, has_aux: bool = False,
-             minibatch_size: Any = None, skip_non_finite: bool = False, enabled: Any = None) -> StepResult:
+             minibatch_size: Any = None, on_nan: str = "ignore", enabled: Any = None,
+             skip_non_finite: bool = False, replicas: Callable[..., Gradients] | None = None) -> StepResult:
         """The whole step, with what a training loop reports: a :class:`StepResult`.
 
-        ``skip_non_finite=True`` skips a step whose loss or gradient is not finite, and
-        ``enabled=False`` (an array) skips it regardless: the model (with its layer
-        state) and the optimizer state come back unchanged, bit for bit.
+        Its two halves, each overridable: :meth:`gradients` (the loss and the gradients
+        through the hooks) and :meth:`apply_step` (the update through the one gate).
+        ``on_nan="skip"``/``"stop"`` (``skip_non_finite=True`` is ``"skip"``) and
+        ``enabled=False`` (an array) close the gate: the model (with its layer state) and
+        the optimizer state come back unchanged, bit for bit, and ``nonfinite`` reports
+        the first parameter whose gradient was not finite (see :func:`gate`).
+        ``replicas(half, model, state, batch)`` runs ``half`` (the gradient half) once per
+        data-parallel replica and returns their aggregate (``ft.train.TrainStep(mesh=)``
+        passes one; the update then runs once, on the placed parameters).
         """
+        on_nan = check_on_nan(on_nan)
+        if skip_non_finite and on_nan == "ignore":
+            on_nan = "skip"
         if minibatch_size is None:
             minibatch_size = leading_dimension(batch)
-            if self.axis_name is not None:
+            if self.axis_name is not None and replicas is None:
                 minibatch_size *= axis_size(self.axis_name)
 
+        def half(m: Any, s: Any, b: tuple) -> Gradients:
+            return self.gradients(loss_fn, m, s, b, has_aux=has_aux)
+
+        g = half(model, state, batch) if replicas is None else replicas(half, model, state, batch)
+        return self.apply_step(g, model, state, minibatch_size=minibatch_size, on_nan=on_nan, enabled=enabled)
+
+    def gradients(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *,
+                  has_aux: bool = False) -> Gradients:
+        """The first half of :meth:`step`: the loss, the gradients after the hooks
+        (:meth:`compute_gradients`) and the layer state the model recorded, per replica."""
         if _has_layer_state(model):  # collect what BatchNorm & co. record in training mode
             def objective(m: Any, *b: Any) -> tuple[Any, Any]:
                 out, layer_state = collect_state(lambda mm: loss_fn(mm, *b), m)
@@ -378,14 +427,21 @@ class Optimizer:
         if self.axis_name is not None:  # the global batch's loss: replicas' states stay identical
             loss = replica_mean(loss, self.axis_name, reduced="value")
             out = (loss, out[1]) if has_aux else loss
-        ok = _both(all_finite((loss, grads)) if skip_non_finite else None, enabled)
-        new_model, new_state = self.apply_gradients(grads, model, state, minibatch_size=minibatch_size,
-                                                    loss=loss, apply_if=ok)
-        if layer_state:
-            new_model = apply_state(new_model, layer_state)
-        if ok is not None:
-            new_model = select(ok, new_model, model)
-        return StepResult(new_model, new_state, out, grads)
+        return Gradients(loss, out, grads, layer_state)
+
+    def apply_step(self, g: Gradients, model: Any, state: Any, *, minibatch_size: Any, on_nan: str = "ignore",
+                   enabled: Any = None) -> StepResult:
+        """The second half of :meth:`step`: :func:`gate` (one finiteness reduction), the update
+        through it, the recorded layer state written back; a closed gate returns ``model``
+        and ``state`` as they were, bit for bit."""
+        door = gate(g.loss, g.grads, on_nan=on_nan, enabled=enabled, handled=self.handles_nonfinite)
+        new_model, new_state = self.apply_gradients(g.grads, model, state, minibatch_size=minibatch_size,
+                                                    loss=g.loss, apply_if=door.apply, finite=door.finite)
+        if g.layer_state:
+            new_model = apply_state(new_model, _like(g.layer_state, model))
+        if door.apply is not None:
+            new_model = select(door.apply, new_model, model)
+        return StepResult(new_model, new_state, g.out, g.grads, door.nonfinite)
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
                                state: Any) -> tuple[Any, Any]:
@@ -411,6 +467,17 @@ def _stateful(x: Any) -> bool:
 def _has_layer_state(model: Any) -> bool:
     """Whether ``model`` holds a layer with ``no_derivative`` fields (state it may record)."""
     return any(_stateful(x) for x in jax.tree.leaves(model, is_leaf=_stateful))
+
+
+def _like(layer_state: dict[Any, Any], model: Any) -> dict[Any, Any]:
+    """Recorded layer state in the dtypes of the fields it replaces (a compute dtype's
+    statistics go back to the float32 fields)."""
+    out = {}
+    for path, value in layer_state.items():
+        old = path.get(model) if hasattr(path, "get") else None
+        dtype = getattr(old, "dtype", None)
+        out[path] = value if dtype is None or value.dtype == dtype else value.astype(dtype)
+    return out
 
 
 def _both(a: Any, b: Any) -> Any:
@@ -503,9 +570,13 @@ class OptimizerWrapper(Optimizer):
         return self.inner.init(model)
 
     def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
-               loss: Any = None, apply_if: Any = None) -> tuple[Any, Any]:
+               loss: Any = None, apply_if: Any = None, finite: Any = None) -> tuple[Any, Any]:
         return self.inner.update(grads, state, model, minibatch_size=minibatch_size, loss=loss,
-                                 apply_if=apply_if)
+                                 apply_if=apply_if, finite=finite)
+
+    @property
+    def handles_nonfinite(self) -> bool:
+        return self.inner.handles_nonfinite
 
     def transform_loss(self, loss: Any) -> Any:
         return self.inner.transform_loss(loss)

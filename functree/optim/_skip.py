@@ -3,8 +3,12 @@
 A skipped step returns zero updates and the state it was given, bit for bit; the learning
 context does not advance. :func:`guard` is the one place that does this;
 :func:`ft.optim.skip_non_finite` (a transformation), ``LossScaleOptimizer`` (on overflow)
-and ``ft.train.train_step(on_nan="skip")`` all use it, with :func:`all_finite` as the one
-finiteness test.
+and ``ft.train.train_step(on_nan="skip")`` all use it.
+
+:func:`gate` is the one decision "apply this step?" of :meth:`ft.optim.Optimizer.step`:
+``on_nan``, ``enabled`` and an optimizer that handles overflow itself fold into one
+``apply_if`` scalar, from one finiteness reduction (:func:`first_nonfinite`) that also
+names the first parameter whose gradient was not finite.
 """
 
 from __future__ import annotations
@@ -17,7 +21,91 @@ import optax
 
 from functree._tree import all_finite, is_none
 
-__all__ = ["guard", "select", "all_finite", "SkipState", "skip_non_finite", "applied_in"]
+__all__ = ["guard", "select", "all_finite", "SkipState", "skip_non_finite", "applied_in", "Gate", "gate",
+           "first_nonfinite", "ON_NAN", "DEFAULT_ON_NAN", "check_on_nan"]
+
+ON_NAN = ("stop", "skip", "ignore")
+DEFAULT_ON_NAN = "stop"
+"""What a step does when its loss or a gradient is not finite: ``"stop"`` (not applied;
+the training stops with ``ft.train.NonFiniteError``), ``"skip"`` (not applied; training
+goes on) or ``"ignore"`` (applied as it is). One default for ``TrainStep`` and ``Trainer``."""
+
+BAD_ON_NAN = """\
+on_nan must be "stop", "skip" or "ignore", got {given!r}.
+
+    right:  ft.train.train_step(loss_fn, opt, on_nan="skip")   # keep the last finite model"""
+
+
+def check_on_nan(on_nan: Any) -> str:
+    """``on_nan`` checked (``None`` is the older spelling of ``"ignore"``)."""
+    if on_nan is None:
+        return "ignore"
+    if on_nan not in ON_NAN:
+        raise ValueError(BAD_ON_NAN.format(given=on_nan))
+    return on_nan
+
+
+def _finiteness(loss: Any, grads: Any) -> tuple[jax.Array, jax.Array]:
+    """``(index, loss_ok)`` from one reduction: per-leaf ``all(isfinite)`` stacked, then argmin."""
+    leaves = jax.tree.leaves(grads)
+    ok = jnp.stack([jnp.all(jnp.isfinite(x)) for x in (*leaves, loss)])
+    first = jnp.argmin(ok)  # the first False; 0 when all are True
+    index = jnp.where(ok[first], -1, jnp.where(first == len(leaves), -2, first)).astype(jnp.int32)
+    return index, ok[len(leaves)]
+
+
+def first_nonfinite(loss: Any, grads: Any) -> jax.Array:
+    """-1 when ``loss`` and every gradient are finite, else the flatten-order index of the
+    first gradient leaf that is not, or -2 when only the loss is not (an int32 scalar).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functree.optim._skip import first_nonfinite
+      >>> int(first_nonfinite(jnp.float32(1), {"a": jnp.ones(2), "b": jnp.array([jnp.nan])}))
+      1
+      >>> int(first_nonfinite(jnp.float32(jnp.inf), {"a": jnp.ones(2)}))
+      -2
+    """
+    return _finiteness(loss, grads)[0]
+
+
+class Gate(NamedTuple):
+    """The step's one decision. ``apply``: apply the step (None: always); ``finite``: the
+    loss and every gradient finite (None: not asked); ``nonfinite``: the report, -1 unless
+    the gate closed on a non-finite value, then :func:`first_nonfinite` (None: not asked)."""
+
+    apply: Any
+    finite: Any
+    nonfinite: Any
+
+
+def gate(loss: Any, grads: Any, *, on_nan: str = "ignore", enabled: Any = None, handled: bool = False) -> Gate:
+    """Whether to apply a step, from one finiteness reduction.
+
+    ``on_nan`` "stop"/"skip" close the gate on a non-finite loss or gradient; ``enabled``
+    (a bool array) closes it regardless. An optimizer that ``handled`` non-finite
+    gradients itself (loss scaling: its own skip, a smaller scale) gets ``finite`` and the
+    gate stays open for them; only a non-finite loss closes it then.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functree.optim._skip import gate
+      >>> g = gate(jnp.float32(1), {"w": jnp.array([jnp.nan])}, on_nan="skip")
+      >>> bool(g.apply), int(g.nonfinite)
+      (False, 0)
+      >>> g = gate(jnp.float32(1), {"w": jnp.array([jnp.nan])}, on_nan="stop", handled=True)
+      >>> bool(g.apply), bool(g.finite), int(g.nonfinite)
+      (True, False, -1)
+    """
+    if on_nan == "ignore" and not handled:
+        return Gate(enabled, None, None)
+    index, loss_ok = _finiteness(loss, grads)
+    finite = index == -1
+    if on_nan == "ignore":
+        return Gate(enabled, finite, None)
+    closed = ~loss_ok if handled else ~finite
+    apply = ~closed if enabled is None else ~closed & enabled
+    return Gate(apply, finite, jnp.where(closed, index, -1))
 
 
 def select(ok: jax.Array, new: Any, old: Any) -> Any:

@@ -1,42 +1,52 @@
-"""functree.parallel: beyond one device, on JAX's own SPMD engine.
+"""functree.parallel: beyond one device, on JAX's own SPMD engine. It places arrays;
+the steps that run over a mesh are ``ft.train.TrainStep(..., mesh=mesh)`` and
+``ft.train.EvalStep(..., mesh=mesh)`` (``functree.train`` imports this package, never the
+reverse).
 
 * :func:`partition_specs` / :func:`shard`: sharding rules by key path (``None``,
   ``"fsdp"`` or ``{pattern: PartitionSpec}``) for models, parameter views and optimizer
   states; ``shard`` also builds a model directly in its shards.
 * :func:`cast`: floating parameters in a compute dtype (mixed precision).
-* :class:`DataParallelStep` / :class:`DataParallelEvalStep`: the training and evaluation
-  steps over a mesh's data axis (``ft.train.train_step(..., mesh=mesh)``), and
-  :func:`shard_batch`, the global batch from each process's share.
+* :func:`shard_batch`: the global batch from each process's share.
 * :func:`load` / :func:`sharded_target`: a checkpoint restored onto any mesh, each
   device reading its own shards.
+* ``DataParallelStep`` / ``DataParallelEvalStep``: the older names of
+  ``ft.train.TrainStep(..., mesh=)`` / ``ft.train.EvalStep(..., mesh=)`` (looked up in
+  ``functree.train`` when first used).
 
 Nothing here communicates by itself: meshes and ``NamedSharding`` place the arrays,
 ``jax.shard_map`` collectives aggregate gradients, ``jax.distributed`` spans processes.
 """
 
+from typing import Any
+
 from functree.parallel._cast import cast
 from functree.parallel._checkpoint import load, mesh_shape, sharded_target
 from functree.parallel._mesh import auto_mesh
+from functree.parallel._placement import shard_batch
 from functree.parallel._rules import FSDP_MIN_SIZE, partition_specs
 from functree.parallel._shard import shard
-from functree.parallel._step import (
-    DataParallelEvalStep,
-    DataParallelOptimizer,
-    DataParallelStep,
-    shard_batch,
-)
 
 __all__ = [
     "shard",
     "partition_specs",
     "cast",
     "FSDP_MIN_SIZE",
-    "DataParallelStep",
-    "DataParallelEvalStep",
-    "DataParallelOptimizer",
     "shard_batch",
     "auto_mesh",
     "load",
     "sharded_target",
     "mesh_shape",
 ]
+
+_MOVED = ("DataParallelStep", "DataParallelEvalStep")
+
+
+def __getattr__(name: str) -> Any:
+    # The older step names live with the step, in functree.train; resolved on first use
+    # (after both packages are imported), so importing functree.parallel never imports train.
+    if name in _MOVED:
+        import functree.train._step as step
+
+        return getattr(step, name)
+    raise AttributeError(f"module 'functree.parallel' has no attribute {name!r}")

@@ -19,8 +19,8 @@ from functree.train._data import Batches, DataContext, batches, to_arrays
 from functree.train._history import History
 from functree.train._metrics import StepOutput, accuracy, mean
 from functree.train._registry import register
-from functree.train._step import EvalStep, TrainStep, eval_step, train_step
-from functree.train._trainer import NonFiniteError, Trainer
+from functree.train._step import EvalStep, NonFiniteError, TrainStep, eval_step, train_step
+from functree.train._trainer import Trainer
 
 __all__ = [
     "Trainer",

@@ -2,32 +2,46 @@
 
 ``ft.train.train_step(loss_fn, optimizer)`` builds a :class:`TrainStep`; calling it runs
 
-    result = optimizer.step(loss_fn, model, opt_state, batch)   # hooks (RFC 234), optax update,
-                                                                 # ft.move, BatchNorm statistics
+    result = optimizer.step(loss_fn, model, opt_state, batch, on_nan=..)  # hooks (RFC 234), the
+                                                  # gate, optax update, ft.move, BatchNorm statistics
     metrics = {"loss": loss, name: metric(out) ...}
 
-inside one ``ft.jit`` program that donates the model and the optimizer state. Like Keras'
-``Model.train_step``, each stage is a method a subclass may override: ``compute_loss``,
-``compute_metrics``, ``apply``, ``step``.
+inside one jitted program that donates the model and the optimizer state. With a mesh it
+is the same program: the optimizer's gradient half runs inside ``jax.shard_map`` over the
+data axis (one shard of the batch per device), its update half once, on the parameters
+and moments placed by the sharding rules. Like Keras' ``Model.train_step``, each stage is
+a method a subclass may override: ``compute_loss``, ``compute_metrics``, ``apply``,
+``step``. ``ft.train.Trainer`` runs this same program, with a log buffer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._parameters import parameters
 from functree._tree import is_none
-from functree.optim import Optimizer, context
+from functree.optim import Optimizer, context, hyperparameter_names, hyperparameters
+from functree.optim._optimizer import Gradients
+from functree.optim._replicas import varying_axes
+from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
+from functree.parallel._cast import cast as cast_to
+from functree.parallel._cast import cast_floating
+from functree.parallel._mesh import is_array
+from functree.parallel._placement import Placement, one_device_mesh
+from functree.parallel._rules import check_compute_dtype, partition_specs
 from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
 
-__all__ = ["TrainStep", "EvalStep", "train_step", "eval_step", "NONFINITE"]
+__all__ = ["TrainStep", "EvalStep", "train_step", "eval_step", "NONFINITE", "NonFiniteError", "nonfinite_error",
+           "DataParallelStep", "DataParallelEvalStep"]
 
 NONFINITE = "nonfinite"
 """Metrics key of the non-finite report: -1 finite, -2 the loss only, else the index of
@@ -40,10 +54,55 @@ train_step needs a ft.optim.Optimizer or an optax GradientTransformation, got {g
     right:  ft.train.train_step(loss_fn, ft.optim.Optimizer(ft.optim.adam(1e-3)))
        or:  ft.train.train_step(loss_fn, optax.adam(1e-3))"""
 
-BAD_ON_NAN = """\
-on_nan must be "stop", "skip" or None, got {given!r}.
+NONFINITE_STOP = """\
+Training stopped at step {step}: {what} was not finite.
+The step was not applied: {holder} those after step {previous}{history}. Try a lower \
+learning rate, gradient clipping, checking the data for NaN/inf, or skipping such steps:
 
-    right:  ft.train.train_step(loss_fn, opt, on_nan="skip")   # keep the last finite model"""
+    ft.train.Trainer(model, optimizer, loss_fn, on_nan="skip")"""
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or a gradient became NaN/inf in a step with ``on_nan="stop"`` (the default).
+
+    A ``FloatingPointError`` whose message names the step and the loss or the first
+    parameter whose gradient was not finite; that step and any after it are not applied.
+    ``step``, ``parameter`` (None: the loss), ``model`` (before the step), ``batch`` and
+    ``key`` hold the failing step's inputs.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> loss_fn = lambda m, b: jnp.mean(jnp.log(-m["w"] * b))  # log(-1): NaN
+      >>> trainer = ft.train.Trainer({"w": jnp.ones(1)}, ft.optim.sgd(0.1), loss_fn)
+      >>> try:
+      ...     trainer.fit(jnp.ones((4, 1)), progress=False)
+      ... except ft.train.NonFiniteError as e:
+      ...     print(str(e).splitlines()[0])
+      Training stopped at step 1: the loss was not finite.
+      >>> trainer.steps_run, trainer.model["w"]  # the model from before step 1
+      (0, Array([1.], dtype=float32))
+    """
+
+    step: int = 0
+    parameter: str | None = None
+    loss_fn: Any = None
+    model: Any = None
+    batch: Any = None
+    key: Any = None
+
+
+def nonfinite_error(step: int, index: int, *, loss_fn: Any, model: Any, batch: Any, key: Any = None,
+                    holder: str = "the model and optimizer state returned are", history: str = "") -> NonFiniteError:
+    """The one place a stop becomes an exception: step ``step`` (1-based) was not finite at
+    gradient leaf ``index`` of ``model``'s parameters (-2: the loss). ``model`` is the model
+    before that step, ``batch`` and ``key`` its inputs (held for diagnosis)."""
+    name = None if index < 0 else parameter_names(model)[index]
+    what = "the loss" if name is None else f"the gradient of parameter {name!r}"
+    error = NonFiniteError(NONFINITE_STOP.format(step=step, what=what, previous=step - 1, holder=holder,
+                                                 history=history))
+    error.step, error.parameter, error.loss_fn, error.model, error.batch, error.key = (
+        step, name, loss_fn, model, batch, key)
+    return error
 
 LOSS_NOT_SCALAR = """\
 The loss function must return a scalar loss (or (loss, aux)); got a loss of shape {shape}.
@@ -64,21 +123,11 @@ def as_optimizer(optimizer: Any) -> Optimizer:
 
 
 def _split_output(out: Any) -> tuple[Any, Any]:
+    loss: Any
     loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
-    loss = cast(Any, loss)
     if jnp.shape(loss) != ():
         raise ValueError(LOSS_NOT_SCALAR.format(shape=jnp.shape(loss)))
     return loss, aux
-
-
-def _first_nonfinite(loss: jax.Array, grads: Any) -> jax.Array:
-    """-1 when all finite, -2 when only the loss is not, else the first bad leaf's index."""
-    leaves = jax.tree.leaves(grads)
-    if not leaves:
-        return jnp.where(jnp.isfinite(loss), -1, -2).astype(jnp.int32)
-    bad = jnp.stack([~jnp.all(jnp.isfinite(g)) for g in leaves])
-    first = jnp.where(jnp.any(bad), jnp.argmax(bad), -1)
-    return jnp.where((first == -1) & ~jnp.isfinite(loss), -2, first).astype(jnp.int32)
 
 
 def _merge_microbatches(x: jax.Array) -> jax.Array:
@@ -95,6 +144,58 @@ def parameter_names(model: Any) -> list[str]:
     return [n for n, leaf in zip(names, leaves) if leaf is not None]
 
 
+
+
+def _stack(x: Any) -> Any:
+    return x[None] if is_array(x) else x
+
+
+def _merge_devices(x: Any, local: int) -> Any:
+    """A per-device output stacked over devices: per-example rows concatenated, else meaned."""
+    if x.ndim >= 2 and x.shape[1] == local:
+        return x.reshape(-1, *x.shape[2:])
+    return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
+
+
+def _replica_mean(x: Any, axis: str) -> Any:
+    """The mean over ``axis`` of a value that still varies over it (else the value)."""
+    return jax.lax.pmean(x, axis) if axis in varying_axes(x) else x
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _without(spec: Any, axis: str) -> Any:
+    """``spec`` with ``axis`` removed from every dimension (that dimension whole over it)."""
+    if not isinstance(spec, PartitionSpec):
+        return spec
+
+    def one(entry: Any) -> Any:
+        if isinstance(entry, tuple):
+            rest = tuple(e for e in entry if e != axis)
+            return rest if len(rest) > 1 else (rest[0] if rest else None)
+        return None if entry == axis else entry
+
+    return PartitionSpec(*(one(e) for e in spec))
+
+
+def _only(spec: Any, axis: str) -> Any:
+    """``spec`` with every axis but ``axis`` removed."""
+    if not isinstance(spec, PartitionSpec):
+        return spec
+
+    def one(entry: Any) -> Any:
+        entries = entry if isinstance(entry, tuple) else (entry,)
+        return axis if axis in entries else None
+
+    return PartitionSpec(*(one(e) for e in spec))
+
+
+def _placement(mesh: Any, data_axis: str, sharding: Any, call: str) -> Placement | None:
+    return None if mesh is None and sharding is None else Placement(mesh, data_axis, sharding, call)
+
+
 class TrainStep:
     """``step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)``, jitted.
 
@@ -103,16 +204,33 @@ class TrainStep:
         step is called with a key) returning a scalar loss or ``(loss, aux)``.
       optimizer: a :class:`ft.optim.Optimizer` or an optax transformation.
       metrics: ``{name: fn(StepOutput) -> scalar}`` or a list of such functions.
-      on_nan: ``None`` (update whatever happens) or ``"skip"``/``"stop"``: a step whose
-        loss or gradient is not finite leaves model and optimizer state unchanged and
-        reports ``metrics["nonfinite"]`` (see :data:`NONFINITE`).
+      on_nan: what a step whose loss or gradient is not finite does (``metrics["nonfinite"]``
+        reports it, see :data:`NONFINITE`): ``"stop"`` (default, as in the Trainer): it
+        and every later step are not applied (model and optimizer state unchanged, bit
+        for bit) and :class:`NonFiniteError` is raised by a later call (at most 16 calls
+        on) or by :meth:`check`; ``"skip"``: not applied, training goes on; ``"ignore"``
+        (or ``None``): applied as it is. An optimizer that handles overflow itself
+        (``LossScaleOptimizer``) skips such steps on its own: never a stop.
       donate: donate the model and optimizer state buffers (default True): the arrays
         passed in are invalid afterwards; use the returned ones.
+      mesh: a ``jax.sharding.Mesh``: the same step over its ``data_axis``. The batch is
+        split along its leading axis (one shard per device), the gradient half of
+        :meth:`ft.optim.Optimizer.step` runs per device inside ``jax.shard_map`` (manual
+        over ``data_axis`` only; other mesh axes are left to the compiler), gradients still
+        varying over the axis after ``aggregate_gradients`` are averaged, and the update
+        half runs once on the parameters and moments placed by ``sharding``.
+      data_axis: the mesh axis the batch is split over.
+      sharding: ``None`` (replicated), ``"fsdp"`` or ``{pattern: PartitionSpec}`` (see
+        :func:`ft.partition_specs`); without a mesh, on the default device alone.
+      compute_dtype: a floating dtype the loss runs in (``jnp.bfloat16``): the model
+        (``ft.cast``) and the floating inputs are cast inside the differentiated function;
+        master parameters, gradients and optimizer state keep their dtype.
 
     With a ``key``, the loss function gets ``jax.random.fold_in(key, step)`` where
-    ``step`` is the learning context's step: one base key reproduces every step, also
-    after restoring a checkpoint. Layers that record state (BatchNorm) are run under
-    ``ft.nn.collect_state`` and their no_derivative fields updated. With an optimizer
+    ``step`` is the learning context's step (on a mesh, folded again with the device
+    index): one base key reproduces every step, also after restoring a checkpoint.
+    Layers that record state (BatchNorm) are run under ``ft.nn.collect_state`` and their
+    no_derivative fields updated (on a mesh, averaged over devices). With an optimizer
     that accumulates ``k`` microbatches, aux arrays are merged back to one row per
     example and layer state comes from the last microbatch.
 
@@ -131,6 +249,14 @@ class TrainStep:
       >>> bool(metrics["loss"] < 1e-6)
       True
 
+    The same step over a mesh (here of one device), parameters sharded by FSDP rules:
+
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> sharded = ft.train.TrainStep(loss_fn, opt, mesh=mesh, sharding="fsdp")
+      >>> model, state, metrics = sharded(model, state, batch)
+      >>> ft.optim.context(state).samples_seen
+      Array(404, dtype=int32)
+
     Override a stage by subclassing, e.g. an L1 penalty in ``compute_loss``:
 
       >>> class L1Step(ft.train.TrainStep):
@@ -145,24 +271,48 @@ class TrainStep:
         optimizer: Any,
         *,
         metrics: Mapping[str, Any] | Sequence[Any] | None = None,
-        on_nan: str | None = None,
+        on_nan: str | None = DEFAULT_ON_NAN,
         donate: bool = True,
+        mesh: Any = None,
+        data_axis: str = "data",
+        sharding: Any = None,
+        compute_dtype: Any = None,
     ):
-        if on_nan not in (None, "stop", "skip"):
-            raise ValueError(BAD_ON_NAN.format(given=on_nan))
+        self.on_nan = check_on_nan(on_nan)
+        self.placement = _placement(mesh, data_axis, sharding, "ft.train.train_step")
+        self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)
         self.loss_fn = loss_fn
         self.optimizer = as_optimizer(optimizer)
         self.metrics = resolve_metrics(metrics)
-        self.on_nan = on_nan
         self._compiled: Any = None
         self._donate = donate
         self._guard = DonationGuard()
+        self._halt: Any = None  # on_nan="stop": [calls, call that stopped (-1), its nonfinite]
+        self._calls = 0
+        self._inflight: list[tuple[int, Any, Any]] = []  # (call, batch, key): references only
+
+    @property
+    def mesh(self) -> Any:
+        """The mesh the step runs over (None: one device, no mesh)."""
+        return None if self.placement is None else self.placement.mesh
+
+    @property
+    def data_axis(self) -> str | None:
+        return None if self.placement is None else self.placement.data_axis
+
+    @property
+    def sharding(self) -> Any:
+        return None if self.placement is None else self.placement.sharding
 
     # --- stages a subclass may override ------------------------------------------------
     def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
         """``(loss, aux)`` of ``loss_fn`` on one minibatch (aux is None without one)."""
+        dtype = self.compute_dtype
+        if dtype is not None:
+            model, batch = cast_to(model, dtype), cast_floating(batch, dtype)
         out = self.loss_fn(model, batch) if key is None else self.loss_fn(model, batch, key=key)
-        return _split_output(out)
+        loss, aux = _split_output(out)
+        return (loss if dtype is None else loss.astype(jnp.float32)), aux
 
     def compute_metrics(self, out: StepOutput) -> dict[str, jax.Array]:
         """``{"loss": ..., name: metric(out)}`` as float32 scalars."""
@@ -174,28 +324,80 @@ class TrainStep:
     ) -> tuple[Any, Any, Any, Any, jax.Array | None]:
         """One optimizer step: ``(model, opt_state, loss, aux, nonfinite)``.
 
-        ``nonfinite`` is None unless ``on_nan`` is set; then a non-finite step, or one
-        with ``enabled`` False, leaves ``model`` and ``opt_state`` as they were (the
-        optimizer's one skipping rule: :meth:`ft.optim.Optimizer.step`).
+        :meth:`ft.optim.Optimizer.step` (an override of it is honoured, with and without a
+        mesh) with this step's ``on_nan`` and ``enabled``: a step its gate closes leaves
+        ``model`` and ``opt_state`` as they were. ``nonfinite`` is None with
+        ``on_nan="ignore"``.
         """
+        where = self.placement
         size = batch_size_of(batch)
-        guarded = self.on_nan is not None
+        if where is None:
+            def loss_fn(m: Any, b: Any) -> Any:
+                return self.compute_loss(m, b, key)
+        else:
+            axis = where.data_axis
+
+            def loss_fn(m: Any, b: Any) -> Any:  # runs per device, inside shard_map
+                k = None if key is None else jax.random.fold_in(key, jax.lax.axis_index(axis))
+                return self.compute_loss(m, b, k)
+
         result = self.optimizer.step(
-            lambda m, b: self.compute_loss(m, b, key), model, opt_state, (batch,), has_aux=True,
-            minibatch_size=size, skip_non_finite=guarded, enabled=enabled,
+            loss_fn, model, opt_state, (batch,), has_aux=True, minibatch_size=size, on_nan=self.on_nan,
+            enabled=enabled, replicas=None if where is None else self._replicas,
         )
         loss, aux = result.out
-        if self.optimizer.accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
-            aux = jax.tree.map(_merge_microbatches, aux)
-        if not guarded and enabled is None:
-            return result.model, result.state, loss, aux, None
-        return result.model, result.state, loss, aux, _first_nonfinite(loss, result.grads)
+        new_model, new_state = result.model, result.state
+        if where is None:
+            if self.optimizer.accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
+                aux = jax.tree.map(_merge_microbatches, aux)
+        else:
+            new_model = where.constrain(new_model, where.model_specs(model))
+            new_state = where.constrain(new_state, where.state_specs(opt_state))
+        return new_model, new_state, loss, aux, result.nonfinite
+
+    def _replicas(self, half: Callable[..., Gradients], model: Any, opt_state: Any, batch: tuple) -> Gradients:
+        """``half`` (the optimizer's gradient half) once per device of the data axis."""
+        where = self.placement
+        assert where is not None
+        axis, accumulate = where.data_axis, self.optimizer.accumulate
+        batch, in_batch = where.constrain_batch(batch)
+        state_specs = where.state_specs(opt_state)
+        opt_state = where.constrain(opt_state, state_specs)
+        # shard_map names the manual (data) axis alone; other axes stay with the compiler.
+        state_in = jax.tree.map(lambda p: _only(p, axis), state_specs, is_leaf=_is_spec)
+        # FSDP: the all-gather over the data axis; other axes (tensor parallel) stay as placed.
+        gathered = where.constrain(model, jax.tree.map(lambda p: _without(p, axis), where.model_specs(model),
+                                                       is_leaf=_is_spec))
+
+        def per_device(m: Any, s: Any, b: tuple) -> Gradients:
+            # Varying over the data axis: each device differentiates its own shard, and the
+            # aggregator sees per-device gradients (a custom one may psum/pmean/all_gather).
+            m = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying") if is_array(x) else x, m)
+            g = half(m, s, b)
+            loss = _replica_mean(g.loss, axis)
+            grads = jax.tree.map(lambda x: _replica_mean(x, axis), g.grads)
+            aux = g.out[1]
+            if accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
+                aux = jax.tree.map(_merge_microbatches, aux)
+            return Gradients(loss, (loss, jax.tree.map(_stack, aux)), grads, jax.tree.map(_stack, g.layer_state))
+
+        stacked = PartitionSpec(axis)  # apply() asks the optimizer for (loss, aux)
+        g = jax.shard_map(
+            per_device, mesh=where.mesh, in_specs=(PartitionSpec(), state_in, in_batch),
+            out_specs=Gradients(PartitionSpec(), (PartitionSpec(), stacked), PartitionSpec(), stacked),
+            axis_names={axis},
+        )(gathered, opt_state, batch)
+        local = batch_size_of(batch) // where.devices
+        out = (g.loss, jax.tree.map(lambda x: _merge_devices(x, local), g.out[1]))
+        layer_state = jax.tree.map(lambda x: _merge_devices(x, -1), g.layer_state)
+        grad_specs = partition_specs(parameters(model), where.sharding, mesh=where.mesh, data_axis=axis, strict=False)
+        return Gradients(g.loss, out, where.constrain(g.grads, grad_specs), layer_state)
 
     def step(
         self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None,
         enabled: jax.Array | None = None,
     ) -> tuple[Any, Any, dict[str, jax.Array]]:
-        """The whole step, unjitted (``__call__`` is this under ``ft.jit``)."""
+        """The whole step, unjitted (``__call__`` runs it under ``jax.jit``)."""
         if key is not None:
             key = jax.random.fold_in(key, context(opt_state).step)
         new_model, new_state, loss, aux, nonfinite = self.apply(model, opt_state, batch, key, enabled)
@@ -204,10 +406,38 @@ class TrainStep:
             metrics[NONFINITE] = nonfinite
         return new_model, new_state, metrics
 
+    def record(self, log: dict[str, Any], metrics: Mapping[str, Any], batch: Any, opt_state: Any) -> dict[str, Any]:
+        """``log`` after one step, on device: ``halt = [steps, step that stopped (-1), its
+        nonfinite]``; with ``rows`` (the Trainer's buffer) row ``steps`` set to the metrics
+        in their order (``nonfinite`` among them) and the learning rate, if the optimizer
+        has one: one write per step."""
+        count, stopped, index = log["halt"][0], log["halt"][1], log["halt"][2]
+        bad = metrics.get(NONFINITE)
+        if bad is not None and self.on_nan == "stop":
+            first = (stopped < 0) & (bad != -1)
+            stopped, index = jnp.where(first, count, stopped), jnp.where(first, bad, index)
+        new = {**log, "halt": jnp.stack([count + 1, stopped, index])}
+        if "rows" in log:
+            row = [jnp.asarray(v, jnp.float32) for v in metrics.values()]
+            if "learning_rate" in hyperparameter_names(opt_state):
+                row.append(jnp.asarray(hyperparameters(opt_state)["learning_rate"], jnp.float32))
+            new["rows"] = log["rows"].at[count].set(jnp.stack(row))
+        return new
+
+    def _logged(self, model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:
+        """The jitted program: :meth:`step` (gated by ``log``'s stop under "stop") and :meth:`record`."""
+        enabled = None if log is None or self.on_nan != "stop" else log["halt"][1] < 0
+        model, opt_state, metrics = self.step(model, opt_state, batch, key, enabled)
+        if log is None:
+            return model, opt_state, metrics, None
+        log = self.record(log, metrics, batch, opt_state)
+        return model, opt_state, (None if "rows" in log else metrics), log  # rows hold them: no more outputs
+
     def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
             static = has_untraceable_leaves(model)
-            self._compiled = unchecked_jit(self.step, donate=(0, 1) if self._donate else None, static_leaves=static)
+            self._compiled = unchecked_jit(self._logged, donate=(0, 1, 4) if self._donate else (4,),
+                                           static_leaves=static)
         return self._compiled
 
     def lower(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
@@ -222,28 +452,78 @@ class TrainStep:
           >>> compiled.cost_analysis()["flops"] > 0
           True
         """
-        program = self._program(model)
-        return program.lower(model, opt_state, batch) if key is None else program.lower(model, opt_state, batch, key)
+        return self._program(model).lower(model, opt_state, batch, key, self._new_halt_log())
 
-    def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
-        self._program(model)
-        if self._donate and self._guard.fresh(model, opt_state):
-            # Donation needs distinct buffers: one array at two leaves is copied apart, with
-            # a warning naming both key paths.
-            warn_aliases(model, what="The model given to the train step")
-            model, opt_state = copy_aliases((model, opt_state))
-        out = self._compiled(model, opt_state, batch, key)
+    def run(self, model: Any, opt_state: Any, batch: Any, key: Any = None, log: Any = None, *,
+            owned: bool = False) -> Any:
+        """One call of the jitted program: ``(model, opt_state, metrics, log)``; ``log`` is
+        None or a tree :meth:`record` updates on device (the Trainer's metric buffer, whose
+        ``rows`` hold the metrics: ``metrics`` is None then). ``owned``: the caller knows
+        that no two leaves of ``model`` and ``opt_state`` share a buffer (the Trainer copies
+        them once), so new inputs are not searched for aliases."""
+        program = self._program(model)
+        if self._guard.fresh(model, opt_state):  # not the previous call's outputs
+            if self.placement is not None:
+                model, opt_state = self.placement.place(model, opt_state)
+            if self._donate and not owned:
+                # Donation needs distinct buffers: one array at two leaves is copied apart,
+                # with a warning naming both key paths.
+                warn_aliases(model, what="The model given to the train step")
+                model, opt_state = copy_aliases((model, opt_state))
+        if self.placement is not None:
+            batch = self.placement.shard_batch(batch)
+        out = program(model, opt_state, batch, key, log)
         self._guard.remember(out)
         return out
 
+    def _new_halt_log(self) -> Any:
+        return {"halt": jnp.array([0, -1, -1], jnp.int32)} if self.on_nan == "stop" else None
+
+    def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
+        if self.on_nan != "stop":
+            return self.run(model, opt_state, batch, key)[:3]
+        if self._halt is None:
+            self._halt, self._calls, self._inflight = self._new_halt_log(), 0, []
+        elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
+            self._check(model, block=False)
+        self._inflight.append((self._calls, batch, key))
+        model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
+        self._calls += 1
+        return model, opt_state, metrics
+
+    def check(self) -> None:
+        """Wait for the steps called so far and raise :class:`NonFiniteError` if one of them
+        stopped (``on_nan="stop"``); the error holds that step's inputs."""
+        last = self._guard._last
+        if self._halt is not None and last:
+            self._check(last[0], block=True)
+
+    def _check(self, model: Any, block: bool) -> None:
+        halt = self._halt["halt"]
+        if not (block or halt.is_ready()):
+            return
+        count, stopped, index = (int(v) for v in np.asarray(halt))
+        if stopped < 0:
+            self._inflight = [x for x in self._inflight if x[0] >= count]
+            return
+        _, batch, key = next(x for x in self._inflight if x[0] == stopped)
+        self._halt = None
+        raise nonfinite_error(stopped + 1, index, loss_fn=self.loss_fn, model=model, batch=batch, key=key)
+
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
+        where = "" if self.placement is None else f", {self.placement!r}"
+        dtype = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
         return (f"{type(self).__name__}({name}, {self.optimizer!r}, metrics={list(self.metrics)}, "
-                f"on_nan={self.on_nan!r})")
+                f"on_nan={self.on_nan!r}{where}{dtype})")
 
 
 class EvalStep:
     """``step(model, batch, key=None) -> metrics``: the loss and metrics, jitted, no update.
+
+    With a ``mesh`` the batch is split over ``data_axis`` and the model placed by
+    ``sharding``; XLA partitions the forward pass (metrics are over the global batch).
+    ``compute_dtype`` casts the model and floating inputs as :class:`TrainStep` does.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -258,24 +538,37 @@ class EvalStep:
         loss_fn: Callable[..., Any],
         *,
         metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+        mesh: Any = None,
+        data_axis: str = "data",
+        sharding: Any = None,
+        compute_dtype: Any = None,
     ):
+        self.placement = _placement(mesh, data_axis, sharding, "ft.train.eval_step")
+        self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)
         self.loss_fn = loss_fn
         self.metrics = resolve_metrics(metrics)
         self._compiled: Any = None
 
     def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
         """``(loss, aux)`` of ``loss_fn`` on one minibatch."""
-        out = self.loss_fn(model, batch) if key is None else self.loss_fn(model, batch, key=key)
-        return _split_output(out)
+        return TrainStep.compute_loss(self, model, batch, key)  # pyright: ignore[reportArgumentType]
 
     def step(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
         """The loss and metrics of ``model`` on ``batch``, unjitted."""
+        if self.placement is not None:
+            batch, _ = self.placement.constrain_batch(batch)
         loss, aux = self.compute_loss(model, batch, key)
         return evaluate_metrics(self.metrics, StepOutput(loss, aux, batch, model))
+
+    def shard_batch(self, batch: Any) -> Any:
+        """The global batch from this process's share, on the step's mesh (else the batch)."""
+        return batch if self.placement is None else self.placement.shard_batch(batch)
 
     def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
             self._compiled = unchecked_jit(self.step, static_leaves=has_untraceable_leaves(model))
+        if self.placement is not None:
+            model, batch = self.placement.place(model), self.placement.shard_batch(batch)
         return self._compiled(model, batch, key)
 
 
@@ -284,7 +577,7 @@ def train_step(
     optimizer: Any,
     *,
     metrics: Mapping[str, Any] | Sequence[Any] | None = None,
-    on_nan: str | None = None,
+    on_nan: str | None = DEFAULT_ON_NAN,
     donate: bool = True,
     mesh: Any = None,
     data_axis: str = "data",
@@ -306,12 +599,8 @@ def train_step(
       >>> round(float(metrics["loss"]), 4), model["w"]  # (1² + 2²) / 2; w ← 0 - 0.1·(-1, -2)
       (2.5, Array([0.1, 0.2], dtype=float32))
     """
-    if mesh is not None or sharding is not None or compute_dtype is not None:
-        from functree.parallel import DataParallelStep  # functree.parallel imports this module
-
-        return DataParallelStep(loss_fn, optimizer, mesh=mesh, data_axis=data_axis, sharding=sharding,
-                                compute_dtype=compute_dtype, metrics=metrics, on_nan=on_nan, donate=donate)
-    return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, donate=donate)
+    return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, donate=donate, mesh=mesh,
+                     data_axis=data_axis, sharding=sharding, compute_dtype=compute_dtype)
 
 
 def eval_step(
@@ -336,9 +625,23 @@ def eval_step(
       >>> evaluate({"w": jnp.zeros(2)}, (jnp.eye(2), jnp.array([1.0, 2.0])))
       {'loss': Array(2.5, dtype=float32), 'mae': Array(1.5, dtype=float32)}
     """
-    if mesh is not None or sharding is not None or compute_dtype is not None:
-        from functree.parallel import DataParallelEvalStep
+    return EvalStep(loss_fn, metrics=metrics, mesh=mesh, data_axis=data_axis, sharding=sharding,
+                    compute_dtype=compute_dtype)
 
-        return DataParallelEvalStep(loss_fn, mesh=mesh, data_axis=data_axis, sharding=sharding,
-                                    compute_dtype=compute_dtype, metrics=metrics)
-    return EvalStep(loss_fn, metrics=metrics)
+
+def DataParallelStep(loss_fn: Callable[..., Any], optimizer: Any, *, mesh: Any = None, data_axis: str = "data",
+                     **options: Any) -> TrainStep:
+    """The older name of ``TrainStep(loss_fn, optimizer, mesh=mesh, ...)``; ``mesh=None`` is
+    the default device alone (``ft.parallel.DataParallelStep`` is this function)."""
+    return TrainStep(loss_fn, optimizer, mesh=_one_device(mesh, data_axis), data_axis=data_axis, **options)
+
+
+def DataParallelEvalStep(loss_fn: Callable[..., Any], *, mesh: Any = None, data_axis: str = "data",
+                         **options: Any) -> EvalStep:
+    """The older name of ``EvalStep(loss_fn, mesh=mesh, ...)``; ``mesh=None`` is the default
+    device alone (``ft.parallel.DataParallelEvalStep`` is this function)."""
+    return EvalStep(loss_fn, mesh=_one_device(mesh, data_axis), data_axis=data_axis, **options)
+
+
+def _one_device(mesh: Any, data_axis: str) -> Any:
+    return one_device_mesh(data_axis) if mesh is None else mesh

@@ -1,9 +1,9 @@
 """``ft.train.Trainer``: seed 003's trainer: model, loss, learner, reader, progress callback.
 
-The loop never blocks per step: each step is one jitted, donated call that also writes
-its metrics into a device buffer; the host reads the buffer only every ``log_every``
-steps and at epoch ends (one transfer), then updates the history, the progress bar and
-the callbacks.
+The loop never blocks per step: each step is one call of the :class:`TrainStep`'s own
+jitted, donated program, which also writes its metrics into a device buffer
+(:meth:`TrainStep.record`); the host reads the buffer only every ``log_every`` steps and at
+epoch ends (one transfer), then updates the history, the progress bar and the callbacks.
 """
 
 from __future__ import annotations
@@ -21,30 +21,40 @@ from functree import nn
 from functree._alias import copy_aliases, warn_aliases
 from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
 from functree.optim import context, hyperparameter_names, hyperparameters, next_sweep
+from functree.optim._skip import DEFAULT_ON_NAN
 from functree.train._callbacks import Callback, TrainingContext, _copy, as_callback
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._history import History
 from functree.train._metrics import batch_size_of
 from functree.train._progress import Progress
-from functree.train._step import NONFINITE, TrainStep, eval_step, parameter_names
+from functree.train._step import (
+    NONFINITE,
+    NonFiniteError,
+    TrainStep,
+    eval_step,
+    nonfinite_error,
+    parameter_names,
+)
 from functree.train._step import train_step as make_train_step
 
 __all__ = ["Trainer", "NonFiniteError"]
-
-NONFINITE_STOP = """\
-Training stopped at step {step}: {what} was not finite.
-The step was not applied: trainer.model and trainer.opt_state are those after step \
-{previous}, and trainer.history holds the values up to here. Try a lower learning rate, \
-gradient clipping, checking the data for NaN/inf, or skipping such steps:
-
-    ft.train.Trainer(model, optimizer, loss_fn, on_nan="skip")"""
 
 EMPTY_DATA = """\
 The training data gave no minibatch{why}.
 
     right:  trainer.fit(ft.train.batches((x, y), batch_size=32), epochs=5)
        or:  trainer.fit(iterator, steps=1000)       # a one-shot iterator needs steps="""
+
+ONE_SHOT = """\
+trainer.fit(data, epochs={epochs}) needs data it can iterate once per epoch, but \
+{kind} is a one-shot iterator: it would run out after the first epoch.
+Pass something re-iterable, or count steps instead of epochs:
+
+    wrong:  trainer.fit(generator(), epochs={epochs})
+    right:  trainer.fit(ft.train.batches((x, y), batch_size=32), epochs={epochs})
+       or:  trainer.fit(loader, epochs={epochs})          # a list, a DataLoader: re-iterable
+       or:  trainer.fit(generator(), steps=1000)"""
 
 BAD_LENGTH = """\
 {what} must be a positive int, got {value!r}.
@@ -69,26 +79,6 @@ the Trainer's.
 EVAL_KEY_SALT = 0x5EED
 """Folded into the trainer's key for evaluation and prediction keys (distinct from the
 training steps' ``fold_in(key, step)`` and the shuffling key ``fold_in(key, 1)``)."""
-
-
-class NonFiniteError(FloatingPointError):
-    """The loss or a gradient became NaN/inf during :meth:`Trainer.fit` (``on_nan="stop"``).
-
-    A ``FloatingPointError`` whose message names the step and the loss or the first
-    parameter whose gradient was not finite; that step and any after it are not applied.
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> loss_fn = lambda m, b: jnp.mean(jnp.log(-m["w"] * b))  # log(-1): NaN
-      >>> trainer = ft.train.Trainer({"w": jnp.ones(1)}, ft.optim.sgd(0.1), loss_fn)
-      >>> try:
-      ...     trainer.fit(jnp.ones((4, 1)), progress=False)
-      ... except ft.train.NonFiniteError as e:
-      ...     print(str(e).splitlines()[0])
-      Training stopped at step 1: the loss was not finite.
-      >>> trainer.steps_run, trainer.model["w"]  # the model from before step 1
-      (0, Array([1.], dtype=float32))
-    """
 
 
 def _is_array(x: Any) -> bool:
@@ -179,9 +169,11 @@ class Trainer:
       metrics: ``{name: fn(StepOutput)}`` or a list (``ft.train.accuracy``,
         ``ft.train.mean("mse")``); ``loss`` is always recorded.
       key: base PRNG key for the loss (dropout) and for shuffling in-memory data.
-      on_nan: ``"stop"`` (default: raise :class:`NonFiniteError` naming the step and the
-        first parameter whose gradient was not finite; that step is not applied),
-        ``"skip"`` (skip such steps, recorded in ``trainer.skipped``) or ``None``.
+      on_nan: ``"stop"`` (default, as in :class:`TrainStep`: raise :class:`NonFiniteError`
+        naming the step and the first parameter whose gradient was not finite; that step
+        is not applied), ``"skip"`` (skip such steps, recorded in ``trainer.skipped``) or
+        ``"ignore"``. A step an optimizer handles itself (a loss-scale overflow) is
+        neither.
       opt_state: an optimizer state to continue from (default ``optimizer.init(model)``).
       train_step: a :class:`TrainStep` subclass (or instance) with overridden stages.
 
@@ -213,7 +205,7 @@ class Trainer:
         *,
         metrics: Mapping[str, Any] | Sequence[Any] | None = None,
         key: jax.Array | None = None,
-        on_nan: str | None = "stop",
+        on_nan: str | None = DEFAULT_ON_NAN,
         opt_state: Any = None,
         train_step: type[TrainStep] | TrainStep | None = None,
         mesh: Any = None,
@@ -238,9 +230,9 @@ class Trainer:
         # Every buffer is the Trainer's own: the copies above, and Optimizer.init's state
         # (which never shares a buffer with the model).
         self.opt_state = self.optimizer.init(self.model) if opt_state is None else _copy(opt_state)
-        place = getattr(self.train_step, "place", None)
-        if place is not None:  # a data-parallel step: arrays on its mesh by its rules
-            self.model, self.opt_state = place(self.model, self.opt_state)
+        placement = getattr(self.train_step, "placement", None)
+        if placement is not None:  # a step over a mesh: arrays on it by its rules
+            self.model, self.opt_state = placement.place(self.model, self.opt_state)
         self.key = key
         self.history = History()
         self.steps_run = 0
@@ -253,8 +245,8 @@ class Trainer:
         self._names: list[str] | None = None
         self._param_names: list[str] | None = None
         self._last_context: Any = None
+        self._inflight: list[Any] = []  # the batches since the last read: references, no copies
         static = has_untraceable_leaves(self.model)  # Equinox submodules keep functions
-        self._fused = unchecked_jit(self._fused_step, donate=(0, 1, 2), static_leaves=static)
         self._eval_fused = unchecked_jit(self._fused_eval, donate=(1,), static_leaves=static)
         self._predict = unchecked_jit(_call_predict, static_argnums=2, static_leaves=static)
 
@@ -269,30 +261,7 @@ class Trainer:
             return train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, **parallel)
         raise TypeError(BAD_TRAIN_STEP.format(given=repr(train_step)[:80]))
 
-    @staticmethod
-    def _global(step: Any, batch: Any) -> Any:
-        """The global batch from this process's share, on a data-parallel step's mesh."""
-        return step.shard_batch(batch) if hasattr(step, "shard_batch") else batch
-
     # --- the jitted programs -------------------------------------------------------------
-    def _fused_step(self, model: Any, opt_state: Any, buffer: Any, batch: Any, key: Any) -> Any:
-        enabled = ~buffer["halted"] if self.on_nan == "stop" else None
-        model, opt_state, metrics = self.train_step.step(model, opt_state, batch, key, enabled)
-        i = buffer["count"]
-        values = {k: buffer["values"][k].at[i].set(metrics[k]) for k in buffer["values"]}
-        if "learning_rate" in buffer:
-            lr = jnp.asarray(hyperparameters(opt_state)["learning_rate"], jnp.float32)
-            buffer = {**buffer, "learning_rate": buffer["learning_rate"].at[i].set(lr)}
-        bad = metrics.get(NONFINITE, jnp.array(-1, jnp.int32))
-        return model, opt_state, {
-            **buffer,
-            "values": values,
-            "weight": buffer["weight"].at[i].set(float(batch_size_of(batch))),
-            "nonfinite": buffer["nonfinite"].at[i].set(bad),
-            "halted": buffer["halted"] | (bad != -1),
-            "count": i + 1,
-        }
-
     def _fused_eval(self, model: Any, sums: Any, batch: Any, key: Any) -> Any:
         if key is not None:
             key = jax.random.fold_in(key, sums["count"])
@@ -303,26 +272,25 @@ class Trainer:
 
     def _new_buffer(self, capacity: int) -> Any:
         assert self._names is not None
-        buffer = {
-            "values": {k: jnp.zeros(capacity, jnp.float32) for k in self._names},
-            "weight": jnp.zeros(capacity, jnp.float32),
-            "nonfinite": jnp.full(capacity, -1, jnp.int32),
-            "halted": jnp.zeros((), bool),
-            "count": jnp.zeros((), jnp.int32),
-        }
-        if self._has_learning_rate():
-            buffer["learning_rate"] = jnp.zeros(capacity, jnp.float32)
-        return buffer
+        columns = len(self._names) + self._has_learning_rate()
+        return {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
+                "rows": jnp.zeros((capacity, columns), jnp.float32)}  # one row per step: TrainStep.record
+
+    def _context_arrays(self) -> tuple[Any, Any]:
+        """The learning context and the learning rate (None if none), on device."""
+        lr = hyperparameters(self.opt_state)["learning_rate"] if self._has_learning_rate() else None
+        return context(self.opt_state), lr
 
     def _has_learning_rate(self) -> bool:
         return "learning_rate" in hyperparameter_names(self.opt_state)
 
     def _metric_names(self, batch: Any) -> list[str]:
+        """The step's metrics in the order it returns them (``nonfinite`` included)."""
         if type(self.train_step).compute_metrics is TrainStep.compute_metrics:
-            return ["loss", *self.train_step.metrics]
+            return ["loss", *self.train_step.metrics, *([NONFINITE] if self.on_nan != "ignore" else [])]
         # An overridden compute_metrics: trace once (no compilation) to learn its names.
         shapes = eval_shape(self.train_step.step, self.model, self.opt_state, batch, self.key)
-        return [k for k in shapes[2] if k != NONFINITE]
+        return list(shapes[2])
 
     # --- data ----------------------------------------------------------------------------
     def _as_data(self, data: Any, batch_size: int | None, shuffle: bool = True) -> Any:
@@ -347,20 +315,24 @@ class Trainer:
     def _read(self, window: _Means, epoch: _Means, bar: Progress) -> dict[str, float]:
         if self._buffered == 0:
             return window.means()
-        host, ctx = jax.device_get((self._buffer, context(self.opt_state)))
-        n = int(host["count"])
+        host, ctx = jax.device_get((self._buffer, self._context_arrays()))  # one transfer
+        n = int(host["halt"][0])
         first = self.steps_run - self._buffered + 1
         steps = list(range(first, first + n))
-        values = {k: v[:n] for k, v in host["values"].items()}
-        weights = host["weight"][:n]
+        assert self._names is not None
+        rows = host["rows"][:n]
+        values = {k: rows[:, i] for i, k in enumerate(self._names) if k != NONFINITE}
+        nonfinite = rows[:, self._names.index(NONFINITE)] if NONFINITE in self._names else np.full(n, -1.0)
+        inflight, self._inflight = self._inflight, []
+        weights = np.array([batch_size_of(b) for b in inflight[:n]], np.float32)  # host-known sizes
         columns = {k: v.tolist() for k, v in values.items()}
-        if "learning_rate" in host:
-            columns["learning_rate"] = host["learning_rate"][:n].tolist()
+        if rows.shape[1] > len(self._names):
+            columns["learning_rate"] = rows[:, -1].tolist()
         self.history.add_steps(steps, columns)
-        self._buffer = self._new_buffer(len(host["weight"]))
+        self._buffer = self._new_buffer(len(host["rows"]))
         self._buffered = 0
         self._last_context = ctx
-        self._check_finite(steps, host["nonfinite"][:n])
+        self._check_finite(steps, nonfinite.astype(np.int32), host["halt"], inflight)
         window.add(values, weights)
         epoch.add(values, weights)
         shown = dict(window.means())
@@ -369,31 +341,32 @@ class Trainer:
         bar.update(n, shown)
         return window.means()
 
-    def _check_finite(self, steps: list[int], nonfinite: np.ndarray) -> None:
-        bad = np.flatnonzero(nonfinite != -1)
-        if not len(bad):
-            return
-        if self._param_names is None:
-            self._param_names = parameter_names(self.model)
-        names = [
-            "the loss" if nonfinite[i] == -2 else
-            f"the gradient of parameter {self._param_names[nonfinite[i]]!r}"
-            for i in bad
-        ]
+    def _check_finite(self, steps: list[int], nonfinite: np.ndarray, halt: np.ndarray, inflight: list[Any]) -> None:
         if self.on_nan == "skip":
-            self.skipped.extend((steps[i], name) for i, name in zip(bad, names))
+            bad = np.flatnonzero(nonfinite != -1)
+            if len(bad) and self._param_names is None:
+                self._param_names = parameter_names(self.model)
+            self.skipped.extend((steps[i], self._what(int(nonfinite[i]))) for i in bad)
             return
-        step = steps[bad[0]]
+        stopped = int(halt[1])
+        if stopped < 0:
+            return
+        step = steps[stopped]
         self.batch_in_epoch -= self.steps_run - (step - 1)
         self.steps_run = step - 1
         self.stop_training = True
-        raise NonFiniteError(NONFINITE_STOP.format(step=step, what=names[0], previous=step - 1))
+        raise nonfinite_error(step, int(halt[2]), loss_fn=self.train_step.loss_fn, model=self.model,
+                              batch=inflight[stopped], key=self.key,
+                              holder="trainer.model and trainer.opt_state are",
+                              history=", and trainer.history holds the values up to here")
+
+    def _what(self, index: int) -> str:
+        assert self._param_names is not None
+        return "the loss" if index < 0 else f"the gradient of parameter {self._param_names[index]!r}"
 
     def _context(self, event: str, metrics: Mapping[str, float]) -> TrainingContext:
-        ctx = self._last_context or jax.device_get(context(self.opt_state))
-        lr = None
-        if self._has_learning_rate():
-            lr = float(hyperparameters(self.opt_state)["learning_rate"])
+        ctx, lr = self._last_context or jax.device_get(self._context_arrays())
+        lr = None if lr is None else float(lr)
         return TrainingContext(
             event=event,
             step=self.steps_run,
@@ -433,6 +406,8 @@ class Trainer:
         if epochs is None and steps is None:
             epochs = 1
         data = self._as_data(data, batch_size)
+        if steps is None and epochs is not None and epochs > 1 and iter(data) is data:
+            raise ValueError(ONE_SHOT.format(epochs=epochs, kind=type(data).__name__))
         cbs = [as_callback(c) for c in callbacks]
         length = self._epoch_length(data)
         total = steps if steps is not None else (
@@ -474,15 +449,16 @@ class Trainer:
         ran = 0
         length = self._epoch_length(data)
         bar.set_description(f"epoch {self.epoch + 1}")
+        run = self.train_step.run
         for batch in self._epoch_iter(data):
-            batch = self._global(self.train_step, to_arrays(batch))
+            batch = to_arrays(batch)
             if self._names is None:
                 self._names = self._metric_names(batch)
-            if self._buffer is None or (self._buffered == 0 and self._buffer["weight"].shape[0] != log_every):
+            if self._buffer is None or (self._buffered == 0 and self._buffer["rows"].shape[0] != log_every):
                 self._buffer = self._new_buffer(log_every)
-            self.model, self.opt_state, self._buffer = self._fused(
-                self.model, self.opt_state, self._buffer, batch, self.key
-            )
+            self._inflight.append(batch)
+            self.model, self.opt_state, _, self._buffer = run(self.model, self.opt_state, batch, self.key,
+                                                              self._buffer, owned=True)
             ran += 1
             self.steps_run += 1
             self.batch_in_epoch += 1
@@ -552,7 +528,7 @@ class Trainer:
         sums: Any = None
         batches_iter: Iterable[Any] = data.iterate(0) if isinstance(data, Batches) else data
         for batch in batches_iter:
-            batch = self._global(self.eval_step, to_arrays(batch))
+            batch = self.eval_step.shard_batch(to_arrays(batch))
             if sums is None:
                 shapes = eval_shape(self.eval_step.step, model, batch, key)
                 sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
@@ -580,7 +556,7 @@ class Trainer:
         key = self._eval_key(fn)
         batches_iter: Iterable[Any] = data.iterate(0) if isinstance(data, Batches) else data
         outputs = [
-            self._predict(model, self._global(self.eval_step, to_arrays(b)), fn,
+            self._predict(model, self.eval_step.shard_batch(to_arrays(b)), fn,
                           None if key is None else jax.random.fold_in(key, i))
             for i, b in enumerate(batches_iter)
         ]
@@ -627,7 +603,7 @@ class Trainer:
         self.batch_in_epoch = int(position.get("batch_in_epoch", 0))
         if isinstance(ckpt.extra, Mapping) and ckpt.extra.get("key") is not None:
             self.key = ckpt.extra["key"]
-        self._buffer, self._buffered = None, 0
+        self._buffer, self._buffered, self._inflight = None, 0, []
         return ckpt
 
     def __repr__(self) -> str:

@@ -1,0 +1,148 @@
+"""Placement for a step over a mesh: where the batch, the model and the optimizer state live.
+
+``Placement(mesh, data_axis, sharding)`` answers the questions a data-parallel step asks
+(``ft.train.TrainStep(..., mesh=mesh)`` runs the step itself): the ``PartitionSpec`` trees
+of the model and of the optimizer state under the sharding rules, arrays placed by them,
+and the global batch split along ``data_axis`` (:func:`shard_batch`). Nothing here runs a
+step or imports ``functree.train``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from functree.parallel._mesh import auto_mesh, constrain, is_array, place
+from functree.parallel._rules import _check_rules, check_data_axis, partition_specs
+
+__all__ = ["Placement", "shard_batch", "batch_specs", "check_batch", "one_device_mesh"]
+
+BATCH_NOT_DIVISIBLE = """\
+The batch has {size} examples (leading axis of {path}), which the {n} devices of mesh axis \
+{axis!r} cannot share evenly: each device takes the same number of examples.
+Use a batch size that is a multiple of {n}:
+
+    wrong:  ft.train.batches(data, batch_size={size})
+    right:  ft.train.batches(data, batch_size={right}, drop_last=True)"""
+
+
+def check_batch(batch: Any, n: int, axis: str) -> None:
+    """A ``ValueError`` naming the leaf and the fix when ``n`` devices cannot share ``batch``."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if np.ndim(x) >= 1 and np.shape(x)[0] % n:
+            size = np.shape(x)[0]
+            raise ValueError(BATCH_NOT_DIVISIBLE.format(
+                size=size, path=jax.tree_util.keystr(path) or "the batch", n=n, axis=axis,
+                right=max(n, size // n * n)))
+
+
+def batch_specs(batch: Any, axis: str) -> Any:
+    """``P(axis)`` for every leaf with a leading (example) axis, ``P()`` for scalars."""
+    return jax.tree.map(lambda x: PartitionSpec(axis) if np.ndim(x) >= 1 else PartitionSpec(), batch)
+
+
+def shard_batch(batch: Any, mesh: Mesh, data_axis: str = "data") -> Any:
+    """The global batch from this process's share, split over ``data_axis`` of ``mesh``.
+
+    Each leaf with a leading axis becomes a global ``jax.Array`` through
+    ``jax.make_array_from_process_local_data``: in one process the share is the whole
+    batch; in ``P`` processes each passes ``1/P`` of it (``ft.train.batches(...,
+    shard=(jax.process_index(), jax.process_count()))``) and the global batch is their
+    concatenation in process order. Arrays that are already global are kept.
+
+    Example:
+      >>> import functree as ft, jax, numpy as np
+      >>> from functree.parallel import shard_batch
+      >>> x = shard_batch(np.ones((8, 3)), jax.make_mesh((1,), ("data",)))
+      >>> x.shape, x.sharding.spec
+      ((8, 3), P('data',))
+    """
+    check_data_axis(mesh, data_axis, "ft.train.train_step")
+    amesh = auto_mesh(mesh)
+    sharding = NamedSharding(amesh, PartitionSpec(data_axis))
+
+    def one(x: Any) -> Any:
+        if np.ndim(x) == 0:
+            return x
+        if isinstance(x, jax.Array) and (x.sharding == sharding or not x.is_fully_addressable):
+            return x
+        if jax.process_count() == 1 and isinstance(x, jax.Array):
+            check_batch(x, amesh.shape[data_axis], data_axis)
+            return jax.device_put(x, sharding)
+        global_shape = (np.shape(x)[0] * jax.process_count(), *np.shape(x)[1:])
+        check_batch(np.empty((global_shape[0], 0)), amesh.shape[data_axis], data_axis)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
+
+    return jax.tree.map(one, batch)
+
+
+def one_device_mesh(data_axis: str = "data") -> Mesh:
+    """A mesh of the default device alone (sharding rules without a mesh)."""
+    return jax.make_mesh((1,), (data_axis,), devices=jax.devices()[:1])
+
+
+def _on_mesh(tree: Any, mesh: Mesh) -> bool:
+    return all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+               for x in jax.tree.leaves(tree) if is_array(x))
+
+
+class Placement:
+    """Where a data-parallel step's arrays live: ``mesh`` (``None``: the default device
+    alone), the batch split along ``data_axis``, the model and optimizer state placed by
+    ``sharding`` (``None`` replicated, ``"fsdp"`` or ``{pattern: PartitionSpec}``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree.parallel._placement import Placement
+      >>> where = Placement(jax.make_mesh((1,), ("data",)), "data", "fsdp", "ft.train.train_step")
+      >>> where.model_specs({"w": jnp.ones((2, 2))})
+      {'w': P()}
+    """
+
+    def __init__(self, mesh: Mesh | None, data_axis: str, sharding: Any, call: str):
+        mesh = one_device_mesh(data_axis) if mesh is None else mesh
+        check_data_axis(mesh, data_axis, call)
+        _check_rules(sharding)
+        self.mesh, self.data_axis, self.sharding = auto_mesh(mesh), data_axis, sharding
+        self.devices = self.mesh.shape[data_axis]
+
+    def model_specs(self, model: Any) -> Any:
+        """The ``PartitionSpec`` tree of ``model`` under ``sharding``."""
+        return partition_specs(model, self.sharding, mesh=self.mesh, data_axis=self.data_axis)
+
+    def state_specs(self, opt_state: Any) -> Any:
+        """The ``PartitionSpec`` tree of an optimizer state (moments follow parameters)."""
+        return partition_specs(opt_state, self.sharding, mesh=self.mesh, data_axis=self.data_axis, strict=False)
+
+    def place(self, model: Any, opt_state: Any = None) -> Any:
+        """``(model, opt_state)`` (or ``model`` alone) placed on the mesh by the rules.
+
+        Arrays already on this mesh (a previous step's outputs) are passed as they are:
+        the step's sharding constraints keep them placed by the rules.
+        """
+        if opt_state is None:
+            return model if _on_mesh(model, self.mesh) else place(model, self.model_specs(model), self.mesh)
+        if _on_mesh((model, opt_state), self.mesh):
+            return model, opt_state
+        return (place(model, self.model_specs(model), self.mesh),
+                place(opt_state, self.state_specs(opt_state), self.mesh))
+
+    def shard_batch(self, batch: Any) -> Any:
+        """The global batch from this process's share (:func:`shard_batch` on this mesh)."""
+        return shard_batch(batch, self.mesh, self.data_axis)
+
+    def constrain_batch(self, batch: Any) -> tuple[Any, Any]:
+        """Inside a jitted step: ``(batch, specs)`` with the batch split along the data axis."""
+        check_batch(batch, self.devices, self.data_axis)
+        specs = batch_specs(batch, self.data_axis)
+        return constrain(batch, specs, self.mesh), specs
+
+    def constrain(self, tree: Any, specs: Any) -> Any:
+        """``tree`` constrained to ``specs`` on this mesh (inside a jitted step)."""
+        return constrain(tree, specs, self.mesh)
+
+    def __repr__(self) -> str:
+        return f"mesh={dict(self.mesh.shape)}, data_axis={self.data_axis!r}, sharding={self.sharding!r}"

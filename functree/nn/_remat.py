@@ -85,8 +85,11 @@ def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
     """``fn`` under ``jax.checkpoint`` with ``remat``'s policy; ``fn`` itself when off."""
     if remat is None or remat is False:
         return fn
-    policy = getattr(jax.checkpoint_policies, remat) if isinstance(remat, str) else None
-    policy = remat if callable(remat) else policy
+    policy: Any = None  # remat=True: save nothing but the inputs
+    if isinstance(remat, str):
+        policy = getattr(jax.checkpoint_policies, remat)
+    elif callable(remat):
+        policy = remat
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)  # inside scan: CSE is safe
 
 

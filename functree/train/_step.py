@@ -71,7 +71,8 @@ class NonFiniteError(FloatingPointError):
     A ``FloatingPointError`` whose message names the step and the loss or the first
     parameter whose gradient was not finite; that step and any after it are not applied.
     ``step``, ``parameter`` (None: the loss), ``model`` (before the step), ``batch`` and
-    ``key`` hold the failing step's inputs.
+    ``key`` hold the failing step's inputs; ``report`` is the :class:`ft.NaNReport` of where
+    the first non-finite value came from (the message ends with it).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -92,6 +93,7 @@ class NonFiniteError(FloatingPointError):
     model: Any = None
     batch: Any = None
     key: Any = None
+    report: Any = None
 
 
 def nonfinite_error(step: int, index: int, *, train_step: Any, model: Any, opt_state: Any, batch: Any,

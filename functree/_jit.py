@@ -255,9 +255,15 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any])
         params = []
     what = f"The arguments of {getattr(f, '__name__', 'the function')}"
 
+    top = max(nums, default=-1)
+
     @functools.wraps(f)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if guard.fresh(*[args[i] for i in nums if i < len(args)], *[kwargs[n] for n in names if n in kwargs]):
+        if kwargs or len(args) <= top or top < 0:  # donated arguments given by name (or missing)
+            fresh = guard.fresh(*[args[i] for i in nums if i < len(args)], *[kwargs[n] for n in names if n in kwargs])
+        else:  # the loop's common case, without building lists
+            fresh = guard.fresh_in(args, nums)
+        if fresh:
             pairs = warn_aliases((args, kwargs), what=what, rename=lambda n: _argument_name(n, params))
             args, kwargs = copy_aliases((args, kwargs), pairs)
         result = jitted(*args, **kwargs)

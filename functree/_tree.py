@@ -72,12 +72,12 @@ def all_finite(tree: Any) -> jax.Array:
 
 def register_record(cls: type, data_fields: Sequence[str], meta_fields: Sequence[str] = ()) -> type:
     """Register a frozen dataclass of state (an optimizer state, the learning context) as a
-    pytree that JAX rebuilds without calling its ``__init__``.
+    pytree: ``jax.tree_util.register_dataclass``, so that jit flattens it in C++.
 
-    ``jax.tree_util.register_dataclass`` rebuilds through the frozen dataclass's
-    ``__init__`` (an ``object.__setattr__`` per field): about 2.5 µs for six fields on every
-    jit output. Here the rebuild is ``object.__new__`` and one dict update (about 0.8 µs);
-    key paths are the same ``GetAttrKey``s.
+    An optimizer state is flattened on every call of a training step (its input) and
+    rebuilt once (its output): C++ flattening saves more (about 1.5 µs per record) than
+    the dataclass ``__init__`` costs on the rebuild over a Python ``object.__new__``
+    (about 0.4 µs). Key paths are ``GetAttrKey``s of the field names.
 
     Example:
       >>> import dataclasses, jax
@@ -90,24 +90,4 @@ def register_record(cls: type, data_fields: Sequence[str], meta_fields: Sequence
       >>> jax.tree.map(lambda n: n + 1, Count(1))
       Count(n=2, name='steps')
     """
-    data, meta = tuple(data_fields), tuple(meta_fields)
-    keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
-    new = object.__new__
-
-    def flatten(x: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        d = x.__dict__
-        return tuple([d[n] for n in data]), tuple([d[n] for n in meta])
-
-    def flatten_with_keys(x: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        d = x.__dict__
-        return tuple(zip(keys, [d[n] for n in data])), tuple([d[n] for n in meta])
-
-    def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
-        x = new(cls)
-        d = x.__dict__
-        d.update(zip(data, children))
-        d.update(zip(meta, aux))
-        return x
-
-    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-    return cls
+    return jax.tree_util.register_dataclass(cls, list(data_fields), list(meta_fields))

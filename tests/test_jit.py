@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -150,6 +151,20 @@ def test_donated_aliased_arguments_warn_with_both_paths_and_still_run():
     np.testing.assert_allclose(out[0].bias, expected.bias, rtol=1e-6)
     again = pair({"a": out[0], "b": out[1]}, jnp.ones((4, 3)))  # distinct now: no warning
     assert len(again) == 2 and pair._cache_size() == 1 and callable(pair.lower)
+
+
+def test_donated_loop_checks_only_inputs_that_are_not_the_previous_outputs():
+    step = ft.jit(lambda a, b: (a + 1, b * 2), donate=(0, 1))
+    a, b = step(jnp.ones(2), jnp.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a, b = step(a, b)  # the outputs passed back: nothing to look for
+    w = jnp.ones(2)
+    with pytest.warns(ft.AliasWarning, match=r"'a' and 'b'"):
+        step(w, w)  # positionally (the fast path)
+    w = jnp.ones(2)
+    with pytest.warns(ft.AliasWarning, match=r"'a' and 'b'"):
+        step(a=w, b=w)  # by name
 
 
 def test_static_leaves_make_functions_static_and_return_them():

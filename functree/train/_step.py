@@ -488,7 +488,7 @@ class TrainStep:
         ``rows`` hold the metrics: ``metrics`` is None then). ``owned``: the caller knows
         that no two leaves of ``model`` and ``opt_state`` share a buffer (the Trainer copies
         them once), so new inputs are not searched for aliases."""
-        program = self._program(model)
+        program = self._compiled or self._program(model)
         if self._guard.fresh(model, opt_state):  # not the previous call's outputs
             if self.placement is not None:
                 model, opt_state = self.placement.place(model, opt_state)

@@ -133,3 +133,20 @@ def test_data_parallel_trainer_trains_the_subset_with_an_average():
                 "averaged": bool((t.averaged_model.head.weight != t.model.head.weight).any())})
     """, devices=2)
     assert out == {"frozen": True, "trained": True, "averaged": True}
+
+
+@pytest.mark.parametrize("on_nan", ["stop", "skip"])
+def test_a_non_finite_gradient_is_named_among_the_trained_parameters(on_nan):
+    # The gradients of Optimizer(wrt=) hold the trained parameters only: the first
+    # non-finite one is named from those, not from the whole model.
+    def loss_fn(m, b):
+        return mse(m, *b) + jnp.sqrt(0.0 * m.head.bias[0])  # finite loss, NaN gradient of head.bias
+
+    trainer = ft.train.Trainer(net(), ft.optim.adam(1e-2), loss_fn, wrt="head.*", on_nan=on_nan)
+    data = ft.train.batches((X, Y), batch_size=8, shuffle=False)
+    if on_nan == "stop":
+        with pytest.raises(ft.train.NonFiniteError, match=r"the gradient of parameter 'head\.bias'"):
+            trainer.fit(data, progress=False)
+    else:
+        trainer.fit(data, progress=False)
+        assert trainer.skipped and {what for _, what in trainer.skipped} == {"the gradient of parameter 'head.bias'"}

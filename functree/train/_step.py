@@ -29,7 +29,6 @@ from jax.sharding import PartitionSpec
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._nan import NaNReport, provenance_text, step_report
-from functree._parameters import parameters
 from functree._tree import is_none
 from functree.optim import Optimizer, context, hyperparameter_names, hyperparameters
 from functree.optim._optimizer import Gradients
@@ -104,7 +103,7 @@ def nonfinite_error(step: int, index: int, *, train_step: Any, model: Any, opt_s
     ``opt_state`` are those before that step, ``batch`` and ``key`` its inputs: the step is
     run again off the fast path, equation by equation (:func:`step_provenance`), and the
     message ends with where the first non-finite value came from (``error.report``)."""
-    name = None if index < 0 else parameter_names(model)[index]
+    name = None if index < 0 else parameter_names(model, train_step.optimizer.wrt)[index]
     what = "the loss" if name is None else f"the gradient of parameter {name!r}"
     report = step_provenance(train_step, step, model, opt_state, batch, key)
     error = NonFiniteError(NONFINITE_STOP.format(step=step, what=what, previous=step - 1, holder=holder,
@@ -161,11 +160,12 @@ def _merge_microbatches(x: jax.Array) -> jax.Array:
     return x.reshape(-1, *x.shape[2:]) if x.ndim >= 2 else x
 
 
-def parameter_names(model: Any) -> list[str]:
-    """Dotted names of the parameter leaves, in the order gradients flatten."""
+def parameter_names(model: Any, wrt: tuple[str, ...] | None = None) -> list[str]:
+    """Dotted names of the parameter leaves, in the order gradients flatten (only those an
+    ``Optimizer(wrt=)`` trains: its gradients hold no others)."""
     from functree._parameters import _leaf_names
 
-    view = parameters(model)
+    view = trained_view(model, wrt)
     names = _leaf_names(view)
     leaves = jax.tree.leaves(view, is_leaf=is_none)
     return [n for n, leaf in zip(names, leaves) if leaf is not None]

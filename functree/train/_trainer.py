@@ -364,7 +364,7 @@ class Trainer:
         if self.on_nan == "skip":
             bad = np.flatnonzero(nonfinite != -1)
             if len(bad) and self._param_names is None:
-                self._param_names = parameter_names(self.model)
+                self._param_names = parameter_names(self.model, self.optimizer.wrt)
             if len(bad) and self.nan_report is None:  # the first skipped step's provenance
                 self.nan_report = step_provenance(self.train_step, steps[bad[0]], self.model, self.opt_state,
                                                   inflight[bad[0]], self.key,

@@ -119,14 +119,8 @@ class DonationGuard:
         self._last: tuple[Any, ...] = ()
 
     def fresh(self, *inputs: Any) -> bool:
-        last = self._last
-        for x in inputs:
-            for o in last:
-                if x is o:
-                    break
-            else:
-                return True
-        return False
+        """Whether any of ``inputs`` is not one of the previous call's outputs."""
+        return self.fresh_in(inputs, range(len(inputs)))
 
     def fresh_in(self, args: Sequence[Any], indices: Sequence[int]) -> bool:
         """:meth:`fresh` of ``args[i]`` for each ``i`` in ``indices`` (plain loops: the

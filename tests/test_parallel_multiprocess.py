@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _devices import free_port, results, start
+from _digits import digits, loss_fn, mlp
 from _tolerance import assert_close_trained
 
 import functree as ft
@@ -119,16 +120,11 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 import jax.numpy as jnp
 import functree as ft
 from jax.experimental import multihost_utils
-from sklearn.datasets import load_digits
+sys.path.insert(0, "tests")
+from _digits import digits, loss_fn, mlp
 
-d = load_digits()
-x, y = (d.data[:1024] / 16.0).astype(np.float32), d.target[:1024].astype(np.int32)
-k = jax.random.split(jax.random.key(0), 2)
-model = ft.nn.Sequential(ft.nn.Dense(64, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 10, key=k[1]))
-
-def loss_fn(model, batch):
-    x, y = batch
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+x, y = digits(1024)
+model = mlp()
 
 mesh = jax.make_mesh((4,), ("data",))
 trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9)), loss_fn, mesh=mesh,
@@ -146,8 +142,6 @@ def test_two_processes_trainer_fit_like_one_process(tmp_path):
 
     if "mesh" not in inspect.signature(ft.train.Trainer).parameters:
         pytest.skip("Trainer(mesh=...) is wired into ft.train at merge (see functree.parallel)")
-    from sklearn.datasets import load_digits
-
     port = free_port()
     procs = [start(TRAINER_WORKER, devices=2, args=(str(i), str(port), str(tmp_path))) for i in range(2)]
     outs = results(procs)
@@ -157,16 +151,8 @@ def test_two_processes_trainer_fit_like_one_process(tmp_path):
     for a, b in zip(outs[0]["params"], outs[1]["params"]):
         np.testing.assert_array_equal(a, b)
 
-    d = load_digits()
-    x, y = (d.data[:1024] / 16.0).astype(np.float32), d.target[:1024].astype(np.int32)
-    k = jax.random.split(jax.random.key(0), 2)
-    model = ft.nn.Sequential(ft.nn.Dense(64, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 10, key=k[1]))
-
-    def loss_fn(model, batch):
-        x, y = batch
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
-
-    trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9)), loss_fn)
+    x, y = digits(1024)
+    trainer = ft.train.Trainer(mlp(), ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9)), loss_fn)
     trainer.fit(ft.train.batches((x, y), 64, key=jax.random.key(3)), epochs=2, progress=False)
     assert_close_trained([np.float32(a) for a in outs[0]["params"]], jax.tree.leaves(trainer.model),
                          spread=5e-7)  # measured max 3.4e-7

@@ -12,10 +12,10 @@ import socket
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from _devices import free_port, results, start
+from _digits import digits, loss_fn, mlp
 
 import functree as ft
 from functree.train._checkpoint import _digest
@@ -30,16 +30,11 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 import jax.numpy as jnp
 import functree as ft
 from jax.experimental import multihost_utils
-from sklearn.datasets import load_digits
+sys.path.insert(0, "tests")
+from _digits import digits, loss_fn, mlp
 
-d = load_digits()
-x, y = (d.data[:512] / 16.0).astype(np.float32), d.target[:512].astype(np.int32)
-k = jax.random.split(jax.random.key(0), 2)
-model = ft.nn.Sequential(ft.nn.Dense(64, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 10, key=k[1]))
-
-def loss_fn(model, batch):
-    x, y = batch
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+x, y = digits(512)
+model = mlp()
 
 mesh = jax.make_mesh((4,), ("data",))
 trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.adam(1e-2)), loss_fn, mesh=mesh, sharding="fsdp")
@@ -76,18 +71,8 @@ def run_job(out, mode):
 
 
 def one_process_trainer():
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x, y = (d.data[:512] / 16.0).astype(np.float32), d.target[:512].astype(np.int32)
-    k = jax.random.split(jax.random.key(0), 2)
-    model = ft.nn.Sequential(ft.nn.Dense(64, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 10, key=k[1]))
-
-    def loss_fn(model, batch):
-        x, y = batch
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
-
-    trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.adam(1e-2)), loss_fn)
+    x, y = digits(512)
+    trainer = ft.train.Trainer(mlp(), ft.optim.Optimizer(ft.optim.adam(1e-2)), loss_fn)
     return trainer, ft.train.batches((x, y), 64, key=jax.random.key(3))
 
 

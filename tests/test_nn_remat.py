@@ -4,23 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_nn_stack import Block  # the residual block of the Stack tests
 
 import functree as ft
-
-
-class Block(ft.Module):
-    norm: ft.nn.LayerNorm
-    up: ft.nn.Dense
-    down: ft.nn.Dense
-
-    def __init__(self, d, *, key):
-        k1, k2 = jax.random.split(key)
-        self.norm = ft.nn.LayerNorm(d)
-        self.up = ft.nn.Dense(d, 4 * d, jax.nn.gelu, key=k1)
-        self.down = ft.nn.Dense(4 * d, d, key=k2)
-
-    def __call__(self, x):
-        return x + self.down(self.up(self.norm(x)))
 
 
 def stack(remat, n=3, d=8):

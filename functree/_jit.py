@@ -29,7 +29,7 @@ import numpy as np
 
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
 
-__all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape"]
+__all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape", "explain_control_flow"]
 
 
 TRACED_BOOL = """\
@@ -84,7 +84,7 @@ def _explain(template: str, error: Exception) -> str:
     return template.format(where=f" at {filename}:{lineno}", source=source, error=error)
 
 
-def _explain_control_flow(f: Callable[..., Any]) -> Callable[..., Any]:
+def explain_control_flow(f: Callable[..., Any]) -> Callable[..., Any]:
     # Runs at trace time only: steady-state calls never enter this wrapper.
     @functools.wraps(f)
     def traced(*args: Any, **kwargs: Any) -> Any:
@@ -163,7 +163,7 @@ def unchecked_jit(
         jax_jit_options.setdefault("keep_unused", True)
     if static_leaves:
         return _static_leaves_jit(f, jax_jit_options)
-    return jax.jit(_explain_control_flow(f), **jax_jit_options)
+    return jax.jit(explain_control_flow(f), **jax_jit_options)
 
 
 # --- leaves JAX cannot trace, made static -----------------------------------------------
@@ -233,7 +233,7 @@ def _static_leaves_jit(f: Callable[..., Any], options: dict[str, Any]) -> Callab
     def inner(*args: Any, **kwargs: Any) -> Any:
         return _hide(f(*_show(args), **_show(kwargs)))
 
-    jitted = jax.jit(_explain_control_flow(inner), **options)
+    jitted = jax.jit(explain_control_flow(inner), **options)
 
     @functools.wraps(f)
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -44,6 +44,7 @@ from functree._tree import bounded_put, cached
 __all__ = ["flat_jit", "FlatJit", "builder"]
 
 _NoneType = type(None)
+_flatten = jax.tree_util.default_registry.flatten  # jax.tree.flatten without its Python frames
 
 
 def _is_module(kind: type) -> bool:
@@ -58,13 +59,21 @@ def _one_level(treedef: Any) -> Any:
     return jax.tree.structure(root, is_leaf=lambda x: x is not root)
 
 
-def builder(treedef: Any) -> Callable[[Sequence[Any]], Any]:
+PENDING = "__ft_pending__"
+"""Instance-dict key of a field built on first read: ``(build, leaves)`` (see ``__ft_lazy__``)."""
+
+
+def builder(treedef: Any, offset: int = 0) -> Callable[[Sequence[Any]], Any]:
     """``build(leaves) == treedef.unflatten(leaves)``, as generated straight-line Python.
 
     Modules (their generated unflatten: ``object.__new__`` and the instance dict) and
     records registered by :func:`functree._tree.register_record` are filled inline, as
     are tuples, named tuples, lists, dicts and ``None``; any other node is rebuilt by its
-    own registered unflatten (its one-level tree definition).
+    own registered unflatten (its one-level tree definition). A record class that names
+    one field in ``__ft_lazy__`` gets that field built on first read: its instance dict
+    holds ``(build, leaves)`` under :data:`PENDING` until then (the class's
+    ``__getattr__`` builds it), so a loop that passes the record back never builds it.
+    ``offset``: the index in ``leaves`` of the tree's first leaf.
 
     Example:
       >>> import jax
@@ -75,7 +84,7 @@ def builder(treedef: Any) -> Callable[[Sequence[Any]], Any]:
     """
     names: dict[str, Any] = {"_new": object.__new__}
     lines: list[str] = []
-    counter = [0, 0]
+    counter = [offset, 0]
 
     def constant(value: Any) -> str:
         name = f"_c{len(names)}"
@@ -90,6 +99,9 @@ def builder(treedef: Any) -> Callable[[Sequence[Any]], Any]:
         kind, aux = data
         if kind is _NoneType:
             return "None"
+        lazy = getattr(kind, "__ft_lazy__", None)
+        if lazy is not None:
+            return emit_lazy(node, kind, aux, lazy)
         kids = [emit(child) for child in node.children()]
         packed = "(" + "".join(k + ", " for k in kids) + ")"
         if kind is tuple:
@@ -108,6 +120,22 @@ def builder(treedef: Any) -> Callable[[Sequence[Any]], Any]:
         data_names, meta_names = fields
         lines.append(f"    {obj} = _new({constant(kind)}); d = {obj}.__dict__")
         lines.extend(f"    d[{n!r}] = {k}" for n, k in zip(data_names, kids))
+        lines.extend(f"    d[{n!r}] = {constant(v)}" for n, v in zip(meta_names, aux))
+        return obj
+
+    def emit_lazy(node: Any, kind: type, aux: Any, lazy: str) -> str:
+        data_names, meta_names = kind.__ft_record__  # type: ignore[attr-defined]
+        counter[1] += 1
+        obj = f"o{counter[1]}"
+        filled = []
+        for name, child in zip(data_names, node.children()):
+            if name == lazy:
+                filled.append(f"    d[{PENDING!r}] = ({constant(builder(child, counter[0]))}, L)")
+                counter[0] += child.num_leaves
+            else:
+                filled.append(f"    d[{name!r}] = {emit(child)}")
+        lines.append(f"    {obj} = _new({constant(kind)}); d = {obj}.__dict__")
+        lines.extend(filled)
         lines.extend(f"    d[{n!r}] = {constant(v)}" for n, v in zip(meta_names, aux))
         return obj
 
@@ -141,7 +169,7 @@ def _immutable(treedef: Any) -> bool:
 class _Program:
     """One ``jax.jit`` of the flat function, for one set of input tree definitions."""
 
-    __slots__ = ("jitted", "build", "out_treedef", "several", "spans", "carry", "loop", "other_treedef", "passed")
+    __slots__ = ("build", "carry", "jitted", "loop", "other_treedef", "out_treedef", "passed", "several", "spans")
 
     def __init__(self, fn: Callable[..., Any], nargs: int, donate: tuple[int, ...], donated_treedef: Any,
                  other_treedef: Any, options: dict[str, Any]):
@@ -199,8 +227,9 @@ class FlatJit:
     """
 
     def __init__(self, fn: Callable[..., Any], donate: tuple[int, ...] = (), owned: tuple[int, ...] = (),
-                 **options: Any):
+                 tree_options: dict[str, Any] | None = None, **options: Any):
         self._fn = fn
+        self._tree_options = {**options, **(tree_options or {})}
         self._donate = tuple(sorted(donate))
         self._owned = owned
         self._options = options
@@ -210,7 +239,7 @@ class FlatJit:
 
     def _tree_jit(self) -> Any:
         if self._tree is None:
-            self._tree = jax.jit(self._fn, donate_argnums=self._donate, keep_unused=True, **self._options)
+            self._tree = jax.jit(self._fn, donate_argnums=self._donate, keep_unused=True, **self._tree_options)
         return self._tree
 
     def _program(self, args: tuple) -> tuple[_Program, list[Any], list[Any]]:
@@ -257,9 +286,12 @@ class FlatJit:
                     start, stop = program.spans[j]
                     donated += leaves[start:stop]
                 else:
-                    other_leaves, other_treedef = jax.tree.flatten([args[i] for i in program.passed])
+                    other_leaves, other_treedef = _flatten([args[i] for i in program.passed], None)
                     if other_treedef == program.other_treedef:
-                        return self._run(program, donated, other_leaves)
+                        leaves = program.jitted(donated, other_leaves)
+                        results = program.build(leaves)
+                        self._last = (program, results if program.several else (results,), leaves)
+                        return results
         program, donated, other_leaves = self._program(args)
         self._loop(program, args)
         return self._run(program, donated, other_leaves)
@@ -290,13 +322,14 @@ class FlatJit:
             self._tree.clear_cache()
 
     def _cache_size(self) -> int:
-        return sum(p.jitted._cache_size() for p in self._programs.values())
+        return sum(p.jitted._cache_size() for p in self._programs.values())  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def flat_jit(fn: Callable[..., Any], *, donate: Sequence[int] = (), owned: Sequence[int] = (),
-             **options: Any) -> FlatJit:
+             tree_options: dict[str, Any] | None = None, **options: Any) -> FlatJit:
     """``fn`` jitted, called over flat leaves (see :class:`FlatJit`); ``donate`` holds the
     indices of the donated positional arguments, ``owned`` those of arguments whose
     containers only the caller builds and never changes in place (a step's own log dict):
-    passed back by their leaves even when they hold dicts or lists."""
-    return FlatJit(fn, tuple(donate), tuple(owned), **options)
+    passed back by their leaves even when they hold dicts or lists. ``tree_options`` go
+    only to the ``jax.jit`` of ``fn`` that keyword calls use (``donate_argnames``)."""
+    return FlatJit(fn, tuple(donate), tuple(owned), tree_options, **options)

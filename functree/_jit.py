@@ -10,6 +10,9 @@ Two things cost Python work, and only where asked for or needed:
 * ``static_leaves=True`` makes every leaf JAX cannot trace (the functions an Equinox
   module keeps as leaves, strings) static, as ``eqx.filter_jit`` does: a tree map over the
   arguments and results per call;
+* a donating ``ft.jit`` runs over flat leaves (:mod:`functree._flat`): its results are
+  rebuilt by code generated once per tree definition, and the model and state a loop
+  passes back are passed by their leaves, not flattened again;
 * a donating ``ft.jit`` looks for aliased arguments (one array at two leaves) only in
   arguments that are not its previous call's outputs (a training loop passes those
   back): it then warns (:class:`ft.AliasWarning`, naming both key paths) and copies the
@@ -28,6 +31,7 @@ import jax
 import numpy as np
 
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
+from functree._flat import flat_jit
 
 __all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape", "explain_control_flow"]
 
@@ -140,8 +144,14 @@ def jit(
     """
     if f is None:
         return functools.partial(jit, donate=donate, static_leaves=static_leaves, **jax_jit_options)
-    jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
-    return jitted if donate is None else _alias_checked(f, jitted, _donated(f, donate))
+    if donate is None:
+        return unchecked_jit(f, static_leaves=static_leaves, **jax_jit_options)
+    nums, names = _donated(f, donate)
+    if static_leaves or jax_jit_options or not nums or min(nums) < 0:
+        jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
+    else:  # a training loop's step: over flat leaves, its results passed back without flattening
+        jitted = flat_jit(explain_control_flow(f), donate=nums, tree_options={"donate_argnames": names})
+    return _alias_checked(f, jitted, (nums, names))
 
 
 def unchecked_jit(

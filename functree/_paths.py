@@ -883,10 +883,14 @@ def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
 
     A string is read two ways: as a printed key path (``str(kp)``, which starts with ``.``
     or ``[``) and as a dotted flat-dict name (``kp.name``, the keys of
-    :func:`to_flat_dict`), resolved against ``tree``. When both readings name values in
-    ``tree`` and they differ (``{"['a']": x, "a": y}``) the string is ambiguous and this
-    raises instead of picking one; a string neither reading finds raises naming the
-    closest names. Without a tree (``tree=None``) a printed key path parses as is.
+    :func:`to_flat_dict`), resolved against ``tree``. A printed key path's keys are Python
+    literals in any quoting, as written in code: ``["a"]`` and ``['a']`` are the same path
+    (:meth:`KeyPath.parse` reads both; ``str(kp)`` prints the second). When the readings
+    name different values in ``tree`` (``{"a": x, '["a"]': y}``: ``'["a"]'`` prints
+    ``['a']`` and is the dotted name of the other key) the string is ambiguous and this
+    raises, naming both, instead of picking one; pass a :class:`KeyPath` then. A string
+    neither reading finds raises naming the closest names. Without a tree
+    (``tree=None``) a printed key path parses as is.
 
     Example:
       >>> import functree as ft
@@ -896,6 +900,11 @@ def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
       'layers.0.w'
       >>> ft.key_path({"a.b": 1.0}, "a.b")
       KeyPath("['a.b']")
+      >>> ft.key_path({"a": 1.0}, '["a"]')
+      KeyPath("['a']")
+      >>> ft.key_path({"a": 1.0, '["a"]': 2.0}, '["a"]')
+      Traceback (most recent call last):
+      ValueError: '["a"]' names 2 different values in this tree: ['a'] (dotted name 'a'), ...
     """
     if isinstance(path, KeyPath):
         return path

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 
 import functree as ft
@@ -285,7 +286,7 @@ def test_set_works_inside_jit():
     np.testing.assert_array_equal(out.inner.w, [2.0, 2.0])
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_get_set_round_trip_on_random_trees(tree: Any):
     for kp in ft.recursively_all_writable_key_paths(tree):

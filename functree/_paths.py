@@ -490,7 +490,7 @@ def check_acyclic(tree: Any) -> None:
 # Leaf types. JAX's array type joins on first sight (see _frozen_tree): building an array
 # here would start JAX's backend at `import functree` (then jax.distributed.initialize()
 # raises and XLA_FLAGS set after the import are ignored).
-_ATOMS: set[type] = {np.ndarray, float, int, bool, complex, str, type(None)}
+_ATOMS = {np.ndarray, float, int, bool, complex, str, type(None)}
 _DATA: dict[type, Any] = {}  # Module class -> a function from its __dict__ to its data fields
 _CHECKED: dict[int, weakref.ref] = {}  # id -> the Module root whose tree is known acyclic
 

@@ -242,17 +242,20 @@ class FlatJit:
             self._tree = jax.jit(self._fn, donate_argnums=self._donate, keep_unused=True, **self._tree_options)
         return self._tree
 
-    def _program(self, args: tuple) -> tuple[_Program, list[Any], list[Any]]:
+    def _program(self, args: tuple) -> tuple[_Program | None, list[Any], list[Any]]:
+        """The program for these arguments and their leaves; None when a tree definition
+        cannot be hashed (then ``jax.jit`` of ``fn`` runs, and says so)."""
         donated = [args[i] for i in self._donate if i < len(args)]
         others = [x for i, x in enumerate(args) if i not in self._donate]
         donated_leaves, donated_treedef = jax.tree.flatten(donated)
         other_leaves, other_treedef = jax.tree.flatten(others)
         key, program = cached(self._programs, (len(args), donated_treedef, other_treedef))
+        if key is None:
+            return None, donated_leaves, other_leaves
         if program is None:
             donate = tuple(i for i in self._donate if i < len(args))
             program = _Program(self._fn, len(args), donate, donated_treedef, other_treedef, self._options)
-            if key is not None:
-                bounded_put(self._programs, key, program)
+            bounded_put(self._programs, key, program)
         return program, donated_leaves, other_leaves
 
     def _loop(self, program: _Program, args: tuple) -> None:
@@ -293,6 +296,9 @@ class FlatJit:
                         self._last = (program, results if program.several else (results,), leaves)
                         return results
         program, donated, other_leaves = self._program(args)
+        if program is None:
+            self._last = None
+            return self._tree_jit()(*args)
         self._loop(program, args)
         return self._run(program, donated, other_leaves)
 
@@ -307,6 +313,8 @@ class FlatJit:
         if kwargs:
             return self._tree_jit().lower(*args, **kwargs)
         program, donated, others = self._program(args)
+        if program is None:
+            return self._tree_jit().lower(*args)
         return program.jitted.lower(donated, others)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:

@@ -134,3 +134,19 @@ def test_ft_jit_with_donation_runs_over_flat_leaves():
         model, state, loss = step(model, state, jnp.ones((2, 3)), jnp.zeros((2, 1)))
     assert all(x.is_deleted() for x in leaves)
     assert isinstance(model, ft.nn.Sequential) and bool(jnp.isfinite(loss))
+
+
+class _Box:
+    def __init__(self, x, meta):
+        self.x, self.meta = x, meta
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: ((b.x,), b.meta), lambda meta, kids: _Box(kids[0], meta))
+
+
+def test_a_tree_definition_that_cannot_be_hashed_runs_through_jax_jit():
+    step = flat_jit(lambda b: _Box(b.x + 1, b.meta), donate=(0,))
+    box = step(_Box(jnp.ones(2), [1]))  # a list as auxiliary data: unhashable
+    box = step(box)
+    np.testing.assert_array_equal(box.x, jnp.full(2, 3.0))
+    assert box.meta == [1]

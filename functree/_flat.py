@@ -223,7 +223,7 @@ class FlatJit:
     """``jax.jit(fn, donate_argnums=donate)`` called over flat leaves (see the module docstring).
 
     Positional calls run the flat program; keyword arguments go to ``jax.jit`` of ``fn``
-    itself (the same computation). ``lower`` lowers the flat program: what runs.
+    itself (the same computation), and so do ``lower``, ``trace`` and ``eval_shape``.
     """
 
     def __init__(self, fn: Callable[..., Any], donate: tuple[int, ...] = (), owned: tuple[int, ...] = (),
@@ -309,13 +309,10 @@ class FlatJit:
         return results
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """The program that a call with these arguments runs, lowered (``jax.stages.Lowered``)."""
-        if kwargs:
-            return self._tree_jit().lower(*args, **kwargs)
-        program, donated, others = self._program(args)
-        if program is None:
-            return self._tree_jit().lower(*args)
-        return program.jitted.lower(donated, others)
+        """``jax.jit(fn).lower(*args, **kwargs)``: the same computation as a call runs (the
+        flat program's HLO differs only in how its parameters are grouped), and its
+        ``compile()`` takes these arguments as they are."""
+        return self._tree_jit().lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         return self._tree_jit().trace(*args, **kwargs)

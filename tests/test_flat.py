@@ -112,6 +112,8 @@ def test_keyword_calls_and_lower_work():
     np.testing.assert_array_equal(w, jnp.full(2, 2.0))
     compiled = step.lower(jnp.ones(2), 2.0).compile()
     assert compiled.memory_analysis().alias_size_in_bytes == 8  # the donated leaf, in place
+    w, _ = compiled(jnp.ones(2), 2.0)  # compiled for the arguments as they are
+    np.testing.assert_array_equal(w, jnp.full(2, 2.0))
 
 
 def test_a_result_tree_that_changes_with_shapes_is_an_error():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from functree import _diagnostics
 from functree._parameters import is_parameter_leaf
 from functree._plan import Plan
 from functree._plan import fn_name as _fn_name
+from functree._tangent import check_tangent
 
 __all__ = [
     "gradient",
@@ -82,6 +84,62 @@ mode is 'reverse' or 'forward', got {mode!r}.
 
     right:  ft.jacobian(f, at=x, mode="forward")   # columns from differentials
 """
+
+
+class _Mode(threading.local):
+    forward: int = 0  # how many forward-mode operators are tracing (nested calls count)
+
+
+_MODE = _Mode()
+
+
+def _jax_flag() -> Any:
+    """A JAX configuration flag that is part of the keys of JAX's trace caches.
+
+    The mode changes the program traced (a function registered with both rules is a
+    ``custom_jvp`` in forward mode, a ``custom_vjp`` otherwise), so ``jax.jit`` and the
+    control-flow primitives must not reuse a trace of the other mode. JAX's public API has
+    no such flag; its configuration module makes one. ``None`` where that fails (the
+    thread-local count still decides; caches could then reuse the other mode's trace).
+    """
+    try:
+        from jax._src import config as jax_config  # noqa: PLC0415 - private: no public way
+
+        return jax_config.bool_state(
+            "functree_forward_rules", False,
+            "While a functree forward-mode operator traces (use forward custom rules).",
+            include_in_jit_key=True, include_in_trace_context=True,
+        )
+    except Exception:
+        return None
+
+
+_FLAG = _jax_flag()
+
+
+@contextlib.contextmanager
+def _forward_mode() -> Iterator[None]:
+    """While a forward-mode operator traces: functions registered with both a reverse and a
+    forward rule use the forward one (JAX's forward mode cannot use a pullback)."""
+    _MODE.forward += 1
+    try:
+        with _FLAG(True) if _FLAG is not None else contextlib.nullcontext():
+            yield
+    finally:
+        _MODE.forward -= 1
+
+
+def in_forward_mode() -> bool:
+    """Whether a forward-mode operator (differential, jacobian(mode="forward"), derivative,
+    hessian) is tracing on this thread."""
+    return _MODE.forward > 0
+
+
+_DIFFERENTIAL = dict(
+    effect="the differential takes no tangent there.",
+    wrong="df(jax.tree.map(jnp.ones_like, model))   # a value at every leaf",
+    right="df(jax.tree.map(jnp.ones_like, ft.zero_tangent_vector(model)))   # None at non-parameters",
+)
 
 
 def _calls_reverse_only(g: Callable[..., Any], primals: Sequence[Any]) -> bool:
@@ -281,13 +339,17 @@ def value_with_differential(
 def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
-    _diagnostics.check("differential", fn, g, plan)
-    with _explain_reverse_only(op, fn, g, plan.primals):
-        out = jax.linearize(g, *plan.primals, has_aux=has_aux)
+    with _forward_mode():
+        _diagnostics.check("differential", fn, g, plan)
+        with _explain_reverse_only(op, fn, g, plan.primals):
+            out = jax.linearize(g, *plan.primals, has_aux=has_aux)
 
     def differential_fn(tangent: Any) -> Any:
-        with _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here, not above
-            return out[1](*plan.split_input(tangent))
+        tangents = plan.split_input(tangent)
+        for t, view, i in zip(tangents, plan.primals, plan.indices):
+            check_tangent(f"ft.{op}", t, plan.args[i], view, structure=True, **_DIFFERENTIAL)
+        with _forward_mode(), _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here
+            return out[1](*tangents)
 
     return (out[0], differential_fn, *out[2:])  # out[2:] is (aux,) when has_aux
 
@@ -348,12 +410,14 @@ def jacobian(
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         plan = Plan("jacobian", fn, args, wrt)
         g = plan.wrap()
-        if not has_aux:  # with aux, the analysis cannot tell the result from the aux
-            _diagnostics.check("pullback", fn, g, plan)
-        if mode == "reverse":
-            return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
-        with _explain_reverse_only("jacobian", fn, g, plan.primals):
-            return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+        forward = mode == "forward"
+        with _forward_mode() if forward else contextlib.nullcontext():
+            if not has_aux:  # with aux, the analysis cannot tell the result from the aux
+                _diagnostics.check("pullback", fn, g, plan)
+            if not forward:
+                return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+            with _explain_reverse_only("jacobian", fn, g, plan.primals):
+                return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
 
     return _operator("jacobian", f, at, impl)
 
@@ -371,7 +435,8 @@ def hessian(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         plan = Plan("hessian", fn, args, wrt)
         g = plan.wrap(_check_scalar("ft.hessian", fn, False))
-        _diagnostics.check("gradient", fn, g, plan)
-        return jax.hessian(g, argnums=plan.argnums)(*plan.primals)
+        with _forward_mode():  # forward over reverse
+            _diagnostics.check("gradient", fn, g, plan)
+            return jax.hessian(g, argnums=plan.argnums)(*plan.primals)
 
     return _operator("hessian", f, at, impl)

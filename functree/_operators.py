@@ -31,10 +31,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from functree import _diagnostics
 from functree._parameters import is_parameter_leaf
+from functree._tree import is_none
 from functree._plan import Plan
 from functree._plan import fn_name as _fn_name
 from functree._tangent import check_tangent
@@ -140,6 +142,34 @@ _DIFFERENTIAL = dict(
     wrong="df(jax.tree.map(jnp.ones_like, model))   # a value at every leaf",
     right="df(jax.tree.map(jnp.ones_like, ft.zero_tangent_vector(model)))   # None at non-parameters",
 )
+
+
+_PULLBACK = dict(
+    effect="the pullback takes no cotangent there (its derivative is not taken).",
+    wrong="pb(jax.tree.map(jnp.ones_like, y))   # y holds a no_derivative field",
+    right="pb(jax.tree.map(jnp.ones_like, ft.parameters(y)))   # None at non-parameters",
+)
+
+
+def _zeros_for(y: Any) -> Any:
+    """JAX's zero cotangent for a result leaf: float0 zeros for an integer or bool one."""
+    if is_parameter_leaf(y):
+        return jnp.zeros(jnp.shape(y), jnp.result_type(y))
+    return np.zeros(jnp.shape(y), jax.dtypes.float0)
+
+
+def _result_cotangent(what: str, value: Any, cotangent: Any) -> Any:
+    """The cotangent JAX's pullback takes, from one shaped like the result's parameter view.
+
+    A cotangent is a tangent of the result: a value at one of its non-parameters is refused
+    like any tangent's (:func:`ft.check_tangent`); ``None`` there becomes JAX's zero.
+    """
+    check_tangent(what, cotangent, value, allow_float0=True, **_PULLBACK)
+    if jax.tree.structure(cotangent) == jax.tree.structure(value):
+        return cotangent  # no None left to fill: the common case, one flatten each
+    return jax.tree.map(
+        lambda c, y: _zeros_for(y) if c is None else c, cotangent, value, is_leaf=is_none
+    )
 
 
 def _calls_reverse_only(g: Callable[..., Any], primals: Sequence[Any]) -> bool:
@@ -295,7 +325,7 @@ def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) 
     out = jax.vjp(g, *plan.primals, has_aux=has_aux)
 
     def pullback_fn(cotangent: Any) -> Any:
-        return plan.result(out[1](cotangent))
+        return plan.result(out[1](_result_cotangent(f"ft.{op}", out[0], cotangent)))
 
     return (out[0], pullback_fn, *out[2:])  # out[2:] is (aux,) when has_aux
 

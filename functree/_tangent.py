@@ -59,8 +59,8 @@ class _NonParameterValue(Exception):
 def _step(t: Any, x: Any) -> Any:
     if t is None:
         return x
-    if not is_parameter_leaf(x):  # a dtype change under a tree definition already checked
-        raise _NonParameterValue
+    if isinstance(x, int) or (hasattr(x, "dtype") and not is_parameter_leaf(x)):
+        raise _NonParameterValue  # a dtype change under a tree definition already checked
     if isinstance(x, float):
         return x + t
     # Keep each parameter's dtype: a float32 update moves a bfloat16 weight as bfloat16.
@@ -84,8 +84,11 @@ def move(x: Any, *, along: Any) -> Any:
     try:
         return _map_checked("ft.move", _step, along, x, is_leaf=is_none)
     except _NonParameterValue:
-        check_tangent("ft.move", along, x, cache=False, **_MOVE)
-        raise
+        check_tangent("ft.move", along, x, cache=False, structure=True, **_MOVE)
+        raise ValueError(  # the check above names the key path; this is its fallback
+            "ft.move: the tangent has a value at a leaf that is not a parameter (an integer "
+            "or bool leaf). Build it with ft.gradient(loss, at=model) or ft.parameters(tangent)."
+        ) from None
 
 
 # (tree definition of the point, of the view, of the tangent) already checked.
@@ -94,7 +97,7 @@ _CHECKED: dict[Any, bool] = {}
 
 def check_tangent(
     what: str, tangent: Any, x: Any, view: Any = None, *, effect: str, wrong: str, right: str,
-    cache: bool = True, structure: bool = False,
+    cache: bool = True, structure: bool = False, allow_float0: bool = False,
 ) -> None:
     """Refuse a tangent with a value where ``view`` (by default ``ft.parameters(x)``) has
     ``None``: a no-derivative field, an integer leaf, a parameter not differentiated.
@@ -117,7 +120,7 @@ def check_tangent(
     key, known = cached(
         _CHECKED,
         (jax.tree.structure(x), None if view is None else jax.tree.structure(view, is_leaf=is_none),
-         jax.tree.structure(tangent, is_leaf=is_none)),
+         jax.tree.structure(tangent, is_leaf=is_none), allow_float0),
     )
     if known and cache:
         return
@@ -131,7 +134,7 @@ def check_tangent(
             raise ValueError(STRUCTURE_MISMATCH.format(what=what, path=path, detail=detail))
     if t_def == v_def:
         for (path, t), v, (k, leaf) in zip(t_leaves, v_leaves, enumerate(jax.tree.leaves(x, is_leaf=is_none))):
-            if t is not None and v is None:
+            if t is not None and v is None and not (allow_float0 and _is_float0(t)):
                 raise ValueError(
                     TANGENT_AT_NON_PARAMETER.format(
                         what=what, path=jax.tree_util.keystr(path) or "<root>",
@@ -140,6 +143,10 @@ def check_tangent(
                 )
     if key is not None:
         bounded_put(_CHECKED, key, True)
+
+
+def _is_float0(t: Any) -> bool:
+    return getattr(t, "dtype", None) == jax.dtypes.float0
 
 
 def _why_not_parameter(x: Any, k: int, leaf: Any) -> str:

@@ -96,24 +96,16 @@ _MODE = _Mode()
 
 
 def _jax_flag() -> Any:
-    """A JAX configuration flag that is part of the keys of JAX's trace caches.
+    """A ``jax.make_user_context`` flag: part of the keys of JAX's trace caches.
 
     The mode changes the program traced (a function registered with both rules is a
     ``custom_jvp`` in forward mode, a ``custom_vjp`` otherwise), so ``jax.jit`` and the
-    control-flow primitives must not reuse a trace of the other mode. JAX's public API has
-    no such flag; its configuration module makes one. ``None`` where that fails (the
-    thread-local count still decides; caches could then reuse the other mode's trace).
+    control-flow primitives must not reuse a trace of the other mode. ``None`` on a JAX
+    without it (the thread-local count still decides; a cache could then reuse the other
+    mode's trace).
     """
-    try:
-        from jax._src import config as jax_config  # noqa: PLC0415 - private: no public way
-
-        return jax_config.bool_state(
-            "functree_forward_rules", False,
-            "While a functree forward-mode operator traces (use forward custom rules).",
-            include_in_jit_key=True, include_in_trace_context=True,
-        )
-    except Exception:
-        return None
+    make = getattr(jax, "make_user_context", None)
+    return None if make is None else make(default_value=False)
 
 
 _FLAG = _jax_flag()

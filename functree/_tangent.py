@@ -119,8 +119,9 @@ def check_tangent(
     """
     key, known = cached(
         _CHECKED,
-        (jax.tree.structure(x), None if view is None else jax.tree.structure(view, is_leaf=is_none),
-         jax.tree.structure(tangent, is_leaf=is_none), allow_float0),
+        # Without is_leaf: None is then no leaf, so where the Nones are is part of the key.
+        (jax.tree.structure(x), None if view is None else jax.tree.structure(view),
+         jax.tree.structure(tangent), allow_float0),
     )
     if known and cache:
         return
@@ -153,12 +154,12 @@ def _why_not_parameter(x: Any, k: int, leaf: Any) -> str:
     """Why leaf ``k`` of ``x`` (flattened with ``None`` as leaves) is not differentiated."""
     if leaf is None:
         return "None in the model"
-    if not is_parameter_leaf(leaf):
-        return f"not floating ({getattr(leaf, 'dtype', type(leaf).__name__)}): not a parameter"
     no_derivative = jax.tree.leaves(field_mask(x, _is_no_derivative), is_leaf=is_none)
     if k < len(no_derivative) and no_derivative[k] is True:
         return "a no_derivative field"
-    return "a parameter not differentiated here (outside wrt=)"
+    if not is_parameter_leaf(leaf):
+        return f"not floating ({getattr(leaf, 'dtype', type(leaf).__name__)}): not a parameter"
+    return "a parameter not differentiated here (outside wrt=: give None there)"
 
 
 def _zeros(spec: Any) -> Any:

@@ -164,6 +164,13 @@ def derivative(
 
     A reverse-mode derivative keeps the pullback's residuals (no recomputation). A forward
     derivative also serves reverse mode, by transposition, when the differential is linear.
+    With both registered, forward-mode operators (``ft.differential``,
+    ``ft.jacobian(mode="forward")``, ``ft.derivative``, ``ft.hessian``) use the forward rule
+    and every other transformation the reverse rule.
+
+    The rule covers the ``wrt`` arguments only (Swift's rule): differentiating with respect
+    to another argument, or to a parameter the pullback returns ``None`` for, is an
+    :class:`UncoveredDerivativeError` naming it and the fix, never a silent zero.
 
     Example (seed 002's ``@derivative(of: expf)``):
       >>> import functree as ft, jax.numpy as jnp
@@ -227,7 +234,7 @@ def _instantiate(t: Any) -> Any:
     """A symbolic zero (JAX's "not differentiated") as the zeros it stands for."""
     if not isinstance(t, SymbolicZero):
         return t
-    aval = t.aval
+    aval: Any = t.aval  # a ShapedArray
     if aval.dtype == jax.dtypes.float0:
         return np.zeros(aval.shape, jax.dtypes.float0)
     return jnp.zeros(aval.shape, aval.dtype)

@@ -36,10 +36,10 @@ from jax.extend import core as jcore
 
 from functree import _diagnostics
 from functree._parameters import is_parameter_leaf
-from functree._tree import is_none
 from functree._plan import Plan
 from functree._plan import fn_name as _fn_name
-from functree._tangent import check_tangent
+from functree._tangent import Advice, check_tangent
+from functree._tree import is_none
 
 __all__ = [
     "gradient",
@@ -129,14 +129,14 @@ def in_forward_mode() -> bool:
     return _MODE.forward > 0
 
 
-_DIFFERENTIAL = dict(
+_DIFFERENTIAL = Advice(
     effect="the differential takes no tangent there.",
     wrong="df(jax.tree.map(jnp.ones_like, model))   # a value at every leaf",
     right="df(jax.tree.map(jnp.ones_like, ft.zero_tangent_vector(model)))   # None at non-parameters",
 )
 
 
-_PULLBACK = dict(
+_PULLBACK = Advice(
     effect="the pullback takes no cotangent there (its derivative is not taken).",
     wrong="pb(jax.tree.map(jnp.ones_like, y))   # y holds a no_derivative field",
     right="pb(jax.tree.map(jnp.ones_like, ft.parameters(y)))   # None at non-parameters",
@@ -156,7 +156,7 @@ def _result_cotangent(what: str, value: Any, cotangent: Any) -> Any:
     A cotangent is a tangent of the result: a value at one of its non-parameters is refused
     like any tangent's (:func:`ft.check_tangent`); ``None`` there becomes JAX's zero.
     """
-    check_tangent(what, cotangent, value, allow_float0=True, **_PULLBACK)
+    check_tangent(what, cotangent, value, advice=_PULLBACK, allow_float0=True)
     if jax.tree.structure(cotangent) == jax.tree.structure(value):
         return cotangent  # no None left to fill: the common case, one flatten each
     return jax.tree.map(
@@ -369,7 +369,7 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
     def differential_fn(tangent: Any) -> Any:
         tangents = plan.split_input(tangent)
         for t, view, i in zip(tangents, plan.primals, plan.indices):
-            check_tangent(f"ft.{op}", t, plan.args[i], view, structure=True, **_DIFFERENTIAL)
+            check_tangent(f"ft.{op}", t, plan.args[i], view, advice=_DIFFERENTIAL, structure=True)
         with _forward_mode(), _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here
             return out[1](*tangents)
 

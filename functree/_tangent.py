@@ -7,14 +7,14 @@ non-parameters). These functions are pure and jit-friendly.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from functree._parameters import (
-    _is_no_derivative,
     STRUCTURE_MISMATCH,
+    _is_no_derivative,
     _map_checked,
     field_mask,
     first_difference,
@@ -44,7 +44,15 @@ update, a direction) has the parameter view's structure, None at every non-param
        or:  ft.parameters(tangent)            # keep the parameters' values, None elsewhere
        or:  ft.zero_tangent_vector(model)     # zeros at every parameter, None elsewhere"""
 
-_MOVE = dict(
+class Advice(NamedTuple):
+    """What a refused tangent would do, and the wrong and right code, for one operation."""
+
+    effect: str
+    wrong: str
+    right: str
+
+
+_MOVE = Advice(
     effect="moving along it would change a value that is never differentiated.",
     wrong="ft.move(model, along=jax.grad(loss)(model))   # values at no_derivative fields too",
     right="ft.move(model, along=ft.gradient(loss, at=model))   # None at non-parameters",
@@ -80,11 +88,11 @@ def move(x: Any, *, along: Any) -> Any:
       >>> ft.move({"w": jnp.ones(2), "n": 3}, along={"w": -0.5 * jnp.ones(2), "n": None})
       {'n': 3, 'w': Array([0.5, 0.5], dtype=float32)}
     """
-    check_tangent("ft.move", along, x, **_MOVE)
+    check_tangent("ft.move", along, x, advice=_MOVE)
     try:
         return _map_checked("ft.move", _step, along, x, is_leaf=is_none)
     except _NonParameterValue:
-        check_tangent("ft.move", along, x, cache=False, structure=True, **_MOVE)
+        check_tangent("ft.move", along, x, advice=_MOVE, cache=False, structure=True)
         raise ValueError(  # the check above names the key path; this is its fallback
             "ft.move: the tangent has a value at a leaf that is not a parameter (an integer "
             "or bool leaf). Build it with ft.gradient(loss, at=model) or ft.parameters(tangent)."
@@ -96,7 +104,7 @@ _CHECKED: dict[Any, bool] = {}
 
 
 def check_tangent(
-    what: str, tangent: Any, x: Any, view: Any = None, *, effect: str, wrong: str, right: str,
+    what: str, tangent: Any, x: Any, view: Any = None, *, advice: Advice,
     cache: bool = True, structure: bool = False, allow_float0: bool = False,
 ) -> None:
     """Refuse a tangent with a value where ``view`` (by default ``ft.parameters(x)``) has
@@ -139,7 +147,7 @@ def check_tangent(
                 raise ValueError(
                     TANGENT_AT_NON_PARAMETER.format(
                         what=what, path=jax.tree_util.keystr(path) or "<root>",
-                        why=_why_not_parameter(x, k, leaf), effect=effect, wrong=wrong, right=right,
+                        why=_why_not_parameter(x, k, leaf), **advice._asdict(),
                     )
                 )
     if key is not None:

@@ -9,11 +9,11 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import pytest
-from typing import Any
 from jax import lax
 
 import functree as ft

@@ -207,7 +207,7 @@ def test_fsdp_rule_never_splits_the_layer_axis_and_equals_sharding_fsdp():
     flat = ft.to_flat_dict(ft.partition_specs(tree, {"*.norm.*": P(), "*": "fsdp"}, mesh=MESH))
     assert flat["blocks.layers.up.weight"] == P(None, None, "data")  # (8, 64, 256): the 256, never the 8
     assert flat["blocks.layers.down.weight"] == P(None, "data")
-    assert flat["blocks.layers.norm.scale"] == P()
+    assert flat["blocks.layers.norm.scale"] == P(None)  # the rule's P(), the layer axis prepended
 
 
 def test_fsdp_rule_for_part_of_the_model_and_its_moments():

@@ -22,7 +22,7 @@ from functree.parallel import FSDP_MIN_SIZE
 MESH = AbstractMesh((8,), ("data",))
 # The largest scaled_error (tests/_tolerance.py) measured between one Adam step on a (4, 2)
 # mesh by TP_AND_FSDP and on one device, under the four XLA CPU instruction sets.
-SPREAD_RULES_8_VS_1 = 1e-6
+SPREAD_RULES_8_VS_1 = 7e-7  # measured 6.7e-7
 MESH2 = AbstractMesh((8, 2), ("data", "model"))
 
 

@@ -229,7 +229,7 @@ def test_unknown_rule_value_names_the_choices():
         assert 'right:  sharding={\'*\': "fsdp"}' in str(e.value)
     with pytest.raises(TypeError, match=r'sharding= takes None, "fsdp"'):
         ft.train.TrainStep(lambda m, b: 0.0, ft.optim.sgd(0.1), mesh=jax.make_mesh((1,), ("data",)), sharding="FSDP")
-    with pytest.raises(TypeError, match="rule 'head.weight' gives 'replicate'"):
+    with pytest.raises(TypeError, match=r"rule 'head\.weight' gives 'replicate'"):
         ft.shard(net(), jax.make_mesh((1,), ("data",)), {"head.weight": "replicate"})
 
 

@@ -4,7 +4,7 @@ the steps that run over a mesh are ``ft.train.TrainStep(..., mesh=mesh)`` and
 reverse).
 
 * :func:`partition_specs` / :func:`shard`: sharding rules by key path (``None``,
-  ``"fsdp"`` or ``{pattern: PartitionSpec}``) for models, parameter views and optimizer
+  ``"fsdp"`` or ``{pattern: PartitionSpec or "fsdp"}``) for models, parameter views and optimizer
   states; ``shard`` also builds a model directly in its shards.
 * :func:`cast`: floating parameters in a compute dtype (mixed precision).
 * :func:`shard_batch`: the global batch from each process's share.

@@ -123,7 +123,7 @@ def _path(graph: dict[str, set[str]], start: str, component: list[str]) -> list[
 
 
 def test_the_graph_sees_module_level_function_level_and_relative_imports():
-    assert "functree._tree" in GRAPH["functree._module"]
+    assert "functree._tree" in GRAPH["functree._paths"]
     assert "functree.nn" in GRAPH["functree.train._trainer"]  # from functree import nn
     assert "functree.parallel" in GRAPH["functree.train._arrays"]  # inside a function
     assert "functree.nn._dropout" in GRAPH["functree.nn"]  # the package's own re-exports
@@ -131,9 +131,9 @@ def test_the_graph_sees_module_level_function_level_and_relative_imports():
 
 
 def test_core_modules_import_no_subpackage():
-    core = [m for m in MODULES if m.count(".") == 1 and m.split(".")[1].startswith("_")]
-    assert "functree._tree" in core and "functree.nn" not in core
-    upward = {m: sorted(d for d in GRAPH[m] if d.split(".")[1] in SUBPACKAGES) for m in core}
+    core = [m for m in MODULES if m.count(".") == 1 and m.startswith("functree._") and not m.endswith("__")]
+    assert "functree._tree" in core and "functree.nn" not in core and "functree.__main__" not in core
+    upward = {m: sorted(d for d in GRAPH[m] if d == "functree" or d.split(".")[1] in SUBPACKAGES) for m in core}
     assert {m: d for m, d in upward.items() if d} == {}
 
 

@@ -69,11 +69,16 @@ from functree._tangent import (
 )
 from functree.parallel import cast, partition_specs, shard
 from functree.train._registry import register_packages
+from functree.train._step import DataParallelEvalStep, DataParallelStep
 
 # Checkpoints name functree's public classes: the registry (below the subpackages) is
 # handed their namespaces once they are all imported.
 register_packages(sys.modules[__name__], nn, optim, train, losses)
 del register_packages, sys
+# The older names of the mesh steps, where they were first documented (functree.parallel
+# sits below functree.train and does not import it).
+parallel.DataParallelStep, parallel.DataParallelEvalStep = DataParallelStep, DataParallelEvalStep
+del DataParallelStep, DataParallelEvalStep
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it; CHANGELOG.md names each release
 

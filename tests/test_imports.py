@@ -10,6 +10,9 @@ import Dense`` to the package ``functree.nn``, ``from functree.optim import _sub
 * The core (``functree/_*.py``) imports nothing from the subpackages ``nn``, ``optim``,
   ``train``, ``parallel`` and ``losses``: they build on it, never the reverse.
 * No module reaches itself through its imports (no cycle, of any length).
+* No two packages import each other, even through other modules: the core and the
+  subpackages form layers (``functree/__init__.py`` and ``__main__``, which put them
+  together, are above all of them).
 """
 
 from __future__ import annotations
@@ -139,6 +142,26 @@ def test_core_modules_import_no_subpackage():
 
 def test_no_module_imports_itself_through_others():
     circles = [" -> ".join(_path(GRAPH, c[0], c)) for c in _cycles(GRAPH)]
+    assert circles == []
+
+
+def _package(module: str) -> str | None:
+    """The layer of ``module``: "core", a subpackage's name, or None for the top package."""
+    part = module.split(".")[1] if "." in module else "__init__"
+    if part in ("__init__", "__main__"):
+        return None
+    return "core" if part.startswith("_") else part
+
+
+def test_no_two_packages_import_each_other():
+    layers: dict[str, set[str]] = {}
+    for module, deps in GRAPH.items():
+        a = _package(module)
+        if a is not None:
+            layers.setdefault(a, set()).update(b for d in deps if (b := _package(d)) not in (None, a))
+    assert set(layers) == {"core", *SUBPACKAGES}
+    assert layers["core"] == set()
+    circles = [" -> ".join(_path(layers, c[0], c)) for c in _cycles(layers)]
     assert circles == []
 
 

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._nan import NaNReport, provenance_text
+from functree._parameters import _leaf_names
 from functree._tree import is_none
 from functree.optim import Optimizer, context, hyperparameter_names, hyperparameters
 from functree.optim._optimizer import Gradients
@@ -164,8 +165,6 @@ def _merge_microbatches(x: jax.Array) -> jax.Array:
 def parameter_names(model: Any, wrt: tuple[str, ...] | None = None) -> list[str]:
     """Dotted names of the parameter leaves, in the order gradients flatten (only those an
     ``Optimizer(wrt=)`` trains: its gradients hold no others)."""
-    from functree._parameters import _leaf_names
-
     view = trained_view(model, wrt)
     names = _leaf_names(view)
     leaves = jax.tree.leaves(view, is_leaf=is_none)

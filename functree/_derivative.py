@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from functree import _operators
+from functree import _diagnostics, _operators
 from functree._parameters import is_parameter_leaf, parameters
 from functree._tree import is_none
 
@@ -407,8 +407,6 @@ def without_derivative(at: Any) -> Any:
       >>> ft.gradient(lambda x: x * ft.without_derivative(at=x), at=3.0)
       Array(3., dtype=float32, weak_type=True)
     """
-    from functree import _diagnostics  # local: only this function of the module uses it
-
     # The named scope marks the stop_gradient in the jaxpr as intentional; a constant (no
     # tracer, so no equation) is reported to the analysis directly.
     _diagnostics.note_without_derivative(at)

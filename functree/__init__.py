@@ -21,6 +21,7 @@ from functree._derivative import (
 from functree._diagnostics import (
     DiagnosticReport,
     NonDifferentiableWarning,
+    UncoveredDerivativeError,
     UnusedParameterWarning,
     ZeroDerivativeWarning,
     diagnose,
@@ -141,6 +142,7 @@ __all__ = [
     "DifferentiationWarning",
     "NonDifferentiableFieldWarning",
     "ZeroDerivativeWarning",
+    "UncoveredDerivativeError",
     "NonDifferentiableWarning",
     "UnusedParameterWarning",
     "AliasWarning",

@@ -57,6 +57,7 @@ from functree._source import unwrap as _unwrap
 from functree._tree import CACHE_LIMIT, bounded_put, dotted_name
 
 __all__ = [
+    "UncoveredDerivativeError",
     "ZeroDerivativeWarning",
     "NonDifferentiableWarning",
     "UnusedParameterWarning",
@@ -880,6 +881,15 @@ def check(kind: str, fn: Any, g: Any, plan: Plan) -> None:
         finding.emit()
 
 
+class UncoveredDerivativeError(TypeError):
+    """Differentiation with respect to an argument (or key path) that the registered custom
+    derivative does not cover (Swift: an error). ``where`` names the argument or key path."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
+
+
 def _zero_cotangent(y: Any) -> Any:
     dtype = jax.dtypes.float0 if not _is_inexact(y) else y.dtype
     return np.zeros(y.shape, dtype) if dtype == jax.dtypes.float0 else jax.numpy.zeros(y.shape, dtype)
@@ -888,8 +898,6 @@ def _zero_cotangent(y: Any) -> Any:
 def _uncovered_derivative(f: Any, plan: Plan, has_aux: bool) -> Finding | None:
     """A custom derivative that does not cover what is differentiated (the operators raise
     it), found by differentiating ``f`` abstractly (``jax.eval_shape``: no arithmetic)."""
-    from functree._derivative import UncoveredDerivativeError  # it builds on the operators
-
     g = plan.wrap()
 
     def pulled_back(*primals: Any) -> Any:

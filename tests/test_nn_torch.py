@@ -208,7 +208,7 @@ def test_strict_error_names_missing_unexpected_and_mis_shaped_torch_keys():
     message = str(e.value)
     assert "missing keys:    ['3.weight', '3.bias']" in message
     assert "unexpected keys: ['extra.weight']" in message
-    assert "1.weight: expected shape (4,), given shape (5,)" in message
+    assert "1.weight: expected shape (4,) (for layers.1.scale), given shape (5,)" in message
     assert "layers.0.weight -> 0.weight" in message and "rename=" in message and "strict=False" in message
     loaded, report = ft.nn.load_torch_state_dict(model, sd, strict=False)
     assert report.missing == ("3.weight", "3.bias") and report.unexpected == ("extra.weight",)

@@ -505,8 +505,9 @@ def load_torch_state_dict(
     plan = _plan(model, shapes, layouts)
     to_model = _renamer(rename, to_model=True)
     given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
-    values, missing, mismatched = _converted(plan, given)
+    values, absent, mismatched = _converted(plan, given)
     _fill_ties(plan, values)
+    missing = [n for rule, names in absent if not all(f in values for f in rule.ft) for n in names]
     flat, wrong_dtypes = _stored(plan, values, to_flat_dict(model))
     tree, fitted = from_flat_dict(model, flat, strict=False, cast=True)
     if any(any(n in values for n in _under_name(plan, tie.target)) for tie in plan.ties):
@@ -531,10 +532,11 @@ def _member_of(name: str, leaf: _Leaf) -> str:
     return f"Stack member {name}" if leaf.index else name
 
 
-def _converted(plan: _Plan, given: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], list[str], list[tuple[str, str, str]]]:
-    """The given torch tensors in ft's layout by ft name; missing and mis-shaped torch names."""
+def _converted(plan: _Plan, given: Mapping[str, Any]
+               ) -> tuple[dict[str, np.ndarray], list[tuple[_Rule, list[str]]], list[tuple[str, str, str]]]:
+    """The given torch tensors in ft's layout by ft name; absent (by rule) and mis-shaped torch names."""
     values: dict[str, np.ndarray] = {}
-    missing: list[str] = []
+    missing: list[tuple[_Rule, list[str]]] = []
     mismatched: list[tuple[str, str, str]] = []
     for rule in plan.rules:
         leaves = [plan.leaves[n] for n in rule.ft]
@@ -542,8 +544,8 @@ def _converted(plan: _Plan, given: Mapping[str, Any]) -> tuple[dict[str, np.ndar
         absent = [n for n in rule.torch if n not in given]
         wrong = [(n, e.shape, tuple(np.shape(given[n]))) for n, e in zip(rule.torch, expected)
                  if n in given and tuple(np.shape(given[n])) != e.shape]
-        if all(leaf.stored is not None for leaf in leaves):  # a tie's target may be absent
-            missing += absent
+        if absent and all(leaf.stored is not None for leaf in leaves):  # a tie's target may be absent
+            missing.append((rule, absent))
         where = _member_of(rule.ft[0], leaves[0]) + (" ..." if len(rule.ft) > 1 else "")
         mismatched += [(n, f"shape {e} (for {where})", f"shape {g}") for n, e, g in wrong]
         if not absent and not wrong:

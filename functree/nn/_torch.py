@@ -409,8 +409,9 @@ def _checked_layout(layout: Any, torch: str, known: tuple[str, ...]) -> Any:
 def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
     """Torch names → the model's (``to_model``) or back.
 
-    A mapping renames prefixes (whole dotted parts), the longest first; ``*`` in a prefix
-    matches any text and each ``*`` of the other side takes what it matched, in order.
+    A mapping renames prefixes (whole dotted parts), the longest first, one rename per
+    name; ``*`` in a prefix matches one name part (``h.*``: ``h.0``) and each ``*`` of the
+    other side takes what it matched, in order.
     """
     if rename is None:
         return lambda name: name
@@ -437,8 +438,8 @@ def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
 
 
 def _prefix_pattern(old: str) -> re.Pattern[str]:
-    """``old`` (``*`` any text) as a regex matching a name's first whole dotted parts."""
-    return re.compile("^" + "(.*?)".join(re.escape(part) for part in old.split("*")) + r"(?=\.|$)")
+    """``old`` (``*``: one name part) as a regex matching a name's first whole dotted parts."""
+    return re.compile("^" + "([^.]*)".join(re.escape(part) for part in old.split("*")) + r"(?=\.|$)")
 
 
 def _load_file(path: Any) -> dict[str, Any]:
@@ -477,7 +478,7 @@ def load_torch_state_dict(
 
     ``rename`` maps torch name prefixes onto the model's, ``{"backbone.features":
     "encoder"}`` (longest first; ``{"module": ""}`` strips DataParallel's prefix; ``*``
-    matches any text, ``{"transformer.h.*": "blocks.*"}``), or is a function of the
+    matches one name part, ``{"transformer.h.*.ln_1": "blocks.*.norm"}``; one rename per name), or is a function of the
     torch name. ``layouts`` maps name patterns (``fnmatch``, on the model's torch names or
     key paths) to other torch layouts: ``"conv1d"`` for Hugging Face's ``Conv1D``
     (``Dense`` weight stored ``[in, out]``; a ``MultiheadAttention`` as GPT-2's fused

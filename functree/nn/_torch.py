@@ -18,11 +18,16 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
     LSTMCell, LSTM  the same four            LSTMCell / RNN(LSTMCell)  input_weight, hidden_weight,
                                              bias = bias_ih + bias_hh
 
-A layer's torch name is its key path with ``Sequential``'s ``layers`` and ``Shared``'s
-``model`` left out (``features.layers.0`` is torch's ``features.0``); any other array leaf
-is matched by that name as it is (a torch ``nn.Parameter``). ``rename=`` maps torch name
-prefixes onto the model's where they differ. Only single-layer, unidirectional ``GRU`` /
-``LSTM`` map onto ``RNN`` (torch's other layers and directions stay unmatched, reported).
+A layer's torch name is its key path with ``Sequential``'s ``layers``, ``Remat``'s
+``layer`` and ``Shared``'s ``model`` left out (``features.layers.0`` is torch's
+``features.0``); any other array leaf is matched by that name as it is (a torch
+``nn.Parameter``). A ``Stack``'s member ``i`` is torch's ``h.i`` (a ``ModuleList``), its
+slice of every stacked leaf converted as its layer is. A ``Shared`` tie's value is torch's
+tensor under each of its names (torch's tied parameters). ``rename=`` maps torch name
+prefixes onto the model's where they differ; ``layouts=`` reads Hugging Face's ``Conv1D``
+and attention held as separate ``Linear`` layers. Only single-layer, unidirectional
+``GRU`` / ``LSTM`` map onto ``RNN`` (torch's other layers and directions stay unmatched,
+reported).
 
 Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argument away:
 
@@ -69,7 +74,8 @@ __all__ = ["load_torch_state_dict", "torch_state_dict"]
 TORCH_MISMATCH = """\
 ft.nn.load_torch_state_dict: the state dict does not fit the model (names as torch spells them).
 {report}
-The model's torch names are its key paths without Sequential's "layers", e.g. {example}.
+The model's torch names are its key paths without Sequential's "layers" (a Stack's members \
+are h.0, h.1, ...), e.g. {example}.
 Map differing prefixes with rename={{"torch.prefix": "model.prefix"}}, or pass strict=False \
 to load what fits and get this report back: model, report = ft.nn.load_torch_state_dict(model, sd, strict=False)"""
 
@@ -429,12 +435,17 @@ def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
         for pattern, new in compiled:
             found = pattern.match(name)
             if found:
-                parts = iter(found.groups())
-                head = re.sub(r"\*", lambda _: next(parts), new)
+                head = _filled(new, found.groups())
                 return _join(head, name[found.end():].lstrip("."))
         return name if strip is None else _join(strip, name)
 
     return renamed
+
+
+def _filled(pattern: str, parts: Sequence[str]) -> str:
+    """``pattern`` with its ``*`` replaced by ``parts`` in order."""
+    pieces = pattern.split("*")
+    return "".join(p + q for p, q in zip(pieces, (*parts, ""), strict=True))
 
 
 def _prefix_pattern(old: str) -> re.Pattern[str]:

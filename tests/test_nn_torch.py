@@ -465,3 +465,36 @@ def test_attention_layouts_fused_conv1d_and_separate_linear_names():
         back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, mha), sd, layouts={"": layout})
         for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(mha)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_stack_of_stacks_is_torch_module_lists_at_any_depth():
+    class Inner(ft.Module):
+        inner: ft.nn.Stack
+
+        def __call__(self, x):
+            return self.inner(x)
+
+    model = build(lambda: {"h": ft.nn.Stack(
+        lambda k: Inner(ft.nn.Stack(lambda k: ft.nn.Dense(4, 4, jnp.tanh, key=k), 3, key=k)), 2, key=K[0])})
+    outer = nn.ModuleList([nn.Module() for _ in range(2)])
+    for block in outer:
+        block.inner = TorchChain([nn.Linear(4, 4) for _ in range(3)], torch.tanh).h
+    torch_model = TorchChain([TorchChain(list(block.inner), torch.tanh) for block in outer])
+    sd = ft.nn.torch_state_dict(model)
+    assert tuple(sd["h.1.inner.2.weight"].shape) == (4, 4)
+    renamed = {k.replace(".inner.", ".h."): v for k, v in sd.items()}
+    torch_model.load_state_dict(renamed, strict=True)
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    close(jax.jit(lambda m, x: m["h"](x))(model, x), run_torch(torch_model, (x,)))
+    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), sd)
+    np.testing.assert_array_equal(back["h"].layers.inner.layers.weight, model["h"].layers.inner.layers.weight)
+
+
+def test_a_missing_member_is_reported_by_its_torch_names_and_the_others_load():
+    sd = dict(TorchLM().state_dict())
+    del sd["h.2.ln_2.bias"]
+    loaded, report = ft.nn.load_torch_state_dict(make_lm(), sd, strict=False)
+    assert report.missing == ("h.2.ln_2.bias",) and not report.unexpected
+    offsets = loaded.model.h.layers.ln_2.offset
+    np.testing.assert_array_equal(offsets[1], sd["h.1.ln_2.bias"].numpy())
+    np.testing.assert_array_equal(offsets[2], make_lm().model.h.layers.ln_2.offset[2])

@@ -327,12 +327,14 @@ class _Options:
         return None
 
 
-def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping[str, Any] | None = None) -> _Plan:
+def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping[str, Any] | None = None,
+          *, values: bool = True) -> _Plan:
     """Every rule of the model, in full names; each parameter (member) is covered by exactly one.
 
     Stacks are walked member by member (torch's ``h.0``, ``h.1``, ...), a Shared's tied
     places under each of their names, Sequential's ``layers``, Remat's ``layer`` and
-    Shared's ``model`` left out of torch's names.
+    Shared's ``model`` left out of torch's names. ``values=False`` plans on zero-stride
+    placeholders of the leaves' shapes and dtypes (loading needs no copy of the model).
     """
     plan = _Plan([], {}, [])
     options = _Options(flattened, layouts or {})
@@ -371,7 +373,7 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
             hidden = isinstance(node, (Sequential, Remat)) and name in ("layers", "layer")
             walk(child, _join(ft, name), _under(stored, name), index, torch if hidden else _join(torch, name))
 
-    walk(jax.tree.map(np.asarray, model), "", "", (), "")
+    walk(jax.tree.map(np.asarray if values else _placeholder, model), "", "", (), "")
     unknown = [name for name in options.flattened if not any(name in pair for pair in options.dense)]
     if unknown:
         names = [t for t, _ in options.dense]
@@ -380,6 +382,13 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
     if unused:
         raise ValueError(LAYOUT_UNUSED.format(patterns=unused, names=[t for t, _ in options.layered][:8]))
     return plan
+
+
+def _placeholder(leaf: Any) -> np.ndarray:
+    """Zeros of ``leaf``'s shape and dtype that take no memory (a broadcast view)."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+    return np.asarray(leaf)
 
 
 def _layer_rules(node: Any, ft: str, torch: str, options: _Options) -> list[Local] | None:
@@ -514,7 +523,7 @@ def load_torch_state_dict(
     if isinstance(state_dict, (str, os.PathLike)):
         state_dict = _load_file(state_dict)
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
-    plan = _plan(model, shapes, layouts)
+    plan = _plan(model, shapes, layouts, values=False)
     to_model = _renamer(rename, to_model=True)
     given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
     values, absent, mismatched = _converted(plan, given)

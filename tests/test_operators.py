@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from jax.test_util import check_grads
 from test_paths import nested_trees
@@ -344,7 +345,7 @@ def test_bad_wrt_values():
     assert "right:  ft.gradient(f, wrt=0)(x, y)" in str(e.value)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_gradient_of_random_trees_has_the_parameter_view_structure(tree: Any):
     def total(t: Any) -> jax.Array:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from test_paths import assert_same_tree, nested_trees
 
@@ -118,7 +119,7 @@ def test_tangent_ops_are_jittable():
     assert float(out) == pytest.approx(3 * np.sqrt(3))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_move_along_zero_is_identity_and_along_a_tangent_inverts(tree: Any):
     zero = ft.zero_tangent_vector(tree)

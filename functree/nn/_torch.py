@@ -134,7 +134,7 @@ Rename = Mapping[str, str] | Callable[[str], str] | None
 
 @dataclasses.dataclass(frozen=True)
 class _Rule:
-    """Torch tensors ``torch`` (full names) ↔ model leaves ``ft`` (dotted key paths)."""
+    """Torch tensors ``torch`` (full names) ↔ model parameters ``ft`` (their ``_Plan`` names)."""
 
     torch: tuple[str, ...]
     ft: tuple[str, ...]

@@ -498,3 +498,16 @@ def test_a_missing_member_is_reported_by_its_torch_names_and_the_others_load():
     offsets = loaded.model.h.layers.ln_2.offset
     np.testing.assert_array_equal(offsets[1], sd["h.1.ln_2.bias"].numpy())
     np.testing.assert_array_equal(offsets[2], make_lm().model.h.layers.ln_2.offset[2])
+
+
+def test_a_bfloat16_safetensors_file_loads_without_torch_and_a_bad_file_names_the_fix(tmp_path):
+    from safetensors.torch import save_file
+
+    model = build(lambda: ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[0], dtype=jnp.bfloat16)))
+    save_file(ft.nn.torch_state_dict(model), tmp_path / "model.safetensors")
+    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), tmp_path / "model.safetensors")
+    assert back.layers[0].weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(back.layers[0].weight, np.float32), np.asarray(model.layers[0].weight, np.float32))
+    (tmp_path / "bad.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00nope")
+    with pytest.raises(ValueError, match=r"(?s)not a .safetensors file this reads \(its header is not JSON\).*torch.load"):
+        ft.nn.load_torch_state_dict(model, tmp_path / "bad.safetensors")

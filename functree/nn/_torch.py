@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -112,9 +113,11 @@ torch name goes to the * of the model's name in order.
 
     right:  rename={{"transformer.h.*": "blocks.*"}}"""
 
-NO_SAFETENSORS = """\
-ft.nn.load_torch_state_dict({path!r}) reads .safetensors files and needs safetensors: \
-pip install safetensors."""
+BAD_SAFETENSORS = """\
+ft.nn.load_torch_state_dict({path!r}): not a .safetensors file this reads ({why}). Pass a \
+state dict instead:
+
+    right:  ft.nn.load_torch_state_dict(model, torch.load(path, weights_only=True))"""
 
 TIES_DISAGREE = """\
 ft.nn.load_torch_state_dict: the state dict gives a tied parameter two different values: \
@@ -462,13 +465,38 @@ def _prefix_pattern(old: str) -> re.Pattern[str]:
     return re.compile("^" + "([^.]*)".join(re.escape(part) for part in old.split("*")) + r"(?=\.|$)")
 
 
-def _load_file(path: Any) -> dict[str, Any]:
-    """The tensors of a ``.safetensors`` file as NumPy arrays (torch not needed)."""
-    try:
-        from safetensors.numpy import load_file
-    except ImportError as e:
-        raise ImportError(NO_SAFETENSORS.format(path=path)) from e
-    return load_file(os.fspath(path))
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "BOOL": np.bool_}
+
+
+def _load_file(path: Any) -> dict[str, np.ndarray]:
+    """The tensors of a ``.safetensors`` file as read-only NumPy views of a memory map.
+
+    The format: an 8-byte little-endian header size, a JSON header ``{name: {"dtype",
+    "shape", "data_offsets": [begin, end]}}`` (offsets into the bytes after it), the bytes.
+    Read here rather than by ``safetensors.numpy``, which refuses bfloat16.
+    """
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(BAD_SAFETENSORS.format(path=os.fspath(path), why="its header is not JSON"))
+    raw = np.memmap(path, np.uint8, mode="r", offset=8 + size)
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(BAD_SAFETENSORS.format(path=os.fspath(path), why=f"{name} has dtype {info['dtype']}, "
+                                                    f"one of {sorted(_SAFETENSORS_DTYPES)} is read"))
+        begin, end = info["data_offsets"]
+        tensors[name] = raw[begin:end].view(dtype).reshape(info["shape"])
+    return tensors
 
 
 def load_torch_state_dict(

@@ -511,3 +511,30 @@ def test_a_bfloat16_safetensors_file_loads_without_torch_and_a_bad_file_names_th
     (tmp_path / "bad.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00nope")
     with pytest.raises(ValueError, match=r"(?s)not a .safetensors file this reads \(its header is not JSON\).*torch.load"):
         ft.nn.load_torch_state_dict(model, tmp_path / "bad.safetensors")
+
+
+def test_a_layer_used_twice_is_one_tie_under_both_torch_names():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(3, 3)
+            self.decoder = self.encoder  # torch lists its tensors under both names
+
+        def forward(self, x):
+            return self.decoder(torch.tanh(self.encoder(x)))
+
+    class FtTwice(ft.Module):
+        encoder: ft.nn.Dense
+        decoder: ft.nn.Dense
+
+        def __call__(self, x):
+            return self.decoder(jnp.tanh(self.encoder(x)))
+
+    model = build(lambda: ft.nn.Shared(FtTwice(ft.nn.Dense(3, 3, key=K[0]), ft.nn.Dense(3, 3, key=K[1])),
+                                       {"decoder": "encoder"}))
+    x = np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32)
+    torch_model = Twice()
+    both_ways(torch_model, model, (x,))
+    only_decoder = {k: v for k, v in torch_model.state_dict().items() if k.startswith("decoder")}
+    loaded = ft.nn.load_torch_state_dict(model, only_decoder)
+    np.testing.assert_array_equal(loaded.model.encoder.weight, torch_model.encoder.weight.detach().numpy().T)

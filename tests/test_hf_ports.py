@@ -310,3 +310,20 @@ def test_llama_with_grouped_query_attention(stacked):
     assert model.blocks[0].self_attn.key_projection.weight.shape == (D, 2 * D // HEADS)
     x = tokens()
     close(jax.jit(lambda m, x: m(x))(model, x), hf_logits(hf, x))
+
+
+def test_readme_gpt2_port_runs_as_written():
+    """README's "Loading torch weights" GPT-2 block, with the download replaced by a tiny model."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    block = text.split("Hugging Face models port the same way")[1].split("```python\n")[1].split("```")[0]
+    download = 'transformers.GPT2LMHeadModel.from_pretrained("gpt2")'
+    assert download in block
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=D, n_layer=LAYERS, n_head=HEADS,
+                                     bos_token_id=0, eos_token_id=0)
+    tiny = randomized(transformers.GPT2LMHeadModel(config))
+    namespace = {"ft": ft, "jax": jax, "jnp": jnp, "GPT": GPT, "tiny": tiny}
+    exec(block.replace(download, "tiny"), namespace)
+    x = tokens()
+    close(jax.jit(lambda m, x: m(x))(namespace["model"], x), hf_logits(tiny, x))

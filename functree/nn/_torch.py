@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._stacked import is_stacked, member
+from functree._stacked import is_stacked
 from functree._state_dict import FlatDictReport, _to_numpy, from_flat_dict, to_flat_dict
 from functree._tree import dotted_name
 from functree.nn._attention import MultiheadAttention
@@ -361,7 +361,7 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
         if is_stacked(node):
             ((field_name, _),) = _children(node)
             for i in range(len(node)):
-                walk(member(node, i), _join(ft, str(i)), _under(stored, field_name), (*index, i), _join(torch, str(i)))
+                walk(node._member(i), _join(ft, str(i)), _under(stored, field_name), (*index, i), _join(torch, str(i)))
             return
         if isinstance(node, Shared):
             resolved, base = node.resolve(), _join(ft, "model")

@@ -242,7 +242,8 @@ class Stack(Layer):
 
     # The stacked-node protocol of functree._stacked (per-member key paths).
     def _member(self, i: int) -> Any:
-        return jax.tree.map(lambda a: a[i], self.layers)
+        # A tree shaped like the model (a mask's bools, labels) holds one value for all members.
+        return jax.tree.map(lambda a: a[i] if jnp.ndim(a) else a, self.layers)
 
     def _with_member(self, i: int, value: Any) -> Stack:
         diff = _first_difference(self._member(i), value)

@@ -163,7 +163,7 @@ def _merge_microbatches(x: jax.Array) -> jax.Array:
 def parameter_names(model: Any, wrt: tuple[str, ...] | None = None) -> list[str]:
     """Dotted names of the parameter leaves, in the order gradients flatten (only those an
     ``Optimizer(wrt=)`` trains: its gradients hold no others)."""
-    from functree._parameters import _leaf_names
+    from functree._naming import names as _leaf_names
 
     view = trained_view(model, wrt)
     names = _leaf_names(view)

@@ -52,17 +52,18 @@ import difflib
 import fnmatch
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from functree._tree import bounded_put, cached, dotted_name, is_none
 
 __all__ = [
     "LeafInfo", "leaf_infos", "names", "member_names", "matches", "selection", "closest",
-    "check_patterns", "member_rule_names", "NothingSelected", "is_tied", "resolve_alias",
+    "check_patterns", "member_rule_names", "NothingSelected", "is_tied", "resolve_alias", "tie_targets", "untransform",
 ]
 
 SELECTS_NOTHING = """\
@@ -85,6 +86,15 @@ class NothingSelected(ValueError):
         super().__init__(message)
         self.pattern, self.close, self.out_of_range = pattern, close, out_of_range
 
+
+TIE_SHAPE = """\
+The tied {target} takes shape {shape} (the transform of {source}); given shape {given}.
+    right:  give {target} a value of shape {shape}, or {source} itself"""
+
+NOT_INVERTIBLE = """\
+Cannot write {target} (tied to a transform of {source}): the transform has no inverse \
+functree can find (its linear transpose does not undo it). Give the source's value instead:
+    right:  ft.set(model, "{source}", value)   # or {{"{source}": value}} in a state dict"""
 
 BAD_PATTERN = "Patterns are strings like '*.bias' or 'h.2.*', got {given!r} ({type})."
 
@@ -411,6 +421,19 @@ def broadcast(selected: np.ndarray, leaf: Any) -> Any:
     return np.reshape(selected, selected.shape + (1,) * (np.ndim(leaf) - selected.ndim))
 
 
+def tie_targets(tree: Any) -> dict[str, tuple[str, Any, Any]]:
+    """``{target name: (source name, transform, source value)}`` of every tie of the tied
+    nodes of ``tree`` (the names of the resolved model, prefixed by the node's name)."""
+    out: dict[str, tuple[str, Any, Any]] = {}
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tied)
+    for path, node in pairs:
+        if is_tied(node):
+            prefix = dotted_name(path)
+            for target, source, transform in node.ties:
+                out[_join(prefix, target.name)] = (_join(prefix, source.name), transform, source.get(node.model))
+    return out
+
+
 def resolve_alias(tree: Any, name: str) -> str | None:
     """The stored name of the leaf (or member) that ``name`` aliases through a tie, or None."""
     for info in leaf_infos(tree):
@@ -422,3 +445,20 @@ def resolve_alias(tree: Any, name: str) -> str | None:
                 if _member_name(a, idx) == name:
                     return _member_name(info, idx)
     return None
+
+
+def untransform(transform: Callable[[Any], Any], source: Any, value: Any, target: str, name: str) -> Any:
+    """The source value whose ``transform`` is ``value`` (a tie written through its target):
+    ``transform``'s linear transpose, checked to invert it (a transpose, a reshape)."""
+    value = jnp.asarray(value)
+    out = jax.eval_shape(transform, source)
+    if value.shape != out.shape:
+        raise ValueError(TIE_SHAPE.format(target=target, shape=out.shape, given=value.shape, source=name))
+    try:
+        candidate = jax.linear_transpose(transform, source)(value.astype(out.dtype))[0]
+        ok = np.array_equal(np.asarray(transform(candidate)), np.asarray(value))
+    except Exception:  # not linear: no inverse
+        ok = False
+    if not ok:
+        raise ValueError(NOT_INVERTIBLE.format(target=target, source=name))
+    return candidate

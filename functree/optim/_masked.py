@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from functree._module import Module
 from functree._naming import broadcast
 from functree._tree import is_none
 
@@ -100,8 +101,10 @@ def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTran
     """
     inner = optax.with_extra_args_support(inner)
 
+    as_function = callable(mask) and not isinstance(mask, Module)  # a mask tree of a model is callable too
+
     def marks_of(tree: Any) -> list[Any]:
-        return _mask_leaves(mask(tree) if callable(mask) else mask, tree)
+        return _mask_leaves(mask(tree) if as_function else mask, tree)
 
     def init(params: Any) -> optax.MaskedState:
         return optax.MaskedState(inner.init(_masked_tree(params, marks_of(params))))

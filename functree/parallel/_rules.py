@@ -8,7 +8,7 @@
   such on ties); smaller or indivisible leaves are replicated;
 * ``{pattern: PartitionSpec}``: glob patterns over the dotted names of ``ft.to_flat_dict``
   (``"encoder.*.weight"``, ``"*.bias"``); the first matching pattern wins, unmatched leaves
-  are replicated.
+  are replicated. The patterns are those of :mod:`functree._naming`, matched ``anywhere``:
 
 A pattern matches a leaf when it matches its dotted name or any dotted suffix of it, so
 the optimizer moments of a parameter (``1.mu.encoder.0.weight``) follow the parameter's
@@ -28,7 +28,6 @@ which is how a rule asks to split the layer axis.
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from functree._naming import leaf_infos, match_kind, member_rule_names
 from functree._stacked import stack_depths
 from functree._tree import dotted_name
 
@@ -60,6 +60,14 @@ Patterns are globs over the dotted names of ft.to_flat_dict(model):
 
     wrong:  sharding={{{pattern!r}: P(...)}}
     right:  sharding={{{suggestion!r}: P(...)}}"""
+
+MEMBER_RULE = """\
+The sharding rule {pattern!r} matches no parameter, only members of a stacked leaf \
+({members}): a rule shards a whole leaf of an ft.nn.Stack (all its members alike), \
+never one member. Give the rule to the stacked leaf:
+
+    wrong:  sharding={{{pattern!r}: P(...)}}
+    right:  sharding={{{stacked!r}: P(...)}}   # P describes one member; the layer axis is prepended"""
 
 BAD_SPEC = """\
 The sharding rule {pattern!r} gives {spec} to {path}, of shape {shape}, which it cannot \
@@ -107,11 +115,6 @@ def _is_floating(x: Any) -> bool:
     return dtype is not None and np.issubdtype(dtype, np.floating)
 
 
-def _suffixes(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[i:]) for i in range(len(parts))]
-
-
 def _axis_size(mesh: Mesh | AbstractMesh, entry: Any) -> int:
     names = entry if isinstance(entry, tuple) else (entry,)
     return math.prod(mesh.shape[n] for n in names)
@@ -155,9 +158,10 @@ def _member_spec(spec: PartitionSpec, ndim: int, layers: int) -> PartitionSpec:
 def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, used: set[str],
                layers: int = 0) -> PartitionSpec:
     for pattern, spec in rules.items():
-        direct = fnmatch.fnmatchcase(name, pattern)
-        if not (direct or any(fnmatch.fnmatchcase(s, pattern) for s in _suffixes(name))):
+        kind = match_kind(name, pattern, anywhere=True)
+        if kind is None:
             continue
+        direct = kind == "direct"
         used.add(pattern)
         spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)
         spec = _member_spec(spec, len(leaf.shape), layers)
@@ -221,13 +225,27 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
     if strict and isinstance(rules, Mapping):
         floating = [(n, leaf) for n, (_, leaf) in zip(names, path_leaves) if _is_floating(leaf)]
         if any(len(leaf.shape) for _, leaf in floating):  # not only scalars (an SGD state)
-            _check_all_used(rules, used, [n for n, _ in floating])
+            _check_all_used(rules, used, [n for n, _ in floating], tree)
     return jax.tree.unflatten(treedef, specs)
 
 
-def _check_all_used(rules: Mapping[str, Any], used: set[str], names: list[str]) -> None:
+def _stacked_name(member: str, tree: Any) -> str:
+    """The stacked name of the leaf a member name belongs to."""
+    from functree._naming import member_names
+
+    for info in leaf_infos(tree):
+        if member in member_names(info):
+            return info.name
+    return member
+
+
+def _check_all_used(rules: Mapping[str, Any], used: set[str], names: list[str], tree: Any) -> None:
     for pattern in rules:
         if pattern not in used:
+            members = member_rule_names(pattern, leaf_infos(tree))
+            if members:
+                raise ValueError(MEMBER_RULE.format(pattern=pattern, members=", ".join(map(repr, members[:3])),
+                                                    stacked=_stacked_name(members[0], tree)))
             close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)
             raise ValueError(UNMATCHED_RULE.format(pattern=pattern, close=", ".join(map(repr, close)),
                                                    suggestion=close[0] if close else "*.weight"))

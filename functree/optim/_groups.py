@@ -107,12 +107,13 @@ def groups(
         return jax.tree.unflatten(treedef, found)
 
     def member_masks(params: Any) -> dict[Any, Any]:
-        found, treedef, picks = _labels(params, patterns, default is not None)
-        masks = {p: jax.tree.unflatten(treedef, [None if x is None else s for x, s in zip(found, sel)])
+        _, treedef, picks = _labels(params, patterns, default is not None)
+        leaves = jax.tree.leaves(params, is_leaf=is_none)
+        masks = {p: jax.tree.unflatten(treedef, [None if x is None else s for x, s in zip(leaves, sel)])
                  for p, sel in zip(patterns, picks)}
         if default is not None:
             rest = [None if x is None else ~np.any([np.asarray(s[k]) for s in picks], axis=0)
-                    for k, x in enumerate(found)]
+                    for k, x in enumerate(leaves)]
             masks[DEFAULT_LABEL] = jax.tree.unflatten(
                 treedef, [r if r is None or np.ndim(r) else bool(r) for r in rest])
         return masks

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import NO_DERIVATIVE, Module, field_kind, from_fields
-from functree._naming import check_patterns, selection
+from functree._naming import NothingSelected, check_patterns, selection
 from functree._paths import KeyPath
 from functree._tree import bounded_put, is_none
 
@@ -259,7 +259,10 @@ def select(tree: Any, *patterns: str, exclude: Sequence[str] = ()) -> Any:
     view = parameters(tree)
     leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
     only = tuple(leaf is not None for leaf in leaves)
-    chosen = selection(tree, patterns, exclude, what="ft.select", only=only)
+    try:
+        chosen = selection(tree, patterns, exclude, what="ft.select", only=only)
+    except NothingSelected as e:
+        raise ValueError(str(e)) from None
     return jax.tree.unflatten(treedef, [None if leaf is None else c for leaf, c in zip(leaves, chosen)])
 
 

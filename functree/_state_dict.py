@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree import _stacked
-from functree._naming import is_tied, resolve_alias, tie_targets, untransform
+from functree._naming import is_tied, names as leaf_names, resolve_alias, tie_targets, untransform
 from functree._paths import ensure_acyclic
-from functree._tree import bounded_put, cached, dotted_name
+from functree._tree import bounded_put, cached, dotted_name, is_none
 
 __all__ = ["to_flat_dict", "from_flat_dict", "FlatDictReport"]
 
@@ -67,8 +67,9 @@ def _named_leaves(tree: Any, fn: str) -> tuple[list[Any], Any, tuple[str, ...]]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     key, names = cached(_NAMES, treedef)
     if names is None:
+        present = jax.tree.leaves(tree, is_leaf=is_none)
+        names = tuple(n for n, x in zip(leaf_names(tree), present) if x is not None)  # the naming layer's
         path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-        names = tuple(dotted_name(p) for p, _ in path_leaves)
         if len(frozenset(names)) != len(names):
             _raise_duplicate(path_leaves, fn)
         if key is not None and _str_keys_only(path_leaves):

@@ -416,7 +416,7 @@ def member_rule_names(pattern: str, infos: Sequence[LeafInfo]) -> list[str]:
     return out
 
 
-def broadcast(selected: np.ndarray, leaf: Any) -> Any:
+def broadcast(selected: Any, leaf: Any) -> Any:
     """A member selection (shape ``(n, ...)``) shaped to broadcast against ``leaf``."""
     return np.reshape(selected, selected.shape + (1,) * (np.ndim(leaf) - selected.ndim))
 

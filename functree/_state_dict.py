@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree import _stacked
-from functree._naming import is_tied, names as leaf_names, resolve_alias, tie_targets, untransform
+from functree._naming import is_tied, resolve_alias, tie_targets, untransform
+from functree._naming import names as leaf_names
 from functree._paths import ensure_acyclic
 from functree._tree import bounded_put, cached, dotted_name, is_none
 
@@ -215,7 +216,7 @@ def _through_ties(template: Any, flat: Mapping[str, Any], known: frozenset[str])
     names: ``head.weight``, ``embed.embeddings``) turned into their stored names
     (``model.embed.embeddings``); a value given under two names must be the same."""
     unknown = [k for k in flat if k not in known]
-    if not unknown or not any(is_tied(x) for x in jax.tree.leaves(template, is_leaf=is_tied)) and not is_tied(template):
+    if not unknown or (not any(is_tied(x) for x in jax.tree.leaves(template, is_leaf=is_tied)) and not is_tied(template)):
         return flat
     ties = tie_targets(template)
     out: dict[str, Any] = {}

@@ -208,7 +208,7 @@ def test_selected_members_train_as_a_hand_masked_optax_update():
         return jax.tree.map(lambda x: jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0), tree)
 
     for _ in range(10):
-        grads = ft.gradient(lambda h: mse(model.replace(h=h), X, Y), at=stack)
+        grads = ft.gradient(lambda h, m=model: mse(m.replace(h=h), X, Y), at=stack)
         updates, hand_state = tx.update(masked(grads), hand_state, stack)
         stack = ft.move(stack, along=masked(updates))
         model, state, _ = opt.minimize(mse, model, state, X, Y)

@@ -42,8 +42,8 @@ from functree.optim._hyper import (
     set_hyperparameters,
 )
 from functree.optim._lookahead import SlowState, lookahead
-from functree.optim._masked import masked
 from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState
+from functree.optim._masked import masked
 from functree.optim._optimizer import Optimizer, OptimizerWrapper, StepResult
 from functree.optim._schedules import (
     constant,

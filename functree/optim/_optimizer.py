@@ -42,7 +42,13 @@ from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
 from functree.optim._skip import applied_in, check_on_nan, gate, guard, select
 from functree.optim._state import OptimizerState, release_contexts
-from functree.optim._subset import check_wrt, drop_frozen, frozen_members, trained_view, with_frozen_members
+from functree.optim._subset import (
+    check_wrt,
+    drop_frozen,
+    frozen_members,
+    trained_view,
+    with_frozen_members,
+)
 
 __all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "leading_dimension"]
 

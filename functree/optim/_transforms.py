@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._operators import value_with_gradient
 from functree._naming import broadcast
+from functree._operators import value_with_gradient
 from functree._parameters import select
 from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask
-from functree.optim._masked import masked
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
+from functree.optim._masked import masked
 
 __all__ = [
     "clip",

@@ -33,7 +33,7 @@ import numpy as np
 from functree._module import Module
 from functree._naming import NothingSelected, broadcast, names, selection
 from functree._parameters import is_parameter_leaf, parameters, with_parameters
-from functree._tree import bounded_put, is_none
+from functree._tree import bounded_put, cached, is_none
 
 __all__ = ["Plan", "fn_name"]
 
@@ -154,7 +154,11 @@ class Plan:
     def _select(self, x: Any, view: Any) -> Any:
         assert self.patterns is not None
         leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
-        chosen = self._choose(x, leaves)
+        key, chosen = cached(_SELECTION_CACHE, (jax.tree.structure(x, is_leaf=is_none), treedef, self.patterns))
+        if chosen is None:
+            chosen = self._choose(x, leaves)
+            if key is not None:
+                bounded_put(_SELECTION_CACHE, key, chosen)
         self.members.append(tuple(c if isinstance(c, np.ndarray) else None for c in chosen))
         return jax.tree.unflatten(
             treedef, [leaf if pick is not False else None for leaf, pick in zip(leaves, chosen)]
@@ -246,3 +250,7 @@ def _members_only(primal: Any, members: tuple[Any, ...]) -> Any:
         w if m is None or w is None else jnp.where(broadcast(m, w), w, jax.lax.stop_gradient(w))
         for w, m in zip(leaves, members)
     ])
+
+
+# (structure of x, structure of its parameter view, patterns) -> what the patterns select.
+_SELECTION_CACHE: dict[Any, tuple[Any, ...]] = {}

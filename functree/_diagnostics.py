@@ -916,6 +916,33 @@ def check(kind: str, fn: Any, g: Any, plan: Plan) -> None:
         finding.emit()
 
 
+def _zero_cotangent(y: Any) -> Any:
+    dtype = jax.dtypes.float0 if not _is_inexact(y) else y.dtype
+    return np.zeros(y.shape, dtype) if dtype == jax.dtypes.float0 else jax.numpy.zeros(y.shape, dtype)
+
+
+def _uncovered_derivative(f: Any, plan: Plan, has_aux: bool) -> Finding | None:
+    """A custom derivative that does not cover what is differentiated (the operators raise
+    it), found by differentiating ``f`` abstractly (``jax.eval_shape``: no arithmetic)."""
+    from functree._derivative import UncoveredDerivativeError  # it builds on the operators
+
+    g = plan.wrap()
+
+    def pulled_back(*primals: Any) -> Any:
+        out = jax.vjp(g, *primals, has_aux=has_aux)
+        return out[1](jax.tree.map(_zero_cotangent, out[0]))
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jax.eval_shape(pulled_back, *plan.primals)
+    except UncoveredDerivativeError as e:
+        return Finding(ZeroDerivativeWarning, str(e), *_location(f), (e.where,))
+    except Exception:  # any other failure is the operators' to report
+        return None
+    return None
+
+
 def diagnose(
     f: Callable[..., Any], at: Any = inspect.Parameter.empty, *, wrt: Any = 0, has_aux: bool = False,
     nan: bool = False,
@@ -949,6 +976,10 @@ def diagnose(
 
             return nan_report(fn, args, wrt=wrt, has_aux=has_aux)
         plan = Plan("diagnose", fn, args, wrt)
-        return _run(fn, plan.wrap(), plan, first_output_only=has_aux, strict=True)
+        report = _run(fn, plan.wrap(), plan, first_output_only=has_aux, strict=True)
+        uncovered = _uncovered_derivative(fn, plan, has_aux)
+        if uncovered is None:
+            return report
+        return dataclasses.replace(report, findings=(*report.findings, uncovered))
 
     return run if at is inspect.Parameter.empty else run(at)

@@ -129,8 +129,8 @@ def _join(*parts: str) -> str:
 
 
 def _member(node: Any, i: int) -> Any:
-    """Member ``i`` of a stacked node, for any tree shaped like a model (a mask's bools,
-    a label's strings stay as they are: one value for every member)."""
+    """Member ``i`` of a stacked node (its structure: a leaf without a stack axis is every
+    member's, as a mask's bools and a label's strings are)."""
     return node._member(i)
 
 
@@ -169,7 +169,8 @@ def _stacked_infos(stack: Any) -> list[LeafInfo]:
     """A stacked node's leaves: JAX's names, and member names from member 0's leaves
     (a stacked node's leaves are its member's, in the same order, with stack axes)."""
     pairs, _ = jax.tree_util.tree_flatten_with_path(stack, is_leaf=is_none)
-    inner = _infos(_member(stack, 0)) if len(stack) else []
+    light = jax.tree.map(lambda _: 0, stack)  # no slicing: any leaves (arrays, specs, tracers)
+    inner = _infos(_member(light, 0)) if len(stack) else []
     if len(inner) != len(pairs):  # a stacked node of another layout: no member names
         return [LeafInfo(dotted_name(p), (dotted_name(p),), ()) for p, _ in pairs]
     return [

@@ -271,3 +271,11 @@ def test_every_member_name_round_trips(n, d, nested, seed):
         assert all(np.array_equal(v, flat[k]) for k, v in others.items()), name
         chosen = ft.to_flat_dict(ft.select(model, name), unstack=True)
         assert [k for k, v in chosen.items() if v] == [name]
+
+
+def test_names_of_abstract_trees_slice_nothing():
+    abstract = jax.eval_shape(make_net)
+    assert list(ft.to_flat_dict(abstract)) == list(ft.to_flat_dict(make_net()))
+    chosen = ft.to_flat_dict(ft.select(make_net(), "h.1"), unstack=True)
+    assert [k for k, v in chosen.items() if v] == ["h.1.up.weight", "h.1.up.bias", "h.1.norm.scale",
+                                                   "h.1.norm.offset"]

@@ -256,11 +256,17 @@ def select(tree: Any, *patterns: str, exclude: Sequence[str] = ()) -> Any:
     if not patterns:
         raise ValueError("ft.select needs at least one pattern, e.g. ft.select(model, '*.bias').")
     check_patterns((*patterns, *exclude))
+    return selected(tree, patterns, exclude)
+
+
+def selected(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), strict: bool = True) -> Any:
+    """:func:`select`; without ``strict``, a pattern may select nothing (``decay_mask``'s
+    ``"*"`` on a tree without parameters)."""
     view = parameters(tree)
     leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
     only = tuple(leaf is not None for leaf in leaves)
     try:
-        chosen = selection(tree, patterns, exclude, what="ft.select", only=only)
+        chosen = selection(tree, tuple(patterns), tuple(exclude), what="ft.select", only=only, strict=strict)
     except NothingSelected as e:
         raise ValueError(str(e)) from None
     return jax.tree.unflatten(treedef, [None if leaf is None else c for leaf, c in zip(leaves, chosen)])

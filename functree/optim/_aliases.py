@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._parameters import field_mask, select
+from functree._naming import check_patterns
+from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._hyper import inject
 from functree.optim._masked import masked
@@ -75,7 +76,8 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
       >>> {k: bool(v) for k, v in ft.to_flat_dict(ft.optim.decay_mask(ft.parameters(model), ())).items()}
       {'layers.0.weight': True, 'layers.0.bias': False, 'layers.1.scale': False, 'layers.1.offset': False}
     """
-    by_name = select(params, "*", exclude=tuple(exclude))
+    check_patterns(tuple(exclude))
+    by_name = selected(params, ("*",), tuple(exclude), strict=False)
     declared = field_mask(params, _no_decay)
     return jax.tree.map(_decayed_where, by_name, declared, is_leaf=is_none)
 

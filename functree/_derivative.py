@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from functree import _operators
+from functree import _diagnostics, _operators
+from functree._diagnostics import UncoveredDerivativeError
 from functree._parameters import is_parameter_leaf, parameters
 from functree._tree import is_none
 
@@ -62,15 +63,6 @@ Return its cotangent (zeros, if the zero is intended):
     wrong:  return y, lambda v: (..., None)                   # None at {name}
     right:  return y, lambda v: (..., jnp.zeros_like({name}))  # an intentional zero
        or:  return y, lambda v: (..., <the cotangent of {name}>)"""
-
-
-class UncoveredDerivativeError(TypeError):
-    """Differentiation with respect to an argument (or key path) that the registered custom
-    derivative does not cover (Swift: an error). ``where`` names the argument or key path."""
-
-    def __init__(self, message: str, where: str):
-        super().__init__(message)
-        self.where = where
 
 
 class DifferentiableFunction:
@@ -407,8 +399,6 @@ def without_derivative(at: Any) -> Any:
       >>> ft.gradient(lambda x: x * ft.without_derivative(at=x), at=3.0)
       Array(3., dtype=float32, weak_type=True)
     """
-    from functree import _diagnostics  # local: only this function of the module uses it
-
     # The named scope marks the stop_gradient in the jaxpr as intentional; a constant (no
     # tracer, so no equation) is reported to the analysis directly.
     _diagnostics.note_without_derivative(at)

@@ -185,9 +185,54 @@ class KeyPath(tuple):
         return _set(tree, self, 0, value)
 
 
+# Members of a stacked node (ft.nn.Stack): key paths through a member index, which JAX
+# never sees (functree._stacked).
+
+OUT_OF_RANGE = """\
+Key path {path}: member {index} does not exist; the {cls} holds {n} members (0 to {last}, \
+or -{n} to -1 from the end).
+    wrong:  ft.get(model, {wrong!r})
+    right:  ft.get(model, {right!r})"""
+
+
+def check_member_index(node: Any, index: int, where: Any = ()) -> int:
+    """``index`` as a member number in ``range(len(node))`` (negative counts from the end);
+    ``where`` is the key path of ``node``, for the error."""
+    n = len(node)
+    if not isinstance(index, int) or isinstance(index, bool) or not -n <= index < n:
+        prefix = KeyPath(where).name
+        dotted = (prefix + "." if prefix else "")
+        raise IndexError(OUT_OF_RANGE.format(path=f"{KeyPath(where)}[{index}]".replace("<root>", ""), index=index,
+                                             cls=type(node).__name__, n=n, last=n - 1,
+                                             wrong=f"{dotted}{index}", right=f"{dotted}{n - 1}"))
+    return index % n
+
+
+def stack_member(node: Any, index: int, where: Any = ()) -> Any:
+    """Member ``index`` of the stacked ``node`` (an ``ft.nn.Stack``) (``where`` is its key path, for the error)."""
+    return node._member(check_member_index(node, index, where))
+
+
+def with_stack_member(node: Any, index: int, value: Any, where: Any = ()) -> Any:
+    """A copy of the stacked ``node`` with member ``index`` replaced by ``value``."""
+    return node._with_member(check_member_index(node, index, where), value)
+
+
+def stack_member_children(node: Any, rest: str, where: Any = ()) -> list[tuple[Any, Any]]:
+    """``[(Entry(INDEX, i), member i)]`` when the dotted name ``rest`` starts with a member
+    number ``i`` of the stacked ``node``; ``[]`` otherwise (only that member is sliced)."""
+    if not _stacked.is_stacked(node):
+        return []
+    head = rest.split(".", 1)[0]
+    if not head.isdigit():
+        return []
+    index = int(head)
+    return [(Entry(INDEX, index), stack_member(node, index, where))]
+
+
 def _child(node: Any, entry: Entry, prefix: KeyPath) -> Any:
     if entry.kind == INDEX and _stacked.is_stacked(node):  # a member of an ft.nn.Stack
-        return _stacked.member(node, entry.key, prefix)
+        return stack_member(node, entry.key, prefix)
     if _through_tie(node, entry):  # ft.nn.Shared answers to its resolved model's names
         return _child(node.resolve(), entry, prefix)
     try:
@@ -345,7 +390,7 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
     child = _child(tree, entry, KeyPath(path[:depth]))
     new_child = _set(child, path, depth + 1, value)
     if entry.kind == INDEX and _stacked.is_stacked(tree):
-        return _stacked.with_member(tree, entry.key, new_child, KeyPath(path[:depth]))
+        return with_stack_member(tree, entry.key, new_child, KeyPath(path[:depth]))
     if isinstance(tree, Module):
         return tree.replace(**{entry.key: new_child})
     if _is_namedtuple(tree):
@@ -846,7 +891,7 @@ def _dotted_search(tree: Any, text: str) -> tuple[list[KeyPath], tuple[KeyPath, 
         path, node, rest = stack.pop()
         if len(path) > len(deepest[0]):
             deepest = (path, node, rest)
-        for entry, value in _named_children(node, rest) + _stacked.member_children(node, rest, path):
+        for entry, value in _named_children(node, rest) + stack_member_children(node, rest, path):
             name = entry.name
             if rest == name:
                 found.append(path + (entry,))

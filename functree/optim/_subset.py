@@ -17,7 +17,6 @@ restored after each update, so they never move.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import jax
@@ -28,7 +27,7 @@ from functree._parameters import parameters
 from functree._tree import is_none
 from functree.optim._masked import is_partial
 
-__all__ = ["check_wrt", "trained_view", "drop_frozen", "with_wrt", "frozen_members", "with_frozen_members"]
+__all__ = ["check_wrt", "trained_view", "drop_frozen", "frozen_members", "with_frozen_members"]
 
 BAD_WRT = """\
 wrt= takes key-path patterns (a string or a sequence of strings), as ft.gradient(wrt=) \
@@ -44,15 +43,6 @@ dotted names such as {examples}.
 
     right:  ft.optim.Optimizer(tx, wrt="{first}")
 """
-
-WRT_CONFLICT = """\
-The optimizer already trains wrt={old!r}; cannot also restrict it to wrt={new!r}. \
-Give the patterns in one place:
-
-    wrong:  ft.train.Trainer(model, ft.optim.Optimizer(tx, wrt="a.*"), loss_fn, wrt="b.*")
-    right:  ft.train.Trainer(model, ft.optim.Optimizer(tx), loss_fn, wrt="b.*")
-"""
-
 
 def check_wrt(wrt: Any) -> tuple[str, ...] | None:
     """``wrt`` as a tuple of patterns (``None``: every parameter is trained)."""
@@ -136,27 +126,3 @@ def drop_frozen(grads: Any, view: Any, frozen: tuple[Any, ...] | None = None) ->
                                 else g)
         for g, v, f in zip(g_leaves, v_leaves, marks)
     ])
-
-
-def with_wrt(optimizer: Any, wrt: Any) -> Any:
-    """``optimizer`` training only the parameters ``wrt`` selects (``ft.train.Trainer(wrt=)``).
-
-    A plain optax transformation becomes ``Optimizer(transform, wrt=wrt)``; an Optimizer
-    (or a wrapper around one) is copied with the patterns set on the innermost Optimizer.
-    """
-    from functree.optim._optimizer import Optimizer, OptimizerWrapper
-
-    patterns = check_wrt(wrt)
-    if patterns is None:
-        return optimizer
-    if not isinstance(optimizer, Optimizer):
-        return Optimizer(optimizer, wrt=patterns)
-    new = copy.copy(optimizer)
-    if isinstance(optimizer, OptimizerWrapper):
-        object.__setattr__(new, "inner", with_wrt(optimizer.inner, patterns))
-        return new
-    old = optimizer.wrt
-    if old is not None and old != patterns:
-        raise ValueError(WRT_CONFLICT.format(old=old, new=patterns))
-    object.__setattr__(new, "_wrt", patterns)
-    return new

@@ -1,0 +1,51 @@
+"""The Trainer's log intervals: closed on device, read one interval late.
+
+Every step writes its metrics into the Trainer's device buffer (``TrainStep.record``).
+Every ``log_every`` steps the Trainer closes the buffer into an :class:`Interval` and
+starts the next one with :func:`next_buffer` (one dispatch, nothing waited for), then reads
+the interval closed *before*: its steps have long finished, so the read never waits for the
+steps still queued, and the asynchronous pipeline stays full. Epoch ends and the end of a
+fit read every interval, the open one included.
+
+A stop (``on_nan="stop"``) in an interval not read yet must still close the gate of the
+steps after it: :func:`next_buffer` carries it into the new buffer as
+:data:`STOPPED_EARLIER`, an index no step of the new buffer has, so that every step there
+is gated off and the interval that stopped is the one reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Interval", "next_buffer", "STOPPED_EARLIER"]
+
+STOPPED_EARLIER = 2**30
+"""``halt[1]`` of a buffer opened after an earlier buffer's step stopped."""
+
+
+@dataclass
+class Interval:
+    """A closed log interval: its device buffer, the learning context and rate after its
+    last step (copies, on device; None for the open buffer: read the live ones), its first
+    step (1-based), its step count, its minibatches (references) and whether it ended at a
+    log point (``on_log`` is called when it is read)."""
+
+    buffer: Any
+    context: Any
+    first: int
+    steps: int
+    inflight: list[Any]
+    log: bool
+
+
+@jax.jit
+def next_buffer(halt: jax.Array, rows: jax.Array, context: Any) -> tuple[Any, Any]:
+    """``(buffer, context copy)``: an empty buffer shaped like ``rows`` whose ``halt``
+    carries a stop of ``halt``, and a copy of ``context`` (the step after donates it)."""
+    stopped = jnp.where(halt[1] >= 0, STOPPED_EARLIER, -1).astype(jnp.int32)
+    new = {"halt": jnp.stack([jnp.zeros((), jnp.int32), stopped, halt[2]]), "rows": jnp.zeros_like(rows)}
+    return new, jax.tree.map(jnp.copy, context)

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Interval", "next_buffer", "STOPPED_EARLIER"]
+__all__ = ["Interval", "next_buffer", "snapshot", "STOPPED_EARLIER"]
 
 STOPPED_EARLIER = 2**30
 """``halt[1]`` of a buffer opened after an earlier buffer's step stopped."""
@@ -42,10 +42,23 @@ class Interval:
     log: bool
 
 
+def _snapshot(opt_state: Any) -> tuple[Any, Any]:
+    """Copies of the learning context and the learning rate (None without one), traced."""
+    from functree.optim import context, hyperparameter_names, hyperparameters
+
+    lr = hyperparameters(opt_state)["learning_rate"] if "learning_rate" in hyperparameter_names(opt_state) else None
+    return jax.tree.map(jnp.copy, (context(opt_state), lr))  # copies: the next step donates the state
+
+
+snapshot = jax.jit(_snapshot)
+"""``(learning context, learning rate)`` of an optimizer state, copied on device: one
+dispatch, the tree work done once at trace time."""
+
+
 @jax.jit
-def next_buffer(halt: jax.Array, rows: jax.Array, context: Any) -> tuple[Any, Any]:
-    """``(buffer, context copy)``: an empty buffer shaped like ``rows`` whose ``halt``
-    carries a stop of ``halt``, and a copy of ``context`` (the step after donates it)."""
+def next_buffer(halt: jax.Array, rows: jax.Array, opt_state: Any) -> tuple[Any, Any]:
+    """``(buffer, snapshot)``: an empty buffer shaped like ``rows`` whose ``halt`` carries
+    a stop of ``halt``, and :data:`snapshot` of ``opt_state`` (after the buffer's steps)."""
     stopped = jnp.where(halt[1] >= 0, STOPPED_EARLIER, -1).astype(jnp.int32)
     new = {"halt": jnp.stack([jnp.zeros((), jnp.int32), stopped, halt[2]]), "rows": jnp.zeros_like(rows)}
-    return new, jax.tree.map(jnp.copy, context)
+    return new, _snapshot(opt_state)

@@ -31,7 +31,7 @@ from functree.train._callbacks import Callback, TrainingContext, _copy, as_callb
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._history import History
-from functree.train._intervals import Interval, next_buffer
+from functree.train._intervals import Interval, next_buffer, snapshot
 from functree.train._metrics import batch_size_of
 from functree.train._progress import Progress
 from functree.train._scan import check_steps_per_call, stack_batches
@@ -355,7 +355,7 @@ class Trainer:
     def _close(self, log: bool) -> None:
         """The open buffer's steps (all dispatched) become a pending interval; the next
         buffer opens on device, carrying a stop (one dispatch, no wait)."""
-        buffer, ctx = next_buffer(self._buffer["halt"], self._buffer["rows"], self._context_arrays())
+        buffer, ctx = next_buffer(self._buffer["halt"], self._buffer["rows"], self.opt_state)
         self._pending.append(Interval(self._buffer, ctx, self.steps_run - self._buffered + 1, self._buffered,
                                       self._inflight, log))
         self._buffer, self._buffered, self._inflight = buffer, 0, []
@@ -379,7 +379,7 @@ class Trainer:
     def _read_interval(self, interval: Interval, window: _Means, epoch: _Means, bar: Progress,
                        cbs: Sequence[Callback]) -> None:
         live = interval.context is None
-        host, ctx = jax.device_get((interval.buffer, self._context_arrays() if live else interval.context))
+        host, ctx = jax.device_get((interval.buffer, snapshot(self.opt_state) if live else interval.context))
         n = int(host["halt"][0])
         steps = list(range(interval.first, interval.first + n))
         assert self._names is not None

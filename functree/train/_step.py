@@ -41,7 +41,13 @@ from functree.parallel._mesh import is_array
 from functree.parallel._placement import Placement, one_device_mesh
 from functree.parallel._rules import check_compute_dtype, partition_specs
 from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
-from functree.train._scan import check_stacked, check_steps_per_call, scan_steps, shard_stacked, step_slice
+from functree.train._scan import (
+    check_stacked,
+    check_steps_per_call,
+    scan_steps,
+    shard_stacked,
+    step_slice,
+)
 
 __all__ = ["TrainStep", "EvalStep", "train_step", "eval_step", "NONFINITE", "NonFiniteError", "nonfinite_error",
            "DataParallelStep", "DataParallelEvalStep"]

@@ -30,9 +30,9 @@ STOPPED_EARLIER = 2**30
 @dataclass
 class Interval:
     """A closed log interval: its device buffer, the learning context and rate after its
-    last step (copies, on device; None for the open buffer: read the live ones), its first
-    step (1-based), its step count, its minibatches (references) and whether it ended at a
-    log point (``on_log`` is called when it is read)."""
+    last step (copies, on device), its first step (1-based), its step count, its
+    minibatches (references) and whether it ended at a log point (``on_log`` is called
+    when it is read)."""
 
     buffer: Any
     context: Any

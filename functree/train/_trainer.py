@@ -22,7 +22,7 @@ import numpy as np
 from functree import nn
 from functree._alias import copy_aliases, warn_aliases
 from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
-from functree.optim import context, hyperparameter_names, hyperparameters, next_sweep
+from functree.optim import hyperparameter_names, next_sweep
 from functree.optim._average import averaged as averaged_parameters
 from functree.optim._average import keeps_average
 from functree.optim._skip import DEFAULT_ON_NAN
@@ -316,11 +316,6 @@ class Trainer:
         return {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
                 "rows": jnp.zeros((capacity, columns), jnp.float32)}  # one row per step: TrainStep.record
 
-    def _context_arrays(self) -> tuple[Any, Any]:
-        """The learning context and the learning rate (None if none), on device."""
-        lr = hyperparameters(self.opt_state)["learning_rate"] if self._has_learning_rate() else None
-        return context(self.opt_state), lr
-
     def _has_learning_rate(self) -> bool:
         return "learning_rate" in hyperparameter_names(self.opt_state)
 
@@ -368,18 +363,14 @@ class Trainer:
 
     def _read(self, window: _Means, epoch: _Means, bar: Progress, cbs: Sequence[Callback] = ()) -> None:
         """Read every interval, the open buffer last (epoch ends, the end of a fit)."""
+        if self._buffered:
+            self._close(log=False)
         while self._pending:
             self._read_interval(self._pending.pop(0), window, epoch, bar, cbs)
-        if self._buffered:
-            interval = Interval(self._buffer, None, self.steps_run - self._buffered + 1, self._buffered,
-                                self._inflight, False)
-            self._buffer, self._buffered, self._inflight = self._new_buffer(self._capacity), 0, []
-            self._read_interval(interval, window, epoch, bar, cbs)
 
     def _read_interval(self, interval: Interval, window: _Means, epoch: _Means, bar: Progress,
                        cbs: Sequence[Callback]) -> None:
-        live = interval.context is None
-        host, ctx = jax.device_get((interval.buffer, snapshot(self.opt_state) if live else interval.context))
+        host, ctx = jax.device_get((interval.buffer, interval.context))
         n = int(host["halt"][0])
         steps = list(range(interval.first, interval.first + n))
         assert self._names is not None
@@ -391,7 +382,7 @@ class Trainer:
         if rows.shape[1] > len(self._names):
             columns["learning_rate"] = rows[:, -1].tolist()
         self.history.add_steps(steps, columns)
-        self._last_context = ctx if live or not (self._pending or self._buffered) else None
+        self._last_context = None if self._pending or self._buffered else ctx  # the current one
         self._check_finite(steps, nonfinite.astype(np.int32), host["halt"], interval.inflight)
         window.add(values, weights)
         epoch.add(values, weights)
@@ -445,7 +436,9 @@ class Trainer:
 
     def _context(self, event: str, metrics: Mapping[str, float], arrays: Any = None,
                  step: int | None = None) -> TrainingContext:
-        ctx, lr = arrays or self._last_context or jax.device_get(self._context_arrays())
+        if arrays is None and self._last_context is None:  # valid until the next step
+            self._last_context = jax.device_get(snapshot(self.opt_state))
+        ctx, lr = arrays or self._last_context
         lr = None if lr is None else float(lr)
         return TrainingContext(
             event=event,

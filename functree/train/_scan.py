@@ -94,9 +94,17 @@ def stack_batches(batches: Sequence[Any]) -> Any:
                     what=f"leaf {_path(path)} has shape {np.shape(x0)} in minibatch 0 but "
                          f"{np.shape(x)} in minibatch {i}"))
             column.append(x)
-    stacked = [np.stack(c) if all(isinstance(x, np.ndarray | np.generic | int | float) for x in c)
-               else jnp.stack(c) for c in columns]
+    on_host = [all(isinstance(x, np.ndarray | np.generic | int | float) for x in c) for c in columns]
+    device_columns = [c for c, host in zip(columns, on_host) if not host]
+    on_device = _stack_columns(device_columns) if device_columns else []  # one dispatch
+    it = iter(on_device)
+    stacked = [np.stack(c) if host else next(it) for c, host in zip(columns, on_host)]
     return jax.tree_util.tree_unflatten(treedef, stacked)
+
+
+@jax.jit
+def _stack_columns(columns: list[list[Any]]) -> list[Any]:
+    return [jnp.stack(c) for c in columns]
 
 
 def check_stacked(batch: Any, k: int) -> None:

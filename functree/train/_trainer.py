@@ -101,11 +101,10 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array))
 
 
-def _same_shapes(a: Any, b: Any) -> bool:
-    """Whether two minibatches have one structure and leaf shapes (stackable)."""
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    return tree_a == tree_b and all(np.shape(x) == np.shape(y) for x, y in zip(leaves_a, leaves_b))
+def _signature(batch: Any) -> tuple[Any, ...]:
+    """A minibatch's structure and leaf shapes: those of one signature stack."""
+    leaves, tree = jax.tree.flatten(batch)
+    return tree, *(np.shape(x) for x in leaves)
 
 
 def _is_array_tree(data: Any) -> bool:
@@ -532,7 +531,8 @@ class Trainer:
         length = self._epoch_length(data)
         bar.set_description(f"epoch {self.epoch + 1}")
         run = self.train_step.run
-        group: list[Any] = []  # k > 1: the minibatches of the next call
+        group: list[Any] = []  # k > 1: the minibatches of the next call, of one signature
+        signature: Any = None
         for batch in self._epoch_iter(data):
             batch = to_arrays(batch)
             if self._names is None:
@@ -548,10 +548,12 @@ class Trainer:
                 self.batch_in_epoch += 1
                 self._buffered += 1
             else:
-                if group and not _same_shapes(group[0], batch):
+                new = _signature(batch)
+                if group and new != signature:
                     ran += self._run_group(group, k)  # minibatches of another shape: single steps
                     group = []
                 group.append(batch)
+                signature = new
                 if len(group) < k and (steps is None or taken + ran + len(group) < steps):
                     continue
                 ran += self._run_group(group, k)

@@ -101,7 +101,7 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array))
 
 
-def _signature(batch: Any) -> tuple[Any, ...]:
+def _batch_signature(batch: Any) -> tuple[Any, ...]:
     """A minibatch's structure and leaf shapes: those of one signature stack."""
     leaves, tree = jax.tree.flatten(batch)
     return tree, *(np.shape(x) for x in leaves)
@@ -548,7 +548,7 @@ class Trainer:
                 self.batch_in_epoch += 1
                 self._buffered += 1
             else:
-                new = _signature(batch)
+                new = _batch_signature(batch)
                 if group and new != signature:
                     ran += self._run_group(group, k)  # minibatches of another shape: single steps
                     group = []

@@ -101,6 +101,15 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array))
 
 
+def _batch_size(batch: Any) -> int:
+    """:func:`batch_size_of`, with a fast path for the common ``(x, y)`` tuple of arrays."""
+    if type(batch) is tuple and batch:
+        shape = getattr(batch[0], "shape", ())
+        if len(shape) >= 1:
+            return int(shape[0])
+    return batch_size_of(batch)
+
+
 def _batch_signature(batch: Any) -> tuple[Any, ...]:
     """A minibatch's structure and leaf shapes: those of one signature stack."""
     leaves, tree = jax.tree.flatten(batch)
@@ -376,7 +385,7 @@ class Trainer:
         rows = host["rows"][:n]
         values = {k: rows[:, i] for i, k in enumerate(self._names) if k != NONFINITE}
         nonfinite = rows[:, self._names.index(NONFINITE)] if NONFINITE in self._names else np.full(n, -1.0)
-        weights = np.array([batch_size_of(b) for b in interval.inflight[:n]], np.float32)  # host-known sizes
+        weights = np.array([_batch_size(b) for b in interval.inflight[:n]], np.float32)  # host-known sizes
         columns = {k: v.tolist() for k, v in values.items()}
         if rows.shape[1] > len(self._names):
             columns["learning_rate"] = rows[:, -1].tolist()

@@ -15,8 +15,8 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from functree._display import short_array
 from functree._module import field
+from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer

@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from functree.optim import context, hyperparameter_names, hyperparameters
+
 __all__ = ["Interval", "next_buffer", "snapshot", "STOPPED_EARLIER"]
 
 STOPPED_EARLIER = 2**30
@@ -44,8 +46,6 @@ class Interval:
 
 def _snapshot(opt_state: Any) -> tuple[Any, Any]:
     """Copies of the learning context and the learning rate (None without one), traced."""
-    from functree.optim import context, hyperparameter_names, hyperparameters
-
     lr = hyperparameters(opt_state)["learning_rate"] if "learning_rate" in hyperparameter_names(opt_state) else None
     return jax.tree.map(jnp.copy, (context(opt_state), lr))  # copies: the next step donates the state
 

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from functree.parallel._placement import check_batch
+
 __all__ = ["stack_batches", "check_steps_per_call", "check_stacked", "scan_steps", "shard_stacked",
            "step_slice"]
 
@@ -155,8 +157,6 @@ def shard_stacked(mesh: Any, data_axis: str, batch: Any) -> Any:
     """A stacked batch on ``mesh``: each step's minibatch (axis 1) split over
     ``data_axis``, the step axis whole; in several processes, each process's share of
     every minibatch (the global minibatch is their concatenation in process order)."""
-    from functree.parallel._placement import check_batch
-
     sharding = NamedSharding(mesh, PartitionSpec(None, data_axis))
     whole = NamedSharding(mesh, PartitionSpec())
     devices = mesh.shape[data_axis]

@@ -217,9 +217,10 @@ def test_trainer_stacks_k_batches_and_keeps_per_step_rows():
 
 def test_trainer_runs_a_minibatch_of_another_shape_as_a_single_step():
     data = minibatches(9)
-    data[2] = (data[2][0][:2], data[2][1][:2])  # [b, b] single, [short] single, [b × 4] one call, [b, b] single
-    t1, h1, _ = trainer_history(1, data, epochs=1)
-    t4, h4, _ = trainer_history(K, data, epochs=1)
+    data[3] = (data[3][0][:2], data[3][1][:2])  # [b × 3] single, [short] single, [b × 4] one call, [b] single
+    t1, h1, _ = trainer_history(1, data, epochs=1, log_every=2)
+    t4, h4, _ = trainer_history(K, data, epochs=1, log_every=2)  # no call takes the buffer past its rows
+    assert h4.steps["step"] == list(range(1, 10))
     np.testing.assert_allclose(h4.steps["loss"], h1.steps["loss"], rtol=0, atol=1e-6 * max(h1.steps["loss"]))
     assert_close_trained(t4.model, t1.model, spread=0)  # measured 0
     assert t4.train_step._scanned._cache_size() == 1  # the one group of 4

@@ -542,6 +542,14 @@ class Trainer:
         run = self.train_step.run
         group: list[Any] = []  # k > 1: the minibatches of the next call, of one signature
         signature: Any = None
+
+        def dispatch(group: list[Any]) -> int:
+            # After every call: the buffer (log_every + k - 1 rows) never takes a call past it.
+            n = self._run_group(group, k)
+            if self._buffered >= log_every:
+                self._log_point(window, epoch, bar, cbs)
+            return n
+
         for batch in self._epoch_iter(data):
             batch = to_arrays(batch)
             if self._names is None:
@@ -559,26 +567,25 @@ class Trainer:
             else:
                 new = _batch_signature(batch)
                 if group and new != signature:
-                    ran += self._run_group(group, k)  # minibatches of another shape: single steps
+                    ran += dispatch(group)  # minibatches of another shape: single steps
                     group = []
                 group.append(batch)
                 signature = new
                 if len(group) < k and (steps is None or taken + ran + len(group) < steps):
                     continue
-                ran += self._run_group(group, k)
+                ran += dispatch(group)
                 group = []
             if self._buffered >= log_every:
                 self._log_point(window, epoch, bar, cbs)
             if self.stop_training or (steps is not None and taken + ran >= steps):
                 return ran, length is not None and self.batch_in_epoch >= length
         if group:  # the epoch's last minibatches, fewer than k: single steps
-            ran += self._run_group(group, k)
-            if self._buffered >= log_every:
-                self._log_point(window, epoch, bar, cbs)
+            ran += dispatch(group)
         return ran, ran > 0
 
     def _run_group(self, group: list[Any], k: int) -> int:
         """``k`` minibatches as one call of ``k`` steps; fewer as single steps."""
+        assert self._buffered + len(group) <= self._capacity, "the log buffer would overflow"
         calls = [(stack_batches(group), k)] if len(group) == k else [(b, 1) for b in group]
         for batch, n in calls:
             self.model, self.opt_state, _, self._buffer = self.train_step.run(

@@ -10,6 +10,9 @@ Two things cost Python work, and only where asked for or needed:
 * ``static_leaves=True`` makes every leaf JAX cannot trace (the functions an Equinox
   module keeps as leaves, strings) static, as ``eqx.filter_jit`` does: a tree map over the
   arguments and results per call;
+* a donating ``ft.jit`` runs over flat leaves (:mod:`functree._flat`): its results are
+  rebuilt by code generated once per tree definition, and the model and state a loop
+  passes back are passed by their leaves, not flattened again;
 * a donating ``ft.jit`` looks for aliased arguments (one array at two leaves) only in
   arguments that are not its previous call's outputs (a training loop passes those
   back): it then warns (:class:`ft.AliasWarning`, naming both key paths) and copies the
@@ -28,8 +31,9 @@ import jax
 import numpy as np
 
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
+from functree._flat import flat_jit
 
-__all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape"]
+__all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape", "explain_control_flow"]
 
 
 TRACED_BOOL = """\
@@ -84,7 +88,7 @@ def _explain(template: str, error: Exception) -> str:
     return template.format(where=f" at {filename}:{lineno}", source=source, error=error)
 
 
-def _explain_control_flow(f: Callable[..., Any]) -> Callable[..., Any]:
+def explain_control_flow(f: Callable[..., Any]) -> Callable[..., Any]:
     # Runs at trace time only: steady-state calls never enter this wrapper.
     @functools.wraps(f)
     def traced(*args: Any, **kwargs: Any) -> Any:
@@ -140,8 +144,14 @@ def jit(
     """
     if f is None:
         return functools.partial(jit, donate=donate, static_leaves=static_leaves, **jax_jit_options)
-    jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
-    return jitted if donate is None else _alias_checked(f, jitted, _donated(f, donate))
+    if donate is None:
+        return unchecked_jit(f, static_leaves=static_leaves, **jax_jit_options)
+    nums, names = _donated(f, donate)
+    if static_leaves or jax_jit_options or not nums or min(nums) < 0:
+        jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
+    else:  # a training loop's step: over flat leaves, its results passed back without flattening
+        jitted = flat_jit(explain_control_flow(f), donate=nums, tree_options={"donate_argnames": names})
+    return _alias_checked(f, jitted, (nums, names))
 
 
 def unchecked_jit(
@@ -163,7 +173,7 @@ def unchecked_jit(
         jax_jit_options.setdefault("keep_unused", True)
     if static_leaves:
         return _static_leaves_jit(f, jax_jit_options)
-    return jax.jit(_explain_control_flow(f), **jax_jit_options)
+    return jax.jit(explain_control_flow(f), **jax_jit_options)
 
 
 # --- leaves JAX cannot trace, made static -----------------------------------------------
@@ -233,7 +243,7 @@ def _static_leaves_jit(f: Callable[..., Any], options: dict[str, Any]) -> Callab
     def inner(*args: Any, **kwargs: Any) -> Any:
         return _hide(f(*_show(args), **_show(kwargs)))
 
-    jitted = jax.jit(_explain_control_flow(inner), **options)
+    jitted = jax.jit(explain_control_flow(inner), **options)
 
     @functools.wraps(f)
     def call(*args: Any, **kwargs: Any) -> Any:

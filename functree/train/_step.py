@@ -499,10 +499,12 @@ class TrainStep:
 
     def _scan_program(self, model: Any) -> Any:
         """The program of several steps per call (any leading size; one trace per size)."""
-        if self._scanned is None:
-            static = has_untraceable_leaves(model)
-            self._scanned = unchecked_jit(self._scanned_logged, donate=(0, 1, 4) if self._donate else (4,),
-                                          static_leaves=static)
+        if self._scanned is None:  # as _program: over flat leaves unless Equinox needs static ones
+            donate = (0, 1, 4) if self._donate else (4,)
+            if has_untraceable_leaves(model):
+                self._scanned = unchecked_jit(self._scanned_logged, donate=donate, static_leaves=True)
+            else:
+                self._scanned = flat_jit(explain_control_flow(self._scanned_logged), donate=donate, owned=(4,))
         return self._scanned
 
     def lower(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:

@@ -359,6 +359,8 @@ class Trainer:
         """The open buffer's steps (all dispatched) become a pending interval; the next
         buffer opens on device, carrying a stop (one dispatch, no wait)."""
         buffer, ctx = next_buffer(self._buffer["halt"], self._buffer["rows"], self.opt_state)
+        for x in jax.tree.leaves((self._buffer, ctx)):
+            x.copy_to_host_async()  # queued behind the interval's steps: done when it is read
         self._pending.append(Interval(self._buffer, ctx, self.steps_run - self._buffered + 1, self._buffered,
                                       self._inflight, log))
         self._buffer, self._buffered, self._inflight = buffer, 0, []

@@ -24,11 +24,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from functree._parameters import field_mask, select
+from functree._naming import check_patterns
+from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._hyper import inject
+from functree.optim._masked import masked
 
 __all__ = [
     "sgd",
@@ -64,7 +67,8 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
 
     A parameter is decayed unless its layer declares the field ``ft.field(decay=False)``
     (every bias, and every scale and offset of a normalisation layer in ``ft.nn``) or its
-    dotted name matches a glob in ``exclude``.
+    dotted name matches a glob in ``exclude``. An ``exclude`` naming members of a Stack
+    (``"h.0.*"``) gives that leaf a boolean member array.
 
     Example:
       >>> import functree as ft, jax
@@ -72,9 +76,19 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
       >>> {k: bool(v) for k, v in ft.to_flat_dict(ft.optim.decay_mask(ft.parameters(model), ())).items()}
       {'layers.0.weight': True, 'layers.0.bias': False, 'layers.1.scale': False, 'layers.1.offset': False}
     """
-    by_name = select(params, "*", exclude=tuple(exclude))
+    check_patterns(tuple(exclude))
+    by_name = selected(params, ("*",), tuple(exclude), strict=False)
     declared = field_mask(params, _no_decay)
-    return jax.tree.map(lambda m, d: None if m is None else bool(m) and not d, by_name, declared, is_leaf=is_none)
+    return jax.tree.map(_decayed_where, by_name, declared, is_leaf=is_none)
+
+
+def _decayed_where(by_name: Any, declared: Any) -> Any:
+    """A leaf of the decay mask: a bool, or a member array where ``exclude`` names members."""
+    if by_name is None:
+        return None
+    if isinstance(by_name, np.ndarray) and not declared:
+        return by_name
+    return bool(np.all(by_name)) and not declared
 
 
 def _decay_mask(exclude: Sequence[str]) -> Any:
@@ -340,7 +354,9 @@ def adamw(
     def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
         if weight_decay is None:
             return optax.adam(learning_rate, beta1, beta2, epsilon)
-        return optax.adamw(learning_rate, beta1, beta2, epsilon, weight_decay=weight_decay, mask=_decay_mask(exclude))
+        return optax.chain(optax.scale_by_adam(beta1, beta2, epsilon),  # optax.adamw, its state too
+                           masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
+                           optax.scale_by_learning_rate(learning_rate))
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
     hyper = _with_decay(hyper, weight_decay)
@@ -486,7 +502,9 @@ def lion(
     def factory(learning_rate: Any, beta1: Any, beta2: Any, weight_decay: Any = None) -> Any:
         if weight_decay is None:
             return optax.chain(optax.scale_by_lion(beta1, beta2), optax.scale_by_learning_rate(learning_rate))
-        return optax.lion(learning_rate, beta1, beta2, weight_decay=weight_decay, mask=_decay_mask(exclude))
+        return optax.chain(optax.scale_by_lion(beta1, beta2),  # optax.lion, its state too
+                           masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
+                           optax.scale_by_learning_rate(learning_rate))
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2}
     hyper = _with_decay(hyper, weight_decay)

@@ -31,6 +31,19 @@ selects those members: ``h.2.*`` (member 2), ``h.[0-1].*`` (members 0 and 1),
 for a leaf partly selected, a boolean NumPy array over the stack axes (shape ``(n,)``,
 ``(n1, n2)`` for nested stacks) with ``True`` at the selected members.
 
+**Layer patterns.** Consumers that pick layers rather than leaves (``layouts=`` of the
+torch converters) use the same globs on a layer's dotted name (``h.0.attn``): a pattern
+picks a layer when it matches its name or a dotted prefix of it (``blocks.*``, ``*.attn``,
+``blocks``), :func:`matches`.
+
+**Rename patterns** (the torch converters' ``rename=``): the one second form, for
+rewriting a name rather than selecting one. ``*`` matches exactly one name part (any
+characters but ``.``; ``layer_*`` matches ``layer_3``), every other character only
+itself (``?`` and ``[`` too); the pattern matches a name's first whole dotted parts,
+and what each ``*`` matched fills the replacement's ``*`` in order: ``transformer.h.*`` →
+``blocks.*`` renames ``transformer.h.3.attn.weight`` to ``blocks.3.attn.weight``
+(:func:`rename_pattern`, :func:`fill_stars`).
+
 **Errors.** A pattern that selects nothing raises naming the closest names; a member
 index past a stack's end (``h.7.*`` for 4 members) raises naming the stack's length.
 
@@ -62,8 +75,8 @@ import numpy as np
 from functree._tree import bounded_put, cached, dotted_name, is_none
 
 __all__ = [
-    "LeafInfo", "leaf_infos", "names", "member_names", "matches", "selection", "closest",
-    "check_patterns", "member_rule_names", "NothingSelected", "is_tied", "resolve_alias", "tie_targets", "untransform",
+    "LeafInfo", "leaf_infos", "names", "member_names", "matches", "rename_pattern", "fill_stars", "selection",
+    "closest", "check_patterns", "member_rule_names", "NothingSelected", "is_tied", "resolve_alias", "tie_targets", "untransform",
 ]
 
 SELECTS_NOTHING = """\
@@ -267,6 +280,39 @@ def match_kind(name: str, pattern: str, *, anywhere: bool = False) -> str | None
         if fnmatch.fnmatchcase(candidate, pattern) or fnmatch.fnmatchcase("." + candidate, pattern):
             return "direct" if direct else "suffix"
     return None
+
+
+def rename_pattern(pattern: str) -> Callable[[str], tuple[tuple[str, ...], str] | None]:
+    """A rename pattern (module docstring: ``*`` is one name part, a match is a whole-part
+    prefix) as a function of a name: what each ``*`` matched and the rest of the name
+    after the matched prefix (its leading ``.`` dropped), or None where it does not match.
+
+    Example:
+      >>> from functree._naming import rename_pattern
+      >>> rename_pattern("transformer.h.*")("transformer.h.3.attn.weight")
+      (('3',), 'attn.weight')
+      >>> rename_pattern("transformer.h.*")("transformer.head.weight") is None
+      True
+    """
+    compiled = re.compile("^" + "([^.]*)".join(re.escape(part) for part in pattern.split("*")) + r"(?=\.|$)")
+
+    def match(name: str) -> tuple[tuple[str, ...], str] | None:
+        found = compiled.match(name)
+        return None if found is None else (found.groups(), name[found.end():].lstrip("."))
+
+    return match
+
+
+def fill_stars(pattern: str, parts: Sequence[str]) -> str:
+    """``pattern`` with its ``*`` replaced by ``parts`` in order (as many as it has ``*``).
+
+    Example:
+      >>> from functree._naming import fill_stars
+      >>> fill_stars("blocks.*", ("3",))
+      'blocks.3'
+    """
+    pieces = pattern.split("*")
+    return "".join(p + q for p, q in zip(pieces, (*parts, ""), strict=True))
 
 
 def _leaf_names(info: LeafInfo) -> tuple[str, ...]:

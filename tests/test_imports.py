@@ -169,3 +169,16 @@ def test_cycle_finder_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _path(graph, "a", ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+def test_only_the_naming_module_matches_names_with_globs():
+    """Issue 21: one naming layer. Every pattern over parameter names goes through
+    ``functree/_naming.py``; no other module imports ``fnmatch`` to glob names itself."""
+    def external(module: str) -> set[str]:
+        tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        return {a.name.split(".")[0] for n in nodes if isinstance(n, ast.Import) for a in n.names} | {
+            n.module.split(".")[0] for n in nodes if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+
+    globbing = sorted(m for m in MODULES if "fnmatch" in external(m))
+    assert globbing == ["functree._naming"]

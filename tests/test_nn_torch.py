@@ -6,10 +6,16 @@ eval mode with an atol of 1e-5 times the outputs' magnitude: float32 rounding of
 sums in two libraries' kernels (measured spreads up to ~1e-6 of the magnitude).
 """
 
+import tempfile
+from typing import Any
+
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
+from hypothesis import example, given, settings
 
 import functree as ft
 
@@ -538,3 +544,74 @@ def test_a_layer_used_twice_is_one_tie_under_both_torch_names():
     only_decoder = {k: v for k, v in torch_model.state_dict().items() if k.startswith("decoder")}
     loaded = ft.nn.load_torch_state_dict(model, only_decoder)
     np.testing.assert_array_equal(loaded.model.encoder.weight, torch_model.encoder.weight.detach().numpy().T)
+
+
+# ------------------------------------------------------------------ the naming property
+class Pair(ft.Module):
+    """A user Module holding two layers (torch: a module with two submodules ``a``, ``b``)."""
+
+    a: Any
+    b: Any
+
+
+def layer_specs():
+    """Small models as specs: Dense, LayerNorm, and Stack / Sequential / user Module of them."""
+    def nest(children):
+        return st.one_of(st.tuples(st.just("stack"), st.integers(1, 3), children),
+                         st.tuples(st.just("seq"), st.lists(children, min_size=1, max_size=2)),
+                         st.tuples(st.just("pair"), children, children))
+
+    return st.recursive(st.sampled_from([("dense",), ("norm",)]), nest, max_leaves=4)
+
+
+def from_spec(spec, d, key):
+    """The model of ``spec`` and its names: ``[(to_flat_dict name, torch name, transposed)]``,
+    written out here by hand (torch's conventions), not by the naming module."""
+    kind = spec[0]
+    if kind == "dense":
+        return ft.nn.Dense(d, d, key=key), [("weight", "weight", True), ("bias", "bias", False)]
+    if kind == "norm":
+        return ft.nn.LayerNorm(d), [("scale", "weight", False), ("offset", "bias", False)]
+    if kind == "stack":
+        _, n, inner = spec
+        names = from_spec(inner, d, key)[1]
+        stack = ft.nn.Stack(lambda k: from_spec(inner, d, k)[0], n, key=key)
+        return stack, [(f"{i}.{f}", f"{i}.{t}", tr) for i in range(n) for f, t, tr in names]
+    if kind == "seq":
+        built = [from_spec(s, d, k) for s, k in zip(spec[1], jax.random.split(key, len(spec[1])))]
+        return ft.nn.Sequential(*(m for m, _ in built)), [
+            (f"layers.{j}.{f}", f"{j}.{t}", tr) for j, (_, names) in enumerate(built) for f, t, tr in names]
+    (a, names_a), (b, names_b) = (from_spec(s, d, k) for s, k in zip(spec[1:], jax.random.split(key)))
+    return Pair(a, b), [(f"a.{f}", f"a.{t}", tr) for f, t, tr in names_a] + [
+        (f"b.{f}", f"b.{t}", tr) for f, t, tr in names_b]
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(layer_specs(), st.integers(1, 3))
+@example(("stack", 2, ("pair", ("dense",), ("seq", [("norm",), ("dense",)]))), 2)  # members with structure
+@example(("pair", ("seq", [("stack", 2, ("seq", [("dense",)]))]), ("norm",)), 1)
+def test_every_name_maps_to_its_torch_name_and_loads_back_bit_for_bit(spec, d):
+    """Every name of ``to_flat_dict(model, unstack=True)`` is the name of ``ft.get``, ``ft.set``,
+    ``ft.select`` and a checkpoint, and maps to its torch name; torch's state dict loads back
+    into a fresh model bit for bit."""
+    model, names = from_spec(spec, d, K[1])
+    model = build(lambda: model)  # random values in every leaf (LayerNorm's too)
+    flat = ft.to_flat_dict(model, unstack=True)
+    assert list(flat) == [f for f, _, _ in names]
+    sd = ft.nn.torch_state_dict(model, numpy=True)
+    assert sorted(sd) == sorted(t for _, t, _ in names)
+    with tempfile.TemporaryDirectory() as directory:
+        ft.train.save(f"{directory}/ck", model)
+        restored = ft.to_flat_dict(ft.train.load(f"{directory}/ck", jax.tree.map(jnp.zeros_like, model)), unstack=True)
+    for f, t, transposed in names:
+        np.testing.assert_array_equal(ft.get(model, f), flat[f])
+        np.testing.assert_array_equal(restored[f], flat[f])
+        np.testing.assert_array_equal(sd[t], flat[f].T if transposed else flat[f])
+        changed = ft.to_flat_dict(ft.set(model, f, flat[f] + 1), unstack=True)
+        assert [k for k in flat if not np.array_equal(changed[k], flat[k])] == [f]
+        assert [k for k, v in ft.to_flat_dict(ft.select(model, f), unstack=True).items() if v] == [f]
+    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), ft.nn.torch_state_dict(model))
+    assert jax.tree.structure(back) == jax.tree.structure(model)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)

@@ -46,10 +46,8 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._naming import fill_stars, matches, rename_pattern
 from functree._stacked import is_stacked
 from functree._state_dict import FlatDictReport, _to_numpy, from_flat_dict, to_flat_dict
 from functree._tree import dotted_name
@@ -96,7 +95,8 @@ arrays in torch's layout pass numpy=True."""
 
 LAYOUT_UNUSED = """\
 ft.nn: layouts= patterns {patterns} match no Dense or MultiheadAttention layer of the model. \
-Patterns (fnmatch) are matched against the model's torch names and key paths, after rename=: \
+Patterns (ft's globs: a pattern picks a layer whose name or a dotted prefix of it it matches) \
+are matched against the model's torch names and key paths, after rename=: \
 {names}
 
     right:  layouts={{"h.*.attn": "conv1d"}}"""
@@ -324,7 +324,7 @@ class _Options:
     def layout(self, ft: str, torch: str) -> Any:
         self.layered.append((torch, ft))
         for pattern, layout in self.layouts.items():
-            if fnmatch.fnmatchcase(torch, pattern) or fnmatch.fnmatchcase(ft, pattern):
+            if matches(torch, pattern) or matches(ft, pattern):
                 self.used.add(pattern)
                 return layout
         return None
@@ -429,7 +429,7 @@ def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
 
     A mapping renames prefixes (whole dotted parts), the longest first, one rename per
     name; ``*`` in a prefix matches one name part (``h.*``: ``h.0``) and each ``*`` of the
-    other side takes what it matched, in order.
+    other side takes what it matched, in order (``_naming``'s rename patterns).
     """
     if rename is None:
         return lambda name: name
@@ -440,29 +440,17 @@ def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
             raise ValueError(RENAME_STARS.format(old=old, new=new))
     pairs = [(t, m) if to_model else (m, t) for t, m in rename.items()]
     pairs.sort(key=lambda pair: -len(pair[0]))
-    compiled = [(_prefix_pattern(old), new) for old, new in pairs if old]
+    compiled = [(rename_pattern(old), new) for old, new in pairs if old]
     strip = next((new for old, new in pairs if not old), None)
 
     def renamed(name: str) -> str:
         for pattern, new in compiled:
-            found = pattern.match(name)
-            if found:
-                head = _filled(new, found.groups())
-                return _join(head, name[found.end():].lstrip("."))
+            found = pattern(name)
+            if found is not None:
+                return _join(fill_stars(new, found[0]), found[1])
         return name if strip is None else _join(strip, name)
 
     return renamed
-
-
-def _filled(pattern: str, parts: Sequence[str]) -> str:
-    """``pattern`` with its ``*`` replaced by ``parts`` in order."""
-    pieces = pattern.split("*")
-    return "".join(p + q for p, q in zip(pieces, (*parts, ""), strict=True))
-
-
-def _prefix_pattern(old: str) -> re.Pattern[str]:
-    """``old`` (``*``: one name part) as a regex matching a name's first whole dotted parts."""
-    return re.compile("^" + "([^.]*)".join(re.escape(part) for part in old.split("*")) + r"(?=\.|$)")
 
 
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
@@ -527,8 +515,9 @@ def load_torch_state_dict(
     ``rename`` maps torch name prefixes onto the model's, ``{"backbone.features":
     "encoder"}`` (longest first; ``{"module": ""}`` strips DataParallel's prefix; ``*``
     matches one name part, ``{"transformer.h.*.ln_1": "blocks.*.norm"}``; one rename per name), or is a function of the
-    torch name. ``layouts`` maps name patterns (``fnmatch``, on the model's torch names or
-    key paths) to other torch layouts: ``"conv1d"`` for Hugging Face's ``Conv1D``
+    torch name (rename patterns of ``functree._naming``). ``layouts`` maps name patterns
+    (ft's globs on the model's torch names or key paths: a pattern picks a layer whose
+    name or a dotted prefix of it it matches) to other torch layouts: ``"conv1d"`` for Hugging Face's ``Conv1D``
     (``Dense`` weight stored ``[in, out]``; a ``MultiheadAttention`` as GPT-2's fused
     ``c_attn`` and ``c_proj``), or four names for a ``MultiheadAttention`` held as
     separate ``Linear`` layers, ``("q_proj", "k_proj", "v_proj", "o_proj")``.

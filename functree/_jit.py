@@ -14,6 +14,10 @@ Two things cost Python work, and only where asked for or needed:
   arguments that are not its previous call's outputs (a training loop passes those
   back): it then warns (:class:`ft.AliasWarning`, naming both key paths) and copies the
   repeated leaf. A call on its own outputs costs one Python frame and identity checks.
+
+``ft.jit(f)`` re-wrapped at every call (``ft.jit(f)(x)`` in a loop) compiles once, as
+``jax.jit(f)(x)`` does: the function JAX traces is made once per ``f`` (:func:`_traced`,
+held while ``f`` lives), so JAX's caches, keyed on it and the options, find it again.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import linecache
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,12 +89,15 @@ def _explain(template: str, error: Exception) -> str:
     return template.format(where=f" at {filename}:{lineno}", source=source, error=error)
 
 
-def _explain_control_flow(f: Callable[..., Any]) -> Callable[..., Any]:
-    # Runs at trace time only: steady-state calls never enter this wrapper.
+def _explain_control_flow(f: Callable[..., Any], fn: Callable[[], Any] | None = None) -> Callable[..., Any]:
+    # Runs at trace time only: steady-state calls never enter this wrapper. ``fn`` returns
+    # the function to call (a weak reference to ``f``, see _traced); default ``f`` itself.
+    call = (lambda: f) if fn is None else fn
+
     @functools.wraps(f)
     def traced(*args: Any, **kwargs: Any) -> Any:
         try:
-            return f(*args, **kwargs)
+            return call()(*args, **kwargs)
         except jax.errors.TracerBoolConversionError as e:
             error = ControlFlowError(_explain(TRACED_BOOL, e))
             raise error.with_traceback(e.__traceback__) from None
@@ -163,7 +171,60 @@ def unchecked_jit(
         jax_jit_options.setdefault("keep_unused", True)
     if static_leaves:
         return _static_leaves_jit(f, jax_jit_options)
-    return jax.jit(_explain_control_flow(f), **jax_jit_options)
+    return _keeping(jax.jit(_traced(f, static_leaves=False), **jax_jit_options), f)
+
+
+# --- one traced function per f: JAX's caches key on it ----------------------------------
+# f -> {static_leaves: the function jax.jit traces}. The values hold f weakly (a strong
+# reference from a value would keep its weak key alive forever); the jitted function
+# returned holds f (_keeping), so f lives as long as either is used.
+_TRACED: weakref.WeakKeyDictionary[Any, dict[bool, tuple[Any, Callable[..., Any]]]] = weakref.WeakKeyDictionary()
+
+
+def _traced(f: Callable[..., Any], *, static_leaves: bool) -> Callable[..., Any]:
+    """The function ``jax.jit`` traces for ``f``: the same object for the same ``f`` (so a
+    re-wrapped ``ft.jit(f)`` hits JAX's compilation cache), or a new one for a function
+    that cannot be weakly referenced or hashed (some builtins, a Module holding arrays)."""
+    try:
+        per_f = _TRACED.get(f)
+        if per_f is None:
+            per_f = _TRACED.setdefault(f, {})
+    except (TypeError, ValueError):  # no weak reference or no hash: no cache
+        return _make_traced(f, lambda: f, static_leaves)
+    found = per_f.get(static_leaves)
+    if found is not None and found[0]() is f:
+        return found[1]
+    ref = weakref.ref(f)
+    traced = _make_traced(f, ref, static_leaves)
+    if found is None:  # (an equal but distinct f keeps the first one's entry)
+        per_f[static_leaves] = (ref, traced)
+    return traced
+
+
+def _make_traced(f: Callable[..., Any], fn: Callable[[], Any], static_leaves: bool) -> Callable[..., Any]:
+    if static_leaves:
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            return _hide(fn()(*_show(args), **_show(kwargs)))
+
+        traced = _explain_control_flow(f, lambda: inner)
+    else:
+        traced = _explain_control_flow(f, fn)
+    # functools.wraps set __wrapped__ = f (a strong reference): keep its signature only.
+    del traced.__wrapped__  # type: ignore[attr-defined]
+    try:
+        traced.__signature__ = inspect.signature(f)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    return traced
+
+
+def _keeping(jitted: Any, f: Callable[..., Any]) -> Any:
+    """``jitted`` holding ``f`` (its traced function holds it weakly), as ``__wrapped__``."""
+    try:
+        jitted.__wrapped__ = f
+    except (AttributeError, TypeError):
+        pass
+    return jitted
 
 
 # --- leaves JAX cannot trace, made static -----------------------------------------------
@@ -229,11 +290,7 @@ def eval_shape(f: Callable[..., Any], *args: Any) -> Any:
 
 
 def _static_leaves_jit(f: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
-    @functools.wraps(f)
-    def inner(*args: Any, **kwargs: Any) -> Any:
-        return _hide(f(*_show(args), **_show(kwargs)))
-
-    jitted = jax.jit(_explain_control_flow(inner), **options)
+    jitted = _keeping(jax.jit(_traced(f, static_leaves=True), **options), f)
 
     @functools.wraps(f)
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -310,7 +310,10 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any])
         params = list(inspect.signature(f).parameters)
     except (TypeError, ValueError):
         params = []
-    what = f"The arguments of {getattr(f, '__name__', 'the function')}"
+    fname = getattr(f, "__name__", "f")
+    what = f"The arguments of {fname}"
+    step = f"ft.jit({fname}, donate={nums or names})"
+    no_donation = f"ft.jit({fname})    # without donate=: the inputs stay valid (more memory)"
 
     top = max(nums, default=-1)
 
@@ -321,14 +324,23 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any])
         else:  # the loop's common case, without building lists
             fresh = guard.fresh_in(args, nums)
         if fresh:
+            guard.check_donated(_named(args, kwargs, nums, names, params), what="The argument", step=step,
+                                no_donation=no_donation)
             pairs = warn_aliases((args, kwargs), what=what, rename=lambda n: _argument_name(n, params))
             args, kwargs = copy_aliases((args, kwargs), pairs)
         result = jitted(*args, **kwargs)
-        guard.remember(result)
+        guard.remember(result, args)
         return result
 
     _expose(call, jitted)
     return call
+
+
+def _named(args: tuple, kwargs: dict[str, Any], nums: tuple[int, ...], names: tuple[str, ...],
+           params: list[str]) -> list[tuple[str, Any]]:
+    """The donated arguments given, each with its name (``args[i]`` without a signature)."""
+    named = [(params[i] if i < len(params) else f"args[{i}]", args[i]) for i in nums if i < len(args)]
+    return named + [(n, kwargs[n]) for n in names if n in kwargs]
 
 
 def _argument_name(dotted: str, params: list[str]) -> str:

@@ -217,3 +217,21 @@ def test_rewrapped_jit_keeps_the_function_alive_and_releases_it():
     del jitted
     gc.collect()
     assert ref() is None  # and the cache does not
+
+
+def test_reusing_a_donated_argument_names_it_and_the_fix():
+    """XLA said only "INVALID_ARGUMENT ... Buffer has been deleted or donated"."""
+
+    def step(model: Any, state: jax.Array, x: float) -> Any:
+        return jax.tree.map(lambda w: w + x, model), state + 1
+
+    jitted = ft.jit(step, donate=(0, 1))
+    model, state = {"w": jnp.ones(2)}, jnp.zeros(())
+    new_model, new_state = jitted(model, state, 1.0)
+    with pytest.raises(ValueError, match="'model' holds a deleted array at w") as e:
+        jitted(model, new_state, 1.0)
+    assert "the previous call of ft.jit(step, donate=(0, 1)) (call 1)" in str(e.value)
+    assert "ft.jit(step)" in str(e.value) and "jax.tree.map(jnp.copy, model)" in str(e.value)
+    with pytest.raises(ValueError, match="'state' holds a deleted array"):
+        jitted(new_model, state=state, x=1.0)
+    np.testing.assert_array_equal(jitted(new_model, new_state, 1.0)[0]["w"], 3.0)

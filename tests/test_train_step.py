@@ -58,6 +58,23 @@ def test_donates_model_and_state_and_never_recompiles():
     assert step._compiled._cache_size() == 1
 
 
+def test_reusing_a_donated_model_names_the_argument_the_step_and_the_fix():
+    """XLA said only "INVALID_ARGUMENT ... Buffer has been deleted or donated"."""
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.01))
+    step = ft.train.train_step(mse, opt)
+    state = opt.init(model)
+    new_model, new_state, _ = step(model, state, batch)
+    with pytest.raises(ValueError, match="'model' holds a deleted array at weight") as e:
+        step(model, new_state, batch)
+    message = str(e.value)
+    assert "the previous call of the train step (call 1)" in message
+    assert "model, state, out = step(model, state, batch)" in message and "donate=False" in message
+    with pytest.raises(ValueError, match="'opt_state' holds a deleted array"):
+        step(new_model, state, batch)
+    new_model, new_state, _ = step(new_model, new_state, batch)  # the returned ones work
+
+
 def test_optax_transform_accepted_and_no_donation_option():
     model, batch = problem()
     step = ft.train.train_step(mse, optax.sgd(0.1), donate=False)

@@ -29,6 +29,7 @@ from functree.optim._aliases import (
     sgd,
 )
 from functree.optim._average import AverageState, averaged, ema, uniform_average
+from functree.optim._complex import RealPair
 from functree.optim._context import LearningContext, context, initial_context, next_sweep
 from functree.optim._groups import groups
 from functree.optim._hyper import (
@@ -92,6 +93,7 @@ __all__ = [
     "OptimizerState",
     "upgrade_state",
     "StepResult",
+    "RealPair",
     "SkipState",
     "LossScaleOptimizer",
     "LossScaleState",

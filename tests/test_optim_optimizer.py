@@ -303,3 +303,49 @@ def test_complex_moments_are_pairs_of_reals_and_real_models_are_untouched():
     np.testing.assert_allclose(nu["z"].imag, 0.001 * 8.0**2, rtol=0, atol=1e-6)
     real = {"w": jnp.ones(2)}
     assert jax.tree.structure(fo.moments(fo.Optimizer(fo.adam()).init(real))["nu"]) == jax.tree.structure(real)
+
+
+def _rosenbrock(p):
+    x = p["x"]
+    return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+
+
+def _optax_lbfgs(fn, params, steps):
+    """optax's documented loop: value_and_grad_from_state, then update(value=, grad=, value_fn=)."""
+    with jax.numpy_dtype_promotion("standard"):
+        tx, value_and_grad = optax.lbfgs(), optax.value_and_grad_from_state(fn)
+
+        @jax.jit
+        def step(p, s):
+            value, grad = value_and_grad(p, state=s)
+            updates, s = tx.update(grad, s, p, value=value, grad=grad, value_fn=fn)
+            return optax.apply_updates(p, updates), s
+
+        state = tx.init(params)
+        for _ in range(steps):
+            params, state = step(params, state)
+    return params
+
+
+def test_lbfgs_through_minimize_and_update_equals_optax_loop():
+    """ft.optim.Optimizer(optax.lbfgs()) raised optax's "missing ... 'value', 'grad', and
+    'value_fn'" in minimize, and Optimizer.update rejected those keywords."""
+    start = {"x": jnp.array([-1.2, 1.0, -0.5, 0.8])}
+    expected = _optax_lbfgs(_rosenbrock, start, 10)
+    opt = fo.Optimizer(optax.lbfgs())
+    step = jax.jit(lambda p, s: opt.minimize(_rosenbrock, p, s))
+    p, state = start, opt.init(start)
+
+    @jax.jit
+    def by_update(q, s):  # the keywords given by hand: value_fn takes the model, as loss_fn
+        value, grads = ft.value_with_gradient(_rosenbrock, at=q)
+        updates, s = opt.update(grads, s, q, value=value, value_fn=_rosenbrock)
+        return ft.move(q, along=updates), s
+
+    q, state_q = start, opt.init(start)
+    for _ in range(10):
+        p, state, _ = step(p, state)
+        q, state_q = by_update(q, state_q)
+    np.testing.assert_allclose(p["x"], expected["x"], rtol=0, atol=1e-6)  # |x| ≤ 1.2
+    np.testing.assert_allclose(q["x"], expected["x"], rtol=0, atol=1e-6)
+    assert float(_rosenbrock(expected)) < float(_rosenbrock(start)) / 10

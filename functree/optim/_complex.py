@@ -81,7 +81,11 @@ def real_pairs(transform: Any) -> optax.GradientTransformationExtraArgs:
             extra["grad"] = as_pairs(extra["grad"])
         if extra.get("value_fn") is not None:
             value_fn = extra["value_fn"]
-            extra["value_fn"] = lambda p, *a, **k: value_fn(from_pairs(p), *a, **k)
+
+            def on_pairs(params: Any, context: Any = None) -> Any:  # the Optimizer's value_fn
+                return value_fn(from_pairs(params), context=context)
+
+            extra["value_fn"] = on_pairs
         new, state = inner.update(as_pairs(updates), state, as_pairs(params), **extra)
         return from_pairs(new), state
 

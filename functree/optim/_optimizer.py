@@ -541,7 +541,10 @@ def extra_arguments(extra: dict[str, Any], grads: Any, model: Any) -> dict[str, 
     extra = dict(extra)
     value_fn = extra.get("value_fn")
     if value_fn is not None and model is not None:
-        extra["value_fn"] = lambda params, *a, **k: value_fn(with_parameters(model, params), *a, **k)
+        def on_view(params: Any, context: Any = None) -> Any:  # optax's line search passes on
+            return value_fn(with_parameters(model, params))    # the extra arguments it knows
+
+        extra["value_fn"] = on_view
     if "grad" in extra:
         extra["grad"] = descent_direction(extra["grad"])
     elif "value" in extra or "value_fn" in extra:

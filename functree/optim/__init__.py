@@ -14,6 +14,7 @@ jitted step::
 
 from functree._tree import all_finite
 from functree.optim._aliases import (
+    DECLARED,
     DEFAULT_NO_DECAY,
     adadelta,
     adagrad,
@@ -86,6 +87,7 @@ __all__ = [
     "lion",
     "moments",
     "DEFAULT_NO_DECAY",
+    "DECLARED",
     "decay_mask",
     # Optimizer and hooks
     "Optimizer",

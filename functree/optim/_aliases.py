@@ -43,12 +43,18 @@ __all__ = [
     "lion",
     "moments",
     "DEFAULT_NO_DECAY",
+    "DECLARED",
     "decay_mask",
 ]
 
-DEFAULT_NO_DECAY = ("*.bias", "*.scale")
-"""Name globs that weight decay skips by default, besides the fields layers declare
-``ft.field(decay=False)`` (every bias and normalisation scale/offset of ``ft.nn``)."""
+DECLARED = "<declared>"
+"""In an ``exclude`` list: the fields layers declare ``ft.field(decay=False)`` (every bias
+and normalisation scale/offset of ``ft.nn``), wherever they are in the model."""
+
+DEFAULT_NO_DECAY = (DECLARED, "*.bias", "*.scale")
+"""What weight decay skips by default: the declared fields (:data:`DECLARED`) and the name
+globs ``*.bias`` and ``*.scale``. An ``exclude=`` given replaces it: ``exclude=()`` decays
+every parameter, as torch; ``exclude=(*ft.optim.DEFAULT_NO_DECAY, "head.*")`` adds to it."""
 
 BAD_MOMENTUM_FORM = """\
 momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu) or "unit_gain" (v = γ'v + ηg, w -= v).{extra}
@@ -62,17 +68,26 @@ def _no_decay(f: Any) -> bool:
 def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
     """Which parameters weight decay applies to: a tree of bools shaped like ``params``.
 
-    A parameter is decayed unless its layer declares the field ``ft.field(decay=False)``
-    (every bias, and every scale and offset of a normalisation layer in ``ft.nn``) or its
-    dotted name matches a glob in ``exclude``.
+    A parameter is decayed unless its dotted name matches a glob in ``exclude`` or, when
+    ``exclude`` holds :data:`DECLARED` (the default :data:`DEFAULT_NO_DECAY` does), its
+    layer declares the field ``ft.field(decay=False)`` (every bias, and every scale and
+    offset of a normalisation layer in ``ft.nn``). ``exclude=()`` decays everything.
 
     Example:
       >>> import functree as ft, jax
       >>> model = ft.nn.Sequential([ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.LayerNorm(2)])
-      >>> {k: bool(v) for k, v in ft.to_flat_dict(ft.optim.decay_mask(ft.parameters(model), ())).items()}
+      >>> mask = lambda exclude: {k: bool(v) for k, v in ft.to_flat_dict(
+      ...     ft.optim.decay_mask(ft.parameters(model), exclude)).items()}
+      >>> mask((ft.optim.DECLARED,))
       {'layers.0.weight': True, 'layers.0.bias': False, 'layers.1.scale': False, 'layers.1.offset': False}
+      >>> mask(())
+      {'layers.0.weight': True, 'layers.0.bias': True, 'layers.1.scale': True, 'layers.1.offset': True}
     """
-    by_name = select(params, "*", exclude=tuple(exclude))
+    exclude = tuple(exclude)
+    globs = tuple(e for e in exclude if e != DECLARED)
+    by_name = select(params, "*", exclude=globs)
+    if DECLARED not in exclude:
+        return by_name
     declared = field_mask(params, _no_decay)
     return jax.tree.map(lambda m, d: None if m is None else bool(m) and not d, by_name, declared, is_leaf=is_none)
 
@@ -325,8 +340,10 @@ def adamw(
 
         w ← w − η (m̂ / (√v̂ + ε) + λ w)     (λ w only where the name matches no ``exclude``)
 
-    ``exclude`` are globs over dotted parameter names; by default biases and
-    normalization scales are not decayed (``exclude=()`` decays everything, as torch).
+    ``exclude`` (see :func:`decay_mask`): by default :data:`DEFAULT_NO_DECAY`, the fields
+    layers declare ``ft.field(decay=False)`` (biases, normalisation scales and offsets)
+    and the globs ``*.bias``, ``*.scale``. ``exclude=()`` decays everything, as torch's
+    AdamW; ``exclude=(ft.optim.DECLARED, "head.*")`` skips the declared fields and ``head``.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -471,7 +488,7 @@ def lion(
     *,
     exclude: Sequence[str] = DEFAULT_NO_DECAY,
 ) -> optax.GradientTransformationExtraArgs:
-    """Lion (optax.lion; Chen et al. 2023), decoupled weight decay with ``exclude`` masks::
+    """Lion (optax.lion; Chen et al. 2023), decoupled weight decay with ``exclude`` masks (as :func:`adamw`)::
 
         w ← w − η (sign(β₁ m + (1 − β₁) g) + λ w);   m ← β₂ m + (1 − β₂) g
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from functree._tree import dotted_name
 
@@ -124,7 +125,7 @@ class DonationGuard:
       False
     """
 
-    __slots__ = ("_last", "_given", "calls")
+    __slots__ = ("_given", "_last", "calls")
 
     def __init__(self) -> None:
         self._last: tuple[Any, ...] = ()
@@ -173,7 +174,7 @@ class DonationGuard:
 
 
 def _deleted(x: Any) -> bool:
-    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+    return isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
 
 
 def _deleted_leaf(tree: Any) -> str | None:

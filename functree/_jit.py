@@ -22,6 +22,7 @@ held while ``f`` lives), so JAX's caches, keyed on it and the options, find it a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import linecache
@@ -211,19 +212,15 @@ def _make_traced(f: Callable[..., Any], fn: Callable[[], Any], static_leaves: bo
         traced = _explain_control_flow(f, fn)
     # functools.wraps set __wrapped__ = f (a strong reference): keep its signature only.
     del traced.__wrapped__  # type: ignore[attr-defined]
-    try:
+    with contextlib.suppress(TypeError, ValueError):  # no signature (some builtins)
         traced.__signature__ = inspect.signature(f)  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        pass
     return traced
 
 
 def _keeping(jitted: Any, f: Callable[..., Any]) -> Any:
     """``jitted`` holding ``f`` (its traced function holds it weakly), as ``__wrapped__``."""
-    try:
+    with contextlib.suppress(AttributeError, TypeError):
         jitted.__wrapped__ = f
-    except (AttributeError, TypeError):
-        pass
     return jitted
 
 

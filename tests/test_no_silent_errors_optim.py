@@ -77,9 +77,9 @@ def test_item07_optax_lookahead_model_is_refused():
     on .fast) through the Optimizer: the slow weights never moved."""
     params = {"w": jnp.ones(2)}
     model = optax.LookaheadParams(params, jax.tree.map(jnp.copy, params))
-    with pytest.raises(ValueError, match="ft.optim.lookahead"):
+    with pytest.raises(ValueError, match=r"ft\.optim\.lookahead"):
         ft.optim.Optimizer(optax.lookahead(optax.sgd(0.1), 2, 0.5)).init(model)
-    with pytest.raises(TypeError, match="ft.optim.lookahead in its place"):
+    with pytest.raises(TypeError, match=r"ft\.optim\.lookahead in its place"):
         ft.optim.Optimizer(optax.chain(optax.clip(1.0), optax.lookahead(optax.sgd(0.1), 2, 0.5)))
 
 

@@ -105,7 +105,7 @@ def test_optax_lookahead_params_model_is_refused_naming_ft_lookahead():
     Optimizer/Trainer the slow weights never moved (an unused-parameter warning was all)."""
     model = optax.LookaheadParams(PARAMS, jax.tree.map(jnp.copy, PARAMS))
     for tx in (optax.lookahead(optax.adam(1e-2), 5, 0.5), ft.optim.lookahead(optax.adam(1e-2), 5, 0.5)):
-        with pytest.raises(ValueError, match="optax.LookaheadParams") as e:
+        with pytest.raises(ValueError, match=r"optax\.LookaheadParams") as e:
             ft.optim.Optimizer(tx).init(model)
         assert "ft.optim.Optimizer(ft.optim.lookahead(" in str(e.value)
         with pytest.raises(ValueError, match="its slow half would never move"):
@@ -118,7 +118,7 @@ def test_optax_lookahead_params_model_is_refused_naming_ft_lookahead():
     lambda: ft.optim.groups({"*": optax.lookahead(optax.adam(1e-2), 5, 0.5)}),
 ])
 def test_raw_optax_lookahead_nested_in_a_transform_is_refused(make):
-    with pytest.raises(TypeError, match="ft.optim.lookahead in its place") as e:
+    with pytest.raises(TypeError, match=r"ft\.optim\.lookahead in its place") as e:
         ft.optim.Optimizer(make())
     assert "optax.chain(optax.clip(1.0), ft.optim.lookahead(" in str(e.value)
 

@@ -15,6 +15,12 @@ non-parameters)::
 
     grads = ft.gradient(loss, at=model, wrt="layers.1")
     updates, state = tx.update(grads, state, model)     # updates.layers[0].weight is None
+
+Complex parameters: through an :class:`ft.optim.Optimizer` (which conjugates
+``ft.gradient``'s gradients and trains each complex leaf as a pair of reals) every
+optimizer here gives torch.optim's numbers. Used as a plain optax transformation it
+follows optax: give it conjugated gradients (``jnp.conj(grad)``), and the Adam family's
+second moment is ``|g|²`` per complex element.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ import optax
 
 from functree._alias import copy_aliases
 from functree._module import Module
-from functree._parameters import with_parameters
 from functree._operators import value_with_gradient
+from functree._parameters import with_parameters
 from functree._tangent import move
 from functree.nn._state import apply_state, collect_state
 from functree.optim._average import with_average

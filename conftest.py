@@ -17,8 +17,17 @@ order (another batch split or device count, another CPU's instruction set) diffe
 
 import jax
 import pytest
+from hypothesis import settings
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# Property tests draw the same examples on every machine: "ci" derives each test's draws
+# from the test itself and keeps no example database (a failure found on one machine is not
+# replayed there alone). `--hypothesis-profile=explore` draws fresh random examples, ten
+# times as many (tests/_hypothesis.py), for finding new failures; each becomes an @example.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None)
+settings.register_profile("explore", derandomize=False, deadline=None)
+settings.load_profile("ci")
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ nested parameters; differential operators carry the Swift proposal's names.
     >>> import functree as ft
 """
 
+import sys
+
 from functree import losses, nn, optim, parallel, train
 from functree._alias import AliasWarning
 from functree._config import config
@@ -19,6 +21,7 @@ from functree._derivative import (
 from functree._diagnostics import (
     DiagnosticReport,
     NonDifferentiableWarning,
+    UncoveredDerivativeError,
     UnusedParameterWarning,
     ZeroDerivativeWarning,
     diagnose,
@@ -66,6 +69,17 @@ from functree._tangent import (
     zero_tangent_vector_initializer,
 )
 from functree.parallel import cast, partition_specs, shard
+from functree.train._registry import register_packages
+from functree.train._step import DataParallelEvalStep, DataParallelStep
+
+# Checkpoints name functree's public classes: the registry (below the subpackages) is
+# handed their namespaces once they are all imported.
+register_packages(sys.modules[__name__], nn, optim, train, losses)
+del register_packages, sys
+# The older names of the mesh steps, where they were first documented (functree.parallel
+# sits below functree.train and does not import it).
+parallel.DataParallelStep, parallel.DataParallelEvalStep = DataParallelStep, DataParallelEvalStep
+del DataParallelStep, DataParallelEvalStep
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it; CHANGELOG.md names each release
 
@@ -128,6 +142,7 @@ __all__ = [
     "DifferentiationWarning",
     "NonDifferentiableFieldWarning",
     "ZeroDerivativeWarning",
+    "UncoveredDerivativeError",
     "NonDifferentiableWarning",
     "UnusedParameterWarning",
     "AliasWarning",

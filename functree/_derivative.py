@@ -5,13 +5,17 @@ derivatives (``withoutDerivative(at:)``) and recomputation in pullbacks (checkpo
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from functree import _operators
+from functree import _diagnostics, _operators
+from functree._diagnostics import UncoveredDerivativeError
 from functree._parameters import is_parameter_leaf, parameters
 from functree._tree import is_none
 
@@ -37,6 +41,28 @@ The derivative registered for {fn} must return a pair (value, {closure}); it ret
     def d_{fn}(x):
         y = {fn}(x)
         return y, lambda v: v * ...   # the {closure}"""
+
+
+UNCOVERED_ARGUMENT = """\
+{fn} is differentiated with respect to {what}, which its registered {mode}-mode \
+derivative does not cover (registered with wrt={wrt}): the derivative there would \
+silently be zero. Swift makes this an error; so does functree.
+Register a derivative that covers it, differentiate only what is covered, or mark the \
+zero as intended:
+
+    wrong:  @ft.derivative(of={fn}, wrt={wrt})     # and {name} is differentiated
+    right:  @ft.derivative(of={fn}, wrt={suggest})  # the {closure} covers {name} too
+       or:  ft.gradient(f, wrt=...)                  # differentiate only covered arguments
+       or:  {fn}(..., ft.without_derivative(at={name}), ...)   # an intentional zero"""
+
+UNCOVERED_KEY_PATH = """\
+The pullback registered for {fn} returned None for {what}, which is being \
+differentiated: the derivative there would silently be zero.
+Return its cotangent (zeros, if the zero is intended):
+
+    wrong:  return y, lambda v: (..., None)                   # None at {name}
+    right:  return y, lambda v: (..., jnp.zeros_like({name}))  # an intentional zero
+       or:  return y, lambda v: (..., <the cotangent of {name}>)"""
 
 
 class DifferentiableFunction:
@@ -70,14 +96,14 @@ class DifferentiableFunction:
         if self.reverse is None and self.forward is None:
             return self.fn(*args, **kwargs)
         fn = functools.partial(self.fn, **kwargs) if kwargs else self.fn
-        if self.reverse is not None:
-            deriv, wrt = self.reverse
-            bound = functools.partial(deriv, **kwargs) if kwargs else deriv
-            return _with_pullback(fn, bound, wrt, args)
-        assert self.forward is not None
-        deriv, wrt = self.forward
+        # With both rules, forward-mode operators use the forward rule, all else the reverse.
+        use_forward = self.forward is not None and (
+            self.reverse is None or _operators.in_forward_mode()
+        )
+        deriv, wrt = self.forward if use_forward else self.reverse  # type: ignore[misc]
         bound = functools.partial(deriv, **kwargs) if kwargs else deriv
-        return _with_differential(fn, bound, wrt, args)
+        call = _Call(self.fn, bound, wrt, args, fn)
+        return call.with_differential() if use_forward else call.with_pullback()
 
 
 def differentiable(fn: Callable[..., Any]) -> DifferentiableFunction:
@@ -130,6 +156,13 @@ def derivative(
 
     A reverse-mode derivative keeps the pullback's residuals (no recomputation). A forward
     derivative also serves reverse mode, by transposition, when the differential is linear.
+    With both registered, forward-mode operators (``ft.differential``,
+    ``ft.jacobian(mode="forward")``, ``ft.derivative``, ``ft.hessian``) use the forward rule
+    and every other transformation the reverse rule.
+
+    The rule covers the ``wrt`` arguments only (Swift's rule): differentiating with respect
+    to another argument, or to a parameter the pullback returns ``None`` for, is an
+    :class:`UncoveredDerivativeError` naming it and the fix, never a silent zero.
 
     Example (seed 002's ``@derivative(of: expf)``):
       >>> import functree as ft, jax.numpy as jnp
@@ -181,85 +214,179 @@ def _is_data(x: Any) -> bool:
     )
 
 
-def _split_static(
-    fn: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None, args: tuple
-) -> tuple[Callable[..., Any], Callable[..., Any], tuple[int, ...], tuple, Callable[[int], int | None]]:
-    """Bind arguments that are not arrays (a string flag, a callable) as constants.
+def _is_primal(x: Any) -> bool:
+    return isinstance(x, CustomVJPPrimal)
 
-    Returns the function and derivative of the array arguments only, the differentiated
-    positions among them (``wrt``, by default every argument that carries floats), the
-    array arguments, and a map from an original position to its new one (None if bound).
+
+def _is_symbolic_zero(x: Any) -> bool:
+    return isinstance(x, SymbolicZero)
+
+
+def _instantiate(t: Any) -> Any:
+    """A symbolic zero (JAX's "not differentiated") as the zeros it stands for."""
+    if not isinstance(t, SymbolicZero):
+        return t
+    aval: Any = t.aval  # a ShapedArray
+    if aval.dtype == jax.dtypes.float0:
+        return np.zeros(aval.shape, jax.dtypes.float0)
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
+def _parameter_flags(x: Any) -> list[bool]:
+    """For each leaf of ``x`` (flattened as JAX does), whether it is a parameter."""
+    return [p is not None for p in jax.tree.leaves(parameters(x), is_leaf=is_none)]
+
+
+class _Call:
+    """One call of a function carrying a custom derivative, as JAX sees it.
+
+    Arguments that are not arrays (a string flag, a callable) are bound as constants; the
+    rest are the *dynamic* arguments JAX differentiates. ``wrt`` (original positions) are
+    the arguments the registered derivative covers, by default every one carrying floats.
+
+    Differentiating with respect to an argument (or key path) the rule does not cover is
+    an :class:`UncoveredDerivativeError`, found at trace time from JAX's own record of
+    what is differentiated (``perturbed`` primals in reverse mode, symbolic-zero tangents in
+    forward mode): never a silent zero, and no work on values.
     """
-    dynamic = [i for i, a in enumerate(args) if _is_data(a)]
-    position = {i: k for k, i in enumerate(dynamic)}
-    if wrt is None:
-        wrt = tuple(i for i in dynamic if jax.tree.leaves(parameters(args[i])))
-    if len(dynamic) == len(args):
-        return fn, deriv, wrt, args, position.get
 
-    def full(dyn: tuple) -> list[Any]:
-        out = list(args)
-        for i, value in zip(dynamic, dyn):
-            out[i] = value
-        return out
+    def __init__(
+        self, original: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None,
+        args: tuple, fn: Callable[..., Any],
+    ):
+        self.original, self.registered = original, wrt
+        self.dynamic = [i for i, a in enumerate(args) if _is_data(a)]
+        if wrt is None:
+            wrt = tuple(i for i in self.dynamic if jax.tree.leaves(parameters(args[i])))
+        position = {i: k for k, i in enumerate(self.dynamic)}
+        self.covered = [position[i] for i in wrt if i in position]  # in wrt's order
+        self.wrt = wrt
+        self.dyn_args = tuple(args[i] for i in self.dynamic)
+        if len(self.dynamic) == len(args):
+            self.fn, self.deriv = fn, deriv
+        else:
 
-    return (
-        lambda *dyn: fn(*full(dyn)),
-        lambda *dyn: deriv(*full(dyn)),
-        wrt,
-        tuple(args[i] for i in dynamic),
-        position.get,
-    )
+            def full(dyn: tuple) -> list[Any]:
+                out = list(args)
+                for i, value in zip(self.dynamic, dyn):
+                    out[i] = value
+                return out
 
+            self.fn = lambda *dyn: fn(*full(dyn))
+            self.deriv = lambda *dyn: deriv(*full(dyn))
 
-def _with_pullback(
-    fn: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None, args: tuple
-) -> Any:
-    fn, deriv, indices, dyn_args, new_position = _split_static(fn, deriv, wrt, args)
-    pullback_of_call: list[Callable[..., Any]] = []
-    custom = jax.custom_vjp(fn)
+    # -- errors
 
-    def fwd(*primals: Any) -> Any:
-        value, pb = _split(deriv(*primals), fn, "pullback")
-        # Turn the pullback closure into a function of explicit residual arrays, so the
-        # forward pass is not recomputed in the backward pass.
-        converted, residuals = jax.closure_convert(pb, value)
-        pullback_of_call.append(converted)
-        return value, residuals
+    def _name(self, i: int) -> str:
+        try:
+            return list(inspect.signature(self.original).parameters)[i]
+        except (TypeError, ValueError, IndexError):
+            return f"args[{i}]"
 
-    def bwd(residuals: Any, cotangent: Any) -> tuple:
-        cts = _as_tuple(pullback_of_call[-1](cotangent, *residuals), len(indices))
-        out: list[Any] = [None] * len(dyn_args)
-        for i, ct in zip(indices, cts):
-            k = new_position(i)
-            if k is not None:
+    def _what(self, i: int, path: str = "") -> str:
+        return f"argument {i} (`{self._name(i)}`)" + (f" at {path}" if path else "")
+
+    def _uncovered(self, k: int, mode: str) -> UncoveredDerivativeError:
+        i = self.dynamic[k]
+        fn = getattr(self.original, "__name__", "f")
+        registered = self.registered if self.registered is not None else self.wrt
+        shown = registered[0] if len(registered) == 1 else registered
+        suggest = tuple(sorted({*registered, i}))
+        message = UNCOVERED_ARGUMENT.format(
+            fn=fn, what=self._what(i), mode=mode, wrt=shown, suggest=suggest, name=self._name(i),
+            closure="pullback" if mode == "reverse" else "differential",
+        )
+        return UncoveredDerivativeError(message, self._what(i))
+
+    def _none_returned(self, k: int, path: str) -> UncoveredDerivativeError:
+        i = self.dynamic[k]
+        fn = getattr(self.original, "__name__", "f")
+        name = self._name(i) + path
+        message = UNCOVERED_KEY_PATH.format(fn=fn, what=self._what(i, path), name=name)
+        return UncoveredDerivativeError(message, self._what(i, path))
+
+    # -- reverse mode
+
+    def with_pullback(self) -> Any:
+        pullback_of_call: list[tuple[Callable[..., Any], list[list[bool]]]] = []
+        custom = jax.custom_vjp(self.fn)
+
+        def fwd(*primals: Any) -> Any:
+            values = jax.tree.map(lambda p: p.value, primals, is_leaf=_is_primal)
+            perturbed = [
+                [p.perturbed for p in jax.tree.leaves(arg, is_leaf=_is_primal)] for arg in primals
+            ]
+            for k, (value, flags) in enumerate(zip(values, perturbed)):
+                if k not in self.covered and any(
+                    f and p for f, p in zip(flags, _parameter_flags(value))
+                ):
+                    raise self._uncovered(k, "reverse")
+            value, pb = _split(self.deriv(*values), self.fn, "pullback")
+            # Turn the pullback closure into a function of explicit residual arrays, so the
+            # forward pass is not recomputed in the backward pass.
+            converted, residuals = jax.closure_convert(pb, value)
+            live = [
+                [f and p for f, p in zip(flags, _parameter_flags(v))]
+                for v, flags in zip(values, perturbed)
+            ]
+            pullback_of_call.append((converted, live))
+            return value, residuals
+
+        def bwd(residuals: Any, cotangent: Any) -> tuple:
+            converted, live = pullback_of_call[-1]
+            cotangent = jax.tree.map(_instantiate, cotangent, is_leaf=_is_symbolic_zero)
+            cts = _as_tuple(converted(cotangent, *residuals), len(self.wrt))
+            out: list[Any] = [None] * len(self.dyn_args)
+            for k, ct in zip(self.covered, cts):
+                self._check_returned(k, ct, live[k])
                 out[k] = ct
-        return tuple(out)
+            return tuple(out)
 
-    custom.defvjp(fwd, bwd)
-    return custom(*dyn_args)
+        custom.defvjp(fwd, bwd, symbolic_zeros=True)
+        return custom(*self.dyn_args)
+
+    def _check_returned(self, k: int, ct: Any, live: list[bool]) -> None:
+        """A pullback's ``None`` where a parameter is differentiated is an error."""
+        if not any(live):
+            return
+        if ct is None:
+            raise self._none_returned(k, "")
+        with_paths, _ = jax.tree_util.tree_flatten_with_path(ct, is_leaf=is_none)
+        if len(with_paths) != len(live):
+            return  # another structure: JAX's own check names the mismatch
+        for (path, leaf), differentiated in zip(with_paths, live):
+            if leaf is None and differentiated:
+                raise self._none_returned(k, jax.tree_util.keystr(path))
+
+    # -- forward mode
+
+    def with_differential(self) -> Any:
+        custom = jax.custom_jvp(self.fn)
+
+        def jvp(primals: tuple, tangents: tuple) -> tuple:
+            for k, (primal, tangent) in enumerate(zip(primals, tangents)):
+                if k not in self.covered and any(
+                    p and not _is_symbolic_zero(t)
+                    for p, t in zip(
+                        _parameter_flags(primal), jax.tree.leaves(tangent, is_leaf=_is_symbolic_zero)
+                    )
+                ):
+                    raise self._uncovered(k, "forward")
+            value, df = _split(self.deriv(*primals), self.fn, "differential")
+            chosen = [
+                _tangent_view(primals[k], jax.tree.map(_instantiate, tangents[k], is_leaf=_is_symbolic_zero))
+                for k in self.covered
+            ]
+            return value, df(*chosen)
+
+        custom.defjvp(jvp, symbolic_zeros=True)
+        return custom(*self.dyn_args)
 
 
 def _tangent_view(primal: Any, tangent: Any) -> Any:
     """JAX's tangent for an argument, reduced to its parameter view (None elsewhere)."""
     view = parameters(primal)
     return jax.tree.map(lambda p, t: None if p is None else t, view, tangent, is_leaf=is_none)
-
-
-def _with_differential(
-    fn: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None, args: tuple
-) -> Any:
-    fn, deriv, indices, dyn_args, new_position = _split_static(fn, deriv, wrt, args)
-    chosen_positions = [k for k in map(new_position, indices) if k is not None]
-    custom = jax.custom_jvp(fn)
-
-    def jvp(primals: tuple, tangents: tuple) -> tuple:
-        value, df = _split(deriv(*primals), fn, "differential")
-        chosen = [_tangent_view(primals[k], tangents[k]) for k in chosen_positions]
-        return value, df(*chosen)
-
-    custom.defjvp(jvp)
-    return custom(*dyn_args)
 
 
 def without_derivative(at: Any) -> Any:
@@ -272,8 +399,6 @@ def without_derivative(at: Any) -> Any:
       >>> ft.gradient(lambda x: x * ft.without_derivative(at=x), at=3.0)
       Array(3., dtype=float32, weak_type=True)
     """
-    from functree import _diagnostics  # local: only this function of the module uses it
-
     # The named scope marks the stop_gradient in the jaxpr as intentional; a constant (no
     # tracer, so no equation) is reported to the analysis directly.
     _diagnostics.note_without_derivative(at)

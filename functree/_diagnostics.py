@@ -35,9 +35,7 @@ import functools
 import html
 import inspect
 import json
-import os
 import re
-import sysconfig
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -45,17 +43,21 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.core
-import jaxlib
 import numpy as np
 from jax.extend import core as jcore
 
 from functree._config import config
 from functree._module import DifferentiationWarning, Module
+from functree._nan import nan_report
 from functree._parameters import parameters
 from functree._plan import Plan
+from functree._source import function_name as _fn_name
+from functree._source import is_user_file as _is_user_file
+from functree._source import unwrap as _unwrap
 from functree._tree import CACHE_LIMIT, bounded_put, dotted_name
 
 __all__ = [
+    "UncoveredDerivativeError",
     "ZeroDerivativeWarning",
     "NonDifferentiableWarning",
     "UnusedParameterWarning",
@@ -239,23 +241,6 @@ def _not_zero(s: _State) -> _State:
 def _only_cut(s: _State) -> _State:
     """A dependence through a discrete choice (a branch index, a loop's predicate)."""
     return _State(0, s.cut | s.active, 0, 0, s.origins, False)
-
-
-# Source directories that are never the user's line: JAX, jaxlib and the standard library
-# (whose site-packages, where user code can live, is not excluded).
-_LIBRARIES = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (jax, jaxlib))
-_STDLIB = os.path.join(sysconfig.get_path("stdlib"), "")
-_SITE = tuple({os.path.join(sysconfig.get_path(k), "") for k in ("purelib", "platlib")})
-_USER_FILES: dict[str, bool] = {}
-
-
-def _is_user_file(name: str) -> bool:
-    user = _USER_FILES.get(name)
-    if user is None:
-        stdlib = name.startswith(_STDLIB) and not name.startswith(_SITE)
-        user = not (stdlib or name.startswith(_LIBRARIES))
-        bounded_put(_USER_FILES, name, user)
-    return user
 
 
 def _where(eqn: Any) -> tuple[str, int]:
@@ -508,26 +493,6 @@ class DiagnosticReport:
 
 
 _REGISTRY: dict[Any, Any] = {}
-
-
-def _fn_name(f: Any) -> str:
-    f = _unwrap(f)
-    return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or type(f).__name__
-
-
-def _unwrap(f: Any) -> Any:
-    for _ in range(8):
-        if isinstance(f, functools.partial):
-            f = f.func
-        elif inspect.ismethod(f):
-            f = f.__func__
-        elif getattr(f, "__wrapped__", None) is not None:
-            f = f.__wrapped__
-        elif getattr(f, "fn", None) is not None and callable(f.fn):
-            f = f.fn  # ft.DifferentiableFunction
-        else:
-            break
-    return f
 
 
 def _location(f: Any) -> tuple[str, int]:
@@ -916,6 +881,40 @@ def check(kind: str, fn: Any, g: Any, plan: Plan) -> None:
         finding.emit()
 
 
+class UncoveredDerivativeError(TypeError):
+    """Differentiation with respect to an argument (or key path) that the registered custom
+    derivative does not cover (Swift: an error). ``where`` names the argument or key path."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
+
+
+def _zero_cotangent(y: Any) -> Any:
+    dtype = jax.dtypes.float0 if not _is_inexact(y) else y.dtype
+    return np.zeros(y.shape, dtype) if dtype == jax.dtypes.float0 else jax.numpy.zeros(y.shape, dtype)
+
+
+def _uncovered_derivative(f: Any, plan: Plan, has_aux: bool) -> Finding | None:
+    """A custom derivative that does not cover what is differentiated (the operators raise
+    it), found by differentiating ``f`` abstractly (``jax.eval_shape``: no arithmetic)."""
+    g = plan.wrap()
+
+    def pulled_back(*primals: Any) -> Any:
+        out = jax.vjp(g, *primals, has_aux=has_aux)
+        return out[1](jax.tree.map(_zero_cotangent, out[0]))
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jax.eval_shape(pulled_back, *plan.primals)
+    except UncoveredDerivativeError as e:
+        return Finding(ZeroDerivativeWarning, str(e), *_location(f), (e.where,))
+    except Exception:  # any other failure is the operators' to report
+        return None
+    return None
+
+
 def diagnose(
     f: Callable[..., Any], at: Any = inspect.Parameter.empty, *, wrt: Any = 0, has_aux: bool = False,
     nan: bool = False,
@@ -945,10 +944,12 @@ def diagnose(
     def run(*args: Any, **kwargs: Any) -> Any:
         fn = functools.partial(f, **kwargs) if kwargs else f
         if nan:
-            from functree._nan import nan_report  # functree._nan builds on this module
-
             return nan_report(fn, args, wrt=wrt, has_aux=has_aux)
         plan = Plan("diagnose", fn, args, wrt)
-        return _run(fn, plan.wrap(), plan, first_output_only=has_aux, strict=True)
+        report = _run(fn, plan.wrap(), plan, first_output_only=has_aux, strict=True)
+        uncovered = _uncovered_derivative(fn, plan, has_aux)
+        if uncovered is None:
+            return report
+        return dataclasses.replace(report, findings=(*report.findings, uncovered))
 
     return run if at is inspect.Parameter.empty else run(at)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from functree import _activations
+
 __all__ = ["JNP_FUNCTIONS", "JNP_SCALAR_TYPES", "builtin_functions", "builtin_name", "function", "ByName"]
 
 # Pure elementwise jax.numpy functions allowed as static values (e.g. in Lambda layers).
@@ -44,8 +46,6 @@ _names: dict[int, str] = {}  # id(function) -> its first public name
 def _load() -> None:
     import jax
     import jax.numpy as jnp
-
-    from functree.nn import _activations
 
     table: dict[str, Any] = {}
     for name in dir(jax.nn):

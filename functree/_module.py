@@ -41,6 +41,7 @@ import numpy as np
 
 from functree import _functions
 from functree._labels import label_aware
+from functree._repr import module_html, module_repr
 
 __all__ = [
     "Module",
@@ -384,16 +385,12 @@ class Module:
         return from_fields(cls, values)
 
     def __repr__(self) -> str:
-        from functree._display import module_repr
-
         return module_repr(self)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(repr(self))
 
     def _repr_html_(self) -> str:
-        from functree._display import module_html
-
         return module_html(self)
 
 

@@ -44,17 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from functree._diagnostics import _fn_name, _is_user_file
 from functree._plan import Plan
+from functree._source import function_name as _fn_name
+from functree._source import is_user_file as _is_user_file
 from functree._tree import dotted_name, is_none
 
-__all__ = ["NaNReport", "nan_report", "provenance_for_step"]
+__all__ = ["NaNReport", "nan_report", "provenance_text"]
 
-ANALYSIS_FAILED = "the provenance analysis failed ({error}); the step's failure stands"
-FINITE_AGAIN = ("run again eagerly, step {step}'s loss and gradient are finite (a failure "
-                "of the compiled program only, or of a nondeterministic one)")
-LATER_MODEL = ("analysed with the model after {count} later step(s): the model before a "
-               "skipped step is not kept")
 CONSTANT_LOSS = "the loss is a non-finite constant: it is computed from no argument"
 _FUNCTREE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Calls whose body runs once with the call's operands: entered forward and backward.
@@ -657,61 +653,6 @@ def nan_report(f: Callable[..., Any], args: tuple, *, wrt: Any = 0, has_aux: boo
 
 def _order(origin: Any) -> int:
     return origin.order
-
-
-def provenance_for_step(loss_fn: Callable[..., Any], model: Any, batch: Any, key: Any = None,
-                        *, has_aux: bool | None = None) -> NaNReport | None:
-    """Where a training step's loss or gradient turned non-finite, or None if it did not.
-
-    Runs :func:`nan_report` on ``loss_fn(model, batch)`` (``loss_fn(model, batch, key=key)``
-    with a key: the step's folded key) with respect to the model's parameters, with layer
-    state collected as the step does (``ft.nn.collect_state``). ``has_aux`` None reads the
-    loss function's result: a pair is ``(loss, aux)``. Never raises: a failure of the
-    analysis is reported in the returned report's ``note``.
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> loss_fn = lambda m, b: jnp.mean(jnp.log(m["w"] * b))
-      >>> provenance_for_step(loss_fn, {"w": jnp.ones(1)}, jnp.zeros(2)).primitive
-      'log'
-    """
-    from functree.nn import collect_state
-
-    @functools.wraps(loss_fn)  # its name and its arguments' names for the report
-    def loss(m: Any, b: Any, k: Any) -> Any:  # layer state recorded as the step records it
-        out, _ = collect_state(lambda mm: loss_fn(mm, b) if k is None else loss_fn(mm, b, key=k), m)
-        return out
-
-    function = _fn_name(loss_fn)
-    try:
-        if has_aux is None:
-            shape = jax.eval_shape(loss, model, batch, key)
-            has_aux = isinstance(shape, tuple) and len(shape) == 2
-        report = nan_report(loss, (model, batch, key), has_aux=has_aux)
-        return None if report.ok else dataclasses.replace(report, function=function)
-    except Exception as e:  # diagnostics after a failure must never hide the failure
-        return NaNReport(function, "unknown", note=ANALYSIS_FAILED.format(error=f"{type(e).__name__}: {e}"))
-
-
-def step_report(loss_fn: Callable[..., Any], model: Any, batch: Any, key: Any, step: int,
-                applied_after: int = 0) -> NaNReport:
-    """The provenance of training step ``step`` (1-based), run again on its inputs: ``model``
-    is the one before the step, or one ``applied_after`` steps later (said in the note when
-    the step was skipped and training went on). Runs only after a failure.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> loss_fn = lambda m, b: jnp.sum(jnp.log(m["w"] * b))
-      >>> step_report(loss_fn, {"w": jnp.ones(2)}, jnp.zeros(2), None, step=3).step
-      3
-    """
-    report = provenance_for_step(loss_fn, model, batch, key)
-    if report is None:
-        return NaNReport(_fn_name(loss_fn), "unknown", step=step, note=FINITE_AGAIN.format(step=step))
-    note = report.note
-    if applied_after and not report.note:
-        note = LATER_MODEL.format(count=applied_after)
-    return dataclasses.replace(report, step=step, note=note)
 
 
 def provenance_text(report: NaNReport | None) -> str:

@@ -24,18 +24,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from functree import _diagnostics
 from functree._parameters import is_parameter_leaf
 from functree._plan import Plan
 from functree._plan import fn_name as _fn_name
+from functree._tangent import Advice, check_tangent
+from functree._tree import is_none
 
 __all__ = [
     "gradient",
@@ -82,6 +86,82 @@ mode is 'reverse' or 'forward', got {mode!r}.
 
     right:  ft.jacobian(f, at=x, mode="forward")   # columns from differentials
 """
+
+
+class _Mode(threading.local):
+    forward: int = 0  # how many forward-mode operators are tracing (nested calls count)
+
+
+_MODE = _Mode()
+
+
+def _jax_flag() -> Any:
+    """A ``jax.make_user_context`` flag: part of the keys of JAX's trace caches.
+
+    The mode changes the program traced (a function registered with both rules is a
+    ``custom_jvp`` in forward mode, a ``custom_vjp`` otherwise), so ``jax.jit`` and the
+    control-flow primitives must not reuse a trace of the other mode. ``None`` on a JAX
+    without it (the thread-local count still decides; a cache could then reuse the other
+    mode's trace).
+    """
+    make = getattr(jax, "make_user_context", None)
+    return None if make is None else make(default_value=False)
+
+
+_FLAG = _jax_flag()
+
+
+@contextlib.contextmanager
+def _forward_mode() -> Iterator[None]:
+    """While a forward-mode operator traces: functions registered with both a reverse and a
+    forward rule use the forward one (JAX's forward mode cannot use a pullback)."""
+    _MODE.forward += 1
+    try:
+        with _FLAG(True) if _FLAG is not None else contextlib.nullcontext():
+            yield
+    finally:
+        _MODE.forward -= 1
+
+
+def in_forward_mode() -> bool:
+    """Whether a forward-mode operator (differential, jacobian(mode="forward"), derivative,
+    hessian) is tracing on this thread."""
+    return _MODE.forward > 0
+
+
+_DIFFERENTIAL = Advice(
+    effect="the differential takes no tangent there.",
+    wrong="df(jax.tree.map(jnp.ones_like, model))   # a value at every leaf",
+    right="df(jax.tree.map(jnp.ones_like, ft.zero_tangent_vector(model)))   # None at non-parameters",
+)
+
+
+_PULLBACK = Advice(
+    effect="the pullback takes no cotangent there (its derivative is not taken).",
+    wrong="pb(jax.tree.map(jnp.ones_like, y))   # y holds a no_derivative field",
+    right="pb(jax.tree.map(jnp.ones_like, ft.parameters(y)))   # None at non-parameters",
+)
+
+
+def _zeros_for(y: Any) -> Any:
+    """JAX's zero cotangent for a result leaf: float0 zeros for an integer or bool one."""
+    if is_parameter_leaf(y):
+        return jnp.zeros(jnp.shape(y), jnp.result_type(y))
+    return np.zeros(jnp.shape(y), jax.dtypes.float0)
+
+
+def _result_cotangent(what: str, value: Any, cotangent: Any) -> Any:
+    """The cotangent JAX's pullback takes, from one shaped like the result's parameter view.
+
+    A cotangent is a tangent of the result: a value at one of its non-parameters is refused
+    like any tangent's (:func:`ft.check_tangent`); ``None`` there becomes JAX's zero.
+    """
+    check_tangent(what, cotangent, value, advice=_PULLBACK, allow_float0=True)
+    if jax.tree.structure(cotangent) == jax.tree.structure(value):
+        return cotangent  # no None left to fill: the common case, one flatten each
+    return jax.tree.map(
+        lambda c, y: _zeros_for(y) if c is None else c, cotangent, value, is_leaf=is_none
+    )
 
 
 def _calls_reverse_only(g: Callable[..., Any], primals: Sequence[Any]) -> bool:
@@ -244,7 +324,7 @@ def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) 
     out = jax.vjp(g, *plan.primals, has_aux=has_aux)
 
     def pullback_fn(cotangent: Any) -> Any:
-        return plan.result(out[1](cotangent))
+        return plan.result(out[1](_result_cotangent(f"ft.{op}", out[0], cotangent)))
 
     return (out[0], pullback_fn, *out[2:])  # out[2:] is (aux,) when has_aux
 
@@ -288,13 +368,17 @@ def value_with_differential(
 def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
-    _diagnostics.check("differential", fn, g, plan)
-    with _explain_reverse_only(op, fn, g, plan.primals):
-        out = jax.linearize(g, *plan.primals, has_aux=has_aux)
+    with _forward_mode():
+        _diagnostics.check("differential", fn, g, plan)
+        with _explain_reverse_only(op, fn, g, plan.primals):
+            out = jax.linearize(g, *plan.primals, has_aux=has_aux)
 
     def differential_fn(tangent: Any) -> Any:
-        with _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here, not above
-            return out[1](*plan.split_input(tangent))
+        tangents = plan.split_input(tangent)
+        for t, view, i in zip(tangents, plan.primals, plan.indices):
+            check_tangent(f"ft.{op}", t, plan.args[i], view, advice=_DIFFERENTIAL, structure=True)
+        with _forward_mode(), _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here
+            return out[1](*tangents)
 
     return (out[0], differential_fn, *out[2:])  # out[2:] is (aux,) when has_aux
 
@@ -355,12 +439,14 @@ def jacobian(
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         plan = Plan("jacobian", fn, args, wrt)
         g = plan.wrap()
-        if not has_aux:  # with aux, the analysis cannot tell the result from the aux
-            _diagnostics.check("pullback", fn, g, plan)
-        if mode == "reverse":
-            return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
-        with _explain_reverse_only("jacobian", fn, g, plan.primals):
-            return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+        forward = mode == "forward"
+        with _forward_mode() if forward else contextlib.nullcontext():
+            if not has_aux:  # with aux, the analysis cannot tell the result from the aux
+                _diagnostics.check("pullback", fn, g, plan)
+            if not forward:
+                return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+            with _explain_reverse_only("jacobian", fn, g, plan.primals):
+                return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
 
     return _operator("jacobian", f, at, impl)
 
@@ -378,7 +464,8 @@ def hessian(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         plan = Plan("hessian", fn, args, wrt)
         g = plan.wrap(_check_scalar("ft.hessian", fn, False))
-        _diagnostics.check("gradient", fn, g, plan)
-        return jax.hessian(g, argnums=plan.argnums)(*plan.primals)
+        with _forward_mode():  # forward over reverse
+            _diagnostics.check("gradient", fn, g, plan)
+            return jax.hessian(g, argnums=plan.argnums)(*plan.primals)
 
     return _operator("hessian", f, at, impl)

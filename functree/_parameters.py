@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import NO_DERIVATIVE, Module, field_kind, from_fields
-from functree._paths import KeyPath
+from functree._paths import KeyPath, children
 from functree._tree import bounded_put, dotted_name, is_none
 
 __all__ = [
@@ -208,8 +208,6 @@ def _node_signature(x: Any, none_is_leaf: bool) -> Any:
 
 def first_difference(a: Any, b: Any, *, none_is_leaf: bool = False) -> tuple[KeyPath, str] | None:
     """The first key path where two trees' structures differ, with a description."""
-    from functree._paths import children
-
     def describe(x: Any) -> str:
         sig = _node_signature(x, none_is_leaf)
         return "a leaf" if sig == "leaf" else "None" if x is None else f"{type(x).__name__} {sig}"

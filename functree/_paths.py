@@ -84,6 +84,13 @@ LEAF_MISMATCH = """\
 ft.set({path}): the value there is {expected}, so it takes {accepts}; given {given}.
     right:  ft.set(tree, {quoted}, {fix})"""
 
+STATIC_FIELD = """\
+ft.set({path}): {field!r} is a static field of {cls} (ft.field(static=True)): part of the \
+model's structure, which key paths read but do not write (Swift's `let`; \
+ft.recursively_all_writable_key_paths leaves it out). Build the module anew with it:
+    wrong:  ft.set(model, {quoted}, value)
+    right:  {fix}"""
+
 
 class Entry(NamedTuple):
     kind: str  # ATTR, INDEX or KEY
@@ -172,13 +179,59 @@ class KeyPath(tuple):
         return tree
 
     def set(self, tree: Any, value: Any) -> Any:
-        """A new tree with ``value`` at this path (shape and dtype checked)."""
+        """A new tree with ``value`` at this path (shape and dtype checked; a static
+        field refuses, see :func:`set`)."""
         return _set(tree, self, 0, value)
+
+
+# Members of a stacked node (ft.nn.Stack): key paths through a member index, which JAX
+# never sees (functree._stacked).
+
+OUT_OF_RANGE = """\
+Key path {path}: member {index} does not exist; the {cls} holds {n} members (0 to {last}, \
+or -{n} to -1 from the end).
+    wrong:  ft.get(model, {wrong!r})
+    right:  ft.get(model, {right!r})"""
+
+
+def check_member_index(node: Any, index: int, where: Any = ()) -> int:
+    """``index`` as a member number in ``range(len(node))`` (negative counts from the end);
+    ``where`` is the key path of ``node``, for the error."""
+    n = len(node)
+    if not isinstance(index, int) or isinstance(index, bool) or not -n <= index < n:
+        prefix = KeyPath(where).name
+        dotted = (prefix + "." if prefix else "")
+        raise IndexError(OUT_OF_RANGE.format(path=f"{KeyPath(where)}[{index}]".replace("<root>", ""), index=index,
+                                             cls=type(node).__name__, n=n, last=n - 1,
+                                             wrong=f"{dotted}{index}", right=f"{dotted}{n - 1}"))
+    return index % n
+
+
+def stack_member(node: Any, index: int, where: Any = ()) -> Any:
+    """Member ``index`` of the stacked ``node`` (an ``ft.nn.Stack``) (``where`` is its key path, for the error)."""
+    return node._member(check_member_index(node, index, where))
+
+
+def with_stack_member(node: Any, index: int, value: Any, where: Any = ()) -> Any:
+    """A copy of the stacked ``node`` with member ``index`` replaced by ``value``."""
+    return node._with_member(check_member_index(node, index, where), value)
+
+
+def stack_member_children(node: Any, rest: str, where: Any = ()) -> list[tuple[Any, Any]]:
+    """``[(Entry(INDEX, i), member i)]`` when the dotted name ``rest`` starts with a member
+    number ``i`` of the stacked ``node``; ``[]`` otherwise (only that member is sliced)."""
+    if not _stacked.is_stacked(node):
+        return []
+    head = rest.split(".", 1)[0]
+    if not head.isdigit():
+        return []
+    index = int(head)
+    return [(Entry(INDEX, index), stack_member(node, index, where))]
 
 
 def _child(node: Any, entry: Entry, prefix: KeyPath) -> Any:
     if entry.kind == INDEX and _stacked.is_stacked(node):  # a member of an ft.nn.Stack
-        return _stacked.member(node, entry.key, prefix)
+        return stack_member(node, entry.key, prefix)
     try:
         if isinstance(node, Module):
             if entry.kind == ATTR and entry.key in type(node).__ft_field_set__:
@@ -322,10 +375,12 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
     if depth == len(path):
         return _check_leaf(path, tree, value)
     entry = path[depth]
+    if isinstance(tree, Module) and entry.kind == ATTR and entry.key in type(tree).__ft_static__:
+        raise ValueError(_static_field(tree, path, depth))
     child = _child(tree, entry, KeyPath(path[:depth]))
     new_child = _set(child, path, depth + 1, value)
     if entry.kind == INDEX and _stacked.is_stacked(tree):
-        return _stacked.with_member(tree, entry.key, new_child, KeyPath(path[:depth]))
+        return with_stack_member(tree, entry.key, new_child, KeyPath(path[:depth]))
     if isinstance(tree, Module):
         return tree.replace(**{entry.key: new_child})
     if _is_namedtuple(tree):
@@ -342,6 +397,18 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
         out[entry.key] = new_child
         return out if type(tree) is dict else type(tree)(out)  # pyright: ignore[reportCallIssue]
     return _set_generic_child(tree, entry, new_child)
+
+
+def _static_field(module: Module, path: KeyPath, depth: int) -> str:
+    """The error of ``ft.set`` at or below the static field ``path[depth]`` of ``module``."""
+    field, owner = path[depth].key, KeyPath(path[:depth])
+    value = "value" if depth + 1 == len(path) else "..."
+    fix = f"model = model.replace({field}={value})"
+    if owner:
+        fix = f"model = ft.set(model, {_quoted(owner)}, ft.get(model, {_quoted(owner)}).replace({field}={value}))"
+    return STATIC_FIELD.format(
+        path=path, field=field, cls=type(module).__name__, quoted=_quoted(path), fix=fix
+    )
 
 
 def _set_generic_child(tree: Any, entry: Entry, new_child: Any) -> Any:
@@ -465,7 +532,10 @@ def check_acyclic(tree: Any) -> None:
         pass
 
 
-_ATOMS = frozenset({type(jnp.zeros(())), np.ndarray, float, int, bool, complex, str, type(None)})
+# Leaf types. JAX's array type joins on first sight (see _frozen_tree): building an array
+# here would start JAX's backend at `import functree` (then jax.distributed.initialize()
+# raises and XLA_FLAGS set after the import are ignored).
+_ATOMS = {np.ndarray, float, int, bool, complex, str, type(None)}
 _DATA: dict[type, Any] = {}  # Module class -> a function from its __dict__ to its data fields
 _CHECKED: dict[int, weakref.ref] = {}  # id -> the Module root whose tree is known acyclic
 
@@ -506,7 +576,9 @@ def _frozen_tree(tree: Any) -> bool:
             push(node)
         elif isinstance(node, tuple):  # a namedtuple
             push_all(node)
-        elif not isinstance(node, (jax.Array, np.generic)):
+        elif isinstance(node, (jax.Array, np.generic)):
+            _ATOMS.add(kind)  # a leaf type (JAX's array, a tracer, a NumPy scalar)
+        else:
             return False  # a list, a dict, another node: the full check
     return True
 
@@ -807,7 +879,7 @@ def _dotted_search(tree: Any, text: str) -> tuple[list[KeyPath], tuple[KeyPath, 
         path, node, rest = stack.pop()
         if len(path) > len(deepest[0]):
             deepest = (path, node, rest)
-        for entry, value in _named_children(node, rest) + _stacked.member_children(node, rest, path):
+        for entry, value in _named_children(node, rest) + stack_member_children(node, rest, path):
             name = entry.name
             if rest == name:
                 found.append(path + (entry,))
@@ -856,10 +928,14 @@ def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
 
     A string is read two ways: as a printed key path (``str(kp)``, which starts with ``.``
     or ``[``) and as a dotted flat-dict name (``kp.name``, the keys of
-    :func:`to_flat_dict`), resolved against ``tree``. When both readings name values in
-    ``tree`` and they differ (``{"['a']": x, "a": y}``) the string is ambiguous and this
-    raises instead of picking one; a string neither reading finds raises naming the
-    closest names. Without a tree (``tree=None``) a printed key path parses as is.
+    :func:`to_flat_dict`), resolved against ``tree``. A printed key path's keys are Python
+    literals in any quoting, as written in code: ``["a"]`` and ``['a']`` are the same path
+    (:meth:`KeyPath.parse` reads both; ``str(kp)`` prints the second). When the readings
+    name different values in ``tree`` (``{"a": x, '["a"]': y}``: ``'["a"]'`` prints
+    ``['a']`` and is the dotted name of the other key) the string is ambiguous and this
+    raises, naming both, instead of picking one; pass a :class:`KeyPath` then. A string
+    neither reading finds raises naming the closest names. Without a tree
+    (``tree=None``) a printed key path parses as is.
 
     Example:
       >>> import functree as ft
@@ -869,6 +945,11 @@ def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
       'layers.0.w'
       >>> ft.key_path({"a.b": 1.0}, "a.b")
       KeyPath("['a.b']")
+      >>> ft.key_path({"a": 1.0}, '["a"]')
+      KeyPath("['a']")
+      >>> ft.key_path({"a": 1.0, '["a"]': 2.0}, '["a"]')
+      Traceback (most recent call last):
+      ValueError: '["a"]' names 2 different values in this tree: ['a'] (dotted name 'a'), ...
     """
     if isinstance(path, KeyPath):
         return path
@@ -902,6 +983,10 @@ def get(tree: Any, path: KeyPath | str) -> Any:
 
 def set(tree: Any, path: KeyPath | str, value: Any) -> Any:  # noqa: A001 - Swift's name
     """A new tree with ``value`` at ``path``; shape and dtype must match the old value.
+
+    Only writable key paths take a value: a static field (``ft.field(static=True)``) is
+    part of the model's structure, and setting it (or anything under it) raises with the
+    fix, ``model.replace(activation=...)``, as assigning a Swift ``let`` is an error.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

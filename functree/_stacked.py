@@ -1,12 +1,13 @@
-"""Stacked members: addressing one member of an ``ft.nn.Stack`` by key path.
+"""Stacked trees: the members of an ``ft.nn.Stack``, as one block or one by one.
 
 A stacked node (``ft.nn.Stack``) holds ``n`` members of one structure as a single block
 whose every leaf has a leading axis of size ``n``. Its JAX children are the stacked
 leaves (``blocks.layers.up.weight``, shape ``(n, ...)``); key paths may also go through
 a member index (``blocks.3.up.weight``, shape ``(...)``), which JAX never sees:
 
-* :func:`member` / :func:`with_member`: ``_child`` and ``_set`` of ``ft.get``/``ft.set``;
-* :func:`member_children`: the member a dotted name's next part names (``ft.key_path``);
+* :func:`is_stacked`: whether a node is a stack (``functree._paths`` addresses one member
+  by key path: ``ft.get``/``ft.set``/``ft.key_path``, and imports this module, never the
+  reverse);
 * :func:`expand` / :func:`restack`: every stack as a tuple of its members and back
   (``ft.to_flat_dict(unstack=True)`` and ``ft.from_flat_dict`` of per-member names);
 * :func:`stack_depths`: how many leading stack axes each leaf has (sharding rules);
@@ -26,58 +27,11 @@ import jax.numpy as jnp
 
 from functree._tree import dotted_name
 
-__all__ = ["is_stacked", "member", "with_member", "member_children", "expand", "restack",
-           "stack_depths", "outermost", "wants_members"]
-
-OUT_OF_RANGE = """\
-Key path {path}: member {index} does not exist; the {cls} holds {n} members (0 to {last}, \
-or -{n} to -1 from the end).
-    wrong:  ft.get(model, {wrong!r})
-    right:  ft.get(model, {right!r})"""
-
+__all__ = ["is_stacked", "expand", "restack", "stack_depths", "outermost", "wants_members"]
 
 def is_stacked(x: Any) -> bool:
     """Whether ``x`` is a stacked node (an ``ft.nn.Stack``)."""
     return getattr(type(x), "__ft_stacked__", False) is True
-
-
-def check_index(node: Any, index: int, where: Any = ()) -> int:
-    """``index`` as a member number in ``range(len(node))`` (negative counts from the end);
-    ``where`` is the key path of ``node``, for the error."""
-    n = len(node)
-    if not isinstance(index, int) or isinstance(index, bool) or not -n <= index < n:
-        from functree._paths import KeyPath
-
-        prefix = KeyPath(where).name
-        dotted = (prefix + "." if prefix else "")
-        raise IndexError(OUT_OF_RANGE.format(path=f"{KeyPath(where)}[{index}]".replace("<root>", ""), index=index,
-                                             cls=type(node).__name__, n=n, last=n - 1,
-                                             wrong=f"{dotted}{index}", right=f"{dotted}{n - 1}"))
-    return index % n
-
-
-def member(node: Any, index: int, where: Any = ()) -> Any:
-    """Member ``index`` of the stacked ``node`` (``where`` is its key path, for the error)."""
-    return node._member(check_index(node, index, where))
-
-
-def with_member(node: Any, index: int, value: Any, where: Any = ()) -> Any:
-    """A copy of the stacked ``node`` with member ``index`` replaced by ``value``."""
-    return node._with_member(check_index(node, index, where), value)
-
-
-def member_children(node: Any, rest: str, where: Any = ()) -> list[tuple[Any, Any]]:
-    """``[(Entry(INDEX, i), member i)]`` when the dotted name ``rest`` starts with a member
-    number ``i`` of the stacked ``node``; ``[]`` otherwise (only that member is sliced)."""
-    if not is_stacked(node):
-        return []
-    head = rest.split(".", 1)[0]
-    if not head.isdigit():
-        return []
-    from functree._paths import INDEX, Entry
-
-    index = int(head)
-    return [(Entry(INDEX, index), member(node, index, where))]
 
 
 def _is_stack(x: Any) -> bool:

@@ -7,13 +7,21 @@ non-parameters). These functions are pure and jit-friendly.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from functree._parameters import _map_checked, parameters
-from functree._tree import is_none
+from functree._parameters import (
+    STRUCTURE_MISMATCH,
+    _is_no_derivative,
+    _map_checked,
+    field_mask,
+    first_difference,
+    is_parameter_leaf,
+    parameters,
+)
+from functree._tree import bounded_put, cached, is_none
 
 __all__ = [
     "move",
@@ -24,12 +32,43 @@ __all__ = [
     "tangent_scale",
     "inner_product",
     "tangent_norm",
+    "check_tangent",
 ]
+
+TANGENT_AT_NON_PARAMETER = """\
+{what}: the tangent has a value at {path}, which is {why}. A tangent (a gradient, an \
+update, a direction) has the parameter view's structure, None at every non-parameter; \
+{effect}
+    wrong:  {wrong}
+    right:  {right}
+       or:  ft.parameters(tangent)            # keep the parameters' values, None elsewhere
+       or:  ft.zero_tangent_vector(model)     # zeros at every parameter, None elsewhere"""
+
+class Advice(NamedTuple):
+    """What a refused tangent would do, and the wrong and right code, for one operation."""
+
+    effect: str
+    wrong: str
+    right: str
+
+
+_MOVE = Advice(
+    effect="moving along it would change a value that is never differentiated.",
+    wrong="ft.move(model, along=jax.grad(loss)(model))   # values at no_derivative fields too",
+    right="ft.move(model, along=ft.gradient(loss, at=model))   # None at non-parameters",
+)
+
+
+class _NonParameterValue(Exception):
+    """A tangent's value met a leaf that is not a parameter (raised inside a map)."""
+
 
 
 def _step(t: Any, x: Any) -> Any:
     if t is None:
         return x
+    if isinstance(x, int) or (hasattr(x, "dtype") and not is_parameter_leaf(x)):
+        raise _NonParameterValue  # a dtype change under a tree definition already checked
     if isinstance(x, float):
         return x + t
     # Keep each parameter's dtype: a float32 update moves a bfloat16 weight as bfloat16.
@@ -40,14 +79,95 @@ def move(x: Any, *, along: Any) -> Any:
     """Swift's ``move(along:)``: ``x + along`` at every parameter; ``None`` means unchanged.
 
     ``along`` has the parameter view's structure: a gradient, an optimizer update, a
-    tangent. Each parameter keeps its dtype.
+    tangent. Each parameter keeps its dtype. A value at a non-parameter (a
+    ``no_derivative`` field, an integer leaf), as in the full-structure tree ``jax.grad``
+    returns, is an error naming its key path (see :func:`check_tangent`): never written.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.move({"w": jnp.ones(2), "n": 3}, along={"w": -0.5 * jnp.ones(2), "n": None})
       {'n': 3, 'w': Array([0.5, 0.5], dtype=float32)}
     """
-    return _map_checked("ft.move", _step, along, x, is_leaf=is_none)
+    check_tangent("ft.move", along, x, advice=_MOVE)
+    try:
+        return _map_checked("ft.move", _step, along, x, is_leaf=is_none)
+    except _NonParameterValue:
+        check_tangent("ft.move", along, x, advice=_MOVE, cache=False, structure=True)
+        raise ValueError(  # the check above names the key path; this is its fallback
+            "ft.move: the tangent has a value at a leaf that is not a parameter (an integer "
+            "or bool leaf). Build it with ft.gradient(loss, at=model) or ft.parameters(tangent)."
+        ) from None
+
+
+# (tree definition of the point, of the view, of the tangent) already checked.
+_CHECKED: dict[Any, bool] = {}
+
+
+def check_tangent(
+    what: str, tangent: Any, x: Any, view: Any = None, *, advice: Advice,
+    cache: bool = True, structure: bool = False, allow_float0: bool = False,
+) -> None:
+    """Refuse a tangent with a value where ``view`` (by default ``ft.parameters(x)``) has
+    ``None``: a no-derivative field, an integer leaf, a parameter not differentiated.
+
+    The one check of every operation that takes a tangent (``ft.move``, the optimizers'
+    ``move``, ``ft.differential``'s tangents). It reads tree definitions only, once per
+    pair of them (a jitted step pays it at trace time); trees of other structures are left
+    to the operation's own structure check.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> class Body(ft.Module):
+      ...     x: jnp.ndarray
+      ...     mass: jnp.ndarray = ft.field(no_derivative=True)
+      >>> body = Body(jnp.zeros(2), jnp.ones(()))
+      >>> ft.move(body, along=Body(jnp.ones(2), -0.2 * jnp.ones(())))
+      Traceback (most recent call last):
+      ValueError: ft.move: the tangent has a value at .mass, which is a no_derivative field...
+    """
+    key, known = cached(
+        _CHECKED,
+        # Without is_leaf: None is then no leaf, so where the Nones are is part of the key.
+        (jax.tree.structure(x), None if view is None else jax.tree.structure(view),
+         jax.tree.structure(tangent), allow_float0),
+    )
+    if known and cache:
+        return
+    view = parameters(x) if view is None else view
+    t_leaves, t_def = jax.tree_util.tree_flatten_with_path(tangent, is_leaf=is_none)
+    v_leaves, v_def = jax.tree.flatten(view, is_leaf=is_none)
+    if t_def != v_def and structure:
+        diff = first_difference(view, tangent, none_is_leaf=True)
+        if diff is not None:
+            path, detail = diff
+            raise ValueError(STRUCTURE_MISMATCH.format(what=what, path=path, detail=detail))
+    if t_def == v_def:
+        for (path, t), v, (k, leaf) in zip(t_leaves, v_leaves, enumerate(jax.tree.leaves(x, is_leaf=is_none))):
+            if t is not None and v is None and not (allow_float0 and _is_float0(t)):
+                raise ValueError(
+                    TANGENT_AT_NON_PARAMETER.format(
+                        what=what, path=jax.tree_util.keystr(path) or "<root>",
+                        why=_why_not_parameter(x, k, leaf), **advice._asdict(),
+                    )
+                )
+    if key is not None:
+        bounded_put(_CHECKED, key, True)
+
+
+def _is_float0(t: Any) -> bool:
+    return getattr(t, "dtype", None) == jax.dtypes.float0
+
+
+def _why_not_parameter(x: Any, k: int, leaf: Any) -> str:
+    """Why leaf ``k`` of ``x`` (flattened with ``None`` as leaves) is not differentiated."""
+    if leaf is None:
+        return "None in the model"
+    no_derivative = jax.tree.leaves(field_mask(x, _is_no_derivative), is_leaf=is_none)
+    if k < len(no_derivative) and no_derivative[k] is True:
+        return "a no_derivative field"
+    if not is_parameter_leaf(leaf):
+        return f"not floating ({getattr(leaf, 'dtype', type(leaf).__name__)}): not a parameter"
+    return "a parameter not differentiated here (outside wrt=: give None there)"
 
 
 def _zeros(spec: Any) -> Any:

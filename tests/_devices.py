@@ -34,8 +34,10 @@ def xla_flags(devices: int) -> str:
     40 s; on a 2-core machine running other tests, one device's thread can be starved that
     long, so the tests give it 10 minutes.
     """
-    return (f"--xla_force_host_platform_device_count={devices} "
-            "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+    return f"--xla_force_host_platform_device_count={devices} {COLLECTIVE_TIMEOUT}"
+
+
+COLLECTIVE_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 
 
 def env_with_devices(devices: int) -> dict[str, str]:

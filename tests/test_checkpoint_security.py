@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -252,7 +253,7 @@ def _flip(path, offset, bit):
     path.write_bytes(bytes(data))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(offset=st.integers(0, 10**6), bit=st.integers(0, 7))
 def test_a_flipped_bit_never_loads_wrong_values(pristine, offset, bit):
     data = _data_file(pristine / "7")

@@ -14,8 +14,7 @@ import pytest
 from test_module_construction import LAYER_CALLS
 
 import functree as ft
-from functree import _functions
-from functree.nn import _activations
+from functree import _activations, _functions
 
 K = jax.random.key(0)
 ACTIVATIONS = [n for n in _activations.__all__ if n != "glu"]  # glu halves the features

@@ -300,3 +300,152 @@ def test_other_forward_mode_type_errors_are_not_explained_as_reverse_only():
     with pytest.raises(TypeError) as info:
         ft.jacobian(broken, at=jnp.ones(2), mode="forward")
     assert "reverse-mode only" not in str(info.value)
+
+
+# -- issue 22: what a registered derivative does not cover is an error, never a silent zero
+
+
+def make_scaled_norm(mode: str) -> Any:
+    """scale · ||x||, with a derivative registered for x only (wrt=0)."""
+
+    @ft.differentiable
+    def norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+        return scale * jnp.linalg.norm(x)
+
+    if mode == "reverse":
+
+        @ft.derivative(of=norm, wrt=0)
+        def _(x: jax.Array, scale: jax.Array) -> Any:
+            n = jnp.linalg.norm(x)
+            return scale * n, lambda v: v * scale * x / n
+
+    else:
+
+        @ft.derivative(of=norm, wrt=0, mode="forward")
+        def _(x: jax.Array, scale: jax.Array) -> Any:
+            n = jnp.linalg.norm(x)
+            return scale * n, lambda t: scale * jnp.dot(x, t) / n
+
+    return norm
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_differentiating_an_argument_the_rule_does_not_cover_names_it_and_the_fix(mode):
+    norm = make_scaled_norm(mode)
+    x = jnp.array([3.0, 4.0])
+    for call in (
+        lambda: ft.gradient(norm, wrt=1)(x, 2.0),
+        lambda: ft.gradient(norm, wrt=(0, 1))(x, 2.0),
+        lambda: jax.grad(norm, argnums=1)(x, 2.0),  # JAX's own transforms too
+        lambda: jax.jit(ft.gradient(lambda s: norm(x, s * s)))(2.0),  # reached through s
+    ):
+        with pytest.raises(ft.UncoveredDerivativeError) as info:
+            call()
+        message = str(info.value)
+        assert f"registered {mode}-mode derivative does not cover (registered with wrt=0)" in message
+        assert "argument 1 (`scale`)" in message
+        assert "@ft.derivative(of=norm, wrt=(0, 1))" in message
+        assert "norm(..., ft.without_derivative(at=scale), ...)" in message
+    # Covered arguments, and the suggested fix, give the right numbers.
+    np.testing.assert_allclose(ft.gradient(norm)(x, 2.0), [1.2, 1.6], rtol=0, atol=1e-6)
+    quiet = ft.gradient(lambda s: norm(x, ft.without_derivative(at=s)) + s)(2.0)
+    np.testing.assert_allclose(quiet, 1.0)
+
+
+def test_a_rule_covering_every_argument_gives_the_true_derivative_in_each():
+    @ft.differentiable
+    def norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+        return scale * jnp.linalg.norm(x)
+
+    @ft.derivative(of=norm, wrt=(0, 1))
+    def _(x: jax.Array, scale: jax.Array) -> Any:
+        n = jnp.linalg.norm(x)
+        return scale * n, lambda v: (v * scale * x / n, v * n)
+
+    np.testing.assert_allclose(ft.gradient(norm, wrt=1)(jnp.array([3.0, 4.0]), 2.0), 5.0)
+
+
+def test_uncovered_argument_positions_count_the_constant_arguments():
+    @ft.differentiable
+    def act(kind: str, x: jax.Array, scale: jax.Array) -> jax.Array:
+        return scale * (jnp.tanh(x) if kind == "tanh" else x)
+
+    @ft.derivative(of=act, wrt=1)
+    def _(kind: str, x: jax.Array, scale: jax.Array) -> Any:
+        return act.fn(kind, x, scale), lambda v: v * scale
+
+    assert float(ft.gradient(act, wrt=1)("id", 1.0, 3.0)) == 3.0
+    with pytest.raises(TypeError, match=r"argument 2 \(`scale`\)(.|\n)*wrt=\(1, 2\)"):
+        ft.gradient(act, wrt=2)("id", 1.0, 3.0)
+
+
+class Affine(ft.Module):
+    weight: jax.Array
+    bias: jax.Array
+
+    @ft.differentiable
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.weight * x + self.bias
+
+
+@ft.derivative(of=Affine.__call__)
+def _d_affine(self: Affine, x: jax.Array) -> Any:
+    # Forgets the bias: None where a cotangent is due.
+    return self(x), lambda v: (Affine((v * x).sum(), None), (v * self.weight))
+
+
+def test_a_pullback_returning_none_for_a_differentiated_parameter_names_its_key_path():
+    layer = Affine(jnp.asarray(2.0), jnp.asarray(0.5))
+    with pytest.raises(TypeError) as info:
+        ft.gradient(lambda m: m(jnp.ones(2)).sum(), at=layer)
+    message = str(info.value)
+    assert "returned None for argument 0 (`self`) at .bias" in message
+    assert "jnp.zeros_like(self.bias)" in message
+    # Not differentiating the bias is fine: its None is then no silent zero.
+    grads = ft.gradient(lambda m: m(jnp.ones(2)).sum(), at=layer, wrt="weight")
+    np.testing.assert_allclose(grads.weight, 2.0)
+    np.testing.assert_allclose(ft.gradient(lambda x: layer(x).sum(), at=jnp.ones(2)), [2.0, 2.0])
+
+
+def make_square_with_both_rules() -> Any:
+    """x², whose forward rule says 10·t and reverse rule 100·v: each mode shows its rule."""
+
+    @ft.differentiable
+    def square(x: jax.Array) -> jax.Array:
+        return x * x
+
+    @ft.derivative(of=square)
+    def _(x: jax.Array) -> Any:
+        return x * x, lambda v: 100.0 * v
+
+    @ft.derivative(of=square, mode="forward")
+    def _(x: jax.Array) -> Any:
+        return x * x, lambda t: 10.0 * t
+
+    return square
+
+
+def test_with_both_rules_each_mode_uses_its_own():
+    square = make_square_with_both_rules()
+    x = jnp.ones(2)
+    np.testing.assert_allclose(ft.differential(square, at=x)(x), [10.0, 10.0])
+    _, df = ft.value_with_differential(square, at=x)
+    np.testing.assert_allclose(df(x), [10.0, 10.0])
+    np.testing.assert_allclose(ft.jacobian(square, at=x, mode="forward"), 10.0 * np.eye(2))
+    np.testing.assert_allclose(ft.gradient(lambda x: square(x).sum(), at=x), [100.0, 100.0])
+    np.testing.assert_allclose(ft.pullback(square, at=x)(x), [100.0, 100.0])
+    np.testing.assert_allclose(jax.grad(lambda x: square(x).sum())(x), [100.0, 100.0])
+    assert "reverse" in repr(square) and "forward" in repr(square)
+
+
+@pytest.mark.parametrize("first", ["reverse", "forward"])
+def test_with_both_rules_a_jitted_function_is_traced_once_per_mode(first):
+    square = make_square_with_both_rules()
+    jitted = jax.jit(square)  # JAX caches its trace: the mode is part of the key
+    x = jnp.ones(2)
+    runs = [
+        lambda: np.testing.assert_allclose(ft.gradient(lambda x: jitted(x).sum(), at=x), [100.0, 100.0]),
+        lambda: np.testing.assert_allclose(ft.differential(jitted, at=x)(x), [10.0, 10.0]),
+    ]
+    for run in runs if first == "reverse" else runs[::-1]:
+        run()

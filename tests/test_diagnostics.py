@@ -9,6 +9,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -664,3 +665,22 @@ def test_no_private_jax_imports_and_no_import_cycle():
         assert not any(m and m.startswith("jax._src") for m in imported[name]), name
     assert "functree._operators" not in imported["_diagnostics"]
     assert "functree._diagnostics" not in imported["_plan"]
+
+
+def test_diagnose_reports_a_custom_derivative_that_does_not_cover_the_argument():
+    @ft.differentiable
+    def norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+        return scale * jnp.linalg.norm(x)
+
+    @ft.derivative(of=norm, wrt=0)
+    def _(x: jax.Array, scale: jax.Array) -> Any:
+        n = jnp.linalg.norm(x)
+        return scale * n, lambda v: v * scale * x / n
+
+    x = jnp.array([3.0, 4.0])
+    report = ft.diagnose(norm, wrt=1)(x, 2.0)
+    (finding,) = report.findings
+    assert finding.category is ft.ZeroDerivativeWarning
+    assert finding.paths == ("argument 1 (`scale`)",)
+    assert "@ft.derivative(of=norm, wrt=(0, 1))" in finding.message
+    assert ft.diagnose(norm, wrt=0)(x, 2.0).ok

@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 import functree as ft
-from functree._nan import (
+from functree.train._provenance import (
     ANALYSIS_FAILED,
     FINITE_AGAIN,
     LATER_MODEL,

@@ -155,3 +155,51 @@ def test_dot_product_attention_gradients_match_the_hand_written_ones(key):
     explicit = jax.grad(lambda m: jnp.sum(jnp.sin(_explicit(m, x, causal=True))))(mha)
     for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(explicit)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _gqa_reference(mha, x, causal, rotary=None):
+    """Grouped-query attention written out in float64 NumPy: key/value head j serves query
+    heads j*g .. j*g+g-1 (g = num_heads // num_kv_heads), rotary in the half layout."""
+    def project(dense, heads):
+        y = np.asarray(x, np.float64) @ np.asarray(dense.weight, np.float64) + np.asarray(dense.bias, np.float64)
+        return y.reshape(*y.shape[:-1], heads, -1)
+
+    q = project(mha.query_projection, mha.num_heads)
+    k, v = (project(p, mha.num_kv_heads) for p in (mha.key_projection, mha.value_projection))
+    if rotary is not None:
+        def rotate(a):
+            half = a.shape[-1] // 2
+            angle = np.arange(a.shape[-3])[:, None, None] * rotary ** (-np.arange(half) * 2 / a.shape[-1])
+            first, second = a[..., :half], a[..., half:]
+            return np.concatenate([first * np.cos(angle) - second * np.sin(angle),
+                                   second * np.cos(angle) + first * np.sin(angle)], -1)
+        q, k = rotate(q), rotate(k)
+    group = mha.num_heads // mha.num_kv_heads
+    k, v = (np.stack([a[..., h // group, :] for h in range(mha.num_heads)], -2) for a in (k, v))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    if causal:
+        logits = np.where(np.tril(np.ones(logits.shape[-2:], bool)), logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return _output(mha, np.einsum("bhqk,bkhd->bqhd", weights, v))
+
+
+@pytest.mark.parametrize("kv_heads,causal,rotary", [(2, True, None), (1, False, None), (2, True, 10000.0)])
+def test_grouped_and_multi_query_attention_match_a_hand_written_reference(key, kv_heads, causal, rotary):
+    mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=kv_heads, causal=causal, rotary=rotary, key=key)
+    assert mha.key_projection.weight.shape == (16, 4 * kv_heads)
+    mha = mha.replace(**{n: getattr(mha, n).replace(bias=jax.random.normal(jax.random.key(5), (16 if n[0] in "qo" else 4 * kv_heads,)))
+                         for n in ("query_projection", "key_projection", "value_projection", "output_projection")})
+    x = jax.random.normal(jax.random.key(1), (2, 6, 16))
+    expected = _gqa_reference(mha, x, causal, rotary)
+    fused = jax.jit(lambda m, x: m(x))(mha, x)  # jax.nn.dot_product_attention
+    np.testing.assert_allclose(fused, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    with jax.enable_x64(True):
+        explicit = _x64(mha)(x.astype(jnp.float64))  # the hand-written path (float64 takes it)
+        np.testing.assert_allclose(explicit, expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+
+
+def test_default_kv_heads_are_the_heads_and_a_bad_count_names_the_fix(key):
+    assert ft.nn.MultiheadAttention(8, 4, key=key).num_kv_heads == 4
+    with pytest.raises(ValueError, match=r"(?s)num_kv_heads \(3\) must divide num_heads \(4\).*right: .*num_kv_heads=2"):
+        ft.nn.MultiheadAttention(8, 4, num_kv_heads=3, key=key)

@@ -208,7 +208,7 @@ def test_strict_error_names_missing_unexpected_and_mis_shaped_torch_keys():
     message = str(e.value)
     assert "missing keys:    ['3.weight', '3.bias']" in message
     assert "unexpected keys: ['extra.weight']" in message
-    assert "1.weight: expected shape (4,), given shape (5,)" in message
+    assert "1.weight: expected shape (4,) (for layers.1.scale), given shape (5,)" in message
     assert "layers.0.weight -> 0.weight" in message and "rename=" in message and "strict=False" in message
     loaded, report = ft.nn.load_torch_state_dict(model, sd, strict=False)
     assert report.missing == ("3.weight", "3.bias") and report.unexpected == ("extra.weight",)
@@ -256,3 +256,285 @@ def test_gelu_and_gelu_exact_are_torchs_two_gelus():
     close(ft.nn.gelu_exact(jnp.asarray(x)), exact)
     close(ft.nn.gelu(jnp.asarray(x)), tanh)
     assert np.abs(exact - tanh).max() > 1e-4  # the two differ: the choice matters
+
+
+# Structural layers: Stack members are torch's h.0, h.1, ...; a Shared tie has both names.
+
+D, HEADS, VOCAB, T = 16, 2, 13, 6
+
+
+class TorchBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = nn.MultiheadAttention(D, HEADS, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU("tanh"), nn.Linear(4 * D, D))
+
+    def forward(self, x):
+        causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class TorchLM(nn.Module):
+    """GPT-2's shape: token and position embeddings, pre-norm blocks, the head tied to the embedding."""
+
+    def __init__(self, n=3):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.pos = nn.Parameter(torch.randn(T, D))
+        self.h = nn.ModuleList([TorchBlock() for _ in range(n)])
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # torch's tie: one Parameter under two names
+
+    def forward(self, tokens):
+        x = self.embed(tokens.long()) + self.pos
+        for block in self.h:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class Block(ft.Module):
+    ln_1: ft.nn.LayerNorm
+    attn: ft.nn.MultiheadAttention
+    ln_2: ft.nn.LayerNorm
+    mlp: ft.nn.Sequential
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def make_block(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return Block(ft.nn.LayerNorm(D), ft.nn.MultiheadAttention(D, HEADS, causal=True, key=k1), ft.nn.LayerNorm(D),
+                 ft.nn.Sequential(ft.nn.Dense(D, 4 * D, key=k2), ft.nn.gelu, ft.nn.Dense(4 * D, D, key=k3)))
+
+
+class LM(ft.Module):
+    embed: ft.nn.Embedding
+    pos: jax.Array
+    h: object
+    ln_f: ft.nn.LayerNorm
+    head: ft.nn.Dense
+
+    def __call__(self, tokens):
+        return self.head(self.ln_f(self.h(self.embed(tokens) + self.pos)))
+
+
+def make_lm(blocks="stack", n=3):
+    def make():
+        keys = jax.random.split(K[0], n + 2)
+        if blocks == "stack":
+            h = ft.nn.Stack(make_block, n, key=keys[0], remat=True)
+        else:  # a Sequential of Remat-wrapped blocks: other wrappers, the same torch names
+            h = ft.nn.Sequential(*(ft.nn.Remat(make_block(k)) for k in keys[:n]))
+        lm = LM(ft.nn.Embedding(VOCAB, D, key=keys[-2]), jnp.zeros((T, D)), h, ft.nn.LayerNorm(D),
+                ft.nn.Dense(D, VOCAB, use_bias=False, key=keys[-1]))
+        return ft.nn.Shared(lm, {"head.weight": ("embed.embeddings", jnp.transpose)})
+    return build(make)
+
+
+def tokens(batch=2):
+    return np.random.default_rng(3).integers(0, VOCAB, size=(batch, T)).astype(np.int32)
+
+
+@pytest.mark.parametrize("blocks", ["stack", "sequential"])
+def test_gpt_style_lm_with_stacked_or_sequential_blocks_and_a_tied_head(blocks):
+    model = make_lm(blocks)
+    sd = ft.nn.torch_state_dict(model, numpy=True)
+    assert sd["h.2.attn.in_proj_weight"].shape == (3 * D, D) and sd["h.0.ln_1.weight"].shape == (D,)
+    np.testing.assert_array_equal(sd["head.weight"], sd["embed.weight"])  # the tie under both names
+    assert set(sd) == set(TorchLM().state_dict())
+    loaded = both_ways(TorchLM(), model, (tokens(),))  # torch's load_state_dict is strict
+    assert loaded.model.head is None or loaded.model.head.weight is None  # the tie stays stored once
+
+
+def test_a_tie_given_under_one_name_fills_it_and_disagreeing_names_are_an_error():
+    torch_lm = TorchLM()
+    sd = {k: v.clone() for k, v in torch_lm.state_dict().items()}
+    embed = sd["embed.weight"].numpy()
+    for dropped in ("head.weight", "embed.weight"):  # either name alone fills the tie
+        one = {k: v for k, v in sd.items() if k != dropped}
+        loaded = ft.nn.load_torch_state_dict(make_lm(), one)
+        np.testing.assert_array_equal(loaded.model.embed.embeddings, embed)
+        np.testing.assert_array_equal(loaded.resolve().head.weight, embed.T)
+    sd["head.weight"] = sd["head.weight"] + 0.5
+    with pytest.raises(ValueError) as e:
+        ft.nn.load_torch_state_dict(make_lm(), sd)
+    message = str(e.value)
+    assert "['head.weight'] (ft: model.head.weight) differs from ['embed.weight']" in message
+    assert "by up to 0.5" in message and "del sd['head.weight']" in message
+
+
+def test_a_tie_whose_transform_cannot_be_undone_asks_for_the_source():
+    model = build(lambda: ft.nn.Shared(
+        {"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 2))}, {"b": ("a", lambda w: jnp.transpose(w) ** 2)}))
+    sd = {"b": np.ones((3, 2), np.float32)}
+    with pytest.raises(ValueError, match=r"gives the tied model.b but not its source model.a.*\['a'\]"):
+        ft.nn.load_torch_state_dict(model, sd)
+
+
+def test_a_wrong_shape_for_one_member_names_the_torch_key_the_member_and_both_shapes():
+    sd = dict(TorchLM().state_dict())
+    sd["h.1.mlp.2.weight"] = torch.zeros(D, 4 * D + 1)
+    with pytest.raises(ValueError) as e:
+        ft.nn.load_torch_state_dict(make_lm(), sd)
+    assert ("h.1.mlp.2.weight: expected shape (16, 64) (for Stack member model.h.1.mlp.layers.2.weight), "
+            "given shape (16, 65)") in str(e.value)
+    loaded, report = ft.nn.load_torch_state_dict(make_lm(), sd, strict=False)
+    assert [m[0] for m in report.mismatched] == ["h.1.mlp.2.weight"] and not report.missing
+    stacked = loaded.model.h.layers.mlp.layers[2].weight
+    np.testing.assert_array_equal(stacked[0], sd["h.0.mlp.2.weight"].numpy().T)  # the other members load
+    np.testing.assert_array_equal(stacked[1], make_lm().model.h.layers.mlp.layers[2].weight[1])  # kept
+
+
+class TorchChain(nn.Module):
+    def __init__(self, layers, activation=None):
+        super().__init__()
+        self.h = nn.ModuleList(layers)
+        self.activation = activation
+
+    def forward(self, x):
+        for layer in self.h:
+            x = layer(x) if self.activation is None else self.activation(layer(x))
+        return x
+
+
+def test_module_list_of_linear_is_a_stack_of_dense():
+    model = build(lambda: {"h": ft.nn.Stack(lambda k: ft.nn.Dense(5, 5, jnp.tanh, key=k), 4, key=K[0])})
+    x = np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
+    both_ways(TorchChain([nn.Linear(5, 5) for _ in range(4)], torch.tanh), model, (x,), ft_call=lambda m, x: m["h"](x))
+    assert set(ft.nn.torch_state_dict(model, numpy=True)) == {f"h.{i}.{n}" for i in range(4) for n in ("weight", "bias")}
+
+
+def test_stack_of_layer_norm_exports_torch_names_not_the_stacked_leaf():
+    model = build(lambda: {"h": ft.nn.Stack(lambda k: ft.nn.LayerNorm(6), 3, key=K[0])})
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
+    both_ways(TorchChain([nn.LayerNorm(6) for _ in range(3)]), model, (x,), ft_call=lambda m, x: m["h"](x))
+    assert sorted(ft.nn.torch_state_dict(model, numpy=True))[:2] == ["h.0.bias", "h.0.weight"]
+
+
+def test_cnn_with_a_stack_of_conv_batch_norm_blocks():
+    def torch_block():
+        return nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Sequential(torch_block(), torch_block()),
+                        nn.Flatten(), nn.Linear(6 * 4 * 4, 5))
+    randomize_batch_norms(net)
+
+    def block(key):
+        return ft.nn.Sequential(ft.nn.Conv2D(6, 6, 3, padding=1, key=key), ft.nn.BatchNorm(6, epsilon=1e-5), ft.nn.relu)
+
+    model = build(lambda: ft.nn.Sequential(ft.nn.Conv2D(3, 6, 3, padding=1, key=K[0]), ft.nn.Stack(block, 2, key=K[1]),
+                                           ft.nn.Flatten(), ft.nn.Dense(6 * 4 * 4, 5, key=K[2])))
+    x, x_ft = nchw((2, 3, 4, 4))
+    both_ways(net, model, (x,), (x_ft,), flattened={"3": (6, 4, 4)})
+
+
+def test_rename_patterns_layouts_and_a_safetensors_file(tmp_path):
+    from safetensors.numpy import save_file
+
+    model = build(lambda: {"blocks": ft.nn.Stack(lambda k: ft.nn.Dense(3, 4, key=k), 2, key=K[0])})
+    rename = {"transformer.h.*": "blocks.*"}
+    sd = ft.nn.torch_state_dict(model, rename=rename, layouts={"blocks.*": "conv1d"}, numpy=True)
+    assert sd["transformer.h.1.weight"].shape == (3, 4)  # Conv1D's [in, out]
+    save_file(sd, tmp_path / "model.safetensors")
+    loaded = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), str(tmp_path / "model.safetensors"),
+                                         rename=rename, layouts={"blocks.*": "conv1d"})
+    np.testing.assert_array_equal(loaded["blocks"].layers.weight, model["blocks"].layers.weight)
+    with pytest.raises(ValueError, match=r"patterns \['\*.attn'\] match no Dense or MultiheadAttention.*blocks.0"):
+        ft.nn.torch_state_dict(model, layouts={"*.attn": "conv1d"})
+    with pytest.raises(ValueError, match=r"gives blocks.0 the layout 'gpt2'; this layer knows linear, conv1d"):
+        ft.nn.torch_state_dict(model, layouts={"blocks.*": "gpt2"})
+    with pytest.raises(ValueError, match=r"(?s)different number of \* on each side.*transformer.h.\*"):
+        ft.nn.torch_state_dict(model, rename={"h.*": "blocks"})
+
+
+def test_attention_layouts_fused_conv1d_and_separate_linear_names():
+    mha = build(lambda: ft.nn.MultiheadAttention(8, 4, num_kv_heads=2, key=K[0]))
+    fused = ft.nn.torch_state_dict(mha, layouts={"": "conv1d"}, numpy=True)
+    assert {k: v.shape for k, v in fused.items()} == {"c_attn.weight": (8, 16), "c_attn.bias": (16,),
+                                                     "c_proj.weight": (8, 8), "c_proj.bias": (8,)}
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    split = ft.nn.torch_state_dict(mha, layouts={"": names}, numpy=True)
+    assert split["k_proj.weight"].shape == (4, 8)
+    for sd, layout in ((fused, "conv1d"), (split, names)):
+        back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, mha), sd, layouts={"": layout})
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(mha)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_stack_of_stacks_is_torch_module_lists_at_any_depth():
+    class Inner(ft.Module):
+        inner: ft.nn.Stack
+
+        def __call__(self, x):
+            return self.inner(x)
+
+    model = build(lambda: {"h": ft.nn.Stack(
+        lambda k: Inner(ft.nn.Stack(lambda k: ft.nn.Dense(4, 4, jnp.tanh, key=k), 3, key=k)), 2, key=K[0])})
+    outer = nn.ModuleList([nn.Module() for _ in range(2)])
+    for block in outer:
+        block.inner = TorchChain([nn.Linear(4, 4) for _ in range(3)], torch.tanh).h
+    torch_model = TorchChain([TorchChain(list(block.inner), torch.tanh) for block in outer])
+    sd = ft.nn.torch_state_dict(model)
+    assert tuple(sd["h.1.inner.2.weight"].shape) == (4, 4)
+    renamed = {k.replace(".inner.", ".h."): v for k, v in sd.items()}
+    torch_model.load_state_dict(renamed, strict=True)
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    close(jax.jit(lambda m, x: m["h"](x))(model, x), run_torch(torch_model, (x,)))
+    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), sd)
+    np.testing.assert_array_equal(back["h"].layers.inner.layers.weight, model["h"].layers.inner.layers.weight)
+
+
+def test_a_missing_member_is_reported_by_its_torch_names_and_the_others_load():
+    sd = dict(TorchLM().state_dict())
+    del sd["h.2.ln_2.bias"]
+    loaded, report = ft.nn.load_torch_state_dict(make_lm(), sd, strict=False)
+    assert report.missing == ("h.2.ln_2.bias",) and not report.unexpected
+    offsets = loaded.model.h.layers.ln_2.offset
+    np.testing.assert_array_equal(offsets[1], sd["h.1.ln_2.bias"].numpy())
+    np.testing.assert_array_equal(offsets[2], make_lm().model.h.layers.ln_2.offset[2])
+
+
+def test_a_bfloat16_safetensors_file_loads_without_torch_and_a_bad_file_names_the_fix(tmp_path):
+    from safetensors.torch import save_file
+
+    model = build(lambda: ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[0], dtype=jnp.bfloat16)))
+    save_file(ft.nn.torch_state_dict(model), tmp_path / "model.safetensors")
+    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), tmp_path / "model.safetensors")
+    assert back.layers[0].weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(back.layers[0].weight, np.float32), np.asarray(model.layers[0].weight, np.float32))
+    (tmp_path / "bad.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00nope")
+    with pytest.raises(ValueError, match=r"(?s)not a .safetensors file this reads \(its header is not JSON\).*torch.load"):
+        ft.nn.load_torch_state_dict(model, tmp_path / "bad.safetensors")
+
+
+def test_a_layer_used_twice_is_one_tie_under_both_torch_names():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(3, 3)
+            self.decoder = self.encoder  # torch lists its tensors under both names
+
+        def forward(self, x):
+            return self.decoder(torch.tanh(self.encoder(x)))
+
+    class FtTwice(ft.Module):
+        encoder: ft.nn.Dense
+        decoder: ft.nn.Dense
+
+        def __call__(self, x):
+            return self.decoder(jnp.tanh(self.encoder(x)))
+
+    model = build(lambda: ft.nn.Shared(FtTwice(ft.nn.Dense(3, 3, key=K[0]), ft.nn.Dense(3, 3, key=K[1])),
+                                       {"decoder": "encoder"}))
+    x = np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32)
+    torch_model = Twice()
+    both_ways(torch_model, model, (x,))
+    only_decoder = {k: v for k, v in torch_model.state_dict().items() if k.startswith("decoder")}
+    loaded = ft.nn.load_torch_state_dict(model, only_decoder)
+    np.testing.assert_array_equal(loaded.model.encoder.weight, torch_model.encoder.weight.detach().numpy().T)

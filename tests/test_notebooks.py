@@ -14,10 +14,11 @@ import pathlib
 import shutil
 import sys
 
+import jax
 import nbclient
 import nbformat
 import pytest
-from _devices import xla_flags
+from _devices import COLLECTIVE_TIMEOUT
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 _spec = importlib.util.spec_from_file_location("sync_repository", NOTEBOOKS[0].parent / "sync_repository.py")
@@ -83,8 +84,10 @@ def test_notebook_is_committed_with_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    if path.stem[:2] in ("07", "08"):  # 8 simulated devices, as the notebooks set them by default
-        monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}")
+    # The kernel sees the devices a user's would: no device count from here (notebooks 07
+    # and 08 ask for their own). Only XLA's collective timeout is raised, for this loaded
+    # machine (see tests/_devices.py), after the inherited flags.
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {COLLECTIVE_TIMEOUT}".strip())
     copy = tmp_path / path.name
     shutil.copy(path, copy)
     nb = nbformat.read(copy, as_version=4)
@@ -97,6 +100,8 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
     assert nb.cells[1].outputs[0]["text"].strip() == sys.executable
+    if path.stem[:2] in ("07", "08") and jax.default_backend() == "cpu":  # the notebook's own 8
+        assert nb.cells[3].outputs[0]["text"].startswith("8 devices: cpu"), nb.cells[3].outputs
     stderr = [
         line
         for c in nb.cells

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from jax.test_util import check_grads
 from test_paths import nested_trees
@@ -344,7 +345,7 @@ def test_bad_wrt_values():
     assert "right:  ft.gradient(f, wrt=0)(x, y)" in str(e.value)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_gradient_of_random_trees_has_the_parameter_view_structure(tree: Any):
     def total(t: Any) -> jax.Array:
@@ -364,3 +365,56 @@ def test_gradient_of_random_trees_has_the_parameter_view_structure(tree: Any):
     for g, e, p in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), jax.tree.leaves(params)):
         assert jnp.result_type(g) == jnp.result_type(p)
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=1e-2, atol=1e-2)
+
+
+# -- issue 22: tangents and cotangents have the parameter view's structure
+
+
+class Body(ft.Module):
+    position: jax.Array
+    mass: jax.Array = ft.field(no_derivative=True)
+    steps: jax.Array = ft.field(default_factory=lambda: jnp.zeros((), jnp.int32))
+
+
+def test_differential_names_a_tangent_value_at_a_non_parameter_and_the_fix():
+    body = Body(jnp.ones(2), jnp.asarray(2.0))
+    df = ft.differential(lambda b: b.mass * (b.position**2).sum(), at=body)
+    np.testing.assert_allclose(df(Body(jnp.ones(2), None, None)), 8.0)
+    np.testing.assert_allclose(df(jax.tree.map(jnp.ones_like, ft.zero_tangent_vector(body))), 8.0)
+    with pytest.raises(ValueError) as info:
+        df(Body(jnp.ones(2), jnp.asarray(1.0), None))
+    message = str(info.value)
+    assert "ft.differential: the tangent has a value at .mass, which is a no_derivative field" in message
+    assert "ft.zero_tangent_vector(model)" in message
+    with pytest.raises(ValueError, match=r"value at \.steps, which is not floating \(int32\)"):
+        df(Body(jnp.ones(2), None, jnp.ones((), jnp.int32)))
+    with pytest.raises(ValueError, match=r"ft.differential: the trees differ first at \.position"):
+        df(Body({"a": jnp.ones(2)}, None, None))  # type: ignore[arg-type]
+
+
+def test_differential_names_a_tangent_value_at_a_parameter_outside_wrt():
+    net = make_net()
+    df = ft.differential(lambda n: n(X).sum(), at=net, wrt="weight")
+    tangent = jax.tree.map(jnp.ones_like, ft.zero_tangent_vector(net))
+    with pytest.raises(ValueError, match=r"\.encoder\.scale, which is a parameter not differentiated here \(outside wrt=: give None"):
+        df(tangent)
+    weight_only = Net(BatchNorm(None, None), tangent.weight, None, None)  # type: ignore[arg-type]
+    np.testing.assert_allclose(df(weight_only), ft.gradient(lambda n: n(X).sum(), at=net).weight.sum(), rtol=1e-6)
+
+
+def test_pullback_of_a_module_result_takes_its_parameter_view():
+    def f(x: jax.Array) -> Body:
+        return Body(2.0 * x, mass=x.sum())  # mass depends on x, but is no_derivative
+
+    x = jnp.ones(2)
+    value, pb = ft.value_with_pullback(f, at=x)
+    # The cotangent at the no_derivative mass is not taken: the derivative is 2, not 3.
+    np.testing.assert_allclose(pb(Body(jnp.ones(2), None, None)), [2.0, 2.0])
+    np.testing.assert_allclose(pb(jax.tree.map(jnp.ones_like, ft.parameters(value))), [2.0, 2.0])
+    float0 = np.zeros((), jax.dtypes.float0)
+    np.testing.assert_allclose(pb(Body(jnp.ones(2), None, float0)), [2.0, 2.0])  # JAX's form
+    with pytest.raises(ValueError) as info:
+        pb(Body(jnp.ones(2), jnp.asarray(1.0), None))
+    message = str(info.value)
+    assert "ft.value_with_pullback: the tangent has a value at .mass" in message
+    assert "ft.parameters(y)" in message

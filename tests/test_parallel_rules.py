@@ -2,13 +2,16 @@
 
 The rules only read the mesh's axis names and sizes, so an ``AbstractMesh`` of 8 (or
 8 x 2) devices checks them without devices; placement runs on a 1-device mesh here and
-on 8 simulated devices in test_parallel_step.py.
+on 8 simulated devices in test_parallel_step.py (and, for rules with an FSDP fallback, in
+a subprocess here).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _devices import run
+from _tolerance import MARGIN
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -17,6 +20,9 @@ from functree._tree import dotted_name
 from functree.parallel import FSDP_MIN_SIZE
 
 MESH = AbstractMesh((8,), ("data",))
+# The largest scaled_error (tests/_tolerance.py) measured between one Adam step on a (4, 2)
+# mesh by TP_AND_FSDP and on one device, under the four XLA CPU instruction sets.
+SPREAD_RULES_8_VS_1 = 7e-7  # measured 6.7e-7
 MESH2 = AbstractMesh((8, 2), ("data", "model"))
 
 
@@ -142,3 +148,130 @@ def test_compute_dtype_must_be_floating():
     with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
         ft.parallel.DataParallelStep(lambda m, b: 0.0, ft.optim.sgd(0.1), mesh=jax.make_mesh((1,), ("data",)),
                                      compute_dtype=jnp.int32)
+
+
+# Rules composed with FSDP: {"...": spec, "*": "fsdp"}
+
+class Block2(ft.Module):
+    norm: ft.nn.LayerNorm
+    up: ft.nn.Dense
+    down: ft.nn.Dense
+
+    def __init__(self, d, *, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = ft.nn.LayerNorm(d)
+        self.up = ft.nn.Dense(d, 4 * d, jax.nn.gelu, key=k1)
+        self.down = ft.nn.Dense(4 * d, d, key=k2)
+
+    def __call__(self, x):
+        return x + self.down(self.up(self.norm(x)))
+
+
+class Net(ft.Module):
+    embed: ft.nn.Dense
+    blocks: ft.nn.Stack
+    head: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.head(self.blocks(self.embed(x)))
+
+
+def net(d=32, n=2, n_in=64, n_out=64):
+    k = jax.random.split(jax.random.key(0), 3)
+    return Net(ft.nn.Dense(n_in, d, key=k[0]), ft.nn.Stack(lambda key: Block2(d, key=key), n, key=k[1]),
+               ft.nn.Dense(d, n_out, key=k[2]))
+
+
+TP_AND_FSDP = {"*.up.weight": P(None, "model"), "*.down.weight": P("model", "data"), "*": "fsdp"}
+
+
+def test_fsdp_rule_takes_every_leaf_no_earlier_rule_names():
+    specs = ft.to_flat_dict(ft.partition_specs(net(), TP_AND_FSDP, mesh=MESH2))
+    assert specs == {
+        "embed.weight": P("data"),  # (64, 32): FSDP along the largest divisible dimension
+        "embed.bias": P(),  # too small for FSDP
+        "blocks.layers.norm.scale": P(), "blocks.layers.norm.offset": P(),
+        "blocks.layers.up.weight": P(None, None, "model"),  # the rule, layer axis prepended whole
+        "blocks.layers.up.bias": P(),  # (2, 128): 256 elements, replicated by "fsdp"
+        "blocks.layers.down.weight": P(None, "model", "data"),  # a rule that already splits over "data"
+        "blocks.layers.down.bias": P(),
+        "head.weight": P(None, "data"),
+        "head.bias": P(),
+    }
+
+
+def test_fsdp_rule_never_splits_the_layer_axis_and_equals_sharding_fsdp():
+    tree = {"blocks": net(d=64, n=8).blocks}  # every dimension divisible by 8, the layer axis too
+    alone = ft.to_flat_dict(ft.partition_specs(tree, "fsdp", mesh=MESH))
+    assert ft.to_flat_dict(ft.partition_specs(tree, {"*": "fsdp"}, mesh=MESH)) == alone
+    flat = ft.to_flat_dict(ft.partition_specs(tree, {"*.norm.*": P(), "*": "fsdp"}, mesh=MESH))
+    assert flat["blocks.layers.up.weight"] == P(None, None, "data")  # (8, 64, 256): the 256, never the 8
+    assert flat["blocks.layers.down.weight"] == P(None, "data")
+    assert flat["blocks.layers.norm.scale"] == P(None)  # the rule's P(), the layer axis prepended
+
+
+def test_fsdp_rule_for_part_of_the_model_and_its_moments():
+    m = net()
+    rules = {"embed.*": "fsdp", "*.up.weight": P(None, "model")}  # the rest replicated
+    flat = ft.to_flat_dict(ft.partition_specs(m, rules, mesh=MESH2))
+    assert flat["embed.weight"] == P("data") and flat["head.weight"] == P()
+    state = ft.optim.Optimizer(ft.optim.adam(1e-3)).init(m)
+    moments = ft.to_flat_dict(ft.partition_specs(state, TP_AND_FSDP, mesh=MESH2, strict=False))
+    assert [s for n, s in moments.items() if n.endswith("embed.weight")] == [P("data")] * 2  # mu, nu
+    assert [s for n, s in moments.items() if n.endswith("up.weight")] == [P(None, None, "model")] * 2
+    assert all(s == P() for n, s in moments.items() if "count" in n)
+
+
+def test_unknown_rule_value_names_the_choices():
+    for bad in ("fdsp", None, 3):
+        with pytest.raises(TypeError, match=r"rule '\*' gives .*PartitionSpec.* or \"fsdp\"") as e:
+            ft.partition_specs(net(), {"*.up.weight": P(None, "model"), "*": bad}, mesh=MESH2)
+        assert 'right:  sharding={\'*\': "fsdp"}' in str(e.value)
+    with pytest.raises(TypeError, match=r'sharding= takes None, "fsdp"'):
+        ft.train.TrainStep(lambda m, b: 0.0, ft.optim.sgd(0.1), mesh=jax.make_mesh((1,), ("data",)), sharding="FSDP")
+    with pytest.raises(TypeError, match=r"rule 'head\.weight' gives 'replicate'"):
+        ft.shard(net(), jax.make_mesh((1,), ("data",)), {"head.weight": "replicate"})
+
+
+def test_rule_after_the_fallback_is_shadowed_and_says_to_move_it():
+    with pytest.raises(ValueError, match=r"'\*\.up\.weight' is never used: 'blocks\.layers\.up\.weight'.*"
+                                         r"earlier rule '\*'") as e:
+        ft.partition_specs(net(), {"*": "fsdp", "*.up.weight": P(None, "model")}, mesh=MESH2)
+    assert "right:  sharding={'*.up.weight': ..., '*': ...}" in str(e.value)
+
+
+def test_rule_naming_one_stack_member_keeps_its_message_beside_the_fallback():
+    with pytest.raises(ValueError, match=r"'blocks\.1\.up\.weight' matches no parameter") as e:
+        ft.partition_specs(net(), {"blocks.1.up.weight": P(None, "model"), "*": "fsdp"}, mesh=MESH2)
+    assert "'blocks.layers.up.weight'" in str(e.value)
+
+
+@pytest.mark.slow
+def test_rules_with_fsdp_fallback_train_on_eight_devices_as_on_one():
+    """One Adam step on a (4, 2) mesh, tensor parallel by rules and FSDP for the rest,
+    equals one device's step; the arrays are where the rules say."""
+    out = run("""
+import sys; sys.path.insert(0, "tests")
+import numpy as np, jax.numpy as jnp, functree as ft
+from jax.sharding import PartitionSpec as P
+from _tolerance import scaled_error
+from test_parallel_rules import TP_AND_FSDP as rules, net
+mesh = jax.make_mesh((4, 2), ("data", "model"))
+rng = np.random.default_rng(0)
+batch = (rng.normal(size=(16, 64)).astype(np.float32), rng.normal(size=(16, 64)).astype(np.float32))
+loss_fn = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)
+opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+ref, ref_state, ref_metrics = ft.train.train_step(loss_fn, opt)(net(), opt.init(net()), batch)
+step = ft.train.TrainStep(loss_fn, opt, mesh=mesh, sharding=rules)
+model, state, metrics = step(net(), opt.init(net()), batch)
+report({"error": scaled_error((model, state), (ref, ref_state)),
+        "loss": [float(metrics["loss"]), float(ref_metrics["loss"])],
+        "specs": {n: str(x.sharding.spec) for n, x in ft.to_flat_dict(model).items()},
+        "mu": str(ft.optim.moments(state)["mu"].blocks.layers.down.weight.sharding.spec)})
+""")
+    assert out["error"] < MARGIN * SPREAD_RULES_8_VS_1
+    assert out["loss"][0] == pytest.approx(out["loss"][1], rel=1e-6)
+    assert out["specs"]["blocks.layers.up.weight"] == "P(None, None, 'model')"
+    assert out["specs"]["blocks.layers.down.weight"] == "P(None, 'model', 'data')"
+    assert out["specs"]["embed.weight"] == "P('data',)" and out["specs"]["head.weight"] == "P(None, 'data')"
+    assert out["mu"] == "P(None, 'model', 'data')"

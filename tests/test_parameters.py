@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from test_paths import assert_same_tree, nested_trees
 
@@ -175,7 +176,7 @@ def test_select_errors():
         ft.select(make_model(), 3)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_parameters_and_with_parameters_round_trip_on_random_trees(tree: Any):
     params = ft.parameters(tree)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 
 import functree as ft
@@ -176,6 +177,24 @@ def test_writable_key_paths_skip_static_fields_and_everything_under_them():
     assert [str(p) for p in ft.recursively_all_writable_key_paths(h, to=float)] == []
 
 
+def test_set_refuses_static_fields_naming_the_path_and_the_replace_fix():
+    net = make_net()
+    writable = {str(p) for p in ft.recursively_all_writable_key_paths(net)}
+    for path, fix in [
+        (".config", "model = model.replace(config=value)"),
+        (".config[1]", "model = model.replace(config=...)"),
+        (".layers[0].activation", 'ft.set(model, ".layers[0]", ft.get(model, ".layers[0]").replace(activation=value))'),
+    ]:
+        assert path not in writable  # the two agree: not writable, and set refuses
+        with pytest.raises(ValueError, match=r"static field") as info:
+            ft.set(net, path, jax.nn.tanh if path.endswith("activation") else 2)
+        assert f"ft.set({path})" in str(info.value) and fix in str(info.value)
+        with pytest.raises(ValueError, match=re.escape(f"ft.set({path})")):
+            ft.key_path(net, path).set(net, 2)
+    # The fix works, and ft.get still reads static fields.
+    new = ft.set(net, ".layers[0]", ft.get(net, ".layers[0]").replace(activation=jax.nn.tanh))
+    assert ft.get(new, "layers.0.activation") is jax.nn.tanh and ft.get(net, ".config") == ("a", 1)
+
 def test_get_and_set_by_key_path_or_string():
     net = make_net()
     w = ft.get(net, ".layers[1].weight")
@@ -267,7 +286,7 @@ def test_set_works_inside_jit():
     np.testing.assert_array_equal(out.inner.w, [2.0, 2.0])
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_get_set_round_trip_on_random_trees(tree: Any):
     for kp in ft.recursively_all_writable_key_paths(tree):

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from _hypothesis import examples
+from hypothesis import example, given, settings
 from test_paths import Carry, Pair, arrays, assert_same_tree
 
 import functree as ft
@@ -22,7 +23,7 @@ from functree import _paths, _state_dict
 from functree._paths import ATTR, INDEX, KEY, Entry
 from functree._tree import dotted_name
 
-SETTINGS = settings(max_examples=50, deadline=None)
+SETTINGS = settings(max_examples=examples(50), deadline=None)
 
 # Keys chosen to collide: a printed path ("['a']", ".a", "[0]"), dots, the root's names.
 TRICKY = ["a", "a.b", "['a']", '["a"]', ".a", "[0]", "0", "<root>", "", "b", "'", '"', "\\", "\n"]
@@ -47,14 +48,28 @@ def trees() -> st.SearchStrategy:
     return st.recursive(leaves, extend, max_leaves=6)
 
 
-def assert_resolves_to(tree: Any, text: str, kp: ft.KeyPath, all_paths: list[ft.KeyPath]) -> None:
-    """``text`` resolves to ``kp``, or raises because another path prints or is named as ``text``."""
+def readings(tree: Any, text: str, all_paths: list[ft.KeyPath]) -> set[ft.KeyPath]:
+    """The key paths ``text`` names in ``tree`` by ``ft.key_path``'s rule: every path whose
+    dotted name it is, and the key path it prints (``ft.KeyPath.parse``: keys in any Python
+    quoting, ``["a"]`` is ``['a']``) where that reaches a value."""
+    found = {p for p in all_paths if p.name == text}
     try:
+        printed = ft.KeyPath.parse(text)
+        printed.get(tree)
+    except (ValueError, KeyError):
+        return found
+    return found | {printed}
+
+
+def assert_resolves_to(tree: Any, text: str, kp: ft.KeyPath, all_paths: list[ft.KeyPath]) -> None:
+    """``text`` resolves to ``kp`` when that is its one reading; else it raises as ambiguous."""
+    names = readings(tree, text, all_paths)
+    assert kp in names
+    if names == {kp}:
         assert ft.key_path(tree, text) == kp
-    except ValueError as error:
-        assert "different values in this tree" in str(error)
-        rivals = [p for p in [ft.KeyPath(), *all_paths] if p != kp and text in (str(p), p.name)]
-        assert rivals, f"{text!r} was called ambiguous, but only {kp} answers to it"
+    else:
+        with pytest.raises(ValueError, match="different values in this tree"):
+            ft.key_path(tree, text)
 
 
 # ----------------------------------------------------------------- printing and parsing
@@ -69,7 +84,7 @@ entries = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(entries, max_size=5))
 def test_printed_key_paths_parse_back_exactly(path_entries: list[Entry]):
     kp = ft.KeyPath(path_entries)
@@ -83,6 +98,16 @@ def test_printed_key_paths_parse_back_exactly(path_entries: list[Entry]):
 
 @SETTINGS
 @given(trees())
+# A dict key that reads as a printed key path in another quoting, or as another dotted name.
+@example({"a": 0.0, '["a"]': 0.0})  # '["a"]' prints ['a'] and is the dotted name of ['["a"]']
+@example({"a": 0.0, "['a']": 0.0})
+@example({"'": 0.0, '["\'"]': 0.0, '"': 0.0, "['\"']": 0.0})  # either quote inside the key
+@example({"a": {"b": 0.0}, "a.b": 0.0})  # two dotted names a.b
+@example({"": {"a": 0.0}, ".a": 0.0, "a": 0.0})  # a leading dot: .a is no attribute of a dict
+@example({"[0]": 0.0, "0": 0.0})  # [0] prints an index a str-keyed dict lacks
+@example([{"[0]": 0.0}, 0.0])
+@example(Pair({".left": 0.0}, {"['right']": 0.0}))
+@example({"": 0.0, "<root>": 0.0})  # the root's printed forms
 def test_every_path_and_its_strings_reach_their_own_value(tree: Any):
     paths = ft.recursively_all_key_paths(tree)
     for kp in paths:

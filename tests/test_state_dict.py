@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from test_paths import assert_same_tree, nested_trees
 
@@ -99,7 +100,7 @@ def test_flat_dict_of_a_parameter_view_restores_into_the_parameter_view():
     assert_same_tree(restored, params)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_flat_dict_round_trip_on_random_trees(tree: Any):
     flat = ft.to_flat_dict(tree)

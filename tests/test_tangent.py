@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from test_paths import assert_same_tree, nested_trees
 
@@ -118,7 +119,7 @@ def test_tangent_ops_are_jittable():
     assert float(out) == pytest.approx(3 * np.sqrt(3))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_move_along_zero_is_identity_and_along_a_tangent_inverts(tree: Any):
     zero = ft.zero_tangent_vector(tree)
@@ -137,3 +138,37 @@ def test_tangent_scale_by_a_float32_array_keeps_bfloat16_leaves():
     scaled = ft.tangent_scale(a, jnp.asarray(0.5, jnp.float32))
     assert scaled["h"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(scaled["h"], np.float32), [0.5, 0.5])
+
+
+# -- issue 22: every operation that takes a tangent refuses a value at a non-parameter
+
+
+def test_move_refuses_a_full_structure_tree_naming_the_key_path_and_the_fix():
+    layer = make_layer()
+    full = Layer(jnp.ones((2, 2)), 0.5, jnp.ones((), jnp.int32))  # as jax.grad would give
+    with pytest.raises(ValueError) as info:
+        ft.move(layer, along=full)
+    message = str(info.value)
+    assert "ft.move: the tangent has a value at .count, which is a no_derivative field" in message
+    assert "ft.gradient(loss, at=model)" in message and "ft.parameters(tangent)" in message
+    with pytest.raises(ValueError, match=r"at \['n'\], which is not floating \(int\)"):
+        ft.move({"w": jnp.ones(2), "n": 3}, along={"w": jnp.ones(2), "n": 1.0})
+
+
+def test_move_checks_a_leaf_that_turned_integer_under_a_checked_tree_definition():
+    assert ft.move({"n": 1.0}, along={"n": 0.5}) == {"n": 1.5}
+    with pytest.raises(ValueError, match=r"at \['n'\], which is not floating"):
+        ft.move({"n": jnp.ones((), jnp.int32)}, along={"n": 0.5})  # same tree definition
+
+
+def test_move_checks_tree_definitions_once_and_at_trace_time_under_jit(monkeypatch):
+    from functree import _tangent
+
+    layer = make_layer()
+    t = ft.zero_tangent_vector(layer)
+    ft.move(layer, along=t)  # checked and remembered
+    calls = []
+    monkeypatch.setattr(_tangent, "parameters", lambda x: calls.append(x) or ft.parameters(x))
+    ft.move(layer, along=t)
+    jax.jit(lambda m, t: ft.move(m, along=t))(layer, t)
+    assert calls == []

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -125,7 +126,7 @@ _ENCODED = encode({
 })
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(where=st.integers(0, 10**6), key=st.sampled_from(["kind", "class", "key", "items", "fields",
                                                           "static", "keys", "activation", "fn"]),
        value=_JSON)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functree._display import short_array
+from functree._repr import short_array
 from functree.losses._reduction import check_float, check_same_shape, reduce
 
 __all__ = [

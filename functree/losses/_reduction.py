@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._display import short_array
+from functree._repr import short_array
 
 __all__ = ["reduce", "check_same_shape", "check_float", "REDUCTIONS"]
 

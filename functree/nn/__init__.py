@@ -7,8 +7,7 @@ layer state such as BatchNorm's running statistics travels explicitly through
 ``ft.nn.value_with_gradient_and_state``).
 """
 
-from functree.nn import initializers
-from functree.nn._activations import (
+from functree._activations import (
     celu,
     elu,
     gelu,
@@ -17,6 +16,7 @@ from functree.nn._activations import (
     hard_sigmoid,
     hard_swish,
     hard_tanh,
+    identity,
     leaky_relu,
     log_sigmoid,
     log_softmax,
@@ -31,12 +31,13 @@ from functree.nn._activations import (
     swish,
     tanh,
 )
+from functree.nn import initializers
 from functree.nn._attention import MultiheadAttention
 from functree.nn._check import LayerInputError
 from functree.nn._conv import Conv1D, Conv1DTranspose, Conv2D, Conv2DTranspose
 from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
-from functree.nn._linear import Dense, identity
+from functree.nn._linear import Dense
 from functree.nn._mode import Layer, inference, inferring, is_training, training
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._pooling import (

@@ -15,11 +15,12 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from functree._display import short_array
 from functree._module import field
+from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
+from functree.nn._rotary import apply_rotary
 
 __all__ = ["MultiheadAttention"]
 
@@ -29,6 +30,14 @@ qk_size= and vo_size= (the per-head sizes) explicitly.
 
     wrong:  ft.nn.MultiheadAttention({size}, {heads}, key=k)
     right:  ft.nn.MultiheadAttention({size}, {heads}, qk_size=16, vo_size=16, key=k)
+"""
+
+BAD_KV_HEADS = """\
+MultiheadAttention: num_kv_heads ({kv}) must divide num_heads ({heads}): each key/value head \
+serves num_heads // num_kv_heads query heads (grouped-query attention).
+
+    wrong:  ft.nn.MultiheadAttention(d, {heads}, num_kv_heads={kv}, key=k)
+    right:  ft.nn.MultiheadAttention(d, {heads}, num_kv_heads={right}, key=k)   # 1: multi-query
 """
 
 BAD_MASK = "Pass a boolean mask broadcastable to [..., num_heads, queries, keys] (True = attend)."
@@ -60,6 +69,13 @@ class MultiheadAttention(Layer):
     default to ``query``: self-attention). ``mask`` is boolean, broadcastable to
     ``[..., num_heads, queries, keys]``, True where attention is allowed.
 
+    ``num_kv_heads=K`` (grouped-query attention, Ainslie et al. 2023; ``K = 1`` is
+    multi-query attention) projects keys and values to ``K`` heads only; query head ``h``
+    attends with key/value head ``h // (num_heads // K)`` (Hugging Face's ``repeat_kv``
+    order). The default ``K = num_heads`` is ordinary multi-head attention.
+    ``rotary=base`` (``True``: 10000) rotates each head's queries and keys by their
+    positions ``0 .. T-1`` (:func:`ft.nn.apply_rotary`, the LLaMA / GPT-NeoX layout).
+
     ``causal=True`` lets query ``i`` attend to keys ``j <= i`` only (combined with
     ``mask``). ``dropout=p`` drops attention weights with probability ``p`` (scaling the
     rest by ``1 / (1 - p)``) in training mode (``ft.nn.training``), which then needs
@@ -75,6 +91,9 @@ class MultiheadAttention(Layer):
       >>> causal = jnp.tril(jnp.ones((5, 5), bool))    # the same as an explicit mask
       >>> bool(jnp.allclose(mha(x), mha.replace(causal=False)(x, mask=causal)))
       True
+      >>> gqa = ft.nn.MultiheadAttention(8, num_heads=4, num_kv_heads=2, key=jax.random.key(0))
+      >>> gqa.key_projection.weight.shape, gqa(x).shape  # 2 key heads of size 2
+      ((8, 4), (3, 5, 8))
     """
 
     query_projection: Dense
@@ -82,6 +101,8 @@ class MultiheadAttention(Layer):
     value_projection: Dense
     output_projection: Dense
     num_heads: int = field(static=True, default=1)
+    num_kv_heads: int = field(static=True, default=1)
+    rotary: float | None = field(static=True, default=None)
     causal: bool = field(static=True, default=False)
     dropout: float = field(static=True, default=0.0)
     implementation: Literal["xla", "cudnn"] | None = field(static=True, default=None)
@@ -92,6 +113,8 @@ class MultiheadAttention(Layer):
         query_size: int,
         num_heads: int,
         *,
+        num_kv_heads: int | None = None,
+        rotary: float | bool | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
         output_size: int | None = None,
@@ -107,6 +130,11 @@ class MultiheadAttention(Layer):
     ):
         if (qk_size is None or vo_size is None) and query_size % num_heads:
             raise ValueError(BAD_HEADS.format(size=query_size, heads=num_heads))
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if not isinstance(kv_heads, int) or kv_heads < 1 or num_heads % kv_heads:
+            wanted = kv_heads if isinstance(kv_heads, int) else 1
+            right = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d <= max(wanted, 1))
+            raise ValueError(BAD_KV_HEADS.format(kv=kv_heads, heads=num_heads, right=right))
         if not 0.0 <= dropout < 1.0:
             raise ValueError(BAD_DROPOUT.format(rate=dropout))
         key_size = query_size if key_size is None else key_size
@@ -116,10 +144,11 @@ class MultiheadAttention(Layer):
         vo = query_size // num_heads if vo_size is None else vo_size
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.query_projection = Dense(query_size, num_heads * qk, use_bias=use_bias, key=kq, dtype=dtype)
-        self.key_projection = Dense(key_size, num_heads * qk, use_bias=use_bias, key=kk, dtype=dtype)
-        self.value_projection = Dense(value_size, num_heads * vo, use_bias=use_bias, key=kv, dtype=dtype)
+        self.key_projection = Dense(key_size, kv_heads * qk, use_bias=use_bias, key=kk, dtype=dtype)
+        self.value_projection = Dense(value_size, kv_heads * vo, use_bias=use_bias, key=kv, dtype=dtype)
         self.output_projection = Dense(num_heads * vo, output_size, use_bias=use_bias, key=ko, dtype=dtype)
-        self.num_heads = num_heads
+        self.num_heads, self.num_kv_heads = num_heads, kv_heads
+        self.rotary = 10000.0 if rotary is True else (None if rotary is None or rotary is False else float(rotary))
         self.causal, self.dropout, self.implementation = bool(causal), float(dropout), implementation
         self.training = training
 
@@ -137,9 +166,11 @@ class MultiheadAttention(Layer):
         check_input(self, query, ("queries", self.query_projection.weight.shape[0]))
         check_input(self, keys, ("keys", self.key_projection.weight.shape[0]))
         check_input(self, values, ("keys", self.value_projection.weight.shape[0]))
-        q = self._heads(self.query_projection(query))
-        k = self._heads(self.key_projection(keys))
-        v = self._heads(self.value_projection(values))
+        q = self._heads(self.query_projection(query), self.num_heads)
+        k = self._heads(self.key_projection(keys), self.num_kv_heads)
+        v = self._heads(self.value_projection(values), self.num_kv_heads)
+        if self.rotary is not None:
+            q, k = (apply_rotary(a, jnp.arange(a.shape[-3])[:, None], base=self.rotary) for a in (q, k))
         lead = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         q, k, v = (jnp.broadcast_to(a, (*lead, *a.shape[-3:])) for a in (q, k, v))
         if mask is not None:
@@ -155,8 +186,8 @@ class MultiheadAttention(Layer):
             out = _fused_attention(q, k, v, mask, self.causal, self.implementation)
         return self.output_projection(out.reshape((*out.shape[:-2], -1)))
 
-    def _heads(self, x: jax.Array) -> jax.Array:
-        return x.reshape((*x.shape[:-1], self.num_heads, -1))
+    def _heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
+        return x.reshape((*x.shape[:-1], self.num_heads if heads is None else heads, -1))
 
     def _check_mask(self, mask: jax.Array, shape: tuple[int, ...]) -> None:
         try:
@@ -204,6 +235,8 @@ def attention_weights_times_values(
       >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=1e-6))
       True
     """
+    if k.shape[-2] != q.shape[-2]:  # grouped-query: each key/value head serves a group of queries
+        k, v = (jnp.repeat(a, q.shape[-2] // a.shape[-2], axis=-2) for a in (k, v))
     logits = jnp.einsum("...qhd,...khd->...hqk", q, k)
     logits = logits / jnp.sqrt(jnp.asarray(q.shape[-1], logits.dtype))
     allowed = None if mask is None else mask

@@ -7,7 +7,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from functree._display import short_array
+from functree._paths import KeyPath
+from functree._repr import short_array
 
 __all__ = ["LayerInputError", "check_input"]
 
@@ -46,8 +47,6 @@ class LayerInputError(ValueError):
 
     def under(self, prefix: Any) -> LayerInputError:
         """The same error with ``prefix`` prepended to the key path."""
-        from functree._paths import KeyPath
-
         return self.at(KeyPath(prefix) + (self.path or KeyPath()))
 
 

@@ -13,9 +13,10 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from functree._activations import identity
 from functree._module import field
 from functree.nn._check import check_input
-from functree.nn._linear import Initializer, glorot_uniform, identity
+from functree.nn._linear import Initializer, glorot_uniform
 from functree.nn._mode import Layer
 
 __all__ = ["Conv1D", "Conv2D", "Conv1DTranspose", "Conv2DTranspose"]

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from functree._activations import identity
 from functree._module import field
 from functree.nn._check import check_input
 from functree.nn._mode import Layer
@@ -16,17 +17,6 @@ __all__ = ["Dense", "identity"]
 
 Initializer = Callable[..., jax.Array]
 glorot_uniform = jax.nn.initializers.glorot_uniform()
-
-
-def identity(x: Any) -> Any:
-    """The identity activation (swift-apis' default).
-
-    Example:
-      >>> import functree as ft
-      >>> ft.nn.identity(3.0)
-      3.0
-    """
-    return x
 
 
 class Dense(Layer):

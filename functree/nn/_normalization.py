@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._display import short_array
 from functree._module import field
+from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._mode import Layer
 from functree.nn._state import record_state

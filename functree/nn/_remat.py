@@ -23,6 +23,8 @@ import jax
 from functree._module import field
 from functree._paths import ATTR, Entry, KeyPath
 from functree.nn._mode import Layer
+from functree.nn._sequential import takes_key
+from functree.nn._state import _stack, collect_state
 
 __all__ = ["Remat", "remat_policy", "call_collecting", "record_under"]
 
@@ -95,16 +97,12 @@ def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
 
 def collecting() -> bool:
     """Whether ``ft.nn.collect_state`` is collecting layer state now."""
-    from functree.nn._state import _stack
-
     return bool(_stack())
 
 
 def call_collecting(call: Callable[[Any], Any], layer: Any, paths: list[KeyPath]) -> tuple[Any, tuple[Any, ...]]:
     """``(call(layer), values)``: the state ``layer`` (a rebuilt copy) records, its key
     paths (relative to ``layer``) stored into ``paths`` while tracing."""
-    from functree.nn._state import collect_state
-
     out, updates = collect_state(call, layer)
     paths[:] = list(updates)
     return out, tuple(updates.values())
@@ -114,7 +112,6 @@ def record_under(owner: Any, field_name: str, paths: list[KeyPath], values: Any)
     """File state recorded by ``owner.<field_name>`` (at ``paths``) under ``owner``'s key path."""
     if not paths:
         return
-    from functree.nn._state import _stack
 
     collector = next((c for c in reversed(_stack()) if id(owner) in c.paths), None)
     if collector is None:
@@ -151,8 +148,6 @@ class Remat(Layer):
         self.policy = True if policy is None else remat_policy(policy)
 
     def __call__(self, *args: Any, key: jax.Array | None = None, **kwargs: Any) -> Any:
-        from functree.nn._sequential import takes_key
-
         if key is not None and takes_key(self.layer):
             kwargs["key"] = key
         if not collecting():

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._display import short_array
 from functree._module import field
+from functree._repr import short_array
 from functree.nn._check import check_input
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from functree._module import Module, field, from_fields
 from functree._paths import KeyPath, children, walk
+from functree._repr import short_array
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
@@ -69,8 +70,6 @@ ft.set({path}): a member of this Stack is a {expected}; given {given}.
 def _describe(tree: Any) -> str:
     leaves = jax.tree.leaves(tree)
     if len(leaves) == 1 and hasattr(leaves[0], "shape"):
-        from functree._display import short_array
-
         return short_array(leaves[0])
     return f"{type(tree).__name__} {jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), tree)}"
 
@@ -81,8 +80,6 @@ def _spec(x: Any) -> tuple[tuple[int, ...], str]:
 
 def _show(x: Any) -> str:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        from functree._display import short_array
-
         return short_array(x)
     if isinstance(x, (Module, list, tuple, dict)):
         return f"a {type(x).__name__}"

@@ -29,8 +29,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from functree import _diagnostics
 from functree._module import Module
-from functree._paths import ATTR, Entry, KeyPath, walk
+from functree._operators import value_with_gradient
+from functree._paths import ATTR, Entry, KeyPath, key_path, walk
 from functree.nn._check import LayerInputError
 
 __all__ = [
@@ -195,8 +197,6 @@ def _find_path(layer: Any) -> KeyPath | None:
 
 
 def _warn_uncollected(layer: Any, names: tuple[str, ...]) -> None:
-    from functree import _diagnostics
-
     if _diagnostics._TRACE.active:  # ft's silent pre-trace; the real trace that follows warns
         return
     cls = type(layer)
@@ -269,8 +269,6 @@ def apply_state(model: Any, updates: dict[KeyPath, Any]) -> Any:
 
 
 def _set_named(model: Any, path: Any, value: Any) -> Any:
-    from functree._paths import key_path
-
     return key_path(model, path).set(model, value)
 
 
@@ -304,8 +302,6 @@ def value_with_gradient_and_state(
       >>> bool(jnp.all(model.layers[1].running_mean != 0))
       True
     """
-    from functree._operators import value_with_gradient
-
     def objective(m: Any, *a: Any, **kw: Any) -> tuple[Any, Any]:
         out, state = collect_state(lambda mm: loss_fn(mm, *a, **kw), m)
         if has_aux:

@@ -18,11 +18,16 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
     LSTMCell, LSTM  the same four            LSTMCell / RNN(LSTMCell)  input_weight, hidden_weight,
                                              bias = bias_ih + bias_hh
 
-A layer's torch name is its key path with ``Sequential``'s ``layers`` and ``Shared``'s
-``model`` left out (``features.layers.0`` is torch's ``features.0``); any other array leaf
-is matched by that name as it is (a torch ``nn.Parameter``). ``rename=`` maps torch name
-prefixes onto the model's where they differ. Only single-layer, unidirectional ``GRU`` /
-``LSTM`` map onto ``RNN`` (torch's other layers and directions stay unmatched, reported).
+A layer's torch name is its key path with ``Sequential``'s ``layers``, ``Remat``'s
+``layer`` and ``Shared``'s ``model`` left out (``features.layers.0`` is torch's
+``features.0``); any other array leaf is matched by that name as it is (a torch
+``nn.Parameter``). A ``Stack``'s member ``i`` is torch's ``h.i`` (a ``ModuleList``), its
+slice of every stacked leaf converted as its layer is. A ``Shared`` tie's value is torch's
+tensor under each of its names (torch's tied parameters). ``rename=`` maps torch name
+prefixes onto the model's where they differ; ``layouts=`` reads Hugging Face's ``Conv1D``
+and attention held as separate ``Linear`` layers. Only single-layer, unidirectional
+``GRU`` / ``LSTM`` map onto ``RNN`` (torch's other layers and directions stay unmatched,
+reported).
 
 Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argument away:
 
@@ -41,6 +46,10 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import json
+import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._stacked import is_stacked
 from functree._state_dict import FlatDictReport, _to_numpy, from_flat_dict, to_flat_dict
 from functree._tree import dotted_name
 from functree.nn._attention import MultiheadAttention
@@ -56,6 +66,7 @@ from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell
+from functree.nn._remat import Remat
 from functree.nn._sequential import Sequential
 from functree.nn._shared import Shared
 
@@ -64,7 +75,8 @@ __all__ = ["load_torch_state_dict", "torch_state_dict"]
 TORCH_MISMATCH = """\
 ft.nn.load_torch_state_dict: the state dict does not fit the model (names as torch spells them).
 {report}
-The model's torch names are its key paths without Sequential's "layers", e.g. {example}.
+The model's torch names are its key paths without Sequential's "layers" (a Stack's members \
+are h.0, h.1, ...), e.g. {example}.
 Map differing prefixes with rename={{"torch.prefix": "model.prefix"}}, or pass strict=False \
 to load what fits and get this report back: model, report = ft.nn.load_torch_state_dict(model, sd, strict=False)"""
 
@@ -82,12 +94,50 @@ NO_TORCH = """\
 ft.nn.torch_state_dict returns torch tensors and needs torch: pip install torch. For NumPy \
 arrays in torch's layout pass numpy=True."""
 
+LAYOUT_UNUSED = """\
+ft.nn: layouts= patterns {patterns} match no Dense or MultiheadAttention layer of the model. \
+Patterns (fnmatch) are matched against the model's torch names and key paths, after rename=: \
+{names}
+
+    right:  layouts={{"h.*.attn": "conv1d"}}"""
+
+BAD_LAYOUT = """\
+ft.nn: layouts= gives {name} the layout {layout!r}; this layer knows {known}.
+
+    right:  layouts={{"*.attn": "conv1d"}}   # Hugging Face's Conv1D (GPT-2)
+       or:  layouts={{"*.self_attn": ("q_proj", "k_proj", "v_proj", "o_proj")}}"""
+
+RENAME_STARS = """\
+ft.nn: rename={{{old!r}: {new!r}}} has a different number of * on each side; each * of the \
+torch name goes to the * of the model's name in order.
+
+    right:  rename={{"transformer.h.*": "blocks.*"}}"""
+
+BAD_SAFETENSORS = """\
+ft.nn.load_torch_state_dict({path!r}): not a .safetensors file this reads ({why}). Pass a \
+state dict instead:
+
+    right:  ft.nn.load_torch_state_dict(model, torch.load(path, weights_only=True))"""
+
+TIES_DISAGREE = """\
+ft.nn.load_torch_state_dict: the state dict gives a tied parameter two different values: \
+{target} (ft: {ft_target}) differs from {source} (ft: {ft_source}) by up to {difference:.3g} \
+after the tie's transform. The model stores one value (ft.nn.Shared). Load the one you mean:
+
+    right:  sd = dict(sd); del sd[{target0!r}]   # the tie then follows {source0!r}
+       or:  untie the model (no ft.nn.Shared) to keep both"""
+
+TIE_NOT_INVERTIBLE = """\
+ft.nn.load_torch_state_dict: the state dict gives the tied {target} but not its source \
+{source}, and the tie's transform cannot be undone (it is not a linear, invertible map such \
+as a transpose). Give the source's tensors: {torch}."""
+
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Rule:
-    """Torch tensors ``torch`` (full names) ↔ model leaves ``ft`` (dotted key paths)."""
+    """Torch tensors ``torch`` (full names) ↔ model parameters ``ft`` (their ``_Plan`` names)."""
 
     torch: tuple[str, ...]
     ft: tuple[str, ...]
@@ -124,8 +174,12 @@ def _flattened_linear(shape: tuple[int, ...]) -> Local:
     return ("weight",), ("weight",), to_ft, to_torch
 
 
-def _dense(layer: Dense, flattened: tuple[int, ...] | None = None, torch: str = "", ft: str = "") -> list[Local]:
-    weight = _permuted("weight", "weight", (1, 0)) if flattened is None else _flattened_linear(flattened)
+def _dense(layer: Dense, flattened: tuple[int, ...] | None = None, torch: str = "", ft: str = "",
+           layout: str | None = None) -> list[Local]:
+    if layout == "conv1d":  # Hugging Face's Conv1D stores [in, out], as ft.nn does
+        weight = _same("weight", "weight")
+    else:
+        weight = _permuted("weight", "weight", (1, 0)) if flattened is None else _flattened_linear(flattened)
     rules = [weight] + ([_same("bias", "bias")] if layer.bias is not None else [])
     return [_prefixed(rule, torch, ft) for rule in rules]
 
@@ -158,18 +212,32 @@ def _split(sizes: Sequence[int], transpose: bool) -> tuple[Callable[..., Any], C
     return (lambda w: tuple(t(p) for p in np.split(w, cuts))), (lambda *ps: (np.concatenate([t(p) for p in ps]),))
 
 
-def _attention(layer: MultiheadAttention) -> list[Local]:
+def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     projections = (layer.query_projection, layer.key_projection, layer.value_projection)
     names = ("query_projection", "key_projection", "value_projection")
+    if isinstance(layout, (tuple, list)):  # separate Linear layers: q_proj, k_proj, v_proj, o_proj
+        return [rule for p, t, n in zip((*projections, layer.output_projection), layout, (*names, "output_projection"))
+                for rule in _dense(p, torch=t, ft=n)]
     inputs = {p.weight.shape[0] for p in projections}
     sizes = [p.weight.shape[1] for p in projections]
+    if layout == "conv1d":  # GPT-2: c_attn [in, q|k|v], c_proj [in, out]
+        rules: list[Local] = [(("c_attn.weight",), tuple(f"{n}.weight" for n in names), *_split_columns(sizes))]
+        if layer.query_projection.bias is not None:
+            rules.append((("c_attn.bias",), tuple(f"{n}.bias" for n in names), *_split(sizes, False)))
+        return rules + _dense(layer.output_projection, torch="c_proj", ft="output_projection", layout="conv1d")
     if len(inputs) == 1:  # torch's _qkv_same_embed_dim: one stacked in_proj_weight
-        rules: list[Local] = [(("in_proj_weight",), tuple(f"{n}.weight" for n in names), *_split(sizes, True))]
+        rules = [(("in_proj_weight",), tuple(f"{n}.weight" for n in names), *_split(sizes, True))]
     else:
         rules = [_permuted(f"{t}_proj_weight", f"{n}.weight", (1, 0)) for t, n in zip("qkv", names)]
     if layer.query_projection.bias is not None:
         rules.append((("in_proj_bias",), tuple(f"{n}.bias" for n in names), *_split(sizes, False)))
     return rules + _dense(layer.output_projection, torch="out_proj", ft="output_projection")
+
+
+def _split_columns(sizes: Sequence[int]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """One ``[in, q|k|v]`` matrix ↔ the three ``[in, size]`` projection weights."""
+    cuts = np.cumsum(sizes)[:-1]
+    return (lambda w: tuple(np.split(w, cuts, axis=1))), (lambda *ps: (np.concatenate(ps, axis=1),))
 
 
 def _cell(layer: GRUCell | LSTMCell, suffix: str = "", ft: str = "") -> list[Local]:
@@ -191,7 +259,6 @@ _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None
     (_Conv, _conv),
     ((LayerNorm, GroupNorm, RMSNorm, BatchNorm), _norm),
     (Embedding, lambda layer: [_same("weight", "embeddings")]),
-    (MultiheadAttention, _attention),
     ((GRUCell, LSTMCell), _cell),
     (RNN, _rnn),
 )
@@ -207,73 +274,239 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]]) -> list[_Rule]:
-    """Every rule of the model, in full names; each array leaf is covered by exactly one."""
-    rules: list[_Rule] = []
-    dense: list[tuple[str, str]] = []
+def _under(stored: str | None, name: str) -> str | None:
+    return None if stored is None else _join(stored, name)
 
-    def walk(node: Any, ft: str, torch: str) -> None:
-        local = _layer_rules(node, ft, torch, flattened, dense)
+
+def _get(node: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One parameter as torch sees it: a Stack member's slice, or a tie's target value."""
+
+    stored: str | None  # the stored leaf's ``to_flat_dict`` name; None for a tie's target
+    index: tuple[int, ...]  # member numbers into the stored leaf (one per enclosing Stack)
+    value: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tie:
+    """``target`` holds ``transform(source)`` (names with member numbers, as in ``_Plan``)."""
+
+    target: str
+    source: str
+    transform: Callable[[Any], Any] | None
+    template: Any  # the source's value: shapes and dtypes to invert the transform on
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Every rule of a model and the leaves they convert, named as ``ft.get`` names them:
+    Stack members by number (``h.0.attn...``), a Shared tie's target by its own name."""
+
+    rules: list[_Rule]
+    leaves: dict[str, _Leaf]
+    ties: list[_Tie]
+
+
+@dataclasses.dataclass
+class _Options:
+    flattened: Mapping[str, tuple[int, ...]]
+    layouts: Mapping[str, Any]
+    dense: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    layered: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # Dense, attention
+    used: set[str] = dataclasses.field(default_factory=set)
+
+    def layout(self, ft: str, torch: str) -> Any:
+        self.layered.append((torch, ft))
+        for pattern, layout in self.layouts.items():
+            if fnmatch.fnmatchcase(torch, pattern) or fnmatch.fnmatchcase(ft, pattern):
+                self.used.add(pattern)
+                return layout
+        return None
+
+
+def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping[str, Any] | None = None,
+          *, values: bool = True) -> _Plan:
+    """Every rule of the model, in full names; each parameter (member) is covered by exactly one.
+
+    Stacks are walked member by member (torch's ``h.0``, ``h.1``, ...), a Shared's tied
+    places under each of their names, Sequential's ``layers``, Remat's ``layer`` and
+    Shared's ``model`` left out of torch's names. ``values=False`` plans on zero-stride
+    placeholders of the leaves' shapes and dtypes (loading needs no copy of the model).
+    """
+    plan = _Plan([], {}, [])
+    options = _Options(flattened, layouts or {})
+    derived: list[str] = []
+
+    def tied(name: str) -> bool:
+        return any(name == d or name.startswith(d + ".") for d in derived)
+
+    def add(local: list[Local], node: Any, ft: str, stored: str | None, index: tuple[int, ...], torch: str) -> None:
+        for t, f, a, b in local:
+            names = tuple(_join(ft, n) for n in f)
+            for n, full in zip(f, names):
+                where = None if stored is None or tied(full) else _join(stored, n)
+                plan.leaves[full] = _Leaf(where, index, np.asarray(_get(node, n) if n else node))
+            plan.rules.append(_Rule(tuple(_join(torch, n) for n in t), names, a, b))
+
+    def walk(node: Any, ft: str, stored: str | None, index: tuple[int, ...], torch: str) -> None:
+        local = _layer_rules(node, ft, torch, options)
         if local is not None:
-            rules.extend(_Rule(tuple(_join(torch, n) for n in t), tuple(_join(ft, n) for n in f), a, b)
-                         for t, f, a, b in local)
+            return add(local, node, ft, stored, index, torch)
+        if is_stacked(node):
+            ((field_name, _),) = _children(node)
+            for i in range(len(node)):
+                walk(node._member(i), _join(ft, str(i)), _under(stored, field_name), (*index, i), _join(torch, str(i)))
             return
+        if isinstance(node, Shared):
+            resolved, base = node.resolve(), _join(ft, "model")
+            for target, source, transform in node.ties:
+                derived.append(_join(base, target.name))
+                plan.ties.append(_Tie(_join(base, target.name), _join(base, source.name), transform, source.get(resolved)))
+            return walk(resolved, base, _under(stored, "model"), index, torch)
         children = _children(node)
         if not children and jax.tree.leaves(node):  # a leaf outside known layers: its name, as is
-            rules.append(_Rule((torch,), (ft,), lambda a: (a,), lambda a: (a,)))
-            return
+            return add([_same("", "")], node, ft, stored, index, torch)
         for name, child in children:
-            hidden = (isinstance(node, Sequential) and name == "layers") or (isinstance(node, Shared) and name == "model")
-            walk(child, _join(ft, name), torch if hidden else _join(torch, name))
+            hidden = isinstance(node, (Sequential, Remat)) and name in ("layers", "layer")
+            walk(child, _join(ft, name), _under(stored, name), index, torch if hidden else _join(torch, name))
 
-    walk(model, "", "")
-    unknown = [name for name in flattened if not any(name in pair for pair in dense)]
+    walk(jax.tree.map(np.asarray if values else _placeholder, model), "", "", (), "")
+    unknown = [name for name in options.flattened if not any(name in pair for pair in options.dense)]
     if unknown:
-        names = [t for t, _ in dense]
+        names = [t for t, _ in options.dense]
         raise ValueError(FLATTENED_UNKNOWN.format(names=unknown, dense=names, first=names[0] if names else "fc"))
-    return rules
+    unused = [pattern for pattern in options.layouts if pattern not in options.used]
+    if unused:
+        raise ValueError(LAYOUT_UNUSED.format(patterns=unused, names=[t for t, _ in options.layered][:8]))
+    return plan
 
 
-def _layer_rules(node: Any, ft: str, torch: str, flattened: Mapping[str, tuple[int, ...]],
-                 dense: list[tuple[str, str]]) -> list[Local] | None:
+def _placeholder(leaf: Any) -> np.ndarray:
+    """Zeros of ``leaf``'s shape and dtype that take no memory (a broadcast view)."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+    return np.asarray(leaf)
+
+
+def _layer_rules(node: Any, ft: str, torch: str, options: _Options) -> list[Local] | None:
     if isinstance(node, Dense):
-        dense.append((torch, ft))
-        shape = flattened.get(torch, flattened.get(ft))
+        options.dense.append((torch, ft))
+        layout = options.layout(ft, torch)
+        shape = options.flattened.get(torch, options.flattened.get(ft))
         if shape is not None and int(np.prod(shape)) != node.weight.shape[0]:
             raise ValueError(FLATTENED_SIZE.format(name=torch, shape=tuple(shape), size=int(np.prod(shape)),
                                                    inputs=node.weight.shape[0]))
-        return _dense(node, None if shape is None else tuple(shape))
+        return _dense(node, None if shape is None else tuple(shape), layout=_checked_layout(layout, torch, DENSE_LAYOUTS))
+    if isinstance(node, MultiheadAttention):
+        layout = options.layout(ft, torch)
+        if not (isinstance(layout, (tuple, list)) and len(layout) == 4 and all(isinstance(n, str) for n in layout)):
+            layout = _checked_layout(layout, torch, ATTENTION_LAYOUTS)
+        return _attention(node, layout)
     for cls, make in _LAYERS:
         if isinstance(node, cls):
             return make(node)
     return None
 
 
+DENSE_LAYOUTS = ("linear", "conv1d")
+ATTENTION_LAYOUTS = ("torch", "conv1d", "(q, k, v, output) Linear names")
+
+
+def _checked_layout(layout: Any, torch: str, known: tuple[str, ...]) -> Any:
+    if layout is None or layout in known[:2]:
+        return layout
+    raise ValueError(BAD_LAYOUT.format(layout=layout, name=torch, known=", ".join(known)))
+
+
 def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
-    """Torch names → the model's (``to_model``) or back; a mapping renames prefixes, longest first."""
+    """Torch names → the model's (``to_model``) or back.
+
+    A mapping renames prefixes (whole dotted parts), the longest first, one rename per
+    name; ``*`` in a prefix matches one name part (``h.*``: ``h.0``) and each ``*`` of the
+    other side takes what it matched, in order.
+    """
     if rename is None:
         return lambda name: name
     if callable(rename):
         return rename
+    for old, new in rename.items():
+        if old.count("*") != new.count("*"):
+            raise ValueError(RENAME_STARS.format(old=old, new=new))
     pairs = [(t, m) if to_model else (m, t) for t, m in rename.items()]
     pairs.sort(key=lambda pair: -len(pair[0]))
+    compiled = [(_prefix_pattern(old), new) for old, new in pairs if old]
+    strip = next((new for old, new in pairs if not old), None)
 
     def renamed(name: str) -> str:
-        for old, new in pairs:
-            if not old or name == old or name.startswith(old + "."):
-                return _join(new, name[len(old):].lstrip("."))
-        return name
+        for pattern, new in compiled:
+            found = pattern.match(name)
+            if found:
+                head = _filled(new, found.groups())
+                return _join(head, name[found.end():].lstrip("."))
+        return name if strip is None else _join(strip, name)
 
     return renamed
 
 
+def _filled(pattern: str, parts: Sequence[str]) -> str:
+    """``pattern`` with its ``*`` replaced by ``parts`` in order."""
+    pieces = pattern.split("*")
+    return "".join(p + q for p, q in zip(pieces, (*parts, ""), strict=True))
+
+
+def _prefix_pattern(old: str) -> re.Pattern[str]:
+    """``old`` (``*``: one name part) as a regex matching a name's first whole dotted parts."""
+    return re.compile("^" + "([^.]*)".join(re.escape(part) for part in old.split("*")) + r"(?=\.|$)")
+
+
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "BOOL": np.bool_}
+
+
+def _load_file(path: Any) -> dict[str, np.ndarray]:
+    """The tensors of a ``.safetensors`` file as read-only NumPy views of a memory map.
+
+    The format: an 8-byte little-endian header size, a JSON header ``{name: {"dtype",
+    "shape", "data_offsets": [begin, end]}}`` (offsets into the bytes after it), the bytes.
+    Read here rather than by ``safetensors.numpy``, which refuses bfloat16.
+    """
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(BAD_SAFETENSORS.format(path=os.fspath(path), why="its header is not JSON"))
+    raw = np.memmap(path, np.uint8, mode="r", offset=8 + size)
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(BAD_SAFETENSORS.format(path=os.fspath(path), why=f"{name} has dtype {info['dtype']}, "
+                                                    f"one of {sorted(_SAFETENSORS_DTYPES)} is read"))
+        begin, end = info["data_offsets"]
+        tensors[name] = raw[begin:end].view(dtype).reshape(info["shape"])
+    return tensors
+
+
 def load_torch_state_dict(
     model: Any,
-    state_dict: Mapping[str, Any],
+    state_dict: Mapping[str, Any] | str | os.PathLike[str],
     *,
     strict: bool = True,
     rename: Rename = None,
     flattened: Mapping[str, Sequence[int]] | None = None,
+    layouts: Mapping[str, Any] | None = None,
 ) -> Any:
     """``model`` with a torch ``state_dict``'s tensors in it, renamed and re-laid-out.
 
@@ -283,12 +516,25 @@ def load_torch_state_dict(
     error listing missing, unexpected and mis-shaped torch names; ``strict=False`` keeps
     the model's value wherever the state dict does not fit and returns ``(model, report)``
     (an ``ft.FlatDictReport`` in torch's names). ``num_batches_tracked`` is dropped.
+    ``state_dict`` may be the path of a ``.safetensors`` file (read without torch).
+
+    Structural layers nest freely: a ``Stack``'s members are torch's ``h.0``, ``h.1``, ...
+    (each converted as its layer is); ``Sequential``'s ``layers``, ``Remat``'s ``layer``
+    and ``Shared``'s ``model`` are not part of torch's names. A ``Shared`` tie answers to
+    both its names, as torch's tied ``state_dict()`` writes them: given both, they must be
+    equal (after the tie's transform); given one, it fills the tie.
 
     ``rename`` maps torch name prefixes onto the model's, ``{"backbone.features":
-    "encoder"}`` (longest first; ``{"module": ""}`` strips DataParallel's prefix), or is a
-    function of the torch name. ``flattened={"classifier.0": (C, H, W)}`` names Dense
-    layers fed by torch's ``Flatten`` of ``[C, H, W]`` feature maps: their weight rows
-    are permuted to ft's channels-last ``[H, W, C]`` order.
+    "encoder"}`` (longest first; ``{"module": ""}`` strips DataParallel's prefix; ``*``
+    matches one name part, ``{"transformer.h.*.ln_1": "blocks.*.norm"}``; one rename per name), or is a function of the
+    torch name. ``layouts`` maps name patterns (``fnmatch``, on the model's torch names or
+    key paths) to other torch layouts: ``"conv1d"`` for Hugging Face's ``Conv1D``
+    (``Dense`` weight stored ``[in, out]``; a ``MultiheadAttention`` as GPT-2's fused
+    ``c_attn`` and ``c_proj``), or four names for a ``MultiheadAttention`` held as
+    separate ``Linear`` layers, ``("q_proj", "k_proj", "v_proj", "o_proj")``.
+    ``flattened={"classifier.0": (C, H, W)}`` names Dense layers fed by torch's ``Flatten``
+    of ``[C, H, W]`` feature maps: their weight rows are permuted to ft's channels-last
+    ``[H, W, C]`` order.
 
     Example:
       >>> import functree as ft, jax, numpy as np
@@ -302,34 +548,146 @@ def load_torch_state_dict(
       >>> report.missing
       ('0.bias', '1.weight', '1.bias')
     """
+    if isinstance(state_dict, (str, os.PathLike)):
+        state_dict = _load_file(state_dict)
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
-    plan = _plan(model, shapes)
+    plan = _plan(model, shapes, layouts, values=False)
     to_model = _renamer(rename, to_model=True)
     given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
-    template = to_flat_dict(model)
-    flat: dict[str, Any] = {}
-    missing: list[str] = []
+    values, absent, mismatched = _converted(plan, given)
+    _fill_ties(plan, values)
+    missing = [n for rule, names in absent if not all(f in values for f in rule.ft) for n in names]
+    flat, wrong_dtypes = _stored(plan, values, to_flat_dict(model))
+    tree, fitted = from_flat_dict(model, flat, strict=False, cast=True)
+    if any(any(n in values for n in _under_name(plan, tie.target)) for tie in plan.ties):
+        _check_ties(plan, _plan(tree, shapes, layouts), values)
+    claimed = {n for rule in plan.rules for n in rule.torch}
+    report = FlatDictReport(
+        tuple(missing), tuple(k for k in given if k not in claimed),
+        (*mismatched, *wrong_dtypes, *fitted.mismatched), fitted.hints,
+    )
+    if strict and not report.ok:
+        rules = plan.rules
+        example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), rules[0].ft[0] if rules else "")
+        raise ValueError(TORCH_MISMATCH.format(report=report, example=example))
+    return tree if strict else (tree, report)
+
+
+def _under_name(plan: _Plan, prefix: str) -> list[str]:
+    return [n for n in plan.leaves if n == prefix or n.startswith(prefix + ".")]
+
+
+def _member_of(name: str, leaf: _Leaf) -> str:
+    return f"Stack member {name}" if leaf.index else name
+
+
+def _converted(plan: _Plan, given: Mapping[str, Any]
+               ) -> tuple[dict[str, np.ndarray], list[tuple[_Rule, list[str]]], list[tuple[str, str, str]]]:
+    """The given torch tensors in ft's layout by ft name; absent (by rule) and mis-shaped torch names."""
+    values: dict[str, np.ndarray] = {}
+    missing: list[tuple[_Rule, list[str]]] = []
     mismatched: list[tuple[str, str, str]] = []
-    for rule in plan:
-        expected = rule.to_torch(*(_zeros_like(template[n]) for n in rule.ft))
+    for rule in plan.rules:
+        leaves = [plan.leaves[n] for n in rule.ft]
+        expected = rule.to_torch(*(leaf.value for leaf in leaves))
         absent = [n for n in rule.torch if n not in given]
         wrong = [(n, e.shape, tuple(np.shape(given[n]))) for n, e in zip(rule.torch, expected)
                  if n in given and tuple(np.shape(given[n])) != e.shape]
-        missing += absent
-        mismatched += [(n, f"shape {e}", f"shape {g}") for n, e, g in wrong]
+        if absent and all(leaf.stored is not None for leaf in leaves):  # a tie's target may be absent
+            missing.append((rule, absent))
+        where = _member_of(rule.ft[0], leaves[0]) + (" ..." if len(rule.ft) > 1 else "")
+        mismatched += [(n, f"shape {e} (for {where})", f"shape {g}") for n, e, g in wrong]
         if not absent and not wrong:
-            values = rule.to_ft(*(_to_numpy(given[n]) for n in rule.torch))
-            flat.update((n, _as_leaf(template[n], v)) for n, v in zip(rule.ft, values))
-    claimed = {n for rule in plan for n in rule.torch}
-    tree, fitted = from_flat_dict(model, flat, strict=False, cast=True)
-    report = FlatDictReport(
-        tuple(missing), tuple(k for k in given if k not in claimed),
-        (*mismatched, *fitted.mismatched), fitted.hints,
-    )
-    if strict and not report.ok:
-        example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in plan if "layers" in r.ft[0]), plan[0].ft[0] if plan else "")
-        raise ValueError(TORCH_MISMATCH.format(report=report, example=example))
-    return tree if strict else (tree, report)
+            values.update(zip(rule.ft, rule.to_ft(*(_to_numpy(given[n]) for n in rule.torch))))
+    return values, missing, mismatched
+
+
+def _fill_ties(plan: _Plan, values: dict[str, np.ndarray]) -> None:
+    """A tie given only under its target's name fills its source (the stored value)."""
+    for tie in plan.ties:
+        targets, sources = _under_name(plan, tie.target), _under_name(plan, tie.source)
+        if not targets or any(n not in values for n in targets) or all(n in values for n in sources):
+            continue
+        if tie.transform is None:
+            filled = {tie.source + n[len(tie.target):]: values[n] for n in targets}
+        elif isinstance(tie.template, (np.ndarray, jax.Array)):
+            filled = {tie.source: _inverted(tie, values[tie.target], plan)}
+        else:
+            raise ValueError(TIE_NOT_INVERTIBLE.format(target=tie.target, source=tie.source,
+                                                       torch=_torch_names(plan, tie.source)))
+        for n, v in filled.items():
+            values.setdefault(n, v)
+
+
+def _inverted(tie: _Tie, target: np.ndarray, plan: _Plan) -> np.ndarray:
+    """The source value whose transform is ``target`` (a linear, invertible transform:
+    transpose, reshape; checked by applying the transform to it)."""
+    assert tie.transform is not None
+    template = np.asarray(tie.template)
+    wanted = np.asarray(target).astype(template.dtype)
+    try:
+        (source,) = jax.linear_transpose(tie.transform, template)(jnp.asarray(wanted))
+        ok = np.array_equal(np.asarray(tie.transform(source)), wanted)
+    except Exception:  # not linear, or another shape: say so below
+        ok = False
+    if not ok:
+        raise ValueError(TIE_NOT_INVERTIBLE.format(target=tie.target, source=tie.source,
+                                                   torch=_torch_names(plan, tie.source)))
+    return np.asarray(source)
+
+
+def _torch_names(plan: _Plan, ft: str) -> list[str]:
+    """The torch names of the rules converting the parameters at or under ``ft``."""
+    under = set(_under_name(plan, ft))
+    return [t for rule in plan.rules if under.intersection(rule.ft) for t in rule.torch]
+
+
+def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str, Any]
+            ) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+    """The stored leaves (``to_flat_dict`` names) with the given values put in: a Stack
+    member's value into its slice of the stacked leaf."""
+    members: dict[str, list[tuple[tuple[int, ...], np.ndarray, str]]] = {}
+    for name, leaf in plan.leaves.items():
+        if leaf.stored is not None and name in values:
+            members.setdefault(leaf.stored, []).append((leaf.index, values[name], name))
+    flat: dict[str, Any] = {}
+    wrong: list[tuple[str, str, str]] = []
+    for stored, items in members.items():
+        old = template[stored]
+        if items[0][0] == ():
+            flat[stored] = _as_leaf(old, items[0][1])
+            continue
+        array = np.array(old)
+        floating = jnp.issubdtype(array.dtype, jnp.floating)
+        for index, value, name in items:
+            if value.dtype == array.dtype or (floating and jnp.issubdtype(value.dtype, jnp.floating)):
+                array[index] = value.astype(array.dtype)
+            else:
+                wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}"))
+        flat[stored] = jnp.asarray(array)
+    return flat, wrong
+
+
+def _check_ties(plan: _Plan, loaded: _Plan, values: Mapping[str, np.ndarray]) -> None:
+    """Each tie's given target equals the loaded model's (the source's, transformed)."""
+    for tie in plan.ties:
+        for name in _under_name(plan, tie.target):
+            if name not in values:
+                continue
+            held = np.asarray(loaded.leaves[name].value)
+            given = np.asarray(values[name]).astype(held.dtype)
+            tolerance = 0.0 if tie.transform is None else 4 * _eps(held) * float(np.abs(given).max(initial=0))
+            difference = float(np.abs(given.astype(np.float64) - held.astype(np.float64)).max(initial=0))
+            if not difference <= tolerance:  # NaN disagrees too
+                source = tie.source + name[len(tie.target):] if tie.transform is None else tie.source
+                target, given_source = _torch_names(plan, name), _torch_names(plan, source) or [source]
+                raise ValueError(TIES_DISAGREE.format(
+                    target=target, source=given_source, target0=target[0], source0=given_source[0],
+                    ft_target=name, ft_source=source, difference=difference))
+
+
+def _eps(a: np.ndarray) -> float:
+    return float(jnp.finfo(a.dtype).eps) if jnp.issubdtype(a.dtype, jnp.floating) else 0.0
 
 
 def _as_leaf(old: Any, value: np.ndarray) -> Any:
@@ -339,26 +697,24 @@ def _as_leaf(old: Any, value: np.ndarray) -> Any:
     return jnp.asarray(value.astype(old.dtype))
 
 
-def _zeros_like(leaf: Any) -> np.ndarray:
-    """Zeros of a leaf's shape: the torch layout's shapes come from the same conversions."""
-    return np.zeros(np.shape(leaf), np.float32)
-
-
 def torch_state_dict(
     model: Any,
     *,
     rename: Rename = None,
     flattened: Mapping[str, Sequence[int]] | None = None,
+    layouts: Mapping[str, Any] | None = None,
     numpy: bool = False,
 ) -> dict[str, Any]:
     """The inverse of :func:`load_torch_state_dict`: ``model``'s leaves as a torch state dict.
 
     Names and layouts are torch's (module docstring); ``torch_module.load_state_dict(sd)``
-    takes it. ``rename`` is the same mapping as for loading (``{torch_prefix:
-    model_prefix}``, applied backwards) or a function of the model's torch name;
-    ``flattened`` as for loading. An LSTM's one bias is saved as ``bias_ih`` with a zero
-    ``bias_hh``. Tensors are torch's (bfloat16 stays bfloat16); ``numpy=True`` returns
-    NumPy arrays instead and does not import torch.
+    takes it. A Stack's members are written as ``h.0``, ``h.1``, ...; a ``Shared`` tie's
+    value under each of its names (as torch's tied ``state_dict()``). ``rename`` is the
+    same mapping as for loading (``{torch_prefix: model_prefix}``, applied backwards) or a
+    function of the model's torch name; ``flattened`` and ``layouts`` as for loading. An
+    LSTM's one bias is saved as ``bias_ih`` with a zero ``bias_hh``. Tensors are torch's
+    (bfloat16 stays bfloat16); ``numpy=True`` returns NumPy arrays instead and does not
+    import torch.
 
     Example:
       >>> import functree as ft, jax
@@ -369,10 +725,10 @@ def torch_state_dict(
     """
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
     to_torch = _renamer(rename, to_model=False)
-    leaves = to_flat_dict(model)
+    plan = _plan(model, shapes, layouts)
     out: dict[str, Any] = {}
-    for rule in _plan(model, shapes):
-        values = rule.to_torch(*(np.asarray(leaves[n]) for n in rule.ft))
+    for rule in plan.rules:
+        values = rule.to_torch(*(plan.leaves[n].value for n in rule.ft))
         out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in zip(rule.torch, values))
     return out if numpy else _as_tensors(out)
 

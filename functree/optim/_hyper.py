@@ -32,6 +32,7 @@ from functree._parameters import parameters
 from functree._tree import is_none, register_record
 from functree.optim._checks import checked_gradients, keep_unchanged
 from functree.optim._context import LearningContext, advance, current, initial_context
+from functree.optim._schedules import piecewise
 
 __all__ = [
     "HyperState",
@@ -236,8 +237,6 @@ def _as_spec(spec: Any) -> Any:
     if isinstance(spec, Rate):
         return Rate(_as_spec(spec.value), spec.samples)
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(p, (list, tuple)) for p in spec):
-        from functree.optim._schedules import piecewise
-
         return piecewise(spec)
     return spec
 

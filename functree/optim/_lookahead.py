@@ -26,6 +26,7 @@ import jax
 import optax
 
 from functree._tree import is_none, register_record
+from functree.optim._hyper import HyperState
 
 __all__ = ["SlowState", "lookahead", "from_optax"]
 
@@ -88,8 +89,6 @@ register_record(SlowState, ["inner", "slow"])
 
 
 def _is_hyper(x: Any) -> bool:
-    from functree.optim._hyper import HyperState
-
     return isinstance(x, HyperState)
 
 

@@ -23,6 +23,7 @@ of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -46,7 +47,7 @@ from functree.optim._skip import applied_in, check_on_nan, gate, guard, select
 from functree.optim._state import OptimizerState, release_contexts
 from functree.optim._subset import check_wrt, drop_frozen, trained_view
 
-__all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "leading_dimension"]
+__all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "leading_dimension", "with_wrt"]
 
 FROZEN_OPTIMIZER = """\
 Optimizers are immutable; build a new one instead of assigning {name!r}:
@@ -642,3 +643,34 @@ class OptimizerWrapper(Optimizer):
 
     def apply_updates(self, model: Any, updates: Any) -> Any:
         return self.inner.apply_updates(model, updates)
+
+
+WRT_CONFLICT = """\
+The optimizer already trains wrt={old!r}; cannot also restrict it to wrt={new!r}. \
+Give the patterns in one place:
+
+    wrong:  ft.train.Trainer(model, ft.optim.Optimizer(tx, wrt="a.*"), loss_fn, wrt="b.*")
+    right:  ft.train.Trainer(model, ft.optim.Optimizer(tx), loss_fn, wrt="b.*")
+"""
+
+
+def with_wrt(optimizer: Any, wrt: Any) -> Any:
+    """``optimizer`` training only the parameters ``wrt`` selects (``ft.train.Trainer(wrt=)``).
+
+    A plain optax transformation becomes ``Optimizer(transform, wrt=wrt)``; an Optimizer
+    (or a wrapper around one) is copied with the patterns set on the innermost Optimizer.
+    """
+    patterns = check_wrt(wrt)
+    if patterns is None:
+        return optimizer
+    if not isinstance(optimizer, Optimizer):
+        return Optimizer(optimizer, wrt=patterns)
+    new = copy.copy(optimizer)
+    if isinstance(optimizer, OptimizerWrapper):
+        object.__setattr__(new, "inner", with_wrt(optimizer.inner, patterns))
+        return new
+    old = optimizer.wrt
+    if old is not None and old != patterns:
+        raise ValueError(WRT_CONFLICT.format(old=old, new=patterns))
+    object.__setattr__(new, "_wrt", patterns)
+    return new

@@ -25,6 +25,8 @@ import jax
 
 from functree._tree import register_record
 from functree.optim._context import LearningContext
+from functree.optim._hyper import HyperState
+from functree.optim._skip import SkipState
 
 __all__ = ["OptimizerState", "release_contexts", "upgrade_state"]
 
@@ -57,8 +59,6 @@ register_record(OptimizerState, ["context", "inner"])
 
 
 def _is_hyper(x: Any) -> bool:
-    from functree.optim._hyper import HyperState
-
     return isinstance(x, HyperState)
 
 
@@ -95,8 +95,6 @@ def _is_context(x: Any) -> bool:
 def _legacy_nodes(x: Any) -> Any:
     """Old states' nodes as the new ones: optax's ``ApplyIfFiniteState`` (the old
     ``skip_non_finite``) becomes a ``SkipState`` with the same counts."""
-    from functree.optim._skip import SkipState
-
     fields = getattr(x, "_fields", None) if isinstance(x, tuple) else None
     if fields == ("notfinite_count", "last_finite", "total_notfinite", "inner_state"):
         consecutive, last_finite, total, inner = x  # optax.ApplyIfFiniteState, by position

@@ -12,7 +12,6 @@ parameter view with ``None`` at every parameter no pattern selects. So
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import jax
@@ -20,7 +19,7 @@ import jax
 from functree._parameters import _leaf_names, _matches, parameters
 from functree._tree import bounded_put, is_none
 
-__all__ = ["check_wrt", "trained_view", "drop_frozen", "with_wrt"]
+__all__ = ["check_wrt", "trained_view", "drop_frozen"]
 
 BAD_WRT = """\
 wrt= takes key-path patterns (a string or a sequence of strings), as ft.gradient(wrt=) \
@@ -36,15 +35,6 @@ dotted names such as {examples}.
 
     right:  ft.optim.Optimizer(tx, wrt="{first}")
 """
-
-WRT_CONFLICT = """\
-The optimizer already trains wrt={old!r}; cannot also restrict it to wrt={new!r}. \
-Give the patterns in one place:
-
-    wrong:  ft.train.Trainer(model, ft.optim.Optimizer(tx, wrt="a.*"), loss_fn, wrt="b.*")
-    right:  ft.train.Trainer(model, ft.optim.Optimizer(tx), loss_fn, wrt="b.*")
-"""
-
 
 def check_wrt(wrt: Any) -> tuple[str, ...] | None:
     """``wrt`` as a tuple of patterns (``None``: every parameter is trained)."""
@@ -102,27 +92,3 @@ def drop_frozen(grads: Any, view: Any) -> Any:
     if g_def != v_def:
         return grads  # the gradient check names the difference
     return g_def.unflatten([None if v is None else g for g, v in zip(g_leaves, v_leaves)])
-
-
-def with_wrt(optimizer: Any, wrt: Any) -> Any:
-    """``optimizer`` training only the parameters ``wrt`` selects (``ft.train.Trainer(wrt=)``).
-
-    A plain optax transformation becomes ``Optimizer(transform, wrt=wrt)``; an Optimizer
-    (or a wrapper around one) is copied with the patterns set on the innermost Optimizer.
-    """
-    from functree.optim._optimizer import Optimizer, OptimizerWrapper
-
-    patterns = check_wrt(wrt)
-    if patterns is None:
-        return optimizer
-    if not isinstance(optimizer, Optimizer):
-        return Optimizer(optimizer, wrt=patterns)
-    new = copy.copy(optimizer)
-    if isinstance(optimizer, OptimizerWrapper):
-        object.__setattr__(new, "inner", with_wrt(optimizer.inner, patterns))
-        return new
-    old = optimizer.wrt
-    if old is not None and old != patterns:
-        raise ValueError(WRT_CONFLICT.format(old=old, new=patterns))
-    object.__setattr__(new, "_wrt", patterns)
-    return new

@@ -4,7 +4,7 @@ the steps that run over a mesh are ``ft.train.TrainStep(..., mesh=mesh)`` and
 reverse).
 
 * :func:`partition_specs` / :func:`shard`: sharding rules by key path (``None``,
-  ``"fsdp"`` or ``{pattern: PartitionSpec}``) for models, parameter views and optimizer
+  ``"fsdp"`` or ``{pattern: PartitionSpec or "fsdp"}``) for models, parameter views and optimizer
   states; ``shard`` also builds a model directly in its shards.
 * :func:`cast`: floating parameters in a compute dtype (mixed precision).
 * :func:`shard_batch`: the global batch from each process's share.
@@ -12,13 +12,15 @@ reverse).
   (``ft.train.load(path, template, mesh=mesh, sharding=rules)`` restores onto any mesh,
   each device reading its own shards).
 * ``DataParallelStep`` / ``DataParallelEvalStep``: the older names of
-  ``ft.train.TrainStep(..., mesh=)`` / ``ft.train.EvalStep(..., mesh=)`` (looked up in
-  ``functree.train`` when first used).
+  ``ft.train.TrainStep(..., mesh=)`` / ``ft.train.EvalStep(..., mesh=)``, defined in
+  ``functree.train`` and set here by ``functree/__init__.py`` once both are imported (this
+  package never imports ``functree.train``).
 
 Nothing here communicates by itself: meshes and ``NamedSharding`` place the arrays,
 ``jax.shard_map`` collectives aggregate gradients, ``jax.distributed`` spans processes.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 from functree.parallel._cast import cast
@@ -39,14 +41,6 @@ __all__ = [
     "mesh_shape",
 ]
 
-_MOVED = ("DataParallelStep", "DataParallelEvalStep")
-
-
-def __getattr__(name: str) -> Any:
-    # The older step names live with the step, in functree.train; resolved on first use
-    # (after both packages are imported), so importing functree.parallel never imports train.
-    if name in _MOVED:
-        import functree.train._step as step
-
-        return getattr(step, name)
-    raise AttributeError(f"module 'functree.parallel' has no attribute {name!r}")
+# Set by functree/__init__.py (see the module docstring); declared here for type checkers.
+DataParallelStep: Callable[..., Any]
+DataParallelEvalStep: Callable[..., Any]

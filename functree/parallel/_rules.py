@@ -6,9 +6,22 @@
 * ``"fsdp"``: each floating leaf with at least :data:`FSDP_MIN_SIZE` elements is split
   over ``data_axis`` along its largest dimension divisible by the axis size (the first
   such on ties); smaller or indivisible leaves are replicated;
-* ``{pattern: PartitionSpec}``: glob patterns over the dotted names of ``ft.to_flat_dict``
-  (``"encoder.*.weight"``, ``"*.bias"``); the first matching pattern wins, unmatched leaves
-  are replicated.
+* ``{pattern: PartitionSpec or "fsdp"}``: glob patterns over the dotted names of
+  ``ft.to_flat_dict`` (``"encoder.*.weight"``, ``"*.bias"``); the first matching pattern
+  wins, unmatched leaves are replicated. A rule's value ``"fsdp"`` gives the leaves it
+  matches the ``"fsdp"`` split above, so a last rule ``"*": "fsdp"`` reads "these rules,
+  FSDP for everything else" (``sharding="fsdp"`` is ``{"*": "fsdp"}``)::
+
+      {"*.query_projection.weight": P("data", "model"),   # tensor parallel (+ FSDP, written out)
+       "*.output_projection.weight": P("model", "data"),
+       "*": "fsdp"}                                        # every other leaf: FSDP
+
+  A leaf a rule names keeps exactly its rule's spec: ``"*"`` never adds the data axis to
+  it, so a tensor-parallel rule that also splits over ``data_axis`` (``P("data",
+  "model")``) composes with the fallback without splitting one dimension twice. (Why a
+  rule value rather than a wrapper such as ``fsdp(rules=...)``: the mapping stays one
+  plain, printable value with one reading, first match wins, and "fsdp" can be given to
+  any part of the model, not only to the rest.)
 
 A pattern matches a leaf when it matches its dotted name or any dotted suffix of it, so
 the optimizer moments of a parameter (``1.mu.encoder.0.weight``) follow the parameter's
@@ -43,6 +56,9 @@ from functree._tree import dotted_name
 
 __all__ = ["partition_specs", "FSDP_MIN_SIZE", "check_data_axis", "check_compute_dtype"]
 
+FSDP = "fsdp"
+"""The rule (and ``sharding=`` value) that splits leaves FSDP-style over the data axis."""
+
 FSDP_MIN_SIZE = 1024
 """Leaves with fewer elements are replicated by ``"fsdp"`` (sharding them saves little
 memory and costs one collective each)."""
@@ -70,11 +86,27 @@ Each sharded dimension must be divisible by the size of its mesh axes ({sizes}):
     right:  sharding={{{pattern!r}: P()}}     # replicate it, or pick a divisible dimension"""
 
 BAD_RULES = """\
-sharding= takes None, "fsdp" or a mapping {{pattern: PartitionSpec}}, got {given}.
+sharding= takes None, "fsdp" or a mapping {{pattern: PartitionSpec or "fsdp"}}, got {given}.
 
     wrong:  sharding="zero3"
     right:  sharding="fsdp"
-       or:  sharding={{"encoder.*.weight": P(None, "model"), "*.bias": P()}}"""
+       or:  sharding={{"encoder.*.weight": P(None, "model"), "*.bias": P()}}
+       or:  sharding={{"encoder.*.weight": P("data", "model"), "*": "fsdp"}}   # FSDP for the rest"""
+
+BAD_RULE_VALUE = """\
+The sharding rule {pattern!r} gives {given}; a rule gives a PartitionSpec (or a tuple of \
+mesh axis names) or "fsdp".
+
+    wrong:  sharding={{{pattern!r}: {given}}}
+    right:  sharding={{{pattern!r}: "fsdp"}}            # FSDP over the data axis
+       or:  sharding={{{pattern!r}: P(None, "model")}}  # a spec per dimension"""
+
+SHADOWED_RULE = """\
+The sharding rule {pattern!r} is never used: {name!r}, which it matches, is taken by the \
+earlier rule {earlier!r} (the first matching rule wins). Put the narrower rule first:
+
+    wrong:  sharding={{{earlier!r}: ..., {pattern!r}: ...}}
+    right:  sharding={{{pattern!r}: ..., {earlier!r}: ...}}"""
 
 BAD_COMPUTE_DTYPE = """\
 compute_dtype must be a floating dtype (the parameters and floating inputs are cast to it \
@@ -152,13 +184,22 @@ def _member_spec(spec: PartitionSpec, ndim: int, layers: int) -> PartitionSpec:
     return PartitionSpec(*([None] * layers), *spec)
 
 
-def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, used: set[str],
-               layers: int = 0) -> PartitionSpec:
+def _hits(name: str, pattern: str) -> tuple[bool, bool]:
+    """Whether ``pattern`` matches ``name`` itself, and whether it matches ``name`` or one of
+    its dotted suffixes (an optimizer moment's name ends with its parameter's)."""
+    direct = fnmatch.fnmatchcase(name, pattern)
+    return direct, direct or any(fnmatch.fnmatchcase(s, pattern) for s in _suffixes(name))
+
+
+def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, taken: dict[str, str],
+               layers: int = 0, data_axis: str = "data") -> PartitionSpec:
     for pattern, spec in rules.items():
-        direct = fnmatch.fnmatchcase(name, pattern)
-        if not (direct or any(fnmatch.fnmatchcase(s, pattern) for s in _suffixes(name))):
+        direct, hit = _hits(name, pattern)
+        if not hit:
             continue
-        used.add(pattern)
+        taken[name] = pattern
+        if isinstance(spec, str):  # "fsdp" (checked by _check_rules)
+            return _fsdp_spec(tuple(leaf.shape), data_axis, mesh.shape[data_axis], layers)
         spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)
         spec = _member_spec(spec, len(leaf.shape), layers)
         why = _misfit(spec, tuple(leaf.shape), mesh)
@@ -173,10 +214,13 @@ def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | Abst
 
 
 def _check_rules(rules: Any) -> None:
-    if rules is None or rules == "fsdp":
+    if rules is None or (isinstance(rules, str) and rules == FSDP):
         return
     if not isinstance(rules, Mapping) or not all(isinstance(k, str) for k in rules):
         raise TypeError(BAD_RULES.format(given=repr(rules)[:80]))
+    for pattern, spec in rules.items():
+        if not (isinstance(spec, (PartitionSpec, tuple, list)) or (isinstance(spec, str) and spec == FSDP)):
+            raise TypeError(BAD_RULE_VALUE.format(pattern=pattern, given=repr(spec)[:60]))
 
 
 def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, data_axis: str = "data",
@@ -185,12 +229,15 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
 
     ``tree`` is a model, a parameter view, an optimizer state or any pytree of arrays (or
     of ``jax.ShapeDtypeStruct``); ``rules`` is ``None``, ``"fsdp"`` or
-    ``{pattern: PartitionSpec}`` (see the module docstring). Non-array leaves stay as they
-    are; every array leaf gets a spec.
+    ``{pattern: PartitionSpec or "fsdp"}`` (see the module docstring; ``"*": "fsdp"`` last
+    for FSDP on every leaf no other rule names). Non-array leaves stay as they are; every
+    array leaf gets a spec.
 
     Raises ``ValueError`` for a ``data_axis`` the mesh lacks, a pattern that matches no
-    floating leaf (naming the closest names; not with ``strict=False``, for a tree that
-    holds only part of the model) and a spec that cannot split the leaf it names.
+    floating leaf (naming the closest names) or only leaves an earlier pattern took (not
+    with ``strict=False``, for a tree that holds only part of the model) and a spec that
+    cannot split the leaf it names; ``TypeError`` for a rule value other than a
+    ``PartitionSpec`` or ``"fsdp"``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -201,33 +248,41 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
       {'bias': P(), 'weight': P()}
       >>> ft.partition_specs(params, {"*.weight": P(None, "data")}, mesh=mesh)["dense"]
       {'bias': P(), 'weight': P(None, 'data')}
+      >>> mesh2 = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
+      >>> ft.partition_specs(params, {"*.bias": P("model"), "*": "fsdp"}, mesh=mesh2)["dense"]
+      {'bias': P('model',), 'weight': P('data',)}
     """
     check_data_axis(mesh, data_axis, "ft.partition_specs")
     _check_rules(rules)
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     names = [dotted_name(p) for p, _ in path_leaves]
     depths = stack_depths(tree)  # leading layer axes of each leaf (ft.nn.Stack)
-    used: set[str] = set()
+    taken: dict[str, str] = {}  # leaf name -> the rule that gave its spec
     specs = []
     for name, (_, leaf), layers in zip(names, path_leaves, depths):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             specs.append(leaf)
         elif not _is_floating(leaf) or rules is None:
             specs.append(PartitionSpec())
-        elif rules == "fsdp":
+        elif isinstance(rules, str):  # "fsdp"
             specs.append(_fsdp_spec(tuple(leaf.shape), data_axis, mesh.shape[data_axis], layers))
         else:
-            specs.append(_rule_spec(name, leaf, rules, mesh, used, layers))
+            specs.append(_rule_spec(name, leaf, rules, mesh, taken, layers, data_axis))
     if strict and isinstance(rules, Mapping):
         floating = [(n, leaf) for n, (_, leaf) in zip(names, path_leaves) if _is_floating(leaf)]
         if any(len(leaf.shape) for _, leaf in floating):  # not only scalars (an SGD state)
-            _check_all_used(rules, used, [n for n, _ in floating])
+            _check_all_used(rules, taken, [n for n, _ in floating])
     return jax.tree.unflatten(treedef, specs)
 
 
-def _check_all_used(rules: Mapping[str, Any], used: set[str], names: list[str]) -> None:
+def _check_all_used(rules: Mapping[str, Any], taken: dict[str, str], names: list[str]) -> None:
+    used = set(taken.values())
     for pattern in rules:
-        if pattern not in used:
-            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)
-            raise ValueError(UNMATCHED_RULE.format(pattern=pattern, close=", ".join(map(repr, close)),
-                                                   suggestion=close[0] if close else "*.weight"))
+        if pattern in used:
+            continue
+        shadowed = next((n for n in names if _hits(n, pattern)[1] and n in taken), None)
+        if shadowed is not None:
+            raise ValueError(SHADOWED_RULE.format(pattern=pattern, name=shadowed, earlier=taken[shadowed]))
+        close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)
+        raise ValueError(UNMATCHED_RULE.format(pattern=pattern, close=", ".join(map(repr, close)),
+                                               suggestion=close[0] if close else "*.weight"))

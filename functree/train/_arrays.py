@@ -18,6 +18,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
+from functree.parallel import sharded_target
 from functree.train._processes import gather
 from functree.train._treespec import encode
 
@@ -141,8 +142,6 @@ def placement(parts: Mapping[str, Any], mesh: Any, sharding: Any, data_axis: str
     """Orbax's restore target on ``mesh`` (a function of the metadata): the arrays of each
     part with a template (``{name: template or None}``, ``""`` for a lone tree) placed by
     the rules, the others (shape and dtype from the metadata) on the host."""
-    from functree.parallel import sharded_target
-
     known, _ = encode({p: None if t is None else sharded_target(t, mesh, sharding, data_axis=data_axis)
                        for p, t in parts.items()})
 

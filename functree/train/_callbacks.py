@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from functree.optim import hyperparameters, set_hyperparameters
+from functree.train._checkpoint import CheckpointManager
 
-if TYPE_CHECKING:
-    from functree.train._checkpoint import CheckpointManager
+if TYPE_CHECKING:  # annotations only: the Trainer imports this module, never the reverse
     from functree.train._trainer import Trainer
 
 __all__ = [
@@ -265,8 +265,6 @@ class ModelCheckpoint(Callback):
     def __init__(self, directory: str | os.PathLike[str] | CheckpointManager, *,
                  every_steps: int | None = None, max_to_keep: int | None = 3,
                  best_metric: str | None = None, mode: str = "min"):
-        from functree.train._checkpoint import CheckpointManager
-
         if isinstance(directory, CheckpointManager):
             self.manager = directory
         else:

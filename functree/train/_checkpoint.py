@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from functree._state_dict import from_flat_dict
+from functree.parallel import mesh_shape
 from functree.train import _directory as policy
 from functree.train._arrays import default_placement, describe, placement, verify
 from functree.train._processes import agreed
@@ -168,8 +169,6 @@ def _digest(meta: dict[str, Any]) -> int:
 def _args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     """Orbax's save arguments: the arrays and the sealed metadata (collective: every
     process of a job calls it, each describing the shards it writes)."""
-    from functree.parallel import mesh_shape
-
     arrays = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in arrays.items()}
     meta = json.loads(json.dumps({"format": FORMAT, **fields, "spec": spec, "checksums": describe(arrays),
                                   "mesh": mesh_shape(arrays)}, allow_nan=True))

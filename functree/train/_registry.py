@@ -88,13 +88,23 @@ def _find(package: str, name: str) -> type | None:
     return None
 
 
+_packages: tuple[Any, ...] = ()  # functree and its subpackages: see register_packages
+
+
+def register_packages(*packages: Any) -> None:
+    """Make the public Module subclasses of ``packages`` (and the state types of
+    :data:`FUNCTREE_TYPES`, defined in their private modules) builtin names.
+
+    Called once, by ``functree/__init__.py`` after it has imported its subpackages: the
+    registry sits below them (``functree.train`` imports it) and imports none of them.
+    """
+    global _packages
+    _packages = packages
+
+
 def _functree_types() -> dict[str, type]:
     """functree's and optax's state types by public name."""
     import optax
-
-    import functree.nn
-    import functree.optim
-    import functree.train  # noqa: F401  (their private modules define the types)
 
     table: dict[str, type] = {}
     for package, names in FUNCTREE_TYPES.items():
@@ -110,10 +120,7 @@ def _functree_types() -> dict[str, type]:
 
 
 def _functree_modules() -> Iterator[tuple[str, type]]:
-    import functree
-    from functree import losses, nn, optim, train
-
-    for package in (functree, nn, optim, train, losses):
+    for package in _packages:
         for name in package.__all__:
             obj = getattr(package, name)
             if isinstance(obj, type) and issubclass(obj, Module) and obj is not Module:
@@ -122,7 +129,7 @@ def _functree_modules() -> Iterator[tuple[str, type]]:
 
 def _load_builtins() -> None:
     global _builtins_loaded
-    if _builtins_loaded:
+    if _builtins_loaded or not _packages:  # not before functree's import has finished
         return
     for name, cls in [*_functree_types().items(), *_functree_modules()]:
         _add(_types, name, cls)

@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec
 
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
-from functree._nan import NaNReport, provenance_text, step_report
+from functree._nan import NaNReport, provenance_text
+from functree._parameters import _leaf_names
 from functree._tree import is_none
 from functree.optim import Optimizer, context, hyperparameter_names, hyperparameters
 from functree.optim._optimizer import Gradients
@@ -41,6 +42,7 @@ from functree.parallel._mesh import is_array
 from functree.parallel._placement import Placement, one_device_mesh
 from functree.parallel._rules import check_compute_dtype, partition_specs
 from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
+from functree.train._provenance import step_report
 
 __all__ = ["TrainStep", "EvalStep", "train_step", "eval_step", "NONFINITE", "NonFiniteError", "nonfinite_error",
            "DataParallelStep", "DataParallelEvalStep"]
@@ -119,7 +121,7 @@ def nonfinite_error(step: int, index: int, *, train_step: Any, model: Any, opt_s
 def step_provenance(train_step: Any, step: int, model: Any, opt_state: Any, batch: Any, key: Any = None,
                     applied_after: int = 0) -> NaNReport:
     """Where step ``step`` of ``train_step`` on these inputs first turned non-finite
-    (:func:`functree._nan.step_report` on its ``compute_loss``).
+    (:func:`functree.train._provenance.step_report` on its ``compute_loss``).
 
     ``key`` is the base key the step was called with; it is folded as the step folds it,
     with the learning context's step ``applied_after`` steps before ``opt_state``'s.
@@ -166,8 +168,6 @@ def _merge_microbatches(x: jax.Array) -> jax.Array:
 def parameter_names(model: Any, wrt: tuple[str, ...] | None = None) -> list[str]:
     """Dotted names of the parameter leaves, in the order gradients flatten (only those an
     ``Optimizer(wrt=)`` trains: its gradients hold no others)."""
-    from functree._parameters import _leaf_names
-
     view = trained_view(model, wrt)
     names = _leaf_names(view)
     leaves = jax.tree.leaves(view, is_leaf=is_none)

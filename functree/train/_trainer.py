@@ -23,8 +23,8 @@ from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
 from functree.optim import context, hyperparameter_names, hyperparameters, next_sweep
 from functree.optim._average import averaged as averaged_parameters
 from functree.optim._average import keeps_average
+from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN
-from functree.optim._subset import with_wrt
 from functree.train._callbacks import Callback, TrainingContext, _copy, as_callback
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, batches, to_arrays

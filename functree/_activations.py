@@ -1,6 +1,9 @@
 """Activation functions: jax.nn's, re-exported under swift-apis' names where they differ.
 
-These are plain functions (pass them as ``activation=`` or put them in ``Sequential``).
+These are plain functions (pass them as ``activation=`` or put them in ``Sequential``),
+public as ``functree.nn.<name>``. They live in the core, below ``functree.nn``, because the
+core's table of static functions (``functree._functions``: pickles, copies, checkpoints)
+names them; ``functree.nn`` re-exports them.
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ from jax.nn import (
 )
 from jax.numpy import tanh
 
-from functree.nn._linear import identity
-
 __all__ = [
     "identity",
     "relu",
@@ -56,6 +57,17 @@ __all__ = [
     "log_softmax",
     "tanh",
 ]
+
+
+def identity(x: Any) -> Any:
+    """The identity activation (swift-apis' default).
+
+    Example:
+      >>> import functree as ft
+      >>> ft.nn.identity(3.0)
+      3.0
+    """
+    return x
 
 
 def gelu_exact(x: Any) -> Any:

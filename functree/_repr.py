@@ -1,0 +1,68 @@
+"""The repr of a model: ``Dense(weight=f32[2,4], bias=f32[4], activation=relu)``.
+
+``Module.__repr__`` and ``_repr_html_`` call :func:`module_repr` / :func:`module_html`;
+layers' error messages show arrays as :func:`short_array`. Below ``functree._module``: a
+Module is recognised by its class's ``__ft_fields__``, not by importing the class.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+__all__ = ["short_array", "module_repr", "module_html"]
+
+_SHORT_DTYPES = {
+    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
+    "int32": "i32", "int64": "i64", "int8": "i8", "int16": "i16", "uint8": "u8",
+    "uint32": "u32", "bool": "bool", "complex64": "c64", "complex128": "c128",
+}
+
+
+def short_array(x: Any) -> str:
+    """``f32[2,4]`` for an array (or ShapeDtypeStruct / tracer)."""
+    dtype = _SHORT_DTYPES.get(str(x.dtype), str(x.dtype))
+    return f"{dtype}[{','.join(map(str, x.shape))}]"
+
+
+def _value_repr(x: Any, indent: int) -> str:
+    if hasattr(type(x), "__ft_fields__"):  # a Module (functree._module imports this module)
+        return module_repr(x, indent)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return short_array(x)
+    if isinstance(x, list):
+        return _sequence([_value_repr(v, indent + 2) for v in x], "[", "]", indent)
+    if isinstance(x, tuple) and type(x).__repr__ is tuple.__repr__:  # not a NamedTuple, KeyPath
+        items = [_value_repr(v, indent + 2) for v in x]
+        return _sequence(items, "(", ",)" if len(x) == 1 else ")", indent)
+    if isinstance(x, dict):
+        items = [f"{k!r}: {_value_repr(v, indent + 2)}" for k, v in x.items()]
+        return _sequence(items, "{", "}", indent)
+    if callable(x) and hasattr(x, "__name__"):
+        return x.__name__
+    # Another library's multi-line repr (an Equinox module): indent it under its field.
+    return repr(x).replace("\n", "\n" + " " * indent)
+
+
+def _sequence(items: list[str], open_: str, close: str, indent: int) -> str:
+    """One line when it fits; otherwise one item per line, indented under the opener."""
+    one_line = open_ + ", ".join(items) + close
+    if len(one_line) + indent <= 88 and "\n" not in one_line:
+        return one_line
+    pad = " " * (indent + 2)
+    return open_ + "\n" + "".join(f"{pad}{item},\n" for item in items) + " " * indent + close.lstrip(",")
+
+
+def module_repr(m: Any, indent: int = 0) -> str:
+    """``Dense(weight=f32[2,4], bias=f32[4], activation=relu)``; nested models on lines."""
+    cls = type(m)
+    parts = [f"{n}={_value_repr(m.__dict__.get(n, '?'), indent + 2)}" for n in cls.__ft_fields__]
+    one_line = f"{cls.__name__}({', '.join(parts)})"
+    if len(one_line) + indent <= 88 and "\n" not in one_line:
+        return one_line
+    pad = " " * (indent + 2)
+    return f"{cls.__name__}(\n" + "".join(f"{pad}{p},\n" for p in parts) + " " * indent + ")"
+
+
+def module_html(m: Any) -> str:
+    return f"<pre>{html.escape(module_repr(m))}</pre>"

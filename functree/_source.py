@@ -1,0 +1,73 @@
+"""Where user code is: which source files are the user's, and a function's name.
+
+Shared by the differentiability diagnostics (``functree._diagnostics``) and the NaN
+provenance (``functree._nan``), which both point at the user's own line: the innermost
+frame outside JAX, jaxlib and the standard library (functree's own layers count as the
+user's), and the function by its qualified name through ``functools.partial``, bound
+methods, ``functools.wraps`` and ``ft.DifferentiableFunction``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sysconfig
+from typing import Any
+
+import jax
+import jaxlib
+
+from functree._tree import bounded_put
+
+__all__ = ["is_user_file", "function_name", "unwrap"]
+
+# Source directories that are never the user's line: JAX, jaxlib and the standard library
+# (whose site-packages, where user code can live, is not excluded).
+_LIBRARIES = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (jax, jaxlib))
+_STDLIB = os.path.join(sysconfig.get_path("stdlib"), "")
+_SITE = tuple({os.path.join(sysconfig.get_path(k), "") for k in ("purelib", "platlib")})
+_USER_FILES: dict[str, bool] = {}
+
+
+def is_user_file(name: str) -> bool:
+    """Whether the source file ``name`` is the user's (not JAX, jaxlib or the standard library).
+
+    Example:
+      >>> is_user_file(os.__file__), is_user_file("/home/me/train.py")
+      (False, True)
+    """
+    user = _USER_FILES.get(name)
+    if user is None:
+        stdlib = name.startswith(_STDLIB) and not name.startswith(_SITE)
+        user = not (stdlib or name.startswith(_LIBRARIES))
+        bounded_put(_USER_FILES, name, user)
+    return user
+
+
+def function_name(f: Any) -> str:
+    """``f``'s qualified name, looking through partials, bound methods and wrappers.
+
+    Example:
+      >>> function_name(functools.partial(os.path.join, "a"))
+      'join'
+    """
+    f = unwrap(f)
+    return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or type(f).__name__
+
+
+def unwrap(f: Any) -> Any:
+    """The function under ``functools.partial``, a bound method, ``functools.wraps`` or a
+    ``ft.DifferentiableFunction`` (at most 8 layers)."""
+    for _ in range(8):
+        if isinstance(f, functools.partial):
+            f = f.func
+        elif inspect.ismethod(f):
+            f = f.__func__
+        elif getattr(f, "__wrapped__", None) is not None:
+            f = f.__wrapped__
+        elif getattr(f, "fn", None) is not None and callable(f.fn):
+            f = f.fn  # ft.DifferentiableFunction
+        else:
+            break
+    return f

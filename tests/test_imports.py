@@ -1,0 +1,171 @@
+"""The import graph of functree's own modules: layered, with no circles.
+
+Every ``import`` statement of every module under ``functree/`` is read with ``ast`` (at
+module level and inside functions alike: a lazy import is still a dependency); imports
+under ``if TYPE_CHECKING:`` are left out (they run nothing: how a callback names the
+``Trainer`` it is given). An edge goes to the module an import names: ``from functree.nn
+import Dense`` to the package ``functree.nn``, ``from functree.optim import _subset`` to
+``functree.optim._subset``, ``import functree.nn._state`` to ``functree.nn._state``.
+
+* The core (``functree/_*.py``) imports nothing from the subpackages ``nn``, ``optim``,
+  ``train``, ``parallel`` and ``losses``: they build on it, never the reverse.
+* No module reaches itself through its imports (no cycle, of any length).
+* No two packages import each other, even through other modules: the core and the
+  subpackages form layers (``functree/__init__.py`` and ``__main__``, which put them
+  together, are above all of them).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "functree"
+SUBPACKAGES = ("nn", "optim", "train", "parallel", "losses")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ("functree", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _statements(tree: ast.AST):
+    """Every import statement of ``tree``, at any depth, outside ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            yield from (s for child in node.orelse for s in _statements(child))
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _statements(node)
+
+
+def _base(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def imports(module: str) -> set[str]:
+    """The functree modules ``module`` imports (see the module docstring)."""
+    found = set()
+    for node in _statements(ast.parse(MODULES[module].read_text(), str(MODULES[module]))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        else:
+            base = _base(module, node)
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
+    return {m for m in found if m in MODULES and m != module}
+
+
+GRAPH = {m: imports(m) for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _path(graph: dict[str, set[str]], start: str, component: list[str]) -> list[str]:
+    """One circle through ``start`` inside ``component`` (breadth first), for the message."""
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & set(component)):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if w not in parents:
+                    parents[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return component
+
+
+def test_the_graph_sees_module_level_function_level_and_relative_imports():
+    assert "functree._tree" in GRAPH["functree._paths"]
+    assert "functree.nn" in GRAPH["functree.train._trainer"]  # from functree import nn
+    assert "functree.parallel" in GRAPH["functree.train._arrays"]  # inside a function
+    assert "functree.nn._dropout" in GRAPH["functree.nn"]  # the package's own re-exports
+    assert not any("functree.train._trainer" in GRAPH[m] for m in ("functree.train._callbacks",))  # TYPE_CHECKING
+
+
+def test_core_modules_import_no_subpackage():
+    core = [m for m in MODULES if m.count(".") == 1 and m.startswith("functree._") and not m.endswith("__")]
+    assert "functree._tree" in core and "functree.nn" not in core and "functree.__main__" not in core
+    upward = {m: sorted(d for d in GRAPH[m] if d == "functree" or d.split(".")[1] in SUBPACKAGES) for m in core}
+    assert {m: d for m, d in upward.items() if d} == {}
+
+
+def test_no_module_imports_itself_through_others():
+    circles = [" -> ".join(_path(GRAPH, c[0], c)) for c in _cycles(GRAPH)]
+    assert circles == []
+
+
+def _package(module: str) -> str | None:
+    """The layer of ``module``: "core", a subpackage's name, or None for the top package."""
+    part = module.split(".")[1] if "." in module else "__init__"
+    if part in ("__init__", "__main__"):
+        return None
+    return "core" if part.startswith("_") else part
+
+
+def test_no_two_packages_import_each_other():
+    layers: dict[str, set[str]] = {}
+    for module, deps in GRAPH.items():
+        a = _package(module)
+        if a is not None:
+            layers.setdefault(a, set()).update(b for d in deps if (b := _package(d)) not in (None, a))
+    assert set(layers) == {"core", *SUBPACKAGES}
+    assert layers["core"] == set()
+    circles = [" -> ".join(_path(layers, c[0], c)) for c in _cycles(layers)]
+    assert circles == []
+
+
+def test_cycle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _path(graph, "a", ["a", "b", "c"]) == ["a", "b", "c", "a"]

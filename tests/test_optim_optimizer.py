@@ -349,3 +349,16 @@ def test_lbfgs_through_minimize_and_update_equals_optax_loop():
     np.testing.assert_allclose(p["x"], expected["x"], rtol=0, atol=1e-6)  # |x| ≤ 1.2
     np.testing.assert_allclose(q["x"], expected["x"], rtol=0, atol=1e-6)
     assert float(_rosenbrock(expected)) < float(_rosenbrock(start)) / 10
+
+
+def test_a_complex_parameter_without_a_gradient_keeps_its_moments():
+    opt = fo.Optimizer(fo.adam(0.1))
+    z = {"z": jnp.array([3.0 + 6.0j], jnp.complex64), "w": jnp.ones(2)}
+    _, state, _ = opt.minimize(lambda m: _distance(m).sum() + jnp.sum(m["w"] ** 2), z, opt.init(z))
+    updates, new = opt.update({"z": None, "w": jnp.ones(2)}, state, z)
+    assert updates["z"] is None
+    before, after = fo.moments(state), fo.moments(new)
+    for name in ("mu", "nu"):
+        np.testing.assert_array_equal(after[name]["z"].real, before[name]["z"].real)
+        np.testing.assert_array_equal(after[name]["z"].imag, before[name]["z"].imag)
+    assert not np.array_equal(after["mu"]["w"], before["mu"]["w"])

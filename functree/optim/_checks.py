@@ -10,6 +10,7 @@ import numpy as np
 
 from functree._parameters import first_difference
 from functree._tree import bounded_put, dotted_name, is_none
+from functree.optim._complex import RealPair
 
 __all__ = ["check_gradients", "checked_gradients", "keep_unchanged", "descent_direction"]
 
@@ -75,18 +76,23 @@ def checked_gradients(grads: Any, params: Any) -> tuple[Any, Any]:
     return filled, (jax.tree.structure(params, is_leaf=is_none), tuple(missing))
 
 
+def _unit(x: Any) -> bool:
+    return x is None or isinstance(x, RealPair)
+
+
 def keep_unchanged(partial: tuple[Any, tuple[bool, ...]], updates: Any, new_inner: Any,
                    old_inner: Any) -> tuple[Any, Any]:
-    """No update for parameters without a gradient: ``None`` updates, their moments as they were."""
+    """No update for parameters without a gradient: ``None`` updates, their moments as they were
+    (a complex parameter's moment is a :class:`RealPair`: one unit, as the parameter)."""
     treedef, missing = partial
 
     def per_parameter(x: Any) -> bool:
-        return jax.tree.structure(x, is_leaf=is_none) == treedef
+        return jax.tree.structure(x, is_leaf=_unit) == treedef
 
     def keep(new: Any, old: Any) -> Any:
         if not per_parameter(new):
             return new
-        news, olds = jax.tree.leaves(new, is_leaf=is_none), jax.tree.leaves(old, is_leaf=is_none)
+        news, olds = jax.tree.leaves(new, is_leaf=_unit), jax.tree.leaves(old, is_leaf=_unit)
         return treedef.unflatten([o if m else n for n, o, m in zip(news, olds, missing)])
 
     inner = jax.tree.map(keep, new_inner, old_inner, is_leaf=per_parameter)

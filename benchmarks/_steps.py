@@ -3,6 +3,8 @@ its first-call (trace + compile) time, every library interleaved against raw JAX
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any
 
 import jax
@@ -18,11 +20,25 @@ def _warm(runners: dict[str, Runner], calls: int, times: int = 2) -> None:
 
 
 def _per_call(runners: dict[str, Runner], calls: int, rounds: int, scale: float) -> list[Row]:
-    def block(r: Runner):
-        return lambda: timed(lambda: r.block(calls)) / calls
+    """Wall time per call (the rows) and, in ``extra["cpu ratio"]``, the median per-round
+    ratio of the process's CPU time per call: on a machine that other processes load, CPU
+    time moves far less than wall time (it still counts XLA's worker threads)."""
+    cpu: dict[str, list[float]] = {name: [] for name in runners}
 
-    values = interleave({name: block(r) for name, r in runners.items()}, rounds)
-    return paired_rows(values, RAW, scale=scale)
+    def block(name: str, r: Runner):
+        def run() -> float:
+            start = time.process_time()
+            wall = timed(lambda: r.block(calls)) / calls
+            cpu[name].append((time.process_time() - start) / calls)
+            return wall
+        return run
+
+    values = interleave({name: block(name, r) for name, r in runners.items()}, rounds)
+    rows = paired_rows(values, RAW, scale=scale)
+    for row in rows:
+        ratios = [v / r for v, r in zip(cpu[row.name], cpu[RAW])]
+        row.extra["cpu ratio"] = f"{statistics.median(ratios):.2f}"
+    return rows
 
 
 def _judge(rows: list[Row], limit: float) -> None:
@@ -31,17 +47,23 @@ def _judge(rows: list[Row], limit: float) -> None:
             row.ok = row.ratio <= limit
 
 
+DISPATCH_ROUNDS: int | None = None
+"""Rounds of the dispatch family when given (``run.py --rounds``): a loaded machine needs many."""
+
+
 def dispatch(quick: bool) -> list[Table]:
     """1. MLP 8-16-16-1, batch 4, Adam: µs per call."""
     rounds, calls = (5, 50) if quick else (25, 300)
+    rounds = DISPATCH_ROUNDS or rounds
     runners = {name: build(TINY) for name, build in available().items()}
     _warm(runners, calls // 2)
     rows = _per_call(runners, calls, rounds, 1e6)
     _judge(rows, 1.15)
     table = Table("dispatch", f"1. Dispatch-bound step: {TINY.label}, Adam", "µs/call",
-                  "functree ≤ 1.15× raw, by hand and through train_step", rows)
+                  "functree ≤ 1.15× raw, by hand and through train_step", rows, columns=("cpu ratio",))
     table.notes.append(f"median of {rounds} interleaved rounds × {calls} calls; ratio = median of "
-                       "per-round ratios to raw (IQR in parentheses)")
+                       "per-round ratios to raw (IQR in parentheses); cpu ratio: the same of the "
+                       "process's CPU time per call")
     return [table]
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _steps
 from _async import asynchronous
 from _depth import depth
 from _diagnostics import diagnostics
@@ -65,6 +66,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds: about a minute")
     parser.add_argument("--only", default=None, help="comma-separated families: " + ",".join(FAMILIES))
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds of the dispatch family (a loaded machine needs many)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
                         help="folder for results.md and results.json")
     args = parser.parse_args(argv)
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     info = machine()
     info["quick"] = args.quick
+    _steps.DISPATCH_ROUNDS = args.rounds
     print(header(info), flush=True)
     tables, seconds = [], {}
     for name in args.names:

@@ -10,6 +10,9 @@ Two things cost Python work, and only where asked for or needed:
 * ``static_leaves=True`` makes every leaf JAX cannot trace (the functions an Equinox
   module keeps as leaves, strings) static, as ``eqx.filter_jit`` does: a tree map over the
   arguments and results per call;
+* a donating ``ft.jit`` runs over flat leaves (:mod:`functree._flat`): its results are
+  rebuilt by code generated once per tree definition, and the model and state a loop
+  passes back are passed by their leaves, not flattened again;
 * a donating ``ft.jit`` looks for aliased arguments (one array at two leaves) only in
   arguments that are not its previous call's outputs (a training loop passes those
   back): it then warns (:class:`ft.AliasWarning`, naming both key paths) and copies the
@@ -34,8 +37,9 @@ import jax
 import numpy as np
 
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
+from functree._flat import flat_jit
 
-__all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape"]
+__all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape", "explain_control_flow"]
 
 
 TRACED_BOOL = """\
@@ -90,7 +94,7 @@ def _explain(template: str, error: Exception) -> str:
     return template.format(where=f" at {filename}:{lineno}", source=source, error=error)
 
 
-def _explain_control_flow(f: Callable[..., Any], fn: Callable[[], Any] | None = None) -> Callable[..., Any]:
+def explain_control_flow(f: Callable[..., Any], fn: Callable[[], Any] | None = None) -> Callable[..., Any]:
     # Runs at trace time only: steady-state calls never enter this wrapper. ``fn`` returns
     # the function to call (a weak reference to ``f``, see _traced); default ``f`` itself.
     call = (lambda: f) if fn is None else fn
@@ -149,8 +153,14 @@ def jit(
     """
     if f is None:
         return functools.partial(jit, donate=donate, static_leaves=static_leaves, **jax_jit_options)
-    jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
-    return jitted if donate is None else _alias_checked(f, jitted, _donated(f, donate))
+    if donate is None:
+        return unchecked_jit(f, static_leaves=static_leaves, **jax_jit_options)
+    nums, names = _donated(f, donate)
+    if static_leaves or jax_jit_options or not nums or min(nums) < 0:
+        jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
+    else:  # a training loop's step: over flat leaves, its results passed back without flattening
+        jitted = _flat(f, nums, names)
+    return _alias_checked(f, jitted, (nums, names))
 
 
 def unchecked_jit(
@@ -207,14 +217,37 @@ def _make_traced(f: Callable[..., Any], fn: Callable[[], Any], static_leaves: bo
         def inner(*args: Any, **kwargs: Any) -> Any:
             return _hide(fn()(*_show(args), **_show(kwargs)))
 
-        traced = _explain_control_flow(f, lambda: inner)
+        traced = explain_control_flow(f, lambda: inner)
     else:
-        traced = _explain_control_flow(f, fn)
+        traced = explain_control_flow(f, fn)
     # functools.wraps set __wrapped__ = f (a strong reference): keep its signature only.
     del traced.__wrapped__  # type: ignore[attr-defined]
     with contextlib.suppress(TypeError, ValueError):  # no signature (some builtins)
         traced.__signature__ = inspect.signature(f)  # type: ignore[attr-defined]
     return traced
+
+
+# f -> {(donated numbers, names): its FlatJit}: one per f, so a re-wrapped donating ft.jit
+# finds its compiled programs again. A FlatJit holds f weakly (through _traced).
+_FLAT: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _flat(f: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """The :func:`flat_jit` of ``f`` donating ``nums``: the same object for the same ``f``."""
+    try:
+        per_f = _FLAT.get(f)
+        if per_f is None:
+            per_f = _FLAT.setdefault(f, {})
+    except (TypeError, ValueError):  # no weak reference or no hash: no cache
+        return flat_jit(explain_control_flow(f), donate=nums, tree_options={"donate_argnames": names})
+    traced = _traced(f, static_leaves=False)
+    jitted = per_f.get((nums, names))
+    if jitted is not None and jitted._fn is traced:
+        return jitted
+    jitted = flat_jit(traced, donate=nums, tree_options={"donate_argnames": names})
+    if (nums, names) not in per_f and _TRACED[f][False][1] is traced:  # f's own (not an equal f's)
+        per_f[(nums, names)] = jitted
+    return jitted
 
 
 def _keeping(jitted: Any, f: Callable[..., Any]) -> Any:

@@ -90,4 +90,5 @@ def register_record(cls: type, data_fields: Sequence[str], meta_fields: Sequence
       >>> jax.tree.map(lambda n: n + 1, Count(1))
       Count(n=2, name='steps')
     """
+    cls.__ft_record__ = (tuple(data_fields), tuple(meta_fields))  # rebuilt inline by functree._flat
     return jax.tree_util.register_dataclass(cls, list(data_fields), list(meta_fields))

@@ -15,7 +15,7 @@ given to the constructor)::
 ``gradients`` (the loss, the gradients through the hooks above, recorded layer state: per
 replica, inside ``shard_map`` on a mesh) and ``apply_step`` (the one gate, from one
 finiteness reduction: ``on_nan``, ``enabled`` and an optimizer that handles overflow itself;
-then ``update`` and ``apply_updates`` through it).
+then ``update`` and ``apply_updates`` inside one ``lax.cond`` on it).
 
 Everything is pure: the optimizer object holds configuration only, the state is a pytree
 of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
@@ -43,7 +43,7 @@ from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
 from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
-from functree.optim._skip import applied_in, check_on_nan, gate, guard, select
+from functree.optim._skip import applied_in, apply_or_keep, check_on_nan, gate, guard, select
 from functree.optim._state import OptimizerState, release_contexts
 from functree.optim._subset import check_wrt, drop_frozen, trained_view
 
@@ -473,12 +473,18 @@ class Optimizer:
         the model) goes to the transform with ``value=g.loss`` (optax's L-BFGS takes both)."""
         door = gate(g.loss, g.grads, on_nan=on_nan, enabled=enabled, handled=self.handles_nonfinite)
         extra = {} if value_fn is None else {"value": g.loss, "value_fn": value_fn}
-        new_model, new_state = self.apply_gradients(g.grads, model, state, minibatch_size=minibatch_size,
-                                                    loss=g.loss, apply_if=door.apply, finite=door.finite, **extra)
-        if g.layer_state:
-            new_model = apply_state(new_model, _like(g.layer_state, model))
-        if door.apply is not None:
-            new_model = select(door.apply, new_model, model)
+
+        def applied(model: Any, state: Any) -> tuple[Any, Any]:
+            new_model, new_state = self.apply_gradients(g.grads, model, state, minibatch_size=minibatch_size,
+                                                        loss=g.loss, finite=door.finite, **extra)
+            if g.layer_state:
+                new_model = apply_state(new_model, _like(g.layer_state, model))
+            return new_model, new_state
+
+        if door.apply is None:
+            new_model, new_state = applied(model, state)
+        else:  # one cond around the whole update: donated buffers are written in place
+            new_model, new_state = apply_or_keep(door.apply, applied, model, state)
         return StepResult(new_model, new_state, g.out, g.grads, door.nonfinite)
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,

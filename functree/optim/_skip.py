@@ -13,16 +13,18 @@ names the first parameter whose gradient was not finite.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from functree._tree import all_finite, is_none
 
 __all__ = ["guard", "select", "all_finite", "SkipState", "skip_non_finite", "applied_in", "Gate", "gate",
-           "first_nonfinite", "ON_NAN", "DEFAULT_ON_NAN", "check_on_nan"]
+           "first_nonfinite", "ON_NAN", "DEFAULT_ON_NAN", "check_on_nan", "apply_or_keep"]
 
 ON_NAN = ("stop", "skip", "ignore")
 DEFAULT_ON_NAN = "stop"
@@ -34,6 +36,17 @@ BAD_ON_NAN = """\
 on_nan must be "stop", "skip" or "ignore", got {given!r}.
 
     right:  ft.train.train_step(loss_fn, opt, on_nan="skip")   # keep the last finite model"""
+
+
+CHANGED_TREE = """\
+A gated step (on_nan="stop"/"skip", or a closed gate) needs an update that returns the \
+model and optimizer state with the tree structure they came in with; got
+    before: {before}
+    after:  {after}
+An apply_updates or update hook changed it. Return the same structure:
+
+    wrong:  apply_updates=lambda model, updates: {{"new": ft.move(model, along=updates)}}
+    right:  apply_updates=lambda model, updates: ft.move(model, along=updates)"""
 
 
 def check_on_nan(on_nan: Any) -> str:
@@ -113,6 +126,53 @@ def select(ok: jax.Array, new: Any, old: Any) -> Any:
     an Equinox module's functions) come from ``new``."""
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o) if isinstance(n, jax.Array) else n, new, old,
                         is_leaf=is_none)
+
+
+def apply_or_keep(ok: jax.Array, fn: Callable[[Any, Any], tuple[Any, Any]], model: Any, state: Any) -> tuple[Any, Any]:
+    """``fn(model, state)`` when ``ok``, else ``(model, state)`` as given, bit for bit.
+
+    One ``lax.cond`` around the whole update: the taken branch writes the donated buffers
+    in place, the other passes them through. Selecting leaf by leaf between old and new
+    values (:func:`select`) computes the same thing, but XLA then keeps each old moment
+    alive next to its new value and copies every donated buffer first (15 copies against
+    5 on a tiny Adam step). Leaves that are not arrays (an Equinox module's functions)
+    stay out of the branches; they come from ``fn``'s result. Under ``vmap`` of ``ok``
+    the cond becomes that select.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functree.optim._skip import apply_or_keep
+      >>> add = lambda m, s: (m + 1, s + 1)
+      >>> apply_or_keep(jnp.array(False), add, jnp.zeros(2), jnp.int32(0))
+      (Array([0., 0.], dtype=float32), Array(0, dtype=int32))
+    """
+    old, treedef = jax.tree.flatten((model, state))
+    arrays = [i for i, x in enumerate(old) if _is_traceable(x)]
+    shape: list[Any] = []  # the applied branch's tree and leaves that are not arrays (trace time)
+
+    def apply(xs: list[Any]) -> list[Any]:
+        leaves = list(old)
+        for i, x in zip(arrays, xs):
+            leaves[i] = x
+        new, new_treedef = jax.tree.flatten(fn(*treedef.unflatten(leaves)))
+        if new_treedef != treedef:
+            raise TypeError(CHANGED_TREE.format(before=treedef, after=new_treedef))
+        shape[:] = [new_treedef, new]
+        return [new[i] for i in arrays]
+
+    def keep(xs: list[Any]) -> list[Any]:
+        return xs
+
+    out = jax.lax.cond(ok, apply, keep, [old[i] for i in arrays])
+    new_treedef, new = shape
+    new = list(new)
+    for i, x in zip(arrays, out):
+        new[i] = x
+    return new_treedef.unflatten(new)
+
+
+def _is_traceable(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
 
 
 def guard(ok: jax.Array, updates: Any, new_state: Any, old_state: Any) -> tuple[Any, Any]:

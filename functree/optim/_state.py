@@ -19,10 +19,11 @@ non-finite step under ``skip_non_finite``, a loss-scale overflow, ``on_nan="skip
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 
+from functree._flat import PENDING
 from functree._tree import register_record
 from functree.optim._context import LearningContext
 from functree.optim._hyper import HyperState
@@ -50,6 +51,23 @@ class OptimizerState:
 
     context: LearningContext
     inner: Any
+
+    # A step's result is rebuilt with ``inner`` pending (functree._flat): a training loop
+    # passes the state back by its leaves and never builds the moment trees; the first
+    # read of ``inner`` (by name, by jax.tree, pickle, repr ...) builds it.
+    __ft_lazy__: ClassVar[str] = "inner"
+
+    def __getattr__(self, name: str) -> Any:  # only for a field not yet in the instance dict
+        pending = self.__dict__.pop(PENDING, None)
+        if pending is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        build, leaves = pending
+        self.__dict__[self.__ft_lazy__] = build(leaves)
+        return getattr(self, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.inner  # noqa: B018 (built, if it was pending)
+        return self.__dict__
 
     def replace(self, **changes: Any) -> OptimizerState:
         return dataclasses.replace(self, **changes)

@@ -27,7 +27,8 @@ import optax
 from jax.sharding import PartitionSpec
 
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
-from functree._jit import has_untraceable_leaves, unchecked_jit
+from functree._flat import flat_jit
+from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._nan import NaNReport, provenance_text
 from functree._parameters import _leaf_names
 from functree._tree import is_none
@@ -465,9 +466,11 @@ class TrainStep:
 
     def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
-            static = has_untraceable_leaves(model)
-            self._compiled = unchecked_jit(self._logged, donate=(0, 1, 4) if self._donate else (4,),
-                                           static_leaves=static)
+            donate = (0, 1, 4) if self._donate else (4,)
+            if has_untraceable_leaves(model):
+                self._compiled = unchecked_jit(self._logged, donate=donate, static_leaves=True)
+            else:  # over flat leaves: the model and state a loop passes back are not flattened again
+                self._compiled = flat_jit(explain_control_flow(self._logged), donate=donate, owned=(4,))
         return self._compiled
 
     def lower(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:

@@ -1,0 +1,340 @@
+"""A jitted function of pytrees called over flat leaves: the tree work done once per tree.
+
+``jax.jit`` flattens every argument and rebuilds every result on each call; for a Module
+that means a Python function per node each way (a tiny Adam step moves 12 Modules in and
+12 out), which is the whole gap between a functree step and a hand-written one with dicts.
+:func:`flat_jit` keeps the same function and the same compiled program but moves the tree
+work out of the loop:
+
+* the program is ``jax.jit`` of a function of two lists of leaves (the donated arguments'
+  and the others'), one per combination of input tree definitions; it rebuilds the
+  arguments and flattens the result while tracing only;
+* results are rebuilt by straight-line Python generated once per output tree definition
+  (:func:`builder`): Modules and functree's state records filled without ``__init__``,
+  tuples, named tuples, lists, dicts and ``None`` inline, other nodes by their own
+  registered unflatten;
+* an argument that *is* one of the previous call's results (a training loop passes the
+  model and optimizer state back) is passed by the leaves that call returned, without
+  flattening, when its tree holds no mutable container (dicts and lists could have been
+  changed in place since; those are flattened again).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from functree._flat import flat_jit
+  >>> def sgd(w, g):
+  ...     return jax.tree.map(lambda a, b: a - 0.5 * b, w, g), jnp.sum(w[0])
+  >>> step = flat_jit(sgd, donate=(0,))
+  >>> w = (jnp.ones(2), jnp.zeros(()))
+  >>> for _ in range(3):
+  ...     w, total = step(w, (jnp.ones(2), jnp.ones(())))
+  >>> w, total
+  ((Array([-0.5, -0.5], dtype=float32), Array(-1.5, dtype=float32)), Array(0., dtype=float32))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from functree._tree import bounded_put, cached
+
+__all__ = ["flat_jit", "FlatJit", "builder"]
+
+_NoneType = type(None)
+_flatten = jax.tree_util.default_registry.flatten  # jax.tree.flatten without its Python frames
+
+
+def _is_module(kind: type) -> bool:
+    from functree._module import Module
+
+    return issubclass(kind, Module)
+
+
+def _one_level(treedef: Any) -> Any:
+    """The tree definition of ``treedef``'s root node alone, its children as leaves."""
+    root = treedef.unflatten([0] * treedef.num_leaves)
+    return jax.tree.structure(root, is_leaf=lambda x: x is not root)
+
+
+PENDING = "__ft_pending__"
+"""Instance-dict key of a field built on first read: ``(build, leaves)`` (see ``__ft_lazy__``)."""
+
+
+def builder(treedef: Any, offset: int = 0) -> Callable[[Sequence[Any]], Any]:
+    """``build(leaves) == treedef.unflatten(leaves)``, as generated straight-line Python.
+
+    Modules (their generated unflatten: ``object.__new__`` and the instance dict) and
+    records registered by :func:`functree._tree.register_record` are filled inline, as
+    are tuples, named tuples, lists, dicts and ``None``; any other node is rebuilt by its
+    own registered unflatten (its one-level tree definition). A record class that names
+    one field in ``__ft_lazy__`` gets that field built on first read: its instance dict
+    holds ``(build, leaves)`` under :data:`PENDING` until then (the class's
+    ``__getattr__`` builds it), so a loop that passes the record back never builds it.
+    ``offset``: the index in ``leaves`` of the tree's first leaf.
+
+    Example:
+      >>> import jax
+      >>> from functree._flat import builder
+      >>> tree = {"a": (1, None), "b": [2, 3]}
+      >>> builder(jax.tree.structure(tree))([1, 2, 3]) == tree
+      True
+    """
+    names: dict[str, Any] = {"_new": object.__new__}
+    lines: list[str] = []
+    counter = [offset, 0]
+
+    def constant(value: Any) -> str:
+        name = f"_c{len(names)}"
+        names[name] = value
+        return name
+
+    def emit(node: Any) -> str:
+        data = node.node_data()
+        if data is None:  # a leaf
+            counter[0] += 1
+            return f"L[{counter[0] - 1}]"
+        kind, aux = data
+        if kind is _NoneType:
+            return "None"
+        lazy = getattr(kind, "__ft_lazy__", None)
+        if lazy is not None:
+            return emit_lazy(node, kind, aux, lazy)
+        kids = [emit(child) for child in node.children()]
+        packed = "(" + "".join(k + ", " for k in kids) + ")"
+        if kind is tuple:
+            return packed
+        if kind is list:
+            return "[" + ", ".join(kids) + "]"
+        if kind is dict:
+            return "{" + ", ".join(f"{constant(k)}: {v}" for k, v in zip(aux, kids)) + "}"
+        if issubclass(kind, tuple) and hasattr(kind, "_fields") and aux is None:  # a named tuple
+            return f"{constant(kind)}{packed}"
+        fields = _inline_fields(kind)
+        if fields is None:
+            return f"{constant(_one_level(node))}.unflatten({packed})"
+        counter[1] += 1
+        obj = f"o{counter[1]}"
+        data_names, meta_names = fields
+        lines.append(f"    {obj} = _new({constant(kind)}); d = {obj}.__dict__")
+        lines.extend(f"    d[{n!r}] = {k}" for n, k in zip(data_names, kids))
+        lines.extend(f"    d[{n!r}] = {constant(v)}" for n, v in zip(meta_names, aux))
+        return obj
+
+    def emit_lazy(node: Any, kind: type, aux: Any, lazy: str) -> str:
+        data_names, meta_names = kind.__ft_record__  # type: ignore[attr-defined]
+        counter[1] += 1
+        obj = f"o{counter[1]}"
+        filled = []
+        for name, child in zip(data_names, node.children()):
+            if name == lazy:
+                filled.append(f"    d[{PENDING!r}] = ({constant(builder(child, counter[0]))}, L)")
+                counter[0] += child.num_leaves
+            else:
+                filled.append(f"    d[{name!r}] = {emit(child)}")
+        lines.append(f"    {obj} = _new({constant(kind)}); d = {obj}.__dict__")
+        lines.extend(filled)
+        lines.extend(f"    d[{n!r}] = {constant(v)}" for n, v in zip(meta_names, aux))
+        return obj
+
+    top = emit(treedef)
+    source = "def build(L):\n" + "".join(line + "\n" for line in lines) + f"    return {top}\n"
+    exec(source, names)  # field names only appear as string literals
+    return names["build"]
+
+
+def _inline_fields(kind: type) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """``(data fields, static fields)`` of a node filled inline, or None."""
+    if _is_module(kind):
+        static = kind.__ft_static__  # type: ignore[attr-defined]
+        return tuple(n for n in kind.__ft_fields__ if n not in static), static  # type: ignore[attr-defined]
+    return getattr(kind, "__ft_record__", None)
+
+
+def _immutable(treedef: Any) -> bool:
+    """Whether no node of ``treedef`` can change in place: no dict, list or unknown node."""
+    data = treedef.node_data()
+    if data is not None:
+        kind = data[0]
+        known = kind in (tuple, _NoneType) or _is_module(kind) or hasattr(kind, "__ft_record__") or (
+            issubclass(kind, tuple) and hasattr(kind, "_fields")) or (
+            dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen)  # type: ignore[attr-defined]
+        if not known:
+            return False
+    return all(_immutable(child) for child in treedef.children())
+
+
+class _Program:
+    """One ``jax.jit`` of the flat function, for one set of input tree definitions."""
+
+    __slots__ = ("build", "carry", "jitted", "loop", "other_treedef", "out_treedef", "passed", "several", "spans")
+
+    def __init__(self, fn: Callable[..., Any], nargs: int, donate: tuple[int, ...], donated_treedef: Any,
+                 other_treedef: Any, options: dict[str, Any]):
+        self.other_treedef = other_treedef
+        self.passed = tuple(i for i in range(nargs) if i not in donate)
+        self.build: Any = None
+        self.out_treedef: Any = None
+        self.several = False  # the result is a tuple (its items may be passed back one by one)
+        self.spans: tuple[tuple[int, int], ...] = ()  # leaves of each top-level result
+        self.carry: tuple[bool, ...] = ()  # results whose leaves may be passed back as they are
+        self.loop: tuple[int, ...] | None = None  # the result each donated argument is, in a loop
+
+        def flat(donated: list[Any], others: list[Any]) -> list[Any]:
+            args: list[Any] = [None] * nargs
+            for i, x in zip(donate, donated_treedef.unflatten(donated)):
+                args[i] = x
+            for i, x in zip(self.passed, other_treedef.unflatten(others)):
+                args[i] = x
+            leaves, treedef = jax.tree.flatten(fn(*args))
+            self._set_output(treedef)
+            return leaves
+
+        self.jitted = jax.jit(flat, donate_argnums=(0,) if donate else (), keep_unused=True, **options)
+
+    def _set_output(self, treedef: Any) -> None:
+        if self.out_treedef is not None:
+            if treedef != self.out_treedef:  # a retrace (new shapes) with another result tree
+                raise TypeError(CHANGED_OUTPUT.format(before=self.out_treedef, after=treedef))
+            return
+        self.out_treedef, self.build = treedef, builder(treedef)
+        data = treedef.node_data()
+        self.several = data is not None and data[0] is tuple
+        parts = treedef.children() if self.several else [treedef]
+        spans, start = [], 0
+        for part in parts:
+            spans.append((start, start + part.num_leaves))
+            start += part.num_leaves
+        self.spans = tuple(spans)
+        self.carry = tuple(_immutable(part) for part in parts)
+
+
+CHANGED_OUTPUT = """\
+The jitted function returned a different tree structure for the same input structure \
+(traced again for new shapes or dtypes):
+    before: {before}
+    after:  {after}
+Return the same structure for every shape, or jit one function per structure."""
+
+
+class FlatJit:
+    """``jax.jit(fn, donate_argnums=donate)`` called over flat leaves (see the module docstring).
+
+    Positional calls run the flat program; keyword arguments go to ``jax.jit`` of ``fn``
+    itself (the same computation), and so do ``lower``, ``trace`` and ``eval_shape``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], donate: tuple[int, ...] = (), owned: tuple[int, ...] = (),
+                 tree_options: dict[str, Any] | None = None, **options: Any):
+        self._fn = fn
+        self._tree_options = {**options, **(tree_options or {})}
+        self._donate = tuple(sorted(donate))
+        self._owned = owned
+        self._options = options
+        self._programs: dict[Any, _Program] = {}
+        self._last: Any = None  # (program, results, result leaves) of the latest call
+        self._tree: Any = None
+
+    def _tree_jit(self) -> Any:
+        if self._tree is None:
+            self._tree = jax.jit(self._fn, donate_argnums=self._donate, keep_unused=True, **self._tree_options)
+        return self._tree
+
+    def _program(self, args: tuple) -> tuple[_Program | None, list[Any], list[Any]]:
+        """The program for these arguments and their leaves; None when a tree definition
+        cannot be hashed (then ``jax.jit`` of ``fn`` runs, and says so)."""
+        donated = [args[i] for i in self._donate if i < len(args)]
+        others = [x for i, x in enumerate(args) if i not in self._donate]
+        donated_leaves, donated_treedef = jax.tree.flatten(donated)
+        other_leaves, other_treedef = jax.tree.flatten(others)
+        key, program = cached(self._programs, (len(args), donated_treedef, other_treedef))
+        if key is None:
+            return None, donated_leaves, other_leaves
+        if program is None:
+            donate = tuple(i for i in self._donate if i < len(args))
+            program = _Program(self._fn, len(args), donate, donated_treedef, other_treedef, self._options)
+            bounded_put(self._programs, key, program)
+        return program, donated_leaves, other_leaves
+
+    def _loop(self, program: _Program, args: tuple) -> None:
+        """Remember which previous result each donated argument is (when it is one that
+        may be passed back by its leaves), for the next calls' fast path."""
+        last = self._last
+        if last is None or last[0] is not program or program.loop is not None:
+            return
+        results = last[1]
+        loop = []
+        for i in self._donate:
+            j = next((j for j, r in enumerate(results) if args[i] is r), -1) if i < len(args) else -1
+            if j < 0 or not (program.carry[j] or i in self._owned):
+                return
+            loop.append(j)
+        program.loop = tuple(loop)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            self._last = None
+            return self._tree_jit()(*args, **kwargs)
+        last = self._last
+        if last is not None:
+            program, results, leaves = last
+            loop = program.loop
+            if loop is not None and len(args) == len(program.passed) + len(loop):
+                donated: list[Any] = []
+                for i, j in zip(self._donate, loop):
+                    if args[i] is not results[j]:
+                        break
+                    start, stop = program.spans[j]
+                    donated += leaves[start:stop]
+                else:
+                    other_leaves, other_treedef = _flatten([args[i] for i in program.passed], None)
+                    if other_treedef == program.other_treedef:
+                        leaves = program.jitted(donated, other_leaves)
+                        results = program.build(leaves)
+                        self._last = (program, results if program.several else (results,), leaves)
+                        return results
+        program, donated, other_leaves = self._program(args)
+        if program is None:
+            self._last = None
+            return self._tree_jit()(*args)
+        self._loop(program, args)
+        return self._run(program, donated, other_leaves)
+
+    def _run(self, program: _Program, donated: list[Any], others: list[Any]) -> Any:
+        leaves = program.jitted(donated, others)
+        results = program.build(leaves)
+        self._last = (program, results if program.several else (results,), leaves)
+        return results
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """``jax.jit(fn).lower(*args, **kwargs)``: the same computation as a call runs (the
+        flat program's HLO differs only in how its parameters are grouped), and its
+        ``compile()`` takes these arguments as they are."""
+        return self._tree_jit().lower(*args, **kwargs)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tree_jit().trace(*args, **kwargs)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tree_jit().eval_shape(*args, **kwargs)
+
+    def clear_cache(self) -> None:
+        self._programs.clear()
+        self._last = None
+        if self._tree is not None:
+            self._tree.clear_cache()
+
+    def _cache_size(self) -> int:
+        return sum(p.jitted._cache_size() for p in self._programs.values())  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def flat_jit(fn: Callable[..., Any], *, donate: Sequence[int] = (), owned: Sequence[int] = (),
+             tree_options: dict[str, Any] | None = None, **options: Any) -> FlatJit:
+    """``fn`` jitted, called over flat leaves (see :class:`FlatJit`); ``donate`` holds the
+    indices of the donated positional arguments, ``owned`` those of arguments whose
+    containers only the caller builds and never changes in place (a step's own log dict):
+    passed back by their leaves even when they hold dicts or lists. ``tree_options`` go
+    only to the ``jax.jit`` of ``fn`` that keyword calls use (``donate_argnames``)."""
+    return FlatJit(fn, tuple(donate), tuple(owned), tree_options, **options)

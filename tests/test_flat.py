@@ -1,0 +1,154 @@
+"""functree._flat: a jitted function of pytrees called over flat leaves.
+
+Checked: the generated builder rebuilds every kind of node as ``treedef.unflatten`` does;
+a loop passing results back runs the same numbers as ``jax.jit``; results passed back are
+not flattened again (unless they hold a mutable container, which may have been changed
+in place); keyword calls and ``lower`` work; a result tree that changes with shapes is an
+error that says so.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree._flat import CHANGED_OUTPUT, builder, flat_jit
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+def _model():
+    return ft.nn.Sequential([ft.nn.Dense(3, 4, jax.nn.relu, key=jax.random.key(0)),
+                             ft.nn.Dense(4, 1, key=jax.random.key(1))])
+
+
+def _same(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x is y
+
+
+@pytest.mark.parametrize("tree", [
+    {"a": (1, None), "b": [2, 3]},
+    Pair(1, (2,)),
+    (),
+    None,
+    _model(),
+], ids=["containers", "namedtuple", "empty", "none", "module"])
+def test_builder_equals_unflatten(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    _same(builder(treedef)(leaves), treedef.unflatten(leaves))
+
+
+def test_builder_rebuilds_optimizer_state_records_and_optax_states():
+    model = _model()
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
+    state = opt.init(model)
+    leaves, treedef = jax.tree.flatten((model, state))
+    rebuilt = builder(treedef)(leaves)
+    _same(rebuilt, (model, state))
+    assert type(rebuilt[1]) is type(state) and ft.optim.context(rebuilt[1]).step == 0
+
+
+def test_builder_uses_a_nodes_own_unflatten_for_other_pytrees():
+    import optax
+
+    state = optax.inject_hyperparams(optax.sgd)(0.1).init({"w": jnp.ones(2)})  # holds a dict
+    leaves, treedef = jax.tree.flatten(state)
+    _same(builder(treedef)(leaves), state)
+
+
+def _sgd(model, opt_state, x, y):
+    return ft.optim.Optimizer(ft.optim.sgd(0.1)).minimize(lambda m, x, y: jnp.mean((m(x) - y) ** 2),
+                                                         model, opt_state, x, y)
+
+
+def test_a_loop_runs_the_numbers_of_jax_jit():
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    x, y = jnp.ones((5, 3)), jnp.zeros((5, 1))
+    flat = flat_jit(_sgd, donate=(0, 1))
+    plain = jax.jit(_sgd)
+    m1, m2 = _model(), _model()
+    s1, s2 = opt.init(m1), opt.init(m2)
+    for _ in range(4):
+        m1, s1, loss1 = flat(m1, s1, x, y)
+        m2, s2, loss2 = plain(m2, s2, x, y)
+        np.testing.assert_array_equal(loss1, loss2)
+    for a, b in zip(jax.tree.leaves((m1, s1)), jax.tree.leaves((m2, s2))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_results_passed_back_are_not_flattened_again():
+    class Weights(ft.Module):
+        w: jax.Array
+
+    step = flat_jit(lambda m, x: (Weights(m.w + x), jnp.sum(m.w)), donate=(0,))
+    model, _ = step(Weights(jnp.zeros(2)), 1.0)  # fresh: flattened
+    model, _ = step(model, 1.0)  # finds that the model is the previous result
+    assert step._last[0].loop == (0,)  # from now on: argument 0 is result 0, by its leaves
+    model, total = step(model, 1.0)
+    np.testing.assert_array_equal(model.w, jnp.full(2, 3.0))
+    assert float(total) == 4.0
+
+
+def test_a_dict_passed_back_is_flattened_again_it_may_have_changed_in_place():
+    step = flat_jit(lambda p, x: ({"w": p["w"] + x}, p["w"].sum()), donate=(0,))
+    params, _ = step({"w": jnp.zeros(2)}, 1.0)
+    params, _ = step(params, 1.0)
+    params["w"] = jnp.full(2, 10.0)  # changed in place: must be seen
+    params, total = step(params, 1.0)
+    assert float(total) == 20.0
+    np.testing.assert_array_equal(params["w"], jnp.full(2, 11.0))
+
+
+def test_keyword_calls_and_lower_work():
+    step = flat_jit(lambda w, x: (w * x, jnp.sum(w)), donate=(0,))
+    w, _ = step(w=jnp.ones(2), x=2.0)
+    np.testing.assert_array_equal(w, jnp.full(2, 2.0))
+    compiled = step.lower(jnp.ones(2), 2.0).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes == 8  # the donated leaf, in place
+    w, _ = compiled(jnp.ones(2), 2.0)  # compiled for the arguments as they are
+    np.testing.assert_array_equal(w, jnp.full(2, 2.0))
+
+
+def test_a_result_tree_that_changes_with_shapes_is_an_error():
+    step = flat_jit(lambda x: (x,) if x.shape[0] == 1 else [x])
+    step(jnp.ones(1))
+    with pytest.raises(TypeError) as info:
+        step(jnp.ones(2))
+    assert str(info.value).startswith(CHANGED_OUTPUT.split("\n")[0][:40])
+    assert "jit one function per structure" in str(info.value)
+
+
+def test_ft_jit_with_donation_runs_over_flat_leaves():
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
+    step = ft.jit(lambda m, s, x, y: opt.minimize(lambda m, x, y: jnp.mean((m(x) - y) ** 2), m, s, x, y),
+                  donate=(0, 1))
+    model = _model()
+    state = opt.init(model)
+    leaves = jax.tree.leaves((model, state))
+    for _ in range(3):
+        model, state, loss = step(model, state, jnp.ones((2, 3)), jnp.zeros((2, 1)))
+    assert all(x.is_deleted() for x in leaves)
+    assert isinstance(model, ft.nn.Sequential) and bool(jnp.isfinite(loss))
+
+
+class _Box:
+    def __init__(self, x, meta):
+        self.x, self.meta = x, meta
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: ((b.x,), b.meta), lambda meta, kids: _Box(kids[0], meta))
+
+
+def test_a_tree_definition_that_cannot_be_hashed_runs_through_jax_jit():
+    step = flat_jit(lambda b: _Box(b.x + 1, b.meta), donate=(0,))
+    box = step(_Box(jnp.ones(2), [1]))  # a list as auxiliary data: unhashable
+    box = step(box)
+    np.testing.assert_array_equal(box.x, jnp.full(2, 3.0))
+    assert box.meta == [1]

@@ -9,7 +9,6 @@ of them and ``ft.move(model, along=update)`` applies any of them.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import NO_DERIVATIVE, Module, field_kind, from_fields
+from functree._naming import NothingSelected, check_patterns, selection
 from functree._paths import KeyPath, children
-from functree._tree import bounded_put, dotted_name, is_none
+from functree._tree import bounded_put, is_none
 
 __all__ = [
     "parameters",
@@ -228,59 +228,47 @@ def first_difference(a: Any, b: Any, *, none_is_leaf: bool = False) -> tuple[Key
     return None
 
 
-def _matches(name: str, patterns: Sequence[str]) -> bool:
-    """Glob match of a dotted name or any of its prefixes (``encoder`` covers ``encoder.w``)."""
-    parts = name.split(".")
-    prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
-    for pattern in patterns:
-        for candidate in prefixes:
-            if fnmatch.fnmatchcase(candidate, pattern) or fnmatch.fnmatchcase("." + candidate, pattern):
-                return True
-    return False
-
-
 def select(tree: Any, *patterns: str, exclude: Sequence[str] = ()) -> Any:
     """A boolean tree shaped like the parameter view: True where a pattern matches.
 
-    Patterns are globs over the dotted names of :func:`to_flat_dict` (``layers.0.weight``):
-    ``"encoder.*"``, ``"*.bias"``, ``"layers.[01].*"``. A pattern also matches everything
-    under a matching node (``"encoder"`` selects ``encoder.weight``). ``exclude=`` patterns
-    win over ``patterns``. Non-parameters are ``None``.
+    Patterns are globs over dotted names (``layers.0.weight``), one semantics with every
+    other consumer of names (see :mod:`functree._naming`): ``"encoder.*"``, ``"*.bias"``,
+    ``"layers.[01].*"``. A pattern also matches everything under a matching node
+    (``"encoder"`` selects ``encoder.weight``). ``exclude=`` patterns win over
+    ``patterns``. Non-parameters are ``None``. A pattern that selects no parameter is an
+    error naming the closest names.
+
+    A leaf of an ``ft.nn.Stack`` partly selected by member patterns (``"h.2.*"``,
+    ``"h.[0-1].*"``) gets a boolean array over its members (shape ``(n,)``) instead of
+    a bool; ``ft.optim.masked`` takes such a mask (``optax.masked`` takes whole leaves).
 
     Example:
-      >>> import functree as ft, jax.numpy as jnp
+      >>> import functree as ft, jax, jax.numpy as jnp
       >>> params = {"encoder": {"w": jnp.ones(2), "b": jnp.ones(2)}, "head": jnp.ones(2)}
       >>> ft.select(params, "encoder.*", exclude=["*.b"])
       {'encoder': {'b': False, 'w': True}, 'head': False}
+      >>> h = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 4, key=jax.random.key(0))
+      >>> ft.select({"h": h}, "h.[2-3].*")["h"].layers.weight
+      array([False, False,  True,  True])
     """
     if not patterns:
         raise ValueError("ft.select needs at least one pattern, e.g. ft.select(model, '*.bias').")
-    for p in (*patterns, *exclude):
-        if not isinstance(p, str):
-            raise TypeError(f"Patterns are strings like '*.bias', got {p!r} ({type(p).__name__}).")
-    names = _leaf_names(tree)
+    check_patterns((*patterns, *exclude))
+    return selected(tree, patterns, exclude)
+
+
+def selected(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), strict: bool = True) -> Any:
+    """:func:`select`; without ``strict``, a pattern may select nothing (``decay_mask``'s
+    ``"*"`` on a tree without parameters)."""
     view = parameters(tree)
     leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
-    out = [
-        None if leaf is None else (_matches(name, patterns) and not _matches(name, exclude))
-        for leaf, name in zip(leaves, names)
-    ]
-    return jax.tree.unflatten(treedef, out)
+    only = tuple(leaf is not None for leaf in leaves)
+    try:
+        chosen = selection(tree, tuple(patterns), tuple(exclude), what="ft.select", only=only, strict=strict)
+    except NothingSelected as e:
+        raise ValueError(str(e)) from None
+    return jax.tree.unflatten(treedef, [None if leaf is None else c for leaf, c in zip(leaves, chosen)])
 
 
 mask = select
 """Alias of :func:`select`, named for its use as a weight-decay or freezing mask."""
-
-
-_NAMES_CACHE: dict[Any, list[str]] = {}
-
-
-def _leaf_names(tree: Any) -> list[str]:
-    """Dotted names of the leaves of ``tree``, in JAX flatten order (None leaves included)."""
-    treedef = jax.tree.structure(tree, is_leaf=is_none)
-    names = _NAMES_CACHE.get(treedef)
-    if names is None:
-        path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)
-        names = [dotted_name(p) for p, _ in path_leaves]
-        bounded_put(_NAMES_CACHE, treedef, names)
-    return names

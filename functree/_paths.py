@@ -25,6 +25,7 @@ import numpy as np
 
 from functree import _stacked
 from functree._module import STATIC, Module
+from functree._naming import is_tied
 from functree._tree import bounded_put, cached, dotted_name
 
 __all__ = [
@@ -232,6 +233,8 @@ def stack_member_children(node: Any, rest: str, where: Any = ()) -> list[tuple[A
 def _child(node: Any, entry: Entry, prefix: KeyPath) -> Any:
     if entry.kind == INDEX and _stacked.is_stacked(node):  # a member of an ft.nn.Stack
         return stack_member(node, entry.key, prefix)
+    if _through_tie(node, entry):  # ft.nn.Shared answers to its resolved model's names
+        return _child(node.resolve(), entry, prefix)
     try:
         if isinstance(node, Module):
             if entry.kind == ATTR and entry.key in type(node).__ft_field_set__:
@@ -251,6 +254,11 @@ def _child(node: Any, entry: Entry, prefix: KeyPath) -> Any:
     except (LookupError, AttributeError, TypeError):
         pass
     raise KeyError(_no_such_path(prefix + (entry,), prefix, node, entry))
+
+
+def _through_tie(node: Any, entry: Entry) -> bool:
+    """Whether ``entry`` names a child of a tied node's resolved model, not a field of it."""
+    return is_tied(node) and not (entry.kind == ATTR and entry.key in type(node).__ft_field_set__)
 
 
 def _no_such_path(path: Any, prefix: KeyPath, node: Any, entry: Entry) -> str:
@@ -375,6 +383,8 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
     if depth == len(path):
         return _check_leaf(path, tree, value)
     entry = path[depth]
+    if _through_tie(tree, entry):  # a name of the resolved model: the stored value it comes from
+        return tree.set_resolved(KeyPath(path[depth:]), value)
     if isinstance(tree, Module) and entry.kind == ATTR and entry.key in type(tree).__ft_static__:
         raise ValueError(_static_field(tree, path, depth))
     child = _child(tree, entry, KeyPath(path[:depth]))
@@ -854,6 +864,8 @@ def _named_children(node: Any, rest: str) -> list[tuple[Entry, Any]]:
     keys may hold dots, so every child of any other node is a candidate.
     """
     head = rest.partition(".")[0]
+    if is_tied(node) and head not in type(node).__ft_field_set__:
+        return _named_children(node.resolve(), rest)
     if isinstance(node, Module):
         fields = type(node).__ft_field_set__
         return [(Entry(ATTR, head), node.__dict__[head])] if head in fields else []

@@ -3,7 +3,9 @@
 A :class:`Plan` reads ``wrt`` (an argument index, a tuple of indices, or key-path glob
 patterns over the first argument), checks each chosen argument is a pytree of arrays
 with at least one parameter, and builds the differentiated *primals*: each argument's
-parameter view (``None`` at non-parameters), narrowed to the leaves the patterns select.
+parameter view (``None`` at non-parameters), narrowed to the leaves the patterns select
+(a stacked leaf partly selected, ``wrt="h.2.*"``, stays whole; derivatives flow through
+its selected members only, the others' are zero).
 ``plan.wrap()`` is the function of the primals that JAX differentiates: it writes them
 back into the arguments (``ft.with_parameters``) and calls the user's function.
 
@@ -25,17 +27,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module
-from functree._parameters import (
-    _leaf_names,
-    _matches,
-    is_parameter_leaf,
-    parameters,
-    with_parameters,
-)
-from functree._tree import bounded_put, is_none
+from functree._naming import NothingSelected, broadcast, names, selection
+from functree._parameters import is_parameter_leaf, parameters, with_parameters
+from functree._tree import bounded_put, cached, is_none
 
 __all__ = ["Plan", "fn_name"]
 
@@ -140,6 +138,7 @@ class Plan:
                 raise IndexError(
                     WRT_OUT_OF_RANGE.format(wrt=wrt, index=i, fn=fn_name(f), count=len(args))
                 )
+        self.members: list[tuple[Any, ...]] = []  # per pattern-selected argument: member arrays
         self.primals = tuple(self._view(i) for i in self.indices)
 
     def _view(self, i: int) -> Any:
@@ -155,58 +154,51 @@ class Plan:
     def _select(self, x: Any, view: Any) -> Any:
         assert self.patterns is not None
         leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
-        key = (jax.tree.structure(x, is_leaf=is_none), treedef, self.patterns)
-        chosen = _SELECTION_CACHE.get(key)
+        key, chosen = cached(_SELECTION_CACHE, (jax.tree.structure(x, is_leaf=is_none), treedef, self.patterns))
         if chosen is None:
             chosen = self._choose(x, leaves)
-            bounded_put(_SELECTION_CACHE, key, chosen)
+            if key is not None:
+                bounded_put(_SELECTION_CACHE, key, chosen)
+        self.members.append(tuple(c if isinstance(c, np.ndarray) else None for c in chosen))
         return jax.tree.unflatten(
-            treedef, [leaf if pick else None for leaf, pick in zip(leaves, chosen)]
+            treedef, [leaf if pick is not False else None for leaf, pick in zip(leaves, chosen)]
         )
 
-    def _choose(self, x: Any, leaves: list[Any]) -> tuple[bool, ...]:
-        """Which parameter leaves the patterns select; computed once per tree definition.
+    def _choose(self, x: Any, leaves: list[Any]) -> tuple[Any, ...]:
+        """Which parameter leaves the patterns select (True, False, or a member array for
+        a stacked leaf partly selected); the naming layer caches it per tree definition.
 
         Each pattern must select at least one parameter. Non-parameters under a selected
         node are skipped (``wrt="encoder"`` takes encoder's parameters, not its running
         statistics); a pattern that selects only non-parameters is an error.
         """
         assert self.patterns is not None
-        names = _leaf_names(x)
         model_leaves = jax.tree.leaves(x, is_leaf=is_none)
-        parameter_names = [n for n, leaf in zip(names, leaves) if leaf is not None]
-        chosen = [False] * len(names)
+        present = tuple(leaf is not None for leaf in model_leaves)
+        usable_only = tuple(leaf is not None for leaf in leaves)
         for pattern in self.patterns:
-            hits = [
-                i for i, n in enumerate(names)
-                if model_leaves[i] is not None and _matches(n, (pattern,))
-            ]
-            if not hits:
-                raise ValueError(
-                    PATTERN_SELECTS_NOTHING.format(
-                        patterns=pattern, fn=fn_name(self.f), extra="", examples=parameter_names[:3]
-                    )
-                )
-            usable = [i for i in hits if leaves[i] is not None]
-            if not usable:
-                orig = model_leaves[hits[0]]
-                why = (
-                    "a no_derivative field"
-                    if is_parameter_leaf(orig)
-                    else f"dtype {getattr(orig, 'dtype', type(orig).__name__)}"
-                )
-                raise ValueError(
-                    PATTERN_SELECTS_NON_PARAMETER.format(
-                        patterns=pattern,
-                        path=names[hits[0]],
-                        why=why,
-                        op=self.op,
-                        example=parameter_names[0] if parameter_names else "*",
-                    )
-                )
-            for i in usable:
-                chosen[i] = True
-        return tuple(chosen)
+            self._check_pattern(x, pattern, present, usable_only)
+        return selection(x, self.patterns, what=f"ft.{self.op}(wrt=)", only=usable_only)
+
+    def _check_pattern(self, x: Any, pattern: str, present: tuple[bool, ...], usable: tuple[bool, ...]) -> None:
+        try:
+            hits = selection(x, (pattern,), what=f"ft.{self.op}(wrt=)", only=present)
+        except NothingSelected as e:
+            if e.out_of_range is not None:
+                raise ValueError(e.out_of_range) from None
+            parameter_names = [n for n, ok in zip(names(x), usable) if ok]
+            examples = list(dict.fromkeys(e.close + parameter_names[:3]))
+            raise ValueError(PATTERN_SELECTS_NOTHING.format(
+                patterns=pattern, fn=fn_name(self.f), extra="", examples=examples)) from None
+        if any(np.any(h) and ok for h, ok in zip(hits, usable)):
+            return
+        first = next(i for i, h in enumerate(hits) if np.any(h))
+        orig = jax.tree.leaves(x, is_leaf=is_none)[first]
+        why = "a no_derivative field" if is_parameter_leaf(orig) else f"dtype {getattr(orig, 'dtype', type(orig).__name__)}"
+        parameter_names = [n for n, ok in zip(names(x), usable) if ok]
+        raise ValueError(PATTERN_SELECTS_NON_PARAMETER.format(
+            patterns=pattern, path=names(x)[first], why=why, op=self.op,
+            example=parameter_names[0] if parameter_names else "*"))
 
     def _why_not(self, i: int, x: Any) -> str:
         if isinstance(x, Module):
@@ -222,7 +214,9 @@ class Plan:
 
     def rebuild(self, primals: Sequence[Any]) -> tuple:
         args = list(self.args)
-        for i, p in zip(self.indices, primals):
+        for k, (i, p) in enumerate(zip(self.indices, primals)):
+            if self.members and k == 0 and any(m is not None for m in self.members[0]):
+                p = _members_only(p, self.members[0])
             args[i] = with_parameters(self.args[i], p)
         return tuple(args)
 
@@ -247,5 +241,16 @@ class Plan:
         return t
 
 
-# (structure of x, structure of its parameter view, patterns) -> chosen leaf positions.
-_SELECTION_CACHE: dict[Any, tuple[bool, ...]] = {}
+def _members_only(primal: Any, members: tuple[Any, ...]) -> Any:
+    """The primal with derivatives through the selected members only: a stacked leaf partly
+    selected (``wrt="h.2.*"``) is ``where(m, w, stop_gradient(w))``, the same values, so
+    the other members' derivatives are exactly zero."""
+    leaves, treedef = jax.tree.flatten(primal, is_leaf=is_none)
+    return treedef.unflatten([
+        w if m is None or w is None else jnp.where(broadcast(m, w), w, jax.lax.stop_gradient(w))
+        for w, m in zip(leaves, members)
+    ])
+
+
+# (structure of x, structure of its parameter view, patterns) -> what the patterns select.
+_SELECTION_CACHE: dict[Any, tuple[Any, ...]] = {}

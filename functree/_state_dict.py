@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree import _stacked
+from functree._naming import is_tied, resolve_alias, tie_targets, untransform
+from functree._naming import names as leaf_names
 from functree._paths import ensure_acyclic
-from functree._tree import bounded_put, cached, dotted_name
+from functree._tree import bounded_put, cached, dotted_name, is_none
 
 __all__ = ["to_flat_dict", "from_flat_dict", "FlatDictReport"]
 
@@ -20,6 +22,12 @@ DUPLICATE_NAME = """\
 ft.{fn}: two leaves share the dotted name {name!r} ({first} and {second}); a dict key \
 containing "." collides with a nested path (or an int key with a str key of the same digits). \
 Rename the key, e.g. {fixed!r}."""
+
+TIES_DISAGREE = """\
+ft.from_flat_dict: {first!r} and {second!r} name one tied parameter ({stored!r}, stored \
+once by ft.nn.Shared) but hold different values. A tie holds one value: give equal values \
+or only one of the names:
+    right:  flat.pop({second!r})"""
 
 FLAT_DICT_MISMATCH = """\
 ft.from_flat_dict: the flat dict does not fit the template.
@@ -60,8 +68,9 @@ def _named_leaves(tree: Any, fn: str) -> tuple[list[Any], Any, tuple[str, ...]]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     key, names = cached(_NAMES, treedef)
     if names is None:
+        present = jax.tree.leaves(tree, is_leaf=is_none)
+        names = tuple(n for n, x in zip(leaf_names(tree), present) if x is not None)  # the naming layer's
         path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-        names = tuple(dotted_name(p) for p, _ in path_leaves)
         if len(frozenset(names)) != len(names):
             _raise_duplicate(path_leaves, fn)
         if key is not None and _str_keys_only(path_leaves):
@@ -151,6 +160,11 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
     Python float becomes the template leaf's floating dtype when its shape is the
     template's. Shapes are never changed, and integer or bool values are never cast.
 
+    A tied parameter of ``template`` (``ft.nn.Shared``) takes any of its names
+    (``model.embed.embeddings``, ``embed.embeddings``, ``head.weight``; a transformed
+    tie's value goes back through the transform's inverse): given under two names, the
+    values must be equal.
+
     The stacks of ``template`` (``ft.nn.Stack``) take either form of
     :func:`to_flat_dict`: stacked leaves (``blocks.layers.up.weight``) or, when ``flat``
     holds a name that is no stacked leaf's, one entry per member (``blocks.3.up.weight``,
@@ -165,6 +179,7 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
       Array([1., 1.], dtype=float32)
     """
     olds, treedef, names = _named_leaves(template, "from_flat_dict")
+    flat = _through_ties(template, flat, frozenset(names))
     if _stacked.wants_members(template, flat, frozenset(names)):  # per-member names of a Stack
         out = from_flat_dict(_stacked.expand(template), flat, strict=strict, cast=cast)
         tree, report = (out, None) if strict else out
@@ -194,6 +209,36 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
         raise ValueError(FLAT_DICT_MISMATCH.format(report=report))
     tree = jax.tree.unflatten(treedef, leaves)
     return tree if strict else (tree, report)
+
+
+def _through_ties(template: Any, flat: Mapping[str, Any], known: frozenset[str]) -> Mapping[str, Any]:
+    """``flat`` with the other names of tied parameters (an ``ft.nn.Shared``'s resolved
+    names: ``head.weight``, ``embed.embeddings``) turned into their stored names
+    (``model.embed.embeddings``); a value given under two names must be the same."""
+    unknown = [k for k in flat if k not in known]
+    if not unknown or (not any(is_tied(x) for x in jax.tree.leaves(template, is_leaf=is_tied)) and not is_tied(template)):
+        return flat
+    ties = tie_targets(template)
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for k, v in flat.items():
+        stored = k if k in known else resolve_alias(template, k)
+        if stored is None:
+            out[k] = v
+            continue
+        if k in ties and ties[k][1] is not None:  # a transformed tie: its source's value
+            source_name, transform, source = ties[k]
+            v = untransform(transform, source, np.asarray(_to_numpy(v)), k, source_name)
+        if stored in out and not _same(out[stored], v):
+            raise ValueError(TIES_DISAGREE.format(first=given[stored], second=k, stored=stored))
+        out.setdefault(stored, v)
+        given.setdefault(stored, k)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    x, y = _to_numpy(a), _to_numpy(b)
+    return x is not None and y is not None and x.shape == y.shape and bool(np.array_equal(x, y.astype(x.dtype)))
 
 
 def _fits(old: Any, new: Any) -> bool:

@@ -156,3 +156,20 @@ def test_bad_ties_explain_the_fix():
         ft.nn.Shared(Pair(layer, layer), {"b": "a", "a.bias": "b.bias"})
     with pytest.raises(KeyError):
         ft.nn.Shared(model, {"head.kernel": "embed.embeddings"})
+
+
+# ------------------------------------------------------------------ every name of a tie (functree/_naming.py)
+def test_a_tie_answers_to_its_names_in_wrt_and_state_dicts():
+    lm = tied_lm()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="head.weight")  # the tied matrix, by its head name
+    state = opt.init(lm)
+    batch = (TOKENS, TARGETS)
+    new, state, _ = opt.minimize(lm_loss, lm, state, batch)
+    assert not np.array_equal(new.model.embed.embeddings, lm.model.embed.embeddings)
+    np.testing.assert_array_equal(new.model.head.bias, lm.model.head.bias)
+    e = np.asarray(new.model.embed.embeddings)
+    for flat in ({"head.weight": e.T, "head.bias": np.zeros(VOCAB, np.float32)},
+                 {"embed.embeddings": e, "head.weight": e.T, "head.bias": np.zeros(VOCAB, np.float32)}):
+        np.testing.assert_array_equal(ft.from_flat_dict(lm, flat).model.embed.embeddings, e)
+    with pytest.raises(ValueError, match=r"'embed\.embeddings' and 'head\.weight' name one tied parameter"):
+        ft.from_flat_dict(lm, {"embed.embeddings": e, "head.weight": e.T + 1.0, "head.bias": np.zeros(VOCAB)})

@@ -421,3 +421,42 @@ report({"fsdp": diff(fsdp, one), "tp": diff(tp, one),
     assert out["fsdp"] <= 1e-4 * out["scale"] and out["tp"] <= 1e-4 * out["scale"], out
     assert out["fsdp_spec"] == "P(None, None, 'data')"  # never the layer axis
     assert out["tp_spec"] == "P(None, None, 'model')"  # the member's rule, layer axis prepended
+
+
+# ------------------------------------------------------------------ member patterns (functree/_naming.py)
+def test_freeze_and_decay_masks_select_members():
+    import optax
+
+    m = model()
+    params = ft.parameters(m)
+    grads = jax.tree.map(jnp.ones_like, params)
+    tx = optax.chain(ft.optim.sgd(1.0), ft.optim.freeze("blocks.[0-1].*"))
+    u, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_array_equal(u.blocks.layers.up.weight[:2], 0.0)
+    np.testing.assert_array_equal(u.blocks.layers.up.weight[2:], -1.0)
+    mask = ft.optim.decay_mask(params, ("*.bias", "blocks.3.*"))
+    np.testing.assert_array_equal(mask.blocks.layers.up.weight, [True, True, True, False])
+    assert mask.blocks.layers.up.bias is False and mask.head.weight is True
+    zero = jax.tree.map(jnp.zeros_like, params)
+    tx = ft.optim.adamw(0.1, weight_decay=0.5, exclude=("*.bias", "blocks.3.*"))
+    u, _ = tx.update(zero, tx.init(params), params)
+    w = params.blocks.layers.up.weight
+    np.testing.assert_allclose(u.blocks.layers.up.weight[:3], -0.05 * w[:3], rtol=0, atol=1e-7)
+    np.testing.assert_array_equal(u.blocks.layers.up.weight[3], 0.0)
+    tx = ft.optim.weight_decay(0.5, exclude=("*.bias", "blocks.0.*"))
+    u, _ = tx.update(zero, tx.init(params), params)
+    np.testing.assert_array_equal(u.blocks.layers.up.weight[0], 0.0)
+    np.testing.assert_allclose(u.blocks.layers.up.weight[1:], -0.5 * w[1:], rtol=0, atol=1e-7)
+
+
+def test_optimizer_trains_the_top_blocks_only():
+    m = model()
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2), wrt=("blocks.[2-3].*", "head"))
+    state = opt.init(m)
+    trained = m
+    for _ in range(5):
+        trained, state, _ = opt.minimize(loss, trained, state)
+    for before, after in zip(jax.tree.leaves(m.blocks), jax.tree.leaves(trained.blocks)):
+        np.testing.assert_array_equal(after[:2], before[:2])
+        assert not np.array_equal(after[2:], before[2:])
+    np.testing.assert_array_equal(ft.optim.moments(state)["mu"].blocks.layers.up.weight[:2], 0.0)

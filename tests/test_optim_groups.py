@@ -45,3 +45,34 @@ def test_moments_of_parameter_groups_merge_into_the_parameter_view():
     assert kp.get(moments["mu"]).shape == (2, 3)
     assert moments["mu"].layers[1].weight is None  # the sgd group keeps no mu
     np.testing.assert_allclose(moments["trace"].layers[1].bias, 1.0)
+
+
+# ------------------------------------------------------------------ groups of Stack members
+def _stacked():
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return {"h": ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, key=k), 4, key=k1), "head": ft.nn.Dense(3, 1, key=k2)}
+
+
+def test_groups_split_a_stacked_leaf_by_members():
+    model = _stacked()
+    params = ft.parameters(model)
+    grads = jax.tree.map(jnp.ones_like, params)
+    tx = fo.groups({"h.[0-1].*": fo.sgd(0.1), "h.[2-3].*": fo.adam(0.5)}, default=fo.freeze())
+    state = tx.init(model)
+    updates, state = tx.update(grads, state, model)
+    w = updates["h"].layers.weight
+    np.testing.assert_allclose(w[:2], -0.1, rtol=0, atol=1e-7)
+    adam = fo.adam(0.5)
+    alone, _ = adam.update(grads["h"].layers.weight[2:], adam.init(params["h"].layers.weight[2:]))
+    np.testing.assert_array_equal(w[2:], alone)  # the members train as they would alone
+    np.testing.assert_array_equal(updates["head"].weight, np.zeros((3, 1)))
+    mu = state.inner_states["h.[2-3].*"].inner_state
+    assert np.all(np.asarray(fo.moments(mu)["mu"]["h"].layers.weight[:2]) == 0)  # other members: untouched
+
+
+def test_member_groups_errors_name_the_member():
+    with pytest.raises(ValueError, match=r"parameter 'h\.2\.weight' matches no group pattern"):
+        fo.groups({"h.[0-1].*": fo.sgd(), "head": fo.sgd()}).init(_stacked())
+    with pytest.raises(ValueError, match=r"parameter 'h\.1\.weight' matches two groups, 'h\.\[0-1\]\.\*' and "
+                                         r"'h\.\[1-3\]\.\*'"):
+        fo.groups({"h.[0-1].*": fo.sgd(), "h.[1-3].*": fo.sgd(), "head": fo.sgd()}).init(_stacked())

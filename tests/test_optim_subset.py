@@ -150,3 +150,86 @@ def test_a_non_finite_gradient_is_named_among_the_trained_parameters(on_nan):
     else:
         trainer.fit(data, progress=False)
         assert trainer.skipped and {what for _, what in trainer.skipped} == {"the gradient of parameter 'head.bias'"}
+
+
+# ------------------------------------------------------------------ members of a Stack
+class Deep(ft.Module):
+    embed: ft.nn.Dense
+    h: ft.nn.Stack
+    head: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.head(self.h(self.embed(x)))
+
+
+def deep(n=4):
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    return Deep(ft.nn.Dense(3, 4, key=k1), ft.nn.Stack(lambda k: ft.nn.Dense(4, 4, jnp.tanh, key=k), n, key=k2),
+                ft.nn.Dense(4, 1, key=k3))
+
+
+SELECTED = np.array([False, True, True, False])  # wrt="h.[1-2].*"
+
+
+@pytest.mark.parametrize("tx", [lambda: ft.optim.adamw(1e-2, weight_decay=0.1),
+                                lambda: ft.optim.sgd(0.05, momentum=0.9, weight_decay=0.01)],
+                         ids=["adamw", "sgd-momentum-l2"])
+def test_members_not_selected_stay_bit_identical_and_their_moments_do_not_move(tx):
+    model = deep()
+    opt = ft.optim.Optimizer(tx(), wrt="h.[1-2].*")
+    state = opt.init(model)
+    first = jax.tree.map(jnp.copy, ft.optim.moments(state))
+    step = ft.jit(lambda m, s: opt.minimize(mse, m, s, X, Y))
+    trained = model
+    for _ in range(20):
+        trained, state, _ = step(trained, state)
+    for name in ("weight", "bias"):
+        before, after = getattr(model.h.layers, name), getattr(trained.h.layers, name)
+        np.testing.assert_array_equal(after[~SELECTED], before[~SELECTED])
+        assert not np.array_equal(after[SELECTED], before[SELECTED])
+        for moment, tree in ft.optim.moments(state).items():
+            old, new = getattr(first[moment].h.layers, name), getattr(tree.h.layers, name)
+            np.testing.assert_array_equal(new[~SELECTED], old[~SELECTED])
+    np.testing.assert_array_equal(trained.embed.weight, model.embed.weight)
+    np.testing.assert_array_equal(trained.head.weight, model.head.weight)
+    assert ft.optim.moments(state)["mu" if "mu" in ft.optim.moments(state) else "trace"].head.weight is None
+
+
+def test_selected_members_train_as_a_hand_masked_optax_update():
+    model = deep()
+    opt = ft.optim.Optimizer(ft.optim.adamw(1e-2, weight_decay=0.1), wrt="h.[1-2].*")
+    state = opt.init(model)
+    tx = ft.optim.adamw(1e-2, weight_decay=0.1)  # the same transform, on the stack alone, by hand
+    stack = model.h
+    hand_state = tx.init(stack)
+    keep = jnp.asarray(SELECTED)
+
+    def masked(tree):
+        return jax.tree.map(lambda x: jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0), tree)
+
+    for _ in range(10):
+        grads = ft.gradient(lambda h, m=model: mse(m.replace(h=h), X, Y), at=stack)
+        updates, hand_state = tx.update(masked(grads), hand_state, stack)
+        stack = ft.move(stack, along=masked(updates))
+        model, state, _ = opt.minimize(mse, model, state, X, Y)
+    for name in ("weight", "bias"):
+        np.testing.assert_allclose(getattr(model.h.layers, name), getattr(stack.layers, name), rtol=0, atol=0)
+
+
+def test_trainer_and_gradients_with_member_patterns():
+    model = deep()
+    grads = ft.gradient(lambda m: mse(m, X, Y), wrt="h.[1-2].*")(model)
+    np.testing.assert_array_equal(grads.h.layers.weight[~SELECTED], np.zeros((2, 4, 4)))
+    assert grads.embed.weight is None
+    trainer = ft.train.Trainer(model, ft.optim.adam(1e-2), lambda m, b: mse(m, *b), wrt="h.3")
+    trainer.fit(ft.train.batches((X, Y), batch_size=8, shuffle=False), epochs=1, progress=False)
+    after = trainer.model.h.layers.weight
+    np.testing.assert_array_equal(after[:3], model.h.layers.weight[:3])
+    assert not np.array_equal(after[3], model.h.layers.weight[3])
+
+
+def test_member_pattern_errors():
+    with pytest.raises(ValueError, match=r"'h\.9\.\*' names member 9 of 'h', which holds 4 members \(0 to 3\)"):
+        ft.optim.Optimizer(ft.optim.adam(), wrt="h.9.*").init(deep())
+    with pytest.raises(ValueError, match=r"wrt='hx\.1\.\*'\) selects no parameter(.|\n)*'h\.1\.weight'"):
+        ft.optim.Optimizer(ft.optim.adam(), wrt="hx.1.*").init(deep())

@@ -221,7 +221,7 @@ def test_caches_keyed_by_tree_definition_are_bounded():
 
 
 def test_dotted_names_come_from_one_function():
-    from functree._parameters import _leaf_names
+    from functree._naming import names as _leaf_names
 
     model = {"layers": [{"w": jnp.ones(2)}, {"w": jnp.ones(2)}], "n": (jnp.zeros(()),)}
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(model)[0]]

@@ -13,9 +13,10 @@ and the optimizer's moments and a checkpoint hold it once.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from functree._module import Module, field
+from functree._naming import untransform
 from functree._paths import KeyPath, key_path
 
 __all__ = ["Shared"]
@@ -37,6 +38,11 @@ removed from the stored model. Tie each place to the one value that stays:
 BAD_TARGET = """\
 ft.nn.Shared can tie a field of a Module, an item of a list, tuple or dict; the target \
 {path} lies in a {type}. Tie the enclosing value instead."""
+
+PART_OF_TRANSFORMED = """\
+ft.set({path}): {target} is tied to a transform of {source}; set the whole target or the \
+source, not part of it.
+    right:  ft.set(model, "{source}", value)"""
 
 NOTHING_TIED = """\
 ft.nn.Shared needs at least one tie {target: source}.
@@ -96,10 +102,21 @@ class Shared(Module):
       ['model.embed.embeddings', 'model.head.bias']
       >>> bool((lm.resolve().head.weight == lm.model.embed.embeddings.T).all())
       True
+
+    Names: the stored tree names the tied matrix once, ``model.embed.embeddings`` (the
+    names of ``ft.to_flat_dict`` and checkpoints); it answers also to the resolved
+    model's names, ``embed.embeddings`` and ``head.weight`` (torch's names), in
+    ``ft.get``/``ft.set``, ``ft.select`` and ``ft.from_flat_dict``:
+
+      >>> bool((ft.get(lm, "head.weight") == lm.model.embed.embeddings.T).all())
+      True
+      >>> ft.select(lm, "head.weight").model.embed.embeddings
+      True
     """
 
     model: Any
     ties: tuple[tuple[KeyPath, KeyPath, Callable[[Any], Any] | None], ...] = field(static=True)
+    __ft_tied__: ClassVar[bool] = True
 
     def __init__(self, model: Any, ties: Mapping[str | KeyPath, Any]):
         if not isinstance(ties, Mapping) or not ties:
@@ -130,5 +147,21 @@ class Shared(Module):
             model = target.set(model, value if transform is None else transform(value))
         return model
 
+    def set_resolved(self, path: KeyPath, value: Any) -> Shared:
+        """A copy with ``value`` at ``path`` of the resolved model (``ft.set(lm, "head.weight", w)``):
+        a tie target's value is written to its source (through the inverse of its transform)."""
+        for target, source, transform in self.ties:
+            if not _inside(path, target):
+                continue
+            rest = KeyPath(path[len(target):])
+            if transform is None:
+                return self.replace(model=(source + rest).set(self.model, value))
+            if rest:
+                raise ValueError(PART_OF_TRANSFORMED.format(path=path, target=target.name, source=source.name))
+            return self.replace(model=source.set(self.model, untransform(transform, source.get(self.model),
+                                                                          value, target.name, source.name)))
+        return self.replace(model=path.set(self.model, value))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.resolve()(*args, **kwargs)
+

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._module import Module, field, from_fields
 from functree._paths import KeyPath, children, walk
@@ -239,7 +240,8 @@ class Stack(Layer):
 
     # The stacked-node protocol of functree._stacked (per-member key paths).
     def _member(self, i: int) -> Any:
-        return jax.tree.map(lambda a: a[i], self.layers)
+        # A tree shaped like the model (a mask's bools, labels) holds one value for all members.
+        return jax.tree.map(lambda a: _item(a, i), self.layers)
 
     def _with_member(self, i: int, value: Any) -> Stack:
         diff = _first_difference(self._member(i), value)
@@ -251,6 +253,14 @@ class Stack(Layer):
     def _with_layers(self, layers: Any) -> Stack:
         n = len(jax.tree.leaves(layers)[0]) if jax.tree.leaves(layers) else self.n
         return from_fields(type(self), {"layers": layers, "n": n, "remat": self.remat})
+
+
+def _item(a: Any, i: int) -> Any:
+    """Member ``i`` of a stacked leaf; a value without a stack axis is every member's."""
+    if not jnp.ndim(a):
+        return a
+    x = a[i]
+    return bool(x) if isinstance(x, np.bool_) else x
 
 
 def _check_carry(block: Any, x: Any, y: Any) -> None:

@@ -45,6 +45,7 @@ from functree.optim._hyper import (
 )
 from functree.optim._lookahead import SlowState, lookahead
 from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState
+from functree.optim._masked import masked
 from functree.optim._optimizer import Optimizer, OptimizerWrapper, StepResult
 from functree.optim._schedules import (
     constant,
@@ -115,6 +116,7 @@ __all__ = [
     "freeze",
     "reduce_on_plateau",
     "groups",
+    "masked",
     # weight averaging and lookahead (averaged parameters kept by the optimizer)
     "ema",
     "uniform_average",

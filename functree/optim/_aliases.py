@@ -30,11 +30,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from functree._parameters import field_mask, select
+from functree._naming import check_patterns
+from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._hyper import inject
+from functree.optim._masked import masked
 
 __all__ = [
     "sgd",
@@ -77,7 +80,8 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
     A parameter is decayed unless its dotted name matches a glob in ``exclude`` or, when
     ``exclude`` holds :data:`DECLARED` (the default :data:`DEFAULT_NO_DECAY` does), its
     layer declares the field ``ft.field(decay=False)`` (every bias, and every scale and
-    offset of a normalisation layer in ``ft.nn``). ``exclude=()`` decays everything.
+    offset of a normalisation layer in ``ft.nn``). ``exclude=()`` decays everything. An
+    ``exclude`` naming members of a Stack (``"h.0.*"``) gives that leaf a boolean member array.
 
     Example:
       >>> import functree as ft, jax
@@ -91,11 +95,21 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
     """
     exclude = tuple(exclude)
     globs = tuple(e for e in exclude if e != DECLARED)
-    by_name = select(params, "*", exclude=globs)
+    check_patterns(globs)
+    by_name = selected(params, ("*",), globs, strict=False)
     if DECLARED not in exclude:
-        return by_name
+        return jax.tree.map(lambda m: _decayed_where(m, False), by_name, is_leaf=is_none)
     declared = field_mask(params, _no_decay)
-    return jax.tree.map(lambda m, d: None if m is None else bool(m) and not d, by_name, declared, is_leaf=is_none)
+    return jax.tree.map(_decayed_where, by_name, declared, is_leaf=is_none)
+
+
+def _decayed_where(by_name: Any, declared: Any) -> Any:
+    """A leaf of the decay mask: a bool, or a member array where ``exclude`` names members."""
+    if by_name is None:
+        return None
+    if isinstance(by_name, np.ndarray) and not declared:
+        return by_name
+    return bool(np.all(by_name)) and not declared
 
 
 def _decay_mask(exclude: Sequence[str]) -> Any:
@@ -363,7 +377,9 @@ def adamw(
     def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
         if weight_decay is None:
             return optax.adam(learning_rate, beta1, beta2, epsilon)
-        return optax.adamw(learning_rate, beta1, beta2, epsilon, weight_decay=weight_decay, mask=_decay_mask(exclude))
+        return optax.chain(optax.scale_by_adam(beta1, beta2, epsilon),  # optax.adamw, its state too
+                           masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
+                           optax.scale_by_learning_rate(learning_rate))
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
     hyper = _with_decay(hyper, weight_decay)
@@ -509,7 +525,9 @@ def lion(
     def factory(learning_rate: Any, beta1: Any, beta2: Any, weight_decay: Any = None) -> Any:
         if weight_decay is None:
             return optax.chain(optax.scale_by_lion(beta1, beta2), optax.scale_by_learning_rate(learning_rate))
-        return optax.lion(learning_rate, beta1, beta2, weight_decay=weight_decay, mask=_decay_mask(exclude))
+        return optax.chain(optax.scale_by_lion(beta1, beta2),  # optax.lion, its state too
+                           masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
+                           optax.scale_by_learning_rate(learning_rate))
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2}
     hyper = _with_decay(hyper, weight_decay)

@@ -83,7 +83,10 @@ def _unit(x: Any) -> bool:
 def keep_unchanged(partial: tuple[Any, tuple[bool, ...]], updates: Any, new_inner: Any,
                    old_inner: Any) -> tuple[Any, Any]:
     """No update for parameters without a gradient: ``None`` updates, their moments as they were
-    (a complex parameter's moment is a :class:`RealPair`: one unit, as the parameter)."""
+    (a complex parameter's moment is a :class:`RealPair`: one unit, as the parameter).
+
+    An entry of ``partial`` may be a boolean member array (a stacked leaf partly frozen by
+    ``Optimizer(wrt="h.2.*")``): those members only."""
     treedef, missing = partial
 
     def per_parameter(x: Any) -> bool:
@@ -93,12 +96,31 @@ def keep_unchanged(partial: tuple[Any, tuple[bool, ...]], updates: Any, new_inne
         if not per_parameter(new):
             return new
         news, olds = jax.tree.leaves(new, is_leaf=_unit), jax.tree.leaves(old, is_leaf=_unit)
-        return treedef.unflatten([o if m else n for n, o, m in zip(news, olds, missing)])
+        return treedef.unflatten([_kept(n, o, m) for n, o, m in zip(news, olds, missing)])
 
     inner = jax.tree.map(keep, new_inner, old_inner, is_leaf=per_parameter)
     leaves = jax.tree.leaves(updates, is_leaf=is_none)
-    updates = treedef.unflatten([None if m else u for u, m in zip(leaves, missing)])
+    updates = treedef.unflatten([_no_update(u, m) for u, m in zip(leaves, missing)])
     return updates, inner
+
+
+def _kept(new: Any, old: Any, m: Any) -> Any:
+    """``old`` where ``m`` (a bool, or a member array of a partly frozen stacked leaf)."""
+    if not isinstance(m, np.ndarray):
+        return old if m else new
+    if isinstance(new, RealPair):  # a complex parameter's moment: each half
+        return RealPair(_kept(new.real, old.real, m), _kept(new.imag, old.imag, m))
+    if new is None or np.ndim(new) < m.ndim or np.shape(new)[: m.ndim] != m.shape:
+        return new  # a state leaf not shaped like its parameter (a count, a factored moment)
+    return jnp.where(m.reshape(m.shape + (1,) * (np.ndim(new) - m.ndim)), old, new)
+
+
+def _no_update(u: Any, m: Any) -> Any:
+    """None where ``m``; ``-0.0`` at the frozen members of a member array (``w + -0.0 == w``
+    bit for bit, whatever ``w``)."""
+    if not isinstance(m, np.ndarray):
+        return None if m else u
+    return jnp.where(m.reshape(m.shape + (1,) * (np.ndim(u) - m.ndim)), jnp.asarray(-0.0, u.dtype), u)
 
 
 def _complex(g: Any) -> bool:

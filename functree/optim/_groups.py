@@ -6,10 +6,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
-from functree._parameters import _leaf_names, _matches
+from functree._naming import leaf_infos, member_names, selection
 from functree._tree import is_none
+from functree.optim._masked import partition_members
 
 __all__ = ["groups"]
 
@@ -32,21 +34,40 @@ name or a character class ("layers.[01].*").
 EMPTY = "ft.optim.groups needs at least one {{pattern: transform}} entry, got {given!r}."
 
 
-def _label_tree(params: Any, patterns: tuple[str, ...], has_default: bool) -> Any:
-    names = _leaf_names(params)
+def _selections(params: Any, patterns: tuple[str, ...]) -> list[tuple[Any, ...]]:
+    """Per pattern, what it selects of each leaf (bools, member arrays); no error for none."""
+    return [selection(params, (p,), what="ft.optim.groups", strict=False) for p in patterns]
+
+
+def _where(info: Any, count: Any, at: int) -> str:
+    """The name of a leaf, or of its member ``at`` where ``count`` is per member."""
+    return info.name if np.ndim(count) == 0 else member_names(info)[at]
+
+
+def _labels(params: Any, patterns: tuple[str, ...], has_default: bool) -> tuple[list[Any], Any, list[Any]]:
+    """``(labels, treedef, picks)``: a label per leaf (None where split among groups by
+    members), and per pattern its selection; an error for a parameter (or member) in two
+    groups or in none without a default."""
     leaves, treedef = jax.tree.flatten(params, is_leaf=is_none)
-    labels = []
-    for name, leaf in zip(names, leaves):
+    infos = leaf_infos(params)
+    picks = _selections(params, patterns)
+    labels: list[Any] = []
+    for k, (info, leaf) in enumerate(zip(infos, leaves)):
         if leaf is None:
             labels.append(None)
             continue
-        hits = [p for p in patterns if _matches(name, (p,))]
-        if len(hits) > 1:
-            raise ValueError(AMBIGUOUS.format(name=name, first=hits[0], second=hits[1]))
-        if not hits and not has_default:
-            raise ValueError(UNMATCHED.format(name=name, patterns=", ".join(map(repr, patterns))))
-        labels.append(hits[0] if hits else DEFAULT_LABEL)
-    return jax.tree.unflatten(treedef, labels)
+        hits = [(p, np.asarray(s[k])) for p, s in zip(patterns, picks) if np.any(s[k])]
+        count = sum((h.astype(int) for _, h in hits), np.zeros((), int))
+        if np.any(count > 1):
+            at = int(np.argmax(np.ravel(count > 1)))
+            both = [p for p, h in hits if np.ravel(np.broadcast_to(h, np.shape(count)))[at]]
+            raise ValueError(AMBIGUOUS.format(name=_where(info, count, at), first=both[0], second=both[1]))
+        if np.any(count == 0) and not has_default:
+            at = _where(info, count, int(np.argmax(np.ravel(count == 0))))
+            raise ValueError(UNMATCHED.format(name=at, patterns=", ".join(map(repr, patterns))))
+        whole = [p for p, h in hits if h.ndim == 0]
+        labels.append(whole[0] if whole else DEFAULT_LABEL if not hits else None)
+    return labels, treedef, picks
 
 
 def groups(
@@ -56,7 +77,9 @@ def groups(
     """One optimizer per parameter group, chosen by globs over ``ft.to_flat_dict`` names.
 
     Patterns work as in :func:`ft.select` (``"encoder.*"``, ``"*.bias"``,
-    ``"layers.[01].*"``). Each parameter must match exactly one pattern, or none when
+    ``"layers.[01].*"``), members of a Stack included (``"h.[0-5].*"``: a group may hold
+    part of a stacked leaf; each member is then updated by its group's optimizer, and
+    its moments live in that group's state). Each parameter (member) must match exactly one pattern, or none when
     ``default`` is given; otherwise an error names it. Map a group to
     ``ft.optim.freeze()`` to freeze it. Built on ``optax.partition``; the state's
     ``inner_states`` are keyed by pattern, and :func:`ft.optim.hyperparameters` names a
@@ -80,6 +103,33 @@ def groups(
         table[DEFAULT_LABEL] = default
 
     def labels(params: Any) -> Any:
-        return _label_tree(params, patterns, default is not None)
+        found, treedef, _ = _labels(params, patterns, default is not None)
+        return jax.tree.unflatten(treedef, found)
 
-    return optax.partition(table, labels)
+    def member_masks(params: Any) -> dict[Any, Any]:
+        _, treedef, picks = _labels(params, patterns, default is not None)
+        leaves = jax.tree.leaves(params, is_leaf=is_none)
+        masks = {p: jax.tree.unflatten(treedef, [None if x is None else s for x, s in zip(leaves, sel)])
+                 for p, sel in zip(patterns, picks)}
+        if default is not None:
+            rest = [None if x is None else ~np.any([np.asarray(s[k]) for s in picks], axis=0)
+                    for k, x in enumerate(leaves)]
+            masks[DEFAULT_LABEL] = jax.tree.unflatten(
+                treedef, [r if r is None or np.ndim(r) else bool(r) for r in rest])
+        return masks
+
+    by_leaf = optax.partition(table, labels)
+    by_member = partition_members(table, member_masks)
+
+    def split(params: Any) -> bool:
+        found, _, _ = _labels(params, patterns, default is not None)
+        leaves = jax.tree.leaves(params, is_leaf=is_none)
+        return any(lab is None and x is not None for lab, x in zip(found, leaves))
+
+    def init(params: Any) -> Any:
+        return (by_member if split(params) else by_leaf).init(params)
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        return (by_member if split(updates) else by_leaf).update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(init, update)

@@ -45,7 +45,13 @@ from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
 from functree.optim._skip import applied_in, apply_or_keep, check_on_nan, gate, guard, select
 from functree.optim._state import OptimizerState, release_contexts
-from functree.optim._subset import check_wrt, drop_frozen, trained_view
+from functree.optim._subset import (
+    check_wrt,
+    drop_frozen,
+    frozen_members,
+    trained_view,
+    with_frozen_members,
+)
 
 __all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "leading_dimension", "with_wrt"]
 
@@ -303,9 +309,11 @@ class Optimizer:
         if not isinstance(state, OptimizerState):
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
         params = None if model is None else trained_view(model, self.wrt)
+        frozen = None if params is None else frozen_members(model, self.wrt)  # members of stacked leaves
         if self.wrt is not None and params is not None:
-            grads = drop_frozen(grads, params)
+            grads = drop_frozen(grads, params, frozen)
         grads, partial = checked_gradients(grads, params)
+        partial = with_frozen_members(partial, params, frozen)
         grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
         ctx = current(state.context, minibatch_size, loss)
         if extra:

@@ -8,6 +8,11 @@ parameter view with ``None`` at every parameter no pattern selects. So
 * the transform is initialized on the trained view: frozen parameters get no optimizer
   state at all (their moments are ``None``, not zeros);
 * updates are ``None`` at frozen parameters, which ``ft.move`` leaves bit for bit.
+
+A pattern may select members of an ``ft.nn.Stack`` (``wrt="h.[2-3].*"``): the stacked
+leaf is then trained whole with zero gradients at the frozen members, whose updates are
+``-0.0`` (``w + (-0.0) == w`` bit for bit, ``-0.0`` included) and whose moments are
+restored after each update, so they never move.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from functree._parameters import _leaf_names, _matches, parameters
-from functree._tree import bounded_put, is_none
+from functree._naming import NothingSelected, broadcast, names, selection
+from functree._parameters import parameters
+from functree._tree import is_none
+from functree.optim._masked import is_partial
 
-__all__ = ["check_wrt", "trained_view", "drop_frozen"]
+__all__ = ["check_wrt", "trained_view", "drop_frozen", "frozen_members", "with_frozen_members"]
 
 BAD_WRT = """\
 wrt= takes key-path patterns (a string or a sequence of strings), as ft.gradient(wrt=) \
@@ -47,28 +55,25 @@ def check_wrt(wrt: Any) -> tuple[str, ...] | None:
     raise TypeError(BAD_WRT.format(given=wrt))
 
 
-# (parameter-view tree definition, patterns) -> which leaf positions are trained.
-_CHOSEN: dict[Any, tuple[bool, ...]] = {}
-
-
-def _chosen(view: Any, leaves: list[Any], treedef: Any, patterns: tuple[str, ...]) -> tuple[bool, ...]:
-    key = (treedef, patterns)
-    chosen = _CHOSEN.get(key)
-    if chosen is None:
-        names = _leaf_names(view)
-        hits = [leaf is not None and _matches(n, patterns) for n, leaf in zip(names, leaves)]
-        for p in patterns:  # as ft.gradient(wrt=): every pattern selects some parameter
-            if not any(leaf is not None and _matches(n, (p,)) for n, leaf in zip(names, leaves)):
-                examples = [n for n, leaf in zip(names, leaves) if leaf is not None][:3]
-                raise ValueError(SELECTS_NOTHING.format(pattern=p, examples=examples,
-                                                        first=examples[0] if examples else "*"))
-        chosen = tuple(hits)
-        bounded_put(_CHOSEN, key, chosen)
-    return chosen
+def _chosen(view: Any, leaves: list[Any], patterns: tuple[str, ...]) -> tuple[Any, ...]:
+    """Per leaf of the parameter view: True, False or a member array (cached by the
+    naming layer per tree definition); every pattern selects some parameter."""
+    only = tuple(leaf is not None for leaf in leaves)
+    try:
+        return selection(view, patterns, what="Optimizer(wrt=)", only=only)
+    except NothingSelected as e:
+        if e.out_of_range is not None:
+            raise ValueError(e.out_of_range) from None
+        examples = e.close or [n for n, ok in zip(names(view), only) if ok][:3]
+        raise ValueError(SELECTS_NOTHING.format(pattern=e.pattern, examples=examples,
+                                                first=examples[0] if examples else "*")) from None
 
 
 def trained_view(model: Any, patterns: tuple[str, ...] | None) -> Any:
     """The parameter view of ``model`` with ``None`` at parameters that ``patterns`` do not select.
+
+    A stacked leaf partly selected (``wrt="h.2.*"``) stays whole here; :func:`frozen_members`
+    says which of its members are frozen.
 
     Example:
       >>> import jax.numpy as jnp
@@ -80,15 +85,44 @@ def trained_view(model: Any, patterns: tuple[str, ...] | None) -> Any:
     if patterns is None:
         return view
     leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
-    chosen = _chosen(view, leaves, treedef, patterns)
-    return treedef.unflatten([x if c else None for x, c in zip(leaves, chosen)])
+    chosen = _chosen(view, leaves, patterns)
+    return treedef.unflatten([x if c is not False else None for x, c in zip(leaves, chosen)])
 
 
-def drop_frozen(grads: Any, view: Any) -> Any:
-    """``grads`` with ``None`` where the trained ``view`` is ``None`` (gradients a custom
-    ``get_gradients`` computed for frozen parameters are not applied)."""
+def frozen_members(model: Any, patterns: tuple[str, ...] | None) -> tuple[Any, ...] | None:
+    """Per leaf of the parameter view, the members ``patterns`` leave frozen (a boolean
+    array) where a stacked leaf is partly selected, else False; None when no leaf is."""
+    if patterns is None:
+        return None
+    view = parameters(model)
+    leaves = jax.tree.leaves(view, is_leaf=is_none)
+    chosen = _chosen(view, leaves, patterns)
+    if not any(is_partial(c) for c in chosen):
+        return None
+    return tuple(~c if is_partial(c) else False for c in chosen)
+
+
+def with_frozen_members(partial: Any, params: Any, frozen: tuple[Any, ...] | None) -> Any:
+    """The positions :func:`keep_unchanged` keeps, with the frozen members of partly
+    trained leaves added (their updates are ``-0.0``, their moments restored)."""
+    if frozen is None:
+        return partial
+    treedef = jax.tree.structure(params, is_leaf=is_none)
+    missing = (False,) * len(frozen) if partial is None else partial[1]
+    return treedef, tuple(True if m is True else f for m, f in zip(missing, frozen))
+
+
+def drop_frozen(grads: Any, view: Any, frozen: tuple[Any, ...] | None = None) -> Any:
+    """``grads`` with ``None`` where the trained ``view`` is ``None``, and zeros at the
+    ``frozen`` members of partly trained leaves (gradients a custom ``get_gradients``
+    computed for frozen parameters are not applied)."""
     g_leaves, g_def = jax.tree.flatten(grads, is_leaf=is_none)
     v_leaves, v_def = jax.tree.flatten(view, is_leaf=is_none)
     if g_def != v_def:
         return grads  # the gradient check names the difference
-    return g_def.unflatten([None if v is None else g for g, v in zip(g_leaves, v_leaves)])
+    marks = frozen or (False,) * len(g_leaves)
+    return g_def.unflatten([
+        None if v is None else (jnp.where(broadcast(f, g), jnp.zeros_like(g), g) if is_partial(f) and g is not None
+                                else g)
+        for g, v, f in zip(g_leaves, v_leaves, marks)
+    ])

@@ -12,13 +12,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from functree._naming import broadcast
 from functree._operators import value_with_gradient
 from functree._parameters import select
 from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
+from functree.optim._masked import masked
 
 __all__ = [
     "clip",
@@ -245,11 +248,18 @@ def weight_decay(rate: Any, *, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> opt
     def factory(weight_decay: Any) -> Any:
         def fn(u: Any, p: Any) -> Any:
             mask = decay_mask(p, exclude)
-            return jax.tree.map(lambda u, w, m: u - weight_decay * w if m else u, u, p, mask)
+            return jax.tree.map(lambda u, w, m: _decay(u, w, m, weight_decay), u, p, mask)
 
         return _stateless(fn, "weight_decay", needs_params=True)
 
     return inject("ft.optim.weight_decay", factory, {"weight_decay": rate})
+
+
+def _decay(u: Any, w: Any, m: Any, rate: Any) -> Any:
+    """``u - rate * w`` where the decay mask ``m`` holds (a bool, or a member array)."""
+    if isinstance(m, np.ndarray):
+        return jnp.where(broadcast(m, u), u - rate * w, u)
+    return u - rate * w if m else u
 
 
 class NoiseState(NamedTuple):
@@ -310,6 +320,8 @@ def add_gradient_noise(eta: Any, gamma: float = 0.55, *, seed: int = 0) -> optax
 def freeze(*patterns: str) -> optax.GradientTransformationExtraArgs:
     """Zero the updates of parameters whose dotted names match ``patterns`` (all if none given).
 
+    Member patterns (``"h.[0-3].*"``) zero those members of a stacked leaf only.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp, optax
       >>> tx = optax.chain(ft.optim.sgd(1.0), ft.optim.freeze("encoder.*"))
@@ -319,7 +331,7 @@ def freeze(*patterns: str) -> optax.GradientTransformationExtraArgs:
     """
     if not patterns:
         return optax.with_extra_args_support(optax.set_to_zero())  # pyright: ignore[reportReturnType]
-    return optax.masked(optax.set_to_zero(), lambda params: select(params, *patterns))
+    return masked(optax.set_to_zero(), lambda params: select(params, *patterns))
 
 
 class PlateauState(NamedTuple):

@@ -21,7 +21,8 @@
   "model")``) composes with the fallback without splitting one dimension twice. (Why a
   rule value rather than a wrapper such as ``fsdp(rules=...)``: the mapping stays one
   plain, printable value with one reading, first match wins, and "fsdp" can be given to
-  any part of the model, not only to the rest.)
+  any part of the model, not only to the rest.) The patterns are those of
+  :mod:`functree._naming`, matched ``anywhere``:
 
 A pattern matches a leaf when it matches its dotted name or any dotted suffix of it, so
 the optimizer moments of a parameter (``1.mu.encoder.0.weight``) follow the parameter's
@@ -41,7 +42,6 @@ which is how a rule asks to split the layer axis.
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from functree._naming import leaf_infos, match_kind, member_names, member_rule_names
 from functree._stacked import stack_depths
 from functree._tree import dotted_name
 
@@ -76,6 +77,14 @@ Patterns are globs over the dotted names of ft.to_flat_dict(model):
 
     wrong:  sharding={{{pattern!r}: P(...)}}
     right:  sharding={{{suggestion!r}: P(...)}}"""
+
+MEMBER_RULE = """\
+The sharding rule {pattern!r} matches no parameter, only members of a stacked leaf \
+({members}): a rule shards a whole leaf of an ft.nn.Stack (all its members alike), \
+never one member. Give the rule to the stacked leaf:
+
+    wrong:  sharding={{{pattern!r}: P(...)}}
+    right:  sharding={{{stacked!r}: P(...)}}   # P describes one member; the layer axis is prepended"""
 
 BAD_SPEC = """\
 The sharding rule {pattern!r} gives {spec} to {path}, of shape {shape}, which it cannot \
@@ -139,11 +148,6 @@ def _is_floating(x: Any) -> bool:
     return dtype is not None and np.issubdtype(dtype, np.floating)
 
 
-def _suffixes(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[i:]) for i in range(len(parts))]
-
-
 def _axis_size(mesh: Mesh | AbstractMesh, entry: Any) -> int:
     names = entry if isinstance(entry, tuple) else (entry,)
     return math.prod(mesh.shape[n] for n in names)
@@ -187,8 +191,8 @@ def _member_spec(spec: PartitionSpec, ndim: int, layers: int) -> PartitionSpec:
 def _hits(name: str, pattern: str) -> tuple[bool, bool]:
     """Whether ``pattern`` matches ``name`` itself, and whether it matches ``name`` or one of
     its dotted suffixes (an optimizer moment's name ends with its parameter's)."""
-    direct = fnmatch.fnmatchcase(name, pattern)
-    return direct, direct or any(fnmatch.fnmatchcase(s, pattern) for s in _suffixes(name))
+    kind = match_kind(name, pattern, anywhere=True)  # the naming layer's one glob semantics
+    return kind == "direct", kind is not None
 
 
 def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, taken: dict[str, str],
@@ -271,15 +275,27 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
     if strict and isinstance(rules, Mapping):
         floating = [(n, leaf) for n, (_, leaf) in zip(names, path_leaves) if _is_floating(leaf)]
         if any(len(leaf.shape) for _, leaf in floating):  # not only scalars (an SGD state)
-            _check_all_used(rules, taken, [n for n, _ in floating])
+            _check_all_used(rules, taken, [n for n, _ in floating], tree)
     return jax.tree.unflatten(treedef, specs)
 
 
-def _check_all_used(rules: Mapping[str, Any], taken: dict[str, str], names: list[str]) -> None:
+def _stacked_name(member: str, tree: Any) -> str:
+    """The stacked name of the leaf a member name belongs to."""
+    for info in leaf_infos(tree):
+        if member in member_names(info):
+            return info.name
+    return member
+
+
+def _check_all_used(rules: Mapping[str, Any], taken: dict[str, str], names: list[str], tree: Any) -> None:
     used = set(taken.values())
     for pattern in rules:
         if pattern in used:
             continue
+        members = member_rule_names(pattern, leaf_infos(tree))
+        if members:
+            raise ValueError(MEMBER_RULE.format(pattern=pattern, members=", ".join(map(repr, members[:3])),
+                                                stacked=_stacked_name(members[0], tree)))
         shadowed = next((n for n in names if _hits(n, pattern)[1] and n in taken), None)
         if shadowed is not None:
             raise ValueError(SHADOWED_RULE.format(pattern=pattern, name=shadowed, earlier=taken[shadowed]))

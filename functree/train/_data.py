@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._parameters import _leaf_names
+from functree._naming import names as _leaf_names
 
 __all__ = ["batches", "Batches", "DataContext", "to_arrays"]
 

@@ -29,8 +29,8 @@ from jax.sharding import PartitionSpec
 from functree._alias import DonationGuard, copy_aliases, warn_aliases
 from functree._flat import flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
+from functree._naming import names as _leaf_names
 from functree._nan import NaNReport, provenance_text
-from functree._parameters import _leaf_names
 from functree._tree import is_none
 from functree.optim import Optimizer, context, hyperparameter_names, hyperparameters
 from functree.optim._optimizer import Gradients

@@ -1,0 +1,465 @@
+"""Names and patterns: the one place where a tree's parameters get their names and a
+glob pattern becomes a selection.
+
+**Names.** Every leaf has the dotted name of its key path, as :func:`ft.to_flat_dict`
+spells it: ``encoder.layers.0.weight`` (fields, indices and dict keys joined by ``.``).
+
+* A leaf of an ``ft.nn.Stack`` (any stacked node) has its *stacked name*
+  (``h.layers.weight``, shape ``(n, ...)``) and one *member name* per member
+  (``h.0.weight`` ... ``h.{n-1}.weight``, shape ``(...)``): the stack's own name, the
+  member's index, then the name inside the member. Stacks inside stacks give
+  ``a.1.b.3.w``.
+* A parameter of an ``ft.nn.Shared`` (any tied node) at ``P`` is stored once, under
+  ``P.model.x`` (the name of :func:`ft.to_flat_dict` and of checkpoints), and answers
+  also to the names of the resolved model, without ``model.``: ``P.x``, and
+  ``P.target`` for every tie ``{target: x}`` (``embed.embeddings`` and ``head.weight``
+  for an LM whose head is tied to its embedding). These are the names torch gives it.
+
+**Patterns.** A pattern is a glob, matched case-sensitively against dotted names
+(:func:`fnmatch.fnmatchcase`): ``*`` matches any characters, dots included; ``?`` one
+character; ``[01]`` or ``[0-3]`` one character of a set or range; a leading ``.`` is
+allowed (``.encoder.*``). A pattern *selects a leaf* when it matches one of its names
+or a dotted prefix of one: ``encoder`` selects ``encoder.weight`` (everything under a
+node). Inside a larger tree (an optimizer state, whose moments are named
+``1.mu.encoder.weight``) a sharding rule matches a name after any dotted prefix, too
+(``anywhere=True``), so the moments follow their parameter's rule.
+
+**Member patterns.** A pattern that matches the stacked name or a prefix of it selects
+the whole leaf (``h.*``, ``*.weight``, ``h``); one that matches only some member names
+selects those members: ``h.2.*`` (member 2), ``h.[0-1].*`` (members 0 and 1),
+``h.1[0-5].*`` (10 to 15). A selection is then, per leaf, ``True``, ``False`` or,
+for a leaf partly selected, a boolean NumPy array over the stack axes (shape ``(n,)``,
+``(n1, n2)`` for nested stacks) with ``True`` at the selected members.
+
+**Errors.** A pattern that selects nothing raises naming the closest names; a member
+index past a stack's end (``h.7.*`` for 4 members) raises naming the stack's length.
+
+Example:
+  >>> import functree as ft, jax
+  >>> from functree import _naming
+  >>> h = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 4, key=jax.random.key(0))
+  >>> [i.name for i in _naming.leaf_infos({"h": h})]
+  ['h.layers.weight', 'h.layers.bias']
+  >>> _naming.member_names(_naming.leaf_infos({"h": h})[0])
+  ['h.0.weight', 'h.1.weight', 'h.2.weight', 'h.3.weight']
+  >>> _naming.selection({"h": h}, ("h.[2-3].*",))
+  (array([False, False,  True,  True]), array([False, False,  True,  True]))
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import itertools
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree._tree import bounded_put, cached, dotted_name, is_none
+
+__all__ = [
+    "LeafInfo", "leaf_infos", "names", "member_names", "matches", "selection", "closest",
+    "check_patterns", "member_rule_names", "NothingSelected", "is_tied", "resolve_alias", "tie_targets", "untransform",
+]
+
+SELECTS_NOTHING = """\
+{what}: the pattern {pattern!r} selects no {kind}. Closest names: {close}.
+Patterns are globs over dotted names (see ft.to_flat_dict(model, unstack=True)):
+    wrong:  {wrong}
+    right:  {right}"""
+
+MEMBER_OUT_OF_RANGE = """\
+{what}: the pattern {pattern!r} names member {index} of {stack!r}, which holds {n} members \
+(0 to {last}).
+    wrong:  {pattern!r}
+    right:  {right!r}"""
+
+class NothingSelected(ValueError):
+    """A pattern selected nothing: ``pattern``, the ``close`` names, and ``out_of_range``
+    (the message for a member index past a stack's end, else None)."""
+
+    def __init__(self, message: str, pattern: str, close: list[str], out_of_range: str | None):
+        super().__init__(message)
+        self.pattern, self.close, self.out_of_range = pattern, close, out_of_range
+
+
+TIE_SHAPE = """\
+The tied {target} takes shape {shape} (the transform of {source}); given shape {given}.
+    right:  give {target} a value of shape {shape}, or {source} itself"""
+
+NOT_INVERTIBLE = """\
+Cannot write {target} (tied to a transform of {source}): the transform has no inverse \
+functree can find (its linear transpose does not undo it). Give the source's value instead:
+    right:  ft.set(model, "{source}", value)   # or {{"{source}": value}} in a state dict"""
+
+BAD_PATTERN = "Patterns are strings like '*.bias' or 'h.2.*', got {given!r} ({type})."
+
+
+def is_stacked(x: Any) -> bool:
+    """Whether ``x`` is a stacked node (an ``ft.nn.Stack``: ``__ft_stacked__ = True``)."""
+    return getattr(type(x), "__ft_stacked__", False) is True
+
+
+def is_tied(x: Any) -> bool:
+    """Whether ``x`` is a tied node (an ``ft.nn.Shared``: ``__ft_tied__ = True``, a ``model``
+    field and ``ties``, a tuple of ``(target, source, transform)`` key paths)."""
+    return getattr(type(x), "__ft_tied__", False) is True
+
+
+class LeafInfo(NamedTuple):
+    """The names of one leaf (JAX flatten order, ``None`` leaves included).
+
+    ``name`` is its dotted name (a stacked leaf's stacked name); ``segments`` and
+    ``sizes`` spell its member names (``segments[0].i.segments[1]``, ``i < sizes[0]``;
+    no sizes: not stacked); ``aliases`` are the other names of a tied parameter.
+    """
+
+    name: str
+    segments: tuple[str, ...]
+    sizes: tuple[int, ...]
+    aliases: tuple[str, ...] = ()
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _member(node: Any, i: int) -> Any:
+    """Member ``i`` of a stacked node (its structure: a leaf without a stack axis is every
+    member's, as a mask's bools and a label's strings are)."""
+    return node._member(i)
+
+
+def _infos(tree: Any) -> list[LeafInfo]:
+    """The :class:`LeafInfo` of every leaf of ``tree`` (``None`` included), uncached."""
+    if is_stacked(tree):
+        return _stacked_infos(tree)
+    if is_tied(tree):
+        return _tied_infos(tree)
+
+    def special(x: Any) -> bool:
+        return x is not tree and (is_stacked(x) or is_tied(x))
+
+    out: list[LeafInfo] = []
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or special(x))
+    for path, x in pairs:
+        name = dotted_name(path)
+        if is_stacked(x):
+            out.extend(_prefixed(name, _stacked_infos(x)))
+        elif is_tied(x):
+            out.extend(_prefixed(name, _tied_infos(x)))
+        else:
+            out.append(LeafInfo(name, (name,), ()))
+    return out
+
+
+def _prefixed(prefix: str, infos: list[LeafInfo]) -> list[LeafInfo]:
+    return [
+        LeafInfo(_join(prefix, i.name), (_join(prefix, i.segments[0]), *i.segments[1:]), i.sizes,
+                 tuple(_join(prefix, a) for a in i.aliases))
+        for i in infos
+    ]
+
+
+def _stacked_infos(stack: Any) -> list[LeafInfo]:
+    """A stacked node's leaves: JAX's names, and member names from member 0's leaves
+    (a stacked node's leaves are its member's, in the same order, with stack axes)."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(stack, is_leaf=is_none)
+    light = jax.tree.map(lambda _: 0, stack)  # no slicing: any leaves (arrays, specs, tracers)
+    inner = _infos(_member(light, 0)) if len(stack) else []
+    if len(inner) != len(pairs):  # a stacked node of another layout: no member names
+        return [LeafInfo(dotted_name(p), (dotted_name(p),), ()) for p, _ in pairs]
+    return [
+        LeafInfo(dotted_name(p), ("", *i.segments), (len(stack), *i.sizes))
+        for (p, _), i in zip(pairs, inner)
+    ]
+
+
+def _tied_infos(shared: Any) -> list[LeafInfo]:
+    """A tied node's leaves (``model.x``), each also named ``x`` and by every tie target."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(shared, is_leaf=is_none)
+    infos = []
+    for (path, _), info in zip(pairs, _infos(shared.model)):
+        stored = dotted_name(path)
+        aliases = [info.name] + [
+            t.name + info.name[len(s.name):]
+            for t, s, _ in shared.ties
+            if info.name == s.name or info.name.startswith(s.name + ".")
+        ]
+        infos.append(LeafInfo(stored, ("model." + info.segments[0] if info.segments[0] else "model",
+                                       *info.segments[1:]), info.sizes, tuple(dict.fromkeys(aliases))))
+    return infos
+
+
+_INFOS: dict[Any, tuple[LeafInfo, ...]] = {}
+
+
+def _str_keys_only(tree: Any) -> bool:
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)
+    return all(type(k.key) is str for p, _ in pairs for k in p if isinstance(k, jax.tree_util.DictKey))
+
+
+def leaf_infos(tree: Any) -> tuple[LeafInfo, ...]:
+    """The names of every leaf of ``tree`` in JAX flatten order, ``None`` leaves included;
+    computed once per tree definition (for trees whose dict keys are strings)."""
+    treedef = jax.tree.structure(tree, is_leaf=is_none)
+    key, infos = cached(_INFOS, treedef)
+    if infos is None:
+        infos = tuple(_infos(tree))
+        if key is not None and _str_keys_only(tree):
+            bounded_put(_INFOS, key, infos)
+    return infos
+
+
+def names(tree: Any) -> list[str]:
+    """The dotted name of every leaf of ``tree`` (``None`` included), JAX flatten order."""
+    return [i.name for i in leaf_infos(tree)]
+
+
+def member_names(info: LeafInfo) -> list[str]:
+    """Every member name of a stacked leaf, in C order over its stack axes (``[]`` if not stacked)."""
+    if not info.sizes:
+        return []
+    return [_member_name(info, idx) for idx in itertools.product(*(range(n) for n in info.sizes))]
+
+
+def _member_name(info: LeafInfo, index: Sequence[int]) -> str:
+    parts = [info.segments[0]]
+    for i, seg in zip(index, info.segments[1:]):
+        parts += [str(i), seg]
+    return _join(*parts)
+
+
+def _prefixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _spans(name: str, anywhere: bool) -> list[tuple[str, bool]]:
+    """``(candidate, direct)``: the dotted prefixes of ``name`` (of every dotted suffix with
+    ``anywhere``); ``direct`` when the candidate starts where ``name`` starts."""
+    parts = name.split(".")
+    starts = range(len(parts)) if anywhere else range(1)
+    return [(".".join(parts[s:e]), s == 0) for s in starts for e in range(s + 1, len(parts) + 1)]
+
+
+def matches(name: str, pattern: str, *, anywhere: bool = False) -> bool:
+    """Whether ``pattern`` selects the leaf named ``name`` (see the module docstring).
+
+    Example:
+      >>> from functree._naming import matches
+      >>> matches("encoder.weight", "encoder"), matches("encoder.weight", "*.bias")
+      (True, False)
+      >>> matches("1.mu.encoder.weight", "encoder.*"), matches("1.mu.encoder.weight", "encoder.*", anywhere=True)
+      (False, True)
+    """
+    return match_kind(name, pattern, anywhere=anywhere) is not None
+
+
+def match_kind(name: str, pattern: str, *, anywhere: bool = False) -> str | None:
+    """``"direct"`` when ``pattern`` matches ``name`` or a dotted prefix of it, ``"suffix"``
+    when only after a dotted prefix of it (``anywhere``), None when not at all."""
+    for candidate, direct in _spans(name, anywhere):
+        if fnmatch.fnmatchcase(candidate, pattern) or fnmatch.fnmatchcase("." + candidate, pattern):
+            return "direct" if direct else "suffix"
+    return None
+
+
+def _leaf_names(info: LeafInfo) -> tuple[str, ...]:
+    return (info.name, *info.aliases)
+
+
+def _member_hits(info: LeafInfo, pattern: str) -> np.ndarray:
+    """Which members of a stacked leaf ``pattern`` selects (shape ``info.sizes``)."""
+    shape = info.sizes
+    hits = np.zeros(shape, bool)
+    others = [(a, _alias_info(info, a)) for a in info.aliases]
+    for idx in itertools.product(*(range(n) for n in shape)):
+        hits[idx] = any(matches(_member_name(i, idx), pattern) for i in [info] + [o for _, o in others])
+    return hits
+
+
+def _alias_info(info: LeafInfo, alias: str) -> LeafInfo:
+    """An alias's member names: the alias's own prefix before the stored name's stack."""
+    stored_head = info.segments[0]
+    rest = info.name[len(stored_head):]
+    head = alias[: len(alias) - len(rest)] if rest and alias.endswith(rest) else stored_head
+    return LeafInfo(alias, (head, *info.segments[1:]), info.sizes)
+
+
+def _leaf_selection(info: LeafInfo, pattern: str) -> Any:
+    """True, False or a member array: what ``pattern`` selects of one leaf."""
+    if any(matches(n, pattern) for n in _leaf_names(info)):
+        return True
+    if not info.sizes:
+        return False
+    hits = _member_hits(info, pattern)
+    return bool(hits.all()) if hits.all() or not hits.any() else hits
+
+
+def _combine(a: Any, b: Any, op: Any) -> Any:
+    out = op(np.asarray(a), np.asarray(b))
+    if out.ndim == 0 or out.all() or not out.any():
+        return bool(out.all()) if out.ndim else bool(out)
+    return out
+
+
+_SELECTIONS: dict[Any, tuple[Any, ...]] = {}
+
+
+def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *, what: str = "ft.select",
+              kind: str = "parameter", only: Sequence[bool] | None = None, strict: bool = True) -> tuple[Any, ...]:
+    """Per leaf of ``tree`` (JAX order, ``None`` leaves included): ``True``, ``False`` or a
+    boolean member array: selected by some pattern and by no ``exclude`` pattern.
+
+    ``only`` (a bool per leaf) limits which leaves count (the parameters); with
+    ``strict``, a pattern that selects none of them raises naming the closest names
+    (``what`` and ``kind`` word the error). Cached per tree definition and patterns.
+    """
+    patterns, exclude = tuple(patterns), tuple(exclude)
+    check_patterns(patterns + exclude)
+    infos = leaf_infos(tree)
+    if only is None:
+        only = tuple(True for _ in infos)
+    treedef = jax.tree.structure(tree, is_leaf=is_none)
+    key, out = cached(_SELECTIONS, (treedef, patterns, exclude, tuple(only), strict))
+    if out is not None:
+        return out
+    chosen: list[Any] = [False] * len(infos)
+    for pattern in patterns:
+        picks = [_leaf_selection(i, pattern) if ok else False for i, ok in zip(infos, only)]
+        if strict and not any(np.any(p) for p in picks):
+            raise nothing_selected(pattern, what, kind, [i for i, ok in zip(infos, only) if ok])
+        chosen = [_combine(c, p, np.logical_or) for c, p in zip(chosen, picks)]
+    for pattern in exclude:
+        picks = [_leaf_selection(i, pattern) for i in infos]
+        chosen = [_combine(c, p, lambda a, b: a & ~b) for c, p in zip(chosen, picks)]
+    out = tuple(chosen)
+    if key is not None and _str_keys_only(tree):
+        bounded_put(_SELECTIONS, key, out)
+    return out
+
+
+def check_patterns(patterns: Sequence[Any]) -> None:
+    """Raise ``TypeError`` for a pattern that is not a string."""
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(BAD_PATTERN.format(given=p, type=type(p).__name__))
+
+
+def all_names(infos: Sequence[LeafInfo]) -> list[str]:
+    """Every name of ``infos``: stacked and member names, tie aliases."""
+    out: list[str] = []
+    for i in infos:
+        out += [i.name, *i.aliases, *member_names(i)]
+    return list(dict.fromkeys(out))
+
+
+def closest(pattern: str, infos: Sequence[LeafInfo], n: int = 3) -> list[str]:
+    """The names of ``infos`` closest to ``pattern`` (difflib), for an error."""
+    return difflib.get_close_matches(pattern, all_names(infos), n=n, cutoff=0.0)
+
+
+_INDEX = re.compile(r"[0-9]+")
+
+
+def _out_of_range(pattern: str, infos: Sequence[LeafInfo], what: str) -> str | None:
+    """The error for a pattern naming a member past a stack's end, or None."""
+    parts = pattern.lstrip(".").split(".")
+    for info in infos:
+        for stack_name, n in zip(_stack_prefixes(info), info.sizes):
+            k = len(stack_name.split(".")) if stack_name else 0
+            if len(parts) <= k or not _INDEX.fullmatch(parts[k]):
+                continue
+            if k and not fnmatch.fnmatchcase(".".join(parts[:k]), stack_name):
+                continue
+            if int(parts[k]) >= n:
+                right = ".".join(parts[:k] + [str(n - 1)] + parts[k + 1:])
+                return MEMBER_OUT_OF_RANGE.format(what=what, pattern=pattern, index=int(parts[k]),
+                                                  stack=stack_name or "<root>", n=n, last=n - 1, right=right)
+    return None
+
+
+def _stack_prefixes(info: LeafInfo) -> list[str]:
+    """The member-name prefix of each stack of a leaf, member 0 of the outer ones."""
+    out, parts = [], [info.segments[0]]
+    for seg in info.segments[1:]:
+        out.append(_join(*parts))
+        parts += ["0", seg]
+    return out
+
+
+def nothing_selected(pattern: str, what: str, kind: str, infos: Sequence[LeafInfo]) -> NothingSelected:
+    """The error for a pattern that selects nothing: a member out of range, or the
+    closest names. A consumer with its own message catches it and words its own."""
+    close = closest(pattern, infos)
+    out_of_range = _out_of_range(pattern, infos, what)
+    if out_of_range is not None:
+        return NothingSelected(out_of_range, pattern, close, out_of_range)
+    right = f"{what}(..., {close[0]!r})" if close else f"{what}(..., '*')"
+    message = SELECTS_NOTHING.format(what=what, pattern=pattern, kind=kind, close=", ".join(map(repr, close)) or "none",
+                                     wrong=f"{what}(..., {pattern!r})", right=right)
+    return NothingSelected(message, pattern, close, None)
+
+
+def member_rule_names(pattern: str, infos: Sequence[LeafInfo]) -> list[str]:
+    """The member names ``pattern`` matches (``anywhere``) of leaves it does not match
+    whole: the members a per-leaf rule (a sharding rule) cannot address alone."""
+    out = []
+    for info in infos:
+        if not info.sizes or any(matches(n, pattern, anywhere=True) for n in _leaf_names(info)):
+            continue
+        out += [m for m in member_names(info) if matches(m, pattern, anywhere=True)]
+    return out
+
+
+def broadcast(selected: Any, leaf: Any) -> Any:
+    """A member selection (shape ``(n, ...)``) shaped to broadcast against ``leaf``."""
+    return np.reshape(selected, selected.shape + (1,) * (np.ndim(leaf) - selected.ndim))
+
+
+def tie_targets(tree: Any) -> dict[str, tuple[str, Any, Any]]:
+    """``{target name: (source name, transform, source value)}`` of every tie of the tied
+    nodes of ``tree`` (the names of the resolved model, prefixed by the node's name)."""
+    out: dict[str, tuple[str, Any, Any]] = {}
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tied)
+    for path, node in pairs:
+        if is_tied(node):
+            prefix = dotted_name(path)
+            for target, source, transform in node.ties:
+                out[_join(prefix, target.name)] = (_join(prefix, source.name), transform, source.get(node.model))
+    return out
+
+
+def resolve_alias(tree: Any, name: str) -> str | None:
+    """The stored name of the leaf (or member) that ``name`` aliases through a tie, or None."""
+    for info in leaf_infos(tree):
+        if name in info.aliases:
+            return info.name
+        for alias in info.aliases if info.sizes else ():
+            a = _alias_info(info, alias)
+            for idx in itertools.product(*(range(n) for n in info.sizes)):
+                if _member_name(a, idx) == name:
+                    return _member_name(info, idx)
+    return None
+
+
+def untransform(transform: Callable[[Any], Any], source: Any, value: Any, target: str, name: str) -> Any:
+    """The source value whose ``transform`` is ``value`` (a tie written through its target):
+    ``transform``'s linear transpose, checked to invert it (a transpose, a reshape)."""
+    value = jnp.asarray(value)
+    out = jax.eval_shape(transform, source)
+    if value.shape != out.shape:
+        raise ValueError(TIE_SHAPE.format(target=target, shape=out.shape, given=value.shape, source=name))
+    try:
+        candidate = jax.linear_transpose(transform, source)(value.astype(out.dtype))[0]
+        ok = np.array_equal(np.asarray(transform(candidate)), np.asarray(value))
+    except Exception:  # not linear: no inverse
+        ok = False
+    if not ok:
+        raise ValueError(NOT_INVERTIBLE.format(target=target, source=name))
+    return candidate

@@ -1,0 +1,145 @@
+"""Masks that may select part of a stacked leaf: ``ft.optim.masked`` and member-split groups.
+
+``optax.masked`` takes one bool per leaf. :func:`ft.select` gives, for a leaf of an
+``ft.nn.Stack`` partly selected (``"h.2.*"``), a boolean array over the members. Here
+such a leaf goes to the inner transform whole, with zero gradients at the members not
+selected; afterwards those members get the incoming update back (``optax.masked``'s
+pass-through) and their per-parameter state (moments) is restored bit for bit:
+
+    u_i = inner(g ⊙ m)_i  where m_i,   u_i = g_i  elsewhere;   s_i unchanged where not m_i.
+
+Elementwise transforms (sgd, adam, ...) then give the selected members exactly the
+numbers of a hand-masked update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from functree._module import Module
+from functree._naming import broadcast
+from functree._tree import is_none
+
+__all__ = ["masked", "partition_members", "restore_members", "is_partial"]
+
+
+def is_partial(m: Any) -> bool:
+    """Whether a mask leaf selects part of a stacked leaf (a member array)."""
+    return isinstance(m, np.ndarray) and m.ndim > 0
+
+
+def _leaves(tree: Any) -> tuple[list[Any], Any]:
+    return jax.tree.flatten(tree, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))
+
+
+def _mask_leaves(mask: Any, params: Any) -> list[Any]:
+    """One mask entry per leaf of ``params`` (a prefix mask's entries repeated)."""
+    full = jax.tree.map(lambda m, p: jax.tree.map(lambda _: m, p, is_leaf=is_none), mask, params,
+                        is_leaf=lambda x: x is None or is_partial(x) or isinstance(x, (bool, np.bool_)))
+    return jax.tree.leaves(full, is_leaf=lambda x: x is None or is_partial(x) or isinstance(x, (bool, np.bool_)))
+
+
+def _masked_tree(tree: Any, marks: list[Any]) -> Any:
+    leaves, treedef = _leaves(tree)
+    return treedef.unflatten([
+        x if x is None else (jnp.where(broadcast(m, x), x, jnp.zeros_like(x)) if is_partial(m)
+                             else (x if m else optax.MaskedNode()))
+        for x, m in zip(leaves, marks)
+    ])
+
+
+def restore_members(new_state: Any, old_state: Any, template: Any, marks: list[Any]) -> Any:
+    """``new_state`` with each per-parameter subtree (one shaped like ``template``) taking
+    ``old_state``'s values at members a partial mark does not select."""
+    treedef = jax.tree.structure(template)
+    partial = [is_partial(m) for m in marks]
+    if not any(partial):
+        return new_state
+    t_leaves = jax.tree.leaves(template)
+    p_marks = [m for m, x in zip(marks, _leaves(template)[0]) if x is not None and not isinstance(x, optax.MaskedNode)]
+
+    def per_parameter(x: Any) -> bool:
+        return jax.tree.structure(x) == treedef
+
+    def keep(new: Any, old: Any) -> Any:
+        if not per_parameter(new):
+            return new
+        news, olds = jax.tree.leaves(new), jax.tree.leaves(old)
+        out = [
+            jnp.where(broadcast(m, n), n, o) if is_partial(m) and np.shape(n) == np.shape(t) else n
+            for n, o, m, t in zip(news, olds, p_marks, t_leaves)
+        ]
+        return treedef.unflatten(out)
+
+    return jax.tree.map(keep, new_state, old_state, is_leaf=per_parameter)
+
+
+def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTransformationExtraArgs:
+    """``optax.masked`` for masks that may select members of stacked leaves (``ft.mask``).
+
+    ``mask`` is a tree (or a function of the parameters giving one) of bools and, for
+    leaves partly selected, boolean member arrays. Whole leaves behave as in
+    ``optax.masked``; a partial leaf is transformed whole with zero gradients at the
+    unselected members, which then keep the incoming update and their state.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp, optax
+      >>> h = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 3, key=jax.random.key(0))
+      >>> params = ft.parameters({"h": h})
+      >>> tx = ft.optim.masked(optax.set_to_zero(), ft.mask(params, "h.0.*"))
+      >>> g = jax.tree.map(jnp.ones_like, params)
+      >>> tx.update(g, tx.init(params), params)[0]["h"].layers.bias
+      Array([[0., 0.],
+             [1., 1.],
+             [1., 1.]], dtype=float32)
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    as_function = callable(mask) and not isinstance(mask, Module)  # a mask tree of a model is callable too
+
+    def marks_of(tree: Any) -> list[Any]:
+        return _mask_leaves(mask(tree) if as_function else mask, tree)
+
+    def init(params: Any) -> optax.MaskedState:
+        return optax.MaskedState(inner.init(_masked_tree(params, marks_of(params))))
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        marks = marks_of(updates)
+        masked_updates = _masked_tree(updates, marks)
+        masked_params = None if params is None else _masked_tree(params, marks)
+        new_updates, new_inner = inner.update(masked_updates, state.inner_state, masked_params, **extra)
+        new_inner = restore_members(new_inner, state.inner_state, masked_updates, marks)
+        olds, treedef = _leaves(updates)
+        news = _leaves(new_updates)[0]
+        out = [
+            o if o is None else (jnp.where(broadcast(m, o), n, o) if is_partial(m) else (n if m else o))
+            for o, n, m in zip(olds, news, marks)
+        ]
+        return treedef.unflatten(out), optax.MaskedState(new_inner)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def partition_members(transforms: Mapping[Any, optax.GradientTransformation],
+                      labels: Callable[[Any], Mapping[Any, Any]]) -> optax.GradientTransformationExtraArgs:
+    """``optax.partition`` where a group may hold part of a stacked leaf: ``labels(params)``
+    gives each label's mask (:func:`masked` masks); the state is an
+    ``optax.PartitionState`` keyed by label, as optax's."""
+    def init(params: Any) -> Any:
+        masks = labels(params)
+        return optax.PartitionState({k: masked(tx, masks[k]).init(params) for k, tx in transforms.items()})
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        masks = labels(updates)
+        inner = {}
+        for k, tx in transforms.items():
+            updates, inner[k] = masked(tx, masks[k]).update(updates, state.inner_states[k], params, **extra)
+        return updates, optax.PartitionState(inner)
+
+    return optax.GradientTransformationExtraArgs(init, update)

@@ -1,0 +1,281 @@
+"""The naming layer (functree/_naming.py): names, member names, tie aliases, one glob semantics."""
+
+import tempfile
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+import functree as ft
+from functree import _naming
+
+
+class Block(ft.Module):
+    up: ft.nn.Dense
+    norm: ft.nn.LayerNorm
+
+    def __init__(self, d, *, key):
+        self.up = ft.nn.Dense(d, d, jax.nn.tanh, key=key)
+        self.norm = ft.nn.LayerNorm(d)
+
+    def __call__(self, x):
+        return self.norm(x + self.up(x))
+
+
+class Net(ft.Module):
+    embed: ft.nn.Dense
+    h: ft.nn.Stack
+    head: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.head(self.h(self.embed(x)))
+
+
+def make_net(n=4, d=3, seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    return Net(ft.nn.Dense(2, d, key=k1), ft.nn.Stack(lambda k: Block(d, key=k), n, key=k2),
+               ft.nn.Dense(d, 1, key=k3))
+
+
+class LM(ft.Module):
+    embed: ft.nn.Embedding
+    head: ft.nn.Dense
+
+    def __call__(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def make_lm():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return ft.nn.Shared(LM(ft.nn.Embedding(10, 4, key=k1), ft.nn.Dense(4, 10, key=k2)),
+                        {"head.weight": ("embed.embeddings", jnp.transpose)})
+
+
+# ------------------------------------------------------------------ names
+def test_stacked_leaves_have_member_names():
+    infos = _naming.leaf_infos(make_net())
+    by_name = {i.name: i for i in infos}
+    info = by_name["h.layers.up.weight"]
+    assert info.sizes == (4,)
+    assert _naming.member_names(info) == [f"h.{i}.up.weight" for i in range(4)]
+    assert _naming.names(make_net()) == list(ft.to_flat_dict(make_net()))  # the names of to_flat_dict
+
+
+def test_nested_stacks_have_two_member_indices():
+    outer = ft.nn.Stack(lambda k: ft.nn.Stack(lambda k2: ft.nn.Dense(2, 2, key=k2), 3, key=k), 2,
+                        key=jax.random.key(0))
+    info = _naming.leaf_infos({"a": outer})[0]
+    assert info.sizes == (2, 3)
+    assert _naming.member_names(info)[:4] == ["a.0.0.weight", "a.0.1.weight", "a.0.2.weight", "a.1.0.weight"]
+    chosen = ft.select({"a": outer}, "a.1.[0-1].*")["a"].layers.layers.weight
+    np.testing.assert_array_equal(chosen, [[False, False, False], [True, True, False]])
+
+
+def test_tied_parameter_answers_to_every_name():
+    lm = make_lm()
+    info = {i.name: i for i in _naming.leaf_infos(lm)}["model.embed.embeddings"]
+    assert set(info.aliases) == {"embed.embeddings", "head.weight"}
+    assert sorted(ft.to_flat_dict(lm)) == ["model.embed.embeddings", "model.head.bias"]  # stored once
+    np.testing.assert_array_equal(ft.get(lm, "embed.embeddings"), lm.model.embed.embeddings)
+    np.testing.assert_array_equal(ft.get(lm, "head.weight"), lm.model.embed.embeddings.T)
+    np.testing.assert_array_equal(ft.get(lm, "head.bias"), lm.model.head.bias)
+    for name in ("head.weight", "embed.embeddings", "model.embed.embeddings", "embed"):
+        assert ft.select(lm, name).model.embed.embeddings is True, name
+    new = ft.set(lm, "head.weight", jnp.arange(40.0).reshape(4, 10))
+    np.testing.assert_array_equal(new.model.embed.embeddings, jnp.arange(40.0).reshape(4, 10).T)
+    np.testing.assert_array_equal(new.resolve().head.weight, jnp.arange(40.0).reshape(4, 10))
+
+
+def test_from_flat_dict_fills_a_tie_from_any_of_its_names():
+    lm = make_lm()
+    e = np.arange(40, dtype=np.float32).reshape(10, 4)
+    bias = np.zeros(10, np.float32)
+    for flat in ({"embed.embeddings": e, "head.bias": bias}, {"head.weight": e.T, "head.bias": bias},
+                 {"embed.embeddings": e, "head.weight": e.T, "head.bias": bias},
+                 {"model.embed.embeddings": e, "model.head.bias": bias}):
+        out = ft.from_flat_dict(lm, flat)
+        np.testing.assert_array_equal(out.model.embed.embeddings, e)
+        np.testing.assert_array_equal(out.resolve().head.weight, e.T)
+
+
+def test_tied_names_that_disagree_are_an_error_naming_both():
+    e = np.ones((10, 4), np.float32)
+    flat = {"embed.embeddings": e, "head.weight": 2 * e.T, "head.bias": np.zeros(10, np.float32)}
+    with pytest.raises(ValueError, match=r"'embed\.embeddings' and 'head\.weight' name one tied parameter"
+                                         r"(.|\n)*right:  flat\.pop\('head\.weight'\)"):
+        ft.from_flat_dict(make_lm(), flat)
+    with pytest.raises(ValueError, match=r"The tied head\.weight takes shape \(4, 10\)"):
+        ft.from_flat_dict(make_lm(), {"head.weight": e, "head.bias": np.zeros(10, np.float32)})
+
+
+def test_a_tie_without_an_inverse_is_an_error_naming_the_source():
+    lm = ft.nn.Shared(LM(ft.nn.Embedding(10, 4, key=jax.random.key(0)), ft.nn.Dense(4, 10, key=jax.random.key(1))),
+                      {"head.weight": ("embed.embeddings", lambda w: jnp.tanh(w.T))})
+    with pytest.raises(ValueError, match=r"Cannot write head\.weight(.|\n)*ft\.set\(model, \"embed\.embeddings\""):
+        ft.set(lm, "head.weight", jnp.zeros((4, 10)))
+    with pytest.raises(ValueError, match=r"set the whole target or the source"):
+        ft.set(lm, ".head.weight[0]", jnp.zeros(10))
+
+
+# ------------------------------------------------------------------ patterns
+@pytest.mark.parametrize(("pattern", "members"), [
+    ("h.2.*", [2]), ("h.[0-1].*", [0, 1]), ("h.*", None), ("h", None), ("*.up.weight", None),
+    ("h.3.up.weight", [3]), (".h.1.up", [1]), ("h.?.up.weight", None),
+])
+def test_member_patterns(pattern, members):
+    chosen = ft.select(make_net(), pattern).h.layers.up.weight
+    if members is None:
+        assert chosen is True
+    else:
+        np.testing.assert_array_equal(chosen, np.isin(np.arange(4), members))
+
+
+def test_glob_semantics_prefixes_and_anywhere():
+    assert _naming.matches("encoder.weight", "encoder")
+    assert _naming.matches("encoder.weight", ".encoder.*")
+    assert not _naming.matches("encoder.weight", "weight")
+    assert _naming.match_kind("1.mu.encoder.weight", "encoder.*", anywhere=True) == "suffix"
+    assert _naming.match_kind("encoder.weight", "encoder.*", anywhere=True) == "direct"
+
+
+def test_exclude_members_and_partial_selection_collapses():
+    net = make_net()
+    chosen = ft.select(net, "h.*", exclude=["h.0.*"])
+    np.testing.assert_array_equal(chosen.h.layers.norm.scale, [False, True, True, True])
+    assert ft.select(net, "h.[0-3].*").h.layers.up.weight is True  # every member: a bool
+    flat = ft.to_flat_dict(chosen, unstack=True)  # a mask tree: per-member bools
+    assert flat["h.0.up.weight"] is False and flat["h.1.up.weight"] is True and flat["embed.weight"] is False
+
+
+def test_pattern_selecting_nothing_names_the_closest_names():
+    with pytest.raises(ValueError, match=r"ft\.select: the pattern 'hh\.0\.up\.weight' selects no parameter\. "
+                                         r"Closest names: 'h\.0\.up\.weight'"):
+        ft.select(make_net(), "hh.0.up.weight")
+
+
+def test_member_out_of_range_names_the_stack_length():
+    for call in (lambda m: ft.select(m, "h.7.*"), lambda m: ft.gradient(lambda m: m(jnp.ones((1, 2))).sum(),
+                                                                         wrt="h.7.*")(m),
+                 lambda m: ft.optim.Optimizer(ft.optim.adam(), wrt="h.4").init(m)):
+        with pytest.raises(ValueError, match=r"'h\.[47](\.\*)?' names member [47] of 'h', which holds 4 members "
+                                             r"\(0 to 3\)(.|\n)*right:  'h\.3"):
+            call(make_net())
+
+
+def test_non_string_pattern_is_an_error():
+    with pytest.raises(TypeError, match=r"Patterns are strings like '\*\.bias' or 'h\.2\.\*', got 3"):
+        ft.select(make_net(), "h.*", exclude=[3])
+
+
+# ------------------------------------------------------------------ consumers
+def test_gradient_wrt_members_is_zero_elsewhere_and_exact_on_the_members():
+    net = make_net()
+    x = jnp.ones((2, 2))
+
+    def loss(m):
+        return jnp.sum(m(x) ** 2)
+
+    full = ft.gradient(loss, at=net)
+    part = ft.gradient(loss, wrt="h.[1-2].*")(net)
+    assert part.embed.weight is None and part.head.weight is None
+    g, f = part.h.layers.up.weight, full.h.layers.up.weight
+    np.testing.assert_array_equal(g[jnp.array([0, 3])], np.zeros((2, 3, 3)))
+    np.testing.assert_array_equal(g[1:3], f[1:3])
+
+
+def test_member_masks_with_ft_optim_masked_and_optax():
+    net = make_net()
+    params = ft.parameters(net)
+    grads = jax.tree.map(jnp.ones_like, params)
+    mask = ft.mask(net, "h.[0-1].*")
+    tx = ft.optim.masked(optax.sgd(0.5), mask)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    w = updates.h.layers.up.weight
+    np.testing.assert_array_equal(w[:2], -0.5 * np.ones((2, 3, 3)))
+    np.testing.assert_array_equal(w[2:], np.ones((2, 3, 3)))  # passed through, as optax.masked
+    np.testing.assert_array_equal(updates.head.weight, np.ones((3, 1)))
+    # whole-leaf masks stay bools: optax.masked and optax.multi_transform take them as they are
+    whole = ft.mask(net, "h.*")
+    updates, _ = optax.masked(optax.sgd(0.5), whole).update(grads, optax.masked(optax.sgd(0.5), whole).init(params))
+    np.testing.assert_array_equal(updates.h.layers.up.weight, -0.5 * np.ones((4, 3, 3)))
+    labels = jax.tree.map(lambda m: "a" if m else "b", whole)
+    multi = optax.multi_transform({"a": optax.sgd(1.0), "b": optax.set_to_zero()}, labels)
+    updates, _ = multi.update(grads, multi.init(params))
+    np.testing.assert_array_equal(updates.head.weight, np.zeros((3, 1)))
+    np.testing.assert_array_equal(updates.h.layers.up.weight, -np.ones((4, 3, 3)))
+
+
+def test_to_flat_dict_unstack_on_any_tree_shaped_like_the_model():
+    net = make_net()
+    labels = jax.tree.map(lambda x: "w", ft.parameters(net))
+    assert ft.to_flat_dict(labels, unstack=True)["h.2.norm.scale"] == "w"
+    mask = ft.optim.decay_mask(ft.parameters(net))
+    assert ft.to_flat_dict(mask, unstack=True)["h.2.up.weight"] is True
+    state = ft.optim.adam().init(ft.parameters(net))
+    mu = ft.optim.moments(state)["mu"]
+    assert ft.to_flat_dict(mu, unstack=True)["h.3.up.weight"].shape == (3, 3)
+
+
+def test_sharding_rule_naming_one_member_is_an_error_that_says_so():
+    mesh = AbstractMesh((1,), ("data",))
+    params = ft.parameters(make_net())
+    with pytest.raises(ValueError, match=r"The sharding rule 'h\.2\.up\.weight' matches no parameter, only members "
+                                         r"of a stacked leaf(.|\n)*right:  sharding=\{'h\.layers\.up\.weight'"):
+        ft.partition_specs(params, {"h.2.up.weight": P(None, "data")}, mesh=mesh)
+    specs = ft.partition_specs(params, {"h.*.up.weight": P(None, "data")}, mesh=mesh)  # every member: fine
+    assert specs.h.layers.up.weight == P(None, None, "data")
+
+
+def test_summary_and_checkpoint_use_the_stored_names():
+    lm = make_lm()
+    rows = [r.path for r in ft.summary(lm).rows]
+    assert rows == list(ft.to_flat_dict(lm))
+    with tempfile.TemporaryDirectory() as d:
+        ft.train.save(f"{d}/ck", lm)
+        back = ft.train.load(f"{d}/ck", make_lm())
+    np.testing.assert_array_equal(back.model.embed.embeddings, lm.model.embed.embeddings)
+
+
+# ------------------------------------------------------------------ the property
+def stacked_model(n, d, nested, seed):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    if nested:
+        h = ft.nn.Stack(lambda k: ft.nn.Stack(lambda k2: ft.nn.Dense(d, d, key=k2), 2, key=k), n, key=k2)
+    else:
+        h = ft.nn.Stack(lambda k: Block(d, key=k), n, key=k2)
+    return {"pre": ft.nn.Dense(d, d, key=k1), "h": h, "tail": [jnp.ones(d)]}
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(st.integers(1, 3), st.integers(1, 2), st.booleans(), st.integers(0, 3))
+def test_every_member_name_round_trips(n, d, nested, seed):
+    model = stacked_model(n, d, nested, seed)
+    flat = ft.to_flat_dict(model, unstack=True)
+    with tempfile.TemporaryDirectory() as d:
+        ft.train.save(f"{d}/ck", model)
+        back = ft.train.load(f"{d}/ck")
+    restored = ft.to_flat_dict(back, unstack=True)
+    assert list(restored) == list(flat)
+    for name, value in flat.items():
+        np.testing.assert_array_equal(ft.get(model, name), value)
+        np.testing.assert_array_equal(restored[name], value)
+        new = ft.set(model, name, value + 1.0)
+        np.testing.assert_array_equal(ft.get(new, name), value + 1.0)
+        others = {k: v for k, v in ft.to_flat_dict(new, unstack=True).items() if k != name}
+        assert all(np.array_equal(v, flat[k]) for k, v in others.items()), name
+        chosen = ft.to_flat_dict(ft.select(model, name), unstack=True)
+        assert [k for k, v in chosen.items() if v] == [name]
+
+
+def test_names_of_abstract_trees_slice_nothing():
+    abstract = jax.eval_shape(make_net)
+    assert list(ft.to_flat_dict(abstract)) == list(ft.to_flat_dict(make_net()))
+    chosen = ft.to_flat_dict(ft.select(make_net(), "h.1"), unstack=True)
+    assert [k for k, v in chosen.items() if v] == ["h.1.up.weight", "h.1.up.bias", "h.1.norm.scale",
+                                                   "h.1.norm.offset"]

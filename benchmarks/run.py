@@ -19,6 +19,8 @@ takes a comma-separated list of these names):
     trainer      9. Trainer.fit over a bare step loop             ≤ 1.05×
     depth       10. first call at 4/16/64 blocks: Stack, Sequential  Stack 64 ≤ 2× Stack 4,
                     and raw lax.scan                                 ≤ 1.3× raw scan at 64
+    steps_per_call 11. TrainStep(steps_per_call=k), k = 1..64, vs   k=16 ≥ 2× raw per-step
+                    raw per-step and raw's own lax.scan               steps/s
 
 Run by hand on a quiet machine (``--quick`` for a one-minute smoke run); the tests never
 assert wall-clock time.
@@ -44,6 +46,7 @@ from _harness import machine
 from _keypaths import key_paths
 from _optimizer import optimizer_throughput
 from _steps import compile_time, compute, dispatch
+from _steps_per_call import steps_per_call
 from _trainer import trainer
 
 FAMILIES = {
@@ -57,6 +60,7 @@ FAMILIES = {
     "keypaths": key_paths,
     "trainer": trainer,
     "depth": depth,
+    "steps_per_call": steps_per_call,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

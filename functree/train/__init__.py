@@ -20,6 +20,7 @@ from functree.train._history import History
 from functree.train._metrics import StepOutput, accuracy, mean
 from functree.train._migrate import migrate
 from functree.train._registry import register
+from functree.train._scan import stack_batches
 from functree.train._step import EvalStep, NonFiniteError, TrainStep, eval_step, train_step
 from functree.train._trainer import Trainer
 
@@ -44,6 +45,7 @@ __all__ = [
     "Batches",
     "DataContext",
     "to_arrays",
+    "stack_batches",
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",

@@ -6,6 +6,7 @@ never forces a synchronisation; tqdm computes steps per second and the ETA.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -59,11 +60,13 @@ class Progress:
             self._bar = None
 
 
+@functools.cache
 def _tqdm_class() -> Any:
     """``tqdm.auto``'s class: a widget in notebooks with ipywidgets, else the text bar.
 
     Without ipywidgets, tqdm.auto warns "IProgress not found" and then falls back to text
-    anyway; choosing the text bar up front gives the same bar without the warning.
+    anyway; choosing the text bar up front gives the same bar without the warning. Looked
+    up once (the search for ipywidgets reads the file system).
     """
     import importlib.util
 

@@ -44,6 +44,13 @@ from functree.parallel._placement import Placement, one_device_mesh
 from functree.parallel._rules import check_compute_dtype, partition_specs
 from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
 from functree.train._provenance import step_report
+from functree.train._scan import (
+    check_stacked,
+    check_steps_per_call,
+    scan_steps,
+    shard_stacked,
+    step_slice,
+)
 
 __all__ = ["TrainStep", "EvalStep", "train_step", "eval_step", "NONFINITE", "NonFiniteError", "nonfinite_error",
            "DataParallelStep", "DataParallelEvalStep"]
@@ -256,6 +263,12 @@ class TrainStep:
       compute_dtype: a floating dtype the loss runs in (``jnp.bfloat16``): the model
         (``ft.cast``) and the floating inputs are cast inside the differentiated function;
         master parameters, gradients and optimizer state keep their dtype.
+      steps_per_call: ``k`` steps per compiled call (default 1): the batch's leaves are
+        ``k`` minibatches stacked along a new leading axis (:func:`ft.train.stack_batches`),
+        the program is ``lax.scan`` of the one-step program over them (the same numbers
+        as ``k`` calls; keys folded per step; ``on_nan`` acts on the exact step), and every
+        metric comes back with a leading axis of size ``k``. On small, dispatch-bound
+        steps this divides the per-call cost by ``k``.
 
     With a ``key``, the loss function gets ``jax.random.fold_in(key, step)`` where
     ``step`` is the learning context's step (on a mesh, folded again with the device
@@ -288,6 +301,13 @@ class TrainStep:
       >>> ft.optim.context(state).samples_seen
       Array(404, dtype=int32)
 
+    Sixteen steps per call, on sixteen minibatches stacked along a new leading axis:
+
+      >>> step16 = ft.train.TrainStep(loss_fn, opt, steps_per_call=16)
+      >>> model, state, metrics = step16(model, state, ft.train.stack_batches([batch] * 16))
+      >>> metrics["loss"].shape, int(ft.optim.context(state).step)
+      ((16,), 117)
+
     Override a stage by subclassing, e.g. an L1 penalty in ``compute_loss``:
 
       >>> class L1Step(ft.train.TrainStep):
@@ -308,8 +328,11 @@ class TrainStep:
         data_axis: str = "data",
         sharding: Any = None,
         compute_dtype: Any = None,
+        steps_per_call: int = 1,
     ):
         self.on_nan = check_on_nan(on_nan)
+        self.steps_per_call = check_steps_per_call(steps_per_call)
+        self._scanned: Any = None  # the k-steps program (_scan.py), built on first use
         self.placement = _placement(mesh, data_axis, sharding, "ft.train.train_step")
         self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)
         self.loss_fn = loss_fn
@@ -473,6 +496,20 @@ class TrainStep:
                 self._compiled = flat_jit(explain_control_flow(self._logged), donate=donate, owned=(4,))
         return self._compiled
 
+    def _scanned_logged(self, model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:
+        """:meth:`_logged` once per leading slice of ``batch``, under ``lax.scan``."""
+        return scan_steps(self._logged, model, opt_state, batch, key, log)
+
+    def _scan_program(self, model: Any) -> Any:
+        """The program of several steps per call (any leading size; one trace per size)."""
+        if self._scanned is None:  # as _program: over flat leaves unless Equinox needs static ones
+            donate = (0, 1, 4) if self._donate else (4,)
+            if has_untraceable_leaves(model):
+                self._scanned = unchecked_jit(self._scanned_logged, donate=donate, static_leaves=True)
+            else:
+                self._scanned = flat_jit(explain_control_flow(self._scanned_logged), donate=donate, owned=(4,))
+        return self._scanned
+
     def lower(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
         """The jitted step lowered for these arguments (``jax.stages.Lowered``): read its
         ``.compile().cost_analysis()`` or ``memory_analysis()``. Nothing runs or is donated.
@@ -485,16 +522,24 @@ class TrainStep:
           >>> compiled.cost_analysis()["flops"] > 0
           True
         """
-        return self._program(model).lower(model, opt_state, batch, key, self._new_halt_log())
+        program = self._program(model) if self.steps_per_call == 1 else self._scan_program(model)
+        return program.lower(model, opt_state, batch, key, self._new_halt_log())
 
     def run(self, model: Any, opt_state: Any, batch: Any, key: Any = None, log: Any = None, *,
-            owned: bool = False) -> Any:
+            owned: bool = False, steps: int | None = None) -> Any:
         """One call of the jitted program: ``(model, opt_state, metrics, log)``; ``log`` is
         None or a tree :meth:`record` updates on device (the Trainer's metric buffer, whose
         ``rows`` hold the metrics: ``metrics`` is None then). ``owned``: the caller knows
         that no two leaves of ``model`` and ``opt_state`` share a buffer (the Trainer copies
-        them once), so new inputs are not searched for aliases."""
-        program = self._compiled or self._program(model)
+        them once), so new inputs are not searched for aliases. ``steps``: the steps this
+        call runs (default ``steps_per_call``); above 1, ``batch`` holds that many
+        minibatches stacked along its leading axis."""
+        steps = self.steps_per_call if steps is None else steps
+        if steps == 1:
+            program = self._compiled or self._program(model)
+        else:
+            check_stacked(batch, steps)
+            program = self._scan_program(model)
         if self._guard.fresh(model, opt_state):  # not the previous call's outputs
             self._guard.check_donated((("model", model), ("opt_state", opt_state)), what="The train step's",
                                       step="the train step", no_donation=NO_DONATION)
@@ -506,7 +551,8 @@ class TrainStep:
                 warn_aliases(model, what="The model given to the train step")
                 model, opt_state = copy_aliases((model, opt_state))
         if self.placement is not None:
-            batch = self.placement.shard_batch(batch)
+            where = self.placement
+            batch = where.shard_batch(batch) if steps == 1 else shard_stacked(where.mesh, where.data_axis, batch)
         out = program(model, opt_state, batch, key, log)
         self._guard.remember(out, (model, opt_state))
         return out
@@ -521,7 +567,7 @@ class TrainStep:
             self._halt, self._calls, self._inflight = self._new_halt_log(), 0, []
         elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
             self._check(model, opt_state, block=False)
-        self._inflight.append((self._calls, batch, key))
+        self._inflight.append((self._calls * self.steps_per_call, batch, key))  # its first step
         model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
         self._calls += 1
         return model, opt_state, metrics
@@ -538,20 +584,26 @@ class TrainStep:
         if not (block or halt.is_ready()):
             return
         count, stopped, index = (int(v) for v in np.asarray(halt))
+        k = self.steps_per_call
         if stopped < 0:
-            self._inflight = [x for x in self._inflight if x[0] >= count]
+            self._inflight = [x for x in self._inflight if x[0] + k > count]
             return
-        _, batch, key = next(x for x in self._inflight if x[0] == stopped)
+        first, batch, key = next(x for x in self._inflight if x[0] <= stopped < x[0] + k)
         self._halt = None
+        where = ""
+        if k > 1:  # the minibatch of that step, and where it was in its call
+            batch = step_slice(batch, stopped - first)
+            where = f" (step {stopped + 1} was step {stopped - first + 1} of the {k} of call {first // k + 1})"
         raise nonfinite_error(stopped + 1, index, train_step=self, model=model, opt_state=opt_state,
-                              batch=batch, key=key)
+                              batch=batch, key=key, history=where)
 
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
         where = "" if self.placement is None else f", {self.placement!r}"
         dtype = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
+        k = "" if self.steps_per_call == 1 else f", steps_per_call={self.steps_per_call}"
         return (f"{type(self).__name__}({name}, {self.optimizer!r}, metrics={list(self.metrics)}, "
-                f"on_nan={self.on_nan!r}{where}{dtype})")
+                f"on_nan={self.on_nan!r}{where}{dtype}{k})")
 
 
 class EvalStep:
@@ -619,6 +671,7 @@ def train_step(
     data_axis: str = "data",
     sharding: Any = None,
     compute_dtype: Any = None,
+    steps_per_call: int = 1,
 ) -> TrainStep:
     """A jitted training step; see :class:`TrainStep`.
 
@@ -636,7 +689,8 @@ def train_step(
       (2.5, Array([0.1, 0.2], dtype=float32))
     """
     return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, donate=donate, mesh=mesh,
-                     data_axis=data_axis, sharding=sharding, compute_dtype=compute_dtype)
+                     data_axis=data_axis, sharding=sharding, compute_dtype=compute_dtype,
+                     steps_per_call=steps_per_call)
 
 
 def eval_step(

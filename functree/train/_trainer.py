@@ -1,9 +1,11 @@
 """``ft.train.Trainer``: seed 003's trainer: model, loss, learner, reader, progress callback.
 
 The loop never blocks per step: each step is one call of the :class:`TrainStep`'s own
-jitted, donated program, which also writes its metrics into a device buffer
-(:meth:`TrainStep.record`); the host reads the buffer only every ``log_every`` steps and at
-epoch ends (one transfer), then updates the history, the progress bar and the callbacks.
+jitted, donated program (with ``steps_per_call=k``, one call per ``k`` steps), which also
+writes its metrics into a device buffer (:meth:`TrainStep.record`); every ``log_every``
+steps the host closes the buffer and reads the one closed before it (``_intervals.py``:
+the read never waits for queued steps), and at epoch ends all of them (one transfer
+each), then updates the history, the progress bar and the callbacks.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from functree import nn
 from functree._alias import copy_aliases, warn_aliases
 from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
-from functree.optim import context, hyperparameter_names, hyperparameters, next_sweep
+from functree.optim import hyperparameter_names, next_sweep
 from functree.optim._average import averaged as averaged_parameters
 from functree.optim._average import keeps_average
 from functree.optim._optimizer import with_wrt
@@ -29,8 +31,10 @@ from functree.train._callbacks import Callback, TrainingContext, _copy, as_callb
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._history import History
+from functree.train._intervals import Interval, next_buffer, snapshot
 from functree.train._metrics import batch_size_of
 from functree.train._progress import Progress
+from functree.train._scan import check_steps_per_call, stack_batches
 from functree.train._step import (
     NONFINITE,
     NonFiniteError,
@@ -95,6 +99,21 @@ training steps' ``fold_in(key, step)`` and the shuffling key ``fold_in(key, 1)``
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _batch_size(batch: Any) -> int:
+    """:func:`batch_size_of`, with a fast path for the common ``(x, y)`` tuple of arrays."""
+    if type(batch) is tuple and batch:
+        shape = getattr(batch[0], "shape", ())
+        if len(shape) >= 1:
+            return int(shape[0])
+    return batch_size_of(batch)
+
+
+def _batch_signature(batch: Any) -> tuple[Any, ...]:
+    """A minibatch's structure and leaf shapes: those of one signature stack."""
+    leaves, tree = jax.tree.flatten(batch)
+    return tree, *(np.shape(x) for x in leaves)
 
 
 def _is_array_tree(data: Any) -> bool:
@@ -190,6 +209,11 @@ class Trainer:
       train_step: a :class:`TrainStep` subclass (or instance) with overridden stages.
       wrt: key-path patterns of the parameters to train (``ft.optim.Optimizer(wrt=)``);
         the others stay bit for bit and get no optimizer state.
+      steps_per_call: run ``k`` steps per compiled call (``TrainStep(steps_per_call=k)``):
+        the Trainer stacks ``k`` minibatches from any iterable (a shorter group, at the
+        end of an epoch or of ``steps=``, or minibatches of another shape, run as single
+        steps). The history still has one row per step; callbacks, logging and
+        checkpoints happen between calls. Default: the ``train_step`` instance's, else 1.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, numpy as np
@@ -227,6 +251,7 @@ class Trainer:
         sharding: Any = None,
         compute_dtype: Any = None,
         wrt: Any = None,
+        steps_per_call: int | None = None,
     ):
         parallel: dict[str, Any] = {}
         if mesh is not None or sharding is not None or compute_dtype is not None:
@@ -238,6 +263,8 @@ class Trainer:
         self.optimizer = self.train_step.optimizer
         self.eval_step = eval_step(loss_fn, metrics=self.train_step.metrics, **parallel)
         self.on_nan = self.train_step.on_nan
+        self.steps_per_call = check_steps_per_call(
+            getattr(self.train_step, "steps_per_call", 1) if steps_per_call is None else steps_per_call)
         self._loss_key = key_parameter(loss_fn)
         if self._loss_key == "required" and key is None and train_step is None:
             raise ValueError(LOSS_NEEDS_KEY.format(
@@ -261,6 +288,8 @@ class Trainer:
         self.nan_report: Any = None  # ft.NaNReport of the first stopped or skipped step
         self._buffer: Any = None
         self._buffered = 0
+        self._capacity = 0  # rows of the buffer: log_every + steps_per_call - 1
+        self._pending: list[Interval] = []  # closed log intervals not read yet (_intervals.py)
         self._names: list[str] | None = None
         self._param_names: list[str] | None = None
         self._last_context: Any = None
@@ -295,11 +324,6 @@ class Trainer:
         return {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
                 "rows": jnp.zeros((capacity, columns), jnp.float32)}  # one row per step: TrainStep.record
 
-    def _context_arrays(self) -> tuple[Any, Any]:
-        """The learning context and the learning rate (None if none), on device."""
-        lr = hyperparameters(self.opt_state)["learning_rate"] if self._has_learning_rate() else None
-        return context(self.opt_state), lr
-
     def _has_learning_rate(self) -> bool:
         return "learning_rate" in hyperparameter_names(self.opt_state)
 
@@ -330,35 +354,65 @@ class Trainer:
         except TypeError:
             return None
 
-    # --- reading the device buffer (log intervals only) ----------------------------------
-    def _read(self, window: _Means, epoch: _Means, bar: Progress) -> dict[str, float]:
-        if self._buffered == 0:
-            return window.means()
-        host, ctx = jax.device_get((self._buffer, self._context_arrays()))  # one transfer
+    # --- reading the device buffer (log intervals only, one interval late) ----------------
+    def _close(self, log: bool) -> None:
+        """The open buffer's steps (all dispatched) become a pending interval; the next
+        buffer opens on device, carrying a stop (one dispatch, no wait)."""
+        buffer, ctx = next_buffer(self._buffer["halt"], self._buffer["rows"], self.opt_state)
+        for x in jax.tree.leaves((self._buffer, ctx)):
+            x.copy_to_host_async()  # queued behind the interval's steps: done when it is read
+        self._pending.append(Interval(self._buffer, ctx, self.steps_run - self._buffered + 1, self._buffered,
+                                      self._inflight, log))
+        self._buffer, self._buffered, self._inflight = buffer, 0, []
+
+    def _log_point(self, window: _Means, epoch: _Means, bar: Progress, cbs: list[Callback]) -> None:
+        """Every ``log_every`` steps: close the open interval, read the ones before it."""
+        self._close(log=True)
+        while len(self._pending) > 1:
+            self._read_interval(self._pending.pop(0), window, epoch, bar, cbs)
+
+    def _read(self, window: _Means, epoch: _Means, bar: Progress, cbs: Sequence[Callback] = ()) -> None:
+        """Read every interval, the open buffer last (epoch ends, the end of a fit)."""
+        if self._buffered:
+            self._close(log=False)
+        while self._pending:
+            self._read_interval(self._pending.pop(0), window, epoch, bar, cbs)
+
+    def _read_interval(self, interval: Interval, window: _Means, epoch: _Means, bar: Progress,
+                       cbs: Sequence[Callback]) -> None:
+        host, ctx = jax.device_get((interval.buffer, interval.context))
         n = int(host["halt"][0])
-        first = self.steps_run - self._buffered + 1
-        steps = list(range(first, first + n))
+        steps = list(range(interval.first, interval.first + n))
         assert self._names is not None
         rows = host["rows"][:n]
         values = {k: rows[:, i] for i, k in enumerate(self._names) if k != NONFINITE}
         nonfinite = rows[:, self._names.index(NONFINITE)] if NONFINITE in self._names else np.full(n, -1.0)
-        inflight, self._inflight = self._inflight, []
-        weights = np.array([batch_size_of(b) for b in inflight[:n]], np.float32)  # host-known sizes
+        weights = np.array([_batch_size(b) for b in interval.inflight[:n]], np.float32)  # host-known sizes
         columns = {k: v.tolist() for k, v in values.items()}
         if rows.shape[1] > len(self._names):
             columns["learning_rate"] = rows[:, -1].tolist()
         self.history.add_steps(steps, columns)
-        self._buffer = self._new_buffer(len(host["rows"]))
-        self._buffered = 0
-        self._last_context = ctx
-        self._check_finite(steps, nonfinite.astype(np.int32), host["halt"], inflight)
+        self._last_context = None if self._pending or self._buffered else ctx  # the current one
+        self._check_finite(steps, nonfinite.astype(np.int32), host["halt"], interval.inflight)
         window.add(values, weights)
         epoch.add(values, weights)
         shown = dict(window.means())
         if "learning_rate" in columns:
             shown["lr"] = columns["learning_rate"][-1]
         bar.update(n, shown)
-        return window.means()
+        if interval.log:
+            log = self._context("log", window.means(), ctx, step=interval.first + n - 1)
+            window.__init__()
+            for cb in cbs:
+                cb.on_log(self, log)
+
+    def _applied_later(self) -> int:
+        """Steps applied after the intervals read so far (blocks: the first skip's report only)."""
+        col = self._names.index(NONFINITE) if self._names and NONFINITE in self._names else None
+        buffers = [i.buffer for i in self._pending] + ([self._buffer] if self._buffered else [])
+        if col is None:
+            return sum(i.steps for i in self._pending) + self._buffered
+        return sum(int(np.sum(b["rows"][: int(b["halt"][0]), col] == -1)) for b in jax.device_get(buffers))
 
     def _check_finite(self, steps: list[int], nonfinite: np.ndarray, halt: np.ndarray, inflight: list[Any]) -> None:
         if self.on_nan == "skip":
@@ -366,9 +420,9 @@ class Trainer:
             if len(bad) and self._param_names is None:
                 self._param_names = parameter_names(self.model, self.optimizer.wrt)
             if len(bad) and self.nan_report is None:  # the first skipped step's provenance
+                after = int(np.sum(nonfinite[bad[0]:] == -1)) + self._applied_later()
                 self.nan_report = step_provenance(self.train_step, steps[bad[0]], self.model, self.opt_state,
-                                                  inflight[bad[0]], self.key,
-                                                  applied_after=int(np.sum(nonfinite[bad[0]:] == -1)))
+                                                  inflight[bad[0]], self.key, applied_after=after)
             self.skipped.extend((steps[i], self._what(int(nonfinite[i]))) for i in bad)
             return
         stopped = int(halt[1])
@@ -378,6 +432,7 @@ class Trainer:
         self.batch_in_epoch -= self.steps_run - (step - 1)
         self.steps_run = step - 1
         self.stop_training = True
+        self._buffer, self._buffered, self._inflight, self._pending = None, 0, [], []
         error = nonfinite_error(step, int(halt[2]), train_step=self.train_step, model=self.model,
                                 opt_state=self.opt_state, batch=inflight[stopped], key=self.key,
                                 holder="trainer.model and trainer.opt_state are",
@@ -389,12 +444,15 @@ class Trainer:
         assert self._param_names is not None
         return "the loss" if index < 0 else f"the gradient of parameter {self._param_names[index]!r}"
 
-    def _context(self, event: str, metrics: Mapping[str, float]) -> TrainingContext:
-        ctx, lr = self._last_context or jax.device_get(self._context_arrays())
+    def _context(self, event: str, metrics: Mapping[str, float], arrays: Any = None,
+                 step: int | None = None) -> TrainingContext:
+        if arrays is None and self._last_context is None:  # valid until the next step
+            self._last_context = jax.device_get(snapshot(self.opt_state))
+        ctx, lr = arrays or self._last_context
         lr = None if lr is None else float(lr)
         return TrainingContext(
             event=event,
-            step=self.steps_run,
+            step=self.steps_run if step is None else step,
             sweep=int(ctx.sweep),
             samples_seen=int(ctx.samples_seen),
             minibatch_size=int(ctx.minibatch_size),
@@ -414,20 +472,25 @@ class Trainer:
         progress: bool = True,
         log_every: int = 50,
         batch_size: int | None = None,
+        steps_per_call: int | None = None,
     ) -> History:
         """Train for ``epochs`` passes over ``data`` or for ``steps`` minibatches.
 
         ``data`` is ``ft.train.batches(...)``, arrays / a tuple or dict of arrays (cut into
         shuffled minibatches of ``batch_size``, default 32), or any iterable of batches
         (a list, a torch DataLoader, a tf.data Dataset; iterated once per epoch).
-        Metrics reach the host every ``log_every`` steps and at epoch ends; callbacks get
-        the :class:`TrainingContext` then. Returns :attr:`history` (all runs so far).
-        A :class:`Batches` run continues at the position where the last run (or a
-        restored checkpoint) stopped.
+        Metrics reach the host every ``log_every`` steps, one interval late (the read
+        never waits for the steps queued since), and at epoch ends; callbacks get the
+        :class:`TrainingContext` of each interval as it is read. ``steps_per_call``
+        (default: the Trainer's) runs that many steps per compiled call on stacked
+        minibatches; the history keeps one row per step. Returns :attr:`history` (all
+        runs so far). A :class:`Batches` run continues at the position where the last run
+        (or a restored checkpoint) stopped.
         """
         _positive("epochs", epochs)
         _positive("steps", steps)
         _positive("log_every", log_every)
+        k = self.steps_per_call if steps_per_call is None else check_steps_per_call(steps_per_call)
         if epochs is None and steps is None:
             epochs = 1
         data = self._as_data(data, batch_size)
@@ -441,6 +504,9 @@ class Trainer:
         bar = Progress(total, enabled=progress and jax.process_index() == 0)  # one bar for all processes
         self.stop_training = False
         self._last_context = None
+        self._read(_Means(), _Means(), bar)  # an interrupted fit's steps, if any
+        if self._capacity != log_every + k - 1:
+            self._buffer, self._capacity = None, log_every + k - 1  # room for the call that passes log_every
         for cb in cbs:
             cb.on_train_begin(self)
         taken = epochs_done = 0
@@ -449,18 +515,19 @@ class Trainer:
             while not self.stop_training and (epochs is None or epochs_done < epochs):
                 if steps is not None and taken >= steps:
                     break
-                ran, complete = self._run_epoch(data, steps, taken, log_every, cbs, window, epoch, bar)
+                ran, complete = self._run_epoch(data, steps, taken, log_every, cbs, window, epoch, bar, k)
                 taken += ran
                 if ran == 0:
                     if taken == 0:
                         raise ValueError(EMPTY_DATA.format(why=f" ({type(data).__name__})"))
                     break  # a one-shot iterator is exhausted
                 if complete:
+                    self._read(window, epoch, bar, cbs)
                     window = _Means()
                     self._end_epoch(epoch, bar, validation_data, cbs, batch_size)
                     epoch = _Means()
                     epochs_done += 1
-            self._read(window, epoch, bar)
+            self._read(window, epoch, bar, cbs)
         finally:
             bar.close()
         end = self._context("end", window.means())
@@ -468,39 +535,71 @@ class Trainer:
             cb.on_train_end(self, end)
         return self.history
 
-    def _run_epoch(self, data: Any, steps: int | None, taken: int, log_every: int,
-                   cbs: list[Callback], window: _Means, epoch: _Means, bar: Progress) -> tuple[int, bool]:
+    def _run_epoch(self, data: Any, steps: int | None, taken: int, log_every: int, cbs: list[Callback],
+                   window: _Means, epoch: _Means, bar: Progress, k: int = 1) -> tuple[int, bool]:
         """Steps of one epoch: ``(steps run, whether the epoch was completed)``."""
         ran = 0
         length = self._epoch_length(data)
         bar.set_description(f"epoch {self.epoch + 1}")
         run = self.train_step.run
+        group: list[Any] = []  # k > 1: the minibatches of the next call, of one signature
+        signature: Any = None
+
+        def dispatch(group: list[Any]) -> int:
+            # After every call: the buffer (log_every + k - 1 rows) never takes a call past it.
+            n = self._run_group(group, k)
+            if self._buffered >= log_every:
+                self._log_point(window, epoch, bar, cbs)
+            return n
+
         for batch in self._epoch_iter(data):
             batch = to_arrays(batch)
             if self._names is None:
                 self._names = self._metric_names(batch)
-            if self._buffer is None or (self._buffered == 0 and self._buffer["rows"].shape[0] != log_every):
-                self._buffer = self._new_buffer(log_every)
-            self._inflight.append(batch)
-            self.model, self.opt_state, _, self._buffer = run(self.model, self.opt_state, batch, self.key,
-                                                              self._buffer, owned=True)
-            ran += 1
-            self.steps_run += 1
-            self.batch_in_epoch += 1
-            self._buffered += 1
+            if self._buffer is None:
+                self._buffer = self._new_buffer(self._capacity)
+            if k == 1:  # the plain loop, kept lean
+                self._inflight.append(batch)
+                self.model, self.opt_state, _, self._buffer = run(self.model, self.opt_state, batch, self.key,
+                                                                  self._buffer, owned=True)
+                ran += 1
+                self.steps_run += 1
+                self.batch_in_epoch += 1
+                self._buffered += 1
+            else:
+                new = _batch_signature(batch)
+                if group and new != signature:
+                    ran += dispatch(group)  # minibatches of another shape: single steps
+                    group = []
+                group.append(batch)
+                signature = new
+                if len(group) < k and (steps is None or taken + ran + len(group) < steps):
+                    continue
+                ran += dispatch(group)
+                group = []
             if self._buffered >= log_every:
-                means = self._read(window, epoch, bar)
-                log = self._context("log", means)
-                window.__init__()
-                for cb in cbs:
-                    cb.on_log(self, log)
+                self._log_point(window, epoch, bar, cbs)
             if self.stop_training or (steps is not None and taken + ran >= steps):
                 return ran, length is not None and self.batch_in_epoch >= length
+        if group:  # the epoch's last minibatches, fewer than k: single steps
+            ran += dispatch(group)
         return ran, ran > 0
+
+    def _run_group(self, group: list[Any], k: int) -> int:
+        """``k`` minibatches as one call of ``k`` steps; fewer as single steps."""
+        assert self._buffered + len(group) <= self._capacity, "the log buffer would overflow"
+        calls = [(stack_batches(group), k)] if len(group) == k else [(b, 1) for b in group]
+        for batch, n in calls:
+            self.model, self.opt_state, _, self._buffer = self.train_step.run(
+                self.model, self.opt_state, batch, self.key, self._buffer, owned=True, steps=n)
+        self._inflight.extend(group)
+        self.steps_run += len(group)
+        self.batch_in_epoch += len(group)
+        self._buffered += len(group)
+        return len(group)
 
     def _end_epoch(self, epoch: _Means, bar: Progress, validation_data: Any, cbs: list[Callback],
                    batch_size: int | None) -> None:
-        self._read(_Means(), epoch, bar)
         values = epoch.means()
         if validation_data is not None:
             val = self.evaluate(validation_data, batch_size=batch_size)
@@ -643,7 +742,7 @@ class Trainer:
         self.batch_in_epoch = int(position.get("batch_in_epoch", 0))
         if isinstance(ckpt.extra, Mapping) and ckpt.extra.get("key") is not None:
             self.key = ckpt.extra["key"]
-        self._buffer, self._buffered, self._inflight = None, 0, []
+        self._buffer, self._buffered, self._inflight, self._pending = None, 0, [], []
         return ckpt
 
     def __repr__(self) -> str:

@@ -16,11 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from functree._tree import dotted_name
 
 __all__ = [
-    "DonationGuard","AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases"]
+    "DonationGuard", "AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases"]
 
 ALIASED = """\
 {what} holds one array object at several leaves: {pairs}. A gradient step gives each \
@@ -32,6 +33,17 @@ To tie them (one parameter used at both places, trained once with the summed gra
     right:  model = ft.nn.Shared(Model(a=layer, b=layer), {{"{second}": "{first}"}})
 
 To keep them independent, build them apart (or copy one with jnp.copy) to silence this."""
+
+
+DONATED = """\
+{what} {name!r} holds a deleted array at {path}: {when} donated it (XLA reused its \
+buffers for that call's outputs). Use the values the step returns:
+
+    wrong:  new_model, new_state, out = step(model, state, batch)
+            step(model, state, batch)                   # model and state were donated above
+    right:  model, state, out = step(model, state, batch)
+       or:  kept = jax.tree.map(jnp.copy, model)        # before the first step: a copy stays valid
+       or:  {no_donation}"""
 
 
 class AliasWarning(UserWarning):
@@ -113,10 +125,12 @@ class DonationGuard:
       False
     """
 
-    __slots__ = ("_last",)
+    __slots__ = ("_given", "_last", "calls")
 
     def __init__(self) -> None:
         self._last: tuple[Any, ...] = ()
+        self._given: Any = ()
+        self.calls = 0
 
     def fresh(self, *inputs: Any) -> bool:
         """Whether any of ``inputs`` is not one of the previous call's outputs."""
@@ -135,9 +149,43 @@ class DonationGuard:
                 return True
         return False
 
-    def remember(self, outputs: Any) -> None:
-        """Hold the call's outputs (held, so their ids stay unique until the next call)."""
+    def remember(self, outputs: Any, given: Any = ()) -> None:
+        """Hold the call's outputs (held, so their ids stay unique until the next call) and
+        its donated inputs ``given`` (to name the call that donated one, if reused)."""
         self._last = tuple(outputs) if isinstance(outputs, tuple) else (outputs,)
+        self._given = given
+        self.calls += 1
+
+    def check_donated(self, named: Sequence[tuple[str, Any]], *, what: str, step: str, no_donation: str) -> None:
+        """Raise a ``ValueError`` naming the argument and key path of a deleted (donated)
+        array among the ``(name, tree)`` inputs, the call of ``step`` that donated it (when
+        it was this guard's previous one) and the fixes; XLA would only say "Buffer has
+        been deleted or donated". Call it for fresh inputs only (:meth:`fresh`)."""
+        given = self._given if isinstance(self._given, tuple) else (self._given,)
+        for name, tree in named:
+            path = _deleted_leaf(tree)
+            if path is None:
+                continue
+            if any(tree is g for g in given):
+                when = f"the previous call of {step} (call {self.calls})"
+            else:
+                when = f"an earlier call of {step} (or another donating function)"
+            raise ValueError(DONATED.format(what=what, name=name, path=path, when=when, no_donation=no_donation))
+
+
+def _deleted(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+
+
+def _deleted_leaf(tree: Any) -> str | None:
+    """The dotted key path of the first deleted array in ``tree`` (``<root>`` for the tree
+    itself), or None: one pass over the leaves, paths only when one is found."""
+    if not any(_deleted(x) for x in jax.tree.leaves(tree)):
+        return None
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _deleted(x):
+            return dotted_name(path) or "<root>"
+    return None
 
 
 def copy_aliases(tree: Any, pairs: Sequence[tuple[int, int]] | None = None) -> Any:

@@ -17,13 +17,19 @@ Two things cost Python work, and only where asked for or needed:
   arguments that are not its previous call's outputs (a training loop passes those
   back): it then warns (:class:`ft.AliasWarning`, naming both key paths) and copies the
   repeated leaf. A call on its own outputs costs one Python frame and identity checks.
+
+``ft.jit(f)`` re-wrapped at every call (``ft.jit(f)(x)`` in a loop) compiles once, as
+``jax.jit(f)(x)`` does: the function JAX traces is made once per ``f`` (:func:`_traced`,
+held while ``f`` lives), so JAX's caches, keyed on it and the options, find it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import linecache
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,12 +94,15 @@ def _explain(template: str, error: Exception) -> str:
     return template.format(where=f" at {filename}:{lineno}", source=source, error=error)
 
 
-def explain_control_flow(f: Callable[..., Any]) -> Callable[..., Any]:
-    # Runs at trace time only: steady-state calls never enter this wrapper.
+def explain_control_flow(f: Callable[..., Any], fn: Callable[[], Any] | None = None) -> Callable[..., Any]:
+    # Runs at trace time only: steady-state calls never enter this wrapper. ``fn`` returns
+    # the function to call (a weak reference to ``f``, see _traced); default ``f`` itself.
+    call = (lambda: f) if fn is None else fn
+
     @functools.wraps(f)
     def traced(*args: Any, **kwargs: Any) -> Any:
         try:
-            return f(*args, **kwargs)
+            return call()(*args, **kwargs)
         except jax.errors.TracerBoolConversionError as e:
             error = ControlFlowError(_explain(TRACED_BOOL, e))
             raise error.with_traceback(e.__traceback__) from None
@@ -150,7 +159,7 @@ def jit(
     if static_leaves or jax_jit_options or not nums or min(nums) < 0:
         jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
     else:  # a training loop's step: over flat leaves, its results passed back without flattening
-        jitted = flat_jit(explain_control_flow(f), donate=nums, tree_options={"donate_argnames": names})
+        jitted = _flat(f, nums, names)
     return _alias_checked(f, jitted, (nums, names))
 
 
@@ -173,7 +182,79 @@ def unchecked_jit(
         jax_jit_options.setdefault("keep_unused", True)
     if static_leaves:
         return _static_leaves_jit(f, jax_jit_options)
-    return jax.jit(explain_control_flow(f), **jax_jit_options)
+    return _keeping(jax.jit(_traced(f, static_leaves=False), **jax_jit_options), f)
+
+
+# --- one traced function per f: JAX's caches key on it ----------------------------------
+# f -> {static_leaves: the function jax.jit traces}. The values hold f weakly (a strong
+# reference from a value would keep its weak key alive forever); the jitted function
+# returned holds f (_keeping), so f lives as long as either is used.
+_TRACED: weakref.WeakKeyDictionary[Any, dict[bool, tuple[Any, Callable[..., Any]]]] = weakref.WeakKeyDictionary()
+
+
+def _traced(f: Callable[..., Any], *, static_leaves: bool) -> Callable[..., Any]:
+    """The function ``jax.jit`` traces for ``f``: the same object for the same ``f`` (so a
+    re-wrapped ``ft.jit(f)`` hits JAX's compilation cache), or a new one for a function
+    that cannot be weakly referenced or hashed (some builtins, a Module holding arrays)."""
+    try:
+        per_f = _TRACED.get(f)
+        if per_f is None:
+            per_f = _TRACED.setdefault(f, {})
+    except (TypeError, ValueError):  # no weak reference or no hash: no cache
+        return _make_traced(f, lambda: f, static_leaves)
+    found = per_f.get(static_leaves)
+    if found is not None and found[0]() is f:
+        return found[1]
+    ref = weakref.ref(f)
+    traced = _make_traced(f, ref, static_leaves)
+    if found is None:  # (an equal but distinct f keeps the first one's entry)
+        per_f[static_leaves] = (ref, traced)
+    return traced
+
+
+def _make_traced(f: Callable[..., Any], fn: Callable[[], Any], static_leaves: bool) -> Callable[..., Any]:
+    if static_leaves:
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            return _hide(fn()(*_show(args), **_show(kwargs)))
+
+        traced = explain_control_flow(f, lambda: inner)
+    else:
+        traced = explain_control_flow(f, fn)
+    # functools.wraps set __wrapped__ = f (a strong reference): keep its signature only.
+    del traced.__wrapped__  # type: ignore[attr-defined]
+    with contextlib.suppress(TypeError, ValueError):  # no signature (some builtins)
+        traced.__signature__ = inspect.signature(f)  # type: ignore[attr-defined]
+    return traced
+
+
+# f -> {(donated numbers, names): its FlatJit}: one per f, so a re-wrapped donating ft.jit
+# finds its compiled programs again. A FlatJit holds f weakly (through _traced).
+_FLAT: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _flat(f: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """The :func:`flat_jit` of ``f`` donating ``nums``: the same object for the same ``f``."""
+    try:
+        per_f = _FLAT.get(f)
+        if per_f is None:
+            per_f = _FLAT.setdefault(f, {})
+    except (TypeError, ValueError):  # no weak reference or no hash: no cache
+        return flat_jit(explain_control_flow(f), donate=nums, tree_options={"donate_argnames": names})
+    traced = _traced(f, static_leaves=False)
+    jitted = per_f.get((nums, names))
+    if jitted is not None and jitted._fn is traced:
+        return jitted
+    jitted = flat_jit(traced, donate=nums, tree_options={"donate_argnames": names})
+    if (nums, names) not in per_f and _TRACED[f][False][1] is traced:  # f's own (not an equal f's)
+        per_f[(nums, names)] = jitted
+    return jitted
+
+
+def _keeping(jitted: Any, f: Callable[..., Any]) -> Any:
+    """``jitted`` holding ``f`` (its traced function holds it weakly), as ``__wrapped__``."""
+    with contextlib.suppress(AttributeError, TypeError):
+        jitted.__wrapped__ = f
+    return jitted
 
 
 # --- leaves JAX cannot trace, made static -----------------------------------------------
@@ -239,11 +320,7 @@ def eval_shape(f: Callable[..., Any], *args: Any) -> Any:
 
 
 def _static_leaves_jit(f: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
-    @functools.wraps(f)
-    def inner(*args: Any, **kwargs: Any) -> Any:
-        return _hide(f(*_show(args), **_show(kwargs)))
-
-    jitted = jax.jit(explain_control_flow(inner), **options)
+    jitted = _keeping(jax.jit(_traced(f, static_leaves=True), **options), f)
 
     @functools.wraps(f)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -263,7 +340,10 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any])
         params = list(inspect.signature(f).parameters)
     except (TypeError, ValueError):
         params = []
-    what = f"The arguments of {getattr(f, '__name__', 'the function')}"
+    fname = getattr(f, "__name__", "f")
+    what = f"The arguments of {fname}"
+    step = f"ft.jit({fname}, donate={nums or names})"
+    no_donation = f"ft.jit({fname})    # without donate=: the inputs stay valid (more memory)"
 
     top = max(nums, default=-1)
 
@@ -274,14 +354,23 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any])
         else:  # the loop's common case, without building lists
             fresh = guard.fresh_in(args, nums)
         if fresh:
+            guard.check_donated(_named(args, kwargs, nums, names, params), what="The argument", step=step,
+                                no_donation=no_donation)
             pairs = warn_aliases((args, kwargs), what=what, rename=lambda n: _argument_name(n, params))
             args, kwargs = copy_aliases((args, kwargs), pairs)
         result = jitted(*args, **kwargs)
-        guard.remember(result)
+        guard.remember(result, args)
         return result
 
     _expose(call, jitted)
     return call
+
+
+def _named(args: tuple, kwargs: dict[str, Any], nums: tuple[int, ...], names: tuple[str, ...],
+           params: list[str]) -> list[tuple[str, Any]]:
+    """The donated arguments given, each with its name (``args[i]`` without a signature)."""
+    named = [(params[i] if i < len(params) else f"args[{i}]", args[i]) for i in nums if i < len(args)]
+    return named + [(n, kwargs[n]) for n in names if n in kwargs]
 
 
 def _argument_name(dotted: str, params: list[str]) -> str:

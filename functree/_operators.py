@@ -274,6 +274,13 @@ def gradient(
     Differentiating with respect to a Module gives a tree with the parameter view's
     structure (``None`` at non-parameters).
 
+    Complex parameters: ``ft.gradient`` returns JAX's convention, the conjugate of the
+    steepest-ascent direction: for a real ``f`` of ``z = x + iy``, ``∂f/∂x − i ∂f/∂y``
+    (torch's ``z.grad`` is ``∂f/∂x + i ∂f/∂y``). ``ft.optim.Optimizer`` takes these
+    gradients and conjugates them itself; a hand-written step descends along
+    ``jnp.conj(grad)``, and a raw optax transform (which expects torch's convention)
+    needs ``jnp.conj`` too.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> dfdx = ft.gradient(lambda x: (x * x).sum())

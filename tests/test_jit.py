@@ -186,3 +186,52 @@ def test_static_leaves_make_functions_static_and_return_them():
     assert ft._jit.has_untraceable_leaves(layer) and not ft._jit.has_untraceable_leaves({"w": layer["w"], "n": 3})
     spec = ft._jit.eval_shape(lambda d, x: d["fn"](x @ d["w"]), layer, jnp.ones((5, 3)))
     assert spec.shape == (5, 2)
+
+
+@pytest.mark.parametrize("options", [{}, {"static_leaves": True}, {"donate": 0}])
+def test_rewrapped_jit_traces_once(options: dict[str, Any]):
+    """``ft.jit(f)(x)`` in a loop compiles once, as ``jax.jit(f)(x)`` does (it traced and
+    compiled at every call: 22.8 ms against jax.jit's 0.06 ms)."""
+    traces: list[int] = []
+
+    def f(x: jax.Array) -> jax.Array:
+        traces.append(1)
+        return 2 * x
+
+    for _ in range(3):
+        out = ft.jit(f, **options)(jnp.ones(3))
+    np.testing.assert_array_equal(out, 2.0)
+    assert len(traces) == 1
+    assert ft.jit(f, static_argnames=()).__wrapped__ is f
+
+
+def test_rewrapped_jit_keeps_the_function_alive_and_releases_it():
+    import gc
+    import weakref
+
+    g = lambda x: x + 1  # noqa: E731
+    ref = weakref.ref(g)
+    jitted = ft.jit(g)
+    del g
+    np.testing.assert_array_equal(jitted(jnp.ones(2)), 2.0)  # the jitted function holds g
+    del jitted
+    gc.collect()
+    assert ref() is None  # and the cache does not
+
+
+def test_reusing_a_donated_argument_names_it_and_the_fix():
+    """XLA said only "INVALID_ARGUMENT ... Buffer has been deleted or donated"."""
+
+    def step(model: Any, state: jax.Array, x: float) -> Any:
+        return jax.tree.map(lambda w: w + x, model), state + 1
+
+    jitted = ft.jit(step, donate=(0, 1))
+    model, state = {"w": jnp.ones(2)}, jnp.zeros(())
+    new_model, new_state = jitted(model, state, 1.0)
+    with pytest.raises(ValueError, match="'model' holds a deleted array at w") as e:
+        jitted(model, new_state, 1.0)
+    assert "the previous call of ft.jit(step, donate=(0, 1)) (call 1)" in str(e.value)
+    assert "ft.jit(step)" in str(e.value) and "jax.tree.map(jnp.copy, model)" in str(e.value)
+    with pytest.raises(ValueError, match="'state' holds a deleted array"):
+        jitted(new_model, state=state, x=1.0)
+    np.testing.assert_array_equal(jitted(new_model, new_state, 1.0)[0]["w"], 3.0)

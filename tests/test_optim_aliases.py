@@ -93,6 +93,49 @@ def test_matches_torch_over_100_steps(name):
         np.testing.assert_allclose(np.asarray(got[k]), expected[k], rtol=2e-4, atol=2e-5, err_msg=f"{name}.{k}")
 
 
+def _complex_problem():
+    rng = np.random.default_rng(0)
+
+    def c(*shape):
+        return (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(np.complex64)
+
+    return {"weight": c(5, 3), "bias": c(3)}, c(16, 5), c(16, 3)
+
+
+def _complex_loss(p, x, y):
+    return jnp.mean(jnp.abs(x @ p["weight"] * 0.3 + p["bias"] - y) ** 2)
+
+
+# RMSprop steps g/√s: a gradient component near 0 takes steps of ±η/√(1−ρ) ≈ 0.006 on
+# rounding noise; measured 7e-4 against torch (the others below 4e-6).
+COMPLEX_ATOL = {"rmsprop": 2e-3, "rmsprop_momentum_centered": 2e-3}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_CASES))
+def test_complex_parameters_match_torch_over_100_steps(name):
+    """Complex parameters train as torch.optim trains them (pairs of reals). SGD on
+    |z − a|² diverged (6.25 → 2.3e32) and Adam's loss rose: JAX's gradient is the
+    conjugate of the descent direction."""
+    torch = pytest.importorskip("torch")
+    ours, theirs = TORCH_CASES[name]
+    params, x, y = _complex_problem()
+    w = torch.tensor(params["weight"], requires_grad=True)
+    b = torch.tensor(params["bias"], requires_grad=True)
+    topt, xt, yt = theirs(torch.optim, [w, b]), torch.tensor(x), torch.tensor(y)
+    opt = fo.Optimizer(ours())
+    p, state = jax.tree.map(jnp.asarray, params), opt.init(params)
+    step = jax.jit(lambda p, s: opt.minimize(_complex_loss, p, s, x, y))
+    for _ in range(STEPS):
+        topt.zero_grad()
+        torch.mean(torch.abs(xt @ w * 0.3 + b - yt) ** 2).backward()
+        topt.step()
+        p, state, _ = step(p, state)
+    atol = COMPLEX_ATOL.get(name, 2e-5)  # parameters of magnitude ~1
+    np.testing.assert_allclose(np.asarray(p["weight"]), w.detach().numpy(), rtol=0, atol=atol)
+    np.testing.assert_allclose(np.asarray(p["bias"]), b.detach().numpy(), rtol=0, atol=atol)
+    assert float(_complex_loss(p, x, y)) < float(_complex_loss(params, x, y))
+
+
 def test_lion_matches_torch_when_available():
     torch = pytest.importorskip("torch")
     if not hasattr(torch.optim, "Lion"):
@@ -317,6 +360,41 @@ def test_bfloat16_parameters_keep_their_state_dtype_and_compile_once(name):
     assert {x.dtype for x in jax.tree.leaves(fo.moments(state))} == {jnp.dtype(jnp.bfloat16)}
 
 
+def test_adamw_exclude_nothing_decays_declared_fields_as_torch():
+    """adamw(exclude=()) is "decays everything, as torch", but fields declared
+    ft.field(decay=False) stayed excluded: one zero-gradient step with lr 0.1, wd 0.5
+    took torch's bias 1 → 0.95 and left functree's at 1."""
+    torch = pytest.importorskip("torch")
+    model = ft.nn.Dense(3, 2, key=jax.random.key(0))
+    model = model.replace(bias=jnp.ones(2))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32)
+    w = torch.tensor(np.asarray(model.weight), requires_grad=True)
+    b = torch.tensor(np.asarray(model.bias), requires_grad=True)
+    topt = torch.optim.AdamW([w, b], lr=0.1, weight_decay=0.5)
+    b.grad, w.grad = torch.zeros(2), torch.zeros(3, 2)
+    topt.step()  # the zero-gradient step of the issue
+    np.testing.assert_allclose(b.detach().numpy(), 0.95, rtol=0, atol=1e-7)
+    opt = fo.Optimizer(fo.adamw(0.1, weight_decay=0.5, exclude=()))
+    state = opt.init(model)
+    zeros = jax.tree.map(jnp.zeros_like, ft.parameters(model))
+    model = ft.move(model, along=opt.update(zeros, state, model)[0])
+    np.testing.assert_allclose(model.bias, 0.95, rtol=0, atol=1e-7)
+    state = opt.init(model)  # then real steps, from the same point
+    xt, yt = torch.tensor(x), torch.tensor(y)
+    topt = torch.optim.AdamW([w, b], lr=0.1, weight_decay=0.5)
+    for _ in range(20):
+        topt.zero_grad()
+        torch.mean((xt @ w + b - yt) ** 2).backward()
+        topt.step()
+        model, state, _ = opt.minimize(lambda m: jnp.mean((m(x) - y) ** 2), model, state)
+    np.testing.assert_allclose(model.weight, w.detach().numpy(), rtol=0, atol=1e-5)  # values below 1
+    np.testing.assert_allclose(model.bias, b.detach().numpy(), rtol=0, atol=1e-5)
+    declared = fo.Optimizer(fo.adamw(0.1, weight_decay=0.5))  # the default keeps the declared fields
+    kept = ft.nn.Dense(3, 2, key=jax.random.key(0)).replace(bias=jnp.ones(2))
+    np.testing.assert_array_equal(declared.update(zeros, declared.init(kept), kept)[0].bias, 0.0)
+
+
 def test_weight_decay_skips_fields_a_layer_declares_and_excluded_names():
     class Norm(ft.Module):
         gain: jax.Array = ft.field(decay=False)
@@ -330,9 +408,13 @@ def test_weight_decay_skips_fields_a_layer_declares_and_excluded_names():
     model = Block(jnp.ones(2), Norm(jnp.ones(2), jnp.ones(2)), jnp.ones(2))
     def flat(t):
         return {k: bool(v) for k, v in ft.to_flat_dict(t).items()}
-    assert flat(fo.decay_mask(ft.parameters(model), ())) == {
+    assert flat(fo.decay_mask(ft.parameters(model), (fo.DECLARED,))) == {
         "weight": True, "norm.gain": False, "norm.shift": False, "head": True}
-    assert flat(fo.decay_mask(ft.parameters(model), ("head",)))["head"] is False
+    assert flat(fo.decay_mask(ft.parameters(model), (fo.DECLARED, "head"))) == {
+        "weight": True, "norm.gain": False, "norm.shift": False, "head": False}
+    assert flat(fo.decay_mask(ft.parameters(model), ("head",))) == {  # exactly what is named
+        "weight": True, "norm.gain": True, "norm.shift": True, "head": False}
+    assert all(flat(fo.decay_mask(ft.parameters(model), ())).values())
     for tx in (fo.adamw(0.1, weight_decay=0.5), fo.lion(0.1, weight_decay=0.5),
                optax.chain(fo.sgd(0.0), fo.weight_decay(0.5))):
         opt = fo.Optimizer(tx)
@@ -351,7 +433,7 @@ def test_set_hyperparameters_rejects_non_finite_values():
 
 
 def _aliases():
-    names = [n for n in fo._aliases.__all__ if n not in ("moments", "DEFAULT_NO_DECAY", "decay_mask")]
+    names = [n for n in fo._aliases.__all__ if n not in ("moments", "DEFAULT_NO_DECAY", "DECLARED", "decay_mask")]
     cases = {n: getattr(fo, n)(0.05) for n in names}
     cases |= {"sgd_momentum": fo.sgd(0.05, momentum=0.9), "sgd_nesterov_l2": fo.sgd(0.05, 0.9, True, 0.01),
               "sgd_unit_gain": fo.sgd(0.05, 0.9, momentum_form="unit_gain"), "adam_l2": fo.adam(0.05, weight_decay=0.1),

@@ -98,3 +98,36 @@ def test_lookahead_errors():
     update_fn.__qualname__, update_fn.__module__ = "lookahead.<locals>.update_fn", "optax._src.lookahead"
     with pytest.raises(TypeError, match=r"right:  ft.optim.Optimizer\(ft.optim.lookahead\(fast"):
         ft.optim.Optimizer(optax.GradientTransformation(lambda p: optax.EmptyState(), update_fn))
+
+
+def test_optax_lookahead_params_model_is_refused_naming_ft_lookahead():
+    """optax's documented model, LookaheadParams(fast, slow) with the loss on .fast: through
+    Optimizer/Trainer the slow weights never moved (an unused-parameter warning was all)."""
+    model = optax.LookaheadParams(PARAMS, jax.tree.map(jnp.copy, PARAMS))
+    for tx in (optax.lookahead(optax.adam(1e-2), 5, 0.5), ft.optim.lookahead(optax.adam(1e-2), 5, 0.5)):
+        with pytest.raises(ValueError, match=r"optax\.LookaheadParams") as e:
+            ft.optim.Optimizer(tx).init(model)
+        assert "ft.optim.Optimizer(ft.optim.lookahead(" in str(e.value)
+        with pytest.raises(ValueError, match="its slow half would never move"):
+            ft.train.Trainer(model, tx, lambda m, b: loss(m.fast, *b))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.chain(optax.clip(1.0), optax.lookahead(optax.adam(1e-2), 5, 0.5)),
+    lambda: optax.chain(optax.chain(optax.lookahead(optax.adam(1e-2), 5, 0.5))),
+    lambda: ft.optim.groups({"*": optax.lookahead(optax.adam(1e-2), 5, 0.5)}),
+])
+def test_raw_optax_lookahead_nested_in_a_transform_is_refused(make):
+    with pytest.raises(TypeError, match=r"ft\.optim\.lookahead in its place") as e:
+        ft.optim.Optimizer(make())
+    assert "optax.chain(optax.clip(1.0), ft.optim.lookahead(" in str(e.value)
+
+
+def test_ft_lookahead_nested_in_a_chain_runs_optax_numerics():
+    want = raw_optax(optax.lookahead(optax.chain(optax.clip(1.0), optax.adam(1e-2)), 3, 0.5), 7)
+    opt = ft.optim.Optimizer(optax.chain(optax.clip(1.0), ft.optim.lookahead(optax.adam(1e-2), 3, 0.5)))
+    p, state = PARAMS, opt.init(PARAMS)
+    for _ in range(7):
+        p, state, _ = opt.minimize(loss, p, state, X, Y)
+    close(p, want.fast)
+    close(ft.optim.averaged(state, p), want.slow)

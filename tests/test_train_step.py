@@ -58,6 +58,23 @@ def test_donates_model_and_state_and_never_recompiles():
     assert step._compiled._cache_size() == 1
 
 
+def test_reusing_a_donated_model_names_the_argument_the_step_and_the_fix():
+    """XLA said only "INVALID_ARGUMENT ... Buffer has been deleted or donated"."""
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.01))
+    step = ft.train.train_step(mse, opt)
+    state = opt.init(model)
+    new_model, new_state, _ = step(model, state, batch)
+    with pytest.raises(ValueError, match="'model' holds a deleted array at weight") as e:
+        step(model, new_state, batch)
+    message = str(e.value)
+    assert "the previous call of the train step (call 1)" in message
+    assert "model, state, out = step(model, state, batch)" in message and "donate=False" in message
+    with pytest.raises(ValueError, match="'opt_state' holds a deleted array"):
+        step(new_model, state, batch)
+    new_model, new_state, _ = step(new_model, new_state, batch)  # the returned ones work
+
+
 def test_optax_transform_accepted_and_no_donation_option():
     model, batch = problem()
     step = ft.train.train_step(mse, optax.sgd(0.1), donate=False)
@@ -284,3 +301,31 @@ def test_parallel_never_imports_train():
             assert not any(n.startswith("functree.train") for n in names), (path.name, names)
     assert ft.parallel.DataParallelStep is ft.train._step.DataParallelStep  # the older name, kept
     assert isinstance(ft.parallel.DataParallelStep(mse, ft.optim.sgd(0.1)), TrainStep)
+
+
+def test_lbfgs_through_the_trainer_equals_optax_loop():
+    """optax.lbfgs needs value, grad and value_fn: TrainStep (run by the Trainer) passes them."""
+    model, batch = problem()
+    params = ft.parameters(model)
+
+    def fn(p):
+        return mse(ft.with_parameters(model, p), batch)
+
+    with jax.numpy_dtype_promotion("standard"):
+        tx, value_and_grad = optax.lbfgs(), optax.value_and_grad_from_state(fn)
+
+        @jax.jit
+        def optax_step(params, opt_state):
+            value, grad = value_and_grad(params, state=opt_state)
+            updates, opt_state = tx.update(grad, opt_state, params, value=value, grad=grad, value_fn=fn)
+            return optax.apply_updates(params, updates), opt_state
+
+        opt_state = tx.init(params)
+        for _ in range(3):
+            params, opt_state = optax_step(params, opt_state)
+    trainer = ft.train.Trainer(model, optax.lbfgs(), mse)  # runs a TrainStep's program
+    trainer.fit([batch], steps=3, progress=False)
+    m = trainer.model
+    np.testing.assert_allclose(m.weight, params.weight, rtol=0, atol=1e-5)  # weights up to 2
+    np.testing.assert_allclose(m.bias, params.bias, rtol=0, atol=1e-5)
+    assert float(mse(m, batch)) < 1e-2 * float(mse(model, batch))

@@ -14,6 +14,7 @@ jitted step::
 
 from functree._tree import all_finite
 from functree.optim._aliases import (
+    DECLARED,
     DEFAULT_NO_DECAY,
     adadelta,
     adagrad,
@@ -29,6 +30,7 @@ from functree.optim._aliases import (
     sgd,
 )
 from functree.optim._average import AverageState, averaged, ema, uniform_average
+from functree.optim._complex import RealPair
 from functree.optim._context import LearningContext, context, initial_context, next_sweep
 from functree.optim._groups import groups
 from functree.optim._hyper import (
@@ -86,6 +88,7 @@ __all__ = [
     "lion",
     "moments",
     "DEFAULT_NO_DECAY",
+    "DECLARED",
     "decay_mask",
     # Optimizer and hooks
     "Optimizer",
@@ -93,6 +96,7 @@ __all__ = [
     "OptimizerState",
     "upgrade_state",
     "StepResult",
+    "RealPair",
     "SkipState",
     "LossScaleOptimizer",
     "LossScaleState",

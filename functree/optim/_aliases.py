@@ -15,6 +15,12 @@ non-parameters)::
 
     grads = ft.gradient(loss, at=model, wrt="layers.1")
     updates, state = tx.update(grads, state, model)     # updates.layers[0].weight is None
+
+Complex parameters: through an :class:`ft.optim.Optimizer` (which conjugates
+``ft.gradient``'s gradients and trains each complex leaf as a pair of reals) every
+optimizer here gives torch.optim's numbers. Used as a plain optax transformation it
+follows optax: give it conjugated gradients (``jnp.conj(grad)``), and the Adam family's
+second moment is ``|g|²`` per complex element.
 """
 
 from __future__ import annotations
@@ -46,12 +52,18 @@ __all__ = [
     "lion",
     "moments",
     "DEFAULT_NO_DECAY",
+    "DECLARED",
     "decay_mask",
 ]
 
-DEFAULT_NO_DECAY = ("*.bias", "*.scale")
-"""Name globs that weight decay skips by default, besides the fields layers declare
-``ft.field(decay=False)`` (every bias and normalisation scale/offset of ``ft.nn``)."""
+DECLARED = "<declared>"
+"""In an ``exclude`` list: the fields layers declare ``ft.field(decay=False)`` (every bias
+and normalisation scale/offset of ``ft.nn``), wherever they are in the model."""
+
+DEFAULT_NO_DECAY = (DECLARED, "*.bias", "*.scale")
+"""What weight decay skips by default: the declared fields (:data:`DECLARED`) and the name
+globs ``*.bias`` and ``*.scale``. An ``exclude=`` given replaces it: ``exclude=()`` decays
+every parameter, as torch; ``exclude=(*ft.optim.DEFAULT_NO_DECAY, "head.*")`` adds to it."""
 
 BAD_MOMENTUM_FORM = """\
 momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu) or "unit_gain" (v = γ'v + ηg, w -= v).{extra}
@@ -65,19 +77,28 @@ def _no_decay(f: Any) -> bool:
 def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
     """Which parameters weight decay applies to: a tree of bools shaped like ``params``.
 
-    A parameter is decayed unless its layer declares the field ``ft.field(decay=False)``
-    (every bias, and every scale and offset of a normalisation layer in ``ft.nn``) or its
-    dotted name matches a glob in ``exclude``. An ``exclude`` naming members of a Stack
-    (``"h.0.*"``) gives that leaf a boolean member array.
+    A parameter is decayed unless its dotted name matches a glob in ``exclude`` or, when
+    ``exclude`` holds :data:`DECLARED` (the default :data:`DEFAULT_NO_DECAY` does), its
+    layer declares the field ``ft.field(decay=False)`` (every bias, and every scale and
+    offset of a normalisation layer in ``ft.nn``). ``exclude=()`` decays everything. An
+    ``exclude`` naming members of a Stack (``"h.0.*"``) gives that leaf a boolean member array.
 
     Example:
       >>> import functree as ft, jax
       >>> model = ft.nn.Sequential([ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.LayerNorm(2)])
-      >>> {k: bool(v) for k, v in ft.to_flat_dict(ft.optim.decay_mask(ft.parameters(model), ())).items()}
+      >>> mask = lambda exclude: {k: bool(v) for k, v in ft.to_flat_dict(
+      ...     ft.optim.decay_mask(ft.parameters(model), exclude)).items()}
+      >>> mask((ft.optim.DECLARED,))
       {'layers.0.weight': True, 'layers.0.bias': False, 'layers.1.scale': False, 'layers.1.offset': False}
+      >>> mask(())
+      {'layers.0.weight': True, 'layers.0.bias': True, 'layers.1.scale': True, 'layers.1.offset': True}
     """
-    check_patterns(tuple(exclude))
-    by_name = selected(params, ("*",), tuple(exclude), strict=False)
+    exclude = tuple(exclude)
+    globs = tuple(e for e in exclude if e != DECLARED)
+    check_patterns(globs)
+    by_name = selected(params, ("*",), globs, strict=False)
+    if DECLARED not in exclude:
+        return jax.tree.map(lambda m: _decayed_where(m, False), by_name, is_leaf=is_none)
     declared = field_mask(params, _no_decay)
     return jax.tree.map(_decayed_where, by_name, declared, is_leaf=is_none)
 
@@ -339,8 +360,10 @@ def adamw(
 
         w ← w − η (m̂ / (√v̂ + ε) + λ w)     (λ w only where the name matches no ``exclude``)
 
-    ``exclude`` are globs over dotted parameter names; by default biases and
-    normalization scales are not decayed (``exclude=()`` decays everything, as torch).
+    ``exclude`` (see :func:`decay_mask`): by default :data:`DEFAULT_NO_DECAY`, the fields
+    layers declare ``ft.field(decay=False)`` (biases, normalisation scales and offsets)
+    and the globs ``*.bias``, ``*.scale``. ``exclude=()`` decays everything, as torch's
+    AdamW; ``exclude=(ft.optim.DECLARED, "head.*")`` skips the declared fields and ``head``.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -487,7 +510,7 @@ def lion(
     *,
     exclude: Sequence[str] = DEFAULT_NO_DECAY,
 ) -> optax.GradientTransformationExtraArgs:
-    """Lion (optax.lion; Chen et al. 2023), decoupled weight decay with ``exclude`` masks::
+    """Lion (optax.lion; Chen et al. 2023), decoupled weight decay with ``exclude`` masks (as :func:`adamw`)::
 
         w ← w − η (sign(β₁ m + (1 − β₁) g) + λ w);   m ← β₂ m + (1 − β₂) g
 

@@ -10,8 +10,9 @@ import numpy as np
 
 from functree._parameters import first_difference
 from functree._tree import bounded_put, dotted_name, is_none
+from functree.optim._complex import RealPair
 
-__all__ = ["check_gradients", "checked_gradients", "keep_unchanged"]
+__all__ = ["check_gradients", "checked_gradients", "keep_unchanged", "descent_direction"]
 
 GRADIENT_MISMATCH = """\
 The gradient does not fit the model's parameters at {path}: {detail}.
@@ -75,21 +76,26 @@ def checked_gradients(grads: Any, params: Any) -> tuple[Any, Any]:
     return filled, (jax.tree.structure(params, is_leaf=is_none), tuple(missing))
 
 
+def _unit(x: Any) -> bool:
+    return x is None or isinstance(x, RealPair)
+
+
 def keep_unchanged(partial: tuple[Any, tuple[bool, ...]], updates: Any, new_inner: Any,
                    old_inner: Any) -> tuple[Any, Any]:
-    """No update for parameters without a gradient: ``None`` updates, their moments as they were.
+    """No update for parameters without a gradient: ``None`` updates, their moments as they were
+    (a complex parameter's moment is a :class:`RealPair`: one unit, as the parameter).
 
     An entry of ``partial`` may be a boolean member array (a stacked leaf partly frozen by
     ``Optimizer(wrt="h.2.*")``): those members only."""
     treedef, missing = partial
 
     def per_parameter(x: Any) -> bool:
-        return jax.tree.structure(x, is_leaf=is_none) == treedef
+        return jax.tree.structure(x, is_leaf=_unit) == treedef
 
     def keep(new: Any, old: Any) -> Any:
         if not per_parameter(new):
             return new
-        news, olds = jax.tree.leaves(new, is_leaf=is_none), jax.tree.leaves(old, is_leaf=is_none)
+        news, olds = jax.tree.leaves(new, is_leaf=_unit), jax.tree.leaves(old, is_leaf=_unit)
         return treedef.unflatten([_kept(n, o, m) for n, o, m in zip(news, olds, missing)])
 
     inner = jax.tree.map(keep, new_inner, old_inner, is_leaf=per_parameter)
@@ -102,6 +108,8 @@ def _kept(new: Any, old: Any, m: Any) -> Any:
     """``old`` where ``m`` (a bool, or a member array of a partly frozen stacked leaf)."""
     if not isinstance(m, np.ndarray):
         return old if m else new
+    if isinstance(new, RealPair):  # a complex parameter's moment: each half
+        return RealPair(_kept(new.real, old.real, m), _kept(new.imag, old.imag, m))
     if new is None or np.ndim(new) < m.ndim or np.shape(new)[: m.ndim] != m.shape:
         return new  # a state leaf not shaped like its parameter (a count, a factored moment)
     return jnp.where(m.reshape(m.shape + (1,) * (np.ndim(new) - m.ndim)), old, new)
@@ -113,3 +121,28 @@ def _no_update(u: Any, m: Any) -> Any:
     if not isinstance(m, np.ndarray):
         return None if m else u
     return jnp.where(m.reshape(m.shape + (1,) * (np.ndim(u) - m.ndim)), jnp.asarray(-0.0, u.dtype), u)
+
+
+def _complex(g: Any) -> bool:
+    dtype = getattr(g, "dtype", None)
+    return dtype is not None and dtype.kind == "c"
+
+
+def descent_direction(grads: Any) -> Any:
+    """``grads`` (``ft.gradient``'s convention, JAX's) in the convention of optax and
+    torch.optim: the conjugate at complex leaves, real leaves as they are.
+
+    For a real loss ``L`` of ``z = x + iy``, JAX's gradient is ``∂L/∂x − i ∂L/∂y``, the
+    conjugate of the steepest-ascent direction ``∂L/∂x + i ∂L/∂y`` that an optimizer
+    steps against (torch's ``z.grad``; optax expects it too). ``ft.optim.Optimizer``
+    conjugates here, once, where gradients enter the transform; a model without complex
+    parameters pays one pass over the dtypes, at trace time under jit.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> descent_direction({"z": jnp.array(1 - 2j, jnp.complex64), "w": jnp.ones(())})
+      {'w': Array(1., dtype=float32), 'z': Array(1.+2.j, dtype=complex64)}
+    """
+    if not any(_complex(g) for g in jax.tree.leaves(grads)):
+        return grads
+    return jax.tree.map(lambda g: jnp.conj(g) if _complex(g) else g, grads)

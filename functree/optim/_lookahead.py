@@ -10,6 +10,10 @@ moves the model, the slow half moves ``state.slow``. Every ``k`` fast steps::
 
 ``ft.optim.Optimizer(optax.lookahead(...))`` is rebuilt as ``ft.optim.lookahead(...)``
 (the same arguments), so the optax spelling works through the Optimizer and the Trainer.
+Two uses of optax's own model would train silently wrong and are refused, naming
+``ft.optim.lookahead``: an ``optax.LookaheadParams(fast, slow)`` model (its slow half
+would never move) and a raw ``optax.lookahead`` nested inside another transform (an
+``optax.chain``), which would get the parameters without its ``LookaheadParams``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,27 @@ pass the model.
 
     wrong:  updates, state = tx.update(grads, state)
     right:  updates, state = tx.update(grads, state, model)
+"""
+
+LOOKAHEAD_PARAMS_MODEL = """\
+ft.optim.lookahead (which ft.optim.Optimizer runs for optax.lookahead) keeps the slow \
+weights in the optimizer state: the model is the fast weights alone. Given an \
+optax.LookaheadParams(fast, slow) model, its slow half would never move. Give the fast \
+weights; ft.optim.averaged(state, model) is the model with the slow ones:
+
+    wrong:  model = optax.LookaheadParams.init_synced(params);  loss_fn = lambda m, x: f(m.fast, x)
+    right:  model = params;                                      loss_fn = lambda m, x: f(m, x)
+            opt = ft.optim.Optimizer(ft.optim.lookahead(optax.adam(1e-3), sync_period=5, slow_step_size=0.5))
+"""
+
+NESTED_LOOKAHEAD = """\
+An optax.lookahead inside another transform (an optax.chain ...) needs \
+optax.LookaheadParams(fast, slow) as its parameters; ft.optim.Optimizer gives the model's \
+(the fast weights alone). Use ft.optim.lookahead in its place, which keeps the slow \
+weights in the optimizer state:
+
+    wrong:  optax.chain(optax.clip(1.0), optax.lookahead(optax.adam(1e-3), 5, 0.5))
+    right:  optax.chain(optax.clip(1.0), ft.optim.lookahead(optax.adam(1e-3), 5, 0.5))
 """
 
 OPAQUE_LOOKAHEAD = """\
@@ -110,6 +135,8 @@ def lookahead(fast_optimizer: optax.GradientTransformation, sync_period: int, sl
     fast = optax.with_extra_args_support(fast_optimizer)
 
     def init(params: Any) -> SlowState:
+        if isinstance(params, optax.LookaheadParams):
+            raise ValueError(LOOKAHEAD_PARAMS_MODEL)
         inner = optax.lookahead(fast, sync_period, slow_step_size, reset_state)
         return SlowState(inner.init(optax.LookaheadParams(params, params)), params)
 
@@ -129,12 +156,50 @@ def lookahead(fast_optimizer: optax.GradientTransformation, sync_period: int, sl
 _OPTAX_UPDATE = "lookahead.<locals>.update_fn"
 
 
+def _is_optax_lookahead(update: Any) -> bool:
+    return getattr(update, "__qualname__", None) == _OPTAX_UPDATE and str(
+        getattr(update, "__module__", "")).startswith("optax")
+
+
+def _functions(value: Any) -> list[Any]:
+    """The functions a closure cell holds: itself, a transformation's update, the items
+    of a tuple, list or dict (optax.chain keeps its update functions in a tuple)."""
+    if isinstance(value, (tuple, list)) and not hasattr(value, "update"):
+        return [f for v in value for f in _functions(v)]
+    if isinstance(value, dict):
+        return [f for v in value.values() for f in _functions(v)]
+    update = getattr(value, "update", None)
+    if callable(update) and hasattr(value, "init"):
+        return [update]
+    return [value] if hasattr(value, "__code__") else []
+
+
+def _has_nested_lookahead(update: Any, seen: set[int], depth: int = 0) -> bool:
+    """Whether ``update`` reaches a raw ``optax.lookahead`` update through closures (at
+    construction only: a bounded walk over closure cells)."""
+    if depth > 16 or id(update) in seen:
+        return False
+    seen.add(id(update))
+    if depth > 0 and _is_optax_lookahead(update):
+        return True
+    for cell in getattr(update, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if any(_has_nested_lookahead(f, seen, depth + 1) for f in _functions(value)):
+            return True
+    return False
+
+
 def from_optax(transform: Any) -> Any:
     """``transform`` itself, or, for an ``optax.lookahead(...)``, the same lookahead as
-    :func:`lookahead` (which takes the model's parameters as they are)."""
+    :func:`lookahead` (which takes the model's parameters as they are). A raw
+    ``optax.lookahead`` nested inside ``transform`` is refused (``NESTED_LOOKAHEAD``)."""
     update = getattr(transform, "update", None)
-    if getattr(update, "__qualname__", None) != _OPTAX_UPDATE or not str(
-            getattr(update, "__module__", "")).startswith("optax"):
+    if not _is_optax_lookahead(update):
+        if _has_nested_lookahead(update, set()):
+            raise TypeError(NESTED_LOOKAHEAD)
         return transform
     env = inspect.getclosurevars(update).nonlocals  # type: ignore[arg-type]
     try:

@@ -92,7 +92,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         return True  # an overflow is this optimizer's own business: skip, halve the scale
 
     def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
-               loss: Any = None, apply_if: Any = None, finite: Any = None) -> tuple[Any, Any]:
+               loss: Any = None, apply_if: Any = None, finite: Any = None, **extra: Any) -> tuple[Any, Any]:
         """The inner update when every gradient is ``finite`` (computed here unless the step
         gives it: one reduction), the scale adjusted; ``apply_if`` False returns ``state``
         unchanged, scale included."""
@@ -106,7 +106,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         safe = jax.tree.map(lambda g: None if g is None else jnp.where(finite, g, jnp.zeros_like(g)), grads,
                             is_leaf=lambda x: x is None)
         updates, inner = self.inner.update(safe, state.inner, model, minibatch_size=minibatch_size, loss=loss,
-                                           apply_if=ok)
+                                           apply_if=ok, **extra)
         good = jnp.where(finite, state.good_steps + 1, 0)
         grow = good >= self.growth_interval
         scale = jnp.where(finite, jnp.where(grow, state.scale * 2.0, state.scale), jnp.maximum(state.scale / 2.0, 1.0))

@@ -34,10 +34,12 @@ import optax
 from functree._alias import copy_aliases
 from functree._module import Module
 from functree._operators import value_with_gradient
+from functree._parameters import with_parameters
 from functree._tangent import move
 from functree.nn._state import apply_state, collect_state
 from functree.optim._average import with_average
-from functree.optim._checks import checked_gradients, keep_unchanged
+from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
+from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
 from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
@@ -235,7 +237,7 @@ class Optimizer:
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int (microbatches per step), got {accumulate!r}.")
         set_ = object.__setattr__
-        set_(self, "_transform", optax.with_extra_args_support(with_average(from_optax(transform), average)))
+        set_(self, "_transform", optax.with_extra_args_support(with_average(real_pairs(from_optax(transform)), average)))
         set_(self, "_raw_transform", transform)
         set_(self, "_transform_loss", transform_loss)
         set_(self, "_get_gradients", get_gradients)
@@ -285,7 +287,7 @@ class Optimizer:
         return copy_aliases((model, state))[1]
 
     def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
-               loss: Any = None, apply_if: Any = None, finite: Any = None) -> tuple[Any, Any]:
+               loss: Any = None, apply_if: Any = None, finite: Any = None, **extra: Any) -> tuple[Any, Any]:
         """``(updates, state)`` for ``grads`` (the parameter view's structure).
 
         The one boundary of the optimizer: the parameter view is made and the gradients
@@ -296,6 +298,13 @@ class Optimizer:
         :func:`skip_non_finite` inside skipped it; a skipped step returns zero updates
         and the state it was given. ``finite`` is the step's finiteness of ``grads`` when
         it was computed already (see :attr:`handles_nonfinite`; unused here).
+
+        ``grads`` are in ``ft.gradient``'s (JAX's) convention: complex leaves are conjugated
+        here, once, and complex parameters are trained as pairs of reals, as torch.optim
+        does (see :mod:`functree.optim._complex`). Other keyword arguments go to the
+        transform (optax's extra arguments): L-BFGS's ``value`` and ``value_fn`` (a function
+        of the model, as ``loss_fn``; see :func:`extra_arguments`), with ``grad`` defaulting
+        to these gradients.
         """
         if not isinstance(state, OptimizerState):
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
@@ -305,9 +314,12 @@ class Optimizer:
             grads = drop_frozen(grads, params, frozen)
         grads, partial = checked_gradients(grads, params)
         partial = with_frozen_members(partial, params, frozen)
+        grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
         ctx = current(state.context, minibatch_size, loss)
+        if extra:
+            extra = extra_arguments(extra, grads, model)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
-            updates, inner = self._transform.update(grads, state.inner, params, context=ctx)
+            updates, inner = self._transform.update(grads, state.inner, params, context=ctx, **extra)
         if partial is not None:
             updates, inner = keep_unchanged(partial, updates, inner, state.inner)
         if apply_if is not None:
@@ -381,10 +393,11 @@ class Optimizer:
         return out, self.transform_gradients(grads)
 
     def apply_gradients(self, grads: Any, model: Any, state: Any, *, minibatch_size: Any = None,
-                        loss: Any = None, apply_if: Any = None, finite: Any = None) -> tuple[Any, Any]:
+                        loss: Any = None, apply_if: Any = None, finite: Any = None,
+                        **extra: Any) -> tuple[Any, Any]:
         """``(model, state)`` after one optimizer step along ``grads`` (see :meth:`update`)."""
         updates, state = self.update(grads, state, model, minibatch_size=minibatch_size, loss=loss,
-                                     apply_if=apply_if, finite=finite)
+                                     apply_if=apply_if, finite=finite, **extra)
         return self.apply_updates(model, updates), state
 
     @property
@@ -435,7 +448,8 @@ class Optimizer:
             return self.gradients(loss_fn, m, s, b, has_aux=has_aux)
 
         g = half(model, state, batch) if replicas is None else replicas(half, model, state, batch)
-        return self.apply_step(g, model, state, minibatch_size=minibatch_size, on_nan=on_nan, enabled=enabled)
+        return self.apply_step(g, model, state, minibatch_size=minibatch_size, on_nan=on_nan, enabled=enabled,
+                               value_fn=_value_fn(self, loss_fn, batch, has_aux))
 
     def gradients(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *,
                   has_aux: bool = False) -> Gradients:
@@ -460,15 +474,17 @@ class Optimizer:
         return Gradients(loss, out, grads, layer_state)
 
     def apply_step(self, g: Gradients, model: Any, state: Any, *, minibatch_size: Any, on_nan: str = "ignore",
-                   enabled: Any = None) -> StepResult:
+                   enabled: Any = None, value_fn: Callable[[Any], Any] | None = None) -> StepResult:
         """The second half of :meth:`step`: :func:`gate` (one finiteness reduction), the update
         through it, the recorded layer state written back; a closed gate returns ``model``
-        and ``state`` as they were, bit for bit."""
+        and ``state`` as they were, bit for bit. ``value_fn`` (the loss as a function of
+        the model) goes to the transform with ``value=g.loss`` (optax's L-BFGS takes both)."""
         door = gate(g.loss, g.grads, on_nan=on_nan, enabled=enabled, handled=self.handles_nonfinite)
+        extra = {} if value_fn is None else {"value": g.loss, "value_fn": value_fn}
 
         def applied(model: Any, state: Any) -> tuple[Any, Any]:
             new_model, new_state = self.apply_gradients(g.grads, model, state, minibatch_size=minibatch_size,
-                                                        loss=g.loss, finite=door.finite)
+                                                        loss=g.loss, finite=door.finite, **extra)
             if g.layer_state:
                 new_model = apply_state(new_model, _like(g.layer_state, model))
             return new_model, new_state
@@ -520,6 +536,35 @@ def _both(a: Any, b: Any) -> Any:
     if a is None:
         return b
     return a if b is None else a & b
+
+
+def _value_fn(opt: Optimizer, loss_fn: Callable[..., Any], batch: tuple, has_aux: bool) -> Callable[[Any], Any]:
+    """The differentiated loss of this batch as a function of the model (L-BFGS's line
+    search evaluates it at trial points; nothing runs unless a transform calls it)."""
+    def value_fn(model: Any) -> Any:
+        out = loss_fn(model, *batch)
+        return opt.transform_loss(out[0] if has_aux else out)
+
+    return value_fn
+
+
+def extra_arguments(extra: dict[str, Any], grads: Any, model: Any) -> dict[str, Any]:
+    """Optax's extra arguments for the transform, from :meth:`Optimizer.update`'s keywords:
+    ``value_fn`` (a function of the model) as a function of the parameter view the
+    transform sees (``None`` leaves keep the model's), and ``grad`` defaulting to ``grads``
+    (conjugated already) when ``value`` or ``value_fn`` is given."""
+    extra = dict(extra)
+    value_fn = extra.get("value_fn")
+    if value_fn is not None and model is not None:
+        def on_view(params: Any, context: Any = None) -> Any:  # optax's line search passes on
+            return value_fn(with_parameters(model, params))    # the extra arguments it knows
+
+        extra["value_fn"] = on_view
+    if "grad" in extra:
+        extra["grad"] = descent_direction(extra["grad"])
+    elif "value" in extra or "value_fn" in extra:
+        extra["grad"] = grads
+    return extra
 
 
 def _split(path: Any, x: Any, k: int) -> Any:
@@ -577,9 +622,9 @@ class OptimizerWrapper(Optimizer):
         return self.inner.init(model)
 
     def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
-               loss: Any = None, apply_if: Any = None, finite: Any = None) -> tuple[Any, Any]:
+               loss: Any = None, apply_if: Any = None, finite: Any = None, **extra: Any) -> tuple[Any, Any]:
         return self.inner.update(grads, state, model, minibatch_size=minibatch_size, loss=loss,
-                                 apply_if=apply_if, finite=finite)
+                                 apply_if=apply_if, finite=finite, **extra)
 
     @property
     def handles_nonfinite(self) -> bool:

@@ -231,9 +231,10 @@ def weight_decay(rate: Any, *, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> opt
     """Decoupled weight decay after the optimizer: ``u ← u − r w`` where no ``exclude`` glob matches.
 
     Put it after the optimizer in a chain (``r`` is the per-step shrink factor, i.e.
-    ``η λ`` in AdamW's notation; give a schedule to follow the learning rate). Fields a
-    layer declares ``ft.field(decay=False)`` (every ``ft.nn`` bias and normalisation
-    scale/offset) and names matching ``exclude`` are not decayed (:func:`decay_mask`).
+    ``η λ`` in AdamW's notation; give a schedule to follow the learning rate). What
+    ``exclude`` names is not decayed (:func:`decay_mask`); by default the fields a layer
+    declares ``ft.field(decay=False)`` (every ``ft.nn`` bias and normalisation
+    scale/offset) and the globs ``*.bias``, ``*.scale``; ``exclude=()`` decays everything.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

@@ -74,6 +74,9 @@ learning rate, gradient clipping, checking the data for NaN/inf, or skipping suc
     ft.train.Trainer(model, optimizer, loss_fn, on_nan="skip")"""
 
 
+NO_DONATION = "ft.train.train_step(loss_fn, optimizer, donate=False)    # the inputs stay valid (more memory)"
+
+
 class NonFiniteError(FloatingPointError):
     """The loss or a gradient became NaN/inf in a step with ``on_nan="stop"`` (the default).
 
@@ -538,6 +541,8 @@ class TrainStep:
             check_stacked(batch, steps)
             program = self._scan_program(model)
         if self._guard.fresh(model, opt_state):  # not the previous call's outputs
+            self._guard.check_donated((("model", model), ("opt_state", opt_state)), what="The train step's",
+                                      step="the train step", no_donation=NO_DONATION)
             if self.placement is not None:
                 model, opt_state = self.placement.place(model, opt_state)
             if self._donate and not owned:
@@ -549,7 +554,7 @@ class TrainStep:
             where = self.placement
             batch = where.shard_batch(batch) if steps == 1 else shard_stacked(where.mesh, where.data_axis, batch)
         out = program(model, opt_state, batch, key, log)
-        self._guard.remember(out)
+        self._guard.remember(out, (model, opt_state))
         return out
 
     def _new_halt_log(self) -> Any:

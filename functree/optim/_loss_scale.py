@@ -33,6 +33,13 @@ class LossScaleState(NamedTuple):
     inner: Any
 
 
+def _unscaled(g: Any, inv: jax.Array) -> jax.Array:
+    """``g * inv`` in float32 at least; a complex gradient stays complex (cast to float32 it
+    would lose its imaginary part)."""
+    wide = g.dtype if jnp.issubdtype(g.dtype, jnp.complexfloating) else jnp.float32
+    return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
+
+
 class LossScaleOptimizer(OptimizerWrapper):
     """Dynamic loss scaling for low-precision training.
 
@@ -85,7 +92,7 @@ class LossScaleOptimizer(OptimizerWrapper):
 
         (_, out), grads = super().get_gradients(scaled, model, *batch, has_aux=True, state=state.inner)
         inv = 1.0 / scale
-        return out, jax.tree.map(lambda g: (g.astype(jnp.float32) * inv).astype(g.dtype), grads)
+        return out, jax.tree.map(lambda g: _unscaled(g, inv), grads)
 
     @property
     def handles_nonfinite(self) -> bool:

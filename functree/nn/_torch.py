@@ -465,26 +465,45 @@ def _load_file(path: Any) -> dict[str, np.ndarray]:
     "shape", "data_offsets": [begin, end]}}`` (offsets into the bytes after it), the bytes.
     Read here rather than by ``safetensors.numpy``, which refuses bfloat16.
     """
+    where = os.fspath(path)
+    total = os.path.getsize(path)
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         try:
-            header = json.loads(f.read(size))
+            header = json.loads(f.read(size)) if 8 + size <= total else None
         except ValueError:
             header = None
     if not isinstance(header, dict):
-        raise ValueError(BAD_SAFETENSORS.format(path=os.fspath(path), why="its header is not JSON"))
-    raw = np.memmap(path, np.uint8, mode="r", offset=8 + size)
+        raise ValueError(BAD_SAFETENSORS.format(path=where, why="its header is not JSON"))
+    raw = np.memmap(path, np.uint8, mode="r", offset=8 + size) if total > 8 + size else np.zeros(0, np.uint8)
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(BAD_SAFETENSORS.format(path=os.fspath(path), why=f"{name} has dtype {info['dtype']}, "
-                                                    f"one of {sorted(_SAFETENSORS_DTYPES)} is read"))
+        why = _bad_entry(info, len(raw))
+        if why is not None:
+            raise ValueError(BAD_SAFETENSORS.format(path=where, why=f"its entry for {name!r} {why}"))
         begin, end = info["data_offsets"]
-        tensors[name] = raw[begin:end].view(dtype).reshape(info["shape"])
+        tensors[name] = raw[begin:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
     return tensors
+
+
+def _bad_entry(info: Any, available: int) -> str | None:
+    """Why a header entry cannot be read (a damaged or tampered file), or None."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        return "lacks dtype, shape or data_offsets"
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in _SAFETENSORS_DTYPES:
+        return f"has dtype {dtype!r}; one of {sorted(_SAFETENSORS_DTYPES)} is read"
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        return f"has shape {shape!r}, not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= available):
+        return f"has data_offsets {offsets!r} outside the {available} bytes of data (a truncated file?)"
+    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
+    if offsets[1] - offsets[0] != expected:
+        return f"holds {offsets[1] - offsets[0]} bytes; its shape {shape} and dtype {dtype} take {expected}"
+    return None
 
 
 def load_torch_state_dict(

@@ -90,3 +90,20 @@ def test_callback_errors():
     reduce = ft.train.ReduceLROnPlateau(monitor="loss", patience=0, min_delta=1e9)
     with pytest.raises(ValueError, match=r"no settable learning rate"):
         trainer.fit(data(), epochs=2, progress=False, callbacks=[reduce])
+
+
+def test_model_checkpoint_every_steps_stores_metrics_only_with_their_own_step(tmp_path):
+    """The Trainer reads a log interval one interval late, so at a log the model is already
+    some steps past the metrics read: a checkpoint saved then must not carry those metrics
+    under its own step number (they would describe another model)."""
+    trainer = make()
+    save = ft.train.ModelCheckpoint(tmp_path / "ckpt", every_steps=2, max_to_keep=None)
+    history = trainer.fit(data(), epochs=3, log_every=2, progress=False, callbacks=[save])
+    steps = save.manager.all_steps()
+    assert steps and steps[-1] == 9
+    for step in steps:
+        ckpt = save.manager.restore(step)
+        if ckpt.metrics:
+            assert ckpt.metrics["loss"] == pytest.approx(history.steps["loss"][step - 1], rel=0, abs=0)
+    final = save.manager.restore(9)
+    np.testing.assert_array_equal(final.model.weight, trainer.model.weight)

@@ -273,13 +273,17 @@ class ModelCheckpoint(Callback):
         self._last_saved: int | None = None
 
     def _save(self, trainer: Trainer, context: TrainingContext) -> None:
-        if self._last_saved == context.step:
+        if self._last_saved == trainer.steps_run:
             return
+        # The Trainer reads a log interval one interval late (its steps stay queued), so a
+        # log's metrics may belong to an earlier step than the model saved now: they are
+        # stored only with the step they describe, never under another step's number.
+        current = context.step == trainer.steps_run
         best = self.manager.best_metric
-        if best is not None and best not in context.metrics:
-            return  # ranked checkpoints are written where the metric exists (epoch ends)
-        trainer.save(self.manager, metrics=context.metrics)
-        self._last_saved = context.step
+        if best is not None and (best not in context.metrics or not current):
+            return  # ranked checkpoints are written where the metric is the model's (epoch ends)
+        trainer.save(self.manager, metrics=context.metrics if current else None)
+        self._last_saved = trainer.steps_run
 
     def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
         if self.every_steps and (self._last_saved is None or context.step - self._last_saved >= self.every_steps):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
+from test_derivative import make_square_with_both_rules
 
 import functree as ft
 
@@ -82,19 +83,7 @@ def test_item02_forward_operators_use_the_forward_rule_when_both_are_registered(
     ``ft.differential`` and ``ft.jacobian(mode="forward")`` raised "reverse-mode only ...
     register mode=forward". The two rules here differ on purpose (10 forward, 100
     reverse), so each mode shows which one it used."""
-
-    @ft.differentiable
-    def square(x: jax.Array) -> jax.Array:
-        return x * x
-
-    @ft.derivative(of=square)
-    def _(x: jax.Array) -> Any:
-        return x * x, lambda v: 100.0 * v
-
-    @ft.derivative(of=square, mode="forward")
-    def _(x: jax.Array) -> Any:
-        return x * x, lambda t: 10.0 * t
-
+    square = make_square_with_both_rules()
     x = jnp.ones(2)
     np.testing.assert_allclose(ft.differential(square, at=x)(x), [10.0, 10.0])
     np.testing.assert_allclose(ft.jacobian(square, at=x, mode="forward"), 10.0 * np.eye(2))

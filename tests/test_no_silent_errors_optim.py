@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _references import optax_lbfgs
 
 import functree as ft
 
@@ -57,13 +58,7 @@ def test_item06_lbfgs_through_optimizer_equals_optax():
         return jnp.mean((x @ p["w"] - y) ** 2)
 
     start = {"w": jnp.zeros(3)}
-    with jax.numpy_dtype_promotion("standard"):
-        tx, value_and_grad = optax.lbfgs(), optax.value_and_grad_from_state(fn)
-        p, s = start, tx.init(start)
-        for _ in range(3):
-            value, grad = value_and_grad(p, state=s)
-            updates, s = tx.update(grad, s, p, value=value, grad=grad, value_fn=fn)
-            p = optax.apply_updates(p, updates)
+    p = optax_lbfgs(fn, start, 3)
     opt = ft.optim.Optimizer(optax.lbfgs())
     q, state = start, opt.init(start)
     for _ in range(3):

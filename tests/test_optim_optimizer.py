@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _references import optax_lbfgs
 from _tolerance import assert_close_trained
 
 import functree as ft
@@ -310,28 +311,11 @@ def _rosenbrock(p):
     return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
 
 
-def _optax_lbfgs(fn, params, steps):
-    """optax's documented loop: value_and_grad_from_state, then update(value=, grad=, value_fn=)."""
-    with jax.numpy_dtype_promotion("standard"):
-        tx, value_and_grad = optax.lbfgs(), optax.value_and_grad_from_state(fn)
-
-        @jax.jit
-        def step(p, s):
-            value, grad = value_and_grad(p, state=s)
-            updates, s = tx.update(grad, s, p, value=value, grad=grad, value_fn=fn)
-            return optax.apply_updates(p, updates), s
-
-        state = tx.init(params)
-        for _ in range(steps):
-            params, state = step(params, state)
-    return params
-
-
 def test_lbfgs_through_minimize_and_update_equals_optax_loop():
     """ft.optim.Optimizer(optax.lbfgs()) raised optax's "missing ... 'value', 'grad', and
     'value_fn'" in minimize, and Optimizer.update rejected those keywords."""
     start = {"x": jnp.array([-1.2, 1.0, -0.5, 0.8])}
-    expected = _optax_lbfgs(_rosenbrock, start, 10)
+    expected = optax_lbfgs(_rosenbrock, start, 10)
     opt = fo.Optimizer(optax.lbfgs())
     step = jax.jit(lambda p, s: opt.minimize(_rosenbrock, p, s))
     p, state = start, opt.init(start)

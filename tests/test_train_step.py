@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _references import optax_lbfgs
 from _tolerance import assert_close_trained
 
 import functree as ft
@@ -311,18 +312,7 @@ def test_lbfgs_through_the_trainer_equals_optax_loop():
     def fn(p):
         return mse(ft.with_parameters(model, p), batch)
 
-    with jax.numpy_dtype_promotion("standard"):
-        tx, value_and_grad = optax.lbfgs(), optax.value_and_grad_from_state(fn)
-
-        @jax.jit
-        def optax_step(params, opt_state):
-            value, grad = value_and_grad(params, state=opt_state)
-            updates, opt_state = tx.update(grad, opt_state, params, value=value, grad=grad, value_fn=fn)
-            return optax.apply_updates(params, updates), opt_state
-
-        opt_state = tx.init(params)
-        for _ in range(3):
-            params, opt_state = optax_step(params, opt_state)
+    params = optax_lbfgs(fn, params, 3)
     trainer = ft.train.Trainer(model, optax.lbfgs(), mse)  # runs a TrainStep's program
     trainer.fit([batch], steps=3, progress=False)
     m = trainer.model

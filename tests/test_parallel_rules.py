@@ -14,6 +14,7 @@ from _devices import run
 from _tolerance import MARGIN
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_nn_stack import Block as Residual  # the residual block of the Stack tests
 
 import functree as ft
 from functree._tree import dotted_name
@@ -152,21 +153,6 @@ def test_compute_dtype_must_be_floating():
 
 # Rules composed with FSDP: {"...": spec, "*": "fsdp"}
 
-class Block2(ft.Module):
-    norm: ft.nn.LayerNorm
-    up: ft.nn.Dense
-    down: ft.nn.Dense
-
-    def __init__(self, d, *, key):
-        k1, k2 = jax.random.split(key)
-        self.norm = ft.nn.LayerNorm(d)
-        self.up = ft.nn.Dense(d, 4 * d, jax.nn.gelu, key=k1)
-        self.down = ft.nn.Dense(4 * d, d, key=k2)
-
-    def __call__(self, x):
-        return x + self.down(self.up(self.norm(x)))
-
-
 class Net(ft.Module):
     embed: ft.nn.Dense
     blocks: ft.nn.Stack
@@ -178,7 +164,7 @@ class Net(ft.Module):
 
 def net(d=32, n=2, n_in=64, n_out=64):
     k = jax.random.split(jax.random.key(0), 3)
-    return Net(ft.nn.Dense(n_in, d, key=k[0]), ft.nn.Stack(lambda key: Block2(d, key=key), n, key=k[1]),
+    return Net(ft.nn.Dense(n_in, d, key=k[0]), ft.nn.Stack(lambda key: Residual(d, key=key), n, key=k[1]),
                ft.nn.Dense(d, n_out, key=k[2]))
 
 

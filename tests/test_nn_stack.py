@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr import all_equations
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
@@ -311,18 +312,6 @@ def test_trainer_and_checkpoint_round_trip():
                 np.testing.assert_array_equal(a, b)
 
 
-def _equations(jaxpr) -> int:
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _equations(inner)
-    return count
-
-
 def test_the_train_step_jaxpr_does_not_grow_with_depth():
     opt = ft.optim.Optimizer(ft.optim.adamw(1e-3))
 
@@ -334,7 +323,7 @@ def test_the_train_step_jaxpr_does_not_grow_with_depth():
     sizes = []
     for n in (2, 9):
         m = model(n=n)
-        sizes.append(_equations(jax.make_jaxpr(step)(m, opt.init(m)).jaxpr))
+        sizes.append(all_equations(jax.make_jaxpr(step)(m, opt.init(m)).jaxpr))
     assert sizes[0] == sizes[1]
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _jaxpr import all_equations
 
 import functree as ft
 
@@ -188,28 +189,13 @@ def test_step_equation_count_is_within_a_few_of_raw(make):
 GATE_EQUATIONS = 42
 
 
-def _all_equations(jaxpr) -> int:
-    """Equations of ``jaxpr`` and of every jaxpr inside them (cond branches, scan bodies)."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += 1
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", None)
-                if inner is not None and hasattr(inner, "eqns"):
-                    total += _all_equations(inner)
-                elif hasattr(sub, "eqns"):
-                    total += _all_equations(sub)
-    return total
-
-
 def _step_equations(on_nan: str) -> int:
     opt = ft.optim.Optimizer(ft.optim.adam(LR))
     step = ft.train.train_step(lambda m, b: _loss(m, *b), opt, on_nan=on_nan)
     model = _model()
     with jax.numpy_dtype_promotion("standard"):
         closed = jax.make_jaxpr(lambda m, s, x, y: step.step(m, s, (x, y)))(model, opt.init(model), *_batch())
-    return _all_equations(closed.jaxpr)
+    return all_equations(closed.jaxpr)
 
 
 def test_the_nan_gate_costs_one_reduction_and_one_cond():

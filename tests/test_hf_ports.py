@@ -312,11 +312,11 @@ def test_llama_with_grouped_query_attention(stacked):
     close(jax.jit(lambda m, x: m(x))(model, x), hf_logits(hf, x))
 
 
-def test_readme_gpt2_port_runs_as_written():
-    """README's "Loading torch weights" GPT-2 block, with the download replaced by a tiny model."""
+def test_docs_gpt2_port_runs_as_written():
+    """The docs' "Loading torch weights" GPT-2 block, with the download replaced by a tiny model."""
     import pathlib
 
-    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "torch-weights.md").read_text()
     block = text.split("Hugging Face models port the same way")[1].split("```python\n")[1].split("```")[0]
     download = 'transformers.GPT2LMHeadModel.from_pretrained("gpt2")'
     assert download in block

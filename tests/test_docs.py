@@ -1,0 +1,96 @@
+"""The documentation's structure, checked without building the site (`mkdocs build --strict`,
+run by CI, checks the rest: every page renders, every docs link and anchor resolves).
+
+* Every public name of functree and its packages has an API reference entry.
+* Every entry names a public object (no stale entries after a rename).
+* Every relative link in README.md points at an existing file, and its anchor at a heading.
+* README stays a front page (at most 300 lines); every page is in the site's navigation.
+"""
+
+import importlib
+import inspect
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[1]
+DOCS = ROOT / "docs"
+REFERENCE = DOCS / "reference"
+PACKAGES = ["functree", "functree.nn", "functree.optim", "functree.train", "functree.losses",
+            "functree.parallel"]
+# A page's mkdocstrings entry (`::: functree.nn.Dense`), or a table row naming the function
+# (the activations that are JAX's own functions, documented by JAX: `| `ft.nn.relu` |`).
+ENTRY = re.compile(r"^::: (functree(?:\.\w+)+)\s*$", re.MULTILINE)
+TABLE_ENTRY = re.compile(r"^\| `ft\.((?:\w+\.)*\w+)` \|", re.MULTILINE)
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def reference_entries():
+    entries = set()
+    for page in REFERENCE.glob("*.md"):
+        text = page.read_text()
+        entries.update(ENTRY.findall(text))
+        entries.update(f"functree.{name}" for name in TABLE_ENTRY.findall(text))
+    return entries
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_public_name_has_a_reference_entry(package):
+    module = importlib.import_module(package)
+    entries = reference_entries()
+    public = [name for name in module.__all__ if not inspect.ismodule(getattr(module, name))]
+    missing = [f"{package}.{name}" for name in public if f"{package}.{name}" not in entries]
+    assert not missing, (
+        f"public names without an API reference entry: {missing}\n"
+        f"    right: a line `::: <name>` in the docs/reference page of {package}")
+    # its subpackages have their own pages
+    for name in module.__all__:
+        if inspect.ismodule(getattr(module, name)) and name != "initializers":
+            assert (REFERENCE / f"{name}.md").exists(), name
+
+
+def test_every_reference_entry_names_a_public_object():
+    for entry in sorted(reference_entries()):
+        package, _, name = entry.rpartition(".")
+        module = importlib.import_module(package)
+        assert name in getattr(module, "__all__", ()), f"{entry}: not in {package}.__all__"
+
+
+def slug(heading):
+    """GitHub's (and mkdocs' default) anchor of a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path):
+    text = FENCE.sub("", path.read_text())
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.MULTILINE)}
+
+
+def test_readme_links_resolve():
+    readme = ROOT / "README.md"
+    links = LINK.findall(FENCE.sub("", readme.read_text()))
+    assert len(links) >= 20
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        target, _, anchor = link.partition("#")
+        path = (ROOT / target) if target else readme
+        assert path.exists(), f"README.md links to {link!r}: no file {path.relative_to(ROOT)}"
+        if anchor:
+            assert anchor in anchors(path), f"README.md links to {link!r}: no heading with that anchor"
+
+
+def test_readme_is_a_front_page_and_the_site_lists_every_page():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+    nav = set(re.findall(r"([\w\-/]+\.(?:md|ipynb))\s*$", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE))
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    notebooks = {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
+    assert pages | notebooks == nav
+
+
+def test_slug_matches_github():
+    assert slug("Coming from another library") == "coming-from-another-library"
+    assert slug("L-BFGS through `Optimizer`") == "l-bfgs-through-optimizer"

@@ -70,15 +70,47 @@ __all__ = [
 
 
 class ZeroDerivativeWarning(DifferentiationWarning):
-    """The result does not depend on the differentiation arguments: its derivative is zero."""
+    """The result does not depend on the differentiation arguments: its derivative is zero.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = ft.gradient(lambda x: jnp.sqrt(3.0), at=jnp.ones(2))
+      >>> [type(w.message).__name__ for w in caught]
+      ['ZeroDerivativeWarning']
+    """
 
 
 class NonDifferentiableWarning(DifferentiationWarning):
-    """The result depends on the arguments only through non-differentiable operations."""
+    """The result depends on the arguments only through non-differentiable operations.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = ft.gradient(lambda x: jnp.round(x).sum(), at=jnp.ones(2))
+      >>> [type(w.message).__name__ for w in caught]
+      ['NonDifferentiableWarning']
+    """
 
 
 class UnusedParameterWarning(DifferentiationWarning):
-    """Parameters of a differentiated Module that cannot affect the result."""
+    """Parameters of a differentiated Module that cannot affect the result.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp, warnings
+      >>> class Scale(ft.Module):
+      ...     weight: jax.Array
+      ...     unused: jax.Array
+      ...     def __call__(self, x):
+      ...         return x * self.weight
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = ft.gradient(lambda m: m(1.0).sum(), at=Scale(jnp.ones(2), jnp.ones(2)))
+      >>> [type(w.message).__name__ for w in caught], "    unused" in str(caught[0].message)
+      (['UnusedParameterWarning'], True)
+    """
 
 
 ZERO_DERIVATIVE = """\
@@ -883,7 +915,21 @@ def check(kind: str, fn: Any, g: Any, plan: Plan) -> None:
 
 class UncoveredDerivativeError(TypeError):
     """Differentiation with respect to an argument (or key path) that the registered custom
-    derivative does not cover (Swift: an error). ``where`` names the argument or key path."""
+    derivative does not cover (Swift: an error). ``where`` names the argument or key path.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> def scaled(x, scale):
+      ...     return scale * x
+      >>> @ft.derivative(of=scaled, wrt=0)
+      ... def scaled(x, scale):
+      ...     return scale * x, lambda v: v * scale
+      >>> try:
+      ...     ft.gradient(scaled, wrt=1)(2.0, 3.0)
+      ... except ft.UncoveredDerivativeError as e:
+      ...     print(e.where)
+      argument 1 (`scale`)
+    """
 
     def __init__(self, message: str, where: str):
         super().__init__(message)

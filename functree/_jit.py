@@ -119,6 +119,14 @@ class ControlFlowError(TypeError):
 
     The message names the file and line and shows the ``jnp.where`` / ``jax.lax.cond`` /
     ``jax.lax.fori_loop`` rewrite. It is a ``TypeError``, like JAX's own errors.
+
+    Example:
+      >>> import functree as ft
+      >>> try:
+      ...     ft.jit(lambda x: x if x > 0 else -x)(1.0)
+      ... except ft.ControlFlowError as e:
+      ...     print(next(line for line in str(e).splitlines() if "right:" in line))
+          right:  y = jnp.where(x > 0, f(x), g(x))               # choose between two values
     """
 
 

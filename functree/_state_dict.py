@@ -124,6 +124,15 @@ class FlatDictReport:
     """What did not fit in :func:`from_flat_dict`: names missing, unexpected and mismatched.
 
     ``hints`` say how to fix mismatches (a torch tensor, a float64 array: ``cast=True``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> template = {"w": jnp.zeros(2), "b": jnp.zeros(1)}
+      >>> tree, report = ft.from_flat_dict(template, {"w": jnp.ones(3), "x": jnp.ones(1)}, strict=False)
+      >>> report.ok, report.missing, report.unexpected
+      (False, ('b',), ('x',))
+      >>> report.mismatched
+      (('w', 'shape (2,) dtype float32', 'shape (3,) dtype float32'),)
     """
 
     missing: tuple[str, ...] = ()

@@ -26,6 +26,18 @@ class LayerInputError(ValueError):
 
     ``path`` is the layer's key path inside the model when known (``Sequential`` and
     ``ft.nn.collect_state`` fill it in as the error travels out).
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> model = ft.nn.Sequential(ft.nn.Dense(3, 2, key=jax.random.key(0)))
+      >>> try:
+      ...     model(jnp.ones((4, 5)))
+      ... except ft.nn.LayerInputError as e:
+      ...     print(e.path)
+      ...     print(e)
+      .layers[0]
+      Dense at .layers[0] expects inputs [..., 3] (float), got f32[4,5].
+      Pass a batch whose last axes are [3], or build the layer for the size you have (last axis 5).
     """
 
     def __init__(

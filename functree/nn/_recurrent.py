@@ -25,7 +25,16 @@ _orthogonal = jax.nn.initializers.orthogonal()
 
 
 class LSTMState(NamedTuple):
-    """An LSTM's state: ``hidden`` (the output) and ``cell`` (the memory)."""
+    """An LSTM's state: ``hidden`` (the output) and ``cell`` (the memory).
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> cell = ft.nn.LSTMCell(3, 5, key=jax.random.key(0))
+      >>> state = ft.nn.LSTMState(jnp.zeros((2, 5)), jnp.zeros((2, 5)))  # hidden, cell
+      >>> state, y = cell(state, jnp.ones((2, 3)))
+      >>> bool((state.hidden == y).all()), state.cell.shape
+      (True, (2, 5))
+    """
 
     hidden: jax.Array
     cell: jax.Array

@@ -121,7 +121,16 @@ RULES: dict[str, tuple[Callable[[float], bool], str, str]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Rate:
-    """A rate meant for ``samples`` examples (``None``: per minibatch), CNTK's RateOnMinibatch."""
+    """A rate meant for ``samples`` examples (``None``: per minibatch), CNTK's RateOnMinibatch.
+
+    Made by :func:`per_samples` and :func:`per_minibatch`; optimizers take one wherever they
+    take a learning rate.
+
+    Example:
+      >>> import functree as ft
+      >>> ft.optim.per_samples(0.01, 1)
+      Rate(value=0.01, samples=1)
+    """
 
     value: Any
     samples: int | None = None

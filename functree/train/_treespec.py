@@ -63,7 +63,16 @@ _DICT_KEYS = {"int": int, "str": str}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory or checkpoint that cannot be used as asked."""
+    """A checkpoint directory or checkpoint that cannot be used as asked.
+
+    Example:
+      >>> import functree as ft, tempfile
+      >>> try:
+      ...     ft.train.load(tempfile.mkdtemp() + "/missing")
+      ... except ft.train.CheckpointError as e:
+      ...     print(str(e).splitlines()[-1])
+      Pass the directory written by ft.train.save(path, tree).
+    """
 
 
 class SpecError(CheckpointError):

@@ -137,11 +137,31 @@ class FrozenModuleError(dataclasses.FrozenInstanceError):
 
 
 class DifferentiationWarning(UserWarning):
-    """Root of functree's differentiation diagnostics (filter it to silence them all)."""
+    """Root of functree's differentiation diagnostics (filter it to silence them all).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, warnings
+      >>> issubclass(ft.ZeroDerivativeWarning, ft.DifferentiationWarning)
+      True
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore", ft.DifferentiationWarning)  # every diagnostic
+      ...     ft.gradient(lambda x: jnp.sqrt(3.0), at=jnp.ones(2))
+      Array([0., 0.], dtype=float32)
+    """
 
 
 class NonDifferentiableFieldWarning(DifferentiationWarning):
-    """A parameter field whose type or value can never carry a derivative."""
+    """A parameter field whose type or value can never carry a derivative.
+
+    Example:
+      >>> import functree as ft, warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     class Named(ft.Module):
+      ...         name: str                   # right: ft.field(static=True)
+      >>> [type(w.message).__name__ for w in caught]
+      ['NonDifferentiableFieldWarning']
+    """
 
 
 

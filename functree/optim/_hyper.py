@@ -189,6 +189,14 @@ class HyperState:
 
     Read them by name with :func:`hyperparameters`; packing keeps a jitted step's
     dispatch cost independent of how many hyperparameters there are.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> state = ft.optim.adam(0.1).init({"w": jnp.zeros(2)})
+      >>> state.names
+      ('learning_rate', 'beta1', 'beta2', 'epsilon')
+      >>> ft.optim.hyperparameters(state)["learning_rate"]
+      Array(0.1, dtype=float32)
     """
 
     context: LearningContext | None

@@ -76,6 +76,12 @@ class SlowState:
       inner: optax's ``LookaheadState`` (the fast optimizer's state, steps since sync).
       slow: the slow weights: the parameter view's structure (read them as a model with
         :func:`ft.optim.averaged`).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp, optax
+      >>> tx = ft.optim.lookahead(optax.adam(0.1), sync_period=5, slow_step_size=0.5)
+      >>> tx.init({"w": jnp.zeros(2)}).slow
+      {'w': Array([0., 0.], dtype=float32)}
     """
 
     inner: Any

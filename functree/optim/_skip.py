@@ -190,6 +190,12 @@ class SkipState(NamedTuple):
       consecutive: non-finite steps in a row, up to the latest.
       applied: whether the latest step was applied (a bool array).
       inner: the wrapped transformation's state (unchanged by skipped steps).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> state = ft.optim.skip_non_finite(ft.optim.sgd(0.1)).init({"w": jnp.zeros(2)})
+      >>> int(state.skipped), bool(state.applied)
+      (0, True)
     """
 
     skipped: jax.Array

@@ -70,9 +70,14 @@ class TrainingContext:
       sweep: the epoch (the learning context's sweep).
       samples_seen: examples consumed by the optimizer steps taken.
       minibatch_size: the size of the latest minibatch.
-      learning_rate: the current learning rate (None if the state has none).
+      learning_rate: the current learning rate (None if the state has none, or has one
+        per parameter group: see ``learning_rates``).
       metrics: means over the interval (``"log"``) or the epoch (``"epoch"``), with
-        ``val_*`` validation metrics at epoch ends.
+        ``val_*`` validation metrics at epoch ends. Under ``on_nan="skip"`` the means
+        are over the applied steps and ``skipped`` counts the steps left out.
+      learning_rates: every learning rate by name: ``{"learning_rate": ...}``, or with
+        ``ft.optim.groups`` one per group, ``{"<group>/learning_rate": ...}`` (the
+        history's per-step columns of the same names).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -93,6 +98,7 @@ class TrainingContext:
     minibatch_size: int
     learning_rate: float | None
     metrics: dict[str, float]
+    learning_rates: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Callback:

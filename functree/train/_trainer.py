@@ -194,6 +194,7 @@ class _Means:
             self.skipped += int(np.sum(~applied))
             values = {k: v[applied] for k, v in values.items()}
             weights = weights[applied]
+        weights = weights.astype(np.float64)  # float64 sums: the means of float32 values, rounded once
         for name, column in values.items():
             finite = np.isfinite(column)
             self.sums[name] = self.sums.get(name, 0.0) + float(np.sum(np.where(finite, column, 0) * weights))
@@ -359,21 +360,18 @@ class Trainer:
 
     def _located(self, error: Exception, batch: Any, offset: int) -> Exception:
         """``error`` of the step on the minibatch ``offset`` after the current position,
-        naming the step, the minibatch, the epoch and the shapes (the same type, message
-        prefixed; an exception that cannot be rebuilt from a message gets a note)."""
+        its message prefixed with the step, the minibatch, the epoch and the shapes (an
+        exception whose text is not its message gets them as a note)."""
         first = f"; the trainer's first minibatch had {self._first_shapes}" if self._first_shapes else ""
         text = MALFORMED_MINIBATCH.format(step=self.steps_run + offset + 1, index=self.batch_in_epoch + offset,
                                           epoch=self.epoch, shapes=describe_batch(batch), first=first,
                                           error=error)
-        try:
-            located = type(error)(text)
-        except Exception:
-            located = None
-        if located is None or str(located) != text:
+        original = error.args
+        error.args = (text,)
+        if str(error) != text:
+            error.args = original
             error.add_note(text.split(" The error:")[0])
-            return error
-        located.__cause__ = error.__cause__
-        return located.with_traceback(error.__traceback__)
+        return error
 
     def _check_minibatch(self, batch: Any, offset: int) -> None:
         """An empty minibatch is an error naming it (before it reaches a step)."""
@@ -625,8 +623,7 @@ class Trainer:
                                                                       self._buffer, owned=True)
                 except (ValueError, TypeError) as e:  # raised while tracing: nothing was donated
                     self._inflight.pop()
-                    located = self._located(e, batch, 0)
-                    raise located from located.__cause__
+                    raise self._located(e, batch, 0) from e.__cause__
                 ran += 1
                 self.steps_run += 1
                 self.batch_in_epoch += 1
@@ -659,8 +656,7 @@ class Trainer:
                 self.model, self.opt_state, _, self._buffer = self.train_step.run(
                     self.model, self.opt_state, batch, self.key, self._buffer, owned=True, steps=n)
             except (ValueError, TypeError) as e:  # raised while tracing: nothing was donated
-                located = self._located(e, group[i], i)
-                raise located from located.__cause__
+                raise self._located(e, group[i], i) from e.__cause__
         self._inflight.extend(group)
         self.steps_run += len(group)
         self.batch_in_epoch += len(group)

@@ -12,6 +12,7 @@ uninterrupted run's.
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,11 @@ column (its header is {header}).
     wrong:  ft.train.CSVLogger("data.csv", append=True)
     right:  ft.train.CSVLogger("log.csv", append=True)    # a file a CSVLogger wrote
        or:  ft.train.CSVLogger("data.csv")                # append=False: start it anew"""
+
+
+_WRITERS = itertools.count()
+"""Numbers the event files this process opens: tensorboardX names a file by the second
+and the host, so two opened within a second in one directory would be one file."""
 
 
 def _check_every(who: str, every: str) -> str:
@@ -176,7 +182,8 @@ class TensorBoardLogger(Callback):
         if jax.process_index() != 0 or self.every not in (None, context.event):
             return
         if self._writer is None:
-            self._writer = self._writer_class(str(self.logdir), purge_step=self._purge)
+            suffix = f".{os.getpid()}.{next(_WRITERS)}"
+            self._writer = self._writer_class(str(self.logdir), purge_step=self._purge, filename_suffix=suffix)
         for name, value in {**context.metrics, **context.learning_rates}.items():
             self._writer.add_scalar(f"{prefix}/{name}", float(value), context.step)
 

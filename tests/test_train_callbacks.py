@@ -138,6 +138,11 @@ def test_tied_values_keep_the_first_epoch_to_reach_the_best():
     for epoch, value in enumerate([0.5, 0.7, 0.7, 0.6], start=1):
         rising.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
     assert rising.best_epoch == 2
+    trainer.opt_state = ft.optim.sgd(1.0).init({"w": jnp.ones(1)})
+    reduce = ft.train.ReduceLROnPlateau(monitor="m", factor=0.5, patience=1)
+    for epoch, value in enumerate([0.5, 0.3, 0.3], start=1):  # epoch 3 ties: no improvement
+        reduce.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
+    assert float(ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]) == 0.5
 
 
 def test_per_group_learning_rates_in_history_context_and_plateau():

@@ -82,7 +82,7 @@ def test_csv_and_tensorboard_logs_read_back_to_the_history(tmp_path):
     before = (tmp_path / "epochs.csv").read_text()
     trainer.restore(tmp_path / "ckpt")
     resumed = ft.train.CSVLogger(tmp_path / "epochs.csv", append=True)
-    trainer.fit(data(), epochs=1, validation_data=(X, Y), progress=False, callbacks=[resumed])
+    trainer.fit(data(), epochs=1, log_every=1, validation_data=(X, Y), progress=False, callbacks=[resumed])
     assert (tmp_path / "epochs.csv").read_text() == before
 
 

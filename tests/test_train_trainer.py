@@ -140,7 +140,8 @@ def test_nan_skip_continues():
     losses = np.array(trainer.history.steps["loss"])
     assert np.isnan(losses[[2, 10]]).all()
     applied = np.delete(losses, [2, 10]).reshape(2, 7)  # minibatches of 8: plain means
-    np.testing.assert_allclose(trainer.history.epochs["loss"], applied.mean(axis=1), rtol=0, atol=1e-12)
+    # float32 sums on the host, values ~4: measured 1.5e-7
+    np.testing.assert_allclose(trainer.history.epochs["loss"], applied.mean(axis=1), rtol=0, atol=2e-6)
     assert trainer.history.epochs["skipped"] == [1, 1]
 
 

@@ -194,7 +194,6 @@ class _Means:
             self.skipped += int(np.sum(~applied))
             values = {k: v[applied] for k, v in values.items()}
             weights = weights[applied]
-        weights = weights.astype(np.float64)  # float64 sums: the means of float32 values, rounded once
         for name, column in values.items():
             finite = np.isfinite(column)
             self.sums[name] = self.sums.get(name, 0.0) + float(np.sum(np.where(finite, column, 0) * weights))

@@ -23,6 +23,14 @@ import functree as ft
 BARE = "bare loop of ft.train.train_step"
 
 
+class _Terminal(io.StringIO):
+    """A buffer that says it is a terminal: the Trainer draws its tqdm bar there (into any
+    other non-terminal stream it writes one line per epoch instead)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def _table(spec: Spec, steps: int, rounds: int) -> Table:
     batch = data(spec)
     batches = [batch] * steps
@@ -40,7 +48,7 @@ def _table(spec: Spec, steps: int, rounds: int) -> Table:
 
     def fit() -> float:
         start = time.perf_counter()
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(_Terminal()):
             trainer.fit(batches, epochs=1)
         return (time.perf_counter() - start) / steps
 

@@ -70,6 +70,13 @@ def test_flatten():
     assert ft.nn.Flatten(batch_dims=2)(jnp.ones((2, 3, 4, 5))).shape == (2, 3, 20)
 
 
+def test_flatten_of_no_rows():
+    # issue 27: an empty minibatch gave ZeroDivisionError (reshape to -1 of 0 elements)
+    assert ft.nn.Flatten()(jnp.ones((0, 3, 4))).shape == (0, 12)
+    assert ft.nn.Flatten(batch_dims=2)(jnp.ones((2, 0, 4, 5))).shape == (2, 0, 20)
+    assert jax.jit(ft.nn.Flatten())(jnp.ones((0, 7))).shape == (0, 7)
+
+
 @pytest.mark.parametrize("layer", [ft.nn.MaxPool2D(2), ft.nn.AvgPool2D(2, padding="SAME"), ft.nn.GlobalAvgPool2D()])
 def test_gradients_finite_differences(layer):
     with jax.enable_x64(True):

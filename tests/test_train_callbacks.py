@@ -1,6 +1,7 @@
 """Callbacks: the learning context they see, early stopping, plateau, checkpoints, logs."""
 
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +108,62 @@ def test_model_checkpoint_every_steps_stores_metrics_only_with_their_own_step(tm
             assert ckpt.metrics["loss"] == pytest.approx(history.steps["loss"][step - 1], rel=0, abs=0)
     final = save.manager.restore(9)
     np.testing.assert_array_equal(final.model.weight, trainer.model.weight)
+
+
+def test_early_stopping_restores_the_best_after_a_full_run():
+    # issue 27: restore_best restored only when stopping early; a run that used all its
+    # epochs kept the last model
+    trainer = make(lr=1.5)  # too large: the loss grows after the first epoch
+    models = []
+
+    class Keep(ft.train.Callback):
+        def on_epoch_end(self, trainer, context):
+            models.append(jax.tree.map(np.asarray, trainer.model))
+
+    stop = ft.train.EarlyStopping(monitor="loss", patience=10, restore_best=True)
+    history = trainer.fit(data(), epochs=3, progress=False, callbacks=[Keep(), stop])
+    best = int(np.argmin(history["loss"]))
+    assert stop.stopped_epoch is None and stop.best_epoch == best + 1 and best != 2
+    for a, b in zip(jax.tree.leaves(trainer.model), jax.tree.leaves(models[best])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tied_values_keep_the_first_epoch_to_reach_the_best():
+    trainer = types.SimpleNamespace(stop_training=False, model=None, opt_state=None)
+    stop = ft.train.EarlyStopping(monitor="m", patience=9)
+    for epoch, value in enumerate([0.5, 0.3, 0.3, 0.4], start=1):
+        stop.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
+    assert stop.best_epoch == 2
+    rising = ft.train.EarlyStopping(monitor="m", patience=9, mode="max")
+    for epoch, value in enumerate([0.5, 0.7, 0.7, 0.6], start=1):
+        rising.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
+    assert rising.best_epoch == 2
+    trainer.opt_state = ft.optim.sgd(1.0).init({"w": jnp.ones(1)})
+    reduce = ft.train.ReduceLROnPlateau(monitor="m", factor=0.5, patience=1)
+    for epoch, value in enumerate([0.5, 0.3, 0.3], start=1):  # epoch 3 ties: no improvement
+        reduce.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
+    assert float(ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]) == 0.5
+
+
+def test_per_group_learning_rates_in_history_context_and_plateau():
+    # issue 27: with ft.optim.groups no learning rate was recorded, and ReduceLROnPlateau failed
+    model = {"body": jnp.zeros((2, 1)), "head": jnp.zeros(1)}
+    tx = ft.optim.groups({"body": ft.optim.sgd(0.1), "head": ft.optim.sgd(0.4)})
+    trainer = Trainer(model, ft.optim.Optimizer(tx), lambda m, b: jnp.mean((b[0] @ m["body"] + m["head"] - b[1]) ** 2))
+    seen = []
+    reduce = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1, min_delta=1e9, group="head")
+    history = trainer.fit(data(), epochs=3, log_every=3, progress=False, callbacks=[reduce, seen.append])
+    # epoch 1 improves (from inf), epochs 2 and 3 do not: head's rate halved after each
+    assert history.steps["body/learning_rate"] == [pytest.approx(0.1)] * 9
+    assert history.steps["head/learning_rate"] == [pytest.approx(r) for r in [0.4] * 6 + [0.2] * 3]
+    assert [c.learning_rates for c in seen[:2]] == [{"body/learning_rate": pytest.approx(0.1),
+                                                     "head/learning_rate": pytest.approx(0.4)}] * 2
+    assert seen[0].learning_rate is None  # several: no single rate
+    assert float(ft.optim.hyperparameters(trainer.opt_state)["head/learning_rate"]) == pytest.approx(0.1)
+    every = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5)
+    halved = every._reduced(trainer.opt_state)  # without group=: every group's rate
+    assert ft.optim.hyperparameters(halved)["body/learning_rate"] == pytest.approx(0.05)
+    wrong = ft.train.ReduceLROnPlateau(monitor="loss", group="classifier")
+    with pytest.raises(ValueError, match=r"no parameter group 'classifier' with a learning rate; its learning "
+                                         r"rates are \['body/learning_rate', 'head/learning_rate'\]"):
+        wrong._reduced(trainer.opt_state)

@@ -117,6 +117,15 @@ def test_best_mode_max(tmp_path):
     assert manager.all_steps() == [2, 3] and manager.best_step() == 2
 
 
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_tied_best_is_the_first_step_to_reach_it(tmp_path, mode):
+    # issue 27: mode="max" kept the latest of tied steps, mode="min" the earliest
+    manager = CheckpointManager(tmp_path / "ckpt", max_to_keep=1, best_metric="m", mode=mode)
+    for step, m in zip(range(1, 6), [0.5, 0.7, 0.7, 0.6, 0.4] if mode == "max" else [0.5, 0.2, 0.2, 0.3, 0.6]):
+        manager.save(step, {"w": jnp.ones(1)}, metrics={"m": m})
+    assert manager.best_step() == 2 and manager.all_steps() == [2, 5]
+
+
 def test_missing_best_metric_and_bad_mode(tmp_path):
     manager = CheckpointManager(tmp_path / "ckpt", best_metric="val_loss")
     with pytest.raises(CheckpointError, match=r'metrics=\{"val_loss": value\}'):

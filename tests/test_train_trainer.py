@@ -135,6 +135,32 @@ def test_nan_skip_continues():
                                (11, "the gradient of parameter 'layers.0.weight'")]
     assert int(ft.optim.context(trainer.opt_state).step) == 14
     assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(trainer.model))
+    # issue 27: the epoch means are over the applied steps (one skipped step made them NaN),
+    # and the history and the context count the skipped ones
+    losses = np.array(trainer.history.steps["loss"])
+    assert np.isnan(losses[[2, 10]]).all()
+    applied = np.delete(losses, [2, 10]).reshape(2, 7)  # minibatches of 8: plain means
+    # float32 sums on the host, values ~4: measured 1.5e-7
+    np.testing.assert_allclose(trainer.history.epochs["loss"], applied.mean(axis=1), rtol=0, atol=2e-6)
+    assert trainer.history.epochs["skipped"] == [1, 1]
+
+
+def test_empty_and_malformed_minibatches_name_the_step():
+    # issue 27: an empty minibatch gave a NaN stop (or ZeroDivisionError in ft.nn.Flatten), a
+    # malformed one named the layer and shapes but not the step or the minibatch
+    good = [(X[i : i + 8], Y[i : i + 8]) for i in range(0, 64, 8)]
+    empty = good[:2] + [(X[:0], Y[:0])] + good[3:]
+    trainer = Trainer(mlp(), adam(0.01), regress)
+    with pytest.raises(ValueError, match=r"^step 3: minibatch 2 of epoch 0 is empty \(0 examples; .*"
+                                         r"float32\[0, 3\]"):
+        trainer.fit(empty, epochs=1, progress=False)
+    wide = good[:4] + [(np.ones((8, 4), np.float32), Y[:8])] + good[5:]
+    trainer = Trainer(mlp(), adam(0.01), regress)
+    with pytest.raises(ValueError, match=r"(?s)^step 5: minibatch 4 of epoch 0 \(counted from 0\) failed in the "
+                                        r"training step. Its shapes: \('float32\[8, 4\]', 'float32\[8, 1\]'\); the "
+                                        r"trainer's first minibatch had \('float32\[8, 3\]', 'float32\[8, 1\]'\)"
+                                        r"\. The error:\nDense at .layers\[0\] expects inputs \[..., 3\]"):
+        trainer.fit(wide, epochs=1, progress=False)
 
 
 @pytest.mark.slow
@@ -169,9 +195,13 @@ def test_restore_checks_the_template(tmp_path):
 
 def test_progress_bar(capsys):
     trainer = Trainer(mlp(), adam(), classify, metrics={"acc": ft.train.accuracy})
-    trainer.fit((X, LABELS), epochs=2, batch_size=16, log_every=2, progress=True)
+    trainer.fit((X, LABELS), epochs=2, batch_size=16, log_every=2, progress=True, validation_data=(X, LABELS))
     err = capsys.readouterr().err
     assert "8/8" in err and "loss=" in err and "lr=0.0500" in err and "acc=" in err
+    # issue 27: no terminal (captured): one line per epoch, with the validation metrics
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and all(" steps, loss=" in line and ", val_loss=" in line for line in lines)
+    assert lines[0].startswith("epoch 1: 4/8 steps, ") and lines[1].startswith("epoch 2: 8/8 steps, ")
     trainer.fit((X, LABELS), epochs=1, progress=False)
     assert capsys.readouterr().err == ""
 

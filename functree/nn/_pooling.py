@@ -185,9 +185,12 @@ class Flatten(Layer):
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.nn.Flatten()(jnp.ones((2, 3, 4))).shape
       (2, 12)
+      >>> ft.nn.Flatten()(jnp.ones((0, 3, 4))).shape  # no rows: still (rows, features)
+      (0, 12)
     """
 
     batch_dims: int = field(static=True, default=1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x.reshape((*x.shape[: self.batch_dims], -1))
+        # The size, not -1: a minibatch of 0 rows has no size to infer it from.
+        return x.reshape((*x.shape[: self.batch_dims], math.prod(x.shape[self.batch_dims:])))

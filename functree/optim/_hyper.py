@@ -436,6 +436,40 @@ def hyperparameter_names(state: Any) -> list[str]:
     return _keys(_entries(state, values=False))
 
 
+def learning_rate_names(state: Any) -> list[str]:
+    """The learning rates among :func:`hyperparameter_names`: ``["learning_rate"]``, or
+    with ``ft.optim.groups`` one per group, ``"<group>/learning_rate"`` (the names the
+    Trainer's history and callbacks use).
+
+    Example:
+      >>> import jax.numpy as jnp, functree as ft
+      >>> from functree.optim._hyper import learning_rate_names
+      >>> tx = ft.optim.groups({"body": ft.optim.adam(1e-3), "head": ft.optim.sgd(0.1)})
+      >>> learning_rate_names(tx.init({"body": jnp.ones(2), "head": jnp.ones(1)}))
+      ['body/learning_rate', 'head/learning_rate']
+    """
+    return [k for k in hyperparameter_names(state) if k == "learning_rate" or k.endswith("/learning_rate")]
+
+
+def group_learning_rate(state: Any, group: str) -> str | None:
+    """The :func:`hyperparameters` name of group ``group``'s learning rate (``ft.optim.groups``:
+    ``"<group>/learning_rate"``, or ``"learning_rate"`` where no other group has one), or None.
+
+    Example:
+      >>> import jax.numpy as jnp, functree as ft
+      >>> from functree.optim._hyper import group_learning_rate
+      >>> tx = ft.optim.groups({"body": ft.optim.freeze(), "head": ft.optim.sgd(0.1)})
+      >>> state = tx.init({"body": jnp.ones(2), "head": jnp.ones(1)})
+      >>> group_learning_rate(state, "head"), group_learning_rate(state, "body")
+      ('learning_rate', None)
+    """
+    entries = _entries(state, values=False)
+    for key, (label, name, _, _) in zip(_keys(entries), entries):
+        if name == "learning_rate" and label == group:
+            return key
+    return None
+
+
 def _keys(entries: list[tuple[str, str, bool, Any]]) -> list[str]:
     counts: dict[str, int] = {}
     for _, name, _, _ in entries:

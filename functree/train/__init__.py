@@ -17,6 +17,7 @@ from functree.train._checkpoint import (
 )
 from functree.train._data import Batches, DataContext, batches, to_arrays
 from functree.train._history import History
+from functree.train._loggers import CSVLogger, TensorBoardLogger
 from functree.train._metrics import StepOutput, accuracy, mean
 from functree.train._migrate import migrate
 from functree.train._registry import register
@@ -34,6 +35,8 @@ __all__ = [
     "ReduceLROnPlateau",
     "ModelCheckpoint",
     "HistoryLogger",
+    "CSVLogger",
+    "TensorBoardLogger",
     "train_step",
     "eval_step",
     "TrainStep",

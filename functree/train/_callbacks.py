@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from functree.optim import hyperparameters, set_hyperparameters
+from functree.optim._hyper import group_learning_rate, learning_rate_names
 from functree.train._checkpoint import CheckpointManager
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports this module, never the reverse
@@ -55,6 +56,13 @@ optimizer state has no settable learning rate ({error}).
     wrong:  Trainer(model, optax.adam(1e-3), loss_fn)
     right:  Trainer(model, ft.optim.Optimizer(ft.optim.adam(1e-3)), loss_fn)"""
 
+UNKNOWN_GROUP = """\
+ReduceLROnPlateau(group={group!r}): the optimizer has no parameter group {group!r} with a \
+learning rate; its learning rates are {names}.
+
+    wrong:  ReduceLROnPlateau(group="classifier")
+    right:  ReduceLROnPlateau(group="head")     # a pattern given to ft.optim.groups({{"head": ...}})"""
+
 NOT_A_CALLBACK = """\
 A callback is a ft.train.Callback or a function of the TrainingContext, got {given}.
     right:  callbacks=[ft.train.EarlyStopping(patience=3), lambda ctx: print(ctx.step)]"""
@@ -70,9 +78,14 @@ class TrainingContext:
       sweep: the epoch (the learning context's sweep).
       samples_seen: examples consumed by the optimizer steps taken.
       minibatch_size: the size of the latest minibatch.
-      learning_rate: the current learning rate (None if the state has none).
+      learning_rate: the current learning rate (None if the state has none, or has one
+        per parameter group: see ``learning_rates``).
       metrics: means over the interval (``"log"``) or the epoch (``"epoch"``), with
-        ``val_*`` validation metrics at epoch ends.
+        ``val_*`` validation metrics at epoch ends. Under ``on_nan="skip"`` the means
+        are over the applied steps and ``skipped`` counts the steps left out.
+      learning_rates: every learning rate by name: ``{"learning_rate": ...}``, or with
+        ``ft.optim.groups`` one per group, ``{"<group>/learning_rate": ...}`` (the
+        history's per-step columns of the same names).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -93,6 +106,7 @@ class TrainingContext:
     minibatch_size: int
     learning_rate: float | None
     metrics: dict[str, float]
+    learning_rates: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Callback:
@@ -149,7 +163,11 @@ def as_callback(cb: Any) -> Callback:
 
 
 class _Monitor:
-    """Tracks the best value of one metric and the epochs since it improved."""
+    """Tracks the best value of one metric and the epochs since it improved.
+
+    Tie-breaking (as CheckpointManager's ``best_metric``): a value improves only when it
+    beats the best by more than ``min_delta``, so of tied values the first to reach the
+    best stays the best."""
 
     def __init__(self, who: str, monitor: str, mode: str, min_delta: float):
         if mode not in ("min", "max"):
@@ -185,11 +203,28 @@ def _copy(tree: Any) -> Any:
 class EarlyStopping(Callback):
     """Stop when ``monitor`` has not improved for ``patience`` epochs.
 
-    With ``restore_best=True`` the trainer's model is set back to the best epoch's.
+    An epoch improves when its value beats the best by more than ``min_delta``: of tied
+    values, the first epoch to reach the best is the best.
+
+    With ``restore_best=True`` the model of the best epoch is kept (a copy) and set back
+    as ``trainer.model`` at the end of every ``fit``, whether it stopped early or ran all
+    its epochs (Keras's ``restore_best_weights`` restores only when it stops early, so a
+    run that uses all its epochs keeps the last model there). The optimizer state is the
+    last step's.
 
     Example:
-      >>> import functree as ft
-      >>> stop = ft.train.EarlyStopping(monitor="val_loss", patience=2)
+      >>> import functree as ft, jax.numpy as jnp, numpy as np
+      >>> x = np.linspace(-1, 1, 8, dtype=np.float32)[:, None]
+      >>> loss_fn = lambda m, b: jnp.mean((b[0] * m["w"] - b[1]) ** 2)
+      >>> trainer = ft.train.Trainer({"w": jnp.zeros(1)}, ft.optim.sgd(3.0), loss_fn)
+      >>> stop = ft.train.EarlyStopping(monitor="loss", patience=10, restore_best=True)
+      >>> h = trainer.fit(ft.train.batches((x, 2 * x), 8), epochs=4, progress=False, callbacks=[stop])
+      >>> [round(v, 3) for v in h["loss"]]  # the rate is too large: diverges after epoch 1
+      [1.714, 4.233, 10.454, 25.814]
+      >>> stop.stopped_epoch, stop.best_epoch  # ran all 4 epochs; the best was the first
+      (None, 1)
+      >>> round(float(trainer.model["w"][0]), 3)  # epoch 1's model, restored at the end
+      5.143
     """
 
     def __init__(self, monitor: str = "val_loss", patience: int = 5, *, mode: str = "min",
@@ -197,36 +232,46 @@ class EarlyStopping(Callback):
         self._monitor = _Monitor("EarlyStopping", monitor, mode, min_delta)
         self.patience, self.restore_best = patience, restore_best
         self.best_model: Any = None
+        self.best_epoch: int | None = None
         self.stopped_epoch: int | None = None
 
     def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
         if self._monitor.improved(self._monitor.value(context)):
+            self.best_epoch = context.sweep
             if self.restore_best:
                 self.best_model = _copy(trainer.model)
         elif self._monitor.wait >= self.patience:
             trainer.stop_training = True
             self.stopped_epoch = context.sweep
-            if self.restore_best and self.best_model is not None:
-                trainer.model = self.best_model
+
+    def on_train_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        if self.restore_best and self.best_model is not None:
+            trainer.model = _copy(self.best_model)  # a copy: the next fit's steps donate it
 
 
 class ReduceLROnPlateau(Callback):
     """Multiply the learning rate by ``factor`` when ``monitor`` stalls for ``patience`` epochs.
 
     The rate lives in the optimizer state (``ft.optim.set_hyperparameters``), so the
-    compiled step is reused: no recompilation.
+    compiled step is reused: no recompilation. With ``ft.optim.groups``, every group's
+    rate is multiplied, or only ``group``'s (a pattern given to ``groups``; the history
+    column ``"<group>/learning_rate"`` shows it). Of tied values the first epoch to reach
+    the best is the best (a value improves only by more than ``min_delta``).
 
     Example:
       >>> import functree as ft
       >>> reduce = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)
+      >>> head_only = ft.train.ReduceLROnPlateau(monitor="val_loss", group="head")
     """
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 2, *,
-                 mode: str = "min", min_delta: float = 0.0, min_lr: float = 0.0, cooldown: int = 0):
+                 mode: str = "min", min_delta: float = 0.0, min_lr: float = 0.0, cooldown: int = 0,
+                 group: str | None = None):
         if not 0 < factor < 1:
             raise ValueError(f"ReduceLROnPlateau factor must be in (0, 1), got {factor!r}; e.g. factor=0.5.")
         self._monitor = _Monitor("ReduceLROnPlateau", monitor, mode, min_delta)
         self.factor, self.patience, self.min_lr, self.cooldown = factor, patience, min_lr, cooldown
+        self.group = group
         self._cooling = 0
 
     def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
@@ -237,13 +282,24 @@ class ReduceLROnPlateau(Callback):
             return
         if improved or self._monitor.wait < self.patience:
             return
+        trainer.opt_state = self._reduced(trainer.opt_state)
+        self._monitor.wait, self._cooling = 0, self.cooldown
+
+    def _reduced(self, opt_state: Any) -> Any:
+        """``opt_state`` with the learning rate(s) multiplied by ``factor`` (at least ``min_lr``)."""
+        names = learning_rate_names(opt_state)
+        if self.group is not None:
+            name = group_learning_rate(opt_state, self.group)
+            if name is None:
+                raise ValueError(UNKNOWN_GROUP.format(group=self.group, names=names))
+            names = [name]
+        if not names:
+            raise ValueError(NO_LEARNING_RATE.format(error="no hyperparameter named learning_rate"))
+        now = hyperparameters(opt_state)
         try:
-            lr = float(hyperparameters(trainer.opt_state)["learning_rate"])
-            new = max(lr * self.factor, self.min_lr)
-            trainer.opt_state = set_hyperparameters(trainer.opt_state, learning_rate=new)
+            return set_hyperparameters(opt_state, {n: max(float(now[n]) * self.factor, self.min_lr) for n in names})
         except (KeyError, ValueError) as e:
             raise ValueError(NO_LEARNING_RATE.format(error=e)) from None
-        self._monitor.wait, self._cooling = 0, self.cooldown
 
 
 class ModelCheckpoint(Callback):

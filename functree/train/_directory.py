@@ -144,10 +144,12 @@ def _dead(owner: dict[str, Any]) -> bool:
 
 
 def best(scored: Iterable[tuple[Any, int]], mode: str) -> int | None:
-    """The step with the best finite score, ``(score, step)`` pairs, by ``mode``."""
-    valid = [(v, s) for v, s in scored
+    """The step with the best finite score, ``(score, step)`` pairs, by ``mode``; of tied
+    scores the first step to reach it (the rule of EarlyStopping and ReduceLROnPlateau)."""
+    sign = 1 if mode == "min" else -1
+    valid = [(sign * v, s) for v, s in scored
              if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v]
-    return None if not valid else (min(valid) if mode == "min" else max(valid))[1]
+    return None if not valid else min(valid)[1]
 
 
 def to_delete(steps: list[int], max_to_keep: int | None, best_step: int | None) -> list[int]:

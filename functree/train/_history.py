@@ -18,9 +18,11 @@ History has no values named {name!r}; per-epoch names are {epochs}, per-step nam
 class History:
     """Values recorded by :meth:`Trainer.fit`.
 
-    ``steps`` maps ``"step"`` and every per-step name (``loss``, metrics, ``learning_rate``)
-    to a list with one value per training step; ``epochs`` maps ``"epoch"`` and every
-    per-epoch name (epoch means, ``val_*``) to a list with one value per epoch.
+    ``steps`` maps ``"step"`` and every per-step name (``loss``, metrics, ``learning_rate``,
+    or with ``ft.optim.groups`` one ``"<group>/learning_rate"`` per group) to a list with
+    one value per training step; ``epochs`` maps ``"epoch"`` and every per-epoch name
+    (epoch means, ``val_*``, ``last_step``, and under ``on_nan="skip"`` ``skipped``: the
+    steps left out of the means) to a list with one value per epoch.
     ``history["loss"]`` reads per-epoch values (per-step when no epoch finished).
 
     Example:

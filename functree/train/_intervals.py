@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree.optim import context, hyperparameter_names, hyperparameters
+from functree.optim import context, hyperparameters
+from functree.optim._hyper import learning_rate_names
 
 __all__ = ["Interval", "next_buffer", "snapshot", "STOPPED_EARLIER"]
 
@@ -45,13 +46,16 @@ class Interval:
 
 
 def _snapshot(opt_state: Any) -> tuple[Any, Any]:
-    """Copies of the learning context and the learning rate (None without one), traced."""
-    lr = hyperparameters(opt_state)["learning_rate"] if "learning_rate" in hyperparameter_names(opt_state) else None
-    return jax.tree.map(jnp.copy, (context(opt_state), lr))  # copies: the next step donates the state
+    """Copies of the learning context and the learning rates by name (``{"learning_rate":
+    ...}``, one ``"<group>/learning_rate"`` per group of ``ft.optim.groups``, or none), traced."""
+    names = learning_rate_names(opt_state)
+    values = hyperparameters(opt_state) if names else {}
+    rates = {name: values[name] for name in names}
+    return jax.tree.map(jnp.copy, (context(opt_state), rates))  # copies: the next step donates the state
 
 
 snapshot = jax.jit(_snapshot)
-"""``(learning context, learning rate)`` of an optimizer state, copied on device: one
+"""``(learning context, learning rates by name)`` of an optimizer state, copied on device: one
 dispatch, the tree work done once at trace time."""
 
 

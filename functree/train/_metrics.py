@@ -83,6 +83,17 @@ def _describe(x: Any) -> str:
     return str(jax.tree.map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}{list(np.shape(a))}", x))
 
 
+def describe_batch(batch: Any) -> str:
+    """A batch's structure with each leaf as ``dtype[shape]``, for error messages.
+
+    Example:
+      >>> import numpy as np
+      >>> describe_batch((np.zeros((4, 3), np.float32), np.zeros(4, np.int32)))
+      "('float32[4, 3]', 'int32[4]')"
+    """
+    return _describe(batch)
+
+
 def _find_logits(aux: Any) -> Any:
     if isinstance(aux, Mapping):
         for name in ("logits", "outputs", "predictions", "y_pred"):

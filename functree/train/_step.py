@@ -32,7 +32,8 @@ from functree._jit import explain_control_flow, has_untraceable_leaves, unchecke
 from functree._naming import names as _leaf_names
 from functree._nan import NaNReport, provenance_text
 from functree._tree import is_none
-from functree.optim import Optimizer, context, hyperparameter_names, hyperparameters
+from functree.optim import Optimizer, context, hyperparameters
+from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import Gradients
 from functree.optim._replicas import varying_axes
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
@@ -464,7 +465,8 @@ class TrainStep:
         """``log`` after one step, on device: ``halt = [steps, step that stopped (-1), its
         nonfinite]``; with ``rows`` (the Trainer's buffer) row ``steps`` set to the metrics
         in their order (``nonfinite`` among them) and the learning rate, if the optimizer
-        has one: one write per step."""
+        has one (one per group of ``ft.optim.groups``, in ``learning_rate_names``' order):
+        one write per step."""
         count, stopped, index = log["halt"][0], log["halt"][1], log["halt"][2]
         bad = metrics.get(NONFINITE)
         if bad is not None and self.on_nan == "stop":
@@ -473,8 +475,10 @@ class TrainStep:
         new = {**log, "halt": jnp.stack([count + 1, stopped, index])}
         if "rows" in log:
             row = [jnp.asarray(v, jnp.float32) for v in metrics.values()]
-            if "learning_rate" in hyperparameter_names(opt_state):
-                row.append(jnp.asarray(hyperparameters(opt_state)["learning_rate"], jnp.float32))
+            rates = learning_rate_names(opt_state)  # one, or one per ft.optim.groups group
+            if rates:
+                values = hyperparameters(opt_state)
+                row.extend(jnp.asarray(values[name], jnp.float32) for name in rates)
             new["rows"] = log["rows"].at[count].set(jnp.stack(row))
         return new
 

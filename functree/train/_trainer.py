@@ -22,9 +22,10 @@ import numpy as np
 from functree import nn
 from functree._alias import copy_aliases, warn_aliases
 from functree._jit import eval_shape, has_untraceable_leaves, unchecked_jit
-from functree.optim import hyperparameter_names, next_sweep
+from functree.optim import next_sweep
 from functree.optim._average import averaged as averaged_parameters
 from functree.optim._average import keeps_average
+from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN
 from functree.train._callbacks import Callback, TrainingContext, _copy, as_callback
@@ -32,7 +33,7 @@ from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._history import History
 from functree.train._intervals import Interval, next_buffer, snapshot
-from functree.train._metrics import batch_size_of
+from functree.train._metrics import batch_size_of, describe_batch
 from functree.train._progress import Progress
 from functree.train._scan import check_steps_per_call, stack_batches
 from functree.train._step import (
@@ -91,6 +92,20 @@ the Trainer's.
 
     wrong:  ft.train.Trainer(model, optimizer, loss_fn)
     right:  ft.train.Trainer(model, optimizer, loss_fn, key=jax.random.key(0))"""
+
+EMPTY_MINIBATCH = """\
+step {step}: minibatch {index} of epoch {epoch} is empty (0 examples; minibatches and epochs \
+counted from 0, as trainer.batch_in_epoch and trainer.epoch). Its shapes: {shapes}.
+A step needs at least one example; drop empty minibatches where the data is made:
+
+    wrong:  loader = [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x) + 32, 32)]
+    right:  loader = [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x), 32)]
+       or:  ft.train.batches((x, y), batch_size=32)"""
+
+MALFORMED_MINIBATCH = """\
+step {step}: minibatch {index} of epoch {epoch} (counted from 0) failed in the training step. \
+Its shapes: {shapes}{first}. The error:
+{error}"""
 
 EVAL_KEY_SALT = 0x5EED
 """Folded into the trainer's key for evaluation and prediction keys (distinct from the
@@ -165,13 +180,20 @@ def _positive(what: str, value: Any) -> None:
 
 
 class _Means:
-    """Host-side weighted means: Σ n·v / Σ n over the steps added."""
+    """Host-side weighted means: Σ n·v / Σ n over the steps applied. A step skipped under
+    ``on_nan="skip"`` is left out of the means and counted in ``skipped``; a non-finite
+    value of an applied step (``on_nan="ignore"``) makes its mean NaN."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.weight = 0.0
+        self.skipped = 0
 
-    def add(self, values: Mapping[str, np.ndarray], weights: np.ndarray) -> None:
+    def add(self, values: Mapping[str, np.ndarray], weights: np.ndarray, applied: np.ndarray | None = None) -> None:
+        if applied is not None and not applied.all():
+            self.skipped += int(np.sum(~applied))
+            values = {k: v[applied] for k, v in values.items()}
+            weights = weights[applied]
         for name, column in values.items():
             finite = np.isfinite(column)
             self.sums[name] = self.sums.get(name, 0.0) + float(np.sum(np.where(finite, column, 0) * weights))
@@ -180,7 +202,8 @@ class _Means:
         self.weight += float(np.sum(weights))
 
     def means(self) -> dict[str, float]:
-        return {k: v / self.weight for k, v in self.sums.items()} if self.weight else {}
+        """The means (NaN where every step added was skipped)."""
+        return {k: v / self.weight if self.weight else math.nan for k, v in self.sums.items()}
 
 
 class Trainer:
@@ -291,6 +314,8 @@ class Trainer:
         self._capacity = 0  # rows of the buffer: log_every + steps_per_call - 1
         self._pending: list[Interval] = []  # closed log intervals not read yet (_intervals.py)
         self._names: list[str] | None = None
+        self._rates: list[str] = []  # the learning rates' names: the buffer's last columns
+        self._first_shapes = ""  # the first minibatch's shapes, for the error of a malformed one
         self._param_names: list[str] | None = None
         self._last_context: Any = None
         self._inflight: list[Any] = []  # the batches since the last read: references, no copies
@@ -320,12 +345,39 @@ class Trainer:
 
     def _new_buffer(self, capacity: int) -> Any:
         assert self._names is not None
-        columns = len(self._names) + self._has_learning_rate()
+        self._rates = learning_rate_names(self.opt_state)  # "learning_rate", or "<group>/learning_rate" each
+        columns = len(self._names) + len(self._rates)
         return {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
                 "rows": jnp.zeros((capacity, columns), jnp.float32)}  # one row per step: TrainStep.record
 
-    def _has_learning_rate(self) -> bool:
-        return "learning_rate" in hyperparameter_names(self.opt_state)
+    def _metric_means(self, means: _Means) -> dict[str, float]:
+        """``means.means()``, with ``skipped`` (steps left out) under ``on_nan="skip"``."""
+        values = means.means()
+        if self.on_nan == "skip":
+            values["skipped"] = means.skipped
+        return values
+
+    def _located(self, error: Exception, batch: Any, offset: int) -> Exception:
+        """``error`` of the step on the minibatch ``offset`` after the current position,
+        its message prefixed with the step, the minibatch, the epoch and the shapes (an
+        exception whose text is not its message gets them as a note)."""
+        first = f"; the trainer's first minibatch had {self._first_shapes}" if self._first_shapes else ""
+        text = MALFORMED_MINIBATCH.format(step=self.steps_run + offset + 1, index=self.batch_in_epoch + offset,
+                                          epoch=self.epoch, shapes=describe_batch(batch), first=first,
+                                          error=error)
+        original = error.args
+        error.args = (text,)
+        if str(error) != text:
+            error.args = original
+            error.add_note(text.split(" The error:")[0])
+        return error
+
+    def _check_minibatch(self, batch: Any, offset: int) -> None:
+        """An empty minibatch is an error naming it (before it reaches a step)."""
+        if _batch_size(batch) == 0:
+            raise ValueError(EMPTY_MINIBATCH.format(step=self.steps_run + offset + 1,
+                                                    index=self.batch_in_epoch + offset, epoch=self.epoch,
+                                                    shapes=describe_batch(batch)))
 
     def _metric_names(self, batch: Any) -> list[str]:
         """The step's metrics in the order it returns them (``nonfinite`` included)."""
@@ -389,19 +441,21 @@ class Trainer:
         nonfinite = rows[:, self._names.index(NONFINITE)] if NONFINITE in self._names else np.full(n, -1.0)
         weights = np.array([_batch_size(b) for b in interval.inflight[:n]], np.float32)  # host-known sizes
         columns = {k: v.tolist() for k, v in values.items()}
-        if rows.shape[1] > len(self._names):
-            columns["learning_rate"] = rows[:, -1].tolist()
-        self.history.add_steps(steps, columns)
+        rates = {name: rows[:, len(self._names) + i].tolist() for i, name in enumerate(self._rates)}
+        self.history.add_steps(steps, {**columns, **rates})
         self._last_context = None if self._pending or self._buffered else ctx  # the current one
         self._check_finite(steps, nonfinite.astype(np.int32), host["halt"], interval.inflight)
-        window.add(values, weights)
-        epoch.add(values, weights)
-        shown = dict(window.means())
-        if "learning_rate" in columns:
-            shown["lr"] = columns["learning_rate"][-1]
+        applied = nonfinite == -1 if self.on_nan == "skip" else None  # skipped steps: out of the means
+        window.add(values, weights, applied)
+        epoch.add(values, weights, applied)
+        shown = self._metric_means(window)
+        if self.on_nan == "skip":
+            shown["skipped"] = epoch.skipped  # the epoch's so far
+        for name, column in rates.items():
+            shown[name.replace("learning_rate", "lr")] = column[-1]
         bar.update(n, shown)
         if interval.log:
-            log = self._context("log", window.means(), ctx, step=interval.first + n - 1)
+            log = self._context("log", self._metric_means(window), ctx, step=interval.first + n - 1)
             window.__init__()
             for cb in cbs:
                 cb.on_log(self, log)
@@ -448,16 +502,17 @@ class Trainer:
                  step: int | None = None) -> TrainingContext:
         if arrays is None and self._last_context is None:  # valid until the next step
             self._last_context = jax.device_get(snapshot(self.opt_state))
-        ctx, lr = arrays or self._last_context
-        lr = None if lr is None else float(lr)
+        ctx, rates = arrays or self._last_context
+        rates = {name: float(v) for name, v in rates.items()}
         return TrainingContext(
             event=event,
             step=self.steps_run if step is None else step,
             sweep=int(ctx.sweep),
             samples_seen=int(ctx.samples_seen),
             minibatch_size=int(ctx.minibatch_size),
-            learning_rate=lr,
+            learning_rate=rates.get("learning_rate"),
             metrics=dict(metrics),
+            learning_rates=rates,
         )
 
     # --- fit -----------------------------------------------------------------------------
@@ -530,7 +585,7 @@ class Trainer:
             self._read(window, epoch, bar, cbs)
         finally:
             bar.close()
-        end = self._context("end", window.means())
+        end = self._context("end", self._metric_means(window))
         for cb in cbs:
             cb.on_train_end(self, end)
         return self.history
@@ -554,14 +609,20 @@ class Trainer:
 
         for batch in self._epoch_iter(data):
             batch = to_arrays(batch)
+            self._check_minibatch(batch, len(group))
             if self._names is None:
+                self._first_shapes = describe_batch(batch)
                 self._names = self._metric_names(batch)
             if self._buffer is None:
                 self._buffer = self._new_buffer(self._capacity)
             if k == 1:  # the plain loop, kept lean
                 self._inflight.append(batch)
-                self.model, self.opt_state, _, self._buffer = run(self.model, self.opt_state, batch, self.key,
-                                                                  self._buffer, owned=True)
+                try:
+                    self.model, self.opt_state, _, self._buffer = run(self.model, self.opt_state, batch, self.key,
+                                                                      self._buffer, owned=True)
+                except (ValueError, TypeError) as e:  # raised while tracing: nothing was donated
+                    self._inflight.pop()
+                    raise self._located(e, batch, 0) from e.__cause__
                 ran += 1
                 self.steps_run += 1
                 self.batch_in_epoch += 1
@@ -589,9 +650,12 @@ class Trainer:
         """``k`` minibatches as one call of ``k`` steps; fewer as single steps."""
         assert self._buffered + len(group) <= self._capacity, "the log buffer would overflow"
         calls = [(stack_batches(group), k)] if len(group) == k else [(b, 1) for b in group]
-        for batch, n in calls:
-            self.model, self.opt_state, _, self._buffer = self.train_step.run(
-                self.model, self.opt_state, batch, self.key, self._buffer, owned=True, steps=n)
+        for i, (batch, n) in enumerate(calls):
+            try:
+                self.model, self.opt_state, _, self._buffer = self.train_step.run(
+                    self.model, self.opt_state, batch, self.key, self._buffer, owned=True, steps=n)
+            except (ValueError, TypeError) as e:  # raised while tracing: nothing was donated
+                raise self._located(e, group[i], i) from e.__cause__
         self._inflight.extend(group)
         self.steps_run += len(group)
         self.batch_in_epoch += len(group)
@@ -600,7 +664,7 @@ class Trainer:
 
     def _end_epoch(self, epoch: _Means, bar: Progress, validation_data: Any, cbs: list[Callback],
                    batch_size: int | None) -> None:
-        values = epoch.means()
+        values = self._metric_means(epoch)
         if validation_data is not None:
             val = self.evaluate(validation_data, batch_size=batch_size)
             values.update({f"val_{k}": v for k, v in val.items()})
@@ -613,6 +677,7 @@ class Trainer:
         self._last_context = None
         self.history.add_epoch(self.epoch, {**values, "last_step": self.steps_run})
         ctx = self._context("epoch", values)
+        bar.end_epoch(values)
         for cb in cbs:
             cb.on_epoch_end(self, ctx)
 

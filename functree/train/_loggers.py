@@ -1,0 +1,205 @@
+"""Logging callbacks: the training record to a CSV file or to TensorBoard event files.
+
+Both write what callbacks see (:class:`TrainingContext`): the metric means of a log
+interval or an epoch (``val_*`` at epoch ends, ``skipped`` under ``on_nan="skip"``) and
+the learning rates (``learning_rate``, or one ``"<group>/learning_rate"`` per parameter
+group), against the training step. In a multi-process job only process 0 writes. A run
+resumed from a checkpoint at step ``s`` first drops what an earlier run wrote past ``s``
+(that work was lost with the interruption and is done again), so the file equals the
+uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from functree.train._callbacks import Callback, TrainingContext
+
+if TYPE_CHECKING:
+    from functree.train._trainer import Trainer
+
+__all__ = ["CSVLogger", "TensorBoardLogger"]
+
+BAD_EVERY = """\
+{who}(every={every!r}): every is "epoch" (a row per epoch end) or "log" (a row per log interval).
+    right:  ft.train.{who}(path, every="epoch")"""
+
+NO_TENSORBOARDX = """\
+ft.train.TensorBoardLogger writes event files with tensorboardX, which is not installed \
+({error}).
+
+    right:  pip install "functree[tensorboard]"       # or: pip install tensorboardX"""
+
+NOT_A_LOG = """\
+CSVLogger({path!s}, append=True): the file exists but is not a CSV log with a "step" \
+column (its header is {header}).
+
+    wrong:  ft.train.CSVLogger("data.csv", append=True)
+    right:  ft.train.CSVLogger("log.csv", append=True)    # a file a CSVLogger wrote
+       or:  ft.train.CSVLogger("data.csv")                # append=False: start it anew"""
+
+
+_WRITERS = itertools.count()
+"""Numbers the event files this process opens: tensorboardX names a file by the second
+and the host, so two opened within a second in one directory would be one file."""
+
+
+def _check_every(who: str, every: str) -> str:
+    if every not in ("epoch", "log"):
+        raise ValueError(BAD_EVERY.format(who=who, every=every))
+    return every
+
+
+def _record(context: TrainingContext) -> dict[str, Any]:
+    """The values of one row: epoch, step, learning rates, metrics (in that order)."""
+    return {"epoch": context.sweep, "step": context.step, **context.learning_rates, **context.metrics}
+
+
+class CSVLogger(Callback):
+    """Write a CSV row at every epoch end (``every="epoch"``, default) or log interval
+    (``every="log"``): ``epoch``, ``step``, the learning rate(s), then the metrics.
+
+    Values are written exactly (Python's shortest round-tripping form), so reading the
+    file back gives the history's numbers. A column first seen later (``val_*`` of a
+    first validation) extends the header; earlier rows leave it empty. ``append=False``
+    (default) starts the file anew at this logger's first ``fit``; ``append=True``
+    continues an existing file, first dropping rows past the trainer's step (the
+    restart recipe: restore the latest checkpoint, fit again with the same path).
+
+    Example:
+      >>> import csv, tempfile, functree as ft, jax.numpy as jnp, numpy as np
+      >>> x = np.linspace(-1, 1, 8, dtype=np.float32)[:, None]
+      >>> loss_fn = lambda m, b: jnp.mean((b[0] * m["w"] - b[1]) ** 2)
+      >>> trainer = ft.train.Trainer({"w": jnp.zeros(1)}, ft.optim.sgd(0.5), loss_fn)
+      >>> path = tempfile.mkdtemp() + "/log.csv"
+      >>> h = trainer.fit(ft.train.batches((x, 2 * x), 4), epochs=2, progress=False,
+      ...                 callbacks=[ft.train.CSVLogger(path)])
+      >>> with open(path) as f:
+      ...     rows = list(csv.DictReader(f))
+      >>> list(rows[0]), [float(r["loss"]) for r in rows] == h["loss"]
+      (['epoch', 'step', 'learning_rate', 'loss'], True)
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, every: str = "epoch", append: bool = False):
+        self.path = Path(path)
+        self.every = _check_every("CSVLogger", every)
+        self.append = append
+        self._columns: list[str] | None = None
+        self._started = False
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        if jax.process_index() != 0:
+            return
+        if not self._started and not self.append:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+            self._columns = None
+        elif self.path.exists():
+            columns, rows = self._read()
+            kept = [r for r in rows if int(r["step"]) <= trainer.steps_run]
+            if len(kept) < len(rows):
+                self._rewrite(columns, kept)
+            self._columns = columns
+        self._started = True
+
+    def _read(self) -> tuple[list[str] | None, list[dict[str, str]]]:
+        with self.path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            columns = None if reader.fieldnames is None else list(reader.fieldnames)
+        if columns is not None and "step" not in columns:
+            raise ValueError(NOT_A_LOG.format(path=self.path, header=columns))
+        return columns, rows
+
+    def _rewrite(self, columns: list[str] | None, rows: list[dict[str, Any]]) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", newline="") as f:
+            if columns is not None:
+                writer = csv.DictWriter(f, columns, restval="")
+                writer.writeheader()
+                writer.writerows(rows)
+        os.replace(tmp, self.path)  # atomic: an interruption leaves the old file or the new
+
+    def _write(self, context: TrainingContext) -> None:
+        if jax.process_index() != 0:
+            return
+        row = _record(context)
+        if self._columns is None or any(k not in self._columns for k in row):
+            columns = list(self._columns or []) + [k for k in row if k not in (self._columns or [])]
+            rows = self._read()[1] if self._columns is not None and self.path.exists() else []
+            self._rewrite(columns, rows)
+            self._columns = columns
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, self._columns, restval="").writerow(row)
+
+    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
+        if self.every == "log":
+            self._write(context)
+
+    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        if self.every == "epoch":
+            self._write(context)
+
+
+class TensorBoardLogger(Callback):
+    """Scalars to TensorBoard event files in ``logdir`` (through ``tensorboardX``, the
+    ``tensorboard`` extra: imported when a logger is made).
+
+    At every log interval each metric mean and learning rate is written as
+    ``"step/<name>"``, at every epoch end each epoch mean and validation metric as
+    ``"epoch/<name>"`` (``"step/head/learning_rate"`` for a parameter group), all
+    against the training step. A fit that starts at step ``s > 0`` (a restored job)
+    tells TensorBoard to drop what an earlier run wrote past ``s`` (tensorboardX's
+    ``purge_step``). ``every`` limits it to ``"log"`` or ``"epoch"`` records.
+
+    Example:
+      >>> import functree as ft, tempfile
+      >>> logger = ft.train.TensorBoardLogger(tempfile.mkdtemp() + "/runs/exp1")
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str], *, every: str | None = None):
+        try:
+            import tensorboardX
+        except ImportError as e:
+            raise ImportError(NO_TENSORBOARDX.format(error=e)) from None
+        self._writer_class = tensorboardX.SummaryWriter
+        self.logdir = Path(logdir)
+        self.every = None if every is None else _check_every("TensorBoardLogger", every)
+        self._writer: Any = None
+        self._purge: int | None = None
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        self.close()
+        self._purge = trainer.steps_run + 1 if trainer.steps_run else None
+
+    def _write(self, prefix: str, context: TrainingContext) -> None:
+        if jax.process_index() != 0 or self.every not in (None, context.event):
+            return
+        if self._writer is None:
+            suffix = f".{os.getpid()}.{next(_WRITERS)}"
+            self._writer = self._writer_class(str(self.logdir), purge_step=self._purge, filename_suffix=suffix)
+        for name, value in {**context.metrics, **context.learning_rates}.items():
+            self._writer.add_scalar(f"{prefix}/{name}", float(value), context.step)
+
+    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
+        self._write("step", context)
+
+    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        self._write("epoch", context)
+        if self._writer is not None:
+            self._writer.flush()
+
+    def on_train_end(self, trainer: Trainer, context: TrainingContext) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flush and close the event file (the next fit opens another in ``logdir``)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

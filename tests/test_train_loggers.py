@@ -1,0 +1,99 @@
+"""CSVLogger and TensorBoardLogger: files that read back to the history, resumed runs."""
+
+import csv
+import struct
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+
+RNG = np.random.default_rng(3)
+X = RNG.normal(size=(24, 2)).astype(np.float32)
+Y = (X @ np.array([[2.0], [-1.0]], np.float32)).astype(np.float32)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return jnp.mean((x @ model["w"] - y) ** 2)
+
+
+def make():
+    return ft.train.Trainer({"w": jnp.zeros((2, 1))}, ft.optim.Optimizer(ft.optim.sgd(0.1)), loss_fn)
+
+
+def data():
+    return ft.train.batches((X, Y), 8, key=jax.random.key(2))  # 3 steps per epoch
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_events(directory):
+    """``{tag: [(step, value)]}`` from TensorBoard event files (TFRecords of Event protos)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        raw = path.read_bytes()
+        at = 0
+        while at < len(raw):
+            (length,) = struct.unpack("<Q", raw[at : at + 8])
+            event = event_pb2.Event.FromString(raw[at + 12 : at + 12 + length])
+            at += 12 + length + 4  # length, its crc, the record, its crc
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_csv_and_tensorboard_logs_read_back_to_the_history(tmp_path):
+    pytest.importorskip("tensorboardX")
+    trainer = make()
+    epochs = ft.train.CSVLogger(tmp_path / "epochs.csv")
+    logs = ft.train.CSVLogger(tmp_path / "logs.csv", every="log")
+    board = ft.train.TensorBoardLogger(tmp_path / "runs")
+    callbacks = [epochs, logs, board]
+    trainer.fit(data(), epochs=1, log_every=1, progress=False, callbacks=callbacks)  # no validation yet
+    trainer.save(tmp_path / "ckpt")
+    history = trainer.fit(data(), epochs=1, log_every=1, validation_data=(X, Y), progress=False,
+                          callbacks=callbacks)
+    rows = read_csv(tmp_path / "epochs.csv")
+    assert list(rows[0]) == ["epoch", "step", "learning_rate", "loss", "val_loss"]  # header extended
+    assert rows[0]["val_loss"] == "" and [int(r["step"]) for r in rows] == history.epochs["last_step"]
+    for name in ("loss", "val_loss"):  # exact: read back, the history's numbers
+        assert [float(r[name]) for r in rows[1:]] == history.epochs[name][1:]
+    steps = read_csv(tmp_path / "logs.csv")
+    assert [int(r["step"]) for r in steps] == history.steps["step"] == list(range(1, 7))
+    assert [float(r["loss"]) for r in steps] == history.steps["loss"]
+    assert [float(r["learning_rate"]) for r in steps] == history.steps["learning_rate"]
+
+    scalars = read_events(tmp_path / "runs")
+    assert sorted(scalars) == ["epoch/learning_rate", "epoch/loss", "epoch/val_loss", "step/learning_rate", "step/loss"]
+    assert [s for s, _ in scalars["step/loss"]] == list(range(1, 7))
+    np.testing.assert_array_equal([v for _, v in scalars["step/loss"]], np.float32(history.steps["loss"]))
+    assert scalars["epoch/val_loss"] == [(6, np.float32(history.epochs["val_loss"][1]))]
+
+    # A restarted job: the steps past the checkpoint are dropped and written again, equal.
+    before = (tmp_path / "epochs.csv").read_text()
+    trainer.restore(tmp_path / "ckpt")
+    resumed = ft.train.CSVLogger(tmp_path / "epochs.csv", append=True)
+    trainer.fit(data(), epochs=1, log_every=1, validation_data=(X, Y), progress=False, callbacks=[resumed])
+    assert (tmp_path / "epochs.csv").read_text() == before
+
+
+def test_logger_errors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r'every is "epoch" \(a row per epoch end\) or "log"'):
+        ft.train.CSVLogger(tmp_path / "log.csv", every="step")
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    trainer = make()
+    with pytest.raises(ValueError, match=r'the file exists but is not a CSV log with a "step" column '
+                                         r"\(its header is \['a', 'b'\]\)"):
+        ft.train.CSVLogger(tmp_path / "data.csv", append=True).on_train_begin(trainer)
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed
+    with pytest.raises(ImportError, match=r'(?s)tensorboardX, which is not installed .*pip install "functree\[tensorboard\]"'):
+        ft.train.TensorBoardLogger(tmp_path / "runs")

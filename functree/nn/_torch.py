@@ -665,7 +665,12 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
         if items[0][0] == ():
             flat[stored] = _as_leaf(old, items[0][1])
             continue
-        array = np.array(old)
+        if isinstance(old, jax.ShapeDtypeStruct):  # an abstract template (jax.eval_shape): filled whole or kept
+            if len({index for index, _, _ in items}) < int(np.prod(old.shape[:len(items[0][0])])):
+                continue  # some members not given: reported missing, the leaf stays abstract
+            array = np.zeros(old.shape, old.dtype)
+        else:
+            array = np.array(old)
         floating = jnp.issubdtype(array.dtype, jnp.floating)
         for index, value, name in items:
             if value.dtype == array.dtype or (floating and jnp.issubdtype(value.dtype, jnp.floating)):

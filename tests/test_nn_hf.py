@@ -124,16 +124,19 @@ def test_llama_rope_scaling_at_70_tokens_tied(rope):
     assert_exports(model, hf)
 
 
-def test_bert():
+def test_bert_with_token_types_and_its_pooler():
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=2 * D, max_position_embeddings=16)
     hf = randomized(transformers.BertModel(config))
     model = ft.nn.from_hf(hf)
-    assert_equal_at_tokens(model, hf, positions=False)  # BERT's positions are 0..T-1 with any mask
     ids, mask = batch()
-    with torch.no_grad():
-        pooled = hf(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long()).pooler_output.numpy()
-    np.testing.assert_allclose(model.pooler(model(ids, mask)[:, 0]), pooled, rtol=0, atol=1e-5)
+    types = (np.arange(T) >= 5).astype(np.int32)[None].repeat(2, 0)
+    with torch.no_grad():  # BERT's positions are 0..T-1 with any mask
+        out = hf(*(torch.from_numpy(a).long() for a in (ids, mask, types)))
+    hidden = jax.jit(lambda m, *a: m(*a))(model, ids, mask, types)
+    real, expected = mask.astype(bool), out.last_hidden_state.numpy()
+    np.testing.assert_allclose(np.asarray(hidden)[real], expected[real], rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+    np.testing.assert_allclose(model.pooler(hidden[:, 0]), out.pooler_output.numpy(), rtol=0, atol=1e-5)
     assert_exports(model, hf)
 
 

@@ -3,9 +3,10 @@
 Each HF model is built from a tiny config with random weights (no download), its weights
 moved off HF's small initial values so every tensor matters. Logits must equal HF's at
 every real token of a left-padded batch (HF given ``position_ids = cumsum(mask) - 1``, as
-its ``generate`` computes them) to float32 rounding: atol 1e-5 times the logits'
-magnitude (the differences measured are below 2.5e-6 of it, under every XLA CPU
-instruction set). The user code of each port is one line: ``ft.nn.from_hf(hf)``.
+its ``generate`` computes them) to float32 rounding: atol 2.5e-5 times the logits'
+magnitude (the largest difference measured is 2.2e-6 of it, Llama 3 rope at 70 tokens,
+times 10; all pass under every XLA CPU instruction set with isa-sweep). The user code of
+each port is one line: ``ft.nn.from_hf(hf)``.
 """
 
 import os
@@ -60,7 +61,7 @@ def assert_equal_at_tokens(model, hf, length=T, positions=True):
     actual = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, mask))
     real = mask.astype(bool)
     assert actual.shape == expected.shape
-    np.testing.assert_allclose(actual[real], expected[real], rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+    np.testing.assert_allclose(actual[real], expected[real], rtol=0, atol=2.5e-5 * float(np.abs(expected).max()))
 
 
 def assert_exports(model, hf):
@@ -135,7 +136,8 @@ def test_bert_with_token_types_and_its_pooler():
         out = hf(*(torch.from_numpy(a).long() for a in (ids, mask, types)))
     hidden = jax.jit(lambda m, *a: m(*a))(model, ids, mask, types)
     real, expected = mask.astype(bool), out.last_hidden_state.numpy()
-    np.testing.assert_allclose(np.asarray(hidden)[real], expected[real], rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+    np.testing.assert_allclose(np.asarray(hidden)[real], expected[real], rtol=0,
+                               atol=2.5e-5 * float(np.abs(expected).max()))
     np.testing.assert_allclose(model.pooler(hidden[:, 0]), out.pooler_output.numpy(), rtol=0, atol=1e-5)
     assert_exports(model, hf)
 

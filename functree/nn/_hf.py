@@ -195,6 +195,11 @@ def _weights(weights: Any) -> Mapping[str, Any]:
     return weights
 
 
+def _array(x: Any) -> np.ndarray:
+    converted = _to_numpy(x)
+    return np.asarray(x) if converted is None else converted
+
+
 def _untie(model_type: str, model: Any, weights: Mapping[str, Any]) -> dict[str, Any]:
     """The weights without a tied head's copy of the embedding (checked equal to it)."""
     weights = dict(weights)
@@ -202,7 +207,7 @@ def _untie(model_type: str, model: Any, weights: Mapping[str, Any]) -> dict[str,
         return weights
     head, embedding = _HEADS[model_type]
     if head in weights and embedding in weights:
-        given, stored = _to_numpy(weights.pop(head)), _to_numpy(weights[embedding])
+        given, stored = _array(weights.pop(head)), _array(weights[embedding])
         if given.shape != stored.shape or not np.array_equal(given, stored):
             difference = float(np.abs(given.astype(np.float64) - stored.astype(np.float64)).max()) \
                 if given.shape == stored.shape else float("inf")

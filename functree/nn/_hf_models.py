@@ -118,7 +118,7 @@ def _attention_mask(mask: jax.Array | None, cached: bool) -> jax.Array | None:
     return mask[:, None, None, :]
 
 
-def _attend(attention: MultiheadAttention, x: jax.Array, mask: Any, cache: Any, positions: Any) -> tuple[Any, Any]:
+def _attend(attention: MultiheadAttention, x: jax.Array, mask: Any, cache: Any, positions: Any) -> Any:
     """``attention(x, mask=...)`` with ``cache=`` and ``positions=`` passed only when given."""
     extra = {name: v for name, v in (("cache", cache), ("positions", positions)) if v is not None}
     out = attention(x, mask=mask, **extra)
@@ -402,6 +402,9 @@ class BertEncoder(Module):
 
     layer: Stack
 
+    def __init__(self, layer: Stack):
+        self.layer = layer
+
 
 class BertModel(Module):
     """Hugging Face's ``BertModel`` as a functree model (built by :func:`ft.nn.from_hf`).
@@ -427,7 +430,7 @@ class BertModel(Module):
         k1, k2, k3 = jax.random.split(key, 3)
         act = gelu_exact if activation is None else activation
         self.embeddings = BertEmbeddings(vocab, positions, types, d, epsilon, key=k1, dtype=dtype)
-        self.encoder = BertEncoder(layer=Stack(lambda k: BertLayer(d, heads, hidden, act, epsilon, key=k,
+        self.encoder = BertEncoder(Stack(lambda k: BertLayer(d, heads, hidden, act, epsilon, key=k,
                                                                    dtype=dtype), layers, key=k2))
         self.pooler = Dense(d, d, tanh, key=k3, dtype=dtype) if pooler else None
 

@@ -284,10 +284,11 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
 
     Example:
       >>> import functree as ft, jax
-      >>> model = ft.nn.from_hf({"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "num_hidden_layers": 1,
-      ...                        "num_attention_heads": 2, "intermediate_size": 16}, key=jax.random.key(0))
-      >>> sorted(ft.nn.to_hf_state_dict(model, numpy=True))[:3]
-      ['lm_head.weight', 'model.embed_tokens.weight', 'model.layers.0.input_layernorm.weight']
+      >>> config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 2,
+      ...           "n_head": 2, "bos_token_id": 0, "eos_token_id": 0}
+      >>> sd = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+      >>> sd["transformer.h.1.attn.c_attn.weight"].shape, sd["lm_head.weight"] is sd["transformer.wte.weight"]
+      ((8, 24), True)
     """
     ports = (GPT2LMHeadModel, LlamaForCausalLM, BertModel)
     if not isinstance(model, ports):

@@ -152,6 +152,18 @@ def test_from_config_and_a_safetensors_file_without_torch(gpt2, tmp_path, monkey
     np.testing.assert_array_equal(exported["lm_head.weight"], gpt2.state_dict()["transformer.wte.weight"].numpy())
 
 
+def test_older_checkpoint_names_load_as_hf_reads_them(gpt2):
+    """The hub's gpt2 file: the body's names without ``transformer.``, causal-mask buffers."""
+    n = 80
+    old = {k.removeprefix("transformer."): v for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}
+    old.update({f"h.{i}.attn.bias": torch.ones(1, 1, n, n) for i in range(2)}, **{"h.0.attn.masked_bias": torch.ones(())})
+    expected = ft.to_flat_dict(ft.nn.from_hf(gpt2))
+    for name, value in ft.to_flat_dict(ft.nn.from_hf(gpt2.config, old)).items():
+        np.testing.assert_array_equal(value, expected[name])
+    bert = {"bert.embeddings.LayerNorm.gamma": np.ones(4, np.float32), "bert.embeddings.LayerNorm.beta": np.zeros(4)}
+    assert set(_hf._normalized("bert", bert)) == {"embeddings.LayerNorm.weight", "embeddings.LayerNorm.bias"}
+
+
 def test_fine_tune_the_top_two_layers_leaves_the_rest_bit_identical(llama):
     model = ft.nn.from_hf(llama)
     ids, mask = batch()

@@ -10,6 +10,7 @@ config given as a dict; torch only where the weights are torch tensors.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -195,6 +196,27 @@ def _weights(weights: Any) -> Mapping[str, Any]:
     return weights
 
 
+_GPT2_BUFFER = re.compile(r"(transformer\.)?h\.[0-9]+\.attn\.(bias|masked_bias)")
+
+
+def _normalized(model_type: str, weights: Mapping[str, Any]) -> dict[str, Any]:
+    """Checkpoint names as the covered class's ``state_dict`` has them, as HF's loader reads
+    older files: GPT-2's body saved without ``transformer.`` (the ``gpt2`` checkpoint) and its
+    causal-mask buffers ``h.N.attn.bias``; BERT saved with ``bert.`` and LayerNorm's
+    ``gamma``/``beta``."""
+    out = dict(weights)
+    if model_type == "gpt2":
+        out = {k: v for k, v in out.items() if not _GPT2_BUFFER.fullmatch(k)}
+        if "wte.weight" in out and "transformer.wte.weight" not in out:
+            out = {k if k.startswith("lm_head.") else "transformer." + k: v for k, v in out.items()}
+    elif model_type == "bert":
+        if any(k.startswith("bert.") for k in out) and not any(k.startswith("embeddings.") for k in out):
+            out = {k[len("bert."):] if k.startswith("bert.") else k: v for k, v in out.items()}
+        out = {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v
+               for k, v in out.items()}
+    return out
+
+
 def _array(x: Any) -> np.ndarray:
     converted = _to_numpy(x)
     return np.asarray(x) if converted is None else converted
@@ -226,7 +248,10 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     ``llama3``: :class:`ft.nn.RopeScaling`) or ``BertModel``. ``from_hf(config, weights)``
     takes its config (an HF config, or a ``config.json`` dict) and a state dict (torch
     tensors or NumPy arrays) or the path of a ``.safetensors`` file (read without torch).
-    Parameters are cast to ``dtype``. ``from_hf(config, key=key)`` without weights builds
+    Parameters are cast to ``dtype``. Older checkpoint names read as HF's loader reads them
+    (GPT-2's body without ``transformer.`` and its mask buffers ``h.N.attn.bias``; BERT's
+    ``bert.`` prefix and LayerNorm ``gamma``/``beta``); a task head's tensors (BERT's
+    ``cls.*``) are unexpected: drop them first. ``from_hf(config, key=key)`` without weights builds
     the model with ``ft.nn``'s random initialization (to train from scratch).
 
     The model (:class:`GPT2LMHeadModel`, :class:`LlamaForCausalLM`, :class:`BertModel` of
@@ -268,7 +293,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
         return build(config, {"pooler.dense.weight"}, dtype, key)
-    weights = _weights(weights)
+    weights = _normalized(model_type, _weights(weights))
     template = jax.eval_shape(lambda: build(config, set(weights), dtype, jax.random.key(0)))
     weights = _untie(model_type, template, weights)
     cls = type(template)

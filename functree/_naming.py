@@ -76,7 +76,7 @@ from functree._tree import bounded_put, cached, dotted_name, is_none
 
 __all__ = [
     "LeafInfo", "leaf_infos", "names", "member_names", "matches", "rename_pattern", "fill_stars", "selection",
-    "closest", "check_patterns", "member_rule_names", "NothingSelected", "is_tied", "resolve_alias", "tie_targets", "untransform",
+    "closest", "suggestion", "check_patterns", "member_rule_names", "NothingSelected", "is_tied", "resolve_alias", "tie_targets", "untransform",
 ]
 
 SELECTS_NOTHING = """\
@@ -95,9 +95,11 @@ class NothingSelected(ValueError):
     """A pattern selected nothing: ``pattern``, the ``close`` names, and ``out_of_range``
     (the message for a member index past a stack's end, else None)."""
 
-    def __init__(self, message: str, pattern: str, close: list[str], out_of_range: str | None):
+    def __init__(self, message: str, pattern: str, close: list[str], out_of_range: str | None,
+                 suggestion: str | None = None):
         super().__init__(message)
         self.pattern, self.close, self.out_of_range = pattern, close, out_of_range
+        self.suggestion = suggestion  # the pattern most likely meant (``suggestion()``), or None
 
 
 TIE_SHAPE = """\
@@ -406,8 +408,75 @@ def all_names(infos: Sequence[LeafInfo]) -> list[str]:
 
 
 def closest(pattern: str, infos: Sequence[LeafInfo], n: int = 3) -> list[str]:
-    """The names of ``infos`` closest to ``pattern`` (difflib), for an error."""
-    return difflib.get_close_matches(pattern, all_names(infos), n=n, cutoff=0.0)
+    """The names of ``infos`` closest to ``pattern``, for an error: those the
+    :func:`suggestion` selects first, then by difflib."""
+    every = all_names(infos)
+    better = suggestion(pattern, infos)
+    first = [] if better is None else [m for m in every if matches(m, better)][:n]
+    rest = difflib.get_close_matches(pattern, [m for m in every if m not in first], n=n, cutoff=0.0)
+    return (first + rest)[:n]
+
+
+# Torch's names of ft.nn leaves (a norm's weight is ft's scale, an embedding's its embeddings).
+_SYNONYMS = {"weight": ("embeddings", "scale"), "bias": ("offset",), "gamma": ("scale",), "beta": ("offset",),
+             "running_var": ("running_variance",)}
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _words(part: str) -> list[str]:
+    return [w for w in part.lower().split("_") if w]
+
+
+def _part_score(given: str, candidate: str) -> float:
+    """How well a name part fits a pattern's part: the share of their words (split at
+    ``_``) that abbreviate each other in order (``q_proj``: ``query_projection`` 1.0,
+    ``up_proj`` 0.5); a torch synonym (``weight``: ``scale``) 1.0; 0 when none does."""
+    if candidate in _SYNONYMS.get(given, ()):
+        return 1.0
+    a, b = _words(given), _words(candidate)
+    if not a or not b:
+        return 0.0
+    hits, j = 0, 0
+    for w in a:
+        for k in range(j, len(b)):
+            if b[k].startswith(w) or w.startswith(b[k]):
+                hits, j = hits + 1, k + 1
+                break
+    return hits / max(len(a), len(b))
+
+
+def suggestion(pattern: str, infos: Sequence[LeafInfo]) -> str | None:
+    """The pattern the user most likely meant: ``pattern`` with its literal name parts
+    replaced, one at a time or all unknown ones together, by the tree's closest parts
+    (:func:`_part_score`: ``*.q_proj`` → ``*.query_projection``), if that selects a name;
+    None when no part is close (never an unrelated name)."""
+    every = all_names(infos)
+    known = {part for name in every for part in name.split(".")}
+    parts = pattern.split(".")
+
+    def candidates(i: int) -> list[str]:
+        scored = [(_part_score(parts[i], k), difflib.SequenceMatcher(None, parts[i], k).ratio(), k) for k in known]
+        return [k for score, _, k in sorted(scored, reverse=True) if score > 0][:3]
+
+    def selects(p: str) -> bool:
+        return any(matches(name, p) for name in every)
+
+    literal = [i for i, part in enumerate(parts) if part and not _GLOB.search(part)]
+    unknown = [i for i in literal if parts[i] not in known]
+    options = {i: candidates(i) for i in literal}
+    if unknown and all(options[i] for i in unknown):  # every unknown part by its best fit
+        for choice in itertools.product(*(options[i] for i in unknown)):
+            trial = list(parts)
+            for i, c in zip(unknown, choice):
+                trial[i] = c
+            if selects(".".join(trial)):
+                return ".".join(trial)
+    for i in literal:  # or one part replaced
+        for c in options[i]:
+            trial = ".".join(parts[:i] + [c] + parts[i + 1:])
+            if c != parts[i] and selects(trial):
+                return trial
+    return None
 
 
 _INDEX = re.compile(r"[0-9]+")
@@ -446,10 +515,11 @@ def nothing_selected(pattern: str, what: str, kind: str, infos: Sequence[LeafInf
     out_of_range = _out_of_range(pattern, infos, what)
     if out_of_range is not None:
         return NothingSelected(out_of_range, pattern, close, out_of_range)
-    right = f"{what}(..., {close[0]!r})" if close else f"{what}(..., '*')"
+    better = suggestion(pattern, infos)
+    right = f"{what}(..., {better or (close[0] if close else '*')!r})"
     message = SELECTS_NOTHING.format(what=what, pattern=pattern, kind=kind, close=", ".join(map(repr, close)) or "none",
                                      wrong=f"{what}(..., {pattern!r})", right=right)
-    return NothingSelected(message, pattern, close, None)
+    return NothingSelected(message, pattern, close, None, better)
 
 
 def member_rule_names(pattern: str, infos: Sequence[LeafInfo]) -> list[str]:

@@ -58,7 +58,7 @@ Differentiation points are pytrees of arrays. Keep configuration in a static fie
 PATTERN_SELECTS_NOTHING = """\
 wrt={patterns!r} selects no parameter of {fn}'s first argument{extra}.
 Patterns are globs over dotted names such as {examples}.
-"""
+{right}"""
 
 PATTERN_SELECTS_NON_PARAMETER = """\
 wrt={patterns!r} selects {path}, which is not a parameter ({why}). \
@@ -188,8 +188,9 @@ class Plan:
                 raise ValueError(e.out_of_range) from None
             parameter_names = [n for n, ok in zip(names(x), usable) if ok]
             examples = list(dict.fromkeys(e.close + parameter_names[:3]))
+            right = "" if e.suggestion is None else f"    right:  wrt={e.suggestion!r}\n"
             raise ValueError(PATTERN_SELECTS_NOTHING.format(
-                patterns=pattern, fn=fn_name(self.f), extra="", examples=examples)) from None
+                patterns=pattern, fn=fn_name(self.f), extra="", examples=examples, right=right)) from None
         if any(np.any(h) and ok for h, ok in zip(hits, usable)):
             return
         first = next(i for i, h in enumerate(hits) if np.any(h))

@@ -279,3 +279,42 @@ def test_names_of_abstract_trees_slice_nothing():
     chosen = ft.to_flat_dict(ft.select(make_net(), "h.1"), unstack=True)
     assert [k for k, v in chosen.items() if v] == ["h.1.up.weight", "h.1.up.bias", "h.1.norm.scale",
                                                    "h.1.norm.offset"]
+
+
+def _llama_like():
+    """HF's Llama names on ft.nn layers: attention projections under ft's names."""
+    def block(k):
+        return {"self_attn": ft.nn.MultiheadAttention(4, 2, key=k), "mlp": {"up_proj": ft.nn.Dense(4, 4, key=k)},
+                "input_layernorm": ft.nn.RMSNorm(4)}
+    return {"model": {"layers": [block(k) for k in jax.random.split(jax.random.key(0), 2)],
+                      "embed_tokens": ft.nn.Embedding(5, 4, key=jax.random.key(1))}}
+
+
+@pytest.mark.parametrize("pattern, meant", [
+    ("*.q_proj", "*.query_projection"),                       # abbreviated words, not the look-alike up_proj
+    ("*.q_proj.*", "*.query_projection.*"),
+    ("model.layers.*.self_attn.o_proj.weight", "model.layers.*.self_attn.output_projection.weight"),
+    ("*.embed_tokens.weight", "*.embed_tokens.embeddings"),   # torch's names of ft.nn leaves
+    ("*.input_layernorm.weight", "*.input_layernorm.scale"),
+    ("*.foo", None),                                          # nothing close: no suggestion at all
+    ("*.mlp.bias_x", None),
+])
+def test_a_pattern_that_selects_nothing_suggests_the_closest_name_by_parts(pattern, meant):
+    tree = jax.eval_shape(_llama_like)
+    infos = _naming.leaf_infos(tree)
+    assert _naming.suggestion(pattern, infos) == meant
+    if meant is not None:
+        assert all(_naming.matches(n, meant) for n in _naming.closest(pattern, infos)[:1])
+
+
+def test_wrt_errors_name_the_suggested_pattern():
+    model = jax.eval_shape(_llama_like)
+    with pytest.raises(ValueError, match=r"(?s)wrt='\*.q_proj' selects no parameter.*right:  wrt='\*.query_projection'"):
+        ft.gradient(lambda m: 0.0, at=model, wrt="*.q_proj")
+    with pytest.raises(ValueError, match=r"right:  ft.optim.Optimizer\(tx, wrt=\"\*.query_projection\"\)"):
+        ft.optim.Optimizer(optax.sgd(0.1), wrt="*.q_proj").init(model)
+    with pytest.raises(ValueError, match=r"right:  ft.select\(..., '\*.query_projection'\)"):
+        ft.select(model, "*.q_proj")
+    with pytest.raises(ValueError) as unrelated:
+        ft.gradient(lambda m: 0.0, at=model, wrt="*.foo")
+    assert "right:" not in str(unrelated.value)

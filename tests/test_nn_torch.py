@@ -654,3 +654,58 @@ def test_every_name_maps_to_its_torch_name_and_loads_back_bit_for_bit(spec, d):
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
+
+
+class AttentionBlock(ft.Module):
+    self_attn: ft.nn.MultiheadAttention
+
+
+def filled(make):
+    """``make()``'s structure with random values, built without running its initializers."""
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape).astype(s.dtype)), jax.eval_shape(make))
+
+
+def test_missing_attention_tensors_suggest_layouts():
+    model = filled(lambda: {"blocks": ft.nn.Stack(
+        lambda k: AttentionBlock(ft.nn.MultiheadAttention(8, 4, num_kv_heads=2, key=k)), 2, key=K[0])})
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    split = ft.nn.torch_state_dict(model, layouts={"*.self_attn": names}, numpy=True)
+    shuffled = dict(sorted(split.items(), key=lambda kv: kv[0][::-1]))  # o/v/k/q found in another order
+    with pytest.raises(ValueError, match=r"(?s)The attention blocks.0.self_attn .* missing its tensors.*"
+                                         r"layouts=\{'blocks.\*.self_attn': \('q_proj', 'k_proj', 'v_proj', 'o_proj'\)\}"):
+        ft.nn.load_torch_state_dict(model, shuffled)
+    fused = ft.nn.torch_state_dict(model, layouts={"*.self_attn": "conv1d"}, numpy=True)
+    with pytest.raises(ValueError, match=r"layouts=\{'blocks.\*.self_attn': 'conv1d'\}"):
+        ft.nn.load_torch_state_dict(model, fused)
+    with pytest.raises(ValueError, match=r"does not fit the model") as unrelated:  # no attention tensors: no hint
+        ft.nn.load_torch_state_dict(model, {})
+    assert "layouts=" not in str(unrelated.value).split("strict=False)")[-1]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, key=k), 2, key=K[0]),
+    lambda: ft.nn.Stack(lambda k: ft.nn.Stack(lambda j: ft.nn.LayerNorm(3), 2, key=k), 2, key=K[0]),
+    lambda: ft.nn.Sequential(ft.nn.Conv2D(2, 3, 3, key=K[0]), ft.nn.BatchNorm(3), ft.nn.GroupNorm(1, 3)),
+    lambda: {"e": ft.nn.Embedding(5, 4, key=K[0]), "a": ft.nn.MultiheadAttention(4, 2, key=K[1]),
+             "r": ft.nn.RNN(ft.nn.LSTMCell(4, 3, key=K[2])), "g": ft.nn.GRUCell(4, 3, key=K[3]),
+             "m": ft.nn.Remat(ft.nn.RMSNorm(4)), "t": ft.nn.Conv1DTranspose(2, 3, 3, key=K[4])},
+    lambda: ft.nn.Shared({"embed": ft.nn.Embedding(5, 4, key=K[0]), "head": ft.nn.Dense(4, 5, key=K[1])},
+                         {"head.weight": ("embed.embeddings", jnp.transpose)}),
+], ids=["Stack", "nested Stack", "conv and norms", "other layers", "Shared"])
+def test_loading_into_an_eval_shape_template_fills_every_layer(make):
+    real = filled(make)
+    loaded = ft.nn.load_torch_state_dict(jax.eval_shape(make), ft.nn.torch_state_dict(real, numpy=True))
+    assert jax.tree.structure(loaded) == jax.tree.structure(real)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(real)):
+        assert isinstance(a, jax.Array) and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_eval_shape_template_missing_a_member_keeps_it_abstract_and_reports_it():
+    make = lambda: {"h": ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, key=k), 2, key=K[0])}  # noqa: E731
+    sd = ft.nn.torch_state_dict(filled(make), numpy=True)
+    del sd["h.1.weight"]
+    loaded, report = ft.nn.load_torch_state_dict(jax.eval_shape(make), sd, strict=False)
+    assert report.missing == ("h.1.weight",)
+    assert isinstance(loaded["h"].layers.weight, jax.ShapeDtypeStruct) and isinstance(loaded["h"].layers.bias, jax.Array)

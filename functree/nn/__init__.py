@@ -37,6 +37,7 @@ from functree.nn._check import LayerInputError
 from functree.nn._conv import Conv1D, Conv1DTranspose, Conv2D, Conv2DTranspose
 from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
+from functree.nn._hf import from_hf, to_hf_state_dict
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer, inference, inferring, is_training, training
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
@@ -53,7 +54,7 @@ from functree.nn._pooling import (
 )
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState
 from functree.nn._remat import Remat
-from functree.nn._rotary import RotaryEmbedding, apply_rotary
+from functree.nn._rotary import RopeScaling, RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
 from functree.nn._shared import Shared
 from functree.nn._stack import Stack
@@ -111,10 +112,13 @@ __all__ = [
     "RNN",
     "MultiheadAttention",
     "RotaryEmbedding",
+    "RopeScaling",
     "apply_rotary",
     # torch interop
     "load_torch_state_dict",
     "torch_state_dict",
+    "from_hf",
+    "to_hf_state_dict",
     # activations and initializers
     "identity",
     "relu",

@@ -20,7 +20,7 @@ from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
-from functree.nn._rotary import apply_rotary
+from functree.nn._rotary import RopeScaling, apply_rotary
 
 __all__ = ["MultiheadAttention"]
 
@@ -74,7 +74,8 @@ class MultiheadAttention(Layer):
     attends with key/value head ``h // (num_heads // K)`` (Hugging Face's ``repeat_kv``
     order). The default ``K = num_heads`` is ordinary multi-head attention.
     ``rotary=base`` (``True``: 10000) rotates each head's queries and keys by their
-    positions ``0 .. T-1`` (:func:`ft.nn.apply_rotary`, the LLaMA / GPT-NeoX layout).
+    positions ``0 .. T-1`` (:func:`ft.nn.apply_rotary`, the LLaMA / GPT-NeoX layout);
+    ``rotary=ft.nn.RopeScaling(...)`` with scaled frequencies (Llama 3, YaRN, ...).
 
     ``causal=True`` lets query ``i`` attend to keys ``j <= i`` only (combined with
     ``mask``). ``dropout=p`` drops attention weights with probability ``p`` (scaling the
@@ -102,7 +103,7 @@ class MultiheadAttention(Layer):
     output_projection: Dense
     num_heads: int = field(static=True, default=1)
     num_kv_heads: int = field(static=True, default=1)
-    rotary: float | None = field(static=True, default=None)
+    rotary: float | RopeScaling | None = field(static=True, default=None)
     causal: bool = field(static=True, default=False)
     dropout: float = field(static=True, default=0.0)
     implementation: Literal["xla", "cudnn"] | None = field(static=True, default=None)
@@ -114,7 +115,7 @@ class MultiheadAttention(Layer):
         num_heads: int,
         *,
         num_kv_heads: int | None = None,
-        rotary: float | bool | None = None,
+        rotary: float | bool | RopeScaling | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
         output_size: int | None = None,
@@ -148,7 +149,8 @@ class MultiheadAttention(Layer):
         self.value_projection = Dense(value_size, kv_heads * vo, use_bias=use_bias, key=kv, dtype=dtype)
         self.output_projection = Dense(num_heads * vo, output_size, use_bias=use_bias, key=ko, dtype=dtype)
         self.num_heads, self.num_kv_heads = num_heads, kv_heads
-        self.rotary = 10000.0 if rotary is True else (None if rotary is None or rotary is False else float(rotary))
+        self.rotary = 10000.0 if rotary is True else (None if rotary is None or rotary is False else
+                                                      rotary if isinstance(rotary, RopeScaling) else float(rotary))
         self.causal, self.dropout, self.implementation = bool(causal), float(dropout), implementation
         self.training = training
 

@@ -8,14 +8,19 @@ of GPT-NeoX and LLaMA) by the angle ``p * theta_i`` with ``theta_i = base^(-2i /
 
 so ``<rotate(q, m), rotate(k, n)>`` depends on the positions only through ``m - n``.
 Angles and rotation are computed in float32 (or wider) and returned in the input dtype.
+:class:`RopeScaling` replaces the frequencies ``theta_i`` by scaled ones (context
+extension: Llama 3's, YaRN, linear and dynamic NTK), as Hugging Face computes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._module import field
 from functree._repr import short_array
@@ -23,7 +28,7 @@ from functree.nn._check import check_input
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
 
-__all__ = ["apply_rotary", "RotaryEmbedding"]
+__all__ = ["apply_rotary", "RotaryEmbedding", "RopeScaling"]
 
 ODD_SIZE = """\
 apply_rotary expects x [..., size] with an even size (features are rotated in pairs), \
@@ -49,13 +54,143 @@ RotaryEmbedding: seq_axis must count from the end and precede the feature axis (
     right:  ft.nn.RotaryEmbedding({size}, seq_axis=-3)     # x: [batch, T, heads, {size}]
 """
 
+UNKNOWN_ROPE = """\
+ft.nn.RopeScaling: rope type {kind!r} is not covered; covered: {known}.
 
-def apply_rotary(x: Any, positions: Any, *, base: float = 10000.0) -> jax.Array:
+    wrong:  ft.nn.RopeScaling({kind!r}, ...)
+    right:  ft.nn.RopeScaling("llama3", base=500000.0, factor=8.0, original_max_positions=8192)
+"""
+
+ROPE_NEEDS = """\
+ft.nn.RopeScaling({kind!r}) needs {needs}; given {given}.
+
+    wrong:  ft.nn.RopeScaling({kind!r}, base=10000.0)
+    right:  ft.nn.RopeScaling({kind!r}, base=10000.0, {example})
+"""
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequencies ``theta_i`` scaled for a longer context (Hugging Face's ``rope_type``).
+
+    With ``d`` the rotated size, ``theta_i = base^(-2i/d)`` (``"default"``) becomes:
+
+    * ``"linear"``: ``theta_i / factor`` (positions interpolated: ``p / factor``).
+    * ``"dynamic"`` (NTK-aware): ``base`` grows with the sequence, ``base' = base (factor L /
+      L0 - (factor - 1))^(d / (d - 2))`` with ``L = max(max position + 1, L0)`` over the
+      call's positions and ``L0 = original_max_positions`` (no change up to ``L0``).
+    * ``"llama3"``: wavelengths ``lambda_i = 2 pi / theta_i`` above ``L0 / low_freq_factor``
+      are divided by ``factor``, those below ``L0 / high_freq_factor`` kept, and in between
+      ``(1 - s) theta_i / factor + s theta_i`` with ``s = (L0 / lambda_i - low) / (high - low)``.
+    * ``"yarn"`` (Peng et al. 2023): ``theta_i`` blends ``theta_i`` (dimensions rotating
+      more than ``beta_fast`` times over ``L0``) and ``theta_i / factor`` (fewer than
+      ``beta_slow``) along a linear ramp, and cos/sin are scaled by ``attention_factor``
+      (default ``0.1 ln(factor) + 1``, or its ``mscale`` / ``mscale_all_dim`` ratio).
+
+    Pass it where a rotary base goes: ``ft.nn.MultiheadAttention(..., rotary=scaling)``,
+    ``ft.nn.apply_rotary(x, positions, base=scaling)``. Hashable (a static field).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> linear = ft.nn.RopeScaling("linear", factor=2.0)
+      >>> linear.inverse_frequencies(4)       # theta = (1, 1/100) halved
+      Array([0.5  , 0.005], dtype=float32)
+      >>> x = jnp.array([[1.0, 0.0, 1.0, 0.0]])
+      >>> bool(jnp.allclose(ft.nn.apply_rotary(x, jnp.array([2]), base=linear), ft.nn.apply_rotary(x, jnp.array([1]))))
+      True
+    """
+
+    kind: str = "default"
+    base: float = 10000.0
+    factor: float = 1.0
+    original_max_positions: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_TYPES:
+            raise ValueError(UNKNOWN_ROPE.format(kind=self.kind, known=", ".join(ROPE_TYPES)))
+        if self.kind in ("dynamic", "yarn", "llama3") and self.original_max_positions is None:
+            raise ValueError(ROPE_NEEDS.format(kind=self.kind, needs="original_max_positions (the pretrained context)",
+                                               given="none", example="factor=4.0, original_max_positions=2048"))
+        if self.kind != "default" and not (isinstance(self.factor, (int, float)) and self.factor >= 1):
+            raise ValueError(ROPE_NEEDS.format(kind=self.kind, needs="factor >= 1", given=f"factor={self.factor!r}",
+                                               example="factor=4.0, original_max_positions=2048"))
+
+    @property
+    def scale(self) -> float:
+        """The factor on cos and sin (YaRN's attention factor; 1 otherwise)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(m: float) -> float:
+            return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.mscale) / mscale(self.mscale_all_dim)
+        return mscale(1.0)
+
+    def inverse_frequencies(self, size: int, positions: Any = None) -> jax.Array:
+        """``theta_i`` for ``i < size / 2`` (float32); ``"dynamic"`` reads the largest of
+        ``positions``."""
+        exponents = np.arange(0, size, 2, dtype=np.float64) / size
+        theta = 1.0 / self.base ** exponents
+        if self.kind == "linear":
+            theta = theta / self.factor
+        elif self.kind == "llama3":
+            theta = self._llama3(theta)
+        elif self.kind == "yarn":
+            theta = self._yarn(theta, size)
+        elif self.kind == "dynamic" and positions is not None:
+            original = float(self.original_max_positions or 0)
+            longest = jnp.maximum(jnp.max(jnp.asarray(positions)).astype(jnp.float32) + 1, original)
+            base = self.base * (self.factor * longest / original - (self.factor - 1)) ** (size / (size - 2))
+            return 1.0 / base ** jnp.asarray(exponents, jnp.float32)
+        return jnp.asarray(theta, jnp.float32)
+
+    def _llama3(self, theta: np.ndarray) -> np.ndarray:
+        old = float(self.original_max_positions or 0)
+        low, high = self.low_freq_factor, self.high_freq_factor
+        wavelength = 2 * math.pi / theta
+        scaled = np.where(wavelength > old / low, theta / self.factor, theta)
+        smooth = (old / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelength >= old / high) & (wavelength <= old / low)
+        return np.where(medium, smoothed, scaled)
+
+    def _yarn(self, theta: np.ndarray, size: int) -> np.ndarray:
+        old = float(self.original_max_positions or 0)
+
+        def dimension(rotations: float) -> float:  # the dimension turning `rotations` times over `old`
+            return size * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(self.base))
+
+        low, high = dimension(self.beta_fast), dimension(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, size - 1)
+        high = high + 0.001 if low == high else high
+        ramp = np.clip((np.arange(size // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        keep = 1 - ramp  # 1: extrapolate (theta as is), 0: interpolate (theta / factor)
+        return theta / self.factor * (1 - keep) + theta * keep
+
+
+def apply_rotary(x: Any, positions: Any, *, base: float | RopeScaling = 10000.0) -> jax.Array:
     """Rotate ``x [..., size]`` by the rotary embedding of ``positions`` (see the module).
 
     ``positions`` (integers or floats) broadcast against ``x.shape[:-1]``: one position per
     feature vector. For per-head queries ``[batch, T, heads, head_size]`` pass
-    ``jnp.arange(T)[:, None]``.
+    ``jnp.arange(T)[:, None]``. ``base`` is the base of ``theta_i``, or a
+    :class:`RopeScaling` (scaled frequencies).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -77,9 +212,14 @@ def apply_rotary(x: Any, positions: Any, *, base: float = 10000.0) -> jax.Array:
         raise ValueError(BAD_POSITIONS.format(given=short_array(positions), lead=list(x.shape[:-1]))) from None
     dtype = statistics_dtype(x.dtype)
     half = size // 2
-    theta = jnp.asarray(base, dtype) ** (-jnp.arange(half, dtype=dtype) * 2 / size)
+    if isinstance(base, RopeScaling):
+        theta = base.inverse_frequencies(size, positions).astype(dtype)
+    else:
+        theta = jnp.asarray(base, dtype) ** (-jnp.arange(half, dtype=dtype) * 2 / size)
     angle = positions.astype(dtype)[..., None] * theta
     cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if isinstance(base, RopeScaling) and base.scale != 1.0:
+        cos, sin = cos * jnp.asarray(base.scale, dtype), sin * jnp.asarray(base.scale, dtype)
     xs = x.astype(dtype)
     first, second = xs[..., :half], xs[..., half:]
     y = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)

@@ -77,7 +77,13 @@ ft.nn.load_torch_state_dict: the state dict does not fit the model (names as tor
 The model's torch names are its key paths without Sequential's "layers" (a Stack's members \
 are h.0, h.1, ...), e.g. {example}.
 Map differing prefixes with rename={{"torch.prefix": "model.prefix"}}, or pass strict=False \
-to load what fits and get this report back: model, report = ft.nn.load_torch_state_dict(model, sd, strict=False)"""
+to load what fits and get this report back: model, report = ft.nn.load_torch_state_dict(model, sd, strict=False){hint}"""
+
+LAYOUTS_HINT = """
+The attention {layer} (ft.nn.MultiheadAttention: torch's in_proj_weight and out_proj) is \
+missing its tensors while the state dict has {given}: another layout, read with layouts=:
+
+    right:  ft.nn.load_torch_state_dict(model, sd, layouts={{{pattern!r}: {layout!r}}})"""
 
 FLATTENED_UNKNOWN = """\
 ft.nn: flattened= names {names}, which are not Dense layers of the model. Name a Dense layer \
@@ -311,6 +317,7 @@ class _Plan:
     rules: list[_Rule]
     leaves: dict[str, _Leaf]
     ties: list[_Tie]
+    attentions: list[str] = dataclasses.field(default_factory=list)  # MultiheadAttention layers' torch names
 
 
 @dataclasses.dataclass
@@ -319,6 +326,7 @@ class _Options:
     layouts: Mapping[str, Any]
     dense: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     layered: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # Dense, attention
+    attentions: list[str] = dataclasses.field(default_factory=list)
     used: set[str] = dataclasses.field(default_factory=set)
 
     def layout(self, ft: str, torch: str) -> Any:
@@ -384,6 +392,7 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
     unused = [pattern for pattern in options.layouts if pattern not in options.used]
     if unused:
         raise ValueError(LAYOUT_UNUSED.format(patterns=unused, names=[t for t, _ in options.layered][:8]))
+    plan.attentions = options.attentions
     return plan
 
 
@@ -404,6 +413,7 @@ def _layer_rules(node: Any, ft: str, torch: str, options: _Options) -> list[Loca
                                                    inputs=node.weight.shape[0]))
         return _dense(node, None if shape is None else tuple(shape), layout=_checked_layout(layout, torch, DENSE_LAYOUTS))
     if isinstance(node, MultiheadAttention):
+        options.attentions.append(torch)
         layout = options.layout(ft, torch)
         if not (isinstance(layout, (tuple, list)) and len(layout) == 4 and all(isinstance(n, str) for n in layout)):
             layout = _checked_layout(layout, torch, ATTENTION_LAYOUTS)
@@ -577,8 +587,32 @@ def load_torch_state_dict(
     if strict and not report.ok:
         rules = plan.rules
         example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), rules[0].ft[0] if rules else "")
-        raise ValueError(TORCH_MISMATCH.format(report=report, example=example))
+        raise ValueError(TORCH_MISMATCH.format(report=report, example=example, hint=_layouts_hint(plan, report)))
     return tree if strict else (tree, report)
+
+
+_ROLES = (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out", "output", "dense", "proj"))
+
+
+def _layouts_hint(plan: _Plan, report: FlatDictReport) -> str:
+    """A ``layouts=`` suggestion where an attention misses its tensors and the state dict
+    has others under its name (separate q/k/v/o Linears, GPT-2's fused c_attn)."""
+    for layer in plan.attentions:
+        if not any(n.startswith(layer + ".") for n in report.missing):
+            continue
+        extra = [n[len(layer) + 1:] for n in report.unexpected if n.startswith(layer + ".")]
+        subs = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in extra if n.endswith((".weight", ".bias"))))
+        if not subs:
+            continue
+        pattern = ".".join("*" if part.isdigit() else part for part in layer.split("."))
+        if "c_attn" in subs:
+            return LAYOUTS_HINT.format(layer=layer, given=extra, pattern=pattern, layout="conv1d")
+        if len(subs) != 4:
+            continue
+        ordered = sorted(subs, key=lambda sub: next((i for i, words in enumerate(_ROLES)
+                                                     if sub.split(".")[-1].split("_")[0] in words), 3))
+        return LAYOUTS_HINT.format(layer=layer, given=extra, pattern=pattern, layout=tuple(ordered))
+    return ""
 
 
 def _under_name(plan: _Plan, prefix: str) -> list[str]:
@@ -665,7 +699,12 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
         if items[0][0] == ():
             flat[stored] = _as_leaf(old, items[0][1])
             continue
-        array = np.array(old)
+        if isinstance(old, jax.ShapeDtypeStruct):  # an abstract template (jax.eval_shape): filled whole or kept
+            if len({index for index, _, _ in items}) < int(np.prod(old.shape[:len(items[0][0])])):
+                continue  # some members not given: reported missing, the leaf stays abstract
+            array = np.zeros(old.shape, old.dtype)
+        else:
+            array = np.array(old)
         floating = jnp.issubdtype(array.dtype, jnp.floating)
         for index, value, name in items:
             if value.dtype == array.dtype or (floating and jnp.issubdtype(value.dtype, jnp.floating)):
@@ -700,7 +739,10 @@ def _eps(a: np.ndarray) -> float:
 
 def _as_leaf(old: Any, value: np.ndarray) -> Any:
     """A converted value as a JAX array of the model leaf's floating dtype (else left to check)."""
-    if not isinstance(old, jax.Array) or value.dtype.kind != "f" or not jnp.issubdtype(old.dtype, jnp.floating):
+    if isinstance(old, jax.ShapeDtypeStruct) and value.dtype == old.dtype:  # an abstract template's leaf
+        return jnp.asarray(value)
+    if not isinstance(old, (jax.Array, jax.ShapeDtypeStruct)) or value.dtype.kind != "f" \
+            or not jnp.issubdtype(old.dtype, jnp.floating):
         return value
     return jnp.asarray(value.astype(old.dtype))
 

@@ -66,7 +66,7 @@ def _chosen(view: Any, leaves: list[Any], patterns: tuple[str, ...]) -> tuple[An
             raise ValueError(e.out_of_range) from None
         examples = e.close or [n for n, ok in zip(names(view), only) if ok][:3]
         raise ValueError(SELECTS_NOTHING.format(pattern=e.pattern, examples=examples,
-                                                first=examples[0] if examples else "*")) from None
+                                                first=e.suggestion or (examples[0] if examples else "*"))) from None
 
 
 def trained_view(model: Any, patterns: tuple[str, ...] | None) -> Any:

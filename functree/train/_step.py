@@ -271,8 +271,10 @@ class TrainStep:
         steps this divides the per-call cost by ``k``.
 
     With a ``key``, the loss function gets ``jax.random.fold_in(key, step)`` where
-    ``step`` is the learning context's step (on a mesh, folded again with the device
-    index): one base key reproduces every step, also after restoring a checkpoint.
+    ``step`` is the learning context's step; with an optimizer that accumulates ``k``
+    microbatches, microbatch ``i`` gets ``fold_in(fold_in(key, step), i)`` (its own
+    dropout masks); on a mesh, that is folded again with the device index. One base key
+    reproduces every step, also after restoring a checkpoint.
     Layers that record state (BatchNorm) are run under ``ft.nn.collect_state`` and their
     no_derivative fields updated (on a mesh, averaged over devices). With an optimizer
     that accumulates ``k`` microbatches, aux arrays are merged back to one row per
@@ -385,19 +387,21 @@ class TrainStep:
         """
         where = self.placement
         size = batch_size_of(batch)
+        # The optimizer hands the loss function the key (one per microbatch when it accumulates).
         if where is None:
-            def loss_fn(m: Any, b: Any) -> Any:
+            def loss_fn(m: Any, b: Any, key: Any = None) -> Any:
                 return self.compute_loss(m, b, key)
         else:
-            axis = where.data_axis
+            axis, alone = where.data_axis, where.devices == 1
 
-            def loss_fn(m: Any, b: Any) -> Any:  # runs per device, inside shard_map
-                k = None if key is None else jax.random.fold_in(key, jax.lax.axis_index(axis))
+            def loss_fn(m: Any, b: Any, key: Any = None) -> Any:  # runs per device, inside shard_map
+                # One device on the data axis: its index is 0 (no axis_index: see _replicas).
+                k = None if key is None else jax.random.fold_in(key, 0 if alone else jax.lax.axis_index(axis))
                 return self.compute_loss(m, b, k)
 
         result = self.optimizer.step(
             loss_fn, model, opt_state, (batch,), has_aux=True, minibatch_size=size, on_nan=self.on_nan,
-            enabled=enabled, replicas=None if where is None else self._replicas,
+            enabled=enabled, replicas=None if where is None else self._replicas, key=key,
         )
         loss, aux = result.out
         new_model, new_state = result.model, result.state
@@ -415,10 +419,18 @@ class TrainStep:
         assert where is not None
         axis, accumulate = where.data_axis, self.optimizer.accumulate
         batch, in_batch = where.constrain_batch(batch)
+        # One device on the data axis (a (1, n) mesh): nothing varies over it, so no value is
+        # marked varying and no collective over it is emitted; XLA's SPMD partitioner rejects
+        # such an all-reduce beside a model axis ("Cross-partition allreduce must be in
+        # (partial) manual partitioning mode"). P() and P(data) are one layout there.
+        alone = where.devices == 1
+        if alone:
+            in_batch = jax.tree.map(lambda _: PartitionSpec(), in_batch, is_leaf=_is_spec)
         state_specs = where.state_specs(opt_state)
         opt_state = where.constrain(opt_state, state_specs)
         # shard_map names the manual (data) axis alone; other axes stay with the compiler.
-        state_in = jax.tree.map(lambda p: _only(p, axis), state_specs, is_leaf=_is_spec)
+        state_in = jax.tree.map(lambda p: PartitionSpec() if alone else _only(p, axis), state_specs,
+                                is_leaf=_is_spec)
         # FSDP: the all-gather over the data axis; other axes (tensor parallel) stay as placed.
         gathered = where.constrain(model, jax.tree.map(lambda p: _without(p, axis), where.model_specs(model),
                                                        is_leaf=_is_spec))
@@ -426,7 +438,8 @@ class TrainStep:
         def per_device(m: Any, s: Any, b: tuple) -> Gradients:
             # Varying over the data axis: each device differentiates its own shard, and the
             # aggregator sees per-device gradients (a custom one may psum/pmean/all_gather).
-            m = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying") if is_array(x) else x, m)
+            if not alone:
+                m = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying") if is_array(x) else x, m)
             g = half(m, s, b)
             loss = _replica_mean(g.loss, axis)
             grads = jax.tree.map(lambda x: _replica_mean(x, axis), g.grads)

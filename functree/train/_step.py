@@ -17,6 +17,7 @@ a method a subclass may override: ``compute_loss``, ``compute_metrics``, ``apply
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from functree.parallel._mesh import is_array
 from functree.parallel._placement import Placement, one_device_mesh
 from functree.parallel._rules import check_compute_dtype, partition_specs
 from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
+from functree.train._programs import program_key, shared, trampoline
 from functree.train._provenance import step_report
 from functree.train._scan import (
     check_stacked,
@@ -346,6 +348,8 @@ class TrainStep:
         self._halt: Any = None  # on_nan="stop": [calls, call that stopped (-1), its nonfinite]
         self._calls = 0
         self._inflight: list[tuple[int, Any, Any]] = []  # (call, batch, key): references only
+        self._shared: Any = None  # the process-wide programs of this configuration (_programs.py)
+        self._ref = weakref.ref(self)
 
     @property
     def mesh(self) -> Any:
@@ -500,13 +504,31 @@ class TrainStep:
         log = self.record(log, metrics, batch, opt_state)
         return model, opt_state, (None if "rows" in log else metrics), log  # rows hold them: no more outputs
 
+    _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref")
+    """Instance attributes that are run-time state; every other one is configuration: a
+    step equal to another in all of them (and in class) shares its compiled programs."""
+
+    def _flat_program(self, kind: str, method: str, donate: tuple[int, ...]) -> Any:
+        """``method`` jitted over flat leaves, its compiled programs shared by every step of
+        this configuration in the process (as ``jax.jit`` of one function shares them):
+        a new Trainer with the same loss function, optimizer configuration and shapes
+        compiles nothing (see :mod:`functree.train._programs`)."""
+        if self._shared is None:
+            self._shared = shared(program_key("TrainStep", self, self._RUNTIME))
+            self._shared.owner = self._ref
+        entry = self._shared
+        # The wrapper names the class's function (never this instance: the shared table must
+        # not keep a step alive); a retrace calls the step whose call is running.
+        traced = explain_control_flow(getattr(type(self), method), trampoline(entry, method))
+        return flat_jit(traced, donate=donate, owned=(4,), programs=entry.programs.setdefault(kind, {}))
+
     def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
             donate = (0, 1, 4) if self._donate else (4,)
             if has_untraceable_leaves(model):
                 self._compiled = unchecked_jit(self._logged, donate=donate, static_leaves=True)
             else:  # over flat leaves: the model and state a loop passes back are not flattened again
-                self._compiled = flat_jit(explain_control_flow(self._logged), donate=donate, owned=(4,))
+                self._compiled = self._flat_program("one", "_logged", donate)
         return self._compiled
 
     def _scanned_logged(self, model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:
@@ -520,7 +542,7 @@ class TrainStep:
             if has_untraceable_leaves(model):
                 self._scanned = unchecked_jit(self._scanned_logged, donate=donate, static_leaves=True)
             else:
-                self._scanned = flat_jit(explain_control_flow(self._scanned_logged), donate=donate, owned=(4,))
+                self._scanned = self._flat_program("scan", "_scanned_logged", donate)
         return self._scanned
 
     def lower(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
@@ -536,6 +558,8 @@ class TrainStep:
           True
         """
         program = self._program(model) if self.steps_per_call == 1 else self._scan_program(model)
+        if self._shared is not None:
+            self._shared.owner = self._ref
         return program.lower(model, opt_state, batch, key, self._new_halt_log())
 
     def run(self, model: Any, opt_state: Any, batch: Any, key: Any = None, log: Any = None, *,
@@ -566,6 +590,8 @@ class TrainStep:
         if self.placement is not None:
             where = self.placement
             batch = where.shard_batch(batch) if steps == 1 else shard_stacked(where.mesh, where.data_axis, batch)
+        if self._shared is not None:  # a shared program traces (new shapes) with this step's stages
+            self._shared.owner = self._ref
         out = program(model, opt_state, batch, key, log)
         self._guard.remember(out, (model, opt_state))
         return out

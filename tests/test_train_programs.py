@@ -43,48 +43,50 @@ def data(n=3):
             for _ in range(n)]
 
 
-def fit(optimizer, loss=mse, **options):
+def fit(optimizer, loss=mse, validation=False, **options):
     trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), optimizer, loss, **options)
-    trainer.fit(data(), progress=False)
+    trainer.fit(data(), progress=False, validation_data=data(1) if validation else None)
     return trainer
 
 
 def test_a_new_trainer_with_the_same_configuration_compiles_nothing():
-    first = fit(ft.optim.adam(1e-2))  # compiles the step (and the loop's small programs)
+    first = fit(ft.optim.adam(1e-2), validation=True)  # compiles the steps (and the loop's small programs)
     with compilations() as seen:
-        second = fit(ft.optim.adam(1e-2))  # a fresh optimizer object, the same configuration
+        second = fit(ft.optim.adam(1e-2), validation=True)  # a fresh optimizer object, the same configuration
     assert seen == []  # main: the step compiled again
     assert second.train_step._compiled is not first.train_step._compiled  # its own state ...
     assert second.train_step._shared is first.train_step._shared  # ... over the same programs
+    assert second.eval_step._shared is first.eval_step._shared
     jax.tree.map(np.testing.assert_array_equal, second.model, first.model)  # the same numbers
 
-    def bare_step():  # a TrainStep alone (its log holds no metric rows: another program)
-        step = ft.train.train_step(mse, ft.optim.Optimizer(ft.optim.adam(1e-2)))
-        model = ft.nn.Dense(3, 1, key=jax.random.key(0))
-        return step(model, step.optimizer.init(model), data(1)[0])[0]
 
-    first_model = bare_step()
-    with compilations() as seen:
-        second_model = bare_step()
-    assert seen == []
-    jax.tree.map(np.testing.assert_array_equal, second_model, first_model)
+def test_another_configuration_gets_another_program():
+    """Anything that may change what the step computes keys another program (no compilation
+    needed to see it: the keys differ); the same configuration built anew keys the same."""
+    def key(optimizer=None, loss=mse, **options):
+        step = ft.train.TrainStep(loss, optimizer or ft.optim.adam(1e-2), **options)
+        return _programs.program_key("TrainStep", step, step._RUNTIME)
 
-
-def test_another_configuration_or_shape_compiles_its_own_program():
-    base = fit(ft.optim.adam(1e-2))
+    base = key()
+    assert base is not None and key() == base and hash(key()) == hash(base)
+    assert key(ft.optim.Optimizer(ft.optim.adam(1e-2))) == base  # an Optimizer around it: the same
     others = {
-        "learning rate": lambda: fit(ft.optim.adam(2e-2)),
-        "transform": lambda: fit(optax.adam(1e-2)),
-        "accumulate": lambda: fit(ft.optim.Optimizer(ft.optim.adam(1e-2), accumulate=2)),
-        "loss": lambda: fit(ft.optim.adam(1e-2), loss=lambda m, b: jnp.mean(jnp.abs(m(b[0]) - b[1]))),
-        "on_nan": lambda: fit(ft.optim.adam(1e-2), on_nan="skip"),
-        "metrics": lambda: fit(ft.optim.adam(1e-2), metrics={"mae": lambda out: out.loss * 2}),
+        "learning rate": key(ft.optim.adam(2e-2)),
+        "schedule": key(ft.optim.adam(optax.linear_schedule(1e-2, 0.0, 100))),
+        "optax": key(optax.adam(1e-2)),
+        "accumulate": key(ft.optim.Optimizer(ft.optim.adam(1e-2), accumulate=2)),
+        "clipping": key(ft.optim.Optimizer(ft.optim.adam(1e-2), transform_gradients=lambda g: g)),
+        "wrt": key(ft.optim.Optimizer(ft.optim.adam(1e-2), wrt="weight")),
+        "loss": key(loss=lambda m, b: jnp.mean(jnp.abs(m(b[0]) - b[1]))),
+        "on_nan": key(on_nan="skip"),
+        "metrics": key(metrics={"mae": lambda out: out.loss * 2}),
+        "compute_dtype": key(compute_dtype=jnp.bfloat16),
+        "donate": key(donate=False),
+        "mesh": key(mesh=jax.make_mesh((1,), ("data",)), sharding="fsdp"),
     }
-    for name, run in others.items():
-        with compilations() as seen:
-            trainer = run()
-        assert seen, name
-        assert trainer.train_step._shared is not base.train_step._shared, name
+    for name, other in others.items():
+        assert other is not None and other != base, name
+    assert key(optimizer=ft.optim.adam(optax.linear_schedule(1e-2, 0.0, 100))) == others["schedule"]
 
 
 def test_a_step_subclass_setting_shares_only_with_an_equal_setting():

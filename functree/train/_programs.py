@@ -11,11 +11,11 @@ optimizer's configuration; a new step with an equal key takes the same programs 
 The key is built once per step (:func:`program_key`), conservatively: two values are
 equal only when they compute the same thing.
 
-* Functions defined at a module's top level compare by code, defaults and closure
-  contents (two ``ft.optim.adam(1e-3)`` are one configuration); other functions
-  (lambdas of a doctest or ``exec``) compare by identity; so do objects other than
-  containers, arrays, optimizers, placements and functree's and optax's plain records
-  of settings (compared by their attributes), through a weak
+* Functions of an imported module (not ``__main__``) compare by module, code, defaults
+  and closure contents (two ``ft.optim.adam(1e-3)`` are one configuration); other
+  functions (a notebook's or script's, ``exec``'d ones) compare by identity, as do
+  objects other than containers, arrays, optimizers, placements and functree's and
+  optax's plain records of settings (compared by their attributes), through a weak
   reference: when one of them is collected, its entries leave the table.
 * Numbers compare by type and exact value (``0.1`` and ``0.1000001`` differ; ``1`` and
   ``1.0`` differ), small arrays by dtype, shape and bytes; a traced value, or an object
@@ -96,9 +96,12 @@ def forget_programs() -> None:
 
 
 def _module_function(fn: types.FunctionType) -> bool:
-    """Whether ``fn``'s globals are those of an imported module (they live as long as it)."""
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    return module is not None and getattr(module, "__dict__", None) is fn.__globals__
+    """Whether ``fn``'s globals are those of an imported module other than ``__main__``
+    (a script's or notebook's globals are reassigned between runs of one function: such a
+    function is compared by identity, as ``jax.jit`` compares it)."""
+    name = getattr(fn, "__module__", None) or ""
+    module = sys.modules.get(name)
+    return name != "__main__" and module is not None and getattr(module, "__dict__", None) is fn.__globals__
 
 
 class _Builder:
@@ -205,7 +208,7 @@ def program_key(kind: str, owner: Any, state: tuple[str, ...]) -> Any:
                        if name not in state)
         key = (kind, builder.ref(type(owner)), fields)
         hash(key)
-    except (Unshareable, TypeError):
+    except Exception:  # Unshareable, an unhashable value, a deleted array ...: not shared
         return None
     return _Key(key, builder.holder)
 

@@ -508,15 +508,23 @@ class TrainStep:
     """Instance attributes that are run-time state; every other one is configuration: a
     step equal to another in all of them (and in class) shares its compiled programs."""
 
-    def _flat_program(self, kind: str, method: str, donate: tuple[int, ...]) -> Any:
-        """``method`` jitted over flat leaves, its compiled programs shared by every step of
-        this configuration in the process (as ``jax.jit`` of one function shares them):
-        a new Trainer with the same loss function, optimizer configuration and shapes
-        compiles nothing (see :mod:`functree.train._programs`)."""
+    def _shared_program(self, kind: str, method: str, model: Any) -> Any:
+        """``method`` jitted, its compiled programs shared by every step of this
+        configuration in the process (as ``jax.jit`` of one function shares them): a new
+        Trainer with the same loss function, optimizer configuration and shapes compiles
+        nothing (see :mod:`functree.train._programs`). Over flat leaves (the model and
+        state a loop passes back are not flattened again), or with static leaves for
+        Equinox submodules."""
         if self._shared is None:
             self._shared = shared(program_key("TrainStep", self, self._RUNTIME))
             self._shared.owner = self._ref
         entry = self._shared
+        donate = (0, 1, 4) if self._donate else (4,)
+        if has_untraceable_leaves(model):  # one function per configuration: JAX's caches key on it
+            run = entry.programs.setdefault(kind + " static", {}).get(method)
+            if run is None:
+                run = entry.programs[kind + " static"][method] = _calling_train(entry, method)
+            return unchecked_jit(run, donate=donate, static_leaves=True)
         # The wrapper names the class's function (never this instance: the shared table must
         # not keep a step alive); a retrace calls the step whose call is running.
         traced = explain_control_flow(getattr(type(self), method), trampoline(entry, method))
@@ -524,11 +532,7 @@ class TrainStep:
 
     def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
-            donate = (0, 1, 4) if self._donate else (4,)
-            if has_untraceable_leaves(model):
-                self._compiled = unchecked_jit(self._logged, donate=donate, static_leaves=True)
-            else:  # over flat leaves: the model and state a loop passes back are not flattened again
-                self._compiled = self._flat_program("one", "_logged", donate)
+            self._compiled = self._shared_program("one", "_logged", model)
         return self._compiled
 
     def _scanned_logged(self, model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:
@@ -538,11 +542,7 @@ class TrainStep:
     def _scan_program(self, model: Any) -> Any:
         """The program of several steps per call (any leading size; one trace per size)."""
         if self._scanned is None:  # as _program: over flat leaves unless Equinox needs static ones
-            donate = (0, 1, 4) if self._donate else (4,)
-            if has_untraceable_leaves(model):
-                self._scanned = unchecked_jit(self._scanned_logged, donate=donate, static_leaves=True)
-            else:
-                self._scanned = self._flat_program("scan", "_scanned_logged", donate)
+            self._scanned = self._shared_program("scan", "_scanned_logged", model)
         return self._scanned
 
     def lower(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
@@ -675,6 +675,10 @@ class EvalStep:
         self.loss_fn = loss_fn
         self.metrics = resolve_metrics(metrics)
         self._compiled: Any = None
+        self._shared: Any = None  # as TrainStep's: one program per configuration in the process
+        self._ref = weakref.ref(self)
+
+    _RUNTIME = ("_compiled", "_shared", "_ref")
 
     def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
         """``(loss, aux)`` of ``loss_fn`` on one minibatch."""
@@ -687,16 +691,82 @@ class EvalStep:
         loss, aux = self.compute_loss(model, batch, key)
         return evaluate_metrics(self.metrics, StepOutput(loss, aux, batch, model))
 
+    def summed(self, model: Any, sums: Any, batch: Any, key: Any = None) -> Any:
+        """``sums`` after one more minibatch, unjitted: ``{"values": {name: Σ w·metric},
+        "weight": Σ w, "count": minibatches}`` with ``w`` the minibatch's size (the
+        Trainer's validation; ``key`` is folded with the minibatch's index)."""
+        if key is not None:
+            key = jax.random.fold_in(key, sums["count"])
+        metrics = self.step(model, batch, key)
+        w = float(batch_size_of(batch))
+        return {"values": {k: sums["values"][k] + w * v for k, v in metrics.items()},
+                "weight": sums["weight"] + w, "count": sums["count"] + 1}
+
+    def summing(self, static_leaves: bool = False) -> Callable[..., Any]:
+        """:meth:`summed` jitted (``sums`` donated), its programs shared by every EvalStep
+        of this configuration in the process (a new Trainer's validation compiles nothing)."""
+        entry = self._entry()
+        table = entry.programs.setdefault("summed", {})
+        run = table.get(static_leaves)
+        if run is None:
+            call = trampoline(entry, "summed")
+
+            def run(model: Any, sums: Any, batch: Any, key: Any) -> Any:
+                return call()(model, sums, batch, key)
+
+            table[static_leaves] = run
+        jitted = unchecked_jit(run, donate=(1,), static_leaves=static_leaves)
+        ref = self._ref
+
+        def summing(model: Any, sums: Any, batch: Any, key: Any) -> Any:
+            entry.owner = ref  # a retrace (new shapes) runs this step's stages
+            return jitted(model, sums, batch, key)
+
+        return summing
+
+    def _entry(self) -> Any:
+        if self._shared is None:
+            self._shared = shared(program_key("EvalStep", self, self._RUNTIME))
+        return self._shared
+
     def shard_batch(self, batch: Any) -> Any:
         """The global batch from this process's share, on the step's mesh (else the batch)."""
         return batch if self.placement is None else self.placement.shard_batch(batch, whole=True)
 
     def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
-            self._compiled = unchecked_jit(self.step, static_leaves=has_untraceable_leaves(model))
+            self._entry()
+            static = has_untraceable_leaves(model)
+            # One function per configuration: ft.jit's and JAX's caches key on it (a new
+            # Trainer's validation compiles nothing); a trace runs the calling step's stages.
+            run = self._shared.programs.setdefault("eval", {}).get(static)
+            if run is None:
+                run = self._shared.programs["eval"][static] = _calling(self._shared, "step")
+            self._compiled = unchecked_jit(run, static_leaves=static)
+        self._shared.owner = self._ref
         if self.placement is not None:
             model, batch = self.placement.place(model), self.placement.shard_batch(batch, whole=True)
         return self._compiled(model, batch, key)
+
+
+def _calling(entry: Any, method: str) -> Callable[..., Any]:
+    """A function that calls ``method`` of the step now running ``entry``'s program."""
+    call = trampoline(entry, method)
+
+    def run(model: Any, batch: Any, key: Any = None) -> Any:
+        return call()(model, batch, key)
+
+    return run
+
+
+def _calling_train(entry: Any, method: str) -> Callable[..., Any]:
+    """:func:`_calling` for a TrainStep's program (``_logged`` or ``_scanned_logged``)."""
+    call = trampoline(entry, method)
+
+    def run(model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:
+        return call()(model, opt_state, batch, key, log)
+
+    return run
 
 
 def train_step(

@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 __all__ = ["Shared", "shared", "program_key", "forget_programs", "Unshareable"]
 
@@ -122,7 +123,7 @@ class _Builder:
             return ("float", x.hex())  # -0.0 and 0.0 differ; NaN equals NaN
         if kind is complex:
             return ("complex", x.real.hex(), x.imag.hex())
-        if isinstance(x, jax.core.Tracer):
+        if isinstance(x, Tracer):
             raise Unshareable
         if isinstance(x, np.dtype):
             return ("dtype", str(x))

@@ -33,3 +33,12 @@ settings.load_profile("ci")
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+@pytest.fixture(autouse=True)
+def _own_compiled_steps():
+    """Each test starts with no shared compiled training steps (functree/train/_programs.py):
+    its TrainSteps' cache sizes count its own compilations."""
+    from functree.train._programs import forget_programs
+
+    forget_programs()

@@ -227,13 +227,14 @@ class FlatJit:
     """
 
     def __init__(self, fn: Callable[..., Any], donate: tuple[int, ...] = (), owned: tuple[int, ...] = (),
-                 tree_options: dict[str, Any] | None = None, **options: Any):
+                 tree_options: dict[str, Any] | None = None, programs: dict[Any, Any] | None = None,
+                 **options: Any):
         self._fn = fn
         self._tree_options = {**options, **(tree_options or {})}
         self._donate = tuple(sorted(donate))
         self._owned = owned
         self._options = options
-        self._programs: dict[Any, _Program] = {}
+        self._programs: dict[Any, _Program] = {} if programs is None else programs  # may be shared
         self._last: Any = None  # (program, results, result leaves) of the latest call
         self._tree: Any = None
 
@@ -331,10 +332,13 @@ class FlatJit:
 
 
 def flat_jit(fn: Callable[..., Any], *, donate: Sequence[int] = (), owned: Sequence[int] = (),
-             tree_options: dict[str, Any] | None = None, **options: Any) -> FlatJit:
+             tree_options: dict[str, Any] | None = None, programs: dict[Any, Any] | None = None,
+             **options: Any) -> FlatJit:
     """``fn`` jitted, called over flat leaves (see :class:`FlatJit`); ``donate`` holds the
     indices of the donated positional arguments, ``owned`` those of arguments whose
     containers only the caller builds and never changes in place (a step's own log dict):
     passed back by their leaves even when they hold dicts or lists. ``tree_options`` go
-    only to the ``jax.jit`` of ``fn`` that keyword calls use (``donate_argnames``)."""
-    return FlatJit(fn, tuple(donate), tuple(owned), tree_options, **options)
+    only to the ``jax.jit`` of ``fn`` that keyword calls use (``donate_argnames``).
+    ``programs``: the table of compiled flat programs, shared by several FlatJits of one
+    computation (``ft.train.TrainStep``'s process-wide programs); by default its own."""
+    return FlatJit(fn, tuple(donate), tuple(owned), tree_options, programs, **options)

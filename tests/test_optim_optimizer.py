@@ -346,3 +346,35 @@ def test_a_complex_parameter_without_a_gradient_keeps_its_moments():
         np.testing.assert_array_equal(after[name]["z"].real, before[name]["z"].real)
         np.testing.assert_array_equal(after[name]["z"].imag, before[name]["z"].imag)
     assert not np.array_equal(after["mu"]["w"], before["mu"]["w"])
+
+
+def test_accumulated_microbatches_get_their_own_keys_and_equal_the_steps_by_hand():
+    """Issue 27 item 5: with accumulate=k and a key, microbatch i gets fold_in(key, i):
+    dropout masks differ across microbatches, and the accumulated gradient is the mean of
+    the k microbatches' gradients computed by hand with those keys."""
+    k, rows = 4, 8
+    drop = ft.nn.training(ft.nn.Dropout(0.5))
+    model = _model()
+
+    def loss(m, batch, *, key):  # aux: the dropout mask of each row
+        x, y = batch
+        mask = drop(jnp.ones((x.shape[0], 16)), key=key)
+        return jnp.mean((m(x) * mask[:, :2] - y) ** 2), mask
+
+    x = jax.random.normal(jax.random.key(1), (rows, 3))
+    y = jnp.ones((rows, 2))
+    base = jax.random.key(7)
+    opt = fo.Optimizer(fo.sgd(0.1), accumulate=k)
+    result = opt.step(loss, model, opt.init(model), ((x, y),), has_aux=True, key=base)
+    masks = result.out[1].reshape(k, rows // k, 16)
+    assert all(not np.array_equal(masks[0], masks[i]) for i in range(1, k))  # main: all equal
+
+    size = rows // k
+    by_hand = [ft.gradient(lambda m, i=i: loss(m, (x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]),
+                                                 key=jax.random.fold_in(base, i))[0], at=model)
+               for i in range(k)]
+    mean = jax.tree.map(lambda *g: sum(g) / k, *by_hand)
+    # float32 reassociation of the k-term sum, on gradients of magnitude < 2
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), result.grads, mean)
+    np.testing.assert_array_equal(masks[1], np.asarray(loss(model, (x[size:2 * size], y[size:2 * size]),
+                                                            key=jax.random.fold_in(base, 1))[1]))

@@ -290,3 +290,42 @@ report({"diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
     assert out["specs"][:3] == ["P('data', 'model')", "P('model',)",
                                 "P('model', 'data')"]
     assert out["samples"] == 10 * 64
+
+
+def test_a_data_axis_of_one_device_beside_a_model_axis_trains_as_one_device():
+    """Issue 27 item 9: on a (1, 2) ("data", "model") mesh, XLA's SPMD partitioner rejects
+    the data axis' collectives (main: "Cross-partition allreduce must be in (partial)
+    manual partitioning mode", also in plain JAX: shard_map over "data" with pcast + pmean
+    on such a mesh). A data axis of one device needs none: the step skips them and
+    equals a one-device mesh (BatchNorm, dropout keys, accumulation, tensor-parallel rules)."""
+    out = run("""
+import numpy as np, jax.numpy as jnp, functree as ft
+from jax.sharding import PartitionSpec as P
+k = jax.random.split(jax.random.key(0), 2)
+def make():
+    return ft.nn.training(ft.nn.Sequential(ft.nn.Dense(6, 8, jax.nn.relu, key=k[0]), ft.nn.BatchNorm(8),
+                                           ft.nn.Dropout(0.25), ft.nn.Dense(8, 2, key=k[1])))
+def loss_fn(model, batch, *, key):
+    return jnp.mean((model(batch[0], key=key) - batch[1]) ** 2)
+rules = {"layers.0.weight": P(None, "model"), "layers.0.bias": P("model"), "layers.3.weight": P("model", None),
+         "layers.*": P()}
+rng = np.random.default_rng(0)
+batches = [(rng.normal(size=(8, 6)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32)) for _ in range(2)]
+opt = ft.optim.Optimizer(ft.optim.adam(1e-2), accumulate=2)
+models = []
+for mesh, sharding in [(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]), None),
+                       (jax.make_mesh((1, 2), ("data", "model")), rules)]:
+    step = ft.train.TrainStep(loss_fn, opt, mesh=mesh, sharding=sharding)
+    model = make()
+    state = opt.init(model)
+    for b in batches:
+        model, state, metrics = step(model, state, b, jax.random.key(3))
+    models.append(model)
+report({"diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                    for a, b in zip(jax.tree.leaves(models[0]), jax.tree.leaves(models[1]))),
+        "spec": str(models[1].layers[0].weight.sharding.spec),
+        "moved": float(np.max(np.abs(np.asarray(models[1].layers[1].running_mean))))})
+""", devices=2)
+    assert out["spec"] == "P(None, 'model')"  # tensor parallel as the rules asked
+    assert out["moved"] > 0  # the BatchNorm statistics were recorded
+    assert out["diff"] < 2e-6, out  # parameters of magnitude < 1: float32 rounding of the sharded sums

@@ -115,6 +115,7 @@ class _Collector:
             if isinstance(value, Module):
                 self.paths.setdefault(id(value), []).append(path)
         self.updates: dict[KeyPath, Any] = {}
+        self.followed: list[Any] = []  # copies whose layers record here (ids stay theirs)
 
 
 _LOCAL = threading.local()
@@ -164,6 +165,30 @@ def record_state(layer: Module, **values: Any) -> None:
             value = jnp.asarray(value).astype(old.dtype)
         for path in collector.paths[id(layer)]:
             collector.updates[KeyPath((*path, Entry(ATTR, name)))] = value
+
+
+def follow(original: Any, derived: Any) -> None:
+    """While :func:`collect_state` runs on a model holding ``original``: the layers of
+    ``derived`` (a rebuilt copy of ``original`` with its structure, such as ``ft.cast``'s
+    compute-dtype model) record their state at the key paths of ``original``'s layers.
+    A no-op outside ``collect_state`` or when ``original`` is not in its model.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> bn = ft.nn.training(ft.nn.BatchNorm(1))  # ft.cast(bn, ...) is a new BatchNorm; cast follows it
+      >>> _, updates = ft.nn.collect_state(lambda m: ft.cast(m, jnp.bfloat16)(jnp.ones((2, 1))), bn)
+      >>> sorted(str(p) for p in updates)
+      ['.running_mean', '.running_variance']
+    """
+    for collector in _stack():
+        prefixes = collector.paths.get(id(original))
+        if not prefixes or derived is original:
+            continue
+        collector.followed.append(derived)
+        for path, value in [(KeyPath(), derived), *walk(derived)]:
+            if isinstance(value, Module):
+                known = collector.paths.setdefault(id(value), [])
+                known.extend(p for p in (prefix + path for prefix in prefixes) if p not in known)
 
 
 def _path_in(root: Any, layer: Any) -> KeyPath | None:

@@ -24,6 +24,7 @@ of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -176,7 +177,9 @@ class Optimizer:
       axis_name: the data-parallel axis name (for the default aggregation).
       accumulate: split each batch into this many microbatches along its leading axis and
         average their gradients inside the step (``lax.scan``: memory of one microbatch);
-        one optimizer step per call, ``samples_seen`` grows by the whole batch.
+        one optimizer step per call, ``samples_seen`` grows by the whole batch. A step
+        given a ``key`` hands microbatch ``i`` the key ``jax.random.fold_in(key, i)``:
+        each has its own dropout masks, as the rows of the whole batch would.
       average: a weight-averaging transform (``ft.optim.ema(0.999)``,
         ``ft.optim.uniform_average()``) chained after ``transform``; the averaged model
         is ``ft.optim.averaged(state, model)``.
@@ -382,12 +385,18 @@ class Optimizer:
 
     # --- orchestration -------------------------------------------------------------------
     def compute_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
-                          state: Any = None) -> tuple[Any, Any]:
-        """``(loss, grads)`` after the gradient hooks (``((loss, aux), grads)`` with ``has_aux``)."""
+                          state: Any = None, key: Any = None) -> tuple[Any, Any]:
+        """``(loss, grads)`` after the gradient hooks (``((loss, aux), grads)`` with ``has_aux``).
+
+        With a ``key`` (a PRNG key), ``loss_fn`` is called as ``loss_fn(model, *batch, key=...)``:
+        with :attr:`accumulate` ``= k``, microbatch ``i`` (``0 <= i < k``) gets
+        ``jax.random.fold_in(key, i)`` (its own dropout masks, as the rows of one batch get
+        theirs); with one microbatch, ``key`` itself."""
         if self.accumulate > 1:
-            out, grads = self._accumulated_gradients(loss_fn, model, batch, has_aux, state)
+            out, grads = self._accumulated_gradients(loss_fn, model, batch, has_aux, state, key)
         else:
-            out, grads = self.get_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state)
+            fn = loss_fn if key is None else functools.partial(loss_fn, key=key)
+            out, grads = self.get_gradients(fn, model, *batch, has_aux=has_aux, state=state)
         grads = self.transform_unaggregated_gradients(grads)
         grads = self.aggregate_gradients(grads)
         return out, self.transform_gradients(grads)
@@ -423,7 +432,8 @@ class Optimizer:
 
     def step(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *, has_aux: bool = False,
              minibatch_size: Any = None, on_nan: str = "ignore", enabled: Any = None,
-             skip_non_finite: bool = False, replicas: Callable[..., Gradients] | None = None) -> StepResult:
+             skip_non_finite: bool = False, replicas: Callable[..., Gradients] | None = None,
+             key: Any = None) -> StepResult:
         """The whole step, with what a training loop reports: a :class:`StepResult`.
 
         Its two halves, each overridable: :meth:`gradients` (the loss and the gradients
@@ -434,7 +444,9 @@ class Optimizer:
         the first parameter whose gradient was not finite (see :func:`gate`).
         ``replicas(half, model, state, batch)`` runs ``half`` (the gradient half) once per
         data-parallel replica and returns their aggregate (``ft.train.TrainStep(mesh=)``
-        passes one; the update then runs once, on the placed parameters).
+        passes one; the update then runs once, on the placed parameters). With a ``key``,
+        ``loss_fn`` takes it as ``loss_fn(model, *batch, key=...)``, one key per microbatch
+        (see :meth:`compute_gradients`).
         """
         on_nan = check_on_nan(on_nan)
         if skip_non_finite and on_nan == "ignore":
@@ -445,25 +457,27 @@ class Optimizer:
                 minibatch_size *= axis_size(self.axis_name)
 
         def half(m: Any, s: Any, b: tuple) -> Gradients:
-            return self.gradients(loss_fn, m, s, b, has_aux=has_aux)
+            return self.gradients(loss_fn, m, s, b, has_aux=has_aux, key=key)
 
         g = half(model, state, batch) if replicas is None else replicas(half, model, state, batch)
+        whole = loss_fn if key is None else functools.partial(loss_fn, key=key)  # L-BFGS: the whole batch
         return self.apply_step(g, model, state, minibatch_size=minibatch_size, on_nan=on_nan, enabled=enabled,
-                               value_fn=_value_fn(self, loss_fn, batch, has_aux))
+                               value_fn=_value_fn(self, whole, batch, has_aux))
 
     def gradients(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *,
-                  has_aux: bool = False) -> Gradients:
+                  has_aux: bool = False, key: Any = None) -> Gradients:
         """The first half of :meth:`step`: the loss, the gradients after the hooks
-        (:meth:`compute_gradients`) and the layer state the model recorded, per replica."""
+        (:meth:`compute_gradients`, ``key`` included) and the layer state the model
+        recorded, per replica."""
         if _has_layer_state(model):  # collect what BatchNorm & co. record in training mode
-            def objective(m: Any, *b: Any) -> tuple[Any, Any]:
-                out, layer_state = collect_state(lambda mm: loss_fn(mm, *b), m)
+            def objective(m: Any, *b: Any, **kw: Any) -> tuple[Any, Any]:
+                out, layer_state = collect_state(lambda mm: loss_fn(mm, *b, **kw), m)
                 return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
 
             (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,
-                                                                       state=state)
+                                                                       state=state, key=key)
         else:  # the user's loss function as it is (custom get_gradients hooks see it unchanged)
-            out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state)
+            out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state, key=key)
             loss, layer_state = (out[0] if has_aux else out), {}
         if self.accumulate > 1:  # microbatch outputs come stacked: (k, ...); the state of the last
             layer_state = jax.tree.map(lambda u: u[-1], layer_state)
@@ -496,16 +510,18 @@ class Optimizer:
         return StepResult(new_model, new_state, g.out, g.grads, door.nonfinite)
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
-                               state: Any) -> tuple[Any, Any]:
+                               state: Any, key: Any = None) -> tuple[Any, Any]:
         k = self.accumulate
         micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
 
-        def body(total: Any, mb: tuple) -> tuple[Any, Any]:
-            out, grads = self.get_gradients(loss_fn, model, *mb, has_aux=has_aux, state=state)
+        def body(total: Any, xs: tuple) -> tuple[Any, Any]:
+            mb, i = xs
+            fn = loss_fn if key is None else functools.partial(loss_fn, key=jax.random.fold_in(key, i))
+            out, grads = self.get_gradients(fn, model, *mb, has_aux=has_aux, state=state)
             return jax.tree.map(jnp.add, total, grads), out
 
         zeros = jax.tree.map(jnp.zeros_like, trained_view(model, self.wrt))
-        total, outs = jax.lax.scan(body, zeros, micro)
+        total, outs = jax.lax.scan(body, zeros, (micro, jnp.arange(k, dtype=jnp.uint32)))
         grads = jax.tree.map(lambda g: g / k, total)
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), grads

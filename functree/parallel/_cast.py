@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._parameters import parameters, with_parameters
+from functree.nn._state import follow
 from functree.parallel._rules import check_compute_dtype
 
 __all__ = ["cast", "cast_floating"]
@@ -20,6 +21,8 @@ def cast(tree: Any, dtype: Any) -> Any:
     ``no_derivative`` fields (BatchNorm statistics) and static fields are left as they are.
     Differentiating through ``cast`` gives gradients in the original dtype, which is how a
     float32 master copy trains in bfloat16: ``loss_fn(ft.cast(model, jnp.bfloat16), x)``.
+    Inside ``ft.nn.collect_state`` the cast layers record their state (BatchNorm's
+    statistics, computed in float32) at the key paths of the model's own layers.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -30,7 +33,9 @@ def cast(tree: Any, dtype: Any) -> Any:
     """
     dtype = check_compute_dtype(dtype)
     view = parameters(tree)
-    return with_parameters(tree, jax.tree.map(lambda p: p.astype(dtype), view))
+    out = with_parameters(tree, jax.tree.map(lambda p: p.astype(dtype), view))
+    follow(tree, out)  # under ft.nn.collect_state: the cast layers record at the model's key paths
+    return out
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:

@@ -17,6 +17,7 @@ a method a subclass may override: ``compute_loss``, ``compute_metrics``, ``apply
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ from functree.parallel._mesh import is_array
 from functree.parallel._placement import Placement, one_device_mesh
 from functree.parallel._rules import check_compute_dtype, partition_specs
 from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
+from functree.train._programs import program_key, shared, trampoline
 from functree.train._provenance import step_report
 from functree.train._scan import (
     check_stacked,
@@ -272,8 +274,10 @@ class TrainStep:
         steps this divides the per-call cost by ``k``.
 
     With a ``key``, the loss function gets ``jax.random.fold_in(key, step)`` where
-    ``step`` is the learning context's step (on a mesh, folded again with the device
-    index): one base key reproduces every step, also after restoring a checkpoint.
+    ``step`` is the learning context's step; with an optimizer that accumulates ``k``
+    microbatches, microbatch ``i`` gets ``fold_in(fold_in(key, step), i)`` (its own
+    dropout masks); on a mesh, that is folded again with the device index. One base key
+    reproduces every step, also after restoring a checkpoint.
     Layers that record state (BatchNorm) are run under ``ft.nn.collect_state`` and their
     no_derivative fields updated (on a mesh, averaged over devices). With an optimizer
     that accumulates ``k`` microbatches, aux arrays are merged back to one row per
@@ -345,6 +349,8 @@ class TrainStep:
         self._halt: Any = None  # on_nan="stop": [calls, call that stopped (-1), its nonfinite]
         self._calls = 0
         self._inflight: list[tuple[int, Any, Any]] = []  # (call, batch, key): references only
+        self._shared: Any = None  # the process-wide programs of this configuration (_programs.py)
+        self._ref = weakref.ref(self)
 
     @property
     def mesh(self) -> Any:
@@ -386,19 +392,21 @@ class TrainStep:
         """
         where = self.placement
         size = batch_size_of(batch)
+        # The optimizer hands the loss function the key (one per microbatch when it accumulates).
         if where is None:
-            def loss_fn(m: Any, b: Any) -> Any:
+            def loss_fn(m: Any, b: Any, key: Any = None) -> Any:
                 return self.compute_loss(m, b, key)
         else:
-            axis = where.data_axis
+            axis, alone = where.data_axis, where.devices == 1
 
-            def loss_fn(m: Any, b: Any) -> Any:  # runs per device, inside shard_map
-                k = None if key is None else jax.random.fold_in(key, jax.lax.axis_index(axis))
+            def loss_fn(m: Any, b: Any, key: Any = None) -> Any:  # runs per device, inside shard_map
+                # One device on the data axis: its index is 0 (no axis_index: see _replicas).
+                k = None if key is None else jax.random.fold_in(key, 0 if alone else jax.lax.axis_index(axis))
                 return self.compute_loss(m, b, k)
 
         result = self.optimizer.step(
             loss_fn, model, opt_state, (batch,), has_aux=True, minibatch_size=size, on_nan=self.on_nan,
-            enabled=enabled, replicas=None if where is None else self._replicas,
+            enabled=enabled, replicas=None if where is None else self._replicas, key=key,
         )
         loss, aux = result.out
         new_model, new_state = result.model, result.state
@@ -416,10 +424,18 @@ class TrainStep:
         assert where is not None
         axis, accumulate = where.data_axis, self.optimizer.accumulate
         batch, in_batch = where.constrain_batch(batch)
+        # One device on the data axis (a (1, n) mesh): nothing varies over it, so no value is
+        # marked varying and no collective over it is emitted; XLA's SPMD partitioner rejects
+        # such an all-reduce beside a model axis ("Cross-partition allreduce must be in
+        # (partial) manual partitioning mode"). P() and P(data) are one layout there.
+        alone = where.devices == 1
+        if alone:
+            in_batch = jax.tree.map(lambda _: PartitionSpec(), in_batch, is_leaf=_is_spec)
         state_specs = where.state_specs(opt_state)
         opt_state = where.constrain(opt_state, state_specs)
         # shard_map names the manual (data) axis alone; other axes stay with the compiler.
-        state_in = jax.tree.map(lambda p: _only(p, axis), state_specs, is_leaf=_is_spec)
+        state_in = jax.tree.map(lambda p: PartitionSpec() if alone else _only(p, axis), state_specs,
+                                is_leaf=_is_spec)
         # FSDP: the all-gather over the data axis; other axes (tensor parallel) stay as placed.
         gathered = where.constrain(model, jax.tree.map(lambda p: _without(p, axis), where.model_specs(model),
                                                        is_leaf=_is_spec))
@@ -427,7 +443,8 @@ class TrainStep:
         def per_device(m: Any, s: Any, b: tuple) -> Gradients:
             # Varying over the data axis: each device differentiates its own shard, and the
             # aggregator sees per-device gradients (a custom one may psum/pmean/all_gather).
-            m = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying") if is_array(x) else x, m)
+            if not alone:
+                m = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying") if is_array(x) else x, m)
             g = half(m, s, b)
             loss = _replica_mean(g.loss, axis)
             grads = jax.tree.map(lambda x: _replica_mean(x, axis), g.grads)
@@ -491,13 +508,35 @@ class TrainStep:
         log = self.record(log, metrics, batch, opt_state)
         return model, opt_state, (None if "rows" in log else metrics), log  # rows hold them: no more outputs
 
+    _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref")
+    """Instance attributes that are run-time state; every other one is configuration: a
+    step equal to another in all of them (and in class) shares its compiled programs."""
+
+    def _shared_program(self, kind: str, method: str, model: Any) -> Any:
+        """``method`` jitted, its compiled programs shared by every step of this
+        configuration in the process (as ``jax.jit`` of one function shares them): a new
+        Trainer with the same loss function, optimizer configuration and shapes compiles
+        nothing (see :mod:`functree.train._programs`). Over flat leaves (the model and
+        state a loop passes back are not flattened again), or with static leaves for
+        Equinox submodules."""
+        if self._shared is None:
+            self._shared = shared(program_key("TrainStep", self, self._RUNTIME))
+            self._shared.owner = self._ref
+        entry = self._shared
+        donate = (0, 1, 4) if self._donate else (4,)
+        if has_untraceable_leaves(model):  # one function per configuration: JAX's caches key on it
+            run = entry.programs.setdefault(kind + " static", {}).get(method)
+            if run is None:
+                run = entry.programs[kind + " static"][method] = _calling_train(entry, method)
+            return unchecked_jit(run, donate=donate, static_leaves=True)
+        # The wrapper names the class's function (never this instance: the shared table must
+        # not keep a step alive); a retrace calls the step whose call is running.
+        traced = explain_control_flow(getattr(type(self), method), trampoline(entry, method))
+        return flat_jit(traced, donate=donate, owned=(4,), programs=entry.programs.setdefault(kind, {}))
+
     def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
-            donate = (0, 1, 4) if self._donate else (4,)
-            if has_untraceable_leaves(model):
-                self._compiled = unchecked_jit(self._logged, donate=donate, static_leaves=True)
-            else:  # over flat leaves: the model and state a loop passes back are not flattened again
-                self._compiled = flat_jit(explain_control_flow(self._logged), donate=donate, owned=(4,))
+            self._compiled = self._shared_program("one", "_logged", model)
         return self._compiled
 
     def _scanned_logged(self, model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:
@@ -507,11 +546,7 @@ class TrainStep:
     def _scan_program(self, model: Any) -> Any:
         """The program of several steps per call (any leading size; one trace per size)."""
         if self._scanned is None:  # as _program: over flat leaves unless Equinox needs static ones
-            donate = (0, 1, 4) if self._donate else (4,)
-            if has_untraceable_leaves(model):
-                self._scanned = unchecked_jit(self._scanned_logged, donate=donate, static_leaves=True)
-            else:
-                self._scanned = flat_jit(explain_control_flow(self._scanned_logged), donate=donate, owned=(4,))
+            self._scanned = self._shared_program("scan", "_scanned_logged", model)
         return self._scanned
 
     def lower(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
@@ -527,6 +562,8 @@ class TrainStep:
           True
         """
         program = self._program(model) if self.steps_per_call == 1 else self._scan_program(model)
+        if self._shared is not None:
+            self._shared.owner = self._ref
         return program.lower(model, opt_state, batch, key, self._new_halt_log())
 
     def run(self, model: Any, opt_state: Any, batch: Any, key: Any = None, log: Any = None, *,
@@ -557,6 +594,8 @@ class TrainStep:
         if self.placement is not None:
             where = self.placement
             batch = where.shard_batch(batch) if steps == 1 else shard_stacked(where.mesh, where.data_axis, batch)
+        if self._shared is not None:  # a shared program traces (new shapes) with this step's stages
+            self._shared.owner = self._ref
         out = program(model, opt_state, batch, key, log)
         self._guard.remember(out, (model, opt_state))
         return out
@@ -640,6 +679,10 @@ class EvalStep:
         self.loss_fn = loss_fn
         self.metrics = resolve_metrics(metrics)
         self._compiled: Any = None
+        self._shared: Any = None  # as TrainStep's: one program per configuration in the process
+        self._ref = weakref.ref(self)
+
+    _RUNTIME = ("_compiled", "_shared", "_ref")
 
     def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
         """``(loss, aux)`` of ``loss_fn`` on one minibatch."""
@@ -652,16 +695,91 @@ class EvalStep:
         loss, aux = self.compute_loss(model, batch, key)
         return evaluate_metrics(self.metrics, StepOutput(loss, aux, batch, model))
 
+    def summed(self, model: Any, sums: Any, batch: Any, key: Any = None) -> Any:
+        """``sums`` after one more minibatch, unjitted: ``{"values": {name: Σ w·metric},
+        "weight": Σ w, "count": minibatches}`` with ``w`` the minibatch's size (the
+        Trainer's validation; ``key`` is folded with the minibatch's index)."""
+        if key is not None:
+            key = jax.random.fold_in(key, sums["count"])
+        metrics = self.step(model, batch, key)
+        w = float(batch_size_of(batch))
+        return {"values": {k: sums["values"][k] + w * v for k, v in metrics.items()},
+                "weight": sums["weight"] + w, "count": sums["count"] + 1}
+
+    def summing(self, static_leaves: bool = False) -> Callable[..., Any]:
+        """:meth:`summed` jitted (``sums`` donated), its programs shared by every EvalStep
+        of this configuration in the process (a new Trainer's validation compiles nothing).
+
+        Example: a weighted sum over minibatches, here one of 4 examples
+          >>> import functree as ft, jax.numpy as jnp
+          >>> evaluate = ft.train.eval_step(lambda m, b: jnp.mean(b * m["w"]))
+          >>> sums = {"values": {"loss": jnp.zeros(())}, "weight": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
+          >>> sums = evaluate.summing()({"w": jnp.ones(())}, sums, jnp.arange(4.0), None)
+          >>> sums["values"]["loss"], sums["weight"], sums["count"]  # 4 · mean(0, 1, 2, 3)
+          (Array(6., dtype=float32), Array(4., dtype=float32), Array(1, dtype=int32))
+        """
+        entry = self._entry()
+        table = entry.programs.setdefault("summed", {})
+        run = table.get(static_leaves)
+        if run is None:
+            call = trampoline(entry, "summed")
+
+            def run(model: Any, sums: Any, batch: Any, key: Any) -> Any:
+                return call()(model, sums, batch, key)
+
+            table[static_leaves] = run
+        jitted = unchecked_jit(run, donate=(1,), static_leaves=static_leaves)
+        ref = self._ref
+
+        def summing(model: Any, sums: Any, batch: Any, key: Any) -> Any:
+            entry.owner = ref  # a retrace (new shapes) runs this step's stages
+            return jitted(model, sums, batch, key)
+
+        return summing
+
+    def _entry(self) -> Any:
+        if self._shared is None:
+            self._shared = shared(program_key("EvalStep", self, self._RUNTIME))
+        return self._shared
+
     def shard_batch(self, batch: Any) -> Any:
         """The global batch from this process's share, on the step's mesh (else the batch)."""
         return batch if self.placement is None else self.placement.shard_batch(batch, whole=True)
 
     def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
-            self._compiled = unchecked_jit(self.step, static_leaves=has_untraceable_leaves(model))
+            self._entry()
+            static = has_untraceable_leaves(model)
+            # One function per configuration: ft.jit's and JAX's caches key on it (a new
+            # Trainer's validation compiles nothing); a trace runs the calling step's stages.
+            run = self._shared.programs.setdefault("eval", {}).get(static)
+            if run is None:
+                run = self._shared.programs["eval"][static] = _calling(self._shared, "step")
+            self._compiled = unchecked_jit(run, static_leaves=static)
+        self._shared.owner = self._ref
         if self.placement is not None:
             model, batch = self.placement.place(model), self.placement.shard_batch(batch, whole=True)
         return self._compiled(model, batch, key)
+
+
+def _calling(entry: Any, method: str) -> Callable[..., Any]:
+    """A function that calls ``method`` of the step now running ``entry``'s program."""
+    call = trampoline(entry, method)
+
+    def run(model: Any, batch: Any, key: Any = None) -> Any:
+        return call()(model, batch, key)
+
+    return run
+
+
+def _calling_train(entry: Any, method: str) -> Callable[..., Any]:
+    """:func:`_calling` for a TrainStep's program (``_logged`` or ``_scanned_logged``)."""
+    call = trampoline(entry, method)
+
+    def run(model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:
+        return call()(model, opt_state, batch, key, log)
+
+    return run
 
 
 def train_step(

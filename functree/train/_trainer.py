@@ -320,7 +320,7 @@ class Trainer:
         self._last_context: Any = None
         self._inflight: list[Any] = []  # the batches since the last read: references, no copies
         static = has_untraceable_leaves(self.model)  # Equinox submodules keep functions
-        self._eval_fused = unchecked_jit(self._fused_eval, donate=(1,), static_leaves=static)
+        self._eval_fused = self.eval_step.summing(static)  # one program per configuration in the process
         self._predict = unchecked_jit(_call_predict, static_argnums=2, static_leaves=static)
 
     @staticmethod
@@ -335,14 +335,6 @@ class Trainer:
         raise TypeError(BAD_TRAIN_STEP.format(given=repr(train_step)[:80]))
 
     # --- the jitted programs -------------------------------------------------------------
-    def _fused_eval(self, model: Any, sums: Any, batch: Any, key: Any) -> Any:
-        if key is not None:
-            key = jax.random.fold_in(key, sums["count"])
-        metrics = self.eval_step.step(model, batch, key)
-        w = float(batch_size_of(batch))
-        return {"values": {k: sums["values"][k] + w * v for k, v in metrics.items()},
-                "weight": sums["weight"] + w, "count": sums["count"] + 1}
-
     def _new_buffer(self, capacity: int) -> Any:
         assert self._names is not None
         self._rates = learning_rate_names(self.opt_state)  # "learning_rate", or "<group>/learning_rate" each

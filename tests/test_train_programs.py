@@ -1,0 +1,124 @@
+"""The process-wide compiled training steps (functree/train/_programs.py): a new Trainer or
+TrainStep with the same loss function, optimizer configuration and shapes compiles nothing;
+any difference in what the step computes gets its own program (issue 27 item 8)."""
+
+import contextlib
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import functree as ft
+from functree.train import _programs
+
+COMPILE = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+
+@contextlib.contextmanager
+def compilations():
+    """The XLA compilations run inside the block (JAX's monitoring events), as a list."""
+    seen: list[str] = []
+
+    def listen(event, duration, **kwargs):
+        if event == COMPILE:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def mse(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def data(n=3):
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32))
+            for _ in range(n)]
+
+
+def fit(optimizer, loss=mse, validation=False, **options):
+    trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), optimizer, loss, **options)
+    trainer.fit(data(), progress=False, validation_data=data(1) if validation else None)
+    return trainer
+
+
+def test_a_new_trainer_with_the_same_configuration_compiles_nothing():
+    first = fit(ft.optim.adam(1e-2), validation=True)  # compiles the steps (and the loop's small programs)
+    with compilations() as seen:
+        second = fit(ft.optim.adam(1e-2), validation=True)  # a fresh optimizer object, the same configuration
+    assert seen == []  # main: the step compiled again
+    assert second.train_step._compiled is not first.train_step._compiled  # its own state ...
+    assert second.train_step._shared is first.train_step._shared  # ... over the same programs
+    assert second.eval_step._shared is first.eval_step._shared
+    jax.tree.map(np.testing.assert_array_equal, second.model, first.model)  # the same numbers
+
+
+def test_another_configuration_gets_another_program():
+    """Anything that may change what the step computes keys another program (no compilation
+    needed to see it: the keys differ); the same configuration built anew keys the same."""
+    def key(optimizer=None, loss=mse, **options):
+        step = ft.train.TrainStep(loss, optimizer or ft.optim.adam(1e-2), **options)
+        return _programs.program_key("TrainStep", step, step._RUNTIME)
+
+    base = key()
+    assert base is not None and key() == base and hash(key()) == hash(base)
+    assert key(ft.optim.Optimizer(ft.optim.adam(1e-2))) == base  # an Optimizer around it: the same
+    others = {
+        "learning rate": key(ft.optim.adam(2e-2)),
+        "schedule": key(ft.optim.adam(optax.linear_schedule(1e-2, 0.0, 100))),
+        "optax": key(optax.adam(1e-2)),
+        "accumulate": key(ft.optim.Optimizer(ft.optim.adam(1e-2), accumulate=2)),
+        "clipping": key(ft.optim.Optimizer(ft.optim.adam(1e-2), transform_gradients=lambda g: g)),
+        "wrt": key(ft.optim.Optimizer(ft.optim.adam(1e-2), wrt="weight")),
+        "loss": key(loss=lambda m, b: jnp.mean(jnp.abs(m(b[0]) - b[1]))),
+        "on_nan": key(on_nan="skip"),
+        "metrics": key(metrics={"mae": lambda out: out.loss * 2}),
+        "compute_dtype": key(compute_dtype=jnp.bfloat16),
+        "donate": key(donate=False),
+        "mesh": key(mesh=jax.make_mesh((1,), ("data",)), sharding="fsdp"),
+    }
+    for name, other in others.items():
+        assert other is not None and other != base, name
+    assert key(optimizer=ft.optim.adam(optax.linear_schedule(1e-2, 0.0, 100))) == others["schedule"]
+
+
+def test_a_step_subclass_setting_shares_only_with_an_equal_setting():
+    class Penalized(ft.train.TrainStep):
+        def __init__(self, *args, weight=0.0, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.weight = weight
+
+        def compute_loss(self, model, batch, key=None):
+            loss, aux = super().compute_loss(model, batch, key)
+            return loss + self.weight * jnp.sum(model.weight ** 2), aux
+
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    out = {}
+    for weight in (0.0, 1.0, 1.0):
+        step = Penalized(mse, opt, weight=weight, donate=False)
+        out.setdefault(weight, []).append((step, step(model, opt.init(model), data(1)[0])[0]))
+    (a, ma), (b, mb), (c, mc) = out[0.0][0], out[1.0][0], out[1.0][1]
+    assert a._shared is not b._shared and b._shared is c._shared
+    assert not np.array_equal(ma.weight, mb.weight)  # the penalty acted: not the 0.0 program
+    np.testing.assert_array_equal(mb.weight, mc.weight)
+
+
+def test_an_entry_leaves_with_its_loss_function():
+    namespace: dict = {"jnp": jnp}
+    exec("def loss(model, batch):\n    return jnp.mean((model(batch[0]) - batch[1]) ** 2)", namespace)
+    step = ft.train.train_step(namespace.pop("loss"), ft.optim.adam(1e-2))  # not a module's: by identity
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    with ft.config.override(diagnostics=False):  # their cache keeps the functions it analysed
+        step(model, step.optimizer.init(model), data(1)[0])
+    assert len(_programs._PROGRAMS) == 1
+    del step
+    gc.collect()
+    assert len(_programs._PROGRAMS) == 0  # nothing in the table kept the step or its loss alive

@@ -41,6 +41,7 @@ from functree.optim._average import with_average
 from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
 from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
+from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
 from functree.optim._skip import applied_in, apply_or_keep, check_on_nan, gate, guard, select
@@ -216,6 +217,7 @@ class Optimizer:
     _axis_name: Any
     _accumulate: int
     _wrt: tuple[str, ...] | None
+    _separable: bool
 
     def __init__(
         self,
@@ -248,6 +250,7 @@ class Optimizer:
         set_(self, "_axis_name", axis_name)
         set_(self, "_accumulate", accumulate)
         set_(self, "_wrt", check_wrt(wrt))
+        set_(self, "_separable", is_separable(transform) and average is None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(FROZEN_OPTIMIZER.format(name=name))
@@ -491,9 +494,28 @@ class Optimizer:
 
         if door.apply is None:
             new_model, new_state = applied(model, state)
-        else:  # one cond around the whole update: donated buffers are written in place
-            new_model, new_state = apply_or_keep(door.apply, applied, model, state)
+        else:  # one cond around the whole update (or one per parameter): buffers written in place
+            leafwise = self._leafwise(g, model, state, door.apply, minibatch_size)
+            new_model, new_state = leafwise or apply_or_keep(door.apply, applied, model, state)
         return StepResult(new_model, new_state, g.out, g.grads, door.nonfinite)
+
+    def _leafwise(self, g: Gradients, model: Any, state: Any, ok: Any, minibatch_size: Any) -> tuple[Any, Any] | None:
+        """The gated update one parameter at a time (:mod:`functree.optim._leafwise`), or None
+        where that is not the same step: a transform not declared separable, ``average=``,
+        ``wrt=``, recorded layer state, partial gradients, or a hook that changes the update."""
+        cls = type(self)
+        if (not getattr(self, "_separable", False) or g.layer_state or self.wrt is not None
+                or self._apply_updates is not None or cls.update is not Optimizer.update
+                or cls.apply_gradients is not Optimizer.apply_gradients
+                or cls.apply_updates is not Optimizer.apply_updates):
+            return None
+        params = trained_view(model, None)
+        grads, partial = checked_gradients(g.grads, params)  # the boundary's checks and errors
+        if partial is not None:
+            return None
+        out = leafwise_gated_update(self.transform, ok, descent_direction(grads), model, state, params,
+                                    minibatch_size=minibatch_size, loss=g.loss)
+        return None if out is None else (with_parameters(model, out[0]), out[1])
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
                                state: Any) -> tuple[Any, Any]:

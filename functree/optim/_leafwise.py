@@ -27,6 +27,15 @@ complex parameters, partial gradients, recorded layer state, and every backend b
 CPU: on an accelerator the kernels of a branch are queued asynchronously and do not
 storm, while a conditional per parameter would multiply whatever a conditional costs
 there.
+
+No host synchronisation: the gate's predicate is computed inside the step (``is_finite``,
+``reduce``, ``compare`` on the gradients) and the lowered program holds no callback,
+transfer, infeed/outfeed or token (tests/test_step_structure.py checks the StableHLO).
+A ``stablehlo.case`` on a device value is device control flow: on the CPU the predicate
+is in the memory the host runs from; on a TPU the core branches itself. On a GPU, XLA's
+runtime decides how a conditional reads its predicate (a small device-to-host copy before
+the branch, unless the conditional is captured in a command buffer); that one read per
+step, never one per parameter, is what a GPU measurement of the gated step would show.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ given to the constructor)::
 ``gradients`` (the loss, the gradients through the hooks above, recorded layer state: per
 replica, inside ``shard_map`` on a mesh) and ``apply_step`` (the one gate, from one
 finiteness reduction: ``on_nan``, ``enabled`` and an optimizer that handles overflow itself;
-then ``update`` and ``apply_updates`` inside one ``lax.cond`` on it).
+then ``update`` and ``apply_updates`` inside one ``lax.cond`` on it; on the CPU, for a
+transform declared separable, one small ``lax.cond`` per parameter: see
+:mod:`functree.optim._leafwise`).
 
 Everything is pure: the optimizer object holds configuration only, the state is a pytree
 of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
@@ -480,7 +482,8 @@ class Optimizer:
                    enabled: Any = None, value_fn: Callable[[Any], Any] | None = None) -> StepResult:
         """The second half of :meth:`step`: :func:`gate` (one finiteness reduction), the update
         through it, the recorded layer state written back; a closed gate returns ``model``
-        and ``state`` as they were, bit for bit. ``value_fn`` (the loss as a function of
+        and ``state`` as they were, bit for bit (one ``lax.cond``, or one per parameter: see
+        :mod:`functree.optim._leafwise`). ``value_fn`` (the loss as a function of
         the model) goes to the transform with ``value=g.loss`` (optax's L-BFGS takes both)."""
         door = gate(g.loss, g.grads, on_nan=on_nan, enabled=enabled, handled=self.handles_nonfinite)
         extra = {} if value_fn is None else {"value": g.loss, "value_fn": value_fn}

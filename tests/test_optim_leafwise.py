@@ -141,6 +141,15 @@ def test_complex_parameters_keep_the_one_cond():
     assert sum(e.primitive.name == "cond" for e in jaxpr.jaxpr.eqns) == 1
 
 
+def test_more_parameters_than_the_limit_keep_the_one_cond():
+    model = {f"w{i:02d}": jnp.ones(2) for i in range(leafwise.MAX_PARAMETERS + 1)}
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
+    with jax.numpy_dtype_promotion("standard"):
+        jaxpr = jax.make_jaxpr(lambda m, s: opt.step(lambda m: sum(jnp.sum(w) for w in m.values()), m, s, (),
+                                                     on_nan="skip")[:2])(model, opt.init(model))
+    assert sum(e.primitive.name == "cond" for e in jaxpr.jaxpr.eqns) == 1
+
+
 def test_the_ungated_step_has_no_conditional():
     assert _conditionals(ft.optim.Optimizer(ft.optim.adam(1e-3)), on_nan="ignore") == 0
 

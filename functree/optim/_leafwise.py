@@ -24,9 +24,9 @@ are (functree's optimizer functions mark themselves); any other transform, chain
 wrapper runs through the one large ``cond``. So do optimizers with hooks that change the
 update (``apply_updates=``, a subclass overriding ``update``), ``wrt=``, ``average=``,
 complex parameters, partial gradients, recorded layer state, and every backend but the
-CPU: on an accelerator the kernels of a branch are queued asynchronously and do not
-storm, while a conditional per parameter would multiply whatever a conditional costs
-there.
+CPU: on an accelerator the kernels of a branch are queued in order on the device, with
+no thread pool to hand them to, while a conditional per parameter would multiply whatever
+a conditional costs there (reasoning; no accelerator was measured).
 
 No host synchronisation: the gate's predicate is computed inside the step (``is_finite``,
 ``reduce``, ``compare`` on the gradients) and the lowered program holds no callback,

@@ -21,6 +21,8 @@ takes a comma-separated list of these names):
                     and raw lax.scan                                 ≤ 1.3× raw scan at 64
     steps_per_call 11. TrainStep(steps_per_call=k), k = 1..64, vs   k=16 ≥ 2× raw per-step
                     raw per-step and raw's own lax.scan               steps/s
+    many_leaves 12. Adam update of 150 small leaves (12-layer      gated functree ≤ 1× optax
+                    transformer, d=64): gated and ungated             per-leaf
 
 Run by hand on a quiet machine (``--quick`` for a one-minute smoke run); the tests never
 assert wall-clock time.
@@ -44,6 +46,7 @@ from _diagnostics import diagnostics
 from _donation import donation
 from _harness import machine
 from _keypaths import key_paths
+from _many_leaves import many_leaves
 from _optimizer import optimizer_throughput
 from _steps import compile_time, compute, dispatch
 from _steps_per_call import steps_per_call
@@ -61,6 +64,7 @@ FAMILIES = {
     "trainer": trainer,
     "depth": depth,
     "steps_per_call": steps_per_call,
+    "many_leaves": many_leaves,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

@@ -37,6 +37,7 @@ from functree._naming import check_patterns
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._hyper import inject
+from functree.optim._leafwise import separable
 from functree.optim._masked import masked
 
 __all__ = [
@@ -196,7 +197,7 @@ def sgd(
         raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=""))
     hyper = {"learning_rate": learning_rate, "momentum": momentum}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.sgd", factory, hyper)
+    return separable(inject("ft.optim.sgd", factory, hyper))
 
 
 def rmsprop(
@@ -231,7 +232,7 @@ def rmsprop(
 
     hyper = {"learning_rate": learning_rate, "rho": rho, "epsilon": epsilon, "momentum": momentum}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.rmsprop", factory, hyper)
+    return separable(inject("ft.optim.rmsprop", factory, hyper))
 
 
 class AdagradState(NamedTuple):
@@ -282,7 +283,7 @@ def adagrad(
     hyper = {"learning_rate": learning_rate, "initial_accumulator_value": initial_accumulator_value,
              "epsilon": epsilon}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.adagrad", factory, hyper)
+    return separable(inject("ft.optim.adagrad", factory, hyper))
 
 
 def adadelta(
@@ -309,7 +310,7 @@ def adadelta(
 
     hyper = {"learning_rate": learning_rate, "rho": rho, "epsilon": epsilon}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.adadelta", factory, hyper)
+    return separable(inject("ft.optim.adadelta", factory, hyper))
 
 
 def adam(
@@ -344,7 +345,7 @@ def adam(
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.adam", factory, hyper)
+    return separable(inject("ft.optim.adam", factory, hyper))
 
 
 def adamw(
@@ -383,7 +384,7 @@ def adamw(
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.adamw", factory, hyper)
+    return separable(inject("ft.optim.adamw", factory, hyper))
 
 
 def adamax(
@@ -410,7 +411,7 @@ def adamax(
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.adamax", factory, hyper)
+    return separable(inject("ft.optim.adamax", factory, hyper))
 
 
 class AMSGradState(NamedTuple):
@@ -470,7 +471,7 @@ def amsgrad(
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.amsgrad", factory, hyper)
+    return separable(inject("ft.optim.amsgrad", factory, hyper))
 
 
 def radam(
@@ -499,7 +500,7 @@ def radam(
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.radam", factory, hyper)
+    return separable(inject("ft.optim.radam", factory, hyper))
 
 
 def lion(
@@ -531,7 +532,7 @@ def lion(
 
     hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2}
     hyper = _with_decay(hyper, weight_decay)
-    return inject("ft.optim.lion", factory, hyper)
+    return separable(inject("ft.optim.lion", factory, hyper))
 
 
 MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x")

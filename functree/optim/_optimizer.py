@@ -15,7 +15,9 @@ given to the constructor)::
 ``gradients`` (the loss, the gradients through the hooks above, recorded layer state: per
 replica, inside ``shard_map`` on a mesh) and ``apply_step`` (the one gate, from one
 finiteness reduction: ``on_nan``, ``enabled`` and an optimizer that handles overflow itself;
-then ``update`` and ``apply_updates`` inside one ``lax.cond`` on it).
+then ``update`` and ``apply_updates`` inside one ``lax.cond`` on it; on the CPU, for a
+transform declared separable, one small ``lax.cond`` per parameter: see
+:mod:`functree.optim._leafwise`).
 
 Everything is pure: the optimizer object holds configuration only, the state is a pytree
 of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
@@ -42,6 +44,7 @@ from functree.optim._average import with_average
 from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
 from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
+from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
 from functree.optim._skip import applied_in, apply_or_keep, check_on_nan, gate, guard, select
@@ -219,6 +222,7 @@ class Optimizer:
     _axis_name: Any
     _accumulate: int
     _wrt: tuple[str, ...] | None
+    _separable: bool
 
     def __init__(
         self,
@@ -251,6 +255,7 @@ class Optimizer:
         set_(self, "_axis_name", axis_name)
         set_(self, "_accumulate", accumulate)
         set_(self, "_wrt", check_wrt(wrt))
+        set_(self, "_separable", is_separable(transform) and average is None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(FROZEN_OPTIMIZER.format(name=name))
@@ -491,7 +496,8 @@ class Optimizer:
                    enabled: Any = None, value_fn: Callable[[Any], Any] | None = None) -> StepResult:
         """The second half of :meth:`step`: :func:`gate` (one finiteness reduction), the update
         through it, the recorded layer state written back; a closed gate returns ``model``
-        and ``state`` as they were, bit for bit. ``value_fn`` (the loss as a function of
+        and ``state`` as they were, bit for bit (one ``lax.cond``, or one per parameter: see
+        :mod:`functree.optim._leafwise`). ``value_fn`` (the loss as a function of
         the model) goes to the transform with ``value=g.loss`` (optax's L-BFGS takes both)."""
         door = gate(g.loss, g.grads, on_nan=on_nan, enabled=enabled, handled=self.handles_nonfinite)
         extra = {} if value_fn is None else {"value": g.loss, "value_fn": value_fn}
@@ -505,9 +511,28 @@ class Optimizer:
 
         if door.apply is None:
             new_model, new_state = applied(model, state)
-        else:  # one cond around the whole update: donated buffers are written in place
-            new_model, new_state = apply_or_keep(door.apply, applied, model, state)
+        else:  # one cond around the whole update (or one per parameter): buffers written in place
+            leafwise = self._leafwise(g, model, state, door.apply, minibatch_size)
+            new_model, new_state = leafwise or apply_or_keep(door.apply, applied, model, state)
         return StepResult(new_model, new_state, g.out, g.grads, door.nonfinite)
+
+    def _leafwise(self, g: Gradients, model: Any, state: Any, ok: Any, minibatch_size: Any) -> tuple[Any, Any] | None:
+        """The gated update one parameter at a time (:mod:`functree.optim._leafwise`), or None
+        where that is not the same step: a transform not declared separable, ``average=``,
+        ``wrt=``, recorded layer state, partial gradients, or a hook that changes the update."""
+        cls = type(self)
+        if (not getattr(self, "_separable", False) or g.layer_state or self.wrt is not None
+                or self._apply_updates is not None or cls.update is not Optimizer.update
+                or cls.apply_gradients is not Optimizer.apply_gradients
+                or cls.apply_updates is not Optimizer.apply_updates):
+            return None
+        params = trained_view(model, None)
+        grads, partial = checked_gradients(g.grads, params)  # the boundary's checks and errors
+        if partial is not None:
+            return None
+        out = leafwise_gated_update(self.transform, ok, descent_direction(grads), model, state, params,
+                                    minibatch_size=minibatch_size, loss=g.loss)
+        return None if out is None else (with_parameters(model, out[0]), out[1])
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
                                state: Any, key: Any = None) -> tuple[Any, Any]:

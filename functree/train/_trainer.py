@@ -224,12 +224,17 @@ class _Means:
         self.weight = 0.0
 
     def add(self, values: Mapping[str, np.ndarray], weights: np.ndarray) -> None:
+        # Step by step in float64: the sums do not depend on where the intervals were cut
+        # (a resumed job's means equal the uninterrupted job's bit for bit).
         for name, column in values.items():
-            finite = np.isfinite(column)
-            self.sums[name] = self.sums.get(name, 0.0) + float(np.sum(np.where(finite, column, 0) * weights))
-            if not finite.all():
-                self.sums[name] = math.nan
-        self.weight += float(np.sum(weights))
+            total = self.sums.get(name, 0.0)
+            for x in (column * weights).tolist():
+                total += x
+            self.sums[name] = total if math.isfinite(total) else math.nan
+        weight = self.weight
+        for w in weights.tolist():
+            weight += w
+        self.weight = weight
 
     def means(self) -> dict[str, float]:
         return {k: v / self.weight for k, v in self.sums.items()} if self.weight else {}

@@ -188,12 +188,18 @@ def _sigint(trials: int, seed: int) -> None:
     for _ in range(trials):
         t = trainer()
         timer = threading.Timer(float(rng.uniform(0, duration)), lambda: os.kill(main, signal.SIGINT))
-        timer.start()
         try:
+            timer.start()
             t.fit(batches, steps=steps, progress=False, log_every=7)
+            timer.join()  # the Ctrl-C may come after fit
+            time.sleep(0.02)
         except KeyboardInterrupt:
-            report["interrupted"] += 1
-        timer.join()
+            report["interrupted"] += 1 if t.steps_run < steps else 0
+        try:
+            timer.join()  # it has fired: the Ctrl-C came from it
+            time.sleep(0.02)
+        except KeyboardInterrupt:
+            pass
         try:
             for x in jax.tree.leaves((t.model, t.opt_state)):
                 np.asarray(x)  # a deleted (donated) buffer raises here
@@ -212,7 +218,10 @@ def _sigint(trials: int, seed: int) -> None:
             print("stuck:", type(e).__name__, str(e)[:300], file=sys.stderr)
             continue
         got = [np.asarray(x) for x in jax.tree.leaves((t.model, t.opt_state))]
-        report["equal"] += int(t.steps_run == steps and all(np.array_equal(a, b) for a, b in zip(got, expect)))
+        same = t.steps_run == steps and all(np.array_equal(a, b) for a, b in zip(got, expect))
+        if not same:
+            print("differs:", t.steps_run, t.epoch, t.batch_in_epoch, file=sys.stderr)
+        report["equal"] += int(same)
         report["trials"] += 1
     print(json.dumps(report), flush=True)
 

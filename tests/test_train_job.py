@@ -200,7 +200,7 @@ def test_callback_state_and_extra_in_the_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"(?s)callback 'EarlyStopping\[0\]' \(EarlyStopping\).*"
                                           r"callbacks=False"):
         job.trainer().restore(tmp_path / "c").fit(job.data("list", 4), epochs=3, progress=False,
-                                                   callbacks=[save])
+                                                   callbacks=[save, ft.train.ReduceLROnPlateau("loss")])
     named = ft.train.EarlyStopping(monitor="loss", patience=3)
     named.name = "EarlyStopping[0]"
     job.trainer().restore(tmp_path / "c").fit(job.data("list", 4), epochs=2, progress=False,

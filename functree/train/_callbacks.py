@@ -81,7 +81,7 @@ class TrainingContext:
     """What callbacks see (host values, read at a log interval or an epoch end).
 
     Attributes:
-      event: ``"log"``, ``"epoch"`` or ``"end"``.
+      event: ``"log"``, ``"epoch"``, ``"end"``, or ``"step"`` (a checkpoint's save point).
       step: training steps run by the Trainer (all ``fit`` calls).
       sweep: the epoch (the learning context's sweep).
       samples_seen: examples consumed by the optimizer steps taken.
@@ -360,20 +360,12 @@ class ModelCheckpoint(Callback):
         self.extra = extra
         self._last_saved: int | None = None
 
-    def state_dict(self) -> dict[str, Any]:
-        """The step last saved."""
-        return {"last_saved": self._last_saved}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_state(self, state)
-        self._last_saved = None if state["last_saved"] is None else int(state["last_saved"])
-
     def save(self, trainer: Trainer, context: TrainingContext) -> None:
         """Write a checkpoint of ``trainer`` now (once per step), with ``context.metrics``
         when they rank checkpoints. The Trainer calls it at save points, where
         ``trainer.model`` is the model after ``context.step``."""
-        if self._last_saved == trainer.steps_run:
-            return
+        if self._last_saved == trainer.steps_run or trainer.steps_run in self.manager.all_steps():
+            return  # saved already (by this callback, or by the run a restored trainer continues)
         best = self.manager.best_metric
         if best is not None and best not in context.metrics:
             return  # ranked checkpoints are written where the metric is known (epoch ends)

@@ -320,6 +320,16 @@ class Trainer:
         steps). The history still has one row per step; callbacks, logging and
         checkpoints happen between calls. Default: the ``train_step`` instance's, else 1.
 
+    What callbacks see: ``on_log`` gets the :class:`TrainingContext` of a log interval
+    (``context.step`` its last step), read one interval late so that the host never waits
+    for the device; a callback that overrides ``on_log`` and reads ``trainer.model`` /
+    ``trainer.opt_state`` (``Callback.reads_model``, True by default) makes the Trainer
+    read each interval as it ends, so the model it sees is the one after
+    ``context.step``. ``on_epoch_end``, ``on_train_end`` and checkpoints
+    (:class:`ModelCheckpoint`) always see the model of their step. ``fit(epochs=N)`` /
+    ``fit(steps=N)`` count the whole job; :meth:`save` / :meth:`restore` carry all of it
+    (guide: ``docs/guides/training-jobs.md``).
+
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, numpy as np
       >>> x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)

@@ -54,14 +54,14 @@ def resume(config, directory):
 
 
 CONFIGS = st.fixed_dictionaries({
-    "every_steps": st.integers(1, 5), "log_every": st.integers(1, 4),
-    "steps_per_call": st.sampled_from([1, 2]), "accumulate": st.sampled_from([1, 2]), "n_batches": st.integers(2, 5),
+    "every_steps": st.integers(1, 4), "log_every": st.integers(1, 4),
+    "steps_per_call": st.sampled_from([1, 2]), "accumulate": st.sampled_from([1, 2]), "n_batches": st.integers(2, 4),
     "kind": st.sampled_from(["batches", "list", "reiterable", "positioned"]),
     "epochs": st.just(3), "min_delta": st.sampled_from([0.0, 0.05]),
 })
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=5, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(config=CONFIGS, kill=st.floats(0, 1))
 def test_kill_anywhere_then_resume_equals_the_uninterrupted_job(tmp_path_factory, config, kill):
@@ -282,7 +282,7 @@ def _child(*args):
 
 @pytest.mark.slow
 def test_sigkill_and_sigint_in_subprocesses(tmp_path):
-    """A real SIGKILL at a random moment of two jobs, resumed here bit for bit; and 24
+    """A real SIGKILL at a random moment of two jobs, resumed here bit for bit; and 20
     Ctrl-Cs at random moments of a dispatch-bound fit: no lost model, no stuck trainer."""
     configs = [
         {"every_steps": 3, "log_every": 2, "steps_per_call": 1, "accumulate": 1, "n_batches": 5,
@@ -290,7 +290,7 @@ def test_sigkill_and_sigint_in_subprocesses(tmp_path):
         {"every_steps": 4, "log_every": 3, "steps_per_call": 2, "accumulate": 2, "n_batches": 4,
          "kind": "positioned", "epochs": 6, "min_delta": 0.0},
     ]
-    sigint = _child("sigint", 24, 0)
+    sigint = _child("sigint", 20, 0)
     kills = [_child("sigkill", tmp_path / f"run{i}", json.dumps(c)) for i, c in enumerate(configs)]
     rng = np.random.default_rng(1)
     for i, child in enumerate(kills):
@@ -308,6 +308,6 @@ def test_sigkill_and_sigint_in_subprocesses(tmp_path):
         assert_same_job(straight, resumed, straight_cbs[1], cbs[1])
     out, err = sigint.communicate(timeout=300)
     report = json.loads(out.strip().splitlines()[-1])
-    assert report == {"trials": 24, "interrupted": report["interrupted"], "lost": 0, "stuck": 0,
-                      "equal": 24}, err
-    assert report["interrupted"] >= 12, report
+    assert report == {"trials": 20, "interrupted": report["interrupted"], "lost": 0, "stuck": 0,
+                      "equal": 20}, err
+    assert report["interrupted"] >= 10, report

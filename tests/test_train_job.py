@@ -239,6 +239,9 @@ def test_exceptions_leave_a_trainer_that_continues(tmp_path):
         t.fit(data, epochs=2, progress=False, validation_data=(np.ones((2, 5), np.float32),))
     assert (t.steps_run, t.epoch) == (4, 0)
     t.save(tmp_path / "c")
+    ended = job.trainer().restore(tmp_path / "c")
+    ended.fit(data, steps=4, progress=False)  # the job's steps all ran, but not its epoch's end
+    assert (ended.steps_run, ended.epoch) == (4, 1)
     with pytest.raises(RuntimeError, match="callback failed"):
         t.fit(data, epochs=2, progress=False, callbacks=[Fails()])
     assert (t.steps_run, t.epoch) == (4, 1)

@@ -144,7 +144,18 @@ class Callback:
 
     def state_dict(self) -> dict[str, Any]:
         """What :meth:`load_state_dict` needs to continue where this callback stopped: a
-        dict of arrays and plain values, saved in every checkpoint. Default: ``{}``."""
+        dict of arrays and plain values, saved in every checkpoint. Default: ``{}``.
+
+        Example:
+          >>> import functree as ft
+          >>> stop = ft.train.EarlyStopping(monitor="loss", patience=2)
+          >>> stop.state_dict()
+          {'best': inf, 'wait': 0, 'stopped_epoch': None, 'best_model': None}
+          >>> again = ft.train.EarlyStopping(monitor="loss", patience=2)
+          >>> again.load_state_dict({**stop.state_dict(), "wait": 1})
+          >>> again.state_dict()["wait"]
+          1
+        """
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

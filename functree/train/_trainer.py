@@ -131,8 +131,8 @@ extra= must be a tree (dicts, lists, tuples, None) of arrays and plain numbers, 
 CALLBACK_MISMATCH = """\
 The restored checkpoint holds the state of callback {key!r} ({cls}), but this fit's \
 callbacks are {given}; the checkpoint's stateful callbacks are {saved}.
-Pass the same callbacks as the run that saved it (or give each a name= that matches), or \
-restore without their states:
+Pass the same callbacks as the run that saved it (in the same order, or each with the \
+same callback.name), or restore without their states:
 
     right:  trainer.fit(data, epochs=10, callbacks=[ft.train.EarlyStopping(patience=6), checkpoints])
        or:  trainer.restore(path, callbacks=False)"""
@@ -526,9 +526,12 @@ class Trainer:
         buffer, ctx = next_buffer(self._buffer["halt"], self._buffer["rows"], self.opt_state)
         for x in jax.tree.leaves((self._buffer, ctx)):
             x.copy_to_host_async()  # queued behind the interval's steps: done when it is read
+        self._critical = True  # the steps move to the pending interval at once: a Ctrl-C waits
         self._pending.append(Interval(self._buffer, ctx, self.steps_run - self._buffered + 1, self._buffered,
                                       self._inflight, log))
         self._buffer, self._buffered, self._inflight = buffer, 0, []
+        self._critical = False
+        self._safe_point()
 
     def _log_point(self, bar: Progress, cbs: Sequence[Callback]) -> None:
         """Every ``log_every`` steps: close the open interval and read the ones before it
@@ -695,7 +698,10 @@ class Trainer:
                                                         step=self.steps_run))
         self._callbacks = cbs
         self.preempted = False
-        if self.stop_training or self._reached(epochs, steps):
+        # An epoch whose steps all ran but whose end (validation, callbacks) did not: the
+        # run that stopped there (an interrupt, a checkpoint at its last step) goes on here.
+        end_pending = length is not None and 0 < length <= self.batch_in_epoch and not self.stop_training
+        if (self.stop_training or self._reached(epochs, steps)) and not end_pending:
             if self.stop_training:
                 why = "was stopped by a callback (trainer.stop_training is True); set it to False to train on"
             else:
@@ -723,7 +729,8 @@ class Trainer:
                     self._buffer, self._capacity = None, log_every + k - 1  # room for the call that passes log_every
                 for cb in cbs:
                     cb.on_train_begin(self)
-                while not (self.stop_training or self._terminate or self._reached(epochs, steps)):
+                while not (self.stop_training or self._terminate) and (end_pending or not self._reached(epochs, steps)):
+                    end_pending = False
                     ran, complete = self._run_epoch(data, steps, log_every, cbs, bar, k)
                     if complete:
                         self._read(bar, cbs)

@@ -187,7 +187,7 @@ def _sigint(trials: int, seed: int) -> None:
     main = os.getpid()
     for _ in range(trials):
         t = trainer()
-        timer = threading.Timer(float(rng.uniform(0, duration)), lambda: os.kill(main, signal.SIGINT))
+        timer = threading.Timer(float(rng.uniform(0, 0.8 * duration)), lambda: os.kill(main, signal.SIGINT))
         try:
             timer.start()
             t.fit(batches, steps=steps, progress=False, log_every=7)

@@ -176,7 +176,7 @@ def _sigint(trials: int, seed: int) -> None:
     to the end. Reports lost models, stuck trainers and bit-for-bit equality."""
     rng = np.random.default_rng(seed)
     batches = ft.train.batches((X, Y), 4, key=jax.random.key(3))  # 10 steps per epoch
-    steps = 100
+    steps = 60
     reference = trainer()
     reference.fit(batches, steps=steps, progress=False, log_every=7)
     expect = [np.asarray(x) for x in jax.tree.leaves((reference.model, reference.opt_state))]

@@ -61,7 +61,7 @@ CONFIGS = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=5, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=4, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(config=CONFIGS, kill=st.floats(0, 1))
 def test_kill_anywhere_then_resume_equals_the_uninterrupted_job(tmp_path_factory, config, kill):
@@ -299,11 +299,13 @@ def test_sigkill_and_sigint_in_subprocesses(tmp_path):
     for i, child in enumerate(kills):
         deadline = time.monotonic() + 120
         while ft.train.CheckpointManager(tmp_path / f"run{i}").latest_step() is None:
-            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            if child.poll() is not None or time.monotonic() > deadline:
+                child.kill()
+                pytest.fail(f"the job never saved a checkpoint: {child.communicate()}")
             time.sleep(0.05)
         time.sleep(float(rng.uniform(0, 0.3)))
         child.send_signal(signal.SIGKILL)
-        child.wait()
+        child.communicate()  # waits, and closes its pipes
     for i, config in enumerate(configs):
         resumed, cbs = resume(config, tmp_path / f"run{i}")
         straight = job.trainer(config["accumulate"], config["steps_per_call"])

@@ -213,6 +213,11 @@ def test_callback_state_and_extra_in_the_checkpoint(tmp_path):
         stop.load_state_dict({"x": 1})
     with pytest.raises(ValueError, match=r"every_steps=0"):
         ft.train.ModelCheckpoint(tmp_path / "e", every_steps=0)
+    with pytest.raises(ValueError, match=r"every_epochs=0"):
+        ft.train.ModelCheckpoint(tmp_path / "e", every_epochs=0)
+    epochs = ft.train.ModelCheckpoint(tmp_path / "f", every_epochs=2, max_to_keep=None)
+    job.trainer().fit(job.data("list", 4), epochs=3, progress=False, callbacks=[epochs])
+    assert epochs.manager.all_steps() == [8, 12]  # the end of epoch 2, the end of training
 
 
 def test_restored_data_must_keep_its_length(tmp_path):

@@ -59,11 +59,11 @@ optimizer state has no settable learning rate ({error}).
     wrong:  Trainer(model, optax.adam(1e-3), loss_fn)
     right:  Trainer(model, ft.optim.Optimizer(ft.optim.adam(1e-3)), loss_fn)"""
 
-BAD_EVERY_STEPS = """\
-ModelCheckpoint(every_steps=...) takes a positive int (save after steps k, 2k, 3k, ...), got {value!r}.
+BAD_EVERY = """\
+ModelCheckpoint({what}=...) takes a positive int (save after k, 2k, 3k, ...), got {value!r}.
 
-    wrong:  ft.train.ModelCheckpoint(path, every_steps={value!r})
-    right:  ft.train.ModelCheckpoint(path, every_steps=500)"""
+    wrong:  ft.train.ModelCheckpoint(path, {what}={value!r})
+    right:  ft.train.ModelCheckpoint(path, {what}=5)"""
 
 BAD_CALLBACK_STATE = """\
 {who}.load_state_dict got {given}, which is not a state this callback saved (keys {expected}).
@@ -333,8 +333,9 @@ class ModelCheckpoint(Callback):
     """Save the trainer (model, optimizer state with its learning context, layer state,
     PRNG key, position in the data, history, the callbacks' states and ``extra``) through
     a :class:`CheckpointManager`: after every ``every_steps`` steps (steps k, 2k, 3k, ...
-    of the job, whatever ``log_every`` and ``steps_per_call``), else at every epoch end
-    (after all callbacks' ``on_epoch_end``), and at the end of training.
+    of the job, whatever ``log_every`` and ``steps_per_call``), else at the end of every
+    ``every_epochs``-th epoch (default 1: each; after all callbacks' ``on_epoch_end``),
+    and at the end of training.
 
     The checkpoint labelled ``s`` holds the state after exactly ``s`` steps; a stop
     (``on_nan="stop"``) is found before any save, so nothing is written past it. When the
@@ -359,15 +360,15 @@ class ModelCheckpoint(Callback):
     def __init__(self, directory: str | os.PathLike[str] | CheckpointManager, *,
                  every_steps: int | None = None, max_to_keep: int | None = 3,
                  best_metric: str | None = None, mode: str = "min",
-                 extra: Callable[[Trainer], Any] | None = None):
-        if every_steps is not None and (isinstance(every_steps, bool) or not isinstance(every_steps, int)
-                                        or every_steps < 1):
-            raise ValueError(BAD_EVERY_STEPS.format(value=every_steps))
+                 extra: Callable[[Trainer], Any] | None = None, every_epochs: int = 1):
+        for what, value in (("every_steps", every_steps), ("every_epochs", every_epochs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(BAD_EVERY.format(what=what, value=value))
         if isinstance(directory, CheckpointManager):
             self.manager = directory
         else:
             self.manager = CheckpointManager(directory, max_to_keep, best_metric, mode)
-        self.every_steps = every_steps
+        self.every_steps, self.every_epochs = every_steps, every_epochs
         self.extra = extra
         self._last_saved: int | None = None
 
@@ -391,6 +392,10 @@ class ModelCheckpoint(Callback):
     def _save_point(self, trainer: Trainer, context: TrainingContext, event: str) -> None:
         """The Trainer's save points: ``"step"`` (every ``every_steps``), ``"epoch"`` (after
         every callback's ``on_epoch_end``) and ``"terminate"`` (SIGTERM)."""
+        if event == "step" and self.every_steps and trainer.steps_run % self.every_steps:
+            return
+        if event == "epoch" and trainer.epoch % self.every_epochs:
+            return
         if event == "terminate" or (event == "step") == bool(self.every_steps):
             self.save(trainer, context)
 

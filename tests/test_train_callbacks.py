@@ -40,8 +40,9 @@ def test_function_callback_sees_the_learning_context():
 
 
 def test_early_stopping_restores_best():
-    trainer = make(lr=0.0)  # nothing improves after the first epoch
-    stop = ft.train.EarlyStopping(monitor="loss", patience=2, restore_best=True)
+    trainer = make(lr=0.0)  # nothing improves after the first epoch (but for rounding: the
+    # epoch means are sums in float64 over another shuffle each epoch, ~1e-8 apart)
+    stop = ft.train.EarlyStopping(monitor="loss", patience=2, restore_best=True, min_delta=1e-6)
     history = trainer.fit(data(), epochs=20, progress=False, callbacks=[stop])
     assert len(history.epochs["epoch"]) == 3 and stop.stopped_epoch == 3
     assert trainer.stop_training and stop.best_model is not None
@@ -93,19 +94,19 @@ def test_callback_errors():
         trainer.fit(data(), epochs=2, progress=False, callbacks=[reduce])
 
 
-def test_model_checkpoint_every_steps_stores_metrics_only_with_their_own_step(tmp_path):
-    """The Trainer reads a log interval one interval late, so at a log the model is already
-    some steps past the metrics read: a checkpoint saved then must not carry those metrics
-    under its own step number (they would describe another model)."""
+def test_model_checkpoint_every_steps_stores_the_metrics_of_its_own_step(tmp_path):
+    """A checkpoint at a log point carries that log interval's metrics (those callbacks saw
+    with context.step equal to the checkpoint's step), never another step's."""
     trainer = make()
     save = ft.train.ModelCheckpoint(tmp_path / "ckpt", every_steps=2, max_to_keep=None)
-    history = trainer.fit(data(), epochs=3, log_every=2, progress=False, callbacks=[save])
+    logs = []
+    trainer.fit(data(), epochs=3, log_every=2, progress=False, callbacks=[logs.append, save])
     steps = save.manager.all_steps()
-    assert steps and steps[-1] == 9
-    for step in steps:
-        ckpt = save.manager.restore(step)
-        if ckpt.metrics:
-            assert ckpt.metrics["loss"] == pytest.approx(history.steps["loss"][step - 1], rel=0, abs=0)
+    assert steps == [2, 4, 6, 8, 9]
+    seen = {c.step: c.metrics for c in logs if c.event == "log"}
+    assert {2, 8} <= set(seen)  # log points (log_every counts from each epoch's start)
+    for step in set(steps) & set(seen):
+        assert save.manager.restore(step).metrics == seen[step]
     final = save.manager.restore(9)
     np.testing.assert_array_equal(final.model.weight, trainer.model.weight)
 

@@ -401,7 +401,7 @@ FRESH_RESUME = textwrap.dedent(
     import functree as ft
     trainer = t._trainer()
     trainer.restore(sys.argv[1])
-    trainer.fit(t._data(), steps=5, progress=False)
+    trainer.fit(t._data(), steps=10, progress=False)  # steps= counts the whole job
     ft.train.save(sys.argv[1] + "_resumed", (trainer.model, trainer.opt_state))
     """
 )

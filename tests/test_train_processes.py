@@ -55,7 +55,7 @@ if mode == "fit":
     single = None
 else:
     trainer.restore(directory, step=8)
-    trainer.fit(data, epochs=1, progress=False)
+    trainer.fit(data, epochs=2, progress=False)  # epochs= counts the whole job: the second epoch
     # written whole by one process, verified here across two (each weight gathered once)
     single = ft.train.load(out + "/single", model, mesh=mesh, sharding="fsdp")
     single = [multihost_utils.process_allgather(w, tiled=True).tolist() for w in jax.tree.leaves(single)]

@@ -211,7 +211,7 @@ def test_trainer_stacks_k_batches_and_keeps_per_step_rows():
     assert events4 == [("log", 4, 16), ("log", 8, 32), ("epoch", 10, 38),
                        ("log", 14, 54), ("log", 18, 70), ("epoch", 20, 76)]
     assert t4.train_step._scanned is not None and t4.train_step._scanned._cache_size() == 1
-    h = t4.fit(data, steps=6, steps_per_call=2, progress=False)  # fit's keyword: 3 calls of 2
+    h = t4.fit(data, steps=26, steps_per_call=2, progress=False)  # fit's keyword: 3 calls of 2 (26 in all)
     assert h.steps["step"] == list(range(1, 27)) and t4.train_step._scanned._cache_size() == 2
 
 

@@ -93,10 +93,10 @@ def test_steps_cross_epochs_and_generic_iterables():
     history = trainer.fit(batches, steps=10, progress=False)
     assert len(history.steps["loss"]) == 10 and history.epochs["epoch"] == [1, 2]
     one_shot = iter(batches)
-    history = trainer.fit(one_shot, steps=10, progress=False)
+    history = trainer.fit(one_shot, steps=20, progress=False)  # steps= counts the whole job
     assert len(history.steps["loss"]) == 14  # the iterator ran out after 4 steps
     with pytest.raises(ValueError, match=r"gave no minibatch"):
-        trainer.fit([], epochs=1, progress=False)
+        Trainer(mlp(), adam(), classify).fit([], epochs=1, progress=False)
     with pytest.raises(ValueError, match=r"epochs must be a positive int"):
         trainer.fit(batches, epochs=0, progress=False)
 
@@ -177,7 +177,7 @@ def test_resume_is_bit_exact(tmp_path):
     second = make()
     second.restore(tmp_path / "ckpt")
     assert (second.steps_run, second.epoch, second.batch_in_epoch) == (50, 8, 2)
-    second.fit(data, steps=50, progress=False)
+    second.fit(data, steps=100, progress=False)  # steps= counts the whole job
     for a, b in zip(jax.tree.leaves(straight.model), jax.tree.leaves(second.model)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(straight.opt_state), jax.tree.leaves(second.opt_state)):
@@ -202,7 +202,7 @@ def test_progress_bar(capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 2 and all(" steps, loss=" in line and ", val_loss=" in line for line in lines)
     assert lines[0].startswith("epoch 1: 4/8 steps, ") and lines[1].startswith("epoch 2: 8/8 steps, ")
-    trainer.fit((X, LABELS), epochs=1, progress=False)
+    trainer.fit((X, LABELS), epochs=3, progress=False)  # one more epoch: epochs= counts the whole job
     assert capsys.readouterr().err == ""
 
 
@@ -230,7 +230,7 @@ def test_restore_model_with_new_optimizer_options(tmp_path):
     sgd.restore(tmp_path / "ckpt", optimizer_state=False)
     np.testing.assert_array_equal(sgd.model.layers[0].weight, trainer.model.layers[0].weight)
     assert sgd.steps_run == 4
-    sgd.fit((X, LABELS), steps=2, progress=False)
+    sgd.fit((X, LABELS), steps=6, progress=False)  # two more steps: steps= counts the whole job
     assert int(ft.optim.context(sgd.opt_state).step) == 2
 
 

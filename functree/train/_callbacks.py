@@ -6,6 +6,10 @@ learning rate, metrics) at every log interval (``on_log``), at the end of every 
 It may read and replace ``trainer.model`` / ``trainer.opt_state`` and set
 ``trainer.stop_training = True``. A plain function ``fn(context)`` is called at every log
 interval and epoch end.
+
+A callback's state (``state_dict()``/``load_state_dict()``: EarlyStopping's best value and
+patience, ModelCheckpoint's last save, ...) is part of every checkpoint the Trainer writes;
+``trainer.restore`` hands it back to the callbacks of the next ``fit``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,18 @@ learning rate; its learning rates are {names}.
     wrong:  ReduceLROnPlateau(group="classifier")
     right:  ReduceLROnPlateau(group="head")     # a pattern given to ft.optim.groups({{"head": ...}})"""
 
+BAD_EVERY = """\
+ModelCheckpoint({what}=...) takes a positive int (save after k, 2k, 3k, ...), got {value!r}.
+
+    wrong:  ft.train.ModelCheckpoint(path, {what}={value!r})
+    right:  ft.train.ModelCheckpoint(path, {what}=5)"""
+
+BAD_CALLBACK_STATE = """\
+{who}.load_state_dict got {given}, which is not a state this callback saved (keys {expected}).
+
+    wrong:  {who}(...).load_state_dict(other_callback.state_dict())
+    right:  callback.load_state_dict(callback_of_the_same_class.state_dict())"""
+
 NOT_A_CALLBACK = """\
 A callback is a ft.train.Callback or a function of the TrainingContext, got {given}.
     right:  callbacks=[ft.train.EarlyStopping(patience=3), lambda ctx: print(ctx.step)]"""
@@ -73,7 +89,7 @@ class TrainingContext:
     """What callbacks see (host values, read at a log interval or an epoch end).
 
     Attributes:
-      event: ``"log"``, ``"epoch"`` or ``"end"``.
+      event: ``"log"``, ``"epoch"``, ``"end"``, or ``"step"`` (a checkpoint's save point).
       step: training steps run by the Trainer (all ``fit`` calls).
       sweep: the epoch (the learning context's sweep).
       samples_seen: examples consumed by the optimizer steps taken.
@@ -129,6 +145,38 @@ class Callback:
       epoch 2 2.025
     """
 
+    name: str | None = None
+    """Matches this callback to its saved state on resume (default: its class and its
+    position among the callbacks of that class)."""
+
+    reads_model: bool = True
+    """Whether :meth:`on_log` reads ``trainer.model``/``trainer.opt_state``. When a callback
+    that overrides ``on_log`` reads them, the Trainer reads each log interval as soon as
+    it ends (waiting for its steps), so that the model is the one after ``context.step``;
+    set ``reads_model = False`` on a callback that reads only the context to keep the
+    faster read one interval late (``context`` is always right)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What :meth:`load_state_dict` needs to continue where this callback stopped: a
+        dict of arrays and plain values, saved in every checkpoint. Default: ``{}``.
+
+        Example:
+          >>> import functree as ft
+          >>> stop = ft.train.EarlyStopping(monitor="loss", patience=2)
+          >>> stop.state_dict()
+          {'best': inf, 'wait': 0, 'stopped_epoch': None, 'best_model': None}
+          >>> again = ft.train.EarlyStopping(monitor="loss", patience=2)
+          >>> again.load_state_dict({**stop.state_dict(), "wait": 1})
+          >>> again.state_dict()["wait"]
+          1
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output (called by the first ``fit`` after
+        ``trainer.restore``)."""
+        _check_state(self, state)
+
     def on_train_begin(self, trainer: Trainer) -> None:
         """Before the first step of ``fit``."""
 
@@ -142,7 +190,16 @@ class Callback:
         """When ``fit`` ends (also when stopped early)."""
 
 
+def _check_state(cb: Callback, state: Any) -> None:
+    expected = sorted(cb.state_dict())
+    if not isinstance(state, dict) or sorted(state) != expected:
+        given = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(BAD_CALLBACK_STATE.format(who=type(cb).__name__, given=given, expected=expected))
+
+
 class _FunctionCallback(Callback):
+    reads_model = False  # a function of the context alone
+
     def __init__(self, fn: Callable[[TrainingContext], Any]):
         self.fn = fn
 
@@ -175,6 +232,12 @@ class _Monitor:
         self.who, self.monitor, self.mode, self.min_delta = who, monitor, mode, abs(min_delta)
         self.best = math.inf if mode == "min" else -math.inf
         self.wait = 0
+
+    def state(self) -> dict[str, Any]:
+        return {"best": float(self.best), "wait": int(self.wait)}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.best, self.wait = float(state["best"]), int(state["wait"])
 
     def value(self, context: TrainingContext) -> float:
         if self.monitor not in context.metrics:
@@ -235,6 +298,19 @@ class EarlyStopping(Callback):
         self.best_epoch: int | None = None
         self.stopped_epoch: int | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The best value, the epochs waited, the stopping epoch and (``restore_best``)
+        the best model."""
+        return {**self._monitor.state(), "stopped_epoch": self.stopped_epoch, "best_epoch": self.best_epoch,
+                "best_model": self.best_model}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_state(self, state)
+        self._monitor.load(state)
+        self.stopped_epoch = None if state["stopped_epoch"] is None else int(state["stopped_epoch"])
+        self.best_epoch = None if state.get("best_epoch") is None else int(state["best_epoch"])
+        self.best_model = state["best_model"]
+
     def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
         if self._monitor.improved(self._monitor.value(context)):
             self.best_epoch = context.sweep
@@ -274,6 +350,15 @@ class ReduceLROnPlateau(Callback):
         self.group = group
         self._cooling = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        """The best value, the epochs waited and the cooldown left."""
+        return {**self._monitor.state(), "cooling": int(self._cooling)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_state(self, state)
+        self._monitor.load(state)
+        self._cooling = int(state["cooling"])
+
     def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
         improved = self._monitor.improved(self._monitor.value(context))
         if self._cooling > 0:
@@ -303,9 +388,19 @@ class ReduceLROnPlateau(Callback):
 
 
 class ModelCheckpoint(Callback):
-    """Save the trainer (model, optimizer state, position, config) through a
-    :class:`CheckpointManager`: every epoch, or every ``every_steps`` steps at log
-    intervals, and at the end of training.
+    """Save the trainer (model, optimizer state with its learning context, layer state,
+    PRNG key, position in the data, history, the callbacks' states and ``extra``) through
+    a :class:`CheckpointManager`: after every ``every_steps`` steps (steps k, 2k, 3k, ...
+    of the job, whatever ``log_every`` and ``steps_per_call``), else at the end of every
+    ``every_epochs``-th epoch (default 1: each; after all callbacks' ``on_epoch_end``),
+    and at the end of training.
+
+    The checkpoint labelled ``s`` holds the state after exactly ``s`` steps; a stop
+    (``on_nan="stop"``) is found before any save, so nothing is written past it. When the
+    process gets SIGTERM (preemption) during ``fit``, the Trainer saves at the current step
+    and stops. ``extra`` is a function ``extra(trainer)`` whose tree (arrays and plain
+    values: a data pipeline's state, a counter) is saved with every checkpoint and comes
+    back as ``trainer.extra`` after ``trainer.restore``.
 
     ``directory`` is a path or a :class:`CheckpointManager`; ``max_to_keep`` (a positive
     int, or None to keep all), ``best_metric`` and ``mode`` configure a manager built from
@@ -318,53 +413,81 @@ class ModelCheckpoint(Callback):
       >>> save = ft.train.ModelCheckpoint(tempfile.mkdtemp() + "/ckpt", best_metric="val_loss")
     """
 
+    reads_model = True
+
     def __init__(self, directory: str | os.PathLike[str] | CheckpointManager, *,
                  every_steps: int | None = None, max_to_keep: int | None = 3,
-                 best_metric: str | None = None, mode: str = "min"):
+                 best_metric: str | None = None, mode: str = "min",
+                 extra: Callable[[Trainer], Any] | None = None, every_epochs: int = 1):
+        for what, value in (("every_steps", every_steps), ("every_epochs", every_epochs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(BAD_EVERY.format(what=what, value=value))
         if isinstance(directory, CheckpointManager):
             self.manager = directory
         else:
             self.manager = CheckpointManager(directory, max_to_keep, best_metric, mode)
-        self.every_steps = every_steps
+        self.every_steps, self.every_epochs = every_steps, every_epochs
+        self.extra = extra
         self._last_saved: int | None = None
 
-    def _save(self, trainer: Trainer, context: TrainingContext) -> None:
-        if self._last_saved == trainer.steps_run:
-            return
-        # The Trainer reads a log interval one interval late (its steps stay queued), so a
-        # log's metrics may belong to an earlier step than the model saved now: they are
-        # stored only with the step they describe, never under another step's number.
-        current = context.step == trainer.steps_run
+    def save(self, trainer: Trainer, context: TrainingContext) -> None:
+        """Write a checkpoint of ``trainer`` now (once per step), with ``context.metrics``
+        when they rank checkpoints. The Trainer calls it at save points, where
+        ``trainer.model`` is the model after ``context.step``."""
+        if self._last_saved == trainer.steps_run or trainer.steps_run in self.manager.all_steps():
+            return  # saved already (by this callback, or by the run a restored trainer continues)
         best = self.manager.best_metric
-        if best is not None and (best not in context.metrics or not current):
-            return  # ranked checkpoints are written where the metric is the model's (epoch ends)
-        trainer.save(self.manager, metrics=context.metrics if current else None)
-        self._last_saved = trainer.steps_run
+        if best is not None and best not in context.metrics:
+            return  # ranked checkpoints are written where the metric is known (epoch ends)
+        self._last_saved = trainer.steps_run  # saved with the callbacks' states
+        try:
+            extra = self.extra(trainer) if self.extra is not None else trainer.extra
+            trainer.save(self.manager, metrics=context.metrics, extra=extra)
+        except BaseException:
+            self._last_saved = None
+            raise
 
-    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
-        if self.every_steps and (self._last_saved is None or context.step - self._last_saved >= self.every_steps):
-            self._save(trainer, context)
-
-    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
-        if not self.every_steps:
-            self._save(trainer, context)
+    def _save_point(self, trainer: Trainer, context: TrainingContext, event: str) -> None:
+        """The Trainer's save points: ``"step"`` (every ``every_steps``), ``"epoch"`` (after
+        every callback's ``on_epoch_end``) and ``"terminate"`` (SIGTERM)."""
+        if event == "step" and self.every_steps and trainer.steps_run % self.every_steps:
+            return
+        if event == "epoch" and trainer.epoch % self.every_epochs:
+            return
+        if event == "terminate" or (event == "step") == bool(self.every_steps):
+            self.save(trainer, context)
 
     def on_train_end(self, trainer: Trainer, context: TrainingContext) -> None:
         if self.manager.best_metric is None:
-            self._save(trainer, context)
+            self.save(trainer, context)
         self.manager.wait_until_finished()
 
 
 class HistoryLogger(Callback):
     """Append every log and epoch record to a JSON-lines file (one object per line).
 
+    Its state is the file's length: restored, it cuts off the records written after the
+    checkpoint, so a resumed job's file equals the uninterrupted job's.
+
     Example:
       >>> import functree as ft, tempfile
       >>> logger = ft.train.HistoryLogger(tempfile.mkdtemp() + "/history.jsonl")
     """
 
+    reads_model = False
+
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The file's length in bytes."""
+        return {"length": self.path.stat().st_size if self.path.exists() else 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_state(self, state)
+        if jax.process_index() == 0 and self.path.exists() and self.path.stat().st_size > int(state["length"]):
+            with self.path.open("r+b") as f:
+                f.truncate(int(state["length"]))
 
     def _write(self, context: TrainingContext) -> None:
         if jax.process_index() != 0:  # one history file for all processes

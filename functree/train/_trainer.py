@@ -10,8 +10,15 @@ each), then updates the history, the progress bar and the callbacks.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import itertools
+import json
+import logging
 import math
+import signal
+import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +35,7 @@ from functree.optim._average import keeps_average
 from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN
-from functree.train._callbacks import Callback, TrainingContext, _copy, as_callback
+from functree.train._callbacks import Callback, ModelCheckpoint, TrainingContext, _copy, as_callback
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._history import History
@@ -106,6 +113,51 @@ MALFORMED_MINIBATCH = """\
 step {step}: minibatch {index} of epoch {epoch} (counted from 0) failed in the training step. \
 Its shapes: {shapes}{first}. The error:
 {error}"""
+
+ONE_SHOT_RESUME = """\
+The restored trainer is at step {step}, but {kind} is a one-shot iterator that cannot report \
+or set its position (no get_state()/set_state()): it is used as if it started right after \
+step {step}. If it starts at the beginning of the data, the job would train on those \
+minibatches again. Give an iterator that starts where the job stopped, or one with a position:
+
+    right:  trainer.fit(itertools.islice(generator(), trainer.steps_run, None), steps=1000)
+       or:  an iterator with get_state() -> JSON and set_state(state) (as grain's iterators)"""
+
+DATA_LENGTH_CHANGED = """\
+The restored job was trained on data of {saved} minibatches per epoch, but fit was given \
+{given}: its position (step {step}) would point into other data. Resume with the data the \
+job was trained on, or start a new job (a fresh Trainer) for new data:
+
+    wrong:  trainer.restore(path); trainer.fit(other_data, epochs=10)
+    right:  trainer.restore(path); trainer.fit(same_data, epochs=10)"""
+
+DATA_STATE_NOT_JSON = """\
+The data iterator ({kind}) reports its position with get_state(), but {given} is not \
+JSON (numbers, strings, lists, dicts), so it cannot go into the checkpoint's metadata.
+Return a JSON-able position from get_state(), e.g. {{"epoch": 3, "index": 120}}."""
+
+BAD_EXTRA = """\
+extra= must be a tree (dicts, lists, tuples, None) of arrays and plain numbers, but \
+{path} is {given}.
+
+    wrong:  trainer.save(path, extra={{"note": object()}})
+    right:  trainer.save(path, extra={{"rounds": 3, "ema": ema_params, "data": np.asarray(position)}})"""
+
+CALLBACK_MISMATCH = """\
+The restored checkpoint holds the state of callback {key!r} ({cls}), but this fit's \
+callbacks are {given}; the checkpoint's stateful callbacks are {saved}.
+Pass the same callbacks as the run that saved it (in the same order, or each with the \
+same callback.name), or restore without their states:
+
+    right:  trainer.fit(data, epochs=10, callbacks=[ft.train.EarlyStopping(patience=6), checkpoints])
+       or:  trainer.restore(path, callbacks=False)"""
+
+ALREADY_DONE = "Trainer.fit at step {step}, epoch {epoch}: nothing to train, the job {why}."
+
+_LOG = logging.getLogger("functree.train")
+
+_KEEP: Any = object()
+"""``Trainer.save(extra=)`` not given: the trainer's :attr:`extra` is saved."""
 
 EVAL_KEY_SALT = 0x5EED
 """Folded into the trainer's key for evaluation and prediction keys (distinct from the
@@ -194,16 +246,70 @@ class _Means:
             self.skipped += int(np.sum(~applied))
             values = {k: v[applied] for k, v in values.items()}
             weights = weights[applied]
+        # Step by step in float64: the sums do not depend on where the intervals were cut
+        # (a resumed job's means equal the uninterrupted job's bit for bit).
         for name, column in values.items():
-            finite = np.isfinite(column)
-            self.sums[name] = self.sums.get(name, 0.0) + float(np.sum(np.where(finite, column, 0) * weights))
-            if not finite.all():
-                self.sums[name] = math.nan
-        self.weight += float(np.sum(weights))
+            total = self.sums.get(name, 0.0)
+            for x in (column * weights).tolist():
+                total += x
+            self.sums[name] = total if math.isfinite(total) else math.nan
+        weight = self.weight
+        for w in weights.tolist():
+            weight += w
+        self.weight = weight
 
     def means(self) -> dict[str, float]:
         """The means (NaN where every step added was skipped)."""
         return {k: v / self.weight if self.weight else math.nan for k, v in self.sums.items()}
+
+    def state(self) -> dict[str, Any]:
+        return {"sums": dict(self.sums), "weight": self.weight, "skipped": self.skipped}
+
+    @staticmethod
+    def load(state: Any) -> _Means:
+        means = _Means()
+        if isinstance(state, Mapping):
+            means.sums = {str(k): float(v) for k, v in state.get("sums", {}).items()}
+            means.weight = float(state.get("weight", 0.0))
+            means.skipped = int(state.get("skipped", 0))
+        return means
+
+
+_NO_BAR = Progress(None, enabled=False)
+
+
+def _has_position(it: Any) -> bool:
+    """An iterator that reports and takes its position (grain's ``DatasetIterator``)."""
+    return callable(getattr(it, "get_state", None)) and callable(getattr(it, "set_state", None))
+
+
+def _reads_model(cb: Callback) -> bool:
+    """A callback whose ``on_log`` may read ``trainer.model``: log intervals are read at once."""
+    return type(cb).on_log is not Callback.on_log and bool(getattr(cb, "reads_model", True))
+
+
+def _callback_keys(cbs: Sequence[Callback]) -> list[str]:
+    """Each callback's name for its saved state: ``name``, else ``Class[i]`` (the i-th of its class)."""
+    counts: dict[str, int] = {}
+    keys = []
+    for cb in cbs:
+        cls = type(cb).__name__
+        if cb.name:
+            keys.append(str(cb.name))
+        else:
+            keys.append(f"{cls}[{counts.get(cls, 0)}]")
+            counts[cls] = counts.get(cls, 0) + 1
+    return keys
+
+
+_PLAIN = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _check_extra(extra: Any) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(extra)[0]:
+        if not isinstance(leaf, _PLAIN) or (isinstance(leaf, np.ndarray) and leaf.dtype.hasobject):
+            where = f"extra{jax.tree_util.keystr(path)}" if path else "extra"
+            raise TypeError(BAD_EXTRA.format(path=where, given=f"{type(leaf).__name__} {repr(leaf)[:60]}"))
 
 
 class Trainer:
@@ -237,6 +343,16 @@ class Trainer:
         end of an epoch or of ``steps=``, or minibatches of another shape, run as single
         steps). The history still has one row per step; callbacks, logging and
         checkpoints happen between calls. Default: the ``train_step`` instance's, else 1.
+
+    What callbacks see: ``on_log`` gets the :class:`TrainingContext` of a log interval
+    (``context.step`` its last step), read one interval late so that the host never waits
+    for the device; a callback that overrides ``on_log`` and reads ``trainer.model`` /
+    ``trainer.opt_state`` (``Callback.reads_model``, True by default) makes the Trainer
+    read each interval as it ends, so the model it sees is the one after
+    ``context.step``. ``on_epoch_end``, ``on_train_end`` and checkpoints
+    (:class:`ModelCheckpoint`) always see the model of their step. ``fit(epochs=N)`` /
+    ``fit(steps=N)`` count the whole job; :meth:`save` / :meth:`restore` carry all of it
+    (guide: ``docs/guides/training-jobs.md``).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, numpy as np
@@ -319,6 +435,23 @@ class Trainer:
         self._param_names: list[str] | None = None
         self._last_context: Any = None
         self._inflight: list[Any] = []  # the batches since the last read: references, no copies
+        self._window, self._epoch_means = _Means(), _Means()  # the log window's and the epoch's means
+        self._since_log = 0  # steps since the last log point (or epoch end)
+        self._last_log: dict[str, float] = {}  # the last log interval's metrics
+        self._sync_logs = False  # a callback reads the model at on_log: read intervals at once
+        self._save_every: list[int] = []  # ModelCheckpoint(every_steps=) of the current fit
+        self._callbacks: list[Callback] = []  # the last fit's: their states go into checkpoints
+        self._saved_callbacks: Any = None  # restored callback states, for the next fit
+        self._iterator: Any = None  # the current epoch's data iterator
+        self._iterator_of: Any = None  # the data it iterates
+        self._data_state: Any = None  # a restored iterator position (get_state())
+        self._saved_length: int | None = None  # minibatches per epoch of the job's data
+        self._restored = False  # restored: the next epoch iterator is positioned
+        self._bar: Progress | None = None
+        self._critical = self._deferred = self._terminate = False  # signals inside fit
+        self.preempted = False  # the last fit stopped at a SIGTERM
+        self.extra: Any = None  # user state saved with every checkpoint (Trainer.save(extra=))
+        self.checkpoint: Checkpoint | None = None  # the Checkpoint the last restore read
         static = has_untraceable_leaves(self.model)  # Equinox submodules keep functions
         self._eval_fused = self.eval_step.summing(static)  # one program per configuration in the process
         self._predict = unchecked_jit(_call_predict, static_argnums=2, static_leaves=static)
@@ -387,9 +520,30 @@ class Trainer:
         return batches(data, 32 if batch_size is None else batch_size, shuffle=shuffle, key=key)
 
     def _epoch_iter(self, data: Any) -> Iterator[Any]:
+        """The current epoch's minibatches from the trainer's position: ``Batches`` replays
+        from it; an iterator that reports its position (``get_state``/``set_state``) is set
+        to the saved one; another re-iterable skips the minibatches the epoch already
+        consumed (read, never computed on); a one-shot iterator continues where it is."""
         if isinstance(data, Batches):
             return data.iterate(self.epoch, self.batch_in_epoch)
-        return iter(data)
+        if self._iterator is not None and self._iterator_of is data:
+            return self._iterator  # the same fit data, continued: iter() once per epoch
+        state, self._data_state = self._data_state, None
+        it = iter(data)
+        stream = it is data
+        if state is not None and _has_position(it):
+            it.set_state(state)
+        elif self._restored and (self.batch_in_epoch or (stream and self.steps_run)):
+            if stream:
+                warnings.warn(ONE_SHOT_RESUME.format(kind=type(data).__name__, step=self.steps_run),
+                              stacklevel=4)
+            else:
+                it = itertools.islice(it, self.batch_in_epoch, None)
+        elif self.batch_in_epoch and not stream:  # an epoch ended early by an exception or a stop
+            it = itertools.islice(it, self.batch_in_epoch, None)
+        self._restored = False
+        self._iterator, self._iterator_of = it, data
+        return it
 
     @staticmethod
     def _epoch_length(data: Any) -> int | None:
@@ -398,32 +552,51 @@ class Trainer:
         except TypeError:
             return None
 
-    # --- reading the device buffer (log intervals only, one interval late) ----------------
+    def _data_position(self) -> Any:
+        """The position of the data iterator that reports one (for a checkpoint)."""
+        it = self._iterator
+        if it is None or not _has_position(it) or not (self.batch_in_epoch or it is self._iterator_of):
+            return None
+        state = it.get_state()
+        try:
+            json.dumps(state)
+        except (TypeError, ValueError):
+            raise ValueError(DATA_STATE_NOT_JSON.format(kind=type(it).__name__, given=repr(state)[:120])) from None
+        return state
+
+    # --- reading the device buffer (log intervals, one interval late) --------------------
     def _close(self, log: bool) -> None:
         """The open buffer's steps (all dispatched) become a pending interval; the next
         buffer opens on device, carrying a stop (one dispatch, no wait)."""
         buffer, ctx = next_buffer(self._buffer["halt"], self._buffer["rows"], self.opt_state)
         for x in jax.tree.leaves((self._buffer, ctx)):
             x.copy_to_host_async()  # queued behind the interval's steps: done when it is read
+        self._critical = True  # the steps move to the pending interval at once: a Ctrl-C waits
         self._pending.append(Interval(self._buffer, ctx, self.steps_run - self._buffered + 1, self._buffered,
                                       self._inflight, log))
         self._buffer, self._buffered, self._inflight = buffer, 0, []
+        self._critical = False
+        self._safe_point()
 
-    def _log_point(self, window: _Means, epoch: _Means, bar: Progress, cbs: list[Callback]) -> None:
-        """Every ``log_every`` steps: close the open interval, read the ones before it."""
+    def _log_point(self, bar: Progress, cbs: Sequence[Callback]) -> None:
+        """Every ``log_every`` steps: close the open interval and read the ones before it
+        (one interval late: nothing waits), or all of them when a callback reads the model
+        in ``on_log`` (it then sees the model after ``context.step``)."""
         self._close(log=True)
-        while len(self._pending) > 1:
-            self._read_interval(self._pending.pop(0), window, epoch, bar, cbs)
+        self._since_log = 0
+        keep = 0 if self._sync_logs else 1
+        while len(self._pending) > keep:
+            self._read_interval(bar, cbs)
 
-    def _read(self, window: _Means, epoch: _Means, bar: Progress, cbs: Sequence[Callback] = ()) -> None:
-        """Read every interval, the open buffer last (epoch ends, the end of a fit)."""
+    def _read(self, bar: Progress | None, cbs: Sequence[Callback] = ()) -> None:
+        """Read every interval, the open buffer last (save points, epoch ends, fit ends)."""
         if self._buffered:
             self._close(log=False)
         while self._pending:
-            self._read_interval(self._pending.pop(0), window, epoch, bar, cbs)
+            self._read_interval(bar or _NO_BAR, cbs)
 
-    def _read_interval(self, interval: Interval, window: _Means, epoch: _Means, bar: Progress,
-                       cbs: Sequence[Callback]) -> None:
+    def _read_interval(self, bar: Progress, cbs: Sequence[Callback]) -> None:
+        interval = self._pending[0]
         host, ctx = jax.device_get((interval.buffer, interval.context))
         n = int(host["halt"][0])
         steps = list(range(interval.first, interval.first + n))
@@ -434,21 +607,28 @@ class Trainer:
         weights = np.array([_batch_size(b) for b in interval.inflight[:n]], np.float32)  # host-known sizes
         columns = {k: v.tolist() for k, v in values.items()}
         rates = {name: rows[:, len(self._names) + i].tolist() for i, name in enumerate(self._rates)}
+        self._critical = True  # the interval is read once: a Ctrl-C waits for the bookkeeping
+        self._pending.pop(0)
         self.history.add_steps(steps, {**columns, **rates})
         self._last_context = None if self._pending or self._buffered else ctx  # the current one
+        self._critical = False
         self._check_finite(steps, nonfinite.astype(np.int32), host["halt"], interval.inflight)
         applied = nonfinite == -1 if self.on_nan == "skip" else None  # skipped steps: out of the means
-        window.add(values, weights, applied)
-        epoch.add(values, weights, applied)
-        shown = self._metric_means(window)
+        self._critical = True
+        self._window.add(values, weights, applied)
+        self._epoch_means.add(values, weights, applied)
+        self._critical = False
+        self._safe_point()
+        shown = self._metric_means(self._window)
         if self.on_nan == "skip":
-            shown["skipped"] = epoch.skipped  # the epoch's so far
+            shown["skipped"] = self._epoch_means.skipped  # the epoch's so far
         for name, column in rates.items():
             shown[name.replace("learning_rate", "lr")] = column[-1]
         bar.update(n, shown)
         if interval.log:
-            log = self._context("log", self._metric_means(window), ctx, step=interval.first + n - 1)
-            window.__init__()
+            log = self._context("log", self._metric_means(self._window), ctx, step=interval.first + n - 1)
+            self._window = _Means()
+            self._last_log = log.metrics
             for cb in cbs:
                 cb.on_log(self, log)
 
@@ -477,7 +657,6 @@ class Trainer:
         step = steps[stopped]
         self.batch_in_epoch -= self.steps_run - (step - 1)
         self.steps_run = step - 1
-        self.stop_training = True
         self._buffer, self._buffered, self._inflight, self._pending = None, 0, [], []
         error = nonfinite_error(step, int(halt[2]), train_step=self.train_step, model=self.model,
                                 opt_state=self.opt_state, batch=inflight[stopped], key=self.key,
@@ -521,18 +700,33 @@ class Trainer:
         batch_size: int | None = None,
         steps_per_call: int | None = None,
     ) -> History:
-        """Train for ``epochs`` passes over ``data`` or for ``steps`` minibatches.
+        """Train until the job has run ``epochs`` epochs or ``steps`` steps in all.
+
+        ``epochs`` and ``steps`` count the whole job, as Lightning's ``max_epochs`` /
+        ``max_steps``: a fresh trainer trains ``N``; a restored (or already trained) one
+        continues to ``N``; one already there, or stopped by a callback
+        (``trainer.stop_training``), returns at once and logs so. Run twice, a script that
+        restores its latest checkpoint and calls ``fit(data, epochs=N)`` ends where the
+        uninterrupted job ends.
 
         ``data`` is ``ft.train.batches(...)``, arrays / a tuple or dict of arrays (cut into
         shuffled minibatches of ``batch_size``, default 32), or any iterable of batches
-        (a list, a torch DataLoader, a tf.data Dataset; iterated once per epoch).
+        (a list, a torch DataLoader, a tf.data Dataset; ``iter(data)`` once per epoch).
+        Continuing inside an epoch, ``Batches`` replays from its position, an iterator with
+        ``get_state()``/``set_state(state)`` (grain's) is set to the saved position, and
+        another re-iterable skips the minibatches already consumed (read, not computed on).
         Metrics reach the host every ``log_every`` steps, one interval late (the read
-        never waits for the steps queued since), and at epoch ends; callbacks get the
-        :class:`TrainingContext` of each interval as it is read. ``steps_per_call``
-        (default: the Trainer's) runs that many steps per compiled call on stacked
-        minibatches; the history keeps one row per step. Returns :attr:`history` (all
-        runs so far). A :class:`Batches` run continues at the position where the last run
-        (or a restored checkpoint) stopped.
+        never waits for the steps queued since), and at epoch ends and save points; callbacks
+        get the :class:`TrainingContext` of each interval as it is read, and a callback that
+        reads ``trainer.model`` in ``on_log`` (``Callback.reads_model``) sees the model
+        after ``context.step``. ``steps_per_call`` (default: the Trainer's) runs that many
+        steps per compiled call on stacked minibatches; the history keeps one row per step.
+        Returns :attr:`history` (the whole job's).
+
+        Ctrl-C (KeyboardInterrupt) or any exception leaves ``trainer.model`` and
+        ``trainer.opt_state`` at the last completed step, ready to ``fit`` again or save.
+        SIGTERM stops ``fit`` after the current step, saving a checkpoint there through each
+        :class:`ModelCheckpoint` given (``trainer.preempted`` is then True).
         """
         _positive("epochs", epochs)
         _positive("steps", steps)
@@ -541,63 +735,101 @@ class Trainer:
         if epochs is None and steps is None:
             epochs = 1
         data = self._as_data(data, batch_size)
-        if steps is None and epochs is not None and epochs > 1 and iter(data) is data:
+        if steps is None and epochs is not None and epochs - self.epoch > 1 and isinstance(data, Iterator):
             raise ValueError(ONE_SHOT.format(epochs=epochs, kind=type(data).__name__))
         cbs = [as_callback(c) for c in callbacks]
+        self._load_callback_states(cbs)
         length = self._epoch_length(data)
-        total = steps if steps is not None else (
-            epochs * length - self.batch_in_epoch if length is not None and epochs else None
-        )
-        bar = Progress(total, enabled=progress and jax.process_index() == 0)  # one bar for all processes
-        self.stop_training = False
+        if (self._restored and self.batch_in_epoch and length is not None and self._saved_length is not None
+                and length != self._saved_length):
+            raise ValueError(DATA_LENGTH_CHANGED.format(saved=self._saved_length, given=length,
+                                                        step=self.steps_run))
+        self._callbacks = cbs
+        self.preempted = False
+        # An epoch whose steps all ran but whose end (validation, callbacks) did not: the
+        # run that stopped there (an interrupt, a checkpoint at its last step) goes on here.
+        end_pending = length is not None and 0 < length <= self.batch_in_epoch and not self.stop_training
+        if (self.stop_training or self._reached(epochs, steps)) and not end_pending:
+            if self.stop_training:
+                why = "was stopped by a callback (trainer.stop_training is True); set it to False to train on"
+            else:
+                more = (f"steps={self.steps_run + 100}" if steps is not None and self.steps_run >= steps
+                        else f"epochs={self.epoch + 1}")
+                why = (f"has already run {f'{steps} steps' if more.startswith('steps') else f'{epochs} epochs'} "
+                       f"(fit(epochs=N) and fit(steps=N) count the whole job): ask for more to train on, "
+                       f"e.g. trainer.fit(data, {more})")
+            _LOG.warning(ALREADY_DONE.format(step=self.steps_run, epoch=self.epoch, why=why))
+            return self.history
+        self._saved_length = length
+        remaining = steps - self.steps_run if steps is not None else (
+            (epochs - self.epoch) * length - self.batch_in_epoch if length is not None and epochs else None)
+        bar = Progress(remaining, enabled=progress and jax.process_index() == 0)  # one bar for all processes
+        self._bar = bar
         self._last_context = None
-        self._read(_Means(), _Means(), bar)  # an interrupted fit's steps, if any
-        if self._capacity != log_every + k - 1:
-            self._buffer, self._capacity = None, log_every + k - 1  # room for the call that passes log_every
-        for cb in cbs:
-            cb.on_train_begin(self)
-        taken = epochs_done = 0
-        window, epoch = _Means(), _Means()
+        self._sync_logs = any(_reads_model(cb) for cb in cbs)
+        self._save_every = sorted({int(cb.every_steps) for cb in cbs
+                                   if isinstance(cb, ModelCheckpoint) and cb.every_steps})
+        start = self.steps_run
         try:
-            while not self.stop_training and (epochs is None or epochs_done < epochs):
-                if steps is not None and taken >= steps:
-                    break
-                ran, complete = self._run_epoch(data, steps, taken, log_every, cbs, window, epoch, bar, k)
-                taken += ran
-                if ran == 0:
-                    if taken == 0:
-                        raise ValueError(EMPTY_DATA.format(why=f" ({type(data).__name__})"))
-                    break  # a one-shot iterator is exhausted
-                if complete:
-                    self._read(window, epoch, bar, cbs)
-                    window = _Means()
-                    self._end_epoch(epoch, bar, validation_data, cbs, batch_size)
-                    epoch = _Means()
-                    epochs_done += 1
-            self._read(window, epoch, bar, cbs)
+            with self._signals():
+                self._read(bar)  # an interrupted fit's steps, if any
+                if self._capacity != log_every + k - 1:
+                    self._buffer, self._capacity = None, log_every + k - 1  # room for the call that passes log_every
+                for cb in cbs:
+                    cb.on_train_begin(self)
+                while not (self.stop_training or self._terminate) and (end_pending or not self._reached(epochs, steps)):
+                    end_pending = False
+                    ran, complete = self._run_epoch(data, steps, log_every, cbs, bar, k)
+                    if complete:
+                        self._read(bar, cbs)
+                        self._end_epoch(bar, validation_data, cbs, batch_size)
+                    elif ran == 0 and not self._terminate:
+                        if self.steps_run == start:
+                            raise ValueError(EMPTY_DATA.format(why=f" ({type(data).__name__})"))
+                        break  # a one-shot iterator is exhausted
+                self._read(bar, cbs)
+                if self._terminate:
+                    self._preempt(cbs)
+        except BaseException:
+            if not isinstance(data, Iterator):
+                self._iterator = None  # the next epoch iterator skips to the position instead
+            raise
         finally:
             bar.close()
-        end = self._context("end", self._metric_means(window))
+            self._bar = None
+        end = self._context("end", self._metric_means(self._window))
         for cb in cbs:
             cb.on_train_end(self, end)
         return self.history
 
-    def _run_epoch(self, data: Any, steps: int | None, taken: int, log_every: int, cbs: list[Callback],
-                   window: _Means, epoch: _Means, bar: Progress, k: int = 1) -> tuple[int, bool]:
-        """Steps of one epoch: ``(steps run, whether the epoch was completed)``."""
+    def _reached(self, epochs: int | None, steps: int | None) -> bool:
+        return (steps is not None and self.steps_run >= steps) or (epochs is not None and self.epoch >= epochs)
+
+    def _boundary(self, steps: int | None, k: int) -> int:
+        """Steps until the next save point or the end of ``steps=`` (at most ``k``)."""
+        n = k if steps is None else min(k, steps - self.steps_run)
+        for every in self._save_every:
+            n = min(n, every - self.steps_run % every)
+        return n
+
+    def _run_epoch(self, data: Any, steps: int | None, log_every: int, cbs: list[Callback],
+                   bar: Progress, k: int = 1) -> tuple[int, bool]:
+        """Steps of one epoch: ``(steps run, whether the epoch's end is reached)``."""
         ran = 0
         length = self._epoch_length(data)
         bar.set_description(f"epoch {self.epoch + 1}")
         run = self.train_step.run
         group: list[Any] = []  # k > 1: the minibatches of the next call, of one signature
         signature: Any = None
+        save_every = self._save_every
 
-        def dispatch(group: list[Any]) -> int:
-            # After every call: the buffer (log_every + k - 1 rows) never takes a call past it.
-            n = self._run_group(group, k)
-            if self._buffered >= log_every:
-                self._log_point(window, epoch, bar, cbs)
-            return n
+        def after_call() -> bool:
+            """Log and save points after a call; True when fit must leave the epoch."""
+            if self._since_log >= log_every:
+                self._log_point(bar, cbs)
+            if save_every and any(self.steps_run % e == 0 for e in save_every):
+                self._save_step(bar, cbs)
+            return self.stop_training or self._terminate or (steps is not None and self.steps_run >= steps)
 
         for batch in self._epoch_iter(data):
             batch = to_arrays(batch)
@@ -608,70 +840,153 @@ class Trainer:
             if self._buffer is None:
                 self._buffer = self._new_buffer(self._capacity)
             if k == 1:  # the plain loop, kept lean
-                self._inflight.append(batch)
+                self._critical = True  # a Ctrl-C now waits: the call donates the model's buffers
                 try:
                     self.model, self.opt_state, _, self._buffer = run(self.model, self.opt_state, batch, self.key,
                                                                       self._buffer, owned=True)
                 except (ValueError, TypeError) as e:  # raised while tracing: nothing was donated
-                    self._inflight.pop()
+                    self._critical = False
                     raise self._located(e, batch, 0) from e.__cause__
-                ran += 1
+                self._inflight.append(batch)
                 self.steps_run += 1
                 self.batch_in_epoch += 1
                 self._buffered += 1
+                self._since_log += 1
+                self._critical = False
+                if self._deferred:
+                    self._safe_point()
+                ran += 1
             else:
                 new = _batch_signature(batch)
                 if group and new != signature:
-                    ran += dispatch(group)  # minibatches of another shape: single steps
+                    ran += self._run_group(group, k)  # minibatches of another shape: single steps
                     group = []
+                    if after_call():
+                        return ran, False
                 group.append(batch)
                 signature = new
-                if len(group) < k and (steps is None or taken + ran + len(group) < steps):
+                if len(group) < self._boundary(steps, k):
                     continue
-                ran += dispatch(group)
+                ran += self._run_group(group, k)
                 group = []
-            if self._buffered >= log_every:
-                self._log_point(window, epoch, bar, cbs)
-            if self.stop_training or (steps is not None and taken + ran >= steps):
-                return ran, length is not None and self.batch_in_epoch >= length
+            if after_call():
+                return ran, (not self._terminate and length is not None and self.batch_in_epoch >= length)
         if group:  # the epoch's last minibatches, fewer than k: single steps
-            ran += dispatch(group)
-        return ran, ran > 0
+            ran += self._run_group(group, k)
+            if after_call() and self._terminate:
+                return ran, False
+        return ran, self.batch_in_epoch > 0
 
     def _run_group(self, group: list[Any], k: int) -> int:
         """``k`` minibatches as one call of ``k`` steps; fewer as single steps."""
         assert self._buffered + len(group) <= self._capacity, "the log buffer would overflow"
         calls = [(stack_batches(group), k)] if len(group) == k else [(b, 1) for b in group]
         for i, (batch, n) in enumerate(calls):
+            self._critical = True
             try:
                 self.model, self.opt_state, _, self._buffer = self.train_step.run(
                     self.model, self.opt_state, batch, self.key, self._buffer, owned=True, steps=n)
             except (ValueError, TypeError) as e:  # raised while tracing: nothing was donated
+                self._critical = False
                 raise self._located(e, group[i], i) from e.__cause__
-        self._inflight.extend(group)
-        self.steps_run += len(group)
-        self.batch_in_epoch += len(group)
-        self._buffered += len(group)
+            self._inflight.extend(group if n == k else [batch])
+            self.steps_run += n
+            self.batch_in_epoch += n
+            self._buffered += n
+            self._since_log += n
+            self._critical = False
+        self._safe_point()
         return len(group)
 
-    def _end_epoch(self, epoch: _Means, bar: Progress, validation_data: Any, cbs: list[Callback],
-                   batch_size: int | None) -> None:
-        values = self._metric_means(epoch)
-        if validation_data is not None:
+    def _save_step(self, bar: Progress, cbs: Sequence[Callback]) -> None:
+        """A save point (``ModelCheckpoint(every_steps=)``): every step read, then saved."""
+        self._read(bar, cbs)
+        ctx = self._context("step", self._metric_means(self._window) if self._window.weight else self._last_log)
+        for cb in cbs:
+            if isinstance(cb, ModelCheckpoint):
+                cb._save_point(self, ctx, "step")
+
+    def _preempt(self, cbs: Sequence[Callback]) -> None:
+        """SIGTERM: a checkpoint at the current step through every ModelCheckpoint, then stop."""
+        ctx = self._context("step", self._metric_means(self._window) if self._window.weight else self._last_log)
+        saved = [cb for cb in cbs if isinstance(cb, ModelCheckpoint)]
+        for cb in saved:
+            cb._save_point(self, ctx, "terminate")
+        self.preempted, self._terminate = True, False
+        where = f"saved a checkpoint at step {self.steps_run}" if saved else "no ModelCheckpoint to save through"
+        _LOG.warning(f"SIGTERM during fit: stopped after step {self.steps_run}, {where}. "
+                     "Run the job again: trainer.restore(...) then fit(...) continues from there.")
+
+    def _end_epoch(self, bar: Progress, validation_data: Any, cbs: list[Callback], batch_size: int | None) -> None:
+        values = self._metric_means(self._epoch_means)
+        if validation_data is not None:  # may raise: nothing has changed yet
             val = self.evaluate(validation_data, batch_size=batch_size)
             values.update({f"val_{k}": v for k, v in val.items()})
             if keeps_average(self.opt_state):  # Optimizer(average=) or lookahead: validate that model too
                 val = self.evaluate(validation_data, batch_size=batch_size, averaged=True)
                 values.update({f"val_averaged_{k}": v for k, v in val.items()})
-        self.opt_state = next_sweep(self.opt_state)
+        opt_state = next_sweep(self.opt_state)
+        self._critical = True  # one step of bookkeeping: a Ctrl-C waits for all of it
+        self.opt_state = opt_state
         self.epoch += 1
         self.batch_in_epoch = 0
         self._last_context = None
+        self._iterator = None
+        self._window, self._epoch_means, self._since_log = _Means(), _Means(), 0
         self.history.add_epoch(self.epoch, {**values, "last_step": self.steps_run})
+        self._critical = False
+        self._safe_point()
         ctx = self._context("epoch", values)
         bar.end_epoch(values)
         for cb in cbs:
             cb.on_epoch_end(self, ctx)
+        for cb in cbs:
+            if isinstance(cb, ModelCheckpoint):
+                cb._save_point(self, ctx, "epoch")
+
+    # --- interrupts ----------------------------------------------------------------------
+    def _safe_point(self) -> None:
+        """Raise a KeyboardInterrupt that arrived inside a critical section."""
+        if self._deferred:
+            self._deferred = False
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """Inside ``fit`` (main thread only): SIGINT raises KeyboardInterrupt at once, but
+        between a donating call and the assignment of its outputs it waits for the end of
+        that bookkeeping; SIGTERM asks the loop to save and stop after the current step.
+        The previous handlers are put back afterwards."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous_int, previous_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+
+        def on_int(signum: int, frame: Any) -> None:
+            if self._critical:
+                self._deferred = True
+            elif callable(previous_int):
+                previous_int(signum, frame)
+            else:
+                raise KeyboardInterrupt
+
+        def on_term(signum: int, frame: Any) -> None:
+            self._terminate = True
+
+        self._critical = self._deferred = self._terminate = False
+        if previous_int is signal.default_int_handler or (callable(previous_int) and previous_int is not on_int):
+            signal.signal(signal.SIGINT, on_int)
+        if previous_term in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, on_term)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous_int if previous_int is not None else signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, previous_term if previous_term is not None else signal.SIG_DFL)
+            self._critical = self._terminate = False
+            if self._deferred:  # arrived in the last bookkeeping: delivered now
+                self._deferred = False
+                raise KeyboardInterrupt
 
     # --- evaluate / predict --------------------------------------------------------------
     @property
@@ -757,26 +1072,63 @@ class Trainer:
         return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outputs)
 
     # --- checkpoints ---------------------------------------------------------------------
-    def save(self, manager: CheckpointManager | str, *, metrics: Mapping[str, Any] | None = None) -> None:
-        """Checkpoint the model, optimizer state (with its learning context), position in
-        the data, PRNG key and configuration at the current step (every process of a
-        multi-process job calls it: each writes its shards)."""
+    def save(self, manager: CheckpointManager | str, *, metrics: Mapping[str, Any] | None = None,
+             extra: Any = _KEEP) -> None:
+        """Checkpoint the job at the current step, atomically: model (with its layer
+        state), optimizer state (with its learning context), PRNG key, position in the data
+        (with a positioned iterator's ``get_state()``), history, the states of the last
+        ``fit``'s callbacks, and ``extra`` (a tree of arrays and plain values, default
+        :attr:`extra`; it becomes :attr:`extra`). Every process of a multi-process job
+        calls it (each writes its shards).
+
+        Example:
+          >>> import functree as ft, jax, jax.numpy as jnp, numpy as np, tempfile
+          >>> x = np.ones((8, 2), np.float32)
+          >>> loss_fn = lambda m, b: jnp.mean(m(b) ** 2)
+          >>> make = lambda: ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1), loss_fn)
+          >>> trainer, path = make(), tempfile.mkdtemp() + "/ckpt"
+          >>> _ = trainer.fit(ft.train.batches(x, 4), epochs=1, progress=False)
+          >>> trainer.save(path, extra={"rounds": 3})
+          >>> restored = make().restore(path)
+          >>> restored.steps_run, restored.epoch, restored.extra
+          (2, 1, {'rounds': 3})
+        """
+        if extra is not _KEEP:
+            _check_extra(extra)
+            self.extra = extra
         if not isinstance(manager, CheckpointManager):
             with CheckpointManager(manager) as owned:
                 return self.save(owned, metrics=metrics)
+        if self._pending or self._buffered:  # inside fit: every step up to now read first
+            self._read(self._bar, self._callbacks)
+        keys = _callback_keys(self._callbacks)
+        states = [cb.state_dict() for cb in self._callbacks]
+        kept = [i for i, s in enumerate(states) if s]
         config = {
             "trainer": {"steps_run": self.steps_run, "epoch": self.epoch,
-                        "batch_in_epoch": self.batch_in_epoch, "on_nan": self.on_nan},
+                        "batch_in_epoch": self.batch_in_epoch, "on_nan": self.on_nan,
+                        "stopped": bool(self.stop_training), "epoch_length": self._saved_length,
+                        "since_log": self._since_log, "data_state": self._data_position(),
+                        "means": {"window": self._window.state(), "epoch": self._epoch_means.state()},
+                        "history": {"steps": self.history.steps, "epochs": self.history.epochs},
+                        "skipped": [list(s) for s in self.skipped]},
+            "callbacks": [[keys[i], type(self._callbacks[i]).__name__] for i in kept],
             "optimizer": repr(self.optimizer),
             "train_step": repr(self.train_step),
         }
         manager.save(self.steps_run, self.model, self.opt_state, metrics=metrics, config=config,
-                     extra={"key": self.key})
+                     extra={"key": self.key, "user": self.extra, "callbacks": [states[i] for i in kept]})
 
     def restore(self, manager: CheckpointManager | str, step: int | None = None, *,
-                optimizer_state: bool = True) -> Checkpoint:
-        """Continue from a checkpoint: model and optimizer state are checked against the
-        trainer's (key path, shape, dtype), position and key restored.
+                optimizer_state: bool = True, callbacks: bool = True) -> Trainer:
+        """Continue from a checkpoint (default: the latest) and return this trainer.
+
+        Model and optimizer state are checked against the trainer's (key path, shape,
+        dtype); position, key, history, :attr:`extra` and the stop flag are restored, and
+        the saved callback states are handed to the callbacks of the next ``fit`` (matched
+        by ``Callback.name``, else by class and position; ``callbacks=False`` drops them).
+        The :class:`Checkpoint` read is :attr:`checkpoint`. Then ``fit(data, epochs=N)``
+        continues the job to ``N`` epochs in all, bit for bit as if never interrupted.
 
         ``optimizer_state=False`` restores the model, position and key only and keeps this
         trainer's optimizer state: a saved model continued with new optimizer options
@@ -784,7 +1136,7 @@ class Trainer:
         """
         if not isinstance(manager, CheckpointManager):
             with CheckpointManager(manager) as owned:
-                return self.restore(owned, step, optimizer_state=optimizer_state)
+                return self.restore(owned, step, optimizer_state=optimizer_state, callbacks=callbacks)
         include = ("model", "opt_state", "extra") if optimizer_state else ("model", "extra")
         where = self.train_step.placement  # a step over a mesh: arrays read straight into their shards
         placed = {} if where is None else {"mesh": where.mesh, "sharding": where.sharding,
@@ -797,10 +1149,43 @@ class Trainer:
         self.steps_run = int(position.get("steps_run", ckpt.step))
         self.epoch = int(position.get("epoch", 0))
         self.batch_in_epoch = int(position.get("batch_in_epoch", 0))
-        if isinstance(ckpt.extra, Mapping) and ckpt.extra.get("key") is not None:
-            self.key = ckpt.extra["key"]
+        self.stop_training = bool(position.get("stopped", False))
+        self._saved_length = position.get("epoch_length")
+        self._since_log = int(position.get("since_log", 0))
+        self._data_state = position.get("data_state")
+        means = position.get("means", {})
+        self._window, self._epoch_means = _Means.load(means.get("window")), _Means.load(means.get("epoch"))
+        if "history" in position:
+            saved = position["history"]
+            self.history = History(steps=saved["steps"], epochs=saved["epochs"])
+        self.skipped = [(int(s), str(w)) for s, w in position.get("skipped", [])]
+        extra = ckpt.extra if isinstance(ckpt.extra, Mapping) else {}
+        if extra.get("key") is not None:
+            self.key = extra["key"]
+        self.extra = extra.get("user")
+        names = ckpt.config.get("callbacks", [])
+        self._saved_callbacks = [(key, cls, state) for (key, cls), state in zip(names, extra.get("callbacks", []))
+                                 ] if callbacks else None
         self._buffer, self._buffered, self._inflight, self._pending = None, 0, [], []
-        return ckpt
+        self._iterator, self._iterator_of, self._restored = None, None, True
+        self.checkpoint = ckpt
+        return self
+
+    def _load_callback_states(self, cbs: list[Callback]) -> None:
+        """The first fit after a restore: every saved callback state to its callback."""
+        saved = self._saved_callbacks
+        if not saved:
+            return
+        given = dict(zip(_callback_keys(cbs), cbs))
+        for key, cls, _ in saved:
+            cb = given.get(key)
+            if cb is None or type(cb).__name__ != cls:
+                raise ValueError(CALLBACK_MISMATCH.format(
+                    key=key, cls=cls, saved=[f"{k} ({c})" for k, c, _ in saved],
+                    given=[f"{k} ({type(c).__name__})" for k, c in given.items()] or "none"))
+        for key, _, state in saved:
+            given[key].load_state_dict(state)
+        self._saved_callbacks = None
 
     def __repr__(self) -> str:
         return f"Trainer({self.train_step!r}, steps_run={self.steps_run}, epoch={self.epoch})"

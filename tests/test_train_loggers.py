@@ -60,8 +60,8 @@ def test_csv_and_tensorboard_logs_read_back_to_the_history(tmp_path):
     callbacks = [epochs, logs, board]
     trainer.fit(data(), epochs=1, log_every=1, progress=False, callbacks=callbacks)  # no validation yet
     trainer.save(tmp_path / "ckpt")
-    history = trainer.fit(data(), epochs=1, log_every=1, validation_data=(X, Y), progress=False,
-                          callbacks=callbacks)
+    history = trainer.fit(data(), epochs=2, log_every=1, validation_data=(X, Y), progress=False,
+                          callbacks=callbacks)  # epochs= counts the whole job: one more
     rows = read_csv(tmp_path / "epochs.csv")
     assert list(rows[0]) == ["epoch", "step", "learning_rate", "loss", "val_loss"]  # header extended
     assert rows[0]["val_loss"] == "" and [int(r["step"]) for r in rows] == history.epochs["last_step"]
@@ -78,12 +78,14 @@ def test_csv_and_tensorboard_logs_read_back_to_the_history(tmp_path):
     np.testing.assert_array_equal([v for _, v in scalars["step/loss"]], np.float32(history.steps["loss"]))
     assert scalars["epoch/val_loss"] == [(6, np.float32(history.epochs["val_loss"][1]))]
 
-    # A restarted job: the steps past the checkpoint are dropped and written again, equal.
+    # A restarted job: the steps past the checkpoint are dropped and written again, equal,
+    # with append=True and with the default (a restored trainer's first fit continues the file).
     before = (tmp_path / "epochs.csv").read_text()
-    trainer.restore(tmp_path / "ckpt")
-    resumed = ft.train.CSVLogger(tmp_path / "epochs.csv", append=True)
-    trainer.fit(data(), epochs=1, log_every=1, validation_data=(X, Y), progress=False, callbacks=[resumed])
-    assert (tmp_path / "epochs.csv").read_text() == before
+    for append in (True, False):
+        restarted = make().restore(tmp_path / "ckpt")
+        resumed = ft.train.CSVLogger(tmp_path / "epochs.csv", append=append)
+        restarted.fit(data(), epochs=2, log_every=1, validation_data=(X, Y), progress=False, callbacks=[resumed])
+        assert (tmp_path / "epochs.csv").read_text() == before
 
 
 def test_logger_errors(tmp_path, monkeypatch):

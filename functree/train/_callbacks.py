@@ -164,7 +164,7 @@ class Callback:
           >>> import functree as ft
           >>> stop = ft.train.EarlyStopping(monitor="loss", patience=2)
           >>> stop.state_dict()
-          {'best': inf, 'wait': 0, 'stopped_epoch': None, 'best_model': None}
+          {'best': inf, 'wait': 0, 'stopped_epoch': None, 'best_epoch': None, 'best_model': None}
           >>> again = ft.train.EarlyStopping(monitor="loss", patience=2)
           >>> again.load_state_dict({**stop.state_dict(), "wait": 1})
           >>> again.state_dict()["wait"]

@@ -68,9 +68,10 @@ class CSVLogger(Callback):
     Values are written exactly (Python's shortest round-tripping form), so reading the
     file back gives the history's numbers. A column first seen later (``val_*`` of a
     first validation) extends the header; earlier rows leave it empty. ``append=False``
-    (default) starts the file anew at this logger's first ``fit``; ``append=True``
-    continues an existing file, first dropping rows past the trainer's step (the
-    restart recipe: restore the latest checkpoint, fit again with the same path).
+    (default) starts the file anew at this logger's first ``fit`` of a trainer that was
+    not restored; ``append=True``, or a first ``fit`` after ``trainer.restore`` (the
+    restart recipe), continues an existing file, first dropping rows past the trainer's
+    step, so a resumed job's file equals the uninterrupted job's.
 
     Example:
       >>> import csv, tempfile, functree as ft, jax.numpy as jnp, numpy as np
@@ -86,6 +87,8 @@ class CSVLogger(Callback):
       (['epoch', 'step', 'learning_rate', 'loss'], True)
     """
 
+    reads_model = False  # the context alone: the Trainer keeps its one-interval-late read
+
     def __init__(self, path: str | os.PathLike[str], *, every: str = "epoch", append: bool = False):
         self.path = Path(path)
         self.every = _check_every("CSVLogger", every)
@@ -96,7 +99,7 @@ class CSVLogger(Callback):
     def on_train_begin(self, trainer: Trainer) -> None:
         if jax.process_index() != 0:
             return
-        if not self._started and not self.append:
+        if not self._started and not self.append and trainer.checkpoint is None:  # not restored
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
             self._columns = None
@@ -162,6 +165,8 @@ class TensorBoardLogger(Callback):
       >>> import functree as ft, tempfile
       >>> logger = ft.train.TensorBoardLogger(tempfile.mkdtemp() + "/runs/exp1")
     """
+
+    reads_model = False  # the context alone: the Trainer keeps its one-interval-late read
 
     def __init__(self, logdir: str | os.PathLike[str], *, every: str | None = None):
         try:

@@ -21,6 +21,8 @@ takes a comma-separated list of these names):
                     and raw lax.scan                                 ≤ 1.3× raw scan at 64
     steps_per_call 11. TrainStep(steps_per_call=k), k = 1..64, vs   k=16 ≥ 2× raw per-step
                     raw per-step and raw's own lax.scan               steps/s
+    generate    12. greedy decoding, Llama-style: ft.nn.generate    ≤ 1.0× raw's time
+                    vs a raw-JAX KV-cache loop vs HF generate (torch)
 
 Run by hand on a quiet machine (``--quick`` for a one-minute smoke run); the tests never
 assert wall-clock time.
@@ -42,6 +44,7 @@ from _async import asynchronous
 from _depth import depth
 from _diagnostics import diagnostics
 from _donation import donation
+from _generate import generation
 from _harness import machine
 from _keypaths import key_paths
 from _optimizer import optimizer_throughput
@@ -61,6 +64,7 @@ FAMILIES = {
     "trainer": trainer,
     "depth": depth,
     "steps_per_call": steps_per_call,
+    "generate": generation,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

@@ -203,3 +203,92 @@ def test_default_kv_heads_are_the_heads_and_a_bad_count_names_the_fix(key):
     assert ft.nn.MultiheadAttention(8, 4, key=key).num_kv_heads == 4
     with pytest.raises(ValueError, match=r"(?s)num_kv_heads \(3\) must divide num_heads \(4\).*right: .*num_kv_heads=2"):
         ft.nn.MultiheadAttention(8, 4, num_kv_heads=3, key=key)
+
+
+# ------------------------------------------------------------------ the key-value cache
+_step = jax.jit(lambda m, x, c, p, mask: m(x, cache=c, positions=p, mask=mask))
+
+
+def _decode(mha, x, splits, mask=None, length=None):
+    """``x`` through ``mha``'s cache in chunks of ``splits`` tokens (a prefill, then steps)."""
+    b, t, _ = x.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    cache, outs, start = mha.init_cache(b, length or t), [], 0
+    for n in splits:
+        out, cache = _step(mha, x[:, start:start + n], cache, positions[:, start:start + n], mask)
+        outs.append(out)
+        start += n
+    return jnp.concatenate(outs, axis=1), cache
+
+
+@pytest.mark.parametrize("kv_heads,rotary,vo_size", [(2, 10000.0, None), (1, None, 3)], ids=["gqa-rotary", "mqa-vo3"])
+def test_cache_decoding_equals_causal_attention_over_the_whole_sequence(key, kv_heads, rotary, vo_size):
+    """Prefill 3 tokens, then 1 at a time: the float64 NumPy reference of the causal layer (a
+    per-head value size that differs from the query's takes the hand-written path)."""
+    sizes = {} if vo_size is None else {"qk_size": 4, "vo_size": vo_size}
+    mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=kv_heads, rotary=rotary, causal=True, key=key, **sizes)
+    x = jax.random.normal(jax.random.key(1), (2, 6, 16))
+    out, cache = _decode(mha, x, [3, 1, 1, 1], length=8)
+    if vo_size is None:
+        expected = _gqa_reference(mha, x, True, rotary)
+        np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    else:
+        np.testing.assert_allclose(out, mha(x), rtol=0, atol=1e-5 * np.abs(out).max())
+    assert isinstance(cache, ft.nn.KVCache) and cache.keys.shape == (2, 8, kv_heads, 4)
+    np.testing.assert_array_equal(cache.keys[:, 6:], 0)  # slots past the tokens stay empty
+
+
+def test_cache_with_left_padding_and_per_row_positions(key):
+    """Row 1 holds 2 padding slots, then row 0's first 4 tokens: masked out, rotated by their
+    slots (2..5), its outputs equal row 0's (rotary depends on offsets only)."""
+    mha = ft.nn.MultiheadAttention(8, 2, rotary=True, causal=True, key=key)
+    x0 = jax.random.normal(jax.random.key(1), (6, 8))
+    x = jnp.stack([x0, jnp.concatenate([jnp.full((2, 8), 9.0), x0[:4]])])
+    mask = jnp.array([[True] * 6, [False, False] + [True] * 4])
+    out, _ = _decode(mha, x, [4, 1, 1], mask=mask)  # slot 0 and 1 of row 1: padding, never attended
+    np.testing.assert_allclose(out[1, 2:], out[0, :4], rtol=0, atol=1e-5 * np.abs(out).max())
+    np.testing.assert_allclose(out[0], mha(x0), rtol=0, atol=1e-5 * np.abs(out).max())
+    # integer masks (an attention_mask of 0/1) are the same mask
+    np.testing.assert_array_equal(_decode(mha, x, [4, 1, 1], mask=mask.astype(jnp.int32))[0], out)
+
+
+def test_positions_without_a_cache_rotate_queries_and_keys(key):
+    mha = ft.nn.MultiheadAttention(8, 2, rotary=True, causal=True, key=key)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    shifted = mha(x, positions=jnp.arange(5) + 7)  # the same offsets: the same attention
+    np.testing.assert_allclose(shifted, mha(x), rtol=0, atol=1e-5 * np.abs(shifted).max())
+    assert not np.allclose(mha(x, positions=jnp.array([0, 1, 2, 0, 1])), mha(x), atol=1e-3)
+
+
+def test_cache_errors(key):
+    mha = ft.nn.MultiheadAttention(8, 2, num_kv_heads=1, key=key)
+    x, cache = jnp.ones((2, 3, 8)), mha.init_cache(2, 8)
+    pos = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match=r"keys= and values= cannot be passed with cache="):
+        mha(x, x, cache=cache, positions=pos)
+    with pytest.raises(ValueError, match=r"cache= needs positions= \(int32 \[batch, T\]"):
+        mha(x, cache=cache)
+    with pytest.raises(ft.nn.LayerInputError, match=r"expects inputs positions \[2, 3\] \(int\), got f32\[2,3\]"):
+        mha(x, cache=cache, positions=pos.astype(jnp.float32))
+    with pytest.raises(ft.nn.LayerInputError, match=r"positions \[2, 3\] \(int\), got i32\[4\]"):
+        mha(x, cache=cache, positions=jnp.arange(4))
+    with pytest.raises(ft.nn.LayerInputError, match=r"expects inputs \[batch, T, 8\] \(float\), got f32\[3,8\]"):
+        mha(x[0], cache=cache, positions=pos[0])
+    with pytest.raises(ft.nn.LayerInputError, match=r"\[batch, T, 8\] \(float\), got f32\[1,2,3,8\](.|\n)*one batch axis"):
+        mha(x[None], cache=cache, positions=pos)
+    with pytest.raises(ft.nn.LayerInputError, match=r"cache KVCache\(keys \[1, max_length, 1, 4\], values "
+                                                    r"\[1, max_length, 1, 4\]\), got KVCache\(keys=f32\[2,8,1,4\]"):
+        mha(x[:1], cache=cache, positions=pos[:1])
+    with pytest.raises(ft.nn.LayerInputError, match=r"got a dict"):
+        mha(x, cache={"keys": cache.keys}, positions=pos)
+    with pytest.raises(ft.nn.LayerInputError, match=r"mask \[2, 8\] \(bool\), got f32\[2,8\](.|\n)*over the cache's slots"):
+        mha(x, cache=cache, positions=pos, mask=jnp.ones((2, 8)))
+    with pytest.raises(ft.nn.LayerInputError, match=r"mask \[2, 8\] \(bool\), got bool\[2,3,8\]"):
+        mha(x, cache=cache, positions=pos, mask=jnp.ones((2, 3, 8), bool))
+    with pytest.raises(ValueError, match=r"init_cache\(batch_size, max_length\) takes positive ints, got "
+                                         r"batch_size=0, max_length=8"):
+        mha.init_cache(0, 8)
+    with pytest.raises(ValueError, match=r"positions= \(without a cache\) rotates self-attention's"):
+        mha(x, x, positions=pos)
+    with pytest.raises(ft.nn.LayerInputError, match=r"positions \[2, 3\] \(int\), got f32\[3\]"):
+        mha(x, positions=jnp.ones(3))

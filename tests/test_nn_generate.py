@@ -244,6 +244,7 @@ def tiny():
     return TinyLM(key=jax.random.key(0)), prompt, jnp.array([[1, 1, 1], [0, 1, 1]], jnp.int32)
 
 
+@jax.jit
 def all_logits(model, tokens, mask):
     """Logits at every position of ``tokens`` (one prefill call of the protocol)."""
     b, t = tokens.shape
@@ -265,9 +266,6 @@ def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
         logits = all_logits(model, out, mask)[:, 2:-1]  # the logits each new token was drawn from
         top3 = jax.lax.top_k(logits, 3)[1]
         assert (top3 == out[:, 3:, None]).any(-1).all()
-    # top_p keeps the smallest set reaching p: p = 1e-6 is greedy
-    greedy = ft.nn.generate(model, prompt, 12, attention_mask=mask)
-    np.testing.assert_array_equal(sample(jax.random.key(3), temperature=1.0, top_p=1e-6), greedy)
 
 
 def test_filters_equal_hf_logits_warpers():
@@ -296,7 +294,7 @@ def test_rows_past_eos_keep_emitting_eos_or_the_pad_id(tiny):
     free = np.asarray(ft.nn.generate(model, prompt, 12, attention_mask=mask))[:, 3:]
     eos = int(free[0, 2])  # row 0's third new token
     ends = [int(np.argmax(row == eos)) if (row == eos).any() else None for row in free]
-    for pad, fill in ((None, eos), (10, 10)):
+    for pad, fill in ((None, eos), (10, 10)):  # one compile: the EOS and pad ids are traced
         out = np.asarray(ft.nn.generate(model, prompt, 12, attention_mask=mask, eos_token_id=[eos], pad_token_id=pad))
         for row, end, tokens in zip(free, ends, out[:, 3:]):
             stop = len(row) if end is None else end + 1
@@ -307,7 +305,7 @@ def test_rows_past_eos_keep_emitting_eos_or_the_pad_id(tiny):
 # ---- bad input ---------------------------------------------------------------------------------
 
 def test_errors(tiny):
-    model, prompt, mask = tiny
+    model, prompt, _ = tiny
     generate = ft.nn.generate
     with pytest.raises(TypeError, match=r"a Dense has no init_cache(.|\n)*docs/guides/generation.md"):
         generate(ft.nn.Dense(2, 2, key=jax.random.key(0)), prompt, 4)

@@ -16,8 +16,9 @@ past it.
 One ``jax.jit``-compiled function runs the prompt through the model once (prefill), then a
 ``lax.while_loop`` feeds one token per step until ``max_new_tokens`` are made or every row has
 emitted an end-of-sequence token. It compiles once per model structure, input shape and
-static option (``max_new_tokens``, ``top_k``, whether sampling, whether ``top_p``, the EOS and
-pad ids); the temperature, ``top_p`` value, key and token values are traced.
+static option (``max_new_tokens``, ``top_k``, whether it samples, whether it filters by
+``top_p``, whether it stops at EOS and how many EOS ids); the temperature, the ``top_p``
+value, the key, the EOS and pad ids and the tokens are traced.
 """
 
 from __future__ import annotations
@@ -198,8 +199,9 @@ def generate(
     fill = pad[0] if pad else (eos[0] if eos else 0)
     return _generate(
         model, jnp.asarray(ids, jnp.int32), mask, key, jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
-        jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
-        new=new, greedy=greedy, top_k=top_k, use_top_p=top_p is not None and top_p < 1.0, eos=eos, fill=fill,
+        jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), jnp.asarray(eos or (-1,), jnp.int32),
+        jnp.asarray(fill, jnp.int32),
+        new=new, greedy=greedy, top_k=top_k, use_top_p=top_p is not None and top_p < 1.0, stops=bool(eos),
     )
 
 
@@ -297,10 +299,10 @@ def _choose(logits: jax.Array, key: Any, step: Any, temperature: jax.Array, top_
     return jax.random.categorical(jax.random.fold_in(key, step), logits, axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "eos", "fill"))
+@partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "stops"))
 def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, key: Any, temperature: jax.Array,
-              top_p: jax.Array, *, new: int, greedy: bool, top_k: int | None, use_top_p: bool,
-              eos: tuple[int, ...], fill: int) -> jax.Array:
+              top_p: jax.Array, eos_ids: jax.Array, fill: jax.Array, *, new: int, greedy: bool,
+              top_k: int | None, use_top_p: bool, stops: bool) -> jax.Array:
     batch, prompt = ids.shape
     cache = model.init_cache(batch, prompt + new)
     am = jnp.concatenate([prompt_mask, jnp.zeros((batch, new), jnp.int32)], axis=1)
@@ -311,21 +313,20 @@ def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, key: Any, temp
         raise ValueError(BAD_TOP_K.format(vocab=vocab, given=top_k))
     choose = partial(_choose, key=key, temperature=temperature, top_p=top_p, greedy=greedy, top_k=top_k,
                      use_top_p=use_top_p)
-    eos_ids = jnp.asarray(eos or (-1,), jnp.int32)
 
     def emit(tokens: jax.Array, done: jax.Array, token: jax.Array, t: Any) -> tuple[jax.Array, ...]:
-        if eos:
-            token = jnp.where(done, jnp.int32(fill), token)
+        if stops:
+            token = jnp.where(done, fill, token)
             done = done | jnp.isin(token, eos_ids)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (jnp.int32(0), prompt + t))
         return tokens, done, token
 
-    tokens = jnp.concatenate([ids, jnp.full((batch, new), fill, jnp.int32)], axis=1)
+    tokens = jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1)
     tokens, done, token = emit(tokens, jnp.zeros((batch,), bool), choose(logits[:, -1], step=0), 0)
 
     def more(carry: tuple[Any, ...]) -> jax.Array:
         t, done = carry[0], carry[-1]
-        return (t < new) & ~jnp.all(done) if eos else t < new
+        return (t < new) & ~jnp.all(done) if stops else t < new
 
     def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
         t, tokens, token, cache, am, done = carry

@@ -526,7 +526,7 @@ def test_cache_errors_in_stack_and_sequential():
 
     forgets = ft.nn.Stack(lambda k: Forgets(key=k), 2, key=jax.random.key(0))
     with pytest.raises(TypeError, match=r"ft.nn.Stack: called with cache=, each member \(a Forgets\) must return "
-                                        r"\(x, cache\), got an array float32\[2, 3, 8\]"):
+                                        r"\(x, cache\), got an array f32\[2,3,8\]"):
         forgets(x, cache=forgets.init_cache(2, 4), positions=pos)
     tied = ft.nn.Shared({"a": stack[0], "b": stack[1]}, {"b": "a"})
     with pytest.raises(TypeError, match=r"ft.nn.Shared.init_cache: the tied model is a dict"):

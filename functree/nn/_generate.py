@@ -187,7 +187,7 @@ def generate(
         raise ValueError(BAD_INPUT_IDS.format(given=short_array(ids)))
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(BAD_NEW_TOKENS.format(given=max_new_tokens))
-    new, (batch, prompt) = int(max_new_tokens), ids.shape
+    new, prompt = int(max_new_tokens), ids.shape[1]
     limit = getattr(model.model if isinstance(model, Shared) else model, "max_positions", None)
     if isinstance(limit, int) and prompt + new > limit:
         raise ValueError(TOO_LONG.format(prompt=prompt, new=new, total=prompt + new, limit=limit,
@@ -205,17 +205,19 @@ def generate(
     )
 
 
-def _attention_mask(mask: Any, shape: tuple[int, int]) -> jax.Array:
+def _attention_mask(mask: Any, shape: tuple[int, ...]) -> jax.Array:
     if mask is None:
         return jnp.ones(shape, jnp.int32)
-    m = mask if isinstance(mask, (jax.Array, jax.core.Tracer)) else np.asarray(mask)
+    m = mask if isinstance(mask, jax.Array) else np.asarray(mask)
     kind = jnp.issubdtype(m.dtype, jnp.bool_) or jnp.issubdtype(m.dtype, jnp.integer)
     if not kind or tuple(m.shape) != tuple(shape):
         raise ValueError(BAD_ATTENTION_MASK.format(shape=list(shape), given=short_array(m)))
-    if not isinstance(m, jax.core.Tracer):
-        last = np.asarray(m)[:, -1]
-        if not last.all():
-            raise ValueError(RIGHT_PADDED.format(row=int(np.argmin(last != 0))))
+    try:
+        last = np.asarray(m)[:, -1]  # a concrete mask (a traced one is not checked)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        last = None
+    if last is not None and not last.all():
+        raise ValueError(RIGHT_PADDED.format(row=int(np.argmin(last != 0))))
     return jnp.asarray(m != 0 if m.dtype != jnp.bool_ else m, jnp.int32)
 
 

@@ -10,6 +10,7 @@ import jax
 
 from functree._module import Module, field
 from functree._paths import INDEX, Entry
+from functree._repr import short_array
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
 
@@ -184,8 +185,9 @@ def member_cache(layer: Any, what: str, container: str, batch_size: int, max_len
 def cache_pair(out: Any, layer: Any, what: str, container: str) -> tuple[Any, Any]:
     """A layer's ``(x, cache)`` result, or an error saying it returned something else."""
     if not isinstance(out, tuple) or len(out) != 2:
-        given = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else "")
         if hasattr(out, "shape") and hasattr(out, "dtype"):
-            given = f"an array {out.dtype}{list(out.shape)}"
+            given = f"an array {short_array(out)}"
+        else:
+            given = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else "")
         raise TypeError(NOT_A_PAIR.format(container=container, what=what, type=type(layer).__name__, given=given))
     return out[0], out[1]

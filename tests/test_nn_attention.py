@@ -221,40 +221,29 @@ def _decode(mha, x, splits, mask=None, length=None):
     return jnp.concatenate(outs, axis=1), cache
 
 
-@pytest.mark.parametrize("kv_heads,rotary,vo_size", [(2, 10000.0, None), (1, None, 3)], ids=["gqa-rotary", "mqa-vo3"])
-def test_cache_decoding_equals_causal_attention_over_the_whole_sequence(key, kv_heads, rotary, vo_size):
-    """Prefill 3 tokens, then 1 at a time: the float64 NumPy reference of the causal layer (a
-    per-head value size that differs from the query's takes the hand-written path)."""
-    sizes = {} if vo_size is None else {"qk_size": 4, "vo_size": vo_size}
-    mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=kv_heads, rotary=rotary, causal=True, key=key, **sizes)
-    x = jax.random.normal(jax.random.key(1), (2, 6, 16))
-    out, cache = _decode(mha, x, [3, 1, 1, 1], length=8)
-    if vo_size is None:
-        expected = _gqa_reference(mha, x, True, rotary)
-        np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
-    else:
-        np.testing.assert_allclose(out, mha(x), rtol=0, atol=1e-5 * np.abs(out).max())
-    assert isinstance(cache, ft.nn.KVCache) and cache.keys.shape == (2, 8, kv_heads, 4)
+def test_cache_decoding_equals_causal_attention_with_left_padding(key):
+    """Prefill 3 tokens, then 1 at a time, through grouped-query rotary attention: row 0
+    equals the float64 NumPy reference of the causal layer; row 1 holds 2 padding slots,
+    then row 0's first 4 tokens: masked out and rotated by their slots (2..5), its outputs
+    equal row 0's (rotary attention depends on offsets only)."""
+    mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=2, rotary=10000.0, causal=True, key=key)
+    x0 = jax.random.normal(jax.random.key(1), (6, 16))
+    x = jnp.stack([x0, jnp.concatenate([jnp.full((2, 16), 9.0), x0[:4]])])
+    mask = jnp.array([[True] * 8, [False, False] + [True] * 6])  # over the 8 slots
+    out, cache = _decode(mha, x, [3, 1, 1, 1], mask=mask, length=8)
+    expected = _gqa_reference(mha, x0[None], True, 10000.0)[0]
+    atol = 1e-5 * np.abs(expected).max()
+    np.testing.assert_allclose(out[0], expected, rtol=0, atol=atol)
+    np.testing.assert_allclose(out[1, 2:], out[0, :4], rtol=0, atol=atol)
+    assert isinstance(cache, ft.nn.KVCache) and cache.keys.shape == (2, 8, 2, 4)
     np.testing.assert_array_equal(cache.keys[:, 6:], 0)  # slots past the tokens stay empty
-
-
-def test_cache_with_left_padding_and_per_row_positions(key):
-    """Row 1 holds 2 padding slots, then row 0's first 4 tokens: masked out, rotated by their
-    slots (2..5), its outputs equal row 0's (rotary depends on offsets only)."""
-    mha = ft.nn.MultiheadAttention(8, 2, rotary=True, causal=True, key=key)
-    x0 = jax.random.normal(jax.random.key(1), (6, 8))
-    x = jnp.stack([x0, jnp.concatenate([jnp.full((2, 8), 9.0), x0[:4]])])
-    mask = jnp.array([[True] * 6, [False, False] + [True] * 4])
-    out, _ = _decode(mha, x, [4, 1, 1], mask=mask)  # slot 0 and 1 of row 1: padding, never attended
-    np.testing.assert_allclose(out[1, 2:], out[0, :4], rtol=0, atol=1e-5 * np.abs(out).max())
-    np.testing.assert_allclose(out[0], jax.jit(mha)(x0), rtol=0, atol=1e-5 * np.abs(out).max())
 
 
 def test_positions_without_a_cache_rotate_queries_and_keys(key):
     mha = ft.nn.MultiheadAttention(8, 2, rotary=True, causal=True, key=key)
     x = jax.random.normal(jax.random.key(1), (2, 5, 8))
     at = jax.jit(lambda m, x, p: m(x, positions=p))
-    shifted, plain = at(mha, x, jnp.arange(5) + 7), jax.jit(mha)(x)  # the same offsets: the same attention
+    shifted, plain = at(mha, x, jnp.arange(5) + 7), at(mha, x, jnp.arange(5))  # the same offsets: the same attention
     np.testing.assert_allclose(shifted, plain, rtol=0, atol=1e-5 * np.abs(shifted).max())
     assert not np.allclose(at(mha, x, jnp.array([0, 1, 2, 0, 1])), plain, atol=1e-3)
 

@@ -209,33 +209,6 @@ def test_greedy_llama_gqa_equals_hf_generate_with_left_padding_and_eos(llama):
     np.testing.assert_array_equal(out, expected)
 
 
-def test_cache_logits_equal_hf_forward_by_hand(llama):
-    """The protocol by hand: prefill a left-padded prompt, then two one-token steps; every
-    real position's logits equal HF's forward pass over the whole sequence."""
-    hf, model = llama
-    ids, mask = left_padded_prompts()
-    tokens = np.concatenate([ids, np.array([[5, 6]] * 3, np.int32)], axis=1)
-    full_mask = np.concatenate([mask, np.ones((3, 2), np.int32)], axis=1)
-    length = tokens.shape[1]
-    slots = np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape)
-    call = jax.jit(lambda m, t, am, p, c: m(t, attention_mask=am, positions=p, cache=c))
-    cache = model.init_cache(3, length)
-    am = np.concatenate([mask, np.zeros((3, 2), np.int32)], axis=1)
-    first, cache = call(model, tokens[:, :PROMPT], am, slots[:, :PROMPT], cache)
-    steps = [first]
-    for i in range(PROMPT, length):
-        am[:, i] = 1
-        logits, cache = call(model, tokens[:, i:i + 1], am, slots[:, i:i + 1], cache)
-        steps.append(logits)
-    ours = np.concatenate(steps, axis=1)
-    position_ids = np.maximum(np.cumsum(full_mask, axis=1) - 1, 0)
-    with torch.no_grad():
-        theirs = hf(torch.from_numpy(tokens).long(), attention_mask=torch.from_numpy(full_mask).long(),
-                    position_ids=torch.from_numpy(position_ids).long()).logits.numpy()
-    real = full_mask.astype(bool)
-    np.testing.assert_allclose(ours[real], theirs[real], rtol=0, atol=1e-5 * np.abs(theirs).max())
-
-
 # ---- sampling, EOS, compilation --------------------------------------------------------------
 
 @pytest.fixture(scope="module")

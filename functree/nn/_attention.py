@@ -159,7 +159,8 @@ class MultiheadAttention(Layer):
     slots ``pos``, and each query attends the cache's slots ``s <= p`` (its own position
     ``p``; causal whatever ``causal`` says), restricted by ``mask`` (bool or 0/1 integers
     ``[batch, max_length]`` over slots, True where a slot holds a real token: left padding).
-    ``attn.init_cache(batch_size, max_length)`` makes an empty cache. Without a cache,
+    ``attn.init_cache(batch_size, max_length)`` makes an empty cache (a worked example:
+    ``docs/guides/generation.md``). Without a cache,
     ``positions=`` rotates self-attention's queries and keys by the given positions instead
     of ``0 .. T-1``.
 
@@ -175,16 +176,6 @@ class MultiheadAttention(Layer):
       >>> gqa = ft.nn.MultiheadAttention(8, num_heads=4, num_kv_heads=2, key=jax.random.key(0))
       >>> gqa.key_projection.weight.shape, gqa(x).shape  # 2 key heads of size 2
       ((8, 4), (3, 5, 8))
-
-    The same outputs one token at a time through a cache (prefill 3 tokens, then 2 steps):
-      >>> cache = mha.init_cache(3, 5)
-      >>> pos = jnp.broadcast_to(jnp.arange(5), (3, 5))
-      >>> first, cache = mha(x[:, :3], cache=cache, positions=pos[:, :3])
-      >>> fourth, cache = mha(x[:, 3:4], cache=cache, positions=pos[:, 3:4])
-      >>> fifth, cache = mha(x[:, 4:], cache=cache, positions=pos[:, 4:])
-      >>> steps = jnp.concatenate([first, fourth, fifth], axis=1)
-      >>> bool(jnp.allclose(steps, mha(x), atol=1e-6))
-      True
     """
 
     query_projection: Dense

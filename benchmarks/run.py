@@ -23,6 +23,8 @@ takes a comma-separated list of these names):
                     raw per-step and raw's own lax.scan               steps/s
     many_leaves 12. Adam update of 150 small leaves (12-layer      gated functree ≤ 1× optax
                     transformer, d=64): gated and ungated             per-leaf
+    generate    13. greedy decoding, Llama-style: ft.nn.generate    ≤ 1.0× raw's time
+                    vs a raw-JAX KV-cache loop vs HF generate (torch)
 
 Run by hand on a quiet machine (``--quick`` for a one-minute smoke run); the tests never
 assert wall-clock time.
@@ -44,6 +46,7 @@ from _async import asynchronous
 from _depth import depth
 from _diagnostics import diagnostics
 from _donation import donation
+from _generate import generation
 from _harness import machine
 from _keypaths import key_paths
 from _many_leaves import many_leaves
@@ -65,6 +68,7 @@ FAMILIES = {
     "depth": depth,
     "steps_per_call": steps_per_call,
     "many_leaves": many_leaves,
+    "generate": generation,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

@@ -203,3 +203,80 @@ def test_default_kv_heads_are_the_heads_and_a_bad_count_names_the_fix(key):
     assert ft.nn.MultiheadAttention(8, 4, key=key).num_kv_heads == 4
     with pytest.raises(ValueError, match=r"(?s)num_kv_heads \(3\) must divide num_heads \(4\).*right: .*num_kv_heads=2"):
         ft.nn.MultiheadAttention(8, 4, num_kv_heads=3, key=key)
+
+
+# ------------------------------------------------------------------ the key-value cache
+_step = jax.jit(lambda m, x, c, p, mask: m(x, cache=c, positions=p, mask=mask))
+
+
+def _decode(mha, x, splits, mask=None, length=None):
+    """``x`` through ``mha``'s cache in chunks of ``splits`` tokens (a prefill, then steps)."""
+    b, t, _ = x.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    cache, outs, start = mha.init_cache(b, length or t), [], 0
+    for n in splits:
+        out, cache = _step(mha, x[:, start:start + n], cache, positions[:, start:start + n], mask)
+        outs.append(out)
+        start += n
+    return jnp.concatenate(outs, axis=1), cache
+
+
+def test_cache_decoding_equals_causal_attention_with_left_padding(key):
+    """Prefill 3 tokens, then 1 at a time, through grouped-query rotary attention: row 0
+    equals the float64 NumPy reference of the causal layer; row 1 holds 2 padding slots,
+    then row 0's first 4 tokens: masked out and rotated by their slots (2..5), its outputs
+    equal row 0's (rotary attention depends on offsets only)."""
+    mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=2, rotary=10000.0, causal=True, key=key)
+    x0 = jax.random.normal(jax.random.key(1), (6, 16))
+    x = jnp.stack([x0, jnp.concatenate([jnp.full((2, 16), 9.0), x0[:4]])])
+    mask = jnp.array([[True] * 8, [False, False] + [True] * 6])  # over the 8 slots
+    out, cache = _decode(mha, x, [3, 1, 1, 1], mask=mask, length=8)
+    expected = _gqa_reference(mha, x0[None], True, 10000.0)[0]
+    atol = 1e-5 * np.abs(expected).max()
+    np.testing.assert_allclose(out[0], expected, rtol=0, atol=atol)
+    np.testing.assert_allclose(out[1, 2:], out[0, :4], rtol=0, atol=atol)
+    assert isinstance(cache, ft.nn.KVCache) and cache.keys.shape == (2, 8, 2, 4)
+    np.testing.assert_array_equal(cache.keys[:, 6:], 0)  # slots past the tokens stay empty
+
+
+def test_positions_without_a_cache_rotate_queries_and_keys(key):
+    mha = ft.nn.MultiheadAttention(8, 2, rotary=True, causal=True, key=key)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    at = jax.jit(lambda m, x, p: m(x, positions=p))
+    shifted, plain = at(mha, x, jnp.arange(5) + 7), at(mha, x, jnp.arange(5))  # the same offsets: the same attention
+    np.testing.assert_allclose(shifted, plain, rtol=0, atol=1e-5 * np.abs(shifted).max())
+    assert not np.allclose(at(mha, x, jnp.array([0, 1, 2, 0, 1])), plain, atol=1e-3)
+
+
+def test_cache_errors(key):
+    mha = ft.nn.MultiheadAttention(8, 2, num_kv_heads=1, key=key)
+    x, cache = jnp.ones((2, 3, 8)), mha.init_cache(2, 8)
+    pos = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match=r"keys= and values= cannot be passed with cache="):
+        mha(x, x, cache=cache, positions=pos)
+    with pytest.raises(ValueError, match=r"cache= needs positions= \(int32 \[batch, T\]"):
+        mha(x, cache=cache)
+    with pytest.raises(ft.nn.LayerInputError, match=r"expects inputs positions \[2, 3\] \(int\), got f32\[2,3\]"):
+        mha(x, cache=cache, positions=pos.astype(jnp.float32))
+    with pytest.raises(ft.nn.LayerInputError, match=r"positions \[2, 3\] \(int\), got i32\[4\]"):
+        mha(x, cache=cache, positions=jnp.arange(4))
+    with pytest.raises(ft.nn.LayerInputError, match=r"expects inputs \[batch, T, 8\] \(float\), got f32\[3,8\]"):
+        mha(x[0], cache=cache, positions=pos[0])
+    with pytest.raises(ft.nn.LayerInputError, match=r"\[batch, T, 8\] \(float\), got f32\[1,2,3,8\](.|\n)*one batch axis"):
+        mha(x[None], cache=cache, positions=pos)
+    with pytest.raises(ft.nn.LayerInputError, match=r"cache KVCache\(keys \[1, max_length, 1, 4\], values "
+                                                    r"\[1, max_length, 1, 4\]\), got KVCache\(keys=f32\[2,8,1,4\]"):
+        mha(x[:1], cache=cache, positions=pos[:1])
+    with pytest.raises(ft.nn.LayerInputError, match=r"got a dict"):
+        mha(x, cache={"keys": cache.keys}, positions=pos)
+    with pytest.raises(ft.nn.LayerInputError, match=r"mask \[2, 8\] \(bool\), got f32\[2,8\](.|\n)*over the cache's slots"):
+        mha(x, cache=cache, positions=pos, mask=jnp.ones((2, 8)))
+    with pytest.raises(ft.nn.LayerInputError, match=r"mask \[2, 8\] \(bool\), got bool\[2,3,8\]"):
+        mha(x, cache=cache, positions=pos, mask=jnp.ones((2, 3, 8), bool))
+    with pytest.raises(ValueError, match=r"init_cache\(batch_size, max_length\) takes positive ints, got "
+                                         r"batch_size=0, max_length=8"):
+        mha.init_cache(0, 8)
+    with pytest.raises(ValueError, match=r"positions= \(without a cache\) rotates self-attention's"):
+        mha(x, x, positions=pos)
+    with pytest.raises(ft.nn.LayerInputError, match=r"positions \[2, 3\] \(int\), got f32\[3\]"):
+        mha(x, positions=jnp.ones(3))

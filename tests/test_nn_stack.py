@@ -449,3 +449,84 @@ def test_optimizer_trains_the_top_blocks_only():
         np.testing.assert_array_equal(after[:2], before[:2])
         assert not np.array_equal(after[2:], before[2:])
     np.testing.assert_array_equal(ft.optim.moments(state)["mu"].blocks.layers.up.weight[:2], 0.0)
+
+
+# ------------------------------------------------------------------ caches, unstack's arguments, error paths
+class AttentionBlock(ft.Module):
+    norm: ft.nn.LayerNorm
+    attn: ft.nn.MultiheadAttention
+
+    def __init__(self, d=D, *, key):
+        self.norm = ft.nn.LayerNorm(d)
+        self.attn = ft.nn.MultiheadAttention(d, 2, rotary=True, causal=True, key=key)
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        return self.attn.init_cache(batch_size, max_length, dtype)
+
+    def __call__(self, x, *, mask=None, positions=None, cache=None):
+        if cache is None:
+            return x + self.attn(self.norm(x), mask=mask)
+        y, cache = self.attn(self.norm(x), mask=mask, positions=positions, cache=cache)
+        return x + y, cache
+
+
+def test_a_stack_carries_one_cache_per_member_and_unstack_takes_its_arguments():
+    stack = ft.nn.Stack(lambda k: AttentionBlock(key=k), 2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, D))
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    am = jnp.ones((2, 5), jnp.int32)  # a slot mask: keyword arguments reach every member
+
+    @jax.jit
+    def run(stack, x):
+        caches = stack.init_cache(2, 5)
+        first, caches = stack(x[:, :4], cache=caches, positions=pos[:, :4], mask=am)
+        last, caches = stack(x[:, 4:], cache=caches, positions=pos[:, 4:], mask=am)
+        unstacked = stack.unstack()  # the same function, with the Stack's arguments
+        y, per_layer = unstacked(x, cache=unstacked.init_cache(2, 5), positions=pos, mask=am)
+        return jnp.concatenate([first, last], 1), stack(x), y, caches, per_layer
+
+    decoded, full, unrolled, caches, per_layer = run(stack, x)
+    assert caches.keys.shape == (2, 2, 5, 2, D // 2) and len(per_layer) == 2
+    atol = 1e-5 * float(np.abs(full).max())
+    np.testing.assert_allclose(decoded, full, rtol=0, atol=atol)
+    np.testing.assert_allclose(unrolled, full, rtol=0, atol=atol)
+    np.testing.assert_allclose(per_layer[1].values, caches.values[1], rtol=0, atol=atol)
+
+
+def test_an_error_inside_a_stack_names_the_member_layer():
+    stack = ft.nn.Stack(lambda k: AttentionBlock(key=k), 2, key=jax.random.key(0))
+    with pytest.raises(ft.nn.LayerInputError, match=r"LayerNorm at .layers.norm expects inputs \[\.\.\., 8\]"):
+        stack(jnp.ones((2, 3, 4)))
+    with pytest.raises(ft.nn.LayerInputError, match=r"LayerNorm at .layers\[0\].norm expects"):
+        stack.unstack()(jnp.ones((2, 3, 4)))
+    with pytest.raises(ft.nn.LayerInputError, match=r"MultiheadAttention at .layers.attn expects inputs "
+                                                    r"positions \[2, 3\] \(int\), got f32\[2,3\]"):
+        stack(jnp.ones((2, 3, D)), cache=stack.init_cache(2, 4), positions=jnp.ones((2, 3)))
+
+
+def test_cache_errors_in_stack_and_sequential():
+    stack = ft.nn.Stack(lambda k: AttentionBlock(key=k), 2, key=jax.random.key(0))
+    x, pos = jnp.ones((2, 3, D)), jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match=r"Stack of 2 members: cache= holds one cache per member stacked on axis 0 "
+                                         r"\(every leaf \[2, \.\.\.\]\), got a KVCache with f32\[3,4,2,4\]"):
+        stack(jnp.ones((3, 3, D)), cache=stack[0].init_cache(3, 4), positions=jnp.zeros((3, 3), jnp.int32))
+    dense = ft.nn.Stack(lambda k: ft.nn.Dense(D, D, key=k), 2, key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"ft.nn.Stack.init_cache: each member is a Dense, which has no init_cache"):
+        dense.init_cache(2, 4)
+    with pytest.raises(TypeError, match=r"Sequential.init_cache: layer 0 is a Dense"):
+        dense.unstack().init_cache(2, 4)
+    with pytest.raises(ValueError, match=r"Sequential of 2 layers: cache= is a tuple of one cache per layer, got a "
+                                         r"KVCache"):
+        stack.unstack()(x, cache=stack[0].init_cache(2, 4), positions=pos)
+
+    class Forgets(AttentionBlock):
+        def __call__(self, x, **kwargs):
+            return super().__call__(x, **kwargs)[0]
+
+    forgets = ft.nn.Stack(lambda k: Forgets(key=k), 2, key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"ft.nn.Stack: called with cache=, each member \(a Forgets\) must return "
+                                        r"\(x, cache\), got an array f32\[2,3,8\]"):
+        forgets(x, cache=forgets.init_cache(2, 4), positions=pos)
+    tied = ft.nn.Shared({"a": stack[0], "b": stack[1]}, {"b": "a"})
+    with pytest.raises(TypeError, match=r"ft.nn.Shared.init_cache: the tied model is a dict"):
+        tied.init_cache(2, 4)

@@ -32,11 +32,12 @@ from functree._activations import (
     tanh,
 )
 from functree.nn import initializers
-from functree.nn._attention import MultiheadAttention
+from functree.nn._attention import KVCache, MultiheadAttention
 from functree.nn._check import LayerInputError
 from functree.nn._conv import Conv1D, Conv1DTranspose, Conv2D, Conv2DTranspose
 from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
+from functree.nn._generate import generate
 from functree.nn._hf import from_hf, to_hf_state_dict
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer, inference, inferring, is_training, training
@@ -111,9 +112,12 @@ __all__ = [
     "LSTMState",
     "RNN",
     "MultiheadAttention",
+    "KVCache",
     "RotaryEmbedding",
     "RopeScaling",
     "apply_rotary",
+    # generation
+    "generate",
     # torch interop
     "load_torch_state_dict",
     "torch_state_dict",

@@ -15,14 +15,14 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from functree._module import field
+from functree._module import Module, field
 from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._rotary import RopeScaling, apply_rotary
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["MultiheadAttention", "KVCache"]
 
 BAD_HEADS = """\
 MultiheadAttention: query_size ({size}) must be divisible by num_heads ({heads}), or pass \
@@ -42,6 +42,14 @@ serves num_heads // num_kv_heads query heads (grouped-query attention).
 
 BAD_MASK = "Pass a boolean mask broadcastable to [..., num_heads, queries, keys] (True = attend)."
 
+POSITIONS_SELF_ONLY = """\
+MultiheadAttention: positions= (without a cache) rotates self-attention's queries and keys; \
+with keys= or values= the keys' positions are unknown.
+
+    wrong:  attn(x, memory, positions=pos)
+    right:  attn(x, positions=pos)          # self-attention; or leave positions out
+"""
+
 NO_KEY = """\
 MultiheadAttention (dropout={rate}) is in training mode and needs a PRNG key for its \
 attention-dropout mask.
@@ -57,6 +65,68 @@ MultiheadAttention dropout must be in [0, 1), got {rate}.
     wrong:  ft.nn.MultiheadAttention(..., dropout={rate}, key=k)
     right:  ft.nn.MultiheadAttention(..., dropout=0.1, key=k)
 """
+
+CACHE_SELF_ONLY = """\
+MultiheadAttention: a cache holds the layer's own past keys and values (self-attention), so \
+keys= and values= cannot be passed with cache=.
+
+    wrong:  out, cache = attn(x, memory, cache=cache, positions=pos)
+    right:  out, cache = attn(x, cache=cache, positions=pos)
+"""
+
+NEEDS_POSITIONS = """\
+MultiheadAttention: cache= needs positions= (int32 [batch, T]: the absolute position of each \
+token of x; its keys and values are written into the cache at those slots).
+
+    wrong:  out, cache = attn(x, cache=cache)
+    right:  out, cache = attn(x, cache=cache, positions=jnp.broadcast_to(jnp.arange(T), (batch, T)))
+"""
+
+BAD_CACHE_INPUT = "With cache=, pass x as [batch, T, {size}] (one batch axis: the cache's)."
+
+BAD_POSITIONS = "Pass integer positions [batch, T] (int32), one absolute position per token of x."
+
+BAD_CACHE_MASK = """\
+With cache=, mask= is over the cache's slots: bool (or 0/1 integers) [batch, max_length], \
+True where a slot holds a real token; causality by position is added to it."""
+
+BAD_CACHE = """\
+Pass the cache this layer made for inputs of this batch size: keys [batch, max_length, \
+num_kv_heads, qk_size], values [batch, max_length, num_kv_heads, vo_size].
+    wrong:  out, cache = attn(x, cache=attn.init_cache({other}, 64), positions=pos)   # x: batch {batch}
+    right:  out, cache = attn(x, cache=attn.init_cache({batch}, 64), positions=pos)"""
+
+BAD_CACHE_SIZE = """\
+{what}.init_cache(batch_size, max_length) takes positive ints, got batch_size={batch!r}, \
+max_length={length!r}.
+
+    right:  cache = {what_lower}.init_cache(8, 128)              # 8 sequences of up to 128 tokens
+"""
+
+
+class KVCache(Module):
+    """One attention layer's keys and values by position: the key-value cache of decoding.
+
+    ``keys`` is ``[batch, max_length, num_kv_heads, qk_size]`` and ``values`` ``[batch,
+    max_length, num_kv_heads, vo_size]``; slot ``s`` holds the (rotated) key and the value of
+    the token at absolute position ``s``. A Module, so it passes through ``jax.jit``,
+    ``lax.scan`` (``ft.nn.Stack`` stacks one per member) and sharding like the model. Make one
+    with :meth:`MultiheadAttention.init_cache`; ``attn(x, cache=cache, positions=pos)``
+    returns the output and the cache with ``x``'s keys and values written at ``pos``.
+
+    Example:
+      >>> import functree as ft, jax
+      >>> attn = ft.nn.MultiheadAttention(8, 4, num_kv_heads=2, key=jax.random.key(0))
+      >>> cache = attn.init_cache(3, 16)              # 3 sequences of up to 16 tokens
+      >>> cache.keys.shape, cache.values.dtype
+      ((3, 16, 2, 2), dtype('float32'))
+    """
+
+    keys: jax.Array
+    values: jax.Array
+
+    def __init__(self, keys: jax.Array, values: jax.Array):
+        self.keys, self.values = keys, values
 
 
 class MultiheadAttention(Layer):
@@ -82,6 +152,18 @@ class MultiheadAttention(Layer):
     rest by ``1 / (1 - p)``) in training mode (``ft.nn.training``), which then needs
     ``key=``. Computed with ``jax.nn.dot_product_attention`` (``implementation`` is passed
     to it: None for JAX's choice, ``"xla"`` or ``"cudnn"``).
+
+    Decoding with a key-value cache (:class:`KVCache`): ``out, cache = attn(x, mask=m,
+    cache=cache, positions=pos)`` with ``x [batch, T, query_size]`` and ``pos`` int32
+    ``[batch, T]``, the absolute positions of ``x``'s tokens. Queries and keys are rotated
+    by ``pos`` (with ``rotary``), ``x``'s keys and values are written into the cache at
+    slots ``pos``, and each query attends the cache's slots ``s <= p`` (its own position
+    ``p``; causal whatever ``causal`` says), restricted by ``mask`` (bool or 0/1 integers
+    ``[batch, max_length]`` over slots, True where a slot holds a real token: left padding).
+    ``attn.init_cache(batch_size, max_length)`` makes an empty cache (a worked example:
+    ``docs/guides/generation.md``). Without a cache,
+    ``positions=`` rotates self-attention's queries and keys by the given positions instead
+    of ``0 .. T-1``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -162,31 +244,125 @@ class MultiheadAttention(Layer):
         *,
         mask: jax.Array | None = None,
         key: jax.Array | None = None,
-    ) -> jax.Array:
+        cache: KVCache | None = None,
+        positions: jax.Array | None = None,
+    ) -> Any:
+        if cache is not None:
+            return self._cached(query, keys, values, mask, key, cache, positions)
+        self_attention = keys is None and values is None
         keys = query if keys is None else keys
         values = keys if values is None else values
         check_input(self, query, ("queries", self.query_projection.weight.shape[0]))
         check_input(self, keys, ("keys", self.key_projection.weight.shape[0]))
         check_input(self, values, ("keys", self.value_projection.weight.shape[0]))
+        if positions is not None:
+            if not self_attention:
+                raise ValueError(POSITIONS_SELF_ONLY)
+            positions = self._positions(positions, query.shape[:-1])
         q = self._heads(self.query_projection(query), self.num_heads)
         k = self._heads(self.key_projection(keys), self.num_kv_heads)
         v = self._heads(self.value_projection(values), self.num_kv_heads)
         if self.rotary is not None:
-            q, k = (apply_rotary(a, jnp.arange(a.shape[-3])[:, None], base=self.rotary) for a in (q, k))
+            at = jnp.arange(q.shape[-3])[:, None] if positions is None else positions[..., None]
+            q, k = (apply_rotary(a, at, base=self.rotary) for a in (q, k))
         lead = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         q, k, v = (jnp.broadcast_to(a, (*lead, *a.shape[-3:])) for a in (q, k, v))
         if mask is not None:
             self._check_mask(mask, (*lead, self.num_heads, q.shape[-3], k.shape[-3]))
+        return self._attend(q, k, v, mask, self.causal, key)
+
+    def _attend(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
+        key: jax.Array | None,
+    ) -> jax.Array:
         dropping = self.training and self.dropout > 0.0
         if dropping and key is None:
             raise ValueError(NO_KEY.format(rate=self.dropout))
         if dropping or q.shape[-1] != v.shape[-1] or q.dtype == jnp.float64:
             out = attention_weights_times_values(
-                q, k, v, mask, self.causal, self.dropout if dropping else 0.0, key
+                q, k, v, mask, causal, self.dropout if dropping else 0.0, key
             )
         else:
-            out = _fused_attention(q, k, v, mask, self.causal, self.implementation)
+            out = _fused_attention(q, k, v, mask, causal, self.implementation)
         return self.output_projection(out.reshape((*out.shape[:-2], -1)))
+
+    def _cached(
+        self, query: jax.Array, keys: Any, values: Any, mask: Any, key: Any, cache: Any,
+        positions: Any,
+    ) -> tuple[jax.Array, KVCache]:
+        if keys is not None or values is not None:
+            raise ValueError(CACHE_SELF_ONLY)
+        size = self.query_projection.weight.shape[0]
+        check_input(self, query, ("batch", "T", size), leading="")
+        if jnp.ndim(query) != 3:
+            raise LayerInputError(self, f"[batch, T, {size}] (float)", short_array(query),
+                                  BAD_CACHE_INPUT.format(size=size))
+        batch, t = query.shape[:2]
+        self._check_cache(cache, batch)
+        length = cache.keys.shape[1]
+        if positions is None:
+            raise ValueError(NEEDS_POSITIONS)
+        positions = self._positions(positions, (batch, t))
+        q = self._heads(self.query_projection(query), self.num_heads)
+        k = self._heads(self.key_projection(query), self.num_kv_heads)
+        v = self._heads(self.value_projection(query), self.num_kv_heads)
+        if self.rotary is not None:
+            q, k = (apply_rotary(a, positions[..., None], base=self.rotary) for a in (q, k))
+        cache = KVCache(_write(cache.keys, k, positions), _write(cache.values, v, positions))
+        allowed = jnp.arange(length, dtype=positions.dtype) <= positions[..., None]  # [batch, T, slots]
+        if mask is not None:
+            allowed = allowed & self._slot_mask(mask, batch, length)[:, None, :]
+        ck, cv = (a.astype(q.dtype) for a in (cache.keys, cache.values))
+        return self._attend(q, ck, cv, allowed[:, None], False, key), cache
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
+        """An empty :class:`KVCache` for ``batch_size`` sequences of up to ``max_length``
+        tokens (``dtype``: the key projection's by default)."""
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (batch_size, max_length)):
+            raise ValueError(BAD_CACHE_SIZE.format(what=type(self).__name__, what_lower="attn",
+                                                   batch=batch_size, length=max_length))
+        dtype = self.key_projection.weight.dtype if dtype is None else dtype
+        kv = self.num_kv_heads
+        qk = self.key_projection.weight.shape[-1] // kv
+        vo = self.value_projection.weight.shape[-1] // kv
+        return KVCache(jnp.zeros((batch_size, max_length, kv, qk), dtype),
+                       jnp.zeros((batch_size, max_length, kv, vo), dtype))
+
+    def _positions(self, positions: Any, shape: tuple[int, ...]) -> jax.Array:
+        positions = jnp.asarray(positions)
+        try:
+            ok = jnp.issubdtype(positions.dtype, jnp.integer) and jnp.broadcast_shapes(positions.shape, shape) == shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise LayerInputError(self, f"positions {list(shape)} (int)", short_array(positions), BAD_POSITIONS)
+        return jnp.broadcast_to(positions, shape)
+
+    def _check_cache(self, cache: Any, batch: int) -> None:
+        kv = self.num_kv_heads
+        qk = self.key_projection.weight.shape[-1] // kv
+        vo = self.value_projection.weight.shape[-1] // kv
+        ok = isinstance(cache, KVCache) and all(hasattr(a, "shape") for a in (cache.keys, cache.values))
+        if ok:
+            length = cache.keys.shape[1] if cache.keys.ndim == 4 else -1
+            ok = (cache.keys.shape == (batch, length, kv, qk) and cache.values.shape == (batch, length, kv, vo)
+                  and length >= 1)
+        if not ok:
+            given = (f"KVCache(keys={short_array(cache.keys)}, values={short_array(cache.values)})"
+                     if isinstance(cache, KVCache) else f"a {type(cache).__name__}")
+            expected = f"cache KVCache(keys [{batch}, max_length, {kv}, {qk}], values [{batch}, max_length, {kv}, {vo}])"
+            raise LayerInputError(self, expected, given, BAD_CACHE.format(batch=batch, other=batch + 1))
+
+    def _slot_mask(self, mask: Any, batch: int, length: int) -> jax.Array:
+        mask = jnp.asarray(mask)
+        kind = jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.integer)
+        try:
+            ok = kind and mask.ndim == 2 and jnp.broadcast_shapes(mask.shape, (batch, length)) == (batch, length)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise LayerInputError(self, f"mask [{batch}, {length}] (bool)", short_array(mask), BAD_CACHE_MASK)
+        return jnp.broadcast_to(mask if mask.dtype == jnp.bool_ else mask != 0, (batch, length))
 
     def _heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
         return x.reshape((*x.shape[:-1], self.num_heads if heads is None else heads, -1))
@@ -200,6 +376,12 @@ class MultiheadAttention(Layer):
             raise LayerInputError(
                 self, f"mask broadcastable to {list(shape)} (bool)", short_array(mask), BAD_MASK
             )
+
+
+def _write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """``buffer [batch, slots, ...]`` with ``new [batch, T, ...]`` written at slots ``positions``."""
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    return buffer.at[rows, positions].set(new.astype(buffer.dtype))
 
 
 def _fused_attention(

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from functree._paths import KeyPath
+from functree._paths import KeyPath, walk
 from functree._repr import short_array
 
 __all__ = ["LayerInputError", "check_input"]
@@ -60,6 +60,16 @@ class LayerInputError(ValueError):
     def under(self, prefix: Any) -> LayerInputError:
         """The same error with ``prefix`` prepended to the key path."""
         return self.at(KeyPath(prefix) + (self.path or KeyPath()))
+
+    def within(self, container: Any, prefix: Any) -> LayerInputError:
+        """The error raised while ``container`` (at ``prefix``) ran: its path without one
+        is the raising layer's own key path inside ``container`` (found by identity: a
+        user block calling ``self.attn(x)`` raises from ``container.attn``)."""
+        if self.path is None and self.layer is not container:
+            found = next((path for path, node in walk(container) if node is self.layer), None)
+            if found is not None:
+                return self.at(found).under(prefix)
+        return self.under(prefix)
 
 
 def _pattern(trailing: Sequence[int | str | None], leading: str) -> str:

@@ -10,10 +10,37 @@ import jax
 
 from functree._module import Module, field
 from functree._paths import INDEX, Entry
+from functree._repr import short_array
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
 
 __all__ = ["Sequential", "Lambda"]
+
+NO_INIT_CACHE = """\
+{container}.init_cache: {what} is a {type}, which has no init_cache(batch_size, max_length, \
+dtype=None). Every layer that a cache passes through owns one (MultiheadAttention does; a \
+block returns its attention's).
+
+    right:  class Block(ft.Module):
+                def init_cache(self, batch_size, max_length, dtype=None):
+                    return self.attn.init_cache(batch_size, max_length, dtype)
+                def __call__(self, x, *, cache, positions, mask=None):
+                    y, cache = self.attn(x, mask=mask, cache=cache, positions=positions)
+                    return x + y, cache
+"""
+
+NOT_A_PAIR = """\
+{container}: called with cache=, {what} (a {type}) must return (x, cache), got {given}.
+
+    wrong:  return x + self.attn(x, cache=cache, positions=positions)
+    right:  y, cache = self.attn(x, cache=cache, positions=positions); return x + y, cache
+"""
+
+BAD_CACHES = """\
+Sequential of {n} layers: cache= is a tuple of one cache per layer, got {given}.
+
+    right:  caches = seq.init_cache(batch_size, max_length); x, caches = seq(x, cache=caches, ...)
+"""
 
 NOT_A_LAYER = """\
 Sequential layer {index} is a {type}, not a layer or function. Pass Modules or callables:
@@ -64,8 +91,12 @@ class Sequential(Layer):
     """``layers[-1](...layers[1](layers[0](x)))``: layers applied in order.
 
     ``key=`` is split among the layers that accept one (``Dropout``, nested
-    ``Sequential``). Plain functions are wrapped in :class:`Lambda`. A single list or tuple
-    of layers is accepted too (``Sequential([a, b])``).
+    ``Sequential``). Other arguments go to every layer: ``seq(x, *args, **kwargs)``
+    computes ``x = layer(x, *args, **kwargs)`` in turn (as :class:`Stack` does, so
+    ``stack.unstack()`` takes the Stack's arguments). With ``cache=`` (a tuple of one cache
+    per layer, from :meth:`init_cache`) each layer is called ``x, c = layer(x, cache=c,
+    **kwargs)`` and the call returns ``(x, caches)``. Plain functions are wrapped in
+    :class:`Lambda`. A single list or tuple of layers is accepted too (``Sequential([a, b])``).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -85,15 +116,43 @@ class Sequential(Layer):
             layers = tuple(layers[0])
         self.layers = tuple(_as_layer(i, layer) for i, layer in enumerate(layers))
 
-    def __call__(self, x: Any, *, key: jax.Array | None = None) -> Any:
+    def __call__(self, x: Any, *args: Any, key: jax.Array | None = None, cache: Any = None,
+                 **kwargs: Any) -> Any:
         needs = [takes_key(layer) for layer in self.layers]
         keys = iter(jax.random.split(key, max(sum(needs), 1))) if key is not None else None
+        if cache is not None and (not isinstance(cache, (tuple, list)) or len(cache) != len(self.layers)):
+            given = f"a {type(cache).__name__}" + (f" of {len(cache)}" if isinstance(cache, (tuple, list)) else "")
+            raise ValueError(BAD_CACHES.format(n=len(self.layers), given=given))
+        caches = []
         for i, (layer, need) in enumerate(zip(self.layers, needs)):
+            kw = {**kwargs, "key": next(keys)} if need and keys is not None else kwargs
+            if cache is not None:
+                kw = {**kw, "cache": cache[i]}
             try:
-                x = layer(x, key=next(keys)) if need and keys is not None else layer(x)
+                out = layer(x, *args, **kw)
             except LayerInputError as e:
-                raise e.under((Entry("attr", "layers"), Entry(INDEX, i))) from None
-        return x
+                raise e.within(layer, (Entry("attr", "layers"), Entry(INDEX, i))) from None
+            if cache is None:
+                x = out
+            else:
+                x, c = cache_pair(out, layer, f"layer {i}", "Sequential")
+                caches.append(c)
+        return x if cache is None else (x, tuple(caches))
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> tuple[Any, ...]:
+        """One cache per layer (each layer's ``init_cache``), for ``seq(x, cache=caches, ...)``.
+
+        Example:
+          >>> import functree as ft, jax
+          >>> attn = ft.nn.MultiheadAttention(4, 2, key=jax.random.key(0))
+          >>> caches = ft.nn.Sequential(attn, attn).init_cache(1, 8)
+          >>> len(caches), caches[0].keys.shape
+          (2, (1, 8, 2, 2))
+        """
+        return tuple(
+            member_cache(layer, f"layer {i}", "Sequential", batch_size, max_length, dtype)
+            for i, layer in enumerate(self.layers)
+        )
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
@@ -113,3 +172,22 @@ def _as_layer(index: int, layer: Any) -> Any:
     if callable(layer):
         return Lambda(layer)
     raise TypeError(NOT_A_LAYER.format(index=index, type=type(layer).__name__, value=layer))
+
+
+def member_cache(layer: Any, what: str, container: str, batch_size: int, max_length: int, dtype: Any) -> Any:
+    """``layer.init_cache(...)``, or an error naming the layer that has none."""
+    make = getattr(layer, "init_cache", None)
+    if not callable(make):
+        raise TypeError(NO_INIT_CACHE.format(container=container, what=what, type=type(layer).__name__))
+    return make(batch_size, max_length, dtype)
+
+
+def cache_pair(out: Any, layer: Any, what: str, container: str) -> tuple[Any, Any]:
+    """A layer's ``(x, cache)`` result, or an error saying it returned something else."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        if hasattr(out, "shape") and hasattr(out, "dtype"):
+            given = f"an array {short_array(out)}"
+        else:
+            given = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else "")
+        raise TypeError(NOT_A_PAIR.format(container=container, what=what, type=type(layer).__name__, given=given))
+    return out[0], out[1]

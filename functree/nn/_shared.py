@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from functree._module import Module, field
 from functree._naming import untransform
 from functree._paths import KeyPath, key_path
+from functree.nn._sequential import member_cache
 
 __all__ = ["Shared"]
 
@@ -164,4 +165,8 @@ class Shared(Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.resolve()(*args, **kwargs)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
+        """The tied model's ``init_cache`` (the cache protocol of ``ft.nn.generate``)."""
+        return member_cache(self.resolve(), "the tied model", "ft.nn.Shared", batch_size, max_length, dtype)
 

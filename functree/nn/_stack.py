@@ -24,7 +24,7 @@ from functree._repr import short_array
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
-from functree.nn._sequential import Sequential, takes_key
+from functree.nn._sequential import Sequential, cache_pair, member_cache, takes_key
 
 __all__ = ["Stack"]
 
@@ -62,6 +62,12 @@ OUT_OF_RANGE = """\
 stack[{index}]: the Stack holds {n} members (0 to {last}, or -{n} to -1 from the end).
     wrong:  stack[{index}]
     right:  stack[{last}]   # or stack[-1], the last member"""
+
+BAD_CACHES = """\
+ft.nn.Stack of {n} members: cache= holds one cache per member stacked on axis 0 (every leaf \
+[{n}, ...]), got {given}.
+
+    right:  caches = stack.init_cache(batch_size, max_length); x, caches = stack(x, cache=caches, ...)"""
 
 BAD_MEMBER = """\
 ft.set({path}): a member of this Stack is a {expected}; given {given}.
@@ -134,6 +140,10 @@ class Stack(Layer):
     member. ``remat=True`` (or a ``jax.checkpoint_policies`` name, or a policy) recomputes
     each block in the backward pass instead of storing its activations.
 
+    With ``cache=`` (one cache per member stacked on axis 0, from :meth:`init_cache`: the
+    key-value caches of decoding) each member is called ``x, c = member(x, cache=c, *args,
+    **kwargs)`` inside the scan and ``stack(x, cache=caches, ...)`` returns ``(x, caches)``.
+
     ``len(stack) == n``; ``stack[i]`` is member ``i`` (the block's own type);
     ``stack.unstack()`` is an ``ft.nn.Sequential`` of the members;
     :meth:`from_layers` stacks existing blocks. Key paths reach members:
@@ -187,27 +197,55 @@ class Stack(Layer):
         stacked = jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *layers)
         return from_fields(cls, {"layers": stacked, "n": len(layers), "remat": remat_policy(remat)})
 
-    def __call__(self, x: Any, *args: Any, key: jax.Array | None = None, **kwargs: Any) -> Any:
+    def __call__(self, x: Any, *args: Any, key: jax.Array | None = None, cache: Any = None,
+                 **kwargs: Any) -> Any:
         keys = jax.random.split(key, self.n) if key is not None and takes_key(self.layers) else None
+        if cache is not None:
+            self._check_caches(cache)
         state = collecting()
         paths: list[KeyPath] = []
 
-        def body(carry: Any, xs: tuple[Any, Any]) -> tuple[Any, Any]:
-            member, k = xs
+        def body(carry: Any, xs: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+            member, k, c = xs
             kw = kwargs if k is None else {**kwargs, "key": k}
-            if state:
-                y, values = call_collecting(lambda m: m(carry, *args, **kw), member, paths)
-            else:
-                y, values = member(carry, *args, **kw), ()
+            if c is not None:
+                kw = {**kw, "cache": c}
+            try:
+                if state:
+                    out, values = call_collecting(lambda m: m(carry, *args, **kw), member, paths)
+                else:
+                    out, values = member(carry, *args, **kw), ()
+            except LayerInputError as e:
+                raise e.within(member, KeyPath.parse(".layers")) from None
+            y, c = (out, None) if c is None else cache_pair(out, member, "each member", "ft.nn.Stack")
             _check_carry(member, carry, y)
-            return y, values
+            return y, (values, c)
 
-        try:
-            x, values = jax.lax.scan(checkpointed(body, self.remat), x, (self.layers, keys), length=self.n)
-        except LayerInputError as e:
-            raise e.under(KeyPath.parse(".layers")) from None
+        x, (values, cache) = jax.lax.scan(
+            checkpointed(body, self.remat), x, (self.layers, keys, cache), length=self.n
+        )
         record_under(self, "layers", paths, values)
-        return x
+        return x if cache is None else (x, cache)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
+        """Every member's ``init_cache(batch_size, max_length, dtype)``, stacked on axis 0.
+
+        Example:
+          >>> import functree as ft, jax
+          >>> stack = ft.nn.Stack(lambda k: ft.nn.MultiheadAttention(8, 2, key=k), 3, key=jax.random.key(0))
+          >>> stack.init_cache(2, 16).keys.shape          # 3 members, batch 2, 16 slots
+          (3, 2, 16, 2, 4)
+        """
+        member = self._member(0)
+        member_cache(member, "each member", "ft.nn.Stack", batch_size, max_length, dtype)  # checks
+        return jax.vmap(lambda m: m.init_cache(batch_size, max_length, dtype))(self.layers)
+
+    def _check_caches(self, cache: Any) -> None:
+        leaves = jax.tree.leaves(cache)
+        bad = next((a for a in leaves if not hasattr(a, "shape") or not a.shape or a.shape[0] != self.n), None)
+        if not leaves or bad is not None:
+            given = "no arrays" if not leaves else (short_array(bad) if hasattr(bad, "dtype") else repr(bad)[:40])
+            raise ValueError(BAD_CACHES.format(n=self.n, given=f"a {type(cache).__name__} with {given}"))
 
     def __len__(self) -> int:
         return self.n
@@ -229,6 +267,10 @@ class Stack(Layer):
 
     def unstack(self) -> Sequential:
         """An ``ft.nn.Sequential`` of the members (the same function, unrolled).
+
+        It takes the Stack's arguments: ``stack.unstack()(x, mask=m)`` equals ``stack(x,
+        mask=m)``; with ``cache=`` it takes a tuple of one cache per member
+        (``unstacked.init_cache``) where the Stack takes them stacked.
 
         Example:
           >>> import functree as ft, jax

@@ -1,0 +1,326 @@
+"""ft.nn.generate against Hugging Face's own generate, and its sampling, EOS and compile rules.
+
+GPT-2 and Llama (grouped-query attention) are built by HF from tiny random configs (no
+download), their weights moved off HF's small initial values (test_hf_ports.randomized), and
+ported onto functree models written against the cache protocol (a Stack of blocks, each
+passing its attention's cache). Greedy tokens must equal HF's ``generate(do_sample=False)``
+token for token, left padding included; the test checks that HF's top-1 margins are far
+above float32 rounding (>= 1e-3 against logits of magnitude ~4: the two libraries' logits
+differ by ~1e-6), so equal tokens are the right outcome and not luck.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.nn import _generate
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from test_hf_ports import GPT2_NAMES, LLAMA_NAMES, MLP, SwiGLU, randomized  # noqa: E402
+
+VOCAB, D, HEADS, LAYERS, PROMPT, NEW = 50, 32, 4, 2, 6, 24
+
+
+# ---- models written against the cache protocol ------------------------------------------
+
+class GPT2Block(ft.Module):
+    ln_1: ft.nn.LayerNorm
+    attn: ft.nn.MultiheadAttention
+    ln_2: ft.nn.LayerNorm
+    mlp: MLP
+
+    def __init__(self, c, *, key):
+        k1, k2 = jax.random.split(key)
+        self.ln_1, self.ln_2 = (ft.nn.LayerNorm(c.n_embd, epsilon=c.layer_norm_epsilon) for _ in range(2))
+        self.attn = ft.nn.MultiheadAttention(c.n_embd, c.n_head, causal=True, key=k1)
+        self.mlp = MLP(c.n_embd, 4 * c.n_embd, ft.nn.gelu, key=k2)
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        return self.attn.init_cache(batch_size, max_length, dtype)
+
+    def __call__(self, x, *, mask, positions, cache):
+        y, cache = self.attn(self.ln_1(x), mask=mask, positions=positions, cache=cache)
+        x = x + y
+        return x + self.mlp(self.ln_2(x)), cache
+
+
+class GPT(ft.Module):
+    embed: ft.nn.Embedding
+    position: ft.nn.Embedding
+    blocks: ft.nn.Stack
+    norm: ft.nn.LayerNorm
+    head: ft.nn.Dense
+    max_positions: int = ft.field(static=True)
+
+    def __init__(self, c, *, key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.embed, self.position = ft.nn.Embedding(c.vocab_size, c.n_embd, key=k1), ft.nn.Embedding(c.n_positions, c.n_embd, key=k2)
+        self.blocks = ft.nn.Stack(lambda k: GPT2Block(c, key=k), c.n_layer, key=k3)
+        self.norm = ft.nn.LayerNorm(c.n_embd, epsilon=c.layer_norm_epsilon)
+        self.head = ft.nn.Dense(c.n_embd, c.vocab_size, use_bias=False, key=k4)
+        self.max_positions = c.n_positions
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        return self.blocks.init_cache(batch_size, max_length, dtype)
+
+    def __call__(self, input_ids, *, attention_mask, positions, cache):
+        # learned positions count the real tokens (HF: cumsum(mask) - 1); cache slots count all
+        real = jnp.take_along_axis(jnp.cumsum(attention_mask, axis=1), positions, axis=1) - 1
+        x = self.embed(input_ids) + self.position(jnp.maximum(real, 0))
+        x, cache = self.blocks(x, mask=attention_mask, positions=positions, cache=cache)
+        return self.head(self.norm(x)), cache
+
+
+class LlamaBlock(ft.Module):
+    input_layernorm: ft.nn.RMSNorm
+    self_attn: ft.nn.MultiheadAttention
+    post_attention_layernorm: ft.nn.RMSNorm
+    mlp: SwiGLU
+
+    def __init__(self, c, *, key):
+        k1, k2 = jax.random.split(key)
+        self.input_layernorm, self.post_attention_layernorm = (ft.nn.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps)
+                                                               for _ in range(2))
+        self.self_attn = ft.nn.MultiheadAttention(
+            c.hidden_size, c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+            rotary=c.rope_parameters["rope_theta"], causal=True, use_bias=False, key=k1)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, key=k2)
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        return self.self_attn.init_cache(batch_size, max_length, dtype)
+
+    def __call__(self, x, *, mask, positions, cache):
+        y, cache = self.self_attn(self.input_layernorm(x), mask=mask, positions=positions, cache=cache)
+        x = x + y
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Llama(ft.Module):
+    embed: ft.nn.Embedding
+    blocks: ft.nn.Stack
+    norm: ft.nn.RMSNorm
+    head: ft.nn.Dense
+
+    def __init__(self, c, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = ft.nn.Embedding(c.vocab_size, c.hidden_size, key=k1)
+        self.blocks = ft.nn.Stack(lambda k: LlamaBlock(c, key=k), c.num_hidden_layers, key=k2)
+        self.norm = ft.nn.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps)
+        self.head = ft.nn.Dense(c.hidden_size, c.vocab_size, use_bias=False, key=k3)
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        return self.blocks.init_cache(batch_size, max_length, dtype)
+
+    def __call__(self, input_ids, *, attention_mask, positions, cache):
+        # rotary by cache slot: the same query-key offsets as HF's cumsum(mask) - 1 positions
+        x, cache = self.blocks(self.embed(input_ids), mask=attention_mask, positions=positions, cache=cache)
+        return self.head(self.norm(x)), cache
+
+
+class TinyLM(ft.Module):
+    """One attention layer: the cheap model of the option and error tests."""
+
+    embed: ft.nn.Embedding
+    attn: ft.nn.MultiheadAttention
+    head: ft.nn.Dense
+    max_positions: int = ft.field(static=True, default=32)
+
+    def __init__(self, vocab=11, d=8, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = ft.nn.Embedding(vocab, d, key=k1)
+        self.attn = ft.nn.MultiheadAttention(d, 2, rotary=True, causal=True, key=k2)
+        self.head = ft.nn.Dense(d, vocab, key=k3)
+        self.max_positions = 32
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        return self.attn.init_cache(batch_size, max_length, dtype)
+
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None):
+        x = self.embed(input_ids)
+        y, cache = self.attn(x, mask=attention_mask, positions=positions, cache=cache)
+        return self.head(x + y), cache
+
+
+# ---- Hugging Face references ---------------------------------------------------------------
+
+def left_padded_prompts():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, VOCAB, (3, PROMPT)).astype(np.int32)
+    mask = np.ones((3, PROMPT), np.int32)
+    mask[1, :2] = mask[2, :4] = 0  # rows 1 and 2: 4 and 2 real tokens after their padding
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def hf_generate(hf, ids, mask, **kwargs):
+    with torch.no_grad():
+        out = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                          max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                          **kwargs)
+    scores = torch.stack(out.scores, 1).numpy()
+    top2 = np.sort(scores, axis=-1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() > 1e-3  # clear top-1 margins: see the module
+    return out.sequences.numpy()
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=D, n_layer=LAYERS, n_head=HEADS,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    hf = randomized(transformers.GPT2LMHeadModel(config))
+    model = ft.nn.Shared(GPT(config, key=jax.random.key(0)), {"head.weight": ("embed.embeddings", jnp.transpose)})
+    return hf, ft.nn.load_torch_state_dict(model, hf.state_dict(), rename=GPT2_NAMES, layouts={"blocks.*": "conv1d"})
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                      num_key_value_heads=2, intermediate_size=2 * D, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    hf = randomized(transformers.LlamaForCausalLM(config))
+    layouts = {"*.self_attn": ("q_proj", "k_proj", "v_proj", "o_proj")}
+    return hf, ft.nn.load_torch_state_dict(Llama(config, key=jax.random.key(0)), hf.state_dict(), rename=LLAMA_NAMES,
+                                           layouts=layouts)
+
+
+def test_greedy_gpt2_equals_hf_generate_with_left_padding(gpt2):
+    hf, model = gpt2
+    ids, mask = left_padded_prompts()
+    expected = hf_generate(hf, ids, mask, pad_token_id=0, eos_token_id=None)
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, NEW, attention_mask=mask), expected)
+
+
+def test_greedy_llama_gqa_equals_hf_generate_with_left_padding_and_eos(llama):
+    """EOS 0 ends row 0 at new token 8 and row 1 at 15 (HF then emits the pad id 2); row 2 runs on."""
+    hf, model = llama
+    ids, mask = left_padded_prompts()
+    expected = hf_generate(hf, ids, mask, pad_token_id=2, eos_token_id=0)
+    new = expected[:, PROMPT:]
+    assert (new[0, 9:] == 2).all() and (new[1, 16:] == 2).all() and (new[2] != 0).all()  # EOS is exercised
+    out = ft.nn.generate(model, ids, NEW, attention_mask=mask, eos_token_id=0, pad_token_id=2)
+    np.testing.assert_array_equal(out, expected)
+
+
+# ---- sampling, EOS, compilation --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    prompt = jnp.array([[3, 4, 5], [0, 6, 7]], jnp.int32)
+    return TinyLM(key=jax.random.key(0)), prompt, jnp.array([[1, 1, 1], [0, 1, 1]], jnp.int32)
+
+
+@jax.jit
+def all_logits(model, tokens, mask):
+    """Logits at every position of ``tokens`` (one prefill call of the protocol)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    am = jnp.concatenate([mask, jnp.ones((b, t - mask.shape[1]), jnp.int32)], axis=1)
+    return model(tokens, attention_mask=am, positions=positions, cache=model.init_cache(b, t))[0]
+
+
+def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
+    model, prompt, mask = tiny
+    sample = lambda key, **kw: ft.nn.generate(model, prompt, 12, attention_mask=mask, key=key, **kw)  # noqa: E731
+    before = _generate._generate._cache_size()
+    a = sample(jax.random.key(1), temperature=2.0, top_k=3)
+    np.testing.assert_array_equal(a, sample(jax.random.key(1), temperature=2.0, top_k=3))
+    b = sample(jax.random.key(2), temperature=1.5, top_k=3)  # another key and temperature: no recompile
+    assert (a != b).any()
+    assert _generate._generate._cache_size() == before + 1  # one compile per shape and options
+    for out in (a, b):
+        logits = all_logits(model, out, mask)[:, 2:-1]  # the logits each new token was drawn from
+        top3 = jax.lax.top_k(logits, 3)[1]
+        assert (top3 == out[:, 3:, None]).any(-1).all()
+
+
+def test_filters_equal_hf_logits_warpers():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = np.random.default_rng(0).normal(size=(6, 50)).astype(np.float32) * 3
+    for temperature, top_k, top_p in [(0.7, 5, None), (1.0, None, 0.8), (1.3, 20, 0.6), (0.5, None, 0.999)]:
+        expected = TemperatureLogitsWarper(temperature)(None, torch.from_numpy(logits))
+        if top_k is not None:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p is not None:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        ours = np.asarray(_generate._filtered(jnp.asarray(logits), temperature, top_k, top_p))
+        expected = expected.numpy()
+        np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
+        kept = np.isfinite(expected)
+        np.testing.assert_allclose(ours[kept], expected[kept], rtol=0, atol=1e-6 * np.abs(expected[kept]).max())
+
+
+def test_rows_past_eos_keep_emitting_eos_or_the_pad_id(tiny):
+    model, prompt, mask = tiny
+    free = np.asarray(ft.nn.generate(model, prompt, 12, attention_mask=mask))[:, 3:]
+    eos = int(free[0, 2])  # row 0's third new token
+    ends = [int(np.argmax(row == eos)) if (row == eos).any() else None for row in free]
+    for pad, fill in ((None, eos), (10, 10)):  # one compile: the EOS and pad ids are traced
+        out = np.asarray(ft.nn.generate(model, prompt, 12, attention_mask=mask, eos_token_id=[eos], pad_token_id=pad))
+        for row, end, tokens in zip(free, ends, out[:, 3:]):
+            stop = len(row) if end is None else end + 1
+            np.testing.assert_array_equal(tokens[:stop], row[:stop])  # the same tokens up to EOS
+            assert (tokens[stop:] == fill).all()
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def test_errors(tiny):
+    model, prompt, _ = tiny
+    generate = ft.nn.generate
+    with pytest.raises(TypeError, match=r"a Dense has no init_cache(.|\n)*docs/guides/generation.md"):
+        generate(ft.nn.Dense(2, 2, key=jax.random.key(0)), prompt, 4)
+    with pytest.raises(ValueError, match=r"integer token ids \[batch, prompt_length\], got i32\[3\]"):
+        generate(model, prompt[0], 4)
+    with pytest.raises(ValueError, match=r"integer token ids(.|\n)*got f32\[2,3\]"):
+        generate(model, prompt.astype(jnp.float32), 4)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1, got 0"):
+        generate(model, prompt, 0)
+    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) plus max_new_tokens \(30\) is 33 positions, "
+                                         r"but the model takes at most max_positions = 32(.|\n)*generate\(model, input_ids, 29\)"):
+        generate(model, prompt, 30)
+    with pytest.raises(ValueError, match=r"attention_mask must be bool or 0/1 integers with input_ids' shape "
+                                         r"\[2, 3\](.|\n)*got i32\[2,4\]"):
+        generate(model, prompt, 4, attention_mask=jnp.ones((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"got f32\[2,3\]"):
+        generate(model, prompt, 4, attention_mask=jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"row 1 of attention_mask ends in padding; pad prompts on the left"):
+        generate(model, prompt, 4, attention_mask=np.array([[1, 1, 1], [1, 1, 0]]))
+    with pytest.raises(ValueError, match=r"temperature must be a number >= 0 \(0: greedy\), got -1"):
+        generate(model, prompt, 4, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"sampling \(temperature=0.5\) needs key="):
+        generate(model, prompt, 4, temperature=0.5)
+    with pytest.raises(ValueError, match=r"top_k= filters(.|\n)*temperature=0.0 is greedy"):
+        generate(model, prompt, 4, top_k=5)
+    key = jax.random.key(0)
+    for top_p in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=rf"top_p must be a number in \(0, 1\](.|\n)*got {top_p}"):
+            generate(model, prompt, 4, temperature=1.0, top_p=top_p, key=key)
+    with pytest.raises(ValueError, match=r"top_k must be an int from 1 to the vocabulary size \(vocab\), got 0"):
+        generate(model, prompt, 4, temperature=1.0, top_k=0, key=key)
+    with pytest.raises(ValueError, match=r"top_k must be an int from 1 to the vocabulary size \(11\), got 12"):
+        generate(model, prompt, 4, temperature=1.0, top_k=12, key=key)
+    with pytest.raises(ValueError, match=r"eos_token_id must be a token id \(an int >= 0\) or a list of them, got -1"):
+        generate(model, prompt, 4, eos_token_id=-1)
+    with pytest.raises(ValueError, match=r"pad_token_id must be a token id \(an int >= 0\), got \[1\]"):
+        generate(model, prompt, 4, eos_token_id=2, pad_token_id=[1])
+
+    class NoPair(TinyLM):
+        def __call__(self, input_ids, **kwargs):
+            return super().__call__(input_ids, **kwargs)[0]
+
+    with pytest.raises(TypeError, match=r"must return \(logits \[batch, T, vocab\] float, cache of the same "
+                                        r"structure\), got an array f32\[2,3,11\] for input_ids i32\[2,3\]"):
+        generate(NoPair(key=jax.random.key(0)), prompt, 4)

@@ -410,7 +410,7 @@ def derivative(f: Callable[..., Any], at: Any = _MISSING, *, wrt: int = 0) -> An
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         x = args[wrt]
-        if jnp.shape(x) != () or not is_parameter_leaf(x):
+        if jnp.shape(x) != () or not (isinstance(x, float) or is_parameter_leaf(x)):
             raise TypeError(
                 SCALAR_ARGUMENT.format(index=wrt, shape=jnp.shape(x), dtype=jnp.result_type(x))
             )

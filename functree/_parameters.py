@@ -39,9 +39,19 @@ its gradient or optimizer moments). Build them from the same model, e.g. \
 
 
 def is_parameter_leaf(x: Any) -> bool:
-    """Whether a leaf can carry a derivative: a floating (or complex) array or Python float."""
-    if isinstance(x, float):
-        return True
+    """Whether a leaf of a model is a parameter: a floating (or complex) array.
+
+    Python numbers (``eqx.nn.MaxPool2d``'s ``init=-inf``, ``eqx.nn.Dropout``'s ``p``),
+    functions and other objects are static data, carried and never differentiated (a
+    value to train is an array: ``jnp.asarray(0.5)``). A bare Python float given as a
+    differentiation point (``ft.gradient(f, at=2.0)``) is one parameter: see
+    :func:`parameters`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> is_parameter_leaf(jnp.ones(2)), is_parameter_leaf(0.5), is_parameter_leaf(jnp.arange(2))
+      (True, False, False)
+    """
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
@@ -108,8 +118,13 @@ def _trainable_positions(x: Any, treedef: Any) -> tuple[bool, ...]:
 def parameters(model: Any) -> Any:
     """The parameter view: ``model`` with every non-parameter leaf replaced by ``None``.
 
-    Non-parameters are leaves of ``no_derivative`` fields and non-floating leaves
-    (integer and boolean arrays, Python ints). Static fields stay in the tree definition.
+    Parameters are the floating (and complex) arrays outside ``no_derivative`` fields, in
+    any pytree (an ``ft.Module``, an Equinox module, a dataclass, a dict). Non-parameters
+    are leaves of ``no_derivative`` fields, integer and boolean arrays and every leaf that
+    is not an array: Python numbers, functions, strings (static data, carried as they are;
+    make a number an array to train it). A Python float that *is* the whole point
+    (``ft.gradient(f, at=2.0)``) is the one exception: it is differentiated.
+    Static fields stay in the tree definition.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -119,6 +134,8 @@ def parameters(model: Any) -> Any:
       >>> ft.parameters(BN(jnp.ones(2), jnp.zeros(2)))
       BN(scale=f32[2], mean=None)
     """
+    if isinstance(model, float):  # a bare Python float point: ft.gradient(f, at=2.0)
+        return model
     leaves, treedef = jax.tree.flatten(model)
     positions = _trainable_positions(model, treedef)
     return jax.tree.unflatten(

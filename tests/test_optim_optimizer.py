@@ -346,3 +346,22 @@ def test_a_complex_parameter_without_a_gradient_keeps_its_moments():
         np.testing.assert_array_equal(after[name]["z"].real, before[name]["z"].real)
         np.testing.assert_array_equal(after[name]["z"].imag, before[name]["z"].imag)
     assert not np.array_equal(after["mu"]["w"], before["mu"]["w"])
+
+
+def test_state_made_before_training_mode_serves_the_model_in_training_mode():
+    # NNX's order (nnx.Optimizer(model), then model.train()): the mode is static, in the
+    # tree definition; the optimizer keeps its state mode-free.
+    key = jax.random.key(0)
+    model = ft.nn.Sequential(ft.nn.Dense(2, 3, key=key), ft.nn.Dropout(0.5), ft.nn.Dense(3, 1, key=key))
+    opt = fo.Optimizer(fo.adam(1e-2))
+    before, after = opt.init(model), opt.init(ft.nn.training(model))
+    assert jax.tree.structure(before) == jax.tree.structure(after)
+    step = ft.train.train_step(lambda m, b, key: jnp.mean(m(b, key=key) ** 2), opt, donate=False)
+    trained = ft.nn.training(model)
+    new, _, _ = step(trained, before, jnp.ones((4, 2)), key=key)
+    same, _, _ = step(trained, after, jnp.ones((4, 2)), key=key)
+    assert ft.nn.is_training(new)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(same)):
+        np.testing.assert_array_equal(a, b)
+    updates, _ = opt.update(ft.gradient(lambda m: jnp.sum(m(jnp.ones((1, 2)), key=key)), at=trained), before, trained)
+    assert jax.tree.structure(updates) == jax.tree.structure(ft.parameters(trained))  # the model's mode back

@@ -319,3 +319,39 @@ def test_lbfgs_through_the_trainer_equals_optax_loop():
     np.testing.assert_allclose(m.weight, params.weight, rtol=0, atol=1e-5)  # weights up to 2
     np.testing.assert_allclose(m.bias, params.bias, rtol=0, atol=1e-5)
     assert float(mse(m, batch)) < 1e-2 * float(mse(model, batch))
+
+
+def test_a_tracing_error_in_the_step_names_the_models_key_path():
+    class Cell(ft.Module):
+        w: jax.Array
+        hidden_size: jax.Array  # an array where a Python int was meant
+
+    def loss(m, b):
+        return sum(m.w.sum() for _ in range(m.hidden_size)) * jnp.mean(b)
+
+    model = Cell(jnp.ones(2), jnp.asarray(3))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    with pytest.raises(TypeError, match=r"depends on the value of the argument model\.hidden_size") as info:
+        ft.train.train_step(loss, opt)(model, opt.init(model), jnp.ones(2))
+    assert "donated[" not in str(info.value) and "function flat" not in str(info.value)
+
+
+def test_a_donated_model_used_later_names_the_key_path_the_call_and_the_fixes():
+    model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(mse, opt)
+    best, state = model, opt.init(model)
+    model, state, _ = step(model, state, (jnp.ones((3, 2)), jnp.ones((3, 1))))
+    uses = {
+        "a Module call": lambda: best(jnp.ones((1, 2))),
+        "ft.nn.inference": lambda: ft.nn.inference(best),
+        "an eval step": lambda: ft.train.eval_step(mse)(best, (jnp.ones((1, 2)), jnp.ones((1, 1)))),
+        "ft.jit": lambda: ft.jit(lambda m, x: m(x))(best, jnp.ones((1, 2))),
+    }
+    for use in uses.values():
+        with pytest.raises(ValueError, match=r"deleted array at (model|m)\.weight: call \d+ of the train step") as info:
+            use()
+        assert "jax.tree.map(jnp.copy, model)" in str(info.value) and "donate=False" in str(info.value)
+    kept = jax.tree.map(jnp.copy, model)
+    model, state, _ = step(model, state, (jnp.ones((3, 2)), jnp.ones((3, 1))))
+    assert kept(jnp.ones((1, 2))).shape == (1, 1)  # a copy stays valid

@@ -38,6 +38,7 @@ from functree.nn._conv import Conv1D, Conv1DTranspose, Conv2D, Conv2DTranspose
 from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
+from functree.nn._mlp import MLP
 from functree.nn._mode import Layer, inference, inferring, is_training, training
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._pooling import (
@@ -81,6 +82,7 @@ __all__ = [
     "UncollectedStateWarning",
     # layers
     "Dense",
+    "MLP",
     "Sequential",
     "Lambda",
     "Shared",

@@ -36,6 +36,7 @@ from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._tangent import move
+from functree.nn._mode import mode_free
 from functree.nn._state import apply_state, collect_state
 from functree.optim._average import with_average
 from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
@@ -277,10 +278,11 @@ class Optimizer:
 
         It holds one learning context; the functree transforms inside hold none of their
         own. No leaf shares a buffer with the model or another leaf, so a step may donate
-        both.
+        both. The state does not depend on the model's mode: one made before
+        ``ft.nn.training(model)`` (NNX's order) serves the model in training mode too.
         """
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
-            inner = self._transform.init(trained_view(model, self.wrt))
+            inner = self._transform.init(mode_free(trained_view(model, self.wrt)))
         state = OptimizerState(initial_context(), release_contexts(inner))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.
@@ -308,7 +310,11 @@ class Optimizer:
         """
         if not isinstance(state, OptimizerState):
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
-        params = None if model is None else trained_view(model, self.wrt)
+        # The state is kept mode-free (Optimizer.init): the training flag, static, is taken
+        # out of the trees optax sees and put back into the updates.
+        given = jax.tree.structure(grads)
+        grads = mode_free(grads)
+        params = None if model is None else mode_free(trained_view(model, self.wrt))
         frozen = None if params is None else frozen_members(model, self.wrt)  # members of stacked leaves
         if self.wrt is not None and params is not None:
             grads = drop_frozen(grads, params, frozen)
@@ -328,6 +334,8 @@ class Optimizer:
         new = OptimizerState(advance(ctx), inner)
         if applied is not None:
             new = new.replace(context=select(applied, new.context, state.context))
+        if jax.tree.structure(updates) != given:  # the model's mode back
+            updates = given.unflatten(jax.tree.leaves(updates))
         return updates, new
 
     # --- RFC 234 hooks -------------------------------------------------------------------

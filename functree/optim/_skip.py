@@ -172,7 +172,8 @@ def apply_or_keep(ok: jax.Array, fn: Callable[[Any, Any], tuple[Any, Any]], mode
 
 
 def _is_traceable(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
+    # Python numbers are static data (an Equinox module's Dropout.p): passed through as they are.
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def guard(ok: jax.Array, updates: Any, new_state: Any, old_state: Any) -> tuple[Any, Any]:

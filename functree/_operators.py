@@ -145,7 +145,7 @@ _PULLBACK = Advice(
 
 def _zeros_for(y: Any) -> Any:
     """JAX's zero cotangent for a result leaf: float0 zeros for an integer or bool one."""
-    if is_parameter_leaf(y):
+    if isinstance(y, float) or is_parameter_leaf(y):
         return jnp.zeros(jnp.shape(y), jnp.result_type(y))
     return np.zeros(jnp.shape(y), jax.dtypes.float0)
 

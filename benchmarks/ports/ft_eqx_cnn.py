@@ -1,7 +1,8 @@
-import functree as ft
 import jax
 import optax
 from eqx_cnn import CNN
+
+import functree as ft
 
 
 def loss_fn(model, batch, *, key):

@@ -17,8 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 PROGRAMS = {"eqx_cnn": "cnn_first", "ft_cnn": "cnn_last", "ft_eqx_cnn": "cnn_first",
             "nnx_mlp": "flat", "ft_mlp": "flat"}

@@ -16,7 +16,7 @@ from jax.core import Tracer
 from functree._alias import stale_error
 from functree._module import Module
 
-__all__ = ["Layer", "training", "inference", "inferring", "is_training", "mode_free"]
+__all__ = ["Layer", "training", "inference", "inferring", "is_training", "mode_free", "mode_free_def"]
 
 TRAINING_FIELD = "training"
 
@@ -71,6 +71,11 @@ def mode_free(tree: Any) -> Any:
         new_def = jax.tree.structure(_switch(tree, False))
         _MODE_CACHE[(treedef, False)] = new_def
     return tree if new_def == treedef else jax.tree.unflatten(new_def, leaves)
+
+
+def mode_free_def(treedef: Any) -> Any:
+    """The tree definition :func:`mode_free` gives a tree of ``treedef``."""
+    return jax.tree.structure(mode_free(treedef.unflatten([0] * treedef.num_leaves)))
 
 
 def training(model: Any) -> Any:

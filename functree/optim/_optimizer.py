@@ -36,7 +36,7 @@ from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._tangent import move
-from functree.nn._mode import mode_free
+from functree.nn._mode import mode_free, mode_free_def
 from functree.nn._state import apply_state, collect_state
 from functree.optim._average import with_average
 from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
@@ -312,12 +312,12 @@ class Optimizer:
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
         # The state is kept mode-free (Optimizer.init): the training flag, static, is taken
         # out of the trees optax sees and put back into the updates.
-        given = jax.tree.structure(grads)
-        grads = mode_free(grads)
-        params = None if model is None else mode_free(trained_view(model, self.wrt))
+        params = None if model is None else trained_view(model, self.wrt)
         frozen = None if params is None else frozen_members(model, self.wrt)  # members of stacked leaves
         if self.wrt is not None and params is not None:
             grads = drop_frozen(grads, params, frozen)
+        given = (jax.tree.structure(grads), None if params is None else jax.tree.structure(params))
+        grads, params = mode_free(grads), mode_free(params)
         grads, partial = checked_gradients(grads, params)
         partial = with_frozen_members(partial, params, frozen)
         grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
@@ -334,9 +334,7 @@ class Optimizer:
         new = OptimizerState(advance(ctx), inner)
         if applied is not None:
             new = new.replace(context=select(applied, new.context, state.context))
-        if jax.tree.structure(updates) != given:  # the model's mode back
-            updates = given.unflatten(jax.tree.leaves(updates))
-        return updates, new
+        return _in_mode(updates, given), new
 
     # --- RFC 234 hooks -------------------------------------------------------------------
     def transform_loss(self, loss: Any) -> Any:
@@ -518,6 +516,18 @@ class Optimizer:
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), grads
         return jnp.mean(outs), grads
+
+
+def _in_mode(updates: Any, given: tuple[Any, Any]) -> Any:
+    """``updates`` (mode-free) in the mode of the gradients or parameters given: the tree
+    definition of the two with the same leaves (they differ only in static flags)."""
+    treedef = jax.tree.structure(updates)
+    for candidate in given:
+        if candidate is None or candidate == treedef:
+            continue
+        if candidate.num_leaves == treedef.num_leaves and mode_free_def(candidate) == treedef:
+            return candidate.unflatten(jax.tree.leaves(updates))
+    return updates
 
 
 def _stateful(x: Any) -> bool:

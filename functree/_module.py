@@ -237,7 +237,7 @@ def _user_stacklevel() -> int:
     outside this module (the class statement, or the constructor call)."""
     frame, level = inspect.currentframe(), 1
     frame = frame.f_back if frame is not None else None  # the function that warns
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and frame.f_code.co_filename in (__file__, GENERATED_INIT):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -553,7 +553,7 @@ def _dataclass_init(cls: type) -> Callable[..., None]:
         values = "".join(f"{n}, " for n in names)
         source = (f"def __init__(self, {params}*_ft_more, **_ft_named):\n"
                   f"    _ft_run(self, ({values}), _ft_more, _ft_named)\n")
-        exec(source, namespace)  # field names only (identifiers), checked above
+        exec(compile(source, GENERATED_INIT, "exec"), namespace)  # field names only (identifiers), checked above
         __init__ = namespace["__init__"]
     else:  # a field name no parameter can have: arguments bound by name at run time
         def __init__(self: Module, /, *args: Any, **kwargs: Any) -> None:
@@ -569,6 +569,10 @@ def _dataclass_init(cls: type) -> Callable[..., None]:
         __init__.__signature__ = signature  # type: ignore[attr-defined]
     setattr(__init__, _INIT_KIND, "generated")
     return __init__
+
+
+GENERATED_INIT = "<functree: generated __init__>"
+"""The file name of generated ``__init__`` functions (warnings skip their frames)."""
 
 
 class _Required:

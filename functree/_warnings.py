@@ -22,7 +22,8 @@ _LIBRARIES = tuple(
 
 
 def _internal(filename: str) -> bool:
-    return filename.startswith(_FUNCTREE) or any(part in filename for part in _LIBRARIES)
+    return (filename.startswith(_FUNCTREE) or filename == "<functree: generated __init__>"
+            or any(part in filename for part in _LIBRARIES))
 
 
 def user_stacklevel() -> int:

@@ -355,3 +355,19 @@ def test_a_donated_model_used_later_names_the_key_path_the_call_and_the_fixes():
     kept = jax.tree.map(jnp.copy, model)
     model, state, _ = step(model, state, (jnp.ones((3, 2)), jnp.ones((3, 1))))
     assert kept(jnp.ones((1, 2))).shape == (1, 1)  # a copy stays valid
+
+
+def test_a_float_field_of_an_ft_module_is_trained_in_the_step():
+    class Perceptron(ft.Module):  # Swift's `var bias: Float`: declared, so trained
+        weight: jax.Array
+        bias: float = 0.0
+
+        def __call__(self, x):
+            return (self.weight * x).sum(-1) + self.bias
+
+    model, opt = Perceptron(jnp.ones(2), 1.0), ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step, state = ft.train.train_step(lambda m, b: jnp.mean(m(b) ** 2), opt), opt.init(model)
+    for _ in range(3):  # prediction p <- 0.4 p from 3: the bias and each weight move by 0.2 p
+        model, state, metrics = step(model, state, jnp.ones((4, 2)))
+    np.testing.assert_allclose([float(model.bias), *model.weight.tolist()], [0.064] * 3, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(float(metrics["loss"]), 0.48**2, rtol=0, atol=1e-6)

@@ -136,7 +136,10 @@ def apply_or_keep(ok: jax.Array, fn: Callable[[Any, Any], tuple[Any, Any]], mode
     values (:func:`select`) computes the same thing, but XLA then keeps each old moment
     alive next to its new value and copies every donated buffer first (15 copies against
     5 on a tiny Adam step). Leaves that are not arrays (an Equinox module's functions)
-    stay out of the branches; they come from ``fn``'s result. Under ``vmap`` of ``ok``
+    stay out of the branches; they come from ``fn``'s result. ``fn`` sees Python numbers
+    as they are: one it returns unchanged stays that Python number (an Equinox
+    ``Dropout``'s ``p``), one it changes (an ``ft.Module``'s float field, trained) comes
+    out of the branches as an array. Under ``vmap`` of ``ok``
     the cond becomes that select.
 
     Example:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.core import Tracer
 
 from functree._tree import dotted_name
+from functree._warnings import user_stacklevel
 
 __all__ = [
     "DonationGuard", "AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases"]
@@ -44,6 +45,22 @@ buffers for that call's outputs). Use the values the step returns:
     right:  model, state, out = step(model, state, batch)
        or:  kept = jax.tree.map(jnp.copy, model)        # before the first step: a copy stays valid
        or:  {no_donation}"""
+
+
+STALE = """\
+{what} holds a deleted array at {path}: {when} donated it (XLA reused its buffers for \
+that call's outputs). Every tree that shares those arrays is invalid since: a model kept \
+as `best = model`, `ft.nn.inference(model)` (it shares the arrays, it copies none), the \
+model given to the step. Use what the step returns, or keep a copy taken before it:
+
+    wrong:  best = model                                   # the same arrays: donated below
+            model, state, out = step(model, state, batch)
+            evaluate(best)
+    right:  best = jax.tree.map(jnp.copy, model)           # a copy stays valid
+       or:  ft.train.train_step(loss_fn, optimizer, donate=False)    # inputs stay valid (more memory)"""
+
+# The latest DonationGuard that ran a call: named in an error about a deleted array.
+_LAST_DONOR: list[Any] = [None]
 
 
 class AliasWarning(UserWarning):
@@ -105,7 +122,7 @@ def warn_aliases(tree: Any, *, what: str = "The model",
         warnings.warn(
             ALIASED.format(what=what, pairs=listed, first=names[0][0], second=names[0][1]),
             AliasWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return pairs
 
@@ -125,12 +142,13 @@ class DonationGuard:
       False
     """
 
-    __slots__ = ("_given", "_last", "calls")
+    __slots__ = ("_given", "_last", "calls", "name")
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "a donating call") -> None:
         self._last: tuple[Any, ...] = ()
         self._given: Any = ()
         self.calls = 0
+        self.name = name  # how an error names the calls this guard watches
 
     def fresh(self, *inputs: Any) -> bool:
         """Whether any of ``inputs`` is not one of the previous call's outputs."""
@@ -155,6 +173,7 @@ class DonationGuard:
         self._last = tuple(outputs) if isinstance(outputs, tuple) else (outputs,)
         self._given = given
         self.calls += 1
+        _LAST_DONOR[0] = self
 
     def check_donated(self, named: Sequence[tuple[str, Any]], *, what: str, step: str, no_donation: str) -> None:
         """Raise a ``ValueError`` naming the argument and key path of a deleted (donated)
@@ -171,6 +190,35 @@ class DonationGuard:
             else:
                 when = f"an earlier call of {step} (or another donating function)"
             raise ValueError(DONATED.format(what=what, name=name, path=path, when=when, no_donation=no_donation))
+
+
+def stale_error(named: Sequence[tuple[str, Any]]) -> ValueError | None:
+    """The error for the first ``(name, tree)`` holding a deleted (donated) array: its key
+    path, the donating call (the latest one, when that call took this array) and the
+    fixes; None when no array is deleted. For the error paths of functree's entry points
+    (a Module call, ``ft.jit``, an evaluation step), where JAX would only say "Array has
+    been deleted"."""
+    for name, tree in named:
+        path = _deleted_leaf(tree)
+        if path is None:
+            continue
+        donor = _LAST_DONOR[0]
+        when = "a donating call (a train step, the Trainer, ft.jit(..., donate=...))"
+        if donor is not None:
+            given = {id(x) for x in jax.tree.leaves(donor._given)}
+            if any(id(x) in given for x in jax.tree.leaves(tree) if _deleted(x)):
+                when = f"call {donor.calls} of {donor.name}"
+            else:
+                when = f"an earlier call of {donor.name} (or another donating function)"
+        where = f"{name}.{path}" if path != "<root>" else name
+        return ValueError(STALE.format(what="This call's input", path=where, when=when))
+    return None
+
+
+def is_deletion_error(error: BaseException) -> bool:
+    """Whether ``error`` is JAX's complaint about a deleted (donated) array."""
+    message = str(error)  # (functree's own errors about it name the key path already)
+    return isinstance(error, (RuntimeError, ValueError)) and "deleted" in message and "holds a deleted" not in message
 
 
 def _deleted(x: Any) -> bool:

@@ -34,12 +34,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from functree._tree import bounded_put, cached
+from functree._tree import bounded_put, cached, dotted_name
 
 __all__ = ["flat_jit", "FlatJit", "builder"]
 
@@ -188,7 +190,12 @@ class _Program:
                 args[i] = x
             for i, x in zip(self.passed, other_treedef.unflatten(others)):
                 args[i] = x
-            leaves, treedef = jax.tree.flatten(fn(*args))
+            try:
+                out = fn(*args)
+            except Exception as e:  # at trace time only: name leaves as the caller knows them
+                _name_arguments(e, fn, ((donate, donated_treedef, "donated"), (self.passed, other_treedef, "others")))
+                raise
+            leaves, treedef = jax.tree.flatten(out)
             self._set_output(treedef)
             return leaves
 
@@ -209,6 +216,42 @@ class _Program:
             start += part.num_leaves
         self.spans = tuple(spans)
         self.carry = tuple(_immutable(part) for part in parts)
+
+
+_FLAT_ARGUMENT = re.compile(r"\b(donated|others)\[(\d+)\]")
+_FLAT_FUNCTION = re.compile(r"the function flat at \S+_flat\.py:\d+")
+
+
+def _name_arguments(error: Exception, fn: Callable[..., Any], groups: Any) -> None:
+    """Rewrite, in ``error``'s message, the flat program's argument names (``donated[1]``,
+    JAX's name for a leaf it saw) as the key path the caller knows (``model.hidden_size``,
+    by ``fn``'s parameter names), and ``the function flat`` as ``fn``'s name."""
+    if not error.args or not isinstance(error.args[0], str):
+        return
+    message = error.args[0]
+    if not (_FLAT_ARGUMENT.search(message) or _FLAT_FUNCTION.search(message)):
+        return
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    names: dict[str, list[str]] = {}
+    for positions, treedef, group in groups:
+        trees = treedef.unflatten([0] * treedef.num_leaves)
+        listed = names.setdefault(group, [])
+        for position, tree in zip(positions, trees):
+            base = params[position] if position < len(params) else f"args[{position}]"
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                rest = dotted_name(path)
+                listed.append(f"{base}.{rest}" if rest else base)
+
+    def rename(match: re.Match[str]) -> str:
+        listed, index = names.get(match.group(1), []), int(match.group(2))
+        return listed[index] if index < len(listed) else match.group(0)
+
+    message = _FLAT_ARGUMENT.sub(rename, message)
+    message = _FLAT_FUNCTION.sub(f"the function {getattr(fn, '__qualname__', 'f')}", message)
+    error.args = (message, *error.args[1:])
 
 
 CHANGED_OUTPUT = """\

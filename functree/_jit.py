@@ -36,8 +36,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from functree._alias import DonationGuard, copy_aliases, warn_aliases
+from functree._alias import (
+    DonationGuard,
+    copy_aliases,
+    is_deletion_error,
+    stale_error,
+    warn_aliases,
+)
 from functree._flat import flat_jit
+from functree._tree import dotted_name
 
 __all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape", "explain_control_flow"]
 
@@ -70,6 +77,17 @@ now). Use
 or, if the value is configuration, make it static: ft.jit(f, static_argnames=("n",)).
 
 JAX said: {error}"""
+
+UNTRACEABLE_LEAF = """\
+ft.jit({fn}): the argument {path} is a {type}, not an array: JAX cannot trace it.
+A function (or another object) kept as a leaf of a model, such as Equinox's \
+`layers: list` holding `jax.nn.relu`, has to be static data:
+
+    wrong:  ft.jit(f)(model, x)                        # {path} is a {type}
+    right:  ft.jit(f, static_leaves=True)(model, x)    # non-array leaves static, as eqx.filter_jit
+       or:  layers = ft.nn.Sequential([ft.nn.Dense(2, 8, key=key), jax.nn.relu])   # functions kept static
+
+ft.train.train_step and ft.train.Trainer do this on their own."""
 
 _INTERNAL = ("/jax/", "/jaxlib/", "functree/_jit.py")
 
@@ -142,9 +160,10 @@ def jit(
     ``donate`` names arguments whose buffers XLA may reuse for the outputs (argument
     indices or names; a training step donates the model and optimizer state). Donated
     arguments holding one array at two leaves are copied apart, with an
-    :class:`ft.AliasWarning` naming both key paths. ``static_leaves=True`` makes leaves
-    that are not arrays or numbers static instead of an error: the functions inside an
-    Equinox module (``eqx.filter_jit``'s rule), at the cost of a Python tree map per call.
+    :class:`ft.AliasWarning` naming both key paths. ``static_leaves=True`` makes every
+    leaf that is not an array static (``eqx.filter_jit``'s rule): the functions and Python
+    numbers inside an Equinox module (``Dropout.p``, ``MaxPool2d.init``) stay Python
+    values, at the cost of a Python tree map per call.
     Other options (``static_argnames``, ``in_shardings``, ``out_shardings`` ...) pass
     through to ``jax.jit``. Usable as ``@ft.jit`` or ``@ft.jit(donate=(0, 1))``.
 
@@ -162,13 +181,62 @@ def jit(
     if f is None:
         return functools.partial(jit, donate=donate, static_leaves=static_leaves, **jax_jit_options)
     if donate is None:
-        return unchecked_jit(f, static_leaves=static_leaves, **jax_jit_options)
+        jitted = unchecked_jit(f, static_leaves=static_leaves, **jax_jit_options)
+        return jitted if static_leaves else _leaves_explained(f, jitted)
     nums, names = _donated(f, donate)
     if static_leaves or jax_jit_options or not nums or min(nums) < 0:
         jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
     else:  # a training loop's step: over flat leaves, its results passed back without flattening
         jitted = _flat(f, nums, names)
-    return _alias_checked(f, jitted, (nums, names))
+    checked = _alias_checked(f, jitted, (nums, names))
+    return checked if static_leaves else _leaves_explained(f, checked)
+
+
+def _leaves_explained(f: Callable[..., Any], jitted: Any) -> Callable[..., Any]:
+    """``jitted``, turning JAX's "abstract array" error for a function kept as a leaf into
+    :data:`UNTRACEABLE_LEAF` (naming the argument's key path and ``static_leaves=True``)."""
+
+    @functools.wraps(f)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return jitted(*args, **kwargs)
+        except (RuntimeError, ValueError) as e:  # a donated array passed again
+            stale = stale_error(named_arguments(f, args, kwargs)) if is_deletion_error(e) else None
+            if stale is None:
+                raise
+            raise stale from None
+        except TypeError as e:
+            found = untraceable_leaf(f, args, kwargs) if "abstract array" in str(e) else None
+            if found is None:
+                raise
+            path, leaf = found
+            raise TypeError(UNTRACEABLE_LEAF.format(fn=getattr(f, "__name__", "f"), path=path,
+                                                    type=type(leaf).__name__)) from None
+
+    _expose(call, jitted)
+    call._jitted = jitted  # type: ignore[attr-defined]
+    return call
+
+
+def named_arguments(f: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``[(name, argument)]`` by ``f``'s parameter names (``args[i]`` past them), then ``kwargs``."""
+    try:
+        params = list(inspect.signature(f).parameters)
+    except (TypeError, ValueError):
+        params = []
+    named = [(params[i] if i < len(params) else f"args[{i}]", a) for i, a in enumerate(args)]
+    return [*named, *kwargs.items()]
+
+
+def untraceable_leaf(f: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, Any] | None:
+    """``(name, leaf)`` of the first leaf of the arguments that JAX cannot trace (not an
+    array or number), named as ``model.layers.1`` by ``f``'s argument names; or None."""
+    for name, tree in named_arguments(f, args, kwargs):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not (_traceable(leaf) or isinstance(leaf, (int, float, complex))):
+                rest = dotted_name(path)
+                return (f"{name}.{rest}" if rest else name), leaf
+    return None
 
 
 def unchecked_jit(
@@ -266,7 +334,10 @@ def _keeping(jitted: Any, f: Callable[..., Any]) -> Any:
 
 
 # --- leaves JAX cannot trace, made static -----------------------------------------------
-_TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex)
+# Arrays are traced; every other leaf (a Python number, a function, a string) is static
+# data, as in ``eqx.filter_jit``: ``eqx.nn.Dropout``'s ``p`` stays a float its code can
+# branch on, ``eqx.nn.MaxPool2d``'s ``init=-inf`` a constant, never a parameter.
+_TRACEABLE = (jax.Array, np.ndarray, np.generic)
 
 
 def _traceable(x: Any) -> bool:
@@ -305,13 +376,15 @@ def _show(tree: Any) -> Any:
 
 
 def has_untraceable_leaves(tree: Any) -> bool:
-    """Whether ``tree`` has a leaf that is not an array or number (an Equinox module's
-    functions): such a tree needs ``ft.jit(..., static_leaves=True)``.
+    """Whether ``tree`` has a leaf that is not an array (an Equinox module's functions and
+    Python numbers): such a tree needs ``ft.jit(..., static_leaves=True)``.
 
     Example:
       >>> import jax, jax.numpy as jnp
       >>> has_untraceable_leaves({"w": jnp.ones(2)}), has_untraceable_leaves([jax.nn.relu])
       (False, True)
+      >>> has_untraceable_leaves({"w": jnp.ones(2), "p": 0.5})  # a Python number: static
+      True
     """
     return not all(_traceable(x) for x in jax.tree.leaves(tree))
 
@@ -343,7 +416,6 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any])
     """``jitted``, copying apart donated arguments that hold one array at two leaves
     (looked for by :class:`DonationGuard`: structurally, never from XLA's error)."""
     nums, names = donated
-    guard = DonationGuard()
     try:
         params = list(inspect.signature(f).parameters)
     except (TypeError, ValueError):
@@ -351,6 +423,7 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any])
     fname = getattr(f, "__name__", "f")
     what = f"The arguments of {fname}"
     step = f"ft.jit({fname}, donate={nums or names})"
+    guard = DonationGuard(step)
     no_donation = f"ft.jit({fname})    # without donate=: the inputs stay valid (more memory)"
 
     top = max(nums, default=-1)

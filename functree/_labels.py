@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from functree._alias import is_deletion_error, stale_error
+
 __all__ = ["label_aware", "is_label_tree"]
 
 _LABEL_TYPES = (str, bool, int)
@@ -56,7 +58,14 @@ def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and type(args[0]) is type(self) and is_label_tree(self):
             return self
-        return call(self, *args, **kwargs)
+        try:
+            return call(self, *args, **kwargs)
+        except (RuntimeError, ValueError) as e:  # a donated model used again: name the key path
+            stale = stale_error([("model", self), *((f"args[{i}]", a) for i, a in enumerate(args)),
+                                 *kwargs.items()]) if is_deletion_error(e) else None
+            if stale is None:
+                raise
+            raise stale from None
 
     __call__.__ft_label_aware__ = True  # type: ignore[attr-defined]
     return __call__

@@ -31,6 +31,8 @@ import copy
 import dataclasses
 import functools
 import inspect
+import keyword
+import sys
 import typing
 import warnings
 from collections.abc import Callable
@@ -255,7 +257,7 @@ def _user_stacklevel() -> int:
     outside this module (the class statement, or the constructor call)."""
     frame, level = inspect.currentframe(), 1
     frame = frame.f_back if frame is not None else None  # the function that warns
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and frame.f_code.co_filename in (__file__, GENERATED_INIT):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -555,37 +557,123 @@ def _constructor(init: Callable[..., None], kind: str = "user") -> Callable[...,
 
 
 def _dataclass_init(cls: type) -> Callable[..., None]:
-    """A dataclass-style ``__init__``: positional or keyword arguments bound to fields."""
+    """A dataclass-style ``__init__``: positional or keyword arguments bound to fields.
 
-    def __init__(self: Module, /, *args: Any, **kwargs: Any) -> None:
-        self.__dict__.update(_bind_fields(cls, args, kwargs))
+    It is generated with one parameter per field (``def __init__(self, weight=<required>,
+    bias=<required>, *more, **named)``), annotated with the fields' annotations, so that
+    beartype's decorator and import hook and jaxtyping check the arguments as they do a
+    dataclass's; binding errors are functree's (a missing or unknown field named).
+    """
+    names: tuple[str, ...] = cls.__ft_fields__  # type: ignore[attr-defined]
+    hints = _field_hints(cls)
+    if all(n.isidentifier() and not keyword.iskeyword(n) and n != "self" and not n.startswith("_ft_")
+           for n in names):
+        namespace = {"_ft_run": functools.partial(_run_init, cls), "_ft_R": _REQUIRED}
+        params = "".join(f"{n}=_ft_R, " for n in names)
+        values = "".join(f"{n}, " for n in names)
+        source = (f"def __init__(self, {params}*_ft_more, **_ft_named):\n"
+                  f"    _ft_run(self, ({values}), _ft_more, _ft_named)\n")
+        exec(compile(source, GENERATED_INIT, "exec"), namespace)  # field names only (identifiers), checked above
+        __init__ = namespace["__init__"]
+    else:  # a field name no parameter can have: arguments bound by name at run time
+        def __init__(self: Module, /, *args: Any, **kwargs: Any) -> None:
+            _run_init(cls, self, (), args, kwargs)
 
     __init__.__qualname__ = f"{cls.__qualname__}.__init__"
     __init__.__module__ = cls.__module__
-    signature = _fields_signature(cls)
+    # The fields' annotations, as a dataclass's __init__ has them: beartype (its decorator
+    # and import hook) and jaxtyping check the arguments against them.
+    __init__.__annotations__ = {**hints, "return": None}
+    signature = _fields_signature(cls, hints)
     if signature is not None:
         __init__.__signature__ = signature  # type: ignore[attr-defined]
-    return _constructor(__init__, "generated")
+    setattr(__init__, _INIT_KIND, "generated")
+    return __init__
 
 
-def _fields_signature(cls: type) -> inspect.Signature | None:
-    """``(self, weight, bias, activation=relu)``: the generated ``__init__``'s signature.
-    A field without a default after one with a default (a subclass's new field) is shown
+GENERATED_INIT = "<functree: generated __init__>"
+"""The file name of generated ``__init__`` functions (warnings skip their frames)."""
+
+
+class _Required:
+    """The default of every parameter of a generated ``__init__``: not given."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_REQUIRED = _Required()
+
+
+def _run_init(cls: type, self: Module, given: tuple, more: tuple, named: dict[str, Any]) -> None:
+    """The generated ``__init__``'s body: ``given`` are the field parameters (``_REQUIRED``
+    where not passed), ``more`` and ``named`` the extra positional and keyword arguments."""
+    names: tuple[str, ...] = cls.__ft_fields__  # type: ignore[attr-defined]
+    values = {n: v for n, v in zip(names, given) if v is not _REQUIRED}
+    if more:
+        if given:
+            raise TypeError(f"{cls.__name__}() takes {len(names)} field(s) {list(names)}, "
+                            f"got {len(names) + len(more)} positional")
+        values = _bind_fields(cls, more, named)  # the fallback form: all arguments here
+    elif named:
+        values = _bind_fields(cls, (), {**values, **named})
+    else:
+        values = _bind_fields(cls, (), values)
+    d = self.__dict__
+    if _BUILDING in d:  # a subclass's super().__init__(...)
+        d.update(values)
+        return
+    d[_BUILDING] = True
+    try:
+        d.update(values)
+    finally:
+        d.pop(_BUILDING, None)
+    _finish(self)
+
+
+def _field_hints(cls: type) -> dict[str, Any]:
+    """The fields' annotations as objects (strings evaluated in the class's module; one
+    that does not resolve yet, such as the class itself, is left out: nothing checks it).
+    ``ClassVar`` and static fields included, as a dataclass's ``__init__`` has them."""
+    module = sys.modules.get(cls.__module__)
+    namespace = dict(vars(module)) if module is not None else {}
+    hints: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        kind = f.type
+        if isinstance(kind, str):
+            owner = next((c for c in cls.__mro__ if f.name in inspect.get_annotations(c)), cls)
+            owner_module = sys.modules.get(owner.__module__)
+            scope = dict(vars(owner_module)) if owner_module is not None else namespace
+            scope.setdefault(owner.__name__, owner)
+            try:  # the class's own annotation, in its module: what typing.get_type_hints does
+                kind = eval(kind, scope)
+            except Exception:
+                continue
+        hints[f.name] = kind
+    return hints
+
+
+def _fields_signature(cls: type, hints: dict[str, Any] | None = None) -> inspect.Signature | None:
+    """``(self, weight: Array, bias: Array, activation=relu) -> None``: the generated
+    ``__init__``'s signature, annotated with ``hints`` (field name -> type). A field
+    without a default after one with a default (a subclass's new field) is shown
     keyword-only; None where no signature fits (a field named ``self``)."""
     p = inspect.Parameter
+    hints = hints or {}
     params, kind = [p("self", p.POSITIONAL_OR_KEYWORD)], p.POSITIONAL_OR_KEYWORD
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         default = f.default
         if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
             default = _Factory(f.default_factory)
+        annotation = hints.get(f.name, p.empty)
         if default is dataclasses.MISSING:
             if params[-1].default is not p.empty:
                 kind = p.KEYWORD_ONLY
-            params.append(p(f.name, kind))
+            params.append(p(f.name, kind, annotation=annotation))
         else:
-            params.append(p(f.name, kind, default=default))
+            params.append(p(f.name, kind, default=default, annotation=annotation))
     try:
-        return inspect.Signature(params)
+        return inspect.Signature(params, return_annotation=None)
     except ValueError:
         return None
 

@@ -145,7 +145,7 @@ _PULLBACK = Advice(
 
 def _zeros_for(y: Any) -> Any:
     """JAX's zero cotangent for a result leaf: float0 zeros for an integer or bool one."""
-    if is_parameter_leaf(y):
+    if isinstance(y, float) or is_parameter_leaf(y):
         return jnp.zeros(jnp.shape(y), jnp.result_type(y))
     return np.zeros(jnp.shape(y), jax.dtypes.float0)
 
@@ -410,7 +410,7 @@ def derivative(f: Callable[..., Any], at: Any = _MISSING, *, wrt: int = 0) -> An
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         x = args[wrt]
-        if jnp.shape(x) != () or not is_parameter_leaf(x):
+        if jnp.shape(x) != () or not (isinstance(x, float) or is_parameter_leaf(x)):
             raise TypeError(
                 SCALAR_ARGUMENT.format(index=wrt, shape=jnp.shape(x), dtype=jnp.result_type(x))
             )

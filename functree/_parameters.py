@@ -39,9 +39,19 @@ its gradient or optimizer moments). Build them from the same model, e.g. \
 
 
 def is_parameter_leaf(x: Any) -> bool:
-    """Whether a leaf can carry a derivative: a floating (or complex) array or Python float."""
-    if isinstance(x, float):
-        return True
+    """Whether a leaf of a model is a parameter: a floating (or complex) array.
+
+    Python numbers (``eqx.nn.MaxPool2d``'s ``init=-inf``, ``eqx.nn.Dropout``'s ``p``),
+    functions and other objects are static data, carried and never differentiated (a
+    value to train is an array: ``jnp.asarray(0.5)``). A Python float that is an
+    ``ft.Module`` field's own value, or the whole differentiation point, is a parameter:
+    see :func:`parameters`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> is_parameter_leaf(jnp.ones(2)), is_parameter_leaf(0.5), is_parameter_leaf(jnp.arange(2))
+      (True, False, False)
+    """
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
@@ -91,16 +101,37 @@ def _is_no_derivative(f: dataclasses.Field) -> bool:
     return field_kind(f) == NO_DERIVATIVE
 
 
-# treedef -> tuple of bools: which leaf positions lie outside no_derivative fields.
-# Computed once per tree definition; afterwards parameters() is one flatten,
-# a dtype test per leaf and one unflatten.
-_MASK_CACHE: dict[Any, tuple[bool, ...]] = {}
+def _is_leaf_value(v: Any) -> bool:
+    return v is not None and jax.tree.structure(v).num_nodes == 1 and jax.tree.structure(v).num_leaves == 1
 
 
-def _trainable_positions(x: Any, treedef: Any) -> tuple[bool, ...]:
+def _field_values(tree: Any) -> Any:
+    """A tree of bools shaped like ``tree``: True at a leaf that is itself the value of an
+    ``ft.Module`` field (``bias: float = 0.0``), False at leaves inside other containers
+    (a dict, a list, an Equinox module)."""
+    if isinstance(tree, Module):
+        cls = type(tree)
+        values = dict(tree.__dict__)
+        for name in cls.__ft_fields__:
+            if name not in cls.__ft_static__:
+                v = values[name]
+                values[name] = True if _is_leaf_value(v) else _field_values(v)
+        return from_fields(cls, values)
+    return jax.tree.map(lambda y: _field_values(y) if isinstance(y, Module) else False, tree,
+                        is_leaf=lambda y: isinstance(y, Module))
+
+
+# treedef -> (which leaf positions lie outside no_derivative fields, which are an ft.Module
+# field's own value). Computed once per tree definition; afterwards parameters() is one
+# flatten, a dtype test per leaf and one unflatten.
+_MASK_CACHE: dict[Any, tuple[tuple[bool, ...], tuple[bool, ...]]] = {}
+
+
+def _trainable_positions(x: Any, treedef: Any) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     positions = _MASK_CACHE.get(treedef)
     if positions is None:
-        positions = tuple(not b for b in jax.tree.leaves(field_mask(x, _is_no_derivative)))
+        positions = (tuple(not b for b in jax.tree.leaves(field_mask(x, _is_no_derivative))),
+                     tuple(jax.tree.leaves(_field_values(x))))
         bounded_put(_MASK_CACHE, treedef, positions)
     return positions
 
@@ -108,8 +139,14 @@ def _trainable_positions(x: Any, treedef: Any) -> tuple[bool, ...]:
 def parameters(model: Any) -> Any:
     """The parameter view: ``model`` with every non-parameter leaf replaced by ``None``.
 
-    Non-parameters are leaves of ``no_derivative`` fields and non-floating leaves
-    (integer and boolean arrays, Python ints). Static fields stay in the tree definition.
+    Parameters are the floating (and complex) arrays outside ``no_derivative`` fields, in
+    any pytree (an ``ft.Module``, an Equinox module, a dataclass, a dict). Non-parameters
+    are leaves of ``no_derivative`` fields, integer and boolean arrays and every leaf that
+    is not an array: Python numbers, functions, strings (static data, carried as they are;
+    make a number an array to train it). Two exceptions, where a float is declared: a
+    Python float that is itself the value of an ``ft.Module`` field (Swift's
+    ``var bias: Float``) and one that *is* the whole point (``ft.gradient(f, at=2.0)``).
+    Static fields stay in the tree definition.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -119,11 +156,14 @@ def parameters(model: Any) -> Any:
       >>> ft.parameters(BN(jnp.ones(2), jnp.zeros(2)))
       BN(scale=f32[2], mean=None)
     """
+    if isinstance(model, float):  # a bare Python float point: ft.gradient(f, at=2.0)
+        return model
     leaves, treedef = jax.tree.flatten(model)
-    positions = _trainable_positions(model, treedef)
+    positions, fields = _trainable_positions(model, treedef)
     return jax.tree.unflatten(
         treedef,
-        [x if keep and is_parameter_leaf(x) else None for x, keep in zip(leaves, positions)],
+        [x if keep and (is_parameter_leaf(x) or (field and isinstance(x, float))) else None
+         for x, keep, field in zip(leaves, positions, fields)],
     )
 
 

@@ -207,6 +207,12 @@ class Plan:
         else:
             dtypes = sorted({str(getattr(leaf, "dtype", type(leaf).__name__)) for leaf in jax.tree.leaves(x)})
             why = f"it holds only non-differentiable values ({', '.join(dtypes) or 'no leaves'})."
+        floats = [(p, v) for p, v in jax.tree_util.tree_flatten_with_path(x)[0] if isinstance(v, (float, complex))]
+        if floats:
+            path, value = floats[0]
+            why += (f" Python numbers in a tree are static data, not parameters ("
+                    f"{jax.tree_util.keystr(path)} = {value!r}); to differentiate one, make it an array: "
+                    f"jnp.asarray({value!r}).")
         others = [j for j in range(len(self.args)) if j not in self.indices]
         suggest = (others[0] if len(others) == 1 else tuple(others)) if others else "..."
         return NOT_DIFFERENTIABLE_ARGUMENT.format(

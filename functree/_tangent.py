@@ -165,6 +165,9 @@ def _why_not_parameter(x: Any, k: int, leaf: Any) -> str:
     no_derivative = jax.tree.leaves(field_mask(x, _is_no_derivative), is_leaf=is_none)
     if k < len(no_derivative) and no_derivative[k] is True:
         return "a no_derivative field"
+    if isinstance(leaf, (float, complex)):
+        return (f"a Python {type(leaf).__name__}: static data, not a parameter (to train it, make it "
+                f"an array: jnp.asarray({leaf!r}))")
     if not is_parameter_leaf(leaf):
         return f"not floating ({getattr(leaf, 'dtype', type(leaf).__name__)}): not a parameter"
     return "a parameter not differentiated here (outside wrt=: give None there)"

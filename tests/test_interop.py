@@ -150,3 +150,116 @@ def test_apply_updates_needs_the_parameter_view_and_ft_move_takes_the_model():
     for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(by_view)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(moved.layers[1].running_mean, model.layers[1].running_mean)
+
+
+# --- foreign pytrees train (issue 29): Equinox modules and Flax NNX state ---------------
+class _EqxCNN:
+    """An eqx.nn CNN with MaxPool2d (init=-inf) and Dropout (p=0.5): Python floats that
+    are static data, never parameters."""
+
+    @staticmethod
+    def make(key):
+        import equinox as eqx
+
+        class CNN(eqx.Module):
+            layers: list
+
+            def __init__(self, key):
+                a, b = jax.random.split(key)
+                self.layers = [eqx.nn.Conv2d(1, 3, 3, key=a), jax.nn.relu, eqx.nn.MaxPool2d(2, 2),
+                               eqx.nn.Dropout(0.5), jnp.ravel, eqx.nn.Linear(3 * 3 * 3, 4, key=b)]
+
+            def __call__(self, x, key):
+                for layer in self.layers:
+                    x = layer(x, key=key) if isinstance(layer, eqx.nn.Dropout) else layer(x)
+                return x
+
+        return CNN(key)
+
+    @staticmethod
+    def loss(model, batch, *, key):
+        x, y = batch
+        logits = jax.vmap(model)(x, jax.random.split(key, x.shape[0]))
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+CNN_X = np.random.default_rng(1).normal(size=(6, 1, 8, 8)).astype(np.float32)
+CNN_Y = np.arange(6, dtype=np.int32) % 4
+
+
+def test_equinox_cnn_with_maxpool_and_dropout_trains_in_train_step_as_optax_does():
+    import equinox as eqx
+
+    key = jax.random.key(3)
+    model = _EqxCNN.make(jax.random.key(0))
+    params = ft.parameters(model)
+    assert params.layers[2].init is None and params.layers[3].p is None  # static data
+    # The reference: eqx.filter_value_and_grad + optax.adam, the step's keys folded as it folds them.
+    tx = optax.adam(1e-2)
+
+    @eqx.filter_jit
+    def ref_step(ref, ref_state, key):
+        grads = eqx.filter_grad(_EqxCNN.loss)(ref, (CNN_X, CNN_Y), key=key)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int counts
+            updates, ref_state = tx.update(grads, ref_state)
+        return eqx.apply_updates(ref, updates), ref_state
+
+    ref, ref_state = model, tx.init(eqx.filter(model, eqx.is_inexact_array))
+    for t in range(3):
+        ref, ref_state = ref_step(ref, ref_state, jax.random.fold_in(key, t))
+    opt = ft.optim.Optimizer(optax.adam(1e-2))
+    state = opt.init(model)
+    step = ft.train.train_step(_EqxCNN.loss, opt, donate=False)
+    for _ in range(3):
+        model, state, _ = step(model, state, (CNN_X, CNN_Y), key=key)
+    assert model.layers[2].init == -np.inf and model.layers[3].p == 0.5  # still Python floats
+    for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)), jax.tree.leaves(eqx.filter(ref, eqx.is_array))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    # The Trainer runs the same step (its compiled program) and keeps the floats static.
+    trainer = ft.train.Trainer(_EqxCNN.make(jax.random.key(0)), opt, _EqxCNN.loss, train_step=step, key=key)
+    trainer.fit([(CNN_X, CNN_Y)] * 2, epochs=1, progress=False)
+    assert trainer.steps_run == 2 and trainer.model.layers[3].p == 0.5
+    assert np.isfinite(trainer.history.steps["loss"][-1])
+
+
+def test_flax_nnx_state_trains_in_train_step_as_optax_does():
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.l2 = nnx.Linear(3, 8, rngs=rngs), nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0)))
+
+    def loss(p, batch):
+        return mse(nnx.merge(graphdef, p), batch)
+
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def ref_step(ref, ref_state):
+        grads = jax.grad(loss)(ref, (X, Y))
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int counts
+            updates, ref_state = tx.update(grads, ref_state)
+        return optax.apply_updates(ref, updates), ref_state
+
+    ref, ref_state = params, tx.init(params)
+    for _ in range(3):
+        ref, ref_state = ref_step(ref, ref_state)
+    opt = ft.optim.Optimizer(optax.adam(1e-2))
+    state = opt.init(params)
+    step = ft.train.train_step(loss, opt)
+    for _ in range(3):
+        params, state, _ = step(params, state, (X, Y))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_python_float_to_train_is_explained_make_it_an_array():
+    with pytest.raises(TypeError, match=r"Python numbers in a tree are static data.*\['scale'\] = 0\.5.*jnp\.asarray\(0\.5\)"):
+        ft.gradient(lambda m: m["scale"] * 2.0, at={"scale": 0.5})
+    grads = ft.gradient(lambda m: m["scale"] * m["w"].sum(), at={"scale": 0.5, "w": jnp.ones(2)})
+    assert grads["scale"] is None  # carried, not differentiated

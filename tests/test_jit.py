@@ -136,8 +136,10 @@ def test_python_control_flow_on_a_traced_value_explains_the_fix():
     assert "jnp.where" in message and "jax.lax.cond" in message and "static_argnames" in message
 
 
-def test_without_donation_jit_is_jax_jit_itself():
-    assert type(ft.jit(lambda x: x)) is type(jax.jit(lambda x: x))  # no Python frame per call
+def test_without_donation_jit_is_jax_jit_behind_one_frame():
+    # One Python frame per call (it explains a function kept as a leaf), no tree work.
+    assert type(ft.jit(lambda x: x)._jitted) is type(jax.jit(lambda x: x))
+    assert type(ft.jit(lambda x: x, static_leaves=True)) is not type(jax.jit(lambda x: x))
 
 
 def test_donated_aliased_arguments_warn_with_both_paths_and_still_run():
@@ -183,7 +185,8 @@ def test_static_leaves_make_functions_static_and_return_them():
     assert len(traces) == 1
     apply({"w": jnp.zeros((3, 2)), "fn": jnp.tanh}, jnp.ones((1, 3)))  # another function retraces
     assert len(traces) == 2
-    assert ft._jit.has_untraceable_leaves(layer) and not ft._jit.has_untraceable_leaves({"w": layer["w"], "n": 3})
+    assert ft._jit.has_untraceable_leaves(layer) and not ft._jit.has_untraceable_leaves({"w": layer["w"]})
+    assert ft._jit.has_untraceable_leaves({"w": layer["w"], "n": 3})  # a Python number is static data
     spec = ft._jit.eval_shape(lambda d, x: d["fn"](x @ d["w"]), layer, jnp.ones((5, 3)))
     assert spec.shape == (5, 2)
 
@@ -235,3 +238,17 @@ def test_reusing_a_donated_argument_names_it_and_the_fix():
     with pytest.raises(ValueError, match="'state' holds a deleted array"):
         jitted(new_model, state=state, x=1.0)
     np.testing.assert_array_equal(jitted(new_model, new_state, 1.0)[0]["w"], 3.0)
+
+
+def test_a_function_kept_as_a_leaf_names_static_leaves_and_sequential():
+    @ft.jit
+    def apply(model, x):
+        return model["layers"][1](x @ model["layers"][0])
+
+    model = {"layers": [jnp.ones((2, 2)), jax.nn.relu]}
+    with pytest.raises(TypeError, match=r"argument model\.layers\.1 is a \w+, not an array") as info:
+        apply(model, jnp.ones(2))
+    assert "ft.jit(f, static_leaves=True)" in str(info.value) and "ft.nn.Sequential" in str(info.value)
+    with pytest.raises(TypeError, match=r"argument model\.layers\.1"):
+        ft.jit(apply.__wrapped__, donate=0)(model, jnp.ones(2))
+    np.testing.assert_array_equal(ft.jit(apply.__wrapped__, static_leaves=True)(model, jnp.ones(2)), [2.0, 2.0])

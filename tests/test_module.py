@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from beartype import beartype
+from jaxtyping import Array, Float, jaxtyped
 
 import functree as ft
 
@@ -271,7 +273,7 @@ def test_dataclass_style_construction_errors():
         Dense(jnp.ones((2, 4)))
     with pytest.raises(TypeError, match="no field 'wieght'"):
         Dense(wieght=1.0, bias=1.0)
-    with pytest.raises(TypeError, match="multiple values for field 'weight'"):
+    with pytest.raises(TypeError, match=r"multiple values for (field|argument) 'weight'"):
         Dense(jnp.ones(1), weight=jnp.ones(1), bias=jnp.ones(1))
     with pytest.raises(TypeError, match="takes 3 field"):
         Dense(1, 2, 3, 4)
@@ -350,3 +352,30 @@ def test_module_with_arrays_in_a_static_field_is_an_error():
         pass
 
     assert isinstance(Layer(jnp.ones(2), Empty()).activation, Empty)  # no arrays: allowed
+
+
+def test_generated_init_carries_the_field_annotations_for_beartype_and_jaxtyping():
+    import inspect
+
+    class Affine(ft.Module):
+        weight: Float[Array, "a b"]  # noqa: F722 (jaxtyping's shape string)
+        bias: Float[Array, " b"]  # noqa: F722
+        scale: float = 1.0
+
+    params = inspect.signature(Affine).parameters
+    assert str(params["weight"].annotation) == str(Float[Array, "a b"]) and params["scale"].default == 1.0
+    checked = jaxtyped(typechecker=beartype)(Affine)
+    checked(jnp.ones((2, 3)), jnp.ones(3))
+    with pytest.raises(Exception, match="parameter 'bias'"):
+        checked(jnp.ones((2, 3)), jnp.ones(4))  # b is 3 in weight, 4 in bias
+
+    @beartype
+    class Plain(ft.Module):
+        weight: Float[Array, "a b"]  # noqa: F722 (jaxtyping's shape string)
+
+    with pytest.raises(Exception, match="weight"):
+        Plain(jnp.ones(3))  # one dimension, two annotated
+    with pytest.raises(TypeError, match=r"missing field\(s\) \['weight'\]"):
+        Plain()  # functree's binding errors are kept
+    with pytest.raises(TypeError, match="has no field 'wieght'"):
+        Plain(wieght=jnp.ones((2, 2)))

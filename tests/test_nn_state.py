@@ -200,3 +200,11 @@ def test_input_errors_get_the_key_path_from_collect_state(key):
 def test_apply_state_checks_shapes():
     with pytest.raises(ValueError, match=r"expected shape \(\)"):
         ft.nn.apply_state(Counter(jnp.zeros(())), {ft.key_path(None, ".count"): jnp.ones(3)})
+
+
+def test_the_warning_points_at_the_users_line_not_at_functree(fresh_warnings):
+    model = ft.nn.training(ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.BatchNorm(2)))
+    with pytest.warns(ft.nn.UncollectedStateWarning) as caught:
+        line = __import__("inspect").currentframe().f_lineno + 1
+        model(jnp.ones((4, 2)))
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)

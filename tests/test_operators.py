@@ -36,7 +36,7 @@ def make_net() -> Net:
     return Net(
         encoder=BatchNorm(jnp.array([1.0, 2.0]), jnp.array([0.1, -0.1])),
         weight=jnp.array([[0.5], [-1.5]]),
-        bias=0.25,
+        bias=jnp.asarray(0.25),
         steps=jnp.zeros((), jnp.int32),
     )
 

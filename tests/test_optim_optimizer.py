@@ -378,3 +378,20 @@ def test_accumulated_microbatches_get_their_own_keys_and_equal_the_steps_by_hand
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), result.grads, mean)
     np.testing.assert_array_equal(masks[1], np.asarray(loss(model, (x[size:2 * size], y[size:2 * size]),
                                                             key=jax.random.fold_in(base, 1))[1]))
+
+
+def test_state_made_before_training_mode_serves_the_model_in_training_mode():
+    # NNX's order (nnx.Optimizer(model), then model.train()): the mode is static, in the
+    # tree definition; the optimizer keeps its state mode-free.
+    key = jax.random.key(0)
+    model = ft.nn.Sequential(ft.nn.Dense(2, 3, key=key), ft.nn.Dropout(0.5), ft.nn.Dense(3, 1, key=key))
+    opt = fo.Optimizer(fo.adam(1e-2))
+    before, after = opt.init(model), opt.init(ft.nn.training(model))
+    assert jax.tree.structure(before) == jax.tree.structure(after)
+    step = ft.train.train_step(lambda m, b, key: jnp.mean(m(b, key=key) ** 2), opt, donate=False)
+    trained = ft.nn.training(model)
+    new, _, _ = step(trained, before, jnp.ones((4, 2)), key=key)
+    same, _, _ = step(trained, after, jnp.ones((4, 2)), key=key)
+    assert ft.nn.is_training(new)  # the updates came back in the model's mode (ft.move took them)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(same)):
+        np.testing.assert_array_equal(a, b)

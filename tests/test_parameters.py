@@ -60,8 +60,18 @@ def test_parameters_puts_none_at_non_parameters_and_keeps_static():
 
 
 def test_parameters_of_python_scalars():
+    # Python numbers in a tree are static data (Equinox's Dropout.p, MaxPool2d.init=-inf);
+    # a bare float point is differentiated (ft.gradient(f, at=1.5)).
     params = ft.parameters({"w": 1.5, "n": 3, "b": True})
-    assert params == {"w": 1.5, "n": None, "b": None}
+    assert params == {"w": None, "n": None, "b": None}
+    assert ft.parameters(1.5) == 1.5
+
+    class Scaled(ft.Module):  # a float that is an ft.Module field's own value is declared: trained
+        scale: float
+        config: dict
+
+    view = ft.parameters(Scaled(0.5, {"p": 0.1}))
+    assert view.scale == 0.5 and view.config == {"p": None}
 
 
 def test_with_parameters_writes_back_and_none_keeps_the_model_leaf():
@@ -181,7 +191,7 @@ def test_select_errors():
 def test_parameters_and_with_parameters_round_trip_on_random_trees(tree: Any):
     params = ft.parameters(tree)
     for leaf in jax.tree.leaves(params):
-        assert ft._parameters.is_parameter_leaf(leaf)
+        assert ft._parameters.is_parameter_leaf(leaf) or isinstance(leaf, float)  # an ft.Module field's own float
     assert_same_tree(ft.with_parameters(tree, params), tree)
     # Every parameter leaf of a no_derivative field is None in the view.
     for kp in ft.recursively_all_writable_key_paths(tree, to=ft._parameters.Module):

@@ -19,17 +19,17 @@ import functree as ft
 
 class Layer(ft.Module):
     weight: jax.Array
-    bias: float
+    bias: jax.Array
     count: jax.Array = ft.field(no_derivative=True, default=None)
 
 
 def make_layer() -> Layer:
-    return Layer(jnp.ones((2, 2)), 0.5, jnp.zeros((), jnp.int32))
+    return Layer(jnp.ones((2, 2)), jnp.asarray(0.5), jnp.zeros((), jnp.int32))
 
 
 def test_move_adds_the_tangent_and_none_means_unchanged():
     layer = make_layer()
-    t = Layer(jnp.full((2, 2), -0.25), 0.25, None)
+    t = Layer(jnp.full((2, 2), -0.25), jnp.asarray(0.25), None)
     moved = ft.move(layer, along=t)
     np.testing.assert_array_equal(moved.weight, np.full((2, 2), 0.75))
     assert moved.bias == 0.75
@@ -145,7 +145,7 @@ def test_tangent_scale_by_a_float32_array_keeps_bfloat16_leaves():
 
 def test_move_refuses_a_full_structure_tree_naming_the_key_path_and_the_fix():
     layer = make_layer()
-    full = Layer(jnp.ones((2, 2)), 0.5, jnp.ones((), jnp.int32))  # as jax.grad would give
+    full = Layer(jnp.ones((2, 2)), jnp.asarray(0.5), jnp.ones((), jnp.int32))  # as jax.grad would give
     with pytest.raises(ValueError) as info:
         ft.move(layer, along=full)
     message = str(info.value)
@@ -156,7 +156,9 @@ def test_move_refuses_a_full_structure_tree_naming_the_key_path_and_the_fix():
 
 
 def test_move_checks_a_leaf_that_turned_integer_under_a_checked_tree_definition():
-    assert ft.move({"n": 1.0}, along={"n": 0.5}) == {"n": 1.5}
+    assert ft.move(1.0, along=0.5) == 1.5  # a bare float point moves
+    with pytest.raises(ValueError, match=r"at \['n'\], which is a Python float: static data.*jnp.asarray\(1.0\)"):
+        ft.move({"n": 1.0}, along={"n": 0.5})  # in a tree, a Python number is static data
     with pytest.raises(ValueError, match=r"at \['n'\], which is not floating"):
         ft.move({"n": jnp.ones((), jnp.int32)}, along={"n": 0.5})  # same tree definition
 

@@ -380,3 +380,55 @@ def test_bfloat16_compute_with_batch_norm_in_training_mode():
     trainer = ft.train.Trainer(_bn_model(), opt, loss, compute_dtype=jnp.bfloat16)
     trainer.fit([batch] * 3, progress=False)
     jax.tree.map(np.testing.assert_array_equal, trainer.model, half)  # the same step
+
+
+def test_a_tracing_error_in_the_step_names_the_models_key_path():
+    class Cell(ft.Module):
+        w: jax.Array
+        hidden_size: jax.Array  # an array where a Python int was meant
+
+    def loss(m, b):
+        return sum(m.w.sum() for _ in range(m.hidden_size)) * jnp.mean(b)
+
+    model = Cell(jnp.ones(2), jnp.asarray(3))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    with pytest.raises(TypeError, match=r"depends on the value of the argument model\.hidden_size") as info:
+        ft.train.train_step(loss, opt)(model, opt.init(model), jnp.ones(2))
+    assert "donated[" not in str(info.value) and "function flat" not in str(info.value)
+
+
+def test_a_donated_model_used_later_names_the_key_path_the_call_and_the_fixes():
+    model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(mse, opt)
+    best, state = model, opt.init(model)
+    model, state, _ = step(model, state, (jnp.ones((3, 2)), jnp.ones((3, 1))))
+    uses = {
+        "a Module call": lambda: best(jnp.ones((1, 2))),
+        "ft.nn.inference": lambda: ft.nn.inference(best),
+        "an eval step": lambda: ft.train.eval_step(mse)(best, (jnp.ones((1, 2)), jnp.ones((1, 1)))),
+        "ft.jit": lambda: ft.jit(lambda m, x: m(x))(best, jnp.ones((1, 2))),
+    }
+    for use in uses.values():
+        with pytest.raises(ValueError, match=r"deleted array at (model|m)\.weight: call \d+ of the train step") as info:
+            use()
+        assert "jax.tree.map(jnp.copy, model)" in str(info.value) and "donate=False" in str(info.value)
+    kept = jax.tree.map(jnp.copy, model)
+    model, state, _ = step(model, state, (jnp.ones((3, 2)), jnp.ones((3, 1))))
+    assert kept(jnp.ones((1, 2))).shape == (1, 1)  # a copy stays valid
+
+
+def test_a_float_field_of_an_ft_module_is_trained_in_the_step():
+    class Perceptron(ft.Module):  # Swift's `var bias: Float`: declared, so trained
+        weight: jax.Array
+        bias: float = 0.0
+
+        def __call__(self, x):
+            return (self.weight * x).sum(-1) + self.bias
+
+    model, opt = Perceptron(jnp.ones(2), 1.0), ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step, state = ft.train.train_step(lambda m, b: jnp.mean(m(b) ** 2), opt), opt.init(model)
+    for _ in range(3):  # prediction p <- 0.4 p from 3: the bias and each weight move by 0.2 p
+        model, state, metrics = step(model, state, jnp.ones((4, 2)))
+    np.testing.assert_allclose([float(model.bias), *model.weight.tolist()], [0.064] * 3, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(float(metrics["loss"]), 0.48**2, rtol=0, atol=1e-6)

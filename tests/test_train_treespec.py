@@ -137,3 +137,17 @@ def test_any_damaged_spec_raises_only_spec_errors(where, key, value):
     dicts[where % len(dicts)][key] = value
     with contextlib.suppress(SpecError):  # any other exception fails the test
         decode(spec, arrays)
+
+
+def test_a_class_saved_from_main_names_the_registration_that_works_in_both_places(tmp_path):
+    class NotebookMLP(ft.Module):
+        w: jax.Array
+
+    NotebookMLP.__module__, NotebookMLP.__qualname__ = "__main__", "NotebookMLP"  # defined in a notebook
+    path = str(tmp_path / "ckpt")
+    ft.train.save(path, NotebookMLP(jnp.ones(2)))
+    NotebookMLP.__module__ = "mypackage.models"  # later imported from a module
+    with pytest.raises(SpecError, match=r'ft\.train\.register\(NotebookMLP, name="__main__\.NotebookMLP"\)'):
+        ft.train.load(path)
+    ft.train.register(NotebookMLP, name="__main__.NotebookMLP")
+    np.testing.assert_array_equal(ft.train.load(path).w, [1.0, 1.0])

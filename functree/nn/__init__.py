@@ -40,6 +40,7 @@ from functree.nn._embedding import Embedding
 from functree.nn._generate import generate
 from functree.nn._hf import from_hf, to_hf_state_dict
 from functree.nn._linear import Dense
+from functree.nn._mlp import MLP
 from functree.nn._mode import Layer, inference, inferring, is_training, training
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._pooling import (
@@ -83,6 +84,7 @@ __all__ = [
     "UncollectedStateWarning",
     # layers
     "Dense",
+    "MLP",
     "Sequential",
     "Lambda",
     "Shared",

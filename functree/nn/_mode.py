@@ -11,10 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.core import Tracer
 
+from functree._alias import stale_error
 from functree._module import Module
 
-__all__ = ["Layer", "training", "inference", "inferring", "is_training"]
+__all__ = ["Layer", "training", "inference", "inferring", "is_training", "mode_free", "mode_free_def"]
 
 TRAINING_FIELD = "training"
 
@@ -43,6 +45,8 @@ def _switch_module(m: Module, flag: bool) -> Module:
 
 def _with_mode(model: Any, flag: bool) -> Any:
     leaves, treedef = jax.tree.flatten(model)
+    if any(isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted() for x in leaves):
+        raise stale_error([("model", model)])  # type: ignore[misc]  # donated: say so now, not at a later use
     new_def = _MODE_CACHE.get((treedef, flag))
     if new_def is None:
         new_def = jax.tree.structure(_switch(model, flag))
@@ -50,9 +54,36 @@ def _with_mode(model: Any, flag: bool) -> Any:
     return jax.tree.unflatten(new_def, leaves)
 
 
+def mode_free(tree: Any) -> Any:
+    """``tree`` with every ``training`` flag off: the form an optimizer keeps its state in,
+    so that a state made before ``ft.nn.training(model)`` serves the model in either mode
+    (the flag is static: it is in the tree definition, not in any array). ``tree`` itself
+    when it has no flag set (one flatten; the new definition is cached per definition).
+
+    Example:
+      >>> import functree as ft
+      >>> mode_free(ft.nn.training(ft.nn.Dropout(0.5))).training
+      False
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    new_def = _MODE_CACHE.get((treedef, False))
+    if new_def is None:
+        new_def = jax.tree.structure(_switch(tree, False))
+        _MODE_CACHE[(treedef, False)] = new_def
+    return tree if new_def == treedef else jax.tree.unflatten(new_def, leaves)
+
+
+def mode_free_def(treedef: Any) -> Any:
+    """The tree definition :func:`mode_free` gives a tree of ``treedef``."""
+    return jax.tree.structure(mode_free(treedef.unflatten([0] * treedef.num_leaves)))
+
+
 def training(model: Any) -> Any:
-    """A copy of ``model`` with every layer in training mode (Dropout drops, BatchNorm
-    normalizes with batch statistics and records new running statistics).
+    """``model`` with every layer in training mode (Dropout drops, BatchNorm normalizes
+    with batch statistics and records new running statistics).
+
+    A new tree over the *same* arrays (no array is copied): once a donating train step
+    consumes either tree, both are invalid (using one is an error naming the key path).
 
     Example:
       >>> import functree as ft, jax
@@ -64,7 +95,11 @@ def training(model: Any) -> Any:
 
 
 def inference(model: Any) -> Any:
-    """A copy of ``model`` with every layer in inference mode (the default).
+    """``model`` with every layer in inference mode (the default).
+
+    A new tree over the *same* arrays, not a copy: after a donating train step has
+    consumed ``model``, ``inference(model)`` is an error naming the key path. Keep an
+    evaluation copy with ``jax.tree.map(jnp.copy, ft.nn.inference(model))``.
 
     Example:
       >>> import functree as ft

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +32,7 @@ from functree import _diagnostics
 from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._paths import ATTR, Entry, KeyPath, key_path, walk
+from functree._warnings import warn
 from functree.nn._check import LayerInputError
 
 __all__ = [
@@ -242,7 +242,7 @@ def _warn_uncollected(layer: Any, names: tuple[str, ...]) -> None:
     message = UNCOLLECTED_STATE.format(
         cls=cls.__name__, where=where, fields=fields, first=names[0] if names else "state"
     )
-    warnings.warn(message, UncollectedStateWarning, stacklevel=4)
+    warn(message, UncollectedStateWarning)  # at the user's line, however deep the layer
 
 
 def collect_state(fn: Callable[[Any], Any], model: Any) -> tuple[Any, dict[KeyPath, Any]]:

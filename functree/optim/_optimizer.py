@@ -39,6 +39,7 @@ from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._tangent import move
+from functree.nn._mode import mode_free, mode_free_def
 from functree.nn._state import apply_state, collect_state
 from functree.optim._average import with_average
 from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
@@ -285,10 +286,11 @@ class Optimizer:
 
         It holds one learning context; the functree transforms inside hold none of their
         own. No leaf shares a buffer with the model or another leaf, so a step may donate
-        both.
+        both. The state does not depend on the model's mode: one made before
+        ``ft.nn.training(model)`` (NNX's order) serves the model in training mode too.
         """
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
-            inner = self._transform.init(trained_view(model, self.wrt))
+            inner = self._transform.init(mode_free(trained_view(model, self.wrt)))
         state = OptimizerState(initial_context(), release_contexts(inner))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.
@@ -316,10 +318,14 @@ class Optimizer:
         """
         if not isinstance(state, OptimizerState):
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
+        # The state is kept mode-free (Optimizer.init): the training flag, static, is taken
+        # out of the trees optax sees and put back into the updates.
         params = None if model is None else trained_view(model, self.wrt)
         frozen = None if params is None else frozen_members(model, self.wrt)  # members of stacked leaves
         if self.wrt is not None and params is not None:
             grads = drop_frozen(grads, params, frozen)
+        given = (jax.tree.structure(grads), None if params is None else jax.tree.structure(params))
+        grads, params = mode_free(grads), mode_free(params)
         grads, partial = checked_gradients(grads, params)
         partial = with_frozen_members(partial, params, frozen)
         grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
@@ -336,7 +342,7 @@ class Optimizer:
         new = OptimizerState(advance(ctx), inner)
         if applied is not None:
             new = new.replace(context=select(applied, new.context, state.context))
-        return updates, new
+        return _in_mode(updates, given), new
 
     # --- RFC 234 hooks -------------------------------------------------------------------
     def transform_loss(self, loss: Any) -> Any:
@@ -551,6 +557,18 @@ class Optimizer:
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), grads
         return jnp.mean(outs), grads
+
+
+def _in_mode(updates: Any, given: tuple[Any, Any]) -> Any:
+    """``updates`` (mode-free) in the mode of the gradients or parameters given: the tree
+    definition of the two with the same leaves (they differ only in static flags)."""
+    treedef = jax.tree.structure(updates)
+    for candidate in given:
+        if candidate is None or candidate == treedef:
+            continue
+        if candidate.num_leaves == treedef.num_leaves and mode_free_def(candidate) == treedef:
+            return candidate.unflatten(jax.tree.leaves(updates))
+    return updates
 
 
 def _stateful(x: Any) -> bool:

@@ -136,7 +136,10 @@ def apply_or_keep(ok: jax.Array, fn: Callable[[Any, Any], tuple[Any, Any]], mode
     values (:func:`select`) computes the same thing, but XLA then keeps each old moment
     alive next to its new value and copies every donated buffer first (15 copies against
     5 on a tiny Adam step). Leaves that are not arrays (an Equinox module's functions)
-    stay out of the branches; they come from ``fn``'s result. Under ``vmap`` of ``ok``
+    stay out of the branches; they come from ``fn``'s result. ``fn`` sees Python numbers
+    as they are: one it returns unchanged stays that Python number (an Equinox
+    ``Dropout``'s ``p``), one it changes (an ``ft.Module``'s float field, trained) comes
+    out of the branches as an array. Under ``vmap`` of ``ok``
     the cond becomes that select.
 
     Example:
@@ -149,16 +152,19 @@ def apply_or_keep(ok: jax.Array, fn: Callable[[Any, Any], tuple[Any, Any]], mode
     old, treedef = jax.tree.flatten((model, state))
     arrays = [i for i, x in enumerate(old) if _is_traceable(x)]
     shape: list[Any] = []  # the applied branch's tree and leaves that are not arrays (trace time)
+    kept: list[int] = []  # Python numbers fn passed through: they stay Python numbers (static data)
 
     def apply(xs: list[Any]) -> list[Any]:
         leaves = list(old)
         for i, x in zip(arrays, xs):
-            leaves[i] = x
+            if not isinstance(old[i], _NUMBERS):  # fn sees Python numbers as they are
+                leaves[i] = x
         new, new_treedef = jax.tree.flatten(fn(*treedef.unflatten(leaves)))
         if new_treedef != treedef:
             raise TypeError(CHANGED_TREE.format(before=treedef, after=new_treedef))
         shape[:] = [new_treedef, new]
-        return [new[i] for i in arrays]
+        kept[:] = [i for i in arrays if isinstance(old[i], _NUMBERS) and new[i] is old[i]]
+        return [x if i in kept else new[i] for i, x in zip(arrays, xs)]
 
     def keep(xs: list[Any]) -> list[Any]:
         return xs
@@ -168,7 +174,12 @@ def apply_or_keep(ok: jax.Array, fn: Callable[[Any, Any], tuple[Any, Any]], mode
     new = list(new)
     for i, x in zip(arrays, out):
         new[i] = x
+    for i in kept:  # (an Equinox Dropout's p: a float its code branches on, never a traced array)
+        new[i] = old[i]
     return new_treedef.unflatten(new)
+
+
+_NUMBERS = (int, float, complex)  # bool too
 
 
 def _is_traceable(x: Any) -> bool:

@@ -27,7 +27,13 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from functree._alias import DonationGuard, copy_aliases, warn_aliases
+from functree._alias import (
+    DonationGuard,
+    copy_aliases,
+    is_deletion_error,
+    stale_error,
+    warn_aliases,
+)
 from functree._flat import flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._naming import names as _leaf_names
@@ -345,7 +351,7 @@ class TrainStep:
         self.metrics = resolve_metrics(metrics)
         self._compiled: Any = None
         self._donate = donate
-        self._guard = DonationGuard()
+        self._guard = DonationGuard("the train step")
         self._halt: Any = None  # on_nan="stop": [calls, call that stopped (-1), its nonfinite]
         self._calls = 0
         self._inflight: list[tuple[int, Any, Any]] = []  # (call, batch, key): references only
@@ -759,7 +765,13 @@ class EvalStep:
         self._shared.owner = self._ref
         if self.placement is not None:
             model, batch = self.placement.place(model), self.placement.shard_batch(batch, whole=True)
-        return self._compiled(model, batch, key)
+        try:
+            return self._compiled(model, batch, key)
+        except (RuntimeError, ValueError) as e:  # a donated model evaluated: name the key path
+            stale = stale_error([("model", model), ("batch", batch)]) if is_deletion_error(e) else None
+            if stale is None:
+                raise
+            raise stale from None
 
 
 def _calling(entry: Any, method: str) -> Callable[..., Any]:

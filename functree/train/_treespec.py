@@ -55,6 +55,16 @@ The checkpoint's type description is damaged at {path!r}: {why}.
 The checkpoint cannot be rebuilt from it; restore another step, or load with a template
 to read the arrays alone:  ft.train.load(path, template=model)"""
 
+MAIN_CLASS = """\
+Cannot rebuild a node at {path!r} without a template: its class was saved as {name!r}, \
+a class defined in `__main__` (a notebook, or a script run directly), and no class is \
+registered under that name now. Register the class under the stored name: this works in \
+the notebook and also once the class is imported from a module (whose name it then has):
+
+    wrong:  ft.train.register({short})                         # registers it as "<module>.{short}"
+    right:  ft.train.register({short}, name="{name}")
+       or:  ft.train.load(path, template=model)           # a model built the same way"""
+
 AMBIGUOUS = "{count} different Module classes named {name!r} are defined in this process"
 
 _PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
@@ -253,6 +263,8 @@ def _class(spec: dict[str, Any], path: str, kind: str) -> Any:
     if len(found) > 1:
         why = AMBIGUOUS.format(count=len(found), name=name)
         raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why))
+    if not found and name.startswith("__main__."):
+        raise SpecError(MAIN_CLASS.format(path=path, name=name[:200], short=name[:200].rsplit(".", 1)[1]))
     if not found:
         why = f"{name[:200]} is not a registered type"
         raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why))

@@ -2,9 +2,10 @@
 
 GPT-2 and Llama (grouped-query attention) are built by HF from tiny random configs (no
 download), their weights moved off HF's small initial values (test_hf_ports.randomized), and
-ported onto functree models written against the cache protocol (a Stack of blocks, each
-passing its attention's cache). Greedy tokens must equal HF's ``generate(do_sample=False)``
-token for token, left padding included; the test checks that HF's top-1 margins are far
+ported with ``ft.nn.from_hf`` (GPT-2 also by hand, onto a user model written against the
+cache protocol: a Stack of blocks, each passing its attention's cache). Greedy tokens must
+equal HF's ``generate(do_sample=False)`` token for token, left padding included; the test
+checks that HF's top-1 margins are far
 above float32 rounding (>= 1e-3 against logits of magnitude ~4: the two libraries' logits
 differ by ~1e-6), so equal tokens are the right outcome and not luck.
 """
@@ -22,7 +23,7 @@ from functree.nn import _generate
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from test_hf_ports import GPT2_NAMES, LLAMA_NAMES, MLP, SwiGLU, randomized  # noqa: E402
+from test_hf_ports import GPT2_NAMES, MLP, randomized  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS, PROMPT, NEW = 50, 32, 4, 2, 6, 24
 
@@ -74,52 +75,6 @@ class GPT(ft.Module):
         real = jnp.take_along_axis(jnp.cumsum(attention_mask, axis=1), positions, axis=1) - 1
         x = self.embed(input_ids) + self.position(jnp.maximum(real, 0))
         x, cache = self.blocks(x, mask=attention_mask, positions=positions, cache=cache)
-        return self.head(self.norm(x)), cache
-
-
-class LlamaBlock(ft.Module):
-    input_layernorm: ft.nn.RMSNorm
-    self_attn: ft.nn.MultiheadAttention
-    post_attention_layernorm: ft.nn.RMSNorm
-    mlp: SwiGLU
-
-    def __init__(self, c, *, key):
-        k1, k2 = jax.random.split(key)
-        self.input_layernorm, self.post_attention_layernorm = (ft.nn.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps)
-                                                               for _ in range(2))
-        self.self_attn = ft.nn.MultiheadAttention(
-            c.hidden_size, c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-            rotary=c.rope_parameters["rope_theta"], causal=True, use_bias=False, key=k1)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, key=k2)
-
-    def init_cache(self, batch_size, max_length, dtype=None):
-        return self.self_attn.init_cache(batch_size, max_length, dtype)
-
-    def __call__(self, x, *, mask, positions, cache):
-        y, cache = self.self_attn(self.input_layernorm(x), mask=mask, positions=positions, cache=cache)
-        x = x + y
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
-
-
-class Llama(ft.Module):
-    embed: ft.nn.Embedding
-    blocks: ft.nn.Stack
-    norm: ft.nn.RMSNorm
-    head: ft.nn.Dense
-
-    def __init__(self, c, *, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.embed = ft.nn.Embedding(c.vocab_size, c.hidden_size, key=k1)
-        self.blocks = ft.nn.Stack(lambda k: LlamaBlock(c, key=k), c.num_hidden_layers, key=k2)
-        self.norm = ft.nn.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps)
-        self.head = ft.nn.Dense(c.hidden_size, c.vocab_size, use_bias=False, key=k3)
-
-    def init_cache(self, batch_size, max_length, dtype=None):
-        return self.blocks.init_cache(batch_size, max_length, dtype)
-
-    def __call__(self, input_ids, *, attention_mask, positions, cache):
-        # rotary by cache slot: the same query-key offsets as HF's cumsum(mask) - 1 positions
-        x, cache = self.blocks(self.embed(input_ids), mask=attention_mask, positions=positions, cache=cache)
         return self.head(self.norm(x)), cache
 
 
@@ -176,7 +131,8 @@ def gpt2():
     torch.manual_seed(0)
     hf = randomized(transformers.GPT2LMHeadModel(config))
     model = ft.nn.Shared(GPT(config, key=jax.random.key(0)), {"head.weight": ("embed.embeddings", jnp.transpose)})
-    return hf, ft.nn.load_torch_state_dict(model, hf.state_dict(), rename=GPT2_NAMES, layouts={"blocks.*": "conv1d"})
+    by_hand = ft.nn.load_torch_state_dict(model, hf.state_dict(), rename=GPT2_NAMES, layouts={"blocks.*": "conv1d"})
+    return hf, by_hand, ft.nn.from_hf(hf)
 
 
 @pytest.fixture(scope="module")
@@ -186,16 +142,19 @@ def llama():
                                       bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     hf = randomized(transformers.LlamaForCausalLM(config))
-    layouts = {"*.self_attn": ("q_proj", "k_proj", "v_proj", "o_proj")}
-    return hf, ft.nn.load_torch_state_dict(Llama(config, key=jax.random.key(0)), hf.state_dict(), rename=LLAMA_NAMES,
-                                           layouts=layouts)
+    return hf, ft.nn.from_hf(hf)  # the one-call port
 
 
 def test_greedy_gpt2_equals_hf_generate_with_left_padding(gpt2):
-    hf, model = gpt2
+    """A user model written against the protocol, and ft.nn.from_hf's GPT-2 (its learned
+    positions count the real tokens before each cache slot)."""
+    hf, by_hand, ported = gpt2
     ids, mask = left_padded_prompts()
     expected = hf_generate(hf, ids, mask, pad_token_id=0, eos_token_id=None)
-    np.testing.assert_array_equal(ft.nn.generate(model, ids, NEW, attention_mask=mask), expected)
+    np.testing.assert_array_equal(ft.nn.generate(by_hand, ids, NEW, attention_mask=mask), expected)
+    np.testing.assert_array_equal(ft.nn.generate(ported, ids, NEW, attention_mask=mask), expected)
+    with pytest.raises(ValueError, match="max_positions = 64"):  # from_hf's GPT-2: n_positions
+        ft.nn.generate(ported, ids, 64 - PROMPT + 1, attention_mask=mask)
 
 
 def test_greedy_llama_gqa_equals_hf_generate_with_left_padding_and_eos(llama):

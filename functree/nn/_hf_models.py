@@ -171,6 +171,10 @@ class GPT2Block(Module):
         self.ln_2 = LayerNorm(d, epsilon=epsilon, dtype=dtype)
         self.mlp = GPT2MLP(d, hidden, activation, key=k2, dtype=dtype)
 
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
+        """This block's attention cache (``MultiheadAttention.init_cache``)."""
+        return self.attn.init_cache(batch_size, max_length, dtype)
+
     def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None) -> Any:
         h, cache = _attend(self.attn, self.ln_1(x), mask, cache, positions)
         x = x + h
@@ -219,6 +223,12 @@ class GPT2LMHeadModel(Module):
                                      gelu if activation is None else activation, epsilon, key=k1, dtype=dtype)
         self.lm_head = None if tied else Dense(d, vocab, use_bias=False, key=k2, dtype=dtype)
 
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the learned position embedding covers (``n_positions``):
+        ``ft.nn.generate`` refuses a longer prompt plus ``max_new_tokens``."""
+        return int(self.transformer.wpe.embeddings.shape[0])
+
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
         """One cache per block (``ft.nn.Stack.init_cache``)."""
         return self.transformer.h.init_cache(batch_size, max_length, dtype=dtype)  # type: ignore[attr-defined]
@@ -229,7 +239,12 @@ class GPT2LMHeadModel(Module):
         mask = _padding(self, ids, attention_mask, cached)
         pos = _positions(self, ids, mask, positions, cached)
         t = self.transformer
-        x = t.wte(ids) + t.wpe(pos)
+        # With a cache, `pos` are cache slots (rotary-free attention needs only their order);
+        # the learned position embedding counts the real tokens before each slot, as HF's
+        # cumsum(mask) - 1 (left padding).
+        real = pos if not cached or mask is None else jnp.maximum(
+            jnp.take_along_axis(jnp.cumsum(mask.astype(jnp.int32), axis=1), pos, axis=1) - 1, 0)
+        x = t.wte(ids) + t.wpe(real)
         x, cache = _blocks(t.h, x, cache, mask=_attention_mask(mask, cached), positions=pos if cached else None)
         x = t.ln_f(x)
         logits = _ties(x, t.wte.embeddings) if self.lm_head is None else self.lm_head(x)
@@ -273,6 +288,10 @@ class LlamaDecoderLayer(Module):
                                             rotary=rotary, causal=True, use_bias=attention_bias, key=k1, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(d, epsilon=epsilon, dtype=dtype)
         self.mlp = LlamaMLP(d, hidden, activation, mlp_bias, key=k2, dtype=dtype)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
+        """This block's attention cache (``MultiheadAttention.init_cache``)."""
+        return self.self_attn.init_cache(batch_size, max_length, dtype)
 
     def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None) -> Any:
         h, cache = _attend(self.self_attn, self.input_layernorm(x), mask, cache, positions)

@@ -111,7 +111,7 @@ def test_model_checkpoint_every_steps_stores_the_metrics_of_its_own_step(tmp_pat
     np.testing.assert_array_equal(final.model.weight, trainer.model.weight)
 
 
-def test_early_stopping_restores_the_best_after_a_full_run():
+def test_early_stopping_restores_the_best_after_a_full_run(tmp_path):
     # issue 27: restore_best restored only when stopping early; a run that used all its
     # epochs kept the last model
     trainer = make(lr=1.5)  # too large: the loss grows after the first epoch
@@ -122,10 +122,17 @@ def test_early_stopping_restores_the_best_after_a_full_run():
             models.append(jax.tree.map(np.asarray, trainer.model))
 
     stop = ft.train.EarlyStopping(monitor="loss", patience=10, restore_best=True)
-    history = trainer.fit(data(), epochs=3, progress=False, callbacks=[Keep(), stop])
+    save = ft.train.ModelCheckpoint(tmp_path / "ckpt", every_steps=5, max_to_keep=None)  # after EarlyStopping
+    history = trainer.fit(data(), epochs=3, progress=False, callbacks=[Keep(), stop, save])
     best = int(np.argmin(history["loss"]))
     assert stop.stopped_epoch is None and stop.best_epoch == best + 1 and best != 2
     for a, b in zip(jax.tree.leaves(trainer.model), jax.tree.leaves(models[best])):
+        np.testing.assert_array_equal(a, b)
+    # The final checkpoint holds its own step's model, not the restored best one (the end
+    # save runs before every on_train_end; it used to save the best under the last step).
+    assert save.manager.all_steps() == [5, trainer.steps_run] and trainer.steps_run % 5
+    last = save.manager.restore(trainer.steps_run)
+    for a, b in zip(jax.tree.leaves(last.model), jax.tree.leaves(models[-1])):
         np.testing.assert_array_equal(a, b)
 
 

@@ -449,17 +449,20 @@ class ModelCheckpoint(Callback):
 
     def _save_point(self, trainer: Trainer, context: TrainingContext, event: str) -> None:
         """The Trainer's save points: ``"step"`` (every ``every_steps``), ``"epoch"`` (after
-        every callback's ``on_epoch_end``) and ``"terminate"`` (SIGTERM)."""
+        every callback's ``on_epoch_end``), ``"end"`` (the end of ``fit``, before every
+        callback's ``on_train_end``: ``EarlyStopping(restore_best=True)`` may then set
+        another epoch's model) and ``"terminate"`` (SIGTERM)."""
         if event == "step" and self.every_steps and trainer.steps_run % self.every_steps:
             return
         if event == "epoch" and trainer.epoch % self.every_epochs:
             return
-        if event == "terminate" or (event == "step") == bool(self.every_steps):
+        if event == "end":  # the end of fit, before any callback's on_train_end
+            if self.manager.best_metric is None:
+                self.save(trainer, context)
+        elif event == "terminate" or (event == "step") == bool(self.every_steps):
             self.save(trainer, context)
 
     def on_train_end(self, trainer: Trainer, context: TrainingContext) -> None:
-        if self.manager.best_metric is None:
-            self.save(trainer, context)
         self.manager.wait_until_finished()
 
 

@@ -798,6 +798,9 @@ class Trainer:
             bar.close()
             self._bar = None
         end = self._context("end", self._metric_means(self._window))
+        for cb in cbs:  # the final checkpoints first: no on_train_end (restore_best) has replaced the model
+            if isinstance(cb, ModelCheckpoint):
+                cb._save_point(self, end, "end")
         for cb in cbs:
             cb.on_train_end(self, end)
         return self.history

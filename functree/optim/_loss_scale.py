@@ -25,7 +25,14 @@ BAD_SCALE = "LossScaleOptimizer: {name} must be positive, got {value!r}."
 
 
 class LossScaleState(NamedTuple):
-    """The loss scale, finite steps since it last changed, steps skipped, and the inner state."""
+    """The loss scale, finite steps since it last changed, steps skipped, and the inner state.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> state = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.sgd(0.1))).init({"w": jnp.ones(())})
+      >>> state.scale, state.good_steps, state.skipped
+      (Array(32768., dtype=float32), Array(0, dtype=int32), Array(0, dtype=int32))
+    """
 
     scale: jax.Array
     good_steps: jax.Array

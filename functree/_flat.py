@@ -235,6 +235,8 @@ def _name_arguments(error: Exception, fn: Callable[..., Any], groups: Any) -> No
         params = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         params = []
+    if params[:1] == ["self"]:  # a class's method shared by its instances (TrainStep._logged): self is not traced
+        params = params[1:]
     names: dict[str, list[str]] = {}
     for positions, treedef, group in groups:
         trees = treedef.unflatten([0] * treedef.num_leaves)

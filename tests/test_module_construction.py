@@ -320,6 +320,10 @@ LAYER_CALLS: dict[type, tuple[Callable[[], ft.Module], Callable[[], ft.Module]]]
         lambda: ft.nn.MultiheadAttention(4, 2, key=K),
         lambda: ft.nn.MultiheadAttention(query_size=4, num_heads=2, key=K),
     ),
+    ft.nn.KVCache: (
+        lambda: ft.nn.KVCache(jnp.zeros((1, 4, 2, 2)), jnp.ones((1, 4, 2, 2))),
+        lambda: ft.nn.KVCache(keys=jnp.zeros((1, 4, 2, 2)), values=jnp.ones((1, 4, 2, 2))),
+    ),
 }
 
 

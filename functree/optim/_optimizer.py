@@ -536,9 +536,13 @@ class Optimizer:
         grads, partial = checked_gradients(g.grads, params)  # the boundary's checks and errors
         if partial is not None:
             return None
-        out = leafwise_gated_update(self.transform, ok, descent_direction(grads), model, state, params,
-                                    minibatch_size=minibatch_size, loss=g.loss)
-        return None if out is None else (with_parameters(model, out[0]), out[1])
+        # The state is kept mode-free (mode_free): so are the trees the transform sees.
+        out = leafwise_gated_update(self.transform, ok, mode_free(descent_direction(grads)), model, state,
+                                    mode_free(params), minibatch_size=minibatch_size, loss=g.loss)
+        if out is None:
+            return None
+        new_params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(out[0]))  # the model's mode
+        return with_parameters(model, new_params), out[1]
 
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
                                state: Any, key: Any = None) -> tuple[Any, Any]:

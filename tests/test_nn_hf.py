@@ -24,18 +24,11 @@ from functree.nn import _hf, _hf_models, _rotary
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from test_hf_ports import randomized  # noqa: E402
 
 VOCAB, D, T = 40, 16, 9
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
-
-
-def randomized(hf):
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return hf.eval()
 
 
 def batch(length=T):

@@ -17,8 +17,8 @@ Calls follow the cache protocol of ``ft.nn.generate``::
 
 ``attention_mask`` is ``[batch, T]`` without a cache (1 = a real token, 0 = padding) and
 ``[batch, max_length]`` with one (1 = a filled slot, the current tokens included);
-``positions`` is int32 ``[batch, T]``. Each block passes ``cache`` and ``positions`` to its
-attention only when given.
+``positions`` is int32 ``[batch, T]`` (with a cache: the cache slots). Each block passes
+``mask``, ``cache`` and ``positions`` to its attention.
 """
 
 from __future__ import annotations
@@ -118,19 +118,21 @@ def _attention_mask(mask: jax.Array | None, cached: bool) -> jax.Array | None:
     return mask[:, None, None, :]
 
 
-def _attend(attention: MultiheadAttention, x: jax.Array, mask: Any, cache: Any, positions: Any) -> Any:
-    """``attention(x, mask=...)`` with ``cache=`` and ``positions=`` passed only when given."""
-    extra = {name: v for name, v in (("cache", cache), ("positions", positions)) if v is not None}
-    out = attention(x, mask=mask, **extra)
-    return out if cache is not None else (out, None)
+def _pre_norm(x: jax.Array, norm1: Any, attention: MultiheadAttention, norm2: Any, mlp: Any, mask: Any,
+              cache: Any, positions: Any) -> Any:
+    """One pre-norm block, GPT-2's and Llama's: ``x + attention(norm1(x))``, then
+    ``x + mlp(norm2(x))``; with a cache, ``(x, cache)`` (the cache protocol)."""
+    out = attention(norm1(x), mask=mask, cache=cache, positions=positions)
+    h, cache = (out, None) if cache is None else out
+    x = x + h
+    x = x + mlp(norm2(x))
+    return x if cache is None else (x, cache)
 
 
 def _blocks(stack: Stack, x: jax.Array, cache: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
-    """``stack(x, **kwargs)``, with the per-member caches when given."""
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    if cache is None:
-        return stack(x, **kwargs), None
-    return stack(x, cache=cache, **kwargs)
+    """``stack(x, **kwargs)`` as ``(x, cache)``; the cache None without one."""
+    out = stack(x, cache=cache, **kwargs)
+    return (out, None) if cache is None else out
 
 
 def _ties(x: jax.Array, embeddings: jax.Array) -> jax.Array:
@@ -176,10 +178,7 @@ class GPT2Block(Module):
         return self.attn.init_cache(batch_size, max_length, dtype)
 
     def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None) -> Any:
-        h, cache = _attend(self.attn, self.ln_1(x), mask, cache, positions)
-        x = x + h
-        x = x + self.mlp(self.ln_2(x))
-        return x if cache is None else (x, cache)
+        return _pre_norm(x, self.ln_1, self.attn, self.ln_2, self.mlp, mask, cache, positions)
 
 
 class GPT2Model(Module):
@@ -294,10 +293,8 @@ class LlamaDecoderLayer(Module):
         return self.self_attn.init_cache(batch_size, max_length, dtype)
 
     def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None) -> Any:
-        h, cache = _attend(self.self_attn, self.input_layernorm(x), mask, cache, positions)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x if cache is None else (x, cache)
+        return _pre_norm(x, self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp, mask,
+                         cache, positions)
 
 
 class LlamaModel(Module):

@@ -50,6 +50,31 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def carried_updates(variants: Mapping[str, tuple[Callable[..., Any], Any, Any]], grads: Any,
+                    calls: int) -> Callable[[str], Callable[[], float]]:
+    """``block(name)``: a timed block of ``calls`` updates of variant ``name`` (``update(p, s,
+    grads) -> (p, s)``, first values ``p, s``), each block carrying on from the last (the
+    buffers are donated); the block returns seconds per update."""
+    carries = {name: (p, s) for name, (_, p, s) in variants.items()}
+
+    def block(name: str) -> Callable[[], float]:
+        update = variants[name][0]
+
+        def run() -> float:
+            def go() -> Any:
+                p, s = carries[name]
+                for _ in range(calls):
+                    p, s = update(p, s, grads)
+                carries[name] = (p, s)
+                return p, s
+
+            return timed(go) / calls
+
+        return run
+
+    return block
+
+
 @dataclass
 class Row:
     name: str

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _harness import Table, interleave, paired_rows, timed
+from _harness import Table, carried_updates, interleave, paired_rows
 from _models import LEARNING_RATE
 
 import functree as ft
@@ -91,20 +91,7 @@ def many_leaves(quick: bool) -> list[Table]:
                 "functree apply_gradients (no gate)": _functree(False),
                 "functree gated update (default: one cond)": _functree(True),
                 "functree gated update, leaf by leaf (forced)": _functree(True, leaf_by_leaf=True)}
-    carries = {name: (p, s) for name, (_, p, s) in variants.items()}
-
-    def block(name: str):
-        update = variants[name][0]
-
-        def run() -> float:
-            def go():
-                p, s = carries[name]
-                for _ in range(calls):
-                    p, s = update(p, s, grads)
-                carries[name] = (p, s)
-                return p, s
-            return timed(go) / calls
-        return run
+    block = carried_updates(variants, grads, calls)
 
     for name in variants:
         block(name)()

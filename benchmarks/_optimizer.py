@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from _harness import Table, interleave, paired_rows, timed
+from _harness import Table, carried_updates, interleave, paired_rows
 from _models import LEARNING_RATE
 
 import functree as ft
@@ -71,20 +71,11 @@ def optimizer_throughput(quick: bool) -> list[Table]:
     variants = {"optax adam + apply_updates": _optax(),
                 "functree opt.update + ft.move": _functree_update(),
                 "functree opt.apply_gradients": _functree_apply()}
-    carries = {name: (p, s) for name, (_, p, s) in variants.items()}
+    per_update = carried_updates(variants, grads, calls)
 
     def block(name: str):
-        update = variants[name][0]
-
-        def run() -> float:
-            def go():
-                p, s = carries[name]
-                for _ in range(calls):
-                    p, s = update(p, s, grads)
-                carries[name] = (p, s)
-                return p, s
-            return gigabytes * calls / timed(go)
-        return run
+        run = per_update(name)
+        return lambda: gigabytes / run()
 
     for name in variants:
         block(name)()

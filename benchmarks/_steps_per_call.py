@@ -100,7 +100,7 @@ def _trainer(k: int) -> Callable[[int], None]:
 
     def run(steps: int) -> None:
         with contextlib.redirect_stderr(io.StringIO()):
-            trainer.fit([batch] * steps, epochs=1)
+            trainer.fit([batch] * steps, epochs=trainer.epoch + 1)  # epochs= counts the whole job
 
     return run
 

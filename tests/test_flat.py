@@ -106,6 +106,43 @@ def test_a_dict_passed_back_is_flattened_again_it_may_have_changed_in_place():
     np.testing.assert_array_equal(params["w"], jnp.full(2, 11.0))
 
 
+@pytest.mark.parametrize("tree_when_mutable", [False, True])
+def test_a_donated_dict_loop_equals_jax_jit_and_sees_in_place_changes(tree_when_mutable):
+    # tree_when_mutable (ft.jit's path): a dict can never be passed back by its leaves, so
+    # the calls run jax.jit of the function itself (no flat program compiled at all).
+    def fn(p, x):
+        return {"w": p["w"] * 0.5 + x, "b": p["b"] - x}, p["w"].sum() + p["b"].sum()
+
+    step = flat_jit(fn, donate=(0,), tree_when_mutable=tree_when_mutable)
+    reference = jax.jit(fn)
+    params = {"w": jnp.arange(3.0), "b": jnp.ones(2)}
+    expected = {k: jnp.array(v) for k, v in params.items()}
+    for i in range(5):
+        if i == 4:  # changed in place between calls: must be seen
+            params["w"], expected["w"] = jnp.full(3, 10.0), jnp.full(3, 10.0)
+        params, total = step(params, 1.0)
+        expected, expected_total = reference(expected, 1.0)
+        for k in params:
+            np.testing.assert_array_equal(params[k], expected[k])
+        assert float(total) == float(expected_total)
+        if i == 1:
+            compiled = step._cache_size()
+        if i == 3:
+            assert step._cache_size() == compiled  # the loop compiles nothing after its second call
+    flat_compiled = sum(p.jitted._cache_size() for p in step._programs.values())
+    assert (flat_compiled == 0) == tree_when_mutable
+
+
+def test_tree_when_mutable_keeps_the_flat_loop_for_modules():
+    class Weights(ft.Module):
+        w: jax.Array
+
+    step = flat_jit(lambda m, x: (Weights(m.w + x), jnp.sum(m.w)), donate=(0,), tree_when_mutable=True)
+    model, _ = step(Weights(jnp.zeros(2)), 1.0)
+    model, _ = step(model, 1.0)
+    assert step._last[0].loop == (0,)  # a frozen Module: passed back by its leaves
+
+
 def test_keyword_calls_and_lower_work():
     step = flat_jit(lambda w, x: (w * x, jnp.sum(w)), donate=(0,))
     w, _ = step(w=jnp.ones(2), x=2.0)

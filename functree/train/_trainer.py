@@ -39,7 +39,7 @@ from functree.train._callbacks import Callback, ModelCheckpoint, TrainingContext
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._history import History
-from functree.train._intervals import Interval, next_buffer, snapshot
+from functree.train._intervals import Interval, next_buffer, snapshot, to_host
 from functree.train._metrics import batch_size_of, describe_batch
 from functree.train._progress import Progress
 from functree.train._scan import check_steps_per_call, stack_batches
@@ -569,8 +569,9 @@ class Trainer:
         """The open buffer's steps (all dispatched) become a pending interval; the next
         buffer opens on device, carrying a stop (one dispatch, no wait)."""
         buffer, ctx = next_buffer(self._buffer["halt"], self._buffer["rows"], self.opt_state)
-        for x in jax.tree.leaves((self._buffer, ctx)):
-            x.copy_to_host_async()  # queued behind the interval's steps: done when it is read
+        if jax.default_backend() != "cpu":  # (the CPU's arrays are in host memory: nothing to copy)
+            for x in jax.tree.leaves((self._buffer, ctx)):
+                x.copy_to_host_async()  # queued behind the interval's steps: done when it is read
         self._critical = True  # the steps move to the pending interval at once: a Ctrl-C waits
         self._pending.append(Interval(self._buffer, ctx, self.steps_run - self._buffered + 1, self._buffered,
                                       self._inflight, log))
@@ -597,7 +598,7 @@ class Trainer:
 
     def _read_interval(self, bar: Progress, cbs: Sequence[Callback]) -> None:
         interval = self._pending[0]
-        host, ctx = jax.device_get((interval.buffer, interval.context))
+        host, ctx = to_host((interval.buffer, interval.context))
         n = int(host["halt"][0])
         steps = list(range(interval.first, interval.first + n))
         assert self._names is not None

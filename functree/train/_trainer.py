@@ -673,7 +673,7 @@ class Trainer:
     def _context(self, event: str, metrics: Mapping[str, float], arrays: Any = None,
                  step: int | None = None) -> TrainingContext:
         if arrays is None and self._last_context is None:  # valid until the next step
-            self._last_context = jax.device_get(snapshot(self.opt_state))
+            self._last_context = to_host(snapshot(self.opt_state))
         ctx, rates = arrays or self._last_context
         rates = {name: float(v) for name, v in rates.items()}
         return TrainingContext(

@@ -277,6 +277,17 @@ def test_a_loss_that_requires_a_key_needs_the_trainers_key():
     assert "key=jax.random.key(0)" in str(info.value)
 
 
+def test_a_trainer_key_with_a_loss_that_takes_none_is_named_at_construction():
+    def mse(model, batch):
+        return jnp.mean((model(batch[0])[:, :1] - batch[1]) ** 2)
+
+    with pytest.raises(ValueError, match=r"the loss function mse\(model, batch\) takes no key") as info:
+        Trainer(mlp(), adam(), mse, key=jax.random.key(0))
+    assert "lambda m, b, key=None:" in str(info.value) and "give the Trainer none" in str(info.value)
+    Trainer(mlp(), adam(), mse).fit((X, Y), steps=1, progress=False)  # without a key: trains
+    Trainer(mlp(), adam(), lambda m, b, **kw: mse(m, b), key=jax.random.key(0)).fit((X, Y), steps=1, progress=False)
+
+
 def test_the_trained_model_for_inference():
     trainer = Trainer(mlp(dropout=0.5), adam(), classify, key=jax.random.key(0))
     trainer.fit((X, LABELS), steps=2, progress=False)

@@ -100,6 +100,17 @@ the Trainer's.
     wrong:  ft.train.Trainer(model, optimizer, loss_fn)
     right:  ft.train.Trainer(model, optimizer, loss_fn, key=jax.random.key(0))"""
 
+LOSS_TAKES_NO_KEY = """\
+The Trainer has a PRNG key, so every training step calls loss_fn(model, batch, key=...) \
+with a fresh key derived from it, but the loss function {name}{signature} takes no key. \
+Pass the key on to the model's random layers (Dropout), or give the Trainer none (arrays \
+are shuffled either way):
+
+    wrong:  ft.train.Trainer(model, optimizer, lambda m, b: mse(m(b[0]), b[1]), key=jax.random.key(0))
+    right:  ft.train.Trainer(model, optimizer, lambda m, b, key=None: mse(m(b[0], key=key), b[1]),
+                             key=jax.random.key(0))
+       or:  ft.train.Trainer(model, optimizer, lambda m, b: mse(m(b[0]), b[1]))"""
+
 EMPTY_MINIBATCH = """\
 step {step}: minibatch {index} of epoch {epoch} is empty (0 examples; minibatches and epochs \
 counted from 0, as trainer.batch_in_epoch and trainer.epoch). Its shapes: {shapes}.
@@ -407,6 +418,9 @@ class Trainer:
         self._loss_key = key_parameter(loss_fn)
         if self._loss_key == "required" and key is None and train_step is None:
             raise ValueError(LOSS_NEEDS_KEY.format(
+                name=getattr(loss_fn, "__name__", "loss_fn"), signature=_signature(loss_fn)))
+        if self._loss_key is None and key is not None and train_step is None and _signature(loss_fn):
+            raise ValueError(LOSS_TAKES_NO_KEY.format(
                 name=getattr(loss_fn, "__name__", "loss_fn"), signature=_signature(loss_fn)))
         # An accidental tie (one array at two leaves) is named once here; _copy unties it.
         warn_aliases(model, what="The model given to ft.train.Trainer")

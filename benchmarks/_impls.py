@@ -102,7 +102,9 @@ def raw_params(spec: Spec) -> dict[str, jax.Array]:
     return params
 
 
-def raw(spec: Spec) -> Runner:
+def raw(spec: Spec, gate: str | None = None) -> Runner:
+    """``gate``: None, or a NaN gate written by hand in raw JAX, ``"cond"`` (``lax.cond``
+    around the update) or ``"where"`` (a select per leaf) — ``benchmarks/gate_pipeline.py``."""
     tx = optax.adam(LEARNING_RATE)
 
     def loss_fn(params, x, y):
@@ -111,14 +113,51 @@ def raw(spec: Spec) -> Runner:
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+
+        def apply(carry):
+            updates, s = tx.update(grads, carry[1], carry[0])
+            return optax.apply_updates(carry[0], updates), s
+
+        if gate is None:
+            return (*apply((params, opt_state)), loss)
+        ok = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        if gate == "cond":
+            params, opt_state = jax.lax.cond(ok, apply, lambda carry: carry, (params, opt_state))
+        else:
+            params, opt_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), apply((params, opt_state)),
+                                             (params, opt_state))
+        return params, opt_state, loss
 
     params = raw_params(spec)
     return Runner(step, (params, tx.init(params)), data(spec))
 
 
+def optax_update(params: Any) -> tuple[Callable[..., Any], Any, Any]:
+    """The Adam update alone (families 4 and 12): ``(update, params, state)`` for
+    :func:`_harness.carried_updates`, ``update(params, state, grads)`` jitted and donating."""
+    tx = optax.adam(LEARNING_RATE)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return update, params, tx.init(params)
+
+
 # --- functree ------------------------------------------------------------------------------
+
+def functree_apply(model: Any) -> tuple[Callable[..., Any], Any, Any]:
+    """:func:`optax_update` through ``Optimizer(ft.optim.adam).apply_gradients`` under
+    ``ft.jit(donate=(0, 1))``."""
+    opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
+
+    @ft.jit(donate=(0, 1))
+    def update(model, state, grads):
+        return opt.apply_gradients(grads, model, state)
+
+    return update, model, opt.init(model)
+
 
 def _const(value: np.ndarray) -> Callable[..., jax.Array]:
     return lambda key, shape, dtype: jnp.asarray(value, dtype)
@@ -174,14 +213,14 @@ def functree_move(spec: Spec) -> Runner:
     return Runner(step, (model, opt.init(model)), data(spec))
 
 
-def functree_train_step(spec: Spec) -> Runner:
+def functree_train_step(spec: Spec, on_nan: str = "stop") -> Runner:
     opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
 
     def loss_fn(model, batch):
         x, y = batch
         return loss_of(spec, model(x), y)
 
-    step = ft.train.train_step(loss_fn, opt)
+    step = ft.train.train_step(loss_fn, opt, on_nan=on_nan)
     model = functree_model(spec)
     return Runner(step, (model, opt.init(model)), (data(spec),))
 

@@ -18,13 +18,11 @@ Goal: the gated update at least as fast as optax's ungated per-leaf update (rati
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from _harness import Table, carried_updates, interleave, paired_rows
+from _impls import functree_apply, optax_update
 from _models import LEARNING_RATE
 
 import functree as ft
@@ -50,25 +48,11 @@ def _tree(seed: int) -> dict[str, jax.Array]:
     return {k: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.02) for k, s in _shapes().items()}
 
 
-def _optax():
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def update(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    params = _tree(0)
-    return update, params, tx.init(params)
-
-
-def _functree(gated: bool, leaf_by_leaf: bool = False):
+def _gated(leaf_by_leaf: bool = False):
     opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
 
     @ft.jit(donate=(0, 1))
     def update(model, state, grads):
-        if not gated:
-            return opt.apply_gradients(grads, model, state)
         loss = jnp.float32(1.0)
         result = opt.apply_step(Gradients(loss, loss, grads, {}), model, state, minibatch_size=1, on_nan="stop")
         return result.model, result.state
@@ -87,10 +71,10 @@ def _functree(gated: bool, leaf_by_leaf: bool = False):
 def many_leaves(quick: bool) -> list[Table]:
     rounds, calls = (3, 5) if quick else (15, 20)
     grads = _tree(1)
-    variants = {OPTAX: _optax(),
-                "functree apply_gradients (no gate)": _functree(False),
-                "functree gated update (default: one cond)": _functree(True),
-                "functree gated update, leaf by leaf (forced)": _functree(True, leaf_by_leaf=True)}
+    variants = {OPTAX: optax_update(_tree(0)),
+                "functree apply_gradients (no gate)": functree_apply(_tree(0)),
+                "functree gated update (default: one cond)": _gated(),
+                "functree gated update, leaf by leaf (forced)": _gated(leaf_by_leaf=True)}
     block = carried_updates(variants, grads, calls)
 
     for name in variants:

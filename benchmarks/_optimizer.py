@@ -8,12 +8,10 @@ float32 parameter: read parameter, gradient, m and v; write parameter, m and v.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import optax
 from _harness import Table, carried_updates, interleave, paired_rows
+from _impls import functree_apply, optax_update
 from _models import LEARNING_RATE
 
 import functree as ft
@@ -28,18 +26,6 @@ def _tree(seed: int) -> dict[str, jax.Array]:
     return {f"w{i:02d}": jax.random.normal(k, LEAF_SHAPE, jnp.float32) for i, k in enumerate(keys)}
 
 
-def _optax():
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def update(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    params = _tree(0)
-    return update, params, tx.init(params)
-
-
 def _functree_update():
     opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
 
@@ -52,17 +38,6 @@ def _functree_update():
     return update, model, opt.init(model)
 
 
-def _functree_apply():
-    opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
-
-    @ft.jit(donate=(0, 1))
-    def update(model, state, grads):
-        return opt.apply_gradients(grads, model, state)
-
-    model = _tree(0)
-    return update, model, opt.init(model)
-
-
 def optimizer_throughput(quick: bool) -> list[Table]:
     rounds, calls = (3, 2) if quick else (15, 5)
     if jax.default_backend() != "cpu":  # an update takes ~0.2 ms there: amortise the first call's dispatch
@@ -70,9 +45,9 @@ def optimizer_throughput(quick: bool) -> list[Table]:
     grads = _tree(1)
     n = LEAVES * LEAF_SHAPE[0] * LEAF_SHAPE[1]
     gigabytes = n * BYTES_PER_PARAM / 1e9
-    variants = {"optax adam + apply_updates": _optax(),
+    variants = {"optax adam + apply_updates": optax_update(_tree(0)),
                 "functree opt.update + ft.move": _functree_update(),
-                "functree opt.apply_gradients": _functree_apply()}
+                "functree opt.apply_gradients": functree_apply(_tree(0))}
     per_update = carried_updates(variants, grads, calls)
 
     def block(name: str):

@@ -29,8 +29,6 @@ conditionals, copies, host transfers and custom calls.
 from __future__ import annotations
 
 import argparse
-import functools
-import itertools
 import json
 import os
 import statistics
@@ -40,137 +38,32 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import functree as ft
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _impls import Runner, functree_train_step, raw
+from _models import TINY, WIDE_MLP, Spec
 
-LR = 1e-3
 QUEUE = 20
+SMOKE = Spec("mlp-256x3", "mlp", 256, (256, 256, 256, 256), loss="mse")
 
 
-def _params(widths: tuple[int, ...]) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    out = {}
-    for i, (a, b) in enumerate(itertools.pairwise(widths)):
-        out[f"w{i}"] = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
-        out[f"b{i}"] = np.zeros(b, np.float32)
-    return out
-
-
-def _batch(widths: tuple[int, ...], n: int) -> tuple[jax.Array, jax.Array]:
-    rng = np.random.default_rng(1)
-    return (jnp.asarray(rng.standard_normal((n, widths[0])), jnp.float32),
-            jnp.asarray(rng.standard_normal((n, widths[-1])), jnp.float32))
-
-
-def _forward(params: dict, x: jax.Array, depth: int) -> jax.Array:
-    for i in range(depth):
-        x = x @ params[f"w{i}"] + params[f"b{i}"]
-        if i < depth - 1:
-            x = jax.nn.relu(x)
-    return x
-
-
-def raw(widths: tuple[int, ...], gate: str | None) -> tuple[Any, Any]:
-    """Raw JAX + optax; ``gate``: None (ungated), "cond" or "where"."""
-    tx, depth = optax.adam(LR), len(widths) - 1
-
-    def loss_fn(p, x, y):
-        return jnp.mean((_forward(p, x, depth) - y) ** 2)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(p, s, x, y):
-        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
-
-        def apply(ps):
-            u, s2 = tx.update(g, ps[1], ps[0])
-            return optax.apply_updates(ps[0], u), s2
-
-        if gate is None:
-            return (*apply((p, s)), loss)
-        ok = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(g)]))
-        if gate == "cond":
-            p, s = jax.lax.cond(ok, apply, lambda ps: ps, (p, s))
-        else:
-            p, s = jax.tree.map(lambda n, o: jnp.where(ok, n, o), apply((p, s)), (p, s))
-        return p, s, loss
-
-    p = {k: jnp.asarray(v) for k, v in _params(widths).items()}
-    return step, (p, tx.init(p))
-
-
-def functree(widths: tuple[int, ...], on_nan: str) -> tuple[Any, Any]:
-    """``ft.train.train_step``."""
-    params = _params(widths)
-    model = ft.nn.Sequential([
-        ft.nn.Dense(params[f"w{i}"].shape[0], params[f"w{i}"].shape[1],
-                    jax.nn.relu if i < len(widths) - 2 else ft.nn.identity, key=jax.random.key(0),
-                    weight_initializer=lambda k, s, d, v=params[f"w{i}"]: jnp.asarray(v, d),
-                    bias_initializer=lambda k, s, d, v=params[f"b{i}"]: jnp.asarray(v, d))
-        for i in range(len(widths) - 1)])
-    opt = ft.optim.Optimizer(ft.optim.adam(LR))
-
-    def loss_fn(m, batch):  # a new function per variant: no shared compiled program
-        x, y = batch
-        return jnp.mean((m(x) - y) ** 2)
-
-    step = ft.train.train_step(loss_fn, opt, on_nan=on_nan)
-    return step, (model, opt.init(model))
-
-
-class Variant:
-    def __init__(self, name: str, step: Any, carry: tuple, batch: tuple, packed_batch: bool) -> None:
-        self.name, self.step, self.carry, self.batch, self.packed = name, step, carry, batch, packed_batch
-
-    def call(self) -> Any:
-        out = self.step(*self.carry, self.batch) if self.packed else self.step(*self.carry, *self.batch)
-        self.carry = tuple(out[:2])
-        return out
-
-    def block(self, n: int) -> float:
-        jax.block_until_ready(self.carry)
-        start = time.perf_counter()
-        for _ in range(n):
-            out = self.call()
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / n
-
-    def returned(self) -> float:
-        jax.block_until_ready(self.carry)
-        start = time.perf_counter()
-        out = self.call()
-        back = time.perf_counter() - start
-        jax.block_until_ready(out)
-        return back / (time.perf_counter() - start)
-
-    def queued(self) -> float:
-        jax.block_until_ready(self.carry)
-        start = time.perf_counter()
-        for _ in range(QUEUE):
-            out = self.call()
-        back = time.perf_counter() - start
-        jax.block_until_ready(out)
-        return back / (time.perf_counter() - start)
-
-
-class Direct(Variant):
+class Direct(Runner):
     """A train step's compiled flat program called with the leaves of its last results:
     the program's time without functree's Python around it (the wrapper's share is the
     difference to the step's own row)."""
 
-    def __init__(self, name: str, step: Any, carry: tuple, batch: tuple) -> None:
-        super().__init__(name, step, carry, batch, False)
-        Variant.block(self, 2)  # through the step itself, then its program
+    def __init__(self, runner: Runner) -> None:
+        super().__init__(runner.step, runner.carry, runner.args)
+        runner.block(2)  # through the step itself, then its program
+        step = runner.step
         self.program, _, self.leaves = step._compiled._last
         self.logged = step.on_nan == "stop"
-        self.others = jax.tree.leaves([batch[0], None] if self.logged else [batch[0], None, None])
+        self.others = jax.tree.leaves([runner.args[0], None] if self.logged else [runner.args[0], None, None])
+        self.carry = (self.leaves,)
 
     def call(self) -> Any:
-        if not hasattr(self, "program"):
-            return super().call()
         p, leaves = self.program, self.leaves
         donated = leaves[p.spans[0][0]:p.spans[1][1]]
         if self.logged:  # the halt log, passed back
@@ -180,19 +73,39 @@ class Direct(Variant):
         return self.leaves
 
 
-def build(widths: tuple[int, ...], n: int) -> list[Variant]:
-    batch = _batch(widths, n)
-    out = []
-    for gate in (None, "cond", "where"):
-        step, carry = raw(widths, gate)
-        out.append(Variant(f"raw, {'ungated' if gate is None else 'gated: ' + gate}", step, carry, batch, False))
+def _ready(r: Runner) -> None:
+    jax.block_until_ready(r.carry)
+
+
+def per_call(r: Runner, n: int) -> float:
+    """Seconds per call over ``n`` calls, blocked on the last."""
+    _ready(r)
+    start = time.perf_counter()
+    for _ in range(n):
+        out = r.call()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / n
+
+
+def returned(r: Runner, n: int = 1) -> float:
+    """Time until the last of ``n`` calls returned, as a share of the time until it was done."""
+    _ready(r)
+    start = time.perf_counter()
+    for _ in range(n):
+        out = r.call()
+    back = time.perf_counter() - start
+    jax.block_until_ready(out)
+    return back / (time.perf_counter() - start)
+
+
+def build(spec: Spec) -> dict[str, Runner]:
+    out = {f"raw, {'ungated' if gate is None else 'gated: ' + gate}": raw(spec, gate)
+           for gate in (None, "cond", "where")}
     for on_nan in ("ignore", "stop"):
-        step, carry = functree(widths, on_nan)
-        out.append(Variant(f"functree train_step, on_nan={on_nan!r}", step, carry, (batch,), False))
+        out[f"functree train_step, on_nan={on_nan!r}"] = functree_train_step(spec, on_nan)
     for on_nan in ("ignore", "stop"):
-        step, carry = functree(widths, on_nan)
-        out.append(Direct(f"functree train_step, on_nan={on_nan!r}: its compiled program alone", step, carry,
-                          (batch,)))
+        out[f"functree train_step, on_nan={on_nan!r}: its compiled program alone"] = Direct(
+            functree_train_step(spec, on_nan))
     return out
 
 
@@ -200,37 +113,36 @@ HOST = ("send", "recv", "infeed", "outfeed", "custom-call", "host", "copy-start"
         "command_buffer", "while")
 
 
-def hlo(variants: list[Variant], tag: str, out: Path) -> dict[str, dict[str, int]]:
+def hlo(runners: dict[str, Runner], tag: str, out: Path) -> dict[str, dict[str, int]]:
     counts = {}
     with open(out / "hlo.txt", "a") as f:  # one file: the device tool brings back few
-        for v in variants:
-            args = (*v.carry, *v.batch)
-            text = v.step.lower(*args).compile().as_text()
-            f.write(f"\n\n######## {tag}: {v.name}\n\n{text}")
-            counts[v.name] = {k: text.count(k) for k in HOST}
+        for name, r in runners.items():
+            text = r.lower().as_text()
+            f.write(f"\n\n######## {tag}: {name}\n\n{text}")
+            counts[name] = {k: text.count(k) for k in HOST}
     return counts
 
 
-def measure(variants: list[Variant], rounds: int, calls: int) -> list[dict]:
-    for v in variants:
-        v.block(calls)
-    res: dict[str, dict[str, list[float]]] = {v.name: {"step": [], "ratio": [], "returned": [], "queued": []}
-                                               for v in variants}
-    for r in range(rounds):
-        shift = r % len(variants)
-        order = variants[shift:] + variants[:shift]
+def measure(runners: dict[str, Runner], rounds: int, calls: int) -> list[dict]:
+    names = list(runners)
+    for r in runners.values():
+        per_call(r, calls)
+    res: dict[str, dict[str, list[float]]] = {n: {"step": [], "ratio": [], "returned": [], "queued": []}
+                                               for n in names}
+    for k in range(rounds):
         times = {}
-        for v in order:
-            times[v.name] = v.block(calls)
-            res[v.name]["returned"].append(v.returned())
-            res[v.name]["queued"].append(v.queued())
-        for v in variants:
-            res[v.name]["step"].append(times[v.name])
-            res[v.name]["ratio"].append(times[v.name] / times[variants[0].name])
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            r = runners[name]
+            times[name] = per_call(r, calls)
+            res[name]["returned"].append(returned(r))
+            res[name]["queued"].append(returned(r, QUEUE))
+        for name in names:
+            res[name]["step"].append(times[name])
+            res[name]["ratio"].append(times[name] / times[names[0]])
     rows = []
-    for v in variants:
-        m = {k: statistics.median(x) for k, x in res[v.name].items()}
-        rows.append({"variant": v.name, "step ms": m["step"] * 1e3, "ratio": m["ratio"],
+    for name in names:
+        m = {k: statistics.median(x) for k, x in res[name].items()}
+        rows.append({"variant": name, "step ms": m["step"] * 1e3, "ratio": m["ratio"],
                      "returned at %": 100 * m["returned"], "queued %": 100 * m["queued"]})
     return rows
 
@@ -256,16 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     head = f"Device: {dev.device_kind} ({jax.default_backend()}); jax {jax.__version__}, optax {optax.__version__}\n"
     print(head, flush=True)
     report, payload = [head], {"device": dev.device_kind, "jax": jax.__version__}
-    configs = (("compute-bound: MLP 4096-4096-4096-4096, batch 4096", (4096, 4096, 4096, 4096), 4096, 10),
-               ("dispatch-bound: MLP 8-16-16-1, batch 4", (8, 16, 16, 1), 4, 200))
+    configs = ((f"compute-bound: {WIDE_MLP.label}", WIDE_MLP, 10), (f"dispatch-bound: {TINY.label}", TINY, 200))
     if jax.default_backend() == "cpu":  # a smoke run of the script itself
-        configs = (("compute-bound (CPU smoke run): MLP 256-256-256-256, batch 256", (256,) * 4, 256, 5),
-                   configs[1])
-    for title, widths, n, calls in configs:
-        variants = build(widths, n)
-        tag = "big" if n > 4 else "tiny"
-        payload[tag + " hlo"] = counts = hlo(variants[:5], tag, out)
-        rows = measure(variants, 3 if args.quick else 9, calls)
+        configs = ((f"compute-bound (CPU smoke run): {SMOKE.label}", SMOKE, 5), configs[1])
+    for title, spec, calls in configs:
+        runners = build(spec)
+        tag = "tiny" if spec is TINY else "big"
+        payload[tag + " hlo"] = counts = hlo(dict(list(runners.items())[:5]), tag, out)
+        rows = measure(runners, 3 if args.quick else 9, calls)
         payload[tag] = rows
         text = table(title, rows) + "\nHLO counts: " + json.dumps(counts) + "\n"
         report.append(text)

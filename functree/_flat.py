@@ -177,13 +177,15 @@ def _immutable(treedef: Any) -> bool:
 class _Program:
     """One ``jax.jit`` of the flat function, for one set of input tree definitions."""
 
-    __slots__ = ("build", "carry", "donated_treedef", "jitted", "loop", "other_treedef", "out_treedef", "passed",
-                 "several", "spans")
+    __slots__ = ("build", "carry", "jitted", "loop", "loops", "other_treedef", "out_treedef", "passed", "several",
+                 "spans")
 
     def __init__(self, fn: Callable[..., Any], nargs: int, donate: tuple[int, ...], donated_treedef: Any,
-                 other_treedef: Any, options: dict[str, Any]):
+                 other_treedef: Any, options: dict[str, Any], owned: tuple[int, ...] = ()):
         self.other_treedef = other_treedef
-        self.donated_treedef = donated_treedef
+        # Whether a later call can pass the donated arguments back by their leaves: each is
+        # owned or holds no mutable container (read once, from the tree definitions).
+        self.loops = all(i in owned or _immutable(t) for i, t in zip(donate, donated_treedef.children()))
         self.passed = tuple(i for i in range(nargs) if i not in donate)
         self.build: Any = None
         self.out_treedef: Any = None
@@ -310,7 +312,8 @@ class FlatJit:
             return None, donated_leaves, other_leaves
         if program is None:
             donate = tuple(i for i in self._donate if i < len(args))
-            program = _Program(self._fn, len(args), donate, donated_treedef, other_treedef, self._options)
+            program = _Program(self._fn, len(args), donate, donated_treedef, other_treedef, self._options,
+                               self._owned)
             bounded_put(self._programs, key, program)
         return program, donated_leaves, other_leaves
 
@@ -352,18 +355,12 @@ class FlatJit:
                         self._last = (program, results if program.several else (results,), leaves)
                         return results
         program, donated, other_leaves = self._program(args)
-        if program is None or (self._tree_when_mutable and not self._loops(program)):
+        if program is None or (self._tree_when_mutable and not program.loops):
             self._last = None
             self._tree_only = program is not None
             return self._tree_jit()(*args)
         self._loop(program, args)
         return self._run(program, donated, other_leaves)
-
-    def _loops(self, program: _Program) -> bool:
-        """Whether a later call can pass this program's donated arguments back by their
-        leaves: each is owned or holds no mutable container."""
-        trees = program.donated_treedef.children()
-        return all(i in self._owned or _immutable(t) for i, t in zip(self._donate, trees))
 
     def _run(self, program: _Program, donated: list[Any], others: list[Any]) -> Any:
         leaves = program.jitted(donated, others)

@@ -316,13 +316,12 @@ def _flat(f: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]) 
             per_f = _FLAT.setdefault(f, {})
     except (TypeError, ValueError):  # no weak reference or no hash: no cache
         return flat_jit(explain_control_flow(f), donate=nums, tree_options={"donate_argnames": names},
-                    tree_when_mutable=True)
+                        tree_when_mutable=True)
     traced = _traced(f, static_leaves=False)
     jitted = per_f.get((nums, names))
     if jitted is not None and jitted._fn is traced:
         return jitted
-    jitted = flat_jit(traced, donate=nums, tree_options={"donate_argnames": names},
-                    tree_when_mutable=True)
+    jitted = flat_jit(traced, donate=nums, tree_options={"donate_argnames": names}, tree_when_mutable=True)
     if (nums, names) not in per_f and _TRACED[f][False][1] is traced:  # f's own (not an equal f's)
         per_f[(nums, names)] = jitted
     return jitted

@@ -5,6 +5,10 @@
 instead of the terminal, against ``for batch in batches: model, state, m =
 step(model, state, batch)`` with ``step = ft.train.train_step(loss_fn, opt)``, blocking
 at the end. Raw JAX's loop is shown for scale.
+
+A third table runs epochs of 4 steps (16 examples, batch 4, 100 epochs a fit), where the
+per-epoch work (the epoch's read, its end, the shuffle of ``ft.train.batches``) is the
+Trainer's cost: a list of minibatches and the arrays cut by ``batches``.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+from typing import Any
 
 import jax
+import numpy as np
 from _harness import Table, interleave, paired_rows
 from _impls import functree_model, raw
 from _models import LEARNING_RATE, MNIST_MLP, TINY, Spec, data, loss_of
@@ -97,7 +103,58 @@ def _table(spec: Spec, steps: int, rounds: int) -> Table:
     return table
 
 
+def _short_epochs(epochs: int, rounds: int) -> Table:
+    spec = TINY
+    x, y = data(spec)
+    rng = np.random.default_rng(0)
+    x = np.asarray(rng.normal(size=(16, x.shape[1])), np.float32)
+    y = np.asarray(rng.normal(size=(16, y.shape[1])), np.float32)
+    minibatches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 16, 4)]
+    steps = 4 * epochs
+
+    def loss_fn(model, batch):
+        xb, yb = batch
+        return loss_of(spec, model(xb), yb)
+
+    opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
+    step = ft.train.train_step(loss_fn, opt)
+    model = functree_model(spec)
+    carry = [model, opt.init(model)]
+
+    def bare() -> float:
+        start = time.perf_counter()
+        m, s = carry
+        for _ in range(epochs):
+            for b in minibatches:
+                m, s, metrics = step(m, s, b)
+        jax.block_until_ready(metrics)
+        carry[:] = [m, s]
+        return (time.perf_counter() - start) / steps
+
+    def fitting(make_data: Any) -> Any:
+        trainer = ft.train.Trainer(functree_model(spec), opt, loss_fn)
+
+        def fit() -> float:
+            start = time.perf_counter()
+            with contextlib.redirect_stderr(_Terminal()):
+                trainer.fit(make_data(), epochs=trainer.epoch + epochs, batch_size=4)
+            return (time.perf_counter() - start) / steps
+
+        return fit
+
+    blocks = {BARE: bare, "Trainer.fit, a list of minibatches": fitting(lambda: minibatches),
+              "Trainer.fit, arrays (shuffled by ft.train.batches)": fitting(lambda: (x, y))}
+    for b in blocks.values():
+        b()
+    rows = paired_rows(interleave(blocks, rounds), BARE, scale=1e6)
+    table = Table("trainer-short-epochs", f"9. Trainer.fit overhead, epochs of 4 steps: {spec.label}, Adam",
+                  "µs/step", "(informational: the per-epoch work)", rows, ratio_label="× bare loop")
+    table.notes.append(f"median of {rounds} interleaved rounds × {epochs} epochs of 4 steps (one fit per "
+                       "round, progress bar on)")
+    return table
+
+
 def trainer(quick: bool) -> list[Table]:
     if quick:
-        return [_table(TINY, 100, 3), _table(MNIST_MLP, 20, 3)]
-    return [_table(TINY, 500, 9), _table(MNIST_MLP, 100, 7)]
+        return [_table(TINY, 100, 3), _table(MNIST_MLP, 20, 3), _short_epochs(20, 3)]
+    return [_table(TINY, 500, 9), _table(MNIST_MLP, 100, 7), _short_epochs(100, 7)]

@@ -177,8 +177,8 @@ def _immutable(treedef: Any) -> bool:
 class _Program:
     """One ``jax.jit`` of the flat function, for one set of input tree definitions."""
 
-    __slots__ = ("build", "carry", "jitted", "loop", "loops", "other_treedef", "out_treedef", "passed", "several",
-                 "spans")
+    __slots__ = ("build", "carry", "jitted", "loop", "loops", "other_treedef", "out_treedef", "parts", "passed",
+                 "several", "spans")
 
     def __init__(self, fn: Callable[..., Any], nargs: int, donate: tuple[int, ...], donated_treedef: Any,
                  other_treedef: Any, options: dict[str, Any], owned: tuple[int, ...] = ()):
@@ -187,6 +187,7 @@ class _Program:
         # owned or holds no mutable container (read once, from the tree definitions).
         self.loops = all(i in owned or _immutable(t) for i, t in zip(donate, donated_treedef.children()))
         self.passed = tuple(i for i in range(nargs) if i not in donate)
+        self.parts = tuple(donated_treedef.children())  # each donated argument's tree definition
         self.build: Any = None
         self.out_treedef: Any = None
         self.several = False  # the result is a tuple (its items may be passed back one by one)
@@ -342,11 +343,18 @@ class FlatJit:
             loop = program.loop
             if loop is not None and len(args) == len(program.passed) + len(loop):
                 donated: list[Any] = []
-                for i, j in zip(self._donate, loop):
-                    if args[i] is not results[j]:
+                for i, j, part in zip(self._donate, loop, program.parts):
+                    arg = args[i]
+                    if arg is results[j]:
+                        start, stop = program.spans[j]
+                        donated += leaves[start:stop]
+                        continue
+                    # Another tree in this place (the Trainer's new log buffer): flattened
+                    # alone, it keeps the fast path if its structure is the same.
+                    arg_leaves, arg_treedef = _flatten(arg, None)
+                    if arg_treedef != part:
                         break
-                    start, stop = program.spans[j]
-                    donated += leaves[start:stop]
+                    donated += arg_leaves
                 else:
                     other_leaves, other_treedef = _flatten([args[i] for i in program.passed], None)
                     if other_treedef == program.other_treedef:

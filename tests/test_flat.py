@@ -96,6 +96,32 @@ def test_results_passed_back_are_not_flattened_again():
     assert float(total) == 4.0
 
 
+def test_a_new_tree_in_a_loops_place_is_flattened_alone_and_keeps_the_fast_path(monkeypatch):
+    # The Trainer passes a new log buffer every log_every steps (the model and state are
+    # the previous results): that argument alone is flattened; another structure there
+    # takes the full path (and compiles for it).
+    class Weights(ft.Module):
+        w: jax.Array
+
+    def f(m, log, x):
+        return Weights(m.w + x), {"n": log["n"] + 1}, jnp.sum(m.w)
+
+    step = flat_jit(f, donate=(0, 1), owned=(1,))  # the log dict is the caller's own
+    model, log, _ = step(Weights(jnp.zeros(2)), {"n": jnp.zeros((), jnp.int32)}, 1.0)
+    model, log, _ = step(model, log, 1.0)
+    assert step._last[0].loop == (0, 1)
+    full = []
+    original = step._program
+    monkeypatch.setattr(step, "_program", lambda args: full.append(1) or original(args))
+    model, log, total = step(model, {"n": jnp.full((), 10, jnp.int32)}, 1.0)  # a new buffer
+    assert full == [] and int(log["n"]) == 11 and float(total) == 4.0
+    np.testing.assert_array_equal(model.w, jnp.full(2, 3.0))
+    model, log, total = step(model, log, 1.0)
+    assert full == [] and int(log["n"]) == 12
+    model, log, total = step(model, {"n": jnp.zeros((), jnp.int32), "m": jnp.ones(())}, 1.0)  # another structure
+    assert full == [1] and int(log["n"]) == 1 and float(total) == 8.0
+
+
 def test_a_dict_passed_back_is_flattened_again_it_may_have_changed_in_place():
     step = flat_jit(lambda p, x: ({"w": p["w"] + x}, p["w"].sum()), donate=(0,))
     params, _ = step({"w": jnp.zeros(2)}, 1.0)

@@ -39,6 +39,34 @@ def test_next_sweep_advances_every_context():
     assert [int(c.sweep) for c in contexts(state)] == [2, 2]
 
 
+def test_next_sweep_equals_a_walk_of_the_state_and_finds_the_contexts_once_per_structure():
+    from functree.optim import _context
+    from functree.optim._context import LearningContext, contexts
+
+    def walked(state):  # every context's sweep + 1, by a walk of the whole state
+        return jax.tree.map(lambda x: LearningContext(x.counters + jnp.array([0, 1, 0, 0], jnp.int32), x.loss)
+                            if isinstance(x, LearningContext) else x, state,
+                            is_leaf=lambda x: isinstance(x, LearningContext))
+
+    model = {"head": {"w": jnp.ones(3)}, "body": jnp.ones((2, 2))}
+    states = [optax.chain(fo.clip(1.0), fo.adam()).init(model),
+              fo.groups({"head.*": fo.sgd(0.1), "body": fo.adam(1e-3)}).init(model),
+              fo.Optimizer(fo.adam(1e-3)).init(ft.nn.Dense(2, 3, key=jax.random.key(0))),
+              jax.vmap(lambda w: fo.sgd(0.1).init({"w": w}))(jnp.ones((3, 2)))]
+    for state in states:
+        got, expected = fo.next_sweep(state), walked(state)
+        assert jax.tree.structure(got) == jax.tree.structure(expected)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(a, b)
+        assert len(contexts(got)) >= 1
+        assert _context._COUNTERS_AT[jax.tree.structure(state)] == _context._counters_at(jax.tree.structure(state))
+    traced = jax.jit(fo.next_sweep)(states[1])  # inside a trace too
+    assert [int(c.sweep) for c in contexts(traced)] == [1, 1]
+    wrong = jax.tree.map(lambda *x: jnp.stack(x, axis=-1), *[fo.sgd(0.1).init({"w": jnp.ones(2)})] * 3)
+    with pytest.raises(ValueError, match="put their member axes first"):
+        fo.next_sweep(wrong)
+
+
 def test_context_of_a_state_without_one():
     with pytest.raises(ValueError, match=r"holds no ft\.optim\.LearningContext") as info:
         fo.context(optax.adam(1e-3).init(_params()))

@@ -36,6 +36,22 @@ def test_epochs_are_reproducible_and_resumable():
         np.testing.assert_array_equal(u, v)
 
 
+@pytest.mark.parametrize("key", [jax.random.key(5), jax.random.PRNGKey(5)], ids=["typed key", "raw key"])
+def test_each_epochs_order_is_the_documented_permutation_in_one_dispatch(key):
+    # epoch e is ordered by jax.random.permutation(fold_in(key, e), n), as documented; it is
+    # computed by one jitted program (compiled once for every epoch), not a dozen eager ops.
+    from functree.train._data import _permutation
+
+    x = np.arange(23)
+    data = ft.train.batches(x, 5, key=key)
+    compiled = _permutation._cache_size()
+    for epoch in range(4):
+        order = np.concatenate(list(data))
+        expected = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), 23))
+        np.testing.assert_array_equal(order, x[expected])
+    assert _permutation._cache_size() <= compiled + 1
+
+
 def test_no_shuffle_keeps_order_and_drop_last():
     x = np.arange(7)
     data = ft.train.batches(x, 3, shuffle=False, drop_last=True)

@@ -47,6 +47,16 @@ def test_next_buffer_reads_only_the_context_and_hyperparameters_and_equals_the_w
     np.testing.assert_array_equal(buffer["halt"], [0, -1, -1])
 
 
+def test_next_buffer_without_a_state_opens_the_buffer_alone():
+    rows = jnp.arange(12.0).reshape(4, 3)
+    buffer, ctx = next_buffer(jnp.array([7, 3, 1], jnp.int32), rows)
+    assert ctx is None
+    np.testing.assert_array_equal(buffer["halt"], [0, STOPPED_EARLIER, 1])  # the stop carried
+    np.testing.assert_array_equal(buffer["rows"], np.zeros((4, 3)))
+    buffer, _ = next_buffer(jnp.array([7, -1, -1], jnp.int32), rows)
+    np.testing.assert_array_equal(buffer["halt"], [0, -1, -1])
+
+
 def test_next_buffer_compiles_once_per_state_structure():
     state = _state(ft.optim.adam(1e-3))
     rows = jnp.zeros((4, 3))

@@ -2,6 +2,8 @@
 
 import io
 
+import pytest
+
 from functree.train._progress import Progress, format_value
 
 
@@ -44,3 +46,42 @@ def test_bar_keeps_the_validation_metrics_and_lines_without_a_terminal():
     first, second = stream.getvalue().splitlines()
     assert first.startswith("epoch 1: 4/6 steps, loss=0.5000, skipped=1, val_loss=0.2500, head/lr=0.1000 (")
     assert second.startswith("epoch 1: 6/6 steps, loss=0.1250 (")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("mininterval", [0.0, 3600.0])
+def test_the_postfix_is_formatted_only_for_a_redraw_and_the_bar_ends_on_the_latest_values(mininterval, monkeypatch):
+    # tqdm redraws at most every mininterval seconds: formatting the postfix at every log
+    # interval (every few ms for a tiny step) was half the Trainer's log point.
+    stream = _Terminal()
+    bar = Progress(total=40, file=stream)
+    bar._bar.mininterval = mininterval
+    posted = []
+    original = bar._bar.set_postfix
+    monkeypatch.setattr(bar._bar, "set_postfix", lambda *a, **k: posted.append(1) or original(*a, **k))
+    for i in range(20):
+        bar.update(2, {"loss": float(i)})
+    assert len(posted) == (20 if mininterval == 0 else 0)
+    bar.close()
+    last = stream.getvalue().split("\r")[-1]
+    assert "40/40" in last and "loss=19.0000" in last
+
+
+def test_an_epoch_end_between_redraws_shows_its_validation_metrics_at_the_next_one(monkeypatch):
+    stream = _Terminal()
+    bar = Progress(total=8, file=stream)
+    bar._bar.mininterval = 3600.0  # no redraw is due
+    redraws = []
+    original = bar._bar.refresh
+    monkeypatch.setattr(bar._bar, "refresh", lambda *a, **k: redraws.append(1) or original(*a, **k))
+    bar.update(4, {"loss": 0.5})
+    bar.end_epoch({"loss": 0.5, "val_loss": 0.25})
+    assert redraws == []  # epochs of a few steps end every few ms: no redraw for each
+    bar.update(4, {"loss": 0.125})
+    bar.close()
+    last = stream.getvalue().split("\r")[-1]
+    assert "8/8" in last and "loss=0.1250" in last and "val_loss=0.2500" in last

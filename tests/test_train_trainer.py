@@ -89,6 +89,62 @@ def test_loop_reads_the_device_only_at_log_intervals(monkeypatch):
     assert trainer.train_step._compiled._cache_size() == 1  # the TrainStep's own program, once
 
 
+def _weighted_mean(values, sizes):
+    """The Trainer's mean of step values: float32 products summed step by step in float64."""
+    total = 0.0
+    for v, n in zip(values, sizes):
+        total += float(np.float32(v) * np.float32(n))
+    return total / sum(sizes)
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 2])
+def test_means_weigh_each_step_by_its_minibatch_size(steps_per_call):
+    # The sizes are recorded when each step runs (not looked up again at the read): a last
+    # minibatch of 2 weighs half of one of 4, in single steps and in stacked calls.
+    batches = [(X[0:4], LABELS[0:4]), (X[4:8], LABELS[4:8]), (X[8:10], LABELS[8:10])]
+    seen = []
+    trainer = Trainer(mlp(), adam(), classify)
+    history = trainer.fit(batches, epochs=2, progress=False, log_every=2, steps_per_call=steps_per_call,
+                          callbacks=[lambda ctx: seen.append((ctx.event, ctx.step, dict(ctx.metrics)))])
+    steps = history.steps["loss"]
+    assert len(steps) == 6
+    assert history.epochs["loss"] == [_weighted_mean(steps[:3], [4, 4, 2]), _weighted_mean(steps[3:], [4, 4, 2])]
+    logs = [(step, m["loss"]) for event, step, m in seen if event == "log"]
+    assert logs[0] == (2, _weighted_mean(steps[:2], [4, 4]))
+
+
+def test_a_fit_without_callbacks_reads_no_learning_context(monkeypatch):
+    # Nobody receives a TrainingContext: the log points pass the buffer alone (no snapshot
+    # of the optimizer state), and epoch and fit ends read no context from the device.
+    snapshots = []
+    original = trainer_module.next_buffer
+    monkeypatch.setattr(trainer_module, "next_buffer",
+                        lambda halt, rows, state=None: snapshots.append(state is not None) or original(halt, rows, state))
+    monkeypatch.setattr(trainer_module, "snapshot", lambda state: pytest.fail("a context was read"))
+    trainer = Trainer(mlp(), adam(), classify)
+    data = ft.train.batches((X, LABELS), 4, key=jax.random.key(1))  # 16 steps per epoch
+    history = trainer.fit(data, epochs=2, progress=False, log_every=5)
+    assert snapshots and not any(snapshots)
+    assert len(history.steps["loss"]) == 32 and history.epochs["epoch"] == [1, 2]
+    contexts = []  # with a callback, each log's context is the state's after its step
+    monkeypatch.undo()
+    trainer.fit(data, epochs=3, progress=False, log_every=5,
+                callbacks=[lambda ctx: contexts.append((ctx.event, ctx.step, ctx.samples_seen, ctx.sweep))])
+    assert [c for c in contexts if c[0] == "log"] == [("log", 32 + s, 4 * (32 + s), 2) for s in (5, 10, 15)]
+    assert ("epoch", 48, 4 * 48, 3) in contexts
+
+
+def test_a_trainer_whose_model_was_donated_elsewhere_names_the_array():
+    # The Trainer's own arrays are not looked through before each call (an epoch end
+    # passes a new optimizer state every epoch): a deleted one is named when the call fails.
+    trainer = Trainer(mlp(), adam(), classify)
+    data = [(X[:16], LABELS[:16]), (X[16:32], LABELS[16:32])]
+    trainer.fit(data, epochs=1, progress=False)
+    trainer.model.layers[0].weight.delete()  # donated by the user's own ft.jit, say
+    with pytest.raises(ValueError, match=r"'model' holds a deleted array at layers\.0\.weight"):
+        trainer.fit(data, epochs=2, progress=False)
+
+
 def test_steps_cross_epochs_and_generic_iterables():
     batches = [(X[i : i + 16], LABELS[i : i + 16]) for i in range(0, 64, 16)]
     trainer = Trainer(mlp(), adam(), classify)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._tree import register_record
+from functree._tree import bounded_put, cached, register_record
 
 __all__ = ["LearningContext", "context", "next_sweep", "initial_context", "advance"]
 
@@ -193,8 +193,25 @@ _STEP = np.array([1, 0, 0, 0], np.int32)
 _SAMPLES = np.array([0, 0, 1, 0], np.int32)
 
 
+_COUNTERS_AT: dict[Any, tuple[int, ...]] = {}  # state tree definition -> its contexts' counters leaves
+
+
+def _counters_at(treedef: Any) -> tuple[int, ...]:
+    """The positions, among a state's leaves, of each learning context's counters."""
+    marked = treedef.unflatten(list(range(treedef.num_leaves)))  # each leaf replaced by its position
+    return tuple(x.counters for x in jax.tree.leaves(marked, is_leaf=_is_context) if _is_context(x))
+
+
+@jax.jit
+def _plus_sweep(counters: jax.Array) -> jax.Array:
+    return counters + _SWEEP
+
+
 def next_sweep(state: Any) -> Any:
     """``state`` with every learning context's sweep advanced by one (call once per epoch).
+
+    The contexts' places among the state's leaves are found once per state structure: a
+    Trainer's epoch end costs one small dispatch per context, not a walk of the state.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -202,8 +219,16 @@ def next_sweep(state: Any) -> Any:
       >>> int(ft.optim.context(ft.optim.next_sweep(state)).sweep)
       1
     """
-    if not contexts(state):
+    leaves, treedef = jax.tree.flatten(state)
+    key, where = cached(_COUNTERS_AT, treedef)
+    if where is None:
+        where = _counters_at(treedef)
+        if key is not None:
+            bounded_put(_COUNTERS_AT, key, where)
+    if not where:
         raise ValueError(NO_CONTEXT)
-    return jax.tree.map(
-        lambda x: LearningContext(x.counters + _SWEEP, x.loss) if _is_context(x) else x, state, is_leaf=_is_context
-    )
+    for i in where:
+        if jnp.shape(leaves[i])[-1:] != (len(COUNTERS),):
+            raise ValueError(STACKED_ALONG_ANOTHER_AXIS.format(shape=jnp.shape(leaves[i])))
+        leaves[i] = _plus_sweep(leaves[i])
+    return treedef.unflatten(leaves)

@@ -36,9 +36,10 @@ STOPPED_EARLIER = 2**30
 @dataclass
 class Interval:
     """A closed log interval: its device buffer, the learning context and rate after its
-    last step (copies, on device), its first step (1-based), its step count, its
-    minibatches (references) and whether it ended at a log point (``on_log`` is called
-    when it is read)."""
+    last step (copies, on device; None when no callback reads them), its first step
+    (1-based), its step count, its minibatches (references) and their sizes (known on the
+    host when each step ran: the weights of the means), and whether it ended at a log
+    point (``on_log`` is called when it is read)."""
 
     buffer: Any
     context: Any
@@ -46,6 +47,7 @@ class Interval:
     steps: int
     inflight: list[Any]
     log: bool
+    sizes: list[int]
 
 
 def _snapshot(opt_state: Any) -> tuple[Any, Any]:
@@ -63,13 +65,13 @@ dispatch, the tree work done once at trace time."""
 
 
 def _next_buffer(treedef: Any, used: tuple[int, ...], n: int, halt: jax.Array, rows: jax.Array,
-                 picked: list[Any]) -> tuple[Any, Any]:
+                 picked: list[Any]) -> tuple[Any, Any]:  # treedef None: no snapshot
     leaves: list[Any] = [None] * n  # the leaves _snapshot never reads stay None
     for i, x in zip(used, picked):
         leaves[i] = x
     stopped = jnp.where(halt[1] >= 0, STOPPED_EARLIER, -1).astype(jnp.int32)
     new = {"halt": jnp.stack([jnp.zeros((), jnp.int32), stopped, halt[2]]), "rows": jnp.zeros_like(rows)}
-    return new, _snapshot(treedef.unflatten(leaves))
+    return new, None if treedef is None else _snapshot(treedef.unflatten(leaves))
 
 
 def _read_leaves(treedef: Any, leaves: list[Any]) -> tuple[int, ...]:
@@ -90,11 +92,19 @@ def _next_buffer_whole(halt: jax.Array, rows: jax.Array, opt_state: Any) -> tupl
 _NEXT: dict[Any, Any] = {}  # optimizer state treedef -> next_buffer's program over the leaves it reads
 
 
-def next_buffer(halt: jax.Array, rows: jax.Array, opt_state: Any) -> tuple[Any, Any]:
+@jax.jit
+def _empty_buffer(halt: jax.Array, rows: jax.Array) -> Any:
+    return _next_buffer(None, (), 0, halt, rows, [])[0]
+
+
+def next_buffer(halt: jax.Array, rows: jax.Array, opt_state: Any = None) -> tuple[Any, Any]:
     """``(buffer, snapshot)``: an empty buffer shaped like ``rows`` whose ``halt`` carries
-    a stop of ``halt``, and :data:`snapshot` of ``opt_state`` (after the buffer's steps).
+    a stop of ``halt``, and :data:`snapshot` of ``opt_state`` (after the buffer's steps),
+    or None without ``opt_state`` (a fit without callbacks reads no learning context).
     One dispatch that passes only the state's leaves the snapshot reads (a handful, not the
     moments): 72 µs a call on the tiny Adam step's state was mostly passing 36 arrays."""
+    if opt_state is None:
+        return _empty_buffer(halt, rows), None
     leaves, treedef = jax.tree.flatten(opt_state)
     key, entry = cached(_NEXT, treedef)
     if key is None:  # a tree definition that cannot be hashed: one program over the whole state

@@ -87,18 +87,32 @@ class Progress:
         """Advance by ``steps`` and show ``values`` (loss, learning rate, metrics)."""
         self._done += steps
         self._shown = dict(values)
-        if self._bar is not None:
-            postfix = {**values, **self._validation}
-            self._bar.set_postfix({k: format_value(v) for k, v in postfix.items()}, refresh=False)
-            self._bar.update(steps)
+        bar = self._bar
+        if bar is not None:
+            # tqdm redraws at most every ``mininterval`` seconds (its own test, in update):
+            # the postfix is formatted only when this update may redraw, not at every log
+            # interval (a tiny step logs every few ms); close() shows the latest values.
+            if self._due():
+                self._post(refresh=False)
+            bar.update(steps)
+
+    def _due(self) -> bool:
+        """Whether the bar's ``mininterval`` has passed since its last redraw."""
+        bar = self._bar
+        last = getattr(bar, "last_print_t", None)  # (a bar disabled by TQDM_DISABLE has none)
+        return last is None or bar._time() - last >= bar.mininterval
+
+    def _post(self, refresh: bool) -> None:
+        postfix = {**self._shown, **self._validation}
+        self._bar.set_postfix({k: format_value(v) for k, v in postfix.items()}, refresh=refresh)
 
     def end_epoch(self, values: Mapping[str, float]) -> None:
         """An epoch's means and validation metrics: the bar keeps the ``val_*`` ones in
         its postfix; without a terminal, one line."""
         self._validation = {k: v for k, v in values.items() if k.startswith("val_")}
         if self._bar is not None:
-            postfix = {**self._shown, **self._validation}
-            self._bar.set_postfix({k: format_value(v) for k, v in postfix.items()}, refresh=True)
+            if self._due():  # (epochs of a few steps end every few ms: later updates and close() show it)
+                self._post(refresh=True)
         elif self._lines:
             self._line(values)
 
@@ -120,6 +134,8 @@ class Progress:
     def close(self) -> None:
         """Finish the bar (without a terminal: a line for steps after the last epoch end)."""
         if self._bar is not None:
+            if self._shown or self._validation:
+                self._post(refresh=False)  # the last update may not have redrawn
             self._bar.close()
             self._bar = None
         elif self._lines and self._done > self._printed:

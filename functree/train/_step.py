@@ -578,7 +578,9 @@ class TrainStep:
         None or a tree :meth:`record` updates on device (the Trainer's metric buffer, whose
         ``rows`` hold the metrics: ``metrics`` is None then). ``owned``: the caller knows
         that no two leaves of ``model`` and ``opt_state`` share a buffer (the Trainer copies
-        them once), so new inputs are not searched for aliases. ``steps``: the steps this
+        them once), so new inputs are not searched for aliases, and their arrays are looked
+        through for a deleted one only when the call fails (the Trainer's epoch end passes
+        a state with a new learning context every epoch). ``steps``: the steps this
         call runs (default ``steps_per_call``); above 1, ``batch`` holds that many
         minibatches stacked along its leading axis."""
         steps = self.steps_per_call if steps is None else steps
@@ -588,8 +590,8 @@ class TrainStep:
             check_stacked(batch, steps)
             program = self._scan_program(model)
         if self._guard.fresh(model, opt_state):  # not the previous call's outputs
-            self._guard.check_donated((("model", model), ("opt_state", opt_state)), what="The train step's",
-                                      step="the train step", no_donation=NO_DONATION)
+            if not owned:  # (the owner's arrays are live: a deleted one is named if the call fails)
+                self._check_donated(model, opt_state)
             if self.placement is not None:
                 model, opt_state = self.placement.place(model, opt_state)
             if self._donate and not owned:
@@ -602,9 +604,19 @@ class TrainStep:
             batch = where.shard_batch(batch) if steps == 1 else shard_stacked(where.mesh, where.data_axis, batch)
         if self._shared is not None:  # a shared program traces (new shapes) with this step's stages
             self._shared.owner = self._ref
-        out = program(model, opt_state, batch, key, log)
+        try:
+            out = program(model, opt_state, batch, key, log)
+        except (RuntimeError, ValueError) as e:  # (checked before the call when not owned)
+            if owned and is_deletion_error(e):
+                self._check_donated(model, opt_state)
+            raise
         self._guard.remember(out, (model, opt_state))
         return out
+
+    def _check_donated(self, model: Any, opt_state: Any) -> None:
+        """The error naming a deleted (donated) array of ``model`` or ``opt_state``, if any."""
+        self._guard.check_donated((("model", model), ("opt_state", opt_state)), what="The train step's",
+                                  step="the train step", no_donation=NO_DONATION)
 
     def _new_halt_log(self) -> Any:
         return {"halt": jnp.array([0, -1, -1], jnp.int32)} if self.on_nan == "stop" else None

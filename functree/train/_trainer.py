@@ -252,20 +252,30 @@ class _Means:
         self.weight = 0.0
         self.skipped = 0
 
-    def add(self, values: Mapping[str, np.ndarray], weights: np.ndarray, applied: np.ndarray | None = None) -> None:
+    @staticmethod
+    def terms(values: Mapping[str, np.ndarray], weights: np.ndarray,
+              applied: np.ndarray | None = None) -> tuple[dict[str, list[float]], list[float], int]:
+        """``(n·v per name, n, steps skipped)`` of an interval's steps, for :meth:`add_terms`
+        (once for the log window and the epoch)."""
+        skipped = 0
         if applied is not None and not applied.all():
-            self.skipped += int(np.sum(~applied))
+            skipped = int(np.sum(~applied))
             values = {k: v[applied] for k, v in values.items()}
             weights = weights[applied]
+        return {name: (column * weights).tolist() for name, column in values.items()}, weights.tolist(), skipped
+
+    def add_terms(self, products: Mapping[str, list[float]], weights: list[float], skipped: int) -> None:
+        self.skipped += skipped
         # Step by step in float64: the sums do not depend on where the intervals were cut
-        # (a resumed job's means equal the uninterrupted job's bit for bit).
-        for name, column in values.items():
+        # (a resumed job's means equal the uninterrupted job's bit for bit). A plain loop,
+        # not sum(): Python 3.12's sum() of floats compensates (another result).
+        for name, column in products.items():
             total = self.sums.get(name, 0.0)
-            for x in (column * weights).tolist():
+            for x in column:
                 total += x
             self.sums[name] = total if math.isfinite(total) else math.nan
         weight = self.weight
-        for w in weights.tolist():
+        for w in weights:
             weight += w
         self.weight = weight
 
@@ -449,6 +459,7 @@ class Trainer:
         self._param_names: list[str] | None = None
         self._last_context: Any = None
         self._inflight: list[Any] = []  # the batches since the last read: references, no copies
+        self._sizes: list[int] = []  # their sizes (the weights of the means), known when each ran
         self._window, self._epoch_means = _Means(), _Means()  # the log window's and the epoch's means
         self._since_log = 0  # steps since the last log point (or epoch end)
         self._last_log: dict[str, float] = {}  # the last log interval's metrics
@@ -511,12 +522,15 @@ class Trainer:
             error.add_note(text.split(" The error:")[0])
         return error
 
-    def _check_minibatch(self, batch: Any, offset: int) -> None:
-        """An empty minibatch is an error naming it (before it reaches a step)."""
-        if _batch_size(batch) == 0:
+    def _check_minibatch(self, batch: Any, offset: int) -> int:
+        """The minibatch's size; an empty minibatch is an error naming it (before it
+        reaches a step)."""
+        size = _batch_size(batch)
+        if size == 0:
             raise ValueError(EMPTY_MINIBATCH.format(step=self.steps_run + offset + 1,
                                                     index=self.batch_in_epoch + offset, epoch=self.epoch,
                                                     shapes=describe_batch(batch)))
+        return size
 
     def _metric_names(self, batch: Any) -> list[str]:
         """The step's metrics in the order it returns them (``nonfinite`` included)."""
@@ -582,14 +596,17 @@ class Trainer:
     def _close(self, log: bool) -> None:
         """The open buffer's steps (all dispatched) become a pending interval; the next
         buffer opens on device, carrying a stop (one dispatch, no wait)."""
-        buffer, ctx = next_buffer(self._buffer["halt"], self._buffer["rows"], self.opt_state)
+        # The learning context is snapshotted only for callbacks (their TrainingContext):
+        # without any, the dispatch passes the buffer alone.
+        buffer, ctx = next_buffer(self._buffer["halt"], self._buffer["rows"],
+                                  self.opt_state if self._callbacks else None)
         if jax.default_backend() != "cpu":  # (the CPU's arrays are in host memory: nothing to copy)
             for x in jax.tree.leaves((self._buffer, ctx)):
                 x.copy_to_host_async()  # queued behind the interval's steps: done when it is read
         self._critical = True  # the steps move to the pending interval at once: a Ctrl-C waits
         self._pending.append(Interval(self._buffer, ctx, self.steps_run - self._buffered + 1, self._buffered,
-                                      self._inflight, log))
-        self._buffer, self._buffered, self._inflight = buffer, 0, []
+                                      self._inflight, log, self._sizes))
+        self._buffer, self._buffered, self._inflight, self._sizes = buffer, 0, [], []
         self._critical = False
         self._safe_point()
 
@@ -619,7 +636,7 @@ class Trainer:
         rows = host["rows"][:n]
         values = {k: rows[:, i] for i, k in enumerate(self._names) if k != NONFINITE}
         nonfinite = rows[:, self._names.index(NONFINITE)] if NONFINITE in self._names else np.full(n, -1.0)
-        weights = np.array([_batch_size(b) for b in interval.inflight[:n]], np.float32)  # host-known sizes
+        weights = np.array(interval.sizes[:n], np.float32)
         columns = {k: v.tolist() for k, v in values.items()}
         rates = {name: rows[:, len(self._names) + i].tolist() for i, name in enumerate(self._rates)}
         self._critical = True  # the interval is read once: a Ctrl-C waits for the bookkeeping
@@ -630,22 +647,25 @@ class Trainer:
         self._check_finite(steps, nonfinite.astype(np.int32), host["halt"], interval.inflight)
         applied = nonfinite == -1 if self.on_nan == "skip" else None  # skipped steps: out of the means
         self._critical = True
-        self._window.add(values, weights, applied)
-        self._epoch_means.add(values, weights, applied)
+        terms = _Means.terms(values, weights, applied)
+        self._window.add_terms(*terms)
+        self._epoch_means.add_terms(*terms)
         self._critical = False
         self._safe_point()
-        shown = self._metric_means(self._window)
+        means = self._metric_means(self._window)
+        shown = dict(means)
         if self.on_nan == "skip":
             shown["skipped"] = self._epoch_means.skipped  # the epoch's so far
         for name, column in rates.items():
             shown[name.replace("learning_rate", "lr")] = column[-1]
         bar.update(n, shown)
         if interval.log:
-            log = self._context("log", self._metric_means(self._window), ctx, step=interval.first + n - 1)
             self._window = _Means()
-            self._last_log = log.metrics
-            for cb in cbs:
-                cb.on_log(self, log)
+            self._last_log = means
+            if cbs:
+                log = self._context("log", means, ctx, step=interval.first + n - 1)
+                for cb in cbs:
+                    cb.on_log(self, log)
 
     def _applied_later(self) -> int:
         """Steps applied after the intervals read so far (blocks: the first skip's report only)."""
@@ -672,7 +692,7 @@ class Trainer:
         step = steps[stopped]
         self.batch_in_epoch -= self.steps_run - (step - 1)
         self.steps_run = step - 1
-        self._buffer, self._buffered, self._inflight, self._pending = None, 0, [], []
+        self._buffer, self._buffered, self._inflight, self._sizes, self._pending = None, 0, [], [], []
         error = nonfinite_error(step, int(halt[2]), train_step=self.train_step, model=self.model,
                                 opt_state=self.opt_state, batch=inflight[stopped], key=self.key,
                                 holder="trainer.model and trainer.opt_state are",
@@ -812,6 +832,8 @@ class Trainer:
         finally:
             bar.close()
             self._bar = None
+        if not cbs:
+            return self.history
         end = self._context("end", self._metric_means(self._window))
         for cb in cbs:  # the final checkpoints first: no on_train_end (restore_best) has replaced the model
             if isinstance(cb, ModelCheckpoint):
@@ -851,7 +873,7 @@ class Trainer:
 
         for batch in self._epoch_iter(data):
             batch = to_arrays(batch)
-            self._check_minibatch(batch, len(group))
+            size = self._check_minibatch(batch, len(group))
             if self._names is None:
                 self._first_shapes = describe_batch(batch)
                 self._names = self._metric_names(batch)
@@ -866,6 +888,7 @@ class Trainer:
                     self._critical = False
                     raise self._located(e, batch, 0) from e.__cause__
                 self._inflight.append(batch)
+                self._sizes.append(size)
                 self.steps_run += 1
                 self.batch_in_epoch += 1
                 self._buffered += 1
@@ -908,6 +931,7 @@ class Trainer:
                 self._critical = False
                 raise self._located(e, group[i], i) from e.__cause__
             self._inflight.extend(group if n == k else [batch])
+            self._sizes.extend([_batch_size(b) for b in group] if n == k else [_batch_size(batch)])
             self.steps_run += n
             self.batch_in_epoch += n
             self._buffered += n
@@ -954,8 +978,10 @@ class Trainer:
         self.history.add_epoch(self.epoch, {**values, "last_step": self.steps_run})
         self._critical = False
         self._safe_point()
-        ctx = self._context("epoch", values)
         bar.end_epoch(values)
+        if not cbs:  # the context would be read from the device for nobody
+            return
+        ctx = self._context("epoch", values)
         for cb in cbs:
             cb.on_epoch_end(self, ctx)
         for cb in cbs:
@@ -1184,7 +1210,7 @@ class Trainer:
         names = ckpt.config.get("callbacks", [])
         self._saved_callbacks = [(key, cls, state) for (key, cls), state in zip(names, extra.get("callbacks", []))
                                  ] if callbacks else None
-        self._buffer, self._buffered, self._inflight, self._pending = None, 0, [], []
+        self._buffer, self._buffered, self._inflight, self._sizes, self._pending = None, 0, [], [], []
         self._iterator, self._iterator_of, self._restored = None, None, True
         self.checkpoint = ckpt
         return self

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _devices import run
-from _tolerance import assert_close_trained
+from _tolerance import assert_close_trained, needs_float16_conversions
 
 import functree as ft
 from functree.parallel import DataParallelStep
@@ -214,6 +214,7 @@ def _digits_run(opt, compute_dtype):
 
 
 @pytest.mark.slow
+@needs_float16_conversions
 def test_bfloat16_digits_within_one_point_and_float16_with_loss_scaling():
     _, _, acc32 = _digits_run(ft.optim.Optimizer(ft.optim.adam(3e-3)), None)
     model, state, acc16 = _digits_run(ft.optim.Optimizer(ft.optim.adam(3e-3)), jnp.bfloat16)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _tolerance import assert_close_trained
+from _tolerance import assert_close_trained, needs_float16_conversions
 
 import functree as ft
 import functree.train._trainer as trainer_module
@@ -355,6 +355,7 @@ def test_the_trained_model_for_inference():
     assert ft.nn.is_training(trainer.model) and not ft.nn.is_training(trainer.inference_model)
 
 
+@needs_float16_conversions
 def test_float16_with_loss_scaling_trains_through_overflows_with_the_default_on_nan():
     def loss16(model, batch):
         x, y = batch

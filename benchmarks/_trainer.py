@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,64 +38,77 @@ class _Terminal(io.StringIO):
         return True
 
 
-def _table(spec: Spec, steps: int, rounds: int) -> Table:
-    batch = data(spec)
-    batches = [batch] * steps
-
+def _loss(spec: Spec) -> Any:
     def loss_fn(model, batch):
         x, y = batch
         return loss_of(spec, model(x), y)
 
-    opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
-    trainer = ft.train.Trainer(functree_model(spec), opt, loss_fn)
-    step = ft.train.train_step(loss_fn, opt)
+    return loss_fn
+
+
+def _bare(spec: Spec, opt: Any, minibatches: list[Any], epochs: int) -> Callable[[], float]:
+    """A timed block: ``for batch: model, state, metrics = step(...)`` over ``epochs`` passes
+    of ``minibatches``, blocking at the end; seconds per step."""
+    step = ft.train.train_step(_loss(spec), opt)
     model = functree_model(spec)
     carry = [model, opt.init(model)]
-    raw_runner = raw(spec)
 
-    def fit() -> float:
-        start = time.perf_counter()
-        with contextlib.redirect_stderr(_Terminal()):
-            trainer.fit(batches, epochs=trainer.epoch + 1)  # epochs= counts the whole job: one more
-        return (time.perf_counter() - start) / steps
-
-    class ReadsModel(ft.train.Callback):
-        """An on_log that reads trainer.model (an EMA, a weight logger): each log interval
-        is read as it ends, so that the model is the one of context.step."""
-
-        def on_log(self, trainer, context):
-            self.model = trainer.model
-
-    reading = ft.train.Trainer(functree_model(spec), opt, loss_fn)
-    callback = [ReadsModel()]
-
-    def fit_reading() -> float:
-        start = time.perf_counter()
-        with contextlib.redirect_stderr(_Terminal()):
-            reading.fit(batches, epochs=reading.epoch + 1, callbacks=callback)
-        return (time.perf_counter() - start) / steps
-
-    def bare() -> float:
+    def block() -> float:
         start = time.perf_counter()
         m, s = carry
-        for b in batches:
-            m, s, metrics = step(m, s, b)
+        for _ in range(epochs):
+            for b in minibatches:
+                m, s, metrics = step(m, s, b)
         jax.block_until_ready(metrics)
         carry[:] = [m, s]
+        return (time.perf_counter() - start) / (epochs * len(minibatches))
+
+    return block
+
+
+def _fit(spec: Spec, opt: Any, data: Any, epochs: int, steps: int, **kwargs: Any) -> Callable[[], float]:
+    """A timed block: one ``Trainer.fit`` of ``epochs`` more epochs (``fit(epochs=N)`` counts
+    the whole job), its bar drawn into a buffer that says it is a terminal; seconds per step."""
+    trainer = ft.train.Trainer(functree_model(spec), opt, _loss(spec))
+
+    def block() -> float:
+        start = time.perf_counter()
+        with contextlib.redirect_stderr(_Terminal()):
+            trainer.fit(data, epochs=trainer.epoch + epochs, **kwargs)
         return (time.perf_counter() - start) / steps
+
+    return block
+
+
+def _rows(blocks: dict[str, Callable[[], float]], rounds: int) -> list[Any]:
+    for b in blocks.values():
+        b()
+    return paired_rows(interleave(blocks, rounds), BARE, scale=1e6)
+
+
+class ReadsModel(ft.train.Callback):
+    """An on_log that reads trainer.model (an EMA, a weight logger): each log interval is
+    read as it ends, so that the model is the one of context.step."""
+
+    def on_log(self, trainer, context):
+        self.model = trainer.model
+
+
+def _table(spec: Spec, steps: int, rounds: int) -> Table:
+    batches = [data(spec)] * steps
+    opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
+    raw_runner = raw(spec)
 
     def raw_loop() -> float:
         start = time.perf_counter()
         raw_runner.block(steps)
         return (time.perf_counter() - start) / steps
 
-    blocks = {BARE: bare, "Trainer.fit (progress bar, log_every=50)": fit,
-              "Trainer.fit + an on_log callback reading trainer.model": fit_reading,
-              "raw jax.jit + optax loop (for scale)": raw_loop}
-    for b in blocks.values():
-        b()
-    values = interleave(blocks, rounds)
-    rows = paired_rows(values, BARE, scale=1e6)
+    rows = _rows({BARE: _bare(spec, opt, batches, 1),
+                  "Trainer.fit (progress bar, log_every=50)": _fit(spec, opt, batches, 1, steps),
+                  "Trainer.fit + an on_log callback reading trainer.model":
+                      _fit(spec, opt, batches, 1, steps, callbacks=[ReadsModel()]),
+                  "raw jax.jit + optax loop (for scale)": raw_loop}, rounds)
     rows[1].ok = rows[1].ratio is not None and rows[1].ratio <= 1.05
     table = Table(f"trainer-{spec.name}", f"9. Trainer.fit overhead: {spec.label}, Adam",
                   "µs/step", "Trainer.fit ≤ 1.05× the bare loop", rows, ratio_label="× bare loop")
@@ -110,43 +124,12 @@ def _short_epochs(epochs: int, rounds: int) -> Table:
     x = np.asarray(rng.normal(size=(16, x.shape[1])), np.float32)
     y = np.asarray(rng.normal(size=(16, y.shape[1])), np.float32)
     minibatches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 16, 4)]
-    steps = 4 * epochs
-
-    def loss_fn(model, batch):
-        xb, yb = batch
-        return loss_of(spec, model(xb), yb)
-
     opt = ft.optim.Optimizer(ft.optim.adam(LEARNING_RATE))
-    step = ft.train.train_step(loss_fn, opt)
-    model = functree_model(spec)
-    carry = [model, opt.init(model)]
-
-    def bare() -> float:
-        start = time.perf_counter()
-        m, s = carry
-        for _ in range(epochs):
-            for b in minibatches:
-                m, s, metrics = step(m, s, b)
-        jax.block_until_ready(metrics)
-        carry[:] = [m, s]
-        return (time.perf_counter() - start) / steps
-
-    def fitting(make_data: Any) -> Any:
-        trainer = ft.train.Trainer(functree_model(spec), opt, loss_fn)
-
-        def fit() -> float:
-            start = time.perf_counter()
-            with contextlib.redirect_stderr(_Terminal()):
-                trainer.fit(make_data(), epochs=trainer.epoch + epochs, batch_size=4)
-            return (time.perf_counter() - start) / steps
-
-        return fit
-
-    blocks = {BARE: bare, "Trainer.fit, a list of minibatches": fitting(lambda: minibatches),
-              "Trainer.fit, arrays (shuffled by ft.train.batches)": fitting(lambda: (x, y))}
-    for b in blocks.values():
-        b()
-    rows = paired_rows(interleave(blocks, rounds), BARE, scale=1e6)
+    steps = epochs * len(minibatches)
+    rows = _rows({BARE: _bare(spec, opt, minibatches, epochs),
+                  "Trainer.fit, a list of minibatches": _fit(spec, opt, minibatches, epochs, steps),
+                  "Trainer.fit, arrays (shuffled by ft.train.batches)":
+                      _fit(spec, opt, (x, y), epochs, steps, batch_size=4)}, rounds)
     table = Table("trainer-short-epochs", f"9. Trainer.fit overhead, epochs of 4 steps: {spec.label}, Adam",
                   "µs/step", "(informational: the per-epoch work)", rows, ratio_label="× bare loop")
     table.notes.append(f"median of {rounds} interleaved rounds × {epochs} epochs of 4 steps (one fit per "

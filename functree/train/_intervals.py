@@ -37,17 +37,16 @@ STOPPED_EARLIER = 2**30
 class Interval:
     """A closed log interval: its device buffer, the learning context and rate after its
     last step (copies, on device; None when no callback reads them), its first step
-    (1-based), its step count, its minibatches (references) and their sizes (known on the
-    host when each step ran: the weights of the means), and whether it ended at a log
-    point (``on_log`` is called when it is read)."""
+    (1-based), its step count, its ``(minibatch, size)`` pairs (references; the sizes,
+    known when each step ran, weigh the means) and whether it ended at a log point
+    (``on_log`` is called when it is read)."""
 
     buffer: Any
     context: Any
     first: int
     steps: int
-    inflight: list[Any]
+    inflight: list[tuple[Any, int]]
     log: bool
-    sizes: list[int]
 
 
 def _snapshot(opt_state: Any) -> tuple[Any, Any]:
@@ -64,14 +63,21 @@ snapshot = jax.jit(_snapshot)
 dispatch, the tree work done once at trace time."""
 
 
+def _open(halt: jax.Array, rows: jax.Array) -> dict[str, jax.Array]:
+    """An empty buffer shaped like ``rows`` whose ``halt`` carries a stop of ``halt``."""
+    stopped = jnp.where(halt[1] >= 0, STOPPED_EARLIER, -1).astype(jnp.int32)
+    return {"halt": jnp.stack([jnp.zeros((), jnp.int32), stopped, halt[2]]), "rows": jnp.zeros_like(rows)}
+
+
+_open_jitted = jax.jit(_open)
+
+
 def _next_buffer(treedef: Any, used: tuple[int, ...], n: int, halt: jax.Array, rows: jax.Array,
-                 picked: list[Any]) -> tuple[Any, Any]:  # treedef None: no snapshot
+                 picked: list[Any]) -> tuple[Any, Any]:
     leaves: list[Any] = [None] * n  # the leaves _snapshot never reads stay None
     for i, x in zip(used, picked):
         leaves[i] = x
-    stopped = jnp.where(halt[1] >= 0, STOPPED_EARLIER, -1).astype(jnp.int32)
-    new = {"halt": jnp.stack([jnp.zeros((), jnp.int32), stopped, halt[2]]), "rows": jnp.zeros_like(rows)}
-    return new, None if treedef is None else _snapshot(treedef.unflatten(leaves))
+    return _open(halt, rows), _snapshot(treedef.unflatten(leaves))
 
 
 def _read_leaves(treedef: Any, leaves: list[Any]) -> tuple[int, ...]:
@@ -92,11 +98,6 @@ def _next_buffer_whole(halt: jax.Array, rows: jax.Array, opt_state: Any) -> tupl
 _NEXT: dict[Any, Any] = {}  # optimizer state treedef -> next_buffer's program over the leaves it reads
 
 
-@jax.jit
-def _empty_buffer(halt: jax.Array, rows: jax.Array) -> Any:
-    return _next_buffer(None, (), 0, halt, rows, [])[0]
-
-
 def next_buffer(halt: jax.Array, rows: jax.Array, opt_state: Any = None) -> tuple[Any, Any]:
     """``(buffer, snapshot)``: an empty buffer shaped like ``rows`` whose ``halt`` carries
     a stop of ``halt``, and :data:`snapshot` of ``opt_state`` (after the buffer's steps),
@@ -104,7 +105,7 @@ def next_buffer(halt: jax.Array, rows: jax.Array, opt_state: Any = None) -> tupl
     One dispatch that passes only the state's leaves the snapshot reads (a handful, not the
     moments): 72 µs a call on the tiny Adam step's state was mostly passing 36 arrays."""
     if opt_state is None:
-        return _empty_buffer(halt, rows), None
+        return _open_jitted(halt, rows), None
     leaves, treedef = jax.tree.flatten(opt_state)
     key, entry = cached(_NEXT, treedef)
     if key is None:  # a tree definition that cannot be hashed: one program over the whole state

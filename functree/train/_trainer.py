@@ -458,8 +458,9 @@ class Trainer:
         self._first_shapes = ""  # the first minibatch's shapes, for the error of a malformed one
         self._param_names: list[str] | None = None
         self._last_context: Any = None
-        self._inflight: list[Any] = []  # the batches since the last read: references, no copies
-        self._sizes: list[int] = []  # their sizes (the weights of the means), known when each ran
+        # (batch, size) of each step since the last read: references, no copies; the sizes,
+        # known when each step ran, weigh the means
+        self._inflight: list[tuple[Any, int]] = []
         self._window, self._epoch_means = _Means(), _Means()  # the log window's and the epoch's means
         self._since_log = 0  # steps since the last log point (or epoch end)
         self._last_log: dict[str, float] = {}  # the last log interval's metrics
@@ -605,8 +606,8 @@ class Trainer:
                 x.copy_to_host_async()  # queued behind the interval's steps: done when it is read
         self._critical = True  # the steps move to the pending interval at once: a Ctrl-C waits
         self._pending.append(Interval(self._buffer, ctx, self.steps_run - self._buffered + 1, self._buffered,
-                                      self._inflight, log, self._sizes))
-        self._buffer, self._buffered, self._inflight, self._sizes = buffer, 0, [], []
+                                      self._inflight, log))
+        self._buffer, self._buffered, self._inflight = buffer, 0, []
         self._critical = False
         self._safe_point()
 
@@ -636,7 +637,7 @@ class Trainer:
         rows = host["rows"][:n]
         values = {k: rows[:, i] for i, k in enumerate(self._names) if k != NONFINITE}
         nonfinite = rows[:, self._names.index(NONFINITE)] if NONFINITE in self._names else np.full(n, -1.0)
-        weights = np.array(interval.sizes[:n], np.float32)
+        weights = np.array([size for _, size in interval.inflight[:n]], np.float32)
         columns = {k: v.tolist() for k, v in values.items()}
         rates = {name: rows[:, len(self._names) + i].tolist() for i, name in enumerate(self._rates)}
         self._critical = True  # the interval is read once: a Ctrl-C waits for the bookkeeping
@@ -675,7 +676,8 @@ class Trainer:
             return sum(i.steps for i in self._pending) + self._buffered
         return sum(int(np.sum(b["rows"][: int(b["halt"][0]), col] == -1)) for b in jax.device_get(buffers))
 
-    def _check_finite(self, steps: list[int], nonfinite: np.ndarray, halt: np.ndarray, inflight: list[Any]) -> None:
+    def _check_finite(self, steps: list[int], nonfinite: np.ndarray, halt: np.ndarray,
+                      inflight: list[tuple[Any, int]]) -> None:
         if self.on_nan == "skip":
             bad = np.flatnonzero(nonfinite != -1)
             if len(bad) and self._param_names is None:
@@ -683,7 +685,7 @@ class Trainer:
             if len(bad) and self.nan_report is None:  # the first skipped step's provenance
                 after = int(np.sum(nonfinite[bad[0]:] == -1)) + self._applied_later()
                 self.nan_report = step_provenance(self.train_step, steps[bad[0]], self.model, self.opt_state,
-                                                  inflight[bad[0]], self.key, applied_after=after)
+                                                  inflight[bad[0]][0], self.key, applied_after=after)
             self.skipped.extend((steps[i], self._what(int(nonfinite[i]))) for i in bad)
             return
         stopped = int(halt[1])
@@ -692,9 +694,9 @@ class Trainer:
         step = steps[stopped]
         self.batch_in_epoch -= self.steps_run - (step - 1)
         self.steps_run = step - 1
-        self._buffer, self._buffered, self._inflight, self._sizes, self._pending = None, 0, [], [], []
+        self._buffer, self._buffered, self._inflight, self._pending = None, 0, [], []
         error = nonfinite_error(step, int(halt[2]), train_step=self.train_step, model=self.model,
-                                opt_state=self.opt_state, batch=inflight[stopped], key=self.key,
+                                opt_state=self.opt_state, batch=inflight[stopped][0], key=self.key,
                                 holder="trainer.model and trainer.opt_state are",
                                 history=", and trainer.history holds the values up to here")
         self.nan_report = error.report
@@ -887,8 +889,7 @@ class Trainer:
                 except (ValueError, TypeError) as e:  # raised while tracing: nothing was donated
                     self._critical = False
                     raise self._located(e, batch, 0) from e.__cause__
-                self._inflight.append(batch)
-                self._sizes.append(size)
+                self._inflight.append((batch, size))
                 self.steps_run += 1
                 self.batch_in_epoch += 1
                 self._buffered += 1
@@ -904,7 +905,7 @@ class Trainer:
                     group = []
                     if after_call():
                         return ran, False
-                group.append(batch)
+                group.append((batch, size))
                 signature = new
                 if len(group) < self._boundary(steps, k):
                     continue
@@ -918,10 +919,11 @@ class Trainer:
                 return ran, False
         return ran, self.batch_in_epoch > 0
 
-    def _run_group(self, group: list[Any], k: int) -> int:
-        """``k`` minibatches as one call of ``k`` steps; fewer as single steps."""
+    def _run_group(self, group: list[tuple[Any, int]], k: int) -> int:
+        """``k`` minibatches (``(batch, size)`` pairs) as one call of ``k`` steps; fewer as
+        single steps."""
         assert self._buffered + len(group) <= self._capacity, "the log buffer would overflow"
-        calls = [(stack_batches(group), k)] if len(group) == k else [(b, 1) for b in group]
+        calls = [(stack_batches([b for b, _ in group]), k)] if len(group) == k else [(b, 1) for b, _ in group]
         for i, (batch, n) in enumerate(calls):
             self._critical = True
             try:
@@ -929,9 +931,8 @@ class Trainer:
                     self.model, self.opt_state, batch, self.key, self._buffer, owned=True, steps=n)
             except (ValueError, TypeError) as e:  # raised while tracing: nothing was donated
                 self._critical = False
-                raise self._located(e, group[i], i) from e.__cause__
-            self._inflight.extend(group if n == k else [batch])
-            self._sizes.extend([_batch_size(b) for b in group] if n == k else [_batch_size(batch)])
+                raise self._located(e, group[i][0], i) from e.__cause__
+            self._inflight.extend(group if n == k else [group[i]])
             self.steps_run += n
             self.batch_in_epoch += n
             self._buffered += n
@@ -1210,7 +1211,7 @@ class Trainer:
         names = ckpt.config.get("callbacks", [])
         self._saved_callbacks = [(key, cls, state) for (key, cls), state in zip(names, extra.get("callbacks", []))
                                  ] if callbacks else None
-        self._buffer, self._buffered, self._inflight, self._sizes, self._pending = None, 0, [], [], []
+        self._buffer, self._buffered, self._inflight, self._pending = None, 0, [], []
         self._iterator, self._iterator_of, self._restored = None, None, True
         self.checkpoint = ckpt
         return self

@@ -40,6 +40,13 @@ serves num_heads // num_kv_heads query heads (grouped-query attention).
     right:  ft.nn.MultiheadAttention(d, {heads}, num_kv_heads={right}, key=k)   # 1: multi-query
 """
 
+BAD_WINDOW = """\
+MultiheadAttention: window must be an int >= 1 (each query attends the `window` latest \
+keys up to its own position) or None, got {given!r}.
+
+    right:  ft.nn.MultiheadAttention(d, heads, causal=True, window=4096, key=k)   # Mistral's
+"""
+
 BAD_MASK = "Pass a boolean mask broadcastable to [..., num_heads, queries, keys] (True = attend)."
 
 POSITIONS_SELF_ONLY = """\
@@ -148,8 +155,9 @@ class MultiheadAttention(Layer):
     ``rotary=ft.nn.RopeScaling(...)`` with scaled frequencies (Llama 3, YaRN, ...).
 
     ``causal=True`` lets query ``i`` attend to keys ``j <= i`` only (combined with
-    ``mask``). ``dropout=p`` drops attention weights with probability ``p`` (scaling the
-    rest by ``1 / (1 - p)``) in training mode (``ft.nn.training``), which then needs
+    ``mask``). ``window=W`` (sliding-window attention, Mistral's) also drops keys ``j <= i - W``
+    (by position in the sequence; with a cache, by slot): each query sees at most ``W`` keys.
+    ``dropout=p`` drops attention weights with probability ``p`` (scaling the rest by ``1 / (1 - p)``) in training mode (``ft.nn.training``), which then needs
     ``key=``. Computed with ``jax.nn.dot_product_attention`` (``implementation`` is passed
     to it: None for JAX's choice, ``"xla"`` or ``"cudnn"``).
 
@@ -160,6 +168,8 @@ class MultiheadAttention(Layer):
     slots ``pos``, and each query attends the cache's slots ``s <= p`` (its own position
     ``p``; causal whatever ``causal`` says), restricted by ``mask`` (bool or 0/1 integers
     ``[batch, max_length]`` over slots, True where a slot holds a real token: left padding).
+    ``rotary_positions=`` (with a cache) rotates by other positions than the slots (Hugging
+    Face's ``cumsum(mask) - 1`` of a left-padded row: what dynamic NTK rope needs to equal it).
     ``attn.init_cache(batch_size, max_length)`` makes an empty cache (a worked example:
     ``docs/guides/generation.md``). Without a cache,
     ``positions=`` rotates self-attention's queries and keys by the given positions instead
@@ -187,6 +197,7 @@ class MultiheadAttention(Layer):
     num_kv_heads: int = field(static=True, default=1)
     rotary: float | RopeScaling | None = field(static=True, default=None)
     causal: bool = field(static=True, default=False)
+    window: int | None = field(static=True, default=None)
     dropout: float = field(static=True, default=0.0)
     implementation: Literal["xla", "cudnn"] | None = field(static=True, default=None)
     training: bool = field(static=True, default=False)
@@ -210,7 +221,10 @@ class MultiheadAttention(Layer):
         key: jax.Array,
         dtype: Any = jnp.float32,
         training: bool = False,
+        window: int | None = None,
     ):
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(BAD_WINDOW.format(given=window))
         if (qk_size is None or vo_size is None) and query_size % num_heads:
             raise ValueError(BAD_HEADS.format(size=query_size, heads=num_heads))
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -235,6 +249,7 @@ class MultiheadAttention(Layer):
                                                       rotary if isinstance(rotary, RopeScaling) else float(rotary))
         self.causal, self.dropout, self.implementation = bool(causal), float(dropout), implementation
         self.training = training
+        self.window = window
 
     def __call__(
         self,
@@ -246,9 +261,10 @@ class MultiheadAttention(Layer):
         key: jax.Array | None = None,
         cache: KVCache | None = None,
         positions: jax.Array | None = None,
+        rotary_positions: jax.Array | None = None,
     ) -> Any:
         if cache is not None:
-            return self._cached(query, keys, values, mask, key, cache, positions)
+            return self._cached(query, keys, values, mask, key, cache, positions, rotary_positions)
         self_attention = keys is None and values is None
         keys = query if keys is None else keys
         values = keys if values is None else values
@@ -269,6 +285,9 @@ class MultiheadAttention(Layer):
         q, k, v = (jnp.broadcast_to(a, (*lead, *a.shape[-3:])) for a in (q, k, v))
         if mask is not None:
             self._check_mask(mask, (*lead, self.num_heads, q.shape[-3], k.shape[-3]))
+        if self.window is not None:  # keys j > i - window (indices in the sequence)
+            band = jnp.arange(k.shape[-3]) > jnp.arange(q.shape[-3])[:, None] - self.window
+            mask = band if mask is None else mask & band
         return self._attend(q, k, v, mask, self.causal, key)
 
     def _attend(
@@ -288,7 +307,7 @@ class MultiheadAttention(Layer):
 
     def _cached(
         self, query: jax.Array, keys: Any, values: Any, mask: Any, key: Any, cache: Any,
-        positions: Any,
+        positions: Any, rotary_positions: Any = None,
     ) -> tuple[jax.Array, KVCache]:
         if keys is not None or values is not None:
             raise ValueError(CACHE_SELF_ONLY)
@@ -307,9 +326,12 @@ class MultiheadAttention(Layer):
         k = self._heads(self.key_projection(query), self.num_kv_heads)
         v = self._heads(self.value_projection(query), self.num_kv_heads)
         if self.rotary is not None:
-            q, k = (apply_rotary(a, positions[..., None], base=self.rotary) for a in (q, k))
+            at = positions if rotary_positions is None else self._positions(rotary_positions, (batch, t))
+            q, k = (apply_rotary(a, at[..., None], base=self.rotary) for a in (q, k))
         cache = KVCache(_write(cache.keys, k, positions), _write(cache.values, v, positions))
         allowed = jnp.arange(length, dtype=positions.dtype) <= positions[..., None]  # [batch, T, slots]
+        if self.window is not None:
+            allowed = allowed & (jnp.arange(length, dtype=positions.dtype) > positions[..., None] - self.window)
         if mask is not None:
             allowed = allowed & self._slot_mask(mask, batch, length)[:, None, :]
         ck, cv = (a.astype(q.dtype) for a in (cache.keys, cache.values))

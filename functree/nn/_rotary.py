@@ -89,6 +89,10 @@ class RopeScaling:
       ``beta_slow``) along a linear ramp, and cos/sin are scaled by ``attention_factor``
       (default ``0.1 ln(factor) + 1``, or its ``mscale`` / ``mscale_all_dim`` ratio).
 
+    ``partial=f`` (any kind; Hugging Face's ``partial_rotary_factor``, GPT-NeoX's
+    ``rotary_pct``) rotates only the first ``d' = int(f size)`` features of each vector,
+    with the frequencies of size ``d'``; the rest pass unchanged.
+
     Pass it where a rotary base goes: ``ft.nn.MultiheadAttention(..., rotary=scaling)``,
     ``ft.nn.apply_rotary(x, positions, base=scaling)``. Hashable (a static field).
 
@@ -114,8 +118,12 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    partial: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.partial, (int, float)) and 0 < self.partial <= 1):
+            raise ValueError(ROPE_NEEDS.format(kind=self.kind, needs="0 < partial <= 1", given=f"partial={self.partial!r}",
+                                               example="partial=0.25"))
         if self.kind not in ROPE_TYPES:
             raise ValueError(UNKNOWN_ROPE.format(kind=self.kind, known=", ".join(ROPE_TYPES)))
         if self.kind in ("dynamic", "yarn", "llama3") and self.original_max_positions is None:
@@ -210,6 +218,13 @@ def apply_rotary(x: Any, positions: Any, *, base: float | RopeScaling = 10000.0)
         jnp.broadcast_shapes(positions.shape, x.shape[:-1])
     except ValueError:
         raise ValueError(BAD_POSITIONS.format(given=short_array(positions), lead=list(x.shape[:-1]))) from None
+    rotated = int(size * base.partial) if isinstance(base, RopeScaling) else size
+    if rotated < size:  # partial rotary: the first `rotated` features only
+        if rotated % 2:
+            raise ValueError(ODD_SIZE.format(given=f"{short_array(x)} (partial={base.partial}: {rotated} rotated)",
+                                             size=rotated, even=max(rotated - 1, 0)))
+        head = apply_rotary(x[..., :rotated], positions, base=dataclasses.replace(base, partial=1.0))
+        return jnp.concatenate([head, x[..., rotated:]], axis=-1)
     dtype = statistics_dtype(x.dtype)
     half = size // 2
     if isinstance(base, RopeScaling):

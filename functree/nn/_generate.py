@@ -119,6 +119,84 @@ generate: {name} must be a token id (an int >= 0){plural}, got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, {name}={example})"""
 
+BAD_REPETITION_PENALTY = """\
+generate: repetition_penalty must be a number > 0 (1.0: none; above 1 discourages the tokens \
+already in the row), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, repetition_penalty=1.2)"""
+
+BAD_MIN_NEW_TOKENS = """\
+generate: min_new_tokens must be an int from 0 to max_new_tokens ({new}), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, {new}, eos_token_id=eos, min_new_tokens={fit})"""
+
+MIN_NEEDS_EOS = """\
+generate: min_new_tokens={given} keeps eos_token_id from being chosen for the first {given} \
+new tokens, but no eos_token_id is given (nothing to hold back).
+
+    wrong:  ft.nn.generate(model, input_ids, 8, min_new_tokens={given})
+    right:  ft.nn.generate(model, input_ids, 8, min_new_tokens={given}, eos_token_id=eos)"""
+
+BAD_STOP = """\
+generate: stop must be a list of stop sequences, each a non-empty list of token ids (ints >= 0), \
+got {given!r}.
+
+    wrong:  ft.nn.generate(model, input_ids, 8, stop=[13, 198])      # one sequence or two?
+    right:  ft.nn.generate(model, input_ids, 8, stop=[[13, 198]])    # the pair 13, 198
+    right:  ft.nn.generate(model, input_ids, 8, stop=[[13], [198]])  # either token"""
+
+STOP_NEEDS_PAD = """\
+generate: a row that emits a stop sequence is finished and emits pad_token_id afterwards, but \
+neither pad_token_id nor eos_token_id (its default) is given.
+
+    wrong:  ft.nn.generate(model, input_ids, 8, stop={stop!r})
+    right:  ft.nn.generate(model, input_ids, 8, stop={stop!r}, pad_token_id=0)"""
+
+BAD_NUM_BEAMS = """\
+generate: num_beams must be an int >= 1 (1: no beam search), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, num_beams=4)"""
+
+BEAMS_SAMPLE = """\
+generate: beam search (num_beams={beams}) keeps the most likely continuations; it does not \
+sample (temperature={temperature}{rest}).
+
+    wrong:  ft.nn.generate(model, input_ids, 8, num_beams={beams}, temperature={temperature}, key=key)
+    right:  ft.nn.generate(model, input_ids, 8, num_beams={beams})                  # beams
+    right:  ft.nn.generate(model, input_ids, 8, temperature={temperature}, key=key)  # sampling"""
+
+BEAM_OPTION = """\
+generate: {name}={value!r} is an option of beam search, but num_beams=1.
+
+    wrong:  ft.nn.generate(model, input_ids, 8, {name}={value!r})
+    right:  ft.nn.generate(model, input_ids, 8, num_beams=4, {name}={value!r})"""
+
+BAD_RETURN_SEQUENCES = """\
+generate: num_return_sequences must be an int from 1 to num_beams ({beams}): the best beams of \
+each prompt, got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, num_beams={fit}, num_return_sequences={fit})"""
+
+BAD_LENGTH_PENALTY = """\
+generate: length_penalty must be a finite number (a finished beam's score is its summed \
+log-probability / new_tokens ** length_penalty), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, num_beams=4, length_penalty=1.0)"""
+
+BAD_EARLY_STOPPING = """\
+generate: early_stopping must be False (Hugging Face's heuristic), True (stop once num_beams \
+sequences are finished) or "never" (only when no beam can improve), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, num_beams=4, early_stopping=True)"""
+
+UNBATCHED_CACHE = """\
+generate: beam search reorders the cache along its batch axis, but the cache leaf at {path} \
+{shapes} (from model.init_cache with batch sizes {small} and {large}) has no single such axis.
+
+    right:  every cache leaf is [..., batch, ...] (one axis of size batch_size), or has no batch axis"""
+
+NEG = -1.0e9  # Hugging Face's "no score": a beam slot that cannot win
+
 
 def generate(
     model: Any,
@@ -132,7 +210,15 @@ def generate(
     top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
-) -> jax.Array:
+    repetition_penalty: float | None = None,
+    min_new_tokens: int | None = None,
+    stop: Sequence[Sequence[int]] | None = None,
+    num_beams: int = 1,
+    num_return_sequences: int | None = None,
+    length_penalty: float | None = None,
+    early_stopping: bool | str | None = None,
+    return_scores: bool = False,
+) -> Any:
     """``input_ids [batch, P]`` followed by ``max_new_tokens`` generated tokens: ``[batch, P + N]``.
 
     Each new token is drawn from the model's next-token distribution given everything before
@@ -143,6 +229,36 @@ def generate(
     the same key gives the same tokens. A row that emits ``eos_token_id`` (an id or a list of
     ids) is finished: its later tokens are ``pad_token_id`` (default: the first EOS id), and
     the loop stops early once every row is finished.
+
+    Before choosing, the logits pass Hugging Face's processors in its order:
+
+    - ``repetition_penalty=r``: the logit ``l`` of every token already in the row (the real
+      prompt tokens, left padding excluded, and the tokens generated so far) becomes ``l / r``
+      if ``l > 0``, else ``l * r`` (``r > 1`` discourages repeats);
+    - ``min_new_tokens=m``: the EOS ids' logits are ``-inf`` for the first ``m`` new tokens;
+    - then ``temperature``, ``top_k``, ``top_p`` (sampling only).
+
+    ``stop`` (a list of token-id sequences, e.g. ``[[13, 198], [50256]]``) ends a row right
+    after it emits any of them in full (the last tokens of the row, real prompt tokens included,
+    equal the sequence); the stop tokens stay in the output and the row is padded like after EOS.
+
+    ``num_beams=k > 1`` is Hugging Face's beam search (greedy only): ``k`` running beams per
+    prompt, the ``max(2, 1 + len(eos)) * k`` best continuations by summed log-probability each
+    step, a continuation that ends (EOS, a stop sequence or the last step) scored
+    ``sum / new_tokens ** length_penalty`` (default 1.0) among the ``k`` finished ones, and
+    ``early_stopping`` (False: HF's heuristic, the default; True: once ``k`` are finished;
+    ``"never"``) deciding when to stop. The result has ``num_return_sequences`` (default 1,
+    at most ``k``) rows per prompt, best first: ``[batch * num_return_sequences, P + N]``,
+    padded with ``pad_token_id`` after each sequence's end. The beams are rows of one batch in
+    the same compiled loop, the key-value cache reordered by each step's chosen beams.
+
+    ``return_scores=True`` returns ``(tokens, scores)``, ``scores`` float32 ``[rows, N]``: each
+    chosen token's log-probability, 0.0 where a row had already finished. Greedy and sampling:
+    ``log_softmax`` of the processed logits it was chosen from (penalty, EOS held back,
+    temperature, ``top_k``, ``top_p``), Hugging Face's ``compute_transition_scores(sequences,
+    scores, normalize_logits=True)``. Beams: the processors applied to ``log_softmax(logits)``
+    (what the beam scores sum), HF's ``compute_transition_scores(sequences, scores,
+    beam_indices)``; a sequence's sum over ``new_tokens ** length_penalty`` is its beam score.
 
     ``attention_mask`` (bool or 0/1, ``[batch, P]``) marks the real tokens of left-padded
     prompts (0 = padding, at the start of a row). ``model`` follows the cache protocol (see
@@ -179,13 +295,18 @@ def generate(
       >>> bool((sampled == ft.nn.generate(lm, prompt, 4, attention_mask=mask, temperature=0.8,
       ...                                 top_k=3, key=jax.random.key(1))).all())
       True
+      >>> beams, scores = ft.nn.generate(lm, prompt, 4, attention_mask=mask, num_beams=3,
+      ...                                num_return_sequences=2, repetition_penalty=1.3,
+      ...                                return_scores=True)
+      >>> beams.shape, scores.shape                  # two sequences per prompt, best first
+      ((4, 7), (4, 4))
     """
     if not callable(getattr(model, "init_cache", None)):
         raise TypeError(NOT_A_GENERATOR.format(type=type(model).__name__))
     ids = input_ids if isinstance(input_ids, jax.Array) else np.asarray(input_ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] < 1:
         raise ValueError(BAD_INPUT_IDS.format(given=short_array(ids)))
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(BAD_NEW_TOKENS.format(given=max_new_tokens))
     new, prompt = int(max_new_tokens), ids.shape[1]
     limit = getattr(model.model if isinstance(model, Shared) else model, "max_positions", None)
@@ -196,13 +317,41 @@ def generate(
     greedy = _greedy(temperature, key, top_k, top_p)
     eos = _token_ids(eos_token_id, "eos_token_id")
     pad = _token_ids(pad_token_id, "pad_token_id", single=True)
+    penalty = _repetition_penalty(repetition_penalty)
+    hold = _min_new_tokens(min_new_tokens, new, eos)
+    stops = _stop(stop)
+    if stops and not (eos or pad):
+        raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
+    beams, returns, lp, early = _beam_options(num_beams, num_return_sequences, length_penalty, early_stopping,
+                                              greedy, temperature, top_k, top_p)
     fill = pad[0] if pad else (eos[0] if eos else 0)
-    return _generate(
-        model, jnp.asarray(ids, jnp.int32), mask, key, jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
-        jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), jnp.asarray(eos or (-1,), jnp.int32),
-        jnp.asarray(fill, jnp.int32),
-        new=new, greedy=greedy, top_k=top_k, use_top_p=top_p is not None and top_p < 1.0, stops=bool(eos),
-    )
+    width = max((len(s) for s in stops), default=1)
+    stop_ids = np.full((len(stops), width), -1, np.int32)  # right-aligned, -1: no token there
+    for row, sequence in zip(stop_ids, stops):
+        row[width - len(sequence):] = sequence
+    common = (jnp.asarray(ids, jnp.int32), mask, jnp.asarray(eos or (-1,), jnp.int32), jnp.asarray(fill, jnp.int32),
+              jnp.asarray(1.0 if penalty is None else penalty, jnp.float32), jnp.asarray(hold, jnp.int32),
+              jnp.asarray(stop_ids))
+    options = {"new": new, "penalize": penalty is not None, "hold": hold > 0, "scores": bool(return_scores)}
+    if beams > 1:
+        tokens, scores = _beam_search(model, *common, beams=beams, returns=returns, length_penalty=lp,
+                                      early_stopping=early, eos_count=len(eos), **options)
+    else:
+        tokens, scores = _generate(
+            model, *common, key, jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
+            jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
+            greedy=greedy, top_k=top_k, use_top_p=top_p is not None and top_p < 1.0, ends=bool(eos or stops),
+            **options,
+        )
+    return (tokens, scores) if return_scores else tokens
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
 
 
 def _attention_mask(mask: Any, shape: tuple[int, ...]) -> jax.Array:
@@ -222,13 +371,11 @@ def _attention_mask(mask: Any, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _greedy(temperature: Any, key: Any, top_k: Any, top_p: Any) -> bool:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
-            or not temperature >= 0:
+    if not _is_number(temperature) or not temperature >= 0:
         raise ValueError(BAD_TEMPERATURE.format(given=temperature))
-    if top_k is not None and (not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1):
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise ValueError(BAD_TOP_K.format(vocab="vocab", given=top_k))
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.floating))
-                              or not 0.0 < top_p <= 1.0):
+    if top_p is not None and (not _is_number(top_p) or not 0.0 < top_p <= 1.0):
         raise ValueError(BAD_TOP_P.format(given=top_p))
     if temperature == 0:
         for name, value in (("top_k", top_k), ("top_p", top_p)):
@@ -245,15 +392,70 @@ def _token_ids(value: Any, name: str, single: bool = False) -> tuple[int, ...]:
         return ()
     values = [value] if single or isinstance(value, (int, np.integer)) else value
     try:
-        ok = len(values) >= 1 and all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in values
-        )
+        ok = len(values) >= 1 and all(_is_int(v) and v >= 0 for v in values)
     except TypeError:
         ok = False
     if not ok:
         plural = "" if single else " or a list of them"
         raise ValueError(BAD_TOKEN_ID.format(name=name, plural=plural, given=value, example=2))
     return tuple(int(v) for v in values)
+
+
+def _repetition_penalty(value: Any) -> float | None:
+    """The penalty, or None where there is none (None or 1.0: the logits are untouched)."""
+    if value is None:
+        return None
+    if not _is_number(value) or not (0.0 < value < np.inf):
+        raise ValueError(BAD_REPETITION_PENALTY.format(given=value))
+    return None if value == 1.0 else float(value)
+
+
+def _min_new_tokens(value: Any, new: int, eos: tuple[int, ...]) -> int:
+    if value is None:
+        return 0
+    if not _is_int(value) or not 0 <= value <= new:
+        raise ValueError(BAD_MIN_NEW_TOKENS.format(new=new, given=value, fit=max(new // 2, 1)))
+    if value > 0 and not eos:
+        raise ValueError(MIN_NEEDS_EOS.format(given=value))
+    return int(value)
+
+
+def _stop(value: Any) -> tuple[tuple[int, ...], ...]:
+    if value is None:
+        return ()
+    try:
+        ok = not isinstance(value, (str, bytes)) and len(value) >= 1 and all(
+            not isinstance(s, (str, bytes)) and len(s) >= 1 and all(_is_int(i) and i >= 0 for i in s) for s in value
+        )
+    except TypeError:  # an int where a sequence belongs
+        ok = False
+    if not ok:
+        raise ValueError(BAD_STOP.format(given=value))
+    return tuple(tuple(int(i) for i in s) for s in value)
+
+
+def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, greedy: bool, temperature: Any,
+                  top_k: Any, top_p: Any) -> tuple[int, int, float, bool | str]:
+    if not _is_int(beams) or beams < 1:
+        raise ValueError(BAD_NUM_BEAMS.format(given=beams))
+    if beams == 1:
+        for name, value in (("num_return_sequences", returns), ("length_penalty", length_penalty),
+                            ("early_stopping", early)):
+            if value is not None and not (name == "num_return_sequences" and value == 1):
+                raise ValueError(BEAM_OPTION.format(name=name, value=value))
+        return 1, 1, 1.0, False
+    if not greedy:
+        rest = "".join(f", {n}={v!r}" for n, v in (("top_k", top_k), ("top_p", top_p)) if v is not None)
+        raise ValueError(BEAMS_SAMPLE.format(beams=beams, temperature=temperature, rest=rest))
+    if returns is not None and (not _is_int(returns) or not 1 <= returns <= beams):
+        raise ValueError(BAD_RETURN_SEQUENCES.format(beams=beams, given=returns,
+                                                     fit=returns if _is_int(returns) and returns > 1 else beams))
+    if length_penalty is not None and (not _is_number(length_penalty) or not np.isfinite(length_penalty)):
+        raise ValueError(BAD_LENGTH_PENALTY.format(given=length_penalty))
+    if early is not None and early is not True and early is not False and early != "never":
+        raise ValueError(BAD_EARLY_STOPPING.format(given=early))
+    return (int(beams), 1 if returns is None else int(returns), 1.0 if length_penalty is None else float(length_penalty),
+            False if early is None else early)
 
 
 def _call(model: Any, ids: jax.Array, am: jax.Array, pos: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
@@ -292,6 +494,38 @@ def _filtered(logits: jax.Array, temperature: Any, top_k: int | None, top_p: Any
     return logits
 
 
+def _processed(logits: jax.Array, seen: Any, t: Any, penalty: jax.Array, hold: jax.Array, is_eos: Any, *,
+               penalize: bool, holding: bool) -> jax.Array:
+    """HF's repetition penalty over the tokens ``seen`` (bool ``[rows, vocab]``), then EOS held
+    back (``-inf``) while ``t < hold``; float32 logits (or log-probabilities) ``[rows, vocab]``."""
+    if penalize:
+        logits = jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
+    if holding:
+        logits = jnp.where(is_eos & (t < hold), jnp.asarray(-jnp.inf, jnp.float32), logits)
+    return logits
+
+
+def _seen(ids: jax.Array, mask: jax.Array, vocab: int) -> jax.Array:
+    """bool ``[batch, vocab]``: the tokens among the real (unpadded) prompt tokens."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    return jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, ids].add(mask) > 0  # ids >= vocab: dropped
+
+
+def _window(ids: jax.Array, mask: jax.Array, width: int) -> jax.Array:
+    """The last ``width - 1`` real prompt tokens of each row, -2 where padding or before the prompt."""
+    real = jnp.where(mask != 0, ids, -2)
+    real = jnp.concatenate([jnp.full((ids.shape[0], width - 1), -2, jnp.int32), real], axis=1)
+    return real[:, real.shape[1] - (width - 1):]
+
+
+def _stopped(window: jax.Array, token: jax.Array, stop_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Whether ``window`` ``[..., L-1]`` then ``token`` ``[...]`` ends in a stop sequence (the
+    rows of ``stop_ids`` ``[S, L]``, right-aligned, -1 before a shorter one); the next window."""
+    full = jnp.concatenate([window, token[..., None]], axis=-1)
+    hit = jnp.all((full[..., None, :] == stop_ids) | (stop_ids < 0), axis=-1).any(axis=-1)
+    return hit, full[..., 1:]
+
+
 def _choose(logits: jax.Array, key: Any, step: Any, temperature: jax.Array, top_p: jax.Array, *,
             greedy: bool, top_k: int | None, use_top_p: bool) -> jax.Array:
     """The next token of every row from its logits ``[batch, vocab]``."""
@@ -301,10 +535,11 @@ def _choose(logits: jax.Array, key: Any, step: Any, temperature: jax.Array, top_
     return jax.random.categorical(jax.random.fold_in(key, step), logits, axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "stops"))
-def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, key: Any, temperature: jax.Array,
-              top_p: jax.Array, eos_ids: jax.Array, fill: jax.Array, *, new: int, greedy: bool,
-              top_k: int | None, use_top_p: bool, stops: bool) -> jax.Array:
+@partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "ends", "penalize", "hold", "scores"))
+def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
+              penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, key: Any, temperature: jax.Array,
+              top_p: jax.Array, *, new: int, greedy: bool, top_k: int | None, use_top_p: bool, ends: bool,
+              penalize: bool, hold: bool, scores: bool) -> tuple[jax.Array, jax.Array | None]:
     batch, prompt = ids.shape
     cache = model.init_cache(batch, prompt + new)
     am = jnp.concatenate([prompt_mask, jnp.zeros((batch, new), jnp.int32)], axis=1)
@@ -313,31 +548,209 @@ def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, key: Any, temp
     vocab = logits.shape[-1]
     if top_k is not None and top_k > vocab:
         raise ValueError(BAD_TOP_K.format(vocab=vocab, given=top_k))
-    choose = partial(_choose, key=key, temperature=temperature, top_p=top_p, greedy=greedy, top_k=top_k,
-                     use_top_p=use_top_p)
+    stopping = stop_ids.shape[0] > 0
+    is_eos = jnp.isin(jnp.arange(vocab), eos_ids) if hold else None
+    rows = jnp.arange(batch)
 
-    def emit(tokens: jax.Array, done: jax.Array, token: jax.Array, t: Any) -> tuple[jax.Array, ...]:
-        if stops:
+    def choose(logits: jax.Array, state: dict[str, Any], t: Any) -> tuple[jax.Array, Any]:
+        if not (penalize or hold or scores):  # the plain loop: nothing else traced
+            return _choose(logits, key, t, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p), None
+        x = _processed(logits.astype(jnp.float32), state.get("seen"), t, penalty, min_new, is_eos,
+                       penalize=penalize, holding=hold)
+        if greedy:
+            token = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        else:
+            x = _filtered(x, temperature, top_k, top_p if use_top_p else None)
+            token = jax.random.categorical(jax.random.fold_in(key, t), x, axis=-1).astype(jnp.int32)
+        if not scores:
+            return token, None
+        return token, jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), token[:, None], axis=-1)[:, 0]
+
+    def emit(state: dict[str, Any], token: jax.Array, score: Any, t: Any) -> dict[str, Any]:
+        state = dict(state)
+        if ends:
+            done = state["done"]
             token = jnp.where(done, fill, token)
-            done = done | jnp.isin(token, eos_ids)
-        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (jnp.int32(0), prompt + t))
-        return tokens, done, token
+            finished = jnp.isin(token, eos_ids)
+            if stopping:
+                hit, state["window"] = _stopped(state["window"], token, stop_ids)
+                finished = finished | hit
+            if scores:
+                score = jnp.where(done, jnp.float32(0.0), score)
+            state["done"] = done | finished
+        state["tokens"] = jax.lax.dynamic_update_slice(state["tokens"], token[:, None], (jnp.int32(0), prompt + t))
+        if scores:
+            state["scores"] = jax.lax.dynamic_update_slice(state["scores"], score[:, None], (jnp.int32(0), t))
+        if penalize:
+            state["seen"] = state["seen"].at[rows, token].set(True)
+        state["token"] = token
+        return state
 
-    tokens = jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1)
-    tokens, done, token = emit(tokens, jnp.zeros((batch,), bool), choose(logits[:, -1], step=0), 0)
+    state: dict[str, Any] = {
+        "tokens": jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1),
+        "done": jnp.zeros((batch,), bool),
+    }
+    if penalize:
+        state["seen"] = _seen(ids, prompt_mask, vocab)
+    if stopping:
+        state["window"] = _window(ids, prompt_mask, stop_ids.shape[1])
+    if scores:
+        state["scores"] = jnp.zeros((batch, new), jnp.float32)
+    state = emit(state, *choose(logits[:, -1], state, 0), 0)
+    state.update(t=jnp.int32(1), cache=cache, am=am)
 
-    def more(carry: tuple[Any, ...]) -> jax.Array:
-        t, done = carry[0], carry[-1]
-        return (t < new) & ~jnp.all(done) if stops else t < new
+    def more(state: dict[str, Any]) -> jax.Array:
+        return (state["t"] < new) & ~jnp.all(state["done"]) if ends else state["t"] < new
 
-    def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        t, tokens, token, cache, am, done = carry
+    def step(state: dict[str, Any]) -> dict[str, Any]:
+        t = state["t"]
         slot = prompt + t - 1  # the slot of `token`, the last one emitted
-        am = jax.lax.dynamic_update_slice(am, jnp.ones((batch, 1), jnp.int32), (jnp.int32(0), slot))
+        am = jax.lax.dynamic_update_slice(state["am"], jnp.ones((batch, 1), jnp.int32), (jnp.int32(0), slot))
         positions = jnp.full((batch, 1), slot, jnp.int32)
-        logits, cache = _call(model, token[:, None], am, positions, cache)
-        tokens, done, token = emit(tokens, done, choose(logits[:, -1], step=t), t)
-        return t + 1, tokens, token, cache, am, done
+        logits, cache = _call(model, state["token"][:, None], am, positions, state["cache"])
+        state = emit({**state, "am": am, "cache": cache}, *choose(logits[:, -1], state, t), t)
+        return {**state, "t": t + 1}
 
-    carry = (jnp.int32(1), tokens, token, cache, am, done)
-    return jax.lax.while_loop(more, step, carry)[1]
+    state = jax.lax.while_loop(more, step, state)
+    return state["tokens"], state.get("scores")
+
+
+# ---- beam search ------------------------------------------------------------------------------
+
+def _batch_axes(model: Any, batch: int, rows: int, length: int) -> list[int | None]:
+    """Each cache leaf's batch axis (None: a leaf without one), found by making the cache's
+    shapes for ``batch`` and ``rows`` sequences (no arrays are made)."""
+    small = jax.tree.leaves_with_path(jax.eval_shape(lambda: model.init_cache(batch, length)))
+    large = jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(rows, length)))
+    axes: list[int | None] = []
+    for (path, a), b in zip(small, large):
+        differ = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
+        if a.ndim != b.ndim or len(differ) > 1 or (differ and (a.shape[differ[0]], b.shape[differ[0]]) != (batch, rows)):
+            raise ValueError(UNBATCHED_CACHE.format(path=jax.tree_util.keystr(path) or "(root)",
+                                                    shapes=f"is {a.shape} and {b.shape}", small=batch, large=rows))
+        axes.append(differ[0] if differ else None)
+    return axes
+
+
+def _on_axes(cache: Any, axes: list[int | None], f: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(cache)
+    return jax.tree.unflatten(treedef, [leaf if ax is None else f(leaf, ax) for leaf, ax in zip(leaves, axes)])
+
+
+def _beams_of(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``x [batch, beams, ...]`` at the beams ``index [batch, k]``: ``[batch, k, ...]``."""
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@partial(jax.jit, static_argnames=("new", "penalize", "hold", "scores", "beams", "returns", "length_penalty",
+                                   "early_stopping", "eos_count"))
+def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
+                 penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, *, new: int, penalize: bool,
+                 hold: bool, scores: bool, beams: int, returns: int, length_penalty: float,
+                 early_stopping: bool | str, eos_count: int) -> tuple[jax.Array, jax.Array | None]:
+    batch, prompt = ids.shape
+    rows, total = batch * beams, prompt + new
+    axes = _batch_axes(model, batch, rows, total)
+    am = jnp.concatenate([prompt_mask, jnp.zeros((batch, new), jnp.int32)], axis=1)
+    positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (batch, prompt))
+    logits, cache = _call(model, ids, am, positions, model.init_cache(batch, total))  # prefill once per prompt
+    cache = _on_axes(cache, axes, lambda leaf, ax: jnp.repeat(leaf, beams, axis=ax))  # row b * beams + k: prompt b
+    vocab = logits.shape[-1]
+    keep = max(2, 1 + eos_count) * beams  # HF's candidates per prompt: enough for `beams` that do not end
+    stopping = stop_ids.shape[0] > 0
+    is_eos = jnp.isin(jnp.arange(vocab), eos_ids) if hold else None
+    first_k = jnp.arange(keep) < beams
+    lowest = jnp.float32(NEG)
+
+    def select(state: dict[str, Any], logits: jax.Array, t: Any, reorder: bool) -> dict[str, Any]:
+        s = dict(state)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        logp = _processed(logp, s.get("seen"), t, penalty, min_new, is_eos, penalize=penalize, holding=hold)
+        flat = logp.reshape(batch, beams * vocab)
+        top, index = jax.lax.top_k((logp.reshape(batch, beams, vocab) + s["running"][..., None]).reshape(batch, -1),
+                                   keep)
+        parent, token = index // vocab, (index % vocab).astype(jnp.int32)  # [batch, keep]
+        sequences = jax.lax.dynamic_update_slice(_beams_of(s["sequences"], parent), token[..., None],
+                                                 (jnp.int32(0), jnp.int32(0), prompt + t))
+        ends = jnp.isin(token, eos_ids) | (t == new - 1)
+        if stopping:
+            hit, window = _stopped(_beams_of(s["window"].reshape(batch, beams, -1), parent), token, stop_ids)
+            ends = ends | hit
+        if scores:
+            own = jnp.take_along_axis(flat, index, axis=1)
+            token_scores = jax.lax.dynamic_update_slice(_beams_of(s["token_scores"], parent), own[..., None],
+                                                        (jnp.int32(0), jnp.int32(0), t))
+        # the best `beams` candidates that go on
+        going = top + ends.astype(jnp.float32) * lowest
+        pick = jax.lax.top_k(going, beams)[1]
+        s["sequences"], s["running"] = _beams_of(sequences, pick), _beams_of(going, pick)
+        if scores:
+            s["token_scores"] = _beams_of(token_scores, pick)
+        # the finished ones: the best `beams` so far, old and new (only the first `beams` candidates may enter)
+        just = ends & first_k
+        candidate = top / ((t + 1).astype(jnp.float32) ** length_penalty)
+        if early_stopping is True:
+            candidate = candidate + jnp.all(s["finished"], axis=1, keepdims=True).astype(jnp.float32) * lowest
+        candidate = candidate + (~s["improvable"]).astype(jnp.float32) * lowest
+        candidate = candidate + (~just).astype(jnp.float32) * lowest
+        best = jax.lax.top_k(jnp.concatenate([s["final"], candidate], axis=1), beams)[1]
+        merge = lambda old, fresh: _beams_of(jnp.concatenate([old, fresh], axis=1), best)  # noqa: E731
+        s["final_sequences"] = merge(s["final_sequences"], sequences)
+        s["final"] = merge(s["final"], candidate)
+        s["finished"] = merge(s["finished"], just)
+        if scores:
+            s["final_scores"] = merge(s["final_scores"], token_scores)
+        # the next step's inputs: the going beams' tokens, their parents' caches
+        s["token"] = _beams_of(token, pick).reshape(rows)
+        source = (jnp.arange(batch)[:, None] * beams + _beams_of(parent, pick)).reshape(rows)
+        if reorder:  # (at the first step every beam of a prompt is the same)
+            s["cache"] = _on_axes(s["cache"], axes, lambda leaf, ax: jnp.take(leaf, source, axis=ax))
+            if penalize:
+                s["seen"] = s["seen"][source]
+        if penalize:
+            s["seen"] = s["seen"].at[jnp.arange(rows), s["token"]].set(True)
+        if stopping:
+            s["window"] = _beams_of(window, pick).reshape(rows, -1)
+        # whether a running beam can still beat a finished one (HF's heuristic), and whether to go on
+        length = new if early_stopping == "never" and length_penalty > 0 else t + 1
+        hope = s["running"][:, :1] / (jnp.asarray(length).astype(jnp.float32) ** length_penalty)
+        worst = jnp.where(s["finished"], jnp.min(s["final"], axis=1, keepdims=True), lowest)
+        s["improvable"] = s["improvable"] & jnp.any(hope > worst, axis=-1, keepdims=True)
+        go = jnp.any(s["improvable"]) & ~jnp.all(ends)
+        if early_stopping is True:
+            go = go & ~jnp.all(s["finished"])
+        s["go"] = go
+        return s
+
+    start = jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1)
+    start = jnp.broadcast_to(start[:, None], (batch, beams, total))
+    state: dict[str, Any] = {
+        "sequences": start, "final_sequences": start,
+        "running": jnp.where(jnp.arange(beams) == 0, 0.0, lowest)[None].repeat(batch, 0).astype(jnp.float32),
+        "final": jnp.full((batch, beams), lowest), "finished": jnp.zeros((batch, beams), bool),
+        "improvable": jnp.ones((batch, 1), bool), "cache": cache,
+    }
+    if penalize:
+        state["seen"] = jnp.repeat(_seen(ids, prompt_mask, vocab), beams, axis=0)
+    if stopping:
+        state["window"] = jnp.repeat(_window(ids, prompt_mask, stop_ids.shape[1]), beams, axis=0)
+    if scores:
+        state["token_scores"] = state["final_scores"] = jnp.zeros((batch, beams, new), jnp.float32)
+    state = select(state, jnp.repeat(logits[:, -1], beams, axis=0), jnp.int32(0), reorder=False)
+    state.update(t=jnp.int32(1), am=jnp.repeat(am, beams, axis=0))
+
+    def more(state: dict[str, Any]) -> jax.Array:
+        return (state["t"] < new) & state["go"]
+
+    def step(state: dict[str, Any]) -> dict[str, Any]:
+        t = state["t"]
+        slot = prompt + t - 1
+        am = jax.lax.dynamic_update_slice(state["am"], jnp.ones((rows, 1), jnp.int32), (jnp.int32(0), slot))
+        logits, cache = _call(model, state["token"][:, None], am, jnp.full((rows, 1), slot, jnp.int32),
+                              state["cache"])
+        state = select({**state, "am": am, "cache": cache}, logits[:, -1], t, reorder=True)
+        return {**state, "t": t + 1}
+
+    state = jax.lax.while_loop(more, step, state)
+    tokens = state["final_sequences"][:, :returns].reshape(batch * returns, total)
+    return tokens, state["final_scores"][:, :returns].reshape(batch * returns, new) if scores else None

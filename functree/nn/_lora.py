@@ -163,9 +163,8 @@ class LoraDense(Layer):
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> dense = ft.nn.Dense(4, 3, key=jax.random.key(0))
       >>> layer = ft.nn.LoraDense(dense, rank=2, alpha=4.0, key=jax.random.key(1))
-      >>> layer
-      LoraDense(weight=f32[4,3], bias=f32[3], lora_a=f32[4,2], lora_b=f32[2,3], dropout_key=None, \
-activation=identity, alpha=4.0, dropout=0.0, training=False)
+      >>> layer.lora_a.shape, layer.lora_b.shape, layer.scale          # scale: alpha / rank
+      ((4, 2), (2, 3), 2.0)
       >>> x = jnp.ones((5, 4))
       >>> bool(jnp.all(layer(x) == dense(x)))           # lora_b = 0: the same outputs
       True
@@ -584,14 +583,14 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     ``c_attn``) have no PEFT module of their own and raise.
 
     Example:
-      >>> import functree as ft, jax, json, os, tempfile
+      >>> import functree as ft, jax, json, os, pathlib, tempfile
       >>> model = ft.nn.Sequential(ft.nn.Dense(4, 4, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1)))
       >>> adapted = ft.nn.lora(model, "layers.1", rank=2, alpha=4, key=jax.random.key(2))
       >>> directory = tempfile.mkdtemp()
       >>> ft.nn.save_lora(adapted, directory)
       >>> sorted(os.listdir(directory))
       ['adapter_config.json', 'adapter_model.safetensors']
-      >>> config = json.load(open(os.path.join(directory, "adapter_config.json")))
+      >>> config = json.loads(pathlib.Path(directory, "adapter_config.json").read_text())
       >>> config["peft_type"], config["r"], config["lora_alpha"], config["target_modules"]
       ('LORA', 2, 4.0, ['1'])
     """

@@ -192,6 +192,10 @@ class DonationGuard:
             raise ValueError(DONATED.format(what=what, name=name, path=path, when=when, no_donation=no_donation))
 
 
+class _StaleArrayError(ValueError):
+    """:func:`stale_error`'s error (a ``ValueError``), told apart by :func:`is_stale_error`."""
+
+
 def stale_error(named: Sequence[tuple[str, Any]]) -> ValueError | None:
     """The error for the first ``(name, tree)`` holding a deleted (donated) array: its key
     path, the donating call (the latest one, when that call took this array) and the
@@ -211,8 +215,14 @@ def stale_error(named: Sequence[tuple[str, Any]]) -> ValueError | None:
             else:
                 when = f"an earlier call of {donor.name} (or another donating function)"
         where = f"{name}.{path}" if path != "<root>" else name
-        return ValueError(STALE.format(what="This call's input", path=where, when=when))
+        return _StaleArrayError(STALE.format(what="This call's input", path=where, when=when))
     return None
+
+
+def is_stale_error(error: BaseException) -> bool:
+    """Whether ``error`` is :func:`stale_error`'s (an inner layer's call raised it, naming the
+    path from that layer: the caller's call names it again from its own model)."""
+    return isinstance(error, _StaleArrayError)
 
 
 def is_deletion_error(error: BaseException) -> bool:

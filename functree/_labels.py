@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from functree._alias import is_deletion_error, stale_error
+from functree._alias import is_deletion_error, is_stale_error, stale_error
 
 __all__ = ["label_aware", "is_label_tree"]
 
@@ -61,8 +61,10 @@ def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return call(self, *args, **kwargs)
         except (RuntimeError, ValueError) as e:  # a donated model used again: name the key path
+            # JAX's error, or an inner layer's (``model.weight`` of the layer): the outermost
+            # call's names the path from the model the user called (``model.conv.weight``)
             stale = stale_error([("model", self), *((f"args[{i}]", a) for i, a in enumerate(args)),
-                                 *kwargs.items()]) if is_deletion_error(e) else None
+                                 *kwargs.items()]) if is_deletion_error(e) or is_stale_error(e) else None
             if stale is None:
                 raise
             raise stale from None

@@ -94,3 +94,37 @@ def test_readme_is_a_front_page_and_the_site_lists_every_page():
 def test_slug_matches_github():
     assert slug("Coming from another library") == "coming-from-another-library"
     assert slug("L-BFGS through `Optimizer`") == "l-bfgs-through-optimizer"
+
+
+# `ft.losses.softmax_cross_entropy`, `ft.nn.training(model)`, `ft.optim.Optimizer.init`: a
+# dotted name after `ft.` in an error message (a module-level string constant), outside its
+# `wrong:` lines (the reader's code, which may name what does not exist)
+SUGGESTED = re.compile(r"(?<![\w.])ft\.((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)")
+
+
+def error_constants():
+    import pkgutil
+
+    import functree
+
+    for info in pkgutil.walk_packages(functree.__path__, "functree."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if name.isupper() and isinstance(value, str):
+                yield f"{info.name}.{name}", value
+
+
+def test_every_name_an_error_suggests_exists():
+    import functree
+
+    wrong = []
+    for where, text in error_constants():
+        told = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("wrong:"))
+        for dotted in SUGGESTED.findall(told):
+            obj = functree
+            for part in dotted.split("."):
+                if not hasattr(obj, part):
+                    wrong.append(f"{where}: ft.{dotted}")
+                    break
+                obj = getattr(obj, part)
+    assert not wrong, "error messages suggest names that do not exist:\n" + "\n".join(wrong)

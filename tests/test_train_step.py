@@ -418,6 +418,28 @@ def test_a_donated_model_used_later_names_the_key_path_the_call_and_the_fixes():
     assert kept(jnp.ones((1, 2))).shape == (1, 1)  # a copy stays valid
 
 
+def test_a_donated_nested_model_names_the_path_from_the_model_called():
+    """The inner layer's call raised first and named its own leaf (`model.weight`); the
+    donated array is the outer model's `conv.weight`."""
+
+    class Net(ft.Module):
+        conv: ft.nn.Conv1D
+        dense: ft.nn.Dense
+
+        def __call__(self, x):
+            return self.dense(self.conv(x).mean(axis=1))
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = Net(ft.nn.Conv1D(2, 3, 2, key=k1), ft.nn.Dense(3, 1, key=k2))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    best, state = model, opt.init(model)
+    ft.train.train_step(mse, opt)(model, state, (jnp.ones((3, 4, 2)), jnp.ones((3, 1))))
+    with pytest.raises(ValueError, match=r"deleted array at model\.conv\.weight: call \d+ of the train step"):
+        best(jnp.ones((1, 4, 2)))
+    with pytest.raises(ValueError, match=r"deleted array at model\.weight: call \d+ of the train step"):
+        best.conv(jnp.ones((1, 4, 2)))  # the layer called on its own: its own path
+
+
 def test_a_float_field_of_an_ft_module_is_trained_in_the_step():
     class Perceptron(ft.Module):  # Swift's `var bias: Float`: declared, so trained
         weight: jax.Array

@@ -26,10 +26,10 @@ NO_LOGITS = """\
 ft.train.accuracy needs the model's outputs (logits) as the loss function's aux output, \
 got aux={aux}.
 
-    wrong:  def loss_fn(model, batch): return ft.losses.cross_entropy(model(x), y)
+    wrong:  def loss_fn(model, batch): return ft.losses.softmax_cross_entropy(model(x), y)
     right:  def loss_fn(model, batch):
                 logits = model(x)
-                return ft.losses.cross_entropy(logits, y), logits     # (loss, aux)"""
+                return ft.losses.softmax_cross_entropy(logits, y), logits     # (loss, aux)"""
 
 NO_LABELS = """\
 ft.train.accuracy could not find the labels in the batch ({batch}). It reads batch[-1] \

@@ -26,6 +26,8 @@ takes a comma-separated list of these names):
                     transformer, d=64): gated and ungated             per-leaf
     generate    13. greedy decoding, Llama-style: ft.nn.generate    ≤ 1.0× raw's time
                     vs a raw-JAX KV-cache loop vs HF generate (torch)
+    lora        14. a LoRA step (Adam on q, v adapters) vs the    ≤ 1.05× the merged step
+                    merged model's step through the same blocks
 
 ``benchmarks/gate_pipeline.py`` is the accelerator check of the NaN gate: whether a gated
 step keeps the asynchronous pipeline full (raw JAX ungated, cond- and select-gated, and
@@ -54,6 +56,7 @@ from _donation import donation
 from _generate import generation
 from _harness import machine
 from _keypaths import key_paths
+from _lora import lora_step
 from _many_leaves import many_leaves
 from _optimizer import optimizer_throughput
 from _steps import compile_time, compute, dispatch
@@ -74,6 +77,7 @@ FAMILIES = {
     "steps_per_call": steps_per_call,
     "many_leaves": many_leaves,
     "generate": generation,
+    "lora": lora_step,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

@@ -46,6 +46,7 @@ import jax.core
 import numpy as np
 from jax.extend import core as jcore
 
+from functree import _compat as compat
 from functree._config import config
 from functree._module import DifferentiationWarning, Module
 from functree._nan import nan_report
@@ -315,10 +316,7 @@ def _scoped(eqn: Any, scoped: bool) -> bool:
     return scoped or _SCOPE in str(eqn.source_info.name_stack)
 
 
-def _open(j: Any) -> tuple[Any, Sequence[Any]]:
-    if isinstance(j, jcore.ClosedJaxpr):
-        return j.jaxpr, j.consts
-    return j, ()
+_open = compat.open_jaxpr
 
 
 def _analyse(jaxpr: Any, consts: Sequence[Any], ins: Sequence[_State], scoped: bool) -> list:
@@ -344,11 +342,10 @@ def _transfer(eqn: Any, ins: list, scoped: bool) -> list:
     name = eqn.primitive.name
     inner = _scoped(eqn, scoped)
     try:
-        if name in _CALLS and "jaxpr" in eqn.params:
-            jaxpr, consts = _open(eqn.params["jaxpr"])
-            if len(jaxpr.invars) == len(ins) and len(jaxpr.outvars) == len(eqn.outvars):
-                return _analyse(jaxpr, consts, ins, inner)
-        elif name == "cond":
+        body = compat.body_of_call(eqn) if name in _CALLS else None
+        if body is not None:
+            return _analyse(*body, ins, inner)
+        if name == "cond":
             return _cond(eqn, ins, inner)
         elif name == "while":
             return _while(eqn, ins, inner)
@@ -402,7 +399,7 @@ def _fixed_point(step: Callable[[list], list], carry: list) -> list:
 
 def _while(eqn: Any, ins: list, scoped: bool) -> list:
     p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    nc, nb = compat.while_counts(p)
     cond_consts, body_consts = ins[:nc], ins[nc : nc + nb]
     init = [_not_zero(s) for s in ins[nc + nb :]]
     body, body_c = _open(p["body_jaxpr"])
@@ -416,7 +413,7 @@ def _while(eqn: Any, ins: list, scoped: bool) -> list:
 
 def _scan(eqn: Any, ins: list, scoped: bool) -> list:
     p = eqn.params
-    nconst, ncarry = p["num_consts"], p["num_carry"]
+    nconst, ncarry = compat.scan_counts(p)
     consts = ins[:nconst]
     init = [_not_zero(s) for s in ins[nconst : nconst + ncarry]]
     xs = [_not_zero(s) for s in ins[nconst + ncarry :]]

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from functree import _compat as compat
 from functree._plan import Plan
 from functree._source import function_name as _fn_name
 from functree._source import is_user_file as _is_user_file
@@ -53,15 +54,10 @@ __all__ = ["NaNReport", "nan_report", "provenance_text"]
 
 CONSTANT_LOSS = "the loss is a non-finite constant: it is computed from no argument"
 _FUNCTREE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-# Calls whose body runs once with the call's operands: entered forward and backward.
-_CALL_PARAMS = {
-    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-    "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
-}
 _CONTEXT_NAMES = {"remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "remat": "jax.checkpoint",
                   "custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp"}
 # Custom derivatives: the body is entered forward; the pullback keeps the custom rule.
-_CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call"})
 
 
 # ----------------------------------------------------------------------------- the report
@@ -265,7 +261,7 @@ class _Tape:
 
 
 def _open(j: Any) -> tuple[Any, Sequence[Any]]:
-    return (j.jaxpr, j.consts) if isinstance(j, jcore.ClosedJaxpr) else (j, ())
+    return compat.open_jaxpr(j)
 
 
 def _forward(run: _Run, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
@@ -287,24 +283,18 @@ def _forward(run: _Run, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     return tape
 
 
-def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
-    with eqn.ctx.manager:  # the equation's context (compute type, thread resources)
-        out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _forward_eqn(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
                  context: tuple[str, ...]) -> tuple[list, list[int], list, Any]:
     name = eqn.primitive.name
-    body = _CALL_PARAMS.get(name) or _CUSTOM.get(name)
-    if body and body in eqn.params and len(_open(eqn.params[body])[0].invars) == len(ins):
-        jaxpr, consts = _open(eqn.params[body])
+    body = compat.body_of_call(eqn)
+    if body is not None:
+        jaxpr, consts = body
         label = _CONTEXT_NAMES.get(name) or name
         if name in ("jit", "pjit") and eqn.params.get("name"):
             label = f"jit({eqn.params['name']})"
         tape = _forward(run, jaxpr, consts, ins, deps, orgs, (*context, label))
         outs = [tape.read(v) for v in jaxpr.outvars]
-        sub = tape if name in _CALL_PARAMS else None  # custom rules: pullback as a whole
+        sub = None if name in _CUSTOM else tape  # custom rules: pullback as a whole
         return outs, [tape.dep(v) for v in jaxpr.outvars], [tape.org(v) for v in jaxpr.outvars], sub
     if name == "cond":
         return _forward_cond(run, eqn, ins, deps, orgs, context)
@@ -312,7 +302,7 @@ def _forward_eqn(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
         return _forward_scan(run, eqn, ins, deps, orgs, context)
     if name == "while":
         return _forward_while(run, eqn, ins, deps, orgs, context)
-    outs = _bind(eqn, ins)
+    outs = compat.bind_eqn(eqn, ins)
     dep = functools.reduce(lambda a, b: a | b, deps, 0)
     made = run.origin(outs, list(zip(ins, orgs)), lambda x: run.new("operation", "forward", eqn, dep, x, context))
     return outs, [dep] * len(outs), made, None
@@ -333,7 +323,7 @@ def _forward_cond(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
 def _forward_scan(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
                   context: tuple[str, ...]) -> tuple[list, list[int], list, Any]:
     p = eqn.params
-    nconst, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
+    (nconst, ncarry), length = compat.scan_counts(p), p["length"]
     jaxpr, consts = _open(p["jaxpr"])
     c_in, carry, xs = ins[:nconst], ins[nconst:nconst + ncarry], ins[nconst + ncarry:]
     cd, carry_d, xs_d = deps[:nconst], deps[nconst:nconst + ncarry], deps[nconst + ncarry:]
@@ -356,7 +346,7 @@ def _forward_scan(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
         ys_o = out_o[ncarry:] if ys_o is None else [a or b for a, b in zip(ys_o, out_o[ncarry:])]
     ys.sort(key=lambda t: t[0])
     if length == 0:
-        stacked = _bind(eqn, ins)[ncarry:]
+        stacked = compat.bind_eqn(eqn, ins)[ncarry:]
     else:
         stacked = [jnp.stack([y[k] for _, y in ys]) for k in range(len(jaxpr.outvars) - ncarry)]
     n_ys = len(jaxpr.outvars) - ncarry
@@ -367,7 +357,7 @@ def _forward_scan(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
 def _forward_while(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
                    context: tuple[str, ...]) -> tuple[list, list[int], list, Any]:
     p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    nc, nb = compat.while_counts(p)
     cj, cc = _open(p["cond_jaxpr"])
     bj, bc = _open(p["body_jaxpr"])
     c_in, b_in, carry = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
@@ -436,7 +426,7 @@ def _backward(run: _Run, tape: _Tape, out_cts: Sequence[_Cot | None]) -> list[_C
 def _backward_eqn(run: _Run, tape: _Tape, eqn: Any, sub: Any, outs: list,
                   need: list[bool]) -> list[_Cot | None]:
     name = eqn.primitive.name
-    if name in _CALL_PARAMS and isinstance(sub, _Tape):
+    if name in compat.CALL_BODIES and isinstance(sub, _Tape):
         return _backward(run, sub, outs)
     if name == "cond" and sub is not None:
         return [None, *_backward(run, sub[1], outs)]
@@ -452,8 +442,7 @@ def _vjp(primitive: Any, params: tuple, where: tuple[int, ...], live: tuple[int,
         args = list(ins)
         for k, x in zip(where, xs):
             args[k] = x
-        results = primitive.bind(*args, **primitive.get_bind_params(dict(params)))
-        results = list(results) if primitive.multiple_results else [results]
+        results = compat.bind(primitive, params, args)
         return [results[k] for k in live]
 
     return jax.vjp(f, *[ins[k] for k in where])[1](cts)
@@ -503,7 +492,7 @@ def _pullback(run: _Run, tape: _Tape, eqn: Any, outs: list, need: list[bool]) ->
 
 def _backward_scan(run: _Run, eqn: Any, tapes: list, outs: list) -> list[_Cot | None]:
     p = eqn.params
-    nconst, ncarry = p["num_consts"], p["num_carry"]
+    nconst, ncarry = compat.scan_counts(p)
     nx = len(eqn.invars) - nconst - ncarry
     carry_ct = outs[:ncarry]
     ys_ct = outs[ncarry:]

@@ -32,8 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
+from functree import _compat as compat
 from functree import _diagnostics
 from functree._parameters import is_parameter_leaf
 from functree._plan import Plan
@@ -188,7 +188,7 @@ def _has_reverse_only(jaxpr: Any) -> bool:
             return True
         if name.startswith("custom_jvp_call"):
             continue
-        if any(_has_reverse_only(j) for j in jcore.jaxprs_in_params(eqn.params)):
+        if any(_has_reverse_only(j) for j in compat.sub_jaxprs(eqn.params)):
             return True
     return False
 

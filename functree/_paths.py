@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree import _compat as compat
 from functree import _stacked
 from functree._module import STATIC, Module
 from functree._naming import is_tied
@@ -450,7 +451,7 @@ def _generic_children(node: Any) -> list[tuple[Entry, Any]]:
     if len(leaves) == 1 and leaves[0] is node:
         return []
     try:
-        pairs, _ = jax.tree_util.flatten_one_level_with_keys(node)
+        pairs, _ = compat.flatten_one_level_with_keys(node)
     except ValueError:
         return []
     out = []
@@ -515,7 +516,7 @@ def has_cycle(tree: Any) -> bool:
         if node is None or isinstance(node, (jax.Array, np.ndarray, float, int, complex, str)):
             continue
         try:
-            kids, _ = jax.tree_util.flatten_one_level(node)
+            kids, _ = compat.flatten_one_level(node)
         except ValueError:  # a leaf
             continue
         if id(node) in on_path:

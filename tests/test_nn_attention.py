@@ -7,6 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import functree as ft
+from functree.nn import _attention_kernel as kernel
 
 
 def _x64(tree):
@@ -280,3 +281,74 @@ def test_cache_errors(key):
         mha(x, x, positions=pos)
     with pytest.raises(ft.nn.LayerInputError, match=r"positions \[2, 3\] \(int\), got f32\[3\]"):
         mha(x, positions=jnp.ones(3))
+
+
+# ----------------------------------------------------------------------------- the kernel choice
+
+_H200 = ("nvidia", (9, 0))
+_A100 = ("nvidia", (8, 0))
+
+
+def _qkv(t=16, size=64, dtype=jnp.bfloat16, s=None):
+    q = jnp.zeros((2, t, 4, size), dtype)
+    k = jnp.zeros((2, t if s is None else s, 4, size), dtype)
+    return q, k, k
+
+
+@pytest.mark.parametrize(
+    ("inputs", "mask", "device", "expected"),
+    [
+        (_qkv(), None, _H200, "cudnn"),
+        (_qkv(dtype=jnp.float16), None, _A100, "cudnn"),
+        (_qkv(dtype=jnp.float32), None, _H200, "xla"),  # no float32 flash attention
+        (_qkv(size=12), None, _H200, "xla"),  # head size not a multiple of 8
+        (_qkv(size=256), None, _A100, "xla"),  # 256 only from Hopper on
+        (_qkv(size=256), None, _H200, "cudnn"),
+        (_qkv(t=1, s=32), None, _H200, "xla"),  # one-token decoding stays on XLA
+        (_qkv(t=15), jnp.ones((1, 1, 15, 15), bool), _H200, "xla"),  # odd lengths with a mask
+        (_qkv(t=16), jnp.ones((1, 1, 16, 16), bool), _H200, "cudnn"),
+        (_qkv(), None, ("nvidia", (7, 5)), "xla"),  # before Ampere
+        (_qkv(), None, ("gpu", None), "xla"),  # a ROCm GPU
+        (_qkv(), None, ("tpu", None), "xla"),
+        (_qkv(), None, ("cpu", None), "xla"),
+    ],
+)
+def test_auto_picks_cudnn_exactly_where_it_applies(inputs, mask, device, expected):
+    assert kernel.choose("auto", *inputs, mask, device=device) == expected
+    assert kernel.choose("xla", *inputs, mask, device=device) == "xla"
+
+
+def test_cudnn_where_it_cannot_run_names_the_constraint():
+    with pytest.raises(ValueError, match="float32, not float16 or bfloat16"):
+        kernel.choose("cudnn", *_qkv(dtype=jnp.float32), None, device=_H200)
+    with pytest.raises(ValueError, match=r"below 8\.0"):
+        kernel.choose("cudnn", *_qkv(), None, device=("nvidia", (7, 5)))
+    attention = ft.nn.MultiheadAttention(8, 2, implementation="cudnn", key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"cuDNN's flash attention does not apply here: the device is a CPU"):
+        attention(jnp.ones((1, 4, 8)))
+    dropping = ft.nn.MultiheadAttention(8, 2, implementation="cudnn", dropout=0.5, training=True,
+                                        key=jax.random.key(0))
+    with pytest.raises(ValueError, match="attention dropout in training"):
+        dropping(jnp.ones((1, 4, 8)), key=jax.random.key(1))
+
+
+def test_an_unknown_implementation_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r'implementation=\'flash\' is not one of "auto", "xla", "cudnn"'):
+        ft.nn.MultiheadAttention(8, 2, implementation="flash", key=jax.random.key(0))
+
+
+def test_auto_is_the_default_and_equals_xla_here():
+    attention = ft.nn.MultiheadAttention(8, 2, causal=True, key=jax.random.key(0))
+    assert attention.implementation == "auto"
+    x = jax.random.normal(jax.random.key(1), (2, 6, 8))
+    np.testing.assert_array_equal(attention(x), attention.replace(implementation="xla")(x))
+
+
+def test_auto_falls_back_to_xla_when_cudnn_refuses_while_tracing(monkeypatch):
+    # As if on an NVIDIA GPU whose cuDNN refuses this input (here: no cuDNN at all).
+    monkeypatch.setattr(kernel, "_device", lambda: _H200)
+    attention = ft.nn.MultiheadAttention(16, 2, causal=True, key=jax.random.key(0), dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(attention(x), attention.replace(implementation="xla")(x))
+    with pytest.raises(RuntimeError, match="cuDNN"):  # asked for by name: JAX's own error
+        attention.replace(implementation="cudnn")(x)

@@ -1,10 +1,11 @@
 """Multi-head scaled dot-product attention (Vaswani et al. 2017).
 
-The attention itself is ``jax.nn.dot_product_attention`` (XLA today; pass
-``implementation="cudnn"`` for cuDNN's flash-attention kernels on NVIDIA GPUs); the
-explicit softmax path below is used only where that function cannot be: attention dropout
-in training, per-head value sizes that differ from the query/key ones, and float64 (where
-JAX's function failed a float64 finite-difference gradient check at 1.3e-5 relative).
+The attention itself is ``jax.nn.dot_product_attention``, with the kernel chosen by
+:mod:`functree.nn._attention_kernel` (``implementation="auto"``: cuDNN's flash attention on
+NVIDIA GPUs where it applies, XLA elsewhere); the explicit softmax path below is used only
+where that function cannot be: attention dropout in training, per-head value sizes that
+differ from the query/key ones, and float64 (where JAX's function failed a float64
+finite-difference gradient check at 1.3e-5 relative).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 from functree._module import Module, field
 from functree._repr import short_array
+from functree.nn._attention_kernel import CUDNN_DOES_NOT_APPLY, check_implementation, choose
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
@@ -158,8 +160,11 @@ class MultiheadAttention(Layer):
     ``mask``). ``window=W`` (sliding-window attention, Mistral's) also drops keys ``j <= i - W``
     (by position in the sequence; with a cache, by slot): each query sees at most ``W`` keys.
     ``dropout=p`` drops attention weights with probability ``p`` (scaling the rest by ``1 / (1 - p)``) in training mode (``ft.nn.training``), which then needs
-    ``key=``. Computed with ``jax.nn.dot_product_attention`` (``implementation`` is passed
-    to it: None for JAX's choice, ``"xla"`` or ``"cudnn"``).
+    ``key=``. Computed with ``jax.nn.dot_product_attention``; ``implementation="auto"`` (the
+    default) runs cuDNN's flash attention on NVIDIA GPUs where it applies (bf16/fp16, head
+    size a multiple of 8 up to 128, or 256 on Hopper; more than one query) and XLA's
+    elsewhere; ``"xla"`` or ``"cudnn"`` force one (``"cudnn"`` where it cannot run is an
+    error naming the constraint); None is JAX's own default (XLA).
 
     Decoding with a key-value cache (:class:`KVCache`): ``out, cache = attn(x, mask=m,
     cache=cache, positions=pos)`` with ``x [batch, T, query_size]`` and ``pos`` int32
@@ -199,7 +204,7 @@ class MultiheadAttention(Layer):
     causal: bool = field(static=True, default=False)
     window: int | None = field(static=True, default=None)
     dropout: float = field(static=True, default=0.0)
-    implementation: Literal["xla", "cudnn"] | None = field(static=True, default=None)
+    implementation: Literal["auto", "xla", "cudnn"] | None = field(static=True, default="auto")
     training: bool = field(static=True, default=False)
 
     def __init__(
@@ -217,7 +222,7 @@ class MultiheadAttention(Layer):
         use_bias: bool = True,
         causal: bool = False,
         dropout: float = 0.0,
-        implementation: Literal["xla", "cudnn"] | None = None,
+        implementation: Literal["auto", "xla", "cudnn"] | None = "auto",
         key: jax.Array,
         dtype: Any = jnp.float32,
         training: bool = False,
@@ -247,7 +252,8 @@ class MultiheadAttention(Layer):
         self.num_heads, self.num_kv_heads = num_heads, kv_heads
         self.rotary = 10000.0 if rotary is True else (None if rotary is None or rotary is False else
                                                       rotary if isinstance(rotary, RopeScaling) else float(rotary))
-        self.causal, self.dropout, self.implementation = bool(causal), float(dropout), implementation
+        self.causal, self.dropout = bool(causal), float(dropout)
+        self.implementation = check_implementation(implementation)
         self.training = training
         self.window = window
 
@@ -298,6 +304,10 @@ class MultiheadAttention(Layer):
         if dropping and key is None:
             raise ValueError(NO_KEY.format(rate=self.dropout))
         if dropping or q.shape[-1] != v.shape[-1] or q.dtype == jnp.float64:
+            if self.implementation == "cudnn":
+                why = ("attention dropout in training" if dropping else
+                       "float64 inputs" if q.dtype == jnp.float64 else "the value size differs from the query size")
+                raise ValueError(CUDNN_DOES_NOT_APPLY.format(reason=why))
             out = attention_weights_times_values(
                 q, k, v, mask, causal, self.dropout if dropping else 0.0, key
             )
@@ -416,12 +426,17 @@ def _fused_attention(
     q4, k4, v4 = (a.reshape((batch, *a.shape[-3:])) for a in (q, k, v))
     if mask is not None and mask.ndim > 3:
         mask = jnp.broadcast_to(mask, (*lead, n, t, s)).reshape((batch, n, t, s))
+    chosen = choose(implementation, q4, k4, v4, mask)
     # JAX promotes to float32 logits internally; allow that under the strict promotion
     # users may set (bfloat16 and float64 inputs would fail there otherwise).
     with jax.numpy_dtype_promotion("standard"):
-        out = jax.nn.dot_product_attention(
-            q4, k4, v4, mask=mask, is_causal=causal, implementation=implementation
-        )
+        try:
+            out = jax.nn.dot_product_attention(q4, k4, v4, mask=mask, is_causal=causal, implementation=chosen)
+        except (NotImplementedError, ValueError, RuntimeError):
+            if implementation != "auto" or chosen != "cudnn":
+                raise
+            # cuDNN refused while tracing (its version, a GPU rule not checked above): XLA.
+            out = jax.nn.dot_product_attention(q4, k4, v4, mask=mask, is_causal=causal, implementation="xla")
     return out.reshape((*lead, t, n, v.shape[-1]))
 
 

@@ -234,6 +234,160 @@ def test_rows_past_eos_keep_emitting_eos_or_the_pad_id(tiny):
             assert (tokens[stop:] == fill).all()
 
 
+# ---- controls: repetition penalty, min_new_tokens, scores, stop sequences, beams ------------------
+
+def hf_outputs(hf, ids, mask, **kwargs):
+    with torch.no_grad():
+        return hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                           max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                           **kwargs)
+
+
+def hf_expected(hf, out, beams=False, pad=2):
+    """HF's sequences padded to PROMPT + NEW with ``pad`` (HF crops at the longest row), and
+    compute_transition_scores (HF's per-token log-probabilities, 0 past a beam's end)."""
+    sequences = np.full((out.sequences.shape[0], PROMPT + NEW), pad, np.int64)
+    sequences[:, :out.sequences.shape[1]] = out.sequences.numpy()
+    if beams:
+        scores = hf.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits=False)
+    else:
+        scores = hf.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    padded = np.zeros((len(sequences), NEW), np.float32)
+    padded[:, :scores.shape[1]] = scores.numpy()
+    return sequences, padded
+
+
+def test_repetition_penalty_min_new_tokens_and_scores_equal_hf_generate(llama):
+    """Greedy with HF's processors, left padding (the penalty counts real prompt tokens only):
+    the tokens equal HF's, and the scores its compute_transition_scores(normalize_logits=True)
+    until each row's EOS (0 afterwards, where HF scores the pad tokens)."""
+    hf, model = llama
+    ids, mask = left_padded_prompts()
+    options = dict(eos_token_id=0, pad_token_id=2, repetition_penalty=1.5, min_new_tokens=12)
+    out = hf_outputs(hf, ids, mask, **options)
+    top2 = np.sort(torch.stack(out.scores, 1).numpy(), axis=-1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() > 1e-3  # clear margins after the penalty
+    expected, expected_scores = hf_expected(hf, out)
+    plain = hf_generate(hf, ids, mask, pad_token_id=2, eos_token_id=0)
+    assert (expected[:, PROMPT:PROMPT + 8] != plain[:, PROMPT:PROMPT + 8]).any()  # the penalty changes tokens
+    assert (plain[:, PROMPT:] == 0).any(1)[0] and (expected[0, PROMPT:PROMPT + 12] != 0).all()  # EOS held back
+    tokens, scores = ft.nn.generate(model, ids, NEW, attention_mask=mask, return_scores=True, **options)
+    np.testing.assert_array_equal(tokens, expected)
+    ended = np.cumsum(np.cumsum(expected[:, PROMPT:] == 0, axis=1), axis=1) > 1  # after the EOS
+    expected_scores[ended] = 0.0
+    assert ended.any() and (expected_scores < 0).sum() > 40
+    np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=2e-5 * np.abs(expected_scores).max())
+
+
+def test_sampling_scores_are_hf_processed_log_probabilities(tiny):
+    """Sampled tokens' scores: log_softmax of the logits after HF's repetition penalty (left
+    padding not counted), temperature and top-k, each step's processors run by HF on the
+    sampled row so far."""
+    from transformers.generation.logits_process import (
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+    )
+
+    model, prompt, mask = tiny
+    tokens, scores = ft.nn.generate(model, prompt, 10, attention_mask=mask, key=jax.random.key(3), temperature=1.5,
+                                    top_k=4, repetition_penalty=1.4, return_scores=True)
+    logits = torch.from_numpy(np.asarray(all_logits(model, tokens, mask))[:, 2:-1].copy())
+    rows = torch.from_numpy(np.array(tokens)).long()
+    padding = torch.from_numpy(np.array(mask == 0).sum(1))
+    expected = []
+    for t in range(10):
+        x = RepetitionPenaltyLogitsProcessor(1.4, prompt_ignore_length=padding)(rows[:, :3 + t], logits[:, t].clone())
+        x = TopKLogitsWarper(4)(None, TemperatureLogitsWarper(1.5)(None, x))
+        expected.append(torch.log_softmax(x, -1).gather(1, rows[:, 3 + t:4 + t])[:, 0].numpy())
+    expected = np.stack(expected, 1)
+    assert np.isfinite(expected).all()
+    np.testing.assert_allclose(scores, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+
+
+def char_tokenizer():
+    """A tokenizer whose tokens are single characters ('a', 'b', ...): HF's stop_strings then
+    are token sequences (built offline)."""
+    import tokenizers
+
+    chars = [chr(ord("a") + i) for i in range(26)] + [chr(ord("A") + i) for i in range(VOCAB - 26)]
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="a"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = tokenizers.decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer), chars
+
+
+def test_stop_sequences_equal_hf_stop_strings(llama):
+    """Stop sequences taken from the free greedy rows (a pair inside row 1, one token of row 2,
+    and one that starts in row 0's prompt): HF's stop_strings over a one-character-per-token
+    tokenizer ends the same rows after the same tokens."""
+    hf, model = llama
+    ids, mask = left_padded_prompts()
+    free = hf_generate(hf, ids, mask, pad_token_id=2, eos_token_id=None)
+    stop = [free[1, PROMPT + 5:PROMPT + 7].tolist(), [int(free[2, PROMPT + 9])], [int(ids[0, -1]), int(free[0, PROMPT])]]
+    tokenizer, chars = char_tokenizer()
+    strings = ["".join(chars[i] for i in s) for s in stop]
+    out = hf_outputs(hf, ids, mask, stop_strings=strings, tokenizer=tokenizer, eos_token_id=49, pad_token_id=2)
+    expected, _ = hf_expected(hf, out)
+    assert (expected[:, PROMPT + 10:] == 2).all() and (expected[0, PROMPT + 1:] == 2).all()  # every row stopped
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, NEW, attention_mask=mask, stop=stop, eos_token_id=49,
+                                                 pad_token_id=2), expected)
+
+
+BEAMS = [  # num_beams, num_return_sequences, EOS ids, length_penalty, early_stopping, more options
+    (3, 2, 0, None, None, {}),
+    (3, 3, 0, 0.5, True, {"min_new_tokens": 4}),
+    (4, 2, [0, 5], 0.7, "never", {"repetition_penalty": 1.3, "stop": True}),
+]
+
+
+@pytest.mark.parametrize(("beams", "returns", "eos", "length_penalty", "early", "more"), BEAMS)
+def test_beam_search_equals_hf_generate(llama, beams, returns, eos, length_penalty, early, more):
+    """HF's beam search, left-padded prompts: the returned sequences (best first, some ended by
+    EOS or a stop sequence), and the scores its compute_transition_scores(beam_indices) gives,
+    whose sums over new_tokens ** length_penalty are HF's sequences_scores."""
+    hf, model = llama
+    ids, mask = left_padded_prompts()
+    options = dict(num_beams=beams, num_return_sequences=returns, eos_token_id=eos, pad_token_id=2, **more)
+    if length_penalty is not None:
+        options["length_penalty"] = length_penalty
+    if early is not None:
+        options["early_stopping"] = early
+    stop = options.pop("stop", False)
+    hf_options = dict(options)
+    if stop:  # a pair from the middle of HF's best beams without it
+        free = hf_outputs(hf, ids, mask, **hf_options).sequences.numpy()
+        options["stop"] = [free[0, PROMPT + 9:PROMPT + 11].tolist(), free[4, PROMPT + 6:PROMPT + 8].tolist()]
+        tokenizer, chars = char_tokenizer()
+        hf_options.update(stop_strings=["".join(chars[i] for i in s) for s in options["stop"]], tokenizer=tokenizer)
+    out = hf_outputs(hf, ids, mask, **hf_options)
+    expected, expected_scores = hf_expected(hf, out, beams=True)
+    assert (expected_scores == 0).any(), "some returned beams end before NEW tokens"
+    tokens, scores = ft.nn.generate(model, ids, NEW, attention_mask=mask, return_scores=True, **options)
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=2e-5 * np.abs(expected_scores).max())
+    lengths = (np.asarray(scores) != 0).sum(1)
+    np.testing.assert_allclose(np.asarray(scores).sum(1) / lengths ** (length_penalty or 1.0),
+                               out.sequences_scores.numpy(), rtol=1e-5)
+    if stop:
+        assert any(row[PROMPT + n - 2:PROMPT + n].tolist() in options["stop"] for row, n in zip(expected, lengths))
+
+
+def test_stop_sequence_may_start_in_the_prompt_and_the_pad_id_follows(tiny):
+    """Against a hand-written scan of the free greedy rows: row 0 ends at its first token (the
+    stop pair starts with its last prompt token), row 1 where a pair of its own first appears."""
+    model, prompt, mask = tiny
+    free = np.asarray(ft.nn.generate(model, prompt, 8, attention_mask=mask))
+    stop = [[int(prompt[0, -1]), int(free[0, 3])], free[1, 7:9].tolist()]
+    out = np.asarray(ft.nn.generate(model, prompt, 8, attention_mask=mask, stop=stop, pad_token_id=10))
+    ends = []
+    for row, real, tokens in zip(free, np.asarray(mask).argmax(1), out):
+        ends.append(next(i for i in range(3, 11) if any(
+            i + 1 - len(s) >= real and row[i + 1 - len(s):i + 1].tolist() == s for s in stop)))
+        np.testing.assert_array_equal(tokens, np.r_[row[:ends[-1] + 1], [10] * (10 - ends[-1])])
+    assert ends[0] == 3 and ends[1] >= 4  # row 0 ends at its first token, row 1 after two new ones at least
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 def test_errors(tiny):
@@ -275,6 +429,43 @@ def test_errors(tiny):
         generate(model, prompt, 4, eos_token_id=-1)
     with pytest.raises(ValueError, match=r"pad_token_id must be a token id \(an int >= 0\), got \[1\]"):
         generate(model, prompt, 4, eos_token_id=2, pad_token_id=[1])
+
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number > 0 \(1.0: none(.|\n)*got 0"):
+        generate(model, prompt, 4, repetition_penalty=0)
+    with pytest.raises(ValueError, match=r"min_new_tokens must be an int from 0 to max_new_tokens \(4\), got 5"):
+        generate(model, prompt, 4, eos_token_id=1, min_new_tokens=5)
+    with pytest.raises(ValueError, match=r"min_new_tokens=2 keeps eos_token_id(.|\n)*but no eos_token_id is given"):
+        generate(model, prompt, 4, min_new_tokens=2)
+    for stop in ([13, 198], [[]], [[1, -1]], "ab"):
+        with pytest.raises(ValueError, match=r"stop must be a list of stop sequences(.|\n)*stop=\[\[13, 198\]\]"):
+            generate(model, prompt, 4, stop=stop, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"neither pad_token_id nor eos_token_id(.|\n)*stop=\[\[1\]\], pad_token_id=0"):
+        generate(model, prompt, 4, stop=[[1]])
+    with pytest.raises(ValueError, match=r"num_beams must be an int >= 1 \(1: no beam search\), got 0"):
+        generate(model, prompt, 4, num_beams=0)
+    with pytest.raises(ValueError, match=r"beam search \(num_beams=2\)(.|\n)*does not sample \(temperature=0.5, top_k=3\)"):
+        generate(model, prompt, 4, num_beams=2, temperature=0.5, top_k=3, key=key)
+    for name, value in (("length_penalty", 2.0), ("early_stopping", True), ("num_return_sequences", 2)):
+        with pytest.raises(ValueError, match=rf"{name}={value!r} is an option of beam search, but num_beams=1"):
+            generate(model, prompt, 4, **{name: value})
+    with pytest.raises(ValueError, match=r"num_return_sequences must be an int from 1 to num_beams \(2\)(.|\n)*got 3"):
+        generate(model, prompt, 4, num_beams=2, num_return_sequences=3)
+    with pytest.raises(ValueError, match=r"length_penalty must be a finite number(.|\n)*got nan"):
+        generate(model, prompt, 4, num_beams=2, length_penalty=float("nan"))
+    with pytest.raises(ValueError, match=r"early_stopping must be False(.|\n)*or \"never\"(.|\n)*got 'yes'"):
+        generate(model, prompt, 4, num_beams=2, early_stopping="yes")
+
+    class SquareCache(TinyLM):  # a cache leaf [batch, batch]: no one batch axis to reorder
+        def init_cache(self, batch_size, max_length, dtype=None):
+            return super().init_cache(batch_size, max_length, dtype), jnp.zeros((batch_size, batch_size))
+
+        def __call__(self, input_ids, *, cache, **kwargs):
+            logits, inner = super().__call__(input_ids, cache=cache[0], **kwargs)
+            return logits, (inner, cache[1])
+
+    with pytest.raises(ValueError, match=r"reorders the cache along its batch axis, but the cache leaf at \[1\] "
+                                         r"is \(2, 2\) and \(4, 4\)"):
+        generate(SquareCache(key=jax.random.key(0)), prompt, 4, num_beams=2)
 
     class NoPair(TinyLM):
         def __call__(self, input_ids, **kwargs):

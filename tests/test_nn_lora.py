@@ -1,0 +1,310 @@
+"""ft.nn.lora, LoraDense, merge_lora, save_lora / load_lora against PEFT on Hugging Face's Llama.
+
+The reference is PEFT itself: a tiny ``LlamaForCausalLM`` built from a config with random
+weights (no download) is ported with ``ft.nn.from_hf``, given adapters by Hugging Face's
+module names, trained a few steps (so ``lora_B`` is not zero), saved with ``save_lora`` and
+loaded with ``peft.PeftModel.from_pretrained``; the logits must agree to float32 rounding:
+atol 2.5e-5 times the logits' magnitude (test_nn_hf's bound for the same model; measured
+here: 2e-7 of it). The other way, a ``PeftModel``'s own ``save_pretrained`` directory is read
+with ``load_lora``.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.nn import _lora
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+# transformers' own deprecation, raised inside peft.PeftModel's constructor
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+VOCAB, D, T = 50, 16, 7
+QV = "model.layers.*.self_attn.[qv]_proj"
+
+
+def tokens(batch=2, length=T, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, size=(batch, length)).astype(np.int32)
+
+
+def llama(seed=0, **changes):
+    options = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                   bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**options, **changes}))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return hf.eval()
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.from_numpy(ids).long()).logits.numpy()
+
+
+def assert_close(actual, expected, scale=2.5e-5):
+    expected = np.asarray(expected, np.float32)
+    np.testing.assert_allclose(np.asarray(actual, np.float32), expected, rtol=0,
+                               atol=scale * float(np.abs(expected).max()))
+
+
+logits = jax.jit(lambda model, ids: model(ids))  # one compilation per model structure
+
+
+def next_token_loss(model, ids):
+    logits = model(ids[:, :-1])
+    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], axis=-1)
+    return -jnp.mean(picked)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return llama()
+
+
+@pytest.fixture(scope="module")
+def base(hf):
+    return ft.nn.from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def trained(base):
+    """The port with adapters on q, v (HF names) and down_proj (ft names), 4 Adam steps on
+    the adapters alone; also the step's inputs, to check what stayed frozen."""
+    model = ft.nn.lora(base, [QV, "*.mlp.down_proj"], rank=4, alpha=8, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adam(3e-2), wrt="*.lora_*")
+    state = opt.init(model)
+    step = ft.jit(lambda m, s, x: opt.minimize(next_token_loss, m, s, x))
+    ids = tokens(4, 9, seed=1)
+    losses = []
+    for _ in range(4):
+        model, state, loss = step(model, state, ids)  # the loss before the step's update
+        losses.append(float(loss))
+    return model, losses[0], losses[-1]
+
+
+def test_lora_dense_computes_the_low_rank_update():
+    dense = ft.nn.Dense(5, 3, jax.nn.tanh, key=jax.random.key(0))
+    layer = ft.nn.LoraDense(dense, rank=2, alpha=6.0, key=jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (4, 5))
+    assert bool(jnp.all(layer(x) == dense(x)))  # lora_b = 0 at init: the same numbers
+    b = jax.random.normal(jax.random.key(3), (2, 3))
+    layer = layer.replace(lora_b=b)
+    w, bias, a = (np.asarray(v, np.float64) for v in (dense.weight, dense.bias, layer.lora_a))
+    xs = np.asarray(x, np.float64)
+    expected = np.tanh(xs @ w + bias + 3.0 * (xs @ a) @ np.asarray(b, np.float64))
+    assert_close(layer(x), expected, 1e-6)
+    bound = 1 / np.sqrt(5)
+    assert layer.lora_a.shape == (5, 2) and float(jnp.abs(layer.lora_a).max()) <= bound
+
+
+def test_hf_names_select_the_same_layers_as_ft_names(base):
+    by_hf = ft.nn.lora(base, QV, rank=2, key=jax.random.key(0))
+    by_ft = ft.nn.lora(base, "*.self_attn.[qv]*_projection", rank=2, key=jax.random.key(0))
+    assert jax.tree.structure(by_hf) == jax.tree.structure(by_ft)
+    attn = by_hf.model.layers.layers.self_attn
+    assert isinstance(attn.query_projection, ft.nn.LoraDense) and isinstance(attn.value_projection, ft.nn.LoraDense)
+    assert type(attn.key_projection) is ft.nn.Dense and type(attn.output_projection) is ft.nn.Dense
+    assert attn.query_projection.lora_a.shape == (2, D, 2)  # stacked with the two members
+    assert attn.value_projection.lora_b.shape == (2, 2, 8)  # two kv heads of size 4
+    ids = tokens()
+    assert bool(jnp.all(logits(by_hf, ids) == logits(base, ids)))  # B = 0: the logits are unchanged
+
+
+def test_training_moves_only_the_adapters(base, trained):
+    model, first, last = trained
+    assert last < first
+    flat, before = ft.to_flat_dict(model), ft.to_flat_dict(base)
+    for name, value in flat.items():
+        if ".lora_" not in name:
+            assert np.array_equal(np.asarray(value), np.asarray(before[name])), name
+    assert float(jnp.abs(model.model.layers.layers.self_attn.query_projection.lora_b).max()) > 1e-3
+    assert float(jnp.abs(model.model.layers.layers.mlp.down_proj.lora_b).max()) > 1e-3
+
+
+def test_save_lora_loads_in_peft_with_equal_logits(hf, trained, tmp_path):
+    model, _, _ = trained
+    ft.nn.save_lora(model, tmp_path, base_model_name_or_path="tiny-llama")
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["task_type"]) == ("LORA", 4, 8.0, "CAUSAL_LM")
+    assert config["target_modules"] == sorted(f"model.layers.{i}.{m}" for i in range(2)
+                                              for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"))
+    peft_model = peft.PeftModel.from_pretrained(llama(), str(tmp_path)).eval()  # a fresh copy: peft edits it
+    ids = tokens()
+    expected = hf_logits(peft_model, ids)
+    assert not np.allclose(expected, hf_logits(hf, ids), atol=1e-3)  # the adapters change the logits
+    assert_close(logits(model, ids), expected)
+    loaded = ft.nn.load_lora(ft.nn.from_hf(hf), tmp_path)  # and back
+    assert jax.tree.structure(loaded) == jax.tree.structure(model)
+    assert bool(jnp.all(logits(loaded, ids) == logits(model, ids)))
+
+
+def test_merge_lora_gives_the_original_structure_and_logits(base, trained):
+    model, _, _ = trained
+    merged = ft.nn.merge_lora(model)
+    assert jax.tree.structure(merged) == jax.tree.structure(base)
+    ids = tokens()
+    assert_close(logits(merged, ids), logits(model, ids))
+
+
+def test_load_lora_reads_peft_save_pretrained(tmp_path):
+    hf = llama(seed=1)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "up_proj"],
+                             rank_pattern={"up_proj": 2}, alpha_pattern={"up_proj": 3})
+    peft_model = peft.get_peft_model(llama(seed=1), config)
+    torch.manual_seed(1)
+    with torch.no_grad():  # lora_B trained away from zero
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    peft_model.save_pretrained(str(tmp_path))
+    model = ft.nn.load_lora(ft.nn.from_hf(hf), tmp_path)
+    assert model.model.layers.layers.mlp.up_proj.lora_a.shape == (2, D, 2)
+    ids = tokens()
+    assert_close(logits(model, ids), hf_logits(peft_model.eval(), ids))
+
+
+def test_bfloat16_compute_and_generate(trained):
+    model, _, _ = trained
+    ids = tokens()
+    half = ft.cast(model, jnp.bfloat16)
+    assert half.model.layers.layers.self_attn.query_projection.lora_b.dtype == jnp.bfloat16
+    assert_close(logits(half, ids), logits(model, ids), 3e-2)  # bfloat16: 8 bits of mantissa
+    out = np.asarray(ft.nn.generate(model, ids[:, :3], T - 3))  # greedy: each token the argmax given the rest
+    assert np.array_equal(np.asarray(logits(model, out)).argmax(-1)[:, 2:-1], out[:, 3:])
+
+
+class Block(ft.Module):
+    up: ft.nn.Dense
+    down: ft.nn.Dense
+
+    def __init__(self, *, key):
+        k1, k2 = jax.random.split(key)
+        self.up, self.down = ft.nn.Dense(4, 8, jax.nn.relu, key=k1), ft.nn.Dense(8, 4, key=k2)
+
+    def __call__(self, x):
+        return x + self.down(self.up(x))
+
+
+def test_dropout_draws_a_fresh_mask_each_step():
+    stack = ft.nn.Stack(lambda k: Block(key=k), 3, key=jax.random.key(0))
+    model = ft.nn.lora({"h": stack}, "h.*.up", rank=2, dropout=0.5, key=jax.random.key(1))
+    model = ft.set(model, "h.layers.up.lora_b", jnp.ones((3, 2, 8)))
+    x = jax.random.normal(jax.random.key(2), (5, 4))
+    run = lambda m: m["h"](x)  # noqa: E731
+    train = ft.nn.training(model)
+    collect = jax.jit(lambda m: ft.nn.collect_state(run, m))
+    y1, s1 = collect(train)
+    assert [str(k) for k in s1] == ["['h'].layers.up.dropout_key"]
+    advanced = ft.nn.apply_state(train, s1)
+    y2, _ = collect(advanced)
+    assert not np.allclose(np.asarray(y1), np.asarray(y2))  # another mask
+    assert bool(jnp.all(run(model) == run(ft.nn.inference(advanced))))  # no dropout in inference
+    keys = np.asarray(ft.get(model, "h.layers.up.dropout_key"))
+    assert keys.shape == (3, 2) and len({tuple(k) for k in keys}) == 3  # a key per member
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="*.lora_*")
+    new, _, _ = ft.jit(lambda m, s: opt.minimize(lambda m: jnp.sum(run(m) ** 2), m, s))(train, opt.init(train))
+    assert not np.array_equal(np.asarray(ft.get(new, "h.layers.up.dropout_key")), keys)  # the step advanced it
+    layer = train["h"][0].up  # member 0's, in training mode
+    with pytest.raises(ValueError, match="needs a PRNG key for its dropout mask"):
+        layer.replace(dropout_key=None)(x)
+    assert layer.replace(dropout_key=None)(x, key=jax.random.key(3)).shape == (5, 8)
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+def test_pattern_errors(base):
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"selects no Dense layer(.|\n)*right:  ft.nn.lora\(model, '\*.self_attn.q_proj'"):
+        ft.nn.lora(base, "*.self_attn.q_prj", rank=2, key=key)
+    with pytest.raises(ValueError, match=r"also selects 'model.layers.layers.input_layernorm.scale', a leaf of RMSNorm"):
+        ft.nn.lora(base, "model.layers.*", rank=2, key=key)
+    with pytest.raises(ValueError, match=r"members \[0\] of the 2 members of the Stack layer "
+                                         r"'model.layers.layers.self_attn.query_projection'(.|\n)*"
+                                         r"'model.layers.\*.self_attn.query_projection'"):
+        ft.nn.lora(base, "model.layers.0.self_attn.q_proj", rank=2, key=key)
+    with pytest.raises(ValueError, match="holds 2 members"):
+        ft.nn.lora(base, "model.layers.5.self_attn.q_proj", rank=2, key=key)
+    adapted = ft.nn.lora(base, QV, rank=2, key=key)
+    with pytest.raises(ValueError, match="a LoraDense already"):
+        ft.nn.lora(adapted, "*.query_projection", rank=2, key=key)
+    with pytest.raises(ValueError, match="bias of a Dense layer"):
+        ft.nn.lora(ft.nn.Dense(2, 2, key=key), "bias", rank=1, key=key)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"rank": 0}, "rank must be a positive int"),
+    ({"rank": 2, "alpha": -1.0}, "alpha must be a positive number"),
+    ({"rank": 2, "dropout": 1.0}, r"dropout must be in \[0, 1\)"),
+    ({"rank": 2, "key": None}, "needs a PRNG key"),
+])
+def test_option_errors(options, message):
+    dense = ft.nn.Dense(3, 3, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=message):
+        ft.nn.lora(dense, "*", **{"key": jax.random.key(1), **options})
+
+
+def test_lora_dense_needs_a_dense():
+    with pytest.raises(TypeError, match=r"wraps an ft\.nn\.Dense, got Conv1D"):
+        ft.nn.LoraDense(ft.nn.Conv1D(2, 2, 3, key=jax.random.key(0)), key=jax.random.key(0))
+
+
+def test_save_and_load_errors(tmp_path, base, gpt2):
+    with pytest.raises(ValueError, match="holds no LoraDense layer"):
+        ft.nn.save_lora(base, tmp_path)
+    with pytest.raises(ValueError, match=r"not a PEFT LoRA adapter directory: no adapter_config\.json"):
+        ft.nn.load_lora(base, tmp_path)
+    fused = ft.nn.lora(gpt2, "*.attn.query_projection", rank=2, key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"one Hugging Face tensor 'transformer.h.0.attn.c_attn'"):
+        ft.nn.save_lora(fused, tmp_path)
+    other = ft.nn.Sequential(ft.nn.Dense(D, D, key=jax.random.key(0)))
+    ft.nn.save_lora(ft.nn.lora(other, "*", rank=2, key=jax.random.key(0)), tmp_path)
+    with pytest.raises(ValueError, match=r"holds tensors for \['0'\], which name no Dense layer"):
+        ft.nn.load_lora(base, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="sets use_dora=True"):
+        ft.nn.load_lora(other, tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'base_model.model.0.lora_A.weight' has shape"):
+        ft.nn.load_lora(ft.nn.Sequential(ft.nn.Dense(D + 1, D, key=jax.random.key(0))), tmp_path)
+
+
+def gpt2_hf():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=D, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return ft.nn.from_hf(gpt2_hf())
+
+
+def test_gpt2_conv1d_layers_save_with_fan_in_fan_out(gpt2, tmp_path):
+    model = ft.nn.lora(gpt2, ["*.mlp.c_fc", "*.attn.c_proj"], rank=2, alpha=4, key=jax.random.key(0))
+    for name in ("transformer.h.layers.mlp.c_fc.lora_b", "transformer.h.layers.attn.output_projection.lora_b"):
+        value = ft.get(model, name)
+        model = ft.set(model, name, 0.3 * jax.random.normal(jax.random.key(1), value.shape))
+    ft.nn.save_lora(model, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    peft_model = peft.PeftModel.from_pretrained(gpt2_hf(), str(tmp_path)).eval()
+    ids = tokens()
+    assert_close(logits(model, ids), hf_logits(peft_model, ids))
+
+
+def test_torch_names_are_cached_per_tree_definition(base):
+    _lora._TORCH_NAMES.clear()
+    first = _lora._torch_names(base)
+    assert _lora._torch_names(jax.tree.map(lambda x: x, base)) is first

@@ -261,3 +261,171 @@ def test_bad_model_inputs():
 def test_model_classes_are_plain_modules_of_ft_layers():
     assert issubclass(_hf_models.LlamaForCausalLM, ft.Module)
     assert set(_rotary.ROPE_TYPES) == {"default", "linear", "dynamic", "yarn", "llama3"}
+
+
+# ---- the families built like Llama, GPT-NeoX and OPT: logits, export, greedy generation ---------
+
+WINDOW = 5  # < the 12 tokens below: the sliding windows change the answer
+DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+FAMILIES = {
+    "qwen2": lambda: transformers.Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=WINDOW,
+                                              max_window_layers=0),
+    "mistral": lambda: transformers.MistralConfig(**DECODER, sliding_window=WINDOW),
+    "gemma": lambda: transformers.GemmaConfig(**DECODER, head_dim=8),
+    "phi3": lambda: transformers.Phi3Config(**DECODER, sliding_window=WINDOW, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * D,
+        max_position_embeddings=32, rotary_pct=0.5, bos_token_id=0, eos_token_id=0),
+    "opt": lambda: transformers.OPTConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                                          ffn_dim=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                          pad_token_id=1),
+}
+
+
+def hf_model(config):
+    return randomized(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+
+
+def assert_generates_as_hf(model, hf, length=T, new=4):
+    ids, mask = batch(length)
+    ours = np.asarray(ft.nn.generate(model, ids, new, attention_mask=mask))
+    with torch.no_grad():
+        theirs = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                             max_new_tokens=new, do_sample=False, pad_token_id=0).numpy()
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family(family):
+    """Logits at the real tokens of a left-padded batch, the strict export, HF's greedy tokens."""
+    hf = hf_model(FAMILIES[family]())
+    model = ft.nn.from_hf(hf)
+    assert type(model).__name__ == type(hf).__name__
+    assert_equal_at_tokens(model, hf, length=12)
+    assert_exports(model, hf)
+    assert_generates_as_hf(model, hf, length=12)
+
+
+def test_family_options_reach_the_layers():
+    def built(family, **options):  # the structure only (jax.eval_shape): no initialization
+        return jax.eval_shape(lambda: ft.nn.from_hf(FAMILIES[family](), key=jax.random.key(0), **options))
+
+    qwen = built("qwen2", attention="xla")
+    attention = qwen.model.layers.layers.self_attn  # the Stack's stacked member (abstract leaves)
+    assert attention.window == WINDOW and attention.implementation == "xla"
+    assert attention.key_projection.bias is not None and attention.output_projection.bias is None
+    neox = built("gpt_neox")
+    assert neox.gpt_neox.layers.layers.attention.rotary.partial == 0.5 and neox.gpt_neox.layers.layers.parallel
+    gemma = built("gemma")
+    assert gemma.model.embed_scale == pytest.approx(D ** 0.5) and gemma.lm_head is None
+    with pytest.raises(ValueError, match=r'attention= is "auto", "xla" or "cudnn" .*got \'flash\''):
+        ft.nn.from_hf(FAMILIES["qwen2"](), key=jax.random.key(0), attention="flash")
+
+
+def test_refused_families_and_options_say_what_works():
+    with pytest.raises(ValueError, match=r"model_type 't5' is not covered; covered: .*qwen2 \(Qwen2ForCausalLM\)") as e:
+        ft.nn.from_hf(types.SimpleNamespace(model_type="t5"), {})
+    assert "LlamaForCausalLM(config)" not in str(e.value) and "load_torch_state_dict" in str(e.value)
+    mixed = transformers.Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    with pytest.raises(ValueError, match=r"mixes sliding-window and full-attention layers"):
+        ft.nn.from_hf(mixed, key=jax.random.key(0))
+    post_norm = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=D, num_attention_heads=4, ffn_dim=2 * D,
+                                       do_layer_norm_before=False)
+    with pytest.raises(ValueError, match=r"sets do_layer_norm_before=False"):
+        ft.nn.from_hf(post_norm, key=jax.random.key(0))
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 2, "long_factor": [2.0] * 2,
+                "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match=r"rope_type 'longrope' .* is not covered"):
+        ft.nn.from_hf(transformers.Phi3Config(**{**DECODER, "rope_parameters": longrope}), key=jax.random.key(0))
+
+
+# ---- directories, sharded and bfloat16 checkpoints ---------------------------------------------
+
+def test_a_sharded_bfloat16_directory(llama, tmp_path):
+    import copy
+
+    hf = copy.deepcopy(llama).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path, max_shard_size="5KB")
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) >= 3 and (tmp_path / "model.safetensors.index.json").exists()
+    model = ft.nn.from_hf(tmp_path, dtype=jnp.bfloat16)             # config.json and the shards
+    expected = {k: v.float().numpy() for k, v in hf.state_dict().items()}
+    exported = ft.nn.to_hf_state_dict(model, numpy=True)
+    assert exported["model.layers.3.mlp.up_proj.weight"].dtype == jnp.bfloat16
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value.astype(np.float32), expected[name], err_msg=name)
+    same = ft.nn.from_hf(llama.config, tmp_path / "model.safetensors.index.json")  # the index, cast to float32
+    assert same.model.norm.scale.dtype == jnp.float32
+
+
+def test_sharded_checkpoint_errors_name_the_file_and_the_tensor(gpt2, tmp_path):
+    import json
+
+    gpt2.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    first, shard = next(iter(index["weight_map"].items()))
+    other = next(s for s in index["weight_map"].values() if s != shard)
+    index["weight_map"][first] = other  # the index sends a tensor to a shard without it
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"puts '{first}' in the shard .*{other}, whose header does not hold it"):
+        ft.nn.from_hf(tmp_path)
+    (tmp_path / other).unlink()
+    with pytest.raises(ValueError, match=rf"puts '.*' \(and \d+ more tensors\) in the shard '{other}', which is not there"):
+        ft.nn.from_hf(gpt2.config, tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"the directory has no config.json"):
+        ft.nn.from_hf(tmp_path)
+    with pytest.raises(ValueError, match=r"holds no model.safetensors or model.safetensors.index.json"):
+        ft.nn.from_hf(gpt2.config, tmp_path / "..")
+
+
+# ---- the silent answers made loud: vocabulary, positions, dynamic rope with padding -------------
+
+def test_token_ids_outside_the_vocabulary(gpt2):
+    model = ft.nn.from_hf(gpt2)
+    ids, mask = batch()
+    ids[1, 4] = VOCAB
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} at input_ids\[1, 4\] is outside the vocabulary "
+                                         rf"\(ids 0 to {VOCAB - 1}: vocab_size {VOCAB}\)"):
+        model(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} at input_ids\[1, 4\]"):
+        ft.nn.generate(model, ids, 2, attention_mask=mask)
+    ids[1, 4] = -1
+    with pytest.raises(ValueError, match=r"token id -1 at input_ids\[1, 4\]"):
+        model(ids)
+    traced = np.asarray(jax.jit(lambda m, i: m(i))(model, ids))  # under a jit of one's own: NaN, not a clamped id
+    assert np.isnan(traced[1]).all() and np.isfinite(traced[0]).all()  # the row's NaN values reach every query
+
+
+def test_learned_positions_past_the_table_raise(gpt2):
+    model = ft.nn.from_hf(gpt2)
+    with pytest.raises(ValueError, match=r"81 positions, but the learned position embedding has 80 \(n_positions = 80\)"):
+        model(np.zeros((1, 81), np.int32))
+    opt = ft.nn.from_hf(FAMILIES["opt"](), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"33 positions, .* \(max_position_embeddings = 32\)"):
+        opt(np.zeros((1, 33), np.int32))
+
+
+def test_dynamic_rope_decodes_as_hf_past_the_context_with_padding():
+    """Cached keys keep the base they were rotated with, so the padding shift no longer cancels:
+    each step's logits equal HF's only when queries and keys turn at HF's positions."""
+    config = llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8,
+                          num_hidden_layers=1, head_dim=8)
+    hf = randomized(transformers.LlamaForCausalLM(config))
+    model, (ids, mask), new = ft.nn.from_hf(hf), batch(T), 8  # 9 + 8 tokens past 8 positions, a row padded by 3
+    with torch.no_grad():
+        out = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(), do_sample=False,
+                          max_new_tokens=new, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens, expected = out.sequences.numpy().astype(np.int32), np.stack([s.numpy() for s in out.logits], axis=1)
+    call = jax.jit(lambda m, i, a, p, c: m(i, attention_mask=a, positions=p, cache=c))
+    am = np.concatenate([mask, np.zeros((2, new), np.int32)], axis=1)
+    logits, cache = call(model, ids, am, np.broadcast_to(np.arange(T, dtype=np.int32), (2, T)), model.init_cache(2, T + new))
+    actual = [logits[:, -1]]
+    for slot in range(T, T + new - 1):  # HF's tokens fed back one at a time
+        am[:, slot] = 1
+        logits, cache = call(model, tokens[:, slot:slot + 1], am, np.full((2, 1), slot, np.int32), cache)
+        actual.append(logits[:, -1])
+    np.testing.assert_allclose(np.stack(actual, axis=1), expected, rtol=0, atol=2.5e-5 * float(np.abs(expected).max()))
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, new, attention_mask=mask), tokens)

@@ -313,6 +313,9 @@ def generate(
     if isinstance(limit, int) and prompt + new > limit:
         raise ValueError(TOO_LONG.format(prompt=prompt, new=new, total=prompt + new, limit=limit,
                                          fit=max(limit - prompt, 1)))
+    check = getattr(model.model if isinstance(model, Shared) else model, "check_token_ids", None)
+    if callable(check):  # the prompt's ids against the vocabulary, once, here where they are concrete
+        check(ids)
     mask = _attention_mask(attention_mask, ids.shape)
     greedy = _greedy(temperature, key, top_k, top_p)
     eos = _token_ids(eos_token_id, "eos_token_id")
@@ -334,8 +337,9 @@ def generate(
               jnp.asarray(stop_ids))
     options = {"new": new, "penalize": penalty is not None, "hold": hold > 0, "scores": bool(return_scores)}
     if beams > 1:
-        tokens, scores = _beam_search(model, *common, beams=beams, returns=returns, length_penalty=lp,
-                                      early_stopping=early, eos_count=len(eos), **options)
+        tokens, scores = _beam_search(model, *common, jnp.asarray(lp, jnp.float32), jnp.asarray(early is True),
+                                      jnp.asarray(early == "never"), beams=beams, returns=returns,
+                                      eos_count=len(eos), **options)
     else:
         tokens, scores = _generate(
             model, *common, key, jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
@@ -642,12 +646,13 @@ def _beams_of(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-@partial(jax.jit, static_argnames=("new", "penalize", "hold", "scores", "beams", "returns", "length_penalty",
-                                   "early_stopping", "eos_count"))
+@partial(jax.jit, static_argnames=("new", "penalize", "hold", "scores", "beams", "returns", "eos_count"))
 def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
-                 penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, *, new: int, penalize: bool,
-                 hold: bool, scores: bool, beams: int, returns: int, length_penalty: float,
-                 early_stopping: bool | str, eos_count: int) -> tuple[jax.Array, jax.Array | None]:
+                 penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, length_penalty: jax.Array,
+                 early: jax.Array, never: jax.Array, *, new: int, penalize: bool, hold: bool, scores: bool,
+                 beams: int, returns: int, eos_count: int) -> tuple[jax.Array, jax.Array | None]:
+    """Hugging Face's beam search; ``early`` (bool): early_stopping=True, ``never`` (bool):
+    early_stopping="never" (both False: HF's default heuristic)."""
     batch, prompt = ids.shape
     rows, total = batch * beams, prompt + new
     axes = _batch_axes(model, batch, rows, total)
@@ -689,8 +694,8 @@ def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: ja
         # the finished ones: the best `beams` so far, old and new (only the first `beams` candidates may enter)
         just = ends & first_k
         candidate = top / ((t + 1).astype(jnp.float32) ** length_penalty)
-        if early_stopping is True:
-            candidate = candidate + jnp.all(s["finished"], axis=1, keepdims=True).astype(jnp.float32) * lowest
+        full = jnp.all(s["finished"], axis=1, keepdims=True) & early  # early_stopping=True: no more once full
+        candidate = candidate + full.astype(jnp.float32) * lowest
         candidate = candidate + (~s["improvable"]).astype(jnp.float32) * lowest
         candidate = candidate + (~just).astype(jnp.float32) * lowest
         best = jax.lax.top_k(jnp.concatenate([s["final"], candidate], axis=1), beams)[1]
@@ -712,14 +717,11 @@ def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: ja
         if stopping:
             s["window"] = _beams_of(window, pick).reshape(rows, -1)
         # whether a running beam can still beat a finished one (HF's heuristic), and whether to go on
-        length = new if early_stopping == "never" and length_penalty > 0 else t + 1
-        hope = s["running"][:, :1] / (jnp.asarray(length).astype(jnp.float32) ** length_penalty)
+        length = jnp.where(never & (length_penalty > 0), new, t + 1)  # the best length a running beam may reach
+        hope = s["running"][:, :1] / (length.astype(jnp.float32) ** length_penalty)
         worst = jnp.where(s["finished"], jnp.min(s["final"], axis=1, keepdims=True), lowest)
         s["improvable"] = s["improvable"] & jnp.any(hope > worst, axis=-1, keepdims=True)
-        go = jnp.any(s["improvable"]) & ~jnp.all(ends)
-        if early_stopping is True:
-            go = go & ~jnp.all(s["finished"])
-        s["go"] = go
+        s["go"] = jnp.any(s["improvable"]) & ~jnp.all(ends) & ~(jnp.all(s["finished"]) & early)
         return s
 
     start = jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1)

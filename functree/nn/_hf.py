@@ -1,17 +1,23 @@
 """Hugging Face language models in one call: :func:`from_hf` and :func:`to_hf_state_dict`.
 
-``from_hf`` reads an HF config (``model_type`` and sizes), builds the matching model of
-:mod:`functree.nn._hf_models` as an abstract template (``jax.eval_shape``: no random
-init) and fills it from the weights through :func:`ft.nn.load_torch_state_dict` with the
-model class's ``rename=`` and ``layouts=``. ``transformers`` is imported only to read a
-config given as a dict; torch only where the weights are torch tensors.
+``from_hf`` reads an HF config (``model_type`` and sizes), picks the model type's
+:class:`Family` in :data:`FAMILIES`, builds its model of :mod:`functree.nn._hf_models` as an
+abstract template (``jax.eval_shape``: no random init) and fills it from the weights through
+:func:`ft.nn.load_torch_state_dict` with the model class's ``rename=`` and ``layouts=``.
+A family is one table row: its HF class, its functree class, a builder reading the config,
+its tied head's names and the older checkpoint names HF's loader renames. ``transformers``
+is imported only to read a config given as a dict or a directory; torch only where the
+weights are torch tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -20,20 +26,23 @@ import numpy as np
 
 from functree import _activations as act
 from functree._state_dict import _to_numpy
-from functree.nn._hf_models import BertModel, GPT2LMHeadModel, LlamaForCausalLM
+from functree.nn import _hf_models as models
 from functree.nn._rotary import ROPE_TYPES, RopeScaling
-from functree.nn._torch import _as_tensors, _load_file, load_torch_state_dict, torch_state_dict
+from functree.nn._torch import (
+    _as_tensors,
+    _load_checkpoint,
+    load_torch_state_dict,
+    torch_state_dict,
+)
 
 __all__ = ["from_hf", "to_hf_state_dict"]
-
-COVERED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertModel"}
 
 UNCOVERED_ARCHITECTURE = """\
 ft.nn.from_hf: {given} is not covered; covered: {covered}.
 Port other models by hand from ft.nn layers and ft.nn.load_torch_state_dict (docs/guides/huggingface.md).
 
-    wrong:  ft.nn.from_hf({wrong})
-    right:  ft.nn.from_hf(transformers.LlamaForCausalLM(config))   # or (config, weights)
+    right:  model = MyModel(...)      # ft.nn layers named as the HF model's modules
+            model = ft.nn.load_torch_state_dict(model, hf_model.state_dict(), rename=..., layouts=...)
 """
 
 UNCOVERED_CLASS = """\
@@ -52,6 +61,14 @@ ft.nn.from_hf: the {model_type} config sets {option}={value!r}; functree's {mode
     right:  a config with {option}={covered_value}
 """
 
+MIXED_WINDOWS = """\
+ft.nn.from_hf: the {model_type} config mixes sliding-window and full-attention layers \
+(layer_types {types}); functree's {model_type} takes one kind for every layer (its blocks are \
+one ft.nn.Stack).
+
+    right:  a config with use_sliding_window=False, or sliding windows on every layer
+"""
+
 UNKNOWN_ROPE_TYPE = """\
 ft.nn.from_hf: rope_type {kind!r} (config.rope_parameters) is not covered; covered: {known}.
 
@@ -62,19 +79,36 @@ UNKNOWN_ACTIVATION = """\
 ft.nn.from_hf: the {model_type} config's activation {given!r} is not covered; covered: {known}."""
 
 BAD_CONFIG = """\
-ft.nn.from_hf: the first argument is a Hugging Face model (torch) or config, or a dict with \
-"model_type" (a config.json); got {given}.
+ft.nn.from_hf: the first argument is a Hugging Face model (torch) or config, a dict with \
+"model_type" (a config.json), or a directory saved by save_pretrained; got {given}.
 
     right:  ft.nn.from_hf(hf_model)
+       or:  ft.nn.from_hf("path/to/saved_model")                  # config.json + *.safetensors
        or:  ft.nn.from_hf(hf_model.config, "model.safetensors")
 """
 
+NO_CONFIG_JSON = """\
+ft.nn.from_hf({path!r}): the directory has no config.json (found: {found}). A directory \
+from save_pretrained holds config.json and the weights.
+
+    right:  ft.nn.from_hf(config, {path!r})     # the config given, the weights read from the directory
+"""
+
 BAD_WEIGHTS = """\
-ft.nn.from_hf: weights are a state dict {{name: tensor or array}} or the path of a \
-.safetensors file; got {given}.
+ft.nn.from_hf: weights are a state dict {{name: tensor or array}}, the path of a .safetensors \
+file or of a sharded checkpoint's index (model.safetensors.index.json), or a directory holding \
+them; got {given}.
 
     right:  ft.nn.from_hf(config, "path/to/model.safetensors")
+       or:  ft.nn.from_hf(config, "path/to/saved_model")
        or:  ft.nn.from_hf(config, hf_model.state_dict())
+"""
+
+BAD_ATTENTION = """\
+ft.nn.from_hf: attention= is "auto", "xla" or "cudnn" (the implementation of every \
+ft.nn.MultiheadAttention the model builds), got {given!r}.
+
+    right:  ft.nn.from_hf(source, attention="auto")    # cuDNN flash attention where it applies, else XLA
 """
 
 TIED_HEAD_DIFFERS = """\
@@ -99,8 +133,19 @@ NOT_A_PORT = """\
 ft.nn.to_hf_state_dict takes a model built by ft.nn.from_hf ({covered}); got {given}. \
 For other models: ft.nn.torch_state_dict(model, rename=..., layouts=...)."""
 
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
 _ACTIVATIONS = {"gelu_new": act.gelu, "gelu_pytorch_tanh": act.gelu, "gelu": act.gelu_exact, "relu": act.relu,
                 "silu": act.silu, "swish": act.silu, "tanh": act.tanh}
+
+
+def _implementation(attention: str) -> str | None:
+    """The ``implementation=`` of the attentions built. Until ``MultiheadAttention`` takes
+    "auto" (issue 35), "auto" is JAX's own choice (None: cuDNN where it can, else XLA)."""
+    from functree.nn._attention import MultiheadAttention
+
+    takes_auto = "auto" in str(MultiheadAttention.__init__.__annotations__.get("implementation", ""))
+    return None if attention == "auto" and not takes_auto else attention
 
 
 def _config(source: Any) -> Any:
@@ -111,8 +156,15 @@ def _config(source: Any) -> Any:
 
         options = {k: v for k, v in source.items() if k != "model_type"}
         return transformers.AutoConfig.for_model(source["model_type"], **options)
+    if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+        path = os.path.join(source, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(NO_CONFIG_JSON.format(path=os.fspath(source), found=sorted(os.listdir(source))[:8]))
+        with open(path) as f:
+            return _config(json.load(f))
     if not hasattr(source, "model_type"):
-        raise ValueError(BAD_CONFIG.format(given=type(source).__name__))
+        raise ValueError(BAD_CONFIG.format(given=type(source).__name__ if not isinstance(source, (str, os.PathLike))
+                                           else f"{os.fspath(source)!r}, not a directory"))
     return source
 
 
@@ -137,8 +189,7 @@ def _rope(config: Any) -> RopeScaling:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ValueError(UNKNOWN_ROPE_TYPE.format(kind=kind, known=", ".join(ROPE_TYPES)))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        _require(config, "partial_rotary_factor", 1.0, params["partial_rotary_factor"])
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
     base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     original = params.get("original_max_position_embeddings")
     if kind == "dynamic":  # HF's dynamic NTK scales past max_position_embeddings
@@ -150,71 +201,174 @@ def _rope(config: Any) -> RopeScaling:
                                       "attention_factor", "mscale", "mscale_all_dim", "truncate")
                if params.get(k) is not None}
     return RopeScaling(kind, base=base, factor=1.0 if factor is None else float(factor),
-                       original_max_positions=None if original is None else int(original), **options)
+                       original_max_positions=None if original is None else int(original), partial=partial, **options)
 
 
-def _gpt2(config: Any, names: set[str], dtype: Any, key: jax.Array) -> Any:
-    _require(config, "scale_attn_weights", True, True)
-    _require(config, "scale_attn_by_inverse_layer_idx", False, False)
-    _require(config, "add_cross_attention", False, False)
-    c = config
-    return GPT2LMHeadModel(c.vocab_size, c.n_positions, c.n_embd, c.n_head, c.n_layer, hidden=c.n_inner,
-                           activation=_activation(c, "activation_function"), epsilon=c.layer_norm_epsilon,
-                           tied=bool(getattr(c, "tie_word_embeddings", True)), key=key, dtype=dtype)
+def _window(config: Any) -> int | None:
+    """The sliding window of every layer (None: full attention), from ``layer_types`` where
+    the config has them (Qwen2), else ``sliding_window`` (Mistral, Phi-3)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and config.model_type == "qwen2":
+        kinds = set(types)
+        if len(kinds) > 1:
+            raise ValueError(MIXED_WINDOWS.format(model_type=config.model_type, types=list(types)))
+        return window if kinds == {"sliding_attention"} else None
+    return None if window is None else int(window)
 
 
-def _llama(config: Any, names: set[str], dtype: Any, key: jax.Array) -> Any:
-    c = config
-    return LlamaForCausalLM(
+# ---- the families -------------------------------------------------------------------------------
+
+def _gpt2(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
+    _require(c, "scale_attn_weights", True, True)
+    _require(c, "scale_attn_by_inverse_layer_idx", False, False)
+    _require(c, "add_cross_attention", False, False)
+    return models.GPT2LMHeadModel(c.vocab_size, c.n_positions, c.n_embd, c.n_head, c.n_layer, hidden=c.n_inner,
+                                  activation=_activation(c, "activation_function"), epsilon=c.layer_norm_epsilon,
+                                  tied=bool(getattr(c, "tie_word_embeddings", True)), key=key, dtype=dtype,
+                                  attention=attention)
+
+
+def _llama(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
+    """Llama and the families built like it (their differences: :data:`_LLAMA_LIKE`)."""
+    family = FAMILIES[c.model_type]
+    options = dict(_LLAMA_LIKE.get(c.model_type, {}))
+    if options.pop("gemma", False):
+        options.update(norm=models.GemmaRMSNorm, embed_scale=float(c.hidden_size) ** 0.5)
+    if options.pop("windowed", False):
+        options["window"] = _window(c)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attention_bias = options.pop("attention_bias", bool(getattr(c, "attention_bias", False)))  # Qwen2's: always
+    return family.model(
         c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
-        c.intermediate_size, c.num_hidden_layers, head_dim=getattr(c, "head_dim", None),
-        activation=_activation(c, "hidden_act"), epsilon=c.rms_norm_eps, rotary=_rope(c),
-        attention_bias=bool(getattr(c, "attention_bias", False)), mlp_bias=bool(getattr(c, "mlp_bias", False)),
-        tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype)
+        c.intermediate_size, c.num_hidden_layers, head_dim=head_dim, activation=_activation(c, "hidden_act"),
+        epsilon=c.rms_norm_eps, rotary=_rope(c), attention_bias=attention_bias,
+        mlp_bias=bool(getattr(c, "mlp_bias", False)), tied=bool(getattr(c, "tie_word_embeddings", False)), key=key,
+        dtype=dtype, attention=attention, **options)
 
 
-def _bert(config: Any, names: set[str], dtype: Any, key: jax.Array) -> Any:
-    c = config
+# How each family built like Llama differs from it (keyword arguments of LlamaForCausalLM).
+_LLAMA_LIKE: dict[str, dict[str, Any]] = {
+    "qwen2": {"attention_bias": True, "output_bias": False, "windowed": True},
+    "mistral": {"windowed": True},
+    "gemma": {"gemma": True},
+    "phi3": {"mlp": models.Phi3MLP, "windowed": True},
+}
+
+
+def _gpt_neox(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
+    return models.GPTNeoXForCausalLM(
+        c.vocab_size, c.hidden_size, c.num_attention_heads, c.intermediate_size, c.num_hidden_layers,
+        activation=_activation(c, "hidden_act"), epsilon=c.layer_norm_eps, rotary=_rope(c),
+        use_bias=bool(getattr(c, "attention_bias", True)), parallel=bool(c.use_parallel_residual),
+        tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype, attention=attention)
+
+
+def _opt(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
+    _require(c, "do_layer_norm_before", True, True)
+    _require(c, "word_embed_proj_dim", c.hidden_size, c.hidden_size)
+    _require(c, "layer_norm_elementwise_affine", True, True)
+    _require(c, "_remove_final_layer_norm", False, False)
+    return models.OPTForCausalLM(
+        c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads, c.ffn_dim,
+        c.num_hidden_layers, activation=_activation(c, "activation_function"),
+        use_bias=bool(getattr(c, "enable_bias", True)), tied=bool(getattr(c, "tie_word_embeddings", True)), key=key,
+        dtype=dtype, attention=attention)
+
+
+def _bert(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
     _require(c, "position_embedding_type", "absolute", "absolute")
     _require(c, "is_decoder", False, False)
     _require(c, "add_cross_attention", False, False)
-    return BertModel(c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads,
-                     c.intermediate_size, c.num_hidden_layers, types=c.type_vocab_size,
-                     activation=_activation(c, "hidden_act"), epsilon=c.layer_norm_eps,
-                     pooler="pooler.dense.weight" in names, key=key, dtype=dtype)
+    return models.BertModel(c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads,
+                            c.intermediate_size, c.num_hidden_layers, types=c.type_vocab_size,
+                            activation=_activation(c, "hidden_act"), epsilon=c.layer_norm_eps,
+                            pooler="pooler.dense.weight" in names, key=key, dtype=dtype, attention=attention)
 
 
-_BUILDERS = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
-_HEADS = {"gpt2": ("lm_head.weight", "transformer.wte.weight"), "llama": ("lm_head.weight", "model.embed_tokens.weight")}
+_GPT2_BUFFER = re.compile(r"(transformer\.)?h\.[0-9]+\.attn\.(bias|masked_bias)")
+_ROTARY_BUFFER = re.compile(r".*\.rotary_emb\.inv_freq|.*\.attention\.(bias|masked_bias)")
+
+
+def _gpt2_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2's body saved without ``transformer.`` (the ``gpt2`` checkpoint), its causal-mask buffers."""
+    out = {k: v for k, v in weights.items() if not _GPT2_BUFFER.fullmatch(k)}
+    if "wte.weight" in out and "transformer.wte.weight" not in out:
+        out = {k if k.startswith("lm_head.") else "transformer." + k: v for k, v in out.items()}
+    return out
+
+
+def _bert_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """BERT saved with ``bert.`` and LayerNorm's ``gamma``/``beta``."""
+    out = weights
+    if any(k.startswith("bert.") for k in out) and not any(k.startswith("embeddings.") for k in out):
+        out = {k[len("bert."):] if k.startswith("bert.") else k: v for k, v in out.items()}
+    return {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v
+            for k, v in out.items()}
+
+
+def _rotary_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """Older files' rotary ``inv_freq`` and GPT-NeoX's mask buffers dropped (HF's loader ignores them)."""
+    return {k: v for k, v in weights.items() if not _ROTARY_BUFFER.fullmatch(k)}
+
+
+def _neox_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """GPT-NeoX's head saved as ``embed_out`` (HF renames it ``lm_head``)."""
+    return {("lm_head." + k[len("embed_out."):] if k.startswith("embed_out.") else k): v
+            for k, v in _rotary_names(weights).items()}
+
+
+def _opt_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """OPT saved without ``model.`` (``decoder.layers...``, as the hub's files)."""
+    if any(k.startswith("decoder.") for k in weights) and not any(k.startswith("model.") for k in weights):
+        return {("model." + k if k.startswith("decoder.") else k): v for k, v in weights.items()}
+    return weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model type ``from_hf`` covers: the HF class it equals, the functree class, the
+    builder reading the config ``(config, weight names, dtype, key, attention) -> model``, a
+    tied head's ``(head, embedding)`` weight names, and the older checkpoint names HF's
+    loader reads (a function of the weights dict)."""
+
+    hf_class: str
+    model: type
+    build: Callable[..., Any]
+    head: tuple[str, str] | None = None
+    names: Callable[[dict[str, Any]], dict[str, Any]] = _rotary_names
+
+
+_LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
+FAMILIES: dict[str, Family] = {
+    "gpt2": Family("GPT2LMHeadModel", models.GPT2LMHeadModel, _gpt2, ("lm_head.weight", "transformer.wte.weight"),
+                   _gpt2_names),
+    "llama": Family("LlamaForCausalLM", models.LlamaForCausalLM, _llama, _LLAMA_HEAD),
+    "qwen2": Family("Qwen2ForCausalLM", models.Qwen2ForCausalLM, _llama, _LLAMA_HEAD),
+    "mistral": Family("MistralForCausalLM", models.MistralForCausalLM, _llama, _LLAMA_HEAD),
+    "gemma": Family("GemmaForCausalLM", models.GemmaForCausalLM, _llama, _LLAMA_HEAD),
+    "phi3": Family("Phi3ForCausalLM", models.Phi3ForCausalLM, _llama, _LLAMA_HEAD),
+    "gpt_neox": Family("GPTNeoXForCausalLM", models.GPTNeoXForCausalLM, _gpt_neox,
+                       ("lm_head.weight", "gpt_neox.embed_in.weight"), _neox_names),
+    "opt": Family("OPTForCausalLM", models.OPTForCausalLM, _opt, ("lm_head.weight", "model.decoder.embed_tokens.weight"),
+                  _opt_names),
+    "bert": Family("BertModel", models.BertModel, _bert, None, _bert_names),
+}
+COVERED = {k: f.hf_class for k, f in FAMILIES.items()}
 
 
 def _weights(weights: Any) -> Mapping[str, Any]:
     if isinstance(weights, (str, os.PathLike)):
-        return _load_file(weights)
+        return _load_checkpoint(weights, "ft.nn.from_hf")
     if not isinstance(weights, Mapping):
         raise ValueError(BAD_WEIGHTS.format(given=type(weights).__name__))
     return weights
 
 
-_GPT2_BUFFER = re.compile(r"(transformer\.)?h\.[0-9]+\.attn\.(bias|masked_bias)")
-
-
 def _normalized(model_type: str, weights: Mapping[str, Any]) -> dict[str, Any]:
     """Checkpoint names as the covered class's ``state_dict`` has them, as HF's loader reads
-    older files: GPT-2's body saved without ``transformer.`` (the ``gpt2`` checkpoint) and its
-    causal-mask buffers ``h.N.attn.bias``; BERT saved with ``bert.`` and LayerNorm's
-    ``gamma``/``beta``."""
-    out = dict(weights)
-    if model_type == "gpt2":
-        out = {k: v for k, v in out.items() if not _GPT2_BUFFER.fullmatch(k)}
-        if "wte.weight" in out and "transformer.wte.weight" not in out:
-            out = {k if k.startswith("lm_head.") else "transformer." + k: v for k, v in out.items()}
-    elif model_type == "bert":
-        if any(k.startswith("bert.") for k in out) and not any(k.startswith("embeddings.") for k in out):
-            out = {k[len("bert."):] if k.startswith("bert.") else k: v for k, v in out.items()}
-        out = {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v
-               for k, v in out.items()}
-    return out
+    older files (each family's ``names``)."""
+    return FAMILIES[model_type].names(dict(weights))
 
 
 def _array(x: Any) -> np.ndarray:
@@ -222,46 +376,60 @@ def _array(x: Any) -> np.ndarray:
     return np.asarray(x) if converted is None else converted
 
 
-def _untie(model_type: str, model: Any, weights: Mapping[str, Any]) -> dict[str, Any]:
+def _untie(family: Family, model: Any, weights: Mapping[str, Any]) -> dict[str, Any]:
     """The weights without a tied head's copy of the embedding (checked equal to it)."""
     weights = dict(weights)
-    if model_type not in _HEADS or getattr(model, "lm_head", True) is not None:
+    if family.head is None or getattr(model, "lm_head", True) is not None:
         return weights
-    head, embedding = _HEADS[model_type]
+    head, embedding = family.head
     if head in weights and embedding in weights:
         given, stored = _array(weights.pop(head)), _array(weights[embedding])
         if given.shape != stored.shape or not np.array_equal(given, stored):
             difference = float(np.abs(given.astype(np.float64) - stored.astype(np.float64)).max()) \
-                if given.shape == stored.shape else float("inf")
+                if given.shape == stored.shape else math.inf
             raise ValueError(TIED_HEAD_DIFFERS.format(head=head, embedding=embedding, difference=difference))
     elif head in weights:  # only the head given (a file that stored the tie under the head's name)
         weights[embedding] = weights.pop(head)
     return weights
 
 
-def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: jax.Array | None = None) -> Any:
+def _covered() -> str:
+    return ", ".join(f"{k} ({v})" for k, v in COVERED.items())
+
+
+def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: jax.Array | None = None,
+            attention: str = "auto") -> Any:
     """A Hugging Face language model as a functree model, its weights loaded.
 
-    ``from_hf(hf_model)`` takes an HF torch model: ``GPT2LMHeadModel``,
-    ``LlamaForCausalLM`` (grouped-query attention, tied or untied head, attention/MLP
-    biases, ``head_dim``, rope types ``default``, ``linear``, ``dynamic``, ``yarn``,
-    ``llama3``: :class:`ft.nn.RopeScaling`) or ``BertModel``. ``from_hf(config, weights)``
-    takes its config (an HF config, or a ``config.json`` dict) and a state dict (torch
-    tensors or NumPy arrays) or the path of a ``.safetensors`` file (read without torch).
-    Parameters are cast to ``dtype``. Older checkpoint names read as HF's loader reads them
-    (GPT-2's body without ``transformer.`` and its mask buffers ``h.N.attn.bias``; BERT's
-    ``bert.`` prefix and LayerNorm ``gamma``/``beta``); a task head's tensors (BERT's
-    ``cls.*``) are unexpected: drop them first. ``from_hf(config, key=key)`` without weights builds
-    the model with ``ft.nn``'s random initialization (to train from scratch).
+    ``from_hf(hf_model)`` takes an HF torch model of a covered family (:data:`FAMILIES`):
+    ``GPT2LMHeadModel``; ``LlamaForCausalLM`` (grouped-query attention, tied or untied head,
+    attention/MLP biases, ``head_dim``, rope types ``default``, ``linear``, ``dynamic``,
+    ``yarn``, ``llama3``: :class:`ft.nn.RopeScaling`) and the families built like it,
+    ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5), ``MistralForCausalLM`` (sliding-window attention),
+    ``GemmaForCausalLM`` and ``Phi3ForCausalLM`` (fused ``qkv_proj`` / ``gate_up_proj``);
+    ``GPTNeoXForCausalLM`` (Pythia: parallel residual, partial rotary); ``OPTForCausalLM``;
+    ``BertModel``. ``from_hf(directory)`` reads a ``save_pretrained`` directory
+    (``config.json`` and ``model.safetensors`` or a sharded ``model.safetensors.index.json``);
+    ``from_hf(config, weights)`` takes its config (an HF config, or a ``config.json`` dict)
+    and a state dict (torch tensors or NumPy arrays), a ``.safetensors`` file, an index or a
+    directory (read without torch, one tensor at a time from memory-mapped files: bfloat16
+    files too). Parameters are cast to ``dtype``. Older checkpoint names read as HF's
+    loader reads them (GPT-2's body without ``transformer.`` and its mask buffers; BERT's
+    ``bert.`` prefix and LayerNorm ``gamma``/``beta``; GPT-NeoX's ``embed_out``; OPT's
+    ``decoder.`` without ``model.``); a task head's tensors (BERT's ``cls.*``) are unexpected:
+    drop them first. ``from_hf(config, key=key)`` without weights builds the model with
+    ``ft.nn``'s random initialization (to train from scratch). ``attention`` ("auto",
+    "xla" or "cudnn") is the ``implementation`` of every ``ft.nn.MultiheadAttention`` built.
 
-    The model (:class:`GPT2LMHeadModel`, :class:`LlamaForCausalLM`, :class:`BertModel` of
-    ``functree.nn._hf_models``) is made of ordinary ``ft.nn`` layers, its blocks an
-    ``ft.nn.Stack``, HF's parameter names kept (``model.layers.3.mlp.up_proj.weight``;
-    inside ``ft.nn`` layers their own names: ``self_attn.query_projection`` for
-    ``self_attn.q_proj``, a norm's ``scale`` for ``weight``). ``model(input_ids,
-    attention_mask=None)`` gives the logits ``[batch, T, vocab]`` (BERT: the last
-    hidden state). A config functree does not cover (a model type, a rope type, an
-    option) and weights that do not fit the config raise, naming what was given.
+    The model (the classes of ``functree.nn._hf_models``) is made of ordinary ``ft.nn``
+    layers, its blocks an ``ft.nn.Stack``, HF's parameter names kept
+    (``model.layers.3.mlp.up_proj.weight``; inside ``ft.nn`` layers their own names:
+    ``self_attn.query_projection`` for ``self_attn.q_proj``, a norm's ``scale`` for
+    ``weight``). ``model(input_ids, attention_mask=None)`` gives the logits ``[batch, T,
+    vocab]`` (BERT: the last hidden state). A token id outside the vocabulary and more tokens
+    than a learned position table holds raise (under a jit of your own, where ids are traced,
+    such a token's logits are NaN instead). A config functree does not cover (a model type, a
+    rope type, an option) and weights that do not fit the config raise, naming what was given.
 
     Example:
       >>> import functree as ft, jax, numpy as np
@@ -275,6 +443,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
       >>> len(model.transformer.h), sorted(ft.nn.to_hf_state_dict(model, numpy=True)) == sorted(weights)
       (2, True)
     """
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(BAD_ATTENTION.format(given=attention))
     if weights is None and hasattr(source, "config") and hasattr(source, "state_dict"):
         config, weights = source.config, source.state_dict()
         model_type = getattr(config, "model_type", None)
@@ -282,20 +452,21 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
             raise ValueError(UNCOVERED_CLASS.format(given=type(source).__name__, covered=COVERED[model_type],
                                                     all=", ".join(COVERED.values())))
     else:
+        if weights is None and key is None and isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+            weights = source  # a save_pretrained directory: its config and its weights
         config = _config(source)
     model_type = getattr(config, "model_type", None)
-    if model_type not in _BUILDERS:
-        raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}",
-                                                       covered=", ".join(f"{k} ({v})" for k, v in COVERED.items()),
-                                                       wrong=f"{model_type}_model"))
-    build = _BUILDERS[model_type]
+    if model_type not in FAMILIES:
+        raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}", covered=_covered()))
+    family = FAMILIES[model_type]
     if weights is None:
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
-        return build(config, {"pooler.dense.weight"}, dtype, key)
+        return family.build(config, {"pooler.dense.weight"}, dtype, key, _implementation(attention))
     weights = _normalized(model_type, _weights(weights))
-    template = jax.eval_shape(lambda: build(config, set(weights), dtype, jax.random.key(0)))
-    weights = _untie(model_type, template, weights)
+    implementation = _implementation(attention)
+    template = jax.eval_shape(lambda: family.build(config, set(weights), dtype, jax.random.key(0), implementation))
+    weights = _untie(family, template, weights)
     cls = type(template)
     return load_torch_state_dict(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts)
 
@@ -315,13 +486,13 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
       >>> sd["transformer.h.1.attn.c_attn.weight"].shape, sd["lm_head.weight"] is sd["transformer.wte.weight"]
       ((8, 24), True)
     """
-    ports = (GPT2LMHeadModel, LlamaForCausalLM, BertModel)
-    if not isinstance(model, ports):
-        raise ValueError(NOT_A_PORT.format(covered=", ".join(c.__name__ for c in ports), given=type(model).__name__))
+    family = next((f for f in FAMILIES.values() if type(model) is f.model), None)
+    if family is None:
+        raise ValueError(NOT_A_PORT.format(covered=", ".join(f.model.__name__ for f in FAMILIES.values()),
+                                           given=type(model).__name__))
     out = torch_state_dict(model, rename=model.hf_rename, layouts=model.hf_layouts, numpy=True)
-    model_type = {GPT2LMHeadModel: "gpt2", LlamaForCausalLM: "llama", BertModel: "bert"}[type(model)]
-    if model_type in _HEADS and getattr(model, "lm_head", True) is None:
-        head, embedding = _HEADS[model_type]
+    if family.head is not None and getattr(model, "lm_head", True) is None:
+        head, embedding = family.head
         out[head] = out[embedding]
     if numpy:
         return out

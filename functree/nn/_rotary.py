@@ -218,8 +218,8 @@ def apply_rotary(x: Any, positions: Any, *, base: float | RopeScaling = 10000.0)
         jnp.broadcast_shapes(positions.shape, x.shape[:-1])
     except ValueError:
         raise ValueError(BAD_POSITIONS.format(given=short_array(positions), lead=list(x.shape[:-1]))) from None
-    rotated = int(size * base.partial) if isinstance(base, RopeScaling) else size
-    if rotated < size:  # partial rotary: the first `rotated` features only
+    if isinstance(base, RopeScaling) and int(size * base.partial) < size:  # the first features only
+        rotated = int(size * base.partial)
         if rotated % 2:
             raise ValueError(ODD_SIZE.format(given=f"{short_array(x)} (partial={base.partial}: {rotated} rotated)",
                                              size=rotated, even=max(rotated - 1, 0)))

@@ -221,6 +221,17 @@ def _split(sizes: Sequence[int], transpose: bool) -> tuple[Callable[..., Any], C
 def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     projections = (layer.query_projection, layer.key_projection, layer.value_projection)
     names = ("query_projection", "key_projection", "value_projection")
+    if isinstance(layout, (tuple, list)) and len(layout) in (2, 3):  # one Linear for q|k|v, one output Linear
+        sizes = [p.weight.shape[1] for p in projections]
+        fused, output = layout[0], layout[1]
+        if len(layout) == 3:  # GPT-NeoX: rows [q_h | k_h | v_h] head after head
+            weights, biases = _per_head(layer.num_heads, True), _per_head(layer.num_heads, False)
+        else:  # Phi-3: rows [q | k | v]
+            weights, biases = _split(sizes, True), _split(sizes, False)
+        rules = [((f"{fused}.weight",), tuple(f"{n}.weight" for n in names), *weights)]
+        if layer.query_projection.bias is not None:
+            rules.append(((f"{fused}.bias",), tuple(f"{n}.bias" for n in names), *biases))
+        return rules + _dense(layer.output_projection, torch=output, ft="output_projection")
     if isinstance(layout, (tuple, list)):  # separate Linear layers: q_proj, k_proj, v_proj, o_proj
         return [rule for p, t, n in zip((*projections, layer.output_projection), layout, (*names, "output_projection"))
                 for rule in _dense(p, torch=t, ft=n)]
@@ -238,6 +249,23 @@ def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     if layer.query_projection.bias is not None:
         rules.append((("in_proj_bias",), tuple(f"{n}.bias" for n in names), *_split(sizes, False)))
     return rules + _dense(layer.output_projection, torch="out_proj", ft="output_projection")
+
+
+def _per_head(heads: int, transpose: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """One torch tensor whose rows hold each head's query, key and value in turn (GPT-NeoX's
+    ``query_key_value``: ``[heads, 3, head_size, ...]``) ↔ the three projections."""
+    t = (lambda a: a.T) if transpose else (lambda a: a)
+
+    def to_ft(w: np.ndarray) -> tuple[np.ndarray, ...]:
+        parts = w.reshape((heads, 3, -1, *w.shape[1:]))
+        return tuple(t(parts[:, i].reshape((-1, *w.shape[1:]))) for i in range(3))
+
+    def to_torch(*ps: np.ndarray) -> tuple[np.ndarray]:
+        rows = [t(p) for p in ps]
+        stacked = np.stack([r.reshape((heads, -1, *r.shape[1:])) for r in rows], axis=1)
+        return (stacked.reshape((-1, *rows[0].shape[1:])),)
+
+    return to_ft, to_torch
 
 
 def _split_columns(sizes: Sequence[int]) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -415,7 +443,11 @@ def _layer_rules(node: Any, ft: str, torch: str, options: _Options) -> list[Loca
     if isinstance(node, MultiheadAttention):
         options.attentions.append(torch)
         layout = options.layout(ft, torch)
-        if not (isinstance(layout, (tuple, list)) and len(layout) == 4 and all(isinstance(n, str) for n in layout)):
+        named = isinstance(layout, (tuple, list)) and all(isinstance(n, str) for n in layout) and (
+            len(layout) in (2, 4) or (len(layout) == 3 and layout[2] == "per_head"))
+        if named and len(layout) == 3 and node.num_kv_heads != node.num_heads:
+            named = False
+        if not named:
             layout = _checked_layout(layout, torch, ATTENTION_LAYOUTS)
         return _attention(node, layout)
     for cls, make in _LAYERS:
@@ -425,7 +457,8 @@ def _layer_rules(node: Any, ft: str, torch: str, options: _Options) -> list[Loca
 
 
 DENSE_LAYOUTS = ("linear", "conv1d")
-ATTENTION_LAYOUTS = ("torch", "conv1d", "(q, k, v, output) Linear names")
+ATTENTION_LAYOUTS = ("torch", "conv1d", "(q, k, v, output) Linear names", "(qkv, output) names of a fused q|k|v "
+                     "Linear and the output Linear", "(qkv, output, 'per_head') with q, k, v rows per head (GPT-NeoX)")
 
 
 def _checked_layout(layout: Any, torch: str, known: tuple[str, ...]) -> Any:
@@ -498,6 +531,87 @@ def _load_file(path: Any) -> dict[str, np.ndarray]:
     return tensors
 
 
+SHARD_MISSING = """\
+{caller}: the sharded checkpoint's index {index} puts {tensor!r}{more} in the shard {shard!r}, \
+which is not there ({found}). A sharded checkpoint is the index and every shard it names, in \
+one directory.
+
+    right:  copy {shard!r} next to the index (or save the model again with save_pretrained)
+"""
+
+SHARD_LACKS = """\
+{caller}: the sharded checkpoint's index {index} puts {tensor!r} in the shard {shard}, whose \
+header does not hold it (it holds {count} tensors{example}). The index and its shards come from \
+different saves, or the shard was altered.
+
+    right:  the index and the shards of one save_pretrained call
+"""
+
+BAD_INDEX = """\
+{caller}: {index} is not a sharded checkpoint's index ({why}): a JSON object with \
+"weight_map" {{tensor name: shard file}}, as save_pretrained writes model.safetensors.index.json."""
+
+NO_CHECKPOINT = """\
+{caller}: the directory {path!r} holds no model.safetensors or model.safetensors.index.json \
+(found: {found}). Files other than safetensors are not read here.
+
+    right:  hf_model.save_pretrained({path!r})             # writes model.safetensors (safe_serialization)
+       or:  pass a state dict: torch.load("pytorch_model.bin", weights_only=True)
+"""
+
+INDEX_NAME, SINGLE_NAME = "model.safetensors.index.json", "model.safetensors"
+
+
+def _load_checkpoint(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[str, np.ndarray]:
+    """The tensors of a ``.safetensors`` file, of a sharded checkpoint (its index
+    ``*.safetensors.index.json``) or of a directory holding either, as read-only views of
+    memory maps: nothing is read until a tensor is used, one tensor at a time."""
+    where = os.fspath(path)
+    if os.path.isdir(where):
+        if os.path.isfile(os.path.join(where, INDEX_NAME)):
+            return _load_index(os.path.join(where, INDEX_NAME), caller)
+        if os.path.isfile(os.path.join(where, SINGLE_NAME)):
+            return _load_file(os.path.join(where, SINGLE_NAME))
+        raise ValueError(NO_CHECKPOINT.format(caller=caller, path=where, found=sorted(os.listdir(where))[:8]))
+    if where.endswith(".json"):
+        return _load_index(where, caller)
+    return _load_file(where)
+
+
+def _load_index(index: str, caller: str) -> dict[str, np.ndarray]:
+    """A sharded checkpoint: each shard its index names, read lazily; every tensor checked to
+    be in the shard the index puts it in."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        ok = isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+        why = "no weight_map of file names"
+    except (ValueError, AttributeError) as e:
+        ok, why = False, f"not JSON: {e}" if isinstance(e, ValueError) else "not a JSON object"
+    if not ok:
+        raise ValueError(BAD_INDEX.format(caller=caller, index=index, why=why))
+    folder = os.path.dirname(index)
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    tensors: dict[str, np.ndarray] = {}
+    for shard, names in by_shard.items():
+        path = os.path.join(folder, shard)
+        if not os.path.isfile(path):
+            more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
+            found = ", ".join(sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))) or "no shards"
+            raise ValueError(SHARD_MISSING.format(caller=caller, index=index, tensor=names[0], more=more, shard=shard,
+                                                  found=f"the directory holds {found}"))
+        held = _load_file(path)
+        for name in names:
+            if name not in held:
+                example = f", e.g. {next(iter(held))!r}" if held else ""
+                raise ValueError(SHARD_LACKS.format(caller=caller, index=index, tensor=name, shard=path,
+                                                    count=len(held), example=example))
+            tensors[name] = held[name]
+    return tensors
+
+
 def _bad_entry(info: Any, available: int) -> str | None:
     """Why a header entry cannot be read (a damaged or tampered file), or None."""
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
@@ -533,7 +647,9 @@ def load_torch_state_dict(
     error listing missing, unexpected and mis-shaped torch names; ``strict=False`` keeps
     the model's value wherever the state dict does not fit and returns ``(model, report)``
     (an ``ft.FlatDictReport`` in torch's names). ``num_batches_tracked`` is dropped.
-    ``state_dict`` may be the path of a ``.safetensors`` file (read without torch).
+    ``state_dict`` may be the path of a ``.safetensors`` file, of a sharded checkpoint's
+    ``model.safetensors.index.json`` or of a directory holding either (read without torch,
+    one tensor at a time from memory maps).
 
     Structural layers nest freely: a ``Stack``'s members are torch's ``h.0``, ``h.1``, ...
     (each converted as its layer is); ``Sequential``'s ``layers``, ``Remat``'s ``layer``
@@ -549,7 +665,10 @@ def load_torch_state_dict(
     name or a dotted prefix of it it matches) to other torch layouts: ``"conv1d"`` for Hugging Face's ``Conv1D``
     (``Dense`` weight stored ``[in, out]``; a ``MultiheadAttention`` as GPT-2's fused
     ``c_attn`` and ``c_proj``), or four names for a ``MultiheadAttention`` held as
-    separate ``Linear`` layers, ``("q_proj", "k_proj", "v_proj", "o_proj")``.
+    separate ``Linear`` layers, ``("q_proj", "k_proj", "v_proj", "o_proj")``; two names for one
+    ``Linear`` whose rows are ``[q | k | v]`` and the output ``Linear``, ``("qkv_proj", "o_proj")``
+    (Phi-3); ``("query_key_value", "dense", "per_head")`` for rows holding each head's query, key
+    and value in turn (GPT-NeoX).
     ``flattened={"classifier.0": (C, H, W)}`` names Dense layers fed by torch's ``Flatten``
     of ``[C, H, W]`` feature maps: their weight rows are permuted to ft's channels-last
     ``[H, W, C]`` order.
@@ -567,7 +686,7 @@ def load_torch_state_dict(
       ('0.bias', '1.weight', '1.bias')
     """
     if isinstance(state_dict, (str, os.PathLike)):
-        state_dict = _load_file(state_dict)
+        state_dict = _load_checkpoint(state_dict)
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
     plan = _plan(model, shapes, layouts, values=False)
     to_model = _renamer(rename, to_model=True)

@@ -352,3 +352,19 @@ def test_auto_falls_back_to_xla_when_cudnn_refuses_while_tracing(monkeypatch):
     np.testing.assert_array_equal(attention(x), attention.replace(implementation="xla")(x))
     with pytest.raises(RuntimeError, match="cuDNN"):  # asked for by name: JAX's own error
         attention.replace(implementation="cudnn")(x)
+
+
+def test_sliding_window_equals_a_band_mask_with_and_without_a_cache(key):
+    """window=W (Mistral's): query i sees keys i - W < j <= i, in the forward and in the cache."""
+    mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=2, rotary=10000.0, causal=True, window=3, key=key)
+    x = jax.random.normal(jax.random.key(1), (2, 7, 16))
+    i, j = np.arange(7)[:, None], np.arange(7)[None]
+    band = jnp.asarray((j <= i) & (j > i - 3))
+    expected = mha.replace(window=None, causal=False)(x, mask=band)
+    atol = 1e-5 * float(np.abs(expected).max())
+    np.testing.assert_allclose(mha(x), expected, rtol=0, atol=atol)
+    assert not np.allclose(mha.replace(window=None)(x), expected, atol=atol)  # the window matters here
+    np.testing.assert_allclose(_decode(mha, x, [3, 1, 1, 1, 1])[0], expected, rtol=0, atol=atol)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=r"window must be an int >= 1 .* got"):
+            ft.nn.MultiheadAttention(16, 4, window=bad, key=key)

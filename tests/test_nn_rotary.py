@@ -76,3 +76,15 @@ def test_errors():
         ft.nn.RotaryEmbedding(4)(jnp.ones((5, 6)))
     with pytest.raises(ft.nn.LayerInputError, match=r"RotaryEmbedding expects inputs \[\.\.\., T, _, 4\] \(float\), got f32\[5,4\]"):
         ft.nn.RotaryEmbedding(4, seq_axis=-3)(jnp.ones((5, 4)))
+
+
+def test_partial_rotary_turns_the_first_fraction_only():
+    """RopeScaling(partial=f) (GPT-NeoX's rotary_pct, Phi-3's partial_rotary_factor)."""
+    x = jax.random.normal(jax.random.key(0), (5, 8))
+    y = ft.nn.apply_rotary(x, jnp.arange(5), base=ft.nn.RopeScaling(partial=0.25))
+    np.testing.assert_array_equal(y[:, 2:], x[:, 2:])
+    np.testing.assert_allclose(y[:, :2], _direct(x[:, :2], np.arange(5)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"needs 0 < partial <= 1; given partial=1.5"):
+        ft.nn.RopeScaling(partial=1.5)
+    with pytest.raises(ValueError, match=r"even size.*partial=0.375: 3 rotated"):
+        ft.nn.apply_rotary(x, jnp.arange(5), base=ft.nn.RopeScaling(partial=0.375))

@@ -15,6 +15,9 @@ timed block, blocks interleaved round by round. Target: the LoRA step ≤ 1.05×
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,10 +39,10 @@ def next_token_loss(model: ft.Module, ids: jax.Array) -> jax.Array:
     return -jnp.mean(picked)
 
 
-def _step(wrt: str | None) -> tuple[ft.optim.Optimizer, object]:
+def _step(wrt: str | None) -> tuple[ft.optim.Optimizer, Callable[..., Any]]:
     opt = ft.optim.Optimizer(ft.optim.adam(1e-3), wrt=wrt)
 
-    def update(m: ft.Module, s: object, ids: jax.Array) -> tuple[ft.Module, object]:
+    def update(m: ft.Module, s: Any, ids: jax.Array) -> tuple[ft.Module, Any]:
         m, s, _ = opt.minimize(next_token_loss, m, s, ids)
         return m, s
 

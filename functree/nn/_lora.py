@@ -222,9 +222,11 @@ class LoraDense(Layer):
             if key is None:
                 if self.dropout_key is None:
                     raise ValueError(NO_DROPOUT_KEY.format(rate=self.dropout))
-                key, following = jax.random.split(jax.random.wrap_key_data(self.dropout_key))
+                drawn, following = jax.random.split(jax.random.wrap_key_data(self.dropout_key))
                 record_state(self, dropout_key=jax.random.key_data(following))
-            keep = jax.random.bernoulli(key, 1.0 - self.dropout, jnp.shape(x))
+            else:
+                drawn = key
+            keep = jax.random.bernoulli(drawn, 1.0 - self.dropout, jnp.shape(x))
             h = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
         a, b = self.lora_a.astype(y.dtype), self.lora_b.astype(y.dtype)
         return self.activation(y + ((h @ a) * self.scale) @ b)

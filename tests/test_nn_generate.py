@@ -11,6 +11,7 @@ differ by ~1e-6), so equal tokens are the right outcome and not luck.
 """
 
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -188,12 +189,13 @@ def all_logits(model, tokens, mask):
 def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
     model, prompt, mask = tiny
     sample = lambda key, **kw: ft.nn.generate(model, prompt, 12, attention_mask=mask, key=key, **kw)  # noqa: E731
-    before = _generate._generate._cache_size()
+    before = _generate._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
     a = sample(jax.random.key(1), temperature=2.0, top_k=3)
     np.testing.assert_array_equal(a, sample(jax.random.key(1), temperature=2.0, top_k=3))
     b = sample(jax.random.key(2), temperature=1.5, top_k=3)  # another key and temperature: no recompile
     assert (a != b).any()
-    assert _generate._generate._cache_size() == before + 1  # one compile per shape and options
+    after = _generate._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
+    assert after == before + 1  # one compile per shape and options
     for out in (a, b):
         logits = all_logits(model, out, mask)[:, 2:-1]  # the logits each new token was drawn from
         top3 = jax.lax.top_k(logits, 3)[1]
@@ -208,12 +210,13 @@ def test_filters_equal_hf_logits_warpers():
     )
 
     logits = np.random.default_rng(0).normal(size=(6, 50)).astype(np.float32) * 3
+    no_ids = torch.zeros((6, 1), dtype=torch.long)  # the warpers do not read the ids
     for temperature, top_k, top_p in [(0.7, 5, None), (1.0, None, 0.8), (1.3, 20, 0.6), (0.5, None, 0.999)]:
-        expected = TemperatureLogitsWarper(temperature)(None, torch.from_numpy(logits))
+        expected = TemperatureLogitsWarper(temperature)(no_ids, torch.from_numpy(logits))
         if top_k is not None:
-            expected = TopKLogitsWarper(top_k)(None, expected)
+            expected = TopKLogitsWarper(top_k)(no_ids, expected)
         if top_p is not None:
-            expected = TopPLogitsWarper(top_p)(None, expected)
+            expected = TopPLogitsWarper(top_p)(no_ids, expected)
         ours = np.asarray(_generate._filtered(jnp.asarray(logits), temperature, top_k, top_p))
         expected = expected.numpy()
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
@@ -277,7 +280,7 @@ def test_repetition_penalty_min_new_tokens_stop_and_scores_equal_hf_generate(lla
     HF scores the pad tokens)."""
     hf, model = llama
     ids, mask = left_padded_prompts()
-    options = dict(eos_token_id=0, pad_token_id=2, repetition_penalty=1.5, min_new_tokens=12)
+    options: dict[str, Any] = dict(eos_token_id=0, pad_token_id=2, repetition_penalty=1.5, min_new_tokens=12)
     free = hf_outputs(hf, ids, mask, **options).sequences.numpy()  # without stop sequences
     stop = [free[1, PROMPT + 5:PROMPT + 7].tolist(), [int(ids[2, -1]), int(free[2, PROMPT])]]
     tokenizer, chars = char_tokenizer()
@@ -321,7 +324,7 @@ def test_sampling_scores_are_hf_processed_log_probabilities(tiny):
     expected = []
     for t in range(10):
         x = RepetitionPenaltyLogitsProcessor(1.4, prompt_ignore_length=padding)(rows[:, :3 + t], logits[:, t].clone())
-        x = TopKLogitsWarper(4)(None, TemperatureLogitsWarper(1.5)(None, x))
+        x = TopKLogitsWarper(4)(rows, TemperatureLogitsWarper(1.5)(rows, x))
         expected.append(torch.log_softmax(x, -1).gather(1, rows[:, 3 + t:4 + t])[:, 0].numpy())
     expected = np.stack(expected, 1)
     assert np.isfinite(expected).all()
@@ -343,13 +346,14 @@ def test_beam_search_equals_hf_generate(llama, beams, returns, eos, length_penal
     whose sums over new_tokens ** length_penalty are HF's sequences_scores."""
     hf, model = llama
     ids, mask = left_padded_prompts()
-    options = dict(num_beams=beams, num_return_sequences=returns, eos_token_id=eos, pad_token_id=2, **more)
+    options: dict[str, Any] = dict(num_beams=beams, num_return_sequences=returns, eos_token_id=eos, pad_token_id=2,
+                                   **more)
     if length_penalty is not None:
         options["length_penalty"] = length_penalty
     if early is not None:
         options["early_stopping"] = early
     stop = options.pop("stop", False)
-    hf_options = dict(options)
+    hf_options: dict[str, Any] = dict(options)
     if stop:  # a pair from the middle of HF's best beams without it
         free = hf_outputs(hf, ids, mask, **hf_options).sequences.numpy()
         options["stop"] = [free[0, PROMPT + 9:PROMPT + 11].tolist(), free[4, PROMPT + 6:PROMPT + 8].tolist()]
@@ -408,7 +412,7 @@ def test_errors(tiny):
     with pytest.raises(ValueError, match=r"eos_token_id must be a token id \(an int >= 0\) or a list of them, got -1"):
         generate(model, prompt, 4, eos_token_id=-1)
     with pytest.raises(ValueError, match=r"pad_token_id must be a token id \(an int >= 0\), got \[1\]"):
-        generate(model, prompt, 4, eos_token_id=2, pad_token_id=[1])
+        generate(model, prompt, 4, eos_token_id=2, pad_token_id=[1])  # pyright: ignore[reportArgumentType]
 
     with pytest.raises(ValueError, match=r"repetition_penalty must be a number > 0 \(1.0: none(.|\n)*got 0"):
         generate(model, prompt, 4, repetition_penalty=0)
@@ -416,7 +420,8 @@ def test_errors(tiny):
         generate(model, prompt, 4, eos_token_id=1, min_new_tokens=5)
     with pytest.raises(ValueError, match=r"min_new_tokens=2 keeps eos_token_id(.|\n)*but no eos_token_id is given"):
         generate(model, prompt, 4, min_new_tokens=2)
-    for stop in ([13, 198], [[]], [[1, -1]], "ab"):
+    bad_stops: list[Any] = [[13, 198], [[]], [[1, -1]], "ab"]
+    for stop in bad_stops:
         with pytest.raises(ValueError, match=r"stop must be a list of stop sequences(.|\n)*stop=\[\[13, 198\]\]"):
             generate(model, prompt, 4, stop=stop, pad_token_id=0)
     with pytest.raises(ValueError, match=r"neither pad_token_id nor eos_token_id(.|\n)*stop=\[\[1\]\], pad_token_id=0"):
@@ -425,7 +430,8 @@ def test_errors(tiny):
         generate(model, prompt, 4, num_beams=0)
     with pytest.raises(ValueError, match=r"beam search \(num_beams=2\)(.|\n)*does not sample \(temperature=0.5, top_k=3\)"):
         generate(model, prompt, 4, num_beams=2, temperature=0.5, top_k=3, key=key)
-    for name, value in (("length_penalty", 2.0), ("early_stopping", True), ("num_return_sequences", 2)):
+    beam_only: list[tuple[str, Any]] = [("length_penalty", 2.0), ("early_stopping", True), ("num_return_sequences", 2)]
+    for name, value in beam_only:
         with pytest.raises(ValueError, match=rf"{name}={value!r} is an option of beam search, but num_beams=1"):
             generate(model, prompt, 4, **{name: value})
     with pytest.raises(ValueError, match=r"num_return_sequences must be an int from 1 to num_beams \(2\)(.|\n)*got 3"):

@@ -435,7 +435,8 @@ def _stop(value: Any) -> tuple[tuple[int, ...], ...]:
         ok = False
     if not ok:
         raise ValueError(BAD_STOP.format(given=value))
-    return tuple(tuple(int(i) for i in s) for s in value)
+    sequences: Any = value
+    return tuple(tuple(int(i) for i in s) for s in sequences)
 
 
 def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, greedy: bool, temperature: Any,

@@ -175,3 +175,18 @@ def test_per_group_learning_rates_in_history_context_and_plateau():
     with pytest.raises(ValueError, match=r"no parameter group 'classifier' with a learning rate; its learning "
                                          r"rates are \['body/learning_rate', 'head/learning_rate'\]"):
         wrong._reduced(trainer.opt_state)
+
+
+def test_callbacks_do_not_import_the_trainer():
+    # Issue 38: no circle between _callbacks.py and _trainer.py, not even for type checking:
+    # callbacks see the Trainer through the TrainerView protocol.
+    import ast
+    import inspect
+
+    import functree.train._callbacks as callbacks_module
+
+    tree = ast.parse(inspect.getsource(callbacks_module))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "functree.train._trainer" not in imported and "functree.train._job" in imported
+    assert isinstance(ft.train.Trainer({"w": jnp.zeros(1)}, ft.optim.sgd(0.1), lambda m, b: 0.0).state,
+                      ft.train.JobState)

@@ -321,3 +321,76 @@ def test_sigkill_and_sigint_in_subprocesses(tmp_path):
     assert report == {"trials": 20, "interrupted": report["interrupted"], "lost": 0, "stuck": 0,
                       "equal": 20}, err
     assert report["interrupted"] >= 5, report  # the others landed after fit (timing varies with load)
+
+
+# --- the job's state (issue 38): one record, saved and restored as it is ------------------------
+
+OLD_CHECKPOINT = HERE / "data" / "trainer_checkpoint_v2"
+"""Written by the Trainer before issue 38 (commit 1af39ba), which gathered the job from its
+attributes: ``job.trainer()`` fit on ``ft.train.batches((job.X, job.Y), 10, key=key(3))``
+with ``steps=7, log_every=2`` and ``[EarlyStopping(monitor="loss", patience=5),
+ModelCheckpoint(dir, every_steps=3, max_to_keep=1, extra=lambda t: {"rounds": 3, "w":
+np.arange(2.0)})]``: step 7, mid-epoch 2, with a window mean and a callback state."""
+
+
+def test_a_checkpoint_written_before_job_state_restores_and_continues_bit_for_bit(tmp_path):
+    import shutil
+
+    directory = tmp_path / "old"
+    shutil.copytree(OLD_CHECKPOINT, directory)  # a manager may write to its directory
+    state = ft.train.JobState.restore(directory)
+    assert (state.steps_run, state.epoch, state.batch_in_epoch, state.since_log) == (7, 1, 3, 1)
+    assert state.window.weight == 10.0 and state.epoch_means.weight == 30.0 and state.epoch_length == 4
+    assert state.extra["rounds"] == 3 and [c[:2] for c in state.callbacks] == [("EarlyStopping[0]", "EarlyStopping")]
+    assert state.history.steps["step"] == list(range(1, 8)) and state.history.epochs["last_step"] == [4]
+    data = ft.train.batches((job.X, job.Y), 10, key=jax.random.key(3))
+    straight, stop_a = job.trainer(), ft.train.EarlyStopping(monitor="loss", patience=5)
+    straight.fit(data, epochs=3, progress=False, log_every=2, callbacks=[stop_a])
+    resumed, stop_b = job.trainer().restore(directory), ft.train.EarlyStopping(monitor="loss", patience=5)
+    assert resumed.checkpoint.step == 7
+    resumed.fit(data, epochs=3, progress=False, log_every=2, callbacks=[stop_b])
+    assert_same_job(straight, resumed, stop_a, stop_b)
+    # the format is the one the old writer wrote: the same configuration layout
+    resumed.save(tmp_path / "new")
+    old, new = (ft.train.CheckpointManager(d).restore() for d in (directory, tmp_path / "new"))
+    assert list(new.config) == list(old.config) and list(new.config["trainer"]) == list(old.config["trainer"])
+
+
+def test_job_state_is_one_value_that_fit_advances():
+    t = job.trainer()
+    first = t.state
+    assert (first.steps_run, first.epoch, first.history.steps["step"]) == (0, 0, [])
+    t.fit(job.data("list", 4), steps=3, progress=False, log_every=2)
+    state = t.state
+    assert state is not first and first.steps_run == 0  # a value: the old record is unchanged
+    assert (state.steps_run, state.batch_in_epoch, state.since_log) == (3, 3, 1)
+    assert state.model is t.model and state.opt_state is t.opt_state and state.key is t.key
+    with pytest.raises(AttributeError):
+        state.steps_run = 5  # type: ignore[misc]
+    t.stop_training = True  # what a callback sets: a new record
+    assert t.state.stopped and not state.stopped
+    stepped = state.stepped(state.model, state.opt_state, 2)
+    assert (stepped.steps_run, stepped.batch_in_epoch, stepped.since_log, stepped.epoch) == (5, 5, 3, 0)
+    assert stepped.history is state.history and stepped.window == state.window
+
+
+def test_job_state_restore_of_a_model_checkpoint_is_an_error(tmp_path):
+    with ft.train.CheckpointManager(tmp_path / "m") as manager:
+        manager.save(1, {"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"(?s)step 1 is a checkpoint of a model, not of a training job.*"
+                                         r"CheckpointManager\(path\).restore\(\)"):
+        ft.train.JobState.restore(tmp_path / "m")
+
+
+def test_callbacks_see_the_job_state_read_only():
+    seen = []
+
+    class Reads(ft.train.Callback):
+        def on_epoch_end(self, trainer, context):
+            seen.append(trainer.state)
+
+    t = job.trainer()
+    t.fit(job.data("list", 4), epochs=2, progress=False, callbacks=[Reads()])
+    assert [(s.steps_run, s.epoch) for s in seen] == [(4, 1), (8, 2)]
+    assert seen[0].history is seen[1].history  # the one member that grows in place
+    assert isinstance(seen[0], ft.train.JobState) and seen[0].model is not seen[1].model

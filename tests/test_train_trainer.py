@@ -7,6 +7,7 @@ import pytest
 from _tolerance import assert_close_trained, needs_float16_conversions
 
 import functree as ft
+import functree.train._intervals as intervals_module
 import functree.train._trainer as trainer_module
 from functree.train import NonFiniteError, Trainer
 
@@ -77,7 +78,8 @@ def test_loop_reads_the_device_only_at_log_intervals(monkeypatch):
     calls = []
     original, to_host = jax.device_get, trainer_module.to_host
     monkeypatch.setattr(jax, "device_get", lambda x: calls.append(1) or original(x))
-    monkeypatch.setattr(trainer_module, "to_host", lambda x: calls.append(1) or to_host(x))  # the interval reads
+    monkeypatch.setattr(intervals_module, "to_host", lambda x: calls.append(1) or to_host(x))  # the interval reads
+    monkeypatch.setattr(trainer_module, "to_host", lambda x: calls.append(1) or to_host(x))  # contexts
 
     def no_blocking(*args, **kwargs):
         raise AssertionError("block_until_ready inside the training loop")
@@ -117,8 +119,8 @@ def test_a_fit_without_callbacks_reads_no_learning_context(monkeypatch):
     # Nobody receives a TrainingContext: the log points pass the buffer alone (no snapshot
     # of the optimizer state), and epoch and fit ends read no context from the device.
     snapshots = []
-    original = trainer_module.next_buffer
-    monkeypatch.setattr(trainer_module, "next_buffer",
+    original = intervals_module.next_buffer
+    monkeypatch.setattr(intervals_module, "next_buffer",
                         lambda halt, rows, state=None: snapshots.append(state is not None) or original(halt, rows, state))
     monkeypatch.setattr(trainer_module, "snapshot", lambda state: pytest.fail("a context was read"))
     trainer = Trainer(mlp(), adam(), classify)
@@ -390,3 +392,18 @@ def test_a_stop_error_holds_the_failing_steps_inputs():
     assert error.step == 3 and error.parameter == "layers.0.weight" and error.loss_fn is regress
     np.testing.assert_array_equal(error.batch[0], batches[2][0])  # the failing batch, as given
     assert error.model is trainer.model  # the model from before step 3
+
+
+def test_a_model_donated_before_the_trainer_is_named_from_the_trainers_argument():
+    # Issue 37 item 4, through the Trainer: the path of the donated array from the model given.
+    class Net(ft.Module):
+        conv: ft.nn.Conv2D
+
+        def __call__(self, x):
+            return self.conv(x)
+
+    net = Net(ft.nn.Conv2D(1, 2, 3, key=jax.random.key(0)))
+    donate = ft.jit(lambda model, x: model, donate="model")
+    donate(net, np.ones((1, 5, 5, 1), np.float32))
+    with pytest.raises(ValueError, match=r"deleted array at model\.conv\.weight"):
+        Trainer(net, adam(), classify)

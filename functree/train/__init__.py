@@ -6,6 +6,7 @@ from functree.train._callbacks import (
     HistoryLogger,
     ModelCheckpoint,
     ReduceLROnPlateau,
+    TrainerView,
     TrainingContext,
 )
 from functree.train._checkpoint import (
@@ -17,6 +18,7 @@ from functree.train._checkpoint import (
 )
 from functree.train._data import Batches, DataContext, batches, to_arrays
 from functree.train._history import History
+from functree.train._job import JobState
 from functree.train._loggers import CSVLogger, TensorBoardLogger
 from functree.train._metrics import StepOutput, accuracy, mean
 from functree.train._migrate import migrate
@@ -27,6 +29,8 @@ from functree.train._trainer import Trainer
 
 __all__ = [
     "Trainer",
+    "JobState",
+    "TrainerView",
     "NonFiniteError",
     "History",
     "TrainingContext",

@@ -20,20 +20,18 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 
 from functree.optim import hyperparameters, set_hyperparameters
 from functree.optim._hyper import group_learning_rate, learning_rate_names
 from functree.train._checkpoint import CheckpointManager
-
-if TYPE_CHECKING:  # annotations only: the Trainer imports this module, never the reverse
-    from functree.train._trainer import Trainer
+from functree.train._job import JobState, own_copy
 
 __all__ = [
     "TrainingContext",
+    "TrainerView",
     "Callback",
     "EarlyStopping",
     "ReduceLROnPlateau",
@@ -125,6 +123,44 @@ class TrainingContext:
     learning_rates: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
+class TrainerView(Protocol):
+    """The :class:`Trainer` as callbacks see it: the job's state (:attr:`state`, a
+    read-only :class:`JobState`, and its fields ``steps_run``, ``epoch``, ...) and what a
+    callback may change: ``model``, ``opt_state``, ``stop_training``, ``extra`` (each
+    assignment commits a new job state), and :meth:`save`. (A protocol: this module does
+    not import the Trainer, which imports it.)
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> class Halve(ft.train.Callback):
+      ...     def on_epoch_end(self, trainer: ft.train.TrainerView, context):
+      ...         print(trainer.state.steps_run, trainer.state.epoch)
+      ...         trainer.model = {"w": trainer.model["w"] / 2}  # a new job state
+      >>> loss_fn = lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2)
+      >>> trainer = ft.train.Trainer({"w": jnp.zeros(2)}, ft.optim.sgd(0.1), loss_fn)
+      >>> _ = trainer.fit((jnp.eye(2), jnp.array([1.0, 2.0])), epochs=1, progress=False, callbacks=[Halve()])
+      1 1
+      >>> trainer.state.model["w"].tolist()
+      [0.05000000074505806, 0.10000000149011612]
+    """
+
+    model: Any
+    opt_state: Any
+    stop_training: bool
+    extra: Any
+
+    @property
+    def state(self) -> JobState: ...
+
+    @property
+    def steps_run(self) -> int: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    def save(self, manager: Any, *, metrics: Any = None, extra: Any = ...) -> None: ...
+
+
 class Callback:
     """Base class: override any of the hooks (each does nothing by default).
 
@@ -177,16 +213,16 @@ class Callback:
         ``trainer.restore``)."""
         _check_state(self, state)
 
-    def on_train_begin(self, trainer: Trainer) -> None:
+    def on_train_begin(self, trainer: TrainerView) -> None:
         """Before the first step of ``fit``."""
 
-    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_log(self, trainer: TrainerView, context: TrainingContext) -> None:
         """At every log interval."""
 
-    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         """At the end of every epoch (after validation)."""
 
-    def on_train_end(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         """When ``fit`` ends (also when stopped early)."""
 
 
@@ -203,10 +239,10 @@ class _FunctionCallback(Callback):
     def __init__(self, fn: Callable[[TrainingContext], Any]):
         self.fn = fn
 
-    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_log(self, trainer: TrainerView, context: TrainingContext) -> None:
         self.fn(context)
 
-    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         self.fn(context)
 
 
@@ -258,11 +294,6 @@ class _Monitor:
         return better
 
 
-def _copy(tree: Any) -> Any:
-    # The training step donates the model's buffers; a kept copy must own its own.
-    return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
-
-
 class EarlyStopping(Callback):
     """Stop when ``monitor`` has not improved for ``patience`` epochs.
 
@@ -311,18 +342,18 @@ class EarlyStopping(Callback):
         self.best_epoch = None if state.get("best_epoch") is None else int(state["best_epoch"])
         self.best_model = state["best_model"]
 
-    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         if self._monitor.improved(self._monitor.value(context)):
             self.best_epoch = context.sweep
             if self.restore_best:
-                self.best_model = _copy(trainer.model)
+                self.best_model = own_copy(trainer.model)
         elif self._monitor.wait >= self.patience:
             trainer.stop_training = True
             self.stopped_epoch = context.sweep
 
-    def on_train_end(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         if self.restore_best and self.best_model is not None:
-            trainer.model = _copy(self.best_model)  # a copy: the next fit's steps donate it
+            trainer.model = own_copy(self.best_model)  # a copy: the next fit's steps donate it
 
 
 class ReduceLROnPlateau(Callback):
@@ -359,7 +390,7 @@ class ReduceLROnPlateau(Callback):
         self._monitor.load(state)
         self._cooling = int(state["cooling"])
 
-    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         improved = self._monitor.improved(self._monitor.value(context))
         if self._cooling > 0:
             self._cooling -= 1
@@ -418,7 +449,7 @@ class ModelCheckpoint(Callback):
     def __init__(self, directory: str | os.PathLike[str] | CheckpointManager, *,
                  every_steps: int | None = None, max_to_keep: int | None = 3,
                  best_metric: str | None = None, mode: str = "min",
-                 extra: Callable[[Trainer], Any] | None = None, every_epochs: int = 1):
+                 extra: Callable[[TrainerView], Any] | None = None, every_epochs: int = 1):
         for what, value in (("every_steps", every_steps), ("every_epochs", every_epochs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(BAD_EVERY.format(what=what, value=value))
@@ -430,7 +461,7 @@ class ModelCheckpoint(Callback):
         self.extra = extra
         self._last_saved: int | None = None
 
-    def save(self, trainer: Trainer, context: TrainingContext) -> None:
+    def save(self, trainer: TrainerView, context: TrainingContext) -> None:
         """Write a checkpoint of ``trainer`` now (once per step), with ``context.metrics``
         when they rank checkpoints. The Trainer calls it at save points, where
         ``trainer.model`` is the model after ``context.step``."""
@@ -447,7 +478,7 @@ class ModelCheckpoint(Callback):
             self._last_saved = None
             raise
 
-    def _save_point(self, trainer: Trainer, context: TrainingContext, event: str) -> None:
+    def _save_point(self, trainer: TrainerView, context: TrainingContext, event: str) -> None:
         """The Trainer's save points: ``"step"`` (every ``every_steps``), ``"epoch"`` (after
         every callback's ``on_epoch_end``), ``"end"`` (the end of ``fit``, before every
         callback's ``on_train_end``: ``EarlyStopping(restore_best=True)`` may then set
@@ -462,7 +493,7 @@ class ModelCheckpoint(Callback):
         elif event == "terminate" or (event == "step") == bool(self.every_steps):
             self.save(trainer, context)
 
-    def on_train_end(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         self.manager.wait_until_finished()
 
 
@@ -499,8 +530,8 @@ class HistoryLogger(Callback):
         with self.path.open("a") as f:
             f.write(json.dumps(dataclasses.asdict(context)) + "\n")
 
-    def on_log(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_log(self, trainer: TrainerView, context: TrainingContext) -> None:
         self._write(context)
 
-    def on_epoch_end(self, trainer: Trainer, context: TrainingContext) -> None:
+    def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         self._write(context)

@@ -27,7 +27,7 @@ from functree._tree import bounded_put, cached
 from functree.optim import context, hyperparameters
 from functree.optim._hyper import learning_rate_names
 
-__all__ = ["Interval", "next_buffer", "snapshot", "STOPPED_EARLIER", "to_host"]
+__all__ = ["Interval", "MetricLog", "Reading", "next_buffer", "snapshot", "STOPPED_EARLIER", "to_host"]
 
 STOPPED_EARLIER = 2**30
 """``halt[1]`` of a buffer opened after an earlier buffer's step stopped."""
@@ -124,3 +124,94 @@ def to_host(tree: Any) -> Any:
     ``jax.device_get`` costs about six times as much for a handful of small arrays
     (48 against 10 µs for six), and the Trainer reads an interval every ``log_every`` steps."""
     return jax.tree.map(np.asarray, tree)
+
+
+@dataclass
+class Reading:
+    """An interval read on the host: its first step, its steps, their values by metric (float32 columns),
+    the learning rates' columns, each step's minibatch size, its ``nonfinite`` code (-1: a
+    finite step), the buffer's ``halt`` and the learning context after its last step."""
+
+    first: int
+    steps: list[int]
+    values: dict[str, np.ndarray]
+    rates: dict[str, list[float]]
+    weights: np.ndarray
+    nonfinite: np.ndarray
+    halt: np.ndarray
+    context: Any
+    inflight: list[tuple[Any, int]]
+    log: bool
+
+
+class MetricLog:
+    """The Trainer's metric buffer on device and its closed intervals (see the module's
+    docstring): ``buffer`` (open; ``buffered`` steps written, ``capacity`` rows),
+    ``pending`` (closed, not read), ``inflight`` (the open buffer's ``(minibatch, size)``),
+    the metric and learning-rate names of its columns, and the last interval's learning
+    context and log means (for the contexts of save points)."""
+
+    def __init__(self, nonfinite: str) -> None:
+        self.nonfinite = nonfinite  # the name of the column that says which step stopped
+        self.buffer: Any = None
+        self.buffered = 0
+        self.capacity = 0  # rows of the buffer: log_every + steps_per_call - 1
+        self.pending: list[Interval] = []
+        self.inflight: list[tuple[Any, int]] = []
+        self.names: list[str] | None = None  # the step's metrics, in its order
+        self.rates: list[str] = []  # the learning rates' names: the buffer's last columns
+        self.last_context: Any = None  # the host context after the last step read, until the next step
+        self.last_log: dict[str, float] = {}  # the last log interval's metrics
+
+    def open(self, opt_state: Any) -> Any:
+        """The open buffer (a new one: one row per step, ``TrainStep.record`` writes it)."""
+        if self.buffer is None:
+            self.rates = learning_rate_names(opt_state)  # "learning_rate", or "<group>/learning_rate" each
+            columns = len(self.names or ()) + len(self.rates)
+            self.buffer = {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
+                           "rows": jnp.zeros((self.capacity, columns), jnp.float32)}
+        return self.buffer
+
+    def resize(self, capacity: int) -> None:
+        if self.capacity != capacity:
+            self.buffer, self.capacity = None, capacity
+
+    def drop(self) -> None:
+        """Forget every step not read (a stop, a restore)."""
+        self.buffer, self.buffered, self.inflight, self.pending = None, 0, [], []
+
+    def close(self, steps_run: int, opt_state: Any, log: bool) -> None:
+        """The open buffer's steps (all dispatched) become a pending interval; the next
+        buffer opens on device, carrying a stop (one dispatch, no wait). ``opt_state``:
+        the state whose learning context callbacks will see (None: no callbacks)."""
+        buffer, ctx = next_buffer(self.buffer["halt"], self.buffer["rows"], opt_state)
+        if jax.default_backend() != "cpu":  # (the CPU's arrays are in host memory: nothing to copy)
+            for x in jax.tree.leaves((self.buffer, ctx)):
+                x.copy_to_host_async()  # queued behind the interval's steps: done when it is read
+        closed = Interval(self.buffer, ctx, steps_run - self.buffered + 1, self.buffered, self.inflight, log)
+        # the caller's critical section: the steps move to the pending interval at once
+        self.pending.append(closed)
+        self.buffer, self.buffered, self.inflight = buffer, 0, []
+
+    def read(self) -> Reading:
+        """The oldest pending interval, on the host (it stays pending: the caller pops it
+        when it commits it)."""
+        interval = self.pending[0]
+        host, ctx = to_host((interval.buffer, interval.context))
+        n = int(host["halt"][0])
+        assert self.names is not None
+        rows = host["rows"][:n]
+        values = {k: rows[:, i] for i, k in enumerate(self.names) if k != self.nonfinite}
+        nonfinite = rows[:, self.names.index(self.nonfinite)] if self.nonfinite in self.names else np.full(n, -1.0)
+        return Reading(interval.first, list(range(interval.first, interval.first + n)), values,
+                       {name: rows[:, len(self.names) + i].tolist() for i, name in enumerate(self.rates)},
+                       np.array([size for _, size in interval.inflight[:n]], np.float32),
+                       nonfinite.astype(np.int32), host["halt"], ctx, interval.inflight, interval.log)
+
+    def applied_later(self) -> int:
+        """Steps applied after the intervals read so far (blocks: the first skip's report only)."""
+        col = self.names.index(self.nonfinite) if self.names and self.nonfinite in self.names else None
+        buffers = [i.buffer for i in self.pending] + ([self.buffer] if self.buffered else [])
+        if col is None:
+            return sum(i.steps for i in self.pending) + self.buffered
+        return sum(int(np.sum(b["rows"][: int(b["halt"][0]), col] == -1)) for b in jax.device_get(buffers))

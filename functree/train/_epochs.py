@@ -1,0 +1,227 @@
+"""Epochs and the position in the data: where a job's next minibatch comes from.
+
+``fit`` takes ``ft.train.batches``, arrays (cut into shuffled minibatches), or any iterable
+of minibatches. :class:`Epochs` gives each epoch's iterator *from the job's position*:
+``Batches`` replays from it; an iterator that reports its position (``get_state`` /
+``set_state``, as grain's) is set to the saved one; another re-iterable skips the
+minibatches the epoch already consumed (read, never computed on); a one-shot iterator
+continues where it is. It also names a minibatch that cannot run (empty, or failing in
+the step) by its step, epoch and index.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from functree.train._data import Batches, batches
+from functree.train._job import JobState, json_position
+from functree.train._metrics import batch_size_of, describe_batch
+
+__all__ = ["Epochs", "as_data", "epoch_length", "is_array"]
+
+BAD_LENGTH = """\
+{what} must be a positive int, got {value!r}.
+    right:  trainer.fit(data, epochs=10)   or   trainer.fit(data, steps=1000)"""
+
+EMPTY_DATA = """\
+The training data gave no minibatch{why}.
+
+    right:  trainer.fit(ft.train.batches((x, y), batch_size=32), epochs=5)
+       or:  trainer.fit(iterator, steps=1000)       # a one-shot iterator needs steps="""
+
+ONE_SHOT = """\
+trainer.fit(data, epochs={epochs}) needs data it can iterate once per epoch, but \
+{kind} is a one-shot iterator: it would run out after the first epoch.
+Pass something re-iterable, or count steps instead of epochs:
+
+    wrong:  trainer.fit(generator(), epochs={epochs})
+    right:  trainer.fit(ft.train.batches((x, y), batch_size=32), epochs={epochs})
+       or:  trainer.fit(loader, epochs={epochs})          # a list, a DataLoader: re-iterable
+       or:  trainer.fit(generator(), steps=1000)"""
+
+ONE_SHOT_RESUME = """\
+The restored trainer is at step {step}, but {kind} is a one-shot iterator that cannot report \
+or set its position (no get_state()/set_state()): it is used as if it started right after \
+step {step}. If it starts at the beginning of the data, the job would train on those \
+minibatches again. Give an iterator that starts where the job stopped, or one with a position:
+
+    right:  trainer.fit(itertools.islice(generator(), trainer.steps_run, None), steps=1000)
+       or:  an iterator with get_state() -> JSON and set_state(state) (as grain's iterators)"""
+
+DATA_LENGTH_CHANGED = """\
+The restored job was trained on data of {saved} minibatches per epoch, but fit was given \
+{given}: its position (step {step}) would point into other data. Resume with the data the \
+job was trained on, or start a new job (a fresh Trainer) for new data:
+
+    wrong:  trainer.restore(path); trainer.fit(other_data, epochs=10)
+    right:  trainer.restore(path); trainer.fit(same_data, epochs=10)"""
+
+DATA_STATE_NOT_JSON = """\
+The data iterator ({kind}) reports its position with get_state(), but {given} is not \
+JSON (numbers, strings, lists, dicts), so it cannot go into the checkpoint's metadata.
+Return a JSON-able position from get_state(), e.g. {{"epoch": 3, "index": 120}}."""
+
+EMPTY_MINIBATCH = """\
+step {step}: minibatch {index} of epoch {epoch} is empty (0 examples; minibatches and epochs \
+counted from 0, as trainer.batch_in_epoch and trainer.epoch). Its shapes: {shapes}.
+A step needs at least one example; drop empty minibatches where the data is made:
+
+    wrong:  loader = [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x) + 32, 32)]
+    right:  loader = [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x), 32)]
+       or:  ft.train.batches((x, y), batch_size=32)"""
+
+MALFORMED_MINIBATCH = """\
+step {step}: minibatch {index} of epoch {epoch} (counted from 0) failed in the training step. \
+Its shapes: {shapes}{first}. The error:
+{error}"""
+
+
+def no_minibatch(data: Any) -> ValueError:
+    """The error of data that gave no minibatch at all."""
+    return ValueError(EMPTY_DATA.format(why=f" ({type(data).__name__})"))
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _is_array_tree(data: Any) -> bool:
+    """An array, or a tuple/dict of arrays: in-memory data to cut into minibatches."""
+    if is_array(data):
+        return True
+    if isinstance(data, (tuple, Mapping)):
+        leaves = jax.tree.leaves(data)
+        return bool(leaves) and all(is_array(x) and np.ndim(x) >= 1 for x in leaves)
+    return False
+
+
+def as_data(data: Any, batch_size: int | None, key: Any, shuffle: bool = True) -> Any:
+    """``data`` as minibatches: in-memory arrays cut by :func:`batches` (shuffled with
+    ``fold_in(key, 1)``), anything else as it is."""
+    if isinstance(data, Batches) or not _is_array_tree(data):
+        return data
+    key = jax.random.fold_in(jax.random.key(0) if key is None else key, 1)
+    return batches(data, 32 if batch_size is None else batch_size, shuffle=shuffle, key=key)
+
+
+def epoch_length(data: Any) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def _has_position(it: Any) -> bool:
+    """An iterator that reports and takes its position (grain's ``DatasetIterator``)."""
+    return callable(getattr(it, "get_state", None)) and callable(getattr(it, "set_state", None))
+
+
+def batch_size(batch: Any) -> int:
+    """:func:`batch_size_of`, with a fast path for the common ``(x, y)`` tuple of arrays."""
+    if type(batch) is tuple and batch:
+        shape = getattr(batch[0], "shape", ())
+        if len(shape) >= 1:
+            return int(shape[0])
+    return batch_size_of(batch)
+
+
+def batch_signature(batch: Any) -> tuple[Any, ...]:
+    """A minibatch's structure and leaf shapes: those of one signature stack."""
+    leaves, tree = jax.tree.flatten(batch)
+    return tree, *(np.shape(x) for x in leaves)
+
+
+class Epochs:
+    """The current epoch's iterator over the fit's data, continued across ``fit`` calls
+    (``iter(data)`` once per epoch), and whether the next one resumes a restored job."""
+
+    __slots__ = ("first_shapes", "iterator", "of", "restored")
+
+    def __init__(self) -> None:
+        self.iterator: Any = None  # the current epoch's data iterator
+        self.of: Any = None  # the data it iterates
+        self.restored = False  # a restored job: the next epoch iterator is positioned
+        self.first_shapes = ""  # the first minibatch's shapes, for the error of a malformed one
+
+    @staticmethod
+    def check_counts(**counts: int | None) -> None:
+        """Each of ``fit``'s counts (``epochs=``, ``steps=``, ``log_every=``) is a positive int or None."""
+        for what, value in counts.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(BAD_LENGTH.format(what=what, value=value))
+
+    def forget(self, restored: bool = False) -> None:
+        """No live iterator: the next epoch's is made from the job's position."""
+        self.iterator = self.of = None
+        self.restored = self.restored or restored
+
+    def iterate(self, data: Any, job: JobState) -> Iterator[Any]:
+        """The minibatches from the job's position (a restored ``job.data_state`` is used
+        once: the caller commits it as consumed)."""
+        if isinstance(data, Batches):
+            return data.iterate(job.epoch, job.batch_in_epoch)
+        if self.iterator is not None and self.of is data:
+            return self.iterator  # the same fit data, continued: iter() once per epoch
+        it = iter(data)
+        stream = it is data
+        if job.data_state is not None and _has_position(it):
+            it.set_state(job.data_state)
+        elif self.restored and (job.batch_in_epoch or (stream and job.steps_run)):
+            if stream:
+                warnings.warn(ONE_SHOT_RESUME.format(kind=type(data).__name__, step=job.steps_run), stacklevel=4)
+            else:
+                it = itertools.islice(it, job.batch_in_epoch, None)
+        elif job.batch_in_epoch and not stream:  # an epoch ended early by an exception or a stop
+            it = itertools.islice(it, job.batch_in_epoch, None)
+        self.restored = False
+        self.iterator, self.of = it, data
+        return it
+
+    def position(self, job: JobState) -> Any:
+        """The position of the data iterator that reports one (for a checkpoint)."""
+        it = self.iterator
+        if it is None or not _has_position(it) or not (job.batch_in_epoch or it is self.of):
+            return None
+        state = it.get_state()
+        if not json_position(state):
+            raise ValueError(DATA_STATE_NOT_JSON.format(kind=type(it).__name__, given=repr(state)[:120]))
+        return state
+
+    def check_data(self, data: Any, epochs: int | None, steps: int | None, job: JobState) -> None:
+        """A one-shot iterator cannot run several epochs; a restored job mid-epoch
+        continues only on data of the length it was trained on."""
+        if steps is None and epochs is not None and epochs - job.epoch > 1 and isinstance(data, Iterator):
+            raise ValueError(ONE_SHOT.format(epochs=epochs, kind=type(data).__name__))
+        length = epoch_length(data)
+        if (self.restored and job.batch_in_epoch and length is not None and job.epoch_length is not None
+                and length != job.epoch_length):
+            raise ValueError(DATA_LENGTH_CHANGED.format(saved=job.epoch_length, given=length, step=job.steps_run))
+
+    def minibatch_size(self, batch: Any, job: JobState, offset: int) -> int:
+        """The minibatch's size; an empty minibatch is an error naming it (before it
+        reaches a step)."""
+        size = batch_size(batch)
+        if size == 0:
+            raise ValueError(EMPTY_MINIBATCH.format(step=job.steps_run + offset + 1, index=job.batch_in_epoch + offset,
+                                                    epoch=job.epoch, shapes=describe_batch(batch)))
+        return size
+
+    def located(self, error: Exception, batch: Any, job: JobState, offset: int) -> Exception:
+        """``error`` of the step on the minibatch ``offset`` after the job's position, its
+        message prefixed with the step, the minibatch, the epoch and the shapes (an
+        exception whose text is not its message gets them as a note)."""
+        first = f"; the trainer's first minibatch had {self.first_shapes}" if self.first_shapes else ""
+        text = MALFORMED_MINIBATCH.format(step=job.steps_run + offset + 1, index=job.batch_in_epoch + offset,
+                                          epoch=job.epoch, shapes=describe_batch(batch), first=first, error=error)
+        original = error.args
+        error.args = (text,)
+        if str(error) != text:
+            error.args = original
+            error.add_note(text.split(" The error:")[0])
+        return error

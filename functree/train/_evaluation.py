@@ -1,0 +1,178 @@
+"""Evaluation and prediction over data, for ``Trainer.evaluate`` / ``Trainer.predict``:
+sums accumulated on device and read once; a fixed evaluation key for functions that take
+``key=``."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from functree import nn
+from functree._jit import eval_shape
+from functree.optim._average import averaged as averaged_parameters
+from functree.train._data import Batches, batches, to_arrays
+from functree.train._epochs import EMPTY_DATA, as_data, is_array
+
+__all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
+
+EVAL_KEY_SALT = 0x5EED
+"""Folded into the trainer's key for evaluation and prediction keys (distinct from the
+training steps' ``fold_in(key, step)`` and the shuffling key ``fold_in(key, 1)``)."""
+
+
+def key_parameter(fn: Callable[..., Any]) -> str | None:
+    """Whether ``fn`` takes ``key=``: ``"required"``, ``"optional"`` (a default, or
+    ``**kwargs``) or None (no such keyword, or no signature to read).
+
+    Example:
+      >>> from functree.train._evaluation import key_parameter
+      >>> key_parameter(lambda m, b, *, key: 0), key_parameter(lambda m, b, key=None: 0)
+      ('required', 'optional')
+      >>> key_parameter(lambda m, b: 0) is None
+      True
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    p = params.get("key")
+    if p is None:
+        return "optional" if any(q.kind is q.VAR_KEYWORD for q in params.values()) else None
+    if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
+        return None
+    return "required" if p.default is p.empty else "optional"
+
+
+def signature(fn: Callable[..., Any]) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return ""
+
+
+def eval_key(fn: Callable[..., Any], key: Any) -> Any:
+    """A fixed key for ``fn`` when it takes ``key=`` (else None): derived from the
+    trainer's ``key``, the same for every evaluation."""
+    if key_parameter(fn) is None:
+        return None
+    return jax.random.fold_in(jax.random.key(0) if key is None else key, EVAL_KEY_SALT)
+
+
+def _minibatches(data: Any) -> Iterable[Any]:
+    return data.iterate(0) if isinstance(data, Batches) else data
+
+
+def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key: Any) -> dict[str, float]:
+    """The means of ``step``'s loss and metrics over ``data``, weighted by minibatch size:
+    ``summing`` (``EvalStep.summing``) adds each minibatch on device; one read at the end."""
+    sums: Any = None
+    for batch in _minibatches(data):
+        batch = step.shard_batch(to_arrays(batch))
+        if sums is None:
+            shapes = eval_shape(step.step, model, batch, key)
+            sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
+                    "weight": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+        sums = summing(model, sums, batch, key)
+    if sums is None:
+        raise ValueError(EMPTY_DATA.format(why=" to evaluate"))
+    host = jax.device_get(sums)
+    return {k: float(v) / float(host["weight"]) for k, v in host["values"].items()}
+
+
+def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: Callable[..., Any], key: Any) -> Any:
+    """``fn(model, batch)`` over ``data`` by ``program`` (jitted), concatenated along axis 0;
+    ``fold_in(key, i)`` for the i-th minibatch when ``key`` is given."""
+    outputs = [program(model, step.shard_batch(to_arrays(b)), fn, None if key is None else jax.random.fold_in(key, i))
+               for i, b in enumerate(_minibatches(data))]
+    if not outputs:
+        raise ValueError(EMPTY_DATA.format(why=" to predict"))
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outputs)
+
+
+def inputs(batch: Any) -> Any:
+    """The model inputs of a batch: ``batch[0]``, ``batch["x"]``-like, or the batch."""
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    if isinstance(batch, Mapping):
+        for name in ("x", "inputs", "input", "image", "images", "features"):
+            if name in batch:
+                return batch[name]
+    return batch
+
+
+def default_predict(model: Any, batch: Any) -> Any:
+    return model(inputs(batch))
+
+
+def call_predict(model: Any, batch: Any, fn: Callable[..., Any], key: Any) -> Any:
+    return fn(model, batch) if key is None else fn(model, batch, key=key)
+
+
+class Evaluation:
+    """A trainer's evaluation and prediction over data (the model in inference mode),
+    reading ``self.model``, ``self.opt_state``, ``self.key`` and ``self.eval_step``
+    (``Trainer`` derives from it)."""
+
+    model: Any
+    opt_state: Any
+    key: Any
+    eval_step: Any
+    _eval_fused: Callable[..., Any]
+    _predict: Callable[..., Any]
+
+    @property
+    def inference_model(self) -> Any:
+        """The trained model in inference mode (``ft.nn.inference(trainer.model)``): call
+        it for predictions. ``trainer.model`` is in training mode, where Dropout needs a
+        key.
+
+        Example:
+          >>> import functree as ft, jax, jax.numpy as jnp
+          >>> model = ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.Dropout(0.5))
+          >>> trainer = ft.train.Trainer(model, ft.optim.sgd(0.1), lambda m, b: 0.0)
+          >>> ft.nn.is_training(trainer.model), ft.nn.is_training(trainer.inference_model)
+          (True, False)
+          >>> trainer.inference_model(jnp.ones((1, 2))).shape
+          (1, 2)
+        """
+        return nn.inference(self.model)
+
+    @property
+    def averaged_model(self) -> Any:
+        """The model with the optimizer's averaged parameters (``ft.optim.averaged``:
+        ``Optimizer(tx, average=ft.optim.ema(0.999))``, or lookahead's slow weights), in
+        inference mode."""
+        return nn.inference(averaged_parameters(self.opt_state, self.model))
+
+    def evaluate(self, data: Any, *, batch_size: int | None = None, averaged: bool = False) -> dict[str, float]:
+        """The loss and metrics of the model (inference mode) over ``data``: means
+        weighted by minibatch size, accumulated on device, read once at the end.
+        ``averaged=True`` evaluates :attr:`averaged_model` instead.
+
+        A loss function that takes ``key=`` gets ``fold_in(eval_key, batch index)`` with a
+        fixed evaluation key derived from the trainer's: evaluations are reproducible.
+        """
+        data = as_data(data, batch_size, self.key, shuffle=False)
+        model = self.averaged_model if averaged else self.inference_model
+        key = eval_key(self.eval_step.loss_fn, self.key)
+        return evaluate(self.eval_step, self._eval_fused, model, data, key)
+
+    def predict(self, data: Any, fn: Callable[[Any, Any], Any] | None = None, *,
+                batch_size: int | None = None) -> Any:
+        """``fn(model, batch)`` over ``data`` (inference mode), concatenated along axis 0.
+
+        ``fn`` defaults to ``model(inputs)`` with inputs ``batch[0]`` (tuples),
+        ``batch["x"]`` (dicts) or the batch itself (arrays). An ``fn`` that takes ``key=``
+        gets ``fold_in(eval_key, batch index)`` (see :meth:`evaluate`). For one batch,
+        call :attr:`inference_model` directly.
+        """
+        fn = fn or default_predict
+        if is_array(data):
+            data = batches(data, batch_size or 32, shuffle=False)
+        data = as_data(data, batch_size, self.key, shuffle=False)
+        return predict(self.eval_step, self._predict, self.inference_model, data, fn,
+                                  eval_key(fn, self.key))

@@ -1,0 +1,250 @@
+"""The job's state: one immutable record of everything a training job is at a step boundary.
+
+:class:`JobState` is what a checkpoint holds and what ``trainer.restore`` reads back:
+model, optimizer state (with its learning context and layer state), PRNG key, position
+(steps, epoch, minibatch in the epoch, the data iterator's own position), the running
+means, the history, the steps skipped, the stop flag, the callbacks' states and the
+user's ``extra``. ``Trainer.fit`` advances it step by step, each step's results committed
+in one assignment; callbacks read it as ``trainer.state``. Its checkpoint layout (format
+2, written by :func:`save_job`, read by :func:`read_job`) is the one functree has written
+since checkpoints carried the job: older Trainer checkpoints restore as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree._alias import copy_aliases
+from functree.train._checkpoint import Checkpoint, CheckpointManager
+from functree.train._history import History
+from functree.train._means import Means
+
+__all__ = ["JobState", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
+
+BAD_EXTRA = """\
+extra= must be a tree (dicts, lists, tuples, None) of arrays and plain numbers, but \
+{path} is {given}.
+
+    wrong:  trainer.save(path, extra={{"note": object()}})
+    right:  trainer.save(path, extra={{"rounds": 3, "ema": ema_params, "data": np.asarray(position)}})"""
+
+CALLBACK_MISMATCH = """\
+The restored checkpoint holds the state of callback {key!r} ({cls}), but this fit's \
+callbacks are {given}; the checkpoint's stateful callbacks are {saved}.
+Pass the same callbacks as the run that saved it (in the same order, or each with the \
+same callback.name), or restore without their states:
+
+    right:  trainer.fit(data, epochs=10, callbacks=[ft.train.EarlyStopping(patience=6), checkpoints])
+       or:  trainer.restore(path, callbacks=False)"""
+
+NOT_A_JOB = """\
+{path} step {step} is a checkpoint of a model, not of a training job (it has no job \
+position: it was written by CheckpointManager.save or ft.train.save, not by a Trainer).
+Read it as a checkpoint, or continue its model in a Trainer:
+
+    wrong:  ft.train.JobState.restore(path)
+    right:  ft.train.CheckpointManager(path).restore()
+       or:  trainer.restore(path)         # a Trainer's model and optimizer state from it"""
+
+
+class JobState(NamedTuple):
+    """A training job at a step boundary: ``trainer.state``, and what a checkpoint holds.
+
+    A value (a named tuple, replaced, never changed): ``Trainer.fit`` commits each step's
+    outputs as a new record (``steps_run``, ``batch_in_epoch`` and ``since_log`` advanced),
+    each log interval's means as another; ``trainer.model``, ``trainer.epoch``, ... read the
+    current one. ``history`` is the one member that grows in place (a row per step; copying
+    it every read would cost O(steps)). The history and the means lag the steps by up to
+    two log intervals between reads; at save points, epoch ends and the end of ``fit``
+    everything has been read.
+
+    Fields: ``model``, ``opt_state`` (with the learning context), ``key``, ``history``; the position
+    ``steps_run``, ``epoch`` (completed), ``batch_in_epoch`` (minibatches of the current
+    epoch consumed) and ``since_log`` (steps since the last log point); ``stopped`` (a
+    callback set ``trainer.stop_training``); ``window`` and ``epoch_means`` (the running
+    weighted means of the log window and of the epoch); ``skipped`` (``(step,
+    what)`` of the steps ``on_nan="skip"`` left out); ``extra`` (the user's tree);
+    ``callbacks`` (``(name, class, state)`` of each stateful callback: filled by a save and
+    a restore, handed to the next ``fit``'s callbacks); ``data_state`` (a positioned data
+    iterator's ``get_state()``) and ``epoch_length`` (minibatches per epoch, when known).
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp, numpy as np, tempfile
+      >>> x = np.ones((8, 2), np.float32)
+      >>> trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+      ...                            lambda m, b: jnp.mean(m(b) ** 2))
+      >>> _ = trainer.fit(ft.train.batches(x, 4), steps=3, progress=False)
+      >>> state = trainer.state
+      >>> state.steps_run, state.epoch, state.batch_in_epoch, len(state.history.steps["loss"])
+      (3, 1, 1, 3)
+      >>> path = tempfile.mkdtemp() + "/ckpt"
+      >>> trainer.save(path, extra={"rounds": 3})
+      >>> saved = ft.train.JobState.restore(path)  # a checkpoint is a JobState
+      >>> saved.steps_run, saved.extra, saved.model.weight.shape
+      (3, {'rounds': 3}, (2, 1))
+    """
+
+    model: Any
+    opt_state: Any
+    key: Any
+    history: History
+    steps_run: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    stopped: bool = False
+    since_log: int = 0
+    window: Means = Means()
+    epoch_means: Means = Means()
+    skipped: tuple[tuple[int, str], ...] = ()
+    extra: Any = None
+    callbacks: tuple[tuple[str, str, Any], ...] | None = None
+    data_state: Any = None
+    epoch_length: int | None = None
+
+    @staticmethod
+    def start(model: Any, opt_state: Any, key: Any = None) -> JobState:
+        """A job before its first step (with its own empty history)."""
+        return JobState(model, opt_state, key, History())
+
+    def stepped(self, model: Any, opt_state: Any, n: int) -> JobState:
+        """The commit of ``n`` steps: their outputs, the position ``n`` further. (The loop's
+        one per-call cost: a tuple built directly, no keyword matching.)"""
+        s = self
+        return tuple.__new__(JobState, (model, opt_state, s[2], s[3], s[4] + n, s[5], s[6] + n, s[7], s[8] + n) + s[9:])
+
+    @staticmethod
+    def restore(source: CheckpointManager | str, step: int | None = None, *, like: JobState | None = None) -> JobState:
+        """The job a Trainer checkpoint holds (default: the latest step of ``source``, a
+        path or a :class:`CheckpointManager`). ``like`` (a job, e.g. ``trainer.state``)
+        gives the templates its model and optimizer state are checked against; without
+        it they are rebuilt from the checkpoint's type information."""
+        if not isinstance(source, CheckpointManager):
+            with CheckpointManager(source) as owned:
+                return JobState.restore(owned, step, like=like)
+        job, ckpt = read_job(source, step, like or JobState.start(None, None))
+        if "trainer" not in ckpt.config:
+            raise ValueError(NOT_A_JOB.format(path=source.directory, step=ckpt.step))
+        return job
+
+
+def save_job(manager: CheckpointManager, job: JobState, callbacks: Sequence[Any] | None = None, *,
+             metrics: Mapping[str, Any] | None = None, about: Mapping[str, Any] | None = None) -> None:
+    """Write ``job`` as the checkpoint labelled ``job.steps_run`` (format 2: the arrays of
+    model, optimizer state, key, ``extra`` and callback states, the rest as JSON in its
+    config), with the states of ``callbacks`` (default: ``job.callbacks``). ``about``:
+    ``on_nan`` and descriptions of the optimizer and the step."""
+    about = dict(about or {})
+    saved = callback_states(callbacks) if callbacks is not None else job.callbacks or ()
+    history = job.history
+    config = {
+        "trainer": {"steps_run": job.steps_run, "epoch": job.epoch, "batch_in_epoch": job.batch_in_epoch,
+                    "on_nan": about.pop("on_nan", None), "stopped": bool(job.stopped),
+                    "epoch_length": job.epoch_length, "since_log": job.since_log, "data_state": job.data_state,
+                    "means": {"window": job.window.to_json(), "epoch": job.epoch_means.to_json()},
+                    "history": {"steps": history.steps, "epochs": history.epochs},
+                    "skipped": [list(s) for s in job.skipped]},
+        "callbacks": [[key, cls] for key, cls, _ in saved],
+        **about,
+    }
+    manager.save(job.steps_run, job.model, job.opt_state, metrics=metrics, config=config,
+                 extra={"key": job.key, "user": job.extra, "callbacks": [state for _, _, state in saved]})
+
+
+def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, optimizer_state: bool = True,
+             callbacks: bool = True, placement: Any = None) -> tuple[JobState, Checkpoint]:
+    """``(job, checkpoint)`` read from ``manager`` at ``step`` (default: the latest).
+
+    The model and optimizer state are checked against ``like``'s (key path, shape,
+    dtype); ``optimizer_state=False`` keeps ``like``'s optimizer state; ``callbacks=False``
+    drops the saved callback states. What a checkpoint lacks (the key, the history of a
+    checkpoint written without one) is ``like``'s. ``placement``: a step's mesh placement
+    (arrays read straight into their shards)."""
+    include = ("model", "opt_state", "extra") if optimizer_state else ("model", "extra")
+    placed = {} if placement is None else {"mesh": placement.mesh, "sharding": placement.sharding,
+                                           "data_axis": placement.data_axis}
+    ckpt = manager.restore(step, template=like.model, opt_state_template=like.opt_state, include=include, **placed)
+    opt_state = ckpt.opt_state if optimizer_state else like.opt_state
+    model, opt_state = copy_aliases((ckpt.model, opt_state))
+    position = ckpt.config.get("trainer", {})
+    saved = position.get("history")
+    history = (History(steps=saved["steps"], epochs=saved["epochs"]) if "history" in position
+               else like.history)
+    extra = ckpt.extra if isinstance(ckpt.extra, Mapping) else {}
+    names = ckpt.config.get("callbacks", [])
+    states = tuple((key, cls, state) for (key, cls), state in zip(names, extra.get("callbacks", [])))
+    means = position.get("means", {})
+    job = JobState(
+        model, opt_state, extra["key"] if extra.get("key") is not None else like.key, history,
+        steps_run=int(position.get("steps_run", ckpt.step)), epoch=int(position.get("epoch", 0)),
+        batch_in_epoch=int(position.get("batch_in_epoch", 0)), stopped=bool(position.get("stopped", False)),
+        since_log=int(position.get("since_log", 0)), window=Means.from_json(means.get("window")),
+        epoch_means=Means.from_json(means.get("epoch")),
+        skipped=tuple((int(s), str(w)) for s, w in position.get("skipped", [])), extra=extra.get("user"),
+        callbacks=states if callbacks else None, data_state=position.get("data_state"),
+        epoch_length=position.get("epoch_length"))
+    return job, ckpt
+
+
+def callback_keys(cbs: Sequence[Any]) -> list[str]:
+    """Each callback's name for its saved state: ``name``, else ``Class[i]`` (the i-th of its class)."""
+    counts: dict[str, int] = {}
+    keys = []
+    for cb in cbs:
+        cls = type(cb).__name__
+        if cb.name:
+            keys.append(str(cb.name))
+        else:
+            keys.append(f"{cls}[{counts.get(cls, 0)}]")
+            counts[cls] = counts.get(cls, 0) + 1
+    return keys
+
+
+def callback_states(cbs: Sequence[Any]) -> tuple[tuple[str, str, Any], ...]:
+    """``(name, class, state)`` of each callback with a state (for a checkpoint)."""
+    return tuple((key, type(cb).__name__, state) for key, cb in zip(callback_keys(cbs), cbs)
+                 if (state := cb.state_dict()))
+
+
+def load_callbacks(saved: Sequence[tuple[str, str, Any]], cbs: Sequence[Any]) -> None:
+    """Every saved callback state to its callback (matched by name, else class and
+    position); a saved state with no such callback is an error naming both lists."""
+    given = dict(zip(callback_keys(cbs), cbs))
+    for key, cls, _ in saved:
+        cb = given.get(key)
+        if cb is None or type(cb).__name__ != cls:
+            raise ValueError(CALLBACK_MISMATCH.format(
+                key=key, cls=cls, saved=[f"{k} ({c})" for k, c, _ in saved],
+                given=[f"{k} ({type(c).__name__})" for k, c in given.items()] or "none"))
+    for key, _, state in saved:
+        given[key].load_state_dict(state)
+
+
+_PLAIN = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def check_extra(extra: Any) -> None:
+    """``extra`` is a tree of arrays and plain numbers (what a checkpoint can hold)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(extra)[0]:
+        if not isinstance(leaf, _PLAIN) or (isinstance(leaf, np.ndarray) and leaf.dtype.hasobject):
+            where = f"extra{jax.tree_util.keystr(path)}" if path else "extra"
+            raise TypeError(BAD_EXTRA.format(path=where, given=f"{type(leaf).__name__} {repr(leaf)[:60]}"))
+
+
+def json_position(state: Any) -> bool:
+    """Whether a data iterator's ``get_state()`` can go into a checkpoint's JSON."""
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def own_copy(tree: Any) -> Any:
+    """A copy whose arrays are its own (the training step donates the job's buffers)."""
+    return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)

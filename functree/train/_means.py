@@ -1,0 +1,84 @@
+"""The job's running means: the log window's and the epoch's, weighted by minibatch size.
+
+A :class:`Means` is a value: :meth:`Means.plus` returns a new one, so the job's record
+(:class:`~functree.train._job.JobState`) holds its means as it holds its step count. The
+sums are added step by step in float64, so they do not depend on where the intervals
+were cut: a resumed job's means equal the uninterrupted job's bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Means", "Terms"]
+
+Terms = tuple[dict[str, list[float]], list[float], int]
+"""``(n·v per name, n per step, steps skipped)`` of an interval's steps."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Means:
+    """Weighted means Σ n·v / Σ n over the steps applied. A step skipped under
+    ``on_nan="skip"`` is left out and counted in ``skipped``; a non-finite value of an
+    applied step (``on_nan="ignore"``) makes its mean NaN.
+
+    Example:
+      >>> from functree.train._means import Means
+      >>> import numpy as np
+      >>> m = Means().plus(Means.terms({"loss": np.array([1.0, 4.0])}, np.array([1.0, 3.0])))
+      >>> m.means(), Means.from_json(m.to_json()) == m
+      ({'loss': 3.25}, True)
+    """
+
+    sums: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    weight: float = 0.0
+    skipped: int = 0
+
+    @staticmethod
+    def terms(values: Mapping[str, np.ndarray], weights: np.ndarray, applied: np.ndarray | None = None) -> Terms:
+        """The :data:`Terms` of an interval's steps (computed once, added to the window's
+        and the epoch's means); ``applied``: which steps count (None: all)."""
+        skipped = 0
+        if applied is not None and not applied.all():
+            skipped = int(np.sum(~applied))
+            values = {k: v[applied] for k, v in values.items()}
+            weights = weights[applied]
+        return {name: (column * weights).tolist() for name, column in values.items()}, weights.tolist(), skipped
+
+    def plus(self, terms: Terms) -> Means:
+        """These means with an interval's terms added, step by step in float64. (A plain
+        loop, not ``sum()``: Python 3.12's ``sum()`` of floats compensates: another result.)"""
+        products, weights, skipped = terms
+        sums = dict(self.sums)
+        for name, column in products.items():
+            total = sums.get(name, 0.0)
+            for x in column:
+                total += x
+            sums[name] = total if math.isfinite(total) else math.nan
+        weight = self.weight
+        for w in weights:
+            weight += w
+        return Means(sums, weight, self.skipped + skipped)
+
+    def means(self, on_nan: str | None = None) -> dict[str, float]:
+        """The means (NaN where every step added was skipped), with ``skipped`` (the steps
+        left out) under ``on_nan="skip"``."""
+        values = {k: v / self.weight if self.weight else math.nan for k, v in self.sums.items()}
+        if on_nan == "skip":
+            values["skipped"] = self.skipped
+        return values
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sums": dict(self.sums), "weight": self.weight, "skipped": self.skipped}
+
+    @staticmethod
+    def from_json(state: Any) -> Means:
+        if not isinstance(state, Mapping):
+            return Means()
+        return Means({str(k): float(v) for k, v in state.get("sums", {}).items()},
+                     float(state.get("weight", 0.0)), int(state.get("skipped", 0)))

@@ -1,0 +1,164 @@
+"""Reading the steps' metrics into the job: log intervals, means, stops and skips.
+
+The steps write their metrics into a device buffer (:class:`MetricLog`, ``_intervals.py``).
+:class:`Reader` closes it every ``log_every`` steps and reads the interval closed before
+(one interval late: the read never waits for queued steps), or all of them at save
+points, epoch ends and the end of ``fit``. Each interval read is committed into the
+trainer's :class:`JobState`: its rows into the history, its stopped or skipped steps
+checked (``on_nan``), its terms into the running means; then the progress bar and each
+callback's ``on_log`` get its means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from functree._jit import eval_shape
+from functree.train._callbacks import Callback, TrainingContext
+from functree.train._intervals import MetricLog, Reading, snapshot, to_host
+from functree.train._means import Means
+from functree.train._progress import Progress
+from functree.train._step import (
+    NONFINITE,
+    TrainStep,
+    nonfinite_error,
+    parameter_names,
+    step_provenance,
+)
+
+__all__ = ["Reader", "reads_model"]
+
+_NO_BAR = Progress(None, enabled=False)
+
+
+def reads_model(cb: Callback) -> bool:
+    """A callback whose ``on_log`` may read ``trainer.model`` (:attr:`Callback.reads_model`):
+    the reader then reads each log interval as it ends."""
+    return type(cb).on_log is not Callback.on_log and bool(getattr(cb, "reads_model", True))
+
+
+class Reader:
+    """The trainer's metric buffer and its reads into ``trainer``'s job (a component of
+    the Trainer: it reads and commits the trainer's state, the driver never reads the
+    buffer itself)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.log = MetricLog(NONFINITE)
+        self.param_names: list[str] | None = None  # for the names of skipped steps' gradients
+
+    def metric_names(self, batch: Any) -> list[str]:
+        """The step's metrics in the order it returns them (``nonfinite`` included)."""
+        t = self.trainer
+        if type(t.train_step).compute_metrics is TrainStep.compute_metrics:
+            return ["loss", *t.train_step.metrics, *([NONFINITE] if t.on_nan != "ignore" else [])]
+        # An overridden compute_metrics: trace once (no compilation) to learn its names.
+        return list(eval_shape(t.train_step.step, t.model, t.opt_state, batch, t.key)[2])
+
+    def close(self, log: bool) -> None:
+        """The open buffer's steps become a pending interval (the learning context
+        snapshotted only for callbacks: without any, the dispatch passes the buffer alone)."""
+        t = self.trainer
+        t._guard.critical = True  # the steps move to the pending interval at once: a Ctrl-C waits
+        self.log.close(t.steps_run, t.opt_state if t._callbacks else None, log)
+        t._guard.critical = False
+        t._guard.safe_point()
+
+    def log_point(self, sync: bool, bar: Progress, cbs: Sequence[Callback]) -> None:
+        """Every ``log_every`` steps: close the open interval and read the ones before it
+        (one interval late: nothing waits), or all of them when a callback reads the model
+        in ``on_log`` (``sync``: it then sees the model after ``context.step``)."""
+        self.close(log=True)
+        self.trainer._job = self.trainer._job._replace(since_log=0)
+        keep = 0 if sync else 1
+        while len(self.log.pending) > keep:
+            self.read_interval(bar, cbs)
+
+    def read_all(self, bar: Progress | None, cbs: Sequence[Callback] = ()) -> None:
+        """Read every interval, the open buffer last (save points, epoch ends, fit ends)."""
+        if self.log.buffered:
+            self.close(log=False)
+        while self.log.pending:
+            self.read_interval(bar or _NO_BAR, cbs)
+
+    def read_interval(self, bar: Progress, cbs: Sequence[Callback]) -> None:
+        """The oldest pending interval into the job: its rows into the history, its
+        stops and skips checked, its terms into the means; then the bar and ``on_log``."""
+        t, log = self.trainer, self.log
+        guard, on_nan = t._guard, t.on_nan
+        r = log.read()
+        guard.critical = True  # the interval is read once: a Ctrl-C waits for the bookkeeping
+        log.pending.pop(0)
+        t._job.history.add_steps(r.steps, {**{k: v.tolist() for k, v in r.values.items()}, **r.rates})
+        log.last_context = None if log.pending or log.buffered else r.context  # the current one
+        guard.critical = False
+        skipped = self.check_finite(r)
+        terms = Means.terms(r.values, r.weights, r.nonfinite == -1 if on_nan == "skip" else None)
+        job = t._job
+        guard.critical = True
+        t._job = job = job._replace(window=job.window.plus(terms), epoch_means=job.epoch_means.plus(terms),
+                                    skipped=job.skipped + skipped)
+        guard.critical = False
+        guard.safe_point()
+        means = job.window.means(on_nan)
+        shown = dict(means)
+        if on_nan == "skip":
+            shown["skipped"] = job.epoch_means.skipped  # the epoch's so far
+        for name, column in r.rates.items():
+            shown[name.replace("learning_rate", "lr")] = column[-1]
+        bar.update(len(r.steps), shown)
+        if r.log:
+            t._job = job._replace(window=Means())
+            log.last_log = means
+            if cbs:
+                ctx = self.context("log", means, r.context, step=r.first + len(r.steps) - 1)
+                for cb in cbs:
+                    cb.on_log(t, ctx)
+
+    def check_finite(self, r: Reading) -> tuple[tuple[int, str], ...]:
+        """The steps of ``r`` skipped under ``on_nan="skip"`` (the first one's provenance
+        kept as ``trainer.nan_report``); a stopped step (``"stop"``) rewinds the job to the
+        step before it and raises :class:`NonFiniteError`."""
+        t = self.trainer
+        if t.on_nan == "skip":
+            bad = np.flatnonzero(r.nonfinite != -1)
+            if not len(bad):
+                return ()
+            if self.param_names is None:
+                self.param_names = parameter_names(t.model, t.optimizer.wrt)
+            if t.nan_report is None:  # the first skipped step's provenance
+                after = int(np.sum(r.nonfinite[bad[0]:] == -1)) + self.log.applied_later()
+                t.nan_report = step_provenance(t.train_step, r.steps[bad[0]], t.model, t.opt_state,
+                                               r.inflight[bad[0]][0], t.key, applied_after=after)
+            names = self.param_names
+            return tuple((r.steps[i], "the loss" if r.nonfinite[i] < 0 else
+                          f"the gradient of parameter {names[int(r.nonfinite[i])]!r}") for i in bad)
+        stopped = int(r.halt[1])
+        if stopped < 0:
+            return ()
+        step, job = r.steps[stopped], t._job
+        t._job = job._replace(steps_run=step - 1, batch_in_epoch=job.batch_in_epoch - (job.steps_run - (step - 1)))
+        self.log.drop()
+        error = nonfinite_error(step, int(r.halt[2]), train_step=t.train_step, model=t.model,
+                                opt_state=t.opt_state, batch=r.inflight[stopped][0], key=t.key,
+                                holder="trainer.model and trainer.opt_state are",
+                                history=", and trainer.history holds the values up to here")
+        t.nan_report = error.report
+        raise error
+
+    def context(self, event: str, metrics: Mapping[str, float], arrays: Any = None,
+                step: int | None = None) -> TrainingContext:
+        """The :class:`TrainingContext` callbacks get: ``arrays`` (an interval's learning
+        context and rates), else the current state's (read once until the next step)."""
+        t, log = self.trainer, self.log
+        if arrays is None and log.last_context is None:  # valid until the next step
+            log.last_context = to_host(snapshot(t.opt_state))
+        ctx, rates = arrays or log.last_context
+        rates = {name: float(v) for name, v in rates.items()}
+        return TrainingContext(event=event, step=t.steps_run if step is None else step, sweep=int(ctx.sweep),
+                               samples_seen=int(ctx.samples_seen), minibatch_size=int(ctx.minibatch_size),
+                               learning_rate=rates.get("learning_rate"), metrics=dict(metrics),
+                               learning_rates=rates)

@@ -1,0 +1,78 @@
+"""A Trainer's configuration, checked once at construction: the step it runs (built from
+the loss and optimizer, a ``TrainStep`` subclass, or an instance) and whether its loss takes
+the PRNG key the Trainer has."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from functree.optim._optimizer import with_wrt
+from functree.train._evaluation import key_parameter, signature
+from functree.train._step import TrainStep
+from functree.train._step import train_step as make_train_step
+
+__all__ = ["make_step", "check_key"]
+
+WRT_WITH_STEP = """\
+Trainer(wrt=...) cannot change a TrainStep instance's optimizer: the step was built with its own.
+Give the patterns to the optimizer the step is built with:
+
+    wrong:  ft.train.Trainer(model, opt, loss_fn, train_step=ft.train.TrainStep(loss_fn, opt), wrt="head.*")
+    right:  opt = ft.optim.Optimizer(ft.optim.adam(1e-3), wrt="head.*")
+            ft.train.Trainer(model, opt, loss_fn, train_step=ft.train.TrainStep(loss_fn, opt))"""
+
+BAD_TRAIN_STEP = """\
+train_step= takes a ft.train.TrainStep subclass or instance, got {given}.
+
+    right:  class MyStep(ft.train.TrainStep):
+                def compute_loss(self, model, batch, key=None): ...
+            ft.train.Trainer(model, optimizer, loss_fn, train_step=MyStep)"""
+
+LOSS_NEEDS_KEY = """\
+The loss function {name}{signature} requires a PRNG key, but the Trainer has none: \
+every training step calls loss_fn(model, batch, key=...) with a fresh key derived from \
+the Trainer's.
+
+    wrong:  ft.train.Trainer(model, optimizer, loss_fn)
+    right:  ft.train.Trainer(model, optimizer, loss_fn, key=jax.random.key(0))"""
+
+LOSS_TAKES_NO_KEY = """\
+The Trainer has a PRNG key, so every training step calls loss_fn(model, batch, key=...) \
+with a fresh key derived from it, but the loss function {name}{signature} takes no key. \
+Pass the key on to the model's random layers (Dropout), or give the Trainer none (arrays \
+are shuffled either way):
+
+    wrong:  ft.train.Trainer(model, optimizer, lambda m, b: mse(m(b[0]), b[1]), key=jax.random.key(0))
+    right:  ft.train.Trainer(model, optimizer, lambda m, b, key=None: mse(m(b[0], key=key), b[1]),
+                             key=jax.random.key(0))
+       or:  ft.train.Trainer(model, optimizer, lambda m, b: mse(m(b[0]), b[1]))"""
+
+
+def make_step(train_step: Any, loss_fn: Any, optimizer: Any, metrics: Any, on_nan: Any, wrt: Any,
+              parallel: dict[str, Any]) -> TrainStep:
+    """The Trainer's :class:`TrainStep`: built by :func:`train_step` or by a subclass
+    (with ``wrt=`` given to the optimizer), or given (whose optimizer ``wrt=`` cannot change)."""
+    if wrt is not None and isinstance(train_step, TrainStep):
+        raise ValueError(WRT_WITH_STEP)
+    optimizer = with_wrt(optimizer, wrt)
+    if train_step is None:
+        return make_train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, **parallel)
+    if isinstance(train_step, TrainStep):
+        return train_step
+    if isinstance(train_step, type) and issubclass(train_step, TrainStep):
+        return train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, **parallel)
+    raise TypeError(BAD_TRAIN_STEP.format(given=repr(train_step)[:80]))
+
+
+def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:
+    """A loss that requires ``key=`` needs a Trainer key; a Trainer key needs a loss that
+    takes one (each step passes it). A given ``train_step`` calls the loss its own way."""
+    if train_step is not None:
+        return
+    takes = key_parameter(loss_fn)
+    name = getattr(loss_fn, "__name__", "loss_fn")
+    if takes == "required" and key is None:
+        raise ValueError(LOSS_NEEDS_KEY.format(name=name, signature=signature(loss_fn)))
+    if takes is None and key is not None and signature(loss_fn):
+        raise ValueError(LOSS_TAKES_NO_KEY.format(name=name, signature=signature(loss_fn)))

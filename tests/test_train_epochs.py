@@ -1,0 +1,83 @@
+"""Epochs and the position in the data (functree/train/_epochs.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.train._epochs import Epochs
+from functree.train._job import JobState
+
+ITEMS = [(np.full((2, 1), i, np.float32),) for i in range(5)]
+
+
+def at(**position):
+    return JobState.start(None, None)._replace(**position)
+
+
+def test_each_kind_of_data_continues_from_the_jobs_position():
+    epochs = Epochs()
+    assert [int(b[0][0, 0]) for b in epochs.iterate(ITEMS, at(batch_in_epoch=3))] == [3, 4]  # skips, read
+    epochs.forget()
+    stream = iter(ITEMS)
+    assert epochs.iterate(stream, at(batch_in_epoch=2)) is stream  # a one-shot iterator continues as it is
+    assert epochs.iterate(stream, at()) is stream  # the same data: the same epoch iterator
+    data = ft.train.batches(np.arange(8, dtype=np.float32), 2, shuffle=False)
+    assert [b.tolist() for b in Epochs().iterate(data, at(epoch=1, batch_in_epoch=3))] == [[6.0, 7.0]]
+
+
+def test_a_restored_position_is_set_and_a_one_shot_restore_warns():
+    class Positioned:
+        def __init__(self):
+            self.index = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.index += 1
+            return self.index
+
+        def get_state(self):
+            return {"index": self.index}
+
+        def set_state(self, state):
+            self.index = state["index"]
+
+    epochs = Epochs()
+    it = epochs.iterate(Positioned(), at(steps_run=4, batch_in_epoch=4, data_state={"index": 4}))
+    assert next(it) == 5 and epochs.position(at(batch_in_epoch=5)) == {"index": 5}
+    epochs.forget(restored=True)
+    with pytest.warns(UserWarning, match="one-shot iterator that cannot report"):
+        epochs.iterate(iter(ITEMS), at(steps_run=3, batch_in_epoch=3))
+
+
+def test_the_datas_errors():
+    with pytest.raises(ValueError, match=r"log_every must be a positive int, got 0"):
+        Epochs.check_counts(epochs=2, log_every=0)
+    with pytest.raises(ValueError, match=r"one-shot iterator: it would run out"):
+        Epochs().check_data(iter(ITEMS), 3, None, at())
+    restored = Epochs()
+    restored.forget(restored=True)
+    with pytest.raises(ValueError, match=r"5 minibatches per epoch, but fit was given 4"):
+        restored.check_data(ITEMS[:4], 3, None, at(batch_in_epoch=2, epoch_length=5))
+    with pytest.raises(ValueError, match=r"minibatch 2 of epoch 1 is empty"):
+        Epochs().minibatch_size((np.zeros((0, 1)),), at(epoch=1, batch_in_epoch=1), 1)
+    with pytest.raises(ValueError, match=r"no get_state\(\)|not JSON"):
+        class Odd:
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                return 1
+
+            def get_state(self):
+                return object()
+
+            def set_state(self, state):
+                pass
+
+        epochs = Epochs()
+        epochs.iterate(Odd(), at())
+        epochs.position(at(batch_in_epoch=1))

@@ -28,6 +28,9 @@ takes a comma-separated list of these names):
                     vs a raw-JAX KV-cache loop vs HF generate (torch)
     lora        14. a LoRA step (Adam on q, v adapters) vs the    ≤ 1.05× the merged step
                     merged model's step through the same blocks
+    lm          15. a Llama training step (bf16, AdamW; 220M on   ≤ 1.02× raw, MFU ≥ 34% (H200),
+                    a GPU, tiny on a CPU): tokens/s, MFU, memory,   first step ≤ 1.5× raw
+                    time to the first step in fresh processes
 
 ``benchmarks/gate_pipeline.py`` is the accelerator check of the NaN gate: whether a gated
 step keeps the asynchronous pipeline full (raw JAX ungated, cond- and select-gated, and
@@ -56,6 +59,7 @@ from _donation import donation
 from _generate import generation
 from _harness import machine
 from _keypaths import key_paths
+from _lm import language_model
 from _lora import lora_step
 from _many_leaves import many_leaves
 from _optimizer import optimizer_throughput
@@ -78,6 +82,7 @@ FAMILIES = {
     "many_leaves": many_leaves,
     "generate": generation,
     "lora": lora_step,
+    "lm": language_model,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

@@ -172,3 +172,26 @@ def test_states_stacked_along_a_later_axis_are_an_error_naming_the_fix():
         fo.hyperparameters(states)
     with pytest.raises(ValueError, match=r"(?s)counters have shape \(4, 3\).*member axes first"):
         fo.context(states)
+
+
+@pytest.mark.parametrize("first", ["inference", "training"])
+def test_a_standalone_state_serves_the_model_in_either_mode(first):
+    """NNX's order: the state built, then ft.nn.training(model). The state is kept mode-free
+    (as an Optimizer's), so it fits the gradients of either mode; the updates come back in
+    the gradients' mode (ft.move takes them), bit for bit those of a state built after."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = ft.nn.Sequential(ft.nn.Dense(2, 4, key=keys[0]), ft.nn.Dropout(0.5), ft.nn.Dense(4, 1, key=keys[1]))
+    before = ft.nn.training(model) if first == "training" else model
+    after = ft.nn.inference(model) if first == "training" else ft.nn.training(model)
+    tx = ft.optim.adam(1e-2)
+    x = jnp.arange(6.0).reshape(3, 2)
+    grads = ft.gradient(lambda m: m(x, key=jax.random.key(1)).sum(), at=after)
+    early, late = tx.init(before), tx.init(after)
+    for _ in range(2):
+        u_early, early = tx.update(grads, early, after)
+        u_late, late = tx.update(grads, late, after)
+    assert jax.tree.structure(u_early) == jax.tree.structure(grads)
+    for a, b in zip(jax.tree.leaves(u_early), jax.tree.leaves(u_late)):
+        np.testing.assert_array_equal(a, b)
+    moved = ft.move(after, along=u_early)
+    assert ft.nn.is_training(moved) == (first == "inference")

@@ -16,7 +16,7 @@ from jax.core import Tracer
 from functree._alias import stale_error
 from functree._module import Module
 
-__all__ = ["Layer", "training", "inference", "inferring", "is_training", "mode_free", "mode_free_def"]
+__all__ = ["Layer", "training", "inference", "inferring", "is_training", "mode_free", "mode_free_def", "in_mode"]
 
 TRAINING_FIELD = "training"
 
@@ -76,6 +76,27 @@ def mode_free(tree: Any) -> Any:
 def mode_free_def(treedef: Any) -> Any:
     """The tree definition :func:`mode_free` gives a tree of ``treedef``."""
     return jax.tree.structure(mode_free(treedef.unflatten([0] * treedef.num_leaves)))
+
+
+def in_mode(updates: Any, given: tuple[Any, ...]) -> Any:
+    """``updates`` (mode-free: an optimizer's, whose state is kept so) in the mode of the
+    gradients or parameters given, as tree definitions: the first of ``given`` (``None``
+    skipped) whose :func:`mode_free_def` is ``updates``' definition, with ``updates``'
+    leaves (they differ only in static flags); ``updates`` as it is when none is.
+
+    Example:
+      >>> import functree as ft, jax
+      >>> drop = ft.nn.training(ft.nn.Dropout(0.5))
+      >>> in_mode(mode_free(drop), (jax.tree.structure(drop),)).training
+      True
+    """
+    treedef = jax.tree.structure(updates)
+    for candidate in given:
+        if candidate is None or candidate == treedef:
+            continue
+        if candidate.num_leaves == treedef.num_leaves and mode_free_def(candidate) == treedef:
+            return candidate.unflatten(jax.tree.leaves(updates))
+    return updates
 
 
 def training(model: Any) -> Any:

@@ -30,6 +30,7 @@ import optax
 
 from functree._parameters import parameters
 from functree._tree import is_none, register_record
+from functree.nn._mode import in_mode, mode_free
 from functree.optim._checks import checked_gradients, keep_unchanged
 from functree.optim._context import LearningContext, advance, current, initial_context
 from functree.optim._schedules import piecewise
@@ -335,7 +336,9 @@ def inject(
         return tx, _pack([eff[n] for n in scheduled_names])
 
     def init(params: Any) -> HyperState:
-        params = parameters(params)
+        # kept mode-free, as an Optimizer's state: it serves the model in either mode
+        # (NNX's order, the state built before ft.nn.training(model), works)
+        params = mode_free(parameters(params))
         ctx = initial_context()
         values = _pack([_scalar(specs[n].rate.value) for n in names])
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
@@ -360,6 +363,8 @@ def inject(
             ctx, partial = context, None
         else:  # standalone optax use: this transform keeps its own context
             params = None if params is None else parameters(params)
+            given = (jax.tree.structure(updates), None if params is None else jax.tree.structure(params))
+            updates, params = mode_free(updates), mode_free(params)  # the state's form (init)
             # a None gradient (ft.gradient(..., wrt=)) means no update, as through an Optimizer
             updates, partial = checked_gradients(updates, params)
             ctx = current(state.context, minibatch_size, loss)
@@ -377,8 +382,9 @@ def inject(
         new_updates = jax.tree.map(_like, new_updates, updates)
         if partial is not None:
             new_updates, inner = keep_unchanged(partial, new_updates, inner, state.inner)
-        own = None if state.context is None else advance(ctx)
-        return new_updates, state.replace(context=own, scheduled=scheduled, inner=inner)
+        if state.context is None:
+            return new_updates, state.replace(scheduled=scheduled, inner=inner)
+        return in_mode(new_updates, given), state.replace(context=advance(ctx), scheduled=scheduled, inner=inner)
 
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
 

@@ -39,7 +39,7 @@ from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._tangent import move
-from functree.nn._mode import mode_free, mode_free_def
+from functree.nn._mode import in_mode, mode_free
 from functree.nn._state import apply_state, collect_state
 from functree.optim._average import with_average
 from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
@@ -342,7 +342,7 @@ class Optimizer:
         new = OptimizerState(advance(ctx), inner)
         if applied is not None:
             new = new.replace(context=select(applied, new.context, state.context))
-        return _in_mode(updates, given), new
+        return in_mode(updates, given), new
 
     # --- RFC 234 hooks -------------------------------------------------------------------
     def transform_loss(self, loss: Any) -> Any:
@@ -561,18 +561,6 @@ class Optimizer:
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), grads
         return jnp.mean(outs), grads
-
-
-def _in_mode(updates: Any, given: tuple[Any, Any]) -> Any:
-    """``updates`` (mode-free) in the mode of the gradients or parameters given: the tree
-    definition of the two with the same leaves (they differ only in static flags)."""
-    treedef = jax.tree.structure(updates)
-    for candidate in given:
-        if candidate is None or candidate == treedef:
-            continue
-        if candidate.num_leaves == treedef.num_leaves and mode_free_def(candidate) == treedef:
-            return candidate.unflatten(jax.tree.leaves(updates))
-    return updates
 
 
 def _stateful(x: Any) -> bool:

@@ -1,0 +1,160 @@
+"""Every ```python block of README.md and docs/ runs as a reader pastes it: page by page, in
+order, cumulatively, in a fresh Python process.
+
+A page's blocks run one after the other in one namespace (the ``>>>`` blocks too, as the
+source a reader types; the doctests check their outputs). Each block is compiled under the
+page's name and line numbers, so a failure's traceback points at the page's own line.
+
+Two kinds of block are compiled but not run, and say so on the page, visibly, in the fence's
+title (mkdocs-material shows it above the code):
+
+* ```` ```python title="Needs: <what>" ````: an example that needs what the suite has not (the
+  Hugging Face Hub, several hosts, a GPU);
+* ```` ```python title="Fragment: <what>" ````: a piece shown in the middle of the reader's
+  own program (names it does not define). A piece that is not Python (a signature) is a
+  ```` ```text ```` block.
+
+Any other title names the program a block belongs to: the migration guides' side-by-side
+columns (```` ```python title="Equinox" ````) are the other library's program, pasted into
+its own session. Blocks of one title run cumulatively in one namespace of their own; the
+untitled blocks (functree's) in the page's main one.
+"""
+
+import doctest
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# a fence's opening line, its info string, and its body up to the closing fence at the same indent
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)(?P=ticks)[ \t]*$",
+                   re.MULTILINE | re.DOTALL)
+TITLE = re.compile(r'title="(?P<title>[^"]*)"')
+NOT_RUN = ("Needs:", "Fragment:")
+PYTHON = {"python", "py", "pycon", "python3"}
+
+
+def blocks(page):
+    """(line, chunks, title) of each Python block of a page; line is the block's first line,
+    chunks its statements as (line, source, raises) (see ``python_source``)."""
+    text = page.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        info = match.group("info").strip()
+        language = info.split()[0].lstrip(".").lower() if info else ""
+        if language not in PYTHON:
+            continue
+        title = TITLE.search(info)
+        body = textwrap.dedent(match.group("body"))
+        line = text.count("\n", 0, match.start("body")) + 1
+        chunks = [(line + offset, source, raises) for offset, source, raises in python_source(body)]
+        found.append((line, chunks, title.group("title") if title else ""))
+    return found
+
+
+def python_source(body):
+    """The Python a reader types for a block, as (line offset, source, raises): the block
+    itself, or each of a doctest's statements (``raises``: its expected output is a
+    traceback, the error the example shows)."""
+    if not re.search(r"^>>> ", body, re.MULTILINE):
+        return [(0, body, False)]
+    return [(example.lineno, example.source, example.exc_msg is not None)
+            for example in doctest.DocTestParser().get_examples(body)
+            if not example.options.get(doctest.SKIP)]
+
+
+RUNNER = """\
+import sys
+page, blocks = sys.argv[1], __import__("json").loads(open(sys.argv[2]).read())
+namespaces = {}
+for session, run, chunks in blocks:
+    namespace = namespaces.setdefault(session, {"__name__": "__main__"})
+    for line, source, raises in chunks:
+        code = compile("\\n" * (line - 1) + source, page, "exec")
+        if not run:
+            continue
+        if raises:  # a doctest that shows an error: the reader sees it raised
+            try:
+                exec(code, namespace)
+            except Exception:
+                continue
+            raise AssertionError(f"{page}, line {line}: the example shows an error, but none was raised")
+        exec(code, namespace)
+"""
+
+
+def page_id(page):
+    return str(page.relative_to(ROOT))
+
+
+def plain_blocks_run(page):
+    """Whether a page has a block to run that is not a doctest (a page of doctests alone
+    is run cumulatively already, by pytest's doctest of the page)."""
+    return any(not title.startswith(NOT_RUN) and not (chunks and re.match(r"\s*>>> ", page_text_at(page, chunks[0][0])))
+               for _, chunks, title in blocks(page))
+
+
+def page_text_at(page, line):
+    return page.read_text().splitlines()[line - 1]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_python_block_compiles(page):
+    for _, chunks, _title in blocks(page):
+        for line, source, _ in chunks:
+            try:
+                compile("\n" * (line - 1) + source, str(page), "exec")
+            except SyntaxError as e:
+                raise AssertionError(f"{page_id(page)}, line {e.lineno}: a ```python block is not Python "
+                                     f"({e.msg}); a fragment that is not Python is a ```text block") from None
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if plain_blocks_run(p)], ids=page_id)
+def test_every_python_block_runs(page, tmp_path):
+    import json
+
+    spec = [(title, not title.startswith(NOT_RUN), chunks) for _, chunks, title in blocks(page)]
+    (tmp_path / "blocks.json").write_text(json.dumps(spec))
+    (tmp_path / "run.py").write_text(RUNNER)
+    env = dict(os.environ)
+    env.setdefault("MPLBACKEND", "Agg")
+    result = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(page), str(tmp_path / "blocks.json")],
+                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, f"{page_id(page)}: a block fails as pasted\n{result.stderr[-6000:]}"
+
+
+def test_blocks_are_found_and_titles_are_read(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(textwrap.dedent('''\
+        Text.
+
+        ```python
+        x = 1
+        ```
+
+        ```python title="Needs: the Hugging Face Hub"
+        y = x + 1
+        ```
+
+        ```text
+        not python
+        ```
+
+        ```python
+        >>> z = x + 2
+        >>> z
+        3
+
+        ```
+        '''))
+    found = blocks(page)
+    assert [(line, title) for line, _, title in found] == [(4, ""), (8, "Needs: the Hugging Face Hub"), (16, "")]
+    assert found[0][1] == [(4, "x = 1\n", False)]
+    # each doctest statement at its own line of the page
+    assert found[2][1] == [(16, "z = x + 2\n", False), (17, "z\n", False)]

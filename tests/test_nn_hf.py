@@ -290,7 +290,7 @@ def hf_model(config):
 
 def assert_generates_as_hf(model, hf, length=T, new=4):
     ids, mask = batch(length)
-    ours = np.asarray(ft.nn.generate(model, ids, new, attention_mask=mask))
+    ours = np.asarray(ft.nn.generate(model, ids, new, attention_mask=mask, eos_token_id=0, pad_token_id=0))
     with torch.no_grad():
         theirs = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
                              max_new_tokens=new, do_sample=False, pad_token_id=0).numpy()
@@ -403,7 +403,7 @@ def test_learned_positions_past_the_table_raise(gpt2):
     model = ft.nn.from_hf(gpt2)
     with pytest.raises(ValueError, match=r"81 positions, but the learned position embedding has 80 \(n_positions = 80\)"):
         model(np.zeros((1, 81), np.int32))
-    opt = ft.nn.from_hf(FAMILIES["opt"](), key=jax.random.key(0))
+    opt = jax.eval_shape(lambda: ft.nn.from_hf(FAMILIES["opt"](), key=jax.random.key(0)))  # checked before any use
     with pytest.raises(ValueError, match=r"33 positions, .* \(max_position_embeddings = 32\)"):
         opt(np.zeros((1, 33), np.int32))
 
@@ -428,4 +428,4 @@ def test_dynamic_rope_decodes_as_hf_past_the_context_with_padding():
         logits, cache = call(model, tokens[:, slot:slot + 1], am, np.full((2, 1), slot, np.int32), cache)
         actual.append(logits[:, -1])
     np.testing.assert_allclose(np.stack(actual, axis=1), expected, rtol=0, atol=2.5e-5 * float(np.abs(expected).max()))
-    np.testing.assert_array_equal(ft.nn.generate(model, ids, new, attention_mask=mask), tokens)
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, new, attention_mask=mask, eos_token_id=0, pad_token_id=0), tokens)

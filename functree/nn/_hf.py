@@ -139,15 +139,6 @@ _ACTIVATIONS = {"gelu_new": act.gelu, "gelu_pytorch_tanh": act.gelu, "gelu": act
                 "silu": act.silu, "swish": act.silu, "tanh": act.tanh}
 
 
-def _implementation(attention: str) -> str | None:
-    """The ``implementation=`` of the attentions built. Until ``MultiheadAttention`` takes
-    "auto" (issue 35), "auto" is JAX's own choice (None: cuDNN where it can, else XLA)."""
-    from functree.nn._attention import MultiheadAttention
-
-    takes_auto = "auto" in str(MultiheadAttention.__init__.__annotations__.get("implementation", ""))
-    return None if attention == "auto" and not takes_auto else attention
-
-
 def _config(source: Any) -> Any:
     if isinstance(source, Mapping):
         if "model_type" not in source:
@@ -462,10 +453,9 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if weights is None:
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
-        return family.build(config, {"pooler.dense.weight"}, dtype, key, _implementation(attention))
+        return family.build(config, {"pooler.dense.weight"}, dtype, key, attention)
     weights = _normalized(model_type, _weights(weights))
-    implementation = _implementation(attention)
-    template = jax.eval_shape(lambda: family.build(config, set(weights), dtype, jax.random.key(0), implementation))
+    template = jax.eval_shape(lambda: family.build(config, set(weights), dtype, jax.random.key(0), attention))
     weights = _untie(family, template, weights)
     cls = type(template)
     return load_torch_state_dict(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts)

@@ -283,7 +283,7 @@ class GPT2Block(_Block):
     mlp: GPT2MLP
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, epsilon: float, *, key: jax.Array,
-                 dtype: Any = jnp.float32, attention: Any = None):
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
         k1, k2 = jax.random.split(key)
         self.ln_1 = LayerNorm(d, epsilon=epsilon, dtype=dtype)
         self.attn = MultiheadAttention(d, heads, causal=True, implementation=attention, key=k1, dtype=dtype)
@@ -303,7 +303,7 @@ class GPT2Model(Module):
     ln_f: LayerNorm
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, layers: int, hidden: int, activation: Any,
-                 epsilon: float, *, key: jax.Array, dtype: Any = jnp.float32, attention: Any = None):
+                 epsilon: float, *, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto"):
         k1, k2, k3 = jax.random.split(key, 3)
         self.wte = Embedding(vocab, d, key=k1, dtype=dtype)
         self.wpe = Embedding(positions, d, key=k2, dtype=dtype)
@@ -329,7 +329,7 @@ class GPT2LMHeadModel(Module):
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, layers: int, *, hidden: int | None = None,
                  activation: Any = None, epsilon: float = 1e-5, tied: bool = True, key: jax.Array,
-                 dtype: Any = jnp.float32, attention: Any = None):
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
         from functree._activations import gelu
 
         k1, k2 = jax.random.split(key)
@@ -426,7 +426,7 @@ class LlamaDecoderLayer(_Block):
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any,
                  epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
-                 norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = None):
+                 norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto"):
         k1, k2, k3 = jax.random.split(key, 3)
         self.input_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
         attn = MultiheadAttention(d, heads, num_kv_heads=kv_heads, qk_size=head_dim, vo_size=head_dim, rotary=rotary,
@@ -486,7 +486,7 @@ class LlamaForCausalLM(Module):
                  rotary: RopeScaling | None = None, attention_bias: bool = False, mlp_bias: bool = False,
                  tied: bool = False, key: jax.Array, dtype: Any = jnp.float32, output_bias: bool | None = None,
                  window: int | None = None, norm: Any = RMSNorm, mlp: Any = LlamaMLP,
-                 embed_scale: float | None = None, attention: Any = None):
+                 embed_scale: float | None = None, attention: Any = "auto"):
         from functree._activations import silu
 
         k1, k2 = jax.random.split(key)
@@ -568,7 +568,7 @@ class GPTNeoXLayer(_Block):
     parallel: bool = field(static=True, default=True)
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, epsilon: float, rotary: RopeScaling,
-                 use_bias: bool, parallel: bool, *, key: jax.Array, dtype: Any = jnp.float32, attention: Any = None):
+                 use_bias: bool, parallel: bool, *, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto"):
         k1, k2 = jax.random.split(key)
         self.input_layernorm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
         self.post_attention_layernorm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
@@ -612,7 +612,7 @@ class GPTNeoXForCausalLM(Module):
 
     def __init__(self, vocab: int, d: int, heads: int, hidden: int, layers: int, *, activation: Any,
                  epsilon: float = 1e-5, rotary: RopeScaling, use_bias: bool = True, parallel: bool = True,
-                 tied: bool = False, key: jax.Array, dtype: Any = jnp.float32, attention: Any = None):
+                 tied: bool = False, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto"):
         k1, k2 = jax.random.split(key)
 
         def make(k: jax.Array) -> GPTNeoXLayer:
@@ -650,7 +650,7 @@ class OPTDecoderLayer(_Block):
     final_layer_norm: LayerNorm
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
-                 dtype: Any = jnp.float32, attention: Any = None):
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
         k1, k2, k3 = jax.random.split(key, 3)
         self.self_attn = MultiheadAttention(d, heads, causal=True, use_bias=use_bias, implementation=attention,
                                             key=k1, dtype=dtype)
@@ -709,7 +709,7 @@ class OPTForCausalLM(Module):
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *,
                  activation: Any, use_bias: bool = True, tied: bool = True, key: jax.Array, dtype: Any = jnp.float32,
-                 attention: Any = None):
+                 attention: Any = "auto"):
         k1, k2 = jax.random.split(key)
 
         def make(k: jax.Array) -> OPTDecoderLayer:
@@ -779,7 +779,7 @@ class BertLayer(Module):
     output_norm: LayerNorm
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, epsilon: float, *, key: jax.Array,
-                 dtype: Any = jnp.float32, attention: Any = None):
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
         k1, k2, k3 = jax.random.split(key, 3)
         self.attention = MultiheadAttention(d, heads, implementation=attention, key=k1, dtype=dtype)
         self.attention_norm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
@@ -819,7 +819,7 @@ class BertModel(Module):
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *, types: int = 2,
                  activation: Any = None, epsilon: float = 1e-12, pooler: bool = True, key: jax.Array,
-                 dtype: Any = jnp.float32, attention: Any = None):
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
         from functree._activations import gelu_exact, tanh
 
         k1, k2, k3 = jax.random.split(key, 3)

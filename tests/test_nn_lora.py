@@ -109,14 +109,15 @@ def test_lora_dense_computes_the_low_rank_update():
 
 
 def test_hf_names_select_the_same_layers_as_ft_names(base):
-    by_hf = ft.nn.lora(base, QV, rank=2, key=jax.random.key(0))
-    by_ft = ft.nn.lora(base, "*.self_attn.[qv]*_projection", rank=2, key=jax.random.key(0))
+    by_hf = ft.nn.lora(base, [QV, "*.mlp.down_proj"], rank=4, key=jax.random.key(0))  # the trained model's shapes
+    by_ft = ft.nn.lora(base, ["*.self_attn.[qv]*_projection", "model.layers.*.mlp.down_proj"], rank=4,
+                       key=jax.random.key(0))
     assert jax.tree.structure(by_hf) == jax.tree.structure(by_ft)
     attn = by_hf.model.layers.layers.self_attn
     assert isinstance(attn.query_projection, ft.nn.LoraDense) and isinstance(attn.value_projection, ft.nn.LoraDense)
     assert type(attn.key_projection) is ft.nn.Dense and type(attn.output_projection) is ft.nn.Dense
-    assert attn.query_projection.lora_a.shape == (2, D, 2)  # stacked with the two members
-    assert attn.value_projection.lora_b.shape == (2, 2, 8)  # two kv heads of size 4
+    assert attn.query_projection.lora_a.shape == (2, D, 4)  # stacked with the two members
+    assert attn.value_projection.lora_b.shape == (2, 4, 8)  # two kv heads of size 4
     ids = tokens()
     assert bool(jnp.all(logits(by_hf, ids) == logits(base, ids)))  # B = 0: the logits are unchanged
 

@@ -302,10 +302,10 @@ class _TorchName(NamedTuple):
 _TORCH_NAMES: dict[Any, tuple[bool, dict[str, _TorchName]]] = {}
 
 
-def _torch_names(model: Any) -> tuple[bool, dict[str, _TorchName]]:
+def _torch_names(model: Any, torch_too: bool = True) -> tuple[bool, dict[str, _TorchName]]:
     """``(is a from_hf model, {ft layer member name: its torch module})`` for every Dense
     member of ``model``: Hugging Face's names (``to_hf_state_dict``) for a from_hf model,
-    ``torch_state_dict``'s for others. Found by sending a copy of the model whose leaves are
+    ``torch_state_dict``'s for others (none without ``torch_too``). Found by sending a copy of the model whose leaves are
     tiny arrays (the stack axes kept, every other axis of size 1; a Dense weight ``[1, 2]``)
     holding a code per Dense member through the converter; cached per tree definition."""
     from functree.nn._hf import to_hf_state_dict
@@ -314,7 +314,7 @@ def _torch_names(model: Any) -> tuple[bool, dict[str, _TorchName]]:
     base = _unwrapped(model)
     treedef = jax.tree.structure(base, is_leaf=is_none)
     key, found = cached(_TORCH_NAMES, treedef)
-    if found is not None:
+    if found is not None and (found[0] or torch_too):
         return found
     layers = _layers(base)
     infos = _naming.leaf_infos(base)
@@ -334,11 +334,13 @@ def _torch_names(model: Any) -> tuple[bool, dict[str, _TorchName]]:
             codes = np.arange(first, first + len(members), dtype=np.float64).reshape((*info.sizes, 1, 1))
             markers.append(np.broadcast_to(codes, (*info.sizes, 1, 2)))
         else:
-            markers.append(np.zeros(shape[:k] + (1,) * (len(shape) - k)))
+            markers.append(np.full(shape[:k] + (1,) * (len(shape) - k), np.nan))  # no code, whatever a rule does
     marked = jax.tree.unflatten(treedef, markers)
     try:
         converted, is_hf = to_hf_state_dict(marked, numpy=True), True
     except ValueError:  # not a from_hf model: torch's names of the ft.nn layers
+        if not torch_too:
+            return False, {}
         converted, is_hf = torch_state_dict(marked, numpy=True), False
     out: dict[str, _TorchName] = {}
     for tensor_name, array in converted.items():
@@ -388,7 +390,7 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
     leaf of another kind."""
     layers = _layers(model)
     infos = _naming.leaf_infos(model)
-    is_hf, torch = _torch_names(model)
+    is_hf, torch = _torch_names(model, torch_too=False)
     chosen: dict[int, bool] = {}
     for pattern in patterns:
         picks = _naming.selection(model, (pattern,), strict=False, what=what)

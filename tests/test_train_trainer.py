@@ -8,7 +8,7 @@ from _tolerance import assert_close_trained, needs_float16_conversions
 
 import functree as ft
 import functree.train._intervals as intervals_module
-import functree.train._trainer as trainer_module
+import functree.train._reader as reader_module
 from functree.train import NonFiniteError, Trainer
 
 RNG = np.random.default_rng(0)
@@ -76,10 +76,10 @@ def test_loop_reads_the_device_only_at_log_intervals(monkeypatch):
     data = ft.train.batches((X, LABELS), 4, key=jax.random.key(1))  # 16 steps per epoch
     trainer.fit(data, steps=2, progress=False, log_every=10)  # compile outside the count
     calls = []
-    original, to_host = jax.device_get, trainer_module.to_host
+    original, to_host = jax.device_get, intervals_module.to_host
     monkeypatch.setattr(jax, "device_get", lambda x: calls.append(1) or original(x))
     monkeypatch.setattr(intervals_module, "to_host", lambda x: calls.append(1) or to_host(x))  # the interval reads
-    monkeypatch.setattr(trainer_module, "to_host", lambda x: calls.append(1) or to_host(x))  # contexts
+    monkeypatch.setattr(reader_module, "to_host", lambda x: calls.append(1) or to_host(x))  # contexts
 
     def no_blocking(*args, **kwargs):
         raise AssertionError("block_until_ready inside the training loop")
@@ -122,7 +122,7 @@ def test_a_fit_without_callbacks_reads_no_learning_context(monkeypatch):
     original = intervals_module.next_buffer
     monkeypatch.setattr(intervals_module, "next_buffer",
                         lambda halt, rows, state=None: snapshots.append(state is not None) or original(halt, rows, state))
-    monkeypatch.setattr(trainer_module, "snapshot", lambda state: pytest.fail("a context was read"))
+    monkeypatch.setattr(reader_module, "snapshot", lambda state: pytest.fail("a context was read"))
     trainer = Trainer(mlp(), adam(), classify)
     data = ft.train.batches((X, LABELS), 4, key=jax.random.key(1))  # 16 steps per epoch
     history = trainer.fit(data, epochs=2, progress=False, log_every=5)

@@ -386,10 +386,11 @@ class Trainer(Evaluation):
         """Log and save points after a call; True when fit must leave the epoch."""
         if self._job.since_log >= fit.log_every:
             self._reader.log_point(fit.sync_logs, fit.bar, fit.callbacks)
-        if fit.save_every and any(self.steps_run % e == 0 for e in fit.save_every):
+        if fit.save_every and any(self._job.steps_run % e == 0 for e in fit.save_every):
             self._reader.read_all(fit.bar, fit.callbacks)
             self._save_point("step")
-        return self.stop_training or self._guard.terminate or (fit.steps is not None and self.steps_run >= fit.steps)
+        job = self._job  # (after the callbacks: one may have set stop_training)
+        return job.stopped or self._guard.terminate or (fit.steps is not None and job.steps_run >= fit.steps)
 
     def _end_epoch(self, validation_data: Any, batch_size: int | None) -> None:
         values = self._job.epoch_means.means(self.on_nan)

@@ -198,7 +198,7 @@ class Block(ft.Module):
 
 
 def test_dropout_draws_a_fresh_mask_each_step():
-    stack = ft.nn.Stack(lambda k: Block(key=k), 3, key=jax.random.key(0))
+    stack = jax.jit(lambda k: ft.nn.Stack(lambda k: Block(key=k), 3, key=k))(jax.random.key(0))  # one compilation
     model = ft.nn.lora({"h": stack}, "h.*.up", rank=2, dropout=0.5, key=jax.random.key(1))
     model = ft.set(model, "h.layers.up.lora_b", jnp.ones((3, 2, 8)))
     x = jax.random.normal(jax.random.key(2), (5, 4))

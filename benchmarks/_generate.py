@@ -9,6 +9,11 @@ transformers are installed, Hugging Face's ``LlamaForCausalLM.generate(do_sample
 with the same weights (exported with ``ft.nn.torch_state_dict``). The three must produce the
 same tokens. Target: functree ≥ raw (a ratio ≤ 1.0 of time per token; each round compiles
 nothing).
+
+A second table times beam search (``num_beams=BEAMS``, HF's defaults otherwise) and the greedy
+loop with Hugging Face's controls on (``repetition_penalty``, ``return_scores``) against plain
+greedy ``ft.nn.generate``, and HF's beam search on the same weights: informative, no target
+(the raw loop has no beams); the beams must equal HF's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import functree as ft
 
 VOCAB, D, HEADS, KV_HEADS, HIDDEN, LAYERS = 2000, 256, 8, 4, 512, 4
 BATCH, PROMPT, NEW = 4, 32, 128
+BEAMS = 4
 THETA, EPS = 10000.0, 1e-6
 RAW, FUNCTREE, HF = "raw JAX loop", "ft.nn.generate", "HF generate (torch)"
 
@@ -167,10 +173,10 @@ def _hf(model: Llama) -> Any:
     state = ft.nn.torch_state_dict(model, rename=NAMES, layouts=LAYOUTS)
     hf.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True)
 
-    def run(ids: np.ndarray) -> np.ndarray:
+    def run(ids: np.ndarray, **kwargs: Any) -> np.ndarray:
         with torch.no_grad():
             return hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.ones(ids.shape, dtype=torch.long),
-                               max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False).numpy()
+                               max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **kwargs).numpy()
 
     return run
 
@@ -212,4 +218,35 @@ def generation(quick: bool) -> list[Table]:
                        + (f", as HF: {same['hf']}; HF timed apart afterwards ({len(hf_times)} runs, its ratio "
                           "to raw's median, unpaired)" if "hf" in same else "; HF not installed"))
     table.checks = {"same_tokens": same}
-    return [table]
+    return [table, _controls(model, ids, hf, quick)]
+
+
+def _controls(model: Llama, ids: np.ndarray, hf: Any, quick: bool) -> Table:
+    """Beam search and the greedy loop with controls on, against plain greedy (informative)."""
+    greedy, beams, controls = "ft.nn.generate, greedy", f"ft.nn.generate, {BEAMS} beams", \
+        "ft.nn.generate, greedy + repetition_penalty + return_scores"
+    calls = {greedy: lambda: ft.nn.generate(model, ids, NEW),
+             beams: lambda: ft.nn.generate(model, ids, NEW, num_beams=BEAMS),
+             controls: lambda: ft.nn.generate(model, ids, NEW, repetition_penalty=1.2, return_scores=True)[0]}
+    ours = np.asarray(calls[beams]())  # compiles
+    calls[controls]()
+    rounds = 3 if quick else 7
+    values = interleave({name: (lambda f=f: timed(f)) for name, f in calls.items()}, rounds)
+    rows = paired_rows(values, greedy)
+    same = {}
+    if hf is not None:
+        same["hf_beams"] = bool((hf(ids, num_beams=BEAMS) == ours).all())
+        hf_row = Row(f"HF generate (torch), {BEAMS} beams", [timed(lambda: hf(ids, num_beams=BEAMS))
+                                                               for _ in range(1 if quick else 2)])
+        hf_row.ratio = hf_row.median / next(r.median for r in rows if r.name == greedy)
+        rows.append(hf_row)
+    for row in rows:
+        row.extra["tokens/s"] = f"{BATCH * NEW / row.median:.0f}"  # new tokens of the returned sequences
+    table = Table("generate_controls", f"12b. Beam search ({BEAMS} beams: {BEAMS * BATCH} rows) and HF's controls, "
+                  f"the same model and prompts", "s", "informative (no raw-JAX counterpart)", rows,
+                  columns=("tokens/s",), ratio_label="time / greedy")
+    table.notes.append(f"median of {rounds} interleaved rounds, ratios to greedy paired by round"
+                       + (f"; beams equal HF's: {same['hf_beams']} (HF timed apart afterwards, unpaired)"
+                          if same else "; HF not installed"))
+    table.checks = {"same_tokens": same}
+    return table

@@ -97,3 +97,17 @@ class Config:
 
 
 config = Config()
+"""functree's global switches (one :class:`Config`): set an option, or change it for a
+``with`` block. ``diagnostics`` (on by default; ``FUNCTREE_DIAGNOSTICS=0`` turns it off at
+import) runs the differentiation diagnostics.
+
+Example:
+  >>> import functree as ft
+  >>> ft.config.diagnostics
+  True
+  >>> with ft.config.override(diagnostics=False):
+  ...     ft.config.diagnostics
+  False
+  >>> ft.config.diagnostics
+  True
+"""

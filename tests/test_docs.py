@@ -128,3 +128,101 @@ def test_every_name_an_error_suggests_exists():
                     break
                 obj = getattr(obj, part)
     assert not wrong, "error messages suggest names that do not exist:\n" + "\n".join(wrong)
+
+
+def public_docstrings():
+    """(name, docstring) of every public object and its public methods and properties."""
+    for package in PACKAGES:
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not (inspect.isclass(obj) or callable(obj)):
+                continue  # a constant: getdoc would give its type's docstring
+            yield f"{package}.{name}", inspect.getdoc(obj) or ""
+            if isinstance(obj, type):
+                for attr, member in vars(obj).items():
+                    if not attr.startswith("_") and (inspect.isfunction(member) or isinstance(member, property)):
+                        yield f"{package}.{name}.{attr}", inspect.getdoc(member) or ""
+
+
+def test_every_docstring_example_is_titled_for_the_site():
+    """The site renders a docstring's example as code only under griffe's `Examples:`
+    title; mkdocs_hooks.py renames functree's titles. A title it does not recognise (the
+    example would render as a blockquote of prose) fails here."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from mkdocs_hooks import examples_titled
+    finally:
+        sys.path.remove(str(ROOT))
+    untitled = []
+    for name, doc in public_docstrings():
+        lines = examples_titled(doc).splitlines()
+        for i, line in enumerate(lines[:-1]):
+            if line.lstrip().startswith(">>>"):
+                # the title above this example's first line: the nearest less-indented line
+                indent = len(line) - len(line.lstrip())
+                above = next((t for t in reversed(lines[:i]) if t.strip() and len(t) - len(t.lstrip()) < indent), "")
+                if above.strip() != "Examples:":
+                    untitled.append(f"{name}: {above.strip()!r}")
+    assert not untitled, "examples under a title the site does not render as code:\n" + "\n".join(untitled)
+
+
+def test_example_titles_are_renamed():
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from mkdocs_hooks import examples_titled
+    finally:
+        sys.path.remove(str(ROOT))
+    doc = "Text.\n\nExample (seed 002's ``f(of: g)``):\n  >>> 1\n  1\n\nExample: a note\n  >>> 2\n  2\n"
+    assert examples_titled(doc) == ("Text.\n\nExamples:\n  Seed 002's ``f(of: g)``:\n  >>> 1\n  1\n\n"
+                                    "Examples:\n  A note:\n  >>> 2\n  2\n")
+    assert examples_titled("Example:\n  >>> 1\n") == "Examples:\n  >>> 1\n"
+    # a doctest after a paragraph of prose gets a title of its own
+    assert examples_titled("Example:\n  >>> 1\n\nMore:\n\n  >>> 2\n") == "Examples:\n  >>> 1\n\nMore:\n\nExamples:\n  >>> 2\n"
+    assert examples_titled("Example: not a title, no example below.\n") == "Example: not a title, no example below.\n"
+
+
+def constant_docstrings():
+    """(name, module, docstring) of every public constant (not a class, function or module):
+    the string after its assignment in the package's modules, which griffe shows and Python
+    does not keep (None when there is none)."""
+    import ast
+    import itertools
+    import pkgutil
+
+    for package in PACKAGES:
+        module = importlib.import_module(package)
+        homes = [package] + [info.name for info in pkgutil.iter_modules(module.__path__, package + ".")
+                             if info.name.rpartition(".")[2].startswith("_")]
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj):
+                continue
+            found = None
+            for home in homes:
+                body = ast.parse(inspect.getsource(importlib.import_module(home))).body
+                for node, after in itertools.pairwise([*body, None]):
+                    if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+                        doc = after.value.value if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                                                    and isinstance(after.value.value, str)) else None
+                        found = (home, doc)
+            assert found is not None, f"{package}.{name}: its assignment was not found"
+            yield f"{package}.{name}", *found
+
+
+def test_every_public_constant_has_a_docstring_with_a_running_example():
+    import doctest
+
+    constants = list(constant_docstrings())
+    assert len(constants) >= 5
+    for name, home, doc in constants:
+        assert doc, f"{name}: no docstring (a string right after its assignment in {home})"
+        test = doctest.DocTestParser().get_doctest(doc, {}, name, home, 0)
+        assert test.examples, f"{name}: its docstring has no `Example:` with >>> lines"
+        runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+        runner.run(test)
+        assert runner.failures == 0, f"{name}: its example fails (output above)"

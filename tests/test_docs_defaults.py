@@ -225,6 +225,10 @@ def test_conv_initializers():
     for w in (eqx.nn.Conv2d(c_in, 32, k, key=KEY).weight, torch.nn.Conv2d(c_in, 32, k).weight.detach().numpy()):
         kind, size = _kind(w)
         assert kind == "uniform" and size == pytest.approx(1 / np.sqrt(c_in * k * k), rel=0.02)
+    conv = keras.layers.Conv2D(32, k)
+    conv.build((None, 8, 8, c_in))
+    kind, size = _kind(conv.kernel)
+    assert kind == "uniform" and size == pytest.approx(np.sqrt(6 / (c_in * k * k + 32 * k * k)), rel=0.02)
     kind, size = _kind(nnx.Conv(c_in, 32, (k, k), rngs=nnx.Rngs(0)).kernel[...])
     assert kind == "normal" and size == pytest.approx(1 / np.sqrt(c_in * k * k), rel=0.05)
 
@@ -262,6 +266,9 @@ def test_gru_call_and_biases():
     torch_gru = torch.nn.GRUCell(3, hidden)
     assert torch_gru(torch.ones(1, 3), torch.zeros(1, hidden)).shape == (1, hidden)
     assert {n for n, _ in torch_gru.named_parameters() if "bias" in n} == {"bias_ih", "bias_hh"}
+    keras_gru = keras.layers.GRUCell(hidden)  # reset_after=True: an input and a recurrent bias
+    keras_gru.build((None, 3))
+    assert keras_gru.bias.shape == (2, 3 * hidden)
 
 
 # ---- Dropout and modes ---------------------------------------------------------------
@@ -280,6 +287,7 @@ def test_adamw_weight_decay_and_decayed_leaves():
     assert default(optax.adamw, "weight_decay") == 1e-4 and default(optax.adamw, "mask") is None
     assert torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults["weight_decay"] == 0.01
     assert keras.optimizers.AdamW().weight_decay == 0.004
+    assert callable(keras.optimizers.AdamW().exclude_from_weight_decay)
     # functree decays weights, not biases; optax every leaf
     model = ft.nn.Dense(2, 2, key=KEY)
     grads = jax.tree.map(jnp.zeros_like, model)

@@ -12,6 +12,16 @@ from functree._repr import short_array
 __all__ = ["reduce", "check_same_shape", "check_float", "REDUCTIONS"]
 
 REDUCTIONS = ("mean", "sum", "none")
+"""The ``reduction=`` every loss takes: ``"mean"`` (the default) over every element,
+``"sum"``, or ``"none"``: the per-element losses, shaped like the inputs (less a class axis).
+
+Example:
+  >>> import functree as ft, jax.numpy as jnp
+  >>> ft.losses.REDUCTIONS
+  ('mean', 'sum', 'none')
+  >>> ft.losses.l1(jnp.array([1.0, 3.0]), jnp.zeros(2), reduction="none")
+  Array([1., 3.], dtype=float32)
+"""
 
 BAD_REDUCTION = """\
 {loss}: reduction must be one of {choices}, got {given!r}.

@@ -59,12 +59,27 @@ __all__ = [
 
 DECLARED = "<declared>"
 """In an ``exclude`` list: the fields layers declare ``ft.field(decay=False)`` (every bias
-and normalisation scale/offset of ``ft.nn``), wherever they are in the model."""
+and normalisation scale/offset of ``ft.nn``), wherever they are in the model.
+
+Example:
+  >>> import functree as ft, jax
+  >>> model = ft.nn.Sequential([ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.LayerNorm(2)])
+  >>> mask = ft.optim.decay_mask(ft.parameters(model), exclude=(ft.optim.DECLARED,))
+  >>> bool(mask.layers[0].weight), bool(mask.layers[0].bias), bool(mask.layers[1].scale)
+  (True, False, False)
+"""
 
 DEFAULT_NO_DECAY = (DECLARED, "*.bias", "*.scale")
 """What weight decay skips by default: the declared fields (:data:`DECLARED`) and the name
 globs ``*.bias`` and ``*.scale``. An ``exclude=`` given replaces it: ``exclude=()`` decays
-every parameter, as torch; ``exclude=(*ft.optim.DEFAULT_NO_DECAY, "head.*")`` adds to it."""
+every parameter, as torch; ``exclude=(*ft.optim.DEFAULT_NO_DECAY, "head.*")`` adds to it.
+
+Example:
+  >>> import functree as ft
+  >>> ft.optim.DEFAULT_NO_DECAY
+  ('<declared>', '*.bias', '*.scale')
+  >>> tx = ft.optim.adamw(1e-3, exclude=(*ft.optim.DEFAULT_NO_DECAY, "head.*"))   # and the head
+"""
 
 BAD_MOMENTUM_FORM = """\
 momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu) or "unit_gain" (v = γ'v + ηg, w -= v).{extra}

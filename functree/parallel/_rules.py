@@ -62,7 +62,13 @@ FSDP = "fsdp"
 
 FSDP_MIN_SIZE = 1024
 """Leaves with fewer elements are replicated by ``"fsdp"`` (sharding them saves little
-memory and costs one collective each)."""
+memory and costs one collective each).
+
+Example:
+  >>> import functree as ft
+  >>> ft.parallel.FSDP_MIN_SIZE
+  1024
+"""
 
 MISSING_AXIS = """\
 The mesh has no axis {axis!r}; its axes are {axes}.

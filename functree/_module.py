@@ -296,6 +296,7 @@ class Module:
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
+      >>> from collections.abc import Callable
       >>> class Dense(ft.Module):
       ...     weight: jax.Array
       ...     bias: jax.Array

@@ -145,14 +145,17 @@ def hook_functions():
     return namespace
 
 
-def public_docstrings():
-    """(name, docstring) of every public object and its public methods and properties."""
+def public_docstrings(own=False):
+    """(name, docstring) of every public object and its public methods and properties
+    (``own``: functree's objects only, not JAX's functions it re-exports, ``ft.nn.relu``)."""
     for package in PACKAGES:
         module = importlib.import_module(package)
         for name in module.__all__:
             obj = getattr(module, name)
             if not (inspect.isclass(obj) or callable(obj)):
                 continue  # a constant: getdoc would give its type's docstring
+            if own and not getattr(obj, "__module__", "functree").startswith("functree"):
+                continue
             yield f"{package}.{name}", inspect.getdoc(obj) or ""
             if isinstance(obj, type):
                 for attr, member in vars(obj).items():
@@ -229,3 +232,47 @@ def test_every_public_constant_has_a_docstring_with_a_running_example():
         runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
         runner.run(test)
         assert runner.failures == 0, f"{name}: its example fails (output above)"
+
+
+def undefined_names(source):
+    """The global names ``source`` reads and never binds (imports, assignments, defs,
+    loop and ``with`` targets), less the builtins: what a fresh session lacks."""
+    import builtins
+    import symtable
+
+    table = symtable.symtable(source, "<example>", "exec")
+    bound = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    read = set()
+
+    def visit(t):
+        for s in t.get_symbols():
+            if s.is_referenced() and (t is table or s.is_global()):
+                read.add(s.get_name())
+        for child in t.get_children():
+            visit(child)
+
+    visit(table)
+    return sorted(read - bound - set(dir(builtins)))
+
+
+def test_docstring_examples_run_in_a_fresh_session():
+    """The suite runs a docstring's examples in its module's namespace, where the module's
+    own imports (`Callable`, `jnp`) are defined; a reader pastes them into a fresh session.
+    Every name an example reads is one it binds (or a builtin)."""
+    import doctest
+
+    parser = doctest.DocTestParser()
+    missing = []
+    for name, doc in public_docstrings(own=True):
+        examples = parser.get_examples(doc)
+        if examples:
+            source = "".join(example.source for example in examples)
+            names = undefined_names(source)
+            if names:
+                missing.append(f"{name}: {names}")
+    assert not missing, "docstring examples that read names they never define:\n" + "\n".join(missing)
+
+
+def test_undefined_names_finds_what_a_fresh_session_lacks():
+    assert undefined_names("import jax\nx: Callable = jax.nn.relu\ndef f(y):\n    return y + z + x\n") == ["Callable", "z"]
+    assert undefined_names("for i in range(2):\n    print(i)\nwith open('f') as g:\n    g\n") == []

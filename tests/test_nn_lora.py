@@ -160,7 +160,7 @@ def test_merge_lora_gives_the_original_structure_and_logits(base, trained):
 
 def test_load_lora_reads_peft_save_pretrained(tmp_path):
     hf = llama(seed=1)
-    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "up_proj"],
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "up_proj"], layers_to_transform=[1],
                              rank_pattern={"up_proj": 2}, alpha_pattern={"up_proj": 3})
     peft_model = peft.get_peft_model(llama(seed=1), config)
     torch.manual_seed(1)
@@ -170,7 +170,9 @@ def test_load_lora_reads_peft_save_pretrained(tmp_path):
                 p.copy_(0.3 * torch.randn_like(p))
     peft_model.save_pretrained(str(tmp_path))
     model = ft.nn.load_lora(ft.nn.from_hf(hf), tmp_path)
-    assert model.model.layers.layers.mlp.up_proj.lora_a.shape == (2, D, 2)
+    up = model.model.layers.layers.mlp.up_proj
+    assert up.lora_a.shape == (2, D, 2) and up.scale == 1.5
+    assert not np.any(np.asarray(up.lora_b[0])) and np.any(np.asarray(up.lora_b[1]))  # block 0: no adapter in the file
     ids = tokens()
     assert_close(logits(model, ids), hf_logits(peft_model.eval(), ids))
 

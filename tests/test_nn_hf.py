@@ -183,7 +183,9 @@ def test_rope_frequencies_equal_hf():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     for rope in (LLAMA3, {"rope_type": "linear", "factor": 4.0}, {"rope_type": "dynamic", "factor": 2.0},
-                 {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0}):
+                 {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0},
+                 {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 6.0, 9.0],
+                  "original_max_position_embeddings": 16}):
         config = llama_config(rope_scaling=dict(rope), head_dim=8)
         expected, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None, seq_len=70)
         ours = _hf._rope(config)
@@ -202,8 +204,8 @@ def test_uncovered_architectures_list_the_covered_ones(gpt2):
 
 
 def test_uncovered_config_options():
-    with pytest.raises(ValueError, match=r"rope_type 'longrope' .* covered: default, linear, dynamic, yarn, llama3"):
-        _hf._rope(types.SimpleNamespace(rope_parameters={"rope_type": "longrope"}, max_position_embeddings=8))
+    with pytest.raises(ValueError, match=r"rope_type 'mrope' .* covered: default, linear, dynamic, yarn, llama3"):
+        _hf._rope(types.SimpleNamespace(rope_parameters={"rope_type": "mrope"}, max_position_embeddings=8))
     with pytest.raises(ValueError, match=r"sets scale_attn_by_inverse_layer_idx=True"):
         ft.nn.from_hf(gpt2_config(scale_attn_by_inverse_layer_idx=True), {})
     with pytest.raises(ValueError, match=r"activation 'gelu_fast' is not covered; covered: gelu_new"):
@@ -260,7 +262,7 @@ def test_bad_model_inputs():
 
 def test_model_classes_are_plain_modules_of_ft_layers():
     assert issubclass(_hf_models.LlamaForCausalLM, ft.Module)
-    assert set(_rotary.ROPE_TYPES) == {"default", "linear", "dynamic", "yarn", "llama3"}
+    assert set(_rotary.ROPE_TYPES) == {"default", "linear", "dynamic", "yarn", "llama3", "longrope"}
 
 
 # ---- the families built like Llama, GPT-NeoX and OPT: logits, export, greedy generation ---------
@@ -335,10 +337,20 @@ def test_refused_families_and_options_say_what_works():
                                        do_layer_norm_before=False)
     with pytest.raises(ValueError, match=r"sets do_layer_norm_before=False"):
         ft.nn.from_hf(post_norm, key=jax.random.key(0))
-    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 2, "long_factor": [2.0] * 2,
-                "original_max_position_embeddings": 16, "rope_theta": 10000.0}
-    with pytest.raises(ValueError, match=r"rope_type 'longrope' .* is not covered"):
-        ft.nn.from_hf(transformers.Phi3Config(**{**DECODER, "rope_parameters": longrope}), key=jax.random.key(0))
+
+
+def test_phi3_longrope_short_and_long_and_the_cache_that_would_cross():
+    """Short factors up to original_max_position_embeddings (8), long past it; HF recomputes its
+    cache where generation crosses that point, which a KV cache cannot: refused there."""
+    longrope = {"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0], "rope_theta": 10000.0}
+    hf = hf_model(transformers.Phi3Config(**{**DECODER, "rope_parameters": longrope}, original_max_position_embeddings=8))
+    model = ft.nn.from_hf(hf)
+    assert model.model.layers[0].self_attn.rotary.kind == "longrope"
+    assert_equal_at_tokens(model, hf, length=12)
+    assert_equal_at_tokens(model, hf, length=6)
+    assert_generates_as_hf(model, hf, length=T)  # a 9-token prompt: long factors throughout
+    with pytest.raises(ValueError, match=r"this cache of 10 slots would cross that point after a prompt of 6 tokens"):
+        ft.nn.generate(model, *batch(6)[:1], 4)
 
 
 # ---- directories, sharded and bfloat16 checkpoints ---------------------------------------------

@@ -186,10 +186,15 @@ def _rope(config: Any) -> RopeScaling:
     if kind == "dynamic":  # HF's dynamic NTK scales past max_position_embeddings
         original = config.max_position_embeddings
     factor = params.get("factor")
-    if kind == "yarn" and factor is None and original:
+    if kind == "longrope":  # Phi-3: the factor from the two lengths when not given
+        original = original or getattr(config, "original_max_position_embeddings", None)
+        params = {**params, "short_factor": tuple(map(float, params.get("short_factor") or ())),
+                  "long_factor": tuple(map(float, params.get("long_factor") or ()))}
+    if kind in ("yarn", "longrope") and factor is None and original:
         factor = config.max_position_embeddings / original
     options = {k: params[k] for k in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-                                      "attention_factor", "mscale", "mscale_all_dim", "truncate")
+                                      "attention_factor", "mscale", "mscale_all_dim", "truncate", "short_factor",
+                                      "long_factor")
                if params.get(k) is not None}
     return RopeScaling(kind, base=base, factor=1.0 if factor is None else float(factor),
                        original_max_positions=None if original is None else int(original), partial=partial, **options)

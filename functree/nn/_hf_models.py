@@ -92,6 +92,29 @@ TOO_MANY_POSITIONS = """\
 """
 
 
+LONGROPE_CROSSING = """\
+{model}: longrope switches from its short to its long factors past original_max_positions \
+({original}), and this cache of {length} slots would cross that point after a prompt of {prompt} \
+tokens. Hugging Face recomputes the whole cache with the long factors there (Phi-3's \
+prepare_inputs_for_generation); a KV cache keeps the keys it has, so the answers would differ.
+
+    right:  ft.nn.generate(model, input_ids, {fit})        # stay within {original} positions
+       or:  model(all_tokens)                               # no cache: the long factors throughout, as HF
+"""
+
+
+def _check_longrope(model: Any, attention: MultiheadAttention, ids: Any, cache: Any) -> None:
+    """A prefill (``T > 1`` tokens) into a cache that crosses longrope's switch point raises."""
+    rotary = attention.rotary
+    if cache is None or not isinstance(rotary, RopeScaling) or rotary.kind != "longrope":
+        return
+    original, length = rotary.original_max_positions or 0, jax.tree.leaves(cache)[0].shape[2]
+    prompt = np.shape(ids)[1] if np.ndim(ids) == 2 else 0
+    if 1 < prompt <= original < length:
+        raise ValueError(LONGROPE_CROSSING.format(model=type(model).__name__, original=original, length=length,
+                                                  prompt=prompt, fit=max(original - prompt, 1)))
+
+
 def _concrete(x: Any) -> np.ndarray | None:
     """``x`` as a NumPy array, or None when it is traced (under ``jax.jit``)."""
     try:
@@ -513,6 +536,7 @@ class LlamaForCausalLM(Module):
 
     def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None) -> Any:
         m = self.model
+        _check_longrope(self, m.layers.layers.self_attn, input_ids, cache)
         return _run(self, input_ids, attention_mask, positions, cache, vocab=m.embed_tokens.embeddings.shape[0],
                     blocks=m.layers, embed=lambda ids, real: m.embed(ids),
                     head=lambda x: _head(m.norm(x), self.lm_head, m.embed_tokens), rotary=True)

@@ -68,7 +68,14 @@ ft.nn.RopeScaling({kind!r}) needs {needs}; given {given}.
     right:  ft.nn.RopeScaling({kind!r}, base=10000.0, {example})
 """
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+LONGROPE_FACTORS = """\
+ft.nn.RopeScaling('longrope') has {given} short and long factors for a rotated size of {size}; \
+it takes one per pair of features ({pairs}), as Phi-3's config.rope_parameters lists them.
+
+    right:  ft.nn.RopeScaling("longrope", short_factor=(1.0,) * {pairs}, long_factor=(4.0,) * {pairs}, ...)
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +95,11 @@ class RopeScaling:
       more than ``beta_fast`` times over ``L0``) and ``theta_i / factor`` (fewer than
       ``beta_slow``) along a linear ramp, and cos/sin are scaled by ``attention_factor``
       (default ``0.1 ln(factor) + 1``, or its ``mscale`` / ``mscale_all_dim`` ratio).
+
+    * ``"longrope"`` (Phi-3): ``theta_i / short_factor[i]``, or ``theta_i / long_factor[i]``
+      where the call's longest position passes ``L0`` (read from the positions, as
+      ``"dynamic"``); cos/sin scaled by ``attention_factor`` (default
+      ``sqrt(1 + ln(factor) / ln(L0))``).
 
     ``partial=f`` (any kind; Hugging Face's ``partial_rotary_factor``, GPT-NeoX's
     ``rotary_pct``) rotates only the first ``d' = int(f size)`` features of each vector,
@@ -119,6 +131,8 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     truncate: bool = True
     partial: float = 1.0
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.partial, (int, float)) and 0 < self.partial <= 1):
@@ -126,20 +140,27 @@ class RopeScaling:
                                                example="partial=0.25"))
         if self.kind not in ROPE_TYPES:
             raise ValueError(UNKNOWN_ROPE.format(kind=self.kind, known=", ".join(ROPE_TYPES)))
-        if self.kind in ("dynamic", "yarn", "llama3") and self.original_max_positions is None:
+        if self.kind == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError(ROPE_NEEDS.format(kind=self.kind, needs="short_factor and long_factor (one per pair)",
+                                               given=f"short_factor={self.short_factor!r}, long_factor={self.long_factor!r}",
+                                               example="short_factor=(1.0, 1.0), long_factor=(4.0, 4.0), "
+                                                       "original_max_positions=4096"))
+        if self.kind in ("dynamic", "yarn", "llama3", "longrope") and self.original_max_positions is None:
             raise ValueError(ROPE_NEEDS.format(kind=self.kind, needs="original_max_positions (the pretrained context)",
                                                given="none", example="factor=4.0, original_max_positions=2048"))
-        if self.kind != "default" and not (isinstance(self.factor, (int, float)) and self.factor >= 1):
+        if self.kind not in ("default", "longrope") and not (isinstance(self.factor, (int, float)) and self.factor >= 1):
             raise ValueError(ROPE_NEEDS.format(kind=self.kind, needs="factor >= 1", given=f"factor={self.factor!r}",
                                                example="factor=4.0, original_max_positions=2048"))
 
     @property
     def scale(self) -> float:
         """The factor on cos and sin (YaRN's attention factor; 1 otherwise)."""
-        if self.kind != "yarn":
+        if self.kind not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return float(self.attention_factor)
+        if self.kind == "longrope":
+            return 1.0 if self.factor <= 1 else math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_positions or 2))
 
         def mscale(m: float) -> float:
             return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
@@ -159,6 +180,16 @@ class RopeScaling:
             theta = self._llama3(theta)
         elif self.kind == "yarn":
             theta = self._yarn(theta, size)
+        elif self.kind == "longrope":
+            short, long = (np.asarray(f, np.float64) for f in (self.short_factor, self.long_factor))
+            if not short.shape == long.shape == theta.shape:
+                raise ValueError(LONGROPE_FACTORS.format(given=f"{short.size} and {long.size}", size=size,
+                                                         pairs=theta.size))
+            if positions is None:
+                return jnp.asarray(theta / short, jnp.float32)
+            longest = jnp.max(jnp.asarray(positions)) + 1
+            return jnp.where(longest > (self.original_max_positions or 0), jnp.asarray(theta / long, jnp.float32),
+                             jnp.asarray(theta / short, jnp.float32))
         elif self.kind == "dynamic" and positions is not None:
             original = float(self.original_max_positions or 0)
             longest = jnp.maximum(jnp.max(jnp.asarray(positions)).astype(jnp.float32) + 1, original)

@@ -88,3 +88,14 @@ def test_partial_rotary_turns_the_first_fraction_only():
         ft.nn.RopeScaling(partial=1.5)
     with pytest.raises(ValueError, match=r"even size.*partial=0.375: 3 rotated"):
         ft.nn.apply_rotary(x, jnp.arange(5), base=ft.nn.RopeScaling(partial=0.375))
+
+
+def test_longrope_needs_one_short_and_one_long_factor_per_pair():
+    rope = ft.nn.RopeScaling("longrope", short_factor=(1.0, 2.0), long_factor=(4.0, 8.0), original_max_positions=4)
+    theta = 1.0 / 10000.0 ** (np.arange(0, 4, 2) / 4)
+    np.testing.assert_allclose(rope.inverse_frequencies(4, jnp.arange(4)), theta / [1.0, 2.0], rtol=1e-6)
+    np.testing.assert_allclose(rope.inverse_frequencies(4, jnp.arange(5)), theta / [4.0, 8.0], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"has 2 and 2 short and long factors for a rotated size of 8"):
+        rope.inverse_frequencies(8)
+    with pytest.raises(ValueError, match=r"RopeScaling\('longrope'\) needs short_factor and long_factor"):
+        ft.nn.RopeScaling("longrope", original_max_positions=4)

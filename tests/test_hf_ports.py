@@ -317,7 +317,8 @@ def test_docs_gpt2_port_runs_as_written():
     import pathlib
 
     text = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "torch-weights.md").read_text()
-    block = text.split("Hugging Face models port the same way")[1].split("```python\n")[1].split("```")[0]
+    after = text.split("Hugging Face models port the same way")[1]
+    block = after.split("```python", 1)[1].split("\n", 1)[1].split("```")[0]  # the fence may carry a title
     download = 'transformers.GPT2LMHeadModel.from_pretrained("gpt2")'
     assert download in block
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=D, n_layer=LAYERS, n_head=HEADS,

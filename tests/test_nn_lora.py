@@ -311,3 +311,32 @@ def test_torch_names_are_cached_per_tree_definition(base):
     _lora._TORCH_NAMES.clear()
     first = _lora._torch_names(base)
     assert _lora._torch_names(jax.tree.map(lambda x: x, base)) is first
+
+
+DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+@pytest.mark.parametrize(("config", "fused"), [
+    (lambda: transformers.Qwen2Config(**DECODER), ()),
+    (lambda: transformers.GemmaConfig(**DECODER, head_dim=8), ()),
+    (lambda: transformers.Phi3Config(**DECODER), ("qkv_proj",)),
+    (lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=2 * D, rotary_pct=0.5, bos_token_id=0, eos_token_id=0),
+     ("query_key_value",)),
+    (lambda: transformers.OPTConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                                    ffn_dim=2 * D, bos_token_id=0, eos_token_id=0, pad_token_id=1), ()),
+], ids=["qwen2", "gemma", "phi3", "gpt_neox", "opt"])
+def test_every_dense_layer_finds_its_hf_module(config, fused):
+    """Each Dense member of a from_hf model (abstract: no weights) names its own torch.nn.Linear
+    of the Hugging Face model, or a fused one shared with its siblings (which save_lora refuses)."""
+    config = config()
+    model = jax.eval_shape(lambda: ft.nn.from_hf(config, key=jax.random.key(0)))
+    is_hf, names = _lora._torch_names(model)
+    linears = {n for n, m in transformers.AutoModelForCausalLM.from_config(config).named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    layers = [m for layer in _lora._layers(model) for m in _lora._member_layer_names(layer)]
+    assert is_hf and set(names) == set(layers)
+    for member, found in names.items():
+        assert found.module in linears and found.transposed, (member, found)
+        assert bool(found.shared_with) == found.module.endswith(fused), (member, found)

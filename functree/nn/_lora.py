@@ -16,7 +16,7 @@ structure back, plain ``Dense`` layers); :func:`save_lora` writes the directory
 Hugging Face names: for a model of :func:`ft.nn.from_hf`, patterns may name layers as HF
 does (``model.layers.*.self_attn.[qv]_proj``), and the PEFT files use those names. They
 come from :func:`ft.nn.to_hf_state_dict` itself: a copy of the model whose leaves are
-tiny arrays holding a code per ``Dense`` member (no copy of the weights) goes through it,
+small arrays holding a code per ``Dense`` member (no copy of the weights) goes through it,
 and the code found in each HF tensor names its layer; computed once per tree definition.
 Other models use :func:`ft.nn.torch_state_dict`'s names in the files.
 
@@ -306,8 +306,11 @@ def _torch_names(model: Any, torch_too: bool = True) -> tuple[bool, dict[str, _T
     """``(is a from_hf model, {ft layer member name: its torch module})`` for every Dense
     member of ``model``: Hugging Face's names (``to_hf_state_dict``) for a from_hf model,
     ``torch_state_dict``'s for others (none without ``torch_too``). Found by sending a copy of the model whose leaves are
-    tiny arrays (the stack axes kept, every other axis of size 1; a Dense weight ``[1, 2]``)
-    holding a code per Dense member through the converter; cached per tree definition."""
+    small arrays through the converter: every leaf keeps its stack axes and its last axis (the
+    sizes a converter splits heads and fused projections by) and has size 1 on the others; a
+    Dense weight ``[1, out]`` holds its member's code, every other leaf NaN (no code, whatever
+    a conversion does to it). A Linear's weight comes back ``[out, 1]``, a Conv1D's ``[1, out]``.
+    Cached per tree definition."""
     from functree.nn._hf import to_hf_state_dict
     from functree.nn._torch import torch_state_dict
 
@@ -332,9 +335,10 @@ def _torch_names(model: Any, torch_too: bool = True) -> tuple[bool, dict[str, _T
             members = _member_layer_names(weights[i])
             names.update((first + j, name) for j, name in enumerate(members))
             codes = np.arange(first, first + len(members), dtype=np.float64).reshape((*info.sizes, 1, 1))
-            markers.append(np.broadcast_to(codes, (*info.sizes, 1, 2)))
+            markers.append(np.broadcast_to(codes, (*info.sizes, 1, shape[-1])))
         else:
-            markers.append(np.full(shape[:k] + (1,) * (len(shape) - k), np.nan))  # no code, whatever a rule does
+            kept = shape[:k] + (1,) * (len(shape) - k - 1) + shape[-1:] if len(shape) > k else shape
+            markers.append(np.full(kept, np.nan))
     marked = jax.tree.unflatten(treedef, markers)
     try:
         converted, is_hf = to_hf_state_dict(marked, numpy=True), True
@@ -348,7 +352,8 @@ def _torch_names(model: Any, torch_too: bool = True) -> tuple[bool, dict[str, _T
         module, _, param = tensor_name.rpartition(".")
         members = [names[c] for c in codes if c in names]
         for member in members:
-            out.setdefault(member, _TorchName(module, np.shape(array)[-1] == 1,
+            transposed = np.ndim(array) != 2 or np.shape(array)[-1] == 1  # [out, 1]; [1, 1]: a Linear's
+            out.setdefault(member, _TorchName(module, transposed,
                                               tuple(m for m in members if m != member), param == "weight"))
     result = (is_hf, out)
     if key is not None:

@@ -430,7 +430,8 @@ def test_errors(tiny):
         generate(model, prompt, 4, num_beams=0)
     with pytest.raises(ValueError, match=r"beam search \(num_beams=2\)(.|\n)*does not sample \(temperature=0.5, top_k=3\)"):
         generate(model, prompt, 4, num_beams=2, temperature=0.5, top_k=3, key=key)
-    beam_only: list[tuple[str, Any]] = [("length_penalty", 2.0), ("early_stopping", True), ("num_return_sequences", 2)]
+    beam_only: list[tuple[str, Any]] = [("length_penalty", 2.0), ("early_stopping", True), ("num_return_sequences", 2),
+                                        ("early_stopping", "never")]
     for name, value in beam_only:
         with pytest.raises(ValueError, match=rf"{name}={value!r} is an option of beam search, but num_beams=1"):
             generate(model, prompt, 4, **{name: value})

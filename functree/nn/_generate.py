@@ -443,10 +443,11 @@ def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, gre
                   top_k: Any, top_p: Any) -> tuple[int, int, float, bool | str]:
     if not _is_int(beams) or beams < 1:
         raise ValueError(BAD_NUM_BEAMS.format(given=beams))
-    if beams == 1:
-        for name, value in (("num_return_sequences", returns), ("length_penalty", length_penalty),
-                            ("early_stopping", early)):
-            if value is not None and not (name == "num_return_sequences" and value == 1):
+    if beams == 1:  # HF's defaults say nothing; any other value would be ignored, so it is refused
+        for name, value, default in (("num_return_sequences", returns, 1), ("length_penalty", length_penalty, 1.0),
+                                     ("early_stopping", early, False)):
+            same = value is False if default is False else _is_number(value) and value == default
+            if value is not None and not same:
                 raise ValueError(BEAM_OPTION.format(name=name, value=value))
         return 1, 1, 1.0, False
     if not greedy:

@@ -261,7 +261,7 @@ def test_option_errors(options, message):
 
 def test_lora_dense_needs_a_dense():
     with pytest.raises(TypeError, match=r"wraps an ft\.nn\.Dense, got Conv1D"):
-        ft.nn.LoraDense(ft.nn.Conv1D(2, 2, 3, key=jax.random.key(0)), key=jax.random.key(0))
+        ft.nn.LoraDense(ft.nn.Conv1D(2, 2, 3, key=jax.random.key(0)), key=jax.random.key(0))  # pyright: ignore[reportArgumentType]
 
 
 def test_save_and_load_errors(tmp_path, base, gpt2):

@@ -17,8 +17,18 @@ One ``jax.jit``-compiled function runs the prompt through the model once (prefil
 ``lax.while_loop`` feeds one token per step until ``max_new_tokens`` are made or every row has
 emitted an end-of-sequence token. It compiles once per model structure, input shape and
 static option (``max_new_tokens``, ``top_k``, whether it samples, whether it filters by
-``top_p``, whether it stops at EOS and how many EOS ids); the temperature, the ``top_p``
-value, the key, the EOS and pad ids and the tokens are traced.
+``top_p``, whether it stops at EOS and how many EOS ids, the stop sequences' count and
+length, which of the repetition penalty, ``min_new_tokens`` and scores are on, the number of
+beams and of returned sequences); the temperature, the ``top_p`` value, the key, the EOS,
+pad and stop ids, the penalty, ``min_new_tokens``, ``length_penalty``, ``early_stopping``
+and the tokens are traced. Options that are off add nothing to the compiled loop: plain
+greedy decoding is the same program with or without the controls' code.
+
+Beam search (``_beam_search``) is Hugging Face's: the beams are ``batch * num_beams`` rows of
+one batch in the same kind of loop; each step keeps the best continuations of all beams of a
+prompt, moves the ended ones into a sorted set of finished sequences, and gathers the cache
+rows of the beams that go on (each cache leaf's batch axis is found from ``init_cache``'s
+shapes for two batch sizes).
 """
 
 from __future__ import annotations

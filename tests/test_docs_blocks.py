@@ -93,11 +93,26 @@ def page_id(page):
     return str(page.relative_to(ROOT))
 
 
+def is_doctest(page, chunks):
+    return bool(chunks) and re.match(r"\s*>>> ", page_text_at(page, chunks[0][0])) is not None
+
+
 def plain_blocks_run(page):
     """Whether a page has a block to run that is not a doctest (a page of doctests alone
     is run cumulatively already, by pytest's doctest of the page)."""
-    return any(not title.startswith(NOT_RUN) and not (chunks and re.match(r"\s*>>> ", page_text_at(page, chunks[0][0])))
-               for _, chunks, title in blocks(page))
+    return any(not title.startswith(NOT_RUN) and not is_doctest(page, chunks) for _, chunks, title in blocks(page))
+
+
+def run_spec(page):
+    """(session, run, chunks) of each block: a doctest after its session's last plain block
+    is only compiled (pytest's doctest of the page runs it; no plain block needs its names)."""
+    found = blocks(page)
+    last = {}
+    for i, (_, chunks, title) in enumerate(found):
+        if not title.startswith(NOT_RUN) and not is_doctest(page, chunks):
+            last[title] = i
+    return [(title, not title.startswith(NOT_RUN) and i <= last.get(title, -1), chunks)
+            for i, (_, chunks, title) in enumerate(found)]
 
 
 def page_text_at(page, line):
@@ -119,7 +134,7 @@ def test_every_python_block_compiles(page):
 def test_every_python_block_runs(page, tmp_path):
     import json
 
-    spec = [(title, not title.startswith(NOT_RUN), chunks) for _, chunks, title in blocks(page)]
+    spec = run_spec(page)
     (tmp_path / "blocks.json").write_text(json.dumps(spec))
     (tmp_path / "run.py").write_text(RUNNER)
     env = dict(os.environ)
@@ -158,3 +173,6 @@ def test_blocks_are_found_and_titles_are_read(tmp_path):
     assert found[0][1] == [(4, "x = 1\n", False)]
     # each doctest statement at its own line of the page
     assert found[2][1] == [(16, "z = x + 2\n", False), (17, "z\n", False)]
+    # the doctest after the last plain block is left to pytest's doctest of the page
+    assert [(session, run) for session, run, _ in run_spec(page)] == [
+        ("", True), ("Needs: the Hugging Face Hub", False), ("", False)]

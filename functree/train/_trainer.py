@@ -4,11 +4,12 @@ One step through the driver: the epoch's iterator (``_epochs.py``) gives a minib
 the job's position; :meth:`Trainer._step` runs the :class:`TrainStep`'s jitted, donated
 program, which writes its metrics into a device buffer (``_intervals.py``), and commits
 its outputs as the next :class:`JobState` (the one place a step becomes the job's state;
-a Ctrl-C waits for it: ``_interrupts.py``). Every ``log_every`` steps the buffer is closed
-and the interval before it read (never waiting for queued steps): its rows go into the
-history, its means (``_means.py``) into the record, then the progress bar
-(``_progress.py``) and the callbacks. Epoch ends and save points read everything first;
-a save writes the record (``_job.py``).
+a Ctrl-C waits for it: ``_interrupts.py``). Every ``log_every`` steps the reader
+(``_reader.py``) closes the buffer and reads the interval before it (never waiting for
+queued steps) into the job: history rows, means (``_means.py``), stops and skips; then the
+progress bar (``_progress.py``) and the callbacks. Epoch ends and save points read
+everything first; a save writes the record (``_job.py``). Evaluation and prediction:
+``_evaluation.py``; the construction's checks: ``_setup.py``.
 """
 
 from __future__ import annotations

@@ -342,3 +342,33 @@ def test_every_dense_layer_finds_its_hf_module(config, fused):
     for member, found in names.items():
         assert found.module in linears and found.transposed, (member, found)
         assert bool(found.shared_with) == found.module.endswith(fused), (member, found)
+
+
+def matmuls(jaxpr):
+    """dot_general equations of ``jaxpr`` and of the jaxprs inside it (the Stack's scan body)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == "dot_general"
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += matmuls(inner)
+    return total
+
+
+def test_the_lora_step_computes_no_frozen_weight_gradient(base):
+    """The step's cost: the merged model's step through the same blocks (wrt the norms: every
+    activation gradient, no Dense weight gradient) plus six matmuls per adapted Dense (x A,
+    h B forward; dB, dh, dA and dx backward); a full step adds one per Dense instead."""
+    ids = tokens(2, 9)
+
+    def count(model, wrt):
+        opt = ft.optim.Optimizer(ft.optim.sgd(0.1), wrt=wrt)
+        step = lambda m, s: opt.minimize(next_token_loss, m, s, ids)  # noqa: E731
+        return matmuls(jax.make_jaxpr(step)(model, opt.init(model)).jaxpr)
+
+    adapted = ft.nn.lora(base, QV, rank=2, key=jax.random.key(0))
+    merged = count(ft.nn.merge_lora(adapted), "*layernorm*")
+    assert count(adapted, "*.lora_*") == merged + 6 * 2  # q and v in the scanned block
+    assert count(base, None) == merged + 8  # 7 Dense per block and the head: a weight gradient each

@@ -372,3 +372,30 @@ def test_the_lora_step_computes_no_frozen_weight_gradient(base):
     merged = count(ft.nn.merge_lora(adapted), "*layernorm*")
     assert count(adapted, "*.lora_*") == merged + 6 * 2  # q and v in the scanned block
     assert count(base, None) == merged + 8  # 7 Dense per block and the head: a weight gradient each
+
+
+class _Tiny(ft.Module):
+    attn: ft.nn.MultiheadAttention
+    fc: ft.nn.Dense
+
+    def __init__(self, *, key):
+        k1, k2 = jax.random.split(key)
+        self.attn = ft.nn.MultiheadAttention(8, 2, key=k1)
+        self.fc = ft.nn.Dense(8, 4, key=k2)
+
+    def __call__(self, x):
+        return self.fc(self.attn(x))
+
+
+@pytest.mark.parametrize("pattern", ["fc", "attn.query_projection"])
+def test_state_dict_converters_refuse_unmerged_adapters_naming_the_layer(pattern):
+    # A plain state dict cannot hold adapters: writing the base weight alone (or dropping the
+    # adapters inside an attention) would be a silently different model.
+    base = _Tiny(key=jax.random.key(0))
+    adapted = ft.nn.lora(base, pattern, rank=2, key=jax.random.key(1))
+    with pytest.raises(ValueError, match=rf"(?s){pattern} is an adapted layer \(LoraDense\).*merge_lora"):
+        ft.nn.torch_state_dict(adapted)
+    with pytest.raises(ValueError, match=rf"load_torch_state_dict: {pattern} is an adapted layer"):
+        ft.nn.load_torch_state_dict(adapted, ft.nn.torch_state_dict(base, numpy=True))
+    merged = ft.nn.merge_lora(adapted)
+    assert set(ft.nn.torch_state_dict(merged, numpy=True)) == set(ft.nn.torch_state_dict(base, numpy=True))

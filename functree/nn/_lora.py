@@ -35,7 +35,7 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +169,10 @@ class LoraDense(Layer):
       >>> bool(jnp.all(layer(x) == dense(x)))           # lora_b = 0: the same outputs
       True
     """
+
+    # Converters to plain state dicts (torch, Hugging Face) refuse an adapted layer by this
+    # mark (functree/nn/_torch.py cannot import this module: it imports the converters).
+    __ft_adapter__: ClassVar[str] = "ft.nn.merge_lora(model)"
 
     weight: jax.Array
     bias: jax.Array | None = field(decay=False)

@@ -366,6 +366,28 @@ class _Options:
         return None
 
 
+ADAPTED_LAYER = """\
+{what}: {path} is an adapted layer ({kind}); a torch or Hugging Face state dict holds plain \
+weights, and its base weight alone would drop the adapters (a silently different model).
+Merge the adapters into the weights first (or save the adapters alone in their own format):
+
+    wrong:  ft.nn.to_hf_state_dict(model)
+    right:  ft.nn.to_hf_state_dict({merge})
+       or:  ft.nn.save_lora(model, "adapter/")      # PEFT's adapter files
+"""
+
+
+def _refuse_adapters(model: Any, what: str) -> None:
+    """An error naming the first adapted layer (``ft.nn.lora``'s ``LoraDense``) in ``model``."""
+    def adapted(x: Any) -> bool:
+        return getattr(type(x), "__ft_adapter__", None) is not None
+
+    for path, node in jax.tree_util.tree_flatten_with_path(model, is_leaf=adapted)[0]:
+        if adapted(node):
+            raise ValueError(ADAPTED_LAYER.format(what=what, path=dotted_name(path) or "the model",
+                                                  kind=type(node).__name__, merge=type(node).__ft_adapter__))
+
+
 def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping[str, Any] | None = None,
           *, values: bool = True) -> _Plan:
     """Every rule of the model, in full names; each parameter (member) is covered by exactly one.
@@ -375,6 +397,7 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
     Shared's ``model`` left out of torch's names. ``values=False`` plans on zero-stride
     placeholders of the leaves' shapes and dtypes (loading needs no copy of the model).
     """
+    _refuse_adapters(model, "ft.nn.torch_state_dict" if values else "ft.nn.load_torch_state_dict")
     plan = _Plan([], {}, [])
     options = _Options(flattened, layouts or {})
     derived: list[str] = []

@@ -324,6 +324,10 @@ LAYER_CALLS: dict[type, tuple[Callable[[], ft.Module], Callable[[], ft.Module]]]
         lambda: ft.nn.KVCache(jnp.zeros((1, 4, 2, 2)), jnp.ones((1, 4, 2, 2))),
         lambda: ft.nn.KVCache(keys=jnp.zeros((1, 4, 2, 2)), values=jnp.ones((1, 4, 2, 2))),
     ),
+    ft.nn.LoraDense: (
+        lambda: ft.nn.LoraDense(ft.nn.Dense(2, 3, key=K), 2, 4.0, 0.0, key=K),
+        lambda: ft.nn.LoraDense(dense=ft.nn.Dense(2, 3, key=K), rank=2, alpha=4.0, dropout=0.0, key=K),
+    ),
 }
 
 

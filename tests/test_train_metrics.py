@@ -24,7 +24,7 @@ def test_accuracy_label_forms():
 
 
 def test_accuracy_errors_say_what_to_return():
-    with pytest.raises(ValueError, match=r"return ft.losses.cross_entropy\(logits, y\), logits"):
+    with pytest.raises(ValueError, match=r"return ft.losses.softmax_cross_entropy\(logits, y\), logits"):
         ft.train.accuracy(out(None, (None, jnp.zeros(4))))
     with pytest.raises(ValueError, match=r"could not find the labels"):
         ft.train.accuracy(out(LOGITS, {"image": jnp.zeros(4)}))

@@ -454,3 +454,36 @@ def test_a_float_field_of_an_ft_module_is_trained_in_the_step():
         model, state, metrics = step(model, state, jnp.ones((4, 2)))
     np.testing.assert_allclose([float(model.bias), *model.weight.tolist()], [0.064] * 3, rtol=0, atol=1e-6)
     np.testing.assert_allclose(float(metrics["loss"]), 0.48**2, rtol=0, atol=1e-6)
+
+
+def test_a_step_on_a_mesh_compiles_once_and_the_trainer_too():
+    """The halt log starts where the step returns it (replicated over the mesh): a new log
+    on the default device made every mesh step compile again at its second call."""
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    mesh = jax.make_mesh((1,), ("data",))
+    loss = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    batch = (np.ones((8, 3), np.float32), np.ones((8, 1), np.float32))
+    step = ft.train.train_step(loss, opt, mesh=mesh)
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    state = opt.init(model)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        model, state, _ = step(model, state, batch)  # compiles
+        del compiles[:]
+        for _ in range(2):
+            model, state, metrics = step(model, state, batch)
+        jax.block_until_ready(metrics)
+        assert compiles == []  # main: the second call compiled the step again
+        trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.adam(1e-2), loss, mesh=mesh)
+        trainer.fit([batch], progress=False, log_every=1)  # compiles
+        del compiles[:]
+        trainer.fit([batch] * 3, epochs=2, progress=False, log_every=1)
+        assert compiles == []  # main: one more compile, the step again
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)

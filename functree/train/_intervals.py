@@ -163,13 +163,15 @@ class MetricLog:
         self.last_context: Any = None  # the host context after the last step read, until the next step
         self.last_log: dict[str, float] = {}  # the last log interval's metrics
 
-    def open(self, opt_state: Any) -> Any:
-        """The open buffer (a new one: one row per step, ``TrainStep.record`` writes it)."""
+    def open(self, opt_state: Any, place: Any = None) -> Any:
+        """The open buffer (a new one: one row per step, ``TrainStep.record`` writes it);
+        ``place`` puts it where the step returns it (``TrainStep.place_log``)."""
         if self.buffer is None:
             self.rates = learning_rate_names(opt_state)  # "learning_rate", or "<group>/learning_rate" each
             columns = len(self.names or ()) + len(self.rates)
-            self.buffer = {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
-                           "rows": jnp.zeros((self.capacity, columns), jnp.float32)}
+            buffer = {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
+                      "rows": jnp.zeros((self.capacity, columns), jnp.float32)}
+            self.buffer = buffer if place is None else place(buffer)
         return self.buffer
 
     def resize(self, capacity: int) -> None:

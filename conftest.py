@@ -15,6 +15,18 @@ order (another batch split or device count, another CPU's instruction set) diffe
   ``MARGIN`` (10) times it. Subprocess tests append to the inherited ``XLA_FLAGS``.
 """
 
+import os
+
+# XLA compiles every test's programs with LLVM's optimisations off: the suite's arrays are
+# tiny, so compiling is most of its time, and level 0 halves XLA:CPU's compile time. The
+# programs (HLO: fusion, layout, the order of every reduction) are the same, only their
+# machine code is less optimised, like another CPU's instruction set: tolerances hold under
+# both (isa-sweep). Appended to XLA_FLAGS before JAX starts its backend, so subprocesses and
+# notebook kernels inherit it; `XLA_FLAGS=--xla_backend_optimization_level=2` runs the
+# suite as users compile.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
 import jax
 import pytest
 from hypothesis import settings

@@ -106,9 +106,11 @@ def _complex_loss(p, x, y):
     return jnp.mean(jnp.abs(x @ p["weight"] * 0.3 + p["bias"] - y) ** 2)
 
 
-# RMSprop steps g/√s: a gradient component near 0 takes steps of ±η/√(1−ρ) ≈ 0.006 on
-# rounding noise; measured 7e-4 against torch (the others below 4e-6).
-COMPLEX_ATOL = {"rmsprop": 2e-3, "rmsprop_momentum_centered": 2e-3}
+# RMSprop steps g/(√s + ε): a gradient component near 0 takes steps of ±η/√(1−ρ) ≈ 0.006
+# whose sign rounding decides, so a parameter whose gradient crosses 0 drifts by chance:
+# measured 7e-4 and 2.8e-3 against torch in float32 under two code generations, 3.2e-3 in
+# float64 (the others below 4e-6). Allowed: about two such steps.
+COMPLEX_ATOL = {"rmsprop": 1.2e-2, "rmsprop_momentum_centered": 1.2e-2}
 
 
 @pytest.mark.parametrize("name", sorted(TORCH_CASES))

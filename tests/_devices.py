@@ -87,3 +87,35 @@ def results(procs: list[subprocess.Popen], timeout: float = 300) -> list[Any]:
 
     with ThreadPoolExecutor(len(procs)) as pool:
         return list(pool.map(lambda p: result(p, timeout), procs))
+
+
+def scenarios(common: str, sources: dict[str, str], devices: int = 8, timeout: float | None = None) -> dict[str, Any]:
+    """Run several independent snippets in one process (one start-up, shared compiled programs).
+
+    Each snippet in ``sources`` runs after ``common`` in its own copy of ``common``'s globals
+    and calls ``report``; the result maps each name to ``{"result": ...}`` or, where the
+    snippet raised, ``{"error": traceback}`` (so each test that reads its part fails alone).
+    """
+    code = common + f"""
+import traceback as _traceback
+_base, _out = dict(globals()), {{}}
+for _name, _source in {dict(sources)!r}.items():
+    _got = []
+    _scope = dict(_base, report=_got.append)
+    try:
+        exec(_source, _scope)
+        _out[_name] = {{"result": _got[-1]}}
+    except BaseException:
+        _out[_name] = {{"error": _traceback.format_exc()}}
+report(_out)
+"""
+    return run(code, devices, 300 * len(sources) if timeout is None else timeout)  # run()'s 300 s each
+
+
+def part(results: dict[str, Any], name: str) -> Any:
+    """The result of scenario ``name`` of :func:`scenarios` (raises with its traceback)."""
+    got = results[name]
+    if "error" in got:
+        raise AssertionError(f"scenario {name!r} failed in the subprocess:\n{got['error']}")
+    return got["result"]
+

@@ -39,9 +39,17 @@ W = np.random.default_rng(0).normal(size=(32, 32)).astype(np.float32)  # incompr
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _collect_orbax_leftovers():
+    """Also the home of :func:`saved`'s written checkpoints (one per kind, copied per test).
+
+    A full collection costs about as much as a test here, so it runs once, in the module's
+    last teardown (still under this module's filter); tests that assert on what a collection
+    finalises call gc.collect() themselves."""
+    _SAVED["root"] = Path(tempfile.mkdtemp())
     yield
+    shutil.rmtree(_SAVED.pop("root"), ignore_errors=True)
+    _SAVED.clear()
     gc.collect()
 
 
@@ -59,8 +67,25 @@ def rewrite_meta(directory, change, step=1, reseal=True):
     path.write_text(json.dumps(meta))
 
 
+_SAVED: dict = {}  # the default model's checkpoints, written once per `extra` (a module fixture's)
+
+
 def saved(tmp_path, model=None, opt_state=None, extra=None):
+    """``tmp_path / "ckpt"``: a checkpoint of ``model`` (by default a Dense and a Lambda) at
+    step 1. The default model's is written once per module and copied: each test tampers
+    with its own copy of the same files."""
     directory = tmp_path / "ckpt"
+    if model is None and opt_state is None:
+        written = _SAVED["root"] / f"default-{len(_SAVED)}"
+        written = _SAVED.setdefault(repr(extra), written)
+        if not written.exists():
+            _save(written, None, None, extra)
+        shutil.copytree(written, directory)
+        return directory
+    return _save(directory, model, opt_state, extra)
+
+
+def _save(directory, model, opt_state, extra):
     with CheckpointManager(directory) as manager:
         model = ft.nn.Sequential(ft.nn.Dense(2, 3, jax.nn.relu, key=jax.random.key(0)),
                                  ft.nn.Lambda(jnp.tanh)) if model is None else model

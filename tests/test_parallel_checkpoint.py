@@ -95,7 +95,8 @@ def test_load_onto_a_mesh_needs_a_template(tmp_path):
 def test_checkpoint_manager_restores_onto_a_mesh_in_shards(tmp_path):
     """CheckpointManager.restore(mesh=, sharding=): a 4-device FSDP save restored onto 2
     devices sharded again (and onto the default device without a mesh); a part without a
-    template (extra) comes back on the host."""
+    template (extra) comes back on the host. One 4-device process: it saves on all 4, then a
+    fresh manager restores onto a mesh of 2 of them."""
     out = run(SETUP + f"""
 from jax.sharding import NamedSharding
 mesh = jax.make_mesh((4,), ("data",))
@@ -103,11 +104,9 @@ model = ft.shard(mlp(), mesh, "fsdp")
 state = ft.shard(opt.init(mlp()), mesh, "fsdp")
 with ft.train.CheckpointManager({str(tmp_path / "ck")!r}) as manager:
     manager.save(3, model, state, extra={{"note": np.arange(3.0)}})
-report({{"written": [str(model.layers[0].weight.sharding.spec)]}})
-""", devices=4)
-    assert out["written"] == ["P(None, 'data')"]
-    out = run(SETUP + f"""
-mesh = jax.make_mesh((2,), ("data",))
+written = [str(model.layers[0].weight.sharding.spec)]
+del model, state
+mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 manager = ft.train.CheckpointManager({str(tmp_path / "ck")!r})
 ck = manager.restore(template=mlp(), opt_state_template=opt.init(mlp()), mesh=mesh, sharding="fsdp")
 w = ck.model.layers[0].weight
@@ -117,8 +116,9 @@ report({{"w": [len(w.sharding.device_set), w.sharding.is_fully_replicated],
         "mu": [len(mu.sharding.device_set), mu.sharding.is_fully_replicated],
         "extra": [type(ck.extra["note"]).__name__, np.asarray(ck.extra["note"]).tolist()],
         "same": bool(np.array_equal(np.asarray(w), np.asarray(plain.model.layers[0].weight))),
-        "plain": len(plain.model.layers[0].weight.sharding.device_set)}})
+        "plain": len(plain.model.layers[0].weight.sharding.device_set), "written": written}})
 manager.close()
-""", devices=2)
+""", devices=4)
+    assert out["written"] == ["P(None, 'data')"]
     assert out["w"] == [2, False] and out["mu"] == [2, False]
     assert out["extra"] == ["ndarray", [0.0, 1.0, 2.0]] and out["same"] and out["plain"] == 1

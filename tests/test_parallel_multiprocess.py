@@ -1,7 +1,9 @@
 """Several processes: each its share of every batch (batches(shard=)), one global step.
 
 The two-process test starts two Python processes on localhost (``jax.distributed`` with
-gloo collectives on CPU), 2 simulated devices each: a 4-device mesh over 2 processes.
+gloo collectives on CPU), 2 simulated devices each: a 4-device mesh over 2 processes. One
+pair of processes runs the parts of both two-process tests (one start-up and one
+``jax.distributed`` rendezvous); each test asserts on its own part.
 """
 
 import jax
@@ -45,12 +47,23 @@ def test_bad_shard_and_indivisible_minibatch():
         [2, 3], [6, 7], [9]]
 
 
-WORKER = """
-import sys
+HEADER = """
+import sys, traceback
 import numpy as np
-process_id, port = int(sys.argv[1]), int(sys.argv[2])
+process_id, port, out, parts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
                            initialization_timeout=120)
+reports = {}
+def report_part(name, source):
+    if name in parts:
+        scope = dict(globals(), report=lambda obj: reports.__setitem__(name, {"result": obj}))
+        try:
+            exec(source, scope)
+        except BaseException:
+            reports[name] = {"error": traceback.format_exc()}
+"""
+
+WORKER = """
 import jax.numpy as jnp
 import functree as ft
 from jax.experimental import multihost_utils
@@ -80,11 +93,49 @@ report({"process": jax.process_index(), "devices": jax.device_count(), "local": 
 """
 
 
+PARTS = {"step": "WORKER", "trainer": "TRAINER_WORKER"}  # defined below
+
+
+def _trainer_takes_a_mesh():
+    import inspect
+
+    return "mesh" in inspect.signature(ft.train.Trainer).parameters
+
+
+# The README's `--dist loadfile` runs a module's tests on one pytest-xdist worker, so this
+# module fixture starts its subprocess once per run.
+@pytest.fixture(scope="module")
+def two_processes(request, tmp_path_factory):
+    """Each process's reports of the parts of this run's selected tests, and its stderr."""
+    here = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    parts = [name for name, test in [("step", "test_two_processes_train_like_one"),
+                                     ("trainer", "test_two_processes_trainer_fit_like_one_process")]
+             if test in here and (name != "trainer" or _trainer_takes_a_mesh())]
+
+    def produce():
+        out = tmp_path_factory.mktemp("two_processes")
+        code = HEADER + "".join(f"report_part({n!r}, {globals()[PARTS[n]]!r})\n" for n in parts) + "report(reports)\n"
+        port = free_port()
+        procs = [start(code, devices=2, args=(str(i), str(port), str(out), ",".join(parts))) for i in range(2)]
+        reports = results(procs)
+        return {"reports": reports, "stderr": [p.stderr_text for p in procs], "out": str(out)}
+
+    return produce()
+
+
+def _part(two_processes, name):
+    """Both processes' reports of part ``name`` (raises with a process's traceback)."""
+    outs = []
+    for got in two_processes["reports"]:
+        if "error" in got[name]:
+            raise AssertionError(f"part {name!r} failed in a process:\n{got[name]['error']}")
+        outs.append(got[name]["result"])
+    return outs
+
+
 @pytest.mark.slow
-def test_two_processes_train_like_one():
-    port = free_port()
-    procs = [start(WORKER, devices=2, args=(str(i), str(port))) for i in range(2)]
-    outs = results(procs)
+def test_two_processes_train_like_one(two_processes):
+    outs = _part(two_processes, "step")
     assert [o["process"] for o in outs] == [0, 1]
     assert all(o["devices"] == 4 and o["local"] == 2 for o in outs)
     assert outs[0]["sharded"] == [True, False, False, False]  # the 16x128 weight is split over 4
@@ -112,11 +163,6 @@ def test_two_processes_train_like_one():
 
 
 TRAINER_WORKER = """
-import sys
-import numpy as np
-process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
-                           initialization_timeout=120)
 import jax.numpy as jnp
 import functree as ft
 from jax.experimental import multihost_utils
@@ -137,17 +183,16 @@ report({"params": params})
 
 
 @pytest.mark.slow
-def test_two_processes_trainer_fit_like_one_process(tmp_path):
-    import inspect
+def test_two_processes_trainer_fit_like_one_process(two_processes):
+    from pathlib import Path
 
-    if "mesh" not in inspect.signature(ft.train.Trainer).parameters:
+    if not _trainer_takes_a_mesh():
         pytest.skip("Trainer(mesh=...) is wired into ft.train at merge (see functree.parallel)")
-    port = free_port()
-    procs = [start(TRAINER_WORKER, devices=2, args=(str(i), str(port), str(tmp_path))) for i in range(2)]
-    outs = results(procs)
-    bars = [p.stderr_text.count("epoch 2") > 0 for p in procs]
+    outs = _part(two_processes, "trainer")
+    bars = [stderr.count("epoch 2") > 0 for stderr in two_processes["stderr"]]
     assert bars == [True, False]  # one progress bar: process 0's
-    assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 2  # one history file, 2 epochs
+    history = Path(two_processes["out"]) / "history.jsonl"
+    assert len(history.read_text().splitlines()) == 2  # one history file, 2 epochs
     for a, b in zip(outs[0]["params"], outs[1]["params"]):
         np.testing.assert_array_equal(a, b)
 

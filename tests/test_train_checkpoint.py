@@ -399,7 +399,7 @@ FRESH_RESUME = textwrap.dedent(
     sys.path.insert(0, sys.argv[2])
     import test_train_checkpoint as t
     import functree as ft
-    trainer = t._trainer()
+    trainer = t._trainer(steps=0)  # a new, untrained Trainer: all it has comes from the files
     trainer.restore(sys.argv[1])
     trainer.fit(t._data(), steps=10, progress=False)  # steps= counts the whole job
     ft.train.save(sys.argv[1] + "_resumed", (trainer.model, trainer.opt_state))

@@ -2,8 +2,23 @@
 order, cumulatively, in a fresh Python process.
 
 A page's blocks run one after the other in one namespace (the ``>>>`` blocks too, as the
-source a reader types; the doctests check their outputs). Each block is compiled under the
-page's name and line numbers, so a failure's traceback points at the page's own line.
+source a reader types). Each block is compiled under the page's name and line numbers, so a
+failure's traceback points at the page's own line.
+
+Every example runs once, and every doctest's output is checked once, by one of two runners:
+
+* pytest's doctest of the page (``--doctest-glob='*.md'``) runs all of a page's ``>>>``
+  examples in order in one namespace and checks their outputs; it cannot run a plain block;
+* this module runs the plain blocks, and the ``>>>`` blocks a plain block may need: those
+  before the last plain block of their session (only as source, pytest's doctest checks
+  their outputs, running them a second time). A session's doctests after its last plain
+  block are only compiled here, so a page whose main session is doctests alone (its other
+  sessions, a migration guide's other library, plain blocks) is not run twice, and a page
+  of doctests alone is not run here at all (no fresh process).
+
+So a page keeps its examples cheap to test by not mixing: a functree example after a
+doctest is itself a doctest (``>>> class ...`` with ``...`` lines), unless it is a whole
+program (a first block that a reader runs as a script, an example for another library).
 
 Two kinds of block are compiled but not run, and say so on the page, visibly, in the fence's
 title (mkdocs-material shows it above the code):

@@ -118,4 +118,3 @@ def part(results: dict[str, Any], name: str) -> Any:
     if "error" in got:
         raise AssertionError(f"scenario {name!r} failed in the subprocess:\n{got['error']}")
     return got["result"]
-

@@ -137,8 +137,13 @@ class Placement:
         (the last, short batch of a dataset) is replicated over the mesh instead of refused.
         """
         if whole and jax.process_count() == 1 and not self.divides(batch):
-            return jax.device_put(batch, NamedSharding(self.mesh, PartitionSpec()))
+            return self.replicate(batch)
         return shard_batch(batch, self.mesh, self.data_axis)
+
+    def replicate(self, tree: Any) -> Any:
+        """``tree`` copied whole to every device of the mesh (a step's replicated outputs live
+        there: its NaN halt log, the Trainer's log buffer)."""
+        return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
     def divides(self, batch: Any) -> bool:
         """Whether every leaf's leading (example) axis splits evenly over the data axis."""

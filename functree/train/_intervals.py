@@ -165,7 +165,7 @@ class MetricLog:
 
     def open(self, opt_state: Any, place: Any = None) -> Any:
         """The open buffer (a new one: one row per step, ``TrainStep.record`` writes it);
-        ``place`` puts it where the step returns it (``TrainStep.place_log``)."""
+        ``place`` puts it where the step returns it (``TrainStep._place_log``)."""
         if self.buffer is None:
             self.rates = learning_rate_names(opt_state)  # "learning_rate", or "<group>/learning_rate" each
             columns = len(self.names or ()) + len(self.rates)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from functree._alias import (
     DonationGuard,
@@ -619,15 +619,13 @@ class TrainStep:
                                   step="the train step", no_donation=NO_DONATION)
 
     def _new_halt_log(self) -> Any:
-        return self.place_log({"halt": jnp.array([0, -1, -1], jnp.int32)}) if self.on_nan == "stop" else None
+        return self._place_log({"halt": jnp.array([0, -1, -1], jnp.int32)}) if self.on_nan == "stop" else None
 
-    def place_log(self, log: Any) -> Any:
+    def _place_log(self, log: Any) -> Any:
         """A new log where the step's program returns it (replicated over the mesh), so the
         second call finds the first call's program (a log on the default device compiled the
         step again on every mesh)."""
-        if self.placement is None:
-            return log
-        return jax.device_put(log, NamedSharding(self.placement.mesh, PartitionSpec()))
+        return log if self.placement is None else self.placement.replicate(log)
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
         if self.on_nan != "stop":

@@ -320,7 +320,7 @@ class Trainer(Evaluation):
                 self._epochs.first_shapes = describe_batch(batch)
                 log.names = self._reader.metric_names(batch)
             if log.buffer is None:
-                log.open(self.opt_state, self.train_step.place_log)
+                log.open(self.opt_state, self.train_step._place_log)
             if k == 1:  # the plain loop, kept lean
                 self._step(batch, [(batch, size)], 1, 0)
                 if guard.deferred:

@@ -377,13 +377,23 @@ class CheckpointManager:
             raise CheckpointError(STEP_EXISTS.format(path=self.directory, step=step))
 
     def _end(self, failed: bool = False) -> None:
-        """After a save: a failed one's partial step removed (under the lock), the lock released."""
+        """After a save: a failed one's partial step removed (under the lock), the lock released.
+
+        A save that succeeded returns on every process once the primary one has released the
+        lock (``agreed``), so no process sees the directory still locked by its own job.
+        """
         try:
             self._mngr.wait_until_finished()
+        except BaseException:
+            failed = True
+            raise
         finally:
-            if failed and self._lock.token is not None:
-                policy.remove_leftovers(self.directory)
-            self._lock.release()
+            if failed:  # no collective here: the other processes may not have failed
+                if self._lock.token is not None:
+                    policy.remove_leftovers(self.directory)
+                self._lock.release()
+            else:
+                agreed(self._lock.release)
 
     def _prune(self, newest: int) -> None:
         steps = sorted(set(self.all_steps()) | {newest})

@@ -625,6 +625,11 @@ def from_spec(spec, d, key):
         (f"b.{f}", f"b.{t}", tr) for f, t, tr in names_b]
 
 
+def zeros(model):
+    """A fresh model of ``model``'s structure, all zeros (NumPy's: jnp.zeros_like compiled per shape)."""
+    return jax.tree.map(lambda x: jnp.asarray(np.zeros(x.shape, x.dtype)), model)
+
+
 @settings(max_examples=examples(12), deadline=None)
 @given(layer_specs(), st.integers(1, 3))
 @example(("stack", 2, ("pair", ("dense",), ("seq", [("norm",), ("dense",)]))), 2)  # members with structure
@@ -633,15 +638,23 @@ def test_every_name_maps_to_its_torch_name_and_loads_back_bit_for_bit(spec, d):
     """Every name of ``to_flat_dict(model, unstack=True)`` is the name of ``ft.get``, ``ft.set``,
     ``ft.select`` and a checkpoint, and maps to its torch name; torch's state dict loads back
     into a fresh model bit for bit."""
-    model, names = from_spec(spec, d, K[1])
-    model = build(lambda: model)  # random values in every leaf (LayerNorm's too)
+    names = []
+
+    def make():
+        model, model_names = from_spec(spec, d, K[1])
+        names.extend(model_names)
+        return model
+
+    # random values in every leaf (LayerNorm's too), the model built abstractly: running its
+    # initializers compiled them for every example's shapes
+    model = build(make)
     flat = ft.to_flat_dict(model, unstack=True)
     assert list(flat) == [f for f, _, _ in names]
     sd = ft.nn.torch_state_dict(model, numpy=True)
     assert sorted(sd) == sorted(t for _, t, _ in names)
     with tempfile.TemporaryDirectory() as directory:
         ft.train.save(f"{directory}/ck", model)
-        restored = ft.to_flat_dict(ft.train.load(f"{directory}/ck", jax.tree.map(jnp.zeros_like, model)), unstack=True)
+        restored = ft.to_flat_dict(ft.train.load(f"{directory}/ck", zeros(model)), unstack=True)
     for f, t, transposed in names:
         np.testing.assert_array_equal(ft.get(model, f), flat[f])
         np.testing.assert_array_equal(restored[f], flat[f])
@@ -649,7 +662,7 @@ def test_every_name_maps_to_its_torch_name_and_loads_back_bit_for_bit(spec, d):
         changed = ft.to_flat_dict(ft.set(model, f, flat[f] + 1), unstack=True)
         assert [k for k in flat if not np.array_equal(changed[k], flat[k])] == [f]
         assert [k for k, v in ft.to_flat_dict(ft.select(model, f), unstack=True).items() if v] == [f]
-    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), ft.nn.torch_state_dict(model))
+    back = ft.nn.load_torch_state_dict(zeros(model), ft.nn.torch_state_dict(model))
     assert jax.tree.structure(back) == jax.tree.structure(model)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model)):
         assert a.dtype == b.dtype

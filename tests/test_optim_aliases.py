@@ -25,26 +25,30 @@ def _loss(p, x, y):
     return jnp.mean((jnp.tanh(x @ p["weight"] + p["bias"]) - y) ** 2)
 
 
-def _run_optax(tx, steps=STEPS):
-    # optax's own aliases mix Python floats and int32 counts: standard promotion only.
-    with jax.numpy_dtype_promotion("standard"):
-        return _run_ours(tx, steps)
+def _descend(tx, params, steps, x, y):
+    """``params`` after ``steps`` of ``tx`` on ``_loss``: the loop is traced into its caller's program."""
 
-
-def _run_ours(tx, steps=STEPS, seed=0):
-    params, x, y = _problem(seed)
-    params = jax.tree.map(jnp.asarray, params)
-    state = tx.init(params)
-
-    @jax.jit
-    def step(p, s):
-        g = jax.grad(_loss)(p, x, y)
-        u, s = tx.update(g, s, p)
+    def step(_, carry):
+        p, s = carry
+        u, s = tx.update(jax.grad(_loss)(p, x, y), s, p)
         return optax.apply_updates(p, u), s
 
-    for _ in range(steps):
-        params, state = step(params, state)
-    return params
+    return jax.lax.fori_loop(0, steps, step, (params, tx.init(params)))[0]
+
+
+def _run_all(runs):
+    """``{key: params after steps of make() on _problem()}`` for ``runs = {key: (make, steps)}``,
+    every loop in one jitted program: compiling is most of the cost of a 100-step comparison
+    (about 0.3 s of a step's 0.4 s compile is per program), so the file compiles one program
+    for all optimizers, not one per optimizer and test. Parameters and data are arguments,
+    not constants, so XLA cannot fold the loops at compile time."""
+    params, x, y = jax.tree.map(jnp.asarray, _problem())
+    return jax.jit(lambda p, x, y: {k: _descend(make(), p, steps, x, y) for k, (make, steps) in runs.items()})(
+        params, x, y)
+
+
+def _run_ours(tx, steps=STEPS):
+    return _run_all({"run": (lambda: tx, steps)})["run"]
 
 
 def _run_torch(make, steps=STEPS, seed=0):
@@ -84,15 +88,6 @@ TORCH_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(TORCH_CASES))
-def test_matches_torch_over_100_steps(name):
-    ours, theirs = TORCH_CASES[name]
-    expected = _run_torch(theirs)
-    got = _run_ours(ours())
-    for k in expected:
-        np.testing.assert_allclose(np.asarray(got[k]), expected[k], rtol=2e-4, atol=2e-5, err_msg=f"{name}.{k}")
-
-
 def _complex_problem():
     rng = np.random.default_rng(0)
 
@@ -106,6 +101,47 @@ def _complex_loss(p, x, y):
     return jnp.mean(jnp.abs(x @ p["weight"] * 0.3 + p["bias"] - y) ** 2)
 
 
+def _descend_complex(tx, params, x, y):
+    """``params`` after STEPS of ``Optimizer(tx).minimize`` on ``_complex_loss``, traced into the caller."""
+    opt = fo.Optimizer(tx)
+    step = lambda _, c: opt.minimize(_complex_loss, *c, x, y)[:2]  # noqa: E731
+    return jax.lax.fori_loop(0, STEPS, step, (params, opt.init(params)))[0]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    """Our side of every comparison below: {"real": {run: params}, "complex": {case: params}}.
+
+    Each run keeps its own optimizer, data and step count (each test's as before); they are
+    compiled together in one program (see _run_all) instead of one program per optimizer and
+    test. The real runs use the transforms alone (tx.update, optax.apply_updates); the
+    complex ones go through ft.optim.Optimizer.minimize, as a user's loop would."""
+    runs = {name: (make, STEPS) for name, (make, _) in TORCH_CASES.items()}
+    runs |= {f"optax:{name}": (make, STEPS) for name, (make, _, _) in OPTAX_CASES.items()}
+    runs |= OTHER_RUNS
+    params, x, y = jax.tree.map(jnp.asarray, _complex_problem())
+    complex_runs = jax.jit(lambda p, x, y: {name: _descend_complex(make(), p, x, y)
+                                            for name, (make, _) in TORCH_CASES.items()})
+    return {"real": _run_all(runs), "complex": complex_runs(params, x, y)}
+
+
+@pytest.fixture(scope="module")
+def optax_runs():
+    """optax's side, one program as ours: its aliases mix Python floats and int32 counts, so
+    they are traced under standard promotion only."""
+    with jax.numpy_dtype_promotion("standard"):
+        return _run_all({name: (theirs, STEPS) for name, (_, theirs, _) in OPTAX_CASES.items()}
+                        | {"amsgrad_5": (lambda: optax.amsgrad(0.01), 5)})
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_CASES))
+def test_matches_torch_over_100_steps(name, ours):
+    expected = _run_torch(TORCH_CASES[name][1])
+    got = ours["real"][name]
+    for k in expected:
+        np.testing.assert_allclose(np.asarray(got[k]), expected[k], rtol=2e-4, atol=2e-5, err_msg=f"{name}.{k}")
+
+
 # RMSprop steps g/(√s + ε): a gradient component near 0 takes steps of ±η/√(1−ρ) ≈ 0.006
 # whose sign rounding decides, so a parameter whose gradient crosses 0 drifts by chance:
 # measured 7e-4 and 2.8e-3 against torch in float32 under two code generations, 3.2e-3 in
@@ -114,24 +150,20 @@ COMPLEX_ATOL = {"rmsprop": 1.2e-2, "rmsprop_momentum_centered": 1.2e-2}
 
 
 @pytest.mark.parametrize("name", sorted(TORCH_CASES))
-def test_complex_parameters_match_torch_over_100_steps(name):
+def test_complex_parameters_match_torch_over_100_steps(name, ours):
     """Complex parameters train as torch.optim trains them (pairs of reals). SGD on
     |z − a|² diverged (6.25 → 2.3e32) and Adam's loss rose: JAX's gradient is the
     conjugate of the descent direction."""
     torch = pytest.importorskip("torch")
-    ours, theirs = TORCH_CASES[name]
     params, x, y = _complex_problem()
     w = torch.tensor(params["weight"], requires_grad=True)
     b = torch.tensor(params["bias"], requires_grad=True)
-    topt, xt, yt = theirs(torch.optim, [w, b]), torch.tensor(x), torch.tensor(y)
-    opt = fo.Optimizer(ours())
-    p, state = jax.tree.map(jnp.asarray, params), opt.init(params)
-    step = jax.jit(lambda p, s: opt.minimize(_complex_loss, p, s, x, y))
+    topt, xt, yt = TORCH_CASES[name][1](torch.optim, [w, b]), torch.tensor(x), torch.tensor(y)
     for _ in range(STEPS):
         topt.zero_grad()
         torch.mean(torch.abs(xt @ w * 0.3 + b - yt) ** 2).backward()
         topt.step()
-        p, state, _ = step(p, state)
+    p = ours["complex"][name]
     atol = COMPLEX_ATOL.get(name, 2e-5)  # parameters of magnitude ~1
     np.testing.assert_allclose(np.asarray(p["weight"]), w.detach().numpy(), rtol=0, atol=atol)
     np.testing.assert_allclose(np.asarray(p["bias"]), b.detach().numpy(), rtol=0, atol=atol)
@@ -162,32 +194,40 @@ OPTAX_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(OPTAX_CASES))
-def test_matches_optax_over_100_steps(name):
-    ours, theirs, tol = OPTAX_CASES[name]
-    expected, got = _run_optax(theirs()), _run_ours(ours())
+def test_matches_optax_over_100_steps(name, ours, optax_runs):
+    tol = OPTAX_CASES[name][2]
+    expected, got = optax_runs[name], ours["real"][f"optax:{name}"]
     for k in expected:
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(expected[k]), rtol=20 * tol + 2e-4, atol=tol + 2e-5)
 
 
-def test_amsgrad_differs_from_optax_by_design():
+# η halves at step 3: the unit-gain momentum must be γ' = γ η_t / η_{t-1} at that step.
+CHANGING_RATE = fo.piecewise([(3, 0.1), (1, 0.05)])
+
+OTHER_RUNS = {  # the remaining runs of ours, computed with the others (the ours fixture)
+    "amsgrad_5": (lambda: fo.amsgrad(0.01), 5),
+    "unit_gain": (lambda: fo.sgd(0.05, momentum=0.9, momentum_form="unit_gain"), STEPS),
+    "literature_changing_rate": (lambda: fo.sgd(CHANGING_RATE, momentum=0.9), 8),
+    "unit_gain_changing_rate": (lambda: fo.sgd(CHANGING_RATE, momentum=fo.piecewise([(3, 0.9), (1, 0.45), (1, 0.9)]),
+                                               momentum_form="unit_gain"), 8),
+}
+
+
+def test_amsgrad_differs_from_optax_by_design(ours, optax_runs):
     # optax takes the max over bias-corrected second moments; torch and swift-apis over raw ones.
-    ours, theirs = _run_ours(fo.amsgrad(0.01), steps=5), _run_optax(optax.amsgrad(0.01), steps=5)
-    assert not np.allclose(np.asarray(ours["weight"]), np.asarray(theirs["weight"]), rtol=1e-6, atol=1e-7)
+    got, theirs = ours["real"]["amsgrad_5"], optax_runs["amsgrad_5"]
+    assert not np.allclose(np.asarray(got["weight"]), np.asarray(theirs["weight"]), rtol=1e-6, atol=1e-7)
 
 
-def test_unit_gain_momentum_equals_literature_when_converted():
-    lit = _run_ours(fo.sgd(0.05, momentum=0.9))
-    unit = _run_ours(fo.sgd(0.05, momentum=0.9, momentum_form="unit_gain"))
+def test_unit_gain_momentum_equals_literature_when_converted(ours):
+    lit = ours["real"]["sgd_momentum"]  # fo.sgd(0.05, momentum=0.9), compared with torch above
+    unit = ours["real"]["unit_gain"]
     for k in lit:
         np.testing.assert_allclose(np.asarray(unit[k]), np.asarray(lit[k]), rtol=1e-5, atol=1e-6)
 
 
-def test_unit_gain_momentum_with_changing_rate_uses_ratio():
-    # η halves at step 3: the unit-gain momentum must be γ' = γ η_t / η_{t-1} at that step.
-    lr = fo.piecewise([(3, 0.1), (1, 0.05)])
-    mom = fo.piecewise([(3, 0.9), (1, 0.45), (1, 0.9)])
-    lit = _run_ours(fo.sgd(lr, momentum=0.9), steps=8)
-    unit = _run_ours(fo.sgd(lr, momentum=mom, momentum_form="unit_gain"), steps=8)
+def test_unit_gain_momentum_with_changing_rate_uses_ratio(ours):
+    lit, unit = ours["real"]["literature_changing_rate"], ours["real"]["unit_gain_changing_rate"]
     for k in lit:
         np.testing.assert_allclose(np.asarray(unit[k]), np.asarray(lit[k]), rtol=1e-5, atol=1e-6)
 
@@ -249,10 +289,18 @@ def _xor():
 PROBLEMS = {"quadratic": _quadratic, "rosenbrock": _rosenbrock, "xor": _xor}
 
 
-@pytest.mark.parametrize("problem", sorted(PROBLEMS))
 @pytest.mark.parametrize("name", sorted(ALL))
-def test_converges_without_recompiling(name, problem):
-    model, loss_fn, tol = PROBLEMS[problem]()
+def test_converges_without_recompiling(name):
+    """Each optimizer solves the three problems, trained together as one model whose loss
+    is their sum: every optimizer here updates each parameter from its own gradient alone
+    (elementwise), and the problems share no parameter, so each trains as if alone, in one
+    compiled step per optimizer instead of three."""
+    built = {problem: make() for problem, make in PROBLEMS.items()}
+    model = {problem: m for problem, (m, _, _) in built.items()}
+
+    def loss_fn(m):
+        return sum(loss(m[problem]) for problem, (_, loss, _) in built.items())
+
     opt = fo.Optimizer(ALL[name]())
     state = opt.init(model)
     traces = []
@@ -262,11 +310,13 @@ def test_converges_without_recompiling(name, problem):
         return opt.minimize(loss_fn, m, s)
 
     step = ft.jit(step, donate=(0, 1))
-    first = float(loss_fn(model))
+    first = {problem: float(loss(m)) for problem, (m, loss, _) in built.items()}
     for _ in range(STEPS_CONVERGE):
-        model, state, loss = step(model, state)
+        model, state, _ = step(model, state)
     assert len(traces) == 1
-    assert float(loss) < min(tol, first), (name, problem, float(loss))
+    for problem, (_, loss, tol) in built.items():
+        final = float(loss(model[problem]))
+        assert final < min(tol, first[problem]), (name, problem, final)
     assert int(fo.context(state).step) == STEPS_CONVERGE
 
 
@@ -326,15 +376,17 @@ def test_gradient_not_matching_the_model_names_the_key_path():
 
 
 def test_optimizers_are_plain_optax_transforms():
+    # Traced (jax.eval_shape), not run: shapes and state structure are what is checked, and
+    # running each optimizer's ops eagerly compiled dozens of tiny programs.
     params = {"w": jnp.ones(3)}
     for make in ALL.values():
         tx = make()
         assert isinstance(tx, optax.GradientTransformation)
-        state = tx.init(params)
         chained = optax.chain(optax.clip_by_global_norm(1.0), tx)
-        u, _ = chained.update(params, chained.init(params), params)
+        u, _ = jax.eval_shape(lambda p, c=chained: c.update(p, c.init(p), p), params)
         assert u["w"].shape == (3,)
-        assert jax.tree.structure(tx.update(params, state, params)[1]) == jax.tree.structure(state)
+        state, new_state = jax.eval_shape(lambda p, tx=tx: (tx.init(p), tx.update(p, tx.init(p), p)[1]), params)
+        assert jax.tree.structure(new_state) == jax.tree.structure(state)
 
 
 def test_every_optimizer_documents_its_update_rule():
@@ -380,21 +432,22 @@ def test_adamw_exclude_nothing_decays_declared_fields_as_torch():
     opt = fo.Optimizer(fo.adamw(0.1, weight_decay=0.5, exclude=()))
     state = opt.init(model)
     zeros = jax.tree.map(jnp.zeros_like, ft.parameters(model))
-    model = ft.move(model, along=opt.update(zeros, state, model)[0])
+    model = ft.move(model, along=jax.jit(opt.update)(zeros, state, model)[0])  # jitted: fewer compiles than eager
     np.testing.assert_allclose(model.bias, 0.95, rtol=0, atol=1e-7)
     state = opt.init(model)  # then real steps, from the same point
     xt, yt = torch.tensor(x), torch.tensor(y)
     topt = torch.optim.AdamW([w, b], lr=0.1, weight_decay=0.5)
+    step = jax.jit(lambda m, s: opt.minimize(lambda m: jnp.mean((m(x) - y) ** 2), m, s))  # one compile, not eager ops
     for _ in range(20):
         topt.zero_grad()
         torch.mean((xt @ w + b - yt) ** 2).backward()
         topt.step()
-        model, state, _ = opt.minimize(lambda m: jnp.mean((m(x) - y) ** 2), model, state)
+        model, state, _ = step(model, state)
     np.testing.assert_allclose(model.weight, w.detach().numpy(), rtol=0, atol=1e-5)  # values below 1
     np.testing.assert_allclose(model.bias, b.detach().numpy(), rtol=0, atol=1e-5)
     declared = fo.Optimizer(fo.adamw(0.1, weight_decay=0.5))  # the default keeps the declared fields
     kept = ft.nn.Dense(3, 2, key=jax.random.key(0)).replace(bias=jnp.ones(2))
-    np.testing.assert_array_equal(declared.update(zeros, declared.init(kept), kept)[0].bias, 0.0)
+    np.testing.assert_array_equal(jax.jit(declared.update)(zeros, declared.init(kept), kept)[0].bias, 0.0)
 
 
 def test_weight_decay_skips_fields_a_layer_declares_and_excluded_names():
@@ -459,25 +512,29 @@ def _mse(m):
 def test_each_alias_alone_takes_a_partial_gradient_as_no_update(name):
     """README's loop with ft.gradient(wrt=): the other layer and its moments stay, as through an Optimizer."""
     tx, model = ALIASES[name], _two_layers()
-    state = tx.init(model)
-    step = ft.jit(lambda g, s, m: tx.update(g, s, m))
-    updates, state = step(ft.gradient(_mse, at=model), state, model)  # moments non-zero everywhere
-    model = ft.move(model, along=updates)
-    grads = ft.gradient(_mse, at=model, wrt="layers.1")
+    opt = fo.Optimizer(tx)
+
+    @jax.jit  # both steps and the Optimizer's update in one program: one compile per alias
+    def steps(model):
+        updates, state = tx.update(ft.gradient(_mse, at=model), tx.init(model), model)  # moments non-zero everywhere
+        model = ft.move(model, along=updates)
+        grads = ft.gradient(_mse, at=model, wrt="layers.1")
+        updates, new_state = tx.update(grads, state, model)
+        # exactly what ft.optim.Optimizer does with the same partial gradient
+        opt_state = opt.init(model)
+        opt_state = opt_state.replace(inner=fo._state.release_contexts(state))
+        opt_state = opt_state.replace(context=fo.context(state))
+        expected, expected_state = opt.update(grads, opt_state, model)
+        return model, state, grads, updates, new_state, expected, expected_state
+
+    model, state, grads, updates, new_state, expected, expected_state = steps(model)
     assert grads.layers[0].weight is None
-    updates, new_state = step(grads, state, model)
     assert updates.layers[0].weight is None and updates.layers[0].bias is None
     new_model = ft.move(model, along=updates)
     np.testing.assert_array_equal(new_model.layers[0].weight, model.layers[0].weight)
     assert not np.array_equal(new_model.layers[1].weight, model.layers[1].weight)
     for key, moment in fo.moments(new_state).items():
         np.testing.assert_array_equal(moment.layers[0].weight, fo.moments(state)[key].layers[0].weight)
-    # exactly what ft.optim.Optimizer does with the same partial gradient
-    opt = fo.Optimizer(tx)
-    opt_state = opt.init(model)
-    opt_state = opt_state.replace(inner=fo._state.release_contexts(state))
-    opt_state = opt_state.replace(context=fo.context(state))
-    expected, expected_state = jax.jit(opt.update)(grads, opt_state, model)
     np.testing.assert_array_equal(updates.layers[1].weight, expected.layers[1].weight)
     for key, moment in fo.moments(expected_state).items():
         np.testing.assert_array_equal(fo.moments(new_state)[key].layers[1].weight, moment.layers[1].weight)

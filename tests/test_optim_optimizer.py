@@ -28,18 +28,23 @@ def test_minimize_contract_with_ft_and_optax_transforms():
     for tx in [fo.adam(1e-2), optax.adam(1e-2)]:
         opt = fo.Optimizer(tx)
         model = _model()
-        state = opt.init(model)
-        model2, state, loss = opt.minimize(_loss, model, state, X, Y)
+
+        @jax.jit  # the three calls in one program (eager, each op compiled on its own)
+        def calls(model, state, opt=opt):
+            model2, state, loss = opt.minimize(_loss, model, state, X, Y)
+            ctx = fo.context(state)
+            model3, state, (_, aux) = opt.minimize(lambda m, x, y: (_loss(m, x, y), m(x)), model2, state, X, Y,
+                                                   has_aux=True)
+            _, state, _ = opt.minimize(_loss, model3, state, X, Y, minibatch_size=100)
+            return loss, ctx, aux, model3, fo.context(state)
+
+        loss, ctx, aux, model3, last = calls(model, opt.init(model))
         assert float(loss) == pytest.approx(float(_loss(model, X, Y)), rel=1e-5)
-        ctx = fo.context(state)
         assert (int(ctx.step), int(ctx.samples_seen), int(ctx.minibatch_size)) == (1, 8, 8)
         assert float(ctx.loss) == pytest.approx(float(loss))
-        model3, state, (loss, aux) = opt.minimize(lambda m, x, y: (_loss(m, x, y), m(x)), model2, state, X, Y,
-                                                  has_aux=True)
         assert aux.shape == (8, 2)
         assert float(_loss(model3, X, Y)) < float(_loss(model, X, Y))
-        _, state, _ = opt.minimize(_loss, model3, state, X, Y, minibatch_size=100)
-        assert int(fo.context(state).samples_seen) == 116
+        assert int(last.samples_seen) == 116
 
 
 def test_compute_then_apply_gradients_equals_minimize():
@@ -203,10 +208,10 @@ def test_data_parallel_replicas_keep_identical_state():
     def loss(m, x):
         return jnp.sum((m["w"] * x) ** 2)
 
-    new_model, new_state, losses = jax.vmap(
+    new_model, new_state, losses = jax.jit(jax.vmap(  # jitted: one compile, not one per batched op
         lambda x: opt.minimize(loss, model, state, x), axis_name="r", out_axes=(None, None, 0)
-    )(shards)
-    grads = jnp.mean(jax.vmap(lambda x: jax.grad(loss)(model, x)["w"])(shards), axis=0)
+    ))(shards)
+    grads = jnp.mean(jax.jit(jax.vmap(lambda x: jax.grad(loss)(model, x)["w"]))(shards), axis=0)
     assert_close_trained(new_model["w"], model["w"] - 0.1 * grads, spread=0)  # measured 0: one rounding allowed
     assert_close_trained(ft.optim.context(new_state).loss, jnp.mean(losses), spread=0)
 
@@ -219,10 +224,10 @@ def test_a_misspelt_axis_name_is_an_error_not_a_single_replica():
     def step(x):
         return opt.minimize(lambda p, x: -jnp.sum(p["w"] * x), w, state, x[None])[0]
     with pytest.raises(ValueError, match="axis_name='btach'"):
-        jax.vmap(step, axis_name="batch")(xs)
+        jax.jit(jax.vmap(step, axis_name="batch"))(xs)  # jitted, as the right one below: one compile
     right = fo.Optimizer(fo.sgd(0.1), axis_name="batch")
-    new = jax.vmap(lambda x: right.minimize(lambda p, x: -jnp.sum(p["w"] * x), w, right.init(w), x[None])[0],
-                   axis_name="batch")(xs)
+    new = jax.jit(jax.vmap(lambda x: right.minimize(lambda p, x: -jnp.sum(p["w"] * x), w, right.init(w), x[None])[0],
+                           axis_name="batch"))(xs)
     np.testing.assert_allclose(new["w"], [[0.2, 0.2], [0.2, 0.2]], rtol=1e-6)
 
 
@@ -232,12 +237,16 @@ def test_a_none_gradient_means_no_update(make):
     """A partial gradient (ft.gradient(wrt=...)) leaves the other parameters and their moments."""
     model = ft.nn.Sequential([ft.nn.Dense(3, 4, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1))])
     opt = fo.Optimizer(make())
-    state = opt.init(model)
-    full = ft.gradient(lambda m: _loss(m, X, Y), at=model)
-    model, state = opt.apply_gradients(full, model, state)  # moments become non-zero everywhere
-    grads = ft.gradient(lambda m: _loss(m, X, Y), at=model, wrt="layers.1.*")
+
+    @jax.jit  # both steps in one program: one compile per optimizer
+    def steps(model, state):
+        full = ft.gradient(lambda m: _loss(m, X, Y), at=model)
+        model, state = opt.apply_gradients(full, model, state)  # moments become non-zero everywhere
+        grads = ft.gradient(lambda m: _loss(m, X, Y), at=model, wrt="layers.1.*")
+        return model, state, grads, *opt.apply_gradients(grads, model, state)
+
+    model, state, grads, new_model, new_state = steps(model, opt.init(model))
     assert grads.layers[0].weight is None and grads.layers[1].weight is not None
-    new_model, new_state = jax.jit(opt.apply_gradients)(grads, model, state)
     np.testing.assert_array_equal(new_model.layers[0].weight, model.layers[0].weight)
     np.testing.assert_array_equal(new_model.layers[0].bias, model.layers[0].bias)
     assert not np.array_equal(new_model.layers[1].weight, model.layers[1].weight)
@@ -279,14 +288,20 @@ def test_complex_parameters_descend_through_minimize_update_and_train_step(make)
     210): JAX's gradient of a real loss is the conjugate of the descent direction."""
     opt = fo.Optimizer(make())
     z = {"z": jnp.array(-0.5 + 0.0j, jnp.complex64)}
-    m1, s1 = z, opt.init(z)
-    m2, s2 = z, opt.init(z)
+
+    def by_minimize_and_update(_, carry):
+        (m1, s1), (m2, s2) = carry
+        m1, s1, _ = opt.minimize(_distance, m1, s1)
+        updates, s2 = opt.update(ft.gradient(_distance, at=m2), s2, m2)  # ft.gradient's (JAX's) convention
+        return (m1, s1), (ft.move(m2, along=updates), s2)
+
+    # the 100 steps of both hand-written loops in one compiled program (eager, every op of
+    # every step was dispatched one by one)
+    loops = jax.jit(lambda m, s: jax.lax.fori_loop(0, 100, by_minimize_and_update, ((m, s), (m, s))))
+    (m1, _), (m2, _) = loops(z, opt.init(z))
     step = ft.train.train_step(lambda m, b: _distance(m), opt, donate=False)
     m3, s3 = z, opt.init(z)
     for _ in range(100):
-        m1, s1, _ = opt.minimize(_distance, m1, s1)
-        updates, s2 = opt.update(ft.gradient(_distance, at=m2), s2, m2)  # ft.gradient's (JAX's) convention
-        m2 = ft.move(m2, along=updates)
         m3, s3, _ = step(m3, s3, jnp.zeros(1))
     for m in (m1, m2, m3):
         assert float(_distance(m)) < 1e-3  # from 6.25
@@ -317,19 +332,21 @@ def test_lbfgs_through_minimize_and_update_equals_optax_loop():
     start = {"x": jnp.array([-1.2, 1.0, -0.5, 0.8])}
     expected = optax_lbfgs(_rosenbrock, start, 10)
     opt = fo.Optimizer(optax.lbfgs())
-    step = jax.jit(lambda p, s: opt.minimize(_rosenbrock, p, s))
-    p, state = start, opt.init(start)
 
-    @jax.jit
-    def by_update(q, s):  # the keywords given by hand: value_fn takes the model, as loss_fn
+    @jax.jit  # both ways in one program: L-BFGS's line search makes each a large one to compile
+    def step(p, s, q, s_q):
+        p, s, _ = opt.minimize(_rosenbrock, p, s)
+        # the keywords given by hand: value_fn takes the model, as loss_fn
         value, grads = ft.value_with_gradient(_rosenbrock, at=q)
-        updates, s = opt.update(grads, s, q, value=value, value_fn=_rosenbrock)
-        return ft.move(q, along=updates), s
+        updates, s_q = opt.update(grads, s_q, q, value=value, value_fn=_rosenbrock)
+        return p, s, ft.move(q, along=updates), s_q
 
-    q, state_q = start, opt.init(start)
+    # optax's initial state holds a weakly typed count that a step returns strongly typed:
+    # made strong here, the step compiles once, not again at the second step.
+    state = jax.tree.map(lambda x: jnp.asarray(x, x.dtype), opt.init(start))
+    p, state, q, state_q = start, state, start, state
     for _ in range(10):
-        p, state, _ = step(p, state)
-        q, state_q = by_update(q, state_q)
+        p, state, q, state_q = step(p, state, q, state_q)
     np.testing.assert_allclose(p["x"], expected["x"], rtol=0, atol=1e-6)  # |x| ≤ 1.2
     np.testing.assert_allclose(q["x"], expected["x"], rtol=0, atol=1e-6)
     assert float(_rosenbrock(expected)) < float(_rosenbrock(start)) / 10
@@ -370,14 +387,19 @@ def test_accumulated_microbatches_get_their_own_keys_and_equal_the_steps_by_hand
     assert all(not np.array_equal(masks[0], masks[i]) for i in range(1, k))  # main: all equal
 
     size = rows // k
-    by_hand = [ft.gradient(lambda m, i=i: loss(m, (x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]),
+
+    @jax.jit  # the k gradients by hand in one program
+    def by_hand(model):
+        grads = [ft.gradient(lambda m, i=i: loss(m, (x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]),
                                                  key=jax.random.fold_in(base, i))[0], at=model)
-               for i in range(k)]
-    mean = jax.tree.map(lambda *g: sum(g) / k, *by_hand)
+                 for i in range(k)]
+        mask = loss(model, (x[size:2 * size], y[size:2 * size]), key=jax.random.fold_in(base, 1))[1]
+        return jax.tree.map(lambda *g: sum(g) / k, *grads), mask
+
+    mean, mask = by_hand(model)
     # float32 reassociation of the k-term sum, on gradients of magnitude < 2
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), result.grads, mean)
-    np.testing.assert_array_equal(masks[1], np.asarray(loss(model, (x[size:2 * size], y[size:2 * size]),
-                                                            key=jax.random.fold_in(base, 1))[1]))
+    np.testing.assert_array_equal(masks[1], np.asarray(mask))
 
 
 def test_state_made_before_training_mode_serves_the_model_in_training_mode():

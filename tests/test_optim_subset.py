@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _tolerance import assert_close_trained
 
 import functree as ft
 
@@ -195,6 +196,9 @@ def test_members_not_selected_stay_bit_identical_and_their_moments_do_not_move(t
     assert ft.optim.moments(state)["mu" if "mu" in ft.optim.moments(state) else "trace"].head.weight is None
 
 
+SPREAD = 8e-8  # measured 7.9e-8 under AVX2 and AVX512, 0 under SSE4_2 and AVX
+
+
 def test_selected_members_train_as_a_hand_masked_optax_update():
     model = deep()
     opt = ft.optim.Optimizer(ft.optim.adamw(1e-2, weight_decay=0.1), wrt="h.[1-2].*")
@@ -207,13 +211,21 @@ def test_selected_members_train_as_a_hand_masked_optax_update():
     def masked(tree):
         return jax.tree.map(lambda x: jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0), tree)
 
-    for _ in range(10):
-        grads = ft.gradient(lambda h, m=model: mse(m.replace(h=h), X, Y), at=stack)
+    def step(_, carry):
+        model, state, stack, hand_state = carry
+        grads = ft.gradient(lambda h: mse(model.replace(h=h), X, Y), at=stack)
         updates, hand_state = tx.update(masked(grads), hand_state, stack)
         stack = ft.move(stack, along=masked(updates))
         model, state, _ = opt.minimize(mse, model, state, X, Y)
-    for name in ("weight", "bias"):
-        np.testing.assert_allclose(getattr(model.h.layers, name), getattr(stack.layers, name), rtol=0, atol=0)
+        return model, state, stack, hand_state
+
+    # both loops' 10 steps in one compiled program (eager, the Stack's scan compiled anew at
+    # every call: 40 compiles)
+    model, _, stack, _ = jax.jit(lambda *c: jax.lax.fori_loop(0, 10, step, c))(model, state, stack, hand_state)
+    # The same operations, but compiled in one program XLA fuses each path its own way: equal
+    # to float32 rounding, not bit for bit (measured scaled error SPREAD under every XLA CPU
+    # instruction set). A wrong mask or moment differs by ~1e-3 (steps of lr 1e-2).
+    assert_close_trained(model.h.layers, stack.layers, spread=SPREAD)
 
 
 def test_trainer_and_gradients_with_member_patterns():

@@ -21,6 +21,7 @@ import jax, jax.numpy as jnp, numpy as np
 import functree as ft
 from functree.parallel import DataParallelStep
 
+@jax.jit  # one program builds each fresh copy (eager, every initializer compiles apart)
 def mlp():
     k = jax.random.split(jax.random.key(0), 2)
     return ft.nn.Sequential(ft.nn.Dense(16, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 4, key=k[1]))

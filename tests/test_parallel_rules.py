@@ -168,11 +168,17 @@ def net(d=32, n=2, n_in=64, n_out=64):
                ft.nn.Dense(d, n_out, key=k[2]))
 
 
+def net_shapes(**kwargs):
+    """``net(**kwargs)`` built abstractly: the rules read shapes only, and building the
+    arrays would compile each initializer per shape (seconds)."""
+    return jax.eval_shape(lambda: net(**kwargs))
+
+
 TP_AND_FSDP = {"*.up.weight": P(None, "model"), "*.down.weight": P("model", "data"), "*": "fsdp"}
 
 
 def test_fsdp_rule_takes_every_leaf_no_earlier_rule_names():
-    specs = ft.to_flat_dict(ft.partition_specs(net(), TP_AND_FSDP, mesh=MESH2))
+    specs = ft.to_flat_dict(ft.partition_specs(net_shapes(), TP_AND_FSDP, mesh=MESH2))
     assert specs == {
         "embed.weight": P("data"),  # (64, 32): FSDP along the largest divisible dimension
         "embed.bias": P(),  # too small for FSDP
@@ -187,7 +193,7 @@ def test_fsdp_rule_takes_every_leaf_no_earlier_rule_names():
 
 
 def test_fsdp_rule_never_splits_the_layer_axis_and_equals_sharding_fsdp():
-    tree = {"blocks": net(d=64, n=8).blocks}  # every dimension divisible by 8, the layer axis too
+    tree = {"blocks": net_shapes(d=64, n=8).blocks}  # every dimension divisible by 8, the layer axis too
     alone = ft.to_flat_dict(ft.partition_specs(tree, "fsdp", mesh=MESH))
     assert ft.to_flat_dict(ft.partition_specs(tree, {"*": "fsdp"}, mesh=MESH)) == alone
     flat = ft.to_flat_dict(ft.partition_specs(tree, {"*.norm.*": P(), "*": "fsdp"}, mesh=MESH))
@@ -197,11 +203,11 @@ def test_fsdp_rule_never_splits_the_layer_axis_and_equals_sharding_fsdp():
 
 
 def test_fsdp_rule_for_part_of_the_model_and_its_moments():
-    m = net()
+    m = net_shapes()
     rules = {"embed.*": "fsdp", "*.up.weight": P(None, "model")}  # the rest replicated
     flat = ft.to_flat_dict(ft.partition_specs(m, rules, mesh=MESH2))
     assert flat["embed.weight"] == P("data") and flat["head.weight"] == P()
-    state = ft.optim.Optimizer(ft.optim.adam(1e-3)).init(m)
+    state = jax.eval_shape(ft.optim.Optimizer(ft.optim.adam(1e-3)).init, m)
     moments = ft.to_flat_dict(ft.partition_specs(state, TP_AND_FSDP, mesh=MESH2, strict=False))
     assert [s for n, s in moments.items() if n.endswith("embed.weight")] == [P("data")] * 2  # mu, nu
     assert [s for n, s in moments.items() if n.endswith("up.weight")] == [P(None, None, "model")] * 2
@@ -211,24 +217,24 @@ def test_fsdp_rule_for_part_of_the_model_and_its_moments():
 def test_unknown_rule_value_names_the_choices():
     for bad in ("fdsp", None, 3):
         with pytest.raises(TypeError, match=r"rule '\*' gives .*PartitionSpec.* or \"fsdp\"") as e:
-            ft.partition_specs(net(), {"*.up.weight": P(None, "model"), "*": bad}, mesh=MESH2)
+            ft.partition_specs(net_shapes(), {"*.up.weight": P(None, "model"), "*": bad}, mesh=MESH2)
         assert 'right:  sharding={\'*\': "fsdp"}' in str(e.value)
     with pytest.raises(TypeError, match=r'sharding= takes None, "fsdp"'):
         ft.train.TrainStep(lambda m, b: 0.0, ft.optim.sgd(0.1), mesh=jax.make_mesh((1,), ("data",)), sharding="FSDP")
     with pytest.raises(TypeError, match=r"rule 'head\.weight' gives 'replicate'"):
-        ft.shard(net(), jax.make_mesh((1,), ("data",)), {"head.weight": "replicate"})
+        ft.shard(net_shapes(), jax.make_mesh((1,), ("data",)), {"head.weight": "replicate"})
 
 
 def test_rule_after_the_fallback_is_shadowed_and_says_to_move_it():
     with pytest.raises(ValueError, match=r"'\*\.up\.weight' is never used: 'blocks\.layers\.up\.weight'.*"
                                          r"earlier rule '\*'") as e:
-        ft.partition_specs(net(), {"*": "fsdp", "*.up.weight": P(None, "model")}, mesh=MESH2)
+        ft.partition_specs(net_shapes(), {"*": "fsdp", "*.up.weight": P(None, "model")}, mesh=MESH2)
     assert "right:  sharding={'*.up.weight': ..., '*': ...}" in str(e.value)
 
 
 def test_rule_naming_one_stack_member_keeps_its_message_beside_the_fallback():
     with pytest.raises(ValueError, match=r"'blocks\.1\.up\.weight' matches no parameter") as e:
-        ft.partition_specs(net(), {"blocks.1.up.weight": P(None, "model"), "*": "fsdp"}, mesh=MESH2)
+        ft.partition_specs(net_shapes(), {"blocks.1.up.weight": P(None, "model"), "*": "fsdp"}, mesh=MESH2)
     assert "'blocks.layers.up.weight'" in str(e.value)
 
 
@@ -242,6 +248,7 @@ import numpy as np, jax.numpy as jnp, functree as ft
 from jax.sharding import PartitionSpec as P
 from _tolerance import scaled_error
 from test_parallel_rules import TP_AND_FSDP as rules, net
+net = jax.jit(net)  # one program builds each fresh copy (eager, every initializer compiles apart)
 mesh = jax.make_mesh((4, 2), ("data", "model"))
 rng = np.random.default_rng(0)
 batch = (rng.normal(size=(16, 64)).astype(np.float32), rng.normal(size=(16, 64)).astype(np.float32))

@@ -13,18 +13,42 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import _train_job as job
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import functree as ft
 
 HERE = Path(__file__).parent
+
+# Every job of this file trains on minibatches of 10 examples and logs every LOG steps: the
+# programs (one per configuration, batch shape and log buffer, which holds log_every +
+# steps_per_call - 1 rows) compile once for the whole file (_train_job shares its TrainSteps),
+# not once per test. Epochs of 2, 3 or 4 minibatches take the first 20, 30 or 40 examples.
+SIZE, LOG = 10, 2
+
+
+def data(kind: str, n_batches: int, kill_after: int | None = None):
+    """``job.data`` with minibatches of SIZE examples whatever ``n_batches`` (for 4, the
+    same data as ``job.data``: the subprocess jobs of this file are resumed here)."""
+    bomb = job.Bomb(kill_after)
+    x, y = job.X[:n_batches * SIZE], job.Y[:n_batches * SIZE]
+    if kind == "batches":
+        return job.KilledBatches(bomb, (x, y), SIZE, shuffle=True, key=jax.random.key(3), drop_last=True)
+    items = [(x[i * SIZE:(i + 1) * SIZE], y[i * SIZE:(i + 1) * SIZE]) for i in range(n_batches)]
+    return {"list": job.KilledList, "reiterable": job.Reiterable, "positioned": job.Positioned}[kind](items, bomb)
+
+
+def fit(t, config, directory, kill_after=None):
+    """``job.fit`` (its checkpoint, early stopping and history log) on :func:`data`."""
+    with mock.patch.object(job, "data", data):
+        return job.fit(t, config, directory, kill_after)
 
 
 def leaves(t):
@@ -49,39 +73,67 @@ def resume(config, directory):
         assert t.restore(directory) is t
     else:  # killed before its first checkpoint: the job starts again, with a new log
         Path(str(directory) + "-log.jsonl").unlink(missing_ok=True)
-    callbacks = job.fit(t, config, directory)
+    callbacks = fit(t, config, directory)
     return t, callbacks
 
 
+@pytest.fixture(scope="module")
+def straight_job(tmp_path_factory):
+    """``run(config) -> (trainer, callbacks, directory)``: the job run straight through,
+    once per configuration for the module (its kill points all compare with it)."""
+    done = {}
+
+    def run(config):
+        name = json.dumps(config, sort_keys=True)
+        if name not in done:
+            directory = tmp_path_factory.mktemp("straight") / "job"
+            t = job.trainer(config["accumulate"], config["steps_per_call"])
+            done[name] = t, fit(t, config, directory), directory
+        return done[name]
+
+    return run
+
+
 CONFIGS = st.fixed_dictionaries({
-    "every_steps": st.integers(1, 4), "log_every": st.integers(1, 4),
+    "every_steps": st.integers(1, 4), "log_every": st.just(LOG),
     "steps_per_call": st.sampled_from([1, 2]), "accumulate": st.sampled_from([1, 2]), "n_batches": st.integers(2, 4),
     "kind": st.sampled_from(["batches", "list", "reiterable", "positioned"]),
     "epochs": st.just(3), "min_delta": st.sampled_from([0.0, 0.05]),
 })
+"""log_every is LOG (2) alone: a log window that a checkpoint can cut (log_every=1 has none)
+and each value compiles its own programs; checkpoints every 1-4 steps fall before, at and
+after log points, epochs of 2, 3 or 4 steps on and off them."""
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+# Explicit examples: the (2, 2) configuration for certain (the 4 derandomized draws before
+# were all (1, 1), two of them killed before the first step), kills mid-epoch and just before
+# the end; each drawn example adds one more.
+@example(config={"every_steps": 3, "log_every": LOG, "steps_per_call": 2, "accumulate": 2, "n_batches": 3,
+                 "kind": "positioned", "epochs": 3, "min_delta": 0.0}, kill=0.5)
+@example(config={"every_steps": 2, "log_every": LOG, "steps_per_call": 2, "accumulate": 2, "n_batches": 4,
+                 "kind": "reiterable", "epochs": 3, "min_delta": 0.05}, kill=0.7)
+@example(config={"every_steps": 3, "log_every": LOG, "steps_per_call": 1, "accumulate": 1, "n_batches": 3,
+                 "kind": "list", "epochs": 3, "min_delta": 0.0}, kill=1.0)
+@settings(max_examples=2, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(config=CONFIGS, kill=st.floats(0, 1))
-def test_kill_anywhere_then_resume_equals_the_uninterrupted_job(tmp_path_factory, config, kill):
+def test_kill_anywhere_then_resume_equals_the_uninterrupted_job(tmp_path_factory, straight_job, config, kill):
     config["accumulate"] = config["steps_per_call"]  # two compiled configurations: (1, 1) and (2, 2)
     root = tmp_path_factory.mktemp("job")
-    straight = job.trainer(config["accumulate"], config["steps_per_call"])
-    straight_cbs = job.fit(straight, config, root / "straight")
+    straight, straight_cbs, straight_dir = straight_job(config)  # shared by the kill points of one config
     total = straight.steps_run
     killed = job.trainer(config["accumulate"], config["steps_per_call"])
     with pytest.raises(RuntimeError, match="killed"):
-        job.fit(killed, config, root / "run", kill_after=int(kill * (total - 1)))
+        fit(killed, config, root / "run", kill_after=int(kill * (total - 1)))
     resumed, cbs = resume(config, root / "run")
     assert_same_job(straight, resumed, straight_cbs[1], cbs[1])
     # checkpoints at exactly k, 2k, ... (and the end), the same in both directories
-    steps = ft.train.CheckpointManager(root / "straight").all_steps()
+    steps = ft.train.CheckpointManager(straight_dir).all_steps()
     k = config["every_steps"]
     assert steps == sorted({*range(k, total + 1, k), total})
     assert ft.train.CheckpointManager(root / "run").all_steps() == steps
     # the HistoryLogger's file continues exactly (its state cut off what came after the checkpoint)
-    assert (root / "run-log.jsonl").read_text() == (root / "straight-log.jsonl").read_text()
+    assert (root / "run-log.jsonl").read_text() == Path(str(straight_dir) + "-log.jsonl").read_text()
 
 
 def test_checkpoint_labelled_s_holds_exactly_step_s(tmp_path):
@@ -90,12 +142,12 @@ def test_checkpoint_labelled_s_holds_exactly_step_s(tmp_path):
     config = {"every_steps": 3, "log_every": 2, "steps_per_call": 2, "accumulate": 2, "n_batches": 4,
               "kind": "batches", "epochs": 3, "min_delta": 0.0}
     t = job.trainer(2, 2)
-    job.fit(t, config, tmp_path / "a")
+    fit(t, config, tmp_path / "a")
     manager = ft.train.CheckpointManager(tmp_path / "a")
     assert manager.all_steps() == [3, 6, 9, 12]
     for step in (3, 6, 9):
         short = job.trainer(2, 2)
-        short.fit(job.data("batches", 4), steps=step, progress=False, steps_per_call=2)
+        short.fit(data("batches", 4), steps=step, log_every=LOG, progress=False, steps_per_call=2)
         saved = manager.restore(step)
         for x, y in zip(jax.tree.leaves(saved.model), jax.tree.leaves(short.model)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -115,7 +167,7 @@ def test_callbacks_see_the_model_of_their_step():
     t.fit(job.data("list", 4), epochs=1, log_every=1, progress=False, callbacks=[Weights()])
     assert [s for s, _, _ in seen] == [1, 2, 3, 4] and all(s == r for s, r, _ in seen)
     short = job.trainer()
-    short.fit(job.data("list", 4), steps=2, progress=False)
+    short.fit(job.data("list", 4), steps=2, log_every=1, progress=False)  # the programs of the fit above
     np.testing.assert_array_equal(seen[1][2], np.asarray(short.model.layers[0].weight))
 
 
@@ -148,22 +200,22 @@ def test_resume_at_an_epochs_last_step_and_fit_counts_the_whole_job(tmp_path, ca
 
     data = Counted(job._list(4))
     straight = job.trainer()
-    straight.fit(data, epochs=3, progress=False)
+    straight.fit(data, epochs=3, log_every=LOG, progress=False)
     assert len(calls) == 3
     first = job.trainer()
-    first.fit(data, steps=4, progress=False)  # the end of epoch 1's steps
+    first.fit(data, steps=4, log_every=LOG, progress=False)  # the end of epoch 1's steps
     first.save(tmp_path / "end")
-    first.fit(data, steps=6, progress=False)  # mid-epoch
+    first.fit(data, steps=6, log_every=LOG, progress=False)  # mid-epoch
     first.save(tmp_path / "mid")
     for name in ("end", "mid"):
         for run in range(2):  # the restart recipe, run twice, ends where the job ends
             t = job.trainer().restore(tmp_path / name)
-            t.fit(data, epochs=3, progress=False)
+            t.fit(data, epochs=3, log_every=LOG, progress=False)
             assert_same_job(straight, t)
             t.save(tmp_path / f"{name}{run}")
     with caplog.at_level(logging.WARNING, logger="functree.train"):
         t = job.trainer().restore(tmp_path / "mid0")
-        t.fit(data, epochs=3, progress=False)
+        t.fit(data, epochs=3, log_every=LOG, progress=False)
     assert "nothing to train, the job has already run 3 epochs" in caplog.text
     assert t.steps_run == 12
 
@@ -171,18 +223,18 @@ def test_resume_at_an_epochs_last_step_and_fit_counts_the_whole_job(tmp_path, ca
 def test_positioned_iterator_and_one_shot_generator(tmp_path):
     items = job._list(4)
     straight = job.trainer()
-    straight.fit(iter(items * 3), steps=12, progress=False)
+    straight.fit(iter(items * 3), steps=12, log_every=LOG, progress=False)
     t = job.trainer()
     stream = job.PositionedIterator(items * 3, job.Bomb(None))
-    t.fit(stream, steps=5, progress=False)
+    t.fit(stream, steps=5, log_every=LOG, progress=False)
     t.save(tmp_path / "c")
     assert t.checkpoint is None and job.trainer().restore(tmp_path / "c").checkpoint.step == 5
     resumed = job.trainer().restore(tmp_path / "c")
-    resumed.fit(job.PositionedIterator(items * 3, job.Bomb(None)), steps=12, progress=False)
+    resumed.fit(job.PositionedIterator(items * 3, job.Bomb(None)), steps=12, log_every=LOG, progress=False)
     for x, y in zip(leaves(straight), leaves(resumed)):
         np.testing.assert_array_equal(x, y)
     with pytest.warns(UserWarning, match=r"one-shot iterator that cannot report(.|\n)*islice"):
-        job.trainer().restore(tmp_path / "c").fit(iter(items * 3), steps=12, progress=False)
+        job.trainer().restore(tmp_path / "c").fit(iter(items * 3), steps=12, log_every=LOG, progress=False)
 
 
 def test_callback_state_and_extra_in_the_checkpoint(tmp_path):
@@ -190,23 +242,24 @@ def test_callback_state_and_extra_in_the_checkpoint(tmp_path):
     t = job.trainer()
     stop = ft.train.EarlyStopping(monitor="loss", patience=3)
     save = ft.train.ModelCheckpoint(tmp_path / "c", extra=lambda tr: {"seen": tr.steps_run * 2, "w": jnp.ones(2)})
-    t.fit(job.data("list", 4), epochs=2, progress=False, callbacks=[stop, save])
+    t.fit(job.data("list", 4), epochs=2, log_every=LOG, progress=False, callbacks=[stop, save])
     back = job.trainer().restore(tmp_path / "c")
     assert back.extra["seen"] == 16 and back.checkpoint.step == 8
     np.testing.assert_array_equal(back.extra["w"], np.ones(2))
     fresh = ft.train.EarlyStopping(monitor="loss", patience=3)
-    back.fit(job.data("list", 4), epochs=2, progress=False, callbacks=[fresh, save])  # already done
+    back.fit(job.data("list", 4), epochs=2, log_every=LOG, progress=False, callbacks=[fresh, save])  # already done
     assert fresh.state_dict() == stop.state_dict()
     with pytest.raises(ValueError, match=r"(?s)callback 'EarlyStopping\[0\]' \(EarlyStopping\).*"
                                           r"callbacks=False"):
-        job.trainer().restore(tmp_path / "c").fit(job.data("list", 4), epochs=3, progress=False,
+        job.trainer().restore(tmp_path / "c").fit(job.data("list", 4), epochs=3, log_every=LOG, progress=False,
                                                    callbacks=[save, ft.train.ReduceLROnPlateau("loss")])
     named = ft.train.EarlyStopping(monitor="loss", patience=3)
     named.name = "EarlyStopping[0]"
-    job.trainer().restore(tmp_path / "c").fit(job.data("list", 4), epochs=2, progress=False,
+    job.trainer().restore(tmp_path / "c").fit(job.data("list", 4), epochs=2, log_every=LOG, progress=False,
                                              callbacks=[save, named])
     assert named.state_dict() == stop.state_dict()
-    job.trainer().restore(tmp_path / "c", callbacks=False).fit(job.data("list", 4), epochs=3, progress=False)
+    job.trainer().restore(tmp_path / "c", callbacks=False).fit(job.data("list", 4), epochs=3, log_every=LOG,
+                                                             progress=False)
     with pytest.raises(TypeError, match=r"extra\['note'\] is str"):
         t.save(tmp_path / "d", extra={"note": "hi"})
     with pytest.raises(ValueError, match=r"EarlyStopping.load_state_dict got \['x'\]"):
@@ -216,16 +269,16 @@ def test_callback_state_and_extra_in_the_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"every_epochs=0"):
         ft.train.ModelCheckpoint(tmp_path / "e", every_epochs=0)
     epochs = ft.train.ModelCheckpoint(tmp_path / "f", every_epochs=2, max_to_keep=None)
-    job.trainer().fit(job.data("list", 4), epochs=3, progress=False, callbacks=[epochs])
+    job.trainer().fit(job.data("list", 4), epochs=3, log_every=LOG, progress=False, callbacks=[epochs])
     assert epochs.manager.all_steps() == [8, 12]  # the end of epoch 2, the end of training
 
 
 def test_restored_data_must_keep_its_length(tmp_path):
     t = job.trainer()
-    t.fit(job.data("list", 4), steps=2, progress=False)
+    t.fit(job.data("list", 4), steps=2, log_every=LOG, progress=False)
     t.save(tmp_path / "c")
     with pytest.raises(ValueError, match=r"4 minibatches per epoch, but fit was given 5"):
-        job.trainer().restore(tmp_path / "c").fit(job.data("list", 5), epochs=2, progress=False)
+        job.trainer().restore(tmp_path / "c").fit(job.data("list", 5), epochs=2, log_every=LOG, progress=False)
 
 
 def test_exceptions_leave_a_trainer_that_continues(tmp_path):
@@ -233,7 +286,7 @@ def test_exceptions_leave_a_trainer_that_continues(tmp_path):
     left a trainer that could not fit again ("no minibatch")."""
     data = job.data("batches", 4)
     straight = job.trainer()
-    straight.fit(data, epochs=2, progress=False)
+    straight.fit(data, epochs=2, log_every=LOG, progress=False)
 
     class Fails(ft.train.Callback):
         def on_epoch_end(self, trainer, context):
@@ -241,20 +294,20 @@ def test_exceptions_leave_a_trainer_that_continues(tmp_path):
 
     t = job.trainer()
     with pytest.raises(ValueError):
-        t.fit(data, epochs=2, progress=False, validation_data=(np.ones((2, 5), np.float32),))
+        t.fit(data, epochs=2, log_every=LOG, progress=False, validation_data=(np.ones((2, 5), np.float32),))
     assert (t.steps_run, t.epoch) == (4, 0)
     t.save(tmp_path / "c")
     ended = job.trainer().restore(tmp_path / "c")
-    ended.fit(data, steps=4, progress=False)  # the job's steps all ran, but not its epoch's end
+    ended.fit(data, steps=4, log_every=LOG, progress=False)  # the job's steps all ran, but not its epoch's end
     assert (ended.steps_run, ended.epoch) == (4, 1)
     with pytest.raises(RuntimeError, match="callback failed"):
-        t.fit(data, epochs=2, progress=False, callbacks=[Fails()])
+        t.fit(data, epochs=2, log_every=LOG, progress=False, callbacks=[Fails()])
     assert (t.steps_run, t.epoch) == (4, 1)
-    t.fit(data, epochs=2, progress=False)
+    t.fit(data, epochs=2, log_every=LOG, progress=False)
     for x, y in zip(leaves(straight), leaves(t)):
         np.testing.assert_array_equal(x, y)
     resumed = job.trainer().restore(tmp_path / "c")
-    resumed.fit(data, epochs=2, progress=False)
+    resumed.fit(data, epochs=2, log_every=LOG, progress=False)
     for x, y in zip(leaves(straight), leaves(resumed)):
         np.testing.assert_array_equal(x, y)
 
@@ -274,50 +327,68 @@ def test_sigterm_saves_at_the_current_step_and_stops(tmp_path):
     assert t.preempted and signal.getsignal(signal.SIGTERM) is before
     assert save.manager.all_steps() == [t.steps_run] and 3 <= t.steps_run < 12
     straight = job.trainer()
-    straight.fit(job.data("batches", 4), epochs=3, progress=False)
+    straight.fit(job.data("batches", 4), epochs=3, log_every=LOG, progress=False)
     resumed = job.trainer().restore(tmp_path / "c")
-    resumed.fit(job.data("batches", 4), epochs=3, progress=False, callbacks=[save])
+    resumed.fit(job.data("batches", 4), epochs=3, log_every=LOG, progress=False, callbacks=[save])
     for x, y in zip(leaves(straight), leaves(resumed)):
         np.testing.assert_array_equal(x, y)
+
+
+CHILD = """
+import json, signal, sys, threading
+import _train_job as job
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with it ignored
+job._sigint(int(sys.argv[1]), int(sys.argv[2]))  # first, in the main thread (where signals land)
+runs = json.loads(sys.argv[3])
+for _, config in runs:  # compile each job's programs before either job starts
+    spc = config["steps_per_call"]
+    job.trainer(config["accumulate"], spc).fit(job.data(config["kind"], config["n_batches"]), steps=2 * spc,
+                                               log_every=config["log_every"], steps_per_call=spc, progress=False)
+jobs = [threading.Thread(target=job._sigkill, args=run) for run in runs]
+for thread in jobs:
+    thread.start()
+for thread in jobs:
+    thread.join()
+"""
+"""One child for the subprocess scenarios (each new process starts JAX and compiles again):
+the Ctrl-C trials (``_train_job.py sigint``), then two checkpointing jobs (``_train_job.py
+sigkill``) side by side in threads, so that one SIGKILL lands at a random moment of each."""
 
 
 def _child(*args):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, str(HERE / "_train_job.py"), *map(str, args)], env=env,
+    return subprocess.Popen([sys.executable, "-c", CHILD, *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
-def test_sigkill_and_sigint_in_subprocesses(tmp_path):
+def test_sigkill_and_sigint_in_subprocesses(tmp_path, straight_job):
     """A real SIGKILL at a random moment of two jobs, resumed here bit for bit; and 20
     Ctrl-Cs at random moments of a dispatch-bound fit: no lost model, no stuck trainer."""
-    configs = [
-        {"every_steps": 3, "log_every": 2, "steps_per_call": 1, "accumulate": 1, "n_batches": 5,
+    configs = [  # minibatches of 10 (n_batches=4: the same data here and in the child)
+        {"every_steps": 3, "log_every": LOG, "steps_per_call": 1, "accumulate": 1, "n_batches": 4,
          "kind": "batches", "epochs": 6, "min_delta": 0.0},
-        {"every_steps": 4, "log_every": 3, "steps_per_call": 2, "accumulate": 2, "n_batches": 4,
+        {"every_steps": 4, "log_every": LOG, "steps_per_call": 2, "accumulate": 2, "n_batches": 4,
          "kind": "positioned", "epochs": 6, "min_delta": 0.0},
     ]
-    sigint = _child("sigint", 20, 0)
-    kills = [_child("sigkill", tmp_path / f"run{i}", json.dumps(c)) for i, c in enumerate(configs)]
-    rng = np.random.default_rng(1)
-    for i, child in enumerate(kills):
-        deadline = time.monotonic() + 120
-        while ft.train.CheckpointManager(tmp_path / f"run{i}").latest_step() is None:
-            if child.poll() is not None or time.monotonic() > deadline:
-                child.kill()
-                pytest.fail(f"the job never saved a checkpoint: {child.communicate()}")
-            time.sleep(0.05)
-        time.sleep(float(rng.uniform(0, 0.3)))
-        child.send_signal(signal.SIGKILL)
-        child.communicate()  # waits, and closes its pipes
-    for i, config in enumerate(configs):
-        resumed, cbs = resume(config, tmp_path / f"run{i}")
-        straight = job.trainer(config["accumulate"], config["steps_per_call"])
-        straight_cbs = job.fit(straight, config, tmp_path / f"straight{i}")
+    runs = [(str(tmp_path / f"run{i}"), c) for i, c in enumerate(configs)]
+    child = _child(20, 0, json.dumps(runs))
+    deadline = time.monotonic() + 300
+    while any(ft.train.CheckpointManager(d).latest_step() is None for d, _ in runs):
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"the jobs never saved a checkpoint: {child.communicate()}")
+        time.sleep(0.05)
+    time.sleep(float(np.random.default_rng(1).uniform(0, 0.3)))
+    child.send_signal(signal.SIGKILL)
+    out, err = child.communicate()  # waits, and closes its pipes
+    for directory, config in runs:
+        resumed, cbs = resume(config, directory)
+        straight, straight_cbs, _ = straight_job(config)
         assert_same_job(straight, resumed, straight_cbs[1], cbs[1])
-    out, err = sigint.communicate(timeout=300)
-    report = json.loads(out.strip().splitlines()[-1])
+    report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert report == {"trials": 20, "interrupted": report["interrupted"], "lost": 0, "stuck": 0,
                       "equal": 20}, err
     assert report["interrupted"] >= 5, report  # the others landed after fit (timing varies with load)
@@ -407,7 +478,7 @@ def test_callbacks_see_the_job_state_read_only():
             seen.append(trainer.state)
 
     t = job.trainer()
-    t.fit(job.data("list", 4), epochs=2, progress=False, callbacks=[Reads()])
+    t.fit(job.data("list", 4), epochs=2, log_every=LOG, progress=False, callbacks=[Reads()])
     assert [(s.steps_run, s.epoch) for s in seen] == [(4, 1), (8, 2)]
     assert seen[0].history is seen[1].history  # the one member that grows in place
     assert isinstance(seen[0], ft.train.JobState) and seen[0].model is not seen[1].model

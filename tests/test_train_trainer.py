@@ -10,6 +10,7 @@ import functree as ft
 import functree.train._intervals as intervals_module
 import functree.train._reader as reader_module
 from functree.train import NonFiniteError, Trainer
+from functree.train._programs import forget_programs
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(64, 3)).astype(np.float32)
@@ -42,6 +43,14 @@ def adam(lr=0.05):
     return ft.optim.Optimizer(ft.optim.adam(lr))
 
 
+@pytest.fixture(autouse=True)
+def _own_compiled_steps():
+    """Overrides conftest.py's: this module's Trainers share their compiled programs across
+    tests (most train the same mlp with the same loss and optimizer; the process-wide table
+    of functree/train/_programs.py, as a user's process has it). A test that counts its own
+    compilations calls ``forget_programs()`` first."""
+
+
 def test_fit_records_steps_and_epochs_and_learns():
     trainer = Trainer(mlp(), adam(), classify, metrics=[ft.train.accuracy])
     data = ft.train.batches((X, LABELS), 16, key=jax.random.key(1))
@@ -72,6 +81,7 @@ def test_callers_model_stays_valid():
 
 
 def test_loop_reads_the_device_only_at_log_intervals(monkeypatch):
+    forget_programs()  # the cache size below counts this test's programs
     trainer = Trainer(mlp(), adam(), classify)
     data = ft.train.batches((X, LABELS), 4, key=jax.random.key(1))  # 16 steps per epoch
     trainer.fit(data, steps=2, progress=False, log_every=10)  # compile outside the count

@@ -448,8 +448,11 @@ report({"fsdp": diff(fsdp, one), "tp": diff(tp, one),
         "fsdp_spec": str(fsdp.layers.up.weight.sharding.spec), "tp_spec": str(tp.layers.up.weight.sharding.spec)})
 """)
     # 4 Adam steps (lr 1e-2), 8 devices vs 1: the sums differ in order only, and Adam's
-    # normalisation carries that into the parameters: measured 1.2e-5 and 7.8e-6 of a scale of 1.
-    assert out["fsdp"] <= 1e-4 * out["scale"] and out["tp"] <= 1e-4 * out["scale"], out
+    # normalisation carries that into the parameters. Measured (fraction of the largest
+    # parameter) under the four XLA CPU instruction sets: FSDP 4.6e-7 to 4.7e-6, tensor
+    # parallel 1.37e-5 to 1.42e-5 (once 3.4e-5 while the tests were being reworked); 3e-4 is
+    # ~10x the largest; a wrongly split or unsynchronised update is off by ~lr = 1e-2.
+    assert out["fsdp"] <= 3e-4 * out["scale"] and out["tp"] <= 3e-4 * out["scale"], out
     assert out["fsdp_spec"] == "P(None, None, 'data')"  # never the layer axis
     assert out["tp_spec"] == "P(None, None, 'model')"  # the member's rule, layer axis prepended
 

@@ -1,10 +1,9 @@
-"""A tiny training job for tests/test_train_job.py, and its subprocess modes.
+"""A tiny training job for tests/test_train_job.py, and what its subprocess runs.
 
 ``job(config)`` builds the data (in four kinds) and a fresh Trainer; the TrainSteps are
-shared between Trainers of one process (one compilation per configuration).
-
-    python tests/_train_job.py sigkill DIR CONFIG_JSON   # train with checkpoints until killed
-    python tests/_train_job.py sigint TRIALS SEED        # Ctrl-C at random moments, JSON report
+shared between Trainers of one process (one compilation per configuration). ``_sigkill``
+(train with checkpoints until killed) and ``_sigint`` (Ctrl-C at random moments, a JSON
+report) run in the test's child process.
 """
 
 from __future__ import annotations
@@ -174,6 +173,8 @@ def _sigkill(directory: str, config: dict) -> None:
 def _sigint(trials: int, seed: int) -> None:
     """Ctrl-C at random moments of a dispatch-bound fit; each interrupted trainer goes on
     to the end. Reports lost models, stuck trainers and bit-for-bit equality."""
+    # Python's Ctrl-C handler: a shell's background job starts its children with SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = np.random.default_rng(seed)
     batches = ft.train.batches((X, Y), 4, key=jax.random.key(3))  # 10 steps per epoch
     steps = 60
@@ -227,9 +228,3 @@ def _sigint(trials: int, seed: int) -> None:
         report["trials"] += 1
     print(json.dumps(report), flush=True)
 
-
-if __name__ == "__main__":
-    if sys.argv[1] == "sigkill":
-        _sigkill(sys.argv[2], json.loads(sys.argv[3]))
-    else:
-        _sigint(int(sys.argv[2]), int(sys.argv[3]))

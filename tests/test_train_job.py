@@ -334,11 +334,13 @@ def test_sigterm_saves_at_the_current_step_and_stops(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+# One child for the subprocess scenarios (each new process starts JAX and compiles again):
+# the Ctrl-C trials, then two checkpointing jobs side by side in threads, so that one
+# SIGKILL lands at a random moment of each.
 CHILD = """
-import json, signal, sys, threading
+import json, sys, threading
 import _train_job as job
 
-signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with it ignored
 job._sigint(int(sys.argv[1]), int(sys.argv[2]))  # first, in the main thread (where signals land)
 runs = json.loads(sys.argv[3])
 for _, config in runs:  # compile each job's programs before either job starts
@@ -351,9 +353,6 @@ for thread in jobs:
 for thread in jobs:
     thread.join()
 """
-"""One child for the subprocess scenarios (each new process starts JAX and compiles again):
-the Ctrl-C trials (``_train_job.py sigint``), then two checkpointing jobs (``_train_job.py
-sigkill``) side by side in threads, so that one SIGKILL lands at a random moment of each."""
 
 
 def _child(*args):

@@ -171,6 +171,33 @@ def test_a_jitted_step_donates_and_never_recompiles():
     assert (int(ctx.step), int(ctx.sweep), int(ctx.samples_seen)) == (5, 5, 40)
 
 
+_STEADY = {
+    "adam": lambda: fo.adam(0.1), "sgd momentum": lambda: fo.sgd(0.1, momentum=0.9),
+    "lion": lambda: fo.lion(0.1), "radam": lambda: fo.radam(0.1), "adadelta": lambda: fo.adadelta(1.0),
+    "skip + ema": lambda: optax.chain(fo.skip_non_finite(fo.adam(0.1)), fo.ema(0.9)),
+    "lookahead": lambda: fo.lookahead(fo.sgd(0.1), 2, 0.5),
+    "reduce_on_plateau": lambda: optax.chain(fo.sgd(0.1), fo.reduce_on_plateau(patience=1)),
+    "optax.lbfgs": lambda: optax.lbfgs(), "optax.adafactor": lambda: optax.adafactor(0.1),
+}
+
+
+@pytest.mark.parametrize("make", _STEADY.values(), ids=_STEADY.keys())
+def test_a_step_returns_the_state_types_init_made(make):
+    """A jitted step compiles once only if the state it returns has the types it was given:
+    optax.lbfgs's initial line-search counts were weakly typed and came back strong."""
+    opt = fo.Optimizer(make())
+    model = _model()
+    state = opt.init(model)
+    _, after, _ = opt.minimize(_loss, model, state, X, Y)
+
+    def types(tree):
+        return [(jax.tree_util.keystr(p), x.shape, x.dtype, x.weak_type)
+                for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    assert jax.tree.structure(after) == jax.tree.structure(state)
+    assert types(after) == types(state)
+
+
 class Normed(ft.Module):
     dense: ft.nn.Dense
     running_mean: jax.Array = ft.field(no_derivative=True)
@@ -341,12 +368,13 @@ def test_lbfgs_through_minimize_and_update_equals_optax_loop():
         updates, s_q = opt.update(grads, s_q, q, value=value, value_fn=_rosenbrock)
         return p, s, ft.move(q, along=updates), s_q
 
-    # optax's initial state holds a weakly typed count that a step returns strongly typed:
-    # made strong here, the step compiles once, not again at the second step.
-    state = jax.tree.map(lambda x: jnp.asarray(x, x.dtype), opt.init(start))
+    # optax's initial state holds weakly typed line-search counts that a step returns
+    # strongly typed: Optimizer.init makes them strong, so the step compiles once.
+    state = opt.init(start)
     p, state, q, state_q = start, state, start, state
     for _ in range(10):
         p, state, q, state_q = step(p, state, q, state_q)
+    assert step._cache_size() == 1
     np.testing.assert_allclose(p["x"], expected["x"], rtol=0, atol=1e-6)  # |x| ≤ 1.2
     np.testing.assert_allclose(q["x"], expected["x"], rtol=0, atol=1e-6)
     assert float(_rosenbrock(expected)) < float(_rosenbrock(start)) / 10

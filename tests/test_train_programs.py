@@ -60,6 +60,37 @@ def test_a_new_trainer_with_the_same_configuration_compiles_nothing():
     jax.tree.map(np.testing.assert_array_equal, second.model, first.model)  # the same numbers
 
 
+def test_a_restore_or_a_replaced_model_in_the_same_process_compiles_nothing(tmp_path):
+    """Restored arrays are committed to their device and a fresh trainer's were not: jax.jit
+    keys its cache on that, so continuing a job in the process compiled the step again."""
+    first = fit(ft.optim.adam(1e-2), validation=True)
+    first.save(tmp_path)
+    with compilations() as seen:
+        restored = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.adam(1e-2), mse)
+        restored.restore(tmp_path)
+        restored.fit(data(), epochs=2, progress=False, validation_data=data(1))
+        restored.model = ft.nn.training(ft.nn.Dense(3, 1, key=jax.random.key(1)))  # a callback's new model
+        restored.fit(data(), epochs=3, progress=False)
+    assert seen == []  # main: 4 (the step twice, two of the loop's small programs)
+    assert restored.steps_run == first.steps_run + 6
+
+
+def test_log_intervals_of_one_size_class_share_the_compiled_step():
+    """The log buffer's rows are part of the step's signature: rounded up to a power of
+    two, log_every 9 to 16 share one program (main: each log_every compiled its own)."""
+    def run(log_every):
+        trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.adam(1e-2), mse)
+        trainer.fit(data(20), progress=False, log_every=log_every)
+        return trainer
+
+    first = run(10)
+    with compilations() as seen:
+        second = run(16)
+    assert seen == []
+    assert len(second.history.steps["loss"]) == len(first.history.steps["loss"]) == 20
+    np.testing.assert_array_equal(second.history.steps["loss"], first.history.steps["loss"])
+
+
 def test_another_configuration_gets_another_program():
     """Anything that may change what the step computes keys another program (no compilation
     needed to see it: the keys differ); the same configuration built anew keys the same."""

@@ -162,6 +162,16 @@ class Gradients(NamedTuple):
     layer_state: Any
 
 
+
+def _strongly_typed(tree: Any) -> Any:
+    """``tree`` with its weakly typed leaves made strong (same dtype and values).
+
+    An update returns strongly typed leaves, and a restored checkpoint holds them: a
+    weakly typed initial leaf (``optax.lbfgs``'s line-search counts) would give a jitted
+    step another input type at its second call, and a second compile.
+    """
+    return jax.tree.map(lambda x: jnp.asarray(x, x.dtype) if getattr(x, "weak_type", False) else x, tree)
+
 class Optimizer:
     """An optimizer with TF RFC 234's overridable ``minimize`` hooks, over an optax transform.
 
@@ -291,7 +301,7 @@ class Optimizer:
         """
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             inner = self._transform.init(mode_free(trained_view(model, self.wrt)))
-        state = OptimizerState(initial_context(), release_contexts(inner))
+        state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.
         return copy_aliases((model, state))[1]

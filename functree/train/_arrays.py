@@ -22,7 +22,7 @@ from functree.parallel import sharded_target
 from functree.train._processes import gather
 from functree.train._treespec import encode
 
-__all__ = ["checksum", "describe", "verify", "default_placement", "placement"]
+__all__ = ["checksum", "describe", "verify", "default_placement", "placement", "committed"]
 
 
 def checksum(x: Any) -> int:
@@ -153,3 +153,14 @@ def placement(parts: Mapping[str, Any], mesh: Any, sharding: Any, data_axis: str
                 for k, w in sums.items()}
 
     return target
+
+
+def committed(tree: Any) -> Any:
+    """``tree`` with each array committed to the device it is on (the same buffers).
+
+    Restored arrays are committed (orbax places them as saved), and ``jax.jit`` keys its
+    cache on that: a job whose fresh arrays were not would compile its step again after
+    an in-process restore. Committed from the start, both hit one program.
+    """
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array)
+                        and not getattr(x, "committed", True) else x, tree)

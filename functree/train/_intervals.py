@@ -26,6 +26,7 @@ import numpy as np
 from functree._tree import bounded_put, cached
 from functree.optim import context, hyperparameters
 from functree.optim._hyper import learning_rate_names
+from functree.train._arrays import committed
 
 __all__ = ["Interval", "MetricLog", "Reading", "next_buffer", "snapshot", "STOPPED_EARLIER", "to_host"]
 
@@ -171,10 +172,15 @@ class MetricLog:
             columns = len(self.names or ()) + len(self.rates)
             buffer = {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
                       "rows": jnp.zeros((self.capacity, columns), jnp.float32)}
-            self.buffer = buffer if place is None else place(buffer)
+            # committed as the trainer's other arrays are (one compiled step: _arrays.committed)
+            self.buffer = committed(buffer if place is None else place(buffer))
         return self.buffer
 
-    def resize(self, capacity: int) -> None:
+    def resize(self, rows: int) -> None:
+        """Room for ``rows`` steps, rounded up to a power of two (8 at least): the buffer's
+        shape is part of the step program's signature, so ``log_every`` 10 and 16 (and a
+        ``steps_per_call`` that changes the rows by a few) share one compiled step."""
+        capacity = max(8, 1 << (rows - 1).bit_length())
         if self.capacity != capacity:
             self.buffer, self.capacity = None, capacity
 

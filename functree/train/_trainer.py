@@ -26,6 +26,7 @@ from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._skip import DEFAULT_ON_NAN
+from functree.train._arrays import committed
 from functree.train._callbacks import Callback, ModelCheckpoint, TrainingContext, as_callback
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, to_arrays
@@ -62,15 +63,19 @@ class _Fit(NamedTuple):
     sync_logs: bool  # a callback reads the model at on_log: read intervals at once
 
 
-def _job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any], None] | None = None) -> Any:
+def _job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any], None] | None = None,
+               arrays: bool = False) -> Any:
     """A property reading ``name`` of the current :class:`JobState` (setting it commits a
-    new record: callbacks replace ``trainer.model``, set ``trainer.stop_training``)."""
+    new record: callbacks replace ``trainer.model``, set ``trainer.stop_training``).
+    ``arrays``: the step's inputs, committed as the trainer's own (one compiled step)."""
     def get(self: Trainer) -> Any:
         return getattr(self._job, name)
 
     def put(self: Trainer, value: Any) -> None:
         if check is not None:
             check(value)
+        if arrays and getattr(self.train_step, "placement", None) is None:
+            value = committed(value)
         self._job = self._job._replace(**{name: value})
 
     return property(get, put if settable else None, doc=doc)
@@ -140,9 +145,11 @@ class Trainer(Evaluation):
       (2, 1)
     """
 
-    model = _job_field("model", "The model (training mode) after the last step committed.", settable=True)
-    opt_state = _job_field("opt_state", "The optimizer state (with its learning context).", settable=True)
-    key = _job_field("key", "The base PRNG key (None: the loss takes none).", settable=True)
+    model = _job_field("model", "The model (training mode) after the last step committed.", settable=True,
+                       arrays=True)
+    opt_state = _job_field("opt_state", "The optimizer state (with its learning context).", settable=True,
+                           arrays=True)
+    key = _job_field("key", "The base PRNG key (None: the loss takes none).", settable=True, arrays=True)
     extra = _job_field("extra", "User state saved with every checkpoint: a tree of arrays and plain values.",
                        settable=True, check=check_extra)
     stop_training = _job_field("stopped", "Set True (a callback) to stop after this step.", settable=True)
@@ -174,6 +181,8 @@ class Trainer(Evaluation):
         placement = getattr(self.train_step, "placement", None)
         if placement is not None:  # a step over a mesh: arrays on it by its rules
             model, opt_state = placement.place(model, opt_state)
+        else:  # committed, as restored arrays are: one compiled step for both
+            model, opt_state, key = committed((model, opt_state, key))
         self._job = JobState.start(model, opt_state, key)
         self.nan_report: Any = None  # ft.NaNReport of the first stopped or skipped step
         self.preempted = False  # the last fit stopped at a SIGTERM

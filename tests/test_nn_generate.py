@@ -204,6 +204,7 @@ def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
 
 def test_filters_equal_hf_logits_warpers():
     from transformers.generation.logits_process import (
+        MinPLogitsWarper,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
@@ -211,13 +212,19 @@ def test_filters_equal_hf_logits_warpers():
 
     logits = np.random.default_rng(0).normal(size=(6, 50)).astype(np.float32) * 3
     no_ids = torch.zeros((6, 1), dtype=torch.long)  # the warpers do not read the ids
-    for temperature, top_k, top_p in [(0.7, 5, None), (1.0, None, 0.8), (1.3, 20, 0.6), (0.5, None, 0.999)]:
+    for temperature, top_k, top_p, min_p in [(0.7, 5, None, None), (1.0, None, 0.8, None), (1.3, 20, 0.6, None),
+                                             (0.5, None, 0.999, None), (1.0, None, None, 0.1),
+                                             (1.5, 30, 0.9, 0.05), (0.8, None, None, 0.5)]:
         expected = TemperatureLogitsWarper(temperature)(no_ids, torch.from_numpy(logits))
         if top_k is not None:
             expected = TopKLogitsWarper(top_k)(no_ids, expected)
         if top_p is not None:
             expected = TopPLogitsWarper(top_p)(no_ids, expected)
-        ours = np.asarray(_generate._filtered(jnp.asarray(logits), temperature, top_k, top_p))
+        if min_p is not None:
+            before = np.isfinite(expected.numpy()).sum()
+            expected = MinPLogitsWarper(min_p)(no_ids, expected)
+            assert np.isfinite(expected.numpy()).sum() < before  # min_p removed some tokens
+        ours = np.asarray(_generate._filtered(jnp.asarray(logits), temperature, top_k, top_p, min_p))
         expected = expected.numpy()
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
         kept = np.isfinite(expected)
@@ -303,6 +310,55 @@ def test_repetition_penalty_min_new_tokens_stop_and_scores_equal_hf_generate(lla
     ended = np.arange(NEW) >= np.array(lengths)[:, None]
     expected_scores[ended] = 0.0
     np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=2e-5 * np.abs(expected_scores).max())
+
+
+def _unused_pad(ids, mask, *outputs):
+    """``ids`` with its padding set to a token id that no real prompt token and no output
+    uses: Hugging Face's no_repeat_ngram_size counts padding as tokens and ours does not, so
+    the two agree exactly when no n-gram of padding can match."""
+    used = set(ids[mask != 0].tolist()).union(*(set(o.ravel().tolist()) for o in outputs))
+    free = next(i for i in range(VOCAB) if i not in used)
+    return np.where(mask != 0, ids, free), free
+
+
+def test_no_repeat_ngram_and_suppress_tokens_equal_hf_generate(llama):
+    """Greedy and beam search with HF's no_repeat_ngram_size and suppress_tokens (and the
+    penalty before them), left-padded prompts: tokens and scores equal HF's, and both
+    controls change what plain decoding gives. (n = 1 bans every token of the row, which for
+    HF includes the padding token itself: that case runs unpadded.)"""
+    hf, model = llama
+    ids, mask = left_padded_prompts()
+    plain = hf_outputs(hf, ids, mask, eos_token_id=0, pad_token_id=2).sequences.numpy()
+    suppress = sorted({int(plain[0, PROMPT + 1]), int(plain[1, PROMPT])})
+    for n, more in [(2, {"repetition_penalty": 1.2}), (3, {"num_beams": 3, "num_return_sequences": 2}),
+                    (1, {"unpadded": True})]:
+        if more.pop("unpadded", False):
+            ids, mask = ids[:1], mask[:1]
+            plain = plain[:1]
+        options: dict[str, Any] = dict(eos_token_id=0, pad_token_id=2, no_repeat_ngram_size=n,
+                                       suppress_tokens=suppress, **more)
+        first = hf_outputs(hf, ids, mask, **options).sequences.numpy()
+        padded, free = _unused_pad(ids, mask, plain, first)
+        out = hf_outputs(hf, padded, mask, **options)
+        expected, expected_scores = hf_expected(hf, out, beams="num_beams" in more)
+        assert free not in expected[:, PROMPT:]
+        tokens, scores = ft.nn.generate(model, padded, NEW, attention_mask=mask, return_scores=True, **options)
+        np.testing.assert_array_equal(tokens, expected, err_msg=f"n={n} {more}")
+        generated = expected[:, PROMPT:]
+        lengths = np.where((generated == 0).any(1), np.argmax(generated == 0, 1) + 1, NEW)
+        alive = np.arange(NEW) < lengths[:, None]  # (HF scores the pad tokens after a row's end; ours are 0)
+        assert np.isfinite(expected_scores[alive]).all() and (np.asarray(scores)[~alive] == 0).all()
+        np.testing.assert_allclose(np.asarray(scores)[alive], expected_scores[alive], rtol=0,
+                                   atol=2e-5 * np.abs(expected_scores[alive]).max())
+        generated = np.asarray(tokens)[:, PROMPT:]
+        assert not np.isin(generated, suppress).any()
+        for row, real in zip(np.asarray(tokens), mask.astype(bool)):
+            text = row[np.concatenate([real, np.ones(NEW, bool)])].tolist()
+            grams = [tuple(text[i:i + n]) for i in range(len(text) - n + 1)]
+            ended = [g for g in grams if 0 not in g and 2 not in g]  # before the row's end (EOS 0, pad 2)
+            assert len(set(ended)) == len(ended), f"a repeated {n}-gram in {text}"
+        if "num_beams" not in more:
+            assert (np.asarray(tokens)[:, PROMPT:] != plain[:, PROMPT:]).any()
 
 
 def test_sampling_scores_are_hf_processed_log_probabilities(tiny):
@@ -402,6 +458,20 @@ def test_errors(tiny):
     with pytest.raises(ValueError, match=r"top_k= filters(.|\n)*temperature=0.0 is greedy"):
         generate(model, prompt, 4, top_k=5)
     key = jax.random.key(0)
+    for min_p in (-0.1, 1.5, "0.1"):
+        with pytest.raises(ValueError, match=r"min_p must be a number in \[0, 1\]"):
+            generate(model, prompt, 4, temperature=1.0, min_p=min_p, key=key)
+    with pytest.raises(ValueError, match=r"min_p= filters(.|\n)*temperature=0.0 is greedy"):
+        generate(model, prompt, 4, min_p=0.1)
+    for size in (-1, 2.0, "3"):
+        with pytest.raises(ValueError, match=r"no_repeat_ngram_size must be an int >= 0"):
+            generate(model, prompt, 4, no_repeat_ngram_size=size)
+    with pytest.raises(ValueError, match=r"suppress_tokens must be a token id"):
+        generate(model, prompt, 4, suppress_tokens=[-1])
+    vocab = model.head.weight.shape[-1]
+    with pytest.raises(ValueError, match=rf"suppress_tokens \[{vocab}, {vocab + 5}\] are not ids of this model's "
+                                         rf"vocabulary \({vocab} tokens: 0 to {vocab - 1}\)"):
+        generate(model, prompt, 4, suppress_tokens=[1, vocab + 5, vocab])
     for top_p in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match=rf"top_p must be a number in \(0, 1\](.|\n)*got {top_p}"):
             generate(model, prompt, 4, temperature=1.0, top_p=top_p, key=key)

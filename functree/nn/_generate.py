@@ -17,11 +17,12 @@ One ``jax.jit``-compiled function runs the prompt through the model once (prefil
 ``lax.while_loop`` feeds one token per step until ``max_new_tokens`` are made or every row has
 emitted an end-of-sequence token. It compiles once per model structure, input shape and
 static option (``max_new_tokens``, ``top_k``, whether it samples, whether it filters by
-``top_p``, whether it stops at EOS and how many EOS ids, the stop sequences' count and
-length, which of the repetition penalty, ``min_new_tokens`` and scores are on, the number of
-beams and of returned sequences); the temperature, the ``top_p`` value, the key, the EOS,
-pad and stop ids, the penalty, ``min_new_tokens``, ``length_penalty``, ``early_stopping``
-and the tokens are traced. Options that are off add nothing to the compiled loop: plain
+``top_p`` and by ``min_p``, whether it stops at EOS and how many EOS ids, the stop sequences'
+count and length, which of the repetition penalty, ``min_new_tokens`` and scores are on,
+``no_repeat_ngram_size``, the ``suppress_tokens`` ids, the number of beams and of returned
+sequences); the temperature, the ``top_p`` and ``min_p`` values, the key, the EOS, pad and
+stop ids, the penalty, ``min_new_tokens``, ``length_penalty``, ``early_stopping`` and the
+tokens are traced. Options that are off add nothing to the compiled loop: plain
 greedy decoding is the same program with or without the controls' code.
 
 Beam search (``_beam_search``) is Hugging Face's: the beams are ``batch * num_beams`` rows of
@@ -124,6 +125,24 @@ generate: top_p must be a number in (0, 1] (the probability mass kept), got {giv
 
     right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, top_p=0.9, key=key)"""
 
+BAD_MIN_P = """\
+generate: min_p must be a number in [0, 1] (tokens less likely than min_p times the most \
+likely one are dropped; 0: none), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, min_p=0.05, key=key)"""
+
+BAD_NGRAM = """\
+generate: no_repeat_ngram_size must be an int >= 0 (n: no n-gram appears twice in a row; 0: \
+none), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, no_repeat_ngram_size=3)"""
+
+SUPPRESS_OUTSIDE_VOCAB = """\
+generate: suppress_tokens {ids} are not ids of this model's vocabulary ({vocab} tokens: 0 to \
+{last}).
+
+    right:  ft.nn.generate(model, input_ids, 8, suppress_tokens=[{example}])"""
+
 BAD_TOKEN_ID = """\
 generate: {name} must be a token id (an int >= 0){plural}, got {given!r}.
 
@@ -218,10 +237,13 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     repetition_penalty: float | None = None,
+    no_repeat_ngram_size: int | None = None,
     min_new_tokens: int | None = None,
+    suppress_tokens: int | Sequence[int] | None = None,
     stop: Sequence[Sequence[int]] | None = None,
     num_beams: int = 1,
     num_return_sequences: int | None = None,
@@ -245,8 +267,13 @@ def generate(
     - ``repetition_penalty=r``: the logit ``l`` of every token already in the row (the real
       prompt tokens, left padding excluded, and the tokens generated so far) becomes ``l / r``
       if ``l > 0``, else ``l * r`` (``r > 1`` discourages repeats);
+    - ``no_repeat_ngram_size=n``: a token that would complete an ``n``-gram already in the
+      row (real prompt tokens and generated ones; left padding is not part of any) is
+      ``-inf``;
     - ``min_new_tokens=m``: the EOS ids' logits are ``-inf`` for the first ``m`` new tokens;
-    - then ``temperature``, ``top_k``, ``top_p`` (sampling only).
+    - ``suppress_tokens`` (an id or a list): these ids' logits are ``-inf`` at every step;
+    - then ``temperature``, ``top_k``, ``top_p`` and ``min_p`` (sampling only; ``min_p=q``
+      drops the tokens whose probability is below ``q`` times the most likely token's).
 
     ``stop`` (a list of token-id sequences, e.g. ``[[13, 198], [50256]]``) ends a row right
     after it emits any of them in full (the last tokens of the row, real prompt tokens included,
@@ -327,7 +354,9 @@ def generate(
     if callable(check):  # the prompt's ids against the vocabulary, once, here where they are concrete
         check(ids)
     mask = _attention_mask(attention_mask, ids.shape)
-    greedy = _greedy(temperature, key, top_k, top_p)
+    greedy = _greedy(temperature, key, top_k, top_p, min_p)
+    ngram = _ngram_size(no_repeat_ngram_size)
+    suppress = _token_ids(suppress_tokens, "suppress_tokens")
     eos = _token_ids(eos_token_id, "eos_token_id")
     pad = _token_ids(pad_token_id, "pad_token_id", single=True)
     penalty = _repetition_penalty(repetition_penalty)
@@ -345,7 +374,8 @@ def generate(
     common = (jnp.asarray(ids, jnp.int32), mask, jnp.asarray(eos or (-1,), jnp.int32), jnp.asarray(fill, jnp.int32),
               jnp.asarray(1.0 if penalty is None else penalty, jnp.float32), jnp.asarray(hold, jnp.int32),
               jnp.asarray(stop_ids))
-    options = {"new": new, "penalize": penalty is not None, "hold": hold > 0, "scores": bool(return_scores)}
+    options = {"new": new, "penalize": penalty is not None, "hold": hold > 0, "scores": bool(return_scores),
+               "ngram": ngram, "suppress": suppress}
     if beams > 1:
         tokens, scores = _beam_search(model, *common, jnp.asarray(lp, jnp.float32), jnp.asarray(early is True),
                                       jnp.asarray(early == "never"), beams=beams, returns=returns,
@@ -354,7 +384,9 @@ def generate(
         tokens, scores = _generate(
             model, *common, key, jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
             jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
-            greedy=greedy, top_k=top_k, use_top_p=top_p is not None and top_p < 1.0, ends=bool(eos or stops),
+            jnp.asarray(0.0 if min_p is None else min_p, jnp.float32),
+            greedy=greedy, top_k=top_k, use_top_p=top_p is not None and top_p < 1.0,
+            use_min_p=min_p is not None and min_p > 0.0, ends=bool(eos or stops),
             **options,
         )
     return (tokens, scores) if return_scores else tokens
@@ -384,15 +416,17 @@ def _attention_mask(mask: Any, shape: tuple[int, ...]) -> jax.Array:
     return jnp.asarray(m != 0 if m.dtype != jnp.bool_ else m, jnp.int32)
 
 
-def _greedy(temperature: Any, key: Any, top_k: Any, top_p: Any) -> bool:
+def _greedy(temperature: Any, key: Any, top_k: Any, top_p: Any, min_p: Any = None) -> bool:
     if not _is_number(temperature) or not temperature >= 0:
         raise ValueError(BAD_TEMPERATURE.format(given=temperature))
+    if min_p is not None and (not _is_number(min_p) or not 0.0 <= min_p <= 1.0):
+        raise ValueError(BAD_MIN_P.format(given=min_p))
     if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise ValueError(BAD_TOP_K.format(vocab="vocab", given=top_k))
     if top_p is not None and (not _is_number(top_p) or not 0.0 < top_p <= 1.0):
         raise ValueError(BAD_TOP_P.format(given=top_p))
     if temperature == 0:
-        for name, value in (("top_k", top_k), ("top_p", top_p)):
+        for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
             if value is not None:
                 raise ValueError(GREEDY_OPTIONS.format(name=name, value=value))
         return True
@@ -422,6 +456,14 @@ def _repetition_penalty(value: Any) -> float | None:
     if not _is_number(value) or not (0.0 < value < np.inf):
         raise ValueError(BAD_REPETITION_PENALTY.format(given=value))
     return None if value == 1.0 else float(value)
+
+
+def _ngram_size(value: Any) -> int:
+    if value is None:
+        return 0
+    if not _is_int(value) or value < 0:
+        raise ValueError(BAD_NGRAM.format(given=value))
+    return int(value)
 
 
 def _min_new_tokens(value: Any, new: int, eos: tuple[int, ...]) -> int:
@@ -492,9 +534,10 @@ def _call(model: Any, ids: jax.Array, am: jax.Array, pos: jax.Array, cache: Any)
     return out
 
 
-def _filtered(logits: jax.Array, temperature: Any, top_k: int | None, top_p: Any) -> jax.Array:
+def _filtered(logits: jax.Array, temperature: Any, top_k: int | None, top_p: Any, min_p: Any = None) -> jax.Array:
     """``logits / temperature`` with ``-inf`` outside the ``top_k`` most likely tokens, then
-    outside the smallest set whose probability reaches ``top_p`` (None: no filter)."""
+    outside the smallest set whose probability reaches ``top_p``, then where the probability
+    is below ``min_p`` times the largest (None: no filter)."""
     logits = logits.astype(jnp.float32) / temperature
     lowest = jnp.asarray(-jnp.inf, jnp.float32)
     if top_k is not None:
@@ -507,24 +550,70 @@ def _filtered(logits: jax.Array, temperature: Any, top_k: int | None, top_p: Any
         kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1: the first has 0 before it
         threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
         logits = jnp.where(logits < threshold, lowest, logits)
+    if min_p is not None:  # p < q * p_max, i.e. l < l_max + log q (the most likely token stays)
+        probs = jax.nn.softmax(logits, axis=-1)
+        logits = jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), lowest, logits)
     return logits
 
 
 def _processed(logits: jax.Array, seen: Any, t: Any, penalty: jax.Array, hold: jax.Array, is_eos: Any, *,
-               penalize: bool, holding: bool) -> jax.Array:
-    """HF's repetition penalty over the tokens ``seen`` (bool ``[rows, vocab]``), then EOS held
-    back (``-inf``) while ``t < hold``; float32 logits (or log-probabilities) ``[rows, vocab]``."""
+               penalize: bool, holding: bool, banned: Any = None, suppressed: Any = None) -> jax.Array:
+    """HF's processors in its order on float32 logits (or log-probabilities) ``[rows, vocab]``:
+    the repetition penalty over the tokens ``seen`` (bool ``[rows, vocab]``), the n-grams'
+    ``banned`` tokens (bool ``[rows, vocab]``), EOS held back while ``t < hold``, the
+    ``suppressed`` tokens (bool ``[vocab]``); each removed token is ``-inf``."""
+    lowest = jnp.asarray(-jnp.inf, jnp.float32)
     if penalize:
         logits = jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
+    if banned is not None:
+        logits = jnp.where(banned, lowest, logits)
     if holding:
-        logits = jnp.where(is_eos & (t < hold), jnp.asarray(-jnp.inf, jnp.float32), logits)
+        logits = jnp.where(is_eos & (t < hold), lowest, logits)
+    if suppressed is not None:
+        logits = jnp.where(suppressed, lowest, logits)
     return logits
+
+
+def _made(prompt_mask: jax.Array, new: int, t: Any) -> jax.Array:
+    """bool ``[batch, P + new]``: the real tokens before new token ``t`` (the prompt's
+    unpadded ones, then the ``t`` generated)."""
+    generated = jnp.broadcast_to(jnp.arange(new) < t, (prompt_mask.shape[0], new))
+    return jnp.concatenate([prompt_mask != 0, generated], axis=1)
+
+
+def _repeated_ngrams(tokens: jax.Array, real: jax.Array, length: Any, n: int, vocab: int) -> jax.Array:
+    """bool ``[rows, vocab]``: the tokens that would complete an ``n``-gram already among the
+    first ``length`` tokens of each row (``tokens``/``real`` ``[rows, total]``; padding, not
+    ``real``, is part of no n-gram): Hugging Face's ``no_repeat_ngram_size``."""
+    rows, total = tokens.shape
+    if total < n:
+        return jnp.zeros((rows, vocab), bool)
+    starts = total - n + 1
+    grams = jnp.stack([tokens[:, i:starts + i] for i in range(n)], axis=-1)  # [rows, starts, n]
+    whole = jnp.stack([real[:, i:starts + i] for i in range(n)], axis=-1).all(-1)
+    whole = whole & (jnp.arange(starts) + n <= length)  # n-grams that end before the next token
+    if n > 1:
+        tail = jax.lax.dynamic_slice_in_dim(tokens, length - (n - 1), n - 1, axis=1)  # the last n - 1 tokens
+        tail_real = jax.lax.dynamic_slice_in_dim(real, length - (n - 1), n - 1, axis=1).all(-1, keepdims=True)
+        whole = whole & jnp.all(grams[..., :-1] == tail[:, None, :], axis=-1) & tail_real & (length >= n - 1)
+    counts = jnp.zeros((rows, vocab), jnp.int32)
+    counts = counts.at[jnp.arange(rows)[:, None], grams[..., -1]].add(whole.astype(jnp.int32))
+    return counts > 0
 
 
 def _seen(ids: jax.Array, mask: jax.Array, vocab: int) -> jax.Array:
     """bool ``[batch, vocab]``: the tokens among the real (unpadded) prompt tokens."""
     rows = jnp.arange(ids.shape[0])[:, None]
     return jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, ids].add(mask) > 0  # ids >= vocab: dropped
+
+
+def _suppressed(ids: tuple[int, ...], vocab: int) -> jax.Array:
+    """bool ``[vocab]``: True at ``ids`` (checked against the vocabulary, known once traced)."""
+    outside = sorted({i for i in ids if i >= vocab})
+    if outside:
+        raise ValueError(SUPPRESS_OUTSIDE_VOCAB.format(ids=outside, vocab=vocab, last=vocab - 1,
+                                                       example=min(outside[0], vocab - 1)))
+    return jnp.zeros((vocab,), bool).at[np.asarray(ids)].set(True)
 
 
 def _window(ids: jax.Array, mask: jax.Array, width: int) -> jax.Array:
@@ -542,20 +631,22 @@ def _stopped(window: jax.Array, token: jax.Array, stop_ids: jax.Array) -> tuple[
     return hit, full[..., 1:]
 
 
-def _choose(logits: jax.Array, key: Any, step: Any, temperature: jax.Array, top_p: jax.Array, *,
-            greedy: bool, top_k: int | None, use_top_p: bool) -> jax.Array:
+def _choose(logits: jax.Array, key: Any, step: Any, temperature: jax.Array, top_p: jax.Array, min_p: jax.Array, *,
+            greedy: bool, top_k: int | None, use_top_p: bool, use_min_p: bool) -> jax.Array:
     """The next token of every row from its logits ``[batch, vocab]``."""
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = _filtered(logits, temperature, top_k, top_p if use_top_p else None)
+    logits = _filtered(logits, temperature, top_k, top_p if use_top_p else None, min_p if use_min_p else None)
     return jax.random.categorical(jax.random.fold_in(key, step), logits, axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "ends", "penalize", "hold", "scores"))
+@partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "use_min_p", "ends", "penalize", "hold",
+                                   "scores", "ngram", "suppress"))
 def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
               penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, key: Any, temperature: jax.Array,
-              top_p: jax.Array, *, new: int, greedy: bool, top_k: int | None, use_top_p: bool, ends: bool,
-              penalize: bool, hold: bool, scores: bool) -> tuple[jax.Array, jax.Array | None]:
+              top_p: jax.Array, min_p: jax.Array, *, new: int, greedy: bool, top_k: int | None, use_top_p: bool,
+              use_min_p: bool, ends: bool, penalize: bool, hold: bool, scores: bool, ngram: int,
+              suppress: tuple[int, ...]) -> tuple[jax.Array, jax.Array | None]:
     batch, prompt = ids.shape
     cache = model.init_cache(batch, prompt + new)
     am = jnp.concatenate([prompt_mask, jnp.zeros((batch, new), jnp.int32)], axis=1)
@@ -566,17 +657,22 @@ def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.A
         raise ValueError(BAD_TOP_K.format(vocab=vocab, given=top_k))
     stopping = stop_ids.shape[0] > 0
     is_eos = jnp.isin(jnp.arange(vocab), eos_ids) if hold else None
+    suppressed = _suppressed(suppress, vocab) if suppress else None
     rows = jnp.arange(batch)
 
     def choose(logits: jax.Array, state: dict[str, Any], t: Any) -> tuple[jax.Array, Any]:
-        if not (penalize or hold or scores):  # the plain loop: nothing else traced
-            return _choose(logits, key, t, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p), None
+        if not (penalize or hold or scores or ngram or suppress):  # the plain loop: nothing else traced
+            return _choose(logits, key, t, temperature, top_p, min_p, greedy=greedy, top_k=top_k,
+                           use_top_p=use_top_p, use_min_p=use_min_p), None
+        banned = None
+        if ngram:
+            banned = _repeated_ngrams(state["tokens"], _made(prompt_mask, new, t), prompt + t, ngram, vocab)
         x = _processed(logits.astype(jnp.float32), state.get("seen"), t, penalty, min_new, is_eos,
-                       penalize=penalize, holding=hold)
+                       penalize=penalize, holding=hold, banned=banned, suppressed=suppressed)
         if greedy:
             token = jnp.argmax(x, axis=-1).astype(jnp.int32)
         else:
-            x = _filtered(x, temperature, top_k, top_p if use_top_p else None)
+            x = _filtered(x, temperature, top_k, top_p if use_top_p else None, min_p if use_min_p else None)
             token = jax.random.categorical(jax.random.fold_in(key, t), x, axis=-1).astype(jnp.int32)
         if not scores:
             return token, None
@@ -658,11 +754,13 @@ def _beams_of(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-@partial(jax.jit, static_argnames=("new", "penalize", "hold", "scores", "beams", "returns", "eos_count"))
+@partial(jax.jit, static_argnames=("new", "penalize", "hold", "scores", "ngram", "suppress", "beams", "returns",
+                                   "eos_count"))
 def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
                  penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, length_penalty: jax.Array,
                  early: jax.Array, never: jax.Array, *, new: int, penalize: bool, hold: bool, scores: bool,
-                 beams: int, returns: int, eos_count: int) -> tuple[jax.Array, jax.Array | None]:
+                 ngram: int, suppress: tuple[int, ...], beams: int, returns: int,
+                 eos_count: int) -> tuple[jax.Array, jax.Array | None]:
     """Hugging Face's beam search; ``early`` (bool): early_stopping=True, ``never`` (bool):
     early_stopping="never" (both False: HF's default heuristic)."""
     batch, prompt = ids.shape
@@ -676,13 +774,19 @@ def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: ja
     keep = max(2, 1 + eos_count) * beams  # HF's candidates per prompt: enough for `beams` that do not end
     stopping = stop_ids.shape[0] > 0
     is_eos = jnp.isin(jnp.arange(vocab), eos_ids) if hold else None
+    suppressed = _suppressed(suppress, vocab) if suppress else None
     first_k = jnp.arange(keep) < beams
     lowest = jnp.float32(NEG)
 
     def select(state: dict[str, Any], logits: jax.Array, t: Any, reorder: bool) -> dict[str, Any]:
         s = dict(state)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        logp = _processed(logp, s.get("seen"), t, penalty, min_new, is_eos, penalize=penalize, holding=hold)
+        banned = None
+        if ngram:
+            made = jnp.repeat(_made(prompt_mask, new, t), beams, axis=0)
+            banned = _repeated_ngrams(s["sequences"].reshape(rows, total), made, prompt + t, ngram, vocab)
+        logp = _processed(logp, s.get("seen"), t, penalty, min_new, is_eos, penalize=penalize, holding=hold,
+                          banned=banned, suppressed=suppressed)
         flat = logp.reshape(batch, beams * vocab)
         top, index = jax.lax.top_k((logp.reshape(batch, beams, vocab) + s["running"][..., None]).reshape(batch, -1),
                                    keep)

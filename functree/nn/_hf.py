@@ -26,7 +26,10 @@ import numpy as np
 
 from functree import _activations as act
 from functree._state_dict import _to_numpy
+from functree._tree import dotted_name
 from functree.nn import _hf_models as models
+from functree.nn._embedding import Embedding
+from functree.nn._linear import Dense
 from functree.nn._rotary import ROPE_TYPES, RopeScaling
 from functree.nn._torch import (
     _as_tensors,
@@ -333,22 +336,23 @@ class Family:
     build: Callable[..., Any]
     head: tuple[str, str] | None = None
     names: Callable[[dict[str, Any]], dict[str, Any]] = _rotary_names
+    padded: str | None = None  # the embedding HF builds with padding_idx=pad_token_id (its row zeroed at init)
 
 
 _LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 FAMILIES: dict[str, Family] = {
     "gpt2": Family("GPT2LMHeadModel", models.GPT2LMHeadModel, _gpt2, ("lm_head.weight", "transformer.wte.weight"),
                    _gpt2_names),
-    "llama": Family("LlamaForCausalLM", models.LlamaForCausalLM, _llama, _LLAMA_HEAD),
-    "qwen2": Family("Qwen2ForCausalLM", models.Qwen2ForCausalLM, _llama, _LLAMA_HEAD),
-    "mistral": Family("MistralForCausalLM", models.MistralForCausalLM, _llama, _LLAMA_HEAD),
-    "gemma": Family("GemmaForCausalLM", models.GemmaForCausalLM, _llama, _LLAMA_HEAD),
-    "phi3": Family("Phi3ForCausalLM", models.Phi3ForCausalLM, _llama, _LLAMA_HEAD),
+    "llama": Family("LlamaForCausalLM", models.LlamaForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
+    "qwen2": Family("Qwen2ForCausalLM", models.Qwen2ForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
+    "mistral": Family("MistralForCausalLM", models.MistralForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
+    "gemma": Family("GemmaForCausalLM", models.GemmaForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
+    "phi3": Family("Phi3ForCausalLM", models.Phi3ForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
     "gpt_neox": Family("GPTNeoXForCausalLM", models.GPTNeoXForCausalLM, _gpt_neox,
                        ("lm_head.weight", "gpt_neox.embed_in.weight"), _neox_names),
     "opt": Family("OPTForCausalLM", models.OPTForCausalLM, _opt, ("lm_head.weight", "model.decoder.embed_tokens.weight"),
-                  _opt_names),
-    "bert": Family("BertModel", models.BertModel, _bert, None, _bert_names),
+                  _opt_names, padded="model.decoder.embed_tokens.weight"),
+    "bert": Family("BertModel", models.BertModel, _bert, None, _bert_names, padded="embeddings.word_embeddings.weight"),
 }
 COVERED = {k: f.hf_class for k, f in FAMILIES.items()}
 
@@ -389,6 +393,46 @@ def _untie(family: Family, model: Any, weights: Mapping[str, Any]) -> dict[str, 
     return weights
 
 
+def _hf_initialized(family: Family, model: Any, config: Any, key: jax.Array) -> Any:
+    """``model`` with Hugging Face's initialization (its ``_init_weights``), as
+    ``family.hf_class(config)`` starts training from scratch: every weight matrix (linear,
+    Conv1D, embedding) ``normal(0, initializer_range)`` (OPT: ``init_std``), GPT-2's
+    residual projections (``c_proj``) ``/ sqrt(2 * n_layer)``, biases zero, the padding id's
+    embedding row zero, norms as built (scale 1, Gemma's offset 0). Independent normal draws
+    are the same whatever the layout, so the functree leaves are drawn as they are (fused
+    or split projections, stacked layers); it traces (``jax.jit`` of a build)."""
+    std = next((float(v) for v in (getattr(config, "initializer_range", None), getattr(config, "init_std", None))
+                if v is not None), 0.02)
+    gpt2 = family.hf_class == "GPT2LMHeadModel"
+    padded = None if family.padded is None else family.padded[: -len(".weight")]
+    pad = getattr(config, "pad_token_id", None)
+    count = [0]
+
+    def drawn(shape: tuple[int, ...], dtype: Any, scale: float) -> jax.Array:
+        count[0] += 1
+        return (scale * jax.random.normal(jax.random.fold_in(key, count[0]), shape, jnp.float32)).astype(dtype)
+
+    def layer(path: Any, node: Any) -> Any:
+        if not isinstance(node, (Dense, Embedding)):
+            return node  # a norm, a static value: as built
+        name = dotted_name(path)
+        scale = std / math.sqrt(2 * config.n_layer) if gpt2 and name.endswith(
+            (".attn.output_projection", ".mlp.c_proj")) else std
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(node)
+        new = []
+        for (key_path, leaf) in leaves:
+            if dotted_name(key_path) == "bias":
+                leaf = jnp.zeros_like(leaf)
+            else:  # Dense.weight, Embedding.embeddings
+                leaf = drawn(leaf.shape, leaf.dtype, scale)
+                if name == padded and isinstance(pad, int) and 0 <= pad < leaf.shape[0]:
+                    leaf = leaf.at[pad].set(0)
+            new.append(leaf)
+        return treedef.unflatten(new)
+
+    return jax.tree_util.tree_map_with_path(layer, model, is_leaf=lambda x: isinstance(x, (Dense, Embedding)))
+
+
 def _covered() -> str:
     return ", ".join(f"{k} ({v})" for k, v in COVERED.items())
 
@@ -414,7 +458,10 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     ``bert.`` prefix and LayerNorm ``gamma``/``beta``; GPT-NeoX's ``embed_out``; OPT's
     ``decoder.`` without ``model.``); a task head's tensors (BERT's ``cls.*``) are unexpected:
     drop them first. ``from_hf(config, key=key)`` without weights builds the model with
-    ``ft.nn``'s random initialization (to train from scratch). ``attention`` ("auto",
+    Hugging Face's initialization, as ``AutoModelForCausalLM.from_config(config)`` does (to
+    train from scratch): weight matrices and embeddings ``normal(0, initializer_range)``,
+    GPT-2's residual projections scaled by ``1 / sqrt(2 * n_layer)``, biases zero, the
+    padding id's embedding row zero, norms the identity. ``attention`` ("auto",
     "xla" or "cudnn") is the ``implementation`` of every ``ft.nn.MultiheadAttention`` built.
 
     The model (the classes of ``functree.nn._hf_models``) is made of ordinary ``ft.nn``
@@ -431,7 +478,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
       >>> import functree as ft, jax, numpy as np
       >>> config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 2,
       ...           "n_head": 2, "bos_token_id": 0, "eos_token_id": 0}
-      >>> fresh = ft.nn.from_hf(config, key=jax.random.key(0))     # no weights: ft's random init
+      >>> fresh = ft.nn.from_hf(config, key=jax.random.key(0))     # no weights: HF's initialization
       >>> weights = ft.nn.to_hf_state_dict(fresh, numpy=True)        # as HF's GPT2LMHeadModel names them
       >>> model = ft.nn.from_hf(config, weights)
       >>> model(np.zeros((1, 5), np.int32)).shape
@@ -458,7 +505,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if weights is None:
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
-        return family.build(config, {"pooler.dense.weight"}, dtype, key, attention)
+        built = family.build(config, {"pooler.dense.weight"}, dtype, jax.random.fold_in(key, 1), attention)
+        return _hf_initialized(family, built, config, key)
     weights = _normalized(model_type, _weights(weights))
     template = jax.eval_shape(lambda: family.build(config, set(weights), dtype, jax.random.key(0), attention))
     weights = _untie(family, template, weights)

@@ -361,6 +361,48 @@ def test_no_repeat_ngram_and_suppress_tokens_equal_hf_generate(llama):
             assert (np.asarray(tokens)[:, PROMPT:] != plain[:, PROMPT:]).any()
 
 
+class Recorder:
+    """A streamer (HF's protocol) that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(np.asarray(value).tolist())
+
+    def end(self):
+        self.ends += 1
+
+
+def test_a_streamer_gets_what_hf_generate_gives_it(llama, capsys):
+    """The prompt, each step's tokens (a finished row's pad ids too) until every row ends,
+    then end(): equal to what HF's generate puts into the same streamer; a new streamer
+    runs the same compiled loop; HF's TextStreamer prints the new text."""
+    hf, model = llama
+    ids, mask = left_padded_prompts()
+    options: dict[str, Any] = dict(eos_token_id=[0, 18], pad_token_id=2, min_new_tokens=3)
+
+    class HFRecorder(Recorder, transformers.generation.streamers.BaseStreamer):
+        pass
+
+    theirs = HFRecorder()
+    Recorder.__init__(theirs)
+    expected = hf_outputs(hf, ids, mask, streamer=theirs, **options).sequences.numpy()
+    assert len(theirs.puts) < NEW + 1  # every row ended before NEW tokens
+    ours = Recorder()
+    tokens = ft.nn.generate(model, ids, NEW, attention_mask=mask, streamer=ours, **options)
+    assert ours.puts == theirs.puts and ours.ends == theirs.ends == 1
+    np.testing.assert_array_equal(np.asarray(tokens)[:, :expected.shape[1]], expected)
+    compiled = _generate._generate._cache_size()
+    again = Recorder()
+    ft.nn.generate(model, ids, NEW, attention_mask=mask, streamer=again, **options)
+    assert again.puts == ours.puts and _generate._generate._cache_size() == compiled
+    tokenizer, chars = char_tokenizer()
+    printed = transformers.TextStreamer(tokenizer, skip_prompt=True)
+    one = ft.nn.generate(model, ids[:1], 8, streamer=printed)
+    assert capsys.readouterr().out == "".join(chars[i] for i in np.asarray(one)[0, PROMPT:]) + "\n"
+
+
 def test_sampling_scores_are_hf_processed_log_probabilities(tiny):
     """Sampled tokens' scores: log_softmax of the logits after HF's repetition penalty (left
     padding not counted), temperature and top-k, each step's processors run by HF on the
@@ -472,6 +514,12 @@ def test_errors(tiny):
     with pytest.raises(ValueError, match=rf"suppress_tokens \[{vocab}, {vocab + 5}\] are not ids of this model's "
                                          rf"vocabulary \({vocab} tokens: 0 to {vocab - 1}\)"):
         generate(model, prompt, 4, suppress_tokens=[1, vocab + 5, vocab])
+    with pytest.raises(TypeError, match=r"streamer must have put\(token_ids\) and end\(\)(.|\n)*got a list"):
+        generate(model, prompt, 4, streamer=[])
+    with pytest.raises(ValueError, match=r"beam search only knows its best sequences at the end"):
+        generate(model, prompt, 4, num_beams=2, streamer=Recorder())
+    with pytest.raises(ValueError, match=r"inside a jax.jit of your own"):
+        jax.jit(lambda p: generate(model, p, 4, streamer=Recorder()))(prompt)
     for top_p in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match=rf"top_p must be a number in \(0, 1\](.|\n)*got {top_p}"):
             generate(model, prompt, 4, temperature=1.0, top_p=top_p, key=key)

@@ -19,8 +19,8 @@ emitted an end-of-sequence token. It compiles once per model structure, input sh
 static option (``max_new_tokens``, ``top_k``, whether it samples, whether it filters by
 ``top_p`` and by ``min_p``, whether it stops at EOS and how many EOS ids, the stop sequences'
 count and length, which of the repetition penalty, ``min_new_tokens`` and scores are on,
-``no_repeat_ngram_size``, the ``suppress_tokens`` ids, the number of beams and of returned
-sequences); the temperature, the ``top_p`` and ``min_p`` values, the key, the EOS, pad and
+``no_repeat_ngram_size``, the ``suppress_tokens`` ids, whether a streamer is given, the
+number of beams and of returned sequences); the temperature, the ``top_p`` and ``min_p`` values, the key, the EOS, pad and
 stop ids, the penalty, ``min_new_tokens``, ``length_penalty``, ``early_stopping`` and the
 tokens are traced. Options that are off add nothing to the compiled loop: plain
 greedy decoding is the same program with or without the controls' code.
@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from functree._repr import short_array
 from functree.nn._shared import Shared
@@ -186,6 +187,18 @@ generate: num_beams must be an int >= 1 (1: no beam search), got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, num_beams=4)"""
 
+BAD_STREAMER = """\
+generate: streamer must have put(token_ids) and end() (Hugging Face's streamer protocol), got \
+a {given}.
+
+    right:  ft.nn.generate(model, input_ids, 32, streamer=transformers.TextStreamer(tokenizer))"""
+
+STREAMER_WITH = """\
+generate: streamer= prints tokens as each step makes them; {why}
+
+    wrong:  {wrong}
+    right:  {right}"""
+
 BEAMS_SAMPLE = """\
 generate: beam search (num_beams={beams}) keeps the most likely continuations; it does not \
 sample (temperature={temperature}{rest}).
@@ -250,6 +263,7 @@ def generate(
     length_penalty: float | None = None,
     early_stopping: bool | str | None = None,
     return_scores: bool = False,
+    streamer: Any = None,
 ) -> Any:
     """``input_ids [batch, P]`` followed by ``max_new_tokens`` generated tokens: ``[batch, P + N]``.
 
@@ -296,6 +310,13 @@ def generate(
     scores, normalize_logits=True)``. Beams: the processors applied to ``log_softmax(logits)``
     (what the beam scores sum), HF's ``compute_transition_scores(sequences, scores,
     beam_indices)``; a sequence's sum over ``new_tokens ** length_penalty`` is its beam score.
+
+    ``streamer`` (Hugging Face's protocol: ``put(token_ids)`` and ``end()``, e.g.
+    ``transformers.TextStreamer(tokenizer)``) gets what HF's ``generate`` gives it: the
+    prompt ``[batch, P]``, then each step's tokens ``[batch]`` as the step makes them (a
+    finished row's pad ids included), then ``end()``; the call then waits for the loop to end.
+    Greedy and sampling, called eagerly (not inside a ``jax.jit`` of your own). Without it
+    the loop has no host callback at all.
 
     ``attention_mask`` (bool or 0/1, ``[batch, P]``) marks the real tokens of left-padded
     prompts (0 = padding, at the start of a row). ``model`` follows the cache protocol (see
@@ -366,6 +387,7 @@ def generate(
         raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
     beams, returns, lp, early = _beam_options(num_beams, num_return_sequences, length_penalty, early_stopping,
                                               greedy, temperature, top_k, top_p)
+    _check_streamer(streamer, beams, ids)
     fill = pad[0] if pad else (eos[0] if eos else 0)
     width = max((len(s) for s in stops), default=1)
     stop_ids = np.full((len(stops), width), -1, np.int32)  # right-aligned, -1: no token there
@@ -381,15 +403,55 @@ def generate(
                                       jnp.asarray(early == "never"), beams=beams, returns=returns,
                                       eos_count=len(eos), **options)
     else:
-        tokens, scores = _generate(
-            model, *common, key, jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
+        run = partial(
+            _generate, model, *common, key, jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
             jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
             jnp.asarray(0.0 if min_p is None else min_p, jnp.float32),
             greedy=greedy, top_k=top_k, use_top_p=top_p is not None and top_p < 1.0,
-            use_min_p=min_p is not None and min_p > 0.0, ends=bool(eos or stops),
+            use_min_p=min_p is not None and min_p > 0.0, ends=bool(eos or stops), stream=streamer is not None,
             **options,
         )
+        tokens, scores = run() if streamer is None else _streaming(run, streamer, ids)
     return (tokens, scores) if return_scores else tokens
+
+
+# The streamer of the generate call running: the compiled loop's host callback hands it each
+# step's tokens (a module slot, not an argument: a new streamer must not compile the loop again).
+_STREAMERS: list[Any] = []
+
+
+def _put(tokens: Any) -> None:
+    _STREAMERS[-1].put(np.asarray(tokens))
+
+
+def _streaming(run: Any, streamer: Any, ids: Any) -> tuple[jax.Array, Any]:
+    streamer.put(np.asarray(ids))
+    _STREAMERS.append(streamer)
+    try:
+        tokens, scores = jax.block_until_ready(run())  # every step's callback has run
+    finally:
+        _STREAMERS.pop()
+    streamer.end()
+    return tokens, scores
+
+
+def _check_streamer(streamer: Any, beams: int, ids: Any) -> None:
+    if streamer is None:
+        return
+    if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise TypeError(BAD_STREAMER.format(given=type(streamer).__name__))
+    if beams > 1:  # as HF: which beam's tokens would it print?
+        raise ValueError(STREAMER_WITH.format(
+            why="beam search only knows its best sequences at the end.",
+            wrong=f"ft.nn.generate(model, input_ids, 32, num_beams={beams}, streamer=streamer)",
+            right=f"print(decode(ft.nn.generate(model, input_ids, 32, num_beams={beams})))"))
+    try:
+        np.asarray(ids)  # the prompt the streamer gets first
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        raise ValueError(STREAMER_WITH.format(
+            why="inside a jax.jit of your own the steps run after generate has returned.",
+            wrong="jax.jit(lambda ids: ft.nn.generate(model, ids, 32, streamer=streamer))(ids)",
+            right="ft.nn.generate(model, ids, 32, streamer=streamer)       # itself one compiled loop")) from None
 
 
 def _is_int(value: Any) -> bool:
@@ -641,12 +703,12 @@ def _choose(logits: jax.Array, key: Any, step: Any, temperature: jax.Array, top_
 
 
 @partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "use_min_p", "ends", "penalize", "hold",
-                                   "scores", "ngram", "suppress"))
+                                   "scores", "ngram", "suppress", "stream"))
 def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
               penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, key: Any, temperature: jax.Array,
               top_p: jax.Array, min_p: jax.Array, *, new: int, greedy: bool, top_k: int | None, use_top_p: bool,
               use_min_p: bool, ends: bool, penalize: bool, hold: bool, scores: bool, ngram: int,
-              suppress: tuple[int, ...]) -> tuple[jax.Array, jax.Array | None]:
+              suppress: tuple[int, ...], stream: bool = False) -> tuple[jax.Array, jax.Array | None]:
     batch, prompt = ids.shape
     cache = model.init_cache(batch, prompt + new)
     am = jnp.concatenate([prompt_mask, jnp.zeros((batch, new), jnp.int32)], axis=1)
@@ -695,6 +757,8 @@ def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.A
             state["scores"] = jax.lax.dynamic_update_slice(state["scores"], score[:, None], (jnp.int32(0), t))
         if penalize:
             state["seen"] = state["seen"].at[rows, token].set(True)
+        if stream:  # in step order (ordered): the streamer prints as the loop runs
+            io_callback(_put, None, token, ordered=True)
         state["token"] = token
         return state
 

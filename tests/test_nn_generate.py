@@ -321,17 +321,19 @@ def _unused_pad(ids, mask, *outputs):
     return np.where(mask != 0, ids, free), free
 
 
-def test_no_repeat_ngram_and_suppress_tokens_equal_hf_generate(llama):
-    """Greedy and beam search with HF's no_repeat_ngram_size and suppress_tokens (and the
-    penalty before them), left-padded prompts: tokens and scores equal HF's, and both
-    controls change what plain decoding gives. (n = 1 bans every token of the row, which for
+def test_no_repeat_ngram_bad_words_and_suppress_tokens_equal_hf_generate(llama):
+    """Greedy and beam search with HF's no_repeat_ngram_size, bad_words_ids and
+    suppress_tokens (and the penalty before them), left-padded prompts: tokens and scores
+    equal HF's, and the controls change what plain decoding gives. (n = 1 bans every token of the row, which for
     HF includes the padding token itself: that case runs unpadded.)"""
     hf, model = llama
     ids, mask = left_padded_prompts()
     plain = hf_outputs(hf, ids, mask, eos_token_id=0, pad_token_id=2).sequences.numpy()
     suppress = sorted({int(plain[0, PROMPT + 1]), int(plain[1, PROMPT])})
-    for n, more in [(2, {"repetition_penalty": 1.2}), (3, {"num_beams": 3, "num_return_sequences": 2}),
-                    (1, {"unpadded": True})]:
+    bad = [[int(plain[0, PROMPT + 3])], plain[1, PROMPT + 2:PROMPT + 4].tolist(), [0]]  # [0]: EOS, ignored (HF)
+    assert not set(bad[0]) & set(suppress)
+    for n, more in [(2, {"repetition_penalty": 1.2, "bad_words_ids": bad}),
+                    (3, {"num_beams": 3, "num_return_sequences": 2, "bad_words_ids": bad}), (1, {"unpadded": True})]:
         if more.pop("unpadded", False):
             ids, mask = ids[:1], mask[:1]
             plain = plain[:1]
@@ -352,6 +354,10 @@ def test_no_repeat_ngram_and_suppress_tokens_equal_hf_generate(llama):
                                    atol=2e-5 * np.abs(expected_scores[alive]).max())
         generated = np.asarray(tokens)[:, PROMPT:]
         assert not np.isin(generated, suppress).any()
+        if "bad_words_ids" in more:
+            assert not np.isin(generated, bad[0]).any() and (generated == 0).any()  # EOS still emitted
+            pairs = {tuple(row[i:i + 2]) for row in np.asarray(tokens) for i in range(PROMPT - 1, PROMPT + NEW - 1)}
+            assert tuple(bad[1]) not in pairs
         for row, real in zip(np.asarray(tokens), mask.astype(bool)):
             text = row[np.concatenate([real, np.ones(NEW, bool)])].tolist()
             grams = [tuple(text[i:i + n]) for i in range(len(text) - n + 1)]
@@ -508,9 +514,13 @@ def test_errors(tiny):
     for size in (-1, 2.0, "3"):
         with pytest.raises(ValueError, match=r"no_repeat_ngram_size must be an int >= 0"):
             generate(model, prompt, 4, no_repeat_ngram_size=size)
+    vocab = model.head.weight.shape[-1]
+    with pytest.raises(ValueError, match=r"bad_words_ids must be a list of token-id sequences"):
+        generate(model, prompt, 4, bad_words_ids=[3, 4])
+    with pytest.raises(ValueError, match=rf"bad_words_ids \[{vocab}\] are not ids of this model's vocabulary"):
+        generate(model, prompt, 4, bad_words_ids=[[1, vocab]])
     with pytest.raises(ValueError, match=r"suppress_tokens must be a token id"):
         generate(model, prompt, 4, suppress_tokens=[-1])
-    vocab = model.head.weight.shape[-1]
     with pytest.raises(ValueError, match=rf"suppress_tokens \[{vocab}, {vocab + 5}\] are not ids of this model's "
                                          rf"vocabulary \({vocab} tokens: 0 to {vocab - 1}\)"):
         generate(model, prompt, 4, suppress_tokens=[1, vocab + 5, vocab])
@@ -540,7 +550,7 @@ def test_errors(tiny):
         generate(model, prompt, 4, min_new_tokens=2)
     bad_stops: list[Any] = [[13, 198], [[]], [[1, -1]], "ab"]
     for stop in bad_stops:
-        with pytest.raises(ValueError, match=r"stop must be a list of stop sequences(.|\n)*stop=\[\[13, 198\]\]"):
+        with pytest.raises(ValueError, match=r"stop must be a list of token-id sequences(.|\n)*stop=\[\[13, 198\]\]"):
             generate(model, prompt, 4, stop=stop, pad_token_id=0)
     with pytest.raises(ValueError, match=r"neither pad_token_id nor eos_token_id(.|\n)*stop=\[\[1\]\], pad_token_id=0"):
         generate(model, prompt, 4, stop=[[1]])

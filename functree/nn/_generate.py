@@ -19,7 +19,7 @@ emitted an end-of-sequence token. It compiles once per model structure, input sh
 static option (``max_new_tokens``, ``top_k``, whether it samples, whether it filters by
 ``top_p`` and by ``min_p``, whether it stops at EOS and how many EOS ids, the stop sequences'
 count and length, which of the repetition penalty, ``min_new_tokens`` and scores are on,
-``no_repeat_ngram_size``, the ``suppress_tokens`` ids, whether a streamer is given, the
+``no_repeat_ngram_size``, the ``suppress_tokens`` and ``bad_words_ids`` ids, whether a streamer is given, the
 number of beams and of returned sequences); the temperature, the ``top_p`` and ``min_p`` values, the key, the EOS, pad and
 stop ids, the penalty, ``min_new_tokens``, ``length_penalty``, ``early_stopping`` and the
 tokens are traced. Options that are off add nothing to the compiled loop: plain
@@ -139,10 +139,9 @@ none), got {given!r}.
     right:  ft.nn.generate(model, input_ids, 8, no_repeat_ngram_size=3)"""
 
 SUPPRESS_OUTSIDE_VOCAB = """\
-generate: suppress_tokens {ids} are not ids of this model's vocabulary ({vocab} tokens: 0 to \
-{last}).
+generate: {name} {ids} are not ids of this model's vocabulary ({vocab} tokens: 0 to {last}).
 
-    right:  ft.nn.generate(model, input_ids, 8, suppress_tokens=[{example}])"""
+    right:  ft.nn.generate(model, input_ids, 8, {name}=[{example}])"""
 
 BAD_TOKEN_ID = """\
 generate: {name} must be a token id (an int >= 0){plural}, got {given!r}.
@@ -168,12 +167,12 @@ new tokens, but no eos_token_id is given (nothing to hold back).
     right:  ft.nn.generate(model, input_ids, 8, min_new_tokens={given}, eos_token_id=eos)"""
 
 BAD_STOP = """\
-generate: stop must be a list of stop sequences, each a non-empty list of token ids (ints >= 0), \
-got {given!r}.
+generate: {name} must be a list of token-id sequences, each a non-empty list of token ids (ints \
+>= 0), got {given!r}.
 
-    wrong:  ft.nn.generate(model, input_ids, 8, stop=[13, 198])      # one sequence or two?
-    right:  ft.nn.generate(model, input_ids, 8, stop=[[13, 198]])    # the pair 13, 198
-    right:  ft.nn.generate(model, input_ids, 8, stop=[[13], [198]])  # either token"""
+    wrong:  ft.nn.generate(model, input_ids, 8, {name}=[13, 198])      # one sequence or two?
+    right:  ft.nn.generate(model, input_ids, 8, {name}=[[13, 198]])    # the pair 13, 198
+    right:  ft.nn.generate(model, input_ids, 8, {name}=[[13], [198]])  # either token"""
 
 STOP_NEEDS_PAD = """\
 generate: a row that emits a stop sequence is finished and emits pad_token_id afterwards, but \
@@ -255,6 +254,7 @@ def generate(
     pad_token_id: int | None = None,
     repetition_penalty: float | None = None,
     no_repeat_ngram_size: int | None = None,
+    bad_words_ids: Sequence[Sequence[int]] | None = None,
     min_new_tokens: int | None = None,
     suppress_tokens: int | Sequence[int] | None = None,
     stop: Sequence[Sequence[int]] | None = None,
@@ -284,6 +284,9 @@ def generate(
     - ``no_repeat_ngram_size=n``: a token that would complete an ``n``-gram already in the
       row (real prompt tokens and generated ones; left padding is not part of any) is
       ``-inf``;
+    - ``bad_words_ids`` (token-id sequences, e.g. ``[[13], [7, 8]]``): the last token of a
+      sequence is ``-inf`` wherever the row ends with the tokens before it (a one-token
+      sequence: always); a sequence that is just an EOS id is ignored, as HF does;
     - ``min_new_tokens=m``: the EOS ids' logits are ``-inf`` for the first ``m`` new tokens;
     - ``suppress_tokens`` (an id or a list): these ids' logits are ``-inf`` at every step;
     - then ``temperature``, ``top_k``, ``top_p`` and ``min_p`` (sampling only; ``min_p=q``
@@ -379,6 +382,7 @@ def generate(
     ngram = _ngram_size(no_repeat_ngram_size)
     suppress = _token_ids(suppress_tokens, "suppress_tokens")
     eos = _token_ids(eos_token_id, "eos_token_id")
+    bad = tuple(w for w in _stop(bad_words_ids, "bad_words_ids") if not (len(w) == 1 and w[0] in eos))  # as HF
     pad = _token_ids(pad_token_id, "pad_token_id", single=True)
     penalty = _repetition_penalty(repetition_penalty)
     hold = _min_new_tokens(min_new_tokens, new, eos)
@@ -397,7 +401,7 @@ def generate(
               jnp.asarray(1.0 if penalty is None else penalty, jnp.float32), jnp.asarray(hold, jnp.int32),
               jnp.asarray(stop_ids))
     options = {"new": new, "penalize": penalty is not None, "hold": hold > 0, "scores": bool(return_scores),
-               "ngram": ngram, "suppress": suppress}
+               "ngram": ngram, "suppress": suppress, "bad": bad}
     if beams > 1:
         tokens, scores = _beam_search(model, *common, jnp.asarray(lp, jnp.float32), jnp.asarray(early is True),
                                       jnp.asarray(early == "never"), beams=beams, returns=returns,
@@ -538,7 +542,7 @@ def _min_new_tokens(value: Any, new: int, eos: tuple[int, ...]) -> int:
     return int(value)
 
 
-def _stop(value: Any) -> tuple[tuple[int, ...], ...]:
+def _stop(value: Any, name: str = "stop") -> tuple[tuple[int, ...], ...]:
     if value is None:
         return ()
     try:
@@ -548,7 +552,7 @@ def _stop(value: Any) -> tuple[tuple[int, ...], ...]:
     except TypeError:  # an int where a sequence belongs
         ok = False
     if not ok:
-        raise ValueError(BAD_STOP.format(given=value))
+        raise ValueError(BAD_STOP.format(name=name, given=value))
     sequences: Any = value
     return tuple(tuple(int(i) for i in s) for s in sequences)
 
@@ -636,6 +640,41 @@ def _processed(logits: jax.Array, seen: Any, t: Any, penalty: jax.Array, hold: j
     return logits
 
 
+def _banned(tokens: jax.Array, real: jax.Array, length: Any, ngram: int, bad: tuple[tuple[int, ...], ...],
+            vocab: int) -> jax.Array | None:
+    """bool ``[rows, vocab]``: the tokens ``no_repeat_ngram_size`` and ``bad_words_ids`` forbid
+    next (None: neither is on)."""
+    found = [_repeated_ngrams(tokens, real, length, ngram, vocab)] if ngram else []
+    if bad:
+        found.append(_bad_words(tokens, real, length, bad, vocab))
+    return None if not found else found[0] if len(found) == 1 else found[0] | found[1]
+
+
+def _bad_words(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple[int, ...], ...],
+               vocab: int) -> jax.Array:
+    """bool ``[rows, vocab]``: the last token of each ``bad`` sequence whose other tokens end
+    the first ``length`` real tokens of the row (HF's ``bad_words_ids``)."""
+    outside = sorted({i for word in bad for i in word if i >= vocab})
+    if outside:
+        raise ValueError(SUPPRESS_OUTSIDE_VOCAB.format(name="bad_words_ids", ids=outside, vocab=vocab,
+                                                       last=vocab - 1, example=min(outside[0], vocab - 1)))
+    rows = tokens.shape[0]
+    width = max(len(word) for word in bad) - 1
+    prefixes = np.full((len(bad), max(width, 1)), -1, np.int32)  # right-aligned, -1: any token
+    for row, word in zip(prefixes, bad):
+        if len(word) > 1:
+            row[prefixes.shape[1] - (len(word) - 1):] = word[:-1]
+    if width == 0:
+        match = jnp.ones((rows, len(bad)), bool)
+    else:  # the row's last `width` real tokens (-2: padding, or before the row)
+        known = jnp.concatenate([jnp.full((rows, width), -2, jnp.int32), jnp.where(real, tokens, -2)], axis=1)
+        tail = jax.lax.dynamic_slice_in_dim(known, length, width, axis=1)
+        match = jnp.all((tail[:, None, :] == prefixes) | (prefixes < 0), axis=-1)  # [rows, words]
+    last = np.asarray([word[-1] for word in bad])
+    counts = jnp.zeros((rows, vocab), jnp.int32).at[:, last].add(match.astype(jnp.int32))
+    return counts > 0
+
+
 def _made(prompt_mask: jax.Array, new: int, t: Any) -> jax.Array:
     """bool ``[batch, P + new]``: the real tokens before new token ``t`` (the prompt's
     unpadded ones, then the ``t`` generated)."""
@@ -673,8 +712,8 @@ def _suppressed(ids: tuple[int, ...], vocab: int) -> jax.Array:
     """bool ``[vocab]``: True at ``ids`` (checked against the vocabulary, known once traced)."""
     outside = sorted({i for i in ids if i >= vocab})
     if outside:
-        raise ValueError(SUPPRESS_OUTSIDE_VOCAB.format(ids=outside, vocab=vocab, last=vocab - 1,
-                                                       example=min(outside[0], vocab - 1)))
+        raise ValueError(SUPPRESS_OUTSIDE_VOCAB.format(name="suppress_tokens", ids=outside, vocab=vocab,
+                                                       last=vocab - 1, example=min(outside[0], vocab - 1)))
     return jnp.zeros((vocab,), bool).at[np.asarray(ids)].set(True)
 
 
@@ -703,12 +742,13 @@ def _choose(logits: jax.Array, key: Any, step: Any, temperature: jax.Array, top_
 
 
 @partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "use_min_p", "ends", "penalize", "hold",
-                                   "scores", "ngram", "suppress", "stream"))
+                                   "scores", "ngram", "suppress", "bad", "stream"))
 def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
               penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, key: Any, temperature: jax.Array,
               top_p: jax.Array, min_p: jax.Array, *, new: int, greedy: bool, top_k: int | None, use_top_p: bool,
               use_min_p: bool, ends: bool, penalize: bool, hold: bool, scores: bool, ngram: int,
-              suppress: tuple[int, ...], stream: bool = False) -> tuple[jax.Array, jax.Array | None]:
+              suppress: tuple[int, ...], bad: tuple[tuple[int, ...], ...] = (),
+              stream: bool = False) -> tuple[jax.Array, jax.Array | None]:
     batch, prompt = ids.shape
     cache = model.init_cache(batch, prompt + new)
     am = jnp.concatenate([prompt_mask, jnp.zeros((batch, new), jnp.int32)], axis=1)
@@ -723,12 +763,10 @@ def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.A
     rows = jnp.arange(batch)
 
     def choose(logits: jax.Array, state: dict[str, Any], t: Any) -> tuple[jax.Array, Any]:
-        if not (penalize or hold or scores or ngram or suppress):  # the plain loop: nothing else traced
+        if not (penalize or hold or scores or ngram or suppress or bad):  # the plain loop: nothing else traced
             return _choose(logits, key, t, temperature, top_p, min_p, greedy=greedy, top_k=top_k,
                            use_top_p=use_top_p, use_min_p=use_min_p), None
-        banned = None
-        if ngram:
-            banned = _repeated_ngrams(state["tokens"], _made(prompt_mask, new, t), prompt + t, ngram, vocab)
+        banned = _banned(state["tokens"], _made(prompt_mask, new, t), prompt + t, ngram, bad, vocab)
         x = _processed(logits.astype(jnp.float32), state.get("seen"), t, penalty, min_new, is_eos,
                        penalize=penalize, holding=hold, banned=banned, suppressed=suppressed)
         if greedy:
@@ -818,13 +856,13 @@ def _beams_of(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-@partial(jax.jit, static_argnames=("new", "penalize", "hold", "scores", "ngram", "suppress", "beams", "returns",
-                                   "eos_count"))
+@partial(jax.jit, static_argnames=("new", "penalize", "hold", "scores", "ngram", "suppress", "bad", "beams",
+                                   "returns", "eos_count"))
 def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
                  penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, length_penalty: jax.Array,
                  early: jax.Array, never: jax.Array, *, new: int, penalize: bool, hold: bool, scores: bool,
-                 ngram: int, suppress: tuple[int, ...], beams: int, returns: int,
-                 eos_count: int) -> tuple[jax.Array, jax.Array | None]:
+                 ngram: int, suppress: tuple[int, ...], beams: int, returns: int, eos_count: int,
+                 bad: tuple[tuple[int, ...], ...] = ()) -> tuple[jax.Array, jax.Array | None]:
     """Hugging Face's beam search; ``early`` (bool): early_stopping=True, ``never`` (bool):
     early_stopping="never" (both False: HF's default heuristic)."""
     batch, prompt = ids.shape
@@ -845,10 +883,8 @@ def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: ja
     def select(state: dict[str, Any], logits: jax.Array, t: Any, reorder: bool) -> dict[str, Any]:
         s = dict(state)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        banned = None
-        if ngram:
-            made = jnp.repeat(_made(prompt_mask, new, t), beams, axis=0)
-            banned = _repeated_ngrams(s["sequences"].reshape(rows, total), made, prompt + t, ngram, vocab)
+        banned = _banned(s["sequences"].reshape(rows, total), jnp.repeat(_made(prompt_mask, new, t), beams, axis=0),
+                         prompt + t, ngram, bad, vocab)
         logp = _processed(logp, s.get("seen"), t, penalty, min_new, is_eos, penalize=penalize, holding=hold,
                           banned=banned, suppressed=suppressed)
         flat = logp.reshape(batch, beams * vocab)

@@ -625,8 +625,8 @@ def _filtered(logits: jax.Array, temperature: Any, top_k: int | None, top_p: Any
 def _processed(logits: jax.Array, seen: Any, t: Any, penalty: jax.Array, hold: jax.Array, is_eos: Any, *,
                penalize: bool, holding: bool, banned: Any = None, suppressed: Any = None) -> jax.Array:
     """HF's processors in its order on float32 logits (or log-probabilities) ``[rows, vocab]``:
-    the repetition penalty over the tokens ``seen`` (bool ``[rows, vocab]``), the n-grams'
-    ``banned`` tokens (bool ``[rows, vocab]``), EOS held back while ``t < hold``, the
+    the repetition penalty over the tokens ``seen`` (bool ``[rows, vocab]``), the ``banned``
+    tokens (bool ``[rows, vocab]``: n-grams, bad words), EOS held back while ``t < hold``, the
     ``suppressed`` tokens (bool ``[vocab]``); each removed token is ``-inf``."""
     lowest = jnp.asarray(-jnp.inf, jnp.float32)
     if penalize:

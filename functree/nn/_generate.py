@@ -138,7 +138,7 @@ none), got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, no_repeat_ngram_size=3)"""
 
-SUPPRESS_OUTSIDE_VOCAB = """\
+OUTSIDE_VOCAB = """\
 generate: {name} {ids} are not ids of this model's vocabulary ({vocab} tokens: 0 to {last}).
 
     right:  ft.nn.generate(model, input_ids, 8, {name}=[{example}])"""
@@ -654,10 +654,7 @@ def _bad_words(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple
                vocab: int) -> jax.Array:
     """bool ``[rows, vocab]``: the last token of each ``bad`` sequence whose other tokens end
     the first ``length`` real tokens of the row (HF's ``bad_words_ids``)."""
-    outside = sorted({i for word in bad for i in word if i >= vocab})
-    if outside:
-        raise ValueError(SUPPRESS_OUTSIDE_VOCAB.format(name="bad_words_ids", ids=outside, vocab=vocab,
-                                                       last=vocab - 1, example=min(outside[0], vocab - 1)))
+    _in_vocabulary("bad_words_ids", [i for word in bad for i in word], vocab)
     rows = tokens.shape[0]
     width = max(len(word) for word in bad) - 1
     prefixes = np.full((len(bad), max(width, 1)), -1, np.int32)  # right-aligned, -1: any token
@@ -666,9 +663,8 @@ def _bad_words(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple
             row[prefixes.shape[1] - (len(word) - 1):] = word[:-1]
     if width == 0:
         match = jnp.ones((rows, len(bad)), bool)
-    else:  # the row's last `width` real tokens (-2: padding, or before the row)
-        known = jnp.concatenate([jnp.full((rows, width), -2, jnp.int32), jnp.where(real, tokens, -2)], axis=1)
-        tail = jax.lax.dynamic_slice_in_dim(known, length, width, axis=1)
+    else:
+        tail = _last(tokens, real, length, width)
         match = jnp.all((tail[:, None, :] == prefixes) | (prefixes < 0), axis=-1)  # [rows, words]
     last = np.asarray([word[-1] for word in bad])
     counts = jnp.zeros((rows, vocab), jnp.int32).at[:, last].add(match.astype(jnp.int32))
@@ -693,13 +689,27 @@ def _repeated_ngrams(tokens: jax.Array, real: jax.Array, length: Any, n: int, vo
     grams = jnp.stack([tokens[:, i:starts + i] for i in range(n)], axis=-1)  # [rows, starts, n]
     whole = jnp.stack([real[:, i:starts + i] for i in range(n)], axis=-1).all(-1)
     whole = whole & (jnp.arange(starts) + n <= length)  # n-grams that end before the next token
-    if n > 1:
-        tail = jax.lax.dynamic_slice_in_dim(tokens, length - (n - 1), n - 1, axis=1)  # the last n - 1 tokens
-        tail_real = jax.lax.dynamic_slice_in_dim(real, length - (n - 1), n - 1, axis=1).all(-1, keepdims=True)
-        whole = whole & jnp.all(grams[..., :-1] == tail[:, None, :], axis=-1) & tail_real & (length >= n - 1)
+    if n > 1:  # (a -2 in the tail, padding or before the row, equals no token)
+        whole = whole & jnp.all(grams[..., :-1] == _last(tokens, real, length, n - 1)[:, None, :], axis=-1)
     counts = jnp.zeros((rows, vocab), jnp.int32)
     counts = counts.at[jnp.arange(rows)[:, None], grams[..., -1]].add(whole.astype(jnp.int32))
     return counts > 0
+
+
+def _last(tokens: jax.Array, real: jax.Array, length: Any, width: int) -> jax.Array:
+    """``[rows, width]``: the tokens just before position ``length`` of each row (``tokens``,
+    ``real`` ``[rows, total]``), -2 where a token is not ``real`` (padding) or before the row."""
+    known = jnp.where(real, tokens, -2)
+    known = jnp.concatenate([jnp.full((tokens.shape[0], width), -2, known.dtype), known], axis=1)
+    return jax.lax.dynamic_slice_in_dim(known, length, width, axis=1)
+
+
+def _in_vocabulary(name: str, ids: Sequence[int], vocab: int) -> None:
+    """Raise :data:`OUTSIDE_VOCAB` for the ``ids`` of option ``name`` that are ``>= vocab``."""
+    outside = sorted({i for i in ids if i >= vocab})
+    if outside:
+        raise ValueError(OUTSIDE_VOCAB.format(name=name, ids=outside, vocab=vocab, last=vocab - 1,
+                                              example=min(outside[0], vocab - 1)))
 
 
 def _seen(ids: jax.Array, mask: jax.Array, vocab: int) -> jax.Array:
@@ -710,18 +720,13 @@ def _seen(ids: jax.Array, mask: jax.Array, vocab: int) -> jax.Array:
 
 def _suppressed(ids: tuple[int, ...], vocab: int) -> jax.Array:
     """bool ``[vocab]``: True at ``ids`` (checked against the vocabulary, known once traced)."""
-    outside = sorted({i for i in ids if i >= vocab})
-    if outside:
-        raise ValueError(SUPPRESS_OUTSIDE_VOCAB.format(name="suppress_tokens", ids=outside, vocab=vocab,
-                                                       last=vocab - 1, example=min(outside[0], vocab - 1)))
+    _in_vocabulary("suppress_tokens", ids, vocab)
     return jnp.zeros((vocab,), bool).at[np.asarray(ids)].set(True)
 
 
 def _window(ids: jax.Array, mask: jax.Array, width: int) -> jax.Array:
     """The last ``width - 1`` real prompt tokens of each row, -2 where padding or before the prompt."""
-    real = jnp.where(mask != 0, ids, -2)
-    real = jnp.concatenate([jnp.full((ids.shape[0], width - 1), -2, jnp.int32), real], axis=1)
-    return real[:, real.shape[1] - (width - 1):]
+    return _last(ids, mask != 0, ids.shape[1], width - 1)
 
 
 def _stopped(window: jax.Array, token: jax.Array, stop_ids: jax.Array) -> tuple[jax.Array, jax.Array]:

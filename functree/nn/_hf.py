@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree import _activations as act
+from functree._naming import matches
 from functree._state_dict import _to_numpy
 from functree._tree import dotted_name
 from functree.nn import _hf_models as models
@@ -337,12 +338,13 @@ class Family:
     head: tuple[str, str] | None = None
     names: Callable[[dict[str, Any]], dict[str, Any]] = _rotary_names
     padded: str | None = None  # the embedding HF builds with padding_idx=pad_token_id (its row zeroed at init)
+    residual: tuple[str, ...] = ()  # the layers HF initializes at std / sqrt(2 * n_layer) (key-path patterns)
 
 
 _LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 FAMILIES: dict[str, Family] = {
     "gpt2": Family("GPT2LMHeadModel", models.GPT2LMHeadModel, _gpt2, ("lm_head.weight", "transformer.wte.weight"),
-                   _gpt2_names),
+                   _gpt2_names, residual=("*.attn.output_projection", "*.mlp.c_proj")),
     "llama": Family("LlamaForCausalLM", models.LlamaForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
     "qwen2": Family("Qwen2ForCausalLM", models.Qwen2ForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
     "mistral": Family("MistralForCausalLM", models.MistralForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
@@ -396,41 +398,36 @@ def _untie(family: Family, model: Any, weights: Mapping[str, Any]) -> dict[str, 
 def _hf_initialized(family: Family, model: Any, config: Any, key: jax.Array) -> Any:
     """``model`` with Hugging Face's initialization (its ``_init_weights``), as
     ``family.hf_class(config)`` starts training from scratch: every weight matrix (linear,
-    Conv1D, embedding) ``normal(0, initializer_range)`` (OPT: ``init_std``), GPT-2's
-    residual projections (``c_proj``) ``/ sqrt(2 * n_layer)``, biases zero, the padding id's
-    embedding row zero, norms as built (scale 1, Gemma's offset 0). Independent normal draws
-    are the same whatever the layout, so the functree leaves are drawn as they are (fused
-    or split projections, stacked layers); it traces (``jax.jit`` of a build)."""
+    Conv1D, embedding) ``normal(0, initializer_range)`` (OPT: ``init_std``), the family's
+    residual projections (GPT-2's ``c_proj``) ``/ sqrt(2 * n_layer)``, biases zero, the
+    padding id's embedding row zero, norms as built (scale 1, Gemma's offset 0). Independent
+    normal draws are the same whatever the layout, so each ``Dense`` and ``Embedding`` is
+    drawn as it is (fused or split projections, stacked layers); it traces (``jax.jit`` of a
+    build)."""
     std = next((float(v) for v in (getattr(config, "initializer_range", None), getattr(config, "init_std", None))
                 if v is not None), 0.02)
-    gpt2 = family.hf_class == "GPT2LMHeadModel"
-    padded = None if family.padded is None else family.padded[: -len(".weight")]
     pad = getattr(config, "pad_token_id", None)
-    count = [0]
+    padded = None if family.padded is None else family.padded.removesuffix(".weight")  # HF's names are kept
 
-    def drawn(shape: tuple[int, ...], dtype: Any, scale: float) -> jax.Array:
-        count[0] += 1
-        return (scale * jax.random.normal(jax.random.fold_in(key, count[0]), shape, jnp.float32)).astype(dtype)
+    def normal(i: int, like: jax.Array, scale: float) -> jax.Array:
+        return (scale * jax.random.normal(jax.random.fold_in(key, i), like.shape, jnp.float32)).astype(like.dtype)
 
-    def layer(path: Any, node: Any) -> Any:
-        if not isinstance(node, (Dense, Embedding)):
-            return node  # a norm, a static value: as built
+    def fresh(i: int, path: Any, node: Any) -> Any:
         name = dotted_name(path)
-        scale = std / math.sqrt(2 * config.n_layer) if gpt2 and name.endswith(
-            (".attn.output_projection", ".mlp.c_proj")) else std
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(node)
-        new = []
-        for (key_path, leaf) in leaves:
-            if dotted_name(key_path) == "bias":
-                leaf = jnp.zeros_like(leaf)
-            else:  # Dense.weight, Embedding.embeddings
-                leaf = drawn(leaf.shape, leaf.dtype, scale)
-                if name == padded and isinstance(pad, int) and 0 <= pad < leaf.shape[0]:
-                    leaf = leaf.at[pad].set(0)
-            new.append(leaf)
-        return treedef.unflatten(new)
+        if isinstance(node, Embedding):
+            table = normal(i, node.embeddings, std)
+            if name == padded and isinstance(pad, int) and 0 <= pad < table.shape[0]:
+                table = table.at[pad].set(0)
+            return node.replace(embeddings=table)
+        if isinstance(node, Dense):
+            residual = any(matches(name, pattern) for pattern in family.residual)
+            scale = std / math.sqrt(2 * config.num_hidden_layers) if residual else std
+            bias = None if node.bias is None else jnp.zeros_like(node.bias)
+            return node.replace(weight=normal(i, node.weight, scale), bias=bias)
+        return node  # a norm's leaf: as built
 
-    return jax.tree_util.tree_map_with_path(layer, model, is_leaf=lambda x: isinstance(x, (Dense, Embedding)))
+    nodes, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, (Dense, Embedding)))
+    return treedef.unflatten([fresh(i, path, node) for i, (path, node) in enumerate(nodes)])
 
 
 def _covered() -> str:

@@ -162,7 +162,6 @@ class Gradients(NamedTuple):
     layer_state: Any
 
 
-
 def _strongly_typed(tree: Any) -> Any:
     """``tree`` with its weakly typed leaves made strong (same dtype and values).
 
@@ -171,6 +170,7 @@ def _strongly_typed(tree: Any) -> Any:
     step another input type at its second call, and a second compile.
     """
     return jax.tree.map(lambda x: jnp.asarray(x, x.dtype) if getattr(x, "weak_type", False) else x, tree)
+
 
 class Optimizer:
     """An optimizer with TF RFC 234's overridable ``minimize`` hooks, over an optax transform.

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
+from functree._alias import _LAST_DONOR
 from functree._tree import bounded_put, cached, dotted_name
 
 __all__ = ["flat_jit", "FlatJit", "builder"]
@@ -174,11 +176,41 @@ def _immutable(treedef: Any) -> bool:
     return all(_immutable(child) for child in treedef.children())
 
 
+def _taker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
+    """``args -> tuple(args[i] for i in indices)`` as one C call (a slice where they are
+    contiguous and ascending: ``itemgetter`` of one index would return the item, not a
+    tuple)."""
+    if not indices or indices == tuple(range(indices[0], indices[-1] + 1)):
+        start = indices[0] if indices else 0
+        return operator.itemgetter(slice(start, start + len(indices)))
+    return operator.itemgetter(*indices)
+
+
+def _runs(spans: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """``spans`` (start, stop) in order, adjacent ones merged, flattened: ``(0, 6, 6, 22)``
+    gives ``(0, 22)``, so a loop's donated leaves are one slice of the previous results'."""
+    runs: list[int] = []
+    for start, stop in spans:
+        if runs and runs[-1] == start:
+            runs[-1] = stop
+        else:
+            runs += [start, stop]
+    return tuple(runs)
+
+
+def _joined(leaves: list[Any], runs: tuple[int, ...]) -> list[Any]:
+    """The leaves of several runs (:func:`_runs`), in order."""
+    out: list[Any] = []
+    for k in range(0, len(runs), 2):
+        out += leaves[runs[k]:runs[k + 1]]
+    return out
+
+
 class _Program:
     """One ``jax.jit`` of the flat function, for one set of input tree definitions."""
 
-    __slots__ = ("build", "carry", "jitted", "loop", "loops", "other_treedef", "out_treedef", "parts", "passed",
-                 "several", "spans")
+    __slots__ = ("build", "carry", "donated", "jitted", "loop", "loops", "nargs", "other_treedef", "others",
+                 "out_treedef", "pairs", "parts", "passed", "returned", "runs", "several", "spans")
 
     def __init__(self, fn: Callable[..., Any], nargs: int, donate: tuple[int, ...], donated_treedef: Any,
                  other_treedef: Any, options: dict[str, Any], owned: tuple[int, ...] = ()):
@@ -186,7 +218,9 @@ class _Program:
         # Whether a later call can pass the donated arguments back by their leaves: each is
         # owned or holds no mutable container (read once, from the tree definitions).
         self.loops = all(i in owned or _immutable(t) for i, t in zip(donate, donated_treedef.children()))
+        self.nargs = nargs
         self.passed = tuple(i for i in range(nargs) if i not in donate)
+        self.others = _taker(self.passed)  # args -> the tuple of the arguments not donated
         self.parts = tuple(donated_treedef.children())  # each donated argument's tree definition
         self.build: Any = None
         self.out_treedef: Any = None
@@ -194,6 +228,12 @@ class _Program:
         self.spans: tuple[tuple[int, int], ...] = ()  # leaves of each top-level result
         self.carry: tuple[bool, ...] = ()  # results whose leaves may be passed back as they are
         self.loop: tuple[int, ...] | None = None  # the result each donated argument is, in a loop
+        # Set with ``loop``: the (argument, result) pairs a loop call passes back, and the
+        # runs of result leaves (start, stop, start, stop, ...) that are its donated leaves.
+        self.pairs: tuple[tuple[int, int], ...] | None = None
+        self.donated: Callable[[tuple], tuple] = _taker(())  # args -> the donated ones
+        self.returned: Callable[[tuple], tuple] = _taker(())  # results -> the ones they must be
+        self.runs: tuple[int, ...] = ()
 
         def flat(donated: list[Any], others: list[Any]) -> list[Any]:
             args: list[Any] = [None] * nargs
@@ -280,11 +320,21 @@ class FlatJit:
 
     Positional calls run the flat program; keyword arguments go to ``jax.jit`` of ``fn``
     itself (the same computation), and so do ``lower``, ``trace`` and ``eval_shape``.
+
+    ``guard`` (a :class:`functree._alias.DonationGuard`) remembers each call's results and
+    inputs; ``before(args, kwargs) -> (args, kwargs)`` runs for a call whose donated
+    arguments are not all the previous call's results (it checks them and may copy them
+    apart); ``explain(error, args, kwargs)`` returns the error to raise instead of JAX's,
+    or None. A loop that passes the results back runs none of them: one Python frame a
+    step, and the builder's.
     """
 
     def __init__(self, fn: Callable[..., Any], donate: tuple[int, ...] = (), owned: tuple[int, ...] = (),
                  tree_options: dict[str, Any] | None = None, programs: dict[Any, Any] | None = None,
-                 tree_when_mutable: bool = False, **options: Any):
+                 tree_when_mutable: bool = False, guard: Any = None,
+                 before: Callable[[tuple, dict[str, Any]], tuple[tuple, dict[str, Any]]] | None = None,
+                 explain: Callable[[Exception, tuple, dict[str, Any]], Exception | None] | None = None,
+                 **options: Any):
         self._fn = fn
         self._tree_when_mutable = tree_when_mutable
         self._tree_only = False  # set once donated arguments held a dict or list (tree_when_mutable)
@@ -295,6 +345,7 @@ class FlatJit:
         self._programs: dict[Any, _Program] = {} if programs is None else programs  # may be shared
         self._last: Any = None  # (program, results, result leaves) of the latest call
         self._tree: Any = None
+        self.guard, self._before, self._explain = guard, before, explain
 
     def _tree_jit(self) -> Any:
         if self._tree is None:
@@ -305,7 +356,7 @@ class FlatJit:
         """The program for these arguments and their leaves; None when a tree definition
         cannot be hashed (then ``jax.jit`` of ``fn`` runs, and says so)."""
         donated = [args[i] for i in self._donate if i < len(args)]
-        others = [x for i, x in enumerate(args) if i not in self._donate]
+        others = tuple(x for i, x in enumerate(args) if i not in self._donate)
         donated_leaves, donated_treedef = jax.tree.flatten(donated)
         other_leaves, other_treedef = jax.tree.flatten(others)
         key, program = cached(self._programs, (len(args), donated_treedef, other_treedef))
@@ -331,47 +382,96 @@ class FlatJit:
             if j < 0 or not (program.carry[j] or i in self._owned):
                 return
             loop.append(j)
+        program.pairs = tuple(zip(self._donate, loop))
+        program.donated, program.returned = _taker(self._donate), _taker(tuple(loop))
+        program.runs = _runs([program.spans[j] for j in loop])
         program.loop = tuple(loop)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        last = self._last
+        if last is not None and not kwargs:
+            program, results, leaves = last
+            if program.pairs is not None and len(args) == program.nargs:
+                if all(map(operator.is_, program.donated(args), program.returned(results))):
+                    # The loop's common case: the donated leaves are the previous results'
+                    # (one or two runs of them: a step's metrics between).
+                    runs = program.runs
+                    n = len(runs)
+                    donated = (leaves[runs[0]:runs[1]] if n == 2 else
+                               leaves[runs[0]:runs[1]] + leaves[runs[2]:runs[3]] if n == 4 else _joined(leaves, runs))
+                else:
+                    donated = self._replaced(program, args, results, leaves)
+                if donated is not None:
+                    other_leaves, other_treedef = _flatten(program.others(args), None)
+                    if other_treedef == program.other_treedef:
+                        try:
+                            leaves = program.jitted(donated, other_leaves)
+                        except (RuntimeError, ValueError, TypeError) as e:
+                            self._reraise(e, args, kwargs)
+                            raise
+                        results = program.build(leaves)
+                        outs = results if program.several else (results,)
+                        self._last = (program, outs, leaves)
+                        guard = self.guard
+                        if guard is not None:  # DonationGuard.remember, inline: a loop's every step
+                            guard._last, guard._given = outs, args
+                            guard.calls += 1
+                            _LAST_DONOR[0] = guard
+                        return results
+        return self._call(args, kwargs)
+
+    def _replaced(self, program: _Program, args: tuple, results: tuple, leaves: list[Any]) -> list[Any] | None:
+        """The donated leaves when an owned argument is another tree in a loop's place (the
+        Trainer's new log buffer): flattened alone, it keeps the fast path if its structure
+        is the same. None otherwise: the full path (with ``before``: another argument in
+        a donated place may alias, or hold a deleted array)."""
+        donated: list[Any] = []
+        spans = program.spans
+        for (i, j), part in zip(program.pairs or (), program.parts):
+            arg = args[i]
+            if arg is results[j]:
+                start, stop = spans[j]
+                donated += leaves[start:stop]
+                continue
+            if i not in self._owned:
+                return None
+            arg_leaves, arg_treedef = _flatten(arg, None)
+            if arg_treedef != part:
+                return None
+            donated += arg_leaves
+        return donated
+
+    def _call(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A call off the loop's fast path: checked by ``before``, errors explained, the
+        inputs and results remembered by ``guard``."""
+        if self._before is not None:
+            args, kwargs = self._before(args, kwargs)
+        try:
+            results = self._full(args, kwargs)
+        except (RuntimeError, ValueError, TypeError) as e:
+            self._reraise(e, args, kwargs)
+            raise
+        if self.guard is not None:
+            self.guard.remember(results, args)
+        return results
+
+    def _reraise(self, error: Exception, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Raise ``explain``'s error for ``error``, if it has one."""
+        better = None if self._explain is None else self._explain(error, args, kwargs)
+        if better is not None:
+            raise better from None
+
+    def _full(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         if kwargs or self._tree_only:
             self._last = None
             return self._tree_jit()(*args, **kwargs)
-        last = self._last
-        if last is not None:
-            program, results, leaves = last
-            loop = program.loop
-            if loop is not None and len(args) == len(program.passed) + len(loop):
-                donated: list[Any] = []
-                for i, j, part in zip(self._donate, loop, program.parts):
-                    arg = args[i]
-                    if arg is results[j]:
-                        start, stop = program.spans[j]
-                        donated += leaves[start:stop]
-                        continue
-                    # Another tree in this place (the Trainer's new log buffer): flattened
-                    # alone, it keeps the fast path if its structure is the same.
-                    arg_leaves, arg_treedef = _flatten(arg, None)
-                    if arg_treedef != part:
-                        break
-                    donated += arg_leaves
-                else:
-                    other_leaves, other_treedef = _flatten([args[i] for i in program.passed], None)
-                    if other_treedef == program.other_treedef:
-                        leaves = program.jitted(donated, other_leaves)
-                        results = program.build(leaves)
-                        self._last = (program, results if program.several else (results,), leaves)
-                        return results
         program, donated, other_leaves = self._program(args)
         if program is None or (self._tree_when_mutable and not program.loops):
             self._last = None
             self._tree_only = program is not None
             return self._tree_jit()(*args)
         self._loop(program, args)
-        return self._run(program, donated, other_leaves)
-
-    def _run(self, program: _Program, donated: list[Any], others: list[Any]) -> Any:
-        leaves = program.jitted(donated, others)
+        leaves = program.jitted(donated, other_leaves)
         results = program.build(leaves)
         self._last = (program, results if program.several else (results,), leaves)
         return results
@@ -401,12 +501,15 @@ class FlatJit:
 
 def flat_jit(fn: Callable[..., Any], *, donate: Sequence[int] = (), owned: Sequence[int] = (),
              tree_options: dict[str, Any] | None = None, programs: dict[Any, Any] | None = None,
-             tree_when_mutable: bool = False, **options: Any) -> FlatJit:
+             tree_when_mutable: bool = False, guard: Any = None, before: Any = None, explain: Any = None,
+             **options: Any) -> FlatJit:
     """``fn`` jitted, called over flat leaves (see :class:`FlatJit`); ``donate`` holds the
     indices of the donated positional arguments, ``owned`` those of arguments whose
     containers only the caller builds and never changes in place (a step's own log dict):
     passed back by their leaves even when they hold dicts or lists. ``tree_options`` go
     only to the ``jax.jit`` of ``fn`` that keyword calls use (``donate_argnames``).
     ``programs``: the table of compiled flat programs, shared by several FlatJits of one
-    computation (``ft.train.TrainStep``'s process-wide programs); by default its own."""
-    return FlatJit(fn, tuple(donate), tuple(owned), tree_options, programs, tree_when_mutable, **options)
+    computation (``ft.train.TrainStep``'s process-wide programs); by default its own.
+    ``guard``, ``before``, ``explain``: see :class:`FlatJit`."""
+    return FlatJit(fn, tuple(donate), tuple(owned), tree_options, programs, tree_when_mutable, guard, before,
+                   explain, **options)

@@ -186,11 +186,12 @@ def jit(
     nums, names = _donated(f, donate)
     if static_leaves or jax_jit_options or not nums or min(nums) < 0:
         jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
-    else:  # a training loop's step: over flat leaves, its results passed back without flattening
-        jitted = _flat(f, nums, names)
-    # One wrapper (a Python frame per call is ~0.5 µs of a tiny step): the donation guard,
-    # with the errors explained unless static_leaves made every leaf traceable.
-    return _alias_checked(f, jitted, (nums, names), explain=not static_leaves)
+        # One wrapper: the donation guard, with the errors explained unless static_leaves
+        # made every leaf traceable.
+        return _alias_checked(f, jitted, (nums, names), explain=not static_leaves)
+    # A training loop's step: over flat leaves, its results passed back without flattening,
+    # the guard inside (a step that passes them back runs one Python frame, no wrapper).
+    return _flat(f, nums, names)
 
 
 def _explained(f: Callable[..., Any], error: Exception, args: Sequence[Any], kwargs: dict[str, Any]) -> Exception | None:
@@ -311,27 +312,32 @@ def _make_traced(f: Callable[..., Any], fn: Callable[[], Any], static_leaves: bo
     return traced
 
 
-# f -> {(donated numbers, names): its FlatJit}: one per f, so a re-wrapped donating ft.jit
-# finds its compiled programs again. A FlatJit holds f weakly (through _traced).
+# f -> {(donated numbers, names): its table of flat programs}: shared by every ft.jit of f
+# with that donation, so a re-wrapped donating ft.jit finds its compiled programs again.
 _FLAT: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 def _flat(f: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]) -> Any:
-    """The :func:`flat_jit` of ``f`` donating ``nums``: the same object for the same ``f``."""
+    """The :func:`flat_jit` of ``f`` donating ``nums``, guarded (see :func:`_guarded`),
+    with ``f``'s name, docstring and signature."""
+    guard, before, explain = _guarded(f, nums, names, explain=True)
+    options = {"donate": nums, "tree_options": {"donate_argnames": names}, "tree_when_mutable": True,
+               "guard": guard, "before": before, "explain": explain}
     try:
         per_f = _FLAT.get(f)
         if per_f is None:
             per_f = _FLAT.setdefault(f, {})
     except (TypeError, ValueError):  # no weak reference or no hash: no cache
-        return flat_jit(explain_control_flow(f), donate=nums, tree_options={"donate_argnames": names},
-                        tree_when_mutable=True)
-    traced = _traced(f, static_leaves=False)
-    jitted = per_f.get((nums, names))
-    if jitted is not None and jitted._fn is traced:
-        return jitted
-    jitted = flat_jit(traced, donate=nums, tree_options={"donate_argnames": names}, tree_when_mutable=True)
-    if (nums, names) not in per_f and _TRACED[f][False][1] is traced:  # f's own (not an equal f's)
-        per_f[(nums, names)] = jitted
+        jitted = flat_jit(explain_control_flow(f), **options)
+    else:
+        traced = _traced(f, static_leaves=False)
+        found = per_f.get((nums, names))
+        if found is None or found[0] is not traced:  # (an equal but distinct f: its own table)
+            found = (traced, {})
+            if (nums, names) not in per_f and _TRACED[f][False][1] is traced:  # f's own (not an equal f's)
+                per_f[(nums, names)] = found
+        jitted = flat_jit(traced, programs=found[1], **options)
+    functools.update_wrapper(jitted, f, updated=())  # (FlatJit's own attributes stay)
     return jitted
 
 
@@ -426,7 +432,33 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any],
     """``jitted``, copying apart donated arguments that hold one array at two leaves
     (looked for by :class:`DonationGuard`: structurally, never from XLA's error), its
     errors :func:`_explained` when ``explain``."""
-    nums, names = donated
+    guard, before, explained = _guarded(f, *donated, explain=explain)
+
+    @functools.wraps(f)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = before(args, kwargs)
+        try:
+            result = jitted(*args, **kwargs)
+        except (RuntimeError, ValueError, TypeError) as e:
+            better = explained(e, args, kwargs)
+            if better is None:
+                raise
+            raise better from None
+        guard.remember(result, args)
+        return result
+
+    _expose(call, jitted)
+    call._jitted = jitted  # type: ignore[attr-defined]
+    return call
+
+
+def _guarded(f: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...], *,
+             explain: bool) -> tuple[DonationGuard, Callable[..., Any], Callable[..., Any]]:
+    """``(guard, before, explain)`` of a call of ``f`` donating ``nums`` / ``names``:
+    ``before(args, kwargs)`` names a deleted donated array and copies apart arguments
+    that hold one array at two leaves, for inputs that are not the guard's previous
+    results; ``explain(error, args, kwargs)`` is :func:`_explained` (or None when not
+    ``explain``)."""
     try:
         params = list(inspect.signature(f).parameters)
     except (TypeError, ValueError):
@@ -439,30 +471,22 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any],
 
     top = max(nums, default=-1)
 
-    @functools.wraps(f)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def before(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         if kwargs or len(args) <= top or top < 0:  # donated arguments given by name (or missing)
             fresh = guard.fresh(*[args[i] for i in nums if i < len(args)], *[kwargs[n] for n in names if n in kwargs])
-        else:  # the loop's common case, without building lists
+        else:
             fresh = guard.fresh_in(args, nums)
         if fresh:
             guard.check_donated(_named(args, kwargs, nums, names, params), what="The argument", step=step,
                                 no_donation=no_donation)
             pairs = warn_aliases((args, kwargs), what=what, rename=lambda n: _argument_name(n, params))
             args, kwargs = copy_aliases((args, kwargs), pairs)
-        try:
-            result = jitted(*args, **kwargs)
-        except (RuntimeError, ValueError, TypeError) as e:
-            better = _explained(f, e, args, kwargs) if explain else None
-            if better is None:
-                raise
-            raise better from None
-        guard.remember(result, args)
-        return result
+        return args, kwargs
 
-    _expose(call, jitted)
-    call._jitted = jitted  # type: ignore[attr-defined]
-    return call
+    def explained(error: Exception, args: tuple, kwargs: dict[str, Any]) -> Exception | None:
+        return _explained(f, error, args, kwargs) if explain else None
+
+    return guard, before, explained
 
 
 def _named(args: tuple, kwargs: dict[str, Any], nums: tuple[int, ...], names: tuple[str, ...],

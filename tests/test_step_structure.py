@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -291,3 +292,60 @@ def test_the_gated_step_has_no_host_transfer_or_callback(on_nan):
     names = set(primitives(closed.jaxpr))
     assert "cond" in names
     assert not names & set(HOST_PRIMITIVES)
+
+
+# --- the host's work per step: Python frames, not time -------------------------------------
+def _python_calls(call, *args) -> tuple[list[str], object]:
+    """The Python functions ``call(*args)`` enters (C functions not listed), in order,
+    and its result."""
+    entered: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        out = call(*args)
+    finally:
+        sys.setprofile(None)
+    return entered, out
+
+
+def test_a_donating_loop_step_runs_one_python_frame_and_the_result_builder():
+    # The host side of a loop step under ft.jit(donate=...): the flat program's own call
+    # (the donation guard inside it, not a wrapper around it) and the generated builder.
+    step, (model, state) = _minimize_step()
+    x, y = _batch()
+    for _ in range(3):
+        model, state, _ = step(model, state, x, y)
+    entered, (model, state, loss) = _python_calls(step, model, state, x, y)
+    assert entered == ["__call__", "build"]
+    assert isinstance(model, ft.nn.Sequential) and bool(jnp.isfinite(loss))
+
+
+def test_a_train_step_call_in_a_loop_runs_three_python_frames_and_the_builder():
+    opt = ft.optim.Optimizer(ft.optim.adam(LR))
+    step = ft.train.train_step(lambda m, b: _loss(m, *b), opt)  # gated (the default)
+    model, batch = _model(), _batch()
+    state = opt.init(model)
+    for _ in range(3):
+        model, state, _ = step(model, state, batch)
+    entered, (model, state, metrics) = _python_calls(step, model, state, batch)
+    assert entered == ["__call__", "run", "__call__", "build"]
+    step.check()
+    assert bool(jnp.isfinite(metrics["loss"]))
+
+
+def test_a_fresh_model_in_a_loop_is_still_checked_for_aliases_and_deleted_arrays():
+    # Off the fast path (a model that is not the previous result) the guard runs again.
+    step, (model, state) = _minimize_step()
+    x, y = _batch()
+    for _ in range(3):
+        old, (model, state, _) = model, step(model, state, x, y)
+    with pytest.raises(ValueError, match=r"'model' holds a deleted array at layers\.0\.weight"):
+        step(old, state, x, y)
+    first, second, last = model.layers
+    tied = model.replace(layers=(first, second.replace(bias=first.bias), last))  # one array, two places
+    with pytest.warns(ft.AliasWarning, match=r"layers\.0\.bias' and 'model\.layers\.1\.bias"):
+        step(tied, state, x, y)

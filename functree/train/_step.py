@@ -34,7 +34,7 @@ from functree._alias import (
     stale_error,
     warn_aliases,
 )
-from functree._flat import flat_jit
+from functree._flat import FlatJit, flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._naming import names as _leaf_names
 from functree._nan import NaNReport, provenance_text
@@ -354,6 +354,7 @@ class TrainStep:
         self._guard = DonationGuard("the train step")
         self._halt: Any = None  # on_nan="stop": [calls, call that stopped (-1), its nonfinite]
         self._calls = 0
+        self._owned_call = False  # run(owned=...) of the call running
         self._inflight: list[tuple[int, Any, Any]] = []  # (call, batch, key): references only
         self._shared: Any = None  # the process-wide programs of this configuration (_programs.py)
         self._ref = weakref.ref(self)
@@ -514,7 +515,7 @@ class TrainStep:
         log = self.record(log, metrics, batch, opt_state)
         return model, opt_state, (None if "rows" in log else metrics), log  # rows hold them: no more outputs
 
-    _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref")
+    _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref", "_owned_call")
     """Instance attributes that are run-time state; every other one is configuration: a
     step equal to another in all of them (and in class) shares its compiled programs."""
 
@@ -538,7 +539,8 @@ class TrainStep:
         # The wrapper names the class's function (never this instance: the shared table must
         # not keep a step alive); a retrace calls the step whose call is running.
         traced = explain_control_flow(getattr(type(self), method), trampoline(entry, method))
-        return flat_jit(traced, donate=donate, owned=(4,), programs=entry.programs.setdefault(kind, {}))
+        return flat_jit(traced, donate=donate, owned=(4,), programs=entry.programs.setdefault(kind, {}),
+                        guard=self._guard, before=self._before, explain=self._explain)
 
     def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
@@ -589,29 +591,45 @@ class TrainStep:
         else:
             check_stacked(batch, steps)
             program = self._scan_program(model)
-        if self._guard.fresh(model, opt_state):  # not the previous call's outputs
-            if not owned:  # (the owner's arrays are live: a deleted one is named if the call fails)
-                self._check_donated(model, opt_state)
-            if self.placement is not None:
-                model, opt_state = self.placement.place(model, opt_state)
-            if self._donate and not owned:
-                # Donation needs distinct buffers: one array at two leaves is copied apart,
-                # with a warning naming both key paths.
-                warn_aliases(model, what="The model given to the train step")
-                model, opt_state = copy_aliases((model, opt_state))
+        self._owned_call = owned
         if self.placement is not None:
             where = self.placement
             batch = where.shard_batch(batch) if steps == 1 else shard_stacked(where.mesh, where.data_axis, batch)
         if self._shared is not None:  # a shared program traces (new shapes) with this step's stages
             self._shared.owner = self._ref
+        if program.__class__ is FlatJit:  # it runs _before, _explain and the guard off a loop's fast path
+            return program(model, opt_state, batch, key, log)
+        (model, opt_state, *_), _ = self._before((model, opt_state), {})  # jax.jit with static leaves
         try:
             out = program(model, opt_state, batch, key, log)
-        except (RuntimeError, ValueError) as e:  # (checked before the call when not owned)
-            if owned and is_deletion_error(e):
-                self._check_donated(model, opt_state)
+        except (RuntimeError, ValueError) as e:
+            self._explain(e, (model, opt_state), {})
             raise
         self._guard.remember(out, (model, opt_state))
         return out
+
+    def _before(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """``args`` (model, opt_state, ...) for a call whose model or state are not the
+        previous call's results: a deleted array named (unless the caller owns them: then
+        only if the call fails), placed on the step's mesh, one array at two leaves copied
+        apart (with a warning naming both key paths) when donating."""
+        model, opt_state = args[0], args[1]
+        if not self._guard.fresh(model, opt_state):
+            return args, kwargs
+        owned = self._owned_call
+        if not owned:  # (the owner's arrays are live: a deleted one is named if the call fails)
+            self._check_donated(model, opt_state)
+        if self.placement is not None:
+            model, opt_state = self.placement.place(model, opt_state)
+        if self._donate and not owned:
+            warn_aliases(model, what="The model given to the train step")
+            model, opt_state = copy_aliases((model, opt_state))
+        return (model, opt_state, *args[2:]), kwargs
+
+    def _explain(self, error: Exception, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Name a deleted array of the model or state the caller owns (checked only now)."""
+        if self._owned_call and is_deletion_error(error):
+            self._check_donated(args[0], args[1])
 
     def _check_donated(self, model: Any, opt_state: Any) -> None:
         """The error naming a deleted (donated) array of ``model`` or ``opt_state``, if any."""
@@ -619,7 +637,9 @@ class TrainStep:
                                   step="the train step", no_donation=NO_DONATION)
 
     def _new_halt_log(self) -> Any:
-        return self._place_log({"halt": jnp.array([0, -1, -1], jnp.int32)}) if self.on_nan == "stop" else None
+        # Put from the host: an eager operation would compile a program of its own before step 1.
+        halt = jax.device_put(np.array([0, -1, -1], np.int32))
+        return self._place_log({"halt": halt}) if self.on_nan == "stop" else None
 
     def _place_log(self, log: Any) -> Any:
         """A new log where the step's program returns it (replicated over the mesh), so the

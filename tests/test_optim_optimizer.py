@@ -445,3 +445,19 @@ def test_state_made_before_training_mode_serves_the_model_in_training_mode():
     assert ft.nn.is_training(new)  # the updates came back in the model's mode (ft.move took them)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(same)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_init_compiles_only_what_optax_init_does():
+    # On a GPU each eager operation compiles a program of its own: the learning context and
+    # the hyperparameters are put from the host, so init adds no program to optax's own.
+    from _compiles import compiled
+
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    with compiled() as ours:
+        state = fo.Optimizer(fo.adamw(1e-3, weight_decay=0.1)).init(params)
+    with compiled() as optax_own:
+        optax.adamw(1e-3, weight_decay=0.1).init(params)
+    assert sorted(ours) == sorted(optax_own)
+    assert fo.hyperparameters(state)["learning_rate"].dtype == jnp.float32
+    np.testing.assert_allclose(float(fo.hyperparameters(state)["learning_rate"]), 1e-3, rtol=1e-7)
+    assert fo.context(state).step == 0 and bool(jnp.isnan(fo.context(state).loss))

@@ -487,3 +487,19 @@ def test_a_step_on_a_mesh_compiles_once_and_the_trainer_too():
         assert compiles == []  # main: one more compile, the step again
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_the_first_call_compiles_one_program():
+    # Nothing eager before the step (each would be a GPU compile of its own): the NaN
+    # gate's record comes from the host.
+    from _compiles import compiled
+
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    state, batch = opt.init(model), (jnp.ones((4, 3)), jnp.zeros((4, 1)))
+    step = ft.train.train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), opt)
+    with compiled() as names:
+        model, state, metrics = step(model, state, batch)
+        step.check()
+    assert names == ["jit(flat)"] and bool(jnp.isfinite(metrics["loss"]))
+

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree import _activations as act
+from functree._jit import unchecked_jit
 from functree._naming import matches
 from functree._state_dict import _to_numpy
 from functree._tree import dotted_name
@@ -430,6 +431,20 @@ def _hf_initialized(family: Family, model: Any, config: Any, key: jax.Array) -> 
     return treedef.unflatten([fresh(i, path, node) for i, (path, node) in enumerate(nodes)])
 
 
+def _from_config(family: Family, config: Any, dtype: Any, key: jax.Array, attention: str) -> Any:
+    """The model built and initialized as HF does (:func:`_hf_initialized`), as one
+    compiled program: run op by op, each operation compiled on its own (47 programs for a
+    2-layer Llama, each a GPU compile) and every layer's default initialization drawn
+    only to be replaced (12 layers at d=256, vocabulary 32000: 32 s on a 2-core CPU, 17 s
+    as one program). Leaves that are not arrays stay Python values (``static_leaves``)."""
+
+    def build(key: jax.Array) -> Any:
+        built = family.build(config, {"pooler.dense.weight"}, dtype, jax.random.fold_in(key, 1), attention)
+        return _hf_initialized(family, built, config, key)
+
+    return unchecked_jit(build, static_leaves=True)(key)
+
+
 def _covered() -> str:
     return ", ".join(f"{k} ({v})" for k, v in COVERED.items())
 
@@ -502,8 +517,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if weights is None:
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
-        built = family.build(config, {"pooler.dense.weight"}, dtype, jax.random.fold_in(key, 1), attention)
-        return _hf_initialized(family, built, config, key)
+        return _from_config(family, config, dtype, key, attention)
     weights = _normalized(model_type, _weights(weights))
     template = jax.eval_shape(lambda: family.build(config, set(weights), dtype, jax.random.key(0), attention))
     weights = _untie(family, template, weights)

@@ -128,7 +128,9 @@ def initial_context() -> LearningContext:
       >>> float(ft.optim.linear_warmup(1.0, 10)(ft.optim.initial_context().replace(step=5)))
       0.5
     """
-    return LearningContext(jnp.array([0, 0, 0, 1], jnp.int32), jnp.full((), jnp.nan, jnp.float32))
+    # Host values put on the device: no program is compiled for them (on a GPU each eager
+    # operation is a compile of its own before the first step).
+    return LearningContext(jax.device_put(np.array([0, 0, 0, 1], np.int32)), jax.device_put(np.float32(np.nan)))
 
 
 def current(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) -> LearningContext:

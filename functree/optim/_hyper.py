@@ -218,6 +218,17 @@ def _pack(xs: list[jax.Array]) -> jax.Array | None:
     return jnp.stack(xs) if xs else None
 
 
+def _on_device(x: Any) -> Any:
+    """``x`` as a device array if it is a NumPy one (a fresh buffer either way for NumPy)."""
+    return jax.device_put(x) if isinstance(x, (np.ndarray, np.generic)) else x
+
+
+def _on_host(x: Any) -> bool:
+    """A Python or NumPy number (not a device array, which may be traced)."""
+    return (isinstance(x, (int, float, np.number)) and not isinstance(x, bool)) or (
+        isinstance(x, np.ndarray) and x.ndim == 0)
+
+
 def _is_number(x: Any) -> bool:
     return (isinstance(x, (int, float, np.number)) and not isinstance(x, bool)) or (
         isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 0
@@ -329,8 +340,10 @@ def inject(
     names = tuple(n for n, sp in specs.items() if not sp.scheduled)
     scheduled_names = tuple(n for n, sp in specs.items() if sp.scheduled)
 
-    def build(ctx: LearningContext, values: jax.Array | None) -> tuple[Any, jax.Array | None]:
-        stored = dict(zip(names, jnp.unstack(values, axis=-1))) if values is not None else {}
+    def build(ctx: LearningContext, values: jax.Array | None,
+              stored: dict[str, jax.Array] | None = None) -> tuple[Any, jax.Array | None]:
+        if stored is None:
+            stored = dict(zip(names, jnp.unstack(values, axis=-1))) if values is not None else {}
         eff = {n: sp.effective(ctx, stored.get(n)) for n, sp in specs.items()}
         tx = optax.with_extra_args_support(factory(**eff, **static))
         return tx, _pack([eff[n] for n in scheduled_names])
@@ -340,10 +353,20 @@ def inject(
         # (NNX's order, the state built before ft.nn.training(model), works)
         params = mode_free(parameters(params))
         ctx = initial_context()
-        values = _pack([_scalar(specs[n].rate.value) for n in names])
+        given = [specs[n].rate.value for n in names]
+        stored = None
+        if all(_on_host(v) for v in given):
+            # Packed on the host, and the transformation built for its init with NumPy
+            # values: no eager programs (on a GPU each compiles before the first step; an
+            # update builds it again, traced, from the packed values).
+            values = jax.device_put(np.array(given, np.float32)) if given else None
+            stored = {n: np.float32(v) for n, v in zip(names, given)}
+        else:
+            values = _pack([_scalar(v) for v in given])
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
-            tx, scheduled = build(ctx, values)
-            return HyperState(ctx, values, scheduled, tx.init(params), names, scheduled_names)
+            tx, scheduled = build(ctx, values, stored)
+            inner = jax.tree.map(_on_device, tx.init(params))  # (a transformation that keeps a value)
+            return HyperState(ctx, values, scheduled, inner, names, scheduled_names)
 
     def update(
         updates: Any,

@@ -43,6 +43,7 @@ import dataclasses
 import inspect
 import operator
 import re
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -419,6 +420,11 @@ class FlatJit:
                             _LAST_DONOR[0] = guard
                         return results
         return self._call(args, kwargs)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        """A method when it is a class's attribute (``@ft.jit`` on a Module's method), as a
+        function and ``jax.jit`` are: ``model.step(x)`` calls it with ``model`` first."""
+        return self if instance is None else types.MethodType(self, instance)
 
     def _replaced(self, program: _Program, args: tuple, results: tuple, leaves: list[Any]) -> list[Any] | None:
         """The donated leaves when an owned argument is another tree in a loop's place (the

@@ -10,6 +10,7 @@ error that says so.
 from __future__ import annotations
 
 import collections
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -215,3 +216,20 @@ def test_a_tree_definition_that_cannot_be_hashed_runs_through_jax_jit():
     box = step(box)
     np.testing.assert_array_equal(box.x, jnp.full(2, 3.0))
     assert box.meta == [1]
+
+
+def test_a_donating_ft_jit_on_a_method_is_called_with_its_instance():
+    # ft.jit's donating object is a method as a function is (a Module's step method).
+    class Weights(ft.Module):
+        w: jax.Array
+
+        @ft.jit(donate=(0,))
+        def step(self, x):
+            return Weights(self.w + x), jnp.sum(self.w)
+
+    model = Weights(jnp.ones(2))
+    for _ in range(3):
+        model, total = model.step(1.0)
+    np.testing.assert_array_equal(model.w, jnp.full(2, 4.0))
+    assert float(total) == 6.0
+    assert Weights.step.__name__ == "step" and list(inspect.signature(Weights.step).parameters) == ["self", "x"]

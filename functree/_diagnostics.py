@@ -38,6 +38,7 @@ import json
 import re
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -832,9 +833,42 @@ def _leaf_key(x: Any, depth: int, baked: bool = True) -> Any:
         return _callable_key(x, depth + 1)
     try:
         hash(x)
-        return x
     except TypeError:
         return ("id", type(x), id(x))
+    return _held(x)
+
+
+def _held(x: Any) -> Any:
+    """``x`` as a key part: weakly (:class:`_Identity`) if it is equal only to itself."""
+    if type(x).__hash__ is object.__hash__:
+        try:
+            return _Identity(x)
+        except TypeError:  # no weak references to it
+            pass
+    return x
+
+
+class _Identity:
+    """A cache key's part for an object equal only to itself (a ``TrainStep`` in a loss
+    function's closure), holding it weakly: a strong reference from the bounded check cache
+    kept such an object alive, and with it what it holds (a step's last model and optimizer
+    state: device memory), after the user dropped it. Equal to another only while both refer
+    to the same live object."""
+
+    __slots__ = ("hash", "ref")
+
+    def __init__(self, x: Any):
+        self.ref = weakref.ref(x)
+        self.hash = id(x)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Identity):
+            return NotImplemented
+        x = self.ref()
+        return x is not None and x is other.ref()
 
 
 def _value_key(v: Any, depth: int, baked: bool = True) -> Any:
@@ -844,7 +878,7 @@ def _value_key(v: Any, depth: int, baked: bool = True) -> Any:
 
 def _callable_key(f: Any, depth: int = 0) -> Any:
     if depth > 3:
-        return ("deep", f) if _hashable(f) else ("id", id(f))
+        return ("deep", _held(f)) if _hashable(f) else ("id", id(f))
     if isinstance(f, functools.partial):
         keywords = tuple(sorted(f.keywords.items()))
         return ("partial", _callable_key(f.func, depth + 1), _value_key((f.args, keywords), depth))
@@ -860,7 +894,7 @@ def _callable_key(f: Any, depth: int = 0) -> Any:
         return (f.__code__, _value_key((cells, f.__defaults__, f.__kwdefaults__), depth))
     if isinstance(f, Module):
         return ("module", _value_key(f, depth))
-    return f if _hashable(f) else ("id", id(f))
+    return _held(f) if _hashable(f) else ("id", id(f))
 
 
 def _hashable(x: Any) -> bool:

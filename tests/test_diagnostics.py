@@ -684,3 +684,33 @@ def test_diagnose_reports_a_custom_derivative_that_does_not_cover_the_argument()
     assert finding.paths == ("argument 1 (`scale`)",)
     assert "@ft.derivative(of=norm, wrt=(0, 1))" in finding.message
     assert ft.diagnose(norm, wrt=0)(x, 2.0).ok
+
+
+def test_the_check_cache_holds_a_closures_objects_weakly():
+    # A loss closing over an object equal only to itself (a TrainStep, a user's holder of
+    # arrays): the cache of checked functions must not keep it, or its arrays, alive.
+    import gc
+    import weakref
+
+    from functree import _diagnostics
+
+    class Holder:
+        def __init__(self):
+            self.scale = jnp.full(3, 2.0)
+
+    box = [Holder()]
+
+    def loss(x):
+        return jnp.sum(x * box[0].scale)
+
+    before = len(_diagnostics._CACHE)
+    for _ in range(2):  # checked once: the second call finds its key
+        assert ft.gradient(loss)(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    assert len(_diagnostics._CACHE) == before + 1
+    held = weakref.ref(box[0])
+    gc.disable()
+    try:
+        box.clear()
+        assert held() is None
+    finally:
+        gc.enable()

@@ -503,3 +503,25 @@ def test_the_first_call_compiles_one_program():
         step.check()
     assert names == ["jit(flat)"] and bool(jnp.isfinite(metrics["loss"]))
 
+
+
+def test_a_step_is_freed_with_its_last_results_when_dropped():
+    # Its program holds its checks weakly: no reference cycle, so the model and state it
+    # remembers (device memory) go when the step goes, without waiting for the collector.
+    import gc
+    import weakref
+
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    state, batch = opt.init(model), (jnp.ones((4, 3)), jnp.zeros((4, 1)))
+    step = ft.train.train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), opt)
+    for _ in range(3):
+        model, state, _ = step(model, state, batch)
+    step.check()
+    dropped = weakref.ref(step)
+    gc.disable()
+    try:
+        del step
+        assert dropped() is None
+    finally:
+        gc.enable()

@@ -539,8 +539,10 @@ class TrainStep:
         # The wrapper names the class's function (never this instance: the shared table must
         # not keep a step alive); a retrace calls the step whose call is running.
         traced = explain_control_flow(getattr(type(self), method), trampoline(entry, method))
+        ref = self._ref  # (weakly: the step holds the program, so the program must not hold the step)
         return flat_jit(traced, donate=donate, owned=(4,), programs=entry.programs.setdefault(kind, {}),
-                        guard=self._guard, before=self._before, explain=self._explain)
+                        guard=self._guard, before=lambda args, kwargs: ref()._before(args, kwargs),
+                        explain=lambda error, args, kwargs: ref()._explain(error, args, kwargs))
 
     def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves

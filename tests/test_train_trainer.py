@@ -417,3 +417,26 @@ def test_a_model_donated_before_the_trainer_is_named_from_the_trainers_argument(
     donate(net, np.ones((1, 5, 5, 1), np.float32))
     with pytest.raises(ValueError, match=r"deleted array at model\.conv\.weight"):
         Trainer(net, adam(), classify)
+
+
+def test_a_dropped_trainer_is_freed_at_once_with_its_model_and_state():
+    # No reference cycle (its metric reader holds it weakly): the model, optimizer state
+    # and log buffer (device memory) go when the trainer goes, not at the next full pass
+    # of the collector.
+    import gc
+    import weakref
+
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    data = [(np.ones((4, 3), np.float32), np.zeros((4, 1), np.float32))] * 8
+    trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), opt,
+                               lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
+    trainer.fit(data, epochs=2, progress=False, validation_data=data,
+                callbacks=[ft.train.EarlyStopping(patience=3)])
+    dropped = weakref.ref(trainer)
+    gc.collect()
+    gc.disable()
+    try:
+        del trainer
+        assert dropped() is None
+    finally:
+        gc.enable()

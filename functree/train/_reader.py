@@ -11,6 +11,7 @@ callback's ``on_log`` get its means.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,9 +47,15 @@ class Reader:
     buffer itself)."""
 
     def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+        # Weakly: the trainer holds its reader, so a dropped trainer (its model, state and
+        # buffer: device memory) is freed at once, not at the collector's next full pass.
+        self._trainer = weakref.ref(trainer)
         self.log = MetricLog(NONFINITE)
         self.param_names: list[str] | None = None  # for the names of skipped steps' gradients
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer()
 
     def metric_names(self, batch: Any) -> list[str]:
         """The step's metrics in the order it returns them (``nonfinite`` included)."""

@@ -38,7 +38,6 @@ import json
 import re
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -56,7 +55,7 @@ from functree._plan import Plan
 from functree._source import function_name as _fn_name
 from functree._source import is_user_file as _is_user_file
 from functree._source import unwrap as _unwrap
-from functree._tree import CACHE_LIMIT, bounded_put, dotted_name
+from functree._tree import CACHE_LIMIT, WeakIdentity, bounded_put, dotted_name
 
 __all__ = [
     "UncoveredDerivativeError",
@@ -839,36 +838,15 @@ def _leaf_key(x: Any, depth: int, baked: bool = True) -> Any:
 
 
 def _held(x: Any) -> Any:
-    """``x`` as a key part: weakly (:class:`_Identity`) if it is equal only to itself."""
+    """``x`` as a key part, held weakly if it is equal only to itself (a ``TrainStep`` in a
+    loss function's closure: the bounded cache of checks kept it, and its last model and
+    state, alive after the user dropped it)."""
     if type(x).__hash__ is object.__hash__:
         try:
-            return _Identity(x)
+            return WeakIdentity(x)
         except TypeError:  # no weak references to it
             pass
     return x
-
-
-class _Identity:
-    """A cache key's part for an object equal only to itself (a ``TrainStep`` in a loss
-    function's closure), holding it weakly: a strong reference from the bounded check cache
-    kept such an object alive, and with it what it holds (a step's last model and optimizer
-    state: device memory), after the user dropped it. Equal to another only while both refer
-    to the same live object."""
-
-    __slots__ = ("hash", "ref")
-
-    def __init__(self, x: Any):
-        self.ref = weakref.ref(x)
-        self.hash = id(x)
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Identity):
-            return NotImplemented
-        x = self.ref()
-        return x is not None and x is other.ref()
 
 
 def _value_key(v: Any, depth: int, baked: bool = True) -> Any:

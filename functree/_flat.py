@@ -187,31 +187,23 @@ def _taker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
     return operator.itemgetter(*indices)
 
 
-def _runs(spans: Sequence[tuple[int, int]]) -> tuple[int, ...]:
-    """``spans`` (start, stop) in order, adjacent ones merged, flattened: ``(0, 6, 6, 22)``
-    gives ``(0, 22)``, so a loop's donated leaves are one slice of the previous results'."""
-    runs: list[int] = []
+def _runs(spans: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
+    """``spans`` (start, stop) in order as slices, adjacent ones merged: ``(0, 6), (6, 22)``
+    gives one slice, so a loop's donated leaves are one slice of the previous results'."""
+    runs: list[list[int]] = []
     for start, stop in spans:
-        if runs and runs[-1] == start:
-            runs[-1] = stop
+        if runs and runs[-1][1] == start:
+            runs[-1][1] = stop
         else:
-            runs += [start, stop]
-    return tuple(runs)
-
-
-def _joined(leaves: list[Any], runs: tuple[int, ...]) -> list[Any]:
-    """The leaves of several runs (:func:`_runs`), in order."""
-    out: list[Any] = []
-    for k in range(0, len(runs), 2):
-        out += leaves[runs[k]:runs[k + 1]]
-    return out
+            runs.append([start, stop])
+    return tuple(slice(start, stop) for start, stop in runs)
 
 
 class _Program:
     """One ``jax.jit`` of the flat function, for one set of input tree definitions."""
 
     __slots__ = ("build", "carry", "donated", "jitted", "loop", "loops", "nargs", "other_treedef", "others",
-                 "out_treedef", "pairs", "parts", "passed", "returned", "runs", "several", "spans")
+                 "out_treedef", "parts", "passed", "returned", "runs", "several", "spans")
 
     def __init__(self, fn: Callable[..., Any], nargs: int, donate: tuple[int, ...], donated_treedef: Any,
                  other_treedef: Any, options: dict[str, Any], owned: tuple[int, ...] = ()):
@@ -229,12 +221,11 @@ class _Program:
         self.spans: tuple[tuple[int, int], ...] = ()  # leaves of each top-level result
         self.carry: tuple[bool, ...] = ()  # results whose leaves may be passed back as they are
         self.loop: tuple[int, ...] | None = None  # the result each donated argument is, in a loop
-        # Set with ``loop``: the (argument, result) pairs a loop call passes back, and the
-        # runs of result leaves (start, stop, start, stop, ...) that are its donated leaves.
-        self.pairs: tuple[tuple[int, int], ...] | None = None
-        self.donated: Callable[[tuple], tuple] = _taker(())  # args -> the donated ones
-        self.returned: Callable[[tuple], tuple] = _taker(())  # results -> the ones they must be
-        self.runs: tuple[int, ...] = ()
+        # Set with ``loop``: the donated arguments, the results they must be, and the runs
+        # of result leaves that are the donated leaves.
+        self.donated: Callable[[tuple], tuple] = _taker(())
+        self.returned: Callable[[tuple], tuple] = _taker(())
+        self.runs: tuple[slice, ...] = ()
 
         def flat(donated: list[Any], others: list[Any]) -> list[Any]:
             args: list[Any] = [None] * nargs
@@ -383,7 +374,6 @@ class FlatJit:
             if j < 0 or not (program.carry[j] or i in self._owned):
                 return
             loop.append(j)
-        program.pairs = tuple(zip(self._donate, loop))
         program.donated, program.returned = _taker(self._donate), _taker(tuple(loop))
         program.runs = _runs([program.spans[j] for j in loop])
         program.loop = tuple(loop)
@@ -392,14 +382,14 @@ class FlatJit:
         last = self._last
         if last is not None and not kwargs:
             program, results, leaves = last
-            if program.pairs is not None and len(args) == program.nargs:
+            if program.loop is not None and len(args) == program.nargs:
                 if all(map(operator.is_, program.donated(args), program.returned(results))):
                     # The loop's common case: the donated leaves are the previous results'
-                    # (one or two runs of them: a step's metrics between).
-                    runs = program.runs
-                    n = len(runs)
-                    donated = (leaves[runs[0]:runs[1]] if n == 2 else
-                               leaves[runs[0]:runs[1]] + leaves[runs[2]:runs[3]] if n == 4 else _joined(leaves, runs))
+                    # (one run of them, or two: a train step's metrics between).
+                    first, *rest = program.runs
+                    donated = leaves[first]
+                    for run in rest:
+                        donated += leaves[run]
                 else:
                     donated = self._replaced(program, args, results, leaves)
                 if donated is not None:
@@ -433,7 +423,7 @@ class FlatJit:
         a donated place may alias, or hold a deleted array)."""
         donated: list[Any] = []
         spans = program.spans
-        for (i, j), part in zip(program.pairs or (), program.parts):
+        for i, j, part in zip(self._donate, program.loop or (), program.parts):
             arg = args[i]
             if arg is results[j]:
                 start, stop = spans[j]

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,37 @@ def bounded_put(cache: dict[Any, Any], key: Any, value: Any) -> None:
     if len(cache) >= CACHE_LIMIT:
         cache.clear()
     cache[key] = value
+
+
+class WeakIdentity:
+    """A cache key's part for an object compared by identity, held weakly: a cache must not
+    keep alive what it keys (a train step, and its last model and state in device memory).
+    Equal to another only while both refer to the same live object; ``callback(ref)`` runs
+    when the object dies (``weakref.ref``'s). Raises ``TypeError`` for an object that
+    takes no weak reference.
+
+    Example:
+      >>> class Step: ...
+      >>> step = Step()
+      >>> key = WeakIdentity(step)
+      >>> key == WeakIdentity(step), key == WeakIdentity(Step())
+      (True, False)
+    """
+
+    __slots__ = ("_hash", "_ref")
+
+    def __init__(self, obj: Any, callback: Any = None):
+        self._ref = weakref.ref(obj, callback)
+        self._hash = id(obj)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WeakIdentity):
+            return NotImplemented
+        mine = self._ref()
+        return mine is not None and mine is other._ref()
 
 
 def cached(cache: dict[Any, Any], key: Any) -> tuple[Any, Any]:

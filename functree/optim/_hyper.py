@@ -225,8 +225,7 @@ def _on_device(x: Any) -> Any:
 
 def _on_host(x: Any) -> bool:
     """A Python or NumPy number (not a device array, which may be traced)."""
-    return (isinstance(x, (int, float, np.number)) and not isinstance(x, bool)) or (
-        isinstance(x, np.ndarray) and x.ndim == 0)
+    return _is_number(x) and not isinstance(x, jax.Array)
 
 
 def _is_number(x: Any) -> bool:
@@ -341,7 +340,7 @@ def inject(
     scheduled_names = tuple(n for n, sp in specs.items() if sp.scheduled)
 
     def build(ctx: LearningContext, values: jax.Array | None,
-              stored: dict[str, jax.Array] | None = None) -> tuple[Any, jax.Array | None]:
+              stored: dict[str, Any] | None = None) -> tuple[Any, jax.Array | None]:
         if stored is None:
             stored = dict(zip(names, jnp.unstack(values, axis=-1))) if values is not None else {}
         eff = {n: sp.effective(ctx, stored.get(n)) for n, sp in specs.items()}

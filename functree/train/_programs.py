@@ -32,13 +32,14 @@ import enum
 import functools
 import sys
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.core import Tracer
+
+from functree._tree import WeakIdentity
 
 __all__ = ["Shared", "shared", "program_key", "forget_programs", "Unshareable"]
 
@@ -53,30 +54,17 @@ class Unshareable(Exception):
     """Raised while building a key: this configuration is not shared."""
 
 
-class _Ref:
-    """An object compared by identity, held weakly; its death evicts the entry it keys."""
+def _ref(obj: Any, holder: list[Any]) -> WeakIdentity:
+    """``obj`` compared by identity, held weakly; its death evicts the entry it keys."""
 
-    __slots__ = ("_hash", "_ref")
+    def evict(_: Any, holder: list[Any] = holder, table: dict[Any, Any] = _PROGRAMS) -> None:
+        if holder:  # the key was stored: one of its referents is gone
+            table.pop(holder[0], None)
 
-    def __init__(self, obj: Any, holder: list[Any]):
-        def evict(_: Any, holder: list[Any] = holder, table: dict[Any, Any] = _PROGRAMS) -> None:
-            if holder:  # the key was stored: one of its referents is gone
-                table.pop(holder[0], None)
-
-        try:
-            self._ref = weakref.ref(obj, evict)
-        except TypeError:
-            raise Unshareable from None
-        self._hash = id(obj)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Ref):
-            return NotImplemented
-        mine = self._ref()
-        return mine is not None and mine is other._ref()
+    try:
+        return WeakIdentity(obj, evict)
+    except TypeError:
+        raise Unshareable from None
 
 
 class Shared:
@@ -110,8 +98,8 @@ class _Builder:
         self.holder: list[Any] = []
         self.active: set[int] = set()
 
-    def ref(self, x: Any) -> _Ref:
-        return _Ref(x, self.holder)
+    def ref(self, x: Any) -> WeakIdentity:
+        return _ref(x, self.holder)
 
     def key(self, x: Any, depth: int = 0) -> Any:
         if depth > _MAX_DEPTH:

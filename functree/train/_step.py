@@ -239,6 +239,17 @@ def _only(spec: Any, axis: str) -> Any:
     return PartitionSpec(*(one(e) for e in spec))
 
 
+def _weakly(ref: Callable[[], Any], method: str) -> Callable[..., Any]:
+    """``method`` of the step ``ref`` refers to, looked up at each call: the step holds its
+    program, so the program must not hold the step (a dropped step and its last model and
+    state are freed at once, not at the collector's next full pass)."""
+
+    def call(*args: Any) -> Any:
+        return getattr(ref(), method)(*args)
+
+    return call
+
+
 def _placement(mesh: Any, data_axis: str, sharding: Any, call: str) -> Placement | None:
     return None if mesh is None and sharding is None else Placement(mesh, data_axis, sharding, call)
 
@@ -539,10 +550,9 @@ class TrainStep:
         # The wrapper names the class's function (never this instance: the shared table must
         # not keep a step alive); a retrace calls the step whose call is running.
         traced = explain_control_flow(getattr(type(self), method), trampoline(entry, method))
-        ref = self._ref  # (weakly: the step holds the program, so the program must not hold the step)
         return flat_jit(traced, donate=donate, owned=(4,), programs=entry.programs.setdefault(kind, {}),
-                        guard=self._guard, before=lambda args, kwargs: ref()._before(args, kwargs),
-                        explain=lambda error, args, kwargs: ref()._explain(error, args, kwargs))
+                        guard=self._guard, before=_weakly(self._ref, "_before"),
+                        explain=_weakly(self._ref, "_explain"))
 
     def _program(self, model: Any) -> Any:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves

@@ -515,48 +515,10 @@ def test_a_bfloat16_safetensors_file_loads_without_torch_and_a_bad_file_names_th
     assert back.layers[0].weight.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(back.layers[0].weight, np.float32), np.asarray(model.layers[0].weight, np.float32))
     (tmp_path / "bad.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00nope")
-    with pytest.raises(ValueError, match=r"(?s)not a .safetensors file this reads \(its header is not JSON\).*torch.load"):
+    with pytest.raises(ValueError, match=r"(?s)not a .safetensors file this reads: its header is not JSON.*torch.load"):
         ft.nn.load_torch_state_dict(model, tmp_path / "bad.safetensors")
 
 
-
-def test_a_tampered_safetensors_file_is_refused_naming_the_tensor(tmp_path):
-    """Files are data: a truncated file, offsets past the data, a shape that disagrees with
-    its bytes or an entry lacking fields is an error naming the tensor, never a crash deep in
-    NumPy or a tensor read from the wrong bytes."""
-    import json
-    import struct
-
-    from safetensors.numpy import save_file
-
-    good = tmp_path / "good.safetensors"
-    save_file({"0.weight": np.ones((4, 3), np.float32), "0.bias": np.zeros(4, np.float32)}, good)
-    data = good.read_bytes()
-    size = struct.unpack("<Q", data[:8])[0]
-    header, body = json.loads(data[8:8 + size]), data[8 + size:]
-
-    def written(name, header=header, body=body):
-        text = json.dumps(header).encode()
-        path = tmp_path / name
-        path.write_bytes(struct.pack("<Q", len(text)) + text + body)
-        return path
-
-    model = ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[0]))
-    cases = {
-        "truncated": (written("truncated.safetensors", body=body[:10]), r"'0\.(weight|bias)'.*data_offsets.*truncated"),
-        "shape": (written("shape.safetensors", header={**header, "0.weight": {**header["0.weight"], "shape": [5, 3]}}),
-                  r"'0\.weight' holds 48 bytes; its shape \[5, 3\] and dtype F32 take 60"),
-        "fields": (written("fields.safetensors", header={**header, "0.bias": {"dtype": "F32"}}),
-                   r"'0\.bias' lacks dtype, shape or data_offsets"),
-        "header": (tmp_path / "short.safetensors", r"header is not JSON"),
-    }
-    cases["header"][0].write_bytes(data[:8 + size // 2])
-    for name, (path, message) in cases.items():
-        with pytest.raises(ValueError, match=r"(?s)not a .safetensors file this reads.*" + message + r".*torch.load"):
-            ft.nn.load_torch_state_dict(model, path)
-        assert name
-    loaded = ft.nn.load_torch_state_dict(model, good)
-    np.testing.assert_array_equal(np.asarray(loaded.layers[0].weight), np.ones((3, 4), np.float32))
 
 def test_a_layer_used_twice_is_one_tie_under_both_torch_names():
     class Twice(nn.Module):

@@ -13,7 +13,6 @@ weights are torch tensors.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -31,14 +30,10 @@ from functree._state_dict import _to_numpy
 from functree._tree import dotted_name
 from functree.nn import _hf_models as models
 from functree.nn._embedding import Embedding
+from functree.nn._hf_files import _config, _weights
 from functree.nn._linear import Dense
 from functree.nn._rotary import ROPE_TYPES, RopeScaling
-from functree.nn._torch import (
-    _as_tensors,
-    _load_checkpoint,
-    load_torch_state_dict,
-    torch_state_dict,
-)
+from functree.nn._torch import _as_tensors, load_torch_state_dict, torch_state_dict
 
 __all__ = ["from_hf", "to_hf_state_dict"]
 
@@ -83,32 +78,6 @@ ft.nn.from_hf: rope_type {kind!r} (config.rope_parameters) is not covered; cover
 UNKNOWN_ACTIVATION = """\
 ft.nn.from_hf: the {model_type} config's activation {given!r} is not covered; covered: {known}."""
 
-BAD_CONFIG = """\
-ft.nn.from_hf: the first argument is a Hugging Face model (torch) or config, a dict with \
-"model_type" (a config.json), or a directory saved by save_pretrained; got {given}.
-
-    right:  ft.nn.from_hf(hf_model)
-       or:  ft.nn.from_hf("path/to/saved_model")                  # config.json + *.safetensors
-       or:  ft.nn.from_hf(hf_model.config, "model.safetensors")
-"""
-
-NO_CONFIG_JSON = """\
-ft.nn.from_hf({path!r}): the directory has no config.json (found: {found}). A directory \
-from save_pretrained holds config.json and the weights.
-
-    right:  ft.nn.from_hf(config, {path!r})     # the config given, the weights read from the directory
-"""
-
-BAD_WEIGHTS = """\
-ft.nn.from_hf: weights are a state dict {{name: tensor or array}}, the path of a .safetensors \
-file or of a sharded checkpoint's index (model.safetensors.index.json), or a directory holding \
-them; got {given}.
-
-    right:  ft.nn.from_hf(config, "path/to/model.safetensors")
-       or:  ft.nn.from_hf(config, "path/to/saved_model")
-       or:  ft.nn.from_hf(config, hf_model.state_dict())
-"""
-
 BAD_ATTENTION = """\
 ft.nn.from_hf: attention= is "auto", "xla" or "cudnn" (the implementation of every \
 ft.nn.MultiheadAttention the model builds), got {given!r}.
@@ -142,26 +111,6 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 _ACTIVATIONS = {"gelu_new": act.gelu, "gelu_pytorch_tanh": act.gelu, "gelu": act.gelu_exact, "relu": act.relu,
                 "silu": act.silu, "swish": act.silu, "tanh": act.tanh}
-
-
-def _config(source: Any) -> Any:
-    if isinstance(source, Mapping):
-        if "model_type" not in source:
-            raise ValueError(BAD_CONFIG.format(given=f"a dict without 'model_type' (keys {sorted(source)[:6]})"))
-        import transformers
-
-        options = {k: v for k, v in source.items() if k != "model_type"}
-        return transformers.AutoConfig.for_model(source["model_type"], **options)
-    if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
-        path = os.path.join(source, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(NO_CONFIG_JSON.format(path=os.fspath(source), found=sorted(os.listdir(source))[:8]))
-        with open(path) as f:
-            return _config(json.load(f))
-    if not hasattr(source, "model_type"):
-        raise ValueError(BAD_CONFIG.format(given=type(source).__name__ if not isinstance(source, (str, os.PathLike))
-                                           else f"{os.fspath(source)!r}, not a directory"))
-    return source
 
 
 def _activation(config: Any, name: str) -> Any:
@@ -358,14 +307,6 @@ FAMILIES: dict[str, Family] = {
     "bert": Family("BertModel", models.BertModel, _bert, None, _bert_names, padded="embeddings.word_embeddings.weight"),
 }
 COVERED = {k: f.hf_class for k, f in FAMILIES.items()}
-
-
-def _weights(weights: Any) -> Mapping[str, Any]:
-    if isinstance(weights, (str, os.PathLike)):
-        return _load_checkpoint(weights, "ft.nn.from_hf")
-    if not isinstance(weights, Mapping):
-        raise ValueError(BAD_WEIGHTS.format(given=type(weights).__name__))
-    return weights
 
 
 def _normalized(model_type: str, weights: Mapping[str, Any]) -> dict[str, Any]:

@@ -46,7 +46,6 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -66,6 +65,7 @@ from functree.nn._linear import Dense
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell
 from functree.nn._remat import Remat
+from functree.nn._safetensors import load_checkpoint
 from functree.nn._sequential import Sequential
 from functree.nn._shared import Shared
 
@@ -118,12 +118,6 @@ ft.nn: rename={{{old!r}: {new!r}}} has a different number of * on each side; eac
 torch name goes to the * of the model's name in order.
 
     right:  rename={{"transformer.h.*": "blocks.*"}}"""
-
-BAD_SAFETENSORS = """\
-ft.nn.load_torch_state_dict({path!r}): not a .safetensors file this reads ({why}). Pass a \
-state dict instead:
-
-    right:  ft.nn.load_torch_state_dict(model, torch.load(path, weights_only=True))"""
 
 TIES_DISAGREE = """\
 ft.nn.load_torch_state_dict: the state dict gives a tied parameter two different values: \
@@ -519,140 +513,6 @@ def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
     return renamed
 
 
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
-                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-                       "BOOL": np.bool_}
-
-
-def _load_file(path: Any) -> dict[str, np.ndarray]:
-    """The tensors of a ``.safetensors`` file as read-only NumPy views of a memory map.
-
-    The format: an 8-byte little-endian header size, a JSON header ``{name: {"dtype",
-    "shape", "data_offsets": [begin, end]}}`` (offsets into the bytes after it), the bytes.
-    Read here rather than by ``safetensors.numpy``, which refuses bfloat16.
-    """
-    where = os.fspath(path)
-    total = os.path.getsize(path)
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(size)) if 8 + size <= total else None
-        except ValueError:
-            header = None
-    if not isinstance(header, dict):
-        raise ValueError(BAD_SAFETENSORS.format(path=where, why="its header is not JSON"))
-    raw = np.memmap(path, np.uint8, mode="r", offset=8 + size) if total > 8 + size else np.zeros(0, np.uint8)
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        why = _bad_entry(info, len(raw))
-        if why is not None:
-            raise ValueError(BAD_SAFETENSORS.format(path=where, why=f"its entry for {name!r} {why}"))
-        begin, end = info["data_offsets"]
-        tensors[name] = raw[begin:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return tensors
-
-
-SHARD_MISSING = """\
-{caller}: the sharded checkpoint's index {index} puts {tensor!r}{more} in the shard {shard!r}, \
-which is not there ({found}). A sharded checkpoint is the index and every shard it names, in \
-one directory.
-
-    right:  copy {shard!r} next to the index (or save the model again with save_pretrained)
-"""
-
-SHARD_LACKS = """\
-{caller}: the sharded checkpoint's index {index} puts {tensor!r} in the shard {shard}, whose \
-header does not hold it (it holds {count} tensors{example}). The index and its shards come from \
-different saves, or the shard was altered.
-
-    right:  the index and the shards of one save_pretrained call
-"""
-
-BAD_INDEX = """\
-{caller}: {index} is not a sharded checkpoint's index ({why}): a JSON object with \
-"weight_map" {{tensor name: shard file}}, as save_pretrained writes model.safetensors.index.json."""
-
-NO_CHECKPOINT = """\
-{caller}: the directory {path!r} holds no model.safetensors or model.safetensors.index.json \
-(found: {found}). Files other than safetensors are not read here.
-
-    right:  hf_model.save_pretrained({path!r})             # writes model.safetensors (safe_serialization)
-       or:  pass a state dict: torch.load("pytorch_model.bin", weights_only=True)
-"""
-
-INDEX_NAME, SINGLE_NAME = "model.safetensors.index.json", "model.safetensors"
-
-
-def _load_checkpoint(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[str, np.ndarray]:
-    """The tensors of a ``.safetensors`` file, of a sharded checkpoint (its index
-    ``*.safetensors.index.json``) or of a directory holding either, as read-only views of
-    memory maps: nothing is read until a tensor is used, one tensor at a time."""
-    where = os.fspath(path)
-    if os.path.isdir(where):
-        if os.path.isfile(os.path.join(where, INDEX_NAME)):
-            return _load_index(os.path.join(where, INDEX_NAME), caller)
-        if os.path.isfile(os.path.join(where, SINGLE_NAME)):
-            return _load_file(os.path.join(where, SINGLE_NAME))
-        raise ValueError(NO_CHECKPOINT.format(caller=caller, path=where, found=sorted(os.listdir(where))[:8]))
-    if where.endswith(".json"):
-        return _load_index(where, caller)
-    return _load_file(where)
-
-
-def _load_index(index: str, caller: str) -> dict[str, np.ndarray]:
-    """A sharded checkpoint: each shard its index names, read lazily; every tensor checked to
-    be in the shard the index puts it in."""
-    try:
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        ok = isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
-        why = "no weight_map of file names"
-    except (ValueError, AttributeError) as e:
-        ok, why = False, f"not JSON: {e}" if isinstance(e, ValueError) else "not a JSON object"
-    if not ok:
-        raise ValueError(BAD_INDEX.format(caller=caller, index=index, why=why))
-    folder = os.path.dirname(index)
-    by_shard: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
-        by_shard.setdefault(shard, []).append(name)
-    tensors: dict[str, np.ndarray] = {}
-    for shard, names in by_shard.items():
-        path = os.path.join(folder, shard)
-        if not os.path.isfile(path):
-            more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
-            found = ", ".join(sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))) or "no shards"
-            raise ValueError(SHARD_MISSING.format(caller=caller, index=index, tensor=names[0], more=more, shard=shard,
-                                                  found=f"the directory holds {found}"))
-        held = _load_file(path)
-        for name in names:
-            if name not in held:
-                example = f", e.g. {next(iter(held))!r}" if held else ""
-                raise ValueError(SHARD_LACKS.format(caller=caller, index=index, tensor=name, shard=path,
-                                                    count=len(held), example=example))
-            tensors[name] = held[name]
-    return tensors
-
-
-def _bad_entry(info: Any, available: int) -> str | None:
-    """Why a header entry cannot be read (a damaged or tampered file), or None."""
-    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-        return "lacks dtype, shape or data_offsets"
-    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in _SAFETENSORS_DTYPES:
-        return f"has dtype {dtype!r}; one of {sorted(_SAFETENSORS_DTYPES)} is read"
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        return f"has shape {shape!r}, not a list of sizes"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= available):
-        return f"has data_offsets {offsets!r} outside the {available} bytes of data (a truncated file?)"
-    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
-    if offsets[1] - offsets[0] != expected:
-        return f"holds {offsets[1] - offsets[0]} bytes; its shape {shape} and dtype {dtype} take {expected}"
-    return None
-
-
 def load_torch_state_dict(
     model: Any,
     state_dict: Mapping[str, Any] | str | os.PathLike[str],
@@ -709,7 +569,7 @@ def load_torch_state_dict(
       ('0.bias', '1.weight', '1.bias')
     """
     if isinstance(state_dict, (str, os.PathLike)):
-        state_dict = _load_checkpoint(state_dict)
+        state_dict = load_checkpoint(state_dict)
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
     plan = _plan(model, shapes, layouts, values=False)
     to_model = _renamer(rename, to_model=True)

@@ -1,0 +1,256 @@
+"""Checkpoint files read as data: ``.safetensors`` files, sharded checkpoints' indexes, and
+``save_pretrained`` directories, each tensor a read-only view of a memory map.
+
+A ``.safetensors`` file is an 8-byte little-endian header size ``n``, ``n`` bytes of UTF-8
+JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``
+(offsets into the data after the header), then the data. Every rule the ``safetensors``
+library checks is checked here, before any tensor is made, and a file breaking one is an
+error naming the file, the tensor and the rule:
+
+* ``8 <= 8 + n <= file size``, ``n <= 100_000_000``; the header is UTF-8 JSON, an object
+  without duplicate names (which the library does not check: a reader keeping the first of
+  two would read other bytes than one keeping the last); ``__metadata__`` (optional) maps str to str;
+* each entry has ``dtype`` (known), ``shape`` (sizes ``>= 0``, their product
+  within int64) and ``data_offsets`` (two ints, ``begin <= end``), and holds
+  ``prod(shape) * itemsize`` bytes;
+* the entries sorted by offsets tile the data exactly: the first begins at 0, each begins
+  where the one before it ends (no overlap, no gap), the last ends at the end of the file.
+
+Read here rather than by ``safetensors.numpy``, which refuses bfloat16, and which would copy
+every tensor: a view of the memory map is read from disk only when it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, Any] = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+MAX_HEADER = 100_000_000  # the safetensors library's bound on the header size
+_INT64 = 2**63 - 1
+
+BAD_SAFETENSORS = """\
+{caller}: {path!r} is not a .safetensors file this reads: {why}. The file is damaged \
+(a truncated download, a disk error) or was altered; nothing of it was loaded.
+
+    right:  download or save it again (hf_model.save_pretrained(path), safetensors' save_file)
+       or:  pass a state dict: ft.nn.load_torch_state_dict(model, torch.load(path, weights_only=True))"""
+
+SHARD_MISSING = """\
+{caller}: the sharded checkpoint's index {index} puts {tensor!r}{more} in the shard {shard!r}, \
+which is not there ({found}). A sharded checkpoint is the index and every shard it names, in \
+one directory.
+
+    right:  copy {shard!r} next to the index (or save the model again with save_pretrained)
+"""
+
+SHARD_LACKS = """\
+{caller}: the sharded checkpoint's index {index} puts {tensor!r} in the shard {shard}, whose \
+header does not hold it (it holds {count} tensors{example}). The index and its shards come from \
+different saves, or the shard was altered.
+
+    right:  the index and the shards of one save_pretrained call
+"""
+
+SHARD_OUTSIDE = """\
+{caller}: the sharded checkpoint's index {index} puts {tensor!r} in the shard {shard!r}, a path \
+outside the index's directory; an index names its shards by file name, next to it. The index \
+was altered: nothing was read from {shard!r}.
+
+    wrong:  "weight_map": {{{tensor!r}: {shard!r}}}
+    right:  "weight_map": {{{tensor!r}: "model-00001-of-00002.safetensors"}}
+"""
+
+BAD_INDEX = """\
+{caller}: {index} is not a sharded checkpoint's index ({why}): a JSON object with \
+"weight_map" {{tensor name: shard file}}, as save_pretrained writes model.safetensors.index.json."""
+
+NO_CHECKPOINT = """\
+{caller}: the directory {path!r} holds no model.safetensors or model.safetensors.index.json \
+(found: {found}). Files other than safetensors are not read here.
+
+    right:  hf_model.save_pretrained({path!r})             # writes model.safetensors (safe_serialization)
+       or:  pass a state dict: torch.load("pytorch_model.bin", weights_only=True)
+"""
+
+INDEX_NAME, SINGLE_NAME = "model.safetensors.index.json", "model.safetensors"
+
+
+class _Invalid(ValueError):
+    """Why a header breaks the format (worded to follow "the file's ...")."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a name given twice (JSON parsers keep one
+    of the two silently, so two readers could read two different tensors)."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in out:
+            raise _Invalid(f"its header names {name!r} twice")
+        out[name] = value
+    return out
+
+
+def _header(path: str, total: int) -> tuple[int, dict[str, Any]]:
+    """The header's size and its JSON object, checked against the file's size."""
+    if total < 8:
+        raise _Invalid(f"it has {total} bytes, fewer than the 8 of the header size")
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > MAX_HEADER:
+            raise _Invalid(f"its header size is {size} bytes, over the format's bound of {MAX_HEADER}")
+        if 8 + size > total:
+            raise _Invalid(f"its header size is {size} bytes, past the end of the {total}-byte file (a truncated file?)")
+        raw = f.read(size)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique)
+    except _Invalid:
+        raise
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _Invalid(f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise _Invalid("its header is not JSON: not an object")
+    return size, header
+
+
+def _metadata(value: Any) -> None:
+    if value is not None and not (isinstance(value, dict)
+                                  and all(isinstance(v, str) for v in value.values())):
+        raise _Invalid(f"its __metadata__ is {value!r}, not a mapping of strings to strings")
+
+
+def _entry(name: str, info: Any) -> tuple[Any, tuple[int, ...], int, int]:
+    """One header entry's dtype, shape and byte range, each checked."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        fields = sorted(info) if isinstance(info, dict) else type(info).__name__
+        raise _Invalid(f"its entry for {name!r} has {fields}; it lacks dtype, shape or data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _Invalid(f"its entry for {name!r} has dtype {dtype!r}; one of {', '.join(DTYPES)} is read")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise _Invalid(f"its entry for {name!r} has shape {shape!r}, not a list of sizes >= 0")
+    elements = 1
+    for d in shape:  # each partial product within int64, as the library's checked products
+        elements *= d
+        if elements > _INT64 or d > _INT64:
+            raise _Invalid(f"its entry for {name!r} has shape {shape}, whose element count overflows int64")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise _Invalid(f"its entry for {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    expected = elements * np.dtype(DTYPES[dtype]).itemsize
+    if end - begin != expected:
+        raise _Invalid(f"its entry for {name!r} holds {end - begin} bytes; its shape {shape} and dtype {dtype} "
+                       f"take {expected}")
+    return DTYPES[dtype], tuple(shape), begin, end
+
+
+def _tiled(entries: dict[str, tuple[Any, tuple[int, ...], int, int]], available: int) -> None:
+    """The entries' byte ranges cover the data exactly: no overlap, no gap, nothing past the end."""
+    at, before = 0, None
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: item[1][2:]):
+        if begin < at:
+            raise _Invalid(f"its entry for {name!r} (bytes {begin}..{end}) overlaps {before!r} (ending at byte {at})")
+        if begin > at:
+            after = f"after {before!r}" if before is not None else "at the start of the data"
+            raise _Invalid(f"bytes {at}..{begin} of its data ({after}, before {name!r}) belong to no tensor")
+        at, before = end, name
+    if at < available:
+        raise _Invalid(f"bytes {at}..{available} of its data (after {before!r}) belong to no tensor")
+    if at > available:
+        raise _Invalid(f"its entry for {before!r} has data_offsets ending at byte {at}, past the {available} "
+                       "bytes of data (a truncated file?)")
+
+
+def load_file(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[str, np.ndarray]:
+    """The tensors of a ``.safetensors`` file as read-only NumPy views of a memory map, the
+    whole header checked first (module docstring)."""
+    where = os.fspath(path)
+    total = os.path.getsize(where)
+    try:
+        size, header = _header(where, total)
+        _metadata(header.pop("__metadata__", None))
+        entries = {name: _entry(name, info) for name, info in header.items()}
+        _tiled(entries, total - 8 - size)
+    except _Invalid as e:
+        raise ValueError(BAD_SAFETENSORS.format(caller=caller, path=where, why=e)) from None
+    if total == 8 + size:  # no data (every tensor empty): nothing to map
+        raw = np.zeros(0, np.uint8)
+    else:
+        raw = np.memmap(where, np.uint8, mode="r", offset=8 + size)
+    return {name: raw[begin:end].view(dtype).reshape(shape) for name, (dtype, shape, begin, end) in entries.items()}
+
+
+def load_checkpoint(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[str, np.ndarray]:
+    """The tensors of a ``.safetensors`` file, of a sharded checkpoint (its index
+    ``*.safetensors.index.json``) or of a directory holding either, as read-only views of
+    memory maps: nothing is read until a tensor is used, one tensor at a time."""
+    where = os.fspath(path)
+    if os.path.isdir(where):
+        if os.path.isfile(os.path.join(where, INDEX_NAME)):
+            return load_index(os.path.join(where, INDEX_NAME), caller)
+        if os.path.isfile(os.path.join(where, SINGLE_NAME)):
+            return load_file(os.path.join(where, SINGLE_NAME), caller)
+        raise ValueError(NO_CHECKPOINT.format(caller=caller, path=where, found=sorted(os.listdir(where))[:8]))
+    if where.endswith(".json"):
+        return load_index(where, caller)
+    return load_file(where, caller)
+
+
+def _weight_map(index: str, caller: str) -> dict[str, str]:
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        ok = isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+        why = "no weight_map of file names"
+    except (ValueError, AttributeError) as e:
+        ok, why = False, f"not JSON: {e}" if isinstance(e, ValueError) else "not a JSON object"
+    if not ok:
+        raise ValueError(BAD_INDEX.format(caller=caller, index=index, why=why))
+    return weight_map
+
+
+def _confined(shard: str) -> bool:
+    """A shard named by a relative path that stays in the index's directory (lexically: a
+    directory of symbolic links, as Hugging Face's cache, still reads)."""
+    normal = os.path.normpath(shard)
+    return bool(shard) and not os.path.isabs(shard) and not os.path.splitdrive(shard)[0] \
+        and normal != os.pardir and not normal.startswith(os.pardir + os.sep) and "\\" not in shard
+
+
+def load_index(index: str, caller: str) -> dict[str, np.ndarray]:
+    """A sharded checkpoint: each shard its index names (confined to the index's
+    directory), read lazily; every tensor checked to be in the shard the index puts it in."""
+    weight_map = _weight_map(index, caller)
+    folder = os.path.dirname(index)
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        if not _confined(shard):
+            raise ValueError(SHARD_OUTSIDE.format(caller=caller, index=index, tensor=name, shard=shard))
+        by_shard.setdefault(shard, []).append(name)
+    tensors: dict[str, np.ndarray] = {}
+    for shard, names in by_shard.items():
+        path = os.path.join(folder, shard)
+        if not os.path.isfile(path):
+            more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
+            found = ", ".join(sorted(n for n in os.listdir(folder or ".") if n.endswith(".safetensors"))) or "no shards"
+            raise ValueError(SHARD_MISSING.format(caller=caller, index=index, tensor=names[0], more=more, shard=shard,
+                                                  found=f"the directory holds {found}"))
+        held = load_file(path, caller)
+        for name in names:
+            if name not in held:
+                example = f", e.g. {next(iter(held))!r}" if held else ""
+                raise ValueError(SHARD_LACKS.format(caller=caller, index=index, tensor=name, shard=path,
+                                                    count=len(held), example=example))
+            tensors[name] = held[name]
+    return tensors

@@ -1,0 +1,189 @@
+"""Checkpoint files are data: every tampered ``.safetensors`` file, index and config.json is
+refused before a tensor is made, naming the file, the tensor and the rule — each file written
+here byte by byte, and each refused by the ``safetensors`` library too where it checks the rule."""
+
+import json
+import os
+import re
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.nn import _safetensors
+
+W = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+B = {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}
+VALUES = np.arange(6, dtype=np.float32)
+BODY = VALUES.tobytes()
+
+
+def written(path, header=None, body=BODY, text=None, size=None):
+    """A file of the format's three parts, any of them tampered with."""
+    text = json.dumps({"w": W, "b": B} if header is None else header).encode() if text is None else text
+    path.write_bytes(struct.pack("<Q", len(text) if size is None else size) + text + body)
+    return path
+
+
+def model():
+    return ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0)))
+
+
+# (file parts, the error's words, whether the safetensors library refuses the file too)
+CASES = {
+    "short": (dict(text=b"", body=b"", size=0), r"fewer than the 8 of the header size|header is not JSON", True),
+    "huge header": (dict(size=200_000_000), r"header size is 200000000 bytes, over the format's bound", True),
+    "header past the end": (dict(size=10_000), r"header size is 10000 bytes, past the end of the \d+-byte file", True),
+    "not utf-8": (dict(text=b'{"w\xff": 1}'), r"header is not JSON: 'utf-8' codec", True),
+    "not json": (dict(text=b'{"w": [1, 2'), r"header is not JSON: Expecting", True),
+    "not an object": (dict(text=b"[1, 2]"), r"header is not JSON: not an object", True),
+    "duplicate": (dict(text=b'{"w": %s, "w": %s}' % (json.dumps(W).encode(), json.dumps(B).encode())),
+                  r"header names 'w' twice", True),
+    "metadata": (dict(header={"__metadata__": {"format": 1}, "w": W, "b": B}),
+                 r"__metadata__ is \{'format': 1\}, not a mapping of strings to strings", True),
+    "fields": (dict(header={"w": W, "b": {"dtype": "F32"}}), r"entry for 'b' has \['dtype'\]; it lacks", True),
+    "dtype": (dict(header={"w": W, "b": {**B, "dtype": "F128"}}), r"entry for 'b' has dtype 'F128'; one of F64", True),
+    "negative size": (dict(header={"w": W, "b": {**B, "shape": [-2]}}), r"'b' has shape \[-2\], not a list of sizes", True),
+    "float size": (dict(header={"w": W, "b": {**B, "shape": [2.0]}}), r"'b' has shape \[2.0\], not a list of sizes", True),
+    "overflow": (dict(header={"w": {**W, "shape": [2**32, 2**32]}, "b": B}),
+                 r"entry for 'w' has shape \[4294967296, 4294967296\], whose element count overflows int64", True),
+    "overflow, empty": (dict(header={"w": {**W, "shape": [2**32, 2**32, 0], "data_offsets": [0, 0]}}, body=b""),
+                        r"'w' has shape \[4294967296, 4294967296, 0\], whose element count overflows", True),
+    "offsets": (dict(header={"w": W, "b": {**B, "data_offsets": [24, 16]}}),
+                r"'b' has data_offsets \[24, 16\], not \[begin, end\] with 0 <= begin <= end", True),
+    "byte count": (dict(header={"w": {**W, "shape": [2, 3]}, "b": B}),
+                   r"'w' holds 16 bytes; its shape \[2, 3\] and dtype F32 take 24", True),
+    "overlap": (dict(header={"w": W, "b": {**B, "data_offsets": [8, 16]}}, body=VALUES[:4].tobytes()),
+                r"entry for 'b' \(bytes 8..16\) overlaps 'w' \(ending at byte 16\)", True),
+    "gap": (dict(header={"w": W, "b": {**B, "data_offsets": [20, 28]}}, body=bytes(28)),
+            r"bytes 16..20 of its data \(after 'w', before 'b'\) belong to no tensor", True),
+    "late start": (dict(header={"w": {**W, "data_offsets": [4, 20]}, "b": {**B, "data_offsets": [20, 28]}},
+                        body=bytes(28)), r"bytes 0..4 of its data \(at the start of the data, before 'w'\)", True),
+    "trailing bytes": (dict(body=VALUES.tobytes() + bytes(8)), r"bytes 24..32 of its data \(after 'b'\) belong to no", True),
+    "truncated": (dict(body=VALUES.tobytes()[:20]), r"entry for 'b' has data_offsets ending at byte 24, past the 20 bytes", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_tampered_file_is_refused_naming_the_file_the_tensor_and_the_rule(tmp_path, case):
+    from safetensors.numpy import load_file
+
+    parts, words, library_refuses = CASES[case]
+    path = written(tmp_path / f"{case.replace(' ', '_')}.safetensors", **parts)
+    with pytest.raises(ValueError, match=rf"(?s)ft.nn.load_torch_state_dict: '{re.escape(str(path))}' is not a "
+                                         rf"\.safetensors file this reads: [^.]*({words}).*damaged.*save_pretrained.*torch.load"):
+        ft.nn.load_torch_state_dict(model(), path)
+    if library_refuses:
+        with pytest.raises(Exception):  # noqa: B017 - the library's own error type
+            load_file(path)
+
+
+def test_the_untampered_file_and_the_formats_freedoms_read_as_the_library_reads_them(tmp_path):
+    """Whitespace around the header, an extra field in an entry, a null ``__metadata__``, a
+    zero-size tensor between two others and entries listed out of byte order are valid."""
+    from safetensors.numpy import load_file
+
+    empty = {"dtype": "F32", "shape": [0, 3], "data_offsets": [16, 16]}
+    files = {
+        "plain": written(tmp_path / "plain.safetensors"),
+        "spaces": written(tmp_path / "spaces.safetensors", text=b"  " + json.dumps({"w": W, "b": B}).encode() + b"  "),
+        "free": written(tmp_path / "free.safetensors",
+                        header={"b": {**B, "note": 1}, "__metadata__": None, "e": empty, "w": W}),
+        "empty": written(tmp_path / "empty.safetensors", header={}, body=b""),
+    }
+    for name, path in files.items():
+        ours, theirs = _safetensors.load_file(path), load_file(path)
+        assert sorted(ours) == sorted(theirs), name
+        for key in theirs:
+            np.testing.assert_array_equal(ours[key], theirs[key], err_msg=f"{name}: {key}")
+            assert ours[key].dtype == theirs[key].dtype and not ours[key].flags.writeable
+    np.testing.assert_array_equal(_safetensors.load_file(files["plain"])["w"], VALUES[:4].reshape(2, 2))
+
+
+def test_every_dtype_reads_its_bytes(tmp_path):
+    """Each dtype the format names and NumPy holds: the bytes back as written (bfloat16 and
+    float8 through ml_dtypes, which the library's NumPy reader refuses)."""
+    header, body = {}, b""
+    for name, dtype in _safetensors.DTYPES.items():
+        values = np.arange(3).astype(dtype)
+        header[name] = {"dtype": name, "shape": [3], "data_offsets": [len(body), len(body) + values.nbytes]}
+        body += values.tobytes()
+    loaded = _safetensors.load_file(written(tmp_path / "all.safetensors", header=header, body=body))
+    for name, dtype in _safetensors.DTYPES.items():
+        assert loaded[name].dtype == np.dtype(dtype), name
+        expected = np.arange(3).astype(dtype).astype(np.float32)  # BOOL: [0, 1, 1]
+        np.testing.assert_array_equal(loaded[name].astype(np.float32), expected, err_msg=name)
+
+
+def sharded(tmp_path, weight_map):
+    written(tmp_path / "model-1.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tmp_path / "model.safetensors.index.json"
+
+
+@pytest.mark.parametrize("shard", ["../model-1.safetensors", "/etc/passwd", "sub/../../model-1.safetensors", "",
+                                   "..\\model-1.safetensors"])
+def test_an_index_naming_a_shard_outside_its_directory_is_refused(tmp_path, shard):
+    inner = tmp_path / "checkpoint"
+    inner.mkdir()
+    written(tmp_path / "model-1.safetensors")  # a file the escaping name would reach
+    index = sharded(inner, {"w": "model-1.safetensors", "b": shard})
+    with pytest.raises(ValueError, match=r"(?s)puts 'b' in the shard .*, a path outside the index's directory.*"
+                                         r"nothing was read.*right:  \"weight_map\""):
+        ft.nn.load_torch_state_dict(model(), index)
+
+
+def test_an_index_in_a_subdirectory_and_symbolic_links_still_read(tmp_path):
+    """Confinement is by name: Hugging Face's cache links each file to a blob elsewhere."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snapshot.mkdir()
+    (snapshot / "parts").mkdir()
+    written(blobs / "abc")
+    os.symlink(blobs / "abc", snapshot / "parts" / "model-1.safetensors")
+    (snapshot / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "parts/model-1.safetensors", "b": "./parts/model-1.safetensors"}}))
+    tensors = _safetensors.load_checkpoint(snapshot)
+    np.testing.assert_array_equal(tensors["b"], VALUES[4:])
+
+
+@pytest.mark.parametrize("text, words", [("{not json", r"not JSON: Expecting"), ("[1]", r"not a JSON object"),
+                                         ('{"weight_map": {"w": 3}}', r"no weight_map of file names")])
+def test_a_damaged_index_is_refused_naming_it(tmp_path, text, words):
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"(?s)model.safetensors.index.json is not a sharded checkpoint's index \({words}"):
+        ft.nn.from_hf({"model_type": "gpt2"}, tmp_path)
+
+
+def test_a_tampered_shard_is_refused_naming_the_shard(tmp_path):
+    index = sharded(tmp_path, {"w": "model-1.safetensors", "b": "model-1.safetensors"})
+    written(tmp_path / "model-1.safetensors", body=VALUES.tobytes() + b"\0")
+    with pytest.raises(ValueError, match=r"ft.nn.from_hf: '.*model-1.safetensors' is not a .safetensors file this "
+                                         r"reads: bytes 24..25 of its data \(after 'b'\)"):
+        ft.nn.from_hf({"model_type": "gpt2"}, index)
+
+
+@pytest.mark.parametrize("text, words", [(b"{\"model_type\": \"llama\",", r"not JSON: Expecting"),
+                                         (b"[\"llama\"]", r"a JSON list, not an object"),
+                                         (b"{\"hidden_size\": 8}", r"model_type is None, not a model type's name"),
+                                         (b"{\"model_type\": \"ll\xffama\"}", r"not JSON: 'utf-8' codec")])
+def test_a_damaged_config_json_is_refused_naming_it(tmp_path, text, words):
+    (tmp_path / "config.json").write_bytes(text)
+    written(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"(?s)ft.nn.from_hf: '.*config.json' is not a config.json this reads "
+                                         rf"\({words}.*right:  hf_config.save_pretrained"):
+        ft.nn.from_hf(tmp_path)
+
+
+def test_a_bfloat16_file_reads_into_a_bfloat16_model(tmp_path):
+    values = np.arange(6).astype(jnp.bfloat16)
+    header = {"0.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]},
+              "0.bias": {"dtype": "BF16", "shape": [2], "data_offsets": [8, 12]}}
+    path = written(tmp_path / "model.safetensors", header=header, body=values.tobytes())
+    template = ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0), dtype=jnp.bfloat16))
+    loaded = ft.nn.load_torch_state_dict(template, path)
+    assert loaded.layers[0].weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(loaded.layers[0].weight, np.float32), [[0, 2], [1, 3]])

@@ -16,6 +16,7 @@ order (another batch split or device count, another CPU's instruction set) diffe
 """
 
 import os
+import re
 
 # XLA compiles the suite's programs for compile speed: the suite's arrays are tiny, so
 # compiling is most of its time. Two flags, each appended to XLA_FLAGS unless set there:
@@ -25,15 +26,52 @@ import os
 # the same; their machine code is less optimised and may sum in another order, like another
 # CPU's instruction set: tolerances hold under all (isa-sweep). Appended before JAX starts its
 # backend, so subprocesses and notebook kernels inherit them; run the suite as users compile
-# with `XLA_FLAGS="--xla_backend_optimization_level=2 --xla_cpu_use_fusion_emitters=true"`.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+# with `XLA_FLAGS="--xla_backend_optimization_level=2 --xla_cpu_use_fusion_emitters=true"`
+# (the second flag only before jaxlib 0.11.1, see below).
+#
+# XLA aborts a process whose XLA_FLAGS name a flag it does not know ("Unknown flag in
+# XLA_FLAGS"), so each flag is appended only for the jaxlib releases that know it. A table of
+# versions, not a trial start of XLA in a subprocess (seconds at every session start):
+# tests/test_conftest_flags.py starts one with these flags under the installed jaxlib, and
+# CI's newest-jaxlib leg runs it there.
+SUITE_FLAGS = (
+    # (flag, first jaxlib without it, or None)
+    ("--xla_backend_optimization_level=0", None),
+    # XLA:CPU's elemental emitters were removed in jaxlib 0.11.1: from there on its XLA has
+    # only the fusion emitters and the flag's DebugOptions field is reserved (read in the
+    # wheels' libjax_common.so: 0.11.0 still has set_xla_cpu_use_fusion_emitters, 0.11.1 not).
+    ("--xla_cpu_use_fusion_emitters=false", (0, 11, 1)),
+)
 
-import jax
-import pytest
-from hypothesis import settings
+
+def release(version: str) -> tuple[int, ...]:
+    """``"0.12.0.1"`` -> ``(0, 12, 0, 1)``; a suffix is cut (``"0.11.2rc1"``, ``"0.11.2.dev1"``)."""
+    numbers = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(n) for n in numbers.group().split(".")) if numbers else ()
+
+
+def suite_flags(inherited: str, jaxlib: tuple[int, ...]) -> str:
+    """``inherited`` XLA_FLAGS with each of :data:`SUITE_FLAGS` that ``jaxlib`` knows appended
+    (unless the flag's name is set there already)."""
+    flags = inherited
+    for flag, removed in SUITE_FLAGS:
+        name = flag.split("=")[0].lstrip("-")
+        if name not in flags and (removed is None or jaxlib < removed):
+            flags = f"{flags} {flag}".strip()
+    return flags
+
+
+def _installed_jaxlib() -> tuple[int, ...]:
+    from importlib.metadata import version  # the distribution's metadata: JAX not started
+
+    return release(version("jaxlib"))
+
+
+os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""), _installed_jaxlib())
+
+import jax  # noqa: E402 (after XLA_FLAGS: JAX reads them when it starts its backend)
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 # The suite tests functree's numerics, so float32 matmuls and convolutions run at full float32

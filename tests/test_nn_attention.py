@@ -1,5 +1,7 @@
 """MultiheadAttention against jax.nn.dot_product_attention and a numpy reference."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -318,11 +320,13 @@ def test_auto_picks_cudnn_exactly_where_it_applies(inputs, mask, device, expecte
     assert kernel.choose("xla", *inputs, mask, device=device) == "xla"
 
 
-def test_cudnn_where_it_cannot_run_names_the_constraint():
+def test_cudnn_where_it_cannot_run_names_the_constraint(monkeypatch):
     with pytest.raises(ValueError, match="float32, not float16 or bfloat16"):
         kernel.choose("cudnn", *_qkv(dtype=jnp.float32), None, device=_H200)
     with pytest.raises(ValueError, match=r"below 8\.0"):
         kernel.choose("cudnn", *_qkv(), None, device=("nvidia", (7, 5)))
+    # The layer asks the default device: a CPU here on every backend (faked on a GPU).
+    monkeypatch.setattr(kernel, "_device", lambda: ("cpu", None))
     attention = ft.nn.MultiheadAttention(8, 2, implementation="cudnn", key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"cuDNN's flash attention does not apply here: the device is a CPU"):
         attention(jnp.ones((1, 4, 8)))
@@ -330,6 +334,24 @@ def test_cudnn_where_it_cannot_run_names_the_constraint():
                                         key=jax.random.key(0))
     with pytest.raises(ValueError, match="attention dropout in training"):
         dropping(jnp.ones((1, 4, 8)), key=jax.random.key(1))
+
+
+@pytest.mark.parametrize("device", [_H200, ("cpu", None)], ids=["faked-h200", "faked-cpu"])
+def test_the_layer_names_the_default_device_it_runs_on(monkeypatch, device):
+    """A float32 layer asked for cuDNN names the obstacle the device it runs on has: the
+    dtype on an NVIDIA GPU, the device elsewhere (the real device, then each faked)."""
+    attention = ft.nn.MultiheadAttention(8, 2, implementation="cudnn", key=jax.random.key(0))
+    for _ in range(2):
+        reason = kernel.cudnn_obstacle(*_qkv(dtype=jnp.float32), None)
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            attention(jnp.ones((1, 4, 8)))
+        monkeypatch.setattr(kernel, "_device", lambda: device)
+
+
+def test_the_device_is_read_from_the_default_backend():
+    kind, capability = kernel._device()
+    assert kind == ("nvidia" if capability is not None else jax.default_backend())
+    assert jax.default_backend() == ("gpu" if kind == "nvidia" else kind)
 
 
 def test_an_unknown_implementation_is_refused_at_construction():
@@ -344,14 +366,55 @@ def test_auto_is_the_default_and_equals_xla_here():
     np.testing.assert_array_equal(attention(x), attention.replace(implementation="xla")(x))
 
 
-def test_auto_falls_back_to_xla_when_cudnn_refuses_while_tracing(monkeypatch):
-    # As if on an NVIDIA GPU whose cuDNN refuses this input (here: no cuDNN at all).
+def _cudnn_runs_here() -> bool:
+    """Whether cuDNN's flash attention runs on the default device (an NVIDIA GPU of compute
+    capability 8.0 or newer): then JAX does not refuse it, and a refusal is faked."""
+    return kernel._device()[0] == "nvidia" and kernel._device()[1] >= (8, 0)
+
+
+def _refusing_cudnn(monkeypatch):
+    """``jax.nn.dot_product_attention`` refusing cuDNN while tracing, as JAX does where cuDNN
+    cannot run this input (a cuDNN version, a GPU rule functree does not check)."""
+    original = jax.nn.dot_product_attention
+
+    def refusing(*args, implementation=None, **kwargs):
+        if implementation == "cudnn":
+            raise RuntimeError("cuDNN refused this input (faked)")
+        return original(*args, implementation=implementation, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", refusing)
+
+
+@pytest.mark.parametrize("refusal", ["jax", "faked"])
+def test_auto_falls_back_to_xla_when_cudnn_refuses_while_tracing(monkeypatch, refusal):
+    """As if on an NVIDIA GPU whose cuDNN refuses this input: JAX's own refusal where cuDNN
+    cannot run (no cuDNN at all: a CPU), a faked one on every backend."""
+    if refusal == "jax" and _cudnn_runs_here():
+        pytest.skip("cuDNN runs on this device: JAX does not refuse it (the faked refusal is tested)")
+    if refusal == "faked":
+        _refusing_cudnn(monkeypatch)
     monkeypatch.setattr(kernel, "_device", lambda: _H200)
     attention = ft.nn.MultiheadAttention(16, 2, causal=True, key=jax.random.key(0), dtype=jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (2, 8, 16)).astype(jnp.bfloat16)
     np.testing.assert_array_equal(attention(x), attention.replace(implementation="xla")(x))
     with pytest.raises(RuntimeError, match="cuDNN"):  # asked for by name: JAX's own error
         attention.replace(implementation="cudnn")(x)
+
+
+def test_auto_runs_the_kernel_chosen_for_the_default_device():
+    """bf16 attention: cuDNN's flash kernel on an NVIDIA GPU (its outputs differ from XLA's by
+    bf16 rounding), XLA's on every other device (the same outputs)."""
+    attention = ft.nn.MultiheadAttention(16, 2, causal=True, key=jax.random.key(0), dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16)).astype(jnp.bfloat16)
+    q = jnp.zeros((2, 8, 2, 8), jnp.bfloat16)  # the layer's heads: [batch, T, 2 heads, 8]
+    chosen = kernel.choose("auto", q, q, q, None)
+    assert chosen == ("cudnn" if _cudnn_runs_here() else "xla")
+    np.testing.assert_array_equal(attention(x), attention.replace(implementation=chosen)(x))
+    xla = np.asarray(attention.replace(implementation="xla")(x), np.float32)
+    # Another kernel sums in another order: a few bf16 roundings (2**-8 relative) of the
+    # outputs' size; no GPU measurement of this spread exists yet (then: 10 times it).
+    atol = 4 * 2.0**-8 * float(np.abs(xla).max())
+    np.testing.assert_allclose(np.asarray(attention(x), np.float32), xla, rtol=0, atol=atol)
 
 
 def test_sliding_window_equals_a_band_mask_with_and_without_a_cache(key):

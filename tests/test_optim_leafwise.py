@@ -41,6 +41,21 @@ def _conditionals(opt, on_nan="skip", model=None) -> int:
     return sum(e.primitive.name == "cond" for e in jaxpr.jaxpr.eqns)
 
 
+def _expected_conditionals(model=None) -> int:
+    """One ``cond`` per parameter on the CPU, the one large ``cond`` on every other backend
+    (functree/optim/_leafwise.py: an accelerator has no thread pool to spare the hand-off)."""
+    model = _model() if model is None else model
+    return len(jax.tree.leaves(ft.parameters(model))) if jax.default_backend() == "cpu" else 1
+
+
+@pytest.fixture(params=["gpu", "tpu"])
+def faked_accelerator(request, monkeypatch):
+    """``jax.default_backend()`` answering an accelerator (the step still compiles for this
+    device): what the leafwise update asks while the step traces."""
+    monkeypatch.setattr(jax, "default_backend", lambda: request.param)
+    return request.param
+
+
 def _three_steps(opt, enabled: bool):
     """Open gate, closed gate (a NaN gradient), open gate, from given gradients: the model
     and state after each (the update half of the step alone: a small program)."""
@@ -86,7 +101,7 @@ SPREAD = 1.2e-7  # the measured scaled error of the bias-corrected optimizers (s
 @pytest.mark.parametrize("tx,exact", [(tx, exact) for _, tx, exact in ALIASES], ids=[a[0] for a in ALIASES])
 def test_optimizer_functions_give_the_one_cond_numbers(tx, exact):
     opt = ft.optim.Optimizer(tx)
-    assert _conditionals(opt) == len(jax.tree.leaves(ft.parameters(_model())))  # one per parameter: 6
+    assert _conditionals(opt) == _expected_conditionals()  # on the CPU one per parameter: 6
     ours, reference = _three_steps(opt, True), _three_steps(opt, False)
     for i, (a, b) in enumerate(zip(ours, reference)):
         assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -105,18 +120,40 @@ def _kernels(computation: str) -> int:
     return len(re.findall(r"= \S+ (?:fusion|copy|dot|custom-call|dynamic-update-slice)\(", computation))
 
 
-def test_the_compiled_step_runs_a_few_kernels_per_parameter_branch():
-    """Adam: each branch writes the parameter and its two moments (one kernel each, plus the
-    bias corrections' scalars): few enough that XLA:CPU runs them in order, in place."""
+def _compiled_step_text() -> str:
     opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
     model = _model()
     step = ft.train.train_step(_loss, opt)  # on_nan="stop", the default
-    text = step.lower(model, opt.init(model), _batch()).compile().as_text()
+    return step.lower(model, opt.init(model), _batch()).compile().as_text()
+
+
+def _check_the_compiled_step(text: str) -> None:
+    """On the CPU: Adam's parameter branches each write the parameter and its two moments
+    (one kernel each, plus the bias corrections' scalars): few enough that XLA:CPU runs them
+    in order, in place. Elsewhere: no conditional per parameter (the one large ``cond``, or
+    none where the backend's compiler turned it into selects)."""
+    conditionals = len(re.findall(r" conditional\(", text))
+    if jax.default_backend() != "cpu":
+        assert conditionals <= 1, conditionals
+        return
+    assert conditionals == 6  # one per parameter
     computations = {c.split(" ", 1)[0].lstrip("%"): c for c in re.split(r"\n(?=%|ENTRY)", text)}
     branches = [name.strip().lstrip("%") for group in re.findall(r"branch_computations=\{([^}]*)\}", text)
                 for name in group.split(",")]
     assert len(branches) == 2 * 6  # (keep, apply) per parameter
     assert max(_kernels(computations[b]) for b in branches) <= 6
+
+
+def test_the_compiled_step_runs_a_few_kernels_per_parameter_branch():
+    _check_the_compiled_step(_compiled_step_text())
+
+
+def test_every_backend_but_the_cpu_keeps_the_one_cond(faked_accelerator):
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
+    assert _conditionals(opt) == _expected_conditionals() == 1
+    text = _compiled_step_text()  # compiled for this CPU: the one large conditional
+    assert len(re.findall(r" conditional\(", text)) == 1
+    _check_the_compiled_step(text)
 
 
 @pytest.mark.parametrize("make", [

@@ -1,0 +1,72 @@
+"""The suite's XLA flags (conftest.py): each appended only for the jaxlib releases that know it.
+
+XLA aborts every process whose XLA_FLAGS name a flag it does not know ("Unknown flag in
+XLA_FLAGS"): one flag too many and not a test starts. conftest.py decides from a table of
+jaxlib versions, with no trial start at session start; these tests start XLA in a fresh
+process under the installed jaxlib and check the table against it (CI runs them under the
+oldest, the test extra's and the newest jaxlib).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from _devices import ROOT
+
+import conftest
+
+UNKNOWN = "Unknown flag in XLA_FLAGS"
+
+
+def _start_xla(extra: str) -> subprocess.CompletedProcess:
+    """A fresh process that starts XLA's CPU backend with ``extra`` appended to the inherited
+    XLA_FLAGS (this process's: the inherited ones plus conftest's)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {extra}".strip()
+    return subprocess.run([sys.executable, "-c", "import jax; print(jax.devices())"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_suite_flags_start_xla_in_a_fresh_process():
+    """What every subprocess and notebook kernel of the suite inherits."""
+    done = _start_xla("")
+    assert done.returncode == 0 and UNKNOWN not in done.stderr, (os.environ["XLA_FLAGS"], done.stderr[-3000:])
+
+
+@pytest.mark.parametrize(("flag", "removed"), conftest.SUITE_FLAGS, ids=[f for f, _ in conftest.SUITE_FLAGS])
+def test_the_table_says_which_jaxlib_knows_each_flag(flag, removed):
+    """The installed jaxlib knows the flag exactly where the table says it does."""
+    from importlib.metadata import version
+
+    installed = conftest.release(version("jaxlib"))
+    known = removed is None or installed < removed
+    done = _start_xla(flag)
+    if known:
+        assert done.returncode == 0 and UNKNOWN not in done.stderr, (installed, flag, done.stderr[-3000:])
+    else:
+        assert done.returncode != 0 and UNKNOWN in done.stderr, (installed, flag, done.returncode)
+        assert flag.split("=")[0] not in os.environ["XLA_FLAGS"]  # conftest left it out
+
+
+def test_flags_are_chosen_by_the_jaxlib_version():
+    both = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    assert conftest.suite_flags("", (0, 9, 2)) == both
+    assert conftest.suite_flags("", (0, 11, 0)) == both
+    for newer in ((0, 11, 1), (0, 11, 2), (0, 12, 0, 1), (1, 0)):
+        assert conftest.suite_flags("", newer) == "--xla_backend_optimization_level=0"
+
+
+def test_an_inherited_setting_stays_and_is_appended_to():
+    inherited = "--xla_cpu_max_isa=AVX --xla_backend_optimization_level=2"
+    assert conftest.suite_flags(inherited, (0, 10, 2)) == f"{inherited} --xla_cpu_use_fusion_emitters=false"
+    assert conftest.suite_flags(inherited, (0, 11, 2)) == inherited
+
+
+def test_release_reads_the_numbers_of_a_version():
+    assert conftest.release("0.11.2") == (0, 11, 2)
+    assert conftest.release("0.12.0.1") == (0, 12, 0, 1)
+    assert conftest.release("0.11.2.dev20261101") == (0, 11, 2)
+    assert conftest.release("0.11.2rc1") == (0, 11, 2)

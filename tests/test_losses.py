@@ -120,8 +120,12 @@ def test_softmax_cross_entropy_ignore_index_means_over_kept_positions():
     assert float(ft.losses.softmax_cross_entropy(logits, jnp.full((1, 3), 7), ignore_index=7)) == 0.0
     grads = jax.grad(lambda z: ft.losses.softmax_cross_entropy(z, labels, ignore_index=-100))(jnp.asarray(logits))
     assert not np.any(grads[0, 1])  # an ignored position gets no gradient
-    with pytest.raises(ValueError, match=r"(?s)ignore_index=-100 needs integer class labels \[1, 3\], got probabilities f32\[1,3,3\]"):
-        ft.losses.softmax_cross_entropy(logits, jnp.ones((1, 3, 3)) / 3, ignore_index=-100)
+    with pytest.raises(ValueError, match=r"(?s)ignore_index=0 needs integer class labels \[1, 3\], got probabilities f32\[1,3,3\]"):
+        ft.losses.softmax_cross_entropy(logits, jnp.ones((1, 3, 3)) / 3, ignore_index=0)
+    probabilities = jnp.ones((1, 3, 3)) / 3  # the default ignore_index applies to class indices only
+    np.testing.assert_allclose(ft.losses.softmax_cross_entropy(logits, probabilities),
+                               -np.log(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)).mean(-1).mean(),
+                               rtol=0, atol=1e-6)
 
 
 def test_sigmoid_cross_entropy():
@@ -189,3 +193,67 @@ def test_integer_predictions_and_bad_reduction_are_errors():
         ft.losses.l1(jnp.array([1, 2]), jnp.array([1.0, 2.0]))
     with pytest.raises(ValueError, match=r"reduction must be one of \['mean', 'sum', 'none'\], got 'avg'"):
         ft.losses.l2(P, E, reduction="avg")
+
+
+def _collated(vocab, seed=0):
+    """Logits [2, 6, vocab] and a Hugging Face collator's labels: -100 on the prompt and padding."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 3, (2, 6, vocab)).astype(np.float32)
+    labels = rng.integers(0, vocab, (2, 6))
+    labels[0, :2] = labels[1, :3] = labels[1, 5] = -100
+    return logits, labels
+
+
+@pytest.mark.parametrize("vocab", [256, 50])
+def test_softmax_cross_entropy_reads_hf_labels_as_torch_does(vocab):
+    """The issue: the default ignore_index=None read -100 as class V - 100 (6.4654 vs torch's
+    6.5028 at V=256; NaN at V=50). Now -100 is ignored by default, as torch's cross_entropy."""
+    torch = pytest.importorskip("torch")
+    logits, labels = _collated(vocab)
+    expected = torch.nn.functional.cross_entropy(torch.from_numpy(logits).reshape(-1, vocab),
+                                                 torch.from_numpy(labels).reshape(-1))
+    atol = 1e-6 * float(np.abs(logits).max())
+    np.testing.assert_allclose(ft.losses.softmax_cross_entropy(logits, labels), expected.item(), rtol=0, atol=atol)
+    np.testing.assert_allclose(jax.jit(ft.losses.softmax_cross_entropy)(logits, labels), expected.item(), rtol=0,
+                               atol=atol)
+    smoothed = torch.nn.functional.cross_entropy(torch.from_numpy(logits).reshape(-1, vocab),
+                                                 torch.from_numpy(labels).reshape(-1), label_smoothing=0.1)
+    np.testing.assert_allclose(ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=0.1), smoothed.item(),
+                               rtol=0, atol=atol)
+
+
+def test_softmax_cross_entropy_through_train_step_equals_torch():
+    """Loss and gradient of one SGD step on a Dense head, HF labels, against torch's."""
+    torch = pytest.importorskip("torch")
+    vocab, lr = 256, 0.5
+    x, labels = _collated(vocab)
+    x = x[..., :8]
+    model = ft.nn.Dense(8, vocab, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.sgd(lr))
+    step = ft.train.train_step(lambda m, b: ft.losses.softmax_cross_entropy(m(b[0]), b[1]), opt, donate=False)
+    new, _, metrics = step(model, opt.init(model), (jnp.asarray(x), jnp.asarray(labels)))
+    w = torch.tensor(np.asarray(model.weight), requires_grad=True)
+    b = torch.tensor(np.asarray(model.bias), requires_grad=True)
+    loss = torch.nn.functional.cross_entropy((torch.from_numpy(x) @ w + b).reshape(-1, vocab),
+                                             torch.from_numpy(labels).reshape(-1))
+    loss.backward()
+    np.testing.assert_allclose(float(metrics["loss"]), loss.item(), rtol=0, atol=1e-5 * abs(loss.item()))
+    expected = np.asarray(model.weight) - lr * w.grad.numpy()
+    np.testing.assert_allclose(np.asarray(new.weight), expected, rtol=0, atol=1e-6 * float(np.abs(expected).max()))
+
+
+def test_softmax_cross_entropy_labels_outside_the_classes():
+    logits, labels = _collated(50)
+    for bad, where, kwargs in [(50, [1, 4], {}), (-1, [1, 4], {}), (-100, [0, 0], {"ignore_index": None}),
+                               (-100, [0, 0], {"ignore_index": 0})]:
+        given = labels.copy()
+        given[tuple(where)] = bad
+        with pytest.raises(ValueError, match=rf"(?s)label {bad} at labels\[{where[0]}, {where[1]}\] is not a class of "
+                                             rf"logits f32\[2,6,50\] \(classes 0 to 49\).*ignore_index="):
+            ft.losses.softmax_cross_entropy(logits, given, **kwargs)
+        # traced labels (a jit of your own) cannot be read: NaN, never a plausible number
+        traced = jax.jit(lambda z, y, kw=kwargs: ft.losses.softmax_cross_entropy(z, y, **kw))(logits, given)
+        assert np.isnan(float(traced))
+        none = jax.jit(lambda z, y, kw=kwargs: ft.losses.softmax_cross_entropy(z, y, reduction="none", **kw))(logits, given)
+        inside = (given >= 0) & (given < 50)
+        assert np.isnan(none[tuple(where)]) and np.isfinite(np.asarray(none)[inside]).all()

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from functree._repr import short_array
@@ -48,6 +49,16 @@ softmax_cross_entropy: label_smoothing must be a number in [0, 1), got {given!r}
     right:  ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=0.1)
 """
 
+LABEL_OUT_OF_RANGE = """\
+softmax_cross_entropy: label {label} at labels{where} is not a class of logits {logits} \
+(classes 0 to {last}) nor ignore_index ({ignore}). A label outside the classes is never read \
+as one (a negative label would index from the end and train toward another token).
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels)                   # labels hold {label}
+    right:  ft.losses.softmax_cross_entropy(logits, labels, ignore_index={label})   # to skip those positions
+       or:  labels below {classes} (a vocabulary of {classes}: resize the head, or fix the collator)
+"""
+
 IGNORE_WITH_PROBABILITIES = """\
 softmax_cross_entropy: ignore_index={index} needs integer class labels {index_shape}, got \
 probabilities {given}. Mask probability targets by giving padded rows zero weight instead:
@@ -63,7 +74,7 @@ def softmax_cross_entropy(
     labels: Any,
     *,
     label_smoothing: float = 0.0,
-    ignore_index: int | None = None,
+    ignore_index: int | None = -100,
     reduction: str = "mean",
 ) -> jax.Array:
     """``-sum_c target[c] * log_softmax(logits)[c]`` per example, averaged over examples.
@@ -73,9 +84,17 @@ def softmax_cross_entropy(
 
     ``label_smoothing=a`` trains on ``target = (1 - a) * labels + a / classes`` (Szegedy et
     al. 2016; ``labels`` one-hot for class indices). ``ignore_index=i`` (integer labels
-    only, e.g. a padding token) gives positions whose label is ``i`` a loss of zero; the
-    mean is then taken over the other positions only (zero if every position is ignored),
-    ``"sum"`` sums them, ``"none"`` returns zeros at ignored positions.
+    only; ``-100`` by default, as torch's ``cross_entropy`` and Hugging Face's collators,
+    which put -100 on the prompt and the padding) gives positions whose label is ``i`` a
+    loss of zero; the mean is then taken over the other positions only (zero if every
+    position is ignored), ``"sum"`` sums them, ``"none"`` returns zeros at ignored
+    positions. ``ignore_index=None`` ignores nothing.
+
+    A label outside ``0 .. classes - 1`` (and not ``ignore_index``) is never read as a
+    class: concrete labels raise, naming the label and where it is; labels traced under a
+    ``jax.jit`` of your own cannot be read, so such a position's loss is NaN (and with it
+    the mean and the gradients: a training step's NaN check stops there), never a
+    plausible number.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -84,7 +103,7 @@ def softmax_cross_entropy(
       Array(0.12692..., dtype=float32)
       >>> ft.losses.softmax_cross_entropy(logits, jax.nn.one_hot(jnp.array([0, 1]), 2))
       Array(0.12692..., dtype=float32)
-      >>> ft.losses.softmax_cross_entropy(logits, jnp.array([0, -100]), ignore_index=-100)
+      >>> ft.losses.softmax_cross_entropy(logits, jnp.array([0, -100]))     # -100: ignored
       Array(0.12692..., dtype=float32)
       >>> ft.losses.softmax_cross_entropy(logits, jnp.array([0, 1]), label_smoothing=0.2)
       Array(0.32692..., dtype=float32)
@@ -105,15 +124,19 @@ def softmax_cross_entropy(
                     classes=classes,
                 )
             )
-        if ignore_index is not None:
-            keep = labels != ignore_index
-            labels = jnp.where(keep, labels, 0)
+        _check_labels(labels, classes, ignore_index, logits)
+        keep = None if ignore_index is None else labels != ignore_index
+        inside = (labels >= 0) & (labels < classes)
+        labels = jnp.where(inside, labels, 0)
         if label_smoothing:
             values = _smoothed(logits, jax.nn.one_hot(labels, classes, dtype=logits.dtype), label_smoothing)
         else:
             values = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        # A traced label outside the classes (the check above could not read it): NaN, never a class.
+        outside = ~inside if keep is None else keep & ~inside
+        values = jnp.where(outside, jnp.full((), jnp.nan, values.dtype), values)
     elif labels.shape == logits.shape:
-        if ignore_index is not None:
+        if ignore_index not in (None, -100):  # the default applies to class indices only
             raise ValueError(
                 IGNORE_WITH_PROBABILITIES.format(
                     index=ignore_index, index_shape=index_shape, given=short_array(labels)
@@ -134,6 +157,23 @@ def softmax_cross_entropy(
         count = jnp.sum(keep).astype(values.dtype)
         return jnp.sum(values) / jnp.maximum(count, jnp.ones((), values.dtype))
     return reduce(name, values, reduction)
+
+
+def _check_labels(labels: jax.Array, classes: int, ignore_index: int | None, logits: jax.Array) -> None:
+    """Raise :data:`LABEL_OUT_OF_RANGE` for a concrete label outside ``[0, classes)`` that is
+    not ``ignore_index`` (traced labels are left to the NaN of the caller)."""
+    try:
+        given = np.asarray(labels)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    bad = (given < 0) | (given >= classes)
+    if ignore_index is not None:
+        bad &= given != ignore_index
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(LABEL_OUT_OF_RANGE.format(label=int(given[where]), where=list(where),
+                                                   logits=short_array(logits), last=classes - 1, classes=classes,
+                                                   ignore=ignore_index))
 
 
 def _smoothed(logits: jax.Array, targets: jax.Array, smoothing: float) -> jax.Array:

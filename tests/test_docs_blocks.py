@@ -35,7 +35,9 @@ its own session. Blocks of one title run cumulatively in one namespace of their 
 untitled blocks (functree's) in the page's main one.
 """
 
+import ast
 import doctest
+import importlib.util
 import os
 import pathlib
 import re
@@ -130,6 +132,38 @@ def run_spec(page):
             for i, (_, chunks, title) in enumerate(found)]
 
 
+def imported_packages(spec):
+    """The top-level packages the run blocks of ``run_spec``'s ``spec`` import (absolute
+    imports: ``import keras, numpy as np`` -> keras, numpy)."""
+    names = set()
+    for _, run, chunks in spec:
+        for _, source, _ in chunks if run else ():
+            try:
+                tree = ast.parse(source)
+            except SyntaxError:  # test_every_python_block_compiles reports it
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names.update(alias.name.split(".")[0] for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names.add(node.module.split(".")[0])
+    return names
+
+
+def missing_packages(spec):
+    """The imported packages this environment lacks (the page's test skips, naming them)."""
+    return sorted(name for name in imported_packages(spec) if importlib.util.find_spec(name) is None)
+
+
+def block_environment():
+    """The blocks' process environment: functree from this checkout (first on PYTHONPATH:
+    no install needed, and not another installed copy), a plotting backend without a display."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
+
+
 def page_text_at(page, line):
     return page.read_text().splitlines()[line - 1]
 
@@ -150,12 +184,13 @@ def test_every_python_block_runs(page, tmp_path):
     import json
 
     spec = run_spec(page)
+    missing = missing_packages(spec)
+    if missing:
+        pytest.skip(f"{page_id(page)}'s blocks import {', '.join(missing)}, not installed here")
     (tmp_path / "blocks.json").write_text(json.dumps(spec))
     (tmp_path / "run.py").write_text(RUNNER)
-    env = dict(os.environ)
-    env.setdefault("MPLBACKEND", "Agg")
     result = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(page), str(tmp_path / "blocks.json")],
-                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+                            cwd=tmp_path, capture_output=True, text=True, env=block_environment(), timeout=600)
     assert result.returncode == 0, f"{page_id(page)}: a block fails as pasted\n{result.stderr[-6000:]}"
 
 
@@ -191,3 +226,27 @@ def test_blocks_are_found_and_titles_are_read(tmp_path):
     # the doctest after the last plain block is left to pytest's doctest of the page
     assert [(session, run) for session, run, _ in run_spec(page)] == [
         ("", True), ("Needs: the Hugging Face Hub", False), ("", False)]
+
+
+def test_pages_that_import_a_missing_package_are_skipped_and_functree_comes_from_the_checkout(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(textwrap.dedent('''\
+        ```python
+        import functree as ft, numpy as np
+        from no_such_package_here.sub import thing
+        import os.path
+        ```
+
+        ```python title="Needs: a GPU"
+        import another_missing_package
+        ```
+        '''))
+    spec = run_spec(page)
+    assert imported_packages(spec) == {"functree", "numpy", "no_such_package_here", "os"}
+    assert missing_packages(spec) == ["no_such_package_here"]  # a block not run needs nothing
+    env = block_environment()
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    found = subprocess.run([sys.executable, "-c", "import functree; print(functree.__file__)"], cwd=tmp_path,
+                           env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert pathlib.Path(found.stdout.strip()).resolve().parent == ROOT / "functree"

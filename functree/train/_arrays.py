@@ -17,12 +17,31 @@ from typing import Any, cast
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from functree.parallel import sharded_target
 from functree.train._processes import gather
-from functree.train._treespec import encode
+from functree.train._treespec import CheckpointError, encode
 
-__all__ = ["checksum", "describe", "verify", "default_placement", "placement", "committed"]
+__all__ = ["checksum", "describe", "verify", "default_device", "saved_arrays", "written_on", "placement",
+           "committed"]
+
+PLACEMENT_MISMATCH = """\
+The checkpoint's array {key!r} ({saved}) cannot be placed by {sharding} in this process \
+({problem}). It was written on {written}; where it goes is chosen by the reader, never by \
+the devices that wrote it. Give a placement that holds it:
+
+    wrong:  ft.train.load(path, template, sharding=<a sharding that does not divide {saved}>)
+    right:  ft.train.load(path, template, sharding=jax.devices()[0])        # one device
+       or:  ft.train.load(path, template, mesh=mesh, sharding="fsdp")   # by the rules"""
+
+SHARDING_NEEDS_MESH = """\
+sharding={given!r} names sharding rules, which need a mesh; without a mesh, sharding= is \
+where every array goes: a jax.sharding.Sharding or a device.
+
+    wrong:  ft.train.load(path, template, sharding={given!r})
+    right:  ft.train.load(path, template, mesh=mesh, sharding={given!r})
+       or:  ft.train.load(path, template, sharding=jax.devices()[0])"""
 
 
 def checksum(x: Any) -> int:
@@ -121,36 +140,112 @@ def verify(sums: Any, arrays: dict[str, Any]) -> tuple[str, str] | None:
     return next((tuple(f) for f in gather(found) if f), None)  # type: ignore[return-value]
 
 
-def default_placement(meta: Any) -> Any:
-    """Arrays written from a mesh, restored without one: onto the default device (orbax
-    refuses to guess a target for another topology). None: restore as saved."""
-    sums = meta.get("checksums") if isinstance(meta, dict) else None
-    if not isinstance(meta, dict) or not meta.get("mesh") or not isinstance(sums, dict):
-        return None
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-    def one(w: dict[str, Any]) -> Any:
-        dtype = np.dtype(w["dtype"])
-        if jax.dtypes.canonicalize_dtype(dtype) != dtype:  # float64 without x64: on the host
-            return np.zeros(tuple(w["shape"]), dtype)
-        return jax.ShapeDtypeStruct(tuple(w["shape"]), dtype, sharding=device)
-
-    return {k: one(w) for k, w in sums.items()}
+def default_device() -> Any:
+    """The device arrays go to when nothing says where: ``jax_default_device`` (also set
+    by ``with jax.default_device(d):``), else this process's first device."""
+    chosen = cast(Any, jax.config).jax_default_device
+    if isinstance(chosen, str):  # a platform name: "cpu", "gpu"
+        return jax.local_devices(backend=chosen)[0]
+    return chosen if chosen is not None else jax.local_devices()[0]
 
 
-def placement(parts: Mapping[str, Any], mesh: Any, sharding: Any, data_axis: str) -> Any:
-    """Orbax's restore target on ``mesh`` (a function of the metadata): the arrays of each
-    part with a template (``{name: template or None}``, ``""`` for a lone tree) placed by
-    the rules, the others (shape and dtype from the metadata) on the host."""
-    known, _ = encode({p: None if t is None else sharded_target(t, mesh, sharding, data_axis=data_axis)
-                       for p, t in parts.items()})
+def saved_arrays(directory: Any) -> dict[str, tuple[tuple[int, ...], np.dtype, bool]]:
+    """``{key: (shape, dtype, on_host)}`` of the arrays orbax wrote in ``directory`` (a
+    checkpoint's ``arrays`` item), from its metadata: what is stored, whatever the
+    checkpoint's own metadata claims (the checksums' check compares the two after the
+    read). ``on_host``: written as a NumPy array (it comes back as one)."""
+    tree: dict[Any, Any] = dict(cast(Any, ocp.StandardCheckpointHandler().metadata(directory)).items())
+    return {str(k): (tuple(int(n) for n in m.shape), np.dtype(m.dtype), getattr(m, "sharding", True) is None)
+            for k, m in tree.items()}
 
-    def target(meta: Any) -> Any:
-        sums = meta.get("checksums") if isinstance(meta, dict) else None
-        if not isinstance(sums, dict):  # damaged: restored as saved, refused after
-            return None
-        return {k: known[k] if k in known else np.zeros(tuple(w["shape"]), np.dtype(w["dtype"]))
-                for k, w in sums.items()}
+
+def written_on(arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """Where ``arrays`` were written from (information only: no reader consults it)."""
+    devices = sorted({str(d) for x in arrays.values() if isinstance(x, jax.Array) for d in x.sharding.device_set})
+    return {"jax": jax.__version__, "processes": jax.process_count(), "device_count": len(devices),
+            "devices": devices[:16]}
+
+
+def _writer(meta: Any) -> str:
+    about = meta.get("written_on") if isinstance(meta, dict) else None
+    if not isinstance(about, dict):
+        return "devices not recorded (an older checkpoint)"
+    devices = ", ".join(map(str, about.get("devices", []))) or "the host"
+    return f"{devices} ({about.get('processes')} process(es), jax {about.get('jax')})"
+
+
+def _as_sharding(sharding: Any) -> Any:
+    """``sharding=`` without a mesh: a ``Sharding`` or a device (every array there)."""
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        return sharding
+    if isinstance(sharding, jax.Device):
+        return jax.sharding.SingleDeviceSharding(sharding)
+    raise CheckpointError(SHARDING_NEEDS_MESH.format(given=sharding))
+
+
+def _template_placements(parts: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """``{key: (shape, sharding)}`` of the templates' placed arrays (jax arrays and
+    ``ShapeDtypeStruct`` with a sharding), by the checkpoint's key names."""
+    flat, _ = encode(dict(parts))
+    return {k: (tuple(x.shape), x.sharding) for k, x in flat.items()
+            if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and getattr(x, "sharding", None) is not None}
+
+
+def _one_device(placed: Mapping[str, tuple[tuple[int, ...], Any]]) -> Any:
+    """The templates' device when they all live on one: the rest of the job goes there too."""
+    devices = {d for _, s in placed.values() for d in s.device_set}
+    return jax.sharding.SingleDeviceSharding(devices.pop()) if len(devices) == 1 else None
+
+
+def _fits(key: str, shape: tuple[int, ...], dtype: np.dtype, where: Any, meta: Any) -> Any:
+    """``where`` if it can hold the saved array, else the error naming both sides."""
+    try:
+        where.shard_shape(shape)
+    except Exception as e:  # jax raises ValueError / TypeError / IndexError by sharding kind
+        raise CheckpointError(PLACEMENT_MISMATCH.format(
+            key=key, saved=f"{dtype}{list(shape)}", sharding=where, problem=str(e).splitlines()[0][:200],
+            written=_writer(meta))) from None
+    return where
+
+
+def placement(parts: Mapping[str, Any], mesh: Any = None, sharding: Any = None, data_axis: str = "data") -> Any:
+    """Orbax's restore target: a function of the stored arrays (:func:`saved_arrays`) and
+    the checkpoint's metadata (its ``written_on``, for messages, and ``process_local``).
+
+    Arrays go where the reading process says, never to the writer's devices: with
+    ``mesh``, each part with a template (``{name: template or None}``, ``""`` for a lone
+    tree) placed by the rules and the rest on the host (as before meshes); else with
+    ``sharding`` (a ``Sharding`` or a device) every array there; else each template array
+    where the template's is, the others on the templates' one device or the default device.
+    Arrays saved as NumPy arrays, and 64-bit ones without ``jax_enable_x64``, come back on
+    the host. Shapes and dtypes are the saved ones (a template never casts: it is checked).
+    """
+    if mesh is not None:
+        everywhere = None
+        placed = _template_placements({p: None if t is None else sharded_target(t, mesh, sharding, data_axis=data_axis)
+                                       for p, t in parts.items()})
+    else:
+        everywhere = _as_sharding(sharding)
+        placed = _template_placements(parts)
+
+    def target(saved: Mapping[str, tuple[tuple[int, ...], np.dtype, bool]], meta: Any) -> dict[str, Any]:
+        device_local = set(meta.get("process_local", ())) if isinstance(meta, dict) else set()
+        rest = None if mesh is not None else everywhere or _one_device(placed) or jax.sharding.SingleDeviceSharding(
+            default_device())
+        out = {}
+        for key, (shape, dtype, on_host) in saved.items():
+            on_host = on_host and key not in device_local
+            like = placed.get(key)
+            where = like[1] if like is not None and like[0] == shape else None  # a wrong shape: checked later
+            if everywhere is not None and (where is not None or not on_host):
+                where = everywhere
+            elif where is None and not on_host:
+                where = rest
+            if where is None or jax.dtypes.canonicalize_dtype(dtype) != dtype:
+                out[key] = np.zeros(shape, dtype)
+            else:
+                out[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=_fits(key, shape, dtype, where, meta))
+        return out
 
     return target
 

@@ -27,8 +27,8 @@ import orbax.checkpoint as ocp
 from functree._state_dict import from_flat_dict
 from functree.parallel import mesh_shape
 from functree.train import _directory as policy
-from functree.train._arrays import default_placement, describe, placement, verify
-from functree.train._processes import agreed
+from functree.train._arrays import describe, placement, saved_arrays, verify, written_on
+from functree.train._processes import agreed, gather
 from functree.train._treespec import (
     CheckpointError,
     SpecError,
@@ -122,6 +122,14 @@ each array by the sharding rules:
     right:  ft.train.load(path, (model, opt_state), mesh=mesh, sharding="fsdp")"""
 
 
+UNSAVABLE = """\
+The leaf {key!r} is {given}: a checkpoint holds arrays and numbers, not text or objects.
+Nothing was written (and no process of a job wrote anything).
+
+    wrong:  ft.train.save(path, {{"model": model, "note": "warm start"}})
+    right:  ft.train.save(path, {{"model": model, "rounds": 3}})   # text: in the manager's config= (JSON)"""
+
+
 class Checkpoint(NamedTuple):
     """What :meth:`CheckpointManager.restore` returns.
 
@@ -166,12 +174,44 @@ def _digest(meta: dict[str, Any]) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True, allow_nan=True).encode())
 
 
+def _unsavable(arrays: dict[str, Any]) -> tuple[str, str] | None:
+    """``(key, what it is)`` of the first leaf no checkpoint can hold (text, objects)."""
+    for key, x in arrays.items():
+        dtype = getattr(x, "dtype", None)
+        if not isinstance(dtype, np.dtype):
+            dtype = np.asarray(x).dtype
+        if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
+            return key, f"{type(x).__name__} {repr(x)[:60]}"
+    return None
+
+
+def _writable(arrays: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The arrays as orbax writes them, and the keys of the jax arrays each process holds
+    whole in a job of several (its own, or made on its devices alone: orbax refuses them);
+    those are written from process 0, as NumPy arrays, and restored onto a device."""
+    several = jax.process_count() > 1
+    out, local = {}, []
+    for key, x in arrays.items():
+        if isinstance(x, jax.Array) and not (several and x.is_fully_addressable):
+            out[key] = x
+        else:
+            out[key] = np.asarray(x)
+            if isinstance(x, jax.Array):
+                local.append(key)
+    return out, local
+
+
 def _args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     """Orbax's save arguments: the arrays and the sealed metadata (collective: every
-    process of a job calls it, each describing the shards it writes)."""
-    arrays = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in arrays.items()}
+    process of a job calls it, each describing the shards it writes). A leaf no checkpoint
+    can hold is refused first, on every process at once, before anything is written."""
+    found = next((f for f in gather(_unsavable(arrays)) if f), None)
+    if found:
+        raise CheckpointError(UNSAVABLE.format(key=found[0], given=found[1]))
+    arrays, local = _writable(arrays)
     meta = json.loads(json.dumps({"format": FORMAT, **fields, "spec": spec, "checksums": describe(arrays),
-                                  "mesh": mesh_shape(arrays)}, allow_nan=True))
+                                  "mesh": mesh_shape(arrays), "written_on": written_on(arrays),
+                                  **({"process_local": local} if local else {})}, allow_nan=True))
     meta["digest"] = _digest(meta)
     return ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta))
 
@@ -197,25 +237,35 @@ def _metadata_problem(meta: Any, path: Path, manager: bool) -> str | None:
     return None
 
 
-def _read(restore: Callable[[Any], Any], path: Path, placement: Any = None, manager: bool = False,
+def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool = False,
           ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The verified arrays and metadata of the checkpoint at ``path``: the metadata first
-    (``placement(meta)`` gives orbax's restore target), then the arrays alone.
-    ``restore(args)`` is orbax's. Damage raises ``_Damage(problem)``."""
+    """The verified arrays and metadata of the checkpoint at ``path``: the metadata first,
+    checked, then the arrays alone, placed by ``target(stored arrays, meta)`` (never by the
+    writer's devices: see :func:`._arrays.placement`). ``restore(args)`` is orbax's.
+    Damage raises ``_Damage(problem)``."""
     try:
         meta = restore(ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        target = (placement or default_placement)(meta)
-        arrays = dict(restore(ocp.args.Composite(arrays=ocp.args.StandardRestore(target)))["arrays"])
     except Exception as e:  # orbax raises many types for damaged files
-        error = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
-        raise _Damage(f"is corrupted or incomplete and cannot be read ({error})") from e
+        raise _Damage(_unreadable(e)) from e
     problem = _metadata_problem(meta, path, manager)
     if problem:
         raise _Damage(f"has damaged metadata: {problem}")
+    try:
+        args = ocp.args.Composite(arrays=ocp.args.StandardRestore(target(saved_arrays(path / "arrays"), meta)))
+        arrays = dict(restore(args)["arrays"])
+    except CheckpointError:  # a placement that cannot hold an array: not damage
+        raise
+    except Exception as e:
+        raise _Damage(_unreadable(e)) from e
     bad = verify(meta.get("checksums"), arrays)
     if bad:
         raise _Damage(f"is corrupted: the array {bad[0]!r} {bad[1]}")
     return arrays, meta
+
+
+def _unreadable(e: Exception) -> str:
+    error = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
+    return f"is corrupted or incomplete and cannot be read ({error})"
 
 
 class _Damage(Exception):
@@ -279,7 +329,7 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
     path = Path(path).absolute()
     if mesh is not None and template is None:
         raise CheckpointError(LOAD_NEEDS_TEMPLATE)
-    target = None if mesh is None else placement({"": template}, mesh, sharding, data_axis)
+    target = placement({"": template}, mesh, sharding, data_axis)
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             arrays, meta = _read(lambda args: checkpointer.restore(path, args=args), path, target)
@@ -457,13 +507,13 @@ class CheckpointManager:
         whatever device count or process count wrote it: the templates' arrays placed by
         the rules (optimizer moments follow their parameters), the rest on the host.
         """
+        templates: dict[str, Any] = dict(zip(_PARTS, (template, opt_state_template, extra_template)))
+        target = placement(templates, mesh, sharding, data_axis)
         steps = self.all_steps()
         chosen = steps[-1] if step is None and steps else step
         if chosen is None or chosen not in steps:
             what = "at all" if not steps else f"at step {step}"
             raise CheckpointError(NO_CHECKPOINT.format(what=what, path=self.directory, steps=steps, step=step or ""))
-        templates: dict[str, Any] = dict(zip(_PARTS, (template, opt_state_template, extra_template)))
-        target = None if mesh is None else placement(templates, mesh, sharding, data_axis)
         try:
             arrays, meta = _read(lambda args: self._mngr.restore(chosen, args=args),
                                  self.directory / str(chosen), target, manager=True)

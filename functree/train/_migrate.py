@@ -15,6 +15,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from functree.train._arrays import placement, saved_arrays
 from functree.train._checkpoint import _args
 from functree.train._directory import STEP_DIR
 from functree.train._registry import public_name
@@ -72,7 +73,8 @@ def migrate(source: str | os.PathLike[str], destination: str | os.PathLike[str])
         if not isinstance(meta, dict) or meta.get("format") != "functree-checkpoint-1":
             why = f"its format is {meta.get('format') if isinstance(meta, dict) else None!r}"
             raise CheckpointError(NOT_FORMAT_1.format(path=source, why=why))
-        arrays = checkpointer.restore(source, args=ocp.args.Composite(arrays=ocp.args.StandardRestore()))["arrays"]
+        target = placement({})(saved_arrays(source / "arrays"), meta)  # the default device, not the writer's
+        arrays = checkpointer.restore(source, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target)))["arrays"]
         fields = {k: meta[k] for k in ("step", "metrics", "config") if k in meta}
         args = _args(dict(arrays), _public(meta.get("spec")), migrated_from=meta["format"], **fields)
         checkpointer.save(destination, args=args)

@@ -40,7 +40,8 @@ from functree.nn._embedding import Embedding
 from functree.nn._generate import generate
 from functree.nn._hf import from_hf, to_hf_state_dict
 from functree.nn._linear import Dense
-from functree.nn._lora import LoraDense, load_lora, lora, merge_lora, save_lora
+from functree.nn._lora import LoraDense, lora, merge_lora
+from functree.nn._peft import load_lora, save_lora
 from functree.nn._mlp import MLP
 from functree.nn._mode import Layer, inference, inferring, is_training, training
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm

@@ -30,10 +30,7 @@ called without a key, draw a fresh mask every step.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -50,7 +47,7 @@ from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._state import record_state
 
-__all__ = ["LoraDense", "lora", "merge_lora", "save_lora", "load_lora"]
+__all__ = ["LoraDense", "lora", "merge_lora"]
 
 NOTHING_SELECTED = """\
 ft.nn.lora: the pattern {pattern!r} selects no Dense layer. Closest layer names: {close}.
@@ -58,6 +55,8 @@ Patterns are globs over dotted layer names (ft.to_flat_dict(model, unstack=True)
 the leaves; a from_hf model's layers answer to Hugging Face's names too).
     wrong:  ft.nn.lora(model, {pattern!r}, ...)
     right:  ft.nn.lora(model, {right!r}, ...)"""
+
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 
 NOT_DENSE = """\
 ft.nn.lora wraps Dense layers, but the pattern {pattern!r} also selects {name!r}, {what}.
@@ -106,43 +105,6 @@ ft.nn.load_lora(model, directory) without key= does not).
     wrong:  ft.nn.load_lora(model, directory)                          # then training
     right:  ft.nn.load_lora(model, directory, key=jax.random.key(0))
        or:  ft.nn.inference(model)                                     # no dropout"""
-
-NO_ADAPTERS = """\
-{what}: the model holds no LoraDense layer (no adapters to {verb}).
-    right:  model = ft.nn.lora(model, "model.layers.*.self_attn.[qv]_proj", rank=8, alpha=16, key=key)"""
-
-FUSED = """\
-ft.nn.save_lora: the adapters of {layers} all belong to the one {torch} tensor {module!r} \
-(a fused projection, as GPT-2's c_attn): PEFT holds one adapter per module, so these \
-cannot be written as PEFT's. Adapt the layers that have a module of their own.
-    wrong:  ft.nn.lora(model, "*.attn.*", ...)
-    right:  ft.nn.lora(model, "*.attn.c_proj", ...)   # or "*.mlp.*\""""
-
-NO_NAME = """\
-ft.nn.save_lora: the adapted layer {layer!r} has no {torch} weight name (its weight is not \
-written as a Linear's "<module>.weight"), so PEFT has no module to put its adapter on."""
-
-NOT_PEFT = """\
-ft.nn.load_lora: {directory!r} is not a PEFT LoRA adapter directory: {problem}.
-    right:  ft.nn.load_lora(model, "path/to/adapter")   # adapter_config.json (peft_type "LORA") and
-                                                        # adapter_model.safetensors, as PeftModel.save_pretrained writes"""
-
-UNSUPPORTED_PEFT = """\
-ft.nn.load_lora: the adapter sets {option}={value!r}; ft.nn.load_lora reads plain LoRA \
-({covered}). Loading it anyway would give a different model."""
-
-UNKNOWN_MODULE = """\
-ft.nn.load_lora: the adapter holds tensors for {modules}, which name no Dense layer of \
-this model (its {torch} names: {known} ...). Load it into the model it was trained on."""
-
-ADAPTER_SHAPE = """\
-ft.nn.load_lora: {name!r} has shape {given}; the layer {layer!r} ({inputs} inputs, {outputs} \
-outputs) takes lora_A [r, {inputs}] and lora_B [{outputs}, r] with the same r."""
-
-NO_SAFETENSORS = """\
-ft.nn.save_lora / load_lora read and write .safetensors files with the safetensors package.
-    right:  pip install safetensors"""
-
 
 class LoraDense(Layer):
     """A ``Dense`` layer with a low-rank adapter: ``activation(x W + b + (alpha/r) (drop(x) A) B)``.
@@ -301,35 +263,80 @@ class _TorchName(NamedTuple):
     transposed: bool  # stored [out, in] (a Linear), else [in, out] (Hugging Face's Conv1D)
     shared_with: tuple[str, ...]  # other ft layer members in the same tensor (a fused projection)
     weight_param: bool  # the tensor is "<module>.weight"
+    positions: np.ndarray  # where each of the member's outputs sits on the tensor's output axis
+    size: int  # the tensor's output axis (the sum of its members' outputs when fused)
 
 
-_TORCH_NAMES: dict[Any, tuple[bool, dict[str, _TorchName]]] = {}
+class _Names(NamedTuple):
+    """What :func:`_torch_names` finds: whether the names are Hugging Face's, each Dense
+    member's torch tensor, every module name of the torch model that holds a parameter, and
+    the output head's module (Hugging Face's ``get_output_embeddings()``; PEFT's
+    ``"all-linear"`` leaves it out)."""
+
+    is_hf: bool
+    members: dict[str, _TorchName]
+    modules: frozenset[str]
+    head: str | None
 
 
-def _torch_names(model: Any, torch_too: bool = True) -> tuple[bool, dict[str, _TorchName]]:
-    """``(is a from_hf model, {ft layer member name: its torch module})`` for every Dense
-    member of ``model``: Hugging Face's names (``to_hf_state_dict``) for a from_hf model,
-    ``torch_state_dict``'s for others (none without ``torch_too``). Found by sending a copy of the model whose leaves are
-    small arrays through the converter: every leaf keeps its stack axes and its last axis (the
-    sizes a converter splits heads and fused projections by) and has size 1 on the others; a
-    Dense weight ``[1, out]`` holds its member's code, every other leaf NaN (no code, whatever
-    a conversion does to it). A Linear's weight comes back ``[out, 1]``, a Conv1D's ``[1, out]``.
-    Cached per tree definition."""
-    from functree.nn._hf import to_hf_state_dict
-    from functree.nn._torch import torch_state_dict
+_TORCH_NAMES: dict[Any, _Names] = {}
 
+
+def _torch_names(model: Any, torch_too: bool = True) -> _Names:
+    """The torch names of every Dense member of ``model``: Hugging Face's
+    (``to_hf_state_dict``) for a from_hf model, ``torch_state_dict``'s for others (none
+    without ``torch_too``). Found by sending copies of the model whose leaves are small arrays
+    through the converter: every leaf keeps its stack axes and its last axis (the sizes a
+    converter splits heads and fused projections by) and has size 1 on the others. In the
+    first copy a Dense weight ``[1, out]`` holds its member's code, in the second its output
+    index; every other leaf is NaN (no code, whatever a conversion does to it). A Linear's
+    weight comes back ``[out, 1]``, a Conv1D's ``[1, out]``: the codes name the member(s) of
+    each tensor, the indices where each output went (a fused projection's rows, a permuted
+    layout). Cached per tree definition."""
     base = _unwrapped(model)
     treedef = jax.tree.structure(base, is_leaf=is_none)
     key, found = cached(_TORCH_NAMES, treedef)
-    if found is not None and (found[0] or torch_too):
+    if found is not None and (found.is_hf or torch_too):
         return found
-    layers = _layers(base)
-    infos = _naming.leaf_infos(base)
-    leaves = jax.tree.leaves(base, is_leaf=is_none)
-    weights = {layer.weight: layer for layer in layers}
+    codes, names = _markers(base, by_member=True)
+    columns, _ = _markers(base, by_member=False)
+    converted = _converted(jax.tree.unflatten(treedef, codes), torch_too)
+    if converted is None:
+        return _Names(False, {}, frozenset(), None)
+    is_hf, head, by_code = converted
+    _, _, by_column = _converted(jax.tree.unflatten(treedef, columns), torch_too) or (None, None, {})
+    out: dict[str, _TorchName] = {}
+    code_of = {n: c for c, n in names.items()}
+    for tensor_name, array in by_code.items():
+        flat = np.asarray(array).reshape(-1)
+        members = [names[int(c)] for c in np.unique(flat) if c >= 1 and int(c) in names]
+        module, _, param = tensor_name.rpartition(".")
+        transposed = np.ndim(array) != 2 or np.shape(array)[-1] == 1  # [out, 1]; [1, 1]: a Linear's
+        index = np.asarray(by_column[tensor_name]).reshape(-1)
+        for member in members:
+            at = np.flatnonzero(flat == code_of[member])
+            order = index[at].astype(np.int64) - 1  # the member's output each position holds
+            if not np.array_equal(np.sort(order), np.arange(len(at))):
+                raise AssertionError(f"{tensor_name} holds the outputs of {member} other than once each")
+            positions = np.empty(len(at), np.int64)
+            positions[order] = at  # output j of the member sits at positions[j]
+            positions.setflags(write=False)
+            out.setdefault(member, _TorchName(module, transposed, tuple(m for m in members if m != member),
+                                              param == "weight", positions, flat.size))
+    modules = frozenset(prefix for name in by_code for prefix in _prefixes(name))
+    result = _Names(is_hf, out, modules, head)
+    if key is not None:
+        bounded_put(_TORCH_NAMES, key, result)
+    return result
+
+
+def _markers(base: Any, by_member: bool) -> tuple[list[Any], dict[int, str]]:
+    """The leaves of a marked copy of ``base`` (see :func:`_torch_names`) and the members' codes."""
+    weights = {layer.weight: layer for layer in _layers(base)}
     names: dict[int, str] = {}
     markers: list[Any] = []
-    for i, (leaf, info) in enumerate(zip(leaves, infos)):
+    leaves = jax.tree.leaves(base, is_leaf=is_none)
+    for i, (leaf, info) in enumerate(zip(leaves, _naming.leaf_infos(base))):
         if leaf is None:
             markers.append(None)
             continue
@@ -338,31 +345,36 @@ def _torch_names(model: Any, torch_too: bool = True) -> tuple[bool, dict[str, _T
             first = len(names) + 1
             members = _member_layer_names(weights[i])
             names.update((first + j, name) for j, name in enumerate(members))
-            codes = np.arange(first, first + len(members), dtype=np.float64).reshape((*info.sizes, 1, 1))
-            markers.append(np.broadcast_to(codes, (*info.sizes, 1, shape[-1])))
+            if by_member:
+                codes = np.arange(first, first + len(members), dtype=np.float64).reshape((*info.sizes, 1, 1))
+                markers.append(np.broadcast_to(codes, (*info.sizes, 1, shape[-1])))
+            else:
+                markers.append(np.broadcast_to(np.arange(1.0, shape[-1] + 1), (*info.sizes, 1, shape[-1])))
         else:
             kept = shape[:k] + (1,) * (len(shape) - k - 1) + shape[-1:] if len(shape) > k else shape
             markers.append(np.full(kept, np.nan))
-    marked = jax.tree.unflatten(treedef, markers)
+    return markers, names
+
+
+def _converted(marked: Any, torch_too: bool) -> tuple[bool, str | None, dict[str, Any]] | None:
+    """``(is_hf, head module, state dict)`` of a marked copy: Hugging Face's names for a from_hf
+    model, else torch's (None without ``torch_too``)."""
+    from functree.nn._hf import FAMILIES, to_hf_state_dict
+    from functree.nn._torch import torch_state_dict
+
     try:
-        converted, is_hf = to_hf_state_dict(marked, numpy=True), True
+        converted = to_hf_state_dict(marked, numpy=True)
     except ValueError:  # not a from_hf model: torch's names of the ft.nn layers
-        if not torch_too:
-            return False, {}
-        converted, is_hf = torch_state_dict(marked, numpy=True), False
-    out: dict[str, _TorchName] = {}
-    for tensor_name, array in converted.items():
-        codes = [int(c) for c in np.unique(np.asarray(array)) if c >= 1]
-        module, _, param = tensor_name.rpartition(".")
-        members = [names[c] for c in codes if c in names]
-        for member in members:
-            transposed = np.ndim(array) != 2 or np.shape(array)[-1] == 1  # [out, 1]; [1, 1]: a Linear's
-            out.setdefault(member, _TorchName(module, transposed,
-                                              tuple(m for m in members if m != member), param == "weight"))
-    result = (is_hf, out)
-    if key is not None:
-        bounded_put(_TORCH_NAMES, key, result)
-    return result
+        return (False, None, torch_state_dict(marked, numpy=True)) if torch_too else None
+    family = next((f for f in FAMILIES.values() if type(marked) is f.model), None)
+    head = family.head[0].rpartition(".")[0] if family is not None and family.head is not None else None
+    return True, head, converted
+
+
+def _prefixes(tensor_name: str) -> list[str]:
+    """The modules holding a tensor: ``a.b.weight`` -> ``a``, ``a.b``."""
+    parts = tensor_name.split(".")[:-1]
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 # ---- ft.nn.lora -------------------------------------------------------------------------------
@@ -399,7 +411,7 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
     leaf of another kind."""
     layers = _layers(model)
     infos = _naming.leaf_infos(model)
-    is_hf, torch = _torch_names(model, torch_too=False)
+    is_hf, torch, _, _ = _torch_names(model, torch_too=False)
     chosen: dict[int, bool] = {}
     for pattern in patterns:
         picks = _naming.selection(model, (pattern,), strict=False, what=what)
@@ -433,6 +445,23 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
                                                   what=_leaf_owner(model, i), right=right))
         if not hit:
             raise _nothing(pattern, layers, torch if is_hf else {})
+    return chosen
+
+
+def _all_linear(model: Any) -> dict[int, bool]:
+    """PEFT's ``"all-linear"``: every Dense layer but a Hugging Face model's output head (its
+    ``get_output_embeddings()``, which PEFT leaves out); every Dense layer of other models."""
+    names = _torch_names(model, torch_too=False)
+    chosen: dict[int, bool] = {}
+    for j, layer in enumerate(_layers(model)):
+        members = _member_layer_names(layer)
+        if names.head is not None and any(names.members[m].module == names.head for m in members if m in names.members):
+            continue
+        if isinstance(layer.node, LoraDense):
+            raise ValueError(ALREADY_ADAPTED.format(pattern=ALL_LINEAR, name=layer.name))
+        chosen[j] = True
+    if not chosen:
+        raise ValueError(NOTHING_SELECTED.format(pattern=ALL_LINEAR, close="none", right="*"))
     return chosen
 
 
@@ -485,7 +514,8 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     ``pattern`` (a glob or a sequence of them) selects layers by their key paths, as
     ``wrt=`` does (``"*.query_projection"``, ``"blocks.*.mlp.*"``); for a model of
     :func:`ft.nn.from_hf` also by Hugging Face's module names
-    (``"model.layers.*.self_attn.[qv]_proj"``). Inside a ``Stack`` every member gets
+    (``"model.layers.*.self_attn.[qv]_proj"``); ``"all-linear"`` (PEFT's shorthand) selects
+    every Dense layer but a from_hf model's output head. Inside a ``Stack`` every member gets
     adapters (stacked with the members). ``dropout`` drops the adapters' input in training
     mode; ``dtype`` is the adapters' (default: the weight's). A pattern selecting no Dense
     layer, a leaf of another layer, a Dense already adapted or only some members of a Stack
@@ -511,7 +541,8 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     _naming.check_patterns(patterns)
     _check_options(rank, alpha, dropout, key, patterns[0] if patterns else "*")
     assert key is not None
-    chosen = _selected(model, patterns, "ft.nn.lora")
+    all_linear = isinstance(pattern, str) and pattern.lower() == ALL_LINEAR
+    chosen = _all_linear(model) if all_linear else _selected(model, patterns, "ft.nn.lora")
     layers = _layers(model)
     wrapped = {layer.path: LoraDense(layer.node, rank, alpha, dropout, key=jax.random.fold_in(key, j), dtype=dtype)
                for j, layer in enumerate(layers) if j in chosen}
@@ -550,219 +581,3 @@ def merge_lora(model: Any) -> Any:
 
     return jax.tree.map(one, model, is_leaf=lambda x: isinstance(x, LoraDense))
 
-
-# ---- PEFT files -------------------------------------------------------------------------------
-
-PREFIX = "base_model.model."
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-
-
-def _safetensors() -> Any:
-    try:
-        import safetensors.numpy
-    except ImportError as e:
-        raise ImportError(NO_SAFETENSORS) from e
-    return safetensors.numpy
-
-
-def _members(a: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
-    """A stacked array's members in C order over its stack axes (itself when not stacked)."""
-    array = np.asarray(a)
-    return list(array.reshape((-1, *array.shape[len(sizes):]))) if sizes else [array]
-
-
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the module's name's end."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_or_path: str | None = None,
-              task_type: str | None = "auto") -> None:
-    """Write ``model``'s adapters as a PEFT LoRA adapter: ``directory/adapter_model.safetensors``
-    and ``directory/adapter_config.json``, which ``peft.PeftModel.from_pretrained(hf_model,
-    directory)`` loads onto the Hugging Face model.
-
-    Tensors are named as PEFT names them, ``base_model.model.<module>.lora_A.weight``
-    (``[r, in]``) and ``lora_B.weight`` (``[out, r]``), ``<module>`` the layer's Hugging Face
-    module (:func:`ft.nn.from_hf` models; other models: :func:`ft.nn.torch_state_dict`'s
-    names), one per Stack member, in the adapters' dtype. The config lists the adapted
-    modules by full name in ``target_modules``, with ``r``, ``lora_alpha`` and
-    ``lora_dropout`` (the first adapter's; others in ``rank_pattern`` / ``alpha_pattern``),
-    ``bias="none"``; ``task_type`` ``"auto"`` is ``"CAUSAL_LM"`` for a model with an
-    ``lm_head`` (GPT-2, Llama), else none. Adapters on a fused projection (GPT-2's
-    ``c_attn``) have no PEFT module of their own and raise.
-
-    Example:
-      >>> import functree as ft, jax, json, os, pathlib, tempfile
-      >>> model = ft.nn.Sequential(ft.nn.Dense(4, 4, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1)))
-      >>> adapted = ft.nn.lora(model, "layers.1", rank=2, alpha=4, key=jax.random.key(2))
-      >>> directory = tempfile.mkdtemp()
-      >>> ft.nn.save_lora(adapted, directory)
-      >>> sorted(os.listdir(directory))
-      ['adapter_config.json', 'adapter_model.safetensors']
-      >>> config = json.loads(pathlib.Path(directory, "adapter_config.json").read_text())
-      >>> config["peft_type"], config["r"], config["lora_alpha"], config["target_modules"]
-      ('LORA', 2, 4.0, ['1'])
-    """
-    layers = [layer for layer in _layers(model) if isinstance(layer.node, LoraDense)]
-    if not layers:
-        raise ValueError(NO_ADAPTERS.format(what="ft.nn.save_lora", verb="save"))
-    is_hf, torch = _torch_names(model)
-    kind = "Hugging Face" if is_hf else "torch"
-    tensors: dict[str, np.ndarray] = {}
-    ranks: dict[str, int] = {}
-    alphas: dict[str, float] = {}
-    dropouts: list[float] = []
-    conv1d = False
-    for layer in layers:
-        node = layer.node
-        names = _member_layer_names(layer)
-        for name, a, b in zip(names, _members(node.lora_a, layer.info.sizes), _members(node.lora_b, layer.info.sizes)):
-            found = torch.get(name)
-            if found is None or not found.weight_param:
-                raise ValueError(NO_NAME.format(layer=name, torch=kind))
-            if found.shared_with:
-                raise ValueError(FUSED.format(layers=", ".join(repr(n) for n in (name, *found.shared_with)),
-                                              torch=kind, module=found.module))
-            conv1d |= not found.transposed
-            tensors[f"{PREFIX}{found.module}.lora_A.weight"] = np.ascontiguousarray(a.T)
-            tensors[f"{PREFIX}{found.module}.lora_B.weight"] = np.ascontiguousarray(b.T)
-            ranks[found.module], alphas[found.module] = node.rank, node.alpha
-        dropouts.append(node.dropout)
-    modules = list(ranks)
-    r, alpha = ranks[modules[0]], alphas[modules[0]]
-    if task_type == "auto":
-        task_type = "CAUSAL_LM" if getattr(model, "lm_head", False) is not False and is_hf else None
-    config = {
-        "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
-        "r": r, "lora_alpha": alpha, "lora_dropout": dropouts[0], "target_modules": sorted(modules),
-        "rank_pattern": {re.escape(m): v for m, v in ranks.items() if v != r},
-        "alpha_pattern": {re.escape(m): v for m, v in alphas.items() if v != alpha},
-        "bias": "none", "fan_in_fan_out": conv1d, "inference_mode": True, "init_lora_weights": True,
-        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "use_rslora": False,
-        "use_dora": False, "lora_bias": False, "revision": None,
-    }
-    os.makedirs(directory, exist_ok=True)
-    _safetensors().save_file(tensors, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
-    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-
-
-_COVERED_OPTIONS = (("use_dora", False), ("lora_bias", False), ("bias", "none"))
-
-
-def _read_adapter(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    config_path, weights_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, WEIGHTS_FILE)
-    for path in (config_path, weights_path):
-        if not os.path.isfile(path):
-            raise ValueError(NOT_PEFT.format(directory=str(directory), problem=f"no {os.path.basename(path)}"))
-    with open(config_path) as f:
-        config = json.load(f)
-    if config.get("peft_type") != "LORA":
-        raise ValueError(NOT_PEFT.format(directory=str(directory),
-                                         problem=f"peft_type is {config.get('peft_type')!r}, not 'LORA'"))
-    for option, covered in _COVERED_OPTIONS:
-        value = config.get(option, covered)
-        if value not in (covered, None):
-            raise ValueError(UNSUPPORTED_PEFT.format(option=option, value=value,
-                                                     covered=", ".join(f"{o}={c!r}" for o, c in _COVERED_OPTIONS)))
-    return config, _safetensors().load_file(weights_path)
-
-
-def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array | None = None) -> Any:
-    """``model`` with the LoRA adapter a PEFT directory holds (``save_pretrained``'s, or
-    :func:`save_lora`'s) put on its ``Dense`` layers: the inverse of :func:`save_lora`.
-
-    Each ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight`` pair goes to the
-    Dense layer whose Hugging Face (or torch) module is ``<module>``, as a
-    :class:`LoraDense` with ``alpha`` from ``lora_alpha`` / ``alpha_pattern``
-    (``use_rslora``: ``alpha * sqrt(r)``, the same scale) and ``dropout`` from
-    ``lora_dropout``. A Stack member the file leaves out gets zero adapters (its layer
-    computes what it did). ``key`` seeds the adapters' dropout masks (needed only to train
-    with dropout). DoRA, adapter biases and modules not in the model raise.
-
-    Example:
-      >>> import functree as ft, jax, jax.numpy as jnp, tempfile
-      >>> model = ft.nn.Sequential(ft.nn.Dense(4, 4, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1)))
-      >>> adapted = ft.nn.lora(model, "*", rank=2, key=jax.random.key(2))
-      >>> adapted = ft.set(adapted, "layers.1.lora_b", jnp.ones((2, 2)))
-      >>> directory = tempfile.mkdtemp()
-      >>> ft.nn.save_lora(adapted, directory)
-      >>> loaded = ft.nn.load_lora(model, directory)
-      >>> bool(jnp.all(loaded(jnp.ones((1, 4))) == adapted(jnp.ones((1, 4)))))
-      True
-    """
-    config, tensors = _read_adapter(directory)
-    layers = _layers(model)
-    is_hf, torch = _torch_names(model)
-    kind = "Hugging Face" if is_hf else "torch"
-    by_module = {n.module: member for member, n in torch.items() if not n.shared_with and n.weight_param}
-    pairs: dict[str, dict[str, np.ndarray]] = {}
-    for name, value in tensors.items():
-        match = re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", name)
-        if match is None:
-            raise ValueError(NOT_PEFT.format(directory=str(directory), problem=f"an unexpected tensor {name!r}"))
-        pairs.setdefault(match[1], {})[match[2]] = value
-    unknown = sorted(m for m in pairs if m not in by_module)
-    if unknown:
-        raise ValueError(UNKNOWN_MODULE.format(modules=unknown[:4], torch=kind, known=sorted(by_module)[:4]))
-    members = {by_module[m]: m for m in pairs}
-    wrapped: dict[Any, LoraDense] = {}
-    for j, layer in enumerate(layers):
-        names = _member_layer_names(layer)
-        given = [(i, members[n]) for i, n in enumerate(names) if n in members]
-        if not given:
-            continue
-        if isinstance(layer.node, LoraDense):
-            raise ValueError(ALREADY_ADAPTED.format(pattern=given[0][1], name=layer.name))
-        wrapped[layer.path] = _loaded(layer, names, given, pairs, config, str(directory),
-                                      None if key is None else jax.random.fold_in(key, j))
-
-    def one(path: Any, x: Any) -> Any:
-        return wrapped.get(tuple(path), x)
-
-    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or _is_dense(x))
-
-
-def _loaded(layer: _Layer, names: list[str], given: list[tuple[int, str]], pairs: dict[str, dict[str, np.ndarray]],
-            config: dict[str, Any], directory: str, key: jax.Array | None) -> LoraDense:
-    """The LoraDense of one layer from a PEFT file's tensors (``given``: member index, module).
-
-    Members may differ in rank and scale (PEFT's rank_pattern, alpha_pattern): the layer
-    takes the largest rank (the others padded with zeros, which add nothing) and member 0's
-    scale ``alpha / r``; each other member's ``lora_b`` is multiplied by its own scale over
-    that one, so every member computes PEFT's ``(alpha_i / r_i) x A_i B_i``."""
-    n_in, n_out = layer.node.weight.shape[-2:]
-    alpha_pattern = config.get("alpha_pattern") or {}  # the tensors' shapes give each rank
-    scales = []
-    for _, module in given:
-        a, b = pairs[module].get("lora_A"), pairs[module].get("lora_B")
-        for which, array in (("lora_A", a), ("lora_B", b)):
-            if array is None:
-                raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{module!r} has no {which}"))
-        assert a is not None and b is not None
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape[0] != n_out or a.shape[0] != b.shape[1]:
-            wrong = "lora_A" if a.ndim != 2 or a.shape[1] != n_in else "lora_B"
-            raise ValueError(ADAPTER_SHAPE.format(name=f"{PREFIX}{module}.{wrong}.weight",
-                                                  given=(a.shape, b.shape), layer=names[given[0][0]],
-                                                  inputs=n_in, outputs=n_out))
-        r = int(a.shape[0])
-        alpha = float(_pattern_value(alpha_pattern, module, config.get("lora_alpha", r)))
-        scales.append(alpha / (math.sqrt(r) if config.get("use_rslora") else r))
-    rank = max(int(pairs[m]["lora_A"].shape[0]) for _, m in given)
-    sizes = layer.info.sizes
-    dtype = np.result_type(*(pairs[m]["lora_A"].dtype for _, m in given))
-    a_all = np.zeros((math.prod(sizes), n_in, rank), dtype)
-    b_all = np.zeros((math.prod(sizes), rank, n_out), dtype)
-    for (i, module), scale in zip(given, scales):
-        a, b = pairs[module]["lora_A"], pairs[module]["lora_B"]
-        a_all[i, :, : a.shape[0]] = a.T
-        b_all[i, : b.shape[1], :] = b.T if scale == scales[0] else (b.T * (scale / scales[0])).astype(dtype)
-    dropout = float(config.get("lora_dropout") or 0.0)
-    node = LoraDense(layer.node, rank, 1.0, dropout, key=jax.random.key(0) if key is None else key)
-    return node.replace(lora_a=jnp.asarray(a_all.reshape((*sizes, n_in, rank))),
-                        lora_b=jnp.asarray(b_all.reshape((*sizes, rank, n_out))),
-                        alpha=scales[0] * rank, dropout_key=None if key is None else node.dropout_key)

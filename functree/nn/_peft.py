@@ -1,0 +1,642 @@
+"""PEFT's LoRA adapter files: :func:`save_lora` writes them, :func:`load_lora` reads them.
+
+A PEFT adapter directory is ``adapter_config.json`` (``LoraConfig``'s fields) and
+``adapter_model.safetensors``: ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and
+``lora_B.weight`` ``[out, r]`` per adapted torch module, and the full tensors
+``base_model.model.<module>.<param>`` of the modules in ``modules_to_save``. The layer
+computes ``y = base(x) + (alpha / r) x Aᵀ Bᵀ`` (``use_rslora``: ``alpha / sqrt(r)``), ``r``
+and ``alpha`` from ``rank_pattern`` / ``alpha_pattern`` (regexes matched against the end of
+the module's name) or ``r`` / ``lora_alpha``.
+
+The config decides what an adapter is, as in PEFT: the modules ``target_modules`` selects
+(with ``layers_to_transform``, ``layers_pattern``, ``exclude_modules``; ``modules_to_save``
+are never targets) get adapters; a file's tensors must be exactly theirs, of the config's
+ranks, in a float dtype (PEFT ignores extra tensors and casts integer ones: errors here).
+
+Fused projections (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``, Phi-3's ``qkv_proj``)
+are one torch module but several ft ``Dense`` layers: PEFT's ``lora_A`` is shared and
+``lora_B``'s rows are the members' outputs, laid out as the converter lays the weight out
+(``_lora._torch_names`` finds where each output goes). Loaded, each member gets ``A`` and
+its rows of ``B``; saved, members with equal ``A`` write it once, members with their own
+``A`` (trained apart) write the exact block form: ``A`` stacked ``[Σr, in]`` and ``B``
+block-diagonal, rank ``Σr`` in ``rank_pattern``.
+
+Saving is atomic per file (temporary files renamed into place), and a crash between the
+two renames cannot pass unnoticed: the weights file records, in its safetensors metadata
+(which PEFT ignores), the config fields that decide the numbers, and ``load_lora`` refuses a
+config that differs from that record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree.nn._lora import (
+    ALREADY_ADAPTED,
+    LoraDense,
+    _is_dense,
+    _Layer,
+    _layers,
+    _member_layer_names,
+    _Names,
+    _torch_names,
+)
+
+__all__ = ["save_lora", "load_lora"]
+
+NO_ADAPTERS = """\
+{what}: the model holds no LoraDense layer (no adapters to {verb}).
+    right:  model = ft.nn.lora(model, "model.layers.*.self_attn.[qv]_proj", rank=8, alpha=16, key=key)"""
+
+NO_NAME = """\
+ft.nn.save_lora: the adapted layer {layer!r} has no {torch} weight name (its weight is not \
+written as a Linear's "<module>.weight"), so PEFT has no module to put its adapter on."""
+
+NOT_PEFT = """\
+ft.nn.load_lora: {directory!r} is not a PEFT LoRA adapter directory: {problem}.
+    right:  ft.nn.load_lora(model, "path/to/adapter")   # adapter_config.json (peft_type "LORA") and
+                                                        # adapter_model.safetensors, as PeftModel.save_pretrained writes"""
+
+UNSUPPORTED_PEFT = """\
+ft.nn.load_lora: the adapter sets {option}={value!r}; ft.nn.load_lora reads plain LoRA \
+({covered}). Loading it anyway would give a different model."""
+
+BAD_CONFIG = """\
+ft.nn.load_lora: adapter_config.json in {directory!r} sets {option}={value!r}: {why}. PEFT \
+refuses it too (or computes nothing sensible with it).
+    right:  {right}"""
+
+UNKNOWN_MODULE = """\
+ft.nn.load_lora: the adapter holds tensors for {modules}, which name no Dense layer of \
+this model (its {torch} names: {known} ...). Load it into the model it was trained on."""
+
+NOT_TARGETED = """\
+ft.nn.load_lora: the adapter file holds tensors for {modules}, which adapter_config.json's \
+target_modules={targets!r} does not select (PEFT would silently ignore them, and load \
+another model than the one trained). The file and the config disagree: save the adapter \
+again, or correct target_modules.
+    right:  "target_modules": {right!r}"""
+
+NOTHING_TARGETED = """\
+ft.nn.load_lora: adapter_config.json's target_modules={targets!r} selects no module of this \
+model (PEFT refuses it: "Target modules ... not found in the base model"). Its {torch} \
+modules are named like {known} ...; load the adapter into the model it was trained on."""
+
+NOT_IN_FILE = """\
+ft.nn.load_lora: adapter_config.json's target_modules selects {modules}, but \
+adapter_model.safetensors holds no lora_A / lora_B for {them} (PEFT would leave them at \
+their initialization: random or zero, silently). The file is incomplete or from another \
+save; save the adapter again."""
+
+NOT_DENSE_TARGET = """\
+ft.nn.load_lora: adapter_config.json's {option} selects {modules}, which {are} not a Dense \
+layer of this model (ft.nn.load_lora puts adapters on Dense layers; an embedding, a norm or \
+a whole block is another kind of adapter). Loading the rest would be a different model."""
+
+ADAPTER_SHAPE = """\
+ft.nn.load_lora: {name!r} has shape {given}; the layer {layer!r} ({inputs} inputs, {outputs} \
+outputs) takes lora_A [r, {inputs}] and lora_B [{outputs}, r] with r = {rank} ({source})."""
+
+ADAPTER_DTYPE = """\
+ft.nn.load_lora: {name!r} holds {dtype} numbers; an adapter's tensors are floating point \
+(PEFT casts lora_B to lora_A's dtype: an integer lora_A truncates the update to 0). The \
+file is damaged or was not written as an adapter."""
+
+STALE_CONFIG = """\
+ft.nn.load_lora: adapter_config.json in {directory!r} is not the config its \
+adapter_model.safetensors was saved with: {option} is {given!r} in the config, but the \
+weights were written for {recorded!r}. A save_lora was interrupted between its two files, \
+or the config was edited after; loading them together would give a different model.
+    right:  ft.nn.save_lora(model, {directory!r})   # save the adapter again"""
+
+SAVED_MODULE = """\
+ft.nn.{what}: modules_to_save names {module!r}, {problem}. A module to save is a Dense \
+layer of its own, written (and read) whole, as PEFT's modules_to_save does.
+    right:  {right}"""
+
+NO_SAFETENSORS = """\
+ft.nn.save_lora / load_lora read and write .safetensors files with the safetensors package.
+    right:  pip install safetensors"""
+
+PREFIX = "base_model.model."
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# The config's fields that decide the adapted model's numbers: recorded in the weights file's
+# metadata (under RECORD) by save_lora and checked against the config by load_lora.
+RECORD = "functree.adapter_config"
+RECORDED = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "target_modules", "exclude_modules",
+            "layers_to_transform", "layers_pattern", "modules_to_save", "fan_in_fan_out", "bias", "use_dora",
+            "lora_bias")
+# Options whose other values are other kinds of adapter, and the values read here.
+COVERED = (("use_dora", False), ("lora_bias", False), ("bias", "none"), ("layer_replication", None),
+           ("target_parameters", None), ("trainable_token_indices", None))
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha default
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as e:
+        raise ImportError(NO_SAFETENSORS) from e
+    return safetensors
+
+
+def _members(a: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """A stacked array's members in C order over its stack axes (itself when not stacked)."""
+    array = np.asarray(a)
+    return list(array.reshape((-1, *array.shape[len(sizes):]))) if sizes else [array]
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> tuple[Any, str | None]:
+    """PEFT's rank_pattern / alpha_pattern lookup (``get_pattern_key``): the value of the first
+    key matching the end of the module's name, and that key (None: the default)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value, key
+    return default, None
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_or_path: str | None = None,
+              task_type: str | None = "auto", modules_to_save: Sequence[str] | None = None) -> None:
+    """Write ``model``'s adapters as a PEFT LoRA adapter: ``directory/adapter_model.safetensors``
+    and ``directory/adapter_config.json``, which ``peft.PeftModel.from_pretrained(hf_model,
+    directory)`` loads onto the Hugging Face model.
+
+    Tensors are named as PEFT names them, ``base_model.model.<module>.lora_A.weight``
+    (``[r, in]``) and ``lora_B.weight`` (``[out, r]``), ``<module>`` the layer's Hugging Face
+    module (:func:`ft.nn.from_hf` models; other models: :func:`ft.nn.torch_state_dict`'s
+    names), one per Stack member, in the adapters' dtype. The config lists the adapted
+    modules by full name in ``target_modules``, with ``r``, ``lora_alpha`` and
+    ``lora_dropout`` (the first adapter's; others in ``rank_pattern`` / ``alpha_pattern``),
+    ``bias="none"``; ``task_type`` ``"auto"`` is ``"CAUSAL_LM"`` for a model with an
+    ``lm_head`` (GPT-2, Llama), else none.
+
+    Adapters on the members of a fused projection (GPT-2's ``c_attn`` holds q, k and v) are
+    written as PEFT's one adapter on it: ``lora_B``'s rows in the weight's layout; the
+    members' shared ``A`` once (as :func:`load_lora` makes them), or, once they differ, the
+    exact block form (``A`` stacked, ``B`` block-diagonal: rank ``Σr``); a member without
+    an adapter has zero rows. ``modules_to_save`` (PEFT's, e.g. ``["lm_head"]``) writes those
+    ``Dense`` layers whole (a head trained in full beside the adapters).
+
+    The write is atomic per file, and a crash between the two files leaves a directory that
+    :func:`load_lora` refuses (the weights record the config they were saved with).
+
+    Example:
+      >>> import functree as ft, jax, json, os, pathlib, tempfile
+      >>> model = ft.nn.Sequential(ft.nn.Dense(4, 4, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1)))
+      >>> adapted = ft.nn.lora(model, "layers.1", rank=2, alpha=4, key=jax.random.key(2))
+      >>> directory = tempfile.mkdtemp()
+      >>> ft.nn.save_lora(adapted, directory)
+      >>> sorted(os.listdir(directory))
+      ['adapter_config.json', 'adapter_model.safetensors']
+      >>> config = json.loads(pathlib.Path(directory, "adapter_config.json").read_text())
+      >>> config["peft_type"], config["r"], config["lora_alpha"], config["target_modules"]
+      ('LORA', 2, 4.0, ['1'])
+    """
+    layers = [layer for layer in _layers(model) if isinstance(layer.node, LoraDense)]
+    if not layers:
+        raise ValueError(NO_ADAPTERS.format(what="ft.nn.save_lora", verb="save"))
+    names = _torch_names(model)
+    kind = "Hugging Face" if names.is_hf else "torch"
+    by_module: dict[str, list[tuple[str, np.ndarray, np.ndarray, float]]] = {}
+    dropouts: list[float] = []
+    for layer in layers:
+        node, sizes = layer.node, layer.info.sizes
+        for name, a, b in zip(_member_layer_names(layer), _members(node.lora_a, sizes), _members(node.lora_b, sizes)):
+            found = names.members.get(name)
+            if found is None or not found.weight_param:
+                raise ValueError(NO_NAME.format(layer=name, torch=kind))
+            by_module.setdefault(found.module, []).append((name, a, b, node.scale))
+        dropouts.append(node.dropout)
+    tensors: dict[str, np.ndarray] = {}
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    for module, given in by_module.items():
+        a, b, scale = _module_adapter(given, names)
+        tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = a, b
+        ranks[module], alphas[module] = a.shape[0], scale * a.shape[0]
+    saved = _saved_modules(model, names, modules_to_save, "save_lora") if modules_to_save else {}
+    for module, (layer, i) in saved.items():
+        if module in by_module or isinstance(layer.node, LoraDense):
+            raise ValueError(SAVED_MODULE.format(what="save_lora", module=module, problem="which holds adapters",
+                                                 right="ft.nn.save_lora(ft.nn.merge_lora(...)) or adapt other layers"))
+        tensors.update(_full_tensors(module, layer, i, names))
+    modules = list(ranks)
+    r, alpha = ranks[modules[0]], alphas[modules[0]]
+    if task_type == "auto":
+        task_type = "CAUSAL_LM" if getattr(model, "lm_head", False) is not False and names.is_hf else None
+    config = {
+        "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
+        "r": r, "lora_alpha": alpha, "lora_dropout": dropouts[0], "target_modules": sorted(modules),
+        "rank_pattern": {re.escape(m): v for m, v in ranks.items() if v != r},
+        "alpha_pattern": {re.escape(m): v for m, v in alphas.items() if v != alpha},
+        "bias": "none", "fan_in_fan_out": any(not names.members[g[0][0]].transposed for g in by_module.values()),
+        "inference_mode": True, "init_lora_weights": True,
+        "modules_to_save": list(modules_to_save) if modules_to_save else None, "layers_to_transform": None,
+        "layers_pattern": None, "use_rslora": False, "use_dora": False, "lora_bias": False, "revision": None,
+        "exclude_modules": None,
+    }
+    _write(str(directory), tensors, config)
+
+
+def _module_adapter(given: list[tuple[str, np.ndarray, np.ndarray, float]], names: _Names
+                    ) -> tuple[np.ndarray, np.ndarray, float]:
+    """PEFT's ``(lora_A [r, in], lora_B [size, r], scale)`` of one torch module from its ft
+    members' ``(name, a [in, r_i], b [r_i, out_i], scale_i)``: each member's ``B`` rows at its
+    outputs' positions, times ``scale_i / scale`` (``scale`` the first nonzero one), so that
+    ``scale · x Aᵀ Bᵀ`` is every member's ``scale_i · x a_i b_i`` in the module's layout."""
+    found = names.members[given[0][0]]
+    scale = next((s for *_, s in given if s != 0.0), 0.0)
+    shared = all(a.shape == given[0][1].shape and np.array_equal(a, given[0][1]) for _, a, _, _ in given)
+    a_rows = [given[0][1].T] if shared else [a.T for _, a, _, _ in given]
+    a_all = np.concatenate(a_rows, axis=0)
+    b_all = np.zeros((found.size, a_all.shape[0]), np.result_type(*(b.dtype for _, _, b, _ in given)))
+    offset = 0
+    for name, a, b, s in given:
+        rows = b.T if s == scale else (b.T.astype(np.float64) * (s / scale if scale else 0.0)).astype(b.dtype)
+        b_all[names.members[name].positions, offset: offset + a.shape[1]] = rows
+        offset += 0 if shared else a.shape[1]
+    return np.ascontiguousarray(a_all), b_all, float(scale)
+
+
+def _saved_modules(model: Any, names: _Names, modules_to_save: Sequence[str], what: str
+                   ) -> dict[str, tuple[_Layer, int]]:
+    """``{torch module: (its Dense layer, member index)}`` of the modules PEFT's
+    ``modules_to_save`` names (``_set_trainable``: a module whose name ends with one)."""
+    if isinstance(modules_to_save, str):
+        modules_to_save = [modules_to_save]
+    layers = {m: (layer, i) for layer in _layers(model) for i, m in enumerate(_member_layer_names(layer))}
+    out: dict[str, tuple[_Layer, int]] = {}
+    for entry in modules_to_save:
+        matched = sorted(m for m in names.modules if m.endswith(entry))
+        if not matched:
+            raise ValueError(SAVED_MODULE.format(what=what, module=entry, problem="which is no module of this model",
+                                                 right='modules_to_save=["lm_head"]'))
+        for module in matched:
+            member = next((m for m, n in names.members.items() if n.module == module and n.weight_param), None)
+            if member is None or names.members[member].shared_with:
+                problem = ("a part of a fused projection" if member is not None else
+                           "which is not a Dense layer of its own here (a tied head is the embedding; "
+                           "a norm or an embedding is another kind of layer)")
+                raise ValueError(SAVED_MODULE.format(what=what, module=module, problem=problem,
+                                                     right="an untied Dense head, e.g. modules_to_save=[\"lm_head\"]"))
+            out[module] = layers[member]
+    return out
+
+
+def _full_tensors(module: str, layer: _Layer, i: int, names: _Names) -> dict[str, np.ndarray]:
+    """A Dense member's weight (and bias) as its torch module holds them."""
+    found = names.members[_member_layer_names(layer)[i]]
+    weight = _members(layer.node.weight, layer.info.sizes)[i]  # [in, out]
+    torch_weight = np.empty((found.size, weight.shape[0]), weight.dtype)
+    torch_weight[found.positions] = weight.T
+    out = {f"{PREFIX}{module}.weight": torch_weight if found.transposed else np.ascontiguousarray(torch_weight.T)}
+    if layer.node.bias is not None:
+        bias = _members(layer.node.bias, layer.info.sizes)[i]
+        torch_bias = np.empty((found.size,), bias.dtype)
+        torch_bias[found.positions] = bias
+        out[f"{PREFIX}{module}.bias"] = torch_bias
+    return out
+
+
+def _write(directory: str, tensors: dict[str, np.ndarray], config: dict[str, Any]) -> None:
+    """Both files through temporary files renamed into place, the weights first; the weights'
+    metadata records the config's numeric fields (a crash between the renames leaves new
+    weights beside an old config, which :func:`load_lora` then refuses)."""
+    os.makedirs(directory, exist_ok=True)
+    record = json.dumps({k: config.get(k) for k in RECORDED}, sort_keys=True)
+    temporaries: list[str] = []
+    try:
+        weights = _temporary(directory, WEIGHTS_FILE, temporaries)
+        _safetensors().numpy.save_file(tensors, weights, metadata={"format": "pt", RECORD: record})
+        settings = _temporary(directory, CONFIG_FILE, temporaries)
+        with open(settings, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _synced(weights)
+        os.replace(weights, os.path.join(directory, WEIGHTS_FILE))
+        os.replace(settings, os.path.join(directory, CONFIG_FILE))
+    finally:
+        for path in temporaries:
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def _temporary(directory: str, name: str, made: list[str]) -> str:
+    handle, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    os.close(handle)
+    made.append(path)
+    return path
+
+
+def _synced(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The config and tensors of an adapter directory, the config checked against the record
+    the weights carry (when save_lora wrote them)."""
+    config_path, weights_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, WEIGHTS_FILE)
+    for path in (config_path, weights_path):
+        if not os.path.isfile(path):
+            raise ValueError(NOT_PEFT.format(directory=directory, problem=f"no {os.path.basename(path)}"))
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{CONFIG_FILE} is not JSON ({e})")) from e
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        given = config.get("peft_type") if isinstance(config, dict) else config
+        raise ValueError(NOT_PEFT.format(directory=directory, problem=f"peft_type is {given!r}, not 'LORA'"))
+    for option, covered in COVERED:
+        value = config.get(option, covered)
+        if value not in (covered, None) and not (covered is None and value in ([], {})):
+            raise ValueError(UNSUPPORTED_PEFT.format(option=option, value=value,
+                                                     covered=", ".join(f"{o}={c!r}" for o, c in COVERED)))
+    library = _safetensors()
+    try:
+        with library.safe_open(weights_path, framework="np") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle)
+    except Exception as e:  # safetensors' errors (a damaged header, a truncated file, an unknown dtype)
+        raise ValueError(NOT_PEFT.format(directory=directory,
+                                         problem=f"{WEIGHTS_FILE} cannot be read ({type(e).__name__}: {e})")) from e
+    if RECORD in metadata:
+        _check_record(directory, config, metadata[RECORD])
+    return config, tensors
+
+
+def _check_record(directory: str, config: dict[str, Any], text: str) -> None:
+    try:
+        recorded = json.loads(text)
+    except ValueError as e:
+        raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{WEIGHTS_FILE}'s record of its config "
+                                                                      f"is not JSON ({e})")) from e
+    for option in RECORDED:
+        if option in recorded and recorded[option] != config.get(option):
+            raise ValueError(STALE_CONFIG.format(directory=directory, option=option, given=config.get(option),
+                                                 recorded=recorded[option]))
+
+
+def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: str
+                   ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
+    """``({module: {"lora_A": ..., "lora_B": ...}}, {saved module: {param: full tensor}})``."""
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    full: dict[str, dict[str, np.ndarray]] = {}
+    for name, value in tensors.items():
+        match = re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", name)
+        module, _, param = name[len(PREFIX):].rpartition(".")
+        if match is not None:
+            pairs.setdefault(match[1], {})[match[2]] = value
+        elif name.startswith(PREFIX) and module in saved:
+            full.setdefault(module, {})[param] = value
+        else:
+            raise ValueError(NOT_PEFT.format(directory=directory, problem=f"an unexpected tensor {name!r}"))
+        if not (np.issubdtype(value.dtype, np.floating) or value.dtype == jnp.bfloat16):
+            raise ValueError(ADAPTER_DTYPE.format(name=name, dtype=value.dtype))
+    for module, pair in pairs.items():
+        for which in ("lora_A", "lora_B"):
+            if which not in pair:
+                raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{module!r} has no {which}"))
+    return pairs, full
+
+
+def _layer_index(config: dict[str, Any], module: str) -> int | None:
+    """The layer number PEFT's ``layers_to_transform`` reads from a module's name (the first
+    numbered segment, or the one after ``layers_pattern``)."""
+    patterns = config.get("layers_pattern")
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        match = None
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            if match is not None:
+                break
+    return int(match["idx"]) if match else None
+
+
+def _targets(config: dict[str, Any], module: str) -> bool:
+    """PEFT's ``check_target_module_exists``: whether the config puts an adapter on ``module``."""
+    exclude = config.get("exclude_modules")
+    if exclude and (re.fullmatch(exclude, module) if isinstance(exclude, str)
+                    else module in exclude or any(module.endswith(f".{e}") for e in exclude)):
+        return False
+    saved = config.get("modules_to_save") or ()
+    if any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in saved):
+        return False
+    targets = config.get("target_modules")
+    if targets is None:
+        return False
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    if module in targets:
+        return True
+    if not any(module.endswith(f".{t}") for t in targets):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or (isinstance(layers, list) and not layers):
+        return True
+    index = _layer_index(config, module)
+    return index is not None and (index == layers if isinstance(layers, int) else index in layers)
+
+
+def _targeted(config: dict[str, Any], names: _Names) -> set[str]:
+    """The torch modules the config adapts; ``"all-linear"``: every Dense module but the
+    output head (PEFT's shorthand)."""
+    targets = config.get("target_modules")
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        dense = {n.module for n in names.members.values() if n.weight_param}
+        return {m for m in dense if m != names.head and _targets({**config, "target_modules": [m]}, m)}
+    return {m for m in names.modules if _targets(config, m)}
+
+
+def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array | None = None) -> Any:
+    """``model`` with the LoRA adapter a PEFT directory holds (``save_pretrained``'s, or
+    :func:`save_lora`'s) put on its ``Dense`` layers: the inverse of :func:`save_lora`.
+
+    The config decides, as in PEFT: the modules ``target_modules`` selects (with
+    ``layers_to_transform``, ``layers_pattern``, ``exclude_modules``; ``"all-linear"``: every
+    Dense but the output head) get the file's ``lora_A`` / ``lora_B``, as a
+    :class:`LoraDense` with rank ``r`` (or ``rank_pattern``'s, which the tensors must have)
+    and scale ``lora_alpha / r`` (``alpha_pattern``; ``use_rslora``: ``alpha / sqrt(r)``),
+    ``dropout`` from ``lora_dropout``. A fused projection's adapter (GPT-2's ``c_attn``) goes
+    to its members, each with the shared ``A`` and its rows of ``B``. ``modules_to_save``'s
+    full tensors (a trained ``lm_head``) replace those Dense layers' weight and bias. A Stack
+    member the config does not target gets zero adapters. ``key`` seeds the adapters' dropout
+    masks (needed only to train with dropout).
+
+    Refused, naming the tensor or option: a config and a file that disagree (tensors of
+    modules not targeted, targeted modules without tensors, ranks other than the config's,
+    integer tensors, a config other than the one the weights were saved with), targets that
+    are not Dense layers, DoRA and adapter biases.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp, tempfile
+      >>> model = ft.nn.Sequential(ft.nn.Dense(4, 4, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1)))
+      >>> adapted = ft.nn.lora(model, "*", rank=2, key=jax.random.key(2))
+      >>> adapted = ft.set(adapted, "layers.1.lora_b", jnp.ones((2, 2)))
+      >>> directory = tempfile.mkdtemp()
+      >>> ft.nn.save_lora(adapted, directory)
+      >>> loaded = ft.nn.load_lora(model, directory)
+      >>> bool(jnp.all(loaded(jnp.ones((1, 4))) == adapted(jnp.ones((1, 4)))))
+      True
+    """
+    directory = str(directory)
+    config, tensors = _read_adapter(directory)
+    _check_config(config, directory)
+    names = _torch_names(model)
+    kind = "Hugging Face" if names.is_hf else "torch"
+    saved = _saved_modules(model, names, config["modules_to_save"], "load_lora") if config.get("modules_to_save") \
+        else {}
+    pairs, full = _split_tensors(tensors, set(saved), directory)
+    modules = _checked_modules(config, names, pairs, kind)
+    layers = _layers(model)
+    inputs = {m: int(layer.node.weight.shape[-2]) for layer in layers for m in _member_layer_names(layer)}
+    members: dict[str, tuple[str, np.ndarray, np.ndarray, float]] = {}
+    for module in modules:
+        members.update(_member_adapters(module, pairs[module], config, names, inputs))
+    wrapped: dict[Any, Any] = {}
+    for j, layer in enumerate(layers):
+        layer_names = _member_layer_names(layer)
+        given = [(i, members[n]) for i, n in enumerate(layer_names) if n in members]
+        if given and isinstance(layer.node, LoraDense):
+            raise ValueError(ALREADY_ADAPTED.format(pattern=given[0][1][0], name=layer.name))
+        if given:
+            wrapped[layer.path] = _loaded(layer, given, config, None if key is None else jax.random.fold_in(key, j))
+    for module, (layer, i) in saved.items():
+        wrapped[layer.path] = _with_full(wrapped.get(layer.path, layer.node), layer, i, module,
+                                         full.get(module, {}), names, directory)
+
+    def one(path: Any, x: Any) -> Any:
+        return wrapped.get(tuple(path), x)
+
+    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or _is_dense(x))
+
+
+def _check_config(config: dict[str, Any], directory: str) -> None:
+    """The config's numbers: PEFT's ``r > 0`` (a ZeroDivisionError deep inside otherwise)."""
+    def bad(option: str, value: Any, why: str, right: str) -> ValueError:
+        return ValueError(BAD_CONFIG.format(directory=directory, option=option, value=value, why=why, right=right))
+
+    ranks = {"r": config.get("r", 8), **{f"rank_pattern[{k!r}]": v for k, v in (config.get("rank_pattern") or {}).items()}}
+    for option, r in ranks.items():
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise bad(option, r, "a rank is a positive int", '"r": 8')
+    alphas = {"lora_alpha": config.get("lora_alpha", PEFT_DEFAULT_ALPHA),
+              **{f"alpha_pattern[{k!r}]": v for k, v in (config.get("alpha_pattern") or {}).items()}}
+    for option, alpha in alphas.items():
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise bad(option, alpha, "the adapters' scale is alpha / r, a finite number", '"lora_alpha": 16')
+    dropout = config.get("lora_dropout") or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise bad("lora_dropout", dropout, "a dropout probability is in [0, 1)", '"lora_dropout": 0.05')
+
+
+def _checked_modules(config: dict[str, Any], names: _Names, pairs: dict[str, Any], kind: str) -> list[str]:
+    """The targeted modules, checked against the file's tensors and the model's Dense layers."""
+    dense = {n.module for n in names.members.values() if n.weight_param}
+    unknown = sorted(m for m in pairs if m not in dense)
+    if unknown:
+        raise ValueError(UNKNOWN_MODULE.format(modules=unknown[:4], torch=kind, known=sorted(dense)[:4]))
+    targeted = _targeted(config, names)
+    targets = config.get("target_modules")
+    if not targeted:
+        raise ValueError(NOTHING_TARGETED.format(targets=targets, torch=kind, known=sorted(dense)[:4]))
+    stray = sorted(m for m in pairs if m not in targeted)
+    if stray:
+        raise ValueError(NOT_TARGETED.format(modules=stray[:4], targets=targets, right=sorted(pairs)))
+    other = sorted(m for m in targeted if m not in dense)
+    if other:
+        raise ValueError(NOT_DENSE_TARGET.format(option=f"target_modules={targets!r}", modules=other[:4],
+                                                 are="is" if len(other) == 1 else "are"))
+    missing = sorted(m for m in targeted if m not in pairs)
+    if missing:
+        raise ValueError(NOT_IN_FILE.format(modules=missing[:4], them="it" if len(missing) == 1 else "them"))
+    return sorted(targeted)
+
+
+def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str, Any], names: _Names,
+                     inputs: dict[str, int]) -> dict[str, tuple[str, np.ndarray, np.ndarray, float]]:
+    """``{ft member: (module, a [in, r], b [r, out], scale)}`` of one torch module's adapter:
+    a fused module's members share ``A`` and take their rows of ``B``."""
+    a, b = pair["lora_A"], pair["lora_B"]
+    members = sorted(m for m, n in names.members.items() if n.module == module and n.weight_param)
+    found = names.members[members[0]]
+    r, rank_key = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8))
+    alpha, _ = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
+    n_in = inputs[members[0]]
+    if a.ndim != 2 or b.ndim != 2 or a.shape != (r, n_in) or b.shape != (found.size, r):
+        wrong = "lora_A" if a.ndim != 2 or a.shape != (r, n_in) else "lora_B"
+        source = f"rank_pattern[{rank_key!r}]" if rank_key is not None else "the config's r"
+        raise ValueError(ADAPTER_SHAPE.format(name=f"{PREFIX}{module}.{wrong}.weight", given=(a.shape, b.shape),
+                                              layer=module, inputs=n_in, outputs=found.size, rank=r, source=source))
+    scale = float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
+    return {m: (module, a.T, b[names.members[m].positions].T, scale) for m in members}
+
+
+def _loaded(layer: _Layer, given: list[tuple[int, tuple[str, np.ndarray, np.ndarray, float]]],
+            config: dict[str, Any], key: jax.Array | None) -> LoraDense:
+    """The LoraDense of one layer from its members' adapters (``given``: member index, adapter).
+
+    Members may differ in rank and scale (PEFT's rank_pattern, alpha_pattern): the layer
+    takes the largest rank (the others padded with zeros, which add nothing) and the first
+    nonzero scale ``s``; each member's ``lora_b`` is multiplied by its own scale over ``s``,
+    so every member computes PEFT's ``s_i x A_i B_i``."""
+    n_in, n_out = layer.node.weight.shape[-2:]
+    scale = next((s for _, (*_, s) in given if s != 0.0), 0.0)
+    rank = max(a.shape[1] for _, (_, a, _, _) in given)
+    sizes = layer.info.sizes
+    dtype = np.result_type(*(a.dtype for _, (_, a, _, _) in given))
+    a_all = np.zeros((math.prod(sizes), n_in, rank), dtype)
+    b_all = np.zeros((math.prod(sizes), rank, n_out), dtype)
+    for i, (_, a, b, s) in given:
+        a_all[i, :, : a.shape[1]] = a
+        b_all[i, : b.shape[0], :] = b if s == scale else (b.astype(np.float64) * (s / scale if scale else 0.0))
+    dropout = float(config.get("lora_dropout") or 0.0)
+    node = LoraDense(layer.node, rank, 1.0, dropout, key=jax.random.key(0) if key is None else key)
+    return node.replace(lora_a=jnp.asarray(a_all.reshape((*sizes, n_in, rank))),
+                        lora_b=jnp.asarray(b_all.reshape((*sizes, rank, n_out))),
+                        alpha=scale * rank, dropout_key=None if key is None else node.dropout_key)
+
+
+def _with_full(node: Any, layer: _Layer, i: int, module: str, given: dict[str, np.ndarray], names: _Names,
+               directory: str) -> Any:
+    """``node`` with member ``i``'s weight and bias replaced by a saved module's full tensors."""
+    found = names.members[_member_layer_names(layer)[i]]
+    weight, bias = node.weight, node.bias
+    n_in = weight.shape[-2]
+    expected: dict[str, tuple[int, ...]] = {"weight": (found.size, n_in) if found.transposed else (n_in, found.size)}
+    if bias is not None:
+        expected["bias"] = (found.size,)
+    if set(given) != set(expected) or any(given[p].shape != s for p, s in expected.items()):
+        got = {p: tuple(v.shape) for p, v in given.items()}
+        raise ValueError(NOT_PEFT.format(directory=directory, problem=(
+            f"modules_to_save's {module!r} is saved as {got}, but the model's layer takes "
+            f"{ {p: s for p, s in expected.items()} } (torch layout)")))
+    torch_weight = given["weight"] if found.transposed else given["weight"].T
+    new_weight = np.array(weight)
+    flat = new_weight.reshape((-1, *new_weight.shape[-2:]))
+    flat[i] = torch_weight[found.positions].T.astype(new_weight.dtype)
+    out = {"weight": jnp.asarray(new_weight)}
+    if bias is not None:
+        new_bias = np.array(bias)
+        new_bias.reshape((-1, new_bias.shape[-1]))[i] = given["bias"][found.positions].astype(new_bias.dtype)
+        out["bias"] = jnp.asarray(new_bias)
+    return node.replace(**out)

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.nn import _generate
+from functree.nn import _decode, _generate, _logits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from _backends import gpu_logprob_atol, logprob_atol  # noqa: E402
 from test_hf_ports import GPT2_NAMES, MLP, randomized  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS, PROMPT, NEW = 50, 32, 4, 2, 6, 24
@@ -153,7 +154,7 @@ def test_greedy_gpt2_equals_hf_generate_with_left_padding(gpt2):
     ids, mask = left_padded_prompts()
     expected = hf_generate(hf, ids, mask, pad_token_id=0, eos_token_id=None)
     np.testing.assert_array_equal(ft.nn.generate(by_hand, ids, NEW, attention_mask=mask), expected)
-    np.testing.assert_array_equal(ft.nn.generate(ported, ids, NEW, attention_mask=mask), expected)
+    np.testing.assert_array_equal(ft.nn.generate(ported, ids, NEW, attention_mask=mask, eos_token_id=[]), expected)
     with pytest.raises(ValueError, match="max_positions = 64"):  # from_hf's GPT-2: n_positions
         ft.nn.generate(ported, ids, 64 - PROMPT + 1, attention_mask=mask)
 
@@ -189,12 +190,12 @@ def all_logits(model, tokens, mask):
 def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
     model, prompt, mask = tiny
     sample = lambda key, **kw: ft.nn.generate(model, prompt, 12, attention_mask=mask, key=key, **kw)  # noqa: E731
-    before = _generate._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
+    before = _decode._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
     a = sample(jax.random.key(1), temperature=2.0, top_k=3)
     np.testing.assert_array_equal(a, sample(jax.random.key(1), temperature=2.0, top_k=3))
     b = sample(jax.random.key(2), temperature=1.5, top_k=3)  # another key and temperature: no recompile
     assert (a != b).any()
-    after = _generate._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
+    after = _decode._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
     assert after == before + 1  # one compile per shape and options
     for out in (a, b):
         logits = all_logits(model, out, mask)[:, 2:-1]  # the logits each new token was drawn from
@@ -224,7 +225,7 @@ def test_filters_equal_hf_logits_warpers():
             before = np.isfinite(expected.numpy()).sum()
             expected = MinPLogitsWarper(min_p)(no_ids, expected)
             assert np.isfinite(expected.numpy()).sum() < before  # min_p removed some tokens
-        ours = np.asarray(_generate._filtered(jnp.asarray(logits), temperature, top_k, top_p, min_p))
+        ours = np.asarray(_logits._filtered(jnp.asarray(logits), temperature, top_k, top_p, min_p))
         expected = expected.numpy()
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
         kept = np.isfinite(expected)
@@ -309,7 +310,7 @@ def test_repetition_penalty_min_new_tokens_stop_and_scores_equal_hf_generate(lla
     lengths[1:] = [7, 1]
     ended = np.arange(NEW) >= np.array(lengths)[:, None]
     expected_scores[ended] = 0.0
-    np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=2e-5 * np.abs(expected_scores).max())
+    np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=logprob_atol(expected_scores, 2e-5))
 
 
 def _unused_pad(ids, mask, *outputs):
@@ -351,7 +352,7 @@ def test_no_repeat_ngram_bad_words_and_suppress_tokens_equal_hf_generate(llama):
         alive = np.arange(NEW) < lengths[:, None]  # (HF scores the pad tokens after a row's end; ours are 0)
         assert np.isfinite(expected_scores[alive]).all() and (np.asarray(scores)[~alive] == 0).all()
         np.testing.assert_allclose(np.asarray(scores)[alive], expected_scores[alive], rtol=0,
-                                   atol=2e-5 * np.abs(expected_scores[alive]).max())
+                                   atol=logprob_atol(expected_scores[alive], 2e-5))
         generated = np.asarray(tokens)[:, PROMPT:]
         assert not np.isin(generated, suppress).any()
         if "bad_words_ids" in more:
@@ -399,10 +400,10 @@ def test_a_streamer_gets_what_hf_generate_gives_it(llama, capsys):
     tokens = ft.nn.generate(model, ids, NEW, attention_mask=mask, streamer=ours, **options)
     assert ours.puts == theirs.puts and ours.ends == theirs.ends == 1
     np.testing.assert_array_equal(np.asarray(tokens)[:, :expected.shape[1]], expected)
-    compiled = _generate._generate._cache_size()
+    compiled = _decode._generate._cache_size()
     again = Recorder()
     ft.nn.generate(model, ids, NEW, attention_mask=mask, streamer=again, **options)
-    assert again.puts == ours.puts and _generate._generate._cache_size() == compiled
+    assert again.puts == ours.puts and _decode._generate._cache_size() == compiled
     tokenizer, chars = char_tokenizer()
     printed = transformers.TextStreamer(tokenizer, skip_prompt=True)
     one = ft.nn.generate(model, ids[:1], 8, streamer=printed)
@@ -432,7 +433,7 @@ def test_sampling_scores_are_hf_processed_log_probabilities(tiny):
         expected.append(torch.log_softmax(x, -1).gather(1, rows[:, 3 + t:4 + t])[:, 0].numpy())
     expected = np.stack(expected, 1)
     assert np.isfinite(expected).all()
-    np.testing.assert_allclose(scores, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+    np.testing.assert_allclose(scores, expected, rtol=0, atol=logprob_atol(expected, 3e-5))
 
 
 BEAMS = [  # num_beams, num_return_sequences, EOS ids, length_penalty, early_stopping, more options
@@ -468,10 +469,10 @@ def test_beam_search_equals_hf_generate(llama, beams, returns, eos, length_penal
     assert (expected_scores == 0).any(), "some returned beams end before NEW tokens"
     tokens, scores = ft.nn.generate(model, ids, NEW, attention_mask=mask, return_scores=True, **options)
     np.testing.assert_array_equal(tokens, expected)
-    np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=2e-5 * np.abs(expected_scores).max())
+    np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=logprob_atol(expected_scores, 2e-5))
     lengths = (np.asarray(scores) != 0).sum(1)
     np.testing.assert_allclose(np.asarray(scores).sum(1) / lengths ** (length_penalty or 1.0),
-                               out.sequences_scores.numpy(), rtol=1e-5)
+                               out.sequences_scores.numpy(), rtol=1e-5, atol=gpu_logprob_atol(tokens=NEW))
     if stop:
         assert any(row[PROMPT + n - 2:PROMPT + n].tolist() in options["stop"] for row, n in zip(expected, lengths))
 
@@ -558,7 +559,7 @@ def test_errors(tiny):
         generate(model, prompt, 4, num_beams=0)
     with pytest.raises(ValueError, match=r"beam search \(num_beams=2\)(.|\n)*does not sample \(temperature=0.5, top_k=3\)"):
         generate(model, prompt, 4, num_beams=2, temperature=0.5, top_k=3, key=key)
-    beam_only: list[tuple[str, Any]] = [("length_penalty", 2.0), ("early_stopping", True), ("num_return_sequences", 2),
+    beam_only: list[tuple[str, Any]] = [("length_penalty", 2.0), ("early_stopping", True),
                                         ("early_stopping", "never")]
     for name, value in beam_only:
         with pytest.raises(ValueError, match=rf"{name}={value!r} is an option of beam search, but num_beams=1"):
@@ -587,5 +588,182 @@ def test_errors(tiny):
             return super().__call__(input_ids, **kwargs)[0]
 
     with pytest.raises(TypeError, match=r"must return \(logits \[batch, T, vocab\] float, cache of the same "
-                                        r"structure\), got an array f32\[2,3,11\] for input_ids i32\[2,3\]"):
+                                        r"structure\), got an array f32\[2,8,11\] for input_ids i32\[2,8\]"):
         generate(NoPair(key=jax.random.key(0)), prompt, 4)
+
+
+# ---- compiled sizes: buckets -------------------------------------------------------------------
+
+def exact(monkeypatch):
+    """Run generate without buckets (the loop compiled for the exact prompt and new sizes)."""
+    monkeypatch.setattr(_generate, "_buckets", lambda prompt, new, limit: (prompt, new))
+
+
+def test_buckets_give_the_exact_tokens_and_reuse_one_program(llama, monkeypatch):
+    """A prompt of 5 or 6 tokens and 20 or 24 new ones run in one program (prompt bucket 8, new
+    32): the second call compiles nothing; greedy with EOS, sampling with controls and beam
+    search give the tokens (and scores) of loops compiled for the exact sizes."""
+    from _compiles import compiled
+
+    _, model = llama
+    ids, mask = left_padded_prompts()
+    calls: list[dict[str, Any]] = [
+        dict(eos_token_id=0, pad_token_id=2),
+        dict(eos_token_id=[0, 5], pad_token_id=2, temperature=0.9, top_k=7, top_p=0.9, key=jax.random.key(4),
+             repetition_penalty=1.3, min_new_tokens=3, no_repeat_ngram_size=2, return_scores=True,
+             stop=[[7, 8]]),
+        dict(eos_token_id=0, pad_token_id=2, num_beams=3, num_return_sequences=2, return_scores=True),
+    ]
+    bucketed = [[ft.nn.generate(model, ids[:, cut:], new, attention_mask=mask[:, cut:], **kw) for cut, new in
+                 ((0, NEW), (1, NEW - 4))] for kw in calls]
+    for kw in calls:
+        with compiled() as names:
+            ft.nn.generate(model, ids, NEW, attention_mask=mask, **kw)
+            ft.nn.generate(model, ids[:, 1:], NEW - 4, attention_mask=mask[:, 1:], **kw)
+        assert names == ["jit(_beam_search)" if "num_beams" in kw else "jit(_generate)"], (kw, names)
+    with compiled() as names:  # plain greedy: one program
+        ft.nn.generate(model, ids, NEW, attention_mask=mask, eos_token_id=[])
+    assert names == ["jit(_generate)"]
+    exact(monkeypatch)
+    for kw, got in zip(calls, bucketed):
+        for (cut, new), out in zip(((0, NEW), (1, NEW - 4)), got):
+            want = ft.nn.generate(model, ids[:, cut:], new, attention_mask=mask[:, cut:], **kw)
+            for a, b in zip(*((out, want) if kw.get("return_scores") else ((out,), (want,)))):
+                assert a.shape == b.shape
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max())))
+    assert (np.asarray(bucketed[0][0])[:, PROMPT:] == 0).any()  # EOS ends a row (the padding after it is cropped)
+
+
+# ---- a checkpoint's generation config -----------------------------------------------------------
+
+class Config(dict):
+    """A config mapping with its generation config (model.hf_config's interface), hashable."""
+
+    def __init__(self, config, generation):
+        super().__init__(config)
+        self.generation = dict(generation)
+
+    def __hash__(self):
+        return id(self)
+
+
+class WithConfig(ft.Module):
+    """A model and the hf_config HF's generate would read its defaults from."""
+
+    model: Any
+    hf_config: Any = ft.field(static=True)
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        return self.model.init_cache(batch_size, max_length, dtype)
+
+    def __call__(self, input_ids, **kwargs):
+        return self.model(input_ids, **kwargs)
+
+
+def configured(model, hf):
+    """``model`` with ``hf``'s config and generation config: from_hf's own ``hf_config`` where
+    it has one (and the same generation values), else given by hand."""
+    generation = {k: v for k, v in hf.generation_config.to_dict().items() if v is not None}
+    if getattr(model, "hf_config", None) is not None and dict(model.hf_config.generation) == generation:
+        return model
+    return WithConfig(model, Config(hf.config.to_dict(), generation))
+
+
+def test_a_checkpoints_generation_defaults_are_hf_generates(llama):
+    """With nothing but the prompt, generate takes what HF's generate takes from the model's
+    generation config (EOS list, pad, repetition penalty, n-grams): the same tokens; an
+    explicit argument wins; a do_sample=True config samples with a key (HF's top_k=50 and the
+    config's temperature and top_k) and asks for one without; a bad value names the config."""
+    hf, model = llama
+    ids, mask = left_padded_prompts()
+    saved = hf.generation_config
+    try:
+        hf.generation_config = transformers.GenerationConfig(eos_token_id=[0, 18], pad_token_id=2,
+                                                             repetition_penalty=1.4, no_repeat_ngram_size=3)
+        with torch.no_grad():
+            expected = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                                   max_new_tokens=NEW).numpy()
+            explicit = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                                   max_new_tokens=NEW, repetition_penalty=1.0).numpy()
+        plain = hf_generate(hf, ids, mask, pad_token_id=2, eos_token_id=None, repetition_penalty=1.0,
+                            no_repeat_ngram_size=0)
+        assert np.isin(expected[:, PROMPT:], [0, 18]).any() and (expected != plain[:, :expected.shape[1]]).any()
+        ours = configured(model, hf)
+        out = np.asarray(ft.nn.generate(ours, ids, NEW, attention_mask=mask))
+        np.testing.assert_array_equal(out[:, :expected.shape[1]], expected)
+        assert (out[:, expected.shape[1]:] == 2).all()
+        out = np.asarray(ft.nn.generate(ours, ids, NEW, attention_mask=mask, repetition_penalty=1.0))
+        np.testing.assert_array_equal(out[:, :explicit.shape[1]], explicit)
+
+        hf.generation_config = transformers.GenerationConfig(do_sample=True, temperature=0.7, top_k=3, eos_token_id=0)
+        ours = configured(model, hf)
+        with pytest.raises(ValueError, match=r"sets do_sample=True \(temperature=0.7, top_k=3\)(.|\n)*needs key="):
+            ft.nn.generate(ours, ids, NEW, attention_mask=mask)
+        sampled = ft.nn.generate(ours, ids, 8, attention_mask=mask, key=jax.random.key(0), eos_token_id=[])
+        same = ft.nn.generate(model, ids, 8, attention_mask=mask, key=jax.random.key(0), temperature=0.7, top_k=3,
+                              top_p=1.0, eos_token_id=[])
+        np.testing.assert_array_equal(sampled, same)
+        greedy = ft.nn.generate(ours, ids, NEW, attention_mask=mask, temperature=0.0)
+        np.testing.assert_array_equal(greedy, ft.nn.generate(model, ids, NEW, attention_mask=mask, eos_token_id=0))
+
+        bad = WithConfig(model, Config({"eos_token_id": -3}, {}))
+        with pytest.raises(ValueError, match=r"hf_config \(config.json / generation_config.json\) gives "
+                                             r"eos_token_id=-3(.|\n)*an explicit argument wins"):
+            ft.nn.generate(bad, ids, 4, attention_mask=mask)
+        forced = WithConfig(model, Config({}, {"forced_eos_token_id": 3, "eos_token_id": 0}))
+        with pytest.warns(UserWarning, match=r"sets forced_eos_token_id=3, which Hugging Face's generate applies"):
+            ft.nn.generate(forced, ids, 4, attention_mask=mask)
+    finally:
+        hf.generation_config = saved
+
+
+# ---- several samples per prompt, a donated model, a cache larger than memory ------------------------
+
+def test_sampling_returns_several_sequences_per_prompt_in_hf_order(tiny):
+    """num_return_sequences=n with sampling: each prompt n times in a row (HF's
+    repeat_interleave), the samples of one key; greedy refuses it, as HF does."""
+    model, prompt, mask = tiny
+    key = jax.random.key(5)
+    out = ft.nn.generate(model, prompt, 10, attention_mask=mask, temperature=1.5, key=key, num_return_sequences=3)
+    assert out.shape == (6, 13)
+    repeated = ft.nn.generate(model, jnp.repeat(prompt, 3, 0), 10, attention_mask=jnp.repeat(mask, 3, 0),
+                              temperature=1.5, key=key)
+    np.testing.assert_array_equal(out, repeated)
+    np.testing.assert_array_equal(np.asarray(out)[:, :3], np.repeat(np.asarray(prompt), 3, 0))
+    assert len({tuple(r) for r in np.asarray(out)[:3, 3:].tolist()}) > 1  # the samples differ
+    with pytest.raises(ValueError, match=r"num_return_sequences=2 asks for 2 sequences per prompt, but greedy"
+                                         r"(.|\n)*Hugging Face's generate raises too"):
+        ft.nn.generate(model, prompt, 4, num_return_sequences=2)
+
+
+def test_a_donated_model_is_named_by_key_path(tiny):
+    """A model whose arrays a donating step deleted: the key path, not JAX's bare error."""
+    model, prompt, _ = tiny
+    copy = jax.tree.map(jnp.copy, model)
+    copy.head.weight.delete()
+    with pytest.raises(ValueError, match=r"holds a deleted array at model.head.weight(.|\n)*donated it"):
+        ft.nn.generate(copy, prompt, 4)
+
+
+def test_a_cache_larger_than_memory_raises_before_it_is_made(tiny, monkeypatch):
+    """The cache's bytes, from its shapes while the loop is traced, against the memory there
+    is: a clear error naming both (nothing is allocated), with a max_new_tokens that fits."""
+    model, prompt, _ = tiny
+    unbounded = model.replace(max_positions=None)
+    rows = jnp.zeros((64, 3), jnp.int32)  # 64 rows of 2 ** 30 positions: 4 TiB of keys and values
+    with pytest.raises(ValueError, match=r"cache for 64 sequences of 1073741832 positions \(the prompt's 3 tokens "
+                                         r"and max_new_tokens = 1073741800(.|\n)*needs 4398046543872 bytes "
+                                         r"\(4.0 TiB\), but the (.|\n)*allocates the whole cache up front"):
+        ft.nn.generate(unbounded, rows, 2 ** 30 - 24)
+    from functree.nn import _memory
+
+    monkeypatch.setattr(_memory, "available_bytes", lambda device: (1000, "test's memory"))
+    needs = 2 * 2 * (8 + 16) * 2 * 4 * 4  # keys and values [2, 8 + 16 slots (buckets), 2 heads, 4] float32
+    with pytest.raises(ValueError, match=rf"needs {needs} bytes(.|\n)*test's memory has 1000 bytes(.|\n)*"
+                                         r"generate\(model, input_ids\[:1\], 8\)    # fewer rows"):  # 7 slots fit
+        ft.nn.generate(model, prompt, 12)
+    with pytest.raises(ValueError, match=r"test's memory has 1000 bytes"):
+        ft.nn.generate(model, prompt, 12, num_beams=2)
+    monkeypatch.setattr(_memory, "available_bytes", lambda device: (128 * 30, "test's memory"))  # 30 slots
+    with pytest.raises(ValueError, match=r"generate\(model, input_ids, 16\)"):  # 8 + 16 fit, 8 + 32 do not
+        ft.nn.generate(unbounded, prompt, 20)

@@ -13,23 +13,18 @@ padding and everything generated so far, the current tokens included) and ``logi
 it takes, e.g. the size of a learned position embedding); ``generate`` then refuses to go
 past it.
 
-One ``jax.jit``-compiled function runs the prompt through the model once (prefill), then a
-``lax.while_loop`` feeds one token per step until ``max_new_tokens`` are made or every row has
-emitted an end-of-sequence token. It compiles once per model structure, input shape and
-static option (``max_new_tokens``, ``top_k``, whether it samples, whether it filters by
-``top_p`` and by ``min_p``, whether it stops at EOS and how many EOS ids, the stop sequences'
-count and length, which of the repetition penalty, ``min_new_tokens`` and scores are on,
-``no_repeat_ngram_size``, the ``suppress_tokens`` and ``bad_words_ids`` ids, whether a streamer is given, the
-number of beams and of returned sequences); the temperature, the ``top_p`` and ``min_p`` values, the key, the EOS, pad and
+The loops are in ``_decode.py``, the logits controls in ``_logits.py``; this module checks
+the arguments and picks the loop. One ``jax.jit``-compiled function runs the prompt through
+the model once (prefill), then one token per step in a ``lax.while_loop``. It compiles once
+per model structure, input shape and static option (``max_new_tokens``, ``top_k``, whether it
+samples, whether it filters by ``top_p`` and by ``min_p``, whether it stops at EOS and how
+many EOS ids, the stop sequences' count and length, which of the repetition penalty,
+``min_new_tokens`` and scores are on, ``no_repeat_ngram_size``, the ``suppress_tokens`` and
+``bad_words_ids`` ids, whether a streamer is given, the number of beams and of returned
+sequences); the temperature, the ``top_p`` and ``min_p`` values, the key, the EOS, pad and
 stop ids, the penalty, ``min_new_tokens``, ``length_penalty``, ``early_stopping`` and the
-tokens are traced. Options that are off add nothing to the compiled loop: plain
-greedy decoding is the same program with or without the controls' code.
-
-Beam search (``_beam_search``) is Hugging Face's: the beams are ``batch * num_beams`` rows of
-one batch in the same kind of loop; each step keeps the best continuations of all beams of a
-prompt, moves the ended ones into a sorted set of finished sequences, and gathers the cache
-rows of the beams that go on (each cache leaf's batch axis is found from ``init_cache``'s
-shapes for two batch sizes).
+tokens are traced. Options that are off add nothing to the compiled loop: plain greedy
+decoding is the same program with or without the controls' code.
 """
 
 from __future__ import annotations
@@ -41,9 +36,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
+from jax.core import Tracer
 
+from functree._alias import is_deletion_error, stale_error
 from functree._repr import short_array
+from functree.nn import _decode, _memory
+from functree.nn._decode import _beam_search, _generate
+from functree.nn._generate_defaults import SAMPLING_DEFAULTS, bad_value, checkpoint_defaults
+from functree.nn._logits import BAD_TOP_K
 from functree.nn._shared import Shared
 
 __all__ = ["generate"]
@@ -116,11 +116,6 @@ generate: {name}= filters the tokens that sampling draws from, but temperature=0
     wrong:  ft.nn.generate(model, input_ids, 8, {name}={value!r})
     right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, {name}={value!r}, key=key)"""
 
-BAD_TOP_K = """\
-generate: top_k must be an int from 1 to the vocabulary size ({vocab}), got {given!r}.
-
-    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, top_k=50, key=key)"""
-
 BAD_TOP_P = """\
 generate: top_p must be a number in (0, 1] (the probability mass kept), got {given!r}.
 
@@ -137,11 +132,6 @@ generate: no_repeat_ngram_size must be an int >= 0 (n: no n-gram appears twice i
 none), got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, no_repeat_ngram_size=3)"""
-
-OUTSIDE_VOCAB = """\
-generate: {name} {ids} are not ids of this model's vocabulary ({vocab} tokens: 0 to {last}).
-
-    right:  ft.nn.generate(model, input_ids, 8, {name}=[{example}])"""
 
 BAD_TOKEN_ID = """\
 generate: {name} must be a token id (an int >= 0){plural}, got {given!r}.
@@ -214,9 +204,27 @@ generate: {name}={value!r} is an option of beam search, but num_beams=1.
 
 BAD_RETURN_SEQUENCES = """\
 generate: num_return_sequences must be an int from 1 to num_beams ({beams}): the best beams of \
-each prompt, got {given!r}.
+each prompt (sampling: any int >= 1, the samples of each prompt), got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, num_beams={fit}, num_return_sequences={fit})"""
+
+GREEDY_RETURNS = """\
+generate: num_return_sequences={given} asks for {given} sequences per prompt, but greedy decoding \
+(temperature=0.0, num_beams=1) makes one: they would all be equal (Hugging Face's generate \
+raises too).
+
+    wrong:  ft.nn.generate(model, input_ids, 8, num_return_sequences={given})
+    right:  ft.nn.generate(model, input_ids, 8, num_return_sequences={given}, temperature=1.0, key=key)  # samples
+    right:  ft.nn.generate(model, input_ids, 8, num_return_sequences={given}, num_beams={given})        # beams"""
+
+CHECKPOINT_SAMPLES = """\
+generate: the model's generation config (hf_config.generation: generation_config.json) sets \
+do_sample=True ({values}): Hugging Face's generate samples by default here, which needs key= \
+(a jax.random key). Pass one to sample as HF does, or temperature=0.0 for greedy decoding.
+
+    wrong:  ft.nn.generate(model, input_ids, 32)
+    right:  ft.nn.generate(model, input_ids, 32, key=jax.random.key(0))      # HF's sampling defaults
+    right:  ft.nn.generate(model, input_ids, 32, temperature=0.0)            # greedy"""
 
 BAD_LENGTH_PENALTY = """\
 generate: length_penalty must be a finite number (a finished beam's score is its summed \
@@ -230,13 +238,6 @@ sequences are finished) or "never" (only when no beam can improve), got {given!r
 
     right:  ft.nn.generate(model, input_ids, 8, num_beams=4, early_stopping=True)"""
 
-UNBATCHED_CACHE = """\
-generate: beam search reorders the cache along its batch axis, but the cache leaf at {path} \
-{shapes} (from model.init_cache with batch sizes {small} and {large}) has no single such axis.
-
-    right:  every cache leaf is [..., batch, ...] (one axis of size batch_size), or has no batch axis"""
-
-NEG = -1.0e9  # Hugging Face's "no score": a beam slot that cannot win
 
 
 def generate(
@@ -246,7 +247,7 @@ def generate(
     *,
     attention_mask: Any = None,
     key: jax.Array | None = None,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
@@ -258,7 +259,7 @@ def generate(
     min_new_tokens: int | None = None,
     suppress_tokens: int | Sequence[int] | None = None,
     stop: Sequence[Sequence[int]] | None = None,
-    num_beams: int = 1,
+    num_beams: int | None = None,
     num_return_sequences: int | None = None,
     length_penalty: float | None = None,
     early_stopping: bool | str | None = None,
@@ -364,77 +365,153 @@ def generate(
     """
     if not callable(getattr(model, "init_cache", None)):
         raise TypeError(NOT_A_GENERATOR.format(type=type(model).__name__))
+    inner = model.model if isinstance(model, Shared) else model
     ids = input_ids if isinstance(input_ids, jax.Array) else np.asarray(input_ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] < 1:
         raise ValueError(BAD_INPUT_IDS.format(given=short_array(ids)))
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(BAD_NEW_TOKENS.format(given=max_new_tokens))
     new, prompt = int(max_new_tokens), ids.shape[1]
-    limit = getattr(model.model if isinstance(model, Shared) else model, "max_positions", None)
+    limit = getattr(inner, "max_positions", None)
     if isinstance(limit, int) and prompt + new > limit:
         raise ValueError(TOO_LONG.format(prompt=prompt, new=new, total=prompt + new, limit=limit,
                                          fit=max(limit - prompt, 1)))
-    check = getattr(model.model if isinstance(model, Shared) else model, "check_token_ids", None)
+    check = getattr(inner, "check_token_ids", None)
     if callable(check):  # the prompt's ids against the vocabulary, once, here where they are concrete
         check(ids)
-    mask = _attention_mask(attention_mask, ids.shape)
-    greedy = _greedy(temperature, key, top_k, top_p, min_p)
-    ngram = _ngram_size(no_repeat_ngram_size)
-    suppress = _token_ids(suppress_tokens, "suppress_tokens")
-    eos = _token_ids(eos_token_id, "eos_token_id")
-    bad = tuple(w for w in _stop(bad_words_ids, "bad_words_ids") if not (len(w) == 1 and w[0] in eos))  # as HF
-    pad = _token_ids(pad_token_id, "pad_token_id", single=True)
-    penalty = _repetition_penalty(repetition_penalty)
-    hold = _min_new_tokens(min_new_tokens, new, eos)
-    stops = _stop(stop)
-    if stops and not (eos or pad):
-        raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
-    beams, returns, lp, early = _beam_options(num_beams, num_return_sequences, length_penalty, early_stopping,
-                                              greedy, temperature, top_k, top_p)
-    _check_streamer(streamer, beams, ids)
-    fill = pad[0] if pad else (eos[0] if eos else 0)
-    width = max((len(s) for s in stops), default=1)
-    stop_ids = np.full((len(stops), width), -1, np.int32)  # right-aligned, -1: no token there
-    for row, sequence in zip(stop_ids, stops):
-        row[width - len(sequence):] = sequence
-    common = (jnp.asarray(ids, jnp.int32), mask, jnp.asarray(eos or (-1,), jnp.int32), jnp.asarray(fill, jnp.int32),
-              jnp.asarray(1.0 if penalty is None else penalty, jnp.float32), jnp.asarray(hold, jnp.int32),
-              jnp.asarray(stop_ids))
-    options = {"new": new, "penalize": penalty is not None, "hold": hold > 0, "scores": bool(return_scores),
-               "ngram": ngram, "suppress": suppress, "bad": bad}
-    if beams > 1:
-        tokens, scores = _beam_search(model, *common, jnp.asarray(lp, jnp.float32), jnp.asarray(early is True),
-                                      jnp.asarray(early == "never"), beams=beams, returns=returns,
-                                      eos_count=len(eos), **options)
-    else:
-        run = partial(
-            _generate, model, *common, key, jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
-            jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
-            jnp.asarray(0.0 if min_p is None else min_p, jnp.float32),
-            greedy=greedy, top_k=top_k, use_top_p=top_p is not None and top_p < 1.0,
-            use_min_p=min_p is not None and min_p > 0.0, ends=bool(eos or stops), stream=streamer is not None,
-            **options,
-        )
-        tokens, scores = run() if streamer is None else _streaming(run, streamer, ids)
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eos_token_id=eos_token_id,
+                 pad_token_id=pad_token_id, repetition_penalty=repetition_penalty,
+                 no_repeat_ngram_size=no_repeat_ngram_size, bad_words_ids=bad_words_ids,
+                 min_new_tokens=min_new_tokens, suppress_tokens=suppress_tokens, num_beams=num_beams,
+                 num_return_sequences=num_return_sequences, length_penalty=length_penalty,
+                 early_stopping=early_stopping)
+    options, sourced = _with_defaults(given, checkpoint_defaults(inner), key)
+    try:
+        run = _plan(model, ids, new, attention_mask, key, options, stop, return_scores, streamer, limit)
+    except ValueError as error:  # a checkpoint's value: say that it came from there
+        raise _sourced(error, sourced) from None
+    try:
+        tokens, scores = run()
+    except _memory.CacheTooLarge as error:  # raised while tracing: nothing was allocated
+        raise error.explained(prompt, new) from None
+    except (RuntimeError, ValueError) as error:
+        stale = stale_error([("model", model)]) if is_deletion_error(error) else None
+        if stale is None:
+            raise
+        raise stale from None  # a donating step deleted the model's arrays: name the key path
     return (tokens, scores) if return_scores else tokens
 
 
-# The streamer of the generate call running: the compiled loop's host callback hands it each
-# step's tokens (a module slot, not an argument: a new streamer must not compile the loop again).
-_STREAMERS: list[Any] = []
+def _with_defaults(given: dict[str, Any], checkpoint: dict[str, Any] | None,
+                   key: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The options: each one the caller gave, else the checkpoint's (HF's names; None: a model
+    without ``hf_config``), else HF's global default where the model has a checkpoint config,
+    as HF's ``generate`` does; and the ones taken from the checkpoint. Sampling's options only
+    when sampling."""
+    options, sourced = dict(given), {}
+    defaults = {} if checkpoint is None else checkpoint
+    if options["temperature"] is None:  # HF: do_sample decides; its temperature then applies
+        sample = bool(defaults.get("do_sample", False))
+        if sample and key is None:
+            raise ValueError(CHECKPOINT_SAMPLES.format(values=_sampling_values(defaults)))
+        options["temperature"] = defaults.get("temperature", 1.0) if sample else 0.0
+        if sample:
+            sourced["temperature"] = options["temperature"]
+    sampling = _is_number(options["temperature"]) and options["temperature"] > 0
+    for name in given:
+        if options[name] is not None or name == "temperature":
+            continue
+        if name in ("top_k", "top_p", "min_p") and not sampling:
+            continue  # greedy: HF's warpers do not run
+        if name in ("length_penalty", "early_stopping") and not _beams(options, defaults):
+            continue  # beam options without beams: HF ignores them
+        value = defaults.get(name, None if checkpoint is None else SAMPLING_DEFAULTS.get(name))
+        if value is not None:
+            options[name], sourced[name] = value, value
+    if options["top_k"] == 0 and "top_k" in sourced:
+        options["top_k"] = None  # HF's top_k=0: no filter
+    if options["num_beams"] is None:
+        options["num_beams"] = 1
+    return options, sourced
 
 
-def _put(tokens: Any) -> None:
-    _STREAMERS[-1].put(np.asarray(tokens))
+def _beams(options: dict[str, Any], defaults: dict[str, Any]) -> bool:
+    beams = options["num_beams"] if options["num_beams"] is not None else defaults.get("num_beams", 1)
+    return _is_int(beams) and beams > 1
+
+
+def _sampling_values(defaults: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={defaults[k]!r}" for k in ("temperature", "top_k", "top_p", "min_p") if k in defaults)
+
+
+def _sourced(error: ValueError, sourced: dict[str, Any]) -> ValueError:
+    """``error``, or the error naming the checkpoint when the option it is about (named on its
+    first line) came from the model's ``hf_config``."""
+    first = str(error).split("\n")[0]
+    for name, value in sourced.items():
+        if name in first:
+            return bad_value(name, value, error)
+    return error
+
+
+def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict[str, Any], stop: Any,
+          return_scores: bool, streamer: Any, limit: Any) -> Any:
+    """Check the options and return the call that runs the compiled loop (and crops its
+    bucket back to the prompt and ``new``)."""
+    mask = _attention_mask(attention_mask, ids.shape)
+    greedy = _greedy(o["temperature"], key, o["top_k"], o["top_p"], o["min_p"])
+    ngram = _ngram_size(o["no_repeat_ngram_size"])
+    suppress = _token_ids(o["suppress_tokens"], "suppress_tokens")
+    eos = _token_ids(o["eos_token_id"], "eos_token_id")
+    bad = tuple(w for w in _stop(o["bad_words_ids"], "bad_words_ids") if not (len(w) == 1 and w[0] in eos))  # as HF
+    pad = _token_ids(o["pad_token_id"], "pad_token_id", single=True)
+    penalty = _repetition_penalty(o["repetition_penalty"])
+    hold = _min_new_tokens(o["min_new_tokens"], new, eos)
+    stops = _stop(stop)
+    if stops and not (eos or pad):
+        raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
+    beams, returns, lp, early = _beam_options(o["num_beams"], o["num_return_sequences"], o["length_penalty"],
+                                              o["early_stopping"], greedy, o["temperature"], o["top_k"], o["top_p"])
+    fill = pad[0] if pad else (eos[0] if eos else 0)
+    if beams == 1 and returns > 1:  # sampling: each prompt `returns` times, HF's order (repeat_interleave)
+        ids, mask = _repeated(ids, returns), _repeated(mask, returns)
+    _check_streamer(streamer, beams, ids)
+    prompt = ids.shape[1]
+    width, bucket = _buckets(prompt, new, limit)
+    sizes = np.asarray([prompt, new], np.int32)
+    common = (_padded(ids, width, fill, jnp.int32), _padded(mask, width, 0, jnp.int32), sizes,
+              np.asarray(eos or (-1,), np.int32), np.int32(fill),
+              np.float32(1.0 if penalty is None else penalty), np.int32(hold), _stop_ids(stops))
+    options = {"new": bucket, "penalize": penalty is not None, "hold": hold > 0, "scores": bool(return_scores),
+               "ngram": ngram, "suppress": suppress, "bad": bad}
+    if beams > 1:
+        loop = partial(_beam_search, model, *common, np.float32(lp), np.bool_(early is True),
+                       np.bool_(early == "never"), beams=beams, returns=returns, eos_count=len(eos), **options)
+    else:
+        top_p, min_p = o["top_p"], o["min_p"]
+        loop = partial(
+            _generate, model, *common, key, np.float32(o["temperature"] if not greedy else 1.0),
+            np.float32(1.0 if top_p is None else top_p), np.float32(0.0 if min_p is None else min_p),
+            greedy=greedy, top_k=o["top_k"], use_top_p=top_p is not None and top_p < 1.0,
+            use_min_p=min_p is not None and min_p > 0.0, ends=bool(eos or stops), stream=streamer is not None,
+            **options,
+        )
+    run = loop if streamer is None else partial(_streaming, loop, streamer, ids)
+
+    def cropped() -> tuple[Any, Any]:
+        tokens, scores = run()
+        return _cropped(tokens, scores, prompt + new, new)
+
+    return cropped
 
 
 def _streaming(run: Any, streamer: Any, ids: Any) -> tuple[jax.Array, Any]:
     streamer.put(np.asarray(ids))
-    _STREAMERS.append(streamer)
+    _decode._STREAMERS.append(streamer)
     try:
         tokens, scores = jax.block_until_ready(run())  # every step's callback has run
     finally:
-        _STREAMERS.pop()
+        _decode._STREAMERS.pop()
     streamer.end()
     return tokens, scores
 
@@ -466,9 +543,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
 
 
-def _attention_mask(mask: Any, shape: tuple[int, ...]) -> jax.Array:
+def _attention_mask(mask: Any, shape: tuple[int, ...]) -> Any:
+    """int32 0/1 ``[batch, P]``: a numpy array where the mask is concrete (passed to the
+    compiled loop as it is: no eager operation compiles per prompt length)."""
     if mask is None:
-        return jnp.ones(shape, jnp.int32)
+        return np.ones(shape, np.int32)
     m = mask if isinstance(mask, jax.Array) else np.asarray(mask)
     kind = jnp.issubdtype(m.dtype, jnp.bool_) or jnp.issubdtype(m.dtype, jnp.integer)
     if not kind or tuple(m.shape) != tuple(shape):
@@ -479,7 +558,57 @@ def _attention_mask(mask: Any, shape: tuple[int, ...]) -> jax.Array:
         last = None
     if last is not None and not last.all():
         raise ValueError(RIGHT_PADDED.format(row=int(np.argmin(last != 0))))
-    return jnp.asarray(m != 0 if m.dtype != jnp.bool_ else m, jnp.int32)
+    if last is not None:
+        return (np.asarray(m) != 0).astype(np.int32)
+    return jnp.asarray(m != 0, jnp.int32)
+
+
+def _buckets(prompt: int, new: int, limit: Any) -> tuple[int, int]:
+    """The compiled loop's prompt width and new-token count for ``prompt`` and ``new``: each
+    rounded up to a power of two (at least 8), so that the next prompt of a notebook reuses
+    the program; exact where the rounded sizes would pass the model's ``max_positions``."""
+    width, count = _memory.bucket(prompt), _memory.bucket(new)
+    if isinstance(limit, int) and width + count > limit:
+        return prompt, new
+    return width, count
+
+
+def _padded(x: Any, width: int, value: int, dtype: Any) -> Any:
+    """``x [rows, P]`` with ``value`` in the columns ``P .. width - 1`` (the bucket's padding,
+    after the prompt: its slots are overwritten by the new tokens); numpy where ``x`` is
+    concrete (no eager operation to compile), traced otherwise."""
+    if isinstance(x, Tracer):
+        return jnp.pad(x.astype(dtype), ((0, 0), (0, width - x.shape[1])), constant_values=value)
+    if isinstance(x, jax.Array) and x.shape[1] == width and x.dtype == dtype:
+        return x  # already on the device as the loop takes it
+    x = np.asarray(x).astype(dtype)
+    return np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=value) if x.shape[1] < width else x
+
+
+def _repeated(x: Any, times: int) -> Any:
+    """Each row of ``x`` ``times`` times in a row (HF's ``repeat_interleave``)."""
+    return jnp.repeat(x, times, axis=0) if isinstance(x, Tracer) else np.repeat(np.asarray(x), times, axis=0)
+
+
+def _stop_ids(stops: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """The stop sequences as int32 ``[S, L]``, right-aligned, -1 where a shorter one has no token."""
+    width = max((len(s) for s in stops), default=1)
+    stop_ids = np.full((len(stops), width), -1, np.int32)
+    for row, sequence in zip(stop_ids, stops):
+        row[width - len(sequence):] = sequence
+    return stop_ids
+
+
+def _cropped(tokens: Any, scores: Any, length: int, new: int) -> tuple[Any, Any]:
+    """The loop's bucket cut back to ``length`` tokens and ``new`` scores per row: on the
+    host (a device slice would compile once per size, which the bucket is there to avoid)."""
+    if tokens.shape[1] == length and (scores is None or scores.shape[1] == new):
+        return tokens, scores
+    if isinstance(tokens, Tracer):
+        return tokens[:, :length], None if scores is None else scores[:, :new]
+    device = next(iter(tokens.devices()))
+    crop = lambda x, n: jax.device_put(np.ascontiguousarray(np.asarray(x)[:, :n]), device)  # noqa: E731
+    return crop(tokens, length), None if scores is None else crop(scores, new)
 
 
 def _greedy(temperature: Any, key: Any, top_k: Any, top_p: Any, min_p: Any = None) -> bool:
@@ -506,13 +635,13 @@ def _token_ids(value: Any, name: str, single: bool = False) -> tuple[int, ...]:
         return ()
     values = [value] if single or isinstance(value, (int, np.integer)) else value
     try:
-        ok = len(values) >= 1 and all(_is_int(v) and v >= 0 for v in values)
+        ok = (len(values) >= 1 or not single) and all(_is_int(v) and v >= 0 for v in values)
     except TypeError:
         ok = False
     if not ok:
         plural = "" if single else " or a list of them"
         raise ValueError(BAD_TOKEN_ID.format(name=name, plural=plural, given=value, example=2))
-    return tuple(int(v) for v in values)
+    return tuple(int(v) for v in values)  # (an empty list: none, over the checkpoint's default)
 
 
 def _repetition_penalty(value: Any) -> float | None:
@@ -562,12 +691,15 @@ def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, gre
     if not _is_int(beams) or beams < 1:
         raise ValueError(BAD_NUM_BEAMS.format(given=beams))
     if beams == 1:  # HF's defaults say nothing; any other value would be ignored, so it is refused
-        for name, value, default in (("num_return_sequences", returns, 1), ("length_penalty", length_penalty, 1.0),
-                                     ("early_stopping", early, False)):
+        for name, value, default in (("length_penalty", length_penalty, 1.0), ("early_stopping", early, False)):
             same = value is False if default is False else _is_number(value) and value == default
             if value is not None and not same:
                 raise ValueError(BEAM_OPTION.format(name=name, value=value))
-        return 1, 1, 1.0, False
+        if returns is not None and (not _is_int(returns) or returns < 1):
+            raise ValueError(BAD_RETURN_SEQUENCES.format(beams="num_beams", given=returns, fit=2))
+        if greedy and returns not in (None, 1):  # HF raises too: greedy rows would be copies
+            raise ValueError(GREEDY_RETURNS.format(given=returns))
+        return 1, 1 if returns is None else int(returns), 1.0, False
     if not greedy:
         rest = "".join(f", {n}={v!r}" for n, v in (("top_k", top_k), ("top_p", top_p)) if v is not None)
         raise ValueError(BEAMS_SAMPLE.format(beams=beams, temperature=temperature, rest=rest))
@@ -582,398 +714,3 @@ def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, gre
             False if early is None else early)
 
 
-def _call(model: Any, ids: jax.Array, am: jax.Array, pos: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-    out = model(ids, attention_mask=am, positions=pos, cache=cache)
-    ok = isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "shape")
-    if ok:
-        logits, new = out
-        ok = (logits.ndim == 3 and logits.shape[:2] == ids.shape and jnp.issubdtype(logits.dtype, jnp.floating)
-              and jax.tree.structure(new) == jax.tree.structure(cache))
-    if not ok:
-        if hasattr(out, "shape") and hasattr(out, "dtype"):
-            given = f"an array {short_array(out)}"
-        elif isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "shape"):
-            given = f"({short_array(out[0])}, a {type(out[1]).__name__})"
-        else:
-            given = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
-        raise TypeError(BAD_MODEL_OUTPUT.format(given=given, ids=short_array(ids)))
-    return out
-
-
-def _filtered(logits: jax.Array, temperature: Any, top_k: int | None, top_p: Any, min_p: Any = None) -> jax.Array:
-    """``logits / temperature`` with ``-inf`` outside the ``top_k`` most likely tokens, then
-    outside the smallest set whose probability reaches ``top_p``, then where the probability
-    is below ``min_p`` times the largest (None: no filter)."""
-    logits = logits.astype(jnp.float32) / temperature
-    lowest = jnp.asarray(-jnp.inf, jnp.float32)
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, lowest, logits)
-    if top_p is not None:
-        ordered = -jnp.sort(-logits, axis=-1)  # descending
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the more likely tokens
-        kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1: the first has 0 before it
-        threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
-        logits = jnp.where(logits < threshold, lowest, logits)
-    if min_p is not None:  # p < q * p_max, i.e. l < l_max + log q (the most likely token stays)
-        probs = jax.nn.softmax(logits, axis=-1)
-        logits = jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), lowest, logits)
-    return logits
-
-
-def _processed(logits: jax.Array, seen: Any, t: Any, penalty: jax.Array, hold: jax.Array, is_eos: Any, *,
-               penalize: bool, holding: bool, banned: Any = None, suppressed: Any = None) -> jax.Array:
-    """HF's processors in its order on float32 logits (or log-probabilities) ``[rows, vocab]``:
-    the repetition penalty over the tokens ``seen`` (bool ``[rows, vocab]``), the ``banned``
-    tokens (bool ``[rows, vocab]``: n-grams, bad words), EOS held back while ``t < hold``, the
-    ``suppressed`` tokens (bool ``[vocab]``); each removed token is ``-inf``."""
-    lowest = jnp.asarray(-jnp.inf, jnp.float32)
-    if penalize:
-        logits = jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
-    if banned is not None:
-        logits = jnp.where(banned, lowest, logits)
-    if holding:
-        logits = jnp.where(is_eos & (t < hold), lowest, logits)
-    if suppressed is not None:
-        logits = jnp.where(suppressed, lowest, logits)
-    return logits
-
-
-def _banned(tokens: jax.Array, real: jax.Array, length: Any, ngram: int, bad: tuple[tuple[int, ...], ...],
-            vocab: int) -> jax.Array | None:
-    """bool ``[rows, vocab]``: the tokens ``no_repeat_ngram_size`` and ``bad_words_ids`` forbid
-    next (None: neither is on)."""
-    found = [_repeated_ngrams(tokens, real, length, ngram, vocab)] if ngram else []
-    if bad:
-        found.append(_bad_words(tokens, real, length, bad, vocab))
-    return None if not found else found[0] if len(found) == 1 else found[0] | found[1]
-
-
-def _bad_words(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple[int, ...], ...],
-               vocab: int) -> jax.Array:
-    """bool ``[rows, vocab]``: the last token of each ``bad`` sequence whose other tokens end
-    the first ``length`` real tokens of the row (HF's ``bad_words_ids``)."""
-    _in_vocabulary("bad_words_ids", [i for word in bad for i in word], vocab)
-    rows = tokens.shape[0]
-    width = max(len(word) for word in bad) - 1
-    prefixes = np.full((len(bad), max(width, 1)), -1, np.int32)  # right-aligned, -1: any token
-    for row, word in zip(prefixes, bad):
-        if len(word) > 1:
-            row[prefixes.shape[1] - (len(word) - 1):] = word[:-1]
-    if width == 0:
-        match = jnp.ones((rows, len(bad)), bool)
-    else:
-        tail = _last(tokens, real, length, width)
-        match = jnp.all((tail[:, None, :] == prefixes) | (prefixes < 0), axis=-1)  # [rows, words]
-    last = np.asarray([word[-1] for word in bad])
-    counts = jnp.zeros((rows, vocab), jnp.int32).at[:, last].add(match.astype(jnp.int32))
-    return counts > 0
-
-
-def _made(prompt_mask: jax.Array, new: int, t: Any) -> jax.Array:
-    """bool ``[batch, P + new]``: the real tokens before new token ``t`` (the prompt's
-    unpadded ones, then the ``t`` generated)."""
-    generated = jnp.broadcast_to(jnp.arange(new) < t, (prompt_mask.shape[0], new))
-    return jnp.concatenate([prompt_mask != 0, generated], axis=1)
-
-
-def _repeated_ngrams(tokens: jax.Array, real: jax.Array, length: Any, n: int, vocab: int) -> jax.Array:
-    """bool ``[rows, vocab]``: the tokens that would complete an ``n``-gram already among the
-    first ``length`` tokens of each row (``tokens``/``real`` ``[rows, total]``; padding, not
-    ``real``, is part of no n-gram): Hugging Face's ``no_repeat_ngram_size``."""
-    rows, total = tokens.shape
-    if total < n:
-        return jnp.zeros((rows, vocab), bool)
-    starts = total - n + 1
-    grams = jnp.stack([tokens[:, i:starts + i] for i in range(n)], axis=-1)  # [rows, starts, n]
-    whole = jnp.stack([real[:, i:starts + i] for i in range(n)], axis=-1).all(-1)
-    whole = whole & (jnp.arange(starts) + n <= length)  # n-grams that end before the next token
-    if n > 1:  # (a -2 in the tail, padding or before the row, equals no token)
-        whole = whole & jnp.all(grams[..., :-1] == _last(tokens, real, length, n - 1)[:, None, :], axis=-1)
-    counts = jnp.zeros((rows, vocab), jnp.int32)
-    counts = counts.at[jnp.arange(rows)[:, None], grams[..., -1]].add(whole.astype(jnp.int32))
-    return counts > 0
-
-
-def _last(tokens: jax.Array, real: jax.Array, length: Any, width: int) -> jax.Array:
-    """``[rows, width]``: the tokens just before position ``length`` of each row (``tokens``,
-    ``real`` ``[rows, total]``), -2 where a token is not ``real`` (padding) or before the row."""
-    known = jnp.where(real, tokens, -2)
-    known = jnp.concatenate([jnp.full((tokens.shape[0], width), -2, known.dtype), known], axis=1)
-    return jax.lax.dynamic_slice_in_dim(known, length, width, axis=1)
-
-
-def _in_vocabulary(name: str, ids: Sequence[int], vocab: int) -> None:
-    """Raise :data:`OUTSIDE_VOCAB` for the ``ids`` of option ``name`` that are ``>= vocab``."""
-    outside = sorted({i for i in ids if i >= vocab})
-    if outside:
-        raise ValueError(OUTSIDE_VOCAB.format(name=name, ids=outside, vocab=vocab, last=vocab - 1,
-                                              example=min(outside[0], vocab - 1)))
-
-
-def _seen(ids: jax.Array, mask: jax.Array, vocab: int) -> jax.Array:
-    """bool ``[batch, vocab]``: the tokens among the real (unpadded) prompt tokens."""
-    rows = jnp.arange(ids.shape[0])[:, None]
-    return jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, ids].add(mask) > 0  # ids >= vocab: dropped
-
-
-def _suppressed(ids: tuple[int, ...], vocab: int) -> jax.Array:
-    """bool ``[vocab]``: True at ``ids`` (checked against the vocabulary, known once traced)."""
-    _in_vocabulary("suppress_tokens", ids, vocab)
-    return jnp.zeros((vocab,), bool).at[np.asarray(ids)].set(True)
-
-
-def _window(ids: jax.Array, mask: jax.Array, width: int) -> jax.Array:
-    """The last ``width - 1`` real prompt tokens of each row, -2 where padding or before the prompt."""
-    return _last(ids, mask != 0, ids.shape[1], width - 1)
-
-
-def _stopped(window: jax.Array, token: jax.Array, stop_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Whether ``window`` ``[..., L-1]`` then ``token`` ``[...]`` ends in a stop sequence (the
-    rows of ``stop_ids`` ``[S, L]``, right-aligned, -1 before a shorter one); the next window."""
-    full = jnp.concatenate([window, token[..., None]], axis=-1)
-    hit = jnp.all((full[..., None, :] == stop_ids) | (stop_ids < 0), axis=-1).any(axis=-1)
-    return hit, full[..., 1:]
-
-
-def _choose(logits: jax.Array, key: Any, step: Any, temperature: jax.Array, top_p: jax.Array, min_p: jax.Array, *,
-            greedy: bool, top_k: int | None, use_top_p: bool, use_min_p: bool) -> jax.Array:
-    """The next token of every row from its logits ``[batch, vocab]``."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = _filtered(logits, temperature, top_k, top_p if use_top_p else None, min_p if use_min_p else None)
-    return jax.random.categorical(jax.random.fold_in(key, step), logits, axis=-1).astype(jnp.int32)
-
-
-@partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "use_min_p", "ends", "penalize", "hold",
-                                   "scores", "ngram", "suppress", "bad", "stream"))
-def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
-              penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, key: Any, temperature: jax.Array,
-              top_p: jax.Array, min_p: jax.Array, *, new: int, greedy: bool, top_k: int | None, use_top_p: bool,
-              use_min_p: bool, ends: bool, penalize: bool, hold: bool, scores: bool, ngram: int,
-              suppress: tuple[int, ...], bad: tuple[tuple[int, ...], ...] = (),
-              stream: bool = False) -> tuple[jax.Array, jax.Array | None]:
-    batch, prompt = ids.shape
-    cache = model.init_cache(batch, prompt + new)
-    am = jnp.concatenate([prompt_mask, jnp.zeros((batch, new), jnp.int32)], axis=1)
-    positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (batch, prompt))
-    logits, cache = _call(model, ids, am, positions, cache)
-    vocab = logits.shape[-1]
-    if top_k is not None and top_k > vocab:
-        raise ValueError(BAD_TOP_K.format(vocab=vocab, given=top_k))
-    stopping = stop_ids.shape[0] > 0
-    is_eos = jnp.isin(jnp.arange(vocab), eos_ids) if hold else None
-    suppressed = _suppressed(suppress, vocab) if suppress else None
-    rows = jnp.arange(batch)
-
-    def choose(logits: jax.Array, state: dict[str, Any], t: Any) -> tuple[jax.Array, Any]:
-        if not (penalize or hold or scores or ngram or suppress or bad):  # the plain loop: nothing else traced
-            return _choose(logits, key, t, temperature, top_p, min_p, greedy=greedy, top_k=top_k,
-                           use_top_p=use_top_p, use_min_p=use_min_p), None
-        banned = _banned(state["tokens"], _made(prompt_mask, new, t), prompt + t, ngram, bad, vocab)
-        x = _processed(logits.astype(jnp.float32), state.get("seen"), t, penalty, min_new, is_eos,
-                       penalize=penalize, holding=hold, banned=banned, suppressed=suppressed)
-        if greedy:
-            token = jnp.argmax(x, axis=-1).astype(jnp.int32)
-        else:
-            x = _filtered(x, temperature, top_k, top_p if use_top_p else None, min_p if use_min_p else None)
-            token = jax.random.categorical(jax.random.fold_in(key, t), x, axis=-1).astype(jnp.int32)
-        if not scores:
-            return token, None
-        return token, jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), token[:, None], axis=-1)[:, 0]
-
-    def emit(state: dict[str, Any], token: jax.Array, score: Any, t: Any) -> dict[str, Any]:
-        state = dict(state)
-        if ends:
-            done = state["done"]
-            token = jnp.where(done, fill, token)
-            finished = jnp.isin(token, eos_ids)
-            if stopping:
-                hit, state["window"] = _stopped(state["window"], token, stop_ids)
-                finished = finished | hit
-            if scores:
-                score = jnp.where(done, jnp.float32(0.0), score)
-            state["done"] = done | finished
-        state["tokens"] = jax.lax.dynamic_update_slice(state["tokens"], token[:, None], (jnp.int32(0), prompt + t))
-        if scores:
-            state["scores"] = jax.lax.dynamic_update_slice(state["scores"], score[:, None], (jnp.int32(0), t))
-        if penalize:
-            state["seen"] = state["seen"].at[rows, token].set(True)
-        if stream:  # in step order (ordered): the streamer prints as the loop runs
-            io_callback(_put, None, token, ordered=True)
-        state["token"] = token
-        return state
-
-    state: dict[str, Any] = {
-        "tokens": jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1),
-        "done": jnp.zeros((batch,), bool),
-    }
-    if penalize:
-        state["seen"] = _seen(ids, prompt_mask, vocab)
-    if stopping:
-        state["window"] = _window(ids, prompt_mask, stop_ids.shape[1])
-    if scores:
-        state["scores"] = jnp.zeros((batch, new), jnp.float32)
-    state = emit(state, *choose(logits[:, -1], state, 0), 0)
-    state.update(t=jnp.int32(1), cache=cache, am=am)
-
-    def more(state: dict[str, Any]) -> jax.Array:
-        return (state["t"] < new) & ~jnp.all(state["done"]) if ends else state["t"] < new
-
-    def step(state: dict[str, Any]) -> dict[str, Any]:
-        t = state["t"]
-        slot = prompt + t - 1  # the slot of `token`, the last one emitted
-        am = jax.lax.dynamic_update_slice(state["am"], jnp.ones((batch, 1), jnp.int32), (jnp.int32(0), slot))
-        positions = jnp.full((batch, 1), slot, jnp.int32)
-        logits, cache = _call(model, state["token"][:, None], am, positions, state["cache"])
-        state = emit({**state, "am": am, "cache": cache}, *choose(logits[:, -1], state, t), t)
-        return {**state, "t": t + 1}
-
-    state = jax.lax.while_loop(more, step, state)
-    return state["tokens"], state.get("scores")
-
-
-# ---- beam search ------------------------------------------------------------------------------
-
-def _batch_axes(model: Any, batch: int, rows: int, length: int) -> list[int | None]:
-    """Each cache leaf's batch axis (None: a leaf without one), found by making the cache's
-    shapes for ``batch`` and ``rows`` sequences (no arrays are made)."""
-    small = jax.tree.leaves_with_path(jax.eval_shape(lambda: model.init_cache(batch, length)))
-    large = jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(rows, length)))
-    axes: list[int | None] = []
-    for (path, a), b in zip(small, large):
-        differ = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
-        if a.ndim != b.ndim or len(differ) > 1 or (differ and (a.shape[differ[0]], b.shape[differ[0]]) != (batch, rows)):
-            raise ValueError(UNBATCHED_CACHE.format(path=jax.tree_util.keystr(path) or "(root)",
-                                                    shapes=f"is {a.shape} and {b.shape}", small=batch, large=rows))
-        axes.append(differ[0] if differ else None)
-    return axes
-
-
-def _on_axes(cache: Any, axes: list[int | None], f: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(cache)
-    return jax.tree.unflatten(treedef, [leaf if ax is None else f(leaf, ax) for leaf, ax in zip(leaves, axes)])
-
-
-def _beams_of(x: jax.Array, index: jax.Array) -> jax.Array:
-    """``x [batch, beams, ...]`` at the beams ``index [batch, k]``: ``[batch, k, ...]``."""
-    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
-
-
-@partial(jax.jit, static_argnames=("new", "penalize", "hold", "scores", "ngram", "suppress", "bad", "beams",
-                                   "returns", "eos_count"))
-def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, eos_ids: jax.Array, fill: jax.Array,
-                 penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, length_penalty: jax.Array,
-                 early: jax.Array, never: jax.Array, *, new: int, penalize: bool, hold: bool, scores: bool,
-                 ngram: int, suppress: tuple[int, ...], beams: int, returns: int, eos_count: int,
-                 bad: tuple[tuple[int, ...], ...] = ()) -> tuple[jax.Array, jax.Array | None]:
-    """Hugging Face's beam search; ``early`` (bool): early_stopping=True, ``never`` (bool):
-    early_stopping="never" (both False: HF's default heuristic)."""
-    batch, prompt = ids.shape
-    rows, total = batch * beams, prompt + new
-    axes = _batch_axes(model, batch, rows, total)
-    am = jnp.concatenate([prompt_mask, jnp.zeros((batch, new), jnp.int32)], axis=1)
-    positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (batch, prompt))
-    logits, cache = _call(model, ids, am, positions, model.init_cache(batch, total))  # prefill once per prompt
-    cache = _on_axes(cache, axes, lambda leaf, ax: jnp.repeat(leaf, beams, axis=ax))  # row b * beams + k: prompt b
-    vocab = logits.shape[-1]
-    keep = max(2, 1 + eos_count) * beams  # HF's candidates per prompt: enough for `beams` that do not end
-    stopping = stop_ids.shape[0] > 0
-    is_eos = jnp.isin(jnp.arange(vocab), eos_ids) if hold else None
-    suppressed = _suppressed(suppress, vocab) if suppress else None
-    first_k = jnp.arange(keep) < beams
-    lowest = jnp.float32(NEG)
-
-    def select(state: dict[str, Any], logits: jax.Array, t: Any, reorder: bool) -> dict[str, Any]:
-        s = dict(state)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        banned = _banned(s["sequences"].reshape(rows, total), jnp.repeat(_made(prompt_mask, new, t), beams, axis=0),
-                         prompt + t, ngram, bad, vocab)
-        logp = _processed(logp, s.get("seen"), t, penalty, min_new, is_eos, penalize=penalize, holding=hold,
-                          banned=banned, suppressed=suppressed)
-        flat = logp.reshape(batch, beams * vocab)
-        top, index = jax.lax.top_k((logp.reshape(batch, beams, vocab) + s["running"][..., None]).reshape(batch, -1),
-                                   keep)
-        parent, token = index // vocab, (index % vocab).astype(jnp.int32)  # [batch, keep]
-        sequences = jax.lax.dynamic_update_slice(_beams_of(s["sequences"], parent), token[..., None],
-                                                 (jnp.int32(0), jnp.int32(0), prompt + t))
-        ends = jnp.isin(token, eos_ids) | (t == new - 1)
-        if stopping:
-            hit, window = _stopped(_beams_of(s["window"].reshape(batch, beams, -1), parent), token, stop_ids)
-            ends = ends | hit
-        if scores:
-            own = jnp.take_along_axis(flat, index, axis=1)
-            token_scores = jax.lax.dynamic_update_slice(_beams_of(s["token_scores"], parent), own[..., None],
-                                                        (jnp.int32(0), jnp.int32(0), t))
-        # the best `beams` candidates that go on
-        going = top + ends.astype(jnp.float32) * lowest
-        pick = jax.lax.top_k(going, beams)[1]
-        s["sequences"], s["running"] = _beams_of(sequences, pick), _beams_of(going, pick)
-        if scores:
-            s["token_scores"] = _beams_of(token_scores, pick)
-        # the finished ones: the best `beams` so far, old and new (only the first `beams` candidates may enter)
-        just = ends & first_k
-        candidate = top / ((t + 1).astype(jnp.float32) ** length_penalty)
-        full = jnp.all(s["finished"], axis=1, keepdims=True) & early  # early_stopping=True: no more once full
-        candidate = candidate + full.astype(jnp.float32) * lowest
-        candidate = candidate + (~s["improvable"]).astype(jnp.float32) * lowest
-        candidate = candidate + (~just).astype(jnp.float32) * lowest
-        best = jax.lax.top_k(jnp.concatenate([s["final"], candidate], axis=1), beams)[1]
-        merge = lambda old, fresh: _beams_of(jnp.concatenate([old, fresh], axis=1), best)  # noqa: E731
-        s["final_sequences"] = merge(s["final_sequences"], sequences)
-        s["final"] = merge(s["final"], candidate)
-        s["finished"] = merge(s["finished"], just)
-        if scores:
-            s["final_scores"] = merge(s["final_scores"], token_scores)
-        # the next step's inputs: the going beams' tokens, their parents' caches
-        s["token"] = _beams_of(token, pick).reshape(rows)
-        source = (jnp.arange(batch)[:, None] * beams + _beams_of(parent, pick)).reshape(rows)
-        if reorder:  # (at the first step every beam of a prompt is the same)
-            s["cache"] = _on_axes(s["cache"], axes, lambda leaf, ax: jnp.take(leaf, source, axis=ax))
-            if penalize:
-                s["seen"] = s["seen"][source]
-        if penalize:
-            s["seen"] = s["seen"].at[jnp.arange(rows), s["token"]].set(True)
-        if stopping:
-            s["window"] = _beams_of(window, pick).reshape(rows, -1)
-        # whether a running beam can still beat a finished one (HF's heuristic), and whether to go on
-        length = jnp.where(never & (length_penalty > 0), new, t + 1)  # the best length a running beam may reach
-        hope = s["running"][:, :1] / (length.astype(jnp.float32) ** length_penalty)
-        worst = jnp.where(s["finished"], jnp.min(s["final"], axis=1, keepdims=True), lowest)
-        s["improvable"] = s["improvable"] & jnp.any(hope > worst, axis=-1, keepdims=True)
-        s["go"] = jnp.any(s["improvable"]) & ~jnp.all(ends) & ~(jnp.all(s["finished"]) & early)
-        return s
-
-    start = jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1)
-    start = jnp.broadcast_to(start[:, None], (batch, beams, total))
-    state: dict[str, Any] = {
-        "sequences": start, "final_sequences": start,
-        "running": jnp.where(jnp.arange(beams) == 0, 0.0, lowest)[None].repeat(batch, 0).astype(jnp.float32),
-        "final": jnp.full((batch, beams), lowest), "finished": jnp.zeros((batch, beams), bool),
-        "improvable": jnp.ones((batch, 1), bool), "cache": cache,
-    }
-    if penalize:
-        state["seen"] = jnp.repeat(_seen(ids, prompt_mask, vocab), beams, axis=0)
-    if stopping:
-        state["window"] = jnp.repeat(_window(ids, prompt_mask, stop_ids.shape[1]), beams, axis=0)
-    if scores:
-        state["token_scores"] = state["final_scores"] = jnp.zeros((batch, beams, new), jnp.float32)
-    state = select(state, jnp.repeat(logits[:, -1], beams, axis=0), jnp.int32(0), reorder=False)
-    state.update(t=jnp.int32(1), am=jnp.repeat(am, beams, axis=0))
-
-    def more(state: dict[str, Any]) -> jax.Array:
-        return (state["t"] < new) & state["go"]
-
-    def step(state: dict[str, Any]) -> dict[str, Any]:
-        t = state["t"]
-        slot = prompt + t - 1
-        am = jax.lax.dynamic_update_slice(state["am"], jnp.ones((rows, 1), jnp.int32), (jnp.int32(0), slot))
-        logits, cache = _call(model, state["token"][:, None], am, jnp.full((rows, 1), slot, jnp.int32),
-                              state["cache"])
-        state = select({**state, "am": am, "cache": cache}, logits[:, -1], t, reorder=True)
-        return {**state, "t": t + 1}
-
-    state = jax.lax.while_loop(more, step, state)
-    tokens = state["final_sequences"][:, :returns].reshape(batch * returns, total)
-    return tokens, state["final_scores"][:, :returns].reshape(batch * returns, new) if scores else None

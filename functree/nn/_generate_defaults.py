@@ -1,0 +1,87 @@
+"""A checkpoint's generation defaults: what Hugging Face's ``generate`` applies when its caller
+passes nothing.
+
+HF's ``model.generate(ids)`` takes each option from, in order: the caller's argument, the
+model's ``generation_config`` (``generation_config.json``; without one, the generation values
+of ``config.json``), then HF's global defaults (``GenerationConfig._get_default_generation_params``:
+``do_sample=False``, ``temperature=1.0``, ``top_k=50``, ``top_p=1.0`` ...). A model ported by
+``ft.nn.from_hf`` carries both files as ``model.hf_config`` (a mapping of config.json's values,
+with generation_config.json's as ``model.hf_config.generation``); :func:`checkpoint_defaults`
+reads the options ``ft.nn.generate`` supports from it, once per config object.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+# The options of ``ft.nn.generate`` that HF's generation config sets, by HF's name.
+SUPPORTED = ("eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p", "min_p",
+             "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens", "suppress_tokens",
+             "num_beams", "num_return_sequences", "length_penalty", "early_stopping")
+
+# HF's global defaults of the sampling options (applied when neither the caller nor the file sets them).
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+# Options HF applies that ft.nn.generate does not have, with the value at which they do nothing.
+UNSUPPORTED = {"min_length": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+               "forced_bos_token_id": None, "forced_eos_token_id": None, "begin_suppress_tokens": None,
+               "exponential_decay_length_penalty": None, "sequence_bias": None, "num_beam_groups": 1,
+               "diversity_penalty": 0.0, "penalty_alpha": None, "encoder_repetition_penalty": 1.0,
+               "guidance_scale": None, "stop_strings": None}
+
+UNAPPLIED = """\
+generate: the model's generation config (hf_config.generation, from generation_config.json) sets \
+{options}, which Hugging Face's generate applies and ft.nn.generate does not: its tokens may \
+differ from HF's. Pass the options you want explicitly to silence this:
+
+    right:  ft.nn.generate(model, input_ids, 32, eos_token_id=eos)      # what HF's defaults would not change"""
+
+BAD_CHECKPOINT_VALUE = """\
+generate: the model's hf_config (config.json / generation_config.json) gives {name}={value!r}, \
+which is not a valid {name}: {reason}
+
+    right:  ft.nn.generate(model, input_ids, 32, {name}=...)    # an explicit argument wins"""
+
+# id(hf_config) -> (hf_config, defaults): the object is kept, so its id is not reused.
+_CACHE: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+
+def checkpoint_defaults(model: Any) -> dict[str, Any] | None:
+    """The generation options ``model.hf_config`` sets (HF's names; None for a model without
+    ``hf_config``), read once per config object: generation_config.json's value, else
+    config.json's (HF's ``GenerationConfig.from_model_config``); a None value is unset."""
+    config = getattr(model, "hf_config", None)
+    if not isinstance(config, Mapping):
+        return None
+    found = _CACHE.get(id(config))
+    if found is not None and found[0] is config:
+        return found[1]
+    generation = getattr(config, "generation", None)
+    generation = generation if isinstance(generation, Mapping) else {}
+    defaults: dict[str, Any] = {}
+    for name in SUPPORTED:
+        value = generation.get(name)
+        defaults[name] = config.get(name) if value is None else value
+    defaults = {k: v for k, v in defaults.items() if v is not None}
+    _warn_unapplied(generation)
+    if len(_CACHE) > 64:  # a long session of ported models: keep the table small
+        _CACHE.clear()
+    _CACHE[id(config)] = (config, defaults)
+    return defaults
+
+
+def _warn_unapplied(generation: Mapping[str, Any]) -> None:
+    unapplied = {k: generation[k] for k, off in UNSUPPORTED.items()
+                 if generation.get(k) is not None and generation.get(k) != off}
+    if unapplied:
+        options = ", ".join(f"{k}={v!r}" for k, v in unapplied.items())
+        warnings.warn(UNAPPLIED.format(options=options), UserWarning, stacklevel=4)
+
+
+def bad_value(name: str, value: Any, error: Exception) -> ValueError:
+    """The error for a checkpoint's ``value`` of ``name`` that ``generate``'s check refused
+    with ``error`` (whose first line says why)."""
+    reason = str(error).split("\n")[0].removeprefix("generate: ")
+    return ValueError(BAD_CHECKPOINT_VALUE.format(name=name, value=value, reason=reason))

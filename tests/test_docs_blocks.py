@@ -54,6 +54,7 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<info>[^\n`]*)\n(?P<b
                    re.MULTILINE | re.DOTALL)
 TITLE = re.compile(r'title="(?P<title>[^"]*)"')
 NOT_RUN = ("Needs:", "Fragment:")
+DEVICES = re.compile(r"<!-- blocks run with (?P<n>\d+) CPU devices -->")
 PYTHON = {"python", "py", "pycon", "python3"}
 
 
@@ -155,12 +156,27 @@ def missing_packages(spec):
     return sorted(name for name in imported_packages(spec) if importlib.util.find_spec(name) is None)
 
 
-def block_environment():
+def page_devices(page):
+    """The CPU devices a page's blocks run with: N where the page says
+    ``<!-- blocks run with N CPU devices -->`` (a page that moves arrays between devices and
+    meshes, as a laptop simulating them does), else None (the inherited backend)."""
+    found = DEVICES.search(page.read_text())
+    return int(found.group("n")) if found else None
+
+
+def block_environment(devices=None):
     """The blocks' process environment: functree from this checkout (first on PYTHONPATH:
-    no install needed, and not another installed copy), a plotting backend without a display."""
+    no install needed, and not another installed copy), a plotting backend without a display,
+    and ``devices`` CPU devices if given (XLA's host device count appended to the inherited
+    XLA_FLAGS, on the CPU whatever the machine's accelerator)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("MPLBACKEND", "Agg")
+    if devices is not None:
+        inherited = [f for f in env.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join([*inherited, f"--xla_force_host_platform_device_count={devices}"])
+        env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
@@ -190,7 +206,8 @@ def test_every_python_block_runs(page, tmp_path):
     (tmp_path / "blocks.json").write_text(json.dumps(spec))
     (tmp_path / "run.py").write_text(RUNNER)
     result = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(page), str(tmp_path / "blocks.json")],
-                            cwd=tmp_path, capture_output=True, text=True, env=block_environment(), timeout=600)
+                            cwd=tmp_path, capture_output=True, text=True, env=block_environment(page_devices(page)),
+                            timeout=600)
     assert result.returncode == 0, f"{page_id(page)}: a block fails as pasted\n{result.stderr[-6000:]}"
 
 
@@ -250,3 +267,16 @@ def test_pages_that_import_a_missing_package_are_skipped_and_functree_comes_from
                            env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
     assert found.returncode == 0, found.stderr[-3000:]
     assert pathlib.Path(found.stdout.strip()).resolve().parent == ROOT / "functree"
+
+
+def test_a_page_asks_for_simulated_devices(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Text.\n<!-- blocks run with 8 CPU devices -->\n")
+    assert page_devices(page) == 8
+    env = block_environment(8)
+    assert env["XLA_FLAGS"].startswith(os.environ.get("XLA_FLAGS", "").strip())  # appended
+    counted = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert counted.stdout.strip() == "8", counted.stderr[-3000:]
+    page.write_text("Text.\n")
+    assert page_devices(page) is None and "JAX_PLATFORMS" not in block_environment(None).keys() - os.environ.keys()

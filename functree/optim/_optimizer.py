@@ -39,6 +39,7 @@ from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._tangent import move
+from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
 from functree.nn._state import apply_state, collect_state
 from functree.optim._average import with_average
@@ -304,7 +305,10 @@ class Optimizer:
         state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.
-        return copy_aliases((model, state))[1]
+        state = copy_aliases((model, state))[1]
+        # The context and hyperparameters are put from the host: on the model's devices.
+        where = placement_of(model)
+        return state if where is None else put(state, where)
 
     def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
                loss: Any = None, apply_if: Any = None, finite: Any = None, **extra: Any) -> tuple[Any, Any]:

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from functree._where import put
 from functree.optim._optimizer import with_wrt
 from functree.train._evaluation import key_parameter, signature
 from functree.train._step import TrainStep
 from functree.train._step import train_step as make_train_step
 
-__all__ = ["make_step", "check_key"]
+__all__ = ["make_step", "check_key", "job_field"]
 
 WRT_WITH_STEP = """\
 Trainer(wrt=...) cannot change a TrainStep instance's optimizer: the step was built with its own.
@@ -76,3 +77,21 @@ def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:
         raise ValueError(LOSS_NEEDS_KEY.format(name=name, signature=signature(loss_fn)))
     if takes is None and key is not None and signature(loss_fn):
         raise ValueError(LOSS_TAKES_NO_KEY.format(name=name, signature=signature(loss_fn)))
+
+
+def job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any], None] | None = None,
+              arrays: bool = False) -> Any:
+    """A property reading ``name`` of the current :class:`JobState` (setting it commits a
+    new record: callbacks replace ``trainer.model``, set ``trainer.stop_training``).
+    ``arrays``: the step's inputs, committed where the trainer's model lives (one compiled step)."""
+    def get(self: Any) -> Any:
+        return getattr(self._job, name)
+
+    def set_(self: Any, value: Any) -> None:
+        if check is not None:
+            check(value)
+        if arrays:
+            value = put(value, self._where)
+        self._job = self._job._replace(**{name: value})
+
+    return property(get, set_ if settable else None, doc=doc)

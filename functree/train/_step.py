@@ -39,6 +39,7 @@ from functree._jit import explain_control_flow, has_untraceable_leaves, unchecke
 from functree._naming import names as _leaf_names
 from functree._nan import NaNReport, provenance_text
 from functree._tree import is_none
+from functree._where import placement_of, put
 from functree.optim import Optimizer, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import Gradients
@@ -584,7 +585,7 @@ class TrainStep:
         program = self._program(model) if self.steps_per_call == 1 else self._scan_program(model)
         if self._shared is not None:
             self._shared.owner = self._ref
-        return program.lower(model, opt_state, batch, key, self._new_halt_log())
+        return program.lower(model, opt_state, batch, key, self._new_halt_log(model))
 
     def run(self, model: Any, opt_state: Any, batch: Any, key: Any = None, log: Any = None, *,
             owned: bool = False, steps: int | None = None) -> Any:
@@ -648,9 +649,11 @@ class TrainStep:
         self._guard.check_donated((("model", model), ("opt_state", opt_state)), what="The train step's",
                                   step="the train step", no_donation=NO_DONATION)
 
-    def _new_halt_log(self) -> Any:
+    def _new_halt_log(self, model: Any = None) -> Any:
         # Put from the host: an eager operation would compile a program of its own before step 1.
         halt = jax.device_put(np.array([0, -1, -1], np.int32))
+        if self.placement is None and (where := placement_of(model)) is not None:
+            halt = put(halt, where)  # where the model lives (read once: the log is kept)
         return self._place_log({"halt": halt}) if self.on_nan == "stop" else None
 
     def _place_log(self, log: Any) -> Any:
@@ -663,7 +666,7 @@ class TrainStep:
         if self.on_nan != "stop":
             return self.run(model, opt_state, batch, key)[:3]
         if self._halt is None:
-            self._halt, self._calls, self._inflight = self._new_halt_log(), 0, []
+            self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
         elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
             self._check(model, opt_state, block=False)
         self._inflight.append((self._calls * self.steps_per_call, batch, key))  # its first step

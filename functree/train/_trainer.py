@@ -23,10 +23,10 @@ import jax
 from functree import nn
 from functree._alias import warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
+from functree._where import placement_of, put
 from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._skip import DEFAULT_ON_NAN
-from functree.train._arrays import committed
 from functree.train._callbacks import Callback, ModelCheckpoint, TrainingContext, as_callback
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, to_arrays
@@ -40,7 +40,7 @@ from functree.train._metrics import describe_batch
 from functree.train._progress import Progress
 from functree.train._reader import Reader, reads_model
 from functree.train._scan import check_steps_per_call, stack_batches
-from functree.train._setup import check_key, make_step
+from functree.train._setup import check_key, job_field, make_step
 from functree.train._step import NonFiniteError, TrainStep, eval_step
 
 __all__ = ["Trainer", "NonFiniteError"]
@@ -61,24 +61,6 @@ class _Fit(NamedTuple):
     steps: int | None
     save_every: list[int]  # ModelCheckpoint(every_steps=) values
     sync_logs: bool  # a callback reads the model at on_log: read intervals at once
-
-
-def _job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any], None] | None = None,
-               arrays: bool = False) -> Any:
-    """A property reading ``name`` of the current :class:`JobState` (setting it commits a
-    new record: callbacks replace ``trainer.model``, set ``trainer.stop_training``).
-    ``arrays``: the step's inputs, committed as the trainer's own (one compiled step)."""
-    def get(self: Trainer) -> Any:
-        return getattr(self._job, name)
-
-    def put(self: Trainer, value: Any) -> None:
-        if check is not None:
-            check(value)
-        if arrays and getattr(self.train_step, "placement", None) is None:
-            value = committed(value)
-        self._job = self._job._replace(**{name: value})
-
-    return property(get, put if settable else None, doc=doc)
 
 
 class Trainer(Evaluation):
@@ -145,18 +127,18 @@ class Trainer(Evaluation):
       (2, 1)
     """
 
-    model = _job_field("model", "The model (training mode) after the last step committed.", settable=True,
+    model = job_field("model", "The model (training mode) after the last step committed.", settable=True,
                        arrays=True)
-    opt_state = _job_field("opt_state", "The optimizer state (with its learning context).", settable=True,
+    opt_state = job_field("opt_state", "The optimizer state (with its learning context).", settable=True,
                            arrays=True)
-    key = _job_field("key", "The base PRNG key (None: the loss takes none).", settable=True, arrays=True)
-    extra = _job_field("extra", "User state saved with every checkpoint: a tree of arrays and plain values.",
+    key = job_field("key", "The base PRNG key (None: the loss takes none).", settable=True, arrays=True)
+    extra = job_field("extra", "User state saved with every checkpoint: a tree of arrays and plain values.",
                        settable=True, check=check_extra)
-    stop_training = _job_field("stopped", "Set True (a callback) to stop after this step.", settable=True)
-    steps_run = _job_field("steps_run", "Training steps run by the job (all ``fit`` calls).")
-    epoch = _job_field("epoch", "Epochs completed.")
-    batch_in_epoch = _job_field("batch_in_epoch", "Minibatches of the current epoch consumed.")
-    history = _job_field("history", "The job's :class:`History`.")
+    stop_training = job_field("stopped", "Set True (a callback) to stop after this step.", settable=True)
+    steps_run = job_field("steps_run", "Training steps run by the job (all ``fit`` calls).")
+    epoch = job_field("epoch", "Epochs completed.")
+    batch_in_epoch = job_field("batch_in_epoch", "Minibatches of the current epoch consumed.")
+    history = job_field("history", "The job's :class:`History`.")
 
     def __init__(self, model: Any, optimizer: Any, loss_fn: Callable[..., Any], *,
                  metrics: Mapping[str, Any] | Sequence[Any] | None = None, key: jax.Array | None = None,
@@ -181,8 +163,10 @@ class Trainer(Evaluation):
         placement = getattr(self.train_step, "placement", None)
         if placement is not None:  # a step over a mesh: arrays on it by its rules
             model, opt_state = placement.place(model, opt_state)
-        else:  # committed, as restored arrays are: one compiled step for both
-            model, opt_state, key = committed((model, opt_state, key))
+        # The trainer's own arrays live where the model does (a device, a mesh), committed as
+        # restored arrays are: one compiled step for a fresh and a restored job.
+        self._where = placement_of(model)
+        model, opt_state, key = put((model, opt_state, key), self._where)
         self._job = JobState.start(model, opt_state, key)
         self.nan_report: Any = None  # ft.NaNReport of the first stopped or skipped step
         self.preempted = False  # the last fit stopped at a SIGTERM
@@ -329,7 +313,7 @@ class Trainer(Evaluation):
                 self._epochs.first_shapes = describe_batch(batch)
                 log.names = self._reader.metric_names(batch)
             if log.buffer is None:
-                log.open(self.opt_state, self.train_step._place_log)
+                log.open(self.opt_state, self._place_log)
             if k == 1:  # the plain loop, kept lean
                 self._step(batch, [(batch, size)], 1, 0)
                 if guard.deferred:
@@ -355,6 +339,10 @@ class Trainer(Evaluation):
             if self._after_call(fit) and guard.terminate:
                 return ran, False
         return ran, self.batch_in_epoch > 0
+
+    def _place_log(self, log: Any) -> Any:
+        """A new metric buffer where the step returns it: the model's devices."""
+        return put(self.train_step._place_log(log), self._where)
 
     def _step(self, batch: Any, pairs: list[tuple[Any, int]], n: int, offset: int) -> None:
         """One call of the step on ``batch`` (``n`` minibatches, stacked when ``n > 1``),
@@ -494,6 +482,9 @@ class Trainer(Evaluation):
                 return self.restore(owned, step, optimizer_state=optimizer_state, callbacks=callbacks)
         self._job, self.checkpoint = read_job(manager, step, self._job, optimizer_state=optimizer_state,
                                               callbacks=callbacks, placement=self.train_step.placement)
+        job = self._job  # on the model's devices, whatever the reader placed them by
+        self._job = job._replace(**dict(zip(("model", "opt_state", "key"),
+                                            put((job.model, job.opt_state, job.key), self._where))))
         self._reader.log.drop()
         self._epochs.forget(restored=True)
         return self

@@ -1,0 +1,81 @@
+"""Where a model lives, and the arrays made for it put there.
+
+A model committed to one device (``jax.device_put(model, jax.devices()[2])``) or to a mesh
+(``NamedSharding`` leaves) is trained there: the arrays a step, an optimizer or a trainer
+makes for it (learning context, hyperparameters, PRNG key, the metric buffer, NaN records,
+evaluation sums) must be on the same devices, or ``jax.jit`` refuses the call ("Received
+incompatible devices for jitted computation"). :func:`placement_of` reads the model's
+placement once (when a program, a state or a trainer is built), :func:`put` puts arrays
+there, committed.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from functree._where import placement_of, put
+  >>> model = {"w": jnp.ones(2)}          # uncommitted: on the default device
+  >>> placement_of(model) is None
+  True
+  >>> state = put({"step": jnp.zeros((), jnp.int32)}, placement_of(model))
+  >>> state["step"].committed             # committed where it is, as restored arrays are
+  True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+__all__ = ["placement_of", "put", "default_device"]
+
+
+def default_device() -> Any:
+    """The device uncommitted arrays are made on (``jax.default_device`` if set)."""
+    device = getattr(jax.config, "jax_default_device", None)
+    if device is None or isinstance(device, str):
+        return jax.local_devices(backend=device)[0]
+    return device
+
+
+def _replicated(sharding: Sharding) -> Sharding:
+    """A sharding that holds a whole array on every device of ``sharding``."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
+    devices = sharding._device_assignment  # (the mesh order of a GSPMD or positional sharding)
+    if len(devices) == 1:
+        return SingleDeviceSharding(devices[0], memory_kind=sharding.memory_kind)
+    return NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())
+
+
+def placement_of(tree: Any) -> Sharding | None:
+    """Where new arrays for ``tree`` go: its first committed array's devices, replicated
+    (a ``SingleDeviceSharding`` for one device, ``NamedSharding(mesh, P())`` for a mesh);
+    None when no leaf is committed or they are on the default device alone (new arrays
+    are made there anyway, uncommitted: nothing to move), or under a trace (``jax.vmap``
+    of ``opt.init``: its arrays are placed with the traced ones)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.committed:
+            sharding = leaf.sharding
+            if sharding.device_set == {default_device()}:
+                return None
+            return _replicated(sharding)
+    return None
+
+
+def put(tree: Any, where: Sharding | None) -> Any:
+    """``tree`` with each array committed on ``where``'s devices: an array already
+    committed there stays as it is (sharded by its rules), another one (uncommitted, or on
+    other devices) is put there whole. ``where`` None: each array committed where it is
+    (the same buffers; ``jax.jit`` then compiles one program for these arrays and restored
+    ones, which come back committed)."""
+    if where is None:
+        return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if _uncommitted(x) else x, tree)
+    devices = where.device_set
+    return jax.tree.map(lambda x: jax.device_put(x, where) if isinstance(x, jax.Array) and (
+        not x.committed or x.sharding.device_set != devices) else x, tree)
+
+
+def _uncommitted(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.committed

@@ -1,0 +1,149 @@
+"""A model trains where it lives (issue 44 item 2): ``functree/_where.py``.
+
+A model committed to device 2 of 8, or to a mesh of devices 4-7, goes through
+``opt.init``, ``train_step``, ``ft.jit(donate=...)`` and the Trainer (fit with validation,
+checkpoints, restore and continue) with every array the library makes for it on its
+devices. Before, the trainer's own arrays (key, metric buffer, learning context) were
+committed to the default device and the first step failed: "Received incompatible devices
+for jitted computation".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _devices import part, scenarios
+
+from functree._where import placement_of, put
+
+COMMON = """
+import tempfile
+import jax, jax.numpy as jnp, numpy as np
+import functree as ft
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+X = np.random.default_rng(0).normal(size=(48, 3)).astype(np.float32)
+Y = (X @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+DEVICE = jax.devices()[2]
+
+def loss_fn(model, batch, *, key):
+    x, y = batch
+    return jnp.mean((model(x, key=key) - y) ** 2)
+
+def plain_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+def new_model():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return ft.nn.Sequential(ft.nn.Dense(3, 4, key=k1), ft.nn.Dropout(0.25), ft.nn.Dense(4, 1, key=k2))
+
+def devices_of(tree):
+    return sorted({d.id for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.devices()})
+
+def trainer(where=None):
+    model = new_model() if where is None else jax.device_put(new_model(), where)
+    return ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.adam(0.05)), loss_fn, key=jax.random.key(7))
+
+def leaves(t):
+    return [np.asarray(x) for x in jax.tree.leaves((t.model, t.opt_state))]
+
+def fit(t, directory=None):
+    callbacks = [] if directory is None else [ft.train.ModelCheckpoint(directory, every_steps=5, max_to_keep=None)]
+    t.fit(ft.train.batches((X, Y), 8, key=jax.random.key(3)), epochs=3, validation_data=(X, Y), log_every=2,
+          progress=False, callbacks=callbacks)
+    return t
+"""
+
+SCENARIOS = {
+    "trainer_on_device_two": """
+directory = tempfile.mkdtemp() + "/job"
+t = fit(trainer(DEVICE), directory)
+straight = fit(trainer())  # the same job on the default device
+on = {"model": devices_of(t.model), "opt_state": devices_of(t.opt_state), "key": devices_of(t.key),
+      "log": devices_of(t._reader.log.buffer)}
+resumed = trainer(DEVICE).restore(directory, step=10)
+restored_on = devices_of((resumed.model, resumed.opt_state, resumed.key))
+fit(resumed, tempfile.mkdtemp() + "/again")
+report({"on": on, "restored_on": restored_on, "resumed_on": devices_of((resumed.model, resumed.opt_state)),
+        "same": all(np.array_equal(a, b) for a, b in zip(leaves(t), leaves(straight))),
+        "resumed_same": all(np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(t))),
+        "val": [round(v, 6) for v in t.history.epochs["val_loss"]] ==
+               [round(v, 6) for v in straight.history.epochs["val_loss"]],
+        "steps": resumed.steps_run, "evaluated": sorted(t.evaluate((X, Y)))})
+""",
+    "optimizer_step_and_jit_on_device_two": """
+model = jax.device_put(ft.nn.Dense(3, 1, key=jax.random.key(0)), DEVICE)
+opt = ft.optim.Optimizer(ft.optim.adam(0.1))
+state = opt.init(model)
+init_on = devices_of(state)
+step = ft.train.train_step(plain_loss, opt)
+m, s = jax.tree.map(jnp.copy, (model, state))
+for _ in range(3):
+    m, s, metrics = step(m, s, (X[:8], Y[:8]))
+step.check()
+
+@ft.jit(donate=(0, 1))
+def minimize(m, s, batch):
+    return opt.minimize(plain_loss, m, s, batch)[:2]
+
+j, js = jax.tree.map(jnp.copy, (model, state))
+for _ in range(3):
+    j, js = minimize(j, js, (X[:8], Y[:8]))
+report({"init": init_on, "step": devices_of((m, s, metrics)), "compiles": step._compiled._cache_size(),
+        "jit": devices_of((j, js)), "jit_compiles": minimize._cache_size()})
+""",
+    "trainer_on_a_mesh_it_was_not_given": """
+mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[4:])
+t = fit(trainer(NamedSharding(mesh, P())))
+straight = fit(trainer())
+report({"on": devices_of((t.model, t.opt_state, t.key, t._reader.log.buffer)),
+        "same": all(np.array_equal(a, b) for a, b in zip(leaves(t), leaves(straight)))})
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def eight_devices(request):
+    """The reports of this run's selected scenarios, from one 8-device subprocess."""
+    here = {item.originalname[5:] for item in request.session.items if getattr(item, "module", None) is request.module}
+    wanted = {name: src for name, src in SCENARIOS.items() if name in here}
+    return scenarios(COMMON, wanted, devices=8)
+
+
+@pytest.mark.slow
+def test_trainer_on_device_two(eight_devices):
+    """Fit with validation and checkpoints, restore and continue: every array on device 2,
+    the numbers those of the same job on the default device, bit for bit."""
+    got = part(eight_devices, "trainer_on_device_two")
+    assert got["on"] == {"model": [2], "opt_state": [2], "key": [2], "log": [2]}
+    assert got["restored_on"] == [2] and got["resumed_on"] == [2]
+    assert got["same"] and got["val"] and got["resumed_same"] and got["steps"] == 18
+    assert got["evaluated"] == ["loss"]
+
+
+@pytest.mark.slow
+def test_optimizer_step_and_jit_on_device_two(eight_devices):
+    """``opt.init`` of params on device 2 gives a state there; ``train_step`` and
+    ``ft.jit(donate=...)`` run there, each one program for the loop."""
+    got = part(eight_devices, "optimizer_step_and_jit_on_device_two")
+    assert got["init"] == [2] and got["step"] == [2] and got["jit"] == [2]
+    assert got["compiles"] == 1 and got["jit_compiles"] == 1
+
+
+@pytest.mark.slow
+def test_trainer_on_a_mesh_it_was_not_given(eight_devices):
+    """A model replicated on a mesh of devices 4-7 (no ``mesh=`` to the Trainer) trains
+    there, as on one device."""
+    got = part(eight_devices, "trainer_on_a_mesh_it_was_not_given")
+    assert got["on"] == [4, 5, 6, 7] and got["same"]
+
+
+def test_placement_of_and_put_on_the_default_device():
+    """Uncommitted or default-device models need no move: None; ``put`` commits in place."""
+    model = {"w": jnp.ones(2)}
+    assert placement_of(model) is None
+    assert placement_of(jax.device_put(model, jax.devices()[0])) is None
+    state = put({"n": jnp.zeros(())}, None)
+    assert state["n"].committed and state["n"].devices() == {jax.devices()[0]}

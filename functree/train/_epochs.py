@@ -20,8 +20,9 @@ import jax
 import numpy as np
 
 from functree.train._data import Batches, batches
-from functree.train._job import JobState, json_position
+from functree.train._job import JobState
 from functree.train._metrics import batch_size_of, describe_batch
+from functree.train._position import DATA_STATE_NOT_STORABLE, storable
 
 __all__ = ["Epochs", "as_data", "epoch_length", "is_array"]
 
@@ -62,10 +63,6 @@ job was trained on, or start a new job (a fresh Trainer) for new data:
     wrong:  trainer.restore(path); trainer.fit(other_data, epochs=10)
     right:  trainer.restore(path); trainer.fit(same_data, epochs=10)"""
 
-DATA_STATE_NOT_JSON = """\
-The data iterator ({kind}) reports its position with get_state(), but {given} is not \
-JSON (numbers, strings, lists, dicts), so it cannot go into the checkpoint's metadata.
-Return a JSON-able position from get_state(), e.g. {{"epoch": 3, "index": 120}}."""
 
 EMPTY_MINIBATCH = """\
 step {step}: minibatch {index} of epoch {epoch} is empty (0 examples; minibatches and epochs \
@@ -189,8 +186,8 @@ class Epochs:
         if it is None or not _has_position(it) or not (job.batch_in_epoch or it is self.of):
             return None
         state = it.get_state()
-        if not json_position(state):
-            raise ValueError(DATA_STATE_NOT_JSON.format(kind=type(it).__name__, given=repr(state)[:120]))
+        if not storable(state):  # (JSON values and bytes: grain's DataLoader gives bytes)
+            raise ValueError(DATA_STATE_NOT_STORABLE.format(kind=type(it).__name__, given=repr(state)[:120]))
         return state
 
     def check_data(self, data: Any, epochs: int | None, steps: int | None, job: JobState) -> None:

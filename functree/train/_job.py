@@ -12,7 +12,6 @@ since checkpoints carried the job: older Trainer checkpoints restore as they are
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -24,6 +23,7 @@ from functree._alias import copy_aliases
 from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._history import History
 from functree.train._means import Means
+from functree.train._position import decode, encode
 
 __all__ = ["JobState", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
 
@@ -145,7 +145,8 @@ def save_job(manager: CheckpointManager, job: JobState, callbacks: Sequence[Any]
     config = {
         "trainer": {"steps_run": job.steps_run, "epoch": job.epoch, "batch_in_epoch": job.batch_in_epoch,
                     "on_nan": about.pop("on_nan", None), "stopped": bool(job.stopped),
-                    "epoch_length": job.epoch_length, "since_log": job.since_log, "data_state": job.data_state,
+                    "epoch_length": job.epoch_length, "since_log": job.since_log,
+                    "data_state": encode(job.data_state),
                     "means": {"window": job.window.to_json(), "epoch": job.epoch_means.to_json()},
                     "history": {"steps": history.steps, "epochs": history.epochs},
                     "skipped": [list(s) for s in job.skipped]},
@@ -186,7 +187,8 @@ def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, op
         since_log=int(position.get("since_log", 0)), window=Means.from_json(means.get("window")),
         epoch_means=Means.from_json(means.get("epoch")),
         skipped=tuple((int(s), str(w)) for s, w in position.get("skipped", [])), extra=extra.get("user"),
-        callbacks=states if callbacks else None, data_state=position.get("data_state"),
+        callbacks=states if callbacks else None,
+        data_state=decode(position.get("data_state"), f"{manager.directory} step {ckpt.step}: data_state"),
         epoch_length=position.get("epoch_length"))
     return job, ckpt
 
@@ -234,15 +236,6 @@ def check_extra(extra: Any) -> None:
         if not isinstance(leaf, _PLAIN) or (isinstance(leaf, np.ndarray) and leaf.dtype.hasobject):
             where = f"extra{jax.tree_util.keystr(path)}" if path else "extra"
             raise TypeError(BAD_EXTRA.format(path=where, given=f"{type(leaf).__name__} {repr(leaf)[:60]}"))
-
-
-def json_position(state: Any) -> bool:
-    """Whether a data iterator's ``get_state()`` can go into a checkpoint's JSON."""
-    try:
-        json.dumps(state)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def own_copy(tree: Any) -> Any:

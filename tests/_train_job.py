@@ -8,8 +8,10 @@ report) run in the test's child process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -154,6 +156,65 @@ def fit(t: ft.train.Trainer, config: dict, directory, kill_after: int | None = N
           log_every=config["log_every"], steps_per_call=config["steps_per_call"], progress=False,
           callbacks=callbacks)
     return callbacks
+
+
+NUMERICS = ("jax_default_matmul_precision", "jax_numpy_dtype_promotion", "jax_enable_x64")
+"""The JAX settings that change a step's program (a float32 dot's precision: on a GPU the
+default is TF32, on a CPU float32 either way): a job resumed under other values computes
+otherwise."""
+
+
+def child_env(*paths: str) -> dict[str, str]:
+    """This process's environment for a child that runs jobs, with its JAX settings
+    (:data:`NUMERICS`, which the conftest sets after the start) as the child's environment
+    variables, and ``paths`` before the inherited ``PYTHONPATH``: the child's programs are
+    this process's (issue 44 item 3: a child at the default matmul precision wrote the
+    checkpoints a test compared, bit for bit, with jobs at "highest")."""
+    env = dict(os.environ)
+    for name in NUMERICS:
+        value = getattr(jax.config, name)
+        if value is not None:
+            env[name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    return env
+
+
+def signature(tree) -> list:
+    """What ``jax.jit`` keys a program on, leaf by leaf: dtype, shape, weak type, sharding,
+    committed."""
+    return [[str(x.dtype), list(x.shape), bool(getattr(x, "weak_type", False)), str(x.sharding), bool(x.committed)]
+            for x in jax.tree.leaves(tree)]
+
+
+def step_program(t: ft.train.Trainer, batch) -> list[str]:
+    """Digests of the lowered and the compiled text of the very program a step of ``t``
+    runs on ``batch`` (the flat program, with the trainer's log buffer)."""
+    program = t.train_step._program(t.model)
+    flat, donated, others = program._program((t.model, t.opt_state, batch, t.key, t._reader.log.buffer))
+    lowered = flat.jitted.lower(donated, others)
+    texts = [lowered.as_text(), lowered.compile().as_text()]
+    if os.environ.get("FT_DUMP_PROGRAM"):
+        for i, text in enumerate(texts):
+            with open(f"{os.environ['FT_DUMP_PROGRAM']}.{os.getpid()}.{i}", "w") as f:
+                f.write(text)
+    return [hashlib.sha256(_program_only(text).encode()).hexdigest() for text in texts]
+
+
+def _program_only(text: str) -> str:
+    """A program's text without what names where it was traced from: the compiled module's
+    source tables and ``metadata={...}``, and private functions' numbers (they count the
+    functions traced before in the process)."""
+    text = re.sub(r"\nFileNames\n.*?\n(?=[%A-Z][A-Za-z_.%]* ?[^\n]*\{\n)", "\n", text, flags=re.S)
+    text = re.sub(r", metadata=\{[^{}]*\}", "", text)
+    return re.sub(r"(@[\w.]+?)_\d+\b", r"\1", text)
+
+
+def _program(config: dict, directory: str) -> None:
+    """The job of ``config`` straight through, then the digests of its step program (in a
+    fresh process: the program must not depend on the process)."""
+    t = trainer(config["accumulate"], config["steps_per_call"])
+    fit(t, config, directory)
+    print(json.dumps(step_program(t, (X[:10], Y[:10]))), flush=True)
 
 
 def _sigkill(directory: str, config: dict) -> None:

@@ -356,8 +356,7 @@ for thread in jobs:
 
 
 def _child(*args):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
+    env = job.child_env(str(HERE.parent), str(HERE))  # the child's programs are this process's
     return subprocess.Popen([sys.executable, "-c", CHILD, *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -391,6 +390,51 @@ def test_sigkill_and_sigint_in_subprocesses(tmp_path, straight_job):
     assert report == {"trials": 20, "interrupted": report["interrupted"], "lost": 0, "stuck": 0,
                       "equal": 20}, err
     assert report["interrupted"] >= 5, report  # the others landed after fit (timing varies with load)
+
+
+class _Compiles(logging.Handler):
+    """The programs XLA compiles while attached to JAX's logger (caches kept)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.names: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Compiling"):
+            self.names.append(record.getMessage()[:120])
+
+
+def test_a_restored_job_runs_the_very_program_of_the_uninterrupted_one(tmp_path):
+    """Resume is bit for bit on every backend only if the restored job runs the program the
+    uninterrupted one runs (issue 44 item 3: on a GPU another program is compiled and
+    autotuned again, and may round otherwise). The restored arrays are keyed as the
+    step's own outputs (dtype, shape, weak type, sharding, committed), the resumed fit
+    compiles nothing, and the step program's lowered and compiled text is the same here,
+    after the restore, and in a fresh process (another PYTHONHASHSEED)."""
+    config = {"every_steps": 3, "log_every": LOG, "steps_per_call": 1, "accumulate": 2, "n_batches": 4,
+              "kind": "positioned", "epochs": 3, "min_delta": 0.0}
+    straight = job.trainer(config["accumulate"], config["steps_per_call"])
+    job.fit(straight, config, tmp_path / "straight")
+    resumed = job.trainer(config["accumulate"], config["steps_per_call"]).restore(tmp_path / "straight", step=6)
+    assert job.signature((resumed.model, resumed.opt_state, resumed.key)) == job.signature(
+        (straight.model, straight.opt_state, straight.key))
+    handler, logger = _Compiles(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            job.fit(resumed, config, tmp_path / "resumed")
+    finally:
+        logger.removeHandler(handler)
+    assert handler.names == []
+    assert_same_job(straight, resumed)
+    batch = (job.X[:SIZE], job.Y[:SIZE])
+    here = job.step_program(straight, batch)
+    assert job.step_program(resumed, batch) == here
+    env = dict(job.child_env(str(HERE.parent), str(HERE)), PYTHONHASHSEED="7")
+    code = f"import _train_job as job; job._program({json.dumps(config)}, {str(tmp_path / 'child')!r})"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == here
 
 
 # --- the job's state (issue 38): one record, saved and restored as it is ------------------------

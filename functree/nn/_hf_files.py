@@ -1,8 +1,22 @@
 """What ``ft.nn.from_hf`` reads from files: a ``save_pretrained`` directory's ``config.json``
-and its weights (``.safetensors`` files, read by :mod:`functree.nn._safetensors`)."""
+and its weights (``.safetensors`` files, read by :mod:`functree.nn._safetensors`).
+
+A ``config.json`` (a directory's, or one given as a dict) is read without ``transformers``
+(whose import takes seconds): :class:`Config` holds its values with Hugging Face's defaults
+filled in for the covered model types, as their config classes fill them (transformers v5:
+each class's field defaults, then its ``__post_init__``: a ``head_dim`` or
+``num_key_value_heads`` left None derived from the sizes, Qwen2's ``sliding_window`` and
+``layer_types``, OPT's ``word_embed_proj_dim``, Gemma's legacy ``"gelu"``, GPT-2's
+``hidden_size``-style aliases, and the rotary parameters gathered into ``rope_parameters``
+from older files' ``rope_scaling``, ``rope_theta``, ``partial_rotary_factor``, GPT-NeoX's
+``rotary_emb_base`` / ``rotary_pct`` and Phi-3's ``original_max_position_embeddings``).
+``tests/test_hf_files.py`` checks every attribute the builders read against
+``transformers.AutoConfig`` for each covered model type.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Mapping
@@ -47,17 +61,14 @@ them; got {given}.
 
 
 def _config(source: Any) -> Any:
-    """The HF config of ``from_hf``'s first argument: a config object as given, a
-    ``config.json`` dict, or a ``save_pretrained`` directory's ``config.json``."""
+    """The HF config of ``from_hf``'s first argument: a config object as given, or a
+    :class:`Config` of a ``config.json`` dict or of a ``save_pretrained`` directory's."""
     if isinstance(source, Mapping):
         if "model_type" not in source:
             raise ValueError(BAD_CONFIG.format(given=f"a dict without 'model_type' (keys {sorted(source)[:6]})"))
-        import transformers
-
-        options = {k: v for k, v in source.items() if k != "model_type"}
-        return transformers.AutoConfig.for_model(source["model_type"], **options)
+        return Config.of(source)
     if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
-        return _config(_read_json(source))
+        return Config.of(_read_json(source))
     if not hasattr(source, "model_type"):
         raise ValueError(BAD_CONFIG.format(given=type(source).__name__ if not isinstance(source, (str, os.PathLike))
                                            else f"{os.fspath(source)!r}, not a directory"))
@@ -89,3 +100,180 @@ def _weights(weights: Any) -> Mapping[str, Any]:
     if not isinstance(weights, Mapping):
         raise ValueError(BAD_WEIGHTS.format(given=type(weights).__name__))
     return weights
+
+
+# ---- config.json with Hugging Face's defaults ---------------------------------------------------
+
+_LLAMA = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+          "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu",
+          "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+          "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "pretraining_tp": 1,
+          "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
+          "mlp_bias": False, "head_dim": None}
+
+# Each covered model type's config class fields and their defaults (transformers v5).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _LLAMA,
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
+              "max_position_embeddings": 32768, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+              "tie_word_embeddings": False, "rope_parameters": None, "use_sliding_window": False,
+              "sliding_window": 4096, "max_window_layers": 28, "layer_types": None, "attention_dropout": 0.0,
+              "pad_token_id": None, "bos_token_id": None, "eos_token_id": None},
+    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None, "hidden_act": "silu",
+                "max_position_embeddings": 4096 * 32, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+                "use_cache": True, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
+                "tie_word_embeddings": False, "rope_parameters": None, "sliding_window": 4096,
+                "attention_dropout": 0.0},
+    "gemma": {"vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256,
+              "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "initializer_range": 0.02,
+              "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+              "tie_word_embeddings": True, "rope_parameters": None, "attention_bias": False,
+              "attention_dropout": 0.0, "use_bidirectional_attention": None},
+    "phi3": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+             "attention_dropout": 0.0, "hidden_act": "silu", "max_position_embeddings": 4096,
+             "original_max_position_embeddings": 4096, "initializer_range": 0.02, "rms_norm_eps": 1e-5,
+             "use_cache": True, "tie_word_embeddings": False, "rope_parameters": None, "bos_token_id": 1,
+             "eos_token_id": 32000, "pad_token_id": 32000, "sliding_window": None},
+    "gpt_neox": {"vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
+                 "intermediate_size": 24576, "hidden_act": "gelu", "attention_dropout": 0.0, "hidden_dropout": 0.0,
+                 "classifier_dropout": 0.1, "max_position_embeddings": 2048, "initializer_range": 0.02,
+                 "layer_norm_eps": 1e-5, "use_cache": True, "bos_token_id": 0, "eos_token_id": 2,
+                 "pad_token_id": None, "tie_word_embeddings": False, "use_parallel_residual": True,
+                 "rope_parameters": None, "attention_bias": True, "is_decoder": False},
+    "opt": {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
+            "max_position_embeddings": 2048, "do_layer_norm_before": True, "_remove_final_layer_norm": False,
+            "word_embed_proj_dim": None, "dropout": 0.1, "attention_dropout": 0.0, "num_attention_heads": 12,
+            "activation_function": "relu", "layerdrop": 0.0, "init_std": 0.02, "use_cache": True,
+            "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2, "enable_bias": True,
+            "layer_norm_elementwise_affine": True, "tie_word_embeddings": True},
+    "bert": {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+             "intermediate_size": 3072, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+             "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
+             "initializer_range": 0.02, "layer_norm_eps": 1e-12, "pad_token_id": 0, "use_cache": True,
+             "classifier_dropout": None, "is_decoder": False, "add_cross_attention": False, "bos_token_id": None,
+             "eos_token_id": None, "tie_word_embeddings": True},
+    "gpt2": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+             "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+             "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "summary_type": "cls_index",
+             "summary_use_proj": True, "summary_activation": None, "summary_proj_to_labels": True,
+             "summary_first_dropout": 0.1, "scale_attn_weights": True, "use_cache": True, "bos_token_id": 50256,
+             "eos_token_id": 50256, "pad_token_id": None, "scale_attn_by_inverse_layer_idx": False,
+             "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True},
+}
+# GPT-2's standard names for its own fields (its config class's attribute_map).
+ALIASES: dict[str, dict[str, str]] = {
+    "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
+             "num_hidden_layers": "n_layer"},
+}
+_DEFAULT_THETA = 10_000.0
+_SCALED_ROPES = ("llama3", "yarn", "longrope")  # the rope types that keep the pretraining length
+
+
+class Config:
+    """A ``config.json``'s values as attributes, Hugging Face's defaults filled in for the
+    covered model types (module docstring); ``to_dict()`` gives them all back.
+
+    Example:
+      >>> from functree.nn._hf_files import Config
+      >>> c = Config.of({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})
+      >>> c.head_dim, c.num_key_value_heads, c.rope_parameters, c.vocab_size
+      (16, 4, {'rope_theta': 10000.0, 'rope_type': 'default'}, 32000)
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]):
+        object.__setattr__(self, "_values", dict(values))
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any]) -> Config:
+        """The config of a ``config.json`` dict, as its model type's HF config class builds it."""
+        model_type = given["model_type"]
+        if model_type not in DEFAULTS:  # not covered: from_hf says so, naming the model type
+            return cls(copy.deepcopy(dict(given)))
+        aliases = ALIASES.get(model_type, {})
+        extra = {aliases.get(k, k): copy.deepcopy(v) for k, v in given.items()}
+        values = {**copy.deepcopy(DEFAULTS[model_type]), **extra}
+        _post_init(model_type, values, extra)
+        return cls(values)
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        key = ALIASES.get(values.get("model_type"), {}).get(name, name)
+        if key not in values:
+            raise AttributeError(f"the {values.get('model_type')} config has no {name!r}")
+        return values[key]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a config read from config.json is read-only")
+
+    def __repr__(self) -> str:
+        return f"Config({self._values!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self._values, sort_keys=True, default=str))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every value, as ``transformers``' ``config.to_dict()`` holds them (a copy)."""
+        return copy.deepcopy(self._values)
+
+
+def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -> None:
+    """What the model type's HF config class does after setting its fields: derived sizes,
+    then the rotary parameters (``given``: config.json's keys, some consumed as HF's are)."""
+    heads, hidden = values.get("num_attention_heads"), values.get("hidden_size")
+    if model_type in ("llama", "mistral") and values.get("head_dim") is None and _positive(heads):
+        values["head_dim"] = hidden // heads
+    if model_type in ("llama", "mistral", "qwen2", "phi3") and values.get("num_key_value_heads") is None:
+        values["num_key_value_heads"] = heads
+    if model_type == "qwen2":
+        values["sliding_window"] = values["sliding_window"] if values["use_sliding_window"] else None
+        if values.get("layer_types") is None:
+            values["layer_types"] = [
+                "sliding_attention" if values["sliding_window"] is not None and i >= values["max_window_layers"]
+                else "full_attention" for i in range(int(values["num_hidden_layers"]))]
+    if model_type == "gemma" and values.get("hidden_act") == "gelu":  # a legacy name of the tanh approximation
+        values["hidden_act"] = "gelu_pytorch_tanh"
+    if model_type == "opt" and values.get("word_embed_proj_dim") is None:
+        values["word_embed_proj_dim"] = hidden
+    if "rope_parameters" in values:
+        _rope_parameters(model_type, values, given)
+
+
+def _positive(n: Any) -> bool:
+    return type(n) is int and n > 0
+
+
+def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, Any]) -> None:
+    """``rope_parameters`` as HF's config classes standardize them: ``rope_scaling`` (older
+    files) first, then ``rope_parameters``; ``rope_theta`` and ``partial_rotary_factor`` from
+    the file's top level (GPT-NeoX: ``rotary_emb_base``, ``rotary_pct``; Phi-3 and GPT-NeoX
+    default the factor); ``rope_type`` from ``type``; the pretraining length kept for scaled
+    types. The keys HF consumes are not attributes afterwards."""
+    params = dict(values.pop("rope_scaling", None) or values.get("rope_parameters") or {})
+    if model_type == "gpt_neox":
+        params.setdefault("rope_theta", values.pop("rotary_emb_base", _DEFAULT_THETA))
+        params.setdefault("partial_rotary_factor", values.pop("rotary_pct", 0.25))
+    elif model_type == "phi3":
+        params.setdefault("rope_theta", values.pop("rope_theta", _DEFAULT_THETA))
+        params.setdefault("partial_rotary_factor", given.get("partial_rotary_factor", 1.0))
+    else:
+        params.setdefault("rope_theta", values.pop("rope_theta", _DEFAULT_THETA))
+        if "partial_rotary_factor" in given:
+            params.setdefault("partial_rotary_factor", values.pop("partial_rotary_factor"))
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in _SCALED_ROPES:
+        if "original_max_position_embeddings" in DEFAULTS[model_type]:  # a field (Phi-3): it wins
+            params["original_max_position_embeddings"] = values["original_max_position_embeddings"]
+        else:
+            params.setdefault("original_max_position_embeddings", values.get("max_position_embeddings"))
+    if model_type == "phi3" and params["rope_type"] in ("su", "yarn"):
+        params["rope_type"] = "longrope"
+    values["rope_parameters"] = params

@@ -713,7 +713,7 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
                 array[index] = value.astype(array.dtype)
             else:
                 wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}"))
-        flat[stored] = jnp.asarray(array)
+        flat[stored] = jax.device_put(array)  # a transfer, where jnp.asarray compiles a program per shape
     return flat, wrong
 
 
@@ -742,11 +742,11 @@ def _eps(a: np.ndarray) -> float:
 def _as_leaf(old: Any, value: np.ndarray) -> Any:
     """A converted value as a JAX array of the model leaf's floating dtype (else left to check)."""
     if isinstance(old, jax.ShapeDtypeStruct) and value.dtype == old.dtype:  # an abstract template's leaf
-        return jnp.asarray(value)
+        return jax.device_put(value, may_alias=False)  # a copy: never an alias of a file's memory map
     if not isinstance(old, (jax.Array, jax.ShapeDtypeStruct)) or value.dtype.kind != "f" \
             or not jnp.issubdtype(old.dtype, jnp.floating):
         return value
-    return jnp.asarray(value.astype(old.dtype))
+    return jax.device_put(value.astype(old.dtype))
 
 
 def torch_state_dict(

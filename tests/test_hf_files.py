@@ -1,0 +1,145 @@
+"""config.json read without transformers: for every covered model type, the config built from a
+config.json equals transformers' AutoConfig on every attribute the builders read; a directory
+and a dict load without importing transformers; building compiles only what it needs."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.nn import _hf, _hf_files
+
+transformers = pytest.importorskip("transformers")
+
+# config.json files: each model type's minimal one (HF's defaults throughout), and the older
+# or unusual spellings HF's config classes convert (rope_scaling and rope_theta at the top
+# level, GPT-NeoX's rotary_pct, GPT-2's standard names, nulls for derived sizes ...).
+CONFIGS = {
+    "gpt2": [{}, {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "n_inner": 96,
+                  "activation_function": "gelu", "tie_word_embeddings": False, "pad_token_id": 5}],
+    "llama": [{}, {"hidden_size": 64, "num_attention_heads": 4, "head_dim": None, "num_key_value_heads": None,
+                   "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+              {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}, "rope_theta": 500000.0,
+               "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True, "pad_token_id": 0},
+              {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+               "max_position_embeddings": 4096, "head_dim": 64}],
+    "qwen2": [{}, {"use_sliding_window": True, "max_window_layers": 0, "sliding_window": 64},
+              {"use_sliding_window": True, "num_hidden_layers": 4, "max_window_layers": 2, "rope_theta": 1e6},  # refused
+              {"num_key_value_heads": None, "head_dim": 32, "tie_word_embeddings": True}],
+    "mistral": [{}, {"sliding_window": None, "head_dim": None, "hidden_size": 256, "num_attention_heads": 8}],
+    "gemma": [{}, {"hidden_act": "gelu", "num_key_value_heads": 1, "head_dim": 32}],
+    "phi3": [{}, {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
+                  "original_max_position_embeddings": 2048, "max_position_embeddings": 8192, "sliding_window": 64},
+             {"partial_rotary_factor": 0.5, "num_key_value_heads": 8}],
+    "gpt_neox": [{}, {"rotary_pct": 0.5, "rotary_emb_base": 20000.0, "use_parallel_residual": False,
+                      "attention_bias": False, "hidden_act": "gelu_new"},
+                 {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_theta": 1234.0}],
+    "opt": [{}, {"word_embed_proj_dim": None, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "enable_bias": False}],
+    "bert": [{}, {"hidden_act": "relu", "type_vocab_size": 1}],
+}
+CASES = [(model_type, i) for model_type, configs in CONFIGS.items() for i in range(len(configs))]
+
+
+class Recorded:
+    """A config whose attribute reads are recorded (the names the builders read)."""
+
+    def __init__(self, config, read):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_read", read)
+
+    def __getattr__(self, name):
+        self._read.add(name)
+        return getattr(self._config, name)
+
+
+def read_by_builders(config):
+    """The attributes the family's builder and HF's initialization read from ``config``, and
+    the builder's error where it refuses the config (then both configs must be refused alike)."""
+    read = set()
+    recorded = Recorded(config, read)
+    family = _hf.FAMILIES[config.model_type]
+
+    def build():
+        model = family.build(recorded, {"pooler.dense.weight"}, jnp.float32, jax.random.key(0), "xla")
+        return _hf._hf_initialized(family, model, recorded, jax.random.key(1))
+
+    try:
+        jax.eval_shape(build)
+    except ValueError as e:
+        return read, str(e)
+    return read, None
+
+
+def attribute(config, name):
+    try:
+        return getattr(config, name)
+    except AttributeError:
+        return AttributeError
+
+
+@pytest.mark.parametrize("model_type, i", CASES)
+def test_a_config_json_reads_as_transformers_reads_it(model_type, i):
+    given = {"model_type": model_type, **CONFIGS[model_type][i]}
+    ours = _hf_files.Config.of(json.loads(json.dumps(given)))
+    theirs = transformers.AutoConfig.for_model(**json.loads(json.dumps(given)))
+    (names, error), (their_names, their_error) = read_by_builders(ours), read_by_builders(theirs)
+    assert error == their_error
+    names |= their_names
+    assert error is not None or {"vocab_size", "num_hidden_layers"} <= names
+    for name in sorted(names):
+        assert attribute(ours, name) == attribute(theirs, name), (name, attribute(ours, name), attribute(theirs, name))
+
+
+def test_the_config_is_read_only_and_gives_its_values_back():
+    config = _hf_files.Config.of({"model_type": "gpt2", "hidden_size": 64})
+    assert config.n_embd == config.hidden_size == 64 and config.to_dict()["n_embd"] == 64
+    assert config == _hf_files.Config.of({"model_type": "gpt2", "n_embd": 64}) and hash(config) == hash(config)
+    with pytest.raises(AttributeError, match=r"the gpt2 config has no 'rope_parameters'"):
+        _ = config.rope_parameters
+    with pytest.raises(AttributeError, match=r"read-only"):
+        config.n_embd = 3
+    config.to_dict()["n_embd"] = 3
+    assert config.n_embd == 64
+    assert _hf_files.Config.of({"model_type": "t5", "d_model": 8}).to_dict() == {"model_type": "t5", "d_model": 8}
+    with pytest.raises(ValueError, match=r"model_type 't5' is not covered"):
+        ft.nn.from_hf({"model_type": "t5"}, {})
+
+
+LOAD = """
+import sys, jax
+jax.config.update("jax_log_compiles", True)
+import functree as ft
+model = ft.nn.from_hf(sys.argv[1])
+print("transformers imported:", "transformers" in sys.modules, "torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_a_directory_loads_without_transformers_and_compiles_nothing_it_does_not_need(tmp_path):
+    """The config read by functree, the weights memory-mapped: neither transformers nor torch
+    imported, and (logged compiles counted) no program compiled beyond the weights' casts."""
+    import os
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    hf = transformers.LlamaForCausalLM(config)
+    hf.save_pretrained(tmp_path)
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    out = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "transformers imported: False torch imported: False" in out.stdout
+    compiles = [line for line in out.stderr.splitlines() if "Compiling " in line or "Finished XLA compilation" in line]
+    assert len([c for c in compiles if "Finished XLA compilation" in c]) <= COMPILES, "\n".join(compiles)
+    loaded = ft.nn.from_hf(tmp_path)
+    expected = ft.nn.from_hf(hf)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+COMPILES = 0

@@ -537,7 +537,7 @@ def test_integer_and_damaged_adapter_files_are_refused(tmp_path):
         ft.nn.load_lora(base, tmp_path)  # was: lora_B cast to int32, the update truncated
     safetensors.numpy.save_file(tensors, str(path))
     path.write_bytes(path.read_bytes()[:-8])  # truncated
-    with pytest.raises(ValueError, match=r"adapter_model.safetensors cannot be read"):
+    with pytest.raises(ValueError, match=r"load_lora: '.*adapter_model.safetensors' is not a .safetensors file"):
         ft.nn.load_lora(base, tmp_path)
 
 
@@ -593,3 +593,18 @@ def test_an_interrupted_save_is_refused_not_loaded(tmp_path, base, monkeypatch):
     edit_config(tmp_path, r=3)  # edited by hand
     with pytest.raises(ValueError, match=r"r is 3 in the config, but the weights were written for 2"):
         ft.nn.load_lora(base, tmp_path)
+
+
+def test_bfloat16_adapters_save_and_load(hf, trained, tmp_path):
+    """bfloat16 adapters are written as BF16 tensors (safetensors.numpy refuses them) and read back bit for bit."""
+    model, _, _ = trained
+    half = jax.tree.map(lambda x: x.replace(lora_a=x.lora_a.astype(jnp.bfloat16), lora_b=x.lora_b.astype(jnp.bfloat16))
+                        if isinstance(x, ft.nn.LoraDense) else x, model, is_leaf=lambda x: isinstance(x, ft.nn.LoraDense))
+    ft.nn.save_lora(half, tmp_path)
+    loaded = ft.nn.load_lora(ft.nn.from_hf(hf), tmp_path)
+    layer = loaded.model.layers.layers.self_attn.query_projection
+    assert layer.lora_b.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(layer.lora_b), np.asarray(half.model.layers.layers.self_attn.query_projection.lora_b))
+    peft_model = peft.PeftModel.from_pretrained(llama(), str(tmp_path)).eval()
+    ids = tokens()
+    assert_close(logits(loaded, ids), hf_logits(peft_model, ids))

@@ -51,6 +51,7 @@ from functree.nn._lora import (
     _Names,
     _torch_names,
 )
+from functree.nn._safetensors import DTYPES, _header, load_file
 
 __all__ = ["save_lora", "load_lora"]
 
@@ -124,10 +125,6 @@ ft.nn.{what}: modules_to_save names {module!r}, {problem}. A module to save is a
 layer of its own, written (and read) whole, as PEFT's modules_to_save does.
     right:  {right}"""
 
-NO_SAFETENSORS = """\
-ft.nn.save_lora / load_lora read and write .safetensors files with the safetensors package.
-    right:  pip install safetensors"""
-
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # The config's fields that decide the adapted model's numbers: recorded in the weights file's
@@ -140,15 +137,6 @@ RECORDED = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "t
 COVERED = (("use_dora", False), ("lora_bias", False), ("bias", "none"), ("layer_replication", None),
            ("target_parameters", None), ("trainable_token_indices", None))
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha default
-
-
-def _safetensors() -> Any:
-    try:
-        import safetensors
-        import safetensors.numpy
-    except ImportError as e:
-        raise ImportError(NO_SAFETENSORS) from e
-    return safetensors
 
 
 def _members(a: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
@@ -320,7 +308,7 @@ def _write(directory: str, tensors: dict[str, np.ndarray], config: dict[str, Any
     temporaries: list[str] = []
     try:
         weights = _temporary(directory, WEIGHTS_FILE, temporaries)
-        _safetensors().numpy.save_file(tensors, weights, metadata={"format": "pt", RECORD: record})
+        _save_safetensors(weights, tensors, {"format": "pt", RECORD: record})
         settings = _temporary(directory, CONFIG_FILE, temporaries)
         with open(settings, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
@@ -333,6 +321,25 @@ def _write(directory: str, tensors: dict[str, np.ndarray], config: dict[str, Any
         for path in temporaries:
             if os.path.exists(path):
                 os.remove(path)
+
+
+def _save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """A ``.safetensors`` file (the format of ``functree/nn/_safetensors.py``'s docstring):
+    written here rather than by ``safetensors.numpy``, which refuses bfloat16 adapters."""
+    names = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, array in tensors.items():
+        end = offset + array.nbytes
+        header[name] = {"dtype": names[array.dtype], "shape": list(array.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data 8-byte aligned, as the safetensors library writes it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for array in tensors.values():
+            f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
 
 
 def _temporary(directory: str, name: str, made: list[str]) -> str:
@@ -369,14 +376,8 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
         if value not in (covered, None) and not (covered is None and value in ([], {})):
             raise ValueError(UNSUPPORTED_PEFT.format(option=option, value=value,
                                                      covered=", ".join(f"{o}={c!r}" for o, c in COVERED)))
-    library = _safetensors()
-    try:
-        with library.safe_open(weights_path, framework="np") as f:
-            metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle)
-    except Exception as e:  # safetensors' errors (a damaged header, a truncated file, an unknown dtype)
-        raise ValueError(NOT_PEFT.format(directory=directory,
-                                         problem=f"{WEIGHTS_FILE} cannot be read ({type(e).__name__}: {e})")) from e
+    tensors = load_file(weights_path, caller="ft.nn.load_lora")  # every rule of the format checked
+    metadata = _header(weights_path, os.path.getsize(weights_path))[1].get("__metadata__") or {}
     if RECORD in metadata:
         _check_record(directory, config, metadata[RECORD])
     return config, tensors

@@ -39,6 +39,7 @@ from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
 from functree.nn._generate import generate
 from functree.nn._hf import from_hf, to_hf_state_dict
+from functree.nn._hf_save import save_hf
 from functree.nn._linear import Dense
 from functree.nn._lora import LoraDense, lora, merge_lora
 from functree.nn._peft import load_lora, save_lora
@@ -127,6 +128,7 @@ __all__ = [
     "torch_state_dict",
     "from_hf",
     "to_hf_state_dict",
+    "save_hf",
     # LoRA
     "LoraDense",
     "lora",

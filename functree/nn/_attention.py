@@ -427,6 +427,12 @@ def _fused_attention(
     if mask is not None and mask.ndim > 3:
         mask = jnp.broadcast_to(mask, (*lead, n, t, s)).reshape((batch, n, t, s))
     chosen = choose(implementation, q4, k4, v4, mask)
+    if q4.dtype == jnp.float16 and chosen != "cudnn" and jax.default_backend() == "cpu":
+        # XLA's CPU dot has no F16_F16_F32 algorithm (what JAX asks for float16): products of
+        # float16 values are exact in float32, so float32 inputs compute the same logits.
+        out = _fused_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask, causal,
+                               "xla")
+        return out.astype(q.dtype)
     # JAX promotes to float32 logits internally; allow that under the strict promotion
     # users may set (bfloat16 and float64 inputs would fail there otherwise).
     with jax.numpy_dtype_promotion("standard"):

@@ -30,6 +30,7 @@ from functree._state_dict import _to_numpy
 from functree._tree import dotted_name
 from functree.nn import _hf_models as models
 from functree.nn._embedding import Embedding
+from functree.nn._hf_config import hf_config_of
 from functree.nn._hf_files import _config, _weights
 from functree.nn._linear import Dense
 from functree.nn._rotary import ROPE_TYPES, RopeScaling
@@ -75,6 +76,16 @@ ft.nn.from_hf: rope_type {kind!r} (config.rope_parameters) is not covered; cover
     right:  config.rope_parameters = {{"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, ...}}
 """
 
+PARTIAL_ROTARY_CRASHES = """\
+ft.nn.from_hf: the {model_type} config sets partial_rotary_factor={partial} with rope_type \
+{kind!r}. Hugging Face's {hf_class} applies partial_rotary_factor only to that rope type's \
+frequencies, not to the rotation ({rotated} frequencies against a head of {head_dim}: its \
+forward fails with a size mismatch), so no model computes this config.
+
+    right:  config.rope_parameters = {{..., "rope_type": {kind!r}}}        # no partial_rotary_factor: the whole head
+       or:  rope_type "default" (Hugging Face's {hf_class} then rotates the whole head, whatever the factor)
+"""
+
 UNKNOWN_ACTIVATION = """\
 ft.nn.from_hf: the {model_type} config's activation {given!r} is not covered; covered: {known}."""
 
@@ -92,6 +103,15 @@ would use the embedding for both; functree stores one tensor.
 
     right:  config.tie_word_embeddings = False   # an untied head: both tensors kept
        or:  del weights[{head!r}]                # the embedding for both
+"""
+
+BAD_DTYPE = """\
+ft.nn.from_hf: dtype is the parameters' floating dtype (jnp.float32, jnp.bfloat16, \
+jnp.float16), got {given!r}. Integer parameters cannot be trained or initialized; quantize \
+after loading if that is the aim.
+
+    wrong:  ft.nn.from_hf(source, dtype={given!r})
+    right:  ft.nn.from_hf(source, dtype=jnp.bfloat16)
 """
 
 NEEDS_WEIGHTS_OR_KEY = """\
@@ -128,13 +148,25 @@ def _require(config: Any, option: str, covered: Any, default: Any) -> None:
                                                  covered=f"{option}={covered!r}", covered_value=repr(covered)))
 
 
-def _rope(config: Any) -> RopeScaling:
-    """Hugging Face's ``rope_parameters`` (``rope_scaling`` and ``rope_theta`` before v5) as a RopeScaling."""
+def _rope(config: Any, head_dim: int | None = None) -> RopeScaling:
+    """Hugging Face's ``rope_parameters`` (``rope_scaling`` and ``rope_theta`` before v5) as a RopeScaling.
+
+    ``head_dim``: the family rotates the whole head whatever ``partial_rotary_factor`` says
+    (Llama, Qwen2, Mistral, Gemma: HF's ``apply_rotary_pos_emb`` has no pass-through part,
+    and their default rope ignores the factor), so a factor under 1 is dropped for the default
+    rope and refused for the others (HF's forward fails there); None where HF rotates the
+    first ``partial_rotary_factor`` of each head (GPT-NeoX, Phi-3)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ValueError(UNKNOWN_ROPE_TYPE.format(kind=kind, known=", ".join(ROPE_TYPES)))
     partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+    if head_dim is not None and int(head_dim * partial) != head_dim:
+        if kind != "default":
+            raise ValueError(PARTIAL_ROTARY_CRASHES.format(
+                model_type=config.model_type, partial=partial, kind=kind, hf_class=FAMILIES[config.model_type].hf_class,
+                rotated=int(head_dim * partial) // 2, head_dim=head_dim))
+        partial = 1.0  # as HF's default rope: the factor is not read
     base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     original = params.get("original_max_position_embeddings")
     if kind == "dynamic":  # HF's dynamic NTK scales past max_position_embeddings
@@ -188,11 +220,12 @@ def _llama(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) 
     if options.pop("windowed", False):
         options["window"] = _window(c)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    partial = options.pop("partial", False)  # HF rotates the first partial_rotary_factor of each head (Phi-3)
     attention_bias = options.pop("attention_bias", bool(getattr(c, "attention_bias", False)))  # Qwen2's: always
     return family.model(
         c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
         c.intermediate_size, c.num_hidden_layers, head_dim=head_dim, activation=_activation(c, "hidden_act"),
-        epsilon=c.rms_norm_eps, rotary=_rope(c), attention_bias=attention_bias,
+        epsilon=c.rms_norm_eps, rotary=_rope(c, None if partial else head_dim), attention_bias=attention_bias,
         mlp_bias=bool(getattr(c, "mlp_bias", False)), tied=bool(getattr(c, "tie_word_embeddings", False)), key=key,
         dtype=dtype, attention=attention, **options)
 
@@ -202,7 +235,7 @@ _LLAMA_LIKE: dict[str, dict[str, Any]] = {
     "qwen2": {"attention_bias": True, "output_bias": False, "windowed": True},
     "mistral": {"windowed": True},
     "gemma": {"gemma": True},
-    "phi3": {"mlp": models.Phi3MLP, "windowed": True},
+    "phi3": {"mlp": models.Phi3MLP, "windowed": True, "partial": True},
 }
 
 
@@ -386,6 +419,16 @@ def _from_config(family: Family, config: Any, dtype: Any, key: jax.Array, attent
     return unchecked_jit(build, static_leaves=True)(key)
 
 
+def _check_dtype(dtype: Any) -> None:
+    """A floating dtype, or :data:`BAD_DTYPE` at the call (not deep inside the initialization)."""
+    try:
+        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TypeError(BAD_DTYPE.format(given=dtype))
+
+
 def _covered() -> str:
     return ", ".join(f"{k} ({v})" for k, v in COVERED.items())
 
@@ -441,6 +484,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     """
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(BAD_ATTENTION.format(given=attention))
+    _check_dtype(dtype)
     if weights is None and hasattr(source, "config") and hasattr(source, "state_dict"):
         config, weights = source.config, source.state_dict()
         model_type = getattr(config, "model_type", None)
@@ -455,15 +499,17 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if model_type not in FAMILIES:
         raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}", covered=_covered()))
     family = FAMILIES[model_type]
+    carried = hf_config_of(config, source)
     if weights is None:
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
-        return _from_config(family, config, dtype, key, attention)
+        return _from_config(family, config, dtype, key, attention).replace(hf_config=carried)
     weights = _normalized(model_type, _weights(weights))
     template = jax.eval_shape(lambda: family.build(config, set(weights), dtype, jax.random.key(0), attention))
     weights = _untie(family, template, weights)
     cls = type(template)
-    return load_torch_state_dict(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts)
+    model = load_torch_state_dict(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts)
+    return model.replace(hf_config=carried)
 
 
 def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:

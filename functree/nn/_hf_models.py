@@ -35,6 +35,7 @@ from functree._module import Module, field
 from functree._repr import short_array
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
+from functree.nn._hf_config import HFConfig
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm, RMSNorm
 from functree.nn._rotary import RopeScaling
@@ -347,6 +348,7 @@ class GPT2LMHeadModel(Module):
 
     transformer: GPT2Model
     lm_head: Dense | None
+    hf_config: HFConfig | None = field(static=True, default=None)  # from_hf's: config.json (and generation's)
     hf_layouts: ClassVar[dict[str, Any]] = {"transformer.h.*": "conv1d"}
     hf_rename: ClassVar[dict[str, str]] = {}
 
@@ -501,6 +503,7 @@ class LlamaForCausalLM(Module):
 
     model: LlamaModel
     lm_head: Dense | None
+    hf_config: HFConfig | None = field(static=True, default=None)  # from_hf's: config.json (and generation's)
     hf_layouts: ClassVar[dict[str, Any]] = {"model.layers.*.self_attn": ("q_proj", "k_proj", "v_proj", "o_proj")}
     hf_rename: ClassVar[dict[str, str]] = {}
 
@@ -631,6 +634,7 @@ class GPTNeoXForCausalLM(Module):
 
     gpt_neox: GPTNeoXModel
     lm_head: Dense | None
+    hf_config: HFConfig | None = field(static=True, default=None)  # from_hf's: config.json (and generation's)
     hf_layouts: ClassVar[dict[str, Any]] = {"gpt_neox.layers.*.attention": ("query_key_value", "dense", "per_head")}
     hf_rename: ClassVar[dict[str, str]] = {}
 
@@ -727,6 +731,7 @@ class OPTForCausalLM(Module):
 
     model: OPTModel
     lm_head: Dense | None
+    hf_config: HFConfig | None = field(static=True, default=None)  # from_hf's: config.json (and generation's)
     hf_layouts: ClassVar[dict[str, Any]] = {
         "model.decoder.layers.*.self_attn": ("q_proj", "k_proj", "v_proj", "out_proj")}
     hf_rename: ClassVar[dict[str, str]] = {}
@@ -837,6 +842,7 @@ class BertModel(Module):
     embeddings: BertEmbeddings
     encoder: BertEncoder
     pooler: Dense | None
+    hf_config: HFConfig | None = field(static=True, default=None)  # from_hf's: config.json (and generation's)
     hf_layouts: ClassVar[dict[str, Any]] = {
         "encoder.layer.*.attention": ("self.query", "self.key", "self.value", "output.dense")}
     hf_rename: ClassVar[dict[str, str]] = BERT_RENAME

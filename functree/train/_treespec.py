@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module, _check_static
+from functree.nn._hf_config import HFConfig
 from functree.train._registry import (
     default_name,
     function_name,
@@ -96,6 +97,8 @@ def _encode_static(value: Any) -> dict[str, Any]:
         return {"tuple": [_encode_static(v) for v in value]}
     if isinstance(value, np.dtype):
         return {"dtype": str(value)}
+    if isinstance(value, HFConfig):  # a from_hf model's config.json: JSON data, rebuilt as data
+        return {"hf_config": [value.to_dict(), value.generation.to_dict()]}
     if isinstance(value, type) and issubclass(value, np.generic):
         return {"scalar_type": np.dtype(value).name}
     name = function_name(value)
@@ -129,6 +132,11 @@ def _decode_static(code: Any, path: str) -> Any:
         return tuple(_decode_static(c, path) for c in value)
     if tag == "dtype":
         return _safe_dtype(value, path)
+    if tag == "hf_config" and isinstance(value, list) and len(value) == 2 and all(isinstance(v, dict) for v in value):
+        try:
+            return HFConfig(value[0], value[1] or None)
+        except TypeError as e:
+            raise SpecError(MALFORMED.format(path=path, why=str(e).splitlines()[0])) from None
     if tag == "scalar_type":
         return _safe_dtype(value, path).type
     if tag == "function" and isinstance(value, str):

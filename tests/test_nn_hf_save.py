@@ -1,0 +1,193 @@
+"""ft.nn.save_hf against Hugging Face's from_pretrained: weights bit for bit, equal logits,
+HF's sharding and file names; the errors (LoRA, a non-empty directory, no safetensors) and
+an interrupted write that leaves no directory from_pretrained would read.
+
+Each HF model is built from a tiny config with random weights (no download); the functree
+model is "fine-tuned" (every parameter moved) before it is saved, so the loaded model can
+only equal it if the written directory holds the new weights.
+"""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.nn import _hf_save
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from test_nn_hf import FAMILIES, batch, gpt2_config, hf_model, hf_output, llama_config  # noqa: E402
+
+CONFIGS = {"gpt2": gpt2_config, "llama": llama_config,
+           "llama_tied": lambda: llama_config(tie_word_embeddings=True), **FAMILIES}
+
+
+def tuned(model):
+    """Every parameter moved: a fine-tuned model (a loaded copy of the original would differ)."""
+    leaves = jax.tree.leaves(model)
+    moved = [x + 0.05 * jax.random.normal(jax.random.key(i), x.shape, x.dtype) for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(jax.tree.structure(model), moved)
+
+
+def assert_reads_back(model, directory, auto=None, positions=True):
+    loaded = (auto or transformers.AutoModelForCausalLM).from_pretrained(directory, attn_implementation="eager")
+    expected = ft.nn.to_hf_state_dict(model, numpy=True)
+    got = {k: v.numpy() for k, v in loaded.state_dict().items()}
+    assert set(got) >= set(expected)
+    for name, array in expected.items():
+        np.testing.assert_array_equal(got[name], array, err_msg=name)  # bit for bit
+    ids, mask = batch(12)
+    theirs = hf_output(loaded, ids, mask, positions)
+    ours = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], theirs[real], rtol=0, atol=2.5e-5 * float(np.abs(theirs).max()))
+    return loaded
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_from_pretrained_reads_what_save_hf_wrote(family, tmp_path):
+    model = tuned(ft.nn.from_hf(hf_model(CONFIGS[family]())))
+    ft.nn.save_hf(model, tmp_path / "tuned")
+    files = sorted(os.listdir(tmp_path / "tuned"))
+    assert files in (["config.json", "generation_config.json", "model.safetensors"],
+                     ["config.json", "model.safetensors"])
+    assert sorted(os.listdir(tmp_path)) == ["tuned"]  # no staging directory left
+    loaded = assert_reads_back(model, tmp_path / "tuned")
+    assert type(loaded).__name__ == type(model).__name__
+    again = ft.nn.from_hf(str(tmp_path / "tuned"))  # and functree reads it back, its config carried
+    assert again.hf_config["architectures"] == (type(model).__name__,)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bert_reads_back_with_automodel(tmp_path):
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=32, max_position_embeddings=32)
+    model = tuned(ft.nn.from_hf(hf_model_bert(config)))
+    ft.nn.save_hf(model, tmp_path / "bert")
+    assert_reads_back(model, tmp_path / "bert", auto=transformers.AutoModel, positions=False)  # BERT: 0..T-1
+
+
+def hf_model_bert(config):
+    from test_hf_ports import randomized
+
+    return randomized(transformers.BertModel(config))
+
+
+def test_sharded_as_hf_names_and_splits_them(tmp_path):
+    """Past max_shard_size: model-0000i-of-0000n.safetensors and the index, split as
+    huggingface_hub's split_torch_state_dict_into_shards splits the same tensors."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    model = tuned(ft.nn.from_hf(hf_model(llama_config())))
+    ft.nn.save_hf(model, tmp_path / "sharded", max_shard_size="6KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(os.listdir(tmp_path / "sharded")) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors.index.json", *shards])
+    weights = ft.nn.to_hf_state_dict(model)
+    split = split_torch_state_dict_into_shards(weights, max_shard_size="6KB")
+    assert index["weight_map"] == split.tensor_to_filename
+    assert index["metadata"]["total_size"] == split.metadata["total_size"]
+    assert_reads_back(model, tmp_path / "sharded")
+    assert _hf_save._shard_limit("5GB") == 5 * 10**9 and _hf_save._shard_limit("500MiB") == 500 * 2**20
+    with pytest.raises(ValueError, match=r"max_shard_size is a number of bytes or a size such as \"5GB\".*got '5 parsecs'"):
+        ft.nn.save_hf(model, tmp_path / "bad", max_shard_size="5 parsecs")
+
+
+def test_bfloat16_and_float16_models_keep_their_dtype(tmp_path):
+    for dtype, name in [(jnp.bfloat16, "bfloat16"), (jnp.float16, "float16")]:
+        model = ft.nn.from_hf(hf_model(gpt2_config()), dtype=dtype)
+        ft.nn.save_hf(model, tmp_path / name)
+        assert json.loads((tmp_path / name / "config.json").read_text())["dtype"] == name
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype="auto")
+        assert loaded.dtype == getattr(torch, name)
+        expected = ft.nn.to_hf_state_dict(model)
+        for key, tensor in expected.items():
+            assert torch.equal(loaded.state_dict()[key], tensor), key
+
+
+def test_a_directory_with_files_is_replaced_only_with_overwrite(tmp_path):
+    model = ft.nn.from_hf(hf_model(gpt2_config()))
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"(?s)already holds notes.txt; save_hf would replace them.*overwrite=True"):
+        ft.nn.save_hf(model, target)
+    assert os.listdir(target) == ["notes.txt"]
+    ft.nn.save_hf(model, target, overwrite=True)
+    assert sorted(os.listdir(target)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # the old one removed, nothing staged left
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"is a file, not a directory"):
+        ft.nn.save_hf(model, tmp_path / "file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ft.nn.save_hf(model, empty)  # an empty directory is no one's work
+    assert "config.json" in os.listdir(empty)
+
+
+def test_an_interrupted_write_leaves_no_checkpoint(tmp_path, monkeypatch):
+    """A failure in the middle (the second shard): no target directory from_pretrained would
+    read; over an existing one, the old one as it was."""
+    model = tuned(ft.nn.from_hf(hf_model(llama_config())))
+    import safetensors.numpy
+
+    real, calls = safetensors.numpy.save_file, []
+
+    def failing(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        ft.nn.save_hf(model, tmp_path / "new", max_shard_size="6KB")
+    assert os.listdir(tmp_path) == []
+    ft.nn.save_hf(model, tmp_path / "old")  # one file: the first call
+    before = {p: (tmp_path / "old" / p).read_bytes() for p in os.listdir(tmp_path / "old")}
+    calls.clear()
+    with pytest.raises(OSError, match="disk full"):
+        ft.nn.save_hf(tuned(model), tmp_path / "old", max_shard_size="6KB", overwrite=True)
+    assert {p: (tmp_path / "old" / p).read_bytes() for p in os.listdir(tmp_path / "old")} == before
+    assert os.listdir(tmp_path) == ["old"]
+
+
+def test_a_lora_model_is_refused_and_saves_merged(tmp_path):
+    base = ft.nn.from_hf(hf_model(llama_config()))
+    adapted = ft.nn.lora(base, "model.layers.*.self_attn.[qv]_proj", rank=2, key=jax.random.key(0))
+    adapted = jax.tree.map(lambda x: x + 0.1 if x.ndim >= 2 else x, adapted)  # lora_b trained off zero
+    with pytest.raises(ValueError, match=r"(?s)the model has LoRA adapters \(model.layers.*ft.nn.merge_lora\(model\)"):
+        ft.nn.save_hf(adapted, tmp_path / "adapted")
+    assert not (tmp_path / "adapted").exists()
+    merged = ft.nn.merge_lora(adapted)
+    ft.nn.save_hf(merged, tmp_path / "merged")
+    assert_reads_back(merged, tmp_path / "merged")
+
+
+def test_what_cannot_be_saved_says_why(tmp_path, monkeypatch):
+    hand_built = _hf_models_llama()
+    with pytest.raises(ValueError, match=r"(?s)carries no Hugging Face config \(model.hf_config is None\).*from_hf"):
+        ft.nn.save_hf(hand_built, tmp_path / "a")
+    with pytest.raises(ValueError, match=r"takes a model built by ft.nn.from_hf .*got Dense"):
+        ft.nn.save_hf(ft.nn.Dense(2, 2, key=jax.random.key(0)), tmp_path / "b")
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+    model = ft.nn.from_hf(llama_config(), key=jax.random.key(0))
+    with pytest.raises(ImportError, match=r"pip install safetensors"):
+        ft.nn.save_hf(model, tmp_path / "c")
+    assert os.listdir(tmp_path) == []
+
+
+def _hf_models_llama():
+    from functree.nn._hf_models import LlamaForCausalLM
+
+    return LlamaForCausalLM(40, 16, 4, 2, 32, 1, key=jax.random.key(0))

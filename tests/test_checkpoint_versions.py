@@ -1,0 +1,70 @@
+"""Checkpoints across JAX versions: what the oldest supported JAX wrote reads and continues
+under this one (issue 44, item 5).
+
+``tests/data/jax_floor_checkpoint/`` was written by ``tests/data/make_jax_floor_checkpoint.py``
+under jax 0.9.2 (the floor of ``pyproject.toml``, ``.ci/run``'s floor leg): a tree of every
+leaf kind and a Trainer job saved after 3 steps. This file runs in the floor environment, in
+the main one and in the newest (jax 0.11.2): the arrays read back bit for bit, and the job
+continues to step 10 as it did under jax 0.9.2 (to rounding: another XLA may sum in
+another order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import functree as ft
+
+DATA = Path(__file__).resolve().parent / "data"
+FIXTURE = DATA / "jax_floor_checkpoint"
+EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
+
+
+def _writer():
+    """The script that wrote the fixture: its model, loss and data, as it defines them."""
+    spec = importlib.util.spec_from_file_location("make_jax_floor_checkpoint", DATA / "make_jax_floor_checkpoint.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make = _writer()
+
+
+def test_the_fixture_was_written_by_the_oldest_supported_jax():
+    meta = json.loads((FIXTURE / "tree" / "meta" / "metadata").read_text())
+    assert EXPECTED["jax"] == meta["written_on"]["jax"] == "0.9.2"
+
+
+def test_a_tree_written_under_the_oldest_jax_reads_bit_for_bit():
+    for tree in (ft.train.load(FIXTURE / "tree"), ft.train.load(FIXTURE / "tree", make.tree())):
+        assert make.leaves(tree) == EXPECTED["tree"]
+        assert isinstance(tree["model"], ft.nn.Sequential) and tree["model"].layers[0].activation is jax.nn.tanh
+        assert tree["half"].dtype == jnp.bfloat16 and jnp.issubdtype(tree["key"].dtype, jax.dtypes.prng_key)
+        assert isinstance(tree["counts"], np.ndarray) and tree["counts"].dtype == np.int32
+        assert (tree["rounds"], tree["rate"]) == (3, 0.25) and type(tree["rounds"]) is int
+
+
+def test_a_job_written_under_the_oldest_jax_continues_here(tmp_path):
+    shutil.copytree(FIXTURE / "job", tmp_path / "job")  # a manager may write to its directory
+    state = ft.train.JobState.restore(tmp_path / "job")
+    assert (state.steps_run, state.epoch, state.batch_in_epoch) == (3, 0, 3)
+    assert make.leaves(state.model) == EXPECTED["job_at_3"]
+    trainer = make.trainer().restore(tmp_path / "job")
+    assert make.leaves(trainer.model) == EXPECTED["job_at_3"] and trainer.steps_run == 3
+    trainer.fit(make.data(), steps=10, progress=False, log_every=1)
+    assert (trainer.steps_run, trainer.epoch, trainer.batch_in_epoch) == (10, 2, 0)
+    for got, want in zip(make.leaves(trainer.model), EXPECTED["job_at_10"], strict=True):
+        want = np.asarray(want)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, float(np.max(np.abs(want)))))
+    loss = EXPECTED["loss_at_10"]
+    np.testing.assert_allclose(trainer.history.steps["loss"][-1], loss, rtol=0, atol=1e-5 * max(1.0, abs(loss)))
+    assert trainer.history.steps["step"] == list(range(1, 11))

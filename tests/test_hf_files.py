@@ -111,6 +111,17 @@ def test_the_config_is_read_only_and_gives_its_values_back():
         ft.nn.from_hf({"model_type": "t5"}, {})
 
 
+@pytest.mark.parametrize("key, value, expected", [("hidden_size", "64", "an integer"), ("rms_norm_eps", True, "a number"),
+                                                 ("tie_word_embeddings", 1, "a boolean"), ("hidden_act", 3, "a string")])
+def test_a_config_value_of_the_wrong_type_is_refused_naming_it(key, value, expected):
+    with pytest.raises(ValueError, match=rf"(?s)the llama config's '{key}' is {value!r} \(a {type(value).__name__}\); "
+                                         rf"Hugging Face's llama config takes {expected} there.*right:  \"{key}\": "):
+        ft.nn.from_hf({"model_type": "llama", key: value}, {})
+    assert _hf_files.Config.of({"model_type": "llama", key: None}).to_dict()[key] is None
+    config = _hf_files.Config.of({"model_type": "llama", "rms_norm_eps": 1, "pad_token_id": [0, 1]})
+    assert config.rms_norm_eps == 1 and config.pad_token_id == [0, 1]
+
+
 LOAD = """
 import sys, jax
 jax.config.update("jax_log_compiles", True)

@@ -49,6 +49,14 @@ this one is damaged or was altered.
        or:  ft.nn.from_hf(hf_config, weights)         # the config given, not read from the file
 """
 
+BAD_CONFIG_VALUE = """\
+ft.nn.from_hf: the {model_type} config's {key!r} is {value!r} (a {kind}); Hugging Face's \
+{model_type} config takes {expected} there (or null). Building from it would fail later, or \
+build another model.
+
+    right:  "{key}": {default}        # Hugging Face's default, in config.json's JSON
+"""
+
 BAD_WEIGHTS = """\
 ft.nn.from_hf: weights are a state dict {{name: tensor or array}}, the path of a .safetensors \
 file or of a sharded checkpoint's index (model.safetensors.index.json), or a directory holding \
@@ -198,6 +206,7 @@ class Config:
         aliases = ALIASES.get(model_type, {})
         extra = {aliases.get(k, k): copy.deepcopy(v) for k, v in given.items()}
         values = {**copy.deepcopy(DEFAULTS[model_type]), **extra}
+        _check_types(model_type, values)
         _post_init(model_type, values, extra)
         return cls(values)
 
@@ -225,11 +234,28 @@ class Config:
         return copy.deepcopy(self._values)
 
 
+_TYPES = ((bool, "a boolean", (bool,)), (int, "an integer", (int,)), (float, "a number", (int, float)),
+          (str, "a string", (str,)))
+
+
+def _check_types(model_type: str, values: Mapping[str, Any]) -> None:
+    """Each field's value of its default's JSON type, or null (token ids may be lists)."""
+    for key, default in DEFAULTS[model_type].items():
+        value = values[key]
+        if value is None or default is None or key.endswith("_token_id"):
+            continue
+        kind, expected, accepted = next((t, e, a) for t, e, a in _TYPES if isinstance(default, t))
+        if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(BAD_CONFIG_VALUE.format(model_type=model_type, key=key, value=value, kind=type(value).__name__,
+                                                     expected=expected, default=json.dumps(default)))
+
+
 def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -> None:
     """What the model type's HF config class does after setting its fields: derived sizes,
     then the rotary parameters (``given``: config.json's keys, some consumed as HF's are)."""
     heads, hidden = values.get("num_attention_heads"), values.get("hidden_size")
-    if model_type in ("llama", "mistral") and values.get("head_dim") is None and _positive(heads):
+    if model_type in ("llama", "mistral") and values.get("head_dim") is None and isinstance(heads, int) \
+            and heads > 0 and isinstance(hidden, int):
         values["head_dim"] = hidden // heads
     if model_type in ("llama", "mistral", "qwen2", "phi3") and values.get("num_key_value_heads") is None:
         values["num_key_value_heads"] = heads
@@ -245,10 +271,6 @@ def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -
         values["word_embed_proj_dim"] = hidden
     if "rope_parameters" in values:
         _rope_parameters(model_type, values, given)
-
-
-def _positive(n: Any) -> bool:
-    return type(n) is int and n > 0
 
 
 def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, Any]) -> None:

@@ -12,8 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped
+
+try:  # the test extra's; the one test that needs them skips without them
+    from beartype import beartype
+    from jaxtyping import Array, Float, jaxtyped
+except ImportError:
+    beartype = None
 
 import functree as ft
 
@@ -356,6 +360,9 @@ def test_module_with_arrays_in_a_static_field_is_an_error():
 
 def test_generated_init_carries_the_field_annotations_for_beartype_and_jaxtyping():
     import inspect
+
+    if beartype is None:
+        pytest.skip("beartype and jaxtyping (the test extra's) are not installed here")
 
     class Affine(ft.Module):
         weight: Float[Array, "a b"]  # noqa: F722 (jaxtyping's shape string)

@@ -15,8 +15,6 @@ import shutil
 import sys
 
 import jax
-import nbclient
-import nbformat
 import pytest
 from _devices import COLLECTIVE_TIMEOUT
 
@@ -83,6 +81,9 @@ def test_notebook_is_committed_with_outputs(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, tmp_path, monkeypatch):
+    nbclient = pytest.importorskip("nbclient")  # the test extra's: a kernel runs each notebook
+    nbformat = pytest.importorskip("nbformat")
+    pytest.importorskip("ipykernel")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     # The kernel sees the devices a user's would: no device count from here (notebooks 07
     # and 08 ask for their own). Only XLA's collective timeout is raised, for this loaded

@@ -9,6 +9,8 @@ reader (:func:`_read`) serve :func:`save`/:func:`load` and :class:`CheckpointMan
 whose directory policy (lock, retention) is :mod:`._directory`. Orbax writes into a
 temporary directory renamed when complete, so a killed save leaves the previous
 checkpoint loadable. Every process of a job calls ``save``: each writes its shards.
+Arrays are read back where the reading process places them (:func:`._arrays.placement`),
+never onto the writer's devices, which the metadata keeps as information (``written_on``).
 """
 
 from __future__ import annotations
@@ -312,10 +314,12 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
 
     Without a template the tree is rebuilt with its saved types (registered types and
     Module subclasses only, see :func:`functree.train.register`); with one, every leaf
-    must match it in key path, shape and dtype. Every array's CRC-32 is checked. With
-    ``mesh`` (and ``sharding``: None, "fsdp" or rules) the arrays are restored onto that
-    mesh, placed by the rules, whatever device count wrote them, each device reading its
-    own shards.
+    must match it in key path, shape and dtype. Every array's CRC-32 is checked. Arrays
+    are placed by this process, never by the devices that wrote them: with ``mesh`` (and
+    ``sharding``: None, "fsdp" or rules) onto that mesh, placed by the rules, each device
+    reading its own shards; else with ``sharding`` (a device or a ``Sharding``: torch's
+    ``map_location``) there; else where the template's arrays are; else on the default
+    device.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, tempfile
@@ -506,6 +510,9 @@ class CheckpointManager:
         ``ft.shard``) every array is restored straight into its shards on that mesh,
         whatever device count or process count wrote it: the templates' arrays placed by
         the rules (optimizer moments follow their parameters), the rest on the host.
+        Without a mesh, ``sharding`` (a device or a ``Sharding``) places every array; else
+        each goes where its template's array is, the rest on the templates' one device or
+        the default device: never where the writer had it.
         """
         templates: dict[str, Any] = dict(zip(_PARTS, (template, opt_state_template, extra_template)))
         target = placement(templates, mesh, sharding, data_axis)

@@ -10,16 +10,20 @@ for jitted computation".
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _devices import part, scenarios
 
+import functree as ft
 from functree._where import placement_of, put
 
 COMMON = """
 import tempfile
-import jax, jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp, numpy as np, optax
 import functree as ft
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -77,7 +81,7 @@ report({"on": on, "restored_on": restored_on, "resumed_on": devices_of((resumed.
 model = jax.device_put(ft.nn.Dense(3, 1, key=jax.random.key(0)), DEVICE)
 opt = ft.optim.Optimizer(ft.optim.adam(0.1))
 state = opt.init(model)
-init_on = devices_of(state)
+init_on = devices_of((state, ft.optim.adam(0.1).init(model), ft.optim.Optimizer(optax.adam(0.1)).init(model)))
 step = ft.train.train_step(plain_loss, opt)
 m, s = jax.tree.map(jnp.copy, (model, state))
 for _ in range(3):
@@ -125,7 +129,8 @@ def test_trainer_on_device_two(eight_devices):
 
 @pytest.mark.slow
 def test_optimizer_step_and_jit_on_device_two(eight_devices):
-    """``opt.init`` of params on device 2 gives a state there; ``train_step`` and
+    """``opt.init`` of params on device 2 gives a state there (an ``Optimizer``'s, and a
+    functree transformation's own, with its context and hyperparameters); ``train_step`` and
     ``ft.jit(donate=...)`` run there, each one program for the loop."""
     got = part(eight_devices, "optimizer_step_and_jit_on_device_two")
     assert got["init"] == [2] and got["step"] == [2] and got["jit"] == [2]
@@ -147,3 +152,29 @@ def test_placement_of_and_put_on_the_default_device():
     assert placement_of(jax.device_put(model, jax.devices()[0])) is None
     state = put({"n": jnp.zeros(())}, None)
     assert state["n"].committed and state["n"].devices() == {jax.devices()[0]}
+
+
+def test_an_evaluation_compiles_its_program_once():
+    """The first sums are committed where the model lives, as those the program returns:
+    one compiled program per evaluation's shapes (uncommitted first sums compiled two)."""
+    class Compiles(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.names: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Compiling"):
+                self.names.append(record.getMessage().split()[1])
+
+    x = np.ones((24, 3), np.float32)
+    trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2 + 0.5))  # a new program
+    handler, logger = Compiles(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            first = trainer.evaluate((x, x[:, :1]), batch_size=8)
+            again = trainer.evaluate((x, x[:, :1]), batch_size=8)
+    finally:
+        logger.removeHandler(handler)
+    assert [n for n in handler.names if n == "jit(run)"] == ["jit(run)"] and first == again

@@ -30,6 +30,7 @@ import optax
 
 from functree._parameters import parameters
 from functree._tree import is_none, register_record
+from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
 from functree.optim._checks import checked_gradients, keep_unchanged
 from functree.optim._context import LearningContext, advance, current, initial_context
@@ -365,7 +366,9 @@ def inject(
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             tx, scheduled = build(ctx, values, stored)
             inner = jax.tree.map(_on_device, tx.init(params))  # (a transformation that keeps a value)
-            return HyperState(ctx, values, scheduled, inner, names, scheduled_names)
+            state = HyperState(ctx, values, scheduled, inner, names, scheduled_names)
+            where = placement_of(params)  # host-made leaves on the parameters' devices
+            return state if where is None else put(state, where)
 
     def update(
         updates: Any,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from functree import nn
 from functree._jit import eval_shape
+from functree._where import placement_of, put
 from functree.optim._average import averaged as averaged_parameters
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._epochs import EMPTY_DATA, as_data, is_array
@@ -76,6 +77,9 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
             shapes = eval_shape(step.step, model, batch, key)
             sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
                     "weight": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+            # Committed where the model lives, as the sums the program returns: one program
+            # (uncommitted first sums compiled it twice per evaluation's shapes).
+            sums = put(sums, placement_of(model))
         sums = summing(model, sums, batch, key)
     if sums is None:
         raise ValueError(EMPTY_DATA.format(why=" to evaluate"))

@@ -34,6 +34,7 @@ import math
 import os
 import re
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -167,7 +168,8 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     module (:func:`ft.nn.from_hf` models; other models: :func:`ft.nn.torch_state_dict`'s
     names), one per Stack member, in the adapters' dtype. The config lists the adapted
     modules by full name in ``target_modules``, with ``r``, ``lora_alpha`` and
-    ``lora_dropout`` (the first adapter's; others in ``rank_pattern`` / ``alpha_pattern``),
+    ``lora_dropout`` (the most common rank and alpha; others in ``rank_pattern`` /
+    ``alpha_pattern``; the first adapter's dropout),
     ``bias="none"``; ``task_type`` ``"auto"`` is ``"CAUSAL_LM"`` for a model with an
     ``lm_head`` (GPT-2, Llama), else none.
 
@@ -222,7 +224,7 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
                                                  right="ft.nn.save_lora(ft.nn.merge_lora(...)) or adapt other layers"))
         tensors.update(_full_tensors(module, layer, i, names))
     modules = list(ranks)
-    r, alpha = ranks[modules[0]], alphas[modules[0]]
+    r, alpha = _most_common(ranks), _most_common(alphas)  # the others in rank_pattern / alpha_pattern
     if task_type == "auto":
         task_type = "CAUSAL_LM" if getattr(model, "lm_head", False) is not False and names.is_hf else None
     config = {
@@ -237,6 +239,10 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         "exclude_modules": None,
     }
     _write(str(directory), tensors, config)
+
+
+def _most_common(values: dict[str, Any]) -> Any:
+    return Counter(values.values()).most_common(1)[0][0]  # the first seen among equally common ones
 
 
 def _module_adapter(given: list[tuple[str, np.ndarray, np.ndarray, float]], names: _Names

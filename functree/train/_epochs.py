@@ -53,7 +53,7 @@ step {step}. If it starts at the beginning of the data, the job would train on t
 minibatches again. Give an iterator that starts where the job stopped, or one with a position:
 
     right:  trainer.fit(itertools.islice(generator(), trainer.steps_run, None), steps=1000)
-       or:  an iterator with get_state() -> JSON and set_state(state) (as grain's iterators)"""
+       or:  an iterator with get_state() -> JSON or bytes and set_state(state) (as grain's iterators)"""
 
 DATA_LENGTH_CHANGED = """\
 The restored job was trained on data of {saved} minibatches per epoch, but fit was given \

@@ -71,7 +71,9 @@ class Trainer(Evaluation):
         steps donate their own). Trained in ``ft.nn.training`` mode, evaluated in
         ``ft.nn.inference`` mode: ``trainer.model`` is the training-mode model (Dropout
         there needs a key), :attr:`inference_model` the one to call for predictions.
-        Leaves that are not arrays (an Equinox module's functions) are kept static.
+        Leaves that are not arrays (an Equinox module's functions) are kept static. It
+        trains where it lives: a model committed to a device or a mesh (``jax.device_put``)
+        gets the trainer's own arrays (key, metric buffer, optimizer state) there.
       optimizer: a ``ft.optim.Optimizer`` or an optax transformation.
       loss_fn: ``loss_fn(model, batch)`` → loss or ``(loss, aux)``; with ``key=`` given to
         the Trainer, ``loss_fn(model, batch, *, key)`` (a fresh key every step).
@@ -128,12 +130,12 @@ class Trainer(Evaluation):
     """
 
     model = job_field("model", "The model (training mode) after the last step committed.", settable=True,
-                       arrays=True)
+                      arrays=True)
     opt_state = job_field("opt_state", "The optimizer state (with its learning context).", settable=True,
-                           arrays=True)
+                          arrays=True)
     key = job_field("key", "The base PRNG key (None: the loss takes none).", settable=True, arrays=True)
     extra = job_field("extra", "User state saved with every checkpoint: a tree of arrays and plain values.",
-                       settable=True, check=check_extra)
+                      settable=True, check=check_extra)
     stop_training = job_field("stopped", "Set True (a callback) to stop after this step.", settable=True)
     steps_run = job_field("steps_run", "Training steps run by the job (all ``fit`` calls).")
     epoch = job_field("epoch", "Epochs completed.")
@@ -208,7 +210,8 @@ class Trainer(Evaluation):
         shuffled minibatches of ``batch_size``, default 32), or any iterable of batches
         (a list, a torch DataLoader, a tf.data Dataset; ``iter(data)`` once per epoch).
         Continuing inside an epoch, ``Batches`` replays from its position, an iterator with
-        ``get_state()``/``set_state(state)`` (grain's) is set to the saved position, and
+        ``get_state()``/``set_state(state)`` (grain's ``DataLoader`` and dataset
+        iterators; a position of JSON values or bytes) is set to the saved position, and
         another re-iterable skips the minibatches already consumed (read, not computed on).
         Metrics reach the host every ``log_every`` steps, one interval late (the read
         never waits for the steps queued since), and at epoch ends and save points; callbacks
@@ -459,7 +462,7 @@ class Trainer(Evaluation):
                 return self.save(owned, metrics=metrics)
         self._reader.read_all(self._fit.bar if self._fit else None, self._callbacks)  # every step up to now
         job = self._job._replace(data_state=self._epochs.position(self._job))
-        save_job(manager, job, self._callbacks, metrics=metrics, about={
+        save_job(manager, job, self._callbacks, metrics=metrics, trained=self.optimizer.wrt, about={
             "on_nan": self.on_nan, "optimizer": repr(self.optimizer), "train_step": repr(self.train_step)})
 
     def restore(self, manager: CheckpointManager | str, step: int | None = None, *,

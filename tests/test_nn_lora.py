@@ -477,6 +477,31 @@ def test_all_linear_adapts_what_peft_adapts(make_hf, tmp_path):
     ft.nn.save_lora(model, tmp_path)
     assert set(json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]) == wanted
     assert "lm_head" not in wanted and len(wanted) > 4
+    # a PEFT adapter whose config says "all-linear" (PEFT's own saves list the modules it found)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    peft_model.eval().save_pretrained(str(tmp_path / "peft"))
+    edit_config(tmp_path / "peft", target_modules="all-linear")
+    ids = tokens()
+    loaded = ft.nn.load_lora(ft.nn.from_hf(make_hf()), tmp_path / "peft")
+    assert_close(logits(loaded, ids), hf_logits(peft_model, ids))
+
+
+def test_one_member_of_a_fused_projection_saves_as_peft_reads_it(tmp_path):
+    """An adapter on GPT-2's query projection alone is PEFT's c_attn adapter with zero k, v rows."""
+    model = ft.nn.lora(ft.nn.from_hf(gpt2_hf()), "*.attn.query_projection", rank=2, alpha=4, key=jax.random.key(1))
+    name = "transformer.h.layers.attn.query_projection.lora_b"
+    model = ft.set(model, name, jax.random.normal(jax.random.key(2), ft.get(model, name).shape))
+    ft.nn.save_lora(model, tmp_path)
+    b = safetensors.numpy.load_file(str(tmp_path / "adapter_model.safetensors"))[
+        "base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"]
+    assert b.shape == (3 * D, 2) and np.any(b[:D]) and not np.any(b[D:])
+    peft_model = peft.PeftModel.from_pretrained(gpt2_hf(), str(tmp_path)).eval()
+    ids = tokens()
+    assert_close(logits(model, ids), hf_logits(peft_model, ids))
 
 
 def test_alpha_zero_with_an_alpha_pattern_and_rslora_load_as_peft(tmp_path):

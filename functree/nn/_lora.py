@@ -299,11 +299,11 @@ def _torch_names(model: Any, torch_too: bool = True) -> _Names:
     if found is not None and (found.is_hf or torch_too):
         return found
     codes, names = _markers(base, by_member=True)
-    columns, _ = _markers(base, by_member=False)
     converted = _converted(jax.tree.unflatten(treedef, codes), torch_too)
     if converted is None:
         return _Names(False, {}, frozenset(), None)
     is_hf, head, by_code = converted
+    columns, _ = _markers(base, by_member=False)
     _, _, by_column = _converted(jax.tree.unflatten(treedef, columns), torch_too) or (None, None, {})
     out: dict[str, _TorchName] = {}
     code_of = {n: c for c, n in names.items()}

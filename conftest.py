@@ -62,9 +62,16 @@ def suite_flags(inherited: str, jaxlib: tuple[int, ...]) -> str:
 
 
 def _installed_jaxlib() -> tuple[int, ...]:
-    from importlib.metadata import version  # the distribution's metadata: JAX not started
+    """The installed jaxlib's release, read without starting JAX (its metadata, else its
+    version module: a jaxlib built from source has no distribution metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return release(version("jaxlib"))
+    try:
+        return release(version("jaxlib"))
+    except PackageNotFoundError:
+        from jaxlib.version import __version__
+
+        return release(__version__)
 
 
 os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""), _installed_jaxlib())

@@ -70,3 +70,15 @@ def test_release_reads_the_numbers_of_a_version():
     assert conftest.release("0.12.0.1") == (0, 12, 0, 1)
     assert conftest.release("0.11.2.dev20261101") == (0, 11, 2)
     assert conftest.release("0.11.2rc1") == (0, 11, 2)
+
+
+def test_a_jaxlib_without_metadata_is_read_from_its_version_module(monkeypatch):
+    import importlib.metadata
+
+    from jaxlib.version import __version__
+
+    def no_metadata(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_metadata)
+    assert conftest._installed_jaxlib() == conftest.release(__version__) != ()

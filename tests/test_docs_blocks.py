@@ -33,6 +33,12 @@ Any other title names the program a block belongs to: the migration guides' side
 columns (```` ```python title="Equinox" ````) are the other library's program, pasted into
 its own session. Blocks of one title run cumulatively in one namespace of their own; the
 untitled blocks (functree's) in the page's main one.
+
+The blocks' process gets functree from this checkout (PYTHONPATH: no install needed); a page
+whose run blocks import a package this environment lacks is skipped, naming it. A page that
+moves arrays between devices and meshes says ``<!-- blocks run with 8 CPU devices -->`` (in
+its text, with a sentence telling the reader how to do the same): its blocks then run with
+XLA's host device count appended to the inherited XLA_FLAGS, on the CPU.
 """
 
 import ast

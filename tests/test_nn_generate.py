@@ -669,11 +669,12 @@ def configured(model, hf):
     return WithConfig(model, Config(hf.config.to_dict(), generation))
 
 
-def test_a_checkpoints_generation_defaults_are_hf_generates(llama):
-    """With nothing but the prompt, generate takes what HF's generate takes from the model's
-    generation config (EOS list, pad, repetition penalty, n-grams): the same tokens; an
-    explicit argument wins; a do_sample=True config samples with a key (HF's top_k=50 and the
-    config's temperature and top_k) and asks for one without; a bad value names the config."""
+def test_a_checkpoints_generation_defaults_are_hf_generates(llama, tmp_path):
+    """With nothing but the prompt, generate on ft.nn.from_hf(directory) takes what HF's
+    generate takes from the directory's generation_config.json (EOS list, pad, repetition
+    penalty, n-grams): the same tokens; an explicit argument wins; a do_sample=True config
+    samples with a key (the config's temperature and top_k) and asks for one without; a bad
+    value names the config; an option HF applies and generate does not is named."""
     hf, model = llama
     ids, mask = left_padded_prompts()
     saved = hf.generation_config
@@ -688,7 +689,9 @@ def test_a_checkpoints_generation_defaults_are_hf_generates(llama):
         plain = hf_generate(hf, ids, mask, pad_token_id=2, eos_token_id=None, repetition_penalty=1.0,
                             no_repeat_ngram_size=0)
         assert np.isin(expected[:, PROMPT:], [0, 18]).any() and (expected != plain[:, :expected.shape[1]]).any()
-        ours = configured(model, hf)
+        hf.save_pretrained(tmp_path)
+        ours = ft.nn.from_hf(str(tmp_path))
+        assert (tmp_path / "generation_config.json").exists() and not isinstance(ours, WithConfig)
         out = np.asarray(ft.nn.generate(ours, ids, NEW, attention_mask=mask))
         np.testing.assert_array_equal(out[:, :expected.shape[1]], expected)
         assert (out[:, expected.shape[1]:] == 2).all()

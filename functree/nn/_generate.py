@@ -274,8 +274,19 @@ def generate(
     to the smallest set whose probability reaches ``top_p`` (nucleus sampling; the order and
     rules of Hugging Face's ``generate``). Step ``t`` draws with ``jax.random.fold_in(key, t)``:
     the same key gives the same tokens. A row that emits ``eos_token_id`` (an id or a list of
-    ids) is finished: its later tokens are ``pad_token_id`` (default: the first EOS id), and
-    the loop stops early once every row is finished.
+    ids; ``[]``: none) is finished: its later tokens are ``pad_token_id`` (default: the first
+    EOS id), and the loop stops early once every row is finished. With sampling,
+    ``num_return_sequences=n`` draws ``n`` sequences per prompt: rows ``i * n .. i * n + n - 1``
+    continue prompt ``i`` (HF's order; greedy refuses ``n > 1``, as HF does).
+
+    Defaults from the checkpoint: an option left at None takes the value of the model's
+    ``hf_config`` (a model ported by ``ft.nn.from_hf``: generation_config.json's values, else
+    config.json's), then Hugging Face's global default, as HF's ``generate`` does: its EOS ids
+    and pad id, its processors (``repetition_penalty``, ``no_repeat_ngram_size``, ...), beams,
+    and ``do_sample``: a checkpoint that samples samples here too when ``key=`` is given (its
+    ``temperature``, ``top_k`` (HF's default 50; 0: none) and ``top_p``) and asks for a key
+    without one; ``temperature=0.0`` is greedy. An explicit argument always wins. A model
+    without ``hf_config`` has no defaults (greedy, no EOS).
 
     Before choosing, the logits pass Hugging Face's processors in its order:
 
@@ -327,7 +338,19 @@ def generate(
     the module, and ``docs/guides/generation.md``): ``model.init_cache(batch, P + N)`` and
     ``model(ids, attention_mask=am, positions=pos, cache=cache) -> (logits, cache)``. The
     prompt is one call (prefill), then one token per step in a ``lax.while_loop``, all in one
-    compiled function: the same shapes and options compile once.
+    compiled function: the same shapes and options compile once. The prompt length and
+    ``max_new_tokens`` are compiled as buckets (each rounded up to a power of two, at least 8;
+    exact where that would pass ``model.max_positions``): the prompt is padded after its last
+    token (slots the new tokens overwrite; no real token ever sees them) and the loop stops
+    after ``max_new_tokens``, so a next prompt of another length in the same bucket reuses the
+    program, with the tokens of exact sizes. The result is cut back on the host (it is ready
+    when ``generate`` returns).
+
+    Memory: the key-value cache (``init_cache(rows, bucketed P + N)``) is allocated up front,
+    whole. Its bytes are checked before, against the device's free memory (its
+    ``memory_stats()``; on the CPU the host's available memory): a cache that does not fit
+    raises a ``ValueError`` naming both, instead of aborting the process. A model whose arrays
+    a donating step deleted raises naming the key path of the deleted array.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp

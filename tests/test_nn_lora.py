@@ -278,6 +278,12 @@ def test_save_and_load_errors(tmp_path, base):
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="sets use_dora=True"):
         ft.nn.load_lora(other, tmp_path)
+    for option, value in [("alora_invocation_tokens", [3, 4]), ("init_lora_weights", "mica"), ("bias", "all")]:
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**config, option: value}))
+        with pytest.raises(ValueError, match=rf"sets {option}={value!r}".replace("[", r"\[")):
+            ft.nn.load_lora(other, tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "gaussian"}))
+    assert isinstance(ft.nn.load_lora(other, tmp_path).layers[0], ft.nn.LoraDense)  # an initialization only
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"'base_model.model.0.lora_A.weight' has shape"):
         ft.nn.load_lora(ft.nn.Sequential(ft.nn.Dense(D + 1, D, key=jax.random.key(0))), tmp_path)

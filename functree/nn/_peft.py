@@ -135,8 +135,11 @@ RECORDED = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "t
             "layers_to_transform", "layers_pattern", "modules_to_save", "fan_in_fan_out", "bias", "use_dora",
             "lora_bias")
 # Options whose other values are other kinds of adapter, and the values read here.
+# (PEFT's LoRA variants: the LoraConfig fields marked is_lora_variant, and init_lora_weights="mica".)
 COVERED = (("use_dora", False), ("lora_bias", False), ("bias", "none"), ("layer_replication", None),
-           ("target_parameters", None), ("trainable_token_indices", None))
+           ("target_parameters", None), ("trainable_token_indices", None), ("alora_invocation_tokens", None),
+           ("use_bdlora", None), ("use_qalora", False), ("velora_config", None), ("monteclora_config", None),
+           ("arrow_config", None), ("kasa_config", None), ("init_lora_weights", "not 'mica'"))
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha default
 
 
@@ -378,9 +381,11 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
         given = config.get("peft_type") if isinstance(config, dict) else config
         raise ValueError(NOT_PEFT.format(directory=directory, problem=f"peft_type is {given!r}, not 'LORA'"))
     for option, covered in COVERED:
-        value = config.get(option, covered)
-        if value not in (covered, None) and not (covered is None and value in ([], {})):
-            raise ValueError(UNSUPPORTED_PEFT.format(option=option, value=value,
+        value = config.get(option)
+        if value is None or value == covered or (covered in (None, False) and not value) or (
+                option == "init_lora_weights" and value != "mica"):  # an initialization: read as it is
+            continue
+        raise ValueError(UNSUPPORTED_PEFT.format(option=option, value=value,
                                                      covered=", ".join(f"{o}={c!r}" for o, c in COVERED)))
     tensors = load_file(weights_path, caller="ft.nn.load_lora")  # every rule of the format checked
     metadata = _header(weights_path, os.path.getsize(weights_path))[1].get("__metadata__") or {}

@@ -555,6 +555,11 @@ def test_load_lora_follows_the_config_not_the_file(tmp_path):
     edit_config(tmp_path, target_modules=["q_proj", "v_proj"], layers_to_transform=[1])
     with pytest.raises(ValueError, match=r"does not select"):
         ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, layers_to_transform=None, exclude_modules=["model.layers.1.self_attn.v_proj"])
+    with pytest.raises(ValueError, match=r"holds tensors for \['model.layers.1.self_attn.v_proj'\]"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, exclude_modules=None)
+    assert isinstance(ft.nn.load_lora(base, tmp_path).model.layers.layers.self_attn.value_projection, ft.nn.LoraDense)
 
 
 def test_integer_and_damaged_adapter_files_are_refused(tmp_path):

@@ -53,10 +53,10 @@ def trainer(where=None):
 def leaves(t):
     return [np.asarray(x) for x in jax.tree.leaves((t.model, t.opt_state))]
 
-def fit(t, directory=None):
+def fit(t, directory=None, k=1):
     callbacks = [] if directory is None else [ft.train.ModelCheckpoint(directory, every_steps=5, max_to_keep=None)]
     t.fit(ft.train.batches((X, Y), 8, key=jax.random.key(3)), epochs=3, validation_data=(X, Y), log_every=2,
-          progress=False, callbacks=callbacks)
+          progress=False, callbacks=callbacks, steps_per_call=k)
     return t
 """
 
@@ -70,9 +70,12 @@ on = {"model": devices_of(t.model), "opt_state": devices_of(t.opt_state), "key":
 resumed = trainer(DEVICE).restore(directory, step=10)
 restored_on = devices_of((resumed.model, resumed.opt_state, resumed.key))
 fit(resumed, tempfile.mkdtemp() + "/again")
+scanned = fit(trainer(DEVICE), k=2)  # two steps per call: the scanned program there too
 report({"on": on, "restored_on": restored_on, "resumed_on": devices_of((resumed.model, resumed.opt_state)),
         "same": all(np.array_equal(a, b) for a, b in zip(leaves(t), leaves(straight))),
         "resumed_same": all(np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(t))),
+        "scanned_on": devices_of((scanned.model, scanned.opt_state)),
+        "scanned_same": all(np.array_equal(a, b) for a, b in zip(leaves(scanned), leaves(t))),
         "val": [round(v, 6) for v in t.history.epochs["val_loss"]] ==
                [round(v, 6) for v in straight.history.epochs["val_loss"]],
         "steps": resumed.steps_run, "evaluated": sorted(t.evaluate((X, Y)))})
@@ -118,11 +121,12 @@ def eight_devices(request):
 
 @pytest.mark.slow
 def test_trainer_on_device_two(eight_devices):
-    """Fit with validation and checkpoints, restore and continue: every array on device 2,
-    the numbers those of the same job on the default device, bit for bit."""
+    """Fit with validation and checkpoints, restore and continue, two steps per call: every
+    array on device 2, the numbers those of the same job on the default device, bit for bit."""
     got = part(eight_devices, "trainer_on_device_two")
     assert got["on"] == {"model": [2], "opt_state": [2], "key": [2], "log": [2]}
-    assert got["restored_on"] == [2] and got["resumed_on"] == [2]
+    assert got["restored_on"] == [2] and got["resumed_on"] == [2] and got["scanned_on"] == [2]
+    assert got["scanned_same"]
     assert got["same"] and got["val"] and got["resumed_same"] and got["steps"] == 18
     assert got["evaluated"] == ["loss"]
 

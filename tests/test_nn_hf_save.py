@@ -23,7 +23,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-from test_nn_hf import FAMILIES, batch, gpt2_config, hf_model, hf_output, llama_config  # noqa: E402
+from test_nn_hf import (  # noqa: E402
+    FAMILIES,
+    batch,
+    gpt2_config,
+    hf_model,
+    hf_output,
+    llama_config,
+    skip_without_xla_float16,
+)
 
 CONFIGS = {"gpt2": gpt2_config, "llama": llama_config,
            "llama_tied": lambda: llama_config(tie_word_embeddings=True), **FAMILIES}
@@ -104,6 +112,7 @@ def test_sharded_as_hf_names_and_splits_them(tmp_path):
 
 
 def test_bfloat16_and_float16_models_keep_their_dtype(tmp_path):
+    skip_without_xla_float16()
     for dtype, name in [(jnp.bfloat16, "bfloat16"), (jnp.float16, "float16")]:
         model = ft.nn.from_hf(hf_model(gpt2_config()), dtype=dtype)
         ft.nn.save_hf(model, tmp_path / name)

@@ -92,27 +92,35 @@ again, or correct target_modules.
 NOTHING_TARGETED = """\
 ft.nn.load_lora: adapter_config.json's target_modules={targets!r} selects no module of this \
 model (PEFT refuses it: "Target modules ... not found in the base model"). Its {torch} \
-modules are named like {known} ...; load the adapter into the model it was trained on."""
+modules are named like {known} ...
+    wrong:  ft.nn.load_lora(other_model, directory)
+    right:  ft.nn.load_lora(ft.nn.from_hf(base_model_it_was_trained_on), directory)"""
 
 NOT_IN_FILE = """\
 ft.nn.load_lora: adapter_config.json's target_modules selects {modules}, but \
 adapter_model.safetensors holds no lora_A / lora_B for {them} (PEFT would leave them at \
 their initialization: random or zero, silently). The file is incomplete or from another \
-save; save the adapter again."""
+save.
+    right:  peft_model.save_pretrained(directory)   # or ft.nn.save_lora(model, directory): both files again"""
 
 NOT_DENSE_TARGET = """\
 ft.nn.load_lora: adapter_config.json's {option} selects {modules}, which {are} not a Dense \
 layer of this model (ft.nn.load_lora puts adapters on Dense layers; an embedding, a norm or \
-a whole block is another kind of adapter). Loading the rest would be a different model."""
+a whole block is another kind of adapter). Loading the rest would be a different model.
+    right:  "target_modules": ["q_proj", "v_proj"]   # Linear (and Conv1D) modules only"""
 
 ADAPTER_SHAPE = """\
 ft.nn.load_lora: {name!r} has shape {given}; the layer {layer!r} ({inputs} inputs, {outputs} \
-outputs) takes lora_A [r, {inputs}] and lora_B [{outputs}, r] with r = {rank} ({source})."""
+outputs) takes lora_A [r, {inputs}] and lora_B [{outputs}, r] with r = {rank} ({source}): PEFT \
+refuses it too (a size mismatch). The config and the file are from different saves, or the \
+model is not the one the adapter was trained on.
+    right:  ft.nn.load_lora(ft.nn.from_hf(base_model_it_was_trained_on), directory)   # with the config saved beside the file"""
 
 ADAPTER_DTYPE = """\
 ft.nn.load_lora: {name!r} holds {dtype} numbers; an adapter's tensors are floating point \
 (PEFT casts lora_B to lora_A's dtype: an integer lora_A truncates the update to 0). The \
-file is damaged or was not written as an adapter."""
+file is damaged or was not written as an adapter.
+    right:  peft_model.save_pretrained(directory)   # or ft.nn.save_lora(model, directory)"""
 
 STALE_CONFIG = """\
 ft.nn.load_lora: adapter_config.json in {directory!r} is not the config its \

@@ -21,7 +21,8 @@ import pytest
 import functree as ft
 from functree.train._position import decode, encode, storable
 
-grain = pytest.importorskip("grain.python")
+grain = pytest.importorskip("grain.python")  # the DataLoader API
+grain_datasets = pytest.importorskip("grain")  # the dataset API (MapDataset, IterDataset)
 
 X = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
 Y = (X @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
@@ -90,6 +91,16 @@ def test_a_job_over_a_reiterable_grain_dataloader_resumes_mid_epoch(tmp_path):
     resumed = trainer().restore(tmp_path / "straight", step=8)
     assert (resumed.epoch, resumed.batch_in_epoch) == (1, 2)
     fit(resumed, loader(1), tmp_path / "resumed", epochs=3)
+    assert_same(straight, resumed)
+
+
+def test_a_job_over_a_grain_dataset_resumes_mid_epoch(tmp_path):
+    """grain's dataset API: ``iter(dataset)`` per epoch, a dict position (``next_index``)."""
+    dataset = grain_datasets.MapDataset.source(Source()).shuffle(seed=3).batch(4).to_iter_dataset()
+    straight = fit(trainer(), dataset, tmp_path / "straight", epochs=3)
+    resumed = trainer().restore(tmp_path / "straight", step=8)
+    assert (resumed.epoch, resumed.batch_in_epoch, resumed.state.data_state) == (1, 2, {"next_index": 2})
+    fit(resumed, dataset, tmp_path / "resumed", epochs=3)
     assert_same(straight, resumed)
 
 

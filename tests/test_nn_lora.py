@@ -590,7 +590,8 @@ def test_modules_to_save_lm_head_loads_and_saves_as_peft(tmp_path):
     expected = hf_logits(peft_model, ids)
     model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "peft")
     assert_close(logits(model, ids), expected)
-    ft.nn.save_lora(model, tmp_path / "ft", modules_to_save=["lm_head"])
+    ft.nn.save_lora(model, tmp_path / "ft", modules_to_save="lm_head")  # a str, as PEFT takes it
+    assert json.loads((tmp_path / "ft" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
     again = peft.PeftModel.from_pretrained(llama(), str(tmp_path / "ft")).eval()
     assert_close(hf_logits(again, ids), expected)
     gpt2 = ft.nn.lora(ft.nn.from_hf(gpt2_hf()), "*.c_fc", rank=2, key=jax.random.key(0))

@@ -206,6 +206,8 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
       >>> config["peft_type"], config["r"], config["lora_alpha"], config["target_modules"]
       ('LORA', 2, 4.0, ['1'])
     """
+    if isinstance(modules_to_save, str):
+        modules_to_save = [modules_to_save]
     layers = [layer for layer in _layers(model) if isinstance(layer.node, LoraDense)]
     if not layers:
         raise ValueError(NO_ADAPTERS.format(what="ft.nn.save_lora", verb="save"))
@@ -280,7 +282,7 @@ def _saved_modules(model: Any, names: _Names, modules_to_save: Sequence[str], wh
                    ) -> dict[str, tuple[_Layer, int]]:
     """``{torch module: (its Dense layer, member index)}`` of the modules PEFT's
     ``modules_to_save`` names (``_set_trainable``: a module whose name ends with one)."""
-    if isinstance(modules_to_save, str):
+    if isinstance(modules_to_save, str):  # as PEFT takes it
         modules_to_save = [modules_to_save]
     layers = {m: (layer, i) for layer in _layers(model) for i, m in enumerate(_member_layer_names(layer))}
     out: dict[str, tuple[_Layer, int]] = {}

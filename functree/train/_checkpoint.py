@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -30,6 +30,7 @@ from functree._state_dict import from_flat_dict
 from functree.parallel import mesh_shape
 from functree.train import _directory as policy
 from functree.train._arrays import describe, placement, saved_arrays, verify, written_on
+from functree.train._frozen import describe_frozen, restore_frozen
 from functree.train._processes import agreed, gather
 from functree.train._treespec import (
     CheckpointError,
@@ -400,18 +401,22 @@ class CheckpointManager:
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, model: Any, opt_state: Any = None, *, metrics: Mapping[str, Any] | None = None,
-             config: Mapping[str, Any] | None = None, extra: Any = None) -> None:
+             config: Mapping[str, Any] | None = None, extra: Any = None, frozen: Sequence[str] = ()) -> None:
         """Write a checkpoint of ``model``, ``opt_state`` and ``extra`` (any tree) at ``step``.
 
         ``metrics`` (numbers) rank checkpoints for ``best_metric``; ``config`` is any JSON:
-        optimizer and trainer options, data position, notes. Every process of a job calls it.
+        optimizer and trainer options, data position, notes. ``frozen``: names of model
+        arrays no step changes (``model.layers.0.weight``; a LoRA job's base, see
+        :mod:`._frozen`), stored as fingerprints only: restoring them needs ``template=``.
+        Every process of a job calls it.
         """
         step = int(step)
         metrics = cast("dict[str, Any]", _json_value(dict(metrics or {})))
         if self.best_metric is not None and self.best_metric not in metrics:
             raise CheckpointError(MISSING_METRIC.format(step=step, metric=self.best_metric, given=sorted(metrics)))
         arrays, spec = encode({"model": model, "opt_state": opt_state, "extra": extra})
-        args = _args(arrays, spec, step=step, metrics=metrics, config=_json_value(dict(config or {})))
+        base = {"frozen": describe_frozen(arrays, frozen, model)} if frozen else {}
+        args = _args(arrays, spec, step=step, metrics=metrics, config=_json_value(dict(config or {})), **base)
         try:
             agreed(lambda: self._begin(step))
             self._mngr.save(step, args=args, force=True)
@@ -524,6 +529,8 @@ class CheckpointManager:
         try:
             arrays, meta = _read(lambda args: self._mngr.restore(chosen, args=args),
                                  self.directory / str(chosen), target, manager=True)
+            if "frozen" in meta:  # a job that trained a subset: its base from the template
+                restore_frozen(arrays, meta["frozen"], template, chosen)
             hint = OLD_OPTIMIZER_LAYOUT if meta.get("migrated_from") else ""
             parts = {p: _rebuild(s, arrays, templates[p], p, chosen, hint * (p == "opt_state"))
                      if p in include else None for p, s in zip(_PARTS, meta["spec"]["items"])}

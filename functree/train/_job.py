@@ -21,6 +21,7 @@ import numpy as np
 
 from functree._alias import copy_aliases
 from functree.train._checkpoint import Checkpoint, CheckpointManager
+from functree.train._frozen import frozen_keys
 from functree.train._history import History
 from functree.train._means import Means
 from functree.train._position import decode, encode
@@ -134,11 +135,14 @@ class JobState(NamedTuple):
 
 
 def save_job(manager: CheckpointManager, job: JobState, callbacks: Sequence[Any] | None = None, *,
-             metrics: Mapping[str, Any] | None = None, about: Mapping[str, Any] | None = None) -> None:
+             metrics: Mapping[str, Any] | None = None, about: Mapping[str, Any] | None = None,
+             trained: Sequence[str] | None = None) -> None:
     """Write ``job`` as the checkpoint labelled ``job.steps_run`` (format 2: the arrays of
     model, optimizer state, key, ``extra`` and callback states, the rest as JSON in its
     config), with the states of ``callbacks`` (default: ``job.callbacks``). ``about``:
-    ``on_nan`` and descriptions of the optimizer and the step."""
+    ``on_nan`` and descriptions of the optimizer and the step. ``trained``: the optimizer's
+    ``wrt=`` patterns; the parameters they leave frozen are stored as fingerprints only
+    (``functree.train._frozen``)."""
     about = dict(about or {})
     saved = callback_states(callbacks) if callbacks is not None else job.callbacks or ()
     history = job.history
@@ -154,6 +158,7 @@ def save_job(manager: CheckpointManager, job: JobState, callbacks: Sequence[Any]
         **about,
     }
     manager.save(job.steps_run, job.model, job.opt_state, metrics=metrics, config=config,
+                 frozen=frozen_keys(job.model, trained),  # wrt= trains a subset: the base stays out
                  extra={"key": job.key, "user": job.extra, "callbacks": [state for _, _, state in saved]})
 
 

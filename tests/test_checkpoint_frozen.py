@@ -1,0 +1,107 @@
+"""A job whose optimizer trains a subset (LoRA) saves that subset, not its frozen base
+(issue 45, item 12): the base is a fingerprint in the metadata, restored from the template
+and refused, naming the key path, when it differs or is missing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.train._frozen import _fingerprints, frozen_keys
+
+X = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
+
+
+def base(seed: int = 0) -> ft.nn.Sequential:
+    k = jax.random.split(jax.random.key(seed), 2)
+    return ft.nn.Sequential(ft.nn.Dense(64, 256, jax.nn.relu, key=k[0]), ft.nn.Dense(256, 64, key=k[1]))
+
+
+def trainer(model: ft.nn.Sequential, wrt: str | None = "*.lora_*") -> ft.train.Trainer:
+    adapted = ft.nn.lora(model, "layers.*", rank=2, alpha=4, key=jax.random.key(2))
+    return ft.train.Trainer(adapted, ft.optim.Optimizer(ft.optim.adam(1e-2), wrt=wrt),
+                            lambda m, x: jnp.mean((m(x) - x) ** 2))
+
+
+def data() -> object:
+    return ft.train.batches(X, 8, key=jax.random.key(3))
+
+
+def size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def same(a, b) -> bool:
+    return all(bool(jnp.all(x == y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_a_lora_job_saves_its_adapters_not_its_base_and_continues_bit_for_bit(tmp_path):
+    straight = trainer(base())
+    straight.fit(data(), steps=6, progress=False)
+    t = trainer(base())
+    t.fit(data(), steps=3, progress=False)
+    t.save(tmp_path / "lora")
+    whole = trainer(base(), wrt=None)
+    whole.save(tmp_path / "whole")
+    lora, full = size(tmp_path / "lora"), size(tmp_path / "whole")
+    assert lora < full / 3, (lora, full)  # measured: 24 KB against 151 KB (a base of 2 x 64 x 256 float32)
+    meta = json.loads(next((tmp_path / "lora").rglob("meta/metadata")).read_text())
+    assert sorted(meta["frozen"]["leaves"]) == ["model.layers.0.bias", "model.layers.0.weight",
+                                                "model.layers.1.bias", "model.layers.1.weight"]
+    assert not any(k in meta["checksums"] for k in meta["frozen"]["leaves"])
+    resumed = trainer(base()).restore(tmp_path / "lora")
+    assert same(resumed.model, t.model) and same(resumed.opt_state, t.opt_state) and resumed.steps_run == 3
+    resumed.fit(data(), steps=6, progress=False)
+    assert same(resumed.model, straight.model)  # bit for bit: the base came back exactly
+    state = ft.train.JobState.restore(tmp_path / "lora", like=trainer(base()).state)
+    assert same(state.model, t.model)
+
+
+def test_a_different_base_is_refused_naming_the_leaf(tmp_path):
+    t = trainer(base())
+    t.fit(data(), steps=2, progress=False)
+    t.save(tmp_path / "lora")
+    with pytest.raises(ft.train.CheckpointError, match=r"trained on another base: its frozen leaf "
+                       r"'model.layers.0.weight' \(float32\[64, 256\]\) holds other values in the template"):
+        trainer(base(seed=1)).restore(tmp_path / "lora")
+    small = ft.nn.Sequential(ft.nn.Dense(64, 128, jax.nn.relu, key=jax.random.key(0)),
+                             ft.nn.Dense(128, 64, key=jax.random.key(1)))
+    with pytest.raises(ft.train.CheckpointError, match=r"'model.layers.0.weight' \(float32\[64, 256\]\) is "
+                       r"float32\[64, 128\] in the template"):
+        ft.train.CheckpointManager(tmp_path / "lora").restore(template=ft.nn.lora(
+            small, "layers.*", rank=2, alpha=4, key=jax.random.key(2)))
+
+
+def test_restoring_without_the_base_is_refused_with_the_fix(tmp_path):
+    t = trainer(base())
+    t.save(tmp_path / "lora")
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)holds only what its job trained: the frozen base's 4 "
+                       r"arrays \(model.layers.0.weight, ...\).*right:  trainer.restore\(path\)"):
+        ft.train.JobState.restore(tmp_path / "lora")
+
+
+def test_what_a_subset_leaves_frozen():
+    model = ft.nn.lora(base(), "layers.*", rank=2, alpha=4, key=jax.random.key(2))
+    assert frozen_keys(model, None) == ()
+    assert frozen_keys(model, ("*.lora_*",)) == ("model.layers.0.weight", "model.layers.0.bias",
+                                                 "model.layers.1.weight", "model.layers.1.bias")
+    assert frozen_keys(model, ("layers.1.*",)) == ("model.layers.0.weight", "model.layers.0.bias",
+                                                   "model.layers.0.lora_a", "model.layers.0.lora_b")
+
+
+def test_the_fingerprint_is_exact_and_placement_free():
+    x = jax.random.normal(jax.random.key(0), (33, 7), jnp.bfloat16)
+    y = x.at[5, 3].set(x[5, 3] + 1)
+    swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])
+    got = _fingerprints({"x": x, "host": np.asarray(x), "y": y, "swapped": swapped,
+                         "f32": np.arange(5, dtype=np.float32), "i8": np.arange(5, dtype=np.int8)})
+    assert got["x"] == got["host"] and got["x"] != got["y"] and got["x"] != got["swapped"]
+    bits = np.arange(5, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    i = np.arange(5, dtype=np.uint64)
+    assert got["f32"] == [int(np.sum(bits * (2 * i + 1)) % 2**32), int(np.sum(bits ^ (i * 0x9E3779B9 % 2**32)) % 2**32)]

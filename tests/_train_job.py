@@ -181,9 +181,13 @@ def child_env(*paths: str) -> dict[str, str]:
 
 def signature(tree) -> list:
     """What ``jax.jit`` keys a program on, leaf by leaf: dtype, shape, weak type, sharding,
-    committed."""
-    return [[str(x.dtype), list(x.shape), bool(getattr(x, "weak_type", False)), str(x.sharding), bool(x.committed)]
-            for x in jax.tree.leaves(tree)]
+    committed, and the memory layout (a key's: that of its data)."""
+    def layout(x) -> str:
+        x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        return str(x.format.layout)
+
+    return [[str(x.dtype), list(x.shape), bool(getattr(x, "weak_type", False)), str(x.sharding), bool(x.committed),
+             layout(x)] for x in jax.tree.leaves(tree)]
 
 
 def step_program(t: ft.train.Trainer, batch) -> list[str]:

@@ -187,3 +187,30 @@ def test_a_bfloat16_file_reads_into_a_bfloat16_model(tmp_path):
     loaded = ft.nn.load_torch_state_dict(template, path)
     assert loaded.layers[0].weight.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(loaded.layers[0].weight, np.float32), [[0, 2], [1, 3]])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_loaded_model_holds_copies_never_the_files_memory_map(tmp_path, dtype):
+    """The file rewritten in place after loading changes nothing loaded (a view of the memory
+    map would): leaves of a model, of an abstract template, of a Stack."""
+    stacked = ft.nn.Stack(lambda k: ft.nn.Dense(16, 16, key=k, dtype=dtype), 2, key=jax.random.key(1))
+    model = ft.nn.Sequential(ft.nn.Dense(16, 16, key=jax.random.key(0), dtype=dtype), stacked)
+    sd = ft.nn.torch_state_dict(model, numpy=True)
+    names = sorted(sd)
+    body, header = b"", {}
+    for name in names:
+        data = np.ascontiguousarray(sd[name]).astype(np.float32)
+        header[name] = {"dtype": "F32", "shape": list(data.shape), "data_offsets": [len(body), len(body) + data.nbytes]}
+        body += data.tobytes()
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 64)  # every tensor 64-byte aligned, as a device could alias it
+    path = written(tmp_path / "model.safetensors", text=text, body=body)
+    loads = [ft.nn.load_torch_state_dict(model, path), ft.nn.load_torch_state_dict(jax.eval_shape(lambda: model), path)]
+    before = [np.asarray(x, np.float32).copy() for load in loads for x in jax.tree.leaves(load)]
+    with open(path, "r+b") as f:  # the same bytes count, other values
+        f.seek(8 + len(text))
+        f.write(np.full(len(body) // 4, 7.0, np.float32).tobytes())
+    after = [np.asarray(x, np.float32) for load in loads for x in jax.tree.leaves(load)]
+    for old, new in zip(before, after):
+        np.testing.assert_array_equal(new, old)
+    assert not any((x == 7.0).all() for x in after)

@@ -710,10 +710,10 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
         floating = jnp.issubdtype(array.dtype, jnp.floating)
         for index, value, name in items:
             if value.dtype == array.dtype or (floating and jnp.issubdtype(value.dtype, jnp.floating)):
-                array[index] = value.astype(array.dtype)
+                array[index] = value  # cast as it is copied: one pass over the file's bytes
             else:
                 wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}"))
-        flat[stored] = jax.device_put(array)  # a transfer, where jnp.asarray compiles a program per shape
+        flat[stored] = jax.device_put(array, may_alias=True)  # ours alone; jnp.asarray would compile per shape
     return flat, wrong
 
 
@@ -742,11 +742,11 @@ def _eps(a: np.ndarray) -> float:
 def _as_leaf(old: Any, value: np.ndarray) -> Any:
     """A converted value as a JAX array of the model leaf's floating dtype (else left to check)."""
     if isinstance(old, jax.ShapeDtypeStruct) and value.dtype == old.dtype:  # an abstract template's leaf
-        return jax.device_put(value, may_alias=False)  # a copy: never an alias of a file's memory map
+        return jax.device_put(np.array(value), may_alias=True)  # a copy: a CPU device aliases what it is given
     if not isinstance(old, (jax.Array, jax.ShapeDtypeStruct)) or value.dtype.kind != "f" \
             or not jnp.issubdtype(old.dtype, jnp.floating):
         return value
-    return jax.device_put(value.astype(old.dtype))
+    return jax.device_put(value.astype(old.dtype), may_alias=True)  # a fresh copy: the device may keep it
 
 
 def torch_state_dict(

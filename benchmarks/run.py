@@ -31,6 +31,9 @@ takes a comma-separated list of these names):
     lm          15. a Llama training step (bf16, AdamW; 220M on   ≤ 1.02× raw, MFU ≥ 34% (H200),
                     a GPU, tiny on a CPU): tokens/s, MFU, memory,   first step ≤ 1.5× raw
                     time to the first step in fresh processes
+    startup     16. loading a saved Llama: ft.nn.from_hf(dir)   ≤ 2× from_pretrained
+                    vs transformers from_pretrained, fresh        at every size
+                    processes, with the load's split
 
 ``benchmarks/gate_pipeline.py`` is the accelerator check of the NaN gate: whether a gated
 step keeps the asynchronous pipeline full (raw JAX ungated, cond- and select-gated, and
@@ -63,6 +66,7 @@ from _lm import language_model
 from _lora import lora_step
 from _many_leaves import many_leaves
 from _optimizer import optimizer_throughput
+from _startup import startup
 from _steps import compile_time, compute, dispatch
 from _steps_per_call import steps_per_call
 from _trainer import trainer
@@ -83,6 +87,7 @@ FAMILIES = {
     "generate": generation,
     "lora": lora_step,
     "lm": language_model,
+    "startup": startup,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

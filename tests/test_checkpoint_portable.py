@@ -355,3 +355,16 @@ def test_two_processes_save_what_each_made_and_refuse_text_on_every_process(tmp_
     tree = ft.train.load(tmp_path / "tree")  # and in one process
     np.testing.assert_array_equal(tree["mine"], [1.0, 1.0])
     assert tree["model"].weight.shape == (8, 256)
+
+
+def test_a_template_that_does_not_fit_is_reported_as_such_onto_a_mesh_too(tmp_path):
+    """The target's shapes and dtypes are the saved ones: a template of another shape or
+    dtype is reported by the template check (it was "corrupted" onto a mesh; a dtype was
+    cast by orbax before the check caught it)."""
+    ft.train.save(tmp_path / "tree", {"w": jnp.ones((2, 3))})
+    mesh = jax.make_mesh((1,), ("data",))
+    for wrong in ({"w": jnp.ones((3, 2))}, {"w": jnp.ones((2, 3), jnp.bfloat16)}):
+        for kwargs in ({}, {"mesh": mesh}):
+            with pytest.raises(ft.train.CheckpointError, match="does not fit the template") as e:
+                ft.train.load(tmp_path / "tree", wrong, **kwargs)
+            assert "corrupted" not in str(e.value)

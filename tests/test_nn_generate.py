@@ -750,18 +750,20 @@ def test_a_donated_model_is_named_by_key_path(tiny):
 
 def test_a_cache_larger_than_memory_raises_before_it_is_made(tiny, monkeypatch):
     """The cache's bytes, from its shapes while the loop is traced, against the memory there
-    is: a clear error naming both (nothing is allocated), with a max_new_tokens that fits."""
+    is: a clear error naming both (nothing is allocated), with a max_new_tokens that fits; a
+    bucket too large whose exact sizes fit runs at its exact sizes."""
     model, prompt, _ = tiny
     unbounded = model.replace(max_positions=None)
     rows = jnp.zeros((64, 3), jnp.int32)  # 64 rows of 2 ** 30 positions: 4 TiB of keys and values
-    with pytest.raises(ValueError, match=r"cache for 64 sequences of 1073741832 positions \(the prompt's 3 tokens "
-                                         r"and max_new_tokens = 1073741800(.|\n)*needs 4398046543872 bytes "
+    with pytest.raises(ValueError, match=r"cache for 64 sequences of 1073741803 positions \(the prompt's 3 tokens "
+                                         r"and max_new_tokens = 1073741800\)(.|\n)*needs 4398046425088 bytes "
                                          r"\(4.0 TiB\), but the (.|\n)*allocates the whole cache up front"):
         ft.nn.generate(unbounded, rows, 2 ** 30 - 24)
     from functree.nn import _memory
 
     monkeypatch.setattr(_memory, "available_bytes", lambda device: (1000, "test's memory"))
-    needs = 2 * 2 * (8 + 16) * 2 * 4 * 4  # keys and values [2, 8 + 16 slots (buckets), 2 heads, 4] float32
+    needs = 2 * 2 * (3 + 12) * 2 * 4 * 4  # keys and values [2, 3 + 12 slots, 2 heads, 4] float32 (exact: the bucket
+    # of 8 + 16 slots does not fit either)
     with pytest.raises(ValueError, match=rf"needs {needs} bytes(.|\n)*test's memory has 1000 bytes(.|\n)*"
                                          r"generate\(model, input_ids\[:1\], 8\)    # fewer rows"):  # 7 slots fit
         ft.nn.generate(model, prompt, 12)
@@ -769,4 +771,29 @@ def test_a_cache_larger_than_memory_raises_before_it_is_made(tiny, monkeypatch):
         ft.nn.generate(model, prompt, 12, num_beams=2)
     monkeypatch.setattr(_memory, "available_bytes", lambda device: (128 * 30, "test's memory"))  # 30 slots
     with pytest.raises(ValueError, match=r"generate\(model, input_ids, 16\)"):  # 8 + 16 fit, 8 + 32 do not
-        ft.nn.generate(unbounded, prompt, 20)
+        ft.nn.generate(unbounded, prompt, 30)
+    out = ft.nn.generate(unbounded, prompt, 20)  # its bucket (8 + 32 slots) does not fit, its exact 23 do
+    np.testing.assert_array_equal(out[:, :15], ft.nn.generate(model, prompt, 12))
+
+
+class Picky(TinyLM):
+    """A model that refuses caches longer than 16 slots while traced (as longrope refuses a
+    cache that crosses its switch point)."""
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        if max_length > 16:
+            raise ValueError(f"Picky: a cache of {max_length} slots is longer than 16")
+        return super().init_cache(batch_size, max_length, dtype)
+
+
+def test_sizes_whose_bucket_the_model_refuses_run_exact(tiny):
+    """A bucket the model refuses while traced (3 + 12 tokens: 8 + 16 slots) runs at its exact
+    sizes (15 slots), with the same tokens; sizes it refuses exactly raise its error."""
+    model, prompt, mask = tiny
+    picky = Picky(key=jax.random.key(0))
+    expected = ft.nn.generate(model, prompt, 12, attention_mask=mask)
+    np.testing.assert_array_equal(ft.nn.generate(picky, prompt, 12, attention_mask=mask), expected)
+    assert (Picky, 3, 12) in _generate._EXACT
+    np.testing.assert_array_equal(ft.nn.generate(picky, prompt, 12, attention_mask=mask), expected)
+    with pytest.raises(ValueError, match=r"Picky: a cache of 17 slots is longer than 16"):
+        ft.nn.generate(picky, prompt, 14, attention_mask=mask)

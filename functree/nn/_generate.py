@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from functree._alias import is_deletion_error, stale_error
+from functree._alias import is_deletion_error, is_stale_error, stale_error
 from functree._repr import short_array
 from functree.nn import _decode, _memory
 from functree.nn._decode import _beam_search, _generate
@@ -409,12 +409,32 @@ def generate(
                  num_return_sequences=num_return_sequences, length_penalty=length_penalty,
                  early_stopping=early_stopping)
     options, sourced = _with_defaults(given, checkpoint_defaults(inner), key)
+    plan = partial(_plan, model, ids, new, attention_mask, key, options, stop, return_scores, streamer, limit)
+    exact = (type(inner), prompt, new) in _EXACT
     try:
-        run = _plan(model, ids, new, attention_mask, key, options, stop, return_scores, streamer, limit)
+        run = plan(exact=exact)
     except ValueError as error:  # a checkpoint's value: say that it came from there
         raise _sourced(error, sourced) from None
     try:
-        tokens, scores = run()
+        tokens, scores = _running(run, model, prompt, new)
+    except ValueError as error:
+        if exact or run.exact or is_stale_error(error):
+            raise
+        # the model refused the bucket's sizes while tracing (e.g. longrope's switch point
+        # inside the larger cache): these sizes run exact from now on, or raise as exact ones do
+        _EXACT.add((type(inner), prompt, new))
+        tokens, scores = _running(plan(exact=True), model, prompt, new)
+    return (tokens, scores) if return_scores else tokens
+
+
+# (model type, prompt length, max_new_tokens) whose bucketed loop the model refused: run exact.
+_EXACT: set[tuple[type, int, int]] = set()
+
+
+def _running(run: Any, model: Any, prompt: int, new: int) -> tuple[Any, Any]:
+    """``run()``, with the errors of a cache too large and of a donated model named."""
+    try:
+        return run()
     except _memory.CacheTooLarge as error:  # raised while tracing: nothing was allocated
         raise error.explained(prompt, new) from None
     except (RuntimeError, ValueError) as error:
@@ -422,7 +442,6 @@ def generate(
         if stale is None:
             raise
         raise stale from None  # a donating step deleted the model's arrays: name the key path
-    return (tokens, scores) if return_scores else tokens
 
 
 def _with_defaults(given: dict[str, Any], checkpoint: dict[str, Any] | None,
@@ -478,9 +497,10 @@ def _sourced(error: ValueError, sourced: dict[str, Any]) -> ValueError:
 
 
 def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict[str, Any], stop: Any,
-          return_scores: bool, streamer: Any, limit: Any) -> Any:
+          return_scores: bool, streamer: Any, limit: Any, *, exact: bool = False) -> Any:
     """Check the options and return the call that runs the compiled loop (and crops its
-    bucket back to the prompt and ``new``)."""
+    bucket back to the prompt and ``new``; ``exact``: no buckets), with ``.exact`` (whether
+    its sizes are the exact ones)."""
     mask = _attention_mask(attention_mask, ids.shape)
     greedy = _greedy(o["temperature"], key, o["top_k"], o["top_p"], o["min_p"])
     ngram = _ngram_size(o["no_repeat_ngram_size"])
@@ -500,7 +520,7 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
         ids, mask = _repeated(ids, returns), _repeated(mask, returns)
     _check_streamer(streamer, beams, ids)
     prompt = ids.shape[1]
-    width, bucket = _buckets(prompt, new, limit)
+    width, bucket = (prompt, new) if exact else _buckets(prompt, new, limit)
     sizes = np.asarray([prompt, new], np.int32)
     common = (_padded(ids, width, fill, jnp.int32), _padded(mask, width, 0, jnp.int32), sizes,
               np.asarray(eos or (-1,), np.int32), np.int32(fill),
@@ -525,6 +545,7 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
         tokens, scores = run()
         return _cropped(tokens, scores, prompt + new, new)
 
+    cropped.exact = (width, bucket) == (prompt, new)  # type: ignore[attr-defined]
     return cropped
 
 

@@ -17,8 +17,8 @@ import jax
 
 CACHE_TOO_LARGE = """\
 generate: the key-value cache for {rows} sequences of {length} positions (the prompt's {prompt} \
-tokens and max_new_tokens = {new}, each rounded up to its compiled size) needs {need} bytes \
-({need_h}), but the {where} has {available} bytes ({available_h}) available. generate allocates the whole cache up \
+tokens and max_new_tokens = {new}{rounded}) needs {need} bytes ({need_h}), but the {where} has \
+{available} bytes ({available_h}) available. generate allocates the whole cache up \
 front, before the first token.
 
     wrong:  ft.nn.generate(model, input_ids, {new})
@@ -43,7 +43,8 @@ class CacheTooLarge(ValueError):
                  else "ft.nn.generate(model, input_ids[:1], 8)    # fewer rows, a shorter prompt or a smaller model")
         return ValueError(CACHE_TOO_LARGE.format(
             rows=self.rows, length=self.length, prompt=prompt, new=new, need=self.need, need_h=_human(self.need),
-            available=self.available, available_h=_human(self.available), where=self.where, right=right))
+            available=self.available, available_h=_human(self.available), where=self.where, right=right,
+            rounded="" if self.length == prompt + new else ", each rounded up to its compiled size"))
 
 
 def bucket(n: int) -> int:

@@ -344,7 +344,8 @@ def generate(
     token (slots the new tokens overwrite; no real token ever sees them) and the loop stops
     after ``max_new_tokens``, so a next prompt of another length in the same bucket reuses the
     program, with the tokens of exact sizes. The result is cut back on the host (it is ready
-    when ``generate`` returns).
+    when ``generate`` returns). Sizes whose bucket the model refuses while traced (e.g.
+    longrope's switch point inside the larger cache) run at their exact sizes.
 
     Memory: the key-value cache (``init_cache(rows, bucketed P + N)``) is allocated up front,
     whole. Its bytes are checked before, against the device's free memory (its

@@ -449,7 +449,12 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     ``from_hf(config, weights)`` takes its config (an HF config, or a ``config.json`` dict)
     and a state dict (torch tensors or NumPy arrays), a ``.safetensors`` file, an index or a
     directory (read without torch, one tensor at a time from memory-mapped files: bfloat16
-    files too). Parameters are cast to ``dtype``. Older checkpoint names read as HF's
+    files too). Parameters are cast to ``dtype``, a floating dtype (float32, bfloat16,
+    float16: float16 runs on a CPU too; an integer dtype is refused at the call).
+    ``partial_rotary_factor`` is read as each HF class reads it: GPT-NeoX and Phi-3 rotate
+    that part of each head; Llama, Qwen2, Mistral and Gemma the whole head with the default
+    rope (a config with another rope type and a factor is refused: HF's forward fails on it).
+    Older checkpoint names read as HF's
     loader reads them (GPT-2's body without ``transformer.`` and its mask buffers; BERT's
     ``bert.`` prefix and LayerNorm ``gamma``/``beta``; GPT-NeoX's ``embed_out``; OPT's
     ``decoder.`` without ``model.``); a task head's tensors (BERT's ``cls.*``) are unexpected:
@@ -469,6 +474,9 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     than a learned position table holds raise (under a jit of your own, where ids are traced,
     such a token's logits are NaN instead). A config functree does not cover (a model type, a
     rope type, an option) and weights that do not fit the config raise, naming what was given.
+    The model carries its config: ``model.hf_config`` (``config.json``'s values, immutable
+    and hashable, the generation config as ``model.hf_config.generation``), which
+    :func:`ft.nn.save_hf` writes back.
 
     Example:
       >>> import functree as ft, jax, numpy as np
@@ -481,6 +489,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
       (1, 5, 11)
       >>> len(model.transformer.h), sorted(ft.nn.to_hf_state_dict(model, numpy=True)) == sorted(weights)
       (2, True)
+      >>> model.hf_config["n_head"], model.hf_config["model_type"]
+      (2, 'gpt2')
     """
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(BAD_ATTENTION.format(given=attention))

@@ -6,8 +6,8 @@ abstract template (``jax.eval_shape``: no random init) and fills it from the wei
 :func:`ft.nn.load_torch_state_dict` with the model class's ``rename=`` and ``layouts=``.
 A family is one table row: its HF class, its functree class, a builder reading the config,
 its tied head's names and the older checkpoint names HF's loader renames. ``transformers``
-is imported only to read a config given as a dict or a directory; torch only where the
-weights are torch tensors.
+is never imported (a ``config.json``, as a dict or a directory's, is read by
+:mod:`functree.nn._hf_files` with HF's defaults); torch only where the weights are torch tensors.
 """
 
 from __future__ import annotations

@@ -339,6 +339,12 @@ try:
 except ft.train.CheckpointError as e:
     got["bad"] = str(e).splitlines()[0]
 got["left"] = sorted(os.path.basename(p) for p in glob.glob(out + "/bad*"))
+# the training-jobs guide's example: a job on a mesh over both processes, extra made by each
+trainer = ft.train.Trainer(ft.nn.Dense(8, 256, key=jax.random.key(1)), ft.optim.adam(1e-2),
+                           lambda m, x: jnp.mean(m(x) ** 2), mesh=mesh, sharding="fsdp")
+trainer.save(out + "/job", extra={"rounds": 3, "ema": jnp.zeros(2)})
+job = ft.train.JobState.restore(out + "/job", like=trainer.state)
+got["job"] = [job.extra["rounds"], np.asarray(job.extra["ema"]).tolist(), job.steps_run]
 report(got)
 """
 
@@ -351,7 +357,7 @@ def test_two_processes_save_what_each_made_and_refuse_text_on_every_process(tmp_
     for got in outs:
         assert got["restored"] == [[1.0, 1.0], "ArrayImpl", 3, [1.0, 1.0], "ArrayImpl"], got
         assert got["bad"].startswith("The leaf 'note' is str 'warm start'"), got["bad"]
-        assert got["left"] == []
+        assert got["left"] == [] and got["job"] == [3, [0.0, 0.0], 0]
     tree = ft.train.load(tmp_path / "tree")  # and in one process
     np.testing.assert_array_equal(tree["mine"], [1.0, 1.0])
     assert tree["model"].weight.shape == (8, 256)

@@ -122,6 +122,23 @@ def test_a_config_value_of_the_wrong_type_is_refused_naming_it(key, value, expec
     assert config.rms_norm_eps == 1 and config.pad_token_id == [0, 1]
 
 
+@pytest.mark.parametrize("text, words", [(b"{\"eos_token_id\": 2", r"not JSON: Expecting"),
+                                         (b"[2]", r"a JSON list, not an object")])
+def test_a_damaged_generation_config_json_is_refused_naming_it(tmp_path, text, words):
+    config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
+    weights = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+    from safetensors.numpy import save_file
+
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_bytes(text)
+    with pytest.raises(ValueError, match=rf"(?s)'.*generation_config.json' is not a generation_config.json this "
+                                         rf"reads \({words}.*right:  hf_model.generation_config.save_pretrained"):
+        ft.nn.from_hf(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+    assert ft.nn.from_hf(tmp_path).hf_config.generation["eos_token_id"] == 3
+
+
 LOAD = """
 import sys, jax
 jax.config.update("jax_log_compiles", True)

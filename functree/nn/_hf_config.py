@@ -17,6 +17,8 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from functree.nn._hf_files import read_generation
+
 __all__ = ["HFConfig", "hf_config_of"]
 
 NOT_JSON = """\
@@ -124,12 +126,7 @@ def _json_config(config: Any) -> dict[str, Any]:
 
 
 def _generation_file(directory: Any) -> dict[str, Any] | None:
-    path = os.path.join(directory, "generation_config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        values = json.load(f)
-    return values if isinstance(values, dict) else None
+    return read_generation(directory)  # a damaged file is an error naming it (nn/_hf_files.py)
 
 
 def hf_config_of(config: Any, source: Any) -> HFConfig:

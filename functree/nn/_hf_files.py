@@ -49,6 +49,15 @@ this one is damaged or was altered.
        or:  ft.nn.from_hf(hf_config, weights)         # the config given, not read from the file
 """
 
+BAD_GENERATION_JSON = """\
+ft.nn.from_hf: {path!r} is not a generation_config.json this reads ({why}). A \
+save_pretrained directory's generation_config.json is one JSON object {{"eos_token_id": ..., \
+...}}; this one is damaged or was altered.
+
+    right:  hf_model.generation_config.save_pretrained(directory)    # writes it again
+       or:  delete it (generation then reads eos and pad ids from config.json)
+"""
+
 BAD_CONFIG_VALUE = """\
 ft.nn.from_hf: the {model_type} config's {key!r} is {value!r} (a {kind}); Hugging Face's \
 {model_type} config takes {expected} there (or null). Building from it would fail later, or \
@@ -98,6 +107,22 @@ def _read_json(directory: Any) -> dict[str, Any]:
     if not isinstance(values.get("model_type"), str):
         raise ValueError(BAD_CONFIG_JSON.format(path=path, why=f"model_type is {values.get('model_type')!r}, "
                                                                  "not a model type's name"))
+    return values
+
+
+def read_generation(directory: Any) -> dict[str, Any] | None:
+    """A directory's ``generation_config.json`` as a dict (None when it has none), else an
+    error naming the file."""
+    path = os.path.join(os.fspath(directory), "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(BAD_GENERATION_JSON.format(path=path, why=f"not JSON: {e}")) from None
+    if not isinstance(values, dict):
+        raise ValueError(BAD_GENERATION_JSON.format(path=path, why=f"a JSON {type(values).__name__}, not an object"))
     return values
 
 

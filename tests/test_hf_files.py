@@ -96,6 +96,10 @@ def test_a_config_json_reads_as_transformers_reads_it(model_type, i):
         assert attribute(ours, name) == attribute(theirs, name), (name, attribute(ours, name), attribute(theirs, name))
 
 
+def test_every_covered_model_type_has_its_defaults_and_its_configs_here():
+    assert set(_hf_files.DEFAULTS) == set(_hf.FAMILIES) == set(CONFIGS)
+
+
 def test_the_config_is_read_only_and_gives_its_values_back():
     config = _hf_files.Config.of({"model_type": "gpt2", "hidden_size": 64})
     assert config.n_embd == config.hidden_size == 64 and config.to_dict()["n_embd"] == 64

@@ -1,4 +1,4 @@
-"""``python -m functree``: train seed 000's XOR classifier and print its progress.
+"""``python -m functree``: train Swift for TensorFlow's XOR classifier and print its progress.
 
 The model is Swift for TensorFlow's ``Classifier`` (two ``Dense`` layers with relu),
 trained with Adam (learning rate 0.02) for 3000 jitted steps on the four XOR points.

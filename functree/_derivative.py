@@ -164,7 +164,7 @@ def derivative(
     to another argument, or to a parameter the pullback returns ``None`` for, is an
     :class:`UncoveredDerivativeError` naming it and the fix, never a silent zero.
 
-    Example (seed 002's ``@derivative(of: expf)``):
+    Example (Swift's ``@derivative(of: expf)``):
       >>> import functree as ft, jax.numpy as jnp
       >>> @ft.derivative(of=jnp.exp)
       ... def exp(x):

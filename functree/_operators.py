@@ -332,7 +332,7 @@ def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) 
 def pullback(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     """The pullback ``v ↦ vᵀ J_f(x)`` at ``at`` (or a function of the point giving it).
 
-    Example (seed 002: rows of a Jacobian from basis vectors):
+    Example (rows of a Jacobian from basis vectors, as in Swift's differentiable programming):
       >>> import functree as ft, jax.numpy as jnp
       >>> pb = ft.pullback(lambda x: jnp.stack([x[0] * x[1], x[0] + x[1]]), at=jnp.array([1.0, 2.0]))
       >>> pb(jnp.array([1.0, 0.0]))

@@ -788,7 +788,7 @@ def recursively_all_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
 def recursively_all_writable_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
     """Like :func:`recursively_all_key_paths`, without static fields or anything under them.
 
-    Example (seed 000's nested update):
+    Example (the nested update of Swift's ``KeyPathIterable``):
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> model = {"layers": [jnp.ones(2), jnp.ones(2)]}
       >>> for kp in ft.recursively_all_writable_key_paths(model, to=jax.Array):

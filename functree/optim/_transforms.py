@@ -211,7 +211,7 @@ def l1_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
 
 
 def l2_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
-    """L2 penalty ``λ/2 ‖w‖²`` added to the gradient (seed 003): ``g ← g + λ w``.
+    """L2 penalty ``λ/2 ‖w‖²`` added to the gradient (CNTK's ``l2_regularization_weight``): ``g ← g + λ w``.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

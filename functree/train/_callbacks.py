@@ -1,4 +1,4 @@
-"""Callbacks: seed 003's progress callback, called with the learning context.
+"""Callbacks: CNTK's progress writers, called with the learning context.
 
 A callback sees a :class:`TrainingContext` (step, sweep, samples seen, minibatch size,
 learning rate, metrics) at every log interval (``on_log``), at the end of every epoch

@@ -1,4 +1,4 @@
-"""Minibatches: seed 003's readers, with a minibatch size that may be a function.
+"""Minibatches: CNTK's minibatch sources, with a minibatch size that may be a function.
 
 ``ft.train.batches(arrays, batch_size, shuffle=True, key=...)`` cuts a tree of arrays
 (an array, a tuple ``(x, y)``, a dict) along its leading axis. Epoch ``e`` is shuffled by
@@ -72,7 +72,7 @@ def _rows(offset: int, size: int, shard: tuple[int, int] | None) -> tuple[int, i
 
 
 class DataContext(NamedTuple):
-    """What a functional minibatch size sees: seed 003's learning context, on the host.
+    """What a functional minibatch size sees: CNTK's learning context, on the host.
 
     Before each minibatch ``batch_size(DataContext(step, sweep, samples_seen))`` is called;
     ``samples_seen`` is the sum of the sizes of the minibatches read before it.
@@ -242,7 +242,7 @@ def batches(
     Each iteration is one epoch (sweep); epoch ``e`` is ordered by a permutation drawn from
     ``jax.random.fold_in(key, e)`` (``key`` defaults to ``jax.random.key(0)``), so runs
     are reproducible. ``batch_size`` may be a function of the :class:`DataContext`
-    (``step``, ``sweep``, ``samples_seen``), seed 003's functional minibatch size; every
+    (``step``, ``sweep``, ``samples_seen``), CNTK's functional minibatch size; every
     distinct size compiles the training step once. ``drop_last`` drops a final short
     minibatch (no extra compilation). ``shard=(jax.process_index(), jax.process_count())``
     yields each process its share of every minibatch (rows ``i·b/P`` to ``(i+1)·b/P`` of

@@ -478,7 +478,7 @@ class Trainer(Evaluation):
 
         ``optimizer_state=False`` restores the model, position and key only and keeps this
         trainer's optimizer state: a saved model continued with new optimizer options
-        (seed 003); the learning context then starts from this trainer's.
+        (CNTK's new learners); the learning context then starts from this trainer's.
         """
         if not isinstance(manager, CheckpointManager):
             with CheckpointManager(manager) as owned:

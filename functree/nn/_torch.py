@@ -61,6 +61,7 @@ from functree._tree import dotted_name
 from functree.nn._attention import MultiheadAttention
 from functree.nn._conv import _Conv, _ConvTranspose
 from functree.nn._embedding import Embedding
+from functree.nn._host import copied, copy_into
 from functree.nn._linear import Dense
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell
@@ -277,10 +278,8 @@ def _cell(layer: GRUCell | LSTMCell, suffix: str = "", ft: str = "") -> list[Loc
     return [(tuple(n + suffix for n in t), tuple(f"{ft}.{n}" if ft else n for n in f), a, b) for t, f, a, b in rules]
 
 
-def _rnn(layer: RNN) -> list[Local] | None:
-    if isinstance(layer.cell, (GRUCell, LSTMCell)):
-        return _cell(layer.cell, suffix="_l0", ft="cell")
-    return None  # another cell: walked into, its leaves matched by name
+def _rnn(layer: RNN) -> list[Local] | None:  # another cell: None, walked into, its leaves matched by name
+    return _cell(layer.cell, suffix="_l0", ft="cell") if isinstance(layer.cell, (GRUCell, LSTMCell)) else None
 
 
 _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None]], ...] = (
@@ -710,7 +709,7 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
         floating = jnp.issubdtype(array.dtype, jnp.floating)
         for index, value, name in items:
             if value.dtype == array.dtype or (floating and jnp.issubdtype(value.dtype, jnp.floating)):
-                array[index] = value  # cast as it is copied: one pass over the file's bytes
+                copy_into(array[index], value)  # cast as it is copied: one pass over the file's bytes
             else:
                 wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}"))
         flat[stored] = jax.device_put(array, may_alias=True)  # ours alone; jnp.asarray would compile per shape
@@ -742,11 +741,11 @@ def _eps(a: np.ndarray) -> float:
 def _as_leaf(old: Any, value: np.ndarray) -> Any:
     """A converted value as a JAX array of the model leaf's floating dtype (else left to check)."""
     if isinstance(old, jax.ShapeDtypeStruct) and value.dtype == old.dtype:  # an abstract template's leaf
-        return jax.device_put(np.array(value), may_alias=True)  # a copy: a CPU device aliases what it is given
+        return jax.device_put(copied(value, value.dtype), may_alias=True)  # a copy: a CPU device aliases its input
     if not isinstance(old, (jax.Array, jax.ShapeDtypeStruct)) or value.dtype.kind != "f" \
             or not jnp.issubdtype(old.dtype, jnp.floating):
         return value
-    return jax.device_put(value.astype(old.dtype), may_alias=True)  # a fresh copy: the device may keep it
+    return jax.device_put(copied(value, old.dtype), may_alias=True)  # a fresh copy: the device may keep it
 
 
 def torch_state_dict(

@@ -5,8 +5,10 @@ Each function returns an optax ``GradientTransformationExtraArgs``: ``tx.init(mo
 model, minibatch_size=..., loss=...)``. Defaults follow swift-apis where it has the
 optimizer. ``weight_decay`` is the L2 term added to the gradient (torch's coupled
 ``weight_decay``), except in :func:`adamw` and :func:`lion`, where it is decoupled.
-Every hyperparameter may be a number, a schedule of the learning context, a piecewise
-list or a rate with a unit (see :mod:`functree.optim._hyper`).
+Each optimizer is one function: its signature declares the hyperparameters (the
+arguments annotated ``Hyper``, :mod:`functree.optim._signature`) and its body builds the
+optax numerics from their values. Every hyperparameter may be a number, a schedule of the
+learning context, a piecewise list or a rate with a unit (see :mod:`functree.optim._hyper`).
 
 A ``None`` gradient (a partial gradient, ``ft.gradient(loss, at=model, wrt="head")``)
 means no update: that parameter and its moments stay as they are, alone as through an
@@ -25,8 +27,8 @@ second moment is ``|g|²`` per complex element.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, ParamSpec
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +38,9 @@ import optax
 from functree._naming import check_patterns
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
-from functree.optim._hyper import inject
 from functree.optim._leafwise import separable
 from functree.optim._masked import masked
+from functree.optim._signature import Hyper, optimizer
 
 __all__ = [
     "sgd",
@@ -80,6 +82,8 @@ Example:
   ('<declared>', '*.bias', '*.scale')
   >>> tx = ft.optim.adamw(1e-3, exclude=(*ft.optim.DEFAULT_NO_DECAY, "head.*"))   # and the head
 """
+
+P = ParamSpec("P")
 
 BAD_MOMENTUM_FORM = """\
 momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu) or "unit_gain" (v = γ'v + ηg, w -= v).{extra}
@@ -137,14 +141,15 @@ def _l2(weight_decay: Any) -> optax.GradientTransformation:
     return optax.add_decayed_weights(weight_decay)
 
 
-def _with_decay(hyper: dict[str, Any], weight_decay: Any) -> dict[str, Any]:
-    """Declare ``weight_decay`` only when it is not the number 0 (then no L2 term, no params needed)."""
-    if isinstance(weight_decay, (int, float)) and weight_decay == 0:
-        return hyper
-    return {**hyper, "weight_decay": weight_decay}
+def _optimizer(
+    where: str, check: Callable[..., None] | None = None
+) -> Callable[[Callable[P, Any]], Callable[P, optax.GradientTransformationExtraArgs]]:
+    """An optimizer of this module: its ``weight_decay=0`` (the number) adds no L2 term and
+    needs no parameters; its update is declared :func:`separable`."""
+    return optimizer(where, off_at_zero=("weight_decay",), check=check, then=separable)
 
 
-def _decayed(weight_decay: Any, *rest: optax.GradientTransformation) -> optax.GradientTransformation:
+def _decayed(weight_decay: Any, *rest: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     return optax.chain(*rest) if weight_decay is None else optax.chain(_l2(weight_decay), *rest)
 
 
@@ -169,11 +174,19 @@ def _unit_gain_momentum(learning_rate: Any, momentum: Any) -> optax.GradientTran
     return optax.GradientTransformation(init, update)
 
 
+def _check_sgd(nesterov: bool, momentum_form: str) -> None:
+    if momentum_form not in ("literature", "unit_gain"):
+        raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=""))
+    if momentum_form == "unit_gain" and nesterov:
+        raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=" Nesterov needs the literature form."))
+
+
+@_optimizer("ft.optim.sgd", check=_check_sgd)
 def sgd(
-    learning_rate: Any = 0.01,
-    momentum: Any = 0.0,
+    learning_rate: Hyper = 0.01,
+    momentum: Hyper = 0.0,
     nesterov: bool = False,
-    weight_decay: Any = 0.0,
+    weight_decay: Hyper = 0.0,
     *,
     momentum_form: str = "literature",
 ) -> optax.GradientTransformationExtraArgs:
@@ -199,28 +212,18 @@ def sgd(
       >>> updates["w"]
       Array([-0.1, -0.1], dtype=float32)
     """
-    if momentum_form == "literature":
-        def factory(learning_rate: Any, momentum: Any, weight_decay: Any = None) -> Any:
-            return _decayed(weight_decay, optax.sgd(learning_rate, momentum, nesterov))
-    elif momentum_form == "unit_gain":
-        if nesterov:
-            raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=" Nesterov needs the literature form."))
-
-        def factory(learning_rate: Any, momentum: Any, weight_decay: Any = None) -> Any:
-            return _decayed(weight_decay, _unit_gain_momentum(learning_rate, momentum))
-    else:
-        raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=""))
-    hyper = {"learning_rate": learning_rate, "momentum": momentum}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.sgd", factory, hyper))
+    if momentum_form == "unit_gain":
+        return _decayed(weight_decay, _unit_gain_momentum(learning_rate, momentum))
+    return _decayed(weight_decay, optax.sgd(learning_rate, momentum, nesterov))
 
 
+@_optimizer("ft.optim.rmsprop")
 def rmsprop(
-    learning_rate: Any = 1e-3,
-    rho: Any = 0.9,
-    epsilon: Any = 1e-8,
-    momentum: Any = 0.0,
-    weight_decay: Any = 0.0,
+    learning_rate: Hyper = 1e-3,
+    rho: Hyper = 0.9,
+    epsilon: Hyper = 1e-8,
+    momentum: Hyper = 0.0,
+    weight_decay: Hyper = 0.0,
     *,
     centered: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
@@ -238,16 +241,10 @@ def rmsprop(
       >>> updates["w"]   # -0.01 / sqrt(0.1)
       Array([-0.0316...], dtype=float32)
     """
-
-    def factory(learning_rate: Any, rho: Any, epsilon: Any, momentum: Any, weight_decay: Any = None) -> Any:
-        return _decayed(
-            weight_decay,
-            optax.rmsprop(learning_rate, rho, epsilon, eps_in_sqrt=False, centered=centered, momentum=momentum),
-        )
-
-    hyper = {"learning_rate": learning_rate, "rho": rho, "epsilon": epsilon, "momentum": momentum}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.rmsprop", factory, hyper))
+    return _decayed(
+        weight_decay,
+        optax.rmsprop(learning_rate, rho, epsilon, eps_in_sqrt=False, centered=centered, momentum=momentum),
+    )
 
 
 class AdagradState(NamedTuple):
@@ -267,11 +264,12 @@ def _scale_by_adagrad(initial: Any, epsilon: Any) -> optax.GradientTransformatio
     return optax.GradientTransformation(init, update)
 
 
+@_optimizer("ft.optim.adagrad")
 def adagrad(
-    learning_rate: Any = 1e-3,
-    initial_accumulator_value: Any = 0.1,
-    epsilon: Any = 1e-8,
-    weight_decay: Any = 0.0,
+    learning_rate: Hyper = 1e-3,
+    initial_accumulator_value: Hyper = 0.1,
+    epsilon: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaGrad (torch.optim.Adagrad, swift-apis AdaGrad)::
 
@@ -287,22 +285,16 @@ def adagrad(
       >>> updates["w"]
       Array([-0.1], dtype=float32)
     """
-
-    def factory(learning_rate: Any, initial_accumulator_value: Any, epsilon: Any, weight_decay: Any = None) -> Any:
-        return _decayed(
-            weight_decay,
-            _scale_by_adagrad(initial_accumulator_value, epsilon),
-            optax.scale_by_learning_rate(learning_rate),
-        )
-
-    hyper = {"learning_rate": learning_rate, "initial_accumulator_value": initial_accumulator_value,
-             "epsilon": epsilon}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.adagrad", factory, hyper))
+    return _decayed(
+        weight_decay,
+        _scale_by_adagrad(initial_accumulator_value, epsilon),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
+@_optimizer("ft.optim.adadelta")
 def adadelta(
-    learning_rate: Any = 1.0, rho: Any = 0.95, epsilon: Any = 1e-6, weight_decay: Any = 0.0
+    learning_rate: Hyper = 1.0, rho: Hyper = 0.95, epsilon: Hyper = 1e-6, weight_decay: Hyper = 0.0
 ) -> optax.GradientTransformationExtraArgs:
     """AdaDelta (torch.optim.Adadelta, swift-apis AdaDelta)::
 
@@ -317,23 +309,18 @@ def adadelta(
       >>> updates["w"]   # -sqrt(1e-6) / sqrt(0.05 + 1e-6)
       Array([-0.00447...], dtype=float32)
     """
-
-    def factory(learning_rate: Any, rho: Any, epsilon: Any, weight_decay: Any = None) -> Any:
-        return _decayed(
-            weight_decay, optax.scale_by_adadelta(rho, epsilon), optax.scale_by_learning_rate(learning_rate)
-        )
-
-    hyper = {"learning_rate": learning_rate, "rho": rho, "epsilon": epsilon}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.adadelta", factory, hyper))
+    return _decayed(
+        weight_decay, optax.scale_by_adadelta(rho, epsilon), optax.scale_by_learning_rate(learning_rate)
+    )
 
 
+@_optimizer("ft.optim.adam")
 def adam(
-    learning_rate: Any = 1e-3,
-    beta1: Any = 0.9,
-    beta2: Any = 0.999,
-    epsilon: Any = 1e-8,
-    weight_decay: Any = 0.0,
+    learning_rate: Hyper = 1e-3,
+    beta1: Hyper = 0.9,
+    beta2: Hyper = 0.999,
+    epsilon: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam (torch.optim.Adam, optax.adam, swift-apis Adam)::
 
@@ -354,21 +341,16 @@ def adam(
       >>> ft.optim.moments(state)["mu"].weight.shape
       (2, 1)
     """
-
-    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
-        return _decayed(weight_decay, optax.adam(learning_rate, beta1, beta2, epsilon))
-
-    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.adam", factory, hyper))
+    return _decayed(weight_decay, optax.adam(learning_rate, beta1, beta2, epsilon))
 
 
+@_optimizer("ft.optim.adamw")
 def adamw(
-    learning_rate: Any = 1e-3,
-    beta1: Any = 0.9,
-    beta2: Any = 0.999,
-    epsilon: Any = 1e-8,
-    weight_decay: Any = 0.01,
+    learning_rate: Hyper = 1e-3,
+    beta1: Hyper = 0.9,
+    beta2: Hyper = 0.999,
+    epsilon: Hyper = 1e-8,
+    weight_decay: Hyper = 0.01,
     *,
     exclude: Sequence[str] = DEFAULT_NO_DECAY,
 ) -> optax.GradientTransformationExtraArgs:
@@ -389,25 +371,20 @@ def adamw(
       >>> updates
       {'bias': Array([-0.], dtype=float32), 'weight': Array([-0.05], dtype=float32)}
     """
-
-    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
-        if weight_decay is None:
-            return optax.adam(learning_rate, beta1, beta2, epsilon)
-        return optax.chain(optax.scale_by_adam(beta1, beta2, epsilon),  # optax.adamw, its state too
-                           masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
-                           optax.scale_by_learning_rate(learning_rate))
-
-    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.adamw", factory, hyper))
+    if weight_decay is None:
+        return optax.adam(learning_rate, beta1, beta2, epsilon)
+    return optax.chain(optax.scale_by_adam(beta1, beta2, epsilon),  # optax.adamw, its state too
+                       masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
+                       optax.scale_by_learning_rate(learning_rate))
 
 
+@_optimizer("ft.optim.adamax")
 def adamax(
-    learning_rate: Any = 0.002,
-    beta1: Any = 0.9,
-    beta2: Any = 0.999,
-    epsilon: Any = 1e-8,
-    weight_decay: Any = 0.0,
+    learning_rate: Hyper = 0.002,
+    beta1: Hyper = 0.9,
+    beta2: Hyper = 0.999,
+    epsilon: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaMax (torch.optim.Adamax, optax.adamax, swift-apis AdaMax)::
 
@@ -420,13 +397,7 @@ def adamax(
       >>> updates["w"]
       Array([-0.1], dtype=float32)
     """
-
-    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
-        return _decayed(weight_decay, optax.adamax(learning_rate, beta1, beta2, epsilon))
-
-    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.adamax", factory, hyper))
+    return _decayed(weight_decay, optax.adamax(learning_rate, beta1, beta2, epsilon))
 
 
 class AMSGradState(NamedTuple):
@@ -456,12 +427,13 @@ def _scale_by_amsgrad(beta1: Any, beta2: Any, epsilon: Any) -> optax.GradientTra
     return optax.GradientTransformation(init, update)
 
 
+@_optimizer("ft.optim.amsgrad")
 def amsgrad(
-    learning_rate: Any = 1e-3,
-    beta1: Any = 0.9,
-    beta2: Any = 0.999,
-    epsilon: Any = 1e-8,
-    weight_decay: Any = 0.0,
+    learning_rate: Hyper = 1e-3,
+    beta1: Hyper = 0.9,
+    beta2: Hyper = 0.999,
+    epsilon: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """AMSGrad (torch.optim.Adam(amsgrad=True), swift-apis AMSGrad)::
 
@@ -478,23 +450,18 @@ def amsgrad(
       >>> updates["w"]
       Array([-0.1], dtype=float32)
     """
-
-    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
-        return _decayed(
-            weight_decay, _scale_by_amsgrad(beta1, beta2, epsilon), optax.scale_by_learning_rate(learning_rate)
-        )
-
-    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.amsgrad", factory, hyper))
+    return _decayed(
+        weight_decay, _scale_by_amsgrad(beta1, beta2, epsilon), optax.scale_by_learning_rate(learning_rate)
+    )
 
 
+@_optimizer("ft.optim.radam")
 def radam(
-    learning_rate: Any = 1e-3,
-    beta1: Any = 0.9,
-    beta2: Any = 0.999,
-    epsilon: Any = 1e-8,
-    weight_decay: Any = 0.0,
+    learning_rate: Hyper = 1e-3,
+    beta1: Hyper = 0.9,
+    beta2: Hyper = 0.999,
+    epsilon: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Rectified Adam (torch.optim.RAdam, optax.radam, swift-apis RAdam)::
 
@@ -509,20 +476,15 @@ def radam(
       >>> updates["w"]     # no rectification yet: -η m̂
       Array([-0.1], dtype=float32)
     """
-
-    def factory(learning_rate: Any, beta1: Any, beta2: Any, epsilon: Any, weight_decay: Any = None) -> Any:
-        return _decayed(weight_decay, optax.radam(learning_rate, beta1, beta2, epsilon, threshold=5.0))
-
-    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "epsilon": epsilon}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.radam", factory, hyper))
+    return _decayed(weight_decay, optax.radam(learning_rate, beta1, beta2, epsilon, threshold=5.0))
 
 
+@_optimizer("ft.optim.lion")
 def lion(
-    learning_rate: Any = 1e-4,
-    beta1: Any = 0.9,
-    beta2: Any = 0.99,
-    weight_decay: Any = 0.0,
+    learning_rate: Hyper = 1e-4,
+    beta1: Hyper = 0.9,
+    beta2: Hyper = 0.99,
+    weight_decay: Hyper = 0.0,
     *,
     exclude: Sequence[str] = DEFAULT_NO_DECAY,
 ) -> optax.GradientTransformationExtraArgs:
@@ -537,17 +499,11 @@ def lion(
       >>> updates["w"]
       Array([-0.1], dtype=float32)
     """
-
-    def factory(learning_rate: Any, beta1: Any, beta2: Any, weight_decay: Any = None) -> Any:
-        if weight_decay is None:
-            return optax.chain(optax.scale_by_lion(beta1, beta2), optax.scale_by_learning_rate(learning_rate))
-        return optax.chain(optax.scale_by_lion(beta1, beta2),  # optax.lion, its state too
-                           masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
-                           optax.scale_by_learning_rate(learning_rate))
-
-    hyper = {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2}
-    hyper = _with_decay(hyper, weight_decay)
-    return separable(inject("ft.optim.lion", factory, hyper))
+    if weight_decay is None:
+        return optax.chain(optax.scale_by_lion(beta1, beta2), optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(optax.scale_by_lion(beta1, beta2),  # optax.lion, its state too
+                       masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
+                       optax.scale_by_learning_rate(learning_rate))
 
 
 MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x")

@@ -370,29 +370,9 @@ def inject(
             where = placement_of(params)  # host-made leaves on the parameters' devices
             return state if where is None else put(state, where)
 
-    def update(
-        updates: Any,
-        state: Any,
-        params: Any = None,
-        *,
-        context: LearningContext | None = None,
-        minibatch_size: Any = None,
-        loss: Any = None,
-        **extra: Any,
-    ) -> tuple[Any, HyperState]:
-        if state.context is None:
-            # Inside an ft.optim.Optimizer: it made the parameter view, checked the
-            # gradients and owns the one learning context; trust all three.
-            if context is None:
-                raise ValueError(NEEDS_CONTEXT.format(where=where))
-            ctx, partial = context, None
-        else:  # standalone optax use: this transform keeps its own context
-            params = None if params is None else parameters(params)
-            given = (jax.tree.structure(updates), None if params is None else jax.tree.structure(params))
-            updates, params = mode_free(updates), mode_free(params)  # the state's form (init)
-            # a None gradient (ft.gradient(..., wrt=)) means no update, as through an Optimizer
-            updates, partial = checked_gradients(updates, params)
-            ctx = current(state.context, minibatch_size, loss)
+    def step(updates: Any, state: HyperState, params: Any, ctx: LearningContext,
+             extra: dict[str, Any]) -> tuple[Any, HyperState]:
+        """The numerics at the learning context ``ctx``: the updates and the next state."""
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             tx, scheduled = build(ctx, state.values)
             try:
@@ -404,14 +384,46 @@ def inject(
         # float32 hyperparameters must not promote bfloat16 moments or updates: a state
         # whose dtypes drift would recompile the jitted step on its second call.
         inner = jax.tree.map(_like, inner, state.inner)
-        new_updates = jax.tree.map(_like, new_updates, updates)
-        if partial is not None:
-            new_updates, inner = keep_unchanged(partial, new_updates, inner, state.inner)
-        if state.context is None:
-            return new_updates, state.replace(scheduled=scheduled, inner=inner)
-        return in_mode(new_updates, given), state.replace(context=advance(ctx), scheduled=scheduled, inner=inner)
+        return jax.tree.map(_like, new_updates, updates), state.replace(scheduled=scheduled, inner=inner)
+
+    def update(
+        updates: Any,
+        state: Any,
+        params: Any = None,
+        *,
+        context: LearningContext | None = None,
+        minibatch_size: Any = None,
+        loss: Any = None,
+        **extra: Any,
+    ) -> tuple[Any, HyperState]:
+        if state.context is not None:  # standalone optax use: this transform keeps its own context
+            return _standalone(step, updates, state, params, minibatch_size, loss, extra)
+        # Inside an ft.optim.Optimizer: it made the parameter view, checked the gradients
+        # and owns the one learning context; trust all three.
+        if context is None:
+            raise ValueError(NEEDS_CONTEXT.format(where=where))
+        return step(updates, state, params, context, extra)
 
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+
+
+def _standalone(step: Callable[..., tuple[Any, HyperState]], updates: Any, state: HyperState, params: Any,
+                minibatch_size: Any, loss: Any, extra: dict[str, Any]) -> tuple[Any, HyperState]:
+    """:func:`inject`'s update used as a plain optax transformation, around ``step`` (the
+    numerics): the parameter view of ``params``, the gradients in the state's (mode-free)
+    form, a ``None`` gradient as no update (as through an Optimizer), and the state's own
+    learning context read at ``minibatch_size``/``loss`` and advanced."""
+    params = None if params is None else parameters(params)
+    given = (jax.tree.structure(updates), None if params is None else jax.tree.structure(params))
+    updates, params = mode_free(updates), mode_free(params)  # the state's form (init)
+    updates, partial = checked_gradients(updates, params)
+    assert state.context is not None
+    ctx = current(state.context, minibatch_size, loss)
+    new_updates, new = step(updates, state, params, ctx, extra)
+    if partial is not None:
+        new_updates, inner = keep_unchanged(partial, new_updates, new.inner, state.inner)
+        new = new.replace(inner=inner)
+    return in_mode(new_updates, given), new.replace(context=advance(ctx))
 
 
 def _like(new: Any, old: Any) -> Any:

@@ -1,0 +1,117 @@
+"""Optimizers whose hyperparameters are written once: in the signature, as :data:`Hyper`.
+
+An optimizer is one function: its signature declares every argument (a hyperparameter is
+annotated :data:`Hyper`; any other argument is a static option) and its body builds the
+optax transformation doing the numerics from the hyperparameters' current values.
+:func:`optimizer` turns it into the public function: the call binds the arguments, checks
+the static options at once, and gives the hyperparameters to
+:func:`~functree.optim._hyper.inject`, which stores them in the state and calls the body
+again, at trace time, with their values at each step (as ``optax.inject_hyperparams``
+reads a function's signature; here the annotation, not the value's type, says which
+arguments are hyperparameters, so a callable mask is never taken for a schedule).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, ParamSpec
+
+import optax
+
+from functree.optim._hyper import inject
+
+__all__ = ["Hyper", "optimizer"]
+
+P = ParamSpec("P")
+
+HYPERPARAMETER = "hyperparameter"
+
+Hyper = Annotated[Any, HYPERPARAMETER]
+"""The annotation of an optimizer's hyperparameter: a number, a schedule, a piecewise list or
+a rate with a unit (see :mod:`functree.optim._hyper`)."""
+
+NO_HYPERPARAMETER = """\
+{where}: the optimizer's body declares no hyperparameter; annotate them with Hyper:
+
+    wrong:  def sgd(learning_rate=0.01): ...
+    right:  def sgd(learning_rate: Hyper = 0.01): ...
+"""
+
+UNKNOWN_OFF_AT_ZERO = """\
+{where}: off_at_zero names {names}, which are not hyperparameters of its signature ({known}).
+"""
+
+
+def _hyperparameter_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The arguments annotated :data:`Hyper`, in signature order (read once, at decoration)."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    return tuple(
+        name for name in inspect.signature(fn).parameters
+        if HYPERPARAMETER in getattr(hints.get(name), "__metadata__", ())
+    )
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value == 0
+
+
+def optimizer(
+    where: str,
+    *,
+    off_at_zero: Sequence[str] = (),
+    check: Callable[..., None] | None = None,
+    then: Callable[[optax.GradientTransformationExtraArgs], optax.GradientTransformationExtraArgs] | None = None,
+) -> Callable[[Callable[P, Any]], Callable[P, optax.GradientTransformationExtraArgs]]:
+    """Make an optimizer from one function whose :data:`Hyper` arguments are its hyperparameters.
+
+    The decorated body takes every argument of the signature and returns an optax
+    transformation; the public function binds the call's arguments as the signature does
+    (defaults included), calls ``check(**static_options)`` at once (bad options fail at
+    construction, not at ``init``), and returns ``then(inject(where, body, hyperparameters,
+    static_options))``. A hyperparameter named in ``off_at_zero`` whose value is the number 0
+    is not stored: the body gets ``None`` (no weight-decay term, no parameters needed).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from functree.optim._signature import Hyper, optimizer
+      >>> @optimizer("scaled")
+      ... def scaled(factor: Hyper = 2.0, *, flip: bool = False):
+      ...     return optax.scale(-factor if flip else factor)
+      >>> tx = scaled(3.0, flip=True)
+      >>> g = {"w": jnp.ones(2)}; state = tx.init(g)
+      >>> state.names, tx.update(g, state)[0]
+      (('factor',), {'w': Array([-3., -3.], dtype=float32)})
+    """
+
+    def decorate(body: Callable[P, Any]) -> Callable[P, optax.GradientTransformationExtraArgs]:
+        signature = inspect.signature(body)
+        names = _hyperparameter_names(body)
+        if not names:
+            raise TypeError(NO_HYPERPARAMETER.format(where=where))
+        unknown = sorted(set(off_at_zero) - set(names))
+        if unknown:
+            raise TypeError(UNKNOWN_OFF_AT_ZERO.format(where=where, names=unknown, known=list(names)))
+
+        @functools.wraps(body)
+        def public(*args: P.args, **kwargs: P.kwargs) -> optax.GradientTransformationExtraArgs:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            given = bound.arguments
+            static = {k: v for k, v in given.items() if k not in names}
+            if check is not None:
+                check(**static)
+            hyper = {}
+            for name in names:
+                if name in off_at_zero and _is_zero(given[name]):
+                    static[name] = None  # not a hyperparameter of this state: the body gets None
+                else:
+                    hyper[name] = given[name]
+            tx = inject(where, body, hyper, static)
+            return tx if then is None else then(tx)
+
+        return public
+
+    return decorate

@@ -28,6 +28,11 @@ from functree._diagnostics import (
 )
 from functree._display import Summary, summary
 from functree._jit import ControlFlowError, jit
+from functree._key_path_names import (
+    get,
+    key_path,
+    set,  # noqa: A004 - Swift's name; ft.set never shadows the builtin at call sites
+)
 from functree._module import (
     DifferentiationWarning,
     FrozenModuleError,
@@ -51,11 +56,8 @@ from functree._paths import (
     KeyPath,
     all_key_paths,
     all_writable_key_paths,
-    get,
-    key_path,
     recursively_all_key_paths,
     recursively_all_writable_key_paths,
-    set,  # noqa: A004 - Swift's name; ft.set never shadows the builtin at call sites
 )
 from functree._state_dict import FlatDictReport, from_flat_dict, to_flat_dict
 from functree._tangent import (

@@ -5,16 +5,17 @@ attribute (``.weight``), a sequence index (``[0]``) or a mapping key (``["w"]``)
 prints as ``.layers[0].weight``, reads with ``kp.get(tree)`` and writes with
 ``kp.set(tree, value)``, which returns a new tree. The same key path works on a model,
 its parameter view, its gradient and any optimizer-state tree shaped like them.
+
+This module reads, writes and iterates key paths (and walks trees, refusing cycles); the
+entries and the printed grammar are :mod:`functree._key_entries`, what ``ft.set`` checks
+at a leaf :mod:`functree._leaf_checks`, and strings resolved in a tree (``ft.key_path``,
+``ft.get``, ``ft.set``, with did-you-mean errors) :mod:`functree._key_path_names`.
 """
 
 from __future__ import annotations
 
-import ast
-import difflib
 import operator
-import re
 import types
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -25,22 +26,19 @@ import numpy as np
 
 from functree import _compat as compat
 from functree import _stacked
+from functree._key_entries import ATTR, INDEX, Entry, mapping_entry, parse_printed
+from functree._leaf_checks import check_leaf, leaf_spec, quoted
 from functree._module import STATIC, Module
 from functree._naming import is_tied
 from functree._tree import bounded_put, cached, dotted_name
 
 __all__ = [
     "KeyPath",
-    "key_path",
-    "get",
-    "set",
     "all_key_paths",
     "recursively_all_key_paths",
     "all_writable_key_paths",
     "recursively_all_writable_key_paths",
 ]
-
-ATTR, INDEX, KEY = "attr", "index", "key"
 
 BAD_PATH = """\
 Cannot parse key path {text!r}. Write it as printed by functree (".layers[0].weight", \
@@ -48,24 +46,6 @@ Cannot parse key path {text!r}. Write it as printed by functree (".layers[0].wei
 
 NO_SUCH_PATH = """\
 Key path {path} does not exist: {where} has no {entry}. {children}"""
-
-NO_SUCH_NAME = """\
-No value in this {root} has the dotted name {text!r}: {where} has no child named {part!r} \
-(its children: {children}). Closest names: {close}.
-    right:  ft.get(tree, {suggestion!r})"""
-
-AMBIGUOUS_NAME = """\
-{text!r} names {count} different values in this tree: {candidates}. {reason} \
-Pass the key path itself, not a string:
-    right:  ft.get(tree, ft.KeyPath.parse({printed!r}))   # {printed}"""
-
-AS_PRINTED = """\
-It reads both as a printed key path and as a dotted flat-dict name (a dict key holds \
-brackets, quotes or a leading ".")."""
-
-AS_DOTTED = """\
-Several dotted flat-dict names spell it (a dict key holding "." reads like a nested path; \
-an int key reads like a str key of the same digits)."""
 
 CYCLE = """\
 The tree contains itself: the {type} at {path} is the same object as its ancestor at \
@@ -77,50 +57,12 @@ to={to!r} ({type}) is neither a type nor a dtype.
     right:  ft.recursively_all_key_paths(model, to=jax.Array)     # by type
        or:  ft.recursively_all_key_paths(model, to=jnp.float32)   # by dtype"""
 
-SHAPE_MISMATCH = """\
-ft.set({path}): expected shape {expected_shape} and dtype {expected_dtype}, \
-got shape {given_shape} and dtype {given_dtype}.
-Convert first, e.g. ft.set(tree, {quoted}, value.astype(jnp.{expected_dtype}).reshape({expected_shape}))."""
-
-LEAF_MISMATCH = """\
-ft.set({path}): the value there is {expected}, so it takes {accepts}; given {given}.
-    right:  ft.set(tree, {quoted}, {fix})"""
-
 STATIC_FIELD = """\
 ft.set({path}): {field!r} is a static field of {cls} (ft.field(static=True)): part of the \
 model's structure, which key paths read but do not write (Swift's `let`; \
 ft.recursively_all_writable_key_paths leaves it out). Build the module anew with it:
     wrong:  ft.set(model, {quoted}, value)
     right:  {fix}"""
-
-
-class Entry(NamedTuple):
-    kind: str  # ATTR, INDEX or KEY
-    key: Any
-
-    def __str__(self) -> str:
-        if self.kind == ATTR:
-            return f".{self.key}"
-        return f"[{self.key!r}]" if self.kind == KEY else f"[{self.key}]"
-
-    @property
-    def name(self) -> str:
-        """This entry in a dotted flat-dict name (the name ``ft.to_flat_dict`` gives it)."""
-        return dotted_name((self.jax_key(),))
-
-    def jax_key(self) -> Any:
-        """The JAX key of this entry (``GetAttrKey``, ``SequenceKey`` or ``DictKey``)."""
-        if self.kind == ATTR:
-            return jax.tree_util.GetAttrKey(self.key)
-        if self.kind == INDEX and isinstance(self.key, int):
-            return jax.tree_util.SequenceKey(self.key)
-        return jax.tree_util.DictKey(self.key)  # also any other node's key: its name is str(key)
-
-
-def _mapping_entry(key: Any) -> Entry:
-    """The entry of a mapping key: an ``int`` key is ``[0]``, like an index (and like JAX prints it)."""
-    return Entry(INDEX, key) if type(key) is int else Entry(KEY, key)
-
 
 class KeyPath(tuple):
     """A path from a root value to a nested value: ``.layers[0].weight``.
@@ -155,10 +97,10 @@ class KeyPath(tuple):
           >>> ft.KeyPath.parse(str(kp)) == kp
           True
         """
-        parsed = _parse_printed(text) if isinstance(text, str) else None
+        parsed = parse_printed(text) if isinstance(text, str) else None
         if parsed is None:
             raise ValueError(BAD_PATH.format(text=text))
-        return parsed
+        return cls(parsed)
 
     def __str__(self) -> str:
         return "".join(str(e) for e in self) or "<root>"
@@ -240,7 +182,7 @@ def _child(node: Any, entry: Entry, prefix: KeyPath) -> Any:
         if isinstance(node, Module):
             if entry.kind == ATTR and entry.key in type(node).__ft_field_set__:
                 return node.__dict__[entry.key]
-        elif _is_namedtuple(node) and entry.kind == ATTR:
+        elif is_namedtuple(node) and entry.kind == ATTR:
             return getattr(node, entry.key)
         elif isinstance(node, (list, tuple)):
             if entry.kind == INDEX:
@@ -270,119 +212,13 @@ def _no_such_path(path: Any, prefix: KeyPath, node: Any, entry: Entry) -> str:
         children_text += " (None here usually means a non-parameter in a parameter view.)"
     return NO_SUCH_PATH.format(path=KeyPath(path), where=where, entry=entry, children=children_text)
 
-
-def _is_namedtuple(x: Any) -> bool:
+def is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
-def _leaf_spec(x: Any) -> tuple[tuple[int, ...], Any] | None:
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return tuple(x.shape), x.dtype
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return tuple(x.shape), x.dtype
-    return None
-
-
-# ----------------------------------------------------------------- leaf checks of ft.set
-# Kinds: "b" bool, "i" integer, "f" floating, "c" complex. A Python number fits a leaf of
-# its own kind or of a wider one (an int fits a float leaf, a float fits a complex leaf).
-_WIDER = {"b": "b", "i": "ifc", "f": "fc", "c": "c"}
-_PY_TYPES = {"b": bool, "i": int, "f": float, "c": complex}
-_PY_ACCEPTS = {
-    "b": "a bool or a 0-d bool array",
-    "i": "an int or a 0-d integer array",
-    "f": "a float, an int or a 0-d floating array",
-    "c": "a number or a 0-d floating or complex array",
-}
-_PY_NUMBERS = {"b": "bool", "i": "int", "f": "float or int", "c": "complex, float or int"}
-
-
-def _number_kind(x: Any) -> str | None:
-    """The kind of a Python number (``True`` → "b", ``2`` → "i"), None for anything else."""
-    if isinstance(x, (np.generic, jax.Array)):
-        return None
-    for kind in "bifc":  # bool before int: a bool is an int
-        if isinstance(x, _PY_TYPES[kind]):
-            return kind
-    return None
-
-
-def _dtype_kind(dtype: Any) -> str | None:
-    for kind, generic in (("b", jnp.bool_), ("i", jnp.integer), ("f", jnp.floating), ("c", jnp.complexfloating)):
-        if jnp.issubdtype(dtype, generic):
-            return kind
-    return None
-
-
-def _quoted(path: KeyPath) -> str:
-    """``path`` as a string literal for a fix in an error message, double-quoted when it can be."""
-    text = str(path)
-    plain = '"' not in text and "\\" not in text and text.isprintable()
-    return f'"{text}"' if plain else repr(text)
-
-
-def _describe(x: Any) -> str:
-    spec = _leaf_spec(x)
-    if spec is not None:
-        return f"an array of shape {spec[0]} and dtype {spec[1]}"
-    text = repr(x)
-    shown = f" {text}" if len(text) <= 40 else ""
-    return f"a {type(x).__name__}{shown}" if _number_kind(x) is None else f"a Python {type(x).__name__}{shown}"
-
-
-def _check_leaf(path: KeyPath, old: Any, new: Any) -> Any:
-    """``new`` if it fits the leaf ``old`` (same shape and dtype, or a number of its kind)."""
-    old_kind = _number_kind(old)
-    if old_kind is not None:
-        return _check_python_scalar(path, old_kind, new)
-    old_spec = _leaf_spec(old)
-    if old_spec is None:
-        return new  # not a leaf (a submodule, None, a static value): anything goes
-    new_spec = _leaf_spec(new)
-    shape, dtype = old_spec
-    if new_spec is not None:
-        if new_spec != old_spec:
-            raise ValueError(
-                SHAPE_MISMATCH.format(
-                    path=path, quoted=_quoted(path), expected_shape=shape,
-                    expected_dtype=dtype, given_shape=new_spec[0], given_dtype=new_spec[1],
-                )
-            )
-        return new
-    kind, leaf_kind = _number_kind(new), _dtype_kind(dtype)
-    if shape == () and kind is not None and leaf_kind is not None and leaf_kind in _WIDER[kind]:
-        return new
-    accepts = "an array of that shape and dtype"
-    if shape == () and leaf_kind is not None:
-        accepts += f" or a Python {_PY_NUMBERS[leaf_kind]}"
-    raise ValueError(
-        LEAF_MISMATCH.format(
-            path=path, quoted=_quoted(path), expected=f"an array of shape {shape} and dtype {dtype}",
-            accepts=accepts, given=_describe(new), fix=f"jnp.asarray(value, jnp.{dtype}).reshape({shape})",
-        )
-    )
-
-
-def _check_python_scalar(path: KeyPath, old_kind: str, new: Any) -> Any:
-    """A Python scalar leaf takes a number or a 0-d array of its kind; a number keeps its type."""
-    kind = _number_kind(new)
-    spec = _leaf_spec(new)
-    if kind is None and spec is not None and spec[0] == ():
-        kind = _dtype_kind(spec[1])
-    if kind is not None and old_kind in _WIDER[kind]:
-        return _PY_TYPES[old_kind](new) if _number_kind(new) is not None else new
-    py = _PY_TYPES[old_kind].__name__
-    raise ValueError(
-        LEAF_MISMATCH.format(
-            path=path, quoted=_quoted(path), expected=f"a Python {py}", accepts=_PY_ACCEPTS[old_kind],
-            given=_describe(new), fix=f"{py}(value)",
-        )
-    )
 
 
 def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
     if depth == len(path):
-        return _check_leaf(path, tree, value)
+        return check_leaf(path, tree, value)
     entry = path[depth]
     if _through_tie(tree, entry):  # a name of the resolved model: the stored value it comes from
         return tree.set_resolved(KeyPath(path[depth:]), value)
@@ -394,7 +230,7 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
         return with_stack_member(tree, entry.key, new_child, KeyPath(path[:depth]))
     if isinstance(tree, Module):
         return tree.replace(**{entry.key: new_child})
-    if _is_namedtuple(tree):
+    if is_namedtuple(tree):
         return tree._replace(**{entry.key: new_child})
     if isinstance(tree, list):
         out = list(tree)
@@ -416,9 +252,9 @@ def _static_field(module: Module, path: KeyPath, depth: int) -> str:
     value = "value" if depth + 1 == len(path) else "..."
     fix = f"model = model.replace({field}={value})"
     if owner:
-        fix = f"model = ft.set(model, {_quoted(owner)}, ft.get(model, {_quoted(owner)}).replace({field}={value}))"
+        fix = f"model = ft.set(model, {quoted(owner)}, ft.get(model, {quoted(owner)}).replace({field}={value}))"
     return STATIC_FIELD.format(
-        path=path, field=field, cls=type(module).__name__, quoted=_quoted(path), fix=fix
+        path=path, field=field, cls=type(module).__name__, quoted=quoted(path), fix=fix
     )
 
 
@@ -434,13 +270,13 @@ def children(node: Any) -> list[tuple[Entry, Any]]:
     """Direct children of a node with their entries, in declaration/insertion order."""
     if isinstance(node, Module):
         return [(Entry(ATTR, n), node.__dict__[n]) for n in type(node).__ft_fields__]
-    if _is_namedtuple(node):
+    if is_namedtuple(node):
         return [(Entry(ATTR, n), getattr(node, n)) for n in node._fields]
     if isinstance(node, (list, tuple)):
         return [(Entry(INDEX, i), v) for i, v in enumerate(node)]
     if isinstance(node, Mapping):
-        return [(_mapping_entry(k), v) for k, v in node.items()]
-    if node is None or _leaf_spec(node) is not None or isinstance(node, (int, float, complex, str)):
+        return [(mapping_entry(k), v) for k, v in node.items()]
+    if node is None or leaf_spec(node) is not None or isinstance(node, (int, float, complex, str)):
         return []
     return _generic_children(node)
 
@@ -461,7 +297,7 @@ def _generic_children(node: Any) -> list[tuple[Entry, Any]]:
         elif isinstance(key, jax.tree_util.SequenceKey):
             out.append((Entry(INDEX, key.idx), value))
         elif isinstance(key, jax.tree_util.DictKey):
-            out.append((_mapping_entry(key.key), value))
+            out.append((mapping_entry(key.key), value))
         else:
             out.append((Entry(INDEX, getattr(key, "key", len(out))), value))
     return out
@@ -713,7 +549,7 @@ def _type_filter(to: Any) -> Any:
         def has_dtype(v: Any) -> bool:
             if isinstance(v, float):
                 return jnp.asarray(v).dtype == dtype
-            return _leaf_spec(v) is not None and v.dtype == dtype
+            return leaf_spec(v) is not None and v.dtype == dtype
         return has_dtype
     return lambda v: isinstance(v, to)
 
@@ -797,213 +633,3 @@ def recursively_all_writable_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
       Array([0.9, 0.9], dtype=float32)
     """
     return _cached_key_paths(x, to, writable=True)
-
-
-# An attribute (an identifier), an index, or a quoted string key in brackets (Python's repr).
-_TOKEN = re.compile(
-    r"""\.([^\W\d]\w*)|\[(-?[0-9]+)\]|\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\]""", re.DOTALL
-)
-_LITERAL_KEYS = (bool, int, float, complex, bytes, tuple, type(None))
-
-
-def _literal(text: str) -> Any:
-    """The Python literal ``text`` spells (``'a\\n'``, ``1.5``, ``(1, 'x')``); raises if none."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # an invalid escape is no key, not a warning
-        return ast.literal_eval(text)
-
-
-def _parse_printed(text: str) -> KeyPath | None:
-    """The key path ``text`` prints, or None: the inverse of ``str(kp)``."""
-    if text in ("", "<root>"):
-        return KeyPath()
-    entries, pos = [], 0
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if m is not None and m.group(1) is not None:
-            entries.append(Entry(ATTR, m.group(1)))
-        elif m is not None and m.group(2) is not None:
-            entries.append(Entry(INDEX, int(m.group(2))))
-        elif m is not None:
-            try:
-                entries.append(Entry(KEY, _literal(m.group(3))))
-            except (SyntaxError, ValueError, Warning):
-                return None
-        else:
-            entry, end = _parse_other_key(text, pos)
-            if entry is None:
-                return None
-            entries.append(entry)
-            pos = end
-            continue
-        pos = m.end()
-    return KeyPath(entries)
-
-
-def _parse_other_key(text: str, pos: int) -> tuple[Entry | None, int]:
-    """A ``[literal]`` entry at ``pos`` for keys other than strings and ints (``[1.5]``, ``[True]``)."""
-    if not text.startswith("[", pos):
-        return None, pos
-    end = text.find("]", pos)
-    while end != -1:
-        try:
-            key = _literal(text[pos + 1 : end])
-            if isinstance(key, _LITERAL_KEYS):
-                hash(key)
-                return _mapping_entry(key), end + 1
-        except Exception:  # any text that is no literal key: try the next "]"
-            pass
-        end = text.find("]", end + 1)
-    return None, pos
-
-
-def _named_children(node: Any, rest: str) -> list[tuple[Entry, Any]]:
-    """The children of ``node`` whose dotted name may start ``rest``, in children order.
-
-    A field's name and an index's digits hold no ".", so a Module, a namedtuple or a
-    sequence has at most one such child, found without listing the others; a mapping's
-    keys may hold dots, so every child of any other node is a candidate.
-    """
-    head = rest.partition(".")[0]
-    if is_tied(node) and head not in type(node).__ft_field_set__:
-        return _named_children(node.resolve(), rest)
-    if isinstance(node, Module):
-        fields = type(node).__ft_field_set__
-        return [(Entry(ATTR, head), node.__dict__[head])] if head in fields else []
-    if _is_namedtuple(node):
-        return [(Entry(ATTR, head), getattr(node, head))] if head in node._fields else []
-    if isinstance(node, (list, tuple)):
-        i = int(head) if head.isdigit() and head.isascii() else -1
-        return [(Entry(INDEX, i), node[i])] if 0 <= i < len(node) and str(i) == head else []
-    return children(node)
-
-
-def _dotted_search(tree: Any, text: str) -> tuple[list[KeyPath], tuple[KeyPath, Any, str]]:
-    """Every key path whose dotted name is ``text``, and the deepest prefix reached.
-
-    A dict key may itself hold dots (``{"a.b": ...}``), so each child whose name is a
-    prefix of the rest (followed by ``.`` or the end) is tried. The deepest prefix is
-    ``(path, node, rest)``, for the error when nothing matches.
-    """
-    found: list[KeyPath] = []
-    deepest: tuple[KeyPath, Any, str] = (KeyPath(), tree, text)
-    stack = [(KeyPath(), tree, text)]
-    while stack:
-        path, node, rest = stack.pop()
-        if len(path) > len(deepest[0]):
-            deepest = (path, node, rest)
-        for entry, value in _named_children(node, rest) + stack_member_children(node, rest, path):
-            name = entry.name
-            if rest == name:
-                found.append(path + (entry,))
-            elif rest.startswith(name + "."):
-                stack.append((path + (entry,), value, rest[len(name) + 1 :]))
-    return sorted(dict.fromkeys(found), key=len), deepest
-
-
-def _exists(tree: Any, path: KeyPath) -> bool:
-    try:
-        path.get(tree)
-    except KeyError:
-        return False
-    return True
-
-
-def _ambiguous(text: str, candidates: list[KeyPath], printed_too: bool) -> ValueError:
-    listed = ", ".join(f"{kp} (dotted name {kp.name!r})" for kp in candidates)
-    return ValueError(
-        AMBIGUOUS_NAME.format(
-            text=text, count=len(candidates), candidates=listed, printed=str(candidates[-1]),
-            reason=AS_PRINTED if printed_too else AS_DOTTED,
-        )
-    )
-
-
-def _no_such_name(tree: Any, text: str, deepest: tuple[KeyPath, Any, str]) -> KeyError:
-    path, node, rest = deepest
-    try:
-        names = [kp.name for kp, _ in walk(tree)]
-    except ValueError:  # a cycle: no list of names
-        names = []
-    close = difflib.get_close_matches(text, names, n=3, cutoff=0.5)
-    where = f"the {type(node).__name__} at {path}" if path else f"the {type(tree).__name__}"
-    return KeyError(
-        NO_SUCH_NAME.format(
-            root=type(tree).__name__, text=text, where=where, part=rest.split(".")[0],
-            children=[e.name for e, _ in children(node)], close=close or "none",
-            suggestion=close[0] if close else (names[0] if names else "<root>"),
-        )
-    )
-
-
-def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
-    """A :class:`KeyPath` from a key path or its string (``".layers[0].w"`` or ``"layers.0.w"``).
-
-    A string is read two ways: as a printed key path (``str(kp)``, which starts with ``.``
-    or ``[``) and as a dotted flat-dict name (``kp.name``, the keys of
-    :func:`to_flat_dict`), resolved against ``tree``. A printed key path's keys are Python
-    literals in any quoting, as written in code: ``["a"]`` and ``['a']`` are the same path
-    (:meth:`KeyPath.parse` reads both; ``str(kp)`` prints the second). When the readings
-    name different values in ``tree`` (``{"a": x, '["a"]': y}``: ``'["a"]'`` prints
-    ``['a']`` and is the dotted name of the other key) the string is ambiguous and this
-    raises, naming both, instead of picking one; pass a :class:`KeyPath` then. A string
-    neither reading finds raises naming the closest names. Without a tree
-    (``tree=None``) a printed key path parses as is.
-
-    Example:
-      >>> import functree as ft
-      >>> ft.key_path(None, ".layers[0].w")
-      KeyPath('.layers[0].w')
-      >>> ft.key_path({"layers": [{"w": 1.0}]}, "layers.0.w").name
-      'layers.0.w'
-      >>> ft.key_path({"a.b": 1.0}, "a.b")
-      KeyPath("['a.b']")
-      >>> ft.key_path({"a": 1.0}, '["a"]')
-      KeyPath("['a']")
-      >>> ft.key_path({"a": 1.0, '["a"]': 2.0}, '["a"]')
-      Traceback (most recent call last):
-      ValueError: '["a"]' names 2 different values in this tree: ['a'] (dotted name 'a'), ...
-    """
-    if isinstance(path, KeyPath):
-        return path
-    if not isinstance(path, str):
-        raise TypeError(f"A key path is a ft.KeyPath or a string, got {type(path).__name__}.")
-    parsed = _parse_printed(path) if path[:1] in ("", ".", "[", "<") else None
-    dotted, deepest = _dotted_search(tree, path)
-    if parsed is not None and (not dotted or _exists(tree, parsed)):
-        if any(kp != parsed for kp in dotted):
-            raise _ambiguous(path, [parsed] + [kp for kp in dotted if kp != parsed], printed_too=True)
-        return parsed
-    if len(dotted) == 1:
-        return dotted[0]
-    if dotted:
-        raise _ambiguous(path, dotted, printed_too=False)
-    if path[:1] in (".", "["):
-        raise ValueError(BAD_PATH.format(text=path))
-    raise _no_such_name(tree, path, deepest)
-
-
-def get(tree: Any, path: KeyPath | str) -> Any:
-    """The value at ``path`` in ``tree``: ``ft.get(model, ".layers[0].weight")``.
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> ft.get({"layers": [jnp.ones(2), jnp.zeros(1)]}, "layers.1")
-      Array([0.], dtype=float32)
-    """
-    return key_path(tree, path).get(tree)
-
-
-def set(tree: Any, path: KeyPath | str, value: Any) -> Any:  # noqa: A001 - Swift's name
-    """A new tree with ``value`` at ``path``; shape and dtype must match the old value.
-
-    Only writable key paths take a value: a static field (``ft.field(static=True)``) is
-    part of the model's structure, and setting it (or anything under it) raises with the
-    fix, ``model.replace(activation=...)``, as assigning a Swift ``let`` is an error.
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> ft.set({"w": jnp.zeros(2)}, "w", jnp.ones(2))["w"]
-      Array([1., 1.], dtype=float32)
-    """
-    return key_path(tree, path).set(tree, value)

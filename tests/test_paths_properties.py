@@ -20,7 +20,7 @@ from test_paths import Carry, Pair, arrays, assert_same_tree
 
 import functree as ft
 from functree import _paths, _state_dict
-from functree._paths import ATTR, INDEX, KEY, Entry
+from functree._key_entries import ATTR, INDEX, KEY, Entry
 from functree._tree import dotted_name
 
 SETTINGS = settings(max_examples=examples(50), deadline=None)

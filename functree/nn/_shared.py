@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+from functree._key_path_names import key_path
 from functree._module import Module, field
 from functree._naming import untransform
-from functree._paths import KeyPath, key_path
+from functree._paths import KeyPath
 from functree.nn._sequential import member_cache
 
 __all__ = ["Shared"]

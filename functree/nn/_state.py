@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from functree import _diagnostics
+from functree._key_path_names import key_path
 from functree._module import Module
 from functree._operators import value_with_gradient
-from functree._paths import ATTR, Entry, KeyPath, key_path, walk
+from functree._paths import ATTR, Entry, KeyPath, walk
 from functree._warnings import warn
 from functree.nn._check import LayerInputError
 

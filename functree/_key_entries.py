@@ -1,0 +1,113 @@
+"""The entries of a key path and the printed key path's grammar.
+
+An entry is one step from a value to a child: an attribute (``.weight``), a sequence
+index (``[0]``) or a mapping key (``["w"]``). A key path prints as its entries one after
+the other (``.layers[0]['w']``) and :func:`parse_printed` reads that text back, whatever
+the mapping keys hold (quotes, escapes, ints, floats, tuples): the inverse of ``str(kp)``.
+
+Example:
+  >>> from functree._key_entries import parse_printed
+  >>> [str(e) for e in parse_printed(".layers[0]['w']")]
+  ['.layers', '[0]', "['w']"]
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+
+from functree._tree import dotted_name
+
+__all__ = ["ATTR", "INDEX", "KEY", "Entry", "mapping_entry", "parse_printed"]
+
+ATTR, INDEX, KEY = "attr", "index", "key"
+
+
+class Entry(NamedTuple):
+    kind: str  # ATTR, INDEX or KEY
+    key: Any
+
+    def __str__(self) -> str:
+        if self.kind == ATTR:
+            return f".{self.key}"
+        return f"[{self.key!r}]" if self.kind == KEY else f"[{self.key}]"
+
+    @property
+    def name(self) -> str:
+        """This entry in a dotted flat-dict name (the name ``ft.to_flat_dict`` gives it)."""
+        return dotted_name((self.jax_key(),))
+
+    def jax_key(self) -> Any:
+        """The JAX key of this entry (``GetAttrKey``, ``SequenceKey`` or ``DictKey``)."""
+        if self.kind == ATTR:
+            return jax.tree_util.GetAttrKey(self.key)
+        if self.kind == INDEX and isinstance(self.key, int):
+            return jax.tree_util.SequenceKey(self.key)
+        return jax.tree_util.DictKey(self.key)  # also any other node's key: its name is str(key)
+
+
+def mapping_entry(key: Any) -> Entry:
+    """The entry of a mapping key: an ``int`` key is ``[0]``, like an index (and like JAX prints it)."""
+    return Entry(INDEX, key) if type(key) is int else Entry(KEY, key)
+
+
+# An attribute (an identifier), an index, or a quoted string key in brackets (Python's repr).
+_TOKEN = re.compile(
+    r"""\.([^\W\d]\w*)|\[(-?[0-9]+)\]|\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\]""", re.DOTALL
+)
+_LITERAL_KEYS = (bool, int, float, complex, bytes, tuple, type(None))
+
+
+def _literal(text: str) -> Any:
+    """The Python literal ``text`` spells (``'a\\n'``, ``1.5``, ``(1, 'x')``); raises if none."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an invalid escape is no key, not a warning
+        return ast.literal_eval(text)
+
+
+def parse_printed(text: str) -> tuple[Entry, ...] | None:
+    """The entries of the key path ``text`` prints, or None: the inverse of ``str(kp)``."""
+    if text in ("", "<root>"):
+        return ()
+    entries, pos = [], 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is not None and m.group(1) is not None:
+            entries.append(Entry(ATTR, m.group(1)))
+        elif m is not None and m.group(2) is not None:
+            entries.append(Entry(INDEX, int(m.group(2))))
+        elif m is not None:
+            try:
+                entries.append(Entry(KEY, _literal(m.group(3))))
+            except (SyntaxError, ValueError, Warning):
+                return None
+        else:
+            entry, end = _parse_other_key(text, pos)
+            if entry is None:
+                return None
+            entries.append(entry)
+            pos = end
+            continue
+        pos = m.end()
+    return tuple(entries)
+
+
+def _parse_other_key(text: str, pos: int) -> tuple[Entry | None, int]:
+    """A ``[literal]`` entry at ``pos`` for keys other than strings and ints (``[1.5]``, ``[True]``)."""
+    if not text.startswith("[", pos):
+        return None, pos
+    end = text.find("]", pos)
+    while end != -1:
+        try:
+            key = _literal(text[pos + 1 : end])
+            if isinstance(key, _LITERAL_KEYS):
+                hash(key)
+                return mapping_entry(key), end + 1
+        except Exception:  # any text that is no literal key: try the next "]"
+            pass
+        end = text.find("]", end + 1)
+    return None, pos

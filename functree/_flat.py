@@ -129,9 +129,10 @@ def builder(treedef: Any, offset: int = 0) -> Callable[[Sequence[Any]], Any]:
         counter[1] += 1
         obj = f"o{counter[1]}"
         data_names, meta_names = fields
-        lines.append(f"    {obj} = _new({constant(kind)}); d = {obj}.__dict__")
-        lines.extend(f"    d[{n!r}] = {k}" for n, k in zip(data_names, kids))
-        lines.extend(f"    d[{n!r}] = {constant(v)}" for n, v in zip(meta_names, aux))
+        entries = [*(f"{n!r}: {k}" for n, k in zip(data_names, kids)),
+                   *(f"{n!r}: {constant(v)}" for n, v in zip(meta_names, aux))]
+        lines.append(f"    {obj} = _new({constant(kind)})")
+        lines.append(f"    {obj}.__dict__.update({_display(entries)})")
         return obj
 
     def emit_lazy(node: Any, kind: type, aux: Any, lazy: str) -> str:
@@ -141,19 +142,24 @@ def builder(treedef: Any, offset: int = 0) -> Callable[[Sequence[Any]], Any]:
         filled = []
         for name, child in zip(data_names, node.children()):
             if name == lazy:
-                filled.append(f"    d[{PENDING!r}] = ({constant(builder(child, counter[0]))}, L)")
+                filled.append(f"{PENDING!r}: ({constant(builder(child, counter[0]))}, L)")
                 counter[0] += child.num_leaves
             else:
-                filled.append(f"    d[{name!r}] = {emit(child)}")
-        lines.append(f"    {obj} = _new({constant(kind)}); d = {obj}.__dict__")
-        lines.extend(filled)
-        lines.extend(f"    d[{n!r}] = {constant(v)}" for n, v in zip(meta_names, aux))
+                filled.append(f"{name!r}: {emit(child)}")
+        lines.append(f"    {obj} = _new({constant(kind)})")
+        lines.append(f"    {obj}.__dict__.update({_display(filled + [f'{n!r}: {constant(v)}' for n, v in zip(meta_names, aux)])})")
         return obj
 
     top = emit(treedef)
     source = "def build(L):\n" + "".join(line + "\n" for line in lines) + f"    return {top}\n"
     exec(source, names)  # field names only appear as string literals
     return names["build"]
+
+
+def _display(entries: Sequence[str]) -> str:
+    """A dict display of ``'name': value`` entries: one ``BUILD_CONST_KEY_MAP`` for string
+    keys, so an instance's fields cost a load each (item assignments cost six bytecodes)."""
+    return "{" + ", ".join(entries) + "}"
 
 
 def _inline_fields(kind: type) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
@@ -187,23 +193,22 @@ def _taker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
     return operator.itemgetter(*indices)
 
 
-def _runs(spans: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
-    """``spans`` (start, stop) in order as slices, adjacent ones merged: ``(0, 6), (6, 22)``
-    gives one slice, so a loop's donated leaves are one slice of the previous results'."""
-    runs: list[list[int]] = []
-    for start, stop in spans:
-        if runs and runs[-1][1] == start:
-            runs[-1][1] = stop
-        else:
-            runs.append([start, stop])
-    return tuple(slice(start, stop) for start, stop in runs)
+def _gatherer(spans: Sequence[tuple[int, int]]) -> Callable[[Sequence[Any]], tuple]:
+    """``leaves -> tuple(leaves[i] for each (start, stop) in spans, start <= i < stop)`` as
+    one C call (``itemgetter`` of several indices returns a tuple; of one, the item): a
+    loop's donated leaves taken from the previous results' in one step, the metrics
+    between the state and a train step's log skipped."""
+    indices = tuple(i for start, stop in spans for i in range(start, stop))
+    if len(indices) >= 2:
+        return operator.itemgetter(*indices)
+    return lambda leaves: tuple(leaves[i] for i in indices)
 
 
 class _Program:
     """One ``jax.jit`` of the flat function, for one set of input tree definitions."""
 
-    __slots__ = ("build", "carry", "donated", "jitted", "loop", "loops", "nargs", "other_treedef", "others",
-                 "out_treedef", "parts", "passed", "returned", "runs", "several", "spans")
+    __slots__ = ("build", "carry", "donated", "gather", "jitted", "loop", "loops", "nargs", "other_treedef",
+                 "others", "out_treedef", "parts", "passed", "returned", "several", "spans")
 
     def __init__(self, fn: Callable[..., Any], nargs: int, donate: tuple[int, ...], donated_treedef: Any,
                  other_treedef: Any, options: dict[str, Any], owned: tuple[int, ...] = ()):
@@ -221,13 +226,13 @@ class _Program:
         self.spans: tuple[tuple[int, int], ...] = ()  # leaves of each top-level result
         self.carry: tuple[bool, ...] = ()  # results whose leaves may be passed back as they are
         self.loop: tuple[int, ...] | None = None  # the result each donated argument is, in a loop
-        # Set with ``loop``: the donated arguments, the results they must be, and the runs
-        # of result leaves that are the donated leaves.
+        # Set with ``loop``: the donated arguments, the results they must be, and the
+        # result leaves that are the donated leaves (the flat program takes them as a tuple).
         self.donated: Callable[[tuple], tuple] = _taker(())
         self.returned: Callable[[tuple], tuple] = _taker(())
-        self.runs: tuple[slice, ...] = ()
+        self.gather: Callable[[Sequence[Any]], tuple] = _gatherer(())
 
-        def flat(donated: list[Any], others: list[Any]) -> list[Any]:
+        def flat(donated: tuple, others: list[Any]) -> list[Any]:
             args: list[Any] = [None] * nargs
             for i, x in zip(donate, donated_treedef.unflatten(donated)):
                 args[i] = x
@@ -375,7 +380,7 @@ class FlatJit:
                 return
             loop.append(j)
         program.donated, program.returned = _taker(self._donate), _taker(tuple(loop))
-        program.runs = _runs([program.spans[j] for j in loop])
+        program.gather = _gatherer([program.spans[j] for j in loop])
         program.loop = tuple(loop)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -385,11 +390,8 @@ class FlatJit:
             if program.loop is not None and len(args) == program.nargs:
                 if all(map(operator.is_, program.donated(args), program.returned(results))):
                     # The loop's common case: the donated leaves are the previous results'
-                    # (one run of them, or two: a train step's metrics between).
-                    first, *rest = program.runs
-                    donated = leaves[first]
-                    for run in rest:
-                        donated += leaves[run]
+                    # (a train step's metrics between them skipped), taken in one C call.
+                    donated = program.gather(leaves)
                 else:
                     donated = self._replaced(program, args, results, leaves)
                 if donated is not None:
@@ -416,7 +418,7 @@ class FlatJit:
         function and ``jax.jit`` are: ``model.step(x)`` calls it with ``model`` first."""
         return self if instance is None else types.MethodType(self, instance)
 
-    def _replaced(self, program: _Program, args: tuple, results: tuple, leaves: list[Any]) -> list[Any] | None:
+    def _replaced(self, program: _Program, args: tuple, results: tuple, leaves: list[Any]) -> tuple | None:
         """The donated leaves when an owned argument is another tree in a loop's place (the
         Trainer's new log buffer): flattened alone, it keeps the fast path if its structure
         is the same. None otherwise: the full path (with ``before``: another argument in
@@ -435,7 +437,7 @@ class FlatJit:
             if arg_treedef != part:
                 return None
             donated += arg_leaves
-        return donated
+        return tuple(donated)
 
     def _call(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """A call off the loop's fast path: checked by ``before``, errors explained, the
@@ -467,7 +469,7 @@ class FlatJit:
             self._tree_only = program is not None
             return self._tree_jit()(*args)
         self._loop(program, args)
-        leaves = program.jitted(donated, other_leaves)
+        leaves = program.jitted(tuple(donated), other_leaves)
         results = program.build(leaves)
         self._last = (program, results if program.several else (results,), leaves)
         return results

@@ -97,6 +97,28 @@ def test_results_passed_back_are_not_flattened_again():
     assert float(total) == 4.0
 
 
+def test_donated_results_apart_and_out_of_order_are_gathered_in_argument_order():
+    # Arguments 0 and 2 are donated; the loop passes result 2 back as argument 0 and
+    # result 0 as argument 2 (a metric between): their leaves are taken in argument order.
+    class Weights(ft.Module):
+        w: jax.Array
+        b: jax.Array
+
+    def f(a, x, c):
+        return Weights(c.w * x, c.b + 1.0), jnp.sum(a.w), Weights(a.w + x, a.b - 1.0)
+
+    flat, plain = flat_jit(f, donate=(0, 2)), jax.jit(f)
+    a1, c1 = Weights(jnp.arange(3.0), jnp.zeros(())), Weights(jnp.ones(3), jnp.full((), 5.0))
+    a2, c2 = Weights(jnp.arange(3.0), jnp.zeros(())), Weights(jnp.ones(3), jnp.full((), 5.0))
+    for _ in range(4):
+        c1, t1, a1 = flat(a1, 2.0, c1)  # result 0 is passed back as argument 2, result 2 as 0
+        c2, t2, a2 = plain(a2, 2.0, c2)
+        np.testing.assert_array_equal(t1, t2)
+    assert flat._last[0].loop == (2, 0)  # on the fast path
+    for x, y in zip(jax.tree.leaves((a1, c1)), jax.tree.leaves((a2, c2))):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_a_new_tree_in_a_loops_place_is_flattened_alone_and_keeps_the_fast_path(monkeypatch):
     # The Trainer passes a new log buffer every log_every steps (the model and state are
     # the previous results): that argument alone is flattened; another structure there

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The accelerator checks of issues 35 and 44 in one run, for a lent GPU machine (device tool),
-# within one call of at most 9 minutes (about 8 here, the rest for its start and transfers):
+# within one call of at most 10 minutes (about 9 here, the rest for its start and transfers):
 #   bash benchmarks/device_check.sh "$OUT"
 # 1. the whole suite (pyproject's testpaths: tests, docstrings, README and docs pages) on the
 #    JAX there, notebooks left out (they run on CPU in CI); 12 workers,
-# 2. benchmark families lm (MFU, time to first step in fresh processes, both orders) and
-#    dispatch (host overhead of train_step on a tiny step).
+# 2. benchmark families lm (MFU, time to first step in fresh processes, both orders),
+#    dispatch (host overhead of train_step on a tiny step) and first_step (issue 47: the
+#    first step's split, functree against raw JAX in fresh processes, both orders).
 # Each part writes its own file under the output folder, so a timeout keeps what finished.
 set -u
 out="${1:-/tmp/device_check}"
@@ -23,6 +24,6 @@ timeout 330 python -m pytest -n 12 --dist loadfile -q \
     --ignore=tests/test_notebooks.py --maxfail=50 > "$out/suite.txt" 2>&1
 echo "suite: exit $?"
 tail -40 "$out/suite.txt"
-timeout 120 python benchmarks/run.py --only lm,dispatch --quick --out "$out/bench" > "$out/bench.txt" 2>&1
+timeout 200 python benchmarks/run.py --only lm,dispatch,first_step --quick --out "$out/bench" > "$out/bench.txt" 2>&1
 echo "benchmarks: exit $?"
 tail -60 "$out/bench.txt"

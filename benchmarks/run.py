@@ -34,6 +34,10 @@ takes a comma-separated list of these names):
     startup     16. loading a saved Llama: ft.nn.from_hf(dir)   ≤ 2× from_pretrained
                     vs transformers from_pretrained, fresh        at every size
                     processes, with the load's split
+    first_step  17. the first training step's time, split:    ≤ 1.2× raw in either order
+                    imports, build, trace (and the differentiation
+                    check's), lowering, compiles; fresh processes,
+                    both orders, family 15's Llama
 
 ``benchmarks/gate_pipeline.py`` is the accelerator check of the NaN gate: whether a gated
 step keeps the asynchronous pipeline full (raw JAX ungated, cond- and select-gated, and
@@ -59,6 +63,7 @@ from _async import asynchronous
 from _depth import depth
 from _diagnostics import diagnostics
 from _donation import donation
+from _first_step import first_step
 from _generate import generation
 from _harness import machine
 from _keypaths import key_paths
@@ -88,6 +93,7 @@ FAMILIES = {
     "lora": lora_step,
     "lm": language_model,
     "startup": startup,
+    "first_step": first_step,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

@@ -697,6 +697,14 @@ def test_a_checkpoints_generation_defaults_are_hf_generates(llama, tmp_path):
         assert (out[:, expected.shape[1]:] == 2).all()
         out = np.asarray(ft.nn.generate(ours, ids, NEW, attention_mask=mask, repetition_penalty=1.0))
         np.testing.assert_array_equal(out[:, :explicit.shape[1]], explicit)
+        padded = np.where(mask != 0, ids, 2)  # the config's pad id where the mask is 0: HF infers the mask
+        with torch.no_grad():
+            inferred = hf.generate(torch.from_numpy(padded).long(), max_new_tokens=NEW).numpy()
+        out = np.asarray(ft.nn.generate(ours, padded, NEW))
+        np.testing.assert_array_equal(out[:, :inferred.shape[1]], inferred)
+        np.testing.assert_array_equal(out, ft.nn.generate(ours, padded, NEW, attention_mask=mask))
+        with pytest.raises(ValueError, match=r"row 0 of input_ids ends in pad_token_id 2(.|\n)*pad on the left"):
+            ft.nn.generate(ours, np.concatenate([ids[:1, 1:], [[2]]], axis=1), 4)
 
         hf.generation_config = transformers.GenerationConfig(do_sample=True, temperature=0.7, top_k=3, eos_token_id=0)
         ours = configured(model, hf)

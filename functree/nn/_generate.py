@@ -42,7 +42,12 @@ from functree._alias import is_deletion_error, is_stale_error, stale_error
 from functree._repr import short_array
 from functree.nn import _decode, _memory
 from functree.nn._decode import _beam_search, _generate
-from functree.nn._generate_defaults import SAMPLING_DEFAULTS, bad_value, checkpoint_defaults
+from functree.nn._generate_defaults import (
+    SAMPLING_DEFAULTS,
+    bad_value,
+    checkpoint_defaults,
+    inferred_mask,
+)
 from functree.nn._logits import BAD_TOP_K
 from functree.nn._shared import Shared
 
@@ -286,7 +291,9 @@ def generate(
     and ``do_sample``: a checkpoint that samples samples here too when ``key=`` is given (its
     ``temperature``, ``top_k`` (HF's default 50; 0: none) and ``top_p``) and asks for a key
     without one; ``temperature=0.0`` is greedy. An explicit argument always wins. A model
-    without ``hf_config`` has no defaults (greedy, no EOS).
+    without ``hf_config`` has no defaults (greedy, no EOS). As HF's, a prompt given without
+    ``attention_mask`` to such a model is masked where it holds the pad id (when that id is no
+    EOS id).
 
     Before choosing, the logits pass Hugging Face's processors in its order:
 
@@ -409,7 +416,10 @@ def generate(
                  min_new_tokens=min_new_tokens, suppress_tokens=suppress_tokens, num_beams=num_beams,
                  num_return_sequences=num_return_sequences, length_penalty=length_penalty,
                  early_stopping=early_stopping)
-    options, sourced = _with_defaults(given, checkpoint_defaults(inner), key)
+    checkpoint = checkpoint_defaults(inner)
+    options, sourced = _with_defaults(given, checkpoint, key)
+    if attention_mask is None and checkpoint is not None:  # HF's mask from the pad id
+        attention_mask = inferred_mask(ids, options["pad_token_id"], options["eos_token_id"])
     plan = partial(_plan, model, ids, new, attention_mask, key, options, stop, return_scores, streamer, limit)
     exact = (type(inner), prompt, new) in _EXACT
     try:

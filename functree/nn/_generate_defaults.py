@@ -16,6 +16,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import numpy as np
+
 # The options of ``ft.nn.generate`` that HF's generation config sets, by HF's name.
 SUPPORTED = ("eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p", "min_p",
              "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens", "suppress_tokens",
@@ -85,3 +88,34 @@ def bad_value(name: str, value: Any, error: Exception) -> ValueError:
     with ``error`` (whose first line says why)."""
     reason = str(error).split("\n")[0].removeprefix("generate: ")
     return ValueError(BAD_CHECKPOINT_VALUE.format(name=name, value=value, reason=reason))
+
+
+INFERRED_RIGHT_PADDED = """\
+generate: row {row} of input_ids ends in pad_token_id {pad}. Without attention_mask=, the mask \
+is inferred from the pad id, as Hugging Face's generate does for this checkpoint, and new tokens \
+must follow a real token: pad on the left, or pass the mask.
+
+    wrong:  ft.nn.generate(model, [[5, 6, {pad}, {pad}]], 8)                  # right-padded
+    right:  ft.nn.generate(model, [[{pad}, {pad}, 5, 6]], 8)                  # left-padded
+    right:  ft.nn.generate(model, ids, 8, attention_mask=ids_mask)"""
+
+
+def inferred_mask(ids: Any, pad: Any, eos: Any) -> Any:
+    """Hugging Face's attention mask for a prompt given without one: ``ids != pad`` where the
+    prompt holds the pad id and the pad id is no EOS id, else None (all tokens real). Concrete
+    ids only (a traced prompt keeps all its tokens)."""
+    if not isinstance(pad, (int, np.integer)) or isinstance(pad, bool):
+        return None
+    eos_ids = (eos,) if isinstance(eos, (int, np.integer)) else tuple(eos or ())
+    if pad in eos_ids:
+        return None
+    try:
+        values = np.asarray(ids)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+    if not (values == pad).any():
+        return None
+    mask = (values != pad).astype(np.int32)
+    if not mask[:, -1].all():
+        raise ValueError(INFERRED_RIGHT_PADDED.format(row=int(np.argmin(mask[:, -1])), pad=pad))
+    return mask

@@ -325,17 +325,51 @@ def test_a_donating_loop_step_runs_one_python_frame_and_the_result_builder():
     assert isinstance(model, ft.nn.Sequential) and bool(jnp.isfinite(loss))
 
 
-def test_a_train_step_call_in_a_loop_runs_three_python_frames_and_the_builder():
+@pytest.mark.parametrize("on_nan", ["stop", "ignore"])
+def test_a_train_step_call_in_a_loop_runs_two_python_frames_and_the_builder(on_nan):
+    # TrainStep.__call__ goes straight to its flat program (no run() frame), which runs
+    # the donation guard inside; then the generated builder of the results.
     opt = ft.optim.Optimizer(ft.optim.adam(LR))
-    step = ft.train.train_step(lambda m, b: _loss(m, *b), opt)  # gated (the default)
+    step = ft.train.train_step(lambda m, b: _loss(m, *b), opt, on_nan=on_nan)  # "stop": the default
     model, batch = _model(), _batch()
     state = opt.init(model)
     for _ in range(3):
         model, state, _ = step(model, state, batch)
     entered, (model, state, metrics) = _python_calls(step, model, state, batch)
-    assert entered == ["__call__", "run", "__call__", "build"]
+    assert entered == ["__call__", "__call__", "build"]
     step.check()
     assert bool(jnp.isfinite(metrics["loss"]))
+
+
+def test_a_subclass_overriding_run_has_it_called_on_every_step():
+    class Counted(ft.train.TrainStep):
+        runs = 0
+
+        def run(self, *args, **kwargs):
+            type(self).runs += 1
+            return super().run(*args, **kwargs)
+
+    opt = ft.optim.Optimizer(ft.optim.sgd(LR))
+    step = Counted(lambda m, b: _loss(m, *b), opt)
+    model, batch = _model(), _batch()
+    state = opt.init(model)
+    for _ in range(4):
+        model, state, _ = step(model, state, batch)
+    assert Counted.runs == 4
+
+
+def test_a_several_steps_call_never_takes_the_one_step_program():
+    # run(steps=1) of a steps_per_call=2 step runs one step; a plain call after it still
+    # runs two (the one-step program is not taken for __call__).
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.5))
+    step = ft.train.train_step(lambda m, b: _loss(m, *b), opt, steps_per_call=2, donate=False)
+    model, (x, y) = _model(), _batch()
+    state = opt.init(model)
+    one = step.run(model, state, (x, y), steps=1)
+    two = step(model, state, (jnp.stack([x, x]), jnp.stack([y, y])))
+    again = step.run(one[0], one[1], (x, y), steps=1)
+    for a, b in zip(jax.tree.leaves(two[0]), jax.tree.leaves(again[0])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
 def test_a_fresh_model_in_a_loop_is_still_checked_for_aliases_and_deleted_arrays():

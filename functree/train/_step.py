@@ -370,6 +370,9 @@ class TrainStep:
         self._inflight: list[tuple[int, Any, Any]] = []  # (call, batch, key): references only
         self._shared: Any = None  # the process-wide programs of this configuration (_programs.py)
         self._ref = weakref.ref(self)
+        # The flat program a plain call runs without run()'s Python frame: set by run() once
+        # the step is one step per call, without placement, over flat leaves (a loop's case).
+        self._direct: Any = None
 
     @property
     def mesh(self) -> Any:
@@ -527,7 +530,8 @@ class TrainStep:
         log = self.record(log, metrics, batch, opt_state)
         return model, opt_state, (None if "rows" in log else metrics), log  # rows hold them: no more outputs
 
-    _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref", "_owned_call")
+    _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref", "_owned_call",
+                "_direct")
     """Instance attributes that are run-time state; every other one is configuration: a
     step equal to another in all of them (and in class) shares its compiled programs."""
 
@@ -611,6 +615,8 @@ class TrainStep:
         if self._shared is not None:  # a shared program traces (new shapes) with this step's stages
             self._shared.owner = self._ref
         if program.__class__ is FlatJit:  # it runs _before, _explain and the guard off a loop's fast path
+            if steps == 1 == self.steps_per_call and self.placement is None and not owned and type(self).run is TrainStep.run:
+                self._direct = program  # __call__ goes straight to it from now on (run not overridden)
             return program(model, opt_state, batch, key, log)
         (model, opt_state, *_), _ = self._before((model, opt_state), {})  # jax.jit with static leaves
         try:
@@ -663,14 +669,26 @@ class TrainStep:
         return log if self.placement is None else self.placement.replicate(log)
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
+        # What run() does for a plain call, inline once run() has set _direct: the program's
+        # own call (its donation guard and checks inside), no run() frame per loop step.
+        direct = self._direct
         if self.on_nan != "stop":
-            return self.run(model, opt_state, batch, key)[:3]
+            if direct is None:
+                return self.run(model, opt_state, batch, key)[:3]
+            self._owned_call = False
+            self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
+            return direct(model, opt_state, batch, key, None)[:3]
         if self._halt is None:
             self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
         elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
             self._check(model, opt_state, block=False)
         self._inflight.append((self._calls * self.steps_per_call, batch, key))  # its first step
-        model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
+        if direct is None:
+            model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
+        else:
+            self._owned_call = False
+            self._shared.owner = self._ref
+            model, opt_state, metrics, self._halt = direct(model, opt_state, batch, key, self._halt)
         self._calls += 1
         return model, opt_state, metrics
 

@@ -1,7 +1,8 @@
 """Gradient transformations optax lacks, or needs the learning context for (CNTK's options).
 
 All are optax transformations taking ``minibatch_size=``/``loss=`` extra arguments; their
-thresholds, weights and noise scales are hyperparameters (numbers, schedules, rates).
+thresholds, weights and noise scales are hyperparameters (numbers, schedules, rates),
+declared once as the ``Hyper`` arguments of their signatures (:mod:`functree.optim._signature`).
 Chain them with an optimizer: ``optax.chain(ft.optim.clip_by_norm(1.0), ft.optim.adam())``.
 """
 
@@ -22,6 +23,7 @@ from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
 from functree.optim._masked import masked
+from functree.optim._signature import Hyper, optimizer
 
 __all__ = [
     "clip",
@@ -66,7 +68,8 @@ def _stateless(fn: Callable[[Any, Any], Any], name: str, needs_params: bool = Fa
     return optax.GradientTransformation(init, update)
 
 
-def clip(threshold: Any) -> optax.GradientTransformationExtraArgs:
+@optimizer("ft.optim.clip")
+def clip(threshold: Hyper) -> optax.GradientTransformation:
     """Elementwise truncation: ``g ← clip(g, −t, t)`` (``optax.clip``).
 
     Example:
@@ -75,7 +78,7 @@ def clip(threshold: Any) -> optax.GradientTransformationExtraArgs:
       >>> tx.update(g, tx.init(g))[0]
       {'w': Array([-1. ,  0.5,  1. ], dtype=float32)}
     """
-    return inject("ft.optim.clip", lambda threshold: optax.clip(threshold), {"threshold": threshold})
+    return optax.clip(threshold)
 
 
 def _clip_tensor(g: Any, t: Any) -> Any:
@@ -84,7 +87,8 @@ def _clip_tensor(g: Any, t: Any) -> Any:
     return (g * factor).astype(g.dtype)
 
 
-def clip_by_norm(threshold: Any) -> optax.GradientTransformationExtraArgs:
+@optimizer("ft.optim.clip_by_norm")
+def clip_by_norm(threshold: Hyper) -> optax.GradientTransformation:
     """Per-tensor norm clipping: ``g ← g · min(1, t / ‖g‖₂)`` for each parameter separately.
 
     Example:
@@ -94,14 +98,11 @@ def clip_by_norm(threshold: Any) -> optax.GradientTransformationExtraArgs:
       >>> tx.update(g, tx.init(g))[0]
       {'a': Array([0.6, 0.8], dtype=float32), 'b': Array([0.3, 0.4], dtype=float32)}
     """
-
-    def factory(threshold: Any) -> Any:
-        return _stateless(lambda g, _: jax.tree.map(lambda x: _clip_tensor(x, threshold), g), "clip_by_norm")
-
-    return inject("ft.optim.clip_by_norm", factory, {"threshold": threshold})
+    return _stateless(lambda g, _: jax.tree.map(lambda x: _clip_tensor(x, threshold), g), "clip_by_norm")
 
 
-def clip_by_global_norm(threshold: Any) -> optax.GradientTransformationExtraArgs:
+@optimizer("ft.optim.clip_by_global_norm")
+def clip_by_global_norm(threshold: Hyper) -> optax.GradientTransformation:
     """Global norm clipping: ``g ← g · min(1, t / ‖g‖)`` over all parameters (optax).
 
     ``‖g‖`` is the 2-norm of all leaves together, so every tensor is scaled by one factor.
@@ -113,8 +114,7 @@ def clip_by_global_norm(threshold: Any) -> optax.GradientTransformationExtraArgs
       >>> tx.update(g, tx.init(g))[0]
       {'a': Array([0.6], dtype=float32), 'b': Array([0.8], dtype=float32)}
     """
-    return inject("ft.optim.clip_by_global_norm", lambda threshold: optax.clip_by_global_norm(threshold),
-                  {"threshold": threshold})
+    return optax.clip_by_global_norm(threshold)
 
 
 def clip_per_sample(threshold: Any, *, truncation: bool = True) -> optax.GradientTransformationExtraArgs:
@@ -193,7 +193,8 @@ def per_example_clipping(threshold: float) -> Callable[..., Any]:
     return get_gradients
 
 
-def l1_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
+@optimizer("ft.optim.l1_regularization")
+def l1_regularization(weight: Hyper) -> optax.GradientTransformation:
     """L1 penalty ``λ‖w‖₁`` added to the gradient: ``g ← g + λ sign(w)``.
 
     Example:
@@ -202,15 +203,12 @@ def l1_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
       >>> tx.update({"w": jnp.zeros(2)}, tx.init(w), w)[0]["w"]
       Array([ 0.1, -0.1], dtype=float32)
     """
-
-    def factory(weight: Any) -> Any:
-        return _stateless(lambda g, p: jax.tree.map(lambda g, w: g + weight * jnp.sign(w), g, p),
-                          "l1_regularization", needs_params=True)
-
-    return inject("ft.optim.l1_regularization", factory, {"weight": weight})
+    return _stateless(lambda g, p: jax.tree.map(lambda g, w: g + weight * jnp.sign(w), g, p),
+                      "l1_regularization", needs_params=True)
 
 
-def l2_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
+@optimizer("ft.optim.l2_regularization")
+def l2_regularization(weight: Hyper) -> optax.GradientTransformation:
     """L2 penalty ``λ/2 ‖w‖²`` added to the gradient (CNTK's ``l2_regularization_weight``): ``g ← g + λ w``.
 
     Example:
@@ -219,12 +217,8 @@ def l2_regularization(weight: Any) -> optax.GradientTransformationExtraArgs:
       >>> tx.update({"w": jnp.ones(2)}, tx.init(w), w)[0]["w"]
       Array([1.2, 0.7], dtype=float32)
     """
-
-    def factory(weight: Any) -> Any:
-        return _stateless(lambda g, p: jax.tree.map(lambda g, w: g + weight * w, g, p),
-                          "l2_regularization", needs_params=True)
-
-    return inject("ft.optim.l2_regularization", factory, {"weight": weight})
+    return _stateless(lambda g, p: jax.tree.map(lambda g, w: g + weight * w, g, p),
+                      "l2_regularization", needs_params=True)
 
 
 def weight_decay(rate: Any, *, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> optax.GradientTransformationExtraArgs:
@@ -274,7 +268,8 @@ def _split_like(key: jax.Array, tree: Any) -> tuple[jax.Array, Any]:
     return key, jax.tree.unflatten(treedef, keys)
 
 
-def add_parameter_noise(std: Any, *, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+@optimizer("ft.optim.add_parameter_noise")
+def add_parameter_noise(std: Hyper, *, seed: int = 0) -> optax.GradientTransformation:
     """CNTK's ``gaussian_noise_injection_std_dev``: ``u ← u + 𝒩(0, σ²)``, after the update.
 
     Put it last in a chain; the parameters move by the update plus fresh noise each step.
@@ -287,22 +282,20 @@ def add_parameter_noise(std: Any, *, seed: int = 0) -> optax.GradientTransformat
       0.01
     """
 
-    def factory(std: Any) -> Any:
-        def init(params: Any) -> NoiseState:
-            return NoiseState(jax.random.key(seed))
+    def init(params: Any) -> NoiseState:
+        return NoiseState(jax.random.key(seed))
 
-        def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, NoiseState]:
-            key, keys = _split_like(state.key, updates)
-            noisy = jax.tree.map(lambda x, k: x + (std * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype),
-                                 updates, keys)
-            return noisy, NoiseState(key)
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, NoiseState]:
+        key, keys = _split_like(state.key, updates)
+        noisy = jax.tree.map(lambda x, k: x + (std * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype),
+                             updates, keys)
+        return noisy, NoiseState(key)
 
-        return optax.GradientTransformation(init, update)
-
-    return inject("ft.optim.add_parameter_noise", factory, {"std": std})
+    return optax.GradientTransformation(init, update)
 
 
-def add_gradient_noise(eta: Any, gamma: float = 0.55, *, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+@optimizer("ft.optim.add_gradient_noise")
+def add_gradient_noise(eta: Hyper, gamma: float = 0.55, *, seed: int = 0) -> optax.GradientTransformation:
     """Annealed Gaussian gradient noise (``optax.add_noise``): ``g ← g + 𝒩(0, η / (1 + t)^γ)``.
 
     ``η`` is the variance (not the standard deviation); ``t`` counts steps from 0.
@@ -314,7 +307,7 @@ def add_gradient_noise(eta: Any, gamma: float = 0.55, *, seed: int = 0) -> optax
       >>> round(float(noisy["w"].std()), 2)        # √η at the first step
       0.1
     """
-    return inject("ft.optim.add_gradient_noise", lambda eta: optax.add_noise(eta, gamma, seed), {"eta": eta})
+    return optax.add_noise(eta, gamma, seed)
 
 
 def freeze(*patterns: str) -> optax.GradientTransformationExtraArgs:

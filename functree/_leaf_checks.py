@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._tree import is_array_or_numpy_scalar
+
 __all__ = ["leaf_spec", "quoted", "check_leaf"]
 
 SHAPE_MISMATCH = """\
@@ -33,9 +35,7 @@ ft.set({path}): the value there is {expected}, so it takes {accepts}; given {giv
 
 
 def leaf_spec(x: Any) -> tuple[tuple[int, ...], Any] | None:
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return tuple(x.shape), x.dtype
-    if isinstance(x, jax.ShapeDtypeStruct):
+    if is_array_or_numpy_scalar(x) or isinstance(x, jax.ShapeDtypeStruct):
         return tuple(x.shape), x.dtype
     return None
 

@@ -39,11 +39,11 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Self, TypeVar
 
 import jax
-import numpy as np
 
 from functree import _functions
 from functree._labels import label_aware
 from functree._repr import module_html, module_repr
+from functree._tree import is_array_value
 
 __all__ = [
     "Module",
@@ -207,11 +207,8 @@ def field_kind(f: dataclasses.Field) -> str:
     return f.metadata.get(_KIND, PARAMETER)
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _check_static(cls: type, name: str, value: Any) -> None:
+def check_static(cls: type, name: str, value: Any) -> None:
+    """Refuse a static field's value that holds arrays (a module with leaves, an array)."""
     if isinstance(value, Module):
         count = len(jax.tree.leaves(value))
         if count:
@@ -220,7 +217,7 @@ def _check_static(cls: type, name: str, value: Any) -> None:
                     cls=cls.__name__, field=name, type=type(value).__name__, count=count
                 )
             )
-    if _is_array(value):
+    if is_array_value(value):
         raise TypeError(
             ARRAY_IN_STATIC.format(
                 cls=cls.__name__, field=name, shape=tuple(getattr(value, "shape", ())),
@@ -243,7 +240,7 @@ def _non_differentiable_type_name(value: Any) -> str | None:
         return type(value).__name__
     if callable(value) and not isinstance(value, (Module, jax.Array)):
         # A callable pytree with array leaves (an Equinox module) is a submodule.
-        if any(_is_array(leaf) for leaf in jax.tree.leaves(value)):
+        if any(is_array_value(leaf) for leaf in jax.tree.leaves(value)):
             return None
         return "callable"
     return None
@@ -332,7 +329,7 @@ class Module:
         )
         for f in fields:
             if field_kind(f) == STATIC and f.default is not dataclasses.MISSING:
-                _check_static(cls, f.name, f.default)
+                check_static(cls, f.name, f.default)
             if field_kind(f) == PARAMETER and f.name in inspect.get_annotations(cls):
                 _warn_annotation(cls, f)
         _install_init(cls)
@@ -401,7 +398,7 @@ class Module:
                     )
                 )
             if cls.__ft_kinds__[name] == STATIC:  # type: ignore[attr-defined]
-                _check_static(cls, name, value)
+                check_static(cls, name, value)
         d = self.__dict__
         values = {n: d[n] for n in cls.__ft_fields__ if n in d}  # type: ignore[attr-defined]
         values.update(changes)
@@ -740,7 +737,7 @@ def _bind_fields(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
 def _validate(self: Module) -> None:
     cls = type(self)
     for name in cls.__ft_static__:
-        _check_static(cls, name, self.__dict__[name])
+        check_static(cls, name, self.__dict__[name])
     for name, kind in cls.__ft_kinds__.items():
         if kind != PARAMETER:
             continue

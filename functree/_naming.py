@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._tree import bounded_put, cached, dotted_name, is_none
+from functree._tree import bounded_put, cached, dotted_name, is_none, join_names
 
 __all__ = [
     "LeafInfo", "leaf_infos", "names", "member_names", "matches", "rename_pattern", "fill_stars", "selection",
@@ -139,10 +139,6 @@ class LeafInfo(NamedTuple):
     aliases: tuple[str, ...] = ()
 
 
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
 def _member(node: Any, i: int) -> Any:
     """Member ``i`` of a stacked node (its structure: a leaf without a stack axis is every
     member's, as a mask's bools and a label's strings are)."""
@@ -174,8 +170,8 @@ def _infos(tree: Any) -> list[LeafInfo]:
 
 def _prefixed(prefix: str, infos: list[LeafInfo]) -> list[LeafInfo]:
     return [
-        LeafInfo(_join(prefix, i.name), (_join(prefix, i.segments[0]), *i.segments[1:]), i.sizes,
-                 tuple(_join(prefix, a) for a in i.aliases))
+        LeafInfo(join_names(prefix, i.name), (join_names(prefix, i.segments[0]), *i.segments[1:]), i.sizes,
+                 tuple(join_names(prefix, a) for a in i.aliases))
         for i in infos
     ]
 
@@ -246,7 +242,7 @@ def _member_name(info: LeafInfo, index: Sequence[int]) -> str:
     parts = [info.segments[0]]
     for i, seg in zip(index, info.segments[1:]):
         parts += [str(i), seg]
-    return _join(*parts)
+    return join_names(*parts)
 
 
 def _prefixes(name: str) -> list[str]:
@@ -503,7 +499,7 @@ def _stack_prefixes(info: LeafInfo) -> list[str]:
     """The member-name prefix of each stack of a leaf, member 0 of the outer ones."""
     out, parts = [], [info.segments[0]]
     for seg in info.segments[1:]:
-        out.append(_join(*parts))
+        out.append(join_names(*parts))
         parts += ["0", seg]
     return out
 
@@ -547,7 +543,7 @@ def tie_targets(tree: Any) -> dict[str, tuple[str, Any, Any]]:
         if is_tied(node):
             prefix = dotted_name(path)
             for target, source, transform in node.ties:
-                out[_join(prefix, target.name)] = (_join(prefix, source.name), transform, source.get(node.model))
+                out[join_names(prefix, target.name)] = (join_names(prefix, source.name), transform, source.get(node.model))
     return out
 
 

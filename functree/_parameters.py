@@ -97,7 +97,8 @@ def field_mask(tree: Any, flagged: Callable[[dataclasses.Field], bool], inherite
     )
 
 
-def _is_no_derivative(f: dataclasses.Field) -> bool:
+def is_no_derivative_field(f: dataclasses.Field) -> bool:
+    """Whether a layer declares the field ``ft.field(no_derivative=True)`` (a value, not a parameter)."""
     return field_kind(f) == NO_DERIVATIVE
 
 
@@ -130,7 +131,7 @@ _MASK_CACHE: dict[Any, tuple[tuple[bool, ...], tuple[bool, ...]]] = {}
 def _trainable_positions(x: Any, treedef: Any) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     positions = _MASK_CACHE.get(treedef)
     if positions is None:
-        positions = (tuple(not b for b in jax.tree.leaves(field_mask(x, _is_no_derivative))),
+        positions = (tuple(not b for b in jax.tree.leaves(field_mask(x, is_no_derivative_field))),
                      tuple(jax.tree.leaves(_field_values(x))))
         bounded_put(_MASK_CACHE, treedef, positions)
     return positions
@@ -177,7 +178,7 @@ def with_parameters(model: Any, params: Any) -> Any:
       >>> ft.with_parameters({"w": jnp.ones(2), "n": 3}, {"w": jnp.zeros(2), "n": None})
       {'n': 3, 'w': Array([0., 0.], dtype=float32)}
     """
-    return _map_checked(
+    return map_checked(
         "ft.with_parameters",
         lambda p, x: x if p is None else p,
         params,
@@ -201,7 +202,7 @@ def update(params: Any, *, with_gradients: Any, updater: Callable[[Any, Any], An
     def apply(gradient: Any, param: Any) -> Any:
         return param if gradient is None or param is None else updater(param, gradient)
 
-    return _map_checked("ft.update", apply, with_gradients, params, is_leaf=is_none)
+    return map_checked("ft.update", apply, with_gradients, params, is_leaf=is_none)
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
@@ -215,10 +216,11 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
       >>> ft.tree_map(lambda p, g: p - 0.1 * g, {"w": jnp.ones(2)}, {"w": jnp.ones(2)})
       {'w': Array([0.9, 0.9], dtype=float32)}
     """
-    return _map_checked("ft.tree_map", fn, tree, *rest)
+    return map_checked("ft.tree_map", fn, tree, *rest)
 
 
-def _map_checked(what: str, fn: Callable[..., Any], tree: Any, *rest: Any, **kw: Any) -> Any:
+def map_checked(what: str, fn: Callable[..., Any], tree: Any, *rest: Any, **kw: Any) -> Any:
+    """``jax.tree.map(fn, tree, *rest)``; trees that differ raise naming ``what`` and the first difference."""
     try:
         return jax.tree.map(fn, tree, *rest, **kw)
     except (ValueError, TypeError) as e:

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 
 from functree._parameters import (
     STRUCTURE_MISMATCH,
-    _is_no_derivative,
-    _map_checked,
     field_mask,
     first_difference,
+    is_no_derivative_field,
     is_parameter_leaf,
+    map_checked,
     parameters,
 )
 from functree._tree import bounded_put, cached, is_none
@@ -64,7 +64,8 @@ class _NonParameterValue(Exception):
 
 
 
-def _step(t: Any, x: Any) -> Any:
+def move_leaf(t: Any, x: Any) -> Any:
+    """One parameter moved along its tangent: ``x + t`` in ``x``'s dtype (``None``: no move)."""
     if t is None:
         return x
     if isinstance(x, int) or (hasattr(x, "dtype") and not is_parameter_leaf(x)):
@@ -90,7 +91,7 @@ def move(x: Any, *, along: Any) -> Any:
     """
     check_tangent("ft.move", along, x, advice=_MOVE)
     try:
-        return _map_checked("ft.move", _step, along, x, is_leaf=is_none)
+        return map_checked("ft.move", move_leaf, along, x, is_leaf=is_none)
     except _NonParameterValue:
         check_tangent("ft.move", along, x, advice=_MOVE, cache=False, structure=True)
         raise ValueError(  # the check above names the key path; this is its fallback
@@ -162,7 +163,7 @@ def _why_not_parameter(x: Any, k: int, leaf: Any) -> str:
     """Why leaf ``k`` of ``x`` (flattened with ``None`` as leaves) is not differentiated."""
     if leaf is None:
         return "None in the model"
-    no_derivative = jax.tree.leaves(field_mask(x, _is_no_derivative), is_leaf=is_none)
+    no_derivative = jax.tree.leaves(field_mask(x, is_no_derivative_field), is_leaf=is_none)
     if k < len(no_derivative) and no_derivative[k] is True:
         return "a no_derivative field"
     if isinstance(leaf, (float, complex)):
@@ -216,7 +217,7 @@ def tangent_add(a: Any, b: Any) -> Any:
       >>> ft.tangent_add({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 4.0])})
       {'w': Array([4., 6.], dtype=float32)}
     """
-    return _map_checked("ft.tangent_add", jnp.add, a, b)
+    return map_checked("ft.tangent_add", jnp.add, a, b)
 
 
 def tangent_subtract(a: Any, b: Any) -> Any:
@@ -227,7 +228,7 @@ def tangent_subtract(a: Any, b: Any) -> Any:
       >>> ft.tangent_subtract({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 4.0])})
       {'w': Array([-2., -2.], dtype=float32)}
     """
-    return _map_checked("ft.tangent_subtract", jnp.subtract, a, b)
+    return map_checked("ft.tangent_subtract", jnp.subtract, a, b)
 
 
 def tangent_scale(a: Any, scale: Any) -> Any:
@@ -263,7 +264,7 @@ def inner_product(a: Any, b: Any) -> jax.Array:
       Array(11., dtype=float32)
     """
     products = jax.tree.leaves(
-        _map_checked("ft.inner_product", lambda x, y: jnp.vdot(x, y), a, b)
+        map_checked("ft.inner_product", lambda x, y: jnp.vdot(x, y), a, b)
     )
     if not products:
         return jnp.zeros((), jnp.float32)

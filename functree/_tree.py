@@ -6,7 +6,12 @@
   of ``ft.to_flat_dict`` and of every glob pattern;
 * :func:`bounded_put`: the one cache policy (caches keyed by tree definitions are bounded,
   because static values change tree definitions); :func:`cached` looks one up;
-* :func:`all_finite`: whether every element of a tree is finite (non-finite steps).
+* :func:`all_finite`: whether every element of a tree is finite (non-finite steps);
+* what a leaf is, one predicate per meaning: :func:`is_array_value` (a JAX or NumPy
+  array), :func:`is_array_or_numpy_scalar` (that, or a NumPy scalar),
+  :func:`has_shape_and_dtype` (anything shaped, a ``jax.ShapeDtypeStruct`` too);
+* dotted names built from parts: :func:`join_names` (empty parts skipped: the root) and
+  :func:`child_name` (a child's name under a prefix, an empty key kept).
 """
 
 from __future__ import annotations
@@ -17,8 +22,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["is_none", "dotted_name", "bounded_put", "cached", "CACHE_LIMIT", "all_finite"]
+__all__ = [
+    "is_none",
+    "dotted_name",
+    "join_names",
+    "child_name",
+    "bounded_put",
+    "cached",
+    "CACHE_LIMIT",
+    "all_finite",
+    "is_array_value",
+    "is_array_or_numpy_scalar",
+    "has_shape_and_dtype",
+]
 
 CACHE_LIMIT = 4096
 """Entries a tree-definition cache holds before it is cleared (one policy for all)."""
@@ -39,6 +57,67 @@ def dotted_name(path: Sequence[Any]) -> str:
       ['a.0', 'a.1']
     """
     return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
+
+
+def join_names(*parts: str) -> str:
+    """Dotted name of the parts, empty ones skipped (an empty prefix is the root).
+
+    Example:
+      >>> from functree._tree import join_names
+      >>> join_names("", "layers", "0.weight"), join_names("")
+      ('layers.0.weight', '')
+    """
+    return ".".join(p for p in parts if p)
+
+
+def child_name(prefix: str, part: Any) -> str:
+    """The name of child ``part`` under ``prefix`` (the root: ``""``); unlike
+    :func:`join_names`, an empty part is a key of its own and keeps its dot.
+
+    Example:
+      >>> from functree._tree import child_name
+      >>> child_name("", 0), child_name("layers", 0), child_name("d", "")
+      ('0', 'layers.0', 'd.')
+    """
+    return f"{prefix}.{part}" if prefix else str(part)
+
+
+def is_array_value(x: Any) -> bool:
+    """A JAX array (a tracer too) or a NumPy array: not a Python or NumPy scalar.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from functree._tree import is_array_value
+      >>> is_array_value(jnp.ones(2)), is_array_value(np.zeros(())), is_array_value(np.float32(1)), is_array_value(1.0)
+      (True, True, False, False)
+    """
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def is_array_or_numpy_scalar(x: Any) -> bool:
+    """An :func:`is_array_value`, or a NumPy scalar (``np.float32(1)``): a value with a dtype
+    of its own, unlike a Python number.
+
+    Example:
+      >>> import numpy as np
+      >>> from functree._tree import is_array_or_numpy_scalar
+      >>> is_array_or_numpy_scalar(np.float32(1)), is_array_or_numpy_scalar(1.0)
+      (True, False)
+    """
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def has_shape_and_dtype(x: Any) -> bool:
+    """Anything shaped: an array, a NumPy scalar, a ``jax.ShapeDtypeStruct`` (an abstract
+    leaf), or another array type; not a Python number or None. A leaf that takes a sharding.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree._tree import has_shape_and_dtype
+      >>> has_shape_and_dtype(jax.ShapeDtypeStruct((2,), jnp.float32)), has_shape_and_dtype(1.0)
+      (True, False)
+    """
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def bounded_put(cache: dict[Any, Any], key: Any, value: Any) -> None:

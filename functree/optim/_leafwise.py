@@ -47,7 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._tangent import _step as move_leaf
+from functree._tangent import move_leaf
 from functree.optim._context import advance, current
 from functree.optim._skip import select
 from functree.optim._state import OptimizerState

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from functree._tree import has_shape_and_dtype
+
 __all__ = ["auto_mesh", "place", "constrain", "is_array"]
 
 
@@ -32,9 +34,9 @@ def auto_mesh(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
-def is_array(x: Any) -> bool:
-    """Whether ``x`` is an array leaf that gets a sharding (not a Python scalar or None)."""
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+is_array = has_shape_and_dtype
+"""The leaves that get a sharding: :func:`functree._tree.has_shape_and_dtype` (this name
+stays for the modules that import it from here)."""
 
 
 def _place_leaf(x: Any, sharding: NamedSharding) -> Any:
@@ -50,7 +52,7 @@ def place(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """``tree`` with each array leaf put on ``NamedSharding(mesh, spec)`` (outside jit)."""
     mesh = auto_mesh(mesh)
     return jax.tree.map(
-        lambda x, s: _place_leaf(x, NamedSharding(mesh, s)) if is_array(x) else x,
+        lambda x, s: _place_leaf(x, NamedSharding(mesh, s)) if has_shape_and_dtype(x) else x,
         tree, specs,
     )
 
@@ -59,11 +61,11 @@ def constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """``tree`` with each array leaf constrained to ``NamedSharding(mesh, spec)`` (inside jit)."""
     mesh = auto_mesh(mesh)
     return jax.tree.map(
-        lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)) if is_array(x) else x,
+        lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)) if has_shape_and_dtype(x) else x,
         tree, specs,
     )
 
 
 def replicated(tree: Any) -> Any:
     """A spec tree giving every array leaf of ``tree`` ``P()``."""
-    return jax.tree.map(lambda x: PartitionSpec() if is_array(x) else x, tree)
+    return jax.tree.map(lambda x: PartitionSpec() if has_shape_and_dtype(x) else x, tree)

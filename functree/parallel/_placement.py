@@ -15,8 +15,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from functree.parallel._mesh import auto_mesh, constrain, is_array, place
-from functree.parallel._rules import _check_rules, check_data_axis, partition_specs
+from functree._tree import has_shape_and_dtype
+from functree.parallel._mesh import auto_mesh, constrain, place
+from functree.parallel._rules import check_data_axis, check_rules, partition_specs
 
 __all__ = ["Placement", "shard_batch", "batch_specs", "check_batch", "one_device_mesh"]
 
@@ -86,7 +87,7 @@ def one_device_mesh(data_axis: str = "data") -> Mesh:
 
 def _on_mesh(tree: Any, mesh: Mesh) -> bool:
     return all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-               for x in jax.tree.leaves(tree) if is_array(x))
+               for x in jax.tree.leaves(tree) if has_shape_and_dtype(x))
 
 
 class Placement:
@@ -105,7 +106,7 @@ class Placement:
     def __init__(self, mesh: Mesh | None, data_axis: str, sharding: Any, call: str):
         mesh = one_device_mesh(data_axis) if mesh is None else mesh
         check_data_axis(mesh, data_axis, call)
-        _check_rules(sharding)
+        check_rules(sharding)
         self.mesh, self.data_axis, self.sharding = auto_mesh(mesh), data_axis, sharding
         self.devices = self.mesh.shape[data_axis]
 

@@ -208,7 +208,7 @@ def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | Abst
         if not hit:
             continue
         taken[name] = pattern
-        if isinstance(spec, str):  # "fsdp" (checked by _check_rules)
+        if isinstance(spec, str):  # "fsdp" (checked by check_rules)
             return _fsdp_spec(tuple(leaf.shape), data_axis, mesh.shape[data_axis], layers)
         spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)
         spec = _member_spec(spec, len(leaf.shape), layers)
@@ -223,7 +223,8 @@ def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | Abst
     return PartitionSpec()
 
 
-def _check_rules(rules: Any) -> None:
+def check_rules(rules: Any) -> None:
+    """Refuse sharding rules that are neither None, ``"fsdp"`` nor a mapping of glob to spec."""
     if rules is None or (isinstance(rules, str) and rules == FSDP):
         return
     if not isinstance(rules, Mapping) or not all(isinstance(k, str) for k in rules):
@@ -263,7 +264,7 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
       {'bias': P('model',), 'weight': P('data',)}
     """
     check_data_axis(mesh, data_axis, "ft.partition_specs")
-    _check_rules(rules)
+    check_rules(rules)
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     names = [dotted_name(p) for p, _ in path_leaves]
     depths = stack_depths(tree)  # leading layer axes of each leaf (ft.nn.Stack)

@@ -8,7 +8,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from functree._module import Module
-from functree.parallel._mesh import auto_mesh, is_array, place
+from functree._tree import has_shape_and_dtype
+from functree.parallel._mesh import auto_mesh, place
 from functree.parallel._rules import partition_specs
 
 __all__ = ["shard"]
@@ -16,7 +17,7 @@ __all__ = ["shard"]
 
 def _builder(tree: Any) -> bool:
     """A zero-argument function that builds the tree (a Module is data, even if callable)."""
-    return callable(tree) and not isinstance(tree, Module) and not is_array(tree)
+    return callable(tree) and not isinstance(tree, Module) and not has_shape_and_dtype(tree)
 
 
 def shard(tree: Any, mesh: Mesh, rules: Any = None, *, data_axis: str = "data") -> Any:

@@ -16,7 +16,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from functree.parallel._mesh import auto_mesh, is_array
+from functree._tree import has_shape_and_dtype
+from functree.parallel._mesh import auto_mesh
 from functree.parallel._rules import partition_specs
 
 __all__ = ["sharded_target", "mesh_shape"]
@@ -57,6 +58,6 @@ def sharded_target(template: Any, mesh: Mesh, rules: Any = None, *, data_axis: s
     amesh = auto_mesh(mesh)
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(amesh, s))
-        if is_array(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+        if has_shape_and_dtype(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
         template, specs,
     )

@@ -19,12 +19,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from functree._tree import is_array_value
 from functree.train._data import Batches, batches
 from functree.train._job import JobState
 from functree.train._metrics import batch_size_of, describe_batch
 from functree.train._position import DATA_STATE_NOT_STORABLE, storable
 
-__all__ = ["Epochs", "as_data", "epoch_length", "is_array"]
+__all__ = ["Epochs", "as_data", "epoch_length"]
 
 BAD_LENGTH = """\
 {what} must be a positive int, got {value!r}.
@@ -84,17 +85,13 @@ def no_minibatch(data: Any) -> ValueError:
     return ValueError(EMPTY_DATA.format(why=f" ({type(data).__name__})"))
 
 
-def is_array(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, jax.Array))
-
-
 def _is_array_tree(data: Any) -> bool:
     """An array, or a tuple/dict of arrays: in-memory data to cut into minibatches."""
-    if is_array(data):
+    if is_array_value(data):
         return True
     if isinstance(data, (tuple, Mapping)):
         leaves = jax.tree.leaves(data)
-        return bool(leaves) and all(is_array(x) and np.ndim(x) >= 1 for x in leaves)
+        return bool(leaves) and all(is_array_value(x) and np.ndim(x) >= 1 for x in leaves)
     return False
 
 

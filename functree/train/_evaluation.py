@@ -13,10 +13,11 @@ import jax.numpy as jnp
 
 from functree import nn
 from functree._jit import eval_shape
+from functree._tree import is_array_value
 from functree._where import placement_of, put
 from functree.optim._average import averaged as averaged_parameters
 from functree.train._data import Batches, batches, to_arrays
-from functree.train._epochs import EMPTY_DATA, as_data, is_array
+from functree.train._epochs import EMPTY_DATA, as_data
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
 
@@ -175,7 +176,7 @@ class Evaluation:
         call :attr:`inference_model` directly.
         """
         fn = fn or default_predict
-        if is_array(data):
+        if is_array_value(data):
             data = batches(data, batch_size or 32, shuffle=False)
         data = as_data(data, batch_size, self.key, shuffle=False)
         return predict(self.eval_step, self._predict, self.inference_model, data, fn,

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._module import Module, _check_static
+from functree._module import Module, check_static
+from functree._tree import child_name
 from functree.nn._hf_config import HFConfig
 from functree.train._registry import (
     default_name,
@@ -151,10 +152,6 @@ def _decode_static(code: Any, path: str) -> Any:
     raise SpecError(MALFORMED.format(path=path, why=f"unknown static encoding {tag!r}"))
 
 
-def _join(prefix: str, part: Any) -> str:
-    return f"{prefix}.{part}" if prefix else str(part)
-
-
 def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
@@ -186,22 +183,22 @@ class _Encoder:
         if isinstance(x, Module):
             return self.module(x, path)
         if _is_namedtuple(x):
-            children = [self.node(v, _join(path, f)) for f, v in zip(type(x)._fields, x)]
+            children = [self.node(v, child_name(path, f)) for f, v in zip(type(x)._fields, x)]
             return {"kind": "namedtuple", "class": type_name(type(x)), "items": children}
         if isinstance(x, (list, tuple)):
             kind = "list" if isinstance(x, list) else "tuple"
-            return {"kind": kind, "items": [self.node(v, _join(path, i)) for i, v in enumerate(x)]}
+            return {"kind": kind, "items": [self.node(v, child_name(path, i)) for i, v in enumerate(x)]}
         if isinstance(x, dict):
             keys = list(x)
             return {"kind": "dict", "keys": [[type(k).__name__, str(k)] for k in keys],
-                    "items": [self.node(x[k], _join(path, k)) for k in keys]}
+                    "items": [self.node(x[k], child_name(path, k)) for k in keys]}
         children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:
             return self.leaf(x, path)
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             return self.dataclass(x, path)
         return {"kind": "opaque", "type": repr(type(x)),
-                "items": [self.node(v, _join(path, i)) for i, v in enumerate(children)]}
+                "items": [self.node(v, child_name(path, i)) for i, v in enumerate(children)]}
 
     def dataclass(self, x: Any, path: str) -> dict[str, Any]:
         """A dataclass registered with ``jax.tree_util.register_dataclass``."""
@@ -212,14 +209,14 @@ class _Encoder:
             "kind": "dataclass",
             "class": type_name(type(x)),
             "static": {n: _encode_static(getattr(x, n)) for n in names if n not in data},
-            "fields": {n: self.node(getattr(x, n), _join(path, n)) for n in data},
+            "fields": {n: self.node(getattr(x, n), child_name(path, n)) for n in data},
         }
 
     def module(self, x: Module, path: str) -> dict[str, Any]:
         cls = type(x)
         static = {n: _encode_static(x.__dict__[n]) for n in cls.__ft_static__}
         fields = {
-            n: self.node(x.__dict__[n], _join(path, n))
+            n: self.node(x.__dict__[n], child_name(path, n))
             for n in cls.__ft_fields__
             if n not in cls.__ft_static__
         }
@@ -310,13 +307,13 @@ def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> A
         raise SpecError(MALFORMED.format(path=path, why=why))
     values = {}
     for n, c in static.items():
-        values[n] = _decode_static(c, _join(path, n))
+        values[n] = _decode_static(c, child_name(path, n))
         try:
-            _check_static(cls, n, values[n])
+            check_static(cls, n, values[n])
         except TypeError as e:
-            raise SpecError(MALFORMED.format(path=_join(path, n), why=str(e))) from None
+            raise SpecError(MALFORMED.format(path=child_name(path, n), why=str(e))) from None
     for n, s in fields.items():
-        values[n] = _decode(s, arrays, _join(path, n))
+        values[n] = _decode(s, arrays, child_name(path, n))
     out = object.__new__(cls)
     out.__dict__.update({n: values[n] for n in cls.__ft_fields__})
     return out
@@ -328,9 +325,9 @@ def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str) -
     _check_names(cls, [*static, *fields], [f.name for f in dataclasses.fields(cls)], path)
     out = object.__new__(cls)
     for n, c in static.items():
-        object.__setattr__(out, n, _decode_static(c, _join(path, n)))
+        object.__setattr__(out, n, _decode_static(c, child_name(path, n)))
     for n, s in fields.items():
-        object.__setattr__(out, n, _decode(s, arrays, _join(path, n)))
+        object.__setattr__(out, n, _decode(s, arrays, child_name(path, n)))
     return out
 
 
@@ -343,7 +340,7 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
     if kind == "leaf":
         return _decode_leaf(spec, arrays, path)
     if kind in ("list", "tuple"):
-        items = [_decode(s, arrays, _join(path, i)) for i, s in enumerate(_items(spec, "items", list))]
+        items = [_decode(s, arrays, child_name(path, i)) for i, s in enumerate(_items(spec, "items", list))]
         return items if kind == "list" else tuple(items)
     if kind == "dict":
         keys, specs = _items(spec, "keys", list), _items(spec, "items", list)
@@ -353,7 +350,7 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
         for (ktype, k), s in zip(keys, specs):
             if ktype not in _DICT_KEYS or not isinstance(k, str):
                 raise SpecError(MALFORMED.format(path=path, why=f"dict key {[ktype, k]!r}"))
-            out[_DICT_KEYS[ktype](k)] = _decode(s, arrays, _join(path, k))
+            out[_DICT_KEYS[ktype](k)] = _decode(s, arrays, child_name(path, k))
         return out
     if kind == "namedtuple":
         cls = _class(spec, path, "namedtuple")
@@ -361,7 +358,7 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
         if len(specs) != len(cls._fields):
             why = f"{cls.__name__} has {len(cls._fields)} fields, the checkpoint gives {len(specs)}"
             raise SpecError(MALFORMED.format(path=path, why=why))
-        return tuple.__new__(cls, [_decode(s, arrays, _join(path, f)) for f, s in zip(cls._fields, specs)])
+        return tuple.__new__(cls, [_decode(s, arrays, child_name(path, f)) for f, s in zip(cls._fields, specs)])
     if kind == "module":
         return _decode_module(spec, arrays, path)
     if kind == "dataclass":
@@ -409,7 +406,7 @@ def leaf_specs(spec: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
             raise SpecError(MALFORMED.format(path=at, why="items or fields of the wrong type"))
         names = [k[-1] if isinstance(k, list) and k else i for i, k in enumerate(keys)] \
             if isinstance(keys, list) and len(keys) == len(items) else range(len(items))
-        stack.extend((_join(at, n), c) for n, c in [*zip(names, items), *fields.items()])
+        stack.extend((child_name(at, n), c) for n, c in [*zip(names, items), *fields.items()])
     return out
 
 

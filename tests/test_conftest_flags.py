@@ -82,3 +82,8 @@ def test_a_jaxlib_without_metadata_is_read_from_its_version_module(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", no_metadata)
     assert conftest._installed_jaxlib() == conftest.release(__version__) != ()
+
+
+def test_the_suite_s_processes_take_the_gpu_memory_they_use():
+    """pytest's workers share one GPU: none reserves most of it (conftest's default)."""
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" in os.environ  # "false" unless the user set it

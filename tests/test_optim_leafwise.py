@@ -151,8 +151,9 @@ def test_the_compiled_step_runs_a_few_kernels_per_parameter_branch():
 def test_every_backend_but_the_cpu_keeps_the_one_cond(faked_accelerator):
     opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
     assert _conditionals(opt) == _expected_conditionals() == 1
-    text = _compiled_step_text()  # compiled for this CPU: the one large conditional
-    assert len(re.findall(r" conditional\(", text)) == 1
+    text = _compiled_step_text()  # compiled for the real device
+    if jax.devices()[0].platform == "cpu":  # XLA:CPU keeps the one large conditional
+        assert len(re.findall(r" conditional\(", text)) == 1
     _check_the_compiled_step(text)
 
 

@@ -100,6 +100,14 @@ def test_every_covered_model_type_has_its_defaults_and_its_configs_here():
     assert set(_hf_files.DEFAULTS) == set(_hf.FAMILIES) == set(CONFIGS)
 
 
+def test_generation_options_in_a_config_json_are_dropped_as_transformers_drops_them():
+    given = {"model_type": "llama", "max_length": 7, "temperature": 0.5, "use_cache": False, "eos_token_id": 5}
+    ours = _hf_files.Config.of(dict(given)).to_dict()
+    theirs = transformers.AutoConfig.for_model(**given).to_dict()
+    for key in given:
+        assert (key in ours) == (key in theirs) and ours.get(key) == theirs.get(key), key
+
+
 def test_the_config_is_read_only_and_gives_its_values_back():
     config = _hf_files.Config.of({"model_type": "gpt2", "hidden_size": 64})
     assert config.n_embd == config.hidden_size == 64 and config.to_dict()["n_embd"] == 64

@@ -9,7 +9,8 @@ each class's field defaults, then its ``__post_init__``: a ``head_dim`` or
 ``layer_types``, OPT's ``word_embed_proj_dim``, Gemma's legacy ``"gelu"``, GPT-2's
 ``hidden_size``-style aliases, and the rotary parameters gathered into ``rope_parameters``
 from older files' ``rope_scaling``, ``rope_theta``, ``partial_rotary_factor``, GPT-NeoX's
-``rotary_emb_base`` / ``rotary_pct`` and Phi-3's ``original_max_position_embeddings``).
+``rotary_emb_base`` / ``rotary_pct`` and Phi-3's ``original_max_position_embeddings``); the
+generation options older files kept in config.json are dropped, as HF drops them.
 ``tests/test_hf_files.py`` checks every attribute the builders read against
 ``transformers.AutoConfig`` for each covered model type.
 """
@@ -202,6 +203,17 @@ ALIASES: dict[str, dict[str, str]] = {
     "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
              "num_hidden_layers": "n_layer"},
 }
+# The generation options HF's config classes drop from config.json (older files kept them
+# there; generation_config.json holds them now): transformers v5's GenerationConfig defaults.
+GENERATION_OPTIONS = frozenset((
+    "assistant_confidence_threshold", "assistant_lookbehind", "bad_words_ids", "begin_suppress_tokens",
+    "diversity_penalty", "do_sample", "early_stopping", "encoder_no_repeat_ngram_size",
+    "encoder_repetition_penalty", "epsilon_cutoff", "eta_cutoff", "exponential_decay_length_penalty",
+    "forced_bos_token_id", "forced_eos_token_id", "length_penalty", "max_length", "min_length",
+    "no_repeat_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule", "num_beam_groups", "num_beams",
+    "num_return_sequences", "output_scores", "remove_invalid_values", "repetition_penalty",
+    "return_dict_in_generate", "suppress_tokens", "target_lookbehind", "temperature", "top_k", "top_p", "typical_p",
+    "use_cache"))
 _DEFAULT_THETA = 10_000.0
 _SCALED_ROPES = ("llama3", "yarn", "longrope")  # the rope types that keep the pretraining length
 
@@ -228,8 +240,9 @@ class Config:
         model_type = given["model_type"]
         if model_type not in DEFAULTS:  # not covered: from_hf says so, naming the model type
             return cls(copy.deepcopy(dict(given)))
-        aliases = ALIASES.get(model_type, {})
-        extra = {aliases.get(k, k): copy.deepcopy(v) for k, v in given.items()}
+        aliases, fields = ALIASES.get(model_type, {}), DEFAULTS[model_type]
+        extra = {aliases.get(k, k): copy.deepcopy(v) for k, v in given.items()
+                 if k in fields or k not in GENERATION_OPTIONS}
         values = {**copy.deepcopy(DEFAULTS[model_type]), **extra}
         _check_types(model_type, values)
         _post_init(model_type, values, extra)

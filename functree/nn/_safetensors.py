@@ -73,7 +73,10 @@ was altered: nothing was read from {shard!r}.
 
 BAD_INDEX = """\
 {caller}: {index} is not a sharded checkpoint's index ({why}): a JSON object with \
-"weight_map" {{tensor name: shard file}}, as save_pretrained writes model.safetensors.index.json."""
+"weight_map" {{tensor name: shard file}}, as save_pretrained writes model.safetensors.index.json. \
+The index is damaged or was altered; no shard was read.
+
+    right:  the index of the same save_pretrained call as its shards (download or save it again)"""
 
 NO_CHECKPOINT = """\
 {caller}: the directory {path!r} holds no model.safetensors or model.safetensors.index.json \

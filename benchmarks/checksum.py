@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from functree.train._arrays import checksum
+from functree.train.checkpoint._arrays import checksum
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:

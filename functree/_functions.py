@@ -9,7 +9,7 @@ changes a model's tree definition. A Module pickles them as :class:`ByName` (a n
 that unpickles through :func:`function`, a lookup in this table and nothing else) and
 deep-copies them by identity.
 
-The checkpoint registry (``functree.train._registry``) starts from this table.
+The checkpoint registry (``functree.train.checkpoint._registry``) starts from this table.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.train._frozen import _fingerprints, frozen_keys
+from functree.train.checkpoint._frozen import _fingerprints, frozen_keys
 
 X = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
 

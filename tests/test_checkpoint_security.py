@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 import functree as ft
 from functree.train import CheckpointError, CheckpointManager
-from functree.train._checkpoint import _digest
-from functree.train._directory import LOCK_NAME
-from functree.train._treespec import SpecError
+from functree.train.checkpoint._checkpoint import _digest
+from functree.train.checkpoint._directory import LOCK_NAME
+from functree.train.checkpoint._treespec import SpecError
 
 W = np.random.default_rng(0).normal(size=(32, 32)).astype(np.float32)  # incompressible
 
@@ -229,11 +229,11 @@ def test_old_format_with_private_names_still_loads(tmp_path):
         if isinstance(node, dict):
             cls = node.get("class")
             if cls is not None:
-                found = ft.train._registry.lookup_type(cls)[0]
+                found = ft.train.checkpoint._registry.lookup_type(cls)[0]
                 node["class"] = f"{found.__module__}:{found.__qualname__}"
             for code in node.get("static", {}).values():
                 if "function" in code:
-                    fn = ft.train._registry.lookup_function(code.pop("function"))
+                    fn = ft.train.checkpoint._registry.lookup_function(code.pop("function"))
                     code["import"] = f"{fn.__module__}:{fn.__qualname__}"
             for value in node.values():
                 to_format_1(value)

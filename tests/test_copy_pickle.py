@@ -108,7 +108,7 @@ def test_a_pickle_loads_only_registered_names():
 
 
 def test_registry_and_pickles_share_one_table():
-    from functree.train import _registry
+    from functree.train.checkpoint import _registry
 
     for name, fn in _functions.builtin_functions().items():
         assert _registry.lookup_function(name) is fn

@@ -578,8 +578,8 @@ def test_a_tampered_config_in_a_checkpoint_is_refused(gpt2, tmp_path):
     a value that is not JSON data) is an error naming the static field, never run."""
     import json
 
-    from functree.train._checkpoint import _digest
-    from functree.train._treespec import SpecError
+    from functree.train.checkpoint._checkpoint import _digest
+    from functree.train.checkpoint._treespec import SpecError
 
     ft.train.save(tmp_path / "checkpoint", ft.nn.from_hf(gpt2))
     path = tmp_path / "checkpoint" / "meta" / "metadata"

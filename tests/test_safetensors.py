@@ -215,3 +215,31 @@ def test_a_loaded_model_holds_copies_never_the_files_memory_map(tmp_path, dtype)
     for old, new in zip(before, after):
         np.testing.assert_array_equal(new, old)
     assert not any((x == 7.0).all() for x in after)
+
+
+class Counted(ft.Module):
+    """A layer with an integer array leaf (matched by its name, as it is)."""
+
+    dense: ft.nn.Dense
+    counts: jax.Array
+
+    def __init__(self):
+        self.dense = ft.nn.Dense(2, 2, key=jax.random.key(0))
+        self.counts = jnp.zeros(16, jnp.int32)
+
+
+def test_an_integer_leaf_is_a_device_copy_too(tmp_path):
+    values = np.arange(16, dtype=np.int32)
+    body = values.tobytes() + VALUES[:4].tobytes() + VALUES[4:].tobytes()
+    header = {"counts": {"dtype": "I32", "shape": [16], "data_offsets": [0, 64]},
+              "dense.weight": {**W, "data_offsets": [64, 80]}, "dense.bias": {**B, "data_offsets": [80, 88]}}
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 64)
+    path = written(tmp_path / "model.safetensors", text=text, body=body)
+    loaded = [ft.nn.load_torch_state_dict(Counted(), path), ft.nn.load_torch_state_dict(jax.eval_shape(Counted), path)]
+    with open(path, "r+b") as f:
+        f.seek(8 + len(text))
+        f.write(np.full(16, 7, np.int32).tobytes())
+    for model in loaded:
+        assert isinstance(model.counts, jax.Array) and model.counts.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(model.counts), values)

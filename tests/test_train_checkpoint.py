@@ -16,7 +16,7 @@ import pytest
 
 import functree as ft
 from functree.train import CheckpointError, CheckpointManager
-from functree.train._treespec import SpecError
+from functree.train.checkpoint._treespec import SpecError
 
 
 class Block(ft.Module):
@@ -429,8 +429,8 @@ def test_a_pre_redesign_optimizer_state_says_how_to_convert_and_converts(tmp_pat
     """Checkpoints written before the one-context optimizer state (format 1) still load."""
     import json
 
-    from functree.train._checkpoint import CheckpointManager
-    from functree.train._registry import lookup_type
+    from functree.train.checkpoint._checkpoint import CheckpointManager
+    from functree.train.checkpoint._registry import lookup_type
 
     model = ft.nn.Dense(2, 3, key=jax.random.key(0))
     opt = ft.optim.Optimizer(ft.optim.adam(1e-3))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from functree.train import CheckpointError, CheckpointManager
-from functree.train._directory import LOCK_NAME
+from functree.train.checkpoint._directory import LOCK_NAME
 
 WRITER = """
 import socket, sys, time, pathlib

@@ -1,4 +1,4 @@
-"""The data pipeline travels with the job (issue 44 item 6): ``functree/train/_position.py``.
+"""The data pipeline travels with the job (issue 44 item 6): ``functree/train/checkpoint/_position.py``.
 
 grain's ``DataLoader`` iterator returns its position from ``get_state()`` as bytes (JSON
 text); a job over it saved mid-epoch failed at the first save ("is not JSON"). Positions
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.train._position import decode, encode, storable
+from functree.train.checkpoint._position import decode, encode, storable
 
 grain = pytest.importorskip("grain.python")  # the DataLoader API
 grain_datasets = pytest.importorskip("grain")  # the dataset API (MapDataset, IterDataset)

@@ -18,8 +18,8 @@ from _devices import free_port, results, start
 from _digits import digits, loss_fn, mlp
 
 import functree as ft
-from functree.train._checkpoint import _digest
-from functree.train._directory import LOCK_NAME
+from functree.train.checkpoint._checkpoint import _digest
+from functree.train.checkpoint._directory import LOCK_NAME
 
 WORKER = """
 import sys, os

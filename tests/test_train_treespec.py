@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functree as ft
-from functree.train._treespec import SpecError, decode, encode
+from functree.train.checkpoint._treespec import SpecError, decode, encode
 
 
 class Config(ft.Module):
@@ -66,7 +66,7 @@ def test_registered_dataclass_roundtrip():
 
 
 def test_every_name_in_the_functree_table_resolves():
-    from functree.train import _registry
+    from functree.train.checkpoint import _registry
 
     for package, names in _registry.FUNCTREE_TYPES.items():
         for name in names:

@@ -739,13 +739,13 @@ def _eps(a: np.ndarray) -> float:
 
 
 def _as_leaf(old: Any, value: np.ndarray) -> Any:
-    """A converted value as a JAX array of the model leaf's floating dtype (else left to check)."""
-    if isinstance(old, jax.ShapeDtypeStruct) and value.dtype == old.dtype:  # an abstract template's leaf
-        return jax.device_put(copied(value, value.dtype), may_alias=True)  # a copy: a CPU device aliases its input
-    if not isinstance(old, (jax.Array, jax.ShapeDtypeStruct)) or value.dtype.kind != "f" \
-            or not jnp.issubdtype(old.dtype, jnp.floating):
-        return value
-    return jax.device_put(copied(value, old.dtype), may_alias=True)  # a fresh copy: the device may keep it
+    """A converted value as a JAX array of the model leaf's dtype, where it is the value's or
+    both are floating (else left to check): a fresh copy, never a view of a file's memory map
+    (a CPU device aliases what it is given)."""
+    if isinstance(old, (jax.Array, jax.ShapeDtypeStruct)) and (value.dtype == old.dtype or (
+            value.dtype.kind == "f" and jnp.issubdtype(old.dtype, jnp.floating))):
+        return jax.device_put(copied(value, old.dtype), may_alias=True)
+    return value
 
 
 def torch_state_dict(

@@ -9,23 +9,23 @@ from functree.train._callbacks import (
     TrainerView,
     TrainingContext,
 )
-from functree.train._checkpoint import (
+from functree.train._data import Batches, DataContext, batches, to_arrays
+from functree.train._history import History
+from functree.train._job import JobState
+from functree.train._loggers import CSVLogger, TensorBoardLogger
+from functree.train._metrics import StepOutput, accuracy, mean
+from functree.train._scan import stack_batches
+from functree.train._step import EvalStep, NonFiniteError, TrainStep, eval_step, train_step
+from functree.train._trainer import Trainer
+from functree.train.checkpoint._checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointManager,
     load,
     save,
 )
-from functree.train._data import Batches, DataContext, batches, to_arrays
-from functree.train._history import History
-from functree.train._job import JobState
-from functree.train._loggers import CSVLogger, TensorBoardLogger
-from functree.train._metrics import StepOutput, accuracy, mean
-from functree.train._migrate import migrate
-from functree.train._registry import register
-from functree.train._scan import stack_batches
-from functree.train._step import EvalStep, NonFiniteError, TrainStep, eval_step, train_step
-from functree.train._trainer import Trainer
+from functree.train.checkpoint._migrate import migrate
+from functree.train.checkpoint._registry import register
 
 __all__ = [
     "Trainer",

@@ -26,8 +26,8 @@ import jax
 
 from functree.optim import hyperparameters, set_hyperparameters
 from functree.optim._hyper import group_learning_rate, learning_rate_names
-from functree.train._checkpoint import CheckpointManager
 from functree.train._job import JobState, own_copy
+from functree.train.checkpoint._checkpoint import CheckpointManager
 
 __all__ = [
     "TrainingContext",

@@ -23,7 +23,7 @@ from functree._tree import is_array_value
 from functree.train._data import Batches, batches
 from functree.train._job import JobState
 from functree.train._metrics import batch_size_of, describe_batch
-from functree.train._position import DATA_STATE_NOT_STORABLE, storable
+from functree.train.checkpoint._position import DATA_STATE_NOT_STORABLE, storable
 
 __all__ = ["Epochs", "as_data", "epoch_length"]
 

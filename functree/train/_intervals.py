@@ -26,7 +26,7 @@ import numpy as np
 from functree._tree import bounded_put, cached
 from functree.optim import context, hyperparameters
 from functree.optim._hyper import learning_rate_names
-from functree.train._arrays import committed
+from functree.train.checkpoint._arrays import committed
 
 __all__ = ["Interval", "MetricLog", "Reading", "next_buffer", "snapshot", "STOPPED_EARLIER", "to_host"]
 

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._alias import copy_aliases
-from functree.train._checkpoint import Checkpoint, CheckpointManager
-from functree.train._frozen import frozen_keys
 from functree.train._history import History
 from functree.train._means import Means
-from functree.train._position import decode, encode
+from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
+from functree.train.checkpoint._frozen import frozen_keys
+from functree.train.checkpoint._position import decode, encode
 
 __all__ = ["JobState", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
 
@@ -142,7 +142,7 @@ def save_job(manager: CheckpointManager, job: JobState, callbacks: Sequence[Any]
     config), with the states of ``callbacks`` (default: ``job.callbacks``). ``about``:
     ``on_nan`` and descriptions of the optimizer and the step. ``trained``: the optimizer's
     ``wrt=`` patterns; the parameters they leave frozen are stored as fingerprints only
-    (``functree.train._frozen``)."""
+    (``functree.train.checkpoint._frozen``)."""
     about = dict(about or {})
     saved = callback_states(callbacks) if callbacks is not None else job.callbacks or ()
     history = job.history

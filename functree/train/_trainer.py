@@ -28,7 +28,6 @@ from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._skip import DEFAULT_ON_NAN
 from functree.train._callbacks import Callback, ModelCheckpoint, TrainingContext, as_callback
-from functree.train._checkpoint import Checkpoint, CheckpointManager
 from functree.train._data import Batches, to_arrays
 from functree.train._epochs import Epochs, as_data, batch_signature, epoch_length, no_minibatch
 from functree.train._evaluation import Evaluation, call_predict
@@ -42,6 +41,7 @@ from functree.train._reader import Reader, reads_model
 from functree.train._scan import check_steps_per_call, stack_batches
 from functree.train._setup import check_key, job_field, make_step
 from functree.train._step import NonFiniteError, TrainStep, eval_step
+from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
 
 __all__ = ["Trainer", "NonFiniteError"]
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from functree.train._treespec import CheckpointError
+from functree.train.checkpoint._treespec import CheckpointError
 
 __all__ = ["LOCK_NAME", "WriterLock", "check_directory", "remove_leftovers", "to_delete", "best"]
 

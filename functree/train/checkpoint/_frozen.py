@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._parameters import selected
-from functree.train._treespec import CheckpointError, encode
+from functree.train.checkpoint._treespec import CheckpointError, encode
 
 __all__ = ["frozen_keys", "describe_frozen", "restore_frozen"]
 

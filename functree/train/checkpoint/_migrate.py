@@ -15,11 +15,11 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from functree.train._arrays import placement, saved_arrays
-from functree.train._checkpoint import _args
-from functree.train._directory import STEP_DIR
-from functree.train._registry import public_name
-from functree.train._treespec import CheckpointError
+from functree.train.checkpoint._arrays import placement, saved_arrays
+from functree.train.checkpoint._checkpoint import _args
+from functree.train.checkpoint._directory import STEP_DIR
+from functree.train.checkpoint._registry import public_name
+from functree.train.checkpoint._treespec import CheckpointError
 
 __all__ = ["migrate"]
 
@@ -58,7 +58,7 @@ def migrate(source: str | os.PathLike[str], destination: str | os.PathLike[str])
       >>> ft.train.save(d + "/new", {"w": jnp.ones(2)})
       >>> ft.train.migrate(d + "/new", d + "/copy")
       Traceback (most recent call last):
-      functree.train._treespec.CheckpointError: ...new is not a format-1 functree checkpoint (its format is 'functree-checkpoint-2'); only those need migrating...
+      functree.train.checkpoint._treespec.CheckpointError: ...new is not a format-1 functree checkpoint (its format is 'functree-checkpoint-2'); only those need migrating...
     """
     source, destination = Path(source).absolute(), Path(destination).absolute()
     steps = [p for p in source.iterdir() if STEP_DIR.match(p.name)] if source.is_dir() else []

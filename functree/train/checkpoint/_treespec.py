@@ -10,7 +10,7 @@ is split into
   (``"functree.nn.Dense"``).
 
 The spec is data: decoding looks every name up in the registry of
-:mod:`functree.train._registry` (functree's types, optax states, registered classes and
+:mod:`functree.train.checkpoint._registry` (functree's types, optax states, registered classes and
 functions, Module subclasses defined in this process) and never imports, calls or
 constructs anything else. Objects are built with ``object.__new__`` and their fields set;
 restored Modules go through the same static-field checks as constructed ones. Any
@@ -33,7 +33,7 @@ import numpy as np
 from functree._module import Module, check_static
 from functree._tree import child_name
 from functree.nn._hf_config import HFConfig
-from functree.train._registry import (
+from functree.train.checkpoint._registry import (
     default_name,
     function_name,
     lookup_function,
@@ -228,7 +228,7 @@ def encode(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from functree.train._treespec import encode, decode
+      >>> from functree.train.checkpoint._treespec import encode, decode
       >>> arrays, spec = encode({"w": jnp.ones(2), "n": 3})
       >>> sorted(arrays)
       ['n', 'w']

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from functree.train._treespec import CheckpointError
+from functree.train.checkpoint._treespec import CheckpointError
 
 __all__ = ["gather", "agreed"]
 

@@ -28,11 +28,11 @@ import orbax.checkpoint as ocp
 
 from functree._state_dict import from_flat_dict
 from functree.parallel import mesh_shape
-from functree.train import _directory as policy
-from functree.train._arrays import describe, placement, saved_arrays, verify, written_on
-from functree.train._frozen import describe_frozen, restore_frozen
-from functree.train._processes import agreed, gather
-from functree.train._treespec import (
+from functree.train.checkpoint import _directory as policy
+from functree.train.checkpoint._arrays import describe, placement, saved_arrays, verify, written_on
+from functree.train.checkpoint._frozen import describe_frozen, restore_frozen
+from functree.train.checkpoint._processes import agreed, gather
+from functree.train.checkpoint._treespec import (
     CheckpointError,
     SpecError,
     _decode_leaf,

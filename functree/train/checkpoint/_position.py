@@ -10,7 +10,7 @@ it). A dict of the iterator's own that has the tag key is escaped
 exactly the value ``get_state()`` returned (tuples as lists, as JSON has no tuple).
 
 Example:
-  >>> from functree.train._position import decode, encode
+  >>> from functree.train.checkpoint._position import decode, encode
   >>> saved = encode({"loader": b'{"index": 3}', "epoch": 2})
   >>> saved
   {'loader': {'__functree__': 'bytes', 'base64': 'eyJpbmRleCI6IDN9'}, 'epoch': 2}

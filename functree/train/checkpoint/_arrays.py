@@ -20,8 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from functree.parallel import sharded_target
-from functree.train._processes import gather
-from functree.train._treespec import CheckpointError, encode
+from functree.train.checkpoint._processes import gather
+from functree.train.checkpoint._treespec import CheckpointError, encode
 
 __all__ = ["checksum", "describe", "verify", "default_device", "saved_arrays", "written_on", "placement",
            "committed"]

@@ -250,6 +250,23 @@ def test_stop_is_the_default_and_halts_then_raises_with_the_failing_inputs():
     assert not np.array_equal(model4.weight, model3.weight)
 
 
+def test_a_stop_after_many_checked_calls_names_its_own_step_and_batch():
+    # Every 16th call prunes the finished calls' inputs (held for the error): a step that
+    # stops after several prunings still gets its own step number and minibatch.
+    model, (x, y) = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.01))
+    step = ft.train.train_step(mse, opt)
+    state = opt.init(model)
+    bad = (x.at[0, 0].set(jnp.nan), y)
+    batches = [(x, y) for _ in range(53)] + [bad, (x, y)]
+    for batch in batches:
+        model, state, _ = step(model, state, batch)
+    assert len(step._inflight) < len(batches)  # pruned along the way
+    with pytest.raises(ft.train.NonFiniteError, match=r"step 54: ") as info:
+        step.check()
+    assert info.value.batch is bad
+
+
 def test_skip_and_ignore_do_not_halt_and_none_means_ignore():
     model, (x, y) = problem()
     opt = ft.optim.Optimizer(ft.optim.sgd(0.1))

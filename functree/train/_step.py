@@ -16,7 +16,9 @@ a method a subclass may override: ``compute_loss``, ``compute_metrics``, ``apply
 
 from __future__ import annotations
 
+import bisect
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -158,6 +160,9 @@ The loss function must return a scalar loss (or (loss, aux)); got a loss of shap
 
     wrong:  return (model(x) - y) ** 2
     right:  return jnp.mean((model(x) - y) ** 2)"""
+
+
+_FIRST = operator.itemgetter(0)  # an in-flight call's first step (bisect's key: one C call)
 
 
 def as_optimizer(optimizer: Any) -> Optimizer:
@@ -705,8 +710,8 @@ class TrainStep:
             return
         count, stopped, index = (int(v) for v in np.asarray(halt))
         k = self.steps_per_call
-        if stopped < 0:
-            self._inflight = [x for x in self._inflight if x[0] + k > count]
+        if stopped < 0:  # the first `count` steps are done: drop their inputs (held in call order)
+            del self._inflight[:bisect.bisect_right(self._inflight, count - k, key=_FIRST)]
             return
         first, batch, key = next(x for x in self._inflight if x[0] <= stopped < x[0] + k)
         self._halt = None

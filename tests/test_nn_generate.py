@@ -10,7 +10,9 @@ above float32 rounding (>= 1e-3 against logits of magnitude ~4: the two librarie
 differ by ~1e-6), so equal tokens are the right outcome and not luck.
 """
 
+import inspect
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.nn import _decode, _generate, _logits
+from functree.nn import _controls, _decode, _generate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -225,7 +227,7 @@ def test_filters_equal_hf_logits_warpers():
             before = np.isfinite(expected.numpy()).sum()
             expected = MinPLogitsWarper(min_p)(no_ids, expected)
             assert np.isfinite(expected.numpy()).sum() < before  # min_p removed some tokens
-        ours = np.asarray(_logits._filtered(jnp.asarray(logits), temperature, top_k, top_p, min_p))
+        ours = np.asarray(_controls.filtered(jnp.asarray(logits), temperature, top_k, top_p, min_p))
         expected = expected.numpy()
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
         kept = np.isfinite(expected)
@@ -808,3 +810,82 @@ def test_sizes_whose_bucket_the_model_refuses_run_exact(tiny):
     np.testing.assert_array_equal(ft.nn.generate(picky, prompt, 12, attention_mask=mask), expected)
     with pytest.raises(ValueError, match=r"Picky: a cache of 17 slots is longer than 16"):
         ft.nn.generate(picky, prompt, 14, attention_mask=mask)
+
+
+# ---- the controls are records the loops fold over ---------------------------------------------
+
+def recorded_loops(monkeypatch):
+    """Every call of the compiled loops made by generate: (loop, args, kwargs)."""
+    calls = []
+    for name in ("_generate", "_beam_search"):
+        loop = getattr(_generate, name)
+
+        def recorded(*args, _loop=loop, **kwargs):
+            calls.append((_loop, args, kwargs))
+            return _loop(*args, **kwargs)
+
+        monkeypatch.setattr(_generate, name, recorded)
+    return calls
+
+
+def test_plain_greedy_has_no_control_and_a_controls_values_are_traced(tiny, monkeypatch):
+    model, prompt, mask = tiny
+    calls = recorded_loops(monkeypatch)
+    ft.nn.generate(model, prompt, 4, attention_mask=mask)
+    before = _decode._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
+    for penalty in (1.3, 1.7):  # one program: the penalty is an array field of its record
+        ft.nn.generate(model, prompt, 4, attention_mask=mask, repetition_penalty=penalty, no_repeat_ngram_size=2)
+    assert _decode._generate._cache_size() == before + 1  # pyright: ignore[reportAttributeAccessIssue]
+    (loop, plain, options), (_, controlled, _) = calls[0], calls[1]
+    assert plain[-1] == ()  # plain greedy: no control at all
+    assert [type(c) for c in controlled[-1]] == [_controls.RepetitionPenalty, _controls.NoRepeatNGram]
+    text = loop.lower(*plain, **options).as_text()
+    controlled_text = loop.lower(*controlled, **calls[1][2]).as_text()
+    per_token = f"tensor<2x{model.head.weight.shape[-1]}xi1>"  # bool [rows, vocab]: a control's state or mask
+    assert per_token not in text and per_token in controlled_text
+    assert "stablehlo.sort" not in text and "stablehlo.log" not in text  # no warper's, no score's op
+    assert text.count("stablehlo.scatter") < controlled_text.count("stablehlo.scatter")  # (the cache's only)
+
+
+@_controls.record("bonus")
+@dataclass(frozen=True)
+class BoostOnce(_controls.Control):
+    """A control written outside the library: ``bonus`` is added to ``token``'s score until the
+    row has chosen it (state: bool [rows], whether it has)."""
+
+    token: int
+    bonus: Any
+
+    @classmethod
+    def build(cls, o):
+        return cls(3, np.float32(100.0))
+
+    def init(self, loop):
+        return jnp.zeros((loop.ids.shape[0],), bool)
+
+    def apply(self, scores, state, now):
+        return scores.at[:, self.token].add(jnp.where(state, jnp.float32(0.0), self.bonus))
+
+    def update(self, state, token, now):
+        return state | (token == self.token)
+
+
+def test_a_new_control_is_one_record_in_the_controls_tuple(tiny, monkeypatch):
+    model, prompt, mask = tiny
+    longer = jnp.concatenate([prompt, jnp.full((2, 1), 3, jnp.int32)], axis=1)
+    after_3 = np.asarray(ft.nn.generate(model, longer, 5, attention_mask=jnp.pad(mask, ((0, 0), (0, 1)),
+                                                                                  constant_values=1)))
+    monkeypatch.setattr(_controls, "CONTROLS", (*_controls.CONTROLS, BoostOnce))
+    out = np.asarray(ft.nn.generate(model, prompt, 6, attention_mask=mask))
+    np.testing.assert_array_equal(out[:, 3], [3, 3])  # boosted first
+    np.testing.assert_array_equal(out, after_3)  # then never again: greedy after the prompt and a 3
+    beams = np.asarray(ft.nn.generate(model, prompt, 6, attention_mask=mask, num_beams=2, num_return_sequences=2))
+    assert all(3 in row for row in beams[:, 3:])  # each kept beam's state followed it (reordered)
+
+
+def test_every_control_reads_generate_keywords_named_as_the_checkpoints():
+    from functree.nn._generate_defaults import SUPPORTED
+
+    keywords = inspect.signature(ft.nn.generate).parameters
+    for control in _controls.CONTROLS:
+        assert control.keywords and all(k in keywords and k in SUPPORTED for k in control.keywords)

@@ -20,18 +20,8 @@ import numpy as np
 from jax.experimental import io_callback
 
 from functree._repr import short_array
-from functree.nn._logits import (
-    BAD_TOP_K,
-    _banned,
-    _choose,
-    _filtered,
-    _made,
-    _processed,
-    _seen,
-    _stopped,
-    _suppressed,
-    _window,
-)
+from functree.nn._controls import Control, Loop, Now, applied, updated
+from functree.nn._logits import _stopped, _window
 from functree.nn._memory import checked_cache
 
 BAD_MODEL_OUTPUT = """\
@@ -77,17 +67,14 @@ def _call(model: Any, ids: jax.Array, am: jax.Array, pos: jax.Array, cache: Any)
     return out
 
 
-@partial(jax.jit, static_argnames=("new", "greedy", "top_k", "use_top_p", "use_min_p", "ends", "penalize", "hold",
-                                   "scores", "ngram", "suppress", "bad", "stream"))
+@partial(jax.jit, static_argnames=("new", "greedy", "ends", "scores", "stream"))
 def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Array, eos_ids: jax.Array,
-              fill: jax.Array, penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, key: Any,
-              temperature: jax.Array, top_p: jax.Array, min_p: jax.Array, *, new: int, greedy: bool,
-              top_k: int | None, use_top_p: bool, use_min_p: bool, ends: bool, penalize: bool, hold: bool,
-              scores: bool, ngram: int, suppress: tuple[int, ...], bad: tuple[tuple[int, ...], ...] = (),
-              stream: bool = False) -> tuple[jax.Array, jax.Array | None]:
+              fill: jax.Array, stop_ids: jax.Array, key: Any, controls: tuple[Control, ...] = (), *, new: int,
+              greedy: bool, ends: bool, scores: bool, stream: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """Greedy or sampled tokens ``[batch, W + new]`` (and scores ``[batch, new]``): the prompt
     ``ids [batch, W]`` holds ``sizes[0]`` real slots (a bucket: slots from ``sizes[0]`` on are
-    padding, overwritten by the new tokens), and the loop makes ``sizes[1] <= new`` tokens."""
+    padding, overwritten by the new tokens), and the loop makes ``sizes[1] <= new`` tokens;
+    each step's logits pass the ``controls`` (``_controls.py``) in turn."""
     batch, width = ids.shape
     prompt, limit = sizes[0], sizes[1]
     cache = checked_cache(model, batch, width + new)  # (its bytes checked: nothing is allocated yet)
@@ -95,25 +82,16 @@ def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Arr
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     logits, cache = _call(model, ids, am, positions, cache)
     last = jax.lax.dynamic_index_in_dim(logits, prompt - 1, axis=1, keepdims=False)  # the last real slot's
-    vocab = logits.shape[-1]
-    if top_k is not None and top_k > vocab:
-        raise ValueError(BAD_TOP_K.format(vocab=vocab, given=top_k))
+    loop = Loop(ids, prompt_mask, prompt, new, logits.shape[-1])
     stopping = stop_ids.shape[0] > 0
-    is_eos = jnp.isin(jnp.arange(vocab), eos_ids) if hold else None
-    suppressed = _suppressed(suppress, vocab) if suppress else None
-    rows = jnp.arange(batch)
 
     def choose(logits: jax.Array, state: dict[str, Any], t: Any) -> tuple[jax.Array, Any]:
-        if not (penalize or hold or scores or ngram or suppress or bad):  # the plain loop: nothing else traced
-            return _choose(logits, key, t, temperature, top_p, min_p, greedy=greedy, top_k=top_k,
-                           use_top_p=use_top_p, use_min_p=use_min_p), None
-        banned = _banned(state["tokens"], _made(prompt_mask, new, prompt, t), prompt + t, ngram, bad, vocab)
-        x = _processed(logits.astype(jnp.float32), state.get("seen"), t, penalty, min_new, is_eos,
-                       penalize=penalize, holding=hold, banned=banned, suppressed=suppressed)
+        if greedy and not (controls or scores):  # the plain loop: nothing else traced
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        x = applied(controls, state["controls"], logits.astype(jnp.float32), Now(loop, t, state["tokens"]))
         if greedy:
             token = jnp.argmax(x, axis=-1).astype(jnp.int32)
         else:
-            x = _filtered(x, temperature, top_k, top_p if use_top_p else None, min_p if use_min_p else None)
             token = jax.random.categorical(jax.random.fold_in(key, t), x, axis=-1).astype(jnp.int32)
         if not scores:
             return token, None
@@ -131,11 +109,10 @@ def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Arr
             if scores:
                 score = jnp.where(done, jnp.float32(0.0), score)
             state["done"] = done | finished
+        state["controls"] = updated(controls, state["controls"], token, Now(loop, t, state["tokens"]))
         state["tokens"] = jax.lax.dynamic_update_slice(state["tokens"], token[:, None], (jnp.int32(0), prompt + t))
         if scores:
             state["scores"] = jax.lax.dynamic_update_slice(state["scores"], score[:, None], (jnp.int32(0), t))
-        if penalize:
-            state["seen"] = state["seen"].at[rows, token].set(True)
         if stream:  # in step order (ordered): the streamer prints as the loop runs
             io_callback(_put, None, token, ordered=True)
         state["token"] = token
@@ -143,10 +120,8 @@ def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Arr
 
     state: dict[str, Any] = {
         "tokens": jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1),
-        "done": jnp.zeros((batch,), bool),
+        "done": jnp.zeros((batch,), bool), "controls": tuple(c.init(loop) for c in controls),
     }
-    if penalize:
-        state["seen"] = _seen(ids, prompt_mask, vocab)
     if stopping:
         state["window"] = _window(ids, prompt_mask, prompt, stop_ids.shape[1])
     if scores:
@@ -197,16 +172,14 @@ def _beams_of(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-@partial(jax.jit, static_argnames=("new", "penalize", "hold", "scores", "ngram", "suppress", "bad", "beams",
-                                   "returns", "eos_count"))
+@partial(jax.jit, static_argnames=("new", "scores", "beams", "returns", "eos_count"))
 def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Array, eos_ids: jax.Array, fill: jax.Array,
-                 penalty: jax.Array, min_new: jax.Array, stop_ids: jax.Array, length_penalty: jax.Array,
-                 early: jax.Array, never: jax.Array, *, new: int, penalize: bool, hold: bool, scores: bool,
-                 ngram: int, suppress: tuple[int, ...], beams: int, returns: int, eos_count: int,
-                 bad: tuple[tuple[int, ...], ...] = ()) -> tuple[jax.Array, jax.Array | None]:
+                 stop_ids: jax.Array, length_penalty: jax.Array, early: jax.Array, never: jax.Array,
+                 controls: tuple[Control, ...] = (), *, new: int, scores: bool, beams: int, returns: int,
+                 eos_count: int) -> tuple[jax.Array, jax.Array | None]:
     """Hugging Face's beam search; ``early`` (bool): early_stopping=True, ``never`` (bool):
-    early_stopping="never" (both False: HF's default heuristic); ``ids``, ``sizes``: as
-    ``_generate``'s."""
+    early_stopping="never" (both False: HF's default heuristic); ``ids``, ``sizes``,
+    ``controls``: as ``_generate``'s (the controls see ``log_softmax(logits)``)."""
     batch, width = ids.shape
     prompt, limit = sizes[0], sizes[1]
     rows, total = batch * beams, width + new
@@ -218,20 +191,16 @@ def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.
     logits = jax.lax.dynamic_slice_in_dim(logits, prompt - 1, 1, axis=1)  # the last real slot's
     cache = _on_axes(cache, axes, lambda leaf, ax: jnp.repeat(leaf, beams, axis=ax))  # row b * beams + k: prompt b
     vocab = logits.shape[-1]
+    loop = Loop(ids, prompt_mask, prompt, new, vocab, beams)
     keep = max(2, 1 + eos_count) * beams  # HF's candidates per prompt: enough for `beams` that do not end
     stopping = stop_ids.shape[0] > 0
-    is_eos = jnp.isin(jnp.arange(vocab), eos_ids) if hold else None
-    suppressed = _suppressed(suppress, vocab) if suppress else None
     first_k = jnp.arange(keep) < beams
     lowest = jnp.float32(NEG)
 
     def select(state: dict[str, Any], logits: jax.Array, t: Any, reorder: bool) -> dict[str, Any]:
         s = dict(state)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        banned = _banned(s["sequences"].reshape(rows, total), jnp.repeat(_made(prompt_mask, new, prompt, t), beams, axis=0),
-                         prompt + t, ngram, bad, vocab)
-        logp = _processed(logp, s.get("seen"), t, penalty, min_new, is_eos, penalize=penalize, holding=hold,
-                          banned=banned, suppressed=suppressed)
+        now = Now(loop, t, s["sequences"].reshape(rows, total))
+        logp = applied(controls, s["controls"], jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), now)
         flat = logp.reshape(batch, beams * vocab)
         top, index = jax.lax.top_k((logp.reshape(batch, beams, vocab) + s["running"][..., None]).reshape(batch, -1),
                                    keep)
@@ -271,10 +240,8 @@ def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.
         source = (jnp.arange(batch)[:, None] * beams + _beams_of(parent, pick)).reshape(rows)
         if reorder:  # (at the first step every beam of a prompt is the same)
             s["cache"] = _on_axes(s["cache"], axes, lambda leaf, ax: jnp.take(leaf, source, axis=ax))
-            if penalize:
-                s["seen"] = s["seen"][source]
-        if penalize:
-            s["seen"] = s["seen"].at[jnp.arange(rows), s["token"]].set(True)
+            s["controls"] = jax.tree.map(lambda x: x[source], s["controls"])
+        s["controls"] = updated(controls, s["controls"], s["token"], now)
         if stopping:
             s["window"] = _beams_of(window, pick).reshape(rows, -1)
         # whether a running beam can still beat a finished one (HF's heuristic), and whether to go on
@@ -292,9 +259,8 @@ def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.
         "running": jnp.where(jnp.arange(beams) == 0, 0.0, lowest)[None].repeat(batch, 0).astype(jnp.float32),
         "final": jnp.full((batch, beams), lowest), "finished": jnp.zeros((batch, beams), bool),
         "improvable": jnp.ones((batch, 1), bool), "cache": cache,
+        "controls": jax.tree.map(lambda x: jnp.repeat(x, beams, axis=0), tuple(c.init(loop) for c in controls)),
     }
-    if penalize:
-        state["seen"] = jnp.repeat(_seen(ids, prompt_mask, vocab), beams, axis=0)
     if stopping:
         state["window"] = jnp.repeat(_window(ids, prompt_mask, prompt, stop_ids.shape[1]), beams, axis=0)
     if scores:

@@ -13,9 +13,10 @@ padding and everything generated so far, the current tokens included) and ``logi
 it takes, e.g. the size of a learned position embedding); ``generate`` then refuses to go
 past it.
 
-The loops are in ``_decode.py``, the logits controls in ``_logits.py``; this module checks
-the arguments and picks the loop. One ``jax.jit``-compiled function runs the prompt through
-the model once (prefill), then one token per step in a ``lax.while_loop``. It compiles once
+The loops are in ``_decode.py``, the logits controls (one record each) in ``_controls.py``;
+this module checks the arguments, builds the active controls and picks the loop. One
+``jax.jit``-compiled function runs the prompt through the model once (prefill), then one
+token per step in a ``lax.while_loop``. It compiles once
 per model structure, input shape and static option (``max_new_tokens``, ``top_k``, whether it
 samples, whether it filters by ``top_p`` and by ``min_p``, whether it stops at EOS and how
 many EOS ids, the stop sequences' count and length, which of the repetition penalty,
@@ -41,14 +42,17 @@ from jax.core import Tracer
 from functree._alias import is_deletion_error, is_stale_error, stale_error
 from functree._repr import short_array
 from functree.nn import _decode, _memory
+from functree.nn._controls import BAD_TOP_K, Options, active, token_ids, token_sequences
+from functree.nn._controls import is_int as _is_int
+from functree.nn._controls import is_number as _is_number
 from functree.nn._decode import _beam_search, _generate
 from functree.nn._generate_defaults import (
     SAMPLING_DEFAULTS,
+    WARPER_OPTIONS,
     bad_value,
     checkpoint_defaults,
     inferred_mask,
 )
-from functree.nn._logits import BAD_TOP_K
 from functree.nn._shared import Shared
 
 __all__ = ["generate"]
@@ -131,43 +135,6 @@ generate: min_p must be a number in [0, 1] (tokens less likely than min_p times 
 likely one are dropped; 0: none), got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, min_p=0.05, key=key)"""
-
-BAD_NGRAM = """\
-generate: no_repeat_ngram_size must be an int >= 0 (n: no n-gram appears twice in a row; 0: \
-none), got {given!r}.
-
-    right:  ft.nn.generate(model, input_ids, 8, no_repeat_ngram_size=3)"""
-
-BAD_TOKEN_ID = """\
-generate: {name} must be a token id (an int >= 0){plural}, got {given!r}.
-
-    right:  ft.nn.generate(model, input_ids, 8, {name}={example})"""
-
-BAD_REPETITION_PENALTY = """\
-generate: repetition_penalty must be a number > 0 (1.0: none; above 1 discourages the tokens \
-already in the row), got {given!r}.
-
-    right:  ft.nn.generate(model, input_ids, 8, repetition_penalty=1.2)"""
-
-BAD_MIN_NEW_TOKENS = """\
-generate: min_new_tokens must be an int from 0 to max_new_tokens ({new}), got {given!r}.
-
-    right:  ft.nn.generate(model, input_ids, {new}, eos_token_id=eos, min_new_tokens={fit})"""
-
-MIN_NEEDS_EOS = """\
-generate: min_new_tokens={given} keeps eos_token_id from being chosen for the first {given} \
-new tokens, but no eos_token_id is given (nothing to hold back).
-
-    wrong:  ft.nn.generate(model, input_ids, 8, min_new_tokens={given})
-    right:  ft.nn.generate(model, input_ids, 8, min_new_tokens={given}, eos_token_id=eos)"""
-
-BAD_STOP = """\
-generate: {name} must be a list of token-id sequences, each a non-empty list of token ids (ints \
->= 0), got {given!r}.
-
-    wrong:  ft.nn.generate(model, input_ids, 8, {name}=[13, 198])      # one sequence or two?
-    right:  ft.nn.generate(model, input_ids, 8, {name}=[[13, 198]])    # the pair 13, 198
-    right:  ft.nn.generate(model, input_ids, 8, {name}=[[13], [198]])  # either token"""
 
 STOP_NEEDS_PAD = """\
 generate: a row that emits a stop sequence is finished and emits pad_token_id afterwards, but \
@@ -474,7 +441,7 @@ def _with_defaults(given: dict[str, Any], checkpoint: dict[str, Any] | None,
     for name in given:
         if options[name] is not None or name == "temperature":
             continue
-        if name in ("top_k", "top_p", "min_p") and not sampling:
+        if name in WARPER_OPTIONS and not sampling:
             continue  # greedy: HF's warpers do not run
         if name in ("length_penalty", "early_stopping") and not _beams(options, defaults):
             continue  # beam options without beams: HF ignores them
@@ -514,14 +481,10 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     its sizes are the exact ones)."""
     mask = _attention_mask(attention_mask, ids.shape)
     greedy = _greedy(o["temperature"], key, o["top_k"], o["top_p"], o["min_p"])
-    ngram = _ngram_size(o["no_repeat_ngram_size"])
-    suppress = _token_ids(o["suppress_tokens"], "suppress_tokens")
-    eos = _token_ids(o["eos_token_id"], "eos_token_id")
-    bad = tuple(w for w in _stop(o["bad_words_ids"], "bad_words_ids") if not (len(w) == 1 and w[0] in eos))  # as HF
-    pad = _token_ids(o["pad_token_id"], "pad_token_id", single=True)
-    penalty = _repetition_penalty(o["repetition_penalty"])
-    hold = _min_new_tokens(o["min_new_tokens"], new, eos)
-    stops = _stop(stop)
+    eos = token_ids(o["eos_token_id"], "eos_token_id")
+    controls = active(Options(o, new, eos, greedy))
+    pad = token_ids(o["pad_token_id"], "pad_token_id", single=True)
+    stops = token_sequences(stop)
     if stops and not (eos or pad):
         raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
     beams, returns, lp, early = _beam_options(o["num_beams"], o["num_return_sequences"], o["length_penalty"],
@@ -534,22 +497,15 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     width, bucket = (prompt, new) if exact else _buckets(prompt, new, limit)
     sizes = np.asarray([prompt, new], np.int32)
     common = (_padded(ids, width, fill, jnp.int32), _padded(mask, width, 0, jnp.int32), sizes,
-              np.asarray(eos or (-1,), np.int32), np.int32(fill),
-              np.float32(1.0 if penalty is None else penalty), np.int32(hold), _stop_ids(stops))
-    options = {"new": bucket, "penalize": penalty is not None, "hold": hold > 0, "scores": bool(return_scores),
-               "ngram": ngram, "suppress": suppress, "bad": bad}
+              np.asarray(eos or (-1,), np.int32), np.int32(fill), _stop_ids(stops))
+    options = {"new": bucket, "scores": bool(return_scores)}
     if beams > 1:
         loop = partial(_beam_search, model, *common, np.float32(lp), np.bool_(early is True),
-                       np.bool_(early == "never"), beams=beams, returns=returns, eos_count=len(eos), **options)
+                       np.bool_(early == "never"), controls, beams=beams, returns=returns, eos_count=len(eos),
+                       **options)
     else:
-        top_p, min_p = o["top_p"], o["min_p"]
-        loop = partial(
-            _generate, model, *common, key, np.float32(o["temperature"] if not greedy else 1.0),
-            np.float32(1.0 if top_p is None else top_p), np.float32(0.0 if min_p is None else min_p),
-            greedy=greedy, top_k=o["top_k"], use_top_p=top_p is not None and top_p < 1.0,
-            use_min_p=min_p is not None and min_p > 0.0, ends=bool(eos or stops), stream=streamer is not None,
-            **options,
-        )
+        loop = partial(_generate, model, *common, key, controls, greedy=greedy, ends=bool(eos or stops),
+                       stream=streamer is not None, **options)
     run = loop if streamer is None else partial(_streaming, loop, streamer, ids)
 
     def cropped() -> tuple[Any, Any]:
@@ -588,14 +544,6 @@ def _check_streamer(streamer: Any, beams: int, ids: Any) -> None:
             why="inside a jax.jit of your own the steps run after generate has returned.",
             wrong="jax.jit(lambda ids: ft.nn.generate(model, ids, 32, streamer=streamer))(ids)",
             right="ft.nn.generate(model, ids, 32, streamer=streamer)       # itself one compiled loop")) from None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
 
 
 def _attention_mask(mask: Any, shape: tuple[int, ...]) -> Any:
@@ -683,62 +631,6 @@ def _greedy(temperature: Any, key: Any, top_k: Any, top_p: Any, min_p: Any = Non
     if key is None:
         raise ValueError(NEEDS_KEY.format(temperature=temperature))
     return False
-
-
-def _token_ids(value: Any, name: str, single: bool = False) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    values = [value] if single or isinstance(value, (int, np.integer)) else value
-    try:
-        ok = (len(values) >= 1 or not single) and all(_is_int(v) and v >= 0 for v in values)
-    except TypeError:
-        ok = False
-    if not ok:
-        plural = "" if single else " or a list of them"
-        raise ValueError(BAD_TOKEN_ID.format(name=name, plural=plural, given=value, example=2))
-    return tuple(int(v) for v in values)  # (an empty list: none, over the checkpoint's default)
-
-
-def _repetition_penalty(value: Any) -> float | None:
-    """The penalty, or None where there is none (None or 1.0: the logits are untouched)."""
-    if value is None:
-        return None
-    if not _is_number(value) or not (0.0 < value < np.inf):
-        raise ValueError(BAD_REPETITION_PENALTY.format(given=value))
-    return None if value == 1.0 else float(value)
-
-
-def _ngram_size(value: Any) -> int:
-    if value is None:
-        return 0
-    if not _is_int(value) or value < 0:
-        raise ValueError(BAD_NGRAM.format(given=value))
-    return int(value)
-
-
-def _min_new_tokens(value: Any, new: int, eos: tuple[int, ...]) -> int:
-    if value is None:
-        return 0
-    if not _is_int(value) or not 0 <= value <= new:
-        raise ValueError(BAD_MIN_NEW_TOKENS.format(new=new, given=value, fit=max(new // 2, 1)))
-    if value > 0 and not eos:
-        raise ValueError(MIN_NEEDS_EOS.format(given=value))
-    return int(value)
-
-
-def _stop(value: Any, name: str = "stop") -> tuple[tuple[int, ...], ...]:
-    if value is None:
-        return ()
-    try:
-        ok = not isinstance(value, (str, bytes)) and len(value) >= 1 and all(
-            not isinstance(s, (str, bytes)) and len(s) >= 1 and all(_is_int(i) and i >= 0 for i in s) for s in value
-        )
-    except TypeError:  # an int where a sequence belongs
-        ok = False
-    if not ok:
-        raise ValueError(BAD_STOP.format(name=name, given=value))
-    sequences: Any = value
-    return tuple(tuple(int(i) for i in s) for s in sequences)
 
 
 def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, greedy: bool, temperature: Any,

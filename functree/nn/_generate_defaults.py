@@ -19,10 +19,15 @@ from typing import Any
 import jax
 import numpy as np
 
-# The options of ``ft.nn.generate`` that HF's generation config sets, by HF's name.
-SUPPORTED = ("eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p", "min_p",
-             "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens", "suppress_tokens",
+from functree.nn._controls import CONTROLS
+
+# The options of ``ft.nn.generate`` that HF's generation config sets, by HF's name (a logits
+# control's keywords are its checkpoint names).
+SUPPORTED = ("eos_token_id", "pad_token_id", "do_sample", *(k for c in CONTROLS for k in c.keywords),
              "num_beams", "num_return_sequences", "length_penalty", "early_stopping")
+
+# The sampling-only options (HF's warpers, temperature aside: it decides greedy or sampling).
+WARPER_OPTIONS = tuple(k for c in CONTROLS if c.warper for k in c.keywords if k != "temperature")
 
 # HF's global defaults of the sampling options (applied when neither the caller nor the file sets them).
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}

@@ -1,7 +1,6 @@
-"""Generation's logits controls: Hugging Face's processors (repetition penalty, n-grams, bad
-words, EOS held back, suppressed tokens) and warpers (temperature, top-k, top-p, min-p), the
-stop-sequence windows, and the choice of the next token. Pure functions of arrays, traced
-inside the decode loops (``_decode.py``)."""
+"""Generation's array helpers: the n-grams and bad words a row forbids next, the tokens seen,
+the real tokens before a step, and the stop-sequence windows. Pure functions of arrays, traced
+inside the decode loops (``_decode.py``) and the controls' records (``_controls.py``)."""
 
 from __future__ import annotations
 
@@ -12,65 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BAD_TOP_K = """\
-generate: top_k must be an int from 1 to the vocabulary size ({vocab}), got {given!r}.
-
-    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, top_k=50, key=key)"""
-
 OUTSIDE_VOCAB = """\
 generate: {name} {ids} are not ids of this model's vocabulary ({vocab} tokens: 0 to {last}).
 
     right:  ft.nn.generate(model, input_ids, 8, {name}=[{example}])"""
-
-
-def _filtered(logits: jax.Array, temperature: Any, top_k: int | None, top_p: Any, min_p: Any = None) -> jax.Array:
-    """``logits / temperature`` with ``-inf`` outside the ``top_k`` most likely tokens, then
-    outside the smallest set whose probability reaches ``top_p``, then where the probability
-    is below ``min_p`` times the largest (None: no filter)."""
-    logits = logits.astype(jnp.float32) / temperature
-    lowest = jnp.asarray(-jnp.inf, jnp.float32)
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, lowest, logits)
-    if top_p is not None:
-        ordered = -jnp.sort(-logits, axis=-1)  # descending
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the more likely tokens
-        kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1: the first has 0 before it
-        threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
-        logits = jnp.where(logits < threshold, lowest, logits)
-    if min_p is not None:  # p < q * p_max, i.e. l < l_max + log q (the most likely token stays)
-        probs = jax.nn.softmax(logits, axis=-1)
-        logits = jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), lowest, logits)
-    return logits
-
-
-def _processed(logits: jax.Array, seen: Any, t: Any, penalty: jax.Array, hold: jax.Array, is_eos: Any, *,
-               penalize: bool, holding: bool, banned: Any = None, suppressed: Any = None) -> jax.Array:
-    """HF's processors in its order on float32 logits (or log-probabilities) ``[rows, vocab]``:
-    the repetition penalty over the tokens ``seen`` (bool ``[rows, vocab]``), the ``banned``
-    tokens (bool ``[rows, vocab]``: n-grams, bad words), EOS held back while ``t < hold``, the
-    ``suppressed`` tokens (bool ``[vocab]``); each removed token is ``-inf``."""
-    lowest = jnp.asarray(-jnp.inf, jnp.float32)
-    if penalize:
-        logits = jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
-    if banned is not None:
-        logits = jnp.where(banned, lowest, logits)
-    if holding:
-        logits = jnp.where(is_eos & (t < hold), lowest, logits)
-    if suppressed is not None:
-        logits = jnp.where(suppressed, lowest, logits)
-    return logits
-
-
-def _banned(tokens: jax.Array, real: jax.Array, length: Any, ngram: int, bad: tuple[tuple[int, ...], ...],
-            vocab: int) -> jax.Array | None:
-    """bool ``[rows, vocab]``: the tokens ``no_repeat_ngram_size`` and ``bad_words_ids`` forbid
-    next (None: neither is on)."""
-    found = [_repeated_ngrams(tokens, real, length, ngram, vocab)] if ngram else []
-    if bad:
-        found.append(_bad_words(tokens, real, length, bad, vocab))
-    return None if not found else found[0] if len(found) == 1 else found[0] | found[1]
 
 
 def _bad_words(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple[int, ...], ...],
@@ -144,12 +88,6 @@ def _seen(ids: jax.Array, mask: jax.Array, vocab: int) -> jax.Array:
     return jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, ids].add(mask) > 0  # ids >= vocab: dropped
 
 
-def _suppressed(ids: tuple[int, ...], vocab: int) -> jax.Array:
-    """bool ``[vocab]``: True at ``ids`` (checked against the vocabulary, known once traced)."""
-    _in_vocabulary("suppress_tokens", ids, vocab)
-    return jnp.zeros((vocab,), bool).at[np.asarray(ids)].set(True)
-
-
 def _window(ids: jax.Array, mask: jax.Array, prompt: Any, width: int) -> jax.Array:
     """The last ``width - 1`` real tokens of each row's prompt (its first ``prompt`` slots),
     -2 where padding or before the prompt."""
@@ -162,12 +100,3 @@ def _stopped(window: jax.Array, token: jax.Array, stop_ids: jax.Array) -> tuple[
     full = jnp.concatenate([window, token[..., None]], axis=-1)
     hit = jnp.all((full[..., None, :] == stop_ids) | (stop_ids < 0), axis=-1).any(axis=-1)
     return hit, full[..., 1:]
-
-
-def _choose(logits: jax.Array, key: Any, step: Any, temperature: jax.Array, top_p: jax.Array, min_p: jax.Array, *,
-            greedy: bool, top_k: int | None, use_top_p: bool, use_min_p: bool) -> jax.Array:
-    """The next token of every row from its logits ``[batch, vocab]``."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = _filtered(logits, temperature, top_k, top_p if use_top_p else None, min_p if use_min_p else None)
-    return jax.random.categorical(jax.random.fold_in(key, step), logits, axis=-1).astype(jnp.int32)

@@ -195,7 +195,7 @@ def step_program(t: ft.train.Trainer, batch) -> list[str]:
     runs on ``batch`` (the flat program, with the trainer's log buffer)."""
     program = t.train_step._program(t.model)
     flat, donated, others = program._program((t.model, t.opt_state, batch, t.key, t._reader.log.buffer))
-    lowered = flat.jitted.lower(donated, others)
+    lowered = flat.jitted.lower(tuple(donated), others)  # as a call passes them (a tuple)
     texts = [lowered.as_text(), lowered.compile().as_text()]
     if os.environ.get("FT_DUMP_PROGRAM"):
         for i, text in enumerate(texts):

@@ -13,7 +13,7 @@ ITEMS = [(np.full((2, 1), i, np.float32),) for i in range(5)]
 
 
 def at(**position):
-    return JobState.start(None, None)._replace(**position)
+    return JobState.start(None, None).replace(**position)
 
 
 def test_each_kind_of_data_continues_from_the_jobs_position():

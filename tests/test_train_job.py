@@ -525,3 +525,72 @@ def test_callbacks_see_the_job_state_read_only():
     assert [(s.steps_run, s.epoch) for s in seen] == [(4, 1), (8, 2)]
     assert seen[0].history is seen[1].history  # the one member that grows in place
     assert isinstance(seen[0], ft.train.JobState) and seen[0].model is not seen[1].model
+
+
+def test_job_position_round_trips_by_name_every_field_distinct(tmp_path):
+    """Issue 46: the position is a record saved by field name and read by name. Every field
+    set to a value no other field has comes back in its own field (a field inserted in the
+    record cannot shift another's meaning), under format 2's keys."""
+    from functree.train._job import STORED, JobState, Position, read_job, save_job
+    from functree.train._means import Means
+
+    assert set(STORED) == set(Position._fields)  # each field has its place on disk
+    position = Position(steps_run=11, epoch=3, batch_in_epoch=5, stopped=True, since_log=2,
+                        window=Means({"loss": 1.5}, 2.0, 1), epoch_means=Means({"loss": 4.25}, 3.0, 0),
+                        skipped=((7, "loss"),), data_state={"pos": 13}, epoch_length=17)
+    assert len(set(map(repr, position))) == len(position)
+    model = {"w": jnp.arange(2.0)}
+    job = JobState(model, None, None, ft.train.History(), position, extra={"rounds": 19})
+    with ft.train.CheckpointManager(tmp_path / "c") as manager:
+        save_job(manager, job, about={"on_nan": "skip"})
+        back, ckpt = read_job(manager, None, JobState.start(model, None))
+    assert back.position == position and back.extra == {"rounds": 19}
+    assert (back.steps_run, back.epoch, back.batch_in_epoch, back.since_log, back.epoch_length) == (11, 3, 5, 2, 17)
+    assert ckpt.config["trainer"].keys() == {"steps_run", "epoch", "batch_in_epoch", "on_nan", "stopped",
+                                             "epoch_length", "since_log", "data_state", "means", "history",
+                                             "skipped"}  # format 2's keys, as before the record
+    assert ckpt.config["trainer"]["means"]["epoch"]["sums"] == {"loss": 4.25}
+
+
+def test_job_position_fields_a_checkpoint_lacks_take_their_defaults():
+    """An older checkpoint's ``trainer`` config lacks newer fields: each is its default
+    (``steps_run`` the checkpoint's step), the others are read by name."""
+    from functree.train._job import Position, read_position
+
+    assert read_position({}, step=4) == Position(steps_run=4)
+    assert read_position({"epoch": 2, "means": {"epoch": {"sums": {"a": 1.0}, "weight": 1.0}}}, step=4) == Position(
+        steps_run=4, epoch=2, epoch_means=read_position({"means": {"epoch": {"sums": {"a": 1.0}, "weight": 1.0}}},
+                                                       step=0).epoch_means)
+    assert read_position({"epoch": 2}, step=4).epoch_means.weight == 0.0
+
+
+def test_job_replace_by_name():
+    from functree.train._job import JobState
+
+    job = JobState.start(None, None)
+    moved = job.replace(epoch=2, since_log=1, extra={"a": 1})
+    assert (moved.epoch, moved.since_log, moved.extra, moved.steps_run) == (2, 1, {"a": 1}, 0)
+    assert job.epoch == 0  # a value: the old record is unchanged
+    with pytest.raises(ValueError, match="unexpected field names"):
+        job.replace(epochs=2)
+
+
+def test_job_stepped_is_replace_by_name():
+    """``stepped`` (the loop's fast commit) is ``replace`` of the same fields by name."""
+    from functree.train._job import JobState, Position
+    from functree.train._means import Means
+
+    position = Position(steps_run=11, epoch=3, batch_in_epoch=5, stopped=True, since_log=2,
+                        window=Means({"loss": 1.5}, 2.0, 1), skipped=((7, "loss"),), data_state=13, epoch_length=17)
+    job = JobState("m", "o", "k", ft.train.History(), position, extra=19, callbacks=())
+    stepped = job.stepped("m2", "o2", 4)
+    assert type(stepped) is JobState and type(stepped.position) is Position
+    assert stepped == job.replace(model="m2", opt_state="o2", steps_run=15, batch_in_epoch=9, since_log=6)
+
+
+def test_a_position_field_without_its_stored_entry_is_an_error():
+    from functree.train._job import Position, check_stored
+
+    check_stored(Position._fields)
+    with pytest.raises(TypeError, match=r"(?s)fields \['lr_scale'\] have no entry in STORED.*right:  STORED"):
+        check_stored((*Position._fields, "lr_scale"))

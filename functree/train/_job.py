@@ -12,7 +12,7 @@ since checkpoints carried the job: older Trainer checkpoints restore as they are
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +26,7 @@ from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
 from functree.train.checkpoint._frozen import frozen_keys
 from functree.train.checkpoint._position import decode, encode
 
-__all__ = ["JobState", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
+__all__ = ["JobState", "Position", "position_json", "read_position", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
 
 BAD_EXTRA = """\
 extra= must be a tree (dicts, lists, tuples, None) of arrays and plain numbers, but \
@@ -53,6 +53,120 @@ Read it as a checkpoint, or continue its model in a Trainer:
     right:  ft.train.CheckpointManager(path).restore()
        or:  trainer.restore(path)         # a Trainer's model and optimizer state from it"""
 
+UNSTORED_FIELD = """\
+functree.train._job: Position's fields {missing} have no entry in STORED (and STORED's \
+{extra} name no field). Each field of the position needs its key in a checkpoint's \
+"trainer" config, its JSON form and its reader:
+
+    wrong:  class Position(NamedTuple): ...; lr_scale: float = 1.0      # and nothing in STORED
+    right:  STORED["lr_scale"] = (("lr_scale",), float, lambda v, where: float(v))"""
+
+
+class Position(NamedTuple):
+    """Where a job is: the half of :class:`JobState` a checkpoint stores as JSON, by name.
+
+    ``steps_run``, ``epoch`` (completed), ``batch_in_epoch`` (minibatches of the current
+    epoch consumed), ``stopped`` (a callback set ``trainer.stop_training``), ``since_log``
+    (steps since the last log point), ``window`` and ``epoch_means`` (the running weighted
+    means of the log window and of the epoch), ``skipped`` (``(step, what)`` of the steps
+    ``on_nan="skip"`` left out), ``data_state`` (a positioned data iterator's
+    ``get_state()``) and ``epoch_length`` (minibatches per epoch, when known).
+
+    Written field by field from ``_asdict()`` (each under its key of :data:`STORED`) and
+    read back by name, a field a checkpoint lacks taking its default: a field added here
+    shifts no other's meaning, and older checkpoints (which lack it) still restore.
+
+    Example:
+      >>> from functree.train._job import Position, position_json, read_position
+      >>> p = Position(steps_run=7, epoch=1, batch_in_epoch=3, since_log=2)
+      >>> stored = position_json(p)
+      >>> stored["steps_run"], stored["means"]["window"]["weight"]
+      (7, 0.0)
+      >>> read_position(stored, step=7) == p, read_position({}, step=5).steps_run
+      (True, 5)
+    """
+
+    steps_run: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    stopped: bool = False
+    since_log: int = 0
+    window: Means = Means()
+    epoch_means: Means = Means()
+    skipped: tuple[tuple[int, str], ...] = ()
+    data_state: Any = None
+    epoch_length: int | None = None
+
+
+def _skipped(saved: Any, where: str) -> tuple[tuple[int, str], ...]:
+    return tuple((int(s), str(w)) for s, w in saved)
+
+
+def _same(saved: Any, where: str) -> Any:
+    return saved
+
+
+# Each Position field's key path in a checkpoint's "trainer" config (format 2's keys, as
+# the Trainer has always written them), its JSON form and its reader.
+STORED: dict[str, tuple[tuple[str, ...], Callable[[Any], Any], Callable[[Any, str], Any]]] = {
+    "steps_run": (("steps_run",), int, lambda v, where: int(v)),
+    "epoch": (("epoch",), int, lambda v, where: int(v)),
+    "batch_in_epoch": (("batch_in_epoch",), int, lambda v, where: int(v)),
+    "stopped": (("stopped",), bool, lambda v, where: bool(v)),
+    "since_log": (("since_log",), int, lambda v, where: int(v)),
+    "window": (("means", "window"), Means.to_json, lambda v, where: Means.from_json(v)),
+    "epoch_means": (("means", "epoch"), Means.to_json, lambda v, where: Means.from_json(v)),
+    "skipped": (("skipped",), lambda s: [list(x) for x in s], _skipped),
+    "data_state": (("data_state",), encode, decode),
+    "epoch_length": (("epoch_length",), lambda n: n, _same),
+}
+
+
+def check_stored(fields: Sequence[str]) -> None:
+    """Every position field has its place in a checkpoint (checked at import: a field
+    added without one would be silently dropped by every save)."""
+    if set(STORED) != set(fields):
+        raise TypeError(UNSTORED_FIELD.format(missing=sorted(set(fields) - set(STORED)),
+                                              extra=sorted(set(STORED) - set(fields))))
+
+
+check_stored(Position._fields)
+
+
+# The order of format 2's "trainer" keys as the Trainer wrote them before the record
+# existed (the JSON keeps it: a checkpoint written now lists them as an older one does).
+FORMAT_2_ORDER = ("steps_run", "epoch", "batch_in_epoch", "on_nan", "stopped", "epoch_length", "since_log",
+                  "data_state", "means", "history", "skipped")
+
+
+def position_json(position: Position) -> dict[str, Any]:
+    """``position`` as the JSON of a checkpoint's ``"trainer"`` config, field by field."""
+    out: dict[str, Any] = {}
+    for name, value in position._asdict().items():
+        path, to_json, _ = STORED[name]
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = to_json(value)
+    return out
+
+
+def read_position(saved: Mapping[str, Any], step: int, where: str = "data_state") -> Position:
+    """The :class:`Position` :func:`position_json` wrote, by name; a field ``saved`` lacks
+    takes its default (``steps_run``: the checkpoint's ``step``). ``where`` names the
+    checkpoint in a damaged ``data_state``'s error."""
+    read: dict[str, Any] = {"steps_run": step}
+    for name, (path, _, from_json) in STORED.items():
+        node: Any = saved
+        for key in path:
+            node = node.get(key, _MISSING) if isinstance(node, Mapping) else _MISSING
+        if node is not _MISSING:
+            read[name] = from_json(node, where)
+    return Position(**read)
+
+
+_MISSING = object()
+
 
 class JobState(NamedTuple):
     """A training job at a step boundary: ``trainer.state``, and what a checkpoint holds.
@@ -65,15 +179,13 @@ class JobState(NamedTuple):
     two log intervals between reads; at save points, epoch ends and the end of ``fit``
     everything has been read.
 
-    Fields: ``model``, ``opt_state`` (with the learning context), ``key``, ``history``; the position
-    ``steps_run``, ``epoch`` (completed), ``batch_in_epoch`` (minibatches of the current
-    epoch consumed) and ``since_log`` (steps since the last log point); ``stopped`` (a
-    callback set ``trainer.stop_training``); ``window`` and ``epoch_means`` (the running
-    weighted means of the log window and of the epoch); ``skipped`` (``(step,
-    what)`` of the steps ``on_nan="skip"`` left out); ``extra`` (the user's tree);
-    ``callbacks`` (``(name, class, state)`` of each stateful callback: filled by a save and
-    a restore, handed to the next ``fit``'s callbacks); ``data_state`` (a positioned data
-    iterator's ``get_state()``) and ``epoch_length`` (minibatches per epoch, when known).
+    Fields: ``model``, ``opt_state`` (with the learning context), ``key``, ``history``,
+    ``position`` (a :class:`Position`: ``steps_run``, ``epoch``, ``batch_in_epoch``,
+    ``stopped``, ``since_log``, ``window``, ``epoch_means``, ``skipped``, ``data_state``,
+    ``epoch_length``, each also readable as an attribute of the job), ``extra`` (the user's
+    tree) and ``callbacks`` (``(name, class, state)`` of each stateful callback: filled by
+    a save and a restore, handed to the next ``fit``'s callbacks). ``job.replace(**changes)``
+    changes fields of either by name.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, numpy as np, tempfile
@@ -84,6 +196,8 @@ class JobState(NamedTuple):
       >>> state = trainer.state
       >>> state.steps_run, state.epoch, state.batch_in_epoch, len(state.history.steps["loss"])
       (3, 1, 1, 3)
+      >>> state.replace(epoch=5, extra=1).position.epoch
+      5
       >>> path = tempfile.mkdtemp() + "/ckpt"
       >>> trainer.save(path, extra={"rounds": 3})
       >>> saved = ft.train.JobState.restore(path)  # a checkpoint is a JobState
@@ -95,29 +209,76 @@ class JobState(NamedTuple):
     opt_state: Any
     key: Any
     history: History
-    steps_run: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    stopped: bool = False
-    since_log: int = 0
-    window: Means = Means()
-    epoch_means: Means = Means()
-    skipped: tuple[tuple[int, str], ...] = ()
+    position: Position = Position()
     extra: Any = None
     callbacks: tuple[tuple[str, str, Any], ...] | None = None
-    data_state: Any = None
-    epoch_length: int | None = None
 
     @staticmethod
     def start(model: Any, opt_state: Any, key: Any = None) -> JobState:
         """A job before its first step (with its own empty history)."""
         return JobState(model, opt_state, key, History())
 
+    def replace(self, **changes: Any) -> JobState:
+        """This job with the named fields changed: the job's own (``model``, ``extra``, ...)
+        and its position's (``steps_run``, ``window``, ...); an unknown name is an error."""
+        moved = {name: changes.pop(name) for name in Position._fields if name in changes}
+        if moved:
+            changes["position"] = self.position._replace(**moved)
+        return self._replace(**changes)
+
     def stepped(self, model: Any, opt_state: Any, n: int) -> JobState:
-        """The commit of ``n`` steps: their outputs, the position ``n`` further. (The loop's
-        one per-call cost: a tuple built directly, no keyword matching.)"""
-        s = self
-        return tuple.__new__(JobState, (model, opt_state, s[2], s[3], s[4] + n, s[5], s[6] + n, s[7], s[8] + n) + s[9:])
+        """The commit of ``n`` steps: their outputs, the position ``n`` further (as
+        ``replace(model=, opt_state=, steps_run=+n, batch_in_epoch=+n, since_log=+n)``;
+        the loop's one per-call cost, so built from the fields' indices, found by name
+        once: 1.9 us against 5.9 us for the ``_replace`` calls)."""
+        position: list[Any] = list(self.position)
+        position[_STEPS] += n
+        position[_BATCH] += n
+        position[_SINCE_LOG] += n
+        job = list(self)
+        job[_MODEL], job[_OPT_STATE], job[_POSITION] = model, opt_state, tuple.__new__(Position, position)
+        return tuple.__new__(JobState, job)
+
+    # The position's fields read from the job, as before the record existed.
+    @property
+    def steps_run(self) -> int:
+        return self.position.steps_run
+
+    @property
+    def epoch(self) -> int:
+        return self.position.epoch
+
+    @property
+    def batch_in_epoch(self) -> int:
+        return self.position.batch_in_epoch
+
+    @property
+    def stopped(self) -> bool:
+        return self.position.stopped
+
+    @property
+    def since_log(self) -> int:
+        return self.position.since_log
+
+    @property
+    def window(self) -> Means:
+        return self.position.window
+
+    @property
+    def epoch_means(self) -> Means:
+        return self.position.epoch_means
+
+    @property
+    def skipped(self) -> tuple[tuple[int, str], ...]:
+        return self.position.skipped
+
+    @property
+    def data_state(self) -> Any:
+        return self.position.data_state
+
+    @property
+    def epoch_length(self) -> int | None:
+        return self.position.epoch_length
 
     @staticmethod
     def restore(source: CheckpointManager | str, step: int | None = None, *, like: JobState | None = None) -> JobState:
@@ -134,29 +295,28 @@ class JobState(NamedTuple):
         return job
 
 
+# The fields stepped() writes, by name (a field inserted anywhere moves these with it).
+_STEPS, _BATCH, _SINCE_LOG = map(Position._fields.index, ("steps_run", "batch_in_epoch", "since_log"))
+_MODEL, _OPT_STATE, _POSITION = map(JobState._fields.index, ("model", "opt_state", "position"))
+
+
 def save_job(manager: CheckpointManager, job: JobState, callbacks: Sequence[Any] | None = None, *,
              metrics: Mapping[str, Any] | None = None, about: Mapping[str, Any] | None = None,
              trained: Sequence[str] | None = None) -> None:
     """Write ``job`` as the checkpoint labelled ``job.steps_run`` (format 2: the arrays of
-    model, optimizer state, key, ``extra`` and callback states, the rest as JSON in its
-    config), with the states of ``callbacks`` (default: ``job.callbacks``). ``about``:
-    ``on_nan`` and descriptions of the optimizer and the step. ``trained``: the optimizer's
-    ``wrt=`` patterns; the parameters they leave frozen are stored as fingerprints only
+    model, optimizer state, key, ``extra`` and callback states; the position (by name,
+    :func:`position_json`), the history and ``about`` as JSON in its config), with the
+    states of ``callbacks`` (default: ``job.callbacks``). ``about``: ``on_nan`` and
+    descriptions of the optimizer and the step. ``trained``: the optimizer's ``wrt=``
+    patterns; the parameters they leave frozen are stored as fingerprints only
     (``functree.train.checkpoint._frozen``)."""
     about = dict(about or {})
     saved = callback_states(callbacks) if callbacks is not None else job.callbacks or ()
     history = job.history
-    config = {
-        "trainer": {"steps_run": job.steps_run, "epoch": job.epoch, "batch_in_epoch": job.batch_in_epoch,
-                    "on_nan": about.pop("on_nan", None), "stopped": bool(job.stopped),
-                    "epoch_length": job.epoch_length, "since_log": job.since_log,
-                    "data_state": encode(job.data_state),
-                    "means": {"window": job.window.to_json(), "epoch": job.epoch_means.to_json()},
-                    "history": {"steps": history.steps, "epochs": history.epochs},
-                    "skipped": [list(s) for s in job.skipped]},
-        "callbacks": [[key, cls] for key, cls, _ in saved],
-        **about,
-    }
+    stored = {**position_json(job.position), "on_nan": about.pop("on_nan", None),
+              "history": {"steps": history.steps, "epochs": history.epochs}}
+    trainer = {key: stored.pop(key) for key in FORMAT_2_ORDER} | stored  # a new field: last
+    config = {"trainer": trainer, "callbacks": [[key, cls] for key, cls, _ in saved], **about}
     manager.save(job.steps_run, job.model, job.opt_state, metrics=metrics, config=config,
                  frozen=frozen_keys(job.model, trained),  # wrt= trains a subset: the base stays out
                  extra={"key": job.key, "user": job.extra, "callbacks": [state for _, _, state in saved]})
@@ -169,32 +329,24 @@ def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, op
     The model and optimizer state are checked against ``like``'s (key path, shape,
     dtype); ``optimizer_state=False`` keeps ``like``'s optimizer state; ``callbacks=False``
     drops the saved callback states. What a checkpoint lacks (the key, the history of a
-    checkpoint written without one) is ``like``'s. ``placement``: a step's mesh placement
-    (arrays read straight into their shards)."""
+    checkpoint written without one, a position field) is ``like``'s or the default.
+    ``placement``: a step's mesh placement (arrays read straight into their shards)."""
     include = ("model", "opt_state", "extra") if optimizer_state else ("model", "extra")
     placed = {} if placement is None else {"mesh": placement.mesh, "sharding": placement.sharding,
                                            "data_axis": placement.data_axis}
     ckpt = manager.restore(step, template=like.model, opt_state_template=like.opt_state, include=include, **placed)
     opt_state = ckpt.opt_state if optimizer_state else like.opt_state
     model, opt_state = copy_aliases((ckpt.model, opt_state))
-    position = ckpt.config.get("trainer", {})
-    saved = position.get("history")
-    history = (History(steps=saved["steps"], epochs=saved["epochs"]) if "history" in position
+    trainer = ckpt.config.get("trainer", {})
+    saved = trainer.get("history")
+    history = (History(steps=saved["steps"], epochs=saved["epochs"]) if "history" in trainer
                else like.history)
     extra = ckpt.extra if isinstance(ckpt.extra, Mapping) else {}
     names = ckpt.config.get("callbacks", [])
     states = tuple((key, cls, state) for (key, cls), state in zip(names, extra.get("callbacks", [])))
-    means = position.get("means", {})
-    job = JobState(
-        model, opt_state, extra["key"] if extra.get("key") is not None else like.key, history,
-        steps_run=int(position.get("steps_run", ckpt.step)), epoch=int(position.get("epoch", 0)),
-        batch_in_epoch=int(position.get("batch_in_epoch", 0)), stopped=bool(position.get("stopped", False)),
-        since_log=int(position.get("since_log", 0)), window=Means.from_json(means.get("window")),
-        epoch_means=Means.from_json(means.get("epoch")),
-        skipped=tuple((int(s), str(w)) for s, w in position.get("skipped", [])), extra=extra.get("user"),
-        callbacks=states if callbacks else None,
-        data_state=decode(position.get("data_state"), f"{manager.directory} step {ckpt.step}: data_state"),
-        epoch_length=position.get("epoch_length"))
+    position = read_position(trainer, ckpt.step, f"{manager.directory} step {ckpt.step}: data_state")
+    job = JobState(model, opt_state, extra["key"] if extra.get("key") is not None else like.key, history,
+                   position, extra=extra.get("user"), callbacks=states if callbacks else None)
     return job, ckpt
 
 

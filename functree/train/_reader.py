@@ -79,7 +79,7 @@ class Reader:
         (one interval late: nothing waits), or all of them when a callback reads the model
         in ``on_log`` (``sync``: it then sees the model after ``context.step``)."""
         self.close(log=True)
-        self.trainer._job = self.trainer._job._replace(since_log=0)
+        self.trainer._job = self.trainer._job.replace(since_log=0)
         keep = 0 if sync else 1
         while len(self.log.pending) > keep:
             self.read_interval(bar, cbs)
@@ -106,7 +106,7 @@ class Reader:
         terms = Means.terms(r.values, r.weights, r.nonfinite == -1 if on_nan == "skip" else None)
         job = t._job
         guard.critical = True
-        t._job = job = job._replace(window=job.window.plus(terms), epoch_means=job.epoch_means.plus(terms),
+        t._job = job = job.replace(window=job.window.plus(terms), epoch_means=job.epoch_means.plus(terms),
                                     skipped=job.skipped + skipped)
         guard.critical = False
         guard.safe_point()
@@ -118,7 +118,7 @@ class Reader:
             shown[name.replace("learning_rate", "lr")] = column[-1]
         bar.update(len(r.steps), shown)
         if r.log:
-            t._job = job._replace(window=Means())
+            t._job = job.replace(window=Means())
             log.last_log = means
             if cbs:
                 ctx = self.context("log", means, r.context, step=r.first + len(r.steps) - 1)
@@ -147,7 +147,7 @@ class Reader:
         if stopped < 0:
             return ()
         step, job = r.steps[stopped], t._job
-        t._job = job._replace(steps_run=step - 1, batch_in_epoch=job.batch_in_epoch - (job.steps_run - (step - 1)))
+        t._job = job.replace(steps_run=step - 1, batch_in_epoch=job.batch_in_epoch - (job.steps_run - (step - 1)))
         self.log.drop()
         error = nonfinite_error(step, int(r.halt[2]), train_step=t.train_step, model=t.model,
                                 opt_state=t.opt_state, batch=r.inflight[stopped][0], key=t.key,

@@ -92,6 +92,6 @@ def job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any]
             check(value)
         if arrays:
             value = put(value, self._where)
-        self._job = self._job._replace(**{name: value})
+        self._job = self._job.replace(**{name: value})
 
     return property(get, set_ if settable else None, doc=doc)

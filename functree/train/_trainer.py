@@ -244,7 +244,7 @@ class Trainer(Evaluation):
         if (self.stop_training or self._reached(epochs, steps)) and not end_pending:
             self._already_done(epochs, steps)
             return self.history
-        self._job = self._job._replace(epoch_length=length)
+        self._job = self._job.replace(epoch_length=length)
         remaining = steps - self.steps_run if steps is not None else (
             (epochs - self.epoch) * length - self.batch_in_epoch if length is not None and epochs else None)
         bar = Progress(remaining, enabled=progress and jax.process_index() == 0)  # one bar for all processes
@@ -308,7 +308,7 @@ class Trainer(Evaluation):
         signature: Any = None
         minibatches = self._epochs.iterate(data, self._job)
         if self._job.data_state is not None and not isinstance(data, Batches):  # a restored position, used
-            self._job = self._job._replace(data_state=None)
+            self._job = self._job.replace(data_state=None)
         for batch in minibatches:
             batch = to_arrays(batch)
             size = self._epochs.minibatch_size(batch, self._job, len(group))
@@ -402,7 +402,7 @@ class Trainer(Evaluation):
                 values.update({f"val_averaged_{k}": v for k, v in val.items()})
         job, opt_state = self._job, next_sweep(self.opt_state)
         self._guard.critical = True  # the epoch's end is one commit: a Ctrl-C waits for it
-        self._job = job._replace(opt_state=opt_state, epoch=job.epoch + 1, batch_in_epoch=0, since_log=0,
+        self._job = job.replace(opt_state=opt_state, epoch=job.epoch + 1, batch_in_epoch=0, since_log=0,
                                  window=Means(), epoch_means=Means())
         job.history.add_epoch(job.epoch + 1, {**values, "last_step": job.steps_run})
         self._reader.log.last_context = None
@@ -461,7 +461,7 @@ class Trainer(Evaluation):
             with CheckpointManager(manager) as owned:
                 return self.save(owned, metrics=metrics)
         self._reader.read_all(self._fit.bar if self._fit else None, self._callbacks)  # every step up to now
-        job = self._job._replace(data_state=self._epochs.position(self._job))
+        job = self._job.replace(data_state=self._epochs.position(self._job))
         save_job(manager, job, self._callbacks, metrics=metrics, trained=self.optimizer.wrt, about={
             "on_nan": self.on_nan, "optimizer": repr(self.optimizer), "train_step": repr(self.train_step)})
 

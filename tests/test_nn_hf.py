@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.nn import _hf, _hf_models, _rotary
+from functree.nn import _hf, _hf_family, _hf_models, _hf_options, _rotary
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -188,7 +188,7 @@ def test_rope_frequencies_equal_hf():
                   "original_max_position_embeddings": 16}):
         config = llama_config(rope_scaling=dict(rope), head_dim=8)
         expected, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None, seq_len=70)
-        ours = _hf._rope(config)
+        ours = _hf_options.rope(config)
         actual = ours.inverse_frequencies(8, jnp.arange(70))
         np.testing.assert_allclose(actual, expected.numpy(), rtol=0, atol=6e-7)  # measured 6e-8 (llama3)
         assert ours.scale == pytest.approx(scale, abs=1e-7)
@@ -205,7 +205,7 @@ def test_uncovered_architectures_list_the_covered_ones(gpt2):
 
 def test_uncovered_config_options():
     with pytest.raises(ValueError, match=r"rope_type 'mrope' .* covered: default, linear, dynamic, yarn, llama3"):
-        _hf._rope(types.SimpleNamespace(rope_parameters={"rope_type": "mrope"}, max_position_embeddings=8))
+        _hf_options.rope(types.SimpleNamespace(rope_parameters={"rope_type": "mrope"}, max_position_embeddings=8))
     with pytest.raises(ValueError, match=r"sets scale_attn_by_inverse_layer_idx=True"):
         ft.nn.from_hf(gpt2_config(scale_attn_by_inverse_layer_idx=True), {})
     with pytest.raises(ValueError, match=r"activation 'gelu_fast' is not covered; covered: gelu_new"):
@@ -324,6 +324,77 @@ def test_family_options_reach_the_layers():
     assert gemma.model.embed_scale == pytest.approx(D ** 0.5) and gemma.lm_head is None
     with pytest.raises(ValueError, match=r'attention= is "auto", "xla" or "cudnn" .*got \'flash\''):
         ft.nn.from_hf(FAMILIES["qwen2"](), key=jax.random.key(0), attention="flash")
+
+
+@pytest.fixture
+def llama_variant():
+    """A made-up family built like Llama, whose attention always has biases (its one
+    difference): defining the class registers it; removed from FAMILIES after the test."""
+
+    class LlamaVariantForCausalLM(_hf_models.LlamaForCausalLM):
+        model_type = "llama_variant"
+
+        @classmethod
+        def hf_options(cls, config):
+            return {"attention_bias": True}
+
+    try:
+        yield LlamaVariantForCausalLM
+    finally:
+        del _hf.FAMILIES["llama_variant"]
+
+
+def test_a_llama_like_family_is_one_subclass(llama_variant):
+    """One subclass with a model_type is a family: from_hf builds it from its config (its
+    difference applied: HF's Llama with attention_bias=True computes the same logits), and
+    every table reads it (COVERED, to_hf_state_dict, the covered lists)."""
+    assert _hf_family.FAMILIES is _hf.FAMILIES and _hf.COVERED["llama_variant"] == "LlamaVariantForCausalLM"
+    hf = hf_model(llama_config(attention_bias=True))
+    config = {**hf.config.to_dict(), "model_type": "llama_variant", "attention_bias": False}  # the class's own
+    model = ft.nn.from_hf(config, hf.state_dict())
+    assert type(model) is llama_variant and model.model.layers.layers.self_attn.query_projection.bias is not None
+    assert_equal_at_tokens(model, hf)
+    assert_exports(model, hf)
+    with pytest.raises(ValueError, match=r"covered: .*llama_variant \(LlamaVariantForCausalLM\)"):
+        ft.nn.from_hf({"model_type": "t5"})
+
+
+def test_every_family_is_its_class():
+    """FAMILIES is read from the classes (a class's name is its HF class's), in the order defined."""
+    assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3", "gpt_neox", "opt", "bert"]
+    for model_type, family in _hf.FAMILIES.items():
+        assert family.model.model_type == model_type and family.hf_class == family.model.__name__
+        assert family.build == family.model.from_config and family.names == family.model.hf_names
+    assert _hf.FAMILIES["qwen2"].head == _hf.FAMILIES["llama"].head == ("lm_head.weight", "model.embed_tokens.weight")
+    assert issubclass(_hf_models.Qwen2ForCausalLM, _hf_models.LlamaForCausalLM)
+
+
+def test_a_model_type_taken_by_another_class_is_refused():
+    with pytest.raises(TypeError, match=r"model_type 'llama' is already covered by LlamaForCausalLM") as e:
+        class MyLlama(_hf_models.LlamaForCausalLM):
+            model_type = "llama"
+    assert 'model_type = "my_llama"' in str(e.value)
+    assert _hf.FAMILIES["llama"].model is _hf_models.LlamaForCausalLM
+
+
+def test_checkpoints_and_pickles_written_before_the_split_restore():
+    """tests/data/hf_models_checkpoint was written by the tree before the model classes had
+    modules of their own (3b9ce05: ``ft.train.save`` of a GPT-2 from_hf(config, key=key(0)),
+    ``pickle.dump`` of a Phi-3): they record ``functree.nn._hf_models.<class>``."""
+    import pickle
+
+    from functree.train.checkpoint._registry import type_name
+
+    data = os.path.join(os.path.dirname(__file__), "data", "hf_models_checkpoint")
+    gpt2_model = ft.train.load(os.path.join(data, "gpt2"))  # no template: the names alone
+    assert type(gpt2_model) is _hf_models.GPT2LMHeadModel and gpt2_model.hf_config["n_layer"] == 2
+    with open(os.path.join(data, "phi3.pkl"), "rb") as f:
+        phi3 = pickle.load(f)
+    assert type(phi3) is _hf_models.Phi3ForCausalLM and type(phi3.model.layers.layers.mlp) is _hf_models.Phi3MLP
+    assert jax.tree.structure(phi3) == jax.tree.structure(ft.nn.from_hf(phi3.hf_config.to_dict(), key=jax.random.key(0)))
+    assert pickle.loads(pickle.dumps(phi3)).hf_config == phi3.hf_config
+    for cls in _hf_models.RECORDED:  # what new checkpoints record: unchanged
+        assert type_name(cls) == f"functree.nn._hf_models.{cls.__name__}"
 
 
 def test_refused_families_and_options_say_what_works():

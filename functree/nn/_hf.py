@@ -4,39 +4,37 @@
 :class:`Family` in :data:`FAMILIES`, builds its model of :mod:`functree.nn._hf_models` as an
 abstract template (``jax.eval_shape``: no random init) and fills it from the weights through
 :func:`ft.nn.load_torch_state_dict` with the model class's ``rename=`` and ``layouts=``.
-A family is one table row: its HF class, its functree class, a builder reading the config,
-its tied head's names and the older checkpoint names HF's loader renames. ``transformers``
+A family is one class (:mod:`functree.nn._hf_family`): its HF class, its builder reading the
+config, its tied head's names and the older checkpoint names HF's loader renames are class
+variables and class methods of the model class; :data:`FAMILIES` is read from them. ``transformers``
 is never imported (a ``config.json``, as a dict or a directory's, is read by
 :mod:`functree.nn._hf_files` with HF's defaults); torch only where the weights are torch tensors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree import _activations as act
 from functree._jit import unchecked_jit
 from functree._naming import matches
 from functree._state_dict import _to_numpy
 from functree._tree import dotted_name
-from functree.nn import _hf_models as models
+from functree.nn import _hf_models  # noqa: F401  (defines every covered family: FAMILIES)
 from functree.nn._embedding import Embedding
 from functree.nn._hf_config import hf_config_of
+from functree.nn._hf_family import COVERED, FAMILIES, Family, family_of
 from functree.nn._hf_files import _config, _weights
 from functree.nn._linear import Dense
-from functree.nn._rotary import ROPE_TYPES, RopeScaling
 from functree.nn._torch import _as_tensors, load_torch_state_dict, torch_state_dict
 
-__all__ = ["from_hf", "to_hf_state_dict"]
+__all__ = ["from_hf", "to_hf_state_dict", "FAMILIES", "COVERED", "Family"]
 
 UNCOVERED_ARCHITECTURE = """\
 ft.nn.from_hf: {given} is not covered; covered: {covered}.
@@ -54,40 +52,6 @@ BertForMaskedLM as hf_model.bert); its other layers are yours to add.
     wrong:  ft.nn.from_hf({given}(config))
     right:  ft.nn.from_hf({covered}(config))
 """
-
-UNCOVERED_OPTION = """\
-ft.nn.from_hf: the {model_type} config sets {option}={value!r}; functree's {model_type} covers \
-{covered}. Loading it anyway would give a different model.
-
-    right:  a config with {option}={covered_value}
-"""
-
-MIXED_WINDOWS = """\
-ft.nn.from_hf: the {model_type} config mixes sliding-window and full-attention layers \
-(layer_types {types}); functree's {model_type} takes one kind for every layer (its blocks are \
-one ft.nn.Stack).
-
-    right:  a config with use_sliding_window=False, or sliding windows on every layer
-"""
-
-UNKNOWN_ROPE_TYPE = """\
-ft.nn.from_hf: rope_type {kind!r} (config.rope_parameters) is not covered; covered: {known}.
-
-    right:  config.rope_parameters = {{"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, ...}}
-"""
-
-PARTIAL_ROTARY_CRASHES = """\
-ft.nn.from_hf: the {model_type} config sets partial_rotary_factor={partial} with rope_type \
-{kind!r}. Hugging Face's {hf_class} applies partial_rotary_factor only to that rope type's \
-frequencies, not to the rotation ({rotated} frequencies against a head of {head_dim}: its \
-forward fails with a size mismatch), so no model computes this config.
-
-    right:  config.rope_parameters = {{..., "rope_type": {kind!r}}}        # no partial_rotary_factor: the whole head
-       or:  rope_type "default" (Hugging Face's {hf_class} then rotates the whole head, whatever the factor)
-"""
-
-UNKNOWN_ACTIVATION = """\
-ft.nn.from_hf: the {model_type} config's activation {given!r} is not covered; covered: {known}."""
 
 BAD_ATTENTION = """\
 ft.nn.from_hf: attention= is "auto", "xla" or "cudnn" (the implementation of every \
@@ -128,218 +92,6 @@ ft.nn.to_hf_state_dict takes a model built by ft.nn.from_hf ({covered}); got {gi
 For other models: ft.nn.torch_state_dict(model, rename=..., layouts=...)."""
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
-
-_ACTIVATIONS = {"gelu_new": act.gelu, "gelu_pytorch_tanh": act.gelu, "gelu": act.gelu_exact, "relu": act.relu,
-                "silu": act.silu, "swish": act.silu, "tanh": act.tanh}
-
-
-def _activation(config: Any, name: str) -> Any:
-    given = getattr(config, name)
-    if given not in _ACTIVATIONS:
-        raise ValueError(UNKNOWN_ACTIVATION.format(model_type=config.model_type, given=given,
-                                                   known=", ".join(_ACTIVATIONS)))
-    return _ACTIVATIONS[given]
-
-
-def _require(config: Any, option: str, covered: Any, default: Any) -> None:
-    value = getattr(config, option, default)
-    if value != covered:
-        raise ValueError(UNCOVERED_OPTION.format(model_type=config.model_type, option=option, value=value,
-                                                 covered=f"{option}={covered!r}", covered_value=repr(covered)))
-
-
-def _rope(config: Any, head_dim: int | None = None) -> RopeScaling:
-    """Hugging Face's ``rope_parameters`` (``rope_scaling`` and ``rope_theta`` before v5) as a RopeScaling.
-
-    ``head_dim``: the family rotates the whole head whatever ``partial_rotary_factor`` says
-    (Llama, Qwen2, Mistral, Gemma: HF's ``apply_rotary_pos_emb`` has no pass-through part,
-    and their default rope ignores the factor), so a factor under 1 is dropped for the default
-    rope and refused for the others (HF's forward fails there); None where HF rotates the
-    first ``partial_rotary_factor`` of each head (GPT-NeoX, Phi-3)."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise ValueError(UNKNOWN_ROPE_TYPE.format(kind=kind, known=", ".join(ROPE_TYPES)))
-    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
-    if head_dim is not None and int(head_dim * partial) != head_dim:
-        if kind != "default":
-            raise ValueError(PARTIAL_ROTARY_CRASHES.format(
-                model_type=config.model_type, partial=partial, kind=kind, hf_class=FAMILIES[config.model_type].hf_class,
-                rotated=int(head_dim * partial) // 2, head_dim=head_dim))
-        partial = 1.0  # as HF's default rope: the factor is not read
-    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    original = params.get("original_max_position_embeddings")
-    if kind == "dynamic":  # HF's dynamic NTK scales past max_position_embeddings
-        original = config.max_position_embeddings
-    factor = params.get("factor")
-    if kind == "longrope":  # Phi-3: the factor from the two lengths when not given
-        original = original or getattr(config, "original_max_position_embeddings", None)
-        params = {**params, "short_factor": tuple(map(float, params.get("short_factor") or ())),
-                  "long_factor": tuple(map(float, params.get("long_factor") or ()))}
-    if kind in ("yarn", "longrope") and factor is None and original:
-        factor = config.max_position_embeddings / original
-    options = {k: params[k] for k in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-                                      "attention_factor", "mscale", "mscale_all_dim", "truncate", "short_factor",
-                                      "long_factor")
-               if params.get(k) is not None}
-    return RopeScaling(kind, base=base, factor=1.0 if factor is None else float(factor),
-                       original_max_positions=None if original is None else int(original), partial=partial, **options)
-
-
-def _window(config: Any) -> int | None:
-    """The sliding window of every layer (None: full attention), from ``layer_types`` where
-    the config has them (Qwen2), else ``sliding_window`` (Mistral, Phi-3)."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None and config.model_type == "qwen2":
-        kinds = set(types)
-        if len(kinds) > 1:
-            raise ValueError(MIXED_WINDOWS.format(model_type=config.model_type, types=list(types)))
-        return window if kinds == {"sliding_attention"} else None
-    return None if window is None else int(window)
-
-
-# ---- the families -------------------------------------------------------------------------------
-
-def _gpt2(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
-    _require(c, "scale_attn_weights", True, True)
-    _require(c, "scale_attn_by_inverse_layer_idx", False, False)
-    _require(c, "add_cross_attention", False, False)
-    return models.GPT2LMHeadModel(c.vocab_size, c.n_positions, c.n_embd, c.n_head, c.n_layer, hidden=c.n_inner,
-                                  activation=_activation(c, "activation_function"), epsilon=c.layer_norm_epsilon,
-                                  tied=bool(getattr(c, "tie_word_embeddings", True)), key=key, dtype=dtype,
-                                  attention=attention)
-
-
-def _llama(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
-    """Llama and the families built like it (their differences: :data:`_LLAMA_LIKE`)."""
-    family = FAMILIES[c.model_type]
-    options = dict(_LLAMA_LIKE.get(c.model_type, {}))
-    if options.pop("gemma", False):
-        options.update(norm=models.GemmaRMSNorm, embed_scale=float(c.hidden_size) ** 0.5)
-    if options.pop("windowed", False):
-        options["window"] = _window(c)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    partial = options.pop("partial", False)  # HF rotates the first partial_rotary_factor of each head (Phi-3)
-    attention_bias = options.pop("attention_bias", bool(getattr(c, "attention_bias", False)))  # Qwen2's: always
-    return family.model(
-        c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
-        c.intermediate_size, c.num_hidden_layers, head_dim=head_dim, activation=_activation(c, "hidden_act"),
-        epsilon=c.rms_norm_eps, rotary=_rope(c, None if partial else head_dim), attention_bias=attention_bias,
-        mlp_bias=bool(getattr(c, "mlp_bias", False)), tied=bool(getattr(c, "tie_word_embeddings", False)), key=key,
-        dtype=dtype, attention=attention, **options)
-
-
-# How each family built like Llama differs from it (keyword arguments of LlamaForCausalLM).
-_LLAMA_LIKE: dict[str, dict[str, Any]] = {
-    "qwen2": {"attention_bias": True, "output_bias": False, "windowed": True},
-    "mistral": {"windowed": True},
-    "gemma": {"gemma": True},
-    "phi3": {"mlp": models.Phi3MLP, "windowed": True, "partial": True},
-}
-
-
-def _gpt_neox(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
-    return models.GPTNeoXForCausalLM(
-        c.vocab_size, c.hidden_size, c.num_attention_heads, c.intermediate_size, c.num_hidden_layers,
-        activation=_activation(c, "hidden_act"), epsilon=c.layer_norm_eps, rotary=_rope(c),
-        use_bias=bool(getattr(c, "attention_bias", True)), parallel=bool(c.use_parallel_residual),
-        tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype, attention=attention)
-
-
-def _opt(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
-    _require(c, "do_layer_norm_before", True, True)
-    _require(c, "word_embed_proj_dim", c.hidden_size, c.hidden_size)
-    _require(c, "layer_norm_elementwise_affine", True, True)
-    _require(c, "_remove_final_layer_norm", False, False)
-    return models.OPTForCausalLM(
-        c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads, c.ffn_dim,
-        c.num_hidden_layers, activation=_activation(c, "activation_function"),
-        use_bias=bool(getattr(c, "enable_bias", True)), tied=bool(getattr(c, "tie_word_embeddings", True)), key=key,
-        dtype=dtype, attention=attention)
-
-
-def _bert(c: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
-    _require(c, "position_embedding_type", "absolute", "absolute")
-    _require(c, "is_decoder", False, False)
-    _require(c, "add_cross_attention", False, False)
-    return models.BertModel(c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads,
-                            c.intermediate_size, c.num_hidden_layers, types=c.type_vocab_size,
-                            activation=_activation(c, "hidden_act"), epsilon=c.layer_norm_eps,
-                            pooler="pooler.dense.weight" in names, key=key, dtype=dtype, attention=attention)
-
-
-_GPT2_BUFFER = re.compile(r"(transformer\.)?h\.[0-9]+\.attn\.(bias|masked_bias)")
-_ROTARY_BUFFER = re.compile(r".*\.rotary_emb\.inv_freq|.*\.attention\.(bias|masked_bias)")
-
-
-def _gpt2_names(weights: dict[str, Any]) -> dict[str, Any]:
-    """GPT-2's body saved without ``transformer.`` (the ``gpt2`` checkpoint), its causal-mask buffers."""
-    out = {k: v for k, v in weights.items() if not _GPT2_BUFFER.fullmatch(k)}
-    if "wte.weight" in out and "transformer.wte.weight" not in out:
-        out = {k if k.startswith("lm_head.") else "transformer." + k: v for k, v in out.items()}
-    return out
-
-
-def _bert_names(weights: dict[str, Any]) -> dict[str, Any]:
-    """BERT saved with ``bert.`` and LayerNorm's ``gamma``/``beta``."""
-    out = weights
-    if any(k.startswith("bert.") for k in out) and not any(k.startswith("embeddings.") for k in out):
-        out = {k[len("bert."):] if k.startswith("bert.") else k: v for k, v in out.items()}
-    return {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v
-            for k, v in out.items()}
-
-
-def _rotary_names(weights: dict[str, Any]) -> dict[str, Any]:
-    """Older files' rotary ``inv_freq`` and GPT-NeoX's mask buffers dropped (HF's loader ignores them)."""
-    return {k: v for k, v in weights.items() if not _ROTARY_BUFFER.fullmatch(k)}
-
-
-def _neox_names(weights: dict[str, Any]) -> dict[str, Any]:
-    """GPT-NeoX's head saved as ``embed_out`` (HF renames it ``lm_head``)."""
-    return {("lm_head." + k[len("embed_out."):] if k.startswith("embed_out.") else k): v
-            for k, v in _rotary_names(weights).items()}
-
-
-def _opt_names(weights: dict[str, Any]) -> dict[str, Any]:
-    """OPT saved without ``model.`` (``decoder.layers...``, as the hub's files)."""
-    if any(k.startswith("decoder.") for k in weights) and not any(k.startswith("model.") for k in weights):
-        return {("model." + k if k.startswith("decoder.") else k): v for k, v in weights.items()}
-    return weights
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One model type ``from_hf`` covers: the HF class it equals, the functree class, the
-    builder reading the config ``(config, weight names, dtype, key, attention) -> model``, a
-    tied head's ``(head, embedding)`` weight names, and the older checkpoint names HF's
-    loader reads (a function of the weights dict)."""
-
-    hf_class: str
-    model: type
-    build: Callable[..., Any]
-    head: tuple[str, str] | None = None
-    names: Callable[[dict[str, Any]], dict[str, Any]] = _rotary_names
-    padded: str | None = None  # the embedding HF builds with padding_idx=pad_token_id (its row zeroed at init)
-    residual: tuple[str, ...] = ()  # the layers HF initializes at std / sqrt(2 * n_layer) (key-path patterns)
-
-
-_LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
-FAMILIES: dict[str, Family] = {
-    "gpt2": Family("GPT2LMHeadModel", models.GPT2LMHeadModel, _gpt2, ("lm_head.weight", "transformer.wte.weight"),
-                   _gpt2_names, residual=("*.attn.output_projection", "*.mlp.c_proj")),
-    "llama": Family("LlamaForCausalLM", models.LlamaForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
-    "qwen2": Family("Qwen2ForCausalLM", models.Qwen2ForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
-    "mistral": Family("MistralForCausalLM", models.MistralForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
-    "gemma": Family("GemmaForCausalLM", models.GemmaForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
-    "phi3": Family("Phi3ForCausalLM", models.Phi3ForCausalLM, _llama, _LLAMA_HEAD, padded=_LLAMA_HEAD[1]),
-    "gpt_neox": Family("GPTNeoXForCausalLM", models.GPTNeoXForCausalLM, _gpt_neox,
-                       ("lm_head.weight", "gpt_neox.embed_in.weight"), _neox_names),
-    "opt": Family("OPTForCausalLM", models.OPTForCausalLM, _opt, ("lm_head.weight", "model.decoder.embed_tokens.weight"),
-                  _opt_names, padded="model.decoder.embed_tokens.weight"),
-    "bert": Family("BertModel", models.BertModel, _bert, None, _bert_names, padded="embeddings.word_embeddings.weight"),
-}
-COVERED = {k: f.hf_class for k, f in FAMILIES.items()}
 
 
 def _normalized(model_type: str, weights: Mapping[str, Any]) -> dict[str, Any]:
@@ -498,7 +250,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if weights is None and hasattr(source, "config") and hasattr(source, "state_dict"):
         config, weights = source.config, source.state_dict()
         model_type = getattr(config, "model_type", None)
-        if model_type in COVERED and type(source).__name__ != COVERED[model_type]:
+        if isinstance(model_type, str) and model_type in COVERED and type(source).__name__ != COVERED[model_type]:
             raise ValueError(UNCOVERED_CLASS.format(given=type(source).__name__, covered=COVERED[model_type],
                                                     all=", ".join(COVERED.values())))
     else:
@@ -537,7 +289,7 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
       >>> sd["transformer.h.1.attn.c_attn.weight"].shape, sd["lm_head.weight"] is sd["transformer.wte.weight"]
       ((8, 24), True)
     """
-    family = next((f for f in FAMILIES.values() if type(model) is f.model), None)
+    family = family_of(model)
     if family is None:
         raise ValueError(NOT_A_PORT.format(covered=", ".join(f.model.__name__ for f in FAMILIES.values()),
                                            given=type(model).__name__))

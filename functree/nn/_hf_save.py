@@ -28,6 +28,7 @@ import numpy as np
 
 from functree._tree import dotted_name
 from functree.nn._hf import FAMILIES, to_hf_state_dict
+from functree.nn._hf_family import family_of
 from functree.nn._lora import LoraDense
 
 __all__ = ["save_hf"]
@@ -128,7 +129,7 @@ def _shards(weights: dict[str, np.ndarray], limit: int) -> list[dict[str, np.nda
 
 
 def _family(model: Any) -> Any:
-    family = next((f for f in FAMILIES.values() if type(model) is f.model), None)
+    family = family_of(model)
     if family is None:
         raise ValueError(NOT_A_PORT.format(covered=", ".join(f.model.__name__ for f in FAMILIES.values()),
                                            given=type(model).__name__))

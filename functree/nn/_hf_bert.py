@@ -1,0 +1,144 @@
+"""BERT as a functree model: Hugging Face's ``BertModel`` (``bert``), an encoder (no cache)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from functree._module import Module, field
+from functree.nn._attention import MultiheadAttention
+from functree.nn._embedding import Embedding
+from functree.nn._hf_causal import _check_ids, _check_length, _lookup, _padding
+from functree.nn._hf_config import HFConfig
+from functree.nn._hf_family import HFModel
+from functree.nn._hf_options import activation, require
+from functree.nn._linear import Dense
+from functree.nn._normalization import LayerNorm
+from functree.nn._stack import Stack
+
+__all__ = ["BertModel", "BertEmbeddings", "BertLayer", "BertEncoder", "BERT_RENAME"]
+
+
+# HF's names of BERT's sublayers that ft.nn names differently (``*``: the layer number).
+BERT_RENAME = {
+    "encoder.layer.*.attention.output.LayerNorm": "encoder.layer.*.attention_norm",
+    "encoder.layer.*.intermediate.dense": "encoder.layer.*.intermediate",
+    "encoder.layer.*.output.dense": "encoder.layer.*.output",
+    "encoder.layer.*.output.LayerNorm": "encoder.layer.*.output_norm",
+    "pooler.dense": "pooler",
+}
+
+
+class BertEmbeddings(Module):
+    """``LayerNorm(word + position + token_type embeddings)``."""
+
+    word_embeddings: Embedding
+    position_embeddings: Embedding
+    token_type_embeddings: Embedding
+    LayerNorm: LayerNorm
+
+    def __init__(self, vocab: int, positions: int, types: int, d: int, epsilon: float, *, key: jax.Array,
+                 dtype: Any = jnp.float32):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.word_embeddings = Embedding(vocab, d, key=k1, dtype=dtype)
+        self.position_embeddings = Embedding(positions, d, key=k2, dtype=dtype)
+        self.token_type_embeddings = Embedding(types, d, key=k3, dtype=dtype)
+        self.LayerNorm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
+
+
+class BertLayer(Module):
+    """Post-norm block: ``attention_norm(x + attention(x))``, then ``output_norm(x + output(intermediate(x)))``."""
+
+    attention: MultiheadAttention
+    attention_norm: LayerNorm
+    intermediate: Dense
+    output: Dense
+    output_norm: LayerNorm
+
+    def __init__(self, d: int, heads: int, hidden: int, activation: Any, epsilon: float, *, key: jax.Array,
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.attention = MultiheadAttention(d, heads, implementation=attention, key=k1, dtype=dtype)
+        self.attention_norm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
+        self.intermediate = Dense(d, hidden, activation, key=k2, dtype=dtype)
+        self.output = Dense(hidden, d, key=k3, dtype=dtype)
+        self.output_norm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
+
+    def __call__(self, x: jax.Array, *, mask: Any = None) -> jax.Array:
+        x = self.attention_norm(x + self.attention(x, mask=mask))
+        return self.output_norm(x + self.output(self.intermediate(x)))
+
+
+class BertEncoder(Module):
+    """The blocks, ``layer`` (a Stack)."""
+
+    layer: Stack
+
+    def __init__(self, layer: Stack):
+        self.layer = layer
+
+
+class BertModel(HFModel):
+    """Hugging Face's ``BertModel`` as a functree model (built by :func:`ft.nn.from_hf`).
+
+    ``model(input_ids, attention_mask=None, token_type_ids=None)`` is the last hidden
+    state ``[batch, T, hidden]`` (positions ``0..T-1``, as HF); ``pooler`` (None without
+    one) gives HF's ``pooler_output`` as ``pooler(hidden[:, 0])``. Parameters keep HF's
+    names but for :data:`BERT_RENAME` (:mod:`functree.nn._hf_causal` for the layers' own).
+    """
+
+    embeddings: BertEmbeddings
+    encoder: BertEncoder
+    pooler: Dense | None
+    hf_config: HFConfig | None = field(static=True, default=None)  # from_hf's: config.json (and generation's)
+    model_type = "bert"
+    hf_padded = "embeddings.word_embeddings.weight"
+    hf_layouts: ClassVar[dict[str, Any]] = {
+        "encoder.layer.*.attention": ("self.query", "self.key", "self.value", "output.dense")}
+    hf_rename: ClassVar[dict[str, str]] = BERT_RENAME
+
+    def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *, types: int = 2,
+                 activation: Any = None, epsilon: float = 1e-12, pooler: bool = True, key: jax.Array,
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
+        from functree._activations import gelu_exact, tanh
+
+        k1, k2, k3 = jax.random.split(key, 3)
+        act = gelu_exact if activation is None else activation
+        self.embeddings = BertEmbeddings(vocab, positions, types, d, epsilon, key=k1, dtype=dtype)
+        self.encoder = BertEncoder(Stack(lambda k: BertLayer(d, heads, hidden, act, epsilon, key=k,
+                                                                   dtype=dtype, attention=attention), layers, key=k2))
+        self.pooler = Dense(d, d, tanh, key=k3, dtype=dtype) if pooler else None
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> jax.Array:
+        e = self.embeddings
+        ids = _check_ids(self, input_ids, e.word_embeddings.embeddings.shape[0])
+        _check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
+        mask = _padding(self, ids, attention_mask, False)
+        types = jnp.zeros_like(ids) if token_type_ids is None else jnp.asarray(token_type_ids)
+        x = _lookup(e.word_embeddings, ids) + e.position_embeddings(jnp.arange(ids.shape[1])) + e.token_type_embeddings(types)
+        x = e.LayerNorm(x)
+        extra = {} if mask is None else {"mask": mask[:, None, None, :]}
+        return self.encoder.layer(x, **extra)
+
+    @classmethod
+    def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
+        c = config
+        require(c, "position_embedding_type", "absolute", "absolute")
+        require(c, "is_decoder", False, False)
+        require(c, "add_cross_attention", False, False)
+        return cls(c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads, c.intermediate_size,
+                   c.num_hidden_layers, types=c.type_vocab_size, activation=activation(c, "hidden_act"),
+                   epsilon=c.layer_norm_eps, pooler="pooler.dense.weight" in names, key=key, dtype=dtype,
+                   attention=attention)
+
+    @classmethod
+    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
+        """BERT saved with ``bert.`` and LayerNorm's ``gamma``/``beta``."""
+        out = weights
+        if any(k.startswith("bert.") for k in out) and not any(k.startswith("embeddings.") for k in out):
+            out = {k[len("bert."):] if k.startswith("bert.") else k: v for k, v in out.items()}
+        return {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v
+                for k, v in out.items()}

@@ -1,0 +1,329 @@
+"""What every model :func:`ft.nn.from_hf` builds shares: input checks, positions, masks and
+the blocks' call (:func:`pre_norm`), and :class:`CausalLM`, the decoder language models'
+``check_token_ids``, ``init_cache`` and ``__call__`` written once.
+
+Each class mirrors its Hugging Face counterpart's module tree, so a parameter's key path
+is HF's name (``model.layers.3.mlp.up_proj.weight``) except inside the layers ``ft.nn``
+names itself: an attention's ``query_projection`` / ``key_projection`` /
+``value_projection`` / ``output_projection`` (HF's ``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj``; GPT-2's fused ``c_attn`` / ``c_proj``; BERT's ``self.query`` ... ``output.dense``),
+a norm's ``scale`` / ``offset`` (HF's ``weight`` / ``bias``), an embedding's
+``embeddings`` (``weight``). The blocks are an ``ft.nn.Stack`` (one scanned block;
+``model.layers.2`` is member 2).
+
+Calls follow the cache protocol of ``ft.nn.generate``::
+
+    logits = model(input_ids, attention_mask=None)             # no cache
+    cache = model.init_cache(batch_size, max_length, dtype=None)
+    logits, cache = model(input_ids, attention_mask=am, positions=pos, cache=cache)
+
+``attention_mask`` is ``[batch, T]`` without a cache (1 = a real token, 0 = padding) and
+``[batch, max_length]`` with one (1 = a filled slot, the current tokens included);
+``positions`` is int32 ``[batch, T]`` (with a cache: the cache slots). Each block passes
+``mask``, ``cache`` and ``positions`` to its attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree._module import Module
+from functree._repr import short_array
+from functree.nn._attention import MultiheadAttention
+from functree.nn._embedding import Embedding
+from functree.nn._hf_family import HFModel
+from functree.nn._linear import Dense
+from functree.nn._rotary import RopeScaling
+from functree.nn._stack import Stack
+
+__all__ = ["CausalLM", "Block", "check_token_ids"]
+
+BAD_INPUT_IDS = """\
+{model}: input_ids must be integer token ids [batch, T], got {given}.
+
+    wrong:  model(jnp.asarray(tokens, jnp.float32))
+    right:  model(jnp.asarray(tokens, jnp.int32))     # [batch, T]
+"""
+
+BAD_ATTENTION_MASK = """\
+{model}: attention_mask must be [batch, {length}] of 0/1 (or bool): 1 marks a real token{slots}; \
+got {given} for input_ids {ids}.
+
+    wrong:  model(input_ids, attention_mask=mask[:, None, None, :])
+    right:  model(input_ids, attention_mask=mask)      # mask [batch, {length}]
+"""
+
+NEEDS_POSITIONS = """\
+{model}: with a cache, pass the positions of the new tokens (int32 [batch, T]); the model \
+cannot tell where in the cache they go.
+
+    wrong:  model(input_ids, attention_mask=am, cache=cache)
+    right:  model(input_ids, attention_mask=am, positions=pos, cache=cache)
+       or:  ft.nn.generate(model, input_ids, max_new_tokens)   # does this for you
+"""
+
+BAD_POSITIONS = """\
+{model}: positions must be integers [batch, T] broadcastable to input_ids {ids}, got {given}.
+
+    right:  model(input_ids, positions=jnp.cumsum(mask, axis=-1) - 1)
+"""
+
+
+OUT_OF_VOCABULARY = """\
+{model}: token id {token} at input_ids{where} is outside the vocabulary (ids 0 to {last}: \
+vocab_size {vocab}). Hugging Face raises here (IndexError); the usual cause is a tokenizer \
+with added tokens and an embedding that was not resized.
+
+    wrong:  model(tokenizer(text_with_added_tokens))            # ids >= {vocab}
+    right:  ids below {vocab} (or resize the embedding before porting: hf_model.resize_token_embeddings(len(tokenizer)))
+"""
+
+TOO_MANY_POSITIONS = """\
+{model}: {given} positions, but the learned position embedding has {limit} \
+({name} = {limit}); Hugging Face raises here too.
+
+    wrong:  model(input_ids)                    # input_ids [batch, {given}]
+    right:  model(input_ids[:, -{limit}:])      # at most {limit} tokens
+"""
+
+
+LONGROPE_CROSSING = """\
+{model}: longrope switches from its short to its long factors past original_max_positions \
+({original}), and this cache of {length} slots would cross that point after a prompt of {prompt} \
+tokens. Hugging Face recomputes the whole cache with the long factors there (Phi-3's \
+prepare_inputs_for_generation); a KV cache keeps the keys it has, so the answers would differ.
+
+    right:  ft.nn.generate(model, input_ids, {fit})        # stay within {original} positions
+       or:  model(all_tokens)                               # no cache: the long factors throughout, as HF
+"""
+
+
+def _check_longrope(model: Any, attention: MultiheadAttention, ids: Any, cache: Any) -> None:
+    """A prefill (``T > 1`` tokens) into a cache that crosses longrope's switch point raises."""
+    rotary = attention.rotary
+    if cache is None or not isinstance(rotary, RopeScaling) or rotary.kind != "longrope":
+        return
+    original, length = rotary.original_max_positions or 0, jax.tree.leaves(cache)[0].shape[2]
+    prompt = np.shape(ids)[1] if np.ndim(ids) == 2 else 0
+    if 1 < prompt <= original < length:
+        raise ValueError(LONGROPE_CROSSING.format(model=type(model).__name__, original=original, length=length,
+                                                  prompt=prompt, fit=max(original - prompt, 1)))
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """``x`` as a NumPy array, or None when it is traced (under ``jax.jit``)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_token_ids(model: Any, input_ids: Any, vocab: int) -> None:
+    """Raise :data:`OUT_OF_VOCABULARY` if concrete ``input_ids`` hold an id outside ``[0, vocab)``
+    (traced ids are not checked here: the embedding lookup makes their rows NaN instead)."""
+    ids = _concrete(input_ids)
+    if ids is None or ids.size == 0:
+        return
+    bad = (ids < 0) | (ids >= vocab)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(OUT_OF_VOCABULARY.format(model=type(model).__name__, token=int(ids[where]),
+                                                  where=list(where), last=vocab - 1, vocab=vocab))
+
+
+def _lookup(embedding: Embedding, indices: jax.Array) -> jax.Array:
+    """Rows of the embedding table; NaN for an index outside it (traced ids the entry check
+    could not read: the wrong row shows as NaN logits, never as another token's row)."""
+    table = embedding.embeddings
+    inside = jnp.where(indices < 0, table.shape[0], indices)
+    return jnp.take(table, inside, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def _check_ids(model: Any, input_ids: Any, vocab: int | None = None) -> jax.Array:
+    ids = input_ids if isinstance(input_ids, jax.Array) else jnp.asarray(input_ids)
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(BAD_INPUT_IDS.format(model=type(model).__name__, given=short_array(ids)))
+    if vocab is not None:
+        check_token_ids(model, input_ids, vocab)
+    return ids
+
+
+def _check_length(model: Any, length: int, limit: int, name: str) -> None:
+    if length > limit:
+        raise ValueError(TOO_MANY_POSITIONS.format(model=type(model).__name__, given=length, limit=limit, name=name))
+
+
+def _padding(model: Any, ids: jax.Array, attention_mask: Any, cached: bool) -> jax.Array | None:
+    """The mask as bool ``[batch, T]`` (``[batch, max_length]`` with a cache), checked."""
+    if attention_mask is None:
+        return None
+    mask = jnp.asarray(attention_mask)
+    kind_ok = mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)
+    shape_ok = mask.ndim == 2 and mask.shape[0] == ids.shape[0] and (cached or mask.shape[1] == ids.shape[1])
+    if not (kind_ok and shape_ok):
+        length = "max_length" if cached else ids.shape[1]
+        slots = " at that cache slot" if cached else ""
+        raise ValueError(BAD_ATTENTION_MASK.format(model=type(model).__name__, length=length, slots=slots,
+                                                   given=short_array(mask), ids=short_array(ids)))
+    return mask.astype(jnp.bool_)
+
+
+def _positions(model: Any, ids: jax.Array, mask: jax.Array | None, positions: Any, cached: bool) -> jax.Array:
+    """Given positions (checked), else ``cumsum(mask) - 1`` (Hugging Face's for left padding), else ``0..T-1``."""
+    if positions is not None:
+        pos = jnp.asarray(positions)
+        try:
+            ok = jnp.issubdtype(pos.dtype, jnp.integer) and jnp.broadcast_shapes(pos.shape, ids.shape) == ids.shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(BAD_POSITIONS.format(model=type(model).__name__, ids=short_array(ids),
+                                                  given=short_array(pos)))
+        return jnp.broadcast_to(pos, ids.shape)
+    if cached:
+        raise ValueError(NEEDS_POSITIONS.format(model=type(model).__name__))
+    if mask is None:
+        return jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _real_positions(pos: jax.Array, mask: jax.Array | None, cached: bool) -> jax.Array:
+    """Each token's position among its row's real tokens (HF's ``cumsum(mask) - 1``): with a
+    cache, ``pos`` are slots and the real tokens before each slot are counted."""
+    if not cached or mask is None:
+        return pos
+    counts = jnp.cumsum(mask.astype(jnp.int32), axis=1)
+    return jnp.maximum(jnp.take_along_axis(counts, pos, axis=1) - 1, 0)
+
+
+def _attention_mask(mask: jax.Array | None, cached: bool) -> jax.Array | None:
+    """The attention's mask: ``[batch, 1, 1, T]`` without a cache, the slots' ``[batch, max_length]`` with one."""
+    if mask is None or cached:
+        return mask
+    return mask[:, None, None, :]
+
+
+def _run(model: Any, input_ids: Any, attention_mask: Any, positions: Any, cache: Any, *, vocab: int,
+         blocks: Stack, embed: Callable[[jax.Array, jax.Array], jax.Array], head: Callable[[jax.Array], jax.Array],
+         rotary: bool, limit: tuple[int, str] | None = None) -> Any:
+    """A decoder language model's call under the cache protocol (module docstring): inputs
+    checked, positions made, ``embed(ids, real positions)``, the blocks, ``head``.
+
+    ``rotary``: the blocks' attention rotates queries and keys, by the real positions (HF's)
+    with or without a cache; otherwise (learned positions) the blocks get the slots only."""
+    ids = _check_ids(model, input_ids, vocab)
+    cached = cache is not None
+    if limit is not None and not cached:
+        _check_length(model, ids.shape[1], *limit)
+    mask = _padding(model, ids, attention_mask, cached)
+    if not cached and mask is None and positions is None:
+        pos = real = None  # 0..T-1: the attention's own
+    else:
+        pos = _positions(model, ids, mask, positions, cached)
+        real = _real_positions(pos, mask, cached)
+    x = embed(ids, jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape) if real is None else real)
+    kwargs: dict[str, Any] = {"mask": _attention_mask(mask, cached)}
+    if cached:
+        kwargs["positions"] = pos
+        if rotary:
+            kwargs["rotary_positions"] = real
+    elif rotary and real is not None:
+        kwargs["positions"] = real
+    out = blocks(x, cache=cache, **kwargs)
+    x, cache = (out, None) if cache is None else out
+    logits = head(x)
+    return logits if cache is None else (logits, cache)
+
+
+def _pre_norm(x: jax.Array, norm1: Any, attention: MultiheadAttention, norm2: Any, mlp: Any, mask: Any,
+              cache: Any, positions: Any, rotary_positions: Any = None, parallel: bool = False) -> Any:
+    """One pre-norm block: ``x + attention(norm1(x))``, then ``x + mlp(norm2(x))`` (``parallel``:
+    GPT-NeoX's ``x + attention(norm1(x)) + mlp(norm2(x))``); with a cache, ``(x, cache)``."""
+    extra = {} if rotary_positions is None else {"rotary_positions": rotary_positions}
+    out = attention(norm1(x), mask=mask, cache=cache, positions=positions, **extra)
+    h, cache = (out, None) if cache is None else out
+    x = x + h + mlp(norm2(x)) if parallel else x + h + mlp(norm2(x + h))
+    return x if cache is None else (x, cache)
+
+
+def _ties(x: jax.Array, embeddings: jax.Array) -> jax.Array:
+    """Logits from a head tied to the input embedding: ``x E^T``."""
+    return x @ embeddings.T.astype(x.dtype)
+
+
+def _head(x: jax.Array, lm_head: Dense | None, embedding: Embedding) -> jax.Array:
+    return _ties(x, embedding.embeddings) if lm_head is None else lm_head(x)
+
+
+def _cache(blocks: Stack, batch_size: int, max_length: int, dtype: Any) -> Any:
+    return blocks.init_cache(batch_size, max_length, dtype=dtype)  # type: ignore[attr-defined]
+
+
+class Block(Module):
+    """A pre-norm block's call and cache, shared by the blocks below (their fields: HF's names)."""
+
+    def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
+        raise NotImplementedError
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
+        """This block's attention cache (``MultiheadAttention.init_cache``)."""
+        return self._parts()[1].init_cache(batch_size, max_length, dtype)
+
+    def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None,
+                 rotary_positions: Any = None) -> Any:
+        return _pre_norm(x, *self._parts(), mask, cache, positions, rotary_positions,
+                         bool(getattr(self, "parallel", False)))
+
+
+
+class CausalLM(HFModel):
+    """A decoder language model's calls, written once for every family (module docstring):
+    ``check_token_ids``, ``init_cache`` and ``model(input_ids, attention_mask=None, *,
+    positions=None, cache=None)``. A family names its parts (:meth:`_tokens`,
+    :meth:`_blocks`, :meth:`_final_norm`) and its difference (:meth:`_embed`: learned
+    positions; ``rotates``: rotary attention; :meth:`_limit`: a position table's length).
+    The head is the class's ``lm_head`` field (None: tied to :meth:`_tokens`)."""
+
+    rotates: ClassVar[bool] = True  # the blocks rotate queries and keys by the real positions
+
+    def _tokens(self) -> Embedding:
+        """The token embedding (the vocabulary; a tied head's weight)."""
+        raise NotImplementedError
+
+    def _blocks(self) -> Stack:
+        raise NotImplementedError
+
+    def _final_norm(self, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
+        """The blocks' input for token ids at their real positions (``cumsum(mask) - 1``)."""
+        return _lookup(self._tokens(), ids)
+
+    def _limit(self) -> tuple[int, str] | None:
+        """A learned position table's length and its config name (longer inputs raise)."""
+        return None
+
+    def _check_call(self, input_ids: Any, cache: Any) -> None:
+        """A family's own check of a call's inputs (Phi-3's longrope with a cache)."""
+
+    def check_token_ids(self, input_ids: Any) -> None:
+        """Raise if concrete ``input_ids`` hold an id outside the vocabulary (``ft.nn.generate`` calls it)."""
+        check_token_ids(self, input_ids, self._tokens().embeddings.shape[0])
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
+        """One cache per block (``ft.nn.Stack.init_cache``)."""
+        return _cache(self._blocks(), batch_size, max_length, dtype)
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None) -> Any:
+        self._check_call(input_ids, cache)
+        tokens, lm_head = self._tokens(), getattr(self, "lm_head", None)
+        return _run(self, input_ids, attention_mask, positions, cache, vocab=tokens.embeddings.shape[0],
+                    blocks=self._blocks(), embed=self._embed,
+                    head=lambda x: _head(self._final_norm(x), lm_head, tokens), rotary=self.rotates,
+                    limit=self._limit())

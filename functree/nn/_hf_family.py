@@ -1,0 +1,133 @@
+"""A Hugging Face family is one class: :class:`HFModel` and the table built from its subclasses.
+
+Each model class :func:`ft.nn.from_hf` builds declares, as class variables, what its family
+is: the ``model_type`` it covers (a class declaring one joins :data:`FAMILIES`), the HF class
+it equals (``hf_class``, by default its own name), how it is built from a config
+(:meth:`HFModel.from_config`), its tied head's weight names (``hf_head``), the embedding HF
+builds with ``padding_idx`` (``hf_padded``), the layers HF initializes scaled by
+``1 / sqrt(2 * n_layer)`` (``hf_residual``), the older checkpoint names HF's loader reads
+(:meth:`HFModel.hf_names`) and the layouts and renames of its weights (``hf_layouts``,
+``hf_rename``). A family built like another is a subclass that overrides its difference
+(``Qwen2ForCausalLM(LlamaForCausalLM)``), as transformers' modular files write them::
+
+    class Qwen2ForCausalLM(LlamaForCausalLM):
+        model_type = "qwen2"
+
+        @classmethod
+        def hf_options(cls, config):
+            return {"attention_bias": True, "output_bias": False, "window": window(config, layer_types=True)}
+
+:data:`FAMILIES` (model type -> :class:`Family`) and :data:`COVERED` (model type -> HF
+class name) are read from the registered classes, so every reader (``from_hf``,
+``to_hf_state_dict``, ``save_hf``, LoRA's names) sees a new family at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+from functree._module import Module
+
+__all__ = ["Family", "FAMILIES", "COVERED", "HFModel", "family_of"]
+
+FAMILY_TAKEN = """\
+{new}: model_type {model_type!r} is already covered by {old}; a model type is one family \
+(from_hf would not know which class to build).
+
+    wrong:  class {short}({base}):  model_type = {model_type!r}
+    right:  class {short}({base}):  model_type = "my_{model_type}"     # a model type of its own
+       or:  del FAMILIES[{model_type!r}]                                # replace the family on purpose
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model type ``from_hf`` covers, as its class declares it: the HF class it equals,
+    the functree class, the builder reading the config ``(config, weight names, dtype, key,
+    attention) -> model``, a tied head's ``(head, embedding)`` weight names, the older
+    checkpoint names HF's loader reads (a function of the weights dict), the embedding HF
+    builds with ``padding_idx=pad_token_id`` and the layers it initializes at
+    ``std / sqrt(2 * n_layer)`` (key-path patterns)."""
+
+    hf_class: str
+    model: type
+    build: Callable[..., Any]
+    head: tuple[str, str] | None = None
+    names: Callable[[dict[str, Any]], dict[str, Any]] = lambda weights: weights
+    padded: str | None = None
+    residual: tuple[str, ...] = ()
+
+
+# model type -> Family, filled by HFModel subclasses that declare a model_type (in the order defined).
+FAMILIES: dict[str, Family] = {}
+
+
+class _Covered(Mapping[str, str]):
+    """model type -> HF class name, read from :data:`FAMILIES` (a family added or removed shows at once)."""
+
+    def __getitem__(self, model_type: str) -> str:
+        return FAMILIES[model_type].hf_class
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        return len(FAMILIES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+COVERED: Mapping[str, str] = _Covered()
+
+
+def family_of(model: Any) -> Family | None:
+    """The family whose class ``model`` is (exactly: a subclass is a family of its own), or None."""
+    family = FAMILIES.get(getattr(type(model), "model_type", None) or "")
+    return family if family is not None and type(model) is family.model else None
+
+
+class HFModel(Module):
+    """A Hugging Face model class as a functree model; a subclass with a ``model_type`` is a
+    family of :data:`FAMILIES` (module docstring). It declares no field: each model class
+    declares its own (HF's module names, then ``hf_config``), so the pytree is the HF tree."""
+
+    model_type: ClassVar[str | None] = None  # the config's model_type this class covers (None: a base)
+    hf_class: ClassVar[str] = ""  # the HF class it equals; "" = the class's own name
+    hf_head: ClassVar[tuple[str, str] | None] = None  # a tied head's (head, embedding) weight names
+    hf_padded: ClassVar[str | None] = None  # the embedding HF builds with padding_idx (its row zeroed at init)
+    hf_residual: ClassVar[tuple[str, ...]] = ()  # the layers HF initializes at std / sqrt(2 * n_layer)
+    hf_layouts: ClassVar[dict[str, Any]] = {}  # ft.nn.load_torch_state_dict's layouts=
+    hf_rename: ClassVar[dict[str, str]] = {}  # ft.nn.load_torch_state_dict's rename=
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "hf_class" not in cls.__dict__:
+            cls.hf_class = cls.__name__
+        if cls.__dict__.get("model_type") is not None:
+            _register(cls)
+
+    @classmethod
+    def from_config(cls, config: Any, names: set[str], dtype: Any, key: Any, attention: str) -> Any:
+        """This family's model for an HF ``config`` (``names``: the checkpoint's weight
+        names, for parts a file may lack, as BERT's pooler), parameters in ``dtype``."""
+        raise NotImplementedError(f"{cls.__name__}.from_config")
+
+    @classmethod
+    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
+        """Checkpoint names as this class's HF counterpart's ``state_dict`` has them (older files)."""
+        return weights
+
+
+def _register(cls: type[HFModel]) -> None:
+    model_type = cls.model_type
+    assert model_type is not None
+    old = FAMILIES.get(model_type)
+    if old is not None and old.model.__qualname__ != cls.__qualname__:
+        base = cls.__mro__[1].__name__
+        raise TypeError(FAMILY_TAKEN.format(new=cls.__name__, model_type=model_type, old=old.model.__name__,
+                                            short=cls.__name__, base=base))
+    FAMILIES[model_type] = Family(cls.hf_class, cls, cls.from_config, cls.hf_head, cls.hf_names, cls.hf_padded,
+                                  cls.hf_residual)

@@ -1,0 +1,147 @@
+"""GPT-2 as a functree model: Hugging Face's ``GPT2LMHeadModel`` (:func:`ft.nn.from_hf`'s ``gpt2``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from functree._module import Module, field
+from functree.nn._attention import MultiheadAttention
+from functree.nn._embedding import Embedding
+from functree.nn._hf_causal import Block, CausalLM, _lookup
+from functree.nn._hf_config import HFConfig
+from functree.nn._hf_options import activation, require
+from functree.nn._linear import Dense
+from functree.nn._normalization import LayerNorm
+from functree.nn._stack import Stack
+
+__all__ = ["GPT2LMHeadModel", "GPT2Model", "GPT2Block", "GPT2MLP"]
+
+_GPT2_BUFFER = re.compile(r"(transformer\.)?h\.[0-9]+\.attn\.(bias|masked_bias)")
+
+
+class GPT2MLP(Module):
+    """``c_proj(activation(c_fc(x)))`` (HF's ``Conv1D`` layers as ``Dense``)."""
+
+    c_fc: Dense
+    c_proj: Dense
+
+    def __init__(self, d: int, hidden: int, activation: Any, *, key: jax.Array, dtype: Any = jnp.float32):
+        k1, k2 = jax.random.split(key)
+        self.c_fc = Dense(d, hidden, activation, key=k1, dtype=dtype)
+        self.c_proj = Dense(hidden, d, key=k2, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.c_proj(self.c_fc(x))
+
+
+class GPT2Block(Block):
+    """Pre-norm block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    ln_1: LayerNorm
+    attn: MultiheadAttention
+    ln_2: LayerNorm
+    mlp: GPT2MLP
+
+    def __init__(self, d: int, heads: int, hidden: int, activation: Any, epsilon: float, *, key: jax.Array,
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
+        k1, k2 = jax.random.split(key)
+        self.ln_1 = LayerNorm(d, epsilon=epsilon, dtype=dtype)
+        self.attn = MultiheadAttention(d, heads, causal=True, implementation=attention, key=k1, dtype=dtype)
+        self.ln_2 = LayerNorm(d, epsilon=epsilon, dtype=dtype)
+        self.mlp = GPT2MLP(d, hidden, activation, key=k2, dtype=dtype)
+
+    def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
+        return self.ln_1, self.attn, self.ln_2, self.mlp
+
+
+class GPT2Model(Module):
+    """GPT-2's body: token and position embeddings, the blocks ``h``, the final norm ``ln_f``."""
+
+    wte: Embedding
+    wpe: Embedding
+    h: Stack
+    ln_f: LayerNorm
+
+    def __init__(self, vocab: int, positions: int, d: int, heads: int, layers: int, hidden: int, activation: Any,
+                 epsilon: float, *, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto"):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.wte = Embedding(vocab, d, key=k1, dtype=dtype)
+        self.wpe = Embedding(positions, d, key=k2, dtype=dtype)
+        self.h = Stack(lambda k: GPT2Block(d, heads, hidden, activation, epsilon, key=k, dtype=dtype,
+                                           attention=attention), layers, key=k3)
+        self.ln_f = LayerNorm(d, epsilon=epsilon, dtype=dtype)
+
+
+class GPT2LMHeadModel(CausalLM):
+    """Hugging Face's ``GPT2LMHeadModel`` as a functree model (built by :func:`ft.nn.from_hf`).
+
+    ``logits = lm_head(ln_f(h(wte(ids) + wpe(positions))))``, the head tied to ``wte``
+    (``lm_head`` is None: ``x wte^T``). Positions are ``cumsum(attention_mask) - 1`` with a
+    mask (left padding as HF's ``generate``), else ``0..T-1``; more than ``n_positions``
+    tokens raise (a position past the table under a cache reads NaN). Parameters keep HF's
+    names under ``transformer`` (:mod:`functree.nn._hf_causal` for the layers' own).
+    """
+
+    transformer: GPT2Model
+    lm_head: Dense | None
+    hf_config: HFConfig | None = field(static=True, default=None)  # from_hf's: config.json (and generation's)
+    model_type = "gpt2"
+    hf_head = ("lm_head.weight", "transformer.wte.weight")
+    hf_residual = ("*.attn.output_projection", "*.mlp.c_proj")
+    hf_layouts: ClassVar[dict[str, Any]] = {"transformer.h.*": "conv1d"}
+    rotates = False
+
+    def __init__(self, vocab: int, positions: int, d: int, heads: int, layers: int, *, hidden: int | None = None,
+                 activation: Any = None, epsilon: float = 1e-5, tied: bool = True, key: jax.Array,
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
+        from functree._activations import gelu
+
+        k1, k2 = jax.random.split(key)
+        self.transformer = GPT2Model(vocab, positions, d, heads, layers, 4 * d if hidden is None else hidden,
+                                     gelu if activation is None else activation, epsilon, key=k1, dtype=dtype,
+                                     attention=attention)
+        self.lm_head = None if tied else Dense(d, vocab, use_bias=False, key=k2, dtype=dtype)
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the learned position embedding covers (``n_positions``):
+        ``ft.nn.generate`` refuses a longer prompt plus ``max_new_tokens``."""
+        return int(self.transformer.wpe.embeddings.shape[0])
+
+    def _tokens(self) -> Embedding:
+        return self.transformer.wte
+
+    def _blocks(self) -> Stack:
+        return self.transformer.h
+
+    def _final_norm(self, x: jax.Array) -> jax.Array:
+        return self.transformer.ln_f(x)
+
+    def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
+        return _lookup(self.transformer.wte, ids) + _lookup(self.transformer.wpe, real)
+
+    def _limit(self) -> tuple[int, str] | None:
+        return self.max_positions, "n_positions"
+
+    @classmethod
+    def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
+        c = config
+        require(c, "scale_attn_weights", True, True)
+        require(c, "scale_attn_by_inverse_layer_idx", False, False)
+        require(c, "add_cross_attention", False, False)
+        return cls(c.vocab_size, c.n_positions, c.n_embd, c.n_head, c.n_layer, hidden=c.n_inner,
+                   activation=activation(c, "activation_function"), epsilon=c.layer_norm_epsilon,
+                   tied=bool(getattr(c, "tie_word_embeddings", True)), key=key, dtype=dtype, attention=attention)
+
+    @classmethod
+    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
+        """GPT-2's body saved without ``transformer.`` (the ``gpt2`` checkpoint), its causal-mask buffers."""
+        out = {k: v for k, v in weights.items() if not _GPT2_BUFFER.fullmatch(k)}
+        if "wte.weight" in out and "transformer.wte.weight" not in out:
+            out = {k if k.startswith("lm_head.") else "transformer." + k: v for k, v in out.items()}
+        return out
+

@@ -1,0 +1,266 @@
+"""Llama and the families built like it, each a subclass overriding its difference
+(:meth:`LlamaForCausalLM.hf_options`): Qwen2 (biases, windows by layer type), Mistral (sliding
+window), Gemma (norm, embedding scale), Phi-3 (fused projections, partial rotary)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from functree._module import Module, field
+from functree.nn._attention import MultiheadAttention
+from functree.nn._embedding import Embedding
+from functree.nn._hf_causal import Block, CausalLM, _check_longrope, _lookup
+from functree.nn._hf_config import HFConfig
+from functree.nn._hf_options import activation, rope, window
+from functree.nn._linear import Dense
+from functree.nn._normalization import RMSNorm
+from functree.nn._rotary import RopeScaling
+from functree.nn._stack import Stack
+
+__all__ = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM",
+           "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names"]
+
+_LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
+_ROTARY_BUFFER = re.compile(r".*\.rotary_emb\.inv_freq|.*\.attention\.(bias|masked_bias)")
+
+
+def rotary_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """Older files' rotary ``inv_freq`` and GPT-NeoX's mask buffers dropped (HF's loader ignores them)."""
+    return {k: v for k, v in weights.items() if not _ROTARY_BUFFER.fullmatch(k)}
+
+
+class LlamaMLP(Module):
+    """SwiGLU: ``down_proj(activation(gate_proj(x)) * up_proj(x))``."""
+
+    gate_proj: Dense
+    up_proj: Dense
+    down_proj: Dense
+
+    def __init__(self, d: int, hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
+                 dtype: Any = jnp.float32):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.gate_proj = Dense(d, hidden, activation, use_bias=use_bias, key=k1, dtype=dtype)
+        self.up_proj = Dense(d, hidden, use_bias=use_bias, key=k2, dtype=dtype)
+        self.down_proj = Dense(hidden, d, use_bias=use_bias, key=k3, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self.gate_proj(x) * self.up_proj(x))
+
+
+class Phi3MLP(Module):
+    """Phi-3's SwiGLU with the gate and up projections in one: ``[gate | up] = gate_up_proj(x)``,
+    ``down_proj(activation(gate) * up)``."""
+
+    gate_up_proj: Dense
+    down_proj: Dense
+    activation: Any = field(static=True, default=None)
+
+    def __init__(self, d: int, hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
+                 dtype: Any = jnp.float32):
+        k1, k2 = jax.random.split(key)
+        self.gate_up_proj = Dense(d, 2 * hidden, use_bias=use_bias, key=k1, dtype=dtype)
+        self.down_proj = Dense(hidden, d, use_bias=use_bias, key=k2, dtype=dtype)
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(self.activation(gate) * up)
+
+
+class GemmaRMSNorm(Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` in float32 (HF's ``weight`` starts at 0)."""
+
+    weight: jax.Array
+    epsilon: float = field(static=True, default=1e-6)
+
+    def __init__(self, d: int, *, epsilon: float = 1e-6, dtype: Any = jnp.float32):
+        self.weight, self.epsilon = jnp.zeros((d,), dtype), float(epsilon)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xs = x.astype(jnp.float32)
+        y = xs * jax.lax.rsqrt(jnp.mean(jnp.square(xs), axis=-1, keepdims=True) + jnp.float32(self.epsilon))
+        return (y * (1.0 + self.weight.astype(jnp.float32))).astype(x.dtype)
+
+
+class LlamaDecoderLayer(Block):
+    """Pre-norm block with RMSNorm, rotary grouped-query attention and a SwiGLU MLP."""
+
+    input_layernorm: Any
+    self_attn: MultiheadAttention
+    post_attention_layernorm: Any
+    mlp: Any
+
+    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any,
+                 epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
+                 dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
+                 norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto"):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.input_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
+        attn = MultiheadAttention(d, heads, num_kv_heads=kv_heads, qk_size=head_dim, vo_size=head_dim, rotary=rotary,
+                                  causal=True, use_bias=attention_bias, window=window, implementation=attention,
+                                  key=k1, dtype=dtype)
+        if output_bias is not None and output_bias != attention_bias:  # Qwen2: biased q, k, v; o_proj without
+            attn = attn.replace(output_projection=Dense(heads * head_dim, d, use_bias=output_bias, key=k3, dtype=dtype))
+        self.self_attn = attn
+        self.post_attention_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
+        self.mlp = mlp(d, hidden, activation, mlp_bias, key=k2, dtype=dtype)
+
+    def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
+        return self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
+
+
+class LlamaModel(Module):
+    """Llama's body: ``embed_tokens``, the blocks ``layers``, the final ``norm`` (Gemma: the
+    embedding times ``embed_scale``, sqrt(hidden_size) in the embedding's dtype)."""
+
+    embed_tokens: Embedding
+    layers: Stack
+    norm: Any
+    embed_scale: float | None = field(static=True, default=None)
+
+    def __init__(self, vocab: int, d: int, layers: int, make: Any, epsilon: float, *, key: jax.Array,
+                 dtype: Any = jnp.float32, norm: Any = RMSNorm, embed_scale: float | None = None):
+        k1, k2 = jax.random.split(key)
+        self.embed_tokens = Embedding(vocab, d, key=k1, dtype=dtype)
+        self.layers = Stack(make, layers, key=k2)
+        self.norm = norm(d, epsilon=epsilon, dtype=dtype)
+        self.embed_scale = embed_scale
+
+    def embed(self, ids: jax.Array) -> jax.Array:
+        x = _lookup(self.embed_tokens, ids)
+        return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
+
+
+
+
+class LlamaForCausalLM(CausalLM):
+    """Hugging Face's ``LlamaForCausalLM`` as a functree model (built by :func:`ft.nn.from_hf`).
+
+    ``logits = lm_head(norm(layers(embed_tokens(ids))))``; ``lm_head`` is None for a head
+    tied to the embedding (``x E^T``). Queries and keys are rotated at HF's positions
+    (``cumsum(attention_mask) - 1`` in a left-padded row, with or without a cache: dynamic
+    NTK rope equals HF's too). Parameters keep HF's names (:mod:`functree.nn._hf_causal` for the layers'
+    own). The options cover the families built like Llama: ``output_bias`` (Qwen2's biased
+    q/k/v and unbiased o_proj), ``window`` (sliding-window attention: Mistral, Qwen2, Phi-3),
+    ``norm`` and ``embed_scale`` (Gemma), ``mlp`` (Phi-3's fused ``gate_up_proj``).
+    """
+
+    model: LlamaModel
+    lm_head: Dense | None
+    hf_config: HFConfig | None = field(static=True, default=None)  # from_hf's: config.json (and generation's)
+    model_type = "llama"
+    hf_head = _LLAMA_HEAD
+    hf_padded = _LLAMA_HEAD[1]
+    hf_layouts: ClassVar[dict[str, Any]] = {"model.layers.*.self_attn": ("q_proj", "k_proj", "v_proj", "o_proj")}
+
+    def __init__(self, vocab: int, d: int, heads: int, kv_heads: int, hidden: int, layers: int, *,
+                 head_dim: int | None = None, activation: Any = None, epsilon: float = 1e-6,
+                 rotary: RopeScaling | None = None, attention_bias: bool = False, mlp_bias: bool = False,
+                 tied: bool = False, key: jax.Array, dtype: Any = jnp.float32, output_bias: bool | None = None,
+                 window: int | None = None, norm: Any = RMSNorm, mlp: Any = LlamaMLP,
+                 embed_scale: float | None = None, attention: Any = "auto"):
+        from functree._activations import silu
+
+        k1, k2 = jax.random.split(key)
+        head_dim = d // heads if head_dim is None else head_dim
+        rotary = RopeScaling() if rotary is None else rotary
+        act = silu if activation is None else activation
+
+        def make(k: jax.Array) -> LlamaDecoderLayer:
+            return LlamaDecoderLayer(d, heads, kv_heads, head_dim, hidden, act, epsilon, rotary, attention_bias,
+                                     mlp_bias, key=k, dtype=dtype, output_bias=output_bias, window=window, norm=norm,
+                                     mlp=mlp, attention=attention)
+
+        self.model = LlamaModel(vocab, d, layers, make, epsilon, key=k1, dtype=dtype, norm=norm,
+                                embed_scale=embed_scale)
+        self.lm_head = None if tied else Dense(d, vocab, use_bias=False, key=k2, dtype=dtype)
+
+    def _tokens(self) -> Embedding:
+        return self.model.embed_tokens
+
+    def _blocks(self) -> Stack:
+        return self.model.layers
+
+    def _final_norm(self, x: jax.Array) -> jax.Array:
+        return self.model.norm(x)
+
+    def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
+        return self.model.embed(ids)
+
+    def _check_call(self, input_ids: Any, cache: Any) -> None:
+        _check_longrope(self, self.model.layers.layers.self_attn, input_ids, cache)
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        """How this family differs from Llama: keyword arguments of :class:`LlamaForCausalLM`
+        read from the config (``rotary`` given here replaces the whole-head rope)."""
+        return {}
+
+    @classmethod
+    def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
+        c = config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        options = {"attention_bias": bool(getattr(c, "attention_bias", False)), **cls.hf_options(c)}
+        if "rotary" not in options:  # Llama rotates the whole head (hf.rope's head_dim)
+            options["rotary"] = rope(c, head_dim, cls.hf_class)
+        return cls(c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
+                   c.intermediate_size, c.num_hidden_layers, head_dim=head_dim, activation=activation(c, "hidden_act"),
+                   epsilon=c.rms_norm_eps, mlp_bias=bool(getattr(c, "mlp_bias", False)),
+                   tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype, attention=attention,
+                   **options)
+
+    @classmethod
+    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
+        """Older files' rotary ``inv_freq`` buffers dropped (HF's loader ignores them)."""
+        return rotary_names(weights)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Hugging Face's ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5): Llama with biased q/k/v projections
+    (an unbiased ``o_proj``), sliding windows where the config's ``layer_types`` set them on
+    every layer."""
+
+    model_type = "qwen2"
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        return {"attention_bias": True, "output_bias": False, "window": window(config, layer_types=True)}
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Hugging Face's ``MistralForCausalLM``: Llama with sliding-window attention (``window``:
+    the config's ``sliding_window``, in the forward and in the KV cache's mask)."""
+
+    model_type = "mistral"
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        return {"window": window(config)}
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Hugging Face's ``GemmaForCausalLM``: Llama with ``GemmaRMSNorm`` (``1 + weight``), the
+    embedding scaled by sqrt(hidden_size), GeGLU (the config's tanh GELU) and a tied head."""
+
+    model_type = "gemma"
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        return {"norm": GemmaRMSNorm, "embed_scale": float(config.hidden_size) ** 0.5}
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Hugging Face's ``Phi3ForCausalLM``: Llama with fused ``qkv_proj`` and ``gate_up_proj``
+    (:class:`Phi3MLP`), rotary on the first ``partial_rotary_factor`` of each head and sliding
+    windows as the config sets them."""
+
+    model_type = "phi3"
+    hf_layouts: ClassVar[dict[str, Any]] = {"model.layers.*.self_attn": ("qkv_proj", "o_proj")}
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        return {"mlp": Phi3MLP, "window": window(config), "rotary": rope(config, None, cls.hf_class)}

@@ -1,0 +1,144 @@
+"""OPT as a functree model: Hugging Face's ``OPTForCausalLM`` (``opt``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from functree._module import Module, field
+from functree.nn._attention import MultiheadAttention
+from functree.nn._embedding import Embedding
+from functree.nn._hf_causal import Block, CausalLM, _lookup
+from functree.nn._hf_config import HFConfig
+from functree.nn._hf_options import activation, require
+from functree.nn._linear import Dense
+from functree.nn._normalization import LayerNorm
+from functree.nn._stack import Stack
+
+__all__ = ["OPTForCausalLM", "OPTModel", "OPTDecoder", "OPTDecoderLayer", "OPT_OFFSET"]
+
+
+class OPTDecoderLayer(Block):
+    """Pre-norm block: ``x + self_attn(self_attn_layer_norm(x))``, then
+    ``x + fc2(relu(fc1(final_layer_norm(x))))``."""
+
+    self_attn: MultiheadAttention
+    self_attn_layer_norm: LayerNorm
+    fc1: Dense
+    fc2: Dense
+    final_layer_norm: LayerNorm
+
+    def __init__(self, d: int, heads: int, hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
+                 dtype: Any = jnp.float32, attention: Any = "auto"):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.self_attn = MultiheadAttention(d, heads, causal=True, use_bias=use_bias, implementation=attention,
+                                            key=k1, dtype=dtype)
+        self.self_attn_layer_norm = LayerNorm(d, dtype=dtype)
+        self.fc1 = Dense(d, hidden, activation, use_bias=use_bias, key=k2, dtype=dtype)
+        self.fc2 = Dense(hidden, d, use_bias=use_bias, key=k3, dtype=dtype)
+        self.final_layer_norm = LayerNorm(d, dtype=dtype)
+
+    def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
+        return self.self_attn_layer_norm, self.self_attn, self.final_layer_norm, lambda x: self.fc2(self.fc1(x))
+
+
+class OPTDecoder(Module):
+    """OPT's body: ``embed_tokens``, ``embed_positions`` (position ``p`` at row ``p + 2``), the
+    blocks ``layers``, ``final_layer_norm``."""
+
+    embed_tokens: Embedding
+    embed_positions: Embedding
+    layers: Stack
+    final_layer_norm: LayerNorm
+
+    def __init__(self, vocab: int, positions: int, d: int, layers: int, make: Any, *, key: jax.Array,
+                 dtype: Any = jnp.float32):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed_tokens = Embedding(vocab, d, key=k1, dtype=dtype)
+        self.embed_positions = Embedding(positions + OPT_OFFSET, d, key=k2, dtype=dtype)
+        self.layers = Stack(make, layers, key=k3)
+        self.final_layer_norm = LayerNorm(d, dtype=dtype)
+
+
+class OPTModel(Module):
+    """``decoder`` (HF's module tree)."""
+
+    decoder: OPTDecoder
+
+    def __init__(self, decoder: OPTDecoder):
+        self.decoder = decoder
+
+
+OPT_OFFSET = 2  # OPT's learned positions start at row 2 of embed_positions
+
+
+class OPTForCausalLM(CausalLM):
+    """Hugging Face's ``OPTForCausalLM`` as a functree model (built by :func:`ft.nn.from_hf`).
+
+    Learned positions (``cumsum(attention_mask) - 1``, row ``p + 2``; more than
+    ``max_position_embeddings`` tokens raise), pre-norm blocks (:class:`OPTDecoderLayer`),
+    a head tied to ``embed_tokens`` (``lm_head`` None) or not.
+    """
+
+    model: OPTModel
+    lm_head: Dense | None
+    hf_config: HFConfig | None = field(static=True, default=None)  # from_hf's: config.json (and generation's)
+    model_type = "opt"
+    hf_head = ("lm_head.weight", "model.decoder.embed_tokens.weight")
+    hf_padded = "model.decoder.embed_tokens.weight"
+    hf_layouts: ClassVar[dict[str, Any]] = {
+        "model.decoder.layers.*.self_attn": ("q_proj", "k_proj", "v_proj", "out_proj")}
+    rotates = False
+
+    def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *,
+                 activation: Any, use_bias: bool = True, tied: bool = True, key: jax.Array, dtype: Any = jnp.float32,
+                 attention: Any = "auto"):
+        k1, k2 = jax.random.split(key)
+
+        def make(k: jax.Array) -> OPTDecoderLayer:
+            return OPTDecoderLayer(d, heads, hidden, activation, use_bias, key=k, dtype=dtype, attention=attention)
+
+        self.model = OPTModel(OPTDecoder(vocab, positions, d, layers, make, key=k1, dtype=dtype))
+        self.lm_head = None if tied else Dense(d, vocab, use_bias=False, key=k2, dtype=dtype)
+
+    @property
+    def max_positions(self) -> int:
+        """``max_position_embeddings`` (``ft.nn.generate`` refuses to go past it)."""
+        return int(self.model.decoder.embed_positions.embeddings.shape[0]) - OPT_OFFSET
+
+    def _tokens(self) -> Embedding:
+        return self.model.decoder.embed_tokens
+
+    def _blocks(self) -> Stack:
+        return self.model.decoder.layers
+
+    def _final_norm(self, x: jax.Array) -> jax.Array:
+        return self.model.decoder.final_layer_norm(x)
+
+    def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
+        m = self.model.decoder
+        return _lookup(m.embed_tokens, ids) + _lookup(m.embed_positions, real + OPT_OFFSET)
+
+    def _limit(self) -> tuple[int, str] | None:
+        return self.max_positions, "max_position_embeddings"
+
+    @classmethod
+    def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
+        c = config
+        require(c, "do_layer_norm_before", True, True)
+        require(c, "word_embed_proj_dim", c.hidden_size, c.hidden_size)
+        require(c, "layer_norm_elementwise_affine", True, True)
+        require(c, "_remove_final_layer_norm", False, False)
+        return cls(c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads, c.ffn_dim,
+                   c.num_hidden_layers, activation=activation(c, "activation_function"),
+                   use_bias=bool(getattr(c, "enable_bias", True)), tied=bool(getattr(c, "tie_word_embeddings", True)),
+                   key=key, dtype=dtype, attention=attention)
+
+    @classmethod
+    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
+        """OPT saved without ``model.`` (``decoder.layers...``, as the hub's files)."""
+        if any(k.startswith("decoder.") for k in weights) and not any(k.startswith("model.") for k in weights):
+            return {("model." + k if k.startswith("decoder.") else k): v for k, v in weights.items()}
+        return weights

@@ -66,14 +66,13 @@ def program_alone(runner: Any) -> Any:
     step = runner.step
     flat = getattr(step, "_direct", None) or step  # a TrainStep's program, or ft.jit's FlatJit
     program, _, leaves = flat._last
-    others = [*program.others((*runner.carry, *runner.args, None, None)[:program.nargs])]
-    other_leaves = jax.tree.leaves(others)
+    others = program.others((*runner.carry, *runner.args, None, None)[:program.nargs])
     state = {"leaves": leaves}
 
     def block(n: int) -> None:
         leaves, jitted, gather = state["leaves"], program.jitted, program.gather
         for _ in range(n):
-            leaves = jitted(gather(leaves), other_leaves)
+            leaves = jitted(gather(leaves), others)
         jax.block_until_ready(leaves)
         state["leaves"] = leaves
 

@@ -6,9 +6,11 @@ that means a Python function per node each way (a tiny Adam step moves 12 Module
 :func:`flat_jit` keeps the same function and the same compiled program but moves the tree
 work out of the loop:
 
-* the program is ``jax.jit`` of a function of two lists of leaves (the donated arguments'
-  and the others'), one per combination of input tree definitions; it rebuilds the
-  arguments and flattens the result while tracing only;
+* the program is ``jax.jit`` of a function of the donated arguments' leaves (a tuple) and
+  the other arguments as they are (JAX flattens those in C++), one per combination of
+  input tree definitions; it rebuilds the arguments and flattens the result while tracing
+  only (another structure of the other arguments, found by JAX's cache, makes the call
+  look up its own program);
 * results are rebuilt by straight-line Python generated once per output tree definition
   (:func:`builder`): Modules and functree's state records filled without ``__init__``,
   tuples, named tuples, lists, dicts and ``None`` inline, other nodes by their own
@@ -232,16 +234,21 @@ class _Program:
         self.returned: Callable[[tuple], tuple] = _taker(())
         self.gather: Callable[[Sequence[Any]], tuple] = _gatherer(())
 
-        def flat(donated: tuple, others: list[Any]) -> list[Any]:
+        def flat(donated: tuple, others: tuple) -> list[Any]:
+            # ``others``: the arguments not donated, as they are (JAX flattens them in C++
+            # and keys its cache on their structure); another structure than this
+            # program's is the caller's cue to look up the program for it.
+            if jax.tree.structure(others) != other_treedef:
+                raise _Restructured
             args: list[Any] = [None] * nargs
             for i, x in zip(donate, donated_treedef.unflatten(donated)):
                 args[i] = x
-            for i, x in zip(self.passed, other_treedef.unflatten(others)):
+            for i, x in zip(self.passed, others):
                 args[i] = x
             try:
                 out = fn(*args)
             except Exception as e:  # at trace time only: name leaves as the caller knows them
-                _name_arguments(e, fn, ((donate, donated_treedef, "donated"), (self.passed, other_treedef, "others")))
+                _name_arguments(e, fn, (donate, donated_treedef), self.passed)
                 raise
             leaves, treedef = jax.tree.flatten(out)
             self._set_output(treedef)
@@ -266,18 +273,28 @@ class _Program:
         self.carry = tuple(_immutable(part) for part in parts)
 
 
-_FLAT_ARGUMENT = re.compile(r"\b(donated|others)\[(\d+)\]")
+class _Restructured(Exception):
+    """Raised while tracing a flat program for arguments not donated whose structure is not
+    the program's: the call goes the full way (which finds or makes the right program)."""
+
+
+_FLAT_ARGUMENT = re.compile(r"\bdonated\[(\d+)\]")
+_FLAT_OTHER = re.compile(r"\bothers\[(\d+)\]((?:\[[^\[\]]*\])*)")  # others[1][0] / others[1]['x']
 _FLAT_FUNCTION = re.compile(r"the function flat at \S+_flat\.py:\d+")
 
 
-def _name_arguments(error: Exception, fn: Callable[..., Any], groups: Any) -> None:
-    """Rewrite, in ``error``'s message, the flat program's argument names (``donated[1]``,
-    JAX's name for a leaf it saw) as the key path the caller knows (``model.hidden_size``,
-    by ``fn``'s parameter names), and ``the function flat`` as ``fn``'s name."""
+def _name_arguments(error: Exception, fn: Callable[..., Any], donated: tuple[tuple[int, ...], Any],
+                    passed: tuple[int, ...]) -> None:
+    """Rewrite, in ``error``'s message, the flat program's argument names as the caller knows
+    them, by ``fn``'s parameter names: ``donated[1]`` (JAX's name for a donated leaf) as its
+    key path (``model.hidden_size``), ``others[1][0]`` (an argument not donated, passed as it
+    is, and the path into it) as ``batch.0``, and ``the function flat`` as ``fn``'s name.
+    ``donated``: the donated arguments' positions and tree definition; ``passed``: the
+    positions of the others."""
     if not error.args or not isinstance(error.args[0], str):
         return
     message = error.args[0]
-    if not (_FLAT_ARGUMENT.search(message) or _FLAT_FUNCTION.search(message)):
+    if not (_FLAT_ARGUMENT.search(message) or _FLAT_OTHER.search(message) or _FLAT_FUNCTION.search(message)):
         return
     try:
         params = list(inspect.signature(fn).parameters)
@@ -285,21 +302,30 @@ def _name_arguments(error: Exception, fn: Callable[..., Any], groups: Any) -> No
         params = []
     if params[:1] == ["self"]:  # a class's method shared by its instances (TrainStep._logged): self is not traced
         params = params[1:]
-    names: dict[str, list[str]] = {}
-    for positions, treedef, group in groups:
-        trees = treedef.unflatten([0] * treedef.num_leaves)
-        listed = names.setdefault(group, [])
-        for position, tree in zip(positions, trees):
-            base = params[position] if position < len(params) else f"args[{position}]"
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                rest = dotted_name(path)
-                listed.append(f"{base}.{rest}" if rest else base)
 
-    def rename(match: re.Match[str]) -> str:
-        listed, index = names.get(match.group(1), []), int(match.group(2))
-        return listed[index] if index < len(listed) else match.group(0)
+    def base(position: int) -> str:
+        return params[position] if position < len(params) else f"args[{position}]"
 
-    message = _FLAT_ARGUMENT.sub(rename, message)
+    positions, treedef = donated
+    leaves: list[str] = []
+    for position, tree in zip(positions, treedef.unflatten([0] * treedef.num_leaves)):
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            rest = dotted_name(path)
+            leaves.append(f"{base(position)}.{rest}" if rest else base(position))
+
+    def donated_leaf(match: re.Match[str]) -> str:
+        index = int(match.group(1))
+        return leaves[index] if index < len(leaves) else match.group(0)
+
+    def other(match: re.Match[str]) -> str:
+        index = int(match.group(1))
+        if index >= len(passed):
+            return match.group(0)
+        keys = [k.strip("'\"") for k in re.findall(r"\[([^\[\]]*)\]", match.group(2))]
+        return ".".join([base(passed[index]), *keys])
+
+    message = _FLAT_ARGUMENT.sub(donated_leaf, message)
+    message = _FLAT_OTHER.sub(other, message)
     message = _FLAT_FUNCTION.sub(f"the function {getattr(fn, '__qualname__', 'f')}", message)
     error.args = (message, *error.args[1:])
 
@@ -349,22 +375,23 @@ class FlatJit:
             self._tree = jax.jit(self._fn, donate_argnums=self._donate, keep_unused=True, **self._tree_options)
         return self._tree
 
-    def _program(self, args: tuple) -> tuple[_Program | None, list[Any], list[Any]]:
-        """The program for these arguments and their leaves; None when a tree definition
-        cannot be hashed (then ``jax.jit`` of ``fn`` runs, and says so)."""
+    def _program(self, args: tuple) -> tuple[_Program | None, tuple, tuple]:
+        """The program for these arguments, the donated arguments' leaves and the other
+        arguments (as the program takes them); None when a tree definition cannot be hashed
+        (then ``jax.jit`` of ``fn`` runs, and says so)."""
         donated = [args[i] for i in self._donate if i < len(args)]
         others = tuple(x for i, x in enumerate(args) if i not in self._donate)
         donated_leaves, donated_treedef = jax.tree.flatten(donated)
-        other_leaves, other_treedef = jax.tree.flatten(others)
+        other_treedef = jax.tree.structure(others)
         key, program = cached(self._programs, (len(args), donated_treedef, other_treedef))
         if key is None:
-            return None, donated_leaves, other_leaves
+            return None, tuple(donated_leaves), others
         if program is None:
             donate = tuple(i for i in self._donate if i < len(args))
             program = _Program(self._fn, len(args), donate, donated_treedef, other_treedef, self._options,
                                self._owned)
             bounded_put(self._programs, key, program)
-        return program, donated_leaves, other_leaves
+        return program, tuple(donated_leaves), others
 
     def _loop(self, program: _Program, args: tuple) -> None:
         """Remember which previous result each donated argument is (when it is one that
@@ -395,22 +422,22 @@ class FlatJit:
                 else:
                     donated = self._replaced(program, args, results, leaves)
                 if donated is not None:
-                    other_leaves, other_treedef = _flatten(program.others(args), None)
-                    if other_treedef == program.other_treedef:
-                        try:
-                            leaves = program.jitted(donated, other_leaves)
-                        except (RuntimeError, ValueError, TypeError) as e:
-                            self._reraise(e, args, kwargs)
-                            raise
-                        results = program.build(leaves)
-                        outs = results if program.several else (results,)
-                        self._last = (program, outs, leaves)
-                        guard = self.guard
-                        if guard is not None:  # DonationGuard.remember, inline: a loop's every step
-                            guard._last, guard._given = outs, args
-                            guard.calls += 1
-                            _LAST_DONOR[0] = guard
-                        return results
+                    try:  # the other arguments as they are: JAX flattens and checks them in C++
+                        leaves = program.jitted(donated, program.others(args))
+                    except _Restructured:  # (traced only) another structure: the full way
+                        return self._call(args, kwargs)
+                    except (RuntimeError, ValueError, TypeError) as e:
+                        self._reraise(e, args, kwargs)
+                        raise
+                    results = program.build(leaves)
+                    outs = results if program.several else (results,)
+                    self._last = (program, outs, leaves)
+                    guard = self.guard
+                    if guard is not None:  # DonationGuard.remember, inline: a loop's every step
+                        guard._last, guard._given = outs, args
+                        guard.calls += 1
+                        _LAST_DONOR[0] = guard
+                    return results
         return self._call(args, kwargs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
@@ -463,13 +490,13 @@ class FlatJit:
         if kwargs or self._tree_only:
             self._last = None
             return self._tree_jit()(*args, **kwargs)
-        program, donated, other_leaves = self._program(args)
+        program, donated, others = self._program(args)
         if program is None or (self._tree_when_mutable and not program.loops):
             self._last = None
             self._tree_only = program is not None
             return self._tree_jit()(*args)
         self._loop(program, args)
-        leaves = program.jitted(tuple(donated), other_leaves)
+        leaves = program.jitted(donated, others)
         results = program.build(leaves)
         self._last = (program, results if program.several else (results,), leaves)
         return results

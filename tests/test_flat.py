@@ -119,6 +119,37 @@ def test_donated_results_apart_and_out_of_order_are_gathered_in_argument_order()
         np.testing.assert_array_equal(x, y)
 
 
+def test_another_structure_of_the_other_arguments_in_a_loop_takes_its_own_program():
+    # The loop passes the arguments not donated to JAX as they are (flattened in C++): a
+    # batch that turns from a tuple into a dict mid-loop runs the program for a dict.
+    class Weights(ft.Module):
+        w: jax.Array
+
+    def f(m, batch):
+        x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
+        return Weights(m.w + x * y), jnp.sum(m.w)
+
+    flat, plain = flat_jit(f, donate=(0,)), jax.jit(f)
+    m1, m2 = Weights(jnp.zeros(2)), Weights(jnp.zeros(2))
+    x, y = jnp.ones(2), jnp.full(2, 3.0)
+    for batch in [(x, y), (x, y), (x, y), {"x": x, "y": y}, {"x": x, "y": y}, (x, y), [x, y]]:
+        m1, t1 = flat(m1, batch)
+        m2, t2 = plain(m2, batch)
+        np.testing.assert_array_equal(t1, t2)
+        np.testing.assert_array_equal(m1.w, m2.w)
+    assert len(flat._programs) == 3  # tuple, dict, list: one program each
+
+
+def test_an_argument_not_donated_is_named_by_its_parameter_in_trace_errors():
+    def scale(model, batch):
+        return model * (2.0 if batch[1] > 0 else 3.0)
+
+    step = ft.jit(scale, donate=0)
+    with pytest.raises(ft.ControlFlowError, match=r"argument batch\.1\b") as info:
+        step(jnp.ones(2), (jnp.ones(()), jnp.ones(())))
+    assert "others[" not in str(info.value) and "function flat" not in str(info.value)
+
+
 def test_a_new_tree_in_a_loops_place_is_flattened_alone_and_keeps_the_fast_path(monkeypatch):
     # The Trainer passes a new log buffer every log_every steps (the model and state are
     # the previous results): that argument alone is flattened; another structure there

@@ -265,7 +265,7 @@ def _cache(blocks: Stack, batch_size: int, max_length: int, dtype: Any) -> Any:
 
 
 class Block(Module):
-    """A pre-norm block's call and cache, shared by the blocks below (their fields: HF's names)."""
+    """A pre-norm block's call and cache, shared by the families' blocks (their fields: HF's names)."""
 
     def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
         raise NotImplementedError
@@ -280,14 +280,25 @@ class Block(Module):
                          bool(getattr(self, "parallel", False)))
 
 
-
 class CausalLM(HFModel):
     """A decoder language model's calls, written once for every family (module docstring):
     ``check_token_ids``, ``init_cache`` and ``model(input_ids, attention_mask=None, *,
     positions=None, cache=None)``. A family names its parts (:meth:`_tokens`,
     :meth:`_blocks`, :meth:`_final_norm`) and its difference (:meth:`_embed`: learned
     positions; ``rotates``: rotary attention; :meth:`_limit`: a position table's length).
-    The head is the class's ``lm_head`` field (None: tied to :meth:`_tokens`)."""
+    The head is the class's ``lm_head`` field (None: tied to :meth:`_tokens`).
+
+    Example:
+      >>> import functree as ft, jax, numpy as np
+      >>> config = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 16,
+      ...           "num_hidden_layers": 2, "num_attention_heads": 2}
+      >>> model = ft.nn.from_hf(config, key=jax.random.key(0))
+      >>> cache = model.init_cache(1, 8)
+      >>> logits, cache = model(np.zeros((1, 3), np.int32), np.array([[1, 1, 1, 0, 0, 0, 0, 0]]),
+      ...                       positions=np.arange(3)[None], cache=cache)
+      >>> logits.shape
+      (1, 3, 11)
+    """
 
     rotates: ClassVar[bool] = True  # the blocks rotate queries and keys by the real positions
 

@@ -92,7 +92,16 @@ def family_of(model: Any) -> Family | None:
 class HFModel(Module):
     """A Hugging Face model class as a functree model; a subclass with a ``model_type`` is a
     family of :data:`FAMILIES` (module docstring). It declares no field: each model class
-    declares its own (HF's module names, then ``hf_config``), so the pytree is the HF tree."""
+    declares its own (HF's module names, then ``hf_config``), so the pytree is the HF tree.
+
+    Example:
+      >>> from functree.nn._hf_family import COVERED, FAMILIES
+      >>> qwen2 = FAMILIES["qwen2"].model
+      >>> qwen2.__name__, qwen2.__mro__[1].__name__, qwen2.model_type, COVERED["qwen2"]
+      ('Qwen2ForCausalLM', 'LlamaForCausalLM', 'qwen2', 'Qwen2ForCausalLM')
+      >>> FAMILIES["qwen2"].head == qwen2.hf_head == ("lm_head.weight", "model.embed_tokens.weight")
+      True
+    """
 
     model_type: ClassVar[str | None] = None  # the config's model_type this class covers (None: a base)
     hf_class: ClassVar[str] = ""  # the HF class it equals; "" = the class's own name

@@ -135,7 +135,14 @@ def record(*data: str) -> Callable[[type[T]], type[T]]:
 
 
 class Control:
-    """A logits control: the default steps keep no state and change nothing."""
+    """A logits control: the default steps keep no state and change nothing.
+
+    ``build(o)`` checks the options (raising a named error) and returns the record or None;
+    ``init(loop)`` returns the state of each prompt, rows first (``[batch, ...]``: beam search
+    repeats it per beam and reorders it with the beams it keeps; None: no state);
+    ``apply(scores, state, now)`` returns the float32 scores ``[rows, vocab]`` (``now.tokens``:
+    the rows so far); ``update(state, token, now)`` returns the state after the rows' tokens
+    ``[rows]`` (a finished row's is its pad id)."""
 
     keywords: ClassVar[tuple[str, ...]] = ()  # generate's keywords (= HF's generation config names)
     warper: ClassVar[bool] = False  # applied only when sampling (HF's warpers)

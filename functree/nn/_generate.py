@@ -48,6 +48,7 @@ from functree.nn._controls import is_number as _is_number
 from functree.nn._decode import _beam_search, _generate
 from functree.nn._generate_defaults import (
     SAMPLING_DEFAULTS,
+    SUPPORTED,
     WARPER_OPTIONS,
     bad_value,
     checkpoint_defaults,
@@ -361,6 +362,9 @@ def generate(
       >>> beams.shape, scores.shape                  # two sequences per prompt, best first
       ((4, 7), (4, 4))
     """
+    # the options HF's generation config also sets, by keyword in the signature's order (a new
+    # control's keyword is picked up here from its record's `keywords`)
+    given = {name: value for name, value in locals().items() if name in SUPPORTED}
     if not callable(getattr(model, "init_cache", None)):
         raise TypeError(NOT_A_GENERATOR.format(type=type(model).__name__))
     inner = model.model if isinstance(model, Shared) else model
@@ -377,12 +381,6 @@ def generate(
     check = getattr(inner, "check_token_ids", None)
     if callable(check):  # the prompt's ids against the vocabulary, once, here where they are concrete
         check(ids)
-    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eos_token_id=eos_token_id,
-                 pad_token_id=pad_token_id, repetition_penalty=repetition_penalty,
-                 no_repeat_ngram_size=no_repeat_ngram_size, bad_words_ids=bad_words_ids,
-                 min_new_tokens=min_new_tokens, suppress_tokens=suppress_tokens, num_beams=num_beams,
-                 num_return_sequences=num_return_sequences, length_penalty=length_penalty,
-                 early_stopping=early_stopping)
     checkpoint = checkpoint_defaults(inner)
     options, sourced = _with_defaults(given, checkpoint, key)
     if attention_mask is None and checkpoint is not None:  # HF's mask from the pad id

@@ -71,7 +71,7 @@ from functree._tangent import (
     zero_tangent_vector_initializer,
 )
 from functree.parallel import cast, partition_specs, shard
-from functree.train._step import DataParallelEvalStep, DataParallelStep
+from functree.train._step_factories import DataParallelEvalStep, DataParallelStep
 from functree.train.checkpoint._registry import register_packages
 
 # Checkpoints name functree's public classes: the registry (below the subpackages) is

@@ -125,7 +125,7 @@ def test_skip_non_finite_steps_and_name_the_parameter():
     out, new_state, metrics = step(model, state, bad)
     np.testing.assert_array_equal(out.weight, model.weight)
     assert int(ft.optim.context(new_state).step) == 0
-    names = ft.train._step.parameter_names(model)
+    names = ft.train._nonfinite.parameter_names(model)
     assert names[int(metrics["nonfinite"])] == "weight"
     out, new_state, metrics = step(model, state, (x, y))
     assert int(metrics["nonfinite"]) == -1 and int(ft.optim.context(new_state).step) == 1
@@ -317,7 +317,7 @@ def test_parallel_never_imports_train():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.startswith("functree.train") for n in names), (path.name, names)
-    assert ft.parallel.DataParallelStep is ft.train._step.DataParallelStep  # the older name, kept
+    assert ft.parallel.DataParallelStep is ft.train._step_factories.DataParallelStep  # the older name, kept
     assert isinstance(ft.parallel.DataParallelStep(mse, ft.optim.sgd(0.1)), TrainStep)
 
 

@@ -14,8 +14,10 @@ from functree.train._history import History
 from functree.train._job import JobState
 from functree.train._loggers import CSVLogger, TensorBoardLogger
 from functree.train._metrics import StepOutput, accuracy, mean
+from functree.train._nonfinite import NonFiniteError
 from functree.train._scan import stack_batches
-from functree.train._step import EvalStep, NonFiniteError, TrainStep, eval_step, train_step
+from functree.train._step import EvalStep, TrainStep
+from functree.train._step_factories import eval_step, train_step
 from functree.train._trainer import Trainer
 from functree.train.checkpoint._checkpoint import (
     Checkpoint,

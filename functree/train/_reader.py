@@ -21,14 +21,9 @@ from functree._jit import eval_shape
 from functree.train._callbacks import Callback, TrainingContext
 from functree.train._intervals import MetricLog, Reading, snapshot, to_host
 from functree.train._means import Means
+from functree.train._nonfinite import NONFINITE, nonfinite_error, parameter_names, step_provenance
 from functree.train._progress import Progress
-from functree.train._step import (
-    NONFINITE,
-    TrainStep,
-    nonfinite_error,
-    parameter_names,
-    step_provenance,
-)
+from functree.train._step import TrainStep
 
 __all__ = ["Reader", "reads_model"]
 

@@ -11,7 +11,7 @@ from functree._where import put
 from functree.optim._optimizer import with_wrt
 from functree.train._evaluation import key_parameter, signature
 from functree.train._step import TrainStep
-from functree.train._step import train_step as make_train_step
+from functree.train._step_factories import train_step as make_train_step
 
 __all__ = ["make_step", "check_key", "job_field"]
 

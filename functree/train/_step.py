@@ -12,12 +12,16 @@ data axis (one shard of the batch per device), its update half once, on the para
 and moments placed by the sharding rules. Like Keras' ``Model.train_step``, each stage is
 a method a subclass may override: ``compute_loss``, ``compute_metrics``, ``apply``,
 ``step``. ``ft.train.Trainer`` runs this same program, with a log buffer.
+
+Around it: the factories (``train_step``, ``eval_step``, the ``DataParallel*`` names) in
+``_step_factories.py``; an ``on_nan="stop"`` stop's error and provenance in
+``_nonfinite.py``; the step's partition specs and per-device outputs over a mesh's data
+axis in ``functree/parallel/_step_specs.py``.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -38,9 +42,6 @@ from functree._alias import (
 )
 from functree._flat import FlatJit, flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
-from functree._naming import names as _leaf_names
-from functree._nan import NaNReport, provenance_text
-from functree._tree import is_none
 from functree._where import placement_of, put
 from functree.optim import Optimizer, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
@@ -51,11 +52,18 @@ from functree.optim._subset import trained_view
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.parallel._mesh import is_array
-from functree.parallel._placement import Placement, one_device_mesh
+from functree.parallel._placement import Placement
 from functree.parallel._rules import check_compute_dtype, partition_specs
+from functree.parallel._step_specs import (
+    is_spec,
+    merge_devices,
+    only_axis,
+    stack_devices,
+    without_axis,
+)
 from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
+from functree.train._nonfinite import NONFINITE, nonfinite_error
 from functree.train._programs import program_key, shared, trampoline
-from functree.train._provenance import step_report
 from functree.train._scan import (
     check_stacked,
     check_steps_per_call,
@@ -64,12 +72,8 @@ from functree.train._scan import (
     step_slice,
 )
 
-__all__ = ["TrainStep", "EvalStep", "train_step", "eval_step", "NONFINITE", "NonFiniteError", "nonfinite_error",
-           "DataParallelStep", "DataParallelEvalStep"]
+__all__ = ["TrainStep", "EvalStep"]
 
-NONFINITE = "nonfinite"
-"""Metrics key of the non-finite report: -1 finite, -2 the loss only, else the index of
-the first parameter leaf (flatten order) whose gradient was not finite."""
 
 BAD_OPTIMIZER = """\
 train_step needs a ft.optim.Optimizer or an optax GradientTransformation, got {given}.
@@ -78,82 +82,9 @@ train_step needs a ft.optim.Optimizer or an optax GradientTransformation, got {g
     right:  ft.train.train_step(loss_fn, ft.optim.Optimizer(ft.optim.adam(1e-3)))
        or:  ft.train.train_step(loss_fn, optax.adam(1e-3))"""
 
-NONFINITE_STOP = """\
-Training stopped at step {step}: {what} was not finite.
-The step was not applied: {holder} those after step {previous}{history}. Try a lower \
-learning rate, gradient clipping, checking the data for NaN/inf, or skipping such steps:
-
-    ft.train.Trainer(model, optimizer, loss_fn, on_nan="skip")"""
-
 
 NO_DONATION = "ft.train.train_step(loss_fn, optimizer, donate=False)    # the inputs stay valid (more memory)"
 
-
-class NonFiniteError(FloatingPointError):
-    """The loss or a gradient became NaN/inf in a step with ``on_nan="stop"`` (the default).
-
-    A ``FloatingPointError`` whose message names the step and the loss or the first
-    parameter whose gradient was not finite; that step and any after it are not applied.
-    ``step``, ``parameter`` (None: the loss), ``model`` (before the step), ``batch`` and
-    ``key`` hold the failing step's inputs; ``report`` is the :class:`ft.NaNReport` of where
-    the first non-finite value came from (the message ends with it).
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> loss_fn = lambda m, b: jnp.mean(jnp.log(-m["w"] * b))  # log(-1): NaN
-      >>> trainer = ft.train.Trainer({"w": jnp.ones(1)}, ft.optim.sgd(0.1), loss_fn)
-      >>> try:
-      ...     trainer.fit(jnp.ones((4, 1)), progress=False)
-      ... except ft.train.NonFiniteError as e:
-      ...     print(str(e).splitlines()[0])
-      Training stopped at step 1: the loss was not finite.
-      >>> trainer.steps_run, trainer.model["w"]  # the model from before step 1
-      (0, Array([1.], dtype=float32))
-    """
-
-    step: int = 0
-    parameter: str | None = None
-    loss_fn: Any = None
-    model: Any = None
-    batch: Any = None
-    key: Any = None
-    report: Any = None
-
-
-def nonfinite_error(step: int, index: int, *, train_step: Any, model: Any, opt_state: Any, batch: Any,
-                    key: Any = None, holder: str = "the model and optimizer state returned are",
-                    history: str = "") -> NonFiniteError:
-    """The one place a stop becomes an exception: step ``step`` (1-based) was not finite at
-    gradient leaf ``index`` of ``model``'s parameters (-2: the loss). ``model`` and
-    ``opt_state`` are those before that step, ``batch`` and ``key`` its inputs: the step is
-    run again off the fast path, equation by equation (:func:`step_provenance`), and the
-    message ends with where the first non-finite value came from (``error.report``)."""
-    name = None if index < 0 else parameter_names(model, train_step.optimizer.wrt)[index]
-    what = "the loss" if name is None else f"the gradient of parameter {name!r}"
-    report = step_provenance(train_step, step, model, opt_state, batch, key)
-    error = NonFiniteError(NONFINITE_STOP.format(step=step, what=what, previous=step - 1, holder=holder,
-                                                 history=history) + provenance_text(report))
-    error.step, error.parameter, error.loss_fn, error.model, error.batch, error.key, error.report = (
-        step, name, train_step.loss_fn, model, batch, key, report)
-    return error
-
-
-def step_provenance(train_step: Any, step: int, model: Any, opt_state: Any, batch: Any, key: Any = None,
-                    applied_after: int = 0) -> NaNReport:
-    """Where step ``step`` of ``train_step`` on these inputs first turned non-finite
-    (:func:`functree.train._provenance.step_report` on its ``compute_loss``).
-
-    ``key`` is the base key the step was called with; it is folded as the step folds it,
-    with the learning context's step ``applied_after`` steps before ``opt_state``'s.
-    """
-    if key is not None:
-        key = jax.random.fold_in(key, context(opt_state).step - applied_after)
-
-    @functools.wraps(train_step.loss_fn)  # the user's function name in the report
-    def loss(m: Any, b: Any, key: Any = None) -> Any:
-        return train_step.compute_loss(m, b, key)  # a subclass's compute_loss included
-
-    return step_report(loss, model, batch, key, step, applied_after)
 
 LOSS_NOT_SCALAR = """\
 The loss function must return a scalar loss (or (loss, aux)); got a loss of shape {shape}.
@@ -188,61 +119,9 @@ def _merge_microbatches(x: jax.Array) -> jax.Array:
     return x.reshape(-1, *x.shape[2:]) if x.ndim >= 2 else x
 
 
-def parameter_names(model: Any, wrt: tuple[str, ...] | None = None) -> list[str]:
-    """Dotted names of the parameter leaves, in the order gradients flatten (only those an
-    ``Optimizer(wrt=)`` trains: its gradients hold no others)."""
-    view = trained_view(model, wrt)
-    names = _leaf_names(view)
-    leaves = jax.tree.leaves(view, is_leaf=is_none)
-    return [n for n, leaf in zip(names, leaves) if leaf is not None]
-
-
-
-
-def _stack(x: Any) -> Any:
-    return x[None] if is_array(x) else x
-
-
-def _merge_devices(x: Any, local: int) -> Any:
-    """A per-device output stacked over devices: per-example rows concatenated, else meaned."""
-    if x.ndim >= 2 and x.shape[1] == local:
-        return x.reshape(-1, *x.shape[2:])
-    return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
-
-
 def _replica_mean(x: Any, axis: str) -> Any:
     """The mean over ``axis`` of a value that still varies over it (else the value)."""
     return jax.lax.pmean(x, axis) if axis in varying_axes(x) else x
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, PartitionSpec)
-
-
-def _without(spec: Any, axis: str) -> Any:
-    """``spec`` with ``axis`` removed from every dimension (that dimension whole over it)."""
-    if not isinstance(spec, PartitionSpec):
-        return spec
-
-    def one(entry: Any) -> Any:
-        if isinstance(entry, tuple):
-            rest = tuple(e for e in entry if e != axis)
-            return rest if len(rest) > 1 else (rest[0] if rest else None)
-        return None if entry == axis else entry
-
-    return PartitionSpec(*(one(e) for e in spec))
-
-
-def _only(spec: Any, axis: str) -> Any:
-    """``spec`` with every axis but ``axis`` removed."""
-    if not isinstance(spec, PartitionSpec):
-        return spec
-
-    def one(entry: Any) -> Any:
-        entries = entry if isinstance(entry, tuple) else (entry,)
-        return axis if axis in entries else None
-
-    return PartitionSpec(*(one(e) for e in spec))
 
 
 def _weakly(ref: Callable[[], Any], method: str) -> Callable[..., Any]:
@@ -457,15 +336,15 @@ class TrainStep:
         # (partial) manual partitioning mode"). P() and P(data) are one layout there.
         alone = where.devices == 1
         if alone:
-            in_batch = jax.tree.map(lambda _: PartitionSpec(), in_batch, is_leaf=_is_spec)
+            in_batch = jax.tree.map(lambda _: PartitionSpec(), in_batch, is_leaf=is_spec)
         state_specs = where.state_specs(opt_state)
         opt_state = where.constrain(opt_state, state_specs)
         # shard_map names the manual (data) axis alone; other axes stay with the compiler.
-        state_in = jax.tree.map(lambda p: PartitionSpec() if alone else _only(p, axis), state_specs,
-                                is_leaf=_is_spec)
+        state_in = jax.tree.map(lambda p: PartitionSpec() if alone else only_axis(p, axis), state_specs,
+                                is_leaf=is_spec)
         # FSDP: the all-gather over the data axis; other axes (tensor parallel) stay as placed.
-        gathered = where.constrain(model, jax.tree.map(lambda p: _without(p, axis), where.model_specs(model),
-                                                       is_leaf=_is_spec))
+        gathered = where.constrain(model, jax.tree.map(lambda p: without_axis(p, axis), where.model_specs(model),
+                                                       is_leaf=is_spec))
 
         def per_device(m: Any, s: Any, b: tuple) -> Gradients:
             # Varying over the data axis: each device differentiates its own shard, and the
@@ -478,7 +357,7 @@ class TrainStep:
             aux = g.out[1]
             if accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
                 aux = jax.tree.map(_merge_microbatches, aux)
-            return Gradients(loss, (loss, jax.tree.map(_stack, aux)), grads, jax.tree.map(_stack, g.layer_state))
+            return Gradients(loss, (loss, jax.tree.map(stack_devices, aux)), grads, jax.tree.map(stack_devices, g.layer_state))
 
         stacked = PartitionSpec(axis)  # apply() asks the optimizer for (loss, aux)
         g = jax.shard_map(
@@ -487,8 +366,8 @@ class TrainStep:
             axis_names={axis},
         )(gathered, opt_state, batch)
         local = batch_size_of(batch) // where.devices
-        out = (g.loss, jax.tree.map(lambda x: _merge_devices(x, local), g.out[1]))
-        layer_state = jax.tree.map(lambda x: _merge_devices(x, -1), g.layer_state)
+        out = (g.loss, jax.tree.map(lambda x: merge_devices(x, local), g.out[1]))
+        layer_state = jax.tree.map(lambda x: merge_devices(x, -1), g.layer_state)
         grad_specs = partition_specs(trained_view(model, self.optimizer.wrt), where.sharding, mesh=where.mesh, data_axis=axis, strict=False)
         return Gradients(g.loss, out, where.constrain(g.grads, grad_specs), layer_state)
 
@@ -870,78 +749,3 @@ def _calling_train(entry: Any, method: str) -> Callable[..., Any]:
     return run
 
 
-def train_step(
-    loss_fn: Callable[..., Any],
-    optimizer: Any,
-    *,
-    metrics: Mapping[str, Any] | Sequence[Any] | None = None,
-    on_nan: str | None = DEFAULT_ON_NAN,
-    donate: bool = True,
-    mesh: Any = None,
-    data_axis: str = "data",
-    sharding: Any = None,
-    compute_dtype: Any = None,
-    steps_per_call: int = 1,
-) -> TrainStep:
-    """A jitted training step; see :class:`TrainStep`.
-
-    ``step(model, opt_state, batch)`` computes ``g = ∇ loss_fn(model, batch)``, applies
-    one optimizer update and returns ``(model, opt_state, metrics)`` with
-    ``metrics = {"loss": loss, name: metric(out), ...}`` (float32 scalars, on device).
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> loss_fn = lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2)
-      >>> opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
-      >>> step, model = ft.train.train_step(loss_fn, opt), {"w": jnp.zeros(2)}
-      >>> model, state, metrics = step(model, opt.init(model), (jnp.eye(2), jnp.array([1.0, 2.0])))
-      >>> round(float(metrics["loss"]), 4), model["w"]  # (1² + 2²) / 2; w ← 0 - 0.1·(-1, -2)
-      (2.5, Array([0.1, 0.2], dtype=float32))
-    """
-    return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, donate=donate, mesh=mesh,
-                     data_axis=data_axis, sharding=sharding, compute_dtype=compute_dtype,
-                     steps_per_call=steps_per_call)
-
-
-def eval_step(
-    loss_fn: Callable[..., Any],
-    *,
-    metrics: Mapping[str, Any] | Sequence[Any] | None = None,
-    mesh: Any = None,
-    data_axis: str = "data",
-    sharding: Any = None,
-    compute_dtype: Any = None,
-) -> EvalStep:
-    """A jitted evaluation step (loss and metrics, no update); see :class:`EvalStep`.
-
-    ``evaluate(model, batch)`` returns ``{"loss": loss_fn(model, batch), name:
-    metric(StepOutput(loss, aux, batch, model)), ...}``; the model is not changed.
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> loss_fn = lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2)
-      >>> mae = lambda out: jnp.mean(jnp.abs(out.batch[0] @ out.model["w"] - out.batch[1]))
-      >>> evaluate = ft.train.eval_step(loss_fn, metrics={"mae": mae})
-      >>> evaluate({"w": jnp.zeros(2)}, (jnp.eye(2), jnp.array([1.0, 2.0])))
-      {'loss': Array(2.5, dtype=float32), 'mae': Array(1.5, dtype=float32)}
-    """
-    return EvalStep(loss_fn, metrics=metrics, mesh=mesh, data_axis=data_axis, sharding=sharding,
-                    compute_dtype=compute_dtype)
-
-
-def DataParallelStep(loss_fn: Callable[..., Any], optimizer: Any, *, mesh: Any = None, data_axis: str = "data",
-                     **options: Any) -> TrainStep:
-    """The older name of ``TrainStep(loss_fn, optimizer, mesh=mesh, ...)``; ``mesh=None`` is
-    the default device alone (``ft.parallel.DataParallelStep`` is this function)."""
-    return TrainStep(loss_fn, optimizer, mesh=_one_device(mesh, data_axis), data_axis=data_axis, **options)
-
-
-def DataParallelEvalStep(loss_fn: Callable[..., Any], *, mesh: Any = None, data_axis: str = "data",
-                         **options: Any) -> EvalStep:
-    """The older name of ``EvalStep(loss_fn, mesh=mesh, ...)``; ``mesh=None`` is the default
-    device alone (``ft.parallel.DataParallelEvalStep`` is this function)."""
-    return EvalStep(loss_fn, mesh=_one_device(mesh, data_axis), data_axis=data_axis, **options)
-
-
-def _one_device(mesh: Any, data_axis: str) -> Any:
-    return one_device_mesh(data_axis) if mesh is None else mesh

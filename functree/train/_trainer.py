@@ -36,11 +36,13 @@ from functree.train._interrupts import Interrupts
 from functree.train._job import JobState, check_extra, load_callbacks, own_copy, read_job, save_job
 from functree.train._means import Means
 from functree.train._metrics import describe_batch
+from functree.train._nonfinite import NonFiniteError
 from functree.train._progress import Progress
 from functree.train._reader import Reader, reads_model
 from functree.train._scan import check_steps_per_call, stack_batches
 from functree.train._setup import check_key, job_field, make_step
-from functree.train._step import NonFiniteError, TrainStep, eval_step
+from functree.train._step import TrainStep
+from functree.train._step_factories import eval_step
 from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
 
 __all__ = ["Trainer", "NonFiniteError"]

@@ -205,12 +205,25 @@ def step_program(t: ft.train.Trainer, batch) -> list[str]:
 
 
 def _program_only(text: str) -> str:
-    """A program's text without what names where it was traced from: the compiled module's
-    source tables and ``metadata={...}``, and private functions' numbers (they count the
-    functions traced before in the process)."""
+    r"""A program's text without what names where it was traced from: the compiled module's
+    source tables and ``metadata={...}``, private functions' numbers (they count the
+    functions traced before in the process), and the names of values and computations.
+
+    XLA names an instruction after its op's name stack, and JAX traces an inner ``jit``
+    once per process and keeps its jaxpr with the name stack of that first trace: after
+    an epoch's shuffle (``train/_data.py``'s ``_permutation``) ran ``jit(_threefry_fold_in)``
+    first, the step's fold-in is named ``%_permutation.28``, else ``%TrainStep_step.28``.
+    The program is the same; each ``%name`` becomes its order of first appearance, which
+    keeps what feeds what (and every op, shape, layout and fusion) in the comparison.
+
+    >>> _program_only("%a.1 = f32[] add(%x, %x)\n%b = f32[] neg(%a.1)")
+    '%0 = f32[] add(%1, %1)\n%2 = f32[] neg(%0)'
+    """
     text = re.sub(r"\nFileNames\n.*?\n(?=[%A-Z][A-Za-z_.%]* ?[^\n]*\{\n)", "\n", text, flags=re.S)
     text = re.sub(r", metadata=\{[^{}]*\}", "", text)
-    return re.sub(r"(@[\w.]+?)_\d+\b", r"\1", text)
+    text = re.sub(r"(@[\w.]+?)_\d+\b", r"\1", text)
+    order: dict[str, int] = {}
+    return re.sub(r"%[\w.\-]+", lambda m: f"%{order.setdefault(m.group(), len(order))}", text)
 
 
 def _program(config: dict, directory: str) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from functree import _diagnostics, _operators
+from functree._activity import SCOPE
 from functree._diagnostics import UncoveredDerivativeError
 from functree._parameters import is_parameter_leaf, parameters
 from functree._tree import is_none
@@ -402,7 +403,7 @@ def without_derivative(at: Any) -> Any:
     # The named scope marks the stop_gradient in the jaxpr as intentional; a constant (no
     # tracer, so no equation) is reported to the analysis directly.
     _diagnostics.note_without_derivative(at)
-    with jax.named_scope(_diagnostics._SCOPE):
+    with jax.named_scope(SCOPE):
         return jax.tree.map(
             lambda x: jax.lax.stop_gradient(x) if is_parameter_leaf(x) else x, at
         )

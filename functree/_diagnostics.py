@@ -26,6 +26,10 @@ Each is warned once, when its function and abstract signature are first analysed
 calls only look the signature up, and a jitted step never calls back into Python, so it
 pays nothing. ``ft.config.diagnostics = False`` or
 ``FUNCTREE_DIAGNOSTICS=0`` turns it off.
+
+This module holds the warnings, the findings made from the analysis and the driver
+(``check``, ``diagnose``); the analysis itself is ``functree._activity`` and the cache key
+of a function and signature ``functree._diagnostics_key``.
 """
 
 from __future__ import annotations
@@ -44,18 +48,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.core
 import numpy as np
-from jax.extend import core as jcore
 
-from functree import _compat as compat
+from functree._activity import EMPTY, MARK, Op, Origin, State, analyse, is_inexact, join_all
 from functree._config import config
+from functree._diagnostics_key import cache_key
 from functree._module import DifferentiationWarning, Module
 from functree._nan import nan_report
 from functree._parameters import parameters
 from functree._plan import Plan
 from functree._source import function_name as _fn_name
-from functree._source import is_user_file as _is_user_file
 from functree._source import unwrap as _unwrap
-from functree._tree import CACHE_LIMIT, WeakIdentity, bounded_put, dotted_name
+from functree._tree import CACHE_LIMIT, bounded_put, dotted_name
 
 __all__ = [
     "UncoveredDerivativeError",
@@ -157,278 +160,6 @@ Keep a differentiable path to them, or say that they are not trained:
     right:  jax.nn.sigmoid((x - self.threshold) / 0.1) * y         # a smooth gate
        or:  threshold: jax.Array = ft.field(no_derivative=True)    # carried, never trained
 """
-
-# Primitives with floating results whose derivative is zero (wherever it exists).
-_ZERO_DERIVATIVE_FLOAT = frozenset({"floor", "ceil", "round", "sign", "nextafter"})
-_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
-# Calls whose body is the program itself (analysed recursively, constants included).
-_CALLS = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "named_call"}
-)
-# Result is zero when every floating operand is a known zero.
-_ZERO_PRESERVING = frozenset(
-    {
-        "broadcast_in_dim", "reshape", "convert_element_type", "transpose", "squeeze",
-        "expand_dims", "slice", "dynamic_slice", "gather", "neg", "copy", "copy_p",
-        "reduce_sum", "rev", "concatenate", "pad", "select_n", "add", "sub", "add_any",
-    }
-)
-# Result is zero when any operand is a known zero.
-_ANNIHILATING = frozenset({"mul", "dot_general"})
-_SCOPE = "ft.without_derivative"
-_MAX_ORIGINS = 16
-_MAX_FIXED_POINT = 64
-_ZERO_TEST_MAX_SIZE = 1 << 16
-
-
-
-class _Op(NamedTuple):
-    """A zero-derivative operation: its description and the user's source line."""
-
-    label: str
-    file: str
-    line: int
-
-
-class _Origin(NamedTuple):
-    """Where differentiation inputs were cut: the inputs' bits and the operation."""
-
-    bits: int
-    op: _Op
-
-
-class _State(NamedTuple):
-    """What the analysis knows about one value of the program.
-
-    Four bitmasks over the differentiation input leaves (bit ``k + 1`` is leaf ``k``): on
-    which the value depends ``active``-ly, only through a ``cut`` (zero-derivative
-    operation), only through ``ft.without_derivative`` (``quiet``), only through a product
-    with a constant zero (``zeroed``); the ``origins`` of its cuts; and whether the value
-    is a known constant zero.
-    """
-
-    active: int
-    cut: int
-    quiet: int
-    zeroed: int
-    origins: frozenset[_Origin]
-    is_zero: bool
-
-
-_MARK = 1  # bit 0 of ``quiet``: the value passed through ft.without_derivative
-_EMPTY = _State(0, 0, 0, 0, frozenset(), False)
-_ZERO = _State(0, 0, 0, 0, frozenset(), True)
-
-
-# ----------------------------------------------------------------------------- analysis
-
-
-def _is_inexact(aval: Any) -> bool:
-    dtype = getattr(aval, "dtype", None)
-    try:
-        return dtype is not None and bool(jax.dtypes.issubdtype(dtype, np.inexact))
-    except TypeError:
-        return False
-
-
-def _is_known_zero(value: Any) -> bool:
-    if isinstance(value, jax.core.Tracer):
-        return False
-    size = getattr(value, "size", 1)
-    if size > _ZERO_TEST_MAX_SIZE:
-        return False
-    try:
-        return bool(np.all(np.asarray(value) == 0))
-    except Exception:
-        return False
-
-
-def _const_state(value: Any) -> _State:
-    return _ZERO if _is_known_zero(value) else _EMPTY
-
-
-def _join(a: _State, b: _State) -> _State:
-    return _State(
-        a.active | b.active,
-        a.cut | b.cut,
-        a.quiet | b.quiet,
-        a.zeroed | b.zeroed,
-        a.origins | b.origins if b.origins else a.origins,
-        a.is_zero and b.is_zero,
-    )
-
-
-def _join_all(states: Sequence[_State]) -> _State:
-    out = _ZERO
-    for s in states:
-        out = _join(out, s)
-    if len(out.origins) > _MAX_ORIGINS:
-        out = out._replace(origins=frozenset(sorted(out.origins, key=repr)[:_MAX_ORIGINS]))
-    return out
-
-
-def _not_zero(s: _State) -> _State:
-    return s._replace(is_zero=False) if s.is_zero else s
-
-
-def _only_cut(s: _State) -> _State:
-    """A dependence through a discrete choice (a branch index, a loop's predicate)."""
-    return _State(0, s.cut | s.active, 0, 0, s.origins, False)
-
-
-def _where(eqn: Any) -> tuple[str, int]:
-    """The user's source line of an equation: the innermost traced frame outside JAX,
-    jaxlib and the standard library (functree's own layers count as the user's).
-
-    Reads only public attributes (``eqn.source_info.traceback.frames``, each frame's
-    ``file_name`` and ``line_num``), and never raises: anything unexpected (a JAX that
-    records no traceback) gives ``("<unknown>", 0)``.
-    """
-    try:
-        for frame in eqn.source_info.traceback.frames:
-            if _is_user_file(frame.file_name):
-                return (frame.file_name, int(frame.line_num))
-    except Exception:
-        pass
-    return ("<unknown>", 0)
-
-
-def _label(eqn: Any) -> str:
-    name = eqn.primitive.name
-    if name == "convert_element_type":
-        return f"conversion to {eqn.params.get('new_dtype')}"
-    if name in _COMPARISONS:
-        return f"comparison `{name}`"
-    if name == "stop_gradient":
-        return "jax.lax.stop_gradient (not ft.without_derivative)"
-    return f"`{name}`"
-
-
-def _cut(s: _State, eqn: Any) -> _State:
-    """Moves the active bits of ``s`` to ``cut``, recording where."""
-    if not s.active:
-        return _not_zero(s)
-    origin = _Origin(s.active, _Op(_label(eqn), *_where(eqn)))
-    return _State(0, s.cut | s.active, s.quiet, s.zeroed, s.origins | {origin}, False)
-
-
-def _scoped(eqn: Any, scoped: bool) -> bool:
-    return scoped or _SCOPE in str(eqn.source_info.name_stack)
-
-
-_open = compat.open_jaxpr
-
-
-def _analyse(jaxpr: Any, consts: Sequence[Any], ins: Sequence[_State], scoped: bool) -> list:
-    env: dict[Any, _State] = {}
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = _const_state(c)
-    for v, s in zip(jaxpr.invars, ins):
-        env[v] = s
-
-    def read(v: Any) -> _State:
-        if isinstance(v, jcore.Literal):
-            return _const_state(v.val)
-        return env.get(v, _EMPTY)
-
-    for eqn in jaxpr.eqns:
-        outs = _transfer(eqn, [read(v) for v in eqn.invars], scoped)
-        for v, s in zip(eqn.outvars, outs):
-            env[v] = s
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _transfer(eqn: Any, ins: list, scoped: bool) -> list:
-    name = eqn.primitive.name
-    inner = _scoped(eqn, scoped)
-    try:
-        body = compat.body_of_call(eqn) if name in _CALLS else None
-        if body is not None:
-            return _analyse(*body, ins, inner)
-        if name == "cond":
-            return _cond(eqn, ins, inner)
-        elif name == "while":
-            return _while(eqn, ins, inner)
-        elif name == "scan":
-            return _scan(eqn, ins, inner)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        pass  # an unfamiliar form: fall through to the conservative rule
-    return _elementary(eqn, ins, inner)
-
-
-def _elementary(eqn: Any, ins: list, scoped: bool) -> list:
-    name = eqn.primitive.name
-    u = _join_all(ins) if ins else _EMPTY
-    if name == "stop_gradient":
-        if scoped:  # ft.without_derivative: all of it is intentional, and marked as such
-            quiet = u.quiet | u.cut | u.active | _MARK
-            return [_State(0, 0, quiet, u.zeroed, u.origins, u.is_zero)] * len(eqn.outvars)
-        return [_cut(u, eqn)] * len(eqn.outvars)
-    if name in _ZERO_DERIVATIVE_FLOAT:
-        return [_cut(u, eqn)] * len(eqn.outvars)
-    if name in _ANNIHILATING and any(s.is_zero for s in ins):
-        live = u.active | u.cut
-        return [_State(0, u.cut, u.quiet, u.zeroed | live, u.origins, True)] * len(eqn.outvars)
-    floats = [s for v, s in zip(eqn.invars, ins) if _is_inexact(v.aval)]
-    zero = name in _ZERO_PRESERVING and bool(floats) and all(s.is_zero for s in floats)
-    out_state = u._replace(is_zero=zero)
-    return [out_state if _is_inexact(v.aval) else _cut(u, eqn) for v in eqn.outvars]
-
-
-def _cond(eqn: Any, ins: list, scoped: bool) -> list:
-    index, operands = ins[0], ins[1:]
-    results = []
-    for branch in eqn.params["branches"]:
-        jaxpr, consts = _open(branch)
-        results.append(_analyse(jaxpr, consts, operands, scoped))
-    outs = [_join_all(column) for column in zip(*results)]
-    # The branch taken depends on the (integer) index: a non-differentiable dependence.
-    pick = _only_cut(index)
-    return [o if o.is_zero else _not_zero(_join(o, pick)) for o in outs]
-
-
-def _fixed_point(step: Callable[[list], list], carry: list) -> list:
-    for _ in range(_MAX_FIXED_POINT):
-        new = [_join(c, n) for c, n in zip(carry, step(carry))]
-        if new == carry:
-            return carry
-        carry = new
-    everything = _join_all(carry)
-    return [everything] * len(carry)
-
-
-def _while(eqn: Any, ins: list, scoped: bool) -> list:
-    p = eqn.params
-    nc, nb = compat.while_counts(p)
-    cond_consts, body_consts = ins[:nc], ins[nc : nc + nb]
-    init = [_not_zero(s) for s in ins[nc + nb :]]
-    body, body_c = _open(p["body_jaxpr"])
-    carry = _fixed_point(lambda c: _analyse(body, body_c, [*body_consts, *c], scoped), init)
-    cond, cond_c = _open(p["cond_jaxpr"])
-    (pred,) = _analyse(cond, cond_c, [*cond_consts, *carry], scoped)
-    # How many iterations run depends on the predicate: a non-differentiable dependence.
-    stop = _only_cut(pred)
-    return [_join(c, stop) for c in carry]
-
-
-def _scan(eqn: Any, ins: list, scoped: bool) -> list:
-    p = eqn.params
-    nconst, ncarry = compat.scan_counts(p)
-    consts = ins[:nconst]
-    init = [_not_zero(s) for s in ins[nconst : nconst + ncarry]]
-    xs = [_not_zero(s) for s in ins[nconst + ncarry :]]
-    body, body_c = _open(p["jaxpr"])
-    ys: list = []
-
-    def step(carry: list) -> list:
-        outs = _analyse(body, body_c, [*consts, *carry, *xs], scoped)
-        ys[:] = outs[ncarry:]
-        return outs[:ncarry]
-
-    carry = _fixed_point(step, init)
-    step(carry)
-    return [*carry, *ys]
-
 
 # ----------------------------------------------------------------------------- findings
 
@@ -548,12 +279,12 @@ def _contains_module(x: Any) -> bool:
     return isinstance(x, Module) or any(isinstance(y, Module) for y in leaves)
 
 
-def _ops(origins: frozenset[_Origin], bits: int) -> list[_Op]:
+def _ops(origins: frozenset[Origin], bits: int) -> list[Op]:
     """The zero-derivative operations that cut any of ``bits``, sorted by label and line."""
     return sorted({o.op for o in origins if o.bits & bits})
 
 
-def _format_ops(ops: Sequence[_Op]) -> str:
+def _format_ops(ops: Sequence[Op]) -> str:
     return "\n".join(f"    {op.label} at {op.file}:{op.line}" for op in ops)
 
 
@@ -580,7 +311,7 @@ class _Group(NamedTuple):
 
 def _groups(f: Any, plan: Plan) -> tuple[_Group, ...]:
     groups = []
-    bit = 1  # bit 0 is _MARK
+    bit = 1  # bit 0 is MARK
     for index, primal in zip(plan.indices, plan.primals):
         paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(primal)[0]]
         leaves = tuple(_Leaf(dotted_name(p) or "<root>", 1 << (bit + k)) for k, p in enumerate(paths))
@@ -597,7 +328,7 @@ def _all_bits(groups: Sequence[_Group]) -> int:
     return functools.reduce(lambda x, y: x | y, [g.bits for g in groups], 0)
 
 
-def _status(bit: int, total: _State) -> str:
+def _status(bit: int, total: State) -> str:
     if total.active & bit:
         return "active"
     if total.quiet & bit:
@@ -668,7 +399,7 @@ def _unused_finding(
 
 
 def _cut_finding(
-    fn: str, file: str, line: int, group: _Group, statuses: Sequence[tuple[_Leaf, str]], total: _State
+    fn: str, file: str, line: int, group: _Group, statuses: Sequence[tuple[_Leaf, str]], total: State
 ) -> Finding | None:
     cut = [leaf for leaf, s in statuses if s == "non-differentiable"]
     if not cut:
@@ -686,7 +417,7 @@ def _cut_finding(
 
 
 def _findings(
-    f: Any, groups: Sequence[_Group], total: _State, quiet_constant: bool
+    f: Any, groups: Sequence[_Group], total: State, quiet_constant: bool
 ) -> list[Finding]:
     fn = _fn_name(f)
     file, line = _location(f)
@@ -709,7 +440,7 @@ def _findings(
 
 
 def _whole_function(
-    fn: str, file: str, line: int, groups: Sequence[_Group], total: _State, quiet_constant: bool
+    fn: str, file: str, line: int, groups: Sequence[_Group], total: State, quiet_constant: bool
 ) -> list[Finding]:
     bits = _all_bits(groups)
     what = ", ".join(g.what for g in groups)
@@ -719,7 +450,7 @@ def _whole_function(
         where = (ops[0].file, ops[0].line) if ops else (file, line)
         message = NON_DIFFERENTIABLE.format(fn=fn, what=what, ops=_format_ops(ops))
         return [Finding(NonDifferentiableWarning, message, *where, paths)]
-    if total.quiet & (bits | _MARK) or quiet_constant:
+    if total.quiet & (bits | MARK) or quiet_constant:
         return []
     detail = " with respect to " + what
     if total.zeroed & bits:
@@ -774,11 +505,11 @@ def _run(
     try:
         groups = _groups(f, plan)
         nin = len(closed.jaxpr.invars)
-        ins = [_State(1 << (i + 1), 0, 0, 0, frozenset(), False) for i in range(nin)]
-        outs = _analyse(closed.jaxpr, closed.consts, ins, False)
+        ins = [State(1 << (i + 1), 0, 0, 0, frozenset(), False) for i in range(nin)]
+        outs = analyse(closed.jaxpr, closed.consts, ins, False)
         if first_output_only and isinstance(shape, tuple) and len(shape) == 2:
             outs = outs[: len(jax.tree.leaves(shape[0]))]
-        total = _join_all(outs) if outs else _EMPTY
+        total = join_all(outs) if outs else EMPTY
         findings = tuple(_findings(f, groups, total, quiet_constant))
         activity = tuple(
             LeafActivity(leaf.name, _status(leaf.bit, total)) for g_ in groups for leaf in g_.leaves
@@ -793,115 +524,6 @@ def _run(
 _CACHE: dict[Any, DiagnosticReport] = {}
 
 
-_TRACER, _ARRAY, _NUMPY, _PYTHON, _OTHER = range(5)
-_KINDS: dict[type, int] = {}  # a leaf's type -> how its key is made (one isinstance per type)
-
-
-def _kind(t: type) -> int:
-    kind = _KINDS.get(t)
-    if kind is None:
-        if issubclass(t, jax.core.Tracer):
-            kind = _TRACER
-        elif issubclass(t, jax.Array):
-            kind = _ARRAY
-        elif issubclass(t, (np.ndarray, np.generic)):
-            kind = _NUMPY
-        elif t in (bool, int, float, complex, str, type(None)):
-            kind = _PYTHON
-        else:
-            kind = _OTHER
-        bounded_put(_KINDS, t, kind)
-    return kind
-
-
-def _leaf_key(x: Any, depth: int, baked: bool = True) -> Any:
-    """A leaf's part of the signature: its abstract value (arrays; a tracer's differs from a
-    concrete array's, whose zeros the analysis can see) or its value (Python scalars)."""
-    kind = _KINDS.get(type(x))
-    if kind is None:
-        kind = _kind(type(x))
-    if kind <= _ARRAY:
-        aval = x.aval
-        return (kind, aval.shape, aval.dtype, getattr(aval, "weak_type", False))
-    if kind == _NUMPY:
-        return (kind, x.shape, x.dtype)
-    if kind == _PYTHON:
-        # Python values are baked into the trace, except where they are differentiated.
-        return (type(x), x) if baked else type(x)
-    if callable(x) and not isinstance(x, type):
-        return _callable_key(x, depth + 1)
-    try:
-        hash(x)
-    except TypeError:
-        return ("id", type(x), id(x))
-    return _held(x)
-
-
-def _held(x: Any) -> Any:
-    """``x`` as a key part, held weakly if it is equal only to itself (a ``TrainStep`` in a
-    loss function's closure: the bounded cache of checks kept it, and its last model and
-    state, alive after the user dropped it)."""
-    if type(x).__hash__ is object.__hash__:
-        try:
-            return WeakIdentity(x)
-        except TypeError:  # no weak references to it
-            pass
-    return x
-
-
-def _value_key(v: Any, depth: int, baked: bool = True) -> Any:
-    leaves, treedef = jax.tree.flatten(v)
-    return (treedef, tuple([_leaf_key(x, depth, baked) for x in leaves]))
-
-
-def _callable_key(f: Any, depth: int = 0) -> Any:
-    if depth > 3:
-        return ("deep", _held(f)) if _hashable(f) else ("id", id(f))
-    if isinstance(f, functools.partial):
-        keywords = tuple(sorted(f.keywords.items()))
-        return ("partial", _callable_key(f.func, depth + 1), _value_key((f.args, keywords), depth))
-    if inspect.ismethod(f):
-        return ("method", _callable_key(f.__func__, depth + 1), _value_key(f.__self__, depth))
-    if inspect.isfunction(f):
-        cells = []
-        for cell in f.__closure__ or ():
-            try:
-                cells.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                cells.append(None)
-        return (f.__code__, _value_key((cells, f.__defaults__, f.__kwdefaults__), depth))
-    if isinstance(f, Module):
-        return ("module", _value_key(f, depth))
-    return _held(f) if _hashable(f) else ("id", id(f))
-
-
-def _hashable(x: Any) -> bool:
-    try:
-        hash(x)
-        return True
-    except TypeError:
-        return False
-
-
-def _signature(kind: str, f: Any, plan: Plan) -> Any:
-    differentiated = {i % len(plan.args) for i in plan.indices}
-    return (
-        kind,
-        _callable_key(f),
-        plan.indices,
-        plan.patterns,  # with the arguments' signature, fixes the primals' structure
-        tuple(_value_key(a, 0, i not in differentiated) for i, a in enumerate(plan.args)),
-    )
-
-
-def _cache_key(kind: str, f: Any, plan: Plan) -> Any:
-    try:
-        key = _signature(kind, f, plan)
-        hash(key)
-        return key
-    except Exception:
-        return None
-
 
 def check(kind: str, fn: Any, g: Any, plan: Plan) -> None:
     """Analyse ``g`` (the function being differentiated) before differentiation.
@@ -912,7 +534,7 @@ def check(kind: str, fn: Any, g: Any, plan: Plan) -> None:
     """
     if not config.diagnostics:
         return
-    key = _cache_key(kind, fn, plan)
+    key = cache_key(kind, fn, plan)
     if key is not None and key in _CACHE:
         return
     report = _run(fn, g, plan, first_output_only=kind == "gradient", strict=False)
@@ -946,7 +568,7 @@ class UncoveredDerivativeError(TypeError):
 
 
 def _zero_cotangent(y: Any) -> Any:
-    dtype = jax.dtypes.float0 if not _is_inexact(y) else y.dtype
+    dtype = jax.dtypes.float0 if not is_inexact(y) else y.dtype
     return np.zeros(y.shape, dtype) if dtype == jax.dtypes.float0 else jax.numpy.zeros(y.shape, dtype)
 
 

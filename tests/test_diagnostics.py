@@ -17,7 +17,7 @@ import pytest
 from jax import lax
 
 import functree as ft
-from functree import _diagnostics
+from functree import _activity, _diagnostics
 
 X3 = jnp.array([0.5, -1.0, 2.0])
 
@@ -343,7 +343,7 @@ def test_analysis_failure_never_breaks_differentiation(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("analysis bug")
 
-    monkeypatch.setattr(_diagnostics, "_analyse", broken)
+    monkeypatch.setattr(_diagnostics, "analyse", broken)
     f = lambda x: jnp.sqrt(3.0) + 0.0 * x  # noqa: E731
     assert ft.gradient(f, at=1.0) == 0.0
     report = ft.diagnose(f, at=1.0)
@@ -639,12 +639,12 @@ def test_activity_records_are_named():
 def test_source_line_of_an_equation_without_traceback_never_raises():
     from types import SimpleNamespace
 
-    assert _diagnostics._where(SimpleNamespace(source_info=None)) == ("<unknown>", 0)
+    assert _activity.where(SimpleNamespace(source_info=None)) == ("<unknown>", 0)
     eqn = jax.make_jaxpr(jnp.round)(1.0).jaxpr.eqns[0]
-    assert _diagnostics._where(eqn) == ("<unknown>", 0)  # only JAX's own frames
+    assert _activity.where(eqn) == ("<unknown>", 0)  # only JAX's own frames
     f = lambda x: jnp.round(x)  # noqa: E731
     (eqn,) = jax.make_jaxpr(f)(1.0).jaxpr.eqns
-    assert _diagnostics._where(eqn) == (__file__, _line(f))
+    assert _activity.where(eqn) == (__file__, _line(f))
 
 
 def test_no_private_jax_imports_and_no_import_cycle():
@@ -652,7 +652,8 @@ def test_no_private_jax_imports_and_no_import_cycle():
     import pathlib
 
     root = pathlib.Path(ft.__file__).parent
-    modules = ["_diagnostics", "_operators", "_plan", "_parameters", "_tangent", "_derivative"]
+    modules = ["_diagnostics", "_activity", "_diagnostics_key", "_operators", "_plan"]
+    modules += ["_parameters", "_tangent", "_derivative"]
     imported = {}
     for name in modules:
         tree = ast.parse((root / f"{name}.py").read_text())
@@ -665,6 +666,7 @@ def test_no_private_jax_imports_and_no_import_cycle():
         assert not any(m and m.startswith("jax._src") for m in imported[name]), name
     assert "functree._operators" not in imported["_diagnostics"]
     assert "functree._diagnostics" not in imported["_plan"]
+    assert "functree._diagnostics" not in imported["_activity"]  # the analysis is a leaf
 
 
 def test_diagnose_reports_a_custom_derivative_that_does_not_cover_the_argument():

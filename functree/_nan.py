@@ -48,7 +48,7 @@ from functree import _compat as compat
 from functree._plan import Plan
 from functree._source import function_name as _fn_name
 from functree._source import is_user_file as _is_user_file
-from functree._tree import dotted_name, is_none
+from functree._tree import dotted_name, is_array_or_numpy_scalar, is_none
 
 __all__ = ["NaNReport", "nan_report", "provenance_text"]
 
@@ -525,10 +525,6 @@ class _Leaf(NamedTuple):
     parameter: bool
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
 def _leaves(plan: Plan) -> tuple[list[tuple[int, Any]], list[_Leaf], Any]:
     """The arguments' leaves that become the jaxpr's inputs, with their names."""
     views = dict(zip(plan.indices, plan.primals))
@@ -541,7 +537,7 @@ def _leaves(plan: Plan) -> tuple[list[tuple[int, Any]], list[_Leaf], Any]:
         differentiated += [m is not None for m in marks]
     dynamic, names = [], []
     for k, ((path, x), d) in enumerate(zip(flat, differentiated)):
-        if x is None or not (_is_array(x) or (d and isinstance(x, (float, complex)))):
+        if x is None or not (is_array_or_numpy_scalar(x) or (d and isinstance(x, (float, complex)))):
             continue
         dynamic.append((k, x))
         names.append(_Leaf(path[0].idx, dotted_name(path[1:]) or "<root>", d))

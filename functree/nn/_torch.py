@@ -56,10 +56,10 @@ import numpy as np
 
 from functree._naming import fill_stars, matches, rename_pattern
 from functree._stacked import is_stacked
-from functree._state_dict import FlatDictReport, _to_numpy, from_flat_dict, to_flat_dict
-from functree._tree import dotted_name
+from functree._state_dict import FlatDictReport, from_flat_dict, to_flat_dict, to_numpy
+from functree._tree import dotted_name, join_names
 from functree.nn._attention import MultiheadAttention
-from functree.nn._conv import _Conv, _ConvTranspose
+from functree.nn._conv import Conv, ConvTranspose
 from functree.nn._embedding import Embedding
 from functree.nn._host import copied, copy_into
 from functree.nn._linear import Dense
@@ -190,10 +190,10 @@ def _prefixed(rule: Local, torch: str, ft: str) -> Local:
     return tuple(join(torch, n) for n in rule[0]), tuple(join(ft, n) for n in rule[1]), rule[2], rule[3]
 
 
-def _conv(layer: _Conv) -> list[Local]:
+def _conv(layer: Conv) -> list[Local]:
     n = layer._rank
     # torch [out, in, *k] (transposes: [in, out, *k]) -> ft [*k, in, out]
-    perm = (*range(2, n + 2), 0, 1) if isinstance(layer, _ConvTranspose) else (*range(2, n + 2), 1, 0)
+    perm = (*range(2, n + 2), 0, 1) if isinstance(layer, ConvTranspose) else (*range(2, n + 2), 1, 0)
     return [_permuted("weight", "weight", perm)] + ([_same("bias", "bias")] if layer.bias is not None else [])
 
 
@@ -283,7 +283,7 @@ def _rnn(layer: RNN) -> list[Local] | None:  # another cell: None, walked into, 
 
 
 _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None]], ...] = (
-    (_Conv, _conv),
+    (Conv, _conv),
     ((LayerNorm, GroupNorm, RMSNorm, BatchNorm), _norm),
     (Embedding, lambda layer: [_same("weight", "embeddings")]),
     ((GRUCell, LSTMCell), _cell),
@@ -297,12 +297,8 @@ def _children(node: Any) -> list[tuple[str, Any]]:
     return [(dotted_name(p), child) for p, child in path_leaves if p and child is not None]
 
 
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
 def _under(stored: str | None, name: str) -> str | None:
-    return None if stored is None else _join(stored, name)
+    return None if stored is None else join_names(stored, name)
 
 
 def _get(node: Any, dotted: str) -> Any:
@@ -400,11 +396,11 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
 
     def add(local: list[Local], node: Any, ft: str, stored: str | None, index: tuple[int, ...], torch: str) -> None:
         for t, f, a, b in local:
-            names = tuple(_join(ft, n) for n in f)
+            names = tuple(join_names(ft, n) for n in f)
             for n, full in zip(f, names):
-                where = None if stored is None or tied(full) else _join(stored, n)
+                where = None if stored is None or tied(full) else join_names(stored, n)
                 plan.leaves[full] = _Leaf(where, index, np.asarray(_get(node, n) if n else node))
-            plan.rules.append(_Rule(tuple(_join(torch, n) for n in t), names, a, b))
+            plan.rules.append(_Rule(tuple(join_names(torch, n) for n in t), names, a, b))
 
     def walk(node: Any, ft: str, stored: str | None, index: tuple[int, ...], torch: str) -> None:
         local = _layer_rules(node, ft, torch, options)
@@ -413,20 +409,20 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
         if is_stacked(node):
             ((field_name, _),) = _children(node)
             for i in range(len(node)):
-                walk(node._member(i), _join(ft, str(i)), _under(stored, field_name), (*index, i), _join(torch, str(i)))
+                walk(node._member(i), join_names(ft, str(i)), _under(stored, field_name), (*index, i), join_names(torch, str(i)))
             return
         if isinstance(node, Shared):
-            resolved, base = node.resolve(), _join(ft, "model")
+            resolved, base = node.resolve(), join_names(ft, "model")
             for target, source, transform in node.ties:
-                derived.append(_join(base, target.name))
-                plan.ties.append(_Tie(_join(base, target.name), _join(base, source.name), transform, source.get(resolved)))
+                derived.append(join_names(base, target.name))
+                plan.ties.append(_Tie(join_names(base, target.name), join_names(base, source.name), transform, source.get(resolved)))
             return walk(resolved, base, _under(stored, "model"), index, torch)
         children = _children(node)
         if not children and jax.tree.leaves(node):  # a leaf outside known layers: its name, as is
             return add([_same("", "")], node, ft, stored, index, torch)
         for name, child in children:
             hidden = isinstance(node, (Sequential, Remat)) and name in ("layers", "layer")
-            walk(child, _join(ft, name), _under(stored, name), index, torch if hidden else _join(torch, name))
+            walk(child, join_names(ft, name), _under(stored, name), index, torch if hidden else join_names(torch, name))
 
     walk(jax.tree.map(np.asarray if values else _placeholder, model), "", "", (), "")
     unknown = [name for name in options.flattened if not any(name in pair for pair in options.dense)]
@@ -506,8 +502,8 @@ def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
         for pattern, new in compiled:
             found = pattern(name)
             if found is not None:
-                return _join(fill_stars(new, found[0]), found[1])
-        return name if strip is None else _join(strip, name)
+                return join_names(fill_stars(new, found[0]), found[1])
+        return name if strip is None else join_names(strip, name)
 
     return renamed
 
@@ -641,7 +637,7 @@ def _converted(plan: _Plan, given: Mapping[str, Any]
         where = _member_of(rule.ft[0], leaves[0]) + (" ..." if len(rule.ft) > 1 else "")
         mismatched += [(n, f"shape {e} (for {where})", f"shape {g}") for n, e, g in wrong]
         if not absent and not wrong:
-            values.update(zip(rule.ft, rule.to_ft(*(_to_numpy(given[n]) for n in rule.torch))))
+            values.update(zip(rule.ft, rule.to_ft(*(to_numpy(given[n]) for n in rule.torch))))
     return values, missing, mismatched
 
 
@@ -781,10 +777,10 @@ def torch_state_dict(
     for rule in plan.rules:
         values = rule.to_torch(*(plan.leaves[n].value for n in rule.ft))
         out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in zip(rule.torch, values))
-    return out if numpy else _as_tensors(out)
+    return out if numpy else as_tensors(out)
 
 
-def _as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+def as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     try:
         import torch
     except ImportError as e:  # torch is optional: only this conversion needs it

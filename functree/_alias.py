@@ -60,7 +60,7 @@ model given to the step. Use what the step returns, or keep a copy taken before 
        or:  ft.train.train_step(loss_fn, optimizer, donate=False)    # inputs stay valid (more memory)"""
 
 # The latest DonationGuard that ran a call: named in an error about a deleted array.
-_LAST_DONOR: list[Any] = [None]
+LAST_DONOR: list[Any] = [None]
 
 
 class AliasWarning(UserWarning):
@@ -173,7 +173,7 @@ class DonationGuard:
         self._last = tuple(outputs) if isinstance(outputs, tuple) else (outputs,)
         self._given = given
         self.calls += 1
-        _LAST_DONOR[0] = self
+        LAST_DONOR[0] = self
 
     def check_donated(self, named: Sequence[tuple[str, Any]], *, what: str, step: str, no_donation: str) -> None:
         """Raise a ``ValueError`` naming the argument and key path of a deleted (donated)
@@ -206,7 +206,7 @@ def stale_error(named: Sequence[tuple[str, Any]]) -> ValueError | None:
         path = _deleted_leaf(tree)
         if path is None:
             continue
-        donor = _LAST_DONOR[0]
+        donor = LAST_DONOR[0]
         when = "a donating call (a train step, the Trainer, ft.jit(..., donate=...))"
         if donor is not None:
             given = {id(x) for x in jax.tree.leaves(donor._given)}

@@ -51,7 +51,7 @@ from typing import Any
 
 import jax
 
-from functree._alias import _LAST_DONOR
+from functree._alias import LAST_DONOR
 from functree._tree import bounded_put, cached, dotted_name
 
 __all__ = ["flat_jit", "FlatJit", "builder"]
@@ -436,7 +436,7 @@ class FlatJit:
                     if guard is not None:  # DonationGuard.remember, inline: a loop's every step
                         guard._last, guard._given = outs, args
                         guard.calls += 1
-                        _LAST_DONOR[0] = guard
+                        LAST_DONOR[0] = guard
                     return results
         return self._call(args, kwargs)
 

@@ -237,7 +237,7 @@ def _through_ties(template: Any, flat: Mapping[str, Any], known: frozenset[str])
             continue
         if k in ties and ties[k][1] is not None:  # a transformed tie: its source's value
             source_name, transform, source = ties[k]
-            v = untransform(transform, source, np.asarray(_to_numpy(v)), k, source_name)
+            v = untransform(transform, source, np.asarray(to_numpy(v)), k, source_name)
         if stored in out and not _same(out[stored], v):
             raise ValueError(TIES_DISAGREE.format(first=given[stored], second=k, stored=stored))
         out.setdefault(stored, v)
@@ -246,7 +246,7 @@ def _through_ties(template: Any, flat: Mapping[str, Any], known: frozenset[str])
 
 
 def _same(a: Any, b: Any) -> bool:
-    x, y = _to_numpy(a), _to_numpy(b)
+    x, y = to_numpy(a), to_numpy(b)
     return x is not None and y is not None and x.shape == y.shape and bool(np.array_equal(x, y.astype(x.dtype)))
 
 
@@ -275,7 +275,7 @@ def _is_torch_like(x: Any) -> bool:
     return all(callable(getattr(x, method, None)) for method in ("detach", "cpu", "numpy"))
 
 
-def _to_numpy(x: Any) -> np.ndarray | None:
+def to_numpy(x: Any) -> np.ndarray | None:
     """``x`` as a NumPy array (a torch-like tensor through ``.detach().cpu().numpy()``), else None."""
     if _is_torch_like(x):
         tensor = x.detach().cpu()
@@ -299,7 +299,7 @@ def _cast(old: Any, new: Any) -> Any:
     """``new`` converted to the template leaf's floating dtype when only the dtype differs."""
     if _fits(old, new):
         return new
-    value = _to_numpy(new)
+    value = to_numpy(new)
     if value is None:
         return new
     if _fits(old, value):
@@ -325,7 +325,7 @@ def _hint_kind(old: Any, new: Any, cast: bool) -> str | None:
     """Which hint fixes one mismatched leaf: "torch", "float", "cast" or None (shapes say it all)."""
     shape = np.shape(old)
     if cast:
-        value, dtype = _to_numpy(new), _template_dtype(old)
+        value, dtype = to_numpy(new), _template_dtype(old)
         fits = value is not None and dtype is not None and value.shape == shape
         return None if value is None or (fits and _both_floating(value.dtype, dtype)) else "cast"
     if _is_torch_like(new):

@@ -192,12 +192,12 @@ def all_logits(model, tokens, mask):
 def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
     model, prompt, mask = tiny
     sample = lambda key, **kw: ft.nn.generate(model, prompt, 12, attention_mask=mask, key=key, **kw)  # noqa: E731
-    before = _decode._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
+    before = _decode.generate_loop._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
     a = sample(jax.random.key(1), temperature=2.0, top_k=3)
     np.testing.assert_array_equal(a, sample(jax.random.key(1), temperature=2.0, top_k=3))
     b = sample(jax.random.key(2), temperature=1.5, top_k=3)  # another key and temperature: no recompile
     assert (a != b).any()
-    after = _decode._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
+    after = _decode.generate_loop._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
     assert after == before + 1  # one compile per shape and options
     for out in (a, b):
         logits = all_logits(model, out, mask)[:, 2:-1]  # the logits each new token was drawn from
@@ -402,10 +402,10 @@ def test_a_streamer_gets_what_hf_generate_gives_it(llama, capsys):
     tokens = ft.nn.generate(model, ids, NEW, attention_mask=mask, streamer=ours, **options)
     assert ours.puts == theirs.puts and ours.ends == theirs.ends == 1
     np.testing.assert_array_equal(np.asarray(tokens)[:, :expected.shape[1]], expected)
-    compiled = _decode._generate._cache_size()
+    compiled = _decode.generate_loop._cache_size()
     again = Recorder()
     ft.nn.generate(model, ids, NEW, attention_mask=mask, streamer=again, **options)
-    assert again.puts == ours.puts and _decode._generate._cache_size() == compiled
+    assert again.puts == ours.puts and _decode.generate_loop._cache_size() == compiled
     tokenizer, chars = char_tokenizer()
     printed = transformers.TextStreamer(tokenizer, skip_prompt=True)
     one = ft.nn.generate(model, ids[:1], 8, streamer=printed)
@@ -622,10 +622,10 @@ def test_buckets_give_the_exact_tokens_and_reuse_one_program(llama, monkeypatch)
         with compiled() as names:
             ft.nn.generate(model, ids, NEW, attention_mask=mask, **kw)
             ft.nn.generate(model, ids[:, 1:], NEW - 4, attention_mask=mask[:, 1:], **kw)
-        assert names == ["jit(_beam_search)" if "num_beams" in kw else "jit(_generate)"], (kw, names)
+        assert names == ["jit(beam_search)" if "num_beams" in kw else "jit(generate_loop)"], (kw, names)
     with compiled() as names:  # plain greedy: one program
         ft.nn.generate(model, ids, NEW, attention_mask=mask, eos_token_id=[])
-    assert names == ["jit(_generate)"]
+    assert names == ["jit(generate_loop)"]
     exact(monkeypatch)
     for kw, got in zip(calls, bucketed):
         for (cut, new), out in zip(((0, NEW), (1, NEW - 4)), got):
@@ -817,7 +817,7 @@ def test_sizes_whose_bucket_the_model_refuses_run_exact(tiny):
 def recorded_loops(monkeypatch):
     """Every call of the compiled loops made by generate: (loop, args, kwargs)."""
     calls = []
-    for name in ("_generate", "_beam_search"):
+    for name in ("generate_loop", "beam_search"):
         loop = getattr(_generate, name)
 
         def recorded(*args, _loop=loop, **kwargs):
@@ -832,10 +832,10 @@ def test_plain_greedy_has_no_control_and_a_controls_values_are_traced(tiny, monk
     model, prompt, mask = tiny
     calls = recorded_loops(monkeypatch)
     ft.nn.generate(model, prompt, 4, attention_mask=mask)
-    before = _decode._generate._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
+    before = _decode.generate_loop._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
     for penalty in (1.3, 1.7):  # one program: the penalty is an array field of its record
         ft.nn.generate(model, prompt, 4, attention_mask=mask, repetition_penalty=penalty, no_repeat_ngram_size=2)
-    assert _decode._generate._cache_size() == before + 1  # pyright: ignore[reportAttributeAccessIssue]
+    assert _decode.generate_loop._cache_size() == before + 1  # pyright: ignore[reportAttributeAccessIssue]
     (loop, plain, options), (_, controlled, _) = calls[0], calls[1]
     assert plain[-1] == ()  # plain greedy: no control at all
     assert [type(c) for c in controlled[-1]] == [_controls.RepetitionPenalty, _controls.NoRepeatNGram]

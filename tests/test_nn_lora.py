@@ -315,8 +315,8 @@ def test_gpt2_conv1d_layers_save_with_fan_in_fan_out(gpt2, tmp_path):
 
 def test_torch_names_are_cached_per_tree_definition(base):
     _lora._TORCH_NAMES.clear()
-    first = _lora._torch_names(base)
-    assert _lora._torch_names(jax.tree.map(lambda x: x, base)) is first
+    first = _lora.torch_names(base)
+    assert _lora.torch_names(jax.tree.map(lambda x: x, base)) is first
 
 
 DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -338,10 +338,10 @@ def test_every_dense_layer_finds_its_hf_module(config, fused):
     of the Hugging Face model, or a fused one shared with its siblings (which save_lora refuses)."""
     config = config()
     model = jax.eval_shape(lambda: ft.nn.from_hf(config, key=jax.random.key(0)))
-    is_hf, names, _, _ = _lora._torch_names(model)
+    is_hf, names, _, _ = _lora.torch_names(model)
     linears = {n for n, m in transformers.AutoModelForCausalLM.from_config(config).named_modules()
                if isinstance(m, torch.nn.Linear)}
-    layers = [m for layer in _lora._layers(model) for m in _lora._member_layer_names(layer)]
+    layers = [m for layer in _lora.dense_layers(model) for m in _lora.member_layer_names(layer)]
     assert is_hf and set(names) == set(layers)
     for member, found in names.items():
         assert found.module in linears and found.transposed, (member, found)

@@ -52,7 +52,7 @@ def _padding(padding: Padding, n: int) -> str | tuple[tuple[int, int], ...]:
     return tuple((p, p) if isinstance(p, int) else (int(p[0]), int(p[1])) for p in padding)
 
 
-class _Conv(Layer):
+class Conv(Layer):
     weight: jax.Array
     bias: jax.Array | None = field(decay=False)
     strides: tuple[int, ...] = field(static=True, default=(1,))
@@ -125,7 +125,7 @@ class _Conv(Layer):
         )
 
 
-class _ConvTranspose(_Conv):
+class ConvTranspose(Conv):
     _transpose: ClassVar[bool] = True
 
     def _convolve(self, x: jax.Array) -> jax.Array:
@@ -171,7 +171,7 @@ _TRANSPOSE_MATH = (
 )
 
 
-class Conv1D(_Conv):
+class Conv1D(Conv):
     _rank: ClassVar[int] = 1
     __doc__ = _DOC.format(
         what="A 1-D convolution", spatial="length", math=_CONV_MATH, kernel="width",
@@ -180,7 +180,7 @@ class Conv1D(_Conv):
     )
 
 
-class Conv2D(_Conv):
+class Conv2D(Conv):
     _rank: ClassVar[int] = 2
     __doc__ = _DOC.format(
         what="A 2-D convolution", spatial="height, width", math=_CONV_MATH, kernel="height, width",
@@ -190,7 +190,7 @@ class Conv2D(_Conv):
     )
 
 
-class Conv1DTranspose(_ConvTranspose):
+class Conv1DTranspose(ConvTranspose):
     _rank: ClassVar[int] = 1
     __doc__ = _DOC.format(
         what="A 1-D transposed convolution", spatial="length", math=_TRANSPOSE_MATH, kernel="width",
@@ -199,7 +199,7 @@ class Conv1DTranspose(_ConvTranspose):
     )
 
 
-class Conv2DTranspose(_ConvTranspose):
+class Conv2DTranspose(ConvTranspose):
     _rank: ClassVar[int] = 2
     __doc__ = _DOC.format(
         what="A 2-D transposed convolution", spatial="height, width", math=_TRANSPOSE_MATH,

@@ -1,8 +1,8 @@
 """Generation's compiled loops: prefill and decode in one ``jax.jit`` call.
 
-``_generate`` (greedy and sampling) runs the prompt through the model once (prefill), then a
+``generate_loop`` (greedy and sampling) runs the prompt through the model once (prefill), then a
 ``lax.while_loop`` feeds one token per step until ``limit`` tokens are made or every row has
-emitted an end-of-sequence token. ``_beam_search`` is Hugging Face's beam search: the beams are
+emitted an end-of-sequence token. ``beam_search`` is Hugging Face's beam search: the beams are
 ``batch * num_beams`` rows of one batch in the same kind of loop; each step keeps the best
 continuations of all beams of a prompt, moves the ended ones into a sorted set of finished
 sequences, and gathers the cache rows of the beams that go on (each cache leaf's batch axis is
@@ -68,7 +68,7 @@ def _call(model: Any, ids: jax.Array, am: jax.Array, pos: jax.Array, cache: Any)
 
 
 @partial(jax.jit, static_argnames=("new", "greedy", "ends", "scores", "stream"))
-def _generate(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Array, eos_ids: jax.Array,
+def generate_loop(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Array, eos_ids: jax.Array,
               fill: jax.Array, stop_ids: jax.Array, key: Any, controls: tuple[Control, ...] = (), *, new: int,
               greedy: bool, ends: bool, scores: bool, stream: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """Greedy or sampled tokens ``[batch, W + new]`` (and scores ``[batch, new]``): the prompt
@@ -173,13 +173,13 @@ def _beams_of(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("new", "scores", "beams", "returns", "eos_count"))
-def _beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Array, eos_ids: jax.Array, fill: jax.Array,
+def beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Array, eos_ids: jax.Array, fill: jax.Array,
                  stop_ids: jax.Array, length_penalty: jax.Array, early: jax.Array, never: jax.Array,
                  controls: tuple[Control, ...] = (), *, new: int, scores: bool, beams: int, returns: int,
                  eos_count: int) -> tuple[jax.Array, jax.Array | None]:
     """Hugging Face's beam search; ``early`` (bool): early_stopping=True, ``never`` (bool):
     early_stopping="never" (both False: HF's default heuristic); ``ids``, ``sizes``,
-    ``controls``: as ``_generate``'s (the controls see ``log_softmax(logits)``)."""
+    ``controls``: as ``generate_loop``'s (the controls see ``log_softmax(logits)``)."""
     batch, width = ids.shape
     prompt, limit = sizes[0], sizes[1]
     rows, total = batch * beams, width + new

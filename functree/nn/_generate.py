@@ -45,7 +45,7 @@ from functree.nn import _decode, _memory
 from functree.nn._controls import BAD_TOP_K, Options, active, token_ids, token_sequences
 from functree.nn._controls import is_int as _is_int
 from functree.nn._controls import is_number as _is_number
-from functree.nn._decode import _beam_search, _generate
+from functree.nn._decode import beam_search, generate_loop
 from functree.nn._generate_defaults import (
     SAMPLING_DEFAULTS,
     SUPPORTED,
@@ -498,11 +498,11 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
               np.asarray(eos or (-1,), np.int32), np.int32(fill), _stop_ids(stops))
     options = {"new": bucket, "scores": bool(return_scores)}
     if beams > 1:
-        loop = partial(_beam_search, model, *common, np.float32(lp), np.bool_(early is True),
+        loop = partial(beam_search, model, *common, np.float32(lp), np.bool_(early is True),
                        np.bool_(early == "never"), controls, beams=beams, returns=returns, eos_count=len(eos),
                        **options)
     else:
-        loop = partial(_generate, model, *common, key, controls, greedy=greedy, ends=bool(eos or stops),
+        loop = partial(generate_loop, model, *common, key, controls, greedy=greedy, ends=bool(eos or stops),
                        stream=streamer is not None, **options)
     run = loop if streamer is None else partial(_streaming, loop, streamer, ids)
 

@@ -24,15 +24,15 @@ import numpy as np
 
 from functree._jit import unchecked_jit
 from functree._naming import matches
-from functree._state_dict import _to_numpy
+from functree._state_dict import to_numpy
 from functree._tree import dotted_name
 from functree.nn import _hf_models  # noqa: F401  (defines every covered family: FAMILIES)
 from functree.nn._embedding import Embedding
 from functree.nn._hf_config import hf_config_of
 from functree.nn._hf_family import COVERED, FAMILIES, Family, family_of
-from functree.nn._hf_files import _config, _weights
+from functree.nn._hf_files import read_config, read_weights
 from functree.nn._linear import Dense
-from functree.nn._torch import _as_tensors, load_torch_state_dict, torch_state_dict
+from functree.nn._torch import as_tensors, load_torch_state_dict, torch_state_dict
 
 __all__ = ["from_hf", "to_hf_state_dict", "FAMILIES", "COVERED", "Family"]
 
@@ -101,7 +101,7 @@ def _normalized(model_type: str, weights: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _array(x: Any) -> np.ndarray:
-    converted = _to_numpy(x)
+    converted = to_numpy(x)
     return np.asarray(x) if converted is None else converted
 
 
@@ -256,7 +256,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     else:
         if weights is None and key is None and isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
             weights = source  # a save_pretrained directory: its config and its weights
-        config = _config(source)
+        config = read_config(source)
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}", covered=_covered()))
@@ -266,7 +266,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
         return _from_config(family, config, dtype, key, attention).replace(hf_config=carried)
-    weights = _normalized(model_type, _weights(weights))
+    weights = _normalized(model_type, read_weights(weights))
     template = jax.eval_shape(lambda: family.build(config, set(weights), dtype, jax.random.key(0), attention))
     weights = _untie(family, template, weights)
     cls = type(template)
@@ -299,4 +299,4 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
         out[head] = out[embedding]
     if numpy:
         return out
-    return _as_tensors(out)
+    return as_tensors(out)

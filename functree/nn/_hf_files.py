@@ -78,7 +78,7 @@ them; got {given}.
 """
 
 
-def _config(source: Any) -> Any:
+def read_config(source: Any) -> Any:
     """The HF config of ``from_hf``'s first argument: a config object as given, or a
     :class:`Config` of a ``config.json`` dict or of a ``save_pretrained`` directory's."""
     if isinstance(source, Mapping):
@@ -127,7 +127,7 @@ def read_generation(directory: Any) -> dict[str, Any] | None:
     return values
 
 
-def _weights(weights: Any) -> Mapping[str, Any]:
+def read_weights(weights: Any) -> Mapping[str, Any]:
     """``from_hf``'s weights: a state dict as given, or the tensors of a checkpoint's files."""
     if isinstance(weights, (str, os.PathLike)):
         return load_checkpoint(weights, "ft.nn.from_hf")

@@ -211,7 +211,7 @@ def _check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) 
 
 # ---- the Dense layers of a model and their names ----------------------------------------------
 
-class _Layer(NamedTuple):
+class DenseLayer(NamedTuple):
     """One Dense (or LoraDense) node: its key path, its dotted name (a Stack's members' stacked
     name), the index of its weight among the model's leaves and that leaf's names."""
 
@@ -222,18 +222,18 @@ class _Layer(NamedTuple):
     info: _naming.LeafInfo
 
 
-def _is_dense(x: Any) -> bool:
+def is_dense(x: Any) -> bool:
     return isinstance(x, (Dense, LoraDense))
 
 
-def _layers(model: Any) -> list[_Layer]:
+def dense_layers(model: Any) -> list[DenseLayer]:
     """Every Dense and LoraDense node of ``model``, in flatten order."""
     infos = _naming.leaf_infos(model)
-    pairs, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None or _is_dense(x))
+    pairs, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None or is_dense(x))
     out, offset = [], 0
     for path, node in pairs:
-        if _is_dense(node):
-            out.append(_Layer(path, dotted_name(path), node, offset, infos[offset]))
+        if is_dense(node):
+            out.append(DenseLayer(path, dotted_name(path), node, offset, infos[offset]))
         offset += len(jax.tree.leaves(node, is_leaf=is_none)) if node is not None else 1
     return out
 
@@ -242,7 +242,7 @@ def _layer_name(leaf_name: str) -> str:
     return leaf_name[: -len(".weight")] if leaf_name.endswith(".weight") else leaf_name
 
 
-def _member_layer_names(layer: _Layer) -> list[str]:
+def member_layer_names(layer: DenseLayer) -> list[str]:
     """The layer's name per member (C order over its stack axes), or its one name."""
     members = _naming.member_names(layer.info)
     return [_layer_name(m) for m in members] if members else [_layer_name(layer.info.name)]
@@ -267,8 +267,8 @@ class _TorchName(NamedTuple):
     size: int  # the tensor's output axis (the sum of its members' outputs when fused)
 
 
-class _Names(NamedTuple):
-    """What :func:`_torch_names` finds: whether the names are Hugging Face's, each Dense
+class TorchNames(NamedTuple):
+    """What :func:`torch_names` finds: whether the names are Hugging Face's, each Dense
     member's torch tensor, every module name of the torch model that holds a parameter, and
     the output head's module (Hugging Face's ``get_output_embeddings()``; PEFT's
     ``"all-linear"`` leaves it out)."""
@@ -279,10 +279,10 @@ class _Names(NamedTuple):
     head: str | None
 
 
-_TORCH_NAMES: dict[Any, _Names] = {}
+_TORCH_NAMES: dict[Any, TorchNames] = {}
 
 
-def _torch_names(model: Any, torch_too: bool = True) -> _Names:
+def torch_names(model: Any, torch_too: bool = True) -> TorchNames:
     """The torch names of every Dense member of ``model``: Hugging Face's
     (``to_hf_state_dict``) for a from_hf model, ``torch_state_dict``'s for others (none
     without ``torch_too``). Found by sending copies of the model whose leaves are small arrays
@@ -301,7 +301,7 @@ def _torch_names(model: Any, torch_too: bool = True) -> _Names:
     codes, names = _markers(base, by_member=True)
     converted = _converted(jax.tree.unflatten(treedef, codes), torch_too)
     if converted is None:
-        return _Names(False, {}, frozenset(), None)
+        return TorchNames(False, {}, frozenset(), None)
     is_hf, head, by_code = converted
     columns, _ = _markers(base, by_member=False)
     _, _, by_column = _converted(jax.tree.unflatten(treedef, columns), torch_too) or (None, None, {})
@@ -324,15 +324,15 @@ def _torch_names(model: Any, torch_too: bool = True) -> _Names:
             out.setdefault(member, _TorchName(module, transposed, tuple(m for m in members if m != member),
                                               param == "weight", positions, flat.size))
     modules = frozenset(prefix for name in by_code for prefix in _prefixes(name))
-    result = _Names(is_hf, out, modules, head)
+    result = TorchNames(is_hf, out, modules, head)
     if key is not None:
         bounded_put(_TORCH_NAMES, key, result)
     return result
 
 
 def _markers(base: Any, by_member: bool) -> tuple[list[Any], dict[int, str]]:
-    """The leaves of a marked copy of ``base`` (see :func:`_torch_names`) and the members' codes."""
-    weights = {layer.weight: layer for layer in _layers(base)}
+    """The leaves of a marked copy of ``base`` (see :func:`torch_names`) and the members' codes."""
+    weights = {layer.weight: layer for layer in dense_layers(base)}
     names: dict[int, str] = {}
     markers: list[Any] = []
     leaves = jax.tree.leaves(base, is_leaf=is_none)
@@ -343,7 +343,7 @@ def _markers(base: Any, by_member: bool) -> tuple[list[Any], dict[int, str]]:
         shape, k = tuple(np.shape(leaf)), len(info.sizes)
         if i in weights:
             first = len(names) + 1
-            members = _member_layer_names(weights[i])
+            members = member_layer_names(weights[i])
             names.update((first + j, name) for j, name in enumerate(members))
             if by_member:
                 codes = np.arange(first, first + len(members), dtype=np.float64).reshape((*info.sizes, 1, 1))
@@ -406,19 +406,19 @@ def _child(node: Any, entry: Any) -> Any:
 
 
 def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, bool]:
-    """``{index into _layers(model): True}`` for the Dense layers the patterns select (every
+    """``{index into dense_layers(model): True}`` for the Dense layers the patterns select (every
     member of a Stack's layer, or an error); errors for patterns selecting nothing or a
     leaf of another kind."""
-    layers = _layers(model)
+    layers = dense_layers(model)
     infos = _naming.leaf_infos(model)
-    is_hf, torch, _, _ = _torch_names(model, torch_too=False)
+    is_hf, torch, _, _ = torch_names(model, torch_too=False)
     chosen: dict[int, bool] = {}
     for pattern in patterns:
         picks = _naming.selection(model, (pattern,), strict=False, what=what)
         owned: set[int] = set()
         hit = False
         for j, layer in enumerate(layers):
-            members = _member_layer_names(layer)
+            members = member_layer_names(layer)
             by_ft = np.broadcast_to(np.asarray(picks[layer.weight]), layer.info.sizes).reshape(-1)
             by_hf = np.array([is_hf and m in torch and _naming.matches(torch[m].module + ".weight", pattern)
                               for m in members])
@@ -451,10 +451,10 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
 def _all_linear(model: Any) -> dict[int, bool]:
     """PEFT's ``"all-linear"``: every Dense layer but a Hugging Face model's output head (its
     ``get_output_embeddings()``, which PEFT leaves out); every Dense layer of other models."""
-    names = _torch_names(model, torch_too=False)
+    names = torch_names(model, torch_too=False)
     chosen: dict[int, bool] = {}
-    for j, layer in enumerate(_layers(model)):
-        members = _member_layer_names(layer)
+    for j, layer in enumerate(dense_layers(model)):
+        members = member_layer_names(layer)
         if names.head is not None and any(names.members[m].module == names.head for m in members if m in names.members):
             continue
         if isinstance(layer.node, LoraDense):
@@ -465,9 +465,9 @@ def _all_linear(model: Any) -> dict[int, bool]:
     return chosen
 
 
-def _stacked_pattern(layer: _Layer) -> str:
+def _stacked_pattern(layer: DenseLayer) -> str:
     """A pattern selecting every member of a Stack's layer: its member name with ``*`` for the member numbers."""
-    first = _member_layer_names(layer)[0]
+    first = member_layer_names(layer)[0]
     parts = first.split(".")
     stacks = _naming._stack_prefixes(layer.info)
     for prefix in stacks:
@@ -476,7 +476,7 @@ def _stacked_pattern(layer: _Layer) -> str:
     return ".".join(parts)
 
 
-def _layer_infos(layers: list[_Layer], torch: dict[str, _TorchName]) -> list[_naming.LeafInfo]:
+def _layer_infos(layers: list[DenseLayer], torch: dict[str, _TorchName]) -> list[_naming.LeafInfo]:
     """LeafInfos of the layers (their names without ``.weight``; a Stack's with member names),
     and of their Hugging Face names: what a NothingSelected error searches."""
     out = []
@@ -487,7 +487,7 @@ def _layer_infos(layers: list[_Layer], torch: dict[str, _TorchName]) -> list[_na
     return out
 
 
-def _nothing(pattern: str, layers: list[_Layer], torch: dict[str, _TorchName]) -> ValueError:
+def _nothing(pattern: str, layers: list[DenseLayer], torch: dict[str, _TorchName]) -> ValueError:
     infos = _layer_infos(layers, torch)
     error = _naming.nothing_selected(pattern, "ft.nn.lora", "Dense layer", infos)
     if error.out_of_range is not None:
@@ -497,7 +497,7 @@ def _nothing(pattern: str, layers: list[_Layer], torch: dict[str, _TorchName]) -
                                               right=right))
 
 
-def _suggested(pattern: str, layers: list[_Layer]) -> str:
+def _suggested(pattern: str, layers: list[DenseLayer]) -> str:
     """A pattern for the Dense layers ``pattern`` was probably after (their last name part)."""
     ends = sorted({_layer_name(layer.info.name).rsplit(".", 1)[-1] for layer in layers})
     close = [e for e in ends if _naming.matches(e, pattern.rsplit(".", 1)[-1])] or ends[:1]
@@ -543,14 +543,14 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     assert key is not None
     all_linear = isinstance(pattern, str) and pattern.lower() == ALL_LINEAR
     chosen = _all_linear(model) if all_linear else _selected(model, patterns, "ft.nn.lora")
-    layers = _layers(model)
+    layers = dense_layers(model)
     wrapped = {layer.path: LoraDense(layer.node, rank, alpha, dropout, key=jax.random.fold_in(key, j), dtype=dtype)
                for j, layer in enumerate(layers) if j in chosen}
 
     def one(path: Any, x: Any) -> Any:
         return wrapped.get(tuple(path), x)
 
-    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or _is_dense(x))
+    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or is_dense(x))
 
 
 def merge_lora(model: Any) -> Any:

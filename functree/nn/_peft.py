@@ -16,7 +16,7 @@ ranks, in a float dtype (PEFT ignores extra tensors and casts integer ones: erro
 Fused projections (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``, Phi-3's ``qkv_proj``)
 are one torch module but several ft ``Dense`` layers: PEFT's ``lora_A`` is shared and
 ``lora_B``'s rows are the members' outputs, laid out as the converter lays the weight out
-(``_lora._torch_names`` finds where each output goes). Loaded, each member gets ``A`` and
+(``_lora.torch_names`` finds where each output goes). Loaded, each member gets ``A`` and
 its rows of ``B``; saved, members with equal ``A`` write it once, members with their own
 ``A`` (trained apart) write the exact block form: ``A`` stacked ``[Σr, in]`` and ``B``
 block-diagonal, rank ``Σr`` in ``rank_pattern``.
@@ -44,15 +44,15 @@ import numpy as np
 
 from functree.nn._lora import (
     ALREADY_ADAPTED,
+    DenseLayer,
     LoraDense,
-    _is_dense,
-    _Layer,
-    _layers,
-    _member_layer_names,
-    _Names,
-    _torch_names,
+    TorchNames,
+    dense_layers,
+    is_dense,
+    member_layer_names,
+    torch_names,
 )
-from functree.nn._safetensors import DTYPES, _header, load_file
+from functree.nn._safetensors import DTYPES, load_file, read_header
 
 __all__ = ["save_lora", "load_lora"]
 
@@ -208,16 +208,16 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     """
     if isinstance(modules_to_save, str):
         modules_to_save = [modules_to_save]
-    layers = [layer for layer in _layers(model) if isinstance(layer.node, LoraDense)]
+    layers = [layer for layer in dense_layers(model) if isinstance(layer.node, LoraDense)]
     if not layers:
         raise ValueError(NO_ADAPTERS.format(what="ft.nn.save_lora", verb="save"))
-    names = _torch_names(model)
+    names = torch_names(model)
     kind = "Hugging Face" if names.is_hf else "torch"
     by_module: dict[str, list[tuple[str, np.ndarray, np.ndarray, float]]] = {}
     dropouts: list[float] = []
     for layer in layers:
         node, sizes = layer.node, layer.info.sizes
-        for name, a, b in zip(_member_layer_names(layer), _members(node.lora_a, sizes), _members(node.lora_b, sizes)):
+        for name, a, b in zip(member_layer_names(layer), _members(node.lora_a, sizes), _members(node.lora_b, sizes)):
             found = names.members.get(name)
             if found is None or not found.weight_param:
                 raise ValueError(NO_NAME.format(layer=name, torch=kind))
@@ -258,7 +258,7 @@ def _most_common(values: dict[str, Any]) -> Any:
     return Counter(values.values()).most_common(1)[0][0]  # the first seen among equally common ones
 
 
-def _module_adapter(given: list[tuple[str, np.ndarray, np.ndarray, float]], names: _Names
+def _module_adapter(given: list[tuple[str, np.ndarray, np.ndarray, float]], names: TorchNames
                     ) -> tuple[np.ndarray, np.ndarray, float]:
     """PEFT's ``(lora_A [r, in], lora_B [size, r], scale)`` of one torch module from its ft
     members' ``(name, a [in, r_i], b [r_i, out_i], scale_i)``: each member's ``B`` rows at its
@@ -278,14 +278,14 @@ def _module_adapter(given: list[tuple[str, np.ndarray, np.ndarray, float]], name
     return np.ascontiguousarray(a_all), b_all, float(scale)
 
 
-def _saved_modules(model: Any, names: _Names, modules_to_save: Sequence[str], what: str
-                   ) -> dict[str, tuple[_Layer, int]]:
+def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str], what: str
+                   ) -> dict[str, tuple[DenseLayer, int]]:
     """``{torch module: (its Dense layer, member index)}`` of the modules PEFT's
     ``modules_to_save`` names (``_set_trainable``: a module whose name ends with one)."""
     if isinstance(modules_to_save, str):  # as PEFT takes it
         modules_to_save = [modules_to_save]
-    layers = {m: (layer, i) for layer in _layers(model) for i, m in enumerate(_member_layer_names(layer))}
-    out: dict[str, tuple[_Layer, int]] = {}
+    layers = {m: (layer, i) for layer in dense_layers(model) for i, m in enumerate(member_layer_names(layer))}
+    out: dict[str, tuple[DenseLayer, int]] = {}
     for entry in modules_to_save:
         matched = sorted(m for m in names.modules if m.endswith(entry))
         if not matched:
@@ -303,9 +303,9 @@ def _saved_modules(model: Any, names: _Names, modules_to_save: Sequence[str], wh
     return out
 
 
-def _full_tensors(module: str, layer: _Layer, i: int, names: _Names) -> dict[str, np.ndarray]:
+def _full_tensors(module: str, layer: DenseLayer, i: int, names: TorchNames) -> dict[str, np.ndarray]:
     """A Dense member's weight (and bias) as its torch module holds them."""
-    found = names.members[_member_layer_names(layer)[i]]
+    found = names.members[member_layer_names(layer)[i]]
     weight = _members(layer.node.weight, layer.info.sizes)[i]  # [in, out]
     torch_weight = np.empty((found.size, weight.shape[0]), weight.dtype)
     torch_weight[found.positions] = weight.T
@@ -398,7 +398,7 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
         raise ValueError(UNSUPPORTED_PEFT.format(option=option, value=value,
                                                      covered=", ".join(f"{o}={c!r}" for o, c in COVERED)))
     tensors = load_file(weights_path, caller="ft.nn.load_lora")  # every rule of the format checked
-    metadata = _header(weights_path, os.path.getsize(weights_path))[1].get("__metadata__") or {}
+    metadata = read_header(weights_path, os.path.getsize(weights_path))[1].get("__metadata__") or {}
     if RECORD in metadata:
         _check_record(directory, config, metadata[RECORD])
     return config, tensors
@@ -479,7 +479,7 @@ def _targets(config: dict[str, Any], module: str) -> bool:
     return index is not None and (index == layers if isinstance(layers, int) else index in layers)
 
 
-def _targeted(config: dict[str, Any], names: _Names) -> set[str]:
+def _targeted(config: dict[str, Any], names: TorchNames) -> set[str]:
     """The torch modules the config adapts; ``"all-linear"``: every Dense module but the
     output head (PEFT's shorthand)."""
     targets = config.get("target_modules")
@@ -523,20 +523,20 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     directory = str(directory)
     config, tensors = _read_adapter(directory)
     _check_config(config, directory)
-    names = _torch_names(model)
+    names = torch_names(model)
     kind = "Hugging Face" if names.is_hf else "torch"
     saved = _saved_modules(model, names, config["modules_to_save"], "load_lora") if config.get("modules_to_save") \
         else {}
     pairs, full = _split_tensors(tensors, set(saved), directory)
     modules = _checked_modules(config, names, pairs, kind)
-    layers = _layers(model)
-    inputs = {m: int(layer.node.weight.shape[-2]) for layer in layers for m in _member_layer_names(layer)}
+    layers = dense_layers(model)
+    inputs = {m: int(layer.node.weight.shape[-2]) for layer in layers for m in member_layer_names(layer)}
     members: dict[str, tuple[str, np.ndarray, np.ndarray, float]] = {}
     for module in modules:
         members.update(_member_adapters(module, pairs[module], config, names, inputs))
     wrapped: dict[Any, Any] = {}
     for j, layer in enumerate(layers):
-        layer_names = _member_layer_names(layer)
+        layer_names = member_layer_names(layer)
         given = [(i, members[n]) for i, n in enumerate(layer_names) if n in members]
         if given and isinstance(layer.node, LoraDense):
             raise ValueError(ALREADY_ADAPTED.format(pattern=given[0][1][0], name=layer.name))
@@ -549,7 +549,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     def one(path: Any, x: Any) -> Any:
         return wrapped.get(tuple(path), x)
 
-    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or _is_dense(x))
+    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or is_dense(x))
 
 
 def _check_config(config: dict[str, Any], directory: str) -> None:
@@ -571,7 +571,7 @@ def _check_config(config: dict[str, Any], directory: str) -> None:
         raise bad("lora_dropout", dropout, "a dropout probability is in [0, 1)", '"lora_dropout": 0.05')
 
 
-def _checked_modules(config: dict[str, Any], names: _Names, pairs: dict[str, Any], kind: str) -> list[str]:
+def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str, Any], kind: str) -> list[str]:
     """The targeted modules, checked against the file's tensors and the model's Dense layers."""
     dense = {n.module for n in names.members.values() if n.weight_param}
     unknown = sorted(m for m in pairs if m not in dense)
@@ -594,7 +594,7 @@ def _checked_modules(config: dict[str, Any], names: _Names, pairs: dict[str, Any
     return sorted(targeted)
 
 
-def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str, Any], names: _Names,
+def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str, Any], names: TorchNames,
                      inputs: dict[str, int]) -> dict[str, tuple[str, np.ndarray, np.ndarray, float]]:
     """``{ft member: (module, a [in, r], b [r, out], scale)}`` of one torch module's adapter:
     a fused module's members share ``A`` and take their rows of ``B``."""
@@ -613,7 +613,7 @@ def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str,
     return {m: (module, a.T, b[names.members[m].positions].T, scale) for m in members}
 
 
-def _loaded(layer: _Layer, given: list[tuple[int, tuple[str, np.ndarray, np.ndarray, float]]],
+def _loaded(layer: DenseLayer, given: list[tuple[int, tuple[str, np.ndarray, np.ndarray, float]]],
             config: dict[str, Any], key: jax.Array | None) -> LoraDense:
     """The LoraDense of one layer from its members' adapters (``given``: member index, adapter).
 
@@ -638,10 +638,10 @@ def _loaded(layer: _Layer, given: list[tuple[int, tuple[str, np.ndarray, np.ndar
                         alpha=scale * rank, dropout_key=None if key is None else node.dropout_key)
 
 
-def _with_full(node: Any, layer: _Layer, i: int, module: str, given: dict[str, np.ndarray], names: _Names,
+def _with_full(node: Any, layer: DenseLayer, i: int, module: str, given: dict[str, np.ndarray], names: TorchNames,
                directory: str) -> Any:
     """``node`` with member ``i``'s weight and bias replaced by a saved module's full tensors."""
-    found = names.members[_member_layer_names(layer)[i]]
+    found = names.members[member_layer_names(layer)[i]]
     weight, bias = node.weight, node.bias
     n_in = weight.shape[-2]
     expected: dict[str, tuple[int, ...]] = {"weight": (found.size, n_in) if found.transposed else (n_in, found.size)}

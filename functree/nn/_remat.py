@@ -24,7 +24,7 @@ from functree._module import field
 from functree._paths import ATTR, Entry, KeyPath
 from functree.nn._mode import Layer
 from functree.nn._sequential import takes_key
-from functree.nn._state import _stack, collect_state
+from functree.nn._state import collect_state, collector_stack
 
 __all__ = ["Remat", "remat_policy", "call_collecting", "record_under"]
 
@@ -97,7 +97,7 @@ def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
 
 def collecting() -> bool:
     """Whether ``ft.nn.collect_state`` is collecting layer state now."""
-    return bool(_stack())
+    return bool(collector_stack())
 
 
 def call_collecting(call: Callable[[Any], Any], layer: Any, paths: list[KeyPath]) -> tuple[Any, tuple[Any, ...]]:
@@ -113,7 +113,7 @@ def record_under(owner: Any, field_name: str, paths: list[KeyPath], values: Any)
     if not paths:
         return
 
-    collector = next((c for c in reversed(_stack()) if id(owner) in c.paths), None)
+    collector = next((c for c in reversed(collector_stack()) if id(owner) in c.paths), None)
     if collector is None:
         raise ValueError(NOT_IN_MODEL.format(cls=type(owner).__name__))
     for where in collector.paths[id(owner)]:

@@ -104,7 +104,7 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _header(path: str, total: int) -> tuple[int, dict[str, Any]]:
+def read_header(path: str, total: int) -> tuple[int, dict[str, Any]]:
     """The header's size and its JSON object, checked against the file's size."""
     if total < 8:
         raise _Invalid(f"it has {total} bytes, fewer than the 8 of the header size")
@@ -181,7 +181,7 @@ def load_file(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[st
     where = os.fspath(path)
     total = os.path.getsize(where)
     try:
-        size, header = _header(where, total)
+        size, header = read_header(where, total)
         _metadata(header.pop("__metadata__", None))
         entries = {name: _entry(name, info) for name, info in header.items()}
         _tiled(entries, total - 8 - size)

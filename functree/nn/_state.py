@@ -122,7 +122,7 @@ class _Collector:
 _LOCAL = threading.local()
 
 
-def _stack() -> list[_Collector]:
+def collector_stack() -> list[_Collector]:
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
@@ -146,7 +146,7 @@ def record_state(layer: Module, **values: Any) -> None:
       >>> updates
       {KeyPath('.count'): Array(1., dtype=float32)}
     """
-    stack = _stack()
+    stack = collector_stack()
     cls = type(layer)
     if not stack:
         _warn_uncollected(layer, tuple(values))
@@ -181,7 +181,7 @@ def follow(original: Any, derived: Any) -> None:
       >>> sorted(str(p) for p in updates)
       ['.running_mean', '.running_variance']
     """
-    for collector in _stack():
+    for collector in collector_stack():
         prefixes = collector.paths.get(id(original))
         if not prefixes or derived is original:
             continue
@@ -266,7 +266,7 @@ def collect_state(fn: Callable[[Any], Any], model: Any) -> tuple[Any, dict[KeyPa
       Array([0.01, 0.03], dtype=float32)
     """
     collector = _Collector(model)
-    stack = _stack()
+    stack = collector_stack()
     stack.append(collector)
     try:
         out = fn(model)

@@ -4,7 +4,7 @@ configuration at a step, written through orbax and rebuilt with their original t
 A checkpoint is an orbax directory with two items: ``arrays`` (every leaf by its dotted
 key path, ``model.layers.0.weight``) and ``meta`` (JSON: the tree's types by public name
 (:mod:`._treespec`), the step, metrics, configuration, CRC-32s of the arrays
-(:mod:`._arrays`) and one of the metadata itself). One writer (:func:`_args`) and one
+(:mod:`._arrays`) and one of the metadata itself). One writer (:func:`save_args`) and one
 reader (:func:`_read`) serve :func:`save`/:func:`load` and :class:`CheckpointManager`,
 whose directory policy (lock, retention) is :mod:`._directory`. Orbax writes into a
 temporary directory renamed when complete, so a killed save leaves the previous
@@ -35,9 +35,9 @@ from functree.train.checkpoint._processes import agreed, gather
 from functree.train.checkpoint._treespec import (
     CheckpointError,
     SpecError,
-    _decode_leaf,
     check_names,
     decode,
+    decode_leaf,
     encode,
     leaf_specs,
 )
@@ -204,7 +204,7 @@ def _writable(arrays: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return out, local
 
 
-def _args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
+def save_args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     """Orbax's save arguments: the arrays and the sealed metadata (collective: every
     process of a job calls it, each describing the shards it writes). A leaf no checkpoint
     can hold is refused first, on every process at once, before anything is written."""
@@ -281,7 +281,7 @@ def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: 
     if template is None:
         return decode(spec, arrays, part)
     prefix = part + "." if part else ""
-    flat = {s["key"][len(prefix):]: _decode_leaf(s, arrays, s["key"])
+    flat = {s["key"][len(prefix):]: decode_leaf(s, arrays, s["key"])
             for _, s in leaf_specs(spec, part) if s["key"].startswith(prefix)}
     tree, report = from_flat_dict(template, flat, strict=False)
     if not report.ok:
@@ -304,7 +304,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) ->
     path = Path(path).absolute()
     if agreed(lambda: path.exists()) and not overwrite:
         raise CheckpointError(PATH_EXISTS.format(path=path))
-    args = _args(*encode(tree))
+    args = save_args(*encode(tree))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(path, args=args, force=overwrite)
 
@@ -416,7 +416,7 @@ class CheckpointManager:
             raise CheckpointError(MISSING_METRIC.format(step=step, metric=self.best_metric, given=sorted(metrics)))
         arrays, spec = encode({"model": model, "opt_state": opt_state, "extra": extra})
         base = {"frozen": describe_frozen(arrays, frozen, model)} if frozen else {}
-        args = _args(arrays, spec, step=step, metrics=metrics, config=_json_value(dict(config or {})), **base)
+        args = save_args(arrays, spec, step=step, metrics=metrics, config=_json_value(dict(config or {})), **base)
         try:
             agreed(lambda: self._begin(step))
             self._mngr.save(step, args=args, force=True)

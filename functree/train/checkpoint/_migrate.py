@@ -16,7 +16,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from functree.train.checkpoint._arrays import placement, saved_arrays
-from functree.train.checkpoint._checkpoint import _args
+from functree.train.checkpoint._checkpoint import save_args
 from functree.train.checkpoint._directory import STEP_DIR
 from functree.train.checkpoint._registry import public_name
 from functree.train.checkpoint._treespec import CheckpointError
@@ -76,5 +76,5 @@ def migrate(source: str | os.PathLike[str], destination: str | os.PathLike[str])
         target = placement({})(saved_arrays(source / "arrays"), meta)  # the default device, not the writer's
         arrays = checkpointer.restore(source, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target)))["arrays"]
         fields = {k: meta[k] for k in ("step", "metrics", "config") if k in meta}
-        args = _args(dict(arrays), _public(meta.get("spec")), migrated_from=meta["format"], **fields)
+        args = save_args(dict(arrays), _public(meta.get("spec")), migrated_from=meta["format"], **fields)
         checkpointer.save(destination, args=args)

@@ -240,7 +240,7 @@ def encode(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return encoder.arrays, spec
 
 
-def _decode_leaf(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") -> Any:
+def decode_leaf(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") -> Any:
     key = spec.get("key")
     if not isinstance(key, str) or key not in arrays:
         raise SpecError(MALFORMED.format(path=path, why=f"no stored array named {key!r}"))
@@ -338,7 +338,7 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
     if kind == "none":
         return None
     if kind == "leaf":
-        return _decode_leaf(spec, arrays, path)
+        return decode_leaf(spec, arrays, path)
     if kind in ("list", "tuple"):
         items = [_decode(s, arrays, child_name(path, i)) for i, s in enumerate(_items(spec, "items", list))]
         return items if kind == "list" else tuple(items)

@@ -42,10 +42,10 @@ from functree.nn._hf import from_hf, to_hf_state_dict
 from functree.nn._hf_save import save_hf
 from functree.nn._linear import Dense
 from functree.nn._lora import LoraDense, lora, merge_lora
-from functree.nn._peft import load_lora, save_lora
 from functree.nn._mlp import MLP
 from functree.nn._mode import Layer, inference, inferring, is_training, training
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
+from functree.nn._peft import load_lora, save_lora
 from functree.nn._pooling import (
     AvgPool1D,
     AvgPool2D,

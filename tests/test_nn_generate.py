@@ -812,6 +812,19 @@ def test_sizes_whose_bucket_the_model_refuses_run_exact(tiny):
         ft.nn.generate(picky, prompt, 14, attention_mask=mask)
 
 
+def test_a_streamer_gets_the_prompt_once_when_a_bucket_is_refused(tiny):
+    """The refused bucket's plan gave the streamer the prompt; the exact sizes' run does not
+    give it again: the same puts as a model that never refused."""
+    model, prompt, mask = tiny
+    _generate._EXACT.discard((Picky, 3, 11))
+    picky, plain = Recorder(), Recorder()
+    ft.nn.generate(Picky(key=jax.random.key(0)), prompt, 11, attention_mask=mask, streamer=picky)
+    ft.nn.generate(model, prompt, 11, attention_mask=mask, streamer=plain)
+    assert (Picky, 3, 11) in _generate._EXACT
+    assert picky.puts == plain.puts and picky.ends == plain.ends == 1
+    assert picky.puts[0] == np.asarray(prompt).tolist()
+
+
 # ---- the controls are records the loops fold over ---------------------------------------------
 
 def recorded_loops(monkeypatch):

@@ -399,6 +399,9 @@ def generate(
         # the model refused the bucket's sizes while tracing (e.g. longrope's switch point
         # inside the larger cache): these sizes run exact from now on, or raise as exact ones do
         _EXACT.add((type(inner), prompt, new))
+        if streamer is not None:  # the refused plan gave the streamer the prompt already
+            plan = partial(_plan, model, ids, new, attention_mask, key, options, stop, return_scores,
+                           _PromptGiven(streamer), limit)
         tokens, scores = _running(plan(exact=True), model, prompt, new)
     return (tokens, scores) if return_scores else tokens
 
@@ -512,6 +515,21 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
 
     cropped.exact = (width, bucket) == (prompt, new)  # type: ignore[attr-defined]
     return cropped
+
+
+class _PromptGiven:
+    """A streamer that has had the prompt: its first ``put`` (the prompt, again) is dropped."""
+
+    def __init__(self, streamer: Any):
+        self.streamer, self.given = streamer, False
+
+    def put(self, value: Any) -> None:
+        if self.given:
+            self.streamer.put(value)
+        self.given = True
+
+    def end(self) -> None:
+        self.streamer.end()
 
 
 def _streaming(run: Any, streamer: Any, ids: Any) -> tuple[jax.Array, Any]:

@@ -98,13 +98,7 @@ def _read_json(directory: Any) -> dict[str, Any]:
     path = os.path.join(os.fspath(directory), "config.json")
     if not os.path.isfile(path):
         raise ValueError(NO_CONFIG_JSON.format(path=os.fspath(directory), found=sorted(os.listdir(directory))[:8]))
-    try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(BAD_CONFIG_JSON.format(path=path, why=f"not JSON: {e}")) from None
-    if not isinstance(values, dict):
-        raise ValueError(BAD_CONFIG_JSON.format(path=path, why=f"a JSON {type(values).__name__}, not an object"))
+    values = _json_object(path, BAD_CONFIG_JSON)
     if not isinstance(values.get("model_type"), str):
         raise ValueError(BAD_CONFIG_JSON.format(path=path, why=f"model_type is {values.get('model_type')!r}, "
                                                                  "not a model type's name"))
@@ -117,13 +111,18 @@ def read_generation(directory: Any) -> dict[str, Any] | None:
     path = os.path.join(os.fspath(directory), "generation_config.json")
     if not os.path.isfile(path):
         return None
+    return _json_object(path, BAD_GENERATION_JSON)
+
+
+def _json_object(path: str, error: str) -> dict[str, Any]:
+    """The JSON object in file ``path``, else ``error`` (formatted with ``path`` and why)."""
     try:
         with open(path, encoding="utf-8") as f:
             values = json.load(f)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(BAD_GENERATION_JSON.format(path=path, why=f"not JSON: {e}")) from None
+        raise ValueError(error.format(path=path, why=f"not JSON: {e}")) from None
     if not isinstance(values, dict):
-        raise ValueError(BAD_GENERATION_JSON.format(path=path, why=f"a JSON {type(values).__name__}, not an object"))
+        raise ValueError(error.format(path=path, why=f"a JSON {type(values).__name__}, not an object"))
     return values
 
 

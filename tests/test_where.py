@@ -10,12 +10,11 @@ for jitted computation".
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compiles import compiled
 from _devices import part, scenarios
 
 import functree as ft
@@ -161,24 +160,10 @@ def test_placement_of_and_put_on_the_default_device():
 def test_an_evaluation_compiles_its_program_once():
     """The first sums are committed where the model lives, as those the program returns:
     one compiled program per evaluation's shapes (uncommitted first sums compiled two)."""
-    class Compiles(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.DEBUG)
-            self.names: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("Compiling"):
-                self.names.append(record.getMessage().split()[1])
-
     x = np.ones((24, 3), np.float32)
     trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
                                lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2 + 0.5))  # a new program
-    handler, logger = Compiles(), logging.getLogger("jax")
-    logger.addHandler(handler)
-    try:
-        with jax.log_compiles(True):
-            first = trainer.evaluate((x, x[:, :1]), batch_size=8)
-            again = trainer.evaluate((x, x[:, :1]), batch_size=8)
-    finally:
-        logger.removeHandler(handler)
-    assert [n for n in handler.names if n == "jit(run)"] == ["jit(run)"] and first == again
+    with compiled() as names:
+        first = trainer.evaluate((x, x[:, :1]), batch_size=8)
+        again = trainer.evaluate((x, x[:, :1]), batch_size=8)
+    assert [n for n in names if n == "jit(run)"] == ["jit(run)"] and first == again

@@ -84,6 +84,11 @@ generate: {name} must be a list of token-id sequences, each a non-empty list of 
 LOWEST = -jnp.inf  # a token a control removes
 
 
+def _removed(mask: jax.Array, scores: jax.Array) -> jax.Array:
+    """``scores`` with the tokens where ``mask`` is True removed (:data:`LOWEST`)."""
+    return jnp.where(mask, jnp.asarray(LOWEST, jnp.float32), scores)
+
+
 class Loop(NamedTuple):
     """What a control's ``init`` and ``apply`` may read of the running loop: the prompt ``ids``
     and ``prompt_mask`` ``[batch, W]`` (bucket-padded), its real length ``prompt`` (traced),
@@ -208,7 +213,7 @@ class NoRepeatNGram(Control):
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         banned = _repeated_ngrams(now.tokens, now.real(), now.loop.prompt + now.t, self.n, now.loop.vocab)
-        return jnp.where(banned, jnp.asarray(LOWEST, jnp.float32), scores)
+        return _removed(banned, scores)
 
 
 @record()
@@ -228,7 +233,7 @@ class BadWords(Control):
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         banned = _bad_words(now.tokens, now.real(), now.loop.prompt + now.t, self.words, now.loop.vocab)
-        return jnp.where(banned, jnp.asarray(LOWEST, jnp.float32), scores)
+        return _removed(banned, scores)
 
 
 @record("n", "eos_ids")
@@ -253,7 +258,7 @@ class MinNewTokens(Control):
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         is_eos = jnp.isin(jnp.arange(scores.shape[-1]), self.eos_ids)
-        return jnp.where(is_eos & (now.t < self.n), jnp.asarray(LOWEST, jnp.float32), scores)
+        return _removed(is_eos & (now.t < self.n), scores)
 
 
 @record()
@@ -273,7 +278,7 @@ class SuppressTokens(Control):
         vocab = scores.shape[-1]
         _in_vocabulary("suppress_tokens", self.ids, vocab)  # known once traced
         suppressed = jnp.zeros((vocab,), bool).at[np.asarray(self.ids)].set(True)
-        return jnp.where(suppressed, jnp.asarray(LOWEST, jnp.float32), scores)
+        return _removed(suppressed, scores)
 
 
 @record("temperature")
@@ -311,7 +316,7 @@ class TopK(Control):
         if self.k > scores.shape[-1]:
             raise ValueError(BAD_TOP_K.format(vocab=scores.shape[-1], given=self.k))
         kth = jax.lax.top_k(scores, self.k)[0][..., -1:]
-        return jnp.where(scores < kth, jnp.asarray(LOWEST, jnp.float32), scores)
+        return _removed(scores < kth, scores)
 
 
 @record("p")
@@ -335,7 +340,7 @@ class TopP(Control):
         before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the more likely tokens
         kept = jnp.sum(before < self.p, axis=-1, keepdims=True)  # >= 1: the first has 0 before it
         threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
-        return jnp.where(scores < threshold, jnp.asarray(LOWEST, jnp.float32), scores)
+        return _removed(scores < threshold, scores)
 
 
 @record("p")
@@ -355,8 +360,7 @@ class MinP(Control):
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         probs = jax.nn.softmax(scores, axis=-1)  # p < q * p_max (the most likely token stays)
-        return jnp.where(probs < self.p * jnp.max(probs, axis=-1, keepdims=True), jnp.asarray(LOWEST, jnp.float32),
-                         scores)
+        return _removed(probs < self.p * jnp.max(probs, axis=-1, keepdims=True), scores)
 
 
 # Every control, in the order its scores pass them (HF's: processors, then warpers).

@@ -69,13 +69,6 @@ max_length, dtype=None).
                     ...                       # with a cache: return logits, cache
     (see docs/guides/generation.md)"""
 
-BAD_MODEL_OUTPUT = """\
-generate: model(input_ids, attention_mask=am, positions=pos, cache=cache) must return \
-(logits [batch, T, vocab] float, cache of the same structure), got {given} for input_ids \
-{ids}.
-
-    right:  return self.head(x), cache"""
-
 BAD_INPUT_IDS = """\
 generate: input_ids must be integer token ids [batch, prompt_length], got {given}.
 

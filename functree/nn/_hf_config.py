@@ -125,10 +125,6 @@ def _json_config(config: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(config).items() if not k.startswith("_")}
 
 
-def _generation_file(directory: Any) -> dict[str, Any] | None:
-    return read_generation(directory)  # a damaged file is an error naming it (nn/_hf_files.py)
-
-
 def hf_config_of(config: Any, source: Any) -> HFConfig:
     """The HFConfig of ``config`` (the HF config object from_hf read), with the generation
     config of ``source``: an HF model's ``generation_config``, a directory's
@@ -136,7 +132,7 @@ def hf_config_of(config: Any, source: Any) -> HFConfig:
     generation = None
     given = getattr(source, "generation_config", None)
     if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
-        generation = _generation_file(source)
+        generation = read_generation(source)  # a damaged file is an error naming it
     elif given is not None and hasattr(source, "state_dict"):
         generation = _json_config(given)
     return HFConfig(_json_config(config), generation)

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._tree import bounded_put, cached
+from functree._where import put
 from functree.optim import context, hyperparameters
 from functree.optim._hyper import learning_rate_names
-from functree.train.checkpoint._arrays import committed
 
 __all__ = ["Interval", "MetricLog", "Reading", "next_buffer", "snapshot", "STOPPED_EARLIER", "to_host"]
 
@@ -172,8 +172,8 @@ class MetricLog:
             columns = len(self.names or ()) + len(self.rates)
             buffer = {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
                       "rows": jnp.zeros((self.capacity, columns), jnp.float32)}
-            # committed as the trainer's other arrays are (one compiled step: _arrays.committed)
-            self.buffer = committed(buffer if place is None else place(buffer))
+            # committed as the trainer's other arrays are (one compiled step: _where.put)
+            self.buffer = put(buffer if place is None else place(buffer), None)
         return self.buffer
 
     def resize(self, rows: int) -> None:

@@ -19,12 +19,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from functree._where import default_device
 from functree.parallel import sharded_target
 from functree.train.checkpoint._processes import gather
 from functree.train.checkpoint._treespec import CheckpointError, encode
 
-__all__ = ["checksum", "describe", "verify", "default_device", "saved_arrays", "written_on", "placement",
-           "committed"]
+__all__ = ["checksum", "describe", "verify", "saved_arrays", "written_on", "placement"]
 
 PLACEMENT_MISMATCH = """\
 The checkpoint's array {key!r} ({saved}) cannot be placed by {sharding} in this process \
@@ -140,15 +140,6 @@ def verify(sums: Any, arrays: dict[str, Any]) -> tuple[str, str] | None:
     return next((tuple(f) for f in gather(found) if f), None)  # type: ignore[return-value]
 
 
-def default_device() -> Any:
-    """The device arrays go to when nothing says where: ``jax_default_device`` (also set
-    by ``with jax.default_device(d):``), else this process's first device."""
-    chosen = cast(Any, jax.config).jax_default_device
-    if isinstance(chosen, str):  # a platform name: "cpu", "gpu"
-        return jax.local_devices(backend=chosen)[0]
-    return chosen if chosen is not None else jax.local_devices()[0]
-
-
 def saved_arrays(directory: Any) -> dict[str, tuple[tuple[int, ...], np.dtype, bool]]:
     """``{key: (shape, dtype, on_host)}`` of the arrays orbax wrote in ``directory`` (a
     checkpoint's ``arrays`` item), from its metadata: what is stored, whatever the
@@ -248,14 +239,3 @@ def placement(parts: Mapping[str, Any], mesh: Any = None, sharding: Any = None, 
         return out
 
     return target
-
-
-def committed(tree: Any) -> Any:
-    """``tree`` with each array committed to the device it is on (the same buffers).
-
-    Restored arrays are committed (orbax places them as saved), and ``jax.jit`` keys its
-    cache on that: a job whose fresh arrays were not would compile its step again after
-    an in-process restore. Committed from the start, both hit one program.
-    """
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array)
-                        and not getattr(x, "committed", True) else x, tree)

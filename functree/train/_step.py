@@ -555,24 +555,26 @@ class TrainStep:
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
         # What run() does for a plain call, inline once run() has set _direct: the program's
         # own call (its donation guard and checks inside), no run() frame per loop step.
-        stop = self.on_nan == "stop"  # else the log (_halt) stays None
-        if stop:
-            if self._halt is None:
-                self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
-            elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
-                self._check(model, opt_state, block=False)
-            self._inflight.append((self._calls * self.steps_per_call, batch, key))  # its first step
         direct = self._direct
-        if direct is None:
-            out = self.run(model, opt_state, batch, key, self._halt)
-        else:
+        if self.on_nan != "stop":
+            if direct is None:
+                return self.run(model, opt_state, batch, key)[:3]
             self._owned_call = False
             self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
-            out = direct(model, opt_state, batch, key, self._halt)
-        if stop:
-            self._halt = out[3]
-            self._calls += 1
-        return out[:3]
+            return direct(model, opt_state, batch, key, None)[:3]
+        if self._halt is None:
+            self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
+        elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
+            self._check(model, opt_state, block=False)
+        self._inflight.append((self._calls * self.steps_per_call, batch, key))  # its first step
+        if direct is None:
+            model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
+        else:
+            self._owned_call = False
+            self._shared.owner = self._ref
+            model, opt_state, metrics, self._halt = direct(model, opt_state, batch, key, self._halt)
+        self._calls += 1
+        return model, opt_state, metrics
 
     def check(self) -> None:
         """Wait for the steps called so far and raise :class:`NonFiniteError` if one of them

@@ -565,14 +565,13 @@ def _attention_mask(mask: Any, shape: tuple[int, ...]) -> Any:
     if not kind or tuple(m.shape) != tuple(shape):
         raise ValueError(BAD_ATTENTION_MASK.format(shape=list(shape), given=short_array(m)))
     try:
-        last = np.asarray(m)[:, -1]  # a concrete mask (a traced one is not checked)
+        host = np.asarray(m)  # a concrete mask (a traced one is not checked)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        last = None
-    if last is not None and not last.all():
+        return jnp.asarray(m != 0, jnp.int32)
+    last = host[:, -1]
+    if not last.all():
         raise ValueError(RIGHT_PADDED.format(row=int(np.argmin(last != 0))))
-    if last is not None:
-        return (np.asarray(m) != 0).astype(np.int32)
-    return jnp.asarray(m != 0, jnp.int32)
+    return (host != 0).astype(np.int32)
 
 
 def _buckets(prompt: int, new: int, limit: Any) -> tuple[int, int]:

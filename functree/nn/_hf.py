@@ -105,12 +105,18 @@ def _array(x: Any) -> np.ndarray:
     return np.asarray(x) if converted is None else converted
 
 
+def tied_head(family: Family, model: Any) -> tuple[str, str] | None:
+    """A tied model's ``(head, embedding)`` weight names (it has no ``lm_head`` of its own), else None."""
+    return family.head if getattr(model, "lm_head", True) is None else None
+
+
 def _untie(family: Family, model: Any, weights: Mapping[str, Any]) -> dict[str, Any]:
     """The weights without a tied head's copy of the embedding (checked equal to it)."""
     weights = dict(weights)
-    if family.head is None or getattr(model, "lm_head", True) is not None:
+    tied = tied_head(family, model)
+    if tied is None:
         return weights
-    head, embedding = family.head
+    head, embedding = tied
     if head in weights and embedding in weights:
         given, stored = _array(weights.pop(head)), _array(weights[embedding])
         if given.shape != stored.shape or not np.array_equal(given, stored):
@@ -294,9 +300,9 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
         raise ValueError(NOT_A_PORT.format(covered=", ".join(f.model.__name__ for f in FAMILIES.values()),
                                            given=type(model).__name__))
     out = torch_state_dict(model, rename=model.hf_rename, layouts=model.hf_layouts, numpy=True)
-    if family.head is not None and getattr(model, "lm_head", True) is None:
-        head, embedding = family.head
-        out[head] = out[embedding]
+    tied = tied_head(family, model)
+    if tied is not None:
+        out[tied[0]] = out[tied[1]]
     if numpy:
         return out
     return as_tensors(out)

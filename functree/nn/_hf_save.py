@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from functree._tree import dotted_name
-from functree.nn._hf import FAMILIES, to_hf_state_dict
+from functree.nn._hf import FAMILIES, tied_head, to_hf_state_dict
 from functree.nn._hf_family import family_of
 from functree.nn._lora import LoraDense
 
@@ -257,8 +257,9 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
     directory = os.fspath(directory)
     _check_target(directory, overwrite)
     weights = to_hf_state_dict(model, numpy=True)
-    if family.head is not None and getattr(model, "lm_head", True) is None:
-        del weights[family.head[0]]  # tied: stored once, under the embedding's name (HF's save_pretrained)
+    tied = tied_head(family, model)
+    if tied is not None:
+        del weights[tied[0]]  # tied: stored once, under the embedding's name (HF's save_pretrained)
     parent, name = os.path.split(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=parent)

@@ -13,6 +13,7 @@ since checkpoints carried the job: older Trainer checkpoints restore as they are
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import jax
@@ -240,45 +241,16 @@ class JobState(NamedTuple):
         return tuple.__new__(JobState, job)
 
     # The position's fields read from the job, as before the record existed.
-    @property
-    def steps_run(self) -> int:
-        return self.position.steps_run
-
-    @property
-    def epoch(self) -> int:
-        return self.position.epoch
-
-    @property
-    def batch_in_epoch(self) -> int:
-        return self.position.batch_in_epoch
-
-    @property
-    def stopped(self) -> bool:
-        return self.position.stopped
-
-    @property
-    def since_log(self) -> int:
-        return self.position.since_log
-
-    @property
-    def window(self) -> Means:
-        return self.position.window
-
-    @property
-    def epoch_means(self) -> Means:
-        return self.position.epoch_means
-
-    @property
-    def skipped(self) -> tuple[tuple[int, str], ...]:
-        return self.position.skipped
-
-    @property
-    def data_state(self) -> Any:
-        return self.position.data_state
-
-    @property
-    def epoch_length(self) -> int | None:
-        return self.position.epoch_length
+    steps_run = property(attrgetter("position.steps_run"))
+    epoch = property(attrgetter("position.epoch"))
+    batch_in_epoch = property(attrgetter("position.batch_in_epoch"))
+    stopped = property(attrgetter("position.stopped"))
+    since_log = property(attrgetter("position.since_log"))
+    window = property(attrgetter("position.window"))
+    epoch_means = property(attrgetter("position.epoch_means"))
+    skipped = property(attrgetter("position.skipped"))
+    data_state = property(attrgetter("position.data_state"))
+    epoch_length = property(attrgetter("position.epoch_length"))
 
     @staticmethod
     def restore(source: CheckpointManager | str, step: int | None = None, *, like: JobState | None = None) -> JobState:

@@ -231,7 +231,8 @@ class JobState(NamedTuple):
         """The commit of ``n`` steps: their outputs, the position ``n`` further (as
         ``replace(model=, opt_state=, steps_run=+n, batch_in_epoch=+n, since_log=+n)``;
         the loop's one per-call cost, so built from the fields' indices, found by name
-        once: 1.9 us against 5.9 us for the ``_replace`` calls)."""
+        once: about 0.9 us, as the positional tuple it replaces (0.8 us), where ``_replace``
+        calls take several)."""
         position: list[Any] = list(self.position)
         position[_STEPS] += n
         position[_BATCH] += n

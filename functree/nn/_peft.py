@@ -52,7 +52,7 @@ from functree.nn._lora import (
     member_layer_names,
     torch_names,
 )
-from functree.nn._safetensors import DTYPES, load_file, read_header
+from functree.nn._safetensors import load_file, read_header, save_file
 
 __all__ = ["save_lora", "load_lora"]
 
@@ -327,7 +327,7 @@ def _write(directory: str, tensors: dict[str, np.ndarray], config: dict[str, Any
     temporaries: list[str] = []
     try:
         weights = _temporary(directory, WEIGHTS_FILE, temporaries)
-        _save_safetensors(weights, tensors, {"format": "pt", RECORD: record})
+        save_file(weights, tensors, {"format": "pt", RECORD: record})
         settings = _temporary(directory, CONFIG_FILE, temporaries)
         with open(settings, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
@@ -340,25 +340,6 @@ def _write(directory: str, tensors: dict[str, np.ndarray], config: dict[str, Any
         for path in temporaries:
             if os.path.exists(path):
                 os.remove(path)
-
-
-def _save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """A ``.safetensors`` file (the format of ``functree/nn/_safetensors.py``'s docstring):
-    written here rather than by ``safetensors.numpy``, which refuses bfloat16 adapters."""
-    names = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, array in tensors.items():
-        end = offset + array.nbytes
-        header[name] = {"dtype": names[array.dtype], "shape": list(array.shape), "data_offsets": [offset, end]}
-        offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data 8-byte aligned, as the safetensors library writes it
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for array in tensors.values():
-            f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
 
 
 def _temporary(directory: str, name: str, made: list[str]) -> str:

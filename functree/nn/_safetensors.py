@@ -257,3 +257,22 @@ def load_index(index: str, caller: str) -> dict[str, np.ndarray]:
                                                     count=len(held), example=example))
             tensors[name] = held[name]
     return tensors
+
+
+def save_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` (and string ``metadata``) as a ``.safetensors`` file, in the format
+    this module reads: no dependency on the ``safetensors`` package for ``ft.nn.save_lora``."""
+    names = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, array in tensors.items():
+        end = offset + array.nbytes
+        header[name] = {"dtype": names[array.dtype], "shape": list(array.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data 8-byte aligned, as the safetensors library writes it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for array in tensors.values():
+            f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes())

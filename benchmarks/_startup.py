@@ -6,7 +6,7 @@ backend up; torch, transformers and the model class), so a row is the time a use
 the model after ``import``: reading config.json, opening and checking the weights, building
 the model and putting its parameters on the device. The two loads alternate round by round
 (fresh processes, order rotating); the ratio is the median of the per-round ratios. The
-functree load is split (its phases timed by wrapping ``functree.nn._hf``'s steps, and JAX's
+functree load is split (its phases timed by wrapping ``functree.hf._load``'s steps, and JAX's
 own events: tracing, lowering, compiles and their count), with the imports' seconds and
 whether ``transformers`` or ``torch`` was imported by the load.
 
@@ -52,8 +52,9 @@ def write(directory: str, size: dict[str, Any]) -> None:
 
 
 def _timed_steps(events: dict[str, float]) -> None:
-    """Wrap ``functree.nn._hf``'s and ``_torch``'s steps so each adds its seconds to ``events``."""
-    from functree.nn import _hf, _torch
+    """Wrap ``functree.hf._load``'s and ``_torch``'s steps so each adds its seconds to ``events``."""
+    from functree.hf import _load as _hf
+    from functree.interop import _torch
 
     def wrap(module: Any, name: str, label: str) -> None:
         inner = getattr(module, name, None)

@@ -8,7 +8,7 @@ nested parameters; differential operators carry the Swift proposal's names.
 
 import sys
 
-from functree import losses, nn, optim, parallel, train
+from functree import generation, hf, interop, losses, nn, optim, parallel, train
 from functree._alias import AliasWarning
 from functree._config import config
 from functree._derivative import (
@@ -158,4 +158,7 @@ __all__ = [
     "train",
     "losses",
     "parallel",
+    "hf",
+    "generation",
+    "interop",
 ]

@@ -112,6 +112,14 @@ report(_out)
     return run(code, devices, 300 * len(sources) if timeout is None else timeout)  # run()'s 300 s each
 
 
+def selected_scenarios(request: Any, common: str, sources: dict[str, str], devices: int = 8) -> dict[str, Any]:
+    """:func:`scenarios` for the tests of ``request``'s module that this run selected (a test
+    ``test_<name>`` reads scenario ``<name>``): a module fixture's body, so ``-k`` runs only
+    what it picks, and ``--dist loadfile`` starts the subprocess once per module."""
+    here = {item.originalname[5:] for item in request.session.items if getattr(item, "module", None) is request.module}
+    return scenarios(common, {name: src for name, src in sources.items() if name in here}, devices=devices)
+
+
 def part(results: dict[str, Any], name: str) -> Any:
     """The result of scenario ``name`` of :func:`scenarios` (raises with its traceback)."""
     got = results[name]

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import functree as ft
 from functree.train import CheckpointError, CheckpointManager
-from functree.train.checkpoint._checkpoint import _digest
+from functree.train.checkpoint._checkpoint import metadata_digest
 from functree.train.checkpoint._directory import LOCK_NAME
 from functree.train.checkpoint._treespec import SpecError
 
@@ -63,7 +63,7 @@ def rewrite_meta(directory, change, step=1, reseal=True):
     meta = json.loads(path.read_text())
     change(meta)
     if reseal:
-        meta["digest"] = _digest(meta)
+        meta["digest"] = metadata_digest(meta)
     path.write_text(json.dumps(meta))
 
 

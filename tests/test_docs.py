@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 DOCS = ROOT / "docs"
 REFERENCE = DOCS / "reference"
 PACKAGES = ["functree", "functree.nn", "functree.optim", "functree.train", "functree.losses",
-            "functree.parallel"]
+            "functree.parallel", "functree.hf", "functree.generation", "functree.interop"]
 # A page's mkdocstrings entry (`::: functree.nn.Dense`), or a table row naming the function
 # (the activations that are JAX's own functions, documented by JAX: `| `ft.nn.relu` |`).
 ENTRY = re.compile(r"^::: (functree(?:\.\w+)+)\s*$", re.MULTILINE)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.nn import _hf, _hf_files
+from functree.hf import _files as _hf_files
+from functree.hf import _load as _hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,15 +13,25 @@ import Dense`` to the package ``functree.nn``, ``from functree.optim import _sub
 * No two packages import each other, even through other modules: the core and the
   subpackages form layers (``functree/__init__.py`` and ``__main__``, which put them
   together, are above all of them).
+* ``ft.nn`` holds layers: no module under ``functree/nn/`` imports transformers, torch,
+  safetensors or peft, nor a package built on it, with two exceptions, both edges of the
+  graph here: ``functree.nn``'s names of :data:`functree.nn.ELSEWHERE` (``ft.nn.from_hf``:
+  looked up in ``functree.hf`` on first use, after ``import functree`` has imported both)
+  and ``functree.nn._hf_models`` and ``_hf_config``, the recorded names of the Hugging Face
+  classes that pickles import (nothing in functree imports them). The layer tests leave
+  these out.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "functree"
-SUBPACKAGES = ("nn", "optim", "train", "parallel", "losses")
+SUBPACKAGES = ("nn", "optim", "train", "parallel", "losses", "hf", "generation", "interop")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -71,6 +81,13 @@ def imports(module: str) -> set[str]:
 
 
 GRAPH = {m: imports(m) for m in MODULES}
+# ft.nn's names that live in the packages above it, looked up on first use (importlib: an
+# edge the statements above do not show).
+GRAPH["functree.nn"] |= {_home for _home in __import__("functree.nn").nn.ELSEWHERE.values()}
+# The two upward edges of ft.nn (module docstring): the layer tests leave them out.
+UPWARD = {("functree.nn", "functree.hf"), ("functree.nn", "functree.generation"), ("functree.nn", "functree.interop"),
+          ("functree.nn._hf_models", "functree.hf._models"), ("functree.nn._hf_config", "functree.hf._config")}
+LAYERED = {m: {d for d in deps if (m, d) not in UPWARD} for m, deps in GRAPH.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -141,8 +158,48 @@ def test_core_modules_import_no_subpackage():
 
 
 def test_no_module_imports_itself_through_others():
-    circles = [" -> ".join(_path(GRAPH, c[0], c)) for c in _cycles(GRAPH)]
+    circles = [" -> ".join(_path(LAYERED, c[0], c)) for c in _cycles(LAYERED)]
     assert circles == []
+
+
+def test_nn_points_up_only_by_its_documented_names():
+    """``ft.nn``'s only imports of the packages built on it are :data:`UPWARD`'s; each
+    name of ``functree.nn.ELSEWHERE`` is that package's own object, and ``_hf_models``
+    re-exports every recorded class (a pickle written before the move loads it)."""
+    import functree as ft
+    from functree.hf import _models
+
+    above = ("functree.hf", "functree.generation", "functree.interop")
+    upward = {(m, d) for m, deps in GRAPH.items() if m.startswith("functree.nn")
+              for d in deps if d.startswith(above)}
+    assert upward == UPWARD
+    for name, home in ft.nn.ELSEWHERE.items():
+        assert getattr(ft.nn, name) is getattr(sys.modules[home], name) and name in ft.nn.__all__
+        assert name in dir(ft.nn)
+    recorded = sys.modules["functree.nn._hf_models"] if "functree.nn._hf_models" in sys.modules else \
+        __import__("functree.nn._hf_models").nn._hf_models
+    assert all(getattr(recorded, cls.__name__) is cls for cls in _models.RECORDED)
+    from functree.hf._config import HFConfig
+
+    assert HFConfig.__module__ == "functree.nn._hf_config"
+    assert __import__("functree.nn._hf_config").nn._hf_config.HFConfig is HFConfig
+    with pytest.raises(AttributeError, match="no attribute 'from_hff'"):
+        ft.nn.from_hff  # noqa: B018
+
+
+def test_nn_imports_no_model_porting_library():
+    """No module under ``functree/nn/`` imports transformers, torch, safetensors or peft."""
+    porting = {"transformers", "torch", "safetensors", "peft"}
+    found = {}
+    for module, path in MODULES.items():
+        if module.startswith("functree.nn"):
+            tree = ast.parse(path.read_text(), str(path))
+            names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            names |= {n.module.split(".")[0] for n in ast.walk(tree)
+                      if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+            if names & porting:
+                found[module] = sorted(names & porting)
+    assert found == {}
 
 
 def _package(module: str) -> str | None:
@@ -155,7 +212,7 @@ def _package(module: str) -> str | None:
 
 def test_no_two_packages_import_each_other():
     layers: dict[str, set[str]] = {}
-    for module, deps in GRAPH.items():
+    for module, deps in LAYERED.items():
         a = _package(module)
         if a is not None:
             layers.setdefault(a, set()).update(b for d in deps if (b := _package(d)) not in (None, a))

@@ -4,7 +4,7 @@ The reference is PEFT itself: a tiny ``LlamaForCausalLM`` built from a config wi
 weights (no download) is ported with ``ft.nn.from_hf``, given adapters by Hugging Face's
 module names, trained a few steps (so ``lora_B`` is not zero), saved with ``save_lora`` and
 loaded with ``peft.PeftModel.from_pretrained``; the logits must agree to float32 rounding:
-atol 2.5e-5 times the logits' magnitude (test_nn_hf's bound for the same model; measured
+atol 2.5e-5 times the logits' magnitude (test_hf_load's bound for the same model; measured
 here: 2e-7 of it). The other way, a ``PeftModel``'s own ``save_pretrained`` directory is read
 with ``load_lora``.
 """
@@ -19,6 +19,7 @@ import pytest
 import safetensors.numpy
 
 import functree as ft
+from functree.hf import _names
 from functree.nn import _lora
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -314,9 +315,9 @@ def test_gpt2_conv1d_layers_save_with_fan_in_fan_out(gpt2, tmp_path):
 
 
 def test_torch_names_are_cached_per_tree_definition(base):
-    _lora._TORCH_NAMES.clear()
-    first = _lora.torch_names(base)
-    assert _lora.torch_names(jax.tree.map(lambda x: x, base)) is first
+    _names._TORCH_NAMES.clear()
+    first = _names.torch_names(base)
+    assert _names.torch_names(jax.tree.map(lambda x: x, base)) is first
 
 
 DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -338,7 +339,7 @@ def test_every_dense_layer_finds_its_hf_module(config, fused):
     of the Hugging Face model, or a fused one shared with its siblings (which save_lora refuses)."""
     config = config()
     model = jax.eval_shape(lambda: ft.nn.from_hf(config, key=jax.random.key(0)))
-    is_hf, names, _, _ = _lora.torch_names(model)
+    is_hf, names, _, _ = _names.torch_names(model)
     linears = {n for n, m in transformers.AutoModelForCausalLM.from_config(config).named_modules()
                if isinstance(m, torch.nn.Linear)}
     layers = [m for layer in _lora.dense_layers(model) for m in _lora.member_layer_names(layer)]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _devices import part, scenarios
+from _devices import part, selected_scenarios
 from _tolerance import assert_close_trained, needs_float16_conversions
 
 import functree as ft
@@ -205,10 +205,8 @@ report({"diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 # module fixture starts its subprocess once per run.
 @pytest.fixture(scope="module")
 def eight_devices(request):
-    """The reports of the scenarios of this run's selected tests, from one 8-device subprocess."""
-    here = {item.originalname[5:] for item in request.session.items if getattr(item, "module", None) is request.module}
-    wanted = {name: src for name, src in SCENARIOS.items() if name in here}
-    return scenarios(COMMON, wanted, devices=8)
+    """The reports of this run's selected scenarios, from one 8-device subprocess."""
+    return selected_scenarios(request, COMMON, SCENARIOS)
 
 
 @pytest.mark.slow

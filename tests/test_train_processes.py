@@ -18,7 +18,7 @@ from _devices import free_port, results, start
 from _digits import digits, loss_fn, mlp
 
 import functree as ft
-from functree.train.checkpoint._checkpoint import _digest
+from functree.train.checkpoint._checkpoint import metadata_digest
 from functree.train.checkpoint._directory import LOCK_NAME
 
 WORKER = """
@@ -149,7 +149,7 @@ def test_a_damaged_shard_checksum_is_named_with_its_shard(job):
     original = path.read_text()
     meta = json.loads(original)
     meta["checksums"]["model.layers.0.weight"]["shards"]["0:64,32:64"] += 1
-    meta["digest"] = _digest(meta)
+    meta["digest"] = metadata_digest(meta)
     path.write_text(json.dumps(meta))
     try:
         with pytest.raises(ft.train.CheckpointError,

@@ -151,3 +151,47 @@ def test_a_class_saved_from_main_names_the_registration_that_works_in_both_place
         ft.train.load(path)
     ft.train.register(NotebookMLP, name="__main__.NotebookMLP")
     np.testing.assert_array_equal(ft.train.load(path).w, [1.0, 1.0])
+
+
+@pytest.mark.parametrize("rotary", [
+    ft.nn.RopeScaling("llama3", base=500000.0, factor=8.0, original_max_positions=64),
+    ft.nn.RopeScaling("longrope", short_factor=(1.0, 1.5), long_factor=(4.0, 5.0), original_max_positions=32,
+                      partial=0.5),
+    10000.0,
+], ids=["llama3", "longrope", "plain-base"])
+def test_rotary_attention_rebuilds_without_a_template(rotary):
+    """A rotary layer's RopeScaling (every from_hf Llama-like model has one) is stored as its
+    fields and rebuilt as data: ft.train.load(path) needs no template for it."""
+    layer = ft.nn.MultiheadAttention(8, 2, rotary=rotary, key=jax.random.key(0))
+    arrays, spec = encode(layer)
+    back = decode(json.loads(json.dumps(spec)), arrays)
+    assert back.rotary == layer.rotary and type(back.rotary) is type(layer.rotary)
+    assert jax.tree.structure(back) == jax.tree.structure(layer)
+
+
+def _rope_code(spec):
+    """The stored code of the first RopeScaling in ``spec`` (a dict to tamper with)."""
+    if isinstance(spec, dict):
+        if "rope_scaling" in spec:
+            return spec["rope_scaling"]
+        found = (_rope_code(v) for v in spec.values())
+    elif isinstance(spec, list):
+        found = (_rope_code(v) for v in spec)
+    else:
+        return None
+    return next((f for f in found if f is not None), None)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"kind": {"json": "ntk"}}, r"rope type .ntk. is not covered"),
+    ({"factor": {"function": "jax.nn.relu"}}, r"RopeScaling.factor is .*not a number or a name"),
+    ({"payload": {"json": 1}}, r"RopeScaling has no field \['payload'\]"),
+    ({"short_factor": {"tuple": [{"json": "x"}]}}, r"RopeScaling.short_factor is \('x',\)"),
+], ids=["bad-kind", "a-function", "unknown-field", "text-factors"])
+def test_a_tampered_rope_scaling_is_refused(change, message):
+    layer = ft.nn.MultiheadAttention(8, 2, rotary=ft.nn.RopeScaling("linear", factor=2.0), key=jax.random.key(0))
+    arrays, spec = encode(layer)
+    spec = json.loads(json.dumps(spec))
+    _rope_code(spec).update(change)
+    with pytest.raises(SpecError, match=message):
+        decode(spec, arrays)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _compiles import compiled
-from _devices import part, scenarios
+from _devices import part, selected_scenarios
 
 import functree as ft
 from functree._where import placement_of, put
@@ -113,9 +113,7 @@ report({"on": devices_of((t.model, t.opt_state, t.key, t._reader.log.buffer)),
 @pytest.fixture(scope="module")
 def eight_devices(request):
     """The reports of this run's selected scenarios, from one 8-device subprocess."""
-    here = {item.originalname[5:] for item in request.session.items if getattr(item, "module", None) is request.module}
-    wanted = {name: src for name, src in SCENARIOS.items() if name in here}
-    return scenarios(COMMON, wanted, devices=8)
+    return selected_scenarios(request, COMMON, SCENARIOS)
 
 
 @pytest.mark.slow

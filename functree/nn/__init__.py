@@ -5,7 +5,15 @@ Training vs inference is a static flag switched for a whole model with
 layer state such as BatchNorm's running statistics travels explicitly through
 ``ft.nn.collect_state`` and ``ft.nn.apply_state`` (in a hand-written loop:
 ``ft.nn.value_with_gradient_and_state``).
+
+``ft.nn`` holds layers. Converting models and generating text live in the packages built
+on it, :mod:`functree.hf`, :mod:`functree.interop` and :mod:`functree.generation`; their
+public functions are also names here (``ft.nn.from_hf``, ``ft.nn.generate``...), where they
+were first documented, looked up on first use (:data:`ELSEWHERE`): this package cannot
+import the packages that import it.
 """
+
+from typing import TYPE_CHECKING
 
 from functree._activations import (
     celu,
@@ -37,15 +45,11 @@ from functree.nn._check import LayerInputError
 from functree.nn._conv import Conv1D, Conv1DTranspose, Conv2D, Conv2DTranspose
 from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
-from functree.nn._generate import generate
-from functree.nn._hf import from_hf, to_hf_state_dict
-from functree.nn._hf_save import save_hf
 from functree.nn._linear import Dense
 from functree.nn._lora import LoraDense, lora, merge_lora
 from functree.nn._mlp import MLP
 from functree.nn._mode import Layer, inference, inferring, is_training, training
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
-from functree.nn._peft import load_lora, save_lora
 from functree.nn._pooling import (
     AvgPool1D,
     AvgPool2D,
@@ -70,7 +74,41 @@ from functree.nn._state import (
     record_state,
     value_with_gradient_and_state,
 )
-from functree.nn._torch import load_torch_state_dict, torch_state_dict
+
+if TYPE_CHECKING:  # what ELSEWHERE's names are, for type checkers and editors
+    from functree.generation import generate
+    from functree.hf import from_hf, load_lora, save_hf, save_lora, to_hf_state_dict
+    from functree.interop import load_torch_state_dict, torch_state_dict
+
+# The public names of ft.nn that live in a package above it: name -> that package.
+ELSEWHERE = {
+    "generate": "functree.generation",
+    "from_hf": "functree.hf",
+    "to_hf_state_dict": "functree.hf",
+    "save_hf": "functree.hf",
+    "load_lora": "functree.hf",
+    "save_lora": "functree.hf",
+    "load_torch_state_dict": "functree.interop",
+    "torch_state_dict": "functree.interop",
+}
+
+
+def __getattr__(name: str):
+    """``ft.nn.from_hf`` and the other names of :data:`ELSEWHERE`: the object itself, from
+    its package (imported by ``import functree`` already; this only fetches it)."""
+    home = ELSEWHERE.get(name)
+    if home is None:
+        raise AttributeError(f"module 'functree.nn' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # found once: later reads are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *ELSEWHERE})
+
 
 __all__ = [
     # base, modes and state

@@ -1,4 +1,4 @@
-"""LoRA (Hu et al. 2021): low-rank adapters on ``Dense`` layers, merged back, saved as PEFT files.
+"""LoRA (Hu et al. 2021): low-rank adapters on ``Dense`` layers, and merged back.
 
 ``ft.nn.lora(model, pattern, rank=r, alpha=a, key=k)`` replaces each ``Dense`` layer the
 pattern selects by a :class:`LoraDense`, which keeps the layer's weight and bias and adds
@@ -9,16 +9,15 @@ unchanged until it trains):
 
 Training only the adapters is ``ft.optim.Optimizer(transform, wrt="*.lora_*")``;
 :func:`merge_lora` folds them into the weights (``W + (alpha / r) A B``: the original
-structure back, plain ``Dense`` layers); :func:`save_lora` writes the directory
-``peft.PeftModel.from_pretrained`` reads (``adapter_model.safetensors`` and
-``adapter_config.json``) and :func:`load_lora` reads one back.
+structure back, plain ``Dense`` layers); ``ft.hf.save_lora`` writes the directory
+``peft.PeftModel.from_pretrained`` reads and ``ft.hf.load_lora`` reads one back
+(``functree/hf/_peft.py``; also ``ft.nn.save_lora``/``load_lora``).
 
-Hugging Face names: for a model of :func:`ft.nn.from_hf`, patterns may name layers as HF
-does (``model.layers.*.self_attn.[qv]_proj``), and the PEFT files use those names. They
-come from :func:`ft.nn.to_hf_state_dict` itself: a copy of the model whose leaves are
-small arrays holding a code per ``Dense`` member (no copy of the weights) goes through it,
-and the code found in each HF tensor names its layer; computed once per tree definition.
-Other models use :func:`ft.nn.torch_state_dict`'s names in the files.
+Foreign names: for a model of ``ft.hf.from_hf``, patterns may also name layers as Hugging
+Face does (``model.layers.*.self_attn.[qv]_proj``). This module reads such names through
+:data:`FOREIGN_NAMES`, where ``functree.hf`` registers its reader (``functree/hf/_names.py``
+finds them through ``to_hf_state_dict`` itself): ``ft.nn`` sits below the packages that
+convert models.
 
 Dropout on the adapter's input (training mode only, as ``ft.nn.Dropout``) draws its mask
 from ``key=`` when the layer is called with one, and otherwise from the layer's own
@@ -31,7 +30,7 @@ called without a key, draw a fresh mask every step.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -41,7 +40,7 @@ import numpy as np
 from functree import _naming
 from functree._activations import identity
 from functree._module import Module, field, from_fields
-from functree._tree import bounded_put, cached, dotted_name, is_none
+from functree._tree import dotted_name, is_none
 from functree.nn._check import check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
@@ -133,7 +132,7 @@ class LoraDense(Layer):
     """
 
     # Converters to plain state dicts (torch, Hugging Face) refuse an adapted layer by this
-    # mark (functree/nn/_torch.py cannot import this module: it imports the converters).
+    # mark, the fix its value: any adapter class carries one, so they need not know each.
     __ft_adapter__: ClassVar[str] = "ft.nn.merge_lora(model)"
 
     weight: jax.Array
@@ -248,133 +247,30 @@ def member_layer_names(layer: DenseLayer) -> list[str]:
     return [_layer_name(m) for m in members] if members else [_layer_name(layer.info.name)]
 
 
-def _unwrapped(model: Any) -> Any:
-    """``model`` with each LoraDense replaced by a Dense of its weight and bias (no merge)."""
-    def one(x: Any) -> Any:
-        if isinstance(x, LoraDense):
-            return from_fields(Dense, {"weight": x.weight, "bias": x.bias, "activation": x.activation})
-        return x
+class ForeignNames(NamedTuple):
+    """A model's Dense members as the framework its weights come from names them: each
+    member's module (``"layers.0.attention.query_projection"`` ->
+    ``"model.layers.0.self_attn.q_proj"``) and the output head's module (PEFT's
+    ``"all-linear"`` leaves it out), or None."""
 
-    return jax.tree.map(one, model, is_leaf=lambda x: isinstance(x, LoraDense))
-
-
-class _TorchName(NamedTuple):
-    module: str  # the torch module holding the layer's weight ("model.layers.0.self_attn.q_proj")
-    transposed: bool  # stored [out, in] (a Linear), else [in, out] (Hugging Face's Conv1D)
-    shared_with: tuple[str, ...]  # other ft layer members in the same tensor (a fused projection)
-    weight_param: bool  # the tensor is "<module>.weight"
-    positions: np.ndarray  # where each of the member's outputs sits on the tensor's output axis
-    size: int  # the tensor's output axis (the sum of its members' outputs when fused)
-
-
-class TorchNames(NamedTuple):
-    """What :func:`torch_names` finds: whether the names are Hugging Face's, each Dense
-    member's torch tensor, every module name of the torch model that holds a parameter, and
-    the output head's module (Hugging Face's ``get_output_embeddings()``; PEFT's
-    ``"all-linear"`` leaves it out)."""
-
-    is_hf: bool
-    members: dict[str, _TorchName]
-    modules: frozenset[str]
+    modules: dict[str, str]
     head: str | None
 
 
-_TORCH_NAMES: dict[Any, TorchNames] = {}
+# The readers of ForeignNames, tried in order (``functree.hf`` adds Hugging Face's for a
+# model of ``from_hf`` as it is imported): ``ft.nn`` sits below the packages that convert
+# models and cannot import them, so they register here instead.
+FOREIGN_NAMES: list[Callable[[Any], ForeignNames | None]] = []
 
 
-def torch_names(model: Any, torch_too: bool = True) -> TorchNames:
-    """The torch names of every Dense member of ``model``: Hugging Face's
-    (``to_hf_state_dict``) for a from_hf model, ``torch_state_dict``'s for others (none
-    without ``torch_too``). Found by sending copies of the model whose leaves are small arrays
-    through the converter: every leaf keeps its stack axes and its last axis (the sizes a
-    converter splits heads and fused projections by) and has size 1 on the others. In the
-    first copy a Dense weight ``[1, out]`` holds its member's code, in the second its output
-    index; every other leaf is NaN (no code, whatever a conversion does to it). A Linear's
-    weight comes back ``[out, 1]``, a Conv1D's ``[1, out]``: the codes name the member(s) of
-    each tensor, the indices where each output went (a fused projection's rows, a permuted
-    layout). Cached per tree definition."""
-    base = _unwrapped(model)
-    treedef = jax.tree.structure(base, is_leaf=is_none)
-    key, found = cached(_TORCH_NAMES, treedef)
-    if found is not None and (found.is_hf or torch_too):
-        return found
-    codes, names = _markers(base, by_member=True)
-    converted = _converted(jax.tree.unflatten(treedef, codes), torch_too)
-    if converted is None:
-        return TorchNames(False, {}, frozenset(), None)
-    is_hf, head, by_code = converted
-    columns, _ = _markers(base, by_member=False)
-    _, _, by_column = _converted(jax.tree.unflatten(treedef, columns), torch_too) or (None, None, {})
-    out: dict[str, _TorchName] = {}
-    code_of = {n: c for c, n in names.items()}
-    for tensor_name, array in by_code.items():
-        flat = np.asarray(array).reshape(-1)
-        members = [names[int(c)] for c in np.unique(flat) if c >= 1 and int(c) in names]
-        module, _, param = tensor_name.rpartition(".")
-        transposed = np.ndim(array) != 2 or np.shape(array)[-1] == 1  # [out, 1]; [1, 1]: a Linear's
-        index = np.asarray(by_column[tensor_name]).reshape(-1)
-        for member in members:
-            at = np.flatnonzero(flat == code_of[member])
-            order = index[at].astype(np.int64) - 1  # the member's output each position holds
-            if not np.array_equal(np.sort(order), np.arange(len(at))):
-                raise AssertionError(f"{tensor_name} holds the outputs of {member} other than once each")
-            positions = np.empty(len(at), np.int64)
-            positions[order] = at  # output j of the member sits at positions[j]
-            positions.setflags(write=False)
-            out.setdefault(member, _TorchName(module, transposed, tuple(m for m in members if m != member),
-                                              param == "weight", positions, flat.size))
-    modules = frozenset(prefix for name in by_code for prefix in _prefixes(name))
-    result = TorchNames(is_hf, out, modules, head)
-    if key is not None:
-        bounded_put(_TORCH_NAMES, key, result)
-    return result
-
-
-def _markers(base: Any, by_member: bool) -> tuple[list[Any], dict[int, str]]:
-    """The leaves of a marked copy of ``base`` (see :func:`torch_names`) and the members' codes."""
-    weights = {layer.weight: layer for layer in dense_layers(base)}
-    names: dict[int, str] = {}
-    markers: list[Any] = []
-    leaves = jax.tree.leaves(base, is_leaf=is_none)
-    for i, (leaf, info) in enumerate(zip(leaves, _naming.leaf_infos(base))):
-        if leaf is None:
-            markers.append(None)
-            continue
-        shape, k = tuple(np.shape(leaf)), len(info.sizes)
-        if i in weights:
-            first = len(names) + 1
-            members = member_layer_names(weights[i])
-            names.update((first + j, name) for j, name in enumerate(members))
-            if by_member:
-                codes = np.arange(first, first + len(members), dtype=np.float64).reshape((*info.sizes, 1, 1))
-                markers.append(np.broadcast_to(codes, (*info.sizes, 1, shape[-1])))
-            else:
-                markers.append(np.broadcast_to(np.arange(1.0, shape[-1] + 1), (*info.sizes, 1, shape[-1])))
-        else:
-            kept = shape[:k] + (1,) * (len(shape) - k - 1) + shape[-1:] if len(shape) > k else shape
-            markers.append(np.full(kept, np.nan))
-    return markers, names
-
-
-def _converted(marked: Any, torch_too: bool) -> tuple[bool, str | None, dict[str, Any]] | None:
-    """``(is_hf, head module, state dict)`` of a marked copy: Hugging Face's names for a from_hf
-    model, else torch's (None without ``torch_too``)."""
-    from functree.nn._hf import FAMILIES, to_hf_state_dict
-    from functree.nn._torch import torch_state_dict
-
-    try:
-        converted = to_hf_state_dict(marked, numpy=True)
-    except ValueError:  # not a from_hf model: torch's names of the ft.nn layers
-        return (False, None, torch_state_dict(marked, numpy=True)) if torch_too else None
-    family = next((f for f in FAMILIES.values() if type(marked) is f.model), None)
-    head = family.head[0].rpartition(".")[0] if family is not None and family.head is not None else None
-    return True, head, converted
-
-
-def _prefixes(tensor_name: str) -> list[str]:
-    """The modules holding a tensor: ``a.b.weight`` -> ``a``, ``a.b``."""
-    parts = tensor_name.split(".")[:-1]
-    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+def foreign_names(model: Any) -> ForeignNames:
+    """The first registered reader's names for ``model``; none (``{}``, no head) for a model
+    of ``ft.nn`` layers alone, whose patterns name its key paths."""
+    for read in FOREIGN_NAMES:
+        found = read(model)
+        if found is not None:
+            return found
+    return ForeignNames({}, None)
 
 
 # ---- ft.nn.lora -------------------------------------------------------------------------------
@@ -411,7 +307,7 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
     leaf of another kind."""
     layers = dense_layers(model)
     infos = _naming.leaf_infos(model)
-    is_hf, torch, _, _ = torch_names(model, torch_too=False)
+    torch = foreign_names(model).modules
     chosen: dict[int, bool] = {}
     for pattern in patterns:
         picks = _naming.selection(model, (pattern,), strict=False, what=what)
@@ -420,7 +316,7 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
         for j, layer in enumerate(layers):
             members = member_layer_names(layer)
             by_ft = np.broadcast_to(np.asarray(picks[layer.weight]), layer.info.sizes).reshape(-1)
-            by_hf = np.array([is_hf and m in torch and _naming.matches(torch[m].module + ".weight", pattern)
+            by_hf = np.array([m in torch and _naming.matches(torch[m] + ".weight", pattern)
                               for m in members])
             both = by_ft | by_hf
             count = len(jax.tree.leaves(layer.node, is_leaf=is_none))
@@ -444,18 +340,18 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
                 raise ValueError(NOT_DENSE.format(pattern=pattern, name=infos[i].name,
                                                   what=_leaf_owner(model, i), right=right))
         if not hit:
-            raise _nothing(pattern, layers, torch if is_hf else {})
+            raise _nothing(pattern, layers, torch)
     return chosen
 
 
 def _all_linear(model: Any) -> dict[int, bool]:
     """PEFT's ``"all-linear"``: every Dense layer but a Hugging Face model's output head (its
     ``get_output_embeddings()``, which PEFT leaves out); every Dense layer of other models."""
-    names = torch_names(model, torch_too=False)
+    names = foreign_names(model)
     chosen: dict[int, bool] = {}
     for j, layer in enumerate(dense_layers(model)):
         members = member_layer_names(layer)
-        if names.head is not None and any(names.members[m].module == names.head for m in members if m in names.members):
+        if names.head is not None and any(names.modules.get(m) == names.head for m in members):
             continue
         if isinstance(layer.node, LoraDense):
             raise ValueError(ALREADY_ADAPTED.format(pattern=ALL_LINEAR, name=layer.name))
@@ -476,18 +372,18 @@ def _stacked_pattern(layer: DenseLayer) -> str:
     return ".".join(parts)
 
 
-def _layer_infos(layers: list[DenseLayer], torch: dict[str, _TorchName]) -> list[_naming.LeafInfo]:
+def _layer_infos(layers: list[DenseLayer], torch: dict[str, str]) -> list[_naming.LeafInfo]:
     """LeafInfos of the layers (their names without ``.weight``; a Stack's with member names),
     and of their Hugging Face names: what a NothingSelected error searches."""
     out = []
     for layer in layers:
         i = layer.info
         out.append(_naming.LeafInfo(_layer_name(i.name), (*i.segments[:-1], _layer_name(i.segments[-1])), i.sizes))
-    out += [_naming.LeafInfo(n.module, (n.module,), ()) for n in torch.values()]
+    out += [_naming.LeafInfo(module, (module,), ()) for module in torch.values()]
     return out
 
 
-def _nothing(pattern: str, layers: list[DenseLayer], torch: dict[str, _TorchName]) -> ValueError:
+def _nothing(pattern: str, layers: list[DenseLayer], torch: dict[str, str]) -> ValueError:
     infos = _layer_infos(layers, torch)
     error = _naming.nothing_selected(pattern, "ft.nn.lora", "Dense layer", infos)
     if error.out_of_range is not None:
@@ -522,7 +418,7 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     raises, naming it.
 
     Train the adapters alone with ``ft.optim.Optimizer(transform, wrt="*.lora_*")``; fold
-    them in with :func:`merge_lora`; write PEFT files with :func:`save_lora`.
+    them in with :func:`merge_lora`; write PEFT files with ``ft.hf.save_lora``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp

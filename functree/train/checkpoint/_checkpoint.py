@@ -172,7 +172,7 @@ def _json_value(x: Any) -> Any:
     return x
 
 
-def _digest(meta: dict[str, Any]) -> int:
+def metadata_digest(meta: dict[str, Any]) -> int:
     body = {k: v for k, v in meta.items() if k != "digest"}
     return zlib.crc32(json.dumps(body, sort_keys=True, allow_nan=True).encode())
 
@@ -215,7 +215,7 @@ def save_args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     meta = json.loads(json.dumps({"format": FORMAT, **fields, "spec": spec, "checksums": describe(arrays),
                                   "mesh": mesh_shape(arrays), "written_on": written_on(arrays),
                                   **({"process_local": local} if local else {})}, allow_nan=True))
-    meta["digest"] = _digest(meta)
+    meta["digest"] = metadata_digest(meta)
     return ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta))
 
 
@@ -224,7 +224,7 @@ def _metadata_problem(meta: Any, path: Path, manager: bool) -> str | None:
         return FORMAT_1.format(path=path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return f"no {FORMAT} metadata"
-    if meta.get("digest") != _digest(meta):
+    if meta.get("digest") != metadata_digest(meta):
         return "its CRC-32 does not match its contents (it was changed after it was written)"
     if not isinstance(meta.get("spec"), dict):
         return "the type description is missing"

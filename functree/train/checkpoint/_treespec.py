@@ -32,7 +32,8 @@ import numpy as np
 
 from functree._module import Module, check_static
 from functree._tree import child_name
-from functree.nn._hf_config import HFConfig
+from functree.hf._config import HFConfig
+from functree.nn._rotary import RopeScaling
 from functree.train.checkpoint._registry import (
     default_name,
     function_name,
@@ -100,6 +101,8 @@ def _encode_static(value: Any) -> dict[str, Any]:
         return {"dtype": str(value)}
     if isinstance(value, HFConfig):  # a from_hf model's config.json: JSON data, rebuilt as data
         return {"hf_config": [value.to_dict(), value.generation.to_dict()]}
+    if isinstance(value, RopeScaling):  # numbers and a name: rebuilt as data, checked by its own __post_init__
+        return {"rope_scaling": {f.name: _encode_static(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     if isinstance(value, type) and issubclass(value, np.generic):
         return {"scalar_type": np.dtype(value).name}
     name = function_name(value)
@@ -138,6 +141,8 @@ def _decode_static(code: Any, path: str) -> Any:
             return HFConfig(value[0], value[1] or None)
         except TypeError as e:
             raise SpecError(MALFORMED.format(path=path, why=str(e).splitlines()[0])) from None
+    if tag == "rope_scaling" and isinstance(value, dict):
+        return _rope_scaling(value, path)
     if tag == "scalar_type":
         return _safe_dtype(value, path).type
     if tag == "function" and isinstance(value, str):
@@ -150,6 +155,23 @@ def _decode_static(code: Any, path: str) -> Any:
         why = f"{str(value)[:200]} has no registered name"
         raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
     raise SpecError(MALFORMED.format(path=path, why=f"unknown static encoding {tag!r}"))
+
+
+def _rope_scaling(fields: dict[str, Any], path: str) -> RopeScaling:
+    """A stored :class:`~functree.nn.RopeScaling`: its fields by name, each a JSON scalar or a
+    tuple of numbers (longrope's factors); anything else is refused, never called."""
+    known = {f.name for f in dataclasses.fields(RopeScaling)}
+    if not set(fields) <= known:
+        raise SpecError(MALFORMED.format(path=path, why=f"RopeScaling has no field {sorted(set(fields) - known)}"))
+    values = {name: _decode_static(code, path) for name, code in fields.items()}
+    for name, value in values.items():
+        plain = value is None or isinstance(value, (bool, int, float, str))
+        if not plain and not (isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)):
+            raise SpecError(MALFORMED.format(path=path, why=f"RopeScaling.{name} is {value!r}, not a number or a name"))
+    try:
+        return RopeScaling(**values)
+    except (TypeError, ValueError) as e:
+        raise SpecError(MALFORMED.format(path=path, why=str(e).splitlines()[0])) from None
 
 
 def _is_namedtuple(x: Any) -> bool:

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree.hf._causal import Block, CausalLM, check_longrope, lookup_rows
+from functree.hf._config import HFConfig
+from functree.hf._options import activation, rope, window
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
-from functree.nn._hf_causal import Block, CausalLM, _check_longrope, _lookup
-from functree.nn._hf_config import HFConfig
-from functree.nn._hf_options import activation, rope, window
 from functree.nn._linear import Dense
 from functree.nn._normalization import RMSNorm
 from functree.nn._rotary import RopeScaling
@@ -131,7 +131,7 @@ class LlamaModel(Module):
         self.embed_scale = embed_scale
 
     def embed(self, ids: jax.Array) -> jax.Array:
-        x = _lookup(self.embed_tokens, ids)
+        x = lookup_rows(self.embed_tokens, ids)
         return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
 
 
@@ -143,7 +143,7 @@ class LlamaForCausalLM(CausalLM):
     ``logits = lm_head(norm(layers(embed_tokens(ids))))``; ``lm_head`` is None for a head
     tied to the embedding (``x E^T``). Queries and keys are rotated at HF's positions
     (``cumsum(attention_mask) - 1`` in a left-padded row, with or without a cache: dynamic
-    NTK rope equals HF's too). Parameters keep HF's names (:mod:`functree.nn._hf_causal` for the layers'
+    NTK rope equals HF's too). Parameters keep HF's names (:mod:`functree.hf._causal` for the layers'
     own). The options cover the families built like Llama: ``output_bias`` (Qwen2's biased
     q/k/v and unbiased o_proj), ``window`` (sliding-window attention: Mistral, Qwen2, Phi-3),
     ``norm`` and ``embed_scale`` (Gemma), ``mlp`` (Phi-3's fused ``gate_up_proj``).
@@ -192,7 +192,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed(ids)
 
     def _check_call(self, input_ids: Any, cache: Any) -> None:
-        _check_longrope(self, self.model.layers.layers.self_attn, input_ids, cache)
+        check_longrope(self, self.model.layers.layers.self_attn, input_ids, cache)
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:

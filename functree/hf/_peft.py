@@ -16,7 +16,7 @@ ranks, in a float dtype (PEFT ignores extra tensors and casts integer ones: erro
 Fused projections (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``, Phi-3's ``qkv_proj``)
 are one torch module but several ft ``Dense`` layers: PEFT's ``lora_A`` is shared and
 ``lora_B``'s rows are the members' outputs, laid out as the converter lays the weight out
-(``_lora.torch_names`` finds where each output goes). Loaded, each member gets ``A`` and
+(``_names.torch_names`` finds where each output goes). Loaded, each member gets ``A`` and
 its rows of ``B``; saved, members with equal ``A`` write it once, members with their own
 ``A`` (trained apart) write the exact block form: ``A`` stacked ``[Σr, in]`` and ``B``
 block-diagonal, rank ``Σr`` in ``rank_pattern``.
@@ -42,17 +42,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree.hf._names import TorchNames, torch_names
+from functree.interop._safetensors import load_file, read_header, save_file
 from functree.nn._lora import (
     ALREADY_ADAPTED,
     DenseLayer,
     LoraDense,
-    TorchNames,
     dense_layers,
     is_dense,
     member_layer_names,
-    torch_names,
 )
-from functree.nn._safetensors import load_file, read_header, save_file
 
 __all__ = ["save_lora", "load_lora"]
 

@@ -34,9 +34,9 @@ import numpy as np
 
 from functree._module import Module
 from functree._repr import short_array
+from functree.hf._family import HFModel
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
-from functree.nn._hf_family import HFModel
 from functree.nn._linear import Dense
 from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack
@@ -103,7 +103,7 @@ prepare_inputs_for_generation); a KV cache keeps the keys it has, so the answers
 """
 
 
-def _check_longrope(model: Any, attention: MultiheadAttention, ids: Any, cache: Any) -> None:
+def check_longrope(model: Any, attention: MultiheadAttention, ids: Any, cache: Any) -> None:
     """A prefill (``T > 1`` tokens) into a cache that crosses longrope's switch point raises."""
     rotary = attention.rotary
     if cache is None or not isinstance(rotary, RopeScaling) or rotary.kind != "longrope":
@@ -136,7 +136,7 @@ def check_token_ids(model: Any, input_ids: Any, vocab: int) -> None:
                                                   where=list(where), last=vocab - 1, vocab=vocab))
 
 
-def _lookup(embedding: Embedding, indices: jax.Array) -> jax.Array:
+def lookup_rows(embedding: Embedding, indices: jax.Array) -> jax.Array:
     """Rows of the embedding table; NaN for an index outside it (traced ids the entry check
     could not read: the wrong row shows as NaN logits, never as another token's row)."""
     table = embedding.embeddings
@@ -144,7 +144,7 @@ def _lookup(embedding: Embedding, indices: jax.Array) -> jax.Array:
     return jnp.take(table, inside, axis=0, mode="fill", fill_value=jnp.nan)
 
 
-def _check_ids(model: Any, input_ids: Any, vocab: int | None = None) -> jax.Array:
+def check_ids(model: Any, input_ids: Any, vocab: int | None = None) -> jax.Array:
     ids = input_ids if isinstance(input_ids, jax.Array) else jnp.asarray(input_ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(BAD_INPUT_IDS.format(model=type(model).__name__, given=short_array(ids)))
@@ -153,12 +153,12 @@ def _check_ids(model: Any, input_ids: Any, vocab: int | None = None) -> jax.Arra
     return ids
 
 
-def _check_length(model: Any, length: int, limit: int, name: str) -> None:
+def check_length(model: Any, length: int, limit: int, name: str) -> None:
     if length > limit:
         raise ValueError(TOO_MANY_POSITIONS.format(model=type(model).__name__, given=length, limit=limit, name=name))
 
 
-def _padding(model: Any, ids: jax.Array, attention_mask: Any, cached: bool) -> jax.Array | None:
+def padding_mask(model: Any, ids: jax.Array, attention_mask: Any, cached: bool) -> jax.Array | None:
     """The mask as bool ``[batch, T]`` (``[batch, max_length]`` with a cache), checked."""
     if attention_mask is None:
         return None
@@ -216,11 +216,11 @@ def _run(model: Any, input_ids: Any, attention_mask: Any, positions: Any, cache:
 
     ``rotary``: the blocks' attention rotates queries and keys, by the real positions (HF's)
     with or without a cache; otherwise (learned positions) the blocks get the slots only."""
-    ids = _check_ids(model, input_ids, vocab)
+    ids = check_ids(model, input_ids, vocab)
     cached = cache is not None
     if limit is not None and not cached:
-        _check_length(model, ids.shape[1], *limit)
-    mask = _padding(model, ids, attention_mask, cached)
+        check_length(model, ids.shape[1], *limit)
+    mask = padding_mask(model, ids, attention_mask, cached)
     if not cached and mask is None and positions is None:
         pos = real = None  # 0..T-1: the attention's own
     else:
@@ -314,7 +314,7 @@ class CausalLM(HFModel):
 
     def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
         """The blocks' input for token ids at their real positions (``cumsum(mask) - 1``)."""
-        return _lookup(self._tokens(), ids)
+        return lookup_rows(self._tokens(), ids)
 
     def _limit(self) -> tuple[int, str] | None:
         """A learned position table's length and its config name (longer inputs raise)."""

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree.hf._causal import Block, CausalLM, lookup_rows
+from functree.hf._config import HFConfig
+from functree.hf._options import activation, require
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
-from functree.nn._hf_causal import Block, CausalLM, _lookup
-from functree.nn._hf_config import HFConfig
-from functree.nn._hf_options import activation, require
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
 from functree.nn._stack import Stack
@@ -119,7 +119,7 @@ class OPTForCausalLM(CausalLM):
 
     def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
         m = self.model.decoder
-        return _lookup(m.embed_tokens, ids) + _lookup(m.embed_positions, real + OPT_OFFSET)
+        return lookup_rows(m.embed_tokens, ids) + lookup_rows(m.embed_positions, real + OPT_OFFSET)
 
     def _limit(self) -> tuple[int, str] | None:
         return self.max_positions, "max_position_embeddings"

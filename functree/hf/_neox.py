@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree.hf._causal import Block, CausalLM
+from functree.hf._config import HFConfig
+from functree.hf._llama import rotary_names
+from functree.hf._options import activation, rope
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
-from functree.nn._hf_causal import Block, CausalLM
-from functree.nn._hf_config import HFConfig
-from functree.nn._hf_llama import rotary_names
-from functree.nn._hf_options import activation, rope
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
 from functree.nn._rotary import RopeScaling

@@ -1,14 +1,14 @@
 """Hugging Face language models in one call: :func:`from_hf` and :func:`to_hf_state_dict`.
 
 ``from_hf`` reads an HF config (``model_type`` and sizes), picks the model type's
-:class:`Family` in :data:`FAMILIES`, builds its model of :mod:`functree.nn._hf_models` as an
+:class:`Family` in :data:`FAMILIES`, builds its model of :mod:`functree.hf._models` as an
 abstract template (``jax.eval_shape``: no random init) and fills it from the weights through
 :func:`ft.nn.load_torch_state_dict` with the model class's ``rename=`` and ``layouts=``.
-A family is one class (:mod:`functree.nn._hf_family`): its HF class, its builder reading the
+A family is one class (:mod:`functree.hf._family`): its HF class, its builder reading the
 config, its tied head's names and the older checkpoint names HF's loader renames are class
 variables and class methods of the model class; :data:`FAMILIES` is read from them. ``transformers``
 is never imported (a ``config.json``, as a dict or a directory's, is read by
-:mod:`functree.nn._hf_files` with HF's defaults); torch only where the weights are torch tensors.
+:mod:`functree.hf._files` with HF's defaults); torch only where the weights are torch tensors.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from functree._jit import unchecked_jit
 from functree._naming import matches
 from functree._state_dict import to_numpy
 from functree._tree import dotted_name
-from functree.nn import _hf_models  # noqa: F401  (defines every covered family: FAMILIES)
+from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
+from functree.hf._config import hf_config_of
+from functree.hf._family import COVERED, FAMILIES, Family, family_of
+from functree.hf._files import read_config, read_weights
+from functree.interop._torch import as_tensors, load_torch_state_dict, torch_state_dict
 from functree.nn._embedding import Embedding
-from functree.nn._hf_config import hf_config_of
-from functree.nn._hf_family import COVERED, FAMILIES, Family, family_of
-from functree.nn._hf_files import read_config, read_weights
 from functree.nn._linear import Dense
-from functree.nn._torch import as_tensors, load_torch_state_dict, torch_state_dict
 
 __all__ = ["from_hf", "to_hf_state_dict", "FAMILIES", "COVERED", "Family"]
 
@@ -223,7 +223,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     padding id's embedding row zero, norms the identity. ``attention`` ("auto",
     "xla" or "cudnn") is the ``implementation`` of every ``ft.nn.MultiheadAttention`` built.
 
-    The model (the classes of ``functree.nn._hf_models``) is made of ordinary ``ft.nn``
+    The model (the classes of ``functree.hf._models``) is made of ordinary ``ft.nn``
     layers, its blocks an ``ft.nn.Stack``, HF's parameter names kept
     (``model.layers.3.mlp.up_proj.weight``; inside ``ft.nn`` layers their own names:
     ``self_attn.query_projection`` for ``self_attn.q_proj``, a norm's ``scale`` for

@@ -261,7 +261,9 @@ def load_index(index: str, caller: str) -> dict[str, np.ndarray]:
 
 def save_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """Write ``tensors`` (and string ``metadata``) as a ``.safetensors`` file, in the format
-    this module reads: no dependency on the ``safetensors`` package for ``ft.nn.save_lora``."""
+    this module reads, as the safetensors library lays it out (a header padded to 8 bytes,
+    then each tensor's little-endian bytes in order): ``save_hf`` and ``save_lora`` need no
+    ``safetensors`` package. Each array is written from its own memory (no second copy)."""
     names = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -275,4 +277,5 @@ def save_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         for array in tensors.values():
-            f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
+            little = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False)
+            f.write(little.reshape(-1).view(np.uint8).data)  # bytes: bfloat16 has no buffer format

@@ -41,12 +41,12 @@ from jax.core import Tracer
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
 from functree._repr import short_array
-from functree.nn import _decode, _memory
-from functree.nn._controls import BAD_TOP_K, Options, active, token_ids, token_sequences
-from functree.nn._controls import is_int as _is_int
-from functree.nn._controls import is_number as _is_number
-from functree.nn._decode import beam_search, generate_loop
-from functree.nn._generate_defaults import (
+from functree.generation import _decode, _memory
+from functree.generation._controls import BAD_TOP_K, Options, active, token_ids, token_sequences
+from functree.generation._controls import is_int as _is_int
+from functree.generation._controls import is_number as _is_number
+from functree.generation._decode import beam_search, generate_loop
+from functree.generation._defaults import (
     SAMPLING_DEFAULTS,
     SUPPORTED,
     WARPER_OPTIONS,
@@ -527,11 +527,11 @@ class _PromptGiven:
 
 def _streaming(run: Any, streamer: Any, ids: Any) -> tuple[jax.Array, Any]:
     streamer.put(np.asarray(ids))
-    _decode._STREAMERS.append(streamer)
+    _decode.STREAMERS.append(streamer)
     try:
         tokens, scores = jax.block_until_ready(run())  # every step's callback has run
     finally:
-        _decode._STREAMERS.pop()
+        _decode.STREAMERS.pop()
     streamer.end()
     return tokens, scores
 

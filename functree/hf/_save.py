@@ -27,15 +27,13 @@ import jax
 import numpy as np
 
 from functree._tree import dotted_name
-from functree.nn._hf import FAMILIES, tied_head, to_hf_state_dict
-from functree.nn._hf_family import family_of
+from functree.hf._family import family_of
+from functree.hf._load import FAMILIES, tied_head, to_hf_state_dict
+from functree.interop._safetensors import save_file
 from functree.nn._lora import LoraDense
 
 __all__ = ["save_hf"]
 
-NO_SAFETENSORS = """\
-ft.nn.save_hf writes the weights as .safetensors files with the safetensors package.
-    right:  pip install safetensors"""
 
 NOT_A_PORT = """\
 ft.nn.save_hf takes a model built by ft.nn.from_hf ({covered}); got {given}. For other \
@@ -88,14 +86,6 @@ INDEX_FILE = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
-
-
-def _safetensors() -> Any:
-    try:
-        import safetensors.numpy
-    except ImportError as e:
-        raise ImportError(NO_SAFETENSORS) from e
-    return safetensors.numpy
 
 
 def _shard_limit(given: Any) -> int:
@@ -172,15 +162,13 @@ def _check_target(directory: str, overwrite: bool) -> None:
 
 def _write_files(staging: str, model: Any, family: Any, weights: dict[str, np.ndarray], limit: int) -> None:
     """Everything into ``staging``, config.json last."""
-    st = _safetensors()
     shards = _shards(weights, limit)
     if len(shards) == 1:
         names = [SINGLE_FILE]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        st.save_file({k: np.ascontiguousarray(v) for k, v in shard.items()}, os.path.join(staging, name),
-                     metadata={"format": "pt"})  # HF's loader reads "pt" files
+        save_file(os.path.join(staging, name), shard, {"format": "pt"})  # HF's loader reads "pt" files
     if len(shards) > 1:
         index = {"metadata": {"total_size": int(sum(a.nbytes for a in weights.values()))},
                  "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
@@ -230,8 +218,8 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
     The directory is written beside the target and renamed into place: an interrupted save
     never leaves a directory that reads as a whole checkpoint. A directory that already
     holds files is replaced only with ``overwrite=True``. A model with LoRA adapters is
-    refused: merge them first (``ft.nn.merge_lora(model)``). Needs the ``safetensors``
-    package (not torch or transformers).
+    refused: merge them first (``ft.nn.merge_lora(model)``). Needs no other package
+    (the files are written by :func:`functree.interop._safetensors.save_file`).
 
     Example:
       >>> import functree as ft, jax, json, os, pathlib, tempfile
@@ -253,7 +241,6 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
         raise ValueError(NO_CONFIG.format(given=type(model).__name__))
     _check_no_lora(model, family.hf_class)
     limit = _shard_limit(max_shard_size)
-    _safetensors()
     directory = os.fspath(directory)
     _check_target(directory, overwrite)
     weights = to_hf_state_dict(model, numpy=True)

@@ -17,11 +17,11 @@ generate: {name} {ids} are not ids of this model's vocabulary ({vocab} tokens: 0
     right:  ft.nn.generate(model, input_ids, 8, {name}=[{example}])"""
 
 
-def _bad_words(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple[int, ...], ...],
+def bad_word_ends(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple[int, ...], ...],
                vocab: int) -> jax.Array:
     """bool ``[rows, vocab]``: the last token of each ``bad`` sequence whose other tokens end
     the first ``length`` real tokens of the row (HF's ``bad_words_ids``)."""
-    _in_vocabulary("bad_words_ids", [i for word in bad for i in word], vocab)
+    check_in_vocabulary("bad_words_ids", [i for word in bad for i in word], vocab)
     rows = tokens.shape[0]
     width = max(len(word) for word in bad) - 1
     prefixes = np.full((len(bad), max(width, 1)), -1, np.int32)  # right-aligned, -1: any token
@@ -38,7 +38,7 @@ def _bad_words(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple
     return counts > 0
 
 
-def _made(prompt_mask: jax.Array, new: int, prompt: Any, t: Any) -> jax.Array:
+def real_before(prompt_mask: jax.Array, new: int, prompt: Any, t: Any) -> jax.Array:
     """bool ``[batch, W + new]`` (``prompt_mask [batch, W]``: the prompt's real tokens, 0 from
     slot ``prompt`` on, the bucket's padding): the real tokens before new token ``t`` (the
     prompt's unpadded ones, then the ``t`` generated at slots ``prompt .. prompt + t - 1``)."""
@@ -48,7 +48,7 @@ def _made(prompt_mask: jax.Array, new: int, prompt: Any, t: Any) -> jax.Array:
     return padded | generated
 
 
-def _repeated_ngrams(tokens: jax.Array, real: jax.Array, length: Any, n: int, vocab: int) -> jax.Array:
+def ngram_completions(tokens: jax.Array, real: jax.Array, length: Any, n: int, vocab: int) -> jax.Array:
     """bool ``[rows, vocab]``: the tokens that would complete an ``n``-gram already among the
     first ``length`` tokens of each row (``tokens``/``real`` ``[rows, total]``; padding, not
     ``real``, is part of no n-gram): Hugging Face's ``no_repeat_ngram_size``."""
@@ -74,7 +74,7 @@ def _last(tokens: jax.Array, real: jax.Array, length: Any, width: int) -> jax.Ar
     return jax.lax.dynamic_slice_in_dim(known, length, width, axis=1)
 
 
-def _in_vocabulary(name: str, ids: Sequence[int], vocab: int) -> None:
+def check_in_vocabulary(name: str, ids: Sequence[int], vocab: int) -> None:
     """Raise :data:`OUTSIDE_VOCAB` for the ``ids`` of option ``name`` that are ``>= vocab``."""
     outside = sorted({i for i in ids if i >= vocab})
     if outside:
@@ -82,19 +82,19 @@ def _in_vocabulary(name: str, ids: Sequence[int], vocab: int) -> None:
                                               example=min(outside[0], vocab - 1)))
 
 
-def _seen(ids: jax.Array, mask: jax.Array, vocab: int) -> jax.Array:
+def prompt_tokens(ids: jax.Array, mask: jax.Array, vocab: int) -> jax.Array:
     """bool ``[batch, vocab]``: the tokens among the real (unpadded) prompt tokens."""
     rows = jnp.arange(ids.shape[0])[:, None]
     return jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, ids].add(mask) > 0  # ids >= vocab: dropped
 
 
-def _window(ids: jax.Array, mask: jax.Array, prompt: Any, width: int) -> jax.Array:
+def stop_window(ids: jax.Array, mask: jax.Array, prompt: Any, width: int) -> jax.Array:
     """The last ``width - 1`` real tokens of each row's prompt (its first ``prompt`` slots),
     -2 where padding or before the prompt."""
     return _last(ids, mask != 0, prompt, width - 1)
 
 
-def _stopped(window: jax.Array, token: jax.Array, stop_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+def stop_hit(window: jax.Array, token: jax.Array, stop_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Whether ``window`` ``[..., L-1]`` then ``token`` ``[...]`` ends in a stop sequence (the
     rows of ``stop_ids`` ``[S, L]``, right-aligned, -1 before a shorter one); the next window."""
     full = jnp.concatenate([window, token[..., None]], axis=-1)

@@ -1,5 +1,5 @@
 """What ``ft.nn.from_hf`` reads from files: a ``save_pretrained`` directory's ``config.json``
-and its weights (``.safetensors`` files, read by :mod:`functree.nn._safetensors`).
+and its weights (``.safetensors`` files, read by :mod:`functree.interop._safetensors`).
 
 A ``config.json`` (a directory's, or one given as a dict) is read without ``transformers``
 (whose import takes seconds): :class:`Config` holds its values with Hugging Face's defaults
@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from functree.nn._safetensors import load_checkpoint
+from functree.interop._safetensors import load_checkpoint
 
 BAD_CONFIG = """\
 ft.nn.from_hf: the first argument is a Hugging Face model (torch) or config, a dict with \
@@ -222,7 +222,7 @@ class Config:
     covered model types (module docstring); ``to_dict()`` gives them all back.
 
     Example:
-      >>> from functree.nn._hf_files import Config
+      >>> from functree.hf._files import Config
       >>> c = Config.of({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})
       >>> c.head_dim, c.num_key_value_heads, c.rope_parameters, c.vocab_size
       (16, 4, {'rope_theta': 10000.0, 'rope_type': 'default'}, 32000)

@@ -1,5 +1,5 @@
 """Reading a Hugging Face config into a model class's arguments: the pieces every family's
-:meth:`~functree.nn._hf_family.HFModel.from_config` shares (activations, rope, sliding
+:meth:`~functree.hf._family.HFModel.from_config` shares (activations, rope, sliding
 windows, options functree does not cover)."""
 
 from __future__ import annotations

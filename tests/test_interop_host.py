@@ -1,11 +1,11 @@
-"""Host copies of loaded tensors (functree/nn/_host.py): the blocked copy of a transposed view
+"""Host copies of loaded tensors (functree/interop/_host.py): the blocked copy of a transposed view
 writes exactly what NumPy's plain assignment writes, for every layout and cast."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from functree.nn._host import BLOCK, copied, copy_into
+from functree.interop._host import BLOCK, copied, copy_into
 
 RNG = np.random.default_rng(0)
 MATRIX = RNG.normal(size=(3 * BLOCK + 5, 2 * BLOCK + 7))

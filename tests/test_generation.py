@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.nn import _controls, _decode, _generate
+from functree.generation import _controls, _decode, _generate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -772,7 +772,7 @@ def test_a_cache_larger_than_memory_raises_before_it_is_made(tiny, monkeypatch):
                                          r"and max_new_tokens = 1073741800\)(.|\n)*needs 4398046425088 bytes "
                                          r"\(4.0 TiB\), but the (.|\n)*allocates the whole cache up front"):
         ft.nn.generate(unbounded, rows, 2 ** 30 - 24)
-    from functree.nn import _memory
+    from functree.generation import _memory
 
     monkeypatch.setattr(_memory, "available_bytes", lambda device: (1000, "test's memory"))
     needs = 2 * 2 * (3 + 12) * 2 * 4 * 4  # keys and values [2, 3 + 12 slots, 2 heads, 4] float32 (exact: the bucket
@@ -897,7 +897,7 @@ def test_a_new_control_is_one_record_in_the_controls_tuple(tiny, monkeypatch):
 
 
 def test_every_control_reads_generate_keywords_named_as_the_checkpoints():
-    from functree.nn._generate_defaults import SUPPORTED
+    from functree.generation._defaults import SUPPORTED
 
     keywords = inspect.signature(ft.nn.generate).parameters
     for control in _controls.CONTROLS:

@@ -19,7 +19,11 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.nn import _hf, _hf_family, _hf_models, _hf_options, _rotary
+from functree.hf import _family as _hf_family
+from functree.hf import _load as _hf
+from functree.hf import _models as _hf_models
+from functree.hf import _options as _hf_options
+from functree.nn import _rotary
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -380,7 +384,8 @@ def test_a_model_type_taken_by_another_class_is_refused():
 def test_checkpoints_and_pickles_written_before_the_split_restore():
     """tests/data/hf_models_checkpoint was written by the tree before the model classes had
     modules of their own (3b9ce05: ``ft.train.save`` of a GPT-2 from_hf(config, key=key(0)),
-    ``pickle.dump`` of a Phi-3): they record ``functree.nn._hf_models.<class>``."""
+    ``pickle.dump`` of a Phi-3): they record ``functree.nn._hf_models.<class>`` and
+    ``functree.nn._hf_config.HFConfig``, names the classes keep since they moved to ``functree.hf``."""
     import pickle
 
     from functree.train.checkpoint._registry import type_name
@@ -393,6 +398,8 @@ def test_checkpoints_and_pickles_written_before_the_split_restore():
     assert type(phi3) is _hf_models.Phi3ForCausalLM and type(phi3.model.layers.layers.mlp) is _hf_models.Phi3MLP
     assert jax.tree.structure(phi3) == jax.tree.structure(ft.nn.from_hf(phi3.hf_config.to_dict(), key=jax.random.key(0)))
     assert pickle.loads(pickle.dumps(phi3)).hf_config == phi3.hf_config
+    written = pickle.dumps(phi3)  # what new pickles record: unchanged (older functree reads them)
+    assert b"functree.nn._hf_config" in written and b"functree.nn._hf_models" in written and b"functree.hf" not in written
     for cls in _hf_models.RECORDED:  # what new checkpoints record: unchanged
         assert type_name(cls) == f"functree.nn._hf_models.{cls.__name__}"
 
@@ -561,7 +568,7 @@ def test_from_config_builds_as_one_program_equal_to_op_by_op():
     # layers' default draws that HF's initialization replaces are never made.
     from _compiles import compiled
 
-    from functree.nn import _hf
+    from functree.hf import _load as _hf
 
     config, key = INIT_CONFIGS["llama"](), jax.random.key(3)
     with compiled() as names:
@@ -649,7 +656,7 @@ def test_a_tampered_config_in_a_checkpoint_is_refused(gpt2, tmp_path):
     a value that is not JSON data) is an error naming the static field, never run."""
     import json
 
-    from functree.train.checkpoint._checkpoint import _digest
+    from functree.train.checkpoint._checkpoint import metadata_digest
     from functree.train.checkpoint._treespec import SpecError
 
     ft.train.save(tmp_path / "checkpoint", ft.nn.from_hf(gpt2))
@@ -659,7 +666,7 @@ def test_a_tampered_config_in_a_checkpoint_is_refused(gpt2, tmp_path):
                           ([{"model_type": "gpt2"}], r"unknown static encoding 'hf_config'")]:
         meta = json.loads(json.dumps(original))
         meta["spec"]["static"]["hf_config"] = {"hf_config": tampered}
-        meta["digest"] = _digest(meta)  # resealed, as an attacker would
+        meta["digest"] = metadata_digest(meta)  # resealed, as an attacker would
         path.write_text(json.dumps(meta))
         with pytest.raises(SpecError, match=rf"(?s)hf_config.*({why})"):
             ft.train.load(tmp_path / "checkpoint")

@@ -1,5 +1,5 @@
 """ft.nn.save_hf against Hugging Face's from_pretrained: weights bit for bit, equal logits,
-HF's sharding and file names; the errors (LoRA, a non-empty directory, no safetensors) and
+HF's sharding and file names; the errors (LoRA, a non-empty directory) and
 an interrupted write that leaves no directory from_pretrained would read.
 
 Each HF model is built from a tiny config with random weights (no download); the functree
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.nn import _hf_save
+from functree.hf import _save as _hf_save
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-from test_nn_hf import (  # noqa: E402
+from test_hf_load import (  # noqa: E402
     FAMILIES,
     batch,
     gpt2_config,
@@ -148,17 +148,15 @@ def test_an_interrupted_write_leaves_no_checkpoint(tmp_path, monkeypatch):
     """A failure in the middle (the second shard): no target directory from_pretrained would
     read; over an existing one, the old one as it was."""
     model = tuned(ft.nn.from_hf(hf_model(llama_config())))
-    import safetensors.numpy
+    real, calls = _hf_save.save_file, []
 
-    real, calls = safetensors.numpy.save_file, []
-
-    def failing(tensors, path, metadata=None):
+    def failing(path, tensors, metadata):
         calls.append(path)
         if len(calls) == 2:
             raise OSError("disk full")
-        return real(tensors, path, metadata=metadata)
+        return real(path, tensors, metadata)
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", failing)
+    monkeypatch.setattr(_hf_save, "save_file", failing)
     with pytest.raises(OSError, match="disk full"):
         ft.nn.save_hf(model, tmp_path / "new", max_shard_size="6KB")
     assert os.listdir(tmp_path) == []
@@ -189,14 +187,28 @@ def test_what_cannot_be_saved_says_why(tmp_path, monkeypatch):
         ft.nn.save_hf(hand_built, tmp_path / "a")
     with pytest.raises(ValueError, match=r"takes a model built by ft.nn.from_hf .*got Dense"):
         ft.nn.save_hf(ft.nn.Dense(2, 2, key=jax.random.key(0)), tmp_path / "b")
-    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
-    model = ft.nn.from_hf(llama_config(), key=jax.random.key(0))
-    with pytest.raises(ImportError, match=r"pip install safetensors"):
-        ft.nn.save_hf(model, tmp_path / "c")
     assert os.listdir(tmp_path) == []
 
 
+def test_saving_needs_no_safetensors_package(tmp_path, monkeypatch):
+    """save_hf writes the files itself (functree.interop._safetensors.save_file, the writer
+    save_lora uses too); the safetensors package reads them back to the same arrays."""
+    model = tuned(ft.nn.from_hf(llama_config(), key=jax.random.key(0)))
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+    ft.nn.save_hf(model, tmp_path / "c")
+    monkeypatch.undo()
+    import safetensors.numpy
+
+    stored = safetensors.numpy.load_file(str(tmp_path / "c" / "model.safetensors"))
+    expected = ft.nn.to_hf_state_dict(model, numpy=True)
+    assert stored.keys() == expected.keys()
+    for name, array in expected.items():
+        assert stored[name].dtype == array.dtype and stored[name].shape == array.shape, name
+        np.testing.assert_array_equal(stored[name], array, err_msg=name)
+
+
 def _hf_models_llama():
-    from functree.nn._hf_models import LlamaForCausalLM
+    from functree.hf._models import LlamaForCausalLM
 
     return LlamaForCausalLM(40, 16, 4, 2, 32, 1, key=jax.random.key(0))

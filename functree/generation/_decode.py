@@ -20,9 +20,9 @@ import numpy as np
 from jax.experimental import io_callback
 
 from functree._repr import short_array
-from functree.nn._controls import Control, Loop, Now, applied, updated
-from functree.nn._logits import _stopped, _window
-from functree.nn._memory import checked_cache
+from functree.generation._controls import Control, Loop, Now, applied, updated
+from functree.generation._logits import stop_hit, stop_window
+from functree.generation._memory import checked_cache
 
 BAD_MODEL_OUTPUT = """\
 generate: model(input_ids, attention_mask=am, positions=pos, cache=cache) must return \
@@ -42,11 +42,11 @@ NEG = -1.0e9  # Hugging Face's "no score": a beam slot that cannot win
 
 # The streamer of the generate call running: the compiled loop's host callback hands it each
 # step's tokens (a module slot, not an argument: a new streamer must not compile the loop again).
-_STREAMERS: list[Any] = []
+STREAMERS: list[Any] = []
 
 
 def _put(tokens: Any) -> None:
-    _STREAMERS[-1].put(np.asarray(tokens))
+    STREAMERS[-1].put(np.asarray(tokens))
 
 
 def _call(model: Any, ids: jax.Array, am: jax.Array, pos: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
@@ -104,7 +104,7 @@ def generate_loop(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax
             token = jnp.where(done, fill, token)
             finished = jnp.isin(token, eos_ids)
             if stopping:
-                hit, state["window"] = _stopped(state["window"], token, stop_ids)
+                hit, state["window"] = stop_hit(state["window"], token, stop_ids)
                 finished = finished | hit
             if scores:
                 score = jnp.where(done, jnp.float32(0.0), score)
@@ -123,7 +123,7 @@ def generate_loop(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax
         "done": jnp.zeros((batch,), bool), "controls": tuple(c.init(loop) for c in controls),
     }
     if stopping:
-        state["window"] = _window(ids, prompt_mask, prompt, stop_ids.shape[1])
+        state["window"] = stop_window(ids, prompt_mask, prompt, stop_ids.shape[1])
     if scores:
         state["scores"] = jnp.zeros((batch, new), jnp.float32)
     state = emit(state, *choose(last, state, 0), 0)
@@ -209,7 +209,7 @@ def beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.A
                                                  (jnp.int32(0), jnp.int32(0), prompt + t))
         ends = jnp.isin(token, eos_ids) | (t == limit - 1)
         if stopping:
-            hit, window = _stopped(_beams_of(s["window"].reshape(batch, beams, -1), parent), token, stop_ids)
+            hit, window = stop_hit(_beams_of(s["window"].reshape(batch, beams, -1), parent), token, stop_ids)
             ends = ends | hit
         if scores:
             own = jnp.take_along_axis(flat, index, axis=1)
@@ -262,7 +262,7 @@ def beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.A
         "controls": jax.tree.map(lambda x: jnp.repeat(x, beams, axis=0), tuple(c.init(loop) for c in controls)),
     }
     if stopping:
-        state["window"] = jnp.repeat(_window(ids, prompt_mask, prompt, stop_ids.shape[1]), beams, axis=0)
+        state["window"] = jnp.repeat(stop_window(ids, prompt_mask, prompt, stop_ids.shape[1]), beams, axis=0)
     if scores:
         state["token_scores"] = state["final_scores"] = jnp.zeros((batch, beams, new), jnp.float32)
     state = select(state, jnp.repeat(logits[:, -1], beams, axis=0), jnp.int32(0), reorder=False)

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree.hf._causal import Block, CausalLM, lookup_rows
+from functree.hf._config import HFConfig
+from functree.hf._options import activation, require
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
-from functree.nn._hf_causal import Block, CausalLM, _lookup
-from functree.nn._hf_config import HFConfig
-from functree.nn._hf_options import activation, require
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
 from functree.nn._stack import Stack
@@ -83,7 +83,7 @@ class GPT2LMHeadModel(CausalLM):
     (``lm_head`` is None: ``x wte^T``). Positions are ``cumsum(attention_mask) - 1`` with a
     mask (left padding as HF's ``generate``), else ``0..T-1``; more than ``n_positions``
     tokens raise (a position past the table under a cache reads NaN). Parameters keep HF's
-    names under ``transformer`` (:mod:`functree.nn._hf_causal` for the layers' own).
+    names under ``transformer`` (:mod:`functree.hf._causal` for the layers' own).
     """
 
     transformer: GPT2Model
@@ -122,7 +122,7 @@ class GPT2LMHeadModel(CausalLM):
         return self.transformer.ln_f(x)
 
     def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
-        return _lookup(self.transformer.wte, ids) + _lookup(self.transformer.wpe, real)
+        return lookup_rows(self.transformer.wte, ids) + lookup_rows(self.transformer.wpe, real)
 
     def _limit(self) -> tuple[int, str] | None:
         return self.max_positions, "n_positions"

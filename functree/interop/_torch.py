@@ -58,15 +58,15 @@ from functree._naming import fill_stars, matches, rename_pattern
 from functree._stacked import is_stacked
 from functree._state_dict import FlatDictReport, from_flat_dict, to_flat_dict, to_numpy
 from functree._tree import dotted_name, join_names
+from functree.interop._host import copied, copy_into
+from functree.interop._safetensors import load_checkpoint
 from functree.nn._attention import MultiheadAttention
 from functree.nn._conv import Conv, ConvTranspose
 from functree.nn._embedding import Embedding
-from functree.nn._host import copied, copy_into
 from functree.nn._linear import Dense
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell
 from functree.nn._remat import Remat
-from functree.nn._safetensors import load_checkpoint
 from functree.nn._sequential import Sequential
 from functree.nn._shared import Shared
 

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree.hf._causal import check_ids, check_length, lookup_rows, padding_mask
+from functree.hf._config import HFConfig
+from functree.hf._family import HFModel
+from functree.hf._options import activation, require
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
-from functree.nn._hf_causal import _check_ids, _check_length, _lookup, _padding
-from functree.nn._hf_config import HFConfig
-from functree.nn._hf_family import HFModel
-from functree.nn._hf_options import activation, require
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
 from functree.nn._stack import Stack
@@ -87,7 +87,7 @@ class BertModel(HFModel):
     ``model(input_ids, attention_mask=None, token_type_ids=None)`` is the last hidden
     state ``[batch, T, hidden]`` (positions ``0..T-1``, as HF); ``pooler`` (None without
     one) gives HF's ``pooler_output`` as ``pooler(hidden[:, 0])``. Parameters keep HF's
-    names but for :data:`BERT_RENAME` (:mod:`functree.nn._hf_causal` for the layers' own).
+    names but for :data:`BERT_RENAME` (:mod:`functree.hf._causal` for the layers' own).
     """
 
     embeddings: BertEmbeddings
@@ -114,11 +114,11 @@ class BertModel(HFModel):
 
     def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> jax.Array:
         e = self.embeddings
-        ids = _check_ids(self, input_ids, e.word_embeddings.embeddings.shape[0])
-        _check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
-        mask = _padding(self, ids, attention_mask, False)
+        ids = check_ids(self, input_ids, e.word_embeddings.embeddings.shape[0])
+        check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
+        mask = padding_mask(self, ids, attention_mask, False)
         types = jnp.zeros_like(ids) if token_type_ids is None else jnp.asarray(token_type_ids)
-        x = _lookup(e.word_embeddings, ids) + e.position_embeddings(jnp.arange(ids.shape[1])) + e.token_type_embeddings(types)
+        x = lookup_rows(e.word_embeddings, ids) + e.position_embeddings(jnp.arange(ids.shape[1])) + e.token_type_embeddings(types)
         x = e.LayerNorm(x)
         extra = {} if mask is None else {"mask": mask[:, None, None, :]}
         return self.encoder.layer(x, **extra)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from functree.nn._controls import CONTROLS
+from functree.generation._controls import CONTROLS
 
 # The options of ``ft.nn.generate`` that HF's generation config sets, by HF's name (a logits
 # control's keywords are its checkpoint names).

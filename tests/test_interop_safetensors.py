@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.nn import _safetensors
+from functree.interop import _safetensors
 
 W = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
 B = {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}

@@ -37,7 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree.nn._logits import _bad_words, _in_vocabulary, _made, _repeated_ngrams, _seen
+from functree.generation._logits import (
+    bad_word_ends,
+    check_in_vocabulary,
+    ngram_completions,
+    prompt_tokens,
+    real_before,
+)
 
 BAD_TOP_K = """\
 generate: top_k must be an int from 1 to the vocabulary size ({vocab}), got {given!r}.
@@ -112,7 +118,7 @@ class Now(NamedTuple):
 
     def real(self) -> jax.Array:
         """bool ``[rows, W + new]``: the real tokens before new token ``t``."""
-        made = _made(self.loop.prompt_mask, self.loop.new, self.loop.prompt, self.t)
+        made = real_before(self.loop.prompt_mask, self.loop.new, self.loop.prompt, self.t)
         return made if self.loop.beams == 1 else jnp.repeat(made, self.loop.beams, axis=0)
 
 
@@ -185,7 +191,7 @@ class RepetitionPenalty(Control):
         return None if value == 1.0 else cls(np.float32(value))
 
     def init(self, loop: Loop) -> Any:
-        return _seen(loop.ids, loop.prompt_mask, loop.vocab)
+        return prompt_tokens(loop.ids, loop.prompt_mask, loop.vocab)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         return jnp.where(state, jnp.where(scores < 0, scores * self.penalty, scores / self.penalty), scores)
@@ -212,7 +218,7 @@ class NoRepeatNGram(Control):
         return cls(int(value)) if value else None
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        banned = _repeated_ngrams(now.tokens, now.real(), now.loop.prompt + now.t, self.n, now.loop.vocab)
+        banned = ngram_completions(now.tokens, now.real(), now.loop.prompt + now.t, self.n, now.loop.vocab)
         return _removed(banned, scores)
 
 
@@ -232,7 +238,7 @@ class BadWords(Control):
         return cls(words) if words else None
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        banned = _bad_words(now.tokens, now.real(), now.loop.prompt + now.t, self.words, now.loop.vocab)
+        banned = bad_word_ends(now.tokens, now.real(), now.loop.prompt + now.t, self.words, now.loop.vocab)
         return _removed(banned, scores)
 
 
@@ -276,7 +282,7 @@ class SuppressTokens(Control):
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         vocab = scores.shape[-1]
-        _in_vocabulary("suppress_tokens", self.ids, vocab)  # known once traced
+        check_in_vocabulary("suppress_tokens", self.ids, vocab)  # known once traced
         suppressed = jnp.zeros((vocab,), bool).at[np.asarray(self.ids)].set(True)
         return _removed(suppressed, scores)
 

@@ -95,7 +95,7 @@ class HFModel(Module):
     declares its own (HF's module names, then ``hf_config``), so the pytree is the HF tree.
 
     Example:
-      >>> from functree.nn._hf_family import COVERED, FAMILIES
+      >>> from functree.hf._family import COVERED, FAMILIES
       >>> qwen2 = FAMILIES["qwen2"].model
       >>> qwen2.__name__, qwen2.__mro__[1].__name__, qwen2.model_type, COVERED["qwen2"]
       ('Qwen2ForCausalLM', 'LlamaForCausalLM', 'qwen2', 'Qwen2ForCausalLM')

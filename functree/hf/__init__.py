@@ -1,0 +1,21 @@
+"""Hugging Face models: families built from ``ft.nn`` layers, loading, export and PEFT files.
+
+* :func:`from_hf` builds a model of a covered family (Llama, Qwen2, Mistral, Gemma, Phi-3,
+  GPT-2, GPT-NeoX, OPT, BERT) from a ``config.json`` and its weights (a directory, a dict
+  or a ``transformers`` model), reading ``.safetensors`` files memory-mapped; transformers
+  is imported only for a ``transformers`` object.
+* :func:`to_hf_state_dict` and :func:`save_hf` give the weights back under Hugging Face's
+  names (``save_hf`` writes a directory ``from_pretrained`` reads).
+* :func:`load_lora` and :func:`save_lora` read and write PEFT's adapter files for the
+  adapters of ``ft.nn.lora``.
+
+Each is also ``ft.nn.<name>``, where it was first documented. A family is one class
+(``functree/hf/_family.py``; one module per architecture: ``_llama.py``, ``_gpt2.py``,
+``_neox.py``, ``_opt.py``, ``_bert.py``); see docs/development/layout.md, "How to add".
+"""
+
+from functree.hf._load import from_hf, to_hf_state_dict
+from functree.hf._peft import load_lora, save_lora
+from functree.hf._save import save_hf
+
+__all__ = ["from_hf", "to_hf_state_dict", "save_hf", "load_lora", "save_lora"]

@@ -1,0 +1,55 @@
+"""The model classes :func:`ft.hf.from_hf` builds out of ``ft.nn`` layers, one module per
+architecture: GPT-2 (:mod:`._gpt2`), Llama and the families built like it, Qwen2,
+Mistral, Gemma and Phi-3 (:mod:`._llama`), GPT-NeoX (:mod:`._neox`), OPT
+(:mod:`._opt`) and BERT (:mod:`._bert`); what they share is :mod:`._causal` (the
+calls) and :mod:`._family` (a family as one class, and the table of families).
+
+Importing this module defines every covered family (each class joins
+:data:`~functree.hf._family.FAMILIES` as it is defined). It also gives the classes their
+recorded name: checkpoints (``ft.train.save`` without a public name for them) and pickles
+record a class as ``functree.nn._hf_models.<name>`` (:data:`RECORDED_HOME`), where the
+classes were defined before ``functree.hf`` existed. That name is kept, so files written
+before and after the move read both ways: each class of :data:`RECORDED` gets it as its
+``__module__``, and ``functree/nn/_hf_models.py`` is the module a pickle imports under it
+(a re-export of this one). A class added later keeps its own module's name (nothing older
+records it).
+"""
+
+from __future__ import annotations
+
+# The order the families are defined is FAMILIES' order (from_hf's "covered:" lists).
+# isort: off
+from functree.hf._gpt2 import GPT2Block, GPT2LMHeadModel, GPT2MLP, GPT2Model
+from functree.hf._llama import (
+    GemmaForCausalLM,
+    GemmaRMSNorm,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    MistralForCausalLM,
+    Phi3ForCausalLM,
+    Phi3MLP,
+    Qwen2ForCausalLM,
+)
+from functree.hf._neox import GPTNeoXForCausalLM, GPTNeoXLayer, GPTNeoXMLP, GPTNeoXModel
+from functree.hf._opt import OPT_OFFSET, OPTDecoder, OPTDecoderLayer, OPTForCausalLM, OPTModel
+from functree.hf._bert import BERT_RENAME, BertEmbeddings, BertEncoder, BertLayer, BertModel
+from functree.hf._causal import check_token_ids
+# isort: on
+
+__all__ = ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM",
+           "Phi3ForCausalLM", "GPTNeoXForCausalLM", "OPTForCausalLM", "BertModel",
+           "GPT2Model", "GPT2Block", "GPT2MLP", "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP",
+           "GemmaRMSNorm", "GPTNeoXModel", "GPTNeoXLayer", "GPTNeoXMLP", "OPTModel", "OPTDecoder",
+           "OPTDecoderLayer", "OPT_OFFSET", "BertEmbeddings", "BertLayer", "BertEncoder", "BERT_RENAME",
+           "check_token_ids", "RECORDED", "RECORDED_HOME"]
+
+# The names checkpoints and pickles recorded before the split (module docstring): every class of a model's tree.
+RECORDED = (GPT2LMHeadModel, GPT2Model, GPT2Block, GPT2MLP, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
+            GemmaForCausalLM, Phi3ForCausalLM, LlamaModel, LlamaDecoderLayer, LlamaMLP, Phi3MLP, GemmaRMSNorm,
+            GPTNeoXForCausalLM, GPTNeoXModel, GPTNeoXLayer, GPTNeoXMLP, OPTForCausalLM, OPTModel, OPTDecoder,
+            OPTDecoderLayer, BertModel, BertEmbeddings, BertEncoder, BertLayer)
+RECORDED_HOME = "functree.nn._hf_models"
+for _cls in RECORDED:
+    _cls.__module__ = RECORDED_HOME

@@ -1,0 +1,172 @@
+"""The torch module name of every ``Dense`` member of a model: Hugging Face's for a model of
+:func:`ft.hf.from_hf`, :func:`ft.interop.torch_state_dict`'s for a model of ``ft.nn``
+layers. What PEFT's files (:mod:`._peft`) and ``ft.nn.lora``'s patterns name layers by.
+
+The names come from the converters themselves: a copy of the model whose leaves are small
+arrays holding a code per ``Dense`` member (no copy of the weights) goes through
+:func:`ft.hf.to_hf_state_dict` (or ``torch_state_dict``), and the code found in each
+tensor names its layer; computed once per tree definition. ``ft.nn.lora`` reads Hugging
+Face's names through :data:`functree.nn._lora.FOREIGN_NAMES`, where this module registers
+:func:`hf_names` (``ft.nn`` sits below this package and cannot import it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from functree import _naming
+from functree._module import from_fields
+from functree._tree import bounded_put, cached, is_none
+from functree.hf._load import FAMILIES, to_hf_state_dict
+from functree.interop._torch import torch_state_dict
+from functree.nn._linear import Dense
+from functree.nn._lora import (
+    FOREIGN_NAMES,
+    ForeignNames,
+    LoraDense,
+    dense_layers,
+    member_layer_names,
+)
+
+__all__ = ["TorchNames", "torch_names", "hf_names"]
+
+
+def unwrapped(model: Any) -> Any:
+    """``model`` with each LoraDense replaced by a Dense of its weight and bias (no merge)."""
+    def one(x: Any) -> Any:
+        if isinstance(x, LoraDense):
+            return from_fields(Dense, {"weight": x.weight, "bias": x.bias, "activation": x.activation})
+        return x
+
+    return jax.tree.map(one, model, is_leaf=lambda x: isinstance(x, LoraDense))
+
+
+class _TorchName(NamedTuple):
+    module: str  # the torch module holding the layer's weight ("model.layers.0.self_attn.q_proj")
+    transposed: bool  # stored [out, in] (a Linear), else [in, out] (Hugging Face's Conv1D)
+    shared_with: tuple[str, ...]  # other ft layer members in the same tensor (a fused projection)
+    weight_param: bool  # the tensor is "<module>.weight"
+    positions: np.ndarray  # where each of the member's outputs sits on the tensor's output axis
+    size: int  # the tensor's output axis (the sum of its members' outputs when fused)
+
+
+class TorchNames(NamedTuple):
+    """What :func:`torch_names` finds: whether the names are Hugging Face's, each Dense
+    member's torch tensor, every module name of the torch model that holds a parameter, and
+    the output head's module (Hugging Face's ``get_output_embeddings()``; PEFT's
+    ``"all-linear"`` leaves it out)."""
+
+    is_hf: bool
+    members: dict[str, _TorchName]
+    modules: frozenset[str]
+    head: str | None
+
+
+_TORCH_NAMES: dict[Any, TorchNames] = {}
+
+
+def torch_names(model: Any, torch_too: bool = True) -> TorchNames:
+    """The torch names of every Dense member of ``model``: Hugging Face's
+    (``to_hf_state_dict``) for a from_hf model, ``torch_state_dict``'s for others (none
+    without ``torch_too``). Found by sending copies of the model whose leaves are small arrays
+    through the converter: every leaf keeps its stack axes and its last axis (the sizes a
+    converter splits heads and fused projections by) and has size 1 on the others. In the
+    first copy a Dense weight ``[1, out]`` holds its member's code, in the second its output
+    index; every other leaf is NaN (no code, whatever a conversion does to it). A Linear's
+    weight comes back ``[out, 1]``, a Conv1D's ``[1, out]``: the codes name the member(s) of
+    each tensor, the indices where each output went (a fused projection's rows, a permuted
+    layout). Cached per tree definition."""
+    base = unwrapped(model)
+    treedef = jax.tree.structure(base, is_leaf=is_none)
+    key, found = cached(_TORCH_NAMES, treedef)
+    if found is not None and (found.is_hf or torch_too):
+        return found
+    codes, names = _markers(base, by_member=True)
+    converted = _converted(jax.tree.unflatten(treedef, codes), torch_too)
+    if converted is None:
+        return TorchNames(False, {}, frozenset(), None)
+    is_hf, head, by_code = converted
+    columns, _ = _markers(base, by_member=False)
+    _, _, by_column = _converted(jax.tree.unflatten(treedef, columns), torch_too) or (None, None, {})
+    out: dict[str, _TorchName] = {}
+    code_of = {n: c for c, n in names.items()}
+    for tensor_name, array in by_code.items():
+        flat = np.asarray(array).reshape(-1)
+        members = [names[int(c)] for c in np.unique(flat) if c >= 1 and int(c) in names]
+        module, _, param = tensor_name.rpartition(".")
+        transposed = np.ndim(array) != 2 or np.shape(array)[-1] == 1  # [out, 1]; [1, 1]: a Linear's
+        index = np.asarray(by_column[tensor_name]).reshape(-1)
+        for member in members:
+            at = np.flatnonzero(flat == code_of[member])
+            order = index[at].astype(np.int64) - 1  # the member's output each position holds
+            if not np.array_equal(np.sort(order), np.arange(len(at))):
+                raise AssertionError(f"{tensor_name} holds the outputs of {member} other than once each")
+            positions = np.empty(len(at), np.int64)
+            positions[order] = at  # output j of the member sits at positions[j]
+            positions.setflags(write=False)
+            out.setdefault(member, _TorchName(module, transposed, tuple(m for m in members if m != member),
+                                              param == "weight", positions, flat.size))
+    modules = frozenset(prefix for name in by_code for prefix in _prefixes(name))
+    result = TorchNames(is_hf, out, modules, head)
+    if key is not None:
+        bounded_put(_TORCH_NAMES, key, result)
+    return result
+
+
+def _markers(base: Any, by_member: bool) -> tuple[list[Any], dict[int, str]]:
+    """The leaves of a marked copy of ``base`` (see :func:`torch_names`) and the members' codes."""
+    weights = {layer.weight: layer for layer in dense_layers(base)}
+    names: dict[int, str] = {}
+    markers: list[Any] = []
+    leaves = jax.tree.leaves(base, is_leaf=is_none)
+    for i, (leaf, info) in enumerate(zip(leaves, _naming.leaf_infos(base))):
+        if leaf is None:
+            markers.append(None)
+            continue
+        shape, k = tuple(np.shape(leaf)), len(info.sizes)
+        if i in weights:
+            first = len(names) + 1
+            members = member_layer_names(weights[i])
+            names.update((first + j, name) for j, name in enumerate(members))
+            if by_member:
+                codes = np.arange(first, first + len(members), dtype=np.float64).reshape((*info.sizes, 1, 1))
+                markers.append(np.broadcast_to(codes, (*info.sizes, 1, shape[-1])))
+            else:
+                markers.append(np.broadcast_to(np.arange(1.0, shape[-1] + 1), (*info.sizes, 1, shape[-1])))
+        else:
+            kept = shape[:k] + (1,) * (len(shape) - k - 1) + shape[-1:] if len(shape) > k else shape
+            markers.append(np.full(kept, np.nan))
+    return markers, names
+
+
+def _converted(marked: Any, torch_too: bool) -> tuple[bool, str | None, dict[str, Any]] | None:
+    """``(is_hf, head module, state dict)`` of a marked copy: Hugging Face's names for a from_hf
+    model, else torch's (None without ``torch_too``)."""
+    try:
+        converted = to_hf_state_dict(marked, numpy=True)
+    except ValueError:  # not a from_hf model: torch's names of the ft.nn layers
+        return (False, None, torch_state_dict(marked, numpy=True)) if torch_too else None
+    family = next((f for f in FAMILIES.values() if type(marked) is f.model), None)
+    head = family.head[0].rpartition(".")[0] if family is not None and family.head is not None else None
+    return True, head, converted
+
+
+def _prefixes(tensor_name: str) -> list[str]:
+    """The modules holding a tensor: ``a.b.weight`` -> ``a``, ``a.b``."""
+    parts = tensor_name.split(".")[:-1]
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def hf_names(model: Any) -> ForeignNames | None:
+    """Hugging Face's module name of each Dense member of a model of ``from_hf`` (and its
+    output head), for ``ft.nn.lora``'s patterns; None for other models."""
+    names = torch_names(model, torch_too=False)
+    if not names.is_hf:
+        return None
+    return ForeignNames({member: found.module for member, found in names.members.items()}, names.head)
+
+
+FOREIGN_NAMES.append(hf_names)

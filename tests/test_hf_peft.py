@@ -1,0 +1,415 @@
+"""ft.hf.save_lora / load_lora against PEFT: the adapters of ``ft.nn.lora`` as PEFT's files.
+
+The reference is PEFT itself: tiny Hugging Face models built from configs with random
+weights (no download) are ported with ``ft.nn.from_hf``, given adapters, saved with
+``save_lora`` and loaded with ``peft.PeftModel.from_pretrained``; the logits must agree to
+float32 rounding (atol 2.5e-5 times the logits' magnitude, as in test_nn_lora). The other
+way, a ``PeftModel``'s own ``save_pretrained`` directory is read with ``load_lora``; fused
+projections, ``all-linear``, ``modules_to_save``, rank and alpha patterns, damaged and
+half-written files. The model and fixtures are test_nn_lora's.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+from test_nn_lora import (
+    QV,
+    VOCAB,
+    D,
+    assert_close,
+    hf_logits,
+    llama,
+    logits,
+    tokens,
+    train_adapters,
+)
+
+import functree as ft
+from functree.hf import _names
+from functree.nn import _lora
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+# transformers' own deprecation, raised inside peft.PeftModel's constructor
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return llama()
+
+
+@pytest.fixture(scope="module")
+def base(hf):
+    return ft.nn.from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def trained(base):
+    return train_adapters(base)
+
+
+def test_save_lora_loads_in_peft_with_equal_logits(hf, trained, tmp_path):
+    model, _, _ = trained
+    ft.nn.save_lora(model, tmp_path, base_model_name_or_path="tiny-llama")
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["task_type"]) == ("LORA", 4, 8.0, "CAUSAL_LM")
+    assert config["target_modules"] == sorted(f"model.layers.{i}.{m}" for i in range(2)
+                                              for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"))
+    peft_model = peft.PeftModel.from_pretrained(llama(), str(tmp_path)).eval()  # a fresh copy: peft edits it
+    ids = tokens()
+    expected = hf_logits(peft_model, ids)
+    assert not np.allclose(expected, hf_logits(hf, ids), atol=1e-3)  # the adapters change the logits
+    assert_close(logits(model, ids), expected)
+    loaded = ft.nn.load_lora(ft.nn.from_hf(hf), tmp_path)  # and back
+    assert jax.tree.structure(loaded) == jax.tree.structure(model)
+    assert bool(jnp.all(logits(loaded, ids) == logits(model, ids)))
+
+
+def test_load_lora_reads_peft_save_pretrained(tmp_path):
+    hf = llama(seed=1)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "up_proj"], layers_to_transform=[1],
+                             rank_pattern={"up_proj": 2}, alpha_pattern={"up_proj": 3})
+    peft_model = peft.get_peft_model(llama(seed=1), config)
+    torch.manual_seed(1)
+    with torch.no_grad():  # lora_B trained away from zero
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    peft_model.save_pretrained(str(tmp_path))
+    model = ft.nn.load_lora(ft.nn.from_hf(hf), tmp_path)
+    up = model.model.layers.layers.mlp.up_proj
+    assert up.lora_a.shape == (2, D, 2) and up.scale == 1.5
+    assert not np.any(np.asarray(up.lora_b[0])) and np.any(np.asarray(up.lora_b[1]))  # block 0: no adapter in the file
+    ids = tokens()
+    assert_close(logits(model, ids), hf_logits(peft_model.eval(), ids))
+
+
+def test_save_and_load_errors(tmp_path, base):
+    with pytest.raises(ValueError, match="holds no LoraDense layer"):
+        ft.nn.save_lora(base, tmp_path)
+    with pytest.raises(ValueError, match=r"not a PEFT LoRA adapter directory: no adapter_config\.json"):
+        ft.nn.load_lora(base, tmp_path)
+    other = ft.nn.Sequential(ft.nn.Dense(D, D, key=jax.random.key(0)))
+    ft.nn.save_lora(ft.nn.lora(other, "*", rank=2, key=jax.random.key(0)), tmp_path)
+    with pytest.raises(ValueError, match=r"holds tensors for \['0'\], which name no Dense layer"):
+        ft.nn.load_lora(base, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="sets use_dora=True"):
+        ft.nn.load_lora(other, tmp_path)
+    for option, value in [("alora_invocation_tokens", [3, 4]), ("init_lora_weights", "mica"), ("bias", "all")]:
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**config, option: value}))
+        with pytest.raises(ValueError, match=rf"sets {option}={value!r}".replace("[", r"\[")):
+            ft.nn.load_lora(other, tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "gaussian"}))
+    assert isinstance(ft.nn.load_lora(other, tmp_path).layers[0], ft.nn.LoraDense)  # an initialization only
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'base_model.model.0.lora_A.weight' has shape"):
+        ft.nn.load_lora(ft.nn.Sequential(ft.nn.Dense(D + 1, D, key=jax.random.key(0))), tmp_path)
+
+
+def gpt2_hf():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=D, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return ft.nn.from_hf(gpt2_hf())
+
+
+def test_gpt2_conv1d_layers_save_with_fan_in_fan_out(gpt2, tmp_path):
+    model = ft.nn.lora(gpt2, ["*.mlp.c_fc", "*.attn.c_proj"], rank=2, alpha=4, key=jax.random.key(0))
+    for name in ("transformer.h.layers.mlp.c_fc.lora_b", "transformer.h.layers.attn.output_projection.lora_b"):
+        value = ft.get(model, name)
+        model = ft.set(model, name, 0.3 * jax.random.normal(jax.random.key(1), value.shape))
+    ft.nn.save_lora(model, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    peft_model = peft.PeftModel.from_pretrained(gpt2_hf(), str(tmp_path)).eval()
+    ids = tokens()
+    assert_close(logits(model, ids), hf_logits(peft_model, ids))
+
+
+def test_torch_names_are_cached_per_tree_definition(base):
+    _names._TORCH_NAMES.clear()
+    first = _names.torch_names(base)
+    assert _names.torch_names(jax.tree.map(lambda x: x, base)) is first
+
+
+DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+@pytest.mark.parametrize(("config", "fused"), [
+    (lambda: transformers.Qwen2Config(**DECODER), ()),
+    (lambda: transformers.GemmaConfig(**DECODER, head_dim=8), ()),
+    (lambda: transformers.Phi3Config(**DECODER), ("qkv_proj",)),
+    (lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=2 * D, rotary_pct=0.5, bos_token_id=0, eos_token_id=0),
+     ("query_key_value",)),
+    (lambda: transformers.OPTConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                                    ffn_dim=2 * D, bos_token_id=0, eos_token_id=0, pad_token_id=1), ()),
+], ids=["qwen2", "gemma", "phi3", "gpt_neox", "opt"])
+def test_every_dense_layer_finds_its_hf_module(config, fused):
+    """Each Dense member of a from_hf model (abstract: no weights) names its own torch.nn.Linear
+    of the Hugging Face model, or a fused one shared with its siblings (which save_lora refuses)."""
+    config = config()
+    model = jax.eval_shape(lambda: ft.nn.from_hf(config, key=jax.random.key(0)))
+    is_hf, names, _, _ = _names.torch_names(model)
+    linears = {n for n, m in transformers.AutoModelForCausalLM.from_config(config).named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    layers = [m for layer in _lora.dense_layers(model) for m in _lora.member_layer_names(layer)]
+    assert is_hf and set(names) == set(layers)
+    for member, found in names.items():
+        assert found.module in linears and found.transposed, (member, found)
+        assert bool(found.shared_with) == found.module.endswith(fused), (member, found)
+
+
+def randomized(build):
+    """``build()``'s model (the same weights each call) moved away from HF's small
+    initialization (logits of order 1)."""
+    torch.manual_seed(0)
+    hf = build()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return hf.eval()
+
+
+def neox_hf():
+    return randomized(lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * D,
+        rotary_pct=0.5, bos_token_id=0, eos_token_id=0)))
+
+
+def phi3_hf():
+    return randomized(lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**DECODER)))
+
+
+def peft_adapter(make_hf, directory, **options):
+    """A PEFT LoRA on a fresh ``make_hf()`` with random non-zero A and B, saved by PEFT."""
+    torch.manual_seed(2)
+    peft_model = peft.get_peft_model(make_hf(), peft.LoraConfig(init_lora_weights=False, **options)).eval()
+    peft_model.save_pretrained(str(directory))
+    return peft_model
+
+
+def edit_config(directory, **changes):
+    path = directory / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(("make_hf", "fused"), [(gpt2_hf, "c_attn"), (neox_hf, "query_key_value"),
+                                                (phi3_hf, "qkv_proj")], ids=["gpt2", "gpt_neox", "phi3"])
+def test_fused_projection_adapters_load_and_save_as_peft_does(make_hf, fused, tmp_path):
+    """PEFT's one adapter on a fused q|k|v projection (one A, B's rows the members' outputs in
+    the fused layout: GPT-NeoX interleaves them per head) is each member's A and rows of B;
+    saved back it is PEFT's tensors again, and once the members' A differ, the exact block form."""
+    peft_model = peft_adapter(make_hf, tmp_path / "peft", r=4, lora_alpha=8, target_modules=[fused],
+                              fan_in_fan_out=fused == "c_attn")  # GPT-2's Conv1D
+    ids = tokens()
+    expected = hf_logits(peft_model, ids)
+    base = ft.nn.from_hf(make_hf())
+    assert not np.allclose(expected, hf_logits(make_hf(), ids), atol=1e-2)  # the adapter changes the logits
+    model = ft.nn.load_lora(base, tmp_path / "peft")
+    assert_close(logits(model, ids), expected)
+    ft.nn.save_lora(model, tmp_path / "ft")
+    ours = safetensors.numpy.load_file(str(tmp_path / "ft" / "adapter_model.safetensors"))
+    theirs = safetensors.numpy.load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert set(ours) == set(theirs) and all(np.array_equal(ours[k], theirs[k]) for k in theirs)  # bit for bit
+    # the members trained apart: q's A moved, k has no adapter of its own any more
+    attention = next(n for n in ft.to_flat_dict(model) if n.endswith("query_projection.lora_a")).rpartition(".")[0]
+    attention = attention.rpartition(".")[0]
+    moved = ft.set(model, f"{attention}.query_projection.lora_a",
+                   ft.get(model, f"{attention}.query_projection.lora_a") * 1.5)
+    moved = ft.set(moved, f"{attention}.key_projection.lora_b", jnp.zeros_like(ft.get(moved, f"{attention}.key_projection.lora_b")))
+    ft.nn.save_lora(moved, tmp_path / "apart")
+    config = json.loads((tmp_path / "apart" / "adapter_config.json").read_text())
+    assert set(config["rank_pattern"].values()) == {12} or config["r"] == 12  # A stacked: rank 3 r
+    again = peft.PeftModel.from_pretrained(make_hf(), str(tmp_path / "apart")).eval()
+    assert_close(logits(moved, ids), hf_logits(again, ids))
+
+
+@pytest.mark.parametrize("make_hf", [llama, gpt2_hf], ids=["llama", "gpt2"])
+def test_all_linear_adapts_what_peft_adapts(make_hf, tmp_path):
+    """PEFT's "all-linear": every Linear / Conv1D but the output head (GPT-2's fused c_attn
+    included); saved, the config lists the same modules PEFT's would."""
+    peft_model = peft.get_peft_model(make_hf(), peft.LoraConfig(target_modules="all-linear",
+                                                                fan_in_fan_out=make_hf is gpt2_hf))
+    wanted = set(peft_model.peft_config["default"].target_modules)
+    model = ft.nn.lora(ft.nn.from_hf(make_hf()), "all-linear", rank=2, key=jax.random.key(0))
+    ft.nn.save_lora(model, tmp_path)
+    assert set(json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]) == wanted
+    assert "lm_head" not in wanted and len(wanted) > 4
+    # a PEFT adapter whose config says "all-linear" (PEFT's own saves list the modules it found)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    peft_model.eval().save_pretrained(str(tmp_path / "peft"))
+    edit_config(tmp_path / "peft", target_modules="all-linear")
+    ids = tokens()
+    loaded = ft.nn.load_lora(ft.nn.from_hf(make_hf()), tmp_path / "peft")
+    assert_close(logits(loaded, ids), hf_logits(peft_model, ids))
+
+
+def test_one_member_of_a_fused_projection_saves_as_peft_reads_it(tmp_path):
+    """An adapter on GPT-2's query projection alone is PEFT's c_attn adapter with zero k, v rows."""
+    model = ft.nn.lora(ft.nn.from_hf(gpt2_hf()), "*.attn.query_projection", rank=2, alpha=4, key=jax.random.key(1))
+    name = "transformer.h.layers.attn.query_projection.lora_b"
+    model = ft.set(model, name, jax.random.normal(jax.random.key(2), ft.get(model, name).shape))
+    ft.nn.save_lora(model, tmp_path)
+    b = safetensors.numpy.load_file(str(tmp_path / "adapter_model.safetensors"))[
+        "base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"]
+    assert b.shape == (3 * D, 2) and np.any(b[:D]) and not np.any(b[D:])
+    peft_model = peft.PeftModel.from_pretrained(gpt2_hf(), str(tmp_path)).eval()
+    ids = tokens()
+    assert_close(logits(model, ids), hf_logits(peft_model, ids))
+
+
+def test_alpha_zero_with_an_alpha_pattern_and_rslora_load_as_peft(tmp_path):
+    ids = tokens()
+    for name, options in [("zero", dict(lora_alpha=0, alpha_pattern={"v_proj": 16})),
+                          ("rslora", dict(lora_alpha=6, use_rslora=True))]:
+        peft_model = peft_adapter(llama, tmp_path / name, r=4, target_modules=["q_proj", "v_proj"], **options)
+        model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / name)  # was: ZeroDivisionError
+        assert_close(logits(model, ids), hf_logits(peft_model, ids))
+        ft.nn.save_lora(model, tmp_path / f"{name}_back")
+        again = peft.PeftModel.from_pretrained(llama(), str(tmp_path / f"{name}_back")).eval()
+        assert_close(hf_logits(again, ids), hf_logits(peft_model, ids))
+
+
+def test_load_lora_follows_the_config_not_the_file(tmp_path):
+    """The file holds q and v; configs that select other modules or ranks than the file's are
+    refused (PEFT: loads a subset silently, or its size-mismatch error, or ZeroDivisionError)."""
+    peft_adapter(llama, tmp_path, r=4, target_modules=["q_proj", "v_proj"])
+    base = ft.nn.from_hf(llama())
+    edit_config(tmp_path, target_modules=["q_proj"])  # was: v applied too (logits 0.25 from PEFT's)
+    with pytest.raises(ValueError, match=r"(?s)holds tensors for \['model.layers.0.self_attn.v_proj'.*"
+                                         r"does not select.*\"target_modules\": \["):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, target_modules=["o_prj"])
+    with pytest.raises(ValueError, match=r"target_modules=\['o_prj'\] selects no module of this model"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, target_modules=["q_proj", "k_proj", "v_proj"])
+    with pytest.raises(ValueError, match=r"selects \['model.layers.0.self_attn.k_proj'.*holds no lora_A / lora_B"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, target_modules=["q_proj", "v_proj", "embed_tokens"])
+    with pytest.raises(ValueError, match=r"selects \['model.embed_tokens'\], which is not a Dense layer"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, target_modules=["q_proj", "v_proj"], r=8)  # was: the rank taken from the tensors
+    with pytest.raises(ValueError, match=r"lora_A.weight' has shape \(\(4, 16\), \(16, 4\)\).*r = 8 \(the config's r\)"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, r=4, rank_pattern={"v_proj": 2})
+    with pytest.raises(ValueError, match=r"v_proj.lora_A.weight' has shape.*r = 2 \(rank_pattern\['v_proj'\]\)"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, r=0, rank_pattern={})  # was: ZeroDivisionError
+    with pytest.raises(ValueError, match=r"sets r=0: a rank is a positive int"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, r=4, target_modules="model\\.layers\\.1\\.self_attn\\.[qv]_proj")  # a regex: layer 1 only
+    with pytest.raises(ValueError, match=r"holds tensors for \['model.layers.0.self_attn.q_proj'"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, target_modules=["q_proj", "v_proj"], layers_to_transform=[1])
+    with pytest.raises(ValueError, match=r"does not select"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, layers_to_transform=None, exclude_modules=["model.layers.1.self_attn.v_proj"])
+    with pytest.raises(ValueError, match=r"holds tensors for \['model.layers.1.self_attn.v_proj'\]"):
+        ft.nn.load_lora(base, tmp_path)
+    edit_config(tmp_path, exclude_modules=None)
+    assert isinstance(ft.nn.load_lora(base, tmp_path).model.layers.layers.self_attn.value_projection, ft.nn.LoraDense)
+
+
+def test_integer_and_damaged_adapter_files_are_refused(tmp_path):
+    peft_adapter(llama, tmp_path, r=2, target_modules=["q_proj"])
+    base = ft.nn.from_hf(llama())
+    path = tmp_path / "adapter_model.safetensors"
+    tensors = safetensors.numpy.load_file(str(path))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    safetensors.numpy.save_file({**tensors, name: (tensors[name] * 10).astype(np.int32)}, str(path))
+    with pytest.raises(ValueError, match=rf"'{name}' holds int32 numbers; an adapter's tensors are floating"):
+        ft.nn.load_lora(base, tmp_path)  # was: lora_B cast to int32, the update truncated
+    safetensors.numpy.save_file(tensors, str(path))
+    path.write_bytes(path.read_bytes()[:-8])  # truncated
+    with pytest.raises(ValueError, match=r"load_lora: '.*adapter_model.safetensors' is not a .safetensors file"):
+        ft.nn.load_lora(base, tmp_path)
+
+
+def test_modules_to_save_lm_head_loads_and_saves_as_peft(tmp_path):
+    """PEFT's modules_to_save=["lm_head"]: the trained head's full weight beside the adapters
+    (base_model.model.lm_head.weight) replaces the head; saved back the same way."""
+    torch.manual_seed(3)
+    peft_model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                                              init_lora_weights=False)).eval()
+    with torch.no_grad():  # the head trained
+        peft_model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    ids = tokens()
+    expected = hf_logits(peft_model, ids)
+    model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "peft")
+    assert_close(logits(model, ids), expected)
+    ft.nn.save_lora(model, tmp_path / "ft", modules_to_save="lm_head")  # a str, as PEFT takes it
+    assert json.loads((tmp_path / "ft" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+    again = peft.PeftModel.from_pretrained(llama(), str(tmp_path / "ft")).eval()
+    assert_close(hf_logits(again, ids), expected)
+    gpt2 = ft.nn.lora(ft.nn.from_hf(gpt2_hf()), "*.c_fc", rank=2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"names 'lm_head', which is not a Dense layer of its own here \(a tied head"):
+        ft.nn.save_lora(gpt2, tmp_path / "tied", modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match=r"names 'classifier', which is no module of this model"):
+        ft.nn.save_lora(model, tmp_path / "none", modules_to_save=["classifier"])
+
+
+def test_an_interrupted_save_is_refused_not_loaded(tmp_path, base, monkeypatch):
+    """save_lora replaces the weights, then the config; a crash between leaves new weights
+    beside the old config, which load_lora refuses (the weights record their config)."""
+    small = ft.nn.lora(base, QV, rank=2, key=jax.random.key(0))
+    small = ft.set(small, "model.layers.layers.self_attn.query_projection.lora_b",
+                   jnp.ones_like(small.model.layers.layers.self_attn.query_projection.lora_b))
+    ft.nn.save_lora(small, tmp_path)
+    larger = ft.nn.lora(base, QV, rank=4, alpha=4, key=jax.random.key(1))
+    replace, calls = os.replace, []
+
+    def crash_on_config(source, target):
+        calls.append(target)
+        if str(target).endswith("adapter_config.json"):
+            raise OSError("disk full")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", crash_on_config)
+    with pytest.raises(OSError, match="disk full"):
+        ft.nn.save_lora(larger, tmp_path)
+    monkeypatch.undo()
+    assert [os.path.basename(c) for c in calls] == ["adapter_model.safetensors", "adapter_config.json"]
+    assert sorted(os.listdir(tmp_path)) == ["adapter_config.json", "adapter_model.safetensors"]  # no temporaries
+    with pytest.raises(ValueError, match=r"(?s)not the config its adapter_model.safetensors was saved with: "
+                                         r"r is 2 in the config, but the weights were written for 4"):
+        ft.nn.load_lora(base, tmp_path)  # was: the new weights under the old scale (logits off by ~0.02)
+    ft.nn.save_lora(small, tmp_path)
+    edit_config(tmp_path, r=3)  # edited by hand
+    with pytest.raises(ValueError, match=r"r is 3 in the config, but the weights were written for 2"):
+        ft.nn.load_lora(base, tmp_path)
+
+
+def test_bfloat16_adapters_save_and_load(hf, trained, tmp_path):
+    """bfloat16 adapters are written as BF16 tensors (safetensors.numpy refuses them) and read back bit for bit."""
+    model, _, _ = trained
+    half = jax.tree.map(lambda x: x.replace(lora_a=x.lora_a.astype(jnp.bfloat16), lora_b=x.lora_b.astype(jnp.bfloat16))
+                        if isinstance(x, ft.nn.LoraDense) else x, model, is_leaf=lambda x: isinstance(x, ft.nn.LoraDense))
+    ft.nn.save_lora(half, tmp_path)
+    loaded = ft.nn.load_lora(ft.nn.from_hf(hf), tmp_path)
+    layer = loaded.model.layers.layers.self_attn.query_projection
+    assert layer.lora_b.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(layer.lora_b), np.asarray(half.model.layers.layers.self_attn.query_projection.lora_b))
+    peft_model = peft.PeftModel.from_pretrained(llama(), str(tmp_path)).eval()
+    ids = tokens()
+    assert_close(logits(loaded, ids), hf_logits(peft_model, ids))

@@ -239,3 +239,16 @@ def test_only_the_naming_module_matches_names_with_globs():
 
     globbing = sorted(m for m in MODULES if "fnmatch" in external(m))
     assert globbing == ["functree._naming"]
+
+
+def test_import_functree_loads_no_checkpoint_or_porting_library():
+    """``import functree`` (time to the first result, issue 47) imports neither orbax (0.3-0.4 s
+    on the 2-core CI machine: loaded on the first checkpoint save or load) nor transformers,
+    torch, safetensors or peft (loaded only where a Hugging Face object or torch tensor is
+    given). A fresh process: this one has imported them already."""
+    import subprocess
+
+    code = ("import sys, functree; print(sorted(m for m in ('orbax', 'transformers', 'torch', 'safetensors', 'peft') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

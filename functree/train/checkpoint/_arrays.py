@@ -17,7 +17,6 @@ from typing import Any, cast
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from functree._where import default_device
 from functree.parallel import sharded_target
@@ -145,6 +144,7 @@ def saved_arrays(directory: Any) -> dict[str, tuple[tuple[int, ...], np.dtype, b
     checkpoint's ``arrays`` item), from its metadata: what is stored, whatever the
     checkpoint's own metadata claims (the checksums' check compares the two after the
     read). ``on_host``: written as a NumPy array (it comes back as one)."""
+    import orbax.checkpoint as ocp  # on first use: import functree stays light
     tree: dict[Any, Any] = dict(cast(Any, ocp.StandardCheckpointHandler().metadata(directory)).items())
     return {str(k): (tuple(int(n) for n in m.shape), np.dtype(m.dtype), getattr(m, "sharding", True) is None)
             for k, m in tree.items()}

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from functree._state_dict import from_flat_dict
 from functree.parallel import mesh_shape
@@ -208,6 +207,7 @@ def save_args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     """Orbax's save arguments: the arrays and the sealed metadata (collective: every
     process of a job calls it, each describing the shards it writes). A leaf no checkpoint
     can hold is refused first, on every process at once, before anything is written."""
+    import orbax.checkpoint as ocp  # on first use: import functree stays light
     found = next((f for f in gather(_unsavable(arrays)) if f), None)
     if found:
         raise CheckpointError(UNSAVABLE.format(key=found[0], given=found[1]))
@@ -246,6 +246,7 @@ def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool 
     checked, then the arrays alone, placed by ``target(stored arrays, meta)`` (never by the
     writer's devices: see :func:`._arrays.placement`). ``restore(args)`` is orbax's.
     Damage raises ``_Damage(problem)``."""
+    import orbax.checkpoint as ocp  # on first use: import functree stays light
     try:
         meta = restore(ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # orbax raises many types for damaged files
@@ -301,6 +302,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) ->
       >>> ft.train.load(path)
       {'w': Array([1., 1.], dtype=float32), 'steps': 3}
     """
+    import orbax.checkpoint as ocp  # on first use: import functree stays light
     path = Path(path).absolute()
     if agreed(lambda: path.exists()) and not overwrite:
         raise CheckpointError(PATH_EXISTS.format(path=path))
@@ -331,6 +333,7 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
       >>> restored, bool(jnp.all(checked.weight == model.weight))
       (Dense(weight=f32[2,1], bias=f32[1], activation=identity), True)
     """
+    import orbax.checkpoint as ocp  # on first use: import functree stays light
     path = Path(path).absolute()
     if mesh is not None and template is None:
         raise CheckpointError(LOAD_NEEDS_TEMPLATE)
@@ -381,6 +384,7 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike[str], max_to_keep: int | None = 3,
                  best_metric: str | None = None, mode: str = "min", *, asynchronous: bool = False):
+        import orbax.checkpoint as ocp  # on first use: import functree stays light
         if mode not in ("min", "max"):
             raise ValueError(BAD_MODE.format(mode=mode))
         if max_to_keep is not None and (isinstance(max_to_keep, (bool, np.bool_)) or not isinstance(

@@ -13,8 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import orbax.checkpoint as ocp
-
 from functree.train.checkpoint._arrays import placement, saved_arrays
 from functree.train.checkpoint._checkpoint import save_args
 from functree.train.checkpoint._directory import STEP_DIR
@@ -60,6 +58,7 @@ def migrate(source: str | os.PathLike[str], destination: str | os.PathLike[str])
       Traceback (most recent call last):
       functree.train.checkpoint._treespec.CheckpointError: ...new is not a format-1 functree checkpoint (its format is 'functree-checkpoint-2'); only those need migrating...
     """
+    import orbax.checkpoint as ocp  # on first use: import functree stays light
     source, destination = Path(source).absolute(), Path(destination).absolute()
     steps = [p for p in source.iterdir() if STEP_DIR.match(p.name)] if source.is_dir() else []
     if steps and not (source / "meta").exists():

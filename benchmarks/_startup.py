@@ -70,12 +70,15 @@ def _timed_steps(events: dict[str, float]) -> None:
 
         setattr(module, name, timed)
 
-    wrap(_hf, "_config", "config.json")
-    wrap(_hf, "_weights", "open + check the weights' files")
+    wrap(_hf, "read_config", "config.json")
+    wrap(_hf, "read_weights", "open + check the weights' files")
+    wrap(_hf, "_template", "the abstract template")
     wrap(_hf, "load_torch_state_dict", "load_torch_state_dict (all)")
     wrap(_torch, "_plan", "  plan (names, layouts)")
     wrap(_torch, "_converted", "  convert to ft's layouts")
     wrap(_torch, "_stored", "  read the files + copy to the device")
+    wrap(_torch, "copy_into", "    copy into a stacked leaf (host)")
+    wrap(_torch, "copied", "    copy into a leaf of its own (host)")
 
 
 def probe(which: str, directory: str) -> dict[str, Any]:

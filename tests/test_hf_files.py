@@ -169,7 +169,8 @@ def test_a_directory_loads_without_transformers_and_compiles_nothing_it_does_not
     program compiled: the parameters are transfers (jnp.asarray compiled one per shape)."""
     import os
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    # A vocabulary past _host.BLOCK: the head's transpose is XLA's host transpose (a transfer).
+    config = transformers.LlamaConfig(vocab_size=160, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1)
     hf = transformers.LlamaForCausalLM(config)
     hf.save_pretrained(tmp_path)

@@ -448,6 +448,11 @@ def test_a_sharded_bfloat16_directory(llama, tmp_path):
         np.testing.assert_array_equal(value.astype(np.float32), expected[name], err_msg=name)
     same = ft.nn.from_hf(llama.config, tmp_path / "model.safetensors.index.json")  # the index, cast to float32
     assert same.model.norm.scale.dtype == jnp.float32
+    # Cast as copied, every leaf a JAX array (bfloat16 is no NumPy "f" kind: the embedding,
+    # head and final norm were NumPy arrays, cast by from_flat_dict).
+    assert all(isinstance(x, jax.Array) and x.dtype == jnp.float32 for x in jax.tree.leaves(same))
+    for name, value in ft.nn.to_hf_state_dict(same, numpy=True).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
 
 
 def test_sharded_checkpoint_errors_name_the_file_and_the_tensor(gpt2, tmp_path):
@@ -582,6 +587,44 @@ def test_from_config_builds_as_one_program_equal_to_op_by_op():
     assert jax.tree.structure(model) == jax.tree.structure(by_op.replace(hf_config=model.hf_config))
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(by_op)):  # measured: 7.5e-9 at most (values ≤ 1)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max())))
+
+
+@pytest.mark.parametrize("family", INIT_CONFIGS)
+def test_the_template_is_the_traced_build_without_the_draws(family):
+    """from_hf's abstract template (the layers' initializers skipped: shapes_only) is the
+    tree jax.eval_shape traces from the build: structure, static fields, shapes, dtypes;
+    for every covered family, in float32 and bfloat16, each attention, BERT with and
+    without its pooler."""
+    from functree.nn._abstract import _SHAPES_ONLY
+
+    config = INIT_CONFIGS[family]()
+    built = _hf.FAMILIES[config.model_type]
+    for dtype, attention, names in [(jnp.float32, "auto", set()), (jnp.bfloat16, "xla", {"pooler.dense.weight"}),
+                                    (jnp.float16, "cudnn", set())]:
+        template = _hf._template(built, config, names, dtype, attention)
+        traced = jax.eval_shape(lambda n=names, d=dtype, a=attention: built.build(config, n, d, jax.random.key(0), a))
+        assert jax.tree.structure(template) == jax.tree.structure(traced)  # static fields included
+        assert [(x.shape, x.dtype) for x in jax.tree.leaves(template)] == \
+            [(x.shape, x.dtype) for x in jax.tree.leaves(traced)]
+        assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(template))
+    assert _SHAPES_ONLY.get() is False  # left as found
+
+
+def test_the_template_draws_nothing(monkeypatch):
+    """Building the template calls no initializer (what it saves: 3/4 of the tracing)."""
+    from functree.nn import _linear
+
+    def refused(key, shape, dtype):
+        raise AssertionError("an initializer ran")
+
+    monkeypatch.setattr(_linear.Dense.__init__.__wrapped__, "__kwdefaults__",
+                        {**_linear.Dense.__init__.__wrapped__.__kwdefaults__, "weight_initializer": refused})
+    config = INIT_CONFIGS["llama"]()
+    family = _hf.FAMILIES["llama"]
+    with pytest.raises(AssertionError, match="an initializer ran"):
+        jax.eval_shape(lambda: family.build(config, set(), jnp.float32, jax.random.key(0), "auto"))
+    template = _hf._template(family, config, set(), jnp.float32, "auto")
+    assert template.lm_head.weight.shape == (config.hidden_size, config.vocab_size)
 
 
 # ---- partial rotary as each family's HF class applies it -----------------------------------------

@@ -684,3 +684,28 @@ def test_an_eval_shape_template_missing_a_member_keeps_it_abstract_and_reports_i
     loaded, report = ft.nn.load_torch_state_dict(jax.eval_shape(make), sd, strict=False)
     assert report.missing == ("h.1.weight",)
     assert isinstance(loaded["h"].layers.weight, jax.ShapeDtypeStruct) and isinstance(loaded["h"].layers.bias, jax.Array)
+
+
+def test_a_bfloat16_state_dict_into_a_float32_eval_shape_template_is_cast_as_copied():
+    """Every leaf a JAX array of the template's dtype, its value the bfloat16 one's (bfloat16
+    is no NumPy "f" kind: the leaves outside a Stack were NumPy arrays, cast afterwards)."""
+    make = lambda: {"e": ft.nn.Embedding(5, 4, key=K[0]), "h": ft.nn.Stack(  # noqa: E731
+        lambda k: ft.nn.Dense(4, 4, key=k), 2, key=K[1]), "n": ft.nn.RMSNorm(4)}
+    sd = {k: v.astype(jnp.bfloat16) for k, v in ft.nn.torch_state_dict(filled(make), numpy=True).items()}
+    loaded = ft.nn.load_torch_state_dict(jax.eval_shape(make), sd)
+    for leaf in jax.tree.leaves(loaded):
+        assert isinstance(leaf, jax.Array) and leaf.dtype == jnp.float32
+    back = ft.nn.torch_state_dict(loaded, numpy=True)
+    for name, value in sd.items():
+        np.testing.assert_array_equal(back[name], value.astype(np.float32), err_msg=name)
+
+
+def test_a_member_of_the_wrong_dtype_is_reported_and_its_slice_is_zeros_never_garbage():
+    make = lambda: {"h": ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, key=k), 2, key=K[0])}  # noqa: E731
+    sd = ft.nn.torch_state_dict(filled(make), numpy=True)
+    sd["h.1.weight"] = np.ones((3, 3), np.int32)
+    loaded, report = ft.nn.load_torch_state_dict(jax.eval_shape(make), sd, strict=False)
+    assert report.mismatched == (("h.1.weight", "dtype float32", "dtype int32"),)
+    weight = np.asarray(loaded["h"].layers.weight)
+    np.testing.assert_array_equal(weight[0], sd["h.0.weight"].T)
+    np.testing.assert_array_equal(weight[1], np.zeros((3, 3)))

@@ -31,6 +31,7 @@ from functree.hf._config import hf_config_of
 from functree.hf._family import COVERED, FAMILIES, Family, family_of
 from functree.hf._files import read_config, read_weights
 from functree.interop._torch import as_tensors, load_torch_state_dict, torch_state_dict
+from functree.nn._abstract import shapes_only
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
 
@@ -177,6 +178,14 @@ def _from_config(family: Family, config: Any, dtype: Any, key: jax.Array, attent
     return unchecked_jit(build, static_leaves=True)(key)
 
 
+def _template(family: Family, config: Any, names: set[str], dtype: Any, attention: str) -> Any:
+    """The model ``family`` builds from ``config``, its leaves ``jax.ShapeDtypeStruct``s: its
+    construction traced (``jax.eval_shape``), the initializers' draws skipped
+    (:func:`functree.nn._abstract.shapes_only`: a quarter of the tracing), nothing compiled."""
+    with shapes_only():
+        return jax.eval_shape(lambda: family.build(config, names, dtype, jax.random.key(0), attention))
+
+
 def _check_dtype(dtype: Any) -> None:
     """A floating dtype, or :data:`BAD_DTYPE` at the call (not deep inside the initialization)."""
     try:
@@ -273,7 +282,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
         return _from_config(family, config, dtype, key, attention).replace(hf_config=carried)
     weights = _normalized(model_type, read_weights(weights))
-    template = jax.eval_shape(lambda: family.build(config, set(weights), dtype, jax.random.key(0), attention))
+    template = _template(family, config, set(weights), dtype, attention)
     weights = _untie(family, template, weights)
     cls = type(template)
     model = load_torch_state_dict(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts)

@@ -58,7 +58,7 @@ from functree._naming import fill_stars, matches, rename_pattern
 from functree._stacked import is_stacked
 from functree._state_dict import FlatDictReport, from_flat_dict, to_flat_dict, to_numpy
 from functree._tree import dotted_name, join_names
-from functree.interop._host import copied, copy_into
+from functree.interop._host import copied, copy_all, empty
 from functree.interop._safetensors import load_checkpoint
 from functree.nn._attention import MultiheadAttention
 from functree.nn._conv import Conv, ConvTranspose
@@ -684,32 +684,51 @@ def _torch_names(plan: _Plan, ft: str) -> list[str]:
 def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str, Any]
             ) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
     """The stored leaves (``to_flat_dict`` names) with the given values put in: a Stack
-    member's value into its slice of the stacked leaf."""
+    member's value into its slice of the stacked leaf. Each leaf is a fresh aligned host
+    array (:mod:`functree.interop._host`), written by one parallel pass over the files'
+    bytes (cast as it is copied) and put on the device as it is (a CPU aliases it)."""
     members: dict[str, list[tuple[tuple[int, ...], np.ndarray, str]]] = {}
     for name, leaf in plan.leaves.items():
         if leaf.stored is not None and name in values:
             members.setdefault(leaf.stored, []).append((leaf.index, values[name], name))
     flat: dict[str, Any] = {}
+    filled: dict[str, np.ndarray] = {}
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
     wrong: list[tuple[str, str, str]] = []
     for stored, items in members.items():
         old = template[stored]
         if items[0][0] == ():
-            flat[stored] = _as_leaf(old, items[0][1])
+            value = items[0][1]
+            if _castable(old, value.dtype):
+                array = empty(value.shape, old.dtype)
+                copies.append((array, value))
+                (flat if isinstance(old, np.ndarray) else filled)[stored] = array  # a NumPy leaf stays NumPy
+            else:
+                flat[stored] = value  # left to from_flat_dict, which reports it
             continue
-        if isinstance(old, jax.ShapeDtypeStruct):  # an abstract template (jax.eval_shape): filled whole or kept
-            if len({index for index, _, _ in items}) < int(np.prod(old.shape[:len(items[0][0])])):
-                continue  # some members not given: reported missing, the leaf stays abstract
-            array = np.zeros(old.shape, old.dtype)
-        else:
-            array = np.array(old)
-        floating = jnp.issubdtype(array.dtype, jnp.floating)
+        abstract = isinstance(old, jax.ShapeDtypeStruct)  # a template of jax.eval_shape: filled whole or kept
+        if abstract and len({index for index, _, _ in items}) < int(np.prod(old.shape[:len(items[0][0])])):
+            continue  # some members not given: reported missing, the leaf stays abstract
+        array = empty(old.shape, old.dtype) if abstract else copied(np.asarray(old), old.dtype)
         for index, value, name in items:
-            if value.dtype == array.dtype or (floating and jnp.issubdtype(value.dtype, jnp.floating)):
-                copy_into(array[index], value)  # cast as it is copied: one pass over the file's bytes
+            if _castable(array, value.dtype):
+                copies.append((array[index], value))
             else:
                 wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}"))
-        flat[stored] = jax.device_put(array, may_alias=True)  # ours alone; jnp.asarray would compile per shape
+                if abstract:
+                    array[index] = 0  # reported; never uninitialized memory
+        filled[stored] = array
+    copy_all(copies)
+    for stored, array in filled.items():  # aligned: the device's own buffer on a CPU, no second copy
+        flat[stored] = jax.device_put(array, may_alias=True)  # (jnp.asarray would compile per shape)
     return flat, wrong
+
+
+def _castable(old: Any, dtype: Any) -> bool:
+    """A value of ``dtype`` goes into the model leaf ``old`` (an array or a template's
+    ``ShapeDtypeStruct``): its dtype, or both floating (bfloat16 too: cast as copied)."""
+    return isinstance(old, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) and (dtype == old.dtype or bool(
+        jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(old.dtype, jnp.floating)))
 
 
 def _check_ties(plan: _Plan, loaded: _Plan, values: Mapping[str, np.ndarray]) -> None:
@@ -732,16 +751,6 @@ def _check_ties(plan: _Plan, loaded: _Plan, values: Mapping[str, np.ndarray]) ->
 
 def _eps(a: np.ndarray) -> float:
     return float(jnp.finfo(a.dtype).eps) if jnp.issubdtype(a.dtype, jnp.floating) else 0.0
-
-
-def _as_leaf(old: Any, value: np.ndarray) -> Any:
-    """A converted value as a JAX array of the model leaf's dtype, where it is the value's or
-    both are floating (else left to check): a fresh copy, never a view of a file's memory map
-    (a CPU device aliases what it is given)."""
-    if isinstance(old, (jax.Array, jax.ShapeDtypeStruct)) and (value.dtype == old.dtype or (
-            value.dtype.kind == "f" and jnp.issubdtype(old.dtype, jnp.floating))):
-        return jax.device_put(copied(value, old.dtype), may_alias=True)
-    return value
 
 
 def torch_state_dict(

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from functree.nn._abstract import initialized
 from functree.nn._check import check_input
 from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
@@ -41,7 +42,7 @@ class Embedding(Layer):
         dtype: Any = jnp.float32,
         initializer: Initializer = _standard_normal,
     ):
-        self.embeddings = initializer(key, (vocabulary_size, embedding_size), dtype)
+        self.embeddings = initialized(initializer, key, (vocabulary_size, embedding_size), dtype)
 
     def __call__(self, indices: jax.Array) -> jax.Array:
         check_input(self, indices, (), kind="int")

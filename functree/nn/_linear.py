@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from functree._activations import identity
 from functree._module import field
+from functree.nn._abstract import initialized
 from functree.nn._check import check_input
 from functree.nn._mode import Layer
 
@@ -50,9 +51,9 @@ class Dense(Layer):
         weight_initializer: Initializer = glorot_uniform,
         bias_initializer: Initializer = jax.nn.initializers.zeros,
     ):
-        self.weight = weight_initializer(key, (input_size, output_size), dtype)
+        self.weight = initialized(weight_initializer, key, (input_size, output_size), dtype)
         bias_key = jax.random.fold_in(key, 1)
-        self.bias = bias_initializer(bias_key, (output_size,), dtype) if use_bias else None
+        self.bias = initialized(bias_initializer, bias_key, (output_size,), dtype) if use_bias else None
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:

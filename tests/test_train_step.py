@@ -131,6 +131,40 @@ def test_skip_non_finite_steps_and_name_the_parameter():
     assert int(metrics["nonfinite"]) == -1 and int(ft.optim.context(new_state).step) == 1
 
 
+def _gradient_is(model, grads):
+    """A loss whose gradient with respect to ``model`` is ``grads["g"]`` (the batch), and
+    whose value is ``grads["loss"]`` (0 · g elsewhere: finite for a huge finite g)."""
+    return sum(jnp.sum((w - jax.lax.stop_gradient(w)) * g.astype(w.dtype)).astype(jnp.float32) for w, g in
+               zip(jax.tree.leaves(model), jax.tree.leaves(grads["g"]))) + grads["loss"]
+
+
+GATE_MODEL = {"a": jnp.ones(3), "b": jnp.ones((2, 2), jnp.bfloat16), "c": jnp.ones((4, 5))}
+
+
+@pytest.mark.parametrize("leaf, value, expected", [
+    (None, 0.0, -1),
+    ("a", jnp.nan, 0), ("b", jnp.inf, 1), ("c", -jnp.inf, 2), ("b", jnp.nan, 1),
+    ("a", 3e38, -1), ("c", -3e38, -1),  # finite, though its square (a norm) overflows
+    ("loss", jnp.inf, -2), ("loss", jnp.nan, -2),
+])
+def test_the_gate_names_the_first_gradient_that_is_not_finite(leaf, value, expected):
+    """``metrics["nonfinite"]``: -1 (applied), the flatten-order index of the first
+    gradient with a NaN or an infinity, -2 for the loss alone; a huge finite gradient (one
+    element or all) is finite."""
+    grads = {"g": jax.tree.map(lambda w: jnp.full(w.shape, 0.5, jnp.float32), GATE_MODEL), "loss": jnp.float32(0)}
+    if leaf == "loss":
+        grads["loss"] = jnp.float32(value)
+    elif leaf is not None:
+        grads["g"][leaf] = grads["g"][leaf].at[(1,) * grads["g"][leaf].ndim].set(value)
+        if leaf == "c":
+            grads["g"]["a"] = jnp.full(3, 3e38, jnp.float32)  # every element huge, still finite
+    opt = ft.optim.Optimizer(ft.optim.sgd(1e-40))
+    step = ft.train.train_step(_gradient_is, opt, on_nan="skip", donate=False)
+    _, state, metrics = step(GATE_MODEL, opt.init(GATE_MODEL), grads)
+    assert int(metrics["nonfinite"]) == expected
+    assert int(ft.optim.context(state).step) == (expected == -1)
+
+
 def test_overriding_compute_loss():
     class L2Step(TrainStep):
         def compute_loss(self, model, batch, key=None):

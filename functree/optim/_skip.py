@@ -58,10 +58,22 @@ def check_on_nan(on_nan: Any) -> str:
     return on_nan
 
 
+def _leaf_finite(x: Any) -> jax.Array:
+    """``all(isfinite(x))`` as ``isfinite(sum(x - x))``: ``x - x`` is +0 for a finite
+    element and NaN for ±inf or NaN, so the sum (of zeros and NaNs: it cannot overflow) is
+    NaN exactly when an element is not finite. XLA compiles that float sum into one
+    reduction per leaf; ``all(isfinite(x))`` wrote a boolean array the size of the
+    gradient and tree-reduced it (four kernels per leaf, 0.59 s against 0.15 s of compile
+    for the 12 gradients of benchmarks/_lm.py's tiny Llama, and slower to run)."""
+    if jnp.ndim(x) == 0 or not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.all(jnp.isfinite(x))
+    return jnp.isfinite(jnp.sum(x - x))
+
+
 def _finiteness(loss: Any, grads: Any) -> tuple[jax.Array, jax.Array]:
-    """``(index, loss_ok)`` from one reduction: per-leaf ``all(isfinite)`` stacked, then argmin."""
+    """``(index, loss_ok)`` from one reduction: per-leaf finiteness stacked, then argmin."""
     leaves = jax.tree.leaves(grads)
-    ok = jnp.stack([jnp.all(jnp.isfinite(x)) for x in (*leaves, loss)])
+    ok = jnp.stack([_leaf_finite(x) for x in (*leaves, loss)])
     first = jnp.argmin(ok)  # the first False; 0 when all are True
     index = jnp.where(ok[first], -1, jnp.where(first == len(leaves), -2, first)).astype(jnp.int32)
     return index, ok[len(leaves)]

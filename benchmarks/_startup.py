@@ -77,8 +77,7 @@ def _timed_steps(events: dict[str, float]) -> None:
     wrap(_torch, "_plan", "  plan (names, layouts)")
     wrap(_torch, "_converted", "  convert to ft's layouts")
     wrap(_torch, "_stored", "  read the files + copy to the device")
-    wrap(_torch, "copy_into", "    copy into a stacked leaf (host)")
-    wrap(_torch, "copied", "    copy into a leaf of its own (host)")
+    wrap(_torch, "copy_all", "    the host copies (files -> the parameters' layouts)")
 
 
 def probe(which: str, directory: str) -> dict[str, Any]:

@@ -2,17 +2,22 @@
 and dtype, into memory of its own (never a view of the file's memory map).
 
 A torch ``Linear`` weight is ``[out, in]`` and a ``Dense`` weight ``[in, out]``, so most
-bytes of a checkpoint are copied through a transpose. NumPy copies a transposed view element
-by element across the whole source, a cache miss per element on large matrices; copying it
-in blocks of :data:`BLOCK` columns keeps each block's source rows in cache (twice as fast on
-a 32000 x 512 bfloat16 embedding, and on 2048 x 2048 float32: benchmarks/_startup.py).
+bytes of a checkpoint are copied through a transpose. Where the dtype stays, XLA's host
+transpose does it (:func:`transposed`: a strided ``jax.device_put`` to the CPU device, no
+program compiled; on a 2-core CPU 1.5 to 4 times NumPy's blocks on 4096 x 4096 and
+11008 x 4096 bfloat16). A cast one goes through NumPy: a transposed view copied element by
+element across the whole source misses the cache on every element of a large matrix;
+copying it in blocks of :data:`BLOCK` columns keeps each block's source rows in cache (twice
+as fast on a 32000 x 512 bfloat16 embedding, and on 2048 x 2048 float32).
 
 Each copy lands in memory aligned to :data:`ALIGNMENT` bytes, which XLA's CPU client takes as
 the device buffer itself (``jax.device_put(a, may_alias=True)``); NumPy's own allocations are
 16-byte aligned, which it copies again (40 ms for a 32000 x 512 bfloat16 matrix on a 2-core
 CPU): one copy per tensor instead of two. :func:`copy_all` runs a load's copies on the host's
-cores, cut into pieces of about :data:`PIECE` bytes (NumPy releases the GIL while it copies:
-a 32000 x 512 bfloat16 transpose takes 20 ms on one core of a 2-core CPU, 10 ms on two).
+cores, cut into pieces of about :data:`PIECE` bytes (NumPy and the transfers release the GIL:
+a 32000 x 512 bfloat16 transpose in NumPy's blocks takes 20 ms on one core of an idle 2-core
+CPU, 10 ms on two; four 4096 x 4096 host transposes 142 ms, 89 ms). Measured by
+benchmarks/_startup.py's split and by hand.
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ def transposed(value: np.ndarray) -> np.ndarray:
     """A transposed 2-D view's values in C order, in memory of XLA's CPU client: read-only.
 
     ``jax.device_put`` of a strided host array transposes it in XLA's blocked, vectorized
-    copy (a 4096 x 4096 bfloat16 matrix: 14 ms, NumPy's blocked copy 124 ms). No program
+    copy (a 4096 x 4096 bfloat16 matrix: 29 ms, NumPy's blocks 53 ms, on a 2-core CPU). No program
     is compiled; the view is not aliased (a strided layout cannot be).
     """
     return np.asarray(jax.device_put(value, _cpu()))

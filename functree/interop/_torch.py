@@ -683,16 +683,15 @@ def _torch_names(plan: _Plan, ft: str) -> list[str]:
 
 def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str, Any]
             ) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
-    """The stored leaves (``to_flat_dict`` names) with the given values put in: a Stack
-    member's value into its slice of the stacked leaf. Each leaf is a fresh aligned host
-    array (:mod:`functree.interop._host`), written by one parallel pass over the files'
-    bytes (cast as it is copied) and put on the device as it is (a CPU aliases it)."""
+    """The stored leaves (``to_flat_dict`` names) with the given values put in (a Stack member's
+    into its slice): fresh aligned host arrays (:mod:`functree.interop._host`) written by one
+    parallel pass over the files' bytes, cast as copied, put on the device as they are."""
     members: dict[str, list[tuple[tuple[int, ...], np.ndarray, str]]] = {}
     for name, leaf in plan.leaves.items():
         if leaf.stored is not None and name in values:
             members.setdefault(leaf.stored, []).append((leaf.index, values[name], name))
     flat: dict[str, Any] = {}
-    filled: dict[str, np.ndarray] = {}
+    filled: dict[str, np.ndarray] = {}  # ours: put on the device after the copies
     copies: list[tuple[np.ndarray, np.ndarray]] = []
     wrong: list[tuple[str, str, str]] = []
     for stored, items in members.items():
@@ -718,15 +717,13 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
                 if abstract:
                     array[index] = 0  # reported; never uninitialized memory
         filled[stored] = array
-    copy_all(copies)
-    for stored, array in filled.items():  # aligned: the device's own buffer on a CPU, no second copy
-        flat[stored] = jax.device_put(array, may_alias=True)  # (jnp.asarray would compile per shape)
+    copy_all(copies)  # then each on the device as it is: aligned, a CPU's own buffer (jnp.asarray: a compile per shape)
+    flat.update((stored, jax.device_put(array, may_alias=True)) for stored, array in filled.items())
     return flat, wrong
 
 
 def _castable(old: Any, dtype: Any) -> bool:
-    """A value of ``dtype`` goes into the model leaf ``old`` (an array or a template's
-    ``ShapeDtypeStruct``): its dtype, or both floating (bfloat16 too: cast as copied)."""
+    """A value of ``dtype`` goes into the leaf ``old``: its dtype, or both floating (bfloat16 too)."""
     return isinstance(old, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) and (dtype == old.dtype or bool(
         jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(old.dtype, jnp.floating)))
 

@@ -67,7 +67,7 @@ def read_by_builders(config):
     family = _hf.FAMILIES[config.model_type]
 
     def build():
-        model = family.build(recorded, {"pooler.dense.weight"}, jnp.float32, jax.random.key(0), "xla")
+        model = family.from_config(recorded, {"pooler.dense.weight"}, jnp.float32, jax.random.key(0), "xla")
         return _hf._hf_initialized(family, model, recorded, jax.random.key(1))
 
     try:

@@ -364,12 +364,12 @@ def test_a_llama_like_family_is_one_subclass(llama_variant):
 
 
 def test_every_family_is_its_class():
-    """FAMILIES is read from the classes (a class's name is its HF class's), in the order defined."""
+    """FAMILIES maps each model type to its class (a class's name is its HF class's), in the order defined."""
     assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3", "gpt_neox", "opt", "bert"]
     for model_type, family in _hf.FAMILIES.items():
-        assert family.model.model_type == model_type and family.hf_class == family.model.__name__
-        assert family.build == family.model.from_config and family.names == family.model.hf_names
-    assert _hf.FAMILIES["qwen2"].head == _hf.FAMILIES["llama"].head == ("lm_head.weight", "model.embed_tokens.weight")
+        assert issubclass(family, _hf_family.HFModel) and family.__module__ == "functree.nn._hf_models"
+        assert family.model_type == model_type and family.hf_class == family.__name__
+    assert _hf.FAMILIES["qwen2"].hf_head == _hf.FAMILIES["llama"].hf_head == ("lm_head.weight", "model.embed_tokens.weight")
     assert issubclass(_hf_models.Qwen2ForCausalLM, _hf_models.LlamaForCausalLM)
 
 
@@ -378,7 +378,7 @@ def test_a_model_type_taken_by_another_class_is_refused():
         class MyLlama(_hf_models.LlamaForCausalLM):
             model_type = "llama"
     assert 'model_type = "my_llama"' in str(e.value)
-    assert _hf.FAMILIES["llama"].model is _hf_models.LlamaForCausalLM
+    assert _hf.FAMILIES["llama"] is _hf_models.LlamaForCausalLM
 
 
 def test_checkpoints_and_pickles_written_before_the_split_restore():
@@ -581,7 +581,7 @@ def test_from_config_builds_as_one_program_equal_to_op_by_op():
         jax.block_until_ready(model)
     assert names == ["jit(build)"]
     family = _hf.FAMILIES["llama"]
-    by_op = _hf._hf_initialized(family, family.build(config, {"pooler.dense.weight"}, jnp.float32,
+    by_op = _hf._hf_initialized(family, family.from_config(config, {"pooler.dense.weight"}, jnp.float32,
                                                      jax.random.fold_in(key, 1), "auto"), config, key)
     assert model.hf_config["hidden_size"] == config.hidden_size  # the config carried
     assert jax.tree.structure(model) == jax.tree.structure(by_op.replace(hf_config=model.hf_config))
@@ -602,7 +602,7 @@ def test_the_template_is_the_traced_build_without_the_draws(family):
     for dtype, attention, names in [(jnp.float32, "auto", set()), (jnp.bfloat16, "xla", {"pooler.dense.weight"}),
                                     (jnp.float16, "cudnn", set())]:
         template = _hf._template(built, config, names, dtype, attention)
-        traced = jax.eval_shape(lambda n=names, d=dtype, a=attention: built.build(config, n, d, jax.random.key(0), a))
+        traced = jax.eval_shape(lambda n=names, d=dtype, a=attention: built.from_config(config, n, d, jax.random.key(0), a))
         assert jax.tree.structure(template) == jax.tree.structure(traced)  # static fields included
         assert [(x.shape, x.dtype) for x in jax.tree.leaves(template)] == \
             [(x.shape, x.dtype) for x in jax.tree.leaves(traced)]
@@ -622,7 +622,7 @@ def test_the_template_draws_nothing(monkeypatch):
     config = INIT_CONFIGS["llama"]()
     family = _hf.FAMILIES["llama"]
     with pytest.raises(AssertionError, match="an initializer ran"):
-        jax.eval_shape(lambda: family.build(config, set(), jnp.float32, jax.random.key(0), "auto"))
+        jax.eval_shape(lambda: family.from_config(config, set(), jnp.float32, jax.random.key(0), "auto"))
     template = _hf._template(family, config, set(), jnp.float32, "auto")
     assert template.lm_head.weight.shape == (config.hidden_size, config.vocab_size)
 

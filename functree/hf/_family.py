@@ -17,20 +17,19 @@ builds with ``padding_idx`` (``hf_padded``), the layers HF initializes scaled by
         def hf_options(cls, config):
             return {"attention_bias": True, "output_bias": False, "window": window(config, layer_types=True)}
 
-:data:`FAMILIES` (model type -> :class:`Family`) and :data:`COVERED` (model type -> HF
-class name) are read from the registered classes, so every reader (``from_hf``,
+:data:`FAMILIES` (model type -> its class) and :data:`COVERED` (model type -> HF class
+name) are the registered classes themselves, so every reader (``from_hf``,
 ``to_hf_state_dict``, ``save_hf``, LoRA's names) sees a new family at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from functree._module import Module
 
-__all__ = ["Family", "FAMILIES", "COVERED", "HFModel", "family_of"]
+__all__ = ["FAMILIES", "COVERED", "HFModel", "family_of"]
 
 FAMILY_TAKEN = """\
 {new}: model_type {model_type!r} is already covered by {old}; a model type is one family \
@@ -42,26 +41,8 @@ FAMILY_TAKEN = """\
 """
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One model type ``from_hf`` covers, as its class declares it: the HF class it equals,
-    the functree class, the builder reading the config ``(config, weight names, dtype, key,
-    attention) -> model``, a tied head's ``(head, embedding)`` weight names, the older
-    checkpoint names HF's loader reads (a function of the weights dict), the embedding HF
-    builds with ``padding_idx=pad_token_id`` and the layers it initializes at
-    ``std / sqrt(2 * n_layer)`` (key-path patterns)."""
-
-    hf_class: str
-    model: type
-    build: Callable[..., Any]
-    head: tuple[str, str] | None = None
-    names: Callable[[dict[str, Any]], dict[str, Any]] = lambda weights: weights
-    padded: str | None = None
-    residual: tuple[str, ...] = ()
-
-
-# model type -> Family, filled by HFModel subclasses that declare a model_type (in the order defined).
-FAMILIES: dict[str, Family] = {}
+# model type -> its class, filled by HFModel subclasses that declare a model_type (in the order defined).
+FAMILIES: dict[str, type[HFModel]] = {}
 
 
 class _Covered(Mapping[str, str]):
@@ -83,10 +64,10 @@ class _Covered(Mapping[str, str]):
 COVERED: Mapping[str, str] = _Covered()
 
 
-def family_of(model: Any) -> Family | None:
+def family_of(model: Any) -> type[HFModel] | None:
     """The family whose class ``model`` is (exactly: a subclass is a family of its own), or None."""
     family = FAMILIES.get(getattr(type(model), "model_type", None) or "")
-    return family if family is not None and type(model) is family.model else None
+    return family if family is not None and type(model) is family else None
 
 
 class HFModel(Module):
@@ -96,11 +77,11 @@ class HFModel(Module):
 
     Example:
       >>> from functree.hf._family import COVERED, FAMILIES
-      >>> qwen2 = FAMILIES["qwen2"].model
+      >>> qwen2 = FAMILIES["qwen2"]                      # the family is the class
       >>> qwen2.__name__, qwen2.__mro__[1].__name__, qwen2.model_type, COVERED["qwen2"]
       ('Qwen2ForCausalLM', 'LlamaForCausalLM', 'qwen2', 'Qwen2ForCausalLM')
-      >>> FAMILIES["qwen2"].head == qwen2.hf_head == ("lm_head.weight", "model.embed_tokens.weight")
-      True
+      >>> qwen2.hf_head                                  # inherited from LlamaForCausalLM
+      ('lm_head.weight', 'model.embed_tokens.weight')
     """
 
     model_type: ClassVar[str | None] = None  # the config's model_type this class covers (None: a base)
@@ -134,9 +115,8 @@ def _register(cls: type[HFModel]) -> None:
     model_type = cls.model_type
     assert model_type is not None
     old = FAMILIES.get(model_type)
-    if old is not None and old.model.__qualname__ != cls.__qualname__:
+    if old is not None and old.__qualname__ != cls.__qualname__:
         base = cls.__mro__[1].__name__
-        raise TypeError(FAMILY_TAKEN.format(new=cls.__name__, model_type=model_type, old=old.model.__name__,
+        raise TypeError(FAMILY_TAKEN.format(new=cls.__name__, model_type=model_type, old=old.__name__,
                                             short=cls.__name__, base=base))
-    FAMILIES[model_type] = Family(cls.hf_class, cls, cls.from_config, cls.hf_head, cls.hf_names, cls.hf_padded,
-                                  cls.hf_residual)
+    FAMILIES[model_type] = cls

@@ -1,12 +1,12 @@
 """Hugging Face language models in one call: :func:`from_hf` and :func:`to_hf_state_dict`.
 
 ``from_hf`` reads an HF config (``model_type`` and sizes), picks the model type's
-:class:`Family` in :data:`FAMILIES`, builds its model of :mod:`functree.hf._models` as an
+class in :data:`FAMILIES`, builds its model of :mod:`functree.hf._models` as an
 abstract template (``jax.eval_shape``: no random init) and fills it from the weights through
 :func:`ft.nn.load_torch_state_dict` with the model class's ``rename=`` and ``layouts=``.
 A family is one class (:mod:`functree.hf._family`): its HF class, its builder reading the
 config, its tied head's names and the older checkpoint names HF's loader renames are class
-variables and class methods of the model class; :data:`FAMILIES` is read from them. ``transformers``
+variables and class methods of the model class; :data:`FAMILIES` maps each model type to it. ``transformers``
 is never imported (a ``config.json``, as a dict or a directory's, is read by
 :mod:`functree.hf._files` with HF's defaults); torch only where the weights are torch tensors.
 """
@@ -28,14 +28,14 @@ from functree._state_dict import to_numpy
 from functree._tree import dotted_name
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
 from functree.hf._config import hf_config_of
-from functree.hf._family import COVERED, FAMILIES, Family, family_of
+from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
 from functree.hf._files import read_config, read_weights
 from functree.interop._torch import as_tensors, load_torch_state_dict, torch_state_dict
 from functree.nn._abstract import shapes_only
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
 
-__all__ = ["from_hf", "to_hf_state_dict", "FAMILIES", "COVERED", "Family"]
+__all__ = ["from_hf", "to_hf_state_dict", "FAMILIES", "COVERED"]
 
 UNCOVERED_ARCHITECTURE = """\
 ft.nn.from_hf: {given} is not covered; covered: {covered}.
@@ -98,7 +98,7 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 def _normalized(model_type: str, weights: Mapping[str, Any]) -> dict[str, Any]:
     """Checkpoint names as the covered class's ``state_dict`` has them, as HF's loader reads
     older files (each family's ``names``)."""
-    return FAMILIES[model_type].names(dict(weights))
+    return FAMILIES[model_type].hf_names(dict(weights))
 
 
 def _array(x: Any) -> np.ndarray:
@@ -106,12 +106,12 @@ def _array(x: Any) -> np.ndarray:
     return np.asarray(x) if converted is None else converted
 
 
-def tied_head(family: Family, model: Any) -> tuple[str, str] | None:
+def tied_head(family: type[HFModel], model: Any) -> tuple[str, str] | None:
     """A tied model's ``(head, embedding)`` weight names (it has no ``lm_head`` of its own), else None."""
-    return family.head if getattr(model, "lm_head", True) is None else None
+    return family.hf_head if getattr(model, "lm_head", True) is None else None
 
 
-def _untie(family: Family, model: Any, weights: Mapping[str, Any]) -> dict[str, Any]:
+def _untie(family: type[HFModel], model: Any, weights: Mapping[str, Any]) -> dict[str, Any]:
     """The weights without a tied head's copy of the embedding (checked equal to it)."""
     weights = dict(weights)
     tied = tied_head(family, model)
@@ -129,7 +129,7 @@ def _untie(family: Family, model: Any, weights: Mapping[str, Any]) -> dict[str, 
     return weights
 
 
-def _hf_initialized(family: Family, model: Any, config: Any, key: jax.Array) -> Any:
+def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Array) -> Any:
     """``model`` with Hugging Face's initialization (its ``_init_weights``), as
     ``family.hf_class(config)`` starts training from scratch: every weight matrix (linear,
     Conv1D, embedding) ``normal(0, initializer_range)`` (OPT: ``init_std``), the family's
@@ -141,7 +141,7 @@ def _hf_initialized(family: Family, model: Any, config: Any, key: jax.Array) -> 
     std = next((float(v) for v in (getattr(config, "initializer_range", None), getattr(config, "init_std", None))
                 if v is not None), 0.02)
     pad = getattr(config, "pad_token_id", None)
-    padded = None if family.padded is None else family.padded.removesuffix(".weight")  # HF's names are kept
+    padded = None if family.hf_padded is None else family.hf_padded.removesuffix(".weight")  # HF's names are kept
 
     def normal(i: int, like: jax.Array, scale: float) -> jax.Array:
         return (scale * jax.random.normal(jax.random.fold_in(key, i), like.shape, jnp.float32)).astype(like.dtype)
@@ -154,7 +154,7 @@ def _hf_initialized(family: Family, model: Any, config: Any, key: jax.Array) -> 
                 table = table.at[pad].set(0)
             return node.replace(embeddings=table)
         if isinstance(node, Dense):
-            residual = any(matches(name, pattern) for pattern in family.residual)
+            residual = any(matches(name, pattern) for pattern in family.hf_residual)
             scale = std / math.sqrt(2 * config.num_hidden_layers) if residual else std
             bias = None if node.bias is None else jnp.zeros_like(node.bias)
             return node.replace(weight=normal(i, node.weight, scale), bias=bias)
@@ -164,7 +164,7 @@ def _hf_initialized(family: Family, model: Any, config: Any, key: jax.Array) -> 
     return treedef.unflatten([fresh(i, path, node) for i, (path, node) in enumerate(nodes)])
 
 
-def _from_config(family: Family, config: Any, dtype: Any, key: jax.Array, attention: str) -> Any:
+def _from_config(family: type[HFModel], config: Any, dtype: Any, key: jax.Array, attention: str) -> Any:
     """The model built and initialized as HF does (:func:`_hf_initialized`), as one
     compiled program: run op by op, each operation compiled on its own (47 programs for a
     2-layer Llama, each a GPU compile) and every layer's default initialization drawn
@@ -172,18 +172,18 @@ def _from_config(family: Family, config: Any, dtype: Any, key: jax.Array, attent
     as one program). Leaves that are not arrays stay Python values (``static_leaves``)."""
 
     def build(key: jax.Array) -> Any:
-        built = family.build(config, {"pooler.dense.weight"}, dtype, jax.random.fold_in(key, 1), attention)
+        built = family.from_config(config, {"pooler.dense.weight"}, dtype, jax.random.fold_in(key, 1), attention)
         return _hf_initialized(family, built, config, key)
 
     return unchecked_jit(build, static_leaves=True)(key)
 
 
-def _template(family: Family, config: Any, names: set[str], dtype: Any, attention: str) -> Any:
+def _template(family: type[HFModel], config: Any, names: set[str], dtype: Any, attention: str) -> Any:
     """The model ``family`` builds from ``config``, its leaves ``jax.ShapeDtypeStruct``s: its
     construction traced (``jax.eval_shape``), the initializers' draws skipped
     (:func:`functree.nn._abstract.shapes_only`: a quarter of the tracing), nothing compiled."""
     with shapes_only():
-        return jax.eval_shape(lambda: family.build(config, names, dtype, jax.random.key(0), attention))
+        return jax.eval_shape(lambda: family.from_config(config, names, dtype, jax.random.key(0), attention))
 
 
 def _check_dtype(dtype: Any) -> None:
@@ -306,7 +306,7 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
     """
     family = family_of(model)
     if family is None:
-        raise ValueError(NOT_A_PORT.format(covered=", ".join(f.model.__name__ for f in FAMILIES.values()),
+        raise ValueError(NOT_A_PORT.format(covered=", ".join(f.__name__ for f in FAMILIES.values()),
                                            given=type(model).__name__))
     out = torch_state_dict(model, rename=model.hf_rename, layouts=model.hf_layouts, numpy=True)
     tied = tied_head(family, model)

@@ -149,8 +149,8 @@ def _converted(marked: Any, torch_too: bool) -> tuple[bool, str | None, dict[str
         converted = to_hf_state_dict(marked, numpy=True)
     except ValueError:  # not a from_hf model: torch's names of the ft.nn layers
         return (False, None, torch_state_dict(marked, numpy=True)) if torch_too else None
-    family = next((f for f in FAMILIES.values() if type(marked) is f.model), None)
-    head = family.head[0].rpartition(".")[0] if family is not None and family.head is not None else None
+    family = next((f for f in FAMILIES.values() if type(marked) is f), None)
+    head = family.hf_head[0].rpartition(".")[0] if family is not None and family.hf_head is not None else None
     return True, head, converted
 
 

@@ -121,7 +121,7 @@ def _shards(weights: dict[str, np.ndarray], limit: int) -> list[dict[str, np.nda
 def _family(model: Any) -> Any:
     family = family_of(model)
     if family is None:
-        raise ValueError(NOT_A_PORT.format(covered=", ".join(f.model.__name__ for f in FAMILIES.values()),
+        raise ValueError(NOT_A_PORT.format(covered=", ".join(f.__name__ for f in FAMILIES.values()),
                                            given=type(model).__name__))
     return family
 

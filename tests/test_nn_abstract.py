@@ -45,3 +45,10 @@ def test_outside_it_the_initializer_runs_and_the_flag_is_reset_after_an_error():
     assert _SHAPES_ONLY.get() is False
     np.testing.assert_array_equal(initialized(init, jax.random.key(0), (2,), jnp.float32), [1.0, 1.0])
     assert calls == [(2,)]
+
+
+def test_a_layer_built_eagerly_inside_shapes_only_is_refused_not_zeroed():
+    """Outside a trace, shapes_only() would make a real model of zeros: an error instead."""
+    with shapes_only(), pytest.raises(RuntimeError, match=r"(?s)built outside a trace.*jax.eval_shape"):
+        ft.nn.Dense(3, 2, key=jax.random.key(0))
+    assert float(jnp.abs(ft.nn.Dense(3, 2, key=jax.random.key(0)).weight).sum()) > 0

@@ -22,6 +22,12 @@ import jax.numpy as jnp
 
 _SHAPES_ONLY = contextvars.ContextVar("functree_shapes_only", default=False)
 
+NOT_TRACED = """\
+shapes_only(): a layer was built outside a trace, so its parameters would be zeros, not drawn \
+by its initializer. Build the template under jax.eval_shape inside shapes_only().
+    wrong:  with shapes_only(): model = build(key)
+    right:  with shapes_only(): template = jax.eval_shape(lambda: build(jax.random.key(0)))"""
+
 
 @contextlib.contextmanager
 def shapes_only() -> Iterator[None]:
@@ -47,5 +53,7 @@ def shapes_only() -> Iterator[None]:
 def initialized(init: Callable[..., jax.Array], key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """``init(key, shape, dtype)``, or zeros of that shape and dtype inside :func:`shapes_only`."""
     if _SHAPES_ONLY.get():
+        if not isinstance(key, jax.core.Tracer):  # eager: zeros would be the model's values
+            raise RuntimeError(NOT_TRACED)
         return jnp.zeros(shape, dtype)
     return init(key, shape, dtype)

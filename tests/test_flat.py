@@ -10,6 +10,7 @@ error that says so.
 from __future__ import annotations
 
 import collections
+import gc
 import inspect
 
 import jax
@@ -286,3 +287,43 @@ def test_a_donating_ft_jit_on_a_method_is_called_with_its_instance():
     np.testing.assert_array_equal(model.w, jnp.full(2, 4.0))
     assert float(total) == 6.0
     assert Weights.step.__name__ == "step" and list(inspect.signature(Weights.step).parameters) == ["self", "x"]
+
+
+def _records_the_collector(seen):
+    def f(w, x):
+        seen.append(gc.isenabled())  # runs while JAX traces
+        if x.ndim == 2:
+            raise ValueError("a trace that fails")
+        return jax.tree.map(lambda v: v + x, w)
+
+    return f
+
+
+@pytest.mark.parametrize("tree_when_mutable", [False, True])
+def test_the_collector_is_off_while_a_first_call_traces_and_on_again_after(tree_when_mutable):
+    # Tracing allocates objects that live on in the jaxpr: the cyclic collector would walk
+    # the heap again and again (see _CollectorPaused). A dict donated with tree_when_mutable
+    # takes jax.jit of the function itself: off there too.
+    assert gc.isenabled()
+    seen = []
+    step = flat_jit(_records_the_collector(seen), donate=(0,), tree_when_mutable=tree_when_mutable)
+    w = {"a": jnp.ones(2)} if tree_when_mutable else jnp.ones(2)
+    w = step(w, jnp.ones(2))
+    for _ in range(2):  # the loop's fast path traces nothing more
+        w = step(w, jnp.ones(2))
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ValueError, match="a trace that fails"):  # new arguments: off the fast path
+        step({"a": jnp.ones(2)} if tree_when_mutable else jnp.ones(2), jnp.ones((1, 2)))
+    assert seen == [False, False] and gc.isenabled()
+
+
+def test_a_collector_the_caller_turned_off_stays_off():
+    seen = []
+    step = flat_jit(_records_the_collector(seen), donate=(0,))
+    gc.disable()
+    try:
+        step(jnp.ones(2), jnp.ones(2))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [False]

@@ -172,8 +172,8 @@ def test_rotary_attention_rebuilds_without_a_template(rotary):
 def _rope_code(spec):
     """The stored code of the first RopeScaling in ``spec`` (a dict to tamper with)."""
     if isinstance(spec, dict):
-        if "rope_scaling" in spec:
-            return spec["rope_scaling"]
+        if "record" in spec:
+            return spec["record"][1]
         found = (_rope_code(v) for v in spec.values())
     elif isinstance(spec, list):
         found = (_rope_code(v) for v in spec)
@@ -195,3 +195,29 @@ def test_a_tampered_rope_scaling_is_refused(change, message):
     _rope_code(spec).update(change)
     with pytest.raises(SpecError, match=message):
         decode(spec, arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """A static configuration record of the user's (a layer's option)."""
+
+    kind: str = "plain"
+    factors: tuple[float, ...] = (1.0,)
+
+
+class WithScaled(ft.Module):
+    w: jax.Array
+    scaled: object = ft.field(static=True, default=Scaled())
+
+
+def test_a_registered_static_record_rebuilds_and_an_unregistered_one_needs_a_template():
+    """The mechanism RopeScaling uses is every registered frozen dataclass's: stored as its
+    fields, rebuilt by its registered class; unregistered, it is named and refused."""
+    tree = WithScaled(jnp.ones(2), Scaled("wide", (2.0, 3.0)))
+    arrays, spec = encode(tree)
+    with pytest.raises(SpecError, match=r"has no registered name"):
+        decode(json.loads(json.dumps(spec)), arrays)
+    ft.train.register(Scaled, "tests.Scaled")
+    arrays, spec = encode(tree)
+    back = decode(json.loads(json.dumps(spec)), arrays)
+    assert back.scaled == Scaled("wide", (2.0, 3.0)) and type(back.scaled) is Scaled

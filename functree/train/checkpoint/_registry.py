@@ -73,7 +73,7 @@ FUNCTREE_TYPES = {
         "AverageState", "SlowState",
         "ContextState",  # format 1's wrapper of plain optax states; ft.optim.upgrade_state reads it
     ),
-    "functree.nn": ("LSTMState",),
+    "functree.nn": ("LSTMState", "RopeScaling"),  # RopeScaling: a static record (_treespec)
     "functree.train": ("DataContext", "StepOutput"),
 }
 

@@ -33,7 +33,6 @@ import numpy as np
 from functree._module import Module, check_static
 from functree._tree import child_name
 from functree.hf._config import HFConfig
-from functree.nn._rotary import RopeScaling
 from functree.train.checkpoint._registry import (
     default_name,
     function_name,
@@ -101,8 +100,9 @@ def _encode_static(value: Any) -> dict[str, Any]:
         return {"dtype": str(value)}
     if isinstance(value, HFConfig):  # a from_hf model's config.json: JSON data, rebuilt as data
         return {"hf_config": [value.to_dict(), value.generation.to_dict()]}
-    if isinstance(value, RopeScaling):  # numbers and a name: rebuilt as data, checked by its own __post_init__
-        return {"rope_scaling": {f.name: _encode_static(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if _is_static_record(value):  # a registered frozen dataclass (ft.nn.RopeScaling): its fields, as data
+        fields = {f.name: _encode_static(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return {"record": [type_name(type(value)), fields]}
     if isinstance(value, type) and issubclass(value, np.generic):
         return {"scalar_type": np.dtype(value).name}
     name = function_name(value)
@@ -141,8 +141,8 @@ def _decode_static(code: Any, path: str) -> Any:
             return HFConfig(value[0], value[1] or None)
         except TypeError as e:
             raise SpecError(MALFORMED.format(path=path, why=str(e).splitlines()[0])) from None
-    if tag == "rope_scaling" and isinstance(value, dict):
-        return _rope_scaling(value, path)
+    if tag == "record" and isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict):
+        return _static_record(value[0], value[1], path)
     if tag == "scalar_type":
         return _safe_dtype(value, path).type
     if tag == "function" and isinstance(value, str):
@@ -157,19 +157,35 @@ def _decode_static(code: Any, path: str) -> Any:
     raise SpecError(MALFORMED.format(path=path, why=f"unknown static encoding {tag!r}"))
 
 
-def _rope_scaling(fields: dict[str, Any], path: str) -> RopeScaling:
-    """A stored :class:`~functree.nn.RopeScaling`: its fields by name, each a JSON scalar or a
-    tuple of numbers (longrope's factors); anything else is refused, never called."""
-    known = {f.name for f in dataclasses.fields(RopeScaling)}
+def _is_static_record(value: Any) -> bool:
+    """A frozen dataclass instance (not a Module) whose class a checkpoint can name and find
+    again: registered (``ft.train.register``, or functree's own in ``FUNCTREE_TYPES``)."""
+    cls = type(value)
+    if not dataclasses.is_dataclass(value) or isinstance(value, type) or issubclass(cls, Module):
+        return False
+    return cls.__dataclass_params__.frozen and cls in lookup_type(type_name(cls))  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _static_record(name: Any, fields: dict[str, Any], path: str) -> Any:
+    """A stored static record: its registered class (never imported) built from its fields by
+    name, each a JSON scalar or a tuple of numbers; anything else is refused, never called.
+    The class's own checks (``__post_init__``) run on the values."""
+    found = [c for c in lookup_type(name) if dataclasses.is_dataclass(c)] if isinstance(name, str) else []
+    if not found:
+        why = f"{str(name)[:200]} is not a registered type"
+        raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
+    cls = found[0]
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
     if not set(fields) <= known:
-        raise SpecError(MALFORMED.format(path=path, why=f"RopeScaling has no field {sorted(set(fields) - known)}"))
-    values = {name: _decode_static(code, path) for name, code in fields.items()}
-    for name, value in values.items():
+        raise SpecError(MALFORMED.format(path=path, why=f"{cls.__name__} has no field {sorted(set(fields) - known)}"))
+    values = {field: _decode_static(code, path) for field, code in fields.items()}
+    for field, value in values.items():
         plain = value is None or isinstance(value, (bool, int, float, str))
         if not plain and not (isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)):
-            raise SpecError(MALFORMED.format(path=path, why=f"RopeScaling.{name} is {value!r}, not a number or a name"))
+            why = f"{cls.__name__}.{field} is {value!r}, not a number or a name"
+            raise SpecError(MALFORMED.format(path=path, why=why))
     try:
-        return RopeScaling(**values)
+        return cls(**values)
     except (TypeError, ValueError) as e:
         raise SpecError(MALFORMED.format(path=path, why=str(e).splitlines()[0])) from None
 

@@ -7,7 +7,9 @@
 # 2. benchmark families lm (MFU, time to first step in fresh processes, both orders),
 #    dispatch (host overhead of train_step on a tiny step) and first_step (issue 47: the
 #    first step's split, functree against raw JAX in fresh processes, both orders) and
-#    startup (issue 47: loading a saved model against from_pretrained, tiny and small).
+#    startup (issue 47: loading a saved model against from_pretrained, tiny and small),
+# 3. host_ops --time (issue 47 item 4: the Python per call, the kernels of each compiled
+#    step, and each step against its program alone and raw JAX's, interleaved).
 # Each part writes its own file under the output folder, so a timeout keeps what finished.
 set -u
 out="${1:-/tmp/device_check}"
@@ -25,6 +27,9 @@ timeout 330 python -m pytest -n 12 --dist loadfile -q \
     --ignore=tests/test_notebooks.py --maxfail=50 > "$out/suite.txt" 2>&1
 echo "suite: exit $?"
 tail -40 "$out/suite.txt"
-timeout 230 python benchmarks/run.py --only lm,dispatch,first_step,startup --quick --out "$out/bench" > "$out/bench.txt" 2>&1
+timeout 215 python benchmarks/run.py --only lm,dispatch,first_step,startup --quick --out "$out/bench" > "$out/bench.txt" 2>&1
 echo "benchmarks: exit $?"
 tail -60 "$out/bench.txt"
+timeout 45 python benchmarks/host_ops.py --time > "$out/host_ops.txt" 2>&1
+echo "host_ops: exit $?"
+cat "$out/host_ops.txt"

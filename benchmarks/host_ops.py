@@ -7,7 +7,9 @@ For the dispatch family's step (MLP 8-16-16-1, batch 4, Adam): raw ``jax.jit`` +
 ``ft.jit`` + ``opt.minimize``, ``ft.train.train_step`` (gated, the default) and
 ``train_step(on_nan="ignore")``, the Python bytecodes one loop call executes and the
 Python functions it enters (C functions such as the compiled program's call are not
-counted). Wall-clock ratios on a shared 2-core machine move by ±20% from run to run; these
+counted), and the work items of its compiled program (XLA's optimized entry computation:
+fusions, copies, dots, conditionals; on a dispatch-bound GPU step each is a kernel launch,
+so a program's extra items are its extra time there). Wall-clock ratios on a shared 2-core machine move by ±20% from run to run; these
 counts do not, so they show a change to the host path that timing cannot resolve (on a
 GPU the host's Python is the whole gap of a dispatch-bound step). Main-thread machine
 instructions, the cost of the C side too, come from ``valgrind --tool=callgrind`` (see
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import statistics
 import sys
 import time
@@ -36,6 +39,20 @@ import jax
 from _models import TINY
 
 CALLS = 32
+_OPCODE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*?\s([a-z][a-z\-]*)\(", re.M)
+_NO_KERNEL = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+
+
+def kernels(runner: Any) -> tuple[int, dict[str, int]]:
+    """The work items of ``runner``'s compiled step: the instructions of XLA's optimized
+    entry computation that run (fusions, copies, dots, conditionals...; not parameters,
+    constants, tuples or bitcasts), and their opcodes. On a dispatch-bound GPU step each
+    is a kernel launch (a conditional's taken branch adds its own)."""
+    text = runner.step.lower(*runner.carry, *runner.args).compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    ops = collections.Counter(op for op in _OPCODE.findall(entry) if op not in _NO_KERNEL)
+    return sum(ops.values()), dict(ops.most_common())
 
 
 def count(runner: Any, calls: int = CALLS) -> tuple[float, dict[str, float]]:
@@ -112,12 +129,13 @@ def main() -> None:
         "ft.train.train_step (gated)": _impls.functree_train_step(TINY),
         'ft.train.train_step(on_nan="ignore")': _impls.functree_train_step(TINY, on_nan="ignore"),
     }
-    print("| step | Python bytecodes per call | where |")
-    print("|---|---|---|")
+    print("| step | Python bytecodes per call | where | kernels in its program |")
+    print("|---|---|---|---|")
     for name, runner in variants.items():
         total, per = count(runner)
         where = ", ".join(f"{k} {v:.0f}" for k, v in per.items() if v >= 1)
-        print(f"| {name} | {total:.0f} | {where} |")
+        n, ops = kernels(runner)
+        print(f"| {name} | {total:.0f} | {where} | {n}: {', '.join(f'{k} {v}' for k, v in ops.items())} |")
     if "--time" in sys.argv:
         split()
 

@@ -9,8 +9,9 @@ work out of the loop:
 * the program is ``jax.jit`` of a function of the donated arguments' leaves (a tuple) and
   the other arguments as they are (JAX flattens those in C++), one per combination of
   input tree definitions; it rebuilds the arguments and flattens the result while tracing
-  only (another structure of the other arguments, found by JAX's cache, makes the call
-  look up its own program);
+  only (another structure of the other arguments, a loop alternating two kinds of batch,
+  is traced in the same program, and kept in JAX's cache, when its results have the same
+  tree definition; otherwise the call looks up the program for it);
 * results are rebuilt by straight-line Python generated once per output tree definition
   (:func:`builder`): Modules and functree's state records filled without ``__init__``,
   tuples, named tuples, lists, dicts and ``None`` inline, other nodes by their own
@@ -237,10 +238,11 @@ class _Program:
 
         def flat(donated: tuple, others: tuple) -> list[Any]:
             # ``others``: the arguments not donated, as they are (JAX flattens them in C++
-            # and keys its cache on their structure); another structure than this
-            # program's is the caller's cue to look up the program for it.
-            if jax.tree.structure(others) != other_treedef:
-                raise _Restructured
+            # and keys its cache on their structure). Another structure than this
+            # program's (a loop alternating two kinds of batch) is traced here too, and
+            # kept in JAX's cache, when its results have this program's tree definition;
+            # otherwise the caller looks up the program for it (see ``_set_output``).
+            restructured = jax.tree.structure(others) != other_treedef
             args: list[Any] = [None] * nargs
             for i, x in zip(donate, donated_treedef.unflatten(donated)):
                 args[i] = x
@@ -252,6 +254,8 @@ class _Program:
                 _name_arguments(e, fn, (donate, donated_treedef), self.passed)
                 raise
             leaves, treedef = jax.tree.flatten(out)
+            if restructured and treedef != self.out_treedef:
+                raise _Restructured  # results of another structure: the program for them
             self._set_output(treedef)
             return leaves
 
@@ -298,7 +302,9 @@ class _CollectorPaused:
 
 class _Restructured(Exception):
     """Raised while tracing a flat program for arguments not donated whose structure is not
-    the program's: the call goes the full way (which finds or makes the right program)."""
+    the program's and whose results have another tree definition than the program's: the
+    call goes the full way (which finds or makes the right program). A structure whose
+    results have the program's tree definition runs in this program (JAX keeps its trace)."""
 
 
 _FLAT_ARGUMENT = re.compile(r"\bdonated\[(\d+)\]")

@@ -120,9 +120,22 @@ def test_donated_results_apart_and_out_of_order_are_gathered_in_argument_order()
         np.testing.assert_array_equal(x, y)
 
 
-def test_another_structure_of_the_other_arguments_in_a_loop_takes_its_own_program():
+def test_another_structure_of_the_other_arguments_in_a_loop_runs_in_the_same_program(monkeypatch):
     # The loop passes the arguments not donated to JAX as they are (flattened in C++): a
-    # batch that turns from a tuple into a dict mid-loop runs the program for a dict.
+    # batch that turns from a tuple into a dict mid-loop, and back, is traced once per
+    # structure in the loop's program (same results' tree definition) and kept in JAX's
+    # cache: alternating kinds of batch costs no failed trace per switch.
+    from functree import _flat
+
+    failed = []
+
+    class Counted(_flat._Restructured):
+        def __init__(self, *args):
+            failed.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(_flat, "_Restructured", Counted)
+
     class Weights(ft.Module):
         w: jax.Array
 
@@ -130,15 +143,42 @@ def test_another_structure_of_the_other_arguments_in_a_loop_takes_its_own_progra
         x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
         return Weights(m.w + x * y), jnp.sum(m.w)
 
-    flat, plain = flat_jit(f, donate=(0,)), jax.jit(f)
+    traces = []
+
+    def counted(m, batch):
+        traces.append(jax.tree.structure(batch))
+        return f(m, batch)
+
+    flat, plain = flat_jit(counted, donate=(0,)), jax.jit(f)
     m1, m2 = Weights(jnp.zeros(2)), Weights(jnp.zeros(2))
     x, y = jnp.ones(2), jnp.full(2, 3.0)
-    for batch in [(x, y), (x, y), (x, y), {"x": x, "y": y}, {"x": x, "y": y}, (x, y), [x, y]]:
+    batches = [(x, y), (x, y), (x, y), {"x": x, "y": y}, (x, y), {"x": x, "y": y}, (x, y), [x, y], (x, y), [x, y]]
+    for batch in batches:
         m1, t1 = flat(m1, batch)
         m2, t2 = plain(m2, batch)
         np.testing.assert_array_equal(t1, t2)
         np.testing.assert_array_equal(m1.w, m2.w)
-    assert len(flat._programs) == 3  # tuple, dict, list: one program each
+    assert len(traces) == 3  # tuple, dict, list: one trace each, however often they alternate
+    assert failed == []
+    assert len(flat._programs) == 1
+
+
+def test_another_structure_whose_results_differ_takes_its_own_program():
+    # The results' tree follows the batch's: the loop's program cannot build them, so the
+    # call goes the full way and another program runs it (the numbers are jax.jit's).
+    def f(w, batch):
+        return w + 1.0, jax.tree.map(lambda b: b * w[0], batch)
+
+    flat, plain = flat_jit(f, donate=(0,)), jax.jit(f)
+    w1, w2 = jnp.zeros(2), jnp.zeros(2)
+    for batch in [(jnp.ones(2),), (jnp.ones(2),), {"x": jnp.ones(2)}, (jnp.ones(2),), {"x": jnp.ones(2)}]:
+        w1, out1 = flat(w1, batch)
+        w2, out2 = plain(w2, batch)
+        assert jax.tree.structure(out1) == jax.tree.structure(out2)
+        np.testing.assert_array_equal(w1, w2)
+        for a, b in zip(jax.tree.leaves(out1), jax.tree.leaves(out2)):
+            np.testing.assert_array_equal(a, b)
+    assert len(flat._programs) == 2
 
 
 def test_an_argument_not_donated_is_named_by_its_parameter_in_trace_errors():

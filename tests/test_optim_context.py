@@ -236,3 +236,30 @@ def test_a_vmapped_ensemble_reads_one_context_per_member(members, wrapped):
     np.testing.assert_array_equal(changed.step, np.arange(members))
     np.testing.assert_array_equal(changed.samples_seen, ctx.samples_seen)
     np.testing.assert_array_equal(changed.loss, np.zeros(members, np.float32))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["minimize", "gated"])
+def test_the_context_advances_elementwise_in_a_step(gated):
+    # The counters' update is arithmetic and a select, not a scatter: one kernel that
+    # writes the donated buffer in place (a scatter was a dynamic-update-slice kernel and a
+    # copy in every step). The numbers: step, samples and minibatch size as before.
+    model = ft.nn.Dense(3, 2, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(fo.adam(1e-2))
+
+    def loss_fn(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    @jax.jit
+    def step(m, s, x):
+        if gated:
+            return opt.step(loss_fn, m, s, (x,), on_nan="skip")[:2]
+        return opt.minimize(loss_fn, m, s, x)[:2]
+
+    state = opt.init(model)
+    x = jnp.ones((4, 3))
+    text = step.lower(model, state, x).as_text()
+    assert "scatter" not in text and "dynamic_update_slice" not in text
+    for batch in (x, jnp.ones((6, 3)), x):
+        model, state = step(model, state, batch)
+    ctx = fo.context(state)
+    assert (int(ctx.step), int(ctx.samples_seen), int(ctx.minibatch_size)) == (3, 14, 4)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 _SHAPES_ONLY = contextvars.ContextVar("functree_shapes_only", default=False)

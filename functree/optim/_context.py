@@ -137,7 +137,10 @@ def current(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) 
     """The context seen *during* a step: this minibatch's size and loss, counts before it."""
     counters, new_loss = ctx.counters, ctx.loss
     if minibatch_size is not None:
-        counters = counters.at[..., 3].set(jnp.asarray(minibatch_size).astype(jnp.int32))
+        # A select, not ``.at[..., 3].set``: elementwise, it fuses with ``advance``'s sum into
+        # one kernel (a scatter is a dynamic-update-slice kernel of its own, and a copy).
+        size = jnp.asarray(minibatch_size).astype(jnp.int32)[..., None]
+        counters = jnp.where(_MINIBATCH_SLOT, size, counters)
     if loss is not None:
         new_loss = jnp.asarray(loss).astype(jnp.float32)
     return LearningContext(counters, new_loss)
@@ -145,9 +148,16 @@ def current(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) 
 
 def advance(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) -> LearningContext:
     """The context after a step on a minibatch of ``minibatch_size`` examples."""
-    ctx = current(ctx, minibatch_size, loss)
-    # counters + (1, 0, m, 0): one step and its m samples, as arithmetic on constants
-    return LearningContext(ctx.counters + ctx.counters[..., 3:] * _SAMPLES + _STEP, ctx.loss)
+    new_loss = current(ctx, None, loss).loss
+    counters = ctx.counters
+    if minibatch_size is None:  # the last step's size: read from the counters
+        size = counters[..., 3:]
+        return LearningContext(counters + size * _SAMPLES + _STEP, new_loss)
+    # counters + (1, 0, m, 0) with m in the last slot, elementwise in the counters read: one
+    # kernel that writes the donated buffer in place (reading the counters' own slot 3, a
+    # slice, would make XLA write elsewhere and copy back).
+    size = jnp.asarray(minibatch_size).astype(jnp.int32)[..., None]
+    return LearningContext(jnp.where(_MINIBATCH_SLOT, size, counters + size * _SAMPLES + _STEP), new_loss)
 
 
 def _is_context(x: Any) -> bool:
@@ -193,6 +203,7 @@ def context(state: Any) -> LearningContext:
 _SWEEP = np.array([0, 1, 0, 0], np.int32)
 _STEP = np.array([1, 0, 0, 0], np.int32)
 _SAMPLES = np.array([0, 0, 1, 0], np.int32)
+_MINIBATCH_SLOT = np.array([False, False, False, True])
 
 
 _COUNTERS_AT: dict[Any, tuple[int, ...]] = {}  # state tree definition -> its contexts' counters leaves

@@ -423,7 +423,7 @@ def _standalone(step: Callable[..., tuple[Any, HyperState]], updates: Any, state
     if partial is not None:
         new_updates, inner = keep_unchanged(partial, new_updates, new.inner, state.inner)
         new = new.replace(inner=inner)
-    return in_mode(new_updates, given), new.replace(context=advance(ctx))
+    return in_mode(new_updates, given), new.replace(context=advance(state.context, minibatch_size, loss))
 
 
 def _like(new: Any, old: Any) -> Any:

@@ -165,5 +165,6 @@ def leafwise_gated_update(transform: Any, ok: Any, grads: Any, model: Any, state
         out[k] = p_def.unflatten(new_m[k])
     for k, v in zip(shared, new_shared):
         out[k] = v
-    new_state = OptimizerState(select(ok, advance(ctx), state.context), s_def.unflatten(out))
+    new_state = OptimizerState(select(ok, advance(state.context, minibatch_size, loss), state.context),
+                               s_def.unflatten(out))
     return p_def.unflatten(new_p), new_state

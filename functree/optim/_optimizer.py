@@ -353,7 +353,7 @@ class Optimizer:
         if apply_if is not None:
             updates, inner = guard(apply_if, updates, inner, state.inner)
         applied = _both(apply_if, applied_in(inner))
-        new = OptimizerState(advance(ctx), inner)
+        new = OptimizerState(advance(state.context, minibatch_size, loss), inner)
         if applied is not None:
             new = new.replace(context=select(applied, new.context, state.context))
         return in_mode(updates, given), new

@@ -1,8 +1,14 @@
 """Differentiation diagnostics: activity analysis on the jaxpr (Swift's compiler checks).
 
-Before differentiating, every operator traces the function once more per abstract
-signature (``jax.make_jaxpr``) and propagates, forward through the jaxpr, which
-differentiation inputs each value depends on and how:
+Before differentiating, every operator traces the function once per abstract signature
+(``jax.make_jaxpr``) and propagates, forward through the jaxpr, which differentiation
+inputs each value depends on and how (below). The reverse-mode operators (``gradient``,
+``value_with_gradient``, ``pullback``, ``value_with_pullback``: every training step)
+then differentiate that jaxpr rather than trace the function a second time, so the user's
+Python runs once and its warnings are emitted once; a function that hands a value out
+through a side channel (a layer recording into a collector opened outside it, see
+:data:`SIDE_CHANNELS`) is traced again instead. Forward mode, ``jacobian`` and ``hessian``
+trace it again. The dependences propagated:
 
 * ``active``: through a differentiable path (the derivative can be nonzero);
 * ``cut``: only through operations whose derivative is zero (comparisons, conversions to
@@ -40,6 +46,7 @@ import html
 import inspect
 import json
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -48,6 +55,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.core
 import numpy as np
+from jax.extend import core as jcore
 
 from functree._activity import EMPTY, MARK, Op, Origin, State, analyse, is_inexact, join_all
 from functree._config import config
@@ -463,8 +471,9 @@ def _whole_function(
 
 
 class _TraceState(threading.local):
-    active: bool = False
+    active: bool = False  # the check's trace is running
     quiet_constant: bool = False
+    holding: bool = False  # and the warnings it catches will be emitted (its jaxpr may be replayed)
 
 
 _TRACE = _TraceState()
@@ -478,30 +487,91 @@ def note_without_derivative(value: Any) -> None:
         _TRACE.quiet_constant = True
 
 
-def _trace(g: Callable[..., Any], primals: Sequence[Any]) -> tuple[Any, Any, bool]:
+SIDE_CHANNELS: list[Callable[[], Any]] = []
+"""Probes of the places where a function being traced can hand values out by a side
+effect rather than return them (``functree.nn``'s state collectors register theirs): each
+returns a snapshot that changes when something was handed out. The check's jaxpr stands
+in for a second trace of the function only when no snapshot changed while it traced."""
+
+
+class _Traced(NamedTuple):
+    """The check's trace of ``g``: its jaxpr, its result's shape, whether a constant was
+    marked with ``ft.without_derivative``, the warnings ``g``'s Python raised (held back:
+    they are the user's, emitted once, by whichever trace stands for the operator's), and
+    whether ``g`` handed a value out through a side channel."""
+
+    closed: Any
+    shape: Any
+    quiet_constant: bool
+    caught: list[Any]
+    side_effect: bool
+
+
+def _trace(g: Callable[..., Any], primals: Sequence[Any], holding: bool = False) -> _Traced:
     # Nested operators (a gradient inside a differentiated function) trace inside ours.
-    saved = (_TRACE.active, _TRACE.quiet_constant)
-    _TRACE.active, _TRACE.quiet_constant = True, False
+    saved = (_TRACE.active, _TRACE.quiet_constant, _TRACE.holding)
+    _TRACE.active, _TRACE.quiet_constant, _TRACE.holding = True, False, holding
+    before = [probe() for probe in SIDE_CHANNELS]
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the real trace that follows will warn
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             closed, shape = jax.make_jaxpr(g, return_shape=True)(*primals)
-        return closed, shape, _TRACE.quiet_constant
+        side_effect = [probe() for probe in SIDE_CHANNELS] != before
+        return _Traced(closed, shape, _TRACE.quiet_constant, caught, side_effect)
     finally:
-        _TRACE.active, _TRACE.quiet_constant = saved
+        _TRACE.active, _TRACE.quiet_constant, _TRACE.holding = saved
+
+
+def _replay(traced: _Traced) -> Callable[..., Any] | None:
+    """A function of the primals equal to the traced one, evaluating its jaxpr (the
+    operator differentiates that instead of running the user's Python a second time), or
+    None where the jaxpr cannot stand for it: a value handed out through a side channel
+    (it would belong to the finished trace; the function is traced again, and warns then).
+    The warnings the function raised while traced are emitted now, once. The operator
+    calls the result with its own tracers (every primal is differentiated), as it would
+    call the function."""
+    if traced.side_effect:
+        return None
+    for w in traced.caught:
+        warnings.warn_explicit(
+            w.message, w.category, w.filename, w.lineno, source=w.source,
+            registry=_registry_of(w.filename),
+        )
+    run = jcore.jaxpr_as_fun(traced.closed)
+    treedef = jax.tree.structure(traced.shape)
+
+    def replayed(*args: Any) -> Any:
+        return treedef.unflatten(run(*jax.tree.leaves(args)))
+
+    return replayed
+
+
+def _registry_of(filename: str) -> dict[Any, Any] | None:
+    """The ``__warningregistry__`` of the module loaded from ``filename`` (so a warning
+    emitted again is shown once per place, as Python's own ``warn`` would), if any."""
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) == filename:
+            return module.__dict__.setdefault("__warningregistry__", {})
+    return None
 
 
 def _run(
-    f: Any, g: Callable[..., Any], plan: Plan, first_output_only: bool, strict: bool
+    f: Any, g: Callable[..., Any], plan: Plan, first_output_only: bool, strict: bool,
+    traced: list[_Traced] | None = None, holding: bool = False,
 ) -> DiagnosticReport:
-    """Trace ``g`` and analyse it; never raises unless ``strict`` (then tracing errors do)."""
+    """Trace ``g`` and analyse it; never raises unless ``strict`` (then tracing errors do).
+    ``traced``: a list that receives the trace (when it succeeded); ``holding``: the
+    warnings the trace catches will be emitted (see :class:`_TraceState`)."""
     name = _fn_name(f)
     try:
-        closed, shape, quiet_constant = _trace(g, plan.primals)
+        trace = _trace(g, plan.primals, holding)
     except Exception as e:
         if strict:
             raise
         return DiagnosticReport(name, (), (), False, f"tracing failed: {type(e).__name__}")
+    if traced is not None:
+        traced.append(trace)
+    closed, shape, quiet_constant = trace.closed, trace.shape, trace.quiet_constant
     try:
         groups = _groups(f, plan)
         nin = len(closed.jaxpr.invars)
@@ -525,23 +595,30 @@ _CACHE: dict[Any, DiagnosticReport] = {}
 
 
 
-def check(kind: str, fn: Any, g: Any, plan: Plan) -> None:
+def check(kind: str, fn: Any, g: Any, plan: Plan, replay: bool = False) -> Callable[..., Any] | None:
     """Analyse ``g`` (the function being differentiated) before differentiation.
 
     Called by every differential operator. The analysis and its warnings happen once per
     function and abstract signature (later calls only compute the cache key); nothing
     happens when ``ft.config.diagnostics`` is off.
+
+    With ``replay=True`` (reverse mode), returns a function equal to ``g`` that evaluates
+    the jaxpr the analysis traced, for the operator to differentiate instead of tracing
+    ``g`` again (the user's Python runs once, and its warnings are emitted once), or None
+    when ``g`` was not traced now or its jaxpr cannot stand for it (see :func:`_replay`).
     """
     if not config.diagnostics:
-        return
+        return None
     key = cache_key(kind, fn, plan)
     if key is not None and key in _CACHE:
-        return
-    report = _run(fn, g, plan, first_output_only=kind == "gradient", strict=False)
+        return None
+    traced: list[_Traced] = []
+    report = _run(fn, g, plan, first_output_only=kind == "gradient", strict=False, traced=traced, holding=replay)
     if key is not None:
         bounded_put(_CACHE, key, report)
     for finding in report.findings:
         finding.emit()
+    return _replay(traced[0]) if replay and traced else None
 
 
 class UncoveredDerivativeError(TypeError):

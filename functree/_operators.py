@@ -262,7 +262,7 @@ def value_with_gradient(
 def _value_and_grad(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap(_check_scalar(f"ft.{op}", fn, has_aux))
-    _diagnostics.check("gradient", fn, g, plan)
+    g = _diagnostics.check("gradient", fn, g, plan, replay=True) or g  # the check's trace, replayed
     return jax.value_and_grad(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
 
 
@@ -320,7 +320,7 @@ def value_with_pullback(
 def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
-    _diagnostics.check("pullback", fn, g, plan)
+    g = _diagnostics.check("pullback", fn, g, plan, replay=True) or g  # the check's trace, replayed
     out = jax.vjp(g, *plan.primals, has_aux=has_aux)
 
     def pullback_fn(cotangent: Any) -> Any:

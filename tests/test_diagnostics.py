@@ -358,11 +358,11 @@ def test_analysis_runs_once_per_signature():
         return (x * x).sum()
 
     ft.gradient(f, at=jnp.ones(3))
-    assert next(traces) == 2  # jax.grad's trace plus the analysis
+    assert next(traces) == 1  # the analysis's trace, whose jaxpr jax.grad differentiates
     ft.gradient(f, at=jnp.ones(3) * 2)
-    assert next(traces) == 4  # only jax.grad traced again
-    ft.gradient(f, at=jnp.ones(4))  # a new signature is analysed again
-    assert next(traces) == 7
+    assert next(traces) == 3  # only jax.grad traced again
+    ft.gradient(f, at=jnp.ones(4))  # a new signature is analysed (and replayed) again
+    assert next(traces) == 5
 
 
 def test_warns_once_per_signature():
@@ -716,3 +716,125 @@ def test_the_check_cache_holds_a_closures_objects_weakly():
         assert held() is None
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------- the check's trace, differentiated
+
+
+class _Block(ft.Module):
+    dense: ft.nn.Dense
+    norm: ft.nn.LayerNorm
+
+    def __call__(self, x):
+        return self.norm(jax.checkpoint(self.dense)(x))
+
+
+@ft.derivative(of=_rounded)
+def _rounded_again(x):
+    return _rounded(x), lambda v: v
+
+
+def _replay_cases():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = ft.nn.Sequential([_Block(ft.nn.Dense(3, 4, jax.nn.gelu, key=k1), ft.nn.LayerNorm(4)),
+                              ft.nn.Dense(4, 2, key=k2)])
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+
+    def loss(m, x):
+        return jnp.mean(jnp.tanh(m(x)) ** 2) + 0.1 * _rounded(jnp.sum(m.layers[1].bias))
+
+    def loss_aux(m, x):
+        y = m(x)
+        return jnp.mean(y ** 2), {"y": y, "n": jnp.int32(3)}
+
+    return model, x, loss, loss_aux
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_the_operator_differentiates_the_checks_jaxpr_bit_for_bit(jitted):
+    # The analysis traced the function; the operator differentiates that jaxpr instead of
+    # tracing the function again. The numbers are the function's own, bit for bit
+    # (diagnostics off: the operator traces the function itself): a checkpointed layer,
+    # a custom derivative, has_aux with integer aux, value_with_pullback.
+    model, x, loss, loss_aux = _replay_cases()
+    wrap = jax.jit if jitted else (lambda f: f)
+
+    def run():
+        out = [wrap(ft.value_with_gradient(loss))(model, x),
+               wrap(ft.value_with_gradient(loss_aux, has_aux=True))(model, x),
+               wrap(lambda m, x: ft.gradient(loss, wrt=(0, 1))(m, x))(model, x)]
+        value, pullback = ft.value_with_pullback(lambda m: jnp.tanh(m(x)), at=model)
+        return out + [value, pullback(jnp.ones_like(value))]
+
+    _diagnostics._CACHE.clear()
+    on = run()
+    with ft.config.override(diagnostics=False):
+        off = run()
+    on_leaves, off_leaves = jax.tree.leaves(on), jax.tree.leaves(off)
+    assert jax.tree.structure(on) == jax.tree.structure(off) and len(on_leaves) > 20
+    for a, b in zip(on_leaves, off_leaves):
+        assert a.dtype == b.dtype and jnp.array_equal(a, b)
+
+
+def test_a_train_steps_loss_runs_once_per_signature():
+    # The first step traces the loss once (the check's trace is what is differentiated):
+    # the user's Python, and what it prints or counts, runs once per compile.
+    model, x, loss, _ = _replay_cases()
+    calls = []
+
+    def counted(m, batch):
+        calls.append(1)
+        return loss(m, batch[0])
+
+    _diagnostics._CACHE.clear()
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    step = ft.train.train_step(counted, opt)
+    state = opt.init(model)
+    for _ in range(3):
+        model, state, _ = step(model, state, (x,))
+    assert len(calls) == 1
+
+
+def test_the_functions_warnings_are_emitted_once_and_errors_stay_errors():
+    def noisy(x):
+        warnings.warn("from the loss", UserWarning, stacklevel=1)
+        return jnp.sum(x ** 2)
+
+    _diagnostics._CACHE.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(ft.gradient(noisy))(jnp.ones(3))
+    assert [str(w.message) for w in caught] == ["from the loss"]
+    assert caught[0].filename == __file__  # at the line that warned, as Python's warn puts it
+    _diagnostics._CACHE.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="from the loss"):
+            jax.jit(ft.gradient(noisy))(jnp.ones(4))
+
+
+def test_a_value_handed_out_through_an_outer_collector_traces_the_function_again():
+    # A layer recording into a collector opened outside the differentiated function (the
+    # layer closed over, the input differentiated) hands a value out of the check's trace:
+    # that jaxpr cannot stand for the function, which is traced again (as before), and the
+    # recorded state is the real trace's.
+    bn = ft.nn.training(ft.nn.BatchNorm(2))
+    x = jnp.array([[0.0, 1.0], [2.0, 5.0]])
+    calls = []
+
+    def step(m, x):
+        def loss(x):
+            calls.append(1)
+            return jnp.sum(m(x) ** 2)
+
+        return ft.nn.collect_state(lambda mm: ft.gradient(loss)(x), m)
+
+    _diagnostics._CACHE.clear()
+    grads, updates = jax.jit(step)(bn, x)
+    assert len(calls) == 2  # the check's trace and the operator's own
+    assert jnp.allclose(ft.nn.apply_state(bn, updates).running_mean, jnp.array([0.01, 0.03]))  # momentum 0.99
+    with ft.config.override(diagnostics=False):
+        expected = step(bn, x)  # eager: the operator's trace only
+    assert len(calls) == 3
+    for a, b in zip(jax.tree.leaves((grads, updates)), jax.tree.leaves(expected)):
+        assert jnp.array_equal(a, b)

@@ -129,6 +129,16 @@ def collector_stack() -> list[_Collector]:
     return stack
 
 
+def _handed_out() -> tuple[tuple[int, ...], ...]:
+    """What the open collectors hold (a differentiated function's trace that records into a
+    collector opened outside it hands values out: :data:`_diagnostics.SIDE_CHANNELS`)."""
+    return tuple((id(c), len(c.updates), len(c.followed)) + tuple(map(id, c.updates.values()))
+                 for c in collector_stack())
+
+
+_diagnostics.SIDE_CHANNELS.append(_handed_out)
+
+
 def record_state(layer: Module, **values: Any) -> None:
     """Record new values for ``layer``'s ``no_derivative`` fields (no-op outside collect_state).
 
@@ -223,8 +233,8 @@ def _find_path(layer: Any) -> KeyPath | None:
 
 
 def _warn_uncollected(layer: Any, names: tuple[str, ...]) -> None:
-    if _diagnostics._TRACE.active:  # ft's silent pre-trace; the real trace that follows warns
-        return
+    if _diagnostics._TRACE.active and not _diagnostics._TRACE.holding:
+        return  # ft's silent pre-trace: the real trace that follows warns (a held one warns itself)
     cls = type(layer)
     searches = _SEARCHES.get(cls, 0)
     if searches >= _SEARCH_BUDGET:

@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.core
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -505,6 +506,8 @@ class _Traced(NamedTuple):
     quiet_constant: bool
     caught: list[Any]
     side_effect: bool
+    returned: list[Any]  # g's result leaves, for those the jaxpr returns as literals
+    treedef: Any  # g's result's tree definition
 
 
 def _trace(g: Callable[..., Any], primals: Sequence[Any], holding: bool = False) -> _Traced:
@@ -512,12 +515,20 @@ def _trace(g: Callable[..., Any], primals: Sequence[Any], holding: bool = False)
     saved = (_TRACE.active, _TRACE.quiet_constant, _TRACE.holding)
     _TRACE.active, _TRACE.quiet_constant, _TRACE.holding = True, False, holding
     before = [probe() for probe in SIDE_CHANNELS]
+    results: list[Any] = []
+
+    def kept(*args: Any) -> Any:
+        out = g(*args)
+        results.append(out)
+        return out
+
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            closed, shape = jax.make_jaxpr(g, return_shape=True)(*primals)
+            closed, shape = jax.make_jaxpr(kept, return_shape=True)(*primals)
         side_effect = [probe() for probe in SIDE_CHANNELS] != before
-        return _Traced(closed, shape, _TRACE.quiet_constant, caught, side_effect)
+        leaves, treedef = jax.tree.flatten(results[0])
+        return _Traced(closed, shape, _TRACE.quiet_constant, caught, side_effect, leaves, treedef)
     finally:
         _TRACE.active, _TRACE.quiet_constant, _TRACE.holding = saved
 
@@ -538,12 +549,28 @@ def _replay(traced: _Traced) -> Callable[..., Any] | None:
             registry=_registry_of(w.filename),
         )
     run = jcore.jaxpr_as_fun(traced.closed)
-    treedef = jax.tree.structure(traced.shape)
+    outvars = traced.closed.jaxpr.outvars
+    if len(traced.returned) != len(outvars):
+        return None
+    # A result the jaxpr holds as a literal (not computed) is what the function returns
+    # as it is: a Python number in its aux stays that number; a constant array
+    # (``jnp.int32(3)``) is an array, as the function's own run makes it.
+    literal = [
+        None if not isinstance(v, jcore.Literal) else (x,) if type(x) in _NUMBERS else ()
+        for v, x in zip(outvars, traced.returned)
+    ]
+    treedef = traced.treedef
 
     def replayed(*args: Any) -> Any:
-        return treedef.unflatten(run(*jax.tree.leaves(args)))
+        out = run(*jax.tree.leaves(args))
+        return treedef.unflatten([
+            x if kept is None else kept[0] if kept else jnp.asarray(x) for x, kept in zip(out, literal)
+        ])
 
     return replayed
+
+
+_NUMBERS = (bool, int, float, complex)
 
 
 def _registry_of(filename: str) -> dict[Any, Any] | None:

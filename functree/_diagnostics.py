@@ -541,7 +541,8 @@ def _replay(traced: _Traced) -> Callable[..., Any] | None:
     The warnings the function raised while traced are emitted now, once. The operator
     calls the result with its own tracers (every primal is differentiated), as it would
     call the function."""
-    if traced.side_effect:
+    outvars = traced.closed.jaxpr.outvars
+    if traced.side_effect or len(traced.returned) != len(outvars):
         return None
     for w in traced.caught:
         warnings.warn_explicit(
@@ -549,9 +550,6 @@ def _replay(traced: _Traced) -> Callable[..., Any] | None:
             registry=_registry_of(w.filename),
         )
     run = jcore.jaxpr_as_fun(traced.closed)
-    outvars = traced.closed.jaxpr.outvars
-    if len(traced.returned) != len(outvars):
-        return None
     # A result the jaxpr holds as a literal (not computed) is what the function returns
     # as it is: a Python number in its aux stays that number; a constant array
     # (``jnp.int32(3)``) is an array, as the function's own run makes it.

@@ -50,7 +50,12 @@ def test_a_lora_job_saves_its_adapters_not_its_base_and_continues_bit_for_bit(tm
     whole = trainer(base(), wrt=None)
     whole.save(tmp_path / "whole")
     lora, full = size(tmp_path / "lora"), size(tmp_path / "whole")
-    assert lora < full / 3, (lora, full)  # measured: 24 KB against 151 KB (a base of 2 x 64 x 256 float32)
+    # The base's bytes are what the LoRA job leaves out. orbax's own files move the sizes by
+    # tens of KB from run to run (the LoRA job measured 24-51 KB, the whole 151 KB), so the
+    # test bounds the difference: at least half the base (132 KB of float32), where a job
+    # that saved its base would differ by those files' noise only.
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(base()))
+    assert full - lora > base_bytes / 2, (lora, full, base_bytes)
     meta = json.loads(next((tmp_path / "lora").rglob("meta/metadata")).read_text())
     assert sorted(meta["frozen"]["leaves"]) == ["model.layers.0.bias", "model.layers.0.weight",
                                                 "model.layers.1.bias", "model.layers.1.weight"]

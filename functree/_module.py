@@ -355,6 +355,15 @@ class Module:
         d = self.__dict__
         return {n: by_name(d[n]) for n in type(self).__ft_fields__ if n in d}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """The pickled fields; a static field the class gained since the pickle was written
+        (named in its ``__ft_added_static__``) at its default, as a checkpoint reads it."""
+        d = self.__dict__
+        d.update(state)
+        for name in getattr(type(self), "__ft_added_static__", ()):
+            if name not in d:
+                d[name] = next(f.default for f in dataclasses.fields(self) if f.name == name)  # pyright: ignore[reportArgumentType]
+
     def __copy__(self) -> Self:
         d = self.__dict__
         return from_fields(type(self), {n: d[n] for n in type(self).__ft_fields__ if n in d})

@@ -369,6 +369,34 @@ def test_modules_to_save_lm_head_loads_and_saves_as_peft(tmp_path):
         ft.nn.save_lora(model, tmp_path / "none", modules_to_save=["classifier"])
 
 
+def test_a_loaded_head_is_saved_again_without_being_named(tmp_path):
+    """An adapter loaded with modules_to_save (a head trained in full) and trained further
+    goes back out with its head: save_lora's modules_to_save defaults to the loaded
+    adapter's (the adapters record it), so PEFT does not get the base's head back. [] drops
+    it, said explicitly; a checkpoint of the loaded model keeps the record."""
+    torch.manual_seed(4)
+    peft_model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                                              init_lora_weights=False)).eval()
+    with torch.no_grad():
+        peft_model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "peft")
+    assert model.model.layers.layers.self_attn.query_projection.saved_modules == ("lm_head",)
+    model = ft.set(model, "lm_head.weight", model.lm_head.weight * 1.5)  # the head trained on
+    ids = tokens()
+    ft.nn.save_lora(model, tmp_path / "again")  # modules_to_save not named
+    assert json.loads((tmp_path / "again" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+    again = peft.PeftModel.from_pretrained(llama(), str(tmp_path / "again")).eval()
+    assert_close(hf_logits(again, ids), logits(model, ids))
+    ft.nn.save_lora(model, tmp_path / "adapters", modules_to_save=[])  # said explicitly: adapters alone
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] is None
+    assert not any("lm_head" in k for k in safetensors.numpy.load_file(str(tmp_path / "adapters" / "adapter_model.safetensors")))
+    ft.train.save(tmp_path / "ckpt", model)
+    restored = ft.train.load(tmp_path / "ckpt")
+    assert restored.model.layers.layers.self_attn.query_projection.saved_modules == ("lm_head",)
+
+
 def test_an_interrupted_save_is_refused_not_loaded(tmp_path, base, monkeypatch):
     """save_lora replaces the weights, then the config; a crash between leaves new weights
     beside the old config, which load_lora refuses (the weights record their config)."""

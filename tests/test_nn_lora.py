@@ -284,3 +284,17 @@ def test_state_dict_converters_refuse_unmerged_adapters_naming_the_layer(pattern
 
 
 # ---- PEFT's config decides (issue 45 items 2, 3, 8, 11) ----------------------------------------
+
+
+def test_a_lora_dense_pickled_before_saved_modules_existed_reads_at_the_default():
+    # saved_modules came later (load_lora records PEFT's modules_to_save there): a pickle
+    # without it unpickles as a LoraDense made today, and flattens (the field at its default).
+    import pickle
+
+    layer = ft.nn.LoraDense(ft.nn.Dense(3, 2, key=jax.random.key(0)), rank=2, key=jax.random.key(1))
+    older = pickle.loads(pickle.dumps(layer))
+    older.__dict__.pop("saved_modules")  # what an earlier functree's pickle holds
+    back = pickle.loads(pickle.dumps(older))
+    assert back.saved_modules == ()
+    assert jax.tree.structure(back) == jax.tree.structure(layer)
+    assert jnp.array_equal(back(jnp.ones((1, 3))), layer(jnp.ones((1, 3))))

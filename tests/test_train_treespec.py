@@ -221,3 +221,20 @@ def test_a_registered_static_record_rebuilds_and_an_unregistered_one_needs_a_tem
     arrays, spec = encode(tree)
     back = decode(json.loads(json.dumps(spec)), arrays)
     assert back.scaled == Scaled("wide", (2.0, 3.0)) and type(back.scaled) is Scaled
+
+
+def test_a_static_field_added_since_reads_at_its_default_and_no_other_may_be_missing():
+    # A LoraDense written before it had saved_modules (files of earlier versions) reads with
+    # the field's default; a file missing any other static field (alpha) is damaged, refused.
+    layer = ft.nn.LoraDense(ft.nn.Dense(3, 2, key=jax.random.key(0)), rank=2, alpha=4.0, key=jax.random.key(1))
+    layer = layer.replace(saved_modules=("lm_head",))
+    arrays, spec = encode(layer)
+    assert decode(json.loads(json.dumps(spec)), arrays).saved_modules == ("lm_head",)
+    older = json.loads(json.dumps(spec))
+    del older["static"]["saved_modules"]
+    back = decode(older, arrays)
+    assert back.saved_modules == () and back.alpha == 4.0 and jnp.array_equal(back.lora_a, layer.lora_a)
+    damaged = json.loads(json.dumps(spec))
+    del damaged["static"]["alpha"]
+    with pytest.raises(SpecError, match=r"LoraDense has fields \[.*'alpha'.*the checkpoint gives \['activation', 'bias'"):
+        decode(damaged, arrays)

@@ -188,7 +188,10 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     members' shared ``A`` once (as :func:`load_lora` makes them), or, once they differ, the
     exact block form (``A`` stacked, ``B`` block-diagonal: rank ``Σr``); a member without
     an adapter has zero rows. ``modules_to_save`` (PEFT's, e.g. ``["lm_head"]``) writes those
-    ``Dense`` layers whole (a head trained in full beside the adapters).
+    ``Dense`` layers whole (a head trained in full beside the adapters). Left at None, it is
+    the ``modules_to_save`` of the adapter :func:`load_lora` loaded (the adapters record it:
+    ``LoraDense.saved_modules``), so a loaded head goes back out with its adapters; ``[]``
+    writes the adapters alone.
 
     The write is atomic per file, and a crash between the two files leaves a directory that
     :func:`load_lora` refuses (the weights record the config they were saved with).
@@ -210,6 +213,8 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     layers = [layer for layer in dense_layers(model) if isinstance(layer.node, LoraDense)]
     if not layers:
         raise ValueError(NO_ADAPTERS.format(what="ft.nn.save_lora", verb="save"))
+    if modules_to_save is None:  # those the loaded adapter saved (load_lora records them)
+        modules_to_save = list(dict.fromkeys(m for layer in layers for m in layer.node.saved_modules)) or None
     names = torch_names(model)
     kind = "Hugging Face" if names.is_hf else "torch"
     by_module: dict[str, list[tuple[str, np.ndarray, np.ndarray, float]]] = {}
@@ -480,7 +485,8 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     and scale ``lora_alpha / r`` (``alpha_pattern``; ``use_rslora``: ``alpha / sqrt(r)``),
     ``dropout`` from ``lora_dropout``. A fused projection's adapter (GPT-2's ``c_attn``) goes
     to its members, each with the shared ``A`` and its rows of ``B``. ``modules_to_save``'s
-    full tensors (a trained ``lm_head``) replace those Dense layers' weight and bias. A Stack
+    full tensors (a trained ``lm_head``) replace those Dense layers' weight and bias, and the
+    adapters record the list (``LoraDense.saved_modules``) for :func:`save_lora`. A Stack
     member the config does not target gets zero adapters. ``key`` seeds the adapters' dropout
     masks (needed only to train with dropout).
 
@@ -525,6 +531,11 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     for module, (layer, i) in saved.items():
         wrapped[layer.path] = _with_full(wrapped.get(layer.path, layer.node), layer, i, module,
                                          full.get(module, {}), names, directory)
+    if saved:  # the adapters remember them: save_lora writes the trained modules again
+        entries = tuple(config["modules_to_save"] if not isinstance(config["modules_to_save"], str)
+                        else [config["modules_to_save"]])
+        wrapped = {path: node.replace(saved_modules=entries) if isinstance(node, LoraDense) else node
+                   for path, node in wrapped.items()}
 
     def one(path: Any, x: Any) -> Any:
         return wrapped.get(tuple(path), x)

@@ -134,6 +134,9 @@ class LoraDense(Layer):
     # Converters to plain state dicts (torch, Hugging Face) refuse an adapted layer by this
     # mark, the fix its value: any adapter class carries one, so they need not know each.
     __ft_adapter__: ClassVar[str] = "ft.nn.merge_lora(model)"
+    # Static fields added after checkpoints were written without them: those read at their
+    # default (functree/train/checkpoint/_treespec.py); any other missing field is refused.
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("saved_modules",)
 
     weight: jax.Array
     bias: jax.Array | None = field(decay=False)
@@ -144,6 +147,10 @@ class LoraDense(Layer):
     alpha: float = field(static=True, default=8.0)
     dropout: float = field(static=True, default=0.0)
     training: bool = field(static=True, default=False)
+    # PEFT's modules_to_save of the adapter this one was loaded from (ft.nn.load_lora): the
+    # layers trained whole beside the adapters, which ft.nn.save_lora writes again unless told
+    # otherwise (a head dropped silently would give PEFT the base's head back).
+    saved_modules: tuple[str, ...] = field(static=True, default=())
 
     def __init__(self, dense: Dense, rank: int = 8, alpha: float = 8.0, dropout: float = 0.0, *,
                  key: jax.Array, dtype: Any = None):

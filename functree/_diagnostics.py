@@ -2,13 +2,11 @@
 
 Before differentiating, every operator traces the function once per abstract signature
 (``jax.make_jaxpr``) and propagates, forward through the jaxpr, which differentiation
-inputs each value depends on and how (below). The reverse-mode operators (``gradient``,
-``value_with_gradient``, ``pullback``, ``value_with_pullback``: every training step)
-then differentiate that jaxpr rather than trace the function a second time, so the user's
-Python runs once and its warnings are emitted once; a function that hands a value out
-through a side channel (a layer recording into a collector opened outside it, see
-:data:`SIDE_CHANNELS`) is traced again instead. Forward mode, ``jacobian`` and ``hessian``
-trace it again. The dependences propagated:
+inputs each value depends on and how (below). The operator then differentiates that
+jaxpr rather than trace the function a second time, so the user's Python runs once and
+its warnings are emitted once; a function that hands a value out through a side channel
+(a layer recording into a collector opened outside it, see :data:`SIDE_CHANNELS`) is
+traced again instead. The dependences propagated:
 
 * ``active``: through a differentiable path (the derivative can be nonzero);
 * ``cut``: only through operations whose derivative is zero (comparisons, conversions to
@@ -627,7 +625,7 @@ def check(kind: str, fn: Any, g: Any, plan: Plan, replay: bool = False) -> Calla
     function and abstract signature (later calls only compute the cache key); nothing
     happens when ``ft.config.diagnostics`` is off.
 
-    With ``replay=True`` (reverse mode), returns a function equal to ``g`` that evaluates
+    With ``replay=True`` (every operator passes it), returns a function equal to ``g`` that evaluates
     the jaxpr the analysis traced, for the operator to differentiate instead of tracing
     ``g`` again (the user's Python runs once, and its warnings are emitted once), or None
     when ``g`` was not traced now or its jaxpr cannot stand for it (see :func:`_replay`).

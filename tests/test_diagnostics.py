@@ -756,7 +756,8 @@ def test_the_operator_differentiates_the_checks_jaxpr_bit_for_bit(jitted):
     # tracing the function again. The numbers are the function's own, bit for bit
     # (diagnostics off: the operator traces the function itself): a checkpointed layer,
     # a custom derivative, has_aux with integer aux and Python numbers (returned as the
-    # same Python objects, not the jaxpr's literals), value_with_pullback.
+    # same Python objects, not the jaxpr's literals), value_with_pullback, and forward mode
+    # (value_with_differential, jacobian both ways, hessian, derivative).
     model, x, loss, loss_aux = _replay_cases()
     wrap = jax.jit if jitted else (lambda f: f)
 
@@ -765,7 +766,12 @@ def test_the_operator_differentiates_the_checks_jaxpr_bit_for_bit(jitted):
                wrap(ft.value_with_gradient(loss_aux, has_aux=True))(model, x),
                wrap(lambda m, x: ft.gradient(loss, wrt=(0, 1))(m, x))(model, x)]
         value, pullback = ft.value_with_pullback(lambda m: jnp.tanh(m(x)), at=model)
-        return out + [value, pullback(jnp.ones_like(value))]
+        v = jnp.linspace(-1.0, 2.0, 4)
+        f = lambda v: jnp.sin(v) * jnp.sum(v ** 2)  # noqa: E731
+        y, differential = ft.value_with_differential(f, at=v)
+        forward = [y, differential(jnp.ones(4)), ft.jacobian(f, at=v), ft.jacobian(f, at=v, mode="forward"),
+                   ft.hessian(lambda v: jnp.sum(jnp.sin(v) * v ** 3), at=v), ft.derivative(lambda t: f(v * t), at=1.5)]
+        return out + [value, pullback(jnp.ones_like(value))] + forward
 
     _diagnostics._CACHE.clear()
     on = run()
@@ -775,6 +781,26 @@ def test_the_operator_differentiates_the_checks_jaxpr_bit_for_bit(jitted):
     assert jax.tree.structure(on) == jax.tree.structure(off) and len(on_leaves) > 20
     for a, b in zip(on_leaves, off_leaves):  # aux's Python numbers stay Python numbers eagerly
         assert type(a) is type(b) and jnp.result_type(a) == jnp.result_type(b) and jnp.array_equal(a, b)
+
+
+@pytest.mark.parametrize("operator", ["gradient", "value_with_pullback", "value_with_differential", "jacobian",
+                                      "jacobian_forward", "hessian"])
+def test_every_operator_runs_the_functions_python_once(operator):
+    calls = []
+
+    def f(v):
+        calls.append(1)
+        return jnp.sum(jnp.sin(v) * v ** 2)
+
+    _diagnostics._CACHE.clear()
+    v = jnp.arange(3.0)
+    {"gradient": lambda: ft.gradient(f, at=v),
+     "value_with_pullback": lambda: ft.value_with_pullback(f, at=v)[1](1.0),
+     "value_with_differential": lambda: ft.value_with_differential(f, at=v)[1](jnp.ones(3)),
+     "jacobian": lambda: ft.jacobian(f, at=v),
+     "jacobian_forward": lambda: ft.jacobian(f, at=v, mode="forward"),
+     "hessian": lambda: ft.hessian(f, at=v)}[operator]()
+    assert len(calls) == 1  # the check's trace, which the operator differentiates
 
 
 def test_a_train_steps_loss_runs_once_per_signature():

@@ -505,7 +505,6 @@ class _Traced(NamedTuple):
     caught: list[Any]
     side_effect: bool
     returned: list[Any]  # g's result leaves, for those the jaxpr returns as literals
-    treedef: Any  # g's result's tree definition
 
 
 def _trace(g: Callable[..., Any], primals: Sequence[Any], holding: bool = False) -> _Traced:
@@ -525,8 +524,7 @@ def _trace(g: Callable[..., Any], primals: Sequence[Any], holding: bool = False)
             warnings.simplefilter("always")
             closed, shape = jax.make_jaxpr(kept, return_shape=True)(*primals)
         side_effect = [probe() for probe in SIDE_CHANNELS] != before
-        leaves, treedef = jax.tree.flatten(results[0])
-        return _Traced(closed, shape, _TRACE.quiet_constant, caught, side_effect, leaves, treedef)
+        return _Traced(closed, shape, _TRACE.quiet_constant, caught, side_effect, jax.tree.leaves(results[0]))
     finally:
         _TRACE.active, _TRACE.quiet_constant, _TRACE.holding = saved
 
@@ -555,7 +553,7 @@ def _replay(traced: _Traced) -> Callable[..., Any] | None:
         None if not isinstance(v, jcore.Literal) else (x,) if type(x) in _NUMBERS else ()
         for v, x in zip(outvars, traced.returned)
     ]
-    treedef = traced.treedef
+    treedef = jax.tree.structure(traced.shape)  # g's result's, its leaves as shapes
 
     def replayed(*args: Any) -> Any:
         out = run(*jax.tree.leaves(args))
@@ -580,14 +578,14 @@ def _registry_of(filename: str) -> dict[Any, Any] | None:
 
 def _run(
     f: Any, g: Callable[..., Any], plan: Plan, first_output_only: bool, strict: bool,
-    traced: list[_Traced] | None = None, holding: bool = False,
+    traced: list[_Traced] | None = None,
 ) -> DiagnosticReport:
     """Trace ``g`` and analyse it; never raises unless ``strict`` (then tracing errors do).
-    ``traced``: a list that receives the trace (when it succeeded); ``holding``: the
-    warnings the trace catches will be emitted (see :class:`_TraceState`)."""
+    ``traced``: a list that receives the trace (when it succeeded), whose warnings are held
+    for the caller, which emits them if it replays the trace (see :class:`_TraceState`)."""
     name = _fn_name(f)
     try:
-        trace = _trace(g, plan.primals, holding)
+        trace = _trace(g, plan.primals, holding=traced is not None)
     except Exception as e:
         if strict:
             raise
@@ -618,30 +616,28 @@ _CACHE: dict[Any, DiagnosticReport] = {}
 
 
 
-def check(kind: str, fn: Any, g: Any, plan: Plan, replay: bool = False) -> Callable[..., Any] | None:
-    """Analyse ``g`` (the function being differentiated) before differentiation.
+def check(kind: str, fn: Any, g: Any, plan: Plan) -> Callable[..., Any]:
+    """Analyse ``g`` (the function being differentiated) before differentiation, and return
+    the function the operator differentiates.
 
     Called by every differential operator. The analysis and its warnings happen once per
     function and abstract signature (later calls only compute the cache key); nothing
-    happens when ``ft.config.diagnostics`` is off.
-
-    With ``replay=True`` (every operator passes it), returns a function equal to ``g`` that evaluates
-    the jaxpr the analysis traced, for the operator to differentiate instead of tracing
-    ``g`` again (the user's Python runs once, and its warnings are emitted once), or None
-    when ``g`` was not traced now or its jaxpr cannot stand for it (see :func:`_replay`).
+    happens when ``ft.config.diagnostics`` is off. The function returned is, when ``g`` was
+    traced now and its jaxpr can stand for it (:func:`_replay`), a replay of that jaxpr
+    (``g``'s Python runs once, and its warnings are emitted once); otherwise ``g``.
     """
     if not config.diagnostics:
-        return None
+        return g
     key = cache_key(kind, fn, plan)
     if key is not None and key in _CACHE:
-        return None
+        return g
     traced: list[_Traced] = []
-    report = _run(fn, g, plan, first_output_only=kind == "gradient", strict=False, traced=traced, holding=replay)
+    report = _run(fn, g, plan, first_output_only=kind == "gradient", strict=False, traced=traced)
     if key is not None:
         bounded_put(_CACHE, key, report)
     for finding in report.findings:
         finding.emit()
-    return _replay(traced[0]) if replay and traced else None
+    return (_replay(traced[0]) if traced else None) or g
 
 
 class UncoveredDerivativeError(TypeError):

@@ -357,12 +357,8 @@ class Module:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """The pickled fields; a static field the class gained since the pickle was written
-        (named in its ``__ft_added_static__``) at its default, as a checkpoint reads it."""
-        d = self.__dict__
-        d.update(state)
-        for name in getattr(type(self), "__ft_added_static__", ()):
-            if name not in d:
-                d[name] = next(f.default for f in dataclasses.fields(self) if f.name == name)  # pyright: ignore[reportArgumentType]
+        at its default (:func:`added_static`), as a checkpoint reads it."""
+        self.__dict__.update({**added_static(type(self), state), **state})
 
     def __copy__(self) -> Self:
         d = self.__dict__
@@ -443,6 +439,23 @@ def from_fields(cls: type[_M], values: dict[str, Any]) -> _M:
     obj = object.__new__(cls)
     obj.__dict__.update(values)
     return obj
+
+
+def added_static(cls: type, given: Any) -> dict[str, Any]:
+    """The defaults of the static fields ``cls`` gained after files and pickles were written
+    without them (named in its ``__ft_added_static__``: ``LoraDense``'s ``saved_modules``)
+    that ``given`` (the names a file holds) lacks. Any other missing field is not filled.
+
+    Example:
+      >>> import functree as ft
+      >>> added_static(ft.nn.LoraDense, {"alpha": 4.0})
+      {'saved_modules': ()}
+      >>> added_static(ft.nn.Dense, {})
+      {}
+    """
+    added = getattr(cls, "__ft_added_static__", ())
+    return {f.name: f.default for f in dataclasses.fields(cls)  # pyright: ignore[reportArgumentType]
+            if f.name in added and f.name not in given and f.default is not dataclasses.MISSING}
 
 
 def by_name(value: Any) -> Any:

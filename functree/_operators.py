@@ -262,7 +262,7 @@ def value_with_gradient(
 def _value_and_grad(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap(_check_scalar(f"ft.{op}", fn, has_aux))
-    g = _diagnostics.check("gradient", fn, g, plan, replay=True) or g  # the check's trace, replayed
+    g = _diagnostics.check("gradient", fn, g, plan)  # the check's trace, replayed where it can be
     return jax.value_and_grad(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
 
 
@@ -320,7 +320,7 @@ def value_with_pullback(
 def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
-    g = _diagnostics.check("pullback", fn, g, plan, replay=True) or g  # the check's trace, replayed
+    g = _diagnostics.check("pullback", fn, g, plan)  # the check's trace, replayed where it can be
     out = jax.vjp(g, *plan.primals, has_aux=has_aux)
 
     def pullback_fn(cotangent: Any) -> Any:
@@ -369,7 +369,7 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
     with _forward_mode():
-        g = _diagnostics.check("differential", fn, g, plan, replay=True) or g  # the check's trace, replayed
+        g = _diagnostics.check("differential", fn, g, plan)  # the check's trace, replayed where it can be
         with _explain_reverse_only(op, fn, g, plan.primals):
             out = jax.linearize(g, *plan.primals, has_aux=has_aux)
 
@@ -442,7 +442,7 @@ def jacobian(
         forward = mode == "forward"
         with _forward_mode() if forward else contextlib.nullcontext():
             if not has_aux:  # with aux, the analysis cannot tell the result from the aux
-                g = _diagnostics.check("pullback", fn, g, plan, replay=True) or g  # the check's trace, replayed
+                g = _diagnostics.check("pullback", fn, g, plan)  # the check's trace, replayed where it can be
             if not forward:
                 return transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
             with _explain_reverse_only("jacobian", fn, g, plan.primals):
@@ -465,7 +465,7 @@ def hessian(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
         plan = Plan("hessian", fn, args, wrt)
         g = plan.wrap(_check_scalar("ft.hessian", fn, False))
         with _forward_mode():  # forward over reverse
-            g = _diagnostics.check("gradient", fn, g, plan, replay=True) or g  # the check's trace, replayed
+            g = _diagnostics.check("gradient", fn, g, plan)  # the check's trace, replayed where it can be
             return jax.hessian(g, argnums=plan.argnums)(*plan.primals)
 
     return _operator("hessian", f, at, impl)

@@ -532,8 +532,8 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
         wrapped[layer.path] = _with_full(wrapped.get(layer.path, layer.node), layer, i, module,
                                          full.get(module, {}), names, directory)
     if saved:  # the adapters remember them: save_lora writes the trained modules again
-        entries = tuple(config["modules_to_save"] if not isinstance(config["modules_to_save"], str)
-                        else [config["modules_to_save"]])
+        listed = config["modules_to_save"]
+        entries = (listed,) if isinstance(listed, str) else tuple(listed)
         wrapped = {path: node.replace(saved_modules=entries) if isinstance(node, LoraDense) else node
                    for path, node in wrapped.items()}
 

@@ -132,8 +132,7 @@ def collector_stack() -> list[_Collector]:
 def _handed_out() -> tuple[tuple[int, ...], ...]:
     """What the open collectors hold (a differentiated function's trace that records into a
     collector opened outside it hands values out: :data:`_diagnostics.SIDE_CHANNELS`)."""
-    return tuple((id(c), len(c.updates), len(c.followed)) + tuple(map(id, c.updates.values()))
-                 for c in collector_stack())
+    return tuple((id(c), len(c.followed), *map(id, c.updates.values())) for c in collector_stack())
 
 
 _diagnostics.SIDE_CHANNELS.append(_handed_out)

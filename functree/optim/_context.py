@@ -135,29 +135,38 @@ def initial_context() -> LearningContext:
 
 def current(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) -> LearningContext:
     """The context seen *during* a step: this minibatch's size and loss, counts before it."""
-    counters, new_loss = ctx.counters, ctx.loss
+    counters = ctx.counters
     if minibatch_size is not None:
-        # A select, not ``.at[..., 3].set``: elementwise, it fuses with ``advance``'s sum into
-        # one kernel (a scatter is a dynamic-update-slice kernel of its own, and a copy).
-        size = jnp.asarray(minibatch_size).astype(jnp.int32)[..., None]
-        counters = jnp.where(_MINIBATCH_SLOT, size, counters)
-    if loss is not None:
-        new_loss = jnp.asarray(loss).astype(jnp.float32)
-    return LearningContext(counters, new_loss)
+        counters = _with_size(counters, _size(minibatch_size))
+    return LearningContext(counters, _loss(ctx, loss))
 
 
 def advance(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) -> LearningContext:
-    """The context after a step on a minibatch of ``minibatch_size`` examples."""
-    new_loss = current(ctx, None, loss).loss
+    """The context after a step on a minibatch of ``minibatch_size`` examples (the last
+    step's size when None)."""
     counters = ctx.counters
-    if minibatch_size is None:  # the last step's size: read from the counters
-        size = counters[..., 3:]
-        return LearningContext(counters + size * _SAMPLES + _STEP, new_loss)
-    # counters + (1, 0, m, 0) with m in the last slot, elementwise in the counters read: one
-    # kernel that writes the donated buffer in place (reading the counters' own slot 3, a
-    # slice, would make XLA write elsewhere and copy back).
-    size = jnp.asarray(minibatch_size).astype(jnp.int32)[..., None]
-    return LearningContext(jnp.where(_MINIBATCH_SLOT, size, counters + size * _SAMPLES + _STEP), new_loss)
+    size = counters[..., 3:] if minibatch_size is None else _size(minibatch_size)
+    counters = counters + size * _SAMPLES + _STEP  # one step and its m samples
+    if minibatch_size is not None:
+        counters = _with_size(counters, size)
+    return LearningContext(counters, _loss(ctx, loss))
+
+
+def _size(minibatch_size: Any) -> jax.Array:
+    """The minibatch size as int32, broadcast along the counters' last axis."""
+    return jnp.asarray(minibatch_size).astype(jnp.int32)[..., None]
+
+
+def _with_size(counters: jax.Array, size: jax.Array) -> jax.Array:
+    # A select, not ``.at[..., 3].set``: elementwise in the counters read, it fuses with the
+    # step's sum into one kernel that writes the donated buffer in place (a scatter is a
+    # dynamic-update-slice kernel of its own; reading the counters' own slot 3 while writing
+    # the others, a copy).
+    return jnp.where(_MINIBATCH_SLOT, size, counters)
+
+
+def _loss(ctx: LearningContext, loss: Any) -> jax.Array:
+    return ctx.loss if loss is None else jnp.asarray(loss).astype(jnp.float32)
 
 
 def _is_context(x: Any) -> bool:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._module import Module, check_static
+from functree._module import Module, added_static, check_static
 from functree._tree import child_name
 from functree.hf._config import HFConfig
 from functree.train.checkpoint._registry import (
@@ -339,7 +339,7 @@ def _items(spec: dict[str, Any], key: str, kind: type) -> Any:
 def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:
     cls = _class(spec, path, "module")
     static, fields = _items(spec, "static", dict), _items(spec, "fields", dict)
-    values = _static_defaults(cls, static)  # a static field the class gained since, at its default
+    values = added_static(cls, static)  # a static field the class gained since, at its default
     _check_names(cls, [*static, *values, *fields], list(cls.__ft_fields__), path)
     if sorted([*static, *values]) != sorted(cls.__ft_static__):
         why = f"{cls.__name__}'s static fields are {sorted(cls.__ft_static__)}, not {sorted(static)}"
@@ -355,16 +355,6 @@ def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> A
     out = object.__new__(cls)
     out.__dict__.update({n: values[n] for n in cls.__ft_fields__})
     return out
-
-
-def _static_defaults(cls: type, stored: dict[str, Any]) -> dict[str, Any]:
-    """The defaults of the static fields a class gained after files were written without
-    them (named in its ``__ft_added_static__``: ``LoraDense``'s ``saved_modules``) that the
-    file does not store: such a checkpoint reads as a Module made today without them. Any
-    other missing static field is refused (a damaged file, not an older one)."""
-    added = getattr(cls, "__ft_added_static__", ())
-    return {f.name: f.default for f in dataclasses.fields(cls)  # pyright: ignore[reportArgumentType]
-            if f.name in added and f.name not in stored and f.default is not dataclasses.MISSING}
 
 
 def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:

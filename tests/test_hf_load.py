@@ -10,6 +10,7 @@ each port is one line: ``ft.nn.from_hf(hf)``.
 """
 
 import os
+import re
 import sys
 import types
 
@@ -753,3 +754,28 @@ def test_a_non_float_dtype_is_refused_at_the_call():
         with pytest.raises(TypeError, match=r"(?s)dtype is the parameters' floating dtype .*got .*right:  "
                                             r"ft.nn.from_hf\(source, dtype=jnp.bfloat16\)"):
             ft.nn.from_hf(llama_config(), key=jax.random.key(0), dtype=dtype)
+
+
+def test_bert_token_type_ids_outside_the_table_are_refused_as_hf_refuses_them():
+    """type_vocab_size 2: a segment id 2 or -1 raises (HF: IndexError), where a clamped lookup
+    read segment 1's row; under jit (ids not readable) its rows are NaN, never another's."""
+    from functree.hf._bert import BertModel
+
+    model = BertModel(VOCAB, 16, D, 4, 2 * D, 1, key=jax.random.key(0))
+    ids = np.arange(8, dtype=np.int32).reshape(2, 4)
+    for bad, where in ((np.array([[0, 1, 2, 1]] * 2), "got 2 at token_type_ids[0, 2]"),
+                       (np.array([[0, -1, 0, 0]] * 2), "got -1 at token_type_ids[0, 1]")):
+        with pytest.raises(ValueError, match=re.escape(where)) as info:
+            model(ids, token_type_ids=bad)
+        assert "each in [0, 2) (type_vocab_size 2)" in str(info.value) and "jnp.zeros_like(ids)" in str(info.value)
+    for bad, given in ((np.zeros((2, 4), np.float32), "f32[2,4]"), (np.zeros((2, 5), np.int32), "i32[2,5]")):
+        with pytest.raises(ValueError, match=re.escape("shaped like input_ids [2, 4], each in [0, 2)")) as info:
+            model(ids, token_type_ids=bad)
+        assert given in str(info.value)
+    run = jax.jit(lambda m, i, t: m(i, token_type_ids=t))
+    assert np.isnan(np.asarray(run(model, ids, np.array([[0, 1, 2, 1]] * 2)))[:, 2]).all()  # (attention spreads it)
+    assert np.isfinite(np.asarray(run(model, ids, np.array([[0, 1, 1, 1]] * 2)))).all()
+    # Valid ids: the same numbers as before the check, and a [T] row broadcasts over the batch.
+    row = np.array([0, 0, 1, 1], np.int32)
+    np.testing.assert_array_equal(model(ids, token_type_ids=row), model(ids, token_type_ids=np.stack([row, row])))
+    np.testing.assert_array_equal(model(ids), model(ids, token_type_ids=np.zeros((2, 4), np.int32)))

@@ -11,6 +11,7 @@ half-written files. The model and fixtures are test_nn_lora's.
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -441,3 +442,72 @@ def test_bfloat16_adapters_save_and_load(hf, trained, tmp_path):
     peft_model = peft.PeftModel.from_pretrained(llama(), str(tmp_path)).eval()
     ids = tokens()
     assert_close(logits(loaded, ids), hf_logits(peft_model, ids))
+
+
+@pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers` to `True`:UserWarning")  # PEFT's, saving
+def test_an_adapter_on_lm_head_with_the_base_weight_peft_saves_beside_it(tmp_path):
+    """PEFT's save_embedding_layers="auto" writes lm_head's base weight beside its adapter
+    (``lm_head.base_layer.weight``): read when it is the model's own, refused when it is
+    another (PEFT would load it over the model's); an adapted embedding is another kind."""
+    peft_model = peft_adapter(llama, tmp_path / "head", r=2, target_modules=["q_proj", "lm_head"])
+    file = tmp_path / "head" / "adapter_model.safetensors"
+    tensors = safetensors.numpy.load_file(str(file))
+    assert "base_model.model.lm_head.base_layer.weight" in tensors
+    ids = tokens()
+    model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "head")
+    assert_close(logits(model, ids), hf_logits(peft_model, ids))
+    assert isinstance(model.lm_head, _lora.LoraDense)
+    name = "base_model.model.lm_head.base_layer.weight"
+    for changed, shown in ((tensors[name] + np.float32(0.5), f"shape ({VOCAB}, {D}) against ({VOCAB}, {D}), other values"),
+                           (tensors[name][:40], f"shape (40, {D}) against ({VOCAB}, {D}))")):
+        safetensors.numpy.save_file({**tensors, name: changed}, str(file))
+        with pytest.raises(ValueError, match=re.escape(f"{name!r} is the base weight of 'lm_head'")) as info:
+            ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "head")
+        assert shown in str(info.value) and "base_model_it_was_trained_on" in str(info.value)
+    peft_adapter(llama, tmp_path / "embed", r=2, target_modules=["q_proj", "embed_tokens"])
+    with pytest.raises(ValueError, match=r"selects \['model.embed_tokens'\], which is not a Dense layer"):
+        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "embed")
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga", "mica", "bogus"])
+def test_initializations_that_change_the_base_weights_are_refused(tmp_path, init):
+    """With PiSSA, CorDA, OLoRA, LoftQ and LoRA-GA PEFT rewrites the base layer's weight
+    when it loads the adapter (W - scale B0 A0): the file's A and B do not apply to the
+    base given, so loading them would be another model (measured: logits 0.04-0.07 off)."""
+    peft_adapter(llama, tmp_path, r=2, target_modules=["q_proj"])
+    edit_config(tmp_path, init_lora_weights=init)
+    if init in ("mica", "bogus"):
+        match = rf"sets init_lora_weights='{init}'; ft.nn.load_lora reads plain LoRA \(init_lora_weights=True"
+    else:
+        match = rf"sets init_lora_weights='{init}': with it PEFT changes the base model's own weights"
+    with pytest.raises(ValueError, match=match) as info:
+        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path)
+    assert ("path_initial_model_for_weight_conversion" in str(info.value)) == (init.split("_")[0] in ("pissa", "olora",
+                                                                                                       "corda"))
+    for plain in (True, False, "Gaussian", "eva", "orthogonal"):
+        edit_config(tmp_path, init_lora_weights=plain)
+        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore:PiSSA changes the base weights:UserWarning")  # PEFT's, converting
+def test_a_pissa_adapter_converted_by_peft_loads_as_peft_loads_it(tmp_path):
+    """The fix the refusal names: PEFT's save with path_initial_model_for_weight_conversion
+    writes plain LoRA (rank 2r) that applies to the unchanged base."""
+    torch.manual_seed(4)
+    peft_model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                              init_lora_weights="pissa"))
+    peft_model.peft_config["default"].init_lora_weights = True  # PEFT's documented recipe for the initial save
+    peft_model.save_pretrained(str(tmp_path / "initial"))
+    peft_model.peft_config["default"].init_lora_weights = "pissa"
+    with torch.no_grad():  # trained
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    peft_model.save_pretrained(str(tmp_path / "plain"), path_initial_model_for_weight_conversion=str(tmp_path / "initial"))
+    peft_model.save_pretrained(str(tmp_path / "pissa"))
+    ids = tokens()
+    expected = hf_logits(peft.PeftModel.from_pretrained(llama(), str(tmp_path / "plain")).eval(), ids)
+    assert_close(hf_logits(peft_model.eval(), ids), expected)  # the conversion keeps the model
+    assert_close(logits(ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "plain"), ids), expected)
+    with pytest.raises(ValueError, match="init_lora_weights='pissa'"):
+        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "pissa")

@@ -7,9 +7,11 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._module import Module, field
-from functree.hf._causal import check_ids, check_length, lookup_rows, padding_mask
+from functree._repr import short_array
+from functree.hf._causal import _concrete, check_ids, check_length, lookup_rows, padding_mask
 from functree.hf._config import HFConfig
 from functree.hf._family import HFModel
 from functree.hf._options import activation, require
@@ -20,6 +22,15 @@ from functree.nn._normalization import LayerNorm
 from functree.nn._stack import Stack
 
 __all__ = ["BertModel", "BertEmbeddings", "BertLayer", "BertEncoder", "BERT_RENAME"]
+
+BAD_TOKEN_TYPES = """\
+{model}: token_type_ids must be integer segment ids shaped like input_ids {shape}, each in \
+[0, {types}) (type_vocab_size {types}); got {given}. Hugging Face raises here (IndexError); \
+another id would read another segment's row.
+
+    wrong:  model(ids, token_type_ids=jnp.full_like(ids, {types}))
+    right:  model(ids, token_type_ids=jnp.zeros_like(ids))      # 0: the first segment, 1: the second
+"""
 
 
 # HF's names of BERT's sublayers that ft.nn names differently (``*``: the layer number).
@@ -117,8 +128,9 @@ class BertModel(HFModel):
         ids = check_ids(self, input_ids, e.word_embeddings.embeddings.shape[0])
         check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
         mask = padding_mask(self, ids, attention_mask, False)
-        types = jnp.zeros_like(ids) if token_type_ids is None else jnp.asarray(token_type_ids)
-        x = lookup_rows(e.word_embeddings, ids) + e.position_embeddings(jnp.arange(ids.shape[1])) + e.token_type_embeddings(types)
+        types = _token_types(self, ids, token_type_ids, e.token_type_embeddings.embeddings.shape[0])
+        x = (lookup_rows(e.word_embeddings, ids) + e.position_embeddings(jnp.arange(ids.shape[1]))
+             + lookup_rows(e.token_type_embeddings, types))
         x = e.LayerNorm(x)
         extra = {} if mask is None else {"mask": mask[:, None, None, :]}
         return self.encoder.layer(x, **extra)
@@ -142,3 +154,30 @@ class BertModel(HFModel):
             out = {k[len("bert."):] if k.startswith("bert.") else k: v for k, v in out.items()}
         return {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v
                 for k, v in out.items()}
+
+
+def _token_types(model: Any, ids: jax.Array, token_type_ids: Any, types: int) -> jax.Array:
+    """The segment ids (zeros when not given), checked: an integer array that broadcasts to
+    ``ids``'s shape, and (when concrete) each id in ``[0, types)``. Traced ids out of range
+    read NaN rows (:func:`lookup_rows`), never another segment's."""
+    if token_type_ids is None:
+        return jnp.zeros_like(ids)
+    given = token_type_ids if isinstance(token_type_ids, jax.Array) else jnp.asarray(token_type_ids)
+
+    def bad(what: str) -> ValueError:
+        return ValueError(BAD_TOKEN_TYPES.format(model=type(model).__name__, shape=list(ids.shape), types=types,
+                                                 given=what))
+
+    try:
+        shape_ok = jnp.broadcast_shapes(given.shape, ids.shape) == ids.shape
+    except ValueError:
+        shape_ok = False
+    if not shape_ok or not jnp.issubdtype(given.dtype, jnp.integer):
+        raise bad(short_array(given))
+    concrete = _concrete(token_type_ids)
+    if concrete is not None and concrete.size:
+        outside = (concrete < 0) | (concrete >= types)
+        if outside.any():
+            where = [int(i) for i in np.argwhere(outside)[0]]
+            raise bad(f"{int(concrete[tuple(where)])} at token_type_ids{where}")
+    return jnp.broadcast_to(given, ids.shape)

@@ -128,6 +128,23 @@ weights were written for {recorded!r}. A save_lora was interrupted between its t
 or the config was edited after; loading them together would give a different model.
     right:  ft.nn.save_lora(model, {directory!r})   # save the adapter again"""
 
+MUTATED_BASE = """\
+ft.nn.load_lora: the adapter sets init_lora_weights={value!r}: with it PEFT changes the base \
+model's own weights when it loads the adapter ({how}), so its lora_A / lora_B are not an \
+update of the base model given here, and loading them onto it would give a different model. \
+{right}"""
+
+CONVERT_MUTATED = """Save it as plain LoRA (PEFT converts it; the base stays as it is):
+    wrong:  peft_model.save_pretrained(directory)
+    right:  peft_model.save_pretrained(directory, path_initial_model_for_weight_conversion=initial_adapter_dir)"""
+
+BASE_LAYER = """\
+ft.nn.load_lora: {name!r} is the base weight of {module!r} that PEFT saved beside its adapter \
+(save_embedding_layers), and it differs from this model's (shape {given} against {expected}{values}). \
+PEFT would load it over the model's own; the adapter was trained on another base (a resized \
+vocabulary, or trained embeddings).
+    right:  ft.nn.load_lora(ft.nn.from_hf(base_model_it_was_trained_on), directory)"""
+
 SAVED_MODULE = """\
 ft.nn.{what}: modules_to_save names {module!r}, {problem}. A module to save is a Dense \
 layer of its own, written (and read) whole, as PEFT's modules_to_save does.
@@ -142,11 +159,22 @@ RECORDED = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "t
             "layers_to_transform", "layers_pattern", "modules_to_save", "fan_in_fan_out", "bias", "use_dora",
             "lora_bias")
 # Options whose other values are other kinds of adapter, and the values read here.
-# (PEFT's LoRA variants: the LoraConfig fields marked is_lora_variant, and init_lora_weights="mica".)
+# (PEFT's LoRA variants: the LoraConfig fields marked is_lora_variant; init_lora_weights below.)
 COVERED = (("use_dora", False), ("lora_bias", False), ("bias", "none"), ("layer_replication", None),
            ("target_parameters", None), ("trainable_token_indices", None), ("alora_invocation_tokens", None),
            ("use_bdlora", None), ("use_qalora", False), ("velora_config", None), ("monteclora_config", None),
-           ("arrow_config", None), ("kasa_config", None), ("init_lora_weights", "not 'mica'"))
+           ("arrow_config", None), ("kasa_config", None))
+# init_lora_weights: the values that only draw lora_A / lora_B (the file's tensors replace them),
+# and those with which PEFT also rewrites the base layer's weight (peft/tuners/lora/layer.py,
+# LoraLayer.update_layer), with what it does there.
+PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")  # (PEFT reads "gaussian" in any case)
+MUTATING_INITS = {"pissa": "W - scale * B0 A0 of W's principal singular vectors",
+                  "corda": "W - scale * B0 A0 of a context-oriented decomposition",
+                  "olora": "W - scale * B0 A0 of W's QR decomposition",
+                  "loftq": "W quantized, B0 A0 its quantization error",
+                  "lora_ga": "W - scale * B0 A0 of gradient-aligned vectors"}
+# (Any other value is refused as another kind of adapter: "mica", say, freezes lora_B to W's
+# minor singular vectors, computed again at load.)
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha default
 
 
@@ -377,16 +405,30 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
         raise ValueError(NOT_PEFT.format(directory=directory, problem=f"peft_type is {given!r}, not 'LORA'"))
     for option, covered in COVERED:
         value = config.get(option)
-        if value is None or value == covered or (covered in (None, False) and not value) or (
-                option == "init_lora_weights" and value != "mica"):  # an initialization: read as it is
+        if value is None or value == covered or (covered in (None, False) and not value):
             continue
         raise ValueError(UNSUPPORTED_PEFT.format(option=option, value=value,
                                                      covered=", ".join(f"{o}={c!r}" for o, c in COVERED)))
+    _check_init(config.get("init_lora_weights", True))
     tensors = load_file(weights_path, caller="ft.nn.load_lora")  # every rule of the format checked
     metadata = read_header(weights_path, os.path.getsize(weights_path))[1].get("__metadata__") or {}
     if RECORD in metadata:
         _check_record(directory, config, metadata[RECORD])
     return config, tensors
+
+
+def _check_init(value: Any) -> None:
+    """Refuse an ``init_lora_weights`` with which PEFT changes the base weights on load (the
+    file's tensors then belong to that changed base), or one PEFT does not know."""
+    name = value.lower() if isinstance(value, str) else None
+    if value is True or value is False or name == "gaussian" or value in ("eva", "orthogonal"):  # as PEFT compares
+        return
+    kind = next((k for k in MUTATING_INITS if name is not None and (name == k or name.startswith(f"{k}_"))), None)
+    if kind is None:
+        raise ValueError(UNSUPPORTED_PEFT.format(option="init_lora_weights", value=value, covered=", ".join(
+            f"init_lora_weights={v!r}" for v in PLAIN_INITS)))
+    right = CONVERT_MUTATED if kind in ("pissa", "corda", "olora") else "PEFT cannot convert it to plain LoRA."
+    raise ValueError(MUTATED_BASE.format(value=value, how=MUTATING_INITS[kind], right=right))
 
 
 def _check_record(directory: str, config: dict[str, Any], text: str) -> None:
@@ -402,15 +444,25 @@ def _check_record(directory: str, config: dict[str, Any], text: str) -> None:
 
 
 def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: str
-                   ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
-    """``({module: {"lora_A": ..., "lora_B": ...}}, {saved module: {param: full tensor}})``."""
+                   ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]],
+                              dict[str, dict[str, np.ndarray]]]:
+    """``({module: {"lora_A": ..., "lora_B": ...}}, {saved module: {param: full tensor}},
+    {module: {param: its base layer's tensor}})``: the adapters (an embedding's
+    ``lora_embedding_A`` / ``_B`` among them, refused later as not a Dense target), the
+    modules_to_save, and the base weights PEFT's ``save_embedding_layers`` writes beside an
+    adapted ``lm_head`` or ``embed_tokens``."""
     pairs: dict[str, dict[str, np.ndarray]] = {}
     full: dict[str, dict[str, np.ndarray]] = {}
+    bases: dict[str, dict[str, np.ndarray]] = {}
     for name, value in tensors.items():
-        match = re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", name)
+        match = re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", name) or re.fullmatch(
+            rf"{re.escape(PREFIX)}(.*)\.lora_embedding_(A|B)(?:\.[^.]+)?", name)
+        base = re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.base_layer\.(weight|bias)", name)
         module, _, param = name[len(PREFIX):].rpartition(".")
         if match is not None:
-            pairs.setdefault(match[1], {})[match[2]] = value
+            pairs.setdefault(match[1], {})[match[2] if match[2].startswith("lora") else f"lora_{match[2]}"] = value
+        elif base is not None:
+            bases.setdefault(base[1], {})[base[2]] = value
         elif name.startswith(PREFIX) and module in saved:
             full.setdefault(module, {})[param] = value
         else:
@@ -421,7 +473,32 @@ def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: s
         for which in ("lora_A", "lora_B"):
             if which not in pair:
                 raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{module!r} has no {which}"))
-    return pairs, full
+    return pairs, full, bases
+
+
+def _check_base_layers(model: Any, names: TorchNames, bases: dict[str, dict[str, np.ndarray]], modules: list[str],
+                       directory: str) -> None:
+    """The base weights PEFT saved beside adapted modules (``save_embedding_layers``; its
+    ``"auto"`` writes them whenever ``target_modules`` names ``lm_head`` or
+    ``embed_tokens``): read when they equal the model's own (in its dtype), refused
+    otherwise, as PEFT would load them over the model's (:data:`BASE_LAYER`)."""
+    layers = {m: (layer, i) for layer in dense_layers(model) for i, m in enumerate(member_layer_names(layer))}
+    for module, given in bases.items():
+        members = [m for m, n in names.members.items() if n.module == module and n.weight_param]
+        if module not in modules or len(members) != 1:  # not an adapted Dense of its own
+            name = f"{PREFIX}{module}.base_layer.{next(iter(given))}"
+            raise ValueError(NOT_PEFT.format(directory=directory, problem=(
+                f"an unexpected tensor {name!r} (a base layer's weight, for no adapted Dense layer)")))
+        layer, i = layers[members[0]]
+        own = _full_tensors(module, layer, i, names)
+        for param, value in given.items():
+            mine = own.get(f"{PREFIX}{module}.{param}")
+            expected = None if mine is None else tuple(mine.shape)
+            same = mine is not None and value.shape == mine.shape and np.array_equal(value.astype(mine.dtype), mine)
+            if not same:
+                values = "" if mine is None or value.shape != mine.shape else ", other values"
+                raise ValueError(BASE_LAYER.format(name=f"{PREFIX}{module}.base_layer.{param}", module=module,
+                                                   given=tuple(value.shape), expected=expected, values=values))
 
 
 def _layer_index(config: dict[str, Any], module: str) -> int | None:
@@ -493,7 +570,10 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     Refused, naming the tensor or option: a config and a file that disagree (tensors of
     modules not targeted, targeted modules without tensors, ranks other than the config's,
     integer tensors, a config other than the one the weights were saved with), targets that
-    are not Dense layers, DoRA and adapter biases.
+    are not Dense layers, DoRA and adapter biases, an ``init_lora_weights`` with which PEFT
+    rewrites the base weights at load (PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA: PEFT's converted
+    save, ``path_initial_model_for_weight_conversion=``, loads), and a base weight saved
+    beside an adapted head (``save_embedding_layers``) that is not the model's own.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, tempfile
@@ -513,8 +593,9 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     kind = "Hugging Face" if names.is_hf else "torch"
     saved = _saved_modules(model, names, config["modules_to_save"], "load_lora") if config.get("modules_to_save") \
         else {}
-    pairs, full = _split_tensors(tensors, set(saved), directory)
+    pairs, full, bases = _split_tensors(tensors, set(saved), directory)
     modules = _checked_modules(config, names, pairs, kind)
+    _check_base_layers(model, names, bases, modules, directory)
     layers = dense_layers(model)
     inputs = {m: int(layer.node.weight.shape[-2]) for layer in layers for m in member_layer_names(layer)}
     members: dict[str, tuple[str, np.ndarray, np.ndarray, float]] = {}
@@ -565,11 +646,14 @@ def _check_config(config: dict[str, Any], directory: str) -> None:
 def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str, Any], kind: str) -> list[str]:
     """The targeted modules, checked against the file's tensors and the model's Dense layers."""
     dense = {n.module for n in names.members.values() if n.weight_param}
+    targets = config.get("target_modules")
     unknown = sorted(m for m in pairs if m not in dense)
+    if unknown and all(m in names.modules for m in unknown):  # an embedding, a tied head: adapters of another kind
+        raise ValueError(NOT_DENSE_TARGET.format(option=f"target_modules={targets!r}", modules=unknown[:4],
+                                                 are="is" if len(unknown) == 1 else "are"))
     if unknown:
         raise ValueError(UNKNOWN_MODULE.format(modules=unknown[:4], torch=kind, known=sorted(dense)[:4]))
     targeted = _targeted(config, names)
-    targets = config.get("target_modules")
     if not targeted:
         raise ValueError(NOTHING_TARGETED.format(targets=targets, torch=kind, known=sorted(dense)[:4]))
     stray = sorted(m for m in pairs if m not in targeted)

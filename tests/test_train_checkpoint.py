@@ -478,3 +478,40 @@ def test_a_checkpoint_records_the_mesh_it_was_written_from(tmp_path):
     assert meta("sharded")["mesh"] == {"data": 1} and meta("plain")["mesh"] == {}
     back = ft.train.load(tmp_path / "sharded", model, mesh=mesh, sharding="fsdp")
     np.testing.assert_array_equal(back.weight, model.weight)
+
+
+def test_a_template_with_other_static_configuration_is_refused_naming_each_field(tmp_path):
+    """The template's static fields replaced the saved ones silently: 4 heads restored as 2,
+    a relu as the identity, a scale of 5 as 2 (outputs 1.4-2.3 off). Every differing field is
+    named with both values; the fields a template decides (mode, dropout rate, kernel) are not."""
+    attention = ft.nn.MultiheadAttention(8, 4, key=jax.random.key(0))
+    ft.train.save(tmp_path / "attention", attention)
+    with pytest.raises(CheckpointError) as info:
+        ft.train.load(tmp_path / "attention", ft.nn.MultiheadAttention(8, 2, key=jax.random.key(1)))
+    message = str(info.value)
+    assert "num_heads: saved 4, the template's 2" in message and "num_kv_heads: saved 4, the template's 2" in message
+    assert "right:  ft.train.load(path)" in message
+    assert ft.train.load(tmp_path / "attention").num_heads == 4
+    chosen = ft.train.load(tmp_path / "attention", ft.nn.training(ft.nn.MultiheadAttention(
+        8, 4, dropout=0.3, implementation="xla", key=jax.random.key(1))))
+    assert (chosen.training, chosen.dropout, chosen.implementation) == (True, 0.3, "xla")  # the template's choices
+
+    manager = CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, make_block(), None)
+    other = make_block(seed=3).replace(activation=jax.nn.tanh, sizes=(2, 4))
+    with pytest.raises(CheckpointError) as info:
+        manager.restore(template=other)
+    message = str(info.value)
+    assert "The checkpoint's model at step 1 was saved with other static configuration" in message
+    assert "activation: saved jax.nn.relu, the template's jax.nn.tanh" in message
+    assert "sizes: saved (2, 3), the template's (2, 4)" in message and "manager.restore(1).model" in message
+    assert_same(manager.restore(template=make_block(seed=3)).model, make_block())
+
+    trainer = _trainer(steps=2)
+    trainer.save(tmp_path / "job")
+    relu_free = ft.nn.Sequential(ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.Dropout(0.5),
+                                 ft.nn.Dense(3, 1, key=jax.random.key(1)))
+    later = _trainer(steps=0)
+    later.model = relu_free
+    with pytest.raises(CheckpointError, match=r"layers\.0\.activation: saved jax\.nn\.relu, the template's"):
+        later.restore(tmp_path / "job")

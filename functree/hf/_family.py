@@ -91,6 +91,7 @@ class HFModel(Module):
     hf_residual: ClassVar[tuple[str, ...]] = ()  # the layers HF initializes at std / sqrt(2 * n_layer)
     hf_layouts: ClassVar[dict[str, Any]] = {}  # ft.nn.load_torch_state_dict's layouts=
     hf_rename: ClassVar[dict[str, str]] = {}  # ft.nn.load_torch_state_dict's rename=
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("hf_config",)  # a restore's template decides them (how it is saved and generates by default)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -11,7 +11,7 @@ finite-difference gradient check at 1.3e-5 relative).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +206,7 @@ class MultiheadAttention(Layer):
     dropout: float = field(static=True, default=0.0)
     implementation: Literal["auto", "xla", "cudnn"] | None = field(static=True, default="auto")
     training: bool = field(static=True, default=False)
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "implementation")  # a restore's template decides them (how it trains, its kernel)
 
     def __init__(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
@@ -45,6 +47,7 @@ class Dropout(Layer):
 
     rate: float = field(static=True)
     training: bool = field(static=True, default=False)
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("rate",)  # a restore's template decides them (how it trains)
 
     def __init__(self, rate: float, *, training: bool = False):
         if not 0.0 <= rate < 1.0:

@@ -137,6 +137,7 @@ class LoraDense(Layer):
     # Static fields added after checkpoints were written without them: those read at their
     # default (functree/train/checkpoint/_treespec.py); any other missing field is refused.
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("saved_modules",)
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "saved_modules")  # a restore's template decides them (how it trains, what save_lora writes)
 
     weight: jax.Array
     bias: jax.Array | None = field(decay=False)

@@ -9,7 +9,7 @@ declared ``ft.field(decay=False)``: weight decay leaves normalisation parameters
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +230,7 @@ class BatchNorm(Layer):
     momentum: float = field(static=True, default=0.99)
     epsilon: float = field(static=True, default=1e-3)
     training: bool = field(static=True, default=False)
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("momentum",)  # a restore's template decides them (how it trains its running statistics)
 
     def __init__(
         self,

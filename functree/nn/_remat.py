@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
@@ -142,6 +142,7 @@ class Remat(Layer):
 
     layer: Any
     policy: Any = field(static=True, default=True)
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("policy",)  # a restore's template decides them (how it spends memory)
 
     def __init__(self, layer: Any, *, policy: Any = None):
         self.layer = layer

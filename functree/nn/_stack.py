@@ -165,6 +165,7 @@ class Stack(Layer):
     n: int = field(static=True)
     remat: Any = field(static=True, default=None)
     __ft_stacked__: ClassVar[bool] = True
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("remat",)  # a restore's template decides them (how it spends memory)
 
     def __init__(self, make: Callable[[jax.Array], Any], n: int, *, key: jax.Array, remat: Any = None):
         n = _check_n(n)

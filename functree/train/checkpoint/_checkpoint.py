@@ -39,6 +39,7 @@ from functree.train.checkpoint._treespec import (
     decode_leaf,
     encode,
     leaf_specs,
+    static_differences,
 )
 
 __all__ = ["Checkpoint", "CheckpointManager", "save", "load", "CheckpointError"]
@@ -75,6 +76,17 @@ Build the template the same way as the saved {part} (same layer sizes, dtypes an
 optimizer), or restore without a template to get the saved {part} back as it was:
 
     manager.restore(step).{part}{hint}"""
+
+STATIC_MISMATCH = """\
+{what} was saved with other static configuration than the template's. A template gives the \
+saved arrays their structure; these fields change what the {part} computes, and the \
+template's values would replace the saved ones silently:
+{lines}
+Build the template with the saved values, or restore without a template to get the saved \
+{part} as it was saved:
+
+    wrong:  {wrong}      # the template's {where} is {mine}; saved: {saved}
+    right:  {right}"""
 
 OLD_OPTIMIZER_LAYOUT = """
 
@@ -287,6 +299,18 @@ def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: 
     tree, report = from_flat_dict(template, flat, strict=False)
     if not report.ok:
         raise CheckpointError(TEMPLATE_MISMATCH.format(part=part or "tree", step=step, report=report, hint=hint))
+    differences = static_differences(spec, template, part)
+    if differences:
+        lines = "\n".join(f"    {where}: saved {saved}, the template's {mine}" for where, saved, mine in differences[:8])
+        more = f"\n    ... and {len(differences) - 8} more" if len(differences) > 8 else ""
+        where, saved, mine = differences[0]
+        if step == "-":  # ft.train.load
+            what, wrong, right = "This checkpoint's tree", "ft.train.load(path, template)", "ft.train.load(path)"
+        else:
+            what = f"The checkpoint's {part} at step {step}"
+            wrong, right = f"manager.restore({step}, template=...)", f"manager.restore({step}).{part}{hint}"
+        raise CheckpointError(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
+                                                     right=right, where=where, mine=mine, saved=saved))
     return tree
 
 

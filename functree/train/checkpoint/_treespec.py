@@ -41,7 +41,7 @@ from functree.train.checkpoint._registry import (
     type_name,
 )
 
-__all__ = ["encode", "decode", "leaf_specs", "check_names", "CheckpointError", "SpecError"]
+__all__ = ["encode", "decode", "leaf_specs", "check_names", "static_differences", "CheckpointError", "SpecError"]
 
 NO_TEMPLATE = """\
 Cannot rebuild {what} at {path!r} without a template: {why}.
@@ -461,3 +461,67 @@ def check_names(spec: Any, arrays: dict[str, Any]) -> None:
     if unnamed:
         why = f"the stored arrays {unnamed[:5]} are named by no leaf"
         raise SpecError(MALFORMED.format(path=unnamed[0], why=why))
+
+
+# Static fields a template's value decides on restore: how a model runs or trains (its mode,
+# kernel, memory strategy, training noise), not what its trained weights compute. A class
+# names its own in ``__ft_template_static__`` (``ft.nn.Dropout``'s ``rate``).
+TEMPLATE_CHOOSES = ("training",)
+
+
+def template_chooses(cls: type) -> frozenset[str]:
+    """The static fields of ``cls`` whose template value a restore keeps."""
+    return frozenset(TEMPLATE_CHOOSES) | frozenset(getattr(cls, "__ft_template_static__", ()))
+
+
+def static_differences(spec: Any, template: Any, path: str = "") -> list[tuple[str, str, str]]:
+    """``(key path, saved, template's)`` of every static field whose saved value differs from
+    the template's at the same place (Modules and registered dataclasses of the same class;
+    fields the template chooses and values stored only as a ``repr`` are not compared).
+
+    A template gives a checkpoint's arrays their structure; a static field (an activation, a
+    head count, a scale) changes what the model computes, so a saved value the template
+    does not share would be replaced silently.
+    """
+    if not isinstance(spec, dict):
+        return []
+    kind, out = spec.get("kind"), []
+    if kind in ("module", "dataclass") and spec.get("class") == type_name(type(template)):
+        static, fields = spec.get("static"), spec.get("fields")
+        chooses = template_chooses(type(template))
+        for name, code in (static.items() if isinstance(static, dict) else ()):
+            if name in chooses or not hasattr(template, name):
+                continue
+            mine = _encode_static(getattr(template, name))
+            if code != mine and "repr" not in code and "repr" not in mine:
+                out.append((child_name(path, name), _shown(code), _shown(mine)))
+        for name, child in (fields.items() if isinstance(fields, dict) else ()):
+            if hasattr(template, name):
+                out += static_differences(child, getattr(template, name), child_name(path, name))
+    elif kind in ("list", "tuple", "namedtuple") and isinstance(template, (list, tuple)):
+        items = spec.get("items")
+        names = getattr(type(template), "_fields", range(len(template)))
+        for name, child, value in zip(names, items if isinstance(items, list) else (), template):
+            out += static_differences(child, value, child_name(path, name))
+    elif kind == "dict" and isinstance(template, dict):
+        keys, items = spec.get("keys"), spec.get("items")
+        by_name = {str(k): v for k, v in template.items()}
+        for key, child in zip(keys if isinstance(keys, list) else (), items if isinstance(items, list) else ()):
+            name = key[1] if isinstance(key, list) and len(key) == 2 else None
+            if name in by_name:
+                out += static_differences(child, by_name[name], child_name(path, name))
+    return out
+
+
+def _shown(code: Any) -> str:
+    """A stored static value as the user wrote it (``relu``, ``4``, ``(1, 2)``)."""
+    if not isinstance(code, dict) or len(code) != 1:
+        return repr(code)
+    (tag, value), = code.items()
+    if tag == "tuple" and isinstance(value, list):
+        return "(" + ", ".join(_shown(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    if tag == "record" and isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict):
+        return f"{str(value[0]).rsplit('.', 1)[-1]}(" + ", ".join(f"{k}={_shown(v)}" for k, v in value[1].items()) + ")"
+    if tag == "hf_config":
+        return "HFConfig(...)"
+    return repr(value) if tag == "json" else str(value)

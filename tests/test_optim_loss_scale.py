@@ -82,3 +82,46 @@ def test_loss_scaling_keeps_complex_gradients_complex():
     assert m2.z.dtype == jnp.complex64
     np.testing.assert_array_equal(np.asarray(m2.z), np.asarray(m1.z))
     assert float(jnp.abs(m2.z - target).max()) < float(jnp.abs(target).max())
+
+
+@pytest.mark.parametrize("scale", [8.0, 1024.0, 2.0**15])
+def test_the_scale_comes_after_transform_loss_and_reaches_a_gradient_hook(scale):
+    """The scale multiplied the loss before the inner optimizer's transform_loss, giving
+    grad T(s L) / s (T = l**2: s times too large; w = -183.3 where 0.82 is right), and a
+    get_gradients hook saw scaled gradients (per-example clipping at t / s). Now the loss
+    scale is applied last: the same step as without it."""
+    w = {"w": jnp.ones(())}
+    loss = lambda p, x: 3.0 * p["w"] * jnp.mean(x)  # noqa: E731
+    squared = fo.Optimizer(fo.sgd(0.01), transform_loss=lambda l: l**2)
+    plain, _, _ = squared.minimize(loss, w, squared.init(w), jnp.ones(2))
+    scaled_opt = fo.LossScaleOptimizer(squared, initial_scale=scale)
+    scaled, _, reported = scaled_opt.minimize(loss, w, scaled_opt.init(w), jnp.ones(2))
+    np.testing.assert_allclose(float(plain["w"]), 0.82, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(float(scaled["w"]), float(plain["w"]), rtol=0, atol=1e-6)
+    assert float(reported) == 3.0  # the loss as the loss function returned it
+
+    clip = fo.Optimizer(fo.sgd(1.0), get_gradients=fo.per_example_clipping(1.0))
+    scaled_clip = fo.LossScaleOptimizer(clip, initial_scale=scale)
+    x = jnp.array([1.0, 100.0])  # example gradients -1 and -100: both clipped to 1
+    by_example = lambda p, x: -(p["w"] * x).mean()  # noqa: E731
+    zero = {"w": jnp.zeros(())}
+    expected, _, _ = clip.minimize(by_example, zero, clip.init(zero), x)
+    got, _, _ = scaled_clip.minimize(by_example, zero, scaled_clip.init(zero), x)
+    assert float(expected["w"]) == 1.0 and float(got["w"]) == 1.0
+
+
+def test_a_hook_without_scale_and_a_hook_beside_transform_loss_are_refused():
+    w = {"w": jnp.ones(())}
+
+    def hook(loss_fn, model, *batch, has_aux=False):
+        return ft.value_with_gradient(lambda m: loss_fn(m, *batch), at=model, has_aux=has_aux)
+
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(0.1), get_gradients=hook))
+    with pytest.raises(TypeError, match=r"The get_gradients hook .*hook takes no scale=") as info:
+        opt.minimize(lambda p, x: p["w"] * x, w, opt.init(w), jnp.float32(2.0))
+    assert "def hook(loss_fn, model, *batch, has_aux=False, scale=None)" in str(info.value)
+    unscaled = fo.Optimizer(fo.sgd(0.1), get_gradients=hook)  # without loss scaling the hook is used as it is
+    moved, _, _ = unscaled.minimize(lambda p, x: p["w"] * x, w, unscaled.init(w), jnp.float32(2.0))
+    np.testing.assert_allclose(float(moved["w"]), 0.8, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"a get_gradients hook computes the gradients itself and would ignore"):
+        fo.Optimizer(fo.sgd(0.1), transform_loss=lambda l: l**2, get_gradients=hook)

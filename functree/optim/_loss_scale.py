@@ -50,7 +50,10 @@ def _unscaled(g: Any, inv: jax.Array) -> jax.Array:
 class LossScaleOptimizer(OptimizerWrapper):
     """Dynamic loss scaling for low-precision training.
 
-    Each step differentiates ``scale · loss`` and divides the gradients by ``scale``. If
+    Each step differentiates ``scale · T(loss)`` (``T``: the inner optimizers'
+    ``transform_loss``, so the scale comes last) and divides the gradients by ``scale``;
+    a ``get_gradients`` hook gets the scale as ``scale=`` (``per_example_clipping`` clips
+    at ``scale · t``, the same clip in the loss's units) and one without it is refused. If
     any gradient is not finite, the step is skipped (model and inner state unchanged,
     ``skipped`` counted) and ``scale`` is halved (down to 1); after ``growth_interval``
     consecutive finite steps it doubles. All of it is array arithmetic: it runs in one
@@ -87,18 +90,17 @@ class LossScaleOptimizer(OptimizerWrapper):
         )
 
     def get_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
-                      state: Any = None) -> tuple[Any, Any]:
+                      state: Any = None, scale: Any = None) -> tuple[Any, Any]:
+        if scale is not None:
+            raise TypeError("LossScaleOptimizer.get_gradients: this optimizer applies its own loss scale; "
+                            "another LossScaleOptimizer around it would scale twice.")
         if not isinstance(state, LossScaleState):
             raise ValueError(NEEDS_STATE.format(method="get_gradients"))
-        scale = state.scale
-
-        def scaled(m: Any, *b: Any) -> tuple[Any, Any]:
-            out = loss_fn(m, *b)
-            loss = out[0] if has_aux else out
-            return loss * scale.astype(jnp.result_type(loss)), out
-
-        (_, out), grads = super().get_gradients(scaled, model, *batch, has_aux=True, state=state.inner)
-        inv = 1.0 / scale
+        # The scale multiplies the loss after every transform_loss (and a get_gradients hook
+        # gets it as scale=): scaling first would give grad T(s L) / s, not grad T(L).
+        out, grads = super().get_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state.inner,
+                                           scale=state.scale)
+        inv = 1.0 / state.scale
         return out, jax.tree.map(lambda g: _unscaled(g, inv), grads)
 
     @property

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -255,6 +256,8 @@ class Optimizer:
             raise TypeError(NOT_A_TRANSFORM.format(given=type(transform).__name__))
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int (microbatches per step), got {accumulate!r}.")
+        if transform_loss is not None and get_gradients is not None:
+            raise ValueError(BOTH_LOSS_HOOKS)
         set_ = object.__setattr__
         set_(self, "_transform", optax.with_extra_args_support(with_average(real_pairs(from_optax(transform)), average)))
         set_(self, "_raw_transform", transform)
@@ -364,14 +367,24 @@ class Optimizer:
         return loss if self._transform_loss is None else self._transform_loss(loss)
 
     def get_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
-                      state: Any = None) -> tuple[Any, Any]:
-        """``(loss, grads)`` or ``((loss, aux), grads)``: grads of ``transform_loss(loss_fn(model, *batch))``."""
+                      state: Any = None, scale: Any = None) -> tuple[Any, Any]:
+        """``(loss, grads)`` or ``((loss, aux), grads)``: grads of ``transform_loss(loss_fn(model, *batch))``.
+
+        ``scale`` (a loss scale, :class:`LossScaleOptimizer`'s): the grads of ``scale *
+        transform_loss(...)``, the scale applied last, so the transform sees the loss itself
+        (the returned loss is never scaled). A ``get_gradients`` hook gets it as ``scale=``
+        and returns the gradients of the scaled loss."""
         if self._get_gradients is not None:
-            return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux)
+            if scale is None:
+                return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux)
+            if not _takes_scale(self._get_gradients):
+                raise TypeError(HOOK_WITHOUT_SCALE.format(hook=getattr(self._get_gradients, "__qualname__", "hook")))
+            return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux, scale=scale)
 
         def objective(m: Any) -> tuple[Any, Any]:
             out = loss_fn(m, *batch)
-            return self.transform_loss(out[0] if has_aux else out), out
+            loss = self.transform_loss(out[0] if has_aux else out)
+            return (loss if scale is None else loss * jnp.asarray(scale).astype(jnp.result_type(loss))), out
 
         (_, out), grads = value_with_gradient(objective, at=model, wrt=self.wrt or 0, has_aux=True)
         return out, grads
@@ -699,16 +712,17 @@ class OptimizerWrapper(Optimizer):
         return self.inner.transform_loss(loss)
 
     def get_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
-                      state: Any = None) -> tuple[Any, Any]:
-        # The inner get_gradients differentiates inner.transform_loss; route ours through it.
+                      state: Any = None, scale: Any = None) -> tuple[Any, Any]:
+        # The inner get_gradients differentiates inner.transform_loss; route ours through it
+        # (the scale, applied innermost, comes after every transform).
         if type(self).transform_loss is OptimizerWrapper.transform_loss:
-            return self.inner.get_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state)
+            return self.inner.get_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state, scale=scale)
 
         def objective(m: Any, *b: Any) -> tuple[Any, Any]:
             out = loss_fn(m, *b)
             return self.transform_loss(out[0] if has_aux else out), out
 
-        (_, out), grads = self.inner.get_gradients(objective, model, *batch, has_aux=True, state=state)
+        (_, out), grads = self.inner.get_gradients(objective, model, *batch, has_aux=True, state=state, scale=scale)
         return out, grads
 
     def transform_unaggregated_gradients(self, grads: Any) -> Any:
@@ -722,6 +736,34 @@ class OptimizerWrapper(Optimizer):
 
     def apply_updates(self, model: Any, updates: Any) -> Any:
         return self.inner.apply_updates(model, updates)
+
+
+HOOK_WITHOUT_SCALE = """\
+The get_gradients hook {hook} takes no scale=, and a LossScaleOptimizer differentiates the \
+loss times its scale: a hook that clips or otherwise changes gradients nonlinearly would see \
+them scaled (per-example clipping would clip at threshold / scale). Take the scale and return \
+the gradients of the scaled loss, applying any threshold to scaled units:
+
+    wrong:  def hook(loss_fn, model, *batch, has_aux=False): ...
+    right:  def hook(loss_fn, model, *batch, has_aux=False, scale=None): ...   # grads of scale * loss
+            (ft.optim.per_example_clipping does)"""
+
+BOTH_LOSS_HOOKS = """\
+Optimizer(transform_loss=..., get_gradients=...): a get_gradients hook computes the gradients \
+itself and would ignore transform_loss silently. Apply the transform inside the loss function \
+(or inside the hook):
+
+    wrong:  ft.optim.Optimizer(tx, transform_loss=f, get_gradients=hook)
+    right:  ft.optim.Optimizer(tx, get_gradients=hook), with loss_fn returning f(loss)"""
+
+
+def _takes_scale(hook: Callable[..., Any]) -> bool:
+    """Whether a get_gradients hook accepts ``scale=`` (a parameter of that name, or ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "scale" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 WRT_CONFLICT = """\

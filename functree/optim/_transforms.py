@@ -176,15 +176,27 @@ def per_example_clipping(threshold: float) -> Callable[..., Any]:
     if not threshold > 0:
         raise ValueError(f"per_example_clipping: threshold must be > 0, got {threshold!r}.")
 
-    def get_gradients(loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False) -> Any:
+    def get_gradients(loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
+                      scale: Any = None) -> Any:
+        # With a loss scale s (LossScaleOptimizer): the gradients of s * loss_i, clipped at
+        # s * t, which the optimizer divides by s: the same clip in the loss's own units.
+        def scaled(m: Any, *single: Any) -> Any:
+            out = loss_fn(m, *single)
+            loss = out[0] if has_aux else out
+            return loss * jnp.asarray(scale).astype(jnp.result_type(loss)), out
+
         def one(example: tuple) -> Any:
             single = jax.tree.map(lambda x: x[None], example)
-            return value_with_gradient(lambda m: loss_fn(m, *single), at=model, has_aux=has_aux)
+            if scale is None:
+                return value_with_gradient(lambda m: loss_fn(m, *single), at=model, has_aux=has_aux)
+            (_, out), g = value_with_gradient(lambda m: scaled(m, *single), at=model, has_aux=True)
+            return out, g
 
         outs, grads = jax.vmap(one)(batch)
         norms = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
                              for g in jax.tree.leaves(grads)))
-        factor = jnp.minimum(1.0, threshold / jnp.maximum(norms, 1e-30))
+        limit = threshold if scale is None else threshold * jnp.asarray(scale, jnp.float32)
+        factor = jnp.minimum(1.0, limit / jnp.maximum(norms, 1e-30))
         mean = jax.tree.map(lambda g: jnp.tensordot(factor, g, axes=1).astype(g.dtype) / g.shape[0], grads)
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), mean

@@ -536,10 +536,9 @@ def test_errors(tiny):
     for top_p in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match=rf"top_p must be a number in \(0, 1\](.|\n)*got {top_p}"):
             generate(model, prompt, 4, temperature=1.0, top_p=top_p, key=key)
-    with pytest.raises(ValueError, match=r"top_k must be an int from 1 to the vocabulary size \(vocab\), got 0"):
-        generate(model, prompt, 4, temperature=1.0, top_k=0, key=key)
-    with pytest.raises(ValueError, match=r"top_k must be an int from 1 to the vocabulary size \(11\), got 12"):
-        generate(model, prompt, 4, temperature=1.0, top_k=12, key=key)
+    for top_k in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"top_k must be an int >= 0 (.|\n)*got {top_k}"):
+            generate(model, prompt, 4, temperature=1.0, top_k=top_k, key=key)
     with pytest.raises(ValueError, match=r"eos_token_id must be a token id \(an int >= 0\) or a list of them, got -1"):
         generate(model, prompt, 4, eos_token_id=-1)
     with pytest.raises(ValueError, match=r"pad_token_id must be a token id \(an int >= 0\), got \[1\]"):
@@ -902,3 +901,28 @@ def test_every_control_reads_generate_keywords_named_as_the_checkpoints():
     keywords = inspect.signature(ft.nn.generate).parameters
     for control in _controls.CONTROLS:
         assert control.keywords and all(k in keywords and k in SUPPORTED for k in control.keywords)
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token_as_hf_does(tiny):
+    """Hugging Face keeps min(top_k, vocab) tokens and reads top_k=0 as no top-k; its
+    default top_k=50 on a from_hf model of a smaller vocabulary raised here. Now a k past the
+    vocabulary, 0 and None all sample the same tokens from the same key."""
+    model, prompt, mask = tiny  # a vocabulary of 11
+    key = jax.random.key(3)
+    runs = [ft.nn.generate(model, prompt, 6, attention_mask=mask, temperature=0.8, top_k=k, key=key)
+            for k in (None, 0, 11, 12, 50)]
+    for run in runs[1:]:
+        np.testing.assert_array_equal(run, runs[0])
+    fewer = ft.nn.generate(model, prompt, 6, attention_mask=mask, temperature=0.8, top_k=1, key=key)
+    np.testing.assert_array_equal(fewer, ft.nn.generate(model, prompt, 6, attention_mask=mask))  # k = 1: greedy
+
+
+def test_sampling_a_small_vocabulary_from_hf_model_with_hf_defaults():
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32,
+                                      bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = ft.nn.from_hf(randomized(transformers.LlamaForCausalLM(config)))
+    ids = np.array([[3, 4, 5]], np.int32)
+    out = ft.nn.generate(model, ids, 4, temperature=0.7, key=jax.random.key(0))  # HF's top_k=50 > 40: all kept
+    np.testing.assert_array_equal(out, ft.nn.generate(model, ids, 4, temperature=0.7, top_k=40, key=jax.random.key(0)))

@@ -46,7 +46,8 @@ from functree.generation._logits import (
 )
 
 BAD_TOP_K = """\
-generate: top_k must be an int from 1 to the vocabulary size ({vocab}), got {given!r}.
+generate: top_k must be an int >= 0 (k: keep the k most likely tokens, all of them when k is \
+past the vocabulary; 0 or None: no top-k), got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, top_k=50, key=key)"""
 
@@ -316,12 +317,17 @@ class TopK(Control):
     @classmethod
     def build(cls, o: Options) -> Control | None:
         k = o.given["top_k"]
-        return None if o.greedy or k is None else cls(int(k))
+        if o.greedy or k is None or (isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k == 0):
+            return None  # top_k=0: no top-k, as Hugging Face reads it
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(BAD_TOP_K.format(given=k))
+        return cls(int(k))
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        if self.k > scores.shape[-1]:
-            raise ValueError(BAD_TOP_K.format(vocab=scores.shape[-1], given=self.k))
-        kth = jax.lax.top_k(scores, self.k)[0][..., -1:]
+        # Hugging Face's TopKLogitsWarper keeps min(k, vocab): a k past the vocabulary (its
+        # default 50 on a small model) keeps every token.
+        k = min(self.k, scores.shape[-1])
+        kth = jax.lax.top_k(scores, k)[0][..., -1:]
         return _removed(scores < kth, scores)
 
 

@@ -627,8 +627,10 @@ def _greedy(temperature: Any, key: Any, top_k: Any, top_p: Any, min_p: Any = Non
         raise ValueError(BAD_TEMPERATURE.format(given=temperature))
     if min_p is not None and (not _is_number(min_p) or not 0.0 <= min_p <= 1.0):
         raise ValueError(BAD_MIN_P.format(given=min_p))
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
-        raise ValueError(BAD_TOP_K.format(vocab="vocab", given=top_k))
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise ValueError(BAD_TOP_K.format(given=top_k))
+    if top_k == 0:
+        top_k = None  # Hugging Face's "no top-k"
     if top_p is not None and (not _is_number(top_p) or not 0.0 < top_p <= 1.0):
         raise ValueError(BAD_TOP_P.format(given=top_p))
     if temperature == 0:

@@ -18,6 +18,14 @@ non-parameters)::
     grads = ft.gradient(loss, at=model, wrt="layers.1")
     updates, state = tx.update(grads, state, model)     # updates.layers[0].weight is None
 
+The step count in the state (the Adam family's bias correction) is one for all parameters
+and advances with every update, as in optax; torch.optim counts per parameter and skips a
+parameter whose ``.grad`` is None. So a parameter left out of some steps (gradual
+unfreezing) takes its first real Adam step bias-corrected as step n, not 1 (0.0744 instead
+of 0.1 at ``adam(0.1)`` after one step without it). To start a part with a count of its
+own, give it its own optimizer state when it joins (``ft.optim.groups``, one state per
+group, initialized then).
+
 Complex parameters: through an :class:`ft.optim.Optimizer` (which conjugates
 ``ft.gradient``'s gradients and trains each complex leaf as a pair of reals) every
 optimizer here gives torch.optim's numbers. Used as a plain optax transformation it

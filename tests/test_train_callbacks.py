@@ -190,3 +190,36 @@ def test_callbacks_do_not_import_the_trainer():
     assert "functree.train._trainer" not in imported and "functree.train._job" in imported
     assert isinstance(ft.train.Trainer({"w": jnp.zeros(1)}, ft.optim.sgd(0.1), lambda m, b: 0.0).state,
                       ft.train.JobState)
+
+
+def test_a_run_rolled_back_to_an_older_step_is_refused_until_the_later_steps_go(tmp_path):
+    """A job restored at step 6 of a directory holding 9 and 12 (another run's) skipped its
+    own saves at 9 and 12 silently, and a later restore continued the abandoned run. Now fit
+    refuses to start, naming the steps; deleting them (the fix it names) lets this run replace them."""
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+    data = ft.train.batches((x, x.sum(1, keepdims=True)), 8, key=jax.random.key(1))
+    loss = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+
+    def make(lr):
+        return Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.Optimizer(ft.optim.adam(lr)), loss)
+
+    directory = tmp_path / "run"
+    first = make(0.5)
+    first.fit(data, steps=12, progress=False, callbacks=[ft.train.ModelCheckpoint(directory, every_steps=3,
+                                                                                  max_to_keep=None)])
+    rolled = make(0.01).restore(directory, step=6, optimizer_state=False)
+    with pytest.raises(ValueError, match=r"holds checkpoints past this trainer's step 6 \(\[9, 12\]\)") as info:
+        rolled.fit(data, steps=12, progress=False, callbacks=[ft.train.ModelCheckpoint(directory, every_steps=3)])
+    assert "for step in [9, 12]: manager.delete(step)" in str(info.value) and rolled.steps_run == 6
+    with pytest.raises(ValueError, match=r"past this trainer's step 0 \(\[3, 6, 9, 12\]\)"):  # a new job, a used directory
+        make(0.01).fit(data, steps=3, progress=False, callbacks=[ft.train.ModelCheckpoint(directory, every_steps=3)])
+    manager = ft.train.CheckpointManager(directory, max_to_keep=None)
+    for step in [9, 12]:
+        manager.delete(step)
+    rolled.fit(data, steps=12, progress=False, callbacks=[ft.train.ModelCheckpoint(manager, every_steps=3)])
+    again = make(0.01).restore(directory)
+    assert again.steps_run == 12 and manager.all_steps() == [3, 6, 9, 12]
+    np.testing.assert_array_equal(again.model.weight, rolled.model.weight)  # the latest is this run's
+    assert not np.array_equal(np.asarray(again.model.weight), np.asarray(first.model.weight))
+    make(0.01).restore(directory).fit(data, steps=15, progress=False,  # the usual resume: nothing ahead
+                                      callbacks=[ft.train.ModelCheckpoint(directory, every_steps=3)])

@@ -77,6 +77,17 @@ BAD_CALLBACK_STATE = """\
     wrong:  {who}(...).load_state_dict(other_callback.state_dict())
     right:  callback.load_state_dict(callback_of_the_same_class.state_dict())"""
 
+STEPS_AHEAD = """\
+ModelCheckpoint: {directory} holds checkpoints past this trainer's step {step} ({ahead}), \
+written by another run: a job restored at an older step, or a new job in a used directory. \
+This run's checkpoints at those steps would not be written, and a later restore would \
+continue the other run.
+    right:  trainer.restore(directory)                      # continue the run that wrote them
+       or:  ft.train.ModelCheckpoint(another_directory, ...)    # keep both runs
+       or:  manager = ft.train.CheckpointManager(directory)    # this run replaces them:
+            for step in {ahead}: manager.delete(step)
+            trainer.fit(..., callbacks=[ft.train.ModelCheckpoint(manager, ...)])"""
+
 NOT_A_CALLBACK = """\
 A callback is a ft.train.Callback or a function of the TrainingContext, got {given}.
     right:  callbacks=[ft.train.EarlyStopping(patience=3), lambda ctx: print(ctx.step)]"""
@@ -460,6 +471,14 @@ class ModelCheckpoint(Callback):
         self.every_steps, self.every_epochs = every_steps, every_epochs
         self.extra = extra
         self._last_saved: int | None = None
+
+    def on_train_begin(self, trainer: TrainerView) -> None:
+        """Refuse a directory holding checkpoints past the trainer's step (:data:`STEPS_AHEAD`):
+        this run would skip those steps, and a restore would continue the other run."""
+        ahead = [s for s in self.manager.all_steps() if s > trainer.steps_run]
+        if ahead:
+            raise ValueError(STEPS_AHEAD.format(directory=self.manager.directory, step=trainer.steps_run,
+                                                ahead=ahead))
 
     def save(self, trainer: TrainerView, context: TrainingContext) -> None:
         """Write a checkpoint of ``trainer`` now (once per step), with ``context.metrics``

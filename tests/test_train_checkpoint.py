@@ -515,3 +515,33 @@ def test_a_template_with_other_static_configuration_is_refused_naming_each_field
     later.model = relu_free
     with pytest.raises(CheckpointError, match=r"layers\.0\.activation: saved jax\.nn\.relu, the template's"):
         later.restore(tmp_path / "job")
+
+
+class WithBuffer(ft.Module):
+    dense: ft.nn.Dense
+    cache: jax.Array = ft.field(no_derivative=True)
+
+
+def test_zero_size_arrays_and_trees_without_arrays_save_and_load(tmp_path):
+    """orbax refuses an array of size 0 and an item with no array ("Cannot save arrays with
+    zero size", "Found empty item", from deep inside it); such an array is its shape and
+    dtype, kept in the checksummed metadata, and a tree with no array saves a placeholder."""
+    model = WithBuffer(ft.nn.Dense(2, 1, key=jax.random.key(0)), jnp.zeros((0, 4), jnp.bfloat16))
+    tree = {"model": model, "ids": np.zeros((3, 0), np.int32), "none": None}
+    ft.train.save(tmp_path / "tree", tree)
+    for back in (ft.train.load(tmp_path / "tree"), ft.train.load(tmp_path / "tree", tree)):
+        assert back["model"].cache.shape == (0, 4) and back["model"].cache.dtype == jnp.bfloat16
+        assert back["ids"].shape == (3, 0) and back["ids"].dtype == np.int32 and back["none"] is None
+        np.testing.assert_array_equal(back["model"].dense.weight, model.dense.weight)
+    for nothing in ({"a": None}, {"steps": 3, "name": None}, optax.sgd(0.1).init({"w": jnp.ones(2)})):
+        ft.train.save(tmp_path / f"nothing{len(str(nothing))}", nothing)
+        assert ft.train.load(tmp_path / f"nothing{len(str(nothing))}") == nothing
+    manager = CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, model, optax.adam(0.1).init(ft.parameters(model)))
+    restored = manager.restore(template=model)
+    assert restored.model.cache.shape == (0, 4) and jnp.all(restored.model.dense.bias == model.dense.bias)
+    meta = tmp_path / "tree" / "meta" / "metadata"
+    text = meta.read_text()
+    meta.write_text(text.replace('"empty": {"model.cache": [[0, 4], "bfloat16"]', '"empty": {"model.cache": [[0, 5], "bfloat16"]'))
+    with pytest.raises(CheckpointError, match=r"damaged metadata: its CRC-32 does not match"):
+        ft.train.load(tmp_path / "tree")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from functree._state_dict import from_flat_dict
@@ -215,6 +216,45 @@ def _writable(arrays: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return out, local
 
 
+NOTHING = "functree.nothing"  # the one stored array of a tree that holds none (orbax refuses an empty item)
+
+
+def _split_empty(arrays: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """``(the arrays orbax writes, {key: [shape, dtype]} of the zero-size ones)``: orbax
+    refuses an array of size 0 and an item with no array, and a zero-size array is its
+    shape and dtype alone, kept in the (checksummed) metadata."""
+    kept: dict[str, Any] = {}
+    empty: dict[str, list[Any]] = {}
+    for key, x in arrays.items():
+        if np.size(x) == 0:
+            empty[key] = [[int(n) for n in np.shape(x)], str(np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype))]
+        else:
+            kept[key] = x
+    if not kept:
+        kept[NOTHING] = np.zeros((), np.int8)
+    return kept, empty
+
+
+def _with_empty(arrays: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """The restored arrays with the zero-size ones of the metadata (``jnp.zeros``: committed
+    to no device, so they join any placement) and without the placeholder."""
+    arrays.pop(NOTHING, None)
+    empty = meta.get("empty", {})
+    if not isinstance(empty, dict):
+        raise _Damage("has damaged metadata: its zero-size arrays are not a mapping")
+    for key, entry in empty.items():
+        shape = entry[0] if isinstance(entry, list) and len(entry) == 2 else None
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
+                and 0 in shape and isinstance(entry[1], str)) or key in arrays:
+            raise _Damage(f"has damaged metadata: the zero-size array {key!r} is described as {entry!r}")
+        try:
+            dtype = jnp.dtype(entry[1])
+        except TypeError:
+            raise _Damage(f"has damaged metadata: the zero-size array {key!r} has dtype {entry[1]!r}") from None
+        arrays[key] = jnp.zeros(tuple(shape), dtype)
+    return arrays
+
+
 def save_args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     """Orbax's save arguments: the arrays and the sealed metadata (collective: every
     process of a job calls it, each describing the shards it writes). A leaf no checkpoint
@@ -223,6 +263,9 @@ def save_args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     found = next((f for f in gather(_unsavable(arrays)) if f), None)
     if found:
         raise CheckpointError(UNSAVABLE.format(key=found[0], given=found[1]))
+    arrays, empty = _split_empty(arrays)
+    if empty:
+        fields = {**fields, "empty": empty}
     arrays, local = _writable(arrays)
     meta = json.loads(json.dumps({"format": FORMAT, **fields, "spec": spec, "checksums": describe(arrays),
                                   "mesh": mesh_shape(arrays), "written_on": written_on(arrays),
@@ -276,7 +319,7 @@ def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool 
     bad = verify(meta.get("checksums"), arrays)
     if bad:
         raise _Damage(f"is corrupted: the array {bad[0]!r} {bad[1]}")
-    return arrays, meta
+    return _with_empty(arrays, meta), meta
 
 
 def _unreadable(e: Exception) -> str:

@@ -45,6 +45,7 @@ from functree._alias import (
 )
 from functree._flat import flat_jit
 from functree._tree import dotted_name
+from functree._where import devices_error
 
 __all__ = ["jit", "unchecked_jit", "has_untraceable_leaves", "eval_shape", "explain_control_flow"]
 
@@ -198,8 +199,10 @@ def _explained(f: Callable[..., Any], error: Exception, args: Sequence[Any], kwa
     """The error to raise instead of JAX's ``error`` from calling ``f``'s jitted function, or
     None: a deleted (donated) array named by its key path, or :data:`UNTRACEABLE_LEAF`
     for a function kept as a leaf (its key path and ``static_leaves=True``)."""
-    if isinstance(error, (RuntimeError, ValueError)):  # a donated array passed again
-        return stale_error(named_arguments(f, args, kwargs)) if is_deletion_error(error) else None
+    if isinstance(error, (RuntimeError, ValueError)):  # a donated array passed again, or devices apart
+        if is_deletion_error(error):
+            return stale_error(named_arguments(f, args, kwargs))
+        return devices_error(f"ft.jit({getattr(f, '__name__', 'f')})", error, named_arguments(f, args, kwargs))
     if isinstance(error, TypeError) and "abstract array" in str(error):
         found = untraceable_leaf(f, args, kwargs)
         if found is not None:

@@ -28,7 +28,43 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-__all__ = ["placement_of", "put", "default_device"]
+__all__ = ["placement_of", "put", "default_device", "devices_error", "INCOMPATIBLE_DEVICES"]
+
+
+INCOMPATIBLE_DEVICES = """\
+{call}: its arguments are committed to different devices: {first} is on {first_devices}, \
+{other} on {other_devices}. A jitted call runs on one set of devices; JAX moves an \
+uncommitted array there (NumPy, or made without a device) but never a committed one.
+    wrong:  {wrong}    # another device than {first_name}'s
+    right:  {fix}    # or pass NumPy arrays"""
+
+
+def devices_error(call: str, error: Exception, named: list[tuple[str, Any]]) -> ValueError | None:
+    """:data:`INCOMPATIBLE_DEVICES` for JAX's "incompatible devices" ``error`` of a call
+    given ``named`` arguments (``[(name, tree)]``): the first committed array, and the first
+    one committed to other devices, by key path. None for another error."""
+    if "incompatible devices" not in str(error):
+        return None
+    first = None
+    for name, tree in named:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not (isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.committed):
+                continue
+            where = f"{name}{jax.tree_util.keystr(path)}"
+            devices = leaf.sharding.device_set
+            if first is None:
+                first = (where, devices, leaf.sharding, name)
+            elif devices != first[1]:
+                shown = lambda d: sorted(str(x) for x in d)  # noqa: E731
+                target = next(iter(first[1])) if len(first[1]) == 1 else None
+                fix = (f"{name} = jax.device_put({name}, jax.devices()[{target.id}])" if target is not None else
+                       f"{name} = jax.device_put({name}, {first[0]}.sharding)")
+                wrong = (f"{name} = jax.device_put({name}, jax.devices()[{next(iter(devices)).id}])" if len(devices) == 1
+                         else f"{name} = jax.device_put({name}, another_sharding)")
+                return ValueError(INCOMPATIBLE_DEVICES.format(
+                    call=call, first=first[0], first_devices=shown(first[1]), other=where, other_devices=shown(devices),
+                    fix=fix, wrong=wrong, first_name=first[3]))
+    return None
 
 
 def default_device() -> Any:

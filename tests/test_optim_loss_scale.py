@@ -92,7 +92,7 @@ def test_the_scale_comes_after_transform_loss_and_reaches_a_gradient_hook(scale)
     scale is applied last: the same step as without it."""
     w = {"w": jnp.ones(())}
     loss = lambda p, x: 3.0 * p["w"] * jnp.mean(x)  # noqa: E731
-    squared = fo.Optimizer(fo.sgd(0.01), transform_loss=lambda l: l**2)
+    squared = fo.Optimizer(fo.sgd(0.01), transform_loss=lambda v: v**2)
     plain, _, _ = squared.minimize(loss, w, squared.init(w), jnp.ones(2))
     scaled_opt = fo.LossScaleOptimizer(squared, initial_scale=scale)
     scaled, _, reported = scaled_opt.minimize(loss, w, scaled_opt.init(w), jnp.ones(2))
@@ -124,4 +124,4 @@ def test_a_hook_without_scale_and_a_hook_beside_transform_loss_are_refused():
     moved, _, _ = unscaled.minimize(lambda p, x: p["w"] * x, w, unscaled.init(w), jnp.float32(2.0))
     np.testing.assert_allclose(float(moved["w"]), 0.8, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"a get_gradients hook computes the gradients itself and would ignore"):
-        fo.Optimizer(fo.sgd(0.1), transform_loss=lambda l: l**2, get_gradients=hook)
+        fo.Optimizer(fo.sgd(0.1), transform_loss=lambda v: v**2, get_gradients=hook)

@@ -107,6 +107,24 @@ straight = fit(trainer())
 report({"on": devices_of((t.model, t.opt_state, t.key, t._reader.log.buffer)),
         "same": all(np.array_equal(a, b) for a, b in zip(leaves(t), leaves(straight)))})
 """,
+    "a_batch_committed_elsewhere": """
+model = jax.device_put(ft.nn.Dense(3, 1, key=jax.random.key(0)), DEVICE)
+opt = ft.optim.Optimizer(ft.optim.adam(0.1))
+batch = jax.device_put((X[:8], Y[:8]), jax.devices()[0])
+messages = {}
+calls = {"train_step": lambda: ft.train.train_step(plain_loss, opt)(model, opt.init(model), batch),
+         "jit_donating": lambda: ft.jit(lambda m, s, b: opt.minimize(plain_loss, m, s, b), donate=(0, 1))(
+             model, opt.init(model), batch),
+         "jit": lambda: ft.jit(lambda m, b: plain_loss(m, b))(model, batch),
+         "trainer": lambda: ft.train.Trainer(model, opt, plain_loss).fit([batch], steps=1, progress=False)}
+for name, call in calls.items():
+    try:
+        call()
+        messages[name] = "no error"
+    except ValueError as e:
+        messages[name] = str(e)
+report(messages)
+""",
 }
 
 
@@ -165,3 +183,18 @@ def test_an_evaluation_compiles_its_program_once():
         first = trainer.evaluate((x, x[:, :1]), batch_size=8)
         again = trainer.evaluate((x, x[:, :1]), batch_size=8)
     assert [n for n in names if n == "jit(run)"] == ["jit(run)"] and first == again
+
+
+def test_a_batch_committed_elsewhere(eight_devices):
+    """A model on device 2 and a batch committed to device 0: JAX's "Received incompatible
+    devices ... argument donated[0] of _Program.__init__.<locals>.flat" became an error naming
+    the two key paths, their devices and the device_put that fixes it."""
+    got = part(eight_devices, "a_batch_committed_elsewhere")
+    for name, message in got.items():
+        assert "is on ['TFRT_CPU_2']" in message or "is on ['cpu:2']" in message, (name, message)
+        assert "batch[0] on" in message or "b[0] on" in message, (name, message)
+        assert "= jax.device_put(" in message and "jax.devices()[2])    # or pass NumPy arrays" in message
+    assert got["train_step"].startswith("the train step: its arguments are committed to different devices: "
+                                        "model.weight is on")
+    assert "the train step: its arguments are committed" in got["trainer"]
+

@@ -42,7 +42,7 @@ from functree._alias import (
 )
 from functree._flat import FlatJit, flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
-from functree._where import placement_of, put
+from functree._where import devices_error, placement_of, put
 from functree.optim import Optimizer, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import Gradients
@@ -529,10 +529,12 @@ class TrainStep:
             model, opt_state = copy_aliases((model, opt_state))
         return (model, opt_state, *args[2:]), kwargs
 
-    def _explain(self, error: Exception, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Name a deleted array of the model or state the caller owns (checked only now)."""
+    def _explain(self, error: Exception, args: tuple, kwargs: dict[str, Any]) -> Exception | None:
+        """Name a deleted array of the model or state the caller owns (checked only now), or
+        the arguments committed to other devices than the model's."""
         if self._owned_call and is_deletion_error(error):
             self._check_donated(args[0], args[1])
+        return devices_error("the train step", error, list(zip(("model", "opt_state", "batch", "key"), args)))
 
     def _check_donated(self, model: Any, opt_state: Any) -> None:
         """The error naming a deleted (donated) array of ``model`` or ``opt_state``, if any."""

@@ -20,11 +20,12 @@ from functree import _activations
 
 __all__ = ["JNP_FUNCTIONS", "JNP_SCALAR_TYPES", "builtin_functions", "builtin_name", "function", "ByName"]
 
-# Pure elementwise jax.numpy functions allowed as static values (e.g. in Lambda layers).
+# Pure jax.numpy functions of one array allowed as static values: elementwise ones (Lambda
+# layers), and transpose (ft.nn.Shared's tie of a head to an embedding's transpose).
 JNP_FUNCTIONS = (
     "abs", "arccos", "arcsin", "arctan", "arctanh", "cos", "cosh", "exp", "exp2", "expm1",
     "log", "log1p", "log2", "negative", "reciprocal", "sign", "sin", "sinh", "sqrt",
-    "square", "tan", "tanh", "ravel",
+    "square", "tan", "tanh", "ravel", "transpose",
 )
 
 # Scalar types allowed as static values (dtype arguments).

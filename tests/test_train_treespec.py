@@ -238,3 +238,28 @@ def test_a_static_field_added_since_reads_at_its_default_and_no_other_may_be_mis
     del damaged["static"]["alpha"]
     with pytest.raises(SpecError, match=r"LoraDense has fields \[.*'alpha'.*the checkpoint gives \['activation', 'bias'"):
         decode(damaged, arrays)
+
+
+class TiedLM(ft.Module):
+    embed: ft.nn.Embedding
+    head: ft.nn.Dense
+
+    def __call__(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def test_a_shared_model_tied_by_transpose_rebuilds_without_a_template():
+    """ft.nn.Shared's ties hold key paths (a tuple subclass) and jnp.transpose: the key paths
+    came back as plain tuples ("'tuple' object has no attribute 'get'" at the first call)
+    and jnp.transpose was not a registered name. Both rebuild now; a damaged path is refused."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    lm = ft.nn.Shared(TiedLM(ft.nn.Embedding(10, 4, key=k1), ft.nn.Dense(4, 10, key=k2)),
+                      {"head.weight": ("embed.embeddings", jnp.transpose)})
+    arrays, spec = encode(lm)
+    back = decode(json.loads(json.dumps(spec)), arrays)
+    tokens = jnp.array([[1, 2, 3]])
+    assert back.ties == lm.ties and all(isinstance(p, ft.KeyPath) for p in back.ties[0][:2])
+    np.testing.assert_array_equal(back(tokens), lm(tokens))
+    damaged = json.loads(json.dumps(spec).replace('"key_path": ".head.weight"', '"key_path": "][head"'))
+    with pytest.raises(SpecError, match=r"key path '\]\[head'"):
+        decode(damaged, arrays)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module, added_static, check_static
+from functree._paths import KeyPath
 from functree._tree import child_name
 from functree.hf._config import HFConfig
 from functree.train.checkpoint._registry import (
@@ -94,6 +95,8 @@ class SpecError(CheckpointError):
 def _encode_static(value: Any) -> dict[str, Any]:
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"json": value}
+    if isinstance(value, KeyPath):  # (a tuple: stored as its text, parsed back, never a plain tuple)
+        return {"key_path": str(value)}
     if isinstance(value, tuple):
         return {"tuple": [_encode_static(v) for v in value]}
     if isinstance(value, np.dtype):
@@ -134,6 +137,11 @@ def _decode_static(code: Any, path: str) -> Any:
         return value
     if tag == "tuple" and isinstance(value, list):
         return tuple(_decode_static(c, path) for c in value)
+    if tag == "key_path" and isinstance(value, str):
+        try:
+            return KeyPath.parse(value)
+        except (ValueError, TypeError) as e:
+            raise SpecError(MALFORMED.format(path=path, why=f"key path {value[:200]!r}: {e}")) from None
     if tag == "dtype":
         return _safe_dtype(value, path)
     if tag == "hf_config" and isinstance(value, list) and len(value) == 2 and all(isinstance(v, dict) for v in value):

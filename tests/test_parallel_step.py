@@ -64,6 +64,43 @@ def train(step, opt, steps=STEPS):
 
 # The 8-device scenarios, by test name (without test_); each ends with report(...).
 SCENARIOS = {
+    'aux_rows_merge_and_what_cannot_be_combined_is_refused': """
+def aux_loss(kind):
+    def loss(model, batch):
+        x, y = batch
+        logits = model(x)
+        per = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1)[:, 0]
+        aux = {"rows": per, "mean": jnp.mean(jnp.abs(logits))}
+        if kind == "count":
+            aux["correct"] = jnp.sum(jnp.argmax(logits, -1) == y)
+        if kind == "table":  # per-class summed loss: 4 numbers, whatever the batch
+            aux["table"] = jax.ops.segment_sum(per, y, num_segments=4)
+        return jnp.mean(per), aux
+    return loss
+
+metrics = {"rows": lambda o: jnp.mean(o.aux["rows"]), "mean": lambda o: o.aux["mean"]}
+res = {}
+for name, where in (("one", None), ("eight", mesh)):
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(aux_loss("plain"), opt, metrics=metrics, mesh=where, on_nan="ignore")
+    res[name] = {k: float(v) for k, v in step(mlp(), opt.init(mlp()), (xs[0], ys[0]))[2].items()}
+for kind, rows in (("count", 64), ("table", 64), ("table", 32)):  # 32 rows: 4 per device, as the table's 4
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(aux_loss(kind), opt, mesh=mesh, on_nan="ignore")
+    try:
+        step(mlp(), opt.init(mlp()), (xs[0][:rows], ys[0][:rows]))
+        res[f"{kind}{rows}"] = "no error"
+    except ValueError as e:
+        res[f"{kind}{rows}"] = str(e)
+weighted = lambda m, b: jnp.mean(aux_loss("plain")(m, b[:2])[1]["rows"] * b[2][b[1]])
+opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+try:  # per-class weights (4,) beside 64 examples: each device read a slice of them
+    ft.train.train_step(weighted, opt, mesh=mesh, on_nan="ignore")(mlp(), opt.init(mlp()), (xs[0], ys[0], np.ones(4, np.float32)))
+    res["mixed"] = "no error"
+except ValueError as e:
+    res["mixed"] = str(e)
+report(res)
+""",
     'eight_devices_equal_one_device_replicated_fsdp_and_rules': """
 rules = {"layers.1.weight": P("data", None), "layers.0.weight": P(None, "data"), "layers.2.weight": P("data"),
          "layers.*": P()}
@@ -360,3 +397,20 @@ def test_a_data_axis_of_one_device_beside_a_model_axis_trains_as_one_device(eigh
     assert out["spec"] == "P(None, 'model')"  # tensor parallel as the rules asked
     assert out["moved"] > 0  # the BatchNorm statistics were recorded
     assert out["diff"] < 2e-6, out  # parameters of magnitude < 1: float32 rounding of the sharded sums
+
+
+def test_aux_rows_merge_and_what_cannot_be_combined_is_refused(eight_devices):
+    """On a mesh each device's aux was merged by a guess: an int count kept device 0's (5 of
+    16 correct read as 1), a per-class table was averaged, or concatenated when its length
+    matched the examples per device. Per-example rows and floating means merge exactly;
+    anything else is refused, naming it (the shapes on the whole batch decide, not sizes
+    that happen to coincide)."""
+    out = part(eight_devices, "aux_rows_merge_and_what_cannot_be_combined_is_refused")
+    for name in ("loss", "rows", "mean"):
+        assert abs(out["eight"][name] - out["one"][name]) <= 1e-5 * max(1.0, abs(out["one"][name])), name
+    assert "aux['correct'] has shape () (int32) per device" in out["count64"]
+    assert "on a mesh of 8 devices" in out["count64"] and '"correct": pred == y' in out["count64"]
+    for key in ("table64", "table32"):
+        assert "aux['table'] has shape (4,) (float32) per device" in out[key], out[key]
+    assert "[0] has 64 rows, [2] has 4. Split over the 8 devices of mesh axis 'data'" in out["mixed"], out["mixed"]
+

@@ -611,3 +611,56 @@ def test_a_step_is_freed_with_its_last_results_when_dropped():
         assert dropped() is None
     finally:
         gc.enable()
+
+
+def test_accumulated_aux_rows_merge_and_a_per_class_table_is_refused():
+    """With accumulate=k the microbatches' aux came back stacked: a (4, 4) table of 16 examples
+    became (16, 4) (its trace 5 read as 0) and a scalar became k numbers. Rows per example
+    merge, floating means are meaned, and what cannot be combined is refused by name."""
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+    y = np.arange(16, dtype=np.int32) % 4
+    model = ft.nn.Dense(3, 4, key=jax.random.key(0))
+
+    def loss(m, batch, table=False):
+        logits = m(batch[0])
+        per = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch[1][:, None], axis=1)[:, 0]
+        aux = {"rows": per, "mean": jnp.mean(per)}
+        if table:
+            aux["table"] = jax.ops.segment_sum(per, batch[1], num_segments=4)
+        return jnp.mean(per), aux
+
+    metrics = {"rows": lambda o: jnp.mean(o.aux["rows"]), "mean": lambda o: o.aux["mean"],
+               "n": lambda o: jnp.float32(o.aux["rows"].shape[0])}
+    got = {}
+    for k in (1, 2, 4):
+        opt = ft.optim.Optimizer(ft.optim.sgd(0.1), accumulate=k)
+        step = ft.train.train_step(loss, opt, metrics=metrics, on_nan="ignore")
+        got[k] = {n: float(v) for n, v in step(jax.tree.map(jnp.copy, model), opt.init(model), (x, y))[2].items()}
+    for k in (2, 4):
+        assert got[k]["n"] == 16.0
+        for name in ("loss", "rows", "mean"):
+            np.testing.assert_allclose(got[k][name], got[1][name], rtol=0, atol=1e-6 * max(1.0, abs(got[1][name])))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), accumulate=4)  # 4 examples per microbatch, 4 classes
+    step = ft.train.train_step(lambda m, b: loss(m, b, table=True), opt, on_nan="ignore")
+    with pytest.raises(ValueError, match=r"aux\['table'\] has shape \(4,\) \(float32\) per microbatch(.|\n)*"
+                                         r"with accumulate=4"):
+        step(jax.tree.map(jnp.copy, model), opt.init(model), (x, y))
+
+
+def test_a_batch_leaf_of_another_leading_size_is_refused_when_the_step_splits_the_batch():
+    """Per-class weights (4,) beside x (16, 3): with accumulate=2 each microbatch read a slice
+    of them (loss 5.47 where the unsplit step gives 4.65), silently. Refused by name now;
+    the unsplit step takes the batch as before."""
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+    batch = {"x": x, "y": np.arange(16, dtype=np.int32) % 4, "cw": np.array([1.0, 2.0, 3.0, 4.0], np.float32)}
+
+    def loss(m, b):
+        per = -jnp.take_along_axis(jax.nn.log_softmax(m(b["x"])), b["y"][:, None], axis=1)[:, 0]
+        return jnp.mean(per * b["cw"][b["y"]])
+
+    model = ft.nn.Dense(3, 4, key=jax.random.key(0))
+    plain = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    ft.train.train_step(loss, plain, on_nan="ignore")(jax.tree.map(jnp.copy, model), plain.init(model), batch)
+    split = ft.optim.Optimizer(ft.optim.sgd(0.1), accumulate=2)
+    with pytest.raises(ValueError, match=r"\['x'\] has 16 rows, \['cw'\] has 4\. Split over accumulate=2 microbatches"):
+        ft.train.train_step(loss, split, on_nan="ignore")(jax.tree.map(jnp.copy, model), split.init(model), batch)

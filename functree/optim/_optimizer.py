@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from functree._alias import copy_aliases
+from functree._examples import check_example_axis
 from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
@@ -96,7 +97,8 @@ got {given}:
 BAD_ACCUMULATION = """\
 accumulate={k} needs the batch's leading dimension to be a multiple of {k}; \
 the leaf at {path} has shape {shape}.
-Each step splits the batch into {k} microbatches and averages their gradients:
+Each step splits the batch into {k} microbatches and averages their gradients (on a mesh, \
+each device splits its own share: the batch must be a multiple of devices x {k}):
 
     right:  opt.minimize(loss_fn, model, state, x[: {k} * (len(x) // {k})], ...)
 """
@@ -574,6 +576,7 @@ class Optimizer:
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
                                state: Any, key: Any = None) -> tuple[Any, Any]:
         k = self.accumulate
+        check_example_axis(batch[0] if len(batch) == 1 else batch, f"accumulate={k} microbatches")
         micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
 
         def body(total: Any, xs: tuple) -> tuple[Any, Any]:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from functree._examples import check_example_axis
 from functree._tree import has_shape_and_dtype
 from functree.parallel._mesh import auto_mesh, constrain, place
 from functree.parallel._rules import check_data_axis, check_rules, partition_specs
@@ -139,12 +140,18 @@ class Placement:
         """
         if whole and jax.process_count() == 1 and not self.divides(batch):
             return self.replicate(batch)
+        if not whole:  # a training step's devices each take their rows of every leaf
+            check_example_axis(batch, self._split)
         return shard_batch(batch, self.mesh, self.data_axis)
 
     def replicate(self, tree: Any) -> Any:
         """``tree`` copied whole to every device of the mesh (a step's replicated outputs live
         there: its NaN halt log, the Trainer's log buffer)."""
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+
+    @property
+    def _split(self) -> str:
+        return f"the {self.devices} devices of mesh axis {self.data_axis!r}"
 
     def divides(self, batch: Any) -> bool:
         """Whether every leaf's leading (example) axis splits evenly over the data axis."""
@@ -156,6 +163,8 @@ class Placement:
         if whole and not self.divides(batch):
             specs = jax.tree.map(lambda _: PartitionSpec(), batch)
             return constrain(batch, specs, self.mesh), specs
+        if not whole:  # (an evaluation computes on the whole batch: any leaves)
+            check_example_axis(batch, self._split)
         check_batch(batch, self.devices, self.data_axis)
         specs = batch_specs(batch, self.data_axis)
         return constrain(batch, specs, self.mesh), specs

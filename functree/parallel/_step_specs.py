@@ -15,22 +15,57 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from functree.parallel._mesh import is_array
 
-__all__ = ["stack_devices", "merge_devices", "is_spec", "without_axis", "only_axis"]
+__all__ = ["stack_devices", "merge_devices", "merge_aux", "UNMERGEABLE_AUX", "is_spec", "without_axis", "only_axis"]
 
 def stack_devices(x: Any) -> Any:
     return x[None] if is_array(x) else x
 
 
+UNMERGEABLE_AUX = """\
+The loss's aux value {path} has shape {shape} ({dtype}) per {part}, not one row per example \
+(a leading axis of {rows}, the {part}'s examples) nor a floating mean: {how}, each {part} \
+computes it on its own part of the batch, and how to combine them (a sum? a mean? a maximum?) \
+is not something the step can know. Return per-example values from the loss and reduce them \
+in the metric:
+
+    wrong:  return loss, {{"correct": jnp.sum(pred == y)}}            # one count per {part}
+    right:  return loss, {{"correct": pred == y}}                     # one row per example
+            metrics={{"accuracy": lambda out: jnp.mean(out.aux["correct"])}}"""
+
+
 def merge_devices(x: Any, local: int) -> Any:
-    """A per-device output stacked over devices: per-example rows concatenated, else meaned."""
+    """A per-device layer state stacked over devices: meaned (floating), else device 0's."""
     if x.ndim >= 2 and x.shape[1] == local:
         return x.reshape(-1, *x.shape[2:])
     return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
+
+
+def merge_aux(aux: Any, rows: int, part: str, how: str, per_example: Any = None) -> Any:
+    """The loss's aux outputs of several parts of one batch (devices or microbatches), each
+    stacked along a new leading axis, as one: per-example rows (``rows`` per part)
+    concatenated, a floating scalar meaned (a per-example mean, as the loss is), anything
+    else refused (:data:`UNMERGEABLE_AUX`): a count, a maximum or a per-class table of the
+    parts cannot be combined without knowing what it is. ``per_example``: aux's structure of
+    bools, which leaves hold one row per example of the whole batch (read from its shapes
+    there); without it, a leaf whose leading axis is ``rows`` is taken for one."""
+    def one(path: Any, x: Any, rowwise: Any = None) -> Any:
+        if not is_array(x):
+            return x
+        if x.ndim >= 2 and x.shape[1] == rows and rowwise is not False:
+            return x.reshape(-1, *x.shape[2:])
+        if x.ndim == 1 and jnp.issubdtype(x.dtype, jnp.inexact):
+            return jnp.mean(x, axis=0)
+        raise ValueError(UNMERGEABLE_AUX.format(path=f"aux{jax.tree_util.keystr(path)}", shape=tuple(x.shape[1:]),
+                                                dtype=x.dtype, part=part, rows=rows, how=how))
+    if per_example is None:
+        return jax.tree_util.tree_map_with_path(one, aux)
+    return jax.tree_util.tree_map_with_path(one, aux, per_example)
 
 
 def is_spec(x: Any) -> bool:

@@ -22,6 +22,7 @@ axis in ``functree/parallel/_step_specs.py``.
 from __future__ import annotations
 
 import bisect
+import functools
 import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +44,7 @@ from functree._alias import (
 from functree._flat import FlatJit, flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._where import devices_error, placement_of, put
+from functree.nn._state import collect_state
 from functree.optim import Optimizer, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import Gradients
@@ -56,6 +58,7 @@ from functree.parallel._placement import Placement
 from functree.parallel._rules import check_compute_dtype, partition_specs
 from functree.parallel._step_specs import (
     is_spec,
+    merge_aux,
     merge_devices,
     only_axis,
     stack_devices,
@@ -115,8 +118,9 @@ def _split_output(out: Any) -> tuple[Any, Any]:
     return loss, aux
 
 
-def _merge_microbatches(x: jax.Array) -> jax.Array:
-    return x.reshape(-1, *x.shape[2:]) if x.ndim >= 2 else x
+def _merge_microbatches(aux: Any, size: int, accumulate: int, rows: Any) -> Any:
+    """The aux outputs of ``accumulate`` microbatches of a batch of ``size`` examples as one."""
+    return merge_aux(aux, size // accumulate, "microbatch", f"with accumulate={accumulate}", rows)
 
 
 def _replica_mean(x: Any, axis: str) -> Any:
@@ -181,9 +185,12 @@ class TrainStep:
     dropout masks); on a mesh, that is folded again with the device index. One base key
     reproduces every step, also after restoring a checkpoint.
     Layers that record state (BatchNorm) are run under ``ft.nn.collect_state`` and their
-    no_derivative fields updated (on a mesh, averaged over devices). With an optimizer
-    that accumulates ``k`` microbatches, aux arrays are merged back to one row per
-    example and layer state comes from the last microbatch.
+    no_derivative fields updated (on a mesh, averaged over devices). On a mesh and with
+    an optimizer that accumulates ``k`` microbatches, the loss's aux is merged back to the
+    whole batch's: per-example rows concatenated, floating means meaned, anything else
+    (a count, a per-class table) refused by name (which leaves are per-example is read from
+    the loss's output shapes on the whole batch); layer state comes from the last
+    microbatch. Every batch leaf must then have one row per example.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -310,21 +317,34 @@ class TrainStep:
                 k = None if key is None else jax.random.fold_in(key, 0 if alone else jax.lax.axis_index(axis))
                 return self.compute_loss(m, b, k)
 
+        rows = self._per_example(model, batch, key) if where is not None or self.optimizer.accumulate > 1 else None
         result = self.optimizer.step(
             loss_fn, model, opt_state, (batch,), has_aux=True, minibatch_size=size, on_nan=self.on_nan,
-            enabled=enabled, replicas=None if where is None else self._replicas, key=key,
+            enabled=enabled, replicas=None if where is None else functools.partial(self._replicas, rows=rows), key=key,
         )
         loss, aux = result.out
         new_model, new_state = result.model, result.state
         if where is None:
             if self.optimizer.accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
-                aux = jax.tree.map(_merge_microbatches, aux)
+                aux = _merge_microbatches(aux, size, self.optimizer.accumulate, rows)
         else:
             new_model = where.constrain(new_model, where.model_specs(model))
             new_state = where.constrain(new_state, where.state_specs(opt_state))
         return new_model, new_state, loss, aux, result.nonfinite
 
-    def _replicas(self, half: Callable[..., Gradients], model: Any, opt_state: Any, batch: tuple) -> Gradients:
+    def _per_example(self, model: Any, batch: Any, key: Any) -> Any:
+        """Which leaves of the loss's aux hold one row per example: those whose leading axis
+        is the batch's when the loss runs on the whole batch (``jax.eval_shape``: a trace at
+        compile time, no computation). A step split over devices or microbatches merges
+        those rows and refuses what it cannot combine, whatever sizes coincide (a per-class
+        table of 4 rows and 4 examples per device)."""
+        size = batch_size_of(batch)
+        _, aux = jax.eval_shape(lambda m, b, k: collect_state(lambda mm: self.compute_loss(mm, b, k), m)[0],
+                                model, batch, key)
+        return jax.tree.map(lambda s: s.ndim >= 1 and s.shape[0] == size, aux)
+
+    def _replicas(self, half: Callable[..., Gradients], model: Any, opt_state: Any, batch: tuple,
+                  rows: Any = None) -> Gradients:
         """``half`` (the optimizer's gradient half) once per device of the data axis."""
         where = self.placement
         assert where is not None
@@ -356,7 +376,7 @@ class TrainStep:
             grads = jax.tree.map(lambda x: _replica_mean(x, axis), g.grads)
             aux = g.out[1]
             if accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
-                aux = jax.tree.map(_merge_microbatches, aux)
+                aux = _merge_microbatches(aux, batch_size_of(b), accumulate, rows)
             return Gradients(loss, (loss, jax.tree.map(stack_devices, aux)), grads, jax.tree.map(stack_devices, g.layer_state))
 
         stacked = PartitionSpec(axis)  # apply() asks the optimizer for (loss, aux)
@@ -366,7 +386,7 @@ class TrainStep:
             axis_names={axis},
         )(gathered, opt_state, batch)
         local = batch_size_of(batch) // where.devices
-        out = (g.loss, jax.tree.map(lambda x: merge_devices(x, local), g.out[1]))
+        out = (g.loss, merge_aux(g.out[1], local, "device", f"on a mesh of {where.devices} devices", rows))
         layer_state = jax.tree.map(lambda x: merge_devices(x, -1), g.layer_state)
         grad_specs = partition_specs(trained_view(model, self.optimizer.wrt), where.sharding, mesh=where.mesh, data_axis=axis, strict=False)
         return Gradients(g.loss, out, where.constrain(g.grads, grad_specs), layer_state)

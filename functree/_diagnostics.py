@@ -597,7 +597,7 @@ def _run(
         groups = _groups(f, plan)
         nin = len(closed.jaxpr.invars)
         ins = [State(1 << (i + 1), 0, 0, 0, frozenset(), False) for i in range(nin)]
-        outs = analyse(closed.jaxpr, closed.consts, ins, False)
+        outs = analyse(closed.jaxpr, _data_as_unknown(closed.consts, plan), ins, False)
         if first_output_only and isinstance(shape, tuple) and len(shape) == 2:
             outs = outs[: len(jax.tree.leaves(shape[0]))]
         total = join_all(outs) if outs else EMPTY
@@ -614,6 +614,25 @@ def _run(
 # and abstract values, not the user's arrays; bounded like every tree-definition cache.
 _CACHE: dict[Any, DiagnosticReport] = {}
 
+
+
+_DATA = object()  # a constant of the trace that is the caller's data: never a known zero
+
+
+def _data_as_unknown(consts: Sequence[Any], plan: Plan) -> list[Any]:
+    """The trace's constants with those that are the call's arguments (the batch, a
+    model's non-parameter leaves) replaced by :data:`_DATA`: they are baked into the trace
+    as constants, but another call passes other values, so an all-zero batch must not
+    make a parameter read as "always a zero gradient" (a closure's or a literal's zero
+    still does)."""
+    data = jax.tree.leaves([a for i, a in enumerate(plan.args) if i not in plan.indices])
+    given = {id(leaf) for leaf in data}
+    # A NumPy argument enters the trace converted (another object): known by its shape and
+    # dtype (a closure's zero array of the same shape then reads as data too: a miss, never
+    # an invented zero).
+    converted = {(leaf.shape, str(leaf.dtype)) for leaf in data if isinstance(leaf, np.ndarray)}
+    return [_DATA if id(c) in given or (np.shape(c), str(getattr(c, "dtype", None))) in converted else c
+            for c in consts]
 
 
 def check(kind: str, fn: Any, g: Any, plan: Plan) -> Callable[..., Any]:

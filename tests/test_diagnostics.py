@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -865,3 +866,25 @@ def test_a_value_handed_out_through_an_outer_collector_traces_the_function_again
     assert len(calls) == 3
     for a, b in zip(jax.tree.leaves((grads, updates)), jax.tree.leaves(expected)):
         assert jnp.array_equal(a, b)
+
+
+def test_an_all_zero_batch_is_data_not_a_known_zero():
+    """The batch is baked into the check's trace as a constant; an all-zero one (padding,
+    a first batch of zeros) made the weight read as "cannot affect the result" and warned
+    (UnusedParameterWarning), cached for every later batch of that shape. An argument is
+    data, whatever its values; a closure's zero array still zeroes the weight."""
+    model = ft.nn.Dense(3, 2, key=jax.random.key(0))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    for batch in (jnp.zeros((4, 3)), np.zeros((4, 3), np.float32)):
+        report = ft.diagnose(loss)(model, batch)
+        assert [(a.name, a.status) for a in report.activity] == [("weight", "active"), ("bias", "active")]
+        assert not report.findings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ft.gradient(loss)(model, batch)
+    zeros = jnp.zeros((4, 3))
+    closed = ft.diagnose(lambda m: jnp.sum(m(zeros) ** 2))(model)
+    assert dict((a.name, a.status) for a in closed.activity)["weight"] != "active"

@@ -1,6 +1,7 @@
 """Conv1D/Conv2D and transposes against direct loops, gradients and input errors."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -120,3 +121,33 @@ def test_bad_groups_are_errors(key):
         ft.nn.Conv1D(3, 8, 3, groups=2, key=key)
     with pytest.raises(ValueError, match="does not support groups"):
         ft.nn.Conv1DTranspose(4, 8, 3, groups=2, key=key)
+
+
+@pytest.mark.parametrize(("build", "shown"), [
+    (lambda k: ft.nn.Conv1D(2, 3, 3, padding=(2, 1), key=k), "padding=(2, 1) does not fit 1 spatial axis"),
+    (lambda k: ft.nn.Conv2D(2, 3, 3, padding=(1, 2, 3), key=k), "padding=(1, 2, 3) does not fit 2 spatial axes"),
+    (lambda k: ft.nn.Conv2D(2, 3, 3, padding="causal", key=k), "a padding string is one of ('SAME', 'VALID')"),
+    (lambda k: ft.nn.Conv2D(2, 3, 3, padding=-1, key=k), "padding=-1 does not fit"),
+    (lambda k: ft.nn.Conv2D(2, 3, 3, strides=(1, 2, 3), key=k), "strides=(1, 2, 3) does not fit 2 spatial axes"),
+    (lambda k: ft.nn.Conv2D(2, 3, (3,), key=k), "kernel_size=(3,) does not fit 2 spatial axes"),
+    (lambda k: ft.nn.Conv2D(2, 3, 3, dilation=0, key=k), "dilation=0 does not fit"),
+    (lambda k: ft.nn.MaxPool2D(3, 1, padding=1), "MaxPool2D: padding=1 does not fit 2 spatial axes: pooling pads by name"),
+    (lambda k: ft.nn.AvgPool2D((2, 2, 2)), "AvgPool2D: pool_size=(2, 2, 2) does not fit 2 spatial axes"),
+])
+def test_window_settings_that_do_not_fit_the_axes_are_refused_when_built(build, shown):
+    """They were accepted and failed at the first call inside lax (a TypeError on explicit
+    pads, XLA's 'Unrecognized padding type', an AttributeError on an int)."""
+    with pytest.raises(ValueError, match=re.escape(shown)) as info:
+        build(jax.random.key(0))
+    assert "right:" in str(info.value)
+
+
+def test_window_settings_in_every_accepted_form_compute_alike():
+    key, x = jax.random.key(0), jnp.ones((1, 9, 9, 2))
+    forms = [ft.nn.Conv2D(2, 3, 3, strides=s, padding=p, key=key) for s, p in
+             ((2, 1), ([2, 2], (1, 1)), (np.int64(2), ((1, 1), (1, 1))), ((2, 2), [(1, 1), 1]))]
+    for conv in forms[1:]:
+        assert conv.strides == forms[0].strides and conv.padding == forms[0].padding
+        np.testing.assert_array_equal(conv(x), forms[0](x))
+    assert ft.nn.Conv1D(2, 3, 3, padding=((2, 1),), key=key)(jnp.ones((1, 5, 2))).shape == (1, 6, 3)
+    assert ft.nn.MaxPool2D(2, padding="same").padding == "SAME"

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from functree._activations import identity
 from functree._module import field
+from functree.nn import _window as window
 from functree.nn._check import check_input
 from functree.nn._linear import Initializer, glorot_uniform
 from functree.nn._mode import Layer
@@ -38,18 +39,6 @@ TRANSPOSE_GROUPS = """\
 Padding = str | int | Sequence[int] | Sequence[tuple[int, int]]
 
 _SPEC = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
-
-
-def _tuple(value: int | Sequence[int], n: int) -> tuple[int, ...]:
-    return (value,) * n if isinstance(value, int) else tuple(int(v) for v in value)
-
-
-def _padding(padding: Padding, n: int) -> str | tuple[tuple[int, int], ...]:
-    if isinstance(padding, str):
-        return padding.upper()
-    if isinstance(padding, int):
-        return ((padding, padding),) * n
-    return tuple((p, p) if isinstance(p, int) else (int(p[0]), int(p[1])) for p in padding)
 
 
 class Conv(Layer):
@@ -88,13 +77,14 @@ class Conv(Layer):
             raise ValueError(
                 BAD_GROUPS.format(cls=type(self).__name__, cin=in_channels, cout=out_channels, groups=groups)
             )
-        shape = (*_tuple(kernel_size, n), in_channels // groups, out_channels)
+        name = type(self).__name__
+        kernel, self.strides, self.dilation = (window.sizes(name, setting, value, n) for setting, value in (
+            ("kernel_size", kernel_size), ("strides", strides), ("dilation", dilation)))
+        self.padding = window.padding(name, padding, n)
+        shape = (*kernel, in_channels // groups, out_channels)
         self.weight = weight_initializer(key, shape, dtype)
         bias_key = jax.random.fold_in(key, 1)
         self.bias = bias_initializer(bias_key, (out_channels,), dtype) if use_bias else None
-        self.strides = _tuple(strides, n)
-        self.padding = _padding(padding, n)
-        self.dilation = _tuple(dilation, n)
         self.groups = groups
         self.activation = activation
 

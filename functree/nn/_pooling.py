@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
+from functree.nn import _window as window
 from functree.nn._check import check_input
 from functree.nn._mode import Layer
 
@@ -31,10 +32,6 @@ __all__ = [
     "GlobalAvgPool2D",
     "Flatten",
 ]
-
-
-def _tuple(value: int | Sequence[int], n: int) -> tuple[int, ...]:
-    return (value,) * n if isinstance(value, int) else tuple(int(v) for v in value)
 
 
 def _spatial(n: int) -> tuple[str, ...]:
@@ -54,9 +51,10 @@ class _Pool(Layer):
         strides: int | Sequence[int] | None = None,
         padding: str = "VALID",
     ):
-        self.pool_size = _tuple(pool_size, self._rank)
-        self.strides = self.pool_size if strides is None else _tuple(strides, self._rank)
-        self.padding = padding.upper()
+        name = type(self).__name__
+        self.pool_size = window.sizes(name, "pool_size", pool_size, self._rank)
+        self.strides = self.pool_size if strides is None else window.sizes(name, "strides", strides, self._rank)
+        self.padding = window.padding(name, padding, self._rank, strings_only=True)  # type: ignore[assignment]
 
     def _window(self, x: jax.Array, init: Any, op: Any) -> jax.Array:
         check_input(self, x, _spatial(self._rank))

@@ -1,0 +1,76 @@
+"""A sliding window's settings, checked once when a layer is built: kernel and pool sizes,
+strides, dilation and padding for ``n`` spatial axes (``Conv1D``/``Conv2D`` and their
+transposes, the pooling layers).
+
+Each is an int (every axis) or one entry per spatial axis; padding is ``"SAME"``,
+``"VALID"``, an int, or one int or ``(low, high)`` pair per axis. Anything else is refused
+naming the layer, the setting and the form that fits, instead of failing inside
+``lax.conv_general_dilated`` or ``lax.reduce_window`` at the first call.
+
+Example:
+  >>> from functree.nn._window import padding, sizes
+  >>> sizes("Conv2D", "strides", 2, 2), padding("Conv1D", ((2, 1),), 1)
+  ((2, 2), ((2, 1),))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["sizes", "padding", "BAD_WINDOW"]
+
+BAD_WINDOW = """\
+{cls}: {name}={given!r} does not fit {n} spatial {axes}: {what}.
+
+    wrong:  {cls}(..., {name}={given!r})
+    right:  {cls}(..., {name}={right})"""
+
+PADDINGS = ("SAME", "VALID")
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _error(cls: str, name: str, given: Any, n: int, what: str, right: Any) -> ValueError:
+    return ValueError(BAD_WINDOW.format(cls=cls, name=name, given=given, n=n, axes="axis" if n == 1 else "axes",
+                                        what=what, right=right))
+
+
+def sizes(cls: str, name: str, value: Any, n: int) -> tuple[int, ...]:
+    """``value`` (an int, or ``n`` ints) as ``n`` positive ints."""
+    entries = (value,) * n if _int(value) else tuple(value) if isinstance(value, Sequence) else None
+    if entries is None or len(entries) != n or not all(_int(v) and v >= 1 for v in entries):
+        example = 2 if n == 1 else (2, 2)
+        raise _error(cls, name, value, n, f"an int >= 1, or {n} of them (one per axis)", example)
+    return tuple(int(v) for v in entries)
+
+
+def padding(cls: str, value: Any, n: int, strings_only: bool = False) -> str | tuple[tuple[int, int], ...]:
+    """``"SAME"``/``"VALID"`` (any case), or (unless ``strings_only``) an int >= 0 or ``n``
+    entries, each an int >= 0 or a ``(low, high)`` pair of them, as ``n`` pairs."""
+    if isinstance(value, str):
+        if value.upper() in PADDINGS:
+            return value.upper()
+        raise _error(cls, "padding", value, n, f"a padding string is one of {PADDINGS}", '"SAME"')
+    if strings_only:
+        raise _error(cls, "padding", value, n, f"pooling pads by name, one of {PADDINGS}", '"SAME"')
+    if _int(value) and value >= 0:
+        return ((int(value), int(value)),) * n
+
+    def pair(p: Any) -> tuple[int, int] | None:
+        if _int(p) and p >= 0:
+            return (int(p), int(p))
+        if isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 and all(_int(v) and v >= 0 for v in p):
+            return (int(p[0]), int(p[1]))
+        return None
+
+    pairs = [pair(p) for p in value] if isinstance(value, Sequence) else [None]
+    if len(pairs) != n or any(p is None for p in pairs):
+        right = "((1, 2),)" if n == 1 else "((1, 1), (0, 2))"
+        raise _error(cls, "padding", value, n, f'"SAME", "VALID", an int >= 0, or {n} entries (one per axis), each '
+                     f"an int >= 0 or a (low, high) pair", right)
+    return tuple(p for p in pairs if p is not None)

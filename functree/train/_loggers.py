@@ -105,7 +105,10 @@ class CSVLogger(Callback):
             self._columns = None
         elif self.path.exists():
             columns, rows = self._read()
-            kept = [r for r in rows if int(r["step"]) <= trainer.steps_run]
+            # Rows past the trainer's step, and an epoch's record the restored job has still
+            # to write (a checkpoint at an epoch's last step is written before its end).
+            kept = [r for r in rows if int(r["step"]) <= trainer.steps_run
+                    and not (r.get("epoch") and int(r["epoch"]) > trainer.epoch)]
             if len(kept) < len(rows):
                 self._rewrite(columns, kept)
             self._columns = columns

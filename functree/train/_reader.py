@@ -92,18 +92,23 @@ class Reader:
         t, log = self.trainer, self.log
         guard, on_nan = t._guard, t.on_nan
         r = log.read()
+        # Under "stop", the rows before the stopped step are the applied ones: they go into
+        # the history and the means, the stopped step and the gated steps after it do not
+        # (a fit after the error continues from the step before it).
+        keep = int(r.halt[1]) if on_nan == "stop" and int(r.halt[1]) >= 0 else len(r.steps)
+        values = {k: v[:keep] for k, v in r.values.items()}
         guard.critical = True  # the interval is read once: a Ctrl-C waits for the bookkeeping
         log.pending.pop(0)
-        t._job.history.add_steps(r.steps, {**{k: v.tolist() for k, v in r.values.items()}, **r.rates})
+        t._job.history.add_steps(r.steps[:keep], {**{k: v.tolist() for k, v in values.items()},
+                                                  **{k: column[:keep] for k, column in r.rates.items()}})
         log.last_context = None if log.pending or log.buffered else r.context  # the current one
-        guard.critical = False
-        skipped = self.check_finite(r)
-        terms = Means.terms(r.values, r.weights, r.nonfinite == -1 if on_nan == "skip" else None)
+        terms = Means.terms(values, r.weights[:keep], r.nonfinite[:keep] == -1 if on_nan == "skip" else None)
         job = t._job
-        guard.critical = True
-        t._job = job = job.replace(window=job.window.plus(terms), epoch_means=job.epoch_means.plus(terms),
-                                    skipped=job.skipped + skipped)
+        t._job = job = job.replace(window=job.window.plus(terms), epoch_means=job.epoch_means.plus(terms))
         guard.critical = False
+        skipped = self.check_finite(r)  # raises at a stopped step, its applied rows counted
+        if skipped:
+            t._job = job = job.replace(skipped=job.skipped + skipped)
         guard.safe_point()
         means = job.window.means(on_nan)
         shown = dict(means)

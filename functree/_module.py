@@ -328,7 +328,7 @@ class Module:
             n for n, k in cls.__ft_kinds__.items() if k == NO_DERIVATIVE
         )
         for f in fields:
-            if field_kind(f) == STATIC and f.default is not dataclasses.MISSING:
+            if field_kind(f) == STATIC and not _missing(f.default):
                 check_static(cls, f.name, f.default)
             if field_kind(f) == PARAMETER and f.name in inspect.get_annotations(cls):
                 _warn_annotation(cls, f)
@@ -455,7 +455,7 @@ def added_static(cls: type, given: Any) -> dict[str, Any]:
     """
     added = getattr(cls, "__ft_added_static__", ())
     return {f.name: f.default for f in dataclasses.fields(cls)  # pyright: ignore[reportArgumentType]
-            if f.name in added and f.name not in given and f.default is not dataclasses.MISSING}
+            if f.name in added and f.name not in given and not _missing(f.default)}
 
 
 def by_name(value: Any) -> Any:
@@ -615,11 +615,24 @@ GENERATED_INIT = "<functree: generated __init__>"
 """The file name of generated ``__init__`` functions (warnings skip their frames)."""
 
 
+def _missing(value: Any) -> bool:
+    """``value is dataclasses.MISSING``, by type: cloudpickle restores a ``__main__``
+    class's fields by value, each with a copy of ``MISSING``."""
+    return isinstance(value, type(dataclasses.MISSING))
+
+
 class _Required:
-    """The default of every parameter of a generated ``__init__``: not given."""
+    """The default of every parameter of a generated ``__init__``: not given.
+
+    One object, compared by type: cloudpickle rebuilds a ``__main__`` class's ``__init__``
+    by value, defaults included, and a copy of the marker must still read as "not given"
+    (it pickles as a reference to the one object, and the test is ``isinstance``)."""
 
     def __repr__(self) -> str:
         return "<required>"
+
+    def __reduce__(self) -> str:
+        return "_REQUIRED"  # the module's one object, by name
 
 
 _REQUIRED = _Required()
@@ -629,7 +642,7 @@ def _run_init(cls: type, self: Module, given: tuple, more: tuple, named: dict[st
     """The generated ``__init__``'s body: ``given`` are the field parameters (``_REQUIRED``
     where not passed), ``more`` and ``named`` the extra positional and keyword arguments."""
     names: tuple[str, ...] = cls.__ft_fields__  # type: ignore[attr-defined]
-    values = {n: v for n, v in zip(names, given) if v is not _REQUIRED}
+    values = {n: v for n, v in zip(names, given) if not isinstance(v, _Required)}
     if more:
         if given:
             raise TypeError(f"{cls.__name__}() takes {len(names)} field(s) {list(names)}, "
@@ -683,10 +696,10 @@ def _fields_signature(cls: type, hints: dict[str, Any] | None = None) -> inspect
     params, kind = [p("self", p.POSITIONAL_OR_KEYWORD)], p.POSITIONAL_OR_KEYWORD
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         default = f.default
-        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+        if _missing(default) and not _missing(f.default_factory):
             default = _Factory(f.default_factory)
         annotation = hints.get(f.name, p.empty)
-        if default is dataclasses.MISSING:
+        if _missing(default):
             if params[-1].default is not p.empty:
                 kind = p.KEYWORD_ONLY
             params.append(p(f.name, kind, annotation=annotation))
@@ -715,14 +728,21 @@ def _finish(self: Module) -> None:
     missing = [n for n in cls.__ft_fields__ if n not in d and not _fill_default(self, n)]
     if missing:
         raise TypeError(MISSING_FIELDS.format(cls=cls.__name__, names=missing, first=missing[0]))
+    post_init = getattr(cls, "__post_init__", None)
+    if post_init is not None:  # as a dataclass's: its checks raise, its fields may still be set
+        d[_BUILDING] = True
+        try:
+            post_init(self)
+        finally:
+            d.pop(_BUILDING, None)
     _validate(self)
 
 
 def _fill_default(self: Module, name: str) -> bool:
     f = type(self).__dataclass_fields__[name]  # type: ignore[attr-defined]
-    if f.default is not dataclasses.MISSING:
+    if not _missing(f.default):
         self.__dict__[name] = f.default
-    elif f.default_factory is not dataclasses.MISSING:
+    elif not _missing(f.default_factory):
         self.__dict__[name] = f.default_factory()
     else:
         return False
@@ -746,12 +766,12 @@ def _bind_fields(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
         if name in values:
             continue
         f = fields[name]
-        if f.default is not dataclasses.MISSING:
+        if not _missing(f.default):
             values[name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
+        elif not _missing(f.default_factory):
             values[name] = f.default_factory()
         else:
-            missing = [n for n in names if n not in values and fields[n].default is dataclasses.MISSING and fields[n].default_factory is dataclasses.MISSING]
+            missing = [n for n in names if n not in values and _missing(fields[n].default) and _missing(fields[n].default_factory)]
             raise TypeError(f"{cls.__name__}() missing field(s) {missing}")
     return values
 

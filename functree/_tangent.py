@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._parameters import (
     STRUCTURE_MISMATCH,
@@ -64,16 +65,36 @@ class _NonParameterValue(Exception):
 
 
 
+class _ShapeMismatch(Exception):
+    """A tangent leaf of another shape than its parameter (named by the caller)."""
+
+    def __init__(self, x: Any, t: Any) -> None:
+        super().__init__()
+        self.x, self.t = x, t
+
+
 def move_leaf(t: Any, x: Any) -> Any:
-    """One parameter moved along its tangent: ``x + t`` in ``x``'s dtype (``None``: no move)."""
+    """One parameter moved along its tangent: ``x + t`` in ``x``'s dtype (``None``: no move).
+
+    The tangent has the parameter's shape (a smaller one would broadcast the parameter to
+    another shape, silently). The sum is taken in the wider of the two dtypes and rounded
+    once to the parameter's, as ``optax.apply_updates`` does: a float32 update moves a
+    bfloat16 weight to the bfloat16 nearest ``x + t`` (rounding ``t`` first lost steps)."""
     if t is None:
         return x
     if isinstance(x, int) or (hasattr(x, "dtype") and not is_parameter_leaf(x)):
         raise _NonParameterValue  # a dtype change under a tree definition already checked
     if isinstance(x, float):
         return x + t
-    # Keep each parameter's dtype: a float32 update moves a bfloat16 weight as bfloat16.
-    return x + jnp.asarray(t).astype(jnp.result_type(x))
+    if hasattr(x, "shape") and np.shape(t) != x.shape:
+        raise _ShapeMismatch(x, t)
+    dtype = jnp.result_type(x)
+    t = jnp.asarray(t)
+    if t.dtype == dtype:
+        return x + t
+    with jax.numpy_dtype_promotion("standard"):  # the type the sum is exact in (f16, f32: f32)
+        wide = jnp.promote_types(dtype, t.dtype)
+    return (jnp.asarray(x).astype(wide) + t.astype(wide)).astype(dtype)
 
 
 def move(x: Any, *, along: Any) -> Any:
@@ -92,12 +113,30 @@ def move(x: Any, *, along: Any) -> Any:
     check_tangent("ft.move", along, x, advice=_MOVE)
     try:
         return map_checked("ft.move", move_leaf, along, x, is_leaf=is_none)
+    except _ShapeMismatch as e:
+        raise ValueError(_shape_error("ft.move", along, x, e)) from None
     except _NonParameterValue:
         check_tangent("ft.move", along, x, advice=_MOVE, cache=False, structure=True)
         raise ValueError(  # the check above names the key path; this is its fallback
             "ft.move: the tangent has a value at a leaf that is not a parameter (an integer "
             "or bool leaf). Build it with ft.gradient(loss, at=model) or ft.parameters(tangent)."
         ) from None
+
+
+TANGENT_SHAPE = """\
+{what}: the tangent at {path} has shape {given}; the parameter there has shape {expected}. \
+Added, it would broadcast the parameter to another shape (or fail inside JAX).
+    wrong:  {what}(model, along=updates)      # updates{path}: shape {given}
+    right:  a tangent with the parameter view's shapes: ft.gradient(loss, at=model), an optimizer's updates"""
+
+
+def _shape_error(what: str, tangent: Any, x: Any, e: _ShapeMismatch) -> str:
+    """:data:`TANGENT_SHAPE` for the first leaf whose tangent's shape differs, by key path."""
+    pairs = jax.tree_util.tree_flatten_with_path(tangent, is_leaf=is_none)[0]
+    points = jax.tree.leaves(x, is_leaf=is_none)
+    path = next((jax.tree_util.keystr(p) for (p, t), _ in zip(pairs, points) if t is e.t), "")
+    return TANGENT_SHAPE.format(what=what, path=path or "a leaf", given=tuple(jnp.shape(e.t)),
+                                expected=tuple(jnp.shape(e.x)))
 
 
 # (tree definition of the point, of the view, of the tangent) already checked.

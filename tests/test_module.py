@@ -20,6 +20,7 @@ except ImportError:
     beartype = None
 
 import functree as ft
+from functree import _module
 
 
 class Dense(ft.Module):
@@ -386,3 +387,50 @@ def test_generated_init_carries_the_field_annotations_for_beartype_and_jaxtyping
         Plain()  # functree's binding errors are kept
     with pytest.raises(TypeError, match="has no field 'wieght'"):
         Plain(wieght=jnp.ones((2, 2)))
+
+
+def test_a_class_rebuilt_by_cloudpickle_still_fills_its_defaults(tmp_path):
+    """cloudpickle rebuilds a ``__main__`` class's generated ``__init__`` by value, its
+    not-given marker with it: a copy of the marker read as a given value, so every later
+    ``D(w)`` got ``scale=<required>`` (and a missing field went unreported)."""
+    pytest.importorskip("cloudpickle")
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "main.py"
+    script.write_text(textwrap.dedent("""
+        import cloudpickle, jax.numpy as jnp, functree as ft
+        class D(ft.Module):
+            w: jnp.ndarray
+            scale: float = ft.field(static=True, default=2.0)
+        cloudpickle.loads(cloudpickle.dumps(D(jnp.ones(2))))
+        print(D(jnp.ones(2)).scale)
+        try:
+            D()
+        except TypeError as e:
+            print("missing:", "w" in str(e))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2.0", "missing:", "True"]
+    assert pickle.loads(pickle.dumps(_module._REQUIRED)) is _module._REQUIRED
+
+
+def test_post_init_runs_after_the_fields_are_set_and_may_check_or_set_them():
+    """``__post_init__`` was never called: a dataclass's or Equinox's checks there passed silently."""
+
+    class Positive(ft.Module):
+        scale: jax.Array
+        half: jax.Array = ft.field(no_derivative=True, default=None)
+
+        def __post_init__(self):
+            if not bool(jnp.all(self.scale > 0)):
+                raise ValueError("scale must be positive")
+            self.half = self.scale / 2  # still being built: fields may be set
+
+    assert float(Positive(jnp.float32(4.0)).half) == 2.0
+    with pytest.raises(ValueError, match="scale must be positive"):
+        Positive(-jnp.ones(2))
+    with pytest.raises(ft.FrozenModuleError):
+        Positive(jnp.float32(1.0)).scale = jnp.float32(2.0)

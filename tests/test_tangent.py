@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _hypothesis import examples
 from hypothesis import given, settings
@@ -174,3 +176,27 @@ def test_move_checks_tree_definitions_once_and_at_trace_time_under_jit(monkeypat
     ft.move(layer, along=t)
     jax.jit(lambda m, t: ft.move(m, along=t))(layer, t)
     assert calls == []
+
+
+def test_a_tangent_of_another_shape_is_refused_naming_its_key_path():
+    """A (3, 1) tangent on a (3,) bias made a (3, 3) bias, a scalar broadcast over a weight:
+    silently. The parameter view's shapes are required, the key path named."""
+    net = ft.nn.Sequential(ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.Dense(3, 1, key=jax.random.key(1)))
+    zero = ft.zero_tangent_vector(net)
+    for bad, shape in ((jnp.ones((3, 1)), "(3, 1)"), (jnp.float32(1.0), "()"), (0.5, "()")):
+        with pytest.raises(ValueError, match=re.escape(f"ft.move: the tangent at .layers[0].bias has shape {shape}; "
+                                                       "the parameter there has shape (3,)")):
+            ft.move(net, along=zero.replace(layers=(zero.layers[0].replace(bias=bad), zero.layers[1])))
+
+
+def test_a_bfloat16_parameter_moves_to_the_nearest_bfloat16_of_the_sum():
+    """The update was rounded to bfloat16 before the add, then the sum again: 1 + 0.00392
+    stayed 1.0 (optax.apply_updates: 1.0078); now one rounding, as optax's."""
+    x = {"w": jnp.ones(4, jnp.bfloat16)}
+    u = {"w": jnp.full(4, 0.00392, jnp.float32)}
+    moved = ft.move(x, along=u)
+    assert moved["w"].dtype == jnp.bfloat16
+    with jax.numpy_dtype_promotion("standard"):  # optax adds the two dtypes as they are
+        expected = optax.apply_updates(x, u)["w"]
+    np.testing.assert_array_equal(np.asarray(moved["w"], np.float32), np.asarray(expected, np.float32))
+    assert float(moved["w"][0]) == 1.0078125

@@ -349,6 +349,22 @@ class Module:
     def __delattr__(self, name: str) -> None:
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))
 
+    def __eq__(self, other: object) -> bool:
+        """Identity, except for modules without leaves (a module used as a static value: an
+        activation with a slope): those of one class with equal fields are equal, so two
+        models built alike have one tree definition (jit traces once, a state fits both)."""
+        if self is other:
+            return True
+        if type(other) is not type(self) or not _leafless(self) or not _leafless(other):
+            return False
+        d, e = self.__dict__, other.__dict__  # type: ignore[union-attr]
+        return all(d.get(n) == e.get(n) for n in type(self).__ft_fields__)
+
+    def __hash__(self) -> int:
+        if _leafless(self):
+            return hash((type(self), tuple(self.__dict__.get(n) for n in type(self).__ft_fields__)))
+        return object.__hash__(self)
+
     def __getstate__(self) -> dict[str, Any]:
         """pickle carries the fields only (not cached properties); builtin functions
         (``jax.nn.relu``, a ``custom_jvp``) as their public names (:mod:`functree._functions`)."""
@@ -615,6 +631,11 @@ GENERATED_INIT = "<functree: generated __init__>"
 """The file name of generated ``__init__`` functions (warnings skip their frames)."""
 
 
+def _leafless(module: Module) -> bool:
+    """Whether ``module`` holds no leaf (only static values, Nones, leafless modules)."""
+    return not jax.tree.leaves(module)
+
+
 def _missing(value: Any) -> bool:
     """``value is dataclasses.MISSING``, by type: cloudpickle restores a ``__main__``
     class's fields by value, each with a copy of ``MISSING``."""
@@ -697,7 +718,7 @@ def _fields_signature(cls: type, hints: dict[str, Any] | None = None) -> inspect
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         default = f.default
         if _missing(default) and not _missing(f.default_factory):
-            default = _Factory(f.default_factory)
+            default = _Factory(f.default_factory)  # pyright: ignore[reportArgumentType]
         annotation = hints.get(f.name, p.empty)
         if _missing(default):
             if params[-1].default is not p.empty:

@@ -434,3 +434,35 @@ def test_post_init_runs_after_the_fields_are_set_and_may_check_or_set_them():
         Positive(-jnp.ones(2))
     with pytest.raises(ft.FrozenModuleError):
         Positive(jnp.float32(1.0)).scale = jnp.float32(2.0)
+
+
+class LeakyReLU(ft.Module):
+    slope: float = ft.field(static=True, default=0.1)
+
+    def __call__(self, x):
+        return jnp.where(x > 0, x, self.slope * x)
+
+
+def test_a_leafless_module_as_a_static_value_compares_by_its_fields():
+    """An activation written as a module (a slope, no arrays) compared by identity: two
+    models built alike had two tree definitions (jit traced each, a pickled model did not
+    fit its own optimizer state). Leafless modules of one class with equal fields are equal
+    and hash alike; modules with leaves stay compared by identity."""
+    assert LeakyReLU() == LeakyReLU() and hash(LeakyReLU()) == hash(LeakyReLU()) and LeakyReLU() != LeakyReLU(0.2)
+    models = [ft.nn.Dense(2, 2, LeakyReLU(), key=jax.random.key(0)) for _ in range(3)]
+    assert len({jax.tree.structure(m) for m in models}) == 1
+    traces = []
+
+    @jax.jit
+    def run(m, x):
+        traces.append(1)
+        return m(x)
+
+    for m in models:
+        run(m, jnp.ones((1, 2)))
+    assert len(traces) == 1
+    restored = pickle.loads(pickle.dumps(models[0]))
+    assert jax.tree.structure(restored) == jax.tree.structure(models[0])
+    dense = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    assert dense != ft.nn.Dense(2, 2, key=jax.random.key(0)) and dense == dense  # with leaves: identity
+    assert hash(dense) == object.__hash__(dense)

@@ -111,6 +111,17 @@ It will be carried, not trained. Say which it is:
     {field}: {type} = ft.field(no_derivative=True)   # state (Swift's `@noDerivative var`)
 """
 
+FLOATS_IN_CONTAINER = """\
+{cls}.{field} is a parameter field whose {kind} holds Python numbers ({preview}): a Python \
+number inside a container is static data, so they will be carried, not trained (only a \
+field that is itself a Python float is a parameter). Make them arrays, or say they are \
+configuration:
+
+    wrong:  {field}=[0.5, 0.5]
+    right:  {field}=[jnp.float32(0.5), jnp.float32(0.5)]      # trained (or one array: jnp.array([0.5, 0.5]))
+    right:  {field}: list = ft.field(static=True)          # configuration
+"""
+
 UNKNOWN_FIELD = "{cls} has no field {name!r}; its fields are {fields}."
 
 NOT_A_FIELD = """\
@@ -244,6 +255,32 @@ def _non_differentiable_type_name(value: Any) -> str | None:
             return None
         return "callable"
     return None
+
+
+def _floats_only_container(value: Any) -> bool:
+    """A plain list, tuple or dict (not a Module, not a named tuple) whose leaves are all
+    Python numbers, one at least a float: meant as parameters (Swift's ``[Float]``), it
+    would be static data."""
+    numbers = _plain_numbers(value, depth=2)
+    return bool(numbers) and any(isinstance(x, float) for x in numbers)
+
+
+def _plain_numbers(value: Any, depth: int) -> list[Any] | None:
+    """The Python numbers of a plain list, tuple or dict of them (nested ``depth`` deep at
+    most), or None when it holds anything else. Read element by element, never flattened
+    (a container may hold its module: a cycle)."""
+    if type(value) not in (list, tuple, dict) or depth == 0:
+        return None
+    out: list[Any] = []
+    for x in value.values() if type(value) is dict else value:
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            out.append(x)
+            continue
+        inner = _plain_numbers(x, depth - 1)
+        if inner is None:
+            return None
+        out += inner
+    return out
 
 
 _ANNOTATION_TYPES = {bool: "bool", int: "int", str: "str"}
@@ -631,9 +668,28 @@ GENERATED_INIT = "<functree: generated __init__>"
 """The file name of generated ``__init__`` functions (warnings skip their frames)."""
 
 
-def _leafless(module: Module) -> bool:
-    """Whether ``module`` holds no leaf (only static values, Nones, leafless modules)."""
-    return not jax.tree.leaves(module)
+def _leafless(module: Module, seen: set[int] | None = None) -> bool:
+    """Whether ``module`` holds no leaf: only static values, and Nones, leafless modules and
+    containers of them in its other fields. Read field by field, never flattened (a module
+    that holds itself is no static value: False, not a recursion)."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return False
+    seen.add(id(module))
+    d = module.__dict__
+    return all(kind == STATIC or _holds_no_leaf(d.get(n), seen) for n, kind in type(module).__ft_kinds__.items())
+
+
+def _holds_no_leaf(value: Any, seen: set[int]) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, Module):
+        return _leafless(value, seen)
+    if type(value) in (list, tuple):
+        return all(_holds_no_leaf(v, seen) for v in value)
+    if type(value) is dict:
+        return all(_holds_no_leaf(v, seen) for v in value.values())
+    return False
 
 
 def _missing(value: Any) -> bool:
@@ -804,7 +860,8 @@ def _validate(self: Module) -> None:
     for name, kind in cls.__ft_kinds__.items():
         if kind != PARAMETER:
             continue
-        type_name = _non_differentiable_type_name(self.__dict__[name])
+        value = self.__dict__[name]
+        type_name = _non_differentiable_type_name(value)
         if type_name is not None and not _annotation_warned(cls, name):
             warnings.warn(
                 NON_DIFFERENTIABLE_FIELD.format(
@@ -813,6 +870,10 @@ def _validate(self: Module) -> None:
                 NonDifferentiableFieldWarning,
                 stacklevel=_user_stacklevel(),
             )
+        elif _floats_only_container(value):
+            warnings.warn(FLOATS_IN_CONTAINER.format(cls=cls.__name__, field=name, kind=type(value).__name__,
+                                                     preview=repr(value)[:60]),
+                          NonDifferentiableFieldWarning, stacklevel=_user_stacklevel())
 
 
 def _annotation_warned(cls: type, name: str) -> bool:

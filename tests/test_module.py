@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -466,3 +467,23 @@ def test_a_leafless_module_as_a_static_value_compares_by_its_fields():
     dense = ft.nn.Dense(2, 2, key=jax.random.key(0))
     assert dense != ft.nn.Dense(2, 2, key=jax.random.key(0)) and dense == dense  # with leaves: identity
     assert hash(dense) == object.__hash__(dense)
+
+
+def test_python_floats_in_a_parameter_fields_list_warn_that_they_are_not_trained():
+    """Seed 002's podcast model, written literally (``categoryMultipliers: [Float]`` as a list
+    of Python floats), trained only its scalar fields: the lists' gradients were None, with
+    no warning. A parameter field holding only Python numbers in a list, tuple or dict warns."""
+
+    class Podcast(ft.Module):
+        min_speed: float
+        multipliers: list
+
+    with pytest.warns(ft.NonDifferentiableFieldWarning, match=r"Podcast.multipliers is a parameter field whose list "
+                                                               r"holds Python numbers \(\[0.5, 1.0\]\)"):
+        Podcast(1.0, [0.5, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = Podcast(1.0, [jnp.float32(0.5), jnp.float32(1.0)])  # the fix: trained
+        Podcast(1.0, [])
+    grads = ft.gradient(lambda m: m.min_speed * (m.multipliers[0] + 2 * m.multipliers[1]), at=model)
+    assert [float(g) for g in grads.multipliers] == [1.0, 2.0]

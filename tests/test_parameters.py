@@ -70,7 +70,9 @@ def test_parameters_of_python_scalars():
         scale: float
         config: dict
 
-    view = ft.parameters(Scaled(0.5, {"p": 0.1}))
+    with pytest.warns(ft.NonDifferentiableFieldWarning, match=r"Scaled.config is a parameter field whose dict holds"):
+        scaled = Scaled(0.5, {"p": 0.1})  # a float in the field's dict: static, and said so
+    view = ft.parameters(scaled)
     assert view.scale == 0.5 and view.config == {"p": None}
 
 

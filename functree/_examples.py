@@ -41,7 +41,10 @@ give them one row per example:
 def check_example_axis(batch: Any, split: str) -> None:
     """Raise :data:`MIXED_EXAMPLE_AXIS` unless every array leaf of ``batch`` with a leading
     axis has the same number of rows (scalars ride along whole). The example axis is the
-    size most leaves share (the larger on a tie); the first other leaf is named."""
+    size most leaves share (the larger on a tie); the first other leaf is named, by its path
+    in the batch (a step's argument tuple holding the batch alone is read as the batch)."""
+    if type(batch) is tuple and len(batch) == 1:
+        batch = batch[0]
     leaves = [(jax.tree_util.keystr(path) or "the batch", np.shape(x)[0])
               for path, x in jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(x) >= 1]
     sizes = Counter(rows for _, rows in leaves)

@@ -398,9 +398,12 @@ class Module:
         return all(d.get(n) == e.get(n) for n in type(self).__ft_fields__)
 
     def __hash__(self) -> int:
-        if _leafless(self):
+        if not _leafless(self):
+            return object.__hash__(self)
+        try:
             return hash((type(self), tuple(self.__dict__.get(n) for n in type(self).__ft_fields__)))
-        return object.__hash__(self)
+        except TypeError:  # a list of Nones, say: the class alone (equal modules still hash alike)
+            return hash(type(self))
 
     def __getstate__(self) -> dict[str, Any]:
         """pickle carries the fields only (not cached properties); builtin functions

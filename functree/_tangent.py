@@ -114,7 +114,7 @@ def move(x: Any, *, along: Any) -> Any:
     try:
         return map_checked("ft.move", move_leaf, along, x, is_leaf=is_none)
     except _ShapeMismatch as e:
-        raise ValueError(_shape_error("ft.move", along, x, e)) from None
+        raise ValueError(_shape_error("ft.move", along, e)) from None
     except _NonParameterValue:
         check_tangent("ft.move", along, x, advice=_MOVE, cache=False, structure=True)
         raise ValueError(  # the check above names the key path; this is its fallback
@@ -130,13 +130,11 @@ Added, it would broadcast the parameter to another shape (or fail inside JAX).
     right:  a tangent with the parameter view's shapes: ft.gradient(loss, at=model), an optimizer's updates"""
 
 
-def _shape_error(what: str, tangent: Any, x: Any, e: _ShapeMismatch) -> str:
-    """:data:`TANGENT_SHAPE` for the first leaf whose tangent's shape differs, by key path."""
-    pairs = jax.tree_util.tree_flatten_with_path(tangent, is_leaf=is_none)[0]
-    points = jax.tree.leaves(x, is_leaf=is_none)
-    path = next((jax.tree_util.keystr(p) for (p, t), _ in zip(pairs, points) if t is e.t), "")
-    return TANGENT_SHAPE.format(what=what, path=path or "a leaf", given=tuple(jnp.shape(e.t)),
-                                expected=tuple(jnp.shape(e.x)))
+def _shape_error(what: str, tangent: Any, e: _ShapeMismatch) -> str:
+    """:data:`TANGENT_SHAPE` for the tangent leaf ``e`` names, by its key path."""
+    path = next((jax.tree_util.keystr(p) for p, t in jax.tree_util.tree_flatten_with_path(tangent, is_leaf=is_none)[0]
+                 if t is e.t), "a leaf")
+    return TANGENT_SHAPE.format(what=what, path=path, given=tuple(np.shape(e.t)), expected=tuple(np.shape(e.x)))
 
 
 # (tree definition of the point, of the view, of the tangent) already checked.

@@ -53,7 +53,7 @@ def devices_error(call: str, error: Exception, named: list[tuple[str, Any]]) -> 
             where = f"{name}{jax.tree_util.keystr(path)}"
             devices = leaf.sharding.device_set
             if first is None:
-                first = (where, devices, leaf.sharding, name)
+                first = (where, devices, name)
             elif devices != first[1]:
                 shown = lambda d: sorted(str(x) for x in d)  # noqa: E731
                 target = next(iter(first[1])) if len(first[1]) == 1 else None
@@ -63,7 +63,7 @@ def devices_error(call: str, error: Exception, named: list[tuple[str, Any]]) -> 
                          else f"{name} = jax.device_put({name}, another_sharding)")
                 return ValueError(INCOMPATIBLE_DEVICES.format(
                     call=call, first=first[0], first_devices=shown(first[1]), other=where, other_devices=shown(devices),
-                    fix=fix, wrong=wrong, first_name=first[3]))
+                    fix=fix, wrong=wrong, first_name=first[2]))
     return None
 
 

@@ -576,7 +576,7 @@ class Optimizer:
     def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
                                state: Any, key: Any = None) -> tuple[Any, Any]:
         k = self.accumulate
-        check_example_axis(batch[0] if len(batch) == 1 else batch, f"accumulate={k} microbatches")
+        check_example_axis(batch, f"accumulate={k} microbatches")
         micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
 
         def body(total: Any, xs: tuple) -> tuple[Any, Any]:

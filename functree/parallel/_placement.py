@@ -140,9 +140,12 @@ class Placement:
         """
         if whole and jax.process_count() == 1 and not self.divides(batch):
             return self.replicate(batch)
-        if not whole:  # a training step's devices each take their rows of every leaf
-            check_example_axis(batch, self._split)
-        return shard_batch(batch, self.mesh, self.data_axis)
+        try:
+            return shard_batch(batch, self.mesh, self.data_axis)
+        except ValueError:  # a leaf the devices cannot share: say why first if its rows are no examples
+            if not whole:
+                check_example_axis(batch, self._split)
+            raise
 
     def replicate(self, tree: Any) -> Any:
         """``tree`` copied whole to every device of the mesh (a step's replicated outputs live

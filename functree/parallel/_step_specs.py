@@ -39,32 +39,28 @@ in the metric:
             metrics={{"accuracy": lambda out: jnp.mean(out.aux["correct"])}}"""
 
 
-def merge_devices(x: Any, local: int) -> Any:
+def merge_devices(x: Any) -> Any:
     """A per-device layer state stacked over devices: meaned (floating), else device 0's."""
-    if x.ndim >= 2 and x.shape[1] == local:
-        return x.reshape(-1, *x.shape[2:])
     return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
 
 
-def merge_aux(aux: Any, rows: int, part: str, how: str, per_example: Any = None) -> Any:
+def merge_aux(aux: Any, rows: int, part: str, how: str, per_example: Any) -> Any:
     """The loss's aux outputs of several parts of one batch (devices or microbatches), each
     stacked along a new leading axis, as one: per-example rows (``rows`` per part)
     concatenated, a floating scalar meaned (a per-example mean, as the loss is), anything
     else refused (:data:`UNMERGEABLE_AUX`): a count, a maximum or a per-class table of the
     parts cannot be combined without knowing what it is. ``per_example``: aux's structure of
     bools, which leaves hold one row per example of the whole batch (read from its shapes
-    there); without it, a leaf whose leading axis is ``rows`` is taken for one."""
-    def one(path: Any, x: Any, rowwise: Any = None) -> Any:
+    there, so sizes that coincide decide nothing)."""
+    def one(path: Any, x: Any, rowwise: bool) -> Any:
         if not is_array(x):
             return x
-        if x.ndim >= 2 and x.shape[1] == rows and rowwise is not False:
+        if rowwise and x.ndim >= 2 and x.shape[1] == rows:
             return x.reshape(-1, *x.shape[2:])
         if x.ndim == 1 and jnp.issubdtype(x.dtype, jnp.inexact):
             return jnp.mean(x, axis=0)
         raise ValueError(UNMERGEABLE_AUX.format(path=f"aux{jax.tree_util.keystr(path)}", shape=tuple(x.shape[1:]),
                                                 dtype=x.dtype, part=part, rows=rows, how=how))
-    if per_example is None:
-        return jax.tree_util.tree_map_with_path(one, aux)
     return jax.tree_util.tree_map_with_path(one, aux, per_example)
 
 

@@ -343,8 +343,8 @@ class TrainStep:
                                 model, batch, key)
         return jax.tree.map(lambda s: s.ndim >= 1 and s.shape[0] == size, aux)
 
-    def _replicas(self, half: Callable[..., Gradients], model: Any, opt_state: Any, batch: tuple,
-                  rows: Any = None) -> Gradients:
+    def _replicas(self, half: Callable[..., Gradients], model: Any, opt_state: Any, batch: tuple, *,
+                  rows: Any) -> Gradients:
         """``half`` (the optimizer's gradient half) once per device of the data axis."""
         where = self.placement
         assert where is not None
@@ -387,7 +387,7 @@ class TrainStep:
         )(gathered, opt_state, batch)
         local = batch_size_of(batch) // where.devices
         out = (g.loss, merge_aux(g.out[1], local, "device", f"on a mesh of {where.devices} devices", rows))
-        layer_state = jax.tree.map(lambda x: merge_devices(x, -1), g.layer_state)
+        layer_state = jax.tree.map(merge_devices, g.layer_state)
         grad_specs = partition_specs(trained_view(model, self.optimizer.wrt), where.sharding, mesh=where.mesh, data_axis=axis, strict=False)
         return Gradients(g.loss, out, where.constrain(g.grads, grad_specs), layer_state)
 

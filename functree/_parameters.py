@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._module import NO_DERIVATIVE, Module, field_kind, from_fields
 from functree._naming import NothingSelected, check_patterns, selection
@@ -178,13 +179,40 @@ def with_parameters(model: Any, params: Any) -> Any:
       >>> ft.with_parameters({"w": jnp.ones(2), "n": 3}, {"w": jnp.zeros(2), "n": None})
       {'n': 3, 'w': Array([0., 0.], dtype=float32)}
     """
-    return map_checked(
-        "ft.with_parameters",
-        lambda p, x: x if p is None else p,
-        params,
-        model,
-        is_leaf=is_none,
-    )
+    def written(p: Any, x: Any) -> Any:
+        if p is None:
+            return x
+        if np.shape(p) != np.shape(x):  # another shape would reach the layer (or broadcast) silently
+            raise _WrongShape(p, x)
+        return p
+
+    try:
+        return map_checked("ft.with_parameters", written, params, model, is_leaf=is_none)
+    except _WrongShape as e:
+        path = next((jax.tree_util.keystr(k) for k, p in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
+                     if p is e.value), "a leaf")
+        given, expected = tuple(np.shape(e.value)), tuple(np.shape(e.leaf))
+        hint = TRANSPOSED if len(given) == 2 and given == expected[::-1] else ""
+        raise ValueError(PARAMETER_SHAPE.format(path=path or "<root>", given=given, expected=expected,
+                                                hint=hint)) from None
+
+
+PARAMETER_SHAPE = """\
+ft.with_parameters: the value at {path} has shape {given}; the model's parameter there has shape {expected}.
+    wrong:  ft.with_parameters(model, params)      # params{path}: shape {given}
+    right:  values with the shapes of ft.parameters(model){hint}"""
+
+TRANSPOSED = """
+A (out, in) matrix where the layer holds (in, out) is a torch Linear weight: transpose it
+(value.T), or load torch weights with ft.interop.load_torch_state_dict, which does."""
+
+
+class _WrongShape(Exception):
+    """A value of another shape than the model's leaf (named by the caller)."""
+
+    def __init__(self, value: Any, leaf: Any) -> None:
+        super().__init__()
+        self.value, self.leaf = value, leaf
 
 
 def update(params: Any, *, with_gradients: Any, updater: Callable[[Any, Any], Any]) -> Any:

@@ -254,7 +254,7 @@ def tangent_add(a: Any, b: Any) -> Any:
       >>> ft.tangent_add({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 4.0])})
       {'w': Array([4., 6.], dtype=float32)}
     """
-    return map_checked("ft.tangent_add", jnp.add, a, b)
+    return _leafwise("ft.tangent_add", jnp.add, a, b)
 
 
 def tangent_subtract(a: Any, b: Any) -> Any:
@@ -265,7 +265,30 @@ def tangent_subtract(a: Any, b: Any) -> Any:
       >>> ft.tangent_subtract({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 4.0])})
       {'w': Array([-2., -2.], dtype=float32)}
     """
-    return map_checked("ft.tangent_subtract", jnp.subtract, a, b)
+    return _leafwise("ft.tangent_subtract", jnp.subtract, a, b)
+
+
+TANGENTS_DIFFER = """\
+{what}: the tangents differ in shape at {path}: {a} and {b}. Combined, they would broadcast
+to another shape than the parameter's.
+    wrong:  {what}(grads, other)          # other{path}: shape {b}
+    right:  two tangents of the same model's parameter view (ft.gradient(loss, at=model))"""
+
+
+def _leafwise(what: str, op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    """``op`` at every leaf of two tangent trees of the same structure and shapes."""
+    def combined(x: Any, y: Any) -> Any:
+        if np.shape(x) != np.shape(y):
+            raise _ShapeMismatch(x, y)
+        return op(x, y)
+
+    try:
+        return map_checked(what, combined, a, b)
+    except _ShapeMismatch as e:
+        path = next((jax.tree_util.keystr(k) for k, t in jax.tree_util.tree_flatten_with_path(a)[0]
+                     if t is e.x), "a leaf")
+        raise ValueError(TANGENTS_DIFFER.format(what=what, path=path or "<root>", a=tuple(np.shape(e.x)),
+                                                b=tuple(np.shape(e.t)))) from None
 
 
 def tangent_scale(a: Any, scale: Any) -> Any:

@@ -95,6 +95,24 @@ def test_with_parameters_structure_mismatch_names_the_path():
     assert "ft.parameters(model)" in message
 
 
+def test_with_parameters_refuses_another_shape_by_key_path():
+    model = make_model()
+    params = ft.parameters(model)
+    torch_like = params.replace(encoder=params.encoder.replace(weight=params.encoder.weight.T))
+    with pytest.raises(ValueError) as info:
+        ft.with_parameters(model, torch_like)
+    message = str(info.value)
+    assert "the value at .encoder.weight has shape (3, 2)" in message and "has shape (2, 3)" in message
+    assert "transpose it" in message  # a (out, in) torch weight, named as such
+    # A (1, 3) row where the model holds (3,) used to be written as is (later broadcast).
+    flat = ft.with_parameters({"b": jnp.zeros(3)}, {"b": None})
+    with pytest.raises(ValueError, match=r"the value at \['b'\] has shape \(1, 3\).*shape \(3,\)") as info:
+        ft.with_parameters(flat, {"b": jnp.ones((1, 3))})
+    assert "transpose" not in str(info.value)
+    # Another dtype of the same shape is a cast, and stays allowed.
+    assert ft.with_parameters(flat, {"b": jnp.ones(3, jnp.bfloat16)})["b"].dtype == jnp.bfloat16
+
+
 def test_update_applies_the_updater_at_every_parameter():
     params = ft.parameters(make_model())
     grads = jax.tree.map(jnp.ones_like, params)

@@ -115,6 +115,15 @@ def test_tangent_add_mismatch_names_the_path():
         ft.tangent_add({"x": [jnp.ones(1)]}, {"x": (jnp.ones(1),)})
 
 
+def test_tangent_add_and_subtract_refuse_another_shape():
+    # jnp.add would broadcast (3,) and (3, 1) to (3, 3): a tangent no parameter has.
+    for op, name in ((ft.tangent_add, "tangent_add"), (ft.tangent_subtract, "tangent_subtract")):
+        with pytest.raises(ValueError, match=rf"ft.{name}: the tangents differ in shape at \['w'\]\[1\]: \(3,\) and \(3, 1\)"):
+            op({"w": [jnp.ones(2), jnp.ones(3)]}, {"w": [jnp.ones(2), jnp.ones((3, 1))]})
+    out = jax.jit(ft.tangent_add)({"w": jnp.ones(3)}, {"w": jnp.ones(3)})
+    np.testing.assert_array_equal(out["w"], np.full(3, 2.0))
+
+
 def test_tangent_ops_are_jittable():
     a = {"w": jnp.ones(3)}
     out = jax.jit(lambda a: ft.tangent_norm(ft.tangent_add(a, ft.tangent_scale(a, 2.0))))(a)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -51,6 +52,15 @@ def test_a_restored_position_is_set_and_a_one_shot_restore_warns():
     epochs.forget(restored=True)
     with pytest.warns(UserWarning, match="one-shot iterator that cannot report"):
         epochs.iterate(iter(ITEMS), at(steps_run=3, batch_in_epoch=3))
+
+
+def test_counts_take_integer_scalars_and_refuse_the_rest():
+    # np.int64 comes from arithmetic on array sizes (len(x) // batch): an int to fit.
+    assert Epochs.check_counts(epochs=np.int64(3), steps=None, log_every=jnp.int32(5)) == [3, None, 5]
+    assert all(type(n) is int for n in Epochs.check_counts(epochs=np.int64(3), log_every=np.uint8(2)))
+    for bad in (0, -1, 2.0, np.float32(2), True, np.bool_(True), "3", np.int64(0)):
+        with pytest.raises(ValueError, match=r"epochs must be a positive int, got"):
+            Epochs.check_counts(epochs=bad)
 
 
 def test_the_datas_errors():

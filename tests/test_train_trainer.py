@@ -312,6 +312,20 @@ def keyed_loss(model, batch, *, key):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)), logits
 
 
+def test_evaluate_and_predict_name_the_minibatch_that_failed():
+    trainer = Trainer(mlp(), adam(), classify)
+    good = [(X[i : i + 16], LABELS[i : i + 16]) for i in range(0, 48, 16)]
+    wrong = (np.zeros((16, 5), np.float32), LABELS[:16])  # 5 features where the model takes 3
+    with pytest.raises(ft.nn.LayerInputError) as info:
+        trainer.evaluate([*good, wrong])
+    text = str(info.value)
+    assert "evaluate: minibatch 3 (counted from 0) failed" in text and "float32[16, 5]" in text
+    assert "the first minibatch had ('float32[16, 3]', 'int32[16]')" in text
+    assert "Dense at .layers[0] expects inputs [..., 3]" in text  # the layer's own error kept
+    with pytest.raises(ft.nn.LayerInputError, match=r"predict: minibatch 0 \(counted from 0\) failed"):
+        trainer.predict([wrong, *good])
+
+
 def test_a_loss_that_requires_a_key_evaluates_and_validates():
     trainer = Trainer(mlp(dropout=0.3), adam(), keyed_loss, metrics=[ft.train.accuracy], key=jax.random.key(2))
     history = trainer.fit((X, LABELS), epochs=2, batch_size=16, validation_data=(X, LABELS), progress=False)

@@ -12,6 +12,7 @@ the step) by its step, epoch and index.
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -144,11 +145,21 @@ class Epochs:
         self.first_shapes = ""  # the first minibatch's shapes, for the error of a malformed one
 
     @staticmethod
-    def check_counts(**counts: int | None) -> None:
-        """Each of ``fit``'s counts (``epochs=``, ``steps=``, ``log_every=``) is a positive int or None."""
+    def check_counts(**counts: Any) -> list[int | None]:
+        """Each of ``fit``'s counts (``epochs=``, ``steps=``, ``log_every=``) as a Python int
+        (or None): a positive integer of any integer type (``np.int64`` from arithmetic on
+        array sizes is common), never a bool or a float."""
+        checked: list[int | None] = []
         for what, value in counts.items():
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(BAD_LENGTH.format(what=what, value=value))
+            if value is not None:
+                try:  # operator.index: ints and integer scalars (NumPy, JAX), not 10.0 or True
+                    value = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+                except TypeError:
+                    value = None
+                if value is None or value < 1:
+                    raise ValueError(BAD_LENGTH.format(what=what, value=counts[what]))
+            checked.append(value)
+        return checked
 
     def forget(self, restored: bool = False) -> None:
         """No live iterator: the next epoch's is made from the job's position."""
@@ -213,9 +224,15 @@ class Epochs:
         first = f"; the trainer's first minibatch had {self.first_shapes}" if self.first_shapes else ""
         text = MALFORMED_MINIBATCH.format(step=job.steps_run + offset + 1, index=job.batch_in_epoch + offset,
                                           epoch=job.epoch, shapes=describe_batch(batch), first=first, error=error)
-        original = error.args
-        error.args = (text,)
-        if str(error) != text:
-            error.args = original
-            error.add_note(text.split(" The error:")[0])
-        return error
+        return with_location(error, text)
+
+
+def with_location(error: Exception, text: str) -> Exception:
+    """``error`` with ``text`` (which ends with " The error:" and the error itself) as its
+    message; an exception whose text is not its message gets the location as a note."""
+    original = error.args
+    error.args = (text,)
+    if str(error) != text:
+        error.args = original
+        error.add_note(text.split(" The error:")[0])
+    return error

@@ -17,7 +17,8 @@ from functree._tree import is_array_value
 from functree._where import placement_of, put
 from functree.optim._average import averaged as averaged_parameters
 from functree.train._data import Batches, batches, to_arrays
-from functree.train._epochs import EMPTY_DATA, as_data
+from functree.train._epochs import EMPTY_DATA, as_data, with_location
+from functree.train._metrics import describe_batch
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
 
@@ -64,24 +65,42 @@ def eval_key(fn: Callable[..., Any], key: Any) -> Any:
     return jax.random.fold_in(jax.random.key(0) if key is None else key, EVAL_KEY_SALT)
 
 
+MALFORMED_EVAL_MINIBATCH = """\
+{what}: minibatch {index} (counted from 0) failed. Its shapes: {shapes}{first}. The error:
+{error}"""
+
+
 def _minibatches(data: Any) -> Iterable[Any]:
     return data.iterate(0) if isinstance(data, Batches) else data
+
+
+def _located(error: Exception, what: str, index: int, batch: Any, first: Any) -> Exception:
+    """``error`` of minibatch ``index`` of an evaluation or prediction, located as
+    ``fit``'s are: which minibatch, its shapes, and the first minibatch's."""
+    before = f"; the first minibatch had {describe_batch(first)}" if index else ""
+    return with_location(error, MALFORMED_EVAL_MINIBATCH.format(
+        what=what, index=index, shapes=describe_batch(batch), first=before, error=error))
 
 
 def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key: Any) -> dict[str, float]:
     """The means of ``step``'s loss and metrics over ``data``, weighted by minibatch size:
     ``summing`` (``EvalStep.summing``) adds each minibatch on device; one read at the end."""
     sums: Any = None
-    for batch in _minibatches(data):
-        batch = step.shard_batch(to_arrays(batch))
-        if sums is None:
-            shapes = eval_shape(step.step, model, batch, key)
-            sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
-                    "weight": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.int32)}
-            # Committed where the model lives, as the sums the program returns: one program
-            # (uncommitted first sums compiled it twice per evaluation's shapes).
-            sums = put(sums, placement_of(model))
-        sums = summing(model, sums, batch, key)
+    first = None
+    for i, given in enumerate(_minibatches(data)):
+        first = given if i == 0 else first
+        try:
+            batch = step.shard_batch(to_arrays(given))
+            if sums is None:
+                shapes = eval_shape(step.step, model, batch, key)
+                sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
+                        "weight": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+                # Committed where the model lives, as the sums the program returns: one program
+                # (uncommitted first sums compiled it twice per evaluation's shapes).
+                sums = put(sums, placement_of(model))
+            sums = summing(model, sums, batch, key)
+        except (ValueError, TypeError) as e:  # raised while tracing, or by the batch's checks
+            raise _located(e, "evaluate", i, given, first) from e.__cause__
     if sums is None:
         raise ValueError(EMPTY_DATA.format(why=" to evaluate"))
     host = jax.device_get(sums)
@@ -91,8 +110,14 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
 def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: Callable[..., Any], key: Any) -> Any:
     """``fn(model, batch)`` over ``data`` by ``program`` (jitted), concatenated along axis 0;
     ``fold_in(key, i)`` for the i-th minibatch when ``key`` is given."""
-    outputs = [program(model, step.shard_batch(to_arrays(b)), fn, None if key is None else jax.random.fold_in(key, i))
-               for i, b in enumerate(_minibatches(data))]
+    outputs, first = [], None
+    for i, given in enumerate(_minibatches(data)):
+        first = given if i == 0 else first
+        try:
+            outputs.append(program(model, step.shard_batch(to_arrays(given)), fn,
+                                   None if key is None else jax.random.fold_in(key, i)))
+        except (ValueError, TypeError) as e:  # raised while tracing, or by the batch's checks
+            raise _located(e, "predict", i, given, first) from e.__cause__
     if not outputs:
         raise ValueError(EMPTY_DATA.format(why=" to predict"))
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outputs)

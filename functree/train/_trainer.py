@@ -228,7 +228,8 @@ class Trainer(Evaluation):
         SIGTERM stops ``fit`` after the current step, saving a checkpoint there through each
         :class:`ModelCheckpoint` given (``trainer.preempted`` is then True).
         """
-        Epochs.check_counts(epochs=epochs, steps=steps, log_every=log_every)
+        epochs, steps, every = Epochs.check_counts(epochs=epochs, steps=steps, log_every=log_every)
+        log_every = log_every if every is None else every  # never None: the parameter's default is 50
         k = self.steps_per_call if steps_per_call is None else check_steps_per_call(steps_per_call)
         if epochs is None and steps is None:
             epochs = 1

@@ -48,6 +48,7 @@ from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._leafwise import separable
 from functree.optim._masked import masked
+from functree.optim._radam import scale_by_radam
 from functree.optim._signature import Hyper, optimizer
 
 __all__ = [
@@ -249,10 +250,31 @@ def rmsprop(
       >>> updates["w"]   # -0.01 / sqrt(0.1)
       Array([-0.0316...], dtype=float32)
     """
-    return _decayed(
-        weight_decay,
-        optax.rmsprop(learning_rate, rho, epsilon, eps_in_sqrt=False, centered=centered, momentum=momentum),
-    )
+    scale = (optax.scale_by_stddev if centered else optax.scale_by_rms)(rho, epsilon, eps_in_sqrt=False)
+    return _decayed(weight_decay, _momentum_then_rate(scale, learning_rate, momentum))
+
+
+def _momentum_then_rate(scale: optax.GradientTransformation, learning_rate: Any,
+                        momentum: Any) -> optax.GradientTransformation:
+    """``u ← μu + scaled g;  −η u``: the momentum before the learning rate, as torch.
+
+    ``optax.rmsprop`` traces the update already scaled by η (``u ← μu + η g/(√s+ε)``, as
+    Keras), which is the same only while η is constant: across a schedule's change from
+    0.1 to 0.01 the old buffer kept moving at 0.1 (two steps: −0.624 for torch's −0.368).
+    The state keeps ``optax.rmsprop``'s layout, ``(rms, EmptyState(), TraceState)``, so
+    states saved before read as they were."""
+    trace, rate = optax.trace(decay=momentum), optax.scale_by_learning_rate(learning_rate)
+
+    def init(params: Any) -> tuple[Any, Any, Any]:
+        return scale.init(params), rate.init(params), trace.init(params)
+
+    def update(updates: Any, state: tuple[Any, Any, Any], params: Any = None) -> tuple[Any, tuple[Any, Any, Any]]:
+        updates, scaled = scale.update(updates, state[0], params)
+        updates, traced = trace.update(updates, state[2], params)
+        updates, rated = rate.update(updates, state[1], params)
+        return updates, (scaled, rated, traced)
+
+    return optax.GradientTransformation(init, update)
 
 
 class AdagradState(NamedTuple):
@@ -471,11 +493,15 @@ def radam(
     epsilon: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
-    """Rectified Adam (torch.optim.RAdam, optax.radam, swift-apis RAdam)::
+    """Rectified Adam (torch.optim.RAdam's numbers; swift-apis RAdam)::
 
         ρ∞ = 2/(1 − β₂) − 1;   ρₜ = ρ∞ − 2t β₂ᵗ / (1 − β₂ᵗ)
-        ρₜ > 5:  w ← w − η rₜ m̂ / (√v̂ + ε),  rₜ = √((ρₜ−4)(ρₜ−2)ρ∞ / ((ρ∞−4)(ρ∞−2)ρₜ))
+        ρₜ > 5:  w ← w − η rₜ m̂ √(1 − β₂ᵗ)/(√v + ε),  rₜ = √((ρₜ−4)(ρₜ−2)ρ∞ / ((ρ∞−4)(ρ∞−2)ρₜ))
         else:    w ← w − η m̂
+
+    ρₜ is computed without the cancellation of the formula as written (``_radam.py``), and ε
+    sits where torch and the paper's code put it (optax's ``radam`` uses ``√v̂ + ε``). State:
+    ``optax.ScaleByAdamState``, as ``optax.radam``'s.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -484,7 +510,8 @@ def radam(
       >>> updates["w"]     # no rectification yet: -η m̂
       Array([-0.1], dtype=float32)
     """
-    return _decayed(weight_decay, optax.radam(learning_rate, beta1, beta2, epsilon, threshold=5.0))
+    return _decayed(weight_decay, scale_by_radam(beta1, beta2, epsilon, threshold=5.0),
+                    optax.scale_by_learning_rate(learning_rate))
 
 
 @_optimizer("ft.optim.lion")

@@ -298,3 +298,84 @@ def test_adamw_weight_decay_and_decayed_leaves():
     with jax.numpy_dtype_promotion("standard"):  # optax mixes its float rate and int count
         updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
     assert np.any(updates["weight"]) and np.any(updates["bias"])
+
+
+def test_sgd_rmsprop_adagrad_adadelta_defaults():
+    args = lambda f, *names: tuple(default(f, n) for n in names)  # noqa: E731
+    torch_defaults = lambda cls: cls([torch.zeros(1, requires_grad=True)]).defaults  # noqa: E731
+    assert default(ft.optim.sgd, "learning_rate") == 0.01 and torch_defaults(torch.optim.SGD)["lr"] == 1e-3
+    assert default(optax.sgd, "learning_rate") is inspect.Parameter.empty
+    assert float(keras.optimizers.SGD().learning_rate) == pytest.approx(0.01)
+    assert args(ft.optim.rmsprop, "learning_rate", "rho", "epsilon") == (1e-3, 0.9, 1e-8)
+    assert args(optax.rmsprop, "decay", "eps", "eps_in_sqrt") == (0.9, 1e-8, True)
+    t = torch_defaults(torch.optim.RMSprop)
+    assert (t["lr"], t["alpha"], t["eps"]) == (1e-2, 0.99, 1e-8)
+    k = keras.optimizers.RMSprop()
+    assert (k.rho, k.epsilon) == (0.9, 1e-7) and float(k.learning_rate) == pytest.approx(1e-3)
+    assert args(ft.optim.adagrad, "learning_rate", "initial_accumulator_value", "epsilon") == (1e-3, 0.1, 1e-8)
+    assert args(optax.adagrad, "initial_accumulator_value", "eps") == (0.1, 1e-7)
+    t = torch_defaults(torch.optim.Adagrad)
+    assert (t["lr"], t["initial_accumulator_value"], t["eps"]) == (1e-2, 0, 1e-10)
+    k = keras.optimizers.Adagrad()
+    assert (k.initial_accumulator_value, k.epsilon) == (0.1, 1e-7) and float(k.learning_rate) == pytest.approx(1e-3)
+    assert args(ft.optim.adadelta, "learning_rate", "rho") == (1.0, 0.95)
+    assert default(optax.adadelta, "rho") == 0.9 and default(optax.adadelta, "learning_rate") is None
+    t = torch_defaults(torch.optim.Adadelta)
+    assert (t["lr"], t["rho"]) == (1.0, 0.9)
+    assert keras.optimizers.Adadelta().rho == 0.95 and float(keras.optimizers.Adadelta().learning_rate) == pytest.approx(1e-3)
+
+
+def test_rmsprop_momentum_and_radam_epsilon():
+    """Two steps of g = 1 at η 0.1 then 0.01 (momentum 0.9): η outside the buffer (torch,
+    functree) moves −0.368, inside (optax, Keras) −0.624. RAdam on gradients of 1e-8:
+    ε before the bias correction (torch, functree) against after it (optax)."""
+    def ours_rms(tx):
+        p = {"w": jnp.zeros(1)}
+        state, w = tx.init(p), 0.0
+        for rate in (0.1, 0.01):
+            state = ft.optim.set_hyperparameters(state, learning_rate=rate)
+            u, state = tx.update({"w": jnp.ones(1)}, state, p)
+            w += float(u["w"][0])
+        return w
+
+    w = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.RMSprop([w], lr=0.1, alpha=0.9, momentum=0.9)
+    for rate in (0.1, 0.01):
+        opt.param_groups[0]["lr"] = rate
+        w.grad = torch.ones(1)
+        opt.step()
+    with jax.numpy_dtype_promotion("standard"):
+        tx = optax.inject_hyperparams(optax.rmsprop)(learning_rate=0.1, decay=0.9, momentum=0.9, eps_in_sqrt=False)
+        state, p = tx.init({"w": jnp.zeros(1)}), 0.0
+        for rate in (0.1, 0.01):
+            state.hyperparams["learning_rate"] = jnp.asarray(rate)
+            u, state = tx.update({"w": jnp.ones(1)}, state)
+            p += float(u["w"][0])
+    v = keras.Variable(np.zeros(1, np.float32))
+    k = keras.optimizers.RMSprop(learning_rate=0.1, rho=0.9, momentum=0.9, epsilon=1e-8)
+    for rate in (0.1, 0.01):
+        k.learning_rate = rate
+        k.apply([np.ones(1, np.float32)], [v])
+    assert ours_rms(ft.optim.rmsprop(0.1, rho=0.9, momentum=0.9)) == pytest.approx(float(w.detach()[0]), abs=1e-6)
+    assert float(w.detach()[0]) == pytest.approx(-0.3676, abs=1e-4)
+    assert p == pytest.approx(-0.6238, abs=1e-4) and float(np.asarray(v)[0]) == pytest.approx(-0.6238, abs=1e-4)
+
+    g = np.full(1, 1e-8, np.float32)
+    ours = ft.optim.radam(1.0)
+    with jax.numpy_dtype_promotion("standard"):
+        theirs = optax.radam(1.0)
+        steps = {}
+        for name, tx in (("ours", ours), ("optax", theirs)):
+            state, total = tx.init({"w": jnp.zeros(1)}), 0.0
+            for _ in range(8):
+                u, state = tx.update({"w": jnp.asarray(g)}, state)
+                total += float(u["w"][0])
+            steps[name] = total
+    w = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.RAdam([w], lr=1.0)
+    for _ in range(8):
+        w.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+    assert steps["ours"] == pytest.approx(float(w.detach()[0]), rel=1e-4)
+    assert abs(steps["optax"] - float(w.detach()[0])) > 0.5 * abs(float(w.detach()[0]))
+    assert not hasattr(keras.optimizers, "RAdam")

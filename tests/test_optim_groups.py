@@ -76,3 +76,20 @@ def test_member_groups_errors_name_the_member():
     with pytest.raises(ValueError, match=r"parameter 'h\.1\.weight' matches two groups, 'h\.\[0-1\]\.\*' and "
                                          r"'h\.\[1-3\]\.\*'"):
         fo.groups({"h.[0-1].*": fo.sgd(), "h.[1-3].*": fo.sgd(), "head": fo.sgd()}).init(_stacked())
+
+
+def test_a_group_or_exclude_pattern_that_matches_no_name_is_refused():
+    """A typo ("layer.0.*" for "layers.0.*") trained its parameters with the default's rate
+    (groups) or decayed what it meant to spare (exclude=), silently."""
+    model = ft.nn.Sequential([ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.Dense(2, 2, key=jax.random.key(1))])
+    with pytest.raises(ValueError, match=r"group pattern 'layer\.0\.\*' matches no name(?s:.*)right:.*'layers\.0\.\*'"):
+        fo.groups({"layer.0.*": fo.sgd(0.0)}, default=fo.sgd(1.0)).init(model)
+    with pytest.raises(ValueError, match=r"exclude pattern 'layer\.1\.\*' matches no name(?s:.*)'layers\.1\.\*'"):
+        fo.adamw(1e-3, exclude=(*fo.DEFAULT_NO_DECAY, "layer.1.*")).init(model)
+    with pytest.raises(ValueError, match=r"exclude pattern 'head\.\*'"):
+        fo.decay_mask(ft.parameters(model), exclude=("head.*",))
+    # DEFAULT_NO_DECAY's own globs may match nothing (no .scale here), and a pattern naming
+    # a part the optimizer does not train (wrt=) is no typo.
+    fo.adamw(1e-3, exclude=(*fo.DEFAULT_NO_DECAY, "layers.1.*")).init(model)
+    opt = fo.Optimizer(fo.groups({"layers.0.*": fo.sgd(0.1)}, default=fo.sgd(1.0)), wrt="layers.1.*")
+    opt.init(model)

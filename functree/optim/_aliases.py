@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._naming import check_patterns
+from functree._naming import NothingSelected, check_patterns, selection
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._leafwise import separable
@@ -125,11 +125,35 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
     exclude = tuple(exclude)
     globs = tuple(e for e in exclude if e != DECLARED)
     check_patterns(globs)
+    _check_excludes(params, globs)
     by_name = selected(params, ("*",), globs, strict=False)
     if DECLARED not in exclude:
         return jax.tree.map(lambda m: _decayed_where(m, False), by_name, is_leaf=is_none)
     declared = field_mask(params, _no_decay)
     return jax.tree.map(_decayed_where, by_name, declared, is_leaf=is_none)
+
+
+EXCLUDE_SELECTS_NOTHING = """\
+weight decay: the exclude pattern {pattern!r} matches no name in the model, so it excludes
+nothing and those parameters would be decayed. Closest names: {close}.
+    wrong:  ft.optim.adamw(1e-3, exclude=(*ft.optim.DEFAULT_NO_DECAY, {pattern!r}))
+    right:  ft.optim.adamw(1e-3, exclude=(*ft.optim.DEFAULT_NO_DECAY, {right!r}))"""
+
+
+def _check_excludes(params: Any, globs: tuple[str, ...]) -> None:
+    """Refuse a glob of the user's that matches no name of the tree (a typo, "layer.1.*" for
+    "layers.1.*", decayed what it meant to spare). :data:`DEFAULT_NO_DECAY`'s own globs may
+    match nothing (a model without biases). Names of non-parameters count: a pattern for a
+    part frozen elsewhere is no typo. Read at ``init``, once per tree definition."""
+    for glob in globs:
+        if glob in DEFAULT_NO_DECAY:
+            continue
+        try:
+            selection(params, (glob,), what="exclude", strict=True)
+        except NothingSelected as e:
+            right = e.suggestion or (e.close[0] if e.close else "*.bias")
+            raise ValueError(EXCLUDE_SELECTS_NOTHING.format(
+                pattern=glob, close=", ".join(map(repr, e.close)) or "none", right=right)) from None
 
 
 def _decayed_where(by_name: Any, declared: Any) -> Any:

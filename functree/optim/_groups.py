@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 
-from functree._naming import leaf_infos, member_names, selection
+from functree._naming import NothingSelected, leaf_infos, member_names, selection
 from functree._tree import is_none
 from functree.optim._masked import partition_members
 
@@ -34,9 +34,26 @@ name or a character class ("layers.[01].*").
 EMPTY = "ft.optim.groups needs at least one {{pattern: transform}} entry, got {given!r}."
 
 
+GROUP_SELECTS_NOTHING = """\
+ft.optim.groups: the group pattern {pattern!r} matches no name in the model, so its optimizer
+trains nothing (and what it meant trains with another group's). Closest names: {close}.
+    wrong:  ft.optim.groups({{{pattern!r}: ...}}, default=...)
+    right:  ft.optim.groups({{{right!r}: ...}}, default=...)"""
+
+
 def _selections(params: Any, patterns: tuple[str, ...]) -> list[tuple[Any, ...]]:
-    """Per pattern, what it selects of each leaf (bools, member arrays); no error for none."""
-    return [selection(params, (p,), what="ft.optim.groups", strict=False) for p in patterns]
+    """Per pattern, what it selects of each leaf (bools, member arrays). A pattern matching
+    no name of the tree is refused (a typo's parameters went to the default silently); one
+    matching only non-parameters (a part frozen elsewhere) is not."""
+    out = []
+    for p in patterns:
+        try:
+            out.append(selection(params, (p,), what="ft.optim.groups", strict=True))
+        except NothingSelected as e:
+            right = e.suggestion or (e.close[0] if e.close else "*")
+            raise ValueError(GROUP_SELECTS_NOTHING.format(
+                pattern=p, close=", ".join(map(repr, e.close)) or "none", right=right)) from None
+    return out
 
 
 def _where(info: Any, count: Any, at: int) -> str:

@@ -257,3 +257,112 @@ def test_softmax_cross_entropy_labels_outside_the_classes():
         none = jax.jit(lambda z, y, kw=kwargs: ft.losses.softmax_cross_entropy(z, y, reduction="none", **kw))(logits, given)
         inside = (given >= 0) & (given < 50)
         assert np.isnan(none[tuple(where)]) and np.isfinite(np.asarray(none)[inside]).all()
+
+
+def test_kl_divergence_terms_where_expected_is_zero_are_zero_with_finite_gradients():
+    """The issue: 0 * log(0) made KL NaN where expected == 0 and predicted == 0 (an underflowed
+    float32 softmax), although the docstring said such terms are zero. torch's kl_div is NaN
+    there too; its terms do not depend on predicted where expected == 0, so torch is the anchor
+    with those predictions made positive."""
+    torch = pytest.importorskip("torch")
+    predicted = np.array([[1.0, 0.0, 0.0], [0.5, 0.0, 0.5], [0.2, 0.3, 0.5]], np.float32)
+    expected = np.array([[1.0, 0.0, 0.0], [0.25, 0.0, 0.75], [0.0, 0.4, 0.6]], np.float32)
+    positive = np.where(expected == 0, 1.0, predicted).astype(np.float32)  # same terms, torch-defined
+    p = torch.tensor(positive, requires_grad=True)
+    reference = torch.nn.functional.kl_div(torch.log(p), torch.from_numpy(expected), reduction="none").sum(-1)
+    reference.mean().backward()
+    atol = 1e-6
+    np.testing.assert_allclose(ft.losses.kl_divergence(predicted, expected, reduction="none"),
+                               reference.detach().numpy(), rtol=0, atol=atol)
+    np.testing.assert_allclose(ft.losses.kl_divergence(predicted, expected), reference.mean().item(), rtol=0, atol=atol)
+    grad = jax.grad(lambda q: ft.losses.kl_divergence(q, jnp.asarray(expected)))(jnp.asarray(predicted))
+    # -e / p / rows where e > 0, and 0 where e == 0 (torch's own is NaN at p == 0 there)
+    np.testing.assert_allclose(grad, p.grad.numpy(), rtol=0, atol=1e-6 * float(np.abs(p.grad.numpy()).max()))
+    # a float32 softmax that underflowed to an exact 0, differentiated through its logits
+    logits = jnp.array([0.0, -200.0])
+    assert float(jax.nn.softmax(logits)[1]) == 0.0
+    kl = lambda z: ft.losses.kl_divergence(jax.nn.softmax(z), jnp.array([1.0, 0.0]))  # noqa: E731
+    assert float(kl(logits)) == 0.0
+    assert np.isfinite(np.asarray(jax.grad(kl)(logits))).all()
+    with np.errstate(divide="ignore"):  # expected > 0 where predicted == 0: infinite, as torch's
+        assert float(ft.losses.kl_divergence(np.array([1.0, 0.0], np.float32), np.array([0.5, 0.5], np.float32))) == np.inf
+
+
+def test_softmax_cross_entropy_refuses_integer_labels_of_the_logits_shape_and_one_class():
+    """The issue: integer labels [N, 1] for a one-logit head were read as probabilities over one
+    class: loss 0 and zero gradients, silently; class indices broadcast to [N, C] summed to 6
+    "probabilities". torch refuses integer targets of the logits' shape."""
+    torch = pytest.importorskip("torch")
+    logits, indices = np.zeros((2, 3), np.float32), np.array([[2, 2, 2], [0, 0, 0]])
+    with pytest.raises(RuntimeError, match="Expected floating point type for target with class probabilities"):
+        torch.nn.functional.cross_entropy(torch.from_numpy(logits), torch.from_numpy(indices))
+    for labels, given in [(indices, r"i64\[2,3\]"), (jnp.asarray(indices), r"i32\[2,3\]"), (indices == 1, r"bool\[2,3\]")]:
+        with pytest.raises(TypeError, match=rf"(?s)labels {given} have the logits' shape \[2, 3\], so they would be read "
+                                            r"as probabilities.*class indices need the shape logits.shape\[:-1\] = \[2\]"
+                                            r".*labels.argmax\(-1\).*labels.astype\(logits.dtype\)"):
+            ft.losses.softmax_cross_entropy(logits, labels)
+    one_hot = np.eye(3, dtype=np.float32)[[2, 0]]  # the fix the message names, equal to torch's
+    np.testing.assert_allclose(ft.losses.softmax_cross_entropy(logits, one_hot),
+                               torch.nn.functional.cross_entropy(torch.from_numpy(logits),
+                                                                 torch.from_numpy(one_hot)).item(), rtol=0, atol=1e-6)
+    head = jnp.array([[2.0], [-1.0], [0.5]])
+    for labels in [jnp.array([[0], [1], [1]]), jnp.array([0, 0, 0]), jnp.array([[0.0], [1.0], [1.0]])]:
+        with pytest.raises(ValueError, match=r"(?s)logits f32\[3,1\] have 1 class on their last axis; a softmax needs a "
+                                             r"last axis of at least 2 classes.*ft.losses.sigmoid_cross_entropy\(logits"):
+            ft.losses.softmax_cross_entropy(head, labels)
+    with pytest.raises(ValueError, match=r"logits f32\[\] have no class axis"):
+        ft.losses.softmax_cross_entropy(jnp.float32(1.0), jnp.int32(0))
+    with pytest.raises(ValueError, match=r"logits f32\[2,0\] have 0 classes on their last axis"):
+        ft.losses.softmax_cross_entropy(jnp.zeros((2, 0)), jnp.array([0, 0]))
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_softmax_cross_entropy_reads_numpy_labels_before_int32_wraps_them(dtype):
+    """The issue: np.int64 label 2**32 + 1 became 1 in jnp.asarray (x64 off) and trained as class
+    1, although labels outside the classes raise."""
+    logits, labels = _collated(50)
+    for bad in [2**32 + 1, 2**31]:
+        given = labels.astype(np.int64)
+        given[1, 4] = bad
+        if dtype is np.uint64:
+            given = np.where(given < 0, 7, given).astype(np.uint64)
+        with pytest.raises(ValueError, match=rf"(?s)label {bad} at labels\[1, 4\] is not a class of logits "
+                                             rf"f32\[2,6,50\].*np.where\(labels == {bad}, -100, labels\)"):
+            ft.losses.softmax_cross_entropy(logits, given.astype(dtype))
+    with pytest.raises(ValueError, match=r"label 4294967297 at labels\[1\]"):  # a Python list of them too
+        ft.losses.softmax_cross_entropy(logits[0, :2], [1, 2**32 + 1])
+    torch = pytest.importorskip("torch")  # in range, NumPy int64 labels are torch's loss
+    expected = torch.nn.functional.cross_entropy(torch.from_numpy(logits).reshape(-1, 50),
+                                                 torch.from_numpy(labels.astype(np.int64)).reshape(-1))
+    np.testing.assert_allclose(ft.losses.softmax_cross_entropy(logits, labels.astype(np.int64)), expected.item(),
+                               rtol=0, atol=1e-6 * float(np.abs(logits).max()))
+
+
+def test_softmax_cross_entropy_takes_numpy_smoothing_and_names_the_labels_dtype():
+    """The issue: label_smoothing=np.float32(0.1) was refused as "not a number in [0, 1)" while
+    np.float64 passed; bool labels were said to have "a floating dtype"."""
+    torch = pytest.importorskip("torch")
+    logits, labels = _collated(50)
+    kept = labels.reshape(-1) != -100
+    flat_logits, flat_labels = logits.reshape(-1, 50)[kept], labels.reshape(-1)[kept]
+    expected = torch.nn.functional.cross_entropy(torch.from_numpy(flat_logits), torch.from_numpy(flat_labels),
+                                                 label_smoothing=0.1).item()
+    atol = 1e-6 * float(np.abs(logits).max())
+    for smoothing in [np.float32(0.1), np.float64(0.1), 0.1]:
+        np.testing.assert_allclose(ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=smoothing), expected,
+                                   rtol=0, atol=atol)
+    plain = ft.losses.softmax_cross_entropy(logits, labels)
+    assert float(ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=np.int64(0))) == float(plain)
+    for smoothing, given in [(jnp.float32(0.1), r"f32\[\]"), (np.array(0.1), r"f64\[\]"), ("0.1", "'0.1'"),
+                             (True, "True"), (np.bool_(False), "np.False_")]:
+        with pytest.raises(TypeError, match=rf"(?s)label_smoothing must be a Python or NumPy number in \[0, 1\), got "
+                                            rf"{given}\. An array.*label_smoothing=float\(smoothing\)"):
+            ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=smoothing)
+    with pytest.raises(TypeError, match=r"label_smoothing must be a Python or NumPy number in \[0, 1\), got f32\[\]"):
+        jax.jit(lambda s: ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=s))(0.1)
+    for smoothing in [np.float32(1.0), np.float64(np.nan), -0.1]:
+        with pytest.raises(ValueError, match=r"label_smoothing must be a number in \[0, 1\)"):
+            ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=smoothing)
+    with pytest.raises(TypeError, match=r"labels bool\[3\] have the shape of class indices \[3\] but dtype bool, not an "
+                                        r"integer dtype"):
+        ft.losses.softmax_cross_entropy(jnp.zeros((3, 4)), jnp.array([True, False, True]))

@@ -2,8 +2,8 @@
 
 Every loss takes ``reduction="mean" | "sum" | "none"`` and defaults to the mean (over
 examples for the per-example losses: cross entropies, ``kl_divergence``,
-``categorical_hinge``). Inputs are checked: shapes that would silently broadcast, and float
-labels where class indices are needed, are errors.
+``categorical_hinge``). Inputs are checked: shapes that would silently broadcast, float
+labels where class indices are needed, integer labels where probabilities are, are errors.
 """
 
 from functree.losses._classification import (

@@ -24,14 +24,38 @@ __all__ = [
     "categorical_hinge",
 ]
 
-FLOAT_LABELS = """\
-softmax_cross_entropy: labels {given} have the shape of class indices {index_shape} but a \
-floating dtype. Class indices must be integers; probabilities must have the logits' shape \
-{prob_shape}.
+NOT_INTEGER_LABELS = """\
+softmax_cross_entropy: labels {given} have the shape of class indices {index_shape} but dtype \
+{dtype}, not an integer dtype. Class indices must be integers; probabilities must have the \
+logits' shape {prob_shape} and a floating dtype.
 
-    wrong:  ft.losses.softmax_cross_entropy(logits, labels)            # labels float
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels)            # labels {dtype}
     right:  ft.losses.softmax_cross_entropy(logits, labels.astype(jnp.int32))
        or:  ft.losses.softmax_cross_entropy(logits, jax.nn.one_hot(labels, {classes}))
+"""
+
+INTEGER_PROBABILITIES = """\
+softmax_cross_entropy: labels {given} have the logits' shape {prob_shape}, so they would be read \
+as probabilities over the {classes} classes, but their dtype is {dtype}. Probabilities need a \
+floating dtype; class indices need the shape logits.shape[:-1] = {index_shape}. (Integer \
+labels of the logits' shape are class indices broadcast by mistake, or one-hot rows: read as \
+probabilities, the loss would be silently wrong.)
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels)                        # labels {given}
+    right:  ft.losses.softmax_cross_entropy(logits, indices)                       # indices: int {index_shape}
+       or:  ft.losses.softmax_cross_entropy(logits, labels.argmax(-1))             # one-hot rows
+       or:  ft.losses.softmax_cross_entropy(logits, labels.astype(logits.dtype))   # probabilities
+"""
+
+TOO_FEW_CLASSES = """\
+softmax_cross_entropy: logits {logits} have {what}; a softmax needs a last axis of at least 2 \
+classes. A softmax over one class is always 1: the loss would be 0 and every gradient zero \
+whatever the labels (torch's cross_entropy returns that 0 silently). A binary head of one \
+logit takes the sigmoid cross entropy:
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels)       # logits f32[N,1], labels 0/1
+    right:  ft.losses.sigmoid_cross_entropy(logits, labels.reshape(logits.shape).astype(logits.dtype))
+       or:  ft.losses.softmax_cross_entropy(logits2, labels.reshape(-1))   # a head of 2 logits f32[N,2]
 """
 
 LABEL_SHAPE = """\
@@ -49,13 +73,23 @@ softmax_cross_entropy: label_smoothing must be a number in [0, 1), got {given!r}
     right:  ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=0.1)
 """
 
+SMOOTHING_NOT_A_NUMBER = """\
+softmax_cross_entropy: label_smoothing must be a Python or NumPy number in [0, 1), got \
+{given}. An array (a JAX array, or a value traced by jax.jit) is not supported: the smoothing \
+is checked and fixed when the loss is traced.
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=jnp.float32(0.1))
+    right:  ft.losses.softmax_cross_entropy(logits, labels, label_smoothing=0.1)
+       or:  label_smoothing=float(smoothing)   # a concrete array; under jax.jit, a static argument
+"""
+
 LABEL_OUT_OF_RANGE = """\
 softmax_cross_entropy: label {label} at labels{where} is not a class of logits {logits} \
 (classes 0 to {last}) nor ignore_index ({ignore}). A label outside the classes is never read \
 as one (a negative label would index from the end and train toward another token).
 
     wrong:  ft.losses.softmax_cross_entropy(logits, labels)                   # labels hold {label}
-    right:  ft.losses.softmax_cross_entropy(logits, labels, ignore_index={label})   # to skip those positions
+    right:  ft.losses.softmax_cross_entropy(logits, {skip})   # to skip those positions
        or:  labels below {classes} (a vocabulary of {classes}: resize the head, or fix the collator)
 """
 
@@ -80,10 +114,16 @@ def softmax_cross_entropy(
     """``-sum_c target[c] * log_softmax(logits)[c]`` per example, averaged over examples.
 
     ``labels`` are integer class indices ``[...]`` (``optax.softmax_cross_entropy_with_integer_labels``)
-    or probabilities with the logits' shape ``[..., classes]`` (``optax.softmax_cross_entropy``).
+    or floating probabilities with the logits' shape ``[..., classes]``
+    (``optax.softmax_cross_entropy``). As torch's ``cross_entropy``, integer labels of the
+    logits' shape are refused (class indices broadcast by mistake, or one-hot rows: give
+    ``labels.argmax(-1)`` or ``labels.astype(logits.dtype)``), and so are logits of fewer
+    than 2 classes (a softmax over one class is 1: a loss of 0 and no gradient whatever the
+    labels; a one-logit binary head takes ``ft.losses.sigmoid_cross_entropy``).
 
-    ``label_smoothing=a`` trains on ``target = (1 - a) * labels + a / classes`` (Szegedy et
-    al. 2016; ``labels`` one-hot for class indices). ``ignore_index=i`` (integer labels
+    ``label_smoothing=a`` (a Python or NumPy number, not an array) trains on
+    ``target = (1 - a) * labels + a / classes`` (Szegedy et al. 2016; ``labels`` one-hot for
+    class indices). ``ignore_index=i`` (integer labels
     only; ``-100`` by default, as torch's ``cross_entropy`` and Hugging Face's collators,
     which put -100 on the prompt and the padding) gives positions whose label is ``i`` a
     loss of zero; the mean is then taken over the other positions only (zero if every
@@ -91,7 +131,8 @@ def softmax_cross_entropy(
     positions. ``ignore_index=None`` ignores nothing.
 
     A label outside ``0 .. classes - 1`` (and not ``ignore_index``) is never read as a
-    class: concrete labels raise, naming the label and where it is; labels traced under a
+    class: concrete labels raise, naming the label and where it is (NumPy ``int64`` labels
+    are read before JAX's ``int32`` could wrap them); labels traced under a
     ``jax.jit`` of your own cannot be read, so such a position's loss is NaN (and with it
     the mean and the gradients: a training step's NaN check stops there), never a
     plausible number.
@@ -110,21 +151,25 @@ def softmax_cross_entropy(
     """
     name = "softmax_cross_entropy"
     logits = check_float(name, "logits", logits)
-    labels = jnp.asarray(labels)
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 <= label_smoothing < 1:
-        raise ValueError(BAD_SMOOTHING.format(given=label_smoothing))
+    label_smoothing = _smoothing(label_smoothing)
+    _check_classes(logits)
+    # NumPy and Python labels are read on the host before jnp.asarray: with x64 off it wraps an
+    # int64 label >= 2**31 into a small one, which the range check would take for a class.
+    host = None if isinstance(labels, jax.Array) else np.asarray(labels)
+    given = labels if host is None else host
     index_shape, prob_shape = list(logits.shape[:-1]), list(logits.shape)
     classes = logits.shape[-1]
     keep = None
-    if labels.shape == logits.shape[:-1]:
-        if not jnp.issubdtype(labels.dtype, jnp.integer):
+    if given.shape == logits.shape[:-1]:
+        if not jnp.issubdtype(given.dtype, jnp.integer):
             raise TypeError(
-                FLOAT_LABELS.format(
-                    given=short_array(labels), index_shape=index_shape, prob_shape=prob_shape,
-                    classes=classes,
+                NOT_INTEGER_LABELS.format(
+                    given=short_array(given), index_shape=index_shape, prob_shape=prob_shape,
+                    classes=classes, dtype=given.dtype,
                 )
             )
-        _check_labels(labels, classes, ignore_index, logits)
+        _check_labels(given, classes, ignore_index, logits)
+        labels = jnp.asarray(given)
         keep = None if ignore_index is None else labels != ignore_index
         inside = (labels >= 0) & (labels < classes)
         labels = jnp.where(inside, labels, 0)
@@ -135,19 +180,28 @@ def softmax_cross_entropy(
         # A traced label outside the classes (the check above could not read it): NaN, never a class.
         outside = ~inside if keep is None else keep & ~inside
         values = jnp.where(outside, jnp.full((), jnp.nan, values.dtype), values)
-    elif labels.shape == logits.shape:
+    elif given.shape == logits.shape:
+        if not jnp.issubdtype(given.dtype, jnp.floating):
+            # As torch: integer (or bool) targets of the logits' shape are refused, never read as
+            # probabilities (class indices broadcast by mistake summed to 6 "probabilities").
+            raise TypeError(
+                INTEGER_PROBABILITIES.format(
+                    given=short_array(given), prob_shape=prob_shape, classes=classes,
+                    dtype=given.dtype, index_shape=index_shape,
+                )
+            )
         if ignore_index not in (None, -100):  # the default applies to class indices only
             raise ValueError(
                 IGNORE_WITH_PROBABILITIES.format(
-                    index=ignore_index, index_shape=index_shape, given=short_array(labels)
+                    index=ignore_index, index_shape=index_shape, given=short_array(given)
                 )
             )
-        values = _smoothed(logits, labels.astype(logits.dtype), label_smoothing)
+        values = _smoothed(logits, jnp.asarray(given).astype(logits.dtype), label_smoothing)
     else:
         raise ValueError(
             LABEL_SHAPE.format(
                 logits=short_array(logits), index_shape=index_shape, prob_shape=prob_shape,
-                given=short_array(labels),
+                given=short_array(given),
             )
         )
     if keep is None:
@@ -159,9 +213,30 @@ def softmax_cross_entropy(
     return reduce(name, values, reduction)
 
 
-def _check_labels(labels: jax.Array, classes: int, ignore_index: int | None, logits: jax.Array) -> None:
+def _smoothing(value: Any) -> float:
+    """``label_smoothing`` as a Python float in ``[0, 1)``: Python and NumPy numbers (not bools);
+    an array or traced value raises :data:`SMOOTHING_NOT_A_NUMBER`, a number outside raises
+    :data:`BAD_SMOOTHING`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        given = short_array(value) if isinstance(value, (jax.Array, np.ndarray)) else repr(value)
+        raise TypeError(SMOOTHING_NOT_A_NUMBER.format(given=given))
+    if not 0 <= value < 1:  # NaN fails too
+        raise ValueError(BAD_SMOOTHING.format(given=value))
+    return float(value)
+
+
+def _check_classes(logits: jax.Array) -> None:
+    """Raise :data:`TOO_FEW_CLASSES` unless ``logits`` has a last axis of 2 classes or more."""
+    if logits.ndim and logits.shape[-1] >= 2:
+        return
+    what = "no class axis" if not logits.ndim else f"{logits.shape[-1]} class{'es' if logits.shape[-1] != 1 else ''} on their last axis"
+    raise ValueError(TOO_FEW_CLASSES.format(logits=short_array(logits), what=what))
+
+
+def _check_labels(labels: Any, classes: int, ignore_index: int | None, logits: jax.Array) -> None:
     """Raise :data:`LABEL_OUT_OF_RANGE` for a concrete label outside ``[0, classes)`` that is
-    not ``ignore_index`` (traced labels are left to the NaN of the caller)."""
+    not ``ignore_index`` (traced labels are left to the NaN of the caller). NumPy labels are
+    read as given (int64 or uint64), before any conversion to JAX's int32."""
     try:
         given = np.asarray(labels)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
@@ -171,7 +246,11 @@ def _check_labels(labels: jax.Array, classes: int, ignore_index: int | None, log
         bad &= given != ignore_index
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(LABEL_OUT_OF_RANGE.format(label=int(given[where]), where=list(where),
+        label = int(given[where])
+        # An ignore_index beyond int32 cannot be compared with JAX's int32 labels: mask on the host.
+        fits = -(2**31) <= label < 2**31
+        skip = f"labels, ignore_index={label}" if fits else f"np.where(labels == {label}, -100, labels)"
+        raise ValueError(LABEL_OUT_OF_RANGE.format(label=label, where=list(where), skip=skip,
                                                    logits=short_array(logits), last=classes - 1, classes=classes,
                                                    ignore=ignore_index))
 
@@ -199,16 +278,25 @@ def kl_divergence(predicted: Any, expected: Any, *, reduction: str = "mean") -> 
     """``KL(expected || predicted) = sum expected * log(expected / predicted)`` over the last
     axis, for probabilities (``optax.kl_divergence``), averaged over examples (swift-apis'
     ``kullbackLeiblerDivergence`` sums them: ``reduction="sum"``). Terms with
-    ``expected == 0`` are zero.
+    ``expected == 0`` are zero (the limit of ``e * log e``), also where ``predicted == 0``
+    there (an underflowed float32 softmax), and so is their gradient; ``predicted == 0``
+    where ``expected > 0`` is an infinite divergence.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.losses.kl_divergence(jnp.array([0.5, 0.5]), jnp.array([1.0, 0.0]))
       Array(0.6931472, dtype=float32)
+      >>> ft.losses.kl_divergence(jnp.array([1.0, 0.0]), jnp.array([1.0, 0.0]))
+      Array(0., dtype=float32)
     """
     predicted, expected = check_same_shape("kl_divergence", predicted, expected)
-    values = optax.kl_divergence(jnp.log(predicted), expected)
-    return reduce("kl_divergence", values, reduction)
+    zero = expected == 0
+    # Both branches of the outer where are differentiated: the inner wheres keep log(0) out of
+    # the zero terms' branch, so their value and their gradient are 0, never 0 * inf = NaN.
+    one = jnp.ones((), expected.dtype)
+    e, p = jnp.where(zero, one, expected), jnp.where(zero, one, predicted)
+    terms = jnp.where(zero, jnp.zeros((), e.dtype), e * (jnp.log(e) - jnp.log(p)))
+    return reduce("kl_divergence", jnp.sum(terms, axis=-1), reduction)
 
 
 def hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:

@@ -10,9 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.extend import core as jcore
 
 from functree import _diagnostics, _operators
 from functree._activity import SCOPE
@@ -55,6 +57,15 @@ zero as intended:
     right:  @ft.derivative(of={fn}, wrt={suggest})  # the {closure} covers {name} too
        or:  ft.gradient(f, wrt=...)                  # differentiate only covered arguments
        or:  {fn}(..., ft.without_derivative(at={name}), ...)   # an intentional zero"""
+
+PULLBACK_COUNT = """\
+The pullback registered for {fn} returned {got}; it covers {count} arguments (wrt={wrt}: \
+{names}) and returns one cotangent per argument, in wrt's order. Missing: {missing}. \
+A missing cotangent would silently be zero.
+
+    wrong:  return y, lambda v: {wrong}
+    right:  return y, lambda v: ({right})
+       or:  @ft.derivative(of={fn}, wrt={fewer})   # cover fewer arguments"""
 
 UNCOVERED_KEY_PATH = """\
 The pullback registered for {fn} returned None for {what}, which is being \
@@ -150,7 +161,12 @@ def derivative(
     cotangents of the ``wrt`` arguments) or ``(value, differential)`` (``mode="forward"``,
     differential maps the tangents of the ``wrt`` arguments to a result tangent).
     ``wrt`` picks argument indices (default: every argument that carries floats; arguments
-    that are not arrays, such as a string flag, are passed through as constants). If ``f`` was declared with
+    that are not arrays, such as a string flag, are passed through as constants). With
+    several covered arguments the pullback returns a tuple, one cotangent per argument in
+    ``wrt``'s order (one missing is an error, never a zero), where only a bare Python number
+    (``scale=2.0``, a constant) may be left out. The rule is called with the call's own
+    arguments: ``of``'s defaults are not filled in (``of=jnp.round`` takes ``x`` alone).
+    If ``f`` was declared with
     :func:`differentiable`, the derivative is registered on it and the decorated function
     is returned unchanged; otherwise a new differentiable function carrying the derivative
     is returned.
@@ -200,10 +216,49 @@ def _split(result: Any, fn: Callable[..., Any], closure: str) -> tuple[Any, Call
     return result
 
 
-def _as_tuple(x: Any, n: int) -> tuple:
-    if n == 1 and not (isinstance(x, tuple) and len(x) == 1):
-        return (x,)
-    return tuple(x)
+def _is_number(x: Any) -> bool:
+    """A bare Python number (``scale=2.0``): a constant of the call, never differentiated."""
+    return isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic)
+
+
+def _positional(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` seen through ``*args``: JAX's custom_vjp and custom_jvp bind a call to their
+    function's signature and fill its defaults, so a call leaving a default out
+    (``jnp.round(x)``'s ``decimals``) would hand the rule arguments it never got."""
+
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    # No functools.wraps: its __wrapped__ would lead inspect.signature back to fn's defaults.
+    call.__name__ = getattr(fn, "__name__", "f")
+    call.__qualname__ = getattr(fn, "__qualname__", call.__name__)
+    return call
+
+
+def _hoisted(pb: Callable[..., Any], value: Any) -> tuple[Callable[..., Any], list[Any]]:
+    """The pullback ``pb`` as a function of a cotangent and explicit residuals.
+
+    ``pb`` is traced once to a jaxpr; every traced value it reads becomes a residual,
+    integers and bools included (a ReLU mask, labels, an argmax). ``jax.closure_convert``
+    hoists only the values that may carry a derivative: an integer it leaves in the closure
+    is a tracer of the forward trace, which the backward pass then reads outside it
+    (UnexpectedTracerError under ``ft.gradient``'s diagnostics, jit, checkpoint, cond, scan).
+    Concrete constants stay in the jaxpr. The forward pass is not recomputed.
+    """
+    closed, shape = jax.make_jaxpr(pb, return_shape=True)(value)
+    out_tree = jax.tree.structure(shape)
+    traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+    residuals = [c for c, t in zip(closed.consts, traced) if t]
+    fixed = [c for c, t in zip(closed.consts, traced) if not t]
+    jaxpr = closed.jaxpr
+
+    def converted(cotangent: Any, *residuals: Any) -> Any:
+        hoisted, kept = iter(residuals), iter(fixed)
+        consts = [next(hoisted) if t else next(kept) for t in traced]
+        run = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))
+        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves(cotangent)))
+
+    return converted, residuals
 
 
 def _is_data(x: Any) -> bool:
@@ -259,9 +314,14 @@ class _Call:
         self.dynamic = [i for i, a in enumerate(args) if _is_data(a)]
         if wrt is None:
             wrt = tuple(i for i in self.dynamic if jax.tree.leaves(parameters(args[i])))
-        position = {i: k for k, i in enumerate(self.dynamic)}
-        self.covered = [position[i] for i in wrt if i in position]  # in wrt's order
+        else:  # wrt=-1 is the last argument
+            wrt = tuple(i % len(args) if -len(args) <= i < 0 else i for i in wrt)
+        self.position = {i: k for k, i in enumerate(self.dynamic)}
+        self.covered = [self.position[i] for i in wrt if i in self.position]  # in wrt's order
         self.wrt = wrt
+        # A bare Python number is a constant (never a tracer): a pullback may leave its
+        # cotangent out (`scale=2.0`), never an array's.
+        self.constant = {i for i in wrt if i < len(args) and _is_number(args[i])}
         self.dyn_args = tuple(args[i] for i in self.dynamic)
         if len(self.dynamic) == len(args):
             self.fn, self.deriv = fn, deriv
@@ -310,7 +370,7 @@ class _Call:
 
     def with_pullback(self) -> Any:
         pullback_of_call: list[tuple[Callable[..., Any], list[list[bool]]]] = []
-        custom = jax.custom_vjp(self.fn)
+        custom = jax.custom_vjp(_positional(self.fn))
 
         def fwd(*primals: Any) -> Any:
             values = jax.tree.map(lambda p: p.value, primals, is_leaf=_is_primal)
@@ -323,9 +383,7 @@ class _Call:
                 ):
                     raise self._uncovered(k, "reverse")
             value, pb = _split(self.deriv(*values), self.fn, "pullback")
-            # Turn the pullback closure into a function of explicit residual arrays, so the
-            # forward pass is not recomputed in the backward pass.
-            converted, residuals = jax.closure_convert(pb, value)
+            converted, residuals = _hoisted(pb, value)
             live = [
                 [f and p for f, p in zip(flags, _parameter_flags(v))]
                 for v, flags in zip(values, perturbed)
@@ -336,15 +394,53 @@ class _Call:
         def bwd(residuals: Any, cotangent: Any) -> tuple:
             converted, live = pullback_of_call[-1]
             cotangent = jax.tree.map(_instantiate, cotangent, is_leaf=_is_symbolic_zero)
-            cts = _as_tuple(converted(cotangent, *residuals), len(self.wrt))
+            cts = self._cotangents(converted(cotangent, *residuals))
             out: list[Any] = [None] * len(self.dyn_args)
-            for k, ct in zip(self.covered, cts):
-                self._check_returned(k, ct, live[k])
-                out[k] = ct
+            for i, ct in zip(self.wrt, cts):
+                k = self.position.get(i)
+                if k is not None:  # not a constant bound outside JAX (a string flag)
+                    self._check_returned(k, ct, live[k])
+                    out[k] = ct
             return tuple(out)
 
         custom.defvjp(fwd, bwd, symbolic_zeros=True)
         return custom(*self.dyn_args)
+
+    def _cotangents(self, returned: Any) -> tuple:
+        """The pullback's result as one cotangent per ``wrt`` argument.
+
+        One covered argument: the result is its cotangent (or a 1-tuple of it). More: a
+        tuple in ``wrt``'s order, where only bare Python numbers (constants) may be left
+        out; a single array is never split into cotangents.
+        """
+        n = len(self.wrt)
+        if n <= 1:
+            one = isinstance(returned, tuple) and len(returned) == 1
+            return returned if one else (returned,)
+        cts = tuple(returned) if isinstance(returned, (tuple, list)) else (returned,)
+        missing = [i for i in self.wrt[len(cts):] if i not in self.constant]
+        if missing or len(cts) > n:
+            raise TypeError(self._count_error(returned, cts, missing))
+        return cts + (None,) * (n - len(cts))
+
+    def _count_error(self, returned: Any, cts: tuple, missing: list[int]) -> str:
+        fn = getattr(self.original, "__name__", "f")
+        if isinstance(returned, (tuple, list)):
+            got = f"a tuple of {len(cts)} cotangent(s)"
+        else:
+            got = "one value, not a tuple"
+        names = [self._name(i) for i in self.wrt]
+        shown = ", ".join(f"{self._what(i)}" for i in missing) or (
+            f"none; {len(cts) - len(self.wrt)} too many")
+        wrong = ", ".join(f"<ct of {n}>" for n in names[: len(cts)])
+        wrong = f"({wrong},)" if isinstance(returned, (tuple, list)) and len(cts) == 1 else (
+            f"({wrong})" if isinstance(returned, (tuple, list)) else wrong)
+        right = ", ".join(f"<ct of {n}>" for n in names)
+        fewer = self.wrt[0] if len(self.wrt) else 0
+        return PULLBACK_COUNT.format(
+            fn=fn, got=got, count=len(self.wrt), wrt=self.wrt, names=", ".join(names),
+            missing=shown, wrong=wrong, right=right, fewer=fewer,
+        )
 
     def _check_returned(self, k: int, ct: Any, live: list[bool]) -> None:
         """A pullback's ``None`` where a parameter is differentiated is an error."""
@@ -362,7 +458,7 @@ class _Call:
     # -- forward mode
 
     def with_differential(self) -> Any:
-        custom = jax.custom_jvp(self.fn)
+        custom = jax.custom_jvp(_positional(self.fn))
 
         def jvp(primals: tuple, tangents: tuple) -> tuple:
             for k, (primal, tangent) in enumerate(zip(primals, tangents)):

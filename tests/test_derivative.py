@@ -449,3 +449,156 @@ def test_with_both_rules_a_jitted_function_is_traced_once_per_mode(first):
     ]
     for run in runs if first == "reverse" else runs[::-1]:
         run()
+
+
+# -- pullbacks keeping integer and boolean values (a mask, labels, an argmax)
+
+
+def _relu(x: jax.Array) -> jax.Array:
+    return jnp.maximum(x, 0.0)
+
+
+@ft.derivative(of=_relu)
+def _relu_masked(x: jax.Array) -> Any:
+    mask = x > 0  # a bool the pullback keeps
+    return jnp.where(mask, x, 0.0), lambda v: jnp.where(mask, v, 0.0)
+
+
+def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+
+@ft.derivative(of=_xent)
+def _xent_rule(logits: jax.Array, labels: jax.Array) -> Any:
+    p = jax.nn.softmax(logits)  # the pullback keeps the int labels, an argument
+
+    def pullback(v: jax.Array) -> jax.Array:
+        return v * (p - jax.nn.one_hot(labels, logits.shape[-1])) / logits.shape[0]
+
+    return _xent(logits, labels), pullback
+
+
+def _hardmax(x: jax.Array) -> jax.Array:
+    return jnp.max(x)
+
+
+@ft.derivative(of=_hardmax)
+def _hardmax_rule(x: jax.Array) -> Any:
+    i = jnp.argmax(x)  # an int intermediate the pullback keeps
+    return x[i], lambda v: jnp.zeros_like(x).at[i].set(v)
+
+
+def test_a_pullback_keeping_a_bool_mask_works_under_every_operator():
+    # The captured mask leaked out of the diagnostics' trace: UnexpectedTracerError.
+    x = jnp.array([0.5, -1.0, 2.0])
+    loss = lambda f: lambda x: jnp.sum(f(x) ** 2)  # noqa: E731
+    expected = jax.grad(loss(_relu))(x)  # [1, 0, 4]
+    np.testing.assert_allclose(ft.gradient(loss(_relu_masked), at=x), expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(ft.gradient(loss(_relu_masked)))(x), expected, rtol=0, atol=1e-6)
+    model = ft.nn.Dense(3, 3, key=jax.random.key(0))
+    model_loss = lambda f: lambda m: jnp.sum(f(m(x)) ** 2)  # noqa: E731
+    got, want = ft.gradient(model_loss(_relu_masked), at=model), jax.grad(model_loss(_relu))(model)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+    optimizer = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    stepped, _, loss_value = optimizer.minimize(model_loss(_relu_masked), model, optimizer.init(model))
+    np.testing.assert_allclose(loss_value, model_loss(_relu)(model), rtol=0, atol=1e-5)
+    for a, p, g in zip(jax.tree.leaves(stepped), jax.tree.leaves(model), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, p - 0.1 * g, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(p))))
+
+
+def test_a_pullback_keeping_integer_labels_works_under_checkpoint_cond_and_scan():
+    logits = jax.random.normal(jax.random.key(0), (4, 5))
+    labels = jnp.array([0, 3, 1, 4])
+    expected = jax.grad(_xent)(logits, labels)
+    atol = 1e-6 * float(jnp.max(jnp.abs(expected)))
+    in_scan = lambda z: jax.lax.scan(  # noqa: E731
+        lambda c, _: (c + _xent_rule(z, labels), None), 0.0, None, length=1)[0]
+    ways = {
+        "ft.gradient": lambda: ft.gradient(_xent_rule)(logits, labels),
+        "jax.jit(ft.gradient)": lambda: jax.jit(ft.gradient(_xent_rule))(logits, labels),
+        "jax.checkpoint": lambda: jax.grad(jax.checkpoint(_xent_rule))(logits, labels),
+        "lax.cond": lambda: jax.grad(
+            lambda z: jax.lax.cond(True, lambda: _xent_rule(z, labels), lambda: 0.0))(logits),
+        "lax.scan": lambda: jax.grad(in_scan)(logits),
+        "ft.gradient over lax.scan": lambda: ft.gradient(in_scan, at=logits),
+    }
+    for way, grad in ways.items():
+        np.testing.assert_allclose(grad(), expected, rtol=0, atol=atol, err_msg=way)
+
+
+def test_a_pullback_keeping_an_integer_intermediate_works_in_scan():
+    x = jnp.array([0.3, 2.0, -1.0])
+    twice = lambda x: jax.lax.scan(  # noqa: E731
+        lambda c, _: (c + _hardmax_rule(x), None), 0.0, None, length=2)[0]
+    np.testing.assert_allclose(ft.gradient(_hardmax_rule, at=x), [0.0, 1.0, 0.0], rtol=0, atol=0)
+    np.testing.assert_allclose(ft.gradient(twice, at=x), [0.0, 2.0, 0.0], rtol=0, atol=0)
+    np.testing.assert_allclose(jax.jit(jax.grad(twice))(x), [0.0, 2.0, 0.0], rtol=0, atol=0)
+
+
+# -- a pullback's cotangents, one per covered argument
+
+
+def _scaled(x: jax.Array, s: jax.Array) -> jax.Array:
+    return x * s
+
+
+def test_a_pullback_returning_fewer_cotangents_than_covered_arguments_names_the_missing():
+    @ft.derivative(of=_scaled)  # default wrt: x and s (both float arrays)
+    def short(x: jax.Array, s: jax.Array) -> Any:
+        return x * s, lambda v: (v * s,)  # s's cotangent forgotten: it was a silent zero
+
+    @ft.derivative(of=_scaled)
+    def single(x: jax.Array, s: jax.Array) -> Any:
+        return x * s, lambda v: v * s  # one array, not a tuple: it was split into two
+
+    @ft.derivative(of=_scaled)
+    def extra(x: jax.Array, s: jax.Array) -> Any:
+        return x * s, lambda v: (v * s, jnp.sum(v * x), v)
+
+    x, s = jnp.array([1.0, 2.0]), jnp.array(3.0)
+    for rule, got in [(short, "a tuple of 1 cotangent"), (single, "one value, not a tuple")]:
+        with pytest.raises(TypeError, match=(
+                rf"{got}(.|\n)*wrt=\(0, 1\): x, s(.|\n)*Missing: argument 1 \(`s`\)"
+                r"(.|\n)*right:  return y, lambda v: \(<ct of x>, <ct of s>\)")):
+            ft.gradient(lambda x, s, rule=rule: jnp.sum(rule(x, s)), wrt=(0, 1))(x, s)
+    with pytest.raises(TypeError, match=r"a tuple of 3 cotangent\(s\)(.|\n)*1 too many"):
+        ft.gradient(lambda x, s: jnp.sum(extra(x, s)), wrt=(0, 1))(x, s)
+
+
+def test_a_bare_python_number_argument_may_be_left_out_of_the_pullback():
+    @ft.derivative(of=_scaled)
+    def rule(x: jax.Array, s: Any) -> Any:
+        return x * s, lambda v: v * s  # s = 2.0 is a constant: only x's cotangent
+
+    x = jnp.array([1.0, -2.0])
+    expected = jax.grad(lambda x: jnp.sum(_scaled(x, 2.0) ** 2))(x)
+    np.testing.assert_allclose(
+        ft.gradient(lambda x: jnp.sum(rule(x, 2.0) ** 2), at=x), expected, rtol=0, atol=1e-6)
+
+
+# -- the call's own arguments, not the defaults of `of`
+
+
+def _with_default(x: jax.Array, scale: float = 2.0) -> jax.Array:
+    return x * scale
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_a_rule_sees_only_the_arguments_of_the_call_not_the_defaults(mode):
+    @ft.derivative(of=_with_default, mode=mode)
+    def rule(x: jax.Array, scale: float = 2.0) -> Any:
+        # A differential takes a passed number's (zero) tangent too; a pullback may leave
+        # its cotangent out.
+        return x * scale, lambda v, *number_tangent: v * scale
+
+    @ft.derivative(of=jnp.round, mode=mode)  # a straight-through estimator
+    def ste(x: jax.Array) -> Any:
+        return jnp.round(x), lambda v: v
+
+    x = jnp.array([0.4, -1.3, 2.2])
+    np.testing.assert_allclose(ft.gradient(lambda x: rule(x).sum(), at=x), [2.0] * 3, rtol=0, atol=0)
+    np.testing.assert_allclose(ft.gradient(lambda x: rule(x, 3.0).sum(), at=x), [3.0] * 3, rtol=0, atol=0)
+    np.testing.assert_allclose(ft.gradient(lambda x: (ste(x) * x).sum(), at=x),
+                               jnp.round(x) + x, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ste(x), jnp.round(x), rtol=0, atol=0)

@@ -1,7 +1,7 @@
 """How an operator call splits its arguments into differentiated views and the rest.
 
-A :class:`Plan` reads ``wrt`` (an argument index, a tuple of indices, or key-path glob
-patterns over the first argument), checks each chosen argument is a pytree of arrays
+A :class:`Plan` reads ``wrt`` (an argument index, a tuple of distinct indices, negative
+ones counting from the end, or key-path glob patterns over the first argument), checks each chosen argument is a pytree of arrays
 with at least one parameter, and builds the differentiated *primals*: each argument's
 parameter view (``None`` at non-parameters), narrowed to the leaves the patterns select
 (a stacked leaf partly selected, ``wrt="h.2.*"``, stays whole; derivatives flow through
@@ -74,6 +74,15 @@ wrt={wrt!r} names argument {index}, but {fn} was called with {count} argument(s)
     right:  ft.gradient(f, wrt=0)(x, y)        # argument indices count from 0
 """
 
+DUPLICATE_WRT = """\
+wrt={wrt!r} names argument {index} twice (negative indices count from the end: {count} \
+argument(s) here). Each argument is differentiated once; a second copy's derivative \
+would silently be zero.
+
+    wrong:  ft.{op}(f, wrt={wrt!r})
+    right:  ft.{op}(f, wrt={right!r})
+"""
+
 TANGENT_TUPLE = """\
 This differential takes a tuple of {count} tangents (wrt={wrt}), one per argument:
 
@@ -117,6 +126,16 @@ def _check_point(f: Callable[..., Any], index: int, x: Any) -> None:
             )
 
 
+def _distinct(op: str, indices: tuple[int, ...], wrt: Any, count: int) -> tuple[int, ...]:
+    """``indices`` (counted from 0), each at most once: ``wrt=(0, 0)`` or ``(0, -2)`` of two
+    arguments would differentiate argument 0 twice and give the first copy zero."""
+    if len(set(indices)) == len(indices):
+        return indices
+    twice = next(i for k, i in enumerate(indices) if i in indices[:k])
+    raise ValueError(DUPLICATE_WRT.format(
+        op=op, wrt=wrt, index=twice, count=count, right=tuple(dict.fromkeys(indices))))
+
+
 class Plan:
     """How to split the call's arguments into differentiated views and the rest."""
 
@@ -138,6 +157,7 @@ class Plan:
                 raise IndexError(
                     WRT_OUT_OF_RANGE.format(wrt=wrt, index=i, fn=fn_name(f), count=len(args))
                 )
+        self.indices = _distinct(op, tuple(i % len(args) for i in self.indices), wrt, len(args))
         self.members: list[tuple[Any, ...]] = []  # per pattern-selected argument: member arrays
         self.primals = tuple(self._view(i) for i in self.indices)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -333,6 +334,24 @@ def test_point_that_is_not_a_pytree_of_arrays_is_an_error():
     message = str(info.value)
     assert "the value at ['name'] is a str" in message
     assert "ft.field(static=True)" in message
+
+
+def test_negative_wrt_indices_count_from_the_end_and_a_repeated_argument_is_refused():
+    def g(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+        return jnp.sum(a**2 * b + jnp.sin(c) * a)
+
+    args = (jnp.array([1.0, -2.0]), jnp.array([3.0, 0.5]), jnp.array([0.3, 1.1]))
+    expected = jax.grad(g, argnums=(2, 0))(*args)
+    for got, want in zip(ft.gradient(g, wrt=(-1, 0))(*args), expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+    # The same argument twice gave the first copy a silent zero: [0, 0] and [6, 16].
+    for wrt in [(0, 0), (0, -3), (-1, 1, 2)]:
+        with pytest.raises(ValueError, match=rf"wrt={re.escape(repr(wrt))} names argument (0|2) twice"):
+            ft.gradient(g, wrt=wrt)(*args)
+    with pytest.raises(ValueError, match=r"(.|\n)*right:  ft.differential\(f, wrt=\(0,\)\)"):
+        ft.differential(g, wrt=(0, -3))(*args)
+    with pytest.raises(ValueError, match=r"names argument 1 twice"):
+        ft.jacobian(g, wrt=(1, -2))(*args)
 
 
 def test_bad_wrt_values():

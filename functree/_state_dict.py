@@ -44,7 +44,13 @@ floating dtypes differ ({names}): pass cast=True to convert floating values to t
 dtypes: ft.from_flat_dict(template, flat, cast=True)"""
 
 CAST_HINT = """\
-cast=True converts floating values of the same shape only; convert these yourself: {names}"""
+cast=True converts floating values of the same shape, and integers to an integer dtype that \
+holds them; convert these yourself: {names}"""
+
+TORCH_CAST_HINT = """\
+loading converts floating tensors to the model's floating dtypes and integer tensors to its \
+integer dtypes where they hold the values; these are of another kind (an integer tensor for a \
+floating leaf, or the reverse) or out of range: convert them before loading: {names}"""
 
 _HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}
 
@@ -167,7 +173,9 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
     ``cast=True`` converts what is only a floating dtype away: a float64 NumPy array, a
     torch tensor (through ``.detach().cpu().numpy()``; torch is never imported) or a
     Python float becomes the template leaf's floating dtype when its shape is the
-    template's. Shapes are never changed, and integer or bool values are never cast.
+    template's; an integer value becomes the leaf's integer dtype when it holds every value
+    (torch's int64 step counts into int32 leaves; 2**40 is refused, never wrapped). Shapes
+    are never changed, and no value changes kind (integer, floating, bool).
 
     A tied parameter of ``template`` (``ft.nn.Shared``) takes any of its names
     (``model.embed.embeddings``, ``embed.embeddings``, ``head.weight``; a transformed
@@ -285,6 +293,12 @@ def to_numpy(x: Any) -> np.ndarray | None:
             return np.asarray(tensor.float().numpy())
     if isinstance(x, (np.ndarray, np.generic, jax.Array, float, int)) or hasattr(x, "__array__"):
         return np.asarray(x)
+    if isinstance(x, (list, tuple)):  # nested lists of numbers: an array, as np.asarray reads them
+        try:
+            value = np.asarray(x)
+        except ValueError:  # ragged
+            return None
+        return value if value.dtype.kind in "biuf" else None
     return None
 
 
@@ -305,9 +319,22 @@ def _cast(old: Any, new: Any) -> Any:
     if _fits(old, value):
         return _like(old, value)
     dtype = _template_dtype(old)
-    if dtype is None or value.shape != np.shape(old) or not _both_floating(value.dtype, dtype):
+    if dtype is None or value.shape != np.shape(old):
         return new
-    return _like(old, value.astype(dtype))
+    if _both_floating(value.dtype, dtype):
+        return _like(old, value.astype(dtype))
+    if value.dtype.kind in "iu" and dtype.kind in "iu" and holds(dtype, value):
+        return _like(old, value.astype(dtype))  # torch's int64 buffers into int32 leaves (x64 off)
+    return new
+
+
+def holds(dtype: np.dtype, value: np.ndarray) -> bool:
+    """Whether the integer ``dtype`` holds every integer in ``value`` (an int64 step count
+    of 3 fits int32; 2**40 does not, and is never wrapped)."""
+    if value.size == 0:
+        return True
+    info = np.iinfo(dtype)
+    return bool(value.min() >= info.min and value.max() <= info.max)
 
 
 def _like(old: Any, value: np.ndarray) -> Any:

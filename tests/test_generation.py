@@ -172,6 +172,20 @@ def test_greedy_llama_gqa_equals_hf_generate_with_left_padding_and_eos(llama):
     np.testing.assert_array_equal(out, expected)
 
 
+def test_a_pad_id_outside_the_vocabulary_fills_finished_rows_only(llama):
+    """HF takes pad_token_id = vocab_size as the fill of finished rows. The bucket's columns
+    after a 5-token prompt (bucket 8) were filled with it too, and the prefill embedded
+    them: NaN keys reached every row through the mask (0 * NaN), and every token came back
+    0 with NaN scores. They hold id 0 now, masked."""
+    hf, model = llama
+    ids = np.arange(3, 13, dtype=np.int32).reshape(2, 5)
+    expected = hf_generate(hf, ids, np.ones_like(ids), pad_token_id=2, eos_token_id=None)
+    for pad in (VOCAB, VOCAB + 1000):
+        tokens, scores = ft.nn.generate(model, ids, 6, eos_token_id=[], pad_token_id=pad, return_scores=True)
+        np.testing.assert_array_equal(tokens, expected[:, :11])
+        assert np.isfinite(np.asarray(scores)).all()
+
+
 # ---- sampling, EOS, compilation --------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -204,6 +204,37 @@ def test_num_batches_tracked_dropped_and_float64_cast():
     assert loaded.running_variance.dtype == jnp.float32
 
 
+def test_integer_tensors_lists_and_kind_mismatches():
+    """torch's int64 buffers go into int32 leaves where they hold the values; a float for an
+    integer leaf or an int64 past int32 is refused under torch's name with a hint that names
+    no option the loader lacks (it named cast=True); nested lists of numbers are arrays, a
+    ragged list an error naming it (it crashed in a layout lambda)."""
+    torch = pytest.importorskip("torch")
+
+    class WithIds(ft.Module):
+        dense: ft.nn.Dense
+        ids: jax.Array
+
+    model = WithIds(ft.nn.Dense(4, 4, key=jax.random.key(0)), jnp.arange(5, dtype=jnp.int32))
+    linear = torch.nn.Linear(4, 4)
+    state = {"dense.weight": linear.weight, "dense.bias": linear.bias}
+    loaded = ft.nn.load_torch_state_dict(model, {**state, "ids": torch.arange(5) * 2})
+    assert loaded.ids.dtype == jnp.int32 and loaded.ids.tolist() == [0, 2, 4, 6, 8]
+    for ids in (torch.arange(5, dtype=torch.float32), torch.arange(5) + 2**40):
+        with pytest.raises(ValueError) as info:
+            ft.nn.load_torch_state_dict(model, {**state, "ids": ids})
+        message = str(info.value)
+        assert "ids: expected shape (5,) dtype int32" in message and "convert them before loading: ids" in message
+        assert "cast=True" not in message
+    dense = ft.nn.load_torch_state_dict(ft.nn.Dense(2, 3, key=jax.random.key(0)),
+                                        {"weight": [[1.0, 2.0]] * 3, "bias": [0.0, 0.5, 0.0]})
+    np.testing.assert_array_equal(dense.weight, np.array([[1.0] * 3, [2.0] * 3], np.float32))
+    np.testing.assert_array_equal(dense.bias, np.array([0.0, 0.5, 0.0], np.float32))
+    with pytest.raises(TypeError, match=r"the state dict's 'weight' is a ragged list, not a tensor"):
+        ft.nn.load_torch_state_dict(ft.nn.Dense(2, 3, key=jax.random.key(0)),
+                                    {"weight": [[1.0, 2.0], [1.0], [1.0, 2.0]], "bias": [0.0, 0.0, 0.0]})
+
+
 def test_strict_error_names_missing_unexpected_and_mis_shaped_torch_keys():
     net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(5), nn.Linear(4, 2))
     model = build(lambda: ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[0]), ft.nn.LayerNorm(4),

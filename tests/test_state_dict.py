@@ -167,17 +167,21 @@ def test_cast_converts_torch_tensors_to_the_template_dtypes():
         assert new.scale == 0.25 and int(new.steps) == 7 and new.steps.dtype == jnp.int32
 
 
-def test_cast_never_reshapes_and_never_casts_integers():
+def test_cast_never_reshapes_and_casts_integers_only_where_they_fit():
     torch = pytest.importorskip("torch")
     flat = torch_state_dict(torch, torch.float32)
+    flat["steps"] = torch.tensor(7)  # int64, torch's integer dtype: held by the int32 leaf
+    loaded = ft.from_flat_dict(make_net(), flat, cast=True)
+    assert int(loaded.steps) == 7 and loaded.steps.dtype == jnp.int32
     flat["layers.0.weight"] = flat["layers.0.weight"].T  # (3, 2): the torch layout
-    flat["steps"] = torch.tensor(7)  # int64
+    flat["steps"] = torch.tensor(2**40)  # past int32: refused, never wrapped
     with pytest.raises(ValueError) as info:
         ft.from_flat_dict(make_net(), flat, cast=True)
     message = str(info.value)
     assert "layers.0.weight: expected shape (2, 3) dtype float32, given shape (3, 2) dtype torch.float32" in message
     assert "steps: expected shape () dtype int32, given shape () dtype torch.int64" in message
-    assert "hint: cast=True converts floating values of the same shape only; convert these yourself: layers.0.weight, steps" in message
+    assert ("hint: cast=True converts floating values of the same shape, and integers to an integer dtype that "
+            "holds them; convert these yourself: layers.0.weight, steps") in message
     _, report = ft.from_flat_dict(make_net(), flat, cast=True, strict=False)
     assert [name for name, _, _ in report.mismatched] == ["layers.0.weight", "steps"]
 

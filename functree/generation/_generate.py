@@ -490,7 +490,11 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     prompt = ids.shape[1]
     width, bucket = (prompt, new) if exact else _buckets(prompt, new, limit)
     sizes = np.asarray([prompt, new], np.int32)
-    common = (_padded(ids, width, fill, jnp.int32), _padded(mask, width, 0, jnp.int32), sizes,
+    # The bucket's columns after the prompt hold id 0, masked, until new tokens overwrite
+    # them: the fill id may lie outside the vocabulary (HF takes pad_token_id=vocab_size as
+    # the output's fill), and the prefill embeds every column (NaN keys there made every
+    # row's logits NaN through the mask's 0 * NaN).
+    common = (_padded(ids, width, 0, jnp.int32), _padded(mask, width, 0, jnp.int32), sizes,
               np.asarray(eos or (-1,), np.int32), np.int32(fill), _stop_ids(stops))
     options = {"new": bucket, "scores": bool(return_scores)}
     if beams > 1:

@@ -56,7 +56,14 @@ import numpy as np
 
 from functree._naming import fill_stars, matches, rename_pattern
 from functree._stacked import is_stacked
-from functree._state_dict import FlatDictReport, from_flat_dict, to_flat_dict, to_numpy
+from functree._state_dict import (
+    TORCH_CAST_HINT,
+    FlatDictReport,
+    from_flat_dict,
+    holds,
+    to_flat_dict,
+    to_numpy,
+)
 from functree._tree import dotted_name, join_names
 from functree.interop._host import copied, copy_all, empty
 from functree.interop._safetensors import load_checkpoint
@@ -577,9 +584,12 @@ def load_torch_state_dict(
     if any(any(n in values for n in _under_name(plan, tie.target)) for tie in plan.ties):
         _check_ties(plan, _plan(tree, shapes, layouts), values)
     claimed = {n for rule in plan.rules for n in rule.torch}
+    torch_names: dict[str, str] = {stored: r.torch[0] for r in plan.rules if len(r.ft) == len(r.torch) == 1
+                                    for stored in [plan.leaves[r.ft[0]].stored] if stored is not None}
+    refused = tuple((torch_names.get(str(n), str(n)), str(want), str(got)) for n, want, got in fitted.mismatched)
+    hints = (TORCH_CAST_HINT.format(names=", ".join(n for n, _, _ in refused)),) if fitted.hints else ()
     report = FlatDictReport(
-        tuple(missing), tuple(k for k in given if k not in claimed),
-        (*mismatched, *wrong_dtypes, *fitted.mismatched), fitted.hints,
+        tuple(missing), tuple(k for k in given if k not in claimed), (*mismatched, *wrong_dtypes, *refused), hints,
     )
     if strict and not report.ok:
         rules = plan.rules
@@ -630,15 +640,36 @@ def _converted(plan: _Plan, given: Mapping[str, Any]
         leaves = [plan.leaves[n] for n in rule.ft]
         expected = rule.to_torch(*(leaf.value for leaf in leaves))
         absent = [n for n in rule.torch if n not in given]
-        wrong = [(n, e.shape, tuple(np.shape(given[n]))) for n, e in zip(rule.torch, expected)
-                 if n in given and tuple(np.shape(given[n])) != e.shape]
+        wrong = [(n, e.shape, _shape(n, given[n])) for n, e in zip(rule.torch, expected)
+                 if n in given and _shape(n, given[n]) != e.shape]
         if absent and all(leaf.stored is not None for leaf in leaves):  # a tie's target may be absent
             missing.append((rule, absent))
         where = _member_of(rule.ft[0], leaves[0]) + (" ..." if len(rule.ft) > 1 else "")
         mismatched += [(n, f"shape {e} (for {where})", f"shape {g}") for n, e, g in wrong]
         if not absent and not wrong:
-            values.update(zip(rule.ft, rule.to_ft(*(to_numpy(given[n]) for n in rule.torch))))
+            values.update(zip(rule.ft, rule.to_ft(*(_array(n, given[n]) for n in rule.torch))))
     return values, missing, mismatched
+
+
+NOT_AN_ARRAY = """\
+ft.nn.load_torch_state_dict: the state dict's {name!r} is a {kind}, not a tensor or an array.
+    right:  state_dict[{name!r}] = np.asarray(value, np.float32)     # numbers, one shape"""
+
+
+def _shape(name: str, value: Any) -> tuple[int, ...]:
+    try:
+        return tuple(np.shape(value))
+    except ValueError:  # a ragged list
+        raise TypeError(NOT_AN_ARRAY.format(name=name, kind=f"ragged {type(value).__name__}")) from None
+
+
+def _array(name: str, value: Any) -> np.ndarray:
+    """A state dict's value as NumPy (a tensor, an array, nested lists of numbers), or an
+    error naming it (an object, a ragged list, strings)."""
+    array = to_numpy(value)
+    if array is None:
+        raise TypeError(NOT_AN_ARRAY.format(name=name, kind=type(value).__name__))
+    return array
 
 
 def _fill_ties(plan: _Plan, values: dict[str, np.ndarray]) -> None:
@@ -698,7 +729,7 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
         old = template[stored]
         if items[0][0] == ():
             value = items[0][1]
-            if _castable(old, value.dtype):
+            if _castable(old, value):
                 array = empty(value.shape, old.dtype)
                 copies.append((array, value))
                 (flat if isinstance(old, np.ndarray) else filled)[stored] = array  # a NumPy leaf stays NumPy
@@ -710,7 +741,7 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
             continue  # some members not given: reported missing, the leaf stays abstract
         array = empty(old.shape, old.dtype) if abstract else copied(np.asarray(old), old.dtype)
         for index, value, name in items:
-            if _castable(array, value.dtype):
+            if _castable(array, value):
                 copies.append((array[index], value))
             else:
                 wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}"))
@@ -722,10 +753,15 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
     return flat, wrong
 
 
-def _castable(old: Any, dtype: Any) -> bool:
-    """A value of ``dtype`` goes into the leaf ``old``: its dtype, or both floating (bfloat16 too)."""
-    return isinstance(old, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) and (dtype == old.dtype or bool(
-        jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(old.dtype, jnp.floating)))
+def _castable(old: Any, value: np.ndarray) -> bool:
+    """``value`` goes into the leaf ``old``: its dtype, both floating (bfloat16 too), or both
+    integers with every value held (torch's int64 buffers into int32 leaves; never wrapped)."""
+    if not isinstance(old, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)):
+        return False
+    dtype, target = np.dtype(value.dtype), np.dtype(old.dtype)
+    if dtype == target or (jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(target, jnp.floating)):
+        return True
+    return dtype.kind in "iu" and target.kind in "iu" and holds(target, value)
 
 
 def _check_ties(plan: _Plan, loaded: _Plan, values: Mapping[str, np.ndarray]) -> None:

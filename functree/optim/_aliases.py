@@ -292,7 +292,7 @@ def _momentum_then_rate(scale: optax.GradientTransformation, learning_rate: Any,
     def init(params: Any) -> tuple[Any, Any, Any]:
         return scale.init(params), rate.init(params), trace.init(params)
 
-    def update(updates: Any, state: tuple[Any, Any, Any], params: Any = None) -> tuple[Any, tuple[Any, Any, Any]]:
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, tuple[Any, Any, Any]]:
         updates, scaled = scale.update(updates, state[0], params)
         updates, traced = trace.update(updates, state[2], params)
         updates, rated = rate.update(updates, state[1], params)

@@ -95,12 +95,12 @@ def scale_by_radam(b1: Any, b2: Any, eps: Any, threshold: float = 5.0) -> optax.
         zeros = jax.tree.map(jnp.zeros_like, params)
         return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree.map(jnp.zeros_like, params))
 
-    def update(updates: Any, state: optax.ScaleByAdamState, params: Any = None) -> tuple[Any, optax.ScaleByAdamState]:
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, optax.ScaleByAdamState]:
         del params
         mu = optax.tree.update_moment(updates, state.mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
         count = optax.safe_increment(state.count)
-        t = count.astype(jnp.float32)
+        t = jnp.asarray(count, jnp.float32)
         rho_inf, rho_t = rho(b2, t)
         rectified = rho_t > threshold
         safe = jnp.where(rectified, rho_t, threshold + 1.0)  # r's root only where it is taken

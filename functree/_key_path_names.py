@@ -13,7 +13,15 @@ from typing import Any
 from functree._key_entries import ATTR, INDEX, Entry, parse_printed
 from functree._module import Module
 from functree._naming import is_tied
-from functree._paths import BAD_PATH, KeyPath, children, is_namedtuple, stack_member_children, walk
+from functree._paths import (
+    BAD_PATH,
+    MEMBER_NUMBER,
+    KeyPath,
+    children,
+    is_namedtuple,
+    stack_member_children,
+    walk,
+)
 
 __all__ = ["key_path", "get", "set"]
 
@@ -56,9 +64,9 @@ def _named_children(node: Any, rest: str) -> list[tuple[Entry, Any]]:
         return [(Entry(ATTR, head), node.__dict__[head])] if head in fields else []
     if is_namedtuple(node):
         return [(Entry(ATTR, head), getattr(node, head))] if head in node._fields else []
-    if isinstance(node, (list, tuple)):
-        i = int(head) if head.isdigit() and head.isascii() else -1
-        return [(Entry(INDEX, i), node[i])] if 0 <= i < len(node) and str(i) == head else []
+    if isinstance(node, (list, tuple)):  # [-1] counts from the end, as in a key path
+        i = int(head) if MEMBER_NUMBER.fullmatch(head) else len(node)
+        return [(Entry(INDEX, i), node[i])] if -len(node) <= i < len(node) and str(i) == head else []
     return children(node)
 
 
@@ -122,6 +130,9 @@ def _no_such_name(tree: Any, text: str, deepest: tuple[KeyPath, Any, str]) -> Ke
 
 def key_path(tree: Any, path: KeyPath | str) -> KeyPath:
     """A :class:`KeyPath` from a key path or its string (``".layers[0].w"`` or ``"layers.0.w"``).
+
+    An index, of a list or tuple or of an ``ft.nn.Stack``'s members, counts from the end
+    when negative, in both forms: ``"layers.-1.w"`` is ``".layers[-1].w"``.
 
     A string is read two ways: as a printed key path (``str(kp)``, which starts with ``.``
     or ``[``) and as a dotted flat-dict name (``kp.name``, the keys of

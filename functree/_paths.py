@@ -15,6 +15,7 @@ at a leaf :mod:`functree._leaf_checks`, and strings resolved in a tree (``ft.key
 from __future__ import annotations
 
 import operator
+import re
 import types
 import weakref
 from collections.abc import Iterator, Mapping
@@ -119,7 +120,7 @@ class KeyPath(tuple):
     def get(self, tree: Any) -> Any:
         """The value at this path in ``tree``."""
         for i, entry in enumerate(self):
-            tree = _child(tree, entry, KeyPath(self[:i]))
+            tree = _child(tree, entry, KeyPath(self[:i]), self)
         return tree
 
     def set(self, tree: Any, value: Any) -> Any:
@@ -133,27 +134,33 @@ class KeyPath(tuple):
 
 OUT_OF_RANGE = """\
 Key path {path}: member {index} does not exist; the {cls} holds {n} members (0 to {last}, \
-or -{n} to -1 from the end).
+or -{n} to -1 from the end, in a key path or a dotted name: {example!r}).
     wrong:  ft.get(model, {wrong!r})
     right:  ft.get(model, {right!r})"""
 
 
-def check_member_index(node: Any, index: int, where: Any = ()) -> int:
+def check_member_index(node: Any, index: int, where: Any = (), after: Any = ()) -> int:
     """``index`` as a member number in ``range(len(node))`` (negative counts from the end);
-    ``where`` is the key path of ``node``, for the error."""
+    ``where`` is the key path of ``node`` and ``after`` what follows the member (entries or a
+    dotted name), for the error."""
     n = len(node)
     if not isinstance(index, int) or isinstance(index, bool) or not -n <= index < n:
         prefix = KeyPath(where).name
         dotted = (prefix + "." if prefix else "")
+        suffix = after if isinstance(after, str) else KeyPath(after).name
+        suffix = "." + suffix if suffix else ""
+        valid = n - 1 if isinstance(index, int) and index >= 0 else -n
         raise IndexError(OUT_OF_RANGE.format(path=f"{KeyPath(where)}[{index}]".replace("<root>", ""), index=index,
                                              cls=type(node).__name__, n=n, last=n - 1,
-                                             wrong=f"{dotted}{index}", right=f"{dotted}{n - 1}"))
+                                             example=f"{dotted}-1{suffix}", wrong=f"{dotted}{index}{suffix}",
+                                             right=f"{dotted}{valid}{suffix}"))
     return index % n
 
 
-def stack_member(node: Any, index: int, where: Any = ()) -> Any:
-    """Member ``index`` of the stacked ``node`` (an ``ft.nn.Stack``) (``where`` is its key path, for the error)."""
-    return node._member(check_member_index(node, index, where))
+def stack_member(node: Any, index: int, where: Any = (), after: Any = ()) -> Any:
+    """Member ``index`` of the stacked ``node`` (an ``ft.nn.Stack``) (``where`` is its key
+    path and ``after`` the rest of the path, for the error)."""
+    return node._member(check_member_index(node, index, where, after))
 
 
 def with_stack_member(node: Any, index: int, value: Any, where: Any = ()) -> Any:
@@ -161,23 +168,30 @@ def with_stack_member(node: Any, index: int, value: Any, where: Any = ()) -> Any
     return node._with_member(check_member_index(node, index, where), value)
 
 
+# An index in a dotted name, spelled as str(int) does: ASCII digits, negative from the end
+# ("-1"); no "01", "+1" or "-0".
+MEMBER_NUMBER = re.compile(r"0|-?[1-9][0-9]*")
+
+
 def stack_member_children(node: Any, rest: str, where: Any = ()) -> list[tuple[Any, Any]]:
     """``[(Entry(INDEX, i), member i)]`` when the dotted name ``rest`` starts with a member
-    number ``i`` of the stacked ``node``; ``[]`` otherwise (only that member is sliced)."""
+    number ``i`` of the stacked ``node``, negative from the end as in a key path
+    (``h.-1.bias`` is ``['h'][-1].bias``); ``[]`` otherwise (only that member is sliced)."""
     if not _stacked.is_stacked(node):
         return []
-    head = rest.split(".", 1)[0]
-    if not head.isdigit():
+    head, _, after = rest.partition(".")
+    if not MEMBER_NUMBER.fullmatch(head):
         return []
     index = int(head)
-    return [(Entry(INDEX, index), stack_member(node, index, where))]
+    return [(Entry(INDEX, index), stack_member(node, index, where, after))]
 
 
-def _child(node: Any, entry: Entry, prefix: KeyPath) -> Any:
+def _child(node: Any, entry: Entry, prefix: KeyPath, whole: Any = ()) -> Any:
+    """The child ``entry`` of ``node`` at ``prefix`` (``whole``: the path read, for errors)."""
     if entry.kind == INDEX and _stacked.is_stacked(node):  # a member of an ft.nn.Stack
-        return stack_member(node, entry.key, prefix)
+        return stack_member(node, entry.key, prefix, whole[len(prefix) + 1 :])
     if _through_tie(node, entry):  # ft.nn.Shared answers to its resolved model's names
-        return _child(node.resolve(), entry, prefix)
+        return _child(node.resolve(), entry, prefix, whole)
     try:
         if isinstance(node, Module):
             if entry.kind == ATTR and entry.key in type(node).__ft_field_set__:
@@ -224,7 +238,7 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
         return tree.set_resolved(KeyPath(path[depth:]), value)
     if isinstance(tree, Module) and entry.kind == ATTR and entry.key in type(tree).__ft_static__:
         raise ValueError(_static_field(tree, path, depth))
-    child = _child(tree, entry, KeyPath(path[:depth]))
+    child = _child(tree, entry, KeyPath(path[:depth]), path)
     new_child = _set(child, path, depth + 1, value)
     if entry.kind == INDEX and _stacked.is_stacked(tree):
         return with_stack_member(tree, entry.key, new_child, KeyPath(path[:depth]))

@@ -593,9 +593,33 @@ def test_cycles_are_found_before_any_flatten_also_in_frozen_looking_trees():
     assert list(ft.to_flat_dict(tied)) == ["layers.0.w", "layers.1.w"]
 
 
-def test_dotted_names_through_sequences_take_canonical_indices_only():
+def test_dotted_names_through_sequences_take_canonical_indices_negative_from_the_end():
     model = {"layers": [jnp.ones(1), jnp.zeros(2)]}
     assert ft.get(model, "layers.1").shape == (2,)
-    for wrong in ("layers.01", "layers.-1", "layers.+1", "layers.2", "layers.١"):
+    assert ft.get(model, "layers.-1") is model["layers"][1]  # as the key path ['layers'][-1]
+    assert ft.key_path(model, "layers.-2") == ft.KeyPath.parse("['layers'][-2]")
+    assert ft.set(model, "layers.-1", jnp.ones(2))["layers"][1].tolist() == [1.0, 1.0]
+    for wrong in ("layers.01", "layers.-0", "layers.-3", "layers.+1", "layers.2", "layers.١"):
         with pytest.raises(KeyError, match="has no child named"):
             ft.get(model, wrong)
+
+
+def test_a_stack_member_counts_from_the_end_in_dotted_names_and_its_error_keeps_the_path():
+    h = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 12, key=jax.random.key(0))
+    model = {"h": h, "head": {"bias": jnp.ones(1)}}
+    np.testing.assert_array_equal(ft.get(model, "h.-1.bias"), h.layers.bias[11])
+    np.testing.assert_array_equal(ft.get(model, "h.-12.weight"), h.layers.weight[0])
+    assert ft.key_path(model, "h.-1.bias") == ft.KeyPath.parse("['h'][-1].bias")
+    moved = ft.set(model, "h.-1.bias", jnp.full(2, 5.0))["h"].layers.bias
+    np.testing.assert_array_equal(moved[11], [5.0, 5.0])
+    np.testing.assert_array_equal(moved[:11], h.layers.bias[:11])
+    # The error advertised negative indices that dotted names refused, and its fix dropped
+    # the rest of the path ('h.11' for 'h.12.bias').
+    for text in ("h.12.bias", "['h'][12].bias"):
+        with pytest.raises(IndexError, match=(
+                r"member 12 does not exist; the Stack holds 12 members \(0 to 11, or -12 to -1 "
+                r"from the end, in a key path or a dotted name: 'h.-1.bias'\)\.\n"
+                r"    wrong:  ft.get\(model, 'h.12.bias'\)\n    right:  ft.get\(model, 'h.11.bias'\)")):
+            ft.get(model, text)
+    with pytest.raises(IndexError, match=r"right:  ft.get\(model, 'h.-12.weight'\)"):
+        ft.set(model, "h.-13.weight", jnp.zeros((2, 2)))

@@ -26,3 +26,22 @@ def test_float_indices_are_an_error(key):
     emb = ft.nn.Embedding(5, 2, key=key)
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)Embedding expects inputs \[\.\.\.\] \(int\), got f32\[3\].*astype\(jnp.int32\)"):
         emb(jnp.array([1.0, 2.0, 3.0]))
+
+
+def test_padding_index_is_torchs_padding_idx(key):
+    """Row p starts at zeros and takes no gradient; torch's state dict does not carry
+    padding_idx (the padding row trained after a port)."""
+    torch = pytest.importorskip("torch")
+    module = torch.nn.Embedding(7, 3, padding_idx=2)
+    assert not module.weight[2].any()
+    layer = ft.nn.load_torch_state_dict(ft.nn.Embedding(7, 3, key=key, padding_index=2), module.state_dict())
+    assert not np.asarray(ft.nn.Embedding(7, 3, key=key, padding_index=-5).embeddings[2]).any()
+    ids = np.array([[2, 0, 2], [5, 2, 6]])
+    upstream = np.random.default_rng(0).normal(size=(2, 3, 3)).astype(np.float32)
+    (module(torch.tensor(ids)) * torch.tensor(upstream)).sum().backward()
+    grad = ft.gradient(lambda e: (e(jnp.asarray(ids)) * upstream).sum(), at=layer)
+    np.testing.assert_allclose(grad.embeddings, module.weight.grad.numpy(), rtol=0, atol=1e-6)
+    assert not np.asarray(grad.embeddings[2]).any()
+    np.testing.assert_array_equal(layer(jnp.asarray(ids)), module(torch.tensor(ids)).detach().numpy())
+    with pytest.raises(ValueError, match=r"padding_index=7 is outside the vocabulary of 7 rows"):
+        ft.nn.Embedding(7, 3, key=key, padding_index=7)

@@ -160,3 +160,11 @@ def test_group_norm_errors():
         ft.nn.GroupNorm(3, 6)(jnp.ones(6))
     with pytest.raises(ft.nn.LayerInputError, match=r"GroupNorm expects inputs \[batch, \.\.\., 6\] \(float\), got f32\[2,4\]"):
         ft.nn.GroupNorm(3, 6)(jnp.ones((2, 4)))
+
+
+def test_batch_norm_in_torchs_argument_order_is_refused_at_construction():
+    # torch's BatchNorm1d(8, 1e-5, 0.1) put a float in axis: the call failed with
+    # "tuple indices must be integers or slices, not float".
+    with pytest.raises(TypeError, match=r"(?s)axis must be an int, got 1e-05.*epsilon=1e-5, momentum=0.9"):
+        ft.nn.BatchNorm(8, 1e-5, 0.1)
+    assert ft.nn.BatchNorm(3, np.int64(0)).axis == 0  # an integer scalar is an int

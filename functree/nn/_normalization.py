@@ -8,6 +8,7 @@ declared ``ft.field(decay=False)``: weight decay leaves normalisation parameters
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -21,6 +22,12 @@ from functree.nn._mode import Layer
 from functree.nn._state import record_state
 
 __all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"]
+
+BN_AXIS = """\
+ft.nn.BatchNorm: axis must be an int, got {axis!r}. The arguments after the feature count are
+(axis, momentum, epsilon), not torch's (eps, momentum):
+    wrong:  ft.nn.BatchNorm({features}, {axis!r}, {momentum!r})
+    right:  ft.nn.BatchNorm({features}, epsilon=1e-5, momentum=0.9)     # torch's momentum m is 1 - m here"""
 
 BAD_GROUPS = """\
 GroupNorm: channels ({channels}) must be divisible by groups ({groups}).
@@ -206,7 +213,10 @@ class BatchNorm(Layer):
 
     Inference (the default): the running statistics replace the batch ones. Statistics
     and normalization run in float32 for bfloat16/float16 inputs; the output keeps the
-    input dtype.
+    input dtype. The running statistics are stored in ``dtype``: with
+    ``dtype=jnp.bfloat16`` their moving average stalls (momentum 0.99 rounds to 0.988,
+    and small updates round away; torch's bfloat16 BatchNorm gives the same numbers), so
+    build it in float32 and cast the model with ``ft.cast``, which keeps them float32.
     ``running_mean`` / ``running_variance`` are ``no_derivative`` fields (carried, not
     trained); swift-apis' defaults ``momentum=0.99, epsilon=1e-3``.
 
@@ -242,6 +252,10 @@ class BatchNorm(Layer):
         dtype: Any = jnp.float32,
         training: bool = False,
     ):
+        try:  # a float here is torch's order: (features, eps, momentum)
+            axis = operator.index(axis)
+        except TypeError:
+            raise TypeError(BN_AXIS.format(axis=axis, momentum=momentum, features=feature_count)) from None
         self.scale = jnp.ones((feature_count,), dtype)
         self.offset = jnp.zeros((feature_count,), dtype)
         self.running_mean = jnp.zeros((feature_count,), dtype)

@@ -126,3 +126,20 @@ def test_to_arrays_converts_foreign_tensors():
     batch = to_arrays((FakeTensor([1.0, 2.0]), [FakeTensor([3])]))
     assert isinstance(batch[0], np.ndarray) and isinstance(batch[1], list)
     np.testing.assert_array_equal(batch[1][0], [3])
+
+
+def test_torch_bfloat16_tensors_become_bfloat16_arrays():
+    """torch refuses .numpy() for bfloat16 ("Got unsupported ScalarType BFloat16"): a bf16
+    DataLoader crashed inside torch. Its bits are read as ml_dtypes' bfloat16, exactly."""
+    torch = pytest.importorskip("torch")
+    values = torch.tensor([[1.5, -2.25], [3.0e-3, 65280.0]], dtype=torch.bfloat16)
+    batch = to_arrays({"x": values, "y": torch.tensor([1, 0])})
+    assert batch["x"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(batch["x"].astype(np.float32), values.float().numpy())
+    assert batch["y"].dtype == np.int64
+
+
+def test_in_order_reads_every_example_once_unshuffled(key):
+    data = ft.train.batches(np.arange(7), 3, key=key, drop_last=True)
+    assert [b.tolist() for b in data.in_order()] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert sorted(np.concatenate(list(data.iterate(0))).tolist()) != list(range(7))  # drop_last: 6 of 7

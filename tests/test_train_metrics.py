@@ -49,3 +49,40 @@ def test_metric_errors():
         ft.train.mean("mse")(out(jnp.ones(2), None))
     with pytest.raises(ValueError, match=r"returned shape \(2,\)"):
         evaluate_metrics({"raw": lambda o: jnp.ones(2)}, out(None, None))
+
+
+def test_binary_logits_of_the_labels_shape_are_scored_per_example():
+    """Logits [N] with labels [N] (sigmoid_cross_entropy's layout) went to the one-hot branch:
+    argmax over the batch axis, so each minibatch scored 0 or 1 (0.0 for 0.625)."""
+    logits = jnp.array([2.0, -1.0, 0.5, -0.3, 1.5, -2.0, 0.2, 0.7])
+    labels = jnp.array([1, 0, 0, 0, 1, 1, 1, 0])
+    expected = float(jnp.mean(((logits > 0) == (labels == 1)).astype(jnp.float32)))
+    assert expected == 0.625
+    assert float(ft.train.accuracy(out(logits, (None, labels)))) == expected
+    assert float(ft.train.accuracy.of(logits[:, None], labels)) == expected
+    # Labels of the logits' shape [N, K]: one-hot for accuracy, elementwise for binary_accuracy.
+    multi_logits, multi = jnp.array([[2.0, -1.0, 0.5], [-3.0, 1.0, -0.2]]), jnp.array([[1, 0, 0], [0, 1, 1]])
+    assert float(ft.train.binary_accuracy(out(multi_logits, {"labels": multi}))) == pytest.approx(4 / 6)
+    assert float(ft.train.binary_accuracy.of(logits, labels)) == expected
+    with pytest.raises(ValueError, match=r"binary_accuracy: logits of shape \(2, 3\) do not fit 0/1 labels of shape \(2,\)"):
+        ft.train.binary_accuracy.of(multi_logits, jnp.array([0, 1]))
+
+
+def test_labels_of_minus_100_are_left_out():
+    """HF pads token labels with -100, which the losses skip: accuracy counted them as wrong
+    (0.0833 for 0.1667 on the audit's batch)."""
+    logits = jnp.array([[[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]], [[0.0, 3.0], [2.0, 0.0], [0.0, 1.0]]])
+    labels = jnp.array([[0, 0, -100], [1, -100, -100]])  # 3 counted: hit, miss, hit
+    assert float(ft.train.accuracy(out({"logits": logits}, {"labels": labels}))) == pytest.approx(2 / 3)
+    assert float(ft.train.accuracy.of(logits, jnp.full((2, 3), -100))) == 0.0  # nothing to count
+    unsigned = jnp.array([[0, 0, 1], [1, 0, 1]], jnp.uint8)  # no -100 possible: every label counts
+    assert float(ft.train.accuracy.of(logits, unsigned)) == pytest.approx(4 / 6)
+
+
+def test_labels_that_are_not_an_array_and_duplicate_metric_names():
+    with pytest.raises(ValueError, match=r'could not find the labels.*\["target"\]'):
+        ft.train.accuracy(out(LOGITS, {"target": {"class": jnp.zeros(4, jnp.int32)}}))
+    with pytest.raises(ValueError, match=r"Two metrics are named '<lambda>'"):
+        resolve_metrics([lambda o: o.loss, lambda o: 2 * o.loss])
+    with pytest.raises(ValueError, match=r"Two metrics are named 'loss'"):
+        resolve_metrics({"loss": ft.train.accuracy})

@@ -326,6 +326,23 @@ def test_evaluate_and_predict_name_the_minibatch_that_failed():
         trainer.predict([wrong, *good])
 
 
+def test_predict_and_evaluate_read_the_training_batches_in_order():
+    """The training data object passed back (shuffled, drop_last) gave predict epoch 0's
+    permutation of the rows and evaluate a subset; both now read every example in order.
+    An empty minibatch (np.array_split past len(x)) made evaluate NaN; it is named."""
+    trainer = Trainer(mlp(), adam(), classify)
+    data = ft.train.batches((X, LABELS), 16, key=jax.random.key(3), drop_last=True)
+    expected = trainer.inference_model(X)
+    np.testing.assert_allclose(trainer.predict(data), expected, rtol=0, atol=1e-6)
+    whole = trainer.evaluate((X, LABELS), batch_size=64)
+    assert trainer.evaluate(data)["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    parts = list(zip(np.array_split(X[:5], 6), np.array_split(LABELS[:5], 6)))
+    with pytest.raises(ValueError, match=r"evaluate: minibatch 5 \(counted from 0\) is empty"):
+        trainer.evaluate(parts)
+    with pytest.raises(ValueError, match=r"(?s)the default fn calls model\(inputs\).*\['attention_mask', 'input_ids'\]"):
+        trainer.predict([{"input_ids": X, "attention_mask": X}])
+
+
 def test_a_loss_that_requires_a_key_evaluates_and_validates():
     trainer = Trainer(mlp(dropout=0.3), adam(), keyed_loss, metrics=[ft.train.accuracy], key=jax.random.key(2))
     history = trainer.fit((X, LABELS), epochs=2, batch_size=16, validation_data=(X, LABELS), progress=False)

@@ -12,11 +12,13 @@ iterable of batches (NumPy arrays, tuples or dicts of arrays, a
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from functree._naming import names as _leaf_names
@@ -200,6 +202,19 @@ class Batches:
         self._epochs_started += 1
         return self.iterate(epoch)
 
+    def in_order(self) -> Batches:
+        """These minibatches unshuffled and with the last partial one kept: what
+        ``Trainer.evaluate`` and ``predict`` read (every example once, in order; the
+        training data's shuffled epoch 0 gave ``predict`` its rows permuted).
+
+        Example:
+          >>> import functree as ft, numpy as np, jax
+          >>> data = ft.train.batches(np.arange(5), 2, key=jax.random.key(0), drop_last=True)
+          >>> [b.tolist() for b in data.in_order()]
+          [[0, 1], [2, 3], [4]]
+        """
+        return Batches(self.arrays, self.batch_size, shuffle=False, key=self.key, drop_last=False, shard=self.shard)
+
     def __repr__(self) -> str:
         size = getattr(self.batch_size, "__name__", self.batch_size)
         return (f"Batches({self.num_examples} examples, batch_size={size}, "
@@ -266,10 +281,18 @@ def _leaf_to_array(x: Any) -> Any:
     if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
         return x
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor
-        return x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if str(getattr(x, "dtype", "")) == "torch.bfloat16":  # no NumPy dtype in torch: its bits as ml_dtypes'
+            return x.view(_torch_int16(x)).numpy().view(ml_dtypes.bfloat16)
+        return x.numpy()
     if hasattr(x, "__array__") or hasattr(x, "numpy"):  # tf.Tensor, other array-likes
         return np.asarray(x)
     return x
+
+
+def _torch_int16(x: Any) -> Any:
+    """torch's int16 dtype, from the tensor's own module (torch is never imported here)."""
+    return sys.modules[type(x).__module__.split(".")[0]].int16
 
 
 def to_arrays(batch: Any) -> Any:

@@ -17,7 +17,7 @@ from functree._tree import is_array_value
 from functree._where import placement_of, put
 from functree.optim._average import averaged as averaged_parameters
 from functree.train._data import Batches, batches, to_arrays
-from functree.train._epochs import EMPTY_DATA, as_data, with_location
+from functree.train._epochs import EMPTY_DATA, as_data, batch_size, with_location
 from functree.train._metrics import describe_batch
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
@@ -70,8 +70,21 @@ MALFORMED_EVAL_MINIBATCH = """\
 {error}"""
 
 
+EMPTY_EVAL_MINIBATCH = """\
+{what}: minibatch {index} (counted from 0) is empty (shapes {shapes}): its mean is NaN, and
+NaN times its weight 0 made the whole result NaN. Leave empty minibatches out:
+    right:  [b for b in minibatches if len(b[0])]   (np.array_split gives empty ones past len(x))"""
+
+
 def _minibatches(data: Any) -> Iterable[Any]:
-    return data.iterate(0) if isinstance(data, Batches) else data
+    """Every example once, in order: a ``Batches`` (the training data's, shuffled, maybe
+    dropping its last minibatch) is read :meth:`~Batches.in_order`."""
+    return data.in_order().iterate(0) if isinstance(data, Batches) else data
+
+
+def _check_not_empty(what: str, index: int, batch: Any) -> None:
+    if batch_size(batch) == 0:
+        raise ValueError(EMPTY_EVAL_MINIBATCH.format(what=what, index=index, shapes=describe_batch(batch)))
 
 
 def _located(error: Exception, what: str, index: int, batch: Any, first: Any) -> Exception:
@@ -91,6 +104,7 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
         first = given if i == 0 else first
         try:
             batch = step.shard_batch(to_arrays(given))
+            _check_not_empty("evaluate", i, batch)
             if sums is None:
                 shapes = eval_shape(step.step, model, batch, key)
                 sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
@@ -131,7 +145,14 @@ def inputs(batch: Any) -> Any:
         for name in ("x", "inputs", "input", "image", "images", "features"):
             if name in batch:
                 return batch[name]
+        raise ValueError(NO_INPUTS.format(keys=sorted(map(str, batch))))
     return batch
+
+
+NO_INPUTS = """\
+Trainer.predict: the default fn calls model(inputs) with batch["x"] (or "inputs", "input",
+"image", "images", "features"); this batch has {keys}. Say how to call the model:
+    right:  trainer.predict(data, lambda model, batch: model(batch["input_ids"], attention_mask=batch["attention_mask"]))"""
 
 
 def default_predict(model: Any, batch: Any) -> Any:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["StepOutput", "accuracy", "mean", "resolve_metrics", "batch_size_of"]
+__all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of"]
 
 NO_LOGITS = """\
 ft.train.accuracy needs the model's outputs (logits) as the loss function's aux output, \
@@ -33,7 +33,8 @@ got aux={aux}.
 
 NO_LABELS = """\
 ft.train.accuracy could not find the labels in the batch ({batch}). It reads batch[-1] \
-of a tuple/list or batch["label"], ["labels"], ["y"] of a dict. Name them, e.g.
+of a tuple/list or the first of batch["label"], ["labels"], ["y"], ["target"], ["targets"] \
+of a dict, an array. Name them, e.g.
 
     metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, out.batch["target"])}}"""
 
@@ -107,24 +108,35 @@ def _find_logits(aux: Any) -> Any:
 
 
 def _find_labels(batch: Any) -> Any:
+    found = None
     if isinstance(batch, Mapping):
-        for name in ("label", "labels", "y", "target", "targets"):
-            if name in batch:
-                return batch[name]
+        found = next((batch[n] for n in ("label", "labels", "y", "target", "targets") if n in batch), None)
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return batch[-1]
-    raise ValueError(NO_LABELS.format(batch=_describe(batch)))
+        found = batch[-1]
+    if found is None or not hasattr(found, "shape"):  # absent, or a nested dict / list
+        raise ValueError(NO_LABELS.format(batch=_describe(batch)))
+    return found
+
+
+IGNORE_INDEX = -100
+"""A class-index label :func:`accuracy` leaves out (HF's and torch's ``ignore_index``; the
+default of ``ft.losses.softmax_cross_entropy``)."""
 
 
 def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
-    """Fraction of examples whose predicted class equals the label."""
+    """Fraction of examples whose predicted class equals the label (class indices equal to
+    :data:`IGNORE_INDEX` left out; 0 where every label of the minibatch is)."""
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
-    if labels.shape == logits.shape[:-1] and logits.shape[-1] > 1:
+    if labels.shape == logits.shape[:-1] and logits.shape[-1] > 1:  # class indices
         hits = jnp.argmax(logits, axis=-1) == labels.astype(jnp.int32)
-    elif labels.shape == logits.shape and logits.ndim >= 1 and logits.shape[-1] > 1:
+        if jnp.issubdtype(labels.dtype, jnp.signedinteger):
+            counted = labels != IGNORE_INDEX
+            total = jnp.sum(counted, dtype=jnp.float32)
+            return jnp.sum(hits & counted, dtype=jnp.float32) / jnp.maximum(total, 1.0)
+    elif labels.shape == logits.shape and logits.ndim >= 2 and logits.shape[-1] > 1:  # one-hot / probabilities
         hits = jnp.argmax(logits, axis=-1) == jnp.argmax(labels, axis=-1)
-    elif labels.shape == logits.shape or logits.shape == (*labels.shape, 1):
-        hits = (logits.reshape(labels.shape) > 0) == (labels > 0.5)
+    elif labels.shape == logits.shape or logits.shape == (*labels.shape, 1):  # binary: one logit each
+        hits = (logits.reshape(labels.shape) > 0) == (labels.astype(jnp.float32) > 0.5)
     else:
         raise ValueError(SHAPES.format(logits=logits.shape, labels=labels.shape))
     return jnp.mean(hits.astype(jnp.float32))
@@ -134,8 +146,16 @@ def accuracy(out: StepOutput) -> jax.Array:
     """Classification accuracy of ``out.aux`` (the logits) against the batch's labels.
 
     Labels are ``batch[-1]`` (tuple) or ``batch["label"]`` (dict); logits are the aux
-    output (or ``aux["logits"]``). Integer labels compare with ``argmax(logits)``; one-hot
-    labels with ``argmax`` of both; binary labels with ``logits > 0``.
+    output (or ``aux["logits"]``). By shape:
+
+    - class indices ``logits.shape[:-1]`` compare with ``argmax(logits)``; labels equal to
+      -100 (:data:`IGNORE_INDEX`, HF's padding of token labels) are left out;
+    - labels of the logits' shape ``[..., C]`` (two axes or more) are one-hot or
+      probabilities: ``argmax`` of both. A multi-label target (several 1s a row) is
+      scored as its first 1: use ``ft.train.binary_accuracy`` for it;
+    - one logit per example (logits ``[N]`` or ``[N, 1]`` with labels ``[N]``): binary,
+      ``logits > 0`` against ``labels > 0.5``.
+
     ``ft.train.accuracy.of(logits, labels)`` is the plain function.
 
     Example:
@@ -149,6 +169,37 @@ def accuracy(out: StepOutput) -> jax.Array:
 
 
 accuracy.of = _accuracy_of  # type: ignore[attr-defined]
+
+
+def _binary_accuracy_of(logits: Any, labels: Any) -> jax.Array:
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels)
+    if logits.shape != labels.shape and logits.shape != (*labels.shape, 1):
+        raise ValueError(BINARY_SHAPES.format(logits=logits.shape, labels=labels.shape))
+    hits = (logits.reshape(labels.shape) > 0) == (labels.astype(jnp.float32) > 0.5)
+    return jnp.mean(hits.astype(jnp.float32))
+
+
+def binary_accuracy(out: StepOutput) -> jax.Array:
+    """The fraction of 0/1 targets whose logit has their sign (``logit > 0`` against
+    ``label > 0.5``), over every element: multi-label heads and per-token binary tags, with
+    logits of the labels' shape (``ft.losses.sigmoid_cross_entropy``'s layout), where
+    :func:`accuracy` reads labels of the logits' shape as one-hot.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> logits = jnp.array([[2.0, -1.0, 0.5], [-3.0, 1.0, -0.2]])
+      >>> labels = jnp.array([[1, 0, 0], [0, 1, 1]])
+      >>> float(ft.train.binary_accuracy(ft.train.StepOutput(jnp.zeros(()), logits, (None, labels), None)))
+      0.6666666865348816
+    """
+    return _binary_accuracy_of(_find_logits(out.aux), _find_labels(out.batch))
+
+
+binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]
+
+BINARY_SHAPES = """\
+ft.train.binary_accuracy: logits of shape {logits} do not fit 0/1 labels of shape {labels}; it
+takes one logit per label (logits of the labels' shape, or the labels' shape + (1,))."""
 
 
 def mean(source: str | Callable[[StepOutput], Any]) -> Callable[[StepOutput], jax.Array]:
@@ -193,8 +244,16 @@ def resolve_metrics(
             fn = mean(fn)
         if not callable(fn):
             raise TypeError(BAD_METRIC.format(name=name, value=fn))
+        if str(name) in out or str(name) == "loss":  # one would replace the other's column
+            raise ValueError(DUPLICATE_METRIC.format(name=str(name)))
         out[str(name)] = fn
     return out
+
+
+DUPLICATE_METRIC = """\
+Two metrics are named {name!r} (a list names each by __name__, and every lambda is
+'<lambda>'; "loss" is the loss's own): one would replace the other. Name them in a dict:
+    right:  metrics={{"acc": ft.train.accuracy, "mae": ft.train.mean(lambda out: ...)}}"""
 
 
 def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOutput) -> dict[str, jax.Array]:

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tolerance import needs_float16_conversions
 from jax.test_util import check_grads
 
 import functree as ft
@@ -100,3 +101,207 @@ def test_wrong_feature_size_names_the_cell_path(key):
         rnn(jnp.ones((2, 7, 5)))
     with pytest.raises(ft.nn.LayerInputError, match=r"RNN expects inputs \[\.\.\., time, features\]"):
         rnn(jnp.ones(3))
+
+
+class _BNCell(ft.Module):
+    """A GRU fed through a BatchNorm (layer state recorded at every step)."""
+
+    gru: ft.nn.GRUCell
+    bn: ft.nn.BatchNorm
+
+    def zero_state(self, batch_shape=()):
+        return self.gru.zero_state(batch_shape)
+
+    def __call__(self, h, x):
+        h, _ = self.gru(h, self.bn(x))
+        return h, h
+
+
+def _bn_rnn(reverse=False):
+    cell = _BNCell(ft.nn.GRUCell(3, 4, key=jax.random.key(0)), ft.nn.BatchNorm(3, momentum=0.5))
+    return ft.nn.training(ft.nn.RNN(cell, reverse=reverse))
+
+
+def _bn_inputs():
+    return jax.random.normal(jax.random.key(3), (8, 4, 3)) + jnp.arange(1.0, 5.0)[:, None]  # step means 1..4
+
+
+def _loop_state(cell, xs, reverse):
+    """The cell called step by step in a Python loop inside one collect_state."""
+    def run(c):
+        h = c.zero_state(xs.shape[:1])
+        for t in (reversed if reverse else iter)(range(xs.shape[1])):
+            h, _ = c(h, xs[:, t])
+        return h
+    h, updates = ft.nn.collect_state(run, cell)
+    return h, {"." + "cell" + str(k): v for k, v in updates.items()}
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_state_recorded_in_cell_is_the_last_steps_as_a_loop_records(reverse):
+    # Before: the records escaped lax.scan (tracers), later calls recorded nothing.
+    rnn, xs = _bn_rnn(reverse), _bn_inputs()
+    h_loop, expected = _loop_state(rnn.cell, xs, reverse)
+    assert sorted(expected) == [".cell.bn.running_mean", ".cell.bn.running_variance"]
+    collect = jax.jit(lambda m, x: ft.nn.collect_state(lambda m: m(x, return_state=True), m))
+    for run in (lambda: ft.nn.collect_state(lambda m: m(xs, return_state=True), rnn), lambda: collect(rnn, xs)) * 2:
+        (_, h), updates = run()
+        assert sorted(map(str, updates)) == sorted(expected)
+        for path, value in expected.items():
+            np.testing.assert_allclose(updates[ft.key_path(rnn, path)], value, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(h, h_loop, rtol=0, atol=1e-5)
+    # the last step run: time 3 (mean ~4) forwards, time 0 (mean ~1) backwards; momentum 0.5 from 0
+    mean = ft.nn.apply_state(rnn, updates).cell.bn.running_mean
+    np.testing.assert_allclose(mean, 0.5 * xs[:, 0 if reverse else -1].mean(0), rtol=0, atol=1e-5)
+
+
+def test_state_recorded_in_cell_through_gradient_and_trainer():
+    rnn, xs = _bn_rnn(), _bn_inputs()
+    _, expected = _loop_state(rnn.cell, xs, False)
+    model = ft.nn.Sequential(rnn, ft.nn.Dense(4, 1, key=jax.random.key(1)))
+
+    def loss_fn(m, x, y):
+        return ft.losses.mean_squared_error(m(x), y)
+
+    y = jnp.zeros((8, 4, 1))
+    step = jax.jit(lambda m: ft.nn.value_with_gradient_and_state(loss_fn, m, xs, y))
+    _, grads, state = step(model)
+    assert bool(jnp.all(jnp.isfinite(grads.layers[0].cell.gru.hidden_weight)))
+    np.testing.assert_allclose(state[ft.key_path(model, ".layers[0].cell.bn.running_mean")],
+                               expected[".cell.bn.running_mean"], rtol=0, atol=1e-5)
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.01), lambda m, b: loss_fn(m, *b))
+    trainer.fit([(xs, y)], epochs=1, progress=False)  # the statistics depend on xs only
+    np.testing.assert_allclose(trainer.model.layers[0].cell.bn.running_mean,
+                               expected[".cell.bn.running_mean"], rtol=0, atol=1e-5)
+
+
+class _DropCell(ft.Module):
+    gru: ft.nn.GRUCell
+    drop: ft.nn.Dropout
+
+    def zero_state(self, batch_shape=()):
+        return self.gru.zero_state(batch_shape)
+
+    def __call__(self, h, x, *, key=None):
+        h, _ = self.gru(h, self.drop(x, key=key))
+        return h, h
+
+
+def test_key_gives_each_step_its_own_key_for_a_cell_that_takes_one():
+    cell = ft.nn.training(_DropCell(ft.nn.GRUCell(3, 4, key=jax.random.key(0)), ft.nn.Dropout(0.5)))
+    xs, k = jnp.ones((2, 5, 3)), jax.random.key(9)
+    ys = ft.nn.RNN(cell)(xs, key=k)  # before: TypeError (no key=)
+    h, keys = cell.zero_state((2,)), jax.random.split(k, 5)
+    for t in range(5):
+        h, _ = cell(h, xs[:, t], key=keys[t])
+        np.testing.assert_allclose(ys[:, t], h, rtol=0, atol=1e-6)
+    masks = [np.asarray(cell.drop(xs[:, 0], key=kt) != 0) for kt in keys]
+    assert any((masks[0] != m).any() for m in masks[1:])  # not one mask for every step
+    model = ft.nn.training(ft.nn.Sequential(ft.nn.RNN(cell), ft.nn.Dense(4, 1, key=jax.random.key(1))))
+    assert model(xs, key=k).shape == (2, 5, 1)
+    gru = ft.nn.RNN(ft.nn.GRUCell(3, 4, key=jax.random.key(0)))  # a cell without key=: ignored
+    np.testing.assert_array_equal(gru(xs, key=k), gru(xs))
+
+
+@pytest.mark.parametrize("cell_cls", [ft.nn.GRUCell, ft.nn.LSTMCell])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=needs_float16_conversions)])
+def test_narrow_dtype_cells_are_the_float32_cell_rounded(key, cell_cls, dtype):
+    narrow = cell_cls(3, 4, key=key, dtype=dtype)  # before: LAPACK has no bf16/f16 QR
+    wide = cell_cls(3, 4, key=key)
+    for name, value in ft.to_flat_dict(wide).items():
+        got = ft.to_flat_dict(narrow)[name]
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(value.astype(dtype), np.float32))
+
+
+def test_float32_initialisation_unchanged(key):
+    cell = ft.nn.LSTMCell(3, 4, key=key)
+    k_in, k_h = jax.random.split(key)
+    np.testing.assert_array_equal(cell.input_weight, jax.nn.initializers.glorot_uniform()(k_in, (3, 16)))
+    blocks = [jax.nn.initializers.orthogonal()(k, (4, 4)) for k in jax.random.split(k_h, 4)]
+    np.testing.assert_array_equal(cell.hidden_weight, jnp.concatenate(blocks, axis=1))
+
+
+def _loop(cell, state, xs):
+    ys = []
+    for t in range(xs.shape[1]):
+        state, y = cell(state, xs[:, t])
+        ys.append(y)
+    return jnp.stack(ys, 1), state
+
+
+@pytest.mark.parametrize("cell_cls", [ft.nn.GRUCell, ft.nn.LSTMCell])
+def test_mixed_dtypes_run_as_a_python_loop_does(key, cell_cls):
+    cell = _randomize(cell_cls(3, 4, key=key))
+    xs = jax.random.normal(jax.random.key(1), (2, 5, 3))
+    with jax.numpy_dtype_promotion("standard"):
+        half = ft.cast(cell, jnp.bfloat16)  # bfloat16 weights on float32 data (before: scan carry error)
+        ys = ft.nn.RNN(half)(xs)
+        expected, _ = _loop(half, half.zero_state((2,)), xs)
+        assert ys.dtype == expected.dtype == jnp.float32
+        np.testing.assert_allclose(ys, expected, rtol=0, atol=1e-5)
+        h0 = jax.tree.map(lambda a: (a + 0.5).astype(jnp.bfloat16), cell.zero_state((2,)))  # bf16 state, f32 weights
+        ys, final = ft.nn.RNN(cell)(xs, h0, return_state=True)
+        expected, expected_final = _loop(cell, h0, xs)
+        assert ys.dtype == jnp.float32 and jax.tree.leaves(final)[0].dtype == jnp.float32
+        np.testing.assert_allclose(ys, expected, rtol=0, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(expected_final)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    ys = ft.nn.RNN(half)(xs.astype(jnp.bfloat16))  # all bfloat16 stays bfloat16
+    assert ys.dtype == jnp.bfloat16
+
+
+class _NarrowingCell(ft.Module):
+    w: jax.Array
+
+    def zero_state(self, batch_shape=()):
+        return jnp.zeros((*batch_shape, 2))
+
+    def __call__(self, h, x):
+        h = jnp.tanh(x @ self.w + h).astype(jnp.bfloat16)
+        return h, h
+
+
+def test_a_cell_changing_its_state_dtype_is_named():
+    rnn = ft.nn.RNN(_NarrowingCell(jnp.ones((3, 2))))
+    with pytest.raises(ValueError, match=r"_NarrowingCell maps f32\[2,2\] to bf16\[2,2\]"):
+        rnn(jnp.ones((2, 5, 3)))
+
+
+def test_initial_state_checked_against_zero_state(key):
+    xs = jnp.ones((2, 5, 3))
+    lstm = ft.nn.RNN(ft.nn.LSTMCell(3, 4, key=key))
+    gru = ft.nn.RNN(ft.nn.GRUCell(3, 4, key=key))
+    h = jnp.zeros((2, 4))
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)initial_state LSTMState\(hidden=f32\[2,4\], cell=f32\[2,4\]\)"
+                       r".*got tuple\(f32\[2,4\], f32\[2,4\]\).*right:  rnn\(xs, ft.nn.LSTMState\(h0, c0\)\)"):
+        lstm(xs, (h, h))
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)initial_state f32\[2,4\].*got f32\[1,2,4\].*h0\[0\]"):
+        gru(xs, h[None])  # torch's [layers, batch, hidden]: before, broadcast to outputs [1, 5, 2, 4]
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)got f32\[2,5\].*cell.zero_state\(\(2,\)\)"):
+        gru(xs, jnp.zeros((2, 5)))
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)got LSTMState\(hidden=f32\[2,5\], cell=f32\[2,5\]\)"):
+        lstm(xs, ft.nn.LSTMState(jnp.zeros((2, 5)), jnp.zeros((2, 5))))
+    model = ft.nn.Sequential(gru)
+    with pytest.raises(ft.nn.LayerInputError, match=r"RNN at \.layers\[0\] expects inputs initial_state"):
+        model(xs, h[None])
+
+
+def test_eager_calls_trace_the_cell_once(key):
+    traced = []
+
+    class Counting(ft.Module):
+        gru: ft.nn.GRUCell
+
+        def zero_state(self, batch_shape=()):
+            return self.gru.zero_state(batch_shape)
+
+        def __call__(self, h, x):
+            traced.append(1)
+            return self.gru(h, x)
+
+    rnn, xs = ft.nn.RNN(Counting(ft.nn.GRUCell(3, 4, key=key))), jnp.ones((2, 5, 3))
+    for _ in range(3):
+        rnn(xs)
+        rnn(xs, jnp.zeros((2, 4)))
+    assert len(traced) == 1  # JAX's scan cache: no retrace (or recompile) per call

@@ -7,21 +7,49 @@ gives the initial state.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from functree._module import field
-from functree._paths import ATTR, Entry
+from functree._paths import ATTR, Entry, KeyPath
+from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
+from functree.nn._remat import call_collecting, collecting, record_under
+from functree.nn._sequential import takes_key
 
 __all__ = ["GRUCell", "LSTMCell", "LSTMState", "RNN"]
 
 _glorot = jax.nn.initializers.glorot_uniform()
 _orthogonal = jax.nn.initializers.orthogonal()
+
+STATE_EXPECTED = "initial_state {expected} (cell.zero_state({batch}) for inputs {xs})"
+
+FIX_LSTM_STATE = """\
+An LSTM's state is an ft.nn.LSTMState (hidden, cell), not a plain tuple or list:
+    wrong:  rnn(xs, (h0, c0))
+    right:  rnn(xs, ft.nn.LSTMState(h0, c0))"""
+
+FIX_TORCH_AXIS = """\
+torch's initial state has a leading (num_layers * num_directions) axis; ft.nn.RNN is one \
+layer, one direction, and takes [*batch, hidden]:
+    wrong:  rnn(xs, h0)           # h0 [1, batch, hidden], as torch.nn.GRU/LSTM take it
+    right:  rnn(xs, h0[0])        # an LSTM: rnn(xs, ft.nn.LSTMState(h0[0], c0[0]))"""
+
+FIX_STATE = """\
+Pass the structure and shapes of the cell's zero state (batch axes {batch}, the axes of xs \
+before the time axis), or build the cell for the hidden size you have:
+    right:  rnn(xs, cell.zero_state({batch}))   # or arrays of those shapes"""
+
+CHANGES_STATE = """\
+ft.nn.RNN: the cell maps its state to the same structure, shapes and dtypes at every step \
+(it is the carry of jax.lax.scan), but {cell} maps {given} to {returned}.
+    right:  return new_state.astype(state.dtype), output   # in {cell}.__call__
+       or:  rnn(xs, initial_state)   # a state of the structure, shapes and dtypes the cell returns"""
 
 
 class LSTMState(NamedTuple):
@@ -42,12 +70,16 @@ class LSTMState(NamedTuple):
 
 def _weights(key: jax.Array, n_in: int, n_hidden: int, gates: int, dtype: Any,
              input_init: Initializer, hidden_init: Initializer) -> tuple[jax.Array, jax.Array]:
+    # Narrow floats (bfloat16, float16) are drawn in float32 and rounded: the orthogonal
+    # initializer's QR has no LAPACK kernel below float32, and a bfloat16 cell is then the
+    # float32 cell of the same key, rounded. float32 and float64 draw as they always did.
+    drawn = jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32 else dtype
     k_in, k_h = jax.random.split(key)
-    w_in = input_init(k_in, (n_in, gates * n_hidden), dtype)
+    w_in = input_init(k_in, (n_in, gates * n_hidden), drawn)
     w_h = jnp.concatenate(
-        [hidden_init(k, (n_hidden, n_hidden), dtype) for k in jax.random.split(k_h, gates)], axis=1
+        [hidden_init(k, (n_hidden, n_hidden), drawn) for k in jax.random.split(k_h, gates)], axis=1
     )
-    return w_in, w_h
+    return w_in.astype(dtype), w_h.astype(dtype)
 
 
 class GRUCell(Layer):
@@ -165,7 +197,21 @@ class RNN(Layer):
     ``time_axis`` (static, default ``-2``) is the sequence axis; the axes before it are
     batch axes. ``reverse=True`` scans from the end (outputs stay in input order).
     ``rnn(xs)`` returns the outputs; ``rnn(xs, initial_state, return_state=True)``
-    also returns the final state.
+    also returns the final state. ``initial_state`` has the structure and shapes of
+    ``cell.zero_state(batch_shape)`` (an LSTM's is an :class:`LSTMState`, without torch's
+    leading layers axis). A cell that returns its state in a wider floating dtype than it
+    was given, as NumPy promotion does (a bfloat16 ``ft.cast`` of the model on float32
+    inputs, as ``Dense`` gives float32 there; a bfloat16 ``initial_state`` with float32
+    weights), runs from the initial state cast to that dtype: what a Python loop over the
+    steps computes.
+
+    ``key=`` gives step ``t`` the key ``jax.random.split(key, time)[t]`` for a cell whose
+    ``__call__`` takes ``key=`` (a Dropout inside it); other cells ignore it. Layer state the
+    cell records (a BatchNorm in training mode, under ``ft.nn.collect_state``) is
+    collected at the cell's key path; a state recorded at every step ends as the last
+    step's record (time ``T - 1``, or ``0`` with ``reverse=True``), computed from the
+    cell's state before the call: what the same cell called step by step in a Python loop
+    inside one ``collect_state`` records.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -176,21 +222,158 @@ class RNN(Layer):
       >>> ys, state = rnn(xs, return_state=True)
       >>> state.hidden.shape
       (2, 5)
+      >>> h0 = ft.nn.LSTMState(jnp.zeros((2, 5)), jnp.zeros((2, 5)))  # not a plain (h, c)
+      >>> rnn(xs, h0).shape
+      (2, 7, 5)
     """
 
     cell: Any  # a GRUCell, LSTMCell or any Module with __call__(state, x) and zero_state
     time_axis: int = field(static=True, default=-2)
     reverse: bool = field(static=True, default=False)
 
-    def __call__(self, xs: jax.Array, initial_state: Any = None, *,
+    def __call__(self, xs: jax.Array, initial_state: Any = None, *, key: jax.Array | None = None,
                  return_state: bool = False) -> Any:
         check_input(self, xs, ("time", "features"))
         axis = self.time_axis % xs.ndim
         steps = jnp.moveaxis(xs, axis, 0)
-        state = self.cell.zero_state(steps.shape[1:-1]) if initial_state is None else initial_state
+        batch = steps.shape[1:-1]
+        state = self.cell.zero_state(batch) if initial_state is None else self._checked(initial_state, batch, xs)
+        keys = jax.random.split(key, steps.shape[0]) if key is not None and takes_key(self.cell) else None
         try:
-            final, ys = jax.lax.scan(self.cell, state, steps, reverse=self.reverse)
+            try:
+                final, ys, paths, values = self._scan(state, steps, keys, widen=True)
+            except _Widened as w:  # the cell promotes its state (bfloat16 weights, float32 xs)
+                state = jax.tree.map(lambda s, d: jnp.asarray(s).astype(d), state, w.dtypes)
+                final, ys, paths, values = self._scan(state, steps, keys, widen=False)
         except LayerInputError as e:
-            raise e.under((Entry(ATTR, "cell"),)) from None
+            raise e.within(self.cell, (Entry(ATTR, "cell"),)) from None
+        if paths and steps.shape[0]:  # the last step run: time T - 1, or 0 scanning backwards
+            last = 0 if self.reverse else -1
+            record_under(self, "cell", paths, [v[last] for v in values])
         ys = jnp.moveaxis(ys, 0, axis)
         return (ys, final) if return_state else ys
+
+    def _scan(self, state: Any, steps: jax.Array, keys: Any, *, widen: bool) -> tuple[Any, Any, list[KeyPath], Any]:
+        """One ``lax.scan`` of the cell: ``(final state, outputs, state paths, state values)``."""
+        paths: list[KeyPath] = []
+        body = _collecting_body(self.cell, keys is not None, widen, paths) if collecting() else \
+            _step(self.cell, keys is not None, widen)
+        final, (ys, values) = jax.lax.scan(body, state, (steps, keys), reverse=self.reverse)
+        return final, ys, paths, values
+
+    def _checked(self, state: Any, batch: tuple[int, ...], xs: jax.Array) -> Any:
+        """``state`` if it has the structure and shapes of ``cell.zero_state(batch)``."""
+        expected = jax.eval_shape(lambda: self.cell.zero_state(batch))
+        given_leaves = jax.tree.leaves(state)
+        same_structure = jax.tree.structure(state) == jax.tree.structure(expected)
+        shapes = [jnp.shape(a) for a in given_leaves]
+        wanted = [a.shape for a in jax.tree.leaves(expected)]
+        if same_structure and shapes == wanted:
+            return state
+        torch_axis = len(shapes) == len(wanted) and all(
+            len(g) == len(w) + 1 and g[1:] == w for g, w in zip(shapes, wanted)
+        )
+        if torch_axis and not same_structure and isinstance(expected, LSTMState):
+            fix = f"{FIX_LSTM_STATE}\n{FIX_TORCH_AXIS}"
+        elif not same_structure and isinstance(expected, LSTMState) and isinstance(state, (tuple, list)):
+            fix = FIX_LSTM_STATE
+        elif torch_axis:
+            fix = FIX_TORCH_AXIS
+        else:
+            fix = FIX_STATE.format(batch=batch)
+        raise LayerInputError(
+            self, STATE_EXPECTED.format(expected=_show(expected), batch=batch, xs=short_array(xs)),
+            f"{_show(state)}", fix,
+        )
+
+
+def _show(tree: Any) -> str:
+    """``f32[2,4]``, ``LSTMState(hidden=f32[2,4], cell=f32[2,4])``, ``tuple(f32[2,4], ...)``."""
+    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        return short_array(tree)
+    fields: tuple[str, ...] | None = getattr(type(tree), "_fields", None)  # a NamedTuple
+    if isinstance(tree, tuple) and fields is not None:
+        return f"{type(tree).__name__}(" + ", ".join(f"{n}={_show(v)}" for n, v in zip(fields, tree)) + ")"
+    if isinstance(tree, (tuple, list)):
+        return f"{type(tree).__name__}(" + ", ".join(_show(v) for v in tree) + ")"
+    if isinstance(tree, dict):
+        return "{" + ", ".join(f"{k!r}: {_show(v)}" for k, v in tree.items()) + "}"
+    return f"{type(tree).__name__} {jax.tree.map(lambda a: str(jnp.shape(a)), tree)}"
+
+
+class _Step:
+    """The scan body ``(carry, (x, k)) -> (new, (y, ()))``: the cell, given its step's key if
+    ``keyed``, its new state checked. One per cell (:func:`_step`) that lives as long as the
+    cell, so eager calls hit JAX's trace and compile caches (a fresh closure would retrace
+    and recompile the scan at every call)."""
+
+    def __init__(self, cell: Any, keyed: bool, widen: bool) -> None:
+        self.cell = weakref.ref(cell)  # the cache holding this must not keep the cell alive
+        self.keyed, self.widen = keyed, widen
+
+    def __call__(self, carry: Any, step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
+        cell: Any = self.cell()
+        x, k = step
+        new, y = cell(carry, x, key=k) if self.keyed else cell(carry, x)
+        _check_carry(cell, carry, new, self.widen)
+        return new, (y, ())
+
+
+_STEPS: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], _Step]] = weakref.WeakKeyDictionary()
+
+
+def _step(cell: Any, keyed: bool, widen: bool) -> Any:
+    try:
+        steps = _STEPS.setdefault(cell, {})
+    except TypeError:  # not weakly referable: a fresh body (retraced at each eager call)
+        return _collecting_body(cell, keyed, widen, None)
+    found = steps.get((keyed, widen))
+    if found is None:
+        found = steps[keyed, widen] = _Step(cell, keyed, widen)
+    return found
+
+
+def _collecting_body(cell: Any, keyed: bool, widen: bool, paths: list[KeyPath] | None) -> Any:
+    """The scan body; with ``paths``, the cell (traced by scan: new tracers, not the
+    model's arrays) records its layer state into a collection of its own, stacked by the
+    scan, its key paths stored into ``paths`` while tracing."""
+    def body(carry: Any, step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
+        x, k = step
+        kw = {"key": k} if keyed else {}
+        if paths is None:
+            (new, y), values = cell(carry, x, **kw), ()
+        else:
+            (new, y), values = call_collecting(lambda c: c(carry, x, **kw), cell, paths)
+        _check_carry(cell, carry, new, widen)
+        return new, (y, values)
+
+    return body
+
+
+class _Widened(Exception):
+    """The cell returned its state in wider floating dtypes (``dtypes``): scan again from them."""
+
+    def __init__(self, dtypes: Any) -> None:
+        super().__init__()
+        self.dtypes = dtypes
+
+
+def _check_carry(cell: Any, carry: Any, new: Any, widen: bool) -> None:
+    """Raise unless ``new`` has ``carry``'s structure, shapes and dtypes; :class:`_Widened`
+    (when ``widen``) if only floating dtypes grew to more bits (as NumPy promotion grows
+    them: casting the initial state there is exact)."""
+    old_leaves, new_leaves = jax.tree.leaves(carry), jax.tree.leaves(new)
+    if jax.tree.structure(carry) == jax.tree.structure(new) and all(
+        jnp.shape(a) == jnp.shape(b) for a, b in zip(old_leaves, new_leaves)
+    ):
+        old = [jnp.result_type(a) for a in old_leaves]
+        returned = [jnp.result_type(b) for b in new_leaves]
+        if old == returned:
+            return
+        if widen and all(
+            o == r or (jnp.issubdtype(o, jnp.floating) and jnp.issubdtype(r, jnp.floating)
+                       and jnp.finfo(r).bits > jnp.finfo(o).bits)  # exact: bf16/f16 -> f32 -> f64
+            for o, r in zip(old, returned)
+        ):
+            raise _Widened(jax.tree.unflatten(jax.tree.structure(carry), returned))
+    raise ValueError(CHANGES_STATE.format(cell=type(cell).__name__, given=_show(carry), returned=_show(new)))

@@ -779,3 +779,23 @@ def test_bert_token_type_ids_outside_the_table_are_refused_as_hf_refuses_them():
     row = np.array([0, 0, 1, 1], np.int32)
     np.testing.assert_array_equal(model(ids, token_type_ids=row), model(ids, token_type_ids=np.stack([row, row])))
     np.testing.assert_array_equal(model(ids), model(ids, token_type_ids=np.zeros((2, 4), np.int32)))
+
+
+@pytest.mark.parametrize("family, wrt", [("gpt2", "transformer.h.*.attn.*"), ("llama", "model.layers.*.mlp.*"),
+                                         ("llama", "lm_head.*")])
+def test_a_partial_gradient_exports_the_tensors_it_holds(family, wrt):
+    """ft.gradient(..., wrt=) has None outside wrt: to_hf_state_dict crashed in a layout
+    transpose (Llama) or returned object arrays and dropped tensors (GPT-2). It now gives
+    exactly the selected tensors, equal to the full gradient's export there."""
+    config = ({"model_type": "gpt2", "vocab_size": VOCAB, "n_positions": 16, "n_embd": D, "n_layer": 2, "n_head": 2,
+               "bos_token_id": 0, "eos_token_id": 0} if family == "gpt2" else
+              {"model_type": "llama", **DECODER, "intermediate_size": 2 * D, "bos_token_id": 0, "eos_token_id": 0})
+    model = ft.nn.from_hf(config, key=jax.random.key(0))
+    ids = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+    loss = lambda m: ft.losses.softmax_cross_entropy(m(ids)[:, :-1], ids[:, 1:])  # noqa: E731
+    whole = ft.hf.to_hf_state_dict(ft.gradient(loss, at=model), numpy=True)
+    part = ft.hf.to_hf_state_dict(ft.gradient(loss, at=model, wrt=wrt), numpy=True)
+    assert part and set(part) < set(whole)
+    assert all(v.dtype == np.float32 for v in part.values())
+    for name, value in part.items():
+        np.testing.assert_allclose(value, whole[name], rtol=0, atol=1e-6 * float(np.abs(whole[name]).max()) + 1e-12)

@@ -294,7 +294,9 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
 
     ``hf_model.load_state_dict(ft.nn.to_hf_state_dict(model), strict=True)`` takes it
     (HF's names and layouts; a tied head written under both names, as HF's own
-    ``state_dict()``). Torch tensors, or NumPy arrays with ``numpy=True`` (no torch).
+    ``state_dict()``). Torch tensors, or NumPy arrays with ``numpy=True`` (no torch). A
+    partial tree (a gradient taken with ``wrt=``: ``None`` elsewhere) gives the tensors it
+    holds whole, and no others.
 
     Example:
       >>> import functree as ft, jax
@@ -310,7 +312,7 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
                                            given=type(model).__name__))
     out = torch_state_dict(model, rename=model.hf_rename, layouts=model.hf_layouts, numpy=True)
     tied = tied_head(family, model)
-    if tied is not None:
+    if tied is not None and tied[1] in out:  # (a partial gradient without the embedding: neither)
         out[tied[0]] = out[tied[1]]
     if numpy:
         return out

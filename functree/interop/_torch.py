@@ -817,9 +817,18 @@ def torch_state_dict(
     plan = _plan(model, shapes, layouts)
     out: dict[str, Any] = {}
     for rule in plan.rules:
-        values = rule.to_torch(*(plan.leaves[n].value for n in rule.ft))
+        leaves = [plan.leaves[n].value for n in rule.ft]
+        if any(_absent(leaf) for leaf in leaves):
+            continue  # a partial tree (a gradient with wrt=): only the tensors it holds whole
+        values = rule.to_torch(*leaves)
         out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in zip(rule.torch, values))
     return out if numpy else as_tensors(out)
+
+
+def _absent(leaf: Any) -> bool:
+    """A leaf a partial tree does not hold: None (a parameter outside ``wrt=``), as the plan
+    reads it (a bare None, or a stacked None as an object array)."""
+    return leaf is None or (isinstance(leaf, np.ndarray) and leaf.dtype == object)
 
 
 def as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, Any]:

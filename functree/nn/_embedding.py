@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ class Embedding(Layer):
 
     embeddings: jax.Array
     padding_index: int | None = field(static=True, default=None)
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("padding_index",)  # files written before it read as None
 
     def __init__(
         self,

@@ -206,10 +206,10 @@ CHANGING_RATE = fo.piecewise([(3, 0.1), (1, 0.05)])
 
 OTHER_RUNS = {  # the remaining runs of ours, computed with the others (the ours fixture)
     "amsgrad_5": (lambda: fo.amsgrad(0.01), 5),
-    "unit_gain": (lambda: fo.sgd(0.05, momentum=0.9, momentum_form="unit_gain"), STEPS),
+    "unit_gain": (lambda: fo.sgd(0.05, momentum=0.9, momentum_form="additive"), STEPS),
     "literature_changing_rate": (lambda: fo.sgd(CHANGING_RATE, momentum=0.9), 8),
     "unit_gain_changing_rate": (lambda: fo.sgd(CHANGING_RATE, momentum=fo.piecewise([(3, 0.9), (1, 0.45), (1, 0.9)]),
-                                               momentum_form="unit_gain"), 8),
+                                               momentum_form="additive"), 8),
 }
 
 
@@ -236,7 +236,22 @@ def test_bad_momentum_form():
     with pytest.raises(ValueError, match="momentum_form='heavy'"):
         fo.sgd(momentum_form="heavy")
     with pytest.raises(ValueError, match="Nesterov needs the literature form"):
-        fo.sgd(momentum=0.9, nesterov=True, momentum_form="unit_gain")
+        fo.sgd(momentum=0.9, nesterov=True, momentum_form="additive")
+    # "unit_gain" named the additive form, which is not CNTK's unit gain (10x apart at 0.9).
+    with pytest.raises(ValueError, match=r'(?s)momentum_form="unit_gain" named two forms.*"additive".*"cntk_unit_gain"'):
+        fo.sgd(0.1, momentum=0.9, momentum_form="unit_gain")
+
+
+def test_cntk_unit_gain_is_cntks_momentum_sgd():
+    """CNTK's NormalGrad with unitGainFactor = 1 - momentum: c = γc + (1-γ)g, w -= ηc. The
+    audit's steps at η 0.1, γ 0.9 on g = 1, 0.2, 0.5, 0.2: -0.01, -0.0110, ..."""
+    tx = fo.sgd(0.1, momentum=0.9, momentum_form="cntk_unit_gain")
+    state, c, got = tx.init({"w": jnp.zeros(())}), 0.0, []
+    for g in (1.0, 0.2, 0.5, 0.2):
+        u, state = tx.update({"w": jnp.asarray(g)}, state)
+        c = 0.9 * c + 0.1 * g
+        got.append((float(u["w"]), -0.1 * c))
+    np.testing.assert_allclose(*zip(*got), rtol=0, atol=1e-8)
 
 
 # --- convergence on quadratic, Rosenbrock and XOR, and no recompilation -----------------
@@ -491,7 +506,7 @@ def _aliases():
     names = [n for n in fo._aliases.__all__ if n not in ("moments", "DEFAULT_NO_DECAY", "DECLARED", "decay_mask")]
     cases = {n: getattr(fo, n)(0.05) for n in names}
     cases |= {"sgd_momentum": fo.sgd(0.05, momentum=0.9), "sgd_nesterov_l2": fo.sgd(0.05, 0.9, True, 0.01),
-              "sgd_unit_gain": fo.sgd(0.05, 0.9, momentum_form="unit_gain"), "adam_l2": fo.adam(0.05, weight_decay=0.1),
+              "sgd_unit_gain": fo.sgd(0.05, 0.9, momentum_form="additive"), "adam_l2": fo.adam(0.05, weight_decay=0.1),
               "rmsprop_centered": fo.rmsprop(0.05, momentum=0.5, centered=True), "lion_decay": fo.lion(0.05, weight_decay=0.1)}
     return cases
 

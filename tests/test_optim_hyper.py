@@ -32,6 +32,25 @@ def test_per_samples_rate_with_changing_minibatch_size():
     assert float(u["w"]) == pytest.approx(-0.2)
 
 
+def test_per_samples_decay_rates_are_powers_and_other_hyperparameters_refuse_them():
+    """A per-sample momentum was scaled like a learning rate: per_samples(0.9, 1) on
+    minibatches of 8 ran momentum 7.2 and diverged. A decay rate takes γ^(M / samples)."""
+    tx = fo.sgd(0.1, momentum=fo.per_samples(0.9, 2))
+    state, trace, got = tx.init(_params()), 0.0, []
+    for m in [8, 2, 5, 1]:
+        u, state = tx.update(ONE, state, minibatch_size=m)
+        trace = 0.9 ** (m / 2) * trace + 1.0  # u = γ_M u + g, w -= η u
+        got.append((float(u["w"]), -0.1 * trace))
+    np.testing.assert_allclose(*zip(*got), rtol=0, atol=1e-6)
+    tx = fo.adam(0.1, beta1=fo.per_samples(0.9, 1), beta2=fo.per_samples(0.999, 1))
+    u, _ = tx.update(ONE, tx.init(_params()), minibatch_size=4)
+    assert float(u["w"]) == pytest.approx(-0.1, abs=1e-6)  # bias-corrected first step: -η sign(g)
+    for make in (lambda: fo.adam(1e-3, epsilon=fo.per_samples(1e-8, 1)),
+                 lambda: fo.adamw(1e-3, weight_decay=fo.per_samples(0.01, 1))):
+        with pytest.raises(ValueError, match=r"a per-sample rate is for a learning rate .* or a\ndecay rate"):
+            make()
+
+
 def test_per_minibatch_is_the_plain_number():
     tx = fo.sgd(fo.per_minibatch(0.3))
     u, _ = tx.update(ONE, tx.init(_params()), minibatch_size=64)

@@ -54,7 +54,7 @@ def test_a_set_hyperparameter_drives_the_next_step():
 
 def test_static_options_are_checked_at_construction():
     with pytest.raises(ValueError, match="Nesterov needs the literature form"):
-        ft.optim.sgd(0.1, momentum=0.9, nesterov=True, momentum_form="unit_gain")
+        ft.optim.sgd(0.1, momentum=0.9, nesterov=True, momentum_form="additive")
     with pytest.raises(ValueError, match="momentum_form='heavy'"):
         ft.optim.sgd(0.1, momentum_form="heavy")
 

@@ -65,6 +65,18 @@ def test_reduce_lr_on_plateau_without_recompiling():
     assert trainer.train_step._compiled._cache_size() == 1
 
 
+def test_reduce_lr_on_plateau_counts_the_epoch_that_ends_the_cooldown_as_keras():
+    """Keras decrements the cooldown and then counts the same epoch toward patience: with
+    patience 1 and cooldown 1 on a loss that never improves after epoch 1, the rate halves
+    after epochs 2 and 3 (functree waited one epoch more: after 2 and 4)."""
+    trainer = make(lr=0.4)
+    reduce = ft.train.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1, cooldown=1, min_delta=1e9)
+    history = trainer.fit(data(), epochs=4, validation_data=(X, Y), progress=False, callbacks=[reduce])
+    per_epoch = history.steps["learning_rate"][::3]  # 3 steps an epoch: each epoch's first step
+    assert per_epoch == [pytest.approx(r) for r in (0.4, 0.4, 0.2, 0.1)]
+    assert float(ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]) == pytest.approx(0.05)
+
+
 def test_model_checkpoint_keeps_best_and_history_logger(tmp_path):
     trainer = make()
     save = ft.train.ModelCheckpoint(tmp_path / "ckpt", max_to_keep=1, best_metric="val_loss")

@@ -95,8 +95,16 @@ Example:
 P = ParamSpec("P")
 
 BAD_MOMENTUM_FORM = """\
-momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu) or "unit_gain" (v = γ'v + ηg, w -= v).{extra}
+momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu), "additive" (v = γ'v + ηg, w -= v)
+or "cntk_unit_gain" (CNTK's unit gain: c = γc + (1 − γ)g, w -= ηc).{extra}
 """
+
+UNIT_GAIN_RENAMED = """\
+momentum_form="unit_gain" named two forms: functree's, until 2026-11-29, was the additive
+v = γ'v + ηg (w -= v), and CNTK's unit gain is c = γc + (1 − γ)g (w -= ηc), steps (1 − γ)
+times as large: 10x apart at γ = 0.9. Say which:
+    right:  ft.optim.sgd(lr, momentum=0.9, momentum_form="additive")         # functree's former "unit_gain"
+       or:  ft.optim.sgd(lr, momentum=0.9, momentum_form="cntk_unit_gain")   # a CNTK model's rate as it is"""
 
 
 def _no_decay(f: Any) -> bool:
@@ -191,7 +199,8 @@ def _tree_zeros(params: Any) -> Any:
 
 
 class UnitGainState(NamedTuple):
-    """Velocity ``v`` of unit-gain momentum (parameter-view structure)."""
+    """Velocity ``v`` of the additive momentum form (parameter-view structure; the name is
+    the form's old one)."""
 
     velocity: Any
 
@@ -207,10 +216,23 @@ def _unit_gain_momentum(learning_rate: Any, momentum: Any) -> optax.GradientTran
     return optax.GradientTransformation(init, update)
 
 
+def _cntk_unit_gain(learning_rate: Any, momentum: Any) -> optax.GradientTransformation:
+    """CNTK's unit-gain momentum: ``c ← γc + (1 − γ)g; w ← w − ηc`` (its ``NormalGrad``
+    with ``unitGainFactor = 1 − momentum``): the literature form at rate ``η (1 − γ)``.
+    State: ``(EmptyState, TraceState, EmptyState)``."""
+    return optax.chain(optax.scale(1 - momentum), optax.trace(decay=momentum),
+                       optax.scale_by_learning_rate(learning_rate))
+
+
+FORMS = ("literature", "additive", "cntk_unit_gain")
+
+
 def _check_sgd(nesterov: bool, momentum_form: str) -> None:
-    if momentum_form not in ("literature", "unit_gain"):
+    if momentum_form == "unit_gain":
+        raise ValueError(UNIT_GAIN_RENAMED)
+    if momentum_form not in FORMS:
         raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=""))
-    if momentum_form == "unit_gain" and nesterov:
+    if momentum_form != "literature" and nesterov:
         raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=" Nesterov needs the literature form."))
 
 
@@ -229,13 +251,23 @@ def sgd(
 
         u ← γ u + (g + λ w);   w ← w − η u
 
-    Unit-gain form (CNTK, ``momentum_form="unit_gain"``)::
+    Additive form (the CNTK learner discussion's "more additively computable form",
+    ``momentum_form="additive"``)::
 
         v ← γ' v + η (g + λ w);   w ← w − v
 
-    With a constant η the forms agree when ``γ' = γ``; for a rate changing from η₋ to η,
-    ``γ' = γ η / η₋``. State: ``optax.TraceState`` (``trace``) or ``UnitGainState``
-    (``velocity``), shaped like the model's parameters.
+    With a constant η it agrees with the literature form when ``γ' = γ``; for a rate
+    changing from η₋ to η, ``γ' = γ η / η₋``.
+
+    CNTK's unit-gain form (``momentum_sgd(..., unit_gain=True)``,
+    ``momentum_form="cntk_unit_gain"``)::
+
+        c ← γ c + (1 − γ)(g + λ w);   w ← w − η c
+
+    the literature form at rate ``η (1 − γ)``: a CNTK model's rate ported as it is.
+    ``"unit_gain"``, which until 2026-11-29 named the additive form, is refused with both.
+    State: ``optax.TraceState`` (``trace``; CNTK's: in a chain) or ``UnitGainState``
+    (``velocity``, additive), shaped like the model's parameters.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -245,8 +277,10 @@ def sgd(
       >>> updates["w"]
       Array([-0.1, -0.1], dtype=float32)
     """
-    if momentum_form == "unit_gain":
+    if momentum_form == "additive":
         return _decayed(weight_decay, _unit_gain_momentum(learning_rate, momentum))
+    if momentum_form == "cntk_unit_gain":
+        return _decayed(weight_decay, _cntk_unit_gain(learning_rate, momentum))
     return _decayed(weight_decay, optax.sgd(learning_rate, momentum, nesterov))
 
 

@@ -54,7 +54,9 @@ class LearningContext:
 
     The four counts are packed along the last axis of one int32 array (``counters``) and
     the loss is a float32 scalar: two leaves, so the context adds almost nothing to a jitted
-    step's dispatch. Stacked states (a vmapped ensemble or learning-rate sweep) add leading
+    step's dispatch. Being int32 (JAX without x64), ``samples_seen`` holds up to 2³¹ − 1
+    examples (2.1 billion): a job past that wraps negative, and a schedule in samples then
+    starts over; give such a schedule in steps or sweeps. Stacked states (a vmapped ensemble or learning-rate sweep) add leading
     axes: ``counters`` is ``(..., 4)`` and every field reads one value per member.
 
     Example:

@@ -105,6 +105,20 @@ last axis, so stacked optimizer states must put their member axes first:
 """
 
 # name -> (predicate on a float, human rule, example value)
+DECAY_RATES = frozenset({"momentum", "beta1", "beta2", "rho"})
+"""Hyperparameters that are decay rates: given :func:`per_samples`, a minibatch of M takes
+``γ^(M / samples)`` (CNTK's per-sample momentum: the same decay per example whatever the
+minibatch size), where a learning rate takes ``η · M / samples``."""
+
+RATE_UNITS = frozenset({"learning_rate"}) | DECAY_RATES
+"""The hyperparameters a :func:`per_samples` rate may be given for."""
+
+RATE_NOT_A_LEARNING_RATE = """\
+{where}: {name}={spec!r}: a per-sample rate is for a learning rate (η · M / samples) or a
+decay rate (momentum, beta1, beta2, rho: γ^(M / samples)); {name} is neither. Give it as a
+number, or as a function of the learning context:
+    right:  {where}(..., {name}=lambda ctx: ...)     # ctx.minibatch_size, ctx.step, ..."""
+
 RULES: dict[str, tuple[Callable[[float], bool], str, str]] = {
     "learning_rate": (lambda v: v >= 0, ">= 0", "1e-3"),
     "momentum": (lambda v: 0 <= v <= 1, "in [0, 1]", "0.9"),
@@ -157,7 +171,11 @@ def per_samples(value: Any, samples: int) -> Rate:
     """A rate meant for ``samples`` examples: ``η_eff = value · M / samples`` for a minibatch of M.
 
     Losses are means, so ``per_samples(v, 1)`` is CNTK's per-sample rate: the summed
-    gradient times ``v``.
+    gradient times ``v``. Given for a decay rate (``momentum``, ``beta1``, ``beta2``,
+    ``rho``), a minibatch of M takes ``value^(M / samples)``: the decay per example is the
+    same whatever the minibatch size (CNTK's per-sample momentum). Other hyperparameters
+    refuse it. ``ft.optim.hyperparameters`` (and the Trainer's ``learning_rate`` column)
+    report the value given, ``v``, for a number; a schedule's is reported as applied.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -305,7 +323,11 @@ class _Spec:
     def effective(self, ctx: LearningContext, stored: jax.Array | None) -> jax.Array:
         base = _call(self.name, self.rate.value, ctx) if self.scheduled else stored
         assert base is not None
-        return base if self.rate.samples is None else base * self.rate.scale(ctx)
+        if self.rate.samples is None:
+            return base
+        if self.name in DECAY_RATES:  # the per-example decay, M times: γ^(M / samples)
+            return jnp.asarray(base, jnp.float32) ** self.rate.scale(ctx)
+        return base * self.rate.scale(ctx)
 
 
 def inject(
@@ -331,6 +353,8 @@ def inject(
     static = dict(static or {})
     specs = {}
     for name, spec in hyper.items():
+        if isinstance(spec, Rate) and spec.samples is not None and name not in RATE_UNITS:
+            raise ValueError(RATE_NOT_A_LEARNING_RATE.format(where=where, name=name, spec=spec))
         for value in _piecewise_values(spec):
             _validate(where, name, value)
         spec = _as_spec(spec)

@@ -444,7 +444,17 @@ class Optimizer:
     def apply_gradients(self, grads: Any, model: Any, state: Any, *, minibatch_size: Any = None,
                         loss: Any = None, apply_if: Any = None, finite: Any = None,
                         **extra: Any) -> tuple[Any, Any]:
-        """``(model, state)`` after one optimizer step along ``grads`` (see :meth:`update`)."""
+        """``(model, state)`` after one optimizer step along ``grads`` (see :meth:`update`).
+
+        ``grads`` are gradients that went through the hooks (:meth:`compute_gradients`'
+        output, as ``minimize`` passes them): this runs none. RFC 234's ``apply_gradients``
+        aggregates and transforms (its ``compute_gradients`` does not), so a loop porting
+        ``opt.apply_gradients(tape.gradient(...))`` with raw gradients passes them through
+        the hooks first, or its clipping is lost::
+
+            grads = opt.transform_gradients(opt.aggregate_gradients(jax_grads))
+            model, state = opt.apply_gradients(grads, model, state)
+        """
         updates, state = self.update(grads, state, model, minibatch_size=minibatch_size, loss=loss,
                                      apply_if=apply_if, finite=finite, **extra)
         return self.apply_updates(model, updates), state

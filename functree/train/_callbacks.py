@@ -406,7 +406,9 @@ class ReduceLROnPlateau(Callback):
         if self._cooling > 0:
             self._cooling -= 1
             self._monitor.wait = 0
-            return
+            if self._cooling > 0 or improved:
+                return
+            self._monitor.wait = 1  # the epoch that ends the cooldown counts (Keras' order)
         if improved or self._monitor.wait < self.patience:
             return
         trainer.opt_state = self._reduced(trainer.opt_state)

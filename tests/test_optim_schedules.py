@@ -67,9 +67,20 @@ def test_schedules_reuse_optax():
     assert [at(wc, c) for c in (0, 1, 2)] == pytest.approx([0.0, 0.5, 1.0])
     assert at(wc, 12) == pytest.approx(0.0, abs=1e-6)
     assert at(fo.constant(0.3), 99) == pytest.approx(0.3)
-    assert at(fo.inverse_time_decay(1.0, 0.5), 2) == pytest.approx(0.5)
+    assert at(fo.inverse_time_decay(1.0, 0.5), 1) == pytest.approx(0.5)  # update 2: 1 / (1 + 0.5 * 2)
     sweeps = fo.schedule(optax.linear_schedule(1.0, 0.0, 4), unit="sweeps")
     assert float(sweeps(ctx.replace(sweep=jnp.asarray(2, jnp.int32)))) == pytest.approx(0.5)
+
+
+def test_inverse_time_decay_is_swift_apis_decay():
+    """swift-apis (seed 000's Adam) increments its step, then reads lr / (1 + decay * step):
+    the first updates take 1/2, 1/3, 1/4 at decay 1 (functree took 1, 1/2, 1/3)."""
+    tx = fo.sgd(fo.inverse_time_decay(1.0, 1.0))
+    state, moves = tx.init({"w": jnp.zeros(())}), []
+    for _ in range(3):
+        u, state = tx.update({"w": jnp.ones(())}, state)
+        moves.append(-float(u["w"]))
+    assert moves == pytest.approx([1 / 2, 1 / 3, 1 / 4], rel=1e-6)
 
 
 def test_an_optax_schedule_given_directly_explains_the_fix():

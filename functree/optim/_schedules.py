@@ -191,11 +191,24 @@ def warmup_cosine_decay(
 def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") -> Callable[[LearningContext], Any]:
     """swift-apis' learning-rate ``decay``: ``init_value / (1 + decay · c)``.
 
+    With ``unit="steps"``, ``c`` is the number of the update being made, 1 for the first:
+    swift-apis (and seed 000's Adam) increment the step before reading the rate, so the
+    first three updates take ``η/2, η/3, η/4`` at ``decay=1``. With ``"sweeps"`` or
+    ``"samples"`` it is the count so far (0 in the first sweep).
+
     Example:
       >>> import functree as ft
-      >>> lr, ctx = ft.optim.inverse_time_decay(1.0, 1.0, unit="sweeps"), ft.optim.initial_context()
+      >>> lr, ctx = ft.optim.inverse_time_decay(1.0, 1.0), ft.optim.initial_context()
+      >>> [float(lr(ctx.replace(step=s))) for s in (0, 1, 2)]     # updates 1, 2, 3
+      [0.5, 0.3333333432674408, 0.25]
+      >>> lr = ft.optim.inverse_time_decay(1.0, 1.0, unit="sweeps")
       >>> [float(lr(ctx.replace(sweep=s))) for s in (0, 1, 3)]
       [1.0, 0.5, 0.25]
     """
     _check_unit(unit)
-    return lambda ctx: init_value / (1.0 + decay * counter(ctx, unit).astype(jnp.float32))
+    ahead = 1.0 if unit == "steps" else 0.0
+
+    def rate(ctx: LearningContext) -> jax.Array:
+        return init_value / (1.0 + decay * (counter(ctx, unit).astype(jnp.float32) + ahead))
+
+    return rate

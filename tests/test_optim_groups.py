@@ -93,3 +93,20 @@ def test_a_group_or_exclude_pattern_that_matches_no_name_is_refused():
     fo.adamw(1e-3, exclude=(*fo.DEFAULT_NO_DECAY, "layers.1.*")).init(model)
     opt = fo.Optimizer(fo.groups({"layers.0.*": fo.sgd(0.1)}, default=fo.sgd(1.0)), wrt="layers.1.*")
     opt.init(model)
+
+
+def test_adamw_and_lion_inside_groups_decay_their_own_parameters():
+    """Inside groups (optax.multi_transform) a parameter of another group is a MaskedNode;
+    adamw's decay mask left those out and every later entry shifted: "Too few leaves for
+    PyTreeDef" at init. The group's update equals adamw on its parameters alone."""
+    model = ft.nn.Sequential([ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.Dense(3, 2, key=jax.random.key(1))])
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), ft.parameters(model))
+    for decayed in (lambda: fo.adamw(0.1, weight_decay=0.1), lambda: fo.lion(0.1, weight_decay=0.1)):
+        tx = fo.groups({"layers.0.*": fo.sgd(1.0), "layers.1.*": decayed()})
+        updates, _ = tx.update(grads, tx.init(model), model)
+        alone = decayed()
+        head = ft.parameters(model).layers[1]
+        expected, _ = alone.update(grads.layers[1], alone.init(head), head)
+        np.testing.assert_allclose(updates.layers[1].weight, expected.weight, rtol=0, atol=1e-7)
+        np.testing.assert_allclose(updates.layers[1].bias, expected.bias, rtol=0, atol=1e-7)  # bias: not decayed
+        np.testing.assert_allclose(updates.layers[0].weight, -0.5, rtol=0, atol=1e-7)

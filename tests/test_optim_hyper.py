@@ -214,3 +214,16 @@ def test_a_standalone_state_serves_the_model_in_either_mode(first):
         np.testing.assert_array_equal(a, b)
     moved = ft.move(after, along=u_early)
     assert ft.nn.is_training(moved) == (first == "inference")
+
+
+def test_a_complex_gradient_in_a_bare_transform_warns_with_both_fixes():
+    """A bare transform follows optax's complex convention: ft.gradient's (JAX's) complex
+    gradients made a torch user's hand loop climb (loss 5.97 -> 9.45), silently."""
+    z = {"z": jnp.array([1.0 + 1.0j])}
+    grads = ft.gradient(lambda p: jnp.sum(jnp.abs(p["z"]) ** 2), at=z)
+    tx = fo.adam(0.1)
+    with pytest.warns(fo.ComplexGradientWarning, match=r"(?s)ft.optim.adam: a complex gradient.*ft.optim.Optimizer"):
+        tx.update(grads, tx.init(z), z)
+    opt = fo.Optimizer(fo.adam(0.1))  # torch's numbers, no warning
+    updates, _ = opt.update(grads, opt.init(z), z)
+    assert float(jnp.abs(ft.move(z, along=updates)["z"][0])) < float(jnp.abs(z["z"][0]))  # downhill

@@ -34,6 +34,7 @@ from functree.optim._complex import RealPair
 from functree.optim._context import LearningContext, context, initial_context, next_sweep
 from functree.optim._groups import groups
 from functree.optim._hyper import (
+    ComplexGradientWarning,
     HyperState,
     Rate,
     hyperparameter_names,
@@ -136,6 +137,7 @@ __all__ = [
     "inject",
     "HyperState",
     "Rate",
+    "ComplexGradientWarning",
     "per_minibatch",
     "per_samples",
     # schedules

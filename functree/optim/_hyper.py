@@ -30,6 +30,7 @@ import optax
 
 from functree._parameters import parameters
 from functree._tree import is_none, register_record
+from functree._warnings import warn
 from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
 from functree.optim._checks import checked_gradients, keep_unchanged
@@ -421,7 +422,7 @@ def inject(
         **extra: Any,
     ) -> tuple[Any, HyperState]:
         if state.context is not None:  # standalone optax use: this transform keeps its own context
-            return _standalone(step, updates, state, params, minibatch_size, loss, extra)
+            return _standalone(step, updates, state, params, minibatch_size, loss, extra, where)
         # Inside an ft.optim.Optimizer: it made the parameter view, checked the gradients
         # and owns the one learning context; trust all three.
         if context is None:
@@ -431,12 +432,26 @@ def inject(
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
 
 
+class ComplexGradientWarning(UserWarning):
+    """A complex gradient reached a bare ``ft.optim`` transformation (optax's convention)."""
+
+
+COMPLEX_BARE = """\
+{where}: a complex gradient, used as a plain optax transformation: it follows optax's
+convention (it descends along the gradient as given). ft.gradient's complex gradients are
+JAX's, which that convention climbs: wrap the optimizer for torch's numbers,
+    right:  opt = ft.optim.Optimizer({where}(...)); updates, state = opt.update(grads, state, model)
+       or:  tx.update(jax.tree.map(jnp.conj, grads), state, model)     # optax's complex convention"""
+
+
 def _standalone(step: Callable[..., tuple[Any, HyperState]], updates: Any, state: HyperState, params: Any,
-                minibatch_size: Any, loss: Any, extra: dict[str, Any]) -> tuple[Any, HyperState]:
+                minibatch_size: Any, loss: Any, extra: dict[str, Any], where: str = "ft.optim") -> tuple[Any, HyperState]:
     """:func:`inject`'s update used as a plain optax transformation, around ``step`` (the
     numerics): the parameter view of ``params``, the gradients in the state's (mode-free)
     form, a ``None`` gradient as no update (as through an Optimizer), and the state's own
     learning context read at ``minibatch_size``/``loss`` and advanced."""
+    if any(jnp.iscomplexobj(g) for g in jax.tree.leaves(updates)):  # a torch user's loop climbed, silently
+        warn(COMPLEX_BARE.format(where=where), ComplexGradientWarning)
     params = None if params is None else parameters(params)
     given = (jax.tree.structure(updates), None if params is None else jax.tree.structure(params))
     updates, params = mode_free(updates), mode_free(params)  # the state's form (init)

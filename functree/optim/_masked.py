@@ -24,7 +24,6 @@ import optax
 
 from functree._module import Module
 from functree._naming import broadcast
-from functree._tree import is_none
 
 __all__ = ["masked", "partition_members", "restore_members", "is_partial"]
 
@@ -38,11 +37,22 @@ def _leaves(tree: Any) -> tuple[list[Any], Any]:
     return jax.tree.flatten(tree, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))
 
 
+def _is_mark(x: Any) -> bool:
+    return x is None or is_partial(x) or isinstance(x, (bool, np.bool_, optax.MaskedNode))
+
+
+def _is_slot(x: Any) -> bool:
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
 def _mask_leaves(mask: Any, params: Any) -> list[Any]:
-    """One mask entry per leaf of ``params`` (a prefix mask's entries repeated)."""
-    full = jax.tree.map(lambda m, p: jax.tree.map(lambda _: m, p, is_leaf=is_none), mask, params,
-                        is_leaf=lambda x: x is None or is_partial(x) or isinstance(x, (bool, np.bool_)))
-    return jax.tree.leaves(full, is_leaf=lambda x: x is None or is_partial(x) or isinstance(x, (bool, np.bool_)))
+    """One mask entry per leaf of ``params`` as :func:`_leaves` counts them (a prefix mask's
+    entries repeated). A ``MaskedNode`` (a parameter of another group, inside
+    ``ft.optim.groups`` or ``optax.multi_transform``) has no leaves but takes a slot: its
+    entry is the mask's ``MaskedNode``, which marks nothing (left out of ``adamw``'s decay
+    mask, it had shifted every later entry: a crash in unflatten)."""
+    full = jax.tree.map(lambda m, p: jax.tree.map(lambda _: m, p, is_leaf=_is_slot), mask, params, is_leaf=_is_mark)
+    return jax.tree.leaves(full, is_leaf=_is_mark)
 
 
 def _masked_tree(tree: Any, marks: list[Any]) -> Any:

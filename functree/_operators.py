@@ -211,9 +211,19 @@ def _explain_reverse_only(
         raise TypeError(REVERSE_ONLY.format(op=op, fn=_fn_name(fn))) from e
 
 
+RESULT_WITH_AUX = """\
+{op} needs a scalar result, but {fn} returned a {kind}: a loss with an aux output is
+differentiated with has_aux=True (the first item is the loss, the rest comes back as is):
+    wrong:  {op}(loss_fn, at=model)              # loss_fn returns (loss, aux)
+    right:  {op}(loss_fn, at=model, has_aux=True)
+"""
+
+
 def _check_scalar(op: str, f: Callable[..., Any], has_aux: bool) -> Callable[[Any], Any]:
     def pack(out: Any) -> Any:
         value = out[0] if has_aux else out
+        if isinstance(value, (tuple, list, dict)):  # (loss, aux) without has_aux: a crash in JAX's conversion
+            raise TypeError(RESULT_WITH_AUX.format(op=op, fn=_fn_name(f), kind=type(value).__name__))
         shape = jnp.shape(value)
         if shape != ():
             raise TypeError(

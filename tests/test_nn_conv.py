@@ -151,3 +151,14 @@ def test_window_settings_in_every_accepted_form_compute_alike():
         np.testing.assert_array_equal(conv(x), forms[0](x))
     assert ft.nn.Conv1D(2, 3, 3, padding=((2, 1),), key=key)(jnp.ones((1, 5, 2))).shape == (1, 6, 3)
     assert ft.nn.MaxPool2D(2, padding="same").padding == "SAME"
+
+
+def test_a_channels_first_batch_gets_the_move_not_another_layer_size():
+    """torch's NCHW batch: the fix read the image width (16) as channels ("build the layer for
+    the size you have (last axis 16)")."""
+    conv = ft.nn.Conv2D(3, 8, 3, key=jax.random.key(0))
+    with pytest.raises(ft.nn.LayerInputError, match=r"\(torch's NCHW\).*jnp.moveaxis\(x, -3, -1\)"):
+        conv(jnp.ones((2, 3, 16, 16)))
+    assert conv(jnp.moveaxis(jnp.ones((2, 3, 16, 16)), -3, -1)).shape == (2, 16, 16, 8)
+    with pytest.raises(ft.nn.LayerInputError, match=r"build the layer for the size you have"):
+        conv(jnp.ones((2, 16, 16, 4)))  # channels last, just another count: the old fix stands

@@ -437,3 +437,12 @@ def test_pullback_of_a_module_result_takes_its_parameter_view():
     message = str(info.value)
     assert "ft.value_with_pullback: the tangent has a value at .mass" in message
     assert "ft.parameters(y)" in message
+
+
+def test_a_loss_with_aux_without_has_aux_names_the_fix():
+    # (loss, aux) reached JAX's array conversion: TracerArrayConversionError, no hint.
+    for op, name in ((ft.gradient, "ft.gradient"), (ft.value_with_gradient, "ft.value_with_gradient")):
+        with pytest.raises(TypeError, match=rf"(?s){name} needs a scalar result, but \S*<lambda> returned a tuple.*has_aux=True"):
+            op(lambda w: (jnp.sum(w**2), w), at=jnp.ones(2))
+    with pytest.raises(TypeError, match=r"returned a dict"):
+        ft.gradient(lambda w: {"loss": jnp.sum(w)}, at=jnp.ones(2))

@@ -545,3 +545,14 @@ def test_zero_size_arrays_and_trees_without_arrays_save_and_load(tmp_path):
     meta.write_text(text.replace('"empty": {"model.cache": [[0, 4], "bfloat16"]', '"empty": {"model.cache": [[0, 5], "bfloat16"]'))
     with pytest.raises(CheckpointError, match=r"damaged metadata: its CRC-32 does not match"):
         ft.train.load(tmp_path / "tree")
+
+
+def test_a_load_template_that_does_not_fit_names_the_load_without_one(tmp_path):
+    """ft.train.load's mismatch said "at step -" and "manager.restore(step).tree": the user
+    of save/load has no manager."""
+    ft.train.save(tmp_path / "dense", ft.nn.Dense(2, 16, key=jax.random.key(0)))
+    with pytest.raises(ft.train.CheckpointError) as info:
+        ft.train.load(tmp_path / "dense", ft.nn.Dense(2, 32, key=jax.random.key(0)))
+    message = str(info.value)
+    assert "ft.train.load(path)" in message and "step -" not in message and "manager" not in message
+    assert "weight: expected shape (2, 32) dtype float32, given shape (2, 16)" in message

@@ -664,3 +664,16 @@ def test_a_batch_leaf_of_another_leading_size_is_refused_when_the_step_splits_th
     split = ft.optim.Optimizer(ft.optim.sgd(0.1), accumulate=2)
     with pytest.raises(ValueError, match=r"\['x'\] has 16 rows, \['cw'\] has 4\. Split over accumulate=2 microbatches"):
         ft.train.train_step(loss, split, on_nan="ignore")(jax.tree.map(jnp.copy, model), split.init(model), batch)
+
+
+def test_a_batch_given_as_two_arguments_is_named():
+    """step(model, state, x, y), as Optimizer.minimize takes *batch: y became the PRNG key
+    and JAX failed with "invalid PRNG key data ... shape (4, 1)"."""
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    step = ft.train.train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), opt)
+    x, y = np.ones((4, 3), np.float32), np.ones((4, 1), np.float32)
+    with pytest.raises(TypeError, match=r"(?s)fourth argument is its PRNG key, and float32\[4, 1\] is none.*step\(model, state, \(x, y\)\)"):
+        step(model, opt.init(model), x, y)
+    _, _, metrics = step(model, opt.init(model), (x, y))
+    assert np.isfinite(float(metrics["loss"]))

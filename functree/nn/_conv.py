@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from functree._activations import identity
 from functree._module import field
 from functree.nn import _window as window
-from functree.nn._check import check_input
+from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Initializer, glorot_uniform
 from functree.nn._mode import Layer
 
@@ -39,6 +39,23 @@ TRANSPOSE_GROUPS = """\
 Padding = str | int | Sequence[int] | Sequence[tuple[int, int]]
 
 _SPEC = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
+
+
+CHANNELS_FIRST = """\
+Its channels ({channels}) are on axis {axis}: a channels-first batch (torch's {layout}). \
+ft.nn convolutions take channels last: jnp.moveaxis(x, {axis}, -1)."""
+
+
+def _channels_first(error: LayerInputError, x: Any, n: int, channels: int) -> LayerInputError:
+    """``error``, whose fix names the channels-last move when the channels sit where torch puts
+    them (its "build the layer for the size you have" read an image's width as channels)."""
+    shape = jnp.shape(x)
+    if len(shape) >= n + 1 and shape[-(n + 1)] == channels and shape[-1] != channels:
+        axis = -(n + 1)
+        layout = "NCL" if n == 1 else ("NCHW" if n == 2 else "NCDHW")
+        return LayerInputError(error.layer, error.expected, error.given,
+                               CHANNELS_FIRST.format(channels=channels, axis=axis, layout=layout), error.path)
+    return error
 
 
 class Conv(Layer):
@@ -95,7 +112,10 @@ class Conv(Layer):
     def __call__(self, x: jax.Array) -> jax.Array:
         n = self._rank
         spatial = ("length",) if n == 1 else ("height", "width")
-        check_input(self, x, (*spatial, self.in_channels), leading="...")
+        try:
+            check_input(self, x, (*spatial, self.in_channels), leading="...")
+        except LayerInputError as e:
+            raise _channels_first(e, x, n, self.in_channels) from None
         batch = x.shape[: x.ndim - n - 1]
         flat = x.reshape((-1, *x.shape[x.ndim - n - 1:]))
         y = self._convolve(flat)

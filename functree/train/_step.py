@@ -64,7 +64,7 @@ from functree.parallel._step_specs import (
     stack_devices,
     without_axis,
 )
-from functree.train._metrics import StepOutput, batch_size_of, evaluate_metrics, resolve_metrics
+from functree.train._metrics import StepOutput, batch_size_of, describe_batch, evaluate_metrics, resolve_metrics
 from functree.train._nonfinite import NONFINITE, nonfinite_error
 from functree.train._programs import program_key, shared, trampoline
 from functree.train._scan import (
@@ -141,6 +141,23 @@ def _weakly(ref: Callable[[], Any], method: str) -> Callable[..., Any]:
 
 def _placement(mesh: Any, data_axis: str, sharding: Any, call: str) -> Placement | None:
     return None if mesh is None and sharding is None else Placement(mesh, data_axis, sharding, call)
+
+
+NOT_A_KEY = """\
+the train step's fourth argument is its PRNG key, and {given} is none: the batch is one
+argument (a tuple or dict of arrays), as the loss function takes it.
+    wrong:  step(model, state, x, y)
+    right:  step(model, state, (x, y))            # or step(model, state, batch, jax.random.key(0))"""
+
+
+def _is_key(x: Any) -> bool:
+    """A PRNG key: a typed key array, or raw ``uint32`` key data ``[..., 2]``."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == jnp.uint32 and np.shape(x)[-1:] == (2,)
 
 
 class TrainStep:
@@ -554,6 +571,9 @@ class TrainStep:
         the arguments committed to other devices than the model's."""
         if self._owned_call and is_deletion_error(error):
             self._check_donated(args[0], args[1])
+        key = args[3] if len(args) > 3 else None
+        if key is not None and not _is_key(key):  # step(model, state, x, y): y taken as the key
+            return TypeError(NOT_A_KEY.format(given=describe_batch(key)))
         return devices_error("the train step", error, list(zip(("model", "opt_state", "batch", "key"), args)))
 
     def _check_donated(self, model: Any, opt_state: Any) -> None:

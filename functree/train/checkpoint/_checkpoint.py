@@ -71,12 +71,12 @@ No checkpoint {what} in {path} (steps present: {steps}).
     right:  manager.restore()          # the latest, or one of {steps}"""
 
 TEMPLATE_MISMATCH = """\
-The checkpoint's {part} at step {step} does not fit the template:
+The checkpoint's {part}{at} does not fit the template:
 {report}
 Build the template the same way as the saved {part} (same layer sizes, dtypes and \
 optimizer), or restore without a template to get the saved {part} back as it was:
 
-    manager.restore(step).{part}{hint}"""
+    {plain}{hint}"""
 
 STATIC_MISMATCH = """\
 {what} was saved with other static configuration than the template's. A template gives the \
@@ -341,7 +341,10 @@ def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: 
             for _, s in leaf_specs(spec, part) if s["key"].startswith(prefix)}
     tree, report = from_flat_dict(template, flat, strict=False)
     if not report.ok:
-        raise CheckpointError(TEMPLATE_MISMATCH.format(part=part or "tree", step=step, report=report, hint=hint))
+        at, plain = ((f" at step {step}", f"manager.restore({step}).{part}") if part else
+                     ("", "ft.train.load(path)       # ft.train.save's tree, no template"))
+        raise CheckpointError(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, report=report,
+                                                       hint=hint))
     differences = static_differences(spec, template, part)
     if differences:
         lines = "\n".join(f"    {where}: saved {saved}, the template's {mine}" for where, saved, mine in differences[:8])

@@ -64,7 +64,13 @@ from functree.parallel._step_specs import (
     stack_devices,
     without_axis,
 )
-from functree.train._metrics import StepOutput, batch_size_of, describe_batch, evaluate_metrics, resolve_metrics
+from functree.train._metrics import (
+    StepOutput,
+    batch_size_of,
+    describe_batch,
+    evaluate_metrics,
+    resolve_metrics,
+)
 from functree.train._nonfinite import NONFINITE, nonfinite_error
 from functree.train._programs import program_key, shared, trampoline
 from functree.train._scan import (

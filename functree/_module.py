@@ -111,6 +111,13 @@ It will be carried, not trained. Say which it is:
     {field}: {type} = ft.field(no_derivative=True)   # state (Swift's `@noDerivative var`)
 """
 
+INT_FOR_FLOAT = """\
+{cls}.{field} is annotated float but holds the int {value!r}: an int is not differentiable, so it \
+will be carried, not trained (Swift's `var {field}: Float = {value}` is a Float). Write a float:
+
+    {field}: float = {value}.0
+"""
+
 FLOATS_IN_CONTAINER = """\
 {cls}.{field} is a parameter field whose {kind} holds Python numbers ({preview}): a Python \
 number inside a container is static data, so they will be carried, not trained (only a \
@@ -865,7 +872,10 @@ def _validate(self: Module) -> None:
             continue
         value = self.__dict__[name]
         type_name = _non_differentiable_type_name(value)
-        if type_name is not None and not _annotation_warned(cls, name):
+        if type_name == "int" and cls.__dataclass_fields__[name].type in ("float", float):  # type: ignore[attr-defined]
+            warnings.warn(INT_FOR_FLOAT.format(cls=cls.__name__, field=name, value=value),
+                          NonDifferentiableFieldWarning, stacklevel=_user_stacklevel())
+        elif type_name is not None and not _annotation_warned(cls, name):
             warnings.warn(
                 NON_DIFFERENTIABLE_FIELD.format(
                     cls=cls.__name__, field=name, what="value", type=type_name

@@ -379,3 +379,28 @@ def test_rmsprop_momentum_and_radam_epsilon():
     assert steps["ours"] == pytest.approx(float(w.detach()[0]), rel=1e-4)
     assert abs(steps["optax"] - float(w.detach()[0])) > 0.5 * abs(float(w.detach()[0]))
     assert not hasattr(keras.optimizers, "RAdam")
+
+
+def test_adam_epsilon():
+    """functree, optax and torch: m̂/(√v̂ + ε) with ε 1e-8; Keras: ε 1e-7 before the bias
+    correction. Eight steps of g = 1e-8 tell the placements apart."""
+    assert default(ft.optim.adam, "epsilon") == 1e-8 == default(optax.adam, "eps")
+    assert torch.optim.Adam([torch.zeros(1, requires_grad=True)]).defaults["eps"] == 1e-8
+    assert keras.optimizers.Adam().epsilon == 1e-7
+    g = np.full(1, 1e-8, np.float32)
+    tx, total = ft.optim.adam(1.0), 0.0
+    state = tx.init({"w": jnp.zeros(1)})
+    for _ in range(8):
+        u, state = tx.update({"w": jnp.asarray(g)}, state)
+        total += float(u["w"][0])
+    w = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([w], lr=1.0)
+    for _ in range(8):
+        w.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+    v = keras.Variable(np.zeros(1, np.float32))
+    k = keras.optimizers.Adam(learning_rate=1.0, epsilon=1e-8)
+    for _ in range(8):
+        k.apply([g], [v])
+    assert total == pytest.approx(float(w.detach()[0]), rel=1e-4)
+    assert abs(float(np.asarray(v)[0]) - total) > 0.5 * abs(total)  # ε before the correction: other steps

@@ -487,3 +487,14 @@ def test_python_floats_in_a_parameter_fields_list_warn_that_they_are_not_trained
         Podcast(1.0, [])
     grads = ft.gradient(lambda m: m.min_speed * (m.multipliers[0] + 2 * m.multipliers[1]), at=model)
     assert [float(g) for g in grads.multipliers] == [1.0, 2.0]
+
+
+def test_an_int_in_a_float_annotated_field_names_the_float_to_write():
+    """Swift's `var bias: Float = 0` written `bias: float = 0` held an int: untrained, with a
+    warning that suggested static=True or no_derivative=True, never 0.0."""
+    class P(ft.Module):
+        w: jnp.ndarray
+        bias: float = 0
+
+    with pytest.warns(ft.NonDifferentiableFieldWarning, match=r"(?s)P.bias is annotated float but holds the int 0.*bias: float = 0.0"):
+        P(jnp.ones(2))

@@ -410,10 +410,14 @@ def adam(
     epsilon: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
-    """Adam (torch.optim.Adam, optax.adam, swift-apis Adam)::
+    """Adam (torch.optim.Adam's and optax.adam's numbers)::
 
         m ← β₁ m + (1 − β₁) g;   v ← β₂ v + (1 − β₂) g²
         m̂ = m / (1 − β₁ᵗ);   v̂ = v / (1 − β₂ᵗ);   w ← w − η m̂ / (√v̂ + ε)
+
+    swift-apis and Keras put ε before the bias correction (``η √(1−β₂ᵗ)/(1−β₁ᵗ) ·
+    m/(√v + ε)``, Keras with ε = 1e-7): the same steps but where ``√v`` is near ε
+    (gradients of order 1e-8, where theirs are up to 10× smaller).
 
     State: optax's ``ScaleByAdamState`` (``mu``, ``nu``) shaped like the model's
     parameters; read them with :func:`moments`.

@@ -446,3 +446,28 @@ def test_a_loss_with_aux_without_has_aux_names_the_fix():
             op(lambda w: (jnp.sum(w**2), w), at=jnp.ones(2))
     with pytest.raises(TypeError, match=r"returned a dict"):
         ft.gradient(lambda w: {"loss": jnp.sum(w)}, at=jnp.ones(2))
+
+
+def test_tangents_of_a_module_result_are_its_parameter_view():
+    """A differential (and a Jacobian) of a Module-valued function gave values at its
+    no_derivative field and a float0 at an integer leaf, which ft.move then refused."""
+    class S(ft.Module):
+        w: jax.Array
+        n: jax.Array = ft.field(no_derivative=True, default=None)
+        steps: jax.Array = ft.field(default=None)
+
+    def f(x):
+        return S(w=jnp.sin(x), n=10.0 * x, steps=jnp.ones((), jnp.int32))
+
+    x = jnp.array([0.5, 2.0])
+    y, df = ft.value_with_differential(f, at=x)
+    dy = df(jnp.array([1.0, 0.0]))
+    assert dy.n is None and dy.steps is None
+    np.testing.assert_allclose(dy.w, [np.cos(0.5), 0.0], rtol=0, atol=1e-7)
+    assert float(ft.move(y, along=dy).w[0]) == pytest.approx(np.sin(0.5) + np.cos(0.5), abs=1e-6)
+    jac = ft.jacobian(f, at=x, mode="forward")
+    assert jac.n is None and jac.steps is None
+    np.testing.assert_allclose(jac.w, np.diag(np.cos([0.5, 2.0])), rtol=0, atol=1e-6)
+    jac = ft.jacobian(lambda x: S(w=jnp.sin(x), n=10.0 * x), at=x)  # (jacrev takes no integer result)
+    assert jac.n is None
+    np.testing.assert_allclose(jac.w, np.diag(np.cos([0.5, 2.0])), rtol=0, atol=1e-6)

@@ -181,11 +181,22 @@ def _label(eqn: Any) -> str:
     return f"`{name}`"
 
 
+# The user's lines of the calls being analysed, innermost last: an equation inside a jitted
+# library function (jnp.round's body) records no frame of the user's, and is located at the
+# call that reached it instead of "<unknown>:0".
+_ENCLOSING: list[tuple[str, int]] = []
+
+
+def _located(eqn: Any) -> tuple[str, int]:
+    found = where(eqn)
+    return _ENCLOSING[-1] if found[1] == 0 and _ENCLOSING else found
+
+
 def _cut(s: State, eqn: Any) -> State:
     """Moves the active bits of ``s`` to ``cut``, recording where."""
     if not s.active:
         return _not_zero(s)
-    origin = Origin(s.active, Op(_label(eqn), *where(eqn)))
+    origin = Origin(s.active, Op(_label(eqn), *_located(eqn)))
     return State(0, s.cut | s.active, s.quiet, s.zeroed, s.origins | {origin}, False)
 
 
@@ -221,7 +232,11 @@ def _transfer(eqn: Any, ins: list, scoped: bool) -> list:
     try:
         body = compat.body_of_call(eqn) if name in _CALLS else None
         if body is not None:
-            return analyse(*body, ins, inner)
+            _ENCLOSING.append(_located(eqn))
+            try:
+                return analyse(*body, ins, inner)
+            finally:
+                _ENCLOSING.pop()
         if name == "cond":
             return _cond(eqn, ins, inner)
         elif name == "while":

@@ -888,3 +888,19 @@ def test_an_all_zero_batch_is_data_not_a_known_zero():
     zeros = jnp.zeros((4, 3))
     closed = ft.diagnose(lambda m: jnp.sum(m(zeros) ** 2))(model)
     assert dict((a.name, a.status) for a in closed.activity)["weight"] != "active"
+
+
+def test_an_operation_inside_a_jitted_library_function_is_located_at_the_users_call():
+    """jnp.round runs inside jnp's own jit: its equation records no frame of the user's, and
+    the warning said "`round` at <unknown>:0" (floor, a plain primitive, named the line)."""
+    import inspect
+
+    def f(x):
+        return jnp.round(x) * 2.0
+
+    line = inspect.getsourcelines(f)[1] + 1
+    with pytest.warns(ft.NonDifferentiableWarning) as record:
+        ft.gradient(f, at=1.3)
+    message = str(record[0].message)
+    assert f"`round` at {__file__}:{line}" in message and "<unknown>" not in message
+    assert record[0].filename == __file__ and record[0].lineno == line

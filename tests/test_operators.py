@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _hypothesis import examples
+from _tolerance import needs_float16_conversions
 from hypothesis import given, settings
 from jax.test_util import check_grads
 from test_paths import nested_trees
@@ -364,6 +365,7 @@ def test_bad_wrt_values():
     assert "right:  ft.gradient(f, wrt=0)(x, y)" in str(e.value)
 
 
+@needs_float16_conversions  # the trees hold float16 arrays
 @settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_gradient_of_random_trees_has_the_parameter_view_structure(tree: Any):

@@ -111,7 +111,9 @@ Cannot write {target} (tied to a transform of {source}): the transform has no in
 functree can find (its linear transpose does not undo it). Give the source's value instead:
     right:  ft.set(model, "{source}", value)   # or {{"{source}": value}} in a state dict"""
 
-BAD_PATTERN = "Patterns are strings like '*.bias' or 'h.2.*', got {given!r} ({type})."
+BAD_PATTERN = "Patterns are strings like '*.bias' or 'h.2.*', got {given!r} ({type}).{hint}"
+
+KEY_PATH_AS_PATTERN = " A key path is a pattern by its dotted name: path.name, here {text!r}."
 
 
 def is_stacked(x: Any) -> bool:
@@ -392,7 +394,8 @@ def check_patterns(patterns: Sequence[Any]) -> None:
     """Raise ``TypeError`` for a pattern that is not a string."""
     for p in patterns:
         if not isinstance(p, str):
-            raise TypeError(BAD_PATTERN.format(given=p, type=type(p).__name__))
+            hint = KEY_PATH_AS_PATTERN.format(text=p.name) if type(p).__name__ == "KeyPath" else ""
+            raise TypeError(BAD_PATTERN.format(given=p, type=type(p).__name__, hint=hint))
 
 
 def all_names(infos: Sequence[LeafInfo]) -> list[str]:

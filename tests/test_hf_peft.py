@@ -111,7 +111,10 @@ def test_save_and_load_errors(tmp_path, base):
         with pytest.raises(ValueError, match=rf"sets {option}={value!r}".replace("[", r"\[")):
             ft.nn.load_lora(other, tmp_path)
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "gaussian"}))
-    assert isinstance(ft.nn.load_lora(other, tmp_path).layers[0], ft.nn.LoraDense)  # an initialization only
+    adapted = ft.nn.load_lora(other, tmp_path)
+    assert isinstance(adapted.layers[0], ft.nn.LoraDense)  # an initialization only
+    with pytest.raises(ValueError, match=r"(?s)ft.nn.load_lora: the adapter in .*, which holds adapters\s+already.*load_lora\(base_model"):
+        ft.nn.load_lora(adapted, tmp_path)  # it named ft.nn.lora's pattern error
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"'base_model.model.0.lora_A.weight' has shape"):
         ft.nn.load_lora(ft.nn.Sequential(ft.nn.Dense(D + 1, D, key=jax.random.key(0))), tmp_path)

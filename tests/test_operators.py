@@ -473,3 +473,12 @@ def test_tangents_of_a_module_result_are_its_parameter_view():
     jac = ft.jacobian(lambda x: S(w=jnp.sin(x), n=10.0 * x), at=x)  # (jacrev takes no integer result)
     assert jac.n is None
     np.testing.assert_allclose(jac.w, np.diag(np.cos([0.5, 2.0])), rtol=0, atol=1e-6)
+
+
+def test_a_key_path_as_wrt_names_its_text():
+    model = ft.nn.Sequential([ft.nn.Dense(2, 3, key=jax.random.key(0))])
+    path = ft.KeyPath.parse(".layers[0].bias")
+    with pytest.raises(TypeError, match=r"a pattern by its dotted name: path.name, here 'layers.0.bias'"):
+        ft.gradient(lambda m: m(jnp.ones((1, 2))).sum(), at=model, wrt=path)
+    grads = ft.gradient(lambda m: m(jnp.ones((1, 2))).sum(), at=model, wrt=path.name)
+    assert grads.layers[0].weight is None and grads.layers[0].bias is not None

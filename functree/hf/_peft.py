@@ -45,7 +45,6 @@ import numpy as np
 from functree.hf._names import TorchNames, torch_names
 from functree.interop._safetensors import load_file, read_header, save_file
 from functree.nn._lora import (
-    ALREADY_ADAPTED,
     DenseLayer,
     LoraDense,
     dense_layers,
@@ -551,6 +550,13 @@ def _targeted(config: dict[str, Any], names: TorchNames) -> set[str]:
     return {m for m in names.modules if _targets(config, m)}
 
 
+LOAD_ONTO_ADAPTED = """\
+ft.nn.load_lora: the adapter in {directory} has tensors for {name!r}, which holds adapters
+already (a LoraDense): an adapter loads onto the base model it was trained on.
+    wrong:  ft.nn.load_lora(adapted, {directory!r})
+    right:  ft.nn.load_lora(base_model, {directory!r})      # or ft.nn.merge_lora(adapted) to stack them"""
+
+
 def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array | None = None) -> Any:
     """``model`` with the LoRA adapter a PEFT directory holds (``save_pretrained``'s, or
     :func:`save_lora`'s) put on its ``Dense`` layers: the inverse of :func:`save_lora`.
@@ -606,7 +612,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
         layer_names = member_layer_names(layer)
         given = [(i, members[n]) for i, n in enumerate(layer_names) if n in members]
         if given and isinstance(layer.node, LoraDense):
-            raise ValueError(ALREADY_ADAPTED.format(pattern=given[0][1][0], name=layer.name))
+            raise ValueError(LOAD_ONTO_ADAPTED.format(name=layer.name, directory=directory))
         if given:
             wrapped[layer.path] = _loaded(layer, given, config, None if key is None else jax.random.fold_in(key, j))
     for module, (layer, i) in saved.items():

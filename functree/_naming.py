@@ -116,6 +116,12 @@ BAD_PATTERN = "Patterns are strings like '*.bias' or 'h.2.*', got {given!r} ({ty
 KEY_PATH_AS_PATTERN = " A key path is a pattern by its dotted name: path.name, here {text!r}."
 
 
+def key_path_hint(given: Any) -> str:
+    """:data:`KEY_PATH_AS_PATTERN` for a ``KeyPath`` given where a pattern belongs, else "".
+    (By class name: ``functree._paths`` imports this module.)"""
+    return KEY_PATH_AS_PATTERN.format(text=given.name) if type(given).__name__ == "KeyPath" else ""
+
+
 def is_stacked(x: Any) -> bool:
     """Whether ``x`` is a stacked node (an ``ft.nn.Stack``: ``__ft_stacked__ = True``)."""
     return getattr(type(x), "__ft_stacked__", False) is True
@@ -390,12 +396,24 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
     return out
 
 
+def required_selection(tree: Any, pattern: str, what: str, message: str, fallback: str) -> tuple[Any, ...]:
+    """:func:`selection` of one ``pattern`` that must match some name of ``tree`` (names of
+    non-parameters count: a part frozen elsewhere is no typo); else a ``ValueError`` of
+    ``message`` formatted with the ``pattern``, the ``close`` names and the ``right`` one
+    (``fallback`` when nothing is close)."""
+    try:
+        return selection(tree, (pattern,), what=what, strict=True)
+    except NothingSelected as e:
+        right = e.suggestion or (e.close[0] if e.close else fallback)
+        raise ValueError(message.format(pattern=pattern, close=", ".join(map(repr, e.close)) or "none",
+                                        right=right)) from None
+
+
 def check_patterns(patterns: Sequence[Any]) -> None:
     """Raise ``TypeError`` for a pattern that is not a string."""
     for p in patterns:
         if not isinstance(p, str):
-            hint = KEY_PATH_AS_PATTERN.format(text=p.name) if type(p).__name__ == "KeyPath" else ""
-            raise TypeError(BAD_PATTERN.format(given=p, type=type(p).__name__, hint=hint))
+            raise TypeError(BAD_PATTERN.format(given=p, type=type(p).__name__, hint=key_path_hint(p)))
 
 
 def all_names(infos: Sequence[LeafInfo]) -> list[str]:

@@ -388,18 +388,11 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
         for t, view, i in zip(tangents, plan.primals, plan.indices):
             check_tangent(f"ft.{op}", t, plan.args[i], view, advice=_DIFFERENTIAL, structure=True)
         with _forward_mode(), _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here
-            return output_view(out[1](*tangents), result_view)
+            # The result's tangent in its parameter view (None at a no_derivative field, and
+            # at an integer leaf, whose tangent is float0), as ft.move and pullbacks take it.
+            return parameters(out[1](*tangents))
 
-    result_view = parameters(out[0])
     return (out[0], differential_fn, *out[2:])  # out[2:] is (aux,) when has_aux
-
-
-def output_view(tangent: Any, view: Any) -> Any:
-    """``tangent`` (JAX's, shaped like the whole result) in the result's parameter view:
-    ``None`` where ``view`` (``ft.parameters`` of the result) has it, at a ``no_derivative``
-    field or an integer leaf, as ``ft.move`` and the pullbacks take tangents (a value there
-    was refused by ``ft.move``). A Jacobian's entry at such a place is ``None`` likewise."""
-    return jax.tree.map(lambda v, t: None if v is None else t, view, tangent, is_leaf=is_none)
 
 
 def differential(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
@@ -462,14 +455,14 @@ def jacobian(
         with _forward_mode() if forward else contextlib.nullcontext():
             if not has_aux:  # with aux, the analysis cannot tell the result from the aux
                 g = _diagnostics.check("pullback", fn, g, plan)  # the check's trace, replayed where it can be
-            shape = jax.eval_shape(g, *plan.primals)
-            view = parameters(shape[0] if has_aux else shape)
             if not forward:
                 out = transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
             else:
                 with _explain_reverse_only("jacobian", fn, g, plan.primals):
                     out = transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
-            return (output_view(out[0], view), *out[1:]) if has_aux else output_view(out, view)
+            # In the result's parameter view, as the differential's (the result's Modules
+            # hold the Jacobian's rows: a no_derivative field's are None).
+            return (parameters(out[0]), *out[1:]) if has_aux else parameters(out)
 
     return _operator("jacobian", f, at, impl)
 

@@ -183,17 +183,14 @@ def with_parameters(model: Any, params: Any) -> Any:
         if p is None:
             return x
         if np.shape(p) != np.shape(x):  # another shape would reach the layer (or broadcast) silently
-            raise _WrongShape(p, x)
+            raise ShapeMismatch(p, x)
         return p
 
     try:
         return map_checked("ft.with_parameters", written, params, model, is_leaf=is_none)
-    except _WrongShape as e:
-        path = next((jax.tree_util.keystr(k) for k, p in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
-                     if p is e.value), "a leaf")
-        given, expected = tuple(np.shape(e.value)), tuple(np.shape(e.leaf))
-        hint = TRANSPOSED if len(given) == 2 and given == expected[::-1] else ""
-        raise ValueError(PARAMETER_SHAPE.format(path=path or "<root>", given=given, expected=expected,
+    except ShapeMismatch as e:
+        hint = TRANSPOSED if len(e.given) == 2 and e.given == e.expected[::-1] else ""
+        raise ValueError(PARAMETER_SHAPE.format(path=path_of(params, e.leaf), given=e.given, expected=e.expected,
                                                 hint=hint)) from None
 
 
@@ -207,12 +204,20 @@ A (out, in) matrix where the layer holds (in, out) is a torch Linear weight: tra
 (value.T), or load torch weights with ft.interop.load_torch_state_dict, which does."""
 
 
-class _WrongShape(Exception):
-    """A value of another shape than the model's leaf (named by the caller)."""
+class ShapeMismatch(Exception):
+    """Raised inside a tree map: the leaf ``leaf`` has shape ``given`` where ``expected``
+    belongs (the caller names its key path with :func:`path_of`: a map cannot)."""
 
-    def __init__(self, value: Any, leaf: Any) -> None:
+    def __init__(self, leaf: Any, like: Any) -> None:
         super().__init__()
-        self.value, self.leaf = value, leaf
+        self.leaf, self.given, self.expected = leaf, tuple(np.shape(leaf)), tuple(np.shape(like))
+
+
+def path_of(tree: Any, leaf: Any) -> str:
+    """The key path of ``leaf`` (found by identity) in ``tree`` (``None`` leaves counted)."""
+    found = (jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)[0]
+             if x is leaf)
+    return next(found, "a leaf") or "<root>"
 
 
 def update(params: Any, *, with_gradients: Any, updater: Callable[[Any, Any], Any]) -> Any:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module
-from functree._naming import KEY_PATH_AS_PATTERN, NothingSelected, broadcast, names, selection
+from functree._naming import NothingSelected, broadcast, key_path_hint, names, selection
 from functree._parameters import is_parameter_leaf, parameters, with_parameters
 from functree._tree import bounded_put, cached, is_none
 
@@ -151,8 +151,7 @@ class Plan:
         elif isinstance(wrt, tuple) and wrt and all(isinstance(i, int) for i in wrt):
             self.indices, self.single = tuple(wrt), False
         else:
-            hint = KEY_PATH_AS_PATTERN.format(text=getattr(wrt, "name", "")) if type(wrt).__name__ == "KeyPath" else ""
-            raise TypeError(BAD_WRT.format(wrt=wrt) + hint)
+            raise TypeError(BAD_WRT.format(wrt=wrt) + key_path_hint(wrt))
         for i in self.indices:
             if not -len(args) <= i < len(args):
                 raise IndexError(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from functree import _stacked
@@ -283,14 +285,24 @@ def _is_torch_like(x: Any) -> bool:
     return all(callable(getattr(x, method, None)) for method in ("detach", "cpu", "numpy"))
 
 
+def tensor_to_numpy(x: Any) -> np.ndarray:
+    """A torch tensor as NumPy, without importing torch: bfloat16, which torch hands NumPy
+    no dtype for, as its bits in ml_dtypes' bfloat16 (exact); other dtypes NumPy lacks are
+    widened to float32."""
+    tensor = x.detach().cpu()
+    try:
+        return np.asarray(tensor.numpy())
+    except TypeError:
+        if str(tensor.dtype) == "torch.bfloat16":
+            int16 = sys.modules[type(tensor).__module__.split(".")[0]].int16  # the tensor's own torch
+            return tensor.view(int16).numpy().view(ml_dtypes.bfloat16)
+        return np.asarray(tensor.float().numpy())
+
+
 def to_numpy(x: Any) -> np.ndarray | None:
     """``x`` as a NumPy array (a torch-like tensor through ``.detach().cpu().numpy()``), else None."""
     if _is_torch_like(x):
-        tensor = x.detach().cpu()
-        try:
-            return np.asarray(tensor.numpy())
-        except TypeError:  # bfloat16 has no NumPy dtype in torch: widen to float32 first
-            return np.asarray(tensor.float().numpy())
+        return tensor_to_numpy(x)
     if isinstance(x, (np.ndarray, np.generic, jax.Array, float, int)) or hasattr(x, "__array__"):
         return np.asarray(x)
     if isinstance(x, (list, tuple)):  # nested lists of numbers: an array, as np.asarray reads them
@@ -319,22 +331,22 @@ def _cast(old: Any, new: Any) -> Any:
     if _fits(old, value):
         return _like(old, value)
     dtype = _template_dtype(old)
-    if dtype is None or value.shape != np.shape(old):
+    if dtype is None or value.shape != np.shape(old) or not castable(dtype, value):
         return new
-    if _both_floating(value.dtype, dtype):
-        return _like(old, value.astype(dtype))
-    if value.dtype.kind in "iu" and dtype.kind in "iu" and holds(dtype, value):
-        return _like(old, value.astype(dtype))  # torch's int64 buffers into int32 leaves (x64 off)
-    return new
+    return _like(old, value.astype(dtype))
 
 
-def holds(dtype: np.dtype, value: np.ndarray) -> bool:
-    """Whether the integer ``dtype`` holds every integer in ``value`` (an int64 step count
-    of 3 fits int32; 2**40 does not, and is never wrapped)."""
-    if value.size == 0:
+def castable(dtype: np.dtype, value: np.ndarray) -> bool:
+    """Whether ``value`` converts to ``dtype`` without changing kind or wrapping: the same
+    dtype, both floating (bfloat16 too), or both integers with every value held (torch's
+    int64 step count of 3 into an int32 leaf; 2**40 is refused, never wrapped)."""
+    given = np.dtype(value.dtype)
+    if given == dtype or _both_floating(given, dtype):
         return True
+    if given.kind not in "iu" or dtype.kind not in "iu":
+        return False
     info = np.iinfo(dtype)
-    return bool(value.min() >= info.min and value.max() <= info.max)
+    return value.size == 0 or bool(value.min() >= info.min and value.max() <= info.max)
 
 
 def _like(old: Any, value: np.ndarray) -> Any:

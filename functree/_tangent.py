@@ -15,12 +15,14 @@ import numpy as np
 
 from functree._parameters import (
     STRUCTURE_MISMATCH,
+    ShapeMismatch,
     field_mask,
     first_difference,
     is_no_derivative_field,
     is_parameter_leaf,
     map_checked,
     parameters,
+    path_of,
 )
 from functree._tree import bounded_put, cached, is_none
 
@@ -65,14 +67,6 @@ class _NonParameterValue(Exception):
 
 
 
-class _ShapeMismatch(Exception):
-    """A tangent leaf of another shape than its parameter (named by the caller)."""
-
-    def __init__(self, x: Any, t: Any) -> None:
-        super().__init__()
-        self.x, self.t = x, t
-
-
 def move_leaf(t: Any, x: Any) -> Any:
     """One parameter moved along its tangent: ``x + t`` in ``x``'s dtype (``None``: no move).
 
@@ -87,7 +81,7 @@ def move_leaf(t: Any, x: Any) -> Any:
     if isinstance(x, float):
         return x + t
     if hasattr(x, "shape") and np.shape(t) != x.shape:
-        raise _ShapeMismatch(x, t)
+        raise ShapeMismatch(t, x)
     dtype = jnp.result_type(x)
     t = jnp.asarray(t)
     if t.dtype == dtype:
@@ -113,8 +107,9 @@ def move(x: Any, *, along: Any) -> Any:
     check_tangent("ft.move", along, x, advice=_MOVE)
     try:
         return map_checked("ft.move", move_leaf, along, x, is_leaf=is_none)
-    except _ShapeMismatch as e:
-        raise ValueError(_shape_error("ft.move", along, e)) from None
+    except ShapeMismatch as e:
+        raise ValueError(TANGENT_SHAPE.format(what="ft.move", path=path_of(along, e.leaf), given=e.given,
+                                              expected=e.expected)) from None
     except _NonParameterValue:
         check_tangent("ft.move", along, x, advice=_MOVE, cache=False, structure=True)
         raise ValueError(  # the check above names the key path; this is its fallback
@@ -128,13 +123,6 @@ TANGENT_SHAPE = """\
 Added, it would broadcast the parameter to another shape (or fail inside JAX).
     wrong:  {what}(model, along=updates)      # updates{path}: shape {given}
     right:  a tangent with the parameter view's shapes: ft.gradient(loss, at=model), an optimizer's updates"""
-
-
-def _shape_error(what: str, tangent: Any, e: _ShapeMismatch) -> str:
-    """:data:`TANGENT_SHAPE` for the tangent leaf ``e`` names, by its key path."""
-    path = next((jax.tree_util.keystr(p) for p, t in jax.tree_util.tree_flatten_with_path(tangent, is_leaf=is_none)[0]
-                 if t is e.t), "a leaf")
-    return TANGENT_SHAPE.format(what=what, path=path, given=tuple(np.shape(e.t)), expected=tuple(np.shape(e.x)))
 
 
 # (tree definition of the point, of the view, of the tangent) already checked.
@@ -279,16 +267,13 @@ def _leafwise(what: str, op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
     """``op`` at every leaf of two tangent trees of the same structure and shapes."""
     def combined(x: Any, y: Any) -> Any:
         if np.shape(x) != np.shape(y):
-            raise _ShapeMismatch(x, y)
+            raise ShapeMismatch(x, y)
         return op(x, y)
 
     try:
         return map_checked(what, combined, a, b)
-    except _ShapeMismatch as e:
-        path = next((jax.tree_util.keystr(k) for k, t in jax.tree_util.tree_flatten_with_path(a)[0]
-                     if t is e.x), "a leaf")
-        raise ValueError(TANGENTS_DIFFER.format(what=what, path=path or "<root>", a=tuple(np.shape(e.x)),
-                                                b=tuple(np.shape(e.t)))) from None
+    except ShapeMismatch as e:
+        raise ValueError(TANGENTS_DIFFER.format(what=what, path=path_of(a, e.leaf), a=e.given, b=e.expected)) from None
 
 
 def tangent_scale(a: Any, scale: Any) -> Any:

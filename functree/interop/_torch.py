@@ -59,8 +59,8 @@ from functree._stacked import is_stacked
 from functree._state_dict import (
     TORCH_CAST_HINT,
     FlatDictReport,
+    castable,
     from_flat_dict,
-    holds,
     to_flat_dict,
     to_numpy,
 )
@@ -754,14 +754,8 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
 
 
 def _castable(old: Any, value: np.ndarray) -> bool:
-    """``value`` goes into the leaf ``old``: its dtype, both floating (bfloat16 too), or both
-    integers with every value held (torch's int64 buffers into int32 leaves; never wrapped)."""
-    if not isinstance(old, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)):
-        return False
-    dtype, target = np.dtype(value.dtype), np.dtype(old.dtype)
-    if dtype == target or (jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(target, jnp.floating)):
-        return True
-    return dtype.kind in "iu" and target.kind in "iu" and holds(target, value)
+    """``value`` goes into the array leaf ``old`` (:func:`functree._state_dict.castable`)."""
+    return isinstance(old, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) and castable(np.dtype(old.dtype), value)
 
 
 def _check_ties(plan: _Plan, loaded: _Plan, values: Mapping[str, np.ndarray]) -> None:

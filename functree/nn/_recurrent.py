@@ -8,6 +8,7 @@ gives the initial state.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -256,7 +257,7 @@ class RNN(Layer):
     def _scan(self, state: Any, steps: jax.Array, keys: Any, *, widen: bool) -> tuple[Any, Any, list[KeyPath], Any]:
         """One ``lax.scan`` of the cell: ``(final state, outputs, state paths, state values)``."""
         paths: list[KeyPath] = []
-        body = _collecting_body(self.cell, keys is not None, widen, paths) if collecting() else \
+        body = _Step(self.cell, keys is not None, widen, paths) if collecting() else \
             _step(self.cell, keys is not None, widen)
         final, (ys, values) = jax.lax.scan(body, state, (steps, keys), reverse=self.reverse)
         return final, ys, paths, values
@@ -302,52 +303,44 @@ def _show(tree: Any) -> str:
 
 
 class _Step:
-    """The scan body ``(carry, (x, k)) -> (new, (y, ()))``: the cell, given its step's key if
-    ``keyed``, its new state checked. One per cell (:func:`_step`) that lives as long as the
-    cell, so eager calls hit JAX's trace and compile caches (a fresh closure would retrace
-    and recompile the scan at every call)."""
+    """The scan body ``(carry, (x, k)) -> (new, (y, values))``: the cell, given its step's
+    key if ``keyed``, its new state checked; with ``paths``, the cell (traced by scan: new
+    tracers, not the model's arrays) records its layer state into a collection of its own,
+    stacked by the scan (``values``), its key paths stored into ``paths`` while tracing.
 
-    def __init__(self, cell: Any, keyed: bool, widen: bool) -> None:
-        self.cell = weakref.ref(cell)  # the cache holding this must not keep the cell alive
-        self.keyed, self.widen = keyed, widen
+    The non-collecting body is one per cell (:func:`_step`), held weakly, so eager calls hit
+    JAX's trace and compile caches (a fresh closure would retrace and recompile the scan at
+    every call) without the cache keeping the cell alive."""
+
+    def __init__(self, cell: Any, keyed: bool, widen: bool, paths: list[KeyPath] | None = None,
+                 weak: bool = False) -> None:
+        self.cell: Callable[[], Any] = weakref.ref(cell) if weak else (lambda: cell)
+        self.keyed, self.widen, self.paths = keyed, widen, paths
 
     def __call__(self, carry: Any, step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
         cell: Any = self.cell()
         x, k = step
-        new, y = cell(carry, x, key=k) if self.keyed else cell(carry, x)
+        kw = {"key": k} if self.keyed else {}
+        if self.paths is None:
+            (new, y), values = cell(carry, x, **kw), ()
+        else:
+            (new, y), values = call_collecting(lambda c: c(carry, x, **kw), cell, self.paths)
         _check_carry(cell, carry, new, self.widen)
-        return new, (y, ())
+        return new, (y, values)
 
 
 _STEPS: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], _Step]] = weakref.WeakKeyDictionary()
 
 
-def _step(cell: Any, keyed: bool, widen: bool) -> Any:
+def _step(cell: Any, keyed: bool, widen: bool) -> _Step:
     try:
         steps = _STEPS.setdefault(cell, {})
     except TypeError:  # not weakly referable: a fresh body (retraced at each eager call)
-        return _collecting_body(cell, keyed, widen, None)
+        return _Step(cell, keyed, widen)
     found = steps.get((keyed, widen))
     if found is None:
-        found = steps[keyed, widen] = _Step(cell, keyed, widen)
+        found = steps[keyed, widen] = _Step(cell, keyed, widen, weak=True)
     return found
-
-
-def _collecting_body(cell: Any, keyed: bool, widen: bool, paths: list[KeyPath] | None) -> Any:
-    """The scan body; with ``paths``, the cell (traced by scan: new tracers, not the
-    model's arrays) records its layer state into a collection of its own, stacked by the
-    scan, its key paths stored into ``paths`` while tracing."""
-    def body(carry: Any, step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
-        x, k = step
-        kw = {"key": k} if keyed else {}
-        if paths is None:
-            (new, y), values = cell(carry, x, **kw), ()
-        else:
-            (new, y), values = call_collecting(lambda c: c(carry, x, **kw), cell, paths)
-        _check_carry(cell, carry, new, widen)
-        return new, (y, values)
-
-    return body
 
 
 class _Widened(Exception):

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._naming import NothingSelected, check_patterns, selection
+from functree._naming import check_patterns, required_selection
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._leafwise import separable
@@ -154,14 +154,8 @@ def _check_excludes(params: Any, globs: tuple[str, ...]) -> None:
     match nothing (a model without biases). Names of non-parameters count: a pattern for a
     part frozen elsewhere is no typo. Read at ``init``, once per tree definition."""
     for glob in globs:
-        if glob in DEFAULT_NO_DECAY:
-            continue
-        try:
-            selection(params, (glob,), what="exclude", strict=True)
-        except NothingSelected as e:
-            right = e.suggestion or (e.close[0] if e.close else "*.bias")
-            raise ValueError(EXCLUDE_SELECTS_NOTHING.format(
-                pattern=glob, close=", ".join(map(repr, e.close)) or "none", right=right)) from None
+        if glob not in DEFAULT_NO_DECAY:
+            required_selection(params, glob, "exclude", EXCLUDE_SELECTS_NOTHING, "*.bias")
 
 
 def _decayed_where(by_name: Any, declared: Any) -> Any:

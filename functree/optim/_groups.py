@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 
-from functree._naming import NothingSelected, leaf_infos, member_names, selection
+from functree._naming import leaf_infos, member_names, required_selection
 from functree._tree import is_none
 from functree.optim._masked import partition_members
 
@@ -45,15 +45,7 @@ def _selections(params: Any, patterns: tuple[str, ...]) -> list[tuple[Any, ...]]
     """Per pattern, what it selects of each leaf (bools, member arrays). A pattern matching
     no name of the tree is refused (a typo's parameters went to the default silently); one
     matching only non-parameters (a part frozen elsewhere) is not."""
-    out = []
-    for p in patterns:
-        try:
-            out.append(selection(params, (p,), what="ft.optim.groups", strict=True))
-        except NothingSelected as e:
-            right = e.suggestion or (e.close[0] if e.close else "*")
-            raise ValueError(GROUP_SELECTS_NOTHING.format(
-                pattern=p, close=", ".join(map(repr, e.close)) or "none", right=right)) from None
-    return out
+    return [required_selection(params, p, "ft.optim.groups", GROUP_SELECTS_NOTHING, "*") for p in patterns]
 
 
 def _where(info: Any, count: Any, at: int) -> str:

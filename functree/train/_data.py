@@ -12,16 +12,15 @@ iterable of batches (NumPy arrays, tuples or dicts of arrays, a
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from functree._naming import names as _leaf_names
+from functree._state_dict import tensor_to_numpy
 
 __all__ = ["batches", "Batches", "DataContext", "to_arrays"]
 
@@ -280,19 +279,11 @@ def batches(
 def _leaf_to_array(x: Any) -> Any:
     if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
         return x
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor
-        x = x.detach().cpu()
-        if str(getattr(x, "dtype", "")) == "torch.bfloat16":  # no NumPy dtype in torch: its bits as ml_dtypes'
-            return x.view(_torch_int16(x)).numpy().view(ml_dtypes.bfloat16)
-        return x.numpy()
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor (bfloat16 kept: its bits)
+        return tensor_to_numpy(x)
     if hasattr(x, "__array__") or hasattr(x, "numpy"):  # tf.Tensor, other array-likes
         return np.asarray(x)
     return x
-
-
-def _torch_int16(x: Any) -> Any:
-    """torch's int16 dtype, from the tensor's own module (torch is never imported here)."""
-    return sys.modules[type(x).__module__.split(".")[0]].int16
 
 
 def to_arrays(batch: Any) -> Any:

@@ -4,8 +4,9 @@ sums accumulated on device and read once; a fixed evaluation key for functions t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -87,22 +88,33 @@ def _check_not_empty(what: str, index: int, batch: Any) -> None:
         raise ValueError(EMPTY_EVAL_MINIBATCH.format(what=what, index=index, shapes=describe_batch(batch)))
 
 
-def _located(error: Exception, what: str, index: int, batch: Any, first: Any) -> Exception:
-    """``error`` of minibatch ``index`` of an evaluation or prediction, located as
-    ``fit``'s are: which minibatch, its shapes, and the first minibatch's."""
-    before = f"; the first minibatch had {describe_batch(first)}" if index else ""
-    return with_location(error, MALFORMED_EVAL_MINIBATCH.format(
-        what=what, index=index, shapes=describe_batch(batch), first=before, error=error))
+def _numbered(data: Any) -> Iterator[tuple[int, Any, Any]]:
+    """``(index, minibatch, first minibatch)`` over :func:`_minibatches`."""
+    first = None
+    for i, batch in enumerate(_minibatches(data)):
+        first = batch if i == 0 else first
+        yield i, batch, first
+
+
+@contextlib.contextmanager
+def _located(what: str, index: int, batch: Any, first: Any) -> Iterator[None]:
+    """An error of minibatch ``index`` of an evaluation or prediction (raised while tracing,
+    or by the batch's checks), located as ``fit``'s are: which minibatch, its shapes, and
+    the first minibatch's."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        before = f"; the first minibatch had {describe_batch(first)}" if index else ""
+        raise with_location(e, MALFORMED_EVAL_MINIBATCH.format(
+            what=what, index=index, shapes=describe_batch(batch), first=before, error=e)) from e.__cause__
 
 
 def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key: Any) -> dict[str, float]:
     """The means of ``step``'s loss and metrics over ``data``, weighted by minibatch size:
     ``summing`` (``EvalStep.summing``) adds each minibatch on device; one read at the end."""
     sums: Any = None
-    first = None
-    for i, given in enumerate(_minibatches(data)):
-        first = given if i == 0 else first
-        try:
+    for i, given, first in _numbered(data):
+        with _located("evaluate", i, given, first):
             batch = step.shard_batch(to_arrays(given))
             _check_not_empty("evaluate", i, batch)
             if sums is None:
@@ -113,8 +125,6 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
                 # (uncommitted first sums compiled it twice per evaluation's shapes).
                 sums = put(sums, placement_of(model))
             sums = summing(model, sums, batch, key)
-        except (ValueError, TypeError) as e:  # raised while tracing, or by the batch's checks
-            raise _located(e, "evaluate", i, given, first) from e.__cause__
     if sums is None:
         raise ValueError(EMPTY_DATA.format(why=" to evaluate"))
     host = jax.device_get(sums)
@@ -124,14 +134,11 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
 def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: Callable[..., Any], key: Any) -> Any:
     """``fn(model, batch)`` over ``data`` by ``program`` (jitted), concatenated along axis 0;
     ``fold_in(key, i)`` for the i-th minibatch when ``key`` is given."""
-    outputs, first = [], None
-    for i, given in enumerate(_minibatches(data)):
-        first = given if i == 0 else first
-        try:
+    outputs = []
+    for i, given, first in _numbered(data):
+        with _located("predict", i, given, first):
             outputs.append(program(model, step.shard_batch(to_arrays(given)), fn,
                                    None if key is None else jax.random.fold_in(key, i)))
-        except (ValueError, TypeError) as e:  # raised while tracing, or by the batch's checks
-            raise _located(e, "predict", i, given, first) from e.__cause__
     if not outputs:
         raise ValueError(EMPTY_DATA.format(why=" to predict"))
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outputs)

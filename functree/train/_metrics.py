@@ -136,7 +136,7 @@ def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
     elif labels.shape == logits.shape and logits.ndim >= 2 and logits.shape[-1] > 1:  # one-hot / probabilities
         hits = jnp.argmax(logits, axis=-1) == jnp.argmax(labels, axis=-1)
     elif labels.shape == logits.shape or logits.shape == (*labels.shape, 1):  # binary: one logit each
-        hits = (logits.reshape(labels.shape) > 0) == (labels.astype(jnp.float32) > 0.5)
+        hits = _binary_hits(logits, labels)
     else:
         raise ValueError(SHAPES.format(logits=logits.shape, labels=labels.shape))
     return jnp.mean(hits.astype(jnp.float32))
@@ -171,12 +171,16 @@ def accuracy(out: StepOutput) -> jax.Array:
 accuracy.of = _accuracy_of  # type: ignore[attr-defined]
 
 
+def _binary_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per label: whether its one logit has its sign (``logit > 0`` against ``label > 0.5``)."""
+    return (logits.reshape(labels.shape) > 0) == (labels.astype(jnp.float32) > 0.5)
+
+
 def _binary_accuracy_of(logits: Any, labels: Any) -> jax.Array:
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if logits.shape != labels.shape and logits.shape != (*labels.shape, 1):
         raise ValueError(BINARY_SHAPES.format(logits=logits.shape, labels=labels.shape))
-    hits = (logits.reshape(labels.shape) > 0) == (labels.astype(jnp.float32) > 0.5)
-    return jnp.mean(hits.astype(jnp.float32))
+    return jnp.mean(_binary_hits(logits, labels).astype(jnp.float32))
 
 
 def binary_accuracy(out: StepOutput) -> jax.Array:

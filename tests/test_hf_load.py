@@ -138,6 +138,10 @@ def test_bert_with_token_types_and_its_pooler():
                                atol=2.5e-5 * float(np.abs(expected).max()))
     np.testing.assert_allclose(model.pooler(hidden[:, 0]), out.pooler_output.numpy(), rtol=0, atol=1e-5)
     assert_exports(model, hf)
+    # Files of transformers 3.0-4.30 hold the embeddings' buffers (HF's loader ignores them).
+    old = {**{k: v.numpy() for k, v in hf.state_dict().items()}, "embeddings.position_ids": np.arange(16)[None],
+           "embeddings.token_type_ids": np.zeros((1, 16), np.int64)}
+    np.testing.assert_array_equal(ft.nn.from_hf(hf.config, old)(ids, mask, types), model(ids, mask, types))
 
 
 def test_from_config_and_a_safetensors_file_without_torch(gpt2, tmp_path, monkeypatch):
@@ -189,6 +193,8 @@ def test_rope_frequencies_equal_hf():
 
     for rope in (LLAMA3, {"rope_type": "linear", "factor": 4.0}, {"rope_type": "dynamic", "factor": 2.0},
                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0},
+                 {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 0,
+                  "beta_slow": 0},  # HF reads 0 as its default (`or 32`, `or 1`); it divided by zero here
                  {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 6.0, 9.0],
                   "original_max_position_embeddings": 16}):
         config = llama_config(rope_scaling=dict(rope), head_dim=8)
@@ -221,6 +227,29 @@ def test_uncovered_config_options():
         ft.nn.RopeScaling("llama3", factor=8.0)
     with pytest.raises(ValueError, match=r"needs factor >= 1; given factor=0.5"):
         ft.nn.RopeScaling("linear", factor=0.5)
+    # GPT-NeoX's rotary reads head_dim, its attention hidden_size / heads (8 here).
+    with pytest.raises(ValueError, match=r"gpt_neox config sets head_dim=16; functree's gpt_neox covers head_dim=8"):
+        config = FAMILIES["gpt_neox"]()
+        config.head_dim = 16
+        ft.nn.from_hf(config, key=jax.random.key(0))
+    # Gemma's bidirectional attention (HF's sdpa then attends both ways): causal would differ.
+    with pytest.raises(ValueError, match=r"gemma config sets use_bidirectional_attention=True"):
+        ft.nn.from_hf(transformers.GemmaConfig(**DECODER, head_dim=8, use_bidirectional_attention=True),
+                      key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("family, field", [("mistral", "attention_bias"), ("phi3", "attention_bias"),
+                                           ("qwen2", "mlp_bias")])
+def test_bias_switches_the_hf_class_does_not_read(family, field):
+    """Mistral, Phi-3 and Qwen2 fix their biases whatever ``attention_bias`` / ``mlp_bias``
+    say (a file saved from them has none); the port built biased layers and then refused
+    HF's own files as missing tensors."""
+    config = FAMILIES[family]()
+    setattr(config, field, True)
+    hf = hf_model(config)
+    model = ft.nn.from_hf(hf)
+    assert_equal_at_tokens(model, hf, length=12)
+    assert_exports(model, hf)
 
 
 def test_weights_that_do_not_fit_the_config_name_the_tensor(gpt2):
@@ -799,3 +828,41 @@ def test_a_partial_gradient_exports_the_tensors_it_holds(family, wrt):
     assert all(v.dtype == np.float32 for v in part.values())
     for name, value in part.items():
         np.testing.assert_allclose(value, whole[name], rtol=0, atol=1e-6 * float(np.abs(whole[name]).max()) + 1e-12)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "phi3", "opt", "gpt2", "bert"])
+def test_the_pad_tokens_embedding_row_gets_the_gradient_hf_gives_it(family):
+    """HF builds Llama's (and the families built like it), OPT's and BERT's token embedding
+    with ``padding_idx = pad_token_id``: a lookup of the pad id passes no gradient back (a
+    tied head still trains that row: Gemma). The ports read the table directly and trained
+    the row (Phi-3, whose pad id is its end-of-text token: 0.29 where HF has 0). GPT-2 has no
+    padding row: its pad-id row trains in both; Gemma's and OPT's heads are tied."""
+    pad = 3
+    if family == "bert":
+        hf = randomized(transformers.BertModel(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=D, num_hidden_layers=1, num_attention_heads=2, intermediate_size=2 * D,
+            max_position_embeddings=16, pad_token_id=pad), add_pooling_layer=False))
+    else:
+        config = {"llama": llama_config, "gpt2": gpt2_config}.get(family, lambda: FAMILIES[family]())()
+        config.pad_token_id = pad
+        hf = hf_model(config)
+    model = ft.nn.from_hf(hf)
+    ids = np.array([[5, pad, 7, 9, pad, 2], [pad, 4, 6, pad, 8, 1]], np.int32)
+    readout = np.random.default_rng(1).normal(size=(D if family == "bert" else VOCAB,)).astype(np.float32)
+
+    def loss(out):  # every output position
+        return (out * readout).sum()
+
+    grads = ft.hf.to_hf_state_dict(ft.gradient(lambda m: loss(m(ids)), at=model), numpy=True)
+    hf.zero_grad()
+    out = hf(torch.from_numpy(ids).long())
+    torch_out = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    (torch_out * torch.from_numpy(readout)).sum().backward()
+    expected = {name: p.grad.numpy() for name, p in hf.named_parameters() if p.grad is not None}
+    name = type(model).hf_padded or "transformer.wte.weight"
+    table, hf_table = grads[name], expected[name]
+    np.testing.assert_allclose(table, hf_table, rtol=0, atol=2e-5 * float(np.abs(hf_table).max()))
+    if family in ("gemma", "opt", "gpt2"):  # trained by the tied head (and GPT-2: no padding row)
+        assert np.abs(hf_table[pad]).max() > 0.1 * np.abs(hf_table).max()
+    else:
+        assert np.abs(hf_table[pad]).max() == 0 and np.abs(table[pad]).max() == 0

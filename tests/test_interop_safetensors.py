@@ -159,6 +159,23 @@ def test_a_damaged_index_is_refused_naming_it(tmp_path, text, words):
         ft.nn.from_hf({"model_type": "gpt2"}, tmp_path)
 
 
+@pytest.mark.parametrize("shards", [True, False], ids=["with its shards", "stale index, shards deleted"])
+def test_a_directory_with_a_single_file_and_an_index_is_refused_naming_both(tmp_path, shards):
+    """save_pretrained leaves the other kind's files of an earlier save in place: a
+    directory saved unsharded then sharded holds a stale model.safetensors beside the index
+    (transformers reads the stale file), saved the other way round a stale index whose
+    shards are gone. The index won before, or its missing shard was reported."""
+    index = sharded(tmp_path, {"w": "model-1.safetensors", "b": "model-1.safetensors"})
+    if not shards:
+        (tmp_path / "model-1.safetensors").unlink()
+    written(tmp_path / "model.safetensors", body=(VALUES + 1).tobytes())
+    with pytest.raises(ValueError, match=r"(?s)holds two checkpoints: model.safetensors \(written 2\d{3}-.*UTC\) and "
+                                         r"the sharded model.safetensors.index.json .*remove the stale one"):
+        _safetensors.load_checkpoint(tmp_path)
+    assert index.exists()
+    np.testing.assert_array_equal(_safetensors.load_checkpoint(tmp_path / "model.safetensors")["b"], VALUES[4:] + 1)
+
+
 def test_a_tampered_shard_is_refused_naming_the_shard(tmp_path):
     index = sharded(tmp_path, {"w": "model-1.safetensors", "b": "model-1.safetensors"})
     written(tmp_path / "model-1.safetensors", body=VALUES.tobytes() + b"\0")
@@ -243,3 +260,39 @@ def test_an_integer_leaf_is_a_device_copy_too(tmp_path):
     for model in loaded:
         assert isinstance(model.counts, jax.Array) and model.counts.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(model.counts), values)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy pickle"])
+def test_a_torch_pickle_is_named_as_one_and_never_unpickled(tmp_path, legacy):
+    """``pytorch_model.bin`` was reported as a damaged .safetensors file. It is now named as
+    a torch pickle with the restricted loader as the fix; a pickle whose unpickling would
+    leave a mark (a file) leaves none."""
+    torch = pytest.importorskip("torch")
+    import pickle
+
+    class Marks:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "unpickled"), "w"))
+
+    path = tmp_path / "pytorch_model.bin"
+    if legacy:
+        path.write_bytes(pickle.dumps({"w": Marks()}, protocol=2))
+    else:
+        torch.save({"w": torch.zeros(2, 2)}, path)
+    with pytest.raises(ValueError, match=r"(?s)is a torch pickle \((a zip archive|a pickle stream).*never unpickles.*"
+                                         r"torch.load\(\"pytorch_model.bin\", weights_only=True\)"):
+        ft.nn.load_torch_state_dict(model(), path)
+    assert not (tmp_path / "unpickled").exists()
+
+
+def test_a_header_that_starts_like_a_pickle_is_still_safetensors(tmp_path):
+    """A header of 640 bytes starts the file with 80 02 (a protocol-2 pickle's first bytes):
+    the file reads, and damaged it is reported as damage, not as a pickle."""
+    header = {"w": W, "b": B, "__metadata__": {"pad": ""}}
+    header["__metadata__"]["pad"] = "x" * (640 - len(json.dumps(header).encode()))
+    path = written(tmp_path / "m.safetensors", header=header)
+    assert path.read_bytes()[:3] == b"\x80\x02\x00"
+    np.testing.assert_array_equal(_safetensors.load_file(path)["b"], VALUES[4:])
+    written(path, header=header, body=BODY[:20])
+    with pytest.raises(ValueError, match=r"is not a .safetensors file this reads: .*past the 20 bytes"):
+        _safetensors.load_file(path)

@@ -11,7 +11,14 @@ import numpy as np
 
 from functree._module import Module, field
 from functree._repr import short_array
-from functree.hf._causal import _concrete, check_ids, check_length, lookup_rows, padding_mask
+from functree.hf._causal import (
+    _concrete,
+    check_ids,
+    check_length,
+    lookup_rows,
+    padding_mask,
+    padding_row,
+)
 from functree.hf._config import HFConfig
 from functree.hf._family import HFModel
 from functree.hf._options import activation, require
@@ -41,6 +48,9 @@ BERT_RENAME = {
     "encoder.layer.*.output.LayerNorm": "encoder.layer.*.output_norm",
     "pooler.dense": "pooler",
 }
+
+
+_BERT_BUFFER = re.compile(r"(bert\.)?embeddings\.(position_ids|token_type_ids)")
 
 
 class BertEmbeddings(Module):
@@ -129,7 +139,8 @@ class BertModel(HFModel):
         check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
         mask = padding_mask(self, ids, attention_mask, False)
         types = _token_types(self, ids, token_type_ids, e.token_type_embeddings.embeddings.shape[0])
-        x = (lookup_rows(e.word_embeddings, ids) + e.position_embeddings(jnp.arange(ids.shape[1]))
+        pad = padding_row(self, e.word_embeddings.embeddings.shape[0])
+        x = (lookup_rows(e.word_embeddings, ids, pad) + e.position_embeddings(jnp.arange(ids.shape[1]))
              + lookup_rows(e.token_type_embeddings, types))
         x = e.LayerNorm(x)
         extra = {} if mask is None else {"mask": mask[:, None, None, :]}
@@ -148,8 +159,10 @@ class BertModel(HFModel):
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
-        """BERT saved with ``bert.`` and LayerNorm's ``gamma``/``beta``."""
-        out = weights
+        """BERT saved with ``bert.`` and LayerNorm's ``gamma``/``beta``; the embeddings'
+        ``position_ids`` / ``token_type_ids`` buffers (files of transformers 3.0-4.30) dropped,
+        as HF's loader ignores them."""
+        out = {k: v for k, v in weights.items() if not _BERT_BUFFER.fullmatch(k)}
         if any(k.startswith("bert.") for k in out) and not any(k.startswith("embeddings.") for k in out):
             out = {k[len("bert."):] if k.startswith("bert.") else k: v for k, v in out.items()}
         return {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v

@@ -41,7 +41,7 @@ from functree.nn._linear import Dense
 from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack
 
-__all__ = ["CausalLM", "Block", "check_token_ids"]
+__all__ = ["CausalLM", "Block", "check_token_ids", "padding_row"]
 
 BAD_INPUT_IDS = """\
 {model}: input_ids must be integer token ids [batch, T], got {given}.
@@ -136,12 +136,31 @@ def check_token_ids(model: Any, input_ids: Any, vocab: int) -> None:
                                                   where=list(where), last=vocab - 1, vocab=vocab))
 
 
-def lookup_rows(embedding: Embedding, indices: jax.Array) -> jax.Array:
+def lookup_rows(embedding: Embedding, indices: jax.Array, padding: int | None = None) -> jax.Array:
     """Rows of the embedding table; NaN for an index outside it (traced ids the entry check
-    could not read: the wrong row shows as NaN logits, never as another token's row)."""
+    could not read: the wrong row shows as NaN logits, never as another token's row).
+    ``padding``: the row HF's embedding has as ``padding_idx`` (:func:`padding_row`): its
+    lookups pass no gradient back, as torch's (a tied head still trains it)."""
     table = embedding.embeddings
     inside = jnp.where(indices < 0, table.shape[0], indices)
-    return jnp.take(table, inside, axis=0, mode="fill", fill_value=jnp.nan)
+    rows = jnp.take(table, inside, axis=0, mode="fill", fill_value=jnp.nan)
+    if padding is None:
+        return rows
+    return jnp.where((indices == padding)[..., None], jax.lax.stop_gradient(rows), rows)
+
+
+def padding_row(model: Any, vocab: int) -> int | None:
+    """The token embedding's row HF builds with ``padding_idx = config.pad_token_id`` (the
+    families whose ``hf_padded`` names it: Llama and those built like it, OPT, BERT), or
+    None (no pad id, no config, or a family without one: GPT-2, GPT-NeoX). torch wraps a
+    negative index."""
+    config = getattr(model, "hf_config", None)
+    if type(model).hf_padded is None or config is None:
+        return None
+    pad = config.get("pad_token_id")
+    if not isinstance(pad, int) or isinstance(pad, bool) or not -vocab <= pad < vocab:
+        return None
+    return pad % vocab
 
 
 def check_ids(model: Any, input_ids: Any, vocab: int | None = None) -> jax.Array:
@@ -314,7 +333,11 @@ class CausalLM(HFModel):
 
     def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
         """The blocks' input for token ids at their real positions (``cumsum(mask) - 1``)."""
-        return lookup_rows(self._tokens(), ids)
+        return lookup_rows(self._tokens(), ids, self._padding())
+
+    def _padding(self) -> int | None:
+        """The token embedding's padding row (:func:`padding_row`)."""
+        return padding_row(self, self._tokens().embeddings.shape[0])
 
     def _limit(self) -> tuple[int, str] | None:
         """A learned position table's length and its config name (longer inputs raise)."""

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from functree._module import Module, field
 from functree.hf._causal import Block, CausalLM, check_longrope, lookup_rows
 from functree.hf._config import HFConfig
-from functree.hf._options import activation, rope, window
+from functree.hf._options import activation, require, rope, window
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
@@ -130,8 +130,8 @@ class LlamaModel(Module):
         self.norm = norm(d, epsilon=epsilon, dtype=dtype)
         self.embed_scale = embed_scale
 
-    def embed(self, ids: jax.Array) -> jax.Array:
-        x = lookup_rows(self.embed_tokens, ids)
+    def embed(self, ids: jax.Array, padding: int | None = None) -> jax.Array:
+        x = lookup_rows(self.embed_tokens, ids, padding)
         return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
 
 
@@ -156,6 +156,9 @@ class LlamaForCausalLM(CausalLM):
     hf_head = _LLAMA_HEAD
     hf_padded = _LLAMA_HEAD[1]
     hf_layouts: ClassVar[dict[str, Any]] = {"model.layers.*.self_attn": ("q_proj", "k_proj", "v_proj", "o_proj")}
+    # The config's bias switches this HF class reads (Mistral, Qwen2 and Phi-3 fix their
+    # biases whatever the config says, and a file saved from them has none).
+    hf_biases: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
 
     def __init__(self, vocab: int, d: int, heads: int, kv_heads: int, hidden: int, layers: int, *,
                  head_dim: int | None = None, activation: Any = None, epsilon: float = 1e-6,
@@ -189,7 +192,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm(x)
 
     def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
-        return self.model.embed(ids)
+        return self.model.embed(ids, self._padding())
 
     def _check_call(self, input_ids: Any, cache: Any) -> None:
         check_longrope(self, self.model.layers.layers.self_attn, input_ids, cache)
@@ -204,12 +207,13 @@ class LlamaForCausalLM(CausalLM):
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
         c = config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        options = {"attention_bias": bool(getattr(c, "attention_bias", False)), **cls.hf_options(c)}
+        biases = {name: name in cls.hf_biases and bool(getattr(c, name, False)) for name in ("attention_bias", "mlp_bias")}
+        options = {**biases, **cls.hf_options(c)}
         if "rotary" not in options:  # Llama rotates the whole head (hf.rope's head_dim)
             options["rotary"] = rope(c, head_dim, cls.hf_class)
         return cls(c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
                    c.intermediate_size, c.num_hidden_layers, head_dim=head_dim, activation=activation(c, "hidden_act"),
-                   epsilon=c.rms_norm_eps, mlp_bias=bool(getattr(c, "mlp_bias", False)),
+                   epsilon=c.rms_norm_eps,
                    tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype, attention=attention,
                    **options)
 
@@ -225,6 +229,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     every layer."""
 
     model_type = "qwen2"
+    hf_biases = ()
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
@@ -236,6 +241,7 @@ class MistralForCausalLM(LlamaForCausalLM):
     the config's ``sliding_window``, in the forward and in the KV cache's mask)."""
 
     model_type = "mistral"
+    hf_biases = ()
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
@@ -247,9 +253,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
     embedding scaled by sqrt(hidden_size), GeGLU (the config's tanh GELU) and a tied head."""
 
     model_type = "gemma"
+    hf_biases = ("attention_bias",)
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
+        if getattr(config, "use_bidirectional_attention", None):  # HF's sdpa then attends both ways
+            require(config, "use_bidirectional_attention", False, False)
         return {"norm": GemmaRMSNorm, "embed_scale": float(config.hidden_size) ** 0.5}
 
 
@@ -259,6 +268,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     windows as the config sets them."""
 
     model_type = "phi3"
+    hf_biases = ()
     hf_layouts: ClassVar[dict[str, Any]] = {"model.layers.*.self_attn": ("qkv_proj", "o_proj")}
 
     @classmethod

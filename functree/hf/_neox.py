@@ -11,7 +11,7 @@ from functree._module import Module, field
 from functree.hf._causal import Block, CausalLM
 from functree.hf._config import HFConfig
 from functree.hf._llama import rotary_names
-from functree.hf._options import activation, rope
+from functree.hf._options import activation, require, rope
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
@@ -116,6 +116,10 @@ class GPTNeoXForCausalLM(CausalLM):
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
         c = config
+        # HF's rotary reads head_dim, its attention hidden_size / heads: another head_dim
+        # rotates another number of features than the heads have.
+        if getattr(c, "head_dim", None) is not None:
+            require(c, "head_dim", c.hidden_size // c.num_attention_heads, None)
         return cls(c.vocab_size, c.hidden_size, c.num_attention_heads, c.intermediate_size, c.num_hidden_layers,
                    activation=activation(c, "hidden_act"), epsilon=c.layer_norm_eps, rotary=rope(c),
                    use_bias=bool(getattr(c, "attention_bias", True)), parallel=bool(c.use_parallel_residual),

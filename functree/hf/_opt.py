@@ -119,7 +119,7 @@ class OPTForCausalLM(CausalLM):
 
     def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
         m = self.model.decoder
-        return lookup_rows(m.embed_tokens, ids) + lookup_rows(m.embed_positions, real + OPT_OFFSET)
+        return lookup_rows(m.embed_tokens, ids, self._padding()) + lookup_rows(m.embed_positions, real + OPT_OFFSET)
 
     def _limit(self) -> tuple[int, str] | None:
         return self.max_positions, "max_position_embeddings"

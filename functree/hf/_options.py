@@ -100,7 +100,7 @@ def rope(config: Any, head_dim: int | None = None, hf_class: str = "") -> RopeSc
     options = {k: params[k] for k in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
                                       "attention_factor", "mscale", "mscale_all_dim", "truncate", "short_factor",
                                       "long_factor")
-               if params.get(k) is not None}
+               if params.get(k) is not None and not (k.startswith("beta_") and not params[k])}  # HF: `or 32`
     return RopeScaling(kind, base=base, factor=1.0 if factor is None else float(factor),
                        original_max_positions=None if original is None else int(original), partial=partial, **options)
 

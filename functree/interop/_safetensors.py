@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import jax.numpy as jnp
@@ -45,6 +46,15 @@ BAD_SAFETENSORS = """\
 
     right:  download or save it again (hf_model.save_pretrained(path), safetensors' save_file)
        or:  pass a state dict: ft.nn.load_torch_state_dict(model, torch.load(path, weights_only=True))"""
+
+PICKLED_FILE = """\
+{caller}: {path!r} is a torch pickle ({kind}), not a .safetensors file. functree never \
+unpickles a file: unpickling runs whatever code the file names. Load it with torch's \
+restricted loader and pass the state dict.
+
+    wrong:  {caller}(..., "pytorch_model.bin")
+    right:  {caller}(..., torch.load("pytorch_model.bin", weights_only=True))"""
+
 
 SHARD_MISSING = """\
 {caller}: the sharded checkpoint's index {index} puts {tensor!r}{more} in the shard {shard!r}, \
@@ -84,6 +94,17 @@ NO_CHECKPOINT = """\
 
     right:  hf_model.save_pretrained({path!r})             # writes model.safetensors (safe_serialization)
        or:  pass a state dict: torch.load("pytorch_model.bin", weights_only=True)
+"""
+
+BOTH_CHECKPOINTS = """\
+{caller}: the directory {path!r} holds two checkpoints: model.safetensors (written {single}) \
+and the sharded model.safetensors.index.json (written {index}). save_pretrained leaves the \
+other kind's files of an earlier save in place, so one of them is stale, and which one \
+transformers reads depends on its version and on which files are complete: no weights were \
+read rather than perhaps the stale ones.
+
+    right:  remove the stale one (model.safetensors, or the index and its shards), or
+            ft.nn.from_hf(hf_config, {path!r} + "/model.safetensors")   # or name the file meant
 """
 
 INDEX_NAME, SINGLE_NAME = "model.safetensors.index.json", "model.safetensors"
@@ -175,6 +196,22 @@ def _tiled(entries: dict[str, tuple[Any, tuple[int, ...], int, int]], available:
                        "bytes of data (a truncated file?)")
 
 
+def _torch_file(path: str) -> str | None:
+    """What torch file ``path`` is (its first bytes), or None. Asked only of a file that is
+    not safetensors, whose JSON header would start at byte 8 with ``{``: torch.save's zip
+    archive (``PK\\x03\\x04``) or a bare pickle (``\\x80``, protocol 2-5, then an opcode:
+    never byte 0, which a small header size's third byte is)."""
+    with open(path, "rb") as f:
+        start = f.read(9)
+    if len(start) < 9 or start[8:9] == b"{":
+        return None
+    if start.startswith(b"PK\x03\x04"):
+        return "a zip archive: torch.save's format"
+    if start[0] == 0x80 and 2 <= start[1] <= 5 and start[2] != 0:
+        return "a pickle stream"
+    return None
+
+
 def load_file(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[str, np.ndarray]:
     """The tensors of a ``.safetensors`` file as read-only NumPy views of a memory map, the
     whole header checked first (module docstring)."""
@@ -186,6 +223,9 @@ def load_file(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[st
         entries = {name: _entry(name, info) for name, info in header.items()}
         _tiled(entries, total - 8 - size)
     except _Invalid as e:
+        kind = _torch_file(where)  # not safetensors: a torch file is named as one, not as damage
+        if kind is not None:
+            raise ValueError(PICKLED_FILE.format(caller=caller, path=where, kind=kind)) from None
         raise ValueError(BAD_SAFETENSORS.format(caller=caller, path=where, why=e)) from None
     if total == 8 + size:  # no data (every tensor empty): nothing to map
         raw = np.zeros(0, np.uint8)
@@ -200,14 +240,23 @@ def load_checkpoint(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> d
     memory maps: nothing is read until a tensor is used, one tensor at a time."""
     where = os.fspath(path)
     if os.path.isdir(where):
-        if os.path.isfile(os.path.join(where, INDEX_NAME)):
-            return load_index(os.path.join(where, INDEX_NAME), caller)
-        if os.path.isfile(os.path.join(where, SINGLE_NAME)):
-            return load_file(os.path.join(where, SINGLE_NAME), caller)
+        index, single = os.path.join(where, INDEX_NAME), os.path.join(where, SINGLE_NAME)
+        if os.path.isfile(index) and os.path.isfile(single):
+            raise ValueError(BOTH_CHECKPOINTS.format(caller=caller, path=where, single=_written(single),
+                                                     index=_written(index)))
+        if os.path.isfile(index):
+            return load_index(index, caller)
+        if os.path.isfile(single):
+            return load_file(single, caller)
         raise ValueError(NO_CHECKPOINT.format(caller=caller, path=where, found=sorted(os.listdir(where))[:8]))
     if where.endswith(".json"):
         return load_index(where, caller)
     return load_file(where, caller)
+
+
+def _written(path: str) -> str:
+    """A file's modification time, UTC to the second (which save came last)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(os.path.getmtime(path)))
 
 
 def _weight_map(index: str, caller: str) -> dict[str, str]:

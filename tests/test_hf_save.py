@@ -190,6 +190,27 @@ def test_what_cannot_be_saved_says_why(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_model_whose_layers_changed_is_refused_and_saves_with_its_config(tmp_path, layers):
+    """A model cut or grown after from_hf carried its old config: save_hf wrote
+    num_hidden_layers=2 beside one layer's weights, and transformers filled the missing
+    layer with random weights (logits 0.28 off) or dropped the extra one, with only a load
+    report. The config that describes it saves as the error says."""
+    model = ft.nn.from_hf(hf_model(llama_config()))
+    stack = model.model.layers
+    changed = model.replace(model=model.model.replace(
+        layers=ft.nn.Stack.from_layers([stack[min(i, 1)] for i in range(layers)])))
+    with pytest.raises(ValueError, match=rf"(?s)model.layers.layers.* is \[{layers}, .*num_hidden_layers=2.* builds "
+                                         r"\[2, .*right:  config = \{\*\*model.hf_config.to_dict\(\), "
+                                         r"'num_hidden_layers': \.\.\.\}"):
+        ft.nn.save_hf(changed, tmp_path / "a")
+    assert os.listdir(tmp_path) == []
+    config = {**changed.hf_config.to_dict(), "num_hidden_layers": layers}
+    ft.nn.save_hf(ft.nn.from_hf(config, ft.nn.to_hf_state_dict(changed)), tmp_path / "b")
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "b").num_hidden_layers == layers
+    assert_reads_back(changed, tmp_path / "b")
+
+
 def test_saving_needs_no_safetensors_package(tmp_path, monkeypatch):
     """save_hf writes the files itself (functree.interop._safetensors.save_file, the writer
     save_lora uses too); the safetensors package reads them back to the same arrays."""

@@ -28,7 +28,8 @@ import numpy as np
 
 from functree._tree import dotted_name
 from functree.hf._family import family_of
-from functree.hf._load import FAMILIES, tied_head, to_hf_state_dict
+from functree.hf._files import read_config
+from functree.hf._load import FAMILIES, _template, tied_head, to_hf_state_dict
 from functree.interop._safetensors import save_file
 from functree.nn._lora import LoraDense
 
@@ -80,6 +81,23 @@ ft.nn.save_hf: max_shard_size is a number of bytes or a size such as "5GB" (10^9
 
     right:  ft.nn.save_hf(model, directory, max_shard_size="2GB")
 """
+
+CONFIG_DIFFERS = """\
+ft.nn.save_hf: the model's {path} is {given}, but the config it carries ({fields}) builds \
+{expected} there. transformers builds the config's model and loads these weights into it \
+(a missing layer left random, an extra one dropped: other logits, and only a load report \
+says so). The model's structure changed after from_hf: save it with a config that \
+describes it.
+
+    wrong:  ft.nn.save_hf(model, directory)
+    right:  config = {{**model.hf_config.to_dict(), {fix}}}
+            ft.nn.save_hf(ft.nn.from_hf(config, ft.nn.to_hf_state_dict(model)), directory)
+"""
+
+# The config fields that size a model's tensors (each family's names), shown in CONFIG_DIFFERS.
+_SIZES = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "intermediate_size", "n_inner", "ffn_dim",
+          "vocab_size", "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings",
+          "n_positions", "type_vocab_size")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -160,6 +178,32 @@ def _check_target(directory: str, overwrite: bool) -> None:
             raise ValueError(NOT_EMPTY.format(directory=directory, found=names))
 
 
+def _check_config_fits(family: Any, model: Any, names: set[str]) -> None:
+    """Raise :data:`CONFIG_DIFFERS` unless the model's leaves have the shapes its carried
+    config builds (a model cut or grown after ``from_hf``: its config.json would describe
+    another model). One trace of the build, no initialization."""
+    config = read_config(model.hf_config.to_dict())
+    built = jax.tree_util.tree_flatten_with_path(_template(family, config, names, np.float32, "xla"))[0]
+    ours = jax.tree_util.tree_flatten_with_path(model)[0]
+    expected = {dotted_name(path): leaf for path, leaf in built}
+    for path, leaf in ours:
+        name = dotted_name(path)
+        want = expected.pop(name, None)
+        if want is None or np.shape(leaf) != want.shape:
+            _config_differs(model, name, np.shape(leaf), None if want is None else want.shape)
+    for name, want in expected.items():
+        _config_differs(model, name, None, want.shape)
+
+
+def _config_differs(model: Any, name: str, given: Any, expected: Any) -> None:
+    values = model.hf_config
+    fields = ", ".join(f"{k}={values[k]}" for k in _SIZES if k in values)
+    layers = next((k for k in ("num_hidden_layers", "n_layer") if k in values), "num_hidden_layers")
+    raise ValueError(CONFIG_DIFFERS.format(
+        path=name, given="absent" if given is None else list(given), fields=fields,
+        expected="nothing" if expected is None else list(expected), fix=f"{layers!r}: ..."))
+
+
 def _write_files(staging: str, model: Any, family: Any, weights: dict[str, np.ndarray], limit: int) -> None:
     """Everything into ``staging``, config.json last."""
     shards = _shards(weights, limit)
@@ -218,7 +262,9 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
     The directory is written beside the target and renamed into place: an interrupted save
     never leaves a directory that reads as a whole checkpoint. A directory that already
     holds files is replaced only with ``overwrite=True``. A model with LoRA adapters is
-    refused: merge them first (``ft.nn.merge_lora(model)``). Needs no other package
+    refused: merge them first (``ft.nn.merge_lora(model)``), and so is a model whose
+    tensors no longer have the shapes its carried config builds (layers cut or added after
+    ``from_hf``: transformers would build the config's model around them). Needs no other package
     (the files are written by :func:`functree.interop._safetensors.save_file`).
 
     Example:
@@ -244,6 +290,7 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
     directory = os.fspath(directory)
     _check_target(directory, overwrite)
     weights = to_hf_state_dict(model, numpy=True)
+    _check_config_fits(family, model, set(weights))
     tied = tied_head(family, model)
     if tied is not None:
         del weights[tied[0]]  # tied: stored once, under the embedding's name (HF's save_pretrained)

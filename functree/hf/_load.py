@@ -63,8 +63,10 @@ ft.nn.MultiheadAttention the model builds), got {given!r}.
 
 TIED_HEAD_DIFFERS = """\
 ft.nn.from_hf: the config ties the output head to the embedding (tie_word_embeddings=True), \
-but the weights' {head!r} differs from {embedding!r} by up to {difference:.3g}. Hugging Face \
-would use the embedding for both; functree stores one tensor.
+but the weights' {head!r} differs from {embedding!r} by up to {difference:.3g}. Which one \
+a tied model should use is ambiguous (transformers' versions differ: 5.x loads both and \
+unties them, older ones tie the head to the embedding); functree stores one tensor and \
+does not guess.
 
     right:  config.tie_word_embeddings = False   # an untied head: both tensors kept
        or:  del weights[{head!r}]                # the embedding for both
@@ -296,7 +298,8 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
     (HF's names and layouts; a tied head written under both names, as HF's own
     ``state_dict()``). Torch tensors, or NumPy arrays with ``numpy=True`` (no torch). A
     partial tree (a gradient taken with ``wrt=``: ``None`` elsewhere) gives the tensors it
-    holds whole, and no others.
+    holds whole, and no others. In a multi-process job every process calls it: tensors
+    sharded over other processes' devices are gathered, each process gets them all.
 
     Example:
       >>> import functree as ft, jax

@@ -19,7 +19,9 @@ are one torch module but several ft ``Dense`` layers: PEFT's ``lora_A`` is share
 (``_names.torch_names`` finds where each output goes). Loaded, each member gets ``A`` and
 its rows of ``B``; saved, members with equal ``A`` write it once, members with their own
 ``A`` (trained apart) write the exact block form: ``A`` stacked ``[Σr, in]`` and ``B``
-block-diagonal, rank ``Σr`` in ``rank_pattern``.
+block-diagonal, rank ``Σr`` in ``rank_pattern``, each member's columns recorded in the
+metadata (:data:`BLOCKS`); loaded back, each member gets its own columns of ``A`` and ``B``
+again (its rank ``r_i``, not ``Σr``), so training resumed from the file is the training saved.
 
 Saving is atomic per file (temporary files renamed into place), and a crash between the
 two renames cannot pass unnoticed: the weights file records, in its safetensors metadata
@@ -36,6 +38,7 @@ import re
 import tempfile
 from collections import Counter
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import jax
@@ -154,6 +157,9 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # The config's fields that decide the adapted model's numbers: recorded in the weights file's
 # metadata (under RECORD) by save_lora and checked against the config by load_lora.
 RECORD = "functree.adapter_config"
+# Also in the metadata: the block form's columns of each member, {module: [[member, start,
+# stop], ...]}, so load_lora gives each member its own A and B back (PEFT ignores it).
+BLOCKS = "functree.fused_blocks"
 RECORDED = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "target_modules", "exclude_modules",
             "layers_to_transform", "layers_pattern", "modules_to_save", "fan_in_fan_out", "bias", "use_dora",
             "lora_bias")
@@ -257,8 +263,11 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
+    blocks: dict[str, list[list[Any]]] = {}
     for module, given in by_module.items():
-        a, b, scale = _module_adapter(given, names)
+        a, b, scale, fused = _module_adapter(given, names)
+        if fused is not None:
+            blocks[module] = fused
         tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = a, b
         ranks[module], alphas[module] = a.shape[0], scale * a.shape[0]
     saved = _saved_modules(model, names, modules_to_save, "save_lora") if modules_to_save else {}
@@ -282,7 +291,7 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         "layers_pattern": None, "use_rslora": False, "use_dora": False, "lora_bias": False, "revision": None,
         "exclude_modules": None,
     }
-    _write(str(directory), tensors, config)
+    _write(str(directory), tensors, config, blocks)
 
 
 def _most_common(values: dict[str, Any]) -> Any:
@@ -290,23 +299,26 @@ def _most_common(values: dict[str, Any]) -> Any:
 
 
 def _module_adapter(given: list[tuple[str, np.ndarray, np.ndarray, float]], names: TorchNames
-                    ) -> tuple[np.ndarray, np.ndarray, float]:
-    """PEFT's ``(lora_A [r, in], lora_B [size, r], scale)`` of one torch module from its ft
-    members' ``(name, a [in, r_i], b [r_i, out_i], scale_i)``: each member's ``B`` rows at its
-    outputs' positions, times ``scale_i / scale`` (``scale`` the first nonzero one), so that
-    ``scale · x Aᵀ Bᵀ`` is every member's ``scale_i · x a_i b_i`` in the module's layout."""
+                    ) -> tuple[np.ndarray, np.ndarray, float, list[list[Any]] | None]:
+    """PEFT's ``(lora_A [r, in], lora_B [size, r], scale, blocks)`` of one torch module from
+    its ft members' ``(name, a [in, r_i], b [r_i, out_i], scale_i)``: each member's ``B`` rows
+    at its outputs' positions, times ``scale_i / scale`` (``scale`` the first nonzero one), so
+    that ``scale · x Aᵀ Bᵀ`` is every member's ``scale_i · x a_i b_i`` in the module's layout.
+    ``blocks``: in the block form (members with their own ``A``), each member's columns
+    ``[name, start, stop]``; None for a shared ``A``."""
     found = names.members[given[0][0]]
     scale = next((s for *_, s in given if s != 0.0), 0.0)
     shared = all(a.shape == given[0][1].shape and np.array_equal(a, given[0][1]) for _, a, _, _ in given)
     a_rows = [given[0][1].T] if shared else [a.T for _, a, _, _ in given]
     a_all = np.concatenate(a_rows, axis=0)
     b_all = np.zeros((found.size, a_all.shape[0]), np.result_type(*(b.dtype for _, _, b, _ in given)))
-    offset = 0
+    offset, blocks = 0, []
     for name, a, b, s in given:
         rows = b.T if s == scale else (b.T.astype(np.float64) * (s / scale if scale else 0.0)).astype(b.dtype)
         b_all[names.members[name].positions, offset: offset + a.shape[1]] = rows
+        blocks.append([name, offset, offset + a.shape[1]])
         offset += 0 if shared else a.shape[1]
-    return np.ascontiguousarray(a_all), b_all, float(scale)
+    return np.ascontiguousarray(a_all), b_all, float(scale), None if shared or len(given) < 2 else blocks
 
 
 def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str], what: str
@@ -349,7 +361,8 @@ def _full_tensors(module: str, layer: DenseLayer, i: int, names: TorchNames) -> 
     return out
 
 
-def _write(directory: str, tensors: dict[str, np.ndarray], config: dict[str, Any]) -> None:
+def _write(directory: str, tensors: dict[str, np.ndarray], config: dict[str, Any],
+           blocks: dict[str, list[list[Any]]] | None = None) -> None:
     """Both files through temporary files renamed into place, the weights first; the weights'
     metadata records the config's numeric fields (a crash between the renames leaves new
     weights beside an old config, which :func:`load_lora` then refuses)."""
@@ -358,7 +371,10 @@ def _write(directory: str, tensors: dict[str, np.ndarray], config: dict[str, Any
     temporaries: list[str] = []
     try:
         weights = _temporary(directory, WEIGHTS_FILE, temporaries)
-        save_file(weights, tensors, {"format": "pt", RECORD: record})
+        metadata = {"format": "pt", RECORD: record}
+        if blocks:
+            metadata[BLOCKS] = json.dumps(blocks, sort_keys=True)
+        save_file(weights, tensors, metadata)
         settings = _temporary(directory, CONFIG_FILE, temporaries)
         with open(settings, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
@@ -387,7 +403,7 @@ def _synced(path: str) -> None:
 
 # ---- reading ----------------------------------------------------------------------------------
 
-def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
     """The config and tensors of an adapter directory, the config checked against the record
     the weights carry (when save_lora wrote them)."""
     config_path, weights_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, WEIGHTS_FILE)
@@ -413,7 +429,17 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
     metadata = read_header(weights_path, os.path.getsize(weights_path))[1].get("__metadata__") or {}
     if RECORD in metadata:
         _check_record(directory, config, metadata[RECORD])
-    return config, tensors
+    return config, tensors, _blocks(metadata.get(BLOCKS))
+
+
+def _blocks(text: Any) -> dict[str, Any]:
+    """The weights' record of the block form (:data:`BLOCKS`), or {} when absent or not of
+    its shape (a hint only: :func:`_member_adapters` uses it where the tensors agree)."""
+    try:
+        value = json.loads(text) if isinstance(text, str) else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _check_init(value: Any) -> None:
@@ -593,7 +619,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
       True
     """
     directory = str(directory)
-    config, tensors = _read_adapter(directory)
+    config, tensors, blocks = _read_adapter(directory)
     _check_config(config, directory)
     names = torch_names(model)
     kind = "Hugging Face" if names.is_hf else "torch"
@@ -606,7 +632,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     inputs = {m: int(layer.node.weight.shape[-2]) for layer in layers for m in member_layer_names(layer)}
     members: dict[str, tuple[str, np.ndarray, np.ndarray, float]] = {}
     for module in modules:
-        members.update(_member_adapters(module, pairs[module], config, names, inputs))
+        members.update(_member_adapters(module, pairs[module], config, names, inputs, blocks.get(module)))
     wrapped: dict[Any, Any] = {}
     for j, layer in enumerate(layers):
         layer_names = member_layer_names(layer)
@@ -676,9 +702,12 @@ def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str,
 
 
 def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str, Any], names: TorchNames,
-                     inputs: dict[str, int]) -> dict[str, tuple[str, np.ndarray, np.ndarray, float]]:
+                     inputs: dict[str, int], recorded: Any = None
+                     ) -> dict[str, tuple[str, np.ndarray, np.ndarray, float]]:
     """``{ft member: (module, a [in, r], b [r, out], scale)}`` of one torch module's adapter:
-    a fused module's members share ``A`` and take their rows of ``B``."""
+    a fused module's members share ``A`` and take their rows of ``B``, except in the block
+    form :func:`save_lora` writes for members trained apart (``recorded``: its columns per
+    member, or found from ``B``: :func:`_own_columns`), where each takes its own columns."""
     a, b = pair["lora_A"], pair["lora_B"]
     members = sorted(m for m, n in names.members.items() if n.module == module and n.weight_param)
     found = names.members[members[0]]
@@ -691,7 +720,47 @@ def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str,
         raise ValueError(ADAPTER_SHAPE.format(name=f"{PREFIX}{module}.{wrong}.weight", given=(a.shape, b.shape),
                                               layer=module, inputs=n_in, outputs=found.size, rank=r, source=source))
     scale = float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
-    return {m: (module, a.T, b[names.members[m].positions].T, scale) for m in members}
+    rows = {m: b[names.members[m].positions] for m in members}
+    blocks = _recorded_columns(recorded, rows) or _own_columns(rows)
+    if blocks is not None:  # the block form save_lora writes: each member its own A and B
+        return {m: (module, a[blocks[m]].T, rows[m][:, blocks[m]].T, scale) for m in members}
+    return {m: (module, a.T, rows[m].T, scale) for m in members}
+
+
+def _recorded_columns(recorded: Any, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """The columns save_lora recorded for each member, where the record names exactly these
+    members, its ranges tile ``B``'s columns, and each member's rows of ``B`` are zero
+    outside its range (so the split is exact); None otherwise."""
+    width = next(iter(rows.values())).shape[1]
+    try:
+        spans = {str(m): (int(start), int(stop)) for m, start, stop in recorded}
+    except (TypeError, ValueError):
+        return None
+    if set(spans) != set(rows) or sorted(spans.values())[0][0] != 0:
+        return None
+    ordered = sorted(spans.values())
+    if any(a[1] != b[0] for a, b in pairwise(ordered)) or ordered[-1][1] != width or any(
+            start >= stop for start, stop in ordered):
+        return None
+    out = {m: np.arange(*spans[m]) for m in rows}
+    outside = [np.delete(rows[m], out[m], axis=1) for m in rows]
+    return out if not any(np.any(o != 0) for o in outside) else None
+
+
+def _own_columns(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """Each fused member's own rank columns when ``lora_B`` is block-diagonal over the
+    members (every column nonzero in exactly one member's rows, every member owning one):
+    the form :func:`save_lora` writes for members trained apart. Loading each member with
+    only its columns is exact (the others' B rows there are zero) and keeps its rank; with a
+    shared ``A`` each member would train a rank-``Σr`` adapter, ``Σr`` growing at every
+    save and load. None for any other B (PEFT's shared A, a fresh zero B)."""
+    used = {m: np.flatnonzero(np.any(rows_m != 0, axis=0)) for m, rows_m in rows.items()}
+    owners = np.zeros(next(iter(rows.values())).shape[1], np.int64)
+    for columns in used.values():
+        owners[columns] += 1
+    if len(rows) < 2 or not (owners == 1).all() or any(columns.size == 0 for columns in used.values()):
+        return None
+    return used
 
 
 def _loaded(layer: DenseLayer, given: list[tuple[int, tuple[str, np.ndarray, np.ndarray, float]]],

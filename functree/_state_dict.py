@@ -41,9 +41,13 @@ torch tensors ({names}): pass cast=True (it converts them through .detach().cpu(
 the template's floating dtypes), or convert the state dict first: \
 {{k: v.detach().cpu().numpy() for k, v in state_dict.items()}}"""
 
-FLOAT_HINT = """\
-floating dtypes differ ({names}): pass cast=True to convert floating values to the template's \
-dtypes: ft.from_flat_dict(template, flat, cast=True)"""
+FLOAT_DIFFER = "floating dtypes differ ({names}): "
+"""The start of :data:`FLOAT_HINT`: a loader that takes no ``cast=`` (the checkpoints')
+replaces the rest with code that works there."""
+
+FLOAT_HINT = FLOAT_DIFFER + """\
+pass cast=True to convert floating values to the template's dtypes: \
+ft.from_flat_dict(template, flat, cast=True)"""
 
 CAST_HINT = """\
 cast=True converts floating values of the same shape, and integers to an integer dtype that \

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from _devices import run
 from _tolerance import assert_close_trained
+from jax.sharding import PartitionSpec as P
 
 import functree as ft
 from functree.parallel import DataParallelStep
+from functree.train import CheckpointManager
 
 SETUP = """
 import jax, jax.numpy as jnp, numpy as np
@@ -123,3 +125,54 @@ manager.close()
     assert out["written"] == ["P(None, 'data')"]
     assert out["w"] == [2, False] and out["mu"] == [2, False]
     assert out["extra"] == ["ndarray", [0.0, 1.0, 2.0]] and out["same"] and out["plain"] == 1
+
+
+def test_rules_that_match_nothing_are_refused_when_restoring_onto_a_mesh(tmp_path):
+    """ft.train.load / CheckpointManager.restore(mesh=, sharding=rules) check the rules against
+    the model's template as ft.shard and the Trainer do: a typo used to replicate the leaf
+    silently, and a rule after "*" was never used."""
+    s = _setup()
+    model, opt = s["mlp"](), s["opt"]
+    ft.train.save(tmp_path / "m", (model, opt.init(model)))
+    one = jax.make_mesh((1,), ("data",))
+    typo = {"*.wieght": P(None, "data")}
+    with pytest.raises(ValueError, match=r"rule '\*\.wieght' matches no parameter\. Closest names: '0\.layers"):
+        ft.train.load(tmp_path / "m", (model, opt.init(model)), mesh=one, sharding=typo)
+    with pytest.raises(ValueError, match=r"'\*\.weight' is never used: .* earlier rule '\*'"):
+        ft.train.load(tmp_path / "m", (model, opt.init(model)), mesh=one, sharding={"*": "fsdp", "*.weight": P("data")})
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, model, opt.init(model))
+        with pytest.raises(ValueError, match=r"rule '\*\.wieght' matches no parameter\. Closest names: 'layers"):
+            manager.restore(template=model, opt_state_template=opt.init(model), mesh=one, sharding=typo)
+        with pytest.raises(ValueError, match=r"rule '\*\.wieght' matches no parameter"):  # the moments' names
+            manager.restore(opt_state_template=opt.init(model), include=("opt_state",), mesh=one, sharding=typo)
+        # right rules: the model's checked strictly, the optimizer state's moments follow them
+        ck = manager.restore(template=model, opt_state_template=opt.init(model), mesh=one,
+                             sharding={"layers.0.weight": P(None, "data"), "*": "fsdp"})
+    assert ck.model.layers[0].weight.sharding.spec == P(None, "data")
+    assert ft.optim.moments(ck.opt_state)["mu"].layers[0].weight.sharding.spec == P(None, "data")
+    np.testing.assert_array_equal(ck.model.layers[0].weight, model.layers[0].weight)
+
+
+@pytest.mark.slow
+def test_bfloat16_checkpoint_restores_split_by_the_rules(tmp_path):
+    """A bfloat16 model is split by "fsdp" and by rules when restored onto a mesh, as a
+    float32 one (its leaves used to come back replicated on every device)."""
+    out = run(SETUP + f"""
+from jax.sharding import PartitionSpec as P
+mesh = jax.make_mesh((2,), ("data",))
+model = ft.cast(mlp(), jnp.bfloat16)
+ft.train.save({str(tmp_path / "m")!r}, (model, opt.init(model)))
+specs = {{}}
+for name, rules in (("fsdp", "fsdp"), ("rule", {{"layers.1.weight": P("data"), "*": "fsdp"}})):
+    m, state = ft.train.load({str(tmp_path / "m")!r}, (model, opt.init(model)), mesh=mesh, sharding=rules)
+    specs[name] = {{k: [str(v.dtype), str(v.sharding.spec), v.addressable_shards[0].data.size]
+                   for k, v in ft.to_flat_dict(m).items()}}
+    specs[name + " mu"] = str(ft.optim.moments(state)["mu"].layers[0].weight.sharding.spec)
+report(specs)
+""", devices=2)
+    assert out["fsdp"]["layers.0.weight"] == ["bfloat16", "P(None, 'data')", 16 * 64]
+    assert out["fsdp"]["layers.0.bias"] == ["bfloat16", "P()", 128]  # under FSDP_MIN_SIZE
+    assert out["fsdp mu"] == "P(None, 'data')"
+    assert out["rule"]["layers.1.weight"] == ["bfloat16", "P('data',)", 64 * 4]
+    assert out["rule"]["layers.0.weight"] == ["bfloat16", "P(None, 'data')", 16 * 64]

@@ -268,3 +268,32 @@ report({"error": scaled_error((model, state), (ref, ref_state)),
     assert out["specs"]["blocks.layers.down.weight"] == "P(None, 'model', 'data')"
     assert out["specs"]["embed.weight"] == "P('data',)" and out["specs"]["head.weight"] == "P(None, 'data')"
     assert out["mu"] == "P(None, 'model', 'data')"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_low_precision_floating_leaves_are_split_as_float32_ones(dtype):
+    """bfloat16 and the float8 types are no np.floating (ml_dtypes): the rules used to
+    replicate them silently, and a rule naming one matched "no parameter"."""
+    def flat(specs):
+        return {dotted_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(specs)[0]}
+
+    low = jax.tree.map(lambda x: x.astype(dtype) if x.dtype == jnp.float32 else x, model())
+    for rules in ("fsdp", {"*": "fsdp"}, {"*.weight": P(None, "data")}):
+        assert flat(ft.partition_specs(low, rules, mesh=MESH)) == flat(ft.partition_specs(model(), rules, mesh=MESH))
+    assert ft.partition_specs(low, "fsdp", mesh=MESH)["encoder"][0].weight == P("data")
+    mixed = {"low": ft.nn.Dense(64, 32, key=jax.random.key(0)).weight.astype(dtype), "high": jnp.ones((64, 32))}
+    specs = ft.partition_specs(mixed, {"low": P(None, "data"), "*": "fsdp"}, mesh=MESH)
+    assert specs == {"low": P(None, "data"), "high": P("data")}
+
+
+def test_spec_naming_one_mesh_axis_twice_names_the_rule_and_the_leaf():
+    with pytest.raises(ValueError, match=r"'head\.weight' gives P\('model', 'model'\) to head\.weight, which names "
+                                         r"the mesh axis 'model' for more than one dimension") as e:
+        ft.partition_specs(model(), {"head.weight": P("model", "model")}, mesh=MESH2)
+    assert "right:  sharding={'head.weight': P('model', None)}" in str(e.value)
+    with pytest.raises(ValueError, match=r"'\*\.weight' gives P\(\('data', 'model'\), 'data'\) to encoder\.0\.weight"
+                                         r".* axis 'data'") as e:
+        ft.partition_specs(model(), {"*.weight": P(("data", "model"), "data")}, mesh=MESH2)
+    assert "P(('data', 'model'), None)" in str(e.value)
+    with pytest.raises(ValueError, match="names the mesh axis 'model' for more than one dimension"):
+        ft.shard(model(), jax.make_mesh((1, 1), ("data", "model")), {"head.weight": ("model", "model")})

@@ -556,3 +556,27 @@ def test_a_load_template_that_does_not_fit_names_the_load_without_one(tmp_path):
     message = str(info.value)
     assert "ft.train.load(path)" in message and "step -" not in message and "manager" not in message
     assert "weight: expected shape (2, 32) dtype float32, given shape (2, 16)" in message
+
+
+def test_a_floating_dtype_mismatch_hints_code_that_casts_on_load(tmp_path):
+    """A float64 checkpoint (written with x64) into a float32 template: the hint was
+    from_flat_dict's "pass cast=True", which no loader takes; it now gives code that runs."""
+    template = ft.nn.Dense(3, 2, key=jax.random.key(0))
+    wide = jax.tree.map(lambda x: np.asarray(x, np.float64) + 0.25, template)
+    path = tmp_path / "wide"
+    ft.train.save(path, wide)
+    manager = CheckpointManager(tmp_path / "run")
+    manager.save(4, wide)
+    for restore in (lambda: ft.train.load(path, template), lambda: manager.restore(template=template)):
+        with pytest.raises(CheckpointError, match=r"weight: expected shape \(3, 2\) dtype float32, given shape "
+                                                  r"\(3, 2\) dtype float64") as info:
+            restore()
+        message = str(info.value)
+        assert "pass cast=True" not in message and "the loader never casts" in message
+        code = message.split("cast it into the template: ")[1].split("   #")[0]
+        cast = eval(code, {"ft": ft, "template": template, "path": path, "manager": manager})
+        for name, leaf in ft.to_flat_dict(cast).items():
+            assert leaf.dtype == jnp.float32
+            np.testing.assert_allclose(leaf, ft.to_flat_dict(wide)[name], rtol=0, atol=1e-7)
+    assert "ft.to_flat_dict(manager.restore(4).model)" in message
+    manager.close()

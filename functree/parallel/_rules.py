@@ -100,6 +100,13 @@ Each sharded dimension must be divisible by the size of its mesh axes ({sizes}):
     wrong:  sharding={{{pattern!r}: {spec}}}
     right:  sharding={{{pattern!r}: P()}}     # replicate it, or pick a divisible dimension"""
 
+DUPLICATE_AXIS = """\
+The sharding rule {pattern!r} gives {spec} to {path}, which names the mesh axis {axis!r} \
+for more than one dimension: a mesh axis splits at most one dimension of a leaf.
+
+    wrong:  sharding={{{pattern!r}: {spec}}}
+    right:  sharding={{{pattern!r}: {right}}}   # each mesh axis once"""
+
 BAD_RULES = """\
 sharding= takes None, "fsdp" or a mapping {{pattern: PartitionSpec or "fsdp"}}, got {given}.
 
@@ -150,8 +157,10 @@ def check_compute_dtype(dtype: Any) -> Any:
 
 
 def _is_floating(x: Any) -> bool:
+    # jnp's lattice, not NumPy's: bfloat16 and the float8 types (ml_dtypes) are no
+    # np.floating, and a bfloat16 model would be replicated silently.
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and np.issubdtype(dtype, np.floating)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def _axis_size(mesh: Mesh | AbstractMesh, entry: Any) -> int:
@@ -173,6 +182,26 @@ def _misfit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | AbstractMe
         if shape[dim] % size:
             return f"dimension {dim} has size {shape[dim]}, not divisible by mesh axis {entry!r} of size {size}"
     return None
+
+
+def _once(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` with every mesh axis kept at its first dimension only."""
+    seen: set[str] = set()
+    entries = []
+    for entry in spec:
+        names = [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None and n not in seen]
+        seen.update(names)
+        entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+    return PartitionSpec(*entries)
+
+
+def _check_axes_once(spec: PartitionSpec, pattern: str, name: str) -> None:
+    """Refuse a spec naming one mesh axis twice (``P("model", "model")``) here, naming the
+    rule and the leaf, rather than in JAX's ``DuplicateSpecError``, which names neither."""
+    axes = [n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)) if isinstance(n, str)]
+    again = next((n for i, n in enumerate(axes) if n in axes[:i]), None)
+    if again is not None:
+        raise ValueError(DUPLICATE_AXIS.format(pattern=pattern, spec=spec, path=name, axis=again, right=_once(spec)))
 
 
 def _fsdp_spec(shape: tuple[int, ...], axis: str, size: int, layers: int = 0) -> PartitionSpec:
@@ -211,6 +240,7 @@ def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | Abst
         if isinstance(spec, str):  # "fsdp" (checked by check_rules)
             return _fsdp_spec(tuple(leaf.shape), data_axis, mesh.shape[data_axis], layers)
         spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)
+        _check_axes_once(spec, pattern, name)  # a moment's too: no shape can take it
         spec = _member_spec(spec, len(leaf.shape), layers)
         why = _misfit(spec, tuple(leaf.shape), mesh)
         if why is None:

@@ -41,11 +41,15 @@ def mesh_shape(tree: Any) -> dict[str, int]:
     return {}
 
 
-def sharded_target(template: Any, mesh: Mesh, rules: Any = None, *, data_axis: str = "data") -> Any:
+def sharded_target(template: Any, mesh: Mesh, rules: Any = None, *, data_axis: str = "data",
+                   strict: bool = True) -> Any:
     """``template`` with every array leaf a ``jax.ShapeDtypeStruct`` placed by ``rules``.
 
     ``template`` may be the tree itself, or ``jax.eval_shape`` of the function building
-    it (nothing is allocated).
+    it (nothing is allocated). The rules are checked as ``ft.shard`` checks them: a rule
+    that matches no leaf, or only leaves an earlier rule took, raises (naming the closest
+    names); ``strict=False`` skips that check, for a tree that holds only part of the
+    model (an optimizer state, whose moments follow the model's rules).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -54,7 +58,7 @@ def sharded_target(template: Any, mesh: Mesh, rules: Any = None, *, data_axis: s
       >>> t["w"].shape, t["w"].sharding.spec
       ((4, 256), P())
     """
-    specs = partition_specs(template, rules, mesh=mesh, data_axis=data_axis, strict=False)
+    specs = partition_specs(template, rules, mesh=mesh, data_axis=data_axis, strict=strict)
     amesh = auto_mesh(mesh)
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(amesh, s))

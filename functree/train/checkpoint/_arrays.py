@@ -199,13 +199,22 @@ def _fits(key: str, shape: tuple[int, ...], dtype: np.dtype, where: Any, meta: A
     return where
 
 
+def _ruled_part(parts: Mapping[str, Any]) -> str | None:
+    """The part the sharding rules are checked against, as ``ft.shard`` and the Trainer
+    check them (a typo's rule matching nothing is an error, not a replicated leaf): the
+    model (``""``, a lone tree, or ``"model"``), else an optimizer state restored without
+    the model's template (its moments carry the parameters' names)."""
+    return next((p for p in ("", "model", "opt_state") if parts.get(p) is not None), None)
+
+
 def placement(parts: Mapping[str, Any], mesh: Any = None, sharding: Any = None, data_axis: str = "data") -> Any:
     """Orbax's restore target: a function of the stored arrays (:func:`saved_arrays`) and
     the checkpoint's metadata (its ``written_on``, for messages, and ``process_local``).
 
     Arrays go where the reading process says, never to the writer's devices: with
     ``mesh``, each part with a template (``{name: template or None}``, ``""`` for a lone
-    tree) placed by the rules and the rest on the host (as before meshes); else with
+    tree) placed by the rules, checked strictly against the model's template
+    (:func:`_ruled_part`), and the rest on the host (NumPy arrays, as before meshes); else with
     ``sharding`` (a ``Sharding`` or a device) every array there; else each template array
     where the template's is, the others on the templates' one device or the default device.
     Arrays saved as NumPy arrays, and 64-bit ones without ``jax_enable_x64``, come back on
@@ -213,8 +222,9 @@ def placement(parts: Mapping[str, Any], mesh: Any = None, sharding: Any = None, 
     """
     if mesh is not None:
         everywhere = None
-        placed = _template_placements({p: None if t is None else sharded_target(t, mesh, sharding, data_axis=data_axis)
-                                       for p, t in parts.items()})
+        ruled = _ruled_part(parts)
+        placed = _template_placements({p: None if t is None else sharded_target(
+            t, mesh, sharding, data_axis=data_axis, strict=p == ruled) for p, t in parts.items()})
     else:
         everywhere = _as_sharding(sharding)
         placed = _template_placements(parts)

@@ -15,6 +15,7 @@ never onto the writer's devices, which the metadata keeps as information (``writ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._state_dict import from_flat_dict
+from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict
 from functree.parallel import mesh_shape
 from functree.train.checkpoint import _directory as policy
 from functree.train.checkpoint._arrays import describe, placement, saved_arrays, verify, written_on
@@ -77,6 +78,10 @@ Build the template the same way as the saved {part} (same layer sizes, dtypes an
 optimizer), or restore without a template to get the saved {part} back as it was:
 
     {plain}{hint}"""
+
+CAST_ON_LOAD = """\
+the loader never casts (a template checks the saved dtypes); read the saved {part} as it was \
+saved and cast it into the template: {cast}   # then ft.shard(tree, mesh, rules) for a mesh"""
 
 STATIC_MISMATCH = """\
 {what} was saved with other static configuration than the template's. A template gives the \
@@ -343,6 +348,7 @@ def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: 
     if not report.ok:
         at, plain = ((f" at step {step}", f"manager.restore({step}).{part}") if part else
                      ("", "ft.train.load(path)       # ft.train.save's tree, no template"))
+        report = _loader_hints(report, part or "tree", plain.split()[0])
         raise CheckpointError(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, report=report,
                                                        hint=hint))
     differences = static_differences(spec, template, part)
@@ -358,6 +364,16 @@ def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: 
         raise CheckpointError(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
                                                      right=right, where=where, mine=mine, saved=saved))
     return tree
+
+
+def _loader_hints(report: FlatDictReport, part: str, restore: str) -> FlatDictReport:
+    """``report`` with from_flat_dict's ``cast=True`` hint, which no loader takes, turned
+    into the code that casts a restored tree (``restore``: the call reading it as saved)."""
+    head = FLOAT_DIFFER.split("{")[0]
+    cast = f"ft.from_flat_dict(template, ft.to_flat_dict({restore}), cast=True)"
+    hints = tuple(h[:h.index("): ") + 3] + CAST_ON_LOAD.format(part=part, cast=cast) if h.startswith(head) else h
+                  for h in report.hints)
+    return dataclasses.replace(report, hints=hints)
 
 
 def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) -> None:

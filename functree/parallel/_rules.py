@@ -276,8 +276,8 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
 
     Raises ``ValueError`` for a ``data_axis`` the mesh lacks, a pattern that matches no
     floating leaf (naming the closest names) or only leaves an earlier pattern took (not
-    with ``strict=False``, for a tree that holds only part of the model) and a spec that
-    cannot split the leaf it names; ``TypeError`` for a rule value other than a
+    with ``strict=False``, for a tree that holds only part of the model), a spec that
+    cannot split the leaf it names and a spec naming one mesh axis twice; ``TypeError`` for a rule value other than a
     ``PartitionSpec`` or ``"fsdp"``.
 
     Example:

@@ -148,6 +148,27 @@ def test_early_stopping_restores_the_best_after_a_full_run(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("patience", [1, 10])  # stopped early; all epochs used
+def test_restart_recipe_ends_with_the_best_model(tmp_path, patience):
+    # D6: the last checkpoint is written before on_train_end sets the best model; a rerun of
+    # the restart recipe (restore, then a fit with nothing to train) skipped on_train_end and
+    # ended with the last step's model
+    def run(trainer):
+        stop = ft.train.EarlyStopping(monitor="loss", patience=patience, restore_best=True)
+        trainer.fit(data(), epochs=4, progress=False, callbacks=[stop, ft.train.ModelCheckpoint(tmp_path / "run")])
+        return stop
+
+    job = make(lr=1.5)  # too large: the loss grows after the first epoch
+    stop = run(job)
+    assert stop.best_epoch == 1 and job.epoch == (2 if patience == 1 else 4)
+    rerun = make(lr=1.5).restore(tmp_path / "run")
+    assert not np.array_equal(rerun.model.weight, job.model.weight)  # the checkpoint: the last step's model
+    again = run(rerun)
+    assert rerun.steps_run == job.steps_run and again.best_epoch == 1
+    for a, b in zip(jax.tree.leaves(rerun.model), jax.tree.leaves(job.model)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_tied_values_keep_the_first_epoch_to_reach_the_best():
     trainer = types.SimpleNamespace(stop_training=False, model=None, opt_state=None)
     stop = ft.train.EarlyStopping(monitor="m", patience=9)

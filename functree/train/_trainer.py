@@ -204,9 +204,11 @@ class Trainer(Evaluation):
         ``epochs`` and ``steps`` count the whole job, as Lightning's ``max_epochs`` /
         ``max_steps``: a fresh trainer trains ``N``; a restored (or already trained) one
         continues to ``N``; one already there, or stopped by a callback
-        (``trainer.stop_training``), returns at once and logs so. Run twice, a script that
-        restores its latest checkpoint and calls ``fit(data, epochs=N)`` ends where the
-        uninterrupted job ends.
+        (``trainer.stop_training``), returns at once and logs so, after its callbacks'
+        ``on_train_end`` (the job's end: ``EarlyStopping(restore_best=True)`` sets the best
+        model, which the last checkpoint, written before that, does not hold). Run twice, a
+        script that restores its latest checkpoint and calls ``fit(data, epochs=N)`` ends
+        where the uninterrupted job ends.
 
         ``data`` is ``ft.train.batches(...)``, arrays / a tuple or dict of arrays (cut into
         shuffled minibatches of ``batch_size``, default 32), or any iterable of batches
@@ -246,6 +248,10 @@ class Trainer(Evaluation):
         end_pending = length is not None and 0 < length <= self.batch_in_epoch and not self.stop_training
         if (self.stop_training or self._reached(epochs, steps)) and not end_pending:
             self._already_done(epochs, steps)
+            # The job's end still runs: a restored (or rerun) job whose checkpoint was written
+            # before the end's on_train_end (EarlyStopping(restore_best=True)) ends as the
+            # uninterrupted job did. No save: this fit ran no step.
+            self._train_end(cbs, save=False)
             return self.history
         self._job = self._job.replace(epoch_length=length)
         remaining = steps - self.steps_run if steps is not None else (
@@ -282,12 +288,18 @@ class Trainer(Evaluation):
         finally:
             bar.close()
             self._fit = None
-        if cbs:
-            end = self._reader.context("end", self._job.window.means(self.on_nan))
-            self._save_point("end", end)  # the final checkpoints first: no on_train_end has replaced the model
-            for cb in cbs:
-                cb.on_train_end(self, end)
+        self._train_end(cbs, save=True)
         return self.history
+
+    def _train_end(self, cbs: list[Callback], *, save: bool) -> None:
+        """The end of ``fit``: the final checkpoints (``save``), then every ``on_train_end``."""
+        if not cbs:  # the context would be read from the device for nobody
+            return
+        end = self._reader.context("end", self._job.window.means(self.on_nan))
+        if save:
+            self._save_point("end", end)  # the final checkpoints first: no on_train_end has replaced the model
+        for cb in cbs:
+            cb.on_train_end(self, end)
 
     def _reached(self, epochs: int | None, steps: int | None) -> bool:
         return (steps is not None and self.steps_run >= steps) or (epochs is not None and self.epoch >= epochs)

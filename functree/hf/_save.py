@@ -30,6 +30,7 @@ from functree._tree import dotted_name
 from functree.hf._family import family_of
 from functree.hf._files import read_config
 from functree.hf._load import FAMILIES, _template, tied_head, to_hf_state_dict
+from functree.interop._processes import on_primary
 from functree.interop._safetensors import save_file
 from functree.nn._lora import LoraDense
 
@@ -267,6 +268,10 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
     ``from_hf``: transformers would build the config's model around them). Needs no other package
     (the files are written by :func:`functree.interop._safetensors.save_file`).
 
+    In a multi-process job (a model sharded over several hosts) every process calls it:
+    the sharded tensors are gathered (a collective), process 0 writes the directory, and
+    every process returns once it is written (or raises its error).
+
     Example:
       >>> import functree as ft, jax, json, os, pathlib, tempfile
       >>> config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 2,
@@ -288,12 +293,17 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
     _check_no_lora(model, family.hf_class)
     limit = _shard_limit(max_shard_size)
     directory = os.fspath(directory)
-    _check_target(directory, overwrite)
-    weights = to_hf_state_dict(model, numpy=True)
+    on_primary(lambda: _check_target(directory, overwrite), "ft.nn.save_hf")  # before gathering the model
+    weights = to_hf_state_dict(model, numpy=True)  # every process: sharded leaves gathered
     _check_config_fits(family, model, set(weights))
     tied = tied_head(family, model)
     if tied is not None:
         del weights[tied[0]]  # tied: stored once, under the embedding's name (HF's save_pretrained)
+    on_primary(lambda: _write_directory(directory, model, family, weights, limit), "ft.nn.save_hf")
+
+
+def _write_directory(directory: str, model: Any, family: Any, weights: dict[str, np.ndarray], limit: int) -> None:
+    """The files into a hidden directory beside ``directory``, then renamed into place."""
     parent, name = os.path.split(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=parent)

@@ -66,6 +66,7 @@ from functree._state_dict import (
 )
 from functree._tree import dotted_name, join_names
 from functree.interop._host import copied, copy_all, empty
+from functree.interop._processes import host_array
 from functree.interop._safetensors import load_checkpoint
 from functree.nn._attention import MultiheadAttention
 from functree.nn._conv import Conv, ConvTranspose
@@ -431,7 +432,8 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
             hidden = isinstance(node, (Sequential, Remat)) and name in ("layers", "layer")
             walk(child, join_names(ft, name), _under(stored, name), index, torch if hidden else join_names(torch, name))
 
-    walk(jax.tree.map(np.asarray if values else _placeholder, model), "", "", (), "")
+    # host_array: a leaf spread over several processes' devices is gathered (a collective)
+    walk(jax.tree.map(host_array if values else _placeholder, model), "", "", (), "")
     unknown = [name for name in options.flattened if not any(name in pair for pair in options.dense)]
     if unknown:
         names = [t for t, _ in options.dense]
@@ -797,7 +799,8 @@ def torch_state_dict(
     function of the model's torch name; ``flattened`` and ``layouts`` as for loading. An
     LSTM's one bias is saved as ``bias_ih`` with a zero ``bias_hh``. Tensors are torch's
     (bfloat16 stays bfloat16); ``numpy=True`` returns NumPy arrays instead and does not
-    import torch.
+    import torch. In a multi-process job every process calls it: leaves sharded over other
+    processes' devices are gathered, and each process gets the whole state dict.
 
     Example:
       >>> import functree as ft, jax

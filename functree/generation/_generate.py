@@ -294,6 +294,9 @@ def generate(
     (what the beam scores sum), HF's ``compute_transition_scores(sequences, scores,
     beam_indices)``; a sequence's sum over ``new_tokens ** length_penalty`` is its beam score.
 
+    The tokens (and scores) live where the model computed them: its device, or replicated
+    over its mesh (``ft.shard``), so that every process of a multi-process job can read them.
+
     ``streamer`` (Hugging Face's protocol: ``put(token_ids)`` and ``end()``, e.g.
     ``transformers.TextStreamer(tokenizer)``) gets what HF's ``generate`` gives it: the
     prompt ``[batch, P]``, then each step's tokens ``[batch]`` as the step makes them (a
@@ -621,9 +624,17 @@ def _cropped(tokens: Any, scores: Any, length: int, new: int) -> tuple[Any, Any]
         return tokens, scores
     if isinstance(tokens, Tracer):
         return tokens[:, :length], None if scores is None else scores[:, :new]
-    device = next(iter(tokens.devices()))
-    crop = lambda x, n: jax.device_put(np.ascontiguousarray(np.asarray(x)[:, :n]), device)  # noqa: E731
+    crop = lambda x, n: _placed_as(np.ascontiguousarray(np.asarray(x)[:, :n]), x.sharding)  # noqa: E731
     return crop(tokens, length), None if scores is None else crop(scores, new)
+
+
+def _placed_as(host: np.ndarray, sharding: Any) -> jax.Array:
+    """``host`` where the loop left its output (a device, or replicated over a mesh), as the
+    uncropped output is returned: never one device of a mesh that another process of a
+    multi-process job owns (that process could not read it)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])  # this process's shards
 
 
 def _greedy(temperature: Any, key: Any, top_k: Any, top_p: Any, min_p: Any = None) -> bool:

@@ -213,6 +213,15 @@ class Evaluation:
 
         A loss function that takes ``key=`` gets ``fold_in(eval_key, batch index)`` with a
         fixed evaluation key derived from the trainer's: evaluations are reproducible.
+
+        Several processes (a Trainer over a mesh that spans them): every process calls it
+        with **its share** of each minibatch, as in ``fit``
+        (``ft.train.batches(..., shard=(jax.process_index(), jax.process_count()))``); the
+        global minibatch is the shares concatenated in process order, and every process
+        gets the same means. The same rows given to every process are each counted once
+        per process: the means are still the data's, but the work is done ``P`` times;
+        give each process its share to evaluate the data once. ``fit``'s
+        ``validation_data`` is read the same way.
         """
         data = as_data(data, batch_size, self.key, shuffle=False)
         model = self.averaged_model if averaged else self.inference_model
@@ -227,6 +236,16 @@ class Evaluation:
         ``batch["x"]`` (dicts) or the batch itself (arrays). An ``fn`` that takes ``key=``
         gets ``fold_in(eval_key, batch index)`` (see :meth:`evaluate`). For one batch,
         call :attr:`inference_model` directly.
+
+        Several processes (a Trainer over a mesh that spans them): every process calls it
+        with **its share** of each minibatch, as in ``fit``
+        (``ft.train.batches(..., shard=(jax.process_index(), jax.process_count()))``). The
+        result is one global array over the mesh, each minibatch's rows the processes'
+        shares in process order; no process holds it whole (``np.asarray`` raises JAX's
+        "spans non-addressable devices"): ``jax.experimental.multihost_utils.process_allgather(
+        out, tiled=True)`` gives every process all of it. The same rows given to every
+        process come back once per process: 64 rows in each of 2 processes give 128 rows,
+        each twice.
         """
         fn = fn or default_predict
         if is_array_value(data):

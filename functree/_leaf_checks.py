@@ -27,7 +27,7 @@ __all__ = ["leaf_spec", "quoted", "check_leaf"]
 SHAPE_MISMATCH = """\
 ft.set({path}): expected shape {expected_shape} and dtype {expected_dtype}, \
 got shape {given_shape} and dtype {given_dtype}.
-Convert first, e.g. ft.set(tree, {quoted}, value.astype(jnp.{expected_dtype}).reshape({expected_shape}))."""
+Convert first, e.g. ft.set(tree, {quoted}, {fix})."""
 
 LEAF_MISMATCH = """\
 ft.set({path}): the value there is {expected}, so it takes {accepts}; given {given}.
@@ -103,6 +103,7 @@ def check_leaf(path: Any, old: Any, new: Any) -> Any:
                 SHAPE_MISMATCH.format(
                     path=path, quoted=quoted(path), expected_shape=shape,
                     expected_dtype=dtype, given_shape=new_spec[0], given_dtype=new_spec[1],
+                    fix=_conversion(new_spec[0], shape, dtype),
                 )
             )
         return new
@@ -118,6 +119,21 @@ def check_leaf(path: Any, old: Any, new: Any) -> Any:
             accepts=accepts, given=_describe(new), fix=f"jnp.asarray(value, jnp.{dtype}).reshape({shape})",
         )
     )
+
+
+def _conversion(given: tuple[int, ...], shape: tuple[int, ...], dtype: Any) -> str:
+    """The code that converts a value of shape ``given`` to the leaf's: a reshape where the
+    sizes agree, a broadcast where it broadcasts, else a value of the leaf's shape (a
+    batched leaf of a vmapped ensemble needs one value per member)."""
+    cast = f"value.astype(jnp.{dtype})"
+    if int(np.prod(given)) == int(np.prod(shape)):
+        return f"{cast}.reshape({shape})"
+    try:
+        if np.broadcast_shapes(given, shape) == shape:
+            return f"jnp.broadcast_to({cast}, {shape})"
+    except ValueError:
+        pass
+    return f"a value of shape {shape} (this one has {int(np.prod(given))} elements, the leaf {int(np.prod(shape))})"
 
 
 def _check_python_scalar(path: Any, old_kind: str, new: Any) -> Any:

@@ -247,7 +247,12 @@ def test_set_checks_shape_and_dtype_naming_the_path():
     assert ".layers[0].weight" in message
     assert "expected shape (2, 2) and dtype float32" in message
     assert "got shape (3, 2) and dtype float32" in message
-    assert "astype(jnp.float32).reshape((2, 2))" in message
+    assert "a value of shape (2, 2) (this one has 6 elements, the leaf 4)" in message  # no reshape makes it
+    # the fix shown is code that works: a reshape where the sizes agree, a broadcast where it broadcasts
+    with pytest.raises(ValueError, match=r"value.astype\(jnp.float32\).reshape\(\(2, 2\)\)"):
+        ft.set(net, ".layers[0].weight", jnp.ones(4))
+    with pytest.raises(ValueError, match=r"jnp.broadcast_to\(value.astype\(jnp.float32\), \(2, 2\)\)"):
+        ft.set(net, ".layers[0].weight", jnp.ones(1))
     with pytest.raises(ValueError, match=r"expected shape \(2,\) and dtype float32, got shape \(2,\) and dtype int32"):
         ft.set(net, ".inner.w", jnp.ones(2, jnp.int32))
 

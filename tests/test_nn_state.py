@@ -208,3 +208,96 @@ def test_the_warning_points_at_the_users_line_not_at_functree(fresh_warnings):
         line = __import__("inspect").currentframe().f_lineno + 1
         model(jnp.ones((4, 2)))
     assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+
+
+# --- state recorded inside a transformation of the loss (jax.vmap, lax.scan, lax.cond) -----
+
+_X4 = jnp.arange(8.0).reshape(4, 2)
+
+
+def _per_example_loss(m):
+    """The per-example style (a vmapped loss): BatchNorm sees one example per call."""
+    return jnp.sum(jax.vmap(lambda xi: m(xi[None])[0])(_X4) ** 2)
+
+
+_IN_VMAP = r"(?s)layer state at \.running_mean was recorded inside jax\.vmap.*right:  loss = lambda m: jnp\.sum\(m\(x\) \*\* 2\)"
+
+
+def test_state_recorded_in_a_per_example_vmap_is_an_error_not_a_leaked_tracer():
+    # Before: state values were BatchTracers; minimize returned running_mean =
+    # VmapTracer(...) and the next forward raised JAX's UnexpectedTracerError.
+    bn = ft.nn.training(ft.nn.BatchNorm(2, momentum=0.5))
+    with pytest.raises(ValueError, match=_IN_VMAP):
+        ft.nn.value_with_gradient_and_state(_per_example_loss, bn)
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=_IN_VMAP):
+        opt.minimize(_per_example_loss, bn, opt.init(bn))
+    with pytest.raises(ValueError, match=_IN_VMAP):
+        jax.jit(lambda m: ft.nn.collect_state(_per_example_loss, m))(bn)
+    step = ft.train.train_step(lambda m, x: _per_example_loss(m), opt, donate=False)
+    with pytest.raises(ValueError, match=_IN_VMAP):
+        step(bn, opt.init(bn), _X4)
+
+
+def test_state_recorded_deeper_in_the_model_names_its_key_path():
+    net = ft.nn.training(ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.BatchNorm(2)))
+    with pytest.raises(ValueError, match=r"state at \.layers\[1\]\.running_mean was recorded inside jax\.vmap"):
+        ft.nn.value_with_gradient_and_state(_per_example_loss, net)
+
+
+@pytest.mark.parametrize("transform, call", [
+    ("jax.lax.scan", lambda m: jax.lax.scan(lambda c, _: (c, m(_X4)), 0.0, None, length=1)[1][0]),
+    ("jax.lax.cond", lambda m: jax.lax.cond(True, lambda: m(_X4), lambda: _X4)),
+    ("jax.lax.while_loop", lambda m: jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, m(_X4)), (0, _X4))[1]),
+    ("jax.lax.fori_loop", lambda m: jax.lax.fori_loop(0, 2, lambda i, y: m(y), _X4)),
+])
+def test_state_recorded_in_control_flow_of_the_loss_is_an_error_naming_it(transform, call):
+    bn = ft.nn.training(ft.nn.BatchNorm(2, momentum=0.5))
+    match = rf"(?s)state at \.running_mean was recorded inside {transform}.*ft\.nn\.Stack.*ft\.nn\.collect_state\(lambda mm: mm\(xb\), m\)  # inside the scan"
+    with pytest.raises(ValueError, match=match):
+        ft.nn.value_with_gradient_and_state(lambda m: jnp.sum(call(m) ** 2), bn)
+
+
+def test_the_fixes_the_errors_show_work():
+    bn = ft.nn.training(ft.nn.BatchNorm(2, momentum=0.5))
+    # vmap: the whole batch at once records the batch statistics (momentum 0.5: half the mean).
+    _, _, state = ft.nn.value_with_gradient_and_state(lambda m: jnp.sum(m(_X4) ** 2), bn)
+    np.testing.assert_allclose(ft.nn.apply_state(bn, state).running_mean, [1.5, 2.0], rtol=0, atol=1e-6)
+    # vmap over ft.nn.inference(m): running statistics, nothing recorded, gradients flow.
+    loss, grads, state = ft.nn.value_with_gradient_and_state(
+        lambda m: jnp.sum(jax.vmap(lambda xi: ft.nn.inference(m)(xi[None])[0])(_X4) ** 2), bn)
+    assert state == {} and np.isfinite(float(loss)) and float(jnp.abs(grads.scale).sum()) > 0
+    # scan: collected inside the scan, the last step's record returned as aux.
+    xs = jnp.arange(12.0).reshape(3, 2, 2)
+
+    def loss_fn(m):
+        def body(c, xb):
+            y, state = ft.nn.collect_state(lambda mm: mm(xb), m)  # inside the scan
+            return c, (y, state)
+        _, (ys, states) = jax.lax.scan(body, None, xs)
+        return jnp.sum(ys ** 2), {p: v[-1] for p, v in states.items()}  # the last step's
+
+    (_, state), _ = ft.value_with_gradient(loss_fn, at=bn, has_aux=True)
+    # last step: 0.5 * 0 + 0.5 * mean of [[8, 9], [10, 11]]
+    np.testing.assert_allclose(ft.nn.apply_state(bn, state).running_mean, [4.5, 5.0], rtol=0, atol=1e-6)
+
+
+def test_transformations_that_keep_the_state_at_the_collecting_trace_are_not_refused(key):
+    bn = ft.nn.training(ft.nn.BatchNorm(2, momentum=0.5))
+    ref = ft.nn.collect_state(lambda m: m(_X4), bn)[1]
+    # A gradient inside fn (here with respect to the input, the model closed over): the
+    # recorded (stop_gradient) value is the primal, at fn's trace.
+    _, inside_grad = ft.nn.collect_state(lambda m: jax.grad(lambda x: jnp.sum(m(x) ** 2))(_X4), bn)
+    # A vmap around collect_state (an ensemble): state per member, as collected alone.
+    members = jax.vmap(lambda r: bn.replace(running_mean=r))(jnp.array([[0.0, 0.0], [2.0, 2.0]]))
+    _, per_member = jax.vmap(lambda m: ft.nn.collect_state(lambda mm: mm(_X4), m))(members)
+    # A jit around it, and ft.nn.Remat / ft.nn.Stack (they collect inside their transform).
+    _, jitted = jax.jit(lambda m: ft.nn.collect_state(lambda mm: mm(_X4), m))(bn)
+    _, remat = ft.nn.collect_state(lambda m: m(_X4), ft.nn.training(ft.nn.Remat(bn)))
+    for got in (inside_grad, jitted):
+        for p in ref:
+            np.testing.assert_allclose(got[p], ref[p], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(remat[ft.key_path(None, ".layer.running_mean")], ref[ft.key_path(None, ".running_mean")],
+                               rtol=0, atol=1e-6)
+    mean = per_member[ft.key_path(None, ".running_mean")]
+    np.testing.assert_allclose(mean, [[1.5, 2.0], [2.5, 3.0]], rtol=0, atol=1e-6)  # 0.5 r + 0.5 [3, 4]

@@ -33,6 +33,7 @@ from functree._key_path_names import key_path
 from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._paths import ATTR, Entry, KeyPath, walk
+from functree._traces import current_trace, inner_trace, transform_name
 from functree._warnings import warn
 from functree.nn._check import LayerInputError
 
@@ -62,6 +63,39 @@ unknown. Call the layers of the model fn receives, and put jit around collect_st
     right:  jax.jit(lambda model: ft.nn.collect_state(lambda m: m(x), model))(model)
 """
 
+
+STATE_INSIDE_TRANSFORM = """\
+The layer state at {path} was recorded inside {transform}, a transformation opened inside \
+the function ft.nn.collect_state runs (the loss of value_with_gradient_and_state, \
+Optimizer.minimize, ft.train.train_step): the recorded value belongs to that \
+transformation and cannot leave it (stored into the model, it is a leaked tracer that \
+fails at the next call). {fix}"""
+
+FIX_STATE_IN_VMAP = """\
+A BatchNorm in training mode normalises over the batch, and under a per-example jax.vmap \
+each call sees one example. Call the model on the whole batch (per-example values come \
+from its output), or use the running statistics inside the vmap (nothing recorded):
+
+    wrong:  loss = lambda m: jnp.sum(jax.vmap(lambda xi: m(xi[None])[0])(x) ** 2)
+    right:  loss = lambda m: jnp.sum(m(x) ** 2)
+       or:  loss = lambda m: jnp.sum(jax.vmap(lambda xi: ft.nn.inference(m)(xi[None])[0])(x) ** 2)"""
+
+FIX_STATE_IN_LOOP = """\
+Call the layer outside the transformation, use ft.nn.Stack / ft.nn.RNN / ft.nn.Remat \
+(they collect the state inside their own loop), or collect it inside the transformation \
+and return it:
+
+    wrong:  def loss(m):
+                _, ys = jax.lax.scan(lambda c, xb: (c, m(xb)), None, xs)
+                return jnp.sum(ys ** 2)
+    right:  def loss(m):
+                def body(c, xb):
+                    y, state = ft.nn.collect_state(lambda mm: mm(xb), m)  # inside the scan
+                    return c, (y, state)
+                _, (ys, states) = jax.lax.scan(body, None, xs)
+                return jnp.sum(ys ** 2), {{p: v[-1] for p, v in states.items()}}  # the last step's
+            (loss_value, state), grads = ft.value_with_gradient(loss, at=model, has_aux=True)
+            model = ft.nn.apply_state(ft.move(model, along=updates), state)"""
 
 UNCOLLECTED_STATE = """\
 {cls}{where} ran in training mode and recorded new {fields}, but nothing collects layer \
@@ -117,6 +151,7 @@ class _Collector:
                 self.paths.setdefault(id(value), []).append(path)
         self.updates: dict[KeyPath, Any] = {}
         self.followed: list[Any] = []  # copies whose layers record here (ids stay theirs)
+        self.trace = current_trace()  # recorded values must belong to it or to a trace around it
 
 
 _LOCAL = threading.local()
@@ -286,7 +321,24 @@ def collect_state(fn: Callable[[Any], Any], model: Any) -> tuple[Any, dict[KeyPa
         raise
     finally:
         stack.pop()
+    _check_traces(collector)
     return out, collector.updates
+
+
+def _check_traces(collector: _Collector) -> None:
+    """Raise if a recorded value is a tracer of a transformation opened inside ``fn``
+    (a BatchNorm called under the user's ``jax.vmap`` / ``lax.scan`` / ``lax.cond`` in the
+    loss): returned, it would be a leaked tracer in the model. Checked once ``fn`` returned,
+    as functree's differentiation check may trace ``fn``'s inside first and then run it
+    again, recording the values that stay."""
+    found = inner_trace(collector.updates.values(), collector.trace)
+    if found is None:
+        return
+    index, trace = found
+    path = list(collector.updates)[index]
+    transform = transform_name(trace)
+    fix = FIX_STATE_IN_VMAP if transform == "jax.vmap" else FIX_STATE_IN_LOOP
+    raise ValueError(STATE_INSIDE_TRANSFORM.format(path=path, transform=transform, fix=fix))
 
 
 def apply_state(model: Any, updates: dict[KeyPath, Any]) -> Any:

@@ -1,0 +1,121 @@
+"""Which JAX trace a value belongs to, and whether code runs under a transformation.
+
+JAX (0.4.36 and later) keeps one current trace per thread: the evaluation trace at top
+level, and inside ``jax.jit``, ``jax.vmap``, ``jax.lax.scan``... a trace whose
+``parent_trace`` is the trace it was opened in. A tracer belongs to one trace
+(``tracer._trace``). A value recorded while some trace ``T`` was current may be used at
+``T`` or inside it, never outside: a tracer of a trace that is neither ``T`` nor one of
+``T``'s ancestors leaked out of a transformation opened after ``T``.
+
+JAX exposes this only privately (``jax._src.core.trace_ctx``); the few lines that read it
+are here, so a change in JAX is fixed in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax._src import core as _core
+from jax.core import Tracer
+
+__all__ = ["current_trace", "inner_trace", "transform_name", "under_transformation"]
+
+
+def under_transformation() -> bool:
+    """Whether code runs inside a JAX transformation (``jax.jit``, ``jax.vmap``,
+    ``lax.scan``, ``jax.grad``...): the current trace is not the top-level evaluation.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree._traces import under_transformation
+      >>> under_transformation()
+      False
+      >>> bool(jax.jit(lambda x: jnp.asarray(under_transformation()))(1.0))
+      True
+    """
+    return not _core.trace_ctx.is_top_level()
+
+
+def current_trace() -> Any:
+    """The trace current now (an opaque object: compare it with :func:`inner_trace`)."""
+    return _core.trace_ctx.trace
+
+
+def _ancestry(trace: Any) -> set[int]:
+    """``id`` of ``trace`` and of every trace it was opened in."""
+    ids = set()
+    while trace is not None:
+        ids.add(id(trace))
+        trace = getattr(trace, "parent_trace", None)
+    return ids
+
+
+def inner_trace(values: Any, trace: Any) -> tuple[int, Any] | None:
+    """``(index, trace)`` of the first of ``values`` that is a tracer of a trace opened
+    inside ``trace`` (neither ``trace`` nor one of its ancestors: it leaked out of a
+    transformation), else None. Concrete values and tracers of ``trace`` or of the
+    traces around it are fine.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree._traces import current_trace, inner_trace
+      >>> top, kept = current_trace(), []
+      >>> _ = jax.vmap(lambda x: kept.append(x * 2) or x)(jnp.ones(3))
+      >>> inner_trace([jnp.ones(2), kept[0]], top)[0]
+      1
+    """
+    known: set[int] | None = None
+    for i, value in enumerate(values):
+        if not isinstance(value, Tracer):
+            continue
+        owner = getattr(value, "_trace", None)
+        if known is None:
+            known = _ancestry(trace)
+        if owner is not None and id(owner) not in known:
+            return i, owner
+    return None
+
+
+# What a DynamicJaxprTrace was opened for (JAX's debug_info.traced_for), as the user wrote it.
+_TRACED_FOR = {
+    "jit": "jax.jit",
+    "pjit": "jax.jit",
+    "scan": "jax.lax.scan (or jax.lax.map)",
+    "cond": "jax.lax.cond (or jax.lax.switch)",
+    "switch": "jax.lax.switch",
+    "while_body": "jax.lax.while_loop",
+    "while_cond": "jax.lax.while_loop",
+    "fori_loop": "jax.lax.fori_loop",
+    "checkpoint / remat": "jax.checkpoint",
+    "make_jaxpr": "jax.make_jaxpr",
+}
+
+_TRACE_TYPES = {
+    "BatchTrace": "jax.vmap",
+    "JVPTrace": "jax.jvp",
+    "LinearizeTrace": "jax.grad / jax.vjp / jax.linearize",
+    "ShardMapTrace": "jax.shard_map",
+}
+
+
+def transform_name(trace: Any) -> str:
+    """The transformation that opened ``trace``, as the user calls it (``"jax.vmap"``,
+    ``"jax.lax.scan (or jax.lax.map)"``), best effort.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree._traces import current_trace, transform_name
+      >>> seen = []
+      >>> _ = jax.lax.scan(lambda c, x: (seen.append(current_trace()), (c, x))[1], 0.0, jnp.ones(2))
+      >>> transform_name(seen[0])
+      'jax.lax.scan (or jax.lax.map)'
+    """
+    kind = type(trace).__name__
+    if kind in _TRACE_TYPES:
+        return _TRACE_TYPES[kind]
+    frame = getattr(trace, "frame", None)
+    info = getattr(frame, "debug_info", None)
+    traced_for = getattr(info, "traced_for", None)
+    if isinstance(traced_for, str):
+        return _TRACED_FOR.get(traced_for, traced_for)
+    return f"a JAX transformation ({kind})"

@@ -677,3 +677,78 @@ def test_a_batch_given_as_two_arguments_is_named():
         step(model, opt.init(model), x, y)
     _, _, metrics = step(model, opt.init(model), (x, y))
     assert np.isfinite(float(metrics["loss"]))
+
+
+# --- a step called inside the user's jax.jit / jax.vmap / lax.scan ---------------------------
+
+
+def _plain_steps(model, opt, batch, n):
+    """n plain calls of a fresh step: the reference."""
+    step, state, losses = ft.train.train_step(mse, opt, donate=False), opt.init(model), []
+    for _ in range(n):
+        model, state, metrics = step(model, state, batch)
+        losses.append(metrics["loss"])
+    return model, state, jnp.stack(losses)
+
+
+def _close(a, b, atol=1e-6):  # values of order 1 (weights, Adam moments, losses ~ 10)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol * max(1.0, float(np.abs(y).max())))
+
+
+def test_a_step_called_inside_jit_then_plainly_keeps_working_with_a_plain_call_s_numbers():
+    # Before: the traced call stored its halt log (an int32[3] tracer): the next plain call
+    # raised UnexpectedTracerError.
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.adam(0.1))
+    step = ft.train.train_step(mse, opt, donate=False)  # on_nan="stop", the default
+    m1, s1, met1 = jax.jit(lambda a, b: step(a, b, batch))(model, opt.init(model))
+    m2, s2, met2 = step(m1, s1, batch)  # a plain call afterwards
+    step.check()
+    ref_m, ref_s, ref_losses = _plain_steps(model, opt, batch, 2)
+    _close((m2, s2), (ref_m, ref_s))
+    _close(jnp.stack([met1["loss"], met2["loss"]]), ref_losses)
+    # donating (the default) inside a jit: the outer jit owns the buffers; no warning, same numbers
+    donating = ft.train.train_step(mse, opt)
+    m3, s3, _ = jax.jit(lambda a, b: donating(a, b, batch))(model, opt.init(model))
+    m3, s3, _ = donating(m3, s3, batch)
+    _close((m3, s3), (ref_m, ref_s))
+
+
+def test_a_vmapped_ensemble_loop_and_a_scan_of_steps_equal_plain_calls():
+    _, batch = problem()
+    members = [problem(seed)[0] for seed in (1, 2)]
+    ensemble = jax.tree.map(lambda *a: jnp.stack(a), *members)
+    opt = ft.optim.Optimizer(ft.optim.adam(0.1))
+    step = ft.train.train_step(mse, opt, donate=False)
+    ens, ens_state = ensemble, jax.vmap(opt.init)(ensemble)
+    for _ in range(3):  # failed at the second iteration before
+        ens, ens_state, metrics = jax.vmap(lambda a, b: step(a, b, batch))(ens, ens_state)
+    for i, member in enumerate(members):
+        ref_m, ref_s, ref_losses = _plain_steps(member, opt, batch, 3)
+        _close(jax.tree.map(lambda a, i=i: a[i], (ens, ens_state)), (ref_m, ref_s))
+        _close(metrics["loss"][i], ref_losses[-1])
+
+    def body(carry, _):
+        m, s, met = step(*carry, batch)
+        return (m, s), met["loss"]
+
+    (m, s), losses = jax.lax.scan(body, (members[0], opt.init(members[0])), None, length=3)
+    ref_m, ref_s, ref_losses = _plain_steps(members[0], opt, batch, 3)
+    _close((m, s, losses), (ref_m, ref_s, ref_losses))
+    m, s, _ = step(members[0], opt.init(members[0]), batch)  # and a plain call after both
+    _close(m, _plain_steps(members[0], opt, batch, 1)[0])
+
+
+def test_stop_inside_a_transformation_skips_the_step_and_leaves_later_calls_alone():
+    model, (x, y) = problem()
+    opt = ft.optim.Optimizer(ft.optim.adam(0.1))
+    step = ft.train.train_step(mse, opt, donate=False)
+    state = opt.init(model)
+    bad = (x.at[3, 1].set(jnp.inf), y)
+    m1, s1, metrics = jax.jit(lambda a, b, c: step(a, b, c))(model, state, bad)
+    assert int(metrics["nonfinite"]) == 0  # reported (leaf 0: the weight) ...
+    _same((m1, s1), (model, state))  # ... and not applied, bit for bit
+    m2, s2, _ = step(m1, s1, (x, y))  # nothing kept from the traced call: no stop, no error
+    step.check()
+    _close((m2, s2), _plain_steps(model, opt, (x, y), 1)[:2])

@@ -43,6 +43,7 @@ from functree._alias import (
 )
 from functree._flat import FlatJit, flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
+from functree._traces import under_transformation
 from functree._where import devices_error, placement_of, put
 from functree.nn._state import collect_state
 from functree.optim import Optimizer, context, hyperparameters
@@ -180,7 +181,11 @@ class TrainStep:
         for bit) and :class:`NonFiniteError` is raised by a later call (at most 16 calls
         on) or by :meth:`check`; ``"skip"``: not applied, training goes on; ``"ignore"``
         (or ``None``): applied as it is. An optimizer that handles overflow itself
-        (``LossScaleOptimizer``) skips such steps on its own: never a stop.
+        (``LossScaleOptimizer``) skips such steps on its own: never a stop. A call inside
+        your own ``jax.jit``/``jax.vmap``/``lax.scan`` runs the same program without the
+        stop's bookkeeping (which keeps concrete values across calls): the numbers of a
+        plain call, but "stop" there skips a non-finite step (``metrics["nonfinite"]``
+        reports it) and raises nothing later; later calls are unaffected.
       donate: donate the model and optimizer state buffers (default True): the arrays
         passed in are invalid afterwards; use the returned ones.
       mesh: a ``jax.sharding.Mesh``: the same step over its ``data_axis``. The batch is
@@ -610,6 +615,8 @@ class TrainStep:
             self._owned_call = False
             self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
             return direct(model, opt_state, batch, key, None)[:3]
+        if under_transformation():  # the user's jit/vmap/scan: its values must not be kept here
+            return self.run(model, opt_state, batch, key)[:3]
         if self._halt is None:
             self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
         elif not self._calls & 15:  # now and then, without waiting: has a step stopped?

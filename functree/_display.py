@@ -167,7 +167,11 @@ def _stacks_once(model: Any, rows: list[Row]) -> list[Row]:
     for (name, _), at in groups.items():
         stack, g = by_name[name], out[at]
         n = len(stack)
-        out[at] = dataclasses.replace(g, label=f"{n} × {type(stack.layers).__name__} ({g.count // n:,} each)")
+        # A jax.vmap-ed ensemble of models: leading axes before the member axis.
+        batch = int(np.prod(stack._batch_shape())) if hasattr(stack, "_batch_shape") else 1
+        models = f" in each of {batch:,} models" if batch > 1 else ""
+        label = f"{n} × {type(stack.layers).__name__} ({g.count // (n * batch):,} each){models}"
+        out[at] = dataclasses.replace(g, label=label)
     return out
 
 

@@ -30,6 +30,10 @@ selects those members: ``h.2.*`` (member 2), ``h.[0-1].*`` (members 0 and 1),
 ``h.1[0-5].*`` (10 to 15). A selection is then, per leaf, ``True``, ``False`` or,
 for a leaf partly selected, a boolean NumPy array over the stack axes (shape ``(n,)``,
 ``(n1, n2)`` for nested stacks) with ``True`` at the selected members.
+A leaf with more leading axes than its stacks' (``[E, n, ...]``: an ensemble of models
+made with ``jax.vmap``, told apart by the ranks a stack records) is refused when some of
+its members are selected or indexed (:data:`ENSEMBLE_MEMBER`): such patterns work inside
+``jax.vmap`` over the ensemble.
 
 **Layer patterns.** Consumers that pick layers rather than leaves (``layouts=`` of the
 torch converters) use the same globs on a layer's dotted name (``h.0.attn``): a pattern
@@ -76,7 +80,8 @@ from functree._tree import bounded_put, cached, dotted_name, is_none, join_names
 
 __all__ = [
     "LeafInfo", "leaf_infos", "names", "member_names", "matches", "rename_pattern", "fill_stars", "selection",
-    "closest", "suggestion", "check_patterns", "member_rule_names", "NothingSelected", "is_tied", "resolve_alias", "tie_targets", "untransform",
+    "closest", "suggestion", "check_patterns", "member_rule_names", "NothingSelected", "refuse_batched_members",
+    "refuse_batched_selection", "is_tied", "resolve_alias", "tie_targets", "untransform",
 ]
 
 SELECTS_NOTHING = """\
@@ -90,6 +95,37 @@ MEMBER_OUT_OF_RANGE = """\
 (0 to {last}).
     wrong:  {pattern!r}
     right:  {right!r}"""
+
+ENSEMBLE_MEMBER = """\
+{path!r} addresses a member of the ft.nn.Stack {stack!r} ({n} members), but its leaf \
+{leaf!r} has shape {shape}, with leading axes before the member axis: each model's leaf is \
+{expected} ([n, ...]), so this is a batch of models (an ensemble made with jax.vmap). A \
+member index or pattern cannot tell those axes apart: use it inside jax.vmap over the \
+ensemble, one model at a time (patterns selecting whole leaves, "blocks.*", work on the ensemble):
+    wrong:  ft.get(ensemble, "blocks.1.weight")
+    right:  jax.vmap(lambda m: ft.get(m, "blocks.1.weight"))(ensemble)
+            jax.vmap(ft.gradient(loss, wrt="blocks.1.*"))(ensemble)
+            jax.vmap(lambda m, s: opt.minimize(loss, m, s))(ensemble, jax.vmap(opt.init)(ensemble))"""
+
+MASK_AXES = """\
+A member selection of shape {selection} (members of an ft.nn.Stack) meets a leaf of shape \
+{shape}, whose leading axes are not the Stack's: a batch of models (an ensemble made with \
+jax.vmap) takes member patterns inside jax.vmap, one model at a time:
+    wrong:  ft.gradient(loss, wrt="blocks.1.*")(ensemble)
+    right:  jax.vmap(ft.gradient(loss, wrt="blocks.1.*"))(ensemble)"""
+
+
+def refuse_batched_members(stack: Any, path: str, stack_name: str) -> None:
+    """Raise :data:`ENSEMBLE_MEMBER` when the stacked node ``stack`` (at ``stack_name``) has
+    a leaf with leading axes before its member axis (a jax.vmap-ed ensemble), where
+    ``path`` (a key path or pattern) addresses one of its members."""
+    bad = stack._batched_leaf() if hasattr(stack, "_batched_leaf") else None
+    if bad is not None:
+        name, shape, expected = bad
+        raise ValueError(ENSEMBLE_MEMBER.format(path=path, stack=stack_name or "<root>", n=len(stack),
+                                                leaf=join_names(stack_name, "layers", name), shape=shape,
+                                                expected=expected))
+
 
 class NothingSelected(ValueError):
     """A pattern selected nothing: ``pattern``, the ``close`` names, and ``out_of_range``
@@ -138,13 +174,16 @@ class LeafInfo(NamedTuple):
 
     ``name`` is its dotted name (a stacked leaf's stacked name); ``segments`` and
     ``sizes`` spell its member names (``segments[0].i.segments[1]``, ``i < sizes[0]``;
-    no sizes: not stacked); ``aliases`` are the other names of a tied parameter.
+    no sizes: not stacked); ``aliases`` are the other names of a tied parameter;
+    ``ndim`` a stacked leaf's rank, its stack axes included, when the stack recorded its
+    members' ranks (None: unknown). A leaf of more axes is a batch of models.
     """
 
     name: str
     segments: tuple[str, ...]
     sizes: tuple[int, ...]
     aliases: tuple[str, ...] = ()
+    ndim: int | None = None
 
 
 def _member(node: Any, i: int) -> Any:
@@ -179,7 +218,7 @@ def _infos(tree: Any) -> list[LeafInfo]:
 def _prefixed(prefix: str, infos: list[LeafInfo]) -> list[LeafInfo]:
     return [
         LeafInfo(join_names(prefix, i.name), (join_names(prefix, i.segments[0]), *i.segments[1:]), i.sizes,
-                 tuple(join_names(prefix, a) for a in i.aliases))
+                 tuple(join_names(prefix, a) for a in i.aliases), i.ndim)
         for i in infos
     ]
 
@@ -192,9 +231,13 @@ def _stacked_infos(stack: Any) -> list[LeafInfo]:
     inner = _infos(_member(light, 0)) if len(stack) else []
     if len(inner) != len(pairs):  # a stacked node of another layout: no member names
         return [LeafInfo(dotted_name(p), (dotted_name(p),), ()) for p, _ in pairs]
+    ranks = dict(getattr(stack, "ranks", None) or ())
+    own, _ = jax.tree_util.tree_flatten_with_path(getattr(stack, "layers", None), is_leaf=is_none)
+    recorded = [ranks.get(dotted_name(p)) for p, _ in own] if len(own) == len(pairs) else [None] * len(pairs)
     return [
-        LeafInfo(dotted_name(p), ("", *i.segments), (len(stack), *i.sizes))
-        for (p, _), i in zip(pairs, inner)
+        LeafInfo(dotted_name(p), ("", *i.segments), (len(stack), *i.sizes), (),
+                 1 + r if r is not None else (None if i.ndim is None else 1 + i.ndim))
+        for (p, _), i, r in zip(pairs, inner, recorded)
     ]
 
 
@@ -210,7 +253,7 @@ def _tied_infos(shared: Any) -> list[LeafInfo]:
             if info.name == s.name or info.name.startswith(s.name + ".")
         ]
         infos.append(LeafInfo(stored, ("model." + info.segments[0] if info.segments[0] else "model",
-                                       *info.segments[1:]), info.sizes, tuple(dict.fromkeys(aliases))))
+                                       *info.segments[1:]), info.sizes, tuple(dict.fromkeys(aliases)), info.ndim))
     return infos
 
 
@@ -380,6 +423,7 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
     treedef = jax.tree.structure(tree, is_leaf=is_none)
     key, out = cached(_SELECTIONS, (treedef, patterns, exclude, tuple(only), strict))
     if out is not None:
+        refuse_batched_selection(tree, out, patterns + exclude)
         return out
     chosen: list[Any] = [False] * len(infos)
     for pattern in patterns:
@@ -393,7 +437,30 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
     out = tuple(chosen)
     if key is not None and _str_keys_only(tree):
         bounded_put(_SELECTIONS, key, out)
+    refuse_batched_selection(tree, out, patterns + exclude)
     return out
+
+
+def refuse_batched_selection(tree: Any, chosen: Sequence[Any], patterns: Sequence[str]) -> None:
+    """Raise :data:`ENSEMBLE_MEMBER` where ``chosen`` (a :func:`selection` of ``tree``)
+    selects some members of a leaf that has more leading axes than its stacks' (a batch of
+    models: the selection cannot say which axis is a member's). Shapes are not in a tree
+    definition: a consumer caching a selection calls this on every tree it applies it to."""
+    if not any(isinstance(c, np.ndarray) for c in chosen):
+        return
+    infos = leaf_infos(tree)
+    leaves = jax.tree.leaves(tree, is_leaf=is_none)
+    for leaf, info, c in zip(leaves, infos, chosen):
+        shape = tuple(getattr(leaf, "shape", ()))
+        if not isinstance(c, np.ndarray) or not shape:
+            continue
+        if (info.ndim is not None and len(shape) > info.ndim) or shape[: len(info.sizes)] != info.sizes:
+            pattern = next((p for p in patterns if isinstance(_leaf_selection(info, p), np.ndarray)), patterns[0])
+            k = len(shape) - info.ndim if info.ndim is not None and len(shape) > info.ndim else 0
+            expected = str(shape[k:]) if k else f"{info.sizes + ('...',)}".replace("'", "")
+            stack = info.segments[0]
+            raise ValueError(ENSEMBLE_MEMBER.format(path=pattern, stack=stack or "<root>", n=info.sizes[0],
+                                                    leaf=info.name, shape=shape, expected=expected))
 
 
 def required_selection(tree: Any, pattern: str, what: str, message: str, fallback: str) -> tuple[Any, ...]:
@@ -551,8 +618,12 @@ def member_rule_names(pattern: str, infos: Sequence[LeafInfo]) -> list[str]:
 
 
 def broadcast(selected: Any, leaf: Any) -> Any:
-    """A member selection (shape ``(n, ...)``) shaped to broadcast against ``leaf``."""
-    return np.reshape(selected, selected.shape + (1,) * (np.ndim(leaf) - selected.ndim))
+    """A member selection (shape ``(n, ...)``) shaped to broadcast against ``leaf``, whose
+    leading axes must be the stacks' (else :data:`MASK_AXES`: a batch of models)."""
+    shape = tuple(jnp.shape(leaf))
+    if shape[: selected.ndim] != selected.shape:
+        raise ValueError(MASK_AXES.format(selection=selected.shape, shape=shape))
+    return np.reshape(selected, selected.shape + (1,) * (len(shape) - selected.ndim))
 
 
 def tie_targets(tree: Any) -> dict[str, tuple[str, Any, Any]]:

@@ -30,7 +30,7 @@ from functree import _stacked
 from functree._key_entries import ATTR, INDEX, Entry, mapping_entry, parse_printed
 from functree._leaf_checks import check_leaf, leaf_spec, quoted
 from functree._module import STATIC, Module
-from functree._naming import is_tied
+from functree._naming import is_tied, refuse_batched_members
 from functree._tree import bounded_put, cached, dotted_name
 
 __all__ = [
@@ -160,12 +160,24 @@ def check_member_index(node: Any, index: int, where: Any = (), after: Any = ()) 
 def stack_member(node: Any, index: int, where: Any = (), after: Any = ()) -> Any:
     """Member ``index`` of the stacked ``node`` (an ``ft.nn.Stack``) (``where`` is its key
     path and ``after`` the rest of the path, for the error)."""
-    return node._member(check_member_index(node, index, where, after))
+    index = check_member_index(node, index, where, after)
+    _refuse_batched(node, index, where, after)
+    return node._member(index)
 
 
 def with_stack_member(node: Any, index: int, value: Any, where: Any = ()) -> Any:
     """A copy of the stacked ``node`` with member ``index`` replaced by ``value``."""
-    return node._with_member(check_member_index(node, index, where), value)
+    index = check_member_index(node, index, where)
+    _refuse_batched(node, index, where, ())
+    return node._with_member(index, value)
+
+
+def _refuse_batched(node: Any, index: int, where: Any, after: Any) -> None:
+    """A member of a batch of stacks (a jax.vmap-ed ensemble) refused, named by its key path."""
+    prefix = KeyPath(where).name
+    suffix = after if isinstance(after, str) else KeyPath(after).name
+    path = ".".join(p for p in (prefix, str(index), suffix) if p)
+    refuse_batched_members(node, path, prefix)
 
 
 # An index in a dotted name, spelled as str(int) does: ASCII digits, negative from the end

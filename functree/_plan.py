@@ -31,7 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module
-from functree._naming import NothingSelected, broadcast, key_path_hint, names, selection
+from functree._naming import (
+    NothingSelected,
+    broadcast,
+    key_path_hint,
+    names,
+    refuse_batched_selection,
+    selection,
+)
 from functree._parameters import is_parameter_leaf, parameters, with_parameters
 from functree._tree import bounded_put, cached, is_none
 
@@ -179,6 +186,8 @@ class Plan:
             chosen = self._choose(x, leaves)
             if key is not None:
                 bounded_put(_SELECTION_CACHE, key, chosen)
+        else:  # cached per structure; a batch of models (same structure, more axes) is refused
+            refuse_batched_selection(x, chosen, self.patterns)
         self.members.append(tuple(c if isinstance(c, np.ndarray) else None for c in chosen))
         return jax.tree.unflatten(
             treedef, [leaf if pick is not False else None for leaf, pick in zip(leaves, chosen)]

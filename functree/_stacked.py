@@ -25,7 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._tree import dotted_name
+from functree._naming import refuse_batched_members
+from functree._tree import dotted_name, join_names
 
 __all__ = ["is_stacked", "expand", "restack", "stack_depths", "outermost", "wants_members"]
 
@@ -48,10 +49,13 @@ def expand(tree: Any) -> Any:
       >>> sorted(ft.to_flat_dict(expand({"blocks": stack})))[:2]
       ['blocks.0.bias', 'blocks.0.weight']
     """
-    def one(x: Any) -> Any:
-        return tuple(expand(x._member(i)) for i in range(len(x))) if is_stacked(x) else x
+    def one(path: Any, x: Any) -> Any:
+        if not is_stacked(x):
+            return x
+        refuse_batched_members(x, join_names(dotted_name(path), "0"), dotted_name(path))  # an ensemble
+        return tuple(expand(x._member(i)) for i in range(len(x)))
 
-    return jax.tree.map(one, tree, is_leaf=_is_stack)
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_stack)
 
 
 def restack(template: Any, expanded: Any) -> Any:

@@ -318,3 +318,32 @@ def test_wrt_errors_name_the_suggested_pattern():
     with pytest.raises(ValueError) as unrelated:
         ft.gradient(lambda m: 0.0, at=model, wrt="*.foo")
     assert "right:" not in str(unrelated.value)
+
+
+# ------------------------------------------------------------------ a jax.vmap-ed ensemble of stacked models
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(st.integers(1, 3), st.integers(1, 3), st.booleans(), st.data())
+def test_member_names_on_an_ensemble_are_refused_and_exact_inside_vmap(size, n, nested, data):
+    # Leaves (size, n, ...): a member name cannot say which leading axis is the members'
+    # (size == n read model i for member i before). Inside jax.vmap it is member i of each model.
+    i = data.draw(st.integers(0, n - 1))
+    ens = jax.vmap(lambda s: stacked_model(n, 2, nested, s))(jnp.arange(size))
+    name, leaf = (f"h.{i}.0.weight", ens["h"].layers.layers.weight[:, i, 0]) if nested else \
+        (f"h.{i}.up.weight", ens["h"].layers.up.weight[:, i])
+    np.testing.assert_array_equal(jax.vmap(lambda m: ft.get(m, name))(ens), leaf)
+    shape = rf"\({size}, {n}, {'2, ' if nested else ''}2, 2\)"
+    calls = [(lambda: ft.get(ens, name), name), (lambda: ft.to_flat_dict(ens, unstack=True), "h.0")]
+    if n > 1:  # some members of a leaf (with one member, h.0.* is the whole leaf)
+        calls.append((lambda: ft.select(ens, f"h.{i}.*"), f"h.{i}.*"))
+    for fn, path in calls:
+        with pytest.raises(ValueError, match=rf"'{path}' addresses a member of the ft.nn.Stack 'h' \({n} members\), "
+                                             rf"but its leaf 'h.layers.*' has shape {shape[:-2]}.*jax.vmap"):
+            fn()
+    assert ft.select(ens, "h.*")["h"].layers is not None  # whole leaves: no member axis needed
+
+
+def test_a_member_selection_meeting_a_leaf_of_other_leading_axes_is_refused():
+    assert _naming.broadcast(np.array([True, False, True]), jnp.zeros((3, 2, 2))).shape == (3, 1, 1)
+    with pytest.raises(ValueError, match=r"A member selection of shape \(3,\) .* meets a leaf of shape \(2, 3, 2\)"
+                                         r"(.|\n)*jax.vmap\(ft.gradient\(loss, wrt=\"blocks.1.\*\"\)\)\(ensemble\)"):
+        _naming.broadcast(np.array([True, False, True]), jnp.zeros((2, 3, 2)))

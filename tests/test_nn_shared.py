@@ -173,3 +173,44 @@ def test_a_tie_answers_to_its_names_in_wrt_and_state_dicts():
         np.testing.assert_array_equal(ft.from_flat_dict(lm, flat).model.embed.embeddings, e)
     with pytest.raises(ValueError, match=r"'embed\.embeddings' and 'head\.weight' name one tied parameter"):
         ft.from_flat_dict(lm, {"embed.embeddings": e, "head.weight": e.T + 1.0, "head.bias": np.zeros(VOCAB)})
+
+
+def ensemble_of_tied_lms(size, vocab=VOCAB, width=WIDTH):
+    """``size`` tied LMs built by jax.vmap: every stored leaf has a leading model axis."""
+    def make(k):
+        k1, k2 = jax.random.split(k)
+        model = LM(ft.nn.Embedding(vocab, width, key=k1), ft.nn.Dense(width, vocab, key=k2))
+        return ft.nn.Shared(model, {"head.weight": ("embed.embeddings", jnp.transpose)})
+
+    return jax.vmap(make)(jax.random.split(jax.random.key(5), size))
+
+
+@pytest.mark.parametrize("size, vocab, width", [(2, VOCAB, WIDTH), (4, 4, 4)])  # (4, 4, 4): every axis alike
+def test_a_tie_target_of_a_vmapped_ensemble_is_each_models_transform(size, vocab, width):
+    # The transform applies to each model's source (jax.vmap over the leading model axis); on
+    # the whole (size, vocab, width) array jnp.transpose mixed models with rows (silently,
+    # with the right shape, when all three sizes agree).
+    ens = ensemble_of_tied_lms(size, vocab, width)
+    e = ens.model.embed.embeddings
+    assert ens.ranks == (2,)
+    np.testing.assert_array_equal(ft.get(ens, "head.weight"), jnp.swapaxes(e, 1, 2))
+    np.testing.assert_array_equal(ft.get(ens, "embed.embeddings"), e)
+    np.testing.assert_array_equal(ens.resolve().head.weight, jnp.swapaxes(e, 1, 2))
+    new = jnp.arange(size * width * vocab, dtype=jnp.float32).reshape(size, width, vocab)
+    np.testing.assert_array_equal(ft.set(ens, "head.weight", new).model.embed.embeddings, jnp.swapaxes(new, 1, 2))
+    tokens = jnp.array([0, 1, 3])
+    for i in range(size):
+        one = jax.tree.map(lambda a, i=i: a[i], ens)
+        np.testing.assert_allclose(jax.vmap(lambda m: m(tokens))(ens)[i], one(tokens), rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(ft.get(one, "head.weight"), e[i].T)
+
+
+def test_a_shared_pickled_before_ranks_existed_reads_and_keeps_working():
+    import pickle
+
+    lm = tied_lm()
+    older = pickle.loads(pickle.dumps(lm))
+    older.__dict__.pop("ranks")  # what an earlier functree's pickle holds
+    back = pickle.loads(pickle.dumps(older))
+    assert back.ranks is None
+    np.testing.assert_array_equal(ft.get(back, "head.weight"), lm.model.embed.embeddings.T)

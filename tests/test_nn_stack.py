@@ -1,12 +1,14 @@
 """ft.nn.Stack: stacked members applied with lax.scan, addressed by per-member key paths."""
 
 import functools
+import json
 import re
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _jaxpr import all_equations
 from jax.sharding import AbstractMesh
@@ -579,3 +581,145 @@ def test_cache_errors_in_stack_and_sequential():
     tied = ft.nn.Shared({"a": stack[0], "b": stack[1]}, {"b": "a"})
     with pytest.raises(TypeError, match=r"ft.nn.Shared.init_cache: the tied model is a dict"):
         tied.init_cache(2, 4)
+
+
+# ------------------------------------------------------------------ a jax.vmap-ed ensemble of Stack models
+class Blk(ft.Module):
+    d: ft.nn.Dense
+
+    def __call__(self, x):
+        return jnp.tanh(self.d(x))
+
+
+class Net(ft.Module):
+    blocks: ft.nn.Stack
+
+    def __call__(self, x):
+        return self.blocks(x)
+
+
+def ensemble(size, n=3):
+    """``size`` models of an ``n``-member Stack, built by jax.vmap: leaves (size, n, ...)."""
+    make = lambda k: Net(ft.nn.Stack(lambda kk: Blk(ft.nn.Dense(2, 2, key=kk)), n, key=k))  # noqa: E731
+    return jax.vmap(make)(jax.random.split(jax.random.key(0), size))
+
+
+X2 = jnp.asarray(np.random.default_rng(3).normal(size=(4, 2)), jnp.float32)
+
+
+def one_loss(m):
+    return jnp.sum(m(X2) ** 2)
+
+
+def ensemble_loss(ms):
+    return jax.vmap(one_loss)(ms).sum()
+
+
+def refused(path, size):
+    return rf"'{re.escape(path)}' addresses a member of the ft.nn.Stack 'blocks' \(3 members\), but its leaf " \
+           rf"'blocks.layers.d.(weight|bias)' has shape \({size}, 3, 2(, 2)?\).*each model's leaf is \(3, 2(, 2)?\)" \
+           rf"(.|\n)*jax.vmap\(ft.gradient\(loss, wrt=\"blocks.1.\*\"\)\)\(ensemble\)"
+
+
+@pytest.mark.parametrize("size", [3, 2])  # as many models as members (the old code read the wrong axis) or not
+def test_member_key_paths_and_patterns_on_an_ensemble_are_refused(size):
+    # Every leaf is (models, members, ...): a member index or pattern cannot say which axis is
+    # the members'. With size == 3 the old code silently took model 1 for member 1.
+    ens = ensemble(size)
+    opt = ft.optim.Optimizer(ft.optim.sgd(1.0), wrt="blocks.1.*")
+    frozen = optax.chain(ft.optim.sgd(1.0), ft.optim.freeze("blocks.1.*"))
+    calls = {
+        "blocks.1.d.weight": [lambda: ft.get(ens, "blocks.1.d.weight"),
+                              lambda: ft.set(ens, "blocks.1.d.weight", jnp.zeros((size, 2, 2)))],
+        "blocks.1": [lambda: ft.get(ens, "blocks.1")],
+        "blocks.1.*": [lambda: ft.select(ens, "blocks.1.*"),
+                       lambda: ft.gradient(ensemble_loss, wrt="blocks.1.*")(ens),
+                       lambda: opt.init(ens),
+                       lambda: opt.minimize(ensemble_loss, ens, ft.optim.Optimizer(ft.optim.sgd(1.0)).init(ens)),
+                       lambda: frozen.update(ft.gradient(ensemble_loss)(ens), frozen.init(ens), ens)],
+        "blocks.0": [lambda: ft.to_flat_dict(ens, unstack=True)],
+    }
+    for path, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(ValueError, match=refused(path, size)):
+                fn()
+    for index in (1, slice(0, 2)):
+        with pytest.raises(ValueError, match=r"addresses a member of the ft.nn.Stack .*jax.vmap"):
+            ens.blocks[index]
+
+
+def test_member_patterns_inside_vmap_are_exact_and_the_ensemble_is_still_refused_after():
+    # The right code: the pattern inside jax.vmap, one model at a time. A selection cached by
+    # that call (same tree structure) must not let the ensemble through afterwards.
+    ens = ensemble(3)
+    full = ft.gradient(ensemble_loss)(ens).blocks.layers.d.weight
+    inside = jax.vmap(ft.gradient(one_loss, wrt="blocks.1.*"))(ens).blocks.layers.d.weight
+    np.testing.assert_allclose(inside[:, 1], full[:, 1], rtol=0, atol=1e-6)
+    assert not np.asarray(inside[:, [0, 2]]).any()
+    with pytest.raises(ValueError, match=refused("blocks.1.*", 3)):
+        ft.gradient(ensemble_loss, wrt="blocks.1.*")(ens)
+    got = jax.vmap(lambda m: ft.get(m, "blocks.1.d.weight"))(ens)
+    np.testing.assert_allclose(got, ens.blocks.layers.d.weight[:, 1], rtol=0, atol=0)
+    opt = ft.optim.Optimizer(ft.optim.sgd(1.0), wrt="blocks.1.*")
+    new, _, _ = jax.vmap(lambda m, s: opt.minimize(one_loss, m, s))(ens, jax.vmap(opt.init)(ens))
+    changed = np.asarray(jnp.abs(new.blocks.layers.d.weight - ens.blocks.layers.d.weight).sum((-1, -2)) > 0)
+    np.testing.assert_array_equal(changed, [[False, True, False]] * 3)
+
+
+def test_whole_leaf_patterns_work_on_an_ensemble():
+    ens = ensemble(2)
+    full = ft.gradient(ensemble_loss)(ens)
+    some = ft.gradient(ensemble_loss, wrt="blocks.*")(ens)
+    for a, b in zip(jax.tree.leaves(some), jax.tree.leaves(full)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=0)
+    assert ft.select(ens, "*.weight").blocks.layers.d.weight is True
+    assert ft.get(ens, "blocks.layers.d.weight").shape == (2, 3, 2, 2)
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.5), wrt="*.bias")
+    new, _, _ = opt.minimize(ensemble_loss, ens, opt.init(ens))
+    np.testing.assert_allclose(new.blocks.layers.d.bias, ens.blocks.layers.d.bias - 0.5 * full.blocks.layers.d.bias,
+                               rtol=0, atol=1e-6)
+    assert jnp.array_equal(new.blocks.layers.d.weight, ens.blocks.layers.d.weight)
+
+
+def test_summary_of_an_ensemble_counts_one_member_of_one_model():
+    text = str(ft.summary(ensemble(2)))
+    assert re.search(r"\nblocks +3 × Blk \(6 each\) in each of 2 models +float32 +36 ", text), text
+
+
+def test_nested_stacks_in_an_ensemble_are_refused_and_work_inside_vmap():
+    def make(k):
+        return ft.nn.Stack(lambda kk: ft.nn.Stack(lambda j: ft.nn.Dense(2, 2, key=j), 2, key=kk), 3, key=k)
+
+    ens = jax.vmap(lambda k: {"blocks": make(k)})(jax.random.split(jax.random.key(1), 2))
+    assert ens["blocks"].ranks == (("layers.weight", 3), ("layers.bias", 2))
+    with pytest.raises(ValueError, match=r"'blocks.2.1.weight' addresses a member .* shape \(2, 3, 2, 2, 2\)"):
+        ft.get(ens, "blocks.2.1.weight")
+    got = jax.vmap(lambda m: ft.get(m, "blocks.2.1.weight"))(ens)
+    np.testing.assert_allclose(got, ens["blocks"].layers.layers.weight[:, 2, 1], rtol=0, atol=0)
+
+
+def test_a_stack_pickled_or_saved_before_ranks_existed_reads_and_keeps_working():
+    # ranks came later: a pickle or checkpoint without it reads as None (a restore's template
+    # gives its own); such a stack still refuses an ensemble whose axis 0 is not its members'.
+    import pickle
+
+    from functree.train.checkpoint._treespec import decode, encode
+
+    m = build(3)
+    older = pickle.loads(pickle.dumps(m))
+    older.blocks.__dict__.pop("ranks")  # what an earlier functree's pickle holds
+    back = pickle.loads(pickle.dumps(older))
+    assert back.blocks.ranks is None
+    np.testing.assert_allclose(ft.get(back, "blocks.1.up.weight"), m.blocks.layers.up.weight[1], rtol=0, atol=0)
+    arrays, spec = encode(m.blocks)
+    stored = json.loads(json.dumps(spec))
+    del stored["static"]["ranks"]
+    assert decode(stored, arrays).ranks is None
+    with tempfile.TemporaryDirectory() as d:
+        ft.train.save(d + "/m", back)
+        assert ft.train.load(d + "/m", m).blocks.ranks == m.blocks.ranks
+    ens = jax.vmap(lambda k: ft.nn.Stack(lambda kk: ft.nn.Dense(2, 2, key=kk), 3, key=k))(
+        jax.random.split(jax.random.key(0), 2))
+    old = ft.Module.replace(ens, ranks=None)
+    with pytest.raises(ValueError, match=r"'0.weight' addresses a member .* shape \(2, 3, 2, 2\).*\(3, \.\.\.\)"):
+        ft.get(old, "0.weight")

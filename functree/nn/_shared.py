@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+import jax
+
 from functree._key_path_names import key_path
 from functree._module import Module, field
 from functree._naming import untransform
@@ -67,6 +69,12 @@ def _removed(tree: Any, path: KeyPath) -> Any:
     return parent_path.set(tree, new) if parent_path else new
 
 
+def _rank(value: Any) -> int | None:
+    """An array's number of axes; None for another value (a layer tied whole)."""
+    shape = getattr(value, "shape", None)
+    return None if shape is None else len(shape)
+
+
 def _inside(path: KeyPath, prefix: KeyPath) -> bool:
     return len(path) >= len(prefix) and tuple(path[: len(prefix)]) == tuple(prefix)
 
@@ -114,11 +122,21 @@ class Shared(Module):
       True
       >>> ft.select(lm, "head.weight").model.embed.embeddings
       True
+
+    An ensemble of tied models built with ``jax.vmap`` (leaves with a leading model axis)
+    resolves model by model: :attr:`ranks` records each transformed source's rank, and a
+    transform is mapped over the axes in front (``ft.get(ensemble, "head.weight")`` is
+    each model's transpose).
     """
 
     model: Any
     ties: tuple[tuple[KeyPath, KeyPath, Callable[[Any], Any] | None], ...] = field(static=True)
+    # Per tie, the rank of a transformed source array (else None): a source of more axes is a
+    # batch of models (a jax.vmap-ed ensemble), which a transform such as jnp.transpose would mix.
+    ranks: tuple[int | None, ...] | None = field(static=True, default=None)
     __ft_tied__: ClassVar[bool] = True
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("ranks",)  # derived: a restore's template decides them
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("ranks",)  # files written before it read as None
 
     def __init__(self, model: Any, ties: Mapping[str | KeyPath, Any]):
         if not isinstance(ties, Mapping) or not ties:
@@ -140,11 +158,25 @@ class Shared(Module):
             stored = _removed(stored, target)
         self.model = stored
         self.ties = tuple(parsed)
+        self.ranks = tuple(None if t is None else _rank(source.get(model)) for _, source, t in parsed)
+
+    def _transforms(self) -> list[Callable[[Any], Any] | None]:
+        """Each tie's transform, mapped (``jax.vmap``) over the leading axes its source has
+        beyond the rank recorded at construction: a batch of models (a jax.vmap-ed
+        ensemble) resolves model by model, ``jnp.transpose`` transposing each model's matrix."""
+        out = []
+        for (_, source, transform), rank in zip(self.ties, self.ranks or (None,) * len(self.ties)):
+            shape = getattr(source.get(self.model), "shape", None)
+            if transform is not None and rank is not None and shape is not None:
+                for _ in range(len(shape) - rank):
+                    transform = jax.vmap(transform)
+            out.append(transform)
+        return out
 
     def resolve(self) -> Any:
         """The complete model: each target holds its source's (transformed) value."""
         model = self.model
-        for target, source, transform in self.ties:
+        for (target, source, _), transform in zip(self.ties, self._transforms()):
             value = source.get(model)
             model = target.set(model, value if transform is None else transform(value))
         return model
@@ -152,7 +184,7 @@ class Shared(Module):
     def set_resolved(self, path: KeyPath, value: Any) -> Shared:
         """A copy with ``value`` at ``path`` of the resolved model (``ft.set(lm, "head.weight", w)``):
         a tie target's value is written to its source (through the inverse of its transform)."""
-        for target, source, transform in self.ties:
+        for (target, source, _), transform in zip(self.ties, self._transforms()):
             if not _inside(path, target):
                 continue
             rest = KeyPath(path[len(target):])

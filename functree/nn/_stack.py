@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module, field, from_fields
+from functree._naming import refuse_batched_members
 from functree._paths import KeyPath, children, walk
 from functree._repr import short_array
+from functree._tree import dotted_name
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
@@ -149,6 +151,13 @@ class Stack(Layer):
     :meth:`from_layers` stacks existing blocks. Key paths reach members:
     ``ft.get(model, "blocks.3.up.weight")``, ``ft.to_flat_dict(model, unstack=True)``.
 
+    An ensemble of models built with ``jax.vmap(lambda k: Model(..., key=k))(keys)`` has
+    leaves ``[E, n, ...]``: :attr:`ranks` (each member leaf's own rank, recorded at
+    construction) tells its leading axes from the member axis, and member key paths and
+    patterns (``"blocks.1.*"``) on the whole ensemble raise, naming the fix: use them
+    inside ``jax.vmap`` over the ensemble, one model at a time. Whole-leaf patterns
+    (``"blocks.*"``, ``"*.bias"``) work on the ensemble.
+
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> stack = ft.nn.Stack(lambda k: ft.nn.Dense(4, 4, jax.nn.tanh, key=k), 3, key=jax.random.key(0))
@@ -164,8 +173,12 @@ class Stack(Layer):
     layers: Any
     n: int = field(static=True)
     remat: Any = field(static=True, default=None)
+    # ``((name in a member, rank), ...)``: each member leaf's own rank, so that a leaf with more
+    # leading axes than ``[n, *member]`` (a jax.vmap-ed ensemble of models) is recognised.
+    ranks: tuple[tuple[str, int], ...] | None = field(static=True, default=None)
     __ft_stacked__: ClassVar[bool] = True
-    __ft_template_static__: ClassVar[tuple[str, ...]] = ("remat",)  # a restore's template decides them (how it spends memory)
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("remat", "ranks")  # a restore's template decides them (how it spends memory; ranks are derived)
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("ranks",)  # files written before it read as None
 
     def __init__(self, make: Callable[[jax.Array], Any], n: int, *, key: jax.Array, remat: Any = None):
         n = _check_n(n)
@@ -175,6 +188,7 @@ class Stack(Layer):
             raise TypeError(NOT_A_MODULE.format(type=type(layers).__name__))
         self.layers = layers
         self.n = n
+        self.ranks = member_ranks(layers)
 
     @classmethod
     def from_layers(cls, layers: Sequence[Any], *, remat: Any = None) -> Stack:
@@ -196,7 +210,8 @@ class Stack(Layer):
             if diff is not None:
                 raise ValueError(DIFFERENT_STRUCTURE.format(index=i, path=diff[0], first=diff[1], given=diff[2]))
         stacked = jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *layers)
-        return from_fields(cls, {"layers": stacked, "n": len(layers), "remat": remat_policy(remat)})
+        return from_fields(cls, {"layers": stacked, "n": len(layers), "remat": remat_policy(remat),
+                                 "ranks": member_ranks(stacked)})
 
     def __call__(self, x: Any, *args: Any, key: jax.Array | None = None, cache: Any = None,
                  **kwargs: Any) -> Any:
@@ -254,6 +269,7 @@ class Stack(Layer):
     def __getitem__(self, index: int | slice) -> Any:
         """Member ``index`` (the block's type), or a Stack of a slice of the members."""
         if isinstance(index, slice):
+            self._check_unbatched(f"[{index.start}:{index.stop}:{index.step}]")
             members = range(self.n)[index]
             if not members:
                 raise IndexError(f"stack[{index.start}:{index.stop}:{index.step}] selects no member of {self.n}.")
@@ -284,9 +300,45 @@ class Stack(Layer):
     # The stacked-node protocol of functree._stacked (per-member key paths).
     def _member(self, i: int) -> Any:
         # A tree shaped like the model (a mask's bools, labels) holds one value for all members.
+        self._check_unbatched(f"[{i}]")
         return jax.tree.map(lambda a: _item(a, i), self.layers)
 
+    def _batched_leaf(self) -> tuple[str, tuple[int, ...], str] | None:
+        """``(name, shape, expected shape)`` of a leaf with leading axes before the member
+        axis (a jax.vmap-ed ensemble of models), or None.
+
+        A leaf's own rank is the one :attr:`ranks` recorded at construction; a leaf it does
+        not name (a file written before it, a layer replaced since) must at least have
+        ``n`` on axis 0. A leaf without axes (a mask's bool) is every member's."""
+        known = dict(self.ranks or ())
+        pairs, _ = jax.tree_util.tree_flatten_with_path(self.layers)
+        for path, a in pairs:
+            shape = tuple(getattr(a, "shape", ()))
+            rank = known.get(dotted_name(path))
+            if not shape:
+                continue
+            if rank is not None and len(shape) > rank + 1:
+                return dotted_name(path), shape, str(shape[len(shape) - 1 - rank:])
+            if rank is None and shape[0] != self.n:
+                return dotted_name(path), shape, f"({self.n}, ...)"
+        return None
+
+    def _batch_shape(self) -> tuple[int, ...]:
+        """The leading axes of the leaves before the member axis (``()``; ``(E,)`` for a
+        jax.vmap-ed ensemble of E models), read from a leaf whose rank :attr:`ranks` records."""
+        known = dict(self.ranks or ())
+        pairs, _ = jax.tree_util.tree_flatten_with_path(self.layers)
+        for path, a in pairs:
+            shape, rank = tuple(getattr(a, "shape", ())), known.get(dotted_name(path))
+            if shape and rank is not None and len(shape) > rank + 1:
+                return shape[: len(shape) - 1 - rank]
+        return ()
+
+    def _check_unbatched(self, member: str) -> None:
+        refuse_batched_members(self, f"stack{member}", "")
+
     def _with_member(self, i: int, value: Any) -> Stack:
+        self._check_unbatched(f"[{i}]")
         diff = _first_difference(self._member(i), value)
         if diff is not None:
             raise ValueError(BAD_MEMBER.format(path=f"[{i}]", expected=_describe(self._member(i)),
@@ -295,7 +347,19 @@ class Stack(Layer):
 
     def _with_layers(self, layers: Any) -> Stack:
         n = len(jax.tree.leaves(layers)[0]) if jax.tree.leaves(layers) else self.n
-        return from_fields(type(self), {"layers": layers, "n": n, "remat": self.remat})
+        return from_fields(type(self), {"layers": layers, "n": n, "remat": self.remat, "ranks": self.ranks})
+
+
+def member_ranks(layers: Any) -> tuple[tuple[str, int], ...]:
+    """``((dotted name, rank of a member's leaf), ...)`` of stacked ``layers`` ([n, ...] leaves).
+
+    Example:
+      >>> import functree as ft, jax
+      >>> member_ranks(jax.vmap(lambda k: ft.nn.Dense(2, 3, key=k))(jax.random.split(jax.random.key(0), 4)))
+      (('weight', 2), ('bias', 1))
+    """
+    pairs, _ = jax.tree_util.tree_flatten_with_path(layers)
+    return tuple((dotted_name(p), len(getattr(a, "shape", ())) - 1) for p, a in pairs)
 
 
 def _item(a: Any, i: int) -> Any:

@@ -18,7 +18,12 @@ from typing import Any
 from jax._src import core as _core
 from jax.core import Tracer
 
-__all__ = ["current_trace", "inner_trace", "transform_name", "under_transformation"]
+__all__ = ["CURRENT", "TOP", "current_trace", "inner_trace", "transform_name", "under_transformation"]
+
+# ``CURRENT.value is not TOP``: under a transformation, read in C (no Python frame: a
+# training loop's call tests it on its fast path).
+CURRENT: Any = _core.trace_state_strong_ref
+TOP: Any = _core.eval_trace
 
 
 def under_transformation() -> bool:
@@ -33,12 +38,12 @@ def under_transformation() -> bool:
       >>> bool(jax.jit(lambda x: jnp.asarray(under_transformation()))(1.0))
       True
     """
-    return not _core.trace_ctx.is_top_level()
+    return CURRENT.value is not TOP
 
 
 def current_trace() -> Any:
     """The trace current now (an opaque object: compare it with :func:`inner_trace`)."""
-    return _core.trace_ctx.trace
+    return CURRENT.value
 
 
 def _ancestry(trace: Any) -> set[int]:

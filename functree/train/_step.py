@@ -43,7 +43,7 @@ from functree._alias import (
 )
 from functree._flat import FlatJit, flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
-from functree._traces import under_transformation
+from functree._traces import CURRENT, TOP
 from functree._where import devices_error, placement_of, put
 from functree.nn._state import collect_state
 from functree.optim import Optimizer, context, hyperparameters
@@ -615,7 +615,7 @@ class TrainStep:
             self._owned_call = False
             self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
             return direct(model, opt_state, batch, key, None)[:3]
-        if under_transformation():  # the user's jit/vmap/scan: its values must not be kept here
+        if CURRENT.value is not TOP:  # the user's jit/vmap/scan: its values must not be kept here
             return self.run(model, opt_state, batch, key)[:3]
         if self._halt is None:
             self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []

@@ -301,3 +301,14 @@ def test_transformations_that_keep_the_state_at_the_collecting_trace_are_not_ref
                                rtol=0, atol=1e-6)
     mean = per_member[ft.key_path(None, ".running_mean")]
     np.testing.assert_allclose(mean, [[1.5, 2.0], [2.5, 3.0]], rtol=0, atol=1e-6)  # 0.5 r + 0.5 [3, 4]
+
+
+def test_state_filed_by_a_stack_inside_the_users_vmap_and_a_closed_over_checkpoint_is_refused():
+    # ft.nn.Stack files its members' state itself (record_under): checked all the same.
+    x = jnp.ones((4, 3))
+    stack = ft.nn.training(ft.nn.Stack(lambda k: ft.nn.BatchNorm(3), 2, key=jax.random.key(0)))
+    with pytest.raises(ValueError, match=r"state at \.layers\.running_mean was recorded inside jax\.vmap"):
+        ft.nn.value_with_gradient_and_state(lambda m: jnp.sum(jax.vmap(lambda xi: m(xi[None])[0])(x) ** 2), stack)
+    bn = ft.nn.training(ft.nn.BatchNorm(3))
+    with pytest.raises(ValueError, match=r"(?s)state at \.running_mean was recorded inside jax\.checkpoint.*ft\.nn\.Remat"):
+        ft.nn.value_with_gradient_and_state(lambda m: jnp.sum(jax.checkpoint(lambda y: m(y))(x) ** 2), bn)

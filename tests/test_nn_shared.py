@@ -192,8 +192,8 @@ def test_a_tie_target_of_a_vmapped_ensemble_is_each_models_transform(size, vocab
     # with the right shape, when all three sizes agree).
     ens = ensemble_of_tied_lms(size, vocab, width)
     e = ens.model.embed.embeddings
-    assert ens.ranks == (2,)
     np.testing.assert_array_equal(ft.get(ens, "head.weight"), jnp.swapaxes(e, 1, 2))
+    assert ens.ranks == (2,)
     np.testing.assert_array_equal(ft.get(ens, "embed.embeddings"), e)
     np.testing.assert_array_equal(ens.resolve().head.weight, jnp.swapaxes(e, 1, 2))
     new = jnp.arange(size * width * vocab, dtype=jnp.float32).reshape(size, width, vocab)

@@ -81,6 +81,7 @@ from functree.train._scan import (
     shard_stacked,
     step_slice,
 )
+from functree.train._traced import traced_call
 
 __all__ = ["TrainStep", "EvalStep"]
 
@@ -609,14 +610,14 @@ class TrainStep:
         # What run() does for a plain call, inline once run() has set _direct: the program's
         # own call (its donation guard and checks inside), no run() frame per loop step.
         direct = self._direct
+        if CURRENT.value is not TOP:  # inside the user's jit/vmap/scan: keep none of its values
+            return traced_call(self, model, opt_state, batch, key)
         if self.on_nan != "stop":
             if direct is None:
                 return self.run(model, opt_state, batch, key)[:3]
             self._owned_call = False
             self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
             return direct(model, opt_state, batch, key, None)[:3]
-        if CURRENT.value is not TOP:  # the user's jit/vmap/scan: its values must not be kept here
-            return self.run(model, opt_state, batch, key)[:3]
         if self._halt is None:
             self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
         elif not self._calls & 15:  # now and then, without waiting: has a step stopped?

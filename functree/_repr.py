@@ -56,7 +56,8 @@ def _sequence(items: list[str], open_: str, close: str, indent: int) -> str:
 def module_repr(m: Any, indent: int = 0) -> str:
     """``Dense(weight=f32[2,4], bias=f32[4], activation=relu)``; nested models on lines."""
     cls = type(m)
-    parts = [f"{n}={_value_repr(m.__dict__.get(n, '?'), indent + 2)}" for n in cls.__ft_fields__]
+    hidden = getattr(cls, "__ft_repr_hidden__", ())  # bookkeeping a user never sets (a Stack's ranks)
+    parts = [f"{n}={_value_repr(m.__dict__.get(n, '?'), indent + 2)}" for n in cls.__ft_fields__ if n not in hidden]
     one_line = f"{cls.__name__}({', '.join(parts)})"
     if len(one_line) + indent <= 88 and "\n" not in one_line:
         return one_line

@@ -692,6 +692,7 @@ def test_nested_stacks_in_an_ensemble_are_refused_and_work_inside_vmap():
 
     ens = jax.vmap(lambda k: {"blocks": make(k)})(jax.random.split(jax.random.key(1), 2))
     assert ens["blocks"].ranks == (("layers.weight", 3), ("layers.bias", 2))
+    assert "ranks" not in repr(ens["blocks"])  # derived bookkeeping: a notebook's repr does not show it
     with pytest.raises(ValueError, match=r"'blocks.2.1.weight' addresses a member .* shape \(2, 3, 2, 2, 2\)"):
         ft.get(ens, "blocks.2.1.weight")
     got = jax.vmap(lambda m: ft.get(m, "blocks.2.1.weight"))(ens)

@@ -137,6 +137,7 @@ class Shared(Module):
     __ft_tied__: ClassVar[bool] = True
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("ranks",)  # derived: a restore's template decides them
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("ranks",)  # files written before it read as None
+    __ft_repr_hidden__: ClassVar[tuple[str, ...]] = ("ranks",)  # derived bookkeeping: not shown in repr
 
     def __init__(self, model: Any, ties: Mapping[str | KeyPath, Any]):
         if not isinstance(ties, Mapping) or not ties:

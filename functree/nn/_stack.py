@@ -179,6 +179,7 @@ class Stack(Layer):
     __ft_stacked__: ClassVar[bool] = True
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("remat", "ranks")  # a restore's template decides them (how it spends memory; ranks are derived)
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("ranks",)  # files written before it read as None
+    __ft_repr_hidden__: ClassVar[tuple[str, ...]] = ("ranks",)  # derived bookkeeping: not shown in repr
 
     def __init__(self, make: Callable[[jax.Array], Any], n: int, *, key: jax.Array, remat: Any = None):
         n = _check_n(n)

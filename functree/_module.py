@@ -421,7 +421,9 @@ class Module:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """The pickled fields; a static field the class gained since the pickle was written
         at its default (:func:`added_static`), as a checkpoint reads it."""
-        self.__dict__.update({**added_static(type(self), state), **state})
+        defaults = added_static(type(self), state)
+        self.__dict__.update({**defaults, **state})
+        derive_added(self, defaults)
 
     def __copy__(self) -> Self:
         d = self.__dict__
@@ -519,6 +521,16 @@ def added_static(cls: type, given: Any) -> dict[str, Any]:
     added = getattr(cls, "__ft_added_static__", ())
     return {f.name: f.default for f in dataclasses.fields(cls)  # pyright: ignore[reportArgumentType]
             if f.name in added and f.name not in given and not _missing(f.default)}
+
+
+def derive_added(obj: Any, filled: Any) -> None:
+    """Replace the defaults :func:`added_static` gave ``obj`` (the ``filled`` names) by what
+    its class derives from the other fields, where it can (``__ft_derive_added__(obj,
+    names) -> {name: value}``: a Stack's member ranks from its leaves), so a model read from
+    an older file has the tree structure of one built now."""
+    derive = getattr(type(obj), "__ft_derive_added__", None)
+    if derive is not None and filled:
+        obj.__dict__.update(derive(obj, frozenset(filled)))
 
 
 def by_name(value: Any) -> Any:

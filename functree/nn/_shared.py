@@ -139,6 +139,12 @@ class Shared(Module):
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("ranks",)  # files written before it read as None
     __ft_repr_hidden__: ClassVar[tuple[str, ...]] = ("ranks",)  # derived bookkeeping: not shown in repr
 
+    def __ft_derive_added__(self, names: frozenset[str]) -> dict[str, Any]:
+        """``ranks`` for a Shared read from a file written before it, as built now."""
+        if "ranks" not in names:
+            return {}
+        return {"ranks": tuple(None if t is None else _rank(source.get(self.model)) for _, source, t in self.ties)}
+
     def __init__(self, model: Any, ties: Mapping[str | KeyPath, Any]):
         if not isinstance(ties, Mapping) or not ties:
             raise ValueError(NOTHING_TIED if isinstance(ties, Mapping) else BAD_TIE.format(given=ties))

@@ -181,6 +181,16 @@ class Stack(Layer):
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("ranks",)  # files written before it read as None
     __ft_repr_hidden__: ClassVar[tuple[str, ...]] = ("ranks",)  # derived bookkeeping: not shown in repr
 
+    def __ft_derive_added__(self, names: frozenset[str]) -> dict[str, Any]:
+        """``ranks`` for a Stack read from a file written before it (``functree._module.derive_added``):
+        from the leaves, where every one has the ``n`` members on axis 0 (a single model's
+        Stack, as built now); otherwise None (the axis-0 check still refuses an ensemble of
+        another size)."""
+        leaves = jax.tree.leaves(self.layers)
+        if "ranks" not in names or not all(np.ndim(a) >= 1 and np.shape(a)[0] == self.n for a in leaves):
+            return {}
+        return {"ranks": member_ranks(self.layers)}
+
     def __init__(self, make: Callable[[jax.Array], Any], n: int, *, key: jax.Array, remat: Any = None):
         n = _check_n(n)
         self.remat = remat_policy(remat)

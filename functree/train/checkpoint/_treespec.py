@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._module import Module, added_static, check_static
+from functree._module import Module, added_static, check_static, derive_added
 from functree._paths import KeyPath
 from functree._tree import child_name
 from functree.hf._config import HFConfig
@@ -362,6 +362,7 @@ def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> A
         values[n] = _decode(s, arrays, child_name(path, n))
     out = object.__new__(cls)
     out.__dict__.update({n: values[n] for n in cls.__ft_fields__})
+    derive_added(out, [n for n in cls.__ft_static__ if n not in static])
     return out
 
 

@@ -20,9 +20,21 @@ from jax.core import Tracer
 
 __all__ = ["CURRENT", "TOP", "current_trace", "inner_trace", "transform_name", "under_transformation"]
 
-# ``CURRENT.value is not TOP``: under a transformation, read in C (no Python frame: a
-# training loop's call tests it on its fast path).
-CURRENT: Any = _core.trace_state_strong_ref
+class _ThreadTrace:
+    """JAX before 0.10 (the floor, 0.9.2): the current trace is ``trace_ctx.trace``, a
+    thread-local attribute (``trace_state_strong_ref`` came in 0.10)."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> Any:
+        return _core.trace_ctx.trace
+
+
+# ``CURRENT.value is not TOP``: under a transformation, read in C where JAX has the config
+# (0.10 and later: no Python frame on a training loop's fast path), else the property above.
+_STRONG = getattr(_core, "trace_state_strong_ref", None)
+CURRENT: Any = _ThreadTrace() if _STRONG is None else _STRONG
 TOP: Any = _core.eval_trace
 
 

@@ -38,7 +38,6 @@ import re
 import tempfile
 from collections import Counter
 from collections.abc import Sequence
-from itertools import pairwise
 from typing import Any
 
 import jax
@@ -46,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree.hf._names import TorchNames, torch_names
+from functree.hf._peft_blocks import BLOCKS, member_columns, read_blocks
 from functree.interop._safetensors import load_file, read_header, save_file
 from functree.nn._lora import (
     DenseLayer,
@@ -157,9 +157,6 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # The config's fields that decide the adapted model's numbers: recorded in the weights file's
 # metadata (under RECORD) by save_lora and checked against the config by load_lora.
 RECORD = "functree.adapter_config"
-# Also in the metadata: the block form's columns of each member, {module: [[member, start,
-# stop], ...]}, so load_lora gives each member its own A and B back (PEFT ignores it).
-BLOCKS = "functree.fused_blocks"
 RECORDED = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "target_modules", "exclude_modules",
             "layers_to_transform", "layers_pattern", "modules_to_save", "fan_in_fan_out", "bias", "use_dora",
             "lora_bias")
@@ -429,17 +426,7 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
     metadata = read_header(weights_path, os.path.getsize(weights_path))[1].get("__metadata__") or {}
     if RECORD in metadata:
         _check_record(directory, config, metadata[RECORD])
-    return config, tensors, _blocks(metadata.get(BLOCKS))
-
-
-def _blocks(text: Any) -> dict[str, Any]:
-    """The weights' record of the block form (:data:`BLOCKS`), or {} when absent or not of
-    its shape (a hint only: :func:`_member_adapters` uses it where the tensors agree)."""
-    try:
-        value = json.loads(text) if isinstance(text, str) else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+    return config, tensors, read_blocks(metadata.get(BLOCKS))
 
 
 def _check_init(value: Any) -> None:
@@ -707,7 +694,8 @@ def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str,
     """``{ft member: (module, a [in, r], b [r, out], scale)}`` of one torch module's adapter:
     a fused module's members share ``A`` and take their rows of ``B``, except in the block
     form :func:`save_lora` writes for members trained apart (``recorded``: its columns per
-    member, or found from ``B``: :func:`_own_columns`), where each takes its own columns."""
+    member, or found from ``B``: :func:`functree.hf._peft_blocks.member_columns`), where
+    each takes its own columns."""
     a, b = pair["lora_A"], pair["lora_B"]
     members = sorted(m for m, n in names.members.items() if n.module == module and n.weight_param)
     found = names.members[members[0]]
@@ -721,46 +709,10 @@ def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str,
                                               layer=module, inputs=n_in, outputs=found.size, rank=r, source=source))
     scale = float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
     rows = {m: b[names.members[m].positions] for m in members}
-    blocks = _recorded_columns(recorded, rows) or _own_columns(rows)
+    blocks = member_columns(recorded, rows)
     if blocks is not None:  # the block form save_lora writes: each member its own A and B
         return {m: (module, a[blocks[m]].T, rows[m][:, blocks[m]].T, scale) for m in members}
     return {m: (module, a.T, rows[m].T, scale) for m in members}
-
-
-def _recorded_columns(recorded: Any, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-    """The columns save_lora recorded for each member, where the record names exactly these
-    members, its ranges tile ``B``'s columns, and each member's rows of ``B`` are zero
-    outside its range (so the split is exact); None otherwise."""
-    width = next(iter(rows.values())).shape[1]
-    try:
-        spans = {str(m): (int(start), int(stop)) for m, start, stop in recorded}
-    except (TypeError, ValueError):
-        return None
-    if set(spans) != set(rows) or sorted(spans.values())[0][0] != 0:
-        return None
-    ordered = sorted(spans.values())
-    if any(a[1] != b[0] for a, b in pairwise(ordered)) or ordered[-1][1] != width or any(
-            start >= stop for start, stop in ordered):
-        return None
-    out = {m: np.arange(*spans[m]) for m in rows}
-    outside = [np.delete(rows[m], out[m], axis=1) for m in rows]
-    return out if not any(np.any(o != 0) for o in outside) else None
-
-
-def _own_columns(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-    """Each fused member's own rank columns when ``lora_B`` is block-diagonal over the
-    members (every column nonzero in exactly one member's rows, every member owning one):
-    the form :func:`save_lora` writes for members trained apart. Loading each member with
-    only its columns is exact (the others' B rows there are zero) and keeps its rank; with a
-    shared ``A`` each member would train a rank-``Σr`` adapter, ``Σr`` growing at every
-    save and load. None for any other B (PEFT's shared A, a fresh zero B)."""
-    used = {m: np.flatnonzero(np.any(rows_m != 0, axis=0)) for m, rows_m in rows.items()}
-    owners = np.zeros(next(iter(rows.values())).shape[1], np.int64)
-    for columns in used.values():
-        owners[columns] += 1
-    if len(rows) < 2 or not (owners == 1).all() or any(columns.size == 0 for columns in used.values()):
-        return None
-    return used
 
 
 def _loaded(layer: DenseLayer, given: list[tuple[int, tuple[str, np.ndarray, np.ndarray, float]]],

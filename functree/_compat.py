@@ -17,6 +17,8 @@ an equation re-bound          ``get_bind_params`` -> params  the same, or ``(sub
                                                           (older forms)
 one level of a pytree         ``jax._src.tree_util``      ``jax.tree_util`` (public from
                               (0.9)                       0.10)
+the current trace             ``core.trace_ctx.trace``    ``core.trace_state_strong_ref``
+                              (a thread-local attribute)  ``.value`` (from 0.10, read in C)
 ============================  ==========================  ================================
 
 Anything else read here (``cond``'s ``branches``, ``while``'s ``cond_nconsts``/
@@ -88,6 +90,49 @@ def _tree_util(name: str) -> Any:
 # One level of a pytree: ``(children, aux)`` / ``((key, child) pairs, aux)``.
 flatten_one_level = _tree_util("flatten_one_level")
 flatten_one_level_with_keys = _tree_util("flatten_one_level_with_keys")
+
+
+class _ThreadTrace:
+    """JAX before 0.10: the current trace is ``trace_ctx.trace``, a thread-local attribute."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> Any:
+        from jax._src import core
+
+        return core.trace_ctx.trace
+
+
+def _trace_reference() -> tuple[Any, Any]:
+    from jax._src import core
+
+    strong = getattr(core, "trace_state_strong_ref", None)
+    return (_ThreadTrace() if strong is None else strong), core.eval_trace
+
+
+# The current trace (``CURRENT_TRACE.value``; the top level's is ``TOP_TRACE``), read by
+# functree/_traces.py. From JAX 0.10 ``.value`` is read in C: no Python frame on a training
+# loop's call.
+CURRENT_TRACE, TOP_TRACE = _trace_reference()
+
+
+def trace_of(tracer: Any) -> Any:
+    """The trace a tracer belongs to (``tracer._trace``), or None."""
+    return getattr(tracer, "_trace", None)
+
+
+def parent_trace(trace: Any) -> Any:
+    """The trace ``trace`` was opened in (``parent_trace``), or None at the top."""
+    return getattr(trace, "parent_trace", None)
+
+
+def traced_for(trace: Any) -> str | None:
+    """What a jaxpr trace was opened for (its ``frame.debug_info.traced_for``: ``"jit"``,
+    ``"scan"``...), or None for another kind of trace."""
+    info = getattr(getattr(trace, "frame", None), "debug_info", None)
+    value = getattr(info, "traced_for", None)
+    return value if isinstance(value, str) else None
 
 
 class UnsupportedJaxError(RuntimeError):

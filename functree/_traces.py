@@ -7,35 +7,23 @@ level, and inside ``jax.jit``, ``jax.vmap``, ``jax.lax.scan``... a trace whose
 ``T`` or inside it, never outside: a tracer of a trace that is neither ``T`` nor one of
 ``T``'s ancestors leaked out of a transformation opened after ``T``.
 
-JAX exposes this only privately (``jax._src.core.trace_ctx``); the few lines that read it
-are here, so a change in JAX is fixed in one place.
+JAX exposes the current trace only privately; :mod:`functree._compat` reads it (every read
+of JAX's internals is there), for every JAX version functree supports.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jax._src import core as _core
 from jax.core import Tracer
+
+from functree._compat import CURRENT_TRACE, TOP_TRACE, parent_trace, trace_of, traced_for
 
 __all__ = ["CURRENT", "TOP", "current_trace", "inner_trace", "transform_name", "under_transformation"]
 
-class _ThreadTrace:
-    """JAX before 0.10 (the floor, 0.9.2): the current trace is ``trace_ctx.trace``, a
-    thread-local attribute (``trace_state_strong_ref`` came in 0.10)."""
-
-    __slots__ = ()
-
-    @property
-    def value(self) -> Any:
-        return _core.trace_ctx.trace
-
-
-# ``CURRENT.value is not TOP``: under a transformation, read in C where JAX has the config
-# (0.10 and later: no Python frame on a training loop's fast path), else the property above.
-_STRONG = getattr(_core, "trace_state_strong_ref", None)
-CURRENT: Any = _ThreadTrace() if _STRONG is None else _STRONG
-TOP: Any = _core.eval_trace
+# ``CURRENT.value is not TOP``: under a transformation (read in C from JAX 0.10).
+CURRENT: Any = CURRENT_TRACE
+TOP: Any = TOP_TRACE
 
 
 def under_transformation() -> bool:
@@ -63,7 +51,7 @@ def _ancestry(trace: Any) -> set[int]:
     ids = set()
     while trace is not None:
         ids.add(id(trace))
-        trace = getattr(trace, "parent_trace", None)
+        trace = parent_trace(trace)
     return ids
 
 
@@ -85,7 +73,7 @@ def inner_trace(values: Any, trace: Any) -> tuple[int, Any] | None:
     for i, value in enumerate(values):
         if not isinstance(value, Tracer):
             continue
-        owner = getattr(value, "_trace", None)
+        owner = trace_of(value)
         if known is None:
             known = _ancestry(trace)
         if owner is not None and id(owner) not in known:
@@ -130,9 +118,7 @@ def transform_name(trace: Any) -> str:
     kind = type(trace).__name__
     if kind in _TRACE_TYPES:
         return _TRACE_TYPES[kind]
-    frame = getattr(trace, "frame", None)
-    info = getattr(frame, "debug_info", None)
-    traced_for = getattr(info, "traced_for", None)
-    if isinstance(traced_for, str):
-        return _TRACED_FOR.get(traced_for, traced_for)
+    opened_for = traced_for(trace)
+    if opened_for is not None:
+        return _TRACED_FOR.get(opened_for, opened_for)
     return f"a JAX transformation ({kind})"

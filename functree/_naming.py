@@ -121,7 +121,8 @@ def refuse_batched_members(stack: Any, path: str, stack_name: str) -> None:
     ``path`` (a key path or pattern) addresses one of its members."""
     bad = stack._batched_leaf() if hasattr(stack, "_batched_leaf") else None
     if bad is not None:
-        name, shape, expected = bad
+        name, shape, rank = bad
+        expected = f"({len(stack)}, ...)" if rank is None else str(shape[len(shape) - 1 - rank:])
         raise ValueError(ENSEMBLE_MEMBER.format(path=path, stack=stack_name or "<root>", n=len(stack),
                                                 leaf=join_names(stack_name, "layers", name), shape=shape,
                                                 expected=expected))

@@ -314,36 +314,26 @@ class Stack(Layer):
         self._check_unbatched(f"[{i}]")
         return jax.tree.map(lambda a: _item(a, i), self.layers)
 
-    def _batched_leaf(self) -> tuple[str, tuple[int, ...], str] | None:
-        """``(name, shape, expected shape)`` of a leaf with leading axes before the member
-        axis (a jax.vmap-ed ensemble of models), or None.
+    def _batched_leaf(self) -> tuple[str, tuple[int, ...], int | None] | None:
+        """``(name, shape, member rank)`` of the first leaf with leading axes before the
+        member axis (a jax.vmap-ed ensemble of models), or None.
 
         A leaf's own rank is the one :attr:`ranks` recorded at construction; a leaf it does
-        not name (a file written before it, a layer replaced since) must at least have
-        ``n`` on axis 0. A leaf without axes (a mask's bool) is every member's."""
-        known = dict(self.ranks or ())
-        pairs, _ = jax.tree_util.tree_flatten_with_path(self.layers)
-        for path, a in pairs:
-            shape = tuple(getattr(a, "shape", ()))
-            rank = known.get(dotted_name(path))
-            if not shape:
-                continue
-            if rank is not None and len(shape) > rank + 1:
-                return dotted_name(path), shape, str(shape[len(shape) - 1 - rank:])
-            if rank is None and shape[0] != self.n:
-                return dotted_name(path), shape, f"({self.n}, ...)"
-        return None
-
-    def _batch_shape(self) -> tuple[int, ...]:
-        """The leading axes of the leaves before the member axis (``()``; ``(E,)`` for a
-        jax.vmap-ed ensemble of E models), read from a leaf whose rank :attr:`ranks` records."""
+        not name (a file written before it, a layer replaced since: rank None) must at least
+        have ``n`` on axis 0. A leaf without axes (a mask's bool) is every member's."""
         known = dict(self.ranks or ())
         pairs, _ = jax.tree_util.tree_flatten_with_path(self.layers)
         for path, a in pairs:
             shape, rank = tuple(getattr(a, "shape", ())), known.get(dotted_name(path))
-            if shape and rank is not None and len(shape) > rank + 1:
-                return shape[: len(shape) - 1 - rank]
-        return ()
+            if shape and (len(shape) > rank + 1 if rank is not None else shape[0] != self.n):
+                return dotted_name(path), shape, rank
+        return None
+
+    def _batch_shape(self) -> tuple[int, ...]:
+        """The leading axes of the leaves before the member axis (``()``; ``(E,)`` for a
+        jax.vmap-ed ensemble of E models), where :attr:`ranks` tells them apart."""
+        _, shape, rank = self._batched_leaf() or ("", (), None)
+        return () if rank is None else shape[: len(shape) - 1 - rank]
 
     def _check_unbatched(self, member: str) -> None:
         refuse_batched_members(self, f"stack{member}", "")

@@ -36,7 +36,7 @@ from functree._module import Module
 from functree._repr import short_array
 from functree.hf._family import HFModel
 from functree.nn._attention import MultiheadAttention
-from functree.nn._embedding import Embedding
+from functree.nn._embedding import Embedding, without_padding_gradient
 from functree.nn._linear import Dense
 from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack
@@ -143,10 +143,7 @@ def lookup_rows(embedding: Embedding, indices: jax.Array, padding: int | None = 
     lookups pass no gradient back, as torch's (a tied head still trains it)."""
     table = embedding.embeddings
     inside = jnp.where(indices < 0, table.shape[0], indices)
-    rows = jnp.take(table, inside, axis=0, mode="fill", fill_value=jnp.nan)
-    if padding is None:
-        return rows
-    return jnp.where((indices == padding)[..., None], jax.lax.stop_gradient(rows), rows)
+    return without_padding_gradient(jnp.take(table, inside, axis=0, mode="fill", fill_value=jnp.nan), indices, padding)
 
 
 def padding_row(model: Any, vocab: int) -> int | None:

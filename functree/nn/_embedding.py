@@ -70,8 +70,13 @@ class Embedding(Layer):
 
     def __call__(self, indices: jax.Array) -> jax.Array:
         check_input(self, indices, (), kind="int")
-        out = jnp.take(self.embeddings, indices, axis=0, mode="clip")
-        if self.padding_index is None:
-            return out
-        # The padding row's lookups pass no cotangent back: its gradient is zero (torch).
-        return jnp.where((indices == self.padding_index)[..., None], jax.lax.stop_gradient(out), out)
+        return without_padding_gradient(jnp.take(self.embeddings, indices, axis=0, mode="clip"), indices,
+                                        self.padding_index)
+
+
+def without_padding_gradient(rows: jax.Array, indices: jax.Array, padding: int | None) -> jax.Array:
+    """Looked-up ``rows`` whose lookups of the ``padding`` row pass no cotangent back (its
+    gradient from them is zero: torch's ``padding_idx``); ``rows`` as they are for None."""
+    if padding is None:
+        return rows
+    return jnp.where((indices == padding)[..., None], jax.lax.stop_gradient(rows), rows)

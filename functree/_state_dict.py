@@ -43,7 +43,7 @@ the template's floating dtypes), or convert the state dict first: \
 
 FLOAT_DIFFER = "floating dtypes differ ({names}): "
 """The start of :data:`FLOAT_HINT`: a loader that takes no ``cast=`` (the checkpoints')
-replaces the rest with code that works there."""
+gives its own rest (:meth:`FlatDictReport.with_hint`)."""
 
 FLOAT_HINT = FLOAT_DIFFER + """\
 pass cast=True to convert floating values to the template's dtypes: \
@@ -151,10 +151,20 @@ class FlatDictReport:
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[tuple[str, str, str], ...] = ()  # (name, expected, given)
     hints: tuple[str, ...] = ()
+    # The (kind, names) behind each hint ("torch", "float", "cast": :data:`_HINTS`).
+    hinted: tuple[tuple[str, tuple[str, ...]], ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def ok(self) -> bool:
         return not (self.missing or self.unexpected or self.mismatched)
+
+    def with_hint(self, kind: str, text: str) -> FlatDictReport:
+        """This report with the hint for mismatches of ``kind`` written as ``text`` (its
+        ``{names}``: theirs): a caller whose fix differs from :func:`from_flat_dict`'s (a
+        loader that takes no ``cast=``)."""
+        hints = tuple(text.format(names=_listed(list(names))) if k == kind else h
+                      for h, (k, names) in zip(self.hints, self.hinted))
+        return dataclasses.replace(self, hints=hints) if self.hinted else self
 
     def __str__(self) -> str:
         lines = []
@@ -227,7 +237,8 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
     known = frozenset(names)
     unexpected = tuple(k for k in flat if k not in known)
     hints = tuple(_HINTS[kind].format(names=_listed(names)) for kind, names in hinted.items())
-    report = FlatDictReport(tuple(missing), unexpected, tuple(mismatched), hints)
+    report = FlatDictReport(tuple(missing), unexpected, tuple(mismatched), hints,
+                            tuple((kind, tuple(names)) for kind, names in hinted.items()))
     if strict and not report.ok:
         raise ValueError(FLAT_DICT_MISMATCH.format(report=report))
     tree = jax.tree.unflatten(treedef, leaves)

@@ -15,7 +15,6 @@ never onto the writer's devices, which the metadata keeps as information (``writ
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import zlib
@@ -367,13 +366,10 @@ def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: 
 
 
 def _loader_hints(report: FlatDictReport, part: str, restore: str) -> FlatDictReport:
-    """``report`` with from_flat_dict's ``cast=True`` hint, which no loader takes, turned
-    into the code that casts a restored tree (``restore``: the call reading it as saved)."""
-    head = FLOAT_DIFFER.split("{")[0]
+    """``report`` with from_flat_dict's ``cast=True`` hint, which no loader takes, given as
+    the code that casts a restored tree (``restore``: the call reading it as saved)."""
     cast = f"ft.from_flat_dict(template, ft.to_flat_dict({restore}), cast=True)"
-    hints = tuple(h[:h.index("): ") + 3] + CAST_ON_LOAD.format(part=part, cast=cast) if h.startswith(head) else h
-                  for h in report.hints)
-    return dataclasses.replace(report, hints=hints)
+    return report.with_hint("float", FLOAT_DIFFER + CAST_ON_LOAD.format(part=part, cast=cast))
 
 
 def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) -> None:

@@ -161,7 +161,14 @@ class FlatDictReport:
     def with_hint(self, kind: str, text: str) -> FlatDictReport:
         """This report with the hint for mismatches of ``kind`` written as ``text`` (its
         ``{names}``: theirs): a caller whose fix differs from :func:`from_flat_dict`'s (a
-        loader that takes no ``cast=``)."""
+        loader that takes no ``cast=``).
+
+        Example:
+          >>> import functree as ft, jax.numpy as jnp, numpy as np
+          >>> _, report = ft.from_flat_dict({"w": jnp.zeros(2)}, {"w": np.ones(2)}, strict=False)
+          >>> report.with_hint("float", "{names}: cast them yourself").hints
+          ('w: cast them yourself',)
+        """
         hints = tuple(text.format(names=_listed(list(names))) if k == kind else h
                       for h, (k, names) in zip(self.hints, self.hinted))
         return dataclasses.replace(self, hints=hints) if self.hinted else self

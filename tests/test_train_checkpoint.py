@@ -219,6 +219,25 @@ def test_single_tree_save_and_load(tmp_path):
         ft.train.load(tmp_path / "junk")
 
 
+def test_a_managers_directory_and_a_saved_tree_name_each_other(tmp_path):
+    """ft.train.load of a manager's directory (or a template for its step's model), and a
+    manager over one ft.train.save tree, name the reader that fits."""
+    model = make_block()
+    manager = CheckpointManager(tmp_path / "run")
+    manager.save(2, model, optax.sgd(0.1).init(model))
+    manager.save(4, model, optax.sgd(0.1).init(model))
+    with pytest.raises(CheckpointError, match=r"(?s)CheckpointManager's directory.*steps \[2, 4\].*"
+                                              r"restore\(template=model\).model.*/run/4\"\)"):
+        ft.train.load(tmp_path / "run")
+    with pytest.raises(CheckpointError, match=r"(?s)does not fit the template.*CheckpointManager\(.*/run"
+                                              r"\"\).restore\(4, template=template\).model"):
+        ft.train.load(tmp_path / "run" / "4", make_block())
+    assert_same(ft.train.load(tmp_path / "run" / "4")["model"], model)
+    ft.train.save(tmp_path / "tree", model)
+    with pytest.raises(CheckpointError, match=r"one tree written by ft.train.save.*\n.*\n.*\n.*ft.train.load"):
+        CheckpointManager(tmp_path / "tree")
+
+
 KILLED_SAVE = textwrap.dedent(
     """
     import sys, time

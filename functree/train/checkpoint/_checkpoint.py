@@ -59,6 +59,18 @@ NOT_READABLE = """\
 {path} is not a readable functree checkpoint ({problem}).
 Pass the directory written by ft.train.save(path, tree)."""
 
+MANAGER_DIRECTORY = """\
+{path} is a CheckpointManager's directory (a Trainer's ModelCheckpoint writes one): it holds \
+the checkpoints of steps {steps}, each a directory of its own. Restore one step:
+
+    wrong:  ft.train.load("{path}")
+    right:  ft.train.CheckpointManager("{path}").restore(template=model).model   # the latest
+       or:  ft.train.load("{path}/{last}")     # step {last}'s model, opt_state and extra as saved"""
+
+MANAGER_STEP = """
+    ft.train.CheckpointManager("{directory}").restore({step}, template=template).model   \
+# a CheckpointManager's step: its model, opt_state and extra"""
+
 FORMAT_1 = """\
 it was written by an older functree (format functree-checkpoint-1, without checksums); \
 read it once through a migration that writes a checked copy:  \
@@ -326,6 +338,13 @@ def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool 
     return _with_empty(arrays, meta), meta
 
 
+def _step_directories(path: Path) -> list[int]:
+    """The steps a CheckpointManager wrote under ``path`` (none where ``path`` is a checkpoint)."""
+    if (path / "meta").exists() or not path.is_dir():
+        return []
+    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "meta").is_dir())
+
+
 def _unreadable(e: Exception) -> str:
     error = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
     return f"is corrupted or incomplete and cannot be read ({error})"
@@ -423,10 +442,15 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             arrays, meta = _read(lambda args: checkpointer.restore(path, args=args), path, target)
-        tree = _rebuild(meta["spec"], arrays, template)
+        step = meta.get("step")
+        hint = "" if step is None else MANAGER_STEP.format(directory=path.parent, step=step)
+        tree = _rebuild(meta["spec"], arrays, template, hint=hint)
         check_names(meta["spec"], arrays)
         return tree
     except _Damage as e:
+        steps = _step_directories(path)
+        if steps:  # not damage: the parent of a manager's steps
+            raise CheckpointError(MANAGER_DIRECTORY.format(path=path, steps=steps, last=steps[-1])) from None
         raise CheckpointError(NOT_READABLE.format(path=path, problem=e)) from e.__cause__
     except SpecError as e:
         raise SpecError(f"Checkpoint {path}:\n{e}") from None

@@ -38,6 +38,13 @@ Nothing was written. Give the checkpoints a directory of their own:
     wrong:  ft.train.CheckpointManager("{path}")
     right:  ft.train.CheckpointManager("{path}/checkpoints")"""
 
+SAVED_TREE = """\
+{path} is one tree written by ft.train.save, not a CheckpointManager's directory of steps: \
+read it with ft.train.load:
+
+    wrong:  ft.train.CheckpointManager("{path}").restore()
+    right:  ft.train.load("{path}", template)      # or without a template: the tree as saved"""
+
 NOT_A_DIRECTORY = """\
 {path} exists and is a file, not a directory. Nothing was written.
 
@@ -60,6 +67,8 @@ def check_directory(path: Path) -> None:
         raise CheckpointError(NOT_A_DIRECTORY.format(path=path))
     foreign = sorted(e.name for e in path.iterdir() if not (
         STEP_DIR.match(e.name) or TMP in e.name or e.name.startswith(LOCK_NAME))) if path.exists() else []
+    if (path / "meta").is_dir() and (path / "arrays").is_dir():
+        raise CheckpointError(SAVED_TREE.format(path=path))
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         raise CheckpointError(NOT_A_CHECKPOINT_DIRECTORY.format(path=path, entries=shown))

@@ -69,7 +69,7 @@ import difflib
 import fnmatch
 import itertools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -534,34 +534,44 @@ def suggestion(pattern: str, infos: Sequence[LeafInfo]) -> str | None:
     """The pattern the user most likely meant: ``pattern`` with its literal name parts
     replaced, one at a time or all unknown ones together, by the tree's closest parts
     (:func:`_part_score`: ``*.q_proj`` → ``*.query_projection``), if that selects a name;
-    None when no part is close (never an unrelated name)."""
+    failing that, one of these without literal parts below a leaf (torch's and PEFT's
+    ``*.lora_B.default.weight`` → ``*.lora_b``); None when no part is close (never an
+    unrelated name)."""
     every = all_names(infos)
     known = {part for name in every for part in name.split(".")}
     parts = pattern.split(".")
+    trials = list(_replaced(parts, known))
+    for trial in trials:
+        if any(matches(name, ".".join(trial)) for name in every):
+            return ".".join(trial)
+    for trial in [parts, *trials]:
+        for end in range(len(trial) - 1, 0, -1):
+            if _GLOB.search(trial[end]) or _GLOB.search(trial[end - 1]):  # a leaf's own name ends it
+                break
+            p = ".".join(trial[:end])  # whole leaves only: a shorter prefix would select more
+            if any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase("." + name, p) for name in every):
+                return p
+    return None
 
+
+def _replaced(parts: list[str], known: set[str]) -> Iterator[list[str]]:
+    """``parts`` with every unknown literal part by its closest known parts, then with one
+    literal part replaced at a time, best fits first."""
     def candidates(i: int) -> list[str]:
         scored = [(_part_score(parts[i], k), difflib.SequenceMatcher(None, parts[i], k).ratio(), k) for k in known]
         return [k for score, _, k in sorted(scored, reverse=True) if score > 0][:3]
 
-    def selects(p: str) -> bool:
-        return any(matches(name, p) for name in every)
-
     literal = [i for i, part in enumerate(parts) if part and not _GLOB.search(part)]
     unknown = [i for i in literal if parts[i] not in known]
     options = {i: candidates(i) for i in literal}
-    if unknown and all(options[i] for i in unknown):  # every unknown part by its best fit
+    if unknown and all(options[i] for i in unknown):
         for choice in itertools.product(*(options[i] for i in unknown)):
             trial = list(parts)
             for i, c in zip(unknown, choice):
                 trial[i] = c
-            if selects(".".join(trial)):
-                return ".".join(trial)
-    for i in literal:  # or one part replaced
-        for c in options[i]:
-            trial = ".".join(parts[:i] + [c] + parts[i + 1:])
-            if c != parts[i] and selects(trial):
-                return trial
-    return None
+            yield trial
+    for i in literal:
+        yield from (parts[:i] + [c] + parts[i + 1:] for c in options[i] if c != parts[i])
 
 
 _INDEX = re.compile(r"[0-9]+")

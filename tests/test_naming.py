@@ -307,6 +307,25 @@ def test_a_pattern_that_selects_nothing_suggests_the_closest_name_by_parts(patte
         assert all(_naming.matches(n, meant) for n in _naming.closest(pattern, infos)[:1])
 
 
+@pytest.mark.parametrize("pattern, meant", [
+    ("*.lora_B.weight", "*.lora_b"),                          # PEFT's spelling of ft's leaf
+    ("*.lora_A.default.weight", "*.lora_a"),
+    ("*.up_proj.lora_b.weight", "*.up_proj.lora_b"),          # only the parts below a leaf dropped
+    ("model.layers.0.mlp.up_proj.foo", None),                 # below a layer, not a leaf: its every leaf is no fit
+    ("*.lora_B.*", None),                                     # a glob below: nothing dropped
+])
+def test_a_pattern_naming_parts_below_a_leaf_suggests_the_leaf(pattern, meant):
+    tree = jax.eval_shape(lambda: ft.nn.lora(_llama_like(), "*.up_proj", rank=2, key=jax.random.key(2)))
+    assert _naming.suggestion(pattern, _naming.leaf_infos(tree)) == meant
+
+
+def test_a_peft_spelled_group_is_refused_with_fts_leaf():
+    model = ft.nn.lora(_llama_like(), "*.up_proj", rank=2, key=jax.random.key(2))
+    tx = ft.optim.groups({"*.lora_B.weight": optax.sgd(16.0)}, default=optax.sgd(1.0))
+    with pytest.raises(ValueError, match=r"right:  ft.optim.groups\(\{'\*.lora_b': ...\}"):
+        ft.optim.Optimizer(tx, wrt="*.lora_*").init(model)
+
+
 def test_wrt_errors_name_the_suggested_pattern():
     model = jax.eval_shape(_llama_like)
     with pytest.raises(ValueError, match=r"(?s)wrt='\*.q_proj' selects no parameter.*right:  wrt='\*.query_projection'"):

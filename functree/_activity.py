@@ -92,7 +92,7 @@ class State(NamedTuple):
     is_zero: bool
 
 
-MARK = 1  # bit 0 of ``quiet``: the value passed through ft.without_derivative
+MARK = 1  # bit 0 of ``quiet``: the value passed through ft.without_derivative, and nothing unstopped since
 EMPTY = State(0, 0, 0, 0, frozenset(), False)
 _ZERO = State(0, 0, 0, 0, frozenset(), True)
 
@@ -264,13 +264,20 @@ def _elementary(eqn: Any, ins: list, scoped: bool) -> list:
     floats = [s for v, s in zip(eqn.invars, ins) if is_inexact(v.aval)]
     zero = name in _ZERO_PRESERVING and bool(floats) and all(s.is_zero for s in floats)
     out_state = u._replace(is_zero=zero)
+    if u.quiet & MARK and not all(s.quiet & MARK for v, s in zip(eqn.invars, ins) if not isinstance(v, jcore.Literal)):
+        # Mixed with a value that was not stopped (data, a model's output): the result is no
+        # longer the one the user declared constant (Swift's withoutDerivative(at:) of it).
+        out_state = out_state._replace(quiet=u.quiet & ~MARK)
     return [out_state if is_inexact(v.aval) else _cut(u, eqn) for v in eqn.outvars]
 
 
 def _cond(eqn: Any, ins: list, scoped: bool) -> list:
     index, operands = ins[0], ins[1:]
+    branches = eqn.params["branches"]
+    if isinstance(eqn.invars[0], jcore.Literal):  # lax.cond(True, ...): only that branch runs
+        branches = [branches[int(np.clip(eqn.invars[0].val, 0, len(branches) - 1))]]
     results = []
-    for branch in eqn.params["branches"]:
+    for branch in branches:
         jaxpr, consts = _open(branch)
         results.append(analyse(jaxpr, consts, operands, scoped))
     outs = [join_all(column) for column in zip(*results)]

@@ -498,11 +498,10 @@ def without_derivative(at: Any) -> Any:
     """
     # The named scope marks the stop_gradient in the jaxpr as intentional; a constant (no
     # tracer, so no equation) is reported to the analysis directly.
-    _diagnostics.note_without_derivative(at)
     with jax.named_scope(SCOPE):
-        return jax.tree.map(
-            lambda x: jax.lax.stop_gradient(x) if is_parameter_leaf(x) else x, at
-        )
+        out = jax.tree.map(lambda x: jax.lax.stop_gradient(x) if is_parameter_leaf(x) else x, at)
+    _diagnostics.note_without_derivative(out)
+    return out
 
 
 def with_recomputation_in_pullbacks(

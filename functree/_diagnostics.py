@@ -471,7 +471,7 @@ def _whole_function(
 
 class _TraceState(threading.local):
     active: bool = False  # the check's trace is running
-    quiet_constant: bool = False
+    marked: list[Any] | None = None  # constants ft.without_derivative returned while it ran
     holding: bool = False  # and the warnings it catches will be emitted (its jaxpr may be replayed)
 
 
@@ -479,11 +479,12 @@ _TRACE = _TraceState()
 
 
 def note_without_derivative(value: Any) -> None:
-    """Called by ``ft.without_derivative``: a constant marked while we trace is intentional."""
-    if _TRACE.active and not any(
-        isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)
-    ):
-        _TRACE.quiet_constant = True
+    """Called by ``ft.without_derivative`` with its result: a constant marked while we trace
+    is intentional where the function returns it (Swift's ``withoutDerivative(at:)`` of its
+    result), not where it only took part (a stopped data target beside an unused model)."""
+    leaves = jax.tree.leaves(value)
+    if _TRACE.active and _TRACE.marked is not None and not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        _TRACE.marked.extend(leaves)
 
 
 SIDE_CHANNELS: list[Callable[[], Any]] = []
@@ -509,8 +510,8 @@ class _Traced(NamedTuple):
 
 def _trace(g: Callable[..., Any], primals: Sequence[Any], holding: bool = False) -> _Traced:
     # Nested operators (a gradient inside a differentiated function) trace inside ours.
-    saved = (_TRACE.active, _TRACE.quiet_constant, _TRACE.holding)
-    _TRACE.active, _TRACE.quiet_constant, _TRACE.holding = True, False, holding
+    saved = (_TRACE.active, _TRACE.marked, _TRACE.holding)
+    _TRACE.active, _TRACE.marked, _TRACE.holding = True, [], holding
     before = [probe() for probe in SIDE_CHANNELS]
     results: list[Any] = []
 
@@ -524,9 +525,11 @@ def _trace(g: Callable[..., Any], primals: Sequence[Any], holding: bool = False)
             warnings.simplefilter("always")
             closed, shape = jax.make_jaxpr(kept, return_shape=True)(*primals)
         side_effect = [probe() for probe in SIDE_CHANNELS] != before
-        return _Traced(closed, shape, _TRACE.quiet_constant, caught, side_effect, jax.tree.leaves(results[0]))
+        returned = jax.tree.leaves(results[0])
+        quiet_constant = any(r is m for r in returned for m in _TRACE.marked or ())
+        return _Traced(closed, shape, quiet_constant, caught, side_effect, returned)
     finally:
-        _TRACE.active, _TRACE.quiet_constant, _TRACE.holding = saved
+        _TRACE.active, _TRACE.marked, _TRACE.holding = saved
 
 
 def _replay(traced: _Traced) -> Callable[..., Any] | None:
@@ -626,6 +629,9 @@ def _data_as_unknown(consts: Sequence[Any], plan: Plan) -> list[Any]:
     make a parameter read as "always a zero gradient" (a closure's or a literal's zero
     still does)."""
     data = jax.tree.leaves([a for i, a in enumerate(plan.args) if i not in plan.indices])
+    for i in plan.indices:  # a differentiated model's buffers (no_derivative: a gate zero now)
+        trained = {id(leaf) for leaf in jax.tree.leaves(parameters(plan.args[i]))}
+        data += [leaf for leaf in jax.tree.leaves(plan.args[i]) if id(leaf) not in trained]
     given = {id(leaf) for leaf in data}
     # A NumPy argument enters the trace converted (another object): known by its shape and
     # dtype (a closure's zero array of the same shape then reads as data too: a miss, never

@@ -179,6 +179,48 @@ def test_seed_002_without_derivative_silences():
     ft.gradient(lambda x: ft.without_derivative(at=jnp.sqrt(3.0)), at=1.0)  # no warning
 
 
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_stopped_data_target_does_not_silence_an_unused_model(jitted):
+    """Swift's withoutDerivative(at:) of the *result* silences the warning; a stopped target
+    beside a model the loss forgot to call does not (eager: a constant; jitted: the jaxpr)."""
+    model = ft.nn.Dense(3, 2, key=jax.random.key(0))
+    x, y = jnp.arange(6.0).reshape(2, 3), jnp.ones((2, 2))
+
+    def forgot_the_model(m, x, y):
+        return jnp.mean((x[:, :2] - ft.without_derivative(at=y)) ** 2)
+
+    grad = ft.gradient(forgot_the_model)
+    with pytest.warns(ft.ZeroDerivativeWarning, match="will always have a zero derivative"):
+        (jax.jit(grad) if jitted else grad)(model, x, y)
+    assert not ft.diagnose(forgot_the_model)(model, x, y).ok
+
+
+def test_a_zero_buffer_of_the_model_is_data_not_a_known_zero():
+    """A no_derivative gate that is 0 now (a warm-up factor) changes later: no warning."""
+    class Warm(ft.Module):
+        dense: ft.nn.Dense
+        gate: jax.Array = ft.field(no_derivative=True)
+
+        def __call__(self, x):
+            return self.dense(x) * self.gate
+
+    model = Warm(ft.nn.Dense(3, 2, key=jax.random.key(0)), jnp.zeros(()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.gradient(lambda m, x: m(x).sum())(model, jnp.ones((2, 3)))
+    with pytest.warns(ft.ZeroDerivativeWarning, match="multiplied by a constant zero"):  # a literal's zero still is
+        ft.gradient(lambda m, x: (m.dense(x) * 0.0).sum())(model, jnp.ones((2, 3)))
+
+
+def test_a_literal_cond_index_analyses_only_the_branch_taken():
+    def f(p):
+        return lax.cond(True, lambda p: p["w"].sum(), lambda p: p["c"].sum(), p)
+
+    report = ft.diagnose(f)({"w": X3, "c": X3})
+    assert {a.name: a.status for a in report.activity} == {"w": "active", "c": "unused"}
+    assert ft.gradient(f, at={"w": X3, "c": X3})["c"].tolist() == [0.0, 0.0, 0.0]
+
+
 def test_non_differentiable_names_operation_and_line():
     def f(x):
         y = x * 2.0
@@ -277,7 +319,10 @@ def test_pattern_selecting_used_parameters_is_quiet(key):
 
 def test_bias_times_constant_zero_mask(key):
     model = Gated(jnp.ones((3, 2)), jnp.ones(2), jnp.zeros(2))
-    report = ft.diagnose(lambda m: m(jnp.ones(3)).sum(), at=model)
+    # The model's own no_derivative mask is data (another call may pass another), as under jit.
+    assert ft.diagnose(lambda m: m(jnp.ones(3)).sum(), at=model).ok
+    mask = jnp.zeros(2)  # a constant of the function's: its zero is known
+    report = ft.diagnose(lambda m: (jnp.ones(3) @ m.weight + m.bias * mask).sum(), at=model)
     assert [f.category for f in report.findings] == [ft.UnusedParameterWarning]
     assert report.findings[0].paths == ("bias",)
     assert "multiplied by a constant zero" in report.findings[0].message

@@ -233,6 +233,23 @@ def test_eval_step_metrics():
     assert not model.weight.is_deleted()
 
 
+def test_eval_step_metric_shapes_are_traced_once_per_signature():
+    # The evaluation sums' structure: main traced the loss on every evaluation. A model
+    # with a leaf JAX cannot trace (a function, as Equinox keeps) takes the same path.
+    traced = []
+
+    def loss(m, batch):
+        traced.append(batch.shape)
+        return jnp.mean(m["act"](batch * m["w"]))
+
+    evaluate = ft.train.eval_step(loss, metrics={"peak": lambda out: jnp.max(out.batch)})
+    model = {"w": jnp.ones(()), "act": jnp.tanh}
+    for size in (4, 4, 8, 4):
+        shapes = evaluate.metric_shapes(model, jnp.ones(size))
+    assert traced == [(4,), (8,)]
+    assert shapes == {"loss": jax.ShapeDtypeStruct((), jnp.float32), "peak": jax.ShapeDtypeStruct((), jnp.float32)}
+
+
 def test_errors():
     with pytest.raises(ValueError, match=r'on_nan must be "stop", "skip" or "ignore", got \'nan\''):
         ft.train.train_step(mse, optax.sgd(0.1), on_nan="nan")
@@ -589,6 +606,53 @@ def test_the_first_call_compiles_one_program():
         step.check()
     assert names == ["jit(flat)"] and bool(jnp.isfinite(metrics["loss"]))
 
+
+
+def test_committed_and_uncommitted_inputs_compile_the_step_as_jax_jit_does():
+    """The halt log follows the model's placement: jax.jit keys its cache on each argument's
+    committedness, and a program given one committed argument returns all committed. Raw
+    jax.jit + optax compiles [1, 0, 1, 0, 0, 0, 0] over this sequence; main compiled
+    [1, 0, 1, 1, 0, 1, 0] (its kept log committed after the restored call) and twice for
+    a first call on committed arrays."""
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    def mse_of_own(m, b):  # its own program: no other test compiled it
+        return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    _, batch = problem()
+    commit = lambda tree: jax.device_put(tree, jax.devices()[0])  # noqa: E731  (as ft.train.load returns)
+    fresh = lambda seed: (lambda m: (m, opt.init(m)))(ft.nn.Dense(3, 1, key=jax.random.key(seed)))  # noqa: E731
+    step = ft.train.train_step(mse_of_own, opt)
+    model, state = fresh(0)
+    counts = []
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for given in ("fresh", "own", "committed", "own", "own", "fresh", "own"):
+            if given == "committed":
+                model, state = commit((model, state))
+            elif given == "fresh":
+                model, state = fresh(len(counts))
+            del compiles[:]
+            model, state, metrics = step(model, state, batch)
+            jax.block_until_ready(metrics)
+            counts.append(len(compiles))
+        assert counts == [1, 0, 1, 0, 0, 0, 0]  # main: [1, 0, 1, 1, 0, 1, 0]
+        step.check()  # the log went through the host at the fresh model: it counts every step called
+        assert int(step._halt["halt"][0]) == 7 and bool(jnp.isfinite(metrics["loss"]))
+        step = ft.train.train_step(lambda m, b: mse_of_own(m, b) * 2.0, opt)  # first called on committed arrays
+        model, state = commit(fresh(9))
+        del compiles[:]
+        for _ in range(3):
+            model, state, metrics = step(model, state, batch)
+        jax.block_until_ready(metrics)
+        assert len(compiles) == 1  # main: 2 (its log was uncommitted, then the step's committed result)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def test_a_step_is_freed_with_its_last_results_when_dropped():

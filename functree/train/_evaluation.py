@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from functree import nn
-from functree._jit import eval_shape
 from functree._tree import is_array_value
 from functree._where import placement_of, put
 from functree.optim._average import averaged as averaged_parameters
@@ -118,7 +117,7 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
             batch = step.shard_batch(to_arrays(given))
             _check_not_empty("evaluate", i, batch)
             if sums is None:
-                shapes = eval_shape(step.step, model, batch, key)
+                shapes = step.metric_shapes(model, batch, key)  # traced once per signature
                 sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
                         "weight": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.int32)}
                 # Committed where the model lives, as the sums the program returns: one program

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec
+from jax.core import Tracer
+from jax.sharding import PartitionSpec, SingleDeviceSharding
 
 from functree._alias import (
     DonationGuard,
@@ -42,9 +43,9 @@ from functree._alias import (
     warn_aliases,
 )
 from functree._flat import FlatJit, flat_jit
-from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
+from functree._jit import _hide, _show, explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._traces import CURRENT, TOP
-from functree._where import devices_error, placement_of, put
+from functree._where import default_device, devices_error, placement_of, put
 from functree.nn._state import collect_state
 from functree.optim import Optimizer, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
@@ -134,6 +135,29 @@ def _merge_microbatches(aux: Any, size: int, accumulate: int, rows: Any) -> Any:
 def _replica_mean(x: Any, axis: str) -> Any:
     """The mean over ``axis`` of a value that still varies over it (else the value)."""
     return jax.lax.pmean(x, axis) if axis in varying_axes(x) else x
+
+
+def _committed(tree: Any) -> bool:
+    """Whether an array of ``tree`` is committed to its devices (a restored one, or put)."""
+    return any(isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.committed for x in jax.tree.leaves(tree))
+
+
+def _placed_as(log: dict[str, Any], model: Any) -> dict[str, Any]:
+    """The step's halt log committed as ``model``'s arrays are, and where they are.
+
+    ``jax.jit`` keys its cache on each argument's committedness and devices, and a program
+    given one committed argument returns every result committed: a log kept from a call on
+    committed (restored) arrays, passed with a fresh uncommitted model, compiled the step
+    again, and so did an uncommitted log passed with restored arrays, and the call after
+    (its results all committed). Off the loop's fast path only: a loop passes the log the
+    previous call returned, placed as the model it returned. An array cannot be uncommitted
+    on device: its three numbers go through the host, the one wait, for the steps queued,
+    of a step given uncommitted arrays after committed ones."""
+    halt = log["halt"]
+    if not _committed(model):
+        return {"halt": jax.device_put(np.asarray(halt))} if halt.committed else log
+    where = placement_of(model) or SingleDeviceSharding(default_device())  # (None: the default device's)
+    return put(log, where)  # an array committed there already stays as it is
 
 
 def _weakly(ref: Callable[[], Any], method: str) -> Callable[..., Any]:
@@ -551,7 +575,7 @@ class TrainStep:
             if steps == 1 == self.steps_per_call and self.placement is None and not owned and type(self).run is TrainStep.run:
                 self._direct = program  # __call__ goes straight to it from now on (run not overridden)
             return program(model, opt_state, batch, key, log)
-        (model, opt_state, *_), _ = self._before((model, opt_state), {})  # jax.jit with static leaves
+        (model, opt_state, batch, key, log), _ = self._before((model, opt_state, batch, key, log), {})  # static leaves
         try:
             out = program(model, opt_state, batch, key, log)
         except (RuntimeError, ValueError) as e:
@@ -576,7 +600,10 @@ class TrainStep:
         if self._donate and not owned:
             warn_aliases(model, what="The model given to the train step")
             model, opt_state = copy_aliases((model, opt_state))
-        return (model, opt_state, *args[2:]), kwargs
+        rest = args[2:]
+        if len(rest) > 2 and rest[2] is self._halt is not None and self.placement is None:  # (the Trainer's log: committed)
+            rest = (*rest[:2], _placed_as(rest[2], model), *rest[3:])  # placed as this call's model
+        return (model, opt_state, *rest), kwargs
 
     def _explain(self, error: Exception, args: tuple, kwargs: dict[str, Any]) -> Exception | None:
         """Name a deleted array of the model or state the caller owns (checked only now), or
@@ -594,11 +621,11 @@ class TrainStep:
                                   step="the train step", no_donation=NO_DONATION)
 
     def _new_halt_log(self, model: Any = None) -> Any:
+        if self.on_nan != "stop":
+            return None
         # Put from the host: an eager operation would compile a program of its own before step 1.
-        halt = jax.device_put(np.array([0, -1, -1], np.int32))
-        if self.placement is None and (where := placement_of(model)) is not None:
-            halt = put(halt, where)  # where the model lives (read once: the log is kept)
-        return self._place_log({"halt": halt}) if self.on_nan == "stop" else None
+        log = {"halt": jax.device_put(np.array([0, -1, -1], np.int32))}
+        return self._place_log(log) if self.placement is not None else _placed_as(log, model)
 
     def _place_log(self, log: Any) -> Any:
         """A new log where the step's program returns it (replicated over the mesh), so the
@@ -711,6 +738,30 @@ class EvalStep:
             batch, _ = self.placement.constrain_batch(batch, whole=True)  # a short last batch too
         loss, aux = self.compute_loss(model, batch, key)
         return evaluate_metrics(self.metrics, StepOutput(loss, aux, batch, model))
+
+    def metric_shapes(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, Any]:
+        """The metrics :meth:`step` returns for these arguments, as ``jax.ShapeDtypeStruct``
+        by name, nothing computed. Traced once per configuration and signature (the
+        evaluation sums' structure: a second evaluation traces the loss no more).
+
+        Example:
+          >>> import functree as ft, jax.numpy as jnp
+          >>> evaluate = ft.train.eval_step(lambda m, b: jnp.mean(b * m["w"]))
+          >>> evaluate.metric_shapes({"w": jnp.ones(())}, jnp.arange(4.0))
+          {'loss': ShapeDtypeStruct(shape=(), dtype=float32)}
+        """
+        entry = self._entry()
+        table = entry.programs.setdefault("shapes", {})
+        shapes = table.get(None)
+        if shapes is None:  # one function per configuration: jax.eval_shape keeps its traces
+            call = trampoline(entry, "step")
+
+            def shapes(*args: Any) -> Any:
+                return _hide(call()(*_show(args)))
+
+            table[None] = shapes
+        entry.owner = self._ref  # a trace runs this step's stages
+        return _show(jax.eval_shape(shapes, *_hide((model, batch, key))))
 
     def summed(self, model: Any, sums: Any, batch: Any, key: Any = None) -> Any:
         """``sums`` after one more minibatch, unjitted: ``{"values": {name: Σ w·metric},

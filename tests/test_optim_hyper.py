@@ -258,3 +258,27 @@ def test_float64_parameters_keep_float64_hyperparameters():
                                                   minibatch_size=7)[0]["w"], -grads[0]["w"] * (0.1 * 7 / 3), rtol=0, atol=1e-15)
     state32 = fo.sgd(0.1).init({"w": jnp.ones(2)})
     assert fo.hyperparameters(state32)["learning_rate"].dtype == jnp.float32
+
+
+def test_set_hyperparameters_compiles_one_program_and_sets_the_values_jnp_array_gives():
+    """ReduceLROnPlateau's first reduction compiled eager programs (each a GPU compile):
+    the values read, two conversions, an index, a squeeze, a scatter; now one jitted
+    setter, whose values are bit for bit those of the eager ``jnp.array`` before."""
+    from _compiles import compiled
+
+    state = fo.adam(1e-2).init({"w": jnp.ones(3)})
+    jax.block_until_ready(state)
+    with compiled() as names:
+        new = fo.set_hyperparameters(state, learning_rate=0.02, beta1=0.8)
+        jax.block_until_ready(new)
+    assert names == ["jit(_set_columns)"]  # main: unstack, convert_element_type twice, broadcast_in_dim, ...
+    given = [0.1, 1 / 3, 3e-8, 1e-40, 2, np.float64(0.7), np.float32(0.25), jnp.float32(0.5), 0.123456789123]
+    for value in given:
+        got = fo.hyperparameters(fo.set_hyperparameters(state, learning_rate=value))["learning_rate"]
+        assert np.asarray(got).tobytes() == np.asarray(jnp.array(value, jnp.float32)).tobytes(), value
+    members = jax.vmap(lambda lr: fo.adam(lr).init({"w": jnp.ones(3)}))(jnp.array(RATES))
+    for value in ([0.5, 1 / 3, 1e-40, 7.0], np.array(RATES[::-1], np.float64), 0.3):
+        got = fo.hyperparameters(fo.set_hyperparameters(members, learning_rate=value, beta1=0.8))
+        expected = np.broadcast_to(np.asarray(jnp.array(value, jnp.float32)), (len(RATES),))
+        assert np.asarray(got["learning_rate"]).tobytes() == expected.tobytes()
+        np.testing.assert_array_equal(got["beta1"], np.full(len(RATES), 0.8, np.float32))

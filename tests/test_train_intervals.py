@@ -74,3 +74,26 @@ def test_to_host_equals_device_get():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         assert isinstance(a, np.ndarray) and a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("mesh", [False, True])
+def test_opening_the_metric_buffer_compiles_nothing(mesh):
+    """The buffer comes from the host, committed where the step returns it: main's eager
+    ``jnp.array`` and ``jnp.zeros`` compiled two programs before the first step."""
+    from _compiles import compiled
+
+    state = _state(ft.optim.adam(1e-3))
+    log = _intervals.MetricLog("nonfinite")
+    log.names = ["loss", "nonfinite"]
+    log.resize(10)
+    place = None
+    if mesh:
+        step = ft.train.train_step(lambda m, b: jnp.sum(m["w"]), ft.optim.adam(1e-3), mesh=jax.make_mesh((1,), ("data",)))
+        place = step._place_log
+    with compiled() as names:
+        buffer = jax.block_until_ready(log.open(state, place))
+    assert names == []  # main: ["jit(convert_element_type)", "jit(broadcast_in_dim)"]
+    assert buffer["halt"].dtype == jnp.int32 and buffer["rows"].dtype == jnp.float32
+    assert buffer["halt"].committed and buffer["rows"].committed
+    np.testing.assert_array_equal(buffer["halt"], [0, -1, -1])
+    np.testing.assert_array_equal(buffer["rows"], np.zeros((16, 3)))  # loss, nonfinite, learning_rate

@@ -19,6 +19,7 @@ A hyperparameter is one of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -495,29 +496,34 @@ def _label(path: tuple) -> str:
     return jax.tree_util.keystr(path)
 
 
-def _entries(state: Any, values: bool = True) -> list[tuple[str, str, bool, Any]]:
+def _entries(state: Any, values: bool | str = True) -> list[tuple[str, str, bool, Any]]:
     """(label, name, settable, value) for every hyperparameter in the state (value None
-    unless ``values``: reading them is one ``unstack`` per transform, not one op per value)."""
+    unless ``values``: reading them is one ``unstack`` per transform, not one op per value;
+    ``"shapes"``: each value's ``jax.ShapeDtypeStruct``, nothing read)."""
     found = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_hyper)[0]
     out = []
     for path, node in found:
         if not _is_hyper(node):
             continue
         label = _label(path)
-        stored = _unpacked(node.values, node.names) if values else [None] * len(node.names)
-        latest = _unpacked(node.scheduled, node.scheduled_names) if values else [None] * len(node.scheduled_names)
+        stored = _unpacked(node.values, node.names, values) if values else [None] * len(node.names)
+        latest = (_unpacked(node.scheduled, node.scheduled_names, values) if values
+                  else [None] * len(node.scheduled_names))
         out += [(label, n, True, v) for n, v in zip(node.names, stored)]
         out += [(label, n, False, v) for n, v in zip(node.scheduled_names, latest)]
     return out
 
 
-def _unpacked(packed: jax.Array | None, names: tuple[str, ...]) -> list[Any]:
-    """One array per name from values packed along the last axis (leading axes: members)."""
+def _unpacked(packed: jax.Array | None, names: tuple[str, ...], values: bool | str = True) -> list[Any]:
+    """One array per name from values packed along the last axis (leading axes: members);
+    ``values="shapes"``: their shapes and dtype only."""
     if not names:
         return []
     assert packed is not None
     if jnp.shape(packed)[-1:] != (len(names),):
         raise ValueError(STACKED_ALONG_ANOTHER_AXIS.format(shape=jnp.shape(packed), n=len(names), names=names))
+    if values == "shapes":
+        return [jax.ShapeDtypeStruct(jnp.shape(packed)[:-1], packed.dtype)] * len(names)
     return list(jnp.unstack(packed, axis=-1))
 
 
@@ -609,7 +615,7 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
       {'w': Array([-0.5, -0.5], dtype=float32)}
     """
     changes = {**(values or {}), **changes}
-    entries = _entries(state)
+    entries = _entries(state, values="shapes")  # (reading the values was an eager program)
     keys = _keys(entries)
     todo: dict[tuple[str, str], Any] = {}
     for key, value in changes.items():
@@ -621,9 +627,8 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
                 raise ValueError(SCHEDULED_HYPERPARAMETER.format(name=name))
             for v in np.ravel(value).tolist() if _is_concrete_array(value) else [value]:
                 _validate("set_hyperparameters", name, v)
-            if np.ndim(value) != 0 and np.shape(value) != np.shape(now):  # one per member
-                raise ValueError(BAD_HYPERPARAMETER_SHAPE.format(name=key, shape=np.shape(value),
-                                                                 members=np.shape(now)))
+            if np.ndim(value) != 0 and np.shape(value) != now.shape:  # one per member
+                raise ValueError(BAD_HYPERPARAMETER_SHAPE.format(name=key, shape=np.shape(value), members=now.shape))
             todo[(label, name)] = value
 
     def replace(path: tuple, node: Any) -> Any:
@@ -633,9 +638,19 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
         hits = [(i, todo[(label, n)]) for i, n in enumerate(node.names) if (label, n) in todo]
         if not hits:
             return node
-        values = node.values
-        for i, v in hits:
-            values = values.at[..., i].set(_scalar(v, values.dtype))  # the state's precision
-        return node.replace(values=values)
+        dtype = node.values.dtype  # the state's precision: host values rounded on the host, as jnp.array does
+        new = tuple(v if isinstance(v, jax.Array) else np.array(v, dtype) for _, v in hits)
+        return node.replace(values=_set_columns(node.values, tuple(i for i, _ in hits), new))
 
     return jax.tree_util.tree_map_with_path(replace, state, is_leaf=_is_hyper)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _set_columns(values: jax.Array, columns: tuple[int, ...], new: tuple[Any, ...]) -> jax.Array:
+    """``values`` with column ``columns[k]`` of its last axis set to ``new[k]`` (cast to its
+    dtype; a fresh buffer: states may be donated). One program per signature: the eager
+    ``values.at[..., i].set(...)`` compiled three (each a GPU compile) at a first
+    ``set_hyperparameters`` (``ReduceLROnPlateau``'s first reduction)."""
+    for i, v in zip(columns, new):
+        values = values.at[..., i].set(jnp.asarray(v, values.dtype))
+    return values

@@ -170,8 +170,9 @@ class MetricLog:
         if self.buffer is None:
             self.rates = learning_rate_names(opt_state)  # "learning_rate", or "<group>/learning_rate" each
             columns = len(self.names or ()) + len(self.rates)
-            buffer = {"halt": jnp.array([0, -1, -1], jnp.int32),  # steps, the step that stopped, its report
-                      "rows": jnp.zeros((self.capacity, columns), jnp.float32)}
+            # From the host: an eager jnp.array or jnp.zeros compiles a program of its own before step 1.
+            buffer = jax.device_put({"halt": np.array([0, -1, -1], np.int32),  # steps, the step that stopped, its report
+                                     "rows": np.zeros((self.capacity, columns), np.float32)})
             # committed as the trainer's other arrays are (one compiled step: _where.put)
             self.buffer = put(buffer if place is None else place(buffer), None)
         return self.buffer

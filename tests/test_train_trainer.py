@@ -1,5 +1,7 @@
 """ft.train.Trainer: fit/evaluate/predict, no per-step sync, exact resume, NaN handling."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -341,6 +343,47 @@ def test_predict_and_evaluate_read_the_training_batches_in_order():
         trainer.evaluate(parts)
     with pytest.raises(ValueError, match=r"(?s)the default fn calls model\(inputs\).*\['attention_mask', 'input_ids'\]"):
         trainer.predict([{"input_ids": X, "attention_mask": X}])
+
+
+def test_a_second_evaluation_or_validation_traces_the_loss_no_more():
+    """The sums' structure (the metrics' names) is traced once per signature: main traced
+    the loss and every metric again (jax.eval_shape of a new function) on each evaluate
+    and each validation pass, a whole forward pass in Python (0.2 s on a tiny Llama)."""
+    traced = {"loss": 0, "metric": 0}
+
+    def counted(model, batch):
+        traced["loss"] += 1
+        return regress(model, batch)
+
+    def mae(out):
+        traced["metric"] += 1
+        return jnp.mean(jnp.abs(out.model(out.batch[0])[:, :1] - out.batch[1]))
+
+    trainer = Trainer(mlp(), adam(), counted, metrics={"mae": mae})
+    first = trainer.evaluate((X, Y), batch_size=32)  # traced twice: the sums' structure, the summing program
+    data = ft.train.batches((X, Y), 16, key=jax.random.key(0))
+    trainer.fit(data, epochs=1, validation_data=(X, Y), batch_size=32, progress=False)  # traces the train step
+    traced.update(loss=0, metric=0)
+    trainer.fit(data, epochs=3, validation_data=(X, Y), batch_size=32, progress=False)
+    again = trainer.evaluate((X, Y), batch_size=32)
+    assert traced == {"loss": 0, "metric": 0}  # main: 3 each (two validation passes, one evaluate)
+    assert sorted(again) == sorted(first) == ["loss", "mae"]
+    expected = float(regress(trainer.inference_model, (X, Y)))
+    np.testing.assert_allclose(again["loss"], expected, rtol=0, atol=1e-5 * max(1.0, expected))
+
+
+def test_nothing_to_train_names_the_epochs_and_steps_the_job_has_run(caplog):
+    # main formatted the argument: "has already run 1 epochs" after 4 epochs
+    trainer = Trainer(mlp(), adam(), regress)
+    data = ft.train.batches((X, Y), 16, key=jax.random.key(0))  # 4 steps an epoch
+    trainer.fit(data, epochs=4, progress=False)
+    with caplog.at_level(logging.WARNING, logger="functree.train"):
+        trainer.fit(data, epochs=1, progress=False)
+        trainer.fit(data, steps=3, progress=False)
+    assert "nothing to train, the job has already run 4 epochs (" in caplog.text  # main: "1 epochs"
+    assert "nothing to train, the job has already run 16 steps (" in caplog.text  # main: "3 steps"
+    assert "e.g. trainer.fit(data, epochs=5)" in caplog.text and "trainer.fit(data, steps=116)" in caplog.text
+    assert (trainer.epoch, trainer.steps_run) == (4, 16)
 
 
 def test_a_loss_that_requires_a_key_evaluates_and_validates():

@@ -310,7 +310,8 @@ class Trainer(Evaluation):
         else:
             by_steps = steps is not None and self.steps_run >= steps
             more = f"steps={self.steps_run + 100}" if by_steps else f"epochs={self.epoch + 1}"
-            why = (f"has already run {f'{steps} steps' if by_steps else f'{epochs} epochs'} (fit(epochs=N) and "
+            done = f"{self.steps_run} steps" if by_steps else f"{self.epoch} epochs"  # the job's, not the argument
+            why = (f"has already run {done} (fit(epochs=N) and "
                    f"fit(steps=N) count the whole job): ask for more to train on, e.g. trainer.fit(data, {more})")
         _LOG.warning(ALREADY_DONE.format(step=self.steps_run, epoch=self.epoch, why=why))
 

@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.core import Tracer
-from jax.sharding import PartitionSpec, SingleDeviceSharding
+from jax.sharding import PartitionSpec
 
 from functree._alias import (
     DonationGuard,
@@ -45,7 +44,7 @@ from functree._alias import (
 from functree._flat import FlatJit, flat_jit
 from functree._jit import _hide, _show, explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._traces import CURRENT, TOP
-from functree._where import default_device, devices_error, placement_of, put
+from functree._where import devices_error
 from functree.nn._state import collect_state
 from functree.optim import Optimizer, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
@@ -66,6 +65,7 @@ from functree.parallel._step_specs import (
     stack_devices,
     without_axis,
 )
+from functree.train._halt import new_halt_log, placed_as
 from functree.train._metrics import (
     StepOutput,
     batch_size_of,
@@ -135,29 +135,6 @@ def _merge_microbatches(aux: Any, size: int, accumulate: int, rows: Any) -> Any:
 def _replica_mean(x: Any, axis: str) -> Any:
     """The mean over ``axis`` of a value that still varies over it (else the value)."""
     return jax.lax.pmean(x, axis) if axis in varying_axes(x) else x
-
-
-def _committed(tree: Any) -> bool:
-    """Whether an array of ``tree`` is committed to its devices (a restored one, or put)."""
-    return any(isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.committed for x in jax.tree.leaves(tree))
-
-
-def _placed_as(log: dict[str, Any], model: Any) -> dict[str, Any]:
-    """The step's halt log committed as ``model``'s arrays are, and where they are.
-
-    ``jax.jit`` keys its cache on each argument's committedness and devices, and a program
-    given one committed argument returns every result committed: a log kept from a call on
-    committed (restored) arrays, passed with a fresh uncommitted model, compiled the step
-    again, and so did an uncommitted log passed with restored arrays, and the call after
-    (its results all committed). Off the loop's fast path only: a loop passes the log the
-    previous call returned, placed as the model it returned. An array cannot be uncommitted
-    on device: its three numbers go through the host, the one wait, for the steps queued,
-    of a step given uncommitted arrays after committed ones."""
-    halt = log["halt"]
-    if not _committed(model):
-        return {"halt": jax.device_put(np.asarray(halt))} if halt.committed else log
-    where = placement_of(model) or SingleDeviceSharding(default_device())  # (None: the default device's)
-    return put(log, where)  # an array committed there already stays as it is
 
 
 def _weakly(ref: Callable[[], Any], method: str) -> Callable[..., Any]:
@@ -602,7 +579,7 @@ class TrainStep:
             model, opt_state = copy_aliases((model, opt_state))
         rest = args[2:]
         if len(rest) > 2 and rest[2] is self._halt is not None and self.placement is None:  # (the Trainer's log: committed)
-            rest = (*rest[:2], _placed_as(rest[2], model), *rest[3:])  # placed as this call's model
+            rest = (*rest[:2], placed_as(rest[2], model), *rest[3:])  # placed as this call's model
         return (model, opt_state, *rest), kwargs
 
     def _explain(self, error: Exception, args: tuple, kwargs: dict[str, Any]) -> Exception | None:
@@ -623,9 +600,7 @@ class TrainStep:
     def _new_halt_log(self, model: Any = None) -> Any:
         if self.on_nan != "stop":
             return None
-        # Put from the host: an eager operation would compile a program of its own before step 1.
-        log = {"halt": jax.device_put(np.array([0, -1, -1], np.int32))}
-        return self._place_log(log) if self.placement is not None else _placed_as(log, model)
+        return self._place_log(new_halt_log()) if self.placement is not None else placed_as(new_halt_log(), model)
 
     def _place_log(self, log: Any) -> Any:
         """A new log where the step's program returns it (replicated over the mesh), so the

@@ -19,7 +19,7 @@ from jax.core import Tracer
 
 from functree._compat import CURRENT_TRACE, TOP_TRACE, parent_trace, trace_of, traced_for
 
-__all__ = ["CURRENT", "TOP", "current_trace", "inner_trace", "transform_name", "under_transformation"]
+__all__ = ["CURRENT", "TOP", "current_trace", "inner_trace", "staged", "transform_name", "under_transformation"]
 
 # ``CURRENT.value is not TOP``: under a transformation (read in C from JAX 0.10).
 CURRENT: Any = CURRENT_TRACE
@@ -39,6 +39,28 @@ def under_transformation() -> bool:
       True
     """
     return CURRENT.value is not TOP
+
+
+def staged() -> bool:
+    """Whether a jaxpr is being built around the code (``jax.jit``, ``jax.make_jaxpr``,
+    ``jax.eval_shape``, ``jax.checkpoint``, ``lax.scan``'s body...): what it binds is
+    compiled later as a whole. False at top level and under transformations that run
+    eagerly, operation by operation (``jax.grad``, ``jax.vmap`` called outside any jit).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree._traces import staged
+      >>> seen = []
+      >>> _ = jax.jit(lambda x: seen.append(staged()) or x)(1.0), jax.grad(lambda x: seen.append(staged()) or x)(1.0)
+      >>> seen
+      [True, False]
+    """
+    trace = CURRENT.value
+    while trace is not None and trace is not TOP:
+        if traced_for(trace) is not None:
+            return True
+        trace = parent_trace(trace)
+    return False
 
 
 def current_trace() -> Any:

@@ -22,7 +22,8 @@ from functree._module import Module, field, from_fields
 from functree._naming import refuse_batched_members
 from functree._paths import KeyPath, children, walk
 from functree._repr import short_array
-from functree._tree import dotted_name
+from functree._traces import staged
+from functree._tree import bounded_put, cached, dotted_name, is_array_value
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
@@ -140,7 +141,9 @@ class Stack(Layer):
     each member maps ``x`` to the same shape and dtype; ``key=`` is split into one key per
     member for blocks that take one (Dropout); layer state (BatchNorm) is collected per
     member. ``remat=True`` (or a ``jax.checkpoint_policies`` name, or a policy) recomputes
-    each block in the backward pass instead of storing its activations.
+    each block in the backward pass instead of storing its activations. Called eagerly
+    (outside ``jax.jit``), the scan compiles once per structure and signature of its
+    inputs, not at every call; inside ``jax.jit`` it is the jaxpr's own ``scan``.
 
     With ``cache=`` (one cache per member stacked on axis 0, from :meth:`init_cache`: the
     key-value caches of decoding) each member is called ``x, c = member(x, cache=c, *args,
@@ -230,7 +233,20 @@ class Stack(Layer):
         if cache is not None:
             self._check_caches(cache)
         state = collecting()
+        eager = None if state else _eager_scan(self, x, keys, cache, args, kwargs)
+        if eager is not None:  # compiled once per signature, not at every call
+            x, cache = eager()
+            return x if cache is None else (x, cache)
         paths: list[KeyPath] = []
+        x, values, cache = self._scan(x, keys, cache, args, kwargs, paths if state else None)
+        record_under(self, "layers", paths, values)
+        return x if cache is None else (x, cache)
+
+    def _scan(self, x: Any, keys: Any, cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              paths: list[KeyPath] | None) -> tuple[Any, Any, Any]:
+        """``(x, state values, caches)`` of the members applied in order by ``jax.lax.scan``;
+        with ``paths``, each member's layer state is collected (its key paths stored into
+        ``paths`` while tracing) and stacked by the scan."""
 
         def body(carry: Any, xs: tuple[Any, Any, Any]) -> tuple[Any, Any]:
             member, k, c = xs
@@ -238,7 +254,7 @@ class Stack(Layer):
             if c is not None:
                 kw = {**kw, "cache": c}
             try:
-                if state:
+                if paths is not None:
                     out, values = call_collecting(lambda m: m(carry, *args, **kw), member, paths)
                 else:
                     out, values = member(carry, *args, **kw), ()
@@ -251,8 +267,7 @@ class Stack(Layer):
         x, (values, cache) = jax.lax.scan(
             checkpointed(body, self.remat), x, (self.layers, keys, cache), length=self.n
         )
-        record_under(self, "layers", paths, values)
-        return x if cache is None else (x, cache)
+        return x, values, cache
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
         """Every member's ``init_cache(batch_size, max_length, dtype)``, stacked on axis 0.
@@ -369,6 +384,80 @@ def _item(a: Any, i: int) -> Any:
         return a
     x = a[i]
     return bool(x) if isinstance(x, np.bool_) else x
+
+
+# An eager call's compiled scan, one per structure and abstract signature of its inputs
+# (tree definitions, the extra arguments' static values, every array's shape, dtype and
+# weak type): keys hold no arrays, bounded like every tree-definition cache.
+_SCANS: dict[Any, Callable[..., Any]] = {}
+
+# Values the extra arguments may hold besides arrays, compiled into the scan as the
+# constants a closure over them made.
+_PLAIN = (bool, int, float, complex, str, bytes, np.generic, np.dtype, type)
+_ARRAY = object()  # an extra argument's leaf passed to the compiled scan as an array
+
+
+def _static_key(v: Any) -> Any:
+    """``v``'s key as a constant of the scan, keyed by type and exact value (``1``, ``1.0``
+    and ``True`` are equal in Python, not in a jaxpr; ``-0.0`` is not ``0.0``); None for
+    another kind of value."""
+    if not isinstance(v, _PLAIN):
+        return None
+    if isinstance(v, np.generic):
+        return type(v), v, v.tobytes()
+    if isinstance(v, (float, complex)):
+        return type(v), v, repr(v)
+    return type(v), v
+
+
+def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Callable[[], tuple[Any, Any]] | None:
+    """The call run eagerly (at top level, under ``jax.grad`` or ``jax.vmap``: no jaxpr
+    staged around it) as ``() -> (x, caches)``, or None.
+
+    ``jax.lax.scan`` caches its trace on the body function: the body, a fresh closure at
+    each call, was traced and compiled again at every eager call. Here the scan runs in a
+    ``jax.jit`` made once per structure and signature (:data:`_SCANS`), the extra
+    arguments' arrays passed in (a closure would bake the first call's into the trace) and
+    their plain values (a flag, a Python number) kept static, as the closure kept them.
+    Another kind of value (a function; a NumPy array without axes, which the closure made
+    a literal) leaves the call to the plain scan."""
+    if staged():
+        return None
+    extra, extra_def = jax.tree.flatten((args, kwargs))
+    arrays, static = [], []
+    for v in extra:
+        if isinstance(v, jax.Array) or (isinstance(v, np.ndarray) and v.ndim):
+            arrays.append(v)
+            static.append(_ARRAY)
+        elif (k := _static_key(v)) is not None:
+            static.append(k)
+        else:
+            return None
+    dynamic, dynamic_def = jax.tree.flatten((stack, x, keys, cache, arrays))
+    if not all(map(is_array_value, dynamic)):
+        return None
+    signature = (dynamic_def, extra_def, tuple(static), tuple(jax.typeof(a) for a in dynamic))
+    key, run = cached(_SCANS, signature)
+    if key is None:
+        return None
+    if run is None:
+        run = _compiled_scan(extra_def, [v if v is _ARRAY else v[1] for v in static])
+        bounded_put(_SCANS, key, run)
+    return lambda: run(stack, x, keys, cache, arrays)
+
+
+def _compiled_scan(extra_def: Any, static: list[Any]) -> Callable[..., Any]:
+    """The eager scan of one signature: ``run(stack, x, keys, caches, arrays) -> (x, caches)``,
+    the extra arguments rebuilt from their arrays and static values."""
+
+    def run(stack: Stack, x: Any, keys: Any, cache: Any, arrays: list[Any]) -> tuple[Any, Any]:
+        given = iter(arrays)
+        args, kwargs = jax.tree.unflatten(extra_def, [next(given) if v is _ARRAY else v for v in static])
+        x, _, cache = stack._scan(x, keys, cache, args, kwargs, None)
+        return x, cache
+
+    return jax.jit(run)
 
 
 def _check_carry(block: Any, x: Any, y: Any) -> None:

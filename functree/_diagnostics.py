@@ -65,6 +65,7 @@ from functree._parameters import parameters
 from functree._plan import Plan
 from functree._source import function_name as _fn_name
 from functree._source import unwrap as _unwrap
+from functree._traces import staged
 from functree._tree import CACHE_LIMIT, bounded_put, dotted_name
 
 __all__ = [
@@ -648,15 +649,24 @@ def check(kind: str, fn: Any, g: Any, plan: Plan) -> Callable[..., Any]:
     Called by every differential operator. The analysis and its warnings happen once per
     function and abstract signature (later calls only compute the cache key); nothing
     happens when ``ft.config.diagnostics`` is off. The function returned is, when ``g`` was
-    traced now and its jaxpr can stand for it (:func:`_replay`), a replay of that jaxpr
-    (``g``'s Python runs once, and its warnings are emitted once); otherwise ``g``.
+    traced now inside a jaxpr being built (``jax.jit``, a train step) and its jaxpr can
+    stand for it (:func:`_replay`), a replay of that jaxpr (``g``'s Python runs once per
+    compile, and its warnings are emitted once); otherwise ``g``.
+
+    Called eagerly (no jaxpr built around: at top level, under ``jax.grad`` or ``jax.vmap``),
+    ``g`` is returned even on the first call: eager differentiation compiles each operation
+    it runs, and the replay's operations are not those of ``g``'s Python (jnp's jitted
+    functions are inlined into primitives in a jaxpr), so a replay on the first call and
+    ``g`` on the next compiled the forward pass twice, in two forms. ``g``'s Python runs
+    twice on the first eager call (the check's trace, whose warnings are dropped, then the
+    operator's run, which warns), then once per call, as under ``jax.grad``.
     """
     if not config.diagnostics:
         return g
     key = cache_key(kind, fn, plan)
     if key is not None and key in _CACHE:
         return g
-    traced: list[_Traced] = []
+    traced: list[_Traced] | None = [] if staged() else None
     report = _run(fn, g, plan, first_output_only=kind == "gradient", strict=False, traced=traced)
     if key is not None:
         bounded_put(_CACHE, key, report)

@@ -404,11 +404,11 @@ def test_analysis_runs_once_per_signature():
         return (x * x).sum()
 
     ft.gradient(f, at=jnp.ones(3))
-    assert next(traces) == 1  # the analysis's trace, whose jaxpr jax.grad differentiates
+    assert next(traces) == 2  # the analysis's trace, then the eager jax.grad's run (no replay eagerly)
     ft.gradient(f, at=jnp.ones(3) * 2)
-    assert next(traces) == 3  # only jax.grad traced again
-    ft.gradient(f, at=jnp.ones(4))  # a new signature is analysed (and replayed) again
-    assert next(traces) == 5
+    assert next(traces) == 4  # only jax.grad's run
+    ft.gradient(f, at=jnp.ones(4))  # a new signature is analysed again
+    assert next(traces) == 7
 
 
 def test_warns_once_per_signature():
@@ -832,21 +832,66 @@ def test_the_operator_differentiates_the_checks_jaxpr_bit_for_bit(jitted):
 @pytest.mark.parametrize("operator", ["gradient", "value_with_pullback", "value_with_differential", "jacobian",
                                       "jacobian_forward", "hessian"])
 def test_every_operator_runs_the_functions_python_once(operator):
-    calls = []
+    calls = itertools.count()  # not a pytree: the closure's key stays the same
 
     def f(v):
-        calls.append(1)
+        next(calls)
         return jnp.sum(jnp.sin(v) * v ** 2)
 
     _diagnostics._CACHE.clear()
-    v = jnp.arange(3.0)
-    {"gradient": lambda: ft.gradient(f, at=v),
-     "value_with_pullback": lambda: ft.value_with_pullback(f, at=v)[1](1.0),
-     "value_with_differential": lambda: ft.value_with_differential(f, at=v)[1](jnp.ones(3)),
-     "jacobian": lambda: ft.jacobian(f, at=v),
-     "jacobian_forward": lambda: ft.jacobian(f, at=v, mode="forward"),
-     "hessian": lambda: ft.hessian(f, at=v)}[operator]()
-    assert len(calls) == 1  # the check's trace, which the operator differentiates
+    run = {"gradient": lambda v: ft.gradient(f, at=v),
+           "value_with_pullback": lambda v: ft.value_with_pullback(f, at=v)[1](1.0),
+           "value_with_differential": lambda v: ft.value_with_differential(f, at=v)[1](jnp.ones(3)),
+           "jacobian": lambda v: ft.jacobian(f, at=v),
+           "jacobian_forward": lambda v: ft.jacobian(f, at=v, mode="forward"),
+           "hessian": lambda v: ft.hessian(f, at=v)}[operator]
+    jax.jit(run)(jnp.arange(3.0))
+    assert next(calls) == 1  # the check's trace, which the operator differentiates
+    _diagnostics._CACHE.clear()
+    run(jnp.arange(3.0))  # eagerly: the check's trace, then the operator's own run (no replay)
+    run(jnp.arange(3.0) + 1)  # the operator's run only
+    assert next(calls) == 2 + 2 + 1  # 2 counted above (a run and the count), then 2 runs, then 1
+
+
+def _counting_compiles():
+    """``(count, stop)``: ``count[0]`` the XLA compilations until ``stop()``."""
+    count = [0]
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return count, lambda: jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_eager_differentiation_compiles_the_function_once_as_jax_grad_does():
+    """main: the first eager call differentiated the check's jaxpr (its primitives, jnp's
+    jitted functions inlined) and the next ones the function's Python (jnp's functions
+    compiled whole): the forward pass compiled twice, in two forms (16, then 7 more, for
+    this loss). Now eager calls all run the Python, as jax.grad does: nothing compiles
+    after the first call, a fresh lambda per call (a notebook cell run again) included,
+    and the numbers are jax.grad's bit for bit."""
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    y = jax.random.normal(jax.random.key(2), (8, 1))
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    loss = lambda m: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+    _diagnostics._CACHE.clear()
+    first = ft.value_with_gradient(lambda m: loss(m), at=model)  # compiles
+    count, stop = _counting_compiles()
+    try:
+        again = [ft.value_with_gradient(lambda m: loss(m), at=model) for _ in range(2)]
+        again.append(ft.gradient(lambda m: loss(m), at=model))
+        jax.block_until_ready(again)
+    finally:
+        stop()
+    assert count[0] == 0  # main: 7
+    expected = jax.value_and_grad(loss)(model)
+    for got in (first, *again[:2]):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(again[2]), jax.tree.leaves(expected[1])):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_train_steps_loss_runs_once_per_signature():

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from _tolerance import needs_float16_conversions
 
 import functree as ft
 import functree.optim as fo
@@ -45,7 +47,7 @@ def test_loss_scaling_gives_unscaled_gradients():
     assert float(grads["w"]) == 3.0 and float(loss) == 1.0
     with pytest.raises(ValueError, match="needs the optimizer state"):
         opt.compute_gradients(lambda p: p["w"], p)
-    with pytest.raises(ValueError, match="initial_scale must be positive"):
+    with pytest.raises(ValueError, match="initial_scale must be a finite positive number"):
         fo.LossScaleOptimizer(inner, initial_scale=0.0)
 
 
@@ -125,3 +127,178 @@ def test_a_hook_without_scale_and_a_hook_beside_transform_loss_are_refused():
     np.testing.assert_allclose(float(moved["w"]), 0.8, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"a get_gradients hook computes the gradients itself and would ignore"):
         fo.Optimizer(fo.sgd(0.1), transform_loss=lambda v: v**2, get_gradients=hook)
+
+
+# ---- against torch.amp.GradScaler ------------------------------------------------------------
+
+def _torch_scaler(init_scale, growth_interval=2000):
+    return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+
+
+def _clip(grads):  # ft.optim.Optimizer's docstring's hook: torch's clip_grad_value_(1.0)
+    return ft.tree_map(lambda g: jnp.clip(g, -1.0, 1.0), grads)
+
+
+def test_a_clip_hook_does_not_hide_an_overflow():
+    """The finiteness was checked after transform_gradients: jnp.clip turned the overflowed
+    inf into 1 and the step was applied (w 1 -> 0.9, scale kept at 32768, 0 skipped). torch's
+    unscale_ checks before clip_grad_value_: the step is skipped and the scale halved."""
+    w = torch.ones((), requires_grad=True)
+    sgd = torch.optim.SGD([w], lr=0.1)
+    scaler = _torch_scaler(2.0**15)
+    scaler.scale(w * 1e35).backward()
+    scaler.unscale_(sgd)
+    torch.nn.utils.clip_grad_value_([w], 1.0)
+    scaler.step(sgd)
+    scaler.update()
+    expected = (float(w.detach()), scaler.get_scale())
+    assert expected == (1.0, 2.0**14)
+
+    loss = lambda p, *batch: p["w"] * 1e35  # noqa: E731  (scale * loss overflows float32)
+    for hook in (_clip, [_clip], ()):
+        opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(0.1), transform_gradients=hook))
+        p = {"w": jnp.ones(())}
+        got, state, _ = ft.jit(lambda p, s, opt=opt: opt.minimize(loss, p, s))(p, opt.init(p))
+        assert (float(got["w"]), float(state.scale), int(state.skipped)) == (*expected, 1)
+        assert int(fo.context(state).step) == 0
+        step = ft.train.train_step(loss, opt, donate=False)
+        got, state, _ = step(p, opt.init(p), (jnp.zeros(1),))
+        assert (float(got["w"]), float(state.scale), int(state.skipped)) == (*expected, 1)
+    # An unaggregated hook too, and RFC 234's own loop: compute_gradients then apply_gradients.
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(0.1), transform_unaggregated_gradients=_clip))
+    p = {"w": jnp.ones(())}
+    state = opt.init(p)
+    _, grads = opt.compute_gradients(loss, p, state=state)
+    assert np.isnan(float(grads["w"]))
+    got, state = opt.apply_gradients(grads, p, state)
+    assert (float(got["w"]), float(state.scale), int(state.skipped)) == (*expected, 1)
+
+
+def test_the_scale_stops_at_float32s_largest_power_of_two_as_torchs():
+    """The scale doubled from 2**127 to inf, after which every step overflowed, was skipped,
+    and inf / 2 stayed inf: training stopped for good, silently. And from 2**127 on, the
+    unscaling's reciprocal (2**-127) was subnormal, flushed to zero by XLA: every gradient 0.
+    torch grows only to a finite scale and unscales exactly."""
+    loss = lambda p: 0.01 * jnp.sum((p["w"] - 1.0) ** 2)  # noqa: E731
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(0.1)), initial_scale=2.0**126, growth_interval=1)
+    p = {"w": jnp.zeros(2)}
+    state = opt.init(p)
+    step = ft.jit(lambda p, s: opt.minimize(loss, p, s))
+    scales, eager = [], (p, state)
+    for _ in range(6):
+        p, state, _ = step(p, state)
+        scales.append(float(state.scale))
+    for _ in range(6):  # eagerly: XLA's division by a scalar is a product with its reciprocal there too
+        eager = opt.minimize(loss, *eager)[:2]
+
+    w = torch.zeros(2, requires_grad=True)
+    sgd = torch.optim.SGD([w], lr=0.1)
+    scaler = _torch_scaler(2.0**126, growth_interval=1)
+    torch_scales = []
+    for _ in range(6):
+        sgd.zero_grad()
+        scaler.scale(0.01 * ((w - 1.0) ** 2).sum()).backward()
+        scaler.step(sgd)
+        scaler.update()
+        torch_scales.append(scaler.get_scale())
+    assert scales == torch_scales == [2.0**127] * 6
+    assert int(state.skipped) == 0
+    # w about 0.012: the float32 steps of the same SGD differ in their last bits
+    np.testing.assert_allclose(np.asarray(p["w"]), w.detach().numpy(), rtol=0, atol=1e-8)
+    np.testing.assert_allclose(np.asarray(eager[0]["w"]), w.detach().numpy(), rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e39, -1.0, 0, True, "65536", jnp.ones(2), 1j])
+def test_an_initial_scale_float32_cannot_hold_is_refused(value):
+    with pytest.raises(ValueError, match=r"initial_scale must be a finite positive number .* float32") as info:
+        fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(0.1)), initial_scale=value)
+    assert "right:  ft.optim.LossScaleOptimizer(opt, initial_scale=2.0**16)" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [2.0**127, 1024, np.float32(8.0), jnp.float32(8.0)])
+def test_a_finite_positive_initial_scale_is_taken(value):
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(0.1)), initial_scale=value)
+    assert float(opt.init({"w": jnp.zeros(())}).scale) == float(value)
+
+
+def _torch_linear(x, y):
+    torch.manual_seed(0)
+    t = torch.nn.Linear(4, 3)
+    model = ft.nn.load_torch_state_dict(ft.nn.Dense(4, 3, key=jax.random.key(0)),
+                                        {k: v.detach().numpy() for k, v in t.state_dict().items()})
+    return t, model
+
+
+@needs_float16_conversions
+def test_float16_compute_follows_torch_autocast_scales():
+    """compute_dtype=float16: the loss came back float16 and the scale was cast to it, so any
+    scale from 65536 on overflowed every step (65536, 32768, 65536, ...: 3 or 4 of 6 steps
+    skipped). torch's autocast computes cross_entropy in float32: 262144, 131072, ... The
+    ft.losses now compute in float32 and the scaled loss is float32: the same scales."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 3, 8).astype(np.int32)
+    t, model = _torch_linear(x, y)
+    sgd = torch.optim.SGD(t.parameters(), lr=0.1)
+    scaler = _torch_scaler(2.0**17, growth_interval=1)
+    torch_scales = []
+    for _ in range(6):
+        sgd.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(t(torch.tensor(x)), torch.tensor(y).long())
+        scaler.scale(loss).backward()
+        scaler.step(sgd)
+        scaler.update()
+        torch_scales.append(scaler.get_scale())
+    assert loss.dtype == torch.float32
+
+    loss_fn = lambda m, b: ft.losses.softmax_cross_entropy(m(b[0]), b[1])  # noqa: E731
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(0.1)), initial_scale=2.0**17, growth_interval=1)
+    step = ft.train.train_step(loss_fn, opt, donate=False, compute_dtype=jnp.float16)
+    state, scales = opt.init(model), []
+    for _ in range(6):
+        model, state, _ = step(model, state, (x, y))
+        scales.append(float(state.scale))
+    assert scales == torch_scales
+    assert int(state.skipped) == sum(b < a for a, b in zip([2.0**17, *scales], scales))
+    # float16 forward and backward in both: rounding of 2**-11 on values of about 1
+    params = {"weight": t.weight.detach().numpy().T, "bias": t.bias.detach().numpy()}
+    for name, expected in params.items():
+        np.testing.assert_allclose(np.asarray(getattr(model, name)), expected, rtol=0, atol=4e-3)
+
+
+def test_accumulated_microbatches_overflow_at_torchs_scale():
+    """accumulate=k scaled each microbatch's mean loss by the whole scale, where torch's
+    recipe scales loss / k: functree overflowed at a k times smaller scale. Each microbatch
+    is now scaled by scale / k: the same scales, steps and skips as torch's."""
+    rng = np.random.default_rng(3)
+    k, micro, steps = 2, 4, 6
+    x = (rng.normal(size=(steps * k * micro, 4)) * 30).astype(np.float32)
+    y = rng.integers(0, 3, steps * k * micro).astype(np.int32)
+    t, model = _torch_linear(x, y)
+    sgd = torch.optim.SGD(t.parameters(), lr=0.01)
+    scaler = _torch_scaler(2.0**126, growth_interval=3)
+    torch_scales = []
+    for s in range(steps):
+        sgd.zero_grad()
+        for i in range(k):
+            rows = slice((s * k + i) * micro, (s * k + i + 1) * micro)
+            loss = torch.nn.functional.cross_entropy(t(torch.tensor(x[rows])), torch.tensor(y[rows]).long())
+            scaler.scale(loss / k).backward()
+        scaler.step(sgd)
+        scaler.update()
+        torch_scales.append(scaler.get_scale())
+
+    loss_fn = lambda m, b: ft.losses.softmax_cross_entropy(m(b[0]), b[1])  # noqa: E731
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(0.01), accumulate=k), initial_scale=2.0**126, growth_interval=3)
+    step = ft.train.train_step(loss_fn, opt, donate=False)
+    state, scales = opt.init(model), []
+    for s in range(steps):
+        rows = slice(s * k * micro, (s + 1) * k * micro)
+        model, state, _ = step(model, state, (x[rows], y[rows]))
+        scales.append(float(state.scale))
+    assert scales == torch_scales
+    assert 0 < int(state.skipped) < steps  # some overflowed, some trained
+    # float32 SGD on weights of about 0.5 and gradients of about 30: a few float32 roundings
+    np.testing.assert_allclose(np.asarray(model.weight), t.weight.detach().numpy().T, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.bias), t.bias.detach().numpy(), rtol=0, atol=1e-5)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import torch
 from _references import optax_lbfgs
 from _tolerance import assert_close_trained
 
@@ -461,3 +462,81 @@ def test_init_compiles_only_what_optax_init_does():
     assert fo.hyperparameters(state)["learning_rate"].dtype == jnp.float32
     np.testing.assert_allclose(float(fo.hyperparameters(state)["learning_rate"]), 1e-3, rtol=1e-7)
     assert fo.context(state).step == 0 and bool(jnp.isnan(fo.context(state).loss))
+
+
+# ---- the finiteness the gate checks is the gradients' own, before the hooks ------------------
+
+def _clip(grads):  # Optimizer's docstring's hook: torch's clip_grad_value_(1.0)
+    return ft.tree_map(lambda g: jnp.clip(g, -1.0, 1.0), grads)
+
+
+def _inf_gradient(p, *batch):  # a finite loss (2e38) whose gradient (4e38) is inf in float32
+    return jnp.sum(p["w"] ** 2 * 2e38) + jnp.sum(p["b"] ** 2)
+
+
+@pytest.mark.parametrize("on_nan", ["stop", "skip"])
+def test_a_clip_hook_does_not_hide_an_infinite_gradient_from_on_nan(on_nan):
+    """transform_gradients ran before the gate's finiteness check: jnp.clip made the inf
+    gradient 1, and on_nan="stop"/"skip" applied the step with nonfinite=-1. The gate now
+    sees the gradients as they were before the hooks (nonfinite names "w", leaf 1)."""
+    p = {"b": jnp.ones(2), "w": jnp.ones(1)}
+    for hooks in ({"transform_gradients": _clip}, {"transform_unaggregated_gradients": [_clip, _clip]}):
+        opt = fo.Optimizer(fo.sgd(0.1), **hooks)
+        result = ft.jit(lambda p, s, opt=opt: opt.step(_inf_gradient, p, s, (), on_nan=on_nan))(p, opt.init(p))
+        assert int(result.nonfinite) == 1
+        jax.tree.map(np.testing.assert_array_equal, result.model, p)
+        assert int(fo.context(result.state).step) == 0
+        assert np.isnan(np.asarray(result.grads["w"])).all()
+        np.testing.assert_array_equal(result.grads["b"], [1.0, 1.0])  # a finite leaf as the hook made it
+    step = ft.train.train_step(_inf_gradient, opt, on_nan="skip", donate=False)
+    moved, _, metrics = step(p, opt.init(p), (jnp.zeros(1),))
+    assert int(metrics["nonfinite"]) == 1 and np.isfinite(float(metrics["loss"]))
+    jax.tree.map(np.testing.assert_array_equal, moved, p)
+
+
+def test_an_unchecked_step_applies_the_hooks_output_as_torch_without_a_scaler():
+    """on_nan="ignore" (minimize) checks nothing: the clipped gradient is applied, as torch's
+    clip_grad_value_ then step does without a GradScaler."""
+    torch_w = torch.ones(1, requires_grad=True)
+    (torch_w**2 * 2e38).sum().backward()
+    torch.nn.utils.clip_grad_value_([torch_w], 1.0)
+    torch.optim.SGD([torch_w], lr=0.1).step()
+    opt = fo.Optimizer(fo.sgd(0.1), transform_gradients=_clip)
+    p = {"b": jnp.ones(2), "w": jnp.ones(1)}
+    w, _, _ = opt.minimize(_inf_gradient, p, opt.init(p))
+    np.testing.assert_array_equal(np.asarray(w["w"]), torch_w.detach().numpy())  # 0.9
+    np.testing.assert_array_equal(np.asarray(w["b"]), np.float32(1) - np.float32(0.1))  # 1 - 0.1 * clip(2)
+
+
+def test_an_overflow_on_one_replica_closes_every_replicas_gate():
+    """Each replica marks its own non-finite gradient before the hooks; the mean over the
+    axis carries it to all of them, so they skip together (state kept identical)."""
+    opt = fo.Optimizer(fo.sgd(0.1), axis_name="r", transform_unaggregated_gradients=_clip,
+                       transform_gradients=_clip)
+    p = {"w": jnp.ones(())}
+    state = opt.init(p)
+    scales = jnp.array([1.0, 1.0, 1e38, 1.0])  # replica 2's gradient is 4e38: inf
+
+    def step(s):
+        r = opt.step(lambda p, s: p["w"] ** 2 * s * 2.0, p, state, (s,), on_nan="skip")
+        return r.model, r.nonfinite
+
+    model, nonfinite = jax.jit(jax.vmap(step, axis_name="r", out_axes=(None, 0)))(scales)
+    assert float(model["w"]) == 1.0
+    np.testing.assert_array_equal(nonfinite, [0, 0, 0, 0])
+    model, nonfinite = jax.jit(jax.vmap(step, axis_name="r", out_axes=(None, 0)))(jnp.ones(4))
+    np.testing.assert_allclose(float(model["w"]), 0.9, rtol=0, atol=1e-7)  # 1 - 0.1 * clip(4): applied
+    np.testing.assert_array_equal(nonfinite, [-1, -1, -1, -1])
+
+
+def test_keep_nonfinite_marks_leaves_and_a_changed_structure():
+    from functree.optim._skip import keep_nonfinite
+
+    g = {"a": jnp.array([jnp.inf, 0.5]), "b": jnp.ones(2)}
+    assert keep_nonfinite(g, g) is g  # no hook: nothing computed
+    same_b = keep_nonfinite(g, {"a": jnp.zeros(2), "b": g["b"]})
+    assert same_b["b"] is g["b"] and np.isnan(same_b["a"]).all()
+    merged = keep_nonfinite(g, {"both": jnp.zeros(2), "n": jnp.zeros(1, jnp.int32)})
+    assert np.isnan(merged["both"]).all() and merged["n"].dtype == jnp.int32
+    fine = {"a": jnp.ones(2)}
+    np.testing.assert_array_equal(keep_nonfinite(fine, {"x": jnp.full(2, 3.0)})["x"], [3.0, 3.0])

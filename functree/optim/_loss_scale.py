@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._tree import all_finite
 from functree.optim._optimizer import Optimizer, OptimizerWrapper
@@ -22,6 +23,17 @@ LossScaleOptimizer.{method} needs the optimizer state (it holds the loss scale):
 """
 
 BAD_SCALE = "LossScaleOptimizer: {name} must be positive, got {value!r}."
+
+BAD_INITIAL_SCALE = """\
+LossScaleOptimizer: initial_scale must be a finite positive number that float32 (the scale's \
+dtype) holds, at most {largest:.4g}; got {value!r}. An infinite scale makes every step \
+overflow and be skipped, and inf / 2 is inf: training would silently never move.
+
+    wrong:  ft.optim.LossScaleOptimizer(opt, initial_scale={value!r})
+    right:  ft.optim.LossScaleOptimizer(opt, initial_scale=2.0**16)   # torch's GradScaler's init_scale
+"""
+
+_LARGEST = float(np.finfo(np.float32).max)
 
 
 class LossScaleState(NamedTuple):
@@ -40,11 +52,32 @@ class LossScaleState(NamedTuple):
     inner: Any
 
 
-def _unscaled(g: Any, inv: jax.Array) -> jax.Array:
-    """``g * inv`` in float32 at least; a complex gradient stays complex (cast to float32 it
-    would lose its imaginary part)."""
+def _finite_positive(value: Any) -> bool:
+    """Whether ``value`` is a real number (a 0-d array too) in ``(0, float32's largest]``
+    (NaN and inf are not; nor a bool or a string)."""
+    if isinstance(value, (bool, np.bool_, str, bytes)) or jnp.iscomplexobj(value):
+        return False
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return False
+    return 0 < number <= _LARGEST
+
+
+def _unscaled(g: Any, scale: jax.Array) -> jax.Array:
+    """``g / scale`` in float32 at least; a complex gradient stays complex (cast to float32 it
+    would lose its imaginary part).
+
+    XLA computes a division by a scalar as a product with its reciprocal, and from a scale
+    of 2**127 on that reciprocal is subnormal, which XLA flushes to zero: every gradient came
+    out 0. Above 2**126 the reciprocal is taken in two normal factors, ``2**-64`` and
+    ``2**64 / scale`` (both exact for a power of two; a gradient that the first one
+    flushes is below float32's range once divided by the scale anyway)."""
     wide = g.dtype if jnp.issubdtype(g.dtype, jnp.complexfloating) else jnp.float32
-    return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
+    big = scale > 2.0**126
+    first = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
+    second = jnp.where(big, jnp.float32(2.0**64), jnp.float32(1.0)) / scale
+    return (g.astype(wide) * first.astype(wide) * second.astype(wide)).astype(g.dtype)
 
 
 class LossScaleOptimizer(OptimizerWrapper):
@@ -56,8 +89,20 @@ class LossScaleOptimizer(OptimizerWrapper):
     at ``scale · t``, the same clip in the loss's units) and one without it is refused. If
     any gradient is not finite, the step is skipped (model and inner state unchanged,
     ``skipped`` counted) and ``scale`` is halved (down to 1); after ``growth_interval``
-    consecutive finite steps it doubles. All of it is array arithmetic: it runs in one
-    jitted step.
+    consecutive finite steps it doubles, unless the doubled scale is not finite in float32
+    (torch's ``GradScaler``: it stays at ``2**127``). All of it is array arithmetic: it
+    runs in one jitted step.
+
+    The overflow check is on the unscaled gradients *before* the ``transform_gradients``
+    hooks (an elementwise clip would turn an overflowed ``inf`` into a plausible 1), as
+    torch's ``scaler.unscale_(opt)`` comes before ``clip_grad_value_``. With
+    ``accumulate=k`` each microbatch's loss is scaled by ``scale / k``, as torch's
+    ``scaler.scale(loss / k)``: an overflow comes at the same scale as there (exactly
+    when ``k`` is a power of two; otherwise the unscaled gradients carry one float32
+    rounding of ``scale / k``). The loss is multiplied by the scale in float32 (a float16
+    product is ``inf`` from 65536 on); a loss function returning float16 still caps the
+    scale at 32768, as its cotangent is float16: compute the loss in float32 (the
+    ``ft.losses`` do).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -74,8 +119,8 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     def __init__(self, inner: Optimizer, initial_scale: float = 2.0**15, growth_interval: int = 2000):
         super().__init__(inner)
-        if not initial_scale > 0:
-            raise ValueError(BAD_SCALE.format(name="initial_scale", value=initial_scale))
+        if not _finite_positive(initial_scale):
+            raise ValueError(BAD_INITIAL_SCALE.format(value=initial_scale, largest=_LARGEST))
         if not (isinstance(growth_interval, int) and growth_interval > 0):
             raise ValueError(BAD_SCALE.format(name="growth_interval", value=growth_interval))
         object.__setattr__(self, "initial_scale", float(initial_scale))
@@ -98,10 +143,13 @@ class LossScaleOptimizer(OptimizerWrapper):
             raise ValueError(NEEDS_STATE.format(method="get_gradients"))
         # The scale multiplies the loss after every transform_loss (and a get_gradients hook
         # gets it as scale=): scaling first would give grad T(s L) / s, not grad T(L).
+        # With accumulate=k this runs once per microbatch and the step averages their mean
+        # gradients: scale / k per microbatch is torch's scaler.scale(loss / k), the same
+        # cotangent, so an overflow comes at the same scale.
+        scale = state.scale / self.accumulate if self.accumulate > 1 else state.scale
         out, grads = super().get_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state.inner,
-                                           scale=state.scale)
-        inv = 1.0 / state.scale
-        return out, jax.tree.map(lambda g: _unscaled(g, inv), grads)
+                                           scale=scale)
+        return out, jax.tree.map(lambda g: _unscaled(g, scale), grads)
 
     @property
     def handles_nonfinite(self) -> bool:
@@ -125,7 +173,9 @@ class LossScaleOptimizer(OptimizerWrapper):
                                            apply_if=ok, **extra)
         good = jnp.where(finite, state.good_steps + 1, 0)
         grow = good >= self.growth_interval
-        scale = jnp.where(finite, jnp.where(grow, state.scale * 2.0, state.scale), jnp.maximum(state.scale / 2.0, 1.0))
+        doubled = state.scale * 2.0  # 2**128 is inf in float32: the scale stays (torch's rule)
+        grown = jnp.where(grow & jnp.isfinite(doubled), doubled, state.scale)
+        scale = jnp.where(finite, grown, jnp.maximum(state.scale / 2.0, 1.0))
         good = jnp.where(grow, 0, good).astype(jnp.int32)
         skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
         if apply_if is not None:  # a step the caller's gate closed did not happen

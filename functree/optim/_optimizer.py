@@ -52,6 +52,7 @@ from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
 from functree.optim._skip import applied_in, apply_or_keep, check_on_nan, gate, guard, select
+from functree.optim._skip import keep_nonfinite as _keep
 from functree.optim._state import OptimizerState, release_contexts
 from functree.optim._subset import (
     check_wrt,
@@ -386,7 +387,7 @@ class Optimizer:
         def objective(m: Any) -> tuple[Any, Any]:
             out = loss_fn(m, *batch)
             loss = self.transform_loss(out[0] if has_aux else out)
-            return (loss if scale is None else loss * jnp.asarray(scale).astype(jnp.result_type(loss))), out
+            return (loss if scale is None else _scaled(loss, scale)), out
 
         (_, out), grads = value_with_gradient(objective, at=model, wrt=self.wrt or 0, has_aux=True)
         return out, grads
@@ -425,21 +426,28 @@ class Optimizer:
 
     # --- orchestration -------------------------------------------------------------------
     def compute_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
-                          state: Any = None, key: Any = None) -> tuple[Any, Any]:
+                          state: Any = None, key: Any = None, checked: bool | None = None) -> tuple[Any, Any]:
         """``(loss, grads)`` after the gradient hooks (``((loss, aux), grads)`` with ``has_aux``).
 
         With a ``key`` (a PRNG key), ``loss_fn`` is called as ``loss_fn(model, *batch, key=...)``:
         with :attr:`accumulate` ``= k``, microbatch ``i`` (``0 <= i < k``) gets
         ``jax.random.fold_in(key, i)`` (its own dropout masks, as the rows of one batch get
-        theirs); with one microbatch, ``key`` itself."""
+        theirs); with one microbatch, ``key`` itself.
+
+        ``checked`` (a finiteness check follows: ``on_nan="stop"``/``"skip"``; by default,
+        when this optimizer :attr:`handles_nonfinite`): a gradient not finite before a hook
+        comes out of it NaN (:func:`~functree.optim._skip.keep_nonfinite`; a clip would make
+        an overflowed ``inf`` a plausible 1, where torch's ``unscale_`` checks before it)."""
         if self.accumulate > 1:
             out, grads = self._accumulated_gradients(loss_fn, model, batch, has_aux, state, key)
         else:
             fn = loss_fn if key is None else functools.partial(loss_fn, key=key)
             out, grads = self.get_gradients(fn, model, *batch, has_aux=has_aux, state=state)
-        grads = self.transform_unaggregated_gradients(grads)
-        grads = self.aggregate_gradients(grads)
-        return out, self.transform_gradients(grads)
+        checked = self.handles_nonfinite if checked is None else checked
+        hooked = self.transform_unaggregated_gradients(grads)
+        grads = self.aggregate_gradients(_keep(grads, hooked) if checked else hooked)
+        hooked = self.transform_gradients(grads)
+        return out, _keep(grads, hooked) if checked else hooked
 
     def apply_gradients(self, grads: Any, model: Any, state: Any, *, minibatch_size: Any = None,
                         loss: Any = None, apply_if: Any = None, finite: Any = None,
@@ -506,8 +514,10 @@ class Optimizer:
             if self.axis_name is not None and replicas is None:
                 minibatch_size *= axis_size(self.axis_name)
 
+        checked = on_nan != "ignore" or self.handles_nonfinite  # the gate checks the hooks' input
+
         def half(m: Any, s: Any, b: tuple) -> Gradients:
-            return self.gradients(loss_fn, m, s, b, has_aux=has_aux, key=key)
+            return self.gradients(loss_fn, m, s, b, has_aux=has_aux, key=key, checked=checked)
 
         g = half(model, state, batch) if replicas is None else replicas(half, model, state, batch)
         whole = loss_fn if key is None else functools.partial(loss_fn, key=key)  # L-BFGS: the whole batch
@@ -515,19 +525,20 @@ class Optimizer:
                                value_fn=_value_fn(self, whole, batch, has_aux))
 
     def gradients(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *,
-                  has_aux: bool = False, key: Any = None) -> Gradients:
+                  has_aux: bool = False, key: Any = None, checked: bool | None = None) -> Gradients:
         """The first half of :meth:`step`: the loss, the gradients after the hooks
-        (:meth:`compute_gradients`, ``key`` included) and the layer state the model
-        recorded, per replica."""
+        (:meth:`compute_gradients`, ``key`` and ``checked`` included) and the layer state
+        the model recorded, per replica."""
         if _has_layer_state(model):  # collect what BatchNorm & co. record in training mode
             def objective(m: Any, *b: Any, **kw: Any) -> tuple[Any, Any]:
                 out, layer_state = collect_state(lambda mm: loss_fn(mm, *b, **kw), m)
                 return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
 
             (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,
-                                                                       state=state, key=key)
+                                                                       state=state, key=key, checked=checked)
         else:  # the user's loss function as it is (custom get_gradients hooks see it unchanged)
-            out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state, key=key)
+            out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state, key=key,
+                                                checked=checked)
             loss, layer_state = (out[0] if has_aux else out), {}
         if self.accumulate > 1:  # microbatch outputs come stacked: (k, ...); the state of the last
             layer_state = jax.tree.map(lambda u: u[-1], layer_state)
@@ -601,6 +612,14 @@ class Optimizer:
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), grads
         return jnp.mean(outs), grads
+
+
+def _scaled(loss: Any, scale: Any) -> Any:
+    """``loss * scale`` in float32 at least: in float16 it is ``inf`` from a scale of 65536
+    (a float16 loss's cotangent still is float16: such a loss caps the scale at 32768)."""
+    dtype = jnp.result_type(loss)
+    wide = dtype if jnp.finfo(dtype).bits >= 32 else jnp.float32
+    return jnp.asarray(loss).astype(wide) * jnp.asarray(scale).astype(wide)
 
 
 def _stateful(x: Any) -> bool:

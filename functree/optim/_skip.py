@@ -24,7 +24,7 @@ import optax
 from functree._tree import all_finite, is_none
 
 __all__ = ["guard", "select", "all_finite", "SkipState", "skip_non_finite", "applied_in", "Gate", "gate",
-           "first_nonfinite", "ON_NAN", "DEFAULT_ON_NAN", "check_on_nan", "apply_or_keep"]
+           "first_nonfinite", "ON_NAN", "DEFAULT_ON_NAN", "check_on_nan", "apply_or_keep", "keep_nonfinite"]
 
 ON_NAN = ("stop", "skip", "ignore")
 DEFAULT_ON_NAN = "stop"
@@ -92,6 +92,48 @@ def first_nonfinite(loss: Any, grads: Any) -> jax.Array:
       -2
     """
     return _finiteness(loss, grads)[0]
+
+
+def keep_nonfinite(before: Any, after: Any) -> Any:
+    """``after`` (what a gradient hook made of ``before``) with every leaf NaN whose
+    ``before`` leaf was not finite: the finiteness checked later (the step's gate,
+    ``LossScaleOptimizer``) is the gradients' own, whatever the hook did.
+
+    An elementwise clip turns an overflowed ``inf`` into 1 (``jnp.clip``, torch's
+    ``clip_grad_value_``): checked after the hook, the overflow step was applied and the
+    loss scale kept; torch's ``GradScaler`` checks in ``unscale_``, before the clip. A leaf
+    the hook returned as it was (the same array) is not checked again: without hooks this
+    is free. A hook that changed the tree's structure gets every floating leaf NaN when any
+    gradient was not finite.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functree.optim._skip import keep_nonfinite
+      >>> g = {"a": jnp.array([jnp.inf, 0.5]), "b": jnp.ones(2)}
+      >>> keep_nonfinite(g, {k: jnp.clip(v, -1, 1) for k, v in g.items()})
+      {'a': Array([nan, nan], dtype=float32), 'b': Array([1., 1.], dtype=float32)}
+    """
+    old, old_def = jax.tree.flatten(before)
+    new, new_def = jax.tree.flatten(after)
+    if old_def != new_def:
+        ok = all_finite(before)
+        return jax.tree.map(lambda x: _nan_unless(ok, x), after)
+    if all(a is b for a, b in zip(old, new)):
+        return after
+    leaves = [b if a is b or not _floating(b) else _nan_unless(_leaf_finite(a), b) for a, b in zip(old, new)]
+    return new_def.unflatten(leaves)
+
+
+def _floating(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _nan_unless(ok: jax.Array, x: Any) -> Any:
+    """``x`` where ``ok``, else NaN of ``x``'s dtype (leaves that are not floating: as they are)."""
+    if not _floating(x):
+        return x
+    return jnp.where(ok, x, jnp.full((), jnp.nan, x.dtype))
 
 
 class Gate(NamedTuple):

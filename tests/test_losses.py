@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tolerance import needs_float16_conversions
 from jax.test_util import check_grads
 
 import functree as ft
@@ -366,3 +367,35 @@ def test_softmax_cross_entropy_takes_numpy_smoothing_and_names_the_labels_dtype(
     with pytest.raises(TypeError, match=r"labels bool\[3\] have the shape of class indices \[3\] but dtype bool, not an "
                                         r"integer dtype"):
         ft.losses.softmax_cross_entropy(jnp.zeros((3, 4)), jnp.array([True, False, True]))
+
+
+HALF = [jnp.bfloat16, pytest.param(jnp.float16, marks=needs_float16_conversions)]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_precision_inputs_give_a_float32_loss_as_torch_autocast(dtype):
+    """A float16 loss times a loss scale of 65536 is inf: every scaled step overflowed. torch's
+    autocast runs cross_entropy (and the other losses) in float32, Hugging Face's losses take
+    logits.float(): the loss is float32, the value that of the float32 inputs, and the
+    gradient flows back in the inputs' dtype."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(6, 5)) * 4, dtype)
+    labels = np.array([0, 4, 2, -100, 1, 3], np.int32)
+    wide = np.array(logits.astype(jnp.float32))  # a writable copy for torch
+    got = ft.losses.softmax_cross_entropy(logits, labels)
+    expected = torch.nn.functional.cross_entropy(torch.from_numpy(wide), torch.from_numpy(labels).long())
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(float(got), expected.item(), rtol=0, atol=1e-6 * abs(expected.item()))
+    grad = jax.grad(lambda z: ft.losses.softmax_cross_entropy(z, labels) * 2.0**17)(logits)
+    assert grad.dtype == dtype and bool(jnp.isfinite(grad).all())  # scaled by 2**17: finite
+    for loss, _, _ in REGRESSION:
+        value = loss(jnp.asarray(P, dtype), jnp.asarray(E, dtype))
+        assert value.dtype == jnp.float32
+        exact = loss(*(jnp.asarray(a, dtype).astype(jnp.float32) for a in (P, E)))  # the rounded inputs
+        np.testing.assert_allclose(float(value), float(exact), rtol=0, atol=1e-6 * max(1.0, abs(float(exact))))
+    for loss, args in [(ft.losses.sigmoid_cross_entropy, (P, (E > 0.5).astype(np.float32))),
+                       (ft.losses.kl_divergence, (np.full((2, 3), 1 / 3, np.float32), np.eye(3, dtype=np.float32)[:2])),
+                       (ft.losses.categorical_hinge, (P, np.eye(3, dtype=np.float32)[:2])),
+                       (ft.losses.poisson, (np.abs(P) + 0.5, E))]:
+        assert loss(*(jnp.asarray(a, dtype) for a in args)).dtype == jnp.float32

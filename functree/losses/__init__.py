@@ -4,6 +4,11 @@ Every loss takes ``reduction="mean" | "sum" | "none"`` and defaults to the mean 
 examples for the per-example losses: cross entropies, ``kl_divergence``,
 ``categorical_hinge``). Inputs are checked: shapes that would silently broadcast, float
 labels where class indices are needed, integer labels where probabilities are, are errors.
+
+float16 and bfloat16 inputs are computed in float32 and the loss is float32, as torch's
+autocast runs its losses and Hugging Face's loss functions take ``logits.float()``: a
+float16 loss overflows under a loss scale of 65536 or more (``ft.optim.LossScaleOptimizer``),
+and a bfloat16 mean loses the small terms. The gradients flow back in the inputs' dtype.
 """
 
 from functree.losses._classification import (

@@ -1,6 +1,8 @@
 """Classification and divergence losses, ``(predicted, expected)`` as in swift-apis.
 
 ``reduction="none"`` returns one value per example (the class axis is the last one).
+float16 and bfloat16 inputs are computed in float32, and the loss is float32 (torch's
+autocast; see :mod:`functree.losses`).
 """
 
 from __future__ import annotations
@@ -137,6 +139,10 @@ def softmax_cross_entropy(
     the mean and the gradients: a training step's NaN check stops there), never a
     plausible number.
 
+    float16 and bfloat16 logits are computed in float32 and the loss is float32 (torch's
+    autocast runs ``cross_entropy`` in float32; Hugging Face's losses take
+    ``logits.float()``): a float16 loss overflows under a loss scale of 65536.
+
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> logits = jnp.array([[2.0, 0.0], [0.0, 2.0]])
@@ -148,6 +154,8 @@ def softmax_cross_entropy(
       Array(0.12692..., dtype=float32)
       >>> ft.losses.softmax_cross_entropy(logits, jnp.array([0, 1]), label_smoothing=0.2)
       Array(0.32692..., dtype=float32)
+      >>> ft.losses.softmax_cross_entropy(logits.astype(jnp.bfloat16), jnp.array([0, 1]))
+      Array(0.12692..., dtype=float32)
     """
     name = "softmax_cross_entropy"
     logits = check_float(name, "logits", logits)

@@ -11,6 +11,11 @@ from functree._repr import short_array
 
 __all__ = ["reduce", "check_same_shape", "check_float", "REDUCTIONS"]
 
+HALF_PRECISION = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+"""The dtypes a loss computes in float32, returning a float32 loss (torch's autocast runs its
+losses in float32; Hugging Face's loss functions take ``logits.float()``): a float16 loss
+times a loss scale of 65536 is ``inf``, and bfloat16 sums lose the examples' small terms."""
+
 REDUCTIONS = ("mean", "sum", "none")
 """The ``reduction=`` every loss takes: ``"mean"`` (the default) over every element,
 ``"sum"``, or ``"none"``: the per-element losses, shaped like the inputs (less a class axis).
@@ -52,7 +57,9 @@ def _describe(x: Any) -> str:
 
 
 def check_float(loss: str, what: str, x: Any) -> jax.Array:
-    """``x`` as an array, or a clear error if it is not floating."""
+    """``x`` as an array, float32 if it was float16 or bfloat16 (:data:`HALF_PRECISION`), or
+    a clear error if it is not floating. The gradient flows back through the cast in
+    ``x``'s own dtype."""
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         raise TypeError(
@@ -62,11 +69,12 @@ def check_float(loss: str, what: str, x: Any) -> jax.Array:
                 fixed=f"{what}.astype(jnp.float32), ..." if what == "predicted" else f"..., {what}.astype(jnp.float32)",
             )
         )
-    return x
+    return x.astype(jnp.float32) if x.dtype in HALF_PRECISION else x
 
 
 def check_same_shape(loss: str, predicted: Any, expected: Any) -> tuple[jax.Array, jax.Array]:
-    """Both as arrays of ``predicted``'s floating dtype, or an error naming both shapes."""
+    """Both as arrays of ``predicted``'s floating dtype (float32 for a half-precision one:
+    :func:`check_float`), or an error naming both shapes."""
     predicted = check_float(loss, "predicted", predicted)
     expected = jnp.asarray(expected)
     if predicted.shape != expected.shape:

@@ -2,7 +2,8 @@
 
 Every loss reduces with the mean by default (as optax users and Keras expect;
 swift-apis summed ``l1``, ``l2`` and ``huber``: pass ``reduction="sum"`` for that).
-``reduction="none"`` returns the elementwise values.
+``reduction="none"`` returns the elementwise values. float16 and bfloat16 inputs are
+computed in float32, and the loss is float32 (torch's autocast; see :mod:`functree.losses`).
 """
 
 from __future__ import annotations

@@ -507,14 +507,15 @@ def from_fields(cls: type[_M], values: dict[str, Any]) -> _M:
 
 
 def added_static(cls: type, given: Any) -> dict[str, Any]:
-    """The defaults of the static fields ``cls`` gained after files and pickles were written
-    without them (named in its ``__ft_added_static__``: ``LoraDense``'s ``saved_modules``)
-    that ``given`` (the names a file holds) lacks. Any other missing field is not filled.
+    """The defaults of the fields ``cls`` gained after files and pickles were written
+    without them (named in its ``__ft_added_static__``: ``LoraDense``'s ``saved_modules``,
+    static, and ``member_scale``, a data field that is None by default) that ``given`` (the
+    names a file holds) lacks. Any other missing field is not filled.
 
     Example:
       >>> import functree as ft
       >>> added_static(ft.nn.LoraDense, {"alpha": 4.0})
-      {'saved_modules': ()}
+      {'member_scale': None, 'saved_modules': ()}
       >>> added_static(ft.nn.Dense, {})
       {}
     """

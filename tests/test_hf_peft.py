@@ -417,6 +417,29 @@ def test_modules_to_save_lm_head_loads_and_saves_as_peft(tmp_path):
         ft.nn.save_lora(model, tmp_path / "none", modules_to_save=["classifier"])
 
 
+def test_modules_to_save_naming_no_module_is_skipped_as_peft_skips_it(tmp_path):
+    """PEFT's SEQ_CLS adapters always list ["classifier", "score"], one of which the model
+    lacks; PEFT skips such an entry (_set_trainable), and so does load_lora (it refused the
+    file). save_lora writes the entries found; its own argument naming nothing is an error."""
+    peft_model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                              modules_to_save=["lm_head", "score"],
+                                                              init_lora_weights=False)).eval()
+    with torch.no_grad():
+        peft_model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.1)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head", "score"]
+    ids = tokens()
+    expected = hf_logits(peft.PeftModel.from_pretrained(llama(), str(tmp_path / "peft")).eval(), ids)
+    assert_close(expected, hf_logits(peft_model, ids))
+    model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "peft")
+    assert_close(logits(model, ids), expected)
+    ft.nn.save_lora(model, tmp_path / "ft")
+    assert json.loads((tmp_path / "ft" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+    assert_close(hf_logits(peft.PeftModel.from_pretrained(llama(), str(tmp_path / "ft")).eval(), ids), expected)
+    with pytest.raises(ValueError, match=r"save_lora: modules_to_save names 'score', which is no module of this model"):
+        ft.nn.save_lora(model, tmp_path / "none", modules_to_save=["lm_head", "score"])
+
+
 def test_a_loaded_head_is_saved_again_without_being_named(tmp_path):
     """An adapter loaded with modules_to_save (a head trained in full) and trained further
     goes back out with its head: save_lora's modules_to_save defaults to the loaded

@@ -8,6 +8,7 @@ the adapted model's to float32 rounding: atol 2.5e-5 times the logits' magnitude
 are tested in test_hf_peft, on this module's model.
 """
 
+import json
 import os
 
 import jax
@@ -298,3 +299,53 @@ def test_a_lora_dense_pickled_before_saved_modules_existed_reads_at_the_default(
     assert back.saved_modules == ()
     assert jax.tree.structure(back) == jax.tree.structure(layer)
     assert jnp.array_equal(back(jnp.ones((1, 3))), layer(jnp.ones((1, 3))))
+
+
+def stacked_adapters(scales):
+    """A Stack of two adapted Dense layers, lora_b trained away from zero, its members'
+    scales ``scales`` (None: alpha / r for both)."""
+    stack = ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, key=k), 2, key=jax.random.key(0))
+    adapted = ft.nn.lora(stack, "*", rank=2, alpha=4.0, key=jax.random.key(1))
+    layer = adapted.layers.replace(lora_b=jax.random.normal(jax.random.key(2), (2, 2, 3)))
+    return adapted.replace(layers=layer if scales is None else layer.replace(member_scale=jnp.asarray(scales)))
+
+
+def test_each_stack_member_computes_with_its_own_scale_and_merges_with_it():
+    """LoraDense.member_scale (ft.nn.load_lora of PEFT's alpha_pattern / rank_pattern): member
+    i computes x W_i + b_i + s_i (x A_i) B_i; merge_lora folds each member's own scale in."""
+    adapted = stacked_adapters([0.5, 3.0])
+    x = jax.random.normal(jax.random.key(3), (4, 3))
+    node = adapted.layers
+    assert node.scale.shape == (2,) and stacked_adapters(None).layers.member_scale is None
+    expected = x
+    for i, s in enumerate((0.5, 3.0)):
+        expected = expected @ node.weight[i] + node.bias[i] + s * (expected @ node.lora_a[i]) @ node.lora_b[i]
+    np.testing.assert_allclose(adapted(x), expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+    merged = ft.nn.merge_lora(adapted)
+    np.testing.assert_allclose(merged(x), expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+    trained = ft.parameters(adapted)  # no derivative: not a parameter an optimizer moves
+    assert "layers.member_scale" not in ft.to_flat_dict(trained) and "layers.lora_b" in ft.to_flat_dict(trained)
+
+
+def test_files_written_before_member_scale_existed_read_it_as_none():
+    # member_scale came later: a pickle or a checkpoint's tree description without it reads
+    # as a LoraDense made today (the field None, every member at alpha / r); one with it
+    # keeps it.
+    import pickle
+
+    from functree.train.checkpoint._treespec import decode, encode
+
+    layer = stacked_adapters(None).layers
+    older = pickle.loads(pickle.dumps(layer))
+    older.__dict__.pop("member_scale")  # what an earlier functree's pickle holds
+    back = pickle.loads(pickle.dumps(older))
+    assert back.member_scale is None and jax.tree.structure(back) == jax.tree.structure(layer)
+    arrays, spec = encode(layer)
+    spec = json.loads(json.dumps(spec))
+    del spec["fields"]["member_scale"]
+    assert decode(spec, arrays).member_scale is None
+    scaled = stacked_adapters([0.5, 3.0]).layers
+    arrays, spec = encode(scaled)
+    again = decode(json.loads(json.dumps(spec)), arrays)
+    assert jnp.array_equal(again.member_scale, scaled.member_scale)
+    assert jax.tree.structure(again) == jax.tree.structure(scaled)

@@ -6,7 +6,8 @@ A PEFT adapter directory is ``adapter_config.json`` (``LoraConfig``'s fields) an
 ``base_model.model.<module>.<param>`` of the modules in ``modules_to_save``. The layer
 computes ``y = base(x) + (alpha / r) x Aᵀ Bᵀ`` (``use_rslora``: ``alpha / sqrt(r)``), ``r``
 and ``alpha`` from ``rank_pattern`` / ``alpha_pattern`` (regexes matched against the end of
-the module's name) or ``r`` / ``lora_alpha``.
+the module's name) or ``r`` / ``lora_alpha``; a Stack's members keep their own
+(:mod:`functree.hf._peft_members`).
 
 The config decides what an adapter is, as in PEFT: the modules ``target_modules`` selects
 (with ``layers_to_transform``, ``layers_pattern``, ``exclude_modules``; ``modules_to_save``
@@ -46,6 +47,13 @@ import numpy as np
 
 from functree.hf._names import TorchNames, torch_names
 from functree.hf._peft_blocks import BLOCKS, member_columns, read_blocks
+from functree.hf._peft_members import (
+    chosen_adapter,
+    loaded_layer,
+    member_adapters,
+    member_arrays,
+    written_alpha,
+)
 from functree.interop._safetensors import load_file, read_header, save_file
 from functree.nn._lora import (
     DenseLayer,
@@ -180,12 +188,6 @@ MUTATING_INITS = {"pissa": "W - scale * B0 A0 of W's principal singular vectors"
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha default
 
 
-def _members(a: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
-    """A stacked array's members in C order over its stack axes (itself when not stacked)."""
-    array = np.asarray(a)
-    return list(array.reshape((-1, *array.shape[len(sizes):]))) if sizes else [array]
-
-
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> tuple[Any, str | None]:
     """PEFT's rank_pattern / alpha_pattern lookup (``get_pattern_key``): the value of the first
     key matching the end of the module's name, and that key (None: the default)."""
@@ -209,7 +211,8 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     names), one per Stack member, in the adapters' dtype. The config lists the adapted
     modules by full name in ``target_modules``, with ``r``, ``lora_alpha`` and
     ``lora_dropout`` (the most common rank and alpha; others in ``rank_pattern`` /
-    ``alpha_pattern``; the first adapter's dropout),
+    ``alpha_pattern``: each Stack member's own rank, zero padding trimmed, and scale; the
+    first adapter's dropout),
     ``bias="none"``; ``task_type`` ``"auto"`` is ``"CAUSAL_LM"`` for a model with an
     ``lm_head`` (GPT-2, Llama), else none.
 
@@ -249,14 +252,13 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     kind = "Hugging Face" if names.is_hf else "torch"
     by_module: dict[str, list[tuple[str, np.ndarray, np.ndarray, float]]] = {}
     dropouts: list[float] = []
-    for layer in layers:
-        node, sizes = layer.node, layer.info.sizes
-        for name, a, b in zip(member_layer_names(layer), _members(node.lora_a, sizes), _members(node.lora_b, sizes)):
+    for layer in layers:  # each member at its own rank and scale (a loaded Stack's: PEFT's per layer)
+        for name, a, b, scale in member_adapters(layer):
             found = names.members.get(name)
             if found is None or not found.weight_param:
                 raise ValueError(NO_NAME.format(layer=name, torch=kind))
-            by_module.setdefault(found.module, []).append((name, a, b, node.scale))
-        dropouts.append(node.dropout)
+            by_module.setdefault(found.module, []).append((name, a, b, scale))
+        dropouts.append(layer.node.dropout)
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
@@ -266,7 +268,7 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         if fused is not None:
             blocks[module] = fused
         tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = a, b
-        ranks[module], alphas[module] = a.shape[0], scale * a.shape[0]
+        ranks[module], alphas[module] = a.shape[0], written_alpha(scale, a.shape[0])
     saved = _saved_modules(model, names, modules_to_save, "save_lora") if modules_to_save else {}
     for module, (layer, i) in saved.items():
         if module in by_module or isinstance(layer.node, LoraDense):
@@ -310,8 +312,10 @@ def _module_adapter(given: list[tuple[str, np.ndarray, np.ndarray, float]], name
     a_all = np.concatenate(a_rows, axis=0)
     b_all = np.zeros((found.size, a_all.shape[0]), np.result_type(*(b.dtype for _, _, b, _ in given)))
     offset, blocks = 0, []
+    if any(s != scale for *_, s in given) and b_all.dtype.itemsize < 4:  # a rescaled B not rounded to 16 bits
+        b_all = b_all.astype(np.float32)
     for name, a, b, s in given:
-        rows = b.T if s == scale else (b.T.astype(np.float64) * (s / scale if scale else 0.0)).astype(b.dtype)
+        rows = b.T if s == scale else (b.T.astype(np.float64) * (s / scale if scale else 0.0)).astype(b_all.dtype)
         b_all[names.members[name].positions, offset: offset + a.shape[1]] = rows
         blocks.append([name, offset, offset + a.shape[1]])
         offset += 0 if shared else a.shape[1]
@@ -321,13 +325,17 @@ def _module_adapter(given: list[tuple[str, np.ndarray, np.ndarray, float]], name
 def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str], what: str
                    ) -> dict[str, tuple[DenseLayer, int]]:
     """``{torch module: (its Dense layer, member index)}`` of the modules PEFT's
-    ``modules_to_save`` names (``_set_trainable``: a module whose name ends with one)."""
+    ``modules_to_save`` names (``_set_trainable``: a module whose name ends with one). An
+    entry naming no module is an error for save_lora's argument; in a file's config PEFT
+    skips it (its SEQ_CLS adapters list both "classifier" and "score"), and so does load_lora."""
     if isinstance(modules_to_save, str):  # as PEFT takes it
         modules_to_save = [modules_to_save]
     layers = {m: (layer, i) for layer in dense_layers(model) for i, m in enumerate(member_layer_names(layer))}
     out: dict[str, tuple[DenseLayer, int]] = {}
     for entry in modules_to_save:
         matched = sorted(m for m in names.modules if m.endswith(entry))
+        if not matched and what == "load_lora":
+            continue
         if not matched:
             raise ValueError(SAVED_MODULE.format(what=what, module=entry, problem="which is no module of this model",
                                                  right='modules_to_save=["lm_head"]'))
@@ -346,12 +354,12 @@ def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str]
 def _full_tensors(module: str, layer: DenseLayer, i: int, names: TorchNames) -> dict[str, np.ndarray]:
     """A Dense member's weight (and bias) as its torch module holds them."""
     found = names.members[member_layer_names(layer)[i]]
-    weight = _members(layer.node.weight, layer.info.sizes)[i]  # [in, out]
+    weight = member_arrays(layer.node.weight, layer.info.sizes)[i]  # [in, out]
     torch_weight = np.empty((found.size, weight.shape[0]), weight.dtype)
     torch_weight[found.positions] = weight.T
     out = {f"{PREFIX}{module}.weight": torch_weight if found.transposed else np.ascontiguousarray(torch_weight.T)}
     if layer.node.bias is not None:
-        bias = _members(layer.node.bias, layer.info.sizes)[i]
+        bias = member_arrays(layer.node.bias, layer.info.sizes)[i]
         torch_bias = np.empty((found.size,), bias.dtype)
         torch_bias[found.positions] = bias
         out[f"{PREFIX}{module}.bias"] = torch_bias
@@ -462,17 +470,19 @@ def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: s
     {module: {param: its base layer's tensor}})``: the adapters (an embedding's
     ``lora_embedding_A`` / ``_B`` among them, refused later as not a Dense target), the
     modules_to_save, and the base weights PEFT's ``save_embedding_layers`` writes beside an
-    adapted ``lm_head`` or ``embed_tokens``."""
-    pairs: dict[str, dict[str, np.ndarray]] = {}
+    adapted ``lm_head`` or ``embed_tokens``. Tensors named with an adapter
+    (``lora_A.default.weight``): the one PEFT reads (:func:`chosen_adapter`)."""
+    named: dict[str, dict[str | None, dict[str, np.ndarray]]] = {}
     full: dict[str, dict[str, np.ndarray]] = {}
     bases: dict[str, dict[str, np.ndarray]] = {}
     for name, value in tensors.items():
-        match = re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", name) or re.fullmatch(
-            rf"{re.escape(PREFIX)}(.*)\.lora_embedding_(A|B)(?:\.[^.]+)?", name)
+        match = re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.(lora_A|lora_B)(?:\.([^.]+))?\.weight", name) or re.fullmatch(
+            rf"{re.escape(PREFIX)}(.*)\.lora_embedding_(A|B)(?:\.([^.]+))?", name)
         base = re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.base_layer\.(weight|bias)", name)
         module, _, param = name[len(PREFIX):].rpartition(".")
         if match is not None:
-            pairs.setdefault(match[1], {})[match[2] if match[2].startswith("lora") else f"lora_{match[2]}"] = value
+            which = match[2] if match[2].startswith("lora") else f"lora_{match[2]}"
+            named.setdefault(match[1], {}).setdefault(match[3], {})[which] = value
         elif base is not None:
             bases.setdefault(base[1], {})[base[2]] = value
         elif name.startswith(PREFIX) and module in saved:
@@ -481,6 +491,8 @@ def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: s
             raise ValueError(NOT_PEFT.format(directory=directory, problem=f"an unexpected tensor {name!r}"))
         if not (np.issubdtype(value.dtype, np.floating) or value.dtype == jnp.bfloat16):
             raise ValueError(ADAPTER_DTYPE.format(name=name, dtype=value.dtype))
+    pairs = {module: chosen_adapter(by_name, module, os.path.join(directory, WEIGHTS_FILE))
+             for module, by_name in named.items()}
     for module, pair in pairs.items():
         for which in ("lora_A", "lora_B"):
             if which not in pair:
@@ -579,12 +591,17 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     Dense but the output head) get the file's ``lora_A`` / ``lora_B``, as a
     :class:`LoraDense` with rank ``r`` (or ``rank_pattern``'s, which the tensors must have)
     and scale ``lora_alpha / r`` (``alpha_pattern``; ``use_rslora``: ``alpha / sqrt(r)``),
-    ``dropout`` from ``lora_dropout``. A fused projection's adapter (GPT-2's ``c_attn``) goes
-    to its members, each with the shared ``A`` and its rows of ``B``. ``modules_to_save``'s
-    full tensors (a trained ``lm_head``) replace those Dense layers' weight and bias, and the
-    adapters record the list (``LoraDense.saved_modules``) for :func:`save_lora`. A Stack
-    member the config does not target gets zero adapters. ``key`` seeds the adapters' dropout
-    masks (needed only to train with dropout).
+    ``dropout`` from ``lora_dropout``; a Stack's members of other ranks or scales keep PEFT's
+    own ``A``, ``B`` (zero-padded to the largest rank) and scale (``LoraDense.member_scale``),
+    so training continues as PEFT's would. Tensors named with an adapter
+    (``lora_A.default.weight``): the one PEFT reads (none, else ``default``); several other
+    names are refused. A fused projection's adapter (GPT-2's ``c_attn``) goes to its members,
+    each with the shared ``A`` and its rows of ``B``. ``modules_to_save``'s full tensors (a
+    trained ``lm_head``) replace those Dense layers' weight and bias, and the adapters record
+    the list (``LoraDense.saved_modules``) for :func:`save_lora`; an entry naming no module
+    of the model is skipped, as PEFT skips it. A Stack member the config does not target
+    gets zero adapters. ``key`` seeds the adapters' dropout masks (needed only to train with
+    dropout).
 
     Refused, naming the tensor or option: a config and a file that disagree (tensors of
     modules not targeted, targeted modules without tensors, ranks other than the config's,
@@ -627,13 +644,15 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
         if given and isinstance(layer.node, LoraDense):
             raise ValueError(LOAD_ONTO_ADAPTED.format(name=layer.name, directory=directory))
         if given:
-            wrapped[layer.path] = _loaded(layer, given, config, None if key is None else jax.random.fold_in(key, j))
+            wrapped[layer.path] = loaded_layer(layer, given, float(config.get("lora_dropout") or 0.0),
+                                               None if key is None else jax.random.fold_in(key, j))
     for module, (layer, i) in saved.items():
         wrapped[layer.path] = _with_full(wrapped.get(layer.path, layer.node), layer, i, module,
                                          full.get(module, {}), names, directory)
-    if saved:  # the adapters remember them: save_lora writes the trained modules again
+    if saved:  # the adapters remember them (those found here): save_lora writes the trained modules again
         listed = config["modules_to_save"]
-        entries = (listed,) if isinstance(listed, str) else tuple(listed)
+        entries = tuple(e for e in ((listed,) if isinstance(listed, str) else listed)
+                        if any(m.endswith(e) for m in saved))
         wrapped = {path: node.replace(saved_modules=entries) if isinstance(node, LoraDense) else node
                    for path, node in wrapped.items()}
 
@@ -713,31 +732,6 @@ def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str,
     if blocks is not None:  # the block form save_lora writes: each member its own A and B
         return {m: (module, a[blocks[m]].T, rows[m][:, blocks[m]].T, scale) for m in members}
     return {m: (module, a.T, rows[m].T, scale) for m in members}
-
-
-def _loaded(layer: DenseLayer, given: list[tuple[int, tuple[str, np.ndarray, np.ndarray, float]]],
-            config: dict[str, Any], key: jax.Array | None) -> LoraDense:
-    """The LoraDense of one layer from its members' adapters (``given``: member index, adapter).
-
-    Members may differ in rank and scale (PEFT's rank_pattern, alpha_pattern): the layer
-    takes the largest rank (the others padded with zeros, which add nothing) and the first
-    nonzero scale ``s``; each member's ``lora_b`` is multiplied by its own scale over ``s``,
-    so every member computes PEFT's ``s_i x A_i B_i``."""
-    n_in, n_out = layer.node.weight.shape[-2:]
-    scale = next((s for _, (*_, s) in given if s != 0.0), 0.0)
-    rank = max(a.shape[1] for _, (_, a, _, _) in given)
-    sizes = layer.info.sizes
-    dtype = np.result_type(*(a.dtype for _, (_, a, _, _) in given))
-    a_all = np.zeros((math.prod(sizes), n_in, rank), dtype)
-    b_all = np.zeros((math.prod(sizes), rank, n_out), dtype)
-    for i, (_, a, b, s) in given:
-        a_all[i, :, : a.shape[1]] = a
-        b_all[i, : b.shape[0], :] = b if s == scale else (b.astype(np.float64) * (s / scale if scale else 0.0))
-    dropout = float(config.get("lora_dropout") or 0.0)
-    node = LoraDense(layer.node, rank, 1.0, dropout, key=jax.random.key(0) if key is None else key)
-    return node.replace(lora_a=jnp.asarray(a_all.reshape((*sizes, n_in, rank))),
-                        lora_b=jnp.asarray(b_all.reshape((*sizes, rank, n_out))),
-                        alpha=scale * rank, dropout_key=None if key is None else node.dropout_key)
 
 
 def _with_full(node: Any, layer: DenseLayer, i: int, module: str, given: dict[str, np.ndarray], names: TorchNames,

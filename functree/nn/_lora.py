@@ -119,6 +119,10 @@ class LoraDense(Layer):
     (``ft.nn.training``), scaling the rest by ``1/(1 - dropout)``; the mask comes from
     ``key=`` or, without one, from ``dropout_key`` (raw key data, advanced as layer state).
     Weights of a ``Stack``'s member carry the stack axes in front (``lora_a [n, in, r]``).
+    ``member_scale`` (a ``no_derivative`` field, None unless set) gives each member a scale
+    of its own in place of ``alpha / r``: ``ft.nn.load_lora`` sets it where PEFT's
+    ``alpha_pattern`` / ``rank_pattern`` give a Stack's layers different scales, so each
+    member trains PEFT's own ``A`` and ``B``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -136,7 +140,8 @@ class LoraDense(Layer):
     __ft_adapter__: ClassVar[str] = "ft.nn.merge_lora(model)"
     # Static fields added after checkpoints were written without them: those read at their
     # default (functree/train/checkpoint/_treespec.py); any other missing field is refused.
-    __ft_added_static__: ClassVar[tuple[str, ...]] = ("saved_modules",)
+    # (member_scale is a data field read the same way: None, every member at alpha / r.)
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("saved_modules", "member_scale")
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "saved_modules")  # a restore's template decides them (how it trains, what save_lora writes)
 
     weight: jax.Array
@@ -144,6 +149,11 @@ class LoraDense(Layer):
     lora_a: jax.Array
     lora_b: jax.Array
     dropout_key: jax.Array | None = field(no_derivative=True)
+    # Each Stack member's own scale where the members' differ (PEFT's alpha_pattern or
+    # rank_pattern on some layers, read by ft.nn.load_lora): float32, shape = the stack axes
+    # (a scalar in a member's call). None: every member's scale is alpha / r. Kept apart from
+    # lora_b so that training moves PEFT's A and B, not a rescaled B.
+    member_scale: jax.Array | None = field(no_derivative=True, default=None)
     activation: Any = field(static=True, default=identity)
     alpha: float = field(static=True, default=8.0)
     dropout: float = field(static=True, default=0.0)
@@ -167,7 +177,7 @@ class LoraDense(Layer):
         self.lora_a = jax.random.uniform(a_key, (*lead, n_in, rank), dtype, -bound, bound)
         self.lora_b = jnp.zeros((*lead, rank, n_out), dtype)
         self.alpha, self.dropout, self.training = float(alpha), float(dropout), False
-        self.dropout_key = None
+        self.dropout_key, self.member_scale = None, None
         if dropout > 0.0:
             count = math.prod(lead)
             keys = jax.random.split(drop_key, count) if count > 1 else drop_key[None]
@@ -181,9 +191,10 @@ class LoraDense(Layer):
         return int(self.lora_a.shape[-1])
 
     @property
-    def scale(self) -> float:
-        """``alpha / r``: the factor of the adapter's output."""
-        return self.alpha / self.rank
+    def scale(self) -> float | jax.Array:
+        """``alpha / r``: the factor of the adapter's output; where a Stack's members have
+        scales of their own (:attr:`member_scale`), that array (one per member)."""
+        return self.alpha / self.rank if self.member_scale is None else self.member_scale
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         check_input(self, x, (self.weight.shape[-2],))
@@ -202,7 +213,8 @@ class LoraDense(Layer):
             keep = jax.random.bernoulli(drawn, 1.0 - self.dropout, jnp.shape(x))
             h = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
         a, b = self.lora_a.astype(y.dtype), self.lora_b.astype(y.dtype)
-        return self.activation(y + ((h @ a) * self.scale) @ b)
+        scale = self.alpha / self.rank if self.member_scale is None else self.member_scale.astype(y.dtype)
+        return self.activation(y + ((h @ a) * scale) @ b)
 
 
 def _check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) -> None:
@@ -458,7 +470,8 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
 
 
 def merge_lora(model: Any) -> Any:
-    """``model`` with every :class:`LoraDense` folded into a ``Dense``: ``W + (alpha/r) A B``.
+    """``model`` with every :class:`LoraDense` folded into a ``Dense``: ``W + (alpha/r) A B``
+    (a Stack's members with scales of their own, ``member_scale``: each member's).
 
     The result has the structure ``ft.nn.lora`` was given (plain ``Dense`` layers; a
     ``Stack``'s members merged member by member) and computes the same outputs, to
@@ -479,7 +492,8 @@ def merge_lora(model: Any) -> Any:
         if not isinstance(x, LoraDense):
             return x
         wide = jnp.promote_types(x.weight.dtype, jnp.float32)
-        delta = jnp.matmul(x.lora_a.astype(wide), x.lora_b.astype(wide)) * jnp.asarray(x.scale, wide)
+        scale = jnp.asarray(x.scale, wide)[..., None, None]  # a Stack's members' own scales: theirs
+        delta = jnp.matmul(x.lora_a.astype(wide), x.lora_b.astype(wide)) * scale
         merged = (x.weight.astype(wide) + delta).astype(x.weight.dtype)
         return from_fields(Dense, {"weight": merged, "bias": x.bias, "activation": x.activation})
 

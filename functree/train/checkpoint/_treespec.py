@@ -347,9 +347,9 @@ def _items(spec: dict[str, Any], key: str, kind: type) -> Any:
 def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:
     cls = _class(spec, path, "module")
     static, fields = _items(spec, "static", dict), _items(spec, "fields", dict)
-    values = added_static(cls, static)  # a static field the class gained since, at its default
+    values = added_static(cls, {**static, **fields})  # a field the class gained since, at its default
     _check_names(cls, [*static, *values, *fields], list(cls.__ft_fields__), path)
-    if sorted([*static, *values]) != sorted(cls.__ft_static__):
+    if sorted([*static, *(n for n in values if n in cls.__ft_static__)]) != sorted(cls.__ft_static__):
         why = f"{cls.__name__}'s static fields are {sorted(cls.__ft_static__)}, not {sorted(static)}"
         raise SpecError(MALFORMED.format(path=path, why=why))
     for n, c in static.items():

@@ -1,0 +1,132 @@
+"""A PEFT adapter's tensors per ft ``Dense`` member, for :mod:`functree.hf._peft`.
+
+Reading: a file's tensors may carry an adapter name (``lora_A.default.weight``, a state
+dict of a ``PeftModel``); :func:`chosen_adapter` takes the one ``PeftModel.from_pretrained``
+takes (no name, or ``default``). :func:`loaded_layer` puts a layer's members together into one
+``LoraDense``: each member keeps PEFT's ``A`` and ``B`` and its own scale ``s_i``
+(``alpha_i / r_i``; ``LoraDense.member_scale`` where the members' differ), the ranks padded
+with zeros to the largest (zero columns of ``A`` with zero rows of ``B``: they add nothing and
+their gradients are zero, so training moves exactly PEFT's parameters).
+
+Writing: :func:`member_adapters` takes a layer apart again, each member at its true rank
+(that padding trimmed) and scale, and :func:`written_alpha` is the ``lora_alpha`` giving that
+scale, so PEFT reads back the same ``A``, ``B`` and scale per module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree.nn._lora import DenseLayer, LoraDense, member_layer_names
+
+__all__ = ["member_arrays", "chosen_adapter", "adapter_dtype", "loaded_layer", "member_adapters", "written_alpha"]
+
+SEVERAL_ADAPTERS = """\
+ft.nn.load_lora: {file} holds the adapter of {module!r} under the adapter names {names} \
+({why}). PeftModel.from_pretrained reads the one without a name, or named 'default', and \
+ignores the others: which one is this adapter is not in the file.
+    wrong:  safetensors.torch.save_file(peft_model.state_dict(), ...)   # every adapter's tensors
+    right:  peft_model.save_pretrained(directory, selected_adapters=["default"])   # one adapter per directory"""
+
+
+def member_arrays(a: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """A stacked array's members in C order over its stack axes (itself when not stacked)."""
+    array = np.asarray(a)
+    return list(array.reshape((-1, *array.shape[len(sizes):]))) if sizes else [array]
+
+
+def chosen_adapter(named: dict[str | None, dict[str, np.ndarray]], module: str, file: str
+                   ) -> dict[str, np.ndarray]:
+    """The tensors (``{"lora_A": ..., "lora_B": ...}``) of ``module`` under the adapter name
+    PEFT loads: none, else ``default`` (``PeftModel.from_pretrained``'s adapter name: its
+    keys match the model's own), else the file's only name (a file of one adapter written
+    with its name kept). Refused: several other names, or both the unnamed and the
+    ``default`` tensors with other values (PEFT keeps whichever the file lists last)."""
+    if None in named and "default" in named:
+        same = named[None].keys() == named["default"].keys() and all(
+            np.array_equal(named[None][k], named["default"][k]) for k in named[None])
+        if not same:
+            raise ValueError(SEVERAL_ADAPTERS.format(file=file, module=module, names=[None, "default"],
+                                                     why="both PeftModel's names of one adapter, with other values"))
+    for name in (None, "default"):
+        if name in named:
+            return named[name]
+    if len(named) == 1:
+        return next(iter(named.values()))
+    raise ValueError(SEVERAL_ADAPTERS.format(file=file, module=module, names=sorted(map(str, named)),
+                                             why="and none without a name or named 'default'"))
+
+
+def adapter_dtype(dtypes: list[np.dtype]) -> np.dtype:
+    """The one dtype of a layer's adapters from its tensors' (``lora_A`` and ``lora_B`` of
+    each member): theirs when they agree, else the widest, at least float32 (bfloat16 with
+    float16 has no common 16-bit type; PEFT computes every adapter in float32)."""
+    unique = {np.dtype(d) for d in dtypes}
+    if len(unique) == 1:
+        return unique.pop()
+    widest = max(unique, key=lambda d: d.itemsize)
+    return widest if widest.itemsize > 4 else np.dtype(np.float32)
+
+
+def loaded_layer(layer: DenseLayer, given: list[tuple[int, tuple[str, np.ndarray, np.ndarray, float]]],
+           dropout: float, key: jax.Array | None) -> LoraDense:
+    """The LoraDense of one layer from its members' adapters (``given``: member index,
+    ``(module, a [in, r_i], b [r_i, out], s_i)``).
+
+    Each member keeps PEFT's ``a`` and ``b`` (padded with zeros to the largest rank ``r``)
+    and its scale: ``alpha = s r`` for one scale ``s`` of all, else ``member_scale`` holds
+    each member's (float32, the stack axes' shape), so every member computes PEFT's
+    ``s_i x A_i B_i`` and trains PEFT's parameters. A member without an adapter in the file
+    gets zeros (which stay zero in training: their gradients are zero) and the first scale."""
+    n_in, n_out = layer.node.weight.shape[-2:]
+    sizes = layer.info.sizes
+    rank = max(a.shape[1] for _, (_, a, _, _) in given)
+    dtype = adapter_dtype([x.dtype for _, (_, a, b, _) in given for x in (a, b)])
+    scales = np.full(math.prod(sizes), given[0][1][3], np.float64)
+    a_all = np.zeros((math.prod(sizes), n_in, rank), dtype)
+    b_all = np.zeros((math.prod(sizes), rank, n_out), dtype)
+    for i, (_, a, b, s) in given:
+        a_all[i, :, : a.shape[1]] = a  # exact: the dtype holds each tensor's values
+        b_all[i, : b.shape[0], :] = b
+        scales[i] = s
+    uniform = bool(np.all(scales == scales[0]))
+    node = LoraDense(layer.node, rank, 1.0, dropout, key=jax.random.key(0) if key is None else key)
+    return node.replace(lora_a=jnp.asarray(a_all.reshape((*sizes, n_in, rank))),
+                        lora_b=jnp.asarray(b_all.reshape((*sizes, rank, n_out))),
+                        alpha=float(scales[0]) * rank, dropout_key=None if key is None else node.dropout_key,
+                        member_scale=None if uniform else jnp.asarray(scales.reshape(sizes), jnp.float32))
+
+
+def member_adapters(layer: DenseLayer) -> Iterator[tuple[str, np.ndarray, np.ndarray, float]]:
+    """``(member name, a [in, r_i], b [r_i, out], s_i)`` of each member of an adapted layer:
+    its own scale, its rank without the zero padding :func:`loaded_layer` added (trailing columns
+    of ``a`` that are zero, with their rows of ``b``; a member all zero keeps its rank)."""
+    node, sizes = layer.node, layer.info.sizes
+    count = max(1, math.prod(sizes))
+    scales = (np.full(count, node.alpha / node.rank) if node.member_scale is None
+              else np.asarray(node.member_scale, np.float64).reshape(-1))
+    for name, a, b, s in zip(member_layer_names(layer), member_arrays(node.lora_a, sizes), member_arrays(node.lora_b, sizes),
+                             scales, strict=True):
+        used = np.flatnonzero(np.any(a != 0, axis=0) | np.any(b != 0, axis=1))
+        r = int(used[-1]) + 1 if used.size else a.shape[1]
+        yield name, a[:, :r], b[:r], float(s)
+
+
+def written_alpha(scale: float, rank: int) -> float:
+    """The ``lora_alpha`` of an adapter of scale ``scale`` at rank ``rank``: ``scale · rank``,
+    in its shortest decimal form that gives the same float32 scale (the scale a float32
+    adapter computes with): ``10.0`` for a scale of ``10 / 3`` held in float32, not
+    ``10.000000476837158``."""
+    exact = scale * rank
+    target = np.float32(scale)
+    for digits in range(10):
+        short = round(exact, digits)
+        if np.float32(short / rank) == target:
+            return short
+    return exact

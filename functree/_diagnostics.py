@@ -185,8 +185,10 @@ class Finding:
     def emit(self) -> None:
         if len(_REGISTRY) >= CACHE_LIMIT:  # the one bounded policy, for warnings' registry too
             _REGISTRY.clear()
+        module = _module_of(self.filename)
         warnings.warn_explicit(
-            self.message, self.category, self.filename, self.lineno, registry=_REGISTRY
+            self.message, self.category, self.filename, self.lineno, registry=_REGISTRY,
+            module=None if module is None else module.__name__,
         )
 
 
@@ -545,9 +547,12 @@ def _replay(traced: _Traced) -> Callable[..., Any] | None:
     if traced.side_effect or len(traced.returned) != len(outvars):
         return None
     for w in traced.caught:
+        # As Python's own warn: the module's name (a filter's module= matches it) and registry.
+        module = _module_of(w.filename)
         warnings.warn_explicit(
             w.message, w.category, w.filename, w.lineno, source=w.source,
-            registry=_registry_of(w.filename),
+            module=None if module is None else module.__name__,
+            registry=None if module is None else module.__dict__.setdefault("__warningregistry__", {}),
         )
     run = jcore.jaxpr_as_fun(traced.closed)
     # A result the jaxpr holds as a literal (not computed) is what the function returns
@@ -571,12 +576,12 @@ def _replay(traced: _Traced) -> Callable[..., Any] | None:
 _NUMBERS = (bool, int, float, complex)
 
 
-def _registry_of(filename: str) -> dict[Any, Any] | None:
-    """The ``__warningregistry__`` of the module loaded from ``filename`` (so a warning
-    emitted again is shown once per place, as Python's own ``warn`` would), if any."""
+def _module_of(filename: str) -> Any:
+    """The module loaded from ``filename``, if any: a warning emitted again takes its name
+    and ``__warningregistry__`` (shown once per place), as Python's own ``warn`` would."""
     for module in list(sys.modules.values()):
         if getattr(module, "__file__", None) == filename:
-            return module.__dict__.setdefault("__warningregistry__", {})
+            return module
     return None
 
 
@@ -642,7 +647,7 @@ def _data_as_unknown(consts: Sequence[Any], plan: Plan) -> list[Any]:
             for c in consts]
 
 
-def check(kind: str, fn: Any, g: Any, plan: Plan) -> Callable[..., Any]:
+def check(kind: str, fn: Any, g: Any, plan: Plan, has_aux: bool = False) -> Callable[..., Any]:
     """Analyse ``g`` (the function being differentiated) before differentiation, and return
     the function the operator differentiates.
 
@@ -659,15 +664,17 @@ def check(kind: str, fn: Any, g: Any, plan: Plan) -> Callable[..., Any]:
     functions are inlined into primitives in a jaxpr), so a replay on the first call and
     ``g`` on the next compiled the forward pass twice, in two forms. ``g``'s Python runs
     twice on the first eager call (the check's trace, whose warnings are dropped, then the
-    operator's run, which warns), then once per call, as under ``jax.grad``.
+    operator's run, which warns), then once per call, as under ``jax.grad``. With
+    ``has_aux`` (``g`` returns ``(result, aux)``) only the result is analysed: a parameter
+    read only by the aux has a zero derivative.
     """
     if not config.diagnostics:
         return g
-    key = cache_key(kind, fn, plan)
+    key = cache_key(kind + (" with aux" if has_aux else ""), fn, plan)
     if key is not None and key in _CACHE:
         return g
     traced: list[_Traced] | None = [] if staged() else None
-    report = _run(fn, g, plan, first_output_only=kind == "gradient", strict=False, traced=traced)
+    report = _run(fn, g, plan, first_output_only=kind == "gradient" or has_aux, strict=False, traced=traced)
     if key is not None:
         bounded_put(_CACHE, key, report)
     for finding in report.findings:

@@ -330,7 +330,7 @@ def value_with_pullback(
 def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
-    g = _diagnostics.check("pullback", fn, g, plan)  # the check's trace, replayed where it can be
+    g = _diagnostics.check("pullback", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
     out = jax.vjp(g, *plan.primals, has_aux=has_aux)
 
     def pullback_fn(cotangent: Any) -> Any:
@@ -379,7 +379,7 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
     with _forward_mode():
-        g = _diagnostics.check("differential", fn, g, plan)  # the check's trace, replayed where it can be
+        g = _diagnostics.check("differential", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
         with _explain_reverse_only(op, fn, g, plan.primals):
             out = jax.linearize(g, *plan.primals, has_aux=has_aux)
 
@@ -453,8 +453,7 @@ def jacobian(
         g = plan.wrap()
         forward = mode == "forward"
         with _forward_mode() if forward else contextlib.nullcontext():
-            if not has_aux:  # with aux, the analysis cannot tell the result from the aux
-                g = _diagnostics.check("pullback", fn, g, plan)  # the check's trace, replayed where it can be
+            g = _diagnostics.check("pullback", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
             if not forward:
                 out = transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
             else:

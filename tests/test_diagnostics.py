@@ -255,6 +255,54 @@ def test_has_aux_analyses_the_value_only():
     assert ft.diagnose(loss, at=X3, has_aux=True).ok
 
 
+class _WithHead(ft.Module):
+    w: jax.Array
+    head: jax.Array
+
+
+@pytest.mark.parametrize("operator", [
+    lambda f, m: ft.value_with_gradient(f, at=m, has_aux=True),
+    lambda f, m: ft.value_with_pullback(f, at=m, has_aux=True),
+    lambda f, m: ft.value_with_differential(f, at=m, has_aux=True),
+    lambda f, m: ft.jacobian(f, at=m, has_aux=True),
+])
+def test_every_operator_with_aux_analyses_the_result_only(operator):
+    """A parameter read only by the aux has a zero derivative: each operator says so."""
+    _diagnostics._CACHE.clear()  # value_with_pullback and jacobian share a kind: analysed once
+
+    def loss(m):
+        return jnp.sum(X3 * m.w), {"probe": jnp.sum(X3 * m.head)}
+
+    with pytest.warns(ft.UnusedParameterWarning, match="head"):
+        operator(loss, _WithHead(jnp.ones(3), jnp.ones(3)))
+    with warnings.catch_warnings():  # an argmax in the aux is no finding either
+        warnings.simplefilter("error")
+        operator(lambda m: (jnp.sum(X3 * m.w * m.head), jnp.argmax(m.w)), _WithHead(jnp.ones(3), jnp.ones(3)))
+
+
+def test_warnings_raised_in_the_loss_keep_their_module_for_filters(tmp_path, monkeypatch):
+    """A pytest-style filter scoped to a module (``module="mylib"``) still matches a warning
+    the check caught while tracing and emits again (the jitted step's replay)."""
+    (tmp_path / "mylib_ft_test.py").write_text(
+        "import warnings\n"
+        "def old_scale(w):\n"
+        "    warnings.warn('old_scale is deprecated', DeprecationWarning)\n"
+        "    return w * 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mylib_ft_test
+
+    def loss(w):
+        return jnp.sum(mylib_ft_test.old_scale(w) ** 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="mylib_ft_test")
+        assert jax.jit(ft.gradient(loss))(jnp.ones(2)).tolist() == [8.0, 8.0]
+        assert ft.gradient(loss)(jnp.ones(2)).tolist() == [8.0, 8.0]
+    with pytest.warns(DeprecationWarning, match="old_scale is deprecated"):  # unfiltered: still shown
+        jax.jit(ft.gradient(lambda w: jnp.sum(mylib_ft_test.old_scale(w))))(jnp.ones(2))
+
+
 def test_unused_argument_among_several():
     f = lambda x, y: x * 2.0  # noqa: E731
     with pytest.warns(ft.ZeroDerivativeWarning, match="argument 1 \\(`y`\\)"):

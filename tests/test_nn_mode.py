@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import functree as ft
 
@@ -59,3 +60,63 @@ def test_models_without_flags_are_unchanged(key):
     dense = ft.nn.Dense(2, 2, key=key)
     assert jax.tree.structure(ft.nn.training(dense)) == jax.tree.structure(dense)
     assert ft.nn.training({"a": [dense]})["a"][0].weight is dense.weight
+
+
+# --- foreign layers with Equinox's convention: a Python-bool leaf attribute `inference` ---
+
+@jax.tree_util.register_pytree_with_keys_class
+class _ForeignDropout:
+    """A hand-written foreign layer shaped like eqx.nn.Dropout: `p` and `inference` are
+    leaves (attribute keys), no functree or equinox class."""
+
+    def __init__(self, p, inference=False):
+        self.p, self.inference = p, inference
+
+    def tree_flatten_with_keys(self):
+        key = jax.tree_util.GetAttrKey
+        return ((key("p"), self.p), (key("inference"), self.inference)), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    def __call__(self, x, *, key):
+        if self.inference:
+            return x
+        keep = jax.random.bernoulli(key, 1 - self.p, x.shape)
+        return jnp.where(keep, x / (1 - self.p), 0.0)
+
+
+class Mixed(ft.Module):
+    foreign: dict  # {"layer": a foreign layer} (a dict: a callable field would be taken for configuration)
+    drop: ft.nn.Dropout
+
+    def __call__(self, x, *, key):
+        return self.drop(self.foreign["layer"](x, key=key), key=key)
+
+
+def test_modes_set_foreign_inference_flags(key):
+    m = Mixed({"layer": _ForeignDropout(0.5)}, ft.nn.Dropout(0.5))
+    x = jnp.ones(8)
+    inf = ft.nn.inference(m)
+    assert inf.foreign["layer"].inference is True and not inf.drop.training
+    np.testing.assert_array_equal(np.asarray(inf(x, key=key)), np.ones(8))  # was dropped: [0, 0, 2, 2, ...]
+    tr = ft.nn.training(inf)
+    assert tr.foreign["layer"].inference is False and tr.drop.training
+    assert not bool(jnp.all(tr(x, key=key) == 1))
+    nested = ft.nn.inference({"a": [_ForeignDropout(0.5)], "b": (1, True)})
+    assert nested["a"][0].inference is True and nested["b"] == (1, True)  # a bool not named inference: kept
+
+
+def test_foreign_inference_flag_that_is_not_a_bool_is_kept(key):
+    m = ft.nn.inference(_ForeignDropout(0.5, inference=jnp.asarray(False)))
+    assert isinstance(m.inference, jax.Array) and not bool(m.inference)
+
+
+def test_modes_match_equinox_inference_mode(key):
+    eqx = pytest.importorskip("equinox")
+    m = Mixed({"layer": eqx.nn.Sequential([eqx.nn.Dropout(0.5), eqx.nn.Dropout(0.1)])}, ft.nn.Dropout(0.5))
+    for ours, theirs in [(ft.nn.inference(m), eqx.nn.inference_mode(m)),
+                         (ft.nn.training(ft.nn.inference(m)), eqx.nn.inference_mode(m, value=False))]:
+        assert [d.inference for d in ours.foreign["layer"].layers] == [d.inference for d in theirs.foreign["layer"].layers]
+    np.testing.assert_array_equal(np.asarray(ft.nn.inference(m)(jnp.ones(8), key=key)), np.ones(8))

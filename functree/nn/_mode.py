@@ -24,6 +24,26 @@ TRAINING_FIELD = "training"
 # tree definition; afterwards switching is a flatten, a dict lookup and an unflatten.
 _MODE_CACHE: dict[tuple[Any, bool], Any] = {}
 
+# Equinox's convention (eqx.nn.Dropout, BatchNorm, MultiheadAttention ...): a layer's mode is
+# an attribute ``inference`` holding a Python bool, a pytree *leaf* (so not in the tree
+# definition). ``eqx.nn.inference_mode`` sets every such attribute; ft's modes do too, so
+# a model mixing both kinds of layers switches as one. The leaf positions of such
+# attributes are found once per tree definition (no equinox import: any node's attribute).
+FOREIGN_FIELD = "inference"
+_FOREIGN_CACHE: dict[Any, tuple[int, ...]] = {}
+
+
+def _foreign_flags(model: Any, treedef: Any) -> tuple[int, ...]:
+    """The leaf indices of ``model`` at an attribute named ``inference`` (cached per
+    definition; whether the leaf is a Python bool is checked at each switch)."""
+    found = _FOREIGN_CACHE.get(treedef)
+    if found is None:
+        paths = jax.tree_util.tree_flatten_with_path(model)[0]
+        found = tuple(i for i, (path, _) in enumerate(paths)
+                      if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == FOREIGN_FIELD)
+        _FOREIGN_CACHE[treedef] = found
+    return found
+
 
 def _is_module(x: Any) -> bool:
     return isinstance(x, Module)
@@ -51,6 +71,9 @@ def _with_mode(model: Any, flag: bool) -> Any:
     if new_def is None:
         new_def = jax.tree.structure(_switch(model, flag))
         _MODE_CACHE[(treedef, flag)] = new_def
+    for i in _foreign_flags(model, treedef):
+        if type(leaves[i]) is bool:  # an Equinox-style flag: inference = not training
+            leaves[i] = not flag
     return jax.tree.unflatten(new_def, leaves)
 
 
@@ -101,7 +124,9 @@ def in_mode(updates: Any, given: tuple[Any, ...]) -> Any:
 
 def training(model: Any) -> Any:
     """``model`` with every layer in training mode (Dropout drops, BatchNorm normalizes
-    with batch statistics and records new running statistics).
+    with batch statistics and records new running statistics). Foreign layers following
+    Equinox's convention (a Python-bool attribute ``inference``: ``eqx.nn.Dropout``,
+    ``eqx.nn.BatchNorm``) get ``inference=False``, as ``eqx.nn.inference_mode(m, False)``.
 
     A new tree over the *same* arrays (no array is copied): once a donating train step
     consumes either tree, both are invalid (using one is an error naming the key path).
@@ -116,7 +141,9 @@ def training(model: Any) -> Any:
 
 
 def inference(model: Any) -> Any:
-    """``model`` with every layer in inference mode (the default).
+    """``model`` with every layer in inference mode (the default); a foreign layer's
+    Python-bool attribute ``inference`` (Equinox's layers) is set to ``True``, as
+    ``eqx.nn.inference_mode(m)`` does.
 
     A new tree over the *same* arrays, not a copy: after a donating train step has
     consumed ``model``, ``inference(model)`` is an error naming the key path. Keep an

@@ -540,3 +540,30 @@ def test_keep_nonfinite_marks_leaves_and_a_changed_structure():
     assert np.isnan(merged["both"]).all() and merged["n"].dtype == jnp.int32
     fine = {"a": jnp.ones(2)}
     np.testing.assert_array_equal(keep_nonfinite(fine, {"x": jnp.full(2, 3.0)})["x"], [3.0, 3.0])
+
+
+@pytest.mark.parametrize("trainer", [False, True])
+def test_optax_multisteps_around_a_functree_optimizer_is_optax_multisteps(trainer):
+    """optax.MultiSteps is no GradientTransformationExtraArgs but forwards update's extra
+    arguments: a functree optimizer inside gets its learning context (it refused its state)."""
+    loss = lambda p, b=None: jnp.sum((p["w"] - 0.5) ** 2)  # noqa: E731
+    reference, state = {"w": jnp.ones(3)}, None
+    tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    state = tx.init(reference)
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes int and float
+        for _ in range(4):
+            updates, state = tx.update(jax.grad(loss)(reference), state, reference)
+            reference = optax.apply_updates(reference, updates)
+    wrapped = optax.MultiSteps(ft.optim.adam(1e-2), every_k_schedule=2)
+    if trainer:
+        t = ft.train.Trainer({"w": jnp.ones(3)}, wrapped, loss)
+        t.fit([None] * 4, epochs=1, progress=False)
+        params = t.model
+    else:
+        opt = ft.optim.Optimizer(wrapped)
+        params = {"w": jnp.ones(3)}
+        opt_state = opt.init(params)
+        for _ in range(4):
+            params, opt_state, _ = opt.minimize(loss, params, opt_state)
+    np.testing.assert_allclose(params["w"], reference["w"], rtol=0, atol=1e-6)
+    assert float(jnp.max(jnp.abs(params["w"] - 1.0))) > 1e-2  # two applied steps

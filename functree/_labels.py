@@ -19,9 +19,15 @@ import jax
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
 
-__all__ = ["label_aware", "is_label_tree"]
+__all__ = ["label_aware", "is_label_tree", "LAYOUT"]
 
 _LABEL_TYPES = (str, bool, int)
+
+# How labels are laid onto the definition of the parameters they are called with when the
+# two differ (in static layer modes: ``ft.nn.training(model)``'s labels, the Optimizer's
+# mode-free parameters): set by ``functree.nn._mode`` (the core imports no subpackage).
+# Identity until then.
+LAYOUT: list[Callable[[Any, Any], Any]] = []
 
 
 def is_label_tree(tree: Any) -> bool:
@@ -57,7 +63,7 @@ def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and type(args[0]) is type(self) and is_label_tree(self):
-            return self
+            return LAYOUT[0](self, args[0]) if LAYOUT else self
         try:
             return call(self, *args, **kwargs)
         except (RuntimeError, ValueError) as e:  # a donated model used again: name the key path

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from jax.core import Tracer
 
+from functree import _labels
 from functree._alias import stale_error
 from functree._module import Module
 
@@ -120,6 +121,19 @@ def in_mode(updates: Any, given: tuple[Any, ...]) -> Any:
         if candidate.num_leaves == treedef.num_leaves and mode_free_def(candidate) == treedef:
             return candidate.unflatten(jax.tree.leaves(updates))
     return updates
+
+
+def _labels_in_mode(labels: Any, params: Any) -> Any:
+    """A label tree (a model's shape, strings or bools at its leaves) in the mode of
+    ``params``: optax needs the two definitions equal, and a mask built from
+    ``ft.nn.training(model)`` meets the Optimizer's mode-free parameters."""
+    target = jax.tree.structure(params)
+    if jax.tree.structure(labels) == target:
+        return labels
+    return in_mode(mode_free(labels), (target,))
+
+
+_labels.LAYOUT[:] = [_labels_in_mode]
 
 
 def training(model: Any) -> Any:

@@ -1,0 +1,38 @@
+"""Label trees shaped like a model, given to optax (functree/_labels.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import functree as ft
+
+
+def _net():
+    return ft.nn.Sequential(ft.nn.Dense(2, 4, key=jax.random.key(0)), ft.nn.Dropout(0.1),
+                            ft.nn.Dense(4, 1, key=jax.random.key(1)))
+
+
+def test_labels_from_a_training_mode_model_meet_the_optimizers_mode_free_parameters():
+    net = ft.nn.training(_net())
+    labels = jax.tree.map(lambda v: "adam" if v.ndim > 1 else "sgd", net)  # training-mode definition
+    tx = optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-1)}, labels)
+    opt = ft.optim.Optimizer(tx)
+    state = opt.init(net)  # was: ValueError "pytree structure error: different pytree metadata"
+    grads = jax.tree.map(jnp.ones_like, ft.parameters(net))
+    updates, _ = opt.update(grads, state, net)
+    # optax on the inference-mode trees, where the definitions agree: the reference
+    plain = ft.nn.inference(net)
+    ref_tx = optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-1)},
+                                   jax.tree.map(lambda v: "adam" if v.ndim > 1 else "sgd", plain))
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes float rates and int counts
+        ref, _ = ref_tx.update(ft.nn.inference(grads), ref_tx.init(ft.parameters(plain)), ft.parameters(plain))
+    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
+
+
+def test_label_tree_called_by_optax_takes_the_parameters_mode():
+    net = ft.nn.training(_net())
+    labels = ft.mask(net, "*.weight")
+    assert labels(ft.nn.inference(net)).layers[1].training is False
+    assert labels(net) is labels

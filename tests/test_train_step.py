@@ -85,6 +85,15 @@ def test_optax_transform_accepted_and_no_donation_option():
     assert float(mse(out, batch)) < float(mse(model, batch))
 
 
+def test_optax_state_given_to_a_step_names_step_optimizer_init():
+    model, batch = problem()
+    tx = optax.sgd(0.1)
+    step = ft.train.train_step(mse, tx, donate=False)
+    with pytest.raises(TypeError, match=r"got ScaleByScheduleState|got tuple") as info:
+        step(model, tx.init(model), batch)
+    assert "state = step.optimizer.init(model)" in str(info.value)  # was "opt.init(model)": no `opt` here
+
+
 def test_key_is_folded_with_the_step():
     seen = []
 

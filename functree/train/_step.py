@@ -46,7 +46,7 @@ from functree._jit import _hide, _show, explain_control_flow, has_untraceable_le
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
 from functree.nn._state import collect_state
-from functree.optim import Optimizer, context, hyperparameters
+from functree.optim import Optimizer, OptimizerState, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import Gradients
 from functree.optim._replicas import varying_axes
@@ -93,6 +93,16 @@ train_step needs a ft.optim.Optimizer or an optax GradientTransformation, got {g
     wrong:  ft.train.train_step(loss_fn, 1e-3)
     right:  ft.train.train_step(loss_fn, ft.optim.Optimizer(ft.optim.adam(1e-3)))
        or:  ft.train.train_step(loss_fn, optax.adam(1e-3))"""
+
+
+NOT_STEP_STATE = """\
+The step's optimizer state must be the one its ft.optim.Optimizer made (an \
+ft.optim.OptimizerState: optax's state plus a learning context), got {given}. A step \
+given an optax transformation wraps it in ft.optim.Optimizer, reachable as step.optimizer:
+
+    wrong:  step = ft.train.train_step(loss_fn, tx);  state = tx.init(model)
+    right:  step = ft.train.train_step(loss_fn, tx);  state = step.optimizer.init(model)
+       or:  opt = ft.optim.Optimizer(tx);  step = ft.train.train_step(loss_fn, opt);  state = opt.init(model)"""
 
 
 NO_DONATION = "ft.train.train_step(loss_fn, optimizer, donate=False)    # the inputs stay valid (more memory)"
@@ -175,7 +185,9 @@ class TrainStep:
     Args:
       loss_fn: ``loss_fn(model, batch)`` (or ``loss_fn(model, batch, *, key)`` when the
         step is called with a key) returning a scalar loss or ``(loss, aux)``.
-      optimizer: a :class:`ft.optim.Optimizer` or an optax transformation.
+      optimizer: a :class:`ft.optim.Optimizer` or an optax transformation (wrapped in
+        ``ft.optim.Optimizer``, available as ``step.optimizer``). The ``opt_state`` a step
+        takes is the Optimizer's: ``step.optimizer.init(model)``, not ``tx.init(model)``.
       metrics: ``{name: fn(StepOutput) -> scalar}`` or a list of such functions.
       on_nan: what a step whose loss or gradient is not finite does (``metrics["nonfinite"]``
         reports it, see :data:`NONFINITE`): ``"stop"`` (default, as in the Trainer): it
@@ -333,6 +345,8 @@ class TrainStep:
         ``model`` and ``opt_state`` as they were. ``nonfinite`` is None with
         ``on_nan="ignore"``.
         """
+        if type(self.optimizer) is Optimizer and not isinstance(opt_state, OptimizerState):  # at trace only
+            raise TypeError(NOT_STEP_STATE.format(given=type(opt_state).__name__))
         where = self.placement
         size = batch_size_of(batch)
         # The optimizer hands the loss function the key (one per microbatch when it accumulates).

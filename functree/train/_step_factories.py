@@ -30,6 +30,9 @@ def train_step(
     ``step(model, opt_state, batch)`` computes ``g = ∇ loss_fn(model, batch)``, applies
     one optimizer update and returns ``(model, opt_state, metrics)`` with
     ``metrics = {"loss": loss, name: metric(out), ...}`` (float32 scalars, on device).
+    ``optimizer`` may be an optax transformation: the step wraps it in
+    ``ft.optim.Optimizer`` (``step.optimizer``), whose state it takes:
+    ``state = step.optimizer.init(model)`` (not ``tx.init(model)``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

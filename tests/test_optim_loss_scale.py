@@ -302,3 +302,14 @@ def test_accumulated_microbatches_overflow_at_torchs_scale():
     # float32 SGD on weights of about 0.5 and gradients of about 30: a few float32 roundings
     np.testing.assert_allclose(np.asarray(model.weight), t.weight.detach().numpy().T, rtol=0, atol=1e-5)
     np.testing.assert_allclose(np.asarray(model.bias), t.bias.detach().numpy(), rtol=0, atol=1e-5)
+
+
+def test_a_loss_scale_optimizer_takes_an_optax_transformation_as_the_trainer_does():
+    plain = ft.optim.LossScaleOptimizer(ft.optim.sgd(0.1), initial_scale=4.0)
+    wrapped = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.sgd(0.1)), initial_scale=4.0)
+    w = {"w": jnp.ones(())}
+    a, _, _ = plain.minimize(lambda p: p["w"] * 3.0, w, plain.init(w))
+    b, _, _ = wrapped.minimize(lambda p: p["w"] * 3.0, w, wrapped.init(w))
+    assert float(a["w"]) == float(b["w"]) == pytest.approx(0.7, abs=1e-6)
+    with pytest.raises(TypeError, match="needs an optax GradientTransformation"):
+        ft.optim.LossScaleOptimizer(0.1)

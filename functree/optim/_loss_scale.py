@@ -91,7 +91,8 @@ class LossScaleOptimizer(OptimizerWrapper):
     ``skipped`` counted) and ``scale`` is halved (down to 1); after ``growth_interval``
     consecutive finite steps it doubles, unless the doubled scale is not finite in float32
     (torch's ``GradScaler``: it stays at ``2**127``). All of it is array arithmetic: it
-    runs in one jitted step.
+    runs in one jitted step. ``inner`` is an :class:`Optimizer` or an optax transformation
+    (``LossScaleOptimizer(ft.optim.adam(1e-3))``), wrapped in one as the Trainer does.
 
     The overflow check is on the unscaled gradients *before* the ``transform_gradients``
     hooks (an elementwise clip would turn an overflowed ``inf`` into a plausible 1), as
@@ -117,7 +118,7 @@ class LossScaleOptimizer(OptimizerWrapper):
     initial_scale: float
     growth_interval: int
 
-    def __init__(self, inner: Optimizer, initial_scale: float = 2.0**15, growth_interval: int = 2000):
+    def __init__(self, inner: Any, initial_scale: float = 2.0**15, growth_interval: int = 2000):
         super().__init__(inner)
         if not _finite_positive(initial_scale):
             raise ValueError(BAD_INITIAL_SCALE.format(value=initial_scale, largest=_LARGEST))

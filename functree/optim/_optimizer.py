@@ -705,9 +705,9 @@ class OptimizerWrapper(Optimizer):
 
     inner: Optimizer
 
-    def __init__(self, inner: Optimizer):
-        if not isinstance(inner, Optimizer):
-            raise TypeError(f"{type(self).__name__} wraps an ft.optim.Optimizer, got {type(inner).__name__}.")
+    def __init__(self, inner: Any):
+        if not isinstance(inner, Optimizer):  # an optax transformation: as Trainer and train_step take it
+            inner = Optimizer(inner)
         object.__setattr__(self, "inner", inner)
 
     def __repr__(self) -> str:

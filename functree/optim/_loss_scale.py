@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._tree import all_finite
-from functree.optim._optimizer import Optimizer, OptimizerWrapper
+from functree.optim._optimizer import OptimizerWrapper
 from functree.optim._skip import select
 
 __all__ = ["LossScaleOptimizer", "LossScaleState"]

@@ -282,3 +282,55 @@ def test_set_hyperparameters_compiles_one_program_and_sets_the_values_jnp_array_
         expected = np.broadcast_to(np.asarray(jnp.array(value, jnp.float32)), (len(RATES),))
         assert np.asarray(got["learning_rate"]).tobytes() == expected.tobytes()
         np.testing.assert_array_equal(got["beta1"], np.full(len(RATES), 0.8, np.float32))
+
+
+# --- optax.inject_hyperparams: its numeric hyperparameters read and set as functree's ---
+
+def _inject_problem():
+    params = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array([0.3])}
+    def grads(p):
+        return jax.tree.map(lambda x: 2.0 * x + 0.1, p)
+    return params, grads
+
+
+def test_inject_hyperparams_are_read_and_set_exactly_as_optaxs_idiom():
+    params, grads = _inject_problem()
+    def make():
+        return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    opt, tx = ft.optim.Optimizer(make()), make()
+    state, ref = opt.init(params), tx.init(params)
+    assert ft.optim.hyperparameters(state)["learning_rate"] == np.float32(1e-2)  # was {}
+    assert "learning_rate" in ft.optim.hyperparameter_names(state)
+    ours, theirs = params, params
+    for i in range(5):
+        if i == 2:
+            state = ft.optim.set_hyperparameters(state, learning_rate=0.05, weight_decay=0.0)  # was KeyError
+            ref.hyperparams["learning_rate"] = jnp.asarray(0.05)  # optax's idiom
+            ref.hyperparams["weight_decay"] = jnp.asarray(0.0)
+        u, state = opt.update(grads(ours), state, ours)
+        ours = optax.apply_updates(ours, u)
+        with jax.numpy_dtype_promotion("standard"):
+            v, ref = tx.update(grads(theirs), ref, theirs)
+        theirs = optax.apply_updates(theirs, v)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)  # values ~1
+    assert float(ft.optim.hyperparameters(state)["learning_rate"]) == np.float32(0.05)
+
+
+def test_a_scheduled_inject_hyperparameter_reads_its_latest_value_and_cannot_be_set():
+    params, grads = _inject_problem()
+    opt = ft.optim.Optimizer(optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(1.0, 0.0, 4)))
+    state = opt.init(params)
+    _, state = opt.update(grads(params), state, params)
+    np.testing.assert_allclose(float(ft.optim.hyperparameters(state)["learning_rate"]), 1.0, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="learning_rate"):
+        ft.optim.set_hyperparameters(state, learning_rate=0.5)
+
+
+def test_trainer_history_logs_an_inject_hyperparams_learning_rate():
+    params, _ = _inject_problem()
+    def loss(m, b):
+        return jnp.sum(m["w"] ** 2) + jnp.sum(m["b"] ** 2) + 0.0 * jnp.sum(b)
+    trainer = ft.train.Trainer(params, optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), loss)
+    history = trainer.fit([jnp.ones(1)] * 3, epochs=1, progress=False)
+    np.testing.assert_allclose(np.asarray(history.steps["learning_rate"]), 0.1, rtol=0, atol=1e-8)

@@ -489,6 +489,23 @@ def _is_hyper(x: Any) -> bool:
     return isinstance(x, HyperState)
 
 
+_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+def _is_node(x: Any) -> bool:
+    """A node holding hyperparameters: functree's, or ``optax.inject_hyperparams``'."""
+    return isinstance(x, (HyperState, *_INJECTED))
+
+
+def _injected(node: Any) -> list[tuple[str, bool, Any]]:
+    """``(name, settable, value)`` of an ``optax.inject_hyperparams`` state's numeric
+    hyperparameters (a scheduled one reads the value its latest step used; not settable:
+    the schedule decides the next)."""
+    scheduled = getattr(node, "hyperparams_states", None) or {}
+    return [(n, n not in scheduled, v) for n, v in node.hyperparams.items()
+            if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.number)]
+
+
 def _label(path: tuple) -> str:
     for key in reversed(path):
         if isinstance(key, jax.tree_util.DictKey):
@@ -500,9 +517,15 @@ def _entries(state: Any, values: bool | str = True) -> list[tuple[str, str, bool
     """(label, name, settable, value) for every hyperparameter in the state (value None
     unless ``values``: reading them is one ``unstack`` per transform, not one op per value;
     ``"shapes"``: each value's ``jax.ShapeDtypeStruct``, nothing read)."""
-    found = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_hyper)[0]
+    found = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_node)[0]
     out = []
     for path, node in found:
+        if isinstance(node, _INJECTED):  # optax's own: its numbers, then the state it wraps
+            shown = {"shapes": lambda v: jax.ShapeDtypeStruct(jnp.shape(v), v.dtype), True: lambda v: v}
+            out += [(_label(path), n, settable, shown.get(values, lambda v: None)(v))
+                    for n, settable, v in _injected(node)]
+            out += _entries(node.inner_state, values)
+            continue
         if not _is_hyper(node):
             continue
         label = _label(path)
@@ -583,7 +606,8 @@ def hyperparameters(state: Any) -> dict[str, jax.Array]:
     """Current hyperparameter values by name (a name used twice is prefixed by its group).
 
     Numbers read as stored (a ``per_samples(v, n)`` rate reads ``v``); scheduled ones
-    read the value the latest step used.
+    read the value the latest step used. An ``optax.inject_hyperparams`` state's numeric
+    hyperparameters are listed too (and set by :func:`set_hyperparameters`).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -632,6 +656,12 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
             todo[(label, name)] = value
 
     def replace(path: tuple, node: Any) -> Any:
+        if isinstance(node, _INJECTED):  # a fresh buffer, the stored dtype and weak type: no recompilation
+            label = _label(path)
+            new = {n: jnp.full_like(v, todo[(label, n)]) if (label, n) in todo else v
+                   for n, v in node.hyperparams.items()}
+            inner = jax.tree_util.tree_map_with_path(replace, node.inner_state, is_leaf=_is_node)
+            return node._replace(hyperparams=new, inner_state=inner)
         if not _is_hyper(node):
             return node
         label = _label(path)
@@ -642,7 +672,7 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
         new = tuple(v if isinstance(v, jax.Array) else np.array(v, dtype) for _, v in hits)
         return node.replace(values=_set_columns(node.values, tuple(i for i, _ in hits), new))
 
-    return jax.tree_util.tree_map_with_path(replace, state, is_leaf=_is_hyper)
+    return jax.tree_util.tree_map_with_path(replace, state, is_leaf=_is_node)
 
 
 @functools.partial(jax.jit, static_argnums=1)

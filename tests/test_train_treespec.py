@@ -263,3 +263,68 @@ def test_a_shared_model_tied_by_transpose_rebuilds_without_a_template():
     damaged = json.loads(json.dumps(spec).replace('"key_path": ".head.weight"', '"key_path": "][head"'))
     with pytest.raises(SpecError, match=r"key path '\]\[head'"):
         decode(damaged, arrays)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _KeyedState:
+    """A foreign pytree shaped like Flax NNX's State: a mapping whose children have keys
+    (``kernel``), each a node with an attribute ``value``; neither is registered."""
+
+    def __init__(self, items):
+        self.items = dict(items)
+
+    def tree_flatten_with_keys(self):
+        return tuple((jax.tree_util.DictKey(k), v) for k, v in self.items.items()), tuple(self.items)
+
+    @classmethod
+    def tree_unflatten(cls, keys, children):
+        return cls(zip(keys, children))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _Variable:
+    def __init__(self, value):
+        self.value = value
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("value"), self.value),), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def test_opaque_nodes_are_named_by_key_path_and_restore_with_a_template(tmp_path):
+    tree = _KeyedState({"kernel": _Variable(jnp.arange(6.0).reshape(2, 3)), "bias": _Variable(jnp.ones(3))})
+    arrays, _ = encode(tree)
+    assert sorted(arrays) == ["bias.value", "kernel.value"]  # was ['0.0', '1.0']: not the template's names
+    ft.train.save(tmp_path / "c", tree)
+    back = ft.train.load(tmp_path / "c", tree)  # was CheckpointError: missing ['bias.value', 'kernel.value']
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(SpecError, match="not a Module, dataclass"):  # no template: still refused, named
+        ft.train.load(tmp_path / "c")
+
+
+def test_nnx_state_round_trip(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+    _, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Param)
+    ft.train.save(tmp_path / "p", params)
+    back = ft.train.load(tmp_path / "p", params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_function_leaf_is_stored_by_name_and_a_tampered_name_is_refused():
+    arrays, spec = encode({"w": jnp.ones(2), "act": jax.nn.relu})
+    assert sorted(arrays) == ["w"]  # no array for the function
+    assert decode(spec, arrays)["act"] is jax.nn.relu
+    node = spec["items"][spec["keys"].index(["str", "act"])]
+    assert node == {"kind": "function", "name": "jax.nn.relu", "key": "act"}
+    node["name"] = "os.system"  # a file names any function: nothing is imported
+    with pytest.raises(SpecError, match=r"the function 'os\.system' is not registered"):
+        decode(spec, arrays)
+    node["key"] = "w"  # a function leaf claiming the stored array's name
+    with pytest.raises(SpecError, match="names the stored array 'w'"):
+        ft.train.checkpoint._treespec.check_names(spec, arrays)

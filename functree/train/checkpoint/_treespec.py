@@ -16,6 +16,9 @@ constructs anything else. Objects are built with ``object.__new__`` and their fi
 restored Modules go through the same static-field checks as constructed ones. Any
 malformed spec raises :class:`SpecError` naming the key path and the problem.
 
+A function at a leaf (Equinox's ``activation``, a ``jax.nn.relu`` in a list of layers)
+is stored by its registered name, as a static function is, and looked up on restore.
+
 Static field values are stored as JSON when they are JSON scalars or tuples of them, as a
 registered name for functions and scalar types (``jax.nn.relu``), as a dtype name, and
 otherwise only as their ``repr`` (such a tree needs a template to be loaded).
@@ -32,7 +35,7 @@ import numpy as np
 
 from functree._module import Module, added_static, check_static, derive_added
 from functree._paths import KeyPath
-from functree._tree import child_name
+from functree._tree import child_name, dotted_name
 from functree.hf._config import HFConfig
 from functree.train.checkpoint._registry import (
     default_name,
@@ -205,11 +208,16 @@ def _is_namedtuple(x: Any) -> bool:
 class _Encoder:
     def __init__(self) -> None:
         self.arrays: dict[str, Any] = {}
+        self.functions: set[str] = set()  # the keys of function leaves (no array of their own)
 
     def leaf(self, x: Any, path: str) -> dict[str, Any]:
+        function = function_name(x) if callable(x) and not isinstance(x, (jax.Array, np.ndarray)) else None
         name = path or "value"
-        while name in self.arrays:
+        while name in self.arrays or name in self.functions:
             name += "_"
+        if function is not None:  # a known function at a leaf (Equinox's activations): its name, no array
+            self.functions.add(name)
+            return {"kind": "function", "name": function, "key": name}
         spec: dict[str, Any] = {"kind": "leaf", "key": name}
         if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
             spec["python"] = type(x).__name__
@@ -243,8 +251,16 @@ class _Encoder:
             return self.leaf(x, path)
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             return self.dataclass(x, path)
-        return {"kind": "opaque", "type": repr(type(x)),
-                "items": [self.node(v, child_name(path, i)) for i, v in enumerate(children)]}
+        return self.opaque(x, path)
+
+    def opaque(self, x: Any, path: str) -> dict[str, Any]:
+        """A pytree node of an unregistered type (Flax NNX's ``State``): its children named
+        by their JAX key paths (``kernel.value``), the names a template gives them on
+        restore. (Files written before named them by position: ``0.0``.)"""
+        with_paths = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+        names = [dotted_name(p) for p, _ in with_paths]
+        return {"kind": "opaque", "type": repr(type(x)), "names": names,
+                "items": [self.node(v, child_name(path, n)) for n, (_, v) in zip(names, with_paths)]}
 
     def dataclass(self, x: Any, path: str) -> dict[str, Any]:
         """A dataclass registered with ``jax.tree_util.register_dataclass``."""
@@ -287,6 +303,8 @@ def encode(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def decode_leaf(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") -> Any:
+    if spec.get("kind") == "function":  # looked up among functree's and registered functions, nothing imported
+        return _decode_static({"function": spec.get("name")}, path)
     key = spec.get("key")
     if not isinstance(key, str) or key not in arrays:
         raise SpecError(MALFORMED.format(path=path, why=f"no stored array named {key!r}"))
@@ -406,6 +424,8 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
             why = f"{cls.__name__} has {len(cls._fields)} fields, the checkpoint gives {len(specs)}"
             raise SpecError(MALFORMED.format(path=path, why=why))
         return tuple.__new__(cls, [_decode(s, arrays, child_name(path, f)) for f, s in zip(cls._fields, specs)])
+    if kind == "function":
+        return decode_leaf(spec, arrays, path)
     if kind == "module":
         return _decode_module(spec, arrays, path)
     if kind == "dataclass":
@@ -437,14 +457,14 @@ def decode(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") -> Any:
 
 
 def leaf_specs(spec: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """``(key path, node)`` of every ``leaf`` node of ``spec`` (:class:`SpecError` on a
-    malformed one)."""
+    """``(key path, node)`` of every ``leaf`` node of ``spec``, a function at a leaf
+    included (its ``key`` names no stored array; :class:`SpecError` on a malformed one)."""
     out, stack = [], [(path, spec)]
     while stack:
         at, s = stack.pop()
         if not isinstance(s, dict):
             raise SpecError(MALFORMED.format(path=at, why=f"a node is {type(s).__name__}"))
-        if s.get("kind") == "leaf":
+        if s.get("kind") in ("leaf", "function"):
             if not isinstance(s.get("key"), str):
                 raise SpecError(MALFORMED.format(path=at, why=f"leaf key {s.get('key')!r}"))
             out.append((at, s))
@@ -453,6 +473,9 @@ def leaf_specs(spec: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
             raise SpecError(MALFORMED.format(path=at, why="items or fields of the wrong type"))
         names = [k[-1] if isinstance(k, list) and k else i for i, k in enumerate(keys)] \
             if isinstance(keys, list) and len(keys) == len(items) else range(len(items))
+        stored = s.get("names")  # an opaque node's children, by key path
+        if isinstance(stored, list) and len(stored) == len(items) and all(isinstance(n, str) for n in stored):
+            names = stored
         stack.extend((child_name(at, n), c) for n, c in [*zip(names, items), *fields.items()])
     return out
 
@@ -507,6 +530,10 @@ def static_differences(spec: Any, template: Any, path: str = "") -> list[tuple[s
         for name, child in (fields.items() if isinstance(fields, dict) else ()):
             if hasattr(template, name):
                 out += static_differences(child, getattr(template, name), child_name(path, name))
+    elif kind == "function" and callable(template):  # a function at a leaf: the template's is kept
+        mine = _encode_static(template)
+        if mine != {"function": spec.get("name")} and "repr" not in mine:
+            out.append((path, str(spec.get("name")), _shown(mine)))
     elif kind in ("list", "tuple", "namedtuple") and isinstance(template, (list, tuple)):
         items = spec.get("items")
         names = getattr(type(template), "_fields", range(len(template)))

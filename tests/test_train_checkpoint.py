@@ -599,3 +599,57 @@ def test_a_floating_dtype_mismatch_hints_code_that_casts_on_load(tmp_path):
             np.testing.assert_allclose(leaf, ft.to_flat_dict(wide)[name], rtol=0, atol=1e-7)
     assert "ft.to_flat_dict(manager.restore(4).model)" in message
     manager.close()
+
+
+# --- functions at leaves (Equinox models: activations, pooling operations, jax.nn.relu in a list) ---
+
+@pytest.fixture
+def registry_restored():
+    """The checkpoint registry as it was before the test (a test registering functions)."""
+    from functree.train.checkpoint import _registry
+    _registry._load_builtins()
+    functions, names = dict(_registry._functions), dict(_registry._names)
+    yield
+    _registry._functions.clear(), _registry._functions.update(functions)
+    _registry._names.clear(), _registry._names.update(names)
+
+
+def test_known_functions_at_leaves_round_trip_by_name(tmp_path):
+    tree = {"layers": [jnp.arange(3.0), jax.nn.relu, jnp.ravel], "act": ft.nn.gelu}
+    ft.train.save(tmp_path / "f", tree)  # was CheckpointError "not text or objects"
+    for back in (ft.train.load(tmp_path / "f"), ft.train.load(tmp_path / "f", tree)):
+        assert back["layers"][1] is jax.nn.relu and back["layers"][2] is jnp.ravel and back["act"] is ft.nn.gelu
+        np.testing.assert_array_equal(np.asarray(back["layers"][0]), np.arange(3.0))
+    with pytest.raises(CheckpointError, match=r"layers\.1"):  # another function in the template: refused
+        ft.train.load(tmp_path / "f", {**tree, "layers": [jnp.arange(3.0), jax.nn.gelu, jnp.ravel]})
+
+
+def test_an_unknown_function_at_a_leaf_names_the_key_path_and_working_fixes(tmp_path, registry_restored):
+    def my_act(x):
+        return x * 2
+
+    tree = {"w": jnp.ones(2), "block": {"act": my_act}, "pool": jax.lax.max}
+    with pytest.raises(CheckpointError, match=r"'block.act' is the function .*my_act") as info:
+        ft.train.save(tmp_path / "u", tree)
+    assert 'ft.train.register(my_function, name="mymodule.my_function")' in str(info.value)
+    assert "eqx.filter(model, eqx.is_array)" in str(info.value) and not (tmp_path / "u").exists()
+    with pytest.raises(CheckpointError, match=r'register\(jax.lax.max, name="jax.lax.max"\)'):
+        ft.train.save(tmp_path / "u", {"w": jnp.ones(2), "pool": jax.lax.max})
+    ft.train.register(jax.lax.max, name="jax.lax.max")  # the message's fix works
+    ft.train.save(tmp_path / "v", {"w": jnp.ones(2), "pool": jax.lax.max})
+    assert ft.train.load(tmp_path / "v")["pool"] is jax.lax.max
+
+
+def test_equinox_mlp_saves_with_the_messages_fixes(tmp_path, registry_restored):
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(2, 1, 4, 1, activation=jax.nn.relu, key=jax.random.key(3))
+    with pytest.raises(CheckpointError, match="final_activation"):  # equinox's own identity lambda
+        ft.train.save(tmp_path / "m", mlp)
+    ft.train.save(tmp_path / "a", eqx.filter(mlp, eqx.is_array))
+    back = eqx.combine(ft.train.load(tmp_path / "a", eqx.filter(mlp, eqx.is_array)), mlp)
+    np.testing.assert_array_equal(np.asarray(back(jnp.ones(2))), np.asarray(mlp(jnp.ones(2))))
+    ft.train.register(mlp.final_activation, name="equinox.nn._mlp.identity")
+    ft.train.save(tmp_path / "m", mlp)
+    back = ft.train.load(tmp_path / "m", mlp)
+    assert back.activation is jax.nn.relu
+    np.testing.assert_array_equal(np.asarray(back(jnp.ones(2))), np.asarray(mlp(jnp.ones(2))))

@@ -161,6 +161,20 @@ Nothing was written (and no process of a job wrote anything).
     right:  ft.train.save(path, {{"model": model, "rounds": 3}})   # text: in the manager's config= (JSON)"""
 
 
+FUNCTION_LEAF = """\
+The leaf {key!r} is the function {given}, which no checkpoint can name: a function at a \
+leaf (an Equinox model's activation or pooling operation) is stored by its registered name \
+(jax.nn's, functree's and elementwise jax.numpy functions are known), and a checkpoint \
+never imports or builds what a file names. Nothing was written. Register the function \
+(the process that loads registers it under the same name), or save the arrays alone:
+
+    wrong:  ft.train.save(path, model)
+    right:  ft.train.register({short}, name="{name}")   # before saving and before loading
+            ft.train.save(path, model)
+       or:  ft.train.save(path, eqx.filter(model, eqx.is_array))      # Equinox: the arrays alone
+            model = eqx.combine(ft.train.load(path, eqx.filter(model, eqx.is_array)), model)"""
+
+
 class Checkpoint(NamedTuple):
     """What :meth:`CheckpointManager.restore` returns.
 
@@ -206,14 +220,28 @@ def metadata_digest(meta: dict[str, Any]) -> int:
 
 
 def _unsavable(arrays: dict[str, Any]) -> tuple[str, str] | None:
-    """``(key, what it is)`` of the first leaf no checkpoint can hold (text, objects)."""
+    """``(key, what it is)`` of the first leaf no checkpoint can hold (text, objects); a
+    function's ``what`` starts with ``function``."""
     for key, x in arrays.items():
+        if callable(x) and not isinstance(x, (jax.Array, np.ndarray, np.generic, type)):
+            return key, f"function {getattr(x, '__module__', '?')}.{getattr(x, '__qualname__', repr(x)[:60])}"
         dtype = getattr(x, "dtype", None)
         if not isinstance(dtype, np.dtype):
             dtype = np.asarray(x).dtype
         if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
             return key, f"{type(x).__name__} {repr(x)[:60]}"
     return None
+
+
+def _unsavable_message(key: str, given: str) -> str:
+    if not given.startswith("function "):
+        return UNSAVABLE.format(key=key, given=given)
+    name = given.removeprefix("function ")
+    if "<" in name:  # a lambda or a local function: the user names it
+        short, name = "my_function", "mymodule.my_function"
+    else:
+        short = name
+    return FUNCTION_LEAF.format(key=key, given=given.removeprefix("function "), short=short, name=name)
 
 
 def _writable(arrays: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -278,7 +306,7 @@ def save_args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     import orbax.checkpoint as ocp  # on first use: import functree stays light
     found = next((f for f in gather(_unsavable(arrays)) if f), None)
     if found:
-        raise CheckpointError(UNSAVABLE.format(key=found[0], given=found[1]))
+        raise CheckpointError(_unsavable_message(*found))
     arrays, empty = _split_empty(arrays)
     if empty:
         fields = {**fields, "empty": empty}

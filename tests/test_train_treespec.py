@@ -328,3 +328,29 @@ def test_a_function_leaf_is_stored_by_name_and_a_tampered_name_is_refused():
     node["key"] = "w"  # a function leaf claiming the stored array's name
     with pytest.raises(SpecError, match="names the stored array 'w'"):
         ft.train.checkpoint._treespec.check_names(spec, arrays)
+
+
+def _trainer_on(params, tmp_path):
+    def loss_fn(p, b):
+        leaves = jax.tree.leaves(p)
+        return sum(jnp.sum((leaf - b) ** 2) for leaf in leaves)
+
+    trainer = ft.train.Trainer(params, optax.adam(1e-2), loss_fn)
+    trainer.fit([jnp.float32(0.5)] * 2, epochs=1, progress=False)
+    trainer.save(tmp_path / "job")
+    trained = jax.tree.map(np.asarray, trainer.model)
+    fresh = ft.train.Trainer(params, optax.adam(1e-2), loss_fn)
+    fresh.restore(tmp_path / "job")  # was CheckpointError: missing ['bias.value', ...] unexpected ['0.0', ...]
+    for a, b in zip(jax.tree.leaves(fresh.model), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert fresh.steps_run == 2
+
+
+def test_trainer_save_and_restore_of_a_keyed_foreign_state(tmp_path):
+    _trainer_on(_KeyedState({"kernel": _Variable(jnp.ones((2, 3))), "bias": _Variable(jnp.zeros(3))}), tmp_path)
+
+
+def test_trainer_save_and_restore_of_an_nnx_state(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+    _, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Param)
+    _trainer_on(params, tmp_path)

@@ -36,3 +36,31 @@ def test_label_tree_called_by_optax_takes_the_parameters_mode():
     labels = ft.mask(net, "*.weight")
     assert labels(ft.nn.inference(net)).layers[1].training is False
     assert labels(net) is labels
+
+
+def test_labels_at_batchnorm_statistics_meet_the_parameter_views_none():
+    net = ft.nn.training(ft.nn.Sequential(ft.nn.Dense(2, 4, key=jax.random.key(0)), ft.nn.BatchNorm(4),
+                                          ft.nn.Dense(4, 1, key=jax.random.key(1))))
+    x = jax.random.normal(jax.random.key(2), (8, 2))
+    batch = (x, jnp.ones((8, 1)))
+
+    def loss_fn(m, b):
+        return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+    def make():  # labels at every leaf of the model, running statistics included
+        labels = jax.tree.map(lambda v: "a" if v.ndim > 1 else "b", net)
+        return optax.multi_transform({"a": optax.adam(1e-2), "b": optax.sgd(0.1)}, labels)
+
+    opt = ft.optim.Optimizer(make())
+    step = ft.train.train_step(loss_fn, opt, donate=False)
+    model, state = net, opt.init(net)  # was: ValueError "different pytree metadata"
+    ref_tx, ref = make(), net
+    ref_state = ref_tx.init(ft.parameters(ref))
+    for _ in range(3):
+        model, state, _ = step(model, state, batch)
+        _, g, layer_state = ft.nn.value_with_gradient_and_state(loss_fn, ref, batch)
+        with jax.numpy_dtype_promotion("standard"):
+            u, ref_state = ref_tx.update(g, ref_state, ft.parameters(ref))
+        ref = ft.nn.apply_state(ft.move(ref, along=u), layer_state)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)  # values ~1

@@ -16,6 +16,7 @@ from jax.core import Tracer
 from functree import _labels
 from functree._alias import stale_error
 from functree._module import Module
+from functree._tree import is_none
 
 __all__ = ["Layer", "training", "inference", "inferring", "is_training", "mode_free", "mode_free_def", "in_mode"]
 
@@ -124,13 +125,20 @@ def in_mode(updates: Any, given: tuple[Any, ...]) -> Any:
 
 
 def _labels_in_mode(labels: Any, params: Any) -> Any:
-    """A label tree (a model's shape, strings or bools at its leaves) in the mode of
-    ``params``: optax needs the two definitions equal, and a mask built from
-    ``ft.nn.training(model)`` meets the Optimizer's mode-free parameters."""
+    """A label tree (a model's shape, strings or bools at its leaves) laid onto ``params``:
+    optax needs the two definitions equal. Labels built from ``ft.nn.training(model)`` meet
+    the Optimizer's mode-free parameters, and labels at a model's non-parameter leaves
+    (BatchNorm's running statistics) meet the parameter view's ``None`` there. Labels that
+    differ otherwise are returned as they are (optax's own error names the mismatch)."""
     target = jax.tree.structure(params)
     if jax.tree.structure(labels) == target:
         return labels
-    return in_mode(mode_free(labels), (target,))
+    try:  # both mode-free: the same metadata; None where the parameter view has None
+        laid = jax.tree.map(lambda p, label: None if p is None else label, mode_free(params), mode_free(labels),
+                            is_leaf=is_none)
+    except ValueError:
+        return labels
+    return in_mode(laid, (target,))
 
 
 _labels.LAYOUT[:] = [_labels_in_mode]

@@ -187,6 +187,32 @@ def test_a_pad_id_outside_the_vocabulary_fills_finished_rows_only(llama):
         assert np.isfinite(np.asarray(scores)).all()
 
 
+def test_a_batch_that_finishes_inside_the_prompts_bucket_is_padded_as_hf_pads_it(llama):
+    """Both rows end at their second new token, before the loop fills the 3-token prompts'
+    bucket (8 columns): the bucket's slots came back as id 0, not the pad id (greedy,
+    `stop=` and beams alike)."""
+    hf, model = llama
+    ids = np.arange(5, 11, dtype=np.int32).reshape(2, 3)
+    free = np.asarray(ft.nn.generate(model, ids, 6, eos_token_id=[]))
+    eos = [int(free[0, 4]), int(free[1, 4])]
+    with torch.no_grad():
+        expected = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.ones(2, 3, dtype=torch.long),
+                               max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=2).numpy()
+    assert expected.shape[1] < 9 or (expected[:, 5:] == 2).all()  # both rows ended early: pad after
+    expected = np.pad(expected, ((0, 0), (0, 9 - expected.shape[1])), constant_values=2)
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, 6, eos_token_id=eos, pad_token_id=2), expected)
+    stopped = ft.nn.generate(model, ids, 6, eos_token_id=[], pad_token_id=2, stop=[[eos[0]], [eos[1]]])
+    np.testing.assert_array_equal(stopped, expected)
+    with torch.no_grad():
+        hf_beams = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.ones(2, 3, dtype=torch.long),
+                               max_new_tokens=6, do_sample=False, num_beams=2, eos_token_id=[free[1, 3]],
+                               pad_token_id=2).numpy()
+    hf_beams = np.pad(hf_beams, ((0, 0), (0, 9 - hf_beams.shape[1])), constant_values=2)
+    assert (hf_beams[1, 4:] == 2).all()  # row 1's best beam ends at its first token
+    np.testing.assert_array_equal(
+        ft.nn.generate(model, ids, 6, num_beams=2, eos_token_id=[int(free[1, 3])], pad_token_id=2), hf_beams)
+
+
 # ---- sampling, EOS, compilation --------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,15 @@ def _call(model: Any, ids: jax.Array, am: jax.Array, pos: jax.Array, cache: Any)
     return out
 
 
+def output_buffer(ids: jax.Array, prompt: jax.Array, new: int, fill: jax.Array) -> jax.Array:
+    """The tokens a loop returns before it runs: the prompt's ``prompt`` real slots, then
+    ``fill`` (pad, else eos) in every later column, the bucket's padding slots included, as
+    HF pads a row that finished (or a batch that stopped) early."""
+    width = ids.shape[1]
+    columns = jnp.arange(width + new, dtype=jnp.int32)[None]
+    return jnp.where(columns < prompt, jnp.pad(ids, ((0, 0), (0, new))), fill).astype(ids.dtype)
+
+
 @partial(jax.jit, static_argnames=("new", "greedy", "ends", "scores", "stream"))
 def generate_loop(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Array, eos_ids: jax.Array,
               fill: jax.Array, stop_ids: jax.Array, key: Any, controls: tuple[Control, ...] = (), *, new: int,
@@ -119,7 +128,7 @@ def generate_loop(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax
         return state
 
     state: dict[str, Any] = {
-        "tokens": jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1),
+        "tokens": output_buffer(ids, prompt, new, fill),
         "done": jnp.zeros((batch,), bool), "controls": tuple(c.init(loop) for c in controls),
     }
     if stopping:
@@ -252,8 +261,7 @@ def beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.A
         s["go"] = jnp.any(s["improvable"]) & ~jnp.all(ends) & ~(jnp.all(s["finished"]) & early)
         return s
 
-    start = jnp.concatenate([ids, jnp.broadcast_to(fill, (batch, new))], axis=1)
-    start = jnp.broadcast_to(start[:, None], (batch, beams, total))
+    start = jnp.broadcast_to(output_buffer(ids, prompt, new, fill)[:, None], (batch, beams, total))
     state: dict[str, Any] = {
         "sequences": start, "final_sequences": start,
         "running": jnp.where(jnp.arange(beams) == 0, 0.0, lowest)[None].repeat(batch, 0).astype(jnp.float32),

@@ -567,3 +567,21 @@ def test_optax_multisteps_around_a_functree_optimizer_is_optax_multisteps(traine
             params, opt_state, _ = opt.minimize(loss, params, opt_state)
     np.testing.assert_allclose(params["w"], reference["w"], rtol=0, atol=1e-6)
     assert float(jnp.max(jnp.abs(params["w"] - 1.0))) > 1e-2  # two applied steps
+
+
+def test_a_bool_mask_built_in_training_mode_is_named_at_init():
+    """optax.masked uses a bool mask tree as it is: one built from the model in training mode
+    has another structure than the mode-free parameters the optimizer passes (JAX's error
+    named neither); one built in inference mode trains as raw optax does."""
+    net = ft.nn.Sequential(ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.Dropout(0.1))
+    training = ft.nn.training(net)
+    with pytest.raises(ValueError, match=r"(?s)mask or label tree.*right:  optax.masked\(tx, ft.mask\(ft.nn.inference"):
+        ft.optim.Optimizer(optax.masked(optax.sgd(0.1), ft.mask(training, "*.weight"))).init(training)
+    opt = ft.optim.Optimizer(optax.masked(optax.sgd(0.1), ft.mask(net, "*.weight")))
+    state = opt.init(training)
+    grads = ft.gradient(lambda m: jnp.sum(m(jnp.ones((1, 2)), key=jax.random.key(1))), at=training)
+    moved, _ = opt.apply_gradients(grads, training, state)
+    np.testing.assert_allclose(moved.layers[0].weight, training.layers[0].weight - 0.1 * grads.layers[0].weight,
+                               rtol=0, atol=1e-7)
+    # masked out: optax passes the update through untransformed (here the gradient itself)
+    np.testing.assert_allclose(moved.layers[0].bias, training.layers[0].bias + grads.layers[0].bias, rtol=0, atol=1e-6)

@@ -25,10 +25,11 @@ of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -71,6 +72,18 @@ Optimizers are immutable; build a new one instead of assigning {name!r}:
     wrong:  opt.{name} = ...
     right:  opt = ft.optim.Optimizer(transform, {name}=...)
 """
+
+MASK_IN_TRAINING_MODE = """\
+The optax transformation refused the parameters' structure: a mask or label tree given to \
+it (optax.masked, adamw(mask=...), multi_transform) does not have the structure of the \
+parameters the optimizer passes it. Most often it was built from the model in training mode \
+(ft.nn.training: Dropout/BatchNorm flags are part of a tree's structure); the optimizer \
+keeps its state mode-free, in inference mode's structure, so build the tree from that:
+
+    wrong:  optax.masked(tx, ft.mask(model, "*.weight"))                  # model in training mode
+    right:  optax.masked(tx, ft.mask(ft.nn.inference(model), "*.weight"))
+       or:  ft.optim.Optimizer(tx, wrt="*.weight")      # train a subset: a key-path pattern
+({error})"""
 
 NOT_A_TRANSFORM = """\
 ft.optim.Optimizer needs an optax GradientTransformation (an object with init and update), \
@@ -176,6 +189,19 @@ def _strongly_typed(tree: Any) -> Any:
     step another input type at its second call, and a second compile.
     """
     return jax.tree.map(lambda x: jnp.asarray(x, x.dtype) if getattr(x, "weak_type", False) else x, tree)
+
+
+@contextlib.contextmanager
+def _mask_structure() -> Iterator[None]:
+    """Name a transform's tree-structure error at ``init`` (a mask or label tree of another
+    structure than the parameters it is given: most often built in training mode): JAX's
+    own message names neither the mask nor the fix."""
+    try:
+        yield
+    except ValueError as e:
+        if "pytree" not in str(e).lower():
+            raise
+        raise ValueError(MASK_IN_TRAINING_MODE.format(error=str(e).splitlines()[0][:300])) from e
 
 
 class Optimizer:
@@ -307,8 +333,9 @@ class Optimizer:
         both. The state does not depend on the model's mode: one made before
         ``ft.nn.training(model)`` (NNX's order) serves the model in training mode too.
         """
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
-            inner = self._transform.init(mode_free(trained_view(model, self.wrt)))
+        params = mode_free(trained_view(model, self.wrt))
+        with jax.numpy_dtype_promotion("standard"), _mask_structure():  # optax mixes floats and ints
+            inner = self._transform.init(params)
         state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.

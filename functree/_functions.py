@@ -1,8 +1,8 @@
 """Static functions by public name: the one table checkpoints, pickles and copies share.
 
 ``jax.nn``'s functions, functree's activations (``functree.nn.relu`` is ``jax.nn.relu``:
-the first name wins, as in checkpoints), elementwise ``jax.numpy`` functions and
-``jax.numpy`` scalar types. Several of these are objects, not plain functions
+the first name wins, as in checkpoints), elementwise ``jax.numpy`` functions, ``jax.lax``'s
+binary reductions (a pooling layer's) and ``jax.numpy`` scalar types. Several of these are objects, not plain functions
 (``jax.nn.relu`` is a ``custom_jvp``, ``jax.nn.sigmoid`` a jitted function): Python's
 pickle cannot store them by reference and ``copy.deepcopy`` would rebuild them, which
 changes a model's tree definition. A Module pickles them as :class:`ByName` (a name
@@ -28,6 +28,10 @@ JNP_FUNCTIONS = (
     "square", "tan", "tanh", "ravel", "transpose",
 )
 
+# jax.lax's binary reductions a pooling layer holds (Equinox's MaxPool2d holds jax.lax.max,
+# its AvgPool2d jax.lax.add).
+LAX_FUNCTIONS = ("max", "min", "add", "mul")
+
 # Scalar types allowed as static values (dtype arguments).
 JNP_SCALAR_TYPES = (
     "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -36,7 +40,8 @@ JNP_SCALAR_TYPES = (
 
 UNKNOWN_FUNCTION = """\
 This pickle names the function {name!r}, which is not among functree's registered \
-functions (jax.nn, functree.nn, elementwise jax.numpy); loading builds nothing else by name.
+functions (jax.nn, functree.nn, elementwise jax.numpy, jax.lax's max/min/add/mul); loading \
+builds nothing else by name.
     right:  pickle a model whose static functions are jax.nn / ft.nn activations, or \
 module-level functions (pickled by reference)"""
 
@@ -57,6 +62,8 @@ def _load() -> None:
         table[f"functree.nn.{name}"] = getattr(_activations, name)
     for name in JNP_FUNCTIONS + JNP_SCALAR_TYPES:
         table[f"jax.numpy.{name}"] = getattr(jnp, name)
+    for name in LAX_FUNCTIONS:
+        table[f"jax.lax.{name}"] = getattr(jax.lax, name)
     names: dict[int, str] = {}
     for name, obj in table.items():
         names.setdefault(id(obj), name)

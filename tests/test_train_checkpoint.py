@@ -615,10 +615,11 @@ def registry_restored():
 
 
 def test_known_functions_at_leaves_round_trip_by_name(tmp_path):
-    tree = {"layers": [jnp.arange(3.0), jax.nn.relu, jnp.ravel], "act": ft.nn.gelu}
+    tree = {"layers": [jnp.arange(3.0), jax.nn.relu, jnp.ravel], "act": ft.nn.gelu, "pool": jax.lax.max}
     ft.train.save(tmp_path / "f", tree)  # was CheckpointError "not text or objects"
     for back in (ft.train.load(tmp_path / "f"), ft.train.load(tmp_path / "f", tree)):
         assert back["layers"][1] is jax.nn.relu and back["layers"][2] is jnp.ravel and back["act"] is ft.nn.gelu
+        assert back["pool"] is jax.lax.max  # an Equinox MaxPool2d's operation
         np.testing.assert_array_equal(np.asarray(back["layers"][0]), np.arange(3.0))
     with pytest.raises(CheckpointError, match=r"layers\.1"):  # another function in the template: refused
         ft.train.load(tmp_path / "f", {**tree, "layers": [jnp.arange(3.0), jax.nn.gelu, jnp.ravel]})

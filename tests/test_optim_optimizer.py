@@ -543,30 +543,35 @@ def test_keep_nonfinite_marks_leaves_and_a_changed_structure():
 
 
 @pytest.mark.parametrize("trainer", [False, True])
-def test_optax_multisteps_around_a_functree_optimizer_is_optax_multisteps(trainer):
+def test_optax_multisteps_takes_the_optimizers_extra_arguments_and_refuses_a_functree_one(trainer):
     """optax.MultiSteps is no GradientTransformationExtraArgs but forwards update's extra
-    arguments: a functree optimizer inside gets its learning context (it refused its state)."""
+    arguments to the optimizer it wraps, at every micro-step: optax's adam inside equals
+    optax run by hand; a functree optimizer inside would count micro-steps as steps (a
+    schedule k times too fast: it refused its state before, misleadingly) and is refused
+    for accumulate=k, which is the same accumulation."""
     loss = lambda p, b=None: jnp.sum((p["w"] - 0.5) ** 2)  # noqa: E731
-    reference, state = {"w": jnp.ones(3)}, None
+    reference = {"w": jnp.ones(3)}
     tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
     state = tx.init(reference)
     with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes int and float
         for _ in range(4):
             updates, state = tx.update(jax.grad(loss)(reference), state, reference)
             reference = optax.apply_updates(reference, updates)
-    wrapped = optax.MultiSteps(ft.optim.adam(1e-2), every_k_schedule=2)
     if trainer:
-        t = ft.train.Trainer({"w": jnp.ones(3)}, wrapped, loss)
+        t = ft.train.Trainer({"w": jnp.ones(3)}, optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), loss)
         t.fit([None] * 4, epochs=1, progress=False)
         params = t.model
     else:
-        opt = ft.optim.Optimizer(wrapped)
+        opt = ft.optim.Optimizer(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))
         params = {"w": jnp.ones(3)}
         opt_state = opt.init(params)
         for _ in range(4):
             params, opt_state, _ = opt.minimize(loss, params, opt_state)
     np.testing.assert_allclose(params["w"], reference["w"], rtol=0, atol=1e-6)
     assert float(jnp.max(jnp.abs(params["w"] - 1.0))) > 1e-2  # two applied steps
+    scheduled = ft.optim.sgd(ft.optim.schedule(optax.linear_schedule(1.0, 0.0, 4), unit="steps"))
+    with pytest.raises(TypeError, match=r"(?s)MultiSteps wraps a functree optimizer.*accumulate=4"):
+        ft.optim.Optimizer(optax.MultiSteps(scheduled, every_k_schedule=2)).init({"w": jnp.ones(3)})
 
 
 def test_a_bool_mask_built_in_training_mode_is_named_at_init():

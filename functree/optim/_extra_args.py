@@ -66,4 +66,4 @@ def _multisteps(transform: optax.MultiSteps) -> optax.GradientTransformationExtr
             raise TypeError(FUNCTREE_IN_MULTISTEPS)
         return state
 
-    return optax.GradientTransformationExtraArgs(init, transform.update)
+    return optax.GradientTransformationExtraArgs(init, transform.update)  # pyright: ignore[reportArgumentType]

@@ -273,11 +273,10 @@ def _elementary(eqn: Any, ins: list, scoped: bool) -> list:
 
 def _cond(eqn: Any, ins: list, scoped: bool) -> list:
     index, operands = ins[0], ins[1:]
-    branches = eqn.params["branches"]
-    if isinstance(eqn.invars[0], jcore.Literal):  # lax.cond(True, ...): only that branch runs
-        branches = [branches[int(np.clip(eqn.invars[0].val, 0, len(branches) - 1))]]
+    # Every branch, even for a literal index: the check's trace bakes the call's data (a
+    # NumPy flag) into the jaxpr as literals, and another call takes the other branch.
     results = []
-    for branch in branches:
+    for branch in eqn.params["branches"]:
         jaxpr, consts = _open(branch)
         results.append(analyse(jaxpr, consts, operands, scoped))
     outs = [join_all(column) for column in zip(*results)]

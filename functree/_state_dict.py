@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -185,6 +185,15 @@ class FlatDictReport:
         return "\n".join(lines) or "  everything matched"
 
 
+def _names_members(template: Any, flat: Mapping[str, Any], names: Sequence[str]) -> bool:
+    """Whether a name of ``flat`` that is no stacked leaf's is a member's (``blocks.3.up.weight``):
+    a stacked leaf the template lacks (``blocks.layers.member_scale``) is reported as
+    unexpected against the stacked names, not as every leaf missing under member names."""
+    known = frozenset(names)
+    members = frozenset(_named_leaves(_stacked.expand(template), "from_flat_dict")[2])
+    return any(k in members for k in flat if k not in known)
+
+
 def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = True, cast: bool = False) -> Any:
     """Rebuild a tree shaped like ``template`` from a flat dict made by :func:`to_flat_dict`.
 
@@ -220,7 +229,7 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
     """
     olds, treedef, names = _named_leaves(template, "from_flat_dict")
     flat = _through_ties(template, flat, frozenset(names))
-    if _stacked.wants_members(template, flat, frozenset(names)):  # per-member names of a Stack
+    if _stacked.wants_members(template, flat, frozenset(names)) and _names_members(template, flat, names):
         out = from_flat_dict(_stacked.expand(template), flat, strict=strict, cast=cast)
         tree, report = (out, None) if strict else out
         tree = _stacked.restack(template, tree)

@@ -204,3 +204,16 @@ def test_float64_numpy_arrays_need_cast_and_get_a_hint():
 def test_from_flat_dict_rejects_a_template_whose_names_collide():
     with pytest.raises(ValueError, match=r"ft\.from_flat_dict: two leaves share the dotted name 'a\.b'"):
         ft.from_flat_dict({"a.b": jnp.ones(1), "a": {"b": jnp.ones(1)}}, {"a.b": jnp.ones(1)})
+
+
+def test_a_stacked_leaf_the_template_lacks_is_named_against_the_stacked_names():
+    """A file's stacked leaf the template lacks (a LoraDense's member_scale, saved after
+    load_lora) was read as a member name: every leaf reported missing per member and the
+    one real difference buried; member names still select the per-member form."""
+    template = {"blocks": ft.nn.Stack.from_layers([ft.nn.Dense(2, 2, key=k) for k in jax.random.split(jax.random.key(0), 3)])}
+    flat = {**ft.to_flat_dict(template), "blocks.layers.member_scale": jnp.ones(3)}
+    _, report = ft.from_flat_dict(template, flat, strict=False)
+    assert "'blocks.layers.member_scale'" in str(report) and "missing" not in str(report)
+    per_member = ft.to_flat_dict(template, unstack=True)
+    back = ft.from_flat_dict(template, per_member)
+    assert_same_tree(back, template)

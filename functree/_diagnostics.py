@@ -185,10 +185,9 @@ class Finding:
     def emit(self) -> None:
         if len(_REGISTRY) >= CACHE_LIMIT:  # the one bounded policy, for warnings' registry too
             _REGISTRY.clear()
-        module = _module_of(self.filename)
         warnings.warn_explicit(
             self.message, self.category, self.filename, self.lineno, registry=_REGISTRY,
-            module=None if module is None else module.__name__,
+            **_module_names(_module_of(self.filename)),
         )
 
 
@@ -550,8 +549,7 @@ def _replay(traced: _Traced) -> Callable[..., Any] | None:
         # As Python's own warn: the module's name (a filter's module= matches it) and registry.
         module = _module_of(w.filename)
         warnings.warn_explicit(
-            w.message, w.category, w.filename, w.lineno, source=w.source,
-            module=None if module is None else module.__name__,
+            w.message, w.category, w.filename, w.lineno, source=w.source, **_module_names(module),
             registry=None if module is None else module.__dict__.setdefault("__warningregistry__", {}),
         )
     run = jcore.jaxpr_as_fun(traced.closed)
@@ -574,6 +572,12 @@ def _replay(traced: _Traced) -> Callable[..., Any] | None:
 
 
 _NUMBERS = (bool, int, float, complex)
+
+
+def _module_names(module: Any) -> dict[str, Any]:
+    """``warn_explicit``'s ``module=`` for ``module``, or nothing: given as None, CPython
+    matches no filter and drops the warning (omitted, it names the file)."""
+    return {} if module is None else {"module": module.__name__}
 
 
 def _module_of(filename: str) -> Any:

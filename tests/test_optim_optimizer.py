@@ -114,8 +114,9 @@ def test_optimizer_is_immutable_and_checks_its_arguments():
         fo.Optimizer(lambda g: g)
     with pytest.raises(TypeError, match=r"transform_gradients= takes functions .* Chain it into the transform"):
         fo.Optimizer(fo.adam(), transform_gradients=optax.clip_by_global_norm(1.0))
-    with pytest.raises(TypeError, match=r"wraps an ft\.optim\.Optimizer"):
-        fo.OptimizerWrapper(fo.adam())
+    assert isinstance(fo.OptimizerWrapper(fo.adam()).inner, fo.Optimizer)  # a transformation: wrapped
+    with pytest.raises(TypeError, match="needs an optax GradientTransformation"):
+        fo.OptimizerWrapper(0.1)
 
 
 def test_default_aggregation_is_the_mean_over_a_bound_axis():

@@ -1046,3 +1046,15 @@ def test_an_operation_inside_a_jitted_library_function_is_located_at_the_users_c
     message = str(record[0].message)
     assert f"`round` at {__file__}:{line}" in message and "<unknown>" not in message
     assert record[0].filename == __file__ and record[0].lineno == line
+
+
+def test_a_function_from_no_modules_file_still_warns():
+    """A notebook cell's or `python -c`'s function lives in a file no module was loaded from:
+    its findings are shown (passing module=None to warn_explicit showed nothing)."""
+    namespace: dict[str, Any] = {"jnp": jnp}
+    exec(compile("def f(x):\n    return jnp.sqrt(3.0)\n", "<ipython-input-1-abc>", "exec"), namespace)
+    with pytest.warns(ft.ZeroDerivativeWarning):
+        ft.gradient(namespace["f"], at=jnp.ones(2))
+    exec(compile("def g(x):\n    return jnp.round(x).sum()\n", "/tmp/ipykernel_1/2.py", "exec"), namespace)
+    with pytest.warns(ft.NonDifferentiableWarning):
+        jax.jit(ft.gradient(namespace["g"]))(jnp.ones(2))

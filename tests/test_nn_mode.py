@@ -108,9 +108,14 @@ def test_modes_set_foreign_inference_flags(key):
     assert nested["a"][0].inference is True and nested["b"] == (1, True)  # a bool not named inference: kept
 
 
-def test_foreign_inference_flag_that_is_not_a_bool_is_kept(key):
-    m = ft.nn.inference(_ForeignDropout(0.5, inference=jnp.asarray(False)))
-    assert isinstance(m.inference, jax.Array) and not bool(m.inference)
+def test_a_foreign_flag_held_as_a_bool_array_is_set_and_another_kind_kept(key):
+    """jax.device_put(model) makes an Equinox flag a 0-d bool array (eqx.nn.inference_mode
+    sets it): set as a Python bool, so a jitted step does not trace it; an int is kept."""
+    for flag in (jnp.asarray(False), np.bool_(False), np.asarray(False)):
+        m = ft.nn.inference(_ForeignDropout(0.5, inference=flag))
+        assert m.inference is True
+    kept = ft.nn.inference(_ForeignDropout(0.5, inference=jnp.asarray(0)))
+    assert isinstance(kept.inference, jax.Array) and int(kept.inference) == 0
 
 
 def test_modes_match_equinox_inference_mode(key):

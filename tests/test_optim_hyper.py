@@ -334,3 +334,16 @@ def test_trainer_history_logs_an_inject_hyperparams_learning_rate():
     trainer = ft.train.Trainer(params, optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), loss)
     history = trainer.fit([jnp.ones(1)] * 3, epochs=1, progress=False)
     np.testing.assert_allclose(np.asarray(history.steps["learning_rate"]), 0.1, rtol=0, atol=1e-8)
+
+
+def test_inject_hyperparameters_read_survive_a_donating_step():
+    """A value read from an inject_hyperparams state is a copy: the next donating train_step
+    deleted the state's own array under it (ft's own values were copies already)."""
+    opt = ft.optim.Optimizer(optax.inject_hyperparams(optax.adam)(learning_rate=0.1))
+    step = ft.train.train_step(lambda w, x: jnp.sum((w * x) ** 2), opt)
+    w = jnp.ones(3)
+    state = opt.init(w)
+    w, state, _ = step(w, state, 1.0)
+    read = ft.optim.hyperparameters(state)
+    w, state, _ = step(w, state, 1.0)
+    assert float(read["learning_rate"]) == pytest.approx(0.1, abs=1e-7)

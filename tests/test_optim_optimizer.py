@@ -591,3 +591,16 @@ def test_a_bool_mask_built_in_training_mode_is_named_at_init():
                                rtol=0, atol=1e-7)
     # masked out: optax passes the update through untransformed (here the gradient itself)
     np.testing.assert_allclose(moved.layers[0].bias, training.layers[0].bias + grads.layers[0].bias, rtol=0, atol=1e-6)
+
+
+def test_multisteps_as_a_gradient_transformation_around_a_functree_optimizer_is_refused_too():
+    for tx in (optax.MultiSteps(ft.optim.sgd(0.1), 2).gradient_transformation(),
+               optax.chain(optax.clip(1.0), optax.MultiSteps(ft.optim.sgd(0.1), 2).gradient_transformation())):
+        with pytest.raises(TypeError, match="MultiSteps wraps a functree optimizer"):
+            ft.optim.Optimizer(tx).init({"w": jnp.ones(2)})
+    ft.optim.Optimizer(optax.MultiSteps(optax.sgd(0.1), 2).gradient_transformation()).init({"w": jnp.ones(2)})
+
+
+def test_a_mask_missing_a_key_shows_jaxs_own_error_beside_the_fix():
+    with pytest.raises(ValueError, match=r"(?s)mask or label tree.*JAX: .*"):
+        ft.optim.Optimizer(optax.masked(optax.sgd(0.1), {"a": True})).init({"a": jnp.ones(2), "b": jnp.ones(2)})

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.core import Tracer
 
 from functree import _labels
@@ -33,6 +34,16 @@ _MODE_CACHE: dict[tuple[Any, bool], Any] = {}
 # attributes are found once per tree definition (no equinox import: any node's attribute).
 FOREIGN_FIELD = "inference"
 _FOREIGN_CACHE: dict[Any, tuple[int, ...]] = {}
+
+
+def _is_flag(value: Any) -> bool:
+    """A Python bool, or a concrete bool array without axes (``jax.device_put(model)`` makes
+    one of an Equinox flag; left an array, a jitted step would trace it and ``if inference``
+    fail): set to a Python bool, as ``eqx.nn.inference_mode`` sets it."""
+    if type(value) is bool:
+        return True
+    return (isinstance(value, (np.ndarray, np.bool_, jax.Array)) and not isinstance(value, Tracer)
+            and np.shape(value) == () and value.dtype == np.bool_)
 
 
 def _foreign_flags(model: Any, treedef: Any) -> tuple[int, ...]:
@@ -74,7 +85,7 @@ def _with_mode(model: Any, flag: bool) -> Any:
         new_def = jax.tree.structure(_switch(model, flag))
         _MODE_CACHE[(treedef, flag)] = new_def
     for i in _foreign_flags(model, treedef):
-        if type(leaves[i]) is bool:  # an Equinox-style flag: inference = not training
+        if _is_flag(leaves[i]):  # an Equinox-style flag: inference = not training
             leaves[i] = not flag
     return jax.tree.unflatten(new_def, leaves)
 

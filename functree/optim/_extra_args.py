@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import optax
 
-__all__ = ["with_extra_args"]
+__all__ = ["with_extra_args", "check_multisteps"]
 
 FUNCTREE_IN_MULTISTEPS = """\
 optax.MultiSteps wraps a functree optimizer: its learning context (steps, samples seen, the \
@@ -56,14 +56,25 @@ def _takes_extra_args(update: Any) -> bool:
 
 def _multisteps(transform: optax.MultiSteps) -> optax.GradientTransformationExtraArgs:
     """``optax.MultiSteps`` with its inner optimizer's extra arguments, refused (at ``init``)
-    when that optimizer is functree's (its state holds a ``HyperState``)."""
-    from functree.optim._hyper import HyperState  # the state of every ft.optim transformation
+    when that optimizer is functree's."""
 
     def init(params: Any) -> Any:
         state = transform.init(params)
-        if any(isinstance(x, HyperState) for x in jax.tree.leaves(
-                state.inner_opt_state, is_leaf=lambda x: isinstance(x, HyperState))):
-            raise TypeError(FUNCTREE_IN_MULTISTEPS)
+        check_multisteps(state)
         return state
 
     return optax.GradientTransformationExtraArgs(init, transform.update)  # pyright: ignore[reportArgumentType]
+
+
+def check_multisteps(state: Any) -> None:
+    """Refuse an ``optax.MultiSteps`` state (anywhere in ``state``: a chain's member, its
+    ``gradient_transformation()``) whose inner optimizer is functree's (holds a ``HyperState``)."""
+    from functree.optim._hyper import HyperState  # the state of every ft.optim transformation
+
+    def is_node(x: Any) -> bool:
+        return isinstance(x, (HyperState, optax.MultiStepsState))
+
+    for node in jax.tree.leaves(state, is_leaf=is_node):
+        if isinstance(node, optax.MultiStepsState) and any(
+                isinstance(x, HyperState) for x in jax.tree.leaves(node.inner_opt_state, is_leaf=is_node)):
+            raise TypeError(FUNCTREE_IN_MULTISTEPS)

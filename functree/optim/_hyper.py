@@ -521,7 +521,8 @@ def _entries(state: Any, values: bool | str = True) -> list[tuple[str, str, bool
     out = []
     for path, node in found:
         if isinstance(node, _INJECTED):  # optax's own: its numbers, then the state it wraps
-            shown = {"shapes": lambda v: jax.ShapeDtypeStruct(jnp.shape(v), v.dtype), True: lambda v: v}
+            # A copy (as the unstacked values of ft's are): a later donating step deletes the state's.
+            shown = {"shapes": lambda v: jax.ShapeDtypeStruct(jnp.shape(v), v.dtype), True: jnp.copy}
             out += [(_label(path), n, settable, shown.get(values, lambda v: None)(v))
                     for n, settable, v in _injected(node)]
             out += _entries(node.inner_state, values)

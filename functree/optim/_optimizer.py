@@ -49,7 +49,7 @@ from functree.optim._average import with_average
 from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
 from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
-from functree.optim._extra_args import with_extra_args
+from functree.optim._extra_args import check_multisteps, with_extra_args
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
@@ -76,14 +76,16 @@ Optimizers are immutable; build a new one instead of assigning {name!r}:
 MASK_IN_TRAINING_MODE = """\
 The optax transformation refused the parameters' structure: a mask or label tree given to \
 it (optax.masked, adamw(mask=...), multi_transform) does not have the structure of the \
-parameters the optimizer passes it. Most often it was built from the model in training mode \
-(ft.nn.training: Dropout/BatchNorm flags are part of a tree's structure); the optimizer \
-keeps its state mode-free, in inference mode's structure, so build the tree from that:
+parameters the optimizer passes it (JAX's error is below: a key missing, or another \
+structure). If the model has Dropout/BatchNorm, it may have been built in training mode \
+(ft.nn.training: the flags are part of a tree's structure); the optimizer keeps its state \
+mode-free, in inference mode's structure, so build the tree from that:
 
     wrong:  optax.masked(tx, ft.mask(model, "*.weight"))                  # model in training mode
     right:  optax.masked(tx, ft.mask(ft.nn.inference(model), "*.weight"))
        or:  ft.optim.Optimizer(tx, wrt="*.weight")      # train a subset: a key-path pattern
-({error})"""
+
+JAX: {error}"""
 
 NOT_A_TRANSFORM = """\
 ft.optim.Optimizer needs an optax GradientTransformation (an object with init and update), \
@@ -201,7 +203,7 @@ def _mask_structure() -> Iterator[None]:
     except ValueError as e:
         if "pytree" not in str(e).lower():
             raise
-        raise ValueError(MASK_IN_TRAINING_MODE.format(error=str(e).splitlines()[0][:300])) from e
+        raise ValueError(MASK_IN_TRAINING_MODE.format(error=str(e)[:1500])) from e
 
 
 class Optimizer:
@@ -336,6 +338,7 @@ class Optimizer:
         params = mode_free(trained_view(model, self.wrt))
         with jax.numpy_dtype_promotion("standard"), _mask_structure():  # optax mixes floats and ints
             inner = self._transform.init(params)
+        check_multisteps(inner)
         state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.

@@ -55,26 +55,20 @@ def _takes_extra_args(update: Any) -> bool:
 
 
 def _multisteps(transform: optax.MultiSteps) -> optax.GradientTransformationExtraArgs:
-    """``optax.MultiSteps`` with its inner optimizer's extra arguments, refused (at ``init``)
-    when that optimizer is functree's."""
-
-    def init(params: Any) -> Any:
-        state = transform.init(params)
-        check_multisteps(state)
-        return state
-
-    return optax.GradientTransformationExtraArgs(init, transform.update)  # pyright: ignore[reportArgumentType]
+    """``optax.MultiSteps`` taking its inner optimizer's extra arguments (a functree one is
+    refused by ``Optimizer.init``: :func:`check_multisteps`)."""
+    return optax.GradientTransformationExtraArgs(transform.init, transform.update)  # pyright: ignore[reportArgumentType]
 
 
-def check_multisteps(state: Any) -> None:
+def check_multisteps(state: Any, functree_state: type) -> None:
     """Refuse an ``optax.MultiSteps`` state (anywhere in ``state``: a chain's member, its
-    ``gradient_transformation()``) whose inner optimizer is functree's (holds a ``HyperState``)."""
-    from functree.optim._hyper import HyperState  # the state of every ft.optim transformation
+    ``gradient_transformation()``) whose inner optimizer is functree's (its state holds a
+    ``functree_state``: ``HyperState``, passed in: this module imports no optimizer)."""
 
     def is_node(x: Any) -> bool:
-        return isinstance(x, (HyperState, optax.MultiStepsState))
+        return isinstance(x, (functree_state, optax.MultiStepsState))
 
     for node in jax.tree.leaves(state, is_leaf=is_node):
         if isinstance(node, optax.MultiStepsState) and any(
-                isinstance(x, HyperState) for x in jax.tree.leaves(node.inner_opt_state, is_leaf=is_node)):
+                isinstance(x, functree_state) for x in jax.tree.leaves(node.inner_opt_state, is_leaf=is_node)):
             raise TypeError(FUNCTREE_IN_MULTISTEPS)

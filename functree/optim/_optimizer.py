@@ -50,6 +50,7 @@ from functree.optim._checks import checked_gradients, descent_direction, keep_un
 from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
 from functree.optim._extra_args import check_multisteps, with_extra_args
+from functree.optim._hyper import HyperState
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._replicas import axis_size, replica_mean
@@ -338,7 +339,7 @@ class Optimizer:
         params = mode_free(trained_view(model, self.wrt))
         with jax.numpy_dtype_promotion("standard"), _mask_structure():  # optax mixes floats and ints
             inner = self._transform.init(params)
-        check_multisteps(inner)
+        check_multisteps(inner, HyperState)
         state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.

@@ -17,23 +17,23 @@ from jax.core import Tracer
 from functree import _labels
 from functree._alias import stale_error
 from functree._module import Module
-from functree._tree import is_none
+from functree._tree import bounded_put, cached, is_none
 
 __all__ = ["Layer", "training", "inference", "inferring", "is_training", "mode_free", "mode_free_def", "in_mode"]
 
 TRAINING_FIELD = "training"
 
-# (treedef, flag) -> treedef with every `training` field set to flag: computed once per
-# tree definition; afterwards switching is a flatten, a dict lookup and an unflatten.
-_MODE_CACHE: dict[tuple[Any, bool], Any] = {}
+# (treedef, flag) -> (treedef with every `training` field set to flag, the leaf positions
+# of foreign `inference` flags): computed once per tree definition (bounded); afterwards
+# switching is a flatten, a dict lookup and an unflatten.
+_MODE_CACHE: dict[tuple[Any, bool], tuple[Any, tuple[int, ...]]] = {}
 
 # Equinox's convention (eqx.nn.Dropout, BatchNorm, MultiheadAttention ...): a layer's mode is
 # an attribute ``inference`` holding a Python bool, a pytree *leaf* (so not in the tree
 # definition). ``eqx.nn.inference_mode`` sets every such attribute; ft's modes do too, so
 # a model mixing both kinds of layers switches as one. The leaf positions of such
-# attributes are found once per tree definition (no equinox import: any node's attribute).
+# attributes are found with the new definition (no equinox import: any node's attribute).
 FOREIGN_FIELD = "inference"
-_FOREIGN_CACHE: dict[Any, tuple[int, ...]] = {}
 
 
 def _is_flag(value: Any) -> bool:
@@ -46,15 +46,22 @@ def _is_flag(value: Any) -> bool:
             and np.shape(value) == () and value.dtype == np.bool_)
 
 
-def _foreign_flags(model: Any, treedef: Any) -> tuple[int, ...]:
-    """The leaf indices of ``model`` at an attribute named ``inference`` (cached per
-    definition; whether the leaf is a Python bool is checked at each switch)."""
-    found = _FOREIGN_CACHE.get(treedef)
+def _foreign_flags(model: Any) -> tuple[int, ...]:
+    """The leaf indices of ``model`` at an attribute named ``inference`` (whether the leaf
+    is a flag is checked at each switch)."""
+    paths = jax.tree_util.tree_flatten_with_path(model)[0]
+    return tuple(i for i, (path, _) in enumerate(paths)
+                 if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == FOREIGN_FIELD)
+
+
+def _mode_def(model: Any, treedef: Any, flag: bool) -> tuple[Any, tuple[int, ...]]:
+    """``model``'s definition with every ``training`` field ``flag``, and its foreign flags'
+    leaf positions: made once per definition."""
+    key, found = cached(_MODE_CACHE, (treedef, flag))
     if found is None:
-        paths = jax.tree_util.tree_flatten_with_path(model)[0]
-        found = tuple(i for i, (path, _) in enumerate(paths)
-                      if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == FOREIGN_FIELD)
-        _FOREIGN_CACHE[treedef] = found
+        found = jax.tree.structure(_switch(model, flag)), _foreign_flags(model)
+        if key is not None:
+            bounded_put(_MODE_CACHE, key, found)
     return found
 
 
@@ -80,11 +87,8 @@ def _with_mode(model: Any, flag: bool) -> Any:
     leaves, treedef = jax.tree.flatten(model)
     if any(isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted() for x in leaves):
         raise stale_error([("model", model)])  # type: ignore[misc]  # donated: say so now, not at a later use
-    new_def = _MODE_CACHE.get((treedef, flag))
-    if new_def is None:
-        new_def = jax.tree.structure(_switch(model, flag))
-        _MODE_CACHE[(treedef, flag)] = new_def
-    for i in _foreign_flags(model, treedef):
+    new_def, foreign = _mode_def(model, treedef, flag)
+    for i in foreign:
         if _is_flag(leaves[i]):  # an Equinox-style flag: inference = not training
             leaves[i] = not flag
     return jax.tree.unflatten(new_def, leaves)
@@ -102,10 +106,7 @@ def mode_free(tree: Any) -> Any:
       False
     """
     leaves, treedef = jax.tree.flatten(tree)
-    new_def = _MODE_CACHE.get((treedef, False))
-    if new_def is None:
-        new_def = jax.tree.structure(_switch(tree, False))
-        _MODE_CACHE[(treedef, False)] = new_def
+    new_def = _mode_def(tree, treedef, False)[0]
     return tree if new_def == treedef else jax.tree.unflatten(new_def, leaves)
 
 

@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import optax
 
 from functree._tree import is_none, register_record
-from functree.optim._extra_args import with_extra_args
 from functree.optim._lookahead import SlowState
 from functree.optim._skip import applied_in, select
 
@@ -210,7 +209,7 @@ def with_average(transform: Any, average: Any) -> Any:
         return transform
     if not (hasattr(average, "init") and hasattr(average, "update")):
         raise TypeError(NOT_AVERAGING.format(given=type(average).__name__))
-    inner, avg = with_extra_args(transform), with_extra_args(average)
+    inner, avg = optax.with_extra_args_support(transform), optax.with_extra_args_support(average)
 
     def init(params: Any) -> tuple[Any, Any]:
         return inner.init(params), avg.init(params)

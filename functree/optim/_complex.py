@@ -20,8 +20,6 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from functree.optim._extra_args import with_extra_args
-
 __all__ = ["RealPair", "has_complex", "as_pairs", "from_pairs", "real_pairs"]
 
 
@@ -80,7 +78,7 @@ def real_pairs(transform: Any) -> optax.GradientTransformationExtraArgs:
     ``value_fn`` (L-BFGS's) are given in pairs and the updates put back as complex arrays.
     The gradients must already be in the descent convention (conjugated JAX gradients).
     """
-    inner = with_extra_args(transform)
+    inner = optax.with_extra_args_support(transform)
 
     def init(params: Any) -> Any:
         return inner.init(as_pairs(params) if has_complex(params) else params)

@@ -26,7 +26,6 @@ import jax
 import optax
 
 from functree._tree import is_none, register_record
-from functree.optim._extra_args import with_extra_args
 from functree.optim._hyper import HyperState
 
 __all__ = ["SlowState", "lookahead", "from_optax"]
@@ -139,7 +138,7 @@ def lookahead(fast_optimizer: optax.GradientTransformation, sync_period: int, sl
       (Array(1., dtype=float32), Array(1., dtype=float32))
     """
     optax.lookahead(fast_optimizer, sync_period, slow_step_size)  # optax's argument checks
-    fast = with_extra_args(fast_optimizer)
+    fast = optax.with_extra_args_support(fast_optimizer)
 
     def init(params: Any) -> SlowState:
         if isinstance(params, optax.LookaheadParams):

@@ -24,7 +24,6 @@ import optax
 
 from functree._module import Module
 from functree._naming import broadcast
-from functree.optim._extra_args import with_extra_args
 
 __all__ = ["masked", "partition_members", "restore_members", "is_partial"]
 
@@ -110,7 +109,7 @@ def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTran
              [1., 1.],
              [1., 1.]], dtype=float32)
     """
-    inner = with_extra_args(inner)
+    inner = optax.with_extra_args_support(inner)
 
     as_function = callable(mask) and not isinstance(mask, Module)  # a mask tree of a model is callable too
 

@@ -49,10 +49,10 @@ from functree.optim._average import with_average
 from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
 from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
-from functree.optim._extra_args import check_multisteps, with_extra_args
 from functree.optim._hyper import HyperState
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
+from functree.optim._multisteps import check_multisteps
 from functree.optim._replicas import axis_size, replica_mean
 from functree.optim._skip import applied_in, apply_or_keep, check_on_nan, gate, guard, select
 from functree.optim._skip import keep_nonfinite as _keep
@@ -292,7 +292,7 @@ class Optimizer:
         if transform_loss is not None and get_gradients is not None:
             raise ValueError(BOTH_LOSS_HOOKS)
         set_ = object.__setattr__
-        set_(self, "_transform", with_extra_args(with_average(real_pairs(from_optax(transform)), average)))
+        set_(self, "_transform", optax.with_extra_args_support(with_average(real_pairs(from_optax(transform)), average)))
         set_(self, "_raw_transform", transform)
         set_(self, "_transform_loss", transform_loss)
         set_(self, "_get_gradients", get_gradients)

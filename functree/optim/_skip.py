@@ -22,7 +22,6 @@ import numpy as np
 import optax
 
 from functree._tree import all_finite, is_none
-from functree.optim._extra_args import with_extra_args
 
 __all__ = ["guard", "select", "all_finite", "SkipState", "skip_non_finite", "applied_in", "Gate", "gate",
            "first_nonfinite", "ON_NAN", "DEFAULT_ON_NAN", "check_on_nan", "apply_or_keep", "keep_nonfinite"]
@@ -290,7 +289,7 @@ def skip_non_finite(transform: optax.GradientTransformation) -> optax.GradientTr
       >>> int(ft.optim.context(state).step)
       0
     """
-    inner = with_extra_args(transform)
+    inner = optax.with_extra_args_support(transform)
 
     def init(params: Any) -> SkipState:
         zero = jnp.zeros((), jnp.int32)

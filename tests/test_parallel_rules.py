@@ -6,6 +6,8 @@ on 8 simulated devices in test_parallel_step.py (and, for rules with an FSDP fal
 a subprocess here).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,6 +127,17 @@ def test_shard_places_and_builds_in_shards_on_a_one_device_mesh():
     np.testing.assert_array_equal(built.weight, ft.nn.Dense(64, 32, key=jax.random.key(0)).weight)
     dense = ft.nn.Dense(2, 2, key=jax.random.key(0))  # a callable Module is a tree, not a builder
     assert isinstance(ft.shard(dense, mesh), ft.nn.Dense)
+
+
+def test_shard_takes_a_callable_foreign_module_for_a_tree():
+    eqx = pytest.importorskip("equinox")
+    mesh = jax.make_mesh((1,), ("data",))
+    linear = eqx.nn.Linear(3, 2, key=jax.random.key(0))  # callable, but a pytree node: data
+    placed = ft.shard(linear, mesh, {"weight": P(None, "data")})
+    assert isinstance(placed, eqx.nn.Linear) and placed.weight.sharding.spec == P(None, "data")
+    np.testing.assert_array_equal(placed.weight, linear.weight)
+    built = ft.shard(functools.partial(ft.nn.Dense, 4, 2, key=jax.random.key(0)), mesh)  # a leaf: builds
+    assert isinstance(built, ft.nn.Dense)
 
 
 def test_cast_touches_floating_parameters_only():

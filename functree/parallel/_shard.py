@@ -16,8 +16,12 @@ __all__ = ["shard"]
 
 
 def _builder(tree: Any) -> bool:
-    """A zero-argument function that builds the tree (a Module is data, even if callable)."""
-    return callable(tree) and not isinstance(tree, Module) and not has_shape_and_dtype(tree)
+    """A zero-argument function that builds the tree. A callable pytree node (a Module, an
+    Equinox module, ``jax.tree_util.Partial``) is data: only a callable JAX sees as one leaf
+    (a function, a lambda, ``functools.partial``) builds."""
+    if not callable(tree) or isinstance(tree, Module) or has_shape_and_dtype(tree):
+        return False
+    return jax.tree_util.treedef_is_leaf(jax.tree.structure(tree))
 
 
 def shard(tree: Any, mesh: Mesh, rules: Any = None, *, data_axis: str = "data") -> Any:

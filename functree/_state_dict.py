@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from functree import _stacked
+from functree._functions import builtin_name
 from functree._naming import is_tied, resolve_alias, tie_targets, untransform
 from functree._naming import names as leaf_names
 from functree._paths import ensure_acyclic
@@ -245,7 +246,7 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
         if _fits(old, new):
             leaves.append(new)
             continue
-        mismatched.append((name, _fmt(_spec(old)), _fmt(_spec(new))))
+        mismatched.append((name, _described(old), _described(new)))
         kind = _hint_kind(old, new, cast)
         if kind is not None:
             hinted.setdefault(kind, []).append(name)
@@ -416,3 +417,12 @@ def _listed(names: list[str], most: int = 5) -> str:
 
 def _fmt(spec: tuple[tuple[int, ...], str]) -> str:
     return f"shape {spec[0]} dtype {spec[1]}"
+
+
+def _described(x: Any) -> str:
+    """A leaf as a mismatch shows it: a function by its name (``function jax.nn.relu``),
+    anything else by shape and dtype."""
+    if callable(x) and not hasattr(x, "dtype"):
+        name = builtin_name(x) or getattr(x, "__qualname__", None) or type(x).__name__
+        return f"function {name}"
+    return _fmt(_spec(x))

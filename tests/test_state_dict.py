@@ -217,3 +217,9 @@ def test_a_stacked_leaf_the_template_lacks_is_named_against_the_stacked_names():
     per_member = ft.to_flat_dict(template, unstack=True)
     back = ft.from_flat_dict(template, per_member)
     assert_same_tree(back, template)
+
+
+def test_a_function_leaf_of_another_kind_is_named_by_its_function():
+    template = {"w": jnp.ones(2), "act": jax.nn.relu}  # a custom_jvp
+    with pytest.raises(ValueError, match=r"act: expected function jax\.nn\.relu, given function jax\.nn\.sigmoid"):
+        ft.from_flat_dict(template, {"w": jnp.ones(2), "act": jax.nn.sigmoid})  # a jitted function

@@ -202,6 +202,8 @@ def test_register_rules():
         ft.train.register(3)
     with pytest.raises(TypeError, match=r"takes a class"):
         ft.train.register(Finaliser)  # not a NamedTuple, dataclass or Module
+    with pytest.raises(TypeError, match=r"(?s)needs no registration.*template=tree"):  # a class: the other way named
+        ft.train.register(Finaliser)
     with pytest.raises(ValueError, match=r"already registered"):
         ft.train.register(jnp.cos, name="jax.nn.relu")
     assert ft.train.register(jnp.sinc) is jnp.sinc
@@ -386,7 +388,7 @@ DAMAGE = {
     "object dtype": (lambda m: _dense(m)["static"].__setitem__("activation", {"dtype": "O"}),
                      "not a numeric dtype"),
     "opaque": (lambda m: m["spec"]["items"].__setitem__(2, {"kind": "opaque", "type": "X", "items": []}),
-               "is not a Module, dataclass"),
+               "not a Module, dataclass"),
     "wrong part count": (lambda m: m["spec"]["items"].pop(), "does not hold model, opt_state"),
     "step not int": (lambda m: m.__setitem__("step", "1"), "the step is '1'"),
     "metrics not dict": (lambda m: m.__setitem__("metrics", [1]), "'metrics' is list"),

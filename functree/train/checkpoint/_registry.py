@@ -48,7 +48,17 @@ ft.train.register takes a class (a NamedTuple, a dataclass registered with JAX, 
 Module subclass) or a function, got {given!r}.
 
     wrong:  ft.train.register({given!r})
-    right:  ft.train.register(MyState)        # or register(my_activation)"""
+    right:  ft.train.register(MyState)        # or register(my_activation){own}"""
+
+# Added for a class: one registered with jax.tree_util by its own functions cannot be
+# told apart without running them, so the message names that case too.
+OWN_FLATTEN = """
+
+A class JAX flattens with functions of its own (jax.tree_util.register_pytree_node / \
+register_pytree_with_keys) needs no registration: a checkpoint never runs those \
+functions, so such a tree saves as it is and loads with a template built the same way:
+
+    right:  ft.train.load(path, template=tree)"""
 
 NAME_TAKEN = """\
 The checkpoint name {name!r} is already registered for {old!r}; cannot register {new!r} \
@@ -168,7 +178,7 @@ def register(obj: Any, name: str | None = None) -> Any:
     _load_builtins()
     is_class = isinstance(obj, type)
     if not callable(obj) or (is_class and not _is_buildable(obj)):
-        raise TypeError(NOT_REGISTRABLE.format(given=obj))
+        raise TypeError(NOT_REGISTRABLE.format(given=obj, own=OWN_FLATTEN if is_class else ""))
     name = name or default_name(obj)
     table: dict[str, Any] = _types if is_class else _functions
     old = table.get(name)

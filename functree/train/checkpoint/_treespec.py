@@ -56,6 +56,17 @@ register them before loading, or load with a template built the same way:
     ft.train.load(path, template=model)               # or manager.restore(template=model,
                                                       #     opt_state_template=opt_state)"""
 
+OPAQUE_NO_TEMPLATE = """\
+Cannot rebuild a node at {path!r} without a template: {name} is registered with JAX by \
+functions of its own (jax.tree_util.register_pytree_node / register_pytree_with_keys), \
+not a Module, dataclass, NamedTuple, dict, list or tuple. Its children were saved by key \
+path, but only its own unflatten function can build it, and a checkpoint never runs one \
+because a file names it. Load with a template built the same way, which gives the saved \
+arrays its structure:
+
+    wrong:  ft.train.load(path)
+    right:  ft.train.load(path, template=tree)          # or manager.restore(template=model)"""
+
 MALFORMED = """\
 The checkpoint's type description is damaged at {path!r}: {why}.
 The checkpoint cannot be rebuilt from it; restore another step, or load with a template
@@ -431,8 +442,7 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
     if kind == "dataclass":
         return _decode_dataclass(spec, arrays, path)
     if kind == "opaque":
-        why = f"{str(spec.get('type'))[:200]} is not a Module, dataclass, NamedTuple, dict, list or tuple"
-        raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why))
+        raise SpecError(OPAQUE_NO_TEMPLATE.format(path=path, name=str(spec.get("type"))[:200]))
     raise SpecError(MALFORMED.format(path=path, why=f"unknown node kind {str(kind)[:100]!r}"))
 
 

@@ -1,6 +1,10 @@
 """Metrics: accuracy in its label forms, aux means, and their errors."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import functree as ft
@@ -86,3 +90,42 @@ def test_labels_that_are_not_an_array_and_duplicate_metric_names():
         resolve_metrics([lambda o: o.loss, lambda o: 2 * o.loss])
     with pytest.raises(ValueError, match=r"Two metrics are named 'loss'"):
         resolve_metrics({"loss": ft.train.accuracy})
+
+
+def _float64_regression():
+    """A float64 least-squares problem whose loss float32 would round (x64 only)."""
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(64, 2))
+    y = x @ jnp.array([[1.0], [2.0]]) + 1e-9
+    model = {"w": jnp.zeros((2, 1)), "b": jnp.full((1,), 0.1)}
+
+    def loss(m, batch):
+        x, y = batch
+        return jnp.mean((x @ m["w"] + m["b"] - y) ** 2)
+
+    return model, loss, (x, y)
+
+
+def test_metrics_keep_a_float64_loss_under_x64():
+    """Under x64 the step's metrics, the Trainer's history and evaluate were float32: a
+    float64 model's loss 0.5648236194... was logged as 0.5648236274719238."""
+    with jax.enable_x64(True):
+        model, loss, batch = _float64_regression()
+        exact = float(loss(model, batch))
+        step = ft.train.train_step(loss, ft.optim.sgd(0.1), donate=False)
+        _, _, out = step(model, step.optimizer.init(model), batch)
+        close = functools.partial(np.testing.assert_allclose, rtol=0, atol=1e-14)  # float32 was ~1e-8 off
+        assert out["loss"].dtype == jnp.float64
+        close(float(out["loss"]), exact)
+        close(float(ft.train.eval_step(loss)(model, batch)["loss"]), exact)
+        trainer = ft.train.Trainer(model, ft.optim.sgd(0.1), loss)
+        close(trainer.evaluate([batch])["loss"], exact)
+        history = trainer.fit([batch], epochs=2, progress=False)
+        m1 = jax.tree.map(lambda w, g: w - 0.1 * g, model, jax.grad(loss)(model, batch))
+        close(history.steps["loss"], [exact, float(loss(m1, batch))])
+        assert history.steps["learning_rate"] == [0.1, 0.1]  # was 0.10000000149011612
+    _, loss32, _ = _float64_regression()  # without x64: float32 columns, as before
+    step = ft.train.train_step(loss32, ft.optim.sgd(0.1), donate=False)
+    model32 = {"w": jnp.zeros((2, 1)), "b": jnp.full((1,), 0.1)}
+    batch32 = (jnp.ones((4, 2)), jnp.ones((4, 1)))
+    assert step(model32, step.optimizer.init(model32), batch32)[2]["loss"].dtype == jnp.float32

@@ -18,7 +18,7 @@ from functree._where import placement_of, put
 from functree.optim._average import averaged as averaged_parameters
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._epochs import EMPTY_DATA, as_data, batch_size, with_location
-from functree.train._metrics import describe_batch
+from functree.train._metrics import describe_batch, metric_dtype
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
 
@@ -118,8 +118,9 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
             _check_not_empty("evaluate", i, batch)
             if sums is None:
                 shapes = step.metric_shapes(model, batch, key)  # traced once per signature
-                sums = {"values": {k: jnp.zeros((), jnp.float32) for k in shapes},
-                        "weight": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+                dtype = metric_dtype()  # float64 under jax_enable_x64: sums as precise as the values
+                sums = {"values": {k: jnp.zeros((), dtype) for k in shapes},
+                        "weight": jnp.zeros((), dtype), "count": jnp.zeros((), jnp.int32)}
                 # Committed where the model lives, as the sums the program returns: one program
                 # (uncommitted first sums compiled it twice per evaluation's shapes).
                 sums = put(sums, placement_of(model))

@@ -27,6 +27,7 @@ from functree._tree import bounded_put, cached
 from functree._where import put
 from functree.optim import context, hyperparameters
 from functree.optim._hyper import learning_rate_names
+from functree.train._metrics import metric_dtype
 
 __all__ = ["Interval", "MetricLog", "Reading", "next_buffer", "snapshot", "STOPPED_EARLIER", "to_host"]
 
@@ -129,7 +130,7 @@ def to_host(tree: Any) -> Any:
 
 @dataclass
 class Reading:
-    """An interval read on the host: its first step, its steps, their values by metric (float32 columns),
+    """An interval read on the host: its first step, its steps, their values by metric (float32 columns; float64 under x64),
     the learning rates' columns, each step's minibatch size, its ``nonfinite`` code (-1: a
     finite step), the buffer's ``halt`` and the learning context after its last step."""
 
@@ -172,7 +173,7 @@ class MetricLog:
             columns = len(self.names or ()) + len(self.rates)
             # From the host: an eager jnp.array or jnp.zeros compiles a program of its own before step 1.
             buffer = jax.device_put({"halt": np.array([0, -1, -1], np.int32),  # steps, the step that stopped, its report
-                                     "rows": np.zeros((self.capacity, columns), np.float32)})
+                                     "rows": np.zeros((self.capacity, columns), metric_dtype())})
             # committed as the trainer's other arrays are (one compiled step: _where.put)
             self.buffer = put(buffer if place is None else place(buffer), None)
         return self.buffer

@@ -331,7 +331,7 @@ class TrainStep:
         return (loss if dtype is None else loss.astype(jnp.float32)), aux
 
     def compute_metrics(self, out: StepOutput) -> dict[str, jax.Array]:
-        """``{"loss": ..., name: metric(out)}`` as float32 scalars."""
+        """``{"loss": ..., name: metric(out)}`` as float32 scalars (float64 under ``jax_enable_x64``)."""
         return evaluate_metrics(self.metrics, out)
 
     def apply(
@@ -461,11 +461,12 @@ class TrainStep:
             stopped, index = jnp.where(first, count, stopped), jnp.where(first, bad, index)
         new = {**log, "halt": jnp.stack([count + 1, stopped, index])}
         if "rows" in log:
-            row = [jnp.asarray(v, jnp.float32) for v in metrics.values()]
+            dtype = log["rows"].dtype  # metric_dtype(): float64 under jax_enable_x64
+            row = [jnp.asarray(v).astype(dtype) for v in metrics.values()]
             rates = learning_rate_names(opt_state)  # one, or one per ft.optim.groups group
             if rates:
                 values = hyperparameters(opt_state)
-                row.extend(jnp.asarray(values[name], jnp.float32) for name in rates)
+                row.extend(jnp.asarray(values[name]).astype(dtype) for name in rates)
             new["rows"] = log["rows"].at[count].set(jnp.stack(row))
         return new
 

@@ -29,7 +29,7 @@ def train_step(
 
     ``step(model, opt_state, batch)`` computes ``g = ∇ loss_fn(model, batch)``, applies
     one optimizer update and returns ``(model, opt_state, metrics)`` with
-    ``metrics = {"loss": loss, name: metric(out), ...}`` (float32 scalars, on device).
+    ``metrics = {"loss": loss, name: metric(out), ...}`` (float32 scalars, float64 under ``jax_enable_x64``, on device).
     ``optimizer`` may be an optax transformation: the step wraps it in
     ``ft.optim.Optimizer`` (``step.optimizer``), whose state it takes:
     ``state = step.optimizer.init(model)`` (not ``tx.init(model)``).

@@ -4,11 +4,13 @@ any difference in what the step computes gets its own program (issue 27 item 8).
 
 import contextlib
 import gc
+import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import functree as ft
 from functree.train import _programs
@@ -153,3 +155,28 @@ def test_an_entry_leaves_with_its_loss_function():
     del step
     gc.collect()
     assert len(_programs._PROGRAMS) == 0  # nothing in the table kept the step or its loss alive
+
+
+def test_a_reloaded_module_s_loss_gets_its_own_program(tmp_path, monkeypatch):
+    """``importlib.reload`` (``%autoreload``) re-runs a module into the same globals: its new
+    loss equals the old one by code, and was keyed so; a new step ran the old program (loss
+    6.16 where the reloaded loss is 0, and the weights moved)."""
+    source = "import jax.numpy as jnp\nWEIGHT = {}\ndef loss(m, b):\n    return WEIGHT * jnp.mean((m(b[0]) - b[1]) ** 2)\n"
+    (tmp_path / "reloaded_losses.py").write_text(source.format(1.0))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("reloaded_losses")
+    model, batch = ft.nn.Dense(3, 1, key=jax.random.key(0)), data(1)[0]
+
+    def first_step(loss):
+        step = ft.train.train_step(loss, ft.optim.sgd(0.1), donate=False)
+        return step(model, step.optimizer.init(model), batch)
+
+    assert float(first_step(module.loss)[2]["loss"]) > 0
+    (tmp_path / "reloaded_losses.py").write_text(source.format(0.0))
+    for cached in (tmp_path / "__pycache__").glob("*"):
+        cached.unlink()  # the same second's mtime: the source is read again
+    module = importlib.reload(module)
+    with pytest.warns(ft.ZeroDerivativeWarning):  # WEIGHT = 0: the new loss is constant
+        moved, _, metrics = first_step(module.loss)
+    assert float(metrics["loss"]) == 0.0
+    np.testing.assert_array_equal(moved.weight, model.weight)

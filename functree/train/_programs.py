@@ -11,9 +11,10 @@ optimizer's configuration; a new step with an equal key takes the same programs 
 The key is built once per step (:func:`program_key`), conservatively: two values are
 equal only when they compute the same thing.
 
-* Functions of an imported module (not ``__main__``) compare by module, code, defaults
+* Functions of functree, optax, JAX, chex and NumPy compare by module, code, defaults
   and closure contents (two ``ft.optim.adam(1e-3)`` are one configuration); other
-  functions (a notebook's or script's, ``exec``'d ones) compare by identity, as do
+  functions (a notebook's, a script's, a user module's: ``importlib.reload`` makes new
+  ones equal by code that read other values) compare by identity, as do
   objects other than containers, arrays, optimizers, placements and functree's and
   optax's plain records of settings (compared by their attributes), through a weak
   reference: when one of them is collected, its entries leave the table.
@@ -84,13 +85,21 @@ def forget_programs() -> None:
     _PROGRAMS.clear()
 
 
+# The packages whose functions compare by value: their globals are code, never edited and
+# reloaded while a process runs (a user's module is: ``importlib.reload`` / ``%autoreload``
+# re-runs it into the same globals, so its new functions equal the old ones by code while
+# the values they read changed: a step would have run the old program).
+_LIBRARIES = frozenset({"functree", "optax", "jax", "jaxlib", "chex", "numpy"})
+
+
 def _module_function(fn: types.FunctionType) -> bool:
-    """Whether ``fn``'s globals are those of an imported module other than ``__main__``
-    (a script's or notebook's globals are reassigned between runs of one function: such a
-    function is compared by identity, as ``jax.jit`` compares it)."""
+    """Whether ``fn`` is a function of a library module (:data:`_LIBRARIES`), compared by
+    value; any other function (a notebook's, a script's, a user module's) is compared by
+    identity, as ``jax.jit`` compares it."""
     name = getattr(fn, "__module__", None) or ""
     module = sys.modules.get(name)
-    return name != "__main__" and module is not None and getattr(module, "__dict__", None) is fn.__globals__
+    return (name.split(".", 1)[0] in _LIBRARIES and module is not None
+            and getattr(module, "__dict__", None) is fn.__globals__)
 
 
 class _Builder:

@@ -5,13 +5,16 @@ A label tree built by ``jax.tree.map(fn, model)`` or ``ft.mask(model, ...)`` has
 model's class, and a Module with ``__call__`` is callable, so optax takes it for a label
 *function* and calls ``labels(params)``: the model's forward pass runs on a tree of
 strings. Every ``Module.__call__`` is therefore wrapped once, at class creation: called
-with one argument of its own class while its leaves are labels (strings, bools, ints),
-it returns itself (the labels) instead of running the model.
+*by optax* (the calling frame's module is ``optax`` or one of its submodules) with one
+argument of its own class while its leaves are labels (strings, bools, ints), it returns
+itself (the labels) instead of running the model. A user's own call never takes that
+path: ``Offset(2)(Offset(3))`` of a module holding Python ints runs its ``__call__``.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -41,19 +44,29 @@ def is_label_tree(tree: Any) -> bool:
     return bool(leaves) and all(isinstance(x, _LABEL_TYPES) for x in leaves)
 
 
+def _called_by_optax() -> bool:
+    """Whether the caller of the wrapped ``__call__`` (two frames up from here) is optax's
+    code: its ``multi_transform``/``partition`` and ``masked`` call a callable label tree
+    with the parameters. Read only for a call with one argument of the module's own class."""
+    name = sys._getframe(2).f_globals.get("__name__", "")
+    return name == "optax" or name.startswith("optax.")
+
+
 def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a Module's ``__call__`` so that a label tree called as a label function (by
-    optax) returns itself; every other call runs ``call`` unchanged.
+    """Wrap a Module's ``__call__`` so that a label tree called as a label function by
+    optax returns itself; every other call (every call of the user's) runs ``call``
+    unchanged.
 
     Example:
-      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> import functree as ft, jax, jax.numpy as jnp, optax
       >>> class Scale(ft.Module):
       ...     w: jax.Array
       ...     __call__ = label_aware(lambda self, x: self.w * x)
       >>> model = Scale(jnp.ones(2))
       >>> labels = jax.tree.map(lambda p: "adam", model)
-      >>> labels(model)  # what optax does with a callable label tree
-      Scale(w='adam')
+      >>> tx = optax.multi_transform({"adam": optax.sgd(0.5)}, labels)  # optax calls labels(params)
+      >>> tx.update(model, tx.init(model))[0].w
+      Array([-0.5, -0.5], dtype=float32)
       >>> model(jnp.ones(2))
       Array([1., 1.], dtype=float32)
     """
@@ -62,7 +75,8 @@ def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and type(args[0]) is type(self) and is_label_tree(self):
+        if (len(args) == 1 and not kwargs and type(args[0]) is type(self) and _called_by_optax()
+                and is_label_tree(self)):
             return LAYOUT[0](self, args[0]) if LAYOUT else self
         try:
             return call(self, *args, **kwargs)

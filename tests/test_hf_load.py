@@ -268,6 +268,57 @@ def test_a_tied_head_that_differs_from_the_embedding(gpt2):
         ft.nn.from_hf(gpt2.config, weights)
 
 
+# ---- ft.nn.load_torch_state_dict / torch_state_dict of a port: Hugging Face's names -----------
+
+def test_load_torch_state_dict_of_a_port_reads_hf_names_as_from_hf():
+    """HF's own state dict of a tied Llama (q/k/v Linears, lm_head a copy of the embedding)
+    loads into a port as from_hf loads it, and torch_state_dict gives it back."""
+    config = llama_config(tie_word_embeddings=True)
+    torch.manual_seed(3)
+    built = transformers.LlamaForCausalLM(config).eval()  # another model's weights
+    torch.manual_seed(4)
+    hf = randomized(transformers.LlamaForCausalLM(config))
+    loaded = ft.nn.load_torch_state_dict(ft.nn.from_hf(built), hf.state_dict())
+    assert loaded.lm_head is None
+    assert_equal_at_tokens(loaded, hf)
+    same = ft.nn.from_hf(hf)
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(same)))
+    sd = ft.nn.torch_state_dict(loaded)
+    assert set(sd) == set(hf.state_dict())
+    assert all(np.array_equal(sd[k].numpy(), v.numpy()) for k, v in hf.state_dict().items())
+    built.load_state_dict(sd, strict=True)
+    assert_equal_at_tokens(loaded, built)
+
+
+def test_load_torch_state_dict_of_a_gpt2_port(gpt2):
+    template = ft.nn.from_hf(gpt2_config(), key=jax.random.key(0))
+    loaded = ft.nn.load_torch_state_dict(template, gpt2.state_dict())  # Conv1D layouts, the tied head
+    assert_equal_at_tokens(loaded, gpt2)
+    assert set(ft.nn.torch_state_dict(loaded, numpy=True)) == set(gpt2.state_dict())
+
+
+def test_a_port_given_a_differing_tied_head_or_missing_tensors():
+    config = llama_config(tie_word_embeddings=True)
+    hf = randomized(transformers.LlamaForCausalLM(config))
+    port = ft.nn.from_hf(hf)
+    weights = {**hf.state_dict(), "lm_head.weight": torch.zeros(VOCAB, D)}
+    with pytest.raises(ValueError, match=r"load_torch_state_dict: the model \(LlamaForCausalLM\) ties its output "
+                                         r"head.*'lm_head.weight' differs from 'model.embed_tokens.weight' by up to"):
+        ft.nn.load_torch_state_dict(port, weights)
+    with pytest.raises(ValueError, match=r"from_hf: .*'lm_head.weight' differs from 'model.embed_tokens.weight'"):
+        ft.nn.from_hf(config, weights)  # from_hf refuses the same weights
+    head_only = {k: v for k, v in hf.state_dict().items() if k != "model.embed_tokens.weight"}
+    loaded = ft.nn.load_torch_state_dict(port.replace(model=port.model.replace(
+        embed_tokens=port.model.embed_tokens.replace(embeddings=jnp.zeros((VOCAB, D))))), head_only)
+    assert bool(jnp.array_equal(loaded.model.embed_tokens.embeddings, port.model.embed_tokens.embeddings))
+    partial = {k: v for k, v in hf.state_dict().items() if k != "model.norm.weight"}
+    _, report = ft.nn.load_torch_state_dict(port, partial, strict=False)
+    assert report.missing == ("model.norm.weight",) and not report.unexpected
+    with pytest.raises(ValueError, match=r"missing keys: +\['model.norm.weight'\](.|\n)*The model is a Hugging Face "
+                                         r"LlamaForCausalLM port: its tensors are named as its Hugging Face model's"):
+        ft.nn.load_torch_state_dict(port, partial)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"a dict without 'model_type'"):
         ft.nn.from_hf({"vocab_size": 3}, {})

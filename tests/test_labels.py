@@ -33,9 +33,32 @@ def test_labels_from_a_training_mode_model_meet_the_optimizers_mode_free_paramet
 
 def test_label_tree_called_by_optax_takes_the_parameters_mode():
     net = ft.nn.training(_net())
-    labels = ft.mask(net, "*.weight")
-    assert labels(ft.nn.inference(net)).layers[1].training is False
-    assert labels(net) is labels
+    labels = jax.tree.map(lambda v: "zero" if v.ndim > 1 else "keep", net)  # training-mode definition
+    params = ft.parameters(ft.nn.inference(net))  # optax calls labels(params) with these
+    tx = optax.multi_transform({"zero": optax.set_to_zero(), "keep": optax.identity()}, labels)
+    updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params))
+    assert updates.layers[1].training is False  # the parameters' mode
+    np.testing.assert_array_equal(updates.layers[0].weight, np.zeros((2, 4)))  # masked: zeroed
+    np.testing.assert_array_equal(updates.layers[0].bias, np.ones(4))  # not masked: passed through
+
+
+class Offset(ft.Module):
+    """A module whose leaves are Python ints, as a label tree's are."""
+
+    k: int = ft.field(no_derivative=True)
+
+    def __call__(self, other):
+        return Offset(self.k + other.k)
+
+
+def test_a_users_call_with_its_own_class_runs_the_users_code():
+    # was: Offset(2) returned (label_aware took the call for optax's label call)
+    assert Offset(2)(Offset(3)).k == 5
+    assert Offset.__call__(Offset(2), Offset(3)).k == 5
+    assert Offset(2)(jax.jit(lambda o: o)(Offset(3))).k == 5  # an array leaf: the same
+    labels = jax.tree.map(lambda _: "sgd", Offset(1))  # called by optax, it is still the labels
+    tx = optax.multi_transform({"sgd": optax.sgd(1.0)}, labels)
+    assert tx.update(Offset(jnp.float32(2.0)), tx.init(Offset(jnp.float32(1.0))))[0].k == -2.0
 
 
 def test_labels_at_batchnorm_statistics_meet_the_parameter_views_none():

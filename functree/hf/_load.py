@@ -24,13 +24,14 @@ import numpy as np
 
 from functree._jit import unchecked_jit
 from functree._naming import matches
-from functree._state_dict import to_numpy
-from functree._tree import dotted_name
+from functree._state_dict import FlatDictReport, to_numpy
+from functree._tree import dotted_name, join_names
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
 from functree.hf._config import hf_config_of
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
 from functree.hf._files import read_config, read_weights
-from functree.interop._torch import as_tensors, load_torch_state_dict, torch_state_dict
+from functree.interop._ports import PORTS, Port
+from functree.interop._torch import as_tensors, load_by_rules, state_dict_by_rules
 from functree.nn._abstract import shapes_only
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
@@ -92,7 +93,17 @@ needs a PRNG key for it.
 
 NOT_A_PORT = """\
 ft.nn.to_hf_state_dict takes a model built by ft.nn.from_hf ({covered}); got {given}. \
-For other models: ft.nn.torch_state_dict(model, rename=..., layouts=...)."""
+For other models: ft.nn.torch_state_dict(model, rename=..., layouts=...) (a from_hf model \
+inside one is written in Hugging Face's names under its attribute, as torch's state_dict())."""
+
+TIED_HEAD_DIFFERS_LOADED = """\
+ft.nn.load_torch_state_dict: {port} ties its output head to the embedding (built from a \
+config with tie_word_embeddings=True: one tensor), but the state dict's {head!r} differs from \
+{embedding!r} by up to {difference:.3g}. Loading one of them would silently drop the other \
+(ft.nn.from_hf refuses the same weights).
+
+    right:  del state_dict[{head!r}]                  # the embedding for both
+       or:  model = ft.nn.from_hf(config, state_dict)  # with config.tie_word_embeddings = False: an untied head"""
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
@@ -113,8 +124,11 @@ def tied_head(family: type[HFModel], model: Any) -> tuple[str, str] | None:
     return family.hf_head if getattr(model, "lm_head", True) is None else None
 
 
-def _untie(family: type[HFModel], model: Any, weights: Mapping[str, Any]) -> dict[str, Any]:
-    """The weights without a tied head's copy of the embedding (checked equal to it)."""
+def _untie(family: type[HFModel], model: Any, weights: Mapping[str, Any], prefix: str | None = None
+           ) -> dict[str, Any]:
+    """The weights without a tied head's copy of the embedding (checked equal to it; else
+    :data:`TIED_HEAD_DIFFERS`, or with ``prefix``, the port's place in a model given to
+    ``load_torch_state_dict``, :data:`TIED_HEAD_DIFFERS_LOADED`)."""
     weights = dict(weights)
     tied = tied_head(family, model)
     if tied is None:
@@ -125,7 +139,12 @@ def _untie(family: type[HFModel], model: Any, weights: Mapping[str, Any]) -> dic
         if given.shape != stored.shape or not np.array_equal(given, stored):
             difference = float(np.abs(given.astype(np.float64) - stored.astype(np.float64)).max()) \
                 if given.shape == stored.shape else math.inf
-            raise ValueError(TIED_HEAD_DIFFERS.format(head=head, embedding=embedding, difference=difference))
+            if prefix is None:
+                raise ValueError(TIED_HEAD_DIFFERS.format(head=head, embedding=embedding, difference=difference))
+            port = f"{prefix!r} ({family.__name__})" if prefix else f"the model ({family.__name__})"
+            raise ValueError(TIED_HEAD_DIFFERS_LOADED.format(port=port, head=join_names(prefix, head),
+                                                             embedding=join_names(prefix, embedding),
+                                                             difference=difference))
     elif head in weights:  # only the head given (a file that stored the tie under the head's name)
         weights[embedding] = weights.pop(head)
     return weights
@@ -287,7 +306,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     template = _template(family, config, set(weights), dtype, attention)
     weights = _untie(family, template, weights)
     cls = type(template)
-    model = load_torch_state_dict(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts)
+    model = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts)
     return model.replace(hf_config=carried)
 
 
@@ -313,10 +332,33 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
     if family is None:
         raise ValueError(NOT_A_PORT.format(covered=", ".join(f.__name__ for f in FAMILIES.values()),
                                            given=type(model).__name__))
-    out = torch_state_dict(model, rename=model.hf_rename, layouts=model.hf_layouts, numpy=True)
+    out = state_dict_by_rules(model, rename=model.hf_rename, layouts=model.hf_layouts)
     tied = tied_head(family, model)
     if tied is not None and tied[1] in out:  # (a partial gradient without the embedding: neither)
         out[tied[0]] = out[tied[1]]
     if numpy:
         return out
     return as_tensors(out)
+
+
+def _load_port(model: Any, weights: dict[str, Any], prefix: str) -> tuple[Any, FlatDictReport]:
+    """``model`` (a from_hf model, at ``prefix`` in the model given to
+    ``ft.nn.load_torch_state_dict``) with Hugging Face's ``weights`` in it, read as
+    :func:`from_hf` reads them: older checkpoint names, a tied head's copy of the embedding
+    (taken when equal to it, refused when not), the family's renames and layouts."""
+    family = family_of(model)
+    assert family is not None
+    weights = _untie(family, model, family.hf_names(dict(weights)), prefix)
+    return load_by_rules(model, weights, rename=family.hf_rename, layouts=family.hf_layouts, strict=False,
+                         given_names=True)
+
+
+def _port(node: Any) -> Port | None:
+    """A from_hf model's :class:`~functree.interop._ports.Port`: its torch names are Hugging Face's."""
+    family = family_of(node)
+    if family is None:
+        return None
+    return Port(f"Hugging Face {family.hf_class}", lambda model: to_hf_state_dict(model, numpy=True), _load_port)
+
+
+PORTS.append(_port)

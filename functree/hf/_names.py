@@ -1,6 +1,9 @@
 """The torch module name of every ``Dense`` member of a model: Hugging Face's for a model of
 :func:`ft.hf.from_hf`, :func:`ft.interop.torch_state_dict`'s for a model of ``ft.nn``
-layers. What PEFT's files (:mod:`._peft`) and ``ft.nn.lora``'s patterns name layers by.
+layers, which names a from_hf model held inside it (at any depth, in dict, list and tuple
+fields too) in Hugging Face's names under its key path, as torch's ``state_dict()`` of the
+torch model holding the HF model does (``bert.encoder.layer.0.attention.self.query``).
+What PEFT's files (:mod:`._peft`) and ``ft.nn.lora``'s patterns name layers by.
 
 The names come from the converters themselves: a copy of the model whose leaves are small
 arrays holding a code per ``Dense`` member (no copy of the weights) goes through
@@ -20,7 +23,9 @@ import numpy as np
 from functree import _naming
 from functree._module import from_fields
 from functree._tree import bounded_put, cached, is_none
-from functree.hf._load import FAMILIES, to_hf_state_dict
+from functree.hf._family import family_of
+from functree.hf._load import to_hf_state_dict
+from functree.interop._ports import holds_port
 from functree.interop._torch import torch_state_dict
 from functree.nn._linear import Dense
 from functree.nn._lora import (
@@ -70,8 +75,11 @@ _TORCH_NAMES: dict[Any, TorchNames] = {}
 
 def torch_names(model: Any, torch_too: bool = True) -> TorchNames:
     """The torch names of every Dense member of ``model``: Hugging Face's
-    (``to_hf_state_dict``) for a from_hf model, ``torch_state_dict``'s for others (none
-    without ``torch_too``). Found by sending copies of the model whose leaves are small arrays
+    (``to_hf_state_dict``) for a from_hf model; ``torch_state_dict``'s for others, in which
+    a from_hf model held at any depth has Hugging Face's names under its attribute
+    (``bert.encoder.layer.0.attention.self.query``, as PEFT names the torch model holding
+    ``self.bert = BertModel(...)``); none without ``torch_too`` for a model holding no
+    from_hf model. Found by sending copies of the model whose leaves are small arrays
     through the converter: every leaf keeps its stack axes and its last axis (the sizes a
     converter splits heads and fused projections by) and has size 1 on the others. In the
     first copy a Dense weight ``[1, out]`` holds its member's code, in the second its output
@@ -84,6 +92,8 @@ def torch_names(model: Any, torch_too: bool = True) -> TorchNames:
     key, found = cached(_TORCH_NAMES, treedef)
     if found is not None and (found.is_hf or torch_too):
         return found
+    if not torch_too and not holds_port(base):  # no Hugging Face names: nothing to convert
+        return TorchNames(False, {}, frozenset(), None)
     codes, names = _markers(base, by_member=True)
     converted = _converted(jax.tree.unflatten(treedef, codes), torch_too)
     if converted is None:
@@ -144,14 +154,21 @@ def _markers(base: Any, by_member: bool) -> tuple[list[Any], dict[int, str]]:
 
 def _converted(marked: Any, torch_too: bool) -> tuple[bool, str | None, dict[str, Any]] | None:
     """``(is_hf, head module, state dict)`` of a marked copy: Hugging Face's names for a from_hf
-    model, else torch's (None without ``torch_too``)."""
-    try:
-        converted = to_hf_state_dict(marked, numpy=True)
-    except ValueError:  # not a from_hf model: torch's names of the ft.nn layers
-        return (False, None, torch_state_dict(marked, numpy=True)) if torch_too else None
-    family = next((f for f in FAMILIES.values() if type(marked) is f), None)
-    head = family.hf_head[0].rpartition(".")[0] if family is not None and family.hf_head is not None else None
-    return True, head, converted
+    model; for a model holding from_hf models (``Classifier(bert=ft.nn.from_hf(...), head=...)``)
+    ``torch_state_dict``'s, which names each under its attribute in Hugging Face's names
+    (``bert.encoder.layer.0.attention.self.query``), as torch's ``state_dict()`` of the
+    torch model holding the HF model does; else torch's names of the ft.nn layers (None
+    without ``torch_too``). Only a from_hf model at the root has a head PEFT's
+    ``"all-linear"`` leaves out (PEFT reads ``get_output_embeddings()`` of a
+    ``PreTrainedModel`` root alone)."""
+    family = family_of(marked)
+    if family is not None:
+        head = family.hf_head[0].rpartition(".")[0] if family.hf_head is not None else None
+        return True, head, to_hf_state_dict(marked, numpy=True)
+    nested = holds_port(marked)
+    if nested or torch_too:
+        return nested, None, torch_state_dict(marked, numpy=True)
+    return None
 
 
 def _prefixes(tensor_name: str) -> list[str]:
@@ -162,7 +179,9 @@ def _prefixes(tensor_name: str) -> list[str]:
 
 def hf_names(model: Any) -> ForeignNames | None:
     """Hugging Face's module name of each Dense member of a model of ``from_hf`` (and its
-    output head), for ``ft.nn.lora``'s patterns; None for other models."""
+    output head), or of a model holding from_hf models (theirs under their attributes, its
+    other Dense layers by their torch names; no head), for ``ft.nn.lora``'s patterns; None
+    for other models."""
     names = torch_names(model, torch_too=False)
     if not names.is_hf:
         return None

@@ -66,6 +66,18 @@ from functree._state_dict import (
 )
 from functree._tree import dotted_name, join_names
 from functree.interop._host import copied, copy_all, empty
+from functree.interop._ports import (
+    Found,
+    check_placement,
+    hint,
+    load_ports,
+    merged,
+    port_of,
+    prefixed,
+    renamed_report,
+    replaced,
+    unused_layouts,
+)
 from functree.interop._processes import host_array
 from functree.interop._safetensors import load_checkpoint
 from functree.nn._attention import MultiheadAttention
@@ -83,10 +95,13 @@ __all__ = ["load_torch_state_dict", "torch_state_dict"]
 TORCH_MISMATCH = """\
 ft.nn.load_torch_state_dict: the state dict does not fit the model (names as torch spells them).
 {report}
+{names}Map differing prefixes with rename={{"torch.prefix": "model.prefix"}}, or pass strict=False \
+to load what fits and get this report back: model, report = ft.nn.load_torch_state_dict(model, sd, strict=False){hint}"""
+
+TORCH_NAMES = """\
 The model's torch names are its key paths without Sequential's "layers" (a Stack's members \
 are h.0, h.1, ...), e.g. {example}.
-Map differing prefixes with rename={{"torch.prefix": "model.prefix"}}, or pass strict=False \
-to load what fits and get this report back: model, report = ft.nn.load_torch_state_dict(model, sd, strict=False){hint}"""
+"""
 
 LAYOUTS_HINT = """
 The attention {layer} (ft.nn.MultiheadAttention: torch's in_proj_weight and out_proj) is \
@@ -343,6 +358,7 @@ class _Plan:
     leaves: dict[str, _Leaf]
     ties: list[_Tie]
     attentions: list[str] = dataclasses.field(default_factory=list)  # MultiheadAttention layers' torch names
+    ports: list[Found] = dataclasses.field(default_factory=list)  # subtrees named by their own converter
 
 
 @dataclasses.dataclass
@@ -386,13 +402,15 @@ def _refuse_adapters(model: Any, what: str) -> None:
 
 
 def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping[str, Any] | None = None,
-          *, values: bool = True) -> _Plan:
+          *, values: bool = True, ports: bool = True) -> _Plan:
     """Every rule of the model, in full names; each parameter (member) is covered by exactly one.
 
     Stacks are walked member by member (torch's ``h.0``, ``h.1``, ...), a Shared's tied
     places under each of their names, Sequential's ``layers``, Remat's ``layer`` and
     Shared's ``model`` left out of torch's names. ``values=False`` plans on zero-stride
     placeholders of the leaves' shapes and dtypes (loading needs no copy of the model).
+    A port (:mod:`functree.interop._ports`: a Hugging Face model) is recorded whole, not
+    walked into (``ports=False``: walked as any model, its converter's own plan).
     """
     _refuse_adapters(model, "ft.nn.torch_state_dict" if values else "ft.nn.load_torch_state_dict")
     plan = _Plan([], {}, [])
@@ -411,6 +429,10 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
             plan.rules.append(_Rule(tuple(join_names(torch, n) for n in t), names, a, b))
 
     def walk(node: Any, ft: str, stored: str | None, index: tuple[int, ...], torch: str) -> None:
+        port = port_of(node) if ports else None
+        if port is not None:  # named by its own converter: Hugging Face's names under its torch prefix
+            check_placement(ft, index, port)
+            return plan.ports.append(Found(ft, torch, node, port))
         local = _layer_rules(node, ft, torch, options)
         if local is not None:
             return add(local, node, ft, stored, index, torch)
@@ -440,7 +462,8 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
         raise ValueError(FLATTENED_UNKNOWN.format(names=unknown, dense=names, first=names[0] if names else "fc"))
     unused = [pattern for pattern in options.layouts if pattern not in options.used]
     if unused:
-        raise ValueError(LAYOUT_UNUSED.format(patterns=unused, names=[t for t, _ in options.layered][:8]))
+        names = [t for t, _ in options.layered][:8]
+        raise unused_layouts(unused, plan.ports) or ValueError(LAYOUT_UNUSED.format(patterns=unused, names=names))
     plan.attentions = options.attentions
     return plan
 
@@ -560,6 +583,13 @@ def load_torch_state_dict(
     of ``[C, H, W]`` feature maps: their weight rows are permuted to ft's channels-last
     ``[H, W, C]`` order.
 
+    A model of :func:`ft.nn.from_hf`, at the root or held anywhere inside the model
+    (``Classifier(bert=ft.nn.from_hf(...), head=Dense)``), reads Hugging Face's names under
+    its torch name (``bert.encoder.layer.0.attention.self.query.weight``), as torch's
+    ``state_dict()`` of the torch model holding the HF model writes them, and as ``from_hf``
+    reads them: its family's layouts (``layouts=`` does not reach inside it), older checkpoint
+    names, a tied head's copy of the embedding taken when equal to it and refused when not.
+
     Example:
       >>> import functree as ft, jax, numpy as np
       >>> model = ft.nn.Sequential(ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.nn.LayerNorm(2))
@@ -572,32 +602,57 @@ def load_torch_state_dict(
       >>> report.missing
       ('0.bias', '1.weight', '1.bias')
     """
+    return load_by_rules(model, state_dict, strict=strict, rename=rename, flattened=flattened, layouts=layouts,
+                         ports=True)
+
+
+def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[str], *, strict: bool = True,
+                  rename: Rename = None, flattened: Mapping[str, Sequence[int]] | None = None,
+                  layouts: Mapping[str, Any] | None = None, ports: bool = False, given_names: bool = False) -> Any:
+    """:func:`load_torch_state_dict`; ``ports=False`` (a port's own converter: ``from_hf``)
+    reads every layer by the rules above, a port's root included. ``given_names``: the
+    report names tensors as the state dict does (a port's: Hugging Face's names), not as
+    ``rename=`` maps them onto the model."""
     if isinstance(state_dict, (str, os.PathLike)):
         state_dict = load_checkpoint(state_dict)
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
-    plan = _plan(model, shapes, layouts, values=False)
+    plan = _plan(model, shapes, layouts, values=False, ports=ports)
     to_model = _renamer(rename, to_model=True)
     given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
+    loaded, ported, taken = load_ports(model, plan.ports, given) if plan.ports else ({}, FlatDictReport(), set())
+    given = {k: v for k, v in given.items() if k not in taken}
     values, absent, mismatched = _converted(plan, given)
     _fill_ties(plan, values)
     missing = [n for rule, names in absent if not all(f in values for f in rule.ft) for n in names]
     flat, wrong_dtypes = _stored(plan, values, to_flat_dict(model))
     tree, fitted = from_flat_dict(model, flat, strict=False, cast=True)
+    tree = replaced(tree, loaded)
     if any(any(n in values for n in _under_name(plan, tie.target)) for tie in plan.ties):
-        _check_ties(plan, _plan(tree, shapes, layouts), values)
+        _check_ties(plan, _plan(tree, shapes, layouts, ports=ports), values)
     claimed = {n for rule in plan.rules for n in rule.torch}
     torch_names: dict[str, str] = {stored: r.torch[0] for r in plan.rules if len(r.ft) == len(r.torch) == 1
                                     for stored in [plan.leaves[r.ft[0]].stored] if stored is not None}
     refused = tuple((torch_names.get(str(n), str(n)), str(want), str(got)) for n, want, got in fitted.mismatched)
     hints = (TORCH_CAST_HINT.format(names=", ".join(n for n, _, _ in refused)),) if fitted.hints else ()
-    report = FlatDictReport(
+    report = merged(ported, FlatDictReport(
         tuple(missing), tuple(k for k in given if k not in claimed), (*mismatched, *wrong_dtypes, *refused), hints,
-    )
+    ))
+    if given_names:
+        report = _as_given(report, state_dict, rename)
     if strict and not report.ok:
         rules = plan.rules
         example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), rules[0].ft[0] if rules else "")
-        raise ValueError(TORCH_MISMATCH.format(report=report, example=example, hint=_layouts_hint(plan, report)))
+        names = TORCH_NAMES.format(example=example) if rules else ""
+        raise ValueError(TORCH_MISMATCH.format(report=report, names=names,
+                                               hint=_layouts_hint(plan, report) + hint(plan.ports)))
     return tree if strict else (tree, report)
+
+
+def _as_given(report: FlatDictReport, state_dict: Mapping[str, Any], rename: Rename) -> FlatDictReport:
+    """``report`` in the state dict's names: a given tensor's own, another renamed back."""
+    to_model, to_torch = _renamer(rename, to_model=True), _renamer(rename, to_model=False)
+    given = {to_model(k): k for k in state_dict}
+    return renamed_report(report, lambda name: given.get(name) or to_torch(name))
 
 
 _ROLES = (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out", "output", "dense", "proj"))
@@ -797,7 +852,10 @@ def torch_state_dict(
     value under each of its names (as torch's tied ``state_dict()``). ``rename`` is the
     same mapping as for loading (``{torch_prefix: model_prefix}``, applied backwards) or a
     function of the model's torch name; ``flattened`` and ``layouts`` as for loading. An
-    LSTM's one bias is saved as ``bias_ih`` with a zero ``bias_hh``. Tensors are torch's
+    LSTM's one bias is saved as ``bias_ih`` with a zero ``bias_hh``. A model of
+    :func:`ft.nn.from_hf` (at the root or inside) is written as its Hugging Face model's
+    ``state_dict()`` under its torch name (:func:`ft.nn.to_hf_state_dict`'s tensors: a tied
+    head under both names). Tensors are torch's
     (bfloat16 stays bfloat16); ``numpy=True`` returns NumPy arrays instead and does not
     import torch. In a multi-process job every process calls it: leaves sharded over other
     processes' devices are gathered, and each process gets the whole state dict.
@@ -809,9 +867,17 @@ def torch_state_dict(
       >>> {k: v.shape for k, v in sd.items()}
       {'0.weight': (2, 3), '0.bias': (2,), '1.weight': (2,), '1.bias': (2,), '1.running_mean': (2,), '1.running_var': (2,)}
     """
+    out = state_dict_by_rules(model, rename=rename, flattened=flattened, layouts=layouts, ports=True)
+    return out if numpy else as_tensors(out)
+
+
+def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping[str, Sequence[int]] | None = None,
+                        layouts: Mapping[str, Any] | None = None, ports: bool = False) -> dict[str, np.ndarray]:
+    """:func:`torch_state_dict` as NumPy arrays; ``ports=False`` (a port's own converter:
+    ``to_hf_state_dict``) writes every layer by the rules above, a port's root included."""
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
     to_torch = _renamer(rename, to_model=False)
-    plan = _plan(model, shapes, layouts)
+    plan = _plan(model, shapes, layouts, ports=ports)
     out: dict[str, Any] = {}
     for rule in plan.rules:
         leaves = [plan.leaves[n].value for n in rule.ft]
@@ -819,7 +885,10 @@ def torch_state_dict(
             continue  # a partial tree (a gradient with wrt=): only the tensors it holds whole
         values = rule.to_torch(*leaves)
         out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in zip(rule.torch, values))
-    return out if numpy else as_tensors(out)
+    for found in plan.ports:  # Hugging Face's names under the port's torch prefix
+        ported = prefixed(found.torch, found.port.state_dict(found.node))
+        out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in ported.items())
+    return out
 
 
 def _absent(leaf: Any) -> bool:

@@ -41,6 +41,7 @@ from typing import Any, ClassVar, Self, TypeVar
 import jax
 
 from functree import _functions
+from functree._field_checks import check_dict_keys, refuse_field_options
 from functree._labels import label_aware
 from functree._repr import module_html, module_repr
 from functree._tree import is_array_value
@@ -202,6 +203,10 @@ def field(
       no_derivative: a data leaf that is carried and traced but never differentiated
         (running statistics, a step counter, a previous weight).
       default, default_factory: as in :func:`dataclasses.field`.
+      **metadata: the field's metadata (``decay=False``: weight decay skips it). The
+        options of ``dataclasses.field`` and ``eqx.field`` that a Module's field cannot
+        have (``converter``, ``init``, ``repr``, ``hash``, ``compare``, ``kw_only``,
+        ``metadata``) are refused: they would be ignored.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -214,6 +219,7 @@ def field(
     """
     if static and no_derivative:
         raise ValueError("A field is either static=True or no_derivative=True, not both.")
+    refuse_field_options(metadata)
     kind = STATIC if static else NO_DERIVATIVE if no_derivative else PARAMETER
     return dataclasses.field(
         default=default, default_factory=default_factory, metadata={**metadata, _KIND: kind}
@@ -452,12 +458,30 @@ class Module:
         ``functools.cached_property``) are not carried over, so they are computed
         afresh from the new fields.
 
+        ``replace`` is a copy, not a construction: neither ``__init__`` nor the class's
+        ``__post_init__`` runs (JAX and functree rebuild modules this way, with parameter
+        views, gradients and label trees at the leaves), so a field derived there is not
+        recomputed and its checks do not run. Derive a value in a property instead of a
+        field, or construct anew (``dataclasses.replace(model, w=...)`` runs the
+        generated ``__init__`` and ``__post_init__``).
+
         Example:
-          >>> import functree as ft, jax.numpy as jnp
+          >>> import functree as ft, jax, jax.numpy as jnp, dataclasses
           >>> class P(ft.Module):
           ...     w: jnp.ndarray
           >>> P(jnp.zeros(2)).replace(w=jnp.ones(2)).w
           Array([1., 1.], dtype=float32)
+          >>> class Wide(ft.Module):
+          ...     w: jax.Array
+          ...     n_out: int = ft.field(static=True, default=0)
+          ...     def __post_init__(self):
+          ...         self.n_out = self.w.shape[1]            # derived: stale after replace
+          ...     @property
+          ...     def width(self):
+          ...         return self.w.shape[1]                  # derived: always current
+          >>> m = Wide(jnp.ones((3, 4))).replace(w=jnp.ones((3, 5)))
+          >>> m.n_out, m.width, dataclasses.replace(m, w=jnp.ones((3, 5))).n_out
+          (4, 5, 5)
         """
         cls = type(self)
         for name, value in changes.items():
@@ -469,6 +493,8 @@ class Module:
                 )
             if cls.__ft_kinds__[name] == STATIC:  # type: ignore[attr-defined]
                 check_static(cls, name, value)
+            else:
+                check_dict_keys(cls, name, value)
         d = self.__dict__
         values = {n: d[n] for n in cls.__ft_fields__ if n in d}  # type: ignore[attr-defined]
         values.update(changes)
@@ -882,8 +908,11 @@ def _validate(self: Module) -> None:
         check_static(cls, name, self.__dict__[name])
     for name, kind in cls.__ft_kinds__.items():
         if kind != PARAMETER:
+            if kind == NO_DERIVATIVE:
+                check_dict_keys(cls, name, self.__dict__[name])
             continue
         value = self.__dict__[name]
+        check_dict_keys(cls, name, value)
         type_name = _non_differentiable_type_name(value)
         if type_name == "int" and cls.__dataclass_fields__[name].type in ("float", float):  # type: ignore[attr-defined]
             warnings.warn(INT_FOR_FLOAT.format(cls=cls.__name__, field=name, value=value),

@@ -498,3 +498,59 @@ def test_an_int_in_a_float_annotated_field_names_the_float_to_write():
 
     with pytest.warns(ft.NonDifferentiableFieldWarning, match=r"(?s)P.bias is annotated float but holds the int 0.*bias: float = 0.0"):
         P(jnp.ones(2))
+
+
+# --- field declarations and values JAX would reject late (functree/_field_checks.py) --------------
+@pytest.mark.parametrize("option, value, fix", [
+    ("converter", jnp.asarray, "def __post_init__(self): self.w = jnp.asarray(self.w)"),
+    ("init", False, "n: int = ft.field(static=True, default=3)"),
+    ("repr", False, "secret: str = ft.field(static=True)"),
+    ("hash", False, "n: int = ft.field(static=True)"),
+    ("compare", False, "n: int = ft.field(static=True)"),
+    ("kw_only", True, "Cls(w, n=2)"),
+    ("metadata", {"decay": False}, "ft.field(decay=False)"),
+])
+def test_field_refuses_dataclass_and_equinox_options_it_would_ignore(option, value, fix):
+    # was: stored as metadata and ignored (converter not applied, init=False still an argument ...)
+    with pytest.raises(TypeError, match=rf"ft.field does not take {option}= \(an option of dataclasses.field") as e:
+        ft.field(static=option != "converter", default=3, **{option: value})
+    assert fix in str(e.value)
+
+
+def test_field_keeps_the_users_own_metadata():
+    class Scaled(ft.Module):
+        w: jax.Array = ft.field(decay=False)
+
+    assert Scaled.__dataclass_fields__["w"].metadata["decay"] is False
+
+
+class Heads(ft.Module):
+    heads: dict
+    counts: dict = ft.field(no_derivative=True, default_factory=dict)
+
+
+@pytest.mark.parametrize("field", ["heads", "counts"])
+def test_a_dict_field_with_keys_jax_cannot_sort_is_refused_at_construction(field):
+    mixed = {0: jnp.ones(2), "aux": jnp.ones(2)}
+    values = {"heads": {"a": jnp.ones(2)}, field: mixed}
+    # was: accepted; then ft.parameters, ft.gradient, optimizer.init failed inside JAX
+    # ("Comparator raised exception while sorting pytree dictionary keys"), naming no field
+    with pytest.raises(TypeError, match=rf"Heads\.{field} is a dict whose keys cannot be sorted together \(int, str\)"):
+        Heads(**values)
+    with pytest.raises(TypeError, match=rf"Heads\.{field} is a dict"):
+        Heads({"a": jnp.ones(2)}).replace(**{field: mixed})
+    ok = Heads({0: jnp.ones(2), 1: jnp.zeros(2)}, {"0": jnp.ones(1), "aux": jnp.ones(1)})  # one key type each
+    assert len(jax.tree.leaves(ok)) == 4
+
+
+def test_replace_documents_that_post_init_does_not_run():
+    class Wide(ft.Module):
+        w: jax.Array
+        n_out: int = ft.field(static=True, default=0)
+
+        def __post_init__(self):
+            self.n_out = self.w.shape[1]
+
+    m = Wide(jnp.ones((3, 4))).replace(w=jnp.ones((3, 5)))
+    assert m.n_out == 4 and dataclasses.replace(m, w=jnp.ones((3, 5))).n_out == 5  # the documented behaviour
+    assert "__post_init__" in ft.Module.replace.__doc__ and "dataclasses.replace" in ft.Module.replace.__doc__

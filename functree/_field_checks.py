@@ -1,0 +1,119 @@
+"""Checks of a Module's field declarations and field values that JAX would otherwise
+reject late, or that would be ignored silently.
+
+* ``ft.field`` takes its own keywords and the user's metadata (``decay=False``); the
+  options of ``dataclasses.field`` and ``eqx.field`` that functree does not implement
+  (``converter=``, ``init=``, ``repr=`` ...) are refused by name instead of being stored as
+  metadata nobody reads.
+* A dict field whose keys cannot be sorted together (``{0: ..., "aux": ...}``): JAX sorts a
+  dict's keys to flatten it, so every later use of the model would fail inside JAX,
+  naming no field; it is refused at construction.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+__all__ = ["FIELD_OPTION", "MIXED_DICT_KEYS", "refuse_field_options", "check_dict_keys"]
+
+FIELD_OPTION = """\
+ft.field does not take {name}= (an option of dataclasses.field / eqx.field): functree \
+would ignore it silently. {why}
+
+    wrong:  {wrong}
+    right:  {right}
+"""
+
+# keyword -> (why, wrong, right): the options of dataclasses.field and eqx.field that a
+# Module's field cannot have (every field is an __init__ argument and a tree child or
+# static value, shown in the repr; modules compare by identity).
+_OPTIONS = {
+    "converter": (
+        "Convert the value in __post_init__ (it runs after every construction, as a dataclass's).",
+        "w: jax.Array = ft.field(converter=jnp.asarray)",
+        "def __post_init__(self): self.w = jnp.asarray(self.w)",
+    ),
+    "init": (
+        "Every field is an __init__ argument (JAX rebuilds a module from all its fields); "
+        "set a derived field in __post_init__ or in your own __init__.",
+        "n: int = ft.field(static=True, init=False, default=3)",
+        "n: int = ft.field(static=True, default=3)      # and def __post_init__(self): self.n = ...",
+    ),
+    "repr": (
+        "Every field is shown in the module's repr.",
+        "secret: str = ft.field(static=True, repr=False)",
+        "secret: str = ft.field(static=True)",
+    ),
+    "hash": (
+        "Modules compare and hash by identity; a static field's value is hashed as part of the tree definition.",
+        "n: int = ft.field(static=True, hash=False)",
+        "n: int = ft.field(static=True)",
+    ),
+    "compare": (
+        "Modules compare by identity; a static field's value is compared as part of the tree definition.",
+        "n: int = ft.field(static=True, compare=False)",
+        "n: int = ft.field(static=True)",
+    ),
+    "kw_only": (
+        "Fields are taken positionally or by name; pass it by name (a field without a default after "
+        "one with a default is keyword-only already).",
+        "n: int = ft.field(static=True, kw_only=True, default=1)",
+        "n: int = ft.field(static=True, default=1)      # Cls(w, n=2)",
+    ),
+    "metadata": (
+        "ft.field's other keywords are the metadata.",
+        'w: jax.Array = ft.field(metadata={"decay": False})',
+        "w: jax.Array = ft.field(decay=False)",
+    ),
+}
+
+
+def refuse_field_options(metadata: dict[str, Any]) -> None:
+    """Raise :data:`FIELD_OPTION` for the first keyword of ``metadata`` that is an option
+    of ``dataclasses.field`` or ``eqx.field`` (not metadata).
+
+    Example:
+      >>> refuse_field_options({"decay": False})
+      >>> try:
+      ...     refuse_field_options({"repr": False})
+      ... except TypeError as e:
+      ...     print(str(e).splitlines()[0][:33])
+      ft.field does not take repr= (an
+    """
+    for name in metadata:
+        if name in _OPTIONS:
+            why, wrong, right = _OPTIONS[name]
+            raise TypeError(FIELD_OPTION.format(name=name, why=why, wrong=wrong, right=right))
+
+
+MIXED_DICT_KEYS = """\
+{cls}.{field} is a dict whose keys cannot be sorted together ({types}): JAX sorts a dict's \
+keys to flatten it, so every use of the model (jit, grad, an optimizer) would fail inside \
+JAX. Use keys of one type:
+
+    wrong:  {field}={{0: ..., "aux": ...}}
+    right:  {field}={{"0": ..., "aux": ...}}
+"""
+
+_SORTED_DICTS = (dict, collections.defaultdict)  # JAX sorts these; an OrderedDict keeps its order
+
+
+def check_dict_keys(cls: type, name: str, value: Any) -> None:
+    """Refuse a dict field value (:data:`MIXED_DICT_KEYS`) whose keys JAX cannot sort.
+
+    Example:
+      >>> check_dict_keys(dict, "heads", {"a": 1, "b": 2})
+      >>> try:
+      ...     check_dict_keys(dict, "heads", {0: 1, "aux": 2})
+      ... except TypeError as e:
+      ...     print(str(e).splitlines()[0][:60])
+      dict.heads is a dict whose keys cannot be sorted together (i
+    """
+    if type(value) not in _SORTED_DICTS or len(value) < 2:
+        return
+    try:
+        sorted(value)
+    except TypeError:
+        types = ", ".join(sorted({type(k).__name__ for k in value}))
+        raise TypeError(MIXED_DICT_KEYS.format(cls=cls.__name__, field=name, types=types)) from None

@@ -11,6 +11,8 @@ array (see :mod:`functree._stacked`).
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -26,6 +28,7 @@ from functree._traces import staged
 from functree._tree import bounded_put, cached, dotted_name, is_array_value
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
+from functree.nn._reads import library_class, reads_key
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
 from functree.nn._sequential import Sequential, cache_pair, member_cache, takes_key
 
@@ -143,7 +146,13 @@ class Stack(Layer):
     member. ``remat=True`` (or a ``jax.checkpoint_policies`` name, or a policy) recomputes
     each block in the backward pass instead of storing its activations. Called eagerly
     (outside ``jax.jit``), the scan compiles once per structure and signature of its
-    inputs, not at every call; inside ``jax.jit`` it is the jaxpr's own ``scan``.
+    inputs and per value of what the blocks' Python reads, not at every call: each eager
+    call re-reads, for every block class of the user's, its ``__call__`` (patched or not),
+    the methods and class attributes it names on ``self``, and the globals their code names
+    (a notebook's ``GAIN = 0.0`` is seen, as by a Python loop over the members); a block
+    reading what cannot be keyed cheaply (a large NumPy array) is traced at every call.
+    Inside ``jax.jit`` it is the jaxpr's own ``scan`` and jit's rule applies: what was read
+    while tracing stays until the function is traced again.
 
     With ``cache=`` (one cache per member stacked on axis 0, from :meth:`init_cache`: the
     key-value caches of decoding) each member is called ``x, c = member(x, cache=c, *args,
@@ -388,8 +397,11 @@ def _item(a: Any, i: int) -> Any:
 
 # An eager call's compiled scan, one per structure and abstract signature of its inputs
 # (tree definitions, the extra arguments' static values, every array's shape, dtype and
-# weak type): keys hold no arrays, bounded like every tree-definition cache.
-_SCANS: dict[Any, Callable[..., Any]] = {}
+# weak type) and per value of what the blocks' Python reads (``_reads.reads_key``: a
+# notebook's global, a patched ``__call__``): ``signature -> ((classes, functions), {reads:
+# run})``. Keys hold no arrays, bounded like every tree-definition cache.
+_SCANS: dict[Any, tuple[tuple[Any, Any], dict[Any, Callable[..., Any]]]] = {}
+_READS_LIMIT = 16
 
 # Values the extra arguments may hold besides arrays, compiled into the scan as the
 # constants a closure over them made.
@@ -438,13 +450,32 @@ def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ..
     if not all(map(is_array_value, dynamic)):
         return None
     signature = (dynamic_def, extra_def, tuple(static), tuple(jax.typeof(a) for a in dynamic))
-    key, run = cached(_SCANS, signature)
+    key, entry = cached(_SCANS, signature)
     if key is None:
+        return None
+    if entry is None:
+        entry = _code_roots(stack.layers), {}
+        bounded_put(_SCANS, key, entry)
+    (classes, functions), runs = entry
+    reads, run = cached(runs, reads_key(classes, functions))
+    if reads is None:  # something the blocks read cannot be keyed: traced afresh, never stale
         return None
     if run is None:
         run = _compiled_scan(extra_def, [v if v is _ARRAY else v[1] for v in static])
-        bounded_put(_SCANS, key, run)
+        if len(runs) >= _READS_LIMIT:  # a notebook's old values of its globals
+            runs.clear()
+        runs[reads] = run
     return lambda: run(stack, x, keys, cache, arrays)
+
+
+def _code_roots(layers: Any) -> tuple[tuple[type, ...], tuple[Any, ...]]:
+    """``(classes, functions)`` whose Python an eager scan of ``layers`` runs: the user
+    classes of its modules (library classes are fixed code, compared through the tree
+    definition) and the functions held as static values (an activation)."""
+    nodes = [layers, *(v for _, v in walk(layers))]
+    classes = {type(v): None for v in nodes if isinstance(v, Module) and not library_class(type(v))}
+    functions = {id(v): v for v in nodes if isinstance(v, (types.FunctionType, types.MethodType, functools.partial))}
+    return tuple(classes), tuple(functions.values())
 
 
 def _compiled_scan(extra_def: Any, static: list[Any]) -> Callable[..., Any]:

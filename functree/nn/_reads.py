@@ -1,0 +1,312 @@
+"""What a block's Python reads while it is traced: the part of an eager Stack's cache key
+that keeps its compiled scan current in a notebook.
+
+A traced program bakes in every Python value the traced code read: a global ``GAIN``, a
+class attribute, the ``__call__`` that ran. An eager :class:`ft.nn.Stack` call reuses one
+compiled scan per structure (:func:`functree.nn._stack._eager_scan`), so its key also holds
+:func:`reads_key` of the blocks' classes: after ``GAIN = 0.0`` in a later cell, or
+``Block.__call__ = patched``, the key differs and the scan is traced again, as the Python
+loop and a raw eager ``jax.lax.scan`` would see it.
+
+What is read, for each user class (one not defined by an installed package):
+
+* its ``__call__`` (by identity; through a wrapper's closure, to the user's function),
+* the functions, properties and class attributes its code names as attributes, found on
+  the class itself (``self.helper(x)``, ``self.EPS``),
+* each function's globals named by its code (``co_names`` read as globals, nested
+  lambdas and comprehensions included), its defaults and closure cells; user functions
+  named there are followed the same way, :data:`MAX_DEPTH` deep.
+
+Values are keyed as the program keeps them: ``None``, bools, ints, floats, strings and
+their tuples by type and exact value (``1``, ``1.0`` and ``True`` differ; ``-0.0`` is not
+``0.0``); lists and dicts by contents (a cell may change them in place); NumPy arrays by
+dtype, shape and bytes; modules, library functions, classes, JAX arrays (immutable) and
+other objects by identity, weakly held where they allow it. A NumPy array over
+:data:`MAX_ARRAY_BYTES`, a container over :data:`MAX_ITEMS` or code deeper than
+:data:`MAX_DEPTH` cannot be keyed cheaply: :func:`reads_key` returns None and the call
+takes the plain (uncached) scan, never a stale program.
+
+Functions and classes of installed packages (site-packages, the standard library, and
+functree, JAX, NumPy wherever they are installed) are compared by identity alone: their
+globals are code, not edited while a process runs.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from functree._tree import WeakIdentity, bounded_put
+
+__all__ = ["reads_key", "is_library", "library_class", "MAX_DEPTH", "MAX_ITEMS", "MAX_ARRAY_BYTES"]
+
+MAX_DEPTH = 8  # functions followed from a block's __call__ (a helper's helper ...)
+MAX_ITEMS = 256  # entries of a list, tuple or dict keyed by contents
+MAX_ARRAY_BYTES = 1 << 14  # a NumPy global keyed by its bytes up to this size
+
+_PACKAGES = frozenset({"functree", "jax", "jaxlib", "numpy", "optax", "chex", "ml_dtypes", "flax",
+                       "equinox", "torch", "transformers", "scipy", "einops"})
+_INSTALLED = tuple({os.path.join(sysconfig.get_path(k), "") for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+_LIBRARY: dict[str, bool] = {}  # module name -> whether its globals are library code
+_NAMES: dict[types.CodeType, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_CLASSES: dict[type, bool] = {}  # held as the tree definitions hold classes
+_MEMBERS: dict[tuple[type, types.CodeType], tuple[str, ...]] = {}
+_MISSING = object()  # a global not (yet) defined, an empty cell: defining it later changes the key
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+
+
+class Unkeyable(Exception):
+    """Raised while building a key: what the code reads cannot be keyed cheaply."""
+
+
+class _Same:
+    """Identity held strongly, for an object that takes no weak reference (a builtin function)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+def _identity(obj: Any) -> Any:
+    try:
+        return WeakIdentity(obj)
+    except TypeError:
+        return _Same(obj)
+
+
+def is_library(module: str | None) -> bool:
+    """Whether the globals of ``module`` are library code (an installed package, the standard
+    library, a builtin module), not a notebook's, a script's or the user's own module.
+
+    Example:
+      >>> is_library("jax.numpy"), is_library("os"), is_library("__main__")
+      (True, True, False)
+    """
+    if not module:
+        return False
+    known = _LIBRARY.get(module)
+    if known is None:
+        known = _LIBRARY[module] = _installed(module)
+    return known
+
+
+def library_class(cls: type) -> bool:
+    """Whether ``cls`` is a class of library code: defined in a library module and bound
+    there under its name (a class a doctest or ``exec`` defines with a library's
+    ``__name__`` is the user's)."""
+    known = _CLASSES.get(cls)
+    if known is None:
+        module = sys.modules.get(cls.__module__) if is_library(cls.__module__) else None
+        known = module is not None and getattr(module, cls.__name__, None) is cls
+        bounded_put(_CLASSES, cls, known)
+    return known
+
+
+def _library_function(fn: types.FunctionType) -> bool:
+    """Whether ``fn`` is library code: its globals are a library module's (a wrapper's
+    ``__module__`` is the function it wraps'; a doctest's globals only carry a name)."""
+    name = fn.__globals__.get("__name__")
+    module = sys.modules.get(name) if is_library(name) else None  # type: ignore[arg-type]
+    return module is not None and module.__dict__ is fn.__globals__
+
+
+def _installed(module: str) -> bool:
+    if module.split(".", 1)[0] in _PACKAGES:
+        return True
+    if module == "__main__" or module not in sys.modules:
+        return False
+    path = getattr(sys.modules[module], "__file__", None)
+    if path is None:
+        return module in sys.builtin_module_names
+    return os.path.abspath(path).startswith(_INSTALLED)
+
+
+def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(globals read, attributes read)`` by ``code`` and the code nested in it (lambdas,
+    comprehensions), read from its bytecode once per code object."""
+    names = _NAMES.get(code)
+    if names is None:
+        found: tuple[dict[str, None], dict[str, None]] = ({}, {})
+        _collect(code, found)
+        names = tuple(found[0]), tuple(found[1])
+        bounded_put(_NAMES, code, names)
+    return names
+
+
+def _collect(code: types.CodeType, found: tuple[dict[str, None], dict[str, None]]) -> None:
+    for ins in dis.get_instructions(code):
+        if ins.opname in _GLOBAL_OPS:
+            found[0][ins.argval] = None
+        elif ins.opname in _ATTR_OPS:
+            found[1][ins.argval] = None
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _collect(const, found)
+
+
+def _members(owner: type, code: types.CodeType, attributes: tuple[str, ...]) -> tuple[str, ...]:
+    """The attribute names of ``code`` found on a user class of ``owner``'s MRO (a method,
+    a property, a class constant), once per class and code: the others are fields of the
+    instance (``self.lin``) or attributes of other objects (``x.shape``, ``jnp.tanh``)."""
+    names = _MEMBERS.get((owner, code))
+    if names is None:
+        names = tuple(n for n in attributes if not n.startswith("__") and _class_attribute(owner, n)[0])
+        bounded_put(_MEMBERS, (owner, code), names)
+    return names
+
+
+def _class_attribute(owner: type, name: str) -> tuple[bool, Any]:
+    """``(found on a user class, value)`` of ``name`` looked up on ``owner``'s MRO without
+    running descriptors; an attribute of a library class is library code (not keyed)."""
+    for k in owner.__mro__:
+        if name in k.__dict__:
+            return not library_class(k), k.__dict__[name]
+    return False, None
+
+
+class _Builder:
+    """One key: the values read, each object followed once."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, Any] = {}
+
+    def value(self, v: Any, depth: int) -> Any:
+        kind = type(v)
+        if v is _MISSING:
+            return "missing"
+        if v is None or kind in (bool, int, str, bytes):
+            return kind, v
+        if kind is float:
+            return kind, v.hex()  # -0.0 and 0.0 differ; a NaN equals itself
+        if kind is complex:
+            return kind, v.real.hex(), v.imag.hex()
+        if isinstance(v, np.generic):
+            return kind, v.tobytes()
+        if kind in (tuple, list):
+            if len(v) > MAX_ITEMS:
+                raise Unkeyable
+            return kind, tuple(self.value(x, depth) for x in v)
+        if kind is dict:
+            if len(v) > MAX_ITEMS:
+                raise Unkeyable
+            return kind, tuple((self.value(k, depth), self.value(x, depth)) for k, x in v.items())
+        if isinstance(v, np.ndarray):
+            if v.nbytes > MAX_ARRAY_BYTES or v.dtype.hasobject:
+                raise Unkeyable
+            return np.ndarray, str(v.dtype), v.shape, v.tobytes()
+        if isinstance(v, types.FunctionType):
+            return self.function(v, depth, None)
+        if isinstance(v, type):
+            return self.cls(v, depth)
+        if isinstance(v, types.MethodType):
+            return "method", self.value(v.__func__, depth), _identity(v.__self__)
+        if isinstance(v, functools.partial):
+            return "partial", self.value(v.func, depth), self.value(v.args, depth), self.value(v.keywords, depth)
+        if isinstance(v, (staticmethod, classmethod)):
+            return kind, self.value(v.__func__, depth)
+        if isinstance(v, property):
+            return kind, self.value(v.fget, depth)
+        if isinstance(v, types.ModuleType):
+            return v  # code, alive for the process: compared by identity (its __eq__)
+        return _identity(v)  # a JAX array is immutable; another object: by identity
+
+    def cls(self, cls: type, depth: int) -> Any:
+        """A user class by identity and by what its ``__call__`` reads; a library class by identity."""
+        if library_class(cls):
+            return cls  # compared by identity; held as the tree definitions hold classes
+        if id(cls) in self.seen:
+            return "seen", cls
+        self.seen[id(cls)] = cls
+        user, call = _class_attribute(cls, "__call__")
+        if isinstance(call, types.FunctionType):
+            read = self.function(call, depth, cls)
+        else:
+            read = self.value(call, depth)
+        if not user:  # a library's __call__ calling this class's overrides: each of them
+            read = read, tuple(self.attribute(cls, name, depth + 1) for k in cls.__mro__
+                               if not library_class(k) for name in list(k.__dict__))
+        return cls, read
+
+    def function(self, fn: types.FunctionType, depth: int, owner: type | None) -> Any:
+        """``fn`` by identity, with its closure cells; a user function also with its
+        defaults, the globals its code reads and, for a method of ``owner``, the class
+        attributes it names."""
+        if id(fn) in self.seen:
+            return "seen", fn.__code__
+        if depth > MAX_DEPTH:
+            raise Unkeyable
+        self.seen[id(fn)] = fn
+        contents = [_cell(c) for c in fn.__closure__ or ()]
+        if _library_function(fn):
+            # library code, alive for the process; its closure: a wrapped user function
+            return fn, tuple(self.function(c, depth + 1, owner) for c in contents if isinstance(c, types.FunctionType))
+        cells = tuple(self.value(c, depth + 1) for c in contents)
+        global_names, attributes = _names(fn.__code__)
+        scope = fn.__globals__
+        reads = tuple(self.value(scope.get(name, _MISSING), depth + 1) for name in global_names)
+        members = () if owner is None else tuple(self.attribute(owner, name, depth + 1)
+                                                 for name in _members(owner, fn.__code__, attributes))
+        return (_identity(fn), fn.__code__, cells, reads, members,
+                self.value(fn.__defaults__, depth), self.value(fn.__kwdefaults__, depth))
+
+    def attribute(self, owner: type, name: str, depth: int) -> Any:
+        user, v = _class_attribute(owner, name)
+        if not user or name.startswith("__"):
+            return None
+        if isinstance(v, (staticmethod, classmethod)):
+            v = v.__func__
+        if isinstance(v, property):
+            v = v.fget
+        if isinstance(v, types.FunctionType):
+            return self.function(v, depth, owner)
+        return self.value(v, depth)
+
+
+def _cell(c: Any) -> Any:
+    try:
+        return c.cell_contents
+    except ValueError:  # an empty cell (a name assigned later in the enclosing function)
+        return _MISSING
+
+
+def reads_key(classes: Iterable[type], functions: Iterable[Any] = ()) -> Any:
+    """A hashable key of what the Python of ``classes`` (each one's ``__call__``, the methods
+    and class attributes it names, the globals their code reads) and of ``functions`` (a
+    layer's static activation) reads now, or None where something read cannot be keyed
+    cheaply (see the module's docstring): equal keys trace to the same program.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> GAIN = 1.0
+      >>> class Block(ft.Module):
+      ...     def __call__(self, x):
+      ...         return x * GAIN
+      >>> before = reads_key([Block])
+      >>> before == reads_key([Block])
+      True
+      >>> GAIN = 0.0
+      >>> before == reads_key([Block])
+      False
+    """
+    build = _Builder()
+    try:
+        return (tuple(build.cls(c, 0) for c in classes)
+                + tuple(build.value(f, 0) for f in functions))
+    except Unkeyable:
+        return None

@@ -1,5 +1,7 @@
 """training / inference / inferring: one static switch for a whole model."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,3 +127,33 @@ def test_modes_match_equinox_inference_mode(key):
                          (ft.nn.training(ft.nn.inference(m)), eqx.nn.inference_mode(m, value=False))]:
         assert [d.inference for d in ours.foreign["layer"].layers] == [d.inference for d in theirs.foreign["layer"].layers]
     np.testing.assert_array_equal(np.asarray(ft.nn.inference(m)(jnp.ones(8), key=key)), np.ones(8))
+
+
+@pytest.mark.parametrize("declared, kind", [("no_derivative", "no-derivative"), ("plain", "parameter")])
+def test_a_training_flag_that_is_not_static_is_named_with_its_declaration(declared, kind):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ft.NonDifferentiableFieldWarning)  # the plain bool's own warning
+
+        class Noisy(ft.Module):
+            w: jax.Array
+            training: bool = ft.field(no_derivative=True, default=False) if declared == "no_derivative" else False
+
+            def __call__(self, x):
+                return x @ self.w + (1.0 if self.training else 0.0)
+
+    model = ft.nn.Sequential(Noisy(jnp.ones((2, 2))), ft.nn.Dropout(0.5))
+    # was: ft.nn.training(model).layers[0].training stayed False, silently (its noise never on)
+    for switch in (ft.nn.training, ft.nn.inference):
+        with pytest.raises(TypeError, match=rf"Noisy\.training holds a bool but is a {kind} field, not a static one"):
+            switch(model)
+    with pytest.raises(TypeError, match=r"right:  training: bool = ft.field\(static=True, default=False\)"):
+        ft.nn.training(jax.jit(lambda m: m)(model))  # the flag an array after jit: the same
+
+
+def test_a_non_bool_field_named_training_is_left_alone():
+    class Data(ft.Module):
+        w: jax.Array
+        training: jax.Array = ft.field(no_derivative=True)  # not a flag: data named so
+
+    model = Data(jnp.ones(2), jnp.arange(3.0))
+    assert ft.nn.training(model).training is model.training

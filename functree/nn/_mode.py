@@ -23,6 +23,16 @@ __all__ = ["Layer", "training", "inference", "inferring", "is_training", "mode_f
 
 TRAINING_FIELD = "training"
 
+TRAINING_NOT_STATIC = """\
+{cls}.training holds a bool but is a {kind} field, not a static one: ft.nn.training and \
+ft.nn.inference switch a layer's mode flag only where it is static (the flag lives in the \
+tree definition), so this layer would stay in the mode it was built in (its dropout or \
+batch statistics never on). Declare the flag static:
+
+    wrong:  training: bool = {declared}
+    right:  training: bool = ft.field(static=True, default=False)
+"""
+
 # (treedef, flag) -> (treedef with every `training` field set to flag, the leaf positions
 # of foreign `inference` flags): computed once per tree definition (bounded); afterwards
 # switching is a flatten, a dict lookup and an unflatten.
@@ -77,10 +87,24 @@ def _switch(tree: Any, flag: bool) -> Any:
 
 def _switch_module(m: Module, flag: bool) -> Module:
     cls = type(m)
+    if TRAINING_FIELD in cls.__ft_field_set__ and TRAINING_FIELD not in cls.__ft_static__:
+        _check_flag_declaration(cls, m.__dict__.get(TRAINING_FIELD))
     changes = {n: _switch(m.__dict__[n], flag) for n in cls.__ft_fields__ if n not in cls.__ft_static__}
     if TRAINING_FIELD in cls.__ft_static__:
         changes[TRAINING_FIELD] = flag
     return m.replace(**changes)
+
+
+def _check_flag_declaration(cls: type, value: Any) -> None:
+    """Raise :data:`TRAINING_NOT_STATIC` when a non-static field named ``training`` holds a
+    bool (a Python bool, or a bool scalar array or tracer: what a bool leaf becomes under
+    jit): a mode flag the switch cannot reach. Runs while a definition's mode form is made
+    (once per tree definition), never per call."""
+    if type(value) is not bool and not (getattr(value, "dtype", None) == np.bool_ and np.shape(value) == ()):
+        return
+    kind = cls.__ft_kinds__[TRAINING_FIELD]  # type: ignore[attr-defined]
+    declared = "False" if kind == "parameter" else "ft.field(no_derivative=True, default=False)"
+    raise TypeError(TRAINING_NOT_STATIC.format(cls=cls.__name__, kind=kind.replace("_", "-"), declared=declared))
 
 
 def _with_mode(model: Any, flag: bool) -> Any:

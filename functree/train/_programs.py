@@ -11,7 +11,7 @@ optimizer's configuration; a new step with an equal key takes the same programs 
 The key is built once per step (:func:`program_key`), conservatively: two values are
 equal only when they compute the same thing.
 
-* Functions of functree, optax, JAX, chex and NumPy compare by module, code, defaults
+* Functions of functree and optax compare by module, code, defaults
   and closure contents (two ``ft.optim.adam(1e-3)`` are one configuration); other
   functions (a notebook's, a script's, a user module's: ``importlib.reload`` makes new
   ones equal by code that read other values) compare by identity, as do
@@ -85,16 +85,16 @@ def forget_programs() -> None:
     _PROGRAMS.clear()
 
 
-# The packages whose functions compare by value: their globals are code, never edited and
-# reloaded while a process runs (a user's module is: ``importlib.reload`` / ``%autoreload``
-# re-runs it into the same globals, so its new functions equal the old ones by code while
-# the values they read changed: a step would have run the old program).
-_LIBRARIES = frozenset({"functree", "optax", "jax", "jaxlib", "chex", "numpy"})
+# A function compares by value only when it is functree's or optax's (:data:`_LIBRARIES`):
+# their globals are code, never edited and reloaded while a process runs. A user's module
+# is: ``importlib.reload`` / ``%autoreload`` re-runs it into the same globals, so its new
+# functions equal the old ones by code while the values they read changed, and a step
+# would have run the old program.
 
 
 def _module_function(fn: types.FunctionType) -> bool:
-    """Whether ``fn`` is a function of a library module (:data:`_LIBRARIES`), compared by
-    value; any other function (a notebook's, a script's, a user module's) is compared by
+    """Whether ``fn`` is a function of functree's or optax's modules, compared by value; any
+    other function (a notebook's, a script's, a user module's) is compared by
     identity, as ``jax.jit`` compares it."""
     name = getattr(fn, "__module__", None) or ""
     module = sys.modules.get(name)
@@ -194,7 +194,7 @@ def _configuration(x: Any) -> list[tuple[str, Any]] | None:
     return None
 
 
-_LIBRARIES = ("functree", "optax")
+_LIBRARIES = ("functree", "optax")  # whose functions and records of settings compare by value
 
 
 def program_key(kind: str, owner: Any, state: tuple[str, ...]) -> Any:

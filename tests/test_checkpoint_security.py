@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import typing
 from pathlib import Path
 
@@ -557,3 +558,86 @@ def test_max_to_keep_none_keeps_all(tmp_path):
     for step in range(1, 6):
         manager.save(step, {"w": jnp.ones(1)})
     assert manager.all_steps() == [1, 2, 3, 4, 5]
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    """A simulated notebook kernel: ``run(cell)`` execs cells into one namespace that is
+    ``sys.modules["__main__"]``, as IPython's user module is; the registry is restored after."""
+    from functree.train.checkpoint import _registry
+
+    _registry._load_builtins()
+    saved_tables = [(t, dict(t)) for t in (_registry._types, _registry._functions, _registry._names)]
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+
+    def run(cell):
+        exec(compile(cell, "<cell>", "exec"), main.__dict__)
+        return main.__dict__
+
+    run("import jax, jax.numpy as jnp, numpy as np, typing, functree as ft\nx = jnp.ones((3, 2))\n")
+    yield run
+    for table, before in saved_tables:
+        table.clear()
+        table.update(before)
+
+
+MLP_CELL = """
+class MLP(ft.Module):
+    lin: ft.nn.Dense
+    def __call__(self, x):
+        return {body}
+"""
+
+
+def test_a_class_cell_run_again_loads_without_a_template_as_the_class_bound_now(tmp_path, notebook):
+    """main: the old class stays alive (JAX's pytree registry holds it), so a template-less
+    load raised "2 different Module classes named '__main__.MLP'" after a re-run cell; the
+    class bound at ``__main__.MLP`` now is the one meant (pickle's rule)."""
+    notebook(MLP_CELL.format(body="self.lin(x)"))
+    notebook(f"model = MLP(ft.nn.Dense(2, 1, key=jax.random.key(0)))\nft.train.save({str(tmp_path / 'm')!r}, model)")
+    for body in ("2.0 * self.lin(x)", "3.0 * self.lin(x)"):
+        ns = notebook(MLP_CELL.format(body=body))
+        restored = ft.train.load(tmp_path / "m")
+        assert type(restored) is ns["MLP"]
+        np.testing.assert_allclose(restored(ns["x"]), float(body[0]) * ns["model"].lin(ns["x"]), rtol=0, atol=1e-6)
+        notebook('ft.train.register(MLP, name="__main__.MLP")')  # the MAIN_CLASS message's line, re-run
+        assert type(ft.train.load(tmp_path / "m")) is ns["MLP"]
+    # Classes no module binds (local to a function) stay ambiguous: no rule picks one.
+    ns = notebook("def make():\n    class Local(ft.Module):\n        w: jax.Array\n    return Local\n"
+                  "first, second = make(), make()\n")
+    ft.train.save(tmp_path / "l", ns["first"](jnp.ones(2)))
+    with pytest.raises(SpecError, match=r"2 different Module classes named '__main__.make.<locals>.Local'"):
+        ft.train.load(tmp_path / "l")
+
+
+ACT_CELL = """
+def act(x):
+    return {body}
+ft.train.register(act, name="__main__.act")
+"""
+
+
+def test_register_in_a_cell_run_again_replaces_its_definition_and_refuses_another_object(tmp_path, notebook):
+    """main: re-running a cell with ``ft.train.register`` raised "already registered", and a
+    template-less load then used the OLD function (a wrong number, silently)."""
+    notebook(ACT_CELL.format(body="jnp.tanh(x)"))
+    notebook(f"model = ft.nn.Dense(2, 2, activation=act, key=jax.random.key(0))\n"
+             f"ft.train.save({str(tmp_path / 'm')!r}, model)")
+    ns = notebook(ACT_CELL.format(body="x * 100.0"))  # main: ValueError "already registered"
+    restored = ft.train.load(tmp_path / "m")
+    assert restored.activation is ns["act"]
+    model, x = ns["model"], ns["x"]
+    np.testing.assert_allclose(restored(x), (x @ model.weight + model.bias) * 100.0, rtol=0, atol=1e-4)
+    ns = notebook("def act(x):\n    return x * 0.5\n")  # re-run without its register line
+    assert ft.train.load(tmp_path / "m").activation is ns["act"]
+    ft.train.save(tmp_path / "m2", ft.nn.Dense(2, 2, activation=ns["act"], key=jax.random.key(0)))
+    assert ft.train.load(tmp_path / "m2").activation is ns["act"]
+    # Another object under a taken name is still refused, with a fix that works.
+    with pytest.raises(ValueError, match=r"(?s)'__main__.act' is already registered .* another object.*"
+                                         r"name=\"__main__.act_2\".*template=model"):
+        notebook('def other(x):\n    return x\nft.train.register(other, name="__main__.act")')
+    for _ in range(2):  # ft.train.register's docstring example, its cell run twice
+        ns = notebook("@ft.train.register\nclass Counter(typing.NamedTuple):\n    count: jax.Array\n"
+                      f"ft.train.save({str(tmp_path / 'c')!r}, Counter(jnp.array(3)), overwrite=True)\n")
+        assert type(ft.train.load(tmp_path / "c")) is ns["Counter"]

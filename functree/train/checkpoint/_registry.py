@@ -19,6 +19,7 @@ To add a type functree's optimizers put into their states, add its name to
 from __future__ import annotations
 
 import dataclasses
+import enum
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +27,8 @@ from typing import Any
 from functree._functions import builtin_functions
 from functree._module import Module
 
-__all__ = ["register", "type_name", "function_name", "lookup_type", "lookup_function"]
+__all__ = ["register", "type_name", "function_name", "lookup_type", "lookup_function", "bound",
+           "current_definitions"]
 
 # Old (format 1) names of objects that have since moved or been renamed: old -> public.
 ALIASES: dict[str, str] = {}
@@ -44,8 +46,8 @@ OPTAX_STATES = (
 )
 
 NOT_REGISTRABLE = """\
-ft.train.register takes a class (a NamedTuple, a dataclass registered with JAX, or a \
-Module subclass) or a function, got {given!r}.
+ft.train.register takes a class (a NamedTuple, a dataclass registered with JAX, a \
+Module subclass or an Enum) or a function, got {given!r}.
 
     wrong:  ft.train.register({given!r})
     right:  ft.train.register(MyState)        # or register(my_activation){own}"""
@@ -61,11 +63,14 @@ functions, so such a tree saves as it is and loads with a template built the sam
     right:  ft.train.load(path, template=tree)"""
 
 NAME_TAKEN = """\
-The checkpoint name {name!r} is already registered for {old!r}; cannot register {new!r} \
-under it.
+The checkpoint name {name!r} is already registered for {old!r}, another object than {new!r} \
+(a re-run of the cell that defined it, the same module and qualified name, replaces it; \
+this one is {new_name!r}). Checkpoints written with the registered one keep reading it; \
+register this one under a name of its own, or read such a checkpoint through a template:
 
     wrong:  ft.train.register(obj, name={name!r})
-    right:  ft.train.register(obj, name="mypackage.{short}")"""
+    right:  ft.train.register(obj, name="{module}.{short}_2")
+       or:  ft.train.load(path, template=model)     # a model built with the new object"""
 
 _types: dict[str, type] = {}
 _functions: dict[str, Any] = {}
@@ -183,10 +188,50 @@ def register(obj: Any, name: str | None = None) -> Any:
     table: dict[str, Any] = _types if is_class else _functions
     old = table.get(name)
     if old is not None and old is not obj:
-        raise ValueError(NAME_TAKEN.format(name=name, old=old, new=obj, short=name.split(".")[-1]))
+        if not _same_definition(old, obj):
+            raise ValueError(NAME_TAKEN.format(name=name, old=old, new=obj, new_name=default_name(obj),
+                                               module=name.rsplit(".", 1)[0], short=name.rsplit(".", 1)[-1]))
+        if _names.get(id(old)) == name:  # a re-run cell: the new definition takes the name
+            del _names[id(old)]  # (the old object may die, and its id be reused)
     table[name] = obj
     _names[id(obj)] = name
     return obj
+
+
+def _same_definition(old: Any, new: Any) -> bool:
+    """Whether ``new`` is a re-run of the definition of ``old``: the same kind of object, the
+    same module and qualified name (a notebook cell or a reloaded module run again)."""
+    return (type(old) is type(new) and getattr(old, "__module__", None) == getattr(new, "__module__", 0)
+            and getattr(old, "__qualname__", None) == getattr(new, "__qualname__", 0))
+
+
+def bound(module: str | None, qualname: str | None) -> Any:
+    """The object bound now at ``sys.modules[module].<qualname>`` (pickle's rule for what a
+    name means), or None: the module is not imported, the name is unbound, or it is local
+    (``f.<locals>.C``). Looks up attributes only; imports and calls nothing."""
+    obj: Any = sys.modules.get(module or "")
+    for part in (qualname or "<locals>").split("."):
+        if obj is None or part == "<locals>":
+            return None
+        obj = getattr(obj, "__dict__", {}).get(part)
+    return obj
+
+
+def _current(obj: Any) -> Any:
+    """``obj``, or its re-run definition bound in its place now (a notebook cell run again
+    defines a new class or function under the same module and qualified name)."""
+    now = bound(getattr(obj, "__module__", None), getattr(obj, "__qualname__", None))
+    return now if now is not None and now is not obj and _same_definition(obj, now) else obj
+
+
+def current_definitions(found: list[type]) -> list[type]:
+    """Of several classes that share a stored name, the one bound at its module's name now
+    (pickle's rule: the class a re-run cell defined last); all of them where none, or
+    more than one, is (a class local to a function: still ambiguous)."""
+    if len(found) < 2:
+        return found
+    now = [c for c in found if bound(c.__module__, c.__qualname__) is c]
+    return now if len(now) == 1 else found
 
 
 def _is_buildable(cls: type) -> bool:
@@ -194,6 +239,7 @@ def _is_buildable(cls: type) -> bool:
         issubclass(cls, Module)
         or (issubclass(cls, tuple) and hasattr(cls, "_fields"))
         or dataclasses.is_dataclass(cls)
+        or issubclass(cls, enum.Enum)  # a static field's member, stored by its name (_treespec)
     )
 
 
@@ -204,9 +250,16 @@ def type_name(cls: type) -> str:
 
 
 def function_name(fn: Any) -> str | None:
-    """The registered name of a static function or scalar type, or None."""
+    """The registered name of a static function or scalar type, or None. A re-run
+    definition of a registered function (same module and qualified name, bound there in
+    its place now) has its name."""
     _load_builtins()
-    return _names.get(id(fn))
+    name = _names.get(id(fn))
+    if name is None and callable(fn):
+        old = _functions.get(default_name(fn))
+        if old is not None and _current(old) is fn:
+            return default_name(fn)
+    return name
 
 
 def _module_subclasses() -> Iterator[type]:
@@ -224,14 +277,16 @@ def lookup_type(name: str) -> list[type]:
     """The classes a stored type name may mean (registered first), without importing."""
     _load_builtins()
     if name in _types:
-        return [_types[name]]
-    return [c for c in _module_subclasses() if type_name(c) == name]
+        return [_current(_types[name])]
+    return current_definitions([c for c in _module_subclasses() if type_name(c) == name])
 
 
 def lookup_function(name: str) -> Any:
-    """The registered function or scalar type stored as ``name``, or None."""
+    """The registered function or scalar type stored as ``name``, or None: where a cell
+    re-ran its definition (same module and qualified name, bound there now), the new one."""
     _load_builtins()
-    return _functions.get(name)
+    fn = _functions.get(name)
+    return None if fn is None else _current(fn)
 
 
 def public_name(old: str, kind: str) -> str:

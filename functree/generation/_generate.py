@@ -360,7 +360,7 @@ def generate(
     """
     # the options HF's generation config also sets, by keyword in the signature's order (a new
     # control's keyword is picked up here from its record's `keywords`)
-    given = {name: value for name, value in locals().items() if name in SUPPORTED}
+    given = {name: _as_number(value) for name, value in locals().items() if name in SUPPORTED}
     if not callable(getattr(model, "init_cache", None)):
         raise TypeError(NOT_A_GENERATOR.format(type=type(model).__name__))
     inner = model.model if isinstance(model, Shared) else model
@@ -400,6 +400,16 @@ def generate(
                            _PromptGiven(streamer), limit)
         tokens, scores = _running(plan(exact=True), model, prompt, new)
     return (tokens, scores) if return_scores else tokens
+
+
+def _as_number(value: Any) -> Any:
+    """A concrete 0-d floating array (``jnp.float32(0.9)``, ``np.array(0.9)``) as the Python
+    float it holds: options are read on the host (greedy or sampling, HF's checks), and the
+    compiled loop takes their values as arguments either way. Anything else as it is."""
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and not isinstance(value, Tracer) \
+            and jnp.issubdtype(value.dtype, jnp.floating):
+        return float(value)
+    return value
 
 
 # (model type, prompt length, max_new_tokens) whose bucketed loop the model refused: run exact.

@@ -58,6 +58,9 @@ class Classifier(ft.Module):
     bert: Any
     head: ft.nn.Dense
 
+    def __init__(self, bert, head):
+        self.bert, self.head = bert, head
+
     def __call__(self, input_ids):
         return self.head(self.bert(input_ids)[:, 0])
 
@@ -166,6 +169,9 @@ class Towers(ft.Module):
     decoder: Any
     by_name: dict
     pair: tuple
+
+    def __init__(self, encoder, decoder, by_name, pair):
+        self.encoder, self.decoder, self.by_name, self.pair = encoder, decoder, by_name, pair
 
 
 def test_each_from_hf_model_is_named_under_its_own_prefix(classifier, tmp_path):

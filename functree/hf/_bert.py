@@ -20,6 +20,7 @@ from functree.hf._causal import (
     padding_row,
 )
 from functree.hf._config import HFConfig
+from functree.hf._dropout import block_keys, drop, rate, top_keys
 from functree.hf._family import HFModel
 from functree.hf._options import activation, require
 from functree.nn._attention import MultiheadAttention
@@ -88,9 +89,15 @@ class BertLayer(Module):
         self.output = Dense(hidden, d, key=k3, dtype=dtype)
         self.output_norm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
 
-    def __call__(self, x: jax.Array, *, mask: Any = None) -> jax.Array:
-        x = self.attention_norm(x + self.attention(x, mask=mask))
-        return self.output_norm(x + self.output(self.intermediate(x)))
+    def __call__(self, x: jax.Array, *, mask: Any = None, key: jax.Array | None = None) -> jax.Array:
+        keys = block_keys(self.attention, key)
+        if keys is None:  # no dropout: today's computation, op for op
+            x = self.attention_norm(x + self.attention(x, mask=mask))
+            return self.output_norm(x + self.output(self.intermediate(x)))
+        # HF's BertSelfOutput / BertOutput: dense, dropout, LayerNorm(h + input)
+        rates = self.attention.rates  # type: ignore[attr-defined]  # a DropoutAttention (block_keys checked)
+        x = self.attention_norm(x + drop(self.attention(x, mask=mask, key=keys[0]), rates[1], keys[1]))
+        return self.output_norm(x + drop(self.output(self.intermediate(x)), rates[2], keys[2]))
 
 
 class BertEncoder(Module):
@@ -109,6 +116,8 @@ class BertModel(HFModel):
     state ``[batch, T, hidden]`` (positions ``0..T-1``, as HF); ``pooler`` (None without
     one) gives HF's ``pooler_output`` as ``pooler(hidden[:, 0])``. Parameters keep HF's
     names but for :data:`BERT_RENAME` (:mod:`functree.hf._causal` for the layers' own).
+    ``key=`` gives the dropout masks of a port built with ``dropout=True`` in training mode
+    (:mod:`functree.hf._dropout`); else unused.
     """
 
     embeddings: BertEmbeddings
@@ -133,7 +142,8 @@ class BertModel(HFModel):
                                                                    dtype=dtype, attention=attention), layers, key=k2))
         self.pooler = Dense(d, d, tanh, key=k3, dtype=dtype) if pooler else None
 
-    def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> jax.Array:
+    def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None, *,
+                 key: jax.Array | None = None) -> jax.Array:
         e = self.embeddings
         ids = check_ids(self, input_ids, e.word_embeddings.embeddings.shape[0])
         check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
@@ -143,7 +153,12 @@ class BertModel(HFModel):
         x = (lookup_rows(e.word_embeddings, ids, pad) + e.position_embeddings(jnp.arange(ids.shape[1]))
              + lookup_rows(e.token_type_embeddings, types))
         x = e.LayerNorm(x)
-        extra = {} if mask is None else {"mask": mask[:, None, None, :]}
+        extra: dict[str, Any] = {} if mask is None else {"mask": mask[:, None, None, :]}
+        dropping = top_keys(self.encoder.layer, key)
+        if dropping is not None:  # HF's dropout (opt-in): BertEmbeddings' after its LayerNorm
+            x = drop(x, dropping[0], dropping[1])
+            if dropping[2] is not None:
+                extra["key"] = dropping[2]
         return self.encoder.layer(x, **extra)
 
     @classmethod
@@ -156,6 +171,14 @@ class BertModel(HFModel):
                    c.num_hidden_layers, types=c.type_vocab_size, activation=activation(c, "hidden_act"),
                    epsilon=c.layer_norm_eps, pooler="pooler.dense.weight" in names, key=key, dtype=dtype,
                    attention=attention)
+
+    @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        """``hidden_dropout_prob`` after the embeddings' LayerNorm and each output's dense,
+        ``attention_probs_dropout_prob`` on the attention weights (``modeling_bert.py``)."""
+        hidden = rate(config, "hidden_dropout_prob")
+        return {"embedding": hidden, "attention": rate(config, "attention_probs_dropout_prob"),
+                "attention_output": hidden, "mlp_output": hidden}
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:

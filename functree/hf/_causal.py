@@ -34,6 +34,7 @@ import numpy as np
 
 from functree._module import Module
 from functree._repr import short_array
+from functree.hf._dropout import block_keys, decoding, drop, top_keys
 from functree.hf._family import HFModel
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding, without_padding_gradient
@@ -226,12 +227,14 @@ def _attention_mask(mask: jax.Array | None, cached: bool) -> jax.Array | None:
 
 def _run(model: Any, input_ids: Any, attention_mask: Any, positions: Any, cache: Any, *, vocab: int,
          blocks: Stack, embed: Callable[[jax.Array, jax.Array], jax.Array], head: Callable[[jax.Array], jax.Array],
-         rotary: bool, limit: tuple[int, str] | None = None) -> Any:
+         rotary: bool, limit: tuple[int, str] | None = None, key: jax.Array | None = None) -> Any:
     """A decoder language model's call under the cache protocol (module docstring): inputs
     checked, positions made, ``embed(ids, real positions)``, the blocks, ``head``.
 
     ``rotary``: the blocks' attention rotates queries and keys, by the real positions (HF's)
-    with or without a cache; otherwise (learned positions) the blocks get the slots only."""
+    with or without a cache; otherwise (learned positions) the blocks get the slots only.
+    A port built with ``dropout=True`` in training mode drops the embedding's output and
+    gives the blocks their keys (:mod:`functree.hf._dropout`)."""
     ids = check_ids(model, input_ids, vocab)
     cached = cache is not None
     if limit is not None and not cached:
@@ -244,6 +247,12 @@ def _run(model: Any, input_ids: Any, attention_mask: Any, positions: Any, cache:
         real = _real_positions(pos, mask, cached)
     x = embed(ids, jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape) if real is None else real)
     kwargs: dict[str, Any] = {"mask": _attention_mask(mask, cached)}
+    dropping = None if cached else top_keys(blocks, key)
+    if dropping is not None:  # HF's dropout (opt-in): the embedding's mask; the blocks' key, if given
+        rate, embedding, rest = dropping
+        x = drop(x, rate, embedding)
+        if rest is not None:
+            kwargs["key"] = rest
     if cached:
         kwargs["positions"] = pos
         if rotary:
@@ -257,13 +266,30 @@ def _run(model: Any, input_ids: Any, attention_mask: Any, positions: Any, cache:
 
 
 def _pre_norm(x: jax.Array, norm1: Any, attention: MultiheadAttention, norm2: Any, mlp: Any, mask: Any,
-              cache: Any, positions: Any, rotary_positions: Any = None, parallel: bool = False) -> Any:
+              cache: Any, positions: Any, rotary_positions: Any = None, parallel: bool = False,
+              key: jax.Array | None = None) -> Any:
     """One pre-norm block: ``x + attention(norm1(x))``, then ``x + mlp(norm2(x))`` (``parallel``:
-    GPT-NeoX's ``x + attention(norm1(x)) + mlp(norm2(x))``); with a cache, ``(x, cache)``."""
+    GPT-NeoX's ``x + attention(norm1(x)) + mlp(norm2(x))``); with a cache, ``(x, cache)``.
+    With HF's dropout (a port built with ``dropout=True``, in training mode) the attention
+    weights, the attention's output and the MLP's output are dropped, as HF's blocks do:
+    ``x + drop(attention(norm1(x)))``, then ``x + drop(mlp(norm2(x)))``."""
     extra = {} if rotary_positions is None else {"rotary_positions": rotary_positions}
-    out = attention(norm1(x), mask=mask, cache=cache, positions=positions, **extra)
+    keys = block_keys(attention, key) if cache is None else None  # decoding with a cache never drops
+    if keys is None:  # no dropout: today's computation, op for op
+        attention = decoding(attention) if cache is not None else attention
+        out = attention(norm1(x), mask=mask, cache=cache, positions=positions, **extra)
+        h, cache = (out, None) if cache is None else out
+        x = x + h + mlp(norm2(x)) if parallel else x + h + mlp(norm2(x + h))
+        return x if cache is None else (x, cache)
+    rates = attention.rates  # type: ignore[attr-defined]  # a DropoutAttention (block_keys checked)
+    out = attention(norm1(x), mask=mask, cache=cache, positions=positions, key=keys[0], **extra)
     h, cache = (out, None) if cache is None else out
-    x = x + h + mlp(norm2(x)) if parallel else x + h + mlp(norm2(x + h))
+    h = drop(h, rates[1], keys[1])
+    if parallel:
+        x = x + h + drop(mlp(norm2(x)), rates[2], keys[2])
+    else:
+        x = x + h
+        x = x + drop(mlp(norm2(x)), rates[2], keys[2])
     return x if cache is None else (x, cache)
 
 
@@ -291,18 +317,20 @@ class Block(Module):
         return self._parts()[1].init_cache(batch_size, max_length, dtype)
 
     def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None,
-                 rotary_positions: Any = None) -> Any:
+                 rotary_positions: Any = None, key: jax.Array | None = None) -> Any:
         return _pre_norm(x, *self._parts(), mask, cache, positions, rotary_positions,
-                         bool(getattr(self, "parallel", False)))
+                         bool(getattr(self, "parallel", False)), key)
 
 
 class CausalLM(HFModel):
     """A decoder language model's calls, written once for every family (module docstring):
     ``check_token_ids``, ``init_cache`` and ``model(input_ids, attention_mask=None, *,
-    positions=None, cache=None)``. A family names its parts (:meth:`_tokens`,
+    positions=None, cache=None, key=None)``. A family names its parts (:meth:`_tokens`,
     :meth:`_blocks`, :meth:`_final_norm`) and its difference (:meth:`_embed`: learned
     positions; ``rotates``: rotary attention; :meth:`_limit`: a position table's length).
-    The head is the class's ``lm_head`` field (None: tied to :meth:`_tokens`).
+    The head is the class's ``lm_head`` field (None: tied to :meth:`_tokens`). ``key=``
+    gives the dropout masks of a port built with ``dropout=True`` in training mode
+    (without it, the blocks' own ``dropout_key``: :mod:`functree.hf._dropout`); else unused.
 
     Example:
       >>> import functree as ft, jax, numpy as np
@@ -351,10 +379,11 @@ class CausalLM(HFModel):
         """One cache per block (``ft.nn.Stack.init_cache``)."""
         return _cache(self._blocks(), batch_size, max_length, dtype)
 
-    def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None) -> Any:
+    def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None,
+                 key: jax.Array | None = None) -> Any:
         self._check_call(input_ids, cache)
         tokens, lm_head = self._tokens(), getattr(self, "lm_head", None)
         return _run(self, input_ids, attention_mask, positions, cache, vocab=tokens.embeddings.shape[0],
                     blocks=self._blocks(), embed=self._embed,
                     head=lambda x: _head(self._final_norm(x), lm_head, tokens), rotary=self.rotates,
-                    limit=self._limit())
+                    limit=self._limit(), key=key)

@@ -111,6 +111,13 @@ class HFModel(Module):
         """Checkpoint names as this class's HF counterpart's ``state_dict`` has them (older files)."""
         return weights
 
+    @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        """Hugging Face's dropout rates of this family read from ``config``, by position
+        (``embedding``, ``attention``, ``attention_output``, ``mlp_output``:
+        :mod:`functree.hf._dropout`), for ``from_hf(..., dropout=True)``; None: not ported."""
+        return None
+
 
 def _register(cls: type[HFModel]) -> None:
     model_type = cls.model_type

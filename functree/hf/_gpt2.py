@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from functree._module import Module, field
 from functree.hf._causal import Block, CausalLM, lookup_rows
 from functree.hf._config import HFConfig
+from functree.hf._dropout import rate
 from functree.hf._options import activation, require
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
@@ -136,6 +137,14 @@ class GPT2LMHeadModel(CausalLM):
         return cls(c.vocab_size, c.n_positions, c.n_embd, c.n_head, c.n_layer, hidden=c.n_inner,
                    activation=activation(c, "activation_function"), epsilon=c.layer_norm_epsilon,
                    tied=bool(getattr(c, "tie_word_embeddings", True)), key=key, dtype=dtype, attention=attention)
+
+    @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        """``embd_pdrop`` on ``wte + wpe``, ``attn_pdrop`` on the attention weights,
+        ``resid_pdrop`` after ``attn.c_proj`` and ``mlp.c_proj`` (``modeling_gpt2.py``)."""
+        resid = rate(config, "resid_pdrop")
+        return {"embedding": rate(config, "embd_pdrop"), "attention": rate(config, "attn_pdrop"),
+                "attention_output": resid, "mlp_output": resid}
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from functree._module import Module, field
 from functree.hf._causal import Block, CausalLM, check_longrope, lookup_rows
 from functree.hf._config import HFConfig
+from functree.hf._dropout import rate
 from functree.hf._options import activation, require, rope, window
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
@@ -218,6 +219,12 @@ class LlamaForCausalLM(CausalLM):
                    **options)
 
     @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        """``attention_dropout`` on the attention weights, the only dropout of Llama, Mistral,
+        Qwen2 and Gemma (their ``modeling_*.py``)."""
+        return {"attention": rate(config, "attention_dropout")}
+
+    @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
         """Older files' rotary ``inv_freq`` buffers dropped (HF's loader ignores them)."""
         return rotary_names(weights)
@@ -274,3 +281,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
         return {"mlp": Phi3MLP, "window": window(config), "rotary": rope(config, None, cls.hf_class)}
+
+    @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        """``attention_dropout`` on the attention weights, ``resid_pdrop`` after the attention
+        and the MLP (``resid_attn_dropout``, ``resid_mlp_dropout``); HF's Phi-3 does not apply
+        its config's ``embd_pdrop`` (``modeling_phi3.py``), nor does this."""
+        resid = rate(config, "resid_pdrop")
+        return {"attention": rate(config, "attention_dropout"), "attention_output": resid, "mlp_output": resid}

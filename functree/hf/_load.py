@@ -28,6 +28,7 @@ from functree._state_dict import FlatDictReport, to_numpy
 from functree._tree import dotted_name, join_names
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
 from functree.hf._config import hf_config_of
+from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
 from functree.hf._files import read_config, read_weights
 from functree.interop._ports import PORTS, Port
@@ -222,7 +223,7 @@ def _covered() -> str:
 
 
 def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: jax.Array | None = None,
-            attention: str = "auto") -> Any:
+            attention: str = "auto", dropout: bool = False) -> Any:
     """A Hugging Face language model as a functree model, its weights loaded.
 
     ``from_hf(hf_model)`` takes an HF torch model of a covered family (:data:`FAMILIES`):
@@ -252,6 +253,9 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     GPT-2's residual projections scaled by ``1 / sqrt(2 * n_layer)``, biases zero, the
     padding id's embedding row zero, norms the identity. ``attention`` ("auto",
     "xla" or "cudnn") is the ``implementation`` of every ``ft.nn.MultiheadAttention`` built.
+    ``dropout=True`` (with ``key=``, the masks' keys) applies Hugging Face's dropout at the
+    config's rates where HF's modules do, in training mode only (``functree.hf._dropout``);
+    the default builds no dropout.
 
     The model (the classes of ``functree.hf._models``) is made of ordinary ``ft.nn``
     layers, its blocks an ``ft.nn.Stack``, HF's parameter names kept
@@ -283,6 +287,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(BAD_ATTENTION.format(given=attention))
     _check_dtype(dtype)
+    check_dropout_call(source, weights, dropout, key)
     if weights is None and hasattr(source, "config") and hasattr(source, "state_dict"):
         config, weights = source.config, source.state_dict()
         model_type = getattr(config, "model_type", None)
@@ -301,13 +306,14 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if weights is None:
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
-        return _from_config(family, config, dtype, key, attention).replace(hf_config=carried)
+        return with_dropout(_from_config(family, config, dtype, key, attention).replace(hf_config=carried), config,
+                            dropout, key)
     weights = _normalized(model_type, read_weights(weights))
     template = _template(family, config, set(weights), dtype, attention)
     weights = _untie(family, template, weights)
     cls = type(template)
     model = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts)
-    return model.replace(hf_config=carried)
+    return with_dropout(model.replace(hf_config=carried), config, dropout, key)
 
 
 def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from functree._module import Module, field
 from functree.hf._causal import Block, CausalLM
 from functree.hf._config import HFConfig
+from functree.hf._dropout import rate
 from functree.hf._llama import rotary_names
 from functree.hf._options import activation, require, rope
 from functree.nn._attention import MultiheadAttention
@@ -124,6 +125,15 @@ class GPTNeoXForCausalLM(CausalLM):
                    activation=activation(c, "hidden_act"), epsilon=c.layer_norm_eps, rotary=rope(c),
                    use_bias=bool(getattr(c, "attention_bias", True)), parallel=bool(c.use_parallel_residual),
                    tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype, attention=attention)
+
+    @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        """``hidden_dropout`` on the embedding (``emb_dropout``) and after the attention and the
+        MLP (``post_attention_dropout``, ``post_mlp_dropout``), ``attention_dropout`` on the
+        attention weights (``modeling_gpt_neox.py``)."""
+        hidden = rate(config, "hidden_dropout")
+        return {"embedding": hidden, "attention": rate(config, "attention_dropout"),
+                "attention_output": hidden, "mlp_output": hidden}
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:

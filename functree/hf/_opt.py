@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from functree._module import Module, field
 from functree.hf._causal import Block, CausalLM, lookup_rows
 from functree.hf._config import HFConfig
+from functree.hf._dropout import check_layerdrop, rate
 from functree.hf._options import activation, require
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
@@ -135,6 +136,15 @@ class OPTForCausalLM(CausalLM):
                    c.num_hidden_layers, activation=activation(c, "activation_function"),
                    use_bias=bool(getattr(c, "enable_bias", True)), tied=bool(getattr(c, "tie_word_embeddings", True)),
                    key=key, dtype=dtype, attention=attention)
+
+    @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        """``attention_dropout`` on the attention weights, ``dropout`` after ``self_attn`` and
+        ``fc2`` (``modeling_opt.py``: no embedding dropout, ``activation_dropout`` not applied);
+        ``layerdrop`` above 0 is refused."""
+        check_layerdrop(config)
+        hidden = rate(config, "dropout")
+        return {"attention": rate(config, "attention_dropout"), "attention_output": hidden, "mlp_output": hidden}
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:

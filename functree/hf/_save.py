@@ -29,6 +29,7 @@ import numpy as np
 from functree._tree import dotted_name
 from functree.hf._family import family_of
 from functree.hf._files import read_config
+from functree.hf._dropout import without_dropout
 from functree.hf._load import FAMILIES, _template, tied_head, to_hf_state_dict
 from functree.interop._processes import on_primary
 from functree.interop._safetensors import save_file
@@ -185,7 +186,7 @@ def _check_config_fits(family: Any, model: Any, names: set[str]) -> None:
     another model). One trace of the build, no initialization."""
     config = read_config(model.hf_config.to_dict())
     built = jax.tree_util.tree_flatten_with_path(_template(family, config, names, np.float32, "xla"))[0]
-    ours = jax.tree_util.tree_flatten_with_path(model)[0]
+    ours = jax.tree_util.tree_flatten_with_path(without_dropout(model))[0]  # dropout's keys: not weights
     expected = {dotted_name(path): leaf for path, leaf in built}
     for path, leaf in ours:
         name = dotted_name(path)

@@ -1,0 +1,285 @@
+"""Hugging Face's dropout in the ports of :func:`ft.nn.from_hf`, opt-in with ``dropout=True``.
+
+``ft.nn.from_hf(source, dropout=True, key=key)`` builds the port with the dropout rates its
+config names, applied where Hugging Face's modules apply them (read in transformers'
+``modeling_<family>.py``); ``dropout=False`` (the default) builds today's port, with no new
+leaf. Each rate drops at one of four positions, ``y = x * m / (1 - rate)``,
+``m ~ Bernoulli(1 - rate)``, in training mode only (``ft.nn.training(model)``; the Trainer
+trains in it), as ``ft.nn.Dropout``:
+
+=================  ==================  ==============================  ==================  ===================  =================
+position           GPT-2               BERT                            OPT                 GPT-NeoX             Phi-3
+=================  ==================  ==============================  ==================  ===================  =================
+embedding          ``embd_pdrop``      ``hidden_dropout_prob``         (none)              ``hidden_dropout``   (none)
+attention weights  ``attn_pdrop``      ``attention_probs_dropout_prob`` ``attention_dropout`` ``attention_dropout`` ``attention_dropout``
+attention output   ``resid_pdrop``     ``hidden_dropout_prob``         ``dropout``         ``hidden_dropout``   ``resid_pdrop``
+MLP output         ``resid_pdrop``     ``hidden_dropout_prob``         ``dropout``         ``hidden_dropout``   ``resid_pdrop``
+=================  ==================  ==============================  ==================  ===================  =================
+
+Llama, Mistral, Qwen2 and Gemma drop the attention weights only (``attention_dropout``).
+The embedding's dropout follows the embeddings' sum (BERT: after its LayerNorm); the
+attention weights' after the softmax, before the values; an output's after its last
+projection, before the residual sum (BERT: before the LayerNorm). Rates a config carries
+that Hugging Face's module does not apply are not applied either (Phi-3's ``embd_pdrop``,
+OPT's ``activation_dropout``); OPT's ``layerdrop`` (whole layers skipped) is refused.
+
+The masks' keys: each block's attention is a :class:`DropoutAttention` (a
+``MultiheadAttention`` with the block's rates and a ``dropout_key``, a ``no_derivative``
+field: raw key data, one per Stack member). A call with ``key=`` splits it (embedding,
+blocks; the Stack gives each member its own); a call without one draws each member's masks
+from its ``dropout_key`` and advances it as layer state (``ft.nn.record_state``: the
+Trainer, ``train_step`` and ``value_with_gradient_and_state`` write it back), so a loss
+calling ``model(ids)`` gets fresh masks every step, and the embedding's from the first
+member's key. The attention weights' dropout cannot run in the fused attention kernel
+(``jax.nn.dot_product_attention`` has none): in training mode with an attention rate above
+0, the attention is the explicit ``softmax(q k^T) v`` (``functree.nn._attention``);
+inference keeps the kernel. A call with a cache (``ft.nn.generate``'s decoding) never
+drops, whatever the mode. A torch state dict holds no dropout key: ``to_hf_state_dict``
+and ``save_hf`` write the weights alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from functree._module import field, from_fields
+from functree.hf._family import FAMILIES, HFModel
+from functree.nn._attention import MultiheadAttention
+from functree.nn._stack import Stack, member_ranks
+from functree.nn._state import record_state
+
+__all__ = ["DropoutAttention", "with_dropout", "without_dropout", "check_dropout_call", "block_keys", "top_keys",
+           "decoding", "drop", "rate"]
+
+DROPOUT_NEEDS_KEY = """\
+ft.nn.from_hf(..., dropout=True) draws dropout masks and needs a PRNG key for them (the \
+weights are not touched by it: a model with weights is the same model).
+
+    wrong:  ft.nn.from_hf(source, dropout=True)
+    right:  ft.nn.from_hf(source, dropout=True, key=jax.random.key(0))
+"""
+
+BAD_DROPOUT_FLAG = """\
+ft.nn.from_hf: dropout must be True (Hugging Face's rates, read from the config) or False \
+(no dropout: the default), got {given!r}. A rate of your own goes into the config.
+
+    wrong:  ft.nn.from_hf(source, dropout={given!r}, key=key)
+    right:  ft.nn.from_hf(source, dropout=True, key=key)
+       or:  config.attn_pdrop = 0.05; ft.nn.from_hf(config, weights, dropout=True, key=key)
+"""
+
+DIRECTORY_AND_KEY = """\
+ft.nn.from_hf({source!r}, dropout=True, key=key): with a key and no weights, a directory \
+gives a freshly initialized model (its config only), which is rarely what dropout is for. \
+Say which one you mean:
+
+    right:  ft.nn.from_hf({source!r}, {source!r}, dropout=True, key=key)   # its weights, with dropout
+       or:  ft.nn.from_hf(config_dict, dropout=True, key=key)               # a fresh model from its config
+"""
+
+BAD_RATE = """\
+ft.nn.from_hf(..., dropout=True): the {model_type} config's {name} is {value!r}; a dropout \
+rate is a number in [0, 1) (the probability of zeroing an element).
+
+    wrong:  config.{name} = {value!r}
+    right:  config.{name} = 0.1
+"""
+
+DROPOUT_NOT_PORTED = """\
+ft.nn.from_hf(..., dropout=True): {cls} does not declare Hugging Face's dropout positions \
+(its hf_dropout); families with dropout: {covered}.
+
+    right:  ft.nn.from_hf(source)        # no dropout
+"""
+
+LAYERDROP = """\
+ft.nn.from_hf(..., dropout=True): the OPT config sets layerdrop={value!r} (Hugging Face skips \
+whole layers at random in training); functree's OPT does not skip layers, so its training \
+would differ.
+
+    right:  config.layerdrop = 0.0
+"""
+
+NO_DROPOUT_KEY = """\
+{cls} (a port built with dropout=True) is in training mode without a key for its dropout \
+masks: its dropout_key is None and the call passed no key=.
+
+    wrong:  model(input_ids)                                   # dropout_key removed
+    right:  model(input_ids, key=jax.random.key(step))        # a fresh key every step
+       or:  ft.nn.from_hf(source, dropout=True, key=jax.random.key(0))   # keys of its own
+       or:  ft.nn.inference(model)                             # no dropout
+"""
+
+POSITIONS = ("embedding", "attention", "attention_output", "mlp_output")
+_STREAM = 0x44524F50  # folded into from_hf's key: the masks' keys, apart from the weights' draws
+_EMBEDDING = 1  # folded into the first member's key: the embedding's mask without a call key
+
+
+class DropoutAttention(MultiheadAttention):
+    """A port's attention with its block's Hugging Face dropout: ``dropout`` (the parent's
+    field) drops the attention weights; ``rates`` are ``(embedding, attention output, MLP
+    output)`` (the embedding's is read from the first block by the model's call);
+    ``dropout_key`` is raw key data, advanced as layer state when called without ``key=``
+    (module docstring). Built by :func:`with_dropout`, never by hand.
+    """
+
+    dropout_key: jax.Array | None = field(no_derivative=True, default=None)
+    rates: tuple[float, float, float] = field(static=True, default=(0.0, 0.0, 0.0))
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "implementation", "rates")
+
+    @property
+    def drops(self) -> bool:
+        """Whether a call in training mode drops anything in this block."""
+        return self.dropout > 0.0 or self.rates[1] > 0.0 or self.rates[2] > 0.0
+
+
+def rate(config: Any, name: str) -> float:
+    """The config's dropout rate ``name``, checked to be in [0, 1)."""
+    value = getattr(config, name, 0.0)
+    value = 0.0 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(BAD_RATE.format(model_type=getattr(config, "model_type", "?"), name=name, value=value))
+    return float(value)
+
+
+def check_layerdrop(config: Any) -> None:
+    """OPT's ``layerdrop`` above 0 is refused (:data:`LAYERDROP`)."""
+    value = getattr(config, "layerdrop", 0.0) or 0.0
+    if value != 0.0:
+        raise ValueError(LAYERDROP.format(value=value))
+
+
+def check_dropout_call(source: Any, weights: Any, dropout: Any, key: Any) -> None:
+    """``from_hf``'s ``dropout=`` checked before anything is read."""
+    if dropout is False:
+        return
+    if dropout is not True:
+        raise ValueError(BAD_DROPOUT_FLAG.format(given=dropout))
+    if key is None:
+        raise ValueError(DROPOUT_NEEDS_KEY)
+    if weights is None and isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+        raise ValueError(DIRECTORY_AND_KEY.format(source=os.fspath(source)))
+
+
+def _declared(cls: type) -> set[str]:
+    """The names ``cls`` or a base below :class:`HFModel` defines (its family's own methods)."""
+    return {n for c in cls.__mro__ if issubclass(c, HFModel) and c is not HFModel for n in vars(c)}
+
+
+def _key_data(keys: jax.Array) -> jax.Array:
+    typed = keys if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(keys)
+    return jax.random.key_data(typed)
+
+
+def with_dropout(model: Any, config: Any, dropout: bool, key: Any) -> Any:
+    """``model`` (a port) with its family's dropout rates (:data:`POSITIONS`, from
+    ``type(model).hf_dropout(config)``) when ``dropout``, else ``model`` itself."""
+    if not dropout:
+        return model
+    rates: Mapping[str, float] | None = type(model).hf_dropout(config)
+    if rates is None:
+        covered = ", ".join(c.__name__ for c in FAMILIES.values() if "hf_dropout" in _declared(c))
+        raise ValueError(DROPOUT_NOT_PORTED.format(cls=type(model).__name__, covered=covered))
+    typed = key if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+    stream = jax.random.fold_in(typed, _STREAM)
+
+    def convert(node: Any) -> Any:
+        return _stack_with_dropout(node, rates, stream) if isinstance(node, Stack) else node
+
+    return jax.tree.map(convert, model, is_leaf=lambda n: isinstance(n, Stack))
+
+
+def without_dropout(model: Any) -> Any:
+    """``model`` with each :class:`DropoutAttention` back to the plain attention ``from_hf``
+    builds without dropout (no key, no rate): the tree a port's config describes (``save_hf``'s check)."""
+
+    def plain(node: Any) -> Any:
+        if not isinstance(node, DropoutAttention):
+            return node
+        values = {n: getattr(node, n) for n in MultiheadAttention.__ft_fields__}
+        return from_fields(MultiheadAttention, {**values, "dropout": 0.0})
+
+    return jax.tree.map(plain, model, is_leaf=lambda n: isinstance(n, DropoutAttention))
+
+
+def _stack_with_dropout(stack: Stack, rates: Mapping[str, float], key: jax.Array) -> Stack:
+    block = stack.layers
+    name = next(n for n in type(block).__ft_fields__ if isinstance(getattr(block, n), MultiheadAttention))
+    attention = getattr(block, name)
+    values = {n: getattr(attention, n) for n in type(attention).__ft_fields__}
+    values.update(dropout=rates.get("attention", 0.0), dropout_key=_key_data(jax.random.split(key, stack.n)),
+                  rates=(rates.get("embedding", 0.0), rates.get("attention_output", 0.0), rates.get("mlp_output", 0.0)))
+    block = block.replace(**{name: from_fields(DropoutAttention, values)})
+    return stack.replace(layers=block, ranks=None if stack.ranks is None else member_ranks(block))
+
+
+def dropout_attention(block: Any) -> DropoutAttention | None:
+    """The block's :class:`DropoutAttention`, if it is one (a port built with ``dropout=True``)."""
+    for name in type(block).__ft_fields__:
+        value = getattr(block, name)
+        if isinstance(value, DropoutAttention):
+            return value
+    return None
+
+
+def _dropping(attention: Any) -> bool:
+    return isinstance(attention, DropoutAttention) and attention.training and attention.drops
+
+
+def block_keys(attention: Any, key: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """One block call's keys ``(attention weights, attention output, MLP output)``, or None
+    where nothing drops (inference, no rate, a port without dropout: today's computation).
+    Without ``key``, the attention's ``dropout_key`` is split: one half drawn from, the other
+    recorded as its next value."""
+    if not _dropping(attention):
+        return None
+    first, second, third = jax.random.split(_drawn(attention) if key is None else key, 3)
+    return first, second, third
+
+
+def _drawn(attention: DropoutAttention) -> jax.Array:
+    """A key from the attention's ``dropout_key``, whose next value is recorded as layer state."""
+    if attention.dropout_key is None:
+        raise ValueError(NO_DROPOUT_KEY.format(cls=type(attention).__name__))
+    drawn, following = jax.random.split(jax.random.wrap_key_data(attention.dropout_key))
+    record_state(attention, dropout_key=jax.random.key_data(following))
+    return drawn
+
+
+def top_keys(blocks: Stack, key: jax.Array | None) -> tuple[float, jax.Array | None, jax.Array | None] | None:
+    """A model call's ``(embedding rate, embedding key, the blocks' key)``, or None where
+    nothing drops. With ``key``: split in two (the Stack splits its half among the members);
+    without: the embedding's from the first member's ``dropout_key`` (folded: apart from
+    that member's own masks), the members drawing from their own keys."""
+    attention = dropout_attention(blocks.layers)
+    if attention is None or not _dropping(attention):
+        return None
+    if key is not None:
+        embedding, rest = jax.random.split(key)
+        return attention.rates[0], embedding, rest
+    if attention.dropout_key is None:
+        raise ValueError(NO_DROPOUT_KEY.format(cls=type(attention).__name__))
+    first = jax.random.wrap_key_data(attention.dropout_key[0])
+    return attention.rates[0], jax.random.fold_in(first, _EMBEDDING), None
+
+
+def decoding(attention: Any) -> Any:
+    """The attention for a call with a cache (``ft.nn.generate``'s decoding): a
+    :class:`DropoutAttention` in training mode switched to inference (decoding never drops);
+    any other attention as it is."""
+    if isinstance(attention, DropoutAttention) and attention.training:
+        return attention.replace(training=False)
+    return attention
+
+
+def drop(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """``x * m / (1 - rate)``, ``m ~ Bernoulli(1 - rate)`` (``ft.nn.Dropout``'s); ``x`` at rate 0."""
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, jnp.shape(x))
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))

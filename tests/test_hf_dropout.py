@@ -1,0 +1,416 @@
+"""``ft.nn.from_hf(..., dropout=True, key=key)``: Hugging Face's dropout, opt-in, against
+transformers' own modules (tiny configs, random weights, no download).
+
+Masks are random, so HF's training outputs are compared on the SAME masks: both sides'
+mask draws are replaced by one deterministic pattern of the tensor's size
+(``jax.random.bernoulli`` for functree, ``torch.nn.functional.dropout``, which every HF
+``nn.Dropout`` calls, for HF), so an output equals HF's only if each position, its rate and
+its ``1 / (1 - rate)`` scaling are HF's. Logits are compared at the real tokens with atol
+2.5e-5 times their magnitude (as tests/test_hf_load.py; the largest difference measured is
+1.2e-6 of it, Phi-3), gradients with 2.5e-5 times the largest gradient (measured: 2.9e-6 of
+it, Llama).
+"""
+
+import hashlib
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.hf import _dropout
+from functree.hf._family import HFModel
+from functree.nn import _stack
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from test_hf_ports import randomized  # noqa: E402
+
+VOCAB, D, T = 40, 16, 12
+DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def configs(on=True):
+    """Each family's tiny config, every dropout rate HF reads set (distinct where the fields
+    differ) when ``on``, else 0."""
+    r = (lambda x: x) if on else (lambda x: 0.0)
+    return {
+        "gpt2": transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=D, n_layer=2, n_head=4,
+                                        bos_token_id=0, eos_token_id=0, embd_pdrop=r(0.1), attn_pdrop=r(0.2),
+                                        resid_pdrop=r(0.3)),
+        "bert": transformers.BertConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=2 * D, max_position_embeddings=32,
+                                        hidden_dropout_prob=r(0.15), attention_probs_dropout_prob=r(0.25)),
+        "opt": transformers.OPTConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                                      ffn_dim=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                      pad_token_id=1, dropout=r(0.2), attention_dropout=r(0.1)),
+        "gpt_neox": transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2,
+                                               num_attention_heads=2, intermediate_size=2 * D,
+                                               max_position_embeddings=32, rotary_pct=0.5, bos_token_id=0,
+                                               eos_token_id=0, hidden_dropout=r(0.2), attention_dropout=r(0.1)),
+        "gpt_neox_sequential": transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * D,
+            max_position_embeddings=32, rotary_pct=0.5, bos_token_id=0, eos_token_id=0, use_parallel_residual=False,
+            hidden_dropout=r(0.2), attention_dropout=r(0.1)),
+        "llama": transformers.LlamaConfig(**DECODER, attention_dropout=r(0.2)),
+        "qwen2": transformers.Qwen2Config(**DECODER, attention_dropout=r(0.2)),
+        "mistral": transformers.MistralConfig(**DECODER, attention_dropout=r(0.2)),
+        "gemma": transformers.GemmaConfig(**DECODER, head_dim=8, attention_dropout=r(0.2)),
+        "phi3": transformers.Phi3Config(**DECODER, attention_dropout=r(0.1), resid_pdrop=r(0.2),
+                                        embd_pdrop=r(0.3)),  # HF's Phi-3 does not apply embd_pdrop
+    }
+
+
+FAMILIES = list(configs())
+
+
+def hf_model(config):
+    cls = transformers.AutoModel if config.model_type == "bert" else transformers.AutoModelForCausalLM
+    return randomized(cls.from_config(config, attn_implementation="eager"))
+
+
+def batch():
+    """Token ids [2, T] and a left-padded mask: the second row starts 3 pads in."""
+    ids = np.random.default_rng(0).integers(2, VOCAB, size=(2, T)).astype(np.int32)
+    mask = np.ones((2, T), np.int32)
+    mask[1, :3] = 0
+    return ids, mask
+
+
+def hf_call(hf, ids, mask):
+    kwargs = {"attention_mask": torch.from_numpy(mask).long()}
+    if hf.config.model_type != "bert":
+        kwargs["position_ids"] = torch.from_numpy(np.maximum(np.cumsum(mask, 1) - 1, 0)).long()
+    out = hf(torch.from_numpy(ids).long(), **kwargs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def assert_close_at_tokens(actual, expected, mask, scale=2.5e-5):
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(actual)[real], expected[real], rtol=0,
+                               atol=scale * float(np.abs(expected[real]).max()))
+
+
+# ---- 1. inference with dropout=True: HF's eval() ------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inference_mode_equals_hf_eval(family):
+    hf = hf_model(configs()[family])
+    model = ft.nn.from_hf(hf, dropout=True, key=jax.random.key(0))
+    assert isinstance(_dropout.dropout_attention(_blocks(model).layers), _dropout.DropoutAttention)
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = hf_call(hf, ids, mask).numpy()
+    assert_close_at_tokens(model(ids, mask), expected, mask)
+
+
+def _blocks(model):
+    return model.encoder.layer if hasattr(model, "encoder") else model._blocks()
+
+
+# ---- 2. training mode with every rate 0: today's port, bit for bit --------------------------------
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "opt", "gpt_neox", "llama", "phi3"])
+def test_training_with_zero_rates_is_todays_port(family):
+    hf = hf_model(configs(on=False)[family])
+    today = ft.nn.from_hf(hf)
+    ported = ft.nn.training(ft.nn.from_hf(hf, dropout=True, key=jax.random.key(0)))
+    ids, mask = batch()
+    np.testing.assert_array_equal(np.asarray(ported(ids, mask)), np.asarray(today(ids, mask)))
+    np.testing.assert_array_equal(np.asarray(ported(ids, mask, key=jax.random.key(3))), np.asarray(today(ids, mask)))
+
+
+# ---- 3. training mode on the same masks: HF's train() ---------------------------------------------
+
+def pattern(shape):
+    """The one mask of a tensor's size (keep 3 in 4), the same for [B*T, D] (OPT's MLP) and [B, T, D]."""
+    size = int(np.prod(shape))
+    return np.random.default_rng(size * 1009 + shape[-1]).random(size).reshape(shape) >= 0.25
+
+
+@pytest.fixture
+def same_masks(monkeypatch):
+    """Both sides' masks replaced by :func:`pattern`; each HF dropout call's rate recorded."""
+    rates = []
+
+    def bernoulli(key, p=0.5, shape=None, **kwargs):
+        return jnp.asarray(pattern(tuple(shape)))
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0:
+            return x
+        rates.append(p)
+        keep = torch.from_numpy(pattern(tuple(x.shape)))
+        return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype))
+
+    _stack._SCANS.clear()  # the eager scans compiled with the real draws
+    monkeypatch.setattr(jax.random, "bernoulli", bernoulli)
+    monkeypatch.setattr(torch.nn.functional, "dropout", dropout)
+    yield rates
+    _stack._SCANS.clear()
+
+
+# HF's dropout calls per forward of the 2-layer configs above: (rate, count)
+HF_CALLS = {"gpt2": {0.1: 1, 0.2: 2, 0.3: 4}, "bert": {0.15: 5, 0.25: 2}, "opt": {0.1: 2, 0.2: 4},
+            "gpt_neox": {0.2: 5, 0.1: 2}, "gpt_neox_sequential": {0.2: 5, 0.1: 2}, "llama": {0.2: 2},
+            "phi3": {0.1: 2, 0.2: 4}}
+
+
+@pytest.mark.parametrize("family", list(HF_CALLS))
+def test_training_equals_hf_train_on_the_same_masks(family, same_masks):
+    hf = hf_model(configs()[family])
+    model = ft.nn.training(ft.nn.from_hf(hf, dropout=True, key=jax.random.key(0)))
+    ids, mask = batch()
+    hf.train()
+    with torch.no_grad():
+        expected = hf_call(hf, ids, mask).numpy()
+    assert {p: same_masks.count(p) for p in set(same_masks)} == HF_CALLS[family]  # every HF position ran
+    actual = model(ids, mask, key=jax.random.key(1))
+    assert_close_at_tokens(actual, expected, mask)
+    with torch.no_grad():  # and the masks matter: HF's eval differs
+        assert not np.allclose(hf.eval()(torch.from_numpy(ids).long()).__getitem__(0).numpy()[0], expected[0],
+                               atol=1e-3)
+
+
+# ---- 5. gradients on the same masks: HF's backward ------------------------------------------------
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "opt", "gpt_neox", "llama", "phi3"])
+def test_gradients_equal_hf_backward_on_the_same_masks(family, same_masks):
+    hf = hf_model(configs()[family])
+    model = ft.nn.training(ft.nn.from_hf(hf, dropout=True, key=jax.random.key(0)))
+    ids, mask = batch()
+    weights = np.random.default_rng(1).normal(size=(*ids.shape, 1)).astype(np.float32) * mask[..., None]
+    hf.train()
+    (hf_call(hf, ids, mask) * torch.from_numpy(weights)).sum().backward()
+    wrt = ("embeddings", "encoder") if family == "bert" else 0  # not BERT's pooler: the loss is on the hidden state
+    grads = ft.gradient(lambda m: jnp.sum(m(ids, mask, key=jax.random.key(1)) * weights), at=model, wrt=wrt)
+    ours = ft.nn.to_hf_state_dict(grads, numpy=True)
+    theirs = {n: p.grad.numpy() for n, p in hf.named_parameters() if p.grad is not None}
+    assert set(theirs) <= set(ours)
+    # scaled to the largest gradient: some tensors' are 0 up to rounding (a key bias: softmax ignores it)
+    scale = max(float(np.abs(g).max()) for g in theirs.values())
+    for name, expected in theirs.items():
+        np.testing.assert_allclose(ours[name], expected, rtol=0, atol=2.5e-5 * scale, err_msg=name)
+
+
+# ---- 4. statistics: the rate, fresh masks every step, one mask per layer --------------------------
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every mask drawn (by shape), through the real ``jax.random.bernoulli``."""
+    masks = []
+    real = jax.random.bernoulli
+
+    def bernoulli(key, p=0.5, shape=None, **kwargs):
+        keep = real(key, p, shape, **kwargs)
+        jax.debug.callback(lambda k: masks.append(np.asarray(k)), keep, ordered=False)
+        return keep
+
+    _stack._SCANS.clear()
+    monkeypatch.setattr(jax.random, "bernoulli", bernoulli)
+    yield masks
+    _stack._SCANS.clear()
+
+
+def gpt2_config(embd=0.0, attn=0.0, resid=0.0):
+    return {"model_type": "gpt2", "vocab_size": VOCAB, "n_positions": 64, "n_embd": 32, "n_layer": 3, "n_head": 4,
+            "embd_pdrop": embd, "attn_pdrop": attn, "resid_pdrop": resid}
+
+
+def test_the_fraction_dropped_is_the_rate_and_each_layer_draws_its_own(recorded):
+    model = ft.nn.training(ft.nn.from_hf(gpt2_config(embd=0.1, attn=0.3, resid=0.2), dropout=True,
+                                         key=jax.random.key(0)))
+    ids = np.random.default_rng(0).integers(0, VOCAB, size=(4, 64)).astype(np.int32)
+    jax.block_until_ready(model(ids, key=jax.random.key(1)))
+    jax.effects_barrier()
+    by_shape = {}
+    for m in recorded:
+        by_shape.setdefault(m.shape, []).append(m)
+    weights, hidden = by_shape[(4, 4, 64, 64)], by_shape[(4, 64, 32)]
+    assert len(weights) == 3 and len(hidden) == 1 + 2 * 3  # the embedding's, two per layer
+    for masks, rate in ((weights, 0.3), (hidden[:1], 0.1)):
+        for m in masks:
+            sigma = np.sqrt(rate * (1 - rate) / m.size)
+            assert abs((1 - m.mean()) - rate) < 5 * sigma
+    dropped = 1 - np.mean([m.mean() for m in hidden[1:]])
+    assert abs(dropped - 0.2) < 5 * np.sqrt(0.2 * 0.8 / (6 * hidden[1].size))
+    assert len({m.tobytes() for m in weights}) == 3 and len({m.tobytes() for m in hidden}) == 7  # all different
+
+
+def test_train_step_draws_fresh_masks_every_step(recorded):
+    """A loss calling ``model(ids)`` without a key: each member's dropout_key advances as
+    layer state, so the next step's masks differ; the weights still train."""
+    model = ft.nn.training(ft.nn.from_hf(gpt2_config(attn=0.2, resid=0.1), dropout=True, key=jax.random.key(0)))
+    ids = np.random.default_rng(0).integers(0, VOCAB, size=(2, 8)).astype(np.int32)
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.0))  # no move: the masks alone change the loss
+
+    def loss(m, batch):
+        return jnp.mean(m(batch) ** 2)
+
+    step = ft.train.train_step(loss, opt, donate=False)
+    state = opt.init(model)
+    keys, losses = [], []
+    for _ in range(3):
+        keys.append(np.asarray(model.transformer.h.layers.attn.dropout_key))
+        model, state, metrics = step(model, state, ids)
+        losses.append(float(metrics["loss"]))
+    jax.effects_barrier()
+    assert len({k.tobytes() for k in keys}) == 3 and len(set(losses)) == 3
+    assert not np.array_equal(keys[0][0], keys[0][1])  # each member its own key
+    weights = [m for m in recorded if m.shape == (2, 4, 8, 8)]
+    assert len({m.tobytes() for m in weights}) == len(weights) >= 9  # 3 layers x 3 steps, all different
+
+
+def test_value_with_gradient_and_state_advances_the_keys():
+    model = ft.nn.training(ft.nn.from_hf(gpt2_config(resid=0.1), dropout=True, key=jax.random.key(0)))
+    ids = np.zeros((1, 4), np.int32)
+    _, _, state = ft.nn.value_with_gradient_and_state(lambda m: jnp.sum(m(ids)), model)
+    after = ft.nn.apply_state(model, state)
+    old, new = (np.asarray(m.transformer.h.layers.attn.dropout_key) for m in (model, after))
+    assert old.shape == new.shape == (3, 2) and not np.array_equal(old, new)
+
+
+def test_a_call_key_overrides_the_stored_keys():
+    model = ft.nn.training(ft.nn.from_hf(gpt2_config(embd=0.2, attn=0.2, resid=0.2), dropout=True,
+                                         key=jax.random.key(0)))
+    ids = np.zeros((2, 6), np.int32)
+    a, b, c = (np.asarray(model(ids, key=jax.random.key(k))) for k in (1, 1, 2))
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)
+    inference = np.asarray(ft.nn.inference(model)(ids, key=jax.random.key(1)))
+    np.testing.assert_array_equal(inference, np.asarray(ft.nn.from_hf(gpt2_config(), key=jax.random.key(0))(ids)))
+
+
+# ---- the attention kernel: off in training with an attention rate only --------------------------
+
+def test_the_kernel_runs_except_for_attention_dropout_in_training(monkeypatch):
+    from functree.nn import _attention
+
+    fused = []
+    real = _attention._fused_attention
+    monkeypatch.setattr(_attention, "_fused_attention", lambda *a: fused.append(1) or real(*a))
+    ids = np.zeros((1, 4), np.int32)
+    _stack._SCANS.clear()
+    for config, training, uses_kernel in ((gpt2_config(attn=0.1), False, True), (gpt2_config(attn=0.1), True, False),
+                                          (gpt2_config(resid=0.1), True, True)):
+        model = ft.nn.from_hf(config, dropout=True, key=jax.random.key(0))
+        model = ft.nn.training(model) if training else model
+        fused.clear()
+        model(ids, key=jax.random.key(1))
+        assert bool(fused) == uses_kernel
+    _stack._SCANS.clear()
+
+
+# ---- 6. the default: today's structure, leaves and files ------------------------------------------
+
+# sha256 (16 hex digits) of the tree definition (function addresses removed) and of the leaves'
+# dtypes and shapes of ft.nn.from_hf(config, key=key(0)) with hf_config=None, written by the tree
+# before dropout existed (9887404): the default port is the same tree.
+TODAY = {"gpt2": "0fa88503730a2877", "bert": "d7b5b6f7d574e185", "opt": "6b311cfd31dd0c28",
+         "gpt_neox": "62d42c43940833e8", "llama": "86ac69914b04f81e", "qwen2": "b903bcc1598a9309",
+         "mistral": "08206ed0bb801298", "gemma": "98f4b6fe8ea273bc", "phi3": "59813ce5b6c792ed"}
+SMALL = {
+    "gpt2": {"n_positions": 32, "n_embd": 16, "n_layer": 2, "n_head": 4},
+    "bert": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 32,
+             "max_position_embeddings": 32},
+    "opt": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 32,
+            "max_position_embeddings": 32},
+    "gpt_neox": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 32,
+                 "max_position_embeddings": 32},
+    **{f: {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 32} for f in ("llama", "qwen2", "mistral", "phi3")},
+    "gemma": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 32, "head_dim": 8},
+}
+
+
+def fingerprint(model):
+    model = model.replace(hf_config=None)
+    structure = re.sub(r" at 0x[0-9a-f]+", "", str(jax.tree.structure(model)))
+    leaves = [(str(leaf.dtype), tuple(leaf.shape)) for leaf in jax.tree.leaves(model)]
+    return hashlib.sha256((structure + repr(leaves)).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("family", list(TODAY))
+def test_the_default_port_is_todays_tree(family):
+    config = {"model_type": family, "vocab_size": VOCAB, **SMALL[family]}
+    assert fingerprint(ft.nn.from_hf(config, key=jax.random.key(0))) == TODAY[family]
+    assert fingerprint(ft.nn.from_hf(config, key=jax.random.key(0), dropout=False)) == TODAY[family]
+    with_dropout = ft.nn.from_hf(config, key=jax.random.key(0), dropout=True)
+    assert fingerprint(with_dropout) != TODAY[family]
+    # the same weights: dropout's keys come from their own stream of the key
+    plain = ft.nn.from_hf(config, key=jax.random.key(0))
+    assert ft.nn.to_hf_state_dict(plain, numpy=True).keys() == ft.nn.to_hf_state_dict(with_dropout, numpy=True).keys()
+    for name, value in ft.nn.to_hf_state_dict(plain, numpy=True).items():
+        np.testing.assert_array_equal(value, ft.nn.to_hf_state_dict(with_dropout, numpy=True)[name])
+
+
+def test_a_dropout_port_exports_saves_and_restores(tmp_path):
+    hf = hf_model(configs()["gpt2"])
+    model = ft.nn.from_hf(hf, dropout=True, key=jax.random.key(0))
+    sd = ft.nn.to_hf_state_dict(model)  # the weights alone: no dropout key in torch's names
+    assert set(sd) == set(hf.state_dict())
+    hf.load_state_dict(sd, strict=True)
+    ft.train.save(tmp_path / "ckpt", model)
+    restored = ft.train.load(tmp_path / "ckpt", model)
+    assert jax.tree.structure(restored) == jax.tree.structure(model)
+    np.testing.assert_array_equal(np.asarray(restored.transformer.h.layers.attn.dropout_key),
+                                  np.asarray(model.transformer.h.layers.attn.dropout_key))
+    ids = np.zeros((1, 5), np.int32)
+    expected = np.asarray(ft.nn.generate(ft.nn.from_hf(hf), ids, 3))
+    np.testing.assert_array_equal(np.asarray(ft.nn.generate(model, ids, 3)), expected)
+    # decoding never drops, in training mode too (a Trainer's model): no mask, no state recorded
+    np.testing.assert_array_equal(np.asarray(ft.nn.generate(ft.nn.training(model), ids, 3)), expected)
+    ft.nn.save_hf(model, tmp_path / "hf")  # the weights and the config alone
+    assert type(ft.nn.from_hf(tmp_path / "hf").transformer.h.layers.attn) is ft.nn.MultiheadAttention
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+def test_dropout_errors(tmp_path):
+    config = gpt2_config(attn=0.1)
+    with pytest.raises(ValueError, match=r"dropout=True\) draws dropout masks and needs a PRNG key"):
+        ft.nn.from_hf(ft.nn.from_hf(config, key=jax.random.key(0)).hf_config.to_dict(),
+                      ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True), dropout=True)
+    with pytest.raises(ValueError, match=r"dropout must be True .* got 0.1"):
+        ft.nn.from_hf(config, key=jax.random.key(0), dropout=0.1)
+    with pytest.raises(ValueError, match=r"the gpt2 config's attn_pdrop is 1.0; a dropout rate is a number in \[0, 1\)"):
+        ft.nn.from_hf(gpt2_config(attn=1.0), key=jax.random.key(0), dropout=True)
+    ft.nn.save_hf(ft.nn.from_hf(config, key=jax.random.key(0)), tmp_path / "saved")
+    with pytest.raises(ValueError, match=r"a directory gives a freshly initialized model"):
+        ft.nn.from_hf(tmp_path / "saved", dropout=True, key=jax.random.key(0))
+    loaded = ft.nn.from_hf(tmp_path / "saved", tmp_path / "saved", dropout=True, key=jax.random.key(0))
+    assert loaded.transformer.h.layers.attn.dropout == 0.1
+    opt = configs()["opt"]
+    opt.layerdrop = 0.1
+    with pytest.raises(ValueError, match=r"OPT config sets layerdrop=0.1"):
+        ft.nn.from_hf(opt, key=jax.random.key(0), dropout=True)
+
+
+def test_a_family_without_dropout_positions_is_refused():
+    class Bare(HFModel):
+        pass
+
+    with pytest.raises(ValueError, match=r"Bare does not declare Hugging Face's dropout positions .*GPT2LMHeadModel"):
+        _dropout.with_dropout(Bare(), None, True, jax.random.key(0))
+
+
+def test_training_without_a_collector_or_key_warns_as_lora_does():
+    model = ft.nn.training(ft.nn.from_hf(gpt2_config(resid=0.1), dropout=True, key=jax.random.key(0)))
+    with pytest.warns(ft.nn.UncollectedStateWarning):
+        model(np.zeros((1, 4), np.int32))
+
+
+def test_training_without_any_key_is_refused():
+    model = ft.nn.training(ft.nn.from_hf(gpt2_config(resid=0.1), dropout=True, key=jax.random.key(0)))
+    blocks = model.transformer.h
+    keyless = blocks.replace(layers=blocks.layers.replace(attn=blocks.layers.attn.replace(dropout_key=None)))
+    model = model.replace(transformer=model.transformer.replace(h=keyless))
+    with pytest.raises(ValueError, match=r"DropoutAttention \(a port built with dropout=True\) is in training mode without a key"):
+        model(np.zeros((1, 4), np.int32))
+    assert model(np.zeros((1, 4), np.int32), key=jax.random.key(0)).shape == (1, 4, VOCAB)

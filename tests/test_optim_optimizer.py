@@ -604,3 +604,74 @@ def test_multisteps_as_a_gradient_transformation_around_a_functree_optimizer_is_
 def test_a_mask_missing_a_key_shows_jaxs_own_error_beside_the_fix():
     with pytest.raises(ValueError, match=r"(?s)mask or label tree.*JAX: .*"):
         ft.optim.Optimizer(optax.masked(optax.sgd(0.1), {"a": True})).init({"a": jnp.ones(2), "b": jnp.ones(2)})
+
+
+# --- a state made for another structure (functree/optim/_checks.py: check_state_fits) -----------
+class Chain(ft.Module):
+    ws: list
+
+    def __call__(self, x):
+        for w in self.ws:
+            x = x * w
+        return x
+
+
+def _chain_loss(m, b):
+    return jnp.sum(m(b))
+
+
+@pytest.mark.parametrize("tx", [fo.adam(0.1), optax.adam(0.1), optax.sgd(0.1, momentum=0.9)], ids=["ft", "optax", "trace"])
+def test_update_with_a_state_made_for_another_structure_names_the_key_path(tx):
+    opt = fo.Optimizer(tx)
+    model = Chain([jnp.ones(2)])
+    state = opt.init(model)
+    model.ws.append(jnp.full(2, 2.0))  # the list itself is mutable: the model's structure changed
+    grads = ft.gradient(lambda m: _chain_loss(m, jnp.ones(2)), at=model)
+    # was: ValueError "pytree structure error: different lengths of list at key path tree_map tree.ws"
+    # from optax's update_moment
+    match = r"state was made for a model of another structure: its moment (mu|trace) differs from the gradients at ws"
+    with pytest.raises(ValueError, match=match) as e:
+        opt.update(grads, state, model)
+    assert "the gradients have a list of length 2, the state a list of length 1" in str(e.value)
+    assert "opt_state = optimizer.init(model)" in str(e.value)
+    new_state = opt.init(model)  # the fix
+    updates, _ = opt.update(grads, new_state, model)
+    assert len(updates.ws) == 2
+
+
+@pytest.mark.parametrize("on_nan", ["stop", "ignore"])  # the gated leafwise update and the plain one
+def test_train_step_with_a_state_made_for_another_structure_names_the_key_path(on_nan):
+    opt = fo.Optimizer(fo.adam(0.1))
+    model = Chain([jnp.ones(2)])
+    state = opt.init(model)
+    step = ft.train.train_step(_chain_loss, opt, on_nan=on_nan)
+    with pytest.raises(ValueError, match=r"another structure: its moment mu differs from the gradients at ws"):
+        step(model.replace(ws=[jnp.ones(2), jnp.ones(2)]), state, jnp.ones(2))
+
+
+def test_a_state_for_other_shapes_is_named_with_both_shapes():
+    opt = fo.Optimizer(fo.adam(0.1))
+    state = opt.init(ft.nn.Dense(3, 4, key=jax.random.key(0)))
+    small = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    grads = ft.gradient(lambda m: jnp.sum(m(X)), at=small)
+    with pytest.raises(ValueError, match=r"differs from the gradients at weight: the gradient has shape \(3, 1\), "
+                                         r"the moment \(3, 4\)"):
+        opt.update(grads, state, small)
+
+
+def test_state_checks_keep_masked_complex_and_partial_states_working():
+    model = {"w": jnp.ones(2), "z": jnp.ones(2, jnp.complex64), "b": jnp.ones(1)}
+    tx = optax.chain(optax.masked(optax.adam(0.1), {"w": True, "z": True, "b": False}),
+                     optax.multi_transform({"a": optax.adam(0.1), "s": optax.sgd(0.1)}, {"w": "a", "z": "a", "b": "s"}))
+    opt = fo.Optimizer(tx)
+    state = opt.init(model)
+    grads = jax.tree.map(jnp.ones_like, model)
+    for _ in range(2):  # eagerly, then the cached definitions
+        updates, state = opt.update(grads, state, model)
+    assert jax.tree.structure(updates) == jax.tree.structure(model)
+
+
+def test_moment_fields_are_those_of_ft_optim_moments():
+    from functree.optim import _aliases, _checks
+
+    assert _checks.MOMENT_FIELDS == _aliases.MOMENT_FIELDS

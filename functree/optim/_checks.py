@@ -7,12 +7,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from functree._parameters import first_difference
-from functree._tree import bounded_put, dotted_name, is_none
+from functree._tree import bounded_put, cached, dotted_name, is_none
 from functree.optim._complex import RealPair
 
-__all__ = ["check_gradients", "checked_gradients", "keep_unchanged", "descent_direction"]
+__all__ = ["check_gradients", "checked_gradients", "check_state_fits", "keep_unchanged", "descent_direction",
+           "STATE_MISMATCH"]
 
 GRADIENT_MISMATCH = """\
 The gradient does not fit the model's parameters at {path}: {detail}.
@@ -21,6 +23,18 @@ Gradients must have the parameter view's structure. Compute them from the same m
     wrong:  grads = jax.grad(loss)(other_params)
     right:  grads = ft.gradient(loss, at=model)          # or opt.compute_gradients(...)
             updates, state = opt.update(grads, state, model)
+"""
+
+
+STATE_MISMATCH = """\
+The optimizer state was made for a model of another structure: its moment {moment} differs \
+from the gradients at {path}: {detail}. A state fits the model it was made for; after the \
+model's structure changed (a list field appended to, a model rebuilt with other layers or \
+shapes), make a new state (its moments start again from zero):
+
+    wrong:  opt_state = optimizer.init(model);  model = model.replace(ws=[w1, w2])
+            optimizer.update(grads, opt_state, model)         # or a train step
+    right:  opt_state = optimizer.init(model)                 # again, for the model as it is now
 """
 
 
@@ -61,6 +75,98 @@ def _names(tree: Any, treedef: Any) -> list[str]:
         names = [dotted_name(p) or "<root>" for p, _ in path_leaves]
         bounded_put(_NAMES, treedef, names)
     return names
+
+
+# The fields of optax's states that hold a tree shaped like the parameters (Adam's ``mu``
+# and ``nu``, momentum's ``trace`` ...): those of ``_aliases.MOMENT_FIELDS`` (not imported:
+# ``_aliases`` imports this module through ``_hyper``; a test keeps the two equal).
+MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x")
+
+_FITS: dict[Any, bool] = {}  # (state definition, gradients' definition) -> checked: they fit
+
+
+def check_state_fits(inner: Any, grads: Any) -> None:
+    """Raise :data:`STATE_MISMATCH` where a moment tree of the transform's state ``inner``
+    (an optax state's ``mu``, ``nu``, ``trace`` ...) does not have the structure and shapes
+    of ``grads`` (the mode-free parameter view's), naming the first differing key path:
+    optax's own error, raised inside ``jax.tree.map``, names neither the state nor the fix.
+
+    Runs where the update is traced (once per compilation under ``jit``), and on an eager
+    update once per pair of tree definitions (a dict lookup afterwards). A masked
+    parameter's moment (``optax.MaskedNode``) and a complex one's (a :class:`RealPair`)
+    fit any gradient.
+
+    Example:
+      >>> import optax, jax.numpy as jnp
+      >>> inner = optax.adam(0.1).init({"ws": [jnp.ones(2)]})
+      >>> check_state_fits(inner, {"ws": [jnp.ones(2)]})
+      >>> try:
+      ...     check_state_fits(inner, {"ws": [jnp.ones(2), jnp.ones(2)]})
+      ... except ValueError as e:
+      ...     print(str(e).splitlines()[0][:80])
+      The optimizer state was made for a model of another structure: its moment mu dif
+    """
+    key, fits = cached(_FITS, (jax.tree.structure(inner), jax.tree.structure(grads)))
+    if fits:
+        return
+    for name, moment in _moments(inner):
+        found = _first_misfit(grads, moment)
+        if found is not None:
+            path, detail = found
+            raise ValueError(STATE_MISMATCH.format(moment=name, path=path, detail=detail))
+    if key is not None:
+        bounded_put(_FITS, key, True)
+
+
+def _is_moment_state(x: Any) -> bool:
+    return isinstance(x, tuple) and any(f in getattr(x, "_fields", ()) for f in MOMENT_FIELDS)
+
+
+def _moments(inner: Any) -> list[tuple[str, Any]]:
+    """The moment trees of ``inner``, each with its field name."""
+    return [(f, getattr(node, f)) for node in jax.tree.leaves(inner, is_leaf=_is_moment_state)
+            if _is_moment_state(node) for f in MOMENT_FIELDS if f in node._fields]
+
+
+def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:
+    """``x``'s node (its one-level tree definition: type, static data, arity) and its
+    children with their keys; a leaf's node is JAX's leaf, with no children."""
+    children, node = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    if node == _LEAF:
+        return node, []
+    return node, [(path[0], child) for path, child in children]
+
+
+_LEAF = jax.tree.structure(0)
+
+
+def _first_misfit(grads: Any, moment: Any) -> tuple[str, str] | None:
+    """The first key path (dotted) where ``moment`` does not fit ``grads``, with what each has."""
+    stack: list[tuple[tuple[Any, ...], Any, Any]] = [((), grads, moment)]
+    while stack:
+        path, g, m = stack.pop()
+        if isinstance(m, (optax.MaskedNode, RealPair)):
+            continue
+        g_node, g_children = _one_level(g)
+        m_node, m_children = _one_level(m)
+        if g_node != m_node:
+            return dotted_name(path) or "<root>", f"the gradients have {_describe(g)}, the state {_describe(m)}"
+        if g_node == _LEAF and np.shape(g) != np.shape(m):
+            return dotted_name(path) or "<root>", f"the gradient has shape {np.shape(g)}, the moment {np.shape(m)}"
+        stack.extend((path + (k,), gc, mc) for (k, gc), (_, mc) in reversed(list(zip(g_children, m_children))))
+    return None
+
+
+def _describe(x: Any) -> str:
+    if x is None:
+        return "None"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return f"a {type(x).__name__} of length {len(x)}"
+    if _one_level(x)[0] == _LEAF:
+        return f"a leaf of shape {np.shape(x)}"
+    return f"a {type(x).__name__} node (other fields or static values)"
 
 
 def checked_gradients(grads: Any, params: Any) -> tuple[Any, Any]:

@@ -46,7 +46,12 @@ from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
 from functree.nn._state import apply_state, collect_state
 from functree.optim._average import with_average
-from functree.optim._checks import checked_gradients, descent_direction, keep_unchanged
+from functree.optim._checks import (
+    check_state_fits,
+    checked_gradients,
+    descent_direction,
+    keep_unchanged,
+)
 from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
 from functree.optim._hyper import HyperState
@@ -379,6 +384,7 @@ class Optimizer:
         given = (jax.tree.structure(grads), None if params is None else jax.tree.structure(params))
         grads, params = mode_free(grads), mode_free(params)
         grads, partial = checked_gradients(grads, params)
+        check_state_fits(state.inner, grads)  # at trace time under jit; cached by definitions
         partial = with_frozen_members(partial, params, frozen)
         grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
         ctx = current(state.context, minibatch_size, loss)
@@ -619,7 +625,9 @@ class Optimizer:
         if partial is not None:
             return None
         # The state is kept mode-free (mode_free): so are the trees the transform sees.
-        out = leafwise_gated_update(self.transform, ok, mode_free(descent_direction(grads)), model, state,
+        free = mode_free(descent_direction(grads))
+        check_state_fits(state.inner, free)  # at trace time: this runs inside the compiled step
+        out = leafwise_gated_update(self.transform, ok, free, model, state,
                                     mode_free(params), minibatch_size=minibatch_size, loss=g.loss)
         if out is None:
             return None

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import enum
 import json
 
 import jax
@@ -355,3 +356,176 @@ def test_trainer_save_and_restore_of_an_nnx_state(tmp_path):
     nnx = pytest.importorskip("flax.nnx")
     _, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Param)
     _trainer_on(params, tmp_path)
+
+
+# ---- static values stored as data: leafless Modules, Enum members, NumPy scalars ------------
+
+class Mode(enum.Enum):
+    SUM = "sum"
+    MEAN = "mean"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+class Leaky(ft.Module):
+    """An activation with a slope (docs/migration/equinox.md): a leafless Module in a static field."""
+
+    slope: float = ft.field(static=True, default=0.1)
+
+    def __call__(self, x):
+        return jnp.where(x > 0, x, self.slope * x)
+
+
+class Configured(ft.Module):
+    w: jax.Array
+    act: Leaky = ft.field(static=True, default=Leaky(0.2))
+    mode: Mode = ft.field(static=True, default=Mode.SUM)
+    level: Level = ft.field(static=True, default=Level.HIGH)
+    eps: object = ft.field(static=True, default=np.float32(1e-3))
+    wide: object = ft.field(static=True, default=np.float64(1e-7))
+    size: object = ft.field(static=True, default=np.int64(6))
+    flag: object = ft.field(static=True, default=np.bool_(True))
+    half: object = ft.field(static=True, default=jnp.dtype("bfloat16").type(0.1))
+    phase: object = ft.field(static=True, default=np.complex64(1 - 2j))
+
+    def __call__(self, x):
+        y = self.act(x * self.w) / jnp.sqrt(jnp.mean(x ** 2) + self.eps)
+        return (jnp.sum(y) if self.mode is Mode.SUM else jnp.mean(y)) * int(self.size) * int(self.level)
+
+
+_STATIC = ("act", "mode", "level", "eps", "wide", "size", "flag", "half", "phase")
+
+
+def _tampered(path, change):
+    """The saved metadata of ``path`` changed by ``change(meta)``, its CRC-32 recomputed (a file
+    changed on purpose, not damage the checksum catches)."""
+    from functree.train.checkpoint._checkpoint import metadata_digest
+    file = path / "meta" / "metadata"
+    meta = json.loads(file.read_text())
+    change(meta)
+    meta["digest"] = metadata_digest(meta)
+    file.write_text(json.dumps(meta))
+
+
+def test_leafless_modules_enum_members_and_numpy_scalars_load_without_a_template(tmp_path):
+    """They were stored as their repr: ft.train.load(path) refused them ("register it"), and
+    register(Enum) raised while register(Leaky) did not help. Now they are data, rebuilt as
+    the same values of the same types, so the model computes what was saved."""
+    model = Configured(jnp.array([1.0, -2.0]))
+    ft.train.save(tmp_path / "c", model)
+    back = ft.train.load(tmp_path / "c")
+    for name in _STATIC:
+        saved, loaded = getattr(model, name), getattr(back, name)
+        assert type(loaded) is type(saved) and loaded == saved, name
+    assert back.act == Leaky(0.2) and back.mode is Mode.SUM and back.level is Level.HIGH
+    x = jnp.array([0.5, 3.0])
+    np.testing.assert_allclose(back(x), model(x), rtol=0, atol=0)
+    assert jax.tree.structure(back) == jax.tree.structure(model)  # the same static configuration
+    assert ft.train.register(Mode) is Mode  # was TypeError: an Enum registers (a class saved from __main__)
+
+
+def test_a_template_with_another_leafless_module_or_enum_member_is_refused(tmp_path):
+    """Stored as reprs they were never compared: a template's Leaky(0.3) replaced the saved
+    Leaky(0.2) silently. A file that stored an np.float64 as a JSON number still fits."""
+    ft.train.save(tmp_path / "c", Configured(jnp.ones(2)))
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)act: saved Leaky\(slope=0.2\), the template's "
+                                                        r"Leaky\(slope=0.3\).*mode: saved Mode.SUM, the template's Mode.MEAN"):
+        ft.train.load(tmp_path / "c", Configured(jnp.ones(2), Leaky(0.3), Mode.MEAN))
+    with pytest.raises(ft.train.CheckpointError, match=r"eps: saved np.float32\(0.0010000000474974513\)"):
+        ft.train.load(tmp_path / "c", Configured(jnp.ones(2), eps=np.float32(1e-2)))
+
+    def as_before(meta):  # how files written before stored an np.float64 and an IntEnum member
+        static = meta["spec"]["static"]
+        static["wide"], static["level"] = {"json": 1e-7}, {"json": 2}
+    _tampered(tmp_path / "c", as_before)
+    back = ft.train.load(tmp_path / "c", Configured(jnp.ones(2)))
+    assert type(back.wide) is np.float64 and back.level is Level.HIGH  # the template's
+
+
+@pytest.mark.parametrize(("field", "code", "message"), [
+    ("mode", {"enum": ["tests.Missing", "SUM"]}, r"static value at 'mode'.*the Enum tests.Missing is not registered"),
+    ("mode", {"enum": [None, "SUM"]}, r"damaged at 'mode'"),
+    ("eps", {"numpy": ["float32", "1e-3"]}, r"damaged at 'eps': float32 scalar stored as 1e-3"),
+    ("eps", {"numpy": ["object", 1]}, r"damaged at 'eps': dtype 'object' is not a numeric dtype"),
+    ("size", {"numpy": ["int8", 300]}, r"damaged at 'size': int8 scalar stored as 300"),
+    ("eps", {"numpy": ["float16", 1e300]}, r"damaged at 'eps': float16 scalar stored as 1e\+300"),
+    ("flag", {"numpy": ["bool", 1]}, r"damaged at 'flag': bool scalar stored as 1"),
+    ("act", {"module": {"kind": "module", "class": "os.system", "static": {}, "fields": {}}},
+     r"a node at 'act'.*os.system is not a registered type"),
+    ("act", {"module": {"kind": "module", "class": "tests.x.Leaky", "static": {}, "fields": {"w": {
+        "kind": "leaf", "key": "w"}}}}, r"damaged at 'act': Leaky has fields \['slope'\], the checkpoint gives \['w'\]"),
+    ("act", {"module": {"kind": "module", "class": "tests.x.Leaky", "static": {"slope": {"repr": "x"}},
+                        "fields": {}}}, r"static value at 'act.slope' without a template: x has no registered name"),
+], ids=["unknown-enum", "enum-not-a-name", "text-value", "object-dtype", "out-of-range", "float-overflow",
+        "bool-as-int", "unknown-module", "module-with-a-leaf", "module-repr-field"])
+def test_a_tampered_static_value_is_refused_by_name(tmp_path, field, code, message):
+    ft.train.save(tmp_path / "c", Configured(jnp.ones(2)))
+    if code.get("module", {}).get("class") == "tests.x.Leaky":  # the saved class's real name
+        code["module"]["class"] = json.loads((tmp_path / "c" / "meta" / "metadata").read_text()
+                                             )["spec"]["static"]["act"]["module"]["class"]
+    _tampered(tmp_path / "c", lambda meta: meta["spec"]["static"].update({field: code}))
+    with pytest.raises(SpecError, match=message):
+        ft.train.load(tmp_path / "c")
+
+
+def test_an_enum_member_not_in_its_class_is_refused(tmp_path):
+    ft.train.save(tmp_path / "c", Configured(jnp.ones(2)))
+    _tampered(tmp_path / "c", lambda meta: meta["spec"]["static"]["mode"]["enum"].__setitem__(1, "__class__"))
+    with pytest.raises(SpecError, match=r"damaged at 'mode': the Enum Mode has no member '__class__'"):
+        ft.train.load(tmp_path / "c")
+
+
+def test_an_enum_saved_from_main_names_the_registration_that_works(tmp_path):
+    Color = enum.Enum("Color", {"RED": 1})
+    Color.__module__, Color.__qualname__ = "__main__", "Color"  # defined in a notebook
+
+    class Painted(ft.Module):
+        w: jax.Array
+        color: object = ft.field(static=True, default=Color.RED)
+
+    ft.train.save(tmp_path / "c", Painted(jnp.ones(2)))
+    Color.__module__ = "mypackage.colors"  # later imported from a module
+    with pytest.raises(SpecError, match=r'ft\.train\.register\(Color, name="__main__\.Color"\)'):
+        ft.train.load(tmp_path / "c")
+    ft.train.register(Color, name="__main__.Color")
+    assert ft.train.load(tmp_path / "c").color is Color.RED
+
+
+# ---- dict keys ------------------------------------------------------------------------------
+
+class Heads(ft.Module):
+    heads: dict
+
+
+@pytest.mark.parametrize("key", [(0, 1), 0.5, Mode.SUM, np.float32(2)], ids=["tuple", "float", "enum", "np-float"])
+def test_a_dict_key_no_checkpoint_reads_back_is_refused_at_save(tmp_path, key):
+    """Saved as [type, str(key)], such a file loaded as "damaged"; now nothing is written and
+    the error names the dict, the key and a key that works."""
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)The dict at 'heads' has the key .*Nothing was "
+                                                        r"written.*right:  \{\""):
+        ft.train.save(tmp_path / "c", Heads({key: jnp.ones(2)}))
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ft.train.CheckpointError, match=r"The dict at the root has the key \(0, 1\)"):
+        encode({(0, 1): jnp.ones(2)})
+
+
+@pytest.mark.parametrize("key", [True, np.int64(3), np.uint8(200), -4, "x"], ids=["bool", "int64", "uint8", "int", "str"])
+def test_bool_and_numpy_integer_dict_keys_round_trip_exactly(tmp_path, key):
+    tree = Heads({key: jnp.ones(2)})
+    ft.train.save(tmp_path / "c", tree)
+    for back in (ft.train.load(tmp_path / "c"), ft.train.load(tmp_path / "c", tree)):
+        (loaded,) = back.heads
+        assert type(loaded) is type(key) and loaded == key
+        np.testing.assert_array_equal(back.heads[loaded], tree.heads[key])
+
+
+@pytest.mark.parametrize("stored", [["bool", "yes"], ["int8", "300"], ["tuple", "(0, 1)"], ["float64", "1"]],
+                         ids=["bool-text", "out-of-range", "tuple", "np-float"])
+def test_a_tampered_dict_key_is_refused_as_damage(tmp_path, stored):
+    ft.train.save(tmp_path / "c", Heads({True: jnp.ones(2)}))
+    _tampered(tmp_path / "c", lambda meta: meta["spec"]["fields"]["heads"].update(keys=[stored]))
+    with pytest.raises(SpecError, match=r"damaged at 'heads'"):
+        ft.train.load(tmp_path / "c")

@@ -387,9 +387,7 @@ def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: 
     """The tree ``spec`` describes: with its saved types, or checked against ``template``."""
     if template is None:
         return decode(spec, arrays, part)
-    prefix = part + "." if part else ""
-    flat = {s["key"][len(prefix):]: decode_leaf(s, arrays, s["key"])
-            for _, s in leaf_specs(spec, part) if s["key"].startswith(prefix)}
+    flat = {name: decode_leaf(s, arrays, s["key"]) for name, s in _template_names(spec, part).items()}
     tree, report = from_flat_dict(template, flat, strict=False)
     if not report.ok:
         at, plain = ((f" at step {step}", f"manager.restore({step}).{part}") if part else
@@ -410,6 +408,16 @@ def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: 
         raise CheckpointError(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
                                                      right=right, where=where, mine=mine, saved=saved))
     return tree
+
+
+def _template_names(spec: Any, part: str) -> dict[str, dict[str, Any]]:
+    """``{the name from_flat_dict gives a leaf: its spec}``: the stored keys without the
+    part's prefix (``model.``). A tree that is one leaf (a bare array or number) is stored as
+    ``"value"`` (or as its part, ``"model"``) and is the template's root, named ``""``."""
+    if isinstance(spec, dict) and spec.get("kind") in ("leaf", "function") and isinstance(spec.get("key"), str):
+        return {"": spec}
+    prefix = part + "." if part else ""
+    return {s["key"][len(prefix):]: s for _, s in leaf_specs(spec, part) if s["key"].startswith(prefix)}
 
 
 def _loader_hints(report: FlatDictReport, part: str, restore: str) -> FlatDictReport:

@@ -20,13 +20,16 @@ A function at a leaf (Equinox's ``activation``, a ``jax.nn.relu`` in a list of l
 is stored by its registered name, as a static function is, and looked up on restore.
 
 Static field values are stored as JSON when they are JSON scalars or tuples of them, as a
-registered name for functions and scalar types (``jax.nn.relu``), as a dtype name, and
-otherwise only as their ``repr`` (such a tree needs a template to be loaded).
+registered name for functions and scalar types (``jax.nn.relu``), as a dtype name, a NumPy
+scalar as its dtype and value (``np.float32(1e-3)``), an Enum member as its class's name
+and the member's, a leafless Module (an activation with a slope) as its own description,
+and otherwise only as their ``repr`` (such a tree needs a template to be loaded).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax
@@ -38,6 +41,7 @@ from functree._paths import KeyPath
 from functree._tree import child_name, dotted_name
 from functree.hf._config import HFConfig
 from functree.train.checkpoint._registry import (
+    current_definitions,
     default_name,
     function_name,
     lookup_function,
@@ -84,9 +88,22 @@ the notebook and also once the class is imported from a module (whose name it th
 
 AMBIGUOUS = "{count} different Module classes named {name!r} are defined in this process"
 
+AMBIGUOUS_ENUM = "{count} different Enum classes named {name!r} are defined in this process"
+
+UNSUPPORTED_KEY = """\
+The dict at {path} has the key {key!r}, a {type}: a checkpoint stores a dict's keys as text \
+and reads back str, int and bool keys (and NumPy integers) only, so this one could not be \
+rebuilt. Nothing was written. Key the dict by text or integers (or hold the values in a list):
+
+    wrong:  {{{key!r}: value}}
+    right:  {{"{key_text}": value}}"""
+
 _PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 _PYTHON_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
 _DICT_KEYS = {"int": int, "str": str}
+_BOOL_KEYS = {"True": True, "False": False}
+_NUMPY_INT_KEYS = frozenset(np.dtype(t).name for t in (np.int8, np.int16, np.int32, np.int64,
+                                                       np.uint8, np.uint16, np.uint32, np.uint64))
 
 
 class CheckpointError(ValueError):
@@ -107,6 +124,9 @@ class SpecError(CheckpointError):
 
 
 def _encode_static(value: Any) -> dict[str, Any]:
+    code = _data_code(value)
+    if code is not None:
+        return code
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"json": value}
     if isinstance(value, KeyPath):  # (a tuple: stored as its text, parsed back, never a plain tuple)
@@ -167,6 +187,12 @@ def _decode_static(code: Any, path: str) -> Any:
         return _static_record(value[0], value[1], path)
     if tag == "scalar_type":
         return _safe_dtype(value, path).type
+    if tag == "numpy" and isinstance(value, list) and len(value) == 2:
+        return _numpy_scalar(value[0], value[1], path)
+    if tag == "enum" and isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
+        return _enum_member(value[0], value[1], path)
+    if tag == "module" and isinstance(value, dict) and value.get("kind") == "module":
+        return _decode(value, {}, path)  # no arrays: a leaf in it is damage
     if tag == "function" and isinstance(value, str):
         fn = lookup_function(value)
         if fn is None:
@@ -177,6 +203,139 @@ def _decode_static(code: Any, path: str) -> Any:
         why = f"{str(value)[:200]} has no registered name"
         raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
     raise SpecError(MALFORMED.format(path=path, why=f"unknown static encoding {tag!r}"))
+
+
+def _data_code(value: Any) -> dict[str, Any] | None:
+    """An Enum member, a NumPy scalar or a leafless Module (check_static refuses others) as
+    data, or None. Enum members and NumPy scalars come before JSON scalars: an IntEnum
+    member is an int and an np.float64 a float, which would load back as a plain number."""
+    if isinstance(value, enum.Enum):
+        return _enum_code(value)
+    if isinstance(value, np.generic):
+        return _numpy_code(value)
+    if isinstance(value, Module):
+        return _module_code(value)
+    return None
+
+
+def _numpy_code(value: np.generic) -> dict[str, Any] | None:
+    """A numeric NumPy scalar as ``{"numpy": [dtype, JSON value]}``, or None where the JSON
+    value would not give back the same bits (``np.longdouble``) or the dtype is not numeric."""
+    try:
+        dtype = _safe_dtype(value.dtype.name, "")
+        kind = dtype.kind
+        plain = ([float(np.real(value)), float(np.imag(value))] if kind == "c" else bool(value) if kind == "b"
+                 else int(value) if kind in "iu" else float(value))
+        back = _numpy_scalar(dtype.name, plain, "")
+    except (SpecError, TypeError, ValueError, OverflowError):
+        return None
+    same = back.dtype == value.dtype and np.asarray(back).tobytes() == np.asarray(value).tobytes()
+    return {"numpy": [dtype.name, plain]} if same else None
+
+
+def _numpy_scalar(name: Any, plain: Any, path: str) -> Any:
+    """The NumPy scalar of dtype ``name`` and JSON value ``plain`` (a stored static value)."""
+    dtype = _safe_dtype(name, path)
+    kind = "f" if dtype.kind == "V" else dtype.kind  # bfloat16 and the float8 types
+    value = _plain_number(plain, kind, dtype)
+    if value is None:
+        raise SpecError(MALFORMED.format(path=path, why=f"{dtype.name} scalar stored as {str(plain)[:100]}"))
+    try:
+        with np.errstate(over="raise"):  # a float beyond the dtype's range: not what was saved
+            return dtype.type(value)
+    except FloatingPointError:
+        raise SpecError(MALFORMED.format(path=path, why=f"{dtype.name} scalar stored as {str(plain)[:100]}")) from None
+
+
+def _plain_number(plain: Any, kind: str, dtype: np.dtype) -> bool | int | float | complex | None:
+    """The Python number a stored NumPy scalar of ``kind`` gives, or None where the JSON
+    value is not one of its kind (or, for an integer, not in the dtype's range)."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if kind == "b" and isinstance(plain, bool):
+        return plain
+    if kind in "iu" and number(plain) and isinstance(plain, int):
+        return plain if int(np.iinfo(dtype).min) <= plain <= int(np.iinfo(dtype).max) else None
+    if kind == "f" and number(plain):
+        return plain
+    if kind == "c" and isinstance(plain, list) and len(plain) == 2 and all(number(v) for v in plain):
+        return complex(plain[0], plain[1])
+    return None
+
+
+def _enum_code(value: enum.Enum) -> dict[str, Any] | None:
+    """An Enum member as its class's name and its own; None for a combination of Flag
+    members, which has no name of its own to look up."""
+    cls = type(value)
+    name = value.name
+    if not isinstance(name, str) or cls.__members__.get(name) is not value:
+        return None
+    return {"enum": [type_name(cls), name]}
+
+
+def _enum_classes(name: str) -> list[type]:
+    """The Enum classes a stored name may mean: a registered one, else those defined in this
+    process (never imported: a file names them, it does not load them)."""
+    registered = [c for c in lookup_type(name) if issubclass(c, enum.Enum)]
+    if registered:
+        return registered
+    found, stack, seen = [], list(enum.Enum.__subclasses__()), set()
+    while stack:
+        cls = stack.pop()
+        if id(cls) not in seen:
+            seen.add(id(cls))
+            found += [cls] if type_name(cls) == name else []
+            stack.extend(cls.__subclasses__())
+    return current_definitions(found)  # a re-run notebook cell's class: the one bound now
+
+
+def _enum_member(name: str, member: str, path: str) -> Any:
+    found = _enum_classes(name)
+    if len(found) > 1:
+        why = AMBIGUOUS_ENUM.format(count=len(found), name=name[:200])
+        raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
+    if not found and name.startswith("__main__."):
+        raise SpecError(MAIN_CLASS.format(path=path, name=name[:200], short=name[:200].rsplit(".", 1)[1]))
+    if not found:
+        why = f"the Enum {name[:200]} is not registered or defined in this process"
+        raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
+    value = found[0].__members__.get(member)
+    if value is None:
+        why = f"the Enum {found[0].__name__} has no member {member[:100]!r}"
+        raise SpecError(MALFORMED.format(path=path, why=why))
+    return value
+
+
+def _module_code(value: Module) -> dict[str, Any] | None:
+    """A leafless Module (an activation with a slope) as its own description: its class by
+    name and its fields, as any Module's node is stored, with no array (None if one is
+    needed, as for a leaf holding an unregistered function)."""
+    encoder = _Encoder()
+    spec = encoder.module(value, "")
+    return None if encoder.arrays else {"module": spec}
+
+
+def _dict_key(key: Any, path: str) -> list[str]:
+    """A dict key as ``[type, text]``; :class:`CheckpointError` for a key the reader could
+    not rebuild exactly (a tuple, float, Enum member, object)."""
+    if type(key) in (str, int, bool):
+        return [type(key).__name__, str(key)]
+    if isinstance(key, np.integer) and np.dtype(type(key)).name in _NUMPY_INT_KEYS:
+        return [np.dtype(type(key)).name, str(int(key))]
+    text = "_".join(map(str, key)) if isinstance(key, tuple) else str(key)
+    raise CheckpointError(UNSUPPORTED_KEY.format(path=repr(path) if path else "the root", key=key,
+                                                 type=type(key).__name__, key_text=text[:40]))
+
+
+def _dict_key_value(ktype: Any, text: Any, path: str) -> Any:
+    """The key :func:`_dict_key` stored as ``[ktype, text]``."""
+    if isinstance(text, str) and ktype in _DICT_KEYS:
+        return _DICT_KEYS[ktype](text)
+    if isinstance(text, str) and ktype == "bool" and text in _BOOL_KEYS:
+        return _BOOL_KEYS[text]
+    if isinstance(text, str) and ktype in _NUMPY_INT_KEYS:
+        return np.dtype(ktype).type(int(text))  # out of range: OverflowError, reported as damage
+    raise SpecError(MALFORMED.format(path=path, why=f"dict key {[ktype, text]!r}"))
 
 
 def _is_static_record(value: Any) -> bool:
@@ -255,7 +414,7 @@ class _Encoder:
             return {"kind": kind, "items": [self.node(v, child_name(path, i)) for i, v in enumerate(x)]}
         if isinstance(x, dict):
             keys = list(x)
-            return {"kind": "dict", "keys": [[type(k).__name__, str(k)] for k in keys],
+            return {"kind": "dict", "keys": [_dict_key(k, path) for k in keys],
                     "items": [self.node(x[k], child_name(path, k)) for k in keys]}
         children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:
@@ -424,9 +583,7 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
             raise SpecError(MALFORMED.format(path=path, why=f"{len(keys)} keys for {len(specs)} items"))
         out = {}
         for (ktype, k), s in zip(keys, specs):
-            if ktype not in _DICT_KEYS or not isinstance(k, str):
-                raise SpecError(MALFORMED.format(path=path, why=f"dict key {[ktype, k]!r}"))
-            out[_DICT_KEYS[ktype](k)] = _decode(s, arrays, child_name(path, k))
+            out[_dict_key_value(ktype, k, path)] = _decode(s, arrays, child_name(path, k))
         return out
     if kind == "namedtuple":
         cls = _class(spec, path, "namedtuple")
@@ -534,8 +691,9 @@ def static_differences(spec: Any, template: Any, path: str = "") -> list[tuple[s
         for name, code in (static.items() if isinstance(static, dict) else ()):
             if name in chooses or not hasattr(template, name):
                 continue
-            mine = _encode_static(getattr(template, name))
-            if code != mine and "repr" not in code and "repr" not in mine:
+            value = getattr(template, name)
+            mine = _encode_static(value)
+            if code != mine and "repr" not in code and "repr" not in mine and not _stored_before(code, mine, value):
                 out.append((child_name(path, name), _shown(code), _shown(mine)))
         for name, child in (fields.items() if isinstance(fields, dict) else ()):
             if hasattr(template, name):
@@ -559,6 +717,14 @@ def static_differences(spec: Any, template: Any, path: str = "") -> list[tuple[s
     return out
 
 
+def _stored_before(code: Any, mine: dict[str, Any], value: Any) -> bool:
+    """Whether ``code``, a file's JSON number, is how files written before NumPy scalars and
+    Enum members had codes of their own stored ``value`` (an ``np.float64``, an ``IntEnum``
+    member): the same value, not a difference."""
+    return isinstance(code, dict) and "json" in code and ("numpy" in mine or "enum" in mine) \
+        and code["json"] == value
+
+
 def _shown(code: Any) -> str:
     """A stored static value as the user wrote it (``relu``, ``4``, ``(1, 2)``)."""
     if not isinstance(code, dict) or len(code) != 1:
@@ -570,4 +736,11 @@ def _shown(code: Any) -> str:
         return f"{str(value[0]).rsplit('.', 1)[-1]}(" + ", ".join(f"{k}={_shown(v)}" for k, v in value[1].items()) + ")"
     if tag == "hf_config":
         return "HFConfig(...)"
+    if tag == "numpy" and isinstance(value, list) and len(value) == 2:
+        return f"np.{value[0]}({value[1]!r})"
+    if tag == "enum" and isinstance(value, list) and len(value) == 2:
+        return f"{str(value[0]).rsplit('.', 1)[-1]}.{value[1]}"
+    if tag == "module" and isinstance(value, dict) and isinstance(value.get("static"), dict):
+        fields = ", ".join(f"{k}={_shown(v)}" for k, v in value["static"].items())
+        return f"{str(value.get('class')).rsplit('.', 1)[-1]}({fields})"
     return repr(value) if tag == "json" else str(value)

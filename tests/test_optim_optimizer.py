@@ -671,6 +671,17 @@ def test_state_checks_keep_masked_complex_and_partial_states_working():
     assert jax.tree.structure(updates) == jax.tree.structure(model)
 
 
+@pytest.mark.parametrize("tx", [optax.novograd(0.1), optax.sm3(0.1)], ids=["novograd", "sm3"])
+def test_state_checks_keep_reduced_and_per_axis_moments_working(tx):
+    # NovoGrad's nu is one scalar per parameter, SM3's mu one vector per axis: not the gradient's shape
+    opt, model = fo.Optimizer(tx), _model()
+    state = opt.init(model)
+    grads = ft.gradient(lambda m: _loss(m, X, Y), at=model)
+    for _ in range(2):
+        updates, state = opt.update(grads, state, model)
+    assert updates.weight.shape == model.weight.shape
+
+
 def test_moment_fields_are_those_of_ft_optim_moments():
     from functree.optim import _aliases, _checks
 

@@ -81,6 +81,9 @@ def _names(tree: Any, treedef: Any) -> list[str]:
 # and ``nu``, momentum's ``trace`` ...): those of ``_aliases.MOMENT_FIELDS`` (not imported:
 # ``_aliases`` imports this module through ``_hyper``; a test keeps the two equal).
 MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x")
+# Of those, the running sums of the gradient itself: shaped like it, leaf for leaf (a second
+# moment may be reduced: NovoGrad's ``nu`` is one scalar per parameter).
+_GRADIENT_SHAPED = ("mu", "trace", "velocity")
 
 _FITS: dict[Any, bool] = {}  # (state definition, gradients' definition) -> checked: they fit
 
@@ -93,8 +96,9 @@ def check_state_fits(inner: Any, grads: Any) -> None:
 
     Runs where the update is traced (once per compilation under ``jit``), and on an eager
     update once per pair of tree definitions (a dict lookup afterwards). A masked
-    parameter's moment (``optax.MaskedNode``) and a complex one's (a :class:`RealPair`)
-    fit any gradient.
+    parameter's moment (``optax.MaskedNode``) fits any gradient, and any moment subtree
+    fits a gradient leaf (a complex parameter's :class:`RealPair`); the shapes of the
+    gradient's running sums (``mu``, ``trace``, ``velocity``) are checked leaf for leaf.
 
     Example:
       >>> import optax, jax.numpy as jnp
@@ -110,7 +114,7 @@ def check_state_fits(inner: Any, grads: Any) -> None:
     if fits:
         return
     for name, moment in _moments(inner):
-        found = _first_misfit(grads, moment)
+        found = _first_misfit(grads, moment, shapes=name in _GRADIENT_SHAPED)
         if found is not None:
             path, detail = found
             raise ValueError(STATE_MISMATCH.format(moment=name, path=path, detail=detail))
@@ -140,19 +144,26 @@ def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:
 _LEAF = jax.tree.structure(0)
 
 
-def _first_misfit(grads: Any, moment: Any) -> tuple[str, str] | None:
-    """The first key path (dotted) where ``moment`` does not fit ``grads``, with what each has."""
+def _first_misfit(grads: Any, moment: Any, shapes: bool) -> tuple[str, str] | None:
+    """The first key path (dotted) where ``moment`` does not fit ``grads``, with what each has.
+
+    As ``jax.tree.map(f, grads, moment)`` (optax's form) reads them: ``grads`` is the
+    prefix, so at a gradient leaf any moment subtree fits (SM3's per-axis accumulators, a
+    complex parameter's :class:`RealPair`); ``shapes``: a moment leaf must have its
+    gradient's shape too."""
     stack: list[tuple[tuple[Any, ...], Any, Any]] = [((), grads, moment)]
     while stack:
         path, g, m = stack.pop()
-        if isinstance(m, (optax.MaskedNode, RealPair)):
+        if isinstance(m, optax.MaskedNode):  # a masked parameter's place
             continue
         g_node, g_children = _one_level(g)
         m_node, m_children = _one_level(m)
+        if g_node == _LEAF:
+            if shapes and m_node == _LEAF and np.shape(g) != np.shape(m):
+                return dotted_name(path) or "<root>", f"the gradient has shape {np.shape(g)}, the moment {np.shape(m)}"
+            continue
         if g_node != m_node:
             return dotted_name(path) or "<root>", f"the gradients have {_describe(g)}, the state {_describe(m)}"
-        if g_node == _LEAF and np.shape(g) != np.shape(m):
-            return dotted_name(path) or "<root>", f"the gradient has shape {np.shape(g)}, the moment {np.shape(m)}"
         stack.extend((path + (k,), gc, mc) for (k, gc), (_, mc) in reversed(list(zip(g_children, m_children))))
     return None
 

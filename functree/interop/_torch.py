@@ -66,6 +66,7 @@ from functree._state_dict import (
 )
 from functree._tree import dotted_name, join_names
 from functree.interop._host import copied, copy_all, empty
+from functree.interop._mismatch import mismatch_error
 from functree.interop._ports import (
     Found,
     check_placement,
@@ -91,23 +92,6 @@ from functree.nn._sequential import Sequential
 from functree.nn._shared import Shared
 
 __all__ = ["load_torch_state_dict", "torch_state_dict"]
-
-TORCH_MISMATCH = """\
-ft.nn.load_torch_state_dict: the state dict does not fit the model (names as torch spells them).
-{report}
-{names}Map differing prefixes with rename={{"torch.prefix": "model.prefix"}}, or pass strict=False \
-to load what fits and get this report back: model, report = ft.nn.load_torch_state_dict(model, sd, strict=False){hint}"""
-
-TORCH_NAMES = """\
-The model's torch names are its key paths without Sequential's "layers" (a Stack's members \
-are h.0, h.1, ...), e.g. {example}.
-"""
-
-LAYOUTS_HINT = """
-The attention {layer} (ft.nn.MultiheadAttention: torch's in_proj_weight and out_proj) is \
-missing its tensors while the state dict has {given}: another layout, read with layouts=:
-
-    right:  ft.nn.load_torch_state_dict(model, sd, layouts={{{pattern!r}: {layout!r}}})"""
 
 FLATTENED_UNKNOWN = """\
 ft.nn: flattened= names {names}, which are not Dense layers of the model. Name a Dense layer \
@@ -640,11 +624,7 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     if given_names:
         report = _as_given(report, state_dict, rename)
     if strict and not report.ok:
-        rules = plan.rules
-        example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), rules[0].ft[0] if rules else "")
-        names = TORCH_NAMES.format(example=example) if rules else ""
-        raise ValueError(TORCH_MISMATCH.format(report=report, names=names,
-                                               hint=_layouts_hint(plan, report) + hint(plan.ports)))
+        raise mismatch_error(plan.rules, plan.attentions, report, hint(plan.ports))
     return tree if strict else (tree, report)
 
 
@@ -653,30 +633,6 @@ def _as_given(report: FlatDictReport, state_dict: Mapping[str, Any], rename: Ren
     to_model, to_torch = _renamer(rename, to_model=True), _renamer(rename, to_model=False)
     given = {to_model(k): k for k in state_dict}
     return renamed_report(report, lambda name: given.get(name) or to_torch(name))
-
-
-_ROLES = (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out", "output", "dense", "proj"))
-
-
-def _layouts_hint(plan: _Plan, report: FlatDictReport) -> str:
-    """A ``layouts=`` suggestion where an attention misses its tensors and the state dict
-    has others under its name (separate q/k/v/o Linears, GPT-2's fused c_attn)."""
-    for layer in plan.attentions:
-        if not any(n.startswith(layer + ".") for n in report.missing):
-            continue
-        extra = [n[len(layer) + 1:] for n in report.unexpected if n.startswith(layer + ".")]
-        subs = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in extra if n.endswith((".weight", ".bias"))))
-        if not subs:
-            continue
-        pattern = ".".join("*" if part.isdigit() else part for part in layer.split("."))
-        if "c_attn" in subs:
-            return LAYOUTS_HINT.format(layer=layer, given=extra, pattern=pattern, layout="conv1d")
-        if len(subs) != 4:
-            continue
-        ordered = sorted(subs, key=lambda sub: next((i for i, words in enumerate(_ROLES)
-                                                     if sub.split(".")[-1].split("_")[0] in words), 3))
-        return LAYOUTS_HINT.format(layer=layer, given=extra, pattern=pattern, layout=tuple(ordered))
-    return ""
 
 
 def _under_name(plan: _Plan, prefix: str) -> list[str]:

@@ -1,0 +1,61 @@
+"""The error of a state dict that does not fit the model (:func:`ft.nn.load_torch_state_dict`):
+the report by torch name, what the model's torch names look like, and a ``layouts=``
+suggestion where an attention's tensors are there in another layout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from functree._state_dict import FlatDictReport
+
+__all__ = ["mismatch_error"]
+
+TORCH_MISMATCH = """\
+ft.nn.load_torch_state_dict: the state dict does not fit the model (names as torch spells them).
+{report}
+{names}Map differing prefixes with rename={{"torch.prefix": "model.prefix"}}, or pass strict=False \
+to load what fits and get this report back: model, report = ft.nn.load_torch_state_dict(model, sd, strict=False){hint}"""
+
+TORCH_NAMES = """\
+The model's torch names are its key paths without Sequential's "layers" (a Stack's members \
+are h.0, h.1, ...), e.g. {example}.
+"""
+
+LAYOUTS_HINT = """
+The attention {layer} (ft.nn.MultiheadAttention: torch's in_proj_weight and out_proj) is \
+missing its tensors while the state dict has {given}: another layout, read with layouts=:
+
+    right:  ft.nn.load_torch_state_dict(model, sd, layouts={{{pattern!r}: {layout!r}}})"""
+
+
+_ROLES = (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out", "output", "dense", "proj"))
+
+
+def _layouts_hint(attentions: Sequence[str], report: FlatDictReport) -> str:
+    """A ``layouts=`` suggestion where an attention misses its tensors and the state dict
+    has others under its name (separate q/k/v/o Linears, GPT-2's fused c_attn)."""
+    for layer in attentions:
+        if not any(n.startswith(layer + ".") for n in report.missing):
+            continue
+        extra = [n[len(layer) + 1:] for n in report.unexpected if n.startswith(layer + ".")]
+        subs = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in extra if n.endswith((".weight", ".bias"))))
+        if not subs:
+            continue
+        pattern = ".".join("*" if part.isdigit() else part for part in layer.split("."))
+        if "c_attn" in subs:
+            return LAYOUTS_HINT.format(layer=layer, given=extra, pattern=pattern, layout="conv1d")
+        if len(subs) != 4:
+            continue
+        ordered = sorted(subs, key=lambda sub: next((i for i, words in enumerate(_ROLES)
+                                                     if sub.split(".")[-1].split("_")[0] in words), 3))
+        return LAYOUTS_HINT.format(layer=layer, given=extra, pattern=pattern, layout=tuple(ordered))
+    return ""
+
+
+def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: FlatDictReport, hint: str = "") -> ValueError:
+    """:data:`TORCH_MISMATCH` for ``report``: an example of the rules' names (each with ``ft``
+    and ``torch`` names), the attentions' ``layouts=`` hint, and ``hint`` (the ports')."""
+    example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), rules[0].ft[0] if rules else "")
+    names = TORCH_NAMES.format(example=example) if rules else ""
+    return ValueError(TORCH_MISMATCH.format(report=report, names=names, hint=_layouts_hint(attentions, report) + hint))

@@ -1,7 +1,9 @@
 """The cache key of the differentiation check: a function and its abstract signature.
 
 ``cache_key(kind, f, plan)`` is what decides whether ``functree._diagnostics.check`` has
-analysed this call already: the operator's kind, the function's code and closure (cells,
+analysed this call already: the operator's kind, the function object (by identity, weakly
+held: a new function of the same code, from a re-run cell or a factory, is analysed
+afresh, as its closure's or globals' values may differ) with its code and closure (cells,
 defaults, ``functools.partial`` arguments, a method's ``self``, recursively to depth 3),
 the plan's indices and patterns, and each argument's tree definition with its leaves'
 abstract values (shape, dtype, weak type; a Python scalar's value unless differentiated).
@@ -16,6 +18,9 @@ Example:
   >>> key = lambda x: cache_key("gradient", f, Plan("gradient", f, (x,), 0))
   >>> key(jnp.ones(3)) == key(jnp.zeros(3)), key(jnp.ones(3)) == key(jnp.ones(4))
   (True, False)
+  >>> g = lambda x: x * 2.0                  # the same code, another function object
+  >>> key(jnp.ones(3)) == cache_key("gradient", g, Plan("gradient", g, (jnp.ones(3),), 0))
+  False
 """
 
 from __future__ import annotations
@@ -110,7 +115,10 @@ def _callable_key(f: Any, depth: int = 0) -> Any:
                 cells.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 cells.append(None)
-        return (f.__code__, _value_key((cells, f.__defaults__, f.__kwdefaults__), depth))
+        # The function object itself, weakly held: a re-run cell's or a factory's new function
+        # of the same code may read other values (a closure's zero mask, a changed global), so
+        # it is analysed (and warns) afresh; one kept and called again is analysed once.
+        return (WeakIdentity(f), f.__code__, _value_key((cells, f.__defaults__, f.__kwdefaults__), depth))
     if isinstance(f, Module):
         return ("module", _value_key(f, depth))
     return _held(f) if _hashable(f) else ("id", id(f))

@@ -1058,3 +1058,29 @@ def test_a_function_from_no_modules_file_still_warns():
     exec(compile("def g(x):\n    return jnp.round(x).sum()\n", "/tmp/ipykernel_1/2.py", "exec"), namespace)
     with pytest.warns(ft.NonDifferentiableWarning):
         jax.jit(ft.gradient(namespace["g"]))(jnp.ones(2))
+
+
+def test_a_new_function_of_the_same_code_is_checked_afresh():
+    """main: the check's cache was keyed on the code and the closure's abstract values, so a
+    re-run cell's fresh lambda warned only the first time, and a factory's function closing
+    over a zero mask after one over a ones mask gave no ZeroDerivativeWarning."""
+
+    def make(mask):
+        return lambda x: jnp.sum(x * mask)
+
+    def caught(f):
+        with warnings.catch_warnings(record=True) as found:
+            warnings.simplefilter("always")
+            ft.gradient(f, at=jnp.ones(2))
+        return [type(w.message).__name__ for w in found]
+
+    _diagnostics._CACHE.clear()
+    for _ in range(2):  # the same cell run twice: a new lambda each time
+        assert caught(lambda x: jnp.sqrt(3.0)) == ["ZeroDerivativeWarning"]
+    assert caught(make(jnp.ones(2))) == []
+    assert caught(make(jnp.zeros(2))) == ["ZeroDerivativeWarning"]  # main: []
+    kept = make(jnp.zeros(2))
+    before = len(_diagnostics._CACHE)
+    assert caught(kept) == ["ZeroDerivativeWarning"]
+    assert caught(kept) == []  # a function kept and called again: checked once
+    assert len(_diagnostics._CACHE) == before + 1

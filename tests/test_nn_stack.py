@@ -878,6 +878,23 @@ stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.
         _eager_matches_unrolled(run(cell))
 
 
+def test_an_eager_stack_reads_the_globals_of_a_user_activation_held_as_a_static_field():
+    run = notebook()
+    run("""
+SLOPE = 1.0
+def act(y):
+    return y * SLOPE
+stack = ft.nn.Stack(lambda key: ft.nn.Dense(3, 3, act, key=key), n=2, key=jax.random.key(0))
+""")
+    for cell in ("pass", "SLOPE = -3.0", "def act(y):\n    return y * 0.0\nSLOPE = 2.0"):
+        ns = run(cell)
+        stack, x = ns["stack"], ns["x"]
+        np.testing.assert_allclose(stack(x), stack.unstack()(x), rtol=0, atol=1e-5)
+    ns = run("CYCLE = []\nCYCLE.append(CYCLE)\ndef act(y):\n    return y * len(CYCLE)\n"
+             "stack = ft.nn.Stack(lambda key: ft.nn.Dense(3, 3, act, key=key), n=2, key=jax.random.key(0))")
+    np.testing.assert_allclose(ns["stack"](ns["x"]), ns["stack"].unstack()(ns["x"]), rtol=0, atol=1e-5)
+
+
 def test_an_eager_stack_whose_block_reads_a_large_numpy_global_takes_the_plain_scan():
     """A NumPy array over the size keyed by bytes may change in place: the call is traced
     afresh each time (never a stale constant)."""

@@ -198,14 +198,12 @@ class _Builder:
             return kind, v.real.hex(), v.imag.hex()
         if isinstance(v, np.generic):
             return kind, v.tobytes()
+        if kind in (tuple, list, dict) and (len(v) > MAX_ITEMS or depth > 2 * MAX_DEPTH):
+            raise Unkeyable  # (a list holding itself ends here too)
         if kind in (tuple, list):
-            if len(v) > MAX_ITEMS:
-                raise Unkeyable
-            return kind, tuple(self.value(x, depth) for x in v)
+            return kind, tuple(self.value(x, depth + 1) for x in v)
         if kind is dict:
-            if len(v) > MAX_ITEMS:
-                raise Unkeyable
-            return kind, tuple((self.value(k, depth), self.value(x, depth)) for k, x in v.items())
+            return kind, tuple((self.value(k, depth + 1), self.value(x, depth + 1)) for k, x in v.items())
         if isinstance(v, np.ndarray):
             if v.nbytes > MAX_ARRAY_BYTES or v.dtype.hasobject:
                 raise Unkeyable

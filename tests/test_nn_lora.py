@@ -227,6 +227,47 @@ def test_lora_dense_needs_a_dense():
         ft.nn.LoraDense(ft.nn.Conv1D(2, 2, 3, key=jax.random.key(0)), key=jax.random.key(0))  # pyright: ignore[reportArgumentType]
 
 
+class ScaledOut(ft.nn.Dense):
+    """A user's Dense subclass overriding ``__call__`` (audit t10)."""
+
+    def __call__(self, x):
+        return 3.0 * super().__call__(x)
+
+
+class WithScale(ft.nn.Dense):
+    """A user's Dense subclass with a trained field of its own (audit t08)."""
+
+    scale: jax.Array
+
+    def __init__(self, n_in, n_out, *, key):
+        super().__init__(n_in, n_out, key=key)
+        self.scale = jnp.full((n_out,), 2.0)
+
+    def __call__(self, x):
+        return super().__call__(x) * self.scale
+
+
+def test_a_dense_subclass_is_refused_naming_it_and_the_plain_layers_selected():
+    """A subclass became a plain LoraDense: its __call__ and fields were dropped and the
+    adapted model (B = 0) differed from the original by 1.21. Refused; the fix runs."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    net = ft.nn.Sequential(ft.nn.Dense(4, 4, key=keys[0]), WithScale(4, 4, key=keys[1]), ScaledOut(4, 2, key=keys[2]))
+    for pattern in ("*", "all-linear", ["layers.0", "layers.1"]):
+        with pytest.raises(ValueError, match=r"(?s)selects 'layers.1', a WithScale: a subclass of ft.nn.Dense.*"
+                                             r"would drop what WithScale adds.*"
+                                             r"right:  ft.nn.lora\(model, \['layers.0'\], \.\.\.\)"):
+            ft.nn.lora(net, pattern, rank=2, key=keys[3])
+    with pytest.raises(ValueError, match=r"(?s)selects 'layers.2', a ScaledOut.*right:  ft.nn.lora\(model, "
+                                         r"'<a pattern without it>'"):
+        ft.nn.lora(net, "layers.2", rank=2, key=keys[3])
+    adapted = ft.nn.lora(net, ["layers.0"], rank=2, key=keys[3])  # the message's fix
+    assert type(adapted.layers[1]) is WithScale and type(adapted.layers[2]) is ScaledOut
+    x = jax.random.normal(keys[3], (3, 4))
+    np.testing.assert_allclose(adapted(x), net(x), rtol=0, atol=0)  # B = 0: exactly the original
+    with pytest.raises(TypeError, match=r"wraps a plain ft\.nn\.Dense, got a ScaledOut, a subclass"):
+        ft.nn.LoraDense(net.layers[2], rank=2, key=keys[3])
+
+
 def matmuls(jaxpr):
     """dot_general equations of ``jaxpr`` and of the jaxprs inside it (the Stack's scan body)."""
     total = 0

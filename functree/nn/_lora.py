@@ -62,6 +62,14 @@ ft.nn.lora wraps Dense layers, but the pattern {pattern!r} also selects {name!r}
     wrong:  ft.nn.lora(model, {pattern!r}, ...)
     right:  ft.nn.lora(model, {right!r}, ...)   # only Dense layers"""
 
+DENSE_SUBCLASS = """\
+ft.nn.lora: the pattern {pattern!r} selects {name!r}, a {cls}: a subclass of ft.nn.Dense. A \
+LoraDense computes a plain Dense's x W + b, so it would drop what {cls} adds (its own \
+__call__, its fields) and the adapted model would not compute what this one does. Leave \
+the layer out of the pattern (or build it as a plain ft.nn.Dense):
+    wrong:  ft.nn.lora(model, {pattern!r}, ...)
+    right:  ft.nn.lora(model, {right}, ...)   # {what}"""
+
 ALREADY_ADAPTED = """\
 ft.nn.lora: the pattern {pattern!r} selects {name!r}, a LoraDense already (ft.nn.lora was \
 applied to it before). Merge its adapters first, or leave it out of the pattern:
@@ -96,6 +104,12 @@ ft.nn.lora needs a PRNG key (lora_a is drawn at random; lora_b starts at zero).
 NOT_A_DENSE = """\
 ft.nn.LoraDense wraps an ft.nn.Dense, got {given}.
     right:  ft.nn.LoraDense(ft.nn.Dense(64, 64, key=k1), rank=8, key=k2)   # or ft.nn.lora(model, pattern, ...)"""
+
+SUBCLASS_WRAPPED = """\
+ft.nn.LoraDense wraps a plain ft.nn.Dense, got a {given}, a subclass: a LoraDense computes \
+x W + b, so it would drop what {given} adds (its own __call__, its fields).
+    wrong:  ft.nn.LoraDense({given}(...), rank=8, key=k)
+    right:  ft.nn.LoraDense(ft.nn.Dense(64, 64, key=k1), rank=8, key=k2)   # or no adapter on it"""
 
 NO_DROPOUT_KEY = """\
 LoraDense (dropout={rate}) is in training mode and needs a PRNG key for its dropout mask: \
@@ -167,6 +181,8 @@ class LoraDense(Layer):
                  key: jax.Array, dtype: Any = None):
         if not isinstance(dense, Dense):
             raise TypeError(NOT_A_DENSE.format(given=type(dense).__name__))
+        if type(dense) is not Dense:
+            raise TypeError(SUBCLASS_WRAPPED.format(given=type(dense).__name__))
         _check_options(rank, alpha, dropout, key, "*")
         weight = dense.weight
         lead, (n_in, n_out) = weight.shape[:-2], weight.shape[-2:]
@@ -329,6 +345,7 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
     infos = _naming.leaf_infos(model)
     torch = foreign_names(model).modules
     chosen: dict[int, bool] = {}
+    subclassed: dict[int, bool] = {}  # Dense subclasses selected: refused once every pattern is read
     for pattern in patterns:
         picks = _naming.selection(model, (pattern,), strict=False, what=what)
         owned: set[int] = set()
@@ -350,7 +367,8 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
                 raise ValueError(PART_OF_STACK.format(pattern=pattern, members=picked, n=len(members),
                                                       layer=layer.name, right=right))
             owned.update(range(layer.weight, layer.weight + count))
-            chosen[j] = hit = True
+            target = chosen if type(layer.node) is Dense else subclassed  # a subclass: LoraDense would drop its __call__
+            target[j] = hit = True
         for i, p in enumerate(picks):
             if np.any(p) and i not in owned:
                 if any(layer.weight <= i < layer.weight + len(jax.tree.leaves(layer.node, is_leaf=is_none))
@@ -361,6 +379,9 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
                                                   what=_leaf_owner(model, i), right=right))
         if not hit:
             raise _nothing(pattern, layers, torch)
+    if subclassed:
+        given = patterns[0] if len(patterns) == 1 else list(patterns)
+        raise _subclass_error(given, layers[min(subclassed)], [layers[j] for j in sorted(chosen)])
     return chosen
 
 
@@ -369,16 +390,29 @@ def _all_linear(model: Any) -> dict[int, bool]:
     ``get_output_embeddings()``, which PEFT leaves out); every Dense layer of other models."""
     names = foreign_names(model)
     chosen: dict[int, bool] = {}
-    for j, layer in enumerate(dense_layers(model)):
+    layers = dense_layers(model)
+    for j, layer in enumerate(layers):
         members = member_layer_names(layer)
         if names.head is not None and any(names.modules.get(m) == names.head for m in members):
             continue
         if isinstance(layer.node, LoraDense):
             raise ValueError(ALREADY_ADAPTED.format(pattern=ALL_LINEAR, name=layer.name))
         chosen[j] = True
+    subclassed = [layers[j] for j in chosen if type(layers[j].node) is not Dense]
+    if subclassed:
+        raise _subclass_error(ALL_LINEAR, subclassed[0], [layers[j] for j in chosen if layers[j] not in subclassed])
     if not chosen:
         raise ValueError(NOTHING_SELECTED.format(pattern=ALL_LINEAR, close="none", right="*"))
     return chosen
+
+
+def _subclass_error(pattern: str | list[str], layer: DenseLayer, plain: list[DenseLayer]) -> ValueError:
+    """A pattern selecting a Dense subclass's layer: the fix names the plain Dense layers it selects."""
+    names = [_stacked_pattern(p) if p.info.sizes else _layer_name(p.info.name) for p in plain]
+    right, what = (repr(names), f"the plain Dense layers it selects, without {_layer_name(layer.info.name)!r}") \
+        if names else ("'<a pattern without it>'", "it selects no plain Dense layer")
+    return ValueError(DENSE_SUBCLASS.format(pattern=pattern, name=_layer_name(layer.info.name),
+                                            cls=type(layer.node).__name__, right=right, what=what))
 
 
 def _stacked_pattern(layer: DenseLayer) -> str:

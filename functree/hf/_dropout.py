@@ -7,19 +7,15 @@ leaf. Each rate drops at one of four positions, ``y = x * m / (1 - rate)``,
 ``m ~ Bernoulli(1 - rate)``, in training mode only (``ft.nn.training(model)``; the Trainer
 trains in it), as ``ft.nn.Dropout``:
 
-=================  ==================  ==============================  ==================  ===================  =================
-position           GPT-2               BERT                            OPT                 GPT-NeoX             Phi-3
-=================  ==================  ==============================  ==================  ===================  =================
-embedding          ``embd_pdrop``      ``hidden_dropout_prob``         (none)              ``hidden_dropout``   (none)
-attention weights  ``attn_pdrop``      ``attention_probs_dropout_prob`` ``attention_dropout`` ``attention_dropout`` ``attention_dropout``
-attention output   ``resid_pdrop``     ``hidden_dropout_prob``         ``dropout``         ``hidden_dropout``   ``resid_pdrop``
-MLP output         ``resid_pdrop``     ``hidden_dropout_prob``         ``dropout``         ``hidden_dropout``   ``resid_pdrop``
-=================  ==================  ==============================  ==================  ===================  =================
+* the embedding (after the embeddings' sum; BERT: after its LayerNorm): GPT-2's
+  ``embd_pdrop``, BERT's ``hidden_dropout_prob``, GPT-NeoX's ``hidden_dropout``;
+* the attention weights (after the softmax, before the values): GPT-2's ``attn_pdrop``,
+  BERT's ``attention_probs_dropout_prob``, ``attention_dropout`` elsewhere;
+* the attention's output and the MLP's output (after their last projection, before the
+  residual sum; BERT: before the LayerNorm): GPT-2's and Phi-3's ``resid_pdrop``, BERT's
+  ``hidden_dropout_prob``, OPT's ``dropout``, GPT-NeoX's ``hidden_dropout``.
 
-Llama, Mistral, Qwen2 and Gemma drop the attention weights only (``attention_dropout``).
-The embedding's dropout follows the embeddings' sum (BERT: after its LayerNorm); the
-attention weights' after the softmax, before the values; an output's after its last
-projection, before the residual sum (BERT: before the LayerNorm). Rates a config carries
+Llama, Mistral, Qwen2 and Gemma drop the attention weights only. Rates a config carries
 that Hugging Face's module does not apply are not applied either (Phi-3's ``embd_pdrop``,
 OPT's ``activation_dropout``); OPT's ``layerdrop`` (whole layers skipped) is refused.
 
@@ -178,7 +174,18 @@ def _key_data(keys: jax.Array) -> jax.Array:
 
 def with_dropout(model: Any, config: Any, dropout: bool, key: Any) -> Any:
     """``model`` (a port) with its family's dropout rates (:data:`POSITIONS`, from
-    ``type(model).hf_dropout(config)``) when ``dropout``, else ``model`` itself."""
+    ``type(model).hf_dropout(config)``) when ``dropout``, else ``model`` itself. Each block's
+    attention becomes a :class:`DropoutAttention`, its ``dropout_key`` one key per member
+    split from ``fold_in(key, _STREAM)`` (apart from the weights' draws of the same key).
+
+    Example:
+      >>> import functree as ft, jax
+      >>> config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 3, "n_head": 2}
+      >>> model = ft.nn.from_hf(config, key=jax.random.key(0), dropout=True)
+      >>> attn = model.transformer.h.layers.attn
+      >>> type(attn).__name__, attn.dropout, attn.rates, attn.dropout_key.shape   # HF's defaults: 0.1
+      ('DropoutAttention', 0.1, (0.1, 0.1, 0.1), (3, 2))
+    """
     if not dropout:
         return model
     rates: Mapping[str, float] | None = type(model).hf_dropout(config)
@@ -278,7 +285,13 @@ def decoding(attention: Any) -> Any:
 
 
 def drop(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """``x * m / (1 - rate)``, ``m ~ Bernoulli(1 - rate)`` (``ft.nn.Dropout``'s); ``x`` at rate 0."""
+    """``x * m / (1 - rate)``, ``m ~ Bernoulli(1 - rate)`` (``ft.nn.Dropout``'s); ``x`` at rate 0.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> sorted(set(drop(jnp.ones(1000), 0.5, jax.random.key(0)).tolist()))
+      [0.0, 2.0]
+    """
     if rate == 0.0 or key is None:
         return x
     keep = jax.random.bernoulli(key, 1.0 - rate, jnp.shape(x))

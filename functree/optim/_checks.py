@@ -85,7 +85,14 @@ MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e
 # moment may be reduced: NovoGrad's ``nu`` is one scalar per parameter).
 _GRADIENT_SHAPED = ("mu", "trace", "velocity")
 
-_FITS: dict[Any, bool] = {}  # (state definition, gradients' definition) -> checked: they fit
+_FITS: dict[Any, bool] = {}  # (the state's signature, the gradients') -> checked: they fit
+
+
+def _signature(tree: Any) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+    """``tree``'s definition and leaf shapes: what the check reads (jit's cache key reads
+    them too, so under ``jit`` the check runs once per compilation)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(np.shape(x) for x in leaves)
 
 
 def check_state_fits(inner: Any, grads: Any) -> None:
@@ -95,10 +102,11 @@ def check_state_fits(inner: Any, grads: Any) -> None:
     optax's own error, raised inside ``jax.tree.map``, names neither the state nor the fix.
 
     Runs where the update is traced (once per compilation under ``jit``), and on an eager
-    update once per pair of tree definitions (a dict lookup afterwards). A masked
-    parameter's moment (``optax.MaskedNode``) fits any gradient, and any moment subtree
-    fits a gradient leaf (a complex parameter's :class:`RealPair`); the shapes of the
-    gradient's running sums (``mu``, ``trace``, ``velocity``) are checked leaf for leaf.
+    update once per pair of definitions and leaf shapes (a flatten and a dict lookup
+    afterwards). A masked parameter's moment (``optax.MaskedNode``) fits any gradient,
+    and any moment subtree fits a gradient leaf (a complex parameter's :class:`RealPair`);
+    the shapes of the gradient's running sums (``mu``, ``trace``, ``velocity``) are
+    checked leaf for leaf.
 
     Example:
       >>> import optax, jax.numpy as jnp
@@ -110,7 +118,7 @@ def check_state_fits(inner: Any, grads: Any) -> None:
       ...     print(str(e).splitlines()[0][:80])
       The optimizer state was made for a model of another structure: its moment mu dif
     """
-    key, fits = cached(_FITS, (jax.tree.structure(inner), jax.tree.structure(grads)))
+    key, fits = cached(_FITS, (_signature(inner), _signature(grads)))
     if fits:
         return
     for name, moment in _moments(inner):

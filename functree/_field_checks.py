@@ -13,9 +13,11 @@ reject late, or that would be ignored silently.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
-__all__ = ["FIELD_OPTION", "MIXED_DICT_KEYS", "refuse_field_options", "check_dict_keys"]
+__all__ = ["FIELD_OPTION", "KW_ONLY_MARKER", "MIXED_DICT_KEYS", "refuse_field_options", "refuse_kw_only_marker",
+           "check_dict_keys"]
 
 FIELD_OPTION = """\
 ft.field does not take {name}= (an option of dataclasses.field / eqx.field): functree \
@@ -85,6 +87,33 @@ def refuse_field_options(metadata: dict[str, Any]) -> None:
         if name in _OPTIONS:
             why, wrong, right = _OPTIONS[name]
             raise TypeError(FIELD_OPTION.format(name=name, why=why, wrong=wrong, right=right))
+
+
+KW_ONLY_MARKER = """\
+{cls}.{name}: dataclasses.KW_ONLY is not supported by ft.Module (the fields after it would \
+still be taken positionally, silently). Pass those fields by name, or write __init__:
+
+    wrong:  {name}: dataclasses.KW_ONLY
+    right:  (leave the marker out)     # Cls(w, n=2): any field may be passed by name
+"""
+
+
+def refuse_kw_only_marker(cls: type, annotations: dict[str, Any]) -> None:
+    """Raise :data:`KW_ONLY_MARKER` where a class body annotates ``dataclasses.KW_ONLY``
+    (by object or as a string: ``from __future__ import annotations``).
+
+    Example:
+      >>> import dataclasses
+      >>> refuse_kw_only_marker(object, {"w": "jax.Array"})
+      >>> try:
+      ...     refuse_kw_only_marker(object, {"_": dataclasses.KW_ONLY})
+      ... except TypeError as e:
+      ...     print(str(e).splitlines()[0][:40])
+      object._: dataclasses.KW_ONLY is not sup
+    """
+    for name, ann in annotations.items():
+        if ann is dataclasses.KW_ONLY or (isinstance(ann, str) and ann in ("KW_ONLY", "dataclasses.KW_ONLY")):
+            raise TypeError(KW_ONLY_MARKER.format(cls=cls.__name__, name=name))
 
 
 MIXED_DICT_KEYS = """\

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Self, TypeVar
 import jax
 
 from functree import _functions
-from functree._field_checks import check_dict_keys, refuse_field_options
+from functree._field_checks import check_dict_keys, refuse_field_options, refuse_kw_only_marker
 from functree._labels import label_aware
 from functree._repr import module_html, module_repr
 from functree._tree import is_array_value
@@ -368,6 +368,7 @@ class Module:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        refuse_kw_only_marker(cls, inspect.get_annotations(cls))
         dataclasses.dataclass(init=False, repr=False, eq=False)(cls)
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
         cls.__ft_fields__ = tuple(f.name for f in fields)

@@ -517,6 +517,15 @@ def test_field_refuses_dataclass_and_equinox_options_it_would_ignore(option, val
     assert fix in str(e.value)
 
 
+def test_the_kw_only_marker_is_refused_at_class_definition():
+    # was: ignored, the fields after it still taken positionally
+    with pytest.raises(TypeError, match=r"C\._: dataclasses.KW_ONLY is not supported by ft.Module"):
+        class C(ft.Module):
+            w: jax.Array
+            _: dataclasses.KW_ONLY
+            n: int = ft.field(static=True, default=1)
+
+
 def test_field_keeps_the_users_own_metadata():
     class Scaled(ft.Module):
         w: jax.Array = ft.field(decay=False)

@@ -856,9 +856,11 @@ def test_an_eager_stack_reads_the_notebook_globals_and_methods_its_block_reads_n
     eager ``stack(x)`` returned the first cell's values (0.575 off, gradient 10.4 off)."""
     run = notebook()
     run("""
+import types
 GAIN, SHIFT = 1.0, 0.0
+CFG = types.SimpleNamespace(power=1)
 def shift(y):            # a user helper: its own global is read too
-    return y + SHIFT
+    return y ** CFG.power + SHIFT
 class Block(ft.Module):
     lin: ft.nn.Dense
     SCALE = 1.0
@@ -872,7 +874,7 @@ stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.
     with counting_compiles() as count:
         run("stack(x)")
     assert count[0] == 0  # nothing changed: the compiled scan is reused
-    for cell in ("GAIN = 0.0", "GAIN = 5.0", "SHIFT = 0.5", "Block.SCALE = -2.0",
+    for cell in ("GAIN = 0.0", "GAIN = 5.0", "SHIFT = 0.5", "CFG.power = 3", "Block.SCALE = -2.0",
                  "Block.squash = lambda self, y: jnp.sin(y)",
                  "def patched(self, x):\n    return self.lin(x) * 0.25\nBlock.__call__ = patched"):
         _eager_matches_unrolled(run(cell))

@@ -19,9 +19,10 @@ What is read, for each user class (one not defined by an installed package):
 
 Values are keyed as the program keeps them: ``None``, bools, ints, floats, strings and
 their tuples by type and exact value (``1``, ``1.0`` and ``True`` differ; ``-0.0`` is not
-``0.0``); lists and dicts by contents (a cell may change them in place); NumPy arrays by
-dtype, shape and bytes; modules, library functions, classes, JAX arrays (immutable) and
-other objects by identity, weakly held where they allow it. A NumPy array over
+``0.0``); lists and dicts by contents (a cell may change them in place), as are the attributes of
+a user's mutable object (a config, a ``SimpleNamespace``); NumPy arrays by dtype, shape
+and bytes; modules, library functions, classes, JAX arrays, Modules and frozen
+dataclasses (immutable) and other objects by identity, weakly held where they allow it. A NumPy array over
 :data:`MAX_ARRAY_BYTES`, a container over :data:`MAX_ITEMS` or code deeper than
 :data:`MAX_DEPTH` cannot be keyed cheaply: :func:`reads_key` returns None and the call
 takes the plain (uncached) scan, never a stale program.
@@ -39,11 +40,13 @@ import os
 import sys
 import sysconfig
 import types
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from functree._module import Module
 from functree._tree import WeakIdentity, bounded_put
 
 __all__ = ["reads_key", "is_library", "library_class", "MAX_DEPTH", "MAX_ITEMS", "MAX_ARRAY_BYTES"]
@@ -56,9 +59,10 @@ _PACKAGES = frozenset({"functree", "jax", "jaxlib", "numpy", "optax", "chex", "m
                        "equinox", "torch", "transformers", "scipy", "einops"})
 _INSTALLED = tuple({os.path.join(sysconfig.get_path(k), "") for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 _LIBRARY: dict[str, bool] = {}  # module name -> whether its globals are library code
-_NAMES: dict[types.CodeType, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_NAMES: dict[int, tuple[types.CodeType, tuple[tuple[str, ...], tuple[str, ...]]]] = {}
 _CLASSES: dict[type, bool] = {}  # held as the tree definitions hold classes
-_MEMBERS: dict[tuple[type, types.CodeType], tuple[str, ...]] = {}
+_PLANS: dict[int, tuple[Any, ...]] = {}  # id(function) -> _plan(function), checked against it
+_MEMBERS: dict[tuple[type, int], tuple[types.CodeType, tuple[str, ...]]] = {}
 _MISSING = object()  # a global not (yet) defined, an empty cell: defining it later changes the key
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
@@ -140,13 +144,13 @@ def _installed(module: str) -> bool:
 def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(globals read, attributes read)`` by ``code`` and the code nested in it (lambdas,
     comprehensions), read from its bytecode once per code object."""
-    names = _NAMES.get(code)
-    if names is None:
+    entry = _NAMES.get(id(code))  # by id, the code held in the entry: hashing a code object
+    if entry is None or entry[0] is not code:  # reads all its bytecode, at every call
         found: tuple[dict[str, None], dict[str, None]] = ({}, {})
         _collect(code, found)
-        names = tuple(found[0]), tuple(found[1])
-        bounded_put(_NAMES, code, names)
-    return names
+        entry = code, (tuple(found[0]), tuple(found[1]))
+        bounded_put(_NAMES, id(code), entry)
+    return entry[1]
 
 
 def _collect(code: types.CodeType, found: tuple[dict[str, None], dict[str, None]]) -> None:
@@ -164,11 +168,12 @@ def _members(owner: type, code: types.CodeType, attributes: tuple[str, ...]) -> 
     """The attribute names of ``code`` found on a user class of ``owner``'s MRO (a method,
     a property, a class constant), once per class and code: the others are fields of the
     instance (``self.lin``) or attributes of other objects (``x.shape``, ``jnp.tanh``)."""
-    names = _MEMBERS.get((owner, code))
-    if names is None:
+    entry = _MEMBERS.get((owner, id(code)))
+    if entry is None or entry[0] is not code:
         names = tuple(n for n in attributes if not n.startswith("__") and _class_attribute(owner, n)[0])
-        bounded_put(_MEMBERS, (owner, code), names)
-    return names
+        entry = code, names
+        bounded_put(_MEMBERS, (owner, id(code)), entry)
+    return entry[1]
 
 
 def _class_attribute(owner: type, name: str) -> tuple[bool, Any]:
@@ -222,7 +227,9 @@ class _Builder:
             return kind, self.value(v.fget, depth)
         if isinstance(v, types.ModuleType):
             return v  # code, alive for the process: compared by identity (its __eq__)
-        return _identity(v)  # a JAX array is immutable; another object: by identity
+        if _mutable_record(v):  # a notebook's config object: a later cell may set its fields
+            return _identity(v), self.value(dict(vars(v)), depth + 1)
+        return _identity(v)  # a JAX array, a Module, a frozen dataclass: immutable; others by identity
 
     def cls(self, cls: type, depth: int) -> Any:
         """A user class by identity and by what its ``__call__`` reads; a library class by identity."""
@@ -246,22 +253,23 @@ class _Builder:
         defaults, the globals its code reads and, for a method of ``owner``, the class
         attributes it names."""
         if id(fn) in self.seen:
-            return "seen", fn.__code__
+            return "seen", _identity(fn)
         if depth > MAX_DEPTH:
             raise Unkeyable
         self.seen[id(fn)] = fn
+        plan = _PLANS.get(id(fn))
+        if plan is None or plan[0]() is not fn or plan[1] is not fn.__code__:
+            plan = _plan(fn)
+        _, code, ident, library, global_names, attributes = plan
         contents = [_cell(c) for c in fn.__closure__ or ()]
-        if _library_function(fn):
-            # library code, alive for the process; its closure: a wrapped user function
+        if library:  # library code, alive for the process; its closure: a wrapped user function
             return fn, tuple(self.function(c, depth + 1, owner) for c in contents if isinstance(c, types.FunctionType))
         cells = tuple(self.value(c, depth + 1) for c in contents)
-        global_names, attributes = _names(fn.__code__)
         scope = fn.__globals__
         reads = tuple(self.value(scope.get(name, _MISSING), depth + 1) for name in global_names)
         members = () if owner is None else tuple(self.attribute(owner, name, depth + 1)
-                                                 for name in _members(owner, fn.__code__, attributes))
-        return (_identity(fn), fn.__code__, cells, reads, members,
-                self.value(fn.__defaults__, depth), self.value(fn.__kwdefaults__, depth))
+                                                 for name in _members(owner, code, attributes))
+        return (ident, cells, reads, members, self.value(fn.__defaults__, depth), self.value(fn.__kwdefaults__, depth))
 
     def attribute(self, owner: type, name: str, depth: int) -> Any:
         user, v = _class_attribute(owner, name)
@@ -274,6 +282,29 @@ class _Builder:
         if isinstance(v, types.FunctionType):
             return self.function(v, depth, owner)
         return self.value(v, depth)
+
+
+def _mutable_record(v: Any) -> bool:
+    """Whether ``v`` is an object whose attributes a cell may set in place (a user class's
+    instance, a ``SimpleNamespace``): not a Module or frozen dataclass, not a library's."""
+    kind = type(v)
+    if kind is types.SimpleNamespace:
+        return True
+    if isinstance(v, Module) or library_class(kind) or not hasattr(v, "__dict__"):
+        return False
+    params = getattr(kind, "__dataclass_params__", None)
+    return not (params is not None and params.frozen)
+
+
+def _plan(fn: types.FunctionType) -> tuple[Any, ...]:
+    """What of ``fn`` is fixed, made once per function (and code): ``(weak reference, code,
+    key part of its identity and code, library?, globals read, attributes read)``; the
+    values it reads are read at every call."""
+    code = fn.__code__
+    ident = _identity(fn), _Same(code)  # (a code object's own hash would read all its bytecode)
+    plan = (weakref.ref(fn), code, ident, _library_function(fn), *_names(code))
+    bounded_put(_PLANS, id(fn), plan)
+    return plan
 
 
 def _cell(c: Any) -> Any:

@@ -740,3 +740,82 @@ def test_a_member_of_the_wrong_dtype_is_reported_and_its_slice_is_zeros_never_ga
     weight = np.asarray(loaded["h"].layers.weight)
     np.testing.assert_array_equal(weight[0], sd["h.0.weight"].T)
     np.testing.assert_array_equal(weight[1], np.zeros((3, 3)))
+
+
+class ScaledDense(ft.nn.Dense):
+    """A user's Dense with a trained field of its own (audit t09)."""
+
+    scale: jax.Array
+
+    def __init__(self, n_in, n_out, *, key):
+        super().__init__(n_in, n_out, key=key)
+        self.scale = jnp.full((n_out,), 2.0)
+
+    def __call__(self, x):
+        return super().__call__(x) * self.scale
+
+
+class GainNorm(ft.nn.LayerNorm):
+    gain: jax.Array
+
+    def __init__(self, size):
+        super().__init__(size)
+        self.gain = jnp.ones((size,))
+
+    def __call__(self, x):
+        return super().__call__(x) * self.gain
+
+
+class ShiftedEmbedding(ft.nn.Embedding):
+    shift: jax.Array
+
+    def __init__(self, n, d, *, key):
+        super().__init__(n, d, key=key)
+        self.shift = jnp.zeros((d,))
+
+    def __call__(self, ids):
+        return super().__call__(ids) + self.shift
+
+
+class ShiftedNet(ft.Module):
+    emb: ShiftedEmbedding
+    norm: GainNorm
+    head: ScaledDense
+
+    def __call__(self, ids):
+        return self.head(self.norm(self.emb(ids)))
+
+
+def test_a_layer_subclass_s_own_leaves_are_exported_and_loaded_under_their_names():
+    """The layer rules matched by isinstance and covered the base's leaves alone: a subclass's
+    trained `scale` was left out of torch_state_dict and never reported missing by a strict
+    load, so the round trip changed outputs by 2.30. Now each is a tensor of its own name."""
+    class ScaledLinear(nn.Linear):  # torch's module of the same design: its state dict has `scale`
+        def __init__(self, n_in, n_out):
+            super().__init__(n_in, n_out)
+            self.scale = nn.Parameter(torch.empty(n_out).uniform_(0.5, 1.5))
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+    loaded = both_ways(ScaledLinear(3, 2), build(lambda: ScaledDense(3, 2, key=K[0])), (x,))
+    assert sorted(ft.nn.torch_state_dict(loaded)) == ["bias", "scale", "weight"]
+
+    model = build(lambda: ShiftedNet(ShiftedEmbedding(7, 4, key=K[1]), GainNorm(4), ScaledDense(4, 3, key=K[2])))
+    state = ft.nn.torch_state_dict(model)
+    assert {"emb.shift", "norm.gain", "head.scale"} <= set(state)
+    back = ft.nn.load_torch_state_dict(build(lambda: ShiftedNet(ShiftedEmbedding(7, 4, key=K[3]), GainNorm(4),
+                                                                ScaledDense(4, 3, key=K[4]))), state)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ids = jnp.array([[0, 3, 6]])
+    np.testing.assert_array_equal(back(ids), model(ids))
+    partial = {k: v for k, v in state.items() if k not in ("norm.gain", "head.scale")}
+    with pytest.raises(ValueError, match=r"missing keys: +\['norm.gain', 'head.scale'\]"):
+        ft.nn.load_torch_state_dict(model, partial)
+    # functree's own layers' other leaves are no weights: a dropout port's PRNG state stays out
+    config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 2, "n_head": 2,
+              "bos_token_id": 0, "eos_token_id": 0, "attn_pdrop": 0.1}
+    port = ft.nn.from_hf(config, key=K[5], dropout=True)
+    assert not [name for name in ft.nn.torch_state_dict(port) if "dropout" in name]

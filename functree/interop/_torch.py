@@ -419,7 +419,8 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
             return plan.ports.append(Found(ft, torch, node, port))
         local = _layer_rules(node, ft, torch, options)
         if local is not None:
-            return add(local, node, ft, stored, index, torch)
+            add(local, node, ft, stored, index, torch)
+            return uncovered({n for _, f, _, _ in local for n in f}, node, ft, stored, index, torch)
         if is_stacked(node):
             ((field_name, _),) = _children(node)
             for i in range(len(node)):
@@ -438,6 +439,21 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
             hidden = isinstance(node, (Sequential, Remat)) and name in ("layers", "layer")
             walk(child, join_names(ft, name), _under(stored, name), index, torch if hidden else join_names(torch, name))
 
+    def uncovered(covered: set[str], node: Any, ft: str, stored: str | None, index: tuple[int, ...], torch: str) -> None:
+        """A user's layer subclass's own leaves (``class MyDense(Dense)`` adding a trained
+        ``scale``; also a user's cell inside an RNN): the rule covers the base's (``covered``,
+        local names); each child it leaves out is walked (its own name, its own rules), so
+        none is dropped. functree's own layers' other leaves are no weights (a port's dropout
+        key): skipped."""
+        for name, child in _children(node):
+            inside = {n[len(name) + 1:] for n in covered if n.startswith(name + ".")}
+            if name in covered:
+                continue
+            if inside:  # a layer the rule reaches into (an RNN's cell): its leaves the rule leaves out
+                uncovered(inside, child, join_names(ft, name), _under(stored, name), index, join_names(torch, name))
+            elif not _declared_in_functree(type(node), name):
+                walk(child, join_names(ft, name), _under(stored, name), index, join_names(torch, name))
+
     # host_array: a leaf spread over several processes' devices is gathered (a collective)
     walk(jax.tree.map(host_array if values else _placeholder, model), "", "", (), "")
     unknown = [name for name in options.flattened if not any(name in pair for pair in options.dense)]
@@ -450,6 +466,12 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
         raise unused_layouts(unused, plan.ports) or ValueError(LAYOUT_UNUSED.format(patterns=unused, names=names))
     plan.attentions = options.attentions
     return plan
+
+
+def _declared_in_functree(cls: type, name: str) -> bool:
+    """Whether field ``name`` of ``cls`` is declared by one of functree's classes (not a user's)."""
+    owner = next((c for c in cls.__mro__ if name in vars(c).get("__annotations__", {})), cls)
+    return owner.__module__.startswith("functree.")
 
 
 def _placeholder(leaf: Any) -> np.ndarray:

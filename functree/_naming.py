@@ -14,6 +14,9 @@ spells it: ``encoder.layers.0.weight`` (fields, indices and dict keys joined by 
   also to the names of the resolved model, without ``model.``: ``P.x``, and
   ``P.target`` for every tie ``{target: x}`` (``embed.embeddings`` and ``head.weight``
   for an LM whose head is tied to its embedding). These are the names torch gives it.
+  A Stack of tied blocks gives each member those names too (``h.1.head.weight``).
+* A dict key ``""`` is a name part as any other, as JAX spells it: a Stack under it is
+  ``.layers.weight``, its members ``.0.weight``.
 
 **Patterns.** A pattern is a glob, matched case-sensitively against dotted names
 (:func:`fnmatch.fnmatchcase`): ``*`` matches any characters, dots included; ``?`` one
@@ -49,7 +52,9 @@ and what each ``*`` matched fills the replacement's ``*`` in order: ``transforme
 (:func:`rename_pattern`, :func:`fill_stars`).
 
 **Errors.** A pattern that selects nothing raises naming the closest names; a member
-index past a stack's end (``h.7.*`` for 4 members) raises naming the stack's length.
+index past a stack's end (``h.7.*`` for 4 members) raises naming the stack's length. A
+tree whose names a pattern cannot tell apart (two leaves of one name, one leaf's name a
+dotted prefix of another's: dict keys containing ``.``) is refused (:data:`NAMES_COLLIDE`).
 
 Example:
   >>> import functree as ft, jax
@@ -178,6 +183,10 @@ class LeafInfo(NamedTuple):
     no sizes: not stacked); ``aliases`` are the other names of a tied parameter;
     ``ndim`` a stacked leaf's rank, its stack axes included, when the stack recorded its
     members' ranks (None: unknown). A leaf of more axes is a batch of models.
+    ``member_aliases`` spell a stacked leaf's other member names, one :class:`LeafInfo`
+    (segments and sizes) per tie name: ``h.1.head.weight`` for a Stack of tied blocks.
+    A stacked leaf at the dict key ``""`` has an empty ``segments[0]`` and a ``name``
+    starting with ``.`` (``.layers.w``): its member names start with ``.`` (``.0.w``).
     """
 
     name: str
@@ -185,6 +194,7 @@ class LeafInfo(NamedTuple):
     sizes: tuple[int, ...]
     aliases: tuple[str, ...] = ()
     ndim: int | None = None
+    member_aliases: tuple[LeafInfo, ...] = ()  # a stacked leaf's other member names (ties)
 
 
 def _member(node: Any, i: int) -> Any:
@@ -216,17 +226,39 @@ def _infos(tree: Any) -> list[LeafInfo]:
     return out
 
 
-def _prefixed(prefix: str, infos: list[LeafInfo]) -> list[LeafInfo]:
+def _under(prefix: str, name: str) -> str:
+    """``name`` under the node ``prefix`` (never the root: a dict key ``""`` is a name)."""
+    return f"{prefix}.{name}" if name else prefix
+
+
+def _keyed(info: LeafInfo) -> bool:
+    """Whether a stacked leaf's stack is the dict key ``""`` (its name, not the root)."""
+    return not info.segments[0] and info.name.startswith(".")
+
+
+def _prefixed(prefix: str, infos: Sequence[LeafInfo]) -> list[LeafInfo]:
+    """``infos`` of a node named ``prefix`` (a key path's name, ``""`` for the dict key
+    ``""``: kept, as JAX's ``.layers.w``; :func:`join_names` would drop it)."""
     return [
-        LeafInfo(join_names(prefix, i.name), (join_names(prefix, i.segments[0]), *i.segments[1:]), i.sizes,
-                 tuple(join_names(prefix, a) for a in i.aliases), i.ndim)
+        LeafInfo(_under(prefix, i.name),
+                 (f"{prefix}.{i.segments[0]}" if i.segments[0] or _keyed(i) else prefix, *i.segments[1:]),
+                 i.sizes, tuple(_under(prefix, a) for a in i.aliases), i.ndim,
+                 tuple(_prefixed(prefix, i.member_aliases)))
         for i in infos
     ]
 
 
+def _alias_forms(info: LeafInfo) -> tuple[LeafInfo, ...]:
+    """A leaf's other names with their segments: a stacked leaf's member aliases, a
+    leaf's aliases (not stacked: one name each)."""
+    return info.member_aliases if info.sizes else tuple(LeafInfo(a, (a,), ()) for a in info.aliases)
+
+
 def _stacked_infos(stack: Any) -> list[LeafInfo]:
     """A stacked node's leaves: JAX's names, and member names from member 0's leaves
-    (a stacked node's leaves are its member's, in the same order, with stack axes)."""
+    (a stacked node's leaves are its member's, in the same order, with stack axes); a
+    tie inside the members (a Stack of ``ft.nn.Shared`` blocks) gives member aliases
+    (``1.head.weight``), never a stacked alias (its transform is a member's)."""
     pairs, _ = jax.tree_util.tree_flatten_with_path(stack, is_leaf=is_none)
     light = jax.tree.map(lambda _: 0, stack)  # no slicing: any leaves (arrays, specs, tracers)
     inner = _infos(_member(light, 0)) if len(stack) else []
@@ -235,26 +267,47 @@ def _stacked_infos(stack: Any) -> list[LeafInfo]:
     ranks = dict(getattr(stack, "ranks", None) or ())
     own, _ = jax.tree_util.tree_flatten_with_path(getattr(stack, "layers", None), is_leaf=is_none)
     recorded = [ranks.get(dotted_name(p)) for p, _ in own] if len(own) == len(pairs) else [None] * len(pairs)
-    return [
-        LeafInfo(dotted_name(p), ("", *i.segments), (len(stack), *i.sizes), (),
-                 1 + r if r is not None else (None if i.ndim is None else 1 + i.ndim))
-        for (p, _), i, r in zip(pairs, inner, recorded)
-    ]
+    out = []
+    for (p, _), i, r in zip(pairs, inner, recorded):
+        name = dotted_name(p)
+        head = name[: len(name) - len(i.name)] if name.endswith(i.name) else name + "."  # "layers."
+        aliases = tuple(LeafInfo(head + a.name, ("", *a.segments), (len(stack), *a.sizes)) for a in _alias_forms(i))
+        out.append(LeafInfo(name, ("", *i.segments), (len(stack), *i.sizes), (),
+                            1 + r if r is not None else (None if i.ndim is None else 1 + i.ndim), aliases))
+    return out
+
+
+def _retied(name: str, ties: Sequence[tuple[str, str]]) -> list[str]:
+    """``name`` (of the resolved model) as every tie target whose source holds it."""
+    return [t + name[len(s):] for t, s in ties if name == s or name.startswith(s + ".")]
+
+
+def _covered(name: str, targets: Sequence[str]) -> bool:
+    return any(name == t or name.startswith(t + ".") for t in targets)
 
 
 def _tied_infos(shared: Any) -> list[LeafInfo]:
-    """A tied node's leaves (``model.x``), each also named ``x`` and by every tie target."""
+    """A tied node's leaves (``model.x``), each also named ``x`` and by every tie target.
+    A tie target's own slot (empty: ``None``) takes no name of the tie: the value under a
+    target's name is its source's, wherever the target comes in flatten order."""
     pairs, _ = jax.tree_util.tree_flatten_with_path(shared, is_leaf=is_none)
+    ties = [(t.name, s.name) for t, s, _ in shared.ties]
     infos = []
     for (path, _), info in zip(pairs, _infos(shared.model)):
-        stored = dotted_name(path)
-        aliases = [info.name] + [
-            t.name + info.name[len(s.name):]
-            for t, s, _ in shared.ties
-            if info.name == s.name or info.name.startswith(s.name + ".")
-        ]
-        infos.append(LeafInfo(stored, ("model." + info.segments[0] if info.segments[0] else "model",
-                                       *info.segments[1:]), info.sizes, tuple(dict.fromkeys(aliases)), info.ndim))
+        stored = LeafInfo(dotted_name(path), ("model." + info.segments[0] if info.segments[0] or _keyed(info)
+                                              else "model", *info.segments[1:]), info.sizes, (), info.ndim)
+        if _covered(info.name, [t for t, _ in ties]):
+            infos.append(stored)
+            continue
+        own = [info.name, *info.aliases]
+        aliases = own + [_under("model", a) for a in info.aliases] + [r for n in own for r in _retied(n, ties)]
+        members = [info, *info.member_aliases] if info.sizes else []
+        forms = members + _prefixed("model", info.member_aliases) + [
+            LeafInfo(t + f.name[len(s):], (t + f.segments[0][len(s):], *f.segments[1:]), f.sizes)
+            for f in members for t, s in ties if f.segments[0] == s or f.segments[0].startswith(s + ".")]
+        unique = {f.segments: f for f in forms if f.segments != stored.segments}
+        infos.append(stored._replace(aliases=tuple(a for a in dict.fromkeys(aliases) if a != stored.name),
+                                     member_aliases=tuple(unique.values())))
     return infos
 
 
@@ -294,7 +347,8 @@ def _member_name(info: LeafInfo, index: Sequence[int]) -> str:
     parts = [info.segments[0]]
     for i, seg in zip(index, info.segments[1:]):
         parts += [str(i), seg]
-    return join_names(*parts)
+    name = join_names(*parts)
+    return "." + name if _keyed(info) else name  # the dict key "": .0.w, as JAX spells it
 
 
 def _prefixes(name: str) -> list[str]:
@@ -369,31 +423,31 @@ def _leaf_names(info: LeafInfo) -> tuple[str, ...]:
     return (info.name, *info.aliases)
 
 
-def _member_hits(info: LeafInfo, pattern: str) -> np.ndarray:
-    """Which members of a stacked leaf ``pattern`` selects (shape ``info.sizes``)."""
-    shape = info.sizes
-    hits = np.zeros(shape, bool)
-    others = [(a, _alias_info(info, a)) for a in info.aliases]
-    for idx in itertools.product(*(range(n) for n in shape)):
-        hits[idx] = any(matches(_member_name(i, idx), pattern) for i in [info] + [o for _, o in others])
+def _whole(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` matches all of ``name`` (no dotted prefix: ``*.scale`` is not
+    ``film.scale.weight``'s)."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase("." + name, pattern)
+
+
+def _member_hits(info: LeafInfo, pattern: str, whole: bool = False) -> np.ndarray:
+    """Which members of a stacked leaf ``pattern`` selects (shape ``info.sizes``), by
+    their stored names and their names through ties."""
+    test = _whole if whole else matches
+    hits = np.zeros(info.sizes, bool)
+    for idx in itertools.product(*(range(n) for n in info.sizes)):
+        hits[idx] = any(test(_member_name(i, idx), pattern) for i in (info, *info.member_aliases))
     return hits
 
 
-def _alias_info(info: LeafInfo, alias: str) -> LeafInfo:
-    """An alias's member names: the alias's own prefix before the stored name's stack."""
-    stored_head = info.segments[0]
-    rest = info.name[len(stored_head):]
-    head = alias[: len(alias) - len(rest)] if rest and alias.endswith(rest) else stored_head
-    return LeafInfo(alias, (head, *info.segments[1:]), info.sizes)
-
-
-def _leaf_selection(info: LeafInfo, pattern: str) -> Any:
-    """True, False or a member array: what ``pattern`` selects of one leaf."""
-    if any(matches(n, pattern) for n in _leaf_names(info)):
+def _leaf_selection(info: LeafInfo, pattern: str, whole: bool = False) -> Any:
+    """True, False or a member array: what ``pattern`` selects of one leaf (``whole``:
+    matching whole names only, not a dotted prefix)."""
+    test = _whole if whole else matches
+    if any(test(n, pattern) for n in _leaf_names(info)):
         return True
     if not info.sizes:
         return False
-    hits = _member_hits(info, pattern)
+    hits = _member_hits(info, pattern, whole)
     return bool(hits.all()) if hits.all() or not hits.any() else hits
 
 
@@ -408,38 +462,98 @@ _SELECTIONS: dict[Any, tuple[Any, ...]] = {}
 
 
 def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *, what: str = "ft.select",
-              kind: str = "parameter", only: Sequence[bool] | None = None, strict: bool = True) -> tuple[Any, ...]:
+              kind: str = "parameter", only: Sequence[bool] | None = None, strict: bool = True,
+              whole: bool = False, exclude_whole: Sequence[str] = ()) -> tuple[Any, ...]:
     """Per leaf of ``tree`` (JAX order, ``None`` leaves included): ``True``, ``False`` or a
     boolean member array: selected by some pattern and by no ``exclude`` pattern.
 
     ``only`` (a bool per leaf) limits which leaves count (the parameters); with
     ``strict``, a pattern that selects none of them raises naming the closest names
-    (``what`` and ``kind`` word the error). Cached per tree definition and patterns.
+    (``what`` and ``kind`` word the error). With ``whole``, ``patterns`` and ``exclude``
+    match whole names only, never a dotted prefix; ``exclude_whole`` are more exclude
+    patterns matched so (weight decay's default ``*.scale`` spares a leaf named ``scale``,
+    not a sub-layer named ``scale``). A tree whose names collide (:data:`NAMES_COLLIDE`)
+    is refused. Cached per tree definition and patterns.
     """
-    patterns, exclude = tuple(patterns), tuple(exclude)
-    check_patterns(patterns + exclude)
+    patterns, exclude, exclude_whole = tuple(patterns), tuple(exclude), tuple(exclude_whole)
+    check_patterns(patterns + exclude + exclude_whole)
     infos = leaf_infos(tree)
     if only is None:
         only = tuple(True for _ in infos)
     treedef = jax.tree.structure(tree, is_leaf=is_none)
-    key, out = cached(_SELECTIONS, (treedef, patterns, exclude, tuple(only), strict))
+    key, out = cached(_SELECTIONS, (treedef, patterns, exclude, tuple(only), strict, whole, exclude_whole))
     if out is not None:
         refuse_batched_selection(tree, out, patterns + exclude)
         return out
+    refuse_collisions(tree, infos, what)
     chosen: list[Any] = [False] * len(infos)
     for pattern in patterns:
-        picks = [_leaf_selection(i, pattern) if ok else False for i, ok in zip(infos, only)]
+        picks = [_leaf_selection(i, pattern, whole) if ok else False for i, ok in zip(infos, only)]
         if strict and not any(np.any(p) for p in picks):
             raise nothing_selected(pattern, what, kind, [i for i, ok in zip(infos, only) if ok])
         chosen = [_combine(c, p, np.logical_or) for c, p in zip(chosen, picks)]
-    for pattern in exclude:
-        picks = [_leaf_selection(i, pattern) for i in infos]
+    for pattern, exact in [(p, whole) for p in exclude] + [(p, True) for p in exclude_whole]:
+        picks = [_leaf_selection(i, pattern, exact) for i in infos]
         chosen = [_combine(c, p, lambda a, b: a & ~b) for c, p in zip(chosen, picks)]
     out = tuple(chosen)
     if key is not None and _str_keys_only(tree):
         bounded_put(_SELECTIONS, key, out)
     refuse_batched_selection(tree, out, patterns + exclude)
     return out
+
+
+NAMES_COLLIDE = """\
+{what}: the leaf at {first} is named {name!r} and the leaf at {second} {relation} {other!r}, \
+so a pattern cannot tell them apart ({pattern!r} selects both): a dict key containing "." \
+reads as a nested path, an int key as the str key of its digits, the key "" as a leading \
+"." (which a pattern may also write). Rename the key:
+    wrong:  {{{key!r}: ...}}
+    right:  {{{fixed!r}: ...}}"""
+
+_COLLISIONS: dict[Any, bool] = {}  # tree definition -> its names were found distinct
+
+
+def refuse_collisions(tree: Any, infos: Sequence[LeafInfo], what: str) -> None:
+    """Raise :data:`NAMES_COLLIDE` when two leaves of ``tree`` answer to one name, one
+    leaf's name is a dotted prefix of another's (``{"a": x, "a.b": y}``: the pattern ``"a"``
+    would select both), or a node's name is another's with a leading ``.`` (the key ``""``:
+    ``.layers`` and ``layers``), counting member names and tie names. Once per tree
+    definition."""
+    treedef = jax.tree.structure(tree, is_leaf=is_none)
+    key, seen = cached(_COLLISIONS, treedef)
+    if seen:
+        return
+    owner: dict[str, int] = {}  # every name of a leaf -> its leaf
+    for j, info in enumerate(infos):
+        for name in all_names([info]):
+            if owner.setdefault(name, j) != j:
+                _raise_collision(tree, what, owner[name], j, name, name, name)
+    nodes: dict[str, tuple[int, str]] = {}  # every dotted prefix -> a leaf under it, and its name
+    for name, j in owner.items():
+        parts = name.split(".")
+        for end in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:end])
+            k = owner.get(prefix, j) if end < len(parts) else j
+            if k != j:
+                _raise_collision(tree, what, k, j, prefix, name, prefix)
+            nodes.setdefault(prefix, (j, name))
+    for prefix, (j, name) in nodes.items():
+        k, other = nodes.get("." + prefix, (j, name))
+        if k != j:
+            _raise_collision(tree, what, j, k, name, other, "." + prefix)
+    if key is not None and _str_keys_only(tree):
+        bounded_put(_COLLISIONS, key, True)
+
+
+def _raise_collision(tree: Any, what: str, first: int, second: int, name: str, other: str, pattern: str) -> None:
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)[0]]
+    keys = [k.key for i in (first, second) for k in paths[i] if isinstance(k, jax.tree_util.DictKey)]
+    culprit = next((k for k in keys if not isinstance(k, str) or "." in k or not k), keys[-1] if keys else name)
+    fixed = (culprit.replace(".", "_") or "_") if isinstance(culprit, str) else f"k{culprit}"
+    raise ValueError(NAMES_COLLIDE.format(
+        what=what, first=jax.tree_util.keystr(paths[first]) or "<root>", name=name,
+        second=jax.tree_util.keystr(paths[second]) or "<root>", other=other, pattern=pattern,
+        relation="is also named" if name == other else "is named", key=culprit, fixed=fixed))
 
 
 def refuse_batched_selection(tree: Any, chosen: Sequence[Any], patterns: Sequence[str]) -> None:
@@ -464,13 +578,14 @@ def refuse_batched_selection(tree: Any, chosen: Sequence[Any], patterns: Sequenc
                                                     leaf=info.name, shape=shape, expected=expected))
 
 
-def required_selection(tree: Any, pattern: str, what: str, message: str, fallback: str) -> tuple[Any, ...]:
+def required_selection(tree: Any, pattern: str, what: str, message: str, fallback: str,
+                       whole: bool = False) -> tuple[Any, ...]:
     """:func:`selection` of one ``pattern`` that must match some name of ``tree`` (names of
     non-parameters count: a part frozen elsewhere is no typo); else a ``ValueError`` of
     ``message`` formatted with the ``pattern``, the ``close`` names and the ``right`` one
-    (``fallback`` when nothing is close)."""
+    (``fallback`` when nothing is close). ``whole``: the pattern matches whole names only."""
     try:
-        return selection(tree, (pattern,), what=what, strict=True)
+        return selection(tree, (pattern,), what=what, strict=True, whole=whole)
     except NothingSelected as e:
         right = e.suggestion or (e.close[0] if e.close else fallback)
         raise ValueError(message.format(pattern=pattern, close=", ".join(map(repr, e.close)) or "none",
@@ -489,6 +604,8 @@ def all_names(infos: Sequence[LeafInfo]) -> list[str]:
     out: list[str] = []
     for i in infos:
         out += [i.name, *i.aliases, *member_names(i)]
+        for a in i.member_aliases:
+            out += member_names(a)
     return list(dict.fromkeys(out))
 
 
@@ -655,8 +772,7 @@ def resolve_alias(tree: Any, name: str) -> str | None:
     for info in leaf_infos(tree):
         if name in info.aliases:
             return info.name
-        for alias in info.aliases if info.sizes else ():
-            a = _alias_info(info, alias)
+        for a in info.member_aliases:
             for idx in itertools.product(*(range(n) for n in info.sizes)):
                 if _member_name(a, idx) == name:
                     return _member_name(info, idx)

@@ -17,7 +17,7 @@ from functree._functions import builtin_name
 from functree._naming import is_tied, resolve_alias, tie_targets, untransform
 from functree._naming import names as leaf_names
 from functree._paths import ensure_acyclic
-from functree._tree import bounded_put, cached, dotted_name, is_none
+from functree._tree import bounded_put, cached, is_none
 
 __all__ = ["to_flat_dict", "from_flat_dict", "FlatDictReport"]
 
@@ -85,7 +85,7 @@ def _named_leaves(tree: Any, fn: str) -> tuple[list[Any], Any, tuple[str, ...]]:
         names = tuple(n for n, x in zip(leaf_names(tree), present) if x is not None)  # the naming layer's
         path_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
         if len(frozenset(names)) != len(names):
-            _raise_duplicate(path_leaves, fn)
+            _raise_duplicate(path_leaves, names, fn)
         if key is not None and _str_keys_only(path_leaves):
             bounded_put(_NAMES, key, names)
     return leaves, treedef, names
@@ -115,10 +115,11 @@ def to_flat_dict(tree: Any, *, unstack: bool = False) -> dict[str, Any]:
     return dict(zip(names, leaves))
 
 
-def _raise_duplicate(path_leaves: list[tuple[Any, Any]], fn: str) -> None:
+def _raise_duplicate(path_leaves: list[tuple[Any, Any]], names: Sequence[str], fn: str) -> None:
+    """Raise :data:`DUPLICATE_NAME` for the first two leaves of one name (the naming
+    layer's, the flat dict's keys), by their key paths."""
     seen: dict[str, Any] = {}
-    for path, _ in path_leaves:
-        name = dotted_name(path)
+    for (path, _), name in zip(path_leaves, names, strict=True):
         if name in seen:
             raise ValueError(
                 DUPLICATE_NAME.format(
@@ -192,7 +193,7 @@ def _names_members(template: Any, flat: Mapping[str, Any], names: Sequence[str])
     unexpected against the stacked names, not as every leaf missing under member names."""
     known = frozenset(names)
     members = frozenset(_named_leaves(_stacked.expand(template), "from_flat_dict")[2])
-    return any(k in members for k in flat if k not in known)
+    return any(k in members or resolve_alias(template, k) in members for k in flat if k not in known)
 
 
 def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = True, cast: bool = False) -> Any:
@@ -274,7 +275,7 @@ def _through_ties(template: Any, flat: Mapping[str, Any], known: frozenset[str])
     given: dict[str, str] = {}
     for k, v in flat.items():
         stored = k if k in known else resolve_alias(template, k)
-        if stored is None:
+        if stored is None or stored not in known:  # a member's: the members' pass, with the member's tie
             out[k] = v
             continue
         if k in ties and ties[k][1] is not None:  # a transformed tie: its source's value

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import NO_DERIVATIVE, Module, field_kind, from_fields
-from functree._naming import NothingSelected, check_patterns, selection
+from functree._naming import NothingSelected, check_patterns, required_selection, selection
 from functree._paths import KeyPath, children
 from functree._tree import bounded_put, is_none
 
@@ -303,6 +303,13 @@ def first_difference(a: Any, b: Any, *, none_is_leaf: bool = False) -> tuple[Key
     return None
 
 
+SELECT_EXCLUDE_NOTHING = """\
+ft.select: the exclude pattern {pattern!r} matches no name in the tree, so it excludes \
+nothing and those parameters stay selected. Closest names: {close}.
+    wrong:  ft.select(model, ..., exclude=[{pattern!r}])
+    right:  ft.select(model, ..., exclude=[{right!r}])"""
+
+
 def select(tree: Any, *patterns: str, exclude: Sequence[str] = ()) -> Any:
     """A boolean tree shaped like the parameter view: True where a pattern matches.
 
@@ -310,8 +317,9 @@ def select(tree: Any, *patterns: str, exclude: Sequence[str] = ()) -> Any:
     other consumer of names (see :mod:`functree._naming`): ``"encoder.*"``, ``"*.bias"``,
     ``"layers.[01].*"``. A pattern also matches everything under a matching node
     (``"encoder"`` selects ``encoder.weight``). ``exclude=`` patterns win over
-    ``patterns``. Non-parameters are ``None``. A pattern that selects no parameter is an
-    error naming the closest names.
+    ``patterns``. Non-parameters are ``None``. A pattern that selects no parameter, or an
+    ``exclude=`` pattern that matches no name (non-parameters' count), is an error naming
+    the closest names.
 
     A leaf of an ``ft.nn.Stack`` partly selected by member patterns (``"h.2.*"``,
     ``"h.[0-1].*"``) gets a boolean array over its members (shape ``(n,)``) instead of
@@ -329,17 +337,22 @@ def select(tree: Any, *patterns: str, exclude: Sequence[str] = ()) -> Any:
     if not patterns:
         raise ValueError("ft.select needs at least one pattern, e.g. ft.select(model, '*.bias').")
     check_patterns((*patterns, *exclude))
+    for pattern in exclude:  # a typo would exclude nothing, silently
+        required_selection(tree, pattern, "ft.select", SELECT_EXCLUDE_NOTHING, "*")
     return selected(tree, patterns, exclude)
 
 
-def selected(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), strict: bool = True) -> Any:
+def selected(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), strict: bool = True,
+             exclude_whole: Sequence[str] = ()) -> Any:
     """:func:`select`; without ``strict``, a pattern may select nothing (``decay_mask``'s
-    ``"*"`` on a tree without parameters)."""
+    ``"*"`` on a tree without parameters). ``exclude_whole``: exclude patterns matched
+    against whole names only (no dotted prefix)."""
     view = parameters(tree)
     leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
     only = tuple(leaf is not None for leaf in leaves)
     try:
-        chosen = selection(tree, tuple(patterns), tuple(exclude), what="ft.select", only=only, strict=strict)
+        chosen = selection(tree, tuple(patterns), tuple(exclude), what="ft.select", only=only, strict=strict,
+                           exclude_whole=tuple(exclude_whole))
     except NothingSelected as e:
         raise ValueError(str(e)) from None
     return jax.tree.unflatten(treedef, [None if leaf is None else c for leaf, c in zip(leaves, chosen)])

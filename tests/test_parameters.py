@@ -206,6 +206,18 @@ def test_select_errors():
         ft.select(make_model(), 3)
 
 
+def test_an_exclude_pattern_matching_no_name_is_an_error_naming_the_closest():
+    """select/mask ignored an exclude typo ("encoder.wieght"), selecting what it meant to spare."""
+    model = make_model()
+    for fn in (ft.select, ft.mask):
+        with pytest.raises(ValueError, match=r"ft\.select: the exclude pattern 'encoder\.wieght' matches no name in "
+                                             r"the tree.*Closest names: 'encoder\.weight'.*\n.*\n.*right:  ft\.select"
+                                             r"\(model, \.\.\., exclude=\['encoder\.weight'\]\)"):
+            fn(model, "*", exclude=["encoder.wieght"])
+    # A non-parameter's name is no typo: it may be excluded where it is not selected anyway.
+    assert ft.select(model, "encoder.*", exclude=["step"]).encoder.weight is True
+
+
 @settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_parameters_and_with_parameters_round_trip_on_random_trees(tree: Any):

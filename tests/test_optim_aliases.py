@@ -495,6 +495,64 @@ def test_weight_decay_skips_fields_a_layer_declares_and_excluded_names():
         assert float(jnp.abs(updates.weight).sum()) > 0  # the weight is decayed
 
 
+class FiLM(ft.Module):
+    scale: ft.nn.Dense  # sub-layers named scale and shift: their weights are weights
+    shift: ft.nn.Dense
+
+    def __call__(self, x, c):
+        return x * self.scale(c) + self.shift(c)
+
+
+def test_adamw_default_spares_leaves_named_bias_or_scale_not_layers_so_named_as_torch():
+    """DEFAULT_NO_DECAY's "*.scale" matched the dotted prefix film.scale, so the FiLM layer's
+    weight film.scale.weight took no decay (update 0.0 where torch's AdamW moved it 0.0586)."""
+    torch = pytest.importorskip("torch")
+    k = jax.random.split(jax.random.key(0), 3)
+    model = {"film": FiLM(ft.nn.Dense(2, 3, key=k[0]), ft.nn.Dense(2, 3, key=k[1])),
+             "out": {"weight": jax.random.normal(k[2], (3, 2)), "scale": jnp.full((2,), 1.5)}}
+    rng = np.random.default_rng(0)
+    x, c, y = (rng.normal(size=s).astype(np.float32) for s in [(8, 3), (8, 2), (8, 2)])
+
+    def loss(m):
+        return jnp.mean(((m["film"](x, c) @ m["out"]["weight"]) * m["out"]["scale"] - y) ** 2)
+
+    flat = ft.to_flat_dict(model)
+    t = {name: torch.tensor(np.asarray(v), requires_grad=True) for name, v in flat.items()}
+    decayed = ["film.scale.weight", "film.shift.weight", "out.weight"]
+    topt = torch.optim.AdamW([{"params": [t[n] for n in decayed], "weight_decay": 0.5},
+                              {"params": [v for n, v in t.items() if n not in decayed], "weight_decay": 0.0}], lr=0.1)
+    xt, ct, yt = map(torch.tensor, (x, c, y))
+    opt = fo.Optimizer(fo.adamw(0.1, weight_decay=0.5))
+    mask = ft.to_flat_dict(fo.decay_mask(ft.parameters(model)))
+    assert [n for n, v in mask.items() if v] == decayed
+    state = opt.init(model)
+    step = jax.jit(lambda m, s: opt.minimize(loss, m, s))
+    for _ in range(20):
+        topt.zero_grad()
+        film = (xt * (ct @ t["film.scale.weight"] + t["film.scale.bias"])
+                + ct @ t["film.shift.weight"] + t["film.shift.bias"])
+        torch.mean(((film @ t["out.weight"]) * t["out.scale"] - yt) ** 2).backward()
+        topt.step()
+        model, state, _ = step(model, state)
+    for name, value in ft.to_flat_dict(model).items():  # values of magnitude about 1; a step decays 0.05 w
+        np.testing.assert_allclose(value, t[name].detach().numpy(), rtol=0, atol=2e-5, err_msg=name)
+
+
+def test_decay_excludes_by_prefix_as_written_and_by_whole_leaf_name_after_leaf():
+    model = {"film": FiLM(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.Dense(2, 2, key=jax.random.key(1)))}
+    params = ft.parameters(model)
+
+    def spared(exclude):
+        return [n for n, v in ft.to_flat_dict(fo.decay_mask(params, exclude)).items() if not v]
+
+    assert fo.DEFAULT_NO_DECAY == (fo.DECLARED, "<leaf>*.bias", "<leaf>*.scale")
+    assert spared(fo.DEFAULT_NO_DECAY) == ["film.scale.bias", "film.shift.bias"]
+    assert spared(("*.scale",)) == ["film.scale.weight", "film.scale.bias"]  # a glob of the user's: a prefix too
+    assert spared((fo.LEAF + "*.weight",)) == ["film.scale.weight", "film.shift.weight"]
+    with pytest.raises(ValueError, match=r"weight decay: the exclude pattern 'film\.scale' matches no name"):
+        fo.decay_mask(params, (fo.LEAF + "film.scale",))  # a layer, no leaf's whole name
+
+
 def test_set_hyperparameters_rejects_non_finite_values():
     state = fo.Optimizer(fo.adam(1e-3)).init({"w": jnp.ones(2)})
     for bad in (float("inf"), float("nan")):
@@ -503,7 +561,7 @@ def test_set_hyperparameters_rejects_non_finite_values():
 
 
 def _aliases():
-    names = [n for n in fo._aliases.__all__ if n not in ("moments", "DEFAULT_NO_DECAY", "DECLARED", "decay_mask")]
+    names = [n for n in fo._aliases.__all__ if n not in ("moments", "DEFAULT_NO_DECAY", "DECLARED", "LEAF", "decay_mask")]
     cases = {n: getattr(fo, n)(0.05) for n in names}
     cases |= {"sgd_momentum": fo.sgd(0.05, momentum=0.9), "sgd_nesterov_l2": fo.sgd(0.05, 0.9, True, 0.01),
               "sgd_unit_gain": fo.sgd(0.05, 0.9, momentum_form="additive"), "adam_l2": fo.adam(0.05, weight_decay=0.1),

@@ -16,6 +16,7 @@ from functree._tree import all_finite
 from functree.optim._aliases import (
     DECLARED,
     DEFAULT_NO_DECAY,
+    LEAF,
     adadelta,
     adagrad,
     adam,
@@ -90,6 +91,7 @@ __all__ = [
     "moments",
     "DEFAULT_NO_DECAY",
     "DECLARED",
+    "LEAF",
     "decay_mask",
     # Optimizer and hooks
     "Optimizer",

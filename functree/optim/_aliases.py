@@ -65,6 +65,7 @@ __all__ = [
     "moments",
     "DEFAULT_NO_DECAY",
     "DECLARED",
+    "LEAF",
     "decay_mask",
 ]
 
@@ -80,15 +81,31 @@ Example:
   (True, False, False)
 """
 
-DEFAULT_NO_DECAY = (DECLARED, "*.bias", "*.scale")
-"""What weight decay skips by default: the declared fields (:data:`DECLARED`) and the name
-globs ``*.bias`` and ``*.scale``. An ``exclude=`` given replaces it: ``exclude=()`` decays
-every parameter, as torch; ``exclude=(*ft.optim.DEFAULT_NO_DECAY, "head.*")`` adds to it.
+LEAF = "<leaf>"
+"""Before a glob in an ``exclude`` list (``"<leaf>*.scale"``): the glob matches whole leaf
+names only, never a dotted prefix, so it spares a leaf named ``scale`` and not the weight
+of a sub-layer named ``scale`` (``film.scale.weight``). A glob without it follows the
+pattern grammar of every consumer (``"head"`` spares everything under ``head``).
+
+Example:
+  >>> import functree as ft, jax.numpy as jnp
+  >>> params = {"film": {"scale": {"weight": jnp.ones(2), "bias": jnp.ones(2)}}, "scale": jnp.ones(2)}
+  >>> spared = lambda exclude: [k for k, v in ft.to_flat_dict(ft.optim.decay_mask(params, exclude)).items() if not v]
+  >>> spared((ft.optim.LEAF + "*.scale",)), spared(("*.scale",))
+  (['scale'], ['film.scale.bias', 'film.scale.weight', 'scale'])
+"""
+
+DEFAULT_NO_DECAY = (DECLARED, LEAF + "*.bias", LEAF + "*.scale")
+"""What weight decay skips by default: the declared fields (:data:`DECLARED`) and the
+leaves named ``bias`` or ``scale`` (whole leaf names: a sub-layer named ``scale``, as a
+FiLM layer's, keeps its weight decayed, as torch's AdamW with biases and norms spared). An
+``exclude=`` given replaces it: ``exclude=()`` decays every parameter, as torch;
+``exclude=(*ft.optim.DEFAULT_NO_DECAY, "head.*")`` adds to it.
 
 Example:
   >>> import functree as ft
   >>> ft.optim.DEFAULT_NO_DECAY
-  ('<declared>', '*.bias', '*.scale')
+  ('<declared>', '<leaf>*.bias', '<leaf>*.scale')
   >>> tx = ft.optim.adamw(1e-3, exclude=(*ft.optim.DEFAULT_NO_DECAY, "head.*"))   # and the head
 """
 
@@ -114,11 +131,13 @@ def _no_decay(f: Any) -> bool:
 def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
     """Which parameters weight decay applies to: a tree of bools shaped like ``params``.
 
-    A parameter is decayed unless its dotted name matches a glob in ``exclude`` or, when
-    ``exclude`` holds :data:`DECLARED` (the default :data:`DEFAULT_NO_DECAY` does), its
-    layer declares the field ``ft.field(decay=False)`` (every bias, and every scale and
-    offset of a normalisation layer in ``ft.nn``). ``exclude=()`` decays everything. An
-    ``exclude`` naming members of a Stack (``"h.0.*"``) gives that leaf a boolean member array.
+    A parameter is decayed unless its dotted name matches a glob in ``exclude`` (a glob
+    after ``"<leaf>"``, :data:`LEAF`, matches whole leaf names only: the default's
+    ``"<leaf>*.scale"``) or, when ``exclude`` holds :data:`DECLARED` (the default
+    :data:`DEFAULT_NO_DECAY` does), its layer declares the field ``ft.field(decay=False)``
+    (every bias, and every scale and offset of a normalisation layer in ``ft.nn``).
+    ``exclude=()`` decays everything. An ``exclude`` naming members of a Stack
+    (``"h.0.*"``) gives that leaf a boolean member array.
 
     Example:
       >>> import functree as ft, jax
@@ -131,10 +150,11 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
       {'layers.0.weight': True, 'layers.0.bias': True, 'layers.1.scale': True, 'layers.1.offset': True}
     """
     exclude = tuple(exclude)
-    globs = tuple(e for e in exclude if e != DECLARED)
-    check_patterns(globs)
-    _check_excludes(params, globs)
-    by_name = selected(params, ("*",), globs, strict=False)
+    check_patterns(exclude)
+    globs = tuple(e for e in exclude if e != DECLARED and not e.startswith(LEAF))
+    leaf_globs = tuple(e[len(LEAF):] for e in exclude if e.startswith(LEAF))
+    _check_excludes(params, exclude)
+    by_name = selected(params, ("*",), globs, strict=False, exclude_whole=leaf_globs)
     if DECLARED not in exclude:
         return jax.tree.map(lambda m: _decayed_where(m, False), by_name, is_leaf=is_none)
     declared = field_mask(params, _no_decay)
@@ -148,14 +168,17 @@ nothing and those parameters would be decayed. Closest names: {close}.
     right:  ft.optim.adamw(1e-3, exclude=(*ft.optim.DEFAULT_NO_DECAY, {right!r}))"""
 
 
-def _check_excludes(params: Any, globs: tuple[str, ...]) -> None:
+def _check_excludes(params: Any, exclude: tuple[str, ...]) -> None:
     """Refuse a glob of the user's that matches no name of the tree (a typo, "layer.1.*" for
-    "layers.1.*", decayed what it meant to spare). :data:`DEFAULT_NO_DECAY`'s own globs may
-    match nothing (a model without biases). Names of non-parameters count: a pattern for a
-    part frozen elsewhere is no typo. Read at ``init``, once per tree definition."""
-    for glob in globs:
+    "layers.1.*", decayed what it meant to spare; a :data:`LEAF` glob, no whole name).
+    :data:`DEFAULT_NO_DECAY`'s own globs may match nothing (a model without biases). Names
+    of non-parameters count: a pattern for a part frozen elsewhere is no typo. Read at
+    ``init``, once per tree definition."""
+    for glob in exclude:
         if glob not in DEFAULT_NO_DECAY:
-            required_selection(params, glob, "exclude", EXCLUDE_SELECTS_NOTHING, "*.bias")
+            whole = glob.startswith(LEAF)
+            required_selection(params, glob[len(LEAF):] if whole else glob, "exclude", EXCLUDE_SELECTS_NOTHING,
+                               "*.bias", whole=whole)
 
 
 def _decayed_where(by_name: Any, declared: Any) -> Any:
@@ -446,7 +469,8 @@ def adamw(
 
     ``exclude`` (see :func:`decay_mask`): by default :data:`DEFAULT_NO_DECAY`, the fields
     layers declare ``ft.field(decay=False)`` (biases, normalisation scales and offsets)
-    and the globs ``*.bias``, ``*.scale``. ``exclude=()`` decays everything, as torch's
+    and the leaves named ``bias`` or ``scale`` (whole names: a sub-layer named ``scale``
+    keeps its weight decayed). ``exclude=()`` decays everything, as torch's
     AdamW; ``exclude=(ft.optim.DECLARED, "head.*")`` skips the declared fields and ``head``.
 
     Example:

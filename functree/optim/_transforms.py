@@ -240,7 +240,8 @@ def weight_decay(rate: Any, *, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> opt
     ``η λ`` in AdamW's notation; give a schedule to follow the learning rate). What
     ``exclude`` names is not decayed (:func:`decay_mask`); by default the fields a layer
     declares ``ft.field(decay=False)`` (every ``ft.nn`` bias and normalisation
-    scale/offset) and the globs ``*.bias``, ``*.scale``; ``exclude=()`` decays everything.
+    scale/offset) and the leaves named ``bias`` or ``scale`` (:data:`LEAF` globs: whole
+    leaf names); ``exclude=()`` decays everything.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

@@ -381,11 +381,20 @@ def test_dropout_errors(tmp_path):
         ft.nn.from_hf(config, key=jax.random.key(0), dropout=0.1)
     with pytest.raises(ValueError, match=r"the gpt2 config's attn_pdrop is 1.0; a dropout rate is a number in \[0, 1\)"):
         ft.nn.from_hf(gpt2_config(attn=1.0), key=jax.random.key(0), dropout=True)
-    ft.nn.save_hf(ft.nn.from_hf(config, key=jax.random.key(0)), tmp_path / "saved")
-    with pytest.raises(ValueError, match=r"a directory gives a freshly initialized model"):
-        ft.nn.from_hf(tmp_path / "saved", dropout=True, key=jax.random.key(0))
-    loaded = ft.nn.from_hf(tmp_path / "saved", tmp_path / "saved", dropout=True, key=jax.random.key(0))
+    saved = ft.nn.from_hf(config, key=jax.random.key(0))
+    ft.nn.save_hf(saved, tmp_path / "saved")
+    # A directory with weights: they are read, and the key seeds the masks (was refused, and
+    # without dropout a key silently built a fresh model in place of the directory's weights).
+    loaded = ft.nn.from_hf(tmp_path / "saved", dropout=True, key=jax.random.key(5))
     assert loaded.transformer.h.layers.attn.dropout == 0.1
+    np.testing.assert_array_equal(loaded.transformer.wte.embeddings, saved.transformer.wte.embeddings)
+    with pytest.raises(ValueError, match=r"(?s)the directory holds weights, and a key without dropout=True.*"
+                                         r"right:  ft.nn.from_hf\('.*saved'\)  "):
+        ft.nn.from_hf(tmp_path / "saved", key=jax.random.key(0))
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text((tmp_path / "saved" / "config.json").read_text())
+    fresh = ft.nn.from_hf(tmp_path / "config_only", key=jax.random.key(1))  # a config alone: HF's initialization
+    assert not np.array_equal(fresh.transformer.wte.embeddings, saved.transformer.wte.embeddings)
     opt = configs()["opt"]
     opt.layerdrop = 0.1
     with pytest.raises(ValueError, match=r"OPT config sets layerdrop=0.1"):

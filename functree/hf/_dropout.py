@@ -36,7 +36,6 @@ and ``save_hf`` write the weights alone.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -67,15 +66,6 @@ ft.nn.from_hf: dropout must be True (Hugging Face's rates, read from the config)
     wrong:  ft.nn.from_hf(source, dropout={given!r}, key=key)
     right:  ft.nn.from_hf(source, dropout=True, key=key)
        or:  config.attn_pdrop = 0.05; ft.nn.from_hf(config, weights, dropout=True, key=key)
-"""
-
-DIRECTORY_AND_KEY = """\
-ft.nn.from_hf({source!r}, dropout=True, key=key): with a key and no weights, a directory \
-gives a freshly initialized model (its config only), which is rarely what dropout is for. \
-Say which one you mean:
-
-    right:  ft.nn.from_hf({source!r}, {source!r}, dropout=True, key=key)   # its weights, with dropout
-       or:  ft.nn.from_hf(config_dict, dropout=True, key=key)               # a fresh model from its config
 """
 
 BAD_RATE = """\
@@ -158,8 +148,6 @@ def check_dropout_call(source: Any, weights: Any, dropout: Any, key: Any) -> Non
         raise ValueError(BAD_DROPOUT_FLAG.format(given=dropout))
     if key is None:
         raise ValueError(DROPOUT_NEEDS_KEY)
-    if weights is None and isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
-        raise ValueError(DIRECTORY_AND_KEY.format(source=os.fspath(source)))
 
 
 def _declared(cls: type) -> set[str]:

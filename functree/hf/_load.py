@@ -92,6 +92,35 @@ needs a PRNG key for it.
        or:  ft.nn.from_hf(config, key=jax.random.key(0))      # random init
 """
 
+KEY_OR_WEIGHTS = """\
+ft.nn.from_hf({source!r}, key=key): the directory holds weights, and a key without \
+dropout=True would build a freshly initialized model from its config alone, leaving the \
+weights unread. Say which one you mean:
+
+    wrong:  ft.nn.from_hf({source!r}, key=key)
+    right:  ft.nn.from_hf({source!r})                                  # its weights
+       or:  ft.nn.from_hf({source!r}, dropout=True, key=key)           # its weights, HF's dropout
+       or:  ft.nn.from_hf(ft.nn.from_hf({source!r}).hf_config.to_dict(), key=key)   # a fresh model
+"""
+
+# The files a save_pretrained directory holds its weights in (read_weights reads them).
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+def _holds_weights(source: Any, key: Any, dropout: bool) -> bool:
+    """Whether ``from_hf(source, key=key)`` reads ``source``'s weights: a directory does,
+    unless a key without dropout asks for a fresh model and it holds none (a directory
+    with a config only). A key without dropout beside weights is :data:`KEY_OR_WEIGHTS`."""
+    if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
+        return False
+    if key is None or dropout:
+        return True
+    if any(os.path.exists(os.path.join(source, name)) for name in _WEIGHT_FILES):
+        raise ValueError(KEY_OR_WEIGHTS.format(source=os.fspath(source)))
+    return False
+
+
 NOT_A_PORT = """\
 ft.nn.to_hf_state_dict takes a model built by ft.nn.from_hf ({covered}); got {given}. \
 For other models: ft.nn.torch_state_dict(model, rename=..., layouts=...) (a from_hf model \
@@ -295,7 +324,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
             raise ValueError(UNCOVERED_CLASS.format(given=type(source).__name__, covered=COVERED[model_type],
                                                     all=", ".join(COVERED.values())))
     else:
-        if weights is None and key is None and isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+        if weights is None and _holds_weights(source, key, dropout):
             weights = source  # a save_pretrained directory: its config and its weights
         config = read_config(source)
     model_type = getattr(config, "model_type", None)

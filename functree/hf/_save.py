@@ -27,9 +27,9 @@ import jax
 import numpy as np
 
 from functree._tree import dotted_name
+from functree.hf._dropout import without_dropout
 from functree.hf._family import family_of
 from functree.hf._files import read_config
-from functree.hf._dropout import without_dropout
 from functree.hf._load import FAMILIES, _template, tied_head, to_hf_state_dict
 from functree.interop._processes import on_primary
 from functree.interop._safetensors import save_file

@@ -463,7 +463,8 @@ _SELECTIONS: dict[Any, tuple[Any, ...]] = {}
 
 def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *, what: str = "ft.select",
               kind: str = "parameter", only: Sequence[bool] | None = None, strict: bool = True,
-              whole: bool = False, exclude_whole: Sequence[str] = ()) -> tuple[Any, ...]:
+              whole: bool = False, exclude_whole: Sequence[str] = (),
+              exclude_message: str | None = None) -> tuple[Any, ...]:
     """Per leaf of ``tree`` (JAX order, ``None`` leaves included): ``True``, ``False`` or a
     boolean member array: selected by some pattern and by no ``exclude`` pattern.
 
@@ -472,8 +473,10 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
     (``what`` and ``kind`` word the error). With ``whole``, ``patterns`` and ``exclude``
     match whole names only, never a dotted prefix; ``exclude_whole`` are more exclude
     patterns matched so (weight decay's default ``*.scale`` spares a leaf named ``scale``,
-    not a sub-layer named ``scale``). A tree whose names collide (:data:`NAMES_COLLIDE`)
-    is refused. Cached per tree definition and patterns.
+    not a sub-layer named ``scale``). With ``exclude_message``, an ``exclude`` pattern
+    that matches no name (of any leaf) raises it, as :func:`required_selection` words it.
+    A tree whose names collide (:data:`NAMES_COLLIDE`) is refused. Cached per tree
+    definition and patterns.
     """
     patterns, exclude, exclude_whole = tuple(patterns), tuple(exclude), tuple(exclude_whole)
     check_patterns(patterns + exclude + exclude_whole)
@@ -481,7 +484,8 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
     if only is None:
         only = tuple(True for _ in infos)
     treedef = jax.tree.structure(tree, is_leaf=is_none)
-    key, out = cached(_SELECTIONS, (treedef, patterns, exclude, tuple(only), strict, whole, exclude_whole))
+    key, out = cached(_SELECTIONS, (treedef, patterns, exclude, tuple(only), strict, whole, exclude_whole,
+                                    exclude_message))
     if out is not None:
         refuse_batched_selection(tree, out, patterns + exclude)
         return out
@@ -494,6 +498,8 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
         chosen = [_combine(c, p, np.logical_or) for c, p in zip(chosen, picks)]
     for pattern, exact in [(p, whole) for p in exclude] + [(p, True) for p in exclude_whole]:
         picks = [_leaf_selection(i, pattern, exact) for i in infos]
+        if exclude_message is not None and not any(np.any(p) for p in picks):  # a typo: excludes nothing
+            raise _required(nothing_selected(pattern, what, "name", infos), exclude_message, "*")
         chosen = [_combine(c, p, lambda a, b: a & ~b) for c, p in zip(chosen, picks)]
     out = tuple(chosen)
     if key is not None and _str_keys_only(tree):
@@ -587,9 +593,14 @@ def required_selection(tree: Any, pattern: str, what: str, message: str, fallbac
     try:
         return selection(tree, (pattern,), what=what, strict=True, whole=whole)
     except NothingSelected as e:
-        right = e.suggestion or (e.close[0] if e.close else fallback)
-        raise ValueError(message.format(pattern=pattern, close=", ".join(map(repr, e.close)) or "none",
-                                        right=right)) from None
+        raise _required(e, message, fallback) from None
+
+
+def _required(e: NothingSelected, message: str, fallback: str) -> ValueError:
+    """``message`` for the pattern of ``e`` that must match a name: its ``pattern``, the
+    ``close`` names and the ``right`` one (``fallback`` when nothing is close)."""
+    right = e.suggestion or (e.close[0] if e.close else fallback)
+    return ValueError(message.format(pattern=e.pattern, close=", ".join(map(repr, e.close)) or "none", right=right))
 
 
 def check_patterns(patterns: Sequence[Any]) -> None:

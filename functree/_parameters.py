@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import NO_DERIVATIVE, Module, field_kind, from_fields
-from functree._naming import NothingSelected, check_patterns, required_selection, selection
+from functree._naming import NothingSelected, check_patterns, selection
 from functree._paths import KeyPath, children
 from functree._tree import bounded_put, is_none
 
@@ -337,22 +337,21 @@ def select(tree: Any, *patterns: str, exclude: Sequence[str] = ()) -> Any:
     if not patterns:
         raise ValueError("ft.select needs at least one pattern, e.g. ft.select(model, '*.bias').")
     check_patterns((*patterns, *exclude))
-    for pattern in exclude:  # a typo would exclude nothing, silently
-        required_selection(tree, pattern, "ft.select", SELECT_EXCLUDE_NOTHING, "*")
-    return selected(tree, patterns, exclude)
+    return selected(tree, patterns, exclude, exclude_message=SELECT_EXCLUDE_NOTHING)  # a typo excludes nothing
 
 
 def selected(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), strict: bool = True,
-             exclude_whole: Sequence[str] = ()) -> Any:
+             exclude_whole: Sequence[str] = (), exclude_message: str | None = None) -> Any:
     """:func:`select`; without ``strict``, a pattern may select nothing (``decay_mask``'s
     ``"*"`` on a tree without parameters). ``exclude_whole``: exclude patterns matched
-    against whole names only (no dotted prefix)."""
+    against whole names only (no dotted prefix); ``exclude_message``: the error for an
+    exclude pattern matching no name (checked once per tree definition)."""
     view = parameters(tree)
     leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
     only = tuple(leaf is not None for leaf in leaves)
     try:
         chosen = selection(tree, tuple(patterns), tuple(exclude), what="ft.select", only=only, strict=strict,
-                           exclude_whole=tuple(exclude_whole))
+                           exclude_whole=tuple(exclude_whole), exclude_message=exclude_message)
     except NothingSelected as e:
         raise ValueError(str(e)) from None
     return jax.tree.unflatten(treedef, [None if leaf is None else c for leaf, c in zip(leaves, chosen)])

@@ -54,7 +54,7 @@ and what each ``*`` matched fills the replacement's ``*`` in order: ``transforme
 **Errors.** A pattern that selects nothing raises naming the closest names; a member
 index past a stack's end (``h.7.*`` for 4 members) raises naming the stack's length. A
 tree whose names a pattern cannot tell apart (two leaves of one name, one leaf's name a
-dotted prefix of another's: dict keys containing ``.``) is refused (:data:`NAMES_COLLIDE`).
+dotted prefix of another's: dict keys containing ``.``) is refused (:data:`functree._collisions.NAMES_COLLIDE`).
 
 Example:
   >>> import functree as ft, jax
@@ -81,6 +81,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._collisions import refuse_collisions, str_keys_only
 from functree._tree import bounded_put, cached, dotted_name, is_none, join_names
 
 __all__ = [
@@ -314,11 +315,6 @@ def _tied_infos(shared: Any) -> list[LeafInfo]:
 _INFOS: dict[Any, tuple[LeafInfo, ...]] = {}
 
 
-def _str_keys_only(tree: Any) -> bool:
-    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)
-    return all(type(k.key) is str for p, _ in pairs for k in p if isinstance(k, jax.tree_util.DictKey))
-
-
 def leaf_infos(tree: Any) -> tuple[LeafInfo, ...]:
     """The names of every leaf of ``tree`` in JAX flatten order, ``None`` leaves included;
     computed once per tree definition (for trees whose dict keys are strings)."""
@@ -326,7 +322,7 @@ def leaf_infos(tree: Any) -> tuple[LeafInfo, ...]:
     key, infos = cached(_INFOS, treedef)
     if infos is None:
         infos = tuple(_infos(tree))
-        if key is not None and _str_keys_only(tree):
+        if key is not None and str_keys_only(tree):
             bounded_put(_INFOS, key, infos)
     return infos
 
@@ -475,7 +471,7 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
     patterns matched so (weight decay's default ``*.scale`` spares a leaf named ``scale``,
     not a sub-layer named ``scale``). With ``exclude_message``, an ``exclude`` pattern
     that matches no name (of any leaf) raises it, as :func:`required_selection` words it.
-    A tree whose names collide (:data:`NAMES_COLLIDE`) is refused. Cached per tree
+    A tree whose names collide (:func:`refuse_collisions`) is refused. Cached per tree
     definition and patterns.
     """
     patterns, exclude, exclude_whole = tuple(patterns), tuple(exclude), tuple(exclude_whole)
@@ -489,7 +485,7 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
     if out is not None:
         refuse_batched_selection(tree, out, patterns + exclude)
         return out
-    refuse_collisions(tree, infos, what)
+    refuse_collisions(tree, [all_names([i]) for i in infos], what)
     chosen: list[Any] = [False] * len(infos)
     for pattern in patterns:
         picks = [_leaf_selection(i, pattern, whole) if ok else False for i, ok in zip(infos, only)]
@@ -502,64 +498,10 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
             raise _required(nothing_selected(pattern, what, "name", infos), exclude_message, "*")
         chosen = [_combine(c, p, lambda a, b: a & ~b) for c, p in zip(chosen, picks)]
     out = tuple(chosen)
-    if key is not None and _str_keys_only(tree):
+    if key is not None and str_keys_only(tree):
         bounded_put(_SELECTIONS, key, out)
     refuse_batched_selection(tree, out, patterns + exclude)
     return out
-
-
-NAMES_COLLIDE = """\
-{what}: the leaf at {first} is named {name!r} and the leaf at {second} {relation} {other!r}, \
-so a pattern cannot tell them apart ({pattern!r} selects both): a dict key containing "." \
-reads as a nested path, an int key as the str key of its digits, the key "" as a leading \
-"." (which a pattern may also write). Rename the key:
-    wrong:  {{{key!r}: ...}}
-    right:  {{{fixed!r}: ...}}"""
-
-_COLLISIONS: dict[Any, bool] = {}  # tree definition -> its names were found distinct
-
-
-def refuse_collisions(tree: Any, infos: Sequence[LeafInfo], what: str) -> None:
-    """Raise :data:`NAMES_COLLIDE` when two leaves of ``tree`` answer to one name, one
-    leaf's name is a dotted prefix of another's (``{"a": x, "a.b": y}``: the pattern ``"a"``
-    would select both), or a node's name is another's with a leading ``.`` (the key ``""``:
-    ``.layers`` and ``layers``), counting member names and tie names. Once per tree
-    definition."""
-    treedef = jax.tree.structure(tree, is_leaf=is_none)
-    key, seen = cached(_COLLISIONS, treedef)
-    if seen:
-        return
-    owner: dict[str, int] = {}  # every name of a leaf -> its leaf
-    for j, info in enumerate(infos):
-        for name in all_names([info]):
-            if owner.setdefault(name, j) != j:
-                _raise_collision(tree, what, owner[name], j, name, name, name)
-    nodes: dict[str, tuple[int, str]] = {}  # every dotted prefix -> a leaf under it, and its name
-    for name, j in owner.items():
-        parts = name.split(".")
-        for end in range(1, len(parts) + 1):
-            prefix = ".".join(parts[:end])
-            k = owner.get(prefix, j) if end < len(parts) else j
-            if k != j:
-                _raise_collision(tree, what, k, j, prefix, name, prefix)
-            nodes.setdefault(prefix, (j, name))
-    for prefix, (j, name) in nodes.items():
-        k, other = nodes.get("." + prefix, (j, name))
-        if k != j:
-            _raise_collision(tree, what, j, k, name, other, "." + prefix)
-    if key is not None and _str_keys_only(tree):
-        bounded_put(_COLLISIONS, key, True)
-
-
-def _raise_collision(tree: Any, what: str, first: int, second: int, name: str, other: str, pattern: str) -> None:
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)[0]]
-    keys = [k.key for i in (first, second) for k in paths[i] if isinstance(k, jax.tree_util.DictKey)]
-    culprit = next((k for k in keys if not isinstance(k, str) or "." in k or not k), keys[-1] if keys else name)
-    fixed = (culprit.replace(".", "_") or "_") if isinstance(culprit, str) else f"k{culprit}"
-    raise ValueError(NAMES_COLLIDE.format(
-        what=what, first=jax.tree_util.keystr(paths[first]) or "<root>", name=name,
-        second=jax.tree_util.keystr(paths[second]) or "<root>", other=other, pattern=pattern,
-        relation="is also named" if name == other else "is named", key=culprit, fixed=fixed))
 
 
 def refuse_batched_selection(tree: Any, chosen: Sequence[Any], patterns: Sequence[str]) -> None:

@@ -126,28 +126,6 @@ def test_a_stack_under_the_key_empty_keeps_its_leaves_and_member_names():
     assert list(ft.to_flat_dict(shared)) == [".model.a", "model.a"]
 
 
-def test_a_stack_under_the_key_empty_beside_its_names_is_refused_by_patterns():
-    tree = {"": dense_stack(3, 0), "layers": {"weight": jnp.ones((3, 2, 2)), "bias": jnp.ones((3, 2))}}
-    assert len(ft.to_flat_dict(tree)) == 4
-    with pytest.raises(ValueError, match=r"ft\.select: the leaf at .* cannot tell them apart \('\.layers' selects"):
-        ft.select(tree, "layers.weight")
-
-
-def test_a_dotted_key_beside_its_path_is_refused_by_patterns_as_by_names():
-    nested = {"a": {"b": jnp.ones(2)}, "a.b": jnp.ones(2), "c": jnp.ones(2)}
-    with pytest.raises(ValueError, match=r"ft\.select: the leaf at \['a'\]\['b'\] is named 'a\.b' and the leaf at "
-                                         r"\['a\.b'\] is also named 'a\.b'.*\n.*wrong:  \{'a\.b': \.\.\.\}\n.*"
-                                         r"right:  \{'a_b': \.\.\.\}"):
-        ft.select(nested, "a.b")
-    prefix = {"a": jnp.ones(2), "a.b": jnp.ones(2)}
-    with pytest.raises(ValueError, match=r"ft\.gradient\(wrt=\): the leaf at \['a'\] is named 'a' and the leaf at "
-                                         r"\['a\.b'\] is named 'a\.b', so a pattern cannot tell them apart \('a' selects"):
-        ft.gradient(lambda t: jnp.sum(t["a"]) + jnp.sum(t["a.b"] * 3), at=prefix, wrt="a")
-    with pytest.raises(ValueError, match="cannot tell them apart"):
-        ft.optim.groups({"a": optax.sgd(0.0)}, default=optax.sgd(1.0)).init(prefix)
-    assert list(ft.to_flat_dict(prefix)) == ["a", "a.b"]  # a flat dict tells them apart
-
-
 # ------------------------------------------------------------------ 2: a Stack of tied blocks
 PATTERNS = ["h.1.head.weight", "h.1.emb.weight", "h.*.head.weight", "*.head.weight", "*.head.*", "h.[0-1].head.*",
             "h.0", "*.emb.*", "h.1.model.emb.weight", "*.bias", "*"]

@@ -52,11 +52,20 @@ BAD_DECAY = "ft.optim.ema: decay must be a number in [0, 1), got {given!r} (0.99
 BAD_SCHEDULE = "{name}: {what} must be a {kind} int, got {given!r}."
 
 NOT_AVERAGING = """\
-average= takes a weight-averaging transformation (ft.optim.ema or \
-ft.optim.uniform_average), got {given}.
+average= takes functree's average of the parameters, ft.optim.ema or \
+ft.optim.uniform_average, got {given}. {why}
 
+    wrong:  ft.optim.Optimizer(ft.optim.adam(1e-3), average=optax.ema(0.999))
     right:  ft.optim.Optimizer(ft.optim.adam(1e-3), average=ft.optim.ema(0.999))
+            model = ft.optim.averaged(state, model)      # the averaged parameters
 """
+
+# Why a transformation that has init/update is still refused: optax's own EMA (and any
+# other transformation) would be chained into the update path and change the steps.
+NOT_AVERAGING_WHY = (
+    "A {given} transforms the updates (optax.ema averages the updates, not the "
+    "parameters): chained after the optimizer it would change every step, and "
+    "ft.optim.averaged would find no average.")
 
 NO_AVERAGE = """\
 ft.optim.averaged: this optimizer state keeps no averaged parameters. Average them with \
@@ -108,6 +117,14 @@ class AverageState:
 register_record(AverageState, ["steps", "count", "average"])
 
 
+class Averaging(optax.GradientTransformationExtraArgs):
+    """The transformation of :func:`ema` and :func:`uniform_average`: an optax
+    transformation that leaves the updates alone, marked so that ``Optimizer(average=)``
+    takes these and refuses another transformation (which would change the steps)."""
+
+    __slots__ = ()
+
+
 def _wide(x: Any) -> Any:
     """The average's dtype: the parameter's, at least float32 (a bfloat16 average at
     decay 0.999 would round every step's change away)."""
@@ -143,7 +160,7 @@ def _averaging(name: str, weight: Callable[[jax.Array], jax.Array], start: int,
         average = jax.tree.map(fold, state.average, params, updates, is_leaf=is_none)
         return updates, AverageState(steps, count, average)
 
-    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+    return Averaging(init, update)  # pyright: ignore[reportArgumentType]
 
 
 def ema(decay: float, *, debias: bool = True, start: int = 0, every: int = 1) -> optax.GradientTransformationExtraArgs:
@@ -207,8 +224,10 @@ def with_average(transform: Any, average: Any) -> Any:
     """
     if average is None:
         return transform
-    if not (hasattr(average, "init") and hasattr(average, "update")):
-        raise TypeError(NOT_AVERAGING.format(given=type(average).__name__))
+    if not isinstance(average, Averaging):
+        given = type(average).__name__
+        why = NOT_AVERAGING_WHY.format(given=given) if hasattr(average, "update") else ""
+        raise TypeError(NOT_AVERAGING.format(given=given, why=why))
     inner, avg = optax.with_extra_args_support(transform), optax.with_extra_args_support(average)
 
     def init(params: Any) -> tuple[Any, Any]:

@@ -1,5 +1,7 @@
 """Dynamic loss scaling: overflow skips the step and halves the scale; growth."""
 
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,8 +47,11 @@ def test_loss_scaling_gives_unscaled_gradients():
     state = opt.init(p)
     loss, grads = opt.compute_gradients(lambda p: 3.0 * p["w"] + 1.0, p, state=state)
     assert float(grads["w"]) == 3.0 and float(loss) == 1.0
-    with pytest.raises(ValueError, match="needs the optimizer state"):
-        opt.compute_gradients(lambda p: p["w"], p)
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer\.compute_gradients needs the optimizer state") as info:
+        opt.compute_gradients(lambda p: p["w"], p)  # named get_gradients, which the user did not call
+    assert "opt.compute_gradients(loss_fn, model, x, state=state)" in str(info.value)
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer\.get_gradients needs the optimizer state"):
+        opt.get_gradients(lambda p: p["w"], p)
     with pytest.raises(ValueError, match="initial_scale must be a finite positive number"):
         fo.LossScaleOptimizer(inner, initial_scale=0.0)
 
@@ -127,6 +132,51 @@ def test_a_hook_without_scale_and_a_hook_beside_transform_loss_are_refused():
     np.testing.assert_allclose(float(moved["w"]), 0.8, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"a get_gradients hook computes the gradients itself and would ignore"):
         fo.Optimizer(fo.sgd(0.1), transform_loss=lambda v: v**2, get_gradients=hook)
+
+
+
+def _right_code(message):
+    """The code of a message's ``right:`` block, dedented to run."""
+    lines = message.split("right:", 1)[1].splitlines()
+    return textwrap.dedent("\n".join([" " * 12 + lines[0].strip()] + lines[1:]))
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_the_scale_hook_in_the_message_runs_and_a_hook_returning_grads_only_is_refused(has_aux):
+    """HOOK_WITHOUT_SCALE's fix read "grads of scale * loss": a hook returning the scaled loss
+    reported -65536 for -2.0, one returning the gradients alone failed with a bare "not enough
+    values to unpack" inside the optimizer."""
+    loss_fn = lambda p, x: -(p["w"] * x).mean()  # noqa: E731
+    fn = (lambda p, x: (loss_fn(p, x), {"x": x})) if has_aux else loss_fn
+
+    def hook(loss_fn, model, *batch, has_aux=False):
+        return jax.value_and_grad(loss_fn, has_aux=has_aux)(model, *batch)
+
+    without = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(1.0), get_gradients=hook))
+    w = {"w": jnp.ones(())}
+    with pytest.raises(TypeError, match="takes no scale=") as info:
+        without.minimize(fn, w, without.init(w), jnp.array([1.0, 3.0]), has_aux=has_aux)
+    assert "(unscaled loss, grads of scale * loss)" in str(info.value)
+    space = {"jax": jax}
+    exec(_right_code(str(info.value)), space)
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(1.0), get_gradients=space["hook"]))
+    moved, _, reported = opt.minimize(fn, w, opt.init(w), jnp.array([1.0, 3.0]), has_aux=has_aux)
+    np.testing.assert_allclose(float(moved["w"]), 3.0, rtol=0, atol=1e-6)  # gradient -2, by hand
+    np.testing.assert_allclose(float(reported[0] if has_aux else reported), -2.0, rtol=0, atol=1e-6)
+
+    def grads_only(loss_fn, model, *batch, has_aux=False, scale=None):
+        return jax.grad(lambda m, *b: scale * (loss_fn(m, *b)[0] if has_aux else loss_fn(m, *b)))(model, *batch)
+
+    for model in (w, {"w": jnp.ones(()), "v": jnp.ones(())}):  # a dict of two would unpack
+        bad = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(1.0), get_gradients=grads_only))
+        with pytest.raises(TypeError, match=r"grads_only returned a dict; it must return the pair "
+                                            r"\(unscaled loss, grads of scale \* loss\)") as info:
+            bad.minimize(fn, model, bad.init(model), jnp.array([1.0, 3.0]), has_aux=has_aux)
+    exec(_right_code(str(info.value)), space)  # this message's fix runs too
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(1.0), get_gradients=space["hook"]))
+    moved, _, reported = opt.minimize(fn, w, opt.init(w), jnp.array([1.0, 3.0]), has_aux=has_aux)
+    np.testing.assert_allclose(float(moved["w"]), 3.0, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(float(reported[0] if has_aux else reported), -2.0, rtol=0, atol=1e-6)
 
 
 # ---- against torch.amp.GradScaler ------------------------------------------------------------

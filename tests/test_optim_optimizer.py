@@ -109,7 +109,27 @@ def test_optimizer_is_immutable_and_checks_its_arguments():
     opt = fo.Optimizer(fo.adam())
     with pytest.raises(AttributeError, match="Optimizers are immutable") as info:
         opt.transform = None
-    assert "right:" in str(info.value)
+    assert "right:  opt = ft.optim.Optimizer(new_transform)" in str(info.value)
+    with pytest.raises(AttributeError, match="build a new one instead of assigning 'accumulate'") as info:
+        opt.accumulate = 2
+    assert "right:  opt = ft.optim.Optimizer(transform, accumulate=2)" in str(info.value)
+
+
+def test_assigning_a_learning_rate_suggests_set_hyperparameters_and_its_fix_runs():
+    """FROZEN_OPTIMIZER's fix was ft.optim.Optimizer(transform, learning_rate=...): a TypeError."""
+    model = {"w": jnp.ones(2)}
+    opt = fo.Optimizer(fo.adam(1e-3))
+    state = opt.init(model)
+    with pytest.raises(AttributeError, match=r"'learning_rate' is no option of ft\.optim\.Optimizer") as info:
+        opt.learning_rate = 0.01
+    fixes = [line.split(":", 1)[1].split("#")[0].strip() for line in str(info.value).splitlines()
+             if line.strip().startswith(("right:", "or:"))]
+    space = {"ft": ft, "state": state, "model": model}
+    exec(fixes[0], space)  # state = ft.optim.set_hyperparameters(state, learning_rate=0.01)
+    np.testing.assert_allclose(fo.hyperparameters(space["state"])["learning_rate"], 0.01, rtol=0, atol=1e-9)
+    exec(fixes[1], space)  # opt = ft.optim.Optimizer(ft.optim.adam(learning_rate=0.01))
+    np.testing.assert_allclose(fo.hyperparameters(space["opt"].init(model))["learning_rate"], 0.01,
+                               rtol=0, atol=1e-9)
     with pytest.raises(TypeError, match="needs an optax GradientTransformation"):
         fo.Optimizer(lambda g: g)
     with pytest.raises(TypeError, match=r"transform_gradients= takes functions .* Chain it into the transform"):

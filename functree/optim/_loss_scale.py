@@ -18,8 +18,23 @@ __all__ = ["LossScaleOptimizer", "LossScaleState"]
 NEEDS_STATE = """\
 LossScaleOptimizer.{method} needs the optimizer state (it holds the loss scale):
 
-    wrong:  opt.compute_gradients(loss_fn, model, x)
-    right:  opt.compute_gradients(loss_fn, model, x, state=state)
+    wrong:  opt.{method}(loss_fn, model, x)
+    right:  opt.{method}(loss_fn, model, x, state=state)      # state = opt.init(model)
+"""
+
+HOOK_RESULT = """\
+LossScaleOptimizer: the get_gradients hook {hook} returned {given}; it must return the pair \
+(unscaled loss, grads of scale * loss) ({loss_kind}), as jax.value_and_grad does:
+
+    wrong:  return jax.grad(lambda m, *b: scale * loss_fn(m, *b))(model, *batch)       # grads only
+    wrong:  return jax.value_and_grad(lambda m, *b: scale * loss_fn(m, *b))(model, *batch)  # loss scaled
+    right:  def hook(loss_fn, model, *batch, has_aux=False, scale=None):
+                s = 1.0 if scale is None else scale
+                def scaled(m, *b):
+                    out = loss_fn(m, *b)                  # loss, or (loss, aux) with has_aux
+                    return s * (out[0] if has_aux else out), out
+                (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(model, *batch)
+                return out, grads                         # (unscaled loss, grads of scale * loss)
 """
 
 BAD_SCALE = "LossScaleOptimizer: {name} must be positive, got {value!r}."
@@ -80,6 +95,33 @@ def _unscaled(g: Any, scale: jax.Array) -> jax.Array:
     return (g.astype(wide) * first.astype(wide) * second.astype(wide)).astype(g.dtype)
 
 
+def _is_scalar(x: Any) -> bool:
+    """A 0-d array or a Python number (a dict of gradients is not, though ``np.shape`` of
+    one is ``()``)."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return True
+    return getattr(x, "shape", None) == ()
+
+
+def _checked_pair(result: Any, has_aux: bool, hook: Any) -> tuple[Any, Any]:
+    """``result`` as ``(out, grads)``, or a HOOK_RESULT error: a get_gradients hook that
+    returned the gradients alone (a dict of two would unpack silently) or another shape.
+    ``out`` is the loss (a scalar), or ``(loss, aux)`` with ``has_aux``."""
+    if hook is None:
+        return result  # functree's own differentiation: the pair by construction
+    pair = isinstance(result, tuple) and len(result) == 2
+    out = result[0] if pair else None
+    if has_aux:
+        ok = isinstance(out, (tuple, list)) and len(out) == 2 and _is_scalar(out[0])
+    else:
+        ok = _is_scalar(out)
+    if not (pair and ok):
+        given = f"a {type(result).__name__}" if not pair else "a pair whose first item is not the loss"
+        kind = "with has_aux=True: ((loss, aux), grads)" if has_aux else "the loss: a scalar"
+        raise TypeError(HOOK_RESULT.format(hook=getattr(hook, "__qualname__", "hook"), given=given, loss_kind=kind))
+    return result
+
+
 class LossScaleOptimizer(OptimizerWrapper):
     """Dynamic loss scaling for low-precision training.
 
@@ -135,6 +177,14 @@ class LossScaleOptimizer(OptimizerWrapper):
             self.inner.init(model),
         )
 
+    def compute_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
+                          state: Any = None, key: Any = None, checked: bool | None = None) -> tuple[Any, Any]:
+        # Checked here too, so that the error names the method the user called.
+        if not isinstance(state, LossScaleState):
+            raise ValueError(NEEDS_STATE.format(method="compute_gradients"))
+        return super().compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state, key=key,
+                                         checked=checked)
+
     def get_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
                       state: Any = None, scale: Any = None) -> tuple[Any, Any]:
         if scale is not None:
@@ -148,9 +198,16 @@ class LossScaleOptimizer(OptimizerWrapper):
         # gradients: scale / k per microbatch is torch's scaler.scale(loss / k), the same
         # cotangent, so an overflow comes at the same scale.
         scale = state.scale / self.accumulate if self.accumulate > 1 else state.scale
-        out, grads = super().get_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state.inner,
-                                           scale=scale)
+        result = super().get_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state.inner, scale=scale)
+        out, grads = _checked_pair(result, has_aux, self._hook())
         return out, jax.tree.map(lambda g: _unscaled(g, scale), grads)
+
+    def _hook(self) -> Any:
+        """The innermost Optimizer's get_gradients hook (``None``: its own differentiation)."""
+        inner = self.inner
+        while isinstance(inner, OptimizerWrapper):
+            inner = inner.inner
+        return getattr(inner, "_get_gradients", None)
 
     @property
     def handles_nonfinite(self) -> bool:

@@ -75,8 +75,18 @@ __all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "leading_
 FROZEN_OPTIMIZER = """\
 Optimizers are immutable; build a new one instead of assigning {name!r}:
 
-    wrong:  opt.{name} = ...
-    right:  opt = ft.optim.Optimizer(transform, {name}=...)
+    wrong:  opt.{name} = {value}
+    right:  opt = ft.optim.Optimizer({arguments})
+"""
+
+FROZEN_HYPERPARAMETER = """\
+Optimizers are immutable, and {name!r} is no option of ft.optim.Optimizer: a hyperparameter \
+(learning_rate, ...) lives in the optimizer state. Set it there (jitted steps do not \
+recompile; ft.optim.hyperparameters(state) lists the names), or build a new optimizer:
+
+    wrong:  opt.{name} = {value}
+    right:  state = ft.optim.set_hyperparameters(state, {name}={value})      # state = opt.init(model)
+       or:  opt = ft.optim.Optimizer(ft.optim.adam({name}={value}))          # a new state: opt.init(model)
 """
 
 MASK_IN_TRAINING_MODE = """\
@@ -311,7 +321,11 @@ class Optimizer:
         set_(self, "_separable", is_separable(transform) and average is None)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(FROZEN_OPTIMIZER.format(name=name))
+        shown = repr(value) if isinstance(value, (int, float)) else "..."
+        if name not in inspect.signature(Optimizer.__init__).parameters:
+            raise AttributeError(FROZEN_HYPERPARAMETER.format(name=name, value=shown))
+        arguments = "new_transform" if name == "transform" else f"transform, {name}={shown}"
+        raise AttributeError(FROZEN_OPTIMIZER.format(name=name, value=shown, arguments=arguments))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._raw_transform!r})"
@@ -814,11 +828,17 @@ HOOK_WITHOUT_SCALE = """\
 The get_gradients hook {hook} takes no scale=, and a LossScaleOptimizer differentiates the \
 loss times its scale: a hook that clips or otherwise changes gradients nonlinearly would see \
 them scaled (per-example clipping would clip at threshold / scale). Take the scale and return \
-the gradients of the scaled loss, applying any threshold to scaled units:
+the pair (unscaled loss, grads of scale * loss), applying any threshold to scaled units \
+(ft.optim.per_example_clipping does):
 
     wrong:  def hook(loss_fn, model, *batch, has_aux=False): ...
-    right:  def hook(loss_fn, model, *batch, has_aux=False, scale=None): ...   # grads of scale * loss
-            (ft.optim.per_example_clipping does)"""
+    right:  def hook(loss_fn, model, *batch, has_aux=False, scale=None):
+                s = 1.0 if scale is None else scale
+                def scaled(m, *b):
+                    out = loss_fn(m, *b)                  # loss, or (loss, aux) with has_aux
+                    return s * (out[0] if has_aux else out), out
+                (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(model, *batch)
+                return out, grads                         # (unscaled loss, grads of scale * loss)"""
 
 BOTH_LOSS_HOOKS = """\
 Optimizer(transform_loss=..., get_gradients=...): a get_gradients hook computes the gradients \

@@ -27,7 +27,18 @@ __all__ = ["leaf_spec", "quoted", "check_leaf"]
 SHAPE_MISMATCH = """\
 ft.set({path}): expected shape {expected_shape} and dtype {expected_dtype}, \
 got shape {given_shape} and dtype {given_dtype}.
-Convert first, e.g. ft.set(tree, {quoted}, {fix})."""
+    wrong:  ft.set(tree, {quoted}, value)
+    right:  ft.set(tree, {quoted}, {fix}){hint}"""
+
+TRANSPOSED = """
+A matrix of the reversed shape is the transpose, as a torch Linear weight (out, in) is of a \
+Dense's (in, out): value.T puts each number in place, where a reshape would scramble them \
+(ft.interop.load_torch_state_dict transposes torch weights itself)."""
+
+SAME_SIZE = """
+Both hold {size} numbers, but only a reshape that adds or removes axes of length 1 keeps \
+them in place: put the axes in the leaf's order (value.T, jnp.transpose(value, axes)), \
+then reshape if the layouts agree."""
 
 LEAF_MISMATCH = """\
 ft.set({path}): the value there is {expected}, so it takes {accepts}; given {given}.
@@ -99,11 +110,12 @@ def check_leaf(path: Any, old: Any, new: Any) -> Any:
     shape, dtype = old_spec
     if new_spec is not None:
         if new_spec != old_spec:
+            fix, hint = _conversion(new_spec[0], new_spec[1], shape, dtype)
             raise ValueError(
                 SHAPE_MISMATCH.format(
                     path=path, quoted=quoted(path), expected_shape=shape,
                     expected_dtype=dtype, given_shape=new_spec[0], given_dtype=new_spec[1],
-                    fix=_conversion(new_spec[0], shape, dtype),
+                    fix=fix, hint=hint,
                 )
             )
         return new
@@ -121,19 +133,36 @@ def check_leaf(path: Any, old: Any, new: Any) -> Any:
     )
 
 
-def _conversion(given: tuple[int, ...], shape: tuple[int, ...], dtype: Any) -> str:
-    """The code that converts a value of shape ``given`` to the leaf's: a reshape where the
-    sizes agree, a broadcast where it broadcasts, else a value of the leaf's shape (a
-    batched leaf of a vmapped ensemble needs one value per member)."""
-    cast = f"value.astype(jnp.{dtype})"
-    if int(np.prod(given)) == int(np.prod(shape)):
-        return f"{cast}.reshape({shape})"
+def _conversion(given: tuple[int, ...], given_dtype: Any, shape: tuple[int, ...], dtype: Any) -> tuple[str, str]:
+    """``(code, hint)``: the code that converts a value of shape ``given`` to the leaf's, and
+    what follows the ``right:`` line.
+
+    Only conversions that keep every number at its place are code: a cast, the transpose of
+    a 2-D matrix of the reversed shape (a torch Linear weight), a reshape that adds or
+    removes axes of length 1, a broadcast. A reshape between other layouts of the same
+    size would silently scramble the values (``(3, 2)`` read as ``(2, 3)`` is not its
+    transpose), so it is described, not offered (a batched leaf of a vmapped ensemble
+    needs one value per member)."""
+    cast = "" if given_dtype == dtype else f".astype(jnp.{dtype})"
+    if given == shape:
+        return f"value{cast}", ""
+    if len(given) == 2 and given == shape[::-1]:
+        return f"value.T{cast}", TRANSPOSED
+    if _without_unit_axes(given) == _without_unit_axes(shape):
+        return f"value{cast}.reshape({shape})", ""
     try:
         if np.broadcast_shapes(given, shape) == shape:
-            return f"jnp.broadcast_to({cast}, {shape})"
+            return f"jnp.broadcast_to(value{cast}, {shape})", ""
     except ValueError:
         pass
-    return f"a value of shape {shape} (this one has {int(np.prod(given))} elements, the leaf {int(np.prod(shape))})"
+    size, leaf_size = int(np.prod(given)), int(np.prod(shape))
+    if size == leaf_size:
+        return "new_value", f"   # of shape {shape}{SAME_SIZE.format(size=size)}"
+    return "new_value", f"   # of shape {shape} (this one has {size} elements, the leaf {leaf_size})"
+
+
+def _without_unit_axes(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
 
 
 def _check_python_scalar(path: Any, old_kind: str, new: Any) -> Any:

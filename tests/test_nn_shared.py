@@ -140,10 +140,45 @@ def test_no_warning_for_distinct_arrays():
                          ft.optim.sgd(0.1), lambda m, batch: jnp.mean(m(batch) ** 2))
 
 
+def _right_code(message):
+    """The code of an error message's ``right:`` line, as the user would paste it."""
+    return next(line for line in message.splitlines() if "right:" in line).split("right:", 1)[1].strip()
+
+
+def test_an_untransposed_tie_suggests_the_transpose_and_the_fix_matches_the_hand_written_model():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = LM(ft.nn.Embedding(VOCAB, WIDTH, key=k1), ft.nn.Dense(WIDTH, VOCAB, key=k2))
+    with pytest.raises(ValueError) as info:
+        ft.nn.Shared(model, {"head.weight": "embed.embeddings"})
+    message = str(info.value)
+    assert message.startswith("ft.nn.Shared: the tie") and "ft.set" not in message
+    assert "jnp.transpose" in _right_code(message) and "reshape" not in _right_code(message)
+    tied = eval(_right_code(message))  # the message's right: line, pasted
+    e = np.asarray(model.embed.embeddings, np.float32)
+    expected = np.tanh(e[np.asarray(TOKENS)]) @ e.T + np.asarray(model.head.bias)
+    np.testing.assert_allclose(np.asarray(tied(TOKENS)), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+
+
+def test_a_tie_of_another_dtype_suggests_the_cast():
+    model = {"e": jnp.arange(6.0, dtype=jnp.bfloat16).reshape(3, 2), "f": jnp.zeros((2, 3))}
+    with pytest.raises(ValueError) as info:
+        ft.nn.Shared(model, {"f": "e"})
+    tied = eval(_right_code(str(info.value)))  # ("e", lambda w: w.T.astype(jnp.float32))
+    np.testing.assert_array_equal(tied.resolve()["f"], np.arange(6.0, dtype=np.float32).reshape(3, 2).T)
+
+
+def test_a_tie_of_another_shape_is_refused_by_shared_naming_the_leaf():
+    pair = Pair(ft.nn.Dense(4, 4, key=jax.random.key(0)), ft.nn.Dense(4, 5, key=jax.random.key(1)))
+    with pytest.raises(ValueError, match=r"puts shape \(4, 4\) .* at b\.weight, which holds shape \(4, 5\)"):
+        ft.nn.Shared(pair, {"b": "a"})  # the whole layer: once silently a Dense(4, 4) at b
+    with pytest.raises(ValueError, match=r'right:  ft\.nn\.Shared\(model, \{"b\.weight": \("a\.weight", transform\)\}\)'):
+        ft.nn.Shared(pair, {"b.weight": ("a.weight", jnp.sin)})
+
+
 def test_bad_ties_explain_the_fix():
     k1, k2 = jax.random.split(jax.random.key(0))
     model = LM(ft.nn.Embedding(VOCAB, WIDTH, key=k1), ft.nn.Dense(WIDTH, VOCAB, key=k2))
-    with pytest.raises(ValueError, match=r"expected shape \(3, 6\)"):  # the transpose is missing
+    with pytest.raises(ValueError, match=r"ft\.nn\.Shared: the tie .* holds shape \(3, 6\)"):  # no transpose
         ft.nn.Shared(model, {"head.weight": "embed.embeddings"})
     with pytest.raises(ValueError, match=r"ties \{target: source\}"):
         ft.nn.Shared(model, {"head.weight": 3})

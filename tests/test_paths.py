@@ -247,14 +247,40 @@ def test_set_checks_shape_and_dtype_naming_the_path():
     assert ".layers[0].weight" in message
     assert "expected shape (2, 2) and dtype float32" in message
     assert "got shape (3, 2) and dtype float32" in message
-    assert "a value of shape (2, 2) (this one has 6 elements, the leaf 4)" in message  # no reshape makes it
-    # the fix shown is code that works: a reshape where the sizes agree, a broadcast where it broadcasts
+    assert "new_value)   # of shape (2, 2) (this one has 6 elements, the leaf 4)" in message  # no reshape makes it
+    # the fix shown is code that keeps every number in place: a reshape only adds or removes
+    # axes of length 1; a broadcast where it broadcasts; a flat vector's layout is unknown
     with pytest.raises(ValueError, match=r"value.astype\(jnp.float32\).reshape\(\(2, 2\)\)"):
-        ft.set(net, ".layers[0].weight", jnp.ones(4))
-    with pytest.raises(ValueError, match=r"jnp.broadcast_to\(value.astype\(jnp.float32\), \(2, 2\)\)"):
+        ft.set(net, ".layers[0].weight", jnp.ones((2, 1, 2), jnp.float16))
+    with pytest.raises(ValueError, match=r"jnp.broadcast_to\(value, \(2, 2\)\)"):
         ft.set(net, ".layers[0].weight", jnp.ones(1))
+    with pytest.raises(ValueError, match=r"new_value\)   # of shape \(2, 2\)\nBoth hold 4 numbers") as info:
+        ft.set(net, ".layers[0].weight", jnp.ones(4))
+    assert "reshape(" not in str(info.value)
     with pytest.raises(ValueError, match=r"expected shape \(2,\) and dtype float32, got shape \(2,\) and dtype int32"):
         ft.set(net, ".inner.w", jnp.ones(2, jnp.int32))
+
+
+def _right_code(message: str) -> str:
+    """The code of an error message's ``right:`` line, to run as the user would paste it."""
+    return next(line for line in message.splitlines() if "right:" in line).split("right:", 1)[1].strip()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_set_of_a_transposed_torch_weight_suggests_the_transpose_not_a_reshape(dtype):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(2, 3)
+    tree = ft.set(ft.nn.Dense(2, 3, key=jax.random.key(0)), "bias", linear.bias.detach().numpy())
+    value = linear.weight.detach().numpy().astype(dtype)  # (out, in) = (3, 2); the Dense holds (2, 3)
+    with pytest.raises(ValueError) as info:
+        ft.set(tree, "weight", value)
+    message = str(info.value)
+    assert "reshape" not in _right_code(message) and "value.T" in message
+    fixed = eval(_right_code(message))  # the message's right: line, pasted
+    x = np.random.default_rng(0).standard_normal((4, 2)).astype(np.float32)
+    expected = linear(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(np.asarray(fixed(jnp.asarray(x))), expected, rtol=0, atol=1e-6)
 
 
 def test_missing_path_names_the_node_and_its_children():

@@ -16,11 +16,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from functree._key_path_names import key_path
+from functree._leaf_checks import leaf_spec, quoted
 from functree._module import Module, field
 from functree._naming import untransform
 from functree._paths import KeyPath
+from functree._tree import dotted_name
 from functree.nn._sequential import member_cache
 
 __all__ = ["Shared"]
@@ -48,6 +51,17 @@ ft.set({path}): {target} is tied to a transform of {source}; set the whole targe
 source, not part of it.
     right:  ft.set(model, "{source}", value)"""
 
+TIE_SHAPE = """\
+ft.nn.Shared: the tie {{{target}: {spec}}} puts {given} at {at}, which holds \
+{expected}. A tied value takes the place of the target's: it must have its shape and dtype.{hint}
+    wrong:  ft.nn.Shared(model, {{{target}: {spec}}})
+    right:  ft.nn.Shared(model, {{{target}: {right}}}){note}"""
+
+TIE_TRANSPOSED = """
+A matrix of the reversed shape is used transposed (an embedding matrix (vocab, width) as the \
+output projection (width, vocab)): tie it through jnp.transpose, not a reshape, which would \
+scramble it."""
+
 NOTHING_TIED = """\
 ft.nn.Shared needs at least one tie {target: source}.
 
@@ -67,6 +81,63 @@ def _removed(tree: Any, path: KeyPath) -> Any:
     else:
         raise ValueError(BAD_TARGET.format(path=path, type=type(parent).__name__))
     return parent_path.set(tree, new) if parent_path else new
+
+
+def _check_tie(old: Any, new: Any, transform: Any, target: Any, source: Any) -> None:
+    """Raise TIE_SHAPE where the tied value ``new`` has another shape or dtype than the
+    target's ``old`` value (a leaf, or a layer of the same structure: leaf by leaf)."""
+    pairs = [("", old, new)]
+    old_leaves, old_def = jax.tree_util.tree_flatten_with_path(old)
+    new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
+    if leaf_spec(old) is None and old_def == new_def:
+        pairs = [(dotted_name(p), a, b) for (p, a), (_, b) in zip(old_leaves, new_leaves)]
+    for where, a, b in pairs:
+        expected, got = leaf_spec(a), leaf_spec(b)
+        if expected is None or got is None or expected == got:
+            continue
+        right, note = _right_spec(quoted(source), transform, where, got, expected)
+        raise ValueError(TIE_SHAPE.format(
+            target=quoted(target), spec=_spec_text(source, transform), at=".".join(filter(None, (str(target), where))),
+            given=_shape_text(got), expected=_shape_text(expected),
+            hint=TIE_TRANSPOSED if _transposed(where, transform, got, expected) else "", right=right, note=note))
+
+
+def _transposed(where: str, transform: Any, got: Any, expected: Any) -> bool:
+    """Whether a plain array tie would fit through a transpose (a matrix of the reversed shape)."""
+    return not where and transform is None and len(got[0]) == 2 and got[0] == expected[0][::-1]
+
+
+def _right_spec(source: str, transform: Any, where: str, got: Any, expected: Any) -> tuple[str, str]:
+    """``(the tie's value, a comment)`` in the fix: the source through the transform that
+    fits (a transpose, a cast), else what the transform or the source must give."""
+    cast = "" if got[1] == expected[1] else f".astype(jnp.{expected[1]})"
+    if _transposed(where, transform, got, expected):
+        return (f"({source}, jnp.transpose)" if not cast else f"({source}, lambda w: w.T{cast})"), ""
+    if got[0] == expected[0] and not where:
+        return f"({source}, lambda w: {_call(transform)}{cast})", ""
+    if where:
+        return "source", f"   # a source whose {where} has {_shape_text(expected)}"
+    return f"({source}, transform)", f"   # transform(value): {_shape_text(expected)}"
+
+
+def _call(transform: Any) -> str:
+    return "w" if transform is None else f"{_function_name(transform)}(w)"
+
+
+def _function_name(transform: Any) -> str:
+    """How the user's code names ``transform``: ``jnp.transpose``, a def's name, else ``transform``."""
+    name = getattr(transform, "__name__", "")
+    if getattr(jnp, name, None) is transform:
+        return f"jnp.{name}"
+    return name if name.isidentifier() else "transform"
+
+
+def _spec_text(source: Any, transform: Any) -> str:
+    return quoted(source) if transform is None else f"({quoted(source)}, {_function_name(transform)})"
+
+
+def _shape_text(spec: Any) -> str:
+    return f"shape {spec[0]} and dtype {spec[1]}"
 
 
 def _rank(value: Any) -> int | None:
@@ -148,20 +219,23 @@ class Shared(Module):
     def __init__(self, model: Any, ties: Mapping[str | KeyPath, Any]):
         if not isinstance(ties, Mapping) or not ties:
             raise ValueError(NOTHING_TIED if isinstance(ties, Mapping) else BAD_TIE.format(given=ties))
-        parsed = []
+        parsed, given = [], []
         for target, spec in ties.items():
             source, transform = spec if isinstance(spec, tuple) and len(spec) == 2 else (spec, None)
             if not isinstance(source, (str, KeyPath)) or not (transform is None or callable(transform)):
                 raise ValueError(BAD_TIE.format(given={target: spec}))
             parsed.append((key_path(model, target), key_path(model, source), transform))
+            given.append((target, source))
         for target, _, _ in parsed:
             for _, source, _ in parsed:
                 if _inside(source, target):
                     raise ValueError(SOURCE_UNDER_TARGET.format(source=source, target=target))
         stored = model
-        for target, source, transform in parsed:
+        for (target, source, transform), names in zip(parsed, given):
             value = source.get(model)
-            target.set(model, value if transform is None else transform(value))  # shapes agree
+            value = value if transform is None else transform(value)
+            _check_tie(target.get(model), value, transform, *names)
+            target.set(model, value)  # a leaf's own checks (a Python number's kind)
             stored = _removed(stored, target)
         self.model = stored
         self.ties = tuple(parsed)

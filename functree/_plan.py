@@ -49,8 +49,15 @@ Cannot differentiate with respect to argument {index} of {fn}: {why}
 Only floating-point values carry derivatives (integers and bools do not; \
 no_derivative fields are carried, not differentiated).
 
-    right:  ft.{op}(f, wrt={suggest})   # differentiate with respect to other arguments
+{right}"""
+
+WITHOUT_ARGUMENT = """\
+    right:  ft.{op}(f, wrt={suggest})   # wrt= as asked, without argument {index}
        or:  pass the value as float: x.astype(jnp.float32)
+"""
+
+AS_FLOAT = """\
+    right:  pass the value as float: x.astype(jnp.float32)
 """
 
 NOT_A_PYTREE_OF_ARRAYS = """\
@@ -242,11 +249,15 @@ class Plan:
             why += (f" Python numbers in a tree are static data, not parameters ("
                     f"{jax.tree_util.keystr(path)} = {value!r}); to differentiate one, make it an array: "
                     f"jnp.asarray({value!r}).")
-        others = [j for j in range(len(self.args)) if j not in self.indices]
-        suggest = (others[0] if len(others) == 1 else tuple(others)) if others else "..."
-        return NOT_DIFFERENTIABLE_ARGUMENT.format(
-            index=i, fn=fn_name(self.f), why=why, op=self.op, suggest=suggest
-        )
+        return NOT_DIFFERENTIABLE_ARGUMENT.format(index=i, fn=fn_name(self.f), why=why, right=self._without(i))
+
+    def _without(self, i: int) -> str:
+        """The fix's lines: ``wrt=`` the arguments asked for that carry derivatives, without
+        ``i`` (never another argument: its derivative would answer another question)."""
+        rest = [j for j in self.indices if j != i and jax.tree.leaves(parameters(self.args[j]))]
+        if not rest:
+            return AS_FLOAT
+        return WITHOUT_ARGUMENT.format(op=self.op, index=i, suggest=rest[0] if len(rest) == 1 else tuple(rest))
 
     def rebuild(self, primals: Sequence[Any]) -> tuple:
         args = list(self.args)

@@ -298,9 +298,34 @@ def test_differentiating_with_respect_to_integers_or_bools_is_an_error(point):
     assert "x.astype(jnp.float32)" in message
 
 
-def test_integer_argument_error_suggests_the_other_arguments():
-    with pytest.raises(TypeError, match=r"argument 1 .*\n(.|\n)*wrt=0"):
+def _right_code(message):
+    """The code of an error message's ``right:`` line, as the user would paste it."""
+    return next(line for line in message.splitlines() if "right:" in line).split("right:", 1)[1].strip()
+
+
+def test_integer_argument_alone_is_not_swapped_for_another_argument():
+    # d/dn asked: the derivative with respect to x answers another question
+    with pytest.raises(TypeError, match=r"argument 1 .*\n(.|\n)*right:  pass the value as float") as info:
         ft.gradient(lambda x, n: x * n, wrt=1)(2.0, 3)
+    assert "wrt=0" not in str(info.value)
+
+
+@pytest.mark.parametrize(("wrt", "suggested"), [((0, 1), "wrt=0"), ((0, 1, 2), "wrt=(0, 2)"), ((1, -1), "wrt=2")])
+def test_integer_argument_error_suggests_the_requested_wrt_without_it(wrt, suggested):
+    x, n, b = jnp.array([1.0, 2.0, 3.0]), jnp.arange(3), jnp.array([4.0, 5.0, 6.0])
+
+    def f(a, n, b):
+        return (a * a * n.astype(jnp.float32) + b * a).sum()
+
+    with pytest.raises(TypeError) as info:
+        ft.gradient(f, wrt=wrt)(x, n, b)
+    right = _right_code(str(info.value))
+    assert right.startswith(f"ft.gradient(f, {suggested})")
+    got = eval(right.split("#")[0])(x, n, b)  # the message's right: line, pasted
+    kept = [i for i in (i % 3 for i in wrt) if i != 1]
+    expected = jax.grad(f, argnums=tuple(kept))(x, n, b)
+    for g, e in zip(got if isinstance(got, tuple) else (got,), expected):
+        np.testing.assert_allclose(g, e, rtol=0, atol=1e-6)
 
 
 def test_module_without_parameters_is_an_error():

@@ -106,11 +106,21 @@ MISSING_FIELDS = """\
 
 NON_DIFFERENTIABLE_FIELD = """\
 {cls}.{field} is a parameter field but its {what} is not differentiable ({type}). \
-It will be carried, not trained. Say which it is:
+It will be carried, not trained. {say}
 
     {field}: {type} = ft.field(static=True)          # configuration (Swift's `let`)
-    {field}: {type} = ft.field(no_derivative=True)   # state (Swift's `@noDerivative var`)
+{state}"""
+
+# A no_derivative field is a leaf that jit, gradients and train steps carry: an array. A
+# number becomes one (state such as a step count); a str or a function cannot.
+NUMBER_AS_STATE = """\
+    {field}: jax.Array = ft.field(no_derivative=True)   # state (Swift's `@noDerivative var`): \
+an array, {field}=jnp.asarray(...)
 """
+
+ONLY_CONFIGURATION = """\
+It is configuration: a {type} is not an array, so it cannot be a leaf that jit, gradients \
+and train steps carry (no_derivative):"""
 
 INT_FOR_FLOAT = """\
 {cls}.{field} is annotated float but holds the int {value!r}: an int is not differentiable, so it \
@@ -127,7 +137,7 @@ configuration:
 
     wrong:  {field}=[0.5, 0.5]
     right:  {field}=[jnp.float32(0.5), jnp.float32(0.5)]      # trained (or one array: jnp.array([0.5, 0.5]))
-    right:  {field}: list = ft.field(static=True)          # configuration
+    right:  {field}: tuple = ft.field(static=True)         # configuration, hashed: {field}=(0.5, 0.5)
 """
 
 UNKNOWN_FIELD = "{cls} has no field {name!r}; its fields are {fields}."
@@ -270,6 +280,16 @@ def _non_differentiable_type_name(value: Any) -> str | None:
     return None
 
 
+def _non_differentiable_field(cls: str, field: str, what: str, type_name: str) -> str:
+    """NON_DIFFERENTIABLE_FIELD with the options that work for a ``type_name``: static for
+    any, no_derivative (as an array) for a number only."""
+    number = type_name in ("bool", "int")
+    return NON_DIFFERENTIABLE_FIELD.format(
+        cls=cls, field=field, what=what, type=type_name,
+        say="Say which it is:" if number else ONLY_CONFIGURATION.format(type=type_name),
+        state=NUMBER_AS_STATE.format(field=field) if number else "")
+
+
 def _floats_only_container(value: Any) -> bool:
     """A plain list, tuple or dict (not a Module, not a named tuple) whose leaves are all
     Python numbers, one at least a float: meant as parameters (Swift's ``[Float]``), it
@@ -323,9 +343,7 @@ def _warn_annotation(cls: type, f: dataclasses.Field) -> None:
             type_name = "Callable"
     if type_name is not None:
         warnings.warn(
-            NON_DIFFERENTIABLE_FIELD.format(
-                cls=cls.__name__, field=f.name, what="annotation", type=type_name
-            ),
+            _non_differentiable_field(cls.__name__, f.name, "annotation", type_name),
             NonDifferentiableFieldWarning,
             stacklevel=_user_stacklevel(),
         )
@@ -920,9 +938,7 @@ def _validate(self: Module) -> None:
                           NonDifferentiableFieldWarning, stacklevel=_user_stacklevel())
         elif type_name is not None and not _annotation_warned(cls, name):
             warnings.warn(
-                NON_DIFFERENTIABLE_FIELD.format(
-                    cls=cls.__name__, field=name, what="value", type=type_name
-                ),
+                _non_differentiable_field(cls.__name__, name, "value", type_name),
                 NonDifferentiableFieldWarning,
                 stacklevel=_user_stacklevel(),
             )

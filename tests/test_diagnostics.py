@@ -623,7 +623,7 @@ def test_annotation_warning_at_class_definition():
     assert all(r.filename == __file__ for r in rec)
     assert rec[0].lineno == inspect.currentframe().f_lineno - 9
     assert "flag: bool = ft.field(static=True)" in str(rec[0].message)
-    assert "flag: bool = ft.field(no_derivative=True)" in str(rec[0].message)
+    assert "flag: jax.Array = ft.field(no_derivative=True)" in str(rec[0].message)  # state: an array
 
 
 def test_annotation_warning_without_postponed_annotations():

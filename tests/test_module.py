@@ -563,3 +563,66 @@ def test_replace_documents_that_post_init_does_not_run():
     m = Wide(jnp.ones((3, 4))).replace(w=jnp.ones((3, 5)))
     assert m.n_out == 4 and dataclasses.replace(m, w=jnp.ones((3, 5))).n_out == 5  # the documented behaviour
     assert "__post_init__" in ft.Module.replace.__doc__ and "dataclasses.replace" in ft.Module.replace.__doc__
+
+
+def _declared(message: str) -> list[str]:
+    """The field declarations a warning offers (``name: type = ft.field(...)``), as pasted."""
+    lines = [line.split("#")[0].replace("right:", "").strip() for line in message.splitlines()]
+    return [line for line in lines if "= ft.field(" in line]
+
+
+def _module_with(declaration: str) -> type:
+    """A module whose field is declared by ``declaration`` beside a trained ``w``."""
+    namespace = {"ft": ft, "jax": jax, "jnp": jnp}
+    exec(f"class F(ft.Module):\n    w: jax.Array\n    {declaration}\n"
+         "    def __call__(self, x):\n        return self.w * x\n", namespace)
+    return namespace["F"]
+
+
+def _runs_everywhere(model: ft.Module) -> None:
+    """ft.jit, jax.jit, ft.gradient and a train step take ``model``, with the right numbers."""
+    x = jnp.full(2, 2.0)
+    np.testing.assert_array_equal(ft.jit(lambda m, x: m(x))(model, x), [2.0, 2.0])
+    np.testing.assert_array_equal(jax.jit(lambda m, x: m(x))(model, x), [2.0, 2.0])
+    np.testing.assert_array_equal(ft.gradient(lambda m: m(x).sum(), at=model).w, [2.0, 2.0])
+    step = ft.train.train_step(lambda m, batch: m(batch[0]).sum(), ft.optim.sgd(0.25))
+    new = step(model, step.optimizer.init(model), (x,))[0]
+    np.testing.assert_allclose(new.w, [0.5, 0.5], rtol=0, atol=1e-7)  # 1 - 0.25 * 2
+
+
+@pytest.mark.parametrize(("annotation", "value", "state"), [("str", "encoder", None), ("int", 3, jnp.asarray(3)),
+                                                            ("bool", True, jnp.asarray(True))])
+def test_a_non_differentiable_field_warning_offers_only_declarations_that_jit_and_train(annotation, value, state):
+    """``name: str = ft.field(no_derivative=True)``, once offered, broke jit, gradients and
+    train steps (a str is no array leaf): a str is configuration, a number's state an array."""
+    with pytest.warns(ft.NonDifferentiableFieldWarning) as rec:
+        _module_with(f"name: {annotation}")
+    declarations = _declared(str(rec[0].message))
+    assert len(declarations) == (1 if state is None else 2)
+    assert declarations[0] == f"name: {annotation} = ft.field(static=True)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _runs_everywhere(_module_with(declarations[0])(jnp.ones(2), value))
+        if state is not None:
+            assert declarations[1] == "name: jax.Array = ft.field(no_derivative=True)"
+            _runs_everywhere(_module_with(declarations[1])(jnp.ones(2), state))
+
+
+def test_floats_in_a_list_warning_offers_a_static_declaration_that_is_accepted():
+    """``w: list = ft.field(static=True)``, once offered, was refused (a list is unhashable)."""
+    class Mix(ft.Module):
+        w: list
+
+    with pytest.warns(ft.NonDifferentiableFieldWarning) as rec:
+        Mix([0.5, 0.5])
+    message = str(rec[0].message)
+    (declaration,) = _declared(message)
+    assert declaration == "w: tuple = ft.field(static=True)"
+    given = eval(message.split("configuration, hashed: w=")[1].splitlines()[0])  # the value it shows
+    namespace = {"ft": ft}
+    exec(f"class Mix(ft.Module):\n    {declaration}\n    def __call__(self, x):\n        return sum(wi * x for wi in self.w)\n",
+         namespace)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mix = namespace["Mix"](given)
+        np.testing.assert_allclose(ft.jit(lambda m, x: m(x))(mix, jnp.float32(2.0)), 2.0, rtol=0, atol=1e-7)

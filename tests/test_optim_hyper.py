@@ -90,10 +90,40 @@ def test_set_hyperparameters_errors():
         fo.set_hyperparameters(state, lr=1e-4)
     with pytest.raises(ValueError, match=r"beta1=1\.5 is out of range"):
         fo.set_hyperparameters(state, beta1=1.5)
-    with pytest.raises(ValueError, match=r"'beta1' takes a scalar, or one value per member .*\(shape \(\)\); given shape \(2,\)"):
-        fo.set_hyperparameters(state, beta1=jnp.ones(2) * 0.5)
+    with pytest.raises(ValueError, match=r"'beta1' takes a scalar \(this state is not stacked") as info:
+        fo.set_hyperparameters(state, beta1=jnp.ones(2) * 0.5)  # said: jnp.array([...]) # shape ()
+    right = next(line.split("right:")[1].strip() for line in str(info.value).splitlines() if "right:" in line)
+    fixed = eval(right, {"ft": ft, "state": state})  # ft.optim.set_hyperparameters(state, beta1=0.9)
+    np.testing.assert_allclose(fo.hyperparameters(fixed)["beta1"], 0.9, rtol=0, atol=1e-7)
     # the scheduled value is reported
     assert float(fo.hyperparameters(state)["learning_rate"]) == pytest.approx(1e-3)
+
+
+
+def test_a_hyperparameter_that_is_no_value_is_refused_when_the_optimizer_is_built():
+    """adam([1e-3, 1e-4]) was accepted; init then failed inside JAX ("Cannot stack arrays with
+    different numbers of dimensions")."""
+    model = {"head": ft.nn.Dense(3, 2, key=jax.random.key(0)), "body": ft.nn.Dense(3, 3, key=jax.random.key(1))}
+    with pytest.raises(TypeError, match=r"ft\.optim\.adam: learning_rate is \[0\.001, 0\.0001\], no hyperparameter "
+                                        r"value.*One value per group") as info:
+        fo.adam([1e-3, 1e-4])
+    fixes = [line.split(":", 1)[1].strip() for line in str(info.value).splitlines()
+             if line.strip().startswith(("right:", "or:"))]
+    assert fixes[0] == "ft.optim.adam(learning_rate=1e-3)"
+    for fix in fixes:
+        state = ft.optim.Optimizer(eval(fix, {"ft": ft})).init(model)
+        assert 1e-3 in [pytest.approx(float(v)) for v in fo.hyperparameters(state).values()]
+    grouped = fo.hyperparameters(ft.optim.Optimizer(eval(fixes[1], {"ft": ft})).init(model))
+    assert sorted(float(v) for k, v in grouped.items() if k.endswith("learning_rate")) == pytest.approx([1e-4, 1e-3])
+    for bad, shown in ((jnp.ones(3), r"an array of shape \(3,\)"), ("0.1", "'0.1'"), (None, "None")):
+        with pytest.raises(TypeError, match=rf"ft\.optim\.sgd: learning_rate is {shown}, no hyperparameter value"):
+            fo.sgd(bad)
+    with pytest.raises(TypeError, match=r"beta2 is None.*\n\n    wrong:  ft\.optim\.adam\(beta2=None\)\n"
+                                        r"    right:  ft\.optim\.adam\(beta2=0\.999\)"):
+        fo.adam(1e-3, beta2=None)
+    for good in (0.1, np.float32(0.1), jnp.float32(0.1), [(2, 0.1), (1, 0.01)], fo.per_samples(0.1, 1),
+                 fo.cosine_decay(0.1, 10)):
+        fo.sgd(good).init(model)  # still accepted
 
 
 def test_changing_hyperparameters_does_not_recompile():

@@ -77,3 +77,33 @@ def test_off_at_zero_must_name_a_hyperparameter():
         @optimizer("bad", off_at_zero=("decay",))
         def bad(factor: Hyper = 1.0):
             return optax.scale(factor)
+
+
+def test_optax_and_torch_names_are_refused_with_functree_names_and_the_fix_matches_optax():
+    """adam(1e-3, b1=0.9) raised a bare "got an unexpected keyword argument 'b1'"."""
+    with pytest.raises(TypeError, match=r"ft\.optim\.adam: got an unexpected keyword argument 'b1'\. Its arguments: "
+                                        r"learning_rate, beta1, beta2, epsilon, weight_decay\.\n.*b1 → beta1") as info:
+        ft.optim.adam(1e-3, b1=0.8, eps=1e-6)
+    right = next(line.split("right:")[1].strip() for line in str(info.value).splitlines() if "right:" in line)
+    assert right == "ft.optim.adam(0.001, beta1=0.8, epsilon=1e-06)"
+    ours, theirs = eval(right, {"ft": ft}), optax.adam(1e-3, b1=0.8, eps=1e-6)
+    g = {"w": jnp.array([0.5, -2.0])}
+    s1, s2 = ours.init(g), theirs.init(g)
+    other = ft.optim.adam(1e-3, epsilon=1e-6)  # beta1 0.9: what dropping b1= would give
+    s3 = other.init(g)
+    for k in (1.0, -3.0, 2.0):  # gradients that change, so that beta1 matters
+        gk = {"w": g["w"] * k}
+        u1, s1 = ours.update(gk, s1)
+        u3, s3 = other.update(gk, s3)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int counts
+            u2, s2 = theirs.update(gk, s2)
+    # updates of size 1e-3; epsilon's placement differs from optax's by ~1e-8 (1e-6 / sqrt(v))
+    np.testing.assert_allclose(u1["w"], u2["w"], rtol=0, atol=2e-8)
+    assert np.abs(np.asarray(u3["w"]) - np.asarray(u2["w"])).max() > 1e-5
+    with pytest.raises(TypeError, match=r"lr → learning_rate, betas → beta1, beta2") as info:
+        ft.optim.adam(lr=1e-3, betas=(0.9, 0.99))
+    assert "right:  ft.optim.adam(learning_rate=0.001, beta1=0.9, beta2=0.99)" in str(info.value)
+    with pytest.raises(TypeError, match=r"ft\.optim\.rmsprop: (.|\n)* alpha → rho"):
+        ft.optim.rmsprop(1e-3, alpha=0.99)
+    with pytest.raises(TypeError, match=r"ft\.optim\.sgd: too many positional arguments\. Its arguments: learning_rate"):
+        ft.optim.sgd(0.1, 0.9, False, 0.0, "torch", 5)

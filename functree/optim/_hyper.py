@@ -55,6 +55,21 @@ OUT_OF_RANGE = """\
     right:  {where}({name}={example})
 """
 
+BAD_HYPERPARAMETER = """\
+{where}: {name} is {given}, no hyperparameter value: {name} takes one number, a schedule (a \
+function of the learning context: ft.optim.cosine_decay(...), ft.optim.schedule(...)), a \
+piecewise list of (count, value) pairs, or a rate with a unit (ft.optim.per_samples(...)).{hint}
+
+    wrong:  {where}({name}={code})
+    right:  {where}({name}={example})
+{more}"""
+
+# A list of numbers is most often meant as one rate per group of parameters.
+PER_GROUP_HINT = " One value per group of parameters is one optimizer per group:"
+PER_GROUP_FIX = """\
+       or:  ft.optim.groups({{"head.*": {where}({name}={first})}}, default={where}({name}={second}))
+"""
+
 NEEDS_CONTEXT = """\
 {where}: this state belongs to an ft.optim.Optimizer (which owns the learning context), \
 so update it through the optimizer:
@@ -96,6 +111,14 @@ set_hyperparameters: {name!r} takes a scalar, or one value per member of a stack
 (shape {members}); given shape {shape}.
 
     right:  set_hyperparameters(states, {name}=jnp.array([...]))    # shape {members}
+"""
+
+BAD_HYPERPARAMETER_UNSTACKED = """\
+set_hyperparameters: {name!r} takes a scalar (this state is not stacked: one optimizer); \
+given shape {shape}.
+
+    wrong:  ft.optim.set_hyperparameters(state, {name}=jnp.ones({shape}))
+    right:  ft.optim.set_hyperparameters(state, {name}={example})
 """
 
 STACKED_ALONG_ANOTHER_AXIS = """\
@@ -274,6 +297,24 @@ def _validate(where: str, name: str, spec: Any) -> None:
         raise ValueError(OUT_OF_RANGE.format(where=where, name=name, value=value, rule=text, example=example))
 
 
+def _check_value(where: str, name: str, spec: Any) -> None:
+    """A BAD_HYPERPARAMETER error unless ``spec`` (after :func:`_as_spec`) is a number (0-d),
+    a schedule, or a :class:`Rate` of one: anything else failed at ``init`` inside JAX
+    (``jnp.stack`` of the packed values) or later."""
+    value = spec.value if isinstance(spec, Rate) else spec
+    if callable(value) or _is_number(value):
+        return
+    shaped = hasattr(value, "shape")  # an array: its shape, not its values
+    given = f"an array of shape {tuple(np.shape(value))}" if shaped else repr(spec)
+    example = RULES.get(name, (None, None, "1e-3"))[2]
+    values = list(value) if isinstance(value, (list, tuple)) else []
+    hint, more = "", ""
+    if len(values) > 1 and all(_is_number(v) for v in values):
+        hint, more = PER_GROUP_HINT, PER_GROUP_FIX.format(where=where, name=name, first=values[0], second=values[1])
+    raise TypeError(BAD_HYPERPARAMETER.format(where=where, name=name, given=given, example=example,
+                                              code="..." if shaped else given, hint=hint, more=more))
+
+
 def _piecewise_values(spec: Any) -> list[Any]:
     """The values of a raw CNTK schedule list (checked like numbers), else nothing."""
     inner = spec.value if isinstance(spec, Rate) else spec
@@ -371,6 +412,7 @@ def inject(
         for value in _piecewise_values(spec):
             _validate(where, name, value)
         spec = _as_spec(spec)
+        _check_value(where, name, spec)
         _validate(where, name, spec)
         specs[name] = _Spec(name, spec)
 
@@ -653,6 +695,9 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
             for v in np.ravel(value).tolist() if _is_concrete_array(value) else [value]:
                 _validate("set_hyperparameters", name, v)
             if np.ndim(value) != 0 and np.shape(value) != now.shape:  # one per member
+                if now.shape == ():
+                    raise ValueError(BAD_HYPERPARAMETER_UNSTACKED.format(
+                        name=key, shape=np.shape(value), example=RULES.get(name, (None, None, "1e-3"))[2]))
                 raise ValueError(BAD_HYPERPARAMETER_SHAPE.format(name=key, shape=np.shape(value), members=now.shape))
             todo[(label, name)] = value
 

@@ -40,6 +40,23 @@ NO_HYPERPARAMETER = """\
     right:  def sgd(learning_rate: Hyper = 0.01): ...
 """
 
+BAD_ARGUMENTS = """\
+{where}: {error}. Its arguments: {names}.{renames}
+"""
+
+# Other libraries' names for functree's hyperparameters: optax's (b1, b2, eps, rmsprop's
+# decay) and torch's (lr, betas, rmsprop's alpha).
+FOREIGN_NAMES: dict[str, tuple[str, ...]] = {
+    "b1": ("beta1",), "b2": ("beta2",), "eps": ("epsilon",), "lr": ("learning_rate",),
+    "betas": ("beta1", "beta2"), "decay": ("rho",), "alpha": ("rho",),
+}
+
+RENAMES = """
+Other libraries' names are functree's here: {pairs}.
+
+    wrong:  {where}({wrong})
+    right:  {where}({right})"""
+
 UNKNOWN_OFF_AT_ZERO = """\
 {where}: off_at_zero names {names}, which are not hyperparameters of its signature ({known}).
 """
@@ -52,6 +69,33 @@ def _hyperparameter_names(fn: Callable[..., Any]) -> tuple[str, ...]:
         name for name in inspect.signature(fn).parameters
         if HYPERPARAMETER in getattr(hints.get(name), "__metadata__", ())
     )
+
+
+def _bad_arguments(where: str, signature: inspect.Signature, error: TypeError, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> TypeError:
+    """BAD_ARGUMENTS: Python's error for a call the signature cannot bind, with the
+    optimizer's name, its argument names, and functree's names for optax's and torch's."""
+    names = list(signature.parameters)
+    foreign = {k: FOREIGN_NAMES[k] for k in kwargs if k not in names and set(FOREIGN_NAMES.get(k, ("",))) <= set(names)}
+    renames = ""
+    if foreign:
+        # the call as given, foreign names renamed in place
+        given = [repr(a) for a in args]
+        wrong = given + [f"{k}={v!r}" for k, v in kwargs.items()]
+        right = given + [_renamed(foreign[k], v) if k in foreign else f"{k}={v!r}" for k, v in kwargs.items()]
+        renames = RENAMES.format(pairs=", ".join(f"{k} → {', '.join(ours)}" for k, ours in foreign.items()),
+                                 where=where, wrong=", ".join(wrong), right=", ".join(right))
+    text = str(error)
+    return TypeError(BAD_ARGUMENTS.format(where=where, error=text.split("() ", 1)[-1], names=", ".join(names),
+                                          renames=renames))
+
+
+def _renamed(ours: tuple[str, ...], value: Any) -> str:
+    """``value`` given under functree's names ``ours`` (torch's ``betas=(b1, b2)``: two)."""
+    if len(ours) == 1:
+        return f"{ours[0]}={value!r}"
+    values = value if isinstance(value, (tuple, list)) and len(value) == len(ours) else (...,) * len(ours)
+    return ", ".join(f"{n}={v!r}" for n, v in zip(ours, values))
 
 
 def _is_zero(value: Any) -> bool:
@@ -97,7 +141,10 @@ def optimizer(
 
         @functools.wraps(body)
         def public(*args: P.args, **kwargs: P.kwargs) -> optax.GradientTransformationExtraArgs:
-            bound = signature.bind(*args, **kwargs)
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise _bad_arguments(where, signature, e, args, kwargs) from None
             bound.apply_defaults()
             given = bound.arguments
             static = {k: v for k, v in given.items() if k not in names}

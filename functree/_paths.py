@@ -61,9 +61,12 @@ to={to!r} ({type}) is neither a type nor a dtype.
 STATIC_FIELD = """\
 ft.set({path}): {field!r} is a static field of {cls} (ft.field(static=True)): part of the \
 model's structure, which key paths read but do not write (Swift's `let`; \
-ft.recursively_all_writable_key_paths leaves it out). Build the module anew with it:
+ft.recursively_all_writable_key_paths leaves it out). Build the module anew with it{shared}:
     wrong:  ft.set(model, {quoted}, value)
     right:  {fix}"""
+
+MEMBERS_SHARE_STATIC = """. The members of the {cls} at {stack} share their static fields (one structure, stacked): \
+it is set on the {cls}'s block, for every member (a member of its own would be refused)"""
 
 class KeyPath(tuple):
     """A path from a root value to a nested value: ``.layers[0].weight``.
@@ -169,7 +172,7 @@ def with_stack_member(node: Any, index: int, value: Any, where: Any = ()) -> Any
     """A copy of the stacked ``node`` with member ``index`` replaced by ``value``."""
     index = check_member_index(node, index, where)
     _refuse_batched(node, index, where, ())
-    return node._with_member(index, value)
+    return node._with_member(index, value, where)
 
 
 def _refuse_batched(node: Any, index: int, where: Any, after: Any) -> None:
@@ -242,17 +245,20 @@ def is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
+def _set(tree: Any, path: KeyPath, depth: int, value: Any, stacks: tuple[tuple[int, Any], ...] = ()) -> Any:
+    """``tree`` (at ``path[:depth]``) with ``value`` at ``path``; ``stacks``: the depth and
+    the node of each stack whose member the path went through (for a static field's fix)."""
     if depth == len(path):
         return check_leaf(path, tree, value)
     entry = path[depth]
     if _through_tie(tree, entry):  # a name of the resolved model: the stored value it comes from
         return tree.set_resolved(KeyPath(path[depth:]), value)
     if isinstance(tree, Module) and entry.kind == ATTR and entry.key in type(tree).__ft_static__:
-        raise ValueError(_static_field(tree, path, depth))
+        raise ValueError(_static_field(tree, path, depth, stacks))
     child = _child(tree, entry, KeyPath(path[:depth]), path)
-    new_child = _set(child, path, depth + 1, value)
-    if entry.kind == INDEX and _stacked.is_stacked(tree):
+    member = entry.kind == INDEX and _stacked.is_stacked(tree)
+    new_child = _set(child, path, depth + 1, value, (*stacks, (depth, tree)) if member else stacks)
+    if member:
         return with_stack_member(tree, entry.key, new_child, KeyPath(path[:depth]))
     if isinstance(tree, Module):
         return tree.replace(**{entry.key: new_child})
@@ -272,15 +278,26 @@ def _set(tree: Any, path: KeyPath, depth: int, value: Any) -> Any:
     return _set_generic_child(tree, entry, new_child)
 
 
-def _static_field(module: Module, path: KeyPath, depth: int) -> str:
-    """The error of ``ft.set`` at or below the static field ``path[depth]`` of ``module``."""
-    field, owner = path[depth].key, KeyPath(path[:depth])
+def _static_field(module: Module, path: KeyPath, depth: int, stacks: tuple[tuple[int, Any], ...] = ()) -> str:
+    """The error of ``ft.set`` at or below the static field ``path[depth]`` of ``module``.
+
+    Under a stack's member (``h.1.activation``) the owner is the stack's block, whose
+    static fields every member shares: its member index becomes the stack's block field
+    (``h.layers``), since a member whose static field differs is refused."""
+    field, owner = path[depth].key, list(path[:depth])
+    for at, stack in stacks:
+        owner[at] = Entry(ATTR, type(stack).__ft_stacked_block__)
+    owner = KeyPath(owner)
     value = "value" if depth + 1 == len(path) else "..."
     fix = f"model = model.replace({field}={value})"
     if owner:
         fix = f"model = ft.set(model, {quoted(owner)}, ft.get(model, {quoted(owner)}).replace({field}={value}))"
+    shared = ""
+    if stacks:
+        at, stack = stacks[-1]
+        shared = MEMBERS_SHARE_STATIC.format(cls=type(stack).__name__, stack=KeyPath(path[:at]))
     return STATIC_FIELD.format(
-        path=path, field=field, cls=type(module).__name__, quoted=quoted(path), fix=fix
+        path=path, field=field, cls=type(module).__name__, quoted=quoted(path), fix=fix, shared=shared
     )
 
 

@@ -14,7 +14,8 @@ a member index (``blocks.3.up.weight``, shape ``(...)``), which JAX never sees:
 * :func:`outermost`: the dotted names of the outermost stacks (``ft.summary``).
 
 A node is stacked when its class sets ``__ft_stacked__ = True`` and defines
-``__len__``, ``_member(i)`` and ``_with_member(i, member)``; this module imports no layer.
+``__len__``, ``_member(i)`` and ``_with_member(i, member, where)`` (``where``: its key path,
+for errors); this module imports no layer.
 """
 
 from __future__ import annotations

@@ -256,6 +256,39 @@ def test_per_member_set_with_the_wrong_shape_names_the_path():
         ft.set(m, "blocks.2", Block(d=4, key=jax.random.key(0)))
 
 
+def _right_code(message):
+    """The code of an error message's ``right:`` line, as the user would paste it."""
+    return next(line for line in message.splitlines() if "right:" in line).split("right:", 1)[1].split("#")[0].strip()
+
+
+def test_a_wrong_member_names_its_full_path_and_the_fix_runs():
+    """BAD_MEMBER's fix once named '[1]', relative to the Stack: a KeyError when pasted."""
+    k = jax.random.key(0)
+    model = {"h": ft.nn.Stack(lambda k: ft.nn.Dense(4, 4, key=k), 3, key=k)}
+    with pytest.raises(ValueError, match=r"ft\.set\(\['h'\]\[1\]\): a member of this Stack (.|\n)*at \.weight") as info:
+        ft.set(model, "h.1", ft.nn.Dense(4, 5, key=k))
+    assert _right_code(str(info.value)) == 'ft.set(model, "h.1", block)'
+    block = ft.nn.Dense(4, 4, key=jax.random.key(1))
+    out = eval(_right_code(str(info.value)))  # pasted
+    np.testing.assert_array_equal(out["h"].layers.weight[1], block.weight)
+    np.testing.assert_array_equal(out["h"].layers.weight[::2], model["h"].layers.weight[::2])
+
+
+def test_a_members_static_field_is_set_on_the_stacks_block_for_every_member():
+    """STATIC_FIELD's fix for h.1.activation once replaced one member: refused (BAD_MEMBER)."""
+    k = jax.random.key(0)
+    model = {"h": ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, key=k), 2, key=k)}
+    value = jax.nn.relu
+    with pytest.raises(ValueError, match=r"members of the Stack at \['h'\] share their static fields") as info:
+        ft.set(model, "h.1.activation", value)
+    namespace = {"ft": ft, "model": model, "value": value}
+    exec(_right_code(str(info.value)), namespace)  # pasted: model = ft.set(model, "['h'].layers", ...)
+    x = np.array([[-1.0, 2.0, 0.5]], np.float32)
+    w, b = np.asarray(model["h"].layers.weight), np.asarray(model["h"].layers.bias)
+    expected = np.maximum(np.maximum(x @ w[0] + b[0], 0) @ w[1] + b[1], 0)  # relu in every member
+    np.testing.assert_allclose(namespace["model"]["h"](jnp.asarray(x)), expected, rtol=0, atol=1e-6)
+
+
 def test_member_out_of_range():
     m = model()
     with pytest.raises(IndexError, match=r"member 4 does not exist; the Stack holds 4 members(.|\n)*right:  ft.get\(model, 'blocks.3.up.weight'\)"):

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._leaf_checks import quoted
 from functree._module import Module, field, from_fields
 from functree._naming import refuse_batched_members
 from functree._paths import KeyPath, children, walk
@@ -76,8 +77,10 @@ ft.nn.Stack of {n} members: cache= holds one cache per member stacked on axis 0 
     right:  caches = stack.init_cache(batch_size, max_length); x, caches = stack(x, cache=caches, ...)"""
 
 BAD_MEMBER = """\
-ft.set({path}): a member of this Stack is a {expected}; given {given}.
-    right:  ft.set(model, {path!r}, block)   # a block of the same structure and shapes"""
+ft.set({path}): a member of this Stack is a {expected}; given {given} (at {where}: {first} in \
+the Stack, {other} given). Stacked members share one structure: the same types, static \
+fields, leaf shapes and dtypes.
+    right:  ft.set(model, {name}, block)   # a block of the same structure and shapes"""
 
 
 def _describe(tree: Any) -> str:
@@ -189,6 +192,7 @@ class Stack(Layer):
     # leading axes than ``[n, *member]`` (a jax.vmap-ed ensemble of models) is recognised.
     ranks: tuple[tuple[str, int], ...] | None = field(static=True, default=None)
     __ft_stacked__: ClassVar[bool] = True
+    __ft_stacked_block__: ClassVar[str] = "layers"  # the field of the stacked block (its members' static fields)
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("remat", "ranks")  # a restore's template decides them (how it spends memory; ranks are derived)
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("ranks",)  # files written before it read as None
     __ft_repr_hidden__: ClassVar[tuple[str, ...]] = ("ranks",)  # derived bookkeeping: not shown in repr
@@ -362,12 +366,15 @@ class Stack(Layer):
     def _check_unbatched(self, member: str) -> None:
         refuse_batched_members(self, f"stack{member}", "")
 
-    def _with_member(self, i: int, value: Any) -> Stack:
+    def _with_member(self, i: int, value: Any, where: Any = ()) -> Stack:
+        """A copy with member ``i`` replaced by ``value`` (``where``: the Stack's key path
+        in the tree ``ft.set`` was given, for the error's fix)."""
         self._check_unbatched(f"[{i}]")
         diff = _first_difference(self._member(i), value)
         if diff is not None:
-            raise ValueError(BAD_MEMBER.format(path=f"[{i}]", expected=_describe(self._member(i)),
-                                               given=_describe(value)))
+            path = KeyPath(where) + KeyPath.parse(f"[{i}]")
+            raise ValueError(BAD_MEMBER.format(path=path, name=quoted(path.name), expected=_describe(self._member(i)),
+                                               given=_describe(value), where=diff[0], first=diff[1], other=diff[2]))
         return self._with_layers(jax.tree.map(lambda a, v: a.at[i].set(v), self.layers, value))
 
     def _with_layers(self, layers: Any) -> Stack:

@@ -214,6 +214,42 @@ def test_uncovered_architectures_list_the_covered_ones(gpt2):
         ft.nn.from_hf(gpt2.transformer)
 
 
+def _right(error):
+    return next(line.split("right:")[1].split("#")[0].strip() for line in str(error).splitlines() if "right:" in line)
+
+
+def test_a_task_model_instance_is_pointed_at_its_own_body_not_a_fresh_one():
+    """UNCOVERED_CLASS suggested ft.nn.from_hf(BertModel(config)) for a BertForMaskedLM: a
+    random body, hidden states 4.2 off the user's model."""
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=2 * D, max_position_embeddings=16)
+    hf_model = randomized(transformers.BertForMaskedLM(config))
+    with pytest.raises(ValueError, match=r"BertForMaskedLM is not covered.*hf_model\.bert is a BertModel") as info:
+        ft.nn.from_hf(hf_model)
+    assert _right(info.value) == "ft.nn.from_hf(hf_model.bert)"
+    model = eval(_right(info.value), {"ft": ft, "hf_model": hf_model})
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = hf_model.bert(torch.from_numpy(ids).long(), torch.from_numpy(mask).long()).last_hidden_state.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(model(ids, mask))[real], expected[real], rtol=0,
+                               atol=2.5e-5 * float(np.abs(expected).max()))
+
+
+def test_a_body_without_its_head_is_pointed_at_its_checkpoint(gpt2, tmp_path):
+    """GPT2Model: no covered class inside; the fix reads its checkpoint into GPT2LMHeadModel
+    (HF's body weights, the tied head), not GPT2LMHeadModel(config)."""
+    with pytest.raises(ValueError, match=r"GPT2Model is not covered.*Read its checkpoint into") as info:
+        ft.nn.from_hf(gpt2.transformer)
+    gpt2.transformer.save_pretrained(tmp_path)
+    model = eval(_right(info.value), {"ft": ft, "transformers": transformers, "path": str(tmp_path)})
+    ids, _ = batch()
+    with torch.no_grad():
+        hidden = gpt2.transformer(torch.from_numpy(ids).long()).last_hidden_state
+        expected = (hidden @ gpt2.transformer.wte.weight.T).numpy()
+    np.testing.assert_allclose(np.asarray(model(ids)), expected, rtol=0, atol=2.5e-5 * float(np.abs(expected).max()))
+
+
 def test_uncovered_config_options():
     with pytest.raises(ValueError, match=r"rope_type 'mrope' .* covered: default, linear, dynamic, yarn, llama3"):
         _hf_options.rope(types.SimpleNamespace(rope_parameters={"rope_type": "mrope"}, max_position_embeddings=8))

@@ -50,11 +50,18 @@ Port other models by hand from ft.nn layers and ft.nn.load_torch_state_dict (doc
 UNCOVERED_CLASS = """\
 ft.nn.from_hf: {given} is not covered; of its model type functree covers {covered} (all \
 covered: {all}). A task model's body is covered where its class is (BertModel inside \
-BertForMaskedLM as hf_model.bert); its other layers are yours to add.
+BertForMaskedLM as hf_model.bert); its other layers are yours to add. {how}
 
-    wrong:  ft.nn.from_hf({given}(config))
-    right:  ft.nn.from_hf({covered}(config))
+    wrong:  ft.nn.from_hf(hf_model)          # a {given}
+    right:  {right}
 """
+
+# The right: line of UNCOVERED_CLASS for an instance: its own body (weights and all) where
+# the body is the covered class; else the checkpoint read into the covered class (a fresh
+# {covered}(config) would be a random model).
+UNCOVERED_BODY = "hf_model.{prefix} is a {covered} with the model's own weights:"
+UNCOVERED_OTHER = "Read its checkpoint into the covered class (the layers both have are the checkpoint's):"
+
 
 BAD_ATTENTION = """\
 ft.nn.from_hf: attention= is "auto", "xla" or "cudnn" (the implementation of every \
@@ -321,8 +328,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         config, weights = source.config, source.state_dict()
         model_type = getattr(config, "model_type", None)
         if isinstance(model_type, str) and model_type in COVERED and type(source).__name__ != COVERED[model_type]:
-            raise ValueError(UNCOVERED_CLASS.format(given=type(source).__name__, covered=COVERED[model_type],
-                                                    all=", ".join(COVERED.values())))
+            raise _uncovered_class(source, COVERED[model_type])
     else:
         if weights is None and _holds_weights(source, key, dropout):
             weights = source  # a save_pretrained directory: its config and its weights
@@ -397,3 +403,18 @@ def _port(node: Any) -> Port | None:
 
 
 PORTS.append(_port)
+
+
+def _uncovered_class(source: Any, covered: str) -> ValueError:
+    """UNCOVERED_CLASS for the HF model ``source``, a class of a covered model type that is
+    not ``covered``: its fix loads the user's weights (``hf_model.bert`` for a
+    BertForMaskedLM), never a freshly initialized model."""
+    prefix = getattr(source, "base_model_prefix", None)
+    body = getattr(source, prefix, None) if isinstance(prefix, str) and prefix else None
+    if type(body).__name__ == covered:
+        how, right = UNCOVERED_BODY.format(prefix=prefix, covered=covered), f"ft.nn.from_hf(hf_model.{prefix})"
+    else:
+        how = UNCOVERED_OTHER
+        right = f"ft.nn.from_hf(transformers.{covered}.from_pretrained(path))    # path: hf_model's checkpoint"
+    return ValueError(UNCOVERED_CLASS.format(given=type(source).__name__, covered=covered,
+                                             all=", ".join(COVERED.values()), how=how, right=right))

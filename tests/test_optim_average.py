@@ -154,9 +154,9 @@ def test_an_optax_ema_is_refused_and_the_fix_averages():
     optax = pytest.importorskip("optax")
     model = ft.nn.Dense(3, 1, key=jax.random.key(0))
     for other in (optax.ema(0.5), optax.identity()):
-        with pytest.raises(TypeError, match="optax.ema averages the updates, not the parameters") as info:
+        with pytest.raises(TypeError, match=r"optax\.ema averages the updates, not the parameters") as info:
             ft.optim.Optimizer(ft.optim.sgd(0.1), average=other)
-    right = [line.split("right:")[1].strip() for line in str(info.value).splitlines() if "right:" in line][0]
+    right = next(line.split("right:")[1].strip() for line in str(info.value).splitlines() if "right:" in line)
     assert "average=ft.optim.ema(0.999)" in right
     state = eval(right, {"ft": ft}).init(model)
     np.testing.assert_array_equal(ft.optim.averaged(state, model).weight, model.weight)

@@ -541,8 +541,14 @@ def required_selection(tree: Any, pattern: str, what: str, message: str, fallbac
 def _required(e: NothingSelected, message: str, fallback: str) -> ValueError:
     """``message`` for the pattern of ``e`` that must match a name: its ``pattern``, the
     ``close`` names and the ``right`` one (``fallback`` when nothing is close)."""
-    right = e.suggestion or (e.close[0] if e.close else fallback)
+    right = e.suggestion or right_name(e.pattern, e.close, fallback)
     return ValueError(message.format(pattern=e.pattern, close=", ".join(map(repr, e.close)) or "none", right=right))
+
+
+def right_name(pattern: str, close: Sequence[str], fallback: str) -> str:
+    """The fix of a pattern no :func:`suggestion` corrects: the closest name for a plain
+    name, ``fallback`` for a glob (one leaf's name would select less than it meant)."""
+    return close[0] if close and not _GLOB.search(pattern) else fallback
 
 
 def check_patterns(patterns: Sequence[Any]) -> None:
@@ -594,10 +600,15 @@ def _part_score(given: str, candidate: str) -> float:
     hits, j = 0, 0
     for w in a:
         for k in range(j, len(b)):
-            if b[k].startswith(w) or w.startswith(b[k]):
+            if b[k].startswith(w) or w.startswith(b[k]) or _misspelt(w, b[k]):
                 hits, j = hits + 1, k + 1
                 break
     return hits / max(len(a), len(b))
+
+
+def _misspelt(word: str, known: str) -> bool:
+    """Whether ``word`` is ``known`` with a typo (``encodr``: ``encoder``): most letters alike."""
+    return min(len(word), len(known)) >= 4 and difflib.SequenceMatcher(None, word, known).ratio() >= 0.8
 
 
 def suggestion(pattern: str, infos: Sequence[LeafInfo]) -> str | None:
@@ -605,12 +616,16 @@ def suggestion(pattern: str, infos: Sequence[LeafInfo]) -> str | None:
     replaced, one at a time or all unknown ones together, by the tree's closest parts
     (:func:`_part_score`: ``*.q_proj`` → ``*.query_projection``), if that selects a name;
     failing that, one of these without literal parts below a leaf (torch's and PEFT's
-    ``*.lora_B.default.weight`` → ``*.lora_b``); None when no part is close (never an
-    unrelated name)."""
+    ``*.lora_B.default.weight`` → ``*.lora_b``); a name that sits deeper, as a glob over
+    every place it is (``q_proj`` → ``*.q_proj``: all of a Stack's members); None when no
+    part is close (never an unrelated name, nor a leaf's name for a glob: ``encodr.*`` →
+    ``encoder.*``, the corrected part back in the glob)."""
     every = all_names(infos)
     known = {part for name in every for part in name.split(".")}
     parts = pattern.split(".")
     trials = list(_replaced(parts, known))
+    if not pattern.startswith("*"):  # a name that sits deeper than the root: a glob over its places
+        trials += [["*", *parts]] + list(_replaced(["*", *parts], known))
     for trial in trials:
         if any(matches(name, ".".join(trial)) for name in every):
             return ".".join(trial)
@@ -681,7 +696,7 @@ def nothing_selected(pattern: str, what: str, kind: str, infos: Sequence[LeafInf
     if out_of_range is not None:
         return NothingSelected(out_of_range, pattern, close, out_of_range)
     better = suggestion(pattern, infos)
-    right = f"{what}(..., {better or (close[0] if close else '*')!r})"
+    right = f"{what}(..., {better or right_name(pattern, close, '*')!r})"
     message = SELECTS_NOTHING.format(what=what, pattern=pattern, kind=kind, close=", ".join(map(repr, close)) or "none",
                                      wrong=f"{what}(..., {pattern!r})", right=right)
     return NothingSelected(message, pattern, close, None, better)

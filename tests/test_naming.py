@@ -1,5 +1,6 @@
 """The naming layer (functree/_naming.py): names, member names, tie aliases, one glob semantics."""
 
+import re
 import tempfile
 
 import hypothesis.strategies as st
@@ -366,3 +367,81 @@ def test_a_member_selection_meeting_a_leaf_of_other_leading_axes_is_refused():
     with pytest.raises(ValueError, match=r"A member selection of shape \(3,\) .* meets a leaf of shape \(2, 3, 2\)"
                                          r"(.|\n)*jax.vmap\(ft.gradient\(loss, wrt=\"blocks.1.\*\"\)\)\(ensemble\)"):
         _naming.broadcast(np.array([True, False, True]), jnp.zeros((2, 3, 2)))
+
+
+# ------------------------------------------------------- a typo's suggestion stays a glob
+
+
+def _right_pattern(call):
+    """The first pattern quoted in the right: line of the error ``call()`` raises."""
+    with pytest.raises(ValueError) as info:
+        call()
+    line = next(line for line in str(info.value).splitlines() if "right:" in line)
+    return re.search(r"""['"]([^'"]*)['"]""", line.split("right:", 1)[1]).group(1)
+
+
+def _encoder_head():
+    return {"encoder": ft.nn.Dense(3, 4, key=jax.random.key(0)), "head": ft.nn.Dense(4, 2, key=jax.random.key(1))}
+
+
+def test_a_misspelt_part_is_scored_as_close():
+    assert _naming._part_score("encodr", "encoder") > 0  # once 0: the suggestion fell back to one leaf
+    assert _naming._part_score("bias", "beta") == 0
+
+
+def test_a_glob_with_a_typo_is_corrected_inside_the_glob_by_every_consumer():
+    """'encodr.*' once got 'encoder.bias' back: freezing with it still trained encoder.weight."""
+    model = _encoder_head()
+    mesh = jax.make_mesh((1,), ("data",))
+    calls = {
+        "groups": lambda: ft.optim.Optimizer(ft.optim.groups({"encodr.*": ft.optim.sgd(0.0)},
+                                                             default=ft.optim.sgd(0.1))).init(model),
+        "wrt": lambda: ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="encodr.*").init(model),
+        "gradient": lambda: ft.gradient(lambda m: m["encoder"](jnp.ones(3)).sum(), wrt="encodr.*")(model),
+        "exclude": lambda: ft.select(model, "*", exclude=["encodr.*"]),
+        "sharding": lambda: ft.partition_specs(model, {"encodr.*": P()}, mesh=mesh),
+    }
+    for name, call in calls.items():
+        assert _right_pattern(call) == "encoder.*", name
+
+
+def test_following_the_glob_suggestion_freezes_the_whole_layer():
+    model = _encoder_head()
+    x, y = jnp.ones((8, 3)), jnp.zeros((8, 2))
+
+    def loss(m, x, y):
+        return jnp.mean((m["head"](m["encoder"](x)) - y) ** 2)
+
+    def make(pattern):
+        return ft.optim.Optimizer(ft.optim.groups({pattern: ft.optim.sgd(0.0)}, default=ft.optim.sgd(0.1)))
+
+    right = _right_pattern(lambda: make("encodr.*").init(model))
+    opt = make(right)
+    new = opt.minimize(loss, model, opt.init(model), x, y)[0]
+    np.testing.assert_array_equal(new["encoder"].weight, model["encoder"].weight)  # frozen, all of it
+    np.testing.assert_array_equal(new["encoder"].bias, model["encoder"].bias)
+    g = jax.grad(loss)(model, x, y)
+    np.testing.assert_allclose(new["head"].weight, model["head"].weight - 0.1 * g["head"].weight, rtol=0, atol=1e-7)
+
+
+def test_a_glob_nothing_corrects_gets_no_leaf_name_back():
+    assert _naming.right_name("zzz.*", ["encoder.bias"], "*") == "*"
+    assert _naming.right_name("encoder.bais", ["encoder.bias"], "*") == "encoder.bias"
+
+
+class _Block(ft.Module):
+    q_proj: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.q_proj(x)
+
+
+def test_a_bare_layer_name_suggests_a_glob_over_every_stack_member():
+    """'q_proj' once got one member's path back ('h.1.q_proj'), which LoRA refuses (PART_OF_STACK)."""
+    model = {"h": ft.nn.Stack(lambda k: _Block(ft.nn.Dense(4, 4, key=k)), 3, key=jax.random.key(0))}
+    right = _right_pattern(lambda: ft.nn.lora(model, "q_proj", rank=2, key=jax.random.key(1)))
+    assert right == "*.q_proj"
+    adapted = ft.nn.lora(model, right, rank=2, key=jax.random.key(1))
+    assert ft.get(adapted, "h.layers.q_proj.lora_a").shape == (3, 4, 2)  # every member adapted
+    x = jnp.arange(4.0).reshape(1, 4)
+    np.testing.assert_allclose(adapted["h"](x), model["h"](x), rtol=0, atol=1e-6)  # lora_b = 0: unchanged

@@ -51,7 +51,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from functree._naming import leaf_infos, match_kind, member_names, member_rule_names
+from functree._naming import (
+    leaf_infos,
+    match_kind,
+    member_names,
+    member_rule_names,
+    right_name,
+    suggestion,
+)
 from functree._stacked import stack_depths
 from functree._tree import dotted_name
 
@@ -337,5 +344,5 @@ def _check_all_used(rules: Mapping[str, Any], taken: dict[str, str], names: list
         if shadowed is not None:
             raise ValueError(SHADOWED_RULE.format(pattern=pattern, name=shadowed, earlier=taken[shadowed]))
         close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)
-        raise ValueError(UNMATCHED_RULE.format(pattern=pattern, close=", ".join(map(repr, close)),
-                                               suggestion=close[0] if close else "*.weight"))
+        better = suggestion(pattern, leaf_infos(tree)) or right_name(pattern, close, "*.weight")  # a glob stays one
+        raise ValueError(UNMATCHED_RULE.format(pattern=pattern, close=", ".join(map(repr, close)), suggestion=better))

@@ -772,6 +772,23 @@ def test_a_checkpoints_generation_defaults_are_hf_generates(llama, tmp_path):
         hf.generation_config = saved
 
 
+
+def test_beams_with_the_callers_temperature_blame_the_temperature_not_the_checkpoint(gpt2):
+    """num_beams=3, temperature=0.7 on a from_hf model blamed the checkpoint's top_k=50 (HF's
+    sampling default, named beside it); passing top_k moved the blame to top_p."""
+    _, _, model = gpt2
+    ids, key = jnp.array([[5, 7, 9]], jnp.int32), jax.random.key(0)
+    for extra in ({}, {"top_k": 0}):
+        with pytest.raises(ValueError, match=r"^generate: beam search \(num_beams=3\) keeps the most likely "
+                                             r"continuations; it does not sample \(temperature=0.7") as info:
+            ft.nn.generate(model, ids, 8, num_beams=3, temperature=0.7, key=key, **extra)
+        assert "hf_config" not in str(info.value)
+    fixes = [line.split("right:")[1].split("#")[0].strip() for line in str(info.value).splitlines() if "right:" in line]
+    space = {"ft": ft, "model": model, "input_ids": ids, "key": key}
+    beams, sampled = (eval(fix, space) for fix in fixes)
+    assert beams.shape == sampled.shape == (1, 11)
+    np.testing.assert_array_equal(beams, ft.nn.generate(model, ids, 8, num_beams=3))
+
 # ---- several samples per prompt, a donated model, a cache larger than memory ------------------------
 
 def test_sampling_returns_several_sequences_per_prompt_in_hf_order(tiny):

@@ -30,6 +30,7 @@ decoding is the same program with or without the controls' code.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -386,7 +387,7 @@ def generate(
     try:
         run = plan(exact=exact)
     except ValueError as error:  # a checkpoint's value: say that it came from there
-        raise _sourced(error, sourced) from None
+        raise _sourced(error, sourced, given) from None
     try:
         tokens, scores = _running(run, model, prompt, new)
     except ValueError as error:
@@ -471,12 +472,20 @@ def _sampling_values(defaults: dict[str, Any]) -> str:
     return ", ".join(f"{k}={defaults[k]!r}" for k in ("temperature", "top_k", "top_p", "min_p") if k in defaults)
 
 
-def _sourced(error: ValueError, sourced: dict[str, Any]) -> ValueError:
+def _sourced(error: ValueError, sourced: dict[str, Any], given: dict[str, Any]) -> ValueError:
     """``error``, or the error naming the checkpoint when the option it is about (named on its
-    first line) came from the model's ``hf_config``."""
+    first line) came from the model's ``hf_config``. An option the caller gave, named there,
+    is the caller's to change: ``num_beams=3, temperature=0.7`` is refused for the caller's
+    temperature, not for the checkpoint's ``top_k=50`` beside it."""
     first = str(error).split("\n")[0]
+
+    def named(name: str) -> bool:  # as a word: top_k is not named by "top_k_ids"
+        return re.search(rf"\b{re.escape(name)}\b", first) is not None
+
+    if any(value is not None and named(name) for name, value in given.items()):
+        return error
     for name, value in sourced.items():
-        if name in first:
+        if named(name):
             return bad_value(name, value, error)
     return error
 

@@ -421,7 +421,7 @@ def test_following_the_glob_suggestion_freezes_the_whole_layer():
     np.testing.assert_array_equal(new["encoder"].weight, model["encoder"].weight)  # frozen, all of it
     np.testing.assert_array_equal(new["encoder"].bias, model["encoder"].bias)
     g = jax.grad(loss)(model, x, y)
-    np.testing.assert_allclose(new["head"].weight, model["head"].weight - 0.1 * g["head"].weight, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(new["head"].weight, model["head"].weight - 0.1 * g["head"].weight, rtol=0, atol=1e-6)
 
 
 def test_a_glob_nothing_corrects_gets_no_leaf_name_back():

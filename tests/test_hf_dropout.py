@@ -423,3 +423,50 @@ def test_training_without_any_key_is_refused():
     with pytest.raises(ValueError, match=r"DropoutAttention \(a port built with dropout=True\) is in training mode without a key"):
         model(np.zeros((1, 4), np.int32))
     assert model(np.zeros((1, 4), np.int32), key=jax.random.key(0)).shape == (1, 4, VOCAB)
+
+
+def _or_lines(error):
+    """The code of a message's ``or:`` block (it runs to the end of the message)."""
+    text = str(error).split("or:", 1)[1]
+    return "\n".join(line.split("#")[0].strip() for line in text.splitlines() if line.strip())
+
+
+def _attention_rates(model):
+    found = [m for m in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, _dropout.DropoutAttention))
+             if isinstance(m, _dropout.DropoutAttention)]
+    return {(m.dropout, *m.rates) for m in found}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "opt"])
+def test_a_rate_given_as_dropout_is_pointed_at_the_family_s_own_fields(family):
+    """BAD_DROPOUT_FLAG's fix was config.attn_pdrop = 0.05 for every family: GPT-2's field,
+    which Llama does not read (its dropout silently 0)."""
+    config = configs(on=False)[family]
+    weights, key = hf_model(config).state_dict(), jax.random.key(0)
+    with pytest.raises(ValueError, match=rf"dropout must be True .* got 0.05.*the {family} family reads") as info:
+        ft.nn.from_hf(config, weights, dropout=0.05, key=key)
+    fields = _dropout.rate_fields(_dropout.FAMILIES[config.model_type])
+    assert _or_lines(info.value).startswith(" = ".join(f"config.{n}" for n in fields) + " = 0.05;")
+    exec(_or_lines(info.value), {"ft": ft, "config": config, "weights": weights, "key": key})
+    assert set(_dropout.FAMILIES[config.model_type].hf_dropout(config).values()) == {0.05}  # every field it reads
+    model = ft.nn.from_hf(config, weights, dropout=True, key=key)
+    assert 0.05 in {r for rates in _attention_rates(model) for r in rates}
+    if family == "llama":  # the attention weights' rate, the only one: was 0 after config.attn_pdrop = 0.05
+        assert _attention_rates(model) == {(0.05, 0.0, 0.0, 0.0)}
+
+
+def test_a_rate_for_a_source_of_unknown_family_lists_each_family_s_fields(tmp_path):
+    with pytest.raises(ValueError, match=r"got 0\.05\. A rate of your own goes into the config, in the fields the "
+                                         r"model's family reads") as info:
+        ft.nn.from_hf(tmp_path, dropout=0.05, key=jax.random.key(0))
+    message = str(info.value)
+    assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, gemma\n", message)
+    assert re.search(r"config\.hidden_dropout_prob = config\.attention_probs_dropout_prob = 0\.05 +# bert", message)
+    config = configs(on=False)["llama"]  # the llama line and the call, as written
+    code = [line for line in _or_lines(info.value).splitlines() if line in ("config.attention_dropout = 0.05",)
+            or line.startswith("ft.nn.from_hf")]
+    space = {"ft": ft, "config": config, "weights": hf_model(config).state_dict(), "key": jax.random.key(0)}
+    exec("\n".join(code), space)
+    assert _attention_rates(ft.nn.from_hf(config, space["weights"], dropout=True, key=space["key"])) == {
+        (0.05, 0.0, 0.0, 0.0)}
+

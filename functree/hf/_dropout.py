@@ -49,7 +49,7 @@ from functree.nn._stack import Stack, member_ranks
 from functree.nn._state import record_state
 
 __all__ = ["DropoutAttention", "with_dropout", "without_dropout", "check_dropout_call", "block_keys", "top_keys",
-           "decoding", "drop", "rate"]
+           "decoding", "drop", "rate", "rate_fields"]
 
 DROPOUT_NEEDS_KEY = """\
 ft.nn.from_hf(..., dropout=True) draws dropout masks and needs a PRNG key for them (the \
@@ -61,12 +61,17 @@ weights are not touched by it: a model with weights is the same model).
 
 BAD_DROPOUT_FLAG = """\
 ft.nn.from_hf: dropout must be True (Hugging Face's rates, read from the config) or False \
-(no dropout: the default), got {given!r}. A rate of your own goes into the config.
+(no dropout: the default), got {given!r}. A rate of your own goes into the config, in the \
+fields {whose} reads (another family's field is not read: no dropout at all).
 
     wrong:  ft.nn.from_hf(source, dropout={given!r}, key=key)
     right:  ft.nn.from_hf(source, dropout=True, key=key)
-       or:  config.attn_pdrop = 0.05; ft.nn.from_hf(config, weights, dropout=True, key=key)
-"""
+{fixes}"""
+
+# BAD_DROPOUT_FLAG's config lines: the family's rate fields (every field it reads), or each
+# family's when the source's family is not known.
+RATE_FIX = "       or:  {fields} = {value}; ft.nn.from_hf(config, weights, dropout=True, key=key)\n"
+RATE_FIXES = "       or:  {lines}\n            ft.nn.from_hf(config, weights, dropout=True, key=key)\n"
 
 BAD_RATE = """\
 ft.nn.from_hf(..., dropout=True): the {model_type} config's {name} is {value!r}; a dropout \
@@ -124,8 +129,32 @@ class DropoutAttention(MultiheadAttention):
         return self.dropout > 0.0 or self.rates[1] > 0.0 or self.rates[2] > 0.0
 
 
+class _RateNames:
+    """A stand-in config that records the rate fields a family's ``hf_dropout`` reads
+    (through :func:`rate`); any other attribute reads 0.0."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def __getattr__(self, name: str) -> float:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return 0.0
+
+
+def rate_fields(family: type[HFModel]) -> list[str]:
+    """The config fields holding ``family``'s dropout rates, in the order ``hf_dropout``
+    reads them (``[]``: no dropout ported)."""
+    names = _RateNames()
+    family.hf_dropout(names)
+    return list(dict.fromkeys(names.names))
+
+
 def rate(config: Any, name: str) -> float:
     """The config's dropout rate ``name``, checked to be in [0, 1)."""
+    if isinstance(config, _RateNames):
+        config.names.append(name)
+        return 0.0
     value = getattr(config, name, 0.0)
     value = 0.0 if value is None else value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -145,9 +174,38 @@ def check_dropout_call(source: Any, weights: Any, dropout: Any, key: Any) -> Non
     if dropout is False:
         return
     if dropout is not True:
-        raise ValueError(BAD_DROPOUT_FLAG.format(given=dropout))
+        raise ValueError(_bad_flag(source, dropout))
     if key is None:
         raise ValueError(DROPOUT_NEEDS_KEY)
+
+
+def _model_type(source: Any) -> Any:
+    """The model type of ``from_hf``'s source where it is at hand (a config, an HF model, a
+    config dict); a directory's is not read here (None)."""
+    if isinstance(source, Mapping):
+        return source.get("model_type")
+    return getattr(source, "model_type", None) or getattr(getattr(source, "config", None), "model_type", None)
+
+
+def _bad_flag(source: Any, given: Any) -> str:
+    """BAD_DROPOUT_FLAG, its config line naming the fields the source's family reads (the
+    audit's ``config.attn_pdrop`` was read by GPT-2 only: on Llama no dropout), or one line
+    per family when the family is not known."""
+    value = given if isinstance(given, float) and 0.0 < given < 1.0 else 0.1
+    family = FAMILIES.get(_model_type(source) or "")
+    if family is not None and rate_fields(family):
+        fields = " = ".join(f"config.{n}" for n in rate_fields(family))
+        return BAD_DROPOUT_FLAG.format(given=given, whose=f"the {family.model_type} family",
+                                       fixes=RATE_FIX.format(fields=fields, value=value))
+    by_fields: dict[str, list[str]] = {}  # families reading the same fields share a line
+    for f in FAMILIES.values():
+        if rate_fields(f):
+            by_fields.setdefault(" = ".join(f"config.{n}" for n in rate_fields(f)), []).append(str(f.model_type))
+    width = max(len(k) for k in by_fields) + len(f" = {value}")
+    lines = "\n            ".join(f"{k + f' = {value}':<{width}}   # {', '.join(types)}"
+                                  for k, types in by_fields.items())
+    return BAD_DROPOUT_FLAG.format(given=given, whose="the model's family",
+                                   fixes=RATE_FIXES.format(lines=lines))
 
 
 def _declared(cls: type) -> set[str]:

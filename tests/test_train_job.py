@@ -513,6 +513,27 @@ def test_job_state_restore_of_a_model_checkpoint_is_an_error(tmp_path):
         ft.train.JobState.restore(tmp_path / "m")
 
 
+def test_a_model_checkpoint_s_fixes_run(tmp_path):
+    """NOT_A_JOB's "or: trainer.restore(path)" failed on a model-only checkpoint (no optimizer
+    state in it); each fix of the message now runs, pasted."""
+    path = str(tmp_path / "m")
+    saved = ft.nn.Dense(3, 2, key=jax.random.key(7))
+    with ft.train.CheckpointManager(path) as manager:
+        manager.save(1, saved)
+    with pytest.raises(ValueError, match="not of a training job") as info:
+        ft.train.JobState.restore(path)
+    fixes = [line.split(":", 1)[1].split("#")[0].strip() for line in str(info.value).splitlines()
+             if line.strip().startswith(("right:", "or:"))]
+    assert fixes[1] == "trainer.restore(path, optimizer_state=False)"
+    restored = eval(fixes[0], {"ft": ft, "path": path})
+    np.testing.assert_array_equal(restored.weight, saved.weight)
+    trainer = ft.train.Trainer(ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.optim.adam(1e-2),
+                               lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
+    eval(fixes[1], {"trainer": trainer, "path": path})
+    np.testing.assert_array_equal(trainer.model.weight, saved.weight)
+    np.testing.assert_array_equal(trainer.model.bias, saved.bias)
+
+
 def test_callbacks_see_the_job_state_read_only():
     seen = []
 

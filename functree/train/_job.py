@@ -50,8 +50,8 @@ position: it was written by CheckpointManager.save or ft.train.save, not by a Tr
 Read it as a checkpoint, or continue its model in a Trainer:
 
     wrong:  ft.train.JobState.restore(path)
-    right:  ft.train.CheckpointManager(path).restore()
-       or:  trainer.restore(path)         # a Trainer's model and optimizer state from it"""
+    right:  ft.train.CheckpointManager(path).restore().model
+       or:  trainer.restore(path, optimizer_state=False)   # a Trainer continues its model (a fresh optimizer state)"""
 
 UNSTORED_FIELD = """\
 functree.train._job: Position's fields {missing} have no entry in STORED (and STORED's \

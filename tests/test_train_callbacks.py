@@ -206,8 +206,18 @@ def test_per_group_learning_rates_in_history_context_and_plateau():
     assert ft.optim.hyperparameters(halved)["body/learning_rate"] == pytest.approx(0.05)
     wrong = ft.train.ReduceLROnPlateau(monitor="loss", group="classifier")
     with pytest.raises(ValueError, match=r"no parameter group 'classifier' with a learning rate; its learning "
-                                         r"rates are \['body/learning_rate', 'head/learning_rate'\]"):
+                                         r"rates are \['body/learning_rate', 'head/learning_rate'\]") as info:
         wrong._reduced(trainer.opt_state)
+    assert "right:  ReduceLROnPlateau(group='body')" in str(info.value)
+    # no groups: the fix drops group= (it suggested group="head", which fails the same way)
+    model = {"w": jnp.ones(2)}
+    state = ft.optim.Optimizer(ft.optim.sgd(0.4)).init(model)
+    with pytest.raises(ValueError, match=r"no parameter group 'classifier'(.|\n)*rates are \['learning_rate'\]") as info:
+        wrong._reduced(state)
+    right = next(line.split("right:")[1].split("#")[0].strip() for line in str(info.value).splitlines()
+                 if "right:" in line)
+    fixed = eval("ft.train." + right, {"ft": ft})
+    assert ft.optim.hyperparameters(fixed._reduced(state))["learning_rate"] == pytest.approx(0.04)
 
 
 def test_callbacks_do_not_import_the_trainer():

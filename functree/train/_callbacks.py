@@ -62,8 +62,8 @@ UNKNOWN_GROUP = """\
 ReduceLROnPlateau(group={group!r}): the optimizer has no parameter group {group!r} with a \
 learning rate; its learning rates are {names}.
 
-    wrong:  ReduceLROnPlateau(group="classifier")
-    right:  ReduceLROnPlateau(group="head")     # a pattern given to ft.optim.groups({{"head": ...}})"""
+    wrong:  ReduceLROnPlateau(group={group!r})
+    right:  {right}"""
 
 BAD_EVERY = """\
 ModelCheckpoint({what}=...) takes a positive int (save after k, 2k, 3k, ...), got {value!r}.
@@ -420,7 +420,10 @@ class ReduceLROnPlateau(Callback):
         if self.group is not None:
             name = group_learning_rate(opt_state, self.group)
             if name is None:
-                raise ValueError(UNKNOWN_GROUP.format(group=self.group, names=names))
+                groups = [n.rsplit("/", 1)[0] for n in names if "/" in n]
+                right = (f"ReduceLROnPlateau(group={groups[0]!r})     # a pattern given to ft.optim.groups"
+                         if groups else "ReduceLROnPlateau()     # no groups: the optimizer's one learning rate")
+                raise ValueError(UNKNOWN_GROUP.format(group=self.group, names=names, right=right))
             names = [name]
         if not names:
             raise ValueError(NO_LEARNING_RATE.format(error="no hyperparameter named learning_rate"))

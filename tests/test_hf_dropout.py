@@ -395,6 +395,9 @@ def test_dropout_errors(tmp_path):
     (tmp_path / "config_only" / "config.json").write_text((tmp_path / "saved" / "config.json").read_text())
     fresh = ft.nn.from_hf(tmp_path / "config_only", key=jax.random.key(1))  # a config alone: HF's initialization
     assert not np.array_equal(fresh.transformer.wte.embeddings, saved.transformer.wte.embeddings)
+    dropping = ft.nn.from_hf(tmp_path / "config_only", dropout=True, key=jax.random.key(1))  # was refused
+    np.testing.assert_array_equal(dropping.transformer.wte.embeddings, fresh.transformer.wte.embeddings)
+    assert dropping.transformer.h.layers.attn.dropout == 0.1
     opt = configs()["opt"]
     opt.layerdrop = 0.1
     with pytest.raises(ValueError, match=r"OPT config sets layerdrop=0.1"):

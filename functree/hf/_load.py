@@ -116,16 +116,17 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 
 
 def _holds_weights(source: Any, key: Any, dropout: bool) -> bool:
-    """Whether ``from_hf(source, key=key)`` reads ``source``'s weights: a directory does,
-    unless a key without dropout asks for a fresh model and it holds none (a directory
-    with a config only). A key without dropout beside weights is :data:`KEY_OR_WEIGHTS`."""
+    """Whether ``from_hf(source, key=key)`` reads ``source``'s weights: a directory does
+    when it holds them; with a key and a config alone it builds a fresh model (dropout or
+    not). A key without dropout beside weights is :data:`KEY_OR_WEIGHTS`."""
     if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
         return False
-    if key is None or dropout:
+    if key is None:
         return True
-    if any(os.path.exists(os.path.join(source, name)) for name in _WEIGHT_FILES):
+    held = any(os.path.exists(os.path.join(source, name)) for name in _WEIGHT_FILES)
+    if held and not dropout:
         raise ValueError(KEY_OR_WEIGHTS.format(source=os.fspath(source)))
-    return False
+    return held
 
 
 NOT_A_PORT = """\

@@ -138,6 +138,12 @@ def test_shard_takes_a_callable_foreign_module_for_a_tree():
     np.testing.assert_array_equal(placed.weight, linear.weight)
     built = ft.shard(functools.partial(ft.nn.Dense, 4, 2, key=jax.random.key(0)), mesh)  # a leaf: builds
     assert isinstance(built, ft.nn.Dense)
+    # A builder of a tree holding functions at leaves (Equinox's activations): was a crash in
+    # jax.eval_shape ("returned a value of type custom_jvp"); its arrays are built in shards.
+    mlp = ft.shard(lambda: eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0)), mesh, {"layers.0.weight": P("data", None)})
+    reference = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))
+    assert mlp.layers[0].weight.sharding.spec == P("data", None) and mlp.activation is reference.activation
+    np.testing.assert_array_equal(mlp(jnp.ones(3)), reference(jnp.ones(3)))
 
 
 def test_cast_touches_floating_parameters_only():

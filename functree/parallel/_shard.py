@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
 from functree._module import Module
-from functree._tree import has_shape_and_dtype
+from functree._tree import has_shape_and_dtype, is_array_value
 from functree.parallel._mesh import auto_mesh, place
 from functree.parallel._rules import partition_specs
 
@@ -41,11 +42,28 @@ def shard(tree: Any, mesh: Mesh, rules: Any = None, *, data_axis: str = "data") 
       (P(), (64, 32))
     """
     if _builder(tree):
-        shapes = jax.eval_shape(tree)
-        specs = partition_specs(shapes, rules, mesh=mesh, data_axis=data_axis)
-        amesh = auto_mesh(mesh)
-        shardings = jax.tree.map(lambda s: NamedSharding(amesh, s), specs)
-        return jax.jit(tree, out_shardings=shardings)()
+        return _built_in_shards(tree, rules, mesh, data_axis)
     specs = partition_specs(tree, rules, mesh=mesh, data_axis=data_axis)
     return place(tree, specs, mesh)
+
+
+def _built_in_shards(build: Callable[[], Any], rules: Any, mesh: Mesh, data_axis: str) -> Any:
+    """``build()`` built in its shards: its array leaves are the jitted program's outputs
+    (``out_shardings`` from the rules); its other leaves (an Equinox module's functions,
+    which a jitted program cannot return) are kept as the trace built them."""
+    built: dict[str, Any] = {}
+
+    def arrays() -> list[Any]:
+        leaves, built["def"] = jax.tree.flatten(build())
+        built["rest"] = [None if is_array_value(x) else x for x in leaves]
+        return [x for x in leaves if is_array_value(x)]
+
+    shapes = iter(jax.eval_shape(arrays))
+    rest = built["rest"]
+    tree = jax.tree.unflatten(built["def"], [next(shapes) if x is None else x for x in rest])
+    amesh = auto_mesh(mesh)
+    specs = built["def"].flatten_up_to(partition_specs(tree, rules, mesh=mesh, data_axis=data_axis))
+    array_specs = [spec for spec, x in zip(specs, rest) if x is None]
+    placed = iter(jax.jit(arrays, out_shardings=[NamedSharding(amesh, s) for s in array_specs])())
+    return jax.tree.unflatten(built["def"], [next(placed) if x is None else x for x in built["rest"]])
 

@@ -71,6 +71,18 @@ arrays its structure:
     wrong:  ft.train.load(path)
     right:  ft.train.load(path, template=tree)          # or manager.restore(template=model)"""
 
+STORED_AS_TEXT = """\
+Cannot rebuild a static value at {path!r} without a template: it was stored as its text \
+{text}, since its class had no registered name when it was saved (or an older release \
+stored it so: before 2026-11-29, a leafless Module, an Enum member or a NumPy scalar). \
+Text is never run, so registering the class now cannot rebuild this checkpoint's value; \
+a template built the same way gives it back, and a class registered before saving is \
+stored as data:
+
+    wrong:  ft.train.register(MyClass); ft.train.load(path)       # the value is text
+    right:  ft.train.load(path, template=model)                   # or manager.restore(template=model)
+       or:  ft.train.register(MyClass); ft.train.save(path, model)   # then it loads without one"""
+
 MALFORMED = """\
 The checkpoint's type description is damaged at {path!r}: {why}.
 The checkpoint cannot be rebuilt from it; restore another step, or load with a template
@@ -200,8 +212,7 @@ def _decode_static(code: Any, path: str) -> Any:
             raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
         return fn
     if tag == "repr":
-        why = f"{str(value)[:200]} has no registered name"
-        raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
+        raise SpecError(STORED_AS_TEXT.format(path=path, text=str(value)[:200]))
     raise SpecError(MALFORMED.format(path=path, why=f"unknown static encoding {tag!r}"))
 
 
@@ -583,7 +594,10 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
             raise SpecError(MALFORMED.format(path=path, why=f"{len(keys)} keys for {len(specs)} items"))
         out = {}
         for (ktype, k), s in zip(keys, specs):
-            out[_dict_key_value(ktype, k, path)] = _decode(s, arrays, child_name(path, k))
+            key = _dict_key_value(ktype, k, path)
+            if key in out:  # a file functree wrote never repeats a key: one entry would be dropped
+                raise SpecError(MALFORMED.format(path=path, why=f"the key {key!r} appears twice"))
+            out[key] = _decode(s, arrays, child_name(path, k))
         return out
     if kind == "namedtuple":
         cls = _class(spec, path, "namedtuple")

@@ -240,8 +240,10 @@ def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
     assert (a != b).any()
     after = _decode.generate_loop._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
     assert after == before + 1  # one compile per shape and options
-    as_arrays = sample(jax.random.key(2), temperature=jnp.float32(1.5), top_k=3, top_p=np.array(1.0))
+    as_arrays = sample(jax.random.key(2), temperature=jnp.float32(1.5), top_k=jnp.int32(3), top_p=np.array(1.0))
     np.testing.assert_array_equal(as_arrays, b)  # 0-d arrays are the numbers they hold (were refused)
+    np.testing.assert_array_equal(ft.nn.generate(model, prompt, jnp.int32(12), attention_mask=mask,
+                                                 key=jax.random.key(2), temperature=1.5, top_k=3), b)
     for out in (a, b):
         logits = all_logits(model, out, mask)[:, 2:-1]  # the logits each new token was drawn from
         top3 = jax.lax.top_k(logits, 3)[1]

@@ -368,6 +368,7 @@ def generate(
     ids = input_ids if isinstance(input_ids, jax.Array) else np.asarray(input_ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] < 1:
         raise ValueError(BAD_INPUT_IDS.format(given=short_array(ids)))
+    max_new_tokens = _as_number(max_new_tokens)
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(BAD_NEW_TOKENS.format(given=max_new_tokens))
     new, prompt = int(max_new_tokens), ids.shape[1]
@@ -404,12 +405,15 @@ def generate(
 
 
 def _as_number(value: Any) -> Any:
-    """A concrete 0-d floating array (``jnp.float32(0.9)``, ``np.array(0.9)``) as the Python
-    float it holds: options are read on the host (greedy or sampling, HF's checks), and the
-    compiled loop takes their values as arguments either way. Anything else as it is."""
-    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and not isinstance(value, Tracer) \
-            and jnp.issubdtype(value.dtype, jnp.floating):
-        return float(value)
+    """A concrete 0-d floating or integer array (``jnp.float32(0.9)``, ``np.array(0.9)``,
+    ``jnp.int32(4)``) as the Python number it holds: options are read on the host (greedy or
+    sampling, HF's checks, a static ``top_k``), and the compiled loop takes the traced ones'
+    values as arguments either way. Anything else as it is."""
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and not isinstance(value, Tracer):
+        if jnp.issubdtype(value.dtype, jnp.floating):
+            return float(value)
+        if jnp.issubdtype(value.dtype, jnp.integer):
+            return int(value)
     return value
 
 

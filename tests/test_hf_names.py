@@ -200,3 +200,29 @@ def test_each_from_hf_model_is_named_under_its_own_prefix(classifier, tmp_path):
     back = ft.nn.load_lora(model, tmp_path)
     assert jax.tree.structure(back) == jax.tree.structure(adapted)
     assert all(bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(adapted)))
+
+
+GPT2 = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 2, "n_head": 2}
+
+
+def _adapted(model):
+    return sorted(n.rpartition(".")[0] for n in ft.to_flat_dict(model) if n.endswith(".lora_a"))
+
+
+@pytest.mark.parametrize("pattern", ["layers.transformer.h.layers.attn.query_projection", "*.query_projection",
+                                     "all-linear"])
+def test_lora_on_a_stack_of_ports_reads_functree_names_and_only_a_peft_file_is_refused(pattern, tmp_path):
+    """An ensemble of from_hf models (a Stack of ports) has no Hugging Face names: ft.nn.lora
+    reads its key paths, as at facec75 (this session refused it with PORT_IN_STACK). Its
+    "all-linear" adapts each member's Dense layers as the member's own "all-linear" does."""
+    ens = ft.nn.Stack(lambda k: ft.nn.from_hf(GPT2, key=k), 2, key=jax.random.key(0))
+    adapted = ft.nn.lora(ens, pattern, rank=2, key=jax.random.key(1))
+    member = ft.nn.from_hf(GPT2, key=jax.random.key(2))
+    one = ft.nn.lora(member, "*.query_projection" if pattern != "all-linear" else pattern, rank=2, key=jax.random.key(1))
+    assert _adapted(adapted) == ["layers." + n for n in _adapted(one)]
+    assert _adapted(adapted)  # (some were adapted)
+    ids = jnp.asarray([[1, 2, 3]])
+    for i in range(2):  # B starts at zero: each member's logits are its base model's
+        np.testing.assert_allclose(adapted[i](ids), ens[i](ids), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="Stack member '0' is a Hugging Face GPT2LMHeadModel"):
+        ft.nn.save_lora(adapted, tmp_path)

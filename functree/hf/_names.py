@@ -92,7 +92,10 @@ def torch_names(model: Any, torch_too: bool = True) -> TorchNames:
     key, found = cached(_TORCH_NAMES, treedef)
     if found is not None and (found.is_hf or torch_too):
         return found
-    if not torch_too and not holds_port(base):  # no Hugging Face names: nothing to convert
+    # No Hugging Face names: nothing to convert. A port inside a Stack (an ensemble of from_hf
+    # models) has none either: its patterns name its key paths, and only a PEFT file, which
+    # needs its family's names (torch_too), is refused (PORT_IN_STACK).
+    if not torch_too and not holds_port(base, in_stacks=False):
         return TorchNames(False, {}, frozenset(), None)
     codes, names = _markers(base, by_member=True)
     converted = _converted(jax.tree.unflatten(treedef, codes), torch_too)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from functree._stacked import is_stacked
 from functree._state_dict import FlatDictReport
 from functree._tree import dotted_name, join_names
 
@@ -86,10 +87,17 @@ class Found(NamedTuple):
     port: Port
 
 
-def holds_port(tree: Any) -> bool:
-    """Whether ``tree`` is or holds a port."""
+def holds_port(tree: Any, in_stacks: bool = True) -> bool:
+    """Whether ``tree`` is or holds a port; with ``in_stacks=False``, one outside every
+    ``ft.nn.Stack`` (a Stack's member has no names of its family: :data:`PORT_IN_STACK`).
+
+    Example:
+      >>> holds_port({"w": 1.0})
+      False
+    """
     is_port = lambda x: port_of(x) is not None  # noqa: E731
-    return any(is_port(x) for x in jax.tree.leaves(tree, is_leaf=is_port))
+    stop = is_port if in_stacks else (lambda x: is_stacked(x) or is_port(x))
+    return any(not is_stacked(x) and is_port(x) for x in jax.tree.leaves(tree, is_leaf=stop))
 
 
 def check_placement(name: str, index: tuple[int, ...], port: Port) -> None:

@@ -945,3 +945,55 @@ stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.
     _eager_matches_unrolled(run("stack(x)"))
     ns = run("MASK[:] = 0.0")
     np.testing.assert_array_equal(ns["stack"](ns["x"]), np.zeros((2, 3), np.float32))
+
+
+def test_an_eager_stack_reads_the_base_classes_code_a_super_call_runs():
+    """Before: a block whose ``__call__`` returns ``super().__call__(x) + 0.1`` was keyed on
+    its own code alone: after ``G = 3.0`` (read by the base's ``__call__``) or a patched
+    ``Base.__call__`` the eager Stack returned the old values (1.20 off the Python loop)."""
+    run = notebook()
+    run("""
+G = 1.0
+class Base(ft.Module):
+    lin: ft.nn.Dense
+    def __call__(self, x):
+        return jnp.tanh(self.lin(x)) * G
+class Mid(Base):
+    pass
+class Block(Mid):
+    def __call__(self, x):
+        return super().__call__(x) + 0.1
+class Named(Base):
+    def __call__(self, x):
+        return super(Named, self).__call__(x) - 0.1
+stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.random.key(0))
+""")
+    _eager_matches_unrolled(run("stack(x)"))
+    for cell in ("G = 3.0", "Base.__call__ = lambda self, x: jnp.sin(self.lin(x)) * G",
+                 "G = -2.0", "Mid.__call__ = lambda self, x: self.lin(x) * 0.5",
+                 "stack = ft.nn.Stack(lambda key: Named(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.random.key(0))",
+                 "Mid.__call__ = lambda self, x: self.lin(x) * 4.0"):
+        _eager_matches_unrolled(run(cell))
+
+
+def test_an_eager_stack_reads_the_attributes_of_a_user_module_its_block_names(tmp_path, monkeypatch):
+    """Before: modules were keyed by identity, so after ``mycfg.GAIN = 3.0`` the eager Stack
+    returned the old values (2.56 off the Python loop). A user's module (not an installed
+    package) is keyed by the attributes of it the code names, followed as globals are."""
+    (tmp_path / "f10_user_cfg.py").write_text("GAIN = 1.0\nPOWER = [1]\ndef shift(y):\n    return y + GAIN\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = notebook()
+    run("""
+import f10_user_cfg as cfg
+class Block(ft.Module):
+    lin: ft.nn.Dense
+    def __call__(self, x):
+        return cfg.shift(jnp.tanh(self.lin(x)) ** cfg.POWER[0]) * cfg.GAIN
+stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.random.key(0))
+""")
+    _eager_matches_unrolled(run("stack(x)"))
+    with counting_compiles() as count:
+        run("stack(x)")
+    assert count[0] == 0  # nothing changed: the compiled scan is reused
+    for cell in ("cfg.GAIN = 3.0", "cfg.POWER[0] = 3", "cfg.shift = lambda y: y * 0.5"):
+        _eager_matches_unrolled(run(cell))

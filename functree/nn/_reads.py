@@ -12,7 +12,8 @@ What is read, for each user class (one not defined by an installed package):
 
 * its ``__call__`` (by identity; through a wrapper's closure, to the user's function),
 * the functions, properties and class attributes its code names as attributes, found on
-  the class itself (``self.helper(x)``, ``self.EPS``),
+  the class itself (``self.helper(x)``, ``self.EPS``); for code calling ``super()``, every
+  user class's definition of them along the MRO (``super().__call__(x)`` runs the base's),
 * each function's globals named by its code (``co_names`` read as globals, nested
   lambdas and comprehensions included), its defaults and closure cells; user functions
   named there are followed the same way, :data:`MAX_DEPTH` deep.
@@ -21,8 +22,10 @@ Values are keyed as the program keeps them: ``None``, bools, ints, floats, strin
 their tuples by type and exact value (``1``, ``1.0`` and ``True`` differ; ``-0.0`` is not
 ``0.0``); lists and dicts by contents (a cell may change them in place), as are the attributes of
 a user's mutable object (a config, a ``SimpleNamespace``); NumPy arrays by dtype, shape
-and bytes; modules, library functions, classes, JAX arrays, Modules and frozen
-dataclasses (immutable) and other objects by identity, weakly held where they allow it. A NumPy array over
+and bytes; a user's own module (not an installed package: ``import mycfg``) by identity and by
+the attributes of it the code names (``mycfg.GAIN``); library modules, library functions,
+classes, JAX arrays, Modules and frozen dataclasses (immutable) and other objects by
+identity, weakly held where they allow it. A NumPy array over
 :data:`MAX_ARRAY_BYTES`, a container over :data:`MAX_ITEMS` or code deeper than
 :data:`MAX_DEPTH` cannot be keyed cheaply: :func:`reads_key` returns None and the call
 takes the plain (uncached) scan, never a stale program.
@@ -59,7 +62,7 @@ _PACKAGES = frozenset({"functree", "jax", "jaxlib", "numpy", "optax", "chex", "m
                        "equinox", "torch", "transformers", "scipy", "einops"})
 _INSTALLED = tuple({os.path.join(sysconfig.get_path(k), "") for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 _LIBRARY: dict[str, bool] = {}  # module name -> whether its globals are library code
-_NAMES: dict[int, tuple[types.CodeType, tuple[tuple[str, ...], tuple[str, ...]]]] = {}
+_NAMES: dict[int, tuple[types.CodeType, tuple[tuple[str, ...], tuple[str, ...], bool]]] = {}
 _CLASSES: dict[type, bool] = {}  # held as the tree definitions hold classes
 _PLANS: dict[int, tuple[Any, ...]] = {}  # id(function) -> _plan(function), checked against it
 _MEMBERS: dict[tuple[type, int], tuple[types.CodeType, tuple[str, ...]]] = {}
@@ -141,16 +144,23 @@ def _installed(module: str) -> bool:
     return os.path.abspath(path).startswith(_INSTALLED)
 
 
-def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(globals read, attributes read)`` by ``code`` and the code nested in it (lambdas,
-    comprehensions), read from its bytecode once per code object."""
+def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """``(globals read, attributes read, calls super())`` by ``code`` and the code nested in
+    it (lambdas, comprehensions), read from its bytecode once per code object."""
     entry = _NAMES.get(id(code))  # by id, the code held in the entry: hashing a code object
     if entry is None or entry[0] is not code:  # reads all its bytecode, at every call
         found: tuple[dict[str, None], dict[str, None]] = ({}, {})
         _collect(code, found)
-        entry = code, (tuple(found[0]), tuple(found[1]))
+        entry = code, (tuple(found[0]), tuple(found[1]), _calls_super(code))
         bounded_put(_NAMES, id(code), entry)
     return entry[1]
+
+
+def _calls_super(code: types.CodeType) -> bool:
+    """Whether ``code`` (or code nested in it) calls ``super()``: zero-argument ``super``
+    reads the ``__class__`` cell; ``super(Block, self)`` names the builtin."""
+    return ("super" in code.co_names or "__class__" in code.co_freevars
+            or any(_calls_super(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
 
 def _collect(code: types.CodeType, found: tuple[dict[str, None], dict[str, None]]) -> None:
@@ -164,13 +174,18 @@ def _collect(code: types.CodeType, found: tuple[dict[str, None], dict[str, None]
             _collect(const, found)
 
 
-def _members(owner: type, code: types.CodeType, attributes: tuple[str, ...]) -> tuple[str, ...]:
+def _members(owner: type, code: types.CodeType, attributes: tuple[str, ...], every: bool) -> tuple[str, ...]:
     """The attribute names of ``code`` found on a user class of ``owner``'s MRO (a method,
     a property, a class constant), once per class and code: the others are fields of the
-    instance (``self.lin``) or attributes of other objects (``x.shape``, ``jnp.tanh``)."""
+    instance (``self.lin``) or attributes of other objects (``x.shape``, ``jnp.tanh``). For
+    code calling ``super()`` (``every``), each name defined on any user class of the MRO,
+    special names too (``super().__call__(x)`` runs a base class's ``__call__``)."""
     entry = _MEMBERS.get((owner, id(code)))
     if entry is None or entry[0] is not code:
-        names = tuple(n for n in attributes if not n.startswith("__") and _class_attribute(owner, n)[0])
+        if every:
+            names = tuple(n for n in attributes if _definitions(owner, n))
+        else:
+            names = tuple(n for n in attributes if not n.startswith("__") and _class_attribute(owner, n)[0])
         entry = code, names
         bounded_put(_MEMBERS, (owner, id(code)), entry)
     return entry[1]
@@ -178,18 +193,29 @@ def _members(owner: type, code: types.CodeType, attributes: tuple[str, ...]) -> 
 
 def _class_attribute(owner: type, name: str) -> tuple[bool, Any]:
     """``(found on a user class, value)`` of ``name`` looked up on ``owner``'s MRO without
-    running descriptors; an attribute of a library class is library code (not keyed)."""
+    running descriptors; an attribute of a library class is library code (not keyed). A
+    ``__call__`` forwarding to the next class's (a mixin's, wrapped by ``ft.Module``) is
+    passed over: the one it runs is read."""
     for k in owner.__mro__:
         if name in k.__dict__:
-            return not library_class(k), k.__dict__[name]
+            v = k.__dict__[name]
+            if getattr(v, "__ft_forwards__", False):
+                continue
+            return not library_class(k), v
     return False, None
+
+
+def _definitions(owner: type, name: str) -> tuple[Any, ...]:
+    """Every value of ``name`` on a user class of ``owner``'s MRO, nearest first: what
+    ``super()`` may reach."""
+    return tuple(k.__dict__[name] for k in owner.__mro__ if name in k.__dict__ and not library_class(k))
 
 
 class _Builder:
     """One key: the values read, each object followed once."""
 
     def __init__(self) -> None:
-        self.seen: dict[int, Any] = {}
+        self.seen: dict[Any, Any] = {}
 
     def value(self, v: Any, depth: int) -> Any:
         kind = type(v)
@@ -260,21 +286,41 @@ class _Builder:
         plan = _PLANS.get(id(fn))
         if plan is None or plan[0]() is not fn or plan[1] is not fn.__code__:
             plan = _plan(fn)
-        _, code, ident, library, global_names, attributes = plan
+        _, code, ident, library, global_names, attributes, every = plan
         contents = [_cell(c) for c in fn.__closure__ or ()]
         if library:  # library code, alive for the process; its closure: a wrapped user function
             return fn, tuple(self.function(c, depth + 1, owner) for c in contents if isinstance(c, types.FunctionType))
-        cells = tuple(self.value(c, depth + 1) for c in contents)
+        cells = tuple(self.read(c, attributes, depth + 1) for c in contents)
         scope = fn.__globals__
-        reads = tuple(self.value(scope.get(name, _MISSING), depth + 1) for name in global_names)
-        members = () if owner is None else tuple(self.attribute(owner, name, depth + 1)
-                                                 for name in _members(owner, code, attributes))
+        reads = tuple(self.read(scope.get(name, _MISSING), attributes, depth + 1) for name in global_names)
+        members = () if owner is None else tuple(self.attribute(owner, name, depth + 1, every)
+                                                 for name in _members(owner, code, attributes, every))
         return (ident, cells, reads, members, self.value(fn.__defaults__, depth), self.value(fn.__kwdefaults__, depth))
 
-    def attribute(self, owner: type, name: str, depth: int) -> Any:
+    def read(self, v: Any, attributes: tuple[str, ...], depth: int) -> Any:
+        """A global or cell the code reads: a user's module (``import mycfg``) by identity and
+        by the attributes of it the code names (``mycfg.GAIN``, a later cell may set it),
+        followed as they are; another value by :meth:`value`."""
+        if not isinstance(v, types.ModuleType) or is_library(v.__name__):
+            return self.value(v, depth)
+        seen = id(v), id(attributes)  # (another function may name other attributes of it)
+        if seen in self.seen:
+            return "seen", v
+        self.seen[seen] = v, attributes
+        scope = vars(v)
+        return v, tuple((name, self.read(scope[name], attributes, depth + 1)) for name in attributes if name in scope)
+
+    def attribute(self, owner: type, name: str, depth: int, every: bool = False) -> Any:
+        """The class attribute ``name`` of ``owner`` the code reads; with ``every`` (code
+        calling ``super()``), each of its definitions on a user class of the MRO."""
+        if every:
+            return tuple(self.member(v, owner, depth) for v in _definitions(owner, name))
         user, v = _class_attribute(owner, name)
         if not user or name.startswith("__"):
             return None
+        return self.member(v, owner, depth)
+
+    def member(self, v: Any, owner: type, depth: int) -> Any:
         if isinstance(v, (staticmethod, classmethod)):
             v = v.__func__
         if isinstance(v, property):

@@ -9,12 +9,19 @@ strings. Every ``Module.__call__`` is therefore wrapped once, at class creation:
 argument of its own class while its leaves are labels (strings, bools, ints), it returns
 itself (the labels) instead of running the model. A user's own call never takes that
 path: ``Offset(2)(Offset(3))`` of a module holding Python ints runs its ``__call__``.
+
+Every ``__call__`` a Module class runs is wrapped: the one its body defines, one it inherits
+from a class that is not a Module (a mixin: wrapped as a forwarder to it, so that a later
+patch of the mixin is run) and one assigned after the class was made (``Net.__call__ =
+patched`` in a notebook), through the metaclass :class:`LabelAwareCalls`, which sees class
+attribute assignments only: an instance's call and attribute reads never pass through it.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +29,7 @@ import jax
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
 
-__all__ = ["label_aware", "is_label_tree", "LAYOUT"]
+__all__ = ["label_aware", "label_calls", "LabelAwareCalls", "is_label_tree", "LAYOUT"]
 
 _LABEL_TYPES = (str, bool, int)
 
@@ -90,4 +97,60 @@ def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
             raise stale from None
 
     __call__.__ft_label_aware__ = True  # type: ignore[attr-defined]
+    return __call__
+
+
+class LabelAwareCalls(type):
+    """``ft.Module``'s metaclass: a function assigned as ``__call__`` to a Module class after
+    its creation is made :func:`label_aware` as one its body defines; a deleted one leaves
+    the inherited ``__call__`` label-aware. Only class attribute assignments pass through
+    here (instances' calls do not).
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp, optax
+      >>> class Net(ft.Module):
+      ...     w: jax.Array
+      >>> Net.__call__ = lambda self, x: self.w * x   # a notebook's later cell
+      >>> net = Net(jnp.ones(2))
+      >>> labels = jax.tree.map(lambda p: "sgd", net)
+      >>> tx = optax.multi_transform({"sgd": optax.sgd(0.5)}, labels)
+      >>> tx.update(net, tx.init(net))[0].w
+      Array([-0.5, -0.5], dtype=float32)
+    """
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        if name == "__call__" and isinstance(value, types.FunctionType):
+            value = label_aware(value)
+        type.__setattr__(cls, name, value)
+
+    def __delattr__(cls, name: str) -> None:
+        type.__delattr__(cls, name)
+        if name == "__call__":
+            label_calls(cls)
+
+
+def label_calls(cls: type) -> None:
+    """At a Module class's creation (and after its ``__call__`` is deleted): the ``__call__``
+    it runs made label-aware: its own, or one inherited from a class that is not a Module
+    (a mixin), through a forwarder to the next class's (``super()``: a later patch of the
+    mixin runs, as Python would run it)."""
+    own = cls.__dict__.get("__call__")
+    if own is not None:
+        type.__setattr__(cls, "__call__", label_aware(own))
+        return
+    inherited = next((k.__dict__["__call__"] for k in cls.__mro__[1:] if "__call__" in k.__dict__), None)
+    if isinstance(inherited, types.FunctionType) and not getattr(inherited, "__ft_label_aware__", False):
+        type.__setattr__(cls, "__call__", label_aware(_forwarder(cls, inherited)))
+
+
+def _forwarder(cls: type, inherited: types.FunctionType) -> Callable[..., Any]:
+    """``__call__`` running the one after ``cls`` in the instance's MRO (read at each call),
+    named and documented as ``inherited``; marked ``__ft_forwards__`` for the readers of a
+    class's code (an eager Stack's cache key reads the one it runs)."""
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return super(cls, self).__call__(*args, **kwargs)  # type: ignore[misc]
+
+    functools.update_wrapper(__call__, inherited)
+    __call__.__ft_forwards__ = True  # type: ignore[attr-defined]
     return __call__

@@ -42,7 +42,7 @@ import jax
 
 from functree import _functions
 from functree._field_checks import check_dict_keys, refuse_field_options, refuse_kw_only_marker
-from functree._labels import label_aware
+from functree._labels import LabelAwareCalls, label_calls
 from functree._repr import module_html, module_repr
 from functree._tree import is_array_value
 
@@ -349,7 +349,11 @@ def _warn_annotation(cls: type, f: dataclasses.Field) -> None:
         )
 
 
-class Module:
+# (the type checker reads ``self.__dict__`` through a metaclass as the class's mapping proxy)
+_LabelAwareCalls = type if typing.TYPE_CHECKING else LabelAwareCalls
+
+
+class Module(metaclass=_LabelAwareCalls):
     """Base class of functree models: a frozen dataclass and a JAX pytree.
 
     Subclasses declare annotated fields; each is a parameter unless marked with
@@ -402,8 +406,7 @@ class Module:
             if field_kind(f) == PARAMETER and f.name in inspect.get_annotations(cls):
                 _warn_annotation(cls, f)
         _install_init(cls)
-        if "__call__" in cls.__dict__:  # optax calls a label tree shaped like the model
-            cls.__call__ = label_aware(cls.__dict__["__call__"])  # type: ignore[method-assign]
+        label_calls(cls)  # optax calls a label tree shaped like the model
         flatten, flatten_with_keys, unflatten = _pytree_functions(cls)
         jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
 

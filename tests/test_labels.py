@@ -87,3 +87,86 @@ def test_labels_at_batchnorm_statistics_meet_the_parameter_views_none():
         ref = ft.nn.apply_state(ft.move(ref, along=u), layer_state)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)  # values ~1
+
+
+class _Mixin:
+    """A forward pass from a class that is not a Module."""
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.w) @ self.v
+
+
+def _two(cls):
+    return cls(jnp.asarray(np.linspace(-1, 1, 12).reshape(3, 4), jnp.float32),
+               jnp.asarray(np.linspace(0, 2, 8).reshape(4, 2), jnp.float32))
+
+
+def _updates_match_optax_on_a_dict(model):
+    """multi_transform, partition and masked with a label tree of ``model``'s class, against
+    the same transformation on a dict of its leaves."""
+    lab = lambda a: "a" if a.shape == (3, 4) else "b"  # noqa: E731
+    makes = [lambda L: optax.multi_transform({"a": optax.sgd(1.0), "b": optax.adam(0.1)}, L),
+             lambda L: optax.partition({"a": optax.sgd(1.0), "b": optax.sgd(2.0)}, L),
+             lambda L: optax.masked(optax.sgd(1.0), L)]
+    for make, label in zip(makes, [lab, lab, lambda a: a.shape == (3, 4)]):
+        plain = {"w": model.w, "v": model.v}
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float rates and int counts
+            tx = make(jax.tree.map(label, model))
+            updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, model), tx.init(model), model)
+            ref_tx = make(jax.tree.map(label, plain))
+            ref, _ = ref_tx.update(jax.tree.map(jnp.ones_like, plain), ref_tx.init(plain), plain)
+        np.testing.assert_allclose(updates.w, ref["w"], rtol=0, atol=1e-7)
+        np.testing.assert_allclose(updates.v, ref["v"], rtol=0, atol=1e-7)
+
+
+def test_a_label_tree_whose_call_comes_from_a_mixin_is_not_run_on_its_labels():
+    """Before: only a ``__call__`` in the class body was wrapped, so optax ran the mixin's
+    forward pass on the label strings (TypeError inside the user's ``x @ self.w``)."""
+
+    class MixNet(_Mixin, ft.Module):
+        w: jax.Array
+        v: jax.Array
+
+    class Sub(MixNet):
+        pass
+
+    for cls in (MixNet, Sub):
+        model = _two(cls)
+        _updates_match_optax_on_a_dict(model)
+        x = jnp.ones((1, 3))
+        np.testing.assert_allclose(model(x), jnp.tanh(x @ model.w) @ model.v, rtol=0, atol=1e-6)
+    # the mixin's later patch is run, as Python runs it (the forwarder reads it at each call)
+    _Mixin.__call__, old = (lambda self, x: x @ self.w), _Mixin.__call__
+    try:
+        np.testing.assert_allclose(model(x), x @ model.w, rtol=0, atol=1e-6)
+    finally:
+        _Mixin.__call__ = old
+
+
+def test_a_label_tree_whose_call_was_assigned_after_its_class_is_not_run_on_its_labels():
+    """Before: ``Net.__call__ = patched`` (a notebook's later cell) was not wrapped: optax ran
+    it on the label strings."""
+
+    class Net(ft.Module):
+        w: jax.Array
+        v: jax.Array
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w) @ self.v
+
+    Net.__call__ = lambda self, x: (x @ self.w) @ self.v
+    model, x = _two(Net), jnp.ones((1, 3))
+    _updates_match_optax_on_a_dict(model)
+    np.testing.assert_allclose(model(x), (x @ model.w) @ model.v, rtol=0, atol=1e-6)
+
+    class Mixed(_Mixin, ft.Module):
+        w: jax.Array
+        v: jax.Array
+
+        def __call__(self, x):
+            return x @ self.w @ self.v
+
+    del Mixed.__call__  # the mixin's runs again, still label-aware
+    model = _two(Mixed)
+    _updates_match_optax_on_a_dict(model)
+    np.testing.assert_allclose(model(x), jnp.tanh(x @ model.w) @ model.v, rtol=0, atol=1e-6)

@@ -997,3 +997,20 @@ stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.
     assert count[0] == 0  # nothing changed: the compiled scan is reused
     for cell in ("cfg.GAIN = 3.0", "cfg.POWER[0] = 3", "cfg.shift = lambda y: y * 0.5"):
         _eager_matches_unrolled(run(cell))
+
+
+def test_an_eager_stack_reads_the_call_a_mixin_gives_its_block():
+    """A block whose ``__call__`` comes from a mixin (a class that is not a Module) runs it
+    through ``ft.Module``'s label-aware forwarder: the key reads the mixin's code and globals."""
+    run = notebook()
+    run("""
+G = 1.0
+class Forward:
+    def __call__(self, x):
+        return jnp.tanh(self.lin(x)) * G
+class Block(Forward, ft.Module):
+    lin: ft.nn.Dense
+stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.random.key(0))
+""")
+    for cell in ("stack(x)", "G = 3.0", "Forward.__call__ = lambda self, x: jnp.sin(self.lin(x)) * G", "G = 0.5"):
+        _eager_matches_unrolled(run(cell))

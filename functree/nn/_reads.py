@@ -199,7 +199,7 @@ def _class_attribute(owner: type, name: str) -> tuple[bool, Any]:
     for k in owner.__mro__:
         if name in k.__dict__:
             v = k.__dict__[name]
-            if getattr(v, "__ft_forwards__", False):
+            if name == "__call__" and getattr(v, "__ft_forwards__", False):
                 continue
             return not library_class(k), v
     return False, None

@@ -10,11 +10,12 @@ argument of its own class while its leaves are labels (strings, bools, ints), it
 itself (the labels) instead of running the model. A user's own call never takes that
 path: ``Offset(2)(Offset(3))`` of a module holding Python ints runs its ``__call__``.
 
-Every ``__call__`` a Module class runs is wrapped: the one its body defines, one it inherits
-from a class that is not a Module (a mixin: wrapped as a forwarder to it, so that a later
-patch of the mixin is run) and one assigned after the class was made (``Net.__call__ =
-patched`` in a notebook), through the metaclass :class:`LabelAwareCalls`, which sees class
-attribute assignments only: an instance's call and attribute reads never pass through it.
+Every ``__call__`` a Module class runs at its creation is wrapped: the one its body defines,
+and one it inherits from a class that is not a Module (a mixin: wrapped as a forwarder to
+it, so that a later patch of the mixin is run). A function assigned as ``__call__`` after
+the class was made is not (seeing it would need a metaclass, which would refuse
+``class M(ft.Module, abc.ABC)``): wrap it with :func:`label_aware` to use such a class's
+label trees with optax.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
 
-__all__ = ["label_aware", "label_calls", "LabelAwareCalls", "is_label_tree", "LAYOUT"]
+__all__ = ["label_aware", "label_calls", "is_label_tree", "LAYOUT"]
 
 _LABEL_TYPES = (str, bool, int)
 
@@ -100,37 +101,8 @@ def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
     return __call__
 
 
-class LabelAwareCalls(type):
-    """``ft.Module``'s metaclass: a function assigned as ``__call__`` to a Module class after
-    its creation is made :func:`label_aware` as one its body defines; a deleted one leaves
-    the inherited ``__call__`` label-aware. Only class attribute assignments pass through
-    here (instances' calls do not).
-
-    Example:
-      >>> import functree as ft, jax, jax.numpy as jnp, optax
-      >>> class Net(ft.Module):
-      ...     w: jax.Array
-      >>> Net.__call__ = lambda self, x: self.w * x   # a notebook's later cell
-      >>> net = Net(jnp.ones(2))
-      >>> labels = jax.tree.map(lambda p: "sgd", net)
-      >>> tx = optax.multi_transform({"sgd": optax.sgd(0.5)}, labels)
-      >>> tx.update(net, tx.init(net))[0].w
-      Array([-0.5, -0.5], dtype=float32)
-    """
-
-    def __setattr__(cls, name: str, value: Any) -> None:
-        if name == "__call__" and isinstance(value, types.FunctionType):
-            value = label_aware(value)
-        type.__setattr__(cls, name, value)
-
-    def __delattr__(cls, name: str) -> None:
-        type.__delattr__(cls, name)
-        if name == "__call__":
-            label_calls(cls)
-
-
 def label_calls(cls: type) -> None:
-    """At a Module class's creation (and after its ``__call__`` is deleted): the ``__call__``
+    """At a Module class's creation: the ``__call__``
     it runs made label-aware: its own, or one inherited from a class that is not a Module
     (a mixin), through a forwarder to the next class's (``super()``: a later patch of the
     mixin runs, as Python would run it)."""

@@ -42,7 +42,7 @@ import jax
 
 from functree import _functions
 from functree._field_checks import check_dict_keys, refuse_field_options, refuse_kw_only_marker
-from functree._labels import LabelAwareCalls, label_calls
+from functree._labels import label_calls
 from functree._repr import module_html, module_repr
 from functree._tree import is_array_value
 
@@ -349,11 +349,7 @@ def _warn_annotation(cls: type, f: dataclasses.Field) -> None:
         )
 
 
-# (the type checker reads ``self.__dict__`` through a metaclass as the class's mapping proxy)
-_LabelAwareCalls = type if typing.TYPE_CHECKING else LabelAwareCalls
-
-
-class Module(metaclass=_LabelAwareCalls):
+class Module:
     """Base class of functree models: a frozen dataclass and a JAX pytree.
 
     Subclasses declare annotated fields; each is a parameter unless marked with

@@ -24,6 +24,7 @@ import functree as ft
 from functree.hf import _dropout
 from functree.hf._family import HFModel
 from functree.nn import _stack
+from functree.nn._state import salted_keys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -473,3 +474,120 @@ def test_a_rate_for_a_source_of_unknown_family_lists_each_family_s_fields(tmp_pa
     assert _attention_rates(ft.nn.from_hf(config, space["weights"], dropout=True, key=space["key"])) == {
         (0.05, 0.0, 0.0, 0.0)}
 
+
+
+# ---- 6. the embedding's rate alone; microbatches and devices draw masks of their own ---------------
+
+def test_the_embedding_rate_alone_drops_as_hf_train(same_masks):
+    # The audit: GPT-2 with only embd_pdrop > 0 dropped nothing (the blocks' `drops` ignored
+    # the embedding's rate, so the model call drew no key).
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=D, n_layer=2, n_head=4, bos_token_id=0,
+                                     eos_token_id=0, embd_pdrop=0.1, attn_pdrop=0.0, resid_pdrop=0.0)
+    hf = hf_model(config)
+    model = ft.nn.training(ft.nn.from_hf(hf, dropout=True, key=jax.random.key(0)))
+    ids, mask = batch()
+    hf.train()
+    with torch.no_grad():
+        expected = hf_call(hf, ids, mask).numpy()
+    assert same_masks == [0.1]  # HF dropped the embedding, nothing else
+    assert_close_at_tokens(model(ids, mask, key=jax.random.key(1)), expected, mask)
+    stored, state = ft.nn.collect_state(lambda m: m(ids, mask), model)  # the stored keys' path too
+    assert_close_at_tokens(stored, expected, mask)
+    assert [str(p) for p in state] == [".transformer.h.layers.attn.dropout_key"]  # advanced: fresh masks next step
+    with torch.no_grad():
+        assert not np.allclose(hf.eval()(torch.from_numpy(ids).long()).logits.numpy(), expected, atol=1e-3)
+
+
+def mean_square(m, ids):
+    out = m(ids)
+    return jnp.mean(out ** 2), out
+
+
+@pytest.mark.parametrize("rates", [dict(resid=0.5), dict(embd=0.5)])
+def test_accumulated_microbatches_draw_masks_of_their_own(rates):
+    # The audit: with accumulate=2 the two microbatches drew the stored keys' masks, so two
+    # identical rows gave identical outputs (with accumulate=1 they differ). Microbatch i now
+    # folds i into every key drawn from a stored key; the keys recorded for the next step are
+    # the unsalted ones, the same for any k, and with k=1 the step is the plain call's.
+    model = ft.nn.training(ft.nn.from_hf(gpt2_config(**rates), dropout=True, key=jax.random.key(0)))
+    ids = np.tile(np.arange(1, 9, dtype=np.int32)[None], (2, 1))
+    plain, plain_state = ft.nn.collect_state(lambda m: m(ids), model)
+    results = {}
+    for k in (1, 2):
+        opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k)
+        new, _, (_, out) = opt.minimize(mean_square, model, opt.init(model), ids, has_aux=True)
+        out = np.asarray(out).reshape(plain.shape)
+        results[k] = out, np.asarray(new.transformer.h.layers.attn.dropout_key)
+        assert float(np.max(np.abs(out[0] - out[1]))) > 1e-3 * float(np.abs(out).max())  # the rows' masks differ
+    np.testing.assert_allclose(results[1][0], np.asarray(plain), rtol=0, atol=1e-6 * float(np.abs(plain).max()))
+    (recorded,) = plain_state.values()
+    np.testing.assert_array_equal(results[1][1], np.asarray(recorded))
+    np.testing.assert_array_equal(results[2][1], np.asarray(recorded))
+    with salted_keys(1):  # microbatch 1's masks: the row's call with salt 1
+        second, _ = ft.nn.collect_state(lambda m: m(ids[1:]), model)
+    np.testing.assert_allclose(results[2][0][1], np.asarray(second)[0], rtol=0,
+                               atol=1e-6 * float(np.abs(second).max()))
+
+
+MESH_MASKS = """
+import numpy as np, jax, jax.numpy as jnp
+import functree as ft
+from functree.nn._state import salted_keys
+
+mesh = jax.make_mesh((8,), ("data",))
+config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 2, "n_head": 2,
+          "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.5}
+gpt2 = ft.nn.training(ft.nn.from_hf(config, key=jax.random.key(0), dropout=True))
+
+class Adapted(ft.Module):
+    a: ft.nn.Dense
+    def __call__(self, x):
+        return self.a(x)
+
+adapted = ft.nn.lora(Adapted(ft.nn.Dense(32, 6, key=jax.random.key(0))), "a", rank=2, dropout=0.5,
+                     key=jax.random.key(1))  # masks of 32 inputs: 8 devices' or 16 microbatches' all differ
+adapted = ft.nn.training(ft.set(adapted, "a.lora_b", jnp.ones((2, 6))))
+
+def loss_fn(m, b):
+    out = m(b[0])
+    return jnp.mean(out ** 2), out
+
+out = {}
+for name, model, row, key_path in (("gpt2", gpt2, np.arange(1, 7, dtype=np.int32), "transformer.h.layers.attn.dropout_key"),
+                                   ("lora", adapted, np.arange(32, dtype=np.float32), "a.dropout_key")):
+    for k in (1, 2):
+        batch = (np.tile(row[None], (8 * k, 1)),)  # identical rows: k per device
+        opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k)
+        one, plain = ft.nn.collect_state(lambda m: m(batch[0][:1]), model)
+        w = jax.random.normal(jax.random.key(5), one.shape[1:])  # each output row read as one number
+        metrics = {f"row{i}": (lambda o, i=i: jnp.sum(o.aux[i] * w)) for i in range(8 * k)}
+        new, _, values = ft.train.train_step(loss_fn, opt, mesh=mesh, donate=False, metrics=metrics)(
+            model, opt.init(model), batch)
+        rows = np.array([float(values[f"row{i}"]) for i in range(8 * k)])
+        scale = float(np.abs(rows).max())
+        with salted_keys(3):  # device 3 (one microbatch): the row's call with salt 3
+            third, _ = ft.nn.collect_state(lambda m: m(batch[0][:1]), model)
+        out[f"{name}_{k}"] = {
+            "distinct": len(set(rows.round(5).tolist())),
+            "least_gap": min(abs(rows[i] - rows[j]) / scale for i in range(len(rows)) for j in range(i)),
+            "device_3": abs(rows[3] - float(jnp.sum(third[0] * w))) / scale if k == 1 else 0.0,
+            "keys_as_one_device": bool(np.array_equal(np.asarray(ft.get(new, key_path)),
+                                                      np.asarray(next(iter(plain.values()))))),
+        }
+report(out)
+"""
+
+
+@pytest.mark.slow
+def test_devices_of_a_mesh_draw_masks_of_their_own():
+    # The audit: on an 8-device mesh every device drew the stored keys' masks (the step's
+    # loss was one row's). Device d folds d into every key drawn from a stored key (HF ports'
+    # and LoRA's), microbatches theirs within it; the keys recorded stay one device's.
+    from _devices import run
+
+    out = run(MESH_MASKS)
+    for name in ("gpt2_1", "gpt2_2", "lora_1", "lora_2"):
+        got = out[name]
+        rows = 8 * int(name[-1])
+        assert got["distinct"] == rows and got["least_gap"] > 1e-5, (name, got)  # equal masks: 0
+        assert got["device_3"] < 1e-6 and got["keys_as_one_device"], (name, got)

@@ -26,7 +26,9 @@ blocks; the Stack gives each member its own); a call without one draws each memb
 from its ``dropout_key`` and advances it as layer state (``ft.nn.record_state``: the
 Trainer, ``train_step`` and ``value_with_gradient_and_state`` write it back), so a loss
 calling ``model(ids)`` gets fresh masks every step, and the embedding's from the first
-member's key. The attention weights' dropout cannot run in the fused attention kernel
+member's key. Under ``accumulate=k`` and on a mesh each microbatch and each device folds its
+index into the keys it draws (``functree.nn._state.salted_keys``): masks of its own, as
+torch draws, while the recorded next keys are the ones a single call records. The attention weights' dropout cannot run in the fused attention kernel
 (``jax.nn.dot_product_attention`` has none): in training mode with an attention rate above
 0, the attention is the explicit ``softmax(q k^T) v`` (``functree.nn._attention``);
 inference keeps the kernel. A call with a cache (``ft.nn.generate``'s decoding) never
@@ -46,7 +48,7 @@ from functree._module import field, from_fields
 from functree.hf._family import FAMILIES, HFModel
 from functree.nn._attention import MultiheadAttention
 from functree.nn._stack import Stack, member_ranks
-from functree.nn._state import record_state
+from functree.nn._state import record_state, salted
 
 __all__ = ["DropoutAttention", "with_dropout", "without_dropout", "check_dropout_call", "block_keys", "top_keys",
            "decoding", "drop", "rate", "rate_fields"]
@@ -126,7 +128,7 @@ class DropoutAttention(MultiheadAttention):
     @property
     def drops(self) -> bool:
         """Whether a call in training mode drops anything in this block."""
-        return self.dropout > 0.0 or self.rates[1] > 0.0 or self.rates[2] > 0.0
+        return self.dropout > 0.0 or any(r > 0.0 for r in self.rates)  # the embedding's too (GPT-2's embd_pdrop)
 
 
 class _RateNames:
@@ -301,7 +303,7 @@ def _drawn(attention: DropoutAttention) -> jax.Array:
         raise ValueError(NO_DROPOUT_KEY.format(cls=type(attention).__name__))
     drawn, following = jax.random.split(jax.random.wrap_key_data(attention.dropout_key))
     record_state(attention, dropout_key=jax.random.key_data(following))
-    return drawn
+    return salted(drawn)  # a microbatch's / device's own masks (nn._state.salted_keys); the next key unsalted
 
 
 def top_keys(blocks: Stack, key: jax.Array | None) -> tuple[float, jax.Array | None, jax.Array | None] | None:
@@ -318,7 +320,7 @@ def top_keys(blocks: Stack, key: jax.Array | None) -> tuple[float, jax.Array | N
     if attention.dropout_key is None:
         raise ValueError(NO_DROPOUT_KEY.format(cls=type(attention).__name__))
     first = jax.random.wrap_key_data(attention.dropout_key[0])
-    return attention.rates[0], jax.random.fold_in(first, _EMBEDDING), None
+    return attention.rates[0], salted(jax.random.fold_in(first, _EMBEDDING)), None
 
 
 def decoding(attention: Any) -> Any:

@@ -390,3 +390,50 @@ def test_files_written_before_member_scale_existed_read_it_as_none():
     again = decode(json.loads(json.dumps(spec)), arrays)
     assert jnp.array_equal(again.member_scale, scaled.member_scale)
     assert jax.tree.structure(again) == jax.tree.structure(scaled)
+
+
+# ---- dropout under accumulation and on a mesh: each microbatch / device its own masks --------
+
+class Adapted(ft.Module):
+    a: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.a(x)
+
+
+def adapted_with_dropout():
+    model = ft.nn.lora(Adapted(ft.nn.Dense(6, 6, key=jax.random.key(0))), "a", rank=2, dropout=0.5,
+                       key=jax.random.key(1))
+    return ft.nn.training(ft.set(model, "a.lora_b", jnp.ones((2, 6))))  # B nonzero: the adapter shows
+
+
+def by_hand(layer, x, key):
+    """The LoRA layer's output with its input mask drawn from ``key`` (the layer's formula)."""
+    keep = jax.random.bernoulli(key, 0.5, x.shape)
+    h = jnp.where(keep, x / 0.5, 0.0)
+    return x @ layer.weight + layer.bias + ((h @ layer.lora_a) * layer.scale) @ layer.lora_b
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_dropout_under_accumulation_draws_each_microbatch_its_own_mask(accumulate):
+    # The audit: with accumulate=2 both microbatches drew the stored key's mask (two equal
+    # rows gave equal outputs). Microbatch i now draws fold_in(drawn, i); with one
+    # microbatch the draw is the stored key's, as before; the recorded next key is the same
+    # for any k (a job's keys do not depend on it).
+    model = adapted_with_dropout()
+    x = np.tile(np.arange(6, dtype=np.float32)[None], (2, 1))  # two identical rows
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=accumulate)
+
+    def loss_fn(m, x):
+        out = m(x)
+        return jnp.mean(out ** 2), out
+
+    new, _, (_, out) = opt.minimize(loss_fn, model, opt.init(model), x, has_aux=True)
+    out = np.asarray(out).reshape(2, 6)
+    drawn, following = jax.random.split(jax.random.wrap_key_data(model.a.dropout_key))
+    keys = [drawn] if accumulate == 1 else [jax.random.fold_in(drawn, i) for i in range(2)]
+    rows = [x] if accumulate == 1 else [x[:1], x[1:]]
+    expected = np.concatenate([np.asarray(by_hand(model.a, r, k)) for r, k in zip(rows, keys, strict=True)])
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-6 * float(np.abs(expected).max()))
+    assert float(np.max(np.abs(out[0] - out[1]))) > 1.0  # the rows' masks differ, as with one microbatch
+    np.testing.assert_array_equal(np.asarray(new.a.dropout_key), np.asarray(jax.random.key_data(following)))

@@ -24,7 +24,8 @@ from ``key=`` when the layer is called with one, and otherwise from the layer's 
 ``dropout_key`` (a ``no_derivative`` field), which it advances as layer state
 (``ft.nn.record_state``: ``Optimizer.step``, ``ft.train`` and
 ``ft.nn.value_with_gradient_and_state`` write it back), so layers deep inside a model,
-called without a key, draw a fresh mask every step.
+called without a key, draw a fresh mask every step (and each microbatch of
+``accumulate=k``, each device of a mesh, a mask of its own: ``_state.salted_keys``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from functree._tree import dotted_name, is_none
 from functree.nn._check import check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
-from functree.nn._state import record_state
+from functree.nn._state import record_state, salted
 
 __all__ = ["LoraDense", "lora", "merge_lora"]
 
@@ -224,6 +225,7 @@ class LoraDense(Layer):
                     raise ValueError(NO_DROPOUT_KEY.format(rate=self.dropout))
                 drawn, following = jax.random.split(jax.random.wrap_key_data(self.dropout_key))
                 record_state(self, dropout_key=jax.random.key_data(following))
+                drawn = salted(drawn)  # a microbatch's / device's own masks; the next key unsalted
             else:
                 drawn = key
             keep = jax.random.bernoulli(drawn, 1.0 - self.dropout, jnp.shape(x))

@@ -44,7 +44,7 @@ from functree._parameters import with_parameters
 from functree._tangent import move
 from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
-from functree.nn._state import apply_state, collect_state
+from functree.nn._state import apply_state, collect_state, salted_call
 from functree.optim._average import with_average
 from functree.optim._checks import (
     check_state_fits,
@@ -657,7 +657,7 @@ class Optimizer:
         def body(total: Any, xs: tuple) -> tuple[Any, Any]:
             mb, i = xs
             fn = loss_fn if key is None else functools.partial(loss_fn, key=jax.random.fold_in(key, i))
-            out, grads = self.get_gradients(fn, model, *mb, has_aux=has_aux, state=state)
+            out, grads = self.get_gradients(salted_call(fn, i), model, *mb, has_aux=has_aux, state=state)
             return jax.tree.map(jnp.add, total, grads), out
 
         zeros = jax.tree.map(jnp.zeros_like, trained_view(model, self.wrt))

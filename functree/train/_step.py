@@ -45,7 +45,7 @@ from functree._flat import FlatJit, flat_jit
 from functree._jit import _hide, _show, explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
-from functree.nn._state import collect_state
+from functree.nn._state import collect_state, salted_keys
 from functree.optim import Optimizer, OptimizerState, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import Gradients
@@ -358,8 +358,11 @@ class TrainStep:
 
             def loss_fn(m: Any, b: Any, key: Any = None) -> Any:  # runs per device, inside shard_map
                 # One device on the data axis: its index is 0 (no axis_index: see _replicas).
-                k = None if key is None else jax.random.fold_in(key, 0 if alone else jax.lax.axis_index(axis))
-                return self.compute_loss(m, b, k)
+                if alone:
+                    return self.compute_loss(m, b, None if key is None else jax.random.fold_in(key, 0))
+                index = jax.lax.axis_index(axis)
+                with salted_keys(index):  # masks drawn from layers' stored keys: each device its own
+                    return self.compute_loss(m, b, None if key is None else jax.random.fold_in(key, index))
 
         rows = self._per_example(model, batch, key) if where is not None or self.optimizer.accumulate > 1 else None
         result = self.optimizer.step(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._tree import all_finite
-from functree.optim._optimizer import OptimizerWrapper
+from functree.optim._optimizer import SCALED_HOOK, OptimizerWrapper
 from functree.optim._skip import select
 
 __all__ = ["LossScaleOptimizer", "LossScaleState"]
@@ -28,13 +28,7 @@ LossScaleOptimizer: the get_gradients hook {hook} returned {given}; it must retu
 
     wrong:  return jax.grad(lambda m, *b: scale * loss_fn(m, *b))(model, *batch)       # grads only
     wrong:  return jax.value_and_grad(lambda m, *b: scale * loss_fn(m, *b))(model, *batch)  # loss scaled
-    right:  def hook(loss_fn, model, *batch, has_aux=False, scale=None):
-                s = 1.0 if scale is None else scale
-                def scaled(m, *b):
-                    out = loss_fn(m, *b)                  # loss, or (loss, aux) with has_aux
-                    return s * (out[0] if has_aux else out), out
-                (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(model, *batch)
-                return out, grads                         # (unscaled loss, grads of scale * loss)
+{scaled_hook}
 """
 
 BAD_SCALE = "LossScaleOptimizer: {name} must be positive, got {value!r}."
@@ -118,7 +112,8 @@ def _checked_pair(result: Any, has_aux: bool, hook: Any) -> tuple[Any, Any]:
     if not (pair and ok):
         given = f"a {type(result).__name__}" if not pair else "a pair whose first item is not the loss"
         kind = "with has_aux=True: ((loss, aux), grads)" if has_aux else "the loss: a scalar"
-        raise TypeError(HOOK_RESULT.format(hook=getattr(hook, "__qualname__", "hook"), given=given, loss_kind=kind))
+        raise TypeError(HOOK_RESULT.format(hook=getattr(hook, "__qualname__", "hook"), given=given, loss_kind=kind,
+                                           scaled_hook=SCALED_HOOK))
     return result
 
 

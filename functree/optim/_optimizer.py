@@ -433,7 +433,8 @@ class Optimizer:
             if scale is None:
                 return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux)
             if not _takes_scale(self._get_gradients):
-                raise TypeError(HOOK_WITHOUT_SCALE.format(hook=getattr(self._get_gradients, "__qualname__", "hook")))
+                raise TypeError(HOOK_WITHOUT_SCALE.format(hook=getattr(self._get_gradients, "__qualname__", "hook"),
+                                                          scaled_hook=SCALED_HOOK))
             return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux, scale=scale)
 
         def objective(m: Any) -> tuple[Any, Any]:
@@ -832,6 +833,10 @@ the pair (unscaled loss, grads of scale * loss), applying any threshold to scale
 (ft.optim.per_example_clipping does):
 
     wrong:  def hook(loss_fn, model, *batch, has_aux=False): ...
+{scaled_hook}"""
+
+# A get_gradients hook that takes the loss scale (LossScaleOptimizer's HOOK_RESULT shows it too).
+SCALED_HOOK = """\
     right:  def hook(loss_fn, model, *batch, has_aux=False, scale=None):
                 s = 1.0 if scale is None else scale
                 def scaled(m, *b):

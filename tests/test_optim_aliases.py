@@ -680,3 +680,16 @@ def test_radam_rho_has_float64s_value_at_every_step_and_beta():
             expected = (2 / (1 - b) - 1) - 2 * t * b**t / (1 - b**t)  # float64: cancels 1e-11 at most
             got = float(rho(beta2, jnp.float32(t))[1])
             assert abs(got - expected) <= 1e-5 * max(expected, 1.0), (beta2, t, got, expected)
+
+
+def test_gemma_norm_weights_get_no_weight_decay_as_in_hf_trainer():
+    """Gemma's RMSNorm names its parameter ``weight`` (not ``scale``), which the default mask
+    decayed: 40 elements more than HF Trainer's groups on a tiny Gemma, 3.5e-4 from torch's
+    AdamW after 3 steps. It is declared ``decay=False``, as every functree norm is."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GemmaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model = ft.nn.from_hf(transformers.GemmaForCausalLM(config))
+    decayed = {k for k, v in ft.to_flat_dict(ft.optim.decay_mask(model)).items() if v}
+    assert not any("norm" in k for k in decayed)
+    assert "model.layers.layers.mlp.up_proj.weight" in decayed

@@ -1,5 +1,7 @@
 """ft.optim.Optimizer: minimize, RFC 234 hooks, wrappers, aggregation, loss scaling, checkpoints."""
 
+import typing
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -706,3 +708,27 @@ def test_moment_fields_are_those_of_ft_optim_moments():
     from functree.optim import _aliases, _checks
 
     assert _checks.MOMENT_FIELDS == _aliases.MOMENT_FIELDS
+
+
+class _NormState(typing.NamedTuple):
+    mu: jax.Array  # a user's scalar running mean of the gradient norm, not a per-parameter moment
+
+
+def test_a_user_state_field_named_like_a_moment_is_not_checked_as_one():
+    """check_state_fits read every state field named mu, nu, trace ... as optax's moments:
+    a user's transformation keeping a scalar ``mu`` was refused as made for another model."""
+
+    def init(params):
+        return _NormState(jnp.zeros(()))
+
+    def update(g, s, params=None):
+        mu = 0.9 * s.mu + 0.1 * jnp.sqrt(sum(jnp.sum(x ** 2) for x in jax.tree.leaves(g)))
+        return jax.tree.map(lambda x: -0.1 * x / (mu + 1e-3), g), _NormState(mu)
+
+    tx = optax.GradientTransformation(init, update)
+    params, grads = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(0.5)}, {"w": jnp.array([0.1, -0.2]), "b": jnp.array(0.3)}
+    expected, _ = tx.update(grads, tx.init(params), params)
+    opt = ft.optim.Optimizer(tx)
+    updates = opt.update(grads, opt.init(params), params)[0]
+    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(a, b)

@@ -107,3 +107,12 @@ def test_optax_and_torch_names_are_refused_with_functree_names_and_the_fix_match
         ft.optim.rmsprop(1e-3, alpha=0.99)
     with pytest.raises(TypeError, match=r"ft\.optim\.sgd: too many positional arguments\. Its arguments: learning_rate"):
         ft.optim.sgd(0.1, 0.9, False, 0.0, "torch", 5)
+
+
+def test_a_single_betas_value_gets_a_rename_that_runs():
+    """``adam(1e-3, betas=0.9)`` suggested ``beta1=Ellipsis, beta2=Ellipsis``, itself refused."""
+    with pytest.raises(TypeError) as info:
+        ft.optim.adam(1e-3, betas=0.9)
+    right = next(line.split(":", 1)[1].strip() for line in str(info.value).splitlines() if "right:" in line)
+    assert right == "ft.optim.adam(0.001, beta1=0.9, beta2=0.999)"
+    eval(right, {"ft": ft})  # runs

@@ -208,7 +208,9 @@ def test_per_group_learning_rates_in_history_context_and_plateau():
     with pytest.raises(ValueError, match=r"no parameter group 'classifier' with a learning rate; its learning "
                                          r"rates are \['body/learning_rate', 'head/learning_rate'\]") as info:
         wrong._reduced(trainer.opt_state)
-    assert "right:  ReduceLROnPlateau(group='body')" in str(info.value)
+    assert "right:  ReduceLROnPlateau(group='head')" in str(info.value)  # the closest group's name
+    with pytest.raises(ValueError, match=r"right:  ReduceLROnPlateau\(group='head'\)"):
+        ft.train.ReduceLROnPlateau(monitor="loss", group="heed")._reduced(trainer.opt_state)  # a typo: was 'body'
     # no groups: the fix drops group= (it suggested group="head", which fails the same way)
     model = {"w": jnp.ones(2)}
     state = ft.optim.Optimizer(ft.optim.sgd(0.4)).init(model)

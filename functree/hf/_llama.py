@@ -75,7 +75,7 @@ class Phi3MLP(Module):
 class GemmaRMSNorm(Module):
     """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` in float32 (HF's ``weight`` starts at 0)."""
 
-    weight: jax.Array
+    weight: jax.Array = field(decay=False)  # a norm's weight: no weight decay (HF's Trainer and torch recipes)
     epsilon: float = field(static=True, default=1e-6)
 
     def __init__(self, d: int, *, epsilon: float = 1e-6, dtype: Any = jnp.float32):

@@ -131,7 +131,12 @@ def check_state_fits(inner: Any, grads: Any) -> None:
 
 
 def _is_moment_state(x: Any) -> bool:
-    return isinstance(x, tuple) and any(f in getattr(x, "_fields", ()) for f in MOMENT_FIELDS)
+    """An optax or functree state holding moments: a user's own state class may name a field
+    ``mu`` for something else (a running mean of the gradient norm: a scalar), so only the
+    libraries' classes, whose fields are known to be per-parameter, are read."""
+    if not isinstance(x, tuple) or not any(f in getattr(x, "_fields", ()) for f in MOMENT_FIELDS):
+        return False
+    return (getattr(type(x), "__module__", "") or "").split(".", 1)[0] in ("optax", "functree")
 
 
 def _moments(inner: Any) -> list[tuple[str, Any]]:

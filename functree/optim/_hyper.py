@@ -60,14 +60,14 @@ BAD_HYPERPARAMETER = """\
 function of the learning context: ft.optim.cosine_decay(...), ft.optim.schedule(...)), a \
 piecewise list of (count, value) pairs, or a rate with a unit (ft.optim.per_samples(...)).{hint}
 
-    wrong:  {where}({name}={code})
-    right:  {where}({name}={example})
+    wrong:  {where}({others}{name}={code})
+    right:  {where}({others}{name}={example})
 {more}"""
 
 # A list of numbers is most often meant as one rate per group of parameters.
 PER_GROUP_HINT = " One value per group of parameters is one optimizer per group:"
 PER_GROUP_FIX = """\
-       or:  ft.optim.groups({{"head.*": {where}({name}={first})}}, default={where}({name}={second}))
+       or:  ft.optim.groups({{"head.*": {where}({others}{name}={first})}}, default={where}({others}{name}={second}))
 """
 
 NEEDS_CONTEXT = """\
@@ -297,7 +297,7 @@ def _validate(where: str, name: str, spec: Any) -> None:
         raise ValueError(OUT_OF_RANGE.format(where=where, name=name, value=value, rule=text, example=example))
 
 
-def _check_value(where: str, name: str, spec: Any) -> None:
+def _check_value(where: str, name: str, spec: Any, hyper: Mapping[str, Any] | None = None) -> None:
     """A BAD_HYPERPARAMETER error unless ``spec`` (after :func:`_as_spec`) is a number (0-d),
     a schedule, or a :class:`Rate` of one: anything else failed at ``init`` inside JAX
     (``jnp.stack`` of the packed values) or later."""
@@ -309,9 +309,13 @@ def _check_value(where: str, name: str, spec: Any) -> None:
     example = RULES.get(name, (None, None, "1e-3"))[2]
     values = list(value) if isinstance(value, (list, tuple)) else []
     hint, more = "", ""
+    # the call's other numbers as they were: a fix naming only this one would train with the
+    # others' defaults (sgd(0.1, momentum=[...]) -> sgd(momentum=0.9) at learning rate 0.01)
+    others = "".join(f"{k}={v!r}, " for k, v in (hyper or {}).items() if k != name and _is_number(v))
     if len(values) > 1 and all(_is_number(v) for v in values):
-        hint, more = PER_GROUP_HINT, PER_GROUP_FIX.format(where=where, name=name, first=values[0], second=values[1])
-    raise TypeError(BAD_HYPERPARAMETER.format(where=where, name=name, given=given, example=example,
+        hint, more = PER_GROUP_HINT, PER_GROUP_FIX.format(where=where, name=name, first=values[0], second=values[1],
+                                                          others=others)
+    raise TypeError(BAD_HYPERPARAMETER.format(where=where, name=name, given=given, example=example, others=others,
                                               code="..." if shaped else given, hint=hint, more=more))
 
 
@@ -412,7 +416,7 @@ def inject(
         for value in _piecewise_values(spec):
             _validate(where, name, value)
         spec = _as_spec(spec)
-        _check_value(where, name, spec)
+        _check_value(where, name, spec, hyper)
         _validate(where, name, spec)
         specs[name] = _Spec(name, spec)
 

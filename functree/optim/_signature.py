@@ -82,7 +82,8 @@ def _bad_arguments(where: str, signature: inspect.Signature, error: TypeError, a
         # the call as given, foreign names renamed in place
         given = [repr(a) for a in args]
         wrong = given + [f"{k}={v!r}" for k, v in kwargs.items()]
-        right = given + [_renamed(foreign[k], v) if k in foreign else f"{k}={v!r}" for k, v in kwargs.items()]
+        right = given + [_renamed(foreign[k], v, signature) if k in foreign else f"{k}={v!r}"
+                         for k, v in kwargs.items()]
         renames = RENAMES.format(pairs=", ".join(f"{k} → {', '.join(ours)}" for k, ours in foreign.items()),
                                  where=where, wrong=", ".join(wrong), right=", ".join(right))
     text = str(error)
@@ -90,11 +91,16 @@ def _bad_arguments(where: str, signature: inspect.Signature, error: TypeError, a
                                           renames=renames))
 
 
-def _renamed(ours: tuple[str, ...], value: Any) -> str:
-    """``value`` given under functree's names ``ours`` (torch's ``betas=(b1, b2)``: two)."""
+def _renamed(ours: tuple[str, ...], value: Any, signature: inspect.Signature) -> str:
+    """``value`` given under functree's names ``ours`` (torch's ``betas=(b1, b2)``: two); a
+    value that is not one per name (``betas=0.9``) gives the first name the value and the
+    others their defaults, so the suggested call runs."""
     if len(ours) == 1:
         return f"{ours[0]}={value!r}"
-    values = value if isinstance(value, (tuple, list)) and len(value) == len(ours) else (...,) * len(ours)
+    if isinstance(value, (tuple, list)) and len(value) == len(ours):
+        values = list(value)
+    else:
+        values = [value, *(signature.parameters[n].default for n in ours[1:])]
     return ", ".join(f"{n}={v!r}" for n, v in zip(ours, values))
 
 

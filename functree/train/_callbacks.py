@@ -15,6 +15,7 @@ patience, ModelCheckpoint's last save, ...) is part of every checkpoint the Trai
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -421,8 +422,10 @@ class ReduceLROnPlateau(Callback):
             name = group_learning_rate(opt_state, self.group)
             if name is None:
                 groups = [n.rsplit("/", 1)[0] for n in names if "/" in n]
-                right = (f"ReduceLROnPlateau(group={groups[0]!r})     # a pattern given to ft.optim.groups"
-                         if groups else "ReduceLROnPlateau()     # no groups: the optimizer's one learning rate")
+                named = [g for g in groups if g != "<default>"] or groups  # the default group last
+                close = difflib.get_close_matches(str(self.group), named, n=1, cutoff=0.0)  # 'head' -> 'head.*'
+                right = (f"ReduceLROnPlateau(group={close[0]!r})     # a pattern given to ft.optim.groups"
+                         if close else "ReduceLROnPlateau()     # no groups: the optimizer's one learning rate")
                 raise ValueError(UNKNOWN_GROUP.format(group=self.group, names=names, right=right))
             names = [name]
         if not names:

@@ -555,7 +555,8 @@ def test_diagnose_raises_the_functions_own_errors():
 def test_integer_argument_error():
     with pytest.raises(TypeError, match="Only floating-point values carry derivatives") as e:
         ft.gradient(lambda x, y: x * y, wrt=1)(1.0, 2)
-    assert "wrt=0" in str(e.value)
+    # the fix is the value as float, never another argument's derivative (wrt=0 is d/dx, not d/dy)
+    assert "wrt=0" not in str(e.value) and "astype(jnp.float32)" in str(e.value)
 
 
 def test_no_derivative_field_error():

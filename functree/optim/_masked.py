@@ -15,7 +15,7 @@ numbers of a hand-masked update.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +114,7 @@ def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTran
     as_function = callable(mask) and not isinstance(mask, Module)  # a mask tree of a model is callable too
 
     def marks_of(tree: Any) -> list[Any]:
-        return _mask_leaves(mask(tree) if as_function else mask, tree)
+        return _mask_leaves(cast(Callable[[Any], Any], mask)(tree) if as_function else mask, tree)
 
     def init(params: Any) -> optax.MaskedState:
         return optax.MaskedState(inner.init(_masked_tree(params, marks_of(params))))

@@ -32,6 +32,7 @@ from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
 from functree.hf._files import read_config, read_weights
 from functree.interop._ports import PORTS, Port
+from functree.interop._safetensors import INDEX_NAME, SINGLE_NAME
 from functree.interop._torch import as_tensors, load_by_rules, state_dict_by_rules
 from functree.nn._abstract import shapes_only
 from functree.nn._embedding import Embedding
@@ -111,8 +112,7 @@ weights unread. Say which one you mean:
 """
 
 # The files a save_pretrained directory holds its weights in (read_weights reads them).
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (SINGLE_NAME, INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json")  # a .bin: read_weights names torch.load
 
 
 def _holds_weights(source: Any, key: Any, dropout: bool) -> bool:

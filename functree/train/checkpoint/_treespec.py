@@ -301,18 +301,11 @@ def _enum_classes(name: str) -> list[type]:
 
 
 def _enum_member(name: str, member: str, path: str) -> Any:
-    found = _enum_classes(name)
-    if len(found) > 1:
-        why = AMBIGUOUS_ENUM.format(count=len(found), name=name[:200])
-        raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
-    if not found and name.startswith("__main__."):
-        raise SpecError(MAIN_CLASS.format(path=path, name=name[:200], short=name[:200].rsplit(".", 1)[1]))
-    if not found:
-        why = f"the Enum {name[:200]} is not registered or defined in this process"
-        raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
-    value = found[0].__members__.get(member)
+    cls = _one_class(_enum_classes(name), name, path, "a static value", AMBIGUOUS_ENUM,
+                     f"the Enum {name[:200]} is not registered or defined in this process")
+    value = cls.__members__.get(member)
     if value is None:
-        why = f"the Enum {found[0].__name__} has no member {member[:100]!r}"
+        why = f"the Enum {cls.__name__} has no member {member[:100]!r}"
         raise SpecError(MALFORMED.format(path=path, why=why))
     return value
 
@@ -505,20 +498,25 @@ def decode_leaf(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") ->
     return x
 
 
+def _one_class(found: list[Any], name: str, path: str, what: str, ambiguous: str, missing: str) -> Any:
+    """The one class a checkpoint's ``name`` resolves to (``found``: registered or defined in
+    this process), or the error naming why not: several, a ``__main__`` class not defined
+    now, or none."""
+    if len(found) > 1:
+        why = ambiguous.format(count=len(found), name=name[:200])
+        raise SpecError(NO_TEMPLATE.format(what=what, path=path, why=why))
+    if not found and name.startswith("__main__."):
+        raise SpecError(MAIN_CLASS.format(path=path, name=name[:200], short=name[:200].rsplit(".", 1)[1]))
+    if not found:
+        raise SpecError(NO_TEMPLATE.format(what=what, path=path, why=missing))
+    return found[0]
+
+
 def _class(spec: dict[str, Any], path: str, kind: str) -> Any:
     name = spec.get("class")
     if not isinstance(name, str):
         raise SpecError(MALFORMED.format(path=path, why=f"class name {name!r} is not a string"))
-    found = lookup_type(name)
-    if len(found) > 1:
-        why = AMBIGUOUS.format(count=len(found), name=name)
-        raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why))
-    if not found and name.startswith("__main__."):
-        raise SpecError(MAIN_CLASS.format(path=path, name=name[:200], short=name[:200].rsplit(".", 1)[1]))
-    if not found:
-        why = f"{name[:200]} is not a registered type"
-        raise SpecError(NO_TEMPLATE.format(what="a node", path=path, why=why))
-    cls = found[0]
+    cls = _one_class(lookup_type(name), name, path, "a node", AMBIGUOUS, f"{name[:200]} is not a registered type")
     fits = {
         "module": issubclass(cls, Module),
         "namedtuple": issubclass(cls, tuple) and hasattr(cls, "_fields"),

@@ -42,7 +42,7 @@ then reshape if the layouts agree."""
 
 LEAF_MISMATCH = """\
 ft.set({path}): the value there is {expected}, so it takes {accepts}; given {given}.
-    right:  ft.set(tree, {quoted}, {fix})"""
+    right:  ft.set(tree, {quoted}, {fix}){note}"""
 
 
 def leaf_spec(x: Any) -> tuple[tuple[int, ...], Any] | None:
@@ -56,6 +56,7 @@ def leaf_spec(x: Any) -> tuple[tuple[int, ...], Any] | None:
 # its own kind or of a wider one (an int fits a float leaf, a float fits a complex leaf).
 _WIDER = {"b": "b", "i": "ifc", "f": "fc", "c": "c"}
 _PY_TYPES = {"b": bool, "i": int, "f": float, "c": complex}
+_PY_EXAMPLES = {"b": "True", "i": "2", "f": "2.0", "c": "1.0 + 2.0j"}
 _PY_ACCEPTS = {
     "b": "a bool or a 0-d bool array",
     "i": "an int or a 0-d integer array",
@@ -128,7 +129,7 @@ def check_leaf(path: Any, old: Any, new: Any) -> Any:
     raise ValueError(
         LEAF_MISMATCH.format(
             path=path, quoted=quoted(path), expected=f"an array of shape {shape} and dtype {dtype}",
-            accepts=accepts, given=_describe(new), fix=f"jnp.asarray(value, jnp.{dtype}).reshape({shape})",
+            accepts=accepts, given=_describe(new), fix=f"jnp.asarray(value, jnp.{dtype}).reshape({shape})", note="",
         )
     )
 
@@ -174,9 +175,13 @@ def _check_python_scalar(path: Any, old_kind: str, new: Any) -> Any:
     if kind is not None and old_kind in _WIDER[kind]:
         return _PY_TYPES[old_kind](new) if _number_kind(new) is not None else new
     py = _PY_TYPES[old_kind].__name__
+    fix, note = f"{py}(value)", ""
+    if spec is not None and int(np.prod(spec[0])) != 1:  # float(value) of 2 numbers fails
+        fix = _PY_EXAMPLES[old_kind]
+        note = f"   # one {py}: the leaf holds one number, the value {int(np.prod(spec[0]))}"
     raise ValueError(
         LEAF_MISMATCH.format(
             path=path, quoted=quoted(path), expected=f"a Python {py}", accepts=_PY_ACCEPTS[old_kind],
-            given=_describe(new), fix=f"{py}(value)",
+            given=_describe(new), fix=fix, note=note,
         )
     )

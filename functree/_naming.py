@@ -108,10 +108,11 @@ ENSEMBLE_MEMBER = """\
 {expected} ([n, ...]), so this is a batch of models (an ensemble made with jax.vmap). A \
 member index or pattern cannot tell those axes apart: use it inside jax.vmap over the \
 ensemble, one model at a time (patterns selecting whole leaves, "blocks.*", work on the ensemble):
-    wrong:  ft.get(ensemble, "blocks.1.weight")
-    right:  jax.vmap(lambda m: ft.get(m, "blocks.1.weight"))(ensemble)
-            jax.vmap(ft.gradient(loss, wrt="blocks.1.*"))(ensemble)
-            jax.vmap(lambda m, s: opt.minimize(loss, m, s))(ensemble, jax.vmap(opt.init)(ensemble))"""
+    wrong:  {path!r} given with the ensemble (ft.get, ft.set, wrt=, groups, masks)
+    right:  jax.vmap(lambda m: ft.get(m, {path!r}))(ensemble)        # ft.get / ft.set
+       or:  jax.vmap(ft.gradient(loss, wrt={path!r}))(ensemble)      # the operators' wrt=
+       or:  jax.vmap(lambda m, s: opt.minimize(loss, m, s))(ensemble, jax.vmap(opt.init)(ensemble))
+                                                   # an optimizer with wrt= or groups on {path!r}"""
 
 MASK_AXES = """\
 A member selection of shape {selection} (members of an ft.nn.Stack) meets a leaf of shape \

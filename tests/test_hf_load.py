@@ -866,8 +866,10 @@ def test_float16_runs_on_a_cpu_as_torch_float16(family):
 
 
 def test_a_non_float_dtype_is_refused_at_the_call():
-    for dtype in (jnp.int8, "int32", "not a dtype"):
-        with pytest.raises(TypeError, match=r"(?s)dtype is the parameters' floating dtype .*got .*right:  "
+    for dtype, shown in ((jnp.int8, "jnp.int8"), ("int32", "jnp.int32"), ("not a dtype", "'not a dtype'")):
+        with pytest.raises(TypeError, match=r"(?s)dtype is the parameters' floating dtype .*got "
+                                            + re.escape(shown) + r"\. .*wrong:  ft.nn.from_hf\(source, dtype="
+                                            + re.escape(shown) + r"\).*right:  "
                                             r"ft.nn.from_hf\(source, dtype=jnp.bfloat16\)"):
             ft.nn.from_hf(llama_config(), key=jax.random.key(0), dtype=dtype)
 
@@ -953,3 +955,15 @@ def test_the_pad_tokens_embedding_row_gets_the_gradient_hf_gives_it(family):
         assert np.abs(hf_table[pad]).max() > 0.1 * np.abs(hf_table).max()
     else:
         assert np.abs(hf_table[pad]).max() == 0 and np.abs(table[pad]).max() == 0
+
+
+def test_to_hf_state_dict_of_an_adapted_model_names_itself_and_the_merge():
+    """The refusal shows the call the user made (to_hf_state_dict), with merge_lora inside it."""
+    adapted = ft.nn.lora(ft.nn.from_hf(llama_config(), key=jax.random.key(0)), "*.q_proj", rank=2,
+                         key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"(?s)^ft\.nn\.to_hf_state_dict: .*query_projection is an adapted layer.*"
+                                         r"wrong:  ft\.nn\.to_hf_state_dict\(model\)\n"
+                                         r"    right:  ft\.nn\.to_hf_state_dict\(ft\.nn\.merge_lora\(model\)\)"):
+        ft.nn.to_hf_state_dict(adapted)
+    assert set(ft.nn.to_hf_state_dict(ft.nn.merge_lora(adapted), numpy=True)) == set(
+        ft.nn.to_hf_state_dict(ft.nn.from_hf(llama_config(), key=jax.random.key(0)), numpy=True))

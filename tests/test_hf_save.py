@@ -203,7 +203,7 @@ def test_a_model_whose_layers_changed_is_refused_and_saves_with_its_config(tmp_p
         layers=ft.nn.Stack.from_layers([stack[min(i, 1)] for i in range(layers)])))
     with pytest.raises(ValueError, match=rf"(?s)model.layers.layers.* is \[{layers}, .*num_hidden_layers=2.* builds "
                                          r"\[2, .*right:  config = \{\*\*model.hf_config.to_dict\(\), "
-                                         r"'num_hidden_layers': \.\.\.\}"):
+                                         rf"'num_hidden_layers': {layers}\}}"):
         ft.nn.save_hf(changed, tmp_path / "a")
     assert os.listdir(tmp_path) == []
     config = {**changed.hf_config.to_dict(), "num_hidden_layers": layers}

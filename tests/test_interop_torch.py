@@ -482,10 +482,18 @@ def test_rename_patterns_layouts_and_a_safetensors_file(tmp_path):
     loaded = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), str(tmp_path / "model.safetensors"),
                                          rename=rename, layouts={"blocks.*": "conv1d"})
     np.testing.assert_array_equal(loaded["blocks"].layers.weight, model["blocks"].layers.weight)
-    with pytest.raises(ValueError, match=r"patterns \['\*.attn'\] match no Dense or MultiheadAttention.*blocks.0"):
+    with pytest.raises(ValueError, match=r"(?s)patterns \['\*.attn'\] match no Dense or MultiheadAttention.*blocks.0"
+                                         r".*wrong:  layouts=\{'\*.attn': ...\}\n    right:  layouts=\{'blocks.0': "):
         ft.nn.torch_state_dict(model, layouts={"*.attn": "conv1d"})
-    with pytest.raises(ValueError, match=r"gives blocks.0 the layout 'gpt2'; this layer knows linear, conv1d"):
+    with pytest.raises(ValueError, match=r"(?s)gives blocks.0 the layout 'gpt2'; this layer knows linear, conv1d"
+                                         r".*wrong:  layouts=\{'blocks.\*': 'gpt2'\}\n"
+                                         r"    right:  layouts=\{'blocks.\*': \"conv1d\"\}.*"
+                                         r"or:  layouts=\{'blocks.\*': 'linear'"):
         ft.nn.torch_state_dict(model, layouts={"blocks.*": "gpt2"})
+    mha = {"attn": build(lambda: ft.nn.MultiheadAttention(8, 4, key=K[0]))}
+    with pytest.raises(ValueError, match=r"or:  layouts=\{'attn': \('q_proj', 'k_proj', 'v_proj', 'o_proj'\)\}   #"):
+        ft.nn.torch_state_dict(mha, layouts={"attn": "gpt2"})
+    assert set(ft.nn.torch_state_dict(mha, layouts={"attn": ("q_proj", "k_proj", "v_proj", "o_proj")}, numpy=True))
     with pytest.raises(ValueError, match=r"(?s)different number of \* on each side.*transformer.h.\*"):
         ft.nn.torch_state_dict(model, rename={"h.*": "blocks"})
 

@@ -357,8 +357,10 @@ def test_member_names_on_an_ensemble_are_refused_and_exact_inside_vmap(size, n, 
         calls.append((lambda: ft.select(ens, f"h.{i}.*"), f"h.{i}.*"))
     for fn, path in calls:
         with pytest.raises(ValueError, match=rf"'{path}' addresses a member of the ft.nn.Stack 'h' \({n} members\), "
-                                             rf"but its leaf 'h.layers.*' has shape {shape[:-2]}.*jax.vmap"):
+                                             rf"but its leaf 'h.layers.*' has shape {shape[:-2]}.*jax.vmap") as e:
             fn()
+        assert f"right:  jax.vmap(lambda m: ft.get(m, {path!r}))(ensemble)" in str(e.value)  # the user's name
+        assert f"jax.vmap(ft.gradient(loss, wrt={path!r}))(ensemble)" in str(e.value)
     assert ft.select(ens, "h.*")["h"].layers is not None  # whole leaves: no member axis needed
 
 

@@ -317,9 +317,13 @@ def test_state_dict_converters_refuse_unmerged_adapters_naming_the_layer(pattern
     # adapters inside an attention) would be a silently different model.
     base = _Tiny(key=jax.random.key(0))
     adapted = ft.nn.lora(base, pattern, rank=2, key=jax.random.key(1))
-    with pytest.raises(ValueError, match=rf"(?s){pattern} is an adapted layer \(LoraDense\).*merge_lora"):
+    with pytest.raises(ValueError, match=rf"(?s){pattern} is an adapted layer \(LoraDense\).*"
+                                         r"wrong:  ft\.nn\.torch_state_dict\(model\)\n"
+                                         r"    right:  ft\.nn\.torch_state_dict\(ft\.nn\.merge_lora\(model\)\)"):
         ft.nn.torch_state_dict(adapted)
-    with pytest.raises(ValueError, match=rf"load_torch_state_dict: {pattern} is an adapted layer"):
+    with pytest.raises(ValueError, match=rf"(?s)load_torch_state_dict: {pattern} is an adapted layer.*"
+                                         r"right:  ft\.nn\.load_torch_state_dict\(ft\.nn\.merge_lora\(model\), "
+                                         r"state_dict\)"):
         ft.nn.load_torch_state_dict(adapted, ft.nn.torch_state_dict(base, numpy=True))
     merged = ft.nn.merge_lora(adapted)
     assert set(ft.nn.torch_state_dict(merged, numpy=True)) == set(ft.nn.torch_state_dict(base, numpy=True))

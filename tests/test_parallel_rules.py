@@ -112,6 +112,16 @@ def test_missing_data_axis_names_the_mesh_axes():
         ft.partition_specs(model(), "fsdp", mesh=AbstractMesh((8,), ("batch",)))
 
 
+def test_missing_data_axis_names_the_call_the_user_made():
+    """ft.shard's error shows ft.shard's call, not ft.partition_specs' (which it calls)."""
+    mesh = jax.make_mesh((1,), ("batch",))
+    for tree in (model(), lambda: model()):
+        with pytest.raises(ValueError, match=r"(?s)no axis 'data'.*right:  ft\.shard\(.*"
+                                             r"or:  ft\.shard\(\.\.\., mesh=mesh, data_axis='batch'\)") as e:
+            ft.shard(tree, mesh, "fsdp")
+        assert "partition_specs" not in str(e.value)
+
+
 def test_bad_rules_type():
     with pytest.raises(TypeError, match='sharding= takes None, "fsdp"'):
         ft.partition_specs(model(), "zero3", mesh=MESH)

@@ -417,6 +417,10 @@ def test_set_on_a_python_float_leaf_takes_floats_ints_and_0d_floating_arrays_onl
                        (True, "a Python bool True"), (None, "a NoneType None")):
         with pytest.raises(ValueError, match=re.escape(described)):
             ft.set(tree, "lr", bad)
+    with pytest.raises(ValueError) as info:  # float(value) of 5 numbers would fail: a number is shown
+        ft.set(tree, "lr", jnp.ones(5))
+    assert "right:  ft.set(tree, \"['lr']\", 2.0)   # one float: the leaf holds one number, the value 5" in str(info.value)
+    assert ft.set(tree, "lr", 2.0)["lr"] == 2.0
     with pytest.raises(ValueError, match=r"the value there is a Python int, .* given a Python float 2\.5"):
         ft.set(tree, "count", 2.5)
     with pytest.raises(ValueError, match=r"a Python bool, so it takes a bool or a 0-d bool array"):

@@ -84,10 +84,10 @@ does not guess.
 
 BAD_DTYPE = """\
 ft.nn.from_hf: dtype is the parameters' floating dtype (jnp.float32, jnp.bfloat16, \
-jnp.float16), got {given!r}. Integer parameters cannot be trained or initialized; quantize \
+jnp.float16), got {given}. Integer parameters cannot be trained or initialized; quantize \
 after loading if that is the aim.
 
-    wrong:  ft.nn.from_hf(source, dtype={given!r})
+    wrong:  ft.nn.from_hf(source, dtype={given})
     right:  ft.nn.from_hf(source, dtype=jnp.bfloat16)
 """
 
@@ -252,7 +252,15 @@ def _check_dtype(dtype: Any) -> None:
     except TypeError:
         ok = False
     if not ok:
-        raise TypeError(BAD_DTYPE.format(given=dtype))
+        raise TypeError(BAD_DTYPE.format(given=_written(dtype)))
+
+
+def _written(dtype: Any) -> str:
+    """``dtype`` as a user writes it (``jnp.int8``, not ``<class 'jax.numpy.int8'>``)."""
+    try:
+        return f"jnp.{jnp.dtype(dtype).name}"
+    except TypeError:
+        return repr(dtype)
 
 
 def _covered() -> str:

@@ -113,13 +113,15 @@ Patterns (ft's globs: a pattern picks a layer whose name or a dotted prefix of i
 are matched against the model's torch names and key paths, after rename=: \
 {names}
 
-    right:  layouts={{"h.*.attn": "conv1d"}}"""
+    wrong:  layouts={{{pattern!r}: ...}}
+    right:  layouts={{{first!r}: "conv1d"}}   # a name above"""
 
 BAD_LAYOUT = """\
 ft.nn: layouts= gives {name} the layout {layout!r}; this layer knows {known}.
 
-    right:  layouts={{"*.attn": "conv1d"}}   # Hugging Face's Conv1D (GPT-2)
-       or:  layouts={{"*.self_attn": ("q_proj", "k_proj", "v_proj", "o_proj")}}"""
+    wrong:  layouts={{{pattern!r}: {layout!r}}}
+    right:  layouts={{{pattern!r}: "conv1d"}}   # Hugging Face's Conv1D (GPT-2)
+       or:  layouts={{{pattern!r}: {other}}}   # {why}"""
 
 RENAME_STARS = """\
 ft.nn: rename={{{old!r}: {new!r}}} has a different number of * on each side; each * of the \
@@ -353,12 +355,14 @@ class _Options:
     layered: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # Dense, attention
     attentions: list[str] = dataclasses.field(default_factory=list)
     used: set[str] = dataclasses.field(default_factory=set)
+    pattern: str = ""  # the layouts= pattern that matched last
 
     def layout(self, ft: str, torch: str) -> Any:
         self.layered.append((torch, ft))
         for pattern, layout in self.layouts.items():
             if matches(torch, pattern) or matches(ft, pattern):
                 self.used.add(pattern)
+                self.pattern = pattern  # the one a bad layout's error shows
                 return layout
         return None
 
@@ -368,13 +372,13 @@ ADAPTED_LAYER = """\
 weights, and its base weight alone would drop the adapters (a silently different model).
 Merge the adapters into the weights first (or save the adapters alone in their own format):
 
-    wrong:  ft.nn.to_hf_state_dict(model)
-    right:  ft.nn.to_hf_state_dict({merge})
+    wrong:  {what}(model{rest})
+    right:  {what}({merge}{rest})
        or:  ft.nn.save_lora(model, "adapter/")      # PEFT's adapter files
 """
 
 
-def _refuse_adapters(model: Any, what: str) -> None:
+def _refuse_adapters(model: Any, what: str, rest: str = "") -> None:
     """An error naming the first adapted layer (``ft.nn.lora``'s ``LoraDense``) in ``model``."""
     def adapted(x: Any) -> bool:
         return getattr(type(x), "__ft_adapter__", None) is not None
@@ -382,7 +386,8 @@ def _refuse_adapters(model: Any, what: str) -> None:
     for path, node in jax.tree_util.tree_flatten_with_path(model, is_leaf=adapted)[0]:
         if adapted(node):
             raise ValueError(ADAPTED_LAYER.format(what=what, path=dotted_name(path) or "the model",
-                                                  kind=type(node).__name__, merge=type(node).__ft_adapter__))
+                                                  kind=type(node).__name__, merge=type(node).__ft_adapter__,
+                                                  rest=rest))
 
 
 def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping[str, Any] | None = None,
@@ -396,7 +401,10 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
     A port (:mod:`functree.interop._ports`: a Hugging Face model) is recorded whole, not
     walked into (``ports=False``: walked as any model, its converter's own plan).
     """
-    _refuse_adapters(model, "ft.nn.torch_state_dict" if values else "ft.nn.load_torch_state_dict")
+    if not values:
+        _refuse_adapters(model, "ft.nn.load_torch_state_dict", ", state_dict")
+    else:  # a port's own converter (ports=False) is to_hf_state_dict
+        _refuse_adapters(model, "ft.nn.torch_state_dict" if ports else "ft.nn.to_hf_state_dict")
     plan = _Plan([], {}, [])
     options = _Options(flattened, layouts or {})
     derived: list[str] = []
@@ -463,7 +471,8 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
     unused = [pattern for pattern in options.layouts if pattern not in options.used]
     if unused:
         names = [t for t, _ in options.layered][:8]
-        raise unused_layouts(unused, plan.ports) or ValueError(LAYOUT_UNUSED.format(patterns=unused, names=names))
+        raise unused_layouts(unused, plan.ports) or ValueError(LAYOUT_UNUSED.format(
+            patterns=unused, names=names, pattern=unused[0], first=names[0] if names else "h.*.attn"))
     plan.attentions = options.attentions
     return plan
 
@@ -489,7 +498,7 @@ def _layer_rules(node: Any, ft: str, torch: str, options: _Options) -> list[Loca
         if shape is not None and int(np.prod(shape)) != node.weight.shape[0]:
             raise ValueError(FLATTENED_SIZE.format(name=torch, shape=tuple(shape), size=int(np.prod(shape)),
                                                    inputs=node.weight.shape[0]))
-        return _dense(node, None if shape is None else tuple(shape), layout=_checked_layout(layout, torch, DENSE_LAYOUTS))
+        return _dense(node, None if shape is None else tuple(shape), layout=_checked_layout(layout, torch, DENSE_LAYOUTS, options))
     if isinstance(node, MultiheadAttention):
         options.attentions.append(torch)
         layout = options.layout(ft, torch)
@@ -498,7 +507,7 @@ def _layer_rules(node: Any, ft: str, torch: str, options: _Options) -> list[Loca
         if named and len(layout) == 3 and node.num_kv_heads != node.num_heads:
             named = False
         if not named:
-            layout = _checked_layout(layout, torch, ATTENTION_LAYOUTS)
+            layout = _checked_layout(layout, torch, ATTENTION_LAYOUTS, options)
         return _attention(node, layout)
     for cls, make in _LAYERS:
         if isinstance(node, cls):
@@ -511,10 +520,13 @@ ATTENTION_LAYOUTS = ("torch", "conv1d", "(q, k, v, output) Linear names", "(qkv,
                      "Linear and the output Linear", "(qkv, output, 'per_head') with q, k, v rows per head (GPT-NeoX)")
 
 
-def _checked_layout(layout: Any, torch: str, known: tuple[str, ...]) -> Any:
+def _checked_layout(layout: Any, torch: str, known: tuple[str, ...], options: _Options) -> Any:
     if layout is None or layout in known[:2]:
         return layout
-    raise ValueError(BAD_LAYOUT.format(layout=layout, name=torch, known=", ".join(known)))
+    other, why = (("'linear'", "torch's Linear (the default)") if known is DENSE_LAYOUTS
+                  else ("('q_proj', 'k_proj', 'v_proj', 'o_proj')", "its four Linears' names"))
+    raise ValueError(BAD_LAYOUT.format(layout=layout, name=torch, known=", ".join(known), other=other, why=why,
+                                       pattern=options.pattern))
 
 
 def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:

@@ -133,7 +133,9 @@ the leaf at {path} has shape {shape}.
 Each step splits the batch into {k} microbatches and averages their gradients (on a mesh, \
 each device splits its own share: the batch must be a multiple of devices x {k}):
 
-    right:  opt.minimize(loss_fn, model, state, x[: {k} * (len(x) // {k})], ...)
+    wrong:  opt.minimize(loss_fn, model, state, x, y)
+    right:  x, y = jax.tree.map(lambda a: a[: {k} * (len(a) // {k})], (x, y))   # every batch argument
+            opt.minimize(loss_fn, model, state, x, y)
 """
 
 

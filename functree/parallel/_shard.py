@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from functree._module import Module
 from functree._tree import has_shape_and_dtype, is_array_value
 from functree.parallel._mesh import auto_mesh, place
-from functree.parallel._rules import partition_specs
+from functree.parallel._rules import check_data_axis, partition_specs
 
 __all__ = ["shard"]
 
@@ -41,6 +41,7 @@ def shard(tree: Any, mesh: Mesh, rules: Any = None, *, data_axis: str = "data") 
       >>> model.weight.sharding.spec, model.weight.shape
       (P(), (64, 32))
     """
+    check_data_axis(mesh, data_axis, "ft.shard")  # named as the user called it
     if _builder(tree):
         return _built_in_shards(tree, rules, mesh, data_axis)
     specs = partition_specs(tree, rules, mesh=mesh, data_axis=data_axis)

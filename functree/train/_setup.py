@@ -19,8 +19,8 @@ WRT_WITH_STEP = """\
 Trainer(wrt=...) cannot change a TrainStep instance's optimizer: the step was built with its own.
 Give the patterns to the optimizer the step is built with:
 
-    wrong:  ft.train.Trainer(model, opt, loss_fn, train_step=ft.train.TrainStep(loss_fn, opt), wrt="head.*")
-    right:  opt = ft.optim.Optimizer(ft.optim.adam(1e-3), wrt="head.*")
+    wrong:  ft.train.Trainer(model, opt, loss_fn, train_step=ft.train.TrainStep(loss_fn, opt), wrt={wrt!r})
+    right:  opt = ft.optim.Optimizer(ft.optim.adam(1e-3), wrt={wrt!r})
             ft.train.Trainer(model, opt, loss_fn, train_step=ft.train.TrainStep(loss_fn, opt))"""
 
 BAD_TRAIN_STEP = """\
@@ -55,7 +55,7 @@ def make_step(train_step: Any, loss_fn: Any, optimizer: Any, metrics: Any, on_na
     """The Trainer's :class:`TrainStep`: built by :func:`train_step` or by a subclass
     (with ``wrt=`` given to the optimizer), or given (whose optimizer ``wrt=`` cannot change)."""
     if wrt is not None and isinstance(train_step, TrainStep):
-        raise ValueError(WRT_WITH_STEP)
+        raise ValueError(WRT_WITH_STEP.format(wrt=wrt))
     optimizer = with_wrt(optimizer, wrt)
     if train_step is None:
         return make_train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, **parallel)

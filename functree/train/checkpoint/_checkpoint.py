@@ -150,7 +150,8 @@ Restoring onto a mesh needs a template (the tree's structure, shapes and dtypes)
 each array by the sharding rules:
 
     wrong:  ft.train.load(path, mesh=mesh, sharding="fsdp")
-    right:  ft.train.load(path, (model, opt_state), mesh=mesh, sharding="fsdp")"""
+    right:  ft.train.load(path, model, mesh=mesh, sharding="fsdp")   # the tree as it was saved
+                                    # (ft.train.save(path, model): model; a tuple saved: the tuple)"""
 
 
 UNSAVABLE = """\

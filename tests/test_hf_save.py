@@ -273,3 +273,41 @@ def test_a_model_sharded_over_two_processes_is_saved_by_process_0(tmp_path):
     ft.nn.save_hf(ft.nn.from_hf(TINY_LLAMA, key=jax.random.key(0)), tmp_path / "one")  # one process, one device
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def test_a_model_read_from_other_paths_or_versions_compiles_once_and_saves_as_transformers_does(tmp_path):
+    """Two copies of one model whose config.json differ only in where they came from
+    (``_name_or_path``, ``transformers_version``: another machine's save) had other tree
+    definitions: a jitted step compiled again for the second. save_hf writes the installed
+    transformers' version, as save_pretrained does, and no ``_name_or_path``."""
+    hf_model(llama_config()).save_pretrained(tmp_path / "a")
+    hf_model(llama_config()).save_pretrained(tmp_path / "b")
+    for name in ("config.json", "generation_config.json"):
+        path = tmp_path / "b" / name
+        if path.exists():
+            values = json.loads(path.read_text())
+            path.write_text(json.dumps({**values, "transformers_version": "4.40.0", "_name_or_path": "org/llama"}))
+    a, b = ft.nn.from_hf(str(tmp_path / "a")), ft.nn.from_hf(str(tmp_path / "b"))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    traces = []
+
+    @jax.jit
+    def logits(model, ids):
+        traces.append(1)
+        return model(ids)
+
+    ids = jnp.array([[1, 2, 3]])
+    logits(a, ids), logits(b, ids)
+    assert len(traces) == 1
+    ft.nn.save_hf(b, tmp_path / "c")
+    written = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert written["transformers_version"] == transformers.__version__ and "_name_or_path" not in written
+    if (tmp_path / "c" / "generation_config.json").exists():
+        generation = json.loads((tmp_path / "c" / "generation_config.json").read_text())
+        assert generation["transformers_version"] == transformers.__version__
+    # A checkpoint written before (its config kept the version) restores onto today's template.
+    from functree.hf._config import HFConfig
+
+    old = HFConfig({**b.hf_config.to_dict(), "transformers_version": "4.40.0"},
+                   {**b.hf_config.generation.to_dict(), "transformers_version": "4.40.0"})
+    assert old == b.hf_config and "transformers_version" not in old

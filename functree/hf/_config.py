@@ -5,7 +5,9 @@
 with ``generation_config.json``'s values as ``hf_config.generation`` (empty when the source
 had none). It is a static field of the model (part of its tree definition: hashed once,
 compared by content), so a jitted function sees it as configuration, and :func:`ft.nn.save_hf`
-writes it back as ``config.json``. Generation reads eos and pad ids from it::
+writes it back as ``config.json``. The file's provenance (``transformers_version``,
+``_name_or_path``: :data:`PROVENANCE`) is not kept: the same model read from another path or
+written by another transformers version has the same tree definition. Generation reads eos and pad ids from it::
 
     eos = model.hf_config.generation.get("eos_token_id", model.hf_config.get("eos_token_id"))
 """
@@ -27,6 +29,12 @@ holds only JSON values (strings, numbers, booleans, null, lists, objects).
 
     right:  a config whose to_dict() is JSON (as save_pretrained writes it)
 """
+
+
+# Where the file came from, not what the model is: transformers drops _name_or_path when it
+# saves and writes its own version. Kept, two copies of one model written by other versions
+# (or read from other paths) had other tree definitions: a jitted step compiled again.
+PROVENANCE = frozenset({"transformers_version", "_name_or_path"})
 
 
 def _frozen(value: Any, key: str) -> Any:
@@ -65,7 +73,7 @@ class HFConfig(Mapping[str, Any]):
     __slots__ = ("_generation", "_hash", "_values")
 
     def __init__(self, values: Mapping[str, Any], generation: Mapping[str, Any] | None = None):
-        frozen = {str(k): _frozen(v, str(k)) for k, v in values.items()}
+        frozen = {str(k): _frozen(v, str(k)) for k, v in values.items() if k not in PROVENANCE}
         object.__setattr__(self, "_values", frozen)
         gen = None if not generation else (generation if isinstance(generation, HFConfig) else HFConfig(generation))
         object.__setattr__(self, "_generation", gen)

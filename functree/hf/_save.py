@@ -15,6 +15,7 @@ target never holds a half-written checkpoint: an interrupted save leaves the old
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -167,7 +168,17 @@ def _config_json(model: Any, family: Any, weights: dict[str, np.ndarray]) -> dic
     config["dtype"] = _dtype_name(weights)  # transformers 5's name; 4.x reads torch_dtype
     if "torch_dtype" in config:
         config["torch_dtype"] = config["dtype"]
-    return config
+    return _versioned(config)
+
+
+def _versioned(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the installed transformers' version, as ``save_pretrained`` writes it
+    (the carried config keeps no version: :data:`functree.hf._config.PROVENANCE`); none
+    without transformers (read from its metadata: nothing is imported)."""
+    try:
+        return {**values, "transformers_version": importlib.metadata.version("transformers")}
+    except importlib.metadata.PackageNotFoundError:
+        return values
 
 
 def _check_target(directory: str, overwrite: bool) -> None:
@@ -225,7 +236,7 @@ def _write_files(staging: str, model: Any, family: Any, weights: dict[str, np.nd
         _write_json(os.path.join(staging, INDEX_FILE), index)
     generation = model.hf_config.generation
     if len(generation):
-        _write_json(os.path.join(staging, "generation_config.json"), generation.to_dict())
+        _write_json(os.path.join(staging, "generation_config.json"), _versioned(generation.to_dict()))
     _write_json(os.path.join(staging, "config.json"), _config_json(model, family, weights))
 
 

@@ -515,3 +515,27 @@ def test_a_dropped_trainer_is_freed_at_once_with_its_model_and_state():
         assert dropped() is None
     finally:
         gc.enable()
+
+
+def test_saving_to_a_path_adds_a_checkpoint_and_deletes_none(tmp_path):
+    # trainer.save(path) once built CheckpointManager(path) with max_to_keep=3 and pruned the
+    # directory: a ModelCheckpoint's kept checkpoints, and its best one, were deleted.
+    x, y = X[:32], Y[:32]
+
+    def make():  # the rate is too large: the loss grows, epoch 1 is the best
+        return Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.sgd(1.05), regress)
+
+    run, best = tmp_path / "run", tmp_path / "best"
+    trainer = make()
+    trainer.fit(ft.train.batches((x, y), 8), epochs=5, progress=False, callbacks=[
+        ft.train.ModelCheckpoint(run, max_to_keep=None), ft.train.ModelCheckpoint(best, best_metric="loss",
+                                                                                max_to_keep=1)])
+    assert ft.train.CheckpointManager(run).all_steps() == [4, 8, 12, 16, 20]
+    assert ft.train.CheckpointManager(best, best_metric="loss").all_steps() == [4, 20]
+    for steps in (22, 23, 24):
+        trainer.fit(ft.train.batches((x, y), 8), steps=steps, progress=False)
+        trainer.save(run)
+        trainer.save(best)
+    assert ft.train.CheckpointManager(run).all_steps() == [4, 8, 12, 16, 20, 22, 23, 24]
+    ranked = ft.train.CheckpointManager(best, best_metric="loss")
+    assert ranked.all_steps() == [4, 20, 22, 23, 24] and ranked.best_step() == 4

@@ -70,7 +70,9 @@ class Position(NamedTuple):
     (steps since the last log point), ``window`` and ``epoch_means`` (the running weighted
     means of the log window and of the epoch), ``skipped`` (``(step, what)`` of the steps
     ``on_nan="skip"`` left out), ``data_state`` (a positioned data iterator's
-    ``get_state()``) and ``epoch_length`` (minibatches per epoch, when known).
+    ``get_state()``), ``epoch_length`` (minibatches per epoch, when known) and ``pending``
+    (the rest of a round of callback hooks that one of them cut short by raising:
+    ``_dispatch.py``).
 
     Written field by field from ``_asdict()`` (each under its key of :data:`STORED`) and
     read back by name, a field a checkpoint lacks taking its default: a field added here
@@ -96,6 +98,7 @@ class Position(NamedTuple):
     skipped: tuple[tuple[int, str], ...] = ()
     data_state: Any = None
     epoch_length: int | None = None
+    pending: Any = None
 
 
 def _skipped(saved: Any, where: str) -> tuple[tuple[int, str], ...]:
@@ -119,6 +122,7 @@ STORED: dict[str, tuple[tuple[str, ...], Callable[[Any], Any], Callable[[Any, st
     "skipped": (("skipped",), lambda s: [list(x) for x in s], _skipped),
     "data_state": (("data_state",), encode, decode),
     "epoch_length": (("epoch_length",), lambda n: n, _same),
+    "pending": (("pending",), lambda p: p, _same),  # JSON already; checked where it is used
 }
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from functree._jit import eval_shape
 from functree.train._callbacks import Callback, TrainingContext
+from functree.train._dispatch import call_hooks
 from functree.train._intervals import MetricLog, Reading, snapshot, to_host
 from functree.train._means import Means
 from functree.train._nonfinite import NONFINITE, nonfinite_error, parameter_names, step_provenance
@@ -122,8 +123,7 @@ class Reader:
             log.last_log = means
             if cbs:
                 ctx = self.context("log", means, r.context, step=r.first + len(r.steps) - 1)
-                for cb in cbs:
-                    cb.on_log(t, ctx)
+                call_hooks(t, cbs, "on_log", ctx)  # one that raises: the rest at the next fit
 
     def check_finite(self, r: Reading) -> tuple[tuple[int, str], ...]:
         """The steps of ``r`` skipped under ``on_nan="skip"`` (the first one's provenance

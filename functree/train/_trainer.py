@@ -29,6 +29,7 @@ from functree.optim._average import keeps_average
 from functree.optim._skip import DEFAULT_ON_NAN
 from functree.train._callbacks import Callback, ModelCheckpoint, TrainingContext, as_callback
 from functree.train._data import Batches, to_arrays
+from functree.train._dispatch import end_epoch, finish_pending
 from functree.train._epochs import Epochs, as_data, batch_signature, epoch_length, no_minibatch
 from functree.train._evaluation import Evaluation, call_predict
 from functree.train._history import History
@@ -246,7 +247,7 @@ class Trainer(Evaluation):
         # An epoch whose steps all ran but whose end (validation, callbacks) did not: the
         # run that stopped there (an interrupt, a checkpoint at its last step) goes on here.
         end_pending = length is not None and 0 < length <= self.batch_in_epoch and not self.stop_training
-        if (self.stop_training or self._reached(epochs, steps)) and not end_pending:
+        if (self.stop_training or self._reached(epochs, steps)) and not end_pending and self._job.position.pending is None:
             self._already_done(epochs, steps)
             # The job's end still runs: a restored (or rerun) job whose checkpoint was written
             # before the end's on_train_end (EarlyStopping(restore_best=True)) ends as the
@@ -268,6 +269,7 @@ class Trainer(Evaluation):
                 self._reader.log.resize(log_every + k - 1)  # room for the call that passes log_every
                 for cb in cbs:
                     cb.on_train_begin(self)
+                finish_pending(self, cbs)  # a round of hooks a raise cut short: its rest first
                 while not (self.stop_training or guard.terminate) and (end_pending or not self._reached(epochs, steps)):
                     end_pending = False
                     ran, complete = self._run_epoch(data, fit)
@@ -429,10 +431,7 @@ class Trainer(Evaluation):
         self._fit.bar.end_epoch(values)
         if not self._fit.callbacks:  # the context would be read from the device for nobody
             return
-        ctx = self._reader.context("epoch", values)
-        for cb in self._fit.callbacks:
-            cb.on_epoch_end(self, ctx)
-        self._save_point("epoch", ctx)
+        end_epoch(self, self._fit.callbacks, self._reader.context("epoch", values))  # hooks, then checkpoints
 
     def _save_point(self, event: str, ctx: TrainingContext | None = None) -> None:
         """``event``'s checkpoints through every :class:`ModelCheckpoint` (``"step"``: every
@@ -474,7 +473,7 @@ class Trainer(Evaluation):
         if extra is not _KEEP:
             self.extra = extra  # (checked: a tree of arrays and plain values)
         if not isinstance(manager, CheckpointManager):
-            with CheckpointManager(manager) as owned:
+            with CheckpointManager(manager, max_to_keep=None) as owned:  # adds one: never prunes a run's
                 return self.save(owned, metrics=metrics)
         self._reader.read_all(self._fit.bar if self._fit else None, self._callbacks)  # every step up to now
         job = self._job.replace(data_state=self._epochs.position(self._job))

@@ -1,0 +1,94 @@
+"""Callback hooks called in turn, and the rest of a round that one of them cut short.
+
+A round is one hook (``on_log`` of an interval, ``on_epoch_end`` of an epoch, which is
+followed by the epoch's checkpoints) called on every callback of the fit in order. When a
+callback raises, the round stops there; the job records it as ``pending`` (the hook, the
+context and the names of the callbacks that completed it, all JSON: a checkpoint keeps it)
+and the next ``fit`` finishes it first: the callback that raised and those after it get
+the same context, then the epoch's checkpoints are written. So a transient failure (a
+logger's network write) costs no callback an epoch, and no checkpoint is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from functree.train._callbacks import Callback, TrainingContext
+from functree.train._job import callback_keys
+
+__all__ = ["call_hooks", "end_epoch", "finish_pending"]
+
+BAD_PENDING = """\
+The restored job's unfinished round of callback hooks (the "pending" entry of its \
+checkpoint's "trainer" config) is {given}, not what a Trainer writes ({{"hook": \
+"on_log" or "on_epoch_end", "context": a TrainingContext's fields, "done": [callback names]}}): \
+the checkpoint was changed after it was written. Restore another checkpoint, or drop the \
+entry to skip the rest of that round:
+
+    right:  trainer.restore(manager, step=manager.all_steps()[-2])"""
+
+_HOOKS = ("on_log", "on_epoch_end")
+_FIELDS = {f.name for f in dataclasses.fields(TrainingContext)}
+
+
+def _record(hook: str, ctx: TrainingContext, done: Sequence[str]) -> dict[str, Any]:
+    return {"hook": hook, "context": dataclasses.asdict(ctx), "done": list(done)}
+
+
+def call_hooks(trainer: Any, cbs: Sequence[Callback], hook: str, ctx: TrainingContext,
+               done: Sequence[str] = ()) -> list[str]:
+    """``hook(trainer, ctx)`` of each callback of ``cbs`` not named in ``done``
+    (:func:`callback_keys`), in order; the names of those that completed it. A callback
+    that raises leaves the round in ``trainer``'s job as ``pending``."""
+    ran = list(done)
+    if not cbs:
+        return ran
+    for key, cb in zip(callback_keys(cbs), cbs):
+        if key in done:
+            continue
+        try:
+            getattr(cb, hook)(trainer, ctx)
+        except BaseException:
+            trainer._job = trainer._job.replace(pending=_record(hook, ctx, ran))
+            raise
+        ran.append(key)
+    return ran
+
+
+def end_epoch(trainer: Any, cbs: Sequence[Callback], ctx: TrainingContext, done: Sequence[str] = ()) -> None:
+    """The epoch's ``on_epoch_end`` round, then its checkpoints (a failed save is pending
+    too: the next ``fit`` writes it)."""
+    ran = call_hooks(trainer, cbs, "on_epoch_end", ctx, done)
+    try:
+        trainer._save_point("epoch", ctx)
+    except BaseException:
+        trainer._job = trainer._job.replace(pending=_record("on_epoch_end", ctx, ran))
+        raise
+
+
+def finish_pending(trainer: Any, cbs: Sequence[Callback]) -> None:
+    """The rest of the round the job's ``pending`` records, with ``cbs`` (the fit's
+    callbacks, matched by name as their saved states are)."""
+    pending = trainer._job.position.pending
+    if pending is None:
+        return
+    hook, ctx, done = _read(pending)
+    trainer._job = trainer._job.replace(pending=None)  # (a checkpoint written from here on is past it)
+    if hook == "on_epoch_end":
+        end_epoch(trainer, cbs, ctx, done)
+    else:
+        call_hooks(trainer, cbs, hook, ctx, done)
+
+
+def _read(pending: Any) -> tuple[str, TrainingContext, list[str]]:
+    """``(hook, context, done)`` of a pending record (JSON read from a checkpoint: checked)."""
+    ok = (isinstance(pending, Mapping) and pending.get("hook") in _HOOKS and isinstance(pending.get("done"), list)
+          and all(isinstance(k, str) for k in pending["done"]) and isinstance(pending.get("context"), Mapping)
+          and set(pending["context"]) == _FIELDS and isinstance(pending["context"].get("metrics"), Mapping))
+    if not ok:
+        raise ValueError(BAD_PENDING.format(given=repr(pending)[:200]))
+    ctx = TrainingContext(**{**pending["context"], "metrics": dict(pending["context"]["metrics"]),
+                             "learning_rates": dict(pending["context"].get("learning_rates") or {})})
+    return str(pending["hook"]), ctx, list(pending["done"])

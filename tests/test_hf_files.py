@@ -43,6 +43,9 @@ CONFIGS = {
                  {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_theta": 1234.0}],
     "opt": [{}, {"word_embed_proj_dim": None, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "enable_bias": False}],
     "bert": [{}, {"hidden_act": "relu", "type_vocab_size": 1}],
+    "olmo": [{}, {"num_key_value_heads": None, "hidden_size": 64, "num_attention_heads": 4, "attention_bias": True,
+                  "tie_word_embeddings": True, "rope_theta": 5e5},
+             {"clip_qkv": 8.0}],  # refused
 }
 CASES = [(model_type, i) for model_type, configs in CONFIGS.items() for i in range(len(configs))]
 
@@ -187,3 +190,35 @@ def test_a_directory_loads_without_transformers_and_compiles_nothing_it_does_not
 
 
 COMPILES = 0
+
+
+def test_a_family_without_its_defaults_row_reads_a_complete_config_and_names_a_missing_field(monkeypatch):
+    """The family class alone: from_hf builds it from a complete config.json (every field
+    given); a field a config.json leaves out is an error naming the field and the DEFAULTS
+    row, not the builder's AttributeError (and getattr's defaults still read)."""
+    complete = transformers.OlmoConfig(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                       num_attention_heads=2).to_dict()
+    monkeypatch.delitem(_hf_files.DEFAULTS, "olmo")
+    model = ft.nn.from_hf(complete, key=jax.random.key(0))
+    assert type(model).__name__ == "OlmoForCausalLM" and model.model.embed_tokens.embeddings.shape == (11, 8)
+    partial = {k: v for k, v in complete.items() if k != "num_key_value_heads"}
+    with pytest.raises(ValueError, match=r"(?s)the olmo config has no 'num_key_value_heads', and "
+                                         r"functree/hf/_files.py's DEFAULTS has no 'olmo' row.*OlmoForCausalLM is "
+                                         r"covered.*right:  ft.nn.from_hf\(transformers.AutoConfig"):
+        ft.nn.from_hf(partial, key=jax.random.key(0))
+    config = _hf_files.Config.of(partial)
+    assert getattr(config, "num_key_value_heads", 3) == 3
+    with pytest.raises(AttributeError, match=r"the t5 config has no 'd_ff'"):
+        _ = _hf_files.Config.of({"model_type": "t5"}).d_ff
+
+
+@pytest.mark.parametrize("model_type, field, derived", [("llama", "head_dim", 16), ("mistral", "head_dim", 16),
+                                                        ("phi3", "num_key_value_heads", 4),
+                                                        ("qwen2", "num_key_value_heads", 4),
+                                                        ("olmo", "num_key_value_heads", 4)])
+def test_a_null_derived_field_is_derived_as_its_config_class_does(model_type, field, derived):
+    """A Derived default of the model type's DEFAULTS row: null (or absent where the
+    default is None) becomes the rule's value, as HF's __post_init__ does."""
+    given = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, field: None}
+    theirs = getattr(transformers.AutoConfig.for_model(**given), field)
+    assert getattr(_hf_files.Config.of(given), field) == theirs == derived

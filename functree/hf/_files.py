@@ -20,9 +20,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
+from functree.hf._family import FAMILIES
 from functree.interop._safetensors import load_checkpoint
 
 BAD_CONFIG = """\
@@ -66,6 +67,24 @@ build another model.
 
     right:  "{key}": {default}        # Hugging Face's default, in config.json's JSON
 """
+
+NO_DEFAULTS = """\
+ft.nn.from_hf: the {model_type} config has no {name!r}, and functree/hf/_files.py's \
+DEFAULTS has no {model_type!r} row (Hugging Face's defaults of the fields a config.json \
+leaves out): {cls} is covered from a transformers model or config, or from a config.json \
+that gives every field.
+
+    right:  ft.nn.from_hf(transformers.AutoConfig.from_pretrained(path), path)   # transformers fills the defaults
+       or:  ft.nn.from_hf(hf_model)
+       or:  DEFAULTS[{model_type!r}] = {{"vocab_size": ..., "num_key_value_heads": KV_HEADS, ...}}   # functree/hf/_files.py
+"""
+
+
+class MissingField(AttributeError, ValueError):
+    """A field a config.json of a family without its :data:`DEFAULTS` row lacks: an
+    AttributeError (``getattr(config, name, default)`` reads the default) whose message
+    says what to give; a ValueError as from_hf's other errors of a config."""
+
 
 BAD_WEIGHTS = """\
 ft.nn.from_hf: weights are a state dict {{name: tensor or array}}, the path of a .safetensors \
@@ -137,24 +156,50 @@ def read_weights(weights: Any) -> Mapping[str, Any]:
 
 # ---- config.json with Hugging Face's defaults ---------------------------------------------------
 
+
+class Derived(NamedTuple):
+    """A field whose default is ``default`` and which HF's config class derives from the
+    others in ``__post_init__`` when it is None (given as null, or None by default):
+    ``rule(values)``, None where the values it reads are not there."""
+
+    default: Any
+    rule: Callable[[Mapping[str, Any]], Any]
+
+
+def _heads(values: Mapping[str, Any]) -> Any:
+    return values.get("num_attention_heads")
+
+
+def _head_size(values: Mapping[str, Any]) -> Any:
+    heads, hidden = values.get("num_attention_heads"), values.get("hidden_size")
+    if isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
+        return hidden // heads
+    return None
+
+
+# num_key_value_heads = num_attention_heads; head_dim = hidden_size // num_attention_heads.
+KV_HEADS, HEAD_DIM = Derived(None, _heads), Derived(None, _head_size)
+
 _LLAMA = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-          "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu",
+          "num_attention_heads": 32, "num_key_value_heads": KV_HEADS, "hidden_act": "silu",
           "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
           "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "pretraining_tp": 1,
           "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
-          "mlp_bias": False, "head_dim": None}
+          "mlp_bias": False, "head_dim": HEAD_DIM}
 
-# Each covered model type's config class fields and their defaults (transformers v5).
+# Each covered model type's config class fields and their defaults (transformers v5); a
+# Derived value: the field HF's __post_init__ derives when it is None (its rule).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _LLAMA,
     "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
+              "num_attention_heads": 32, "num_key_value_heads": Derived(32, _heads), "hidden_act": "silu",
               "max_position_embeddings": 32768, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
               "tie_word_embeddings": False, "rope_parameters": None, "use_sliding_window": False,
               "sliding_window": 4096, "max_window_layers": 28, "layer_types": None, "attention_dropout": 0.0,
               "pad_token_id": None, "bos_token_id": None, "eos_token_id": None},
     "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None, "hidden_act": "silu",
+                "num_attention_heads": 32, "num_key_value_heads": Derived(8, _heads), "head_dim": HEAD_DIM,
+                "hidden_act": "silu",
                 "max_position_embeddings": 4096 * 32, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
                 "use_cache": True, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
                 "tie_word_embeddings": False, "rope_parameters": None, "sliding_window": 4096,
@@ -166,11 +211,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "tie_word_embeddings": True, "rope_parameters": None, "attention_bias": False,
               "attention_dropout": 0.0, "use_bidirectional_attention": None},
     "phi3": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+             "num_attention_heads": 32, "num_key_value_heads": KV_HEADS, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "attention_dropout": 0.0, "hidden_act": "silu", "max_position_embeddings": 4096,
              "original_max_position_embeddings": 4096, "initializer_range": 0.02, "rms_norm_eps": 1e-5,
              "use_cache": True, "tie_word_embeddings": False, "rope_parameters": None, "bos_token_id": 1,
              "eos_token_id": 32000, "pad_token_id": 32000, "sliding_window": None},
+    "olmo": {"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": KV_HEADS, "hidden_act": "silu",
+             "max_position_embeddings": 2048, "initializer_range": 0.02, "use_cache": True, "pad_token_id": 1,
+             "bos_token_id": None, "eos_token_id": 50279, "tie_word_embeddings": False, "rope_parameters": None,
+             "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None},
     "gpt_neox": {"vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
                  "intermediate_size": 24576, "hidden_act": "gelu", "attention_dropout": 0.0, "hidden_dropout": 0.0,
                  "classifier_dropout": 0.1, "max_position_embeddings": 2048, "initializer_range": 0.02,
@@ -242,7 +292,8 @@ class Config:
         aliases, fields = ALIASES.get(model_type, {}), DEFAULTS[model_type]
         extra = {aliases.get(k, k): copy.deepcopy(v) for k, v in given.items()
                  if k in fields or k not in GENERATION_OPTIONS}
-        values = {**copy.deepcopy(DEFAULTS[model_type]), **extra}
+        defaults = {k: v.default if isinstance(v, Derived) else copy.deepcopy(v) for k, v in fields.items()}
+        values = {**defaults, **extra}
         _check_types(model_type, values)
         _post_init(model_type, values, extra)
         return cls(values)
@@ -251,7 +302,11 @@ class Config:
         values = object.__getattribute__(self, "_values")
         key = ALIASES.get(values.get("model_type"), {}).get(name, name)
         if key not in values:
-            raise AttributeError(f"the {values.get('model_type')} config has no {name!r}")
+            model_type = values.get("model_type")
+            family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+            if family is not None and model_type not in DEFAULTS:  # a family given no defaults row
+                raise MissingField(NO_DEFAULTS.format(model_type=model_type, name=name, cls=family.__name__))
+            raise AttributeError(f"the {model_type} config has no {name!r}")
         return values[key]
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -279,6 +334,7 @@ def _check_types(model_type: str, values: Mapping[str, Any]) -> None:
     """Each field's value of its default's JSON type, or null (token ids may be lists)."""
     for key, default in DEFAULTS[model_type].items():
         value = values[key]
+        default = default.default if isinstance(default, Derived) else default
         if value is None or default is None or key.endswith("_token_id"):
             continue
         kind, expected, accepted = next((t, e, a) for t, e, a in _TYPES if isinstance(default, t))
@@ -290,12 +346,10 @@ def _check_types(model_type: str, values: Mapping[str, Any]) -> None:
 def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -> None:
     """What the model type's HF config class does after setting its fields: derived sizes,
     then the rotary parameters (``given``: config.json's keys, some consumed as HF's are)."""
-    heads, hidden = values.get("num_attention_heads"), values.get("hidden_size")
-    if model_type in ("llama", "mistral") and values.get("head_dim") is None and isinstance(heads, int) \
-            and heads > 0 and isinstance(hidden, int):
-        values["head_dim"] = hidden // heads
-    if model_type in ("llama", "mistral", "qwen2", "phi3") and values.get("num_key_value_heads") is None:
-        values["num_key_value_heads"] = heads
+    hidden = values.get("hidden_size")
+    for key, default in DEFAULTS[model_type].items():  # the row's Derived fields
+        if isinstance(default, Derived) and values.get(key) is None:
+            values[key] = default.rule(values)
     if model_type == "qwen2":
         values["sliding_window"] = values["sliding_window"] if values["use_sliding_window"] else None
         if values.get("layer_types") is None:

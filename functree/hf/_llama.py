@@ -1,9 +1,11 @@
 """Llama and the families built like it, each a subclass overriding its difference
 (:meth:`LlamaForCausalLM.hf_options`): Qwen2 (biases, windows by layer type), Mistral (sliding
-window), Gemma (norm, embedding scale), Phi-3 (fused projections, partial rotary)."""
+window), Gemma (norm, embedding scale), Phi-3 (fused projections, partial rotary), OLMo
+(parameter-free LayerNorm)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, ClassVar
 
@@ -18,12 +20,23 @@ from functree.hf._options import activation, require, rope, window
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
-from functree.nn._normalization import RMSNorm
+from functree.nn._normalization import LayerNorm, RMSNorm
 from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack
 
 __all__ = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM",
-           "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names"]
+           "OlmoForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names"]
+
+CLIP_QKV = """\
+ft.nn.from_hf: the olmo config sets clip_qkv={value!r}: Hugging Face's OLMo clamps the query, \
+key and value projections' outputs to [-{value}, {value}], which functree's OlmoForCausalLM \
+does not port. The model built without the clamp would compute other logits wherever a \
+projection passes the bound, so it is not built.
+
+    wrong:  ft.nn.from_hf(olmo_with_clip_qkv)
+    right:  olmo_with_clip_qkv(input_ids)          # run this checkpoint in transformers
+       or:  ft.nn.from_hf(an OLMo checkpoint whose config.json has "clip_qkv": null)
+"""
 
 _LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 _ROTARY_BUFFER = re.compile(r".*\.rotary_emb\.inv_freq|.*\.attention\.(bias|masked_bias)")
@@ -147,7 +160,8 @@ class LlamaForCausalLM(CausalLM):
     NTK rope equals HF's too). Parameters keep HF's names (:mod:`functree.hf._causal` for the layers'
     own). The options cover the families built like Llama: ``output_bias`` (Qwen2's biased
     q/k/v and unbiased o_proj), ``window`` (sliding-window attention: Mistral, Qwen2, Phi-3),
-    ``norm`` and ``embed_scale`` (Gemma), ``mlp`` (Phi-3's fused ``gate_up_proj``).
+    ``norm`` and ``embed_scale`` (Gemma), ``mlp`` (Phi-3's fused ``gate_up_proj``),
+    ``epsilon`` (the norms'; the config's ``rms_norm_eps`` unless ``hf_options`` gives it).
     """
 
     model: LlamaModel
@@ -212,9 +226,10 @@ class LlamaForCausalLM(CausalLM):
         options = {**biases, **cls.hf_options(c)}
         if "rotary" not in options:  # Llama rotates the whole head (hf.rope's head_dim)
             options["rotary"] = rope(c, head_dim, cls.hf_class)
+        if "epsilon" not in options:  # a family whose config has no rms_norm_eps gives its own (OLMo)
+            options["epsilon"] = c.rms_norm_eps
         return cls(c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
                    c.intermediate_size, c.num_hidden_layers, head_dim=head_dim, activation=activation(c, "hidden_act"),
-                   epsilon=c.rms_norm_eps,
                    tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype, attention=attention,
                    **options)
 
@@ -289,3 +304,20 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         its config's ``embd_pdrop`` (``modeling_phi3.py``), nor does this."""
         resid = rate(config, "resid_pdrop")
         return {"attention": rate(config, "attention_dropout"), "attention_output": resid, "mlp_output": resid}
+
+
+class OlmoForCausalLM(LlamaForCausalLM):
+    """Hugging Face's ``OlmoForCausalLM`` (OLMo): Llama with a parameter-free LayerNorm,
+    ``(x - mean(x)) / sqrt(var(x) + 1e-5)`` in float32 (HF's ``OlmoLayerNorm``: no weight, no
+    bias, its epsilon fixed: the config has no norm epsilon). ``clip_qkv`` (HF clamps the
+    q, k, v projections' outputs) is refused."""
+
+    model_type = "olmo"
+    hf_biases = ("attention_bias",)
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        clip = getattr(config, "clip_qkv", None)
+        if clip is not None:
+            raise ValueError(CLIP_QKV.format(value=clip))
+        return {"norm": functools.partial(LayerNorm, use_scale=False, use_offset=False), "epsilon": 1e-5}

@@ -268,3 +268,50 @@ def test_a_run_rolled_back_to_an_older_step_is_refused_until_the_later_steps_go(
     assert not np.array_equal(np.asarray(again.model.weight), np.asarray(first.model.weight))
     make(0.01).restore(directory).fit(data, steps=15, progress=False,  # the usual resume: nothing ahead
                                       callbacks=[ft.train.ModelCheckpoint(directory, every_steps=3)])
+
+
+class _NormNet(ft.Module):
+    d1: ft.nn.Dense
+    bn: ft.nn.BatchNorm
+    d2: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.d2(jax.nn.relu(self.bn(self.d1(x))))
+
+
+def test_restore_best_restores_the_best_epochs_averaged_parameters_too():
+    # The averaged model after restore_best was the last step's average over the best epoch's
+    # BatchNorm statistics: a model that never existed (its validation loss none of the history's).
+    net = _NormNet(ft.nn.Dense(2, 8, key=jax.random.key(0)), ft.nn.BatchNorm(8, momentum=0.5),
+                   ft.nn.Dense(8, 1, key=jax.random.key(1)))
+    optimizer = ft.optim.Optimizer(ft.optim.sgd(0.3), average=ft.optim.ema(0.5))
+    trainer = Trainer(net, optimizer, loss_fn)
+    stop = ft.train.EarlyStopping(monitor="val_averaged_loss", patience=2, restore_best=True)
+    val = (X[:16] * 3.0, Y[:16] * 3.0)  # other statistics than the training data's: BatchNorm matters
+    history = trainer.fit(data(), epochs=12, validation_data=val, progress=False, callbacks=[stop])
+    losses = history.epochs["val_averaged_loss"]
+    assert stop.best_epoch is not None and stop.best_epoch < len(losses)  # the best is not the last epoch
+    expected = losses[stop.best_epoch - 1]
+    np.testing.assert_allclose(trainer.evaluate(val, averaged=True)["loss"], expected, rtol=0, atol=1e-5 * expected)
+    np.testing.assert_allclose(trainer.evaluate(val)["loss"], history.epochs["val_loss"][stop.best_epoch - 1],
+                               rtol=0, atol=1e-5 * expected)
+    assert stop.state_dict()["best_average"] is not None
+
+
+def test_early_stopping_never_stops_at_the_first_epoch_as_keras():
+    # A NaN first value (no best yet) with patience 0 or 1 stopped after epoch 1; Keras's
+    # EarlyStopping never stops at its first epoch (`epoch > 0`).
+    trainer = types.SimpleNamespace(stop_training=False, model=None, opt_state=None)
+    for patience in (0, 1):
+        stop = ft.train.EarlyStopping(monitor="m", patience=patience)
+        for epoch, value in enumerate([float("nan"), 1.0, 2.0, 3.0], start=1):
+            if stop.stopped_epoch is None:
+                stop.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
+        assert stop.stopped_epoch == 3 and stop.best_epoch == 2
+
+
+def test_an_early_stopping_state_saved_without_the_best_average_loads():
+    stop = ft.train.EarlyStopping(monitor="m", restore_best=True)
+    older = {k: v for k, v in stop.state_dict().items() if k != "best_average"}
+    stop.load_state_dict({**older, "best": 0.5, "best_epoch": 2})
+    assert stop.best_epoch == 2 and stop.best_average is None

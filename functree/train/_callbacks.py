@@ -26,7 +26,9 @@ from typing import Any, Protocol
 import jax
 
 from functree.optim import hyperparameters, set_hyperparameters
+from functree.optim._average import AverageState, keeps_average
 from functree.optim._hyper import group_learning_rate, learning_rate_names
+from functree.optim._lookahead import SlowState
 from functree.train._job import JobState, own_copy
 from functree.train.checkpoint._checkpoint import CheckpointManager
 
@@ -212,7 +214,7 @@ class Callback:
           >>> import functree as ft
           >>> stop = ft.train.EarlyStopping(monitor="loss", patience=2)
           >>> stop.state_dict()
-          {'best': inf, 'wait': 0, 'stopped_epoch': None, 'best_epoch': None, 'best_model': None}
+          {'best': inf, 'wait': 0, 'stopped_epoch': None, 'best_epoch': None, 'best_model': None, 'best_average': None}
           >>> again = ft.train.EarlyStopping(monitor="loss", patience=2)
           >>> again.load_state_dict({**stop.state_dict(), "wait": 1})
           >>> again.state_dict()["wait"]
@@ -316,7 +318,14 @@ class EarlyStopping(Callback):
     as ``trainer.model`` at the end of every ``fit``, whether it stopped early or ran all
     its epochs (Keras's ``restore_best_weights`` restores only when it stops early, so a
     run that uses all its epochs keeps the last model there). The optimizer state is the
-    last step's.
+    last step's, but for the averaged parameters it keeps (``Optimizer(average=)``,
+    lookahead's slow weights): those are the best epoch's too, so that
+    ``trainer.averaged_model`` is the best epoch's averaged model (its parameters and the
+    model's BatchNorm statistics of one epoch, as validated then), not the last step's
+    average over the best epoch's statistics.
+
+    As Keras's, it never stops at the first epoch: a first value that is NaN (no best
+    yet) with ``patience`` 0 or 1 waits for the next.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, numpy as np
@@ -338,34 +347,63 @@ class EarlyStopping(Callback):
         self._monitor = _Monitor("EarlyStopping", monitor, mode, min_delta)
         self.patience, self.restore_best = patience, restore_best
         self.best_model: Any = None
+        self.best_average: Any = None  # the best epoch's averaged parameters (restore_best, an averaging optimizer)
         self.best_epoch: int | None = None
         self.stopped_epoch: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The best value, the epochs waited, the stopping epoch and (``restore_best``)
-        the best model."""
+        the best model and its averaged parameters."""
         return {**self._monitor.state(), "stopped_epoch": self.stopped_epoch, "best_epoch": self.best_epoch,
-                "best_model": self.best_model}
+                "best_model": self.best_model, "best_average": self.best_average}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(state, dict) and set(state) == set(self.state_dict()) - {"best_average"}:
+            state = {**state, "best_average": None}  # saved before it was kept
         _check_state(self, state)
         self._monitor.load(state)
         self.stopped_epoch = None if state["stopped_epoch"] is None else int(state["stopped_epoch"])
         self.best_epoch = None if state.get("best_epoch") is None else int(state["best_epoch"])
         self.best_model = state["best_model"]
+        self.best_average = state["best_average"]
 
     def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         if self._monitor.improved(self._monitor.value(context)):
             self.best_epoch = context.sweep
             if self.restore_best:
                 self.best_model = own_copy(trainer.model)
-        elif self._monitor.wait >= self.patience:
+                self.best_average = own_copy(average_of(trainer.opt_state))
+        elif self._monitor.wait >= self.patience and context.sweep > 1:  # Keras's `epoch > 0`
             trainer.stop_training = True
             self.stopped_epoch = context.sweep
 
     def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         if self.restore_best and self.best_model is not None:
             trainer.model = own_copy(self.best_model)  # a copy: the next fit's steps donate it
+            if self.best_average is not None:  # the averaged model of the same epoch
+                trainer.opt_state = with_average_of(trainer.opt_state, own_copy(self.best_average))
+
+
+def average_of(opt_state: Any) -> Any:
+    """The averaged parameters ``opt_state`` keeps (:func:`ft.optim.averaged` reads them),
+    or None."""
+    if not keeps_average(opt_state):
+        return None
+    (node,) = [x for x in jax.tree.leaves(opt_state, is_leaf=_keeps) if _keeps(x)]
+    return node.average if isinstance(node, AverageState) else node.slow
+
+
+def with_average_of(opt_state: Any, average: Any) -> Any:
+    """``opt_state`` with ``average`` as its averaged parameters (:func:`average_of`)."""
+    def put(node: Any) -> Any:
+        if isinstance(node, AverageState):
+            return node.replace(average=average)
+        return node.replace(slow=average) if isinstance(node, SlowState) else node
+    return jax.tree.map(put, opt_state, is_leaf=_keeps)
+
+
+def _keeps(x: Any) -> bool:
+    return isinstance(x, (AverageState, SlowState))
 
 
 class ReduceLROnPlateau(Callback):

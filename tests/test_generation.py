@@ -272,7 +272,7 @@ def test_filters_equal_hf_logits_warpers():
             before = np.isfinite(expected.numpy()).sum()
             expected = MinPLogitsWarper(min_p)(no_ids, expected)
             assert np.isfinite(expected.numpy()).sum() < before  # min_p removed some tokens
-        ours = np.asarray(_controls.filtered(jnp.asarray(logits), temperature, top_k, top_p, min_p))
+        ours = np.asarray(_controls.filtered(jnp.asarray(logits), temperature, top_k=top_k, top_p=top_p, min_p=min_p))
         expected = expected.numpy()
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
         kept = np.isfinite(expected)

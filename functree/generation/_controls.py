@@ -16,8 +16,11 @@ unset option adds nothing: plain greedy's tuple is empty and its program has no 
 operation. Beam search reorders every state's rows with the beams it keeps.
 
 Adding a control is one record here and its place in :data:`CONTROLS` (HF's order: the
-processors, then the warpers, which run only when sampling), plus its test; a new keyword of
-``generate`` also goes in its signature and docstring.
+processors, then the warpers, which run only when sampling), plus its test. Everything else
+follows from the record: its keyword is a checkpoint option (``_defaults.SUPPORTED``, and so
+never named as unapplied), a warper is refused with greedy decoding and beams. Its keyword is
+also written out in ``generate``'s signature and docstring (explicit, for users' tools): a
+check at import names the record whose keyword is missing there.
 
 Example:
     >>> import jax.numpy as jnp
@@ -88,6 +91,50 @@ generate: {name} must be a list of token-id sequences, each a non-empty list of 
     right:  ft.nn.generate(model, input_ids, 8, {name}=[[13, 198]])    # the pair 13, 198
     right:  ft.nn.generate(model, input_ids, 8, {name}=[[13], [198]])  # either token"""
 
+BAD_TOP_P = """\
+generate: top_p must be a number in (0, 1] (the probability mass kept), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, top_p=0.9, key=key)"""
+
+BAD_MIN_P = """\
+generate: min_p must be a number in [0, 1] (tokens less likely than min_p times the most \
+likely one are dropped; 0: none), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, min_p=0.05, key=key)"""
+
+BAD_TYPICAL_P = """\
+generate: typical_p must be a number in (0, 1] (the probability mass of the tokens whose \
+surprisal is closest to the entropy that is kept; 1: none), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, typical_p=0.9, key=key)"""
+
+BAD_CUTOFF = """\
+generate: {name} must be a number in [0, 1) (tokens less likely than the cutoff are dropped; 0: \
+none), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, {name}={example}, key=key)"""
+
+BAD_DECAY = """\
+generate: exponential_decay_length_penalty must be a pair (start, factor): an int start >= 0 \
+(new tokens before the penalty) and a finite number factor > 0 (the EOS scores grow by \
+|score| * (factor ** (t - start) - 1) at new token t), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 32, eos_token_id=eos, exponential_decay_length_penalty=(16, 1.1))"""
+
+DECAY_NEEDS_EOS = """\
+generate: exponential_decay_length_penalty={given!r} raises the EOS ids' scores after {start} \
+new tokens, but no eos_token_id is given (nothing to raise).
+
+    wrong:  ft.nn.generate(model, input_ids, 32, exponential_decay_length_penalty={given!r})
+    right:  ft.nn.generate(model, input_ids, 32, exponential_decay_length_penalty={given!r}, eos_token_id=eos)"""
+
+GREEDY_OPTIONS = """\
+generate: {name}= filters the tokens that sampling draws from, but temperature=0.0 is greedy \
+(the most likely token, whatever {name} says; beam search is greedy too).
+
+    wrong:  ft.nn.generate(model, input_ids, 8, {name}={value!r})
+    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, {name}={value!r}, key=key)"""
+
 LOWEST = -jnp.inf  # a token a control removes
 
 
@@ -124,8 +171,10 @@ class Now(NamedTuple):
 
 
 class Options(NamedTuple):
-    """What ``build`` reads: ``generate``'s options by keyword (checkpoint defaults applied),
-    ``max_new_tokens``, the EOS ids and whether the loop is greedy."""
+    """What ``build`` reads: ``generate``'s options by keyword (checkpoint defaults applied:
+    every record's keywords are there, None where unset), ``max_new_tokens``, the EOS ids and
+    whether the loop is greedy (:func:`active` refuses a warper there; ``build`` need not
+    look)."""
 
     given: Mapping[str, Any]
     new: int
@@ -268,6 +317,38 @@ class MinNewTokens(Control):
         return _removed(is_eos & (now.t < self.n), scores)
 
 
+@record("start", "factor", "eos_ids")
+@dataclass(frozen=True)
+class ExponentialDecayLengthPenalty(Control):
+    """``exponential_decay_length_penalty=(start, factor)``: at new token ``t > start`` each
+    EOS id's score ``l`` becomes ``l + |l| * (factor ** (t - start) - 1)`` (HF's
+    ``ExponentialDecayLengthPenalty``; a removed EOS stays removed). Greedy, sampling and beams."""
+
+    start: Any
+    factor: Any
+    eos_ids: Any
+    keywords = ("exponential_decay_length_penalty",)
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        value = o.given["exponential_decay_length_penalty"]
+        if value is None:
+            return None
+        pair = isinstance(value, (tuple, list)) and len(value) == 2
+        if not (pair and is_int(value[0]) and value[0] >= 0 and is_number(value[1]) and 0 < value[1] < np.inf):
+            raise ValueError(BAD_DECAY.format(given=value))
+        if not o.eos:
+            raise ValueError(DECAY_NEEDS_EOS.format(given=value, start=value[0]))
+        return cls(np.int32(value[0]), np.float32(value[1]), np.asarray(o.eos, np.int32))
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        steps = now.t - self.start  # HF: cur_len - (prompt + start)
+        at = scores[:, self.eos_ids]
+        grown = at + jnp.abs(at) * (jnp.power(self.factor, steps.astype(jnp.float32)) - 1.0)
+        # .set, not .add: an EOS id listed twice is raised once, as HF's assignment does
+        return scores.at[:, self.eos_ids].set(jnp.where((steps > 0) & jnp.isfinite(at), grown, at))
+
+
 @record()
 @dataclass(frozen=True)
 class SuppressTokens(Control):
@@ -299,7 +380,8 @@ class Temperature(Control):
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
-        return None if o.greedy else cls(np.float32(o.given["temperature"]))
+        t = o.given["temperature"]  # checked by generate (its value decides greedy)
+        return cls(np.float32(t)) if t else None
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         return scores / self.temperature
@@ -317,7 +399,7 @@ class TopK(Control):
     @classmethod
     def build(cls, o: Options) -> Control | None:
         k = o.given["top_k"]
-        if o.greedy or k is None or (isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k == 0):
+        if k is None or (isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k == 0):
             return None  # top_k=0: no top-k, as Hugging Face reads it
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(BAD_TOP_K.format(given=k))
@@ -344,7 +426,9 @@ class TopP(Control):
     @classmethod
     def build(cls, o: Options) -> Control | None:
         p = o.given["top_p"]
-        return None if o.greedy or p is None or p >= 1.0 else cls(np.float32(p))
+        if p is not None and (not is_number(p) or not 0.0 < p <= 1.0):
+            raise ValueError(BAD_TOP_P.format(given=p))
+        return None if p is None or p >= 1.0 else cls(np.float32(p))
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         ordered = -jnp.sort(-scores, axis=-1)  # descending
@@ -368,41 +452,153 @@ class MinP(Control):
     @classmethod
     def build(cls, o: Options) -> Control | None:
         p = o.given["min_p"]
-        return None if o.greedy or p is None or p <= 0.0 else cls(np.float32(p))
+        if p is not None and (not is_number(p) or not 0.0 <= p <= 1.0):
+            raise ValueError(BAD_MIN_P.format(given=p))
+        return None if p is None or p <= 0.0 else cls(np.float32(p))
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         probs = jax.nn.softmax(scores, axis=-1)  # p < q * p_max (the most likely token stays)
         return _removed(probs < self.p * jnp.max(probs, axis=-1, keepdims=True), scores)
 
 
-# Every control, in the order its scores pass them (HF's: processors, then warpers).
-CONTROLS: tuple[type[Control], ...] = (RepetitionPenalty, NoRepeatNGram, BadWords, MinNewTokens, SuppressTokens,
-                                       Temperature, TopK, TopP, MinP)
+@record("mass")
+@dataclass(frozen=True)
+class TypicalP(Control):
+    """``typical_p=m`` (locally typical sampling, HF's ``TypicalLogitsWarper``): with
+    ``H = -sum(p log p)``, the tokens ordered by ``|-log p - H|`` (surprisal's distance to the
+    entropy); the fewest of the closest whose probability reaches ``m`` are kept, the closest
+    always (``m = 1``: absent)."""
+
+    mass: Any
+    keywords = ("typical_p",)
+    warper = True
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        m = o.given["typical_p"]
+        if m is not None and (not is_number(m) or not 0.0 < m <= 1.0):
+            raise ValueError(BAD_TYPICAL_P.format(given=m))
+        return None if m is None or m >= 1.0 else cls(np.float32(m))
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        logp = jax.nn.log_softmax(scores, axis=-1)
+        p = jnp.exp(logp)
+        entropy = -jnp.sum(jnp.where(p > 0, logp * p, 0.0), axis=-1, keepdims=True)  # a removed token adds 0
+        distance = jnp.abs(-logp - entropy)  # inf for a removed token: last in the order
+        order = jnp.argsort(distance, axis=-1, stable=True)
+        ordered = jnp.take_along_axis(distance, order, axis=-1)
+        mass = jnp.cumsum(jax.nn.softmax(jnp.take_along_axis(scores, order, axis=-1), axis=-1), axis=-1)  # HF's
+        last = jnp.minimum(jnp.sum(mass < self.mass, axis=-1, keepdims=True), scores.shape[-1] - 1)
+        return _removed(distance > jnp.take_along_axis(ordered, last, axis=-1), scores)
+
+
+def _cutoff(o: Options, name: str, example: float) -> Any:
+    """The checked value of a probability cutoff (``epsilon_cutoff``, ``eta_cutoff``), None when off."""
+    value = o.given[name]
+    if value is not None and (not is_number(value) or not 0.0 <= value < 1.0):
+        raise ValueError(BAD_CUTOFF.format(name=name, given=value, example=example))
+    return None if value is None or value == 0.0 else np.float32(value)
+
+
+def _below(probs: jax.Array, cutoff: jax.Array, scores: jax.Array) -> jax.Array:
+    """``scores`` without the tokens whose probability is below ``cutoff``, the most likely kept."""
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    return _removed((probs < cutoff) & (scores < top), scores)
+
+
+@record("epsilon")
+@dataclass(frozen=True)
+class EpsilonCutoff(Control):
+    """``epsilon_cutoff=e`` (HF's ``EpsilonLogitsWarper``): tokens of probability ``< e`` are
+    removed, the most likely kept (``e = 0``: absent)."""
+
+    epsilon: Any
+    keywords = ("epsilon_cutoff",)
+    warper = True
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        e = _cutoff(o, "epsilon_cutoff", 3e-4)
+        return None if e is None else cls(e)
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        return _below(jax.nn.softmax(scores, axis=-1), self.epsilon, scores)
+
+
+@record("epsilon")
+@dataclass(frozen=True)
+class EtaCutoff(Control):
+    """``eta_cutoff=e`` (HF's ``EtaLogitsWarper``): tokens of probability ``< min(e, sqrt(e) *
+    exp(-H))`` (``H``: the entropy) are removed, the most likely kept (``e = 0``: absent)."""
+
+    epsilon: Any
+    keywords = ("eta_cutoff",)
+    warper = True
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        e = _cutoff(o, "eta_cutoff", 2e-3)
+        return None if e is None else cls(e)
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        logp = jax.nn.log_softmax(scores, axis=-1)
+        p = jnp.exp(logp)
+        entropy = -jnp.sum(jnp.where(p > 0, logp * p, 0.0), axis=-1, keepdims=True)
+        eta = jnp.minimum(self.epsilon, jnp.sqrt(self.epsilon) * jnp.exp(-entropy))
+        return _below(p, eta, scores)
+
+
+# Every control, in the order its scores pass them (HF's ``_get_logits_processor``: the
+# processors, then the warpers, which run only when sampling).
+CONTROLS: tuple[type[Control], ...] = (RepetitionPenalty, NoRepeatNGram, BadWords, MinNewTokens,
+                                       ExponentialDecayLengthPenalty, SuppressTokens,
+                                       Temperature, TopK, TopP, MinP, TypicalP, EpsilonCutoff, EtaCutoff)
+
+
+def keywords(warper: bool | None = None) -> tuple[str, ...]:
+    """The ``generate`` keywords of the controls of :data:`CONTROLS` (only the warpers' with
+    ``warper=True``, the others' with False), in its order."""
+    return tuple(k for c in CONTROLS if warper is None or c.warper == warper for k in c.keywords)
 
 
 def active(o: Options) -> tuple[Control, ...]:
-    """The controls the options turn on, in :data:`CONTROLS`' order (checked here, once)."""
-    built = (cls.build(o) for cls in CONTROLS)
-    return tuple(c for c in built if c is not None)
+    """The controls the options turn on, in :data:`CONTROLS`' order (checked here, once). A
+    warper turned on with greedy decoding (or beams) is refused, the same for every warper:
+    the loop would ignore it."""
+    built = []
+    for cls in CONTROLS:
+        control = cls.build(o)
+        if control is None:
+            continue
+        if cls.warper and o.greedy:
+            name = next(k for k in cls.keywords if o.given[k] is not None)
+            raise ValueError(GREEDY_OPTIONS.format(name=name, value=o.given[name]))
+        built.append(control)
+    return tuple(built)
 
 
 def applied(controls: Sequence[Control], states: Sequence[Any], scores: jax.Array, now: Any) -> jax.Array:
     """``scores`` through every control in turn."""
-    for control, state in zip(controls, states):
+    for control, state in zip(controls, states, strict=True):
         scores = control.apply(scores, state, now)
     return scores
 
 
 def updated(controls: Sequence[Control], states: Sequence[Any], token: jax.Array, now: Now) -> tuple[Any, ...]:
-    return tuple(c.update(s, token, now) for c, s in zip(controls, states))
+    return tuple(c.update(s, token, now) for c, s in zip(controls, states, strict=True))
 
 
-def filtered(logits: jax.Array, temperature: Any, top_k: int | None, top_p: Any, min_p: Any = None) -> jax.Array:
-    """Sampling's warpers on ``logits`` (float32): ``/ temperature``, then ``top_k``, ``top_p``
-    and ``min_p`` (None: that filter is off)."""
-    o = Options({"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}, 1, (), False)
-    warpers = [cls.build(o) for cls in CONTROLS if cls.warper]
-    return applied([w for w in warpers if w is not None], [None] * 4, logits.astype(jnp.float32), None)
+def filtered(logits: jax.Array, temperature: Any, **options: Any) -> jax.Array:
+    """Sampling's warpers on ``logits`` (float32): ``/ temperature``, then every other warper
+    of :data:`CONTROLS` given by keyword (``top_k=``, ``top_p=``, ``min_p=``, ``typical_p=``,
+    ...; unset: off), in its order."""
+    names = keywords(warper=True)
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise TypeError(f"filtered: {unknown} are not warpers' keywords; they are {list(names)}.")
+    o = Options({**dict.fromkeys(keywords()), **options, "temperature": temperature}, 1, (), False)  # no processor
+    warpers = active(o)
+    return applied(warpers, [None] * len(warpers), logits.astype(jnp.float32), None)  # warpers keep no state
 
 
 # ---- option checks shared with generate ---------------------------------------------------------

@@ -19,25 +19,30 @@ from typing import Any
 import jax
 import numpy as np
 
-from functree.generation._controls import CONTROLS
+from functree.generation._controls import keywords
 
 # The options of ``ft.nn.generate`` that HF's generation config sets, by HF's name (a logits
 # control's keywords are its checkpoint names).
-SUPPORTED = ("eos_token_id", "pad_token_id", "do_sample", *(k for c in CONTROLS for k in c.keywords),
+SUPPORTED = ("eos_token_id", "pad_token_id", "do_sample", *keywords(),
              "num_beams", "num_return_sequences", "length_penalty", "early_stopping")
 
 # The sampling-only options (HF's warpers, temperature aside: it decides greedy or sampling).
-WARPER_OPTIONS = tuple(k for c in CONTROLS if c.warper for k in c.keywords if k != "temperature")
+WARPER_OPTIONS = tuple(k for k in keywords(warper=True) if k != "temperature")
 
 # HF's global defaults of the sampling options (applied when neither the caller nor the file sets them).
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
-# Options HF applies that ft.nn.generate does not have, with the value at which they do nothing.
-UNSUPPORTED = {"min_length": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-               "forced_bos_token_id": None, "forced_eos_token_id": None, "begin_suppress_tokens": None,
-               "exponential_decay_length_penalty": None, "sequence_bias": None, "num_beam_groups": 1,
-               "diversity_penalty": 0.0, "penalty_alpha": None, "encoder_repetition_penalty": 1.0,
-               "guidance_scale": None, "stop_strings": None}
+# The options of HF's generation config that change its tokens, with the value at which they
+# do nothing (HF's GenerationConfig defaults).
+HF_OPTIONS = {"min_length": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+              "forced_bos_token_id": None, "forced_eos_token_id": None, "begin_suppress_tokens": None,
+              "exponential_decay_length_penalty": None, "sequence_bias": None, "num_beam_groups": 1,
+              "diversity_penalty": 0.0, "penalty_alpha": None, "encoder_repetition_penalty": 1.0,
+              "guidance_scale": None, "stop_strings": None, "top_h": None}
+
+# Those ft.nn.generate does not have (named in a warning when a checkpoint sets them): derived,
+# so that a control's record, once in CONTROLS, is never named here as unapplied.
+UNSUPPORTED = {k: off for k, off in HF_OPTIONS.items() if k not in SUPPORTED}
 
 UNAPPLIED = """\
 generate: the model's generation config (hf_config.generation, from generation_config.json) sets \

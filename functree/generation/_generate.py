@@ -22,16 +22,18 @@ samples, whether it filters by ``top_p`` and by ``min_p``, whether it stops at E
 many EOS ids, the stop sequences' count and length, which of the repetition penalty,
 ``min_new_tokens`` and scores are on, ``no_repeat_ngram_size``, the ``suppress_tokens`` and
 ``bad_words_ids`` ids, whether a streamer is given, the number of beams and of returned
-sequences); the temperature, the ``top_p`` and ``min_p`` values, the key, the EOS, pad and
-stop ids, the penalty, ``min_new_tokens``, ``length_penalty``, ``early_stopping`` and the
-tokens are traced. Options that are off add nothing to the compiled loop: plain greedy
+sequences, which other controls are on); the temperature, the ``top_p``, ``min_p``,
+``typical_p``, ``epsilon_cutoff`` and ``eta_cutoff`` values, the key, the EOS, pad and stop
+ids, the penalty, ``min_new_tokens``, ``exponential_decay_length_penalty``'s pair,
+``length_penalty``, ``early_stopping`` and the tokens are traced. Options that are off add nothing to the compiled loop: plain greedy
 decoding is the same program with or without the controls' code.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -43,7 +45,14 @@ from jax.core import Tracer
 from functree._alias import is_deletion_error, is_stale_error, stale_error
 from functree._repr import short_array
 from functree.generation import _decode, _memory
-from functree.generation._controls import BAD_TOP_K, Options, active, token_ids, token_sequences
+from functree.generation._controls import (
+    CONTROLS,
+    Control,
+    Options,
+    active,
+    token_ids,
+    token_sequences,
+)
 from functree.generation._controls import is_int as _is_int
 from functree.generation._controls import is_number as _is_number
 from functree.generation._decode import beam_search, generate_loop
@@ -112,24 +121,6 @@ gives the same tokens.
 
     wrong:  ft.nn.generate(model, input_ids, 8, temperature={temperature})
     right:  ft.nn.generate(model, input_ids, 8, temperature={temperature}, key=jax.random.key(0))"""
-
-GREEDY_OPTIONS = """\
-generate: {name}= filters the tokens that sampling draws from, but temperature=0.0 is greedy \
-(the most likely token, whatever {name} says).
-
-    wrong:  ft.nn.generate(model, input_ids, 8, {name}={value!r})
-    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, {name}={value!r}, key=key)"""
-
-BAD_TOP_P = """\
-generate: top_p must be a number in (0, 1] (the probability mass kept), got {given!r}.
-
-    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, top_p=0.9, key=key)"""
-
-BAD_MIN_P = """\
-generate: min_p must be a number in [0, 1] (tokens less likely than min_p times the most \
-likely one are dropped; 0: none), got {given!r}.
-
-    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, min_p=0.05, key=key)"""
 
 STOP_NEEDS_PAD = """\
 generate: a row that emits a stop sequence is finished and emits pad_token_id afterwards, but \
@@ -218,6 +209,9 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    typical_p: float | None = None,
+    epsilon_cutoff: float | None = None,
+    eta_cutoff: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     repetition_penalty: float | None = None,
@@ -225,6 +219,7 @@ def generate(
     bad_words_ids: Sequence[Sequence[int]] | None = None,
     min_new_tokens: int | None = None,
     suppress_tokens: int | Sequence[int] | None = None,
+    exponential_decay_length_penalty: tuple[int, float] | None = None,
     stop: Sequence[Sequence[int]] | None = None,
     num_beams: int | None = None,
     num_return_sequences: int | None = None,
@@ -269,9 +264,15 @@ def generate(
       sequence is ``-inf`` wherever the row ends with the tokens before it (a one-token
       sequence: always); a sequence that is just an EOS id is ignored, as HF does;
     - ``min_new_tokens=m``: the EOS ids' logits are ``-inf`` for the first ``m`` new tokens;
+    - ``exponential_decay_length_penalty=(start, factor)``: at new token ``t > start`` the
+      EOS ids' logits ``l`` become ``l + |l| * (factor ** (t - start) - 1)`` (needs EOS);
     - ``suppress_tokens`` (an id or a list): these ids' logits are ``-inf`` at every step;
-    - then ``temperature``, ``top_k``, ``top_p`` and ``min_p`` (sampling only; ``min_p=q``
-      drops the tokens whose probability is below ``q`` times the most likely token's).
+    - then the warpers (sampling only; with greedy decoding or beams each is refused):
+      ``temperature``, ``top_k``, ``top_p``, ``min_p=q`` (drops the tokens whose probability
+      is below ``q`` times the most likely token's), ``typical_p=m`` (keeps the fewest tokens
+      whose surprisal ``-log p`` lies closest to the entropy with probability ``>= m``),
+      ``epsilon_cutoff=e`` (drops the tokens of probability ``< e``) and ``eta_cutoff=e``
+      (drops those below ``min(e, sqrt(e) * exp(-entropy))``), the most likely token always kept.
 
     ``stop`` (a list of token-id sequences, e.g. ``[[13, 198], [50256]]``) ends a row right
     after it emits any of them in full (the last tokens of the row, real prompt tokens included,
@@ -404,6 +405,38 @@ def generate(
     return (tokens, scores) if return_scores else tokens
 
 
+UNLISTED_KEYWORD = """\
+{record} ({module}) reads generate's keyword {name!r}, which generate's {where}. Each \
+record of CONTROLS is a keyword of ft.nn.generate, written out where users read it: add it \
+to functree/generation/_generate.py:
+
+    right:  def generate(..., {name}: <type> | None = None, ...)    # keyword-only, default None
+    right:  the docstring's list of controls: ``{name}=...``: what it does to the logits"""
+
+
+def check_keywords(function: Callable[..., Any], controls: Sequence[type[Control]]) -> None:
+    """Raise :data:`UNLISTED_KEYWORD` for a record of ``controls`` whose keyword ``function``'s
+    signature lacks (keyword-only, default None) or its docstring does not name (skipped
+    when docstrings are stripped, ``python -OO``). Run on ``generate`` at import: a record
+    added to :data:`CONTROLS` without its keyword fails there, naming the record."""
+    parameters = inspect.signature(function).parameters
+    doc = function.__doc__
+    for record in controls:
+        for name in record.keywords:
+            p = parameters.get(name)
+            where = None
+            if p is None or p.kind is not inspect.Parameter.KEYWORD_ONLY or p.default is not None:
+                where = "signature lacks (a keyword-only parameter, default None)"
+            elif doc is not None and re.search(rf"``{re.escape(name)}\b", doc) is None:
+                where = "docstring does not name (as ``" + name + "``)"
+            if where is not None:
+                raise TypeError(UNLISTED_KEYWORD.format(record=record.__name__, module=record.__module__,
+                                                        name=name, where=where))
+
+
+check_keywords(generate, CONTROLS)
+
+
 def _as_number(value: Any) -> Any:
     """A concrete 0-d floating or integer array (``jnp.float32(0.9)``, ``np.array(0.9)``,
     ``jnp.int32(4)``) as the Python number it holds: options are read on the host (greedy or
@@ -473,7 +506,8 @@ def _beams(options: dict[str, Any], defaults: dict[str, Any]) -> bool:
 
 
 def _sampling_values(defaults: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={defaults[k]!r}" for k in ("temperature", "top_k", "top_p", "min_p") if k in defaults)
+    """The checkpoint's sampling options (every warper's keyword it sets), for CHECKPOINT_SAMPLES."""
+    return ", ".join(f"{k}={defaults[k]!r}" for k in ("temperature", *WARPER_OPTIONS) if k in defaults)
 
 
 def _sourced(error: ValueError, sourced: dict[str, Any], given: dict[str, Any]) -> ValueError:
@@ -500,15 +534,17 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     bucket back to the prompt and ``new``; ``exact``: no buckets), with ``.exact`` (whether
     its sizes are the exact ones)."""
     mask = _attention_mask(attention_mask, ids.shape)
-    greedy = _greedy(o["temperature"], key, o["top_k"], o["top_p"], o["min_p"])
+    greedy = _greedy(o["temperature"])
     eos = token_ids(o["eos_token_id"], "eos_token_id")
-    controls = active(Options(o, new, eos, greedy))
+    controls = active(Options(o, new, eos, greedy))  # every record checks its option; warpers only sampling
+    if not greedy and key is None:
+        raise ValueError(NEEDS_KEY.format(temperature=o["temperature"]))
     pad = token_ids(o["pad_token_id"], "pad_token_id", single=True)
     stops = token_sequences(stop)
     if stops and not (eos or pad):
         raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
     beams, returns, lp, early = _beam_options(o["num_beams"], o["num_return_sequences"], o["length_penalty"],
-                                              o["early_stopping"], greedy, o["temperature"], o["top_k"], o["top_p"])
+                                              o["early_stopping"], greedy, o)
     fill = pad[0] if pad else (eos[0] if eos else 0)
     if beams == 1 and returns > 1:  # sampling: each prompt `returns` times, HF's order (repeat_interleave)
         ids, mask = _repeated(ids, returns), _repeated(mask, returns)
@@ -660,29 +696,16 @@ def _placed_as(host: np.ndarray, sharding: Any) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])  # this process's shards
 
 
-def _greedy(temperature: Any, key: Any, top_k: Any, top_p: Any, min_p: Any = None) -> bool:
+def _greedy(temperature: Any) -> bool:
+    """Whether ``temperature`` (checked) is greedy decoding's 0 (the warpers' options are
+    checked by their records, and refused with greedy decoding by ``active``)."""
     if not _is_number(temperature) or not temperature >= 0:
         raise ValueError(BAD_TEMPERATURE.format(given=temperature))
-    if min_p is not None and (not _is_number(min_p) or not 0.0 <= min_p <= 1.0):
-        raise ValueError(BAD_MIN_P.format(given=min_p))
-    if top_k is not None and (not _is_int(top_k) or top_k < 0):
-        raise ValueError(BAD_TOP_K.format(given=top_k))
-    if top_k == 0:
-        top_k = None  # Hugging Face's "no top-k"
-    if top_p is not None and (not _is_number(top_p) or not 0.0 < top_p <= 1.0):
-        raise ValueError(BAD_TOP_P.format(given=top_p))
-    if temperature == 0:
-        for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
-            if value is not None:
-                raise ValueError(GREEDY_OPTIONS.format(name=name, value=value))
-        return True
-    if key is None:
-        raise ValueError(NEEDS_KEY.format(temperature=temperature))
-    return False
+    return temperature == 0
 
 
-def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, greedy: bool, temperature: Any,
-                  top_k: Any, top_p: Any) -> tuple[int, int, float, bool | str]:
+def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, greedy: bool,
+                  o: dict[str, Any]) -> tuple[int, int, float, bool | str]:
     if not _is_int(beams) or beams < 1:
         raise ValueError(BAD_NUM_BEAMS.format(given=beams))
     if beams == 1:  # HF's defaults say nothing; any other value would be ignored, so it is refused
@@ -696,8 +719,8 @@ def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, gre
             raise ValueError(GREEDY_RETURNS.format(given=returns))
         return 1, 1 if returns is None else int(returns), 1.0, False
     if not greedy:
-        rest = "".join(f", {n}={v!r}" for n, v in (("top_k", top_k), ("top_p", top_p)) if v is not None)
-        raise ValueError(BEAMS_SAMPLE.format(beams=beams, temperature=temperature, rest=rest))
+        rest = "".join(f", {n}={o[n]!r}" for n in WARPER_OPTIONS if o[n] is not None)  # every warper's
+        raise ValueError(BEAMS_SAMPLE.format(beams=beams, temperature=o["temperature"], rest=rest))
     if returns is not None and (not _is_int(returns) or not 1 <= returns <= beams):
         raise ValueError(BAD_RETURN_SEQUENCES.format(beams=beams, given=returns,
                                                      fit=returns if _is_int(returns) and returns > 1 else beams))

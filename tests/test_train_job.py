@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 from unittest import mock
 
 import _train_job as job
@@ -483,8 +484,13 @@ def test_a_checkpoint_written_before_job_state_restores_and_continues_bit_for_bi
     assert straight.history.steps["step"] == resumed.history.steps["step"]
     assert stop_a.state_dict().keys() == stop_b.state_dict().keys()
     # the format is the one the old writer wrote: the same configuration layout
+    # (the old keys first, in their order; after them only the keys of position fields added since)
+    from functree.train._job import STORED
+
     old, new = (ft.train.CheckpointManager(d).restore() for d in (directory, tmp_path / "new"))
-    assert list(new.config) == list(old.config) and list(new.config["trainer"]) == list(old.config["trainer"])
+    old_keys, new_keys = list(old.config["trainer"]), list(new.config["trainer"])
+    assert list(new.config) == list(old.config) and new_keys[:len(old_keys)] == old_keys
+    assert set(new_keys[len(old_keys):]) <= {path[0] for path, _, _ in STORED.values()}
 
 
 def test_job_state_is_one_value_that_fit_advances():
@@ -567,7 +573,8 @@ def test_job_position_round_trips_by_name_every_field_distinct(tmp_path):
         back, ckpt = read_job(manager, None, JobState.start(model, None))
     assert back.position == position and back.extra == {"rounds": 19}
     assert (back.steps_run, back.epoch, back.batch_in_epoch, back.since_log, back.epoch_length) == (11, 3, 5, 2, 17)
-    assert ckpt.config["trainer"].keys() == {"steps_run", "epoch", "batch_in_epoch", "on_nan", "stopped",
+    assert ckpt.config["trainer"].keys() == {"on_nan", "history", *(path[0] for path, _, _ in STORED.values())}
+    assert ckpt.config["trainer"].keys() >= {"steps_run", "epoch", "batch_in_epoch", "on_nan", "stopped",
                                              "epoch_length", "since_log", "data_state", "means", "history",
                                              "skipped"}  # format 2's keys, as before the record
     assert ckpt.config["trainer"]["means"]["epoch"]["sums"] == {"loss": 4.25}
@@ -642,3 +649,89 @@ def test_own_copy_copies_buffers_without_compiling():
         np.testing.assert_array_equal(copy[name], tree[name])
     np.testing.assert_array_equal(jax.random.key_data(copy["key"]), jax.random.key_data(tree["key"]))
     assert copy["scale"] == 0.5 and copy["none"] is None
+
+
+def test_every_position_field_is_an_attribute_of_the_job_and_of_the_trainer():
+    """Made from ``Position._fields`` (no property written per field): ``job.<field>`` and
+    ``trainer.<field>`` read the current record's position; a class's own definition wins
+    (``trainer.skipped``: a list); a field named as a job's attribute is refused at import."""
+    from functree.train._job import JobState, Position, add_readers, refuse_taken
+
+    t = job.trainer()
+    t.fit(job.data("list", 4), steps=3, progress=False, log_every=LOG)
+    for name in Position._fields:
+        value = getattr(t.state.position, name)
+        assert getattr(t.state, name) is value, name
+        assert getattr(t, name) == (list(value) if name == "skipped" else value), name
+        assert name not in JobState.__annotations__  # not a field of the job: read through the position
+    assert (t.since_log, t.epoch_length, t.stopped) == (1, 4, False)
+
+    class Job(NamedTuple):  # a record with one more field: it becomes an attribute alike
+        position: Any
+
+    add_readers(Job, ("steps_run", "fit_calls", "count"), lambda name: property(lambda self: ("read", name)))
+    assert Job(None).fit_calls == ("read", "fit_calls") and Job(None).count("x") == 0  # tuple's count kept
+    with pytest.raises(TypeError, match=r"(?s)\['model'\] would be attributes of JobState twice.*"
+                                        r"right:  class Position\(NamedTuple\): ...; model_version"):
+        refuse_taken(("epoch", "model"), JobState._fields)
+
+
+RECIPE = """
+import pathlib, shutil, sys, tempfile
+import numpy as np, jax, jax.numpy as jnp
+import functree as ft
+assert ft.__file__.startswith(sys.argv[1]), ft.__file__
+devices = jax.devices()
+make = lambda: ft.train.Trainer(jax.device_put(ft.nn.Dense(2, 1, key=jax.random.key(0)), devices[1]),
+                                ft.optim.sgd(0.1), lambda m, b: jnp.mean(m(b) ** 2))
+t = make()
+t.fit(ft.train.batches(np.ones((8, 2), np.float32), 4), steps=2, progress=False)
+t._job = t._job.replace(fit_calls=2, data_key=jax.random.key(42))  # what the driver would commit
+path = tempfile.mkdtemp() + "/ck"
+t.save(path)
+r = make().restore(path)
+s = ft.train.JobState.restore(path)
+old = tempfile.mkdtemp() + "/old"
+shutil.copytree(sys.argv[2], old)
+o = ft.train.JobState.restore(old)
+report({"trainer": [t.fit_calls, t.state.fit_calls, t.data_key is t.state.data_key],
+        "restored": [r.fit_calls, jax.random.key_data(r.data_key).tolist(), str(r.data_key.devices()),
+                     jax.random.key_data(s.data_key).tolist()],
+        "expected": [jax.random.key_data(jax.random.key(42)).tolist(), str({devices[1]})],
+        "old": [o.fit_calls, o.data_key], "keys": list(ft.train.CheckpointManager(path).restore().config["trainer"]),
+        "old_keys": list(ft.train.CheckpointManager(old).restore().config["trainer"])})
+"""
+
+
+def test_a_piece_of_job_state_is_its_record_alone(tmp_path):
+    """The layout's recipe, applied to a copy of functree: a Position field with its default
+    and its STORED entry, and a JobState field with its default, nothing else edited. Both
+    are attributes of the job and the trainer, saved and restored (the new array placed where
+    the model lives, device 1 of 2), and an older checkpoint reads their defaults."""
+    import shutil
+
+    import _devices
+
+    package = Path(ft.__file__).parent
+    shutil.copytree(package, tmp_path / "functree", ignore=shutil.ignore_patterns("__pycache__"))
+    source = tmp_path / "functree" / "train" / "_job.py"
+    text = source.read_text()
+    for anchor, added in [("    epoch_length: int | None = None\n", "    fit_calls: int = 0\n"),
+                          ('    "epoch_length": (("epoch_length",), lambda n: n, _same),\n',
+                           '    "fit_calls": (("fit_calls",), int, lambda v, where: int(v)),\n'),
+                          ("    callbacks: tuple[tuple[str, str, Any], ...] | None = None\n",
+                           "    data_key: Any = None\n")]:
+        assert text.count(anchor) == 1, anchor
+        text = text.replace(anchor, anchor + added)
+    source.write_text(text)
+    env = _devices.env_with_devices(2)
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    proc = subprocess.Popen([sys.executable, "-W", "error", "-c", _devices.PRELUDE + RECIPE, str(tmp_path),
+                             str(OLD_CHECKPOINT)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out = _devices.result(proc, timeout=600)
+    assert out["trainer"] == [2, 2, True]
+    assert out["restored"] == [2, out["expected"][0], out["expected"][1], out["expected"][0]]
+    assert out["old"] == [0, None]
+    keys = out["keys"]
+    assert keys[:len(out["old_keys"])] == out["old_keys"] and "fit_calls" in keys[len(out["old_keys"]):]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -26,7 +26,7 @@ from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
 from functree.train.checkpoint._frozen import frozen_keys
 from functree.train.checkpoint._position import decode, encode
 
-__all__ = ["JobState", "Position", "position_json", "read_position", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
+__all__ = ["JobState", "Position", "ADDED", "PLACED", "JOB_ATTRIBUTES", "add_readers", "refuse_taken", "position_json", "read_position", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
 
 BAD_EXTRA = """\
 extra= must be a tree (dicts, lists, tuples, None) of arrays and plain numbers, but \
@@ -60,6 +60,15 @@ functree.train._job: Position's fields {missing} have no entry in STORED (and ST
 
     wrong:  class Position(NamedTuple): ...; lr_scale: float = 1.0      # and nothing in STORED
     right:  STORED["lr_scale"] = (("lr_scale",), float, lambda v, where: float(v))"""
+
+
+NAME_TAKEN = """\
+functree.train._job: {names} would be attributes of JobState twice: each Position field \
+(and each field of JobState) is also an attribute of the job and of the Trainer, read from \
+the record, so its name is not another field's, method's or stored key's ({taken}).
+
+    wrong:  class Position(NamedTuple): ...; model: Any = None
+    right:  class Position(NamedTuple): ...; model_version: int = 0"""
 
 
 class Position(NamedTuple):
@@ -217,6 +226,9 @@ class JobState(NamedTuple):
     extra: Any = None
     callbacks: tuple[tuple[str, str, Any], ...] | None = None
 
+    if TYPE_CHECKING:  # the position's fields, read from the job: properties made from Position._fields below
+        def __getattr__(self, name: str) -> Any: ...
+
     @staticmethod
     def start(model: Any, opt_state: Any, key: Any = None) -> JobState:
         """A job before its first step (with its own empty history)."""
@@ -244,18 +256,6 @@ class JobState(NamedTuple):
         job[_MODEL], job[_OPT_STATE], job[_POSITION] = model, opt_state, tuple.__new__(Position, position)
         return tuple.__new__(JobState, job)
 
-    # The position's fields read from the job, as before the record existed.
-    steps_run = property(attrgetter("position.steps_run"))
-    epoch = property(attrgetter("position.epoch"))
-    batch_in_epoch = property(attrgetter("position.batch_in_epoch"))
-    stopped = property(attrgetter("position.stopped"))
-    since_log = property(attrgetter("position.since_log"))
-    window = property(attrgetter("position.window"))
-    epoch_means = property(attrgetter("position.epoch_means"))
-    skipped = property(attrgetter("position.skipped"))
-    data_state = property(attrgetter("position.data_state"))
-    epoch_length = property(attrgetter("position.epoch_length"))
-
     @staticmethod
     def restore(source: CheckpointManager | str, step: int | None = None, *, like: JobState | None = None) -> JobState:
         """The job a Trainer checkpoint holds (default: the latest step of ``source``, a
@@ -269,6 +269,46 @@ class JobState(NamedTuple):
         if "trainer" not in ckpt.config:
             raise ValueError(NOT_A_JOB.format(path=source.directory, step=ckpt.step))
         return job
+
+
+# The fields format 2 stores in places of their own (the model's and optimizer state's
+# arrays, the key, the user's extra, the callbacks' states; history and position as JSON).
+# Any other field of JobState is stored by name among the checkpoint's arrays (save_job's
+# extra, next to "key", "user" and "callbacks") and read back by name, a checkpoint without
+# it giving like's value: a field added to JobState is its one line.
+FORMAT_2_FIELDS = ("model", "opt_state", "key", "history", "position", "extra", "callbacks")
+ADDED = tuple(name for name in JobState._fields if name not in FORMAT_2_FIELDS)
+# The fields that are host values (JSON, the user's and the callbacks' trees as given): the
+# others are the job's arrays, committed where the model lives (a restore places them).
+HOST_FIELDS = ("history", "position", "extra", "callbacks")
+PLACED = tuple(name for name in JobState._fields if name not in HOST_FIELDS)
+# The names a job exposes read from the record (JobState's properties, the Trainer's job_field).
+JOB_ATTRIBUTES = Position._fields + ADDED
+
+
+def refuse_taken(names: Sequence[str], taken: Sequence[str]) -> None:
+    """:data:`NAME_TAKEN` for the names of ``names`` in ``taken`` (checked at import)."""
+    clash = sorted(set(names) & set(taken))
+    if clash:
+        raise TypeError(NAME_TAKEN.format(names=clash, taken=", ".join(sorted(taken))))
+
+
+def add_readers(cls: type, names: Sequence[str], reader: Callable[[str], Any]) -> None:
+    """Give ``cls`` one property ``reader(name)`` per name of ``names`` that ``cls`` does
+    not define itself (its own definition, with its doc or its form, wins)."""
+    for name in names:
+        if not any(name in vars(base) for base in cls.__mro__ if base is not object):
+            setattr(cls, name, reader(name))
+
+
+def _position_reader(name: str) -> property:
+    return property(attrgetter(f"position.{name}"), doc=f"``position.{name}`` (:class:`Position`).")
+
+
+# Each position field read from the job, as before the record existed (one attrgetter each).
+refuse_taken(Position._fields, [name for name in dir(JobState) if not name.startswith("_")])
+refuse_taken(ADDED, ("user",))  # save_job's key of the user's extra
+add_readers(JobState, Position._fields, _position_reader)
 
 
 # The fields stepped() writes, by name (a field inserted anywhere moves these with it).
@@ -295,7 +335,8 @@ def save_job(manager: CheckpointManager, job: JobState, callbacks: Sequence[Any]
     config = {"trainer": trainer, "callbacks": [[key, cls] for key, cls, _ in saved], **about}
     manager.save(job.steps_run, job.model, job.opt_state, metrics=metrics, config=config,
                  frozen=frozen_keys(job.model, trained),  # wrt= trains a subset: the base stays out
-                 extra={"key": job.key, "user": job.extra, "callbacks": [state for _, _, state in saved]})
+                 extra={"key": job.key, "user": job.extra, "callbacks": [state for _, _, state in saved],
+                        **{name: getattr(job, name) for name in ADDED}})
 
 
 def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, optimizer_state: bool = True,
@@ -321,8 +362,9 @@ def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, op
     names = ckpt.config.get("callbacks", [])
     states = tuple((key, cls, state) for (key, cls), state in zip(names, extra.get("callbacks", [])))
     position = read_position(trainer, ckpt.step, f"{manager.directory} step {ckpt.step}: data_state")
+    added = {name: extra[name] if extra.get(name) is not None else getattr(like, name) for name in ADDED}
     job = JobState(model, opt_state, extra["key"] if extra.get("key") is not None else like.key, history,
-                   position, extra=extra.get("user"), callbacks=states if callbacks else None)
+                   position, extra=extra.get("user"), callbacks=states if callbacks else None, **added)
     return job, ckpt
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
@@ -34,7 +34,17 @@ from functree.train._epochs import Epochs, as_data, batch_signature, epoch_lengt
 from functree.train._evaluation import Evaluation, call_predict
 from functree.train._history import History
 from functree.train._interrupts import Interrupts
-from functree.train._job import JobState, check_extra, load_callbacks, own_copy, read_job, save_job
+from functree.train._job import (
+    JOB_ATTRIBUTES,
+    PLACED,
+    JobState,
+    add_readers,
+    check_extra,
+    load_callbacks,
+    own_copy,
+    read_job,
+    save_job,
+)
 from functree.train._means import Means
 from functree.train._metrics import describe_batch
 from functree.train._nonfinite import NonFiniteError
@@ -144,6 +154,10 @@ class Trainer(Evaluation):
     epoch = job_field("epoch", "Epochs completed.")
     batch_in_epoch = job_field("batch_in_epoch", "Minibatches of the current epoch consumed.")
     history = job_field("history", "The job's :class:`History`.")
+    # Every other field of the job's position (and any field added to JobState) is a read-only
+    # attribute too, made from the record below (add_readers); a name defined here wins.
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any: ...
 
     def __init__(self, model: Any, optimizer: Any, loss_fn: Callable[..., Any], *,
                  metrics: Mapping[str, Any] | Sequence[Any] | None = None, key: jax.Array | None = None,
@@ -500,12 +514,15 @@ class Trainer(Evaluation):
                 return self.restore(owned, step, optimizer_state=optimizer_state, callbacks=callbacks)
         self._job, self.checkpoint = read_job(manager, step, self._job, optimizer_state=optimizer_state,
                                               callbacks=callbacks, placement=self.train_step.placement)
-        job = self._job  # on the model's devices, whatever the reader placed them by
-        self._job = job._replace(**dict(zip(("model", "opt_state", "key"),
-                                            put((job.model, job.opt_state, job.key), self._where))))
+        job = self._job  # its arrays (PLACED) on the model's devices, whatever the reader placed them by
+        self._job = job._replace(**dict(zip(PLACED, put(tuple(getattr(job, name) for name in PLACED), self._where))))
         self._reader.log.drop()
         self._epochs.forget(restored=True)
         return self
 
     def __repr__(self) -> str:
         return f"Trainer({self.train_step!r}, steps_run={self.steps_run}, epoch={self.epoch})"
+
+
+# trainer.<field> for each position field (and field added to JobState) it does not define itself.
+add_readers(Trainer, JOB_ATTRIBUTES, lambda name: job_field(name, f"The job's ``{name}`` (:class:`JobState`)."))

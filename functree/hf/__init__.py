@@ -1,8 +1,8 @@
 """Hugging Face models: families built from ``ft.nn`` layers, loading, export and PEFT files.
 
-* :func:`from_hf` builds a model of a covered family (Llama, Qwen2, Mistral, Gemma, Phi-3,
-  GPT-2, GPT-NeoX, OPT, BERT) from a ``config.json`` and its weights (a directory, a dict
-  or a ``transformers`` model), reading ``.safetensors`` files memory-mapped; transformers
+* :func:`from_hf` builds a model of a covered family (``functree.hf._family.FAMILIES``,
+  listed in docs/guides/huggingface.md's table, which the tests check against it) from a
+  ``config.json`` and its weights (a directory, a dict or a ``transformers`` model), reading ``.safetensors`` files memory-mapped; transformers
   is imported only for a ``transformers`` object.
 * :func:`to_hf_state_dict` and :func:`save_hf` give the weights back under Hugging Face's
   names (``save_hf`` writes a directory ``from_pretrained`` reads).

@@ -276,7 +276,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     attention/MLP biases, ``head_dim``, rope types ``default``, ``linear``, ``dynamic``,
     ``yarn``, ``llama3``: :class:`ft.nn.RopeScaling`) and the families built like it,
     ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5), ``MistralForCausalLM`` (sliding-window attention),
-    ``GemmaForCausalLM`` and ``Phi3ForCausalLM`` (fused ``qkv_proj`` / ``gate_up_proj``);
+    ``GemmaForCausalLM``, ``Phi3ForCausalLM`` (fused ``qkv_proj`` / ``gate_up_proj``) and
+    ``OlmoForCausalLM`` (LayerNorm without weight or bias);
     ``GPTNeoXForCausalLM`` (Pythia: parallel residual, partial rotary); ``OPTForCausalLM``;
     ``BertModel``. ``from_hf(directory)`` reads a ``save_pretrained`` directory
     (``config.json`` and ``model.safetensors`` or a sharded ``model.safetensors.index.json``);

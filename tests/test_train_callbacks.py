@@ -315,3 +315,61 @@ def test_an_early_stopping_state_saved_without_the_best_average_loads():
     older = {k: v for k, v in stop.state_dict().items() if k != "best_average"}
     stop.load_state_dict({**older, "best": 0.5, "best_epoch": 2})
     assert stop.best_epoch == 2 and stop.best_average is None
+
+
+def test_the_restart_recipe_with_a_periodic_and_a_best_directory(tmp_path):
+    # A crash after the best directory's epoch-end save (step 9) and before the periodic one's
+    # next (12): restored from the periodic directory (8), fit refused to start ("best holds
+    # checkpoints past this trainer's step 8"). The best directory's later checkpoints of the
+    # same run are allowed now; the restarted job ends as the uninterrupted one.
+    x = np.random.default_rng(0).normal(size=(36, 2)).astype(np.float32)
+    y = x @ np.array([[2.0], [-1.0]], np.float32)
+    val = (X[:8], Y[:8])
+
+    def make():
+        return Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.Optimizer(ft.optim.adam(0.05)), loss_fn)
+
+    def batches():
+        return ft.train.batches((x, y), 4, key=jax.random.key(3))  # 9 steps per epoch
+
+    def cbs(root, *more):
+        return [ft.train.ModelCheckpoint(root / "run", every_steps=4, max_to_keep=None),
+                ft.train.ModelCheckpoint(root / "best", best_metric="val_loss", max_to_keep=1), *more]
+
+    class Crash(ft.train.Callback):
+        reads_model = False
+
+        def on_log(self, trainer, context):
+            if context.step >= 11:
+                raise RuntimeError("crash")
+
+    straight = make()
+    straight.fit(batches(), epochs=3, validation_data=val, progress=False, callbacks=cbs(tmp_path / "a"), log_every=1)
+    with pytest.raises(RuntimeError, match="crash"):
+        make().fit(batches(), epochs=3, validation_data=val, progress=False, callbacks=cbs(tmp_path / "b", Crash()),
+                   log_every=1)
+    assert ft.train.CheckpointManager(tmp_path / "b" / "best").all_steps() == [9]
+    restarted = make().restore(tmp_path / "b" / "run")
+    assert restarted.steps_run == 8
+    restarted.fit(batches(), epochs=3, validation_data=val, progress=False, callbacks=cbs(tmp_path / "b"), log_every=1)
+    np.testing.assert_array_equal(restarted.model.weight, straight.model.weight)
+    for part in ("run", "best"):
+        assert (ft.train.CheckpointManager(tmp_path / "b" / part).all_steps()
+                == ft.train.CheckpointManager(tmp_path / "a" / part).all_steps())
+    # Another run (another learning rate from step 8 on): its history begins as the best
+    # directory's later checkpoint's, until its first save point shows it went another way.
+    other = Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.Optimizer(ft.optim.adam(0.01)), loss_fn)
+    other.restore(tmp_path / "a" / "run", step=8, optimizer_state=False)
+    with pytest.raises(ValueError, match=r"past this trainer's step 8"):  # the periodic directory still refuses
+        other.fit(batches(), epochs=3, validation_data=val, progress=False, callbacks=cbs(tmp_path / "a"))
+    best = ft.train.ModelCheckpoint(tmp_path / "a" / "best", best_metric="val_loss", max_to_keep=None)
+    assert best.manager.all_steps() == [27]
+    with pytest.raises(ValueError, match=r"holds checkpoints past step 9 \(\[27\]\) of the run this job was restored"):
+        other.fit(batches(), epochs=2, validation_data=val, progress=False, callbacks=[best])
+    assert best.manager.all_steps() == [27] and other.steps_run == 9
+    best.manager.delete(27)  # the fix it names: this run's checkpoints replace the other's
+    other.fit(batches(), epochs=2, validation_data=val, progress=False, callbacks=[best])
+    assert best.manager.all_steps() == [9, 18]
+    with pytest.raises(ValueError, match=r"past this trainer's step 0"):  # a new job: not this run's
+        make().fit(batches(), epochs=1, validation_data=val, progress=False,
+                   callbacks=[ft.train.ModelCheckpoint(tmp_path / "a" / "best", best_metric="val_loss")])

@@ -30,7 +30,7 @@ from functree.optim._average import AverageState, keeps_average
 from functree.optim._hyper import group_learning_rate, learning_rate_names
 from functree.optim._lookahead import SlowState
 from functree.train._job import JobState, own_copy
-from functree.train.checkpoint._checkpoint import CheckpointManager
+from functree.train.checkpoint._checkpoint import CheckpointManager, metadata_digest
 
 __all__ = [
     "TrainingContext",
@@ -90,6 +90,16 @@ continue the other run.
        or:  manager = ft.train.CheckpointManager(directory)    # this run replaces them:
             for step in {ahead}: manager.delete(step)
             trainer.fit(..., callbacks=[ft.train.ModelCheckpoint(manager, ...)])"""
+
+REPLAY_DIVERGED = """\
+ModelCheckpoint: {directory} holds checkpoints past step {step} ({ahead}) of the run this \
+job was restored from (their history began with this job's), but this run has gone another \
+way since (other options or data after the restore): ranked with this run's, they would be \
+taken for its best. The run stops here, its state saved up to the step before (fit again \
+after either fix continues it):
+    right:  ft.train.ModelCheckpoint(another_directory, best_metric=...)   # keep both runs
+       or:  manager = ft.train.CheckpointManager(directory)    # this run replaces them:
+            for step in {ahead}: manager.delete(step)"""
 
 NOT_A_CALLBACK = """\
 A callback is a ft.train.Callback or a function of the TrainingContext, got {given}.
@@ -517,11 +527,21 @@ class ModelCheckpoint(Callback):
         self.every_steps, self.every_epochs = every_steps, every_epochs
         self.extra = extra
         self._last_saved: int | None = None
+        self._replayed: set[int] = set()  # later checkpoints of this run a best_metric directory held
 
     def on_train_begin(self, trainer: TrainerView) -> None:
         """Refuse a directory holding checkpoints past the trainer's step (:data:`STEPS_AHEAD`):
-        this run would skip those steps, and a restore would continue the other run."""
+        this run would skip those steps, and a restore would continue the other run. A
+        ``best_metric`` directory may hold later checkpoints of this very run (whose history
+        begins with this trainer's): the best of a run restored from a periodic directory
+        whose latest checkpoint is older than the best one. Ranked checkpoints are not
+        where the run resumes, and the run writes the same ones again (skipped: present)."""
         ahead = [s for s in self.manager.all_steps() if s > trainer.steps_run]
+        self._replayed = set()
+        if ahead and self.manager.best_metric is not None and all(
+                _same_run(trainer, self.manager, s) for s in ahead):
+            self._replayed = set(ahead)  # checked again when this run gets there (save)
+            return
         if ahead:
             raise ValueError(STEPS_AHEAD.format(directory=self.manager.directory, step=trainer.steps_run,
                                                 ahead=ahead))
@@ -530,7 +550,10 @@ class ModelCheckpoint(Callback):
         """Write a checkpoint of ``trainer`` now (once per step), with ``context.metrics``
         when they rank checkpoints. The Trainer calls it at save points, where
         ``trainer.model`` is the model after ``context.step``."""
-        if self._last_saved == trainer.steps_run or trainer.steps_run in self.manager.all_steps():
+        step = trainer.steps_run
+        if self._replayed:  # a best_metric directory's later checkpoints of this run: still this run's?
+            self._check_replayed(trainer)
+        if self._last_saved == step or step in self.manager.all_steps():
             return  # saved already (by this callback, or by the run a restored trainer continues)
         best = self.manager.best_metric
         if best is not None and best not in context.metrics:
@@ -542,6 +565,16 @@ class ModelCheckpoint(Callback):
         except BaseException:
             self._last_saved = None
             raise
+
+    def _check_replayed(self, trainer: TrainerView) -> None:
+        """:data:`REPLAY_DIVERGED` when the run no longer begins the history of the later
+        checkpoints it was allowed (:meth:`on_train_begin`); those up to its step are done."""
+        step, present = trainer.steps_run, self.manager.all_steps()
+        later = sorted(s for s in self._replayed if s >= step and s in present)
+        diverged = [s for s in later if not _same_run(trainer, self.manager, s)]
+        if diverged:
+            raise ValueError(REPLAY_DIVERGED.format(directory=self.manager.directory, step=step, ahead=diverged))
+        self._replayed = set(s for s in later if s > step)
 
     def _save_point(self, trainer: TrainerView, context: TrainingContext, event: str) -> None:
         """The Trainer's save points: ``"step"`` (every ``every_steps``), ``"epoch"`` (after
@@ -560,6 +593,36 @@ class ModelCheckpoint(Callback):
 
     def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         self.manager.wait_until_finished()
+
+
+def _same_run(trainer: TrainerView, manager: CheckpointManager, step: int) -> bool:
+    """Whether the checkpoint at ``step`` is a later one of ``trainer``'s run: its history's
+    step rows begin with all of the trainer's (at least one), value for value (NaN equal to
+    NaN). Read from its metadata alone (JSON, its digest checked); an unreadable or changed
+    one is not."""
+    ours = trainer.state.history.steps
+    if not ours.get("step"):
+        return False
+    try:
+        meta = json.loads((Path(manager.directory) / str(step) / "meta" / "metadata").read_text())
+        if meta.get("digest") != metadata_digest(meta):
+            return False
+        saved = meta["config"]["trainer"]["history"]["steps"]
+        return all(_same_values(column, saved[name]) for name, column in ours.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _same_values(ours: list[Any], saved: list[Any]) -> bool:
+    if len(saved) < len(ours):
+        return False
+    for a, b in zip(ours, saved):
+        if a is None or b is None:
+            if a is not b:
+                return False
+        elif float(a) != float(b) and not (math.isnan(float(a)) and math.isnan(float(b))):
+            return False
+    return True
 
 
 class HistoryLogger(Callback):

@@ -20,6 +20,7 @@ from functree import _diagnostics, _operators
 from functree._activity import SCOPE
 from functree._diagnostics import UncoveredDerivativeError
 from functree._parameters import is_parameter_leaf, parameters
+from functree._remat_policy import jax_policy, remat_policy
 from functree._tree import is_none
 
 __all__ = [
@@ -107,15 +108,62 @@ class DifferentiableFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.reverse is None and self.forward is None:
             return self.fn(*args, **kwargs)
-        fn = functools.partial(self.fn, **kwargs) if kwargs else self.fn
         # With both rules, forward-mode operators use the forward rule, all else the reverse.
         use_forward = self.forward is not None and (
             self.reverse is None or _operators.in_forward_mode()
         )
         deriv, wrt = self.forward if use_forward else self.reverse  # type: ignore[misc]
-        bound = functools.partial(deriv, **kwargs) if kwargs else deriv
-        call = _Call(self.fn, bound, wrt, args, fn)
+        fn: Callable[..., Any] = self.fn
+        labels = None
+        if kwargs:  # keyword arguments become positional ones: JAX sees (and differentiates) them
+            args, fn, deriv, wrt, labels = _Keywords(self).positional(args, kwargs, deriv, wrt)
+        call = _Call(self.fn, deriv, wrt, args, fn, labels)
         return call.with_differential() if use_forward else call.with_pullback()
+
+
+class _Keywords:
+    """A call's keyword arguments as positional ones (a keyword array is a dynamic argument).
+
+    ``inspect.signature(fn).bind`` moves every keyword naming a positional parameter to its
+    place (``f(x, scale=s)`` is ``f(x, s)``: ``wrt=1`` covers it); keywords left over (a
+    keyword-only parameter, one after a default left out) are appended after the
+    positional ones, named, and passed back by keyword. Defaults are not filled in.
+    """
+
+    def __init__(self, target: DifferentiableFunction):
+        self.target = target
+
+    def positional(
+        self, args: tuple, kwargs: dict[str, Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None,
+    ) -> tuple[tuple, Callable[..., Any], Callable[..., Any], tuple[int, ...] | None, list[str]]:
+        signature = _signature(self.target.fn)
+        if signature is not None:
+            try:
+                bound = signature.bind(*args, **kwargs)
+                args, kwargs = bound.args, bound.kwargs
+            except TypeError:
+                pass  # the call itself raises Python's error below
+        params = list(signature.parameters) if signature is not None else []
+        n, names = len(args), list(kwargs)
+        labels = [params[i] if i < len(params) else f"args[{i}]" for i in range(n)] + names
+        if wrt is not None and names:  # a covered keyword-only parameter: its new position
+            wrt = tuple(i if i < n or i >= len(params) or params[i] not in names
+                        else n + names.index(params[i]) for i in wrt)
+
+        def spread(f: Callable[..., Any]) -> Callable[..., Any]:
+            if not names:
+                return f
+            return lambda *a: f(*a[:n], **dict(zip(names, a[n:])))
+
+        return (*args, *kwargs.values()), spread(self.target.fn), spread(deriv), wrt, labels
+
+
+@functools.lru_cache(maxsize=256)
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
 
 
 def differentiable(fn: Callable[..., Any]) -> DifferentiableFunction:
@@ -270,6 +318,14 @@ def _is_data(x: Any) -> bool:
     )
 
 
+def _is_static_integer(x: Any) -> bool:
+    """A Python int or bool, or a tree of them only (``axis=1``, ``axes=(0, 2)``): a
+    constant of the call, as JAX's ``nondiff_argnums`` makes it; traced, an axis or a size
+    would fail under ``jax.jit`` (a Python float stays data: it may be differentiated)."""
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(isinstance(leaf, int) for leaf in leaves)  # bool is an int
+
+
 def _is_primal(x: Any) -> bool:
     return isinstance(x, CustomVJPPrimal)
 
@@ -296,8 +352,9 @@ def _parameter_flags(x: Any) -> list[bool]:
 class _Call:
     """One call of a function carrying a custom derivative, as JAX sees it.
 
-    Arguments that are not arrays (a string flag, a callable) are bound as constants; the
-    rest are the *dynamic* arguments JAX differentiates. ``wrt`` (original positions) are
+    Arguments that are not arrays (a string flag, a callable) and Python ints and bools
+    (an axis, a size) are bound as constants; the rest are the *dynamic* arguments JAX
+    differentiates (a Python float among them: it may be differentiated). ``wrt`` (original positions) are
     the arguments the registered derivative covers, by default every one carrying floats.
 
     Differentiating with respect to an argument (or key path) the rule does not cover is
@@ -308,10 +365,10 @@ class _Call:
 
     def __init__(
         self, original: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None,
-        args: tuple, fn: Callable[..., Any],
+        args: tuple, fn: Callable[..., Any], labels: list[str] | None = None,
     ):
-        self.original, self.registered = original, wrt
-        self.dynamic = [i for i, a in enumerate(args) if _is_data(a)]
+        self.original, self.registered, self.labels = original, wrt, labels
+        self.dynamic = [i for i, a in enumerate(args) if _is_data(a) and not _is_static_integer(a)]
         if wrt is None:
             wrt = tuple(i for i in self.dynamic if jax.tree.leaves(parameters(args[i])))
         else:  # wrt=-1 is the last argument
@@ -339,6 +396,8 @@ class _Call:
     # -- errors
 
     def _name(self, i: int) -> str:
+        if self.labels is not None and i < len(self.labels):
+            return self.labels[i]
         try:
             return list(inspect.signature(self.original).parameters)[i]
         except (TypeError, ValueError, IndexError):
@@ -474,10 +533,27 @@ class _Call:
                 _tangent_view(primals[k], jax.tree.map(_instantiate, tangents[k], is_leaf=_is_symbolic_zero))
                 for k in self.covered
             ]
-            return value, df(*chosen)
+            return value, _filled_tangent(value, df(*chosen))
 
         custom.defjvp(jvp, symbolic_zeros=True)
         return custom(*self.dyn_args)
+
+
+def _filled_tangent(value: Any, tangent: Any) -> Any:
+    """The differential's result with ``None`` as JAX's zeros: float0 at an integer or bool
+    output (an argmax: no tangent), zeros at a float one (the reverse rule's ``None``).
+    A result of another structure is returned as is, for JAX's own error."""
+    def fill(y: Any, t: Any) -> Any:
+        if t is not None:
+            return t
+        if isinstance(y, float) or is_parameter_leaf(y):
+            return jnp.zeros(jnp.shape(y), jnp.result_type(y))
+        return np.zeros(jnp.shape(y), jax.dtypes.float0)
+
+    try:
+        return jax.tree.map(fill, value, tangent)
+    except (ValueError, TypeError):
+        return tangent
 
 
 def _tangent_view(primal: Any, tangent: Any) -> Any:
@@ -504,13 +580,27 @@ def without_derivative(at: Any) -> Any:
     return out
 
 
+_RECOMPUTATION_USAGE = (
+    "ft.with_recomputation_in_pullbacks(f, policy={given!r})",
+    'ft.with_recomputation_in_pullbacks(f, policy="dots_with_no_batch_dims_saveable")\n'
+    "       or:  ft.with_recomputation_in_pullbacks(f)   # save nothing: recompute all of f",
+)
+
+
 def with_recomputation_in_pullbacks(
-    f: Callable[..., Any], policy: Callable[..., Any] | str | None = None
+    f: Callable[..., Any], policy: Callable[..., Any] | str | bool | None = None
 ) -> Callable[..., Any]:
     """Checkpointing: ``f`` whose pullback recomputes its intermediate values.
 
-    ``policy`` is a ``jax.checkpoint_policies`` policy or its name
-    (``"dots_with_no_batch_dims_saveable"``) choosing what may be saved instead.
+    ``policy`` chooses what may be saved instead: ``None`` or ``True`` (nothing but the
+    inputs), the name of a policy in ``jax.checkpoint_policies``
+    (``"dots_with_no_batch_dims_saveable"``; a factory such as ``save_only_these_names`` is
+    called first: ``jax.checkpoint_policies.save_only_these_names("a")``) or a policy
+    function; anything else is an error listing the names. ``False`` is off: ``f`` itself.
+
+    Arguments that are not arrays (a string flag, a callable) and Python ints and bools
+    (an axis) are constants of the call, positional or keyword, as ``jax.checkpoint``'s
+    ``static_argnums`` would make them.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -518,10 +608,37 @@ def with_recomputation_in_pullbacks(
       >>> round(float(ft.gradient(f, at=0.5)), 4)
       0.7786
     """
-    if isinstance(policy, str):
-        if not hasattr(jax.checkpoint_policies, policy):
-            names = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
-            raise ValueError(f"Unknown checkpoint policy {policy!r}; choose one of {names}.")
-        policy = getattr(jax.checkpoint_policies, policy)
-    return functools.wraps(f)(jax.checkpoint(f, policy=policy))  # pyright: ignore[reportArgumentType]
+    checked = remat_policy(policy, arg="policy", usage=_RECOMPUTATION_USAGE)
+    if checked is False:
+        return f
+    policy = jax_policy(checked)
+    whole = jax.checkpoint(f, policy=policy)  # pyright: ignore[reportArgumentType]
 
+    @functools.wraps(f)
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        if all(_is_dynamic(a) for a in args) and all(_is_dynamic(v) for v in kwargs.values()):
+            return whole(*args, **kwargs)  # the common case: every argument is data
+        return _with_constants(f, policy, args, kwargs)
+
+    return recomputed
+
+
+def _is_dynamic(x: Any) -> bool:
+    return _is_data(x) and not _is_static_integer(x)
+
+
+def _with_constants(f: Callable[..., Any], policy: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``f(*args, **kwargs)`` checkpointed with its non-data arguments bound as constants."""
+    dyn_pos = [i for i, a in enumerate(args) if _is_dynamic(a)]
+    dyn_kw = [k for k, v in kwargs.items() if _is_dynamic(v)]
+
+    def inner(*dyn: Any) -> Any:
+        full = list(args)
+        for i, value in zip(dyn_pos, dyn):
+            full[i] = value
+        kw = dict(kwargs)
+        kw.update(zip(dyn_kw, dyn[len(dyn_pos):]))
+        return f(*full, **kw)
+
+    dyn = [args[i] for i in dyn_pos] + [kwargs[k] for k in dyn_kw]
+    return jax.checkpoint(inner, policy=policy)(*dyn)  # pyright: ignore[reportArgumentType]

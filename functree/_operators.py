@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,7 +39,7 @@ from functree import _diagnostics
 from functree._parameters import is_parameter_leaf, parameters
 from functree._plan import Plan
 from functree._plan import fn_name as _fn_name
-from functree._tangent import Advice, check_tangent
+from functree._tangent import Advice, check_tangent, matched_dtypes
 from functree._tree import is_none
 
 __all__ = [
@@ -154,14 +155,20 @@ def _result_cotangent(what: str, value: Any, cotangent: Any) -> Any:
     """The cotangent JAX's pullback takes, from one shaped like the result's parameter view.
 
     A cotangent is a tangent of the result: a value at one of its non-parameters is refused
-    like any tangent's (:func:`ft.check_tangent`); ``None`` there becomes JAX's zero.
+    like any tangent's (:func:`ft.check_tangent`); ``None`` there becomes JAX's zero, and
+    stays ``None`` where the result itself holds ``None`` (an empty subtree to JAX). A
+    Python number is cast to its result leaf's dtype; an array of another dtype is refused
+    (:func:`matched_dtypes`).
     """
     check_tangent(what, cotangent, value, advice=_PULLBACK, allow_float0=True)
-    if jax.tree.structure(cotangent) == jax.tree.structure(value):
-        return cotangent  # no None left to fill: the common case, one flatten each
-    return jax.tree.map(
-        lambda c, y: _zeros_for(y) if c is None else c, cotangent, value, is_leaf=is_none
-    )
+    if jax.tree.structure(cotangent) != jax.tree.structure(value):
+        c_leaves, c_def = jax.tree.flatten(cotangent, is_leaf=is_none)
+        y_leaves, y_def = jax.tree.flatten(value, is_leaf=is_none)
+        if c_def == y_def:  # else another structure: JAX's own check names it
+            cotangent = y_def.unflatten([
+                None if y is None else _zeros_for(y) if c is None else c for c, y in zip(c_leaves, y_leaves)
+            ])
+    return matched_dtypes(what, "cotangent", cotangent, value)
 
 
 def _calls_reverse_only(g: Callable[..., Any], primals: Sequence[Any]) -> bool:
@@ -191,6 +198,22 @@ def _has_reverse_only(jaxpr: Any) -> bool:
         if any(_has_reverse_only(j) for j in compat.sub_jaxprs(eqn.params)):
             return True
     return False
+
+
+def _refuse_reverse_only(op: str, fn: Callable[..., Any], g: Callable[..., Any], primals: Sequence[Any]) -> None:
+    """Under a transformation (``jax.jit``), raise :data:`REVERSE_ONLY` at trace time.
+
+    There JAX stages the forward-mode call of a reverse-only rule and fails only when the
+    outer program is processed, outside functree (its explanation lost). A traced point is
+    traced once per compilation; eager calls skip this (JAX fails inside the operator, and
+    :func:`_explain_reverse_only` explains it).
+    """
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(primals)):
+        return
+    shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(primals)]
+    abstract = jax.tree.unflatten(jax.tree.structure(primals), shapes)
+    if _calls_reverse_only(g, abstract):
+        raise TypeError(REVERSE_ONLY.format(op=op, fn=_fn_name(fn)))
 
 
 @contextlib.contextmanager
@@ -251,11 +274,13 @@ def _operator(op: str, f: Callable[..., Any], at: Any, impl: Callable[..., Any])
 
 
 def value_with_gradient(
-    f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, has_aux: bool = False
+    f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Any:
     """``(f(x), ∇f(x))``: the value and the gradient of a scalar function.
 
-    Returns ``((value, aux), gradient)`` when ``has_aux=True``.
+    Returns ``((value, aux), gradient)`` when ``has_aux=True``. ``holomorphic=True``: a
+    complex ``f`` of complex arguments, as :func:`gradient`'s.
 
     Example:
       >>> import functree as ft
@@ -264,20 +289,24 @@ def value_with_gradient(
     """
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        return _value_and_grad("value_with_gradient", fn, args, wrt, has_aux)
+        return _value_and_grad("value_with_gradient", fn, args, wrt, has_aux, holomorphic)
 
     return _operator("value_with_gradient", f, at, impl)
 
 
-def _value_and_grad(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
+def _value_and_grad(
+    op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool, holomorphic: bool = False
+) -> Any:
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap(_check_scalar(f"ft.{op}", fn, has_aux))
     g = _diagnostics.check("gradient", fn, g, plan)  # the check's trace, replayed where it can be
-    return jax.value_and_grad(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+    grad = jax.value_and_grad(g, argnums=plan.argnums, has_aux=has_aux, holomorphic=holomorphic)
+    return grad(*plan.primals)
 
 
 def gradient(
-    f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, has_aux: bool = False
+    f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Any:
     """``∇f``: the gradient function of a scalar ``f``, or the gradient at ``at``.
 
@@ -291,6 +320,12 @@ def gradient(
     ``jnp.conj(grad)``, and a raw optax transform (which expects torch's convention)
     needs ``jnp.conj`` too.
 
+    ``holomorphic=True`` differentiates a complex ``f`` of complex arguments that is
+    holomorphic (``z ** 2``): the result is ``f'(z)`` itself, as ``jax.grad(f,
+    holomorphic=True)`` (every differentiated leaf must then be complex). A
+    non-holomorphic complex result (``|z|``, ``conj(z)``) has no such derivative: take
+    :func:`value_with_pullback` and pull back the cotangent you mean.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> dfdx = ft.gradient(lambda x: (x * x).sum())
@@ -301,7 +336,7 @@ def gradient(
     """
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
-        value, grads = _value_and_grad("gradient", fn, args, wrt, has_aux)
+        value, grads = _value_and_grad("gradient", fn, args, wrt, has_aux, holomorphic)
         return (grads, value[1]) if has_aux else grads
 
     return _operator("gradient", f, at, impl)
@@ -379,6 +414,7 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
     with _forward_mode():
+        _refuse_reverse_only(op, fn, g, plan.primals)
         g = _diagnostics.check("differential", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
         with _explain_reverse_only(op, fn, g, plan.primals):
             out = jax.linearize(g, *plan.primals, has_aux=has_aux)
@@ -387,6 +423,8 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
         tangents = plan.split_input(tangent)
         for t, view, i in zip(tangents, plan.primals, plan.indices):
             check_tangent(f"ft.{op}", t, plan.args[i], view, advice=_DIFFERENTIAL, structure=True)
+        tangents = tuple(matched_dtypes(f"ft.{op}", "tangent", t, view, "" if plan.single else f"[{k}]")
+                         for k, (t, view) in enumerate(zip(tangents, plan.primals)))
         with _forward_mode(), _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here
             # The result's tangent in its parameter view (None at a no_derivative field, and
             # at an integer leaf, whose tangent is float0), as ft.move and pullbacks take it.
@@ -433,10 +471,16 @@ def derivative(f: Callable[..., Any], at: Any = _MISSING, *, wrt: int = 0) -> An
 
 
 def jacobian(
-    f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, mode: str = "reverse", has_aux: bool = False
+    f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, mode: str = "reverse", has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Any:
     """The Jacobian ``J_f(x)``, built from pullbacks (``mode="reverse"``) or differentials
     (``mode="forward"``) of basis vectors.
+
+    The rows are the result's parameter view: ``None`` at a ``no_derivative`` field and at
+    an integer or bool result leaf (an argmax has no derivative), in both modes.
+    ``holomorphic=True``: a holomorphic complex ``f`` of complex arguments, whose Jacobian
+    is ``∂f/∂z`` (as ``jax.jacrev(f, holomorphic=True)``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -450,20 +494,52 @@ def jacobian(
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         plan = Plan("jacobian", fn, args, wrt)
-        g = plan.wrap()
         forward = mode == "forward"
+        # Reverse mode pulls back the result's parameter view: an integer leaf (no row) is
+        # None there, as forward mode's float0 columns become None below.
+        g = plan.wrap() if forward else plan.wrap(_result_view(has_aux))
         with _forward_mode() if forward else contextlib.nullcontext():
+            if forward:
+                _refuse_reverse_only("jacobian", fn, g, plan.primals)
             g = _diagnostics.check("pullback", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
+            jac = transform(g, argnums=plan.argnums, has_aux=has_aux, holomorphic=holomorphic)
             if not forward:
-                out = transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+                out = jac(*plan.primals)
             else:
                 with _explain_reverse_only("jacobian", fn, g, plan.primals):
-                    out = transform(g, argnums=plan.argnums, has_aux=has_aux)(*plan.primals)
+                    out = jac(*plan.primals)
             # In the result's parameter view, as the differential's (the result's Modules
             # hold the Jacobian's rows: a no_derivative field's are None).
             return (parameters(out[0]), *out[1:]) if has_aux else parameters(out)
 
     return _operator("jacobian", f, at, impl)
+
+
+def _result_view(has_aux: bool) -> Callable[[Any], Any]:
+    def view(out: Any) -> Any:
+        return (parameters(out[0]), *out[1:]) if has_aux else parameters(out)
+
+    return view
+
+
+COMPLEX_HESSIAN = """\
+ft.hessian: {fn} is differentiated at a complex parameter ({where}, {dtype}). The Hessian \
+of a real function of complex parameters is not one complex matrix (it mixes ∂²/∂z∂z and \
+∂²/∂z∂z̄); JAX's forward-over-reverse Hessian takes real parameters only. Differentiate \
+with respect to the real and imaginary parts as real arrays:
+
+    wrong:  ft.hessian(f, at=z)
+    right:  ft.hessian(lambda re, im: f(jax.lax.complex(re, im)), wrt=(0, 1))(z.real, z.imag)
+       or:  jax.hessian(f, holomorphic=True)(z)   # a holomorphic complex f
+"""
+
+
+def _refuse_complex(fn: Callable[..., Any], plan: Plan) -> None:
+    for i, view in zip(plan.indices, plan.primals):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(view)[0]:
+            if jnp.iscomplexobj(leaf):
+                where = f"argument {i}" + (f" at {jax.tree_util.keystr(path)}" if path else "")
+                raise TypeError(COMPLEX_HESSIAN.format(fn=_fn_name(fn), where=where, dtype=jnp.result_type(leaf)))
 
 
 def hessian(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
@@ -478,6 +554,7 @@ def hessian(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
 
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         plan = Plan("hessian", fn, args, wrt)
+        _refuse_complex(fn, plan)
         g = plan.wrap(_check_scalar("ft.hessian", fn, False))
         with _forward_mode():  # forward over reverse
             g = _diagnostics.check("gradient", fn, g, plan)  # the check's trace, replayed where it can be

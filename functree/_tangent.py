@@ -38,6 +38,21 @@ __all__ = [
     "check_tangent",
 ]
 
+TANGENT_DTYPE = """\
+{what}: the {kind} at {path} has dtype {given}; {against} there has dtype {expected}. \
+JAX takes a {kind} in exactly that dtype, and casting it for you would round it (or drop \
+an imaginary part) without a word. A Python number is cast for you (it has no dtype of its own).
+    wrong:  {what}(... {kind} of dtype {given} at {path} ...)
+    right:  cast it yourself: jax.tree.map(lambda t: t.astype(jnp.{expected}), {kind})
+       or:  build it from the parameters: jax.tree.map(jnp.ones_like, ft.parameters(x))"""
+
+COMPLEX_ON_REAL = """\
+ft.move: the tangent at {path} is complex ({given}); the parameter there is real \
+({expected}). Moving along it would silently drop the imaginary part.
+    wrong:  ft.move(model, along=complex_tangent)
+    right:  ft.move(model, along=jax.tree.map(jnp.real, complex_tangent))   # if the real part is meant
+       or:  make the parameter complex: x.astype(jnp.complex64)"""
+
 TANGENT_AT_NON_PARAMETER = """\
 {what}: the tangent has a value at {path}, which is {why}. A tangent (a gradient, an \
 update, a direction) has the parameter view's structure, None at every non-parameter; \
@@ -66,6 +81,14 @@ class _NonParameterValue(Exception):
     """A tangent's value met a leaf that is not a parameter (raised inside a map)."""
 
 
+class _ComplexOnReal(Exception):
+    """A complex tangent met a real parameter (raised inside a map)."""
+
+    def __init__(self, t: Any, x: Any):
+        super().__init__()
+        self.leaf, self.given, self.expected = t, jnp.result_type(t), jnp.result_type(x)
+
+
 
 def move_leaf(t: Any, x: Any) -> Any:
     """One parameter moved along its tangent: ``x + t`` in ``x``'s dtype (``None``: no move).
@@ -86,6 +109,8 @@ def move_leaf(t: Any, x: Any) -> Any:
     t = jnp.asarray(t)
     if t.dtype == dtype:
         return x + t
+    if jnp.iscomplexobj(t) and not jnp.iscomplexobj(x):
+        raise _ComplexOnReal(t, x)
     with jax.numpy_dtype_promotion("standard"):  # the type the sum is exact in (f16, f32: f32)
         wide = jnp.promote_types(dtype, t.dtype)
     return (jnp.asarray(x).astype(wide) + t.astype(wide)).astype(dtype)
@@ -110,6 +135,9 @@ def move(x: Any, *, along: Any) -> Any:
     except ShapeMismatch as e:
         raise ValueError(TANGENT_SHAPE.format(what="ft.move", path=path_of(along, e.leaf), given=e.given,
                                               expected=e.expected)) from None
+    except _ComplexOnReal as e:
+        raise ValueError(COMPLEX_ON_REAL.format(path=path_of(along, e.leaf), given=e.given,
+                                                expected=e.expected)) from None
     except _NonParameterValue:
         check_tangent("ft.move", along, x, advice=_MOVE, cache=False, structure=True)
         raise ValueError(  # the check above names the key path; this is its fallback
@@ -178,6 +206,46 @@ def check_tangent(
                 )
     if key is not None:
         bounded_put(_CHECKED, key, True)
+
+
+def _is_python_number(t: Any) -> bool:
+    return isinstance(t, (int, float, complex)) and not isinstance(t, (bool, np.generic))
+
+
+def matched_dtypes(what: str, kind: str, tangent: Any, expected: Any, prefix: str = "") -> Any:
+    """``tangent`` in the dtypes of ``expected``'s leaves (a differential's primal view, a
+    pullback's result), as JAX's linearized functions and pullbacks take it.
+
+    A Python number is cast to its leaf's dtype (``df(1.0)`` at a bfloat16 point), as JAX
+    casts a weakly typed scalar; a real number to a complex leaf too (exact). An array of
+    another dtype is refused with :data:`TANGENT_DTYPE`, naming the key path: a bfloat16
+    tangent of a float32 parameter is rounded already, a float32 one of a bfloat16 parameter
+    would be rounded. ``None``, float0 and leaves that are not parameters are left to the
+    structure checks. Trees of another structure are returned as they are. ``prefix``
+    starts the key path an error names (``[1]``: the second of several tangents).
+    """
+    t_leaves, t_def = jax.tree.flatten(tangent, is_leaf=is_none)
+    e_leaves = jax.tree.leaves(expected, is_leaf=is_none)
+    if len(t_leaves) != len(e_leaves):
+        return tangent
+    out, changed = [], False
+    for k, (t, e) in enumerate(zip(t_leaves, e_leaves)):
+        if t is None or e is None or _is_float0(t) or not (isinstance(e, float) or is_parameter_leaf(e)):
+            out.append(t)
+            continue
+        want = jnp.result_type(e)
+        if _is_python_number(t) and not (isinstance(t, complex) and not jnp.iscomplexobj(e)):
+            out.append(jnp.asarray(t, want))
+            changed = True
+            continue
+        given = jnp.result_type(t)
+        if given != want:
+            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tangent, is_leaf=is_none)[0][k][0])
+            raise ValueError(TANGENT_DTYPE.format(
+                what=what, kind=kind, path=prefix + path or "<root>", given=given, expected=want,
+                against="the parameter" if kind == "tangent" else "the result"))
+        out.append(t)
+    return t_def.unflatten(out) if changed else tangent
 
 
 def _is_float0(t: Any) -> bool:
@@ -280,7 +348,10 @@ def tangent_scale(a: Any, scale: Any) -> Any:
     """``scale * a`` at every leaf, keeping each leaf's dtype.
 
     ``scale`` may be a Python number or a scalar array of any float dtype (a learning rate
-    held as a float32 array scales bfloat16 leaves without a promotion error).
+    held as a float32 array scales bfloat16 leaves without a promotion error). The product
+    is taken in at least float32 (``promote_types(dtype, float32)``) and rounded once to the
+    leaf's dtype, as torch's ``bf16_tensor * lr`` and :func:`move` do: rounding the scale to
+    bfloat16 first (``0.003`` is ``0.0030059…`` there) biased every product by +0.2%.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -290,7 +361,11 @@ def tangent_scale(a: Any, scale: Any) -> Any:
 
     def scaled(t: Any) -> Any:
         dtype = jnp.result_type(t)
-        return (t * jax.lax.convert_element_type(scale, dtype)).astype(dtype)
+        # promote_types(dtype, float32), read off the size (strict promotion refuses the call):
+        # float32 for bfloat16, float16 and float8; the dtype itself from 32 bits up.
+        wide = dtype if np.dtype(dtype).itemsize >= 4 else np.dtype(np.float32)
+        product = jnp.asarray(t, wide) * jax.lax.convert_element_type(scale, wide)
+        return product.astype(dtype)
 
     return jax.tree.map(scaled, a)
 

@@ -14,6 +14,7 @@ import pytest
 from jax.test_util import check_grads
 
 import functree as ft
+from functree._remat_policy import policy_names
 
 
 def make_scaled_square() -> tuple[Any, list[str]]:
@@ -224,7 +225,7 @@ def test_recomputation_policy_by_name_and_unknown_policy():
     x = jnp.ones((2, 3))
     saving = ft.with_recomputation_in_pullbacks(mlp, policy="dots_with_no_batch_dims_saveable")
     np.testing.assert_allclose(ft.gradient(saving, at=x), jax.grad(mlp)(x), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="Unknown checkpoint policy 'save_all'; choose one of"):
+    with pytest.raises(ValueError, match=r"policy='save_all' is not a rematerialisation policy(.|\n)*Policy names: "):
         ft.with_recomputation_in_pullbacks(mlp, policy="save_all")
 
 
@@ -602,3 +603,152 @@ def test_a_rule_sees_only_the_arguments_of_the_call_not_the_defaults(mode):
     np.testing.assert_allclose(ft.gradient(lambda x: (ste(x) * x).sum(), at=x),
                                jnp.round(x) + x, rtol=0, atol=1e-6)
     np.testing.assert_allclose(ste(x), jnp.round(x), rtol=0, atol=0)
+
+
+# -- keyword arrays, Python ints, forward rules' None tangents, recomputation's constants
+
+
+def _scaled_sin(wrt: Any = None, mode: str = "reverse") -> Any:
+    def f(x: jax.Array, scale: Any = 1.0) -> jax.Array:
+        return scale * jnp.sin(x)
+
+    if mode == "reverse":
+        @ft.derivative(of=f, wrt=wrt)
+        def rule(x: jax.Array, scale: Any = 1.0) -> Any:
+            if wrt == 0:
+                return f(x, scale), lambda v: v * scale * jnp.cos(x)
+            return f(x, scale), lambda v: (v * scale * jnp.cos(x), jnp.sum(v * jnp.sin(x)))
+    else:
+        @ft.derivative(of=f, wrt=wrt, mode="forward")
+        def rule(x: jax.Array, scale: Any = 1.0) -> Any:
+            if wrt == 0:
+                return f(x, scale), lambda tx: scale * jnp.cos(x) * tx
+            return f(x, scale), lambda tx, ts: scale * jnp.cos(x) * tx + ts * jnp.sin(x)
+    return rule
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_an_array_passed_by_keyword_is_differentiated_like_a_positional_one(mode: str) -> None:
+    x, s = jnp.array([0.3, 1.2]), jnp.array(2.0)
+    f = _scaled_sin(mode=mode)
+    expected_x = jax.grad(lambda x: jnp.sum(s * jnp.sin(x)))(x)
+    expected_s = jax.grad(lambda s: jnp.sum(s * jnp.sin(x)))(s)
+    np.testing.assert_allclose(ft.gradient(lambda x: f(x, scale=s).sum(), at=x), expected_x, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ft.gradient(lambda s: f(x, scale=s).sum(), at=s), expected_s, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda s: f(x, scale=s).sum()))(s), expected_s, rtol=0, atol=1e-6)
+    if mode == "forward":
+        np.testing.assert_allclose(ft.differential(lambda s: f(x, scale=s).sum(), at=s)(1.0), expected_s,
+                                   rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_a_keyword_array_outside_wrt_is_an_uncovered_derivative_error(mode: str) -> None:
+    x, s = jnp.array([0.3, 1.2]), jnp.array(2.0)
+    f = _scaled_sin(wrt=0, mode=mode)
+    np.testing.assert_allclose(ft.gradient(lambda x: f(x, scale=s).sum(), at=x),
+                               jax.grad(lambda x: jnp.sum(s * jnp.sin(x)))(x), rtol=0, atol=1e-6)
+    for run in (lambda: ft.gradient(lambda s: f(x, scale=s).sum(), at=s),
+                lambda: jax.jit(ft.gradient(lambda s: f(x, scale=s).sum()))(s),
+                lambda: ft.gradient(lambda x, s: f(x, scale=s).sum(), wrt=(0, 1))(x, s)):
+        with pytest.raises(ft.UncoveredDerivativeError, match=r"argument 1 \(`scale`\)"):
+            run()
+
+
+def test_a_keyword_only_array_is_a_dynamic_argument() -> None:
+    def f(x: jax.Array, *, scale: jax.Array) -> jax.Array:
+        return scale * jnp.sin(x)
+
+    @ft.derivative(of=f)
+    def rule(x: jax.Array, *, scale: jax.Array) -> Any:
+        return f(x, scale=scale), lambda v: (v * scale * jnp.cos(x), jnp.sum(v * jnp.sin(x)))
+
+    x, s = jnp.array([0.3, 1.2]), jnp.array(2.0)
+    np.testing.assert_allclose(ft.gradient(lambda s: rule(x, scale=s).sum(), at=s),
+                               jnp.sum(jnp.sin(x)), rtol=0, atol=1e-6)
+
+
+def _softmax_rule() -> Any:
+    def softmax(x: jax.Array, axis: int) -> jax.Array:
+        return jax.nn.softmax(x, axis=axis)
+
+    @ft.derivative(of=softmax, wrt=0)
+    def rule(x: jax.Array, axis: int) -> Any:
+        y = jax.nn.softmax(x, axis=axis)
+        return y, lambda v: y * (v - jnp.sum(v * y, axis=axis, keepdims=True))
+
+    return rule
+
+
+def test_a_python_int_argument_is_a_constant_under_jit() -> None:
+    softmax = _softmax_rule()
+    x = jnp.array([[0.3, 1.0, -0.5], [2.0, 0.1, 0.0]])
+    w = jnp.arange(6.0).reshape(2, 3)
+    np.testing.assert_allclose(jax.jit(lambda x: softmax(x, 1))(x), jax.nn.softmax(x, axis=1), rtol=0, atol=1e-7)
+    np.testing.assert_allclose(jax.jit(lambda x: softmax(x, axis=1))(x), jax.nn.softmax(x, axis=1), rtol=0, atol=1e-7)
+    expected = jax.grad(lambda x: jnp.sum(jax.nn.softmax(x, axis=1) * w))(x)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(softmax(x, 1) * w)))(x)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+
+def test_a_python_float_argument_stays_differentiable_data() -> None:
+    f = _scaled_sin()
+    x = jnp.array([0.3, 1.2])
+    # A Python float scale is data (traced): jit does not retrace per value, and it may be differentiated.
+    np.testing.assert_allclose(ft.gradient(lambda s: f(x, s).sum(), at=2.0), jnp.sum(jnp.sin(x)), rtol=0, atol=1e-6)
+
+
+def test_a_forward_rule_may_give_none_as_the_tangent_of_an_integer_output() -> None:
+    def maxi(x: jax.Array) -> Any:
+        return jnp.max(x), jnp.argmax(x)
+
+    @ft.derivative(of=maxi, mode="forward")
+    def rule(x: jax.Array) -> Any:
+        i = jnp.argmax(x)
+        return (jnp.max(x), i), lambda t: (t[i], None)
+
+    x = jnp.array([0.3, 2.0, -1.0])
+    expected = jax.grad(lambda x: 3.0 * jnp.max(x))(x)
+    np.testing.assert_array_equal(ft.gradient(lambda x: 3.0 * rule(x)[0], at=x), expected)
+    np.testing.assert_array_equal(ft.jacobian(lambda x: 3.0 * rule(x)[0], at=x, mode="forward"), expected)
+    value_tangent, index_tangent = ft.differential(rule, at=x)(jnp.array([0.0, 3.0, 0.0]))
+    assert float(value_tangent) == 3.0 and index_tangent is None
+
+
+def _kind(x: jax.Array, kind: str, activation: Callable[..., Any] = jnp.sin) -> jax.Array:
+    return jnp.sum(activation(x) ** 2) if kind == "sq" else jnp.sum(activation(x))
+
+
+def test_recomputation_passes_strings_callables_and_ints_as_constants() -> None:
+    x = jnp.array([0.3, 1.0])
+    h = ft.with_recomputation_in_pullbacks(_kind)
+    expected = jax.grad(jax.checkpoint(_kind, static_argnums=(1, 2)))(x, "sq", jnp.tanh)
+    np.testing.assert_allclose(ft.gradient(h)(x, "sq", jnp.tanh), expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ft.gradient(lambda x: h(x, kind="sq", activation=jnp.tanh))(x), expected,
+                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(ft.gradient(lambda x: h(x, "sq", activation=jnp.tanh)))(x), expected,
+                               rtol=0, atol=1e-6)
+    summed = ft.with_recomputation_in_pullbacks(lambda x, axis: jnp.sum(jnp.sin(x), axis=axis).sum())
+    np.testing.assert_allclose(jax.jit(ft.gradient(lambda x: summed(x, 0)))(x), jnp.cos(x), rtol=0, atol=1e-6)
+
+
+def _policy_loss(w: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.tanh(x @ w) @ w)
+
+
+@pytest.mark.parametrize("policy", [None, True, *policy_names()])
+def test_every_listed_recomputation_policy_runs_with_the_plain_gradient(policy: Any) -> None:
+    w, x = jax.random.normal(jax.random.key(0), (3, 3)), jnp.ones((2, 3))
+    expected = jax.grad(_policy_loss)(w, x)
+    got = ft.gradient(ft.with_recomputation_in_pullbacks(_policy_loss, policy=policy))(w, x)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+
+def test_recomputation_refuses_policies_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match=r"policy='save_only_these_names' names a policy factory(.|\n)*"
+                                         r"save_only_these_names\(\"name\""):
+        ft.with_recomputation_in_pullbacks(_policy_loss, policy="save_only_these_names")
+    with pytest.raises(ValueError, match=r"policy='save_everything' is not a rematerialisation policy(.|\n)*"
+                                         r"with_recomputation_in_pullbacks\(f, policy=(.|\n)*dots_saveable"):
+        ft.with_recomputation_in_pullbacks(_policy_loss, policy="save_everything")
+    with pytest.raises(ValueError, match=r"policy=3 is not a rematerialisation policy"):
+        ft.with_recomputation_in_pullbacks(_policy_loss, policy=3)  # pyright: ignore[reportArgumentType]

@@ -507,3 +507,112 @@ def test_a_key_path_as_wrt_names_its_text():
         ft.gradient(lambda m: m(jnp.ones((1, 2))).sum(), at=model, wrt=path)
     grads = ft.gradient(lambda m: m(jnp.ones((1, 2))).sum(), at=model, wrt=path.name)
     assert grads.layers[0].weight is None and grads.layers[0].bias is not None
+
+
+# -- results holding None and integer leaves, complex and holomorphic functions, dtypes
+
+
+def test_a_pullback_keeps_none_where_the_result_holds_none_beside_an_integer_leaf() -> None:
+    x = jnp.array([0.3, -1.0])
+    y, pb = ft.value_with_pullback(lambda x: {"y": jnp.sin(x), "cache": None, "step": jnp.array(1)}, at=x)
+    expected = jax.vjp(jnp.sin, x)[1](jnp.ones(2))[0]
+    np.testing.assert_allclose(pb(jax.tree.map(jnp.ones_like, ft.parameters(y))), expected, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(pb({"y": jnp.ones(2), "cache": None, "step": None}), expected, rtol=0, atol=1e-7)
+
+
+class _Counted(ft.Module):
+    w: jax.Array
+    count: jax.Array
+    bias: jax.Array
+    nd: jax.Array = ft.field(no_derivative=True)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_the_jacobian_of_a_result_with_an_integer_leaf_has_none_there(mode: str) -> None:
+    x = jnp.array([0.3, -1.0])
+    J = ft.jacobian(lambda x: _Counted(jnp.sin(x) * 2, jnp.array(3), jnp.zeros(1), x ** 2), at=x, mode=mode)
+    assert J.count is None and J.nd is None
+    np.testing.assert_allclose(J.w, jax.jacrev(lambda x: jnp.sin(x) * 2)(x), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(J.bias, np.zeros((1, 2), np.float32))
+
+
+_Z = jnp.array([0.3 - 0.1j, 1.0 + 2.0j], jnp.complex64)
+
+
+def test_holomorphic_gradient_and_jacobian_equal_jax() -> None:
+    h = lambda q: jnp.sum(q ** 2)  # noqa: E731
+    expected = jax.grad(h, holomorphic=True)(_Z)
+    np.testing.assert_allclose(ft.gradient(h, at=_Z, holomorphic=True), expected, rtol=0, atol=1e-6)
+    value, grad = ft.value_with_gradient(h, at=_Z, holomorphic=True)
+    np.testing.assert_allclose(value, h(_Z), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(grad, expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(grad, 2 * _Z, rtol=0, atol=1e-6)  # f'(z) = 2z
+    square = lambda q: q ** 2  # noqa: E731
+    for mode, jax_jacobian in [("reverse", jax.jacrev), ("forward", jax.jacfwd)]:
+        np.testing.assert_allclose(ft.jacobian(square, at=_Z, mode=mode, holomorphic=True),
+                                   jax_jacobian(square, holomorphic=True)(_Z), rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match="pass holomorphic=True"):  # the advice JAX gives now exists
+        ft.gradient(h, at=_Z)
+
+
+def test_the_hessian_at_complex_parameters_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match=r"ft.hessian: .* complex parameter \(argument 0, complex64\)(.|\n)*"
+                                        r"z.real, z.imag"):
+        ft.hessian(lambda q: jnp.sum(jnp.abs(q) ** 2), at=_Z)
+    # The fix it shows: real and imaginary parts as real arrays; |z|² has Hessian 2·I in each.
+    H = ft.hessian(lambda re, im: jnp.sum(jnp.abs(jax.lax.complex(re, im)) ** 2), wrt=(0, 1))(_Z.real, _Z.imag)
+    np.testing.assert_allclose(H[0][0], 2 * np.eye(2), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(H[0][1], np.zeros((2, 2)), rtol=0, atol=1e-6)
+
+
+def _reverse_only() -> Any:
+    def f(x: jax.Array) -> jax.Array:
+        return jnp.sin(x)
+
+    @ft.derivative(of=f)
+    def rule(x: jax.Array) -> Any:
+        return jnp.sin(x), lambda v: v * jnp.cos(x)
+
+    return rule
+
+
+def test_forward_mode_of_a_reverse_only_rule_under_jit_keeps_functree_explanation() -> None:
+    f = _reverse_only()
+    x = jnp.array([0.3, 1.0])
+    for op, run in [("differential", lambda x: ft.differential(f, at=x)(jnp.ones(2))),
+                    ("value_with_differential", lambda x: ft.value_with_differential(f, at=x)[0]),
+                    ("jacobian", lambda x: ft.jacobian(f, at=x, mode="forward"))]:
+        with pytest.raises(TypeError, match=rf"ft.{op}: .* reverse-mode only(.|\n)*mode=\"forward\""):
+            jax.jit(run)(x)
+    with pytest.raises(TypeError, match=r"ft.derivative: .* reverse-mode only"):
+        jax.jit(lambda s: ft.derivative(f, at=s))(0.3)
+    # Reverse mode under jit is untouched.
+    np.testing.assert_allclose(jax.jit(ft.gradient(lambda x: f(x).sum()))(x), jnp.cos(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_python_number_tangent_is_cast_to_the_parameter_dtype(dtype: str) -> None:
+    p = jnp.asarray(2.0, dtype)
+    got = ft.differential(lambda q: q ** 3, at=p)(1.0)
+    expected = jax.jvp(lambda q: q ** 3, (p,), (jnp.asarray(1.0, dtype),))[1]
+    assert got.dtype == p.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+    _, pb = ft.value_with_pullback(lambda q: q ** 3, at=p)
+    np.testing.assert_array_equal(np.asarray(pb(1.0), np.float32), np.asarray(expected, np.float32))
+
+
+def test_a_tangent_or_cotangent_of_another_dtype_is_refused_naming_the_key_path() -> None:
+    r = jnp.array([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"ft.differential: the tangent at \['w'\] has dtype bfloat16; the "
+                                         r"parameter there has dtype float32(.|\n)*astype\(jnp.float32\)"):
+        ft.differential(lambda m: jnp.sum(m["w"] ** 2), at={"w": r})({"w": jnp.ones(2, jnp.bfloat16)})
+    with pytest.raises(ValueError, match=r"the tangent at \[1\] has dtype float32; the parameter there has "
+                                         r"dtype bfloat16"):
+        ft.differential(lambda a, b: jnp.sum(a ** 2) + jnp.sum(b.astype(jnp.float32)), wrt=(0, 1))(
+            r, r.astype(jnp.bfloat16))((jnp.ones(2), jnp.ones(2)))
+    with pytest.raises(ValueError, match=r"the tangent at <root> has dtype float32; the parameter there has "
+                                         r"dtype complex64"):
+        ft.differential(lambda q: jnp.sum(jnp.abs(q) ** 2), at=_Z)(jnp.ones(2))
+    with pytest.raises(ValueError, match=r"ft.pullback: the cotangent at <root> has dtype float16; the result "
+                                         r"there has dtype float32"):
+        ft.pullback(lambda q: q ** 2, at=r)(jnp.ones(2, jnp.float16))

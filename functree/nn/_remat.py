@@ -13,8 +13,6 @@ wrapping layer's key path.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -22,26 +20,12 @@ import jax
 
 from functree._module import field
 from functree._paths import ATTR, Entry, KeyPath
+from functree._remat_policy import checkpointed, remat_policy
 from functree.nn._mode import Layer
 from functree.nn._sequential import takes_key
 from functree.nn._state import collect_state, collector_stack
 
 __all__ = ["Remat", "remat_policy", "call_collecting", "record_under"]
-
-BAD_POLICY = """\
-remat={given!r} is not a rematerialisation policy. Pass True (save nothing, recompute the \
-whole block), the name of a policy in jax.checkpoint_policies, or a policy function:
-
-    wrong:  ft.nn.Remat(layer, policy={given!r})
-    right:  ft.nn.Remat(layer, policy="dots_with_no_batch_dims_saveable")
-       or:  ft.nn.Stack(make, 12, key=k, remat=True)
-Policy names: {names}."""
-
-FACTORY_POLICY = """\
-remat={given!r} names a policy factory that takes arguments; call it and pass the policy:
-
-    wrong:  remat={given!r}
-    right:  remat=jax.checkpoint_policies.{given}("name", ...)"""
 
 NOT_IN_MODEL = """\
 A {cls} recorded layer state inside ft.nn.collect_state, but it is not part of the model \
@@ -49,50 +33,6 @@ passed to collect_state, so its key path is unknown. Call the layers of the mode
 
     wrong:  ft.nn.collect_state(lambda m: other_model(x), model)
     right:  ft.nn.collect_state(lambda m: m(x), model)"""
-
-
-@functools.cache
-def _policy_names() -> list[str]:
-    """Names of the policies in ``jax.checkpoint_policies`` usable as is: ``f(prim, ...)``
-    or ``f(*_, ...)``; the others (``save_only_these_names(*names)``) are factories."""
-    names = []
-    for name in dir(jax.checkpoint_policies):
-        fn = getattr(jax.checkpoint_policies, name)
-        if name.startswith("_") or not callable(fn):
-            continue
-        try:
-            params = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            continue
-        if params[:1] in (["prim"], ["_"]):
-            names.append(name)
-    return names
-
-
-def remat_policy(remat: Any) -> Any:
-    """Check ``remat`` (None/False: off; True; a ``jax.checkpoint_policies`` name; a policy)."""
-    if remat is None or isinstance(remat, bool):
-        return remat
-    if isinstance(remat, str):
-        if remat in _policy_names():
-            return remat
-        if callable(getattr(jax.checkpoint_policies, remat, None)):
-            raise ValueError(FACTORY_POLICY.format(given=remat))
-    elif callable(remat):
-        return remat
-    raise ValueError(BAD_POLICY.format(given=remat, names=", ".join(_policy_names())))
-
-
-def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
-    """``fn`` under ``jax.checkpoint`` with ``remat``'s policy; ``fn`` itself when off."""
-    if remat is None or remat is False:
-        return fn
-    policy: Any = None  # remat=True: save nothing but the inputs
-    if isinstance(remat, str):
-        policy = getattr(jax.checkpoint_policies, remat)
-    elif callable(remat):
-        policy = remat
-    return jax.checkpoint(fn, policy=policy, prevent_cse=False)  # inside scan: CSE is safe
 
 
 def collecting() -> bool:

@@ -129,3 +129,21 @@ def test_metrics_keep_a_float64_loss_under_x64():
     model32 = {"w": jnp.zeros((2, 1)), "b": jnp.full((1,), 0.1)}
     batch32 = (jnp.ones((4, 2)), jnp.ones((4, 1)))
     assert step(model32, step.optimizer.init(model32), batch32)[2]["loss"].dtype == jnp.float32
+
+
+def test_a_floating_last_item_of_a_three_item_batch_is_not_read_as_labels():
+    # Keras-style (x, y, sample_weight) batches: accuracy read the weights as labels (cast
+    # to int32) and gave 0.4318 for a true 0.6705, with no error.
+    logits = jnp.array([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0], [0.0, 2.0]])
+    labels = jnp.array([0, 1, 1, 1])
+    weights = jnp.array([0.5, 1.0, 0.25, 1.0])
+    batch = (jnp.zeros((4, 3)), labels, weights)
+    out = ft.train.StepOutput(jnp.zeros(()), logits, batch, None)
+    with pytest.raises(ValueError, match=r"batch\[-1\].*has 3 items.*floating-point \(float32\)"):
+        ft.train.accuracy(out)
+    with pytest.raises(ValueError, match=r"ft.train.binary_accuracy.of\(out.aux, out.batch\[1\]\)"):
+        ft.train.binary_accuracy(out._replace(aux=logits[:, 0]))
+    named = {"accuracy": lambda out: ft.train.accuracy.of(out.aux, out.batch[1])}  # the fix it names
+    np.testing.assert_allclose(named["accuracy"](out), 0.75, rtol=0, atol=1e-7)
+    assert float(ft.train.accuracy(out._replace(batch=(batch[0], weights, labels)))) == 0.75  # labels last
+    assert float(ft.train.accuracy(out._replace(batch=(batch[0], labels.astype(jnp.float32))))) == 0.75  # (x, y)

@@ -5,6 +5,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _tolerance import assert_close_trained, needs_float16_conversions
 
@@ -539,3 +540,22 @@ def test_saving_to_a_path_adds_a_checkpoint_and_deletes_none(tmp_path):
     assert ft.train.CheckpointManager(run).all_steps() == [4, 8, 12, 16, 20, 22, 23, 24]
     ranked = ft.train.CheckpointManager(best, best_metric="loss")
     assert ranked.all_steps() == [4, 20, 22, 23, 24] and ranked.best_step() == 4
+
+
+def test_a_skipped_steps_learning_rate_row_is_nan():
+    # The row of a step left out under on_nan="skip" repeated the rate of the applied step
+    # before it (the optimizer state it leaves); it applied none.
+    x = X[:48].copy()
+    x[13, 1] = np.nan  # minibatch 1 of 6 (8 examples each): the loss is NaN, the step skipped
+    batches = [(x[i:i + 8], LABELS[i:i + 8]) for i in range(0, 48, 8)]
+    schedule = ft.optim.warmup_cosine_decay(0.0, 0.05, warmup_steps=4, decay_steps=12, end_value=0.001)
+    trainer = Trainer(mlp(), ft.optim.Optimizer(ft.optim.adam(schedule)), lambda m, b: classify(m, b)[0],
+                      on_nan="skip")
+    history = trainer.fit(batches, epochs=2, progress=False, log_every=4)
+    rows = np.asarray(history.steps["learning_rate"])
+    left_out = [s - 1 for s, _ in trainer.skipped]
+    assert left_out == [1, 7]
+    assert np.isnan(rows[left_out]).all()
+    applied = np.delete(np.arange(len(rows)), left_out)
+    expected = [float(optax.warmup_cosine_decay_schedule(0.0, 0.05, 4, 12, 0.001)(k)) for k in range(len(applied))]
+    np.testing.assert_allclose(rows[applied], expected, rtol=0, atol=1e-8)

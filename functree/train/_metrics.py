@@ -38,6 +38,16 @@ of a dict, an array. Name them, e.g.
 
     metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, out.batch["target"])}}"""
 
+LABELS_LOOK_LIKE_WEIGHTS = """\
+ft.train.{who} reads the labels from batch[-1], but this batch has {n} items ({batch}) and \
+its last is floating-point ({dtype}): the sample weights of a Keras-style \
+(x, y, sample_weight) batch, which would be scored as labels (cast, compared, no error). \
+Name the labels, or put them last:
+
+    wrong:  metrics=[ft.train.{who}]        # batches (x, y, sample_weight)
+    right:  metrics={{"{who}": lambda out: ft.train.{who}.of(out.aux, out.batch[1])}}
+       or:  batches (x, sample_weight, y): the labels last"""
+
 SHAPES = """\
 ft.train.accuracy: logits of shape {logits} do not fit labels of shape {labels}. Labels are \
 class indices of shape logits.shape[:-1], one-hot/probabilities of shape logits.shape, or \
@@ -107,12 +117,19 @@ def _find_logits(aux: Any) -> Any:
     raise ValueError(NO_LOGITS.format(aux=_describe(aux)))
 
 
-def _find_labels(batch: Any) -> Any:
+def _find_labels(batch: Any, who: str = "accuracy") -> Any:
+    """The labels of ``batch``: a dict's by name, a tuple's last. The last of three or more
+    items, floating-point, is refused: Keras's ``(x, y, sample_weight)`` puts the weights
+    there (the types alone decide: the step is traced, the values unknown)."""
     found = None
     if isinstance(batch, Mapping):
         found = next((batch[n] for n in ("label", "labels", "y", "target", "targets") if n in batch), None)
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
         found = batch[-1]
+        dtype = getattr(found, "dtype", None)
+        if len(batch) >= 3 and dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(LABELS_LOOK_LIKE_WEIGHTS.format(who=who, n=len(batch), batch=_describe(batch),
+                                                             dtype=np.dtype(dtype).name))
     if found is None or not hasattr(found, "shape"):  # absent, or a nested dict / list
         raise ValueError(NO_LABELS.format(batch=_describe(batch)))
     return found
@@ -146,7 +163,9 @@ def accuracy(out: StepOutput) -> jax.Array:
     """Classification accuracy of ``out.aux`` (the logits) against the batch's labels.
 
     Labels are ``batch[-1]`` (tuple) or ``batch["label"]`` (dict); logits are the aux
-    output (or ``aux["logits"]``). By shape:
+    output (or ``aux["logits"]``). A floating-point ``batch[-1]`` of a batch of three or
+    more items is an error (the weights of Keras's ``(x, y, sample_weight)``): name the
+    labels with ``accuracy.of``. By shape:
 
     - class indices ``logits.shape[:-1]`` compare with ``argmax(logits)``; labels equal to
       -100 (:data:`IGNORE_INDEX`, HF's padding of token labels) are left out;
@@ -196,7 +215,7 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
       >>> float(ft.train.binary_accuracy(ft.train.StepOutput(jnp.zeros(()), logits, (None, labels), None)))
       0.6666666865348816
     """
-    return _binary_accuracy_of(_find_logits(out.aux), _find_labels(out.batch))
+    return _binary_accuracy_of(_find_logits(out.aux), _find_labels(out.batch, "binary_accuracy"))
 
 
 binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ callback's ``on_log`` get its means.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -101,7 +102,7 @@ class Reader:
         guard.critical = True  # the interval is read once: a Ctrl-C waits for the bookkeeping
         log.pending.pop(0)
         t._job.history.add_steps(r.steps[:keep], {**{k: v.tolist() for k, v in values.items()},
-                                                  **{k: column[:keep] for k, column in r.rates.items()}})
+                                                  **_applied_rates(r, keep, on_nan)})
         log.last_context = None if log.pending or log.buffered else r.context  # the current one
         terms = Means.terms(values, r.weights[:keep], r.nonfinite[:keep] == -1 if on_nan == "skip" else None)
         job = t._job
@@ -169,3 +170,16 @@ class Reader:
                                samples_seen=int(ctx.samples_seen), minibatch_size=int(ctx.minibatch_size),
                                learning_rate=rates.get("learning_rate"), metrics=dict(metrics),
                                learning_rates=rates)
+
+
+def _applied_rates(r: Reading, keep: int, on_nan: str) -> dict[str, list[float]]:
+    """The learning-rate columns of ``r``'s first ``keep`` rows: the rate each step applied,
+    NaN at a step ``on_nan="skip"`` left out (it applied none; the optimizer state it
+    leaves holds the rate of the applied step before it)."""
+    rates = {name: column[:keep] for name, column in r.rates.items()}
+    if on_nan != "skip" or not rates:
+        return rates
+    left_out = (r.nonfinite[:keep] != -1).tolist()
+    if not any(left_out):
+        return rates
+    return {name: [math.nan if out else v for v, out in zip(column, left_out)] for name, column in rates.items()}

@@ -235,6 +235,9 @@ def matched_dtypes(what: str, kind: str, tangent: Any, expected: Any, prefix: st
             continue
         want = jnp.result_type(e)
         if _is_python_number(t) and not (isinstance(t, complex) and not jnp.iscomplexobj(e)):
+            if jnp.result_type(t) == want:  # float32 already: JAX takes it as is (weakly typed)
+                out.append(t)
+                continue
             out.append(jnp.asarray(t, want))
             changed = True
             continue

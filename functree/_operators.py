@@ -414,8 +414,8 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap()
     with _forward_mode():
-        _refuse_reverse_only(op, fn, g, plan.primals)
         g = _diagnostics.check("differential", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
+        _refuse_reverse_only(op, fn, g, plan.primals)  # reads the replayed trace: no Python run again
         with _explain_reverse_only(op, fn, g, plan.primals):
             out = jax.linearize(g, *plan.primals, has_aux=has_aux)
 
@@ -499,9 +499,9 @@ def jacobian(
         # None there, as forward mode's float0 columns become None below.
         g = plan.wrap() if forward else plan.wrap(_result_view(has_aux))
         with _forward_mode() if forward else contextlib.nullcontext():
+            g = _diagnostics.check("pullback", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
             if forward:
                 _refuse_reverse_only("jacobian", fn, g, plan.primals)
-            g = _diagnostics.check("pullback", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
             jac = transform(g, argnums=plan.argnums, has_aux=has_aux, holomorphic=holomorphic)
             if not forward:
                 out = jac(*plan.primals)

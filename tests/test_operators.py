@@ -590,7 +590,7 @@ def test_forward_mode_of_a_reverse_only_rule_under_jit_keeps_functree_explanatio
     np.testing.assert_allclose(jax.jit(ft.gradient(lambda x: f(x).sum()))(x), jnp.cos(x), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=needs_float16_conversions), "float32"])
 def test_a_python_number_tangent_is_cast_to_the_parameter_dtype(dtype: str) -> None:
     p = jnp.asarray(2.0, dtype)
     got = ft.differential(lambda q: q ** 3, at=p)(1.0)

@@ -382,3 +382,46 @@ def test_inject_hyperparameters_read_survive_a_donating_step():
     read = ft.optim.hyperparameters(state)
     w, state, _ = step(w, state, 1.0)
     assert float(read["learning_rate"]) == pytest.approx(0.1, abs=1e-7)
+
+
+def _rebuilt_model():
+    return {"w": jnp.array([1.0, -2.0]), "b": jnp.array(0.5)}
+
+
+def _rebuilt_loss(m):
+    return jnp.sum(m["w"] ** 2) + m["b"] ** 2
+
+
+@pytest.mark.parametrize("old, new", [
+    (lambda: fo.adam(1e-2), lambda: fo.adam(fo.cosine_decay(2e-2, 10))),
+    (lambda: fo.sgd(0.1, momentum=0.9), lambda: fo.sgd(fo.cosine_decay(0.1, 10), momentum=0.9)),
+    (lambda: fo.adam(fo.cosine_decay(1e-2, 10)), lambda: fo.adam(1e-3)),
+    (lambda: fo.adam(1e-2), lambda: fo.adam(1e-2, weight_decay=0.01)),
+], ids=["adam-to-schedule", "sgd-to-schedule", "schedule-to-number", "added-weight-decay"])
+def test_a_state_of_an_optimizer_with_other_hyperparameters_is_refused_naming_both(old, new):
+    # Before: adam(1e-2)'s packed values read as beta1=0.01, beta2=0.9, eps=0.999 (a silently
+    # wrong step), or a bare AssertionError.
+    model = _rebuilt_model()
+    first = fo.Optimizer(old())
+    state = first.init(model)
+    model, state = first.apply_gradients(ft.gradient(_rebuilt_loss, at=model), model, state)
+    second = fo.Optimizer(new())
+    pattern = r"this state was made by an optimizer with other hyperparameters: it stores \((learning_rate|beta1)"
+    with pytest.raises(ValueError, match=pattern) as info:
+        second.apply_gradients(ft.gradient(_rebuilt_loss, at=model), model, state)
+    assert "opt.init(model)" in str(info.value) and "set_hyperparameters" in str(info.value)
+    with pytest.raises(ValueError, match=pattern):  # jitted: at trace time
+        ft.jit(lambda m, s: second.minimize(_rebuilt_loss, m, s))(model, state)
+    with pytest.raises(ValueError, match=pattern):  # before: "Expected None, got JitTracer(float32[1])"
+        ft.train.train_step(lambda m, batch: _rebuilt_loss(m), second)(model, state, ())
+    second.apply_gradients(ft.gradient(_rebuilt_loss, at=model), model, second.init(model))  # the fix runs
+
+
+def test_a_hyperparameter_without_a_value_and_another_transforms_state_are_clear_errors():
+    from functree.optim._context import initial_context
+    from functree.optim._hyper import _Spec
+
+    with pytest.raises(ValueError, match=r"ft.optim.adam: no value for the hyperparameter 'beta1'"):
+        _Spec("beta1", 0.9).effective(initial_context(), None, jnp.float32, "ft.optim.adam")
+    with pytest.raises(TypeError, match=r"ft.optim.adam: the state given is a EmptyState, not this optimizer's"):
+        fo.adam(1e-3).update({"w": jnp.ones(2)}, optax.EmptyState())

@@ -129,6 +129,26 @@ last axis, so stacked optimizer states must put their member axes first:
     right:  states = jax.tree.map(lambda *x: jnp.stack(x), *member_states)   # or jax.vmap(opt.init)
 """
 
+OTHER_HYPERPARAMETERS = """\
+{where}: this state was made by an optimizer with other hyperparameters: it stores \
+{state_names} and schedules {state_scheduled}; this {where} stores {names} and schedules \
+{scheduled}. Its packed values would be read under the wrong names (a silently wrong step). \
+A state continues the optimizer that made it: change that optimizer's numbers with \
+set_hyperparameters, or make a new state for the new optimizer (moments start from zero):
+
+    wrong:  opt = ft.optim.Optimizer({where}(ft.optim.cosine_decay(1e-2, 1000)))
+            model, state, loss = opt.minimize(loss_fn, model, old_state, x, y)   # old_state: {where}(1e-2)'s
+    right:  old_state = ft.optim.set_hyperparameters(old_state, learning_rate=1e-3)   # the same optimizer
+       or:  state = opt.init(model)                                              # the new optimizer's
+"""
+
+MISSING_HYPERPARAMETER = """\
+{where}: no value for the hyperparameter {name!r}: the state does not store it (it was made by \
+an optimizer that scheduled it or had no {name!r}). Make a state for this optimizer:
+
+    right:  state = opt.init(model)
+"""
+
 # name -> (predicate on a float, human rule, example value)
 DECAY_RATES = frozenset({"momentum", "beta1", "beta2", "rho"})
 """Hyperparameters that are decay rates: given :func:`per_samples`, a minibatch of M takes
@@ -377,9 +397,11 @@ class _Spec:
         self.rate = spec if isinstance(spec, Rate) else Rate(spec, None)
         self.scheduled = callable(self.rate.value)
 
-    def effective(self, ctx: LearningContext, stored: jax.Array | None, dtype: Any) -> jax.Array:
+    def effective(self, ctx: LearningContext, stored: jax.Array | None, dtype: Any, where: str = "ft.optim"
+                  ) -> jax.Array:
         base = _call(self.name, self.rate.value, ctx, dtype) if self.scheduled else stored
-        assert base is not None
+        if base is None:  # (step() refuses another optimizer's state before this)
+            raise ValueError(MISSING_HYPERPARAMETER.format(where=where, name=self.name))
         if self.rate.samples is None:
             return base
         scale = self.rate.scale(ctx, dtype)
@@ -427,7 +449,7 @@ def inject(
               stored: dict[str, Any] | None = None) -> tuple[Any, jax.Array | None]:
         if stored is None:
             stored = dict(zip(names, jnp.unstack(values, axis=-1))) if values is not None else {}
-        eff = {n: sp.effective(ctx, stored.get(n), dtype) for n, sp in specs.items()}
+        eff = {n: sp.effective(ctx, stored.get(n), dtype, where) for n, sp in specs.items()}
         tx = optax.with_extra_args_support(factory(**eff, **static))
         return tx, _pack([eff[n] for n in scheduled_names])
 
@@ -457,6 +479,7 @@ def inject(
     def step(updates: Any, state: HyperState, params: Any, ctx: LearningContext,
              extra: dict[str, Any]) -> tuple[Any, HyperState]:
         """The numerics at the learning context ``ctx``: the updates and the next state."""
+        _check_names(where, state, names, scheduled_names)
         packed = state.values if state.values is not None else state.scheduled
         dtype = packed.dtype if packed is not None else _hyper_dtype(updates)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
@@ -482,6 +505,8 @@ def inject(
         loss: Any = None,
         **extra: Any,
     ) -> tuple[Any, HyperState]:
+        if not isinstance(state, HyperState):  # another transform's state (a group's optimizer changed)
+            raise TypeError(NOT_THIS_STATE.format(where=where, given=type(state).__name__))
         if state.context is not None:  # standalone optax use: this transform keeps its own context
             return _standalone(step, updates, state, params, minibatch_size, loss, extra, where)
         # Inside an ft.optim.Optimizer: it made the parameter view, checked the gradients
@@ -491,6 +516,29 @@ def inject(
         return step(updates, state, params, context, extra)
 
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+
+
+NOT_THIS_STATE = """\
+{where}: the state given is a {given}, not this optimizer's HyperState: it was made by another \
+transformation (a group of ft.optim.groups whose optimizer was changed, freeze() -> adam, sgd -> \
+adam). Make a state for this optimizer:
+
+    right:  state = opt.init(model)
+"""
+
+
+def _check_names(where: str, state: HyperState, names: tuple[str, ...], scheduled: tuple[str, ...]) -> None:
+    """:data:`OTHER_HYPERPARAMETERS` unless ``state`` stores and schedules the hyperparameters
+    this transform does (static: a trace-time comparison of two tuples)."""
+    if state.names == names and state.scheduled_names == scheduled:
+        return
+    raise ValueError(OTHER_HYPERPARAMETERS.format(
+        where=where, state_names=_listed(state.names), state_scheduled=_listed(state.scheduled_names),
+        names=_listed(names), scheduled=_listed(scheduled)))
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    return "(" + ", ".join(names) + ")" if names else "nothing"
 
 
 class ComplexGradientWarning(UserWarning):

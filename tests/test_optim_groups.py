@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import functree as ft
@@ -110,3 +111,51 @@ def test_adamw_and_lion_inside_groups_decay_their_own_parameters():
         np.testing.assert_allclose(updates.layers[1].weight, expected.weight, rtol=0, atol=1e-7)
         np.testing.assert_allclose(updates.layers[1].bias, expected.bias, rtol=0, atol=1e-7)  # bias: not decayed
         np.testing.assert_allclose(updates.layers[0].weight, -0.5, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("before", [fo.freeze(), fo.sgd(0.1)], ids=["freeze", "sgd"])
+def test_a_groups_state_after_a_groups_optimizer_changed_is_refused_naming_the_group(before):
+    # Before: AttributeError "'EmptyState' object has no attribute 'context'" / a bare AssertionError.
+    k1, k2 = jax.random.split(jax.random.key(0))
+    net = {"encoder": ft.nn.Dense(2, 2, key=k1), "head": ft.nn.Dense(2, 1, key=k2)}
+    grads = jax.tree.map(jnp.ones_like, ft.parameters(net))
+    old = fo.Optimizer(fo.groups({"encoder.*": before, "head.*": fo.adam(1e-2)}))
+    state = old.init(net)
+    new = fo.Optimizer(fo.groups({"encoder.*": fo.adam(1e-2), "head.*": fo.adam(1e-2)}))
+    with pytest.raises(ValueError, match=r"groups: the state of group 'encoder\.\*' was made by another optimizer"):
+        new.apply_gradients(grads, net, state)
+    # the message's fix: a new state, the unchanged group's state carried over by key path
+    fixed = ft.set(new.init(net), "inner.inner_states.head.*", ft.get(state, "inner.inner_states.head.*"))
+    new.apply_gradients(grads, net, fixed)
+
+
+def test_moments_of_groups_splitting_a_stacks_members_are_each_members_own():
+    # Before: moments["mu"] was zeros at blocks.0 (adam's real mu was under "mu#1").
+    class Block(ft.Module):
+        lin: ft.nn.Dense
+
+        def __call__(self, x):
+            return jnp.tanh(self.lin(x))
+
+    k = jax.random.key(0)
+    model = {"blocks": ft.nn.Stack(lambda kk: Block(ft.nn.Dense(3, 3, key=kk)), 3, key=k),
+             "out": ft.nn.Dense(3, 2, key=k)}
+    tx = fo.groups({"blocks.[01].*": fo.adam(1e-2), "blocks.2.*": fo.sgd(0.1, momentum=0.9)}, default=fo.lion(1e-3))
+    opt = fo.Optimizer(tx)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+    grads = ft.gradient(lambda m: jnp.mean(m["out"](m["blocks"](x)) ** 2), at=model)
+    _, state = opt.apply_gradients(grads, model, opt.init(model))
+    m = fo.moments(state)
+    assert sorted(m) == ["mu", "nu", "trace"]
+    g = grads["blocks"].layers.lin.weight
+    # optax's Adam and Lion states from the same gradients (one step each)
+    with jax.numpy_dtype_promotion("standard"):  # optax's counts are ints
+        adam_mu = optax.scale_by_adam().update(g, optax.scale_by_adam().init(g))[1].mu
+        w = grads["out"].weight
+        lion_mu = optax.scale_by_lion().update(w, optax.scale_by_lion().init(w))[1].mu
+    scale = float(jnp.max(jnp.abs(g)))
+    np.testing.assert_allclose(ft.get(m["mu"], "blocks.0.lin.weight"), adam_mu[0], rtol=0, atol=1e-7 * scale)
+    np.testing.assert_allclose(ft.get(m["mu"], "blocks.1.lin.weight"), adam_mu[1], rtol=0, atol=1e-7 * scale)
+    np.testing.assert_allclose(ft.get(m["trace"], "blocks.2.lin.weight"), g[2], rtol=0, atol=1e-7 * scale)
+    np.testing.assert_allclose(ft.get(m["mu"], "blocks.2.lin.weight"), 0.0, rtol=0, atol=0)  # sgd's member: no mu
+    np.testing.assert_allclose(ft.get(m["mu"], "out.weight"), lion_mu, rtol=0, atol=1e-7)

@@ -35,6 +35,7 @@ second moment is ``|g|²`` per complex element.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, ParamSpec
 
@@ -46,6 +47,7 @@ import optax
 from functree._naming import check_patterns, required_selection
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
+from functree.optim._groups import merge_members
 from functree.optim._leafwise import separable
 from functree.optim._masked import masked
 from functree.optim._radam import scale_by_radam
@@ -621,7 +623,7 @@ def lion(
                        optax.scale_by_learning_rate(learning_rate))
 
 
-MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x")
+MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x", "v_row", "v_col", "v")
 
 
 def _is_moment_state(x: Any) -> bool:
@@ -633,9 +635,10 @@ def _masked(x: Any) -> bool:
     return isinstance(x, optax.MaskedNode)
 
 
-def _merge(trees: list[Any]) -> Any | None:
-    """One tree from parameter groups' moments (each filled only at its group's parameters),
-    or None when they overlap or differ in structure."""
+def _merge(trees: list[Any], labels: list[Any]) -> Any | None:
+    """One tree from parameter groups' moments (each filled only at its group's parameters,
+    or, where groups split a Stack's members, at its members), or None when they overlap
+    or differ in structure."""
     flat = [jax.tree.flatten(t, is_leaf=lambda x: _masked(x) or x is None) for t in trees]
     treedef = flat[0][1]
     if any(d != treedef for _, d in flat):
@@ -643,20 +646,37 @@ def _merge(trees: list[Any]) -> Any | None:
     out = []
     for values in zip(*(leaves for leaves, _ in flat)):
         given = [v for v in values if not _masked(v) and v is not None]
-        if len(given) > 1:
-            return None
+        if len(given) > 1:  # groups splitting a Stack's members: each member from its group
+            members = merge_members([leaves for leaves, _ in flat], labels, treedef,
+                                    lambda x: _masked(x) or x is None)
+            return None if members is None else treedef.unflatten(members)
         out.append(given[0] if given else None)
     return treedef.unflatten(out)
+
+
+def _group_label(path: tuple) -> Any:
+    """The ``ft.optim.groups`` label a moment state at ``path`` belongs to (the key after
+    the innermost ``inner_states``), else None."""
+    label = None
+    for before, key in itertools.pairwise(path):
+        if getattr(before, "name", None) == "inner_states" and isinstance(key, jax.tree_util.DictKey):
+            label = key.key
+    return label
 
 
 def moments(state: Any) -> dict[str, Any]:
     """The per-parameter state (moments) by name; each has the parameter view's structure.
 
-    Names are the optax state fields (``mu``, ``nu``, ``trace``, ...). Read one
-    parameter's moment with the model's key path: ``ft.get(moments(state)["mu"], kp)``.
+    Names are the optax state fields (``mu``, ``nu``, ``trace``, ``sum_of_squares``, ...;
+    adafactor's factored second moment as ``v_row`` and ``v_col``, the parameter's shape
+    less one axis, and ``v``, the full second moment of a parameter it does not factor;
+    each is ``(1,)`` where the other form holds the statistics). Read one parameter's
+    moment with the model's key path: ``ft.get(moments(state)["mu"], kp)``.
     Parameter groups' moments are merged into one tree (``None`` where a group's
-    optimizer keeps no such moment); a name found in several overlapping places (two
-    momentum transforms in a chain) is listed once per place as ``name``, ``name#1``, ...
+    optimizer keeps no such moment; where groups split a Stack's members, each member's
+    from its group, zeros at members whose group keeps no such moment); a name found in
+    several overlapping places (two momentum transforms in a chain) is listed once per
+    place as ``name``, ``name#1``, ...
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -671,15 +691,17 @@ def moments(state: Any) -> dict[str, Any]:
       {'a': Array([0.], dtype=float32), 'b': Array([0., 0.], dtype=float32)}
     """
     found: dict[str, list[Any]] = {}
-    for node in jax.tree.leaves(state, is_leaf=_is_moment_state):
+    labels: dict[str, list[Any]] = {}
+    for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_moment_state)[0]:
         if not _is_moment_state(node):
             continue
         for field in MOMENT_FIELDS:
             if field in getattr(node, "_fields", ()):
                 found.setdefault(field, []).append(getattr(node, field))
+                labels.setdefault(field, []).append(_group_label(path))
     out: dict[str, Any] = {}
     for field, trees in found.items():
-        merged = _merge(trees)
+        merged = _merge(trees, labels[field])
         if merged is not None:
             out[field] = merged
             continue

@@ -14,7 +14,7 @@ from functree._tree import bounded_put, cached, dotted_name, is_none
 from functree.optim._complex import RealPair
 
 __all__ = ["check_gradients", "checked_gradients", "check_state_fits", "keep_unchanged", "descent_direction",
-           "STATE_MISMATCH"]
+           "STATE_MISMATCH", "STATE_WITHOUT_MOMENT", "STATE_FOR_ALL_PARAMETERS"]
 
 GRADIENT_MISMATCH = """\
 The gradient does not fit the model's parameters at {path}: {detail}.
@@ -35,6 +35,33 @@ shapes), make a new state (its moments start again from zero):
     wrong:  opt_state = optimizer.init(model);  model = model.replace(ws=[w1, w2])
             optimizer.update(grads, opt_state, model)         # or a train step
     right:  opt_state = optimizer.init(model)                 # again, for the model as it is now
+"""
+
+
+STATE_WITHOUT_MOMENT = """\
+The optimizer state has no moment {moment} for {path}, which has a gradient now ({detail}): \
+the state was made by an optimizer that trained other parameters only \
+(ft.optim.Optimizer(tx, wrt=...)). To train {path} too (unfreezing), make a state for all \
+parameters; to keep the trained ones' moments and step count, take them from the old state:
+
+    wrong:  state = ft.optim.Optimizer(tx, wrt="head.*").init(model)
+            ft.optim.Optimizer(tx).apply_gradients(grads, model, state)
+    right:  opt = ft.optim.Optimizer(tx)
+            state = opt.init(model)                                   # moments start from zero
+       or:  state = jax.tree.map(lambda old, new: new if old is None else old,   # the head's kept
+                                 state, opt.init(model), is_leaf=lambda x: x is None)
+"""
+
+STATE_FOR_ALL_PARAMETERS = """\
+The optimizer state has moments for {path}, which this optimizer does not train ({detail}): \
+the state was made for all parameters and the optimizer trains only its wrt= selection (or \
+{path} is no parameter now). The model did not change: to freeze parameters mid-run and keep \
+every moment (torch's requires_grad_(False)), keep the optimizer of the state and give it \
+partial gradients; a None gradient leaves its parameter and moments unchanged:
+
+    wrong:  ft.optim.Optimizer(tx, wrt="head.*").apply_gradients(grads, model, state)
+    right:  grads = ft.gradient(loss_fn, at=model, wrt="head.*")      # loss_fn(model) -> loss
+            model, state = ft.optim.Optimizer(tx).apply_gradients(grads, model, state)
 """
 
 
@@ -78,12 +105,34 @@ def _names(tree: Any, treedef: Any) -> list[str]:
 
 
 # The fields of optax's states that hold a tree shaped like the parameters (Adam's ``mu``
-# and ``nu``, momentum's ``trace`` ...): those of ``_aliases.MOMENT_FIELDS`` (not imported:
-# ``_aliases`` imports this module through ``_hyper``; a test keeps the two equal).
-MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x")
-# Of those, the running sums of the gradient itself: shaped like it, leaf for leaf (a second
-# moment may be reduced: NovoGrad's ``nu`` is one scalar per parameter).
+# and ``nu``, momentum's ``trace``, adafactor's factored ``v_row``, ``v_col``, ``v`` ...):
+# those of ``_aliases.MOMENT_FIELDS`` (not imported: ``_aliases`` imports this module
+# through ``_hyper``; a test keeps the two equal).
+MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x", "v_row", "v_col", "v")
+# Of those, the running sums of the gradient itself: shaped like it, leaf for leaf.
 _GRADIENT_SHAPED = ("mu", "trace", "velocity")
+# Second-moment-like sums: the gradient's shape, or reduced to one scalar per parameter
+# (NovoGrad's ``nu``). Unchecked, an old accumulator of another shape broadcast silently
+# into a changed layer's (adagrad, adadelta, rmsprop).
+_SECOND_MOMENTS = ("nu", "nu_max", "sum_of_squares", "e_g", "e_x")
+# Adafactor's factored moments (optax.adafactor's FactoredState): ``v`` is the full second
+# moment of an unfactored parameter, else the placeholder (1,); ``v_row``/``v_col`` are the
+# gradient's shape less one axis for a factored parameter, else (1,).
+_FULL_OR_PLACEHOLDER = ("v",)
+_ONE_AXIS_LESS = ("v_row", "v_col")
+
+
+def _shape_fits(name: str, gradient: tuple[int, ...], moment: tuple[int, ...]) -> bool:
+    """Whether moment ``name`` of shape ``moment`` may belong to a gradient of shape ``gradient``."""
+    if moment == gradient or name in _GRADIENT_SHAPED:
+        return moment == gradient
+    if name in _SECOND_MOMENTS:
+        return moment == ()
+    if name in _FULL_OR_PLACEHOLDER:
+        return moment == (1,)
+    if name in _ONE_AXIS_LESS:
+        return moment == (1,) or any(moment == gradient[:i] + gradient[i + 1:] for i in range(len(gradient)))
+    return True
 
 _FITS: dict[Any, bool] = {}  # (the state's signature, the gradients') -> checked: they fit
 
@@ -104,9 +153,14 @@ def check_state_fits(inner: Any, grads: Any) -> None:
     Runs where the update is traced (once per compilation under ``jit``), and on an eager
     update once per pair of definitions and leaf shapes (a flatten and a dict lookup
     afterwards). A masked parameter's moment (``optax.MaskedNode``) fits any gradient,
-    and any moment subtree fits a gradient leaf (a complex parameter's :class:`RealPair`);
-    the shapes of the gradient's running sums (``mu``, ``trace``, ``velocity``) are
-    checked leaf for leaf.
+    and any moment subtree but ``None`` fits a gradient leaf (a complex parameter's
+    :class:`RealPair`); every moment leaf's shape is checked: the gradient's running sums
+    (``mu``, ``trace``, ``velocity``) have its shape, second moments (``nu``,
+    ``sum_of_squares``, ``e_g``, ``e_x`` ...) its shape or one scalar, adafactor's factored
+    ``v_row``/``v_col`` its shape less one axis and ``v`` its shape (each else the
+    placeholder ``(1,)``). A ``None`` moment at a gradient (a state made by
+    ``Optimizer(wrt=...)``) and a moment where the gradient is ``None`` (a state made for
+    all parameters, given to ``Optimizer(wrt=...)``) each get their own message.
 
     Example:
       >>> import optax, jax.numpy as jnp
@@ -122,12 +176,16 @@ def check_state_fits(inner: Any, grads: Any) -> None:
     if fits:
         return
     for name, moment in _moments(inner):
-        found = _first_misfit(grads, moment, shapes=name in _GRADIENT_SHAPED)
+        found = _first_misfit(grads, moment, name)
         if found is not None:
-            path, detail = found
-            raise ValueError(STATE_MISMATCH.format(moment=name, path=path, detail=detail))
+            path, detail, kind = found
+            raise ValueError(_MESSAGES[kind].format(moment=name, path=path, detail=detail))
     if key is not None:
         bounded_put(_FITS, key, True)
+
+
+_MESSAGES = {"structure": STATE_MISMATCH, "untrained": STATE_WITHOUT_MOMENT,
+             "not_trained_here": STATE_FOR_ALL_PARAMETERS}
 
 
 def _is_moment_state(x: Any) -> bool:
@@ -157,26 +215,32 @@ def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:
 _LEAF = jax.tree.structure(0)
 
 
-def _first_misfit(grads: Any, moment: Any, shapes: bool) -> tuple[str, str] | None:
-    """The first key path (dotted) where ``moment`` does not fit ``grads``, with what each has.
+def _first_misfit(grads: Any, moment: Any, name: str) -> tuple[str, str, str] | None:
+    """The first key path (dotted) where moment ``name``'s tree ``moment`` does not fit
+    ``grads``: ``(path, what each has, kind)``, the kind choosing the message.
 
     As ``jax.tree.map(f, grads, moment)`` (optax's form) reads them: ``grads`` is the
-    prefix, so at a gradient leaf any moment subtree fits (SM3's per-axis accumulators, a
-    complex parameter's :class:`RealPair`); ``shapes``: a moment leaf must have its
-    gradient's shape too."""
+    prefix, so at a gradient leaf any moment subtree but ``None`` fits (SM3's per-axis
+    accumulators, a complex parameter's :class:`RealPair`); a moment leaf's shape must fit
+    its gradient's (:func:`_shape_fits`)."""
     stack: list[tuple[tuple[Any, ...], Any, Any]] = [((), grads, moment)]
     while stack:
         path, g, m = stack.pop()
         if isinstance(m, optax.MaskedNode):  # a masked parameter's place
             continue
+        where = dotted_name(path) or "<root>"
         g_node, g_children = _one_level(g)
         m_node, m_children = _one_level(m)
         if g_node == _LEAF:
-            if shapes and m_node == _LEAF and np.shape(g) != np.shape(m):
-                return dotted_name(path) or "<root>", f"the gradient has shape {np.shape(g)}, the moment {np.shape(m)}"
+            if m is None:  # optax would multiply the gradient by None, deep inside
+                return where, f"the gradient has shape {np.shape(g)}, the state no moment", "untrained"
+            if m_node == _LEAF and not _shape_fits(name, np.shape(g), np.shape(m)):
+                return where, f"the gradient has shape {np.shape(g)}, the moment {np.shape(m)}", "structure"
             continue
+        if g is None and m_node == _LEAF:  # a parameter with moments that this optimizer does not train
+            return where, f"the state has a moment of shape {np.shape(m)}, the gradients none", "not_trained_here"
         if g_node != m_node:
-            return dotted_name(path) or "<root>", f"the gradients have {_describe(g)}, the state {_describe(m)}"
+            return where, f"the gradients have {_describe(g)}, the state {_describe(m)}", "structure"
         stack.extend((path + (k,), gc, mc) for (k, gc), (_, mc) in reversed(list(zip(g_children, m_children))))
     return None
 

@@ -6,14 +6,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._naming import leaf_infos, member_names, required_selection
-from functree._tree import is_none
+from functree._naming import broadcast, leaf_infos, member_names, required_selection, selection
+from functree._tree import bounded_put, cached, is_none
+from functree.optim._hyper import HyperState
 from functree.optim._masked import partition_members
 
-__all__ = ["groups"]
+__all__ = ["groups", "merge_members"]
 
 DEFAULT_LABEL = "<default>"
 
@@ -39,6 +41,66 @@ ft.optim.groups: the group pattern {pattern!r} matches no name in the model, so 
 trains nothing (and what it meant trains with another group's). Closest names: {close}.
     wrong:  ft.optim.groups({{{pattern!r}: ...}}, default=...)
     right:  ft.optim.groups({{{right!r}: ...}}, default=...)"""
+
+
+GROUP_STATE_CHANGED = """\
+ft.optim.groups: the state of group {group!r} was made by another optimizer than this group's: \
+the state holds {given}, the group's optimizer makes {expected}. A group's state continues the \
+optimizer that made it; after changing a group's optimizer (freeze() -> adam, sgd -> adam, a \
+number -> a schedule), make a new state and carry the other groups' states over by key path:
+
+    wrong:  opt = ft.optim.Optimizer(ft.optim.groups({{{group!r}: ft.optim.adam(1e-3), ...}}))
+            opt.apply_gradients(grads, model, old_state)       # old_state: {group!r} had another optimizer
+    right:  state = opt.init(model)
+            state = ft.set(state, "inner.inner_states.head.*", ft.get(old_state, "inner.inner_states.head.*"))
+"""
+
+
+def _kinds(state: Any) -> tuple[Any, ...]:
+    """What a group's state was made by: its node types, and each functree optimizer's
+    stored and scheduled hyperparameter names (static: read from tree definitions)."""
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, HyperState))
+    found = []
+    for x in nodes:
+        if isinstance(x, HyperState):
+            found.append(("HyperState", x.names, x.scheduled_names))
+    top = state
+    while hasattr(top, "inner_state"):  # optax.masked's wrapper, ft.optim.masked's
+        top = top.inner_state
+    return (type(top).__name__, *found)
+
+
+def _describe_kind(kind: tuple[Any, ...]) -> str:
+    if len(kind) == 1:
+        return f"a {kind[0]}"
+    parts = [f"hyperparameters {_listed(names)}, scheduled {_listed(scheduled)}" for _, names, scheduled in kind[1:]]
+    return f"a {kind[0]} ({'; '.join(parts)})"
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    return ", ".join(names) if names else "none"
+
+
+def check_group_states(init: Any, state: Any, params: Any, memo: dict[Any, Any]) -> None:
+    """:data:`GROUP_STATE_CHANGED` for the first group whose state was not made by its
+    optimizer. The expected kinds come from ``jax.eval_shape(init, params)``, once per
+    tree definition and shapes of ``params`` (kept in ``memo``, the transform's own;
+    nothing runs on a device)."""
+    inner_states = getattr(state, "inner_states", None)
+    if not isinstance(inner_states, dict):
+        return
+    leaves, treedef = jax.tree.flatten(params, is_leaf=is_none)
+    key, expected = cached(memo, (treedef, tuple(np.shape(x) for x in leaves if x is not None)))
+    if expected is None:
+        fresh = jax.eval_shape(init, params)
+        expected = {k: _kinds(v) for k, v in fresh.inner_states.items()}
+        if key is not None:
+            bounded_put(memo, key, expected)
+    for label, kind in expected.items():
+        given = _kinds(inner_states[label]) if label in inner_states else ("missing state",)
+        if given != kind:
+            raise ValueError(GROUP_STATE_CHANGED.format(group=label, given=_describe_kind(given),
+                                                        expected=_describe_kind(kind)))
 
 
 def _selections(params: Any, patterns: tuple[str, ...]) -> list[tuple[Any, ...]]:
@@ -138,7 +200,41 @@ def groups(
     def init(params: Any) -> Any:
         return (by_member if split(params) else by_leaf).init(params)
 
+    memo: dict[bool, dict[Any, Any]] = {False: {}, True: {}}  # expected group states per parameter signature
+
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
-        return (by_member if split(updates) else by_leaf).update(updates, state, params, **extra)
+        chosen = by_member if split(updates) else by_leaf
+        check_group_states(chosen.init, state, updates if params is None else params, memo[chosen is by_member])
+        return chosen.update(updates, state, params, **extra)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def merge_members(leaves: list[list[Any]], labels: list[Any], treedef: Any, placeholder: Any) -> list[Any] | None:
+    """One moment leaf per position from the groups' moment trees (``leaves[k]``: group
+    ``labels[k]``'s flattened tree, ``placeholder(x)`` true at a position it does not hold),
+    where groups split a Stack's members: at such a leaf every group holds the whole array,
+    its own members' moments and the initial values elsewhere, so each member is taken from
+    the group whose pattern selects it (the default group: the members no pattern selects).
+    ``None`` when a position is held by several trees not told apart so (not groups)."""
+    if any(not isinstance(label, str) for label in labels):
+        return None
+    template = treedef.unflatten([None if placeholder(x) else x for x in leaves[0]])
+    patterns = [label for label in labels if label != DEFAULT_LABEL]
+    picks = {p: selection(template, (p,), what="ft.optim.moments", strict=False) for p in patterns}
+    out = []
+    for i, values in enumerate(zip(*leaves)):
+        held = [(label, v) for label, v in zip(labels, values) if not placeholder(v)]
+        if len(held) < 2:
+            out.append(held[0][1] if held else None)
+            continue
+        chosen = [np.asarray(picks[p][i]) for p in patterns]
+        merged = jnp.zeros_like(held[0][1])
+        for label, v in held:
+            own = (~np.any(np.broadcast_arrays(*chosen), axis=0) if chosen else np.ones((), bool)) \
+                if label == DEFAULT_LABEL else np.asarray(picks[label][i])
+            if own.ndim == 0 or np.shape(v) != np.shape(merged):
+                return None  # a whole leaf in two groups: not a member split
+            merged = jnp.where(broadcast(own, v), v, merged)
+        out.append(merged)
+    return out

@@ -1,0 +1,131 @@
+"""The optimizer's input checks (functree/optim/_checks.py): a state that does not fit the
+gradients (a changed layer, a state made with or without ``wrt=``) is refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+import functree as ft
+import functree.optim as fo
+from functree.optim._checks import check_state_fits
+
+
+class Net(ft.Module):
+    encoder: ft.nn.Dense
+    head: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.encoder(x)))
+
+
+def _net(out=1, seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return Net(ft.nn.Dense(3, 4, key=k1), ft.nn.Dense(4, out, key=k2))
+
+
+X = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+
+
+def _loss(m):
+    return jnp.mean(m(X) ** 2)
+
+
+def _torch_net(net):
+    t = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, net.head.weight.shape[1]))
+    with torch.no_grad():
+        for layer, ours in ((t[0], net.encoder), (t[2], net.head)):
+            layer.weight.copy_(torch.tensor(np.asarray(ours.weight).T.copy()))
+            layer.bias.copy_(torch.tensor(np.asarray(ours.bias)))
+    return t
+
+
+@pytest.mark.parametrize("tx", [fo.adagrad(0.1), fo.adadelta(1.0), optax.rmsprop(0.1), optax.adafactor(0.1)],
+                         ids=["adagrad", "adadelta", "optax.rmsprop", "optax.adafactor"])
+def test_a_second_moment_of_a_changed_layer_is_refused(tx):
+    # Before: the old (4, 1) accumulators broadcast silently into the (4, 3) head.
+    opt = fo.Optimizer(tx)
+    old = _net(out=1)
+    state = opt.init(old)
+    _, state = opt.apply_gradients(ft.gradient(_loss, at=old), old, state)
+    new = old.replace(head=ft.nn.Dense(4, 3, key=jax.random.key(5)))
+    with pytest.raises(ValueError, match=r"another structure: its moment \w+ differs from the gradients at "
+                                         r"head\.(weight|bias): the gradient has shape \((4, )?3,?\)"):
+        opt.apply_gradients(ft.gradient(_loss, at=new), new, state)
+
+
+@pytest.mark.parametrize("tx", [optax.novograd(0.1), optax.adafactor(0.1, min_dim_size_to_factor=1), fo.adagrad(0.1)],
+                         ids=["novograd-scalar-nu", "adafactor-factored", "adagrad"])
+def test_reduced_and_factored_second_moments_of_the_same_model_fit(tx):
+    net = _net(out=3)
+    check_state_fits(tx.init(ft.parameters(net)), ft.parameters(net))  # no error
+
+
+def test_unfreezing_with_a_wrt_state_is_refused_and_the_advised_code_keeps_the_head_moments():
+    # Before: TypeError "unsupported operand type(s) for *: 'ArrayImpl' and 'NoneType'" in optax.
+    net = _net()
+    head_opt = fo.Optimizer(fo.adam(1e-2), wrt="head.*")
+    state = head_opt.init(net)
+    net, state = head_opt.apply_gradients(ft.gradient(_loss, at=net, wrt="head.*"), net, state)
+    opt = fo.Optimizer(fo.adam(1e-2))
+    grads = ft.gradient(_loss, at=net)
+    with pytest.raises(ValueError, match=r"no moment mu for encoder\.weight, which has a gradient now.*wrt="):
+        opt.apply_gradients(grads, net, state)
+    # the message's recipe: the head's moments and the step count kept, the encoder's from zero
+    kept = jax.tree.map(lambda old, new: new if old is None else old, state, opt.init(net), is_leaf=lambda x: x is None)
+    _, after = opt.apply_gradients(grads, net, kept)
+    mu_before, mu_after = fo.moments(state)["mu"], fo.moments(after)["mu"]
+    np.testing.assert_allclose(mu_after.head.weight, 0.9 * mu_before.head.weight + 0.1 * grads.head.weight,
+                               rtol=0, atol=1e-8)
+    np.testing.assert_allclose(mu_after.encoder.weight, 0.1 * grads.encoder.weight, rtol=0, atol=1e-8)
+    assert int(fo.context(after).step) == 2
+
+
+def test_freezing_mid_run_names_wrt_and_the_advised_partial_gradients_match_torch():
+    # Before: "made for a model of another structure ... moments start again from zero".
+    net = _net()
+    tnet = _torch_net(net)
+    topt = torch.optim.Adam(tnet.parameters(), lr=1e-2)
+    opt = fo.Optimizer(fo.adam(1e-2))
+    state = opt.init(net)
+
+    def torch_step():
+        topt.zero_grad()
+        (tnet(torch.tensor(X)) ** 2).mean().backward()
+        topt.step()
+
+    for _ in range(2):
+        net, state = opt.apply_gradients(ft.gradient(_loss, at=net), net, state)
+        torch_step()
+    with pytest.raises(ValueError, match=r"(?s)moments for encoder\.weight, which this optimizer does not train.*"
+                                         r"made for all parameters.*ft\.gradient\(loss_fn, at=model, wrt=\"head\.\*\"\)"):
+        fo.Optimizer(fo.adam(1e-2), wrt="head.*").apply_gradients(ft.gradient(_loss, at=net, wrt="head.*"), net, state)
+    # the advised way: the same optimizer, partial gradients (torch: requires_grad_(False))
+    encoder = net.encoder
+    tnet[0].requires_grad_(False)
+    for _ in range(2):
+        net, state = opt.apply_gradients(ft.gradient(_loss, at=net, wrt="head.*"), net, state)
+        torch_step()
+    assert np.array_equal(net.encoder.weight, encoder.weight)
+    np.testing.assert_allclose(net.head.weight, tnet[2].weight.detach().numpy().T, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(fo.moments(state)["mu"].head.weight, topt.state[tnet[2].weight]["exp_avg"].numpy().T,
+                               rtol=0, atol=1e-7)
+
+
+def test_adafactor_factored_moments_are_read_by_name():
+    # Before: ft.optim.moments(adafactor's state) == {}.
+    tx = optax.adafactor(0.1, min_dim_size_to_factor=1)
+    net = _net(out=3)
+    params = ft.parameters(net)
+    state = fo.Optimizer(tx).init(net)
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, state = fo.Optimizer(tx).update(grads, state, net)
+    m = fo.moments(state)
+    assert {"v_row", "v_col", "v"} <= set(m)
+    raw = tx.update(grads, tx.init(params), params)[1]
+    factored = next(s for s in jax.tree.leaves(raw, is_leaf=lambda x: hasattr(x, "v_row")) if hasattr(s, "v_row"))
+    np.testing.assert_allclose(ft.get(m["v_row"], "head.weight"), factored.v_row.head.weight, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(ft.get(m["v_col"], "head.weight"), factored.v_col.head.weight, rtol=0, atol=1e-7)
+    assert ft.get(m["v"], "head.bias").shape == (3,)  # a vector: its full second moment

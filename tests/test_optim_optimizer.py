@@ -732,3 +732,16 @@ def test_a_user_state_field_named_like_a_moment_is_not_checked_as_one():
     updates = opt.update(grads, opt.init(params), params)[0]
     for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_wrt_that_selects_nothing_names_the_users_loss():
+    # Before: "... selects no parameter of Optimizer.get_gradients.<locals>.objective's first argument".
+    net = {"d": ft.nn.Dense(3, 2, key=jax.random.key(0))}
+
+    def my_loss(m):
+        return jnp.sum(m["d"](jnp.ones((1, 3))))
+
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2), wrt="*.lora_*")
+    with pytest.raises(ValueError, match=r"wrt='\*\.lora_\*' selects no parameter of "
+                                         r"test_a_wrt_that_selects_nothing_names_the_users_loss.<locals>.my_loss's"):
+        opt.minimize(my_loss, net, ft.optim.Optimizer(ft.optim.adam(1e-2)).init(net))

@@ -443,6 +443,7 @@ class Optimizer:
             out = loss_fn(m, *batch)
             loss = self.transform_loss(out[0] if has_aux else out)
             return (loss if scale is None else _scaled(loss, scale)), out
+        objective.__qualname__ = getattr(loss_fn, "__qualname__", "loss_fn")  # wrt='s errors name the user's loss
 
         (_, out), grads = value_with_gradient(objective, at=model, wrt=self.wrt or 0, has_aux=True)
         return out, grads
@@ -588,6 +589,7 @@ class Optimizer:
             def objective(m: Any, *b: Any, **kw: Any) -> tuple[Any, Any]:
                 out, layer_state = collect_state(lambda mm: loss_fn(mm, *b, **kw), m)
                 return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
+            objective.__qualname__ = getattr(loss_fn, "__qualname__", "loss_fn")  # (as get_gradients')
 
             (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,
                                                                        state=state, key=key, checked=checked)

@@ -209,7 +209,11 @@ def derivative(
     cotangents of the ``wrt`` arguments) or ``(value, differential)`` (``mode="forward"``,
     differential maps the tangents of the ``wrt`` arguments to a result tangent).
     ``wrt`` picks argument indices (default: every argument that carries floats; arguments
-    that are not arrays, such as a string flag, are passed through as constants). With
+    that are not arrays, such as a string flag, and Python ints and bools, such as an axis,
+    are passed through as constants, as ``nondiff_argnums`` would make them; a Python float
+    is data). An argument passed by keyword counts at its parameter's position
+    (``f(x, scale=s)`` is ``f(x, s)``). A forward rule may give ``None`` as the tangent
+    of an integer output (an argmax). With
     several covered arguments the pullback returns a tuple, one cotangent per argument in
     ``wrt``'s order (one missing is an error, never a zero), where only a bare Python number
     (``scale=2.0``, a constant) may be left out. The rule is called with the call's own

@@ -1014,3 +1014,79 @@ stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.
 """)
     for cell in ("stack(x)", "G = 3.0", "Forward.__call__ = lambda self, x: jnp.sin(self.lin(x)) * G", "G = 0.5"):
         _eager_matches_unrolled(run(cell))
+
+
+def test_an_eager_stack_reads_the_init_of_a_user_class_its_block_builds():
+    """Before: only a user class's ``__call__`` was read, so a block building ``Scaler()``
+    whose ``__init__`` reads ``GAIN`` kept the first cell's program after ``GAIN = 0.2``
+    (-0.151 against the Python loop's -0.001)."""
+    run = notebook()
+    run("""
+GAIN = 1.0
+class Scaler:
+    def __init__(self):
+        self.g = GAIN
+    def __call__(self, y):
+        return y * self.g
+class Block(ft.Module):
+    lin: ft.nn.Dense
+    def __call__(self, x):
+        return jnp.tanh(Scaler()(self.lin(x)))
+stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.random.key(0))
+""")
+    for cell in ("stack(x)", "GAIN = 0.2", "Scaler.__init__ = lambda self: setattr(self, 'g', -GAIN)", "GAIN = 3.0"):
+        _eager_matches_unrolled(run(cell))
+
+
+def test_an_eager_stack_reads_the_operators_of_a_user_object_its_block_uses():
+    """Before: a global instance was keyed by identity and its fields, not by its class's
+    code, so ``y * g`` (``Gain.__rmul__``) and ``g[0]`` (``Gain.__getitem__``) reading
+    ``GAIN`` kept the first cell's program after ``GAIN = 0.2``."""
+    run = notebook()
+    run("""
+GAIN = 1.0
+class Gain:
+    def __rmul__(self, y):
+        return y * GAIN
+    def __getitem__(self, i):
+        return GAIN + i
+g = Gain()
+class Block(ft.Module):
+    lin: ft.nn.Dense
+    def __call__(self, x):
+        return jnp.tanh(self.lin(x) * g + g[0])
+stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.random.key(0))
+""")
+    for cell in ("stack(x)", "GAIN = 0.2", "Gain.__getitem__ = lambda self, i: -GAIN", "GAIN = -1.5",
+                 "Gain.__rmul__ = lambda self, y: y * 0.5"):
+        _eager_matches_unrolled(run(cell))
+
+
+def test_an_eager_stack_reads_the_default_factories_of_a_dataclass_its_block_builds():
+    """Before: ``Cfg()`` in the block ran a dataclass ``__init__`` whose default factory
+    reads ``G2`` (and whose defaults live in ``__init__.__defaults__``), neither read: the
+    eager Stack kept the first cell's program. A Module's fields' factories (functree's
+    generic ``__init__`` reads them from the fields) and ``__post_init__`` are read too."""
+    run = notebook()
+    run("""
+import dataclasses
+G2, G3 = 1.0, 0.0
+@dataclasses.dataclass
+class Cfg:
+    gain: float = dataclasses.field(default_factory=lambda: G2)
+    bias: float = 0.0
+class Shift(ft.Module):
+    by: float = ft.field(static=True, default_factory=lambda: G3)
+    def __post_init__(self):
+        object.__setattr__(self, "by", self.by * POST)
+POST = 1.0
+class Block(ft.Module):
+    lin: ft.nn.Dense
+    def __call__(self, x):
+        c = Cfg()
+        return jnp.tanh(self.lin(x) * c.gain + c.bias) + Shift().by
+stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.random.key(0))
+""")
+    for cell in ("stack(x)", "G2 = 2.0", "Cfg.__init__.__defaults__ = (Cfg.__init__.__defaults__[0], 0.7)",
+                 "G3 = 0.25", "POST = -2.0"):
+        _eager_matches_unrolled(run(cell))

@@ -11,6 +11,10 @@ loop and a raw eager ``jax.lax.scan`` would see it.
 What is read, for each user class (one not defined by an installed package):
 
 * its ``__call__`` (by identity; through a wrapper's closure, to the user's function),
+* the special methods user classes of its MRO define themselves (``__init__``,
+  ``__post_init__``, operators such as ``__rmul__``, ``__getitem__``): traced code runs
+  them when it builds an instance (``Cfg()``) or applies an operator; a dataclass's default
+  factories (the generated ``__init__``'s closure, a Module's fields) with them,
 * the functions, properties and class attributes its code names as attributes, found on
   the class itself (``self.helper(x)``, ``self.EPS``); for code calling ``super()``, every
   user class's definition of them along the MRO (``super().__call__(x)`` runs the base's),
@@ -23,7 +27,8 @@ their tuples by type and exact value (``1``, ``1.0`` and ``True`` differ; ``-0.0
 ``0.0``); lists and dicts by contents (a cell may change them in place), as are the attributes of
 a user's mutable object (a config, a ``SimpleNamespace``); NumPy arrays by dtype, shape
 and bytes; a user's own module (not an installed package: ``import mycfg``) by identity and by
-the attributes of it the code names (``mycfg.GAIN``); library modules, library functions,
+the attributes of it the code names (``mycfg.GAIN``); an instance of a user class also by
+its class, read as above (``y * g`` runs ``type(g).__rmul__``); library modules, library functions,
 classes, JAX arrays, Modules and frozen dataclasses (immutable) and other objects by
 identity, weakly held where they allow it. A NumPy array over
 :data:`MAX_ARRAY_BYTES`, a container over :data:`MAX_ITEMS` or code deeper than
@@ -37,6 +42,7 @@ globals are code, not edited while a process runs.
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import functools
 import os
@@ -49,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from functree._module import Module
+from functree._module import GENERATED_INIT, Module
 from functree._tree import WeakIdentity, bounded_put
 
 __all__ = ["reads_key", "is_library", "library_class", "MAX_DEPTH", "MAX_ITEMS", "MAX_ARRAY_BYTES"]
@@ -69,6 +75,7 @@ _MEMBERS: dict[tuple[type, int], tuple[types.CodeType, tuple[str, ...]]] = {}
 _MISSING = object()  # a global not (yet) defined, an empty cell: defining it later changes the key
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+_CODE_KINDS = (types.FunctionType, staticmethod, classmethod, property, functools.partial)
 
 
 class Unkeyable(Exception):
@@ -205,6 +212,33 @@ def _class_attribute(owner: type, name: str) -> tuple[bool, Any]:
     return False, None
 
 
+def _specials(cls: type) -> list[Any]:
+    """The special methods user classes of ``cls``'s MRO define themselves, but ``__call__``
+    (read apart): ``__init__`` and ``__post_init__``, operators (``__rmul__``),
+    ``__getitem__``... traced code runs them as it runs ``__call__`` (``Cfg()``, ``x * g``).
+    A dataclass's generated ``__init__`` holds its default factories in its closure and its
+    defaults in ``__defaults__``; a Module's (functree's generic one) reads them from the
+    fields when it runs: they are listed instead. Read from the class dicts at every call:
+    a later cell may define or replace one."""
+    found = []
+    for k in cls.__mro__:
+        if not library_class(k):
+            for name, v in k.__dict__.items():  # (the type test first: most entries are data)
+                if isinstance(v, _CODE_KINDS) and name[:2] == "__" == name[-2:] and name != "__call__" \
+                        and not _generated_init(v):
+                    found.append(v)
+    if _generated_init(getattr(cls, "__init__", None)):
+        for f in cls.__dataclass_fields__.values():  # type: ignore[attr-defined]
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                found += (f.default, f.default_factory)
+    return found
+
+
+def _generated_init(v: Any) -> bool:
+    """Whether ``v`` is a Module's generated ``__init__``: library code calling ``_run_init``."""
+    return type(v) is types.FunctionType and v.__code__.co_filename == GENERATED_INIT
+
+
 def _definitions(owner: type, name: str) -> tuple[Any, ...]:
     """Every value of ``name`` on a user class of ``owner``'s MRO, nearest first: what
     ``super()`` may reach."""
@@ -253,9 +287,11 @@ class _Builder:
             return kind, self.value(v.fget, depth)
         if isinstance(v, types.ModuleType):
             return v  # code, alive for the process: compared by identity (its __eq__)
+        # a user class's instance: its class too (``x * g`` runs ``type(g).__rmul__``)
+        own = () if library_class(kind) else self.cls(kind, depth + 1)
         if _mutable_record(v):  # a notebook's config object: a later cell may set its fields
-            return _identity(v), self.value(dict(vars(v)), depth + 1)
-        return _identity(v)  # a JAX array, a Module, a frozen dataclass: immutable; others by identity
+            return _identity(v), self.value(dict(vars(v)), depth + 1), own
+        return _identity(v), own  # a JAX array, a Module, a frozen dataclass: immutable; others by identity
 
     def cls(self, cls: type, depth: int) -> Any:
         """A user class by identity and by what its ``__call__`` reads; a library class by identity."""
@@ -272,7 +308,7 @@ class _Builder:
         if not user:  # a library's __call__ calling this class's overrides: each of them
             read = read, tuple(self.attribute(cls, name, depth + 1) for k in cls.__mro__
                                if not library_class(k) for name in list(k.__dict__))
-        return cls, read
+        return cls, read, tuple(self.member(v, cls, depth + 1) for v in _specials(cls))
 
     def function(self, fn: types.FunctionType, depth: int, owner: type | None) -> Any:
         """``fn`` by identity, with its closure cells; a user function also with its

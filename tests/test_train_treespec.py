@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import enum
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -492,6 +493,75 @@ def test_an_enum_saved_from_main_names_the_registration_that_works(tmp_path):
         ft.train.load(tmp_path / "c")
     ft.train.register(Color, name="__main__.Color")
     assert ft.train.load(tmp_path / "c").color is Color.RED
+
+
+class Color(enum.Flag):
+    R = 1
+    G = 2
+    B = 4
+
+
+class Perm(enum.IntFlag):
+    READ = 4
+    WRITE = 2
+
+
+class Flagged(ft.Module):
+    w: jax.Array
+    color: Color = ft.field(static=True, default=Color.R | Color.G)
+    rx: re.RegexFlag = ft.field(static=True, default=re.IGNORECASE | re.MULTILINE)
+    perm: Perm = ft.field(static=True, default=Perm.READ | Perm.WRITE)
+    none: Color = ft.field(static=True, default=Color(0))
+
+    def __call__(self, x):
+        return x * self.w * (self.color.value + int(self.rx) + int(self.perm))
+
+
+_FLAGS = ("color", "rx", "perm", "none")
+
+
+def test_a_flag_combination_loads_as_its_flag_with_and_without_a_template(tmp_path):
+    """Before: ``re.IGNORECASE | re.MULTILINE`` (an IntFlag: an int) loaded as the plain int
+    10, and ``Color.R | Color.G`` was stored as text, refused without a template. A Flag
+    combination is stored as its class (resolved as an Enum member's) and its bits."""
+    model = Flagged(jnp.array([1.0, -2.0]))
+    ft.train.save(tmp_path / "c", model)
+    x = jnp.array([0.5, 3.0])
+    for back in (ft.train.load(tmp_path / "c"), ft.train.load(tmp_path / "c", Flagged(jnp.zeros(2)))):
+        for name in _FLAGS:
+            saved, loaded = getattr(model, name), getattr(back, name)
+            assert type(loaded) is type(saved) and loaded == saved, name
+        assert jax.tree.structure(back) == jax.tree.structure(model)
+        np.testing.assert_allclose(back(x), model(x), rtol=0, atol=0)
+    with pytest.raises(ft.train.CheckpointError, match=r"rx: saved RegexFlag\(10\), the template's RegexFlag.IGNORECASE"):
+        ft.train.load(tmp_path / "c", Flagged(jnp.ones(2), rx=re.IGNORECASE))
+
+    def as_before(meta):  # how files written before stored an IntFlag combination
+        meta["spec"]["static"]["rx"] = {"json": 10}
+    _tampered(tmp_path / "c", as_before)
+    back = ft.train.load(tmp_path / "c", Flagged(jnp.ones(2)))
+    assert type(back.rx) is re.RegexFlag and back.rx == re.IGNORECASE | re.MULTILINE  # the template's
+
+
+@pytest.mark.parametrize(("field", "code", "message"), [
+    ("rx", {"flag": ["re.RegexFlag", 1 << 20]}, r"damaged at 'rx': 1048576 is not a combination of the RegexFlag flags"),
+    ("perm", {"flag": ["tests.x.Perm", 1]}, r"damaged at 'perm': 1 is not a combination of the Perm flags \(READ=4 \| WRITE=2\)"),
+    ("color", {"flag": ["tests.x.Color", -1]}, r"damaged at 'color': -1 is not a combination of the Color flags"),
+    ("color", {"flag": ["tests.x.Color", True]}, r"damaged at 'color': True is not a combination"),
+    ("color", {"flag": ["tests.x.Color", "3"]}, r"damaged at 'color': 3 is not a combination"),
+    ("color", {"flag": ["tests.x.Mode", 1]}, r"damaged at 'color': the Enum Mode is not a Flag"),
+    ("color", {"flag": ["tests.Missing", 1]}, r"static value at 'color'.*the Enum tests.Missing is not registered"),
+    ("color", {"flag": [None, 1]}, r"damaged at 'color'"),
+], ids=["bits-outside", "intflag-bits-outside", "negative", "bool", "text", "not-a-flag", "unknown", "no-name"])
+def test_a_tampered_flag_combination_is_refused_by_name(tmp_path, field, code, message):
+    ft.train.save(tmp_path / "c", Flagged(jnp.ones(2)))
+    stored = json.loads((tmp_path / "c" / "meta" / "metadata").read_text())["spec"]["static"]
+    prefix = stored["color"]["flag"][0].rsplit(".", 1)[0]  # the saved classes' real module
+    if isinstance(code["flag"][0], str) and code["flag"][0].startswith("tests.x."):
+        code["flag"][0] = prefix + "." + code["flag"][0].rsplit(".", 1)[-1]
+    _tampered(tmp_path / "c", lambda meta: meta["spec"]["static"].update({field: code}))
+    with pytest.raises(SpecError, match=message):
+        ft.train.load(tmp_path / "c")
 
 
 # ---- dict keys ------------------------------------------------------------------------------

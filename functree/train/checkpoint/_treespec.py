@@ -22,7 +22,7 @@ is stored by its registered name, as a static function is, and looked up on rest
 Static field values are stored as JSON when they are JSON scalars or tuples of them, as a
 registered name for functions and scalar types (``jax.nn.relu``), as a dtype name, a NumPy
 scalar as its dtype and value (``np.float32(1e-3)``), an Enum member as its class's name
-and the member's, a leafless Module (an activation with a slope) as its own description,
+and the member's (a Flag combination, ``re.I | re.M``, as its class's name and its bits), a leafless Module (an activation with a slope) as its own description,
 and otherwise only as their ``repr`` (such a tree needs a template to be loaded).
 """
 
@@ -203,6 +203,8 @@ def _decode_static(code: Any, path: str) -> Any:
         return _numpy_scalar(value[0], value[1], path)
     if tag == "enum" and isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
         return _enum_member(value[0], value[1], path)
+    if tag == "flag" and isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+        return _flag_combination(value[0], value[1], path)
     if tag == "module" and isinstance(value, dict) and value.get("kind") == "module":
         return _decode(value, {}, path)  # no arrays: a leaf in it is damage
     if tag == "function" and isinstance(value, str):
@@ -275,13 +277,30 @@ def _plain_number(plain: Any, kind: str, dtype: np.dtype) -> bool | int | float 
 
 
 def _enum_code(value: enum.Enum) -> dict[str, Any] | None:
-    """An Enum member as its class's name and its own; None for a combination of Flag
-    members, which has no name of its own to look up."""
+    """An Enum member as its class's name and its own; a combination of Flag members
+    (``re.IGNORECASE | re.MULTILINE``), which has no name of its own to look up, as its
+    class's name and its integer value (rebuilt by ``cls(value)``); None for another value
+    without a member name (a Flag of non-integer values)."""
     cls = type(value)
     name = value.name
-    if not isinstance(name, str) or cls.__members__.get(name) is not value:
-        return None
-    return {"enum": [type_name(cls), name]}
+    if isinstance(name, str) and cls.__members__.get(name) is value:
+        return {"enum": [type_name(cls), name]}
+    bits = value.value
+    if isinstance(value, enum.Flag) and type(bits) is int and _flag_bits(cls, bits) and cls(bits) == value:
+        return {"flag": [type_name(cls), bits]}
+    return None
+
+
+def _flag_bits(cls: type[enum.Enum], bits: int) -> bool:
+    """Whether ``bits`` are a combination of ``cls``'s members' bits: a Flag with the
+    ``KEEP`` boundary (an IntFlag, ``re.RegexFlag``) keeps bits outside them silently."""
+    values = [m.value for m in cls.__members__.values()]
+    if not all(type(v) is int for v in values):
+        return False
+    every = 0
+    for v in values:
+        every |= v
+    return bits >= 0 and not bits & ~every
 
 
 def _enum_classes(name: str) -> list[type]:
@@ -308,6 +327,21 @@ def _enum_member(name: str, member: str, path: str) -> Any:
         why = f"the Enum {cls.__name__} has no member {member[:100]!r}"
         raise SpecError(MALFORMED.format(path=path, why=why))
     return value
+
+
+def _flag_combination(name: str, bits: Any, path: str) -> Any:
+    """The Flag combination ``cls(bits)`` of a stored class name and integer value: the class
+    resolved as an Enum member's is, the bits checked against its members' (never a value
+    the class does not define)."""
+    cls = _one_class(_enum_classes(name), name, path, "a static value", AMBIGUOUS_ENUM,
+                     f"the Enum {name[:200]} is not registered or defined in this process")
+    if not issubclass(cls, enum.Flag):
+        raise SpecError(MALFORMED.format(path=path, why=f"the Enum {cls.__name__} is not a Flag"))
+    if type(bits) is not int or not _flag_bits(cls, bits):
+        members = " | ".join(f"{k}={m.value!r}" for k, m in cls.__members__.items())[:200]
+        why = f"{str(bits)[:50]} is not a combination of the {cls.__name__} flags ({members})"
+        raise SpecError(MALFORMED.format(path=path, why=why))
+    return cls(bits)
 
 
 def _module_code(value: Module) -> dict[str, Any] | None:
@@ -733,7 +767,7 @@ def _stored_before(code: Any, mine: dict[str, Any], value: Any) -> bool:
     """Whether ``code``, a file's JSON number, is how files written before NumPy scalars and
     Enum members had codes of their own stored ``value`` (an ``np.float64``, an ``IntEnum``
     member): the same value, not a difference."""
-    return isinstance(code, dict) and "json" in code and ("numpy" in mine or "enum" in mine) \
+    return isinstance(code, dict) and "json" in code and ("numpy" in mine or "enum" in mine or "flag" in mine) \
         and code["json"] == value
 
 
@@ -752,6 +786,8 @@ def _shown(code: Any) -> str:
         return f"np.{value[0]}({value[1]!r})"
     if tag == "enum" and isinstance(value, list) and len(value) == 2:
         return f"{str(value[0]).rsplit('.', 1)[-1]}.{value[1]}"
+    if tag == "flag" and isinstance(value, list) and len(value) == 2:
+        return f"{str(value[0]).rsplit('.', 1)[-1]}({value[1]!r})"
     if tag == "module" and isinstance(value, dict) and isinstance(value.get("static"), dict):
         fields = ", ".join(f"{k}={_shown(v)}" for k, v in value["static"].items())
         return f"{str(value.get('class')).rsplit('.', 1)[-1]}({fields})"

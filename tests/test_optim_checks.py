@@ -129,3 +129,29 @@ def test_adafactor_factored_moments_are_read_by_name():
     np.testing.assert_allclose(ft.get(m["v_row"], "head.weight"), factored.v_row.head.weight, rtol=0, atol=1e-7)
     np.testing.assert_allclose(ft.get(m["v_col"], "head.weight"), factored.v_col.head.weight, rtol=0, atol=1e-7)
     assert ft.get(m["v"], "head.bias").shape == (3,)  # a vector: its full second moment
+
+
+def test_a_static_value_changed_after_init_is_named_and_the_moments_carry_over():
+    """A Stack's remat toggled (or a Dense's activation swapped) after init: the message named
+    no field ('a Stack node (other fields or static values)') and only said to start the
+    moments again. It names the field and both values; its carry-over keeps the moments."""
+    stack = ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, jax.nn.tanh, key=k), 3, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(optax.adam(1e-2))
+    loss = lambda m: jnp.sum(m(jnp.linspace(-1.0, 1.0, 3)) ** 2)  # noqa: E731
+    model, opt_state, _ = opt.minimize(loss, stack, opt.init(stack))
+    changed = model.replace(remat=True)
+    with pytest.raises(ValueError, match=r"(?s)before a static value changed: its moment mu .*"
+                                         r"the field 'remat' is True in the model, None in the state's.*"
+                                         r"right:  opt_state = jax.tree.unflatten"):
+        opt.minimize(loss, changed, opt_state)
+    carried = jax.tree.unflatten(jax.tree.structure(opt.init(changed)), jax.tree.leaves(opt_state))
+    after, _, _ = opt.minimize(loss, changed, carried)
+    expected, _, _ = opt.minimize(loss, model, opt_state)  # the same step without the change
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    dense = ft.nn.Dense(3, 3, jax.nn.relu, key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"the field 'activation' is tanh in the model, relu in the state's"):
+        opt.minimize(loss, dense.replace(activation=jax.nn.tanh), opt.init(dense))
+    grown = ft.nn.Dense(3, 4, jax.nn.relu, key=jax.random.key(1))  # a shape changed: no carry-over offered
+    with pytest.raises(ValueError, match=r"made for a model of another structure"):
+        opt.minimize(loss, grown, opt.init(dense))

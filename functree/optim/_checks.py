@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import jax
@@ -35,6 +37,19 @@ shapes), make a new state (its moments start again from zero):
     wrong:  opt_state = optimizer.init(model);  model = model.replace(ws=[w1, w2])
             optimizer.update(grads, opt_state, model)         # or a train step
     right:  opt_state = optimizer.init(model)                 # again, for the model as it is now
+"""
+
+
+STATE_STATIC_CHANGED = """\
+The optimizer state was made for the model before a static value changed: its moment \
+{moment} differs from the gradients at {path}: {detail}. No parameter changed, so the \
+moments still fit the model; carry them over to its new structure (or start them again):
+
+    wrong:  opt_state = optimizer.init(model);  model = model.replace(...)   # a static field
+            optimizer.update(grads, opt_state, model)         # or a train step
+    right:  opt_state = jax.tree.unflatten(jax.tree.structure(optimizer.init(model)),
+                                           jax.tree.leaves(opt_state))      # the same moments
+       or:  opt_state = optimizer.init(model)                 # moments from zero
 """
 
 
@@ -184,7 +199,7 @@ def check_state_fits(inner: Any, grads: Any) -> None:
         bounded_put(_FITS, key, True)
 
 
-_MESSAGES = {"structure": STATE_MISMATCH, "untrained": STATE_WITHOUT_MOMENT,
+_MESSAGES = {"structure": STATE_MISMATCH, "static": STATE_STATIC_CHANGED, "untrained": STATE_WITHOUT_MOMENT,
              "not_trained_here": STATE_FOR_ALL_PARAMETERS}
 
 
@@ -240,9 +255,38 @@ def _first_misfit(grads: Any, moment: Any, name: str) -> tuple[str, str, str] | 
         if g is None and m_node == _LEAF:  # a parameter with moments that this optimizer does not train
             return where, f"the state has a moment of shape {np.shape(m)}, the gradients none", "not_trained_here"
         if g_node != m_node:
+            changed = _static_change(g, m)
+            if changed is not None:
+                return where, changed, "static"
             return where, f"the gradients have {_describe(g)}, the state {_describe(m)}", "structure"
         stack.extend((path + (k,), gc, mc) for (k, gc), (_, mc) in reversed(list(zip(g_children, m_children))))
     return None
+
+
+def _static_change(g: Any, m: Any) -> str | None:
+    """``"the field 'remat' is True in the model, False in the state's"`` when the nodes ``g``
+    and ``m`` are dataclasses of one type whose children line up and one of their
+    non-array fields differs (a static value changed after ``init``); else None."""
+    if type(g) is not type(m) or not dataclasses.is_dataclass(g):
+        return None
+    shapes = [[np.shape(x) for x in jax.tree.leaves(t) if hasattr(x, "shape")] for t in (g, m)]
+    if shapes[0] != shapes[1]:  # a parameter added or reshaped too: the moments do not carry over
+        return None
+    for f in dataclasses.fields(g):
+        a, b = getattr(g, f.name, None), getattr(m, f.name, None)
+        if any(hasattr(x, "shape") for x in jax.tree.leaves([a, b])):  # parameters: compared below
+            continue
+        try:
+            same = bool(a == b)
+        except Exception:  # noqa: BLE001 (a value without a plain ==)
+            same = a is b
+        if not same:
+            return f"the field {f.name!r} is {_short(a)} in the model, {_short(b)} in the state's"
+    return None
+
+
+def _short(x: Any) -> str:
+    return getattr(x, "__name__", None) or repr(x)[:60]
 
 
 def _describe(x: Any) -> str:

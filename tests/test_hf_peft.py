@@ -9,6 +9,7 @@ projections, ``all-linear``, ``modules_to_save``, rank and alpha patterns, damag
 half-written files. The model and fixtures are test_nn_lora's.
 """
 
+import copy
 import json
 import os
 import re
@@ -581,3 +582,70 @@ def test_a_pissa_adapter_converted_by_peft_loads_as_peft_loads_it(tmp_path):
     assert_close(logits(ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "plain"), ids), expected)
     with pytest.raises(ValueError, match="init_lora_weights='pissa'"):
         ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "pissa")
+
+
+def _gpt2_config(tied=True):
+    return transformers.GPT2Config(vocab_size=30, n_positions=16, n_embd=16, n_layer=1, n_head=4, bos_token_id=0,
+                                   eos_token_id=0, tie_word_embeddings=tied)
+
+
+class _TorchTagger(torch.nn.Module):
+    """A user's torch model holding a GPT-2 with its tied lm_head, and a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = transformers.GPT2LMHeadModel(_gpt2_config())
+        self.head = torch.nn.Linear(30, 3)
+
+    def forward(self, ids):
+        return self.head(self.gpt(ids).logits)
+
+
+class _Tagger(ft.Module):
+    gpt: object
+    head: ft.nn.Dense
+
+    def __call__(self, ids):
+        return self.head(self.gpt(ids))
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to:UserWarning")  # PEFT's: Linear and Conv1D both
+@pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers` to `True`:UserWarning")  # PEFT's, saving
+@pytest.mark.filterwarnings("ignore:Could not identify embedding layer:UserWarning")
+def test_all_linear_of_peft_on_a_tied_head_inside_a_model_names_the_heads_and_both_fixes(tmp_path):
+    """PEFT's "all-linear" leaves out only a PreTrainedModel root's output head: on a user's
+    model holding GPT-2 it adapts gpt.lm_head, the tied head (x @ wte^T), which no Dense
+    layer holds here. Before, load_lora refused it with the fix for embeddings and norms
+    ('"target_modules": ["q_proj", "v_proj"]'); now it names the tied heads and the two fixes,
+    and both give PEFT's logits."""
+    torch.manual_seed(0)
+    reference = _TorchTagger().eval()
+    ids = np.random.default_rng(0).integers(1, 30, (2, 7)).astype(np.int32)
+
+    def peft_adapter(directory, **options):
+        model = peft.get_peft_model(copy.deepcopy(reference), peft.LoraConfig(r=2, lora_alpha=4, **options))
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5)
+        model.save_pretrained(directory)
+        with torch.no_grad():
+            return model.eval()(torch.from_numpy(ids).long()).numpy()
+
+    def tagger(tied):
+        built = _Tagger(ft.nn.from_hf(_gpt2_config(tied), key=jax.random.key(0)), ft.nn.Dense(30, 3, key=jax.random.key(1)))
+        return ft.nn.load_torch_state_dict(built, reference.state_dict())
+
+    expected = peft_adapter(tmp_path / "all", target_modules="all-linear")
+    with pytest.raises(ValueError, match=r"(?s)selects \['gpt.lm_head'\]: the tied output head of a Hugging Face port"
+                                         r".*exclude_modules=\['gpt.lm_head'\].*\"tie_word_embeddings\": False"):
+        ft.nn.load_lora(tagger(tied=True), tmp_path / "all")
+    untied = ft.nn.load_lora(tagger(tied=False), tmp_path / "all")  # the second fix: the same logits as PEFT's
+    np.testing.assert_allclose(np.asarray(untied(ids)), expected, rtol=0, atol=2e-5 * float(np.abs(expected).max()))
+    with torch.no_grad():  # the adapters move the outputs: a base without them would not pass
+        base = reference(torch.from_numpy(ids).long()).numpy()
+    assert np.abs(expected - base).max() > 0.1
+    excluded = peft_adapter(tmp_path / "excluded", target_modules="all-linear", exclude_modules=["gpt.lm_head"])
+    loaded = ft.nn.load_lora(tagger(tied=True), tmp_path / "excluded")  # the first fix
+    np.testing.assert_allclose(np.asarray(loaded(ids)), excluded, rtol=0, atol=2e-5 * float(np.abs(excluded).max()))

@@ -45,6 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._tree import dotted_name, join_names
+from functree.hf._family import family_of
+from functree.hf._load import tied_head
 from functree.hf._names import TorchNames, torch_names
 from functree.hf._peft_blocks import BLOCKS, member_columns, read_blocks
 from functree.hf._peft_members import (
@@ -117,6 +120,20 @@ ft.nn.load_lora: adapter_config.json's {option} selects {modules}, which {are} n
 layer of this model (ft.nn.load_lora puts adapters on Dense layers; an embedding, a norm or \
 a whole block is another kind of adapter). Loading the rest would be a different model.
     right:  "target_modules": ["q_proj", "v_proj"]   # Linear (and Conv1D) modules only"""
+
+TIED_HEAD_TARGET = """\
+ft.nn.load_lora: adapter_config.json's {option} selects {modules}: the tied output head of \
+a Hugging Face port here ({are} the embedding's transpose, logits = x @ embedding^T, not a \
+Dense layer), which PEFT adapts as a Linear on the torch model ("all-linear" leaves out only \
+the head of a PreTrainedModel at the root, not one held inside a model of your own). \
+ft.nn.lora cannot put an adapter on a tied head, and loading the rest would be a different \
+model. Train the adapter without the tied heads, or build the port with an untied head (a \
+Dense layer holding a copy of the embedding, which the adapter loads onto: the same logits):
+
+    wrong:  peft.LoraConfig(target_modules="all-linear")
+    right:  peft.LoraConfig(target_modules="all-linear", exclude_modules={heads!r})
+       or:  ft.nn.from_hf({{**config, "tie_word_embeddings": False}}, key=key)   # then
+            ft.nn.load_torch_state_dict(model, torch_model.state_dict()); ft.nn.load_lora(model, directory)"""
 
 ADAPTER_SHAPE = """\
 ft.nn.load_lora: {name!r} has shape {given}; the layer {layer!r} ({inputs} inputs, {outputs} \
@@ -630,7 +647,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     saved = _saved_modules(model, names, config["modules_to_save"], "load_lora") if config.get("modules_to_save") \
         else {}
     pairs, full, bases = _split_tensors(tensors, set(saved), directory)
-    modules = _checked_modules(config, names, pairs, kind)
+    modules = _checked_modules(config, names, pairs, kind, model)
     _check_base_layers(model, names, bases, modules, directory)
     layers = dense_layers(model)
     inputs = {m: int(layer.node.weight.shape[-2]) for layer in layers for m in member_layer_names(layer)}
@@ -681,14 +698,38 @@ def _check_config(config: dict[str, Any], directory: str) -> None:
         raise bad("lora_dropout", dropout, "a dropout probability is in [0, 1)", '"lora_dropout": 0.05')
 
 
-def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str, Any], kind: str) -> list[str]:
+def _not_dense(targets: Any, modules: list[str], model: Any) -> ValueError:
+    """:data:`TIED_HEAD_TARGET` where ``modules`` include a port's tied head, else :data:`NOT_DENSE_TARGET`."""
+    option = f"target_modules={targets!r}"
+    heads = _tied_heads(model)
+    tied = [m for m in modules if m in heads]
+    if tied:
+        return ValueError(TIED_HEAD_TARGET.format(option=option, modules=tied[:4], heads=heads,
+                                                  are="it is" if len(tied) == 1 else "each is"))
+    return ValueError(NOT_DENSE_TARGET.format(option=option, modules=modules[:4],
+                                              are="is" if len(modules) == 1 else "are"))
+
+
+def _tied_heads(model: Any) -> list[str]:
+    """The torch module names of the tied output heads of ``model``'s from_hf ports, at its
+    root (``lm_head``) or inside it (``decoders.0.lm_head``): no Dense layer holds them."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: family_of(x) is not None)
+    heads = []
+    for path, node in pairs:
+        tied = tied_head(family_of(node), node) if family_of(node) is not None else None  # type: ignore[arg-type]
+        if tied is not None:
+            heads.append(join_names(dotted_name(path), tied[0].rpartition(".")[0]))
+    return heads
+
+
+def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str, Any], kind: str,
+                     model: Any = None) -> list[str]:
     """The targeted modules, checked against the file's tensors and the model's Dense layers."""
     dense = {n.module for n in names.members.values() if n.weight_param}
     targets = config.get("target_modules")
     unknown = sorted(m for m in pairs if m not in dense)
     if unknown and all(m in names.modules for m in unknown):  # an embedding, a tied head: adapters of another kind
-        raise ValueError(NOT_DENSE_TARGET.format(option=f"target_modules={targets!r}", modules=unknown[:4],
-                                                 are="is" if len(unknown) == 1 else "are"))
+        raise _not_dense(targets, unknown, model)
     if unknown:
         raise ValueError(UNKNOWN_MODULE.format(modules=unknown[:4], torch=kind, known=sorted(dense)[:4]))
     targeted = _targeted(config, names)
@@ -699,8 +740,7 @@ def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str,
         raise ValueError(NOT_TARGETED.format(modules=stray[:4], targets=targets, right=sorted(pairs)))
     other = sorted(m for m in targeted if m not in dense)
     if other:
-        raise ValueError(NOT_DENSE_TARGET.format(option=f"target_modules={targets!r}", modules=other[:4],
-                                                 are="is" if len(other) == 1 else "are"))
+        raise _not_dense(targets, other, model)
     missing = sorted(m for m in targeted if m not in pairs)
     if missing:
         raise ValueError(NOT_IN_FILE.format(modules=missing[:4], them="it" if len(missing) == 1 else "them"))

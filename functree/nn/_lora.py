@@ -467,7 +467,9 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     ``wrt=`` does (``"*.query_projection"``, ``"blocks.*.mlp.*"``); for a model of
     :func:`ft.nn.from_hf` also by Hugging Face's module names
     (``"model.layers.*.self_attn.[qv]_proj"``); ``"all-linear"`` (PEFT's shorthand) selects
-    every Dense layer but a from_hf model's output head. Inside a ``Stack`` every member gets
+    every Dense layer but the output head of a from_hf model at the root (a tied head, ``x
+    wte^T``, is no Dense layer: PEFT adapts it inside a model of your own, this does not;
+    docs/guides/lora.md). Inside a ``Stack`` every member gets
     adapters (stacked with the members). ``dropout`` drops the adapters' input in training
     mode; ``dtype`` is the adapters' (default: the weight's). A pattern selecting no Dense
     layer, a leaf of another layer, a Dense already adapted or only some members of a Stack

@@ -373,3 +373,30 @@ def test_the_restart_recipe_with_a_periodic_and_a_best_directory(tmp_path):
     with pytest.raises(ValueError, match=r"past this trainer's step 0"):  # a new job: not this run's
         make().fit(batches(), epochs=1, validation_data=val, progress=False,
                    callbacks=[ft.train.ModelCheckpoint(tmp_path / "a" / "best", best_metric="val_loss")])
+
+
+def test_a_hook_that_cannot_take_the_trainers_arguments_is_refused_before_training():
+    """`def on_epoch_end(self, ctx)` failed at the first epoch's end with Python's "takes 2
+    positional arguments but 3 were given", after an epoch of training."""
+    class OneArgument(ft.train.Callback):
+        def on_epoch_end(self, ctx):
+            pass
+
+    trainer = make()
+    with pytest.raises(TypeError, match=r"(?s)OneArgument.on_epoch_end takes \(ctx\); the Trainer calls it as "
+                                        r"on_epoch_end\(trainer, context\).*right:  def on_epoch_end\(self, trainer, "
+                                        r"context\)"):
+        trainer.fit(data(), epochs=1, progress=False, callbacks=[OneArgument()])
+    assert trainer.steps_run == 0  # refused before the first step
+
+    seen = []
+
+    class Flexible(ft.train.Callback):  # *args and extra defaults bind: accepted
+        def on_epoch_end(self, *args):
+            seen.append(args[1].epoch)
+
+        def on_log(self, trainer, context, extra=None):
+            pass
+
+    trainer.fit(data(), epochs=2, progress=False, callbacks=[Flexible()])
+    assert seen == [1, 2]  # context.epoch: sweep's other name, the epochs completed

@@ -540,6 +540,13 @@ def test_saving_to_a_path_adds_a_checkpoint_and_deletes_none(tmp_path):
     assert ft.train.CheckpointManager(run).all_steps() == [4, 8, 12, 16, 20, 22, 23, 24]
     ranked = ft.train.CheckpointManager(best, best_metric="loss")
     assert ranked.all_steps() == [4, 20, 22, 23, 24] and ranked.best_step() == 4
+    # The directory already holds the trainer's step (its ModelCheckpoint wrote it at the end
+    # of fit): the error names trainer.save, not manager.save, and its fix runs.
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)^trainer.save: .*already holds a checkpoint at step 24"
+                                                       r".*right:  trainer.save\(\".*run-final\"\)"):
+        trainer.save(run)
+    trainer.save(f"{run}-final")
+    assert ft.train.CheckpointManager(f"{run}-final").all_steps() == [24]
 
 
 def test_a_skipped_steps_learning_rate_row_is_nan():

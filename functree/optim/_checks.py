@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 import jax
@@ -278,7 +277,7 @@ def _static_change(g: Any, m: Any) -> str | None:
             continue
         try:
             same = bool(a == b)
-        except Exception:  # noqa: BLE001 (a value without a plain ==)
+        except Exception:  # a value without a plain == (an array-like static)
             same = a is b
         if not same:
             return f"the field {f.name!r} is {_short(a)} in the model, {_short(b)} in the state's"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import math
 import os
@@ -101,6 +102,14 @@ after either fix continues it):
        or:  manager = ft.train.CheckpointManager(directory)    # this run replaces them:
             for step in {ahead}: manager.delete(step)"""
 
+BAD_HOOK = """\
+{who}.{hook} takes {given}; the Trainer calls it as {hook}({args}) (Keras's hooks take \
+(epoch, logs): here the context holds both, context.sweep and context.metrics).
+
+    wrong:  def {hook}(self, {wrong_args}): ...
+    right:  def {hook}(self, {args}): ...
+"""
+
 NOT_A_CALLBACK = """\
 A callback is a ft.train.Callback or a function of the TrainingContext, got {given}.
     right:  callbacks=[ft.train.EarlyStopping(patience=3), lambda ctx: print(ctx.step)]"""
@@ -113,7 +122,7 @@ class TrainingContext:
     Attributes:
       event: ``"log"``, ``"epoch"``, ``"end"``, or ``"step"`` (a checkpoint's save point).
       step: training steps run by the Trainer (all ``fit`` calls).
-      sweep: the epoch (the learning context's sweep).
+      sweep: the epochs completed (the learning context's sweep; also ``context.epoch``).
       samples_seen: examples consumed by the optimizer steps taken.
       minibatch_size: the size of the latest minibatch.
       learning_rate: the current learning rate (None if the state has none, or has one
@@ -145,6 +154,12 @@ class TrainingContext:
     learning_rate: float | None
     metrics: dict[str, float]
     learning_rates: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def epoch(self) -> int:
+        """``sweep`` by the name Keras and ``trainer.epoch`` give it: the epochs completed
+        (at an epoch's end, that epoch's number, from 1)."""
+        return self.sweep
 
 
 class TrainerView(Protocol):
@@ -270,13 +285,34 @@ class _FunctionCallback(Callback):
         self.fn(context)
 
 
+_HOOKS = {"on_train_begin": "trainer", "on_log": "trainer, context", "on_epoch_end": "trainer, context",
+          "on_train_end": "trainer, context"}
+
+
 def as_callback(cb: Any) -> Callback:
-    """A :class:`Callback` from itself or from a function of the context."""
+    """A :class:`Callback` from itself or from a function of the context; a hook that
+    cannot take the Trainer's arguments is :data:`BAD_HOOK` here, not at the first epoch's end."""
     if isinstance(cb, Callback):
+        _check_hooks(cb)
         return cb
     if callable(cb):
         return _FunctionCallback(cb)
     raise TypeError(NOT_A_CALLBACK.format(given=repr(cb)[:80]))
+
+
+def _check_hooks(cb: Callback) -> None:
+    for hook, args in _HOOKS.items():
+        if getattr(type(cb), hook, None) is getattr(Callback, hook):
+            continue  # not overridden
+        try:
+            parameters = inspect.signature(getattr(cb, hook)).parameters
+            inspect.signature(getattr(cb, hook)).bind(*args.split(", "))
+        except ValueError:  # no signature to read (a builtin): called as it is
+            continue
+        except TypeError:
+            given = "(" + ", ".join(parameters) + ")"
+            raise TypeError(BAD_HOOK.format(who=type(cb).__name__, hook=hook, given=given, args=args,
+                                            wrong_args=", ".join(parameters))) from None
 
 
 class _Monitor:

@@ -12,6 +12,7 @@ since checkpoints carried the job: older Trainer checkpoints restore as they are
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -25,6 +26,7 @@ from functree.train._means import Means
 from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
 from functree.train.checkpoint._frozen import frozen_keys
 from functree.train.checkpoint._position import decode, encode
+from functree.train.checkpoint._treespec import CheckpointError
 
 __all__ = ["JobState", "Position", "ADDED", "PLACED", "JOB_ATTRIBUTES", "add_readers", "refuse_taken", "position_json", "read_position", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
 
@@ -314,6 +316,24 @@ add_readers(JobState, Position._fields, _position_reader)
 # The fields stepped() writes, by name (a field inserted anywhere moves these with it).
 _STEPS, _BATCH, _SINCE_LOG = map(Position._fields.index, ("steps_run", "batch_in_epoch", "since_log"))
 _MODEL, _OPT_STATE, _POSITION = map(JobState._fields.index, ("model", "opt_state", "position"))
+
+
+SAVED_ALREADY = """\
+trainer.save: {path} already holds a checkpoint at step {step} (a ModelCheckpoint of this \
+run, or an earlier save, wrote it). Nothing was overwritten. The trainer's job may differ \
+from it (EarlyStopping(restore_best=True) sets the best epoch's model back at the end of \
+fit; a callback may have changed the model): save it beside the run's checkpoints.
+
+    wrong:  trainer.save("{path}")
+    right:  trainer.save("{path}-final")
+       or:  ft.train.CheckpointManager("{path}").delete({step}); trainer.save("{path}")   # replace it
+"""
+
+
+def check_new_step(manager: CheckpointManager, step: int) -> None:
+    """:data:`SAVED_ALREADY` when ``manager``'s directory holds ``step`` (``trainer.save``)."""
+    if step in manager.all_steps():
+        raise CheckpointError(SAVED_ALREADY.format(path=os.fspath(manager.directory), step=step))
 
 
 def save_job(manager: CheckpointManager, job: JobState, callbacks: Sequence[Any] | None = None, *,

@@ -40,6 +40,7 @@ from functree.train._job import (
     JobState,
     add_readers,
     check_extra,
+    check_new_step,
     load_callbacks,
     own_copy,
     read_job,
@@ -490,6 +491,7 @@ class Trainer(Evaluation):
             with CheckpointManager(manager, max_to_keep=None) as owned:  # adds one: never prunes a run's
                 return self.save(owned, metrics=metrics)
         self._reader.read_all(self._fit.bar if self._fit else None, self._callbacks)  # every step up to now
+        check_new_step(manager, self._job.steps_run)
         job = self._job.replace(data_state=self._epochs.position(self._job))
         save_job(manager, job, self._callbacks, metrics=metrics, trained=self.optimizer.wrt, about={
             "on_nan": self.on_nan, "optimizer": repr(self.optimizer), "train_step": repr(self.train_step)})

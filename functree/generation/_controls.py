@@ -320,7 +320,8 @@ class MinNewTokens(Control):
 @record("start", "factor", "eos_ids")
 @dataclass(frozen=True)
 class ExponentialDecayLengthPenalty(Control):
-    """``exponential_decay_length_penalty=(start, factor)``: at new token ``t > start`` each
+    """``exponential_decay_length_penalty=(start, factor)``: at new token ``t > start`` (``t``
+    from 0: the ``(start + 2)``-th new token on) each
     EOS id's score ``l`` becomes ``l + |l| * (factor ** (t - start) - 1)`` (HF's
     ``ExponentialDecayLengthPenalty``; a removed EOS stays removed). Greedy, sampling and beams."""
 

@@ -79,8 +79,9 @@ ft.nn.save_hf: {directory!r} is a file, not a directory; save_hf writes a direct
 """
 
 BAD_SHARD_SIZE = """\
-ft.nn.save_hf: max_shard_size is a number of bytes or a size such as "5GB" (10^9 bytes) or \
-"500MiB" (2^20), as Hugging Face's save_pretrained takes it; got {given!r}.
+ft.nn.save_hf: max_shard_size is a number of bytes or a size such as "5GB" (10^9 bytes, as \
+Hugging Face's save_pretrained reads it) or "500MiB" (2^20, which transformers 5's \
+save_pretrained refuses); got {given!r}.
 
     right:  ft.nn.save_hf(model, directory, max_shard_size="2GB")
 """
@@ -272,8 +273,8 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
     with ``architectures`` and ``dtype`` this model's), ``generation_config.json`` its
     generation config when it has one, and the weights (HF's names and layouts, a tied head
     stored once, as ``save_pretrained`` does) go to ``model.safetensors``, or past
-    ``max_shard_size`` (bytes, or ``"5GB"`` = 5·10^9, ``"500MiB"`` = 500·2^20; HF's
-    default ``"50GB"``) to shards ``model-00001-of-0000N.safetensors`` with the index
+    ``max_shard_size`` (bytes, or ``"5GB"`` = 5·10^9 as HF's; also ``"500MiB"`` =
+    500·2^20, which transformers 5's ``save_pretrained`` refuses; HF's default ``"50GB"``) to shards ``model-00001-of-0000N.safetensors`` with the index
     ``model.safetensors.index.json``.
 
     The directory is written beside the target and renamed into place: an interrupted save

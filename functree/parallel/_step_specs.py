@@ -47,9 +47,10 @@ def merge_devices(x: Any) -> Any:
 def merge_aux(aux: Any, rows: int, part: str, how: str, per_example: Any) -> Any:
     """The loss's aux outputs of several parts of one batch (devices or microbatches), each
     stacked along a new leading axis, as one: per-example rows (``rows`` per part)
-    concatenated, a floating scalar meaned (a per-example mean, as the loss is), anything
-    else refused (:data:`UNMERGEABLE_AUX`): a count, a maximum or a per-class table of the
-    parts cannot be combined without knowing what it is. ``per_example``: aux's structure of
+    concatenated, a floating scalar meaned (taken to be a per-example mean, as the loss is:
+    a floating maximum or sum comes back as the parts' mean, which the step cannot tell
+    apart), anything else refused (:data:`UNMERGEABLE_AUX`): an integer count or a
+    per-class table of the parts cannot be combined without knowing what it is. ``per_example``: aux's structure of
     bools, which leaves hold one row per example of the whole batch (read from its shapes
     there, so sizes that coincide decide nothing)."""
     def one(path: Any, x: Any, rowwise: bool) -> Any:

@@ -229,8 +229,9 @@ class TrainStep:
     Layers that record state (BatchNorm) are run under ``ft.nn.collect_state`` and their
     no_derivative fields updated (on a mesh, averaged over devices). On a mesh and with
     an optimizer that accumulates ``k`` microbatches, the loss's aux is merged back to the
-    whole batch's: per-example rows concatenated, floating means meaned, anything else
-    (a count, a per-class table) refused by name (which leaves are per-example is read from
+    whole batch's: per-example rows concatenated, floating scalars meaned (a floating
+    maximum too: return per-example values for any other reduction), anything else
+    (an integer count, a per-class table) refused by name (which leaves are per-example is read from
     the loss's output shapes on the whole batch); layer state comes from the last
     microbatch. Every batch leaf must then have one row per example.
 

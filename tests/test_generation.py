@@ -1036,3 +1036,21 @@ def test_a_model_sharded_over_two_processes_returns_tokens_each_process_reads():
         assert out["tokens_on"] == out["scores_on"] == out["mesh"] and set(out["local"]) < set(out["mesh"])
         np.testing.assert_array_equal(out["tokens"], tokens)
         np.testing.assert_allclose(out["scores"], scores, rtol=0, atol=1e-5)  # magnitude 2.4: measured 9.5e-7
+
+
+def test_hugging_faces_spellings_and_typos_name_the_keyword_to_write(tiny):
+    """`output_scores=True` (HF's name) was Python's bare "unexpected keyword argument"."""
+    model, ids = tiny[0], np.array([[1, 2, 3]], np.int32)
+    cases = {"output_scores": r"\(Hugging Face's name\).*right:  ft.nn.generate\(model, input_ids, max_new_tokens, "
+                              r"return_scores=True\)",
+             "do_sample": r"right:  ft.nn.generate\(model, input_ids, max_new_tokens, key=jax.random.key\(0\)\)",
+             "max_length": r"right:  ft.nn.generate\(model, input_ids, max_length - input_ids.shape\[1\]\)",
+             "top_kk": r"\(did you mean 'top_k'\?\).*right:  ft.nn.generate\(model, input_ids, max_new_tokens, top_k=",
+             "forced_eos_token_id": r"Hugging Face's generate applies it; ft.nn.generate does not have it"}
+    for name, pattern in cases.items():
+        with pytest.raises(TypeError, match=rf"(?s)^ft.nn.generate\(\) got an unexpected keyword argument "
+                                            rf"'{name}'.*{pattern}"):
+            ft.nn.generate(model, ids, 2, **{name: 1})
+    tokens, scores = ft.nn.generate(model, ids, 2, return_scores=True)  # the fixes run
+    assert tokens.shape == (1, 5) and scores.shape == (1, 2)
+    assert ft.nn.generate(model, ids, 5 - ids.shape[1]).shape == (1, 5)

@@ -399,3 +399,19 @@ def test_half_precision_inputs_give_a_float32_loss_as_torch_autocast(dtype):
                        (ft.losses.categorical_hinge, (P, np.eye(3, dtype=np.float32)[:2])),
                        (ft.losses.poisson, (np.abs(P) + 0.5, E))]:
         assert loss(*(jnp.asarray(a, dtype) for a in args)).dtype == jnp.float32
+
+
+def test_another_librarys_loss_name_names_its_equivalent():
+    """`ft.losses.cross_entropy` (torch's name) was a bare AttributeError."""
+    with pytest.raises(AttributeError, match=r"(?s)no attribute 'cross_entropy': its equivalent here is "
+                                             r"ft.losses.softmax_cross_entropy.*right:  ft.losses.softmax_cross_entropy"):
+        ft.losses.cross_entropy  # noqa: B018
+    with pytest.raises(AttributeError, match=r"'sparse_categorical_crossentropy'.*ft.losses.softmax_cross_entropy"):
+        ft.losses.sparse_categorical_crossentropy  # noqa: B018
+    with pytest.raises(AttributeError, match=r"did you mean ft.losses.mean_squared_error\?"):
+        ft.losses.mean_squared_eror  # noqa: B018
+    with pytest.raises(AttributeError, match=r"no attribute 'nothing_like_it'$"):
+        ft.losses.nothing_like_it  # noqa: B018
+    assert not hasattr(ft.losses, "cross_entropy") and hasattr(ft.losses, "huber")
+    for name, ours in ft.losses.OTHER_NAMES.items():  # every equivalent named exists
+        assert ours in ft.losses.__all__, (name, ours)

@@ -12,8 +12,9 @@ reads the options ``ft.nn.generate`` supports from it, once per config object.
 
 from __future__ import annotations
 
+import difflib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -129,3 +130,40 @@ def inferred_mask(ids: Any, pad: Any, eos: Any) -> Any:
     if not mask[:, -1].all():
         raise ValueError(INFERRED_RIGHT_PADDED.format(row=int(np.argmin(mask[:, -1])), pad=pad))
     return mask
+
+
+# Hugging Face's generate() keywords that functree spells otherwise: the call to write here.
+_CALL = "ft.nn.generate(model, input_ids, max_new_tokens, {})"
+HF_SPELLINGS = {
+    "do_sample": (_CALL.format("key=jax.random.key(0)"), "sampling is on when a key is given, greedy without"),
+    "output_scores": (_CALL.format("return_scores=True"), "returns (tokens, scores)"),
+    "return_dict_in_generate": (_CALL.format("return_scores=True"), "returns (tokens, scores), not a dict"),
+    "output_logits": (_CALL.format("return_scores=True"), "the chosen tokens' log-probabilities"),
+    "max_length": ("ft.nn.generate(model, input_ids, max_length - input_ids.shape[1])", "new tokens, not the total"),
+    "generation_config": (_CALL.format("top_k=..., top_p=..."), "the checkpoint's generation config applies already"),
+    "use_cache": ("ft.nn.generate(model, input_ids, max_new_tokens)", "generate always runs with its KV cache"),
+}
+
+UNKNOWN_OPTION = """\
+ft.nn.generate() got an unexpected keyword argument {name!r}{why}.
+
+    wrong:  ft.nn.generate(model, input_ids, max_new_tokens, {name}=...)
+    right:  {right}"""
+
+
+def unknown_option(options: dict[str, Any], known: Sequence[str]) -> TypeError:
+    """The error for ``generate``'s first keyword it does not have: Hugging Face's spelling
+    (:data:`HF_SPELLINGS`), an HF option it does not apply, or a typo's closest name."""
+    name = next(iter(options))
+    if name in HF_SPELLINGS:
+        call, note = HF_SPELLINGS[name]
+        return TypeError(UNKNOWN_OPTION.format(name=name, why=" (Hugging Face's name)", right=f"{call}   # {note}"))
+    if name in UNSUPPORTED:
+        return TypeError(UNKNOWN_OPTION.format(
+            name=name, why=" (Hugging Face's generate applies it; ft.nn.generate does not have it)",
+            right=_CALL.format("...") + "   # without it"))
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if close:
+        return TypeError(UNKNOWN_OPTION.format(name=name, why=f" (did you mean {close[0]!r}?)",
+                                               right=_CALL.format(f"{close[0]}=...")))
+    return TypeError(UNKNOWN_OPTION.format(name=name, why="", right=_CALL.format("...") + "   # help(ft.nn.generate)"))

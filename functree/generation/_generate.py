@@ -63,6 +63,7 @@ from functree.generation._defaults import (
     bad_value,
     checkpoint_defaults,
     inferred_mask,
+    unknown_option,
 )
 from functree.nn._shared import Shared
 
@@ -227,6 +228,7 @@ def generate(
     early_stopping: bool | str | None = None,
     return_scores: bool = False,
     streamer: Any = None,
+    **unknown: Any,
 ) -> Any:
     """``input_ids [batch, P]`` followed by ``max_new_tokens`` generated tokens: ``[batch, P + N]``.
 
@@ -362,6 +364,8 @@ def generate(
     """
     # the options HF's generation config also sets, by keyword in the signature's order (a new
     # control's keyword is picked up here from its record's `keywords`)
+    if unknown:  # HF's spellings (output_scores=, do_sample=) and typos, named with the fix
+        raise unknown_option(unknown, list(inspect.signature(generate).parameters)[3:-1])
     given = {name: _as_number(value) for name, value in locals().items() if name in SUPPORTED}
     if not callable(getattr(model, "init_cache", None)):
         raise TypeError(NOT_A_GENERATOR.format(type=type(model).__name__))

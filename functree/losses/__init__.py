@@ -50,3 +50,37 @@ __all__ = [
     "categorical_hinge",
     "REDUCTIONS",
 ]
+
+# Other libraries' names for these losses: ``ft.losses.cross_entropy`` names its equivalent.
+OTHER_NAMES = {
+    "cross_entropy": "softmax_cross_entropy", "nll_loss": "softmax_cross_entropy",
+    "categorical_crossentropy": "softmax_cross_entropy",
+    "sparse_categorical_crossentropy": "softmax_cross_entropy",
+    "softmax_cross_entropy_with_integer_labels": "softmax_cross_entropy",
+    "binary_cross_entropy_with_logits": "sigmoid_cross_entropy", "binary_crossentropy": "sigmoid_cross_entropy",
+    "sigmoid_binary_cross_entropy": "sigmoid_cross_entropy", "bce_with_logits": "sigmoid_cross_entropy",
+    "mse_loss": "mean_squared_error", "mse": "mean_squared_error", "squared_error": "mean_squared_error",
+    "l1_loss": "mean_absolute_error", "mae": "mean_absolute_error", "absolute_error": "mean_absolute_error",
+    "huber_loss": "huber", "smooth_l1_loss": "huber", "kl_div": "kl_divergence", "kld": "kl_divergence",
+    "poisson_nll_loss": "poisson", "hinge_loss": "hinge",
+}
+
+OTHER_NAME = """\
+module 'functree.losses' has no attribute {name!r}: its equivalent here is \
+ft.losses.{ours} (swift-apis' names, the (predicted, expected) order; its docstring says how \
+its arguments differ from the one you know).
+
+    wrong:  ft.losses.{name}(predicted, expected)
+    right:  ft.losses.{ours}(predicted, expected)"""
+
+
+def __getattr__(name: str):
+    """An error naming the equivalent of another library's loss name (torch's, Keras's, optax's)."""
+    ours = OTHER_NAMES.get(name)
+    if ours is None:
+        import difflib
+
+        close = difflib.get_close_matches(name, __all__, n=1)
+        hint = f"; did you mean ft.losses.{close[0]}?" if close else ""
+        raise AttributeError(f"module 'functree.losses' has no attribute {name!r}{hint}")
+    raise AttributeError(OTHER_NAME.format(name=name, ours=ours))

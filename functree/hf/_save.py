@@ -214,12 +214,13 @@ def _config_differs(model: Any, name: str, given: Any, expected: Any) -> None:
     fields = ", ".join(f"{k}={values[k]}" for k in _SIZES if k in values)
     layers = next((k for k in ("num_hidden_layers", "n_layer") if k in values), "num_hidden_layers")
     # A stacked leaf that differs in its layer axis alone tells the count to write.
-    stacked = (given is not None and expected is not None and len(given) == len(expected) > 0
-               and given[1:] == expected[1:] and expected[0] == values.get(layers))
+    count = "..."
+    if given is not None and expected is not None and len(given) == len(expected) > 0 \
+            and given[1:] == expected[1:] and expected[0] == values.get(layers):
+        count = given[0]
     raise ValueError(CONFIG_DIFFERS.format(
         path=name, given="absent" if given is None else list(given), fields=fields,
-        expected="nothing" if expected is None else list(expected),
-        fix=f"{layers!r}: {given[0] if stacked else '...'}"))
+        expected="nothing" if expected is None else list(expected), fix=f"{layers!r}: {count}"))
 
 
 def _write_files(staging: str, model: Any, family: Any, weights: dict[str, np.ndarray], limit: int) -> None:

@@ -827,3 +827,14 @@ def test_a_layer_subclass_s_own_leaves_are_exported_and_loaded_under_their_names
               "bos_token_id": 0, "eos_token_id": 0, "attn_pdrop": 0.1}
     port = ft.nn.from_hf(config, key=K[5], dropout=True)
     assert not [name for name in ft.nn.torch_state_dict(port) if "dropout" in name]
+
+
+def test_torch_state_dict_of_a_donated_model_names_the_call_and_the_fix():
+    # JAX said only "Array has been deleted with shape=float32[3,1]".
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    step = ft.train.train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), ft.optim.sgd(0.1))
+    new_model, _, _ = step(model, step.optimizer.init(model), (jnp.ones((4, 3)), jnp.ones((4, 1))))
+    with pytest.raises(ValueError, match=r"The input of ft\.nn\.torch_state_dict\(model\) holds a deleted array at "
+                                         r"model\.weight(.|\n)*Use what the step returns"):
+        ft.nn.torch_state_dict(model, numpy=True)
+    np.testing.assert_array_equal(ft.nn.torch_state_dict(new_model, numpy=True)["weight"], np.asarray(new_model.weight).T)

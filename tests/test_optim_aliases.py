@@ -693,3 +693,16 @@ def test_gemma_norm_weights_get_no_weight_decay_as_in_hf_trainer():
     decayed = {k for k, v in ft.to_flat_dict(ft.optim.decay_mask(model)).items() if v}
     assert not any("norm" in k for k in decayed)
     assert "model.layers.layers.mlp.up_proj.weight" in decayed
+
+
+def test_moments_of_a_donated_state_name_the_call_and_the_fix():
+    # The moments came back deleted: JAX's "called on deleted or donated buffer" at first use.
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(fo.adam(1e-2))
+    step = ft.train.train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), opt)
+    state = opt.init(model)
+    _, new_state, _ = step(model, state, (jnp.ones((4, 3)), jnp.ones((4, 1))))
+    with pytest.raises(ValueError, match=r"The input of ft\.optim\.moments\(state\) holds a deleted array at state\."
+                                         r"(.|\n)*Use what the step returns"):
+        fo.moments(state)
+    assert fo.moments(new_state)["mu"].weight.shape == (3, 1)

@@ -166,3 +166,19 @@ def test_an_optax_ema_is_refused_and_the_fix_averages():
     np.testing.assert_array_equal(seen[-1], plain_seen[-1])
     np.testing.assert_allclose(ft.optim.averaged(state, trained).weight, hand_ema(seen, 0.5, True),
                                rtol=0, atol=1e-6)
+
+
+def test_averaged_of_a_donated_state_or_model_names_the_call_and_the_fix():
+    # JAX said "BlockHostUntilReady() called on deleted or donated buffer" at the first use
+    # of the result (the old model: not even there when every leaf has an average).
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2), average=ft.optim.ema(0.9))
+    step = ft.train.train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), opt)
+    state = opt.init(model)
+    new_model, new_state, _ = step(model, state, (jnp.ones((4, 3)), jnp.ones((4, 1))))
+    call = r"The input of ft\.optim\.averaged\(state, model\) holds a deleted array at "
+    with pytest.raises(ValueError, match=call + r"state\..*call 1 of the train step(.|\n)*Use what the step returns"):
+        ft.optim.averaged(state, model)
+    with pytest.raises(ValueError, match=call + r"model\.weight"):
+        ft.optim.averaged(new_state, model)
+    assert ft.optim.averaged(new_state, new_model).weight.shape == (3, 1)

@@ -425,3 +425,26 @@ def test_a_hyperparameter_without_a_value_and_another_transforms_state_are_clear
         _Spec("beta1", 0.9).effective(initial_context(), None, jnp.float32, "ft.optim.adam")
     with pytest.raises(TypeError, match=r"ft.optim.adam: the state given is a EmptyState, not this optimizer's"):
         fo.adam(1e-3).update({"w": jnp.ones(2)}, optax.EmptyState())
+
+
+def _donated_state():
+    """An optimizer state a train step donated (the old one) and the one it returned."""
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    step = ft.train.train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), opt)
+    state = opt.init(model)
+    _, new_state, _ = step(model, state, (jnp.ones((4, 3)), jnp.ones((4, 1))))
+    return state, new_state
+
+
+def test_hyperparameters_of_a_donated_state_name_the_call_and_the_fix():
+    # JAX said only "Array has been deleted with shape=float32[4]".
+    old, new = _donated_state()
+    with pytest.raises(ValueError, match=r"The input of ft\.optim\.set_hyperparameters\(state, \.\.\.\) holds a "
+                                         r"deleted array at state\..*call 1 of the train step donated it"
+                                         r"(.|\n)*Use what the step returns"):
+        fo.set_hyperparameters(old, learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"The input of ft\.optim\.hyperparameters\(state\) holds a deleted array"):
+        fo.hyperparameters(old)
+    new = fo.set_hyperparameters(new, learning_rate=0.1)  # the returned state: fine
+    np.testing.assert_allclose(fo.hyperparameters(new)["learning_rate"], 0.1, rtol=0, atol=1e-8)

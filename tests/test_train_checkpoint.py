@@ -673,3 +673,23 @@ def test_a_bare_leaf_loads_with_a_template(tmp_path, tree):
     restored = manager.restore(template=tree, extra_template=tree)
     np.testing.assert_array_equal(np.asarray(restored.model), np.asarray(tree))
     np.testing.assert_array_equal(np.asarray(restored.extra), np.asarray(tree))
+
+
+def test_save_of_a_donated_tree_names_the_call_and_writes_nothing(tmp_path):
+    # JAX said only "Array has been deleted with shape=float32[3,1]".
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    step = ft.train.train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), opt)
+    state = opt.init(model)
+    new_model, new_state, _ = step(model, state, (jnp.ones((4, 3)), jnp.ones((4, 1))))
+    stale = r"holds a deleted array at {}: call 1 of the train step donated it(.|\n)*Use what the step returns"
+    with pytest.raises(ValueError, match=r"The input of ft\.train\.save\(path, tree\) " + stale.format(r"tree\.old\.weight")):
+        ft.train.save(tmp_path / "x", {"new": new_model, "old": model})
+    manager = CheckpointManager(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"The input of CheckpointManager\.save\(step, model, opt_state\) "
+                                         + stale.format(r"opt_state\..*")):
+        manager.save(1, new_model, state)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "run" / "1").exists()
+    manager.save(1, new_model, new_state)  # the step's returned values: saved
+    ft.train.save(tmp_path / "x", new_model)
+    np.testing.assert_array_equal(np.asarray(ft.train.load(tmp_path / "x").weight), np.asarray(new_model.weight))

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._alias import check_stale
 from functree._naming import fill_stars, matches, rename_pattern
 from functree._stacked import is_stacked
 from functree._state_dict import (
@@ -857,6 +858,7 @@ def torch_state_dict(
       >>> {k: v.shape for k, v in sd.items()}
       {'0.weight': (2, 3), '0.bias': (2,), '1.weight': (2,), '1.bias': (2,), '1.running_mean': (2,), '1.running_var': (2,)}
     """
+    check_stale([("model", model)], "ft.nn.torch_state_dict(model)")  # donated by a step
     out = state_dict_by_rules(model, rename=rename, flattened=flattened, layouts=layouts, ports=True)
     return out if numpy else as_tensors(out)
 

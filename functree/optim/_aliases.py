@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from functree._alias import check_stale
 from functree._naming import check_patterns, required_selection
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
@@ -690,6 +691,7 @@ def moments(state: Any) -> dict[str, Any]:
       >>> ft.optim.moments(tx.init({"a": jnp.ones(1), "b": jnp.zeros(2)}))["mu"]
       {'a': Array([0.], dtype=float32), 'b': Array([0., 0.], dtype=float32)}
     """
+    check_stale([("state", state)], "ft.optim.moments(state)")  # donated by a step
     found: dict[str, list[Any]] = {}
     labels: dict[str, list[Any]] = {}
     for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_moment_state)[0]:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from functree._alias import check_stale
 from functree._tree import is_none, register_record
 from functree.optim._lookahead import SlowState
 from functree.optim._skip import applied_in, select
@@ -273,6 +274,8 @@ def averaged(state: Any, model: Any) -> Any:
       >>> ft.optim.averaged(state, model).weight.shape    # before any step: the model
       (2, 1)
     """
+    # Donated by a step (a deleted array): say so, not JAX at the first use of the result.
+    check_stale([("state", state), ("model", model)], "ft.optim.averaged(state, model)")
     found = _averages(state)
     if not found:
         raise ValueError(NO_AVERAGE)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from functree._alias import check_stale
 from functree._parameters import parameters
 from functree._tree import is_none, register_record
 from functree._warnings import warn
@@ -713,6 +714,7 @@ def hyperparameters(state: Any) -> dict[str, jax.Array]:
       >>> ft.optim.hyperparameters(state)["learning_rate"]
       Array(0.0001, dtype=float32)
     """
+    check_stale([("state", state)], "ft.optim.hyperparameters(state)")  # donated by a step
     entries = _entries(state)
     return {k: e[3] for k, e in zip(_keys(entries), entries)}
 
@@ -733,6 +735,7 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
       >>> tx.update({"w": jnp.ones(2)}, state)[0]          # the step uses 0.5, not 0.1
       {'w': Array([-0.5, -0.5], dtype=float32)}
     """
+    check_stale([("state", state)], "ft.optim.set_hyperparameters(state, ...)")  # donated by a step
     changes = {**(values or {}), **changes}
     entries = _entries(state, values="shapes")  # (reading the values was an eager program)
     keys = _keys(entries)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._alias import check_stale
 from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict
 from functree.parallel import mesh_shape
 from functree.train.checkpoint import _directory as policy
@@ -441,6 +442,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) ->
       {'w': Array([1., 1.], dtype=float32), 'steps': 3}
     """
     import orbax.checkpoint as ocp  # on first use: import functree stays light
+    check_stale([("tree", tree)], "ft.train.save(path, tree)")  # donated by a step: nothing written
     path = Path(path).absolute()
     if agreed(lambda: path.exists()) and not overwrite:
         raise CheckpointError(PATH_EXISTS.format(path=path))
@@ -558,6 +560,8 @@ class CheckpointManager:
         Every process of a job calls it.
         """
         step = int(step)
+        check_stale([("model", model), ("opt_state", opt_state), ("extra", extra)],
+                    "CheckpointManager.save(step, model, opt_state)")  # donated by a step: nothing written
         metrics = cast("dict[str, Any]", _json_value(dict(metrics or {})))
         if self.best_metric is not None and self.best_metric not in metrics:
             raise CheckpointError(MISSING_METRIC.format(step=step, metric=self.best_metric, given=sorted(metrics)))

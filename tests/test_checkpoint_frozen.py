@@ -87,8 +87,12 @@ def test_restoring_without_the_base_is_refused_with_the_fix(tmp_path):
     t = trainer(base())
     t.save(tmp_path / "lora")
     with pytest.raises(ft.train.CheckpointError, match=r"(?s)holds only what its job trained: the frozen base's 4 "
-                       r"arrays \(model.layers.0.weight, ...\).*right:  trainer.restore\(path\)"):
+                       r"arrays \(model.layers.0.weight, ...\) were left out \(the base is not recorded in the "
+                       r"checkpoint \(its fingerprints are\)\).*right:  trainer.restore\(path\)"):
         ft.train.JobState.restore(tmp_path / "lora")
+    # A from_hf base is not named either (its config keeps no _name_or_path: one model read
+    # from two paths compiles once); the message said "a model not built by ft.nn.from_hf".
+    assert "not built by" not in str(ft.train.checkpoint._frozen._base(None))
 
 
 def test_what_a_subset_leaves_frozen():

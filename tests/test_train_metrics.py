@@ -147,3 +147,10 @@ def test_a_floating_last_item_of_a_three_item_batch_is_not_read_as_labels():
     np.testing.assert_allclose(named["accuracy"](out), 0.75, rtol=0, atol=1e-7)
     assert float(ft.train.accuracy(out._replace(batch=(batch[0], weights, labels)))) == 0.75  # labels last
     assert float(ft.train.accuracy(out._replace(batch=(batch[0], labels.astype(jnp.float32))))) == 0.75  # (x, y)
+    # Float labels of two axes (one-hot rows; multi-label targets) cannot be per-example
+    # weights: read, as before the refusal (which once refused them too).
+    one_hot = jax.nn.one_hot(labels, 2)
+    assert float(ft.train.accuracy(out._replace(batch=(batch[0], weights, one_hot)))) == 0.75
+    multi = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 1.0]])
+    expected = float(jnp.mean((logits > 0) == (multi > 0.5)))
+    assert float(ft.train.binary_accuracy(out._replace(batch=(batch[0], weights, multi)))) == expected

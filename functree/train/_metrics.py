@@ -40,7 +40,7 @@ of a dict, an array. Name them, e.g.
 
 LABELS_LOOK_LIKE_WEIGHTS = """\
 ft.train.{who} reads the labels from batch[-1], but this batch has {n} items ({batch}) and \
-its last is floating-point ({dtype}): the sample weights of a Keras-style \
+its last is floating-point ({dtype}), one number per example: the sample weights of a Keras-style \
 (x, y, sample_weight) batch, which would be scored as labels (cast, compared, no error). \
 Name the labels, or put them last:
 
@@ -119,15 +119,18 @@ def _find_logits(aux: Any) -> Any:
 
 def _find_labels(batch: Any, who: str = "accuracy") -> Any:
     """The labels of ``batch``: a dict's by name, a tuple's last. The last of three or more
-    items, floating-point, is refused: Keras's ``(x, y, sample_weight)`` puts the weights
-    there (the types alone decide: the step is traced, the values unknown)."""
+    items, floating-point and one number per example (``[batch]``), is refused: Keras's
+    ``(x, y, sample_weight)`` puts the weights there (the types and shapes alone decide: the
+    step is traced, the values unknown). Float labels of two or more axes (one-hot rows,
+    multi-label targets) cannot be such weights: they are read."""
     found = None
     if isinstance(batch, Mapping):
         found = next((batch[n] for n in ("label", "labels", "y", "target", "targets") if n in batch), None)
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
         found = batch[-1]
         dtype = getattr(found, "dtype", None)
-        if len(batch) >= 3 and dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        if len(batch) >= 3 and dtype is not None and jnp.issubdtype(dtype, jnp.floating) \
+                and len(getattr(found, "shape", ())) <= 1:
             raise ValueError(LABELS_LOOK_LIKE_WEIGHTS.format(who=who, n=len(batch), batch=_describe(batch),
                                                              dtype=np.dtype(dtype).name))
     if found is None or not hasattr(found, "shape"):  # absent, or a nested dict / list

@@ -12,7 +12,10 @@ as PRNG keys and statistics, the rest of the job) and, for each frozen parameter
 with ``bits_i`` the i-th element's bit pattern as an unsigned integer. Integer sums modulo
 2³² are exact in any order, so the fingerprint is the same on every device, platform and
 sharding, and it is computed where the array lives (no copy to the host). The base is
-named by its source (``hf_config``'s ``_name_or_path`` where the model has one).
+known by these fingerprints alone: a model's config keeps no path or name
+(:data:`functree.hf._config.PROVENANCE`: the same model read from two paths is one
+static configuration), so the messages say which template to pass, not where it came from
+(a checkpoint written before names its base's ``_name_or_path``, as it recorded it).
 
 Restoring needs the base: the template (a trainer's own model, built from the same base)
 gives the frozen arrays, each checked against its fingerprint; a base that differs, or no
@@ -84,24 +87,19 @@ def _fingerprints(arrays: Mapping[str, Any]) -> dict[str, list[int]]:
     return {k: [int(s) for s in np.asarray(v)] for k, v in jax.device_get(sums).items()}
 
 
-def _source(model: Any) -> str | None:
-    config = getattr(model, "hf_config", None)
-    name = config.get("_name_or_path") if isinstance(config, Mapping) else None
-    return str(name) if name else None
-
-
 def _base(source: Any) -> tuple[str, str]:
     """How the messages name the base, and the call that builds it."""
     if isinstance(source, str):
         return repr(source), f'ft.nn.lora(ft.nn.from_hf("{source}"), ...)   # the same base, the same adapters'
-    return "not recorded (a model not built by ft.nn.from_hf)", "ft.nn.lora(base, ...)   # the base the job started from"
+    return ("not recorded in the checkpoint (its fingerprints are)",
+            "ft.nn.lora(ft.nn.from_hf(base_directory), ...)   # the base the job started from, as built then")
 
 
 def describe_frozen(arrays: dict[str, Any], keys: Sequence[str], model: Any) -> dict[str, Any]:
     """Take ``keys`` out of ``arrays`` (in place) and describe them for the metadata."""
     frozen = {k: arrays.pop(k) for k in keys if k in arrays}
     sums = _fingerprints(frozen)
-    return {"source": _source(model), "leaves": {
+    return {"source": None, "leaves": {  # "source": older checkpoints' name of the base
         k: {"dtype": str(x.dtype), "shape": list(np.shape(x)), "fingerprint": sums[k]} for k, x in frozen.items()}}
 
 

@@ -312,3 +312,90 @@ def test_state_filed_by_a_stack_inside_the_users_vmap_and_a_closed_over_checkpoi
     bn = ft.nn.training(ft.nn.BatchNorm(3))
     with pytest.raises(ValueError, match=r"(?s)state at \.running_mean was recorded inside jax\.checkpoint.*ft\.nn\.Remat"):
         ft.nn.value_with_gradient_and_state(lambda m: jnp.sum(jax.checkpoint(lambda y: m(y))(x) ** 2), bn)
+
+
+class _Holder(ft.Module):
+    layers: dict
+
+    def __call__(self, x):
+        return self.layers["d"](self.layers["bn"](x))
+
+
+_ROOTS = {  # (model from the two layers, the BatchNorm's key path in it, the model's call)
+    "dict": (lambda bn, d: {"bn": bn, "d": d}, "['bn']", lambda m, x: m["d"](m["bn"](x))),
+    "list": (lambda bn, d: [bn, d], "[0]", lambda m, x: m[1](m[0](x))),
+    "tuple": (lambda bn, d: (bn, d), "[0]", lambda m, x: m[1](m[0](x))),
+    "dict in a Module": (lambda bn, d: _Holder({"bn": bn, "d": d}), ".layers['bn']", lambda m, x: m(x)),
+}
+
+
+def _bn_and_dense():
+    bn = ft.nn.training(ft.nn.BatchNorm(4, momentum=0.9))
+    return bn, ft.nn.training(ft.nn.Dense(4, 2, key=jax.random.key(0)))
+
+
+def _bn_input():
+    return jnp.asarray(np.random.default_rng(3).standard_normal((8, 4)) * 2.0 + 1.0, jnp.float32)
+
+
+@pytest.mark.parametrize("root", list(_ROOTS))
+def test_cast_of_a_dict_list_or_tuple_model_records_at_the_models_key_paths(root):
+    # The audit: ft.cast of a model whose root is a dict or list (or of a Module's dict
+    # field) under collect_state raised "BatchNorm recorded state ... not part of the model":
+    # only a Module root was registered, so the cast copy's layers had no key path.
+    build, at, call = _ROOTS[root]
+    bn, d = _bn_and_dense()
+    model, x = build(bn, d), _bn_input()
+    out, updates = ft.nn.collect_state(lambda m: call(ft.cast(m, jnp.bfloat16), x.astype(jnp.bfloat16)), model)
+    # the reference: the float32 layers cast by hand, each called on its own
+    y, by_hand = ft.nn.collect_state(lambda b: ft.cast(b, jnp.bfloat16)(x.astype(jnp.bfloat16)), bn)
+    expected_out = ft.cast(d, jnp.bfloat16)(y)
+    assert sorted(map(str, updates)) == [f"{at}.running_mean", f"{at}.running_variance"]
+    for name in ("running_mean", "running_variance"):
+        np.testing.assert_array_equal(np.asarray(updates[ft.key_path(model, f"{at}.{name}")]),
+                                      np.asarray(by_hand[ft.key_path(bn, f".{name}")]))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected_out, np.float32))
+    xs = np.asarray(x.astype(jnp.bfloat16), np.float64)  # and the statistics by the formula
+    np.testing.assert_allclose(np.asarray(updates[ft.key_path(model, f"{at}.running_mean")]),
+                               0.1 * xs.mean(0), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(updates[ft.key_path(model, f"{at}.running_variance")]),
+                               0.9 + 0.1 * xs.var(0), rtol=0, atol=1e-5 * float(xs.var(0).max()))
+
+
+def test_cast_of_a_modules_list_field_records_at_the_field_s_key_paths():
+    class Net(ft.Module):
+        layers: list
+
+    bn, d = _bn_and_dense()
+    model, x = Net([bn, d]), _bn_input()
+    _, updates = ft.nn.collect_state(lambda m: ft.cast(m.layers, jnp.bfloat16)[0](x), model)
+    _, by_hand = ft.nn.collect_state(lambda b: ft.cast(b, jnp.bfloat16)(x), bn)
+    assert sorted(map(str, updates)) == [".layers[0].running_mean", ".layers[0].running_variance"]
+    np.testing.assert_array_equal(np.asarray(updates[ft.key_path(model, ".layers[0].running_mean")]),
+                                  np.asarray(by_hand[ft.key_path(bn, ".running_mean")]))
+
+
+@pytest.mark.parametrize("root", list(_ROOTS))
+def test_train_step_with_a_compute_dtype_trains_a_dict_or_list_model_with_batch_norm(root):
+    # The audit: train_step / Trainer with compute_dtype=bfloat16 raised on every step for a
+    # dict or list model holding a BatchNorm. Now it equals the step of a Module holding
+    # the same layers (whose root was registered before).
+    build, at, call = _ROOTS[root]
+    x, y = _bn_input(), jnp.ones((8, 2))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+
+    def loss_fn(m, b):
+        return ft.losses.mean_squared_error(call(m, b[0]), b[1])
+
+    model = build(*_bn_and_dense())
+    new, _, metrics = ft.train.train_step(loss_fn, opt, compute_dtype=jnp.bfloat16, donate=False)(
+        model, opt.init(model), (x, y))
+    reference = _Holder(dict(zip(("bn", "d"), _bn_and_dense(), strict=True)))
+    ref_new, _, ref_metrics = ft.train.train_step(
+        lambda m, b: ft.losses.mean_squared_error(m(b[0]), b[1]), opt, compute_dtype=jnp.bfloat16,
+        donate=False)(reference, opt.init(reference), (x, y))
+    np.testing.assert_array_equal(np.asarray(metrics["loss"]), np.asarray(ref_metrics["loss"]))
+    for name in ("running_mean", "running_variance", "scale"):
+        np.testing.assert_array_equal(np.asarray(ft.get(new, f"{at}.{name}")),
+                                      np.asarray(ft.get(ref_new, f".layers['bn'].{name}")))
+    assert float(np.abs(np.asarray(ft.get(new, f"{at}.running_mean"))).max()) > 0.01  # it moved

@@ -222,3 +222,60 @@ def test_accumulation_errors():
         opt.minimize(loss, p, opt.init(p), x, y)
     x, y = jax.tree.map(lambda a: a[: 4 * (len(a) // 4)], (x, y))
     opt.minimize(loss, p, opt.init(p), x, y)
+
+
+@pytest.mark.parametrize("compute_dtype", [None, jnp.bfloat16])
+def test_accumulation_threads_batch_norm_statistics_through_the_microbatches_as_torch(compute_dtype):
+    # The audit: with accumulate=k the running statistics came from the last microbatch
+    # alone (running_mean = 0.1 * its mean, 0.099 from torch's). torch's k microbatch
+    # forwards update them k times; now microbatch i starts from microbatch i - 1's.
+    # functree's momentum m is torch's 1 - m; its running variance takes the biased batch
+    # variance where torch's takes the unbiased one.
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((32, 8)) * 3.0 + 2.0).astype(np.float32)
+    y = rng.standard_normal((32, 3)).astype(np.float32)
+    k, m = 4, 0.9
+    model = ft.nn.training(ft.nn.Sequential([ft.nn.BatchNorm(8, momentum=m), ft.nn.Dense(8, 3, key=jax.random.key(0))]))
+    loss_fn = lambda mm, b: ft.losses.mean_squared_error(mm(b[0]), b[1])  # noqa: E731
+    opt = fo.Optimizer(fo.sgd(0.5), accumulate=k)
+    new, _, _ = ft.train.train_step(loss_fn, opt, compute_dtype=compute_dtype, donate=False)(
+        model, opt.init(model), (jnp.asarray(x), jnp.asarray(y)))
+    bn = new.layers[0]
+    parts = [x[i * 8:(i + 1) * 8] for i in range(k)]
+    if compute_dtype is not None:  # the step's batch is cast: the statistics are the cast rows'
+        parts = [np.asarray(jnp.asarray(p, compute_dtype), np.float32) for p in parts]
+    tbn = torch.nn.BatchNorm1d(8, momentum=1 - m)
+    for p in parts:  # torch: k forwards, k updates
+        tbn(torch.tensor(p))
+    scale = float(np.abs(tbn.running_mean.numpy()).max())
+    np.testing.assert_allclose(np.asarray(bn.running_mean), tbn.running_mean.numpy(), rtol=0, atol=2e-6 * scale)
+    var, torch_var = 1.0, 1.0  # the same recursion with each convention's batch variance
+    for p in parts:
+        var = m * var + (1 - m) * np.var(p.astype(np.float64), axis=0)
+        torch_var = m * torch_var + (1 - m) * np.var(p.astype(np.float64), axis=0, ddof=1)
+    np.testing.assert_allclose(tbn.running_var.numpy(), torch_var, rtol=0, atol=2e-6 * float(torch_var.max()))
+    np.testing.assert_allclose(np.asarray(bn.running_variance), var, rtol=0, atol=2e-6 * float(var.max()))
+    # the gradients are unchanged: training mode normalises with each microbatch's statistics
+    def by_hand(i):
+        b = (jnp.asarray(x[i * 8:(i + 1) * 8]), jnp.asarray(y[i * 8:(i + 1) * 8]))
+        if compute_dtype is not None:
+            b = jax.tree.map(lambda a: a.astype(compute_dtype), b)
+            f = lambda mm, b: loss_fn(ft.cast(mm, compute_dtype), b).astype(jnp.float32)  # noqa: E731
+        else:
+            f = loss_fn
+        return ft.nn.value_with_gradient_and_state(f, model, b)[1]
+    grads = [by_hand(i) for i in range(k)]
+    weight = model.layers[1].weight - 0.5 * sum(g.layers[1].weight for g in grads) / k
+    np.testing.assert_allclose(np.asarray(new.layers[1].weight), np.asarray(weight), rtol=0,
+                               atol=1e-6 * float(np.abs(np.asarray(weight)).max()))
+
+
+def test_one_microbatch_records_the_batch_norm_statistics_as_the_plain_step():
+    # accumulate=1 has no loop: the step's statistics are one update, bit for bit as before
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 4)), jnp.float32)
+    model = ft.nn.training(ft.nn.BatchNorm(4, momentum=0.9))
+    opt = fo.Optimizer(fo.sgd(0.0), accumulate=1)
+    new, _, _ = opt.minimize(lambda mm, x: jnp.mean(mm(x) ** 2), model, opt.init(model), x)
+    _, state = ft.nn.collect_state(lambda mm: mm(x), model)
+    np.testing.assert_array_equal(np.asarray(new.running_mean), np.asarray(state[ft.key_path(model, ".running_mean")]))

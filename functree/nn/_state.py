@@ -145,15 +145,21 @@ _SEARCHES: dict[type, int] = {}
 
 class _Collector:
     def __init__(self, model: Any) -> None:
-        self.paths: dict[int, list[KeyPath]] = {}
-        if isinstance(model, Module):
-            self.paths[id(model)] = [KeyPath()]
+        # Every node that holds layers is registered, the root whatever its type: ft.cast of
+        # a dict, a list or a Module's list field is followed from it (see follow).
+        self.paths: dict[int, list[KeyPath]] = {id(model): [KeyPath()]}
         for path, value in walk(model):
-            if isinstance(value, Module):
+            if _holds_layers(value):
                 self.paths.setdefault(id(value), []).append(path)
         self.updates: dict[KeyPath, Any] = {}
         self.followed: list[Any] = []  # copies whose layers record here (ids stay theirs)
         self.trace = current_trace()  # recorded values must belong to it or to a trace around it
+
+
+def _holds_layers(value: Any) -> bool:
+    """Whether ``value`` is a node that may hold layers (a Module, a dict, list or tuple):
+    leaves (arrays, numbers, ``None``) are never registered, as their ids may be shared."""
+    return isinstance(value, (Module, dict, list, tuple))
 
 
 _LOCAL = threading.local()
@@ -291,7 +297,7 @@ def follow(original: Any, derived: Any) -> None:
             continue
         collector.followed.append(derived)
         for path, value in [(KeyPath(), derived), *walk(derived)]:
-            if isinstance(value, Module):
+            if _holds_layers(value):
                 known = collector.paths.setdefault(id(value), [])
                 known.extend(p for p in (prefix + path for prefix in prefixes) if p not in known)
 
@@ -413,6 +419,30 @@ def apply_state(model: Any, updates: dict[KeyPath, Any]) -> Any:
     for path, value in updates.items():
         model = path.set(model, value) if isinstance(path, KeyPath) else _set_named(model, path, value)
     return model
+
+
+def floating_state(model: Any) -> dict[KeyPath, Any]:
+    """``{KeyPath: value}`` of every floating ``no_derivative`` field of ``model``'s layers
+    (BatchNorm's running statistics): the state the accumulation loop threads from one
+    microbatch to the next. PRNG keys (``dropout_key``, uint32 key data) are not in it: each
+    microbatch draws from the stored key salted by its index (:func:`salted_keys`).
+
+    Example:
+      >>> import functree as ft
+      >>> from functree.nn._state import floating_state
+      >>> sorted(map(str, floating_state({"bn": ft.nn.BatchNorm(2)})))
+      ["['bn'].running_mean", "['bn'].running_variance"]
+    """
+    out: dict[KeyPath, Any] = {}
+    for path, layer in [(KeyPath(), model), *walk(model)]:
+        if not isinstance(layer, Module):
+            continue
+        for name in type(layer).__ft_no_derivative__:
+            value = layer.__dict__.get(name)
+            dtype = getattr(value, "dtype", None)
+            if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+                out[KeyPath((*path, Entry(ATTR, name)))] = value
+    return out
 
 
 def _set_named(model: Any, path: Any, value: Any) -> Any:

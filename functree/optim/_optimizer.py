@@ -44,7 +44,7 @@ from functree._parameters import with_parameters
 from functree._tangent import move
 from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
-from functree.nn._state import apply_state, collect_state, salted_call
+from functree.nn._state import apply_state, collect_state, floating_state, salted_call
 from functree.optim._average import with_average
 from functree.optim._checks import (
     check_state_fits,
@@ -245,7 +245,10 @@ class Optimizer:
         average their gradients inside the step (``lax.scan``: memory of one microbatch);
         one optimizer step per call, ``samples_seen`` grows by the whole batch. A step
         given a ``key`` hands microbatch ``i`` the key ``jax.random.fold_in(key, i)``:
-        each has its own dropout masks, as the rows of the whole batch would.
+        each has its own dropout masks, as the rows of the whole batch would. Layer
+        state is threaded: microbatch ``i``'s BatchNorm update starts from microbatch
+        ``i - 1``'s running statistics, so one step updates them ``k`` times, as torch's
+        ``k`` forwards do (stored dropout keys advance once per step, for any ``k``).
       average: a weight-averaging transform (``ft.optim.ema(0.999)``,
         ``ft.optim.uniform_average()``) chained after ``transform``; the averaged model
         is ``ft.optim.averaged(state, model)``.
@@ -590,6 +593,7 @@ class Optimizer:
                 out, layer_state = collect_state(lambda mm: loss_fn(mm, *b, **kw), m)
                 return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
             objective.__qualname__ = getattr(loss_fn, "__qualname__", "loss_fn")  # (as get_gradients')
+            objective.__ft_records_state__ = True  # type: ignore[attr-defined]  # accumulation threads it
 
             (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,
                                                                        state=state, key=key, checked=checked)
@@ -597,7 +601,8 @@ class Optimizer:
             out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state, key=key,
                                                 checked=checked)
             loss, layer_state = (out[0] if has_aux else out), {}
-        if self.accumulate > 1:  # microbatch outputs come stacked: (k, ...); the state of the last
+        if self.accumulate > 1:  # microbatch outputs come stacked: (k, ...); the last one's state
+            # (threaded: microbatch i's BatchNorm update starts from microbatch i - 1's)
             layer_state = jax.tree.map(lambda u: u[-1], layer_state)
             out = (loss, out[1]) if has_aux else loss
         if self.axis_name is not None:  # the global batch's loss: replicas' states stay identical
@@ -659,18 +664,37 @@ class Optimizer:
         check_example_axis(batch, f"accumulate={k} microbatches")
         micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
 
-        def body(total: Any, xs: tuple) -> tuple[Any, Any]:
-            mb, i = xs
+        # Floating layer state (running statistics) is threaded through the microbatches, as
+        # torch's k forwards update it k times; the gradients are unchanged (training mode
+        # normalises with the batch's statistics). PRNG keys are not: see floating_state.
+        threaded = floating_state(model) if getattr(loss_fn, "__ft_records_state__", False) else {}
+
+        def body(carry: Any, xs: tuple) -> tuple[Any, Any]:
+            (total, carried), (mb, i) = carry, xs
+            m = apply_state(model, carried) if carried else model
             fn = loss_fn if key is None else functools.partial(loss_fn, key=jax.random.fold_in(key, i))
-            out, grads = self.get_gradients(salted_call(fn, i), model, *mb, has_aux=has_aux, state=state)
-            return jax.tree.map(jnp.add, total, grads), out
+            out, grads = self.get_gradients(salted_call(fn, i), m, *mb, has_aux=has_aux, state=state)
+            if carried:
+                carried = _threaded(carried, out[1][1])
+            return (jax.tree.map(jnp.add, total, grads), carried), out
 
         zeros = jax.tree.map(jnp.zeros_like, trained_view(model, self.wrt))
-        total, outs = jax.lax.scan(body, zeros, (micro, jnp.arange(k, dtype=jnp.uint32)))
+        (total, _), outs = jax.lax.scan(body, (zeros, threaded), (micro, jnp.arange(k, dtype=jnp.uint32)))
         grads = jax.tree.map(lambda g: g / k, total)
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), grads
         return jnp.mean(outs), grads
+
+
+def _threaded(carried: dict[Any, Any], recorded: dict[Any, Any]) -> dict[Any, Any]:
+    """The next microbatch's layer state: what this one recorded, in the carried dtypes
+    (a field recorded in another shape, or not recorded, keeps its carried value)."""
+    out = {}
+    for path, value in carried.items():
+        new = recorded.get(path)
+        same = new is not None and jnp.shape(new) == jnp.shape(value)
+        out[path] = jnp.asarray(new).astype(value.dtype) if same else value
+    return out
 
 
 def _scaled(loss: Any, scale: Any) -> Any:

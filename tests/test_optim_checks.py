@@ -155,3 +155,20 @@ def test_a_static_value_changed_after_init_is_named_and_the_moments_carry_over()
     grown = ft.nn.Dense(3, 4, jax.nn.relu, key=jax.random.key(1))  # a shape changed: no carry-over offered
     with pytest.raises(ValueError, match=r"made for a model of another structure"):
         opt.minimize(loss, grown, opt.init(dense))
+
+
+def test_a_field_named_v_outside_adafactor_is_not_a_moment():
+    """optax.contrib.mechanize's MechanicState.v (one array of its betas) was read as
+    adafactor's per-parameter `v` once `v` became a moment field: every step was refused."""
+    params = {"w": jnp.array([1.0, -2.0, 0.5])}
+    loss = lambda p: jnp.sum(p["w"] ** 2)  # noqa: E731
+    tx = optax.contrib.mechanize(optax.sgd(0.1))
+    opt = ft.optim.Optimizer(tx)
+    state = opt.init(params)
+    new, _, _ = opt.minimize(loss, params, state)
+    raw_state = tx.init(params)
+    updates, _ = tx.update(jax.grad(loss)(params), raw_state, params)
+    np.testing.assert_allclose(new["w"], optax.apply_updates(params, updates)["w"], rtol=0, atol=1e-7)
+    assert "v" not in ft.optim.moments(state)
+    factored = ft.optim.Optimizer(optax.adafactor(0.1, min_dim_size_to_factor=1)).init({"w": jnp.ones((3, 2))})
+    assert {"v_row", "v_col", "v"} <= set(ft.optim.moments(factored))  # adafactor's still read

@@ -48,6 +48,7 @@ from functree._alias import check_stale
 from functree._naming import check_patterns, required_selection
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
+from functree.optim._checks import moment_fields
 from functree.optim._groups import merge_members
 from functree.optim._leafwise import separable
 from functree.optim._masked import masked
@@ -628,8 +629,7 @@ MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e
 
 
 def _is_moment_state(x: Any) -> bool:
-    fields = getattr(x, "_fields", None) if isinstance(x, tuple) else None
-    return fields is not None and any(f in fields for f in MOMENT_FIELDS)
+    return isinstance(x, tuple) and bool(moment_fields(x))
 
 
 def _masked(x: Any) -> bool:
@@ -697,10 +697,9 @@ def moments(state: Any) -> dict[str, Any]:
     for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_moment_state)[0]:
         if not _is_moment_state(node):
             continue
-        for field in MOMENT_FIELDS:
-            if field in getattr(node, "_fields", ()):
-                found.setdefault(field, []).append(getattr(node, field))
-                labels.setdefault(field, []).append(_group_label(path))
+        for field in moment_fields(node):  # adafactor's v_row/v_col/v on its state only
+            found.setdefault(field, []).append(getattr(node, field))
+            labels.setdefault(field, []).append(_group_label(path))
     out: dict[str, Any] = {}
     for field, trees in found.items():
         merged = _merge(trees, labels[field])

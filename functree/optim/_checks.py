@@ -134,6 +134,16 @@ _SECOND_MOMENTS = ("nu", "nu_max", "sum_of_squares", "e_g", "e_x")
 # gradient's shape less one axis for a factored parameter, else (1,).
 _FULL_OR_PLACEHOLDER = ("v",)
 _ONE_AXIS_LESS = ("v_row", "v_col")
+# Read on adafactor's state only: another optax state's ``v`` is no per-parameter tree
+# (optax.contrib.mechanize's MechanicState.v: one array of its betas).
+FACTORED = ("v_row", "v_col", "v")
+
+
+def moment_fields(node: Any) -> tuple[str, ...]:
+    """The fields of the optax/functree state ``node`` that hold per-parameter moments."""
+    fields = getattr(node, "_fields", ())
+    factored = type(node).__name__ == "FactoredState"
+    return tuple(f for f in MOMENT_FIELDS if f in fields and (factored or f not in FACTORED))
 
 
 def _shape_fits(name: str, gradient: tuple[int, ...], moment: tuple[int, ...]) -> bool:
@@ -206,7 +216,7 @@ def _is_moment_state(x: Any) -> bool:
     """An optax or functree state holding moments: a user's own state class may name a field
     ``mu`` for something else (a running mean of the gradient norm: a scalar), so only the
     libraries' classes, whose fields are known to be per-parameter, are read."""
-    if not isinstance(x, tuple) or not any(f in getattr(x, "_fields", ()) for f in MOMENT_FIELDS):
+    if not isinstance(x, tuple) or not moment_fields(x):
         return False
     return (getattr(type(x), "__module__", "") or "").split(".", 1)[0] in ("optax", "functree")
 
@@ -214,7 +224,7 @@ def _is_moment_state(x: Any) -> bool:
 def _moments(inner: Any) -> list[tuple[str, Any]]:
     """The moment trees of ``inner``, each with its field name."""
     return [(f, getattr(node, f)) for node in jax.tree.leaves(inner, is_leaf=_is_moment_state)
-            if _is_moment_state(node) for f in MOMENT_FIELDS if f in node._fields]
+            if _is_moment_state(node) for f in moment_fields(node)]
 
 
 def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:

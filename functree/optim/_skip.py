@@ -152,7 +152,11 @@ def gate(loss: Any, grads: Any, *, on_nan: str = "ignore", enabled: Any = None, 
     ``on_nan`` "stop"/"skip" close the gate on a non-finite loss or gradient; ``enabled``
     (a bool array) closes it regardless. An optimizer that ``handled`` non-finite
     gradients itself (loss scaling: its own skip, a smaller scale) gets ``finite`` and the
-    gate stays open for them; only a non-finite loss closes it then.
+    gate stays open for them; only a non-finite loss closes it then, and ``nonfinite``
+    reports the loss (-2) as the cause, whatever the gradients: a smaller scale cannot make
+    a loss finite that is not finite before it is scaled (a float16 forward overflowing),
+    so neither is the step the loss scale's skip (torch's ``GradScaler``, which checks only
+    the gradients, skips it and halves the scale).
 
     Example:
       >>> import jax.numpy as jnp
@@ -163,6 +167,9 @@ def gate(loss: Any, grads: Any, *, on_nan: str = "ignore", enabled: Any = None, 
       >>> g = gate(jnp.float32(1), {"w": jnp.array([jnp.nan])}, on_nan="stop", handled=True)
       >>> bool(g.apply), bool(g.finite), int(g.nonfinite)
       (True, False, -1)
+      >>> g = gate(jnp.float32(jnp.inf), {"w": jnp.array([jnp.nan])}, on_nan="stop", handled=True)
+      >>> bool(g.apply), int(g.nonfinite)
+      (False, -2)
     """
     if on_nan == "ignore" and not handled:
         return Gate(enabled, None, None)
@@ -172,7 +179,8 @@ def gate(loss: Any, grads: Any, *, on_nan: str = "ignore", enabled: Any = None, 
         return Gate(enabled, finite, None)
     closed = ~loss_ok if handled else ~finite
     apply = ~closed if enabled is None else ~closed & enabled
-    return Gate(apply, finite, jnp.where(closed, index, -1))
+    cause = jnp.int32(-2) if handled else index  # handled: only the loss closes the gate
+    return Gate(apply, finite, jnp.where(closed, cause, -1))
 
 
 def select(ok: jax.Array, new: Any, old: Any) -> Any:

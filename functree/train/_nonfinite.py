@@ -23,8 +23,10 @@ from functree.train._provenance import step_report
 __all__ = ["NONFINITE", "NonFiniteError", "nonfinite_error", "step_provenance", "parameter_names"]
 
 NONFINITE = "nonfinite"
-"""Metrics key of the non-finite report: -1 finite, -2 the loss only, else the index of
-the first parameter leaf (flatten order) whose gradient was not finite."""
+"""Metrics key of the non-finite report: -1 finite, -2 the loss only (under an optimizer
+that handles non-finite gradients itself, ``LossScaleOptimizer``: the loss, whatever the
+gradients), else the index of the first parameter leaf (flatten order) whose gradient was
+not finite."""
 
 
 NONFINITE_STOP = """\
@@ -33,6 +35,20 @@ The step was not applied: {holder} those after step {previous}{history}. Try a l
 learning rate, gradient clipping, checking the data for NaN/inf, or skipping such steps:
 
     ft.train.Trainer(model, optimizer, loss_fn, on_nan="skip")"""
+
+
+NONFINITE_LOSS_SCALED = """
+
+The optimizer's loss scale ({optimizer}) skips a step whose scaled gradients overflowed \
+and lowers the scale; this loss was not finite before it was scaled (say, a float16 \
+forward that overflowed: an input or activation above 65504, float16's largest), and no scale \
+makes it finite, so the step is not the loss scale's to skip (torch's GradScaler, which \
+checks only the gradients, skips it and halves the scale). Check the data, compute in \
+bfloat16 (float32's range), or skip such steps with the scale kept:
+
+    ft.train.Trainer(model, optimizer, loss_fn, compute_dtype=jnp.bfloat16)
+    ft.train.Trainer(model, optimizer, loss_fn, compute_dtype=jnp.float16, on_nan="skip")
+"""
 
 
 class NonFiniteError(FloatingPointError):
@@ -77,8 +93,11 @@ def nonfinite_error(step: int, index: int, *, train_step: Any, model: Any, opt_s
     name = None if index < 0 else parameter_names(model, train_step.optimizer.wrt)[index]
     what = "the loss" if name is None else f"the gradient of parameter {name!r}"
     report = step_provenance(train_step, step, model, opt_state, batch, key)
+    scaled = ""
+    if name is None and getattr(train_step.optimizer, "handles_nonfinite", False):
+        scaled = NONFINITE_LOSS_SCALED.format(optimizer=type(train_step.optimizer).__name__)
     error = NonFiniteError(NONFINITE_STOP.format(step=step, what=what, previous=step - 1, holder=holder,
-                                                 history=history) + provenance_text(report))
+                                                 history=history) + scaled + provenance_text(report))
     error.step, error.parameter, error.loss_fn, error.model, error.batch, error.key, error.report = (
         step, name, train_step.loss_fn, model, batch, key, report)
     return error

@@ -195,7 +195,9 @@ class TrainStep:
         for bit) and :class:`NonFiniteError` is raised by a later call (at most 16 calls
         on) or by :meth:`check`; ``"skip"``: not applied, training goes on; ``"ignore"``
         (or ``None``): applied as it is. An optimizer that handles overflow itself
-        (``LossScaleOptimizer``) skips such steps on its own: never a stop. A call inside
+        (``LossScaleOptimizer``) skips a step whose gradients overflowed on its own (never
+        a stop), but not one whose loss is not finite (no scale makes it finite): that
+        one stops or is skipped as ``on_nan`` says, reported as the loss (-2). A call inside
         your own ``jax.jit``/``jax.vmap``/``lax.scan`` runs the same program without the
         stop's bookkeeping (which keeps concrete values across calls): the numbers of a
         plain call, but "stop" there skips a non-finite step (``metrics["nonfinite"]``

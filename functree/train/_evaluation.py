@@ -5,6 +5,7 @@ sums accumulated on device and read once; a fixed evaluation key for functions t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -16,6 +17,8 @@ from functree import nn
 from functree._tree import is_array_value
 from functree._where import placement_of, put
 from functree.optim._average import averaged as averaged_parameters
+from functree.parallel._cast import cast as cast_to
+from functree.parallel._cast import cast_floating
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._epochs import EMPTY_DATA, as_data, batch_size, with_location
 from functree.train._metrics import describe_batch, metric_dtype
@@ -133,7 +136,12 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
 
 def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: Callable[..., Any], key: Any) -> Any:
     """``fn(model, batch)`` over ``data`` by ``program`` (jitted), concatenated along axis 0;
-    ``fold_in(key, i)`` for the i-th minibatch when ``key`` is given."""
+    ``fold_in(key, i)`` for the i-th minibatch when ``key`` is given. With ``step``'s
+    ``compute_dtype``, the model and the floating inputs are cast inside the program, as
+    :meth:`evaluate` casts them (the outputs are what the model returns in that dtype)."""
+    dtype = getattr(step, "compute_dtype", None)
+    if dtype is not None:  # one hashable wrapper per (fn, dtype): the program's static argument
+        fn = InDtype(fn, dtype)
     outputs = []
     for i, given, first in _numbered(data):
         with _located("predict", i, given, first):
@@ -142,6 +150,19 @@ def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: C
     if not outputs:
         raise ValueError(EMPTY_DATA.format(why=" to predict"))
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class InDtype:
+    """``fn(model, batch)`` with the model (``ft.cast``) and the floating leaves of ``batch``
+    cast to ``dtype`` first: ``TrainStep(compute_dtype=)``'s cast, for ``Trainer.predict``.
+    Equal for an equal ``fn`` and ``dtype``: a jitted program keeps one compilation."""
+
+    fn: Callable[..., Any]
+    dtype: Any
+
+    def __call__(self, model: Any, batch: Any, **kw: Any) -> Any:
+        return self.fn(cast_to(model, self.dtype), cast_floating(batch, self.dtype), **kw)
 
 
 def inputs(batch: Any) -> Any:
@@ -234,8 +255,11 @@ class Evaluation:
 
         ``fn`` defaults to ``model(inputs)`` with inputs ``batch[0]`` (tuples),
         ``batch["x"]`` (dicts) or the batch itself (arrays). An ``fn`` that takes ``key=``
-        gets ``fold_in(eval_key, batch index)`` (see :meth:`evaluate`). For one batch,
-        call :attr:`inference_model` directly.
+        gets ``fold_in(eval_key, batch index)`` (see :meth:`evaluate`). With the Trainer's
+        ``compute_dtype`` the model and the floating inputs are cast to it first, as in
+        training and :meth:`evaluate` (the outputs come in the dtype the model computes
+        them in: ``bfloat16`` for most layers). For one batch, call
+        :attr:`inference_model` directly (in the parameters' dtype).
 
         Several processes (a Trainer over a mesh that spans them): every process calls it
         with **its share** of each minibatch, as in ``fit``

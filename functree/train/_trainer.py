@@ -99,10 +99,18 @@ class Trainer(Evaluation):
       on_nan: ``"stop"`` (default, as in :class:`TrainStep`: raise :class:`NonFiniteError`
         naming the step and the first parameter whose gradient was not finite; that step
         is not applied), ``"skip"`` (skip such steps, recorded in ``trainer.skipped``) or
-        ``"ignore"``. A step an optimizer handles itself (a loss-scale overflow) is
-        neither.
+        ``"ignore"``. A step an optimizer handles itself (a loss-scale overflow of the
+        gradients) is neither; a loss that is not finite still is (no scale makes it
+        finite: the error says so, and ``"skip"`` skips it with the scale kept).
       opt_state: an optimizer state to continue from (default ``optimizer.init(model)``).
       train_step: a :class:`TrainStep` subclass (or instance) with overridden stages.
+      compute_dtype: a floating dtype (``jnp.bfloat16``, ``jnp.float16``) the model runs in
+        (:class:`TrainStep`'s ``compute_dtype``): the model (``ft.cast``) and the floating
+        inputs are cast to it inside each step, :meth:`evaluate` (and validation) and
+        :meth:`predict`; the parameters, gradients and optimizer state keep their dtype
+        (float32 master weights), the loss is float32, and :meth:`predict` returns what
+        the model computes in that dtype. :attr:`inference_model` is not cast. ``None``
+        (default): the parameters' dtype.
       wrt: key-path patterns of the parameters to train (``ft.optim.Optimizer(wrt=)``);
         the others stay bit for bit and get no optimizer state.
       steps_per_call: run ``k`` steps per compiled call (``TrainStep(steps_per_call=k)``):

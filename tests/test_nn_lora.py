@@ -441,3 +441,20 @@ def test_dropout_under_accumulation_draws_each_microbatch_its_own_mask(accumulat
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-6 * float(np.abs(expected).max()))
     assert float(np.max(np.abs(out[0] - out[1]))) > 1.0  # the rows' masks differ, as with one microbatch
     np.testing.assert_array_equal(np.asarray(new.a.dropout_key), np.asarray(jax.random.key_data(following)))
+
+
+@pytest.mark.parametrize("given, written", [(jnp.int8, "jnp.int8"), ("bf16", "'bf16'"), (None.__class__, "NoneType"),
+                                            ("torch", "torch.bfloat16")])
+def test_lora_names_a_dtype_that_is_not_floating(given, written):
+    # jnp.int8 failed inside jax.random.uniform, torch.bfloat16 inside NumPy.
+    if given == "torch":
+        given = pytest.importorskip("torch").bfloat16
+    model = {"l": ft.nn.Dense(2, 2, key=jax.random.key(0))}
+    with pytest.raises(TypeError, match=rf"(?s)ft.nn.lora: dtype is the adapters' floating dtype.*got {written}"
+                                        rf".*right:  ft.nn.lora\(\.\.\., dtype=jnp.bfloat16\)"):
+        ft.nn.lora(model, "l", rank=1, key=jax.random.key(0), dtype=given)
+    with pytest.raises(TypeError, match=rf"ft.nn.LoraDense: dtype .*got {written}"):
+        ft.nn.LoraDense(model["l"], 1, key=jax.random.key(0), dtype=given)
+    for fine in ("bfloat16", np.float16, jnp.float32):
+        adapted = ft.nn.lora(model, "l", rank=1, key=jax.random.key(0), dtype=fine)
+        assert adapted["l"].lora_a.dtype == adapted["l"].lora_b.dtype == jnp.dtype(fine)

@@ -56,6 +56,44 @@ the leaves; a from_hf model's layers answer to Hugging Face's names too).
     wrong:  ft.nn.lora(model, {pattern!r}, ...)
     right:  ft.nn.lora(model, {right!r}, ...)"""
 
+BAD_LORA_DTYPE = """\
+{call}: dtype is the adapters' floating dtype (jnp.float32, jnp.bfloat16, jnp.float16; \
+None: the weight's), got {given}. lora_a is drawn at random and both adapters are trained: \
+they need a floating JAX dtype (a torch dtype or a name like "bf16" is not one).
+
+    wrong:  {call}(..., dtype={given})
+    right:  {call}(..., dtype=jnp.bfloat16)
+"""
+
+
+def _check_dtype(dtype: Any, call: str) -> Any:
+    """``dtype`` as a JAX dtype (None stays None), or :data:`BAD_LORA_DTYPE` at the call,
+    not inside ``jax.random.uniform`` or NumPy."""
+    if dtype is None:
+        return None
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(BAD_LORA_DTYPE.format(call=call, given=_written(dtype)))
+    return dt
+
+
+def _written(dtype: Any) -> str:
+    """``dtype`` as a user writes it (``jnp.int8``, not ``<class 'jax.numpy.int8'>``;
+    ``torch.bfloat16``, ``'bf16'`` as they are)."""
+    if isinstance(dtype, str):
+        return repr(dtype)
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        return repr(dtype)
+    if dt.kind == "O":  # any other class is NumPy's object dtype: name the class
+        return dtype.__name__ if isinstance(dtype, type) else repr(dtype)
+    return f"jnp.{dt.name}"
+
+
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 
 NOT_DENSE = """\
@@ -185,6 +223,7 @@ class LoraDense(Layer):
         if type(dense) is not Dense:
             raise TypeError(SUBCLASS_WRAPPED.format(given=type(dense).__name__))
         _check_options(rank, alpha, dropout, key, "*")
+        dtype = _check_dtype(dtype, "ft.nn.LoraDense")
         weight = dense.weight
         lead, (n_in, n_out) = weight.shape[:-2], weight.shape[-2:]
         dtype = weight.dtype if dtype is None else dtype
@@ -494,6 +533,7 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     patterns = (pattern,) if isinstance(pattern, str) else tuple(pattern)
     _naming.check_patterns(patterns)
     _check_options(rank, alpha, dropout, key, patterns[0] if patterns else "*")
+    dtype = _check_dtype(dtype, "ft.nn.lora")
     assert key is not None
     all_linear = isinstance(pattern, str) and pattern.lower() == ALL_LINEAR
     chosen = _all_linear(model) if all_linear else _selected(model, patterns, "ft.nn.lora")

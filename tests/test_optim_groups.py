@@ -159,3 +159,38 @@ def test_moments_of_groups_splitting_a_stacks_members_are_each_members_own():
     np.testing.assert_allclose(ft.get(m["trace"], "blocks.2.lin.weight"), g[2], rtol=0, atol=1e-7 * scale)
     np.testing.assert_allclose(ft.get(m["mu"], "blocks.2.lin.weight"), 0.0, rtol=0, atol=0)  # sgd's member: no mu
     np.testing.assert_allclose(ft.get(m["mu"], "out.weight"), lion_mu, rtol=0, atol=1e-7)
+
+
+def test_a_whole_leaf_pattern_beside_a_member_pattern_trains_each_as_its_optimizer_alone():
+    """`groups({"head.*": adam, "s.0.*": adagrad}, default=sgd)` crashed inside numpy at init
+    (the default group's mask mixed a whole leaf's bool and a member selection)."""
+    class Block(ft.Module):
+        d: ft.nn.Dense
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.d(x))
+
+    class Net(ft.Module):
+        s: ft.nn.Stack
+        head: ft.nn.Dense
+
+        def __call__(self, x):
+            return self.head(self.s(x))
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = Net(ft.nn.Stack(lambda k: Block(ft.nn.Dense(4, 4, key=k)), 3, key=k1), ft.nn.Dense(4, 2, key=k2))
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    loss = lambda m: jnp.sum(m(x) ** 2)  # noqa: E731
+    parts = {"head.*": ft.optim.adam(1e-2), "s.0.*": ft.optim.adagrad(0.1)}
+    opt = ft.optim.Optimizer(ft.optim.groups(parts, default=ft.optim.sgd(1e-2)))
+    model_next, _, _ = opt.minimize(loss, model, opt.init(model))
+
+    def alone(tx):  # one step of elementwise optimizers: each part moves as under its own alone
+        o = ft.optim.Optimizer(tx)
+        return o.minimize(loss, model, o.init(model))[0]
+
+    adam, adagrad, sgd = alone(parts["head.*"]), alone(parts["s.0.*"]), alone(ft.optim.sgd(1e-2))
+    np.testing.assert_allclose(model_next.head.weight, adam.head.weight, rtol=0, atol=1e-7)
+    w = model_next.s.layers.d.weight
+    np.testing.assert_allclose(w[0], adagrad.s.layers.d.weight[0], rtol=0, atol=1e-7)
+    np.testing.assert_allclose(w[1:], sgd.s.layers.d.weight[1:], rtol=0, atol=1e-7)

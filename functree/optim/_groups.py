@@ -183,7 +183,8 @@ def groups(
         masks = {p: jax.tree.unflatten(treedef, [None if x is None else s for x, s in zip(leaves, sel)])
                  for p, sel in zip(patterns, picks)}
         if default is not None:
-            rest = [None if x is None else ~np.any([np.asarray(s[k]) for s in picks], axis=0)
+            # a leaf's picks are whole-leaf bools or member selections: broadcast, then any
+            rest = [None if x is None else ~np.any(np.broadcast_arrays(*[np.asarray(s[k]) for s in picks]), axis=0)
                     for k, x in enumerate(leaves)]
             masks[DEFAULT_LABEL] = jax.tree.unflatten(
                 treedef, [r if r is None or np.ndim(r) else bool(r) for r in rest])

@@ -203,3 +203,23 @@ def register_record(cls: type, data_fields: Sequence[str], meta_fields: Sequence
     """
     cls.__ft_record__ = (tuple(data_fields), tuple(meta_fields))  # rebuilt inline by functree._flat
     return jax.tree_util.register_dataclass(cls, list(data_fields), list(meta_fields))
+
+
+def written_dtype(dtype: Any) -> str:
+    """``dtype`` as a user writes it, for error messages: ``jnp.int8``, not ``<class
+    'jax.numpy.int8'>``; a string (``'bf16'``) or another library's (``torch.bfloat16``) as given.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> written_dtype(jnp.int8), written_dtype("bf16")
+      ('jnp.int8', "'bf16'")
+    """
+    if isinstance(dtype, str):
+        return repr(dtype)
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        return repr(dtype)
+    if dt.kind == "O":  # any other class is NumPy's object dtype: name the class
+        return dtype.__name__ if isinstance(dtype, type) else repr(dtype)
+    return f"jnp.{dt.name}"

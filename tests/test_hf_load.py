@@ -869,7 +869,7 @@ def test_float16_runs_on_a_cpu_as_torch_float16(family):
 
 
 def test_a_non_float_dtype_is_refused_at_the_call():
-    for dtype, shown in ((jnp.int8, "jnp.int8"), ("int32", "jnp.int32"), ("not a dtype", "'not a dtype'")):
+    for dtype, shown in ((jnp.int8, "jnp.int8"), ("int32", "'int32'"), ("not a dtype", "'not a dtype'")):
         with pytest.raises(TypeError, match=r"(?s)dtype is the parameters' floating dtype .*got "
                                             + re.escape(shown) + r"\. .*wrong:  ft.nn.from_hf\(source, dtype="
                                             + re.escape(shown) + r"\).*right:  "

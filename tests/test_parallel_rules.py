@@ -173,8 +173,10 @@ def test_cast_gradients_come_back_in_the_master_dtype():
 
 
 def test_compute_dtype_must_be_floating():
-    with pytest.raises(TypeError, match=r"compute_dtype must be a floating dtype.*int8"):
-        ft.cast(model(), jnp.int8)
+    with pytest.raises(TypeError, match=r"(?s)ft.cast's dtype must be a floating dtype \(the parameters are cast to "
+                                        r"it\), got jnp.int8\..*wrong:  ft.cast\(model, jnp.int8\)\n"
+                                        r"    right:  ft.cast\(model, jnp.bfloat16\)"):
+        ft.cast(model(), jnp.int8)  # (once: "<class 'jax.numpy.int8'>", and compute_dtype's call)
     with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
         ft.parallel.DataParallelStep(lambda m, b: 0.0, ft.optim.sgd(0.1), mesh=jax.make_mesh((1,), ("data",)),
                                      compute_dtype=jnp.int32)

@@ -25,7 +25,7 @@ import numpy as np
 from functree._jit import unchecked_jit
 from functree._naming import matches
 from functree._state_dict import FlatDictReport, to_numpy
-from functree._tree import dotted_name, join_names
+from functree._tree import dotted_name, join_names, written_dtype
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
 from functree.hf._config import hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
@@ -252,15 +252,7 @@ def _check_dtype(dtype: Any) -> None:
     except TypeError:
         ok = False
     if not ok:
-        raise TypeError(BAD_DTYPE.format(given=_written(dtype)))
-
-
-def _written(dtype: Any) -> str:
-    """``dtype`` as a user writes it (``jnp.int8``, not ``<class 'jax.numpy.int8'>``)."""
-    try:
-        return f"jnp.{jnp.dtype(dtype).name}"
-    except TypeError:
-        return repr(dtype)
+        raise TypeError(BAD_DTYPE.format(given=written_dtype(dtype)))
 
 
 def _covered() -> str:

@@ -41,7 +41,7 @@ import numpy as np
 from functree import _naming
 from functree._activations import identity
 from functree._module import Module, field, from_fields
-from functree._tree import dotted_name, is_none
+from functree._tree import dotted_name, is_none, written_dtype
 from functree.nn._check import check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
@@ -76,22 +76,8 @@ def _check_dtype(dtype: Any, call: str) -> Any:
     except TypeError:
         dt = None
     if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(BAD_LORA_DTYPE.format(call=call, given=_written(dtype)))
+        raise TypeError(BAD_LORA_DTYPE.format(call=call, given=written_dtype(dtype)))
     return dt
-
-
-def _written(dtype: Any) -> str:
-    """``dtype`` as a user writes it (``jnp.int8``, not ``<class 'jax.numpy.int8'>``;
-    ``torch.bfloat16``, ``'bf16'`` as they are)."""
-    if isinstance(dtype, str):
-        return repr(dtype)
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        return repr(dtype)
-    if dt.kind == "O":  # any other class is NumPy's object dtype: name the class
-        return dtype.__name__ if isinstance(dtype, type) else repr(dtype)
-    return f"jnp.{dt.name}"
 
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head

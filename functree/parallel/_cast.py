@@ -31,7 +31,7 @@ def cast(tree: Any, dtype: Any) -> Any:
       >>> half.scale.dtype, half.running_mean.dtype
       (dtype(bfloat16), dtype('float32'))
     """
-    dtype = check_compute_dtype(dtype)
+    dtype = check_compute_dtype(dtype, "ft.cast(model, ")
     view = parameters(tree)
     out = with_parameters(tree, jax.tree.map(lambda p: p.astype(dtype), view))
     follow(tree, out)  # under ft.nn.collect_state: the cast layers record at the model's key paths

@@ -60,7 +60,7 @@ from functree._naming import (
     suggestion,
 )
 from functree._stacked import stack_depths
-from functree._tree import dotted_name
+from functree._tree import dotted_name, written_dtype
 
 __all__ = ["partition_specs", "FSDP_MIN_SIZE", "check_data_axis", "check_compute_dtype"]
 
@@ -138,11 +138,10 @@ earlier rule {earlier!r} (the first matching rule wins). Put the narrower rule f
     right:  sharding={{{pattern!r}: ..., {earlier!r}: ...}}"""
 
 BAD_COMPUTE_DTYPE = """\
-compute_dtype must be a floating dtype (the parameters and floating inputs are cast to it \
-for the loss), got {given}.
+{what} must be a floating dtype ({why}), got {given}.
 
-    wrong:  compute_dtype=jnp.int8
-    right:  compute_dtype=jnp.bfloat16"""
+    wrong:  {call}{given}{end}
+    right:  {call}jnp.bfloat16{end}"""
 
 
 def check_data_axis(mesh: Mesh | AbstractMesh, data_axis: str, call: str = "ft.shard") -> None:
@@ -152,14 +151,17 @@ def check_data_axis(mesh: Mesh | AbstractMesh, data_axis: str, call: str = "ft.s
                                              first=mesh.axis_names[0]))
 
 
-def check_compute_dtype(dtype: Any) -> Any:
-    """``dtype`` as a NumPy dtype, or a clear error when it is not floating."""
+def check_compute_dtype(dtype: Any, call: str = "compute_dtype=") -> Any:
+    """``dtype`` as a NumPy dtype, or a clear error (showing ``call``: ``compute_dtype=``,
+    or ``ft.cast(model, `` ending ``)``) when it is not floating."""
     try:
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
     if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(BAD_COMPUTE_DTYPE.format(given=dtype))
+        what, why, end = (("compute_dtype", "the parameters and floating inputs are cast to it for the loss", "")
+                          if call == "compute_dtype=" else ("ft.cast's dtype", "the parameters are cast to it", ")"))
+        raise TypeError(BAD_COMPUTE_DTYPE.format(what=what, why=why, given=written_dtype(dtype), call=call, end=end))
     return dt
 
 

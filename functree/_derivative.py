@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.core
@@ -114,11 +114,21 @@ class DifferentiableFunction:
         )
         deriv, wrt = self.forward if use_forward else self.reverse  # type: ignore[misc]
         fn: Callable[..., Any] = self.fn
-        labels = None
+        names = None
         if kwargs:  # keyword arguments become positional ones: JAX sees (and differentiates) them
-            args, fn, deriv, wrt, labels = _Keywords(self).positional(args, kwargs, deriv, wrt)
-        call = _Call(self.fn, deriv, wrt, args, fn, labels)
+            args, fn, deriv, wrt, names = _Keywords(self).positional(args, kwargs, deriv, wrt)
+        call = _Call(self.fn, deriv, wrt, args, fn, names)
         return call.with_differential() if use_forward else call.with_pullback()
+
+
+class _Names(NamedTuple):
+    """How a keyword call's flattened arguments are named in messages: ``labels[i]`` and
+    ``places[i]`` (the parameter's index, as ``wrt`` counts it) for flattened position
+    ``i``, and the ``wrt`` the rule was registered with."""
+
+    labels: list[str]
+    places: list[int]
+    registered: tuple[int, ...] | None
 
 
 class _Keywords:
@@ -127,7 +137,13 @@ class _Keywords:
     ``inspect.signature(fn).bind`` moves every keyword naming a positional parameter to its
     place (``f(x, scale=s)`` is ``f(x, s)``: ``wrt=1`` covers it); keywords left over (a
     keyword-only parameter, one after a default left out) are appended after the
-    positional ones, named, and passed back by keyword. Defaults are not filled in.
+    positional ones. Positions exist for JAX only: ``fn`` and the rule get every keyword
+    back by name (a rule may declare it keyword-only). Defaults are not filled in.
+
+    ``wrt`` is remapped by parameter name: an index whose parameter was not passed (its
+    default, a constant) points past the arguments, so that it covers nothing yet keeps
+    its cotangent's place in the pullback's tuple; a passed argument outside ``wrt`` stays
+    uncovered (an :class:`UncoveredDerivativeError` when differentiated).
     """
 
     def __init__(self, target: DifferentiableFunction):
@@ -135,8 +151,9 @@ class _Keywords:
 
     def positional(
         self, args: tuple, kwargs: dict[str, Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None,
-    ) -> tuple[tuple, Callable[..., Any], Callable[..., Any], tuple[int, ...] | None, list[str]]:
+    ) -> tuple[tuple, Callable[..., Any], Callable[..., Any], tuple[int, ...] | None, _Names]:
         signature = _signature(self.target.fn)
+        given = len(args)  # passed positionally: passed back positionally
         if signature is not None:
             try:
                 bound = signature.bind(*args, **kwargs)
@@ -144,22 +161,51 @@ class _Keywords:
             except TypeError:
                 pass  # the call itself raises Python's error below
         params = list(signature.parameters) if signature is not None else []
-        n, names = len(args), list(kwargs)
-        labels = [params[i] if i < len(params) else f"args[{i}]" for i in range(n)] + names
-        if wrt is not None and names:  # a covered keyword-only parameter: its new position
-            wrt = tuple(i if i < n or i >= len(params) or params[i] not in names
-                        else n + names.index(params[i]) for i in wrt)
+        n, left = len(args), list(kwargs)
+        flat = (*args, *kwargs.values())
+        # bind puts a keyword in args only at its own parameter's place (no *args before it)
+        by_name = [params[k] for k in range(given, n)] + left
+        labels = [params[i] if i < len(params) else f"args[{i}]" for i in range(n)] + left
+        places = list(range(n)) + [params.index(k) if k in params else n + j for j, k in enumerate(left)]
+        registered = wrt
+        if wrt is not None:
+            wrt = tuple(self._place(i, n, params, left, labels, places) for i in wrt)
 
         def spread(f: Callable[..., Any]) -> Callable[..., Any]:
-            if not names:
-                return f
-            return lambda *a: f(*a[:n], **dict(zip(names, a[n:])))
+            return lambda *a: f(*a[:given], **dict(zip(by_name, a[given:])))
 
-        return (*args, *kwargs.values()), spread(self.target.fn), spread(deriv), wrt, labels
+        return flat, spread(self.target.fn), spread(deriv), wrt, _Names(labels, places, registered)
+
+    @staticmethod
+    def _place(i: int, n: int, params: list[str], left: list[str], labels: list[str], places: list[int]) -> int:
+        """The flattened position of ``wrt`` index ``i`` (a parameter's index)."""
+        if i < n:  # a positional argument (or bound to its place), or -1 (the last)
+            return i
+        name = params[i] if i < len(params) else None
+        if name in left:
+            return n + left.index(name)
+        # Not passed: its default is a constant. A position past the arguments keeps the
+        # cotangent's slot in the pullback's tuple and covers nothing.
+        labels.append(name or f"args[{i}]")
+        places.append(i)
+        return len(labels) - 1
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    """``inspect.signature(fn)``, cached; an unhashable callable (an eq-dataclass or a
+    Module holding arrays) is looked up uncached."""
+    try:
+        return _cached_signature(fn)
+    except (TypeError, ValueError):  # hashing (or comparing) fn failed
+        return _uncached_signature(fn)
 
 
 @functools.lru_cache(maxsize=256)
-def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+def _cached_signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    return _uncached_signature(fn)
+
+
+def _uncached_signature(fn: Callable[..., Any]) -> inspect.Signature | None:
     try:
         return inspect.signature(fn)
     except (TypeError, ValueError):
@@ -212,7 +258,9 @@ def derivative(
     that are not arrays, such as a string flag, and Python ints and bools, such as an axis,
     are passed through as constants, as ``nondiff_argnums`` would make them; a Python float
     is data). An argument passed by keyword counts at its parameter's position
-    (``f(x, scale=s)`` is ``f(x, s)``). A forward rule may give ``None`` as the tangent
+    (``f(x, scale=s)`` is ``f(x, s)``: ``wrt=1`` covers it) and reaches the rule by name
+    (the rule may declare it keyword-only); a ``wrt`` index whose parameter is left at its
+    default covers nothing (its cotangent is still returned). A forward rule may give ``None`` as the tangent
     of an integer output (an argmax). With
     several covered arguments the pullback returns a tuple, one cotangent per argument in
     ``wrt``'s order (one missing is an error, never a zero), where only a bare Python number
@@ -369,9 +417,10 @@ class _Call:
 
     def __init__(
         self, original: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None,
-        args: tuple, fn: Callable[..., Any], labels: list[str] | None = None,
+        args: tuple, fn: Callable[..., Any], names: _Names | None = None,
     ):
-        self.original, self.registered, self.labels = original, wrt, labels
+        self.original, self.names = original, names
+        self.registered = wrt if names is None else names.registered  # as the user wrote it
         self.dynamic = [i for i, a in enumerate(args) if _is_data(a) and not _is_static_integer(a)]
         if wrt is None:
             wrt = tuple(i for i in self.dynamic if jax.tree.leaves(parameters(args[i])))
@@ -400,22 +449,28 @@ class _Call:
     # -- errors
 
     def _name(self, i: int) -> str:
-        if self.labels is not None and i < len(self.labels):
-            return self.labels[i]
+        if self.names is not None and i < len(self.names.labels):
+            return self.names.labels[i]
         try:
             return list(inspect.signature(self.original).parameters)[i]
         except (TypeError, ValueError, IndexError):
             return f"args[{i}]"
 
+    def _place(self, i: int) -> int:
+        """The parameter index (as ``wrt`` counts) of flattened position ``i``."""
+        if self.names is not None and 0 <= i < len(self.names.places):
+            return self.names.places[i]
+        return i
+
     def _what(self, i: int, path: str = "") -> str:
-        return f"argument {i} (`{self._name(i)}`)" + (f" at {path}" if path else "")
+        return f"argument {self._place(i)} (`{self._name(i)}`)" + (f" at {path}" if path else "")
 
     def _uncovered(self, k: int, mode: str) -> UncoveredDerivativeError:
         i = self.dynamic[k]
         fn = getattr(self.original, "__name__", "f")
-        registered = self.registered if self.registered is not None else self.wrt
+        registered = self.registered if self.registered is not None else tuple(map(self._place, self.wrt))
         shown = registered[0] if len(registered) == 1 else registered
-        suggest = tuple(sorted({*registered, i}))
+        suggest = tuple(sorted({*registered, self._place(i)}))
         message = UNCOVERED_ARGUMENT.format(
             fn=fn, what=self._what(i), mode=mode, wrt=shown, suggest=suggest, name=self._name(i),
             closure="pullback" if mode == "reverse" else "differential",
@@ -499,9 +554,10 @@ class _Call:
         wrong = f"({wrong},)" if isinstance(returned, (tuple, list)) and len(cts) == 1 else (
             f"({wrong})" if isinstance(returned, (tuple, list)) else wrong)
         right = ", ".join(f"<ct of {n}>" for n in names)
-        fewer = self.wrt[0] if len(self.wrt) else 0
+        wrt = tuple(map(self._place, self.wrt))
+        fewer = wrt[0] if len(wrt) else 0
         return PULLBACK_COUNT.format(
-            fn=fn, got=got, count=len(self.wrt), wrt=self.wrt, names=", ".join(names),
+            fn=fn, got=got, count=len(wrt), wrt=wrt, names=", ".join(names),
             missing=shown, wrong=wrong, right=right, fewer=fewer,
         )
 

@@ -3,6 +3,7 @@ recomputation in pullbacks (checkpointing)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -665,6 +666,83 @@ def test_a_keyword_only_array_is_a_dynamic_argument() -> None:
     x, s = jnp.array([0.3, 1.2]), jnp.array(2.0)
     np.testing.assert_allclose(ft.gradient(lambda s: rule(x, scale=s).sum(), at=s),
                                jnp.sum(jnp.sin(x)), rtol=0, atol=1e-6)
+
+
+def _shifted_sin(wrt: tuple[int, ...], mode: str = "reverse") -> Any:
+    """f(x, a=1.0, b=0.0) with a rule covering ``wrt`` (by parameter index)."""
+    def f(x: jax.Array, a: Any = 1.0, b: Any = 0.0) -> jax.Array:
+        return jnp.sum(jnp.sin(x) * a + b * x)
+
+    cotangents = {0: lambda x, a, b: jnp.cos(x) * a + b, 1: lambda x, a, b: jnp.sum(jnp.sin(x)),
+                  2: lambda x, a, b: jnp.sum(x)}
+
+    @ft.derivative(of=f, wrt=wrt, mode=mode)
+    def rule(x: jax.Array, a: Any = 1.0, b: Any = 0.0) -> Any:
+        if mode == "forward":
+            return f(x, a, b), lambda *ts: sum(jnp.sum(cotangents[i](x, a, b) * t) for i, t in zip(wrt, ts))
+        return f(x, a, b), lambda v: tuple(v * cotangents[i](x, a, b) for i in wrt)
+
+    return rule
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_a_keyword_after_an_omitted_default_is_covered_by_its_own_parameter_index(mode: str) -> None:
+    # f(x, b=b) leaves `a` at its default: wrt=(0, 1) covers x and a (not b), wrt=(0, 2) x and b.
+    x = jnp.array([0.3, -1.2, 2.0])
+    np.testing.assert_allclose(ft.gradient(lambda b: _shifted_sin((0, 2), mode)(x, b=b), at=3.0),
+                               jnp.sum(x), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ft.gradient(lambda x: _shifted_sin((0, 1), mode)(x, b=3.0), at=x),
+                               jnp.cos(x) + 3.0, rtol=0, atol=1e-6)
+    with pytest.raises(ft.UncoveredDerivativeError, match=r"argument 2 \(`b`\)(.|\n)*wrt=\(0, 1, 2\)"):
+        ft.gradient(lambda b: _shifted_sin((0, 1), mode)(x, b=b), at=3.0)
+
+
+def test_a_pullback_keeps_the_cotangent_slot_of_an_omitted_covered_default() -> None:
+    def f(x: jax.Array, a: Any = 1.0, b: Any = 0.0) -> jax.Array:
+        return jnp.sum(jnp.sin(x) * a + b * x)
+
+    @ft.derivative(of=f, wrt=(0, 1))
+    def rule(x: jax.Array, a: Any = 1.0, b: Any = 0.0) -> Any:
+        return f(x, a, b), lambda v: (v * (jnp.cos(x) * a + b),)  # a's cotangent left out
+
+    x = jnp.array([0.3, -1.2, 2.0])
+    with pytest.raises(TypeError, match=r"Missing: argument 1 \(`a`\)"):
+        ft.gradient(lambda x: rule(x, b=3.0), at=x)
+
+
+def test_an_unhashable_callable_with_a_rule_takes_keyword_arguments() -> None:
+    @dataclasses.dataclass
+    class Scaler:  # eq=True without frozen: unhashable, as an Equinox-style module
+        w: jax.Array
+
+        def __call__(self, x: jax.Array, scale: Any = 1.0) -> jax.Array:
+            return jnp.sum(jnp.sin(x) * self.w * scale)
+
+    s = Scaler(jnp.array([1.0, 2.0, 3.0]))
+
+    @ft.derivative(of=s, wrt=0)
+    def rule(x: jax.Array, scale: Any = 1.0) -> Any:
+        return s(x, scale=scale), lambda v: v * jnp.cos(x) * s.w * scale
+
+    x = jnp.array([0.3, -1.2, 2.0])
+    np.testing.assert_allclose(ft.gradient(lambda x: rule(x, scale=2.0), at=x),
+                               2.0 * jnp.cos(x) * s.w, rtol=0, atol=1e-6)
+
+
+def test_a_rule_may_declare_an_option_keyword_only() -> None:
+    @ft.differentiable
+    def smooth(x: jax.Array, temperature: Any = 1.0) -> jax.Array:
+        return jnp.sum(jax.nn.softplus(x / temperature) * temperature)
+
+    @ft.derivative(of=smooth, wrt=0)
+    def _(x: jax.Array, *, temperature: Any = 1.0) -> Any:
+        return smooth.fn(x, temperature), lambda v: v * jax.nn.sigmoid(x / temperature)
+
+    x = jnp.array([0.3, -1.2, 2.0])
+    expected = jax.nn.sigmoid(x / 0.5)
+    np.testing.assert_allclose(ft.gradient(lambda x: smooth(x, temperature=0.5), at=x), expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda x: smooth(x, temperature=0.5)))(x), expected,
+                               rtol=0, atol=1e-6)
 
 
 def _softmax_rule() -> Any:

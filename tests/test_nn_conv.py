@@ -162,3 +162,22 @@ def test_a_channels_first_batch_gets_the_move_not_another_layer_size():
     assert conv(jnp.moveaxis(jnp.ones((2, 3, 16, 16)), -3, -1)).shape == (2, 16, 16, 8)
     with pytest.raises(ft.nn.LayerInputError, match=r"build the layer for the size you have"):
         conv(jnp.ones((2, 16, 16, 4)))  # channels last, just another count: the old fix stands
+
+
+@pytest.mark.parametrize("k,s,p,op,d", [(2, 3, 1, 2, 1), (4, 4, 2, 2, 1), (3, 2, 1, 1, 2)])
+def test_torchs_transposed_padding_is_the_documented_formula(key, k, s, p, op, d):
+    """torch's ConvTranspose1d(padding=p, output_padding=op) is padding=((d*(k-1)-p,
+    d*(k-1)-p+op),) here: passing torch's p gave the same output shape with other numbers
+    (k=2, s=3, p=1, op=2: 0.60 off), which the docstring now says."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    module = torch.nn.ConvTranspose1d(3, 2, k, stride=s, padding=p, output_padding=op, dilation=d)
+    x = np.random.default_rng(0).normal(size=(1, 5, 3)).astype(np.float32)
+    expected = module(torch.tensor(x).transpose(1, 2)).transpose(1, 2).detach().numpy()
+    low = d * (k - 1) - p
+    layer = ft.nn.load_torch_state_dict(
+        ft.nn.Conv1DTranspose(3, 2, k, strides=s, dilation=d, padding=((low, low + op),), key=key),
+        module.state_dict())
+    actual = np.asarray(layer(jnp.asarray(x)))
+    assert actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * max(1.0, float(np.abs(expected).max())))

@@ -45,3 +45,19 @@ def test_padding_index_is_torchs_padding_idx(key):
     np.testing.assert_array_equal(layer(jnp.asarray(ids)), module(torch.tensor(ids)).detach().numpy())
     with pytest.raises(ValueError, match=r"padding_index=7 is outside the vocabulary of 7 rows"):
         ft.nn.Embedding(7, 3, key=key, padding_index=7)
+
+
+def test_indices_clipped_onto_the_padding_row_pass_it_no_gradient(key):
+    """Out-of-range indices read the clipped row (jnp.take's "clip"); where that is the
+    padding row it got their gradient ([2, 2] from indices 5 and 7 onto row 4), though the
+    padding row gets none."""
+    for padding, indices in ((4, [5, 7, 1]), (0, [-1, 2])):
+        layer = ft.nn.Embedding(5, 2, key=key, padding_index=padding)
+        grad = ft.gradient(lambda e: e(jnp.array(indices)).sum(), at=layer).embeddings
+        np.testing.assert_array_equal(grad[padding], [0.0, 0.0])
+        expected = np.zeros((5, 2), np.float32)
+        for i in indices:
+            row = min(max(i, 0), 4)
+            if row != padding:
+                expected[row] += 1.0
+        np.testing.assert_array_equal(grad, expected)

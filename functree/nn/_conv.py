@@ -177,7 +177,12 @@ _CONV_MATH = (
 _TRANSPOSE_MATH = (
     "The transpose (adjoint) of a strided convolution, used to upsample: "
     "``y[b, i*stride + k, o] += x[b, i, c] * weight[k, c, o]`` for ``VALID`` padding; "
-    "the output is ``stride`` times longer with ``SAME`` padding (``lax.conv_transpose``)."
+    "the output is ``stride`` times longer with ``SAME`` padding (``lax.conv_transpose``).\n\n"
+    "    An int or ``(low, high)`` padding pads the stride-dilated input, as "
+    "``lax.conv_transpose`` reads it, not torch's ``ConvTranspose`` ``padding=p, "
+    "output_padding=op``, which is ``padding=((d*(k-1) - p, d*(k-1) - p + op),)`` per axis "
+    "here (``k`` the kernel size, ``d`` the dilation); the two can give one output shape "
+    "with other numbers, so port torch's by that formula."
 )
 
 

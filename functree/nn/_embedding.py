@@ -70,8 +70,8 @@ class Embedding(Layer):
 
     def __call__(self, indices: jax.Array) -> jax.Array:
         check_input(self, indices, (), kind="int")
-        return without_padding_gradient(jnp.take(self.embeddings, indices, axis=0, mode="clip"), indices,
-                                        self.padding_index)
+        read = jnp.clip(indices, 0, self.embeddings.shape[0] - 1)  # the rows jnp.take's "clip" reads
+        return without_padding_gradient(jnp.take(self.embeddings, read, axis=0), read, self.padding_index)
 
 
 def without_padding_gradient(rows: jax.Array, indices: jax.Array, padding: int | None) -> jax.Array:

@@ -400,3 +400,14 @@ def test_a_hook_that_cannot_take_the_trainers_arguments_is_refused_before_traini
 
     trainer.fit(data(), epochs=2, progress=False, callbacks=[Flexible()])
     assert seen == [1, 2]  # context.epoch: sweep's other name, the epochs completed
+
+
+def test_a_hook_set_to_none_is_left_as_before():
+    """`on_log = None` on a Callback subclass ran at df00849; the new signature check crashed
+    with UnboundLocalError reading it."""
+    class Quiet(ft.train.Callback):
+        on_log = None
+
+    trainer = make()
+    trainer.fit(data(), epochs=1, progress=False, log_every=1, callbacks=[Quiet()])
+    assert trainer.steps_run == 3

@@ -302,13 +302,16 @@ def as_callback(cb: Any) -> Callback:
 
 def _check_hooks(cb: Callback) -> None:
     for hook, args in _HOOKS.items():
-        if getattr(type(cb), hook, None) is getattr(Callback, hook):
-            continue  # not overridden
+        method = getattr(cb, hook, None)
+        if getattr(type(cb), hook, None) is getattr(Callback, hook) or not callable(method):
+            continue  # not overridden (or not a function: left to fail where it is called, as before)
         try:
-            parameters = inspect.signature(getattr(cb, hook)).parameters
-            inspect.signature(getattr(cb, hook)).bind(*args.split(", "))
-        except ValueError:  # no signature to read (a builtin): called as it is
+            signature = inspect.signature(method)
+        except (TypeError, ValueError):  # no signature to read (a builtin): called as it is
             continue
+        parameters = signature.parameters
+        try:
+            signature.bind(*args.split(", "))
         except TypeError:
             given = "(" + ", ".join(parameters) + ")"
             raise TypeError(BAD_HOOK.format(who=type(cb).__name__, hook=hook, given=given, args=args,

@@ -48,8 +48,10 @@ def call_hooks(trainer: Any, cbs: Sequence[Callback], hook: str, ctx: TrainingCo
     for key, cb in zip(callback_keys(cbs), cbs):
         if key in done:
             continue
+        method = getattr(cb, hook)
         try:
-            getattr(cb, hook)(trainer, ctx)
+            if method is not None:  # `on_log = None` in a subclass: the hook switched off
+                method(trainer, ctx)
         except BaseException:
             trainer._job = trainer._job.replace(pending=_record(hook, ctx, ran))
             raise

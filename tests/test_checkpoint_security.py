@@ -419,6 +419,40 @@ def test_damaged_spec_raises_a_checkpoint_error_naming_step_and_problem(tmp_path
     assert "step 1" in message and problem in message, message
 
 
+_SCALARS = {"b": True, "i": 3, "f": 0.75, "c": 1.5 + 2j}
+_TAGS = {"b": "bool", "i": "int", "f": "float", "c": "complex"}
+
+
+def test_python_scalars_of_every_kind_load_exactly(tmp_path):
+    directory = saved(tmp_path, model={"w": jnp.ones(2), **_SCALARS})
+    with CheckpointManager(directory) as manager:
+        model = manager.restore(1).model
+    for name, value in _SCALARS.items():
+        assert type(model[name]) is type(value) and model[name] == value, (name, model[name])
+
+
+@pytest.mark.parametrize("stored, tag", [(s, t) for s in _TAGS for t in _TAGS.values() if t != _TAGS[s]])
+def test_a_python_tag_never_converts_the_stored_dtype(tmp_path, stored, tag):
+    # before: 0.75 tagged "int" loaded as 0, tagged "bool" as True, 3 tagged "complex" as 3+0j
+    directory = saved(tmp_path, model={"w": jnp.ones(2), "x": _SCALARS[stored]})
+
+    def retag(meta):
+        for item, key in zip(meta["spec"]["items"][0]["items"], meta["spec"]["items"][0]["keys"]):
+            if key[1] == "x":
+                item["python"] = tag
+    rewrite_meta(directory, retag)
+    message = restore_error(directory)
+    assert f"damaged at 'model.x': a Python {tag!r} scalar stored as dtype" in message, message
+
+
+def test_a_flag_naming_a_memberless_class_is_refused_at_its_field(tmp_path):
+    # before: "damaged at ''" quoting Python's TypeError ("<flag 'Flag'> has no members defined")
+    directory = saved(tmp_path)
+    rewrite_meta(directory, lambda m: _dense(m)["static"].__setitem__("activation", {"flag": ["enum.Flag", 0]}))
+    message = restore_error(directory)
+    assert "damaged at 'model.layers.0.activation': the Flag Flag has no members" in message, message
+
+
 def test_format_1_is_read_only_by_an_explicit_migration(tmp_path):
     ft.train.save(tmp_path / "m", {"w": W})
     rewrite_meta(tmp_path, lambda m: None, step="m")  # resealed, still format 2

@@ -112,6 +112,8 @@ rebuilt. Nothing was written. Key the dict by text or integers (or hold the valu
 
 _PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 _PYTHON_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
+# The dtype kinds the writer stores each Python scalar as (np.asarray: bool, int64, float64, complex128).
+_PYTHON_KINDS = {"bool": "b", "int": "iu", "float": "f", "complex": "c"}
 _DICT_KEYS = {"int": int, "str": str}
 _BOOL_KEYS = {"True": True, "False": False}
 _NUMPY_INT_KEYS = frozenset(np.dtype(t).name for t in (np.int8, np.int16, np.int32, np.int64,
@@ -337,6 +339,8 @@ def _flag_combination(name: str, bits: Any, path: str) -> Any:
                      f"the Enum {name[:200]} is not registered or defined in this process")
     if not issubclass(cls, enum.Flag):
         raise SpecError(MALFORMED.format(path=path, why=f"the Enum {cls.__name__} is not a Flag"))
+    if not cls.__members__:  # enum.Flag itself: no combination to rebuild (cls(0) raises TypeError)
+        raise SpecError(MALFORMED.format(path=path, why=f"the Flag {cls.__name__} has no members"))
     if type(bits) is not int or not _flag_bits(cls, bits):
         members = " | ".join(f"{k}={m.value!r}" for k, m in cls.__members__.items())[:200]
         why = f"{str(bits)[:50]} is not a combination of the {cls.__name__} flags ({members})"
@@ -521,6 +525,10 @@ def decode_leaf(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") ->
         cast = _PYTHON_SCALARS.get(spec["python"])
         if cast is None or np.ndim(x) != 0:
             why = f"a Python {spec['python']!r} scalar stored as shape {np.shape(x)}"
+            raise SpecError(MALFORMED.format(path=path, why=why))
+        kind = np.asarray(x).dtype.kind
+        if kind not in _PYTHON_KINDS[spec["python"]]:  # a tag never converts: 0.75 tagged "int" is damage, not 0
+            why = f"a Python {spec['python']!r} scalar stored as dtype {np.asarray(x).dtype}"
             raise SpecError(MALFORMED.format(path=path, why=why))
         return cast(np.asarray(x))
     if "prng" in spec:

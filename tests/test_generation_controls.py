@@ -184,6 +184,26 @@ def test_exponential_decay_greedy_and_beams_equal_hf_generate(llama, beams):
     assert changed  # the option changes HF's tokens: equal tokens are not the plain loop's
 
 
+def test_exponential_decay_start_past_int32_never_applies(llama):
+    # before: OverflowError from np.int32 (keyword and generation_config.json); HF generates unpenalized
+    hf, model = llama
+    ids, mask = left_padded()
+    plain = np.asarray(ft.nn.generate(model, ids, 6, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD))
+    with torch.no_grad():
+        expected = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                               max_new_tokens=6, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
+                               exponential_decay_length_penalty=(2**40, 1.5)).numpy()
+    np.testing.assert_array_equal(plain[:, :expected.shape[1]], expected)
+    for start in (2**31 - 1, 2**31, 2**40):
+        tokens = ft.nn.generate(model, ids, 6, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD,
+                                exponential_decay_length_penalty=(start, 1.5))
+        np.testing.assert_array_equal(np.asarray(tokens), plain)
+        hf_config = _HFConfigWith({}, {"exponential_decay_length_penalty": [start, 1.5], "eos_token_id": EOS,
+                                       "pad_token_id": PAD})
+        np.testing.assert_array_equal(
+            np.asarray(ft.nn.generate(_WithConfig(model, hf_config), ids, 6, attention_mask=mask)), plain)
+
+
 SAMPLED = [(0.9, {"typical_p": 0.5}), (1.3, {"epsilon_cutoff": 0.03}), (0.8, {"eta_cutoff": 0.05}),
            (1.0, {"top_p": 0.95, "min_p": 0.02, "typical_p": 0.9, "epsilon_cutoff": 0.01, "eta_cutoff": 0.01})]
 

@@ -323,7 +323,8 @@ class ExponentialDecayLengthPenalty(Control):
     """``exponential_decay_length_penalty=(start, factor)``: at new token ``t > start`` (``t``
     from 0: the ``(start + 2)``-th new token on) each
     EOS id's score ``l`` becomes ``l + |l| * (factor ** (t - start) - 1)`` (HF's
-    ``ExponentialDecayLengthPenalty``; a removed EOS stays removed). Greedy, sampling and beams."""
+    ``ExponentialDecayLengthPenalty``; a removed EOS stays removed). Greedy, sampling and beams.
+    A ``start`` past any reachable length (even past int32) never applies."""
 
     start: Any
     factor: Any
@@ -340,7 +341,9 @@ class ExponentialDecayLengthPenalty(Control):
             raise ValueError(BAD_DECAY.format(given=value))
         if not o.eos:
             raise ValueError(DECAY_NEEDS_EOS.format(given=value, start=value[0]))
-        return cls(np.int32(value[0]), np.float32(value[1]), np.asarray(o.eos, np.int32))
+        # a start past any reachable length never applies (as in HF): clipped, not an int32 overflow
+        start = min(int(value[0]), np.iinfo(np.int32).max)
+        return cls(np.int32(start), np.float32(value[1]), np.asarray(o.eos, np.int32))
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         steps = now.t - self.start  # HF: cur_len - (prompt + start)

@@ -155,6 +155,44 @@ def test_a_damaged_generation_config_json_is_refused_naming_it(tmp_path, text, w
     assert ft.nn.from_hf(tmp_path).hf_config.generation["eos_token_id"] == 3
 
 
+def _gpt2_directory(tmp_path):
+    config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
+    weights = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+    from safetensors.numpy import save_file
+
+    save_file(weights, tmp_path / "model.safetensors")
+    return config
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("levels", [500, 5000])
+def test_a_deeply_nested_json_file_is_refused_naming_it(tmp_path, name, levels):
+    # before: a RecursionError (copy.deepcopy, HFConfig's freeze, or json at 5000 levels), no file named
+    config = _gpt2_directory(tmp_path)
+    files = {"config.json": dict(config), "generation_config.json": {"eos_token_id": 3}}
+    for file, values in files.items():
+        text = json.dumps(values)
+        if file == name:
+            text = text[:-1] + ', "zzz": ' + "[" * levels + "]" * levels + "}"
+        (tmp_path / file).write_text(text)
+    why = "values nested 501 levels deep, past 100" if levels == 500 else "nested deeper than Python's JSON reader"
+    with pytest.raises(ValueError, match=rf"'.*{name}' is not a {name} this reads \({why}"):
+        ft.nn.from_hf(tmp_path)
+
+
+def test_hf_config_refuses_values_nested_past_the_recursion_limit_naming_the_key():
+    # before: a RecursionError from _frozen; a config object given in memory has no file to name
+    from functree.hf._config import HFConfig
+
+    lists, objects = [], 1
+    for _ in range(2000):
+        lists, objects = [lists], {"inner": objects}
+    for key, value in (("zzz", lists), ("inner", objects)):
+        with pytest.raises(ValueError, match=rf"the config's '{key}' holds lists or objects nested deeper than"):
+            HFConfig({"model_type": "gpt2", "zzz": value})
+    assert HFConfig({"zzz": [[[1]]]})["zzz"] == (((1,),),)
+
+
 LOAD = """
 import json, os, sys, jax
 jax.config.update("jax_log_compiles", True)

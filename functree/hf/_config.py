@@ -30,6 +30,15 @@ holds only JSON values (strings, numbers, booleans, null, lists, objects).
     right:  a config whose to_dict() is JSON (as save_pretrained writes it)
 """
 
+TOO_DEEP = """\
+ft.nn.from_hf: the config's {key!r} holds lists or objects nested deeper than Python's \
+recursion limit (config.json / generation_config.json is damaged: no Hugging Face config \
+nests so deep).
+
+    wrong:  {{"{key}": [[[[[[...]]]]]]}}   (hundreds of levels)
+    right:  the file as save_pretrained writes it (values nested a few levels at most)
+"""
+
 
 # Where the file came from, not what the model is: transformers drops _name_or_path when it
 # saves and writes its own version. Kept, two copies of one model written by other versions
@@ -41,10 +50,13 @@ def _frozen(value: Any, key: str) -> Any:
     """A JSON value made immutable: objects as HFConfig, lists as tuples."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, Mapping):
-        return HFConfig(value)
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v, key) for v in value)
+    try:
+        if isinstance(value, Mapping):
+            return HFConfig(value)
+        if isinstance(value, (list, tuple)):
+            return tuple([_frozen(v, key) for v in value])
+    except RecursionError:  # a file's nesting is data: named, not a crash deep in the freeze
+        raise ValueError(TOO_DEEP.format(key=key)) from None
     raise TypeError(NOT_JSON.format(key=key, given=value, kind=type(value).__name__))
 
 

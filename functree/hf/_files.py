@@ -140,9 +140,29 @@ def _json_object(path: str, error: str) -> dict[str, Any]:
             values = json.load(f)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(error.format(path=path, why=f"not JSON: {e}")) from None
+    except RecursionError:  # json.load recurses per nesting level: a damaged file, named
+        raise ValueError(error.format(path=path, why="nested deeper than Python's JSON reader allows")) from None
     if not isinstance(values, dict):
         raise ValueError(error.format(path=path, why=f"a JSON {type(values).__name__}, not an object"))
+    depth = _depth(values)
+    if depth > MAX_JSON_DEPTH:  # copied and frozen recursively later: refused here, the file named
+        raise ValueError(error.format(path=path, why=f"values nested {depth} levels deep, past {MAX_JSON_DEPTH}"))
     return values
+
+
+# Far past any Hugging Face config's nesting (a few levels), far below Python's recursion limit.
+MAX_JSON_DEPTH = 100
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in a JSON value, measured without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level + 1)
+            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def read_weights(weights: Any) -> Mapping[str, Any]:

@@ -117,3 +117,56 @@ def test_a_run_without_a_raise_is_unchanged(tmp_path):
     trainer, seen, _ = run(tmp_path, [])
     np.testing.assert_allclose(trainer.history.epochs["loss"][0], 12.948, rtol=0, atol=1e-3)
     assert seen.events[:3] == [("log", 2), ("log", 4), ("epoch", 4)]
+
+
+def _tampered_pending(tmp_path, change):
+    """A checkpoint holding a pending on_epoch_end round, its context changed by ``change``
+    and its metadata digest recomputed (as an attacker would)."""
+    import json
+
+    from functree.train.checkpoint._checkpoint import metadata_digest
+
+    trainer = make()
+    with pytest.raises(RuntimeError):
+        trainer.fit(data(), epochs=2, callbacks=[RaiseOnce("on_epoch_end", 4), Seen()], progress=False)
+    trainer.save(tmp_path / "ck")
+    meta_file = tmp_path / "ck" / "4" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    change(meta["config"]["trainer"]["pending"])
+    meta["digest"] = metadata_digest(meta)
+    meta_file.write_text(json.dumps(meta))
+    return tmp_path / "ck"
+
+
+def _set(field, value):
+    return lambda pending: pending["context"].__setitem__(field, value)
+
+
+@pytest.mark.parametrize("field, change", [
+    ("step", _set("step", "2")), ("step", _set("step", float("nan"))), ("step", _set("step", 10**30)),
+    ("step", _set("step", True)), ("sweep", _set("sweep", -5)), ("samples_seen", _set("samples_seen", 1.5)),
+    ("minibatch_size", _set("minibatch_size", None)), ("metrics", _set("metrics", {"loss": "abc"})),
+    ("metrics", _set("metrics", [1.0])), ("learning_rate", _set("learning_rate", "0.1")),
+    ("learning_rate", _set("learning_rate", float("inf"))), ("learning_rates", _set("learning_rates", [0.1])),
+    ("learning_rates", _set("learning_rates", {"learning_rate": "0.1"})), ("event", _set("event", "log")),
+    ("event", _set("event", "boom")),
+])
+def test_a_tampered_pending_context_field_is_refused_at_restore_naming_the_checkpoint(tmp_path, field, change):
+    # The old reader checked only the context's keys: these reached the callbacks (a list of
+    # learning_rates: a bare TypeError in _read).
+    path = _tampered_pending(tmp_path, change)
+    with pytest.raises(ft.train.CheckpointError, match=rf"(?s)ck step 4: trainer\.pending\.context\.{field} is"):
+        make().restore(path)
+
+
+def test_a_tampered_pending_form_is_refused_at_restore(tmp_path):
+    path = _tampered_pending(tmp_path, lambda pending: pending.__setitem__("hook", "on_train_end"))
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)ck step 4: trainer\.pending: the restored job's unfinished"):
+        make().restore(path)
+
+
+def test_an_untampered_pending_round_restores_and_finishes(tmp_path):
+    path = _tampered_pending(tmp_path, lambda pending: None)  # resealed, unchanged
+    trainer, seen = make().restore(path), Seen()
+    trainer.fit(data(), epochs=2, callbacks=[RaiseOnce("on_epoch_end", -1), seen], progress=False)
+    assert ("epoch", 4) in seen.events and trainer.state.position.pending is None

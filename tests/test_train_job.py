@@ -717,8 +717,8 @@ def test_a_piece_of_job_state_is_its_record_alone(tmp_path):
     source = tmp_path / "functree" / "train" / "_job.py"
     text = source.read_text()
     for anchor, added in [("    epoch_length: int | None = None\n", "    fit_calls: int = 0\n"),
-                          ('    "epoch_length": (("epoch_length",), lambda n: n, _same),\n',
-                           '    "fit_calls": (("fit_calls",), int, lambda v, where: int(v)),\n'),
+                          ('    "epoch_length": (("epoch_length",), lambda n: n, _length),\n',
+                           '    "fit_calls": (("fit_calls",), int, _count),\n'),
                           ("    callbacks: tuple[tuple[str, str, Any], ...] | None = None\n",
                            "    data_key: Any = None\n")]:
         assert text.count(anchor) == 1, anchor
@@ -735,3 +735,86 @@ def test_a_piece_of_job_state_is_its_record_alone(tmp_path):
     assert out["old"] == [0, None]
     keys = out["keys"]
     assert keys[:len(out["old_keys"])] == out["old_keys"] and "fit_calls" in keys[len(out["old_keys"]):]
+
+
+def _small_checkpoint(tmp_path, change):
+    """A Trainer checkpoint (2 steps, 1 epoch) whose "trainer" config ``change`` edits,
+    its metadata digest recomputed (as an attacker would): files are data."""
+    from functree.train.checkpoint._checkpoint import metadata_digest
+
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(8, 2)
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: jnp.mean(m(b) ** 2))
+    trainer.fit(ft.train.batches(x, 4), epochs=1, progress=False)
+    trainer.save(tmp_path / "ck")
+    meta_file = tmp_path / "ck" / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    change(meta["config"])
+    meta["digest"] = metadata_digest(meta)
+    meta_file.write_text(json.dumps(meta))
+    return tmp_path / "ck", trainer
+
+
+def _put(*path_and_value):
+    *path, key, value = path_and_value
+
+    def change(config):
+        node = config["trainer"]
+        for name in path:
+            node = node[name]
+        node[key] = value
+    return change
+
+
+@pytest.mark.parametrize("key, change", [
+    ("stopped", _put("stopped", "false")), ("stopped", _put("stopped", 0)),
+    ("epoch", _put("epoch", 1.7)), ("epoch", _put("epoch", True)), ("epoch", _put("epoch", -3)),
+    ("epoch", _put("epoch", None)), ("epoch", _put("epoch", float("nan"))), ("epoch", _put("epoch", [1])),
+    ("epoch", _put("epoch", 10**30)), ("since_log", _put("since_log", 1.5)),
+    ("batch_in_epoch", _put("batch_in_epoch", "0")), ("steps_run", _put("steps_run", 5)),
+    ("epoch_length", _put("epoch_length", "2")), ("epoch_length", _put("epoch_length", -1)),
+    ("epoch_length", _put("epoch_length", 2.5)), ("epoch_length", _put("epoch_length", 0)),
+    ("epoch_length", _put("epoch_length", {})),
+    ("skipped", _put("skipped", [[1.9, "x"]])), ("skipped", _put("skipped", [[1]])), ("skipped", _put("skipped", "ab")),
+    ("means.window", _put("means", "window", "x")), ("means.window", _put("means", "window", {"weight": "1"})),
+    ("means.epoch", _put("means", "epoch", {"sums": {"loss": "1"}, "weight": 1.0, "skipped": 0})),
+    ("means.epoch", _put("means", "epoch", {"sums": {}, "weight": 1.0, "skipped": 0, "x": 1})),
+    ("means.epoch", _put("means", "epoch", {"sums": {}, "weight": -1.0, "skipped": 0})),
+    ("means", _put("means", [1])),  # the old reader: both means silently empty
+])
+def test_a_tampered_position_value_is_refused_not_converted(tmp_path, key, change):
+    # The old readers converted: "false" -> True, 1.7 -> 1, True -> 1, [[1.9, "x"]] -> step 1;
+    # -3 restored (fit's IndexError later), NaN/None/[1] crashed with a bare ValueError/TypeError.
+    path, _ = _small_checkpoint(tmp_path, change)
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: jnp.mean(m(b) ** 2))
+    with pytest.raises(ft.train.CheckpointError, match=rf"ck step 2: trainer\.{key} is"):
+        trainer.restore(path)
+
+
+@pytest.mark.parametrize("column, change", [
+    ("steps\\['loss'\\]", lambda c: c["trainer"]["history"]["steps"]["loss"].pop()),  # ragged
+    ("steps\\['loss'\\]", lambda c: c["trainer"]["history"]["steps"].__setitem__("loss", "ab")),
+    ("steps\\['loss'\\]", lambda c: c["trainer"]["history"]["steps"]["loss"].__setitem__(0, "1.0")),
+    ("epochs.epoch", lambda c: c["trainer"]["history"]["epochs"].__setitem__("epoch", [1.5])),
+    ("epochs", lambda c: c["trainer"]["history"]["epochs"].pop("epoch")),
+    ("", lambda c: c["trainer"].__setitem__("history", [])),
+])
+def test_a_tampered_history_column_is_refused(tmp_path, column, change):
+    # The old reader took a short column as it was: the next fit's losses landed on the
+    # wrong steps (a string column: an AttributeError in History._append).
+    path, _ = _small_checkpoint(tmp_path, change)
+    with pytest.raises(ft.train.CheckpointError, match=rf"ck step 2: trainer\.history\.?{column} is"):
+        ft.train.JobState.restore(path)
+
+
+def test_a_trainer_config_that_is_not_an_object_is_refused(tmp_path):
+    path, _ = _small_checkpoint(tmp_path, lambda c: c.__setitem__("trainer", [1, 2]))
+    with pytest.raises(ft.train.CheckpointError, match="ck step 2: trainer is \\[1, 2\\], not a JSON object"):
+        ft.train.JobState.restore(path)  # the old reader: AttributeError ('list' has no 'get')
+
+
+def test_a_resealed_untampered_checkpoint_restores_exactly(tmp_path):
+    path, saved = _small_checkpoint(tmp_path, lambda c: None)
+    back = ft.train.JobState.restore(path)
+    assert back.position == saved.state.position and back.history == saved.history

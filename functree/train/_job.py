@@ -28,7 +28,7 @@ from functree.train.checkpoint._frozen import frozen_keys
 from functree.train.checkpoint._position import decode, encode
 from functree.train.checkpoint._treespec import CheckpointError
 
-__all__ = ["JobState", "Position", "ADDED", "PLACED", "JOB_ATTRIBUTES", "add_readers", "refuse_taken", "position_json", "read_position", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
+__all__ = ["JobState", "Position", "ADDED", "is_count", "PLACED", "JOB_ATTRIBUTES", "add_readers", "refuse_taken", "position_json", "read_position", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
 
 BAD_EXTRA = """\
 extra= must be a tree (dicts, lists, tuples, None) of arrays and plain numbers, but \
@@ -60,8 +60,8 @@ functree.train._job: Position's fields {missing} have no entry in STORED (and ST
 {extra} name no field). Each field of the position needs its key in a checkpoint's \
 "trainer" config, its JSON form and its reader:
 
-    wrong:  class Position(NamedTuple): ...; lr_scale: float = 1.0      # and nothing in STORED
-    right:  STORED["lr_scale"] = (("lr_scale",), float, lambda v, where: float(v))"""
+    wrong:  class Position(NamedTuple): ...; fit_calls: int = 0      # and nothing in STORED
+    right:  STORED["fit_calls"] = (("fit_calls",), int, _count)   # a typed reader: converts nothing"""
 
 
 NAME_TAKEN = """\
@@ -112,28 +112,89 @@ class Position(NamedTuple):
     pending: Any = None
 
 
+BAD_POSITION = """\
+{where} is {given}, not {expected}: a Trainer writes {expected} there, so the checkpoint's \
+metadata was changed after it was written. Nothing is converted: restore another checkpoint.
+
+    wrong:  "epoch": 1.7   (or "stopped": "false", "epoch": -3, ...)
+    right:  trainer.restore(manager, step=manager.all_steps()[-2])"""
+
+_INT64 = 2**63
+
+
+def refuse(where: str, value: Any, expected: str) -> CheckpointError:
+    """:data:`BAD_POSITION` for a tampered value of a checkpoint's ``"trainer"`` config."""
+    return CheckpointError(BAD_POSITION.format(where=where, given=repr(value)[:120], expected=expected))
+
+
+def is_count(value: Any) -> bool:
+    """``value`` is an int (not a bool), ``0 <= value < 2**63``: a step, an epoch, a count."""
+    return type(value) is int and 0 <= value < _INT64
+
+
+def _count(saved: Any, where: str) -> int:
+    if not is_count(saved):
+        raise refuse(where, saved, "an int, 0 <= n < 2**63")
+    return saved
+
+
+def _flag(saved: Any, where: str) -> bool:
+    if type(saved) is not bool:
+        raise refuse(where, saved, "true or false")
+    return saved
+
+
+def _length(saved: Any, where: str) -> int | None:
+    if saved is not None and not (is_count(saved) and saved > 0):
+        raise refuse(where, saved, "an int > 0 or null")
+    return saved
+
+
+def _means(saved: Any, where: str) -> Means:
+    try:
+        return Means.from_json(saved)
+    except ValueError:
+        raise refuse(where, saved, Means.FORM) from None
+
+
 def _skipped(saved: Any, where: str) -> tuple[tuple[int, str], ...]:
-    return tuple((int(s), str(w)) for s, w in saved)
+    if not isinstance(saved, list) or not all(
+            isinstance(x, list) and len(x) == 2 and is_count(x[0]) and isinstance(x[1], str) for x in saved):
+        raise refuse(where, saved, "a list of [step (an int >= 0), what (a string)] pairs")
+    return tuple((s, w) for s, w in saved)
 
 
 def _same(saved: Any, where: str) -> Any:
     return saved
 
 
+def _data_state(saved: Any, where: str) -> Any:
+    # decode names a damaged tag as "<checkpoint>: data_state[...]" (its wording since tags existed)
+    return decode(saved, where.replace(": trainer.data_state", ": data_state"))
+
+
+def _pending(saved: Any, where: str) -> Any:
+    # (imported here: _dispatch imports this module's callback_keys)
+    from functree.train._dispatch import check_pending
+
+    return check_pending(saved, where)
+
+
 # Each Position field's key path in a checkpoint's "trainer" config (format 2's keys, as
-# the Trainer has always written them), its JSON form and its reader.
+# the Trainer has always written them), its JSON form and its reader (typed: a value the
+# Trainer would not have written is refused, never converted).
 STORED: dict[str, tuple[tuple[str, ...], Callable[[Any], Any], Callable[[Any, str], Any]]] = {
-    "steps_run": (("steps_run",), int, lambda v, where: int(v)),
-    "epoch": (("epoch",), int, lambda v, where: int(v)),
-    "batch_in_epoch": (("batch_in_epoch",), int, lambda v, where: int(v)),
-    "stopped": (("stopped",), bool, lambda v, where: bool(v)),
-    "since_log": (("since_log",), int, lambda v, where: int(v)),
-    "window": (("means", "window"), Means.to_json, lambda v, where: Means.from_json(v)),
-    "epoch_means": (("means", "epoch"), Means.to_json, lambda v, where: Means.from_json(v)),
+    "steps_run": (("steps_run",), int, _count),
+    "epoch": (("epoch",), int, _count),
+    "batch_in_epoch": (("batch_in_epoch",), int, _count),
+    "stopped": (("stopped",), bool, _flag),
+    "since_log": (("since_log",), int, _count),
+    "window": (("means", "window"), Means.to_json, _means),
+    "epoch_means": (("means", "epoch"), Means.to_json, _means),
     "skipped": (("skipped",), lambda s: [list(x) for x in s], _skipped),
-    "data_state": (("data_state",), encode, decode),
-    "epoch_length": (("epoch_length",), lambda n: n, _same),
-    "pending": (("pending",), lambda p: p, _same),  # JSON already; checked where it is used
+    "data_state": (("data_state",), encode, _data_state),
+    "epoch_length": (("epoch_length",), lambda n: n, _length),
+    "pending": (("pending",), lambda p: p, _pending),
 }
 
 
@@ -166,17 +227,26 @@ def position_json(position: Position) -> dict[str, Any]:
     return out
 
 
-def read_position(saved: Mapping[str, Any], step: int, where: str = "data_state") -> Position:
+def read_position(saved: Mapping[str, Any], step: int, where: str = "the checkpoint") -> Position:
     """The :class:`Position` :func:`position_json` wrote, by name; a field ``saved`` lacks
-    takes its default (``steps_run``: the checkpoint's ``step``). ``where`` names the
-    checkpoint in a damaged ``data_state``'s error."""
+    takes its default (``steps_run``: the checkpoint's ``step``, which a stored one must
+    equal). A value of the wrong type or range is a :class:`CheckpointError` naming
+    ``where`` (the checkpoint) and its key (``trainer.<key>``)."""
+    if not isinstance(saved, Mapping):
+        raise refuse(f"{where}: trainer", saved, "a JSON object")
     read: dict[str, Any] = {"steps_run": step}
     for name, (path, _, from_json) in STORED.items():
         node: Any = saved
-        for key in path:
-            node = node.get(key, _MISSING) if isinstance(node, Mapping) else _MISSING
+        for depth, key in enumerate(path):
+            if not isinstance(node, Mapping):  # e.g. "means": [] (a missing "means" reads the defaults)
+                raise refuse(f"{where}: trainer.{'.'.join(path[:depth])}", node, "a JSON object")
+            node = node.get(key, _MISSING)
+            if node is _MISSING:
+                break
         if node is not _MISSING:
-            read[name] = from_json(node, where)
+            read[name] = from_json(node, f"{where}: trainer.{'.'.join(path)}")
+    if read["steps_run"] != step:
+        raise refuse(f"{where}: trainer.steps_run", read["steps_run"], f"the checkpoint's step ({step})")
     return Position(**read)
 
 
@@ -374,18 +444,43 @@ def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, op
     ckpt = manager.restore(step, template=like.model, opt_state_template=like.opt_state, include=include, **placed)
     opt_state = ckpt.opt_state if optimizer_state else like.opt_state
     model, opt_state = copy_aliases((ckpt.model, opt_state))
-    trainer = ckpt.config.get("trainer", {})
-    saved = trainer.get("history")
-    history = (History(steps=saved["steps"], epochs=saved["epochs"]) if "history" in trainer
-               else like.history)
+    where = f"{manager.directory} step {ckpt.step}"
+    trainer = ckpt.config.get("trainer", {}) if isinstance(ckpt.config, Mapping) else None
+    if not isinstance(trainer, Mapping):
+        raise refuse(f"{where}: trainer", trainer, "a JSON object")
+    history = read_history(trainer["history"], where) if "history" in trainer else like.history
     extra = ckpt.extra if isinstance(ckpt.extra, Mapping) else {}
     names = ckpt.config.get("callbacks", [])
     states = tuple((key, cls, state) for (key, cls), state in zip(names, extra.get("callbacks", [])))
-    position = read_position(trainer, ckpt.step, f"{manager.directory} step {ckpt.step}: data_state")
+    position = read_position(trainer, ckpt.step, where)
     added = {name: extra[name] if extra.get(name) is not None else getattr(like, name) for name in ADDED}
     job = JobState(model, opt_state, extra["key"] if extra.get("key") is not None else like.key, history,
                    position, extra=extra.get("user"), callbacks=states if callbacks else None, **added)
     return job, ckpt
+
+
+def read_history(saved: Any, where: str) -> History:
+    """The :class:`History` of a checkpoint's ``trainer.history``: per table (``steps``,
+    ``epochs``) columns that are lists of numbers or nulls, each as long as its index
+    column (``step``, ``epoch``: ints); anything else is refused (a short column would
+    put the next values on the wrong steps)."""
+    if not isinstance(saved, Mapping) or set(saved) != {"steps", "epochs"}:
+        raise refuse(f"{where}: trainer.history", saved, 'a JSON object {"steps": {...}, "epochs": {...}}')
+    return History(steps=_table(saved["steps"], "step", f"{where}: trainer.history.steps"),
+                   epochs=_table(saved["epochs"], "epoch", f"{where}: trainer.history.epochs"))
+
+
+def _table(saved: Any, index: str, where: str) -> dict[str, list[Any]]:
+    if not isinstance(saved, Mapping) or not isinstance(saved.get(index), list):
+        raise refuse(where, saved, f'a JSON object of columns with an index column "{index}"')
+    if not all(is_count(i) for i in saved[index]):
+        raise refuse(f"{where}.{index}", saved[index], "a list of ints >= 0")
+    rows = len(saved[index])
+    for name, column in saved.items():
+        if not (isinstance(column, list) and len(column) == rows and all(
+                v is None or type(v) in (int, float) for v in column)):
+            raise refuse(f"{where}[{name!r}]", column, f"a list of {rows} numbers or nulls (one per {index})")
+    return {str(name): list(column) for name, column in saved.items()}
 
 
 def callback_keys(cbs: Sequence[Any]) -> list[str]:

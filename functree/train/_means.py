@@ -76,9 +76,23 @@ class Means:
     def to_json(self) -> dict[str, Any]:
         return {"sums": dict(self.sums), "weight": self.weight, "skipped": self.skipped}
 
+    FORM = 'a JSON object {"sums": {name: number}, "weight": a number >= 0, "skipped": an int >= 0}'
+    """What :meth:`from_json` reads (what :meth:`to_json` writes)."""
+
     @staticmethod
     def from_json(state: Any) -> Means:
-        if not isinstance(state, Mapping):
+        """The means :meth:`to_json` wrote, exactly (``None``: no means yet). Anything not
+        of that form (:attr:`FORM`) is a ``ValueError``: nothing is converted."""
+        if state is None:
             return Means()
-        return Means({str(k): float(v) for k, v in state.get("sums", {}).items()},
-                     float(state.get("weight", 0.0)), int(state.get("skipped", 0)))
+        if not isinstance(state, Mapping) or not set(state) <= {"sums", "weight", "skipped"}:
+            raise ValueError(f"means {repr(state)[:120]} are not {Means.FORM}")
+        sums, weight, skipped = state.get("sums", {}), state.get("weight", 0.0), state.get("skipped", 0)
+        if not (isinstance(sums, Mapping) and all(isinstance(k, str) and _number(v) for k, v in sums.items())
+                and _number(weight) and weight >= 0 and type(skipped) is int and skipped >= 0):
+            raise ValueError(f"means {repr(state)[:120]} are not {Means.FORM}")
+        return Means({str(k): v for k, v in sums.items()}, weight, skipped)
+
+def _number(value: Any) -> bool:
+    """An int or float, not a bool (a NaN sum is a mean under ``on_nan="ignore"``)."""
+    return type(value) in (int, float)

@@ -170,3 +170,13 @@ def test_an_untampered_pending_round_restores_and_finishes(tmp_path):
     trainer, seen = make().restore(path), Seen()
     trainer.fit(data(), epochs=2, callbacks=[RaiseOnce("on_epoch_end", -1), seen], progress=False)
     assert ("epoch", 4) in seen.events and trainer.state.position.pending is None
+
+
+def test_the_pending_checks_name_every_field_of_the_context():
+    """functree/train/_pending.py names TrainingContext's fields without importing it (the
+    callbacks import the job, which reads the entry): the two lists stay equal."""
+    import dataclasses
+
+    from functree.train._pending import CONTEXT_FIELDS
+
+    assert CONTEXT_FIELDS == {f.name for f in dataclasses.fields(ft.train.TrainingContext)}

@@ -23,6 +23,7 @@ import numpy as np
 from functree._alias import copy_aliases
 from functree.train._history import History
 from functree.train._means import Means
+from functree.train._pending import check_pending, is_count
 from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
 from functree.train.checkpoint._frozen import frozen_keys
 from functree.train.checkpoint._position import decode, encode
@@ -119,17 +120,9 @@ metadata was changed after it was written. Nothing is converted: restore another
     wrong:  "epoch": 1.7   (or "stopped": "false", "epoch": -3, ...)
     right:  trainer.restore(manager, step=manager.all_steps()[-2])"""
 
-_INT64 = 2**63
-
-
 def refuse(where: str, value: Any, expected: str) -> CheckpointError:
     """:data:`BAD_POSITION` for a tampered value of a checkpoint's ``"trainer"`` config."""
     return CheckpointError(BAD_POSITION.format(where=where, given=repr(value)[:120], expected=expected))
-
-
-def is_count(value: Any) -> bool:
-    """``value`` is an int (not a bool), ``0 <= value < 2**63``: a step, an epoch, a count."""
-    return type(value) is int and 0 <= value < _INT64
 
 
 def _count(saved: Any, where: str) -> int:
@@ -174,9 +167,6 @@ def _data_state(saved: Any, where: str) -> Any:
 
 
 def _pending(saved: Any, where: str) -> Any:
-    # (imported here: _dispatch imports this module's callback_keys)
-    from functree.train._dispatch import check_pending
-
     return check_pending(saved, where)
 
 

@@ -211,4 +211,19 @@ def bind_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
 
 def sub_jaxprs(params: Any) -> list[Any]:
     """The jaxprs an equation's parameters hold (bodies, branches), opened."""
-    return [open_jaxpr(j)[0] for j in jcore.jaxprs_in_params(params)]
+    return [open_jaxpr(j)[0] for j in _jaxprs_in_params(params)]
+
+
+def _jaxprs_in_params(params: Any) -> list[Any]:
+    """``jax.extend.core.jaxprs_in_params`` (JAX 0.10+); on 0.9, the same walk over the
+    parameters' values and the tuples and lists of them (its definition there)."""
+    found = getattr(jcore, "jaxprs_in_params", None)
+    if found is not None:
+        return list(found(params))
+    kinds = (jcore.Jaxpr, jcore.ClosedJaxpr)
+    out = []
+    for value in params.values():
+        for x in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(x, kinds):
+                out.append(x)
+    return out

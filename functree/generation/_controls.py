@@ -429,10 +429,8 @@ class TopP(Control):
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
-        p = o.given["top_p"]
-        if p is not None and (not is_number(p) or not 0.0 < p <= 1.0):
-            raise ValueError(BAD_TOP_P.format(given=p))
-        return None if p is None or p >= 1.0 else cls(np.float32(p))
+        p = _fraction(o, "top_p", "(]", off=1.0, error=BAD_TOP_P)
+        return None if p is None else cls(p)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         ordered = -jnp.sort(-scores, axis=-1)  # descending
@@ -455,10 +453,8 @@ class MinP(Control):
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
-        p = o.given["min_p"]
-        if p is not None and (not is_number(p) or not 0.0 <= p <= 1.0):
-            raise ValueError(BAD_MIN_P.format(given=p))
-        return None if p is None or p <= 0.0 else cls(np.float32(p))
+        p = _fraction(o, "min_p", "[]", off=0.0, error=BAD_MIN_P)
+        return None if p is None else cls(p)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         probs = jax.nn.softmax(scores, axis=-1)  # p < q * p_max (the most likely token stays)
@@ -479,10 +475,8 @@ class TypicalP(Control):
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
-        m = o.given["typical_p"]
-        if m is not None and (not is_number(m) or not 0.0 < m <= 1.0):
-            raise ValueError(BAD_TYPICAL_P.format(given=m))
-        return None if m is None or m >= 1.0 else cls(np.float32(m))
+        m = _fraction(o, "typical_p", "(]", off=1.0, error=BAD_TYPICAL_P)
+        return None if m is None else cls(m)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         logp = jax.nn.log_softmax(scores, axis=-1)
@@ -496,12 +490,19 @@ class TypicalP(Control):
         return _removed(distance > jnp.take_along_axis(ordered, last, axis=-1), scores)
 
 
-def _cutoff(o: Options, name: str, example: float) -> Any:
-    """The checked value of a probability cutoff (``epsilon_cutoff``, ``eta_cutoff``), None when off."""
-    value = o.given[name]
-    if value is not None and (not is_number(value) or not 0.0 <= value < 1.0):
-        raise ValueError(BAD_CUTOFF.format(name=name, given=value, example=example))
-    return None if value is None or value == 0.0 else np.float32(value)
+def _fraction(o: Options, option: str, bounds: str, *, off: float, error: str, **fmt: Any) -> Any:
+    """Option ``option``, a probability in ``[0, 1]`` with the ends ``bounds`` says (``"(]"``:
+    0 excluded, 1 included), as float32; None when absent or at ``off`` (the value that
+    changes nothing); else ``error`` (formatted with ``given`` and ``fmt``)."""
+    value = o.given[option]
+    if value is None:
+        return None
+    low, high = bounds
+    ok = is_number(value) and (value > 0.0 if low == "(" else value >= 0.0) and (
+        value < 1.0 if high == ")" else value <= 1.0)
+    if not ok:
+        raise ValueError(error.format(given=value, **fmt))
+    return None if value == off else np.float32(value)
 
 
 def _below(probs: jax.Array, cutoff: jax.Array, scores: jax.Array) -> jax.Array:
@@ -522,7 +523,7 @@ class EpsilonCutoff(Control):
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
-        e = _cutoff(o, "epsilon_cutoff", 3e-4)
+        e = _fraction(o, "epsilon_cutoff", "[)", off=0.0, error=BAD_CUTOFF, name="epsilon_cutoff", example=3e-4)
         return None if e is None else cls(e)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
@@ -541,7 +542,7 @@ class EtaCutoff(Control):
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
-        e = _cutoff(o, "eta_cutoff", 2e-3)
+        e = _fraction(o, "eta_cutoff", "[)", off=0.0, error=BAD_CUTOFF, name="eta_cutoff", example=2e-3)
         return None if e is None else cls(e)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:

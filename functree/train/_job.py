@@ -166,10 +166,6 @@ def _data_state(saved: Any, where: str) -> Any:
     return decode(saved, where.replace(": trainer.data_state", ": data_state"))
 
 
-def _pending(saved: Any, where: str) -> Any:
-    return check_pending(saved, where)
-
-
 # Each Position field's key path in a checkpoint's "trainer" config (format 2's keys, as
 # the Trainer has always written them), its JSON form and its reader (typed: a value the
 # Trainer would not have written is refused, never converted).
@@ -184,7 +180,7 @@ STORED: dict[str, tuple[tuple[str, ...], Callable[[Any], Any], Callable[[Any, st
     "skipped": (("skipped",), lambda s: [list(x) for x in s], _skipped),
     "data_state": (("data_state",), encode, _data_state),
     "epoch_length": (("epoch_length",), lambda n: n, _length),
-    "pending": (("pending",), lambda p: p, _pending),
+    "pending": (("pending",), lambda p: p, check_pending),
 }
 
 

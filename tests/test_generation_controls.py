@@ -383,6 +383,26 @@ def test_filtered_applies_every_warper_it_is_given():
         _controls.filtered(logits, 1.0, typicl_p=0.3)
 
 
+@pytest.mark.parametrize("options", [{"typical_p": 0.5}, {"eta_cutoff": 0.05}, {"epsilon_cutoff": 0.01},
+                                     {"min_p": 0.05}, {"top_p": 0.9}])
+def test_warpers_compute_no_nan_after_removed_tokens(options):
+    """Every op of a warper after top_k removed tokens (``-inf``) is NaN-free, taken branch or
+    not: the entropy's ``where(p > 0, log p * p, 0)`` computed ``-inf * 0`` before (a CI CPU
+    then saw eta's cutoff at ``e`` itself: a first-step score of -0.745 for HF's -2.19).
+    ``jax_debug_nans`` checks each op eagerly. The values: HF's warpers."""
+    logits = np.random.default_rng(1).normal(size=(3, 40)).astype(np.float32) * 3
+    with jax.disable_jit(), jax.debug_nans(True):
+        ours = np.asarray(_controls.filtered(jnp.asarray(logits), 0.8, top_k=25, **options))
+    expected = through(hf_warpers(0.8, top_k=25, **options), None, torch.from_numpy(logits)).numpy()
+    np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
+    kept = np.isfinite(expected)
+    np.testing.assert_allclose(ours[kept], expected[kept], rtol=0, atol=1e-6 * np.abs(expected[kept]).max())
+    _, _, entropy = _controls._distribution(jnp.asarray(expected))
+    p = torch.softmax(torch.from_numpy(expected), -1)
+    hf_entropy = torch.distributions.Categorical(probs=p).entropy().numpy()
+    np.testing.assert_allclose(np.asarray(entropy)[:, 0], hf_entropy, rtol=0, atol=1e-5 * hf_entropy.max())
+
+
 def test_the_guides_table_lists_every_control():
     rows = [line for line in GUIDE.read_text().splitlines() if line.startswith("| `")]
     for control in _controls.CONTROLS:

@@ -143,6 +143,23 @@ def _removed(mask: jax.Array, scores: jax.Array) -> jax.Array:
     return jnp.where(mask, jnp.asarray(LOWEST, jnp.float32), scores)
 
 
+def _distribution(scores: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(p, log p, H)`` of ``softmax(scores)`` over the tokens still kept, ``H = -sum(p log p)``
+    (``[rows, 1]``); a removed token has ``p = 0``, ``log p = 0`` and adds 0 to ``H``.
+
+    No ``-inf`` enters ``exp``, ``log`` or a product: ``-inf * 0`` is NaN even in the branch a
+    ``jnp.where`` does not take, and a CPU's vectorized ``exp(-inf)`` is the one input a
+    polynomial kernel may get wrong. (A CI machine once saw ``H = 0`` for an entropy of 3.6
+    nats: eta's cutoff became ``e`` itself and removed 80% of the kept mass.)"""
+    kept = scores > LOWEST
+    shifted = jnp.where(kept, scores - jnp.max(scores, axis=-1, keepdims=True), 0.0)
+    e = jnp.where(kept, jnp.exp(shifted), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)  # >= 1: the most likely token adds exp(0)
+    p = e / total
+    logp = jnp.where(kept, shifted - jnp.log(total), 0.0)
+    return p, logp, -jnp.sum(p * logp, axis=-1, keepdims=True)
+
+
 class Loop(NamedTuple):
     """What a control's ``init`` and ``apply`` may read of the running loop: the prompt ``ids``
     and ``prompt_mask`` ``[batch, W]`` (bucket-padded), its real length ``prompt`` (traced),
@@ -434,7 +451,7 @@ class TopP(Control):
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         ordered = -jnp.sort(-scores, axis=-1)  # descending
-        probs = jax.nn.softmax(ordered, axis=-1)
+        probs = _distribution(ordered)[0]
         before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the more likely tokens
         kept = jnp.sum(before < self.p, axis=-1, keepdims=True)  # >= 1: the first has 0 before it
         threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
@@ -457,7 +474,7 @@ class MinP(Control):
         return None if p is None else cls(p)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        probs = jax.nn.softmax(scores, axis=-1)  # p < q * p_max (the most likely token stays)
+        probs = _distribution(scores)[0]  # p < q * p_max (the most likely token stays)
         return _removed(probs < self.p * jnp.max(probs, axis=-1, keepdims=True), scores)
 
 
@@ -479,13 +496,11 @@ class TypicalP(Control):
         return None if m is None else cls(m)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        logp = jax.nn.log_softmax(scores, axis=-1)
-        p = jnp.exp(logp)
-        entropy = -jnp.sum(jnp.where(p > 0, logp * p, 0.0), axis=-1, keepdims=True)  # a removed token adds 0
-        distance = jnp.abs(-logp - entropy)  # inf for a removed token: last in the order
+        _, logp, entropy = _distribution(scores)
+        distance = jnp.where(scores > LOWEST, jnp.abs(-logp - entropy), jnp.inf)  # a removed token: last
         order = jnp.argsort(distance, axis=-1, stable=True)
         ordered = jnp.take_along_axis(distance, order, axis=-1)
-        mass = jnp.cumsum(jax.nn.softmax(jnp.take_along_axis(scores, order, axis=-1), axis=-1), axis=-1)  # HF's
+        mass = jnp.cumsum(_distribution(jnp.take_along_axis(scores, order, axis=-1))[0], axis=-1)  # HF's
         last = jnp.minimum(jnp.sum(mass < self.mass, axis=-1, keepdims=True), scores.shape[-1] - 1)
         return _removed(distance > jnp.take_along_axis(ordered, last, axis=-1), scores)
 
@@ -527,7 +542,7 @@ class EpsilonCutoff(Control):
         return None if e is None else cls(e)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        return _below(jax.nn.softmax(scores, axis=-1), self.epsilon, scores)
+        return _below(_distribution(scores)[0], self.epsilon, scores)
 
 
 @record("epsilon")
@@ -546,9 +561,7 @@ class EtaCutoff(Control):
         return None if e is None else cls(e)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        logp = jax.nn.log_softmax(scores, axis=-1)
-        p = jnp.exp(logp)
-        entropy = -jnp.sum(jnp.where(p > 0, logp * p, 0.0), axis=-1, keepdims=True)
+        p, _, entropy = _distribution(scores)
         eta = jnp.minimum(self.epsilon, jnp.sqrt(self.epsilon) * jnp.exp(-entropy))
         return _below(p, eta, scores)
 

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import inspect
 import linecache
+import struct
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -363,22 +364,47 @@ def _traceable(x: Any) -> bool:
 
 
 class _Static:
-    """A leaf JAX cannot trace, held in a pytree node with no children: it travels in the
-    tree definition (hashed into the jit cache key, rebuilt on output)."""
+    """A leaf JAX cannot trace, held in a pytree node with no children: it is its own
+    auxiliary data, so it travels in the tree definition (hashed into the jit cache key,
+    returned as it is on output).
 
-    __slots__ = ("value",)
+    Two are one cache entry only where eager code cannot tell them apart (:func:`_identity`):
+    ``==`` says ``0.0 == -0.0`` and ``1 == 1.0 == True``, and a program traced for the
+    first (``1 / 0.0 = inf``, an int's dtype) is wrong for the second."""
+
+    __slots__ = ("_key", "value")
 
     def __init__(self, value: Any):
         self.value = value
+        self._key = _identity(value)
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _Static) and self.value == other.value
+        return isinstance(other, _Static) and self._key == other._key
 
     def __hash__(self) -> int:
-        return hash(self.value)
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"_Static({self.value!r})"
 
 
-jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
+def _identity(value: Any) -> tuple[Any, ...]:
+    """What tells static values apart: the type (``True``, ``1`` and ``1.0`` trace to bool,
+    int32 and float32), and a float's bits (``-0.0`` is not ``0.0``: ``1 / -0.0 = -inf``; a
+    NaN equals a NaN of the same bits, so a NaN static compiles once, not at every call).
+    A numpy scalar by its dtype and bytes, complex numbers by both parts' bits; any other
+    value by ``==`` (a function by identity)."""
+    kind = type(value)
+    if isinstance(value, np.generic):  # (before float: np.float64 is a float)
+        return kind, value.dtype, value.tobytes()
+    if isinstance(value, float):
+        return kind, struct.pack("<d", value)
+    if isinstance(value, complex):
+        return kind, struct.pack("<dd", value.real, value.imag)
+    return kind, value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s), lambda s, _: s)
 
 
 def _is_static(x: Any) -> bool:

@@ -202,6 +202,41 @@ def test_static_leaves_make_functions_static_and_return_them():
     assert spec.shape == (5, 2)
 
 
+def _reciprocal(x: jax.Array, s: Any) -> tuple[jax.Array, jax.Array]:
+    """``1 / (x s)``, which tells ``0.0`` from ``-0.0``, and a zero of ``s``'s dtype."""
+    return 1.0 / (x * float(s)), jnp.zeros((), jnp.asarray(s).dtype)
+
+
+@pytest.mark.parametrize(("first", "second"), [(0.0, -0.0), (-0.0, 0.0), (1, True), (1, 1.0), (True, 1.0)], ids=repr)
+def test_static_leaves_equal_by_eq_but_not_to_eager_code_get_their_own_program(first, second):
+    """Static leaves were compared by ``==``: after ``f(x, 0.0)``, ``f(x, -0.0)`` ran 0.0's
+    program ([inf, -inf] for eager's [-inf, inf]), and ``True`` or ``1.0`` after ``1`` the
+    int program (int32 results where eager gives bool, float32)."""
+    x = jnp.array([2.0, -3.0])
+    jitted = ft.jit(lambda x, s: _reciprocal(x, s), static_leaves=True)  # its own cache (not the other cases')
+    jitted(x, first)  # the cache holds first's program
+    (y, zero), (expected, expected_zero) = jitted(x, second), _reciprocal(x, second)  # eager: the reference
+    assert zero.dtype == expected_zero.dtype
+    np.testing.assert_array_equal(np.signbit(y), np.signbit(expected))
+    np.testing.assert_allclose(y, expected, rtol=0, atol=1e-6)
+    assert np.isfinite(y).all() == (second != 0)
+
+
+def test_equal_static_leaves_and_a_nan_compile_once():
+    """Static leaves equal in type and bits share a program: ``0.5`` made twice, ``1`` and
+    ``1``, a NaN (``nan != nan``, but the same bits: not one compilation per call)."""
+    traces: list[Any] = []
+
+    def f(x: jax.Array, s: Any) -> jax.Array:
+        traces.append(s)
+        return x * s
+
+    jitted, x = ft.jit(f, static_leaves=True), jnp.ones(2)
+    for s in (float("0.5"), float("0.5"), int("1"), int("1"), float("nan"), float("nan")):
+        jitted(x, s)
+    assert [repr(t) for t in traces] == ["0.5", "1", "nan"]
+
+
 @pytest.mark.parametrize("options", [{}, {"static_leaves": True}, {"donate": 0}])
 def test_rewrapped_jit_traces_once(options: dict[str, Any]):
     """``ft.jit(f)(x)`` in a loop compiles once, as ``jax.jit(f)(x)`` does (it traced and

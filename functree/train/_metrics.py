@@ -38,15 +38,19 @@ of a dict, an array. Name them, e.g.
 
     metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, out.batch["target"])}}"""
 
-LABELS_LOOK_LIKE_WEIGHTS = """\
-ft.train.{who} reads the labels from batch[-1], but this batch has {n} items ({batch}) and \
-its last is floating-point ({dtype}), one number per example: the sample weights of a Keras-style \
-(x, y, sample_weight) batch, which would be scored as labels (cast, compared, no error). \
-Name the labels, or put them last:
+LABELS_OR_WEIGHTS = """\
+ft.train.{who} cannot tell which item of this batch of {n} items ({batch}) holds the labels. \
+batch[-1] ({last}) is floating-point, one number per example, and batch[-2] ({prev}) has the \
+shape of labels for these logits ({logits}). Two readings, and nothing but the values (unknown \
+inside the traced step) tells them apart:
+  - (x, y, sample_weight), Keras's layout: the labels are batch[-2], batch[-1] the weights \
+(scoring the weights as labels casts and compares them, with no error);
+  - (x, ..., y), e.g. (x, mask, y) for BCEWithLogitsLoss: the labels are batch[-1].
+Name the labels:
 
-    wrong:  metrics=[ft.train.{who}]        # batches (x, y, sample_weight)
-    right:  metrics={{"{who}": lambda out: ft.train.{who}.of(out.aux, out.batch[1])}}
-       or:  batches (x, sample_weight, y): the labels last"""
+    wrong:  metrics=[ft.train.{who}]
+    right:  metrics={{"{who}": lambda out: ft.train.{who}.of(out.aux, out.batch[{i_prev}])}}   # (x, y, sample_weight)
+       or:  metrics={{"{who}": lambda out: ft.train.{who}.of(out.aux, out.batch[{i_last}])}}   # labels last"""
 
 SHAPES = """\
 ft.train.accuracy: logits of shape {logits} do not fit labels of shape {labels}. Labels are \
@@ -117,22 +121,30 @@ def _find_logits(aux: Any) -> Any:
     raise ValueError(NO_LOGITS.format(aux=_describe(aux)))
 
 
-def _find_labels(batch: Any, who: str = "accuracy") -> Any:
-    """The labels of ``batch``: a dict's by name, a tuple's last. The last of three or more
-    items, floating-point and one number per example (``[batch]``), is refused: Keras's
-    ``(x, y, sample_weight)`` puts the weights there (the types and shapes alone decide: the
-    step is traced, the values unknown). Float labels of two or more axes (one-hot rows,
-    multi-label targets) cannot be such weights: they are read."""
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _find_labels(batch: Any, logits: Any, fits: Callable[[tuple, tuple], bool], who: str) -> Any:
+    """The labels of ``batch``: a dict's by name, a tuple's last.
+
+    Keras's ``(x, y, sample_weight)`` puts per-example float weights last, where a
+    ``(x, mask, y)`` batch (torch's BCEWithLogitsLoss: float 0/1 targets) puts its labels.
+    Only types and shapes are known (the step is traced), so with three or more items and a
+    floating-point last item of one number per example, ``fits(logits.shape, batch[-2].shape)``
+    (a shape the metric scores against these logits) decides: if it fits, both readings are open and
+    the error names both; if not (a [N, D] mask before [N] targets), the last are the labels."""
     found = None
     if isinstance(batch, Mapping):
         found = next((batch[n] for n in ("label", "labels", "y", "target", "targets") if n in batch), None)
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        found = batch[-1]
-        dtype = getattr(found, "dtype", None)
-        if len(batch) >= 3 and dtype is not None and jnp.issubdtype(dtype, jnp.floating) \
-                and len(getattr(found, "shape", ())) <= 1:
-            raise ValueError(LABELS_LOOK_LIKE_WEIGHTS.format(who=who, n=len(batch), batch=_describe(batch),
-                                                             dtype=np.dtype(dtype).name))
+        found, prev = batch[-1], batch[-2]
+        if len(batch) >= 3 and _is_array(found) and jnp.issubdtype(found.dtype, jnp.floating) \
+                and found.ndim <= 1 and _is_array(prev) and fits(np.shape(logits), prev.shape):
+            n = len(batch)
+            raise ValueError(LABELS_OR_WEIGHTS.format(
+                who=who, n=n, batch=_describe(batch), last=_describe(found), prev=_describe(prev),
+                logits=_describe(logits), i_prev=n - 2, i_last=n - 1))
     if found is None or not hasattr(found, "shape"):  # absent, or a nested dict / list
         raise ValueError(NO_LABELS.format(batch=_describe(batch)))
     return found
@@ -141,6 +153,12 @@ def _find_labels(batch: Any, who: str = "accuracy") -> Any:
 IGNORE_INDEX = -100
 """A class-index label :func:`accuracy` leaves out (HF's and torch's ``ignore_index``; the
 default of ``ft.losses.softmax_cross_entropy``)."""
+
+
+def _accuracy_fits(logits: tuple, labels: tuple) -> bool:
+    """Whether :func:`accuracy` scores labels of this shape against logits of that one."""
+    return (labels == logits[:-1] and len(logits) >= 1 and logits[-1] > 1) or labels == logits \
+        or logits == (*labels, 1)
 
 
 def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
@@ -166,9 +184,11 @@ def accuracy(out: StepOutput) -> jax.Array:
     """Classification accuracy of ``out.aux`` (the logits) against the batch's labels.
 
     Labels are ``batch[-1]`` (tuple) or ``batch["label"]`` (dict); logits are the aux
-    output (or ``aux["logits"]``). A floating-point ``batch[-1]`` of a batch of three or
-    more items is an error (the weights of Keras's ``(x, y, sample_weight)``): name the
-    labels with ``accuracy.of``. By shape:
+    output (or ``aux["logits"]``). In a batch of three or more items whose last is
+    floating-point, one number per example, and whose ``batch[-2]`` has a labels' shape
+    (below), either may be the labels (Keras's ``(x, y, sample_weight)``, or
+    ``(x, mask, y)``): an error, naming both; name the labels with ``accuracy.of``. A
+    ``batch[-2]`` of no labels' shape (a ``[N, D]`` mask) leaves the last as labels. By shape:
 
     - class indices ``logits.shape[:-1]`` compare with ``argmax(logits)``; labels equal to
       -100 (:data:`IGNORE_INDEX`, HF's padding of token labels) are left out;
@@ -187,7 +207,8 @@ def accuracy(out: StepOutput) -> jax.Array:
       >>> ft.train.accuracy(out)
       Array(0.6666667, dtype=float32)
     """
-    return _accuracy_of(_find_logits(out.aux), _find_labels(out.batch))
+    logits = _find_logits(out.aux)
+    return _accuracy_of(logits, _find_labels(out.batch, logits, _accuracy_fits, "accuracy"))
 
 
 accuracy.of = _accuracy_of  # type: ignore[attr-defined]
@@ -198,9 +219,14 @@ def _binary_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return (logits.reshape(labels.shape) > 0) == (labels.astype(jnp.float32) > 0.5)
 
 
+def _binary_fits(logits: tuple, labels: tuple) -> bool:
+    """Whether :func:`binary_accuracy` scores labels of this shape: one logit per label."""
+    return logits == labels or logits == (*labels, 1)
+
+
 def _binary_accuracy_of(logits: Any, labels: Any) -> jax.Array:
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
-    if logits.shape != labels.shape and logits.shape != (*labels.shape, 1):
+    if not _binary_fits(logits.shape, labels.shape):
         raise ValueError(BINARY_SHAPES.format(logits=logits.shape, labels=labels.shape))
     return jnp.mean(_binary_hits(logits, labels).astype(jnp.float32))
 
@@ -218,7 +244,8 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
       >>> float(ft.train.binary_accuracy(ft.train.StepOutput(jnp.zeros(()), logits, (None, labels), None)))
       0.6666666865348816
     """
-    return _binary_accuracy_of(_find_logits(out.aux), _find_labels(out.batch, "binary_accuracy"))
+    logits = _find_logits(out.aux)
+    return _binary_accuracy_of(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy"))
 
 
 binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]

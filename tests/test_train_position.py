@@ -8,7 +8,9 @@ over a grain ``DataLoader`` resumes to the same minibatches, bit for bit.
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,18 @@ import pytest
 import functree as ft
 from functree.train.checkpoint._position import decode, encode, storable
 
-grain = pytest.importorskip("grain.python")  # the DataLoader API
-grain_datasets = pytest.importorskip("grain")  # the dataset API (MapDataset, IterDataset)
+
+def _optional(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+grain: Any = _optional("grain.python")  # the DataLoader API
+grain_datasets: Any = _optional("grain")  # the dataset API (MapDataset, IterDataset)
+# (the checks of a tampered position need no grain: only the tests over grain's data skip)
+needs_grain = pytest.mark.skipif(grain is None or grain_datasets is None, reason="grain is not installed")
 
 X = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
 Y = (X @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
@@ -69,6 +81,7 @@ def assert_same(a, b):
     assert json.dumps(a.history.steps) == json.dumps(b.history.steps)  # the same minibatches, step by step
 
 
+@needs_grain
 def test_a_job_over_a_grain_dataloader_iterator_saves_mid_epoch_and_resumes_bit_for_bit(tmp_path):
     """``fit(iter(loader), steps=18)`` over 3 epochs of 6 minibatches, checkpoints every 4
     steps; restored at step 8 (the middle of the second epoch) with a fresh iterator, set
@@ -84,6 +97,7 @@ def test_a_job_over_a_grain_dataloader_iterator_saves_mid_epoch_and_resumes_bit_
     assert_same(straight, resumed)
 
 
+@needs_grain
 def test_a_job_over_a_reiterable_grain_dataloader_resumes_mid_epoch(tmp_path):
     """``fit(loader, epochs=3)``: ``iter(loader)`` once per epoch (one epoch each); restored
     at step 8 (epoch 1, minibatch 2), the epoch's new iterator is set to the position."""
@@ -94,6 +108,7 @@ def test_a_job_over_a_reiterable_grain_dataloader_resumes_mid_epoch(tmp_path):
     assert_same(straight, resumed)
 
 
+@needs_grain
 def test_a_job_over_a_grain_dataset_resumes_mid_epoch(tmp_path):
     """grain's dataset API: ``iter(dataset)`` per epoch, a dict position (``next_index``)."""
     dataset = grain_datasets.MapDataset.source(Source()).shuffle(seed=3).batch(4).to_iter_dataset()
@@ -125,6 +140,7 @@ def test_a_corrupt_position_is_named(saved, why):
         decode({"p": saved})
 
 
+@needs_grain
 def test_a_checkpoint_whose_position_was_tampered_with_is_refused(tmp_path):
     """The position's bytes changed in the metadata (its checksum made again to match): the
     restore names the checkpoint, its step and the position; nothing is decoded but base64."""
@@ -160,3 +176,80 @@ def test_an_unstorable_position_is_named_at_the_save(tmp_path):
     with pytest.raises(ValueError, match=r"(?s)Odd\) reports its position.*not JSON .* or bytes"):
         fit(t, Odd(), tmp_path / "odd", steps=4)
     assert Path(tmp_path / "odd").exists()
+
+
+def _tampered(tmp_path, steps, change):
+    """A Trainer checkpoint after ``steps`` steps over 2 minibatches per epoch (saved by
+    ``trainer.save``), its "trainer" config edited by ``change`` and its metadata digest
+    recomputed, as an attacker (or a newer functree) would write it."""
+    from functree.train.checkpoint._checkpoint import metadata_digest
+
+    t = trainer()
+    t.fit(ft.train.batches((X, Y), 12), steps=steps, progress=False)
+    t.save(tmp_path / "ck")
+    path = tmp_path / "ck" / str(steps) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    change(meta["config"]["trainer"])
+    meta["digest"] = metadata_digest(meta)
+    path.write_text(json.dumps(meta))
+    return tmp_path / "ck"
+
+
+@pytest.mark.parametrize("steps, stored, limits", [
+    (1, {"batch_in_epoch": 5}, r"trainer\.epoch_length \(2\) and trainer\.steps_run \(1\)"),
+    (3, {"batch_in_epoch": 3}, r"trainer\.epoch_length \(2\)"),  # epoch 1, its 1st minibatch: 3 <= steps
+    (1, {"batch_in_epoch": 2, "epoch_length": None}, r"trainer\.steps_run \(1\)"),
+], ids=["past-both", "past-epoch", "past-steps"])
+def test_a_position_past_its_epoch_end_is_refused(tmp_path, steps, stored, limits):
+    # The old reader restored batch_in_epoch 5 of an epoch of 2 at step 1: the next
+    # fit(epochs=2) ended epoch 1 at once (after 1 of its 2 minibatches, its bar at -1 left).
+    path = _tampered(tmp_path, steps, lambda config: config.update(stored))
+    why = rf"(?s)ck step {steps}: trainer\.batch_in_epoch is {stored['batch_in_epoch']}, more than {limits}: past"
+    with pytest.raises(ft.train.CheckpointError, match=why + r".*metadata was changed.*all_steps\(\)\[-2\]"):
+        trainer().restore(path)
+    with pytest.raises(ft.train.CheckpointError, match=why):
+        ft.train.JobState.restore(path)
+
+
+def test_a_position_at_its_epoch_end_restores_and_ends_the_epoch(tmp_path):
+    """batch_in_epoch == epoch_length is a Trainer's own position (a checkpoint at an
+    epoch's last step, written before its end): it restores, and the next fit ends that
+    epoch without a step, as the uninterrupted job did."""
+    t = trainer()
+    t.fit(ft.train.batches((X, Y), 12), epochs=2, progress=False,
+          callbacks=[ft.train.ModelCheckpoint(tmp_path / "ck", every_steps=2, max_to_keep=None)])
+    resumed = trainer().restore(tmp_path / "ck", step=2)
+    assert (resumed.steps_run, resumed.epoch, resumed.batch_in_epoch, resumed.state.epoch_length) == (2, 0, 2, 2)
+    resumed.fit(ft.train.batches((X, Y), 12), epochs=2, progress=False)
+    assert resumed.history.epochs["last_step"] == t.history.epochs["last_step"] == [2, 4]
+    np.testing.assert_allclose(resumed.history.epochs["loss"], t.history.epochs["loss"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change, paths", [
+    (lambda c: c.update(fit_calls=3), r"trainer\.fit_calls is"),  # a newer functree's field
+    (lambda c: c["means"].update(ema={"sums": {}, "weight": 0.0, "skipped": 0}), r"trainer\.means\.ema is"),
+    (lambda c: c.update(a=1, b=None), r"trainer\.a, trainer\.b are"),
+], ids=["top-level", "nested", "two"])
+def test_a_trainer_config_with_a_key_this_version_does_not_know_is_refused(tmp_path, change, paths):
+    # The old reader read the keys it knew and dropped the rest: a newer functree's field
+    # (its job state) was lost without a word, the job restored as if it had none.
+    path = _tampered(tmp_path, 1, change)
+    why = (rf"(?s)ck step 1: {paths} not part of a Trainer checkpoint that functree "
+           rf"{re.escape(ft.__version__)} reads: the checkpoint was written by a newer functree.*or its "
+           r"metadata was changed.*pip install --upgrade functree")
+    with pytest.raises(ft.train.CheckpointError, match=why):
+        trainer().restore(path)
+    with pytest.raises(ft.train.CheckpointError, match=why):
+        ft.train.JobState.restore(path)
+
+
+def test_every_key_a_trainer_writes_is_one_it_reads(tmp_path):
+    """A checkpoint as written (its "trainer" config untouched, every position field set)
+    has no key the check refuses, and restores to the same position."""
+    from functree.train._job import unknown_keys
+
+    path = _tampered(tmp_path, 3, lambda config: None)
+    meta = json.loads((path / "3" / "meta" / "metadata").read_text())
+    assert unknown_keys(meta["config"]["trainer"]) == []
+    assert set(meta["config"]["trainer"]) >= {"steps_run", "means", "history", "on_nan", "pending"}
+    assert trainer().restore(path).state.position == ft.train.JobState.restore(path).position

@@ -120,6 +120,28 @@ metadata was changed after it was written. Nothing is converted: restore another
     wrong:  "epoch": 1.7   (or "stopped": "false", "epoch": -3, ...)
     right:  trainer.restore(manager, step=manager.all_steps()[-2])"""
 
+PAST_EPOCH_END = """\
+{where}: trainer.batch_in_epoch is {batch}, more than {limits}: past the end of its epoch \
+or of its job. A Trainer's position has 0 <= batch_in_epoch <= epoch_length and \
+batch_in_epoch <= steps_run, so the checkpoint's metadata was changed after it was \
+written (or, past epoch_length only, the data's len() said fewer minibatches than it gave). \
+Nothing is restored: the next fit would end the epoch at once, its other minibatches unseen.
+
+    wrong:  "batch_in_epoch": 5, "epoch_length": 2
+    right:  trainer.restore(manager, step=manager.all_steps()[-2])
+       or:  data whose len() is the number of minibatches it gives, for the next job"""
+
+UNKNOWN_KEYS = """\
+{where}: {paths} {are} not part of a Trainer checkpoint that functree {version} reads: the \
+checkpoint was written by a newer functree (a field this version does not know, which \
+restoring without it would silently drop), or its metadata was changed after it was \
+written. Nothing is restored with it ignored.
+
+    wrong:  trainer.restore(path)   # a newer functree's checkpoint, with functree {version}
+    right:  pip install --upgrade functree   # then trainer.restore(path)
+       or:  trainer.restore(manager, step=manager.all_steps()[-2])   # another checkpoint"""
+
+
 def refuse(where: str, value: Any, expected: str) -> CheckpointError:
     """:data:`BAD_POSITION` for a tampered value of a checkpoint's ``"trainer"`` config."""
     return CheckpointError(BAD_POSITION.format(where=where, given=repr(value)[:120], expected=expected))
@@ -184,6 +206,52 @@ STORED: dict[str, tuple[tuple[str, ...], Callable[[Any], Any], Callable[[Any, st
 }
 
 
+def _known_keys() -> dict[str, Any]:
+    """The keys of a checkpoint's ``"trainer"`` config a Trainer writes, as a tree (None:
+    a value): :data:`STORED`'s paths, with ``on_nan`` and ``history`` (read by read_job)."""
+    tree: dict[str, Any] = dict.fromkeys(("on_nan", "history"))
+    for path, _, _ in STORED.values():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = None
+    return tree
+
+
+KNOWN_KEYS = _known_keys()
+
+
+def unknown_keys(saved: Mapping[str, Any], known: Mapping[str, Any] = KNOWN_KEYS, at: str = "trainer") -> list[str]:
+    """The key paths of ``saved`` (a ``"trainer"`` config) that :data:`KNOWN_KEYS` lacks,
+    nested objects included (a value of the wrong type is read_position's to name)."""
+    found = [f"{at}.{key}" for key in saved if key not in known]
+    for key, inner in known.items():
+        if inner is not None and isinstance(saved.get(key), Mapping):
+            found += unknown_keys(saved[key], inner, f"{at}.{key}")
+    return found
+
+
+def check_known(saved: Mapping[str, Any], where: str) -> None:
+    """:data:`UNKNOWN_KEYS` for a ``"trainer"`` config with a key this version does not
+    read: its value would be dropped, and the job it belongs to restored without it."""
+    paths = unknown_keys(saved)
+    if paths:
+        from functree import __version__  # (at the error: functree imports this module)
+
+        raise CheckpointError(UNKNOWN_KEYS.format(where=where, paths=", ".join(paths),
+                                                  are="is" if len(paths) == 1 else "are", version=__version__))
+
+
+def check_in_epoch(position: Position, where: str) -> None:
+    """:data:`PAST_EPOCH_END` for a position past its epoch's end (``batch_in_epoch >
+    epoch_length``) or with more minibatches in its epoch than steps in its job."""
+    batch, length, steps = position.batch_in_epoch, position.epoch_length, position.steps_run
+    limits = [f"trainer.{name} ({n})" for name, n in (("epoch_length", length), ("steps_run", steps))
+              if n is not None and batch > n]
+    if limits:
+        raise CheckpointError(PAST_EPOCH_END.format(where=where, batch=batch, limits=" and ".join(limits)))
+
+
 def check_stored(fields: Sequence[str]) -> None:
     """Every position field has its place in a checkpoint (checked at import: a field
     added without one would be silently dropped by every save)."""
@@ -216,10 +284,12 @@ def position_json(position: Position) -> dict[str, Any]:
 def read_position(saved: Mapping[str, Any], step: int, where: str = "the checkpoint") -> Position:
     """The :class:`Position` :func:`position_json` wrote, by name; a field ``saved`` lacks
     takes its default (``steps_run``: the checkpoint's ``step``, which a stored one must
-    equal). A value of the wrong type or range is a :class:`CheckpointError` naming
-    ``where`` (the checkpoint) and its key (``trainer.<key>``)."""
+    equal). A value of the wrong type or range, a key this version does not know (a newer
+    functree's field) or a position past its epoch's end is a :class:`CheckpointError`
+    naming ``where`` (the checkpoint) and its key (``trainer.<key>``)."""
     if not isinstance(saved, Mapping):
         raise refuse(f"{where}: trainer", saved, "a JSON object")
+    check_known(saved, where)
     read: dict[str, Any] = {"steps_run": step}
     for name, (path, _, from_json) in STORED.items():
         node: Any = saved
@@ -233,7 +303,9 @@ def read_position(saved: Mapping[str, Any], step: int, where: str = "the checkpo
             read[name] = from_json(node, f"{where}: trainer.{'.'.join(path)}")
     if read["steps_run"] != step:
         raise refuse(f"{where}: trainer.steps_run", read["steps_run"], f"the checkpoint's step ({step})")
-    return Position(**read)
+    position = Position(**read)
+    check_in_epoch(position, where)
+    return position
 
 
 _MISSING = object()

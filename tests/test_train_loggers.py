@@ -1,8 +1,12 @@
 """CSVLogger and TensorBoardLogger: files that read back to the history, resumed runs."""
 
 import csv
+import importlib
+import itertools
 import struct
 import sys
+import types
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +14,7 @@ import numpy as np
 import pytest
 
 import functree as ft
+from functree.train import _loggers
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(24, 2)).astype(np.float32)
@@ -36,7 +41,7 @@ def read_csv(path):
 
 def read_events(directory):
     """``{tag: [(step, value)]}`` from TensorBoard event files (TFRecords of Event protos)."""
-    from tensorboardX.proto import event_pb2
+    event_pb2: Any = importlib.import_module("tensorboardX.proto.event_pb2")  # generated: no stubs
 
     scalars = {}
     for path in sorted(directory.glob("events.out.tfevents.*")):
@@ -75,7 +80,7 @@ def test_csv_and_tensorboard_logs_read_back_to_the_history(tmp_path):
     scalars = read_events(tmp_path / "runs")
     assert sorted(scalars) == ["epoch/learning_rate", "epoch/loss", "epoch/val_loss", "step/learning_rate", "step/loss"]
     assert [s for s, _ in scalars["step/loss"]] == list(range(1, 7))
-    np.testing.assert_array_equal([v for _, v in scalars["step/loss"]], np.float32(history.steps["loss"]))
+    np.testing.assert_array_equal([v for _, v in scalars["step/loss"]], np.asarray(history.steps["loss"], np.float32))
     assert scalars["epoch/val_loss"] == [(6, np.float32(history.epochs["val_loss"][1]))]
 
     # A restarted job: the steps past the checkpoint are dropped and written again, equal,
@@ -99,3 +104,72 @@ def test_logger_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed
     with pytest.raises(ImportError, match=r'(?s)tensorboardX, which is not installed .*pip install "functree\[tensorboard\]"'):
         ft.train.TensorBoardLogger(tmp_path / "runs")
+
+
+def tensorboard_scalars(directory):
+    """``{tag: [(step, value)]}`` as TensorBoard shows ``directory``: its own
+    ``EventAccumulator`` where installed, else its rule on the event protos read in file
+    name order (a ``SessionLog.START`` at step ``p``, a writer's ``purge_step``, drops the
+    points read before it at steps >= ``p``; ``event_accumulator._Purge``)."""
+    try:
+        event_accumulator: Any = importlib.import_module("tensorboard.backend.event_processing.event_accumulator")
+    except ImportError:
+        event_accumulator = None
+    if event_accumulator is not None:
+        acc = event_accumulator.EventAccumulator(str(directory), size_guidance={event_accumulator.SCALARS: 0})
+        acc.Reload()
+        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    event_pb2: Any = importlib.import_module("tensorboardX.proto.event_pb2")
+
+    scalars = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        raw, at = path.read_bytes(), 0
+        while at < len(raw):
+            (length,) = struct.unpack("<Q", raw[at : at + 8])
+            event = event_pb2.Event.FromString(raw[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                scalars = {tag: [p for p in points if p[0] < event.step] for tag, points in scalars.items()}
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+@pytest.mark.parametrize("stop, log_every, first_every", [
+    (3, 1, None),   # a checkpoint at epoch 1's last step (3, a log point): its end runs again
+    (6, 2, None),   # at epoch 2's last step (6, no log point there)
+    (3, 1, "log"),  # the first run wrote no epoch record: the resumed one writes it once
+    (2, 1, None),   # mid-epoch
+    (4, 2, None),
+])
+def test_a_resumed_tensorboard_log_equals_the_uninterrupted_one(tmp_path, monkeypatch, stop, log_every, first_every):
+    """A job stopped after its checkpoint at step ``stop`` (``fit(steps=stop)``, then its
+    process gone) and resumed from it into the same logdir shows what the uninterrupted
+    job shows: each tag one point per step, the same values. The old logger purged from
+    ``stop + 1`` only: a checkpoint at an epoch's last step (written before the epoch's
+    end) left the earlier run's epoch record at ``stop``, and the resumed run, ending that
+    epoch again, wrote a second point there (epoch/loss at step 3: two points). Every
+    file is named in one second and the writers are numbered from 8 (the first run's
+    file is 9, the resumed one's 10): TensorBoard reads them in name order, and the old
+    names (".10" before ".9") put the resumed run's purge before the run it purges."""
+    pytest.importorskip("tensorboardX")
+    from tensorboardX import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "time", types.SimpleNamespace(time=lambda: 1.7e9))
+    monkeypatch.setattr(_loggers, "_WRITERS", itertools.count(8))
+    fit = {"epochs": 3, "log_every": log_every, "progress": False}
+    make().fit(data(), **fit, callbacks=[ft.train.TensorBoardLogger(tmp_path / "straight")])
+    first = [ft.train.TensorBoardLogger(tmp_path / "run", every=first_every),
+             ft.train.ModelCheckpoint(tmp_path / "ckpt", every_steps=stop)]
+    make().fit(data(), **{**fit, "epochs": None}, steps=stop, callbacks=first)
+    resumed = make().restore(tmp_path / "ckpt")
+    assert resumed.steps_run == stop
+    resumed.fit(data(), **fit, callbacks=[ft.train.TensorBoardLogger(tmp_path / "run")])
+
+    want, got = tensorboard_scalars(tmp_path / "straight"), tensorboard_scalars(tmp_path / "run")
+    assert sorted(got) == sorted(want)
+    for tag, points in want.items():
+        steps = [s for s, _ in got[tag]]
+        assert steps == [s for s, _ in points] and len(set(steps)) == len(steps), tag
+        # the same job resumed bit for bit (measured spread: 0.0), the carried points as written
+        np.testing.assert_allclose([v for _, v in got[tag]], [v for _, v in points], rtol=0, atol=0)

@@ -12,8 +12,11 @@ uninterrupted run's.
 from __future__ import annotations
 
 import csv
+import importlib
 import itertools
 import os
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +50,55 @@ column (its header is {header}).
 
 _WRITERS = itertools.count()
 """Numbers the event files this process opens: tensorboardX names a file by the second
-and the host, so two opened within a second in one directory would be one file."""
+and the host, so two opened within a second in one directory would be one file. Written
+zero-padded: TensorBoard reads a directory's files in name order, and a purge applies to
+the files read before it (".10" would sort before ".9")."""
+
+
+def _epoch_end_pending(trainer: Trainer) -> bool:
+    """Whether ``trainer``'s next fit first ends the epoch whose last step it is at (its
+    checkpoint was written at that step, before the epoch's end: ``Trainer.fit``'s
+    ``end_pending``), writing that epoch's record at ``trainer.steps_run`` again."""
+    job = trainer.state
+    return job.epoch_length is not None and 0 < job.epoch_length <= job.batch_in_epoch and not job.stopped
+
+
+def _records(path: Path) -> Iterator[bytes]:
+    """The records of a TFRecord file (an event file): each is an 8-byte length, its
+    4-byte checksum, the record and its 4-byte checksum; a record cut short (a writer
+    killed mid-write) ends the file, as TensorBoard reads it."""
+    raw, at = path.read_bytes(), 0
+    while at + 12 <= len(raw):
+        (length,) = struct.unpack_from("<Q", raw, at)
+        if at + 16 + length > len(raw):
+            return
+        yield raw[at + 12:at + 12 + length]
+        at += 16 + length
+
+
+def scalars_at(logdir: Path, step: int) -> list[tuple[str, float, float]]:
+    """``(tag, value, wall_time)`` of each scalar at ``step`` that TensorBoard shows from
+    ``logdir``'s event files: read in name order (as TensorBoard does), a
+    ``SessionLog.START`` event at step ``p`` (a writer's ``purge_step``) dropping every
+    point read before it at steps >= ``p``."""
+    from google.protobuf.message import DecodeError
+
+    event_pb2: Any = importlib.import_module("tensorboardX.proto.event_pb2")  # generated: no stubs
+
+    points: dict[str, tuple[float, float]] = {}
+    for path in sorted(logdir.glob("*tfevents*")):
+        try:
+            for record in _records(path):
+                event = event_pb2.Event.FromString(record)
+                if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                    if event.step <= step:
+                        points.clear()
+                elif event.step == step:
+                    points.update({v.tag: (v.simple_value, event.wall_time) for v in event.summary.value
+                                   if v.WhichOneof("value") == "simple_value"})
+        except (OSError, DecodeError):  # unreadable: TensorBoard shows nothing of it either
+            continue
+    return [(tag, value, wall) for tag, (value, wall) in points.items()]
 
 
 def _check_every(who: str, every: str) -> str:
@@ -162,7 +213,11 @@ class TensorBoardLogger(Callback):
     ``"epoch/<name>"`` (``"step/head/learning_rate"`` for a parameter group), all
     against the training step. A fit that starts at step ``s > 0`` (a restored job)
     tells TensorBoard to drop what an earlier run wrote past ``s`` (tensorboardX's
-    ``purge_step``). ``every`` limits it to ``"log"`` or ``"epoch"`` records.
+    ``purge_step``); one that first ends the epoch whose last step is ``s`` (a checkpoint
+    written at that step, before the epoch's end) drops ``s``'s points too and writes
+    them again (the epoch's anew, the others as the earlier run wrote them), so each tag
+    has one point per step, as in the uninterrupted run. ``every`` limits it to ``"log"``
+    or ``"epoch"`` records.
 
     Example:
       >>> import functree as ft, tempfile
@@ -181,17 +236,28 @@ class TensorBoardLogger(Callback):
         self.every = None if every is None else _check_every("TensorBoardLogger", every)
         self._writer: Any = None
         self._purge: int | None = None
+        self._carried: list[tuple[str, float, float]] = []  # written first by the next writer
 
     def on_train_begin(self, trainer: Trainer) -> None:
         self.close()
-        self._purge = trainer.steps_run + 1 if trainer.steps_run else None
+        step = trainer.steps_run
+        self._purge, self._carried = (step + 1 if step else None), []
+        if step and self.every != "log" and jax.process_index() == 0 and _epoch_end_pending(trainer):
+            # TensorBoard purges by step, all tags at once: to replace the epoch's points at
+            # `step` (which the earlier run may have written) the purge starts at `step`,
+            # and the other points there (the log interval's) are written again as they were.
+            self._purge = step
+            self._carried = [p for p in scalars_at(self.logdir, step) if not p[0].startswith("epoch/")]
 
     def _write(self, prefix: str, context: TrainingContext) -> None:
         if jax.process_index() != 0 or self.every not in (None, context.event):
             return
         if self._writer is None:
-            suffix = f".{os.getpid()}.{next(_WRITERS)}"
+            suffix = f".{os.getpid()}.{next(_WRITERS):09d}"
             self._writer = self._writer_class(str(self.logdir), purge_step=self._purge, filename_suffix=suffix)
+            for tag, value, wall_time in self._carried:
+                self._writer.add_scalar(tag, value, self._purge, walltime=wall_time)
+            self._carried = []
         for name, value in {**context.metrics, **context.learning_rates}.items():
             self._writer.add_scalar(f"{prefix}/{name}", float(value), context.step)
 

@@ -1,5 +1,7 @@
 """training / inference / inferring: one static switch for a whole model."""
 
+import dataclasses
+import math
 import warnings
 
 import jax
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 import functree as ft
+from functree.nn._mode import mode_free
 
 
 class Net(ft.nn.Layer):
@@ -157,3 +160,67 @@ def test_a_non_bool_field_named_training_is_left_alone():
 
     model = Data(jnp.ones(2), jnp.arange(3.0))
     assert ft.nn.training(model).training is model.training
+
+
+# The switch's cache once mapped a tree definition to the FIRST model's switched definition;
+# a later model whose definition was merely equal (static values compared with ==) came back
+# with the first model's static values. Each test switches a first model (filling the
+# cache), then checks the second against the model itself (built, never switched).
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    gain: float
+    note: str = dataclasses.field(default="", compare=False)  # not part of equality
+
+
+class _Scaled(ft.Module):
+    w: jax.Array
+    scale: float = ft.field(static=True, default=1.0)
+    cfg: _Cfg = ft.field(static=True, default=_Cfg(1.0))
+    drop: ft.nn.Dropout | None = None
+
+    def __call__(self, x):
+        return 1.0 / (self.w * x * self.scale)
+
+
+def _scaled(scale, note="", dtype=jnp.float32):
+    return _Scaled(jnp.ones(2, dtype), scale, _Cfg(1.0, note), ft.nn.Dropout(0.0))  # pyright: ignore[reportCallIssue]
+
+
+@pytest.mark.parametrize("switch", [ft.nn.training, ft.nn.inference, lambda m: ft.nn.inference(ft.nn.training(m))])
+def test_a_switched_model_keeps_its_own_static_values_after_an_equal_one(switch):
+    switch(_scaled(0.0, "first"))  # fills the cache
+    second = _scaled(-0.0, "second")
+    out = switch(second)
+    assert math.copysign(1.0, out.scale) == -1.0 and out.cfg.note == "second"  # was 0.0 and "first"
+    expected = np.asarray(second(jnp.ones(2)))  # 1 / -0.0 = -inf, the unswitched model's own
+    np.testing.assert_array_equal(np.asarray(out(jnp.ones(2))), expected)  # was [inf inf]
+    np.testing.assert_array_equal(expected, np.full(2, -np.inf))
+
+
+def test_a_switched_model_keeps_its_static_scalars_type_and_so_its_output_dtype():
+    x = jnp.ones(2, jnp.bfloat16)
+    ft.nn.training(_scaled(np.float32(0.5), dtype=jnp.bfloat16))  # a NumPy scalar: promotes to float32
+    second = _scaled(0.5, dtype=jnp.bfloat16)  # a Python float: stays bfloat16
+    out = ft.nn.training(second)
+    assert type(out.scale) is float and out(x).dtype == second(x).dtype == jnp.bfloat16  # was float32
+    np.testing.assert_array_equal(np.asarray(out(x), np.float32), np.asarray(second(x), np.float32))
+
+
+def test_a_trainer_keeps_the_static_values_of_its_own_model():
+    def loss(m, batch):
+        return jnp.mean(m(batch).astype(jnp.float32) ** 2)
+
+    x = jnp.ones(2, jnp.bfloat16)
+    ft.train.Trainer(_scaled(np.float32(0.5), dtype=jnp.bfloat16), ft.optim.sgd(0.0), loss)
+    second = _scaled(0.5, dtype=jnp.bfloat16)
+    trainer = ft.train.Trainer(second, ft.optim.sgd(0.0), loss)
+    assert type(trainer.model.scale) is float and trainer.inference_model(x).dtype == jnp.bfloat16  # was float32
+
+
+def test_switching_a_second_model_of_one_definition_sets_every_flag(key):
+    model = _net(key)
+    ft.nn.training(_net(key))  # the cache filled by another model of the definition
+    t = ft.nn.training(model)
+    assert t.body.layers[1].training and t.body.layers[2].training and t.extra["drop"].training
+    assert mode_free(model) is model  # no flag to clear: the tree itself
+    assert not ft.nn.is_training(mode_free(t)) and jax.tree.structure(mode_free(t)) == jax.tree.structure(model)

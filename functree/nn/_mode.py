@@ -33,9 +33,12 @@ batch statistics never on). Declare the flag static:
     right:  training: bool = ft.field(static=True, default=False)
 """
 
-# (treedef, flag) -> (treedef with every `training` field set to flag, the leaf positions
-# of foreign `inference` flags): computed once per tree definition (bounded); afterwards
-# switching is a flatten, a dict lookup and an unflatten.
+# (treedef, flag) -> (plan, the leaf positions of foreign `inference` flags): where the
+# `training` flags to set are (:func:`_plan`), found once per tree definition (bounded).
+# Only positions are cached, never a definition: a later model whose definition is equal
+# (static values compared with ==, so 0.0 and -0.0, 0.5 and np.float32(0.5), a dataclass
+# field with compare=False all match) is switched along the same positions from its own
+# tree, keeping its own static values.
 _MODE_CACHE: dict[tuple[Any, bool], tuple[Any, tuple[int, ...]]] = {}
 
 # Equinox's convention (eqx.nn.Dropout, BatchNorm, MultiheadAttention ...): a layer's mode is
@@ -64,12 +67,12 @@ def _foreign_flags(model: Any) -> tuple[int, ...]:
                  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == FOREIGN_FIELD)
 
 
-def _mode_def(model: Any, treedef: Any, flag: bool) -> tuple[Any, tuple[int, ...]]:
-    """``model``'s definition with every ``training`` field ``flag``, and its foreign flags'
-    leaf positions: made once per definition."""
+def _mode_plan(model: Any, treedef: Any, flag: bool) -> tuple[Any, tuple[int, ...]]:
+    """``(plan, foreign)``: where ``model``'s ``training`` fields differ from ``flag``
+    (:func:`_plan`) and its foreign flags' leaf positions: found once per definition."""
     key, found = cached(_MODE_CACHE, (treedef, flag))
     if found is None:
-        found = jax.tree.structure(_switch(model, flag)), _foreign_flags(model)
+        found = _plan(model, flag), _foreign_flags(model)
         if key is not None:
             bounded_put(_MODE_CACHE, key, found)
     return found
@@ -79,20 +82,50 @@ def _is_module(x: Any) -> bool:
     return isinstance(x, Module)
 
 
-def _switch(tree: Any, flag: bool) -> Any:
-    return jax.tree.map(
-        lambda y: _switch_module(y, flag) if isinstance(y, Module) else y, tree, is_leaf=_is_module
-    )
+def _one_level(node: Any) -> tuple[list[Any], Any] | None:
+    """``(children, definition of one level)`` of a pytree node other than a Module, or
+    None for a leaf."""
+    children, node_def = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    return None if jax.tree_util.treedef_is_leaf(node_def) else (children, node_def)
 
 
-def _switch_module(m: Module, flag: bool) -> Module:
-    cls = type(m)
-    if TRAINING_FIELD in cls.__ft_field_set__ and TRAINING_FIELD not in cls.__ft_static__:
-        _check_flag_declaration(cls, m.__dict__.get(TRAINING_FIELD))
-    changes = {n: _switch(m.__dict__[n], flag) for n in cls.__ft_fields__ if n not in cls.__ft_static__}
-    if TRAINING_FIELD in cls.__ft_static__:
-        changes[TRAINING_FIELD] = flag
-    return m.replace(**changes)
+def _plan(node: Any, flag: bool) -> Any:
+    """Where ``node``'s ``training`` flags are to be set to ``flag``: None where nothing in
+    ``node`` changes, else ``(set here, ((child, plan), ...))``, a child being a Module's
+    field name or a container's child position. It depends only on what the tree
+    definition holds (types, fields, children, the flags' values), so it serves every
+    tree of the definition."""
+    if isinstance(node, Module):
+        cls = type(node)
+        static = cls.__ft_static__  # type: ignore[attr-defined]
+        if TRAINING_FIELD in cls.__ft_field_set__ and TRAINING_FIELD not in static:  # type: ignore[attr-defined]
+            _check_flag_declaration(cls, node.__dict__.get(TRAINING_FIELD))
+        kids = tuple((n, p) for n in cls.__ft_fields__ if n not in static  # type: ignore[attr-defined]
+                     and (p := _plan(node.__dict__[n], flag)) is not None)
+        here = TRAINING_FIELD in static and node.__dict__[TRAINING_FIELD] is not flag
+        return (here, kids) if here or kids else None
+    if isinstance(node, (jax.Array, np.ndarray, np.generic, int, float, complex, str)) or node is None:
+        return None  # a leaf: nothing below
+    level = _one_level(node)
+    if level is None:
+        return None
+    kids = tuple((i, p) for i, child in enumerate(level[0]) if (p := _plan(child, flag)) is not None)
+    return (False, kids) if kids else None
+
+
+def _apply(node: Any, plan: Any, flag: bool) -> Any:
+    """``node`` with the ``training`` flags ``plan`` names set to ``flag``: only the nodes on
+    the way to a flag are rebuilt, each from its own fields (its own static values)."""
+    here, kids = plan
+    if isinstance(node, Module):
+        changes = {n: _apply(node.__dict__[n], p, flag) for n, p in kids}
+        if here:
+            changes[TRAINING_FIELD] = flag
+        return node.replace(**changes)
+    children, node_def = _one_level(node)  # type: ignore[misc]  # the plan names a node
+    for i, p in kids:
+        children[i] = _apply(children[i], p, flag)
+    return jax.tree_util.tree_unflatten(node_def, children)
 
 
 def _check_flag_declaration(cls: type, value: Any) -> None:
@@ -111,27 +144,27 @@ def _with_mode(model: Any, flag: bool) -> Any:
     leaves, treedef = jax.tree.flatten(model)
     if any(isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted() for x in leaves):
         raise stale_error([("model", model)])  # type: ignore[misc]  # donated: say so now, not at a later use
-    new_def, foreign = _mode_def(model, treedef, flag)
+    plan, foreign = _mode_plan(model, treedef, flag)
     for i in foreign:
         if _is_flag(leaves[i]):  # an Equinox-style flag: inference = not training
             leaves[i] = not flag
-    return jax.tree.unflatten(new_def, leaves)
+    tree = jax.tree.unflatten(treedef, leaves)  # model's own definition: its static values
+    return tree if plan is None else _apply(tree, plan, flag)
 
 
 def mode_free(tree: Any) -> Any:
     """``tree`` with every ``training`` flag off: the form an optimizer keeps its state in,
     so that a state made before ``ft.nn.training(model)`` serves the model in either mode
     (the flag is static: it is in the tree definition, not in any array). ``tree`` itself
-    when it has no flag set (one flatten; the new definition is cached per definition).
+    when it has no flag set (one flatten; where the flags are is cached per definition).
 
     Example:
       >>> import functree as ft
       >>> mode_free(ft.nn.training(ft.nn.Dropout(0.5))).training
       False
     """
-    leaves, treedef = jax.tree.flatten(tree)
-    new_def = _mode_def(tree, treedef, False)[0]
-    return tree if new_def == treedef else jax.tree.unflatten(new_def, leaves)
+    plan = _mode_plan(tree, jax.tree.structure(tree), False)[0]
+    return tree if plan is None else _apply(tree, plan, False)
 
 
 def mode_free_def(treedef: Any) -> Any:

@@ -1,5 +1,7 @@
 """ft.nn.Remat and Stack(remat=...): same values and gradients, less temporary memory."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 from test_nn_stack import Block  # the residual block of the Stack tests
 
 import functree as ft
+from functree.nn._remat import A_FUNCTION
 
 
 def stack(remat, n=3, d=8):
@@ -70,3 +73,20 @@ def test_bad_policies():
         ft.nn.Stack(lambda k: Block(4, key=k), 2, key=jax.random.key(0), remat="save_only_these_names")
     with pytest.raises(ValueError, match=r"remat=3 is not a rematerialisation policy"):
         ft.nn.Stack(lambda k: Block(4, key=k), 2, key=jax.random.key(0), remat=3)
+
+
+@pytest.mark.parametrize("fn", [jnp.tanh, lambda x: 2.0 * x, functools.partial(jnp.multiply, 2.0)])
+def test_a_plain_function_is_refused_naming_lambda(fn):
+    # was: a warning to declare Remat.layer static, then JAX's "Cannot interpret value of
+    # type <class 'function'> as an abstract array" at the call
+    with pytest.raises(TypeError) as caught:
+        ft.nn.Remat(fn)
+    assert str(caught.value).startswith(A_FUNCTION.split("{")[0]) and "right:  ft.nn.Remat(ft.nn.Lambda(" in str(caught.value)
+    x = jnp.linspace(-1.0, 1.0, 5)
+    np.testing.assert_array_equal(np.asarray(ft.nn.Remat(ft.nn.Lambda(fn))(x)), np.asarray(fn(x)))  # the fix works
+
+
+def test_a_tree_util_partial_is_a_layer():
+    f = jax.tree_util.Partial(jnp.multiply, jnp.asarray(3.0))  # a pytree: its array is a leaf
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(np.asarray(ft.nn.Remat(f)(x)), 3.0 * np.arange(4.0))

@@ -79,3 +79,37 @@ def test_gradient_finite_differences(key):
         model = jax.tree.map(lambda a: a.astype(jnp.float64), _mlp(key))
         x = jax.random.normal(jax.random.key(1), (2, 3), jnp.float64)
         check_grads(jax.jit(lambda m, x: m(x)), (model, x), order=1, modes=["rev"])
+
+
+def _double(x):  # takes no key
+    return 2.0 * x
+
+
+def _noisy(x, key=None):  # drops half the entries when given a key (dropout-like)
+    return x if key is None else x * jax.random.bernoulli(key, 0.5, x.shape).astype(x.dtype) / 0.5
+
+
+@pytest.mark.filterwarnings("ignore::functree.NonDifferentiableFieldWarning")  # Remat.layer a Partial without arrays
+@pytest.mark.parametrize("order", [("double", "noisy"), ("noisy", "double")])
+def test_whether_a_layer_takes_a_key_is_its_own_not_its_types(order):
+    # takes_key was cached per type: every jax.tree_util.Partial shared the first one's answer
+    # (the key then silently dropped, or passed to a function without one: a TypeError).
+    x, k = jnp.ones(6), jax.random.key(0)
+    functions = {"double": _double, "noisy": _noisy}
+    for name in order:
+        f = jax.tree_util.Partial(functions[name])
+        expected = _noisy(x, key=k) if name == "noisy" else _double(x)  # the function called itself
+        np.testing.assert_array_equal(np.asarray(ft.nn.Remat(f)(x, key=k)), np.asarray(expected))
+
+
+def test_a_patched_call_is_asked_afresh_whether_it_takes_a_key(monkeypatch):
+    class Plain(ft.nn.Layer):
+        def __call__(self, x):
+            return 2.0 * x
+
+    x, k = jnp.ones(6), jax.random.key(0)
+    np.testing.assert_array_equal(np.asarray(ft.nn.Sequential(Plain())(x, key=k)), np.full(6, 2.0))  # cached: no key
+    monkeypatch.setattr(Plain, "__call__", lambda self, x, key=None: _noisy(x, key))
+    expected = _noisy(x, jax.random.split(k, 1)[0])
+    assert not np.all(np.asarray(expected) == 1.0)  # the key is used
+    np.testing.assert_array_equal(np.asarray(ft.nn.Sequential(Plain())(x, key=k)), np.asarray(expected))

@@ -18,9 +18,10 @@ from typing import Any, ClassVar
 
 import jax
 
-from functree._module import field
+from functree._module import Module, field
 from functree._paths import ATTR, Entry, KeyPath
 from functree._remat_policy import checkpointed, remat_policy
+from functree._tree import is_array_value
 from functree.nn._mode import Layer
 from functree.nn._sequential import takes_key
 from functree.nn._state import collect_state, collector_stack
@@ -33,6 +34,16 @@ passed to collect_state, so its key path is unknown. Call the layers of the mode
 
     wrong:  ft.nn.collect_state(lambda m: other_model(x), model)
     right:  ft.nn.collect_state(lambda m: m(x), model)"""
+
+
+A_FUNCTION = """\
+ft.nn.Remat wraps a layer (a Module, or a pytree of arrays it calls), got the {type} \
+{name}: jax.checkpoint takes the layer as an argument, and a plain function is not an \
+array (JAX fails with "Cannot interpret value of type {type}"). Keep the function static \
+in ft.nn.Lambda, or write it as a Module:
+
+    wrong:  ft.nn.Remat({name})
+    right:  ft.nn.Remat(ft.nn.Lambda({name}))"""
 
 
 def collecting() -> bool:
@@ -85,6 +96,7 @@ class Remat(Layer):
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("policy",)  # a restore's template decides them (how it spends memory)
 
     def __init__(self, layer: Any, *, policy: Any = None):
+        _check_layer(layer)
         self.layer = layer
         self.policy = True if policy is None else remat_policy(policy)
 
@@ -101,3 +113,14 @@ class Remat(Layer):
         out, values = checkpointed(run, self.policy)(self.layer, *args)
         record_under(self, "layer", paths, values)
         return out
+
+
+def _check_layer(layer: Any) -> None:
+    """Raise :data:`A_FUNCTION` for a layer that is a callable pytree leaf (a plain function,
+    a ``functools.partial``): it cannot cross into ``jax.checkpoint``. A Module, a
+    ``jax.tree_util.Partial`` (a pytree) and arrays pass."""
+    if isinstance(layer, Module) or not callable(layer) or is_array_value(layer):
+        return
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(layer)):
+        name = getattr(layer, "__name__", None) or type(layer).__name__
+        raise TypeError(A_FUNCTION.format(type=type(layer).__name__, name=name))

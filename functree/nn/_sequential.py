@@ -11,6 +11,7 @@ import jax
 from functree._module import Module, field
 from functree._paths import INDEX, Entry
 from functree._repr import short_array
+from functree._tree import bounded_put
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
 
@@ -71,20 +72,31 @@ class Lambda(Layer):
         return self.fn(x)
 
 
-_TAKES_KEY: dict[type, bool] = {}
+# A Module class's ``__call__`` (the function itself, so a patched ``__call__`` is looked
+# up afresh) -> whether it takes ``key=``. Only Modules are cached: a callable of another
+# type (a ``jax.tree_util.Partial``, a ``functools.partial``) wraps a different function in
+# each instance, so its type says nothing about its signature.
+_TAKES_KEY: dict[Any, bool] = {}
 
 
 def takes_key(layer: Any) -> bool:
-    """Whether ``layer.__call__`` accepts a ``key=`` argument (cached per class)."""
-    cls = type(layer)
-    found = _TAKES_KEY.get(cls)
+    """Whether ``layer(...)`` accepts a ``key=`` argument: cached per Module class and
+    ``__call__``; inspected at each call for any other callable."""
+    if not isinstance(layer, Module):
+        return _has_key(layer)
+    call = type(layer).__call__
+    found = _TAKES_KEY.get(call)
     if found is None:
-        try:
-            found = "key" in inspect.signature(layer).parameters
-        except (TypeError, ValueError):
-            found = False
-        _TAKES_KEY[cls] = found
+        found = _has_key(layer)
+        bounded_put(_TAKES_KEY, call, found)
     return found
+
+
+def _has_key(layer: Any) -> bool:
+    try:
+        return "key" in inspect.signature(layer).parameters
+    except (TypeError, ValueError):  # no signature (a builtin): called without a key
+        return False
 
 
 class Sequential(Layer):

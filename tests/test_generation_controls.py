@@ -403,6 +403,29 @@ def test_warpers_compute_no_nan_after_removed_tokens(options):
     np.testing.assert_allclose(np.asarray(entropy)[:, 0], hf_entropy, rtol=0, atol=1e-5 * hf_entropy.max())
 
 
+def test_top_p_keeps_hf_tokens_at_ties():
+    """top_p with tied logits keeps exactly HF's tokens (the smallest set, ties in HF's sort
+    order): a score threshold kept every token tied with the cut (3 of [0.5, 0.25, 0.25] at
+    0.75 for HF's 2; on bf16 logits of 32000 tokens 15 extra tokens a row at top_p=0.9)."""
+    rows = [np.log([0.5, 0.25, 0.25]), np.log([0.25] * 4), np.log([0.1, 0.3, 0.3, 0.3])]
+    for row in rows:
+        for top_p in (0.3, 0.5, 0.6, 0.75, 0.9):
+            x = np.asarray([row], np.float32)
+            ours = np.asarray(_controls.filtered(jnp.asarray(x), 1.0, top_p=top_p))
+            expected = TopPLogitsWarper(top_p)(None, torch.from_numpy(x)).numpy()
+            np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected), err_msg=f"{row} {top_p}")
+    coarse = np.asarray(jax.random.normal(jax.random.key(3), (64, 32000)).astype(jnp.bfloat16).astype(jnp.float32)) * 4
+    for top_p in (0.5, 0.9, 0.95):
+        ours = np.asarray(_controls.filtered(jnp.asarray(coarse), 1.0, top_p=top_p))
+        expected = TopPLogitsWarper(top_p)(None, torch.from_numpy(coarse)).numpy()
+        # torch.sort is not stable on a long row: which of the tied tokens at the cut HF keeps
+        # is its sort's; how many, and so the kept mass, is the rule's
+        np.testing.assert_array_equal(np.isfinite(ours).sum(-1), np.isfinite(expected).sum(-1))
+        kept = np.where(np.isfinite(ours), coarse, -np.inf)
+        hf_kept = np.where(np.isfinite(expected), coarse, -np.inf)
+        np.testing.assert_array_equal(np.sort(kept, -1), np.sort(hf_kept, -1))
+
+
 def test_the_guides_table_lists_every_control():
     rows = [line for line in GUIDE.read_text().splitlines() if line.startswith("| `")]
     for control in _controls.CONTROLS:

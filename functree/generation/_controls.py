@@ -434,28 +434,32 @@ class TopK(Control):
         return _removed(scores < kth, scores)
 
 
-@record("p")
+@record("rest")
 @dataclass(frozen=True)
 class TopP(Control):
     """``top_p=p`` (nucleus): only the smallest set of most likely tokens whose probability
-    reaches ``p`` is kept (``p = 1``: absent)."""
+    reaches ``p`` is kept (``p = 1``: absent): Hugging Face's ``TopPLogitsWarper`` rule, the
+    tokens in ascending order removed while their cumulative probability is ``<= 1 - p``, the
+    most likely always kept. Of tied tokens at the cut the lower id is removed first (a stable
+    sort; torch's unstable sort of a long row may keep another of them: the same number of
+    tokens, the same kept scores). (A threshold on the scores kept every token tied with the last one:
+    3 of ``[0.5, 0.25, 0.25]`` at ``p = 0.75`` where HF keeps 2; bf16 logits tie often.)"""
 
-    p: Any
+    rest: Any  # 1 - p, rounded once from Python's float as HF's comparison rounds it
     keywords = ("top_p",)
     warper = True
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
         p = _fraction(o, "top_p", "(]", off=1.0, error=BAD_TOP_P)
-        return None if p is None else cls(p)
+        return None if p is None else cls(np.float32(1.0 - float(o.given["top_p"])))
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        ordered = -jnp.sort(-scores, axis=-1)  # descending
-        probs = _distribution(ordered)[0]
-        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the more likely tokens
-        kept = jnp.sum(before < self.p, axis=-1, keepdims=True)  # >= 1: the first has 0 before it
-        threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
-        return _removed(scores < threshold, scores)
+        order = jnp.argsort(scores, axis=-1, stable=True)  # ascending; ties by id, as torch.sort's
+        mass = jnp.cumsum(_distribution(jnp.take_along_axis(scores, order, axis=-1))[0], axis=-1)
+        drop = (mass <= self.rest).at[..., -1].set(False)  # the most likely stays
+        rows = jnp.arange(scores.shape[0])[:, None]
+        return _removed(jnp.zeros_like(drop).at[rows, order].set(drop), scores)
 
 
 @record("p")

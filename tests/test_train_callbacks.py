@@ -411,3 +411,36 @@ def test_a_hook_set_to_none_is_left_as_before():
     trainer = make()
     trainer.fit(data(), epochs=1, progress=False, log_every=1, callbacks=[Quiet()])
     assert trainer.steps_run == 3
+
+
+@pytest.mark.parametrize("hook", ["on_train_begin", "on_log", "on_epoch_end", "on_train_end"])
+def test_each_hook_set_to_none_is_skipped(hook):
+    """`on_train_begin = None` / `on_train_end = None` in a subclass crashed with "'NoneType'
+    object is not callable" (on_train_end after the whole fit); on_log/on_epoch_end were
+    skipped. Every hook set to None is now skipped, the others run as in the parent."""
+    class Record(ft.train.Callback):
+        def __init__(self):
+            self.calls = []
+
+        def on_train_begin(self, trainer):
+            self.calls.append(("on_train_begin", trainer.steps_run))
+
+        def on_log(self, trainer, context):
+            self.calls.append(("on_log", context.step))
+
+        def on_epoch_end(self, trainer, context):
+            self.calls.append(("on_epoch_end", context.step))
+
+        def on_train_end(self, trainer, context):
+            self.calls.append(("on_train_end", context.step))
+
+    off = type("Off", (Record,), {hook: None})()
+    full, plain = Record(), make()
+    trainer = make()
+    for t, cbs in ((trainer, [off, full]), (plain, [])):
+        t.fit(data(), epochs=2, log_every=2, progress=False, callbacks=cbs)
+        t.fit(data(), epochs=2, log_every=2, progress=False, callbacks=cbs)  # already done: the end again
+    assert full.calls == [("on_train_begin", 0), ("on_log", 2), ("on_epoch_end", 3), ("on_log", 5),
+                          ("on_epoch_end", 6), ("on_train_end", 6), ("on_train_end", 6)]  # (no step: no begin)
+    assert off.calls == [c for c in full.calls if c[0] != hook]
+    np.testing.assert_allclose(trainer.history.steps["loss"], plain.history.steps["loss"], rtol=0, atol=0)

@@ -205,7 +205,8 @@ class Callback:
 
     Hooks get the :class:`Trainer` (``trainer.model``, ``trainer.opt_state`` and
     ``trainer.stop_training`` may be set) and, but for ``on_train_begin``, the
-    :class:`TrainingContext`.
+    :class:`TrainingContext`. A hook set to None (``on_train_end = None`` in a subclass,
+    switching off an inherited one) is not called.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

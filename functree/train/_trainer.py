@@ -291,7 +291,8 @@ class Trainer(Evaluation):
                 self._reader.read_all(bar)  # an interrupted fit's steps, if any
                 self._reader.log.resize(log_every + k - 1)  # room for the call that passes log_every
                 for cb in cbs:
-                    cb.on_train_begin(self)
+                    if cb.on_train_begin is not None:  # `on_train_begin = None`: switched off (as call_hooks)
+                        cb.on_train_begin(self)
                 finish_pending(self, cbs)  # a round of hooks a raise cut short: its rest first
                 while not (self.stop_training or guard.terminate) and (end_pending or not self._reached(epochs, steps)):
                     end_pending = False
@@ -324,7 +325,8 @@ class Trainer(Evaluation):
         if save:
             self._save_point("end", end)  # the final checkpoints first: no on_train_end has replaced the model
         for cb in cbs:
-            cb.on_train_end(self, end)
+            if cb.on_train_end is not None:  # `on_train_end = None`: switched off (as call_hooks)
+                cb.on_train_end(self, end)
 
     def _reached(self, epochs: int | None, steps: int | None) -> bool:
         return (steps is not None and self.steps_run >= steps) or (epochs is not None and self.epoch >= epochs)

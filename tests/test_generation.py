@@ -1054,3 +1054,19 @@ def test_hugging_faces_spellings_and_typos_name_the_keyword_to_write(tiny):
     tokens, scores = ft.nn.generate(model, ids, 2, return_scores=True)  # the fixes run
     assert tokens.shape == (1, 5) and scores.shape == (1, 2)
     assert ft.nn.generate(model, ids, 5 - ids.shape[1]).shape == (1, 5)
+
+
+def test_scores_under_x64_equal_float32s(llama):
+    """generate(..., return_scores=True) with jax_enable_x64 on: greedy and sampled (before: a
+    TypeError from dynamic_update_slice, int32 slot indices beside a weak int64 step 0)."""
+    _, model = llama
+    ids, mask = left_padded_prompts()
+    runs = {}
+    for x64 in (False, True):
+        with jax.enable_x64(x64):
+            runs[x64] = [ft.nn.generate(model, ids, 4, attention_mask=mask, eos_token_id=[], return_scores=True,
+                                        **options) for options in ({}, {"temperature": 0.9, "key": jax.random.key(1)})]
+    for (tokens, scores), (tokens64, scores64) in zip(runs[False], runs[True], strict=True):
+        np.testing.assert_array_equal(np.asarray(tokens64), np.asarray(tokens))
+        np.testing.assert_allclose(np.asarray(scores64), np.asarray(scores), rtol=0,
+                                   atol=1e-6 * np.abs(np.asarray(scores)).max())

@@ -135,7 +135,8 @@ def generate_loop(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax
         state["window"] = stop_window(ids, prompt_mask, prompt, stop_ids.shape[1])
     if scores:
         state["scores"] = jnp.zeros((batch, new), jnp.float32)
-    state = emit(state, *choose(last, state, 0), 0)
+    first = jnp.int32(0)  # (not a Python 0: under x64 a weak int64 beside the int32 slot indices)
+    state = emit(state, *choose(last, state, first), first)
     state.update(t=jnp.int32(1), cache=cache, am=am)
 
     def more(state: dict[str, Any]) -> jax.Array:

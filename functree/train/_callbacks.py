@@ -122,7 +122,8 @@ class TrainingContext:
     Attributes:
       event: ``"log"``, ``"epoch"``, ``"end"``, or ``"step"`` (a checkpoint's save point).
       step: training steps run by the Trainer (all ``fit`` calls).
-      sweep: the epochs completed (the learning context's sweep; also ``context.epoch``).
+      sweep: the epochs completed (the learning context's sweep; also ``context.epoch``):
+        1 at the first epoch's end, where Keras's 0-based ``on_epoch_end(epoch)`` passes 0.
       samples_seen: examples consumed by the optimizer steps taken.
       minibatch_size: the size of the latest minibatch.
       learning_rate: the current learning rate (None if the state has none, or has one
@@ -157,8 +158,10 @@ class TrainingContext:
 
     @property
     def epoch(self) -> int:
-        """``sweep`` by the name Keras and ``trainer.epoch`` give it: the epochs completed
-        (at an epoch's end, that epoch's number, from 1)."""
+        """``sweep`` under ``trainer.epoch``'s name: the epochs completed, so 1 at the first
+        epoch's end. Not Keras's numbering: Keras's ``on_epoch_end(epoch, logs)`` passes the
+        0-based index (0 at the first epoch's end), one less; a ported ``if epoch == 0:`` is
+        ``if context.epoch == 1:`` here (``epoch + 1`` of Keras is ``context.epoch``)."""
         return self.sweep
 
 

@@ -229,13 +229,18 @@ class TrainStep:
     dropout masks); on a mesh, that is folded again with the device index. One base key
     reproduces every step, also after restoring a checkpoint.
     Layers that record state (BatchNorm) are run under ``ft.nn.collect_state`` and their
-    no_derivative fields updated (on a mesh, averaged over devices). On a mesh and with
-    an optimizer that accumulates ``k`` microbatches, the loss's aux is merged back to the
-    whole batch's: per-example rows concatenated, floating scalars meaned (a floating
-    maximum too: return per-example values for any other reduction), anything else
-    (an integer count, a per-class table) refused by name (which leaves are per-example is read from
-    the loss's output shapes on the whole batch); layer state comes from the last
-    microbatch. Every batch leaf must then have one row per example.
+    no_derivative fields updated (on a mesh, averaged over devices). With an optimizer
+    that accumulates ``k`` microbatches, the floating layer state is threaded through
+    them: microbatch ``i`` starts from the running statistics microbatch ``i - 1``
+    recorded, so one step updates them ``k`` times, as torch's ``k`` forwards do (with
+    ``momentum=m``, ``r_k = m^k r_0 + Σ_i (1 - m) m^(k-1-i) s_i`` for microbatch
+    statistics ``s_i``), and the step keeps the state after the ``k``-th; stored PRNG keys
+    advance once per step (microbatch ``i`` salts them with ``i``). On a mesh and with
+    accumulation, the loss's aux is merged back to the whole batch's: per-example rows
+    concatenated, floating scalars meaned (a floating maximum too: return per-example
+    values for any other reduction), anything else (an integer count, a per-class table)
+    refused by name (which leaves are per-example is read from the loss's output shapes
+    on the whole batch). Every batch leaf must then have one row per example.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp

@@ -1,6 +1,7 @@
 """functree.losses against numpy formulas; reductions; gradients; input errors."""
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -415,3 +416,45 @@ def test_another_librarys_loss_name_names_its_equivalent():
     assert not hasattr(ft.losses, "cross_entropy") and hasattr(ft.losses, "huber")
     for name, ours in ft.losses.OTHER_NAMES.items():  # every equivalent named exists
         assert ours in ft.losses.__all__, (name, ours)
+    assert set(ft.losses.OTHER_CALLS) <= set(ft.losses.OTHER_NAMES)
+
+
+def test_other_names_right_calls_compute_torchs_numbers():
+    """Each `right:` line the other-name error shows, run as written, gives torch's number
+    (before: `ft.losses.poisson(log_rate, y)` for torch's poisson_nll_loss, 0.95366 for
+    0.35884; kl_divergence of log q was NaN)."""
+    import jax.scipy.special  # (the binary line names jax.scipy.special.logit)
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    rng = np.random.default_rng(0)
+    log_probs = np.log(rng.dirichlet(np.ones(5), size=4)).astype(np.float32)
+    probs = np.exp(log_probs)
+    labels = np.array([0, 3, 1, 4])
+    onehot = np.eye(5, dtype=np.float32)[labels]
+    log_rate, target = rng.normal(size=6).astype(np.float32), rng.poisson(2.0, size=6).astype(np.float32)
+    p01, y01 = rng.uniform(0.05, 0.95, size=6).astype(np.float32), rng.integers(0, 2, 6).astype(np.float32)
+    predicted, expected, beta = rng.normal(size=8).astype(np.float32) * 2, np.zeros(8, np.float32), 0.5
+    cases = {
+        "nll_loss": (dict(log_probs=log_probs, labels=labels), F.nll_loss(torch.tensor(log_probs), torch.tensor(labels))),
+        "categorical_crossentropy": (dict(probs=probs, labels=onehot),
+                                     -(torch.tensor(onehot) * torch.log(torch.tensor(probs))).sum(-1).mean()),
+        "sparse_categorical_crossentropy": (dict(probs=probs, labels=labels),
+                                            F.nll_loss(torch.log(torch.tensor(probs)), torch.tensor(labels))),
+        "binary_crossentropy": (dict(probs=p01, labels=y01), F.binary_cross_entropy(torch.tensor(p01), torch.tensor(y01))),
+        "kl_div": (dict(log_q=log_probs, p=probs[::-1].copy()),
+                   F.kl_div(torch.tensor(log_probs), torch.tensor(probs[::-1].copy()), reduction="batchmean")),
+        "poisson_nll_loss": (dict(log_rate=log_rate, target=target),
+                             F.poisson_nll_loss(torch.tensor(log_rate), torch.tensor(target))),
+        "smooth_l1_loss": (dict(predicted=predicted, expected=expected, beta=beta),
+                           F.smooth_l1_loss(torch.tensor(predicted), torch.tensor(expected), beta=beta)),
+    }
+    assert set(cases) == set(ft.losses.OTHER_CALLS)
+    for name, (values, reference) in cases.items():
+        call = ft.losses.OTHER_CALLS[name].split("  #")[0]
+        with pytest.raises(AttributeError, match=re.escape(call)):
+            getattr(ft.losses, name)
+        names = {"ft": ft, "jnp": jnp, "jax": jax, **{k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+                                                       for k, v in values.items()}}
+        ours = float(eval(call, names))  # the library's own message, run as a user pastes it
+        np.testing.assert_allclose(ours, float(reference), rtol=0, atol=1e-6 * max(1.0, abs(float(reference))),
+                                   err_msg=name)

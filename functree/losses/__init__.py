@@ -65,13 +65,30 @@ OTHER_NAMES = {
     "poisson_nll_loss": "poisson", "hinge_loss": "hinge",
 }
 
+# Where the other library's loss takes other inputs (log-space, probabilities for logits, a
+# scale), the call that computes its number here: the `right:` line of the error.
+OTHER_CALLS = {
+    "nll_loss": "ft.losses.softmax_cross_entropy(log_probs, labels)  # torch's input: log-probabilities "
+                "(log_softmax of them is themselves)",
+    "categorical_crossentropy": "ft.losses.softmax_cross_entropy(jnp.log(probs), labels)  # Keras's "
+                                "default from_logits=False takes probabilities; with logits pass them",
+    "sparse_categorical_crossentropy": "ft.losses.softmax_cross_entropy(jnp.log(probs), labels)  # Keras's "
+                                       "default from_logits=False takes probabilities; with logits pass them",
+    "binary_crossentropy": "ft.losses.sigmoid_cross_entropy(jax.scipy.special.logit(probs), labels)  # Keras's "
+                           "default from_logits=False takes probabilities; with logits pass them",
+    "kl_div": "ft.losses.kl_divergence(jnp.exp(log_q), p)  # torch's input is log q; this averages over "
+              "examples: torch's reduction='batchmean'",
+    "poisson_nll_loss": "ft.losses.poisson(jnp.exp(log_rate), target)  # torch's default log_input=True",
+    "smooth_l1_loss": "ft.losses.huber(predicted, expected, delta=beta) / beta  # torch's beta (1: huber itself)",
+}
+
 OTHER_NAME = """\
 module 'functree.losses' has no attribute {name!r}: its equivalent here is \
 ft.losses.{ours} (swift-apis' names, the (predicted, expected) order; its docstring says how \
 its arguments differ from the one you know).
 
     wrong:  ft.losses.{name}(predicted, expected)
-    right:  ft.losses.{ours}(predicted, expected)"""
+    right:  {right}"""
 
 
 def __getattr__(name: str):
@@ -83,4 +100,5 @@ def __getattr__(name: str):
         close = difflib.get_close_matches(name, __all__, n=1)
         hint = f"; did you mean ft.losses.{close[0]}?" if close else ""
         raise AttributeError(f"module 'functree.losses' has no attribute {name!r}{hint}")
-    raise AttributeError(OTHER_NAME.format(name=name, ours=ours))
+    right = OTHER_CALLS.get(name, f"ft.losses.{ours}(predicted, expected)")
+    raise AttributeError(OTHER_NAME.format(name=name, ours=ours, right=right))

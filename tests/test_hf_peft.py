@@ -151,6 +151,43 @@ def test_torch_names_are_cached_per_tree_definition(base):
     assert _names.torch_names(jax.tree.map(lambda x: x, base)) is first
 
 
+
+def _sequential(n_out):
+    return ft.nn.Sequential(ft.nn.Dense(4, 4, key=jax.random.key(0)), ft.nn.Dense(4, n_out, key=jax.random.key(1)))
+
+
+def _adapted(n_out):
+    model = ft.nn.lora(_sequential(n_out), "*", rank=2, key=jax.random.key(2))
+    return ft.set(model, "layers.1.lora_b", 0.3 * jax.random.normal(jax.random.key(3), (2, n_out)))
+
+
+def test_torch_names_follow_the_leaf_shapes_not_the_tree_definition_alone(tmp_path):
+    """The names were cached per tree definition, which a Dense(4, 2) and a Dense(4, 3) head
+    share: after the 2-output model (a notebook's first cell), ``save_lora`` of the 3-output
+    one failed in numpy ("value array of shape (3,2) could not be broadcast ...") and
+    ``load_lora`` refused its valid adapter as one for "(4 inputs, 2 outputs)". The
+    reference: the fresh-cache save (equal tensors), and PEFT on the torch model."""
+    _names._TORCH_NAMES.clear()
+    ft.nn.save_lora(_adapted(3), tmp_path / "fresh")  # as a fresh process saves it
+    _names._TORCH_NAMES.clear()
+    ft.nn.save_lora(_adapted(2), tmp_path / "two")  # the cache holds the 2-output model's names
+    ft.nn.save_lora(_adapted(3), tmp_path / "three")
+    fresh, three = (safetensors.numpy.load_file(tmp_path / d / "adapter_model.safetensors") for d in ("fresh", "three"))
+    assert fresh.keys() == three.keys() and all(np.array_equal(fresh[k], three[k]) for k in fresh)
+    _names._TORCH_NAMES.clear()
+    ft.nn.lora(_sequential(2), "*", rank=2, key=jax.random.key(2))  # the cache again holds the 2-output names
+    loaded = ft.nn.load_lora(_sequential(3), tmp_path / "three")
+    torch_model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    state = ft.interop.torch_state_dict(_sequential(3), numpy=True)
+    torch_model.load_state_dict({k: torch.tensor(np.array(v)) for k, v in state.items()})
+    peft_model = peft.PeftModel.from_pretrained(torch_model, str(tmp_path / "three")).eval()
+    x = np.asarray(jax.random.normal(jax.random.key(4), (5, 4)))
+    with torch.no_grad():
+        expected = peft_model(torch.tensor(x)).numpy()
+    assert not np.allclose(expected, np.asarray(_sequential(3)(x)), atol=1e-2)  # the adapter changes the outputs
+    assert_close(loaded(x), expected)
+    assert_close(_adapted(3)(x), expected)
+
 DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 

@@ -8,9 +8,9 @@ What PEFT's files (:mod:`._peft`) and ``ft.nn.lora``'s patterns name layers by.
 The names come from the converters themselves: a copy of the model whose leaves are small
 arrays holding a code per ``Dense`` member (no copy of the weights) goes through
 :func:`ft.hf.to_hf_state_dict` (or ``torch_state_dict``), and the code found in each
-tensor names its layer; computed once per tree definition. ``ft.nn.lora`` reads Hugging
-Face's names through :data:`functree.nn._lora.FOREIGN_NAMES`, where this module registers
-:func:`hf_names` (``ft.nn`` sits below this package and cannot import it).
+tensor names its layer; computed once per tree definition and leaf shapes. ``ft.nn.lora``
+reads Hugging Face's names through :data:`functree.nn._lora.FOREIGN_NAMES`, where this
+module registers :func:`hf_names` (``ft.nn`` sits below this package and cannot import it).
 """
 
 from __future__ import annotations
@@ -86,10 +86,13 @@ def torch_names(model: Any, torch_too: bool = True) -> TorchNames:
     index; every other leaf is NaN (no code, whatever a conversion does to it). A Linear's
     weight comes back ``[out, 1]``, a Conv1D's ``[1, out]``: the codes name the member(s) of
     each tensor, the indices where each output went (a fused projection's rows, a permuted
-    layout). Cached per tree definition."""
+    layout). Cached per tree definition and leaf shapes: the markers, and so the positions
+    and sizes found, follow the shapes (a ``Dense(4, 2)`` and a ``Dense(4, 3)`` head share a
+    tree definition)."""
     base = unwrapped(model)
-    treedef = jax.tree.structure(base, is_leaf=is_none)
-    key, found = cached(_TORCH_NAMES, treedef)
+    leaves, treedef = jax.tree.flatten(base, is_leaf=is_none)
+    shapes = tuple(getattr(x, "shape", ()) for x in leaves)  # (np.shape: ~7 us a jax.Array)
+    key, found = cached(_TORCH_NAMES, (treedef, shapes))
     if found is not None and (found.is_hf or torch_too):
         return found
     # No Hugging Face names: nothing to convert. A port inside a Stack (an ensemble of from_hf

@@ -151,7 +151,6 @@ def test_torch_names_are_cached_per_tree_definition(base):
     assert _names.torch_names(jax.tree.map(lambda x: x, base)) is first
 
 
-
 def _sequential(n_out):
     return ft.nn.Sequential(ft.nn.Dense(4, 4, key=jax.random.key(0)), ft.nn.Dense(4, n_out, key=jax.random.key(1)))
 
@@ -187,6 +186,7 @@ def test_torch_names_follow_the_leaf_shapes_not_the_tree_definition_alone(tmp_pa
     assert not np.allclose(expected, np.asarray(_sequential(3)(x)), atol=1e-2)  # the adapter changes the outputs
     assert_close(loaded(x), expected)
     assert_close(_adapted(3)(x), expected)
+
 
 DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)

@@ -1090,3 +1090,62 @@ stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.
     for cell in ("stack(x)", "G2 = 2.0", "Cfg.__init__.__defaults__ = (Cfg.__init__.__defaults__[0], 0.7)",
                  "G3 = 0.25", "POST = -2.0"):
         _eager_matches_unrolled(run(cell))
+
+
+class _Recip(ft.Module):
+    """``x + 1 / (w * s) + [s is a Python float]`` with a static ``s``: ``s = -0.0`` gives ``-inf``."""
+
+    w: jax.Array
+    s: float = ft.field(static=True, default=1.0)
+
+    def __call__(self, x):
+        typed = 1.0 if isinstance(self.s, float) else 0.0  # what a block may do with the type
+        return x + 1.0 / (self.w * self.s) + typed
+
+
+def _recip_stack(s):
+    return ft.nn.Stack(lambda k: _Recip(jnp.ones(2), s), 2, key=jax.random.key(0))  # pyright: ignore[reportCallIssue]
+
+
+def test_an_eager_stack_keys_its_blocks_static_values_by_exact_type_and_value():
+    """main: the compiled scan's key compared the blocks' static values with ==, so a stack
+    with s = -0.0 after one with s = 0.0 ran the first's program ([inf inf], not the
+    members' [-inf -inf]); s = 2.0 after np.float32(2.0) ran the program of a non-float."""
+    x = jnp.zeros(2)
+    _recip_stack(0.0)(x)  # fills the cache
+    second = _recip_stack(-0.0)
+    with np.errstate(divide="ignore"):
+        expected = 0.0 + 2 * (1.0 / (np.ones(2) * -0.0) + 1.0)  # x + 1 / (w * s) + 1, twice: -inf
+    np.testing.assert_array_equal(np.asarray(second[1](second[0](x))), expected)  # the members one by one
+    np.testing.assert_array_equal(np.asarray(second(x)), expected)  # main: [inf inf]
+    # the type of an equal value: a block's Python sees np.float32(2.0) is not a float
+    _recip_stack(np.float32(2.0))(x)
+    plain = _recip_stack(2.0)
+    np.testing.assert_array_equal(np.asarray(plain(x)), np.asarray(plain.unstack()(x)))  # main: the float32's
+    np.testing.assert_array_equal(np.asarray(plain(x)), np.full(2, 2 * (0.5 + 1.0)))
+
+
+class _Knobs:  # a plain mutable object, hashed by identity
+    def __init__(self):
+        self.gain = 1.0
+
+
+class _Knobbed(ft.Module):
+    w: jax.Array
+    knobs: _Knobs = ft.field(static=True, default=None)
+
+    def __call__(self, x):
+        return x * self.w * self.knobs.gain
+
+
+def test_an_eager_stack_sees_a_mutable_static_object_edited_in_place():
+    """main: a static field holding a mutable object keyed the compiled scan by identity, so
+    after ``knobs.gain = 0.5`` the stack kept computing with 1.0 ([8 8], the members [1 1]).
+    Such a value cannot be keyed by its state cheaply: the scan is traced afresh."""
+    knobs = _Knobs()
+    stack = ft.nn.Stack(lambda k: _Knobbed(jnp.full(2, 2.0), knobs), 3, key=jax.random.key(0))  # pyright: ignore[reportCallIssue]
+    x = jnp.ones(2)
+    np.testing.assert_array_equal(np.asarray(stack(x)), np.full(2, (2.0 * 1.0) ** 3))
+    knobs.gain = 0.5
+    np.testing.assert_array_equal(np.asarray(stack(x)), np.full(2, (2.0 * 0.5) ** 3))  # main: [8 8]
+    np.testing.assert_array_equal(np.asarray(stack.unstack()(x)), np.full(2, 1.0))

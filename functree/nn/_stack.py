@@ -11,6 +11,7 @@ array (see :mod:`functree._stacked`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -153,7 +154,10 @@ class Stack(Layer):
     call re-reads, for every block class of the user's, its ``__call__`` (patched or not),
     the methods and class attributes it names on ``self``, and the globals their code names
     (a notebook's ``GAIN = 0.0`` is seen, as by a Python loop over the members); a block
-    reading what cannot be keyed cheaply (a large NumPy array) is traced at every call.
+    reading what cannot be keyed cheaply (a large NumPy array), or holding a plain mutable
+    object as a static value (keyed by identity, it could be edited in place), is traced at
+    every call. The blocks' static values are keyed by exact type and value (``-0.0`` is not
+    ``0.0``, ``np.float32(2.0)`` is not ``2.0``), not by ``==``.
     Inside ``jax.jit`` it is the jaxpr's own ``scan`` and jit's rule applies: what was read
     while tracing stays until the function is traced again.
 
@@ -403,8 +407,8 @@ def _item(a: Any, i: int) -> Any:
 
 
 # An eager call's compiled scan, one per structure and abstract signature of its inputs
-# (tree definitions, the extra arguments' static values, every array's shape, dtype and
-# weak type) and per value of what the blocks' Python reads (``_reads.reads_key``: a
+# (tree definitions, the blocks' and the extra arguments' static values by exact type and
+# value, every array's shape, dtype and weak type) and per value of what the blocks' Python reads (``_reads.reads_key``: a
 # notebook's global, a patched ``__call__``): ``signature -> ((classes, functions), {reads:
 # run})``. Keys hold no arrays, bounded like every tree-definition cache.
 _SCANS: dict[Any, tuple[tuple[Any, Any], dict[Any, Callable[..., Any]]]] = {}
@@ -427,6 +431,47 @@ def _static_key(v: Any) -> Any:
     if isinstance(v, (float, complex)):
         return type(v), v, repr(v)
     return type(v), v
+
+
+_UNKEYED = object()  # a static value keyed by neither type and value nor code: no compiled scan
+
+
+def _exact_key(v: Any) -> Any:
+    """A static value's key by exact type and value, recursively (``0.0`` and ``-0.0``,
+    ``0.5`` and ``np.float32(0.5)``, a dataclass field with ``compare=False`` differ, as in
+    the program they make); a callable by itself (its code is keyed by ``reads_key``); or
+    :data:`_UNKEYED` for a plain object compared by identity (a mutable ``Knobs()``: edited
+    in place it would keep the program its old state made)."""
+    if v is None or v is Ellipsis:
+        return v
+    if (k := _static_key(v)) is not None:
+        return k
+    if isinstance(v, (tuple, list, frozenset, set)):
+        items = sorted(v, key=repr) if isinstance(v, (frozenset, set)) else v
+        return _exact_parts(type(v), items)
+    if isinstance(v, dict):
+        return _exact_parts(type(v), [x for pair in v.items() for x in pair])
+    if isinstance(v, Module):
+        return _exact_parts(type(v), [v.__dict__.get(n) for n in type(v).__ft_fields__])  # type: ignore[attr-defined]
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return _exact_parts(type(v), [getattr(v, f.name) for f in dataclasses.fields(v)])
+    if callable(v) or type(v).__eq__ is not object.__eq__:
+        return type(v), v  # code (keyed by reads_key), or a value type with its own equality
+    return _UNKEYED
+
+
+def _exact_parts(kind: type, parts: Sequence[Any]) -> Any:
+    keys = tuple(_exact_key(x) for x in parts)
+    return _UNKEYED if any(k is _UNKEYED for k in keys) else (kind, keys)
+
+
+def _static_values_key(stack: Stack) -> Any:
+    """The exact keys (:func:`_exact_key`) of the static fields of ``stack`` and of every
+    module in it, in walk order; :data:`_UNKEYED` if one has none. The tree definition
+    compares static values with ``==``, which calls ``-0.0`` ``0.0``."""
+    nodes = [stack, *(v for _, v in walk(stack))]
+    return _exact_parts(tuple, [m.__dict__.get(n) for m in nodes if isinstance(m, Module)
+                                for n in type(m).__ft_static__])  # type: ignore[attr-defined]
 
 
 def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ...],
@@ -456,7 +501,10 @@ def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ..
     dynamic, dynamic_def = jax.tree.flatten((stack, x, keys, cache, arrays))
     if not all(map(is_array_value, dynamic)):
         return None
-    signature = (dynamic_def, extra_def, tuple(static), tuple(jax.typeof(a) for a in dynamic))
+    statics = _static_values_key(stack)
+    if statics is _UNKEYED:  # a mutable object as a static value: traced afresh, never stale
+        return None
+    signature = (dynamic_def, statics, extra_def, tuple(static), tuple(jax.typeof(a) for a in dynamic))
     key, entry = cached(_SCANS, signature)
     if key is None:
         return None

@@ -172,3 +172,97 @@ def test_a_field_named_v_outside_adafactor_is_not_a_moment():
     assert "v" not in ft.optim.moments(state)
     factored = ft.optim.Optimizer(optax.adafactor(0.1, min_dim_size_to_factor=1)).init({"w": jnp.ones((3, 2))})
     assert {"v_row", "v_col", "v"} <= set(ft.optim.moments(factored))  # adafactor's still read
+
+
+# --- moments not shaped like the parameters; states of another optimizer ---------------------
+_W = {"w": jax.random.normal(jax.random.key(0), (4, 3)), "b": jnp.zeros(3)}
+_XS, _YS = jax.random.normal(jax.random.key(1), (8, 4)), jax.random.normal(jax.random.key(2), (8, 3))
+
+
+def _mse(m):
+    return jnp.mean((_XS @ m["w"] + m["b"] - _YS) ** 2)
+
+
+@pytest.mark.parametrize("make", [lambda: optax.flatten(optax.adam(1e-2)),
+                                  lambda: optax.flatten(optax.sgd(1e-2, momentum=0.9)),
+                                  lambda: optax.contrib.galore(1e-2)],
+                         ids=["flatten-adam", "flatten-sgd-momentum", "galore"])
+def test_moments_not_shaped_like_the_parameters_run_as_plain_optax(make):
+    """flatten's mu/trace is one (15,) vector, GaLore's mu a (3, 3) low-rank projection of the
+    (4, 3) gradient: the check refused each at the first step of a fresh state ("made for a
+    model of another structure ... the state a leaf of shape (15,)")."""
+    tx = make()
+    ref, ref_state = dict(_W), tx.init(_W)
+    opt = ft.optim.Optimizer(tx)
+    ours, state = dict(_W), opt.init(_W)
+    for _ in range(3):
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float literals and int counts
+            updates, ref_state = tx.update(jax.grad(_mse)(ref), ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+        ours, state, _ = opt.minimize(_mse, ours, state)
+    assert jax.tree.structure(ours) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):  # measured: bit for bit
+        np.testing.assert_allclose(a, b, rtol=0, atol=0)
+
+
+def test_a_flattened_moment_of_another_model_is_refused_with_both_shapes():
+    opt = ft.optim.Optimizer(optax.flatten(optax.adam(1e-2)))
+    state = opt.init(_W)
+    grown = {"w": jnp.ones((5, 3)), "b": jnp.zeros(3)}
+    with pytest.raises(ValueError, match=r"(?s)another structure: its moment mu .* a state made for this model has a "
+                                         r"moment of shape \(18,\) there, the given \(15,\).*opt_state = optimizer.init"):
+        opt.minimize(lambda m: jnp.sum(m["w"] ** 2) + jnp.sum(m["b"]), grown, state)
+
+
+_M = {"a": {"w": jnp.ones((3, 2))}, "b": {"w": jnp.ones((2,))}, "c": jnp.ones(())}
+
+
+def _mloss(m):
+    return jnp.sum(m["a"]["w"] ** 2) + jnp.sum(jnp.sin(m["b"]["w"])) + m["c"] ** 2
+
+
+_REBUILT = {  # (the optimizer that made the state, the rebuilt one, what the rebuilt one's state holds at the path)
+    "average": (fo.adam(1e-2), dict(transform=fo.adam(1e-2), average=fo.ema(0.9)), r"<root>.*a tuple of length 2"),
+    "multisteps": (optax.adam(1e-2), dict(transform=optax.MultiSteps(optax.adam(1e-2), 2)), r"<root>.*a MultiStepsState"),
+    "chain-clip": (fo.adam(1e-2), dict(transform=optax.chain(optax.clip_by_global_norm(1.0), fo.adam(1e-2))),
+                   r"<root>.*a tuple of length 2"),
+    "masked": (fo.adam(1e-2), dict(transform=optax.masked(fo.adam(1e-2), {"a": {"w": True}, "b": {"w": True}, "c": False})),
+               r"<root>.*a MaskedState"),
+    "optax-adamw": (optax.adam(1e-2), dict(transform=optax.adamw(1e-2)), r"<root>.*a tuple of length 3"),
+    "inject-schedule": (optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+                        dict(transform=optax.inject_hyperparams(optax.adam)(learning_rate=optax.linear_schedule(1e-2, 0, 10))),
+                        r"hyperparams_states.*keys \['learning_rate'\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(_REBUILT))
+def test_a_state_of_another_optimizer_is_refused_by_name(case):
+    """A plain optimizer's state given to a rebuilt one crashed inside optax ("'HyperState'
+    object is not subscriptable", "no attribute 'gradient_step'", "has no len()",
+    "'inner_state'", chain's "number of updates and states", KeyError 'learning_rate')."""
+    made_by, rebuilt, where = _REBUILT[case]
+    old = ft.optim.Optimizer(made_by)
+    model, state, _ = old.minimize(_mloss, _M, old.init(_M))
+    new = ft.optim.Optimizer(**rebuilt)
+    with pytest.raises(ValueError, match=r"(?s)made by another optimizer than this one: at " + where +
+                                         r".*make a new state.*state = opt.init\(model\)") as e:
+        new.minimize(_mloss, model, state)
+    settable = "ft.optim.set_hyperparameters(state" in str(e.value)
+    assert settable == (case not in ("optax-adamw", "multisteps"))  # offered where the old state holds settable hyperparameters
+    after, _, _ = new.minimize(_mloss, model, new.init(model))  # the fix
+    assert jax.tree.structure(after) == jax.tree.structure(_M)
+
+
+def test_a_state_of_another_optimizer_is_refused_in_a_compiled_step():
+    step = ft.train.train_step(lambda m, x: _mloss(m) * x, ft.optim.Optimizer(fo.adam(1e-2), average=fo.ema(0.9)))
+    state = ft.optim.Optimizer(fo.adam(1e-2)).init(_M)
+    with pytest.raises(ValueError, match=r"made by another optimizer than this one: at <root> the state holds a "
+                                         r"HyperState \(hyperparameters learning_rate, beta1, beta2, epsilon"):
+        step(_M, state, jnp.ones(()))
+
+
+def test_check_state_fits_without_init_reads_the_moments_only():
+    inner = optax.flatten(optax.adam(0.1)).init(_W)
+    with pytest.raises(ValueError, match=r"its moment mu differs from the gradients at <root>"):
+        check_state_fits(inner, _W)  # no fresh state to compare with: the moments are read as per-parameter
+    check_state_fits(inner, _W, optax.flatten(optax.adam(0.1)).init, _W)

@@ -11,11 +11,11 @@ import numpy as np
 import optax
 
 from functree._parameters import first_difference
-from functree._tree import bounded_put, cached, dotted_name, is_none
+from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
 from functree.optim._complex import RealPair
 
 __all__ = ["check_gradients", "checked_gradients", "check_state_fits", "keep_unchanged", "descent_direction",
-           "STATE_MISMATCH", "STATE_WITHOUT_MOMENT", "STATE_FOR_ALL_PARAMETERS"]
+           "STATE_MISMATCH", "STATE_WITHOUT_MOMENT", "STATE_FOR_ALL_PARAMETERS", "STATE_OF_ANOTHER_OPTIMIZER"]
 
 GRADIENT_MISMATCH = """\
 The gradient does not fit the model's parameters at {path}: {detail}.
@@ -76,6 +76,25 @@ partial gradients; a None gradient leaves its parameter and moments unchanged:
     wrong:  ft.optim.Optimizer(tx, wrt="head.*").apply_gradients(grads, model, state)
     right:  grads = ft.gradient(loss_fn, at=model, wrt="head.*")      # loss_fn(model) -> loss
             model, state = ft.optim.Optimizer(tx).apply_gradients(grads, model, state)
+"""
+
+
+STATE_OF_ANOTHER_OPTIMIZER = """\
+The optimizer state was made by another optimizer than this one: at {path} the state holds \
+{given}, this optimizer's state holds {expected}. A state continues the optimizer that made it; \
+after rebuilding the optimizer (average=, optax.MultiSteps, optax.chain(clip, ...), optax.masked, \
+adam -> adamw, a number -> a schedule), make a new state for it (its moments start again from zero):
+
+    wrong:  state = ft.optim.Optimizer(tx).init(model)
+            ft.optim.Optimizer(tx, average=ft.optim.ema(0.9)).apply_gradients(grads, model, state)
+    right:  opt = ft.optim.Optimizer(tx, average=ft.optim.ema(0.9))
+            state = opt.init(model)                                       # moments from zero
+{settable}"""
+
+# Added to STATE_OF_ANOTHER_OPTIMIZER where the old state holds settable hyperparameters.
+_SET_INSTEAD = """\
+       or, to change a hyperparameter's value only, keep the optimizer that made the state:
+            state = ft.optim.set_hyperparameters(state, learning_rate=1e-4)  # no new state, no recompile
 """
 
 
@@ -168,15 +187,23 @@ def _signature(tree: Any) -> tuple[Any, tuple[tuple[int, ...], ...]]:
     return treedef, tuple(np.shape(x) for x in leaves)
 
 
-def check_state_fits(inner: Any, grads: Any) -> None:
+def check_state_fits(inner: Any, grads: Any, init: Any = None, params: Any = None) -> None:
     """Raise :data:`STATE_MISMATCH` where a moment tree of the transform's state ``inner``
     (an optax state's ``mu``, ``nu``, ``trace`` ...) does not have the structure and shapes
     of ``grads`` (the mode-free parameter view's), naming the first differing key path:
-    optax's own error, raised inside ``jax.tree.map``, names neither the state nor the fix.
+    optax's own error, raised inside ``jax.tree.map``, names neither the state nor the fix;
+    and, given the transform's ``init`` and ``params``, :data:`STATE_OF_ANOTHER_OPTIMIZER`
+    where ``inner``'s tree definition is not that of a fresh state (made by another
+    optimizer: a wrapper added, adam -> adamw).
+
+    The fresh state is ``jax.eval_shape(init, params)`` (no device work), once per
+    transform and definition and shapes of ``params``. A moment whose fresh tree is not
+    shaped like the gradients (``optax.flatten``'s one vector, GaLore's low-rank
+    projection) is compared with the fresh one instead of the gradients.
 
     Runs where the update is traced (once per compilation under ``jit``), and on an eager
-    update once per pair of definitions and leaf shapes (a flatten and a dict lookup
-    afterwards). A masked parameter's moment (``optax.MaskedNode``) fits any gradient,
+    update once per transform and pair of definitions and leaf shapes (a flatten and a
+    dict lookup afterwards). A masked parameter's moment (``optax.MaskedNode``) fits any gradient,
     and any moment subtree but ``None`` fits a gradient leaf (a complex parameter's
     :class:`RealPair`); every moment leaf's shape is checked: the gradient's running sums
     (``mu``, ``trace``, ``velocity``) have its shape, second moments (``nu``,
@@ -196,16 +223,155 @@ def check_state_fits(inner: Any, grads: Any) -> None:
       ...     print(str(e).splitlines()[0][:80])
       The optimizer state was made for a model of another structure: its moment mu dif
     """
-    key, fits = cached(_FITS, (_signature(inner), _signature(grads)))
+    who = _identity(init)
+    key, fits = cached(_FITS, (_signature(inner), _signature(grads), who))
     if fits:
         return
-    for name, moment in _moments(inner):
-        found = _first_misfit(grads, moment, name)
+    fresh = None if init is None else _fresh_state(init, grads if params is None else params, who)
+    expected = {} if fresh is None else {(where, f): m for where, f, m in _moments(fresh)}
+    for where, name, moment in _moments(inner):
+        found = _moment_misfit(grads, moment, name, expected.get((where, name), _UNKNOWN), fresh is not None)
         if found is not None:
             path, detail, kind = found
             raise ValueError(_MESSAGES[kind].format(moment=name, path=path, detail=detail))
-    if key is not None:
+    if fresh is not None:
+        _check_made_here(inner, fresh)
+    if key is not None and (init is None or who is not None):
         bounded_put(_FITS, key, True)
+
+
+_UNKNOWN = object()  # no fresh state to compare with (no ``init`` given, or its eval_shape failed)
+
+
+def _moment_misfit(grads: Any, moment: Any, name: str, fresh: Any, known: bool) -> tuple[str, str, str] | None:
+    """Where ``moment`` does not fit: the gradients, or the fresh state's moment ``fresh``
+    where that is not per-parameter (it does not fit the gradients itself). A moment the
+    fresh state lacks (another optimizer's) is left to :func:`_check_made_here`."""
+    if fresh is _UNKNOWN:
+        return None if known else _first_misfit(grads, moment, name)
+    if _first_misfit(grads, fresh, name) is None:  # per-parameter: the named checks
+        return _first_misfit(grads, moment, name)
+    return _first_other_shape(fresh, moment)
+
+
+def _first_other_shape(fresh: Any, moment: Any) -> tuple[str, str, str] | None:
+    """The first key path where ``moment`` differs from the fresh state's ``fresh`` in
+    structure or a leaf's shape (a moment not shaped like the parameters)."""
+    f_paths, f_def = jax.tree_util.tree_flatten_with_path(fresh)
+    m_leaves, m_def = jax.tree.flatten(moment)
+    if f_def != m_def:
+        return "<root>", f"a state made for this model has {_describe(fresh)}, the given {_describe(moment)}", "structure"
+    for (path, f), m in zip(f_paths, m_leaves):
+        if np.shape(f) != np.shape(m):
+            detail = f"a state made for this model has a moment of shape {np.shape(f)} there, the given {np.shape(m)}"
+            return dotted_name(path) or "<root>", detail, "structure"
+    return None
+
+
+_FRESH: dict[Any, Any] = {}  # (the transform's init, the parameters' signature) -> its state's shapes
+
+
+def _identity(init: Any) -> Any:
+    """A cache key's part for ``init`` (by identity, held weakly); None where there is none."""
+    if init is None:
+        return None
+    try:
+        return WeakIdentity(init)
+    except TypeError:  # an init taking no weak reference: checked, never cached
+        return None
+
+
+def _fresh_state(init: Any, params: Any, who: Any) -> Any:
+    """``init(params)``'s shapes as :meth:`Optimizer.init` stores them (functree transforms'
+    contexts released), or None where ``init`` cannot run on shapes alone."""
+    # imported here: _state imports _hyper, which imports this module
+    from functree.optim._state import release_contexts
+
+    leaves, treedef = jax.tree.flatten(params, is_leaf=is_none)
+    key, fresh = cached(_FRESH, (who, treedef, tuple(None if x is None else (np.shape(x), jnp.result_type(x))
+                                                      for x in leaves)))
+    if fresh is None:
+        try:
+            with jax.numpy_dtype_promotion("standard"):  # as Optimizer.init: optax mixes floats and ints
+                fresh = (release_contexts(jax.eval_shape(init, params)),)
+        except Exception:  # an init reading its parameters' values: only the named moment checks run
+            fresh = (None,)
+        if key is not None and who is not None:
+            bounded_put(_FRESH, key, fresh)
+    return fresh[0]
+
+
+def _check_made_here(inner: Any, fresh: Any) -> None:
+    """:data:`STATE_OF_ANOTHER_OPTIMIZER` at the first node where ``inner`` and ``fresh``
+    differ (type, fields or static values). A difference at a functree transform's own
+    state (other hyperparameter names) or in a group's state is left to that transform's
+    update, whose message names the hyperparameters or the group."""
+    if jax.tree.structure(inner) == jax.tree.structure(fresh):
+        return
+    found = _first_other_node(inner, fresh)
+    if found is None:
+        return
+    path, given, expected = found
+    if _left_to_the_transform(given, expected, path, inner, fresh):
+        return
+    settable = _SET_INSTEAD if any(_settable(x) for x in jax.tree.leaves(inner, is_leaf=_settable)) else ""
+    raise ValueError(STATE_OF_ANOTHER_OPTIMIZER.format(path=dotted_name(path) or "<root>", given=_node(given),
+                                                       expected=_node(expected), settable=settable))
+
+
+def _first_other_node(inner: Any, fresh: Any) -> tuple[tuple[Any, ...], Any, Any] | None:
+    """``(key path, given node, fresh node)`` at the first node where the two trees differ."""
+    stack: list[tuple[tuple[Any, ...], Any, Any]] = [((), inner, fresh)]
+    while stack:
+        path, g, f = stack.pop()
+        g_node, g_children = _one_level(g)
+        f_node, f_children = _one_level(f)
+        if g_node != f_node:
+            return path, g, f
+        stack.extend((path + (k,), gc, fc) for (k, gc), (_, fc) in reversed(list(zip(g_children, f_children))))
+    return None
+
+
+def _is_hyper(x: Any) -> bool:
+    return type(x).__name__ == "HyperState" and (type(x).__module__ or "").startswith("functree")
+
+
+def _settable(x: Any) -> bool:
+    """A node whose hyperparameters ``ft.optim.set_hyperparameters`` sets: functree's, optax.inject_hyperparams'."""
+    return _is_hyper(x) or isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
+
+
+def _left_to_the_transform(given: Any, expected: Any, path: tuple[Any, ...], inner: Any, fresh: Any) -> bool:
+    """Whether a named check downstream raises for this difference: a functree transform's
+    (two HyperStates of other hyperparameter names) or ``ft.optim.groups``' (a group's
+    state of another kind)."""
+    if _is_hyper(given) and _is_hyper(expected):
+        return True
+    from functree.optim._groups import _kinds  # _groups imports _hyper, which imports this module
+
+    for depth in range(len(path) + 1):
+        g, f = _at(inner, path[:depth]), _at(fresh, path[:depth])
+        g_states, f_states = getattr(g, "inner_states", None), getattr(f, "inner_states", None)
+        if isinstance(g_states, dict) and isinstance(f_states, dict):
+            given_kinds = {k: _kinds(v) for k, v in g_states.items()}
+            if any(given_kinds.get(k, ("missing state",)) != _kinds(v) for k, v in f_states.items()):
+                return True
+    return False
+
+
+def _at(tree: Any, path: tuple[Any, ...]) -> Any:
+    for k in path:
+        tree = dict(_one_level(tree)[1])[k]
+    return tree
+
+
+def _node(x: Any) -> str:
+    """A node in a few words: its type, and a HyperState's hyperparameter names."""
+    if _is_hyper(x):
+        return f"a HyperState (hyperparameters {', '.join(x.names) or 'none'}; scheduled {', '.join(x.scheduled_names) or 'none'})"
+    if hasattr(x, "_fields"):
+        return f"a {type(x).__name__} (fields {', '.join(x._fields) or 'none'})"
+    return _describe(x)
 
 
 _MESSAGES = {"structure": STATE_MISMATCH, "static": STATE_STATIC_CHANGED, "untrained": STATE_WITHOUT_MOMENT,
@@ -221,10 +387,10 @@ def _is_moment_state(x: Any) -> bool:
     return (getattr(type(x), "__module__", "") or "").split(".", 1)[0] in ("optax", "functree")
 
 
-def _moments(inner: Any) -> list[tuple[str, Any]]:
-    """The moment trees of ``inner``, each with its field name."""
-    return [(f, getattr(node, f)) for node in jax.tree.leaves(inner, is_leaf=_is_moment_state)
-            if _is_moment_state(node) for f in moment_fields(node)]
+def _moments(inner: Any) -> list[tuple[Any, str, Any]]:
+    """The moment trees of ``inner``, each with its state's key path and its field name."""
+    nodes, _ = jax.tree_util.tree_flatten_with_path(inner, is_leaf=_is_moment_state)
+    return [(path, f, getattr(node, f)) for path, node in nodes if _is_moment_state(node) for f in moment_fields(node)]
 
 
 def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:

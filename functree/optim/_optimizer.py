@@ -403,7 +403,7 @@ class Optimizer:
         given = (jax.tree.structure(grads), None if params is None else jax.tree.structure(params))
         grads, params = mode_free(grads), mode_free(params)
         grads, partial = checked_gradients(grads, params)
-        check_state_fits(state.inner, grads)  # at trace time under jit; cached by definitions
+        check_state_fits(state.inner, grads, self._transform.init, params)  # at trace time under jit; cached
         partial = with_frozen_members(partial, params, frozen)
         grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
         ctx = current(state.context, minibatch_size, loss)
@@ -650,7 +650,7 @@ class Optimizer:
             return None
         # The state is kept mode-free (mode_free): so are the trees the transform sees.
         free = mode_free(descent_direction(grads))
-        check_state_fits(state.inner, free)  # at trace time: this runs inside the compiled step
+        check_state_fits(state.inner, free, self.transform.init, mode_free(params))  # at trace time: in the compiled step
         out = leafwise_gated_update(self.transform, ok, free, model, state,
                                     mode_free(params), minibatch_size=minibatch_size, loss=g.loss)
         if out is None:

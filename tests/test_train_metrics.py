@@ -1,6 +1,7 @@
 """Metrics: accuracy in its label forms, aux means, and their errors."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -209,3 +210,113 @@ def test_keras_weights_after_labels_are_refused_naming_both_readings():
     # A (x, y) batch, or a [N, 1] logit against [N] labels: no second reading, no error.
     out2 = ft.train.StepOutput(jnp.zeros(()), logits[:, None], (x, y), None)
     np.testing.assert_allclose(ft.train.binary_accuracy(out2), expected, rtol=0, atol=1e-6)
+
+
+# --- accuracy over minibatches: Σ hits / Σ counted, not a mean weighted by minibatch size ------
+
+_N, _T, _C = 11, 4, 5
+_SIZES = (4, 1, 6)  # uneven minibatches
+
+
+def _token_data(ignore: bool):
+    """Per-example token logits (a fixed table read by example index: the accuracy does not
+    depend on training), token labels with -100 (``ignore``: more in the small minibatch),
+    and per-example loss values."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(_N, _T, _C)).astype(np.float32)
+    labels = rng.integers(0, _C, size=(_N, _T)).astype(np.int32)
+    if ignore:
+        labels[rng.random((_N, _T)) < 0.4] = -100
+        labels[4] = [np.argmax(logits[4, 0]), -100, -100, -100]  # the 1-example minibatch: 1 hit of 1
+    values = rng.normal(size=(_N,)).astype(np.float32)
+    cuts = np.cumsum((0, *_SIZES))
+    idx = np.arange(_N, dtype=np.int32)
+    data = [(idx[a:b], labels[a:b]) for a, b in itertools.pairwise(cuts)]
+    return logits, labels, values, data
+
+
+def _per_token(logits, labels):
+    """numpy: torch's / HF compute_metrics' token accuracy, labels of -100 left out."""
+    counted = labels != -100
+    return float(np.sum((np.argmax(logits, -1) == labels) & counted) / np.sum(counted))
+
+
+def _trainer(logits, values):
+    table, per_example = jnp.asarray(logits), jnp.asarray(values)
+
+    def loss_fn(model, batch):
+        i = batch[0]
+        return jnp.mean(per_example[i] * (1.0 + model["w"])), table[i]
+
+    # (a learning rate of 0: the loss stays each minibatch's mean of the values)
+    return ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), loss_fn, metrics=[ft.train.accuracy])
+
+
+@pytest.mark.parametrize("ignore", [True, False], ids=["ignored-labels", "every-label"])
+def test_accuracy_over_minibatches_is_the_per_token_accuracy(ignore):
+    # Before: Σ n_b · acc_b / Σ n_b; the reproducer's 3 of 6 and 1 of 1 gave 0.75 for 4/7.
+    logits, labels, values, data = _token_data(ignore)
+    want = _per_token(logits, labels)
+    t = _trainer(logits, values)
+    logged = []
+    t.fit(data, epochs=1, progress=False, log_every=2, callbacks=[lambda c: logged.append(c)])
+    cuts = np.cumsum((0, *_SIZES))
+    atol = 2e-7  # measured: at most 1.3e-8 (float32 hit fractions times float32 sizes), x10 and up
+    np.testing.assert_allclose(t.history.epochs["accuracy"][0], want, rtol=0, atol=atol)
+    np.testing.assert_allclose(t.evaluate(data)["accuracy"], want, rtol=0, atol=atol)
+    window = [c.metrics["accuracy"] for c in logged if c.event == "log"]
+    np.testing.assert_allclose(window, [_per_token(logits[: cuts[2]], labels[: cuts[2]])], rtol=0, atol=atol)
+    steps = [_per_token(logits[a:b], labels[a:b]) for a, b in itertools.pairwise(cuts)]
+    np.testing.assert_allclose(t.history.steps["accuracy"], steps, rtol=0, atol=atol)  # each minibatch's own
+    assert set(t.history.steps) == {"step", "loss", "accuracy", "learning_rate"}  # the parts stay inside
+    assert set(t.evaluate(data)) == {"loss", "accuracy"}
+    # The loss stays the minibatch-size-weighted mean (per example here), as Keras's.
+    np.testing.assert_allclose(t.history.epochs["loss"][0], np.mean(values, dtype=np.float64), rtol=0, atol=atol)
+    np.testing.assert_allclose(t.evaluate(data)["loss"], np.mean(values, dtype=np.float64), rtol=0, atol=atol)
+
+
+def test_accuracy_means_resume_mid_epoch_exactly(tmp_path):
+    logits, labels, values, data = _token_data(True)
+    whole = _trainer(logits, values)
+    whole.fit(data, epochs=1, progress=False)
+    first = _trainer(logits, values)
+    first.fit(data, steps=2, progress=False)
+    first.save(tmp_path / "ck")
+    resumed = _trainer(logits, values).restore(tmp_path / "ck")
+    resumed.fit(data, epochs=1, progress=False)
+    np.testing.assert_allclose(resumed.history.epochs["accuracy"], whole.history.epochs["accuracy"], rtol=0, atol=0)
+    np.testing.assert_allclose(resumed.history.epochs["accuracy"][0], _per_token(logits, labels), rtol=0, atol=2e-7)
+
+
+def test_a_mid_epoch_checkpoint_with_accuracy_means_of_an_older_functree_is_refused(tmp_path):
+    """Its sums hold accuracy weighted by minibatch size and no parts: no sum makes that
+    exact, so the restore refuses it (naming it) rather than mixing the two means."""
+    import json
+
+    from functree.train.checkpoint._checkpoint import metadata_digest
+
+    logits, _labels, values, data = _token_data(True)
+    t = _trainer(logits, values)
+    t.fit(data, steps=2, progress=False)
+    t.save(tmp_path / "ck")
+    path = tmp_path / "ck" / "2" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    for means in meta["config"]["trainer"]["means"].values():  # as the older functree wrote them
+        means["sums"] = {k: v for k, v in means["sums"].items() if "#" not in k}
+    meta["digest"] = metadata_digest(meta)
+    path.write_text(json.dumps(meta))
+    with pytest.raises(ft.train.CheckpointError,
+                       match=r"(?s)at step 2 \(.*ck/2\) holds the epoch's running mean of 'accuracy' without the "
+                             r"counted labels.*right:  trainer\.restore\(path, step="):
+        _trainer(logits, values).restore(tmp_path / "ck")
+
+
+def test_with_parts_and_combine_parts():
+    from functree.train._metrics import combine_parts, with_parts
+
+    parts = with_parts(resolve_metrics([ft.train.accuracy, ft.train.binary_accuracy, ft.train.mean("mse")]))
+    assert sorted(parts) == ["accuracy", "accuracy#count", "accuracy#sum", "binary_accuracy",
+                             "binary_accuracy#count", "binary_accuracy#sum", "mse"]
+    # every label -100: 0, as the minibatch's own accuracy; a NaN part: NaN
+    assert combine_parts({"accuracy": 0.0, "accuracy#sum": 0.0, "accuracy#count": 0.0}) == {"accuracy": 0.0}
+    assert np.isnan(combine_parts({"accuracy#sum": np.nan, "accuracy#count": 2.0})["accuracy"])

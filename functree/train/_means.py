@@ -1,4 +1,6 @@
-"""The job's running means: the log window's and the epoch's, weighted by minibatch size.
+"""The job's running means: the log window's and the epoch's, weighted by minibatch size,
+and a counting metric's (accuracy) by its counted labels: Σ hits / Σ counted, from the
+sums of its two parts (``_metrics.with_parts``).
 
 A :class:`Means` is a value: :meth:`Means.plus` returns a new one, so the job's record
 (:class:`~functree.train._job.JobState`) holds its means as it holds its step count. The
@@ -14,6 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from functree.train._metrics import PART_COUNT, PART_SUM, combine_parts
 
 __all__ = ["Means", "Terms"]
 
@@ -67,8 +71,11 @@ class Means:
 
     def means(self, on_nan: str | None = None) -> dict[str, float]:
         """The means (NaN where every step added was skipped), with ``skipped`` (the steps
-        left out) under ``on_nan="skip"``."""
+        left out) under ``on_nan="skip"``. A counting metric's is Σ hits / Σ counted, its
+        parts' sums' ratio (:func:`~functree.train._metrics.combine_parts`), not its
+        minibatch values' size-weighted mean."""
         values = {k: v / self.weight if self.weight else math.nan for k, v in self.sums.items()}
+        values = combine_parts(values, self.sums if self.weight else values)
         if on_nan == "skip":
             values["skipped"] = self.skipped
         return values
@@ -92,6 +99,15 @@ class Means:
                 and _number(weight) and weight >= 0 and type(skipped) is int and skipped >= 0):
             raise ValueError(f"means {repr(state)[:120]} are not {Means.FORM}")
         return Means({str(k): v for k, v in sums.items()}, weight, skipped)
+
+
+    def inexact(self, names: Any) -> list[str]:
+        """The counting metrics among ``names`` whose mean these sums hold without its
+        parts (written before they were recorded): their size-weighted mean, which no
+        sum can turn into Σ hits / Σ counted (an empty mean has nothing to misread)."""
+        return [n for n in names if self.weight and n in self.sums
+                and not (n + PART_SUM in self.sums and n + PART_COUNT in self.sums)]
+
 
 def _number(value: Any) -> bool:
     """An int or float, not a bool (a NaN sum is a mean under ``on_nan="ignore"``)."""

@@ -6,13 +6,21 @@ several minibatches is the mean weighted by minibatch size,
 
     metric = Σ_b n_b · metric_b / Σ_b n_b,
 
-which is the exact per-example mean for accuracy and for mean-reduced losses. Per-step
-values are written into a device buffer by the step and reach the host only when the
+the exact per-example mean of a mean-reduced loss. It is not one for accuracy, whose
+minibatch value ``hits_b / counted_b`` counts labels, not examples (token labels, labels
+of -100 left out): the Trainer weighs such a metric (one with ``counts``: ``accuracy``,
+``binary_accuracy``) by its counted labels instead, from two parts each step records
+(:func:`with_parts`) and :func:`combine_parts` divides,
+
+    accuracy = Σ_b hits_b / Σ_b counted_b       (torch's and HF's per-token accuracy).
+
+Per-step values are written into a device buffer by the step and reach the host only when the
 training loop reads it (at log intervals): no per-step synchronisation.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -20,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of"]
+__all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of",
+           "with_parts", "combine_parts", "PART_SUM", "PART_COUNT"]
 
 NO_LOGITS = """\
 ft.train.accuracy needs the model's outputs (logits) as the loss function's aux output, \
@@ -161,23 +170,34 @@ def _accuracy_fits(logits: tuple, labels: tuple) -> bool:
         or logits == (*labels, 1)
 
 
-def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
-    """Fraction of examples whose predicted class equals the label (class indices equal to
-    :data:`IGNORE_INDEX` left out; 0 where every label of the minibatch is)."""
+def _accuracy_counts(logits: Any, labels: Any) -> tuple[jax.Array, jax.Array]:
+    """``(hits, counted)``: the labels whose predicted class is theirs, and the labels
+    scored (class indices equal to :data:`IGNORE_INDEX` left out), as float32 counts."""
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if labels.shape == logits.shape[:-1] and logits.shape[-1] > 1:  # class indices
         hits = jnp.argmax(logits, axis=-1) == labels.astype(jnp.int32)
         if jnp.issubdtype(labels.dtype, jnp.signedinteger):
             counted = labels != IGNORE_INDEX
-            total = jnp.sum(counted, dtype=jnp.float32)
-            return jnp.sum(hits & counted, dtype=jnp.float32) / jnp.maximum(total, 1.0)
+            return jnp.sum(hits & counted, dtype=jnp.float32), jnp.sum(counted, dtype=jnp.float32)
     elif labels.shape == logits.shape and logits.ndim >= 2 and logits.shape[-1] > 1:  # one-hot / probabilities
         hits = jnp.argmax(logits, axis=-1) == jnp.argmax(labels, axis=-1)
     elif labels.shape == logits.shape or logits.shape == (*labels.shape, 1):  # binary: one logit each
         hits = _binary_hits(logits, labels)
     else:
         raise ValueError(SHAPES.format(logits=logits.shape, labels=labels.shape))
-    return jnp.mean(hits.astype(jnp.float32))
+    return jnp.sum(hits, dtype=jnp.float32), jnp.float32(hits.size)
+
+
+def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
+    """Fraction of examples whose predicted class equals the label (class indices equal to
+    :data:`IGNORE_INDEX` left out; 0 where every label of the minibatch is)."""
+    hits, counted = _accuracy_counts(logits, labels)
+    return hits / jnp.maximum(counted, 1.0)
+
+
+def _accuracy_out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
+    logits = _find_logits(out.aux)
+    return _accuracy_counts(logits, _find_labels(out.batch, logits, _accuracy_fits, "accuracy"))
 
 
 def accuracy(out: StepOutput) -> jax.Array:
@@ -212,6 +232,7 @@ def accuracy(out: StepOutput) -> jax.Array:
 
 
 accuracy.of = _accuracy_of  # type: ignore[attr-defined]
+accuracy.counts = _accuracy_out_counts  # type: ignore[attr-defined]  # (hits, counted): with_parts
 
 
 def _binary_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -224,11 +245,22 @@ def _binary_fits(logits: tuple, labels: tuple) -> bool:
     return logits == labels or logits == (*labels, 1)
 
 
-def _binary_accuracy_of(logits: Any, labels: Any) -> jax.Array:
+def _binary_counts(logits: Any, labels: Any) -> tuple[jax.Array, jax.Array]:
+    """``(hits, labels)`` of :func:`binary_accuracy`, as float32 counts."""
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if not _binary_fits(logits.shape, labels.shape):
         raise ValueError(BINARY_SHAPES.format(logits=logits.shape, labels=labels.shape))
-    return jnp.mean(_binary_hits(logits, labels).astype(jnp.float32))
+    return jnp.sum(_binary_hits(logits, labels), dtype=jnp.float32), jnp.float32(labels.size)
+
+
+def _binary_accuracy_of(logits: Any, labels: Any) -> jax.Array:
+    hits, counted = _binary_counts(logits, labels)
+    return hits / jnp.maximum(counted, 1.0)
+
+
+def _binary_out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
+    logits = _find_logits(out.aux)
+    return _binary_counts(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy"))
 
 
 def binary_accuracy(out: StepOutput) -> jax.Array:
@@ -249,6 +281,7 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
 
 
 binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]
+binary_accuracy.counts = _binary_out_counts  # type: ignore[attr-defined]  # (hits, counted): with_parts
 
 BINARY_SHAPES = """\
 ft.train.binary_accuracy: logits of shape {logits} do not fit 0/1 labels of shape {labels}; it
@@ -334,3 +367,58 @@ def batch_size_of(batch: Any) -> int:
         if np.ndim(leaf) >= 1:
             return int(np.shape(leaf)[0])
     return 1
+
+
+PART_SUM, PART_COUNT = "#sum", "#count"
+"""Suffixes of a counting metric's two parts (:func:`with_parts`): per example of the
+minibatch, its hits and its counted labels."""
+
+
+def with_parts(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> dict[str, Callable[[StepOutput], Any]]:
+    """``metrics`` and, for each that counts labels (``fn.counts(out) -> (hits, counted)``:
+    ``accuracy``, ``binary_accuracy``), its parts ``name#sum = hits_b / n_b`` and
+    ``name#count = counted_b / n_b``. Weighted by the minibatch size ``n_b`` (as every
+    mean of the Trainer is), their sums are Σ hits and Σ counted: :func:`combine_parts`'s
+    exact mean. (Per example: a plain hit count would need a weight of 1, which
+    the size-weighted sums of ``evaluate`` cannot give.)
+
+    Example:
+      >>> import functree as ft
+      >>> sorted(with_parts({"acc": ft.train.accuracy}))
+      ['acc', 'acc#count', 'acc#sum']
+    """
+    out = dict(metrics)
+    for name, fn in metrics.items():
+        counts = getattr(fn, "counts", None)
+        if counts is not None:
+            out[name + PART_SUM] = _part(counts, 0)
+            out[name + PART_COUNT] = _part(counts, 1)
+    return out
+
+
+def _part(counts: Callable[[StepOutput], tuple[jax.Array, jax.Array]], i: int) -> Callable[[StepOutput], jax.Array]:
+    def part(out: StepOutput) -> jax.Array:
+        return counts(out)[i] / batch_size_of(out.batch)
+
+    return part
+
+
+def part_names(names: Any) -> set[str]:
+    """The names among ``names`` that are parts (:func:`with_parts`)."""
+    return {n for n in names if n.endswith((PART_SUM, PART_COUNT))}
+
+
+def combine_parts(values: Mapping[str, float], sums: Mapping[str, float] | None = None) -> dict[str, float]:
+    """``values`` with each counting metric's mean ``Σ hits / Σ counted`` (its parts'
+    ``sums``, default ``values``: the parts' means, whose ratio is the same), the parts left
+    out. No label counted (every one -100) gives 0, as a minibatch's accuracy does; NaN
+    parts (a NaN step under ``on_nan="ignore"``, no step) give NaN."""
+    sums = values if sums is None else sums
+    out = {k: v for k, v in values.items() if k not in part_names(values)}
+    for name in [k[: -len(PART_COUNT)] for k in sums if k.endswith(PART_COUNT)]:
+        hits, counted = sums.get(name + PART_SUM, math.nan), sums[name + PART_COUNT]
+        if math.isnan(hits) or math.isnan(counted):
+            out[name] = math.nan
+        else:
+            out[name] = hits / counted if counted else 0.0
+    return out

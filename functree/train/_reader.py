@@ -23,6 +23,7 @@ from functree.train._callbacks import Callback, TrainingContext
 from functree.train._dispatch import call_hooks
 from functree.train._intervals import MetricLog, Reading, snapshot, to_host
 from functree.train._means import Means
+from functree.train._metrics import part_names
 from functree.train._nonfinite import NONFINITE, nonfinite_error, parameter_names, step_provenance
 from functree.train._progress import Progress
 from functree.train._step import TrainStep
@@ -34,8 +35,11 @@ _NO_BAR = Progress(None, enabled=False)
 
 def reads_model(cb: Callback) -> bool:
     """A callback whose ``on_log`` may read ``trainer.model`` (:attr:`Callback.reads_model`):
-    the reader then reads each log interval as it ends."""
-    return type(cb).on_log is not Callback.on_log and bool(getattr(cb, "reads_model", True))
+    the reader then reads each log interval as it ends. ``on_log = None`` (switched off:
+    ``call_hooks`` skips it) overrides nothing."""
+    if getattr(cb, "on_log", None) is None or type(cb).on_log is Callback.on_log:
+        return False
+    return bool(getattr(cb, "reads_model", True))
 
 
 class Reader:
@@ -99,9 +103,10 @@ class Reader:
         # (a fit after the error continues from the step before it).
         keep = int(r.halt[1]) if on_nan == "stop" and int(r.halt[1]) >= 0 else len(r.steps)
         values = {k: v[:keep] for k, v in r.values.items()}
+        parts = part_names(values)  # a counting metric's parts: into the means, not the history
         guard.critical = True  # the interval is read once: a Ctrl-C waits for the bookkeeping
         log.pending.pop(0)
-        t._job.history.add_steps(r.steps[:keep], {**{k: v.tolist() for k, v in values.items()},
+        t._job.history.add_steps(r.steps[:keep], {**{k: v.tolist() for k, v in values.items() if k not in parts},
                                                   **_applied_rates(r, keep, on_nan)})
         log.last_context = None if log.pending or log.buffered else r.context  # the current one
         terms = Means.terms(values, r.weights[:keep], r.nonfinite[:keep] == -1 if on_nan == "skip" else None)

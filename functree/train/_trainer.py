@@ -47,7 +47,13 @@ from functree.train._job import (
     save_job,
 )
 from functree.train._means import Means
-from functree.train._metrics import describe_batch
+from functree.train._metrics import (
+    PART_COUNT,
+    combine_parts,
+    describe_batch,
+    resolve_metrics,
+    with_parts,
+)
 from functree.train._nonfinite import NonFiniteError
 from functree.train._progress import Progress
 from functree.train._reader import Reader, reads_model
@@ -56,10 +62,21 @@ from functree.train._setup import check_key, job_field, make_step
 from functree.train._step import TrainStep
 from functree.train._step_factories import eval_step
 from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
+from functree.train.checkpoint._treespec import CheckpointError
 
 __all__ = ["Trainer", "NonFiniteError"]
 
 ALREADY_DONE = "Trainer.fit at step {step}, epoch {epoch}: nothing to train, the job {why}."
+
+INEXACT_MEANS = """\
+The checkpoint at step {step} ({where}) holds the {which} running mean of {names} without the \
+counted labels: it was written before functree weighed accuracy by its counted labels \
+(Σ hits / Σ counted; before: by minibatch size, which with labels of -100 is another number). \
+The mean of the steps before step {step} cannot be made exact, and continuing it would mix the two.
+
+    wrong:  trainer.restore(path)                  # a checkpoint written mid-epoch by an older functree
+    right:  trainer.restore(path, step=<a step at an epoch's end>)   # its running means are empty
+       or:  finish the epoch with the functree that wrote it, then continue here"""
 
 _LOG = logging.getLogger("functree.train")
 _KEEP: Any = object()  # Trainer.save(extra=) not given: the job's extra is saved
@@ -176,6 +193,8 @@ class Trainer(Evaluation):
         parallel: dict[str, Any] = {}
         if mesh is not None or sharding is not None or compute_dtype is not None:
             parallel = {"mesh": mesh, "data_axis": data_axis, "sharding": sharding, "compute_dtype": compute_dtype}
+        # A counting metric (accuracy) records its parts too: its means are Σ hits / Σ counted.
+        metrics = with_parts(resolve_metrics(metrics))
         self.train_step = make_step(train_step, loss_fn, optimizer, metrics, on_nan, wrt, parallel)
         self.optimizer = self.train_step.optimizer
         self.eval_step = eval_step(loss_fn, metrics=self.train_step.metrics, **parallel)
@@ -353,6 +372,12 @@ class Trainer(Evaluation):
         if self._job.data_state is not None and not isinstance(data, Batches):  # a restored position, used
             self._job = self._job.replace(data_state=None)
         for batch in minibatches:
+            if length is not None and self.batch_in_epoch + len(group) >= length:  # more than len(data)
+                if group:  # the minibatches within len() first: the job ends at its epoch's end
+                    ran += self._run_group(group, k)
+                    group = []
+                    self._after_call(fit)
+                raise self._epochs.past_length(data, length, self._job)
             batch = to_arrays(batch)
             size = self._epochs.minibatch_size(batch, self._job, len(group))
             if log.names is None:
@@ -524,13 +549,32 @@ class Trainer(Evaluation):
         if not isinstance(manager, CheckpointManager):
             with CheckpointManager(manager) as owned:
                 return self.restore(owned, step, optimizer_state=optimizer_state, callbacks=callbacks)
-        self._job, self.checkpoint = read_job(manager, step, self._job, optimizer_state=optimizer_state,
-                                              callbacks=callbacks, placement=self.train_step.placement)
+        job, checkpoint = read_job(manager, step, self._job, optimizer_state=optimizer_state,
+                                   callbacks=callbacks, placement=self.train_step.placement)
+        self._check_means(job, f"{manager.directory}/{checkpoint.step}")
+        self._job, self.checkpoint = job, checkpoint
         job = self._job  # its arrays (PLACED) on the model's devices, whatever the reader placed them by
         self._job = job._replace(**dict(zip(PLACED, put(tuple(getattr(job, name) for name in PLACED), self._where))))
         self._reader.log.drop()
         self._epochs.forget(restored=True)
         return self
+
+    def _check_means(self, job: JobState, where: str) -> None:
+        """Refuse running means of a counting metric stored without its parts (an older
+        functree's, mid-epoch): read on, the epoch's accuracy would silently mix two means."""
+        counting = [k[: -len(PART_COUNT)] for k in self.train_step.metrics if k.endswith(PART_COUNT)]
+        for which, means in (("epoch's", job.epoch_means), ("log window's", job.window)):
+            names = means.inexact(counting)
+            if names:
+                raise CheckpointError(INEXACT_MEANS.format(step=job.steps_run, where=where,
+                                                           which=which, names=", ".join(map(repr, names))))
+
+    def evaluate(self, data: Any, *, batch_size: int | None = None, averaged: bool = False) -> dict[str, float]:
+        """The loss and metrics of the model (inference mode) over ``data``
+        (:meth:`Evaluation.evaluate`): the loss and plain metrics weighted by minibatch size,
+        a counting metric (``accuracy``) by its counted labels, Σ hits / Σ counted over
+        every minibatch (labels of -100 left out, as torch's and HF's per-token accuracy)."""
+        return combine_parts(super().evaluate(data, batch_size=batch_size, averaged=averaged))
 
     def __repr__(self) -> str:
         return f"Trainer({self.train_step!r}, steps_run={self.steps_run}, epoch={self.epoch})"

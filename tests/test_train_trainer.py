@@ -566,3 +566,63 @@ def test_a_skipped_steps_learning_rate_row_is_nan():
     applied = np.delete(np.arange(len(rows)), left_out)
     expected = [float(optax.warmup_cosine_decay_schedule(0.0, 0.05, 4, 12, 0.001)(k)) for k in range(len(applied))]
     np.testing.assert_allclose(rows[applied], expected, rtol=0, atol=1e-8)
+
+
+class _LongerThanLen:
+    """len() ``n``, but ``n + 1`` minibatches an epoch (a __len__ counting something else)."""
+
+    def __init__(self, n):
+        rng = np.random.default_rng(3)
+        self.n = n
+        self.batches = [(rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(4, 1)).astype(np.float32))
+                        for _ in range(n + 1)]
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+@pytest.mark.parametrize("k, n", [(1, 2), (2, 3)], ids=["one-step-calls", "steps_per_call=2"])
+def test_data_yielding_more_minibatches_than_its_len_is_an_error_before_the_step(tmp_path, k, n):
+    # Before: step n + 1 ran, and its checkpoint stored batch_in_epoch n + 1 of an epoch of n,
+    # which the restore refuses (PAST_EPOCH_END). With k = 2 the n-th minibatch waits in a
+    # group of one when the (n+1)-th comes: it runs first, the job ends at its epoch's end.
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+    def make():
+        return ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.sgd(0.1), loss_fn)
+
+    t = make()
+    saves = [ft.train.ModelCheckpoint(tmp_path / "ck", every_steps=1, max_to_keep=None)] if k == 1 else []
+    with pytest.raises(ValueError, match=rf"(?s)step {n + 1}: the data \(_LongerThanLen\) gave minibatch {n} of "
+                                         rf"epoch 0 \(counted from 0\), but its len\(\) is {n}.*stopped at step {n}.*"
+                                         r"right:  def __len__.*or:  no __len__"):
+        t.fit(_LongerThanLen(n), epochs=2, progress=False, steps_per_call=k, callbacks=saves)
+    assert (t.steps_run, t.epoch, t.batch_in_epoch) == (n, 0, n)
+    if k != 1:
+        t.save(tmp_path / "ck")  # the job at the epoch's last step
+    with ft.train.CheckpointManager(tmp_path / "ck") as manager:
+        assert manager.all_steps() == (list(range(1, n + 1)) if k == 1 else [n])
+    for step in range(1, n + 1) if k == 1 else [n]:  # every checkpoint written restores
+        assert make().restore(tmp_path / "ck", step=step).batch_in_epoch == step
+
+
+def test_a_callback_whose_on_log_is_none_does_not_read_the_model():
+    # Before: `on_log = None` (switched off) counted as an override: the Trainer read every
+    # log interval as it ended (waiting for the device) for a hook that is never called.
+    from functree.train._reader import reads_model
+
+    class Off(ft.train.Callback):
+        on_log = None
+
+    class Reads(ft.train.Callback):
+        def on_log(self, trainer, context):
+            pass
+
+    off = Reads()
+    off.on_log = None  # switched off on the instance
+    assert not reads_model(Off()) and not reads_model(off)
+    assert reads_model(Reads()) and not reads_model(ft.train.Callback())

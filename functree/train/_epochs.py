@@ -65,6 +65,17 @@ job was trained on, or start a new job (a fresh Trainer) for new data:
     wrong:  trainer.restore(path); trainer.fit(other_data, epochs=10)
     right:  trainer.restore(path); trainer.fit(same_data, epochs=10)"""
 
+LONGER_THAN_LEN = """\
+step {step}: the data ({kind}) gave minibatch {index} of epoch {epoch} (counted from 0), but \
+its len() is {length}: it yields more minibatches than len() says. len() counts the epoch \
+(its end, the progress bar, and where a restored job resumes), so a checkpoint past it would \
+point nowhere. The job stopped at step {last}, the last step of the {length} minibatches \
+len() promised. Make len() the number of minibatches an epoch yields, or give the data no __len__:
+
+    wrong:  def __len__(self): return len(self.examples)          # examples, not minibatches
+    right:  def __len__(self): return math.ceil(len(self.examples) / self.batch_size)
+       or:  no __len__ (the epoch ends when the iterator does)"""
+
 
 EMPTY_MINIBATCH = """\
 step {step}: minibatch {index} of epoch {epoch} is empty (0 examples; minibatches and epochs \
@@ -207,6 +218,16 @@ class Epochs:
         if (self.restored and job.batch_in_epoch and length is not None and job.epoch_length is not None
                 and length != job.epoch_length):
             raise ValueError(DATA_LENGTH_CHANGED.format(saved=job.epoch_length, given=length, step=job.steps_run))
+
+    @staticmethod
+    def past_length(data: Any, length: int, job: JobState) -> ValueError:
+        """The error of a minibatch past ``len(data)``, raised before it runs: its step would
+        store a position past the epoch's end, which a restore refuses
+        (``_job.PAST_EPOCH_END``). (An error, not torch's warning with the length then
+        unknown: a wrong len() is wrong again at every resume, which skips by it.)"""
+        return ValueError(LONGER_THAN_LEN.format(step=job.steps_run + 1, kind=type(data).__name__,
+                                                 index=job.batch_in_epoch, epoch=job.epoch, length=length,
+                                                 last=job.steps_run))
 
     def minibatch_size(self, batch: Any, job: JobState, offset: int) -> int:
         """The minibatch's size; an empty minibatch is an error naming it (before it

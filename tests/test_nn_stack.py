@@ -6,6 +6,7 @@ import json
 import math
 import re
 import tempfile
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -928,6 +929,66 @@ stack = ft.nn.Stack(lambda key: ft.nn.Dense(3, 3, act, key=key), n=2, key=jax.ra
     ns = run("CYCLE = []\nCYCLE.append(CYCLE)\ndef act(y):\n    return y * len(CYCLE)\n"
              "stack = ft.nn.Stack(lambda key: ft.nn.Dense(3, 3, act, key=key), n=2, key=jax.random.key(0))")
     np.testing.assert_allclose(ns["stack"](ns["x"]), ns["stack"].unstack()(ns["x"]), rtol=0, atol=1e-5)
+
+
+def _numpy_dense_stack(dense, x, gain):
+    """Stacked ``Dense(3, 3)`` layers, each followed by ``y * gain``, in float64 NumPy."""
+    y = np.asarray(x, np.float64)
+    for w, b in zip(np.asarray(dense.weight, np.float64), np.asarray(dense.bias, np.float64)):
+        y = (y @ w + b) * gain
+    return y
+
+
+def test_an_eager_stack_reads_the_globals_of_a_user_callable_object_held_as_a_static_field():
+    """main: only functions held as static values were keyed, not the class of a callable
+    object (``Dense(3, 3, Act())``), so after ``G2 = 2.0`` the eager stack kept G2 = 1.0's
+    program (sum -1.6335, the members one by one -13.068)."""
+    run = notebook()
+    run("""
+class Act:               # equal and hashed alike: the tree definition cannot tell them apart
+    def __call__(self, y):
+        return y * G2
+    def __eq__(self, other):
+        return type(other) is type(self)
+    def __hash__(self):
+        return 1
+G2 = 1.0
+stack = ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, Act(), key=k), 3, key=jax.random.key(0))
+stack(x)
+""")
+    for cell, gain in (("pass", 1.0), ("G2 = 2.0", 2.0), ("Act.__call__ = lambda self, y: y * -G2", -2.0)):
+        ns: dict[str, Any] = run(cell)
+        stack, x = ns["stack"], ns["x"]
+        expected = _numpy_dense_stack(stack.layers, x, gain)
+        np.testing.assert_allclose(stack.unstack()(x), expected, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(stack(x), expected, rtol=0, atol=1e-4)  # main: G2 = 1.0's
+
+
+def test_an_eager_stack_reads_the_globals_of_a_frozen_dataclass_activation_of_a_user_block():
+    """main: a frozen dataclass activation reading ``GAIN`` kept the first cell's program in
+    an eager stack of user blocks after ``GAIN = 0.0`` (the members gave 0)."""
+    run = notebook()
+    run("""
+import dataclasses
+GAIN = 1.0
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    def __call__(self, y):
+        return y * GAIN
+class Block(ft.Module):
+    lin: ft.nn.Dense
+    act: object = ft.field(static=True, default=None)
+    def __call__(self, x):
+        return self.act(self.lin(x))
+stack = ft.nn.Stack(lambda k: Block(ft.nn.Dense(3, 3, key=k), Scaled()), 2, key=jax.random.key(0))
+stack(x)
+""")
+    for cell in ("GAIN = 0.0", "GAIN = -3.0"):
+        ns: dict[str, Any] = run(cell)
+        stack, x = ns["stack"], ns["x"]
+        expected = _numpy_dense_stack(stack.layers.lin, x, ns["GAIN"])
+        np.testing.assert_allclose(stack.unstack()(x), expected, rtol=0, atol=1e-4)
+        _eager_matches_unrolled(ns)  # main: GAIN = 1.0's values and gradient
 
 
 def test_an_eager_stack_whose_block_reads_a_large_numpy_global_takes_the_plain_scan():

@@ -151,7 +151,8 @@ class Stack(Layer):
     each block in the backward pass instead of storing its activations. Called eagerly
     (outside ``jax.jit``), the scan compiles once per structure and signature of its
     inputs and per value of what the blocks' Python reads, not at every call: each eager
-    call re-reads, for every block class of the user's, its ``__call__`` (patched or not),
+    call re-reads, for every block class of the user's and the class of every user callable
+    object held as a static value (an activation object), its ``__call__`` (patched or not),
     the methods and class attributes it names on ``self``, and the globals their code names
     (a notebook's ``GAIN = 0.0`` is seen, as by a Python loop over the members); a block
     reading what cannot be keyed cheaply (a large NumPy array), or holding a plain mutable
@@ -523,14 +524,29 @@ def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ..
     return lambda: run(stack, x, keys, cache, arrays)
 
 
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+
+
 def _code_roots(layers: Any) -> tuple[tuple[type, ...], tuple[Any, ...]]:
     """``(classes, functions)`` whose Python an eager scan of ``layers`` runs: the user
     classes of its modules (library classes are fixed code, compared through the tree
-    definition) and the functions held as static values (an activation)."""
+    definition), the functions held as static values (an activation) and the user classes
+    of the callable objects held as static values (``act=Scaled()``: the block runs
+    ``type(act).__call__``, which may read a global the notebook changes)."""
     nodes = [layers, *(v for _, v in walk(layers))]
-    classes = {type(v): None for v in nodes if isinstance(v, Module) and not library_class(type(v))}
-    functions = {id(v): v for v in nodes if isinstance(v, (types.FunctionType, types.MethodType, functools.partial))}
+    classes = {type(v): None for v in nodes if _user_code_object(v)}
+    functions = {id(v): v for v in nodes if isinstance(v, _FUNCTIONS)}
     return tuple(classes), tuple(functions.values())
+
+
+def _user_code_object(v: Any) -> bool:
+    """Whether ``v`` is a Module or a callable object (not a function, a class or an array)
+    of a user class: its class's Python runs when the block calls it."""
+    if isinstance(v, Module):
+        return not library_class(type(v))
+    kind = type(v)  # (builtin functions' classes are library code not bound by their names)
+    return (callable(v) and not isinstance(v, (type, *_FUNCTIONS)) and kind.__module__ != "builtins"
+            and not library_class(kind))
 
 
 def _compiled_scan(extra_def: Any, static: list[Any]) -> Callable[..., Any]:

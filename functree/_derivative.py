@@ -267,9 +267,11 @@ def derivative(
     (``scale=2.0``, a constant) may be left out. The rule is called with the call's own
     arguments: ``of``'s defaults are not filled in (``of=jnp.round`` takes ``x`` alone).
     If ``f`` was declared with
-    :func:`differentiable`, the derivative is registered on it and the decorated function
-    is returned unchanged; otherwise a new differentiable function carrying the derivative
-    is returned.
+    :func:`differentiable`, the derivative is registered on it (replacing one of the same
+    mode) and the decorated function is returned unchanged, unless it has ``f``'s name: then
+    ``f`` is returned (``@ft.derivative(of=q)`` over ``def q``, in a notebook cell run
+    again, replaces the rule and leaves ``q`` differentiable, as the first run did);
+    otherwise a new differentiable function carrying the derivative is returned.
 
     A reverse-mode derivative keeps the pullback's residuals (no recomputation). A forward
     derivative also serves reverse mode, by transposition, when the differential is linear.
@@ -304,9 +306,18 @@ def derivative(
     def register(deriv: Callable[..., Any]) -> Any:
         target = fn if isinstance(fn, DifferentiableFunction) else DifferentiableFunction(fn)
         setattr(target, mode, (deriv, indices))
-        return deriv if target is fn else target
+        return deriv if target is fn and not _rebinds(deriv, target) else target
 
     return register
+
+
+def _rebinds(deriv: Callable[..., Any], target: DifferentiableFunction) -> bool:
+    """Whether the rule is defined under the name of the function it differentiates
+    (``@ft.derivative(of=q)`` over ``def q``): the decorator binds that name, which must stay
+    the differentiable function. A notebook cell re-run passes ``of=`` the wrapper its first
+    run bound there; returning the bare rule would make ``q(x)`` return ``(value, pullback)``."""
+    name = getattr(deriv, "__name__", None)
+    return name is not None and name != "<lambda>" and name == getattr(target, "__name__", None)
 
 
 def _split(result: Any, fn: Callable[..., Any], closure: str) -> tuple[Any, Callable[..., Any]]:

@@ -830,3 +830,56 @@ def test_recomputation_refuses_policies_it_cannot_use() -> None:
         ft.with_recomputation_in_pullbacks(_policy_loss, policy="save_everything")
     with pytest.raises(ValueError, match=r"policy=3 is not a rematerialisation policy"):
         ft.with_recomputation_in_pullbacks(_policy_loss, policy=3)  # pyright: ignore[reportArgumentType]
+
+
+_STE_CELL = '''
+@ft.derivative(of=q)
+def q(x):
+    return jnp.round(x), lambda v: v * SLOPE    # straight-through estimator
+'''
+
+
+def _straight_through_reference(slope: float) -> Any:
+    """round(x) with the pullback ``v * slope``, as a plain ``jax.custom_vjp``."""
+
+    @jax.custom_vjp
+    def q(x: Any) -> Any:
+        return jnp.round(x)
+
+    q.defvjp(lambda x: (jnp.round(x), None), lambda _, v: (v * slope,))
+    return q
+
+
+def _times_x(f: Any) -> Any:
+    return lambda x: f(x) * x
+
+
+def test_a_rule_named_as_its_function_keeps_the_name_differentiable_when_its_cell_runs_again() -> None:
+    """main: a notebook cell ``@ft.derivative(of=q)`` over ``def q`` run a second time got the
+    wrapper as ``of=`` and bound ``q`` to the bare rule: ``q(1.3)`` returned (value, pullback)
+    and following the has_aux hint gave 0.0 instead of the rule's 1.0."""
+    ns: dict[str, Any] = {"ft": ft, "jnp": jnp, "SLOPE": 1.0}
+    exec("def q(x):\n    return jnp.round(x)\n", ns)
+    for run, slope in enumerate((1.0, 1.0, 3.0)):  # the first run, the same cell again, an edited rule
+        ns["SLOPE"] = slope
+        exec(compile(_STE_CELL, f"<cell {run}>", "exec"), ns)
+        q, ref = ns["q"], _straight_through_reference(slope)
+        assert isinstance(q, ft.DifferentiableFunction)
+        np.testing.assert_array_equal(np.asarray(q(1.3)), 1.0)
+        np.testing.assert_allclose(ft.gradient(q, at=1.3), jax.grad(ref)(1.3), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(ft.gradient(_times_x(q), at=1.3),  # 1.3 * slope + round(1.3)
+                                   jax.grad(_times_x(ref))(1.3), rtol=0, atol=1e-6)
+
+
+def test_a_rule_with_another_name_is_still_returned_unchanged() -> None:
+    """The documented form: a rule named apart from a declared function is returned as written."""
+
+    @ft.differentiable
+    def cube(x: Any) -> Any:
+        return x * x * x
+
+    def d_cube(x: Any) -> Any:
+        return cube(x), lambda v: 3.0 * x * x * v
+
+    assert ft.derivative(of=cube)(d_cube) is d_cube
+    np.testing.assert_allclose(ft.gradient(cube, at=2.0), 12.0, rtol=0, atol=1e-6)

@@ -14,6 +14,8 @@ everything first; a save writes the record (``_job.py``). Evaluation and predict
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -82,6 +84,143 @@ _LOG = logging.getLogger("functree.train")
 _KEEP: Any = object()  # Trainer.save(extra=) not given: the job's extra is saved
 
 
+class _Required:
+    """The default of ``data``: none given (a default, so that ``fit(x=X, y=Y)`` reaches the
+    error naming ``data=(x, y)`` instead of Python's "missing 1 required positional argument")."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_NO_DATA: Any = _Required()
+
+# Other libraries' keyword names, per method: (library, the call to write here, why). The call
+# is formatted with ``value`` (the value given, shortened), ``on`` (Keras's verbose as a flag),
+# ``epochs`` (fit's, for Keras's epochs × steps_per_epoch) and ``method``.
+_WEIGHTS = "loss_fn = lambda model, batch: jnp.mean(batch[2] * per_example_loss(model, batch))"
+_RESTORE = "trainer.restore({value}); trainer.fit(data, epochs=N)"
+_RESTORE_DIR = _RESTORE.replace("{value}", "checkpoint_dir")
+_AT_FIT = "the Trainer's fit() keyword"
+_NO_BAR = "evaluate and predict show no progress bar: drop it"
+_ISLICE = "list(itertools.islice(batches, {value}))"
+SPELLINGS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "Trainer": {
+        "verbose": ("Keras's", "trainer.fit(data, progress={on})", _AT_FIT),
+        "max_epochs": ("Lightning's", "trainer.fit(data, epochs={value})", _AT_FIT + "; it counts the whole job too"),
+        "max_steps": ("Lightning's", "trainer.fit(data, steps={value})", _AT_FIT + "; it counts the whole job too"),
+        "callbacks": ("Lightning's and Hugging Face's", "trainer.fit(data, callbacks=[...])", _AT_FIT),
+        "enable_progress_bar": ("Lightning's", "trainer.fit(data, progress={value})", _AT_FIT),
+        "log_every_n_steps": ("Lightning's", "trainer.fit(data, log_every={value})", _AT_FIT),
+        "num_train_epochs": ("Hugging Face's", "trainer.fit(data, epochs={value})", _AT_FIT + " (whole epochs)"),
+        "train_dataset": ("Hugging Face's", "trainer.fit(train_dataset, ...)", "the data is fit()'s first argument"),
+        "eval_dataset": ("Hugging Face's", "trainer.fit(data, validation_data=eval_dataset)", _AT_FIT),
+        "compute_metrics": ("Hugging Face's", "ft.train.Trainer(model, optimizer, loss_fn, metrics=[ft.train.accuracy])",
+                            "each metric is fn(StepOutput) -> scalar per minibatch, averaged over the data"),
+        "optimizers": ("Hugging Face's", "ft.train.Trainer(model, ft.optim.adamw(ft.optim.warmup_cosine_decay(...)), "
+                       "loss_fn)", "the optimizer is the second argument, its schedule inside it"),
+    },
+    "fit": {
+        "verbose": ("Keras's", "trainer.fit(data, progress={on})", "the progress bar"),
+        "steps_per_epoch": ("Keras's", "trainer.fit(data, steps={epochs} * {value})",
+                            "steps= counts the job's steps in all (Lightning's max_steps), not per epoch; an "
+                            "epoch is one pass over data: for epochs of {value} minibatches, give data of {value}"),
+        "validation_split": ("Keras's", "n = int(len(x) * (1 - {value})); "
+                             "trainer.fit((x[:n], y[:n]), validation_data=(x[n:], y[n:]))",
+                             "no such keyword: hold out the last rows yourself, as Keras does"),
+        "validation_steps": ("Keras's", "trainer.fit(data, validation_data=" + _ISLICE + ")",
+                             "validation reads all of validation_data: give it those minibatches"),
+        "validation_freq": ("Keras's", "for e in range({value}, {epochs} + 1, {value}): "
+                            "trainer.fit(data, epochs=e); trainer.evaluate(validation_data)",
+                            "validation_data= is evaluated at every epoch's end; epochs= counts the whole job"),
+        "validation_batch_size": ("Keras's", "trainer.fit(data, validation_data=ft.train.batches(val, {value}, "
+                                  "shuffle=False))", "batch_size= cuts validation arrays too"),
+        "shuffle": ("Keras's", "trainer.fit(ft.train.batches((x, y), batch_size, shuffle={value}))",
+                    "arrays are reshuffled every epoch; an iterable keeps its own order"),
+        "initial_epoch": ("Keras's", _RESTORE_DIR, "a restored job continues from its saved epoch"),
+        "class_weight": ("Keras's", "trainer.fit((x, y, class_weight[y]), ...) with " + _WEIGHTS,
+                         "weigh the examples in the loss function"),
+        "sample_weight": ("Keras's", "trainer.fit((x, y, sample_weight), ...) with " + _WEIGHTS,
+                          "weigh the examples in the loss function"),
+        "x": ("Keras's", "trainer.fit((x, y), ...)", "data= holds the inputs and the labels"),
+        "y": ("Keras's", "trainer.fit((x, y), ...)", "data= holds the inputs and the labels"),
+        "max_epochs": ("Lightning's", "trainer.fit(data, epochs={value})", "it counts the whole job too"),
+        "max_steps": ("Lightning's", "trainer.fit(data, steps={value})", "it counts the whole job too"),
+        "ckpt_path": ("Lightning's", _RESTORE, "a restored job continues from its saved step"),
+        "train_dataloaders": ("Lightning's", "trainer.fit(train_dataloaders, ...)",
+                              "data= is any iterable of minibatches (a torch DataLoader too)"),
+        "val_dataloaders": ("Lightning's", "trainer.fit(data, validation_data=val_dataloaders)", "any iterable"),
+        "num_train_epochs": ("Hugging Face's", "trainer.fit(data, epochs={value})",
+                             "whole epochs; for a fraction, steps= in all"),
+        "train_dataset": ("Hugging Face's", "trainer.fit(train_dataset, ...)", "the data is the first argument"),
+        "eval_dataset": ("Hugging Face's", "trainer.fit(data, validation_data=eval_dataset)", ""),
+        "resume_from_checkpoint": ("Hugging Face's", _RESTORE_DIR, "a restored job continues from its saved step"),
+    },
+}
+_LOOKED_AT = {  # evaluate and predict: Keras's, Lightning's (validate / predict) and HF's names
+    "verbose": ("Keras's", "trainer.{method}(data)", _NO_BAR),
+    "x": ("Keras's", "trainer.{method}((x, y))", "data= holds the inputs (and the labels)"),
+    "steps": ("Keras's", "trainer.{method}(" + _ISLICE + ")", "it reads all of data: give it those minibatches"),
+    "callbacks": ("Keras's", "trainer.{method}(data)", "it calls no callbacks"),
+    "dataloaders": ("Lightning's", "trainer.{method}(dataloaders)", "data= is any iterable of minibatches"),
+    "ckpt_path": ("Lightning's", "trainer.restore({value}); trainer.{method}(data)", "restore first"),
+}
+SPELLINGS["evaluate"] = {**_LOOKED_AT, "y": _LOOKED_AT["x"],
+                         "sample_weight": ("Keras's", "trainer.evaluate((x, y, sample_weight)) with " + _WEIGHTS,
+                                           "weigh the examples in the loss function"),
+                         "return_dict": ("Keras's", "trainer.evaluate(data)", "it returns {{name: value}} already"),
+                         "eval_dataset": ("Hugging Face's", "trainer.evaluate(eval_dataset)", "")}
+SPELLINGS["predict"] = {**_LOOKED_AT, "x": ("Keras's", "trainer.predict(x)", "data= holds the inputs"),
+                        "test_dataset": ("Hugging Face's", "trainer.predict(test_dataset)", "")}
+
+UNKNOWN_KEYWORD = """\
+{method}() got an unexpected keyword argument {name!r}{why}.
+
+    wrong:  {wrong}
+    right:  {right}"""
+
+_CALLS = {"Trainer": "ft.train.Trainer(model, optimizer, loss_fn, {})", "fit": "trainer.fit({})",
+          "evaluate": "trainer.evaluate({})", "predict": "trainer.predict({})"}
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` for the error's lines; ``...`` for an array's (a path is kept whole)."""
+    text = repr(value)
+    return text if len(text) <= (200 if isinstance(value, str) else 40) and "\n" not in text else "..."
+
+
+def unknown_keyword(method: str, unknown: Mapping[str, Any], known: Callable[..., Any], data: Any = None,
+                    epochs: Any = None) -> TypeError:
+    """The error for the first keyword of ``unknown`` that ``method`` (``"fit"``, ...; its
+    function ``known``) does not have: another library's name (:data:`SPELLINGS`) with the
+    call to write here, else a typo's closest name (``difflib``, as ``ft.nn.generate``).
+    ``data`` and ``epochs``: the call's, to write its wrong line and Keras's epochs × steps."""
+    name, value = next(iter(unknown.items()))
+    call, title = _CALLS[method], "Trainer.__init__" if method == "Trainer" else f"Trainer.{method}"
+    if method != "Trainer":  # `data, ` where it was given, not in fit(x=X, y=Y)
+        call = call.format("{}" if data is _NO_DATA else "data, {}")
+    wrong = call.format(f"{name}={_short(value)}")
+    if name in SPELLINGS[method]:
+        library, right, note = SPELLINGS[method][name]
+        on = bool(value) if isinstance(value, (bool, int, str)) else True  # Keras's verbose: 0 is off
+        right = right.format(value=_short(value), on=on, method=method,
+                             epochs="epochs" if epochs is None else _short(epochs))
+        note = note.format(value=_short(value))
+        return TypeError(UNKNOWN_KEYWORD.format(method=title, name=name, why=f" ({library} name)", wrong=wrong,
+                                                right=f"{right}" + (f"   # {note}" if note else "")))
+    names = [p.name for p in inspect.signature(known).parameters.values()
+             if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    why, right = (f" (did you mean {close[0]!r}?)", call.format(f"{close[0]}=...")) if close else (
+        "", call.format("...") + f"   # help(ft.train.Trainer{'' if method == 'Trainer' else '.' + method})")
+    return TypeError(UNKNOWN_KEYWORD.format(method=title, name=name, why=why, wrong=wrong, right=right))
+
+
+def _check_data(method: str, data: Any) -> None:
+    """Python's own error for a missing ``data`` (it has a default only to reach the above)."""
+    if data is _NO_DATA:
+        raise TypeError(f"Trainer.{method}() missing 1 required positional argument: 'data'")
+
+
 class _Fit(NamedTuple):
     """One ``fit`` call's settings."""
 
@@ -135,6 +274,9 @@ class Trainer(Evaluation):
         end of an epoch or of ``steps=``, or minibatches of another shape, run as single
         steps). The history still has one row per step; callbacks, logging and
         checkpoints happen between calls. Default: the ``train_step`` instance's, else 1.
+      **unknown: other libraries' names raise an error naming the equivalent (Lightning's
+        ``max_epochs=`` is ``fit(epochs=)``, Hugging Face's ``compute_metrics=`` is
+        ``metrics=``), as does a misspelt keyword (its closest name).
 
     The job (model, optimizer state, key, position, means, history, ...) is one
     :class:`JobState`, :attr:`state`; ``trainer.model``, ``trainer.steps_run``, ... read it.
@@ -189,7 +331,10 @@ class Trainer(Evaluation):
                  metrics: Mapping[str, Any] | Sequence[Any] | None = None, key: jax.Array | None = None,
                  on_nan: str | None = DEFAULT_ON_NAN, opt_state: Any = None,
                  train_step: type[TrainStep] | TrainStep | None = None, mesh: Any = None, data_axis: str = "data",
-                 sharding: Any = None, compute_dtype: Any = None, wrt: Any = None, steps_per_call: int | None = None):
+                 sharding: Any = None, compute_dtype: Any = None, wrt: Any = None, steps_per_call: int | None = None,
+                 **unknown: Any):
+        if unknown:  # other libraries' names (max_epochs=, compute_metrics=) and typos, named with the fix
+            raise unknown_keyword("Trainer", unknown, Trainer.__init__)
         parallel: dict[str, Any] = {}
         if mesh is not None or sharding is not None or compute_dtype is not None:
             parallel = {"mesh": mesh, "data_axis": data_axis, "sharding": sharding, "compute_dtype": compute_dtype}
@@ -239,9 +384,10 @@ class Trainer(Evaluation):
         return list(self._job.skipped)
 
     # --- fit -----------------------------------------------------------------------------
-    def fit(self, data: Any, epochs: int | None = None, *, steps: int | None = None, validation_data: Any = None,
-            callbacks: Sequence[Callback | Callable[[TrainingContext], Any]] = (), progress: bool = True,
-            log_every: int = 50, batch_size: int | None = None, steps_per_call: int | None = None) -> History:
+    def fit(self, data: Any = _NO_DATA, epochs: int | None = None, *, steps: int | None = None,
+            validation_data: Any = None, callbacks: Sequence[Callback | Callable[[TrainingContext], Any]] = (),
+            progress: bool = True, log_every: int = 50, batch_size: int | None = None,
+            steps_per_call: int | None = None, **unknown: Any) -> History:
         """Train until the job has run ``epochs`` epochs or ``steps`` steps in all.
 
         ``epochs`` and ``steps`` count the whole job, as Lightning's ``max_epochs`` /
@@ -272,7 +418,15 @@ class Trainer(Evaluation):
         ``trainer.opt_state`` at the last completed step, ready to ``fit`` again or save.
         SIGTERM stops ``fit`` after the current step, saving a checkpoint there through each
         :class:`ModelCheckpoint` given (``trainer.preempted`` is then True).
+
+        Other libraries' names raise an error naming the equivalent (Keras's ``verbose=`` is
+        ``progress=``, ``steps_per_epoch=S`` is ``steps=epochs * S``; Lightning's
+        ``max_epochs=`` is ``epochs=``; Hugging Face's ``eval_dataset=`` is
+        ``validation_data=``), as does a misspelt keyword (its closest name).
         """
+        if unknown:
+            raise unknown_keyword("fit", unknown, Trainer.fit, data, epochs)
+        _check_data("fit", data)
         epochs, steps, every = Epochs.check_counts(epochs=epochs, steps=steps, log_every=log_every)
         log_every = log_every if every is None else every  # never None: the parameter's default is 50
         k = self.steps_per_call if steps_per_call is None else check_steps_per_call(steps_per_call)
@@ -569,12 +723,30 @@ class Trainer(Evaluation):
                 raise CheckpointError(INEXACT_MEANS.format(step=job.steps_run, where=where,
                                                            which=which, names=", ".join(map(repr, names))))
 
-    def evaluate(self, data: Any, *, batch_size: int | None = None, averaged: bool = False) -> dict[str, float]:
+    def evaluate(self, data: Any = _NO_DATA, *, batch_size: int | None = None, averaged: bool = False,
+                 **unknown: Any) -> dict[str, float]:
         """The loss and metrics of the model (inference mode) over ``data``
         (:meth:`Evaluation.evaluate`): the loss and plain metrics weighted by minibatch size,
         a counting metric (``accuracy``) by its counted labels, Σ hits / Σ counted over
-        every minibatch (labels of -100 left out, as torch's and HF's per-token accuracy)."""
+        every minibatch (labels of -100 left out, as torch's and HF's per-token accuracy).
+        Other libraries' names (Keras's ``x=``, ``verbose=``) raise an error naming the
+        equivalent."""
+        if unknown:
+            raise unknown_keyword("evaluate", unknown, Trainer.evaluate, data)
+        _check_data("evaluate", data)
         return combine_parts(super().evaluate(data, batch_size=batch_size, averaged=averaged))
+
+    def predict(self, data: Any = _NO_DATA, fn: Callable[[Any, Any], Any] | None = None, *,
+                batch_size: int | None = None, **unknown: Any) -> Any:
+        if unknown:  # (the docstring is Evaluation.predict's, below)
+            raise unknown_keyword("predict", unknown, Trainer.predict, data)
+        _check_data("predict", data)
+        return super().predict(data, fn, batch_size=batch_size)
+
+    predict.__doc__ = f"""{Evaluation.predict.__doc__}
+        Other libraries' names (Keras's ``x=``, ``verbose=``) raise an error naming the
+        equivalent.
+        """
 
     def __repr__(self) -> str:
         return f"Trainer({self.train_step!r}, steps_run={self.steps_run}, epoch={self.epoch})"

@@ -1,0 +1,245 @@
+"""Trainer.__init__ / fit / evaluate / predict answer another library's keyword (Keras,
+PyTorch Lightning, Hugging Face) with an error naming functree's equivalent, and a typo with
+its closest name (was: Python's bare "got an unexpected keyword argument 'verbose'"). The
+error's ``right:`` line is run here to check that it does what the other library's call did."""
+
+import inspect
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.train import Trainer
+from functree.train._trainer import SPELLINGS, UNKNOWN_KEYWORD
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(32, 3)).astype(np.float32)
+M = np.ones((32, 1), np.float32)
+Y = (X @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+
+
+def masked_mse(model, batch):
+    x, m, y = batch
+    return jnp.sum(m * (model(x) - y) ** 2) / jnp.sum(m)
+
+
+def mse(model, batch):
+    return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+
+def make(loss=mse, **kw):
+    return Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.sgd(0.05), loss, **kw)
+
+
+def error_of(call):
+    with pytest.raises(TypeError) as info:
+        call()
+    return str(info.value)
+
+
+def right_line(message):
+    """The code of the error's ``right:`` line (its comment dropped)."""
+    line = next(x for x in message.splitlines() if x.strip().startswith("right:"))
+    return line.split("right:", 1)[1].split("   #")[0].strip()
+
+
+def test_the_users_keras_call_names_progress_and_its_right_line_runs():
+    """The report: fit((X, M, Y), epochs=5, batch_size=16, verbose=False)."""
+    trainer = make(masked_mse)
+    message = error_of(lambda: trainer.fit((X, M, Y), epochs=5, batch_size=16, verbose=False))
+    assert message.startswith("Trainer.fit() got an unexpected keyword argument 'verbose' (Keras's name).")
+    assert "wrong:  trainer.fit(data, verbose=False)" in message
+    assert right_line(message) == "trainer.fit(data, progress=False)"
+    assert trainer.steps_run == 0  # refused before any step
+    trainer.fit((X, M, Y), epochs=5, batch_size=16, progress=False)  # the right line, with its arguments
+    assert (trainer.steps_run, trainer.epoch) == (5 * 2, 5)  # Keras: 5 epochs of ceil(32 / 16) steps
+    assert len(trainer.history.epochs["loss"]) == 5
+
+
+def test_verbose_one_is_progress_true():
+    assert right_line(error_of(lambda: make().fit((X, Y), verbose=1))) == "trainer.fit(data, progress=True)"
+
+
+@pytest.mark.parametrize("name, value, steps, epochs", [
+    ("max_epochs", 3, 6, 3),             # Lightning: the job's epochs (2 minibatches of 16 each)
+    ("num_train_epochs", 2, 4, 2),       # Hugging Face
+    ("max_steps", 3, 3, 1),              # Lightning: the job's steps
+])
+def test_lightning_and_hf_counts_run_as_named(name, value, steps, epochs):
+    trainer = make()
+    message = error_of(lambda: trainer.fit((X, Y), batch_size=16, **{name: value}))
+    assert f"unexpected keyword argument {name!r}" in message
+    data = ft.train.batches((X, Y), 16, key=jax.random.key(1))
+    exec(right_line(message).replace("trainer.fit(data,", "trainer.fit(data, progress=False,"),
+         {"trainer": trainer, "data": data})
+    assert (trainer.steps_run, trainer.epoch) == (steps, epochs)
+
+
+def test_max_epochs_in_the_constructor_names_fit():
+    message = error_of(lambda: make(max_epochs=4))
+    assert message.startswith("Trainer.__init__() got an unexpected keyword argument 'max_epochs' (Lightning's name).")
+    assert "wrong:  ft.train.Trainer(model, optimizer, loss_fn, max_epochs=4)" in message
+    assert right_line(message) == "trainer.fit(data, epochs=4)"
+
+
+def test_steps_per_epoch_is_epochs_times_it_in_all():
+    """Keras's fit(epochs=3, steps_per_epoch=2) runs 3 × 2 = 6 steps; fit(steps=) counts them all."""
+    trainer = make()
+    message = error_of(lambda: trainer.fit((X, Y), epochs=3, steps_per_epoch=2))
+    assert right_line(message) == "trainer.fit(data, steps=3 * 2)"
+    assert "not per epoch" in message
+    exec(right_line(message).replace(")", ", progress=False)"),
+         {"trainer": trainer, "data": ft.train.batches((X, Y), 8)})
+    assert trainer.steps_run == 3 * 2
+
+
+def test_validation_split_holds_out_the_last_rows_as_keras():
+    trainer = make()
+    message = error_of(lambda: trainer.fit((X, Y), validation_split=0.25, progress=False))
+    scope = {"trainer": trainer, "x": X, "y": Y}
+    exec(right_line(message).replace("validation_data=", "progress=False, validation_data="), scope)
+    n = scope["n"]
+    assert n == 24  # Keras: floor(32 * (1 - 0.25)) training rows, the last 8 for validation
+    expected = float(np.mean((np.asarray(trainer.inference_model(X[24:])) - Y[24:]) ** 2))
+    np.testing.assert_allclose(trainer.history.epochs["val_loss"][-1], expected, rtol=0, atol=1e-6 * expected)  # measured: 1e-7 x the value
+
+
+def test_x_and_y_name_data_without_a_data_argument():
+    trainer = make()
+    message = error_of(lambda: trainer.fit(x=X, y=Y, epochs=1))
+    assert "unexpected keyword argument 'x' (Keras's name)" in message
+    assert "wrong:  trainer.fit(x=" in message  # no `data, ` the caller never wrote
+    assert right_line(message) == "trainer.fit((x, y), ...)"
+    assert "wrong:  trainer.evaluate(x=" in error_of(lambda: trainer.evaluate(x=X, y=Y))
+    assert right_line(error_of(lambda: trainer.predict(x=X))) == "trainer.predict(x)"
+
+
+def test_validation_keywords_run_as_named():
+    trainer = make()
+    val = ft.train.batches((X, Y), 8, shuffle=False)
+    message = error_of(lambda: trainer.fit((X, Y), validation_steps=2))
+    exec(right_line(message).replace("trainer.fit(data,", "trainer.fit(data, progress=False,"),
+         {"trainer": trainer, "data": (X, Y), "itertools": itertools, "batches": val})
+    expected = float(np.mean((np.asarray(trainer.inference_model(X[:16])) - Y[:16]) ** 2))  # 2 minibatches of 8
+    np.testing.assert_allclose(trainer.history.epochs["val_loss"][-1], expected, rtol=0, atol=1e-6 * expected)  # measured: 1e-7 x the value
+    for name, library in (("val_dataloaders", "Lightning's"), ("eval_dataset", "Hugging Face's")):
+        kw: dict[str, object] = {name: val}  # (not one of fit's keywords)
+        message = error_of(lambda kw=kw: trainer.fit((X, Y), **kw))
+        assert f"({library} name)" in message and "validation_data=" in right_line(message)
+
+
+def test_validation_freq_rounds_validate_every_n_epochs():
+    trainer, seen = make(), []
+    message = error_of(lambda: trainer.fit((X, Y), epochs=4, validation_freq=2))
+    code = right_line(message).replace("trainer.fit(data,", "trainer.fit(data, progress=False,")
+    code = code.replace("trainer.evaluate(validation_data)", "seen.append((trainer.epoch, trainer.evaluate(validation_data)))")
+    exec(code, {"trainer": trainer, "data": (X, Y), "epochs": 4, "validation_data": (X, Y), "seen": seen})
+    assert [epoch for epoch, _ in seen] == [2, 4]
+
+
+def test_restore_spellings_continue_from_a_checkpoint(tmp_path):
+    trainer = make()
+    trainer.fit((X, Y), epochs=1, progress=False)
+    trainer.save(str(tmp_path / "run"))
+    for name, call in (("initial_epoch", lambda t: t.fit((X, Y), initial_epoch=1)),
+                       ("ckpt_path", lambda t: t.fit((X, Y), ckpt_path=str(tmp_path / "run"))),
+                       ("resume_from_checkpoint", lambda t: t.fit((X, Y), resume_from_checkpoint=True))):
+        message = error_of(lambda call=call: call(make()))
+        assert f"argument {name!r}" in message and "trainer.restore(" in right_line(message)
+    restored = make()
+    code = right_line(error_of(lambda: restored.fit((X, Y), ckpt_path=str(tmp_path / "run"))))
+    exec(code.replace("epochs=N", "epochs=2, progress=False"), {"trainer": restored, "data": (X, Y)})
+    trainer.fit((X, Y), epochs=2, progress=False)
+    for a, b in zip(jax.tree.leaves(restored.model), jax.tree.leaves(trainer.model)):
+        np.testing.assert_array_equal(a, b)  # as if never interrupted
+
+
+@pytest.mark.parametrize("method, name, says", [
+    ("fit", "shuffle", "ft.train.batches((x, y), batch_size, shuffle=False)"),
+    ("fit", "class_weight", "per_example_loss"),
+    ("fit", "sample_weight", "per_example_loss"),
+    ("fit", "validation_batch_size", "validation_data=ft.train.batches(val, False, shuffle=False)"),
+    ("fit", "train_dataloaders", "trainer.fit(train_dataloaders, ...)"),
+    ("fit", "train_dataset", "trainer.fit(train_dataset, ...)"),
+    ("evaluate", "verbose", "trainer.evaluate(data)   # evaluate and predict show no progress bar"),
+    ("evaluate", "sample_weight", "per_example_loss"),
+    ("evaluate", "steps", "trainer.evaluate(list(itertools.islice(batches, False)))"),
+    ("evaluate", "return_dict", "it returns {name: value} already"),
+    ("evaluate", "eval_dataset", "trainer.evaluate(eval_dataset)"),
+    ("evaluate", "dataloaders", "trainer.evaluate(dataloaders)"),
+    ("predict", "verbose", "trainer.predict(data)"),
+    ("predict", "callbacks", "it calls no callbacks"),
+    ("predict", "test_dataset", "trainer.predict(test_dataset)"),
+])
+def test_each_spelling_names_its_equivalent(method, name, says):
+    trainer = make()
+    message = error_of(lambda: getattr(trainer, method)((X, Y), **{name: False}))
+    assert message.startswith(f"Trainer.{method}() got an unexpected keyword argument {name!r} (")
+    assert says in message
+
+
+@pytest.mark.parametrize("name, says", [
+    ("compute_metrics", "metrics=[ft.train.accuracy]"),
+    ("optimizers", "ft.optim.adamw(ft.optim.warmup_cosine_decay(...))"),
+    ("train_dataset", "trainer.fit(train_dataset, ...)"),
+    ("eval_dataset", "validation_data=eval_dataset"),
+    ("callbacks", "trainer.fit(data, callbacks=[...])"),
+    ("verbose", "trainer.fit(data, progress=False)"),
+])
+def test_constructor_spellings(name, says):
+    assert says in error_of(lambda: make(**{name: False}))
+
+
+def test_every_spelling_formats():
+    """Each table entry makes its message (no stray braces), for every method."""
+    trainer = make()
+    calls = {"Trainer": make, "fit": lambda **kw: trainer.fit((X, Y), **kw),
+             "evaluate": lambda **kw: trainer.evaluate((X, Y), **kw), "predict": lambda **kw: trainer.predict(X, **kw)}
+    for method, names in SPELLINGS.items():
+        for name in names:
+            message = error_of(lambda method=method, name=name: calls[method](**{name: 2}))
+            assert f"unexpected keyword argument {name!r} (" in message and "{" not in message.replace("{name", "")
+
+
+@pytest.mark.parametrize("method, typo, meant", [
+    ("fit", "epoch", "epochs"), ("fit", "validation", "validation_data"), ("fit", "log_evry", "log_every"),
+    ("evaluate", "batchsize", "batch_size"), ("predict", "batch", "batch_size"), ("Trainer", "metric", "metrics"),
+])
+def test_a_typo_names_the_closest_keyword(method, typo, meant):
+    trainer = make()
+    call = make if method == "Trainer" else lambda **kw: getattr(trainer, method)((X, Y), **kw)
+    message = error_of(lambda: call(**{typo: 1}))
+    assert f"unexpected keyword argument {typo!r} (did you mean {meant!r}?)" in message
+    assert f"{meant}=..." in right_line(message)
+
+
+def test_a_name_like_none_says_where_to_look():
+    message = error_of(lambda: make().fit((X, Y), zzz=1))
+    assert message == UNKNOWN_KEYWORD.format(method="Trainer.fit", name="zzz", why="", wrong="trainer.fit(data, zzz=1)",
+                                             right="trainer.fit(data, ...)   # help(ft.train.Trainer.fit)")
+
+
+def test_data_is_still_required():
+    trainer = make()
+    for method in ("fit", "evaluate", "predict"):
+        assert error_of(getattr(trainer, method)) == f"Trainer.{method}() missing 1 required positional argument: 'data'"
+
+
+def test_signatures_keep_their_keywords():
+    for fn, first in ((Trainer.__init__, "model"), (Trainer.fit, "data"), (Trainer.evaluate, "data"),
+                      (Trainer.predict, "data")):
+        params = list(inspect.signature(fn).parameters.values())
+        assert params[1].name == first and params[-1].kind is inspect.Parameter.VAR_KEYWORD
+    names = inspect.signature(Trainer.fit).parameters
+    assert {"epochs", "steps", "validation_data", "callbacks", "progress", "log_every", "batch_size"} <= set(names)
+    assert "Other libraries' names" in (Trainer.predict.__doc__ or "") and "each twice" in (Trainer.predict.__doc__ or "")
+
+
+def test_known_keywords_still_work():
+    trainer = make()
+    assert trainer.fit(data=(X, Y), epochs=1, progress=False) is trainer.history
+    assert sorted(trainer.evaluate(data=(X, Y), batch_size=8)) == ["loss"]
+    assert trainer.predict(data=X, batch_size=8).shape == (32, 1)

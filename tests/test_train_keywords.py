@@ -243,3 +243,15 @@ def test_known_keywords_still_work():
     assert trainer.fit(data=(X, Y), epochs=1, progress=False) is trainer.history
     assert sorted(trainer.evaluate(data=(X, Y), batch_size=8)) == ["loss"]
     assert trainer.predict(data=X, batch_size=8).shape == (32, 1)
+
+
+def test_kerass_positional_fit_x_y_names_the_tuple():
+    """fit(X, Y) (Keras's positional x, y) put Y in epochs: the error printed the whole
+    array as "epochs must be a positive int"; it names fit((x, y)), which then runs."""
+    trainer = make()
+    with pytest.raises(ValueError, match=r"(?s)got an array of shape \(32, 1\): Keras's positional fit\(x, y\)"
+                                         r".*right:  trainer.fit\(\(x, y\), epochs=5\)"):
+        trainer.fit(X, Y, progress=False)
+    assert trainer.steps_run == 0
+    trainer.fit((X, Y), epochs=2, batch_size=16, progress=False)
+    assert trainer.steps_run == 4

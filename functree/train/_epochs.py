@@ -32,6 +32,14 @@ BAD_LENGTH = """\
 {what} must be a positive int, got {value!r}.
     right:  trainer.fit(data, epochs=10)   or   trainer.fit(data, steps=1000)"""
 
+KERAS_POSITIONAL = """\
+trainer.fit's second argument is epochs, but it got an array of shape {shape}: Keras's \
+positional fit(x, y) is fit((x, y)) here (the data is one argument: a tuple of arrays, a \
+loader, an iterator).
+
+    wrong:  trainer.fit(x, y, epochs=5)
+    right:  trainer.fit((x, y), epochs=5)"""
+
 EMPTY_DATA = """\
 The training data gave no minibatch{why}.
 
@@ -167,6 +175,8 @@ class Epochs:
                     value = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
                 except TypeError:
                     value = None
+                if value is None and what == "epochs" and np.ndim(counts[what]) >= 1:
+                    raise ValueError(KERAS_POSITIONAL.format(shape=np.shape(counts[what])))
                 if value is None or value < 1:
                     raise ValueError(BAD_LENGTH.format(what=what, value=counts[what]))
             checked.append(value)

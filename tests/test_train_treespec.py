@@ -5,6 +5,7 @@ import dataclasses
 import enum
 import json
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -227,7 +228,7 @@ def test_a_registered_static_record_rebuilds_and_an_unregistered_one_needs_a_tem
 
 def test_a_static_field_added_since_reads_at_its_default_and_no_other_may_be_missing():
     # A LoraDense written before it had saved_modules (files of earlier versions) reads with
-    # the field's default; a file missing any other static field (alpha) is damaged, refused.
+    # the field's default; a file missing any other static field (alpha) is refused.
     layer = ft.nn.LoraDense(ft.nn.Dense(3, 2, key=jax.random.key(0)), rank=2, alpha=4.0, key=jax.random.key(1))
     layer = layer.replace(saved_modules=("lm_head",))
     arrays, spec = encode(layer)
@@ -238,7 +239,8 @@ def test_a_static_field_added_since_reads_at_its_default_and_no_other_may_be_mis
     assert back.saved_modules == () and back.alpha == 4.0 and jnp.array_equal(back.lora_a, layer.lora_a)
     damaged = json.loads(json.dumps(spec))
     del damaged["static"]["alpha"]
-    with pytest.raises(SpecError, match=r"LoraDense has fields \[.*'alpha'.*the checkpoint gives \['activation', 'bias'"):
+    with pytest.raises(SpecError, match=r"LoraDense has fields \[.*'alpha'.*now, the checkpoint's had \['activation', "
+                                        r"'bias'.*\(added: \['alpha'\]\)"):
         decode(damaged, arrays)
 
 
@@ -457,7 +459,7 @@ def test_a_template_with_another_leafless_module_or_enum_member_is_refused(tmp_p
     ("act", {"module": {"kind": "module", "class": "os.system", "static": {}, "fields": {}}},
      r"a node at 'act'.*os.system is not a registered type"),
     ("act", {"module": {"kind": "module", "class": "tests.x.Leaky", "static": {}, "fields": {"w": {
-        "kind": "leaf", "key": "w"}}}}, r"damaged at 'act': Leaky has fields \['slope'\], the checkpoint gives \['w'\]"),
+        "kind": "leaf", "key": "w"}}}}, r"at 'act' was edited .*: Leaky has fields \['slope'\] now, the checkpoint's had \['w'\]"),
     ("act", {"module": {"kind": "module", "class": "tests.x.Leaky", "static": {"slope": {"repr": "x"}},
                         "fields": {}}}, r"static value at 'act.slope' without a template: it was stored as its text x"),
 ], ids=["unknown-enum", "enum-not-a-name", "text-value", "object-dtype", "out-of-range", "float-overflow",
@@ -607,3 +609,200 @@ def test_a_dict_key_stored_twice_is_refused_as_damage(tmp_path):
     _tampered(tmp_path / "c", lambda meta: meta["spec"]["fields"]["heads"].update(keys=[["int", "1"], ["int", "1"]]))
     with pytest.raises(SpecError, match=r"damaged at 'heads': the key 1 appears twice"):
         ft.train.load(tmp_path / "c")
+
+
+# --- classes edited between save and restore (a notebook cell run again) ----------------------
+
+def _cell(cls, name):
+    """``cls`` as a notebook cell defines it: module and qualified name those of a re-run of
+    the same cell, registered under ``name`` (a re-run takes the name over)."""
+    cls.__module__, cls.__qualname__, cls.__name__ = "edited_cells", name, name
+    return ft.train.register(cls, name=f"edited_cells.{name}")
+
+
+def test_a_namedtuple_with_reordered_fields_loads_each_value_into_its_saved_field(tmp_path):
+    # Saved Stats(mean=[0, 1], var=[4, 9]); the class redefined as (var, mean) loaded them by
+    # position before: var=[0, 1], mean=[4, 9]. Now by the saved field names.
+    class Old(NamedTuple):
+        mean: jax.Array
+        var: jax.Array
+
+    class New(NamedTuple):
+        var: jax.Array
+        mean: jax.Array
+
+    _cell(Old, "Stats")
+    ft.train.save(tmp_path / "s", {"stats": Old(jnp.array([0.0, 1.0]), jnp.array([4.0, 9.0]))})
+    arrays, spec = encode({"stats": Old(jnp.array([0.0, 1.0]), jnp.array([4.0, 9.0]))})
+    _cell(New, "Stats")
+    back = ft.train.load(tmp_path / "s")["stats"]
+    assert type(back) is New
+    np.testing.assert_array_equal(np.asarray(back.mean), [0.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(back.var), [4.0, 9.0])
+    # A file written before names were stored: the names come from the leaves' stored keys.
+    older = json.loads(json.dumps(spec))
+    del older["items"][0]["names"]
+    back = decode(older, arrays)["stats"]
+    np.testing.assert_array_equal(np.asarray(back.mean), [0.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(back.var), [4.0, 9.0])
+
+
+def test_an_old_namedtuple_spec_without_names_or_keys_loads_by_position():
+    class Pair(NamedTuple):
+        first: object
+        second: jax.Array
+
+    _cell(Pair, "Pair")
+    arrays, spec = encode(Pair(None, jnp.array([2.0, 3.0])))  # item 0: a None, no leaf to name it
+    assert spec["names"] == ["first", "second"]
+    del spec["names"]
+    back = decode(spec, arrays)
+    assert back.first is None
+    np.testing.assert_array_equal(np.asarray(back.second), [2.0, 3.0])
+    # Keys of another prefix (a file whose keys do not start with the node's path): by position.
+    arrays, spec = encode({"p": Pair(None, jnp.array([2.0, 3.0]))})
+    del spec["items"][0]["names"]
+    spec["items"][0]["items"][1]["key"] = "elsewhere"
+    back = decode(spec, {"elsewhere": arrays["p.second"]})["p"]
+    np.testing.assert_array_equal(np.asarray(back.second), [2.0, 3.0])
+
+
+def test_a_namedtuple_with_renamed_fields_is_refused_as_an_edit_of_its_class(tmp_path):
+    class Old(NamedTuple):
+        mean: jax.Array
+        var: jax.Array
+
+    class New(NamedTuple):
+        std: jax.Array
+        mu: jax.Array
+
+    _cell(Old, "Moments")
+    ft.train.save(tmp_path / "s", {"stats": Old(jnp.array([0.0, 1.0]), jnp.array([4.0, 9.0]))})
+    arrays, spec = encode(Old(jnp.array([0.0, 1.0]), jnp.array([4.0, 9.0])))
+    _cell(New, "Moments")
+    edited = r"class `edited_cells.Moments` at 'stats' was edited .*Moments has fields \['mu', 'std'\] now, " \
+             r"the checkpoint's had \['mean', 'var'\]"
+    with pytest.raises(SpecError, match=edited) as e:
+        ft.train.load(tmp_path / "s")
+    assert "damaged" not in str(e.value) and "template=model" in str(e.value)
+    del spec["names"]  # an older file: the same refusal, from its stored keys
+    with pytest.raises(SpecError, match=r"Moments has fields \['mu', 'std'\] now, the checkpoint's had \['mean', 'var'\]"):
+        decode(spec, arrays)
+
+
+class Net(ft.Module):
+    l1: ft.nn.Dense
+    l2: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.l2(self.l1(x))
+
+
+class MLP(ft.Module):  # Net renamed in a notebook
+    l1: ft.nn.Dense
+    l2: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.l2(self.l1(x))
+
+
+def _net_reference(net, x):
+    """relu(x W1 + b1) W2 + b2 in NumPy, from the saved model's arrays."""
+    w1, b1, w2, b2 = (np.asarray(a, np.float64) for a in (net.l1.weight, net.l1.bias, net.l2.weight, net.l2.bias))
+    return np.maximum(x @ w1 + b1, 0) @ w2 + b2
+
+
+def test_a_template_of_a_renamed_class_or_a_dict_is_checked_for_the_saved_static_fields(tmp_path):
+    # A template MLP(Dense(tanh)) for a saved Net(Dense(relu)) loaded with tanh silently
+    # (outputs [0.418, 0.049] for the saved [0.294, 0.056]): the classes differ by name, so
+    # the static check stopped at the root. Children are now matched by field name.
+    net = Net(l1=ft.nn.Dense(3, 4, jax.nn.relu, key=jax.random.key(0)), l2=ft.nn.Dense(4, 2, key=jax.random.key(1)))
+    ft.train.save(tmp_path / "a", net)
+    tanh = MLP(l1=ft.nn.Dense(3, 4, jax.nn.tanh, key=jax.random.key(2)), l2=ft.nn.Dense(4, 2, key=jax.random.key(2)))
+    for template in (tanh, {"l1": tanh.l1, "l2": tanh.l2}):
+        with pytest.raises(ft.train.CheckpointError, match=r"l1.activation: saved jax.nn.relu, the template's jax.nn.tanh"):
+            ft.train.load(tmp_path / "a", template=template)
+    relu = MLP(l1=ft.nn.Dense(3, 4, jax.nn.relu, key=jax.random.key(2)), l2=ft.nn.Dense(4, 2, key=jax.random.key(2)))
+    back = ft.train.load(tmp_path / "a", template=relu)  # the same static fields: a legitimate restore
+    x = np.linspace(-1, 1, 6).reshape(2, 3)
+    expected = _net_reference(net, x)
+    np.testing.assert_allclose(np.asarray(back(jnp.asarray(x, jnp.float32))), expected, rtol=0,
+                               atol=1e-5 * max(1.0, np.abs(expected).max()))
+
+
+class ScaledLin(ft.Module):
+    w: jax.Array
+    b: jax.Array
+    scale: float = ft.field(static=True, default=1.0)
+
+    def __call__(self, x):
+        return self.scale * (x @ self.w + self.b)
+
+
+class UnscaledLin(ft.Module):  # ScaledLin with its static field removed
+    w: jax.Array
+    b: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w + self.b
+
+
+def test_a_template_without_a_saved_static_field_is_refused(tmp_path):
+    # Saved scale=3.0 computes [21, 30]; a template class without scale loaded silently and
+    # computed [7, 10]. The saved value would be dropped: refused, naming the field and fix.
+    old = ScaledLin(w=jnp.arange(6.0).reshape(3, 2), b=jnp.ones(2), scale=3.0)
+    x = np.ones((1, 3))
+    np.testing.assert_allclose(np.asarray(old(jnp.asarray(x))), 3.0 * (x @ np.arange(6.0).reshape(3, 2) + 1),
+                               rtol=0, atol=1e-5)
+    ft.train.save(tmp_path / "a", old)
+    dropped = r"at '' was saved with the static field scale = 3.0, and the template's UnscaledLin has no field scale"
+    with pytest.raises(SpecError, match=dropped) as e:
+        ft.train.load(tmp_path / "a", template=UnscaledLin(w=jnp.zeros((3, 2)), b=jnp.zeros(2)))
+    assert "scale: ... = ft.field(static=True, default=3.0)" in str(e.value)
+    with ft.train.CheckpointManager(tmp_path / "m") as manager:
+        manager.save(1, {"head": old})
+        manager.wait_until_finished()
+        with pytest.raises(SpecError, match=r"step 1 in .*\n.*'model.head' was saved with the static field scale = 3.0"):
+            manager.restore(1, template={"head": UnscaledLin(w=jnp.zeros((3, 2)), b=jnp.zeros(2))})
+    # A dict of the arrays alone holds no static configuration: it reads the arrays.
+    back = ft.train.load(tmp_path / "a", template={"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)})
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(6.0).reshape(3, 2))
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("field added", r"Lin has fields \['b', 'c', 'scale', 'w'\] now, the checkpoint's had \['b', 'scale', 'w'\] "
+                    r"\(added: \['c'\]\)"),
+    ("parameter made static", r"Lin's static fields are \['b', 'scale'\] now, the checkpoint's were \['scale'\] "
+                              r"\(now static: \['b'\]\)"),
+    ("static removed", r"Lin has fields \['b', 'w'\] now, the checkpoint's had \['b', 'scale', 'w'\] "
+                       r"\(removed: \['scale'\]\)"),
+])
+def test_a_class_edited_since_the_save_is_named_as_an_edit_not_damage(tmp_path, edit, message):
+    class Lin(ft.Module):
+        w: jax.Array
+        b: jax.Array
+        scale: float = ft.field(static=True, default=1.0)
+
+    class Added(ft.Module):
+        w: jax.Array
+        b: jax.Array
+        c: jax.Array
+        scale: float = ft.field(static=True, default=1.0)
+
+    class MadeStatic(ft.Module):
+        w: jax.Array
+        b: float = ft.field(static=True, default=0.0)
+        scale: float = ft.field(static=True, default=1.0)
+
+    class Removed(ft.Module):
+        w: jax.Array
+        b: jax.Array
+
+    _cell(Lin, "Lin")
+    ft.train.save(tmp_path / "a", Lin(w=jnp.ones((3, 2)), b=jnp.ones(2), scale=3.0))
+    _cell({"field added": Added, "parameter made static": MadeStatic, "static removed": Removed}[edit], "Lin")
+    with pytest.raises(SpecError, match=r"The class `edited_cells.Lin` at '' was edited since this checkpoint was "
+                                        r"saved: " + message) as e:
+        ft.train.load(tmp_path / "a")
+    assert "damaged" not in str(e.value) and "restore another step" not in str(e.value)
+    assert "ft.train.load(path, template=model)" in str(e.value)

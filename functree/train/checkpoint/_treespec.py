@@ -98,6 +98,28 @@ the notebook and also once the class is imported from a module (whose name it th
     right:  ft.train.register({short}, name="{name}")
        or:  ft.train.load(path, template=model)           # a model built the same way"""
 
+CLASS_EDITED = """\
+The class `{name}` at {path!r} was edited since this checkpoint was saved: {what}{how}. The \
+file is intact (every step saved before the edit reads the same way); it holds the class as \
+it was. Either load with a template of the class as it is now, which takes the saved arrays \
+by their names (this works where the arrays are the same ones: a static field added), or \
+define the class again as it was saved, load, and build the new one from it:
+
+    wrong:  ft.train.load(path)                   # {short} as edited: fields {now}
+    right:  ft.train.load(path, template=model)   # model = {short}(...) built now
+       or:  class {short}(...): ...               # its fields {saved} as saved; then ft.train.load(path)"""
+
+STATIC_DROPPED = """\
+The checkpoint's {cls} at {path!r} was saved with the static field {field} = {saved}, and the \
+template's {template} has no field {field}: restoring into it would drop the saved value \
+silently, and the tree would compute something else than the saved one (a field removed from \
+the class since the save). Give the class the field again, with the saved value, or restore \
+with the class as it was saved:
+
+    wrong:  ft.train.load(path, template=model)   # {template} without {field}
+    right:  {field}: ... = ft.field(static=True, default={saved})   # in class {template}; then the same load
+       or:  ft.train.load(path)                   # with {cls} defined as it was saved"""
+
 AMBIGUOUS = "{count} different Module classes named {name!r} are defined in this process"
 
 AMBIGUOUS_ENUM = "{count} different Enum classes named {name!r} are defined in this process"
@@ -450,7 +472,8 @@ class _Encoder:
             return self.module(x, path)
         if _is_namedtuple(x):
             children = [self.node(v, child_name(path, f)) for f, v in zip(type(x)._fields, x)]
-            return {"kind": "namedtuple", "class": type_name(type(x)), "items": children}
+            return {"kind": "namedtuple", "class": type_name(type(x)), "names": list(type(x)._fields),
+                    "items": children}
         if isinstance(x, (list, tuple)):
             kind = "list" if isinstance(x, list) else "tuple"
             return {"kind": kind, "items": [self.node(v, child_name(path, i)) for i, v in enumerate(x)]}
@@ -570,10 +593,29 @@ def _class(spec: dict[str, Any], path: str, kind: str) -> Any:
     return cls
 
 
-def _check_names(cls: type, given: list[str], expected: list[str], path: str) -> None:
-    if sorted(given) != sorted(expected) or len(set(given)) != len(given):
+def _check_names(cls: type, given: list[str], expected: list[str], path: str, filled: tuple[str, ...] = ()) -> None:
+    """A class's fields ``expected``, the checkpoint's ``given`` (with ``filled``: fields the
+    class gained since, at their defaults): a name given twice is damage, other differences
+    are an edit of the class since the save."""
+    if len(set(given)) != len(given):
         why = f"{cls.__name__} has fields {sorted(expected)}, the checkpoint gives {sorted(given)}"
         raise SpecError(MALFORMED.format(path=path, why=why))
+    if sorted(given) != sorted(expected):
+        saved = sorted(set(given) - set(filled))
+        what = f"{cls.__name__} has fields {sorted(expected)} now, the checkpoint's had {saved}"
+        raise _edited(cls, path, what, sorted(expected), saved, _how(added=set(expected) - set(given),
+                                                                      removed=set(given) - set(expected)))
+
+
+def _how(**changes: set[str]) -> str:
+    """`` (added: ['c']; removed: ['scale'])``: the non-empty name sets, or nothing."""
+    parts = [f"{k.replace('_', ' ')}: {sorted(v)}" for k, v in changes.items() if v]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _edited(cls: type, path: str, what: str, now: list[str], saved: list[str], how: str) -> SpecError:
+    return SpecError(CLASS_EDITED.format(name=type_name(cls), path=path, what=what, how=how, short=cls.__name__,
+                                         now=now, saved=saved))
 
 
 def _items(spec: dict[str, Any], key: str, kind: type) -> Any:
@@ -587,10 +629,12 @@ def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> A
     cls = _class(spec, path, "module")
     static, fields = _items(spec, "static", dict), _items(spec, "fields", dict)
     values = added_static(cls, {**static, **fields})  # a field the class gained since, at its default
-    _check_names(cls, [*static, *values, *fields], list(cls.__ft_fields__), path)
+    _check_names(cls, [*static, *values, *fields], list(cls.__ft_fields__), path, tuple(values))
     if sorted([*static, *(n for n in values if n in cls.__ft_static__)]) != sorted(cls.__ft_static__):
-        why = f"{cls.__name__}'s static fields are {sorted(cls.__ft_static__)}, not {sorted(static)}"
-        raise SpecError(MALFORMED.format(path=path, why=why))
+        now, saved = sorted(cls.__ft_static__), sorted(static)
+        what = f"{cls.__name__}'s static fields are {now} now, the checkpoint's were {saved}"
+        how = _how(now_static=set(now) - set(saved) - set(values), no_longer_static=set(saved) - set(now))
+        raise _edited(cls, path, what, list(cls.__ft_fields__), sorted([*static, *fields]), how)
     for n, c in static.items():
         values[n] = _decode_static(c, child_name(path, n))
         try:
@@ -617,6 +661,45 @@ def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str) -
     return out
 
 
+def namedtuple_names(spec: dict[str, Any], path: str) -> list[str | None]:
+    """The field name of each of a stored NamedTuple's items: stored (``names``) since
+    2026-11-29; in files written before, read from the stored keys of the leaves under each
+    item (``stats.mean`` under ``stats``), None for an item without one (a None)."""
+    items, stored = _items(spec, "items", list), spec.get("names")
+    if isinstance(stored, list) and len(stored) == len(items) and all(isinstance(n, str) for n in stored):
+        return list(stored)
+    prefix = path + "." if path else ""
+    names: list[str | None] = []
+    for i, child in enumerate(items):
+        keys = [s["key"] for _, s in leaf_specs(child, child_name(path, i))]
+        names.append(next((k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)), None))
+    return names
+
+
+def _unsuffixed(name: str, fields: list[str]) -> str:
+    """A name read from a stored key, without the ``_`` the writer appends to a key already
+    taken (a dict key ``"a.b"`` beside a field ``a.b``) where that gives a field's name."""
+    return name[:-1] if name not in fields and name[:-1] in fields else name
+
+
+def _decode_namedtuple(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:
+    """A NamedTuple, each item put in the field it was saved from: a class edited since the
+    save (fields reordered) still gets its values by name, and one whose field names
+    differ (renamed, added, removed) is refused, never filled by position."""
+    cls = _class(spec, path, "namedtuple")
+    specs, fields = _items(spec, "items", list), list(cls._fields)
+    names = namedtuple_names(spec, path)
+    unused = iter([f for f in fields if f not in names])
+    names = [next(unused, None) if n is None else n for n in names]  # an item without a leaf: the unnamed fields in order
+    if any(n is None for n in names):  # more items than fields: nothing to name them by
+        what = f"{cls.__name__} has {len(fields)} fields {fields} now, the checkpoint's had {len(specs)}"
+        raise _edited(cls, path, what, fields, [str(n) for n in names], "")
+    names = [_unsuffixed(str(n), fields) for n in names]
+    _check_names(cls, names, fields, path)
+    by_name = dict(zip(names, specs))
+    return tuple.__new__(cls, [_decode(by_name[f], arrays, child_name(path, f)) for f in fields])
+
+
 def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
     if not isinstance(spec, dict):
         raise SpecError(MALFORMED.format(path=path, why=f"a node is {type(spec).__name__}"))
@@ -640,12 +723,7 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
             out[key] = _decode(s, arrays, child_name(path, k))
         return out
     if kind == "namedtuple":
-        cls = _class(spec, path, "namedtuple")
-        specs = _items(spec, "items", list)
-        if len(specs) != len(cls._fields):
-            why = f"{cls.__name__} has {len(cls._fields)} fields, the checkpoint gives {len(specs)}"
-            raise SpecError(MALFORMED.format(path=path, why=why))
-        return tuple.__new__(cls, [_decode(s, arrays, child_name(path, f)) for f, s in zip(cls._fields, specs)])
+        return _decode_namedtuple(spec, arrays, path)
     if kind == "function":
         return decode_leaf(spec, arrays, path)
     if kind == "module":
@@ -729,46 +807,103 @@ def template_chooses(cls: type) -> frozenset[str]:
 
 def static_differences(spec: Any, template: Any, path: str = "") -> list[tuple[str, str, str]]:
     """``(key path, saved, template's)`` of every static field whose saved value differs from
-    the template's at the same place (Modules and registered dataclasses of the same class;
-    fields the template chooses and values stored only as a ``repr`` are not compared).
+    the template's at the same place (fields the template chooses and values stored only as a
+    ``repr`` are not compared). Children are matched by name whatever the template's class
+    (a class renamed since the save, a dict of the saved layers); a saved static field that
+    a Module or dataclass template has no field for raises :class:`SpecError`
+    (``STATIC_DROPPED``).
 
     A template gives a checkpoint's arrays their structure; a static field (an activation, a
     head count, a scale) changes what the model computes, so a saved value the template
-    does not share would be replaced silently.
+    does not share would be replaced (or dropped) silently.
     """
     if not isinstance(spec, dict):
         return []
     kind, out = spec.get("kind"), []
-    if kind in ("module", "dataclass") and spec.get("class") == type_name(type(template)):
-        static, fields = spec.get("static"), spec.get("fields")
-        chooses = template_chooses(type(template))
-        for name, code in (static.items() if isinstance(static, dict) else ()):
-            if name in chooses or not hasattr(template, name):
-                continue
-            value = getattr(template, name)
-            mine = _encode_static(value)
-            if code != mine and "repr" not in code and "repr" not in mine and not _stored_before(code, mine, value):
-                out.append((child_name(path, name), _shown(code), _shown(mine)))
-        for name, child in (fields.items() if isinstance(fields, dict) else ()):
-            if hasattr(template, name):
-                out += static_differences(child, getattr(template, name), child_name(path, name))
+    if kind in ("module", "dataclass"):
+        out += _static_fields_differ(spec, template, path)
     elif kind == "function" and callable(template):  # a function at a leaf: the template's is kept
         mine = _encode_static(template)
         if mine != {"function": spec.get("name")} and "repr" not in mine:
             out.append((path, str(spec.get("name")), _shown(mine)))
-    elif kind in ("list", "tuple", "namedtuple") and isinstance(template, (list, tuple)):
-        items = spec.get("items")
-        names = getattr(type(template), "_fields", range(len(template)))
-        for name, child, value in zip(names, items if isinstance(items, list) else (), template):
+    for name, child in _named_children(spec, path):
+        found, value = _template_child(template, name)
+        if found:
             out += static_differences(child, value, child_name(path, name))
-    elif kind == "dict" and isinstance(template, dict):
-        keys, items = spec.get("keys"), spec.get("items")
-        by_name = {str(k): v for k, v in template.items()}
-        for key, child in zip(keys if isinstance(keys, list) else (), items if isinstance(items, list) else ()):
-            name = key[1] if isinstance(key, list) and len(key) == 2 else None
-            if name in by_name:
-                out += static_differences(child, by_name[name], child_name(path, name))
     return out
+
+
+def _static_fields_differ(spec: dict[str, Any], template: Any, path: str) -> list[tuple[str, str, str]]:
+    """The differences of a saved Module's (dataclass's) static fields from the template's."""
+    static, out = spec.get("static"), []
+    chooses = template_chooses(type(template)) | _saved_chooses(spec.get("class"))
+    for name, code in (static.items() if isinstance(static, dict) else ()):
+        if name in chooses:
+            continue
+        found, value = _template_child(template, name)
+        if not found and _has_fields(template):
+            raise SpecError(STATIC_DROPPED.format(cls=str(spec.get("class"))[:200], path=path, field=name,
+                                                  saved=_shown(code), template=type(template).__name__))
+        if not found:  # a dict or list template reads the arrays alone
+            continue
+        mine = _encode_static(value)
+        if code != mine and "repr" not in code and "repr" not in mine and not _stored_before(code, mine, value):
+            out.append((child_name(path, name), _shown(code), _shown(mine)))
+    return out
+
+
+def _saved_chooses(name: Any) -> frozenset[str]:
+    """The static fields the saved class (looked up, never imported) lets a template choose."""
+    found = lookup_type(name) if isinstance(name, str) else []
+    return frozenset().union(*(template_chooses(c) for c in found if isinstance(c, type)))
+
+
+def _named_children(spec: dict[str, Any], path: str) -> list[tuple[str, Any]]:
+    """``(name, child spec)`` of a stored node's children: fields, dict keys, NamedTuple
+    fields (by their saved names), positions."""
+    kind, items = spec.get("kind"), spec.get("items")
+    items = items if isinstance(items, list) else []
+    if kind in ("module", "dataclass") and isinstance(spec.get("fields"), dict):
+        return list(spec["fields"].items())
+    if kind == "namedtuple":
+        try:
+            names = namedtuple_names(spec, path)
+        except (SpecError, TypeError, KeyError):
+            names = []
+        if len(names) == len(items) and all(isinstance(n, str) for n in names):
+            return list(zip(names, items))  # pyright: ignore[reportReturnType]
+    if kind in ("list", "tuple", "namedtuple"):
+        return [(str(i), c) for i, c in enumerate(items)]
+    if kind == "dict" and isinstance(spec.get("keys"), list):
+        keys = [k[1] if isinstance(k, list) and len(k) == 2 else None for k in spec["keys"]]
+        return [(k, c) for k, c in zip(keys, items) if isinstance(k, str)]
+    return []
+
+
+def _has_fields(x: Any) -> bool:
+    """A Module or dataclass: a template whose class names its static fields."""
+    return isinstance(x, Module) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
+
+
+def _template_child(template: Any, name: str) -> tuple[bool, Any]:
+    """``(found, value)``: the template's child called ``name`` (a field, a dict key as text,
+    a NamedTuple field, a position), as the template's leaves are named by key path."""
+    if isinstance(template, Module):
+        fields = type(template).__ft_fields__
+        return (name in fields, template.__dict__.get(name))
+    if _is_namedtuple(template):
+        found = name in type(template)._fields
+        return (found, getattr(template, name) if found else None)
+    if dataclasses.is_dataclass(template) and not isinstance(template, type):
+        found = name in {f.name for f in dataclasses.fields(template)}
+        return (found, getattr(template, name) if found else None)
+    if isinstance(template, (list, tuple)):
+        found = name.isdigit() and int(name) < len(template)
+        return (found, template[int(name)] if found else None)
+    if isinstance(template, dict):
+        by_name = {str(k): v for k, v in template.items()}
+        return (name in by_name, by_name.get(name))
+    return (False, None)
 
 
 def _stored_before(code: Any, mine: dict[str, Any], value: Any) -> bool:

@@ -259,7 +259,7 @@ def test_callback_state_and_extra_in_the_checkpoint(tmp_path):
     job.trainer().restore(tmp_path / "c").fit(job.data("list", 4), epochs=2, log_every=LOG, progress=False,
                                              callbacks=[save, named])
     assert named.state_dict() == stop.state_dict()
-    job.trainer().restore(tmp_path / "c", callbacks=False).fit(job.data("list", 4), epochs=3, log_every=LOG,
+    job.trainer().restore(str(tmp_path / "c"), callbacks=False).fit(job.data("list", 4), epochs=3, log_every=LOG,
                                                              progress=False)
     with pytest.raises(TypeError, match=r"extra\['note'\] is str"):
         t.save(tmp_path / "d", extra={"note": "hi"})
@@ -818,3 +818,59 @@ def test_a_resealed_untampered_checkpoint_restores_exactly(tmp_path):
     path, saved = _small_checkpoint(tmp_path, lambda c: None)
     back = ft.train.JobState.restore(path)
     assert back.position == saved.state.position and back.history == saved.history
+
+
+_NET_CELL = '''
+class Net(ft.Module):
+    w: jax.Array
+    b: jax.Array
+    def __call__(self, x):
+        return x @ self.w + self.b
+'''
+_NET_EDITED = '''
+class Net(ft.Module):             # the cell edited: a static field added
+    w: jax.Array
+    b: jax.Array
+    scale: float = ft.field(static=True, default=1.0)
+    def __call__(self, x):
+        return self.scale * (x @ self.w + self.b)
+'''
+
+
+def _notebook_net_job(directory: Path) -> tuple[dict[str, Any], Any, Any]:
+    """A notebook's ``Net`` trained two epochs with EarlyStopping(restore_best=True) and
+    saved; then its class cell edited. ``(namespace, saved model, saved best model)``."""
+    ns: dict[str, Any] = {"__name__": "__main__", "ft": ft, "jax": jax}
+    exec(_NET_CELL, ns)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype(np.float32)
+    ns["data"] = ft.train.batches((x, x @ np.array([[1.0], [2.0], [-1.0]], np.float32)), batch_size=16,
+                                  key=jax.random.key(1))
+    ns["loss"] = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)
+    t = ft.train.Trainer(ns["Net"](jnp.zeros((3, 1)), jnp.zeros(1)), ft.optim.adam(0.05), ns["loss"])
+    stop = ft.train.EarlyStopping(monitor="loss", patience=100, restore_best=True)
+    t.fit(ns["data"], epochs=2, callbacks=[stop], progress=False)
+    t.save(str(directory))
+    exec(_NET_EDITED, ns)
+    return ns, t.model, stop.best_model
+
+
+def test_restore_after_a_field_is_added_to_the_model_class_reads_the_callbacks_best_model_by_the_template(tmp_path):
+    """main: after a static field was added to the notebook's model class, restore failed
+    even with callbacks=False: EarlyStopping's stored best model was decoded without a
+    template ("Net was edited since this checkpoint was saved" at extra.callbacks.0.best_model)."""
+    ns, saved, best = _notebook_net_job(tmp_path / "c")
+    template = ns["Net"](jnp.zeros((3, 1)), jnp.zeros(1))
+    dropped = ft.train.Trainer(template, ft.optim.adam(0.05), ns["loss"]).restore(str(tmp_path / "c"), callbacks=False)
+    assert dropped.state.callbacks is None and type(dropped.model) is ns["Net"]
+    for name in ("w", "b"):
+        np.testing.assert_array_equal(np.asarray(getattr(dropped.model, name)), np.asarray(getattr(saved, name)))
+    kept = ft.train.Trainer(template, ft.optim.adam(0.05), ns["loss"]).restore(str(tmp_path / "c"))
+    assert kept.state.callbacks is not None
+    ((_, cls, state),) = kept.state.callbacks
+    assert cls == "EarlyStopping" and type(state["best_model"]) is ns["Net"] and state["best_model"].scale == 1.0
+    for name in ("w", "b"):
+        np.testing.assert_array_equal(np.asarray(getattr(state["best_model"], name)), np.asarray(getattr(best, name)))
+    stop = ft.train.EarlyStopping(monitor="loss", patience=100, restore_best=True)
+    kept.fit(ns["data"], epochs=3, callbacks=[stop], progress=False)  # the state loads into the callback
+    assert type(stop.best_model) is ns["Net"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,8 +15,9 @@ from functree._parameters import first_difference
 from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
 from functree.optim._complex import RealPair
 
-__all__ = ["check_gradients", "checked_gradients", "check_state_fits", "keep_unchanged", "descent_direction",
-           "STATE_MISMATCH", "STATE_WITHOUT_MOMENT", "STATE_FOR_ALL_PARAMETERS", "STATE_OF_ANOTHER_OPTIMIZER"]
+__all__ = ["check_gradients", "checked_gradients", "check_state_fits", "check_redefined", "keep_unchanged", "descent_direction",
+           "STATE_MISMATCH", "STATE_WITHOUT_MOMENT", "STATE_FOR_ALL_PARAMETERS", "STATE_OF_ANOTHER_OPTIMIZER",
+           "STATE_CLASS_REDEFINED"]
 
 GRADIENT_MISMATCH = """\
 The gradient does not fit the model's parameters at {path}: {detail}.
@@ -49,6 +51,21 @@ moments still fit the model; carry them over to its new structure (or start them
     right:  opt_state = jax.tree.unflatten(jax.tree.structure(optimizer.init(model)),
                                            jax.tree.leaves(opt_state))      # the same moments
        or:  opt_state = optimizer.init(model)                 # moments from zero
+"""
+
+
+STATE_CLASS_REDEFINED = """\
+The optimizer state was made before a model class was defined again (a notebook cell re-run): \
+at {path} {detail}. JAX tells the two classes apart although they have one name; the fields and \
+shapes are the same, so the moments still fit the model: carry them over to the new class \
+(or start them again):
+
+    wrong:  opt_state = optimizer.init(model)         # then the cell with `class Net` re-run
+            model = Net(...)
+            optimizer.update(grads, opt_state, model)   # or a train step
+    right:  opt_state = jax.tree.unflatten(jax.tree.structure(optimizer.init(model)),
+                                           jax.tree.leaves(opt_state))      # the same moments
+       or:  opt_state = optimizer.init(model)         # moments from zero
 """
 
 
@@ -240,6 +257,16 @@ def check_state_fits(inner: Any, grads: Any, init: Any = None, params: Any = Non
         bounded_put(_FITS, key, True)
 
 
+def check_redefined(inner: Any, grads: Any) -> None:
+    """:data:`STATE_CLASS_REDEFINED` where a moment tree of ``inner`` holds a model class
+    that was defined again since (one module and qualified name, the same leaves): what a
+    bare transformation's failed update is read for. Other misfits are left to its error."""
+    for _, name, moment in _moments(inner):
+        found = _first_misfit(grads, moment, name)
+        if found is not None and found[2] == "redefined":
+            raise ValueError(STATE_CLASS_REDEFINED.format(path=found[0], detail=found[1]))
+
+
 _UNKNOWN = object()  # no fresh state to compare with (no ``init`` given, or its eval_shape failed)
 
 
@@ -312,6 +339,9 @@ def _check_made_here(inner: Any, fresh: Any) -> None:
     if found is None:
         return
     path, given, expected = found
+    redefined = _redefined(expected, given, lambda a, b: a == b)
+    if redefined is not None:  # a model class defined again, held outside the moments (an EMA, SAM's cache)
+        raise ValueError(STATE_CLASS_REDEFINED.format(path=dotted_name(path) or "<root>", detail=redefined))
     if _left_to_the_transform(given, expected, path, inner, fresh):
         return
     settable = _SET_INSTEAD if any(_settable(x) for x in jax.tree.leaves(inner, is_leaf=_settable)) else ""
@@ -374,7 +404,7 @@ def _node(x: Any) -> str:
     return _describe(x)
 
 
-_MESSAGES = {"structure": STATE_MISMATCH, "static": STATE_STATIC_CHANGED, "untrained": STATE_WITHOUT_MOMENT,
+_MESSAGES = {"structure": STATE_MISMATCH, "static": STATE_STATIC_CHANGED, "redefined": STATE_CLASS_REDEFINED, "untrained": STATE_WITHOUT_MOMENT,
              "not_trained_here": STATE_FOR_ALL_PARAMETERS}
 
 
@@ -430,12 +460,35 @@ def _first_misfit(grads: Any, moment: Any, name: str) -> tuple[str, str, str] | 
         if g is None and m_node == _LEAF:  # a parameter with moments that this optimizer does not train
             return where, f"the state has a moment of shape {np.shape(m)}, the gradients none", "not_trained_here"
         if g_node != m_node:
+            redefined = _redefined(g, m, lambda a, b: _shape_fits(name, a, b))
+            if redefined is not None:
+                return where, redefined, "redefined"
             changed = _static_change(g, m)
             if changed is not None:
                 return where, changed, "static"
             return where, f"the gradients have {_describe(g)}, the state {_describe(m)}", "structure"
         stack.extend((path + (k,), gc, mc) for (k, gc), (_, mc) in reversed(list(zip(g_children, m_children))))
     return None
+
+
+def _redefined(g: Any, m: Any, fits: Callable[[tuple[int, ...], tuple[int, ...]], bool]) -> str | None:
+    """``"the gradients have a __main__.Net defined after the state's ..."`` when the nodes
+    ``g`` (the model's side) and ``m`` (the state's) are of two classes with one module and
+    qualified name (a class statement run again) whose leaves have the same key paths, in
+    order, and shapes that ``fits(gradient's, state's)``: the state's leaves map one to one
+    onto the model's. Else None."""
+    a, b = type(g), type(m)
+    if a is b or (a.__module__, a.__qualname__) != (b.__module__, b.__qualname__):
+        return None
+    g_leaves = jax.tree_util.tree_flatten_with_path(g)[0]
+    m_leaves = jax.tree_util.tree_flatten_with_path(m)[0]
+    if [p for p, _ in g_leaves] != [p for p, _ in m_leaves]:
+        return None
+    if not all(fits(np.shape(x), np.shape(y)) for (_, x), (_, y) in zip(g_leaves, m_leaves)):
+        return None
+    name = f"{a.__module__}.{a.__qualname__}"
+    return (f"the model has a {name} of the class defined now, the state one of the earlier class "
+            f"{name} ({len(g_leaves)} leaves, at the same key paths, of the same shapes)")
 
 
 def _static_change(g: Any, m: Any) -> str | None:

@@ -35,7 +35,7 @@ from functree._tree import is_none, register_record
 from functree._warnings import warn
 from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
-from functree.optim._checks import checked_gradients, keep_unchanged
+from functree.optim._checks import check_redefined, checked_gradients, keep_unchanged
 from functree.optim._context import LearningContext, advance, current, initial_context
 from functree.optim._schedules import piecewise
 
@@ -558,8 +558,9 @@ def _standalone(step: Callable[..., tuple[Any, HyperState]], updates: Any, state
                 minibatch_size: Any, loss: Any, extra: dict[str, Any], where: str = "ft.optim") -> tuple[Any, HyperState]:
     """:func:`inject`'s update used as a plain optax transformation, around ``step`` (the
     numerics): the parameter view of ``params``, the gradients in the state's (mode-free)
-    form, a ``None`` gradient as no update (as through an Optimizer), and the state's own
-    learning context read at ``minibatch_size``/``loss`` and advanced."""
+    form (a failing step's state read by :func:`check_redefined`, for a message naming a
+    model class defined again), a ``None`` gradient as no update (as through an Optimizer),
+    and the state's own learning context read at ``minibatch_size``/``loss`` and advanced."""
     if any(jnp.iscomplexobj(g) for g in jax.tree.leaves(updates)):  # a torch user's loop climbed, silently
         warn(COMPLEX_BARE.format(where=where), ComplexGradientWarning)
     params = None if params is None else parameters(params)
@@ -568,7 +569,16 @@ def _standalone(step: Callable[..., tuple[Any, HyperState]], updates: Any, state
     updates, partial = checked_gradients(updates, params)
     assert state.context is not None
     ctx = current(state.context, minibatch_size, loss)
-    new_updates, new = step(updates, state, params, ctx, extra)
+    try:
+        new_updates, new = step(updates, state, params, ctx, extra)
+    except ValueError:
+        # optax's own error, inside its tree_map, names neither the state nor the fix where a
+        # model class was defined again (two types of one name): read after a failure only
+        try:
+            check_redefined(state.inner, updates)
+        except ValueError as named:
+            raise named from None
+        raise
     if partial is not None:
         new_updates, inner = keep_unchanged(partial, new_updates, new.inner, state.inner)
         new = new.replace(inner=inner)

@@ -42,6 +42,7 @@ from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._tangent import move
+from functree._tree import dotted_name
 from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
 from functree.nn._state import apply_state, collect_state, floating_state, salted_call
@@ -117,6 +118,27 @@ transformation {given}, which has state. Chain it into the transform instead:
 
     wrong:  ft.optim.Optimizer(ft.optim.adam(), {hook}=optax.clip_by_global_norm(1.0))
     right:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), ft.optim.adam()))
+"""
+
+EXTRAS_REFUSED = """\
+A transformation inside the Optimizer's transform refuses optax's extra arguments ({error}). \
+ft.optim.Optimizer passes the learning context to its transform as the extra argument \
+context=, which optax.chain (optax.masked, ...) hands to every transformation inside; an \
+optax.GradientTransformationExtraArgs whose update takes no **extra_args (optax.contrib.sam's) \
+refuses it. Make that transformation the outermost one: the Optimizer gives it only the \
+keywords its update takes.
+
+    wrong:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.sam(opt, adv_opt)))
+    right:  ft.optim.Optimizer(optax.contrib.sam(optax.chain(optax.clip_by_global_norm(1.0), opt), adv_opt))
+"""
+
+CONTEXT_NOT_PASSED = """\
+The transform's update {given} takes no optax extra arguments (no **extra_args), so it cannot pass the \
+learning context to the ft.optim transformations inside it ({where}): their hyperparameters \
+and schedules read it. Inside such a transformation (optax.contrib.sam), use optax's own:
+
+    wrong:  ft.optim.Optimizer(optax.contrib.sam(ft.optim.sgd(0.1), adv_opt))
+    right:  ft.optim.Optimizer(optax.contrib.sam(optax.sgd(0.1), adv_opt))
 """
 
 NOT_OPTIMIZER_STATE = """\
@@ -199,6 +221,50 @@ class Gradients(NamedTuple):
     out: Any
     grads: Any
     layer_state: Any
+
+
+def _keywords(transform: Any) -> frozenset[str] | None:
+    """The keyword arguments ``transform.update`` takes beyond ``(updates, state, params)``
+    when it is an ``optax.GradientTransformationExtraArgs`` whose update has no
+    ``**extra_args`` (``optax.contrib.sam``'s takes ``grad_fn`` only); else None (it takes
+    any, or optax.with_extra_args_support drops those of a plain transformation)."""
+    if not isinstance(transform, optax.GradientTransformationExtraArgs):
+        return None
+    try:
+        parameters = list(inspect.signature(transform.update).parameters.values())
+    except (TypeError, ValueError):  # an update without a signature: given every keyword
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters[3:]
+                     if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+
+
+def _taking_extras(transform: Any) -> Any:
+    """``transform`` given only the extra arguments its update takes (:func:`_keywords`):
+    optax's contract is that a GradientTransformationExtraArgs ignores those it does not
+    know, which ``optax.contrib.sam`` breaks, refusing the Optimizer's ``context=``."""
+    names = _keywords(transform)
+    if names is None:
+        return transform
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        return transform.update(updates, state, params, **{k: v for k, v in extra.items() if k in names})
+
+    return optax.GradientTransformationExtraArgs(transform.init, update)
+
+
+def _check_context_reaches(transform: Any, inner: Any) -> None:
+    """:data:`CONTEXT_NOT_PASSED` where ``transform`` passes no extra arguments (so no
+    ``context=``) on, and its state holds a functree transform's (which needs it)."""
+    names = _keywords(transform)
+    if names is None or "context" in names:
+        return
+    paths = jax.tree_util.tree_flatten_with_path(inner, is_leaf=lambda x: isinstance(x, HyperState))[0]
+    hyper = [dotted_name(p) or "<root>" for p, x in paths if isinstance(x, HyperState)]
+    if hyper:
+        given = getattr(transform.update, "__qualname__", type(transform).__name__)
+        raise TypeError(CONTEXT_NOT_PASSED.format(given=given, where="the state at " + ", ".join(hyper)))
 
 
 def _strongly_typed(tree: Any) -> Any:
@@ -312,7 +378,8 @@ class Optimizer:
         if transform_loss is not None and get_gradients is not None:
             raise ValueError(BOTH_LOSS_HOOKS)
         set_ = object.__setattr__
-        set_(self, "_transform", optax.with_extra_args_support(with_average(real_pairs(from_optax(transform)), average)))
+        set_(self, "_transform", optax.with_extra_args_support(
+            with_average(real_pairs(_taking_extras(from_optax(transform))), average)))
         set_(self, "_raw_transform", transform)
         set_(self, "_transform_loss", transform_loss)
         set_(self, "_get_gradients", get_gradients)
@@ -364,6 +431,7 @@ class Optimizer:
         with jax.numpy_dtype_promotion("standard"), _mask_structure():  # optax mixes floats and ints
             inner = self._transform.init(params)
         check_multisteps(inner, HyperState)
+        _check_context_reaches(self._raw_transform, inner)
         state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.
@@ -410,7 +478,12 @@ class Optimizer:
         if extra:
             extra = extra_arguments(extra, grads, model)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
-            updates, inner = self._transform.update(grads, state.inner, params, context=ctx, **extra)
+            try:
+                updates, inner = self._transform.update(grads, state.inner, params, context=ctx, **extra)
+            except TypeError as e:  # a transformation inside a chain refusing context= (optax.contrib.sam)
+                if "unexpected keyword argument 'context'" not in str(e):
+                    raise
+                raise TypeError(EXTRAS_REFUSED.format(error=e)) from e
         if partial is not None:
             updates, inner = keep_unchanged(partial, updates, inner, state.inner)
         if apply_if is not None:

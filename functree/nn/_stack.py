@@ -12,6 +12,7 @@ array (see :mod:`functree._stacked`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -458,6 +459,8 @@ def _exact_key(v: Any) -> Any:
         return _exact_parts(type(v), [getattr(v, f.name) for f in dataclasses.fields(v)])
     if callable(v) or type(v).__eq__ is not object.__eq__:
         return type(v), v  # code (keyed by reads_key), or a value type with its own equality
+    if isinstance(v, enum.Enum) or type(v) is object:
+        return type(v), v  # a member or a sentinel: one object, never edited (identity is its value)
     return _UNKEYED
 
 

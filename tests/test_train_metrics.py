@@ -2,6 +2,7 @@
 
 import functools
 import itertools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -147,7 +148,9 @@ def test_a_floating_last_item_of_a_three_item_batch_is_not_read_as_labels():
     named = {"accuracy": lambda out: ft.train.accuracy.of(out.aux, out.batch[1])}  # the fix it names
     np.testing.assert_allclose(named["accuracy"](out), 0.75, rtol=0, atol=1e-7)
     assert float(ft.train.accuracy(out._replace(batch=(batch[0], weights, labels)))) == 0.75  # labels last
-    assert float(ft.train.accuracy(out._replace(batch=(batch[0], labels.astype(jnp.float32))))) == 0.75  # (x, y)
+    # (x, y) with float class ids: refused (float labels are never class indices), naming the cast
+    with pytest.raises(ValueError, match=r"out.batch\[1\].astype\(jnp.int32\)"):
+        ft.train.accuracy(out._replace(batch=(batch[0], labels.astype(jnp.float32))))
     # Float labels of two axes (one-hot rows; multi-label targets) cannot be per-example
     # weights: read, as before the refusal (which once refused them too).
     one_hot = jax.nn.one_hot(labels, 2)
@@ -210,6 +213,94 @@ def test_keras_weights_after_labels_are_refused_naming_both_readings():
     # A (x, y) batch, or a [N, 1] logit against [N] labels: no second reading, no error.
     out2 = ft.train.StepOutput(jnp.zeros(()), logits[:, None], (x, y), None)
     np.testing.assert_allclose(ft.train.binary_accuracy(out2), expected, rtol=0, atol=1e-6)
+
+
+# --- float items of the class-index shape: weights or a mask, never class ids ---------------------
+
+_B, _TT, _V = 4, 5, 7
+
+
+def _tokens():
+    """Token logits [B, T, V], int class ids [B, T], float 0/1 per-token weights [B, T]."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(_B, _TT, _V)).astype(np.float32)
+    labels = rng.integers(0, _V, size=(_B, _TT)).astype(np.int32)
+    weights = (rng.random((_B, _TT)) > 0.5).astype(np.float32)
+    return logits, labels, weights
+
+
+def _run(metric, logits, batch):
+    return float(metric(out(jnp.asarray(logits), tuple(jnp.asarray(b) for b in batch))))
+
+
+def _right_line(message, i):
+    """The metric the error's ``right:`` (i=0) or ``or:`` (i=1) line names, evaluated."""
+    lines = [ln for ln in message.splitlines() if ln.strip().startswith(("right:", "or:"))]
+    code = lines[i].split(":", 1)[1].split("#")[0].strip()
+    scope: dict[str, Any] = {"ft": ft, "jnp": jnp}
+    exec(code, scope)  # metrics={"accuracy": lambda out: ...}
+    return scope["metrics"]["accuracy"]
+
+
+@pytest.mark.parametrize("layout", ["keras-temporal", "loss-mask", "float-labels"])
+def test_per_token_float_weights_are_not_scored_as_class_ids(layout):
+    """(x, y int[B, T], w float[B, T]): the 0/1 weights were cast and compared with the argmax
+    as class ids (0.2 for numpy's 0.25, weighted 0.40), with no error. Now an error names
+    both readings; each right line scores as numpy does."""
+    logits, labels, weights = _tokens()
+    first = {"keras-temporal": np.zeros((_B, _TT, 3), np.float32), "loss-mask": labels,
+             "float-labels": labels}[layout]
+    y = labels.astype(np.float32) if layout == "float-labels" else labels
+    batch = (first, y, weights)
+    want = np.mean(np.argmax(logits, -1) == labels)
+    assert want == 0.25  # and the scored weights: np.mean(argmax == weights) == 0.2
+    with pytest.raises(ValueError, match=r"(?s)cannot tell which item of this batch of 3 items.*"
+                       r"class-index shape.*\(x, y, sample_weight\).*\(input_ids, labels, loss_mask\).*"
+                       r"out.batch\[2\].astype\(jnp.int32\)\)\}") as e:
+        _run(ft.train.accuracy, logits, batch)
+    o = out(jnp.asarray(logits), tuple(jnp.asarray(b) for b in batch))
+    np.testing.assert_allclose(float(_right_line(str(e.value), 0)(o)), want, rtol=0, atol=1e-7)  # 20 tokens
+    np.testing.assert_allclose(float(_right_line(str(e.value), 1)(o)),
+                               np.mean(np.argmax(logits, -1) == weights.astype(np.int32)), rtol=0, atol=1e-7)
+    trainer = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), lambda m, b: (m["w"], jnp.asarray(logits)),
+                               metrics=[ft.train.accuracy])
+    with pytest.raises(ValueError, match=r"cannot tell which item"):
+        trainer.evaluate([batch])
+
+
+def test_float_class_ids_are_refused_naming_the_cast():
+    """Float labels of logits.shape[:-1] and no second reading: (x, y), a dict, accuracy.of.
+    They were cast and scored; the -100 of float token labels counted as misses."""
+    logits, labels, _ = _tokens()
+    labels[0, :2] = -100
+    counted = labels != -100
+    want = np.sum((np.argmax(logits, -1) == labels) & counted) / np.sum(counted)
+    y = labels.astype(np.float32)
+    for batch in ((np.zeros((_B, 3)), y), (np.zeros((_B, _TT, 2)), np.zeros((_B, 3)), y)):
+        with pytest.raises(ValueError, match=r"(?s)the labels out.batch\[\d\] \(float32\[4, 5\]\) are floating-point"
+                                             r".*wrong:  metrics=\[ft.train.accuracy\]") as e:
+            _run(ft.train.accuracy, logits, batch)
+        o = out(jnp.asarray(logits), tuple(jnp.asarray(b) for b in batch))
+        np.testing.assert_allclose(float(_right_line(str(e.value), 0)(o)), want, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match=r'out.batch\["labels"\].astype\(jnp.int32\)'):
+        ft.train.accuracy(out(jnp.asarray(logits), {"labels": jnp.asarray(y)}))
+    with pytest.raises(ValueError, match=r"right:  ft.train.accuracy.of\(logits, labels.astype\(jnp.int32\)\)"):
+        ft.train.accuracy.of(logits, y)
+    np.testing.assert_allclose(float(ft.train.accuracy.of(logits, y.astype(np.int32))), want, rtol=0, atol=1e-7)
+
+
+def test_float_labels_of_the_logits_shape_are_still_read():
+    """Soft labels (probabilities [B, T, V]) after int token labels, and binary_accuracy's
+    float 0/1 targets of its logits' shape after an int attention mask: read, as numpy."""
+    logits, labels, weights = _tokens()
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(np.random.default_rng(1).normal(size=logits.shape)), -1),
+                       np.float32)
+    want = np.mean(np.argmax(logits, -1) == np.argmax(probs, -1))
+    np.testing.assert_allclose(_run(ft.train.accuracy, logits, (labels, labels, probs)), want, rtol=0, atol=1e-7)
+    tag_logits = logits[..., 0]  # one binary logit per token: (input_ids, attention_mask, float targets)
+    want = np.mean((tag_logits > 0) == (weights > 0.5))
+    got = _run(ft.train.binary_accuracy, tag_logits, (labels, np.ones_like(labels), weights))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
 
 
 # --- accuracy over minibatches: Σ hits / Σ counted, not a mean weighted by minibatch size ------

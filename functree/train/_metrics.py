@@ -61,6 +61,33 @@ Name the labels:
     right:  metrics={{"{who}": lambda out: ft.train.{who}.of(out.aux, out.batch[{i_prev}])}}   # (x, y, sample_weight)
        or:  metrics={{"{who}": lambda out: ft.train.{who}.of(out.aux, out.batch[{i_last}])}}   # labels last"""
 
+FLOAT_CLASS_IDS_OR_WEIGHTS = """\
+ft.train.accuracy cannot tell which item of this batch of {n} items ({batch}) holds the labels. \
+batch[-1] ({last}) is floating-point of the class-index shape of these logits ({logits}: \
+logits.shape[:-1]), and batch[-2] ({prev}) has that shape too. Float numbers are not class \
+indices (torch's cross_entropy refuses them), and nothing but the values (unknown inside the \
+traced step) tells the two readings apart:
+  - (x, y, sample_weight), Keras's layout (per-token weights: sample_weight_mode="temporal"), \
+or (input_ids, labels, loss_mask): the labels are batch[-2], batch[-1] the weights or mask \
+(scoring them as class ids casts and compares them, with no error; accuracy does not apply \
+the weights);
+  - (x, ..., y) with class ids stored as floats: the labels are batch[-1], cast to integers.
+Name the labels:
+
+    wrong:  metrics=[ft.train.accuracy]
+    right:  metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, {prev_fix})}}   # (x, y, sample_weight)
+       or:  metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, {last_fix})}}   # labels last"""
+
+FLOAT_CLASS_IDS = """\
+ft.train.accuracy: the labels {where}({labels}) are floating-point, of the class-index shape of \
+the logits ({logits}: logits.shape[:-1]). Class indices are integers (torch's cross_entropy \
+refuses float ones); floats of that shape are sample weights or a mask more often than labels, \
+and scoring them as class ids (cast, compared) gives a wrong accuracy with no error. If they \
+are class ids, cast them; weights or a mask: name the labels instead.
+
+    wrong:  {wrong}
+    right:  {right}"""
+
 SHAPES = """\
 ft.train.accuracy: logits of shape {logits} do not fit labels of shape {labels}. Labels are \
 class indices of shape logits.shape[:-1], one-hot/probabilities of shape logits.shape, or \
@@ -134,29 +161,65 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _find_labels(batch: Any, logits: Any, fits: Callable[[tuple, tuple], bool], who: str) -> Any:
-    """The labels of ``batch``: a dict's by name, a tuple's last.
+def _is_float(x: Any) -> bool:
+    return _is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
-    Keras's ``(x, y, sample_weight)`` puts per-example float weights last, where a
-    ``(x, mask, y)`` batch (torch's BCEWithLogitsLoss: float 0/1 targets) puts its labels.
-    Only types and shapes are known (the step is traced), so with three or more items and a
-    floating-point last item of one number per example, ``fits(logits.shape, batch[-2].shape)``
-    (a shape the metric scores against these logits) decides: if it fits, both readings are open and
-    the error names both; if not (a [N, D] mask before [N] targets), the last are the labels."""
-    found = None
+
+LABEL_KEYS = ("label", "labels", "y", "target", "targets")
+
+
+def _find_labels(batch: Any, logits: Any, fits: Callable[[tuple, tuple], bool], who: str,
+                 class_ids: bool = False) -> tuple[str, Any]:
+    """``(where, labels)``: the labels of ``batch`` (a dict's by name, a tuple's last) and
+    their path for error messages (``out.batch[2]``, ``out.batch["labels"]``).
+
+    Keras's ``(x, y, sample_weight)`` puts float weights last, where a ``(x, mask, y)``
+    batch (torch's BCEWithLogitsLoss: float 0/1 targets) puts its labels. Only types and
+    shapes are known (the step is traced), so a float last item of three or more is checked
+    against ``batch[-2]`` (:func:`_two_readings`): where both read as labels, an error names both."""
+    where, found = "", None
     if isinstance(batch, Mapping):
-        found = next((batch[n] for n in ("label", "labels", "y", "target", "targets") if n in batch), None)
+        key = next((n for n in LABEL_KEYS if n in batch), None)
+        where, found = (f'out.batch["{key}"]', batch[key]) if key is not None else ("", None)
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        found, prev = batch[-1], batch[-2]
-        if len(batch) >= 3 and _is_array(found) and jnp.issubdtype(found.dtype, jnp.floating) \
-                and found.ndim <= 1 and _is_array(prev) and fits(np.shape(logits), prev.shape):
-            n = len(batch)
-            raise ValueError(LABELS_OR_WEIGHTS.format(
-                who=who, n=n, batch=_describe(batch), last=_describe(found), prev=_describe(prev),
-                logits=_describe(logits), i_prev=n - 2, i_last=n - 1))
+        where, found = f"out.batch[{len(batch) - 1}]", batch[-1]
+        if len(batch) >= 3 and _is_float(found) and _is_array(batch[-2]):
+            _two_readings(batch, logits, fits, who, class_ids)
     if found is None or not hasattr(found, "shape"):  # absent, or a nested dict / list
         raise ValueError(NO_LABELS.format(batch=_describe(batch)))
-    return found
+    return where, found
+
+
+def _two_readings(batch: Sequence[Any], logits: Any, fits: Callable[[tuple, tuple], bool], who: str,
+                  class_ids: bool) -> None:
+    """Raise where a float ``batch[-1]`` and ``batch[-2]`` both read as labels.
+
+    - ``batch[-1]`` of the class-index shape ``logits.shape[:-1]`` (``class_ids``: accuracy)
+      is no class ids as it is (floats never are): a ``batch[-2]`` of that shape is the
+      labels of Keras's ``(x, y, sample_weight)`` (per-token weights too) or of
+      ``(input_ids, labels, loss_mask)``, unless the floats are class ids to cast. Of no
+      other ``batch[-2]``, :func:`_accuracy_counts` refuses the floats, naming the cast.
+    - one float per example (binary targets or weights): a ``batch[-2]`` that ``fits`` the
+      logits is the labels of ``(x, y, sample_weight)``, or ``(x, mask, y)``'s mask; one that
+      does not (a ``[N, D]`` mask) leaves the last as labels.
+    - float labels of the logits' shape (one-hot, probabilities, 0/1 targets) are read."""
+    last, prev, n, shape = batch[-1], batch[-2], len(batch), tuple(np.shape(logits))
+    if class_ids and _class_ids_shape(shape, tuple(last.shape)):
+        if tuple(prev.shape) == tuple(last.shape):
+            raise ValueError(FLOAT_CLASS_IDS_OR_WEIGHTS.format(
+                n=n, batch=_describe(batch), last=_describe(last), prev=_describe(prev),
+                logits=_describe(logits), prev_fix=_as_class_ids(f"out.batch[{n - 2}]", prev),
+                last_fix=_as_class_ids(f"out.batch[{n - 1}]", last)))
+        return
+    if last.ndim <= 1 and fits(shape, tuple(prev.shape)):
+        raise ValueError(LABELS_OR_WEIGHTS.format(
+            who=who, n=n, batch=_describe(batch), last=_describe(last), prev=_describe(prev),
+            logits=_describe(logits), i_prev=n - 2, i_last=n - 1))
+
+
+def _as_class_ids(path: str, x: Any) -> str:
+    """``path``, cast to int32 where ``x`` is floating-point (class ids must be integers)."""
+    return f"{path}.astype(jnp.int32)" if _is_float(x) else path
 
 
 IGNORE_INDEX = -100
@@ -164,17 +227,37 @@ IGNORE_INDEX = -100
 default of ``ft.losses.softmax_cross_entropy``)."""
 
 
+def _class_ids_shape(logits: tuple, labels: tuple) -> bool:
+    """Whether labels of this shape are class indices for these logits: ``logits.shape[:-1]``
+    with two classes or more."""
+    return len(logits) >= 1 and logits[-1] > 1 and labels == logits[:-1]
+
+
 def _accuracy_fits(logits: tuple, labels: tuple) -> bool:
     """Whether :func:`accuracy` scores labels of this shape against logits of that one."""
-    return (labels == logits[:-1] and len(logits) >= 1 and logits[-1] > 1) or labels == logits \
-        or logits == (*labels, 1)
+    return _class_ids_shape(logits, labels) or labels == logits or logits == (*labels, 1)
 
 
-def _accuracy_counts(logits: Any, labels: Any) -> tuple[jax.Array, jax.Array]:
+def _float_class_ids(logits: jax.Array, labels: jax.Array, where: str | None) -> str:
+    """:data:`FLOAT_CLASS_IDS` for labels at ``where`` in ``out.batch`` (None: ``accuracy.of``)."""
+    if where is None:
+        wrong, right = "ft.train.accuracy.of(logits, labels)", "ft.train.accuracy.of(logits, labels.astype(jnp.int32))"
+    else:
+        wrong = "metrics=[ft.train.accuracy]"
+        right = f'metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, {where}.astype(jnp.int32))}}'
+    return FLOAT_CLASS_IDS.format(where=f"{where} " if where else "", labels=_describe(labels),
+                                  logits=_describe(logits), wrong=wrong, right=right)
+
+
+def _accuracy_counts(logits: Any, labels: Any, where: str | None = None) -> tuple[jax.Array, jax.Array]:
     """``(hits, counted)``: the labels whose predicted class is theirs, and the labels
-    scored (class indices equal to :data:`IGNORE_INDEX` left out), as float32 counts."""
+    scored (class indices equal to :data:`IGNORE_INDEX` left out), as float32 counts.
+    Float class indices are refused (:data:`FLOAT_CLASS_IDS`; ``where``: their path in
+    ``out.batch``): floats of that shape are weights or a mask more often than labels."""
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
-    if labels.shape == logits.shape[:-1] and logits.shape[-1] > 1:  # class indices
+    if _class_ids_shape(logits.shape, labels.shape):  # class indices
+        if jnp.issubdtype(labels.dtype, jnp.floating):
+            raise ValueError(_float_class_ids(logits, labels, where))
         hits = jnp.argmax(logits, axis=-1) == labels.astype(jnp.int32)
         if jnp.issubdtype(labels.dtype, jnp.signedinteger):
             counted = labels != IGNORE_INDEX
@@ -197,7 +280,8 @@ def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
 
 def _accuracy_out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
     logits = _find_logits(out.aux)
-    return _accuracy_counts(logits, _find_labels(out.batch, logits, _accuracy_fits, "accuracy"))
+    where, labels = _find_labels(out.batch, logits, _accuracy_fits, "accuracy", class_ids=True)
+    return _accuracy_counts(logits, labels, where)
 
 
 def accuracy(out: StepOutput) -> jax.Array:
@@ -205,13 +289,16 @@ def accuracy(out: StepOutput) -> jax.Array:
 
     Labels are ``batch[-1]`` (tuple) or ``batch["label"]`` (dict); logits are the aux
     output (or ``aux["logits"]``). In a batch of three or more items whose last is
-    floating-point, one number per example, and whose ``batch[-2]`` has a labels' shape
-    (below), either may be the labels (Keras's ``(x, y, sample_weight)``, or
+    floating-point, of the class-index shape or one number per example, and whose
+    ``batch[-2]`` has a labels' shape (below), either may be the labels (Keras's
+    ``(x, y, sample_weight)``, per-token weights too, ``(input_ids, labels, loss_mask)``, or
     ``(x, mask, y)``): an error, naming both; name the labels with ``accuracy.of``. A
     ``batch[-2]`` of no labels' shape (a ``[N, D]`` mask) leaves the last as labels. By shape:
 
     - class indices ``logits.shape[:-1]`` compare with ``argmax(logits)``; labels equal to
-      -100 (:data:`IGNORE_INDEX`, HF's padding of token labels) are left out;
+      -100 (:data:`IGNORE_INDEX`, HF's padding of token labels) are left out. They are
+      integers: float ones are refused (torch's cross_entropy refuses them too; floats of
+      that shape are weights or a mask more often), naming the cast ``.astype(jnp.int32)``;
     - labels of the logits' shape ``[..., C]`` (two axes or more) are one-hot or
       probabilities: ``argmax`` of both. A multi-label target (several 1s a row) is
       scored as its first 1: use ``ft.train.binary_accuracy`` for it;
@@ -227,8 +314,8 @@ def accuracy(out: StepOutput) -> jax.Array:
       >>> ft.train.accuracy(out)
       Array(0.6666667, dtype=float32)
     """
-    logits = _find_logits(out.aux)
-    return _accuracy_of(logits, _find_labels(out.batch, logits, _accuracy_fits, "accuracy"))
+    hits, counted = _accuracy_out_counts(out)
+    return hits / jnp.maximum(counted, 1.0)
 
 
 accuracy.of = _accuracy_of  # type: ignore[attr-defined]
@@ -260,7 +347,7 @@ def _binary_accuracy_of(logits: Any, labels: Any) -> jax.Array:
 
 def _binary_out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
     logits = _find_logits(out.aux)
-    return _binary_counts(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy"))
+    return _binary_counts(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy")[1])
 
 
 def binary_accuracy(out: StepOutput) -> jax.Array:
@@ -277,7 +364,7 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
       0.6666666865348816
     """
     logits = _find_logits(out.aux)
-    return _binary_accuracy_of(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy"))
+    return _binary_accuracy_of(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy")[1])
 
 
 binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]

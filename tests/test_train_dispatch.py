@@ -179,4 +179,4 @@ def test_the_pending_checks_name_every_field_of_the_context():
 
     from functree.train._pending import CONTEXT_FIELDS
 
-    assert CONTEXT_FIELDS == {f.name for f in dataclasses.fields(ft.train.TrainingContext)}
+    assert {f.name for f in dataclasses.fields(ft.train.TrainingContext)} == CONTEXT_FIELDS

@@ -647,6 +647,26 @@ def test_a_namedtuple_with_reordered_fields_loads_each_value_into_its_saved_fiel
     np.testing.assert_array_equal(np.asarray(back.var), [4.0, 9.0])
 
 
+def test_an_old_namedtuple_whose_keys_were_suffixed_twice_loads_by_its_field_names():
+    """A file written before the names were stored, where two dict keys took the field's
+    dotted name first ("x.a", "x.a_"): the writer suffixed the field's key twice ("x.a__");
+    the reader stripped one "_" and refused the intact file as a class edit."""
+    class P(NamedTuple):
+        a: jax.Array
+        b: jax.Array
+
+    _cell(P, "P")
+    tree = {"x.a": jnp.ones(1), "x.a_": jnp.zeros(1), "x": P(jnp.arange(2.0), jnp.arange(3.0))}
+    arrays, spec = encode(tree)
+    item = next(s for (_, key), s in zip(spec["keys"], spec["items"]) if key == "x")
+    del item["names"]
+    assert "x.a__" in arrays
+    back = decode(spec, arrays)
+    np.testing.assert_array_equal(np.asarray(back["x"].a), np.arange(2.0))
+    np.testing.assert_array_equal(np.asarray(back["x"].b), np.arange(3.0))
+    np.testing.assert_array_equal(np.asarray(back["x.a_"]), np.zeros(1))
+
+
 def test_an_old_namedtuple_spec_without_names_or_keys_loads_by_position():
     class Pair(NamedTuple):
         first: object

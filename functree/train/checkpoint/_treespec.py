@@ -677,9 +677,13 @@ def namedtuple_names(spec: dict[str, Any], path: str) -> list[str | None]:
 
 
 def _unsuffixed(name: str, fields: list[str]) -> str:
-    """A name read from a stored key, without the ``_`` the writer appends to a key already
-    taken (a dict key ``"a.b"`` beside a field ``a.b``) where that gives a field's name."""
-    return name[:-1] if name not in fields and name[:-1] in fields else name
+    """A name read from a stored key, without the ``_`` the writer appends to a key each time
+    it is already taken (a dict key ``"a.b"`` beside a field ``a.b``: ``a_``; two such
+    keys: ``a__``) where that gives a field's name."""
+    bare = name
+    while bare not in fields and bare.endswith("_"):
+        bare = bare[:-1]
+    return bare if bare in fields else name
 
 
 def _decode_namedtuple(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:

@@ -745,3 +745,31 @@ def test_a_wrt_that_selects_nothing_names_the_users_loss():
     with pytest.raises(ValueError, match=r"wrt='\*\.lora_\*' selects no parameter of "
                                          r"test_a_wrt_that_selects_nothing_names_the_users_loss.<locals>.my_loss's"):
         opt.minimize(my_loss, net, ft.optim.Optimizer(ft.optim.adam(1e-2)).init(net))
+
+
+def test_multisteps_passes_the_extra_arguments_to_the_transform_it_wraps():
+    """optax.MultiSteps takes **extra_args and passes them on, but is no
+    GradientTransformationExtraArgs: the Optimizer's wrapper dropped them, and an inner
+    reduce_on_plateau failed in optax ("missing ... 'value'"). 3 steps equal plain optax's."""
+    params = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array(0.3)}
+
+    def loss(p):
+        return jnp.sum((p["w"] - 0.5) ** 2) + p["b"] ** 2
+
+    def make():
+        return optax.MultiSteps(optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1)), 2)
+
+    opt = ft.optim.Optimizer(make())
+    model, state = params, opt.init(params)
+    tx = make()
+    ref, ref_state = params, tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's reduce_on_plateau mixes int32 and float32
+        for _ in range(4):
+            value, grads = jax.value_and_grad(loss)(model)
+            updates, state = opt.update(grads, state, model, value=value)
+            model = optax.apply_updates(model, updates)
+            ref_value, ref_grads = jax.value_and_grad(loss)(ref)
+            ref_updates, ref_state = tx.update(ref_grads, ref_state, ref, value=ref_value)
+            ref = optax.apply_updates(ref, ref_updates)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

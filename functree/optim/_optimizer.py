@@ -379,7 +379,7 @@ class Optimizer:
             raise ValueError(BOTH_LOSS_HOOKS)
         set_ = object.__setattr__
         set_(self, "_transform", optax.with_extra_args_support(
-            with_average(real_pairs(_taking_extras(from_optax(transform))), average)))
+            with_average(real_pairs(_taking_extras(from_optax(_with_extras(transform)))), average)))
         set_(self, "_raw_transform", transform)
         set_(self, "_transform_loss", transform_loss)
         set_(self, "_get_gradients", get_gradients)
@@ -757,6 +757,16 @@ class Optimizer:
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), grads
         return jnp.mean(outs), grads
+
+
+def _with_extras(transform: Any) -> Any:
+    """``transform``, an ``optax.MultiSteps`` as the ``GradientTransformationExtraArgs`` its
+    ``update`` is (it takes ``**extra_args`` and passes them on, but is no such instance:
+    ``optax.with_extra_args_support`` wrapped it in a layer that dropped them, and an inner
+    ``reduce_on_plateau`` never got its ``value=``)."""
+    if isinstance(transform, optax.MultiSteps):
+        return optax.GradientTransformationExtraArgs(transform.init, transform.update)
+    return transform
 
 
 def _threaded(carried: dict[Any, Any], recorded: dict[Any, Any]) -> dict[Any, Any]:

@@ -765,7 +765,7 @@ def _with_extras(transform: Any) -> Any:
     ``optax.with_extra_args_support`` wrapped it in a layer that dropped them, and an inner
     ``reduce_on_plateau`` never got its ``value=``)."""
     if isinstance(transform, optax.MultiSteps):
-        return optax.GradientTransformationExtraArgs(transform.init, transform.update)
+        return optax.GradientTransformationExtraArgs(transform.init, transform.update)  # pyright: ignore[reportArgumentType]
     return transform
 
 

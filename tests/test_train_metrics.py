@@ -411,3 +411,22 @@ def test_with_parts_and_combine_parts():
     # every label -100: 0, as the minibatch's own accuracy; a NaN part: NaN
     assert combine_parts({"accuracy": 0.0, "accuracy#sum": 0.0, "accuracy#count": 0.0}) == {"accuracy": 0.0}
     assert np.isnan(combine_parts({"accuracy#sum": np.nan, "accuracy#count": 2.0})["accuracy"])
+
+
+def test_the_label_errors_fix_lines_read_the_logits_where_the_metric_found_them():
+    """With aux a dict ({"logits": ...}), the fix lines said accuracy.of(out.aux, ...), which
+    fails ("entry not a 2- or 3- tuple"); they name out.aux["logits"], and run."""
+    logits = jnp.asarray(np.random.RandomState(0).randn(8, 3), jnp.float32)
+    y = np.array([0, 1, 2, 0, 1, 2, 0, 1])
+    expected = np.mean(np.argmax(np.asarray(logits), -1) == y)
+    cases = [(None, jnp.asarray(y, jnp.float32)),  # float class ids: the cast
+             (None, jnp.asarray(y, jnp.int32), jnp.ones(8))]  # Keras (x, y, w): both readings
+    for batch in cases:
+        out = StepOutput(jnp.zeros(()), {"logits": logits, "hidden": jnp.zeros((8, 4))}, batch, None)
+        with pytest.raises(ValueError) as info:
+            ft.train.accuracy(out)
+        line = next(x for x in str(info.value).splitlines() if "right:" in x)
+        assert 'out.aux["logits"]' in line, line
+        body = line.split("right:", 1)[1].split("   #")[0].strip().split("lambda out: ", 1)[1].rsplit("}", 1)[0]
+        metric = eval("lambda out: " + body)  # the fix line's metric, as a user pastes it
+        np.testing.assert_allclose(float(metric(out)), expected, rtol=0, atol=1e-7)

@@ -58,8 +58,8 @@ inside the traced step) tells them apart:
 Name the labels:
 
     wrong:  metrics=[ft.train.{who}]
-    right:  metrics={{"{who}": lambda out: ft.train.{who}.of(out.aux, out.batch[{i_prev}])}}   # (x, y, sample_weight)
-       or:  metrics={{"{who}": lambda out: ft.train.{who}.of(out.aux, out.batch[{i_last}])}}   # labels last"""
+    right:  metrics={{"{who}": lambda out: ft.train.{who}.of({source}, out.batch[{i_prev}])}}   # (x, y, sample_weight)
+       or:  metrics={{"{who}": lambda out: ft.train.{who}.of({source}, out.batch[{i_last}])}}   # labels last"""
 
 FLOAT_CLASS_IDS_OR_WEIGHTS = """\
 ft.train.accuracy cannot tell which item of this batch of {n} items ({batch}) holds the labels. \
@@ -75,8 +75,8 @@ the weights);
 Name the labels:
 
     wrong:  metrics=[ft.train.accuracy]
-    right:  metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, {prev_fix})}}   # (x, y, sample_weight)
-       or:  metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, {last_fix})}}   # labels last"""
+    right:  metrics={{"accuracy": lambda out: ft.train.accuracy.of({source}, {prev_fix})}}   # (x, y, sample_weight)
+       or:  metrics={{"accuracy": lambda out: ft.train.accuracy.of({source}, {last_fix})}}   # labels last"""
 
 FLOAT_CLASS_IDS = """\
 ft.train.accuracy: the labels {where}({labels}) are floating-point, of the class-index shape of \
@@ -157,6 +157,17 @@ def _find_logits(aux: Any) -> Any:
     raise ValueError(NO_LOGITS.format(aux=_describe(aux)))
 
 
+def _logits_source(aux: Any) -> str:
+    """Where :func:`_find_logits` read the logits, as code for an error's fix line."""
+    if isinstance(aux, Mapping):
+        name = next((n for n in ("logits", "outputs", "predictions", "y_pred") if n in aux), None)
+        if name is not None:
+            return f'out.aux["{name}"]'
+    if isinstance(aux, (tuple, list)) and aux:
+        return "out.aux[0]"
+    return "out.aux"
+
+
 def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
@@ -169,7 +180,7 @@ LABEL_KEYS = ("label", "labels", "y", "target", "targets")
 
 
 def _find_labels(batch: Any, logits: Any, fits: Callable[[tuple, tuple], bool], who: str,
-                 class_ids: bool = False) -> tuple[str, Any]:
+                 class_ids: bool = False, source: str = "out.aux") -> tuple[str, Any]:
     """``(where, labels)``: the labels of ``batch`` (a dict's by name, a tuple's last) and
     their path for error messages (``out.batch[2]``, ``out.batch["labels"]``).
 
@@ -184,14 +195,14 @@ def _find_labels(batch: Any, logits: Any, fits: Callable[[tuple, tuple], bool], 
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
         where, found = f"out.batch[{len(batch) - 1}]", batch[-1]
         if len(batch) >= 3 and _is_float(found) and _is_array(batch[-2]):
-            _two_readings(batch, logits, fits, who, class_ids)
+            _two_readings(batch, logits, fits, who, class_ids, source)
     if found is None or not hasattr(found, "shape"):  # absent, or a nested dict / list
         raise ValueError(NO_LABELS.format(batch=_describe(batch)))
     return where, found
 
 
 def _two_readings(batch: Sequence[Any], logits: Any, fits: Callable[[tuple, tuple], bool], who: str,
-                  class_ids: bool) -> None:
+                  class_ids: bool, source: str = "out.aux") -> None:
     """Raise where a float ``batch[-1]`` and ``batch[-2]`` both read as labels.
 
     - ``batch[-1]`` of the class-index shape ``logits.shape[:-1]`` (``class_ids``: accuracy)
@@ -209,12 +220,12 @@ def _two_readings(batch: Sequence[Any], logits: Any, fits: Callable[[tuple, tupl
             raise ValueError(FLOAT_CLASS_IDS_OR_WEIGHTS.format(
                 n=n, batch=_describe(batch), last=_describe(last), prev=_describe(prev),
                 logits=_describe(logits), prev_fix=_as_class_ids(f"out.batch[{n - 2}]", prev),
-                last_fix=_as_class_ids(f"out.batch[{n - 1}]", last)))
+                last_fix=_as_class_ids(f"out.batch[{n - 1}]", last), source=source))
         return
     if last.ndim <= 1 and fits(shape, tuple(prev.shape)):
         raise ValueError(LABELS_OR_WEIGHTS.format(
             who=who, n=n, batch=_describe(batch), last=_describe(last), prev=_describe(prev),
-            logits=_describe(logits), i_prev=n - 2, i_last=n - 1))
+            logits=_describe(logits), i_prev=n - 2, i_last=n - 1, source=source))
 
 
 def _as_class_ids(path: str, x: Any) -> str:
@@ -238,18 +249,19 @@ def _accuracy_fits(logits: tuple, labels: tuple) -> bool:
     return _class_ids_shape(logits, labels) or labels == logits or logits == (*labels, 1)
 
 
-def _float_class_ids(logits: jax.Array, labels: jax.Array, where: str | None) -> str:
+def _float_class_ids(logits: jax.Array, labels: jax.Array, where: str | None, source: str = "out.aux") -> str:
     """:data:`FLOAT_CLASS_IDS` for labels at ``where`` in ``out.batch`` (None: ``accuracy.of``)."""
     if where is None:
         wrong, right = "ft.train.accuracy.of(logits, labels)", "ft.train.accuracy.of(logits, labels.astype(jnp.int32))"
     else:
         wrong = "metrics=[ft.train.accuracy]"
-        right = f'metrics={{"accuracy": lambda out: ft.train.accuracy.of(out.aux, {where}.astype(jnp.int32))}}'
+        right = f'metrics={{"accuracy": lambda out: ft.train.accuracy.of({source}, {where}.astype(jnp.int32))}}'
     return FLOAT_CLASS_IDS.format(where=f"{where} " if where else "", labels=_describe(labels),
                                   logits=_describe(logits), wrong=wrong, right=right)
 
 
-def _accuracy_counts(logits: Any, labels: Any, where: str | None = None) -> tuple[jax.Array, jax.Array]:
+def _accuracy_counts(logits: Any, labels: Any, where: str | None = None,
+                     source: str = "out.aux") -> tuple[jax.Array, jax.Array]:
     """``(hits, counted)``: the labels whose predicted class is theirs, and the labels
     scored (class indices equal to :data:`IGNORE_INDEX` left out), as float32 counts.
     Float class indices are refused (:data:`FLOAT_CLASS_IDS`; ``where``: their path in
@@ -257,7 +269,7 @@ def _accuracy_counts(logits: Any, labels: Any, where: str | None = None) -> tupl
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if _class_ids_shape(logits.shape, labels.shape):  # class indices
         if jnp.issubdtype(labels.dtype, jnp.floating):
-            raise ValueError(_float_class_ids(logits, labels, where))
+            raise ValueError(_float_class_ids(logits, labels, where, source))
         hits = jnp.argmax(logits, axis=-1) == labels.astype(jnp.int32)
         if jnp.issubdtype(labels.dtype, jnp.signedinteger):
             counted = labels != IGNORE_INDEX
@@ -279,9 +291,9 @@ def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
 
 
 def _accuracy_out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
-    logits = _find_logits(out.aux)
-    where, labels = _find_labels(out.batch, logits, _accuracy_fits, "accuracy", class_ids=True)
-    return _accuracy_counts(logits, labels, where)
+    logits, source = _find_logits(out.aux), _logits_source(out.aux)
+    where, labels = _find_labels(out.batch, logits, _accuracy_fits, "accuracy", class_ids=True, source=source)
+    return _accuracy_counts(logits, labels, where, source)
 
 
 def accuracy(out: StepOutput) -> jax.Array:
@@ -347,7 +359,8 @@ def _binary_accuracy_of(logits: Any, labels: Any) -> jax.Array:
 
 def _binary_out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
     logits = _find_logits(out.aux)
-    return _binary_counts(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy")[1])
+    return _binary_counts(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy",
+                                               source=_logits_source(out.aux))[1])
 
 
 def binary_accuracy(out: StepOutput) -> jax.Array:
@@ -364,7 +377,8 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
       0.6666666865348816
     """
     logits = _find_logits(out.aux)
-    return _binary_accuracy_of(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy")[1])
+    return _binary_accuracy_of(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy",
+                                                    source=_logits_source(out.aux))[1])
 
 
 binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, NamedTuple
 from unittest import mock
@@ -840,7 +841,12 @@ class Net(ft.Module):             # the cell edited: a static field added
 def _notebook_net_job(directory: Path) -> tuple[dict[str, Any], Any, Any]:
     """A notebook's ``Net`` trained two epochs with EarlyStopping(restore_best=True) and
     saved; then its class cell edited. ``(namespace, saved model, saved best model)``."""
-    ns: dict[str, Any] = {"__name__": "__main__", "ft": ft, "jax": jax}
+    # a notebook's cells, under a module name of their own: a __main__.Net left alive here made
+    # an unregistered __main__.Net of a later doc page ambiguous to load without a template
+    # (a module in sys.modules, as __main__ is: dataclasses reads string annotations there)
+    cells = sys.modules.setdefault("notebook_job_cells", types.ModuleType("notebook_job_cells"))
+    ns: dict[str, Any] = cells.__dict__
+    ns.update(ft=ft, jax=jax)
     exec(_NET_CELL, ns)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 3)).astype(np.float32)

@@ -311,9 +311,6 @@ def _identity(init: Any) -> Any:
 def _fresh_state(init: Any, params: Any, who: Any) -> Any:
     """``init(params)``'s shapes as :meth:`Optimizer.init` stores them (functree transforms'
     contexts released), or None where ``init`` cannot run on shapes alone."""
-    # imported here: _state imports _hyper, which imports this module
-    from functree.optim._state import release_contexts
-
     leaves, treedef = jax.tree.flatten(params, is_leaf=is_none)
     key, fresh = cached(_FRESH, (who, treedef, tuple(None if x is None else (np.shape(x), jnp.result_type(x))
                                                       for x in leaves)))
@@ -366,6 +363,22 @@ def _is_hyper(x: Any) -> bool:
     return type(x).__name__ == "HyperState" and (type(x).__module__ or "").startswith("functree")
 
 
+def release_contexts(inner: Any) -> Any:
+    """``inner`` with every functree transform's own context removed (the optimizer owns one)."""
+    return jax.tree.map(lambda x: x.replace(context=None) if _is_hyper(x) else x, inner, is_leaf=_is_hyper)
+
+
+def group_kinds(state: Any) -> tuple[Any, ...]:
+    """What a group's state was made by: its node types, and each functree optimizer's
+    stored and scheduled hyperparameter names (static: read from tree definitions)."""
+    found = [("HyperState", x.names, x.scheduled_names)
+             for x in jax.tree.leaves(state, is_leaf=_is_hyper) if _is_hyper(x)]
+    top = state
+    while hasattr(top, "inner_state"):  # optax.masked's wrapper, ft.optim.masked's
+        top = top.inner_state
+    return (type(top).__name__, *found)
+
+
 def _settable(x: Any) -> bool:
     """A node whose hyperparameters ``ft.optim.set_hyperparameters`` sets: functree's, optax.inject_hyperparams'."""
     return _is_hyper(x) or isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
@@ -377,14 +390,12 @@ def _left_to_the_transform(given: Any, expected: Any, path: tuple[Any, ...], inn
     state of another kind)."""
     if _is_hyper(given) and _is_hyper(expected):
         return True
-    from functree.optim._groups import _kinds  # _groups imports _hyper, which imports this module
-
     for depth in range(len(path) + 1):
         g, f = _at(inner, path[:depth]), _at(fresh, path[:depth])
         g_states, f_states = getattr(g, "inner_states", None), getattr(f, "inner_states", None)
         if isinstance(g_states, dict) and isinstance(f_states, dict):
-            given_kinds = {k: _kinds(v) for k, v in g_states.items()}
-            if any(given_kinds.get(k, ("missing state",)) != _kinds(v) for k, v in f_states.items()):
+            given_kinds = {k: group_kinds(v) for k, v in g_states.items()}
+            if any(given_kinds.get(k, ("missing state",)) != group_kinds(v) for k, v in f_states.items()):
                 return True
     return False
 

@@ -12,7 +12,7 @@ import optax
 
 from functree._naming import broadcast, leaf_infos, member_names, required_selection, selection
 from functree._tree import bounded_put, cached, is_none
-from functree.optim._hyper import HyperState
+from functree.optim._checks import group_kinds
 from functree.optim._masked import partition_members
 
 __all__ = ["groups", "merge_members"]
@@ -56,20 +56,6 @@ number -> a schedule), make a new state and carry the other groups' states over 
 """
 
 
-def _kinds(state: Any) -> tuple[Any, ...]:
-    """What a group's state was made by: its node types, and each functree optimizer's
-    stored and scheduled hyperparameter names (static: read from tree definitions)."""
-    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, HyperState))
-    found = []
-    for x in nodes:
-        if isinstance(x, HyperState):
-            found.append(("HyperState", x.names, x.scheduled_names))
-    top = state
-    while hasattr(top, "inner_state"):  # optax.masked's wrapper, ft.optim.masked's
-        top = top.inner_state
-    return (type(top).__name__, *found)
-
-
 def _describe_kind(kind: tuple[Any, ...]) -> str:
     if len(kind) == 1:
         return f"a {kind[0]}"
@@ -93,11 +79,11 @@ def check_group_states(init: Any, state: Any, params: Any, memo: dict[Any, Any])
     key, expected = cached(memo, (treedef, tuple(np.shape(x) for x in leaves if x is not None)))
     if expected is None:
         fresh = jax.eval_shape(init, params)
-        expected = {k: _kinds(v) for k, v in fresh.inner_states.items()}
+        expected = {k: group_kinds(v) for k, v in fresh.inner_states.items()}
         if key is not None:
             bounded_put(memo, key, expected)
     for label, kind in expected.items():
-        given = _kinds(inner_states[label]) if label in inner_states else ("missing state",)
+        given = group_kinds(inner_states[label]) if label in inner_states else ("missing state",)
         if given != kind:
             raise ValueError(GROUP_STATE_CHANGED.format(group=label, given=_describe_kind(given),
                                                         expected=_describe_kind(kind)))

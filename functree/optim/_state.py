@@ -25,8 +25,8 @@ import jax
 
 from functree._flat import PENDING
 from functree._tree import register_record
+from functree.optim._checks import release_contexts
 from functree.optim._context import LearningContext
-from functree.optim._hyper import HyperState
 from functree.optim._skip import SkipState
 
 __all__ = ["OptimizerState", "release_contexts", "upgrade_state"]
@@ -74,15 +74,6 @@ class OptimizerState:
 
 
 register_record(OptimizerState, ["context", "inner"])
-
-
-def _is_hyper(x: Any) -> bool:
-    return isinstance(x, HyperState)
-
-
-def release_contexts(inner: Any) -> Any:
-    """``inner`` with every functree transform's own context removed (the optimizer owns one)."""
-    return jax.tree.map(lambda x: x.replace(context=None) if _is_hyper(x) else x, inner, is_leaf=_is_hyper)
 
 
 UPGRADE_MISMATCH = """\

@@ -12,6 +12,7 @@ since checkpoints carried the job: older Trainer checkpoints restore as they are
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
@@ -240,10 +241,17 @@ def check_known(saved: Mapping[str, Any], where: str) -> None:
     read: its value would be dropped, and the job it belongs to restored without it."""
     paths = unknown_keys(saved)
     if paths:
-        from functree import __version__  # (at the error: functree imports this module)
-
         raise CheckpointError(UNKNOWN_KEYS.format(where=where, paths=", ".join(paths),
-                                                  are="is" if len(paths) == 1 else "are", version=__version__))
+                                                  are="is" if len(paths) == 1 else "are", version=_version()))
+
+
+def _version() -> str:
+    """functree's installed version (its distribution's metadata: importing the package from
+    here would make a circle, ``functree`` imports this module)."""
+    try:
+        return importlib.metadata.version("functree")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown"
 
 
 def check_in_epoch(position: Position, where: str) -> None:

@@ -145,9 +145,12 @@ def describe_batch(batch: Any) -> str:
     return _describe(batch)
 
 
+LOGITS_KEYS = ("logits", "outputs", "predictions", "y_pred")  # an aux dict's logits, by the first of these
+
+
 def _find_logits(aux: Any) -> Any:
     if isinstance(aux, Mapping):
-        for name in ("logits", "outputs", "predictions", "y_pred"):
+        for name in LOGITS_KEYS:
             if name in aux:
                 return aux[name]
     if isinstance(aux, (tuple, list)) and aux:
@@ -160,7 +163,7 @@ def _find_logits(aux: Any) -> Any:
 def _logits_source(aux: Any) -> str:
     """Where :func:`_find_logits` read the logits, as code for an error's fix line."""
     if isinstance(aux, Mapping):
-        name = next((n for n in ("logits", "outputs", "predictions", "y_pred") if n in aux), None)
+        name = next((n for n in LOGITS_KEYS if n in aux), None)
         if name is not None:
             return f'out.aux["{name}"]'
     if isinstance(aux, (tuple, list)) and aux:

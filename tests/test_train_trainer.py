@@ -626,3 +626,31 @@ def test_a_callback_whose_on_log_is_none_does_not_read_the_model():
     off.on_log = None  # switched off on the instance
     assert not reads_model(Off()) and not reads_model(off)
     assert reads_model(Reads()) and not reads_model(ft.train.Callback())
+
+
+class _TenStep(ft.train.TrainStep):
+    """compute_metrics overridden: metrics added after super()'s, named to sort before "loss"
+    and after "nonfinite"."""
+
+    def compute_metrics(self, out):
+        return {**super().compute_metrics(out), "a_ten": jnp.full((), 10.0, jnp.float32),
+                "z_twenty": jnp.full((), 20.0, jnp.float32)}
+
+
+@pytest.mark.parametrize("on_nan", ["stop", "skip"])
+def test_an_overridden_compute_metrics_fills_its_own_columns(on_nan):
+    """The reader named the buffer's columns by eval_shape's result, whose dict keys are
+    sorted, while the step writes each row in its dict's order: "loss" showed a_ten's 10,
+    "a_ten" the loss, and the nonfinite column read z_twenty's 20 (under on_nan="skip": every
+    step taken as skipped at parameter 20 of one, an IndexError). The columns are named in
+    the dict's own order now."""
+    def loss_fn(m, b):
+        return jnp.mean((b * m["w"] - 1.0) ** 2)
+
+    opt = ft.optim.sgd(0.0)
+    t = Trainer({"w": jnp.zeros(())}, opt, loss_fn, train_step=_TenStep(loss_fn, opt, on_nan=on_nan))
+    t.fit([np.ones(4, np.float32)] * 3, epochs=1, progress=False)
+    steps = t.history.steps
+    assert (steps["loss"], steps["a_ten"], steps["z_twenty"]) == ([1.0] * 3, [10.0] * 3, [20.0] * 3)
+    assert (t.history.epochs["loss"], t.history.epochs["a_ten"]) == ([1.0], [10.0])
+    assert t.skipped == []

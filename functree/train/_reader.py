@@ -63,8 +63,18 @@ class Reader:
         t = self.trainer
         if type(t.train_step).compute_metrics is TrainStep.compute_metrics:
             return ["loss", *t.train_step.metrics, *([NONFINITE] if t.on_nan != "ignore" else [])]
-        # An overridden compute_metrics: trace once (no compilation) to learn its names.
-        return list(eval_shape(t.train_step.step, t.model, t.opt_state, batch, t.key)[2])
+        # An overridden compute_metrics: trace once (no compilation) to learn its names, in
+        # the dict's own order, which record() writes the row in (eval_shape's result has
+        # its keys sorted: read from it, a column got another metric's values).
+        names: list[str] = []
+
+        def metrics(*args: Any) -> Any:
+            out = t.train_step.step(*args)[2]
+            names.extend(out)
+            return out
+
+        eval_shape(metrics, t.model, t.opt_state, batch, t.key)
+        return names
 
     def close(self, log: bool) -> None:
         """The open buffer's steps become a pending interval (the learning context

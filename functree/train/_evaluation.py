@@ -21,7 +21,7 @@ from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._epochs import EMPTY_DATA, as_data, batch_size, with_location
-from functree.train._metrics import describe_batch, metric_dtype
+from functree.train._metrics import combine_parts, describe_batch, metric_dtype
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
 
@@ -112,7 +112,9 @@ def _located(what: str, index: int, batch: Any, first: Any) -> Iterator[None]:
 
 
 def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key: Any) -> dict[str, float]:
-    """The means of ``step``'s loss and metrics over ``data``, weighted by minibatch size:
+    """The means of ``step``'s loss and metrics over ``data``, weighted by minibatch size,
+    and a counting metric's (accuracy) over its counted labels, Σ hits / Σ counted (the
+    ratio of its parts' means, which every eval step computes: ``combine_parts``):
     ``summing`` (``EvalStep.summing``) adds each minibatch on device; one read at the end."""
     sums: Any = None
     for i, given, first in _numbered(data):
@@ -131,7 +133,7 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
     if sums is None:
         raise ValueError(EMPTY_DATA.format(why=" to evaluate"))
     host = jax.device_get(sums)
-    return {k: float(v) / float(host["weight"]) for k, v in host["values"].items()}
+    return combine_parts({k: float(v) / float(host["weight"]) for k, v in host["values"].items()})
 
 
 def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: Callable[..., Any], key: Any) -> Any:
@@ -229,7 +231,9 @@ class Evaluation:
 
     def evaluate(self, data: Any, *, batch_size: int | None = None, averaged: bool = False) -> dict[str, float]:
         """The loss and metrics of the model (inference mode) over ``data``: means
-        weighted by minibatch size, accumulated on device, read once at the end.
+        weighted by minibatch size, a counting metric's (``accuracy``) Σ hits / Σ counted
+        over every minibatch (labels of -100 left out), accumulated on device, read once
+        at the end.
         ``averaged=True`` evaluates :attr:`averaged_model` instead.
 
         A loss function that takes ``key=`` gets ``fold_in(eval_key, batch index)`` with a

@@ -1,6 +1,7 @@
 """The job's running means: the log window's and the epoch's, weighted by minibatch size,
 and a counting metric's (accuracy) by its counted labels: Σ hits / Σ counted, from the
-sums of its two parts (``_metrics.with_parts``).
+sums of its two parts (``_metrics.with_parts``), which every train step records beside it,
+whoever built the step.
 
 A :class:`Means` is a value: :meth:`Means.plus` returns a new one, so the job's record
 (:class:`~functree.train._job.JobState`) holds its means as it holds its step count. The

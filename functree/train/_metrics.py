@@ -8,9 +8,10 @@ several minibatches is the mean weighted by minibatch size,
 
 the exact per-example mean of a mean-reduced loss. It is not one for accuracy, whose
 minibatch value ``hits_b / counted_b`` counts labels, not examples (token labels, labels
-of -100 left out): the Trainer weighs such a metric (one with ``counts``: ``accuracy``,
-``binary_accuracy``) by its counted labels instead, from two parts each step records
-(:func:`with_parts`) and :func:`combine_parts` divides,
+of -100 left out): such a metric (one with ``counts``: ``accuracy``, ``binary_accuracy``)
+is weighed by its counted labels instead, from two parts every train and eval step
+computes beside it (:func:`with_parts`; the step's returned metrics leave them out) and
+:func:`combine_parts` divides,
 
     accuracy = Σ_b hits_b / Σ_b counted_b       (torch's and HF's per-token accuracy).
 
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of",
-           "with_parts", "combine_parts", "PART_SUM", "PART_COUNT"]
+           "with_parts", "without_parts", "counting_names", "combine_parts", "PART_SUM", "PART_COUNT"]
 
 NO_LOGITS = """\
 ft.train.accuracy needs the model's outputs (logits) as the loss function's aux output, \
@@ -436,6 +437,9 @@ def resolve_metrics(
             raise TypeError(BAD_METRIC.format(name=name, value=fn))
         if str(name) in out or str(name) == "loss":  # one would replace the other's column
             raise ValueError(DUPLICATE_METRIC.format(name=str(name)))
+        if _is_part(str(name)):  # it would be read as a counting metric's part, and hidden
+            raise ValueError(PART_NAME.format(name=str(name), suffix=str(name)[str(name).rindex("#"):],
+                                              right=str(name).replace("#", "_")))
         out[str(name)] = fn
     return out
 
@@ -444,6 +448,14 @@ DUPLICATE_METRIC = """\
 Two metrics are named {name!r} (a list names each by __name__, and every lambda is
 '<lambda>'; "loss" is the loss's own): one would replace the other. Name them in a dict:
     right:  metrics={{"acc": ft.train.accuracy, "mae": ft.train.mean(lambda out: ...)}}"""
+
+
+PART_NAME = """\
+The metric name {name!r} ends in {suffix!r}, which names a hidden part of a counting metric
+(ft.train.accuracy's hits and counted labels, recorded by every step for its exact mean):
+its values would be left out of the history and divided as another metric's part.
+    wrong:  metrics={{{name!r}: ...}}
+    right:  metrics={{{right!r}: ...}}"""
 
 
 def metric_dtype() -> np.dtype:
@@ -478,13 +490,18 @@ PART_SUM, PART_COUNT = "#sum", "#count"
 minibatch, its hits and its counted labels."""
 
 
+def _is_part(name: str) -> bool:
+    return name.endswith((PART_SUM, PART_COUNT))
+
+
 def with_parts(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> dict[str, Callable[[StepOutput], Any]]:
     """``metrics`` and, for each that counts labels (``fn.counts(out) -> (hits, counted)``:
     ``accuracy``, ``binary_accuracy``), its parts ``name#sum = hits_b / n_b`` and
-    ``name#count = counted_b / n_b``. Weighted by the minibatch size ``n_b`` (as every
-    mean of the Trainer is), their sums are Σ hits and Σ counted: :func:`combine_parts`'s
-    exact mean. (Per example: a plain hit count would need a weight of 1, which
-    the size-weighted sums of ``evaluate`` cannot give.)
+    ``name#count = counted_b / n_b``: what every train and eval step computes
+    (``TrainStep.compute_metrics``, ``EvalStep.step``), whoever built it. Weighted by the
+    minibatch size ``n_b`` (as every mean of the Trainer is), their sums are Σ hits and
+    Σ counted: :func:`combine_parts`'s exact mean. (Per example: a plain hit count would
+    need a weight of 1, which the size-weighted sums of ``evaluate`` cannot give.)
 
     Example:
       >>> import functree as ft
@@ -507,9 +524,21 @@ def _part(counts: Callable[[StepOutput], tuple[jax.Array, jax.Array]], i: int) -
     return part
 
 
+def without_parts(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` without the parts of :func:`with_parts`: what a step returns to its caller
+    (the parts are the running means' bookkeeping, not metrics)."""
+    return {k: v for k, v in values.items() if not _is_part(k)}
+
+
+def counting_names(metrics: Mapping[str, Any]) -> list[str]:
+    """The names of the counting metrics (``fn.counts``) among ``metrics``: those whose
+    means are Σ hits / Σ counted."""
+    return [name for name, fn in metrics.items() if getattr(fn, "counts", None) is not None]
+
+
 def part_names(names: Any) -> set[str]:
     """The names among ``names`` that are parts (:func:`with_parts`)."""
-    return {n for n in names if n.endswith((PART_SUM, PART_COUNT))}
+    return {n for n in names if _is_part(n)}
 
 
 def combine_parts(values: Mapping[str, float], sums: Mapping[str, float] | None = None) -> dict[str, float]:

@@ -23,7 +23,7 @@ from functree.train._callbacks import Callback, TrainingContext
 from functree.train._dispatch import call_hooks
 from functree.train._intervals import MetricLog, Reading, snapshot, to_host
 from functree.train._means import Means
-from functree.train._metrics import part_names
+from functree.train._metrics import part_names, with_parts
 from functree.train._nonfinite import NONFINITE, nonfinite_error, parameter_names, step_provenance
 from functree.train._progress import Progress
 from functree.train._step import TrainStep
@@ -59,10 +59,11 @@ class Reader:
         return self._trainer()
 
     def metric_names(self, batch: Any) -> list[str]:
-        """The step's metrics in the order it returns them (``nonfinite`` included)."""
+        """The step's metrics in the order it records them (the counting metrics' parts and
+        ``nonfinite`` included)."""
         t = self.trainer
         if type(t.train_step).compute_metrics is TrainStep.compute_metrics:
-            return ["loss", *t.train_step.metrics, *([NONFINITE] if t.on_nan != "ignore" else [])]
+            return ["loss", *with_parts(t.train_step.metrics), *([NONFINITE] if t.on_nan != "ignore" else [])]
         # An overridden compute_metrics: trace once (no compilation) to learn its names, in
         # the dict's own order, which record() writes the row in (eval_shape's result has
         # its keys sorted: read from it, a column got another metric's values).

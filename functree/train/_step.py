@@ -72,6 +72,8 @@ from functree.train._metrics import (
     describe_batch,
     evaluate_metrics,
     resolve_metrics,
+    with_parts,
+    without_parts,
 )
 from functree.train._nonfinite import NONFINITE, nonfinite_error
 from functree.train._programs import program_key, shared, trampoline
@@ -188,7 +190,11 @@ class TrainStep:
       optimizer: a :class:`ft.optim.Optimizer` or an optax transformation (wrapped in
         ``ft.optim.Optimizer``, available as ``step.optimizer``). The ``opt_state`` a step
         takes is the Optimizer's: ``step.optimizer.init(model)``, not ``tx.init(model)``.
-      metrics: ``{name: fn(StepOutput) -> scalar}`` or a list of such functions.
+      metrics: ``{name: fn(StepOutput) -> scalar}`` or a list of such functions. A
+        counting metric (``ft.train.accuracy``, ``ft.train.binary_accuracy``) also
+        computes its parts (hits and counted labels: ``_metrics.with_parts``) for the
+        Trainer's exact means over minibatches, Σ hits / Σ counted; the metrics a call
+        returns leave them out.
       on_nan: what a step whose loss or gradient is not finite does (``metrics["nonfinite"]``
         reports it, see :data:`NONFINITE`): ``"stop"`` (default, as in the Trainer): it
         and every later step are not applied (model and optimizer state unchanged, bit
@@ -339,8 +345,13 @@ class TrainStep:
         return (loss if dtype is None else loss.astype(jnp.float32)), aux
 
     def compute_metrics(self, out: StepOutput) -> dict[str, jax.Array]:
-        """``{"loss": ..., name: metric(out)}`` as float32 scalars (float64 under ``jax_enable_x64``)."""
-        return evaluate_metrics(self.metrics, out)
+        """``{"loss": ..., name: metric(out)}`` as float32 scalars (float64 under
+        ``jax_enable_x64``), with each counting metric's parts ``name#sum``, ``name#count``
+        (``_metrics.with_parts``): computed here, whoever built the step, so that the
+        Trainer's means of its rows are Σ hits / Σ counted (a mean of the minibatch
+        accuracies weighted by minibatch size is another number once labels are -100).
+        The metrics a call returns leave the parts out."""
+        return evaluate_metrics(with_parts(self.metrics), out)
 
     def apply(
         self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None,
@@ -482,13 +493,15 @@ class TrainStep:
         return new
 
     def _logged(self, model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:
-        """The jitted program: :meth:`step` (gated by ``log``'s stop under "stop") and :meth:`record`."""
+        """The jitted program: :meth:`step` (gated by ``log``'s stop under "stop") and :meth:`record`.
+        The Trainer's rows hold every metric with the counting metrics' parts; a caller
+        gets the metrics without them."""
         enabled = None if log is None or self.on_nan != "stop" else log["halt"][1] < 0
         model, opt_state, metrics = self.step(model, opt_state, batch, key, enabled)
         if log is None:
-            return model, opt_state, metrics, None
+            return model, opt_state, without_parts(metrics), None
         log = self.record(log, metrics, batch, opt_state)
-        return model, opt_state, (None if "rows" in log else metrics), log  # rows hold them: no more outputs
+        return model, opt_state, (None if "rows" in log else without_parts(metrics)), log  # rows hold them
 
     _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref", "_owned_call",
                 "_direct")
@@ -734,11 +747,13 @@ class EvalStep:
         return TrainStep.compute_loss(self, model, batch, key)  # pyright: ignore[reportArgumentType]
 
     def step(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
-        """The loss and metrics of ``model`` on ``batch``, unjitted."""
+        """The loss and metrics of ``model`` on ``batch``, unjitted, with each counting
+        metric's parts (``_metrics.with_parts``: the sums of :meth:`summed` divide them,
+        Σ hits / Σ counted); a call returns the metrics without them."""
         if self.placement is not None:
             batch, _ = self.placement.constrain_batch(batch, whole=True)  # a short last batch too
         loss, aux = self.compute_loss(model, batch, key)
-        return evaluate_metrics(self.metrics, StepOutput(loss, aux, batch, model))
+        return evaluate_metrics(with_parts(self.metrics), StepOutput(loss, aux, batch, model))
 
     def metric_shapes(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, Any]:
         """The metrics :meth:`step` returns for these arguments, as ``jax.ShapeDtypeStruct``
@@ -838,11 +853,12 @@ class EvalStep:
 
 
 def _calling(entry: Any, method: str) -> Callable[..., Any]:
-    """A function that calls ``method`` of the step now running ``entry``'s program."""
+    """A function that calls ``method`` of the eval step now running ``entry``'s program,
+    its metrics without the counting metrics' parts (a call's result)."""
     call = trampoline(entry, method)
 
     def run(model: Any, batch: Any, key: Any = None) -> Any:
-        return call()(model, batch, key)
+        return without_parts(call()(model, batch, key))
 
     return run
 

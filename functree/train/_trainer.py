@@ -49,13 +49,7 @@ from functree.train._job import (
     save_job,
 )
 from functree.train._means import Means
-from functree.train._metrics import (
-    PART_COUNT,
-    combine_parts,
-    describe_batch,
-    resolve_metrics,
-    with_parts,
-)
+from functree.train._metrics import counting_names, describe_batch, resolve_metrics
 from functree.train._nonfinite import NonFiniteError
 from functree.train._progress import Progress
 from functree.train._reader import Reader, reads_model
@@ -338,8 +332,9 @@ class Trainer(Evaluation):
         parallel: dict[str, Any] = {}
         if mesh is not None or sharding is not None or compute_dtype is not None:
             parallel = {"mesh": mesh, "data_axis": data_axis, "sharding": sharding, "compute_dtype": compute_dtype}
-        # A counting metric (accuracy) records its parts too: its means are Σ hits / Σ counted.
-        metrics = with_parts(resolve_metrics(metrics))
+        # (A counting metric's parts, for its exact means, are the steps' own: a step given
+        # ready-made computes them as one built here does.)
+        metrics = resolve_metrics(metrics)
         self.train_step = make_step(train_step, loss_fn, optimizer, metrics, on_nan, wrt, parallel)
         self.optimizer = self.train_step.optimizer
         self.eval_step = eval_step(loss_fn, metrics=self.train_step.metrics, **parallel)
@@ -716,7 +711,7 @@ class Trainer(Evaluation):
     def _check_means(self, job: JobState, where: str) -> None:
         """Refuse running means of a counting metric stored without its parts (an older
         functree's, mid-epoch): read on, the epoch's accuracy would silently mix two means."""
-        counting = [k[: -len(PART_COUNT)] for k in self.train_step.metrics if k.endswith(PART_COUNT)]
+        counting = counting_names(self.train_step.metrics)
         for which, means in (("epoch's", job.epoch_means), ("log window's", job.window)):
             names = means.inexact(counting)
             if names:
@@ -734,7 +729,7 @@ class Trainer(Evaluation):
         if unknown:
             raise unknown_keyword("evaluate", unknown, Trainer.evaluate, data)
         _check_data("evaluate", data)
-        return combine_parts(super().evaluate(data, batch_size=batch_size, averaged=averaged))
+        return super().evaluate(data, batch_size=batch_size, averaged=averaged)
 
     def predict(self, data: Any = _NO_DATA, fn: Callable[[Any, Any], Any] | None = None, *,
                 batch_size: int | None = None, **unknown: Any) -> Any:

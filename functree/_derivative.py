@@ -687,21 +687,23 @@ def with_recomputation_in_pullbacks(
 
     @functools.wraps(f)
     def recomputed(*args: Any, **kwargs: Any) -> Any:
-        if all(_is_dynamic(a) for a in args) and all(_is_dynamic(v) for v in kwargs.values()):
+        if all(is_dynamic(a) for a in args) and all(is_dynamic(v) for v in kwargs.values()):
             return whole(*args, **kwargs)  # the common case: every argument is data
         return _with_constants(f, policy, args, kwargs)
 
     return recomputed
 
 
-def _is_dynamic(x: Any) -> bool:
+def is_dynamic(x: Any) -> bool:
+    """Whether ``x`` is data JAX traces: arrays and numbers, but not a Python int or bool
+    (an axis, a flag) nor a non-array (a string), which are a call's constants."""
     return _is_data(x) and not _is_static_integer(x)
 
 
 def _with_constants(f: Callable[..., Any], policy: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     """``f(*args, **kwargs)`` checkpointed with its non-data arguments bound as constants."""
-    dyn_pos = [i for i, a in enumerate(args) if _is_dynamic(a)]
-    dyn_kw = [k for k, v in kwargs.items() if _is_dynamic(v)]
+    dyn_pos = [i for i, a in enumerate(args) if is_dynamic(a)]
+    dyn_kw = [k for k, v in kwargs.items() if is_dynamic(v)]
 
     def inner(*dyn: Any) -> Any:
         full = list(args)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import jax
 
+from functree._derivative import is_dynamic
 from functree._module import Module, field
 from functree._paths import ATTR, Entry, KeyPath
 from functree._remat_policy import checkpointed, remat_policy
@@ -103,16 +104,38 @@ class Remat(Layer):
     def __call__(self, *args: Any, key: jax.Array | None = None, **kwargs: Any) -> Any:
         if key is not None and takes_key(self.layer):
             kwargs["key"] = key
+        dyn, full = constants_bound(args)
         if not collecting():
-            return checkpointed(lambda layer, *a: layer(*a, **kwargs), self.policy)(self.layer, *args)
+            return checkpointed(lambda layer, *d: layer(*full(d), **kwargs), self.policy)(self.layer, *dyn)
         paths: list[KeyPath] = []
 
-        def run(layer: Any, *a: Any) -> Any:
-            return call_collecting(lambda m: m(*a, **kwargs), layer, paths)
+        def run(layer: Any, *d: Any) -> Any:
+            return call_collecting(lambda m: m(*full(d), **kwargs), layer, paths)
 
-        out, values = checkpointed(run, self.policy)(self.layer, *args)
+        out, values = checkpointed(run, self.policy)(self.layer, *dyn)
         record_under(self, "layer", paths, values)
         return out
+
+
+def constants_bound(args: tuple) -> tuple[tuple, Callable[[tuple], tuple]]:
+    """``(dynamic, full)``: the positional arguments ``jax.checkpoint`` traces, and
+    ``full(dynamic)``, all of them back in their places.
+
+    A Python bool or int (``train``, an axis) and a non-array (a string flag) are
+    constants of the call, as ``static_argnums`` would make them: traced, a
+    ``True`` is a bool[] tracer and ``if train:`` fails (TracerBoolConversionError) where
+    the bare layer runs. A Python float stays data (it may be differentiated). Keyword
+    arguments reach the layer by closure already.
+    """
+    dynamic = [i for i, a in enumerate(args) if is_dynamic(a)]
+
+    def full(dyn: tuple) -> tuple:
+        out = list(args)
+        for i, value in zip(dynamic, dyn):
+            out[i] = value
+        return tuple(out)
+
+    return tuple(args[i] for i in dynamic), full
 
 
 def _check_layer(layer: Any) -> None:

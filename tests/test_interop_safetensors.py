@@ -296,3 +296,20 @@ def test_a_header_that_starts_like_a_pickle_is_still_safetensors(tmp_path):
     written(path, header=header, body=BODY[:20])
     with pytest.raises(ValueError, match=r"is not a .safetensors file this reads: .*past the 20 bytes"):
         _safetensors.load_file(path)
+
+
+@pytest.mark.parametrize("order", [">", "<", "="])
+def test_save_file_writes_any_byte_order_little_endian_as_the_library_reads_it(tmp_path, order):
+    """A big-endian array (a NumPy ``>f4`` from another format) is written as the format
+    demands, little-endian, and the safetensors library reads its values back (was a bare
+    ``KeyError: dtype('>f4')``)."""
+    from safetensors.numpy import load_file
+
+    values = np.arange(6, dtype=np.float64).reshape(2, 3) / 7
+    arrays = {"w": values.astype(np.dtype("f4").newbyteorder(order)), "i": np.arange(3).astype(f"{order}i8")}
+    path = str(tmp_path / "m.safetensors")
+    _safetensors.save_file(path, arrays, {})
+    theirs = load_file(path)
+    np.testing.assert_array_equal(theirs["w"], values.astype(np.float32))
+    np.testing.assert_array_equal(theirs["i"], np.arange(3))
+    assert theirs["w"].dtype == np.float32 and theirs["i"].dtype == np.int64

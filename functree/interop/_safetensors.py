@@ -312,13 +312,16 @@ def save_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str
     """Write ``tensors`` (and string ``metadata``) as a ``.safetensors`` file, in the format
     this module reads, as the safetensors library lays it out (a header padded to 8 bytes,
     then each tensor's little-endian bytes in order): ``save_hf`` and ``save_lora`` need no
-    ``safetensors`` package. Each array is written from its own memory (no second copy)."""
+    ``safetensors`` package. Each array is written from its own memory (no second copy; a
+    big-endian array's bytes swapped first)."""
     names = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, array in tensors.items():
         end = offset + array.nbytes
-        header[name] = {"dtype": names[array.dtype], "shape": list(array.shape), "data_offsets": [offset, end]}
+        # the file's dtype names no byte order: a big-endian array is written little-endian (below)
+        header[name] = {"dtype": names[array.dtype.newbyteorder("<")], "shape": list(array.shape),
+                        "data_offsets": [offset, end]}
         offset = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data 8-byte aligned, as the safetensors library writes it

@@ -197,6 +197,31 @@ def test_state_dict_round_trip_keeps_every_value_and_dtype():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_a_float8_model_is_exported_as_torch_float8_bit_for_bit(dtype):
+    """A float8 Dense becomes torch float8 tensors torch's Linear of that dtype loads, every
+    bit as JAX holds it (was a TypeError from torch.from_numpy), and loads back unchanged."""
+    model = ft.nn.Dense(4, 3, key=K[0], dtype=dtype)
+    sd = ft.nn.torch_state_dict(model)
+    torch_dtype = getattr(torch, jnp.dtype(dtype).name)
+    assert sd["weight"].dtype == torch_dtype and sd["bias"].dtype == torch_dtype
+    linear = nn.Linear(4, 3).to(torch_dtype)
+    linear.load_state_dict(sd)
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    np.testing.assert_array_equal(linear.weight.detach().view(torch.uint8).numpy(), bits(model.weight).T)
+    np.testing.assert_array_equal(linear.bias.detach().view(torch.uint8).numpy(), bits(model.bias))
+    np.testing.assert_array_equal(linear.weight.detach().float().numpy().T, np.asarray(model.weight, np.float32))
+    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, model), sd)
+    np.testing.assert_array_equal(bits(back.weight), bits(model.weight))
+
+
+def test_a_dtype_torch_lacks_is_named_with_the_fix():
+    model = {"w": jnp.arange(3).astype(jnp.float4_e2m1fn)}
+    with pytest.raises(TypeError, match=r"'w' is float4_e2m1fn, which no torch dtype holds(?s:.*)numpy=True"):
+        ft.nn.torch_state_dict(model)
+    assert ft.nn.torch_state_dict(model, numpy=True)["w"].dtype == jnp.float4_e2m1fn
+
+
 def test_num_batches_tracked_dropped_and_float64_cast():
     bn = nn.BatchNorm1d(3).double()
     assert "num_batches_tracked" in bn.state_dict()

@@ -108,6 +108,14 @@ NO_TORCH = """\
 ft.nn.torch_state_dict returns torch tensors and needs torch: pip install torch. For NumPy \
 arrays in torch's layout pass numpy=True."""
 
+NO_TORCH_DTYPE = """\
+ft.nn.torch_state_dict: {name!r} is {dtype}, which no torch dtype holds. Return NumPy arrays \
+(ml_dtypes' {dtype}), or cast the model to a dtype torch has first:
+
+    wrong:  ft.nn.torch_state_dict(model)
+    right:  ft.nn.torch_state_dict(model, numpy=True)
+       or:  ft.nn.torch_state_dict(jax.tree.map(lambda a: a.astype(jnp.bfloat16), model))"""
+
 LAYOUT_UNUSED = """\
 ft.nn: layouts= patterns {patterns} match no Dense or MultiheadAttention layer of the model. \
 Patterns (ft's globs: a pattern picks a layer whose name or a dotted prefix of it it matches) \
@@ -846,9 +854,9 @@ def torch_state_dict(
     LSTM's one bias is saved as ``bias_ih`` with a zero ``bias_hh``. A model of
     :func:`ft.nn.from_hf` (at the root or inside) is written as its Hugging Face model's
     ``state_dict()`` under its torch name (:func:`ft.nn.to_hf_state_dict`'s tensors: a tied
-    head under both names). Tensors are torch's
-    (bfloat16 stays bfloat16); ``numpy=True`` returns NumPy arrays instead and does not
-    import torch. In a multi-process job every process calls it: leaves sharded over other
+    head under both names). Tensors are torch's (bfloat16 and float8 stay bfloat16 and
+    float8, bit for bit); ``numpy=True`` returns NumPy arrays instead and does not import
+    torch. In a multi-process job every process calls it: leaves sharded over other
     processes' devices are gathered, and each process gets the whole state dict.
 
     Example:
@@ -895,9 +903,15 @@ def as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     except ImportError as e:  # torch is optional: only this conversion needs it
         raise ImportError(NO_TORCH) from e
 
-    def tensor(a: np.ndarray) -> Any:
+    def tensor(name: str, a: np.ndarray) -> Any:
         if a.dtype.name == "bfloat16":  # no NumPy bfloat16 in torch: through float32
             return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
-        return torch.from_numpy(np.array(a))
+        float8 = getattr(torch, a.dtype.name, None) if a.dtype.name.startswith("float8_") else None
+        if float8 is not None:  # ml_dtypes' float8 bits are torch's (same names): the bytes, reinterpreted
+            return torch.from_numpy(np.array(a).view(np.uint8)).view(float8)
+        try:
+            return torch.from_numpy(np.array(a))
+        except TypeError:  # ml_dtypes' others (float4, int4): no torch dtype holds them
+            raise TypeError(NO_TORCH_DTYPE.format(name=name, dtype=a.dtype.name)) from None
 
-    return {k: tensor(v) for k, v in arrays.items()}
+    return {k: tensor(k, v) for k, v in arrays.items()}

@@ -431,12 +431,34 @@ def test_a_tie_given_under_one_name_fills_it_and_disagreeing_names_are_an_error(
     assert "by up to 0.5" in message and "del sd['head.weight']" in message
 
 
-def test_a_tie_whose_transform_cannot_be_undone_asks_for_the_source():
+@pytest.mark.parametrize("scale", [2.0, 3.0, -0.7])
+def test_a_scaled_transposed_tie_given_its_target_only_is_inverted_exactly(scale):
+    """``b = c * a.T`` is linear and invertible though its adjoint is no inverse (A Aᵀ =
+    c² I): given ``b`` only, ``a`` is ``b.T / c`` (NumPy's), and the loaded tie gives ``b``
+    back within float32 rounding (was refused as "not a linear, invertible map")."""
     model = build(lambda: ft.nn.Shared(
-        {"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 2))}, {"b": ("a", lambda w: jnp.transpose(w) ** 2)}))
-    sd = {"b": np.ones((3, 2), np.float32)}
-    with pytest.raises(ValueError, match=r"gives the tied model.b but not its source model.a.*\['a'\]"):
-        ft.nn.load_torch_state_dict(model, sd)
+        {"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 2))}, {"b": ("a", lambda w: scale * jnp.transpose(w))}))
+    b = np.random.default_rng(4).normal(size=(3, 2)).astype(np.float32)
+    loaded = ft.nn.load_torch_state_dict(model, {"b": b})
+    ulp = float(np.finfo(np.float32).eps) * float(np.abs(b).max())  # one rounding of / c, one of * c
+    np.testing.assert_allclose(loaded.model["a"], b.T.astype(np.float64) / scale, rtol=0, atol=10 * ulp)
+    np.testing.assert_allclose(loaded.resolve()["b"], b, rtol=0, atol=10 * ulp)
+    if scale == 2.0:  # a power of two: exact
+        np.testing.assert_array_equal(loaded.model["a"], b.T / 2)
+
+
+@pytest.mark.parametrize(("transform", "why"), [
+    (lambda w: jnp.transpose(w) ** 2, "is not a linear map"),
+    (lambda w: jnp.cumsum(jnp.transpose(w), axis=0), "is linear, but"),  # invertible, but A Aᵀ is no c I
+])
+def test_a_tie_whose_transform_is_not_undone_says_why_and_asks_for_the_source(transform, why):
+    model = build(lambda: ft.nn.Shared({"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 2))}, {"b": ("a", transform)}))
+    with pytest.raises(ValueError) as e:
+        ft.nn.load_torch_state_dict(model, {"b": np.ones((3, 2), np.float32)})
+    message = str(e.value)
+    assert "gives the tied model.b but not its source model.a" in message and why in message
+    assert "sd holds ['b'] only" in message and "right:  sd['a'] = source_tensor" in message
+    assert "not a linear, invertible map" not in message
 
 
 def test_a_wrong_shape_for_one_member_names_the_torch_key_the_member_and_both_shapes():

@@ -148,8 +148,18 @@ after the tie's transform. The model stores one value (ft.nn.Shared). Load the o
 
 TIE_NOT_INVERTIBLE = """\
 ft.nn.load_torch_state_dict: the state dict gives the tied {target} but not its source \
-{source}, and the tie's transform cannot be undone (it is not a linear, invertible map such \
-as a transpose). Give the source's tensors: {torch}."""
+{source}, and the source cannot be recovered from it: {why}. A tie's transform is undone \
+where it is linear and its adjoint inverts it up to a constant (A Aᵀ = c I: a transpose, \
+reshape or permutation, times a nonzero c), checked by applying it. Give the source's tensors:
+
+    wrong:  ft.nn.load_torch_state_dict(model, sd)   # sd holds {target_torch} only
+    right:  sd[{torch0!r}] = source_tensor           # the source's tensors: {torch}"""
+
+# TIE_NOT_INVERTIBLE's {why}: what the transform is.
+NOT_LINEAR = "its transform is not a linear map of one array (jax.linear_transpose refuses it)"
+NOT_SCALED_ORTHOGONAL = ("its transform is linear, but applying it to the adjoint's answer (scaled) does not "
+                         "give the target back: A Aᵀ is no multiple of the identity (or A is singular)")
+NOT_AN_ARRAY_SOURCE = "the tie's source is a subtree, and only an array source's transform is undone"
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
@@ -739,27 +749,42 @@ def _fill_ties(plan: _Plan, values: dict[str, np.ndarray]) -> None:
         elif isinstance(tie.template, (np.ndarray, jax.Array)):
             filled = {tie.source: _inverted(tie, values[tie.target], plan)}
         else:
-            raise ValueError(TIE_NOT_INVERTIBLE.format(target=tie.target, source=tie.source,
-                                                       torch=_torch_names(plan, tie.source)))
+            raise _not_invertible(tie, plan, NOT_AN_ARRAY_SOURCE)
         for n, v in filled.items():
             values.setdefault(n, v)
 
 
 def _inverted(tie: _Tie, target: np.ndarray, plan: _Plan) -> np.ndarray:
-    """The source value whose transform is ``target`` (a linear, invertible transform:
-    transpose, reshape; checked by applying the transform to it)."""
+    """The source ``s`` whose transform ``A s`` is ``target`` ``t``, for a linear ``A`` with
+    ``A Aᵀ = c I`` (a transpose, reshape or permutation, times a constant ``c``): ``s = Aᵀ t / c``.
+
+    ``Aᵀ`` (``jax.linear_transpose``) is the adjoint, the inverse itself only where ``c = 1``
+    (``lambda w: 2 * w.T`` has ``c = 4``); ``c = <A Aᵀ t, t> / <t, t>``. Checked by applying
+    the transform: ``A s`` equals ``t`` within 4 ulp of ``max |t|`` (the rounding of ``/ c``),
+    else :data:`TIE_NOT_INVERTIBLE` naming why."""
     assert tie.transform is not None
     template = np.asarray(tie.template)
     wanted = np.asarray(target).astype(template.dtype)
     try:
-        (source,) = jax.linear_transpose(tie.transform, template)(jnp.asarray(wanted))
-        ok = np.array_equal(np.asarray(tie.transform(source)), wanted)
-    except Exception:  # not linear, or another shape: say so below
-        ok = False
-    if not ok:
-        raise ValueError(TIE_NOT_INVERTIBLE.format(target=tie.target, source=tie.source,
-                                                   torch=_torch_names(plan, tie.source)))
+        (adjoint,) = jax.linear_transpose(tie.transform, template)(jnp.asarray(wanted))
+    except Exception:  # not linear, or not of one array of this shape
+        raise _not_invertible(tie, plan, NOT_LINEAR) from None
+    t = wanted.astype(np.float64)
+    again = np.asarray(tie.transform(adjoint), np.float64)
+    scale = float(np.vdot(again, t) / np.vdot(t, t)) if t.any() else 1.0
+    source = (np.asarray(adjoint, np.float64) / scale).astype(template.dtype) if scale else adjoint
+    reached = np.asarray(tie.transform(jnp.asarray(source)), np.float64)
+    tolerance = 4 * _eps(wanted) * float(np.abs(t).max(initial=0))
+    if not (scale and reached.shape == t.shape and float(np.abs(reached - t).max(initial=0)) <= tolerance):
+        raise _not_invertible(tie, plan, NOT_SCALED_ORTHOGONAL)
     return np.asarray(source)
+
+
+def _not_invertible(tie: _Tie, plan: _Plan, why: str) -> ValueError:
+    torch = _torch_names(plan, tie.source)
+    return ValueError(TIE_NOT_INVERTIBLE.format(target=tie.target, source=tie.source, why=why, torch=torch,
+                                                torch0=torch[0] if torch else tie.source,
+                                                target_torch=_torch_names(plan, tie.target)))
 
 
 def _torch_names(plan: _Plan, ft: str) -> list[str]:

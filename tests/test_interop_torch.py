@@ -518,6 +518,34 @@ def test_cnn_with_a_stack_of_conv_batch_norm_blocks():
     both_ways(net, model, (x,), (x_ft,), flattened={"3": (6, 4, 4)})
 
 
+def test_the_per_head_layout_on_grouped_query_attention_names_the_head_counts_and_the_fused_layout():
+    """GPT-NeoX's per-head rows need one key and value head per query head: on 4 query heads
+    and 2 key/value heads it is refused saying so (was "this layer knows ... per_head" and a
+    conv1d suggestion), both ways; the suggested [q | k | v] layout writes NumPy's concatenation
+    of the projections' torch weights and loads back."""
+    gqa = {"attn": build(lambda: ft.nn.MultiheadAttention(8, 4, num_kv_heads=2, key=K[0]))}
+    per_head = {"attn": ("query_key_value", "dense", "per_head")}
+    for call in (lambda: ft.nn.torch_state_dict(gqa, layouts=per_head, numpy=True),
+                 lambda: ft.nn.load_torch_state_dict(gqa, {}, layouts=per_head)):
+        with pytest.raises(ValueError) as e:
+            call()
+        message = str(e.value)
+        assert "num_kv_heads=2 for num_heads=4 (grouped-query attention)" in message
+        assert "wrong:  layouts={'attn': ('query_key_value', 'dense', 'per_head')}" in message
+        assert "right:  layouts={'attn': ('query_key_value', 'dense')}   # rows [q | k | v]" in message
+        assert "this layer knows" not in message and "conv1d" not in message
+    fused = {"attn": ("query_key_value", "dense")}
+    sd = ft.nn.torch_state_dict(gqa, layouts=fused, numpy=True)
+    attn = gqa["attn"]
+    expected = np.concatenate([np.asarray(p.weight).T for p in
+                               (attn.query_projection, attn.key_projection, attn.value_projection)])
+    assert expected.shape == (8 + 2 * 4, 8)
+    np.testing.assert_array_equal(sd["attn.query_key_value.weight"], expected)
+    back = ft.nn.load_torch_state_dict(jax.tree.map(jnp.zeros_like, gqa), sd, layouts=fused)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(gqa)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_rename_patterns_layouts_and_a_safetensors_file(tmp_path):
     from safetensors.numpy import save_file
 

@@ -132,6 +132,16 @@ ft.nn: layouts= gives {name} the layout {layout!r}; this layer knows {known}.
     right:  layouts={{{pattern!r}: "conv1d"}}   # Hugging Face's Conv1D (GPT-2)
        or:  layouts={{{pattern!r}: {other}}}   # {why}"""
 
+PER_HEAD_GROUPED = """\
+ft.nn: layouts= gives {name} the per-head layout {layout!r} (GPT-NeoX's: rows holding each \
+head's query, key and value in turn, one key and value head per query head), but it has \
+num_kv_heads={kv} for num_heads={heads} (grouped-query attention): its key and value rows \
+cannot be laid out per query head. A grouped-query attention's fused Linear holds [q | k | v]:
+
+    wrong:  layouts={{{pattern!r}: {layout!r}}}
+    right:  layouts={{{pattern!r}: {fused!r}}}   # rows [q | k | v] (Phi-3)
+       or:  layouts={{{pattern!r}: ('q_proj', 'k_proj', 'v_proj', 'o_proj')}}   # four Linears"""
+
 RENAME_STARS = """\
 ft.nn: rename={{{old!r}: {new!r}}} has a different number of * on each side; each * of the \
 torch name goes to the * of the model's name in order.
@@ -523,8 +533,10 @@ def _layer_rules(node: Any, ft: str, torch: str, options: _Options) -> list[Loca
         layout = options.layout(ft, torch)
         named = isinstance(layout, (tuple, list)) and all(isinstance(n, str) for n in layout) and (
             len(layout) in (2, 4) or (len(layout) == 3 and layout[2] == "per_head"))
-        if named and len(layout) == 3 and node.num_kv_heads != node.num_heads:
-            named = False
+        if named and len(layout) == 3 and node.num_kv_heads != node.num_heads:  # no [q_h | k_h | v_h] rows
+            raise ValueError(PER_HEAD_GROUPED.format(name=torch, layout=tuple(layout), pattern=options.pattern,
+                                                     heads=node.num_heads, kv=node.num_kv_heads,
+                                                     fused=tuple(layout[:2])))
         if not named:
             layout = _checked_layout(layout, torch, ATTENTION_LAYOUTS, options)
         return _attention(node, layout)

@@ -294,6 +294,27 @@ def test_custom_train_step_class():
         Trainer(model, adam(), classify, train_step=lambda *a: None)
 
 
+def test_a_given_step_and_other_trainer_arguments_are_refused():
+    """A ready-made step trains with its own loss, optimizer, metrics and on_nan; the
+    Trainer's were silently ignored (another loss: training minimized the step's while
+    evaluate reported the Trainer's; metrics=[accuracy]: no accuracy logged at all)."""
+    opt = adam()
+    step = ft.train.train_step(classify, opt, metrics=[ft.train.accuracy])
+    trainer = Trainer(mlp(), opt, classify, train_step=step)  # the step's own: accepted
+    assert list(trainer.train_step.metrics) == ["accuracy"]
+    Trainer(mlp(), step.optimizer, classify, metrics=[ft.train.accuracy], on_nan="stop", train_step=step)
+
+    def other_loss(model, batch):
+        return 2.0 * classify(model, batch)[0]
+
+    refused = {"loss function": dict(loss_fn=other_loss), "optimizer": dict(optimizer=adam()),
+               "metrics": dict(metrics=[ft.train.binary_accuracy]), "on_nan": dict(on_nan="skip")}
+    for what, changed in refused.items():
+        given = {"optimizer": opt, "loss_fn": classify, **changed}
+        with pytest.raises(ValueError, match=rf"trains with the step's own {what}, but the Trainer was given another"):
+            Trainer(mlp(), train_step=step, **given)
+
+
 def test_restore_model_with_new_optimizer_options(tmp_path):
     trainer = Trainer(mlp(), adam(), classify)
     trainer.fit((X, LABELS), steps=4, progress=False)

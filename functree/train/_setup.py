@@ -9,6 +9,7 @@ from typing import Any
 
 from functree._where import put
 from functree.optim._optimizer import with_wrt
+from functree.optim._skip import DEFAULT_ON_NAN
 from functree.train._evaluation import key_parameter, signature
 from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
@@ -22,6 +23,15 @@ Give the patterns to the optimizer the step is built with:
     wrong:  ft.train.Trainer(model, opt, loss_fn, train_step=ft.train.TrainStep(loss_fn, opt), wrt={wrt!r})
     right:  opt = ft.optim.Optimizer(ft.optim.adam(1e-3), wrt={wrt!r})
             ft.train.Trainer(model, opt, loss_fn, train_step=ft.train.TrainStep(loss_fn, opt))"""
+
+STEP_IGNORES = """\
+Trainer(..., train_step=step) trains with the step's own {what}, but the Trainer was given \
+another: {effect}. Give the Trainer the step's own {what}:
+
+    wrong:  step = ft.train.train_step(loss_fn, opt{step_arg})
+            ft.train.Trainer(model, {wrong}, train_step=step)
+    right:  step = ft.train.train_step(loss_fn, opt{right_arg})
+            ft.train.Trainer(model, {right}, train_step=step)"""
 
 BAD_TRAIN_STEP = """\
 train_step= takes a ft.train.TrainStep subclass or instance, got {given}.
@@ -60,10 +70,37 @@ def make_step(train_step: Any, loss_fn: Any, optimizer: Any, metrics: Any, on_na
     if train_step is None:
         return make_train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, **parallel)
     if isinstance(train_step, TrainStep):
+        _check_given_step(train_step, loss_fn, optimizer, metrics, on_nan)
         return train_step
     if isinstance(train_step, type) and issubclass(train_step, TrainStep):
         return train_step(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, **parallel)
     raise TypeError(BAD_TRAIN_STEP.format(given=repr(train_step)[:80]))
+
+
+def _check_given_step(step: TrainStep, loss_fn: Any, optimizer: Any, metrics: dict[str, Any], on_nan: Any) -> None:
+    """A given step's loss, optimizer, metrics and ``on_nan`` are what it trains with: the
+    Trainer's must be the same objects (``metrics`` and ``on_nan`` may be left out), else
+    training would silently use one and the Trainer (its evaluation, its loss) the other."""
+    def refuse(what: str, effect: str, wrong: str, right: str = "opt, loss_fn", step_arg: str = "",
+               right_arg: str = "") -> ValueError:
+        return ValueError(STEP_IGNORES.format(what=what, effect=effect, wrong=wrong, right=right,
+                                              step_arg=step_arg, right_arg=right_arg))
+
+    if loss_fn is not step.loss_fn:
+        raise refuse("loss function", "training would minimize the step's, evaluation and validation "
+                     "would report the Trainer's", "opt, other_loss_fn")
+    if optimizer is not step.optimizer and optimizer is not getattr(step.optimizer, "_raw_transform", None):
+        raise refuse("optimizer", "it would be ignored (the step updates with its own)", "other_opt, loss_fn")
+    if metrics and (list(metrics) != list(step.metrics) or any(
+            fn is not step.metrics[name] and getattr(fn, "__qualname__", None) != getattr(step.metrics[name], "__qualname__", 0)
+            for name, fn in metrics.items())):
+        mine = ", metrics=[...]" if step.metrics else ""
+        raise refuse("metrics", f"training would log the step's {sorted(step.metrics)}, not {sorted(metrics)}",
+                     "opt, loss_fn, metrics=[...]", step_arg=mine, right_arg=", metrics=[...]")
+    if on_nan != DEFAULT_ON_NAN and on_nan != step.on_nan:
+        raise refuse("on_nan", f"the step handles a NaN step with on_nan={step.on_nan!r}, not {on_nan!r}",
+                     f"opt, loss_fn, on_nan={on_nan!r}", step_arg=f", on_nan={step.on_nan!r}",
+                     right_arg=f", on_nan={on_nan!r}")
 
 
 def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:

@@ -74,6 +74,18 @@ ft.{op}: {fn} calls a function whose custom derivative is reverse-mode only \
        or:  use a reverse-mode operator: ft.gradient, ft.pullback, ft.jacobian(f, mode="reverse")
 """
 
+HESSIAN_REVERSE_ONLY = """\
+ft.hessian: {fn} calls a function whose custom derivative is reverse-mode only \
+(@ft.derivative(of=f) returning (value, pullback)), and the Hessian's forward pass reached \
+it outside a pullback. The Hessian is forward over reverse: it differentiates the rule's \
+own code in forward mode, and a rule whose value (or pullback) calls a reverse-only \
+function, such as f itself, hands forward mode a pullback again.
+
+    wrong:  return cube(x), lambda v: 3.0 * x * x * v     # the value from the decorated function
+    right:  return x * x * x, lambda v: 3.0 * x * x * v   # the value computed directly
+       or:  @ft.derivative(of=f, mode="forward")   # register (value, differential) too
+"""
+
 SCALAR_ARGUMENT = """\
 ft.derivative takes a scalar floating argument, got shape {shape} dtype {dtype} \
 (argument {index}). For arrays use ft.gradient, ft.jacobian or ft.differential:
@@ -218,7 +230,7 @@ def _refuse_reverse_only(op: str, fn: Callable[..., Any], g: Callable[..., Any],
 
 @contextlib.contextmanager
 def _explain_reverse_only(
-    op: str, fn: Callable[..., Any], g: Callable[..., Any], primals: Sequence[Any]
+    op: str, fn: Callable[..., Any], g: Callable[..., Any], primals: Sequence[Any], message: str = REVERSE_ONLY,
 ) -> Iterator[None]:
     """Explain a forward-mode failure caused by a reverse-only custom derivative.
 
@@ -231,7 +243,7 @@ def _explain_reverse_only(
     except TypeError as e:
         if not _calls_reverse_only(g, primals):
             raise
-        raise TypeError(REVERSE_ONLY.format(op=op, fn=_fn_name(fn))) from e
+        raise TypeError(message.format(op=op, fn=_fn_name(fn))) from e
 
 
 RESULT_WITH_AUX = """\
@@ -556,8 +568,13 @@ def hessian(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
         plan = Plan("hessian", fn, args, wrt)
         _refuse_complex(fn, plan)
         g = plan.wrap(_check_scalar("ft.hessian", fn, False))
-        with _forward_mode():  # forward over reverse
+        with _forward_mode():  # forward over reverse: a reverse-only rule cannot be used
             g = _diagnostics.check("gradient", fn, g, plan)  # the check's trace, replayed where it can be
-            return jax.hessian(g, argnums=plan.argnums)(*plan.primals)
+            # Forward over a reverse-only rule works where forward mode meets only the rule's
+            # code (its pullback transposed inside the reverse pass) and fails, while this call
+            # traces (under jax.jit too), where the rule calls one again: explained, not
+            # refused beforehand (_refuse_reverse_only would refuse every such Hessian).
+            with _explain_reverse_only("hessian", fn, g, plan.primals, HESSIAN_REVERSE_ONLY):
+                return jax.hessian(g, argnums=plan.argnums)(*plan.primals)
 
     return _operator("hessian", f, at, impl)

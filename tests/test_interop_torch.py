@@ -175,6 +175,48 @@ def test_recurrent_layers_and_cells(kind):
     both_ways(getattr(nn, f"{kind}Cell")(4, 6), cell, (x[:, 0],), ft_call=lambda m, x: m(m.zero_state((2,)), x)[1])
 
 
+class BiRNN(ft.Module):
+    """torch's bidirectional layer: a forward RNN and a reversed one, outputs concatenated."""
+
+    fwd: ft.nn.RNN
+    bwd: ft.nn.RNN
+
+    def __call__(self, x):
+        return jnp.concatenate([self.fwd(x), self.bwd(x)], axis=-1)
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+def test_a_reversed_rnn_is_a_bidirectional_layers_reverse_direction_never_a_forward_layer(kind):
+    """RNN(cell, reverse=True) is torch's ``_l0_reverse`` tensors: a forward and a reversed
+    RNN give torch's bidirectional GRU / LSTM outputs both ways; its tensors no longer load
+    into a forward torch layer (loaded silently, outputs off by 0.89), nor a forward layer's
+    into it (0.49): both refused, ours naming the direction and the fix."""
+    cell = lambda i: getattr(ft.nn, f"{kind}Cell")(4, 6, key=K[i])  # noqa: E731
+    model = build(lambda: BiRNN(ft.nn.RNN(cell(0)), ft.nn.RNN(cell(1), reverse=True)))
+    x = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
+    bidirectional = getattr(nn, kind)(4, 6, batch_first=True, bidirectional=True)
+    loaded = ft.nn.load_torch_state_dict(  # torch's one layer, our two: the reverse direction's to bwd
+        model, bidirectional.state_dict(), rename=lambda n: ("bwd." if n.endswith("_reverse") else "fwd.") + n)
+    close(jax.jit(lambda m, x: m(x))(loaded, x), run_torch(bidirectional, (x,)))
+    sd = ft.nn.torch_state_dict(model, rename=lambda n: n.split(".", 1)[1])
+    assert sorted(sd) == sorted([*(n + "_reverse" for n in ft.nn.torch_state_dict(model.fwd)), *ft.nn.torch_state_dict(
+        model.fwd)])
+    bidirectional.load_state_dict(sd)  # strict
+    close(run_torch(bidirectional, (x,)), jax.jit(lambda m, x: m(x))(model, x))
+
+    forward = getattr(nn, kind)(4, 6, batch_first=True)
+    with pytest.raises(RuntimeError, match="weight_ih_l0_reverse"):
+        forward.load_state_dict(ft.nn.torch_state_dict(model.bwd))
+    with pytest.raises(ValueError) as e:
+        ft.nn.load_torch_state_dict(model.bwd, forward.state_dict())
+    message = str(e.value)
+    assert "missing keys:    ['weight_ih_l0_reverse'" in message and "unexpected keys: ['weight_ih_l0'" in message
+    assert "The RNN (the model) runs from its end: torch names its tensors weight_ih_l0_reverse" in message
+    assert "right:  ft.nn.RNN(cell)   # as torch.nn.GRU / LSTM(..., batch_first=True) runs" in message
+    with pytest.raises(ValueError, match=r"runs forward(?s:.*)right:  ft.nn.RNN\(cell, reverse=True\)"):
+        ft.nn.load_torch_state_dict(model.fwd, ft.nn.torch_state_dict(model.bwd))
+
+
 def test_conv1d_transposed_convolutions_group_norm_batch_norm_1d():
     net = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.BatchNorm1d(4))
     randomize_batch_norms(net)

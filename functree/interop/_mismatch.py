@@ -29,6 +29,32 @@ missing its tensors while the state dict has {given}: another layout, read with 
     right:  ft.nn.load_torch_state_dict(model, sd, layouts={{{pattern!r}: {layout!r}}})"""
 
 
+RNN_DIRECTION_HINT = """
+The RNN {layer} runs {mine}: torch names its tensors {want}; the state dict has {given}, \
+a layer reading the sequence {theirs} ({torch_layer}). Loaded into this RNN they would compute \
+another function: build the RNN of their direction.
+
+    wrong:  ft.nn.RNN(cell{mine_arg})
+    right:  ft.nn.RNN(cell{theirs_arg})   # as {torch_layer} runs"""
+
+_FORWARD = ("forward", "", "torch.nn.GRU / LSTM(..., batch_first=True)")
+_REVERSE = ("from its end", ", reverse=True", "the reverse direction of torch's bidirectional=True GRU / LSTM")
+
+
+def _rnn_direction_hint(report: FlatDictReport) -> str:
+    """:data:`RNN_DIRECTION_HINT` where an RNN misses its ``_l0`` tensors (or ``_l0_reverse``)
+    and the state dict has the other direction's under its name."""
+    for want in report.missing:
+        other = want.removesuffix("_reverse") if want.endswith("_l0_reverse") else want + "_reverse"
+        if not want.endswith(("_l0", "_l0_reverse")) or other not in report.unexpected:
+            continue
+        mine, theirs = (_REVERSE, _FORWARD) if want.endswith("_reverse") else (_FORWARD, _REVERSE)
+        layer = want.rsplit(".", 1)[0] if "." in want else "(the model)"
+        return RNN_DIRECTION_HINT.format(layer=layer, mine=mine[0], want=want, given=other, theirs=theirs[0],
+                                         torch_layer=theirs[2], mine_arg=mine[1], theirs_arg=theirs[1])
+    return ""
+
+
 _ROLES = (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out", "output", "dense", "proj"))
 
 
@@ -58,4 +84,5 @@ def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: Flat
     and ``torch`` names), the attentions' ``layouts=`` hint, and ``hint`` (the ports')."""
     example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), rules[0].ft[0] if rules else "")
     names = TORCH_NAMES.format(example=example) if rules else ""
-    return ValueError(TORCH_MISMATCH.format(report=report, names=names, hint=_layouts_hint(attentions, report) + hint))
+    return ValueError(TORCH_MISMATCH.format(report=report, names=names,
+                                            hint=_layouts_hint(attentions, report) + _rnn_direction_hint(report) + hint))

@@ -25,9 +25,10 @@ A layer's torch name is its key path with ``Sequential``'s ``layers``, ``Remat``
 slice of every stacked leaf converted as its layer is. A ``Shared`` tie's value is torch's
 tensor under each of its names (torch's tied parameters). ``rename=`` maps torch name
 prefixes onto the model's where they differ; ``layouts=`` reads Hugging Face's ``Conv1D``
-and attention held as separate ``Linear`` layers. Only single-layer, unidirectional
-``GRU`` / ``LSTM`` map onto ``RNN`` (torch's other layers and directions stay unmatched,
-reported).
+and attention held as separate ``Linear`` layers. ``RNN(cell)`` is a single-layer ``GRU`` /
+``LSTM`` (``_l0``); ``RNN(cell, reverse=True)`` is a bidirectional layer's reverse direction
+(``_l0_reverse``: torch has no reverse-only layer; two RNNs, their outputs concatenated, are
+its ``bidirectional=True`` layer). torch's further layers stay unmatched, reported.
 
 Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argument away:
 
@@ -317,7 +318,12 @@ def _cell(layer: GRUCell | LSTMCell, suffix: str = "", ft: str = "") -> list[Loc
 
 
 def _rnn(layer: RNN) -> list[Local] | None:  # another cell: None, walked into, its leaves matched by name
-    return _cell(layer.cell, suffix="_l0", ft="cell") if isinstance(layer.cell, (GRUCell, LSTMCell)) else None
+    """torch's first layer's tensors: ``_l0`` forward; ``reverse=True`` reads the sequence from
+    its end as a bidirectional layer's second direction does, whose tensors are ``_l0_reverse``
+    (a forward layer's names would load it into a layer computing another function)."""
+    if not isinstance(layer.cell, (GRUCell, LSTMCell)):
+        return None
+    return _cell(layer.cell, suffix="_l0_reverse" if layer.reverse else "_l0", ft="cell")
 
 
 _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None]], ...] = (

@@ -565,3 +565,34 @@ def test_a_metric_named_as_a_part_is_refused():
         ft.train.train_step(lambda m, b: 0.0, ft.optim.sgd(0.1), metrics={"tokens#count": ft.train.mean("n")})
     assert str(info.value) == PART_NAME.format(name="tokens#count", suffix="#count", right="tokens_count")
     assert "right:  metrics={'tokens_count': ...}" in str(info.value)
+
+
+def test_a_user_metric_with_its_own_counts_method_is_averaged_as_a_mean():
+    """Counting metrics were found by a ``counts`` attribute, so a user's precision object
+    with a ``counts(out) -> (tp, fp)`` helper was averaged as Σ tp / Σ fp: 1.75 for numpy's
+    0.636. Only functree's own counting metrics are marked (``__ft_counts__``)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype(np.float32)
+    y = (rng.random(32) < 0.5).astype(np.float32)
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+
+    def loss_fn(m, b):
+        z = m(b[0])[:, 0]
+        return jnp.mean(jax.nn.softplus(z) - b[1] * z), z
+
+    class Precision:
+        def counts(self, out):
+            p, t = out.aux > 0, out.batch[1] > 0.5
+            return jnp.sum(p & t, dtype=jnp.float32), jnp.sum(p & ~t, dtype=jnp.float32)
+
+        def __call__(self, out):
+            tp, fp = self.counts(out)
+            return tp / jnp.maximum(tp + fp, 1.0)
+
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics={"precision": Precision()})
+    trainer.fit(ft.train.batches((x, y), 32, shuffle=False), epochs=1, progress=False)
+    z = np.asarray(model(x))[:, 0]
+    expected = ((z > 0) & (y > 0.5)).sum() / (z > 0).sum()
+    np.testing.assert_allclose(trainer.history.epochs["precision"], [expected], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(trainer.evaluate(ft.train.batches((x, y), 32, shuffle=False))["precision"],
+                               expected, rtol=0, atol=1e-6)

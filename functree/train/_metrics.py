@@ -8,7 +8,7 @@ several minibatches is the mean weighted by minibatch size,
 
 the exact per-example mean of a mean-reduced loss. It is not one for accuracy, whose
 minibatch value ``hits_b / counted_b`` counts labels, not examples (token labels, labels
-of -100 left out): such a metric (one with ``counts``: ``accuracy``, ``binary_accuracy``)
+of -100 left out): such a metric (one with ``__ft_counts__``: ``accuracy``, ``binary_accuracy``)
 is weighed by its counted labels instead, from two parts every train and eval step
 computes beside it (:func:`with_parts`; the step's returned metrics leave them out) and
 :func:`combine_parts` divides,
@@ -335,7 +335,7 @@ def accuracy(out: StepOutput) -> jax.Array:
 
 
 accuracy.of = _accuracy_of  # type: ignore[attr-defined]
-accuracy.counts = _accuracy_out_counts  # type: ignore[attr-defined]  # (hits, counted): with_parts
+accuracy.__ft_counts__ = _accuracy_out_counts  # type: ignore[attr-defined]  # (hits, counted): with_parts
 
 
 def _binary_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -386,7 +386,7 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
 
 
 binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]
-binary_accuracy.counts = _binary_out_counts  # type: ignore[attr-defined]  # (hits, counted): with_parts
+binary_accuracy.__ft_counts__ = _binary_out_counts  # type: ignore[attr-defined]  # (hits, counted): with_parts
 
 BINARY_SHAPES = """\
 ft.train.binary_accuracy: logits of shape {logits} do not fit 0/1 labels of shape {labels}; it
@@ -485,6 +485,11 @@ def batch_size_of(batch: Any) -> int:
     return 1
 
 
+COUNTS = "__ft_counts__"
+"""The attribute that marks functree's counting metrics (``accuracy``, ``binary_accuracy``):
+``fn.__ft_counts__(out) -> (hits, counted)``. A private name: a user metric's own ``counts``
+(a precision's ``(tp, fp)``) must not be read as labels hit and counted."""
+
 PART_SUM, PART_COUNT = "#sum", "#count"
 """Suffixes of a counting metric's two parts (:func:`with_parts`): per example of the
 minibatch, its hits and its counted labels."""
@@ -495,7 +500,7 @@ def _is_part(name: str) -> bool:
 
 
 def with_parts(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> dict[str, Callable[[StepOutput], Any]]:
-    """``metrics`` and, for each that counts labels (``fn.counts(out) -> (hits, counted)``:
+    """``metrics`` and, for each that counts labels (``fn.__ft_counts__(out) -> (hits, counted)``:
     ``accuracy``, ``binary_accuracy``), its parts ``name#sum = hits_b / n_b`` and
     ``name#count = counted_b / n_b``: what every train and eval step computes
     (``TrainStep.compute_metrics``, ``EvalStep.step``), whoever built it. Weighted by the
@@ -510,7 +515,7 @@ def with_parts(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> dict[str, 
     """
     out = dict(metrics)
     for name, fn in metrics.items():
-        counts = getattr(fn, "counts", None)
+        counts = getattr(fn, COUNTS, None)
         if counts is not None:
             out[name + PART_SUM] = _part(counts, 0)
             out[name + PART_COUNT] = _part(counts, 1)
@@ -531,9 +536,9 @@ def without_parts(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def counting_names(metrics: Mapping[str, Any]) -> list[str]:
-    """The names of the counting metrics (``fn.counts``) among ``metrics``: those whose
+    """The names of the counting metrics (``fn.__ft_counts__``) among ``metrics``: those whose
     means are Σ hits / Σ counted."""
-    return [name for name, fn in metrics.items() if getattr(fn, "counts", None) is not None]
+    return [name for name, fn in metrics.items() if getattr(fn, COUNTS, None) is not None]
 
 
 def part_names(names: Any) -> set[str]:

@@ -181,3 +181,68 @@ def test_torchs_transposed_padding_is_the_documented_formula(key, k, s, p, op, d
     actual = np.asarray(layer(jnp.asarray(x)))
     assert actual.shape == expected.shape
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * max(1.0, float(np.abs(expected).max())))
+
+
+def _torch_raises(make):
+    try:
+        make()
+    except RuntimeError as e:
+        assert "Output size is too small" in str(e) or "Kernel size can't be greater" in str(e), e
+        return True
+    return False
+
+
+@pytest.mark.parametrize("k,d,p,length", [(5, 1, 0, 3), (5, 1, 0, 4), (5, 1, 0, 5), (3, 2, 0, 4), (3, 2, 1, 3),
+                                          (4, 1, 1, 1), (5, 1, 1, 2)])
+def test_a_window_longer_than_the_padded_input_is_refused_as_torch_does(k, d, p, length):
+    """Conv1D(4, 8, 5, padding="VALID") on length 3 gave shape (2, 0, 8), then NaN values and
+    gradients through GlobalAvgPool1D and Dense; torch's Conv1d raises. It raises here too
+    where torch does, naming the window and the fix, and keeps torch's shape otherwise."""
+    torch = pytest.importorskip("torch")
+    conv = ft.nn.Conv1D(2, 3, k, dilation=d, padding=p if p else "VALID", key=jax.random.key(0))
+    module = torch.nn.Conv1d(2, 3, k, dilation=d, padding=p)
+    x = np.ones((2, length, 2), np.float32)
+    if _torch_raises(lambda: module(torch.tensor(x).transpose(1, 2))):
+        need = d * (k - 1) + 1 - 2 * p
+        with pytest.raises(ft.nn.LayerInputError, match=rf"with length >= {need}, got f32\[2,{length},2\]") as info:
+            jax.jit(conv)(jnp.asarray(x))
+        assert f"Its length ({length}) is shorter" in str(info.value)
+        assert re.search(r'right:  Conv1D\(\.\.\., kernel_size=\d, .*padding="SAME"\)', str(info.value))
+    else:
+        expected = module(torch.tensor(x).transpose(1, 2)).transpose(1, 2)
+        assert conv(jnp.asarray(x)).shape == tuple(expected.shape)
+
+
+def test_an_empty_convolution_no_longer_reaches_nan():
+    """The audit's model: the empty axis's mean was NaN in the output and the gradients."""
+    key = jax.random.key(0)
+    model = ft.nn.Sequential([ft.nn.Conv1D(4, 8, 5, padding="VALID", key=key), ft.nn.GlobalAvgPool1D(),
+                              ft.nn.Dense(8, 2, key=key)])
+    with pytest.raises(ft.nn.LayerInputError, match=r"Conv1D at \.layers\[0\] expects .* with length >= 5"):
+        model(jnp.ones((2, 3, 4)))
+    assert bool(jnp.isfinite(model(jnp.ones((2, 5, 4)))).all())
+
+
+@pytest.mark.parametrize("k,s,p,length", [(5, 2, 4, 1), (5, 2, 4, 2), (5, 2, 4, 3), (5, 1, 4, 4), (5, 1, 4, 5),
+                                          (3, 3, 2, 1), (3, 3, 2, 2)])
+def test_a_transposed_convolution_with_no_output_is_refused_as_torch_does(key, k, s, p, length):
+    """torch's ConvTranspose1d(padding=p) is padding=((k-1-p, k-1-p),) here (the documented
+    formula); where its output would be empty torch raises, and this layer gave shape (1, 0, 3)."""
+    torch = pytest.importorskip("torch")
+    module = torch.nn.ConvTranspose1d(2, 3, k, stride=s, padding=p)
+    layer = ft.nn.Conv1DTranspose(2, 3, k, strides=s, padding=((k - 1 - p, k - 1 - p),), key=key)
+    x = np.ones((1, length, 2), np.float32)
+    if _torch_raises(lambda: module(torch.tensor(x).transpose(1, 2))):
+        with pytest.raises(ft.nn.LayerInputError, match=r'is shorter than the window needs(.|\n)*padding="VALID"'):
+            layer(jnp.asarray(x))
+    else:
+        assert layer(jnp.asarray(x)).shape == tuple(module(torch.tensor(x).transpose(1, 2)).transpose(1, 2).shape)
+
+
+def test_conv2d_names_the_axis_too_short_and_empty_inputs_keep_their_shape(key):
+    conv = ft.nn.Conv2D(2, 3, (3, 5), padding="VALID", key=key)
+    with pytest.raises(ft.nn.LayerInputError, match=r"with width >= 5, got f32\[1,9,4,2\](.|\n)*Its width \(4\)"):
+        conv(jnp.ones((1, 9, 4, 2)))
+    assert conv(jnp.ones((1, 3, 5, 2))).shape == (1, 1, 1, 3)
+    # SAME on an empty axis is empty, as the input: not refused (reshape's -1 raised ZeroDivisionError).
+    assert ft.nn.Conv1D(2, 3, 3, key=key)(jnp.ones((2, 0, 2))).shape == (2, 0, 3)

@@ -1,6 +1,7 @@
 """Pooling and Flatten against numpy window loops; gradients; input errors."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -88,3 +89,29 @@ def test_gradients_finite_differences(layer):
 def test_missing_spatial_axis_is_an_error():
     with pytest.raises(ft.nn.LayerInputError, match=r"MaxPool2D expects inputs \[\.\.\., height, width, channels\] \(float\), got f32\[4,4\]"):
         ft.nn.MaxPool2D(2)(jnp.ones((4, 4)))
+
+
+@pytest.mark.parametrize("layer,op,size,length", [
+    (ft.nn.MaxPool1D(3), "max_pool1d", 3, 2), (ft.nn.MaxPool1D(3), "max_pool1d", 3, 3),
+    (ft.nn.AvgPool1D(4, 1), "avg_pool1d", 4, 3), (ft.nn.AvgPool1D(4, 1), "avg_pool1d", 4, 4),
+])
+def test_a_pool_longer_than_the_input_is_refused_as_torch_does(layer, op, size, length):
+    """MaxPool1D(3) on length 2 gave shape (1, 0, 2) (then NaN through a mean); torch raises."""
+    torch = pytest.importorskip("torch")
+    x = np.ones((1, length, 2), np.float32)
+    pool = getattr(torch.nn.functional, op)
+    try:
+        expected = pool(torch.tensor(x).transpose(1, 2), size, layer.strides[0]).transpose(1, 2).numpy()
+    except RuntimeError as e:
+        assert re.search("Output size is too small|Invalid computed output size: 0", str(e)), e
+        with pytest.raises(ft.nn.LayerInputError, match=rf"with length >= {size}, got f32\[1,{length},2\]") as info:
+            jax.jit(layer)(jnp.asarray(x))
+        assert f'right:  {type(layer).__name__}(..., pool_size={size}, padding="SAME")' in str(info.value)
+    else:
+        np.testing.assert_allclose(layer(jnp.asarray(x)), expected, rtol=0, atol=1e-6)
+
+
+def test_pool2d_names_the_short_axis_and_same_padding_still_fits():
+    with pytest.raises(ft.nn.LayerInputError, match=r"with width >= 3(.|\n)*Its width \(2\)"):
+        ft.nn.AvgPool2D((2, 3))(jnp.ones((1, 4, 2, 2)))
+    assert ft.nn.AvgPool2D((2, 3), padding="SAME")(jnp.ones((1, 4, 2, 2))).shape == (1, 2, 1, 2)

@@ -7,6 +7,7 @@ out_channels]`` (WIO / HWIO), glorot-uniform, biases zero.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -15,12 +16,13 @@ import jax.numpy as jnp
 
 from functree._activations import identity
 from functree._module import field
+from functree._repr import short_array
 from functree.nn import _window as window
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Initializer, glorot_uniform
 from functree.nn._mode import Layer
 
-__all__ = ["Conv1D", "Conv2D", "Conv1DTranspose", "Conv2DTranspose"]
+__all__ = ["Conv1D", "Conv2D", "Conv1DTranspose", "Conv2DTranspose", "check_window_fits"]
 
 BAD_GROUPS = """\
 {cls}: in_channels ({cin}) and out_channels ({cout}) must be divisible by groups ({groups}).
@@ -43,19 +45,80 @@ _SPEC = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
 
 CHANNELS_FIRST = """\
 Its channels ({channels}) are on axis {axis}: a channels-first batch (torch's {layout}). \
-ft.nn convolutions take channels last: jnp.moveaxis(x, {axis}, -1)."""
+{takes} channels last: jnp.moveaxis(x, {axis}, -1){also}."""
+
+WINDOW_TOO_LARGE = """\
+Its {axis} ({size}) is shorter than the window needs: {window}. The output's {axis} would \
+be empty ({out}), and a mean over it NaN (torch raises here); it needs {axis} >= {need}.
+
+    wrong:  {cls}(..., {settings})(x)     # x's {axis}: {size}
+    right:  {cls}(..., {fixed})(x)     # or an input whose {axis} is >= {need}"""
 
 
-def _channels_first(error: LayerInputError, x: Any, n: int, channels: int) -> LayerInputError:
+def _channels_first(
+    error: LayerInputError, x: Any, n: int, channels: int,
+    takes: str = "ft.nn convolutions take", also: str = "",
+) -> LayerInputError:
     """``error``, whose fix names the channels-last move when the channels sit where torch puts
-    them (its "build the layer for the size you have" read an image's width as channels)."""
+    them (its "build the layer for the size you have" read an image's width as channels).
+
+    ``n`` is the number of spatial axes; ``takes`` names who takes channels last and ``also``
+    adds another fix (BatchNorm's ``axis=1``).
+    """
     shape = jnp.shape(x)
-    if len(shape) >= n + 1 and shape[-(n + 1)] == channels and shape[-1] != channels:
+    if n >= 1 and len(shape) >= n + 1 and shape[-(n + 1)] == channels and shape[-1] != channels:
         axis = -(n + 1)
         layout = "NCL" if n == 1 else ("NCHW" if n == 2 else "NCDHW")
-        return LayerInputError(error.layer, error.expected, error.given,
-                               CHANNELS_FIRST.format(channels=channels, axis=axis, layout=layout), error.path)
+        fix = CHANNELS_FIRST.format(channels=channels, axis=axis, layout=layout, takes=takes, also=also)
+        return LayerInputError(error.layer, error.expected, error.given, fix, error.path)
     return error
+
+
+def _show(values: tuple[int, ...]) -> Any:
+    """One axis's settings as the int a user writes, several as the tuple."""
+    return values[0] if len(values) == 1 else values
+
+
+def check_window_fits(
+    layer: Any, x: Any, spatial: Sequence[str], kernel: tuple[int, ...], strides: tuple[int, ...],
+    dilation: tuple[int, ...], padding: Any, *, transpose: bool = False, kernel_name: str = "kernel_size",
+) -> None:
+    """Raise :class:`LayerInputError` where a window leaves an empty output axis.
+
+    ``x`` is ``[..., *spatial, channels]``; the check reads static shapes only (free under
+    ``jit``). With the window spanning ``e = d (k - 1) + 1`` and ``(lo, hi)`` padding, an axis of
+    length ``L`` gives ``floor((L + lo + hi - e) / s) + 1`` outputs when ``L + lo + hi >= e`` and
+    none otherwise; a transpose pads the stride-dilated input, ``(L - 1) s + 1 + lo + hi - e + 1``.
+    ``"SAME"`` (and a transpose's ``"VALID"``) keep every axis non-empty: nothing to check.
+    """
+    if padding == "SAME" or (transpose and padding == "VALID"):
+        return
+    n = len(spatial)
+    lengths = jnp.shape(x)[len(jnp.shape(x)) - n - 1:-1]
+    pads = ((0, 0),) * n if padding == "VALID" else padding
+    for name, length, k, s, d, (lo, hi) in zip(spatial, lengths, kernel, strides, dilation, pads):
+        span = d * (k - 1) + 1
+        if transpose:
+            out = (length - 1) * s + 1 + lo + hi - span + 1 if length else 0
+            need = 1 + math.ceil(max(span - 1 - lo - hi, 0) / s)
+        else:
+            out = (length + lo + hi - span) // s + 1 if length + lo + hi >= span else 0
+            need = span - lo - hi
+        if out > 0:
+            continue
+        shown = f'"{padding}"' if isinstance(padding, str) else repr(padding)
+        window = (f"{kernel_name} {k}" + (f" with dilation {d} spans {span}" if d != 1 else "")
+                  + f", padding {shown} adds {lo + hi} ({lo} before, {hi} after)"
+                  + (f", strides {s} spread the input to {(length - 1) * s + 1}" if transpose and length else ""))
+        settings = f"{kernel_name}={_show(kernel)}" + ("" if dilation == (1,) * n else f", dilation={_show(dilation)}")
+        settings += f", strides={_show(strides)}" if transpose else ""
+        fixed = settings + (', padding="VALID"' if transpose else ', padding="SAME"')
+        settings += f", padding={shown}"
+        pattern = "[..., " + ", ".join(spatial) + f", {jnp.shape(x)[-1]}]"
+        fix = WINDOW_TOO_LARGE.format(axis=name, size=length, window=window,
+                                      out=f"{name} {max(out, 0)}", need=need, cls=type(layer).__name__,
+                                      settings=settings, fixed=fixed)
+        raise LayerInputError(layer, f"{pattern} (float) with {name} >= {need}", short_array(x), fix)
 
 
 class Conv(Layer):
@@ -116,8 +179,11 @@ class Conv(Layer):
             check_input(self, x, (*spatial, self.in_channels), leading="...")
         except LayerInputError as e:
             raise _channels_first(e, x, n, self.in_channels) from None
+        check_window_fits(self, x, spatial, self.weight.shape[:n], self.strides, self.dilation, self.padding,
+                          transpose=self._transpose)
         batch = x.shape[: x.ndim - n - 1]
-        flat = x.reshape((-1, *x.shape[x.ndim - n - 1:]))
+        # The batch's size, not -1: reshape cannot infer it when an axis is empty.
+        flat = x.reshape((math.prod(batch), *x.shape[x.ndim - n - 1:]))
         y = self._convolve(flat)
         if self.bias is not None:
             y = y + self.bias

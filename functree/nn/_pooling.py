@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from functree._module import field
 from functree.nn import _window as window
 from functree.nn._check import check_input
+from functree.nn._conv import check_window_fits
 from functree.nn._mode import Layer
 
 __all__ = [
@@ -58,6 +59,8 @@ class _Pool(Layer):
 
     def _window(self, x: jax.Array, init: Any, op: Any) -> jax.Array:
         check_input(self, x, _spatial(self._rank))
+        check_window_fits(self, x, _spatial(self._rank)[:-1], self.pool_size, self.strides, (1,) * self._rank,
+                          self.padding, kernel_name="pool_size")
         lead = x.ndim - self._rank - 1
         dims = (1,) * lead + self.pool_size + (1,)
         strides = (1,) * lead + self.strides + (1,)

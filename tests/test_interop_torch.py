@@ -302,6 +302,21 @@ def test_integer_tensors_lists_and_kind_mismatches():
                                     {"weight": [[1.0, 2.0], [1.0], [1.0, 2.0]], "bias": [0.0, 0.0, 0.0]})
 
 
+class EmbedHead(ft.Module):
+    embed: ft.nn.Embedding
+    head: ft.nn.Dense
+
+
+def test_the_mismatch_errors_example_torch_name_is_torch_s():
+    """Without a Sequential the example is the first rule's key path and torch name (was the
+    key path ``embed.embeddings`` given as the torch name; torch's ``nn.Embedding`` has ``weight``)."""
+    model = EmbedHead(ft.nn.Embedding(5, 3, key=K[0]), ft.nn.Dense(3, 2, key=K[1]))
+    torch_names = set(nn.ModuleDict({"embed": nn.Embedding(5, 3), "head": nn.Linear(3, 2)}).state_dict())
+    with pytest.raises(ValueError) as e:
+        ft.nn.load_torch_state_dict(model, {"embed.weight": np.zeros((5, 3), np.float32)})
+    assert "e.g. embed.embeddings -> embed.weight." in str(e.value) and "embed.weight" in torch_names
+
+
 def test_strict_error_names_missing_unexpected_and_mis_shaped_torch_keys():
     net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(5), nn.Linear(4, 2))
     model = build(lambda: ft.nn.Sequential(ft.nn.Dense(3, 4, key=K[0]), ft.nn.LayerNorm(4),

@@ -81,8 +81,10 @@ def _layouts_hint(attentions: Sequence[str], report: FlatDictReport) -> str:
 
 def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: FlatDictReport, hint: str = "") -> ValueError:
     """:data:`TORCH_MISMATCH` for ``report``: an example of the rules' names (each with ``ft``
-    and ``torch`` names), the attentions' ``layouts=`` hint, and ``hint`` (the ports')."""
-    example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), rules[0].ft[0] if rules else "")
+    and ``torch`` names: ``key path -> torch name``), the attentions' ``layouts=`` hint, an
+    RNN's direction, and ``hint`` (the ports')."""
+    example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), None) or next(
+        (f"{r.ft[0]} -> {r.torch[0]}" if r.ft[0] != r.torch[0] else r.torch[0] for r in rules[:1]), "")
     names = TORCH_NAMES.format(example=example) if rules else ""
     return ValueError(TORCH_MISMATCH.format(report=report, names=names,
                                             hint=_layouts_hint(attentions, report) + _rnn_direction_hint(report) + hint))

@@ -168,3 +168,31 @@ def test_batch_norm_in_torchs_argument_order_is_refused_at_construction():
     with pytest.raises(TypeError, match=r"(?s)axis must be an int, got 1e-05.*epsilon=1e-5, momentum=0.9"):
         ft.nn.BatchNorm(8, 1e-5, 0.1)
     assert ft.nn.BatchNorm(3, np.int64(0)).axis == 0  # an integer scalar is an int
+
+
+def test_a_channels_first_batch_gets_the_move_for_batch_and_group_norm():
+    """torch's NCHW / NCL batches: the fix said "build the layer for the size you have (last
+    axis 5)", which normalizes the width as channels. It names the move now (and BatchNorm's
+    axis=1), and following either gives torch's numbers."""
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).normal(size=(2, 3, 5, 5)).astype(np.float32)
+    bn = ft.nn.BatchNorm(3, epsilon=1e-5)
+    with pytest.raises(ft.nn.LayerInputError, match=r"\(torch's NCHW\)\. ft\.nn\.BatchNorm takes channels last: "
+                       r"jnp\.moveaxis\(x, -3, -1\), or normalize that axis: ft\.nn\.BatchNorm\(3, axis=1\)"):
+        bn(jnp.asarray(x))
+    expected = torch.nn.BatchNorm2d(3)(torch.tensor(x)).detach().numpy()  # training: batch statistics
+    moved = ft.nn.collect_state(lambda m: m(jnp.moveaxis(jnp.asarray(x), -3, -1)), ft.nn.training(bn))[0]
+    in_place = ft.nn.collect_state(lambda m: m(jnp.asarray(x)), ft.nn.training(bn.replace(axis=1)))[0]
+    np.testing.assert_allclose(np.moveaxis(np.asarray(moved), -1, -3), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(in_place, expected, rtol=0, atol=1e-5)
+
+    y = np.random.default_rng(1).normal(size=(2, 4, 7)).astype(np.float32)
+    gn = ft.nn.GroupNorm(2, 4)
+    with pytest.raises(ft.nn.LayerInputError, match=r"\(torch's NCL\)\. ft\.nn\.GroupNorm takes channels last: "
+                       r"jnp\.moveaxis\(x, -2, -1\)\.$"):
+        gn(jnp.asarray(y))
+    expected = torch.nn.GroupNorm(2, 4)(torch.tensor(y)).detach().numpy()
+    np.testing.assert_allclose(np.moveaxis(np.asarray(gn(jnp.moveaxis(jnp.asarray(y), -2, -1))), -1, -2), expected,
+                               rtol=0, atol=1e-5)
+    with pytest.raises(ft.nn.LayerInputError, match=r"build the layer for the size you have \(last axis 5\)"):
+        gn(jnp.ones((2, 7, 5)))  # channels last, just another count: the old fix stands

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from functree._module import field
 from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
+from functree.nn._conv import _channels_first
 from functree.nn._mode import Layer
 from functree.nn._state import record_state
 
@@ -191,7 +192,10 @@ class GroupNorm(Layer):
         self.epsilon = float(epsilon)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        check_input(self, x, (self.channels,), leading="batch, ...", min_rank=2)
+        try:
+            check_input(self, x, (self.channels,), leading="batch, ...", min_rank=2)
+        except LayerInputError as e:  # torch's [N, C, *spatial]: move the channels, not another size
+            raise _channels_first(e, x, jnp.ndim(x) - 2, self.channels, "ft.nn.GroupNorm takes") from None
         xs = x.astype(statistics_dtype(x.dtype))
         grouped = xs.reshape((*x.shape[:-1], self.groups, self.channels // self.groups))
         axes = (*range(1, x.ndim - 1), x.ndim)  # all but batch and group
@@ -265,7 +269,11 @@ class BatchNorm(Layer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         features = self.scale.shape[0]
-        check_input(self, x, (features,) if self.axis == -1 else ())
+        try:
+            check_input(self, x, (features,) if self.axis == -1 else ())
+        except LayerInputError as e:  # torch's [N, C, *spatial]: move the channels, or say where they are
+            raise _channels_first(e, x, jnp.ndim(x) - 2, features, "ft.nn.BatchNorm takes",
+                                  f", or normalize that axis: ft.nn.BatchNorm({features}, axis=1)") from None
         axis = self.axis % max(x.ndim, 1)
         if self.axis != -1 and (x.ndim <= self.axis or x.shape[axis] != features):
             raise LayerInputError(

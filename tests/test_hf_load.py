@@ -298,6 +298,38 @@ def test_weights_that_do_not_fit_the_config_name_the_tensor(gpt2):
         ft.nn.from_hf(gpt2.config, weights)
 
 
+def test_a_task_heads_tensor_beside_the_body_names_from_hfs_own_fixes_and_both_work(tmp_path):
+    """A BertModel checkpoint with BertForPreTraining's ``cls.predictions.bias``: from_hf
+    refuses it naming the tensor and fixes it takes (was load_torch_state_dict's rename= and
+    strict=False, which from_hf has not: a TypeError); each fix line, run as printed, loads
+    the body transformers' BertModel.from_pretrained loads (it drops the tensor, warning)."""
+    from safetensors.torch import save_file
+
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=2 * D, max_position_embeddings=16)
+    hf = randomized(transformers.BertModel(config))
+    config.save_pretrained(tmp_path)
+    save_file({**{k: v.contiguous() for k, v in hf.state_dict().items()}, "cls.predictions.bias": torch.ones(VOCAB)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        ft.nn.from_hf(str(tmp_path))
+    message = str(e.value)
+    assert message.startswith("ft.nn.from_hf: the weights do not fit the BertModel") and "load_torch_state_dict" not in message
+    assert "unexpected keys: ['cls.predictions.bias']" in message
+    assert "rename=" not in message and "strict=" not in message
+    right = message.split("right:  ", 1)[1].split("\n       or:  ")
+    namespace = {"ft": ft, "safetensors": __import__("safetensors.torch"), "transformers": transformers}
+    exec(re.sub(r"\n +", "\n", right[0]), namespace)
+    exec(re.sub(r"^model = ", "other = ", right[1].split("   #")[0]), namespace)
+    reference = transformers.BertModel.from_pretrained(str(tmp_path)).eval()
+    for model in (namespace["model"], namespace["other"]):
+        assert_equal_at_tokens(model, reference, positions=False)
+    hidden = lambda m: np.asarray(m(*batch()))  # noqa: E731
+    np.testing.assert_array_equal(hidden(namespace["model"]), hidden(namespace["other"]))
+    with pytest.raises(ValueError, match=r"(?s)wrong:  ft.nn.from_hf\(config, weights\)\n    right:  weights = \{k: v"):
+        ft.nn.from_hf(config, {**hf.state_dict(), "cls.predictions.bias": torch.ones(VOCAB)})
+
+
 def test_a_tied_head_that_differs_from_the_embedding(gpt2):
     weights = {**gpt2.state_dict(), "lm_head.weight": torch.zeros(VOCAB, D)}
     with pytest.raises(ValueError, match=r"'lm_head.weight' differs from 'transformer.wte.weight'"):

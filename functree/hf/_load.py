@@ -143,7 +143,67 @@ config with tie_word_embeddings=True: one tensor), but the state dict's {head!r}
     right:  del state_dict[{head!r}]                  # the embedding for both
        or:  model = ft.nn.from_hf(config, state_dict)  # with config.tie_word_embeddings = False: an untied head"""
 
+WEIGHTS_DO_NOT_FIT = """\
+ft.nn.from_hf: the weights do not fit the {hf_class} its config builds (names as the weights \
+spell them).
+{report}
+{fix}"""
+
+# WEIGHTS_DO_NOT_FIT's fix where tensors are left over: another model's (a task head:
+# BertForPreTraining's cls.*). transformers' {hf_class}.from_pretrained skips them with a
+# warning; from_hf reads every tensor it is given (one left over may as well be a layer the
+# config lacks), so they are dropped by the caller.
+EXTRA_TENSORS_FIX = """The weights hold tensors the {hf_class} has not: {extra}. If they are another model's (a task \
+head), leave them out; if they are this model's, the config is not the weights' own.
+
+    wrong:  ft.nn.from_hf({call})
+    right:  {load}weights = {{k: v for k, v in weights.items() if {test}}}
+            model = ft.nn.from_hf({config}, weights)
+       or:  model = ft.nn.from_hf(transformers.{hf_class}.from_pretrained({path}))   # transformers drops them, warning"""
+
+# WEIGHTS_DO_NOT_FIT's fix where tensors are missing or mis-shaped: the config and the weights
+# describe different models.
+OTHER_MODEL_FIX = """The {hf_class} the config describes differs from the weights' (missing or mis-shaped tensors \
+above): give the config saved with these weights.
+
+    right:  ft.nn.from_hf(config, weights)   # config.json of the same save_pretrained directory"""
+
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
+def _loading(given: Any) -> str:
+    """EXTRA_TENSORS_FIX's line reading ``weights`` where from_hf was given a file's path: one
+    ``.safetensors`` file (a directory's) with safetensors' own reader (bfloat16 too)."""
+    if not isinstance(given, (str, os.PathLike)):
+        return ""  # the state dict given
+    single = os.path.join(given, SINGLE_NAME) if os.path.isdir(given) else os.fspath(given)
+    if not (single.endswith(".safetensors") and os.path.isfile(single)):
+        return "weights = ...   # the checkpoint's state dict (every shard's tensors)\n            "
+    return f"weights = safetensors.torch.load_file({single!r})\n            "
+
+
+def _weights_do_not_fit(hf_class: str, report: FlatDictReport, weights: Mapping[str, Any], source: Any,
+                        given: Any) -> ValueError:
+    """:data:`WEIGHTS_DO_NOT_FIT` with the fix from_hf's caller has: drop the tensors left
+    over (by their first name part where no tensor the model reads shares it, else by name),
+    or give the weights' own config."""
+    fixes = []
+    if report.unexpected:
+        extra = set(report.unexpected)
+        kept = [k for k in weights if k not in extra]
+        heads = sorted({n.split(".")[0] + "." for n in extra})
+        if all("." in n for n in extra) and not any(k.startswith(tuple(heads)) for k in kept):
+            test = f"not k.startswith({tuple(heads)!r})"
+        else:
+            test = f"k not in {sorted(extra)!r}"
+        path = repr(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "path"
+        fixes.append(EXTRA_TENSORS_FIX.format(
+            hf_class=hf_class, extra=sorted(extra)[:4] + (["..."] if len(extra) > 4 else []), test=test,
+            call=path if given is source else "config, weights", config=path if given is source else "config",
+            load=_loading(given), path=path))
+    if report.missing or report.mismatched:
+        fixes.append(OTHER_MODEL_FIX.format(hf_class=hf_class))
+    return ValueError(WEIGHTS_DO_NOT_FIT.format(hf_class=hf_class, report=report, fix="\n".join(fixes)))
 
 
 def _normalized(model_type: str, weights: Mapping[str, Any]) -> dict[str, Any]:
@@ -345,11 +405,15 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
         return with_dropout(_from_config(family, config, dtype, key, attention).replace(hf_config=carried), config,
                             dropout, key)
+    given = weights
     weights = _normalized(model_type, read_weights(weights))
     template = _template(family, config, set(weights), dtype, attention)
     weights = _untie(family, template, weights)
     cls = type(template)
-    model = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts)
+    model, report = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts, strict=False,
+                                  given_names=True)
+    if not report.ok:  # the fixes from_hf's caller has (load_torch_state_dict's rename= and strict= it has not)
+        raise _weights_do_not_fit(family.hf_class, report, weights, source, given)
     return with_dropout(model.replace(hf_config=carried), config, dropout, key)
 
 

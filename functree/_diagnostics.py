@@ -632,13 +632,27 @@ _CACHE: dict[Any, DiagnosticReport] = {}
 _DATA = object()  # a constant of the trace that is the caller's data: never a known zero
 
 
+class CallKeywords(functools.partial):
+    """``f`` with a call's keyword arguments bound (``ft.gradient(loss)(m, x, mask=m0)``):
+    the operators and :func:`diagnose` bind them so, and their leaves are the call's data,
+    as its positional arguments' are. A user's own ``functools.partial`` stays a closure."""
+
+
+def bind_keywords(f: Any, kwargs: dict[str, Any]) -> Any:
+    """``f`` with the call's keyword arguments bound (``f`` itself when there are none)."""
+    return CallKeywords(f, **kwargs) if kwargs else f
+
+
 def _data_as_unknown(consts: Sequence[Any], plan: Plan) -> list[Any]:
     """The trace's constants with those that are the call's arguments (the batch, a
     model's non-parameter leaves) replaced by :data:`_DATA`: they are baked into the trace
     as constants, but another call passes other values, so an all-zero batch must not
     make a parameter read as "always a zero gradient" (a closure's or a literal's zero
-    still does)."""
+    still does). Arguments passed by keyword (bound in a :class:`CallKeywords`) are the
+    call's data as well."""
     data = jax.tree.leaves([a for i, a in enumerate(plan.args) if i not in plan.indices])
+    if isinstance(plan.f, CallKeywords):  # passed by keyword: data too (never differentiated)
+        data += jax.tree.leaves(plan.f.keywords)
     for i in plan.indices:  # a differentiated model's buffers (no_derivative: a gate zero now)
         trained = {id(leaf) for leaf in jax.tree.leaves(parameters(plan.args[i]))}
         data += [leaf for leaf in jax.tree.leaves(plan.args[i]) if id(leaf) not in trained]
@@ -761,7 +775,7 @@ def diagnose(
     """
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        fn = functools.partial(f, **kwargs) if kwargs else f
+        fn = bind_keywords(f, kwargs)
         if nan:
             return nan_report(fn, args, wrt=wrt, has_aux=has_aux)
         plan = Plan("diagnose", fn, args, wrt)

@@ -276,10 +276,8 @@ def _operator(op: str, f: Callable[..., Any], at: Any, impl: Callable[..., Any])
 
     @functools.wraps(f)
     def derived(*args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            bound = functools.partial(f, **kwargs)
-            return impl(bound, args)
-        return impl(f, args)
+        # Keyword arguments bound so that the diagnostics count their leaves as data.
+        return impl(_diagnostics.bind_keywords(f, kwargs), args)
 
     derived.__name__ = f"{op}_of_{getattr(f, '__name__', 'f')}"
     return derived if at is _MISSING else derived(at)

@@ -212,6 +212,30 @@ def test_a_zero_buffer_of_the_model_is_data_not_a_known_zero():
         ft.gradient(lambda m, x: (m.dense(x) * 0.0).sum())(model, jnp.ones((2, 3)))
 
 
+@pytest.mark.parametrize("operator", [ft.gradient, ft.value_with_gradient, ft.diagnose])
+def test_an_array_passed_by_keyword_is_data_not_a_known_zero(operator):
+    """loss(m, x, mask=zeros): the mask is the call's data, as if passed positionally
+    (it warned "a ... will always have a zero gradient": the keyword was read as a closure)."""
+    class Pair(ft.Module):
+        a: jax.Array
+        b: jax.Array
+
+    def loss(m, x, mask=None):
+        return jnp.sum(m.a * x * mask) + jnp.sum(m.b * x)
+
+    model, mask = Pair(jnp.ones(3), jnp.ones(3)), jnp.zeros(3)  # pyright: ignore[reportCallIssue]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = operator(loss)(model, X3, mask=mask)
+    if operator is ft.diagnose:
+        assert out.ok and {a.status for a in out.activity} == {"active"}
+        return
+    grads = out[1] if operator is ft.value_with_gradient else out
+    # d/da Σ a·x·mask = x·mask, d/db Σ b·x = x (numpy); exact in float32.
+    np.testing.assert_allclose(grads.a, np.asarray(X3) * 0.0, rtol=0, atol=0)
+    np.testing.assert_allclose(grads.b, np.asarray(X3), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("flag", [np.array(False), np.bool_(False), np.int32(0)])
 def test_a_data_flag_choosing_a_cond_branch_is_data_not_a_known_branch(flag):
     """The check's trace bakes a NumPy flag argument into the jaxpr as a literal index; the

@@ -45,11 +45,12 @@ import numpy as np
 import optax
 
 from functree._alias import check_stale
-from functree._naming import check_patterns, required_selection
+from functree._naming import NothingSelected, check_patterns, right_name, selection
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._checks import moment_fields
 from functree.optim._groups import merge_members
+from functree.optim._hyper import OFF_AT_ZERO, running
 from functree.optim._leafwise import separable
 from functree.optim._masked import masked
 from functree.optim._radam import scale_by_radam
@@ -166,23 +167,65 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
 
 
 EXCLUDE_SELECTS_NOTHING = """\
-weight decay: the exclude pattern {pattern!r} matches no name in the model, so it excludes
-nothing and those parameters would be decayed. Closest names: {close}.
-    wrong:  ft.optim.adamw(1e-3, exclude=(*ft.optim.DEFAULT_NO_DECAY, {pattern!r}))
-    right:  ft.optim.adamw(1e-3, exclude=(*ft.optim.DEFAULT_NO_DECAY, {right!r}))"""
+{where}: the exclude pattern {pattern!r} matches no name in the model
+(no parameter's, nor a frozen part's or another parameter group's), so it excludes nothing
+and those parameters would be decayed. Closest names: {close}.
+    wrong:  {call}exclude={wrong})
+    right:  {call}exclude={right})"""
 
 
 def _check_excludes(params: Any, exclude: tuple[str, ...]) -> None:
-    """Refuse a glob of the user's that matches no name of the tree (a typo, "layer.1.*" for
+    """Refuse a glob of the user's that matches no name of the model (a typo, "layer.1.*" for
     "layers.1.*", decayed what it meant to spare; a :data:`LEAF` glob, no whole name).
     :data:`DEFAULT_NO_DECAY`'s own globs may match nothing (a model without biases). Names
-    of non-parameters count: a pattern for a part frozen elsewhere is no typo. Read at
-    ``init``, once per tree definition."""
+    of non-parameters count: a pattern for a part frozen elsewhere is no typo; so do those of
+    the ``optax.MaskedNode`` s standing for other groups' parameters inside ``ft.optim.groups``
+    (``optax.partition``): one ``exclude`` list shared by every group's optimizer names them,
+    as torch users build one no-decay list for all param groups. Read at ``init`` and
+    ``update``, once per tree definition."""
+    named = jax.tree.map(lambda x: None if _masked(x) else x, params, is_leaf=lambda x: x is None or _masked(x))
     for glob in exclude:
-        if glob not in DEFAULT_NO_DECAY:
-            whole = glob.startswith(LEAF)
-            required_selection(params, glob[len(LEAF):] if whole else glob, "exclude", EXCLUDE_SELECTS_NOTHING,
-                               "*.bias", whole=whole)
+        if glob in DEFAULT_NO_DECAY:
+            continue
+        whole = glob.startswith(LEAF)
+        try:
+            selection(named, (glob[len(LEAF):] if whole else glob,), what="exclude", strict=True, whole=whole)
+        except NothingSelected as e:
+            raise ValueError(_exclude_message(exclude, glob, _exclude_fix(named, glob, e), e.close)) from None
+
+
+def _exclude_fix(named: Any, glob: str, e: NothingSelected) -> str:
+    """The exclude pattern meant by ``glob``, which matches no name of ``named``: for a
+    :data:`LEAF` glob naming a layer (``"<leaf>film.scale"``), the glob without ``<leaf>``;
+    else the closest pattern, kept a :data:`LEAF` glob where it matches a whole name."""
+    guess = e.suggestion or right_name(e.pattern, e.close, "*.bias")
+    if not glob.startswith(LEAF):
+        return guess
+    if _selects(named, glob[len(LEAF):], whole=False):
+        return glob[len(LEAF):]
+    return LEAF + guess if _selects(named, guess, whole=True) else guess
+
+
+def _selects(named: Any, pattern: str, whole: bool) -> bool:
+    return any(np.any(s) for s in selection(named, (pattern,), what="exclude", strict=False, whole=whole))
+
+
+def _exclude_message(exclude: tuple[str, ...], glob: str, fixed: str, close: Sequence[str]) -> str:
+    """:data:`EXCLUDE_SELECTS_NOTHING` for ``glob`` of ``exclude``, the fix ``fixed`` in its
+    place, naming the optimizer that runs the check (``ft.optim.decay_mask`` called alone)."""
+    where = running() or "ft.optim.decay_mask"
+    call = "ft.optim.decay_mask(params, " if where == "ft.optim.decay_mask" else f"{where}(..., "
+    return EXCLUDE_SELECTS_NOTHING.format(
+        where=where, pattern=glob, close=", ".join(map(repr, close)) or "none", call=call,
+        wrong=_exclude_code(exclude), right=_exclude_code(tuple(fixed if e == glob else e for e in exclude)))
+
+
+def _exclude_code(exclude: tuple[str, ...]) -> str:
+    """``exclude`` as code, ``*ft.optim.DEFAULT_NO_DECAY`` for its default entries first."""
+    n = len(DEFAULT_NO_DECAY)
+    if exclude[:n] == DEFAULT_NO_DECAY:
+        return "(" + ", ".join(["*ft.optim.DEFAULT_NO_DECAY", *map(repr, exclude[n:])]) + ")"
+    return repr(exclude)
 
 
 def _decayed_where(by_name: Any, declared: Any) -> Any:
@@ -208,7 +251,7 @@ def _optimizer(
 ) -> Callable[[Callable[P, Any]], Callable[P, optax.GradientTransformationExtraArgs]]:
     """An optimizer of this module: its ``weight_decay=0`` (the number) adds no L2 term and
     needs no parameters; its update is declared :func:`separable`."""
-    return optimizer(where, off_at_zero=("weight_decay",), check=check, then=separable)
+    return optimizer(where, off_at_zero=OFF_AT_ZERO, check=check, then=separable)
 
 
 def _decayed(weight_decay: Any, *rest: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

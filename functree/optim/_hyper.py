@@ -18,10 +18,12 @@ A hyperparameter is one of
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -89,6 +91,23 @@ functree schedules take a ft.optim.LearningContext, not a step count. Wrap an op
 
 UNKNOWN_HYPERPARAMETER = """\
 set_hyperparameters: this state has no hyperparameter {name!r}. It has: {known}.
+"""
+
+OFF_AT_ZERO = ("weight_decay",)
+"""Hyperparameters an ``ft.optim`` optimizer leaves out when given the number 0: no term is
+built (no decay computed, no parameters read), so its state stores no such value."""
+
+DROPPED_AT_ZERO = """\
+set_hyperparameters: this state has no hyperparameter {key!r}. It has: {known}. An ft.optim \
+optimizer given {name}=0 (the number) is built without that term (no decay is computed), so \
+its state holds no {name} to set. Build it with the value stored, or give the values to come \
+as a schedule:
+
+    wrong:  tx = ft.optim.adamw(1e-3, {name}=0.0); state = tx.init(model)
+            state = ft.optim.set_hyperparameters(state, {name}=0.01)
+    right:  tx = ft.optim.adamw(1e-3, {name}=1e-4)               # nonzero: stored, settable
+       or:  tx = ft.optim.adamw(1e-3, {name}=jnp.asarray(0.0))   # a zero array: stored, settable
+       or:  tx = ft.optim.adamw(1e-3, {name}=ft.optim.piecewise([(1000, 0.0), (1, 0.01)]))  # 0.01 from step 1000
 """
 
 SCHEDULED_HYPERPARAMETER = """\
@@ -411,6 +430,26 @@ class _Spec:
         return base * scale
 
 
+_RUNNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("ft_optim_running", default=None)
+
+
+def running() -> str | None:
+    """The ``where`` (``"ft.optim.adamw"``) of the innermost :func:`inject` transformation
+    whose ``init`` or ``update`` is running, else None: a check inside the numerics it
+    builds (weight decay's ``exclude``, run by ``adamw``, ``lion`` and ``weight_decay``
+    alike) names the optimizer the user called."""
+    return _RUNNING.get()
+
+
+@contextlib.contextmanager
+def _running(where: str) -> Iterator[None]:
+    token = _RUNNING.set(where)
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
+
+
 def inject(
     where: str,
     factory: Callable[..., optax.GradientTransformation],
@@ -470,12 +509,12 @@ def inject(
             stored = {n: np.dtype(dtype).type(v) for n, v in zip(names, given)}
         else:
             values = _pack([_scalar(v, dtype) for v in given])
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
+        with jax.numpy_dtype_promotion("standard"), _running(where):  # optax: float hyperparameters, int counts
             tx, scheduled = build(ctx, values, dtype, stored)
             inner = jax.tree.map(_on_device, tx.init(params))  # (a transformation that keeps a value)
             state = HyperState(ctx, values, scheduled, inner, names, scheduled_names)
-            where = placement_of(params)  # host-made leaves on the parameters' devices
-            return state if where is None else put(state, where)
+            placed = placement_of(params)  # host-made leaves on the parameters' devices
+            return state if placed is None else put(state, placed)
 
     def step(updates: Any, state: HyperState, params: Any, ctx: LearningContext,
              extra: dict[str, Any]) -> tuple[Any, HyperState]:
@@ -483,7 +522,7 @@ def inject(
         _check_names(where, state, names, scheduled_names)
         packed = state.values if state.values is not None else state.scheduled
         dtype = packed.dtype if packed is not None else _hyper_dtype(updates)
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
+        with jax.numpy_dtype_promotion("standard"), _running(where):  # optax: float hyperparameters, int counts
             tx, scheduled = build(ctx, state.values, dtype)
             try:
                 new_updates, inner = tx.update(updates, state.inner, params, **extra)
@@ -753,7 +792,7 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
     for key, value in changes.items():
         hits = [e for k, e in zip(keys, entries) if k == key or e[1] == key]
         if not hits:
-            raise KeyError(UNKNOWN_HYPERPARAMETER.format(name=key, known=sorted(set(keys))))
+            raise KeyError(_unknown(key, keys))
         for label, name, settable, now in hits:
             if not settable:
                 raise ValueError(SCHEDULED_HYPERPARAMETER.format(name=name))
@@ -784,6 +823,16 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
         return node.replace(values=_set_columns(node.values, tuple(i for i, _ in hits), new))
 
     return jax.tree_util.tree_map_with_path(replace, state, is_leaf=_is_node)
+
+
+def _unknown(key: str, keys: list[str]) -> str:
+    """The error for a hyperparameter ``key`` the state does not hold: :data:`DROPPED_AT_ZERO`
+    for a name an optimizer leaves out at 0 (``weight_decay=0.0``; ``"head.*/weight_decay"``
+    by its last part), else :data:`UNKNOWN_HYPERPARAMETER`."""
+    name, known = key.rsplit("/", 1)[-1], sorted(set(keys))
+    if name in OFF_AT_ZERO:
+        return DROPPED_AT_ZERO.format(key=key, name=name, known=known)
+    return UNKNOWN_HYPERPARAMETER.format(name=key, known=known)
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -234,6 +234,8 @@ _REBUILT = {  # (the optimizer that made the state, the rebuilt one, what the re
     "inject-schedule": (optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
                         dict(transform=optax.inject_hyperparams(optax.adam)(learning_rate=optax.linear_schedule(1e-2, 0, 10))),
                         r"hyperparams_states.*keys \['learning_rate'\]"),
+    "number-to-schedule": (optax.adam(1e-2), dict(transform=optax.adam(optax.linear_schedule(1e-2, 0.0, 10))),
+                           r"1 the state holds an EmptyState.*this optimizer's state holds a ScaleByScheduleState"),
 }
 
 
@@ -250,9 +252,30 @@ def test_a_state_of_another_optimizer_is_refused_by_name(case):
                                          r".*make a new state.*state = opt.init\(model\)") as e:
         new.minimize(_mloss, model, state)
     settable = "ft.optim.set_hyperparameters(state" in str(e.value)
-    assert settable == (case not in ("optax-adamw", "multisteps"))  # offered where the old state holds settable hyperparameters
+    assert settable == (case not in ("optax-adamw", "multisteps", "number-to-schedule"))  # offered where the old state holds settable hyperparameters
     after, _, _ = new.minimize(_mloss, model, new.init(model))  # the fix
     assert jax.tree.structure(after) == jax.tree.structure(_M)
+
+
+@pytest.mark.parametrize("schedule", [optax.adam, optax.sgd])
+def test_a_schedule_replaced_by_a_number_keeps_the_state(schedule):
+    """A state made with a scheduled learning rate, continued with a constant one: the
+    rebuilt chain's scale is stateless (EmptyState where the state holds the schedule's
+    count), its update drops the count and keeps the moments, as optax's own update of the
+    same state does. It was refused as another optimizer's state, offering only a new state."""
+    old = ft.optim.Optimizer(schedule(lambda count: 1e-2 / (1.0 + count.astype(jnp.float32))))
+    model, state = _M, old.init(_M)
+    for _ in range(3):
+        model, state, _ = old.minimize(_mloss, model, state)
+    grads = ft.gradient(_mloss)(model)
+    new = ft.optim.Optimizer(schedule(1e-3))
+    reference, ref_state = schedule(1e-3), (state.inner[0], optax.EmptyState())
+    for _ in range(2):  # optax's scale returns the state it is given: the next step holds the count too
+        updates, state = new.update(grads, state, model)
+        with jax.numpy_dtype_promotion("standard"):  # optax's own arithmetic (a Python float with int32)
+            expected, ref_state = reference.update(grads, ref_state, model)
+        for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_a_state_of_another_optimizer_is_refused_in_a_compiled_step():

@@ -347,10 +347,15 @@ def _check_made_here(inner: Any, fresh: Any) -> None:
 
 
 def _first_other_node(inner: Any, fresh: Any) -> tuple[tuple[Any, ...], Any, Any] | None:
-    """``(key path, given node, fresh node)`` at the first node where the two trees differ."""
+    """``(key path, given node, fresh node)`` at the first node where the two trees differ,
+    other than where this optimizer's transform keeps no state (``optax.EmptyState``: a
+    learning rate that was a schedule and is now a number), whose update ignores what the
+    old state holds there and returns its own, as the fresh state's."""
     stack: list[tuple[tuple[Any, ...], Any, Any]] = [((), inner, fresh)]
     while stack:
         path, g, f = stack.pop()
+        if isinstance(f, optax.EmptyState):  # stateless here (a schedule -> a number): its update drops the old state
+            continue
         g_node, g_children = _one_level(g)
         f_node, f_children = _one_level(f)
         if g_node != f_node:
@@ -411,7 +416,8 @@ def _node(x: Any) -> str:
     if _is_hyper(x):
         return f"a HyperState (hyperparameters {', '.join(x.names) or 'none'}; scheduled {', '.join(x.scheduled_names) or 'none'})"
     if hasattr(x, "_fields"):
-        return f"a {type(x).__name__} (fields {', '.join(x._fields) or 'none'})"
+        name = type(x).__name__
+        return f"{'an' if name[:1] in 'AEIOU' else 'a'} {name} (fields {', '.join(x._fields) or 'none'})"
     return _describe(x)
 
 

@@ -77,6 +77,22 @@ Return its cotangent (zeros, if the zero is intended):
     right:  return y, lambda v: (..., jnp.zeros_like({name}))  # an intentional zero
        or:  return y, lambda v: (..., <the cotangent of {name}>)"""
 
+UNDECORATED_METHOD = """\
+@ft.derivative(of={qualname}) names a method that was not declared with \
+@ft.differentiable: the rule would be registered on a copy, and {cls}'s own method \
+(what `{call}` runs) would keep differentiating by autodiff, silently ignoring the rule. \
+A function object does not know its class, so the rule cannot be put on it from here \
+(nor on the subclasses that inherit it). Declare the method differentiable in the class:
+
+    wrong:  class {cls}(ft.Module):
+                def {name}(self, ...): ...
+    right:  class {cls}(ft.Module):
+                @ft.differentiable
+                def {name}(self, ...): ...
+
+    @ft.derivative(of={qualname})   # then registers on the class's method
+    def {rule}(self, ...): ..."""
+
 
 class DifferentiableFunction:
     """A function that carries registered custom derivatives.
@@ -271,7 +287,10 @@ def derivative(
     mode) and the decorated function is returned unchanged, unless it has ``f``'s name: then
     ``f`` is returned (``@ft.derivative(of=q)`` over ``def q``, in a notebook cell run
     again, replaces the rule and leaves ``q`` differentiable, as the first run did);
-    otherwise a new differentiable function carrying the derivative is returned.
+    otherwise a new differentiable function carrying the derivative is returned. A method
+    (``of=Model.__call__``) must be declared with :func:`differentiable` in its class: a
+    plain one is refused (:data:`UNDECORATED_METHOD`), as the class would keep calling it
+    and ignore the rule.
 
     A reverse-mode derivative keeps the pullback's residuals (no recomputation). A forward
     derivative also serves reverse mode, by transposition, when the differential is linear.
@@ -304,11 +323,31 @@ def derivative(
     fn: Callable[..., Any] = of  # type: ignore[assignment]  # not None: checked above
 
     def register(deriv: Callable[..., Any]) -> Any:
+        _refuse_undecorated_method(fn, deriv)
         target = fn if isinstance(fn, DifferentiableFunction) else DifferentiableFunction(fn)
         setattr(target, mode, (deriv, indices))
         return deriv if target is fn and not _rebinds(deriv, target) else target
 
     return register
+
+
+def _refuse_undecorated_method(fn: Callable[..., Any], deriv: Callable[..., Any]) -> None:
+    """Raise :data:`UNDECORATED_METHOD` when ``fn`` is a plain function defined in a class
+    body (``Q.__call__``, ``Q.loss``): the class keeps calling it, so a rule registered on
+    a new differentiable copy would be silently ignored. A rule defined in the same class
+    body under the method's own name (``@ft.derivative(of=loss)`` over ``def loss``)
+    replaces the class attribute itself and is allowed."""
+    if not inspect.isfunction(fn):
+        return
+    parts = fn.__qualname__.split(".")
+    if len(parts) < 2 or parts[-2] == "<locals>":  # a module's or a function's own function
+        return
+    if getattr(deriv, "__qualname__", None) == fn.__qualname__:  # rebinds the method in its class body
+        return
+    cls, name = parts[-2], parts[-1]
+    call = "model(...)" if name == "__call__" else f"model.{name}(...)"
+    raise TypeError(UNDECORATED_METHOD.format(
+        qualname=f"{cls}.{name}", cls=cls, name=name, call=call, rule=getattr(deriv, "__name__", "rule")))
 
 
 def _rebinds(deriv: Callable[..., Any], target: DifferentiableFunction) -> bool:

@@ -883,3 +883,62 @@ def test_a_rule_with_another_name_is_still_returned_unchanged() -> None:
 
     assert ft.derivative(of=cube)(d_cube) is d_cube
     np.testing.assert_allclose(ft.gradient(cube, at=2.0), 12.0, rtol=0, atol=1e-6)
+
+
+def test_a_rule_for_an_undecorated_method_is_refused_never_ignored():
+    # @ft.derivative(of=Q.__call__) on a plain method registered on a copy: model(x) kept
+    # autodiff's gradient [1, 1] where the rule says [100, 100], without a word.
+    from functree._derivative import UNDECORATED_METHOD
+
+    class Q(ft.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jnp.sum(x * self.w)
+
+        def loss(self, x):
+            return jnp.sum(x * self.w)
+
+    def rule(self, x):
+        return jnp.sum(x * self.w), lambda v: (Q(v * x * 100), v * self.w)  # pyright: ignore[reportCallIssue]
+
+    assert "@ft.differentiable" in UNDECORATED_METHOD
+    with pytest.raises(TypeError, match=r"of=Q.__call__\) names a method that was not declared with "
+                                        r"@ft.differentiable(.|\n)*right:  class Q\(ft.Module\):\n +@ft.differentiable"):
+        ft.derivative(of=Q.__call__)(rule)
+    with pytest.raises(TypeError, match=r"of=Q.loss\) names a method(.|\n)*def loss\(self, \.\.\.\)"):
+        ft.derivative(of=Q.loss)(rule)
+
+
+class _Scaled(ft.Module):
+    w: jax.Array
+
+    @ft.differentiable
+    def __call__(self, x):
+        return jnp.sum(x * self.w)
+
+    def loss(self, x):  # pyright: ignore[reportRedeclaration]  # replaced below by its rule
+        return jnp.sum(x * self.w)
+
+    # A rule in the class body under the method's own name replaces the class's method: allowed.
+    @ft.derivative(of=loss)
+    def loss(self, x):
+        return jnp.sum(x * self.w), lambda v: (type(self)(v * x * 10), v * self.w)  # pyright: ignore[reportCallIssue]
+
+
+@ft.derivative(of=_Scaled.__call__)
+def _d_scaled(self, x):
+    return jnp.sum(x * self.w), lambda v: (type(self)(v * x * 100), v * self.w)  # pyright: ignore[reportCallIssue]
+
+
+class _ScaledChild(_Scaled):
+    pass
+
+
+def test_the_fix_for_an_undecorated_method_uses_the_rule_in_the_class_and_its_subclasses():
+    x = np.array([1.0, 2.0], np.float32)
+    for cls in (_Scaled, _ScaledChild):
+        model = cls(jnp.array([3.0, -1.0]))  # pyright: ignore[reportCallIssue]
+        # The rules' cotangents of w: 100·x and 10·x (numpy); autodiff's would be x.
+        np.testing.assert_allclose(ft.gradient(lambda m: m(jnp.asarray(x)))(model).w, 100 * x, rtol=0, atol=0)
+        np.testing.assert_allclose(ft.gradient(lambda m: m.loss(jnp.asarray(x)))(model).w, 10 * x, rtol=0, atol=0)

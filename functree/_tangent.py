@@ -46,6 +46,18 @@ an imaginary part) without a word. A Python number is cast for you (it has no dt
     right:  cast it yourself: jax.tree.map(lambda t: t.astype(jnp.{expected}), {kind})
        or:  build it from the parameters: jax.tree.map(jnp.ones_like, ft.parameters(x))"""
 
+OPERATOR_TANGENT_SHAPE = """\
+{what}: the {kind} at {path} has shape {given}; {against} there has shape {expected}. \
+JAX takes a {kind} of exactly that shape (a Python number too: it is not broadcast).
+    wrong:  {call}(...)   # {path}: shape {given}
+    right:  {call}(jax.tree.map(jnp.ones_like, ft.parameters({like})))   # {like}: {likewhat}, shaped {expected} at {path}"""
+
+# kind -> (the call, what it is matched against, what to shape it like), for OPERATOR_TANGENT_SHAPE
+_SHAPE_ADVICE = {
+    "tangent": ("df", "the parameter", "x", "the point"),
+    "cotangent": ("pb", "the result", "y", "the result"),
+}
+
 COMPLEX_ON_REAL = """\
 ft.move: the tangent at {path} is complex ({given}); the parameter there is real \
 ({expected}). Moving along it would silently drop the imaginary part.
@@ -218,7 +230,9 @@ def matched_dtypes(what: str, kind: str, tangent: Any, expected: Any, prefix: st
 
     A Python number is cast to its leaf's dtype (``df(1.0)`` at a bfloat16 point), as JAX
     casts a weakly typed scalar; a real number to a complex leaf too (exact). An array of
-    another dtype is refused with :data:`TANGENT_DTYPE`, naming the key path: a bfloat16
+    another shape (a Python number at a non-scalar leaf too) is refused with
+    :data:`OPERATOR_TANGENT_SHAPE`, an array of
+    another dtype with :data:`TANGENT_DTYPE`, naming the key path: a bfloat16
     tangent of a float32 parameter is rounded already, a float32 one of a bfloat16 parameter
     would be rounded. ``None``, float0 and leaves that are not parameters are left to the
     structure checks. Trees of another structure are returned as they are. ``prefix``
@@ -233,6 +247,12 @@ def matched_dtypes(what: str, kind: str, tangent: Any, expected: Any, prefix: st
         if t is None or e is None or _is_float0(t) or not (isinstance(e, float) or is_parameter_leaf(e)):
             out.append(t)
             continue
+        if np.shape(t) != np.shape(e):  # JAX's own error names no key path
+            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tangent, is_leaf=is_none)[0][k][0])
+            call, against, like, likewhat = _SHAPE_ADVICE[kind]
+            raise ValueError(OPERATOR_TANGENT_SHAPE.format(
+                what=what, kind=kind, path=prefix + path or "<root>", given=np.shape(t), expected=np.shape(e),
+                against=against, call=call, like=like, likewhat=likewhat))
         want = jnp.result_type(e)
         if _is_python_number(t) and not (isinstance(t, complex) and not jnp.iscomplexobj(e)):
             if jnp.result_type(t) == want:  # float32 already: JAX takes it as is (weakly typed)

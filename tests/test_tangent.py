@@ -290,3 +290,34 @@ def test_move_refuses_a_complex_tangent_of_a_real_parameter() -> None:
         ft.move({"w": jnp.ones(2)}, along={"w": jnp.array([1j, 1j], jnp.complex64)})
     moved = ft.move({"w": jnp.ones(2, jnp.complex64)}, along={"w": jnp.ones(2)})  # real along complex: exact
     np.testing.assert_array_equal(moved["w"], np.full(2, 2.0 + 0j, np.complex64))
+
+
+def test_a_cotangent_or_tangent_of_another_shape_is_refused_naming_the_key_path():
+    # ft.pullback(..)(jnp.ones(2)) at a (3,) result failed inside JAX ("unexpected JAX type"),
+    # and df(jnp.ones(2)) ("linearized function called on tangent values inconsistent"), with
+    # no key path; a Python number at a non-scalar leaf as well.
+    from functree._tangent import OPERATOR_TANGENT_SHAPE
+
+    assert "{path}" in OPERATOR_TANGENT_SHAPE and "{expected}" in OPERATOR_TANGENT_SHAPE
+    point = {"w": jnp.ones(3), "b": jnp.ones(())}
+    f = lambda p: {"y": p["w"] * 3.0, "s": p["b"] * 2.0}  # noqa: E731
+    pb = ft.pullback(f, at=point)
+    for bad, shape in [(jnp.ones(2), r"\(2,\)"), (1.0, r"\(\)")]:
+        with pytest.raises(ValueError, match=rf"ft.pullback: the cotangent at \['y'\] has shape {shape}; the result "
+                                             r"there has shape \(3,\)(.|\n)*right:  pb\(jax.tree.map"):
+            pb({"y": bad, "s": jnp.ones(())})
+    df = ft.differential(f, at=point)
+    with pytest.raises(ValueError, match=r"ft.differential: the tangent at \['w'\] has shape \(2,\); the parameter "
+                                         r"there has shape \(3,\)(.|\n)*right:  df\(jax.tree.map"):
+        df({"w": jnp.ones(2), "b": jnp.ones(())})
+    with pytest.raises(ValueError, match=r"the tangent at \[1\] has shape \(\); the parameter there has shape \(3,\)"):
+        ft.differential(lambda a, b: a * b, wrt=(0, 1))(jnp.ones(3), jnp.ones(3))((jnp.ones(3), 1.0))
+    # Right shapes (a Python number at the scalar leaf too) give JAX's vjp and jvp.
+    ct = {"y": jnp.array([1.0, 2.0, 3.0]), "s": 1.0}
+    expected = jax.vjp(f, point)[1]({"y": ct["y"], "s": jnp.ones(())})[0]
+    for key in ("w", "b"):
+        np.testing.assert_allclose(pb(ct)[key], expected[key], rtol=0, atol=0)
+    t = {"w": jnp.array([1.0, -1.0, 0.5]), "b": 1.0}
+    ref = jax.jvp(f, (point,), ({"w": t["w"], "b": jnp.ones(())},))[1]
+    for key in ("y", "s"):
+        np.testing.assert_allclose(df(t)[key], ref[key], rtol=0, atol=0)

@@ -170,6 +170,8 @@ reshape or permutation, times a nonzero c), checked by applying it. Give the sou
 NOT_LINEAR = "its transform is not a linear map of one array (jax.linear_transpose refuses it)"
 NOT_SCALED_ORTHOGONAL = ("its transform is linear, but applying it to the adjoint's answer (scaled) does not "
                          "give the target back: A Aᵀ is no multiple of the identity (or A is singular)")
+NOT_INJECTIVE = ("its transform is linear but drops entries of the source (a slice, a sum): the target "
+                 "does not hold the whole source, and the rest cannot be known")
 NOT_AN_ARRAY_SOURCE = "the tie's source is a subtree, and only an array source's transform is undone"
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
@@ -784,7 +786,8 @@ def _inverted(tie: _Tie, target: np.ndarray, plan: _Plan) -> np.ndarray:
     template = np.asarray(tie.template)
     wanted = np.asarray(target).astype(template.dtype)
     try:
-        (adjoint,) = jax.linear_transpose(tie.transform, template)(jnp.asarray(wanted))
+        adjoint_of = jax.linear_transpose(tie.transform, template)
+        (adjoint,) = adjoint_of(jnp.asarray(wanted))
     except Exception:  # not linear, or not of one array of this shape
         raise _not_invertible(tie, plan, NOT_LINEAR) from None
     t = wanted.astype(np.float64)
@@ -795,7 +798,24 @@ def _inverted(tie: _Tie, target: np.ndarray, plan: _Plan) -> np.ndarray:
     tolerance = 4 * _eps(wanted) * float(np.abs(t).max(initial=0))
     if not (scale and reached.shape == t.shape and float(np.abs(reached - t).max(initial=0)) <= tolerance):
         raise _not_invertible(tie, plan, NOT_SCALED_ORTHOGONAL)
+    if not _injective(tie.transform, adjoint_of, template):
+        raise _not_invertible(tie, plan, NOT_INJECTIVE)
     return np.asarray(source)
+
+
+def _injective(transform: Callable[[Any], Any], adjoint_of: Callable[[Any], Any], template: np.ndarray) -> bool:
+    """Whether the linear ``A`` keeps every entry of its source: ``Aᵀ A r = c r`` for a
+    random probe ``r`` (``c > 0``). A map that drops entries (a slice: ``A Aᵀ = I`` but
+    ``Aᵀ A`` zeroes what it dropped) passes the target-side check alone, and its inverse
+    would silently fill the dropped entries with zeros."""
+    if not jnp.issubdtype(template.dtype, jnp.floating):
+        return True  # integer ties are only ever reshapes/transposes; checked by the round trip
+    probe = np.random.default_rng(0).normal(size=template.shape)
+    (back,) = adjoint_of(transform(jnp.asarray(probe, template.dtype)))
+    back, r = np.asarray(back, np.float64), probe.astype(template.dtype).astype(np.float64)
+    c = float(np.vdot(back, r) / np.vdot(r, r)) if r.size else 1.0
+    tolerance = 8 * _eps(template) * max(abs(c), 1.0) * float(np.abs(r).max(initial=0))
+    return c > 0 and float(np.abs(back - c * r).max(initial=0)) <= tolerance
 
 
 def _not_invertible(tie: _Tie, plan: _Plan, why: str) -> ValueError:

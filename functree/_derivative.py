@@ -68,6 +68,20 @@ A missing cotangent would silently be zero.
     right:  return y, lambda v: ({right})
        or:  @ft.derivative(of={fn}, wrt={fewer})   # cover fewer arguments"""
 
+PULLBACK_TOO_MANY = """\
+The pullback registered for {fn} returned a tuple of {got} cotangents; this call covers \
+{count} arguments (wrt={wrt}: {names}), one cotangent each, in wrt's order: {extra} too many.\
+{defaulted}
+
+    wrong:  return y, lambda v: ({wrong})
+    right:  {right}
+       or:  {other}"""
+
+LEFT_AT_DEFAULT = """ {names} {verb} left at {its} default, a constant of the call: with \
+wrt left out, only arguments passed are covered, so {its} cotangent has no place. \
+Register wrt= with every parameter, in order: one left at its default then covers \
+nothing and its cotangent is dropped."""
+
 UNCOVERED_KEY_PATH = """\
 The pullback registered for {fn} returned None for {what}, which is being \
 differentiated: the derivative there would silently be zero.
@@ -469,7 +483,7 @@ class _Call:
         self, original: Callable[..., Any], deriv: Callable[..., Any], wrt: tuple[int, ...] | None,
         args: tuple, fn: Callable[..., Any], names: _Names | None = None,
     ):
-        self.original, self.names = original, names
+        self.original, self.names, self.nargs = original, names, len(args)
         self.registered = wrt if names is None else names.registered  # as the user wrote it
         self.dynamic = [i for i, a in enumerate(args) if _is_data(a) and not _is_static_integer(a)]
         if wrt is None:
@@ -591,15 +605,49 @@ class _Call:
             raise TypeError(self._count_error(returned, cts, missing))
         return cts + (None,) * (n - len(cts))
 
+    def _too_many(self, cts: tuple) -> str:
+        """:data:`PULLBACK_TOO_MANY`: more cotangents than covered arguments, naming the
+        parameters left at their defaults (with ``wrt`` left out they are not covered) and
+        the explicit ``wrt`` over every parameter that works for every call."""
+        fn = getattr(self.original, "__name__", "f")
+        names = [self._name(i) for i in self.wrt]
+        wrt = tuple(map(self._place, self.wrt))
+        signature = _signature(self.original)
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        params = [] if signature is None else list(signature.parameters.values())
+        passed = {self._name(i) for i in range(self.nargs)}
+        defaulted = [p.name for p in params if p.kind not in variadic and p.default is not p.empty
+                     and p.name not in passed] if self.registered is None else []
+        extra = len(cts) - len(self.wrt)
+        wrong = ", ".join([*(f"<ct of {n}>" for n in names), f"<{extra} more>"])
+        right = f"return y, lambda v: ({', '.join(f'<ct of {n}>' for n in names)})"
+        if not defaulted:
+            return PULLBACK_TOO_MANY.format(
+                fn=fn, got=len(cts), count=len(wrt), wrt=wrt, names=", ".join(names), extra=extra,
+                defaulted="", wrong=wrong, right=right,
+                other=f"@ft.derivative(of={fn}, wrt=...)   # cover the arguments the others are for",
+            )
+        every = tuple(i for i, p in enumerate(params) if p.kind not in variadic)
+        shown = ", ".join(f"`{n}`" for n in defaulted)
+        note = LEFT_AT_DEFAULT.format(names=shown, verb="was" if len(defaulted) == 1 else "were",
+                                      its="its" if len(defaulted) == 1 else "their")
+        passing = ", ".join(f"{n}=..." for n in defaulted)
+        return PULLBACK_TOO_MANY.format(
+            fn=fn, got=len(cts), count=len(wrt), wrt=wrt, names=", ".join(names), extra=extra,
+            defaulted=note, wrong=wrong, right=f"@ft.derivative(of={fn}, wrt={every})",
+            other=f"{fn}(..., {passing})   # pass {shown} at every call",
+        )
+
     def _count_error(self, returned: Any, cts: tuple, missing: list[int]) -> str:
         fn = getattr(self.original, "__name__", "f")
+        if not missing and len(cts) > len(self.wrt):
+            return self._too_many(cts)
         if isinstance(returned, (tuple, list)):
             got = f"a tuple of {len(cts)} cotangent(s)"
         else:
             got = "one value, not a tuple"
         names = [self._name(i) for i in self.wrt]
-        shown = ", ".join(f"{self._what(i)}" for i in missing) or (
-            f"none; {len(cts) - len(self.wrt)} too many")
+        shown = ", ".join(f"{self._what(i)}" for i in missing)  # some (too many: _too_many)
         wrong = ", ".join(f"<ct of {n}>" for n in names[: len(cts)])
         wrong = f"({wrong},)" if isinstance(returned, (tuple, list)) and len(cts) == 1 else (
             f"({wrong})" if isinstance(returned, (tuple, list)) else wrong)

@@ -564,7 +564,7 @@ def test_a_pullback_returning_fewer_cotangents_than_covered_arguments_names_the_
                 rf"{got}(.|\n)*wrt=\(0, 1\): x, s(.|\n)*Missing: argument 1 \(`s`\)"
                 r"(.|\n)*right:  return y, lambda v: \(<ct of x>, <ct of s>\)")):
             ft.gradient(lambda x, s, rule=rule: jnp.sum(rule(x, s)), wrt=(0, 1))(x, s)
-    with pytest.raises(TypeError, match=r"a tuple of 3 cotangent\(s\)(.|\n)*1 too many"):
+    with pytest.raises(TypeError, match=r"a tuple of 3 cotangents(.|\n)*1 too many"):
         ft.gradient(lambda x, s: jnp.sum(extra(x, s)), wrt=(0, 1))(x, s)
 
 
@@ -942,3 +942,64 @@ def test_the_fix_for_an_undecorated_method_uses_the_rule_in_the_class_and_its_su
         # The rules' cotangents of w: 100·x and 10·x (numpy); autodiff's would be x.
         np.testing.assert_allclose(ft.gradient(lambda m: m(jnp.asarray(x)))(model).w, 100 * x, rtol=0, atol=0)
         np.testing.assert_allclose(ft.gradient(lambda m: m.loss(jnp.asarray(x)))(model).w, 10 * x, rtol=0, atol=0)
+
+
+@ft.differentiable
+def _shifted(x, scale=1.0, *, shift):
+    return scale * x + shift
+
+
+@ft.derivative(of=_shifted)
+def _d_shifted(x, scale=1.0, *, shift):
+    return scale * x + shift, lambda v: (v * scale, jnp.sum(v * x), v)
+
+
+@ft.differentiable
+def _shifted_every(x, scale=1.0, *, shift):
+    return scale * x + shift
+
+
+@ft.derivative(of=_shifted_every, wrt=(0, 1, 2))  # the fix the error shows
+def _d_shifted_every(x, scale=1.0, *, shift):
+    return scale * x + shift, lambda v: (v * scale, jnp.sum(v * x), v)
+
+
+def test_too_many_cotangents_name_the_argument_left_at_its_default_and_the_wrt_that_works():
+    # The error showed identical wrong: and right: lines, and suggested wrt=0 (leaving shift
+    # uncovered), when `scale` was left at its default.
+    from functree._derivative import LEFT_AT_DEFAULT, PULLBACK_TOO_MANY
+
+    assert "{defaulted}" in PULLBACK_TOO_MANY and "default" in LEFT_AT_DEFAULT
+    x, t = jnp.array([1.0, 2.0]), jnp.array([0.5, 0.5])
+    with pytest.raises(TypeError) as info:
+        ft.gradient(lambda a, b: _shifted(a, shift=b).sum(), wrt=(0, 1))(x, t)
+    message = str(info.value)
+    assert "returned a tuple of 3 cotangents; this call covers 2 arguments (wrt=(0, 2): x, shift)" in message
+    assert "`scale` was left at its default" in message
+    assert "wrong:  return y, lambda v: (<ct of x>, <ct of shift>, <1 more>)" in message
+    assert "right:  @ft.derivative(of=_shifted, wrt=(0, 1, 2))" in message
+    assert "or:  _shifted(..., scale=...)" in message
+    # The fix works, the default left out or passed; references: jax.grad of s·x + t.
+    plain = lambda a, s, b: jnp.sum(s * a + b)  # noqa: E731
+    got = ft.gradient(lambda a, b: _shifted_every(a, shift=b).sum(), wrt=(0, 1))(x, t)
+    ref = jax.grad(plain, (0, 2))(x, 1.0, t)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, rtol=0, atol=0)
+    got = ft.gradient(lambda a, s, b: _shifted_every(a, s, shift=b).sum(), wrt=(0, 1, 2))(x, 2.0, t)
+    for g, r in zip(got, jax.grad(plain, (0, 1, 2))(x, 2.0, t)):
+        np.testing.assert_allclose(g, r, rtol=0, atol=0)
+
+
+def test_too_many_cotangents_without_a_default_show_the_extra_one():
+    @ft.differentiable
+    def mul(a, b):
+        return a * b
+
+    @ft.derivative(of=mul, wrt=(0, 1))
+    def _d_mul(a, b):
+        return a * b, lambda v: (v * b, v * a, v)
+
+    with pytest.raises(TypeError, match=r"tuple of 3 cotangents; this call covers 2 arguments \(wrt=\(0, 1\): a, b\)"
+                                        r"(.|\n)*wrong:  return y, lambda v: \(<ct of a>, <ct of b>, <1 more>\)"
+                                        r"(.|\n)*right:  return y, lambda v: \(<ct of a>, <ct of b>\)"):
+        ft.gradient(lambda a, b: mul(a, b), wrt=(0, 1))(2.0, 3.0)

@@ -138,6 +138,30 @@ def test_named_classes_are_never_imported(tmp_path, evil_module, name, kind):
     assert not evil_module.exists()
 
 
+def test_a_skipped_extra_entry_is_never_read_and_its_arrays_still_checked(tmp_path, evil_module):
+    """extra_template={entry: CheckpointManager.SKIP} leaves the entry unread: a class its
+    description names is never looked up, imported or built (read, it is refused); its
+    arrays are checked with the others' (a changed CRC-32 still refuses the step). main had
+    no way to skip an entry (CheckpointManager.SKIP did not exist)."""
+    directory = saved(tmp_path, extra={"keep": np.arange(2, dtype=np.float32), "probe": {"x": np.ones(3, np.float32)}})
+
+    def change(meta):
+        meta["spec"]["items"][2]["items"][1] = {"kind": "module", "class": "evil_ckpt_mod.Thing", "static": {},
+                                                "fields": {"x": {"kind": "leaf", "key": "extra.probe.x"}}}
+
+    rewrite_meta(directory, change)
+    assert "is not a registered type" in restore_error(directory)  # read: refused at the name
+    with CheckpointManager(directory) as manager:
+        ckpt = manager.restore(extra_template={"probe": CheckpointManager.SKIP})
+    assert list(ckpt.extra) == ["keep"]
+    np.testing.assert_array_equal(ckpt.extra["keep"], np.arange(2, dtype=np.float32))
+    gc.collect()
+    assert not evil_module.exists()
+    rewrite_meta(directory, lambda m: m["checksums"]["extra.probe.x"].__setitem__("crc32", 1))
+    message = restore_error(directory, extra_template={"probe": CheckpointManager.SKIP})
+    assert "step 1" in message and "'extra.probe.x' fails its CRC-32 check" in message
+
+
 @pytest.mark.parametrize("name", [
     "os:system", "os.system", "builtins:eval", "builtins.exec", "subprocess:getoutput",
     "subprocess.getoutput", "numpy:uint8", "builtins:bytes", "evil_ckpt_mod:hook",

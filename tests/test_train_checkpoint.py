@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from typing import NamedTuple
 
 import jax
@@ -693,3 +694,105 @@ def test_save_of_a_donated_tree_names_the_call_and_writes_nothing(tmp_path):
     manager.save(1, new_model, new_state)  # the step's returned values: saved
     ft.train.save(tmp_path / "x", new_model)
     np.testing.assert_array_equal(np.asarray(ft.train.load(tmp_path / "x").weight), np.asarray(new_model.weight))
+
+
+# --- extra_template entry by entry --------------------------------------------------------------
+
+def _extra_job(directory):
+    """A Dense and a checkpoint of it whose extra holds an EMA of it (an exact copy, halved),
+    a Python int and an int32 array: ``(model, ema, manager)``."""
+    model = ft.nn.Dense(3, 2, key=jax.random.key(0))
+    ema = model.replace(weight=model.weight * 0.5)
+    manager = CheckpointManager(directory)
+    manager.save(1, model, extra={"ema": ema, "rounds": 3, "seen": np.arange(4, dtype=np.int32)})
+    return model, ema, manager
+
+
+def test_extra_template_checks_the_entry_it_names_and_reads_the_others_as_saved(tmp_path):
+    """main: extra_template was the whole extra's template only: naming one entry refused
+    the others ("unexpected keys: rounds, seen.")."""
+    model, ema, manager = _extra_job(tmp_path / "run")
+    with manager:
+        ckpt = manager.restore(template=model, extra_template={"ema": model})
+    assert list(ckpt.extra) == ["ema", "rounds", "seen"]  # the saved order
+    assert type(ckpt.extra["ema"]) is ft.nn.Dense and type(ckpt.extra["rounds"]) is int and ckpt.extra["rounds"] == 3
+    np.testing.assert_array_equal(np.asarray(ckpt.extra["ema"].weight), np.asarray(ema.weight))  # stored bits
+    np.testing.assert_array_equal(np.asarray(ckpt.extra["ema"].bias), np.asarray(ema.bias))
+    np.testing.assert_array_equal(np.asarray(ckpt.extra["seen"]), np.arange(4, dtype=np.int32))
+    assert np.asarray(ckpt.extra["seen"]).dtype == np.int32
+
+
+def test_extra_template_skips_an_entry_unread(tmp_path):
+    """main: no way to leave an entry of extra unread: one whose class was edited since the
+    save failed the whole restore (SpecError at extra.probe), with nothing to skip it by."""
+    cells = sys.modules.setdefault("checkpoint_extra_cells", types.ModuleType("checkpoint_extra_cells"))
+    ns = cells.__dict__
+    ns.update(ft=ft, jax=jax)
+    exec("class Probe(ft.Module):\n    w: jax.Array\n", ns)
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, {"w": jnp.ones(2)}, extra={"keep": jnp.arange(3.0), "probe": ns["Probe"](jnp.ones(2))})
+        exec("class Probe(ft.Module):\n    v: jax.Array\n", ns)  # the field renamed: no longer readable
+        with pytest.raises(SpecError, match=r"extra\.probe"):
+            manager.restore()  # read, the entry fails
+        ckpt = manager.restore(extra_template={"probe": CheckpointManager.SKIP, "absent": CheckpointManager.SKIP})
+    assert list(ckpt.extra) == ["keep"]
+    np.testing.assert_array_equal(np.asarray(ckpt.extra["keep"]), np.arange(3.0, dtype=np.float32))
+    assert repr(CheckpointManager.SKIP) == "CheckpointManager.SKIP"
+
+
+def test_a_wrong_extra_entry_template_is_refused_naming_its_key_path(tmp_path):
+    """main: a template for one entry was refused as the whole extra's ("The checkpoint's
+    extra ... does not fit": missing and unexpected keys), never naming extra.ema or its shape."""
+    model, _, manager = _extra_job(tmp_path / "run")
+    with manager:
+        with pytest.raises(CheckpointError, match=r"(?s)The checkpoint's extra\.ema at step 1 does not fit the "
+                                                  r"template:\n  weight: expected shape \(2, 2\) dtype float32, given "
+                                                  r"shape \(3, 2\).*extra_template=\{'ema': None\}\)\.extra\['ema'\]"):
+            manager.restore(extra_template={"ema": ft.nn.Dense(2, 2, key=jax.random.key(0))})
+        half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), model)
+        with pytest.raises(CheckpointError, match=r"(?s)extra\.ema at step 1 does not fit.*weight: expected shape "
+                                                  r"\(3, 2\) dtype bfloat16, given shape \(3, 2\) dtype float32.*"
+                                                  r"ft\.to_flat_dict\(manager\.restore\(1, extra_template=\{'ema': "
+                                                  r"None\}\)\.extra\['ema'\]\), cast=True\)"):
+            manager.restore(extra_template={"ema": half})  # the cast hint: the entry's call, braces and all
+        relu = ft.nn.Dense(3, 2, jax.nn.relu, key=jax.random.key(0))
+        with pytest.raises(CheckpointError, match=r"extra\.ema\.activation: saved functree\.nn\.identity, the "
+                                                  r"template's jax\.nn\.relu(.|\n)*wrong:  manager\.restore\(1, "
+                                                  r"extra_template=\.\.\.\)"):
+            manager.restore(extra_template={"ema": relu})
+        with pytest.raises(CheckpointError, match=r"(?s)template for extra\.emma, but the checkpoint's extra at step 1 "
+                                                  r"has no entry 'emma': its entries are \['ema', 'rounds', 'seen'\].*"
+                                                  r"right:  manager\.restore\(1, extra_template=\{'ema': template\}\)"):
+            manager.restore(extra_template={"emma": model})
+
+
+_CELL = "class Net(ft.Module):\n    w: jax.Array\n    b: jax.Array\n"
+_CELL_EDITED = _CELL + "    scale: float = ft.field(static=True, default=1.0)\n"
+
+
+def test_a_module_of_the_models_class_in_extra_is_read_like_the_model(tmp_path):
+    """main: after a static field was added to the model's class, restore(template=model)
+    read the model but failed at extra.best (the same class, decoded without a template:
+    "Net was edited since this checkpoint was saved"). A Module of the class not edited is
+    decoded as saved whatever its sizes; an edited one that does not fit keeps the error."""
+    cells = sys.modules.setdefault("checkpoint_extra_net", types.ModuleType("checkpoint_extra_net"))
+    ns = cells.__dict__
+    ns.update(ft=ft, jax=jax)
+    exec(_CELL, ns)
+    rng = np.random.default_rng(0)
+    w, b, w2 = (rng.normal(size=s).astype(np.float32) for s in ((3, 1), (1,), (3, 1)))
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, ns["Net"](jnp.asarray(w), jnp.asarray(b)), extra={"best": ns["Net"](jnp.asarray(w2), jnp.asarray(b))})
+        manager.save(2, ns["Net"](jnp.asarray(w), jnp.asarray(b)), extra={"wide": ns["Net"](jnp.ones((5, 2)), jnp.ones(2))})
+        wide = manager.restore(2, template=ns["Net"](jnp.zeros((3, 1)), jnp.zeros(1))).extra["wide"]
+        assert type(wide) is ns["Net"] and wide.w.shape == (5, 2)  # other sizes: as saved
+        exec(_CELL_EDITED, ns)
+        template = ns["Net"](jnp.zeros((3, 1)), jnp.zeros(1))
+        ckpt = manager.restore(1, template=template)
+        with pytest.raises(SpecError, match=r"Net` at 'extra\.wide' was edited since this checkpoint was saved"):
+            manager.restore(2, template=template)  # other sizes: the template does not fit
+    best = ckpt.extra["best"]
+    assert type(best) is ns["Net"] and best.scale == 1.0 and type(ckpt.model) is ns["Net"]
+    np.testing.assert_array_equal(np.asarray(best.w), w2)
+    np.testing.assert_array_equal(np.asarray(best.b), b)
+    np.testing.assert_array_equal(np.asarray(ckpt.model.w), w)

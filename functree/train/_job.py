@@ -22,17 +22,13 @@ import jax
 import numpy as np
 
 from functree._alias import copy_aliases
-from functree._tree import child_name
 from functree.train._history import History
 from functree.train._means import Means
 from functree.train._pending import check_pending, is_count
-from functree.train.checkpoint import _checkpoint as store  # its reader of a step's arrays and spec
 from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
 from functree.train.checkpoint._frozen import frozen_keys
 from functree.train.checkpoint._position import decode, encode
-from functree.train.checkpoint._registry import type_name
-from functree.train.checkpoint._treespec import CheckpointError, SpecError, _dict_key_value
-from functree.train.checkpoint._treespec import decode as decode_tree
+from functree.train.checkpoint._treespec import CheckpointError
 
 __all__ = ["JobState", "Position", "ADDED", "is_count", "PLACED", "JOB_ATTRIBUTES", "add_readers", "refuse_taken", "position_json", "read_position", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
 
@@ -505,22 +501,19 @@ def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, op
 
     The model and optimizer state are checked against ``like``'s (key path, shape,
     dtype); ``optimizer_state=False`` keeps ``like``'s optimizer state; ``callbacks=False``
-    drops the saved callback states (a stored model of a class edited since is not read:
-    :func:`_read_extra`; with ``callbacks=True`` it is read with ``like``'s model as its
-    template). What a checkpoint lacks (the key, the history of a
-    checkpoint written without one, a position field) is ``like``'s or the default.
-    ``placement``: a step's mesh placement (arrays read straight into their shards)."""
+    leaves the saved callback states unread (``extra_template={"callbacks":
+    CheckpointManager.SKIP}``). A Module of the model's class in ``extra`` (the best model
+    of ``EarlyStopping(restore_best=True)``) is read with ``like``'s model as its template,
+    as the model is (``CheckpointManager.restore``): a class edited since the save reads in
+    both. What a checkpoint lacks (the key, the history of a checkpoint written without
+    one, a position field) is ``like``'s or the default. ``placement``: a step's mesh
+    placement (arrays read straight into their shards)."""
     include = ("model", "opt_state", "extra") if optimizer_state else ("model", "extra")
     placed = {} if placement is None else {"mesh": placement.mesh, "sharding": placement.sharding,
                                            "data_axis": placement.data_axis}
-    try:
-        ckpt = manager.restore(step, template=like.model, opt_state_template=like.opt_state, include=include, **placed)
-    except SpecError as e:  # a callback's stored model of a class edited since (a field added)
-        if _CALLBACK_STATES not in str(e):
-            raise
-        ckpt = manager.restore(step, template=like.model, opt_state_template=like.opt_state,
-                               include=include[:-1], **placed)
-        ckpt = ckpt._replace(extra=_read_extra(manager, ckpt.step, like.model, callbacks))
+    ckpt = manager.restore(step, template=like.model, opt_state_template=like.opt_state,
+                           extra_template=None if callbacks else {"callbacks": CheckpointManager.SKIP},
+                           include=include, **placed)
     opt_state = ckpt.opt_state if optimizer_state else like.opt_state
     model, opt_state = copy_aliases((ckpt.model, opt_state))
     where = f"{manager.directory} step {ckpt.step}"
@@ -536,44 +529,6 @@ def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, op
     job = JobState(model, opt_state, extra["key"] if extra.get("key") is not None else like.key, history,
                    position, extra=extra.get("user"), callbacks=states if callbacks else None, **added)
     return job, ckpt
-
-
-_CALLBACK_STATES = "'extra.callbacks."  # where a SpecError names a path in the callbacks' states
-
-
-def _read_extra(manager: CheckpointManager, step: int, model: Any, callbacks: bool) -> dict[str, Any]:
-    """The checkpoint's ``extra`` entry by entry: ``key``, ``user`` and the added fields as
-    saved (plain trees), the callbacks' states only with ``callbacks`` (``restore(path,
-    callbacks=False)`` drops them unread), a Module of the model's class in them (the best
-    model of ``EarlyStopping(restore_best=True)``) read with the model as its template, as
-    the model part is: a class edited since the save (a field added) reads as the model does.
-    ``manager.restore`` decodes ``extra`` as one tree, without a template: hence this read
-    of the arrays of its own, taken only where that decode failed (a rare, slower path)."""
-    try:
-        arrays, meta = store._read(lambda args: manager._mngr.restore(step, args=args),  # pyright: ignore[reportPrivateUsage]
-                                   manager.directory / str(step), store.placement({}), manager=True)
-    except store._Damage as e:  # pyright: ignore[reportPrivateUsage]
-        raise CheckpointError(f"{manager.directory} step {step}: {e}") from e.__cause__
-    spec = meta["spec"]["items"][2]
-    out: dict[str, Any] = {}
-    for (ktype, text), item in zip(spec["keys"], spec["items"]):
-        name = _dict_key_value(ktype, text, "extra")
-        where = child_name("extra", text)
-        if name != "callbacks":
-            out[name] = decode_tree(item, arrays, where)
-        elif callbacks:
-            out[name] = [_callback_state(s, arrays, model, child_name(where, i), step) for i, s in enumerate(item["items"])]
-    return out
-
-
-def _callback_state(spec: Any, arrays: dict[str, Any], model: Any, where: str, step: int) -> Any:
-    """One saved callback state, a Module of the model's class in it read with ``model`` as its template."""
-    if spec.get("kind") == "module" and spec.get("class") == type_name(type(model)):
-        return store._rebuild(spec, arrays, model, where, step)  # pyright: ignore[reportPrivateUsage]
-    if spec.get("kind") == "dict":
-        return {_dict_key_value(ktype, text, where): _callback_state(s, arrays, model, child_name(where, text), step)
-                for (ktype, text), s in zip(spec["keys"], spec["items"])}
-    return decode_tree(spec, arrays, where)
 
 
 def read_history(saved: Any, where: str) -> History:

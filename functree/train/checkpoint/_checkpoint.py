@@ -20,31 +20,36 @@ import os
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from functree._alias import check_stale
+from functree._module import Module
 from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict
+from functree._tree import child_name
 from functree.parallel import mesh_shape
 from functree.train.checkpoint import _directory as policy
 from functree.train.checkpoint._arrays import describe, placement, saved_arrays, verify, written_on
 from functree.train.checkpoint._frozen import describe_frozen, restore_frozen
 from functree.train.checkpoint._processes import agreed, gather
+from functree.train.checkpoint._registry import type_name
 from functree.train.checkpoint._treespec import (
     CheckpointError,
+    EditedReader,
     SpecError,
     check_names,
     decode,
     decode_leaf,
+    dict_entries,
     encode,
     leaf_specs,
     static_differences,
 )
 
-__all__ = ["Checkpoint", "CheckpointManager", "save", "load", "CheckpointError"]
+__all__ = ["Checkpoint", "CheckpointManager", "SKIP", "save", "load", "CheckpointError"]
 
 FORMAT = "functree-checkpoint-2"
 _PARTS = ("model", "opt_state", "extra")
@@ -145,6 +150,16 @@ PATH_EXISTS = """\
 
     wrong:  ft.train.save("{path}", tree)
     right:  ft.train.save("{path}", tree, overwrite=True)"""
+
+NO_EXTRA_ENTRY = """\
+extra_template gives a template for {where}, but the checkpoint's extra at step {step} has \
+no entry {key!r}: its entries are {saved}. Name the entries it has (the others are read \
+as saved):
+
+    wrong:  manager.restore({step}, extra_template={{{key!r}: template}})
+    right:  manager.restore({step}, extra_template={right})"""
+
+ENTRY_AS_SAVED = "manager.restore({step}, extra_template={{{key!r}: None}}).extra[{key!r}]   # this entry as saved"
 
 LOAD_NEEDS_TEMPLATE = """\
 Restoring onto a mesh needs a template (the tree's structure, shapes and dtypes) to place \
@@ -384,17 +399,24 @@ class _Damage(Exception):
     pass
 
 
+def _with_template(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: str,
+                   ) -> tuple[Any, FlatDictReport]:
+    """``from_flat_dict(template, the saved leaves under part)``: the tree and its report."""
+    flat = {name: decode_leaf(s, arrays, s["key"]) for name, s in _template_names(spec, part).items()}
+    return from_flat_dict(template, flat, strict=False)
+
+
 def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: str = "",
-             step: Any = "-", hint: str = "") -> Any:
-    """The tree ``spec`` describes: with its saved types, or checked against ``template``."""
+             step: Any = "-", hint: str = "", plain: str = "") -> Any:
+    """The tree ``spec`` describes: with its saved types, or checked against ``template``
+    (``plain``: the call reading it as saved, for the message; default ``.{part}``)."""
     if template is None:
         return decode(spec, arrays, part)
-    flat = {name: decode_leaf(s, arrays, s["key"]) for name, s in _template_names(spec, part).items()}
-    tree, report = from_flat_dict(template, flat, strict=False)
+    tree, report = _with_template(spec, arrays, template, part)
     if not report.ok:
-        at, plain = ((f" at step {step}", f"manager.restore({step}).{part}") if part else
+        at, plain = ((f" at step {step}", plain or f"manager.restore({step}).{part}") if part else
                      ("", "ft.train.load(path)       # ft.train.save's tree, no template"))
-        report = _loader_hints(report, part or "tree", plain.split()[0])
+        report = _loader_hints(report, part or "tree", plain.split("#")[0].strip())
         raise CheckpointError(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, report=report,
                                                        hint=hint))
     differences = static_differences(spec, template, part)
@@ -406,10 +428,14 @@ def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: 
             what, wrong, right = "This checkpoint's tree", "ft.train.load(path, template)", "ft.train.load(path)"
         else:
             what = f"The checkpoint's {part} at step {step}"
-            wrong, right = f"manager.restore({step}, template=...)", f"manager.restore({step}).{part}{hint}"
+            given = _TEMPLATE_PARAMETERS.get(part.split(".")[0], "template")
+            wrong, right = f"manager.restore({step}, {given}=...)", (plain or f"manager.restore({step}).{part}") + hint
         raise CheckpointError(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
                                                      right=right, where=where, mine=mine, saved=saved))
     return tree
+
+
+_TEMPLATE_PARAMETERS = {"model": "template", "opt_state": "opt_state_template", "extra": "extra_template"}
 
 
 def _template_names(spec: Any, part: str) -> dict[str, dict[str, Any]]:
@@ -426,6 +452,7 @@ def _loader_hints(report: FlatDictReport, part: str, restore: str) -> FlatDictRe
     """``report`` with from_flat_dict's ``cast=True`` hint, which no loader takes, given as
     the code that casts a restored tree (``restore``: the call reading it as saved)."""
     cast = f"ft.from_flat_dict(template, ft.to_flat_dict({restore}), cast=True)"
+    cast = cast.replace("{", "{{").replace("}", "}}")  # with_hint formats the text ({names}): a dict's braces kept
     return report.with_hint("float", FLOAT_DIFFER + CAST_ON_LOAD.format(part=part, cast=cast))
 
 
@@ -495,6 +522,89 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
         raise SpecError(f"Checkpoint {path}:\n{e}") from None
 
 
+# --- the extra part: entry by entry, a Module of the model's class like the model --------------
+
+class _Skip:
+    """The type of :data:`SKIP`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "CheckpointManager.SKIP"
+
+
+SKIP: Any = _Skip()  # an entry of extra_template not read at all (CheckpointManager.SKIP)
+
+
+def _like_model(model: Any) -> EditedReader | None:
+    """Reads a Module of ``model``'s class (by its stored name: nothing looked up) whose
+    class, or a class inside it, was edited since the save (a static field added: it no
+    longer decodes as saved) with ``model`` as its template, as the model part is read,
+    where it fits: the same leaf key paths, shapes and dtypes (:func:`from_flat_dict`'s
+    report) and the same static values. The best model of ``EarlyStopping(restore_best=
+    True)`` in ``extra`` then reads as the model does; one that does not fit keeps its
+    :class:`ClassEditedError`. A class not edited decodes as saved, as before."""
+    if not isinstance(model, Module):
+        return None
+    name = type_name(type(model))
+
+    def read(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> tuple[bool, Any]:
+        if spec.get("class") != name:
+            return False, None
+        tree, report = _with_template(spec, arrays, model, path)
+        return (True, tree) if report.ok and not static_differences(spec, model, path) else (False, None)
+
+    return read
+
+
+def _read_extra(spec: Any, arrays: dict[str, Any], template: Any, model: Any, step: int) -> Any:
+    """The checkpoint's ``extra``: a dict ``template`` reads a saved dict entry by entry
+    (:func:`_extra_entries`); None, or a dict naming no template (only None and
+    :data:`SKIP`) when the saved extra is no dict, reads it as saved; any other template is
+    the whole extra's. Read as saved, a Module of ``model``'s class edited since the save is
+    read like the model (:func:`_like_model`)."""
+    edited = _like_model(model)
+    if isinstance(template, dict) and isinstance(spec, dict) and spec.get("kind") == "dict":
+        return _extra_entries(spec, arrays, template, edited, step)
+    if isinstance(template, dict) and template and all(t is None or t is SKIP for t in template.values()):
+        template = None  # nothing to check: a saved extra that is no dict has no entry to skip
+    if template is None:
+        return decode(spec, arrays, "extra", edited=edited)
+    return _rebuild(spec, arrays, template, "extra", step)
+
+
+def _extra_entries(spec: dict[str, Any], arrays: dict[str, Any], templates: dict[Any, Any],
+                   edited: EditedReader | None, step: int) -> dict[Any, Any]:
+    """A saved dict ``extra``, each entry read by its template in ``templates``: a tree
+    (checked as a part is: key path ``extra.<entry>``, shape, dtype, static values), None or
+    no mention (as saved), :data:`SKIP` (left out of the result, its types never read; its
+    arrays are checked with the others'). A template for an entry the checkpoint lacks is
+    :data:`NO_EXTRA_ENTRY`."""
+    entries = dict_entries(spec, "extra")
+    saved = [key for key, _, _ in entries]
+    for key, template in templates.items():
+        if key not in saved and template is not None and template is not SKIP:
+            right = f"{{{saved[0]!r}: template}}" if saved else "None   # it has no entry"
+            raise CheckpointError(NO_EXTRA_ENTRY.format(where=child_name("extra", key), step=step, key=key,
+                                                        saved=saved, right=right))
+    out = {}
+    for key, at, child in entries:
+        template = templates.get(key)
+        if template is SKIP:
+            continue
+        out[key] = decode(child, arrays, at, edited=edited) if template is None else _rebuild(
+            child, arrays, template, at, step, plain=ENTRY_AS_SAVED.format(step=step, key=key))
+    return out
+
+
+def _placed_templates(templates: dict[str, Any]) -> dict[str, Any]:
+    """The templates that place arrays: ``extra``'s entries without :data:`SKIP`."""
+    extra = templates["extra"]
+    if isinstance(extra, dict):
+        templates = {**templates, "extra": {k: t for k, t in extra.items() if t is not SKIP}}
+    return templates
+
+
 # --- the manager ------------------------------------------------------------------------------
 
 class CheckpointManager:
@@ -526,6 +636,8 @@ class CheckpointManager:
       >>> manager.restore(20).model.bias
       Array([20.], dtype=float32)
     """
+
+    SKIP: ClassVar[Any] = SKIP  # restore(extra_template={entry: CheckpointManager.SKIP}): the entry unread
 
     def __init__(self, directory: str | os.PathLike[str], max_to_keep: int | None = 3,
                  best_metric: str | None = None, mode: str = "min", *, asynchronous: bool = False):
@@ -662,6 +774,34 @@ class CheckpointManager:
         ``include`` come back as None (e.g. ``include=("model",)`` to continue a saved
         model with new optimizer options). Damage raises :class:`CheckpointError`.
 
+        ``extra_template`` may name some entries of a saved dict ``extra`` alone
+        (``{entry: template}``): each named entry is checked against its template, its
+        mismatches reported under ``extra.<entry>``; an entry it does not name (or names
+        with None) is rebuilt as saved; one named ``CheckpointManager.SKIP`` is left out of
+        the returned ``extra`` unread (no type it names is looked up; its arrays' CRC-32s
+        are checked with the others). Naming an entry the checkpoint lacks with a template
+        is an error. Any other ``extra_template`` (or a dict when the saved ``extra`` is
+        not one) is the template of the whole ``extra``. In what ``extra`` reads as saved,
+        a Module of ``template``'s class edited since the save (a field added: it no longer
+        decodes as saved) is read with ``template`` where it fits (same key paths, shapes,
+        dtypes, static values), as the model is: an edited class reads the same way in both.
+
+        Example:
+          >>> import functree as ft, jax, jax.numpy as jnp, tempfile
+          >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+          >>> extra = {"ema": model, "rounds": 3, "notes": {"seen": jnp.ones(4)}}
+          >>> with tempfile.TemporaryDirectory() as d, ft.train.CheckpointManager(d + "/run") as mngr:
+          ...     mngr.save(1, model, extra=extra)
+          ...     ckpt = mngr.restore(extra_template={"ema": model, "notes": ft.train.CheckpointManager.SKIP})
+          ...     wrong = {"ema": ft.nn.Dense(3, 1, key=jax.random.key(0))}
+          ...     try:
+          ...         mngr.restore(extra_template=wrong)
+          ...     except ft.train.CheckpointError as e:
+          ...         print(str(e).splitlines()[0])
+          The checkpoint's extra.ema at step 1 does not fit the template:
+          >>> sorted(ckpt.extra), ckpt.extra["rounds"], ckpt.extra["ema"]
+          (['ema', 'rounds'], 3, Dense(weight=f32[2,1], bias=f32[1], activation=identity))
+
         With ``mesh`` (and ``sharding``: None, ``"fsdp"`` or rules by key path, as for
         ``ft.shard``) every array is restored straight into its shards on that mesh,
         whatever device count or process count wrote it: the templates' arrays placed by
@@ -671,7 +811,7 @@ class CheckpointManager:
         the default device: never where the writer had it.
         """
         templates: dict[str, Any] = dict(zip(_PARTS, (template, opt_state_template, extra_template)))
-        target = placement(templates, mesh, sharding, data_axis)
+        target = placement(_placed_templates(templates), mesh, sharding, data_axis)
         steps = self.all_steps()
         chosen = steps[-1] if step is None and steps else step
         if chosen is None or chosen not in steps:
@@ -683,8 +823,12 @@ class CheckpointManager:
             if "frozen" in meta:  # a job that trained a subset: its base from the template
                 restore_frozen(arrays, meta["frozen"], template, chosen)
             hint = OLD_OPTIMIZER_LAYOUT if meta.get("migrated_from") else ""
-            parts = {p: _rebuild(s, arrays, templates[p], p, chosen, hint * (p == "opt_state"))
-                     if p in include else None for p, s in zip(_PARTS, meta["spec"]["items"])}
+            model, opt_state, extra = meta["spec"]["items"]
+            parts = {"model": _rebuild(model, arrays, template, "model", chosen) if "model" in include else None,
+                     "opt_state": _rebuild(opt_state, arrays, opt_state_template, "opt_state", chosen, hint)
+                     if "opt_state" in include else None,
+                     "extra": _read_extra(extra, arrays, extra_template, template, chosen)
+                     if "extra" in include else None}
             check_names(meta["spec"], arrays)
         except _Damage as e:
             others = [s for s in steps if s != chosen]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,7 +50,7 @@ from functree.train.checkpoint._registry import (
     type_name,
 )
 
-__all__ = ["encode", "decode", "leaf_specs", "check_names", "static_differences", "CheckpointError", "SpecError"]
+__all__ = ["encode", "decode", "dict_entries", "EditedReader", "ClassEditedError", "leaf_specs", "check_names", "static_differences", "CheckpointError", "SpecError"]
 
 NO_TEMPLATE = """\
 Cannot rebuild {what} at {path!r} without a template: {why}.
@@ -157,6 +158,19 @@ class CheckpointError(ValueError):
 
 class SpecError(CheckpointError):
     """A stored tree cannot be rebuilt from its description alone."""
+
+
+class ClassEditedError(SpecError):
+    """A stored Module, dataclass or NamedTuple whose class was edited since the save (its
+    fields are not the class's now): the file is intact, a template of the class as it is
+    now reads it (:data:`CLASS_EDITED`)."""
+
+
+# Reads a saved Module whose class (or a class inside it) was edited since the save another
+# way: ``reader(spec, arrays, path)`` returns ``(True, value)``, or ``(False, None)`` for the
+# ClassEditedError to stand (a checkpoint reads a Module of its model's class in ``extra``
+# with the model as its template, as the model is: _checkpoint._like_model).
+EditedReader = Callable[[dict[str, Any], dict[str, Any], str], tuple[bool, Any]]
 
 
 def _encode_static(value: Any) -> dict[str, Any]:
@@ -613,8 +627,8 @@ def _how(**changes: set[str]) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
-def _edited(cls: type, path: str, what: str, now: list[str], saved: list[str], how: str) -> SpecError:
-    return SpecError(CLASS_EDITED.format(name=type_name(cls), path=path, what=what, how=how, short=cls.__name__,
+def _edited(cls: type, path: str, what: str, now: list[str], saved: list[str], how: str) -> ClassEditedError:
+    return ClassEditedError(CLASS_EDITED.format(name=type_name(cls), path=path, what=what, how=how, short=cls.__name__,
                                          now=now, saved=saved))
 
 
@@ -625,7 +639,7 @@ def _items(spec: dict[str, Any], key: str, kind: type) -> Any:
     return value
 
 
-def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:
+def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str, edited: EditedReader | None) -> Any:
     cls = _class(spec, path, "module")
     static, fields = _items(spec, "static", dict), _items(spec, "fields", dict)
     values = added_static(cls, {**static, **fields})  # a field the class gained since, at its default
@@ -642,14 +656,14 @@ def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> A
         except TypeError as e:
             raise SpecError(MALFORMED.format(path=child_name(path, n), why=str(e))) from None
     for n, s in fields.items():
-        values[n] = _decode(s, arrays, child_name(path, n))
+        values[n] = _decode(s, arrays, child_name(path, n), edited)
     out = object.__new__(cls)
     out.__dict__.update({n: values[n] for n in cls.__ft_fields__})
     derive_added(out, [n for n in cls.__ft_static__ if n not in static])
     return out
 
 
-def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:
+def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str, edited: EditedReader | None) -> Any:
     cls = _class(spec, path, "dataclass")
     static, fields = _items(spec, "static", dict), _items(spec, "fields", dict)
     _check_names(cls, [*static, *fields], [f.name for f in dataclasses.fields(cls)], path)
@@ -657,7 +671,7 @@ def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str) -
     for n, c in static.items():
         object.__setattr__(out, n, _decode_static(c, child_name(path, n)))
     for n, s in fields.items():
-        object.__setattr__(out, n, _decode(s, arrays, child_name(path, n)))
+        object.__setattr__(out, n, _decode(s, arrays, child_name(path, n), edited))
     return out
 
 
@@ -686,7 +700,7 @@ def _unsuffixed(name: str, fields: list[str]) -> str:
     return bare if bare in fields else name
 
 
-def _decode_namedtuple(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> Any:
+def _decode_namedtuple(spec: dict[str, Any], arrays: dict[str, Any], path: str, edited: EditedReader | None) -> Any:
     """A NamedTuple, each item put in the field it was saved from: a class edited since the
     save (fields reordered) still gets its values by name, and one whose field names
     differ (renamed, added, removed) is refused, never filled by position."""
@@ -701,10 +715,10 @@ def _decode_namedtuple(spec: dict[str, Any], arrays: dict[str, Any], path: str) 
     names = [_unsuffixed(str(n), fields) for n in names]
     _check_names(cls, names, fields, path)
     by_name = dict(zip(names, specs))
-    return tuple.__new__(cls, [_decode(by_name[f], arrays, child_name(path, f)) for f in fields])
+    return tuple.__new__(cls, [_decode(by_name[f], arrays, child_name(path, f), edited) for f in fields])
 
 
-def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
+def _decode_node(spec: Any, arrays: dict[str, Any], path: str, edited: EditedReader | None) -> Any:
     if not isinstance(spec, dict):
         raise SpecError(MALFORMED.format(path=path, why=f"a node is {type(spec).__name__}"))
     kind = spec.get("kind")
@@ -713,50 +727,93 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str) -> Any:
     if kind == "leaf":
         return decode_leaf(spec, arrays, path)
     if kind in ("list", "tuple"):
-        items = [_decode(s, arrays, child_name(path, i)) for i, s in enumerate(_items(spec, "items", list))]
+        items = [_decode(s, arrays, child_name(path, i), edited) for i, s in enumerate(_items(spec, "items", list))]
         return items if kind == "list" else tuple(items)
     if kind == "dict":
-        keys, specs = _items(spec, "keys", list), _items(spec, "items", list)
-        if len(keys) != len(specs):
-            raise SpecError(MALFORMED.format(path=path, why=f"{len(keys)} keys for {len(specs)} items"))
-        out = {}
-        for (ktype, k), s in zip(keys, specs):
-            key = _dict_key_value(ktype, k, path)
-            if key in out:  # a file functree wrote never repeats a key: one entry would be dropped
-                raise SpecError(MALFORMED.format(path=path, why=f"the key {key!r} appears twice"))
-            out[key] = _decode(s, arrays, child_name(path, k))
-        return out
+        return {key: _decode(s, arrays, at, edited) for key, at, s in _dict_entries(spec, path)}
     if kind == "namedtuple":
-        return _decode_namedtuple(spec, arrays, path)
+        return _decode_namedtuple(spec, arrays, path, edited)
     if kind == "function":
         return decode_leaf(spec, arrays, path)
     if kind == "module":
-        return _decode_module(spec, arrays, path)
+        try:
+            return _decode_module(spec, arrays, path, edited)
+        except ClassEditedError:  # its class, or one inside it, edited since the save
+            found, value = edited(spec, arrays, path) if edited is not None else (False, None)
+            if not found:
+                raise
+            return value
     if kind == "dataclass":
-        return _decode_dataclass(spec, arrays, path)
+        return _decode_dataclass(spec, arrays, path, edited)
     if kind == "opaque":
         raise SpecError(OPAQUE_NO_TEMPLATE.format(path=path, name=str(spec.get("type"))[:200]))
     raise SpecError(MALFORMED.format(path=path, why=f"unknown node kind {str(kind)[:100]!r}"))
 
 
-def _decode(spec: Any, arrays: dict[str, Any], path: str) -> Any:
+def _dict_entries(spec: dict[str, Any], path: str) -> list[tuple[Any, str, Any]]:
+    """``(key, key path, child spec)`` of each entry of a stored dict, in the saved order."""
+    keys, specs = _items(spec, "keys", list), _items(spec, "items", list)
+    if len(keys) != len(specs):
+        raise SpecError(MALFORMED.format(path=path, why=f"{len(keys)} keys for {len(specs)} items"))
+    out, seen = [], set()
+    for (ktype, k), s in zip(keys, specs):
+        key = _dict_key_value(ktype, k, path)
+        if key in seen:  # a file functree wrote never repeats a key: one entry would be dropped
+            raise SpecError(MALFORMED.format(path=path, why=f"the key {key!r} appears twice"))
+        seen.add(key)
+        out.append((key, child_name(path, k), s))
+    return out
+
+
+def dict_entries(spec: dict[str, Any], path: str = "") -> list[tuple[Any, str, Any]]:
+    """``(key, key path, child spec)`` of each entry of a stored dict (``spec`` of kind
+    ``"dict"``), in the saved order: a reader of some entries alone. Damage (keys and items
+    not paired, a key twice or of no stored type) raises :class:`SpecError` naming ``path``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> arrays, spec = encode({"w": jnp.ones(2), "n": 3})
+      >>> [(key, at) for key, at, _ in dict_entries(spec, "extra")]
+      [('w', 'extra.w'), ('n', 'extra.n')]
+    """
+    return _recast(lambda: _dict_entries(spec, path), path)
+
+
+# The Python errors a damaged description raises in a reader (a key missing, a list where a
+# dict was): each is raised as the SpecError naming the key path.
+_DAMAGE = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError)
+
+
+def _recast(read: Callable[[], Any], path: str) -> Any:
+    """``read()``, a damaged description's Python error (:data:`_DAMAGE`) raised as the
+    :class:`SpecError` naming ``path``."""
     try:
-        return _decode_node(spec, arrays, path)
+        return read()
     except SpecError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
-            RecursionError) as e:
-        why = f"{type(e).__name__}: {str(e)[:200]}"
-        raise SpecError(MALFORMED.format(path=path, why=why)) from None
+    except _DAMAGE as e:
+        raise SpecError(MALFORMED.format(path=path, why=f"{type(e).__name__}: {str(e)[:200]}")) from None
 
 
-def decode(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") -> Any:
+def _decode(spec: Any, arrays: dict[str, Any], path: str, edited: EditedReader | None = None) -> Any:
+    try:  # not _recast: one frame a node (a deep tree)
+        return _decode_node(spec, arrays, path, edited)
+    except SpecError:
+        raise
+    except _DAMAGE as e:
+        raise SpecError(MALFORMED.format(path=path, why=f"{type(e).__name__}: {str(e)[:200]}")) from None
+
+
+def decode(spec: dict[str, Any], arrays: dict[str, Any], path: str = "", *,
+           edited: EditedReader | None = None) -> Any:
     """Rebuild the tree described by ``spec`` from ``arrays`` (inverse of :func:`encode`).
 
     Only registered types and functions are used (see :func:`functree.train.register`);
-    anything else, and any damage to ``spec``, raises :class:`SpecError`.
+    anything else, and any damage to ``spec``, raises :class:`SpecError`. ``edited``
+    (:data:`EditedReader`) may read a Module another way (with a template) where its class,
+    or one inside it, was edited since the save (:class:`ClassEditedError`).
     """
-    return _decode(spec, arrays, path)
+    return _decode(spec, arrays, path, edited)
 
 
 def leaf_specs(spec: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:

@@ -9,6 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 import functree as ft
+from functree.nn import _attention as attention
 from functree.nn import _attention_kernel as kernel
 
 
@@ -431,3 +432,56 @@ def test_sliding_window_equals_a_band_mask_with_and_without_a_cache(key):
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match=r"window must be an int >= 1 .* got"):
             ft.nn.MultiheadAttention(16, 4, window=bad, key=key)
+
+
+def _softmax_attention_float64(q, k, v):
+    """Causal softmax(q k^T / sqrt(d)) v in float64 numpy, on [batch, T, heads, size]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    logits = np.where(np.tril(np.ones(logits.shape[-2:], bool)), logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), v)
+
+
+def test_bfloat16_explicit_attention_is_as_accurate_as_the_fused_path():
+    """The explicit path (attention dropout in training) computed bf16 logits and a bf16
+    softmax: 0.038 from float32's output on bf16-rounded inputs where the fused path
+    (float32 logits and softmax) is 0.013 and torch's bf16 sdpa 0.0088. It does what the
+    fused path does now: the same 0.013."""
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (2, 64, 4, 64)).astype(jnp.bfloat16) for kk in ks)
+    q = (q.astype(jnp.float32) * 3.0).astype(jnp.bfloat16)  # logits' std ~ 24: softmax rounding shows
+    expected = _softmax_attention_float64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    explicit = attention.attention_weights_times_values(q, k, v, None, True)
+    fused = attention._fused_attention(q, k, v, None, True, "xla")
+    assert explicit.dtype == fused.dtype == jnp.bfloat16
+    fused_error = float(np.abs(np.asarray(fused, np.float64) - expected).max())
+    assert 0.005 < fused_error < 0.02  # ~2 bf16 roundings of values up to ~3
+    np.testing.assert_allclose(np.asarray(explicit, np.float64), expected, rtol=0, atol=1.25 * fused_error)
+    dropped = attention.attention_weights_times_values(q, k, v, None, True, 0.1, jax.random.key(1))
+    assert dropped.dtype == jnp.bfloat16  # under the tests' strict promotion
+
+
+def test_a_query_with_every_key_masked_is_what_the_docstring_says(key):
+    """The docstring said masked entries get -inf (which would make the row NaN); they get a
+    large finite negative, so the row is W_o(mean of all values), as Hugging Face's eager
+    attention (the ports keep it). The documented recipe zeroes the row, or gives torch's."""
+    torch = pytest.importorskip("torch")
+    assert "-inf``)" not in ft.nn.MultiheadAttention.__doc__ and "mean of *all* its" in ft.nn.MultiheadAttention.__doc__
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    torch.nn.init.normal_(module.out_proj.bias)
+    mha = ft.nn.load_torch_state_dict(ft.nn.MultiheadAttention(8, 2, key=key), module.state_dict())
+    q, kv = np.random.default_rng(0).normal(size=(2, 2, 5, 8)).astype(np.float32)
+    mask = np.ones((2, 1, 5, 5), bool)
+    mask[1, :, 0] = False  # query 0 of example 1 sees no key
+    y = mha(jnp.asarray(q), jnp.asarray(kv), mask=jnp.asarray(mask))
+    values = np.asarray(kv[1], np.float64) @ np.asarray(mha.value_projection.weight) + np.asarray(mha.value_projection.bias)
+    expected = values.mean(0) @ np.asarray(mha.output_projection.weight) + np.asarray(mha.output_projection.bias)
+    np.testing.assert_allclose(y[1, 0], expected, rtol=0, atol=1e-5)
+    zeroed = jnp.where(jnp.asarray(mask).any(-1).swapaxes(-1, -2), y, 0.0)
+    assert not np.any(zeroed[1, 0]) and np.array_equal(zeroed[0], y[0]) and np.array_equal(zeroed[1, 1:], y[1, 1:])
+    as_torch = jnp.where(jnp.asarray(mask).any(-1).swapaxes(-1, -2), y, mha.output_projection.bias)
+    expected, _ = module(*(torch.tensor(a) for a in (q, kv, kv)), need_weights=False,
+                         attn_mask=torch.tensor(~mask).repeat_interleave(2, 0).reshape(4, 5, 5))
+    np.testing.assert_allclose(as_torch, expected.detach().numpy(), rtol=0, atol=1e-5)

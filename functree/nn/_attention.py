@@ -22,6 +22,7 @@ from functree.nn._attention_kernel import CUDNN_DOES_NOT_APPLY, check_implementa
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
+from functree.nn._normalization import statistics_dtype
 from functree.nn._rotary import RopeScaling, apply_rotary
 
 __all__ = ["MultiheadAttention", "KVCache"]
@@ -142,8 +143,8 @@ class MultiheadAttention(Layer):
     """``softmax(Q K^T / sqrt(d) + mask) V`` per head, then an output projection.
 
     For each head ``h``: ``Q_h = query W_q[h]``, ``K_h = keys W_k[h]``, ``V_h = values W_v[h]``,
-    ``A_h = softmax(Q_h K_h^T / sqrt(qk_size))`` (masked entries get ``-inf``), and the
-    result is ``concat_h(A_h V_h) W_o``. ``query`` is ``[..., queries, query_size]``,
+    ``A_h = softmax(Q_h K_h^T / sqrt(qk_size))`` (masked logits get a large finite negative,
+    not ``-inf``: see below), and the result is ``concat_h(A_h V_h) W_o``. ``query`` is ``[..., queries, query_size]``,
     ``keys`` ``[..., keys, key_size]`` and ``values`` ``[..., keys, value_size]`` (both
     default to ``query``: self-attention). ``mask`` is boolean, broadcastable to
     ``[..., num_heads, queries, keys]``, True where attention is allowed.
@@ -159,6 +160,16 @@ class MultiheadAttention(Layer):
     ``causal=True`` lets query ``i`` attend to keys ``j <= i`` only (combined with
     ``mask``). ``window=W`` (sliding-window attention, Mistral's) also drops keys ``j <= i - W``
     (by position in the sequence; with a cache, by slot): each query sees at most ``W`` keys.
+    A query whose keys are all masked (its ``mask`` row all False, with the ``causal`` and
+    ``window`` bands applied) is neither NaN nor zero: its logits are all the same large
+    negative (JAX's convention; Hugging Face's eager attention does the same, and ports match
+    it), so its weights are uniform and its output is ``W_o`` applied to the mean of *all* its
+    keys' values, which also get its gradients. torch's ``nn.MultiheadAttention`` gives the
+    output bias there (NaN on its inference fast path). To zero such rows, with a ``mask``
+    ``[batch, 1, queries, keys]`` shared by the heads (the bands applied to it first):
+    ``y = jnp.where(mask.any(-1).swapaxes(-1, -2), y, 0.0)``; ``attn.output_projection.bias``
+    in place of ``0.0`` gives torch's numbers.
+
     ``dropout=p`` drops attention weights with probability ``p`` (scaling the rest by ``1 / (1 - p)``) in training mode (``ft.nn.training``), which then needs
     ``key=``. Computed with ``jax.nn.dot_product_attention``; ``implementation="auto"`` (the
     default) runs cuDNN's flash attention on NVIDIA GPUs where it applies (bf16/fp16, head
@@ -454,7 +465,10 @@ def attention_weights_times_values(
     """The explicit computation ``softmax(q k^T / sqrt(d), masked) v`` on ``[..., T, N, H]``.
 
     With ``dropout > 0`` the attention weights are dropped (probability ``dropout``) and
-    the rest scaled by ``1 / (1 - dropout)``. Masked logits get the dtype's lowest value.
+    the rest scaled by ``1 / (1 - dropout)``. Masked logits get the logits dtype's lowest
+    value. As ``jax.nn.dot_product_attention`` (the fused path): the logits accumulate, and
+    the softmax and dropout run, in float32 or wider (bfloat16 logits and softmax were 3x
+    further from float32's output); the weights meet ``v`` in ``v``'s dtype.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -465,7 +479,8 @@ def attention_weights_times_values(
     """
     if k.shape[-2] != q.shape[-2]:  # grouped-query: each key/value head serves a group of queries
         k, v = (jnp.repeat(a, q.shape[-2] // a.shape[-2], axis=-2) for a in (k, v))
-    logits = jnp.einsum("...qhd,...khd->...hqk", q, k)
+    wide = statistics_dtype(q.dtype)  # float32, or float64 for float64
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k, preferred_element_type=wide)
     logits = logits / jnp.sqrt(jnp.asarray(q.shape[-1], logits.dtype))
     allowed = None if mask is None else mask
     if causal:
@@ -478,4 +493,4 @@ def attention_weights_times_values(
         assert key is not None
         keep = jax.random.bernoulli(key, 1.0 - dropout, weights.shape)
         weights = jnp.where(keep, weights / jnp.asarray(1.0 - dropout, weights.dtype), jnp.zeros((), weights.dtype))
-    return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+    return jnp.einsum("...hqk,...khd->...qhd", weights.astype(v.dtype), v)

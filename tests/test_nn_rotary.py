@@ -68,7 +68,7 @@ def test_errors():
         ft.nn.apply_rotary(jnp.ones((3, 5)), jnp.arange(3))
     with pytest.raises(ValueError, match=r"(?s)positions i32\[4\] must broadcast against x's leading axes \[2, 3, 5\].*arange\(T\)\[:, None\]"):
         ft.nn.apply_rotary(jnp.ones((2, 3, 5, 4)), jnp.arange(4))
-    with pytest.raises(ValueError, match=r"even size"):
+    with pytest.raises(ValueError, match=r"RotaryEmbedding: size must be an even int >= 2"):
         ft.nn.RotaryEmbedding(5)
     with pytest.raises(ValueError, match=r"seq_axis must count from the end"):
         ft.nn.RotaryEmbedding(4, seq_axis=1)
@@ -99,3 +99,19 @@ def test_longrope_needs_one_short_and_one_long_factor_per_pair():
         rope.inverse_frequencies(8)
     with pytest.raises(ValueError, match=r"RopeScaling\('longrope'\) needs short_factor and long_factor"):
         ft.nn.RopeScaling("longrope", original_max_positions=4)
+
+
+@pytest.mark.parametrize("size,even", [(5, 4), (1, 2), (0, 2)])
+def test_an_odd_rotary_layer_size_gets_a_fix_for_the_constructor(size, even):
+    """RotaryEmbedding(5) raised apply_rotary's message, whose right: line was
+    apply_rotary(x[..., :4], positions), not a fix for the constructor; size 0 was accepted."""
+    with pytest.raises(ValueError) as info:
+        ft.nn.RotaryEmbedding(size)
+    message = str(info.value)
+    assert message.startswith(f"RotaryEmbedding: size must be an even int >= 2 (features are rotated in pairs), got {size}.")
+    assert f"wrong:  rope = ft.nn.RotaryEmbedding({size})" in message and "apply_rotary" not in message
+    right = message.split("right:  ")[1].split("   #")[0]
+    assert right == f"rope = ft.nn.RotaryEmbedding({even}); rope(x[..., :{even}])"
+    x = jax.random.normal(jax.random.key(0), (2, 3, max(size, even)))
+    rope = ft.nn.RotaryEmbedding(even)  # the fix, run: the first pairs rotated by positions 0 .. T-1
+    np.testing.assert_allclose(rope(x[..., :even]), _direct(x[..., :even], np.arange(3)), rtol=0, atol=1e-5)

@@ -38,6 +38,13 @@ got {given}.
     right:  ft.nn.apply_rotary(x[..., :{even}], positions)   # or project to an even size
 """
 
+ODD_LAYER_SIZE = """\
+RotaryEmbedding: size must be an even int >= 2 (features are rotated in pairs), got {size}.
+
+    wrong:  rope = ft.nn.RotaryEmbedding({size})
+    right:  rope = ft.nn.RotaryEmbedding({even}); rope(x[..., :{even}])   # or project x to an even size
+"""
+
 BAD_POSITIONS = """\
 apply_rotary: positions {given} must broadcast against x's leading axes {lead} (one \
 position per vector x[..., :]).
@@ -295,8 +302,8 @@ class RotaryEmbedding(Layer):
     seq_axis: int = field(static=True, default=-2)
 
     def __init__(self, size: int, base: float = 10000.0, *, seq_axis: int = -2):
-        if size % 2:
-            raise ValueError(ODD_SIZE.format(given=f"size={size}", size=size, even=size - 1))
+        if size % 2 or size < 2:
+            raise ValueError(ODD_LAYER_SIZE.format(size=size, even=max(size - 1, 2)))
         if seq_axis > -2:
             raise ValueError(BAD_SEQ_AXIS.format(axis=seq_axis, size=size))
         self.size, self.base, self.seq_axis = size, float(base), seq_axis

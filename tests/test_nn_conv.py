@@ -1,6 +1,7 @@
 """Conv1D/Conv2D and transposes against direct loops, gradients and input errors."""
 
 import itertools
+import pathlib
 import re
 
 import jax
@@ -246,3 +247,22 @@ def test_conv2d_names_the_axis_too_short_and_empty_inputs_keep_their_shape(key):
     assert conv(jnp.ones((1, 3, 5, 2))).shape == (1, 1, 1, 3)
     # SAME on an empty axis is empty, as the input: not refused (reshape's -1 raised ZeroDivisionError).
     assert ft.nn.Conv1D(2, 3, 3, key=key)(jnp.ones((2, 0, 2))).shape == (2, 0, 3)
+
+
+@pytest.mark.parametrize("rank,k", [(1, 5), (2, (3, 4))])
+def test_the_documented_torch_init_of_a_transposed_conv_is_torchs(rank, k):
+    """docs/migration/defaults.md gave variance_scaling(1/3, "fan_in", "uniform") for every
+    Conv*: for a transpose that is U(±1/√(in·k)), 0.112 where torch's ConvTranspose1d(16, 32, 5)
+    is U(±1/√(out·k)) = 0.079 (its fan_in reads weight.size(1), the output channels). The
+    page says "fan_out" for the transposes now, which is torch's bound."""
+    torch = pytest.importorskip("torch")
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "migration" / "defaults.md").read_text(encoding="utf-8")
+    assert 'for `Conv1DTranspose`/`Conv2DTranspose` (torch\'s): `variance_scaling(1/3, "fan_out", "uniform")`' in page
+    cls = (ft.nn.Conv1DTranspose, ft.nn.Conv2DTranspose)[rank - 1]
+    initializer = ft.nn.initializers.variance_scaling(1 / 3, "fan_out", "uniform")
+    ours = np.abs(np.asarray(cls(16, 32, k, key=jax.random.key(0), weight_initializer=initializer).weight))
+    theirs = np.abs((torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d)[rank - 1](16, 32, k).weight.detach().numpy())
+    bound = 1 / np.sqrt(32 * np.prod(k))
+    for w in (ours, theirs):  # both U(±bound): the max within 1% below it, the mean |w| bound/2
+        assert 0.99 * bound < w.max() <= bound
+        np.testing.assert_allclose(w.mean(), bound / 2, rtol=0.03)

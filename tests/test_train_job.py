@@ -880,3 +880,47 @@ def test_restore_after_a_field_is_added_to_the_model_class_reads_the_callbacks_b
     stop = ft.train.EarlyStopping(monitor="loss", patience=100, restore_best=True)
     kept.fit(ns["data"], epochs=3, callbacks=[stop], progress=False)  # the state loads into the callback
     assert type(stop.best_model) is ns["Net"]
+
+
+
+def test_restore_with_two_live_classes_of_one_name_reads_the_best_model_by_the_template(tmp_path):
+    """A model class defined inside a function called twice (or by a cell exec'd outside
+    sys.modules): two live classes share the stored name and neither is bound at it. The
+    model part reads by its template; EarlyStopping's best model in ``extra`` was decoded by
+    name and failed ("2 different Module classes named ... are defined in this process")."""
+    def make_net_class() -> Any:
+        class Net(ft.Module):
+            w: jax.Array
+            b: jax.Array
+
+            def __call__(self, x):
+                return x @ self.w + self.b
+
+        return Net
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype(np.float32)
+    data = ft.train.batches((x, x @ np.array([[1.0], [2.0], [-1.0]], np.float32)), batch_size=16,
+                            key=jax.random.key(1))
+
+    def loss(m, b):
+        return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+    def trainer(net: Any) -> Any:
+        return ft.train.Trainer(net(jnp.zeros((3, 1)), jnp.zeros(1)), ft.optim.adam(0.05), loss)
+
+    def stop() -> Any:
+        return ft.train.EarlyStopping(monitor="loss", patience=100, restore_best=True)
+
+    first, second = make_net_class(), make_net_class()
+    full, half = trainer(first), trainer(first)
+    full.fit(data, epochs=4, callbacks=[stop()], progress=False)
+    half.fit(data, epochs=2, callbacks=[stop()], progress=False)
+    half.save(str(tmp_path / "job"))
+    again = trainer(second).restore(str(tmp_path / "job"))
+    ((_, _, state),) = again.state.callbacks
+    assert type(state["best_model"]) is second
+    again.fit(data, epochs=4, callbacks=[stop()], progress=False)
+    for name in ("w", "b"):  # continued as if never interrupted
+        np.testing.assert_array_equal(np.asarray(getattr(again.model, name)), np.asarray(getattr(full.model, name)))
+    assert again.history.epochs["loss"] == full.history.epochs["loss"]

@@ -537,13 +537,13 @@ SKIP: Any = _Skip()  # an entry of extra_template not read at all (CheckpointMan
 
 
 def _like_model(model: Any) -> EditedReader | None:
-    """Reads a Module of ``model``'s class (by its stored name: nothing looked up) whose
-    class, or a class inside it, was edited since the save (a static field added: it no
-    longer decodes as saved) with ``model`` as its template, as the model part is read,
-    where it fits: the same leaf key paths, shapes and dtypes (:func:`from_flat_dict`'s
-    report) and the same static values. The best model of ``EarlyStopping(restore_best=
-    True)`` in ``extra`` then reads as the model does; one that does not fit keeps its
-    :class:`ClassEditedError`. A class not edited decodes as saved, as before."""
+    """Reads a Module of ``model``'s class (by its stored name: nothing looked up) with
+    ``model`` as its template, as the model part is read, where it fits: the same leaf key
+    paths, shapes and dtypes (:func:`from_flat_dict`'s report) and the same static values.
+    The best model of ``EarlyStopping(restore_best=True)`` in ``extra`` then reads as the
+    model does, also where its class was edited since the save (a static field added) or a
+    notebook's re-run cell left two classes of that name alive (neither decodes by name);
+    one that does not fit decodes as saved (an edited class: :class:`ClassEditedError`)."""
     if not isinstance(model, Module):
         return None
     name = type_name(type(model))
@@ -782,9 +782,9 @@ class CheckpointManager:
         are checked with the others). Naming an entry the checkpoint lacks with a template
         is an error. Any other ``extra_template`` (or a dict when the saved ``extra`` is
         not one) is the template of the whole ``extra``. In what ``extra`` reads as saved,
-        a Module of ``template``'s class edited since the save (a field added: it no longer
-        decodes as saved) is read with ``template`` where it fits (same key paths, shapes,
-        dtypes, static values), as the model is: an edited class reads the same way in both.
+        a Module of ``template``'s class is read with ``template`` where it fits (same key
+        paths, shapes, dtypes, static values), as the model is: a class edited since the
+        save, or defined twice in a notebook, reads the same way in both.
 
         Example:
           >>> import functree as ft, jax, jax.numpy as jnp, tempfile

@@ -166,10 +166,11 @@ class ClassEditedError(SpecError):
     now reads it (:data:`CLASS_EDITED`)."""
 
 
-# Reads a saved Module whose class (or a class inside it) was edited since the save another
-# way: ``reader(spec, arrays, path)`` returns ``(True, value)``, or ``(False, None)`` for the
-# ClassEditedError to stand (a checkpoint reads a Module of its model's class in ``extra``
-# with the model as its template, as the model is: _checkpoint._like_model).
+# Reads a saved Module another way, before its class is looked up: ``reader(spec, arrays,
+# path)`` returns ``(True, value)``, or ``(False, None)`` to decode it as saved (a checkpoint
+# reads a Module of its model's class in ``extra`` with the model as its template, as the
+# model is, where it fits: _checkpoint._like_model. By name, a class edited since the save,
+# or defined twice in a notebook's process, would not decode as saved).
 EditedReader = Callable[[dict[str, Any], dict[str, Any], str], tuple[bool, Any]]
 
 
@@ -736,13 +737,11 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str, edited: EditedRea
     if kind == "function":
         return decode_leaf(spec, arrays, path)
     if kind == "module":
-        try:
-            return _decode_module(spec, arrays, path, edited)
-        except ClassEditedError:  # its class, or one inside it, edited since the save
-            found, value = edited(spec, arrays, path) if edited is not None else (False, None)
-            if not found:
-                raise
-            return value
+        if edited is not None:  # a Module of the template model's class: read like the model, where it fits
+            found, value = edited(spec, arrays, path)
+            if found:
+                return value
+        return _decode_module(spec, arrays, path, edited)
     if kind == "dataclass":
         return _decode_dataclass(spec, arrays, path, edited)
     if kind == "opaque":

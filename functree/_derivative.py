@@ -16,9 +16,10 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jcore
 
-from functree import _diagnostics, _operators
+from functree import _diagnostics, _operators, _warnings
 from functree._activity import SCOPE
 from functree._diagnostics import UncoveredDerivativeError
+from functree._module import DifferentiationWarning
 from functree._parameters import is_parameter_leaf, parameters
 from functree._remat_policy import jax_policy, remat_policy
 from functree._tree import is_none
@@ -93,19 +94,22 @@ Return its cotangent (zeros, if the zero is intended):
 
 UNDECORATED_METHOD = """\
 @ft.derivative(of={qualname}) names a method that was not declared with \
-@ft.differentiable: the rule would be registered on a copy, and {cls}'s own method \
-(what `{call}` runs) would keep differentiating by autodiff, silently ignoring the rule. \
-A function object does not know its class, so the rule cannot be put on it from here \
-(nor on the subclasses that inherit it). Declare the method differentiable in the class:
+@ft.differentiable: the rule is registered on the function @ft.derivative returns \
+(bound to `{rule}`), not on {cls}'s method, so calls through the class \
+(`{call}`) keep differentiating by autodiff and do not use the rule. \
+A function object does not know its class, so the rule cannot be put on it from here. \
+Either declare the method differentiable in the class, so the rule applies to the class \
+(and its subclasses), or call the returned function:
 
-    wrong:  class {cls}(ft.Module):
-                def {name}(self, ...): ...
-    right:  class {cls}(ft.Module):
+    wrong:  class {cls}{bases}:
+                {static}def {name}({params}): ...
+            {call}  # autodiff, not the rule
+    right:  class {cls}{bases}:
                 @ft.differentiable
-                def {name}(self, ...): ...
-
-    @ft.derivative(of={qualname})   # then registers on the class's method
-    def {rule}(self, ...): ..."""
+                {static}def {name}({params}): ...
+            @ft.derivative(of={qualname})  # then registers on the class's method
+            def {rule}({params}): ...
+       or:  {rule}({args})  # the returned function uses the rule"""
 
 
 class DifferentiableFunction:
@@ -302,9 +306,9 @@ def derivative(
     ``f`` is returned (``@ft.derivative(of=q)`` over ``def q``, in a notebook cell run
     again, replaces the rule and leaves ``q`` differentiable, as the first run did);
     otherwise a new differentiable function carrying the derivative is returned. A method
-    (``of=Model.__call__``) must be declared with :func:`differentiable` in its class: a
-    plain one is refused (:data:`UNDECORATED_METHOD`), as the class would keep calling it
-    and ignore the rule.
+    (``of=Model.__call__``) not declared with :func:`differentiable` in its class gets the
+    rule on the returned function only: calls through the class keep autodiff, so a
+    :class:`DifferentiationWarning` (:data:`UNDECORATED_METHOD`) is issued at registration.
 
     A reverse-mode derivative keeps the pullback's residuals (no recomputation). A forward
     derivative also serves reverse mode, by transposition, when the differential is linear.
@@ -337,7 +341,7 @@ def derivative(
     fn: Callable[..., Any] = of  # type: ignore[assignment]  # not None: checked above
 
     def register(deriv: Callable[..., Any]) -> Any:
-        _refuse_undecorated_method(fn, deriv)
+        _warn_undecorated_method(fn, deriv)
         target = fn if isinstance(fn, DifferentiableFunction) else DifferentiableFunction(fn)
         setattr(target, mode, (deriv, indices))
         return deriv if target is fn and not _rebinds(deriv, target) else target
@@ -345,12 +349,14 @@ def derivative(
     return register
 
 
-def _refuse_undecorated_method(fn: Callable[..., Any], deriv: Callable[..., Any]) -> None:
-    """Raise :data:`UNDECORATED_METHOD` when ``fn`` is a plain function defined in a class
-    body (``Q.__call__``, ``Q.loss``): the class keeps calling it, so a rule registered on
-    a new differentiable copy would be silently ignored. A rule defined in the same class
-    body under the method's own name (``@ft.derivative(of=loss)`` over ``def loss``)
-    replaces the class attribute itself and is allowed."""
+def _warn_undecorated_method(fn: Callable[..., Any], deriv: Callable[..., Any]) -> None:
+    """Warn (:data:`UNDECORATED_METHOD`) when ``fn`` is a plain function defined in a class
+    body (``Q.__call__``, ``Q.loss``, a ``staticmethod``): the rule goes on a new
+    differentiable copy, which the returned function uses, while the class keeps calling
+    its own method. Not refused: calling the returned function is right, and a library's
+    class cannot be edited. A rule defined in the same class body under the method's own
+    name (``@ft.derivative(of=loss)`` over ``def loss``) replaces the class attribute
+    itself: no warning."""
     if not inspect.isfunction(fn):
         return
     parts = fn.__qualname__.split(".")
@@ -359,9 +365,12 @@ def _refuse_undecorated_method(fn: Callable[..., Any], deriv: Callable[..., Any]
     if getattr(deriv, "__qualname__", None) == fn.__qualname__:  # rebinds the method in its class body
         return
     cls, name = parts[-2], parts[-1]
-    call = "model(...)" if name == "__call__" else f"model.{name}(...)"
-    raise TypeError(UNDECORATED_METHOD.format(
-        qualname=f"{cls}.{name}", cls=cls, name=name, call=call, rule=getattr(deriv, "__name__", "rule")))
+    is_method = next(iter(inspect.signature(fn).parameters), None) == "self"  # not a staticmethod
+    call = "model(...)" if name == "__call__" else f"model.{name}(...)" if is_method else f"{cls}.{name}(...)"
+    _warnings.warn(UNDECORATED_METHOD.format(
+        qualname=f"{cls}.{name}", cls=cls, name=name, call=call, rule=getattr(deriv, "__name__", "rule"),
+        bases="(ft.Module)" if is_method else "", static="" if is_method else "@staticmethod\n                ", params="self, ..." if is_method else "...",
+        args="model, ..." if is_method else "..."), DifferentiationWarning)
 
 
 def _rebinds(deriv: Callable[..., Any], target: DifferentiableFunction) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -151,11 +152,11 @@ class Scale(ft.Module):
 @ft.derivative(of=Scale.__call__)
 def _d_scale_call(self: Scale, x: jax.Array) -> Any:
     # Cotangent of a Module: its parameter view (None at the integer leaf).
-    return self.weight * x, lambda v: (Scale(7.0 * v * x, None), (v * self.weight).sum())
+    return self.weight * x, lambda v: (Scale(7.0 * v * x, None), (v * self.weight).sum())  # pyright: ignore[reportCallIssue]
 
 
 def test_custom_derivative_of_a_method_with_a_module_argument():
-    layer = Scale(jnp.ones(2))
+    layer = Scale(jnp.ones(2))  # pyright: ignore[reportCallIssue]
     grads = ft.gradient(lambda m: m(2.0).sum(), at=layer)
     assert isinstance(grads, Scale) and grads.calls is None
     np.testing.assert_allclose(grads.weight, [14.0, 14.0])
@@ -393,11 +394,11 @@ class Affine(ft.Module):
 @ft.derivative(of=Affine.__call__)
 def _d_affine(self: Affine, x: jax.Array) -> Any:
     # Forgets the bias: None where a cotangent is due.
-    return self(x), lambda v: (Affine((v * x).sum(), None), (v * self.weight))
+    return self(x), lambda v: (Affine((v * x).sum(), None), (v * self.weight))  # pyright: ignore[reportCallIssue]
 
 
 def test_a_pullback_returning_none_for_a_differentiated_parameter_names_its_key_path():
-    layer = Affine(jnp.asarray(2.0), jnp.asarray(0.5))
+    layer = Affine(jnp.asarray(2.0), jnp.asarray(0.5))  # pyright: ignore[reportCallIssue]
     with pytest.raises(TypeError) as info:
         ft.gradient(lambda m: m(jnp.ones(2)).sum(), at=layer)
     message = str(info.value)
@@ -541,7 +542,7 @@ def test_a_pullback_keeping_an_integer_intermediate_works_in_scan():
 # -- a pullback's cotangents, one per covered argument
 
 
-def _scaled(x: jax.Array, s: jax.Array) -> jax.Array:
+def _scaled(x: jax.Array, s: jax.Array | float) -> jax.Array:
     return x * s
 
 
@@ -885,29 +886,77 @@ def test_a_rule_with_another_name_is_still_returned_unchanged() -> None:
     np.testing.assert_allclose(ft.gradient(cube, at=2.0), 12.0, rtol=0, atol=1e-6)
 
 
-def test_a_rule_for_an_undecorated_method_is_refused_never_ignored():
-    # @ft.derivative(of=Q.__call__) on a plain method registered on a copy: model(x) kept
-    # autodiff's gradient [1, 1] where the rule says [100, 100], without a word.
+class _Ops:  # a namespace class of a library: its methods cannot be decorated by the user
+    @staticmethod
+    def cube(x):
+        return x**3
+
+
+def test_a_rule_for_an_undecorated_method_warns_and_the_returned_function_uses_it():
+    # 61d50c0 refused these (TypeError): a staticmethod's rule, and a plain method's rule
+    # called as the returned function, which gave the rule's 100.0 and [100, 100] before.
     from functree._derivative import UNDECORATED_METHOD
 
+    assert "wrong:" in UNDECORATED_METHOD and "right:" in UNDECORATED_METHOD
+    with pytest.warns(ft.DifferentiationWarning, match=r"of=_Ops.cube\) names a method(.|\n)*"
+                      r"bound to `fast`(.|\n)*or:  fast\(\.\.\.\)"):
+        @ft.derivative(of=_Ops.cube)
+        def fast(x):
+            return x**3, lambda v: v * 100.0
+    np.testing.assert_allclose(ft.gradient(fast, at=1.0), 100.0, rtol=0, atol=0)  # autodiff: 3.0
+
+    class Q(ft.Module):
+        w: jax.Array
+
+        def loss(self, x):
+            return jnp.sum(self.w * x)
+
+    with pytest.warns(ft.DifferentiationWarning, match=r"or:  rule\(model, \.\.\.\)"):
+        @ft.derivative(of=Q.loss)
+        def rule(self, x):
+            return jnp.sum(self.w * x), lambda v: (Q(100 * v * jnp.ones_like(self.w)), v * x)  # pyright: ignore[reportCallIssue]
+    x = np.array([1.0, 2.0], np.float32)
+    q = Q(jnp.ones(2))  # pyright: ignore[reportCallIssue]
+    np.testing.assert_allclose(ft.gradient(lambda m: rule(m, jnp.asarray(x)))(q).w, [100.0, 100.0], rtol=0, atol=0)
+
+
+def test_a_rule_for_an_undecorated_method_warns_that_calls_through_the_class_ignore_it():
+    # The case that was silent before 61d50c0: model(x) keeps autodiff's x, not the rule's 100·x.
     class Q(ft.Module):
         w: jax.Array
 
         def __call__(self, x):
             return jnp.sum(x * self.w)
 
-        def loss(self, x):
-            return jnp.sum(x * self.w)
-
     def rule(self, x):
         return jnp.sum(x * self.w), lambda v: (Q(v * x * 100), v * self.w)  # pyright: ignore[reportCallIssue]
 
-    assert "@ft.differentiable" in UNDECORATED_METHOD
-    with pytest.raises(TypeError, match=r"of=Q.__call__\) names a method that was not declared with "
-                                        r"@ft.differentiable(.|\n)*right:  class Q\(ft.Module\):\n +@ft.differentiable"):
+    with pytest.warns(ft.DifferentiationWarning,
+                      match=r"of=Q.__call__\) names a method that was not declared with @ft.differentiable"
+                            r"(.|\n)*calls through the class \(`model\(\.\.\.\)`(.|\n)*do not use the rule"
+                            r"(.|\n)*right:  class Q\(ft.Module\):\n +@ft.differentiable"):
         ft.derivative(of=Q.__call__)(rule)
-    with pytest.raises(TypeError, match=r"of=Q.loss\) names a method(.|\n)*def loss\(self, \.\.\.\)"):
-        ft.derivative(of=Q.loss)(rule)
+    x = np.array([1.0, 2.0], np.float32)
+    q = Q(jnp.array([3.0, -1.0]))  # pyright: ignore[reportCallIssue]
+    np.testing.assert_allclose(ft.gradient(lambda m: m(jnp.asarray(x)))(q).w, x, rtol=0, atol=0)  # as warned
+
+
+def test_decorated_methods_and_plain_functions_register_without_a_warning():
+    class Q(ft.Module):
+        w: jax.Array
+
+        @ft.differentiable
+        def __call__(self, x):
+            return jnp.sum(x * self.w)
+
+    def cube(x):
+        return x**3
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.derivative(of=Q.__call__)(lambda self, x: (self(x), lambda v: (self, v * self.w)))
+        ft.derivative(of=cube)(lambda x: (x**3, lambda v: 3 * v * x**2))
+        ft.derivative(of=jnp.exp)(lambda x: (jnp.exp(x), lambda v: v * jnp.exp(x)))
 
 
 class _Scaled(ft.Module):

@@ -7,7 +7,7 @@ import sys
 import textwrap
 import time
 import types
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -768,6 +768,46 @@ def test_a_wrong_extra_entry_template_is_refused_naming_its_key_path(tmp_path):
 
 _CELL = "class Net(ft.Module):\n    w: jax.Array\n    b: jax.Array\n"
 _CELL_EDITED = _CELL + "    scale: float = ft.field(static=True, default=1.0)\n"
+
+
+def _pool_net(pool: Any, key: jax.Array) -> Any:
+    a, b = jax.random.split(key)
+    return ft.nn.Sequential([ft.nn.Conv2D(1, 4, 3, key=a), pool, ft.nn.Flatten(), ft.nn.Dense(64, 2, key=b)])
+
+
+def test_a_teacher_of_the_models_class_with_other_layers_inside_is_read_as_saved(tmp_path):
+    """A Sequential teacher in extra with a MaxPool2D where the model has an AvgPool2D (no
+    leaves, no statics: the same key paths, shapes and dtypes): reading every Module of the
+    model's class with the model as template swapped the pool in (outputs off by 0.49)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model, teacher = _pool_net(ft.nn.AvgPool2D(2), k1), _pool_net(ft.nn.MaxPool2D(2), k2)
+    x = jax.random.normal(jax.random.key(3), (2, 8, 8, 1))
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, model, extra={"teacher": teacher})
+        back = manager.restore(template=model).extra["teacher"]
+    assert type(back.layers[1]) is ft.nn.MaxPool2D
+    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(teacher(x)))
+
+
+_HOLDER = "class Holder(ft.Module):\n    pool: ft.Module\n    w: jax.Array\n"
+
+
+def test_an_edited_class_in_extra_with_other_layers_inside_keeps_its_error(tmp_path):
+    """An edited class read with the model as its template must hold the model's classes
+    at every key path: a saved MaxPool2D inside would be read as the model's AvgPool2D."""
+    cells = sys.modules.setdefault("checkpoint_extra_holder", types.ModuleType("checkpoint_extra_holder"))
+    ns = cells.__dict__
+    ns.update(ft=ft, jax=jax)
+    exec(_HOLDER, ns)
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, ns["Holder"](ft.nn.AvgPool2D(2), jnp.ones(2)),
+                     extra={"teacher": ns["Holder"](ft.nn.MaxPool2D(2), jnp.ones(2))})
+        exec(_HOLDER + "    scale: float = ft.field(static=True, default=1.0)\n", ns)
+        template = ns["Holder"](ft.nn.AvgPool2D(2), jnp.zeros(2))
+        with pytest.raises(SpecError, match=r"Holder` at 'extra\.teacher' was edited since this checkpoint was saved"):
+            manager.restore(1, template=template)
+        skipped = manager.restore(1, template=template, extra_template={"teacher": CheckpointManager.SKIP})
+        assert type(skipped.model.pool) is ft.nn.AvgPool2D and "teacher" not in skipped.extra
 
 
 def test_a_module_of_the_models_class_in_extra_is_read_like_the_model(tmp_path):

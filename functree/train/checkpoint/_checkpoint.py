@@ -46,6 +46,7 @@ from functree.train.checkpoint._treespec import (
     dict_entries,
     encode,
     leaf_specs,
+    same_classes,
     static_differences,
 )
 
@@ -537,19 +538,22 @@ SKIP: Any = _Skip()  # an entry of extra_template not read at all (CheckpointMan
 
 
 def _like_model(model: Any) -> EditedReader | None:
-    """Reads a Module of ``model``'s class (by its stored name: nothing looked up) with
-    ``model`` as its template, as the model part is read, where it fits: the same leaf key
-    paths, shapes and dtypes (:func:`from_flat_dict`'s report) and the same static values.
-    The best model of ``EarlyStopping(restore_best=True)`` in ``extra`` then reads as the
-    model does, also where its class was edited since the save (a static field added) or a
-    notebook's re-run cell left two classes of that name alive (neither decodes by name);
-    one that does not fit decodes as saved (an edited class: :class:`ClassEditedError`)."""
+    """Reads a Module of ``model``'s class (by its stored name: nothing looked up) that does
+    not decode by name, its class (or one inside it) edited since the save (a static field
+    added) or shared by several live classes (a class made by a function called twice),
+    with ``model`` as its template, as the model part is read, where it fits: the same
+    classes at the same key paths (:func:`same_classes`), the same leaf key paths, shapes
+    and dtypes (:func:`from_flat_dict`'s report) and the same static values. The best model
+    of ``EarlyStopping(restore_best=True)`` in ``extra`` then reads as the model does; one
+    that does not fit keeps its error. A Module that decodes by name is read as saved."""
     if not isinstance(model, Module):
         return None
     name = type_name(type(model))
 
     def read(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> tuple[bool, Any]:
         if spec.get("class") != name:
+            return False, None
+        if not same_classes(spec, model):  # another layer class inside (a MaxPool2D where the model has AvgPool2D)
             return False, None
         tree, report = _with_template(spec, arrays, model, path)
         return (True, tree) if report.ok and not static_differences(spec, model, path) else (False, None)
@@ -782,9 +786,10 @@ class CheckpointManager:
         are checked with the others). Naming an entry the checkpoint lacks with a template
         is an error. Any other ``extra_template`` (or a dict when the saved ``extra`` is
         not one) is the template of the whole ``extra``. In what ``extra`` reads as saved,
-        a Module of ``template``'s class is read with ``template`` where it fits (same key
-        paths, shapes, dtypes, static values), as the model is: a class edited since the
-        save, or defined twice in a notebook, reads the same way in both.
+        a Module of ``template``'s class that does not decode by name (its class edited
+        since the save, or several live classes of that name) is read with ``template``
+        where it fits (same classes, key paths, shapes, dtypes, static values), as the
+        model is: an edited class reads the same way in both.
 
         Example:
           >>> import functree as ft, jax, jax.numpy as jnp, tempfile

@@ -50,7 +50,7 @@ from functree.train.checkpoint._registry import (
     type_name,
 )
 
-__all__ = ["encode", "decode", "dict_entries", "EditedReader", "ClassEditedError", "leaf_specs", "check_names", "static_differences", "CheckpointError", "SpecError"]
+__all__ = ["encode", "decode", "dict_entries", "EditedReader", "ClassEditedError", "AmbiguousClassError", "same_classes", "leaf_specs", "check_names", "static_differences", "CheckpointError", "SpecError"]
 
 NO_TEMPLATE = """\
 Cannot rebuild {what} at {path!r} without a template: {why}.
@@ -160,17 +160,22 @@ class SpecError(CheckpointError):
     """A stored tree cannot be rebuilt from its description alone."""
 
 
+class AmbiguousClassError(SpecError):
+    """A stored class name that several live classes share, none of them bound at that name
+    (a class made by a function called twice): only a template says which is meant."""
+
+
 class ClassEditedError(SpecError):
     """A stored Module, dataclass or NamedTuple whose class was edited since the save (its
     fields are not the class's now): the file is intact, a template of the class as it is
     now reads it (:data:`CLASS_EDITED`)."""
 
 
-# Reads a saved Module another way, before its class is looked up: ``reader(spec, arrays,
-# path)`` returns ``(True, value)``, or ``(False, None)`` to decode it as saved (a checkpoint
-# reads a Module of its model's class in ``extra`` with the model as its template, as the
-# model is, where it fits: _checkpoint._like_model. By name, a class edited since the save,
-# or defined twice in a notebook's process, would not decode as saved).
+# Reads a saved Module another way where it does not decode by name (its class, or one
+# inside it, edited since the save or shared by several live classes): ``reader(spec,
+# arrays, path)`` returns ``(True, value)``, or ``(False, None)`` for the error to stand (a
+# checkpoint reads a Module of its model's class in ``extra`` with the model as its
+# template, as the model is, where it fits: _checkpoint._like_model).
 EditedReader = Callable[[dict[str, Any], dict[str, Any], str], tuple[bool, Any]]
 
 
@@ -584,7 +589,7 @@ def _one_class(found: list[Any], name: str, path: str, what: str, ambiguous: str
     now, or none."""
     if len(found) > 1:
         why = ambiguous.format(count=len(found), name=name[:200])
-        raise SpecError(NO_TEMPLATE.format(what=what, path=path, why=why))
+        raise AmbiguousClassError(NO_TEMPLATE.format(what=what, path=path, why=why))
     if not found and name.startswith("__main__."):
         raise SpecError(MAIN_CLASS.format(path=path, name=name[:200], short=name[:200].rsplit(".", 1)[1]))
     if not found:
@@ -737,11 +742,13 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str, edited: EditedRea
     if kind == "function":
         return decode_leaf(spec, arrays, path)
     if kind == "module":
-        if edited is not None:  # a Module of the template model's class: read like the model, where it fits
-            found, value = edited(spec, arrays, path)
-            if found:
-                return value
-        return _decode_module(spec, arrays, path, edited)
+        try:
+            return _decode_module(spec, arrays, path, edited)
+        except (ClassEditedError, AmbiguousClassError):  # by name, it (or a class inside it) does not decode
+            found, value = edited(spec, arrays, path) if edited is not None else (False, None)
+            if not found:
+                raise
+            return value
     if kind == "dataclass":
         return _decode_dataclass(spec, arrays, path, edited)
     if kind == "opaque":
@@ -916,6 +923,25 @@ def _saved_chooses(name: Any) -> frozenset[str]:
     """The static fields the saved class (looked up, never imported) lets a template choose."""
     found = lookup_type(name) if isinstance(name, str) else []
     return frozenset().union(*(template_chooses(c) for c in found if isinstance(c, type)))
+
+
+def same_classes(spec: Any, template: Any) -> bool:
+    """Whether every node ``spec`` stores is of the kind and class of ``template``'s node at
+    the same key path, with the same children (static values aside: compared by
+    :func:`static_differences`). A template reads a saved tree by key paths, shapes and
+    dtypes alone: a saved ``MaxPool2D`` under a template's ``AvgPool2D`` (no leaves, no
+    statics) would be read as the template's class."""
+    placeholders = jax.tree.map(lambda _: np.zeros((), np.float32), template)  # the structure, no copies
+    return _same_nodes(spec, encode(placeholders)[1])
+
+
+def _same_nodes(saved: Any, mine: Any) -> bool:
+    if not (isinstance(saved, dict) and isinstance(mine, dict)):
+        return False
+    if saved.get("kind") != mine.get("kind") or saved.get("class") != mine.get("class"):
+        return False
+    a, b = dict(_named_children(saved, "")), dict(_named_children(mine, ""))
+    return a.keys() == b.keys() and all(_same_nodes(child, b[name]) for name, child in a.items())
 
 
 def _named_children(spec: dict[str, Any], path: str) -> list[tuple[str, Any]]:

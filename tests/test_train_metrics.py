@@ -591,8 +591,45 @@ def test_a_user_metric_with_its_own_counts_method_is_averaged_as_a_mean():
 
     trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics={"precision": Precision()})
     trainer.fit(ft.train.batches((x, y), 32, shuffle=False), epochs=1, progress=False)
-    z = np.asarray(model(x))[:, 0]
+    z = np.asarray(model(jnp.asarray(x)))[:, 0]
     expected = ((z > 0) & (y > 0.5)).sum() / (z > 0).sum()
     np.testing.assert_allclose(trainer.history.epochs["precision"], [expected], rtol=0, atol=1e-6)
     np.testing.assert_allclose(trainer.evaluate(ft.train.batches((x, y), 32, shuffle=False))["precision"],
                                expected, rtol=0, atol=1e-6)
+
+
+class _Override(ft.train.TrainStep):
+    """compute_metrics overridden without super(): the metric reported as is, or replaced."""
+
+    scale = 1.0
+
+    def compute_metrics(self, out):
+        return {"loss": out.loss, "acc": ft.train.accuracy(out) * self.scale, "ten": jnp.float32(10.0)}
+
+
+class _Replaced(_Override):
+    scale = 0.5  # another number under the counting metric's name
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["one-step-calls", "steps_per_call=2"])
+def test_an_override_without_super_keeps_accuracy_per_token(k):
+    """Before: the parts came from TrainStep.compute_metrics only, so an override returning
+    ``{"loss": ..., "acc": ft.train.accuracy(out)}`` got the size-weighted epoch accuracy
+    (the audit's 0.428571 for numpy's 0.473684). The step adds them: Σ hits / Σ counted; a
+    replaced value keeps its own size-weighted mean (parts never override what it reported)."""
+    logits, labels, values, data = _even_data()
+    want, weighted = _per_token(logits, labels), _weighted(logits, labels, _EVEN)
+    assert abs(weighted - want) > 0.05  # the data tells the two means apart
+    cuts = np.cumsum((0, *_EVEN))
+    steps = [_per_token(logits[a:b], labels[a:b]) for a, b in itertools.pairwise(cuts)]
+    for cls, epoch, scale in ((_Override, want, 1.0), (_Replaced, 0.5 * weighted, 0.5)):
+        opt, loss_fn = ft.optim.sgd(0.0), _token_loss(logits, values)
+        step = cls(loss_fn, opt, metrics={"acc": ft.train.accuracy}, steps_per_call=k)
+        t = ft.train.Trainer({"w": jnp.zeros(())}, opt, loss_fn, train_step=step)
+        t.fit(data, epochs=1, progress=False, log_every=2, validation_data=data)
+        np.testing.assert_allclose(t.history.epochs["acc"][0], epoch, rtol=0, atol=_ATOL)
+        np.testing.assert_allclose(t.history.steps["acc"], np.multiply(steps, scale), rtol=0, atol=_ATOL)
+        np.testing.assert_allclose(t.history.epochs["val_acc"][0], want, rtol=0, atol=_ATOL)
+        np.testing.assert_allclose(t.evaluate(data)["acc"], want, rtol=0, atol=_ATOL)
+        assert set(t.history.steps) == {"step", "loss", "acc", "ten", "learning_rate"}  # no part shown
+        assert t.history.epochs["ten"] == [10.0]

@@ -529,6 +529,36 @@ def _part(counts: Callable[[StepOutput], tuple[jax.Array, jax.Array]], i: int) -
     return part
 
 
+def complete_parts(values: dict[str, Any], metrics: Mapping[str, Callable[[StepOutput], Any]], out: StepOutput) -> dict[str, Any]:
+    """``values`` (what a step's ``compute_metrics`` returned for ``out``) with the parts of
+    each counting metric of ``metrics`` it reports without them: a ``compute_metrics`` that
+    overrides TrainStep's without calling it. Where the value reported is the metric's own
+    (within 8 ulp: the same hits / counted), the parts are its hits and counted labels, so
+    the means are Σ hits / Σ counted; where the override replaced it (another number under
+    that name), ``name#sum = v_b``, ``name#count = 1``: its size-weighted mean, as any metric's,
+    never a mean of a metric the step did not report. A name it left out gets no parts.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> out = ft.train.StepOutput(jnp.zeros(()), jnp.array([[2.0, 0.0]]), (None, jnp.array([0])), None)
+      >>> sorted(complete_parts({"acc": ft.train.accuracy(out)}, {"acc": ft.train.accuracy}, out))
+      ['acc', 'acc#count', 'acc#sum']
+    """
+    dtype, n = metric_dtype(), batch_size_of(out.batch)
+    for name in counting_names(metrics):
+        if name not in values or name + PART_SUM in values or jnp.shape(values[name]) != ():
+            continue  # left out, already parted (super()), or not a scalar: record() says so
+        given = jnp.asarray(values[name])
+        hits, counted = getattr(metrics[name], COUNTS)(out)
+        own = jnp.asarray(metrics[name](out)).astype(dtype)
+        floating = jnp.issubdtype(given.dtype, jnp.floating)
+        tol = 8 * jnp.finfo(given.dtype if floating else dtype).eps  # values in [0, 1]
+        mine = (jnp.abs(given.astype(dtype) - own) <= tol) | (jnp.isnan(given.astype(dtype)) & jnp.isnan(own))
+        values[name + PART_SUM] = jnp.where(mine, hits / n, given).astype(dtype)
+        values[name + PART_COUNT] = jnp.where(mine, counted / n, 1.0).astype(dtype)
+    return values
+
+
 def without_parts(values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` without the parts of :func:`with_parts`: what a step returns to its caller
     (the parts are the running means' bookkeeping, not metrics)."""

@@ -69,6 +69,7 @@ from functree.train._halt import new_halt_log, placed_as
 from functree.train._metrics import (
     StepOutput,
     batch_size_of,
+    complete_parts,
     describe_batch,
     evaluate_metrics,
     resolve_metrics,
@@ -465,7 +466,10 @@ class TrainStep:
         if key is not None:
             key = jax.random.fold_in(key, context(opt_state).step)
         new_model, new_state, loss, aux, nonfinite = self.apply(model, opt_state, batch, key, enabled)
-        metrics = self.compute_metrics(StepOutput(loss, aux, batch, model))
+        out = StepOutput(loss, aux, batch, model)
+        # Here, not in compute_metrics: an override that does not call super() still gets
+        # the parts of the counting metrics it reports (their epoch means Σ hits / Σ counted).
+        metrics = complete_parts(dict(self.compute_metrics(out)), self.metrics, out)
         if nonfinite is not None:
             metrics[NONFINITE] = nonfinite
         return new_model, new_state, metrics

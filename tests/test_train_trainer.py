@@ -303,13 +303,19 @@ def test_a_given_step_and_other_trainer_arguments_are_refused():
     trainer = Trainer(mlp(), opt, classify, train_step=step)  # the step's own: accepted
     assert list(trainer.train_step.metrics) == ["accuracy"]
     Trainer(mlp(), step.optimizer, classify, metrics=[ft.train.accuracy], on_nan="stop", train_step=step)
+    ignoring = ft.train.train_step(classify, opt, metrics={"m": "logits"}, on_nan=None)
+    Trainer(mlp(), opt, classify, metrics={"m": "logits"}, on_nan=None, train_step=ignoring)  # None: "ignore"
+    with pytest.raises(ValueError, match=r"computes 'm' with another function than the Trainer's 'm'"):
+        Trainer(mlp(), opt, classify, metrics={"m": "labels"}, train_step=ignoring)  # another aux key
 
     def other_loss(model, batch):
         return 2.0 * classify(model, batch)[0]
 
     refused = {"loss function": dict(loss_fn=other_loss), "optimizer": dict(optimizer=adam()),
                "metrics": dict(metrics=[ft.train.binary_accuracy]), "on_nan": dict(on_nan="skip")}
+    refused["metrics "] = dict(metrics={"accuracy": ft.train.mean("logits")})  # the same name, another function
     for what, changed in refused.items():
+        what = what.strip()
         given = {"optimizer": opt, "loss_fn": classify, **changed}
         with pytest.raises(ValueError, match=rf"trains with the step's own {what}, but the Trainer was given another"):
             Trainer(mlp(), train_step=step, **given)

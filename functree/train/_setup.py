@@ -9,7 +9,7 @@ from typing import Any
 
 from functree._where import put
 from functree.optim._optimizer import with_wrt
-from functree.optim._skip import DEFAULT_ON_NAN
+from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.train._evaluation import key_parameter, signature
 from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
@@ -91,16 +91,33 @@ def _check_given_step(step: TrainStep, loss_fn: Any, optimizer: Any, metrics: di
                      "would report the Trainer's", "opt, other_loss_fn")
     if optimizer is not step.optimizer and optimizer is not getattr(step.optimizer, "_raw_transform", None):
         raise refuse("optimizer", "it would be ignored (the step updates with its own)", "other_opt, loss_fn")
-    if metrics and (list(metrics) != list(step.metrics) or any(
-            fn is not step.metrics[name] and getattr(fn, "__qualname__", None) != getattr(step.metrics[name], "__qualname__", 0)
-            for name, fn in metrics.items())):
+    if metrics and (list(metrics) != list(step.metrics) or not all(
+            _same_function(fn, step.metrics[name]) for name, fn in metrics.items())):
         mine = ", metrics=[...]" if step.metrics else ""
-        raise refuse("metrics", f"training would log the step's {sorted(step.metrics)}, not {sorted(metrics)}",
+        other = [n for n, fn in metrics.items() if n in step.metrics and not _same_function(fn, step.metrics[n])]
+        effect = (f"training would log the step's {sorted(step.metrics)}, not {sorted(metrics)}" if not other else
+                  f"the step computes {other[0]!r} with another function than the Trainer's {other[0]!r}")
+        raise refuse("metrics", effect,
                      "opt, loss_fn, metrics=[...]", step_arg=mine, right_arg=", metrics=[...]")
-    if on_nan != DEFAULT_ON_NAN and on_nan != step.on_nan:
+    if on_nan != DEFAULT_ON_NAN and check_on_nan(on_nan) != step.on_nan:  # None: "ignore"
         raise refuse("on_nan", f"the step handles a NaN step with on_nan={step.on_nan!r}, not {on_nan!r}",
                      f"opt, loss_fn, on_nan={on_nan!r}", step_arg=f", on_nan={step.on_nan!r}",
                      right_arg=f", on_nan={on_nan!r}")
+
+
+def _same_function(a: Any, b: Any) -> bool:
+    """``a`` is ``b``, or both made by one definition from equal captured values (the
+    Trainer resolves ``metrics=["logits"]`` to a new ``mean("logits")``: equal to the step's
+    ``mean("logits")``, not to its ``mean("labels")``, nor one factory's closure over 1 to
+    its closure over 2)."""
+    if a is b:
+        return True
+    code, other = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if code is None or code is not other or getattr(a, "__defaults__", None) != getattr(b, "__defaults__", None):
+        return False
+    cells = zip(a.__closure__ or (), b.__closure__ or ())
+    return all(x.cell_contents is y.cell_contents or (
+        type(x.cell_contents) in (str, int, float, bool) and x.cell_contents == y.cell_contents) for x, y in cells)
 
 
 def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:

@@ -50,7 +50,7 @@ from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._checks import moment_fields
 from functree.optim._groups import merge_members
-from functree.optim._hyper import OFF_AT_ZERO, running
+from functree.optim._hyper import OFF_AT_ZERO
 from functree.optim._leafwise import separable
 from functree.optim._masked import masked
 from functree.optim._radam import scale_by_radam
@@ -154,11 +154,16 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
       >>> mask(())
       {'layers.0.weight': True, 'layers.0.bias': True, 'layers.1.scale': True, 'layers.1.offset': True}
     """
-    exclude = tuple(exclude)
+    return decay_mask_of(params, tuple(exclude), "ft.optim.decay_mask")
+
+
+def decay_mask_of(params: Any, exclude: tuple[str, ...], where: str) -> Any:
+    """:func:`decay_mask` as the optimizer ``where`` (``"ft.optim.adamw"``) computes it: its
+    errors name that optimizer, the one the user called."""
     check_patterns(exclude)
     globs = tuple(e for e in exclude if e != DECLARED and not e.startswith(LEAF))
     leaf_globs = tuple(e[len(LEAF):] for e in exclude if e.startswith(LEAF))
-    _check_excludes(params, exclude)
+    _check_excludes(params, exclude, where)
     by_name = selected(params, ("*",), globs, strict=False, exclude_whole=leaf_globs)
     if DECLARED not in exclude:
         return jax.tree.map(lambda m: _decayed_where(m, False), by_name, is_leaf=is_none)
@@ -174,7 +179,7 @@ and those parameters would be decayed. Closest names: {close}.
     right:  {call}exclude={right})"""
 
 
-def _check_excludes(params: Any, exclude: tuple[str, ...]) -> None:
+def _check_excludes(params: Any, exclude: tuple[str, ...], where: str) -> None:
     """Refuse a glob of the user's that matches no name of the model (a typo, "layer.1.*" for
     "layers.1.*", decayed what it meant to spare; a :data:`LEAF` glob, no whole name).
     :data:`DEFAULT_NO_DECAY`'s own globs may match nothing (a model without biases). Names
@@ -191,7 +196,7 @@ def _check_excludes(params: Any, exclude: tuple[str, ...]) -> None:
         try:
             selection(named, (glob[len(LEAF):] if whole else glob,), what="exclude", strict=True, whole=whole)
         except NothingSelected as e:
-            raise ValueError(_exclude_message(exclude, glob, _exclude_fix(named, glob, e), e.close)) from None
+            raise ValueError(_exclude_message(exclude, glob, _exclude_fix(named, glob, e), e.close, where)) from None
 
 
 def _exclude_fix(named: Any, glob: str, e: NothingSelected) -> str:
@@ -210,10 +215,9 @@ def _selects(named: Any, pattern: str, whole: bool) -> bool:
     return any(np.any(s) for s in selection(named, (pattern,), what="exclude", strict=False, whole=whole))
 
 
-def _exclude_message(exclude: tuple[str, ...], glob: str, fixed: str, close: Sequence[str]) -> str:
+def _exclude_message(exclude: tuple[str, ...], glob: str, fixed: str, close: Sequence[str], where: str) -> str:
     """:data:`EXCLUDE_SELECTS_NOTHING` for ``glob`` of ``exclude``, the fix ``fixed`` in its
-    place, naming the optimizer that runs the check (``ft.optim.decay_mask`` called alone)."""
-    where = running() or "ft.optim.decay_mask"
+    place, naming the optimizer ``where`` that runs the check (``ft.optim.decay_mask`` called alone)."""
     call = "ft.optim.decay_mask(params, " if where == "ft.optim.decay_mask" else f"{where}(..., "
     return EXCLUDE_SELECTS_NOTHING.format(
         where=where, pattern=glob, close=", ".join(map(repr, close)) or "none", call=call,
@@ -237,9 +241,9 @@ def _decayed_where(by_name: Any, declared: Any) -> Any:
     return bool(np.all(by_name)) and not declared
 
 
-def _decay_mask(exclude: Sequence[str]) -> Any:
+def _decay_mask(exclude: Sequence[str], where: str) -> Any:
     exclude = tuple(exclude)
-    return lambda params: decay_mask(params, exclude)
+    return lambda params: decay_mask_of(params, exclude, where)
 
 
 def _l2(weight_decay: Any) -> optax.GradientTransformation:
@@ -531,7 +535,7 @@ def adamw(
     if weight_decay is None:
         return optax.adam(learning_rate, beta1, beta2, epsilon)
     return optax.chain(optax.scale_by_adam(beta1, beta2, epsilon),  # optax.adamw, its state too
-                       masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
+                       masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude, "ft.optim.adamw")),
                        optax.scale_by_learning_rate(learning_rate))
 
 
@@ -664,7 +668,7 @@ def lion(
     if weight_decay is None:
         return optax.chain(optax.scale_by_lion(beta1, beta2), optax.scale_by_learning_rate(learning_rate))
     return optax.chain(optax.scale_by_lion(beta1, beta2),  # optax.lion, its state too
-                       masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude)),
+                       masked(optax.add_decayed_weights(weight_decay), _decay_mask(exclude, "ft.optim.lion")),
                        optax.scale_by_learning_rate(learning_rate))
 
 

@@ -18,12 +18,10 @@ A hyperparameter is one of
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -430,26 +428,6 @@ class _Spec:
         return base * scale
 
 
-_RUNNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("ft_optim_running", default=None)
-
-
-def running() -> str | None:
-    """The ``where`` (``"ft.optim.adamw"``) of the innermost :func:`inject` transformation
-    whose ``init`` or ``update`` is running, else None: a check inside the numerics it
-    builds (weight decay's ``exclude``, run by ``adamw``, ``lion`` and ``weight_decay``
-    alike) names the optimizer the user called."""
-    return _RUNNING.get()
-
-
-@contextlib.contextmanager
-def _running(where: str) -> Iterator[None]:
-    token = _RUNNING.set(where)
-    try:
-        yield
-    finally:
-        _RUNNING.reset(token)
-
-
 def inject(
     where: str,
     factory: Callable[..., optax.GradientTransformation],
@@ -509,7 +487,7 @@ def inject(
             stored = {n: np.dtype(dtype).type(v) for n, v in zip(names, given)}
         else:
             values = _pack([_scalar(v, dtype) for v in given])
-        with jax.numpy_dtype_promotion("standard"), _running(where):  # optax: float hyperparameters, int counts
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             tx, scheduled = build(ctx, values, dtype, stored)
             inner = jax.tree.map(_on_device, tx.init(params))  # (a transformation that keeps a value)
             state = HyperState(ctx, values, scheduled, inner, names, scheduled_names)
@@ -522,7 +500,7 @@ def inject(
         _check_names(where, state, names, scheduled_names)
         packed = state.values if state.values is not None else state.scheduled
         dtype = packed.dtype if packed is not None else _hyper_dtype(updates)
-        with jax.numpy_dtype_promotion("standard"), _running(where):  # optax: float hyperparameters, int counts
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             tx, scheduled = build(ctx, state.values, dtype)
             try:
                 new_updates, inner = tx.update(updates, state.inner, params, **extra)

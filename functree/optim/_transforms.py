@@ -19,7 +19,7 @@ import optax
 from functree._naming import broadcast
 from functree._operators import value_with_gradient
 from functree._parameters import select
-from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask
+from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask_of
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
 from functree.optim._masked import masked
@@ -254,7 +254,7 @@ def weight_decay(rate: Any, *, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> opt
 
     def factory(weight_decay: Any) -> Any:
         def fn(u: Any, p: Any) -> Any:
-            mask = decay_mask(p, exclude)
+            mask = decay_mask_of(p, exclude, "ft.optim.weight_decay")
             return jax.tree.map(lambda u, w, m: _decay(u, w, m, weight_decay), u, p, mask)
 
         return _stateless(fn, "weight_decay", needs_params=True)

@@ -633,3 +633,70 @@ def test_an_override_without_super_keeps_accuracy_per_token(k):
         np.testing.assert_allclose(t.evaluate(data)["acc"], want, rtol=0, atol=_ATOL)
         assert set(t.history.steps) == {"step", "loss", "acc", "ten", "learning_rate"}  # no part shown
         assert t.history.epochs["ten"] == [10.0]
+
+
+class _HandStep(ft.train.TrainStep):
+    """step() overridden, its metrics built by hand: accuracy without its parts."""
+
+    def step(self, model, opt_state, batch, key=None, enabled=None):
+        new, state, loss, aux, nonfinite = self.apply(model, opt_state, batch, key, enabled)
+        acc = ft.train.accuracy(StepOutput(loss, aux, batch, model))
+        return new, state, {"loss": loss, "acc": acc, "nonfinite": nonfinite}
+
+
+class _HandStepAndMetrics(_HandStep):
+    """The same with compute_metrics overridden (the Trainer then reads the names step()
+    returns): it trained, and its epoch accuracy was Σ n_b·acc_b / Σ n_b."""
+
+    def compute_metrics(self, out):
+        return {"loss": out.loss, "acc": ft.train.accuracy(out)}
+
+
+class _SuperStep(ft.train.TrainStep):
+    """step() overridden through super(): the parts come along."""
+
+    def step(self, model, opt_state, batch, key=None, enabled=None):
+        new, state, metrics = super().step(model, opt_state, batch, key, enabled)
+        return new, state, {**metrics, "loss": 2.0 * metrics["loss"]}
+
+
+@pytest.mark.parametrize("cls", [_HandStep, _HandStepAndMetrics])
+@pytest.mark.parametrize("k", [1, 2], ids=["one-step-calls", "steps_per_call=2"])
+def test_a_step_override_building_accuracy_itself_is_refused(cls, k):
+    """Before: _HandStepAndMetrics's epoch accuracy was 0.446429 (size-weighted) for numpy's
+    per-token 0.378378; _HandStep failed with a bare broadcasting error. Its parts cannot be
+    recovered from what step() returns: the Trainer refuses it by name; a call by hand
+    (which reports each minibatch's own accuracy, no mean) still runs."""
+    from functree.train._step import STEP_WITHOUT_PARTS
+
+    logits, labels, values, data = _even_data()
+    assert abs(_weighted(logits, labels, _EVEN) - _per_token(logits, labels)) > 0.05
+    opt, loss_fn = ft.optim.sgd(0.0), _token_loss(logits, values)
+    step = cls(loss_fn, opt, metrics={"acc": ft.train.accuracy}, steps_per_call=k)
+    t = ft.train.Trainer({"w": jnp.zeros(())}, opt, loss_fn, train_step=step)
+    with pytest.raises(ValueError) as info:
+        t.fit(data, epochs=1, progress=False, log_every=2)
+    message = STEP_WITHOUT_PARTS.format(cls=cls.__name__, name="acc")
+    assert message in str(info.value)
+    assert "right:  def compute_metrics(self, out):" in message and "super().step(" in message
+    by_hand = cls(loss_fn, opt, metrics={"acc": ft.train.accuracy}, donate=False)
+    model = {"w": jnp.zeros(())}
+    got = by_hand(model, by_hand.optimizer.init(model), data[0])[2]["acc"]
+    np.testing.assert_allclose(got, _per_token(logits[:3], labels[:3]), rtol=0, atol=_ATOL)
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["one-step-calls", "steps_per_call=2"])
+def test_a_step_override_through_super_keeps_accuracy_per_token(k):
+    logits, labels, values, data = _even_data()
+    want = _per_token(logits, labels)
+    opt, loss_fn = ft.optim.sgd(0.0), _token_loss(logits, values)
+    step = _SuperStep(loss_fn, opt, metrics={"acc": ft.train.accuracy}, steps_per_call=k)
+    t = ft.train.Trainer({"w": jnp.zeros(())}, opt, loss_fn, train_step=step)
+    logged: list[Any] = []
+    t.fit(data, epochs=1, progress=False, log_every=2, callbacks=[logged.append])
+    cuts = np.cumsum((0, *_EVEN))
+    np.testing.assert_allclose(t.history.epochs["acc"][0], want, rtol=0, atol=_ATOL)
+    window = next(c.metrics["acc"] for c in logged if c.event == "log")
+    np.testing.assert_allclose(window, _per_token(logits[: cuts[2]], labels[: cuts[2]]), rtol=0, atol=_ATOL)
+    np.testing.assert_allclose(t.history.epochs["loss"][0], 2 * np.mean(values, dtype=np.float64), rtol=0, atol=_ATOL)
+    np.testing.assert_allclose(t.evaluate(data)["acc"], want, rtol=0, atol=_ATOL)

@@ -67,9 +67,11 @@ from functree.parallel._step_specs import (
 )
 from functree.train._halt import new_halt_log, placed_as
 from functree.train._metrics import (
+    PART_SUM,
     StepOutput,
     batch_size_of,
     complete_parts,
+    counting_names,
     describe_batch,
     evaluate_metrics,
     resolve_metrics,
@@ -116,6 +118,30 @@ The loss function must return a scalar loss (or (loss, aux)); got a loss of shap
 
     wrong:  return (model(x) - y) ** 2
     right:  return jnp.mean((model(x) - y) ** 2)"""
+
+
+STEP_WITHOUT_PARTS = """\
+{cls}.step returned the counting metric {name!r} without its parts ({name}#sum, {name}#count: \
+its hits and counted labels), so the Trainer's means of it would weigh each minibatch's \
+accuracy by its size (Σ n_b·acc_b / Σ n_b) instead of Σ hits / Σ counted. A step() that \
+builds its metrics itself cannot be completed (the loss's output it read is not the step's \
+to see): report them through compute_metrics, which the step completes, or keep super()'s.
+
+    wrong:  def step(self, model, opt_state, batch, key=None, enabled=None):
+                new, state, loss, aux, _ = self.apply(model, opt_state, batch, key, enabled)
+                return new, state, {{"loss": loss, {name!r}: ft.train.accuracy(StepOutput(loss, aux, batch, model))}}
+    right:  def compute_metrics(self, out):    # override this stage instead of step()
+                return {{"loss": out.loss, {name!r}: ft.train.accuracy(out)}}
+       or:  new, state, metrics = super().step(model, opt_state, batch, key, enabled)    # in step()"""
+
+
+def check_parts(step: Any, metrics: Mapping[str, Any]) -> None:
+    """Refuse ``metrics`` (what ``step.step`` returned) holding a counting metric of the
+    step without its parts: an override of ``step()`` that built them itself, whose
+    Trainer means would be size-weighted (``TrainStep.step`` always adds them)."""
+    for name in counting_names(step.metrics):
+        if name in metrics and name + PART_SUM not in metrics:
+            raise ValueError(STEP_WITHOUT_PARTS.format(cls=type(step).__name__, name=name))
 
 
 _FIRST = operator.itemgetter(0)  # an in-flight call's first step (bisect's key: one C call)
@@ -504,6 +530,8 @@ class TrainStep:
         model, opt_state, metrics = self.step(model, opt_state, batch, key, enabled)
         if log is None:
             return model, opt_state, without_parts(metrics), None
+        if "rows" in log:  # the Trainer's means read the parts (at trace time: costs nothing)
+            check_parts(self, metrics)
         log = self.record(log, metrics, batch, opt_state)
         return model, opt_state, (None if "rows" in log else without_parts(metrics)), log  # rows hold them
 

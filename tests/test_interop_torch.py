@@ -973,3 +973,38 @@ def test_torch_state_dict_of_a_donated_model_names_the_call_and_the_fix():
                                          r"model\.weight(.|\n)*Use what the step returns"):
         ft.nn.torch_state_dict(model, numpy=True)
     np.testing.assert_array_equal(ft.nn.torch_state_dict(new_model, numpy=True)["weight"], np.asarray(new_model.weight).T)
+
+
+def _bf16_tie():
+    """``b = 0.1 aᵀ`` between two bfloat16 weights (A Aᵀ = 0.01 I: inverted as ``10 bᵀ``)."""
+    return ft.nn.Shared({"a": jnp.zeros((8, 16), jnp.bfloat16), "b": jnp.zeros((16, 8), jnp.bfloat16)},
+                        {"b": ("a", lambda w: 0.1 * w.T)})  # on the host: NumPy's float32
+
+
+def test_a_bfloat16_tie_given_its_target_only_loads_within_bfloat16_rounding():
+    """torch's bfloat16 ``b`` alone: ``a = bᵀ / 0.1`` (torch, float64) rounded to bfloat16, and
+    ``0.1 aᵀ`` gives ``b`` back within bfloat16 rounding; it was refused as TIES_DISAGREE (by
+    0.0078 for max|b| = 3.4: one bfloat16 rounding, checked against float32's eps)."""
+    b = torch.randn(16, 8).to(torch.bfloat16)
+    loaded = ft.nn.load_torch_state_dict(_bf16_tie(), {"b": b})
+    expected = (b.double().T / 0.1).numpy()
+    half_ulp = float(jnp.finfo(jnp.bfloat16).eps) / 2  # measured: 0.0037 of max|a|, 0.0046 of max|b|
+    np.testing.assert_allclose(np.asarray(loaded.model["a"], np.float64), expected, rtol=0,
+                               atol=10 * half_ulp * np.abs(expected).max())
+    np.testing.assert_allclose(np.asarray(loaded.resolve()["b"], np.float64), b.double().numpy(), rtol=0,
+                               atol=10 * half_ulp * float(b.abs().max()))
+
+
+def test_a_bfloat16_tie_under_both_names_agrees_within_rounding_and_a_real_difference_is_refused():
+    """torch's own bfloat16 tie (``b = 0.1 * a.T`` computed by torch in bfloat16) loads; the
+    same with ``b + 0.25`` (32 times its rounding) is still TIES_DISAGREE."""
+    a = torch.randn(8, 16).to(torch.bfloat16)
+    b = 0.1 * a.T
+    loaded = ft.nn.load_torch_state_dict(_bf16_tie(), {"a": a, "b": b})
+    np.testing.assert_array_equal(np.asarray(loaded.model["a"], np.float32), a.float().numpy())
+    half_ulp = float(jnp.finfo(jnp.bfloat16).eps) / 2  # measured: 0.001 for max|b| = 0.34
+    np.testing.assert_allclose(np.asarray(loaded.resolve()["b"], np.float64), b.double().numpy(), rtol=0,
+                               atol=10 * half_ulp * float(b.abs().max()))
+    with pytest.raises(ValueError) as e:
+        ft.nn.load_torch_state_dict(_bf16_tie(), {"a": a, "b": b + 0.25})
+    assert "['b'] (ft: model.b) differs from ['a'] (ft: model.a) by up to 0.25" in str(e.value)

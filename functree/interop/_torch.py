@@ -883,9 +883,9 @@ def _check_ties(plan: _Plan, loaded: _Plan, values: Mapping[str, np.ndarray]) ->
         for name in _under_name(plan, tie.target):
             if name not in values:
                 continue
-            held = np.asarray(loaded.leaves[name].value)
-            given = np.asarray(values[name]).astype(held.dtype)
-            tolerance = 0.0 if tie.transform is None else 4 * _eps(held) * float(np.abs(given).max(initial=0))
+            held, raw = np.asarray(loaded.leaves[name].value), np.asarray(values[name])
+            given = raw.astype(held.dtype)
+            tolerance = 0.0 if tie.transform is None else _tie_tolerance(plan, tie, held, raw)
             difference = float(np.abs(given.astype(np.float64) - held.astype(np.float64)).max(initial=0))
             if not difference <= tolerance:  # NaN disagrees too
                 source = tie.source + name[len(tie.target):] if tie.transform is None else tie.source
@@ -893,6 +893,20 @@ def _check_ties(plan: _Plan, loaded: _Plan, values: Mapping[str, np.ndarray]) ->
                 raise ValueError(TIES_DISAGREE.format(
                     target=target, source=given_source, target0=target[0], source0=given_source[0],
                     ft_target=name, ft_source=source, difference=difference))
+
+
+def _tie_tolerance(plan: _Plan, tie: _Tie, held: np.ndarray, given: np.ndarray) -> float:
+    """How far a transformed tie's given target ``t`` may be from ``A s`` (the loaded source,
+    transformed): ``4 eps max|t|``, ``eps`` the coarsest of the dtypes the numbers went
+    through: the given tensor's, the stored source's and the resolved target's.
+
+    A source held in bfloat16 is ``A⁻¹ t`` rounded to 8 bits (or torch's own bfloat16 copy
+    under both names), so ``A s`` differs from ``t`` by up to ``eps_bf16 / 2 max|t|``
+    (``0.0078`` for ``|t| ≈ 2``); the host resolves ``A s`` in float32 (NumPy promotes
+    ``0.1 * bfloat16``), whose eps alone would call that rounding a disagreement."""
+    sources = [plan.leaves[n].value for n in _under_name(plan, tie.source)]
+    eps = max(_eps(a) for a in (held, given, *sources))
+    return 4 * eps * float(np.abs(given.astype(np.float64)).max(initial=0))
 
 
 def _eps(a: np.ndarray) -> float:

@@ -263,3 +263,26 @@ def test_the_context_advances_elementwise_in_a_step(gated):
         model, state = step(model, state, batch)
     ctx = fo.context(state)
     assert (int(ctx.step), int(ctx.samples_seen), int(ctx.minibatch_size)) == (3, 14, 4)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_the_loss_keeps_float64_under_x64_and_a_scanned_step_carries_one_dtype(x64):
+    """Under ``jax_enable_x64`` a float64 loss is stored as float64 (it was rounded to
+    float32: 1/3 held as 0.3333333432674408, off by 1e-8); without x64, float32 as before.
+    The initial context has the dtype the step writes: ``lax.scan`` carrying the state
+    (which refuses a carry whose dtype changes) runs, and the states' dtypes are equal."""
+    losses = np.array([1.0, 0.5, 1 / 3])  # NumPy float64: the reference
+    with jax.enable_x64(x64):
+        tx = fo.adam(0.1)
+        state = tx.init({"w": jnp.zeros(2)})
+
+        def step(state, loss):
+            _, state = tx.update({"w": jnp.ones(2)}, state, minibatch_size=4, loss=loss)
+            return state, fo.context(state).loss
+
+        final, seen = jax.lax.scan(step, state, jnp.asarray(losses))
+        dtype = np.float64 if x64 else np.float32
+        assert fo.context(state).loss.dtype == fo.context(final).loss.dtype == seen.dtype == dtype
+        assert jax.tree.map(lambda a: a.dtype, state) == jax.tree.map(lambda a: a.dtype, final)
+        np.testing.assert_array_equal(np.asarray(seen), losses.astype(dtype))
+        assert float(fo.context(final).replace(loss=np.float64(0.1)).loss) == float(np.float64(0.1).astype(dtype))

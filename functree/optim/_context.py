@@ -53,7 +53,10 @@ class LearningContext:
       loss: the latest loss given to ``update(..., loss=)`` (NaN until one is given).
 
     The four counts are packed along the last axis of one int32 array (``counters``) and
-    the loss is a float32 scalar: two leaves, so the context adds almost nothing to a jitted
+    the loss is a scalar of JAX's default float when the context was made (float32;
+    float64 under ``jax_enable_x64``, where a float32 loss would round a float64 one to 7
+    digits), and every loss written into it is cast to that dtype, so a carried state's
+    dtypes never change between steps: two leaves, so the context adds almost nothing to a jitted
     step's dispatch. Being int32 (JAX without x64), ``samples_seen`` holds up to 2³¹ − 1
     examples (2.1 billion): a job past that wraps negative, and a schedule in samples then
     starts over; give such a schedule in steps or sweeps. Stacked states (a vmapped ensemble or learning-rate sweep) add leading
@@ -104,7 +107,7 @@ class LearningContext:
                 else self.counters[..., i]
                 for i, n in enumerate(COUNTERS)
             ], axis=-1)
-        return LearningContext(counters, jnp.broadcast_to(jnp.asarray(loss).astype(jnp.float32), batch))
+        return LearningContext(counters, jnp.broadcast_to(jnp.asarray(loss).astype(self.loss.dtype), batch))
 
     _replace = replace
 
@@ -121,7 +124,8 @@ register_record(LearningContext, ["counters", "loss"])
 
 
 def initial_context() -> LearningContext:
-    """The context before the first step: zeros, minibatch size 1, loss NaN.
+    """The context before the first step: zeros, minibatch size 1, loss NaN (of JAX's
+    default float: float64 under ``jax_enable_x64``, the dtype every step then writes).
 
     Example:
       >>> import functree as ft
@@ -132,7 +136,8 @@ def initial_context() -> LearningContext:
     """
     # Host values put on the device: no program is compiled for them (on a GPU each eager
     # operation is a compile of its own before the first step).
-    return LearningContext(jax.device_put(np.array([0, 0, 0, 1], np.int32)), jax.device_put(np.float32(np.nan)))
+    loss = np.array(np.nan, jnp.result_type(float))  # float32, or float64 under x64
+    return LearningContext(jax.device_put(np.array([0, 0, 0, 1], np.int32)), jax.device_put(loss))
 
 
 def current(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) -> LearningContext:
@@ -168,7 +173,10 @@ def _with_size(counters: jax.Array, size: jax.Array) -> jax.Array:
 
 
 def _loss(ctx: LearningContext, loss: Any) -> jax.Array:
-    return ctx.loss if loss is None else jnp.asarray(loss).astype(jnp.float32)
+    """``loss`` in the context's loss dtype (made by :func:`initial_context`): a jitted
+    step's carried state keeps its dtypes (a float64 loss into a context made without x64
+    is rounded to its float32)."""
+    return ctx.loss if loss is None else jnp.asarray(loss).astype(ctx.loss.dtype)
 
 
 def _is_context(x: Any) -> bool:

@@ -3,7 +3,7 @@ configuration at a step, written through orbax and rebuilt with their original t
 
 A checkpoint is an orbax directory with two items: ``arrays`` (every leaf by its dotted
 key path, ``model.layers.0.weight``) and ``meta`` (JSON: the tree's types by public name
-(:mod:`._treespec`), the step, metrics, configuration, CRC-32s of the arrays
+(:mod:`._treespec`, read back by :mod:`._decode`), the step, metrics, configuration, CRC-32s of the arrays
 (:mod:`._arrays`) and one of the metadata itself). One writer (:func:`save_args`) and one
 reader (:func:`_read`) serve :func:`save`/:func:`load` and :class:`CheckpointManager`,
 whose directory policy (lock, retention) is :mod:`._directory`. Orbax writes into a
@@ -36,19 +36,16 @@ from functree.train.checkpoint._arrays import describe, placement, saved_arrays,
 from functree.train.checkpoint._frozen import describe_frozen, restore_frozen
 from functree.train.checkpoint._processes import agreed, gather
 from functree.train.checkpoint._registry import type_name
-from functree.train.checkpoint._treespec import (
-    CheckpointError,
+from functree.train.checkpoint._decode import (
     EditedReader,
-    SpecError,
     check_names,
     decode,
     decode_leaf,
     dict_entries,
-    encode,
     leaf_specs,
-    same_classes,
-    static_differences,
 )
+from functree.train.checkpoint._errors import CheckpointError, SpecError
+from functree.train.checkpoint._treespec import encode, same_classes, static_differences
 
 __all__ = ["Checkpoint", "CheckpointManager", "SKIP", "save", "load", "CheckpointError"]
 

@@ -1,0 +1,42 @@
+"""The errors a checkpoint raises: :class:`CheckpointError` (a directory or checkpoint that
+cannot be used as asked) and :class:`SpecError` (a stored tree that cannot be rebuilt from
+its description), with the message naming a damaged description's key path.
+
+Both are defined here, below the writer (:mod:`._treespec`) and the reader
+(:mod:`._decode`) of a tree's description, which raise them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MALFORMED", "CheckpointError", "SpecError"]
+
+# The module these classes were defined in until the reader moved out of it: the name a
+# traceback shows (``functree.train.checkpoint._treespec.CheckpointError: ...``, as in
+# ft.train.migrate's example) and pickle looks them up by (_treespec imports them).
+_SHOWN_IN = "functree.train.checkpoint._treespec"
+
+MALFORMED = """\
+The checkpoint's type description is damaged at {path!r}: {why}.
+The checkpoint cannot be rebuilt from it; restore another step, or load with a template
+to read the arrays alone:  ft.train.load(path, template=model)"""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or checkpoint that cannot be used as asked.
+
+    Example:
+      >>> import functree as ft, tempfile
+      >>> try:
+      ...     ft.train.load(tempfile.mkdtemp() + "/missing")
+      ... except ft.train.CheckpointError as e:
+      ...     print(str(e).splitlines()[-1])
+      Pass the directory written by ft.train.save(path, tree).
+    """
+
+    __module__ = _SHOWN_IN
+
+
+class SpecError(CheckpointError):
+    """A stored tree cannot be rebuilt from its description alone."""
+
+    __module__ = _SHOWN_IN

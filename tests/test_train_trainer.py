@@ -681,3 +681,63 @@ def test_an_overridden_compute_metrics_fills_its_own_columns(on_nan):
     assert (steps["loss"], steps["a_ten"], steps["z_twenty"]) == ([1.0] * 3, [10.0] * 3, [20.0] * 3)
     assert (t.history.epochs["loss"], t.history.epochs["a_ten"]) == ([1.0], [10.0])
     assert t.skipped == []
+
+
+# --- other libraries' constructor calls, named with the fix --------------------------------
+
+
+def _mse(model, batch):
+    return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+
+def test_keras_loss_keyword_is_named_with_the_fix():
+    """Before: Trainer(model, opt, loss=fn) was Python's "missing 1 required positional
+    argument: 'loss_fn'"; now the error shows the positional (or loss_fn=) call, which trains."""
+    from functree.train._setup import KERAS_LOSS, KERAS_NAMED_LOSS
+
+    model, opt = ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.sgd(0.1)
+    with pytest.raises(TypeError) as info:
+        Trainer(model, opt, loss=_mse)
+    assert str(info.value) == KERAS_LOSS.format(given="_mse", right="_mse", note="")
+    assert "wrong:  ft.train.Trainer(model, optimizer, loss=_mse)" in str(info.value)
+    assert "right:  ft.train.Trainer(model, optimizer, _mse)" in str(info.value)
+    with pytest.raises(TypeError) as info:
+        Trainer(model, opt, loss="mse")
+    assert str(info.value) == KERAS_LOSS.format(given="'mse'", right="loss_fn", note=KERAS_NAMED_LOSS)
+    trainer = Trainer(model, opt, loss_fn=_mse)  # the right code trains: the loss numpy computes
+    trainer.fit(ft.train.batches((X, Y[:, :1]), 64, shuffle=False), epochs=1, progress=False)
+    w, b = np.asarray(model.weight), np.asarray(model.bias)
+    expected = np.mean((X @ w.reshape(3, 1) + b - Y[:, :1]) ** 2, dtype=np.float64)
+    np.testing.assert_allclose(trainer.history.epochs["loss"][0], expected, rtol=0, atol=1e-5)
+
+
+def test_hugging_face_training_arguments_are_named_with_the_fix(tmp_path):
+    """Before: Trainer(model, args) was Python's "missing 1 required positional argument";
+    now the error names TrainingArguments and writes its learning rate, batch size and
+    epochs into the optimizer and fit() call."""
+    transformers = pytest.importorskip("transformers")
+    from functree.train._setup import HF_ARGS
+
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), learning_rate=2e-5, num_train_epochs=3,
+                                          per_device_train_batch_size=16, report_to=[])
+    want = HF_ARGS.format(given="TrainingArguments", lr=2e-05, batch=16, epochs=3)
+    for call in (lambda: Trainer(model, args), lambda: Trainer(model=model, args=args),
+                 lambda: Trainer(model, args, _mse)):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == want
+    assert "wrong:  ft.train.Trainer(model, args)" in want
+    assert "ft.optim.adamw(2e-05)" in want and "ft.train.batches(train_arrays, 16), epochs=3" in want
+
+
+def test_a_missing_optimizer_or_loss_is_named():
+    from functree.train._setup import MISSING_ARGUMENT
+
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    with pytest.raises(TypeError) as info:
+        Trainer(model, ft.optim.sgd(0.1))
+    assert str(info.value) == MISSING_ARGUMENT.format(what="loss function", wrong="model, optimizer")
+    with pytest.raises(TypeError) as info:
+        Trainer(model)
+    assert str(info.value) == MISSING_ARGUMENT.format(what="optimizer", wrong="model")

@@ -14,7 +14,7 @@ from functree.train._evaluation import key_parameter, signature
 from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
 
-__all__ = ["make_step", "check_key", "job_field"]
+__all__ = ["make_step", "check_key", "job_field", "check_arguments", "MISSING"]
 
 WRT_WITH_STEP = """\
 Trainer(wrt=...) cannot change a TrainStep instance's optimizer: the step was built with its own.
@@ -58,6 +58,74 @@ are shuffled either way):
     right:  ft.train.Trainer(model, optimizer, lambda m, b, key=None: mse(m(b[0], key=key), b[1]),
                              key=jax.random.key(0))
        or:  ft.train.Trainer(model, optimizer, lambda m, b: mse(m(b[0]), b[1]))"""
+
+
+KERAS_LOSS = """\
+ft.train.Trainer takes the loss function as its third argument, loss_fn(model, batch) -> \
+a scalar loss (or (loss, aux)); loss= is Keras's compile() keyword. Got loss={given}.
+
+    wrong:  ft.train.Trainer(model, optimizer, loss={given})
+    right:  ft.train.Trainer(model, optimizer, {right})    # or loss_fn={right}{note}"""
+
+KERAS_NAMED_LOSS = """
+            (a Keras loss name is no function here: write it, e.g.
+             lambda model, batch: optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1]).mean())"""
+
+HF_ARGS = """\
+ft.train.Trainer's second argument is the optimizer, and {given} is Hugging Face's training \
+arguments: functree's Trainer takes the optimizer (its learning rate and schedule inside it) \
+and a loss function; epochs, batch size and evaluation are fit()'s.
+
+    wrong:  ft.train.Trainer(model, args)          # args = TrainingArguments(...)
+    right:  trainer = ft.train.Trainer(model, ft.optim.adamw({lr}), loss_fn)   # loss_fn(model, batch) -> loss
+            trainer.fit(ft.train.batches(train_arrays, {batch}), epochs={epochs}, validation_data=eval_data)"""
+
+MISSING_ARGUMENT = """\
+ft.train.Trainer needs the model, the optimizer and the loss function; the {what} was not given.
+
+    wrong:  ft.train.Trainer({wrong})
+    right:  ft.train.Trainer(model, ft.optim.adam(1e-3), loss_fn)    # loss_fn(model, batch) -> loss"""
+
+
+class _Missing:
+    """The default of Trainer's optimizer and loss_fn: none given (so that Keras's
+    ``loss=`` and Hugging Face's ``Trainer(model, args)`` reach the errors naming the fix
+    instead of Python's "missing 1 required positional argument")."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+MISSING: Any = _Missing()
+
+
+def _is_training_arguments(x: Any) -> bool:
+    """Hugging Face's ``TrainingArguments`` (or a subclass: ``Seq2SeqTrainingArguments``,
+    TRL's ``SFTConfig``), or an object with its fields, without importing transformers."""
+    named = any(c.__name__ == "TrainingArguments" for c in type(x).__mro__)
+    return named or (hasattr(x, "output_dir") and hasattr(x, "per_device_train_batch_size"))
+
+
+def check_arguments(optimizer: Any, loss_fn: Any, unknown: dict[str, Any]) -> None:
+    """Refuse, by name and with the fix, a Trainer called as another library's: Hugging
+    Face's ``Trainer(model, args)``, Keras's ``loss=``, or without an optimizer or loss."""
+    args = unknown.get("args", optimizer)
+    if _is_training_arguments(args):
+        epochs = getattr(args, "num_train_epochs", 3)
+        raise TypeError(HF_ARGS.format(
+            given=type(args).__name__, lr=getattr(args, "learning_rate", 1e-3),
+            batch=getattr(args, "per_device_train_batch_size", 8),
+            epochs=int(epochs) if isinstance(epochs, float) and epochs.is_integer() else epochs))
+    if loss_fn is MISSING and "loss" in unknown:
+        given = unknown["loss"]
+        name = getattr(given, "__name__", None) if callable(given) else None
+        right = name if name and name.isidentifier() else "loss_fn"
+        raise TypeError(KERAS_LOSS.format(given=right if callable(given) else repr(given)[:60], right=right,
+                                          note=KERAS_NAMED_LOSS if isinstance(given, str) else ""))
+    for what, value in (("optimizer", optimizer), ("loss function", loss_fn)):
+        if value is MISSING:
+            wrong = "model" if optimizer is MISSING else "model, optimizer"
+            raise TypeError(MISSING_ARGUMENT.format(what=what, wrong=wrong))
 
 
 def make_step(train_step: Any, loss_fn: Any, optimizer: Any, metrics: Any, on_nan: Any, wrt: Any,

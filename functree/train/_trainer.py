@@ -54,7 +54,7 @@ from functree.train._nonfinite import NonFiniteError
 from functree.train._progress import Progress
 from functree.train._reader import Reader, reads_model
 from functree.train._scan import check_steps_per_call, stack_batches
-from functree.train._setup import check_key, job_field, make_step
+from functree.train._setup import MISSING, check_arguments, check_key, job_field, make_step
 from functree.train._step import TrainStep
 from functree.train._step_factories import eval_step
 from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
@@ -321,12 +321,13 @@ class Trainer(Evaluation):
     if TYPE_CHECKING:
         def __getattr__(self, name: str) -> Any: ...
 
-    def __init__(self, model: Any, optimizer: Any, loss_fn: Callable[..., Any], *,
+    def __init__(self, model: Any, optimizer: Any = MISSING, loss_fn: Callable[..., Any] = MISSING, *,
                  metrics: Mapping[str, Any] | Sequence[Any] | None = None, key: jax.Array | None = None,
                  on_nan: str | None = DEFAULT_ON_NAN, opt_state: Any = None,
                  train_step: type[TrainStep] | TrainStep | None = None, mesh: Any = None, data_axis: str = "data",
                  sharding: Any = None, compute_dtype: Any = None, wrt: Any = None, steps_per_call: int | None = None,
                  **unknown: Any):
+        check_arguments(optimizer, loss_fn, unknown)  # Keras's loss=, Hugging Face's Trainer(model, args)
         if unknown:  # other libraries' names (max_epochs=, compute_metrics=) and typos, named with the fix
             raise unknown_keyword("Trainer", unknown, Trainer.__init__)
         parallel: dict[str, Any] = {}

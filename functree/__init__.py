@@ -27,6 +27,7 @@ from functree._diagnostics import (
     diagnose,
 )
 from functree._display import Summary, summary
+from functree._fields import field
 from functree._jit import ControlFlowError, jit
 from functree._key_path_names import (
     get,
@@ -38,7 +39,6 @@ from functree._module import (
     FrozenModuleError,
     Module,
     NonDifferentiableFieldWarning,
-    field,
 )
 from functree._nan import NaNReport
 from functree._operators import (

@@ -12,7 +12,7 @@ Construction and reconstruction are separate paths:
   small per-class functions, generated once from the field names, read and fill the
   instance dict directly (``object.__new__`` plus the fields, no checks).
 
-Three kinds of field, as in Swift:
+Three kinds of field, as in Swift (declared with :func:`functree._fields.field`):
 
 * parameters (the default): differentiable data leaves;
 * ``field(no_derivative=True)``: data leaves carried and traced but never
@@ -41,11 +41,21 @@ from typing import Any, ClassVar, Self, TypeVar
 import jax
 
 from functree import _functions
-from functree._field_checks import check_dict_keys, refuse_field_options, refuse_kw_only_marker
+from functree._field_checks import check_dict_keys, refuse_kw_only_marker
+from functree._fields import NO_DERIVATIVE, PARAMETER, STATIC, field, field_kind, is_missing
 from functree._labels import label_calls
+from functree._module_flatten import pytree_functions
+from functree._parameter_warnings import (
+    FLOATS_IN_CONTAINER,
+    INT_FOR_FLOAT,
+    annotation_warned,
+    floats_only_container,
+    non_differentiable_field,
+)
 from functree._repr import module_html, module_repr
 from functree._tree import is_array_value
 
+# field, field_kind and the kinds (functree._fields) are imported from here by other modules.
 __all__ = [
     "Module",
     "field",
@@ -54,8 +64,6 @@ __all__ = [
     "DifferentiationWarning",
 ]
 
-_KIND = "functree.kind"
-PARAMETER, NO_DERIVATIVE, STATIC = "parameter", "no_derivative", "static"
 # In an instance's dict while its outermost __init__ runs (field assignment allowed);
 # removed before the instance is returned. Unflattened instances never carry it.
 _BUILDING = "__ft_building__"
@@ -104,41 +112,6 @@ MISSING_FIELDS = """\
         self.{first} = ...
 """
 
-NON_DIFFERENTIABLE_FIELD = """\
-{cls}.{field} is a parameter field but its {what} is not differentiable ({type}). \
-It will be carried, not trained. {say}
-
-    {field}: {type} = ft.field(static=True)          # configuration (Swift's `let`)
-{state}"""
-
-# A no_derivative field is a leaf that jit, gradients and train steps carry: an array. A
-# number becomes one (state such as a step count); a str or a function cannot.
-NUMBER_AS_STATE = """\
-    {field}: jax.Array = ft.field(no_derivative=True)   # state (Swift's `@noDerivative var`): \
-an array, {field}=jnp.asarray(...)
-"""
-
-ONLY_CONFIGURATION = """\
-It is configuration: a {type} is not an array, so it cannot be a leaf that jit, gradients \
-and train steps carry (no_derivative):"""
-
-INT_FOR_FLOAT = """\
-{cls}.{field} is annotated float but holds the int {value!r}: an int is not differentiable, so it \
-will be carried, not trained (Swift's `var {field}: Float = {value}` is a Float). Write a float:
-
-    {field}: float = {value}.0
-"""
-
-FLOATS_IN_CONTAINER = """\
-{cls}.{field} is a parameter field whose {kind} holds Python numbers ({preview}): a Python \
-number inside a container is static data, so they will be carried, not trained (only a \
-field that is itself a Python float is a parameter). Make them arrays, or say they are \
-configuration:
-
-    wrong:  {field}=[0.5, 0.5]
-    right:  {field}=[jnp.float32(0.5), jnp.float32(0.5)]      # trained (or one array: jnp.array([0.5, 0.5]))
-    right:  {field}: tuple = ft.field(static=True)         # configuration, hashed: {field}=(0.5, 0.5)
-"""
 
 UNKNOWN_FIELD = "{cls} has no field {name!r}; its fields are {fields}."
 
@@ -195,52 +168,6 @@ class NonDifferentiableFieldWarning(DifferentiationWarning):
     """
 
 
-
-
-def field(
-    *,
-    static: bool = False,
-    no_derivative: bool = False,
-    default: Any = dataclasses.MISSING,
-    default_factory: Any = dataclasses.MISSING,
-    **metadata: Any,
-) -> Any:
-    """Declare a Module field of one of three kinds.
-
-    Args:
-      static: configuration kept in the tree definition (activation functions, flags,
-        sizes). Must be hashable; arrays are rejected.
-      no_derivative: a data leaf that is carried and traced but never differentiated
-        (running statistics, a step counter, a previous weight).
-      default, default_factory: as in :func:`dataclasses.field`.
-      **metadata: the field's metadata (``decay=False``: weight decay skips it). The
-        options of ``dataclasses.field`` and ``eqx.field`` that a Module's field cannot
-        have (``converter``, ``init``, ``repr``, ``hash``, ``compare``, ``kw_only``,
-        ``metadata``) are refused: they would be ignored.
-
-    Example:
-      >>> import functree as ft, jax.numpy as jnp
-      >>> class Scaled(ft.Module):
-      ...     weight: jnp.ndarray
-      ...     steps: jnp.ndarray = ft.field(no_derivative=True, default=0)
-      ...     name: str = ft.field(static=True, default="scaled")
-      >>> Scaled(jnp.ones(2)).name
-      'scaled'
-    """
-    if static and no_derivative:
-        raise ValueError("A field is either static=True or no_derivative=True, not both.")
-    refuse_field_options(metadata)
-    kind = STATIC if static else NO_DERIVATIVE if no_derivative else PARAMETER
-    return dataclasses.field(
-        default=default, default_factory=default_factory, metadata={**metadata, _KIND: kind}
-    )
-
-
-def field_kind(f: dataclasses.Field) -> str:
-    """The kind ('parameter', 'no_derivative', 'static') of a dataclass field."""
-    return f.metadata.get(_KIND, PARAMETER)
-
-
 def check_static(cls: type, name: str, value: Any) -> None:
     """Refuse a static field's value that holds arrays (a module with leaves, an array)."""
     if isinstance(value, Module):
@@ -280,42 +207,6 @@ def _non_differentiable_type_name(value: Any) -> str | None:
     return None
 
 
-def _non_differentiable_field(cls: str, field: str, what: str, type_name: str) -> str:
-    """NON_DIFFERENTIABLE_FIELD with the options that work for a ``type_name``: static for
-    any, no_derivative (as an array) for a number only."""
-    number = type_name in ("bool", "int")
-    return NON_DIFFERENTIABLE_FIELD.format(
-        cls=cls, field=field, what=what, type=type_name,
-        say="Say which it is:" if number else ONLY_CONFIGURATION.format(type=type_name),
-        state=NUMBER_AS_STATE.format(field=field) if number else "")
-
-
-def _floats_only_container(value: Any) -> bool:
-    """A plain list, tuple or dict (not a Module, not a named tuple) whose leaves are all
-    Python numbers, one at least a float: meant as parameters (Swift's ``[Float]``), it
-    would be static data."""
-    numbers = _plain_numbers(value, depth=2)
-    return bool(numbers) and any(isinstance(x, float) for x in numbers)
-
-
-def _plain_numbers(value: Any, depth: int) -> list[Any] | None:
-    """The Python numbers of a plain list, tuple or dict of them (nested ``depth`` deep at
-    most), or None when it holds anything else. Read element by element, never flattened
-    (a container may hold its module: a cycle)."""
-    if type(value) not in (list, tuple, dict) or depth == 0:
-        return None
-    out: list[Any] = []
-    for x in value.values() if type(value) is dict else value:
-        if isinstance(x, (int, float)) and not isinstance(x, bool):
-            out.append(x)
-            continue
-        inner = _plain_numbers(x, depth - 1)
-        if inner is None:
-            return None
-        out += inner
-    return out
-
-
 _ANNOTATION_TYPES = {bool: "bool", int: "int", str: "str"}
 
 
@@ -343,7 +234,7 @@ def _warn_annotation(cls: type, f: dataclasses.Field) -> None:
             type_name = "Callable"
     if type_name is not None:
         warnings.warn(
-            _non_differentiable_field(cls.__name__, f.name, "annotation", type_name),
+            non_differentiable_field(cls.__name__, f.name, "annotation", type_name),
             NonDifferentiableFieldWarning,
             stacklevel=_user_stacklevel(),
         )
@@ -397,13 +288,13 @@ class Module:
             n for n, k in cls.__ft_kinds__.items() if k == NO_DERIVATIVE
         )
         for f in fields:
-            if field_kind(f) == STATIC and not _missing(f.default):
+            if field_kind(f) == STATIC and not is_missing(f.default):
                 check_static(cls, f.name, f.default)
             if field_kind(f) == PARAMETER and f.name in inspect.get_annotations(cls):
                 _warn_annotation(cls, f)
         _install_init(cls)
         label_calls(cls)  # optax calls a label tree shaped like the model
-        flatten, flatten_with_keys, unflatten = _pytree_functions(cls)
+        flatten, flatten_with_keys, unflatten = pytree_functions(cls)
         jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -565,7 +456,7 @@ def added_static(cls: type, given: Any) -> dict[str, Any]:
     """
     added = getattr(cls, "__ft_added_static__", ())
     return {f.name: f.default for f in dataclasses.fields(cls)  # pyright: ignore[reportArgumentType]
-            if f.name in added and f.name not in given and not _missing(f.default)}
+            if f.name in added and f.name not in given and not is_missing(f.default)}
 
 
 def derive_added(obj: Any, filled: Any) -> None:
@@ -588,67 +479,6 @@ def by_name(value: Any) -> Any:
     if kind is list or kind is tuple:
         return kind(by_name(v) for v in value)
     return {k: by_name(v) for k, v in value.items()} if kind is dict else value
-
-
-def _tuple_source(items: list[str]) -> str:
-    """Python source of a tuple display: ``()``, ``(a,)``, ``(a, b)``."""
-    if len(items) == 1:
-        return f"({items[0]},)"
-    return "(" + ", ".join(items) + ")"
-
-
-def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
-    """``flatten``, ``flatten_with_keys`` and ``unflatten`` for ``cls``, generated once
-    from its field names (identifiers) as straight-line code, as dataclasses does.
-    For ``weight``, ``bias`` and a static ``activation``::
-
-        def flatten(self):
-            d = self.__dict__
-            return (d['weight'], d['bias']), (d['activation'],)
-        def unflatten(aux, children):
-            obj = _new(_cls)
-            d = obj.__dict__
-            d['weight'], d['bias'] = children
-            d['activation'], = aux
-            return obj
-
-    Children are the data fields (parameters and no_derivative) in declaration order,
-    keyed by ``GetAttrKey(name)``; the auxiliary data is the tuple of static values
-    (hashed and compared by jit). ``unflatten`` fills a bare instance's dict: no
-    ``__init__``, no checks.
-    """
-    static = cls.__ft_static__  # type: ignore[attr-defined]
-    data = [n for n in cls.__ft_fields__ if n not in static]  # type: ignore[attr-defined]
-    namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
-    for i, name in enumerate(data):
-        namespace[f"_k{i}"] = jax.tree_util.GetAttrKey(name)
-    aux = _tuple_source([f"d[{n!r}]" for n in static])
-    children = _tuple_source([f"d[{n!r}]" for n in data])
-    keyed = _tuple_source([f"(_k{i}, d[{n!r}])" for i, n in enumerate(data)])
-    fill = [f"    {targets}= {source}" for targets, source in (
-        ("".join(f"d[{n!r}], " for n in data), "children"),
-        ("".join(f"d[{n!r}], " for n in static), "aux"),
-    ) if targets]
-    body = "\n".join(fill)
-    source = f"""\
-def flatten(self):
-    d = self.__dict__
-    return {children}, {aux}
-def flatten_with_keys(self):
-    d = self.__dict__
-    return {keyed}, {aux}
-def unflatten(aux, children):
-    obj = _new(_cls)
-    d = obj.__dict__
-{body}
-    return obj
-"""
-    exec(source, namespace)  # field names only appear as string literals
-    functions = namespace["flatten"], namespace["flatten_with_keys"], namespace["unflatten"]
-    for fn in functions:
-        fn.__qualname__ = f"{cls.__qualname__}.<{fn.__name__}>"
-        fn.__module__ = cls.__module__
-    return functions
 
 
 def _install_init(cls: type) -> None:
@@ -759,12 +589,6 @@ def _holds_no_leaf(value: Any, seen: set[int]) -> bool:
     return False
 
 
-def _missing(value: Any) -> bool:
-    """``value is dataclasses.MISSING``, by type: cloudpickle restores a ``__main__``
-    class's fields by value, each with a copy of ``MISSING``."""
-    return isinstance(value, type(dataclasses.MISSING))
-
-
 class _Required:
     """The default of every parameter of a generated ``__init__``: not given.
 
@@ -840,10 +664,10 @@ def _fields_signature(cls: type, hints: dict[str, Any] | None = None) -> inspect
     params, kind = [p("self", p.POSITIONAL_OR_KEYWORD)], p.POSITIONAL_OR_KEYWORD
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         default = f.default
-        if _missing(default) and not _missing(f.default_factory):
+        if is_missing(default) and not is_missing(f.default_factory):
             default = _Factory(f.default_factory)  # pyright: ignore[reportArgumentType]
         annotation = hints.get(f.name, p.empty)
-        if _missing(default):
+        if is_missing(default):
             if params[-1].default is not p.empty:
                 kind = p.KEYWORD_ONLY
             params.append(p(f.name, kind, annotation=annotation))
@@ -884,9 +708,9 @@ def _finish(self: Module) -> None:
 
 def _fill_default(self: Module, name: str) -> bool:
     f = type(self).__dataclass_fields__[name]  # type: ignore[attr-defined]
-    if not _missing(f.default):
+    if not is_missing(f.default):
         self.__dict__[name] = f.default
-    elif not _missing(f.default_factory):
+    elif not is_missing(f.default_factory):
         self.__dict__[name] = f.default_factory()
     else:
         return False
@@ -910,12 +734,12 @@ def _bind_fields(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
         if name in values:
             continue
         f = fields[name]
-        if not _missing(f.default):
+        if not is_missing(f.default):
             values[name] = f.default
-        elif not _missing(f.default_factory):
+        elif not is_missing(f.default_factory):
             values[name] = f.default_factory()
         else:
-            missing = [n for n in names if n not in values and _missing(fields[n].default) and _missing(fields[n].default_factory)]
+            missing = [n for n in names if n not in values and is_missing(fields[n].default) and is_missing(fields[n].default_factory)]
             raise TypeError(f"{cls.__name__}() missing field(s) {missing}")
     return values
 
@@ -935,21 +759,16 @@ def _validate(self: Module) -> None:
         if type_name == "int" and cls.__dataclass_fields__[name].type in ("float", float):  # type: ignore[attr-defined]
             warnings.warn(INT_FOR_FLOAT.format(cls=cls.__name__, field=name, value=value),
                           NonDifferentiableFieldWarning, stacklevel=_user_stacklevel())
-        elif type_name is not None and not _annotation_warned(cls, name):
+        elif type_name is not None and not annotation_warned(cls, name):
             warnings.warn(
-                _non_differentiable_field(cls.__name__, name, "value", type_name),
+                non_differentiable_field(cls.__name__, name, "value", type_name),
                 NonDifferentiableFieldWarning,
                 stacklevel=_user_stacklevel(),
             )
-        elif _floats_only_container(value):
+        elif floats_only_container(value):
             warnings.warn(FLOATS_IN_CONTAINER.format(cls=cls.__name__, field=name, kind=type(value).__name__,
                                                      preview=repr(value)[:60]),
                           NonDifferentiableFieldWarning, stacklevel=_user_stacklevel())
-
-
-def _annotation_warned(cls: type, name: str) -> bool:
-    ann = cls.__dataclass_fields__[name].type  # type: ignore[attr-defined]
-    return ann in ("bool", "int", "str", bool, int, str) or "Callable" in str(ann)
 
 
 def is_module_class(x: Any) -> bool:

@@ -458,3 +458,34 @@ def test_other_names_right_calls_compute_torchs_numbers():
         ours = float(eval(call, names))  # the library's own message, run as a user pastes it
         np.testing.assert_allclose(ours, float(reference), rtol=0, atol=1e-6 * max(1.0, abs(float(reference))),
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("dtype,classes,label", [(np.uint8, 200, 156), (np.uint16, 65500, 65436)])
+def test_softmax_cross_entropy_unsigned_labels_equal_to_the_wrapped_ignore_index_are_classes(dtype, classes, label):
+    """The issue: in uint8 the default ignore_index=-100 wrapped to 156 (65436 in uint16), so
+    real labels 156 were ignored: per example [5.632, 0., 4.984, 0.] for torch's
+    [5.632, 6.143, 4.984, 5.190]."""
+    torch = pytest.importorskip("torch")
+    logits = np.random.default_rng(0).normal(size=(4, classes)).astype(np.float32)
+    labels = np.array([3, label, 17, label], dtype)
+    expected = torch.nn.functional.cross_entropy(torch.from_numpy(logits), torch.from_numpy(labels.astype(np.int64)),
+                                                 reduction="none").numpy()
+    atol = 1e-6 * float(np.abs(expected).max())
+    for given in (labels, jnp.asarray(labels)):
+        np.testing.assert_allclose(ft.losses.softmax_cross_entropy(logits, given, reduction="none"), expected,
+                                   rtol=0, atol=atol)
+    jitted = jax.jit(ft.losses.softmax_cross_entropy)(jnp.asarray(logits), jnp.asarray(labels))
+    np.testing.assert_allclose(jitted, expected.mean(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype,classes", [(np.int8, 130), (np.uint8, 256), (np.uint16, 65536)])
+def test_softmax_cross_entropy_more_classes_than_the_labels_dtype_holds(dtype, classes):
+    """The issue: `labels < classes` cast the class count into the labels' dtype (130 -> -126 in
+    int8, 256 -> 0 in uint8), every label was "outside": NaN for torch's 4.87."""
+    torch = pytest.importorskip("torch")
+    logits = np.random.default_rng(1).normal(size=(2, classes)).astype(np.float32)
+    labels = np.array([1, 2], dtype)
+    expected = torch.nn.functional.cross_entropy(torch.from_numpy(logits), torch.from_numpy(labels.astype(np.int64))).item()
+    for loss in (ft.losses.softmax_cross_entropy, jax.jit(ft.losses.softmax_cross_entropy)):
+        np.testing.assert_allclose(loss(jnp.asarray(logits), jnp.asarray(labels)), expected, rtol=0, atol=1e-5)
+

@@ -104,7 +104,6 @@ probabilities {given}. Mask probability targets by giving padded rows zero weigh
        or:  (ft.losses.softmax_cross_entropy(logits, probabilities, reduction="none") * keep).sum() / keep.sum()
 """
 
-
 def softmax_cross_entropy(
     logits: Any,
     labels: Any,
@@ -137,7 +136,9 @@ def softmax_cross_entropy(
     are read before JAX's ``int32`` could wrap them); labels traced under a
     ``jax.jit`` of your own cannot be read, so such a position's loss is NaN (and with it
     the mean and the gradients: a training step's NaN check stops there), never a
-    plausible number.
+    plausible number. Labels of any integer dtype (uint8 pixel masks, uint16 token ids)
+    are compared as int32 (int64 under ``jax_enable_x64``), as torch's int64: in uint8 the
+    default ``-100`` is not label 156, and 256 classes fit.
 
     float16 and bfloat16 logits are computed in float32 and the loss is float32 (torch's
     autocast runs ``cross_entropy`` in float32; Hugging Face's losses take
@@ -177,7 +178,7 @@ def softmax_cross_entropy(
                 )
             )
         _check_labels(given, classes, ignore_index, logits)
-        labels = jnp.asarray(given)
+        labels = _wide(jnp.asarray(given), ignore_index)
         keep = None if ignore_index is None else labels != ignore_index
         inside = (labels >= 0) & (labels < classes)
         labels = jnp.where(inside, labels, 0)
@@ -261,6 +262,15 @@ def _check_labels(labels: Any, classes: int, ignore_index: int | None, logits: j
         raise ValueError(LABEL_OUT_OF_RANGE.format(label=label, where=list(where), skip=skip,
                                                    logits=short_array(logits), last=classes - 1, classes=classes,
                                                    ignore=ignore_index))
+
+
+def _wide(labels: jax.Array, ignore_index: int | None) -> jax.Array:
+    """``labels`` as JAX's widest signed integer (int32; int64 under ``jax_enable_x64``), so
+    ``-100`` and the class count compare as numbers: in uint8, ``ignore_index=-100`` wraps to
+    156 (real labels 156 were ignored) and ``labels < 256`` casts 256 to 0 (every label was
+    outside: NaN)."""
+    wide = jax.dtypes.canonicalize_dtype(np.int64)
+    return labels.astype(wide)
 
 
 def _smoothed(logits: jax.Array, targets: jax.Array, smoothing: float) -> jax.Array:

@@ -489,3 +489,9 @@ def test_softmax_cross_entropy_more_classes_than_the_labels_dtype_holds(dtype, c
     for loss in (ft.losses.softmax_cross_entropy, jax.jit(ft.losses.softmax_cross_entropy)):
         np.testing.assert_allclose(loss(jnp.asarray(logits), jnp.asarray(labels)), expected, rtol=0, atol=1e-5)
 
+
+def test_softmax_cross_entropy_ignore_index_beyond_the_labels_dtype_is_a_named_error():
+    """The issue: ignore_index=2**40 with NumPy int64 labels raised JAX's raw OverflowError."""
+    with pytest.raises(ValueError, match=r"(?s)ignore_index=1099511627776 does not fit JAX's labels dtype int32.*"
+                                         r"np.where\(labels == 1099511627776, -100, labels\)"):
+        ft.losses.softmax_cross_entropy(jnp.ones((2, 3)), np.array([1, 2**40]), ignore_index=2**40)

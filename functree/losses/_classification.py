@@ -104,6 +104,16 @@ probabilities {given}. Mask probability targets by giving padded rows zero weigh
        or:  (ft.losses.softmax_cross_entropy(logits, probabilities, reduction="none") * keep).sum() / keep.sum()
 """
 
+IGNORE_INDEX_TOO_WIDE = """\
+softmax_cross_entropy: ignore_index={index} does not fit JAX's labels dtype {dtype} ({low} to \
+{high}; JAX's integers are 32-bit unless jax_enable_x64 is set), so no label could be compared \
+with it. Map those labels to the default ignore_index on the host first:
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels, ignore_index={index})
+    right:  ft.losses.softmax_cross_entropy(logits, np.where(labels == {index}, -100, labels))
+"""
+
+
 def softmax_cross_entropy(
     logits: Any,
     labels: Any,
@@ -268,8 +278,11 @@ def _wide(labels: jax.Array, ignore_index: int | None) -> jax.Array:
     """``labels`` as JAX's widest signed integer (int32; int64 under ``jax_enable_x64``), so
     ``-100`` and the class count compare as numbers: in uint8, ``ignore_index=-100`` wraps to
     156 (real labels 156 were ignored) and ``labels < 256`` casts 256 to 0 (every label was
-    outside: NaN)."""
+    outside: NaN). An ``ignore_index`` beyond that dtype raises :data:`IGNORE_INDEX_TOO_WIDE`."""
     wide = jax.dtypes.canonicalize_dtype(np.int64)
+    info = np.iinfo(wide)
+    if ignore_index is not None and not info.min <= ignore_index <= info.max:
+        raise ValueError(IGNORE_INDEX_TOO_WIDE.format(index=ignore_index, dtype=wide, low=info.min, high=info.max))
     return labels.astype(wide)
 
 

@@ -495,3 +495,28 @@ def test_softmax_cross_entropy_ignore_index_beyond_the_labels_dtype_is_a_named_e
     with pytest.raises(ValueError, match=r"(?s)ignore_index=1099511627776 does not fit JAX's labels dtype int32.*"
                                          r"np.where\(labels == 1099511627776, -100, labels\)"):
         ft.losses.softmax_cross_entropy(jnp.ones((2, 3)), np.array([1, 2**40]), ignore_index=2**40)
+
+
+@pytest.mark.parametrize("delta", [0.0, -1.0, float("nan"), np.float32(0.0)])
+def test_huber_refuses_a_delta_that_is_not_positive_as_torch(delta):
+    """The issue: delta=0.0 silently gave a loss of 0.0, delta=-1.0 a negative loss (-2.0 for
+    errors [1, 2]); torch's huber_loss refuses both."""
+    torch = pytest.importorskip("torch")
+    if not np.isnan(delta):
+        with pytest.raises(RuntimeError, match="non-positive values for delta"):
+            torch.nn.functional.huber_loss(torch.ones(2), torch.zeros(2), delta=float(delta))
+    with pytest.raises(ValueError, match=r"(?s)huber: delta must be a positive number.*"
+                                         r"right:  ft.losses.huber\(predicted, expected, delta=1.0\).*"
+                                         r"or:  ft.losses.l1\(predicted, expected\)"):
+        ft.losses.huber(jnp.array([1.0, 2.0]), jnp.zeros(2), delta=delta)
+
+
+def test_smooth_l1_message_names_the_l1_loss_for_beta_zero():
+    """The `right:` line huber(delta=beta) / beta divides by zero at torch's valid beta=0; the
+    message names the L1 loss for it, and that call is torch's number."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(AttributeError, match=r"beta=0 is the L1 loss: ft.losses.l1\(predicted, expected\)"):
+        ft.losses.smooth_l1_loss  # noqa: B018
+    predicted = np.random.default_rng(2).normal(size=8).astype(np.float32) * 2
+    expected = torch.nn.functional.smooth_l1_loss(torch.from_numpy(predicted), torch.zeros(8), beta=0.0).item()
+    np.testing.assert_allclose(ft.losses.l1(predicted, np.zeros(8, np.float32)), expected, rtol=0, atol=1e-6)

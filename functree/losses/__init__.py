@@ -79,7 +79,8 @@ OTHER_CALLS = {
     "kl_div": "ft.losses.kl_divergence(jnp.exp(log_q), p)  # torch's input is log q; this averages over "
               "examples: torch's reduction='batchmean'",
     "poisson_nll_loss": "ft.losses.poisson(jnp.exp(log_rate), target)  # torch's default log_input=True",
-    "smooth_l1_loss": "ft.losses.huber(predicted, expected, delta=beta) / beta  # torch's beta (1: huber itself)",
+    "smooth_l1_loss": "ft.losses.huber(predicted, expected, delta=beta) / beta  # torch's beta > 0 (1: huber "
+                      "itself); beta=0 is the L1 loss: ft.losses.l1(predicted, expected)",
 }
 
 OTHER_NAME = """\

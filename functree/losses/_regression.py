@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from functree.losses._reduction import check_same_shape, reduce
@@ -27,6 +28,17 @@ __all__ = [
     "log_cosh",
     "poisson",
 ]
+
+BAD_DELTA = """\
+huber: delta must be a positive number (the error at which the loss turns from quadratic to \
+linear), got {given!r}: delta=0 made the loss 0 whatever the error and a negative delta a \
+negative loss (torch's huber_loss refuses both). torch's smooth_l1_loss with beta=0 is the L1 \
+loss:
+
+    wrong:  ft.losses.huber(predicted, expected, delta={given!r})
+    right:  ft.losses.huber(predicted, expected, delta=1.0)
+       or:  ft.losses.l1(predicted, expected)
+"""
 
 
 def mean_squared_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -87,13 +99,30 @@ def huber(predicted: Any, expected: Any, *, delta: float = 1.0, reduction: str =
     ``delta * (e - delta / 2)``, averaged (``optax.huber_loss``; swift-apis' ``huberLoss``
     sums: ``reduction="sum"``).
 
+    ``delta`` must be positive (torch's ``huber_loss`` refuses the others; a delta of 0
+    would make every loss 0). torch's ``smooth_l1_loss`` is ``huber(delta=beta) / beta``
+    for ``beta > 0`` and ``l1`` for ``beta=0``.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.losses.huber(jnp.array([0.5, 3.0]), jnp.array([0.0, 0.0]))
       Array(1.3125, dtype=float32)
     """
+    _check_delta(delta)
     predicted, expected = check_same_shape("huber", predicted, expected)
     return reduce("huber", optax.huber_loss(predicted, expected, delta=delta), reduction)
+
+
+def _check_delta(delta: Any) -> None:
+    """Raise :data:`BAD_DELTA` unless ``delta > 0``: at 0 every error is on the linear side,
+    ``delta * (e - delta / 2) = 0``, and below it that is negative. A traced ``delta``
+    cannot be read and is left as given."""
+    try:
+        value = float(np.asarray(delta))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if not value > 0:  # NaN too
+        raise ValueError(BAD_DELTA.format(given=delta))
 
 
 def mean_squared_logarithmic_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:

@@ -309,6 +309,28 @@ def test_every_warper_is_refused_with_greedy_decoding_and_beams(llama):
     np.testing.assert_array_equal(off, ft.nn.generate(model, ids, 4))
 
 
+@pytest.mark.parametrize("beams", [1, 2])
+def test_hf_default_top_k_with_greedy_decoding_and_beams_is_taken_as_hf_takes_it(llama, beams):
+    """``top_k=50`` (HF's default) without a key was refused as a sampling option; HF's greedy
+    and beam generate ignore it: the tokens equal HF's with it and ours without it. Any other
+    top_k is still refused, saying which values are taken."""
+    hf, model = llama
+    ids, mask = left_padded()
+    common = dict(attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD, num_beams=beams)
+    tokens = np.asarray(ft.nn.generate(model, ids, 6, top_k=50, top_p=1.0, **common))
+    with torch.no_grad():
+        expected = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                               max_new_tokens=6, do_sample=False, num_beams=beams, eos_token_id=EOS,
+                               pad_token_id=PAD, top_k=50, top_p=1.0).numpy()
+    np.testing.assert_array_equal(tokens[:, :expected.shape[1]], expected)
+    assert (tokens[:, expected.shape[1]:] == PAD).all()
+    np.testing.assert_array_equal(tokens, np.asarray(ft.nn.generate(model, ids, 6, **common)))
+    for value in (49, 51):
+        with pytest.raises(ValueError, match=rf"top_k= filters the tokens(.|\n)*Only Hugging Face's defaults "
+                                             rf"\(top_k=50, top_p=1.0\)(.|\n)*top_k={value}, key=key"):
+            ft.nn.generate(model, ids, 6, top_k=value, **common)
+
+
 def test_bad_values_of_the_new_controls(llama):
     _, model = llama
     ids, _ = left_padded()

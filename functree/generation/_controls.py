@@ -18,7 +18,8 @@ operation. Beam search reorders every state's rows with the beams it keeps.
 Adding a control is one record here and its place in :data:`CONTROLS` (HF's order: the
 processors, then the warpers, which run only when sampling), plus its test. Everything else
 follows from the record: its keyword is a checkpoint option (``_defaults.SUPPORTED``, and so
-never named as unapplied), a warper is refused with greedy decoding and beams. Its keyword is
+never named as unapplied), a warper is refused with greedy decoding and beams (at any value
+but Hugging Face's default, :data:`SAMPLING_DEFAULTS`, which greedy ignores). Its keyword is
 also written out in ``generate``'s signature and docstring (explicit, for users' tools): a
 check at import names the record whose keyword is missing there.
 
@@ -128,9 +129,14 @@ new tokens, but no eos_token_id is given (nothing to raise).
     wrong:  ft.nn.generate(model, input_ids, 32, exponential_decay_length_penalty={given!r})
     right:  ft.nn.generate(model, input_ids, 32, exponential_decay_length_penalty={given!r}, eos_token_id=eos)"""
 
+# Hugging Face's global defaults of the sampling options (GenerationConfig's): what its greedy
+# generate is given when nobody sets them, so a greedy call may pass them (they change nothing).
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
 GREEDY_OPTIONS = """\
 generate: {name}= filters the tokens that sampling draws from, but temperature=0.0 is greedy \
-(the most likely token, whatever {name} says; beam search is greedy too).
+(the most likely token, whatever {name} says; beam search is greedy too). Only Hugging Face's \
+defaults (top_k=50, top_p=1.0), which change nothing there, are taken without a key.
 
     wrong:  ft.nn.generate(model, input_ids, 8, {name}={value!r})
     right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, {name}={value!r}, key=key)"""
@@ -586,17 +592,27 @@ def keywords(warper: bool | None = None) -> tuple[str, ...]:
 def active(o: Options) -> tuple[Control, ...]:
     """The controls the options turn on, in :data:`CONTROLS`' order (checked here, once). A
     warper turned on with greedy decoding (or beams) is refused, the same for every warper:
-    the loop would ignore it."""
+    the loop would ignore it. At Hugging Face's default (``top_k=50``) it is dropped instead,
+    as HF's greedy generate ignores it: a call written for HF runs unchanged."""
     built = []
     for cls in CONTROLS:
-        control = cls.build(o)
+        control = cls.build(o)  # checks the value first: a bad one is refused as such
         if control is None:
             continue
         if cls.warper and o.greedy:
-            name = next(k for k in cls.keywords if o.given[k] is not None)
-            raise ValueError(GREEDY_OPTIONS.format(name=name, value=o.given[name]))
+            given = [k for k in cls.keywords if o.given[k] is not None]
+            changed = [k for k in given if not _is_sampling_default(k, o.given[k])]
+            if not changed:
+                continue
+            raise ValueError(GREEDY_OPTIONS.format(name=changed[0], value=o.given[changed[0]]))
         built.append(control)
     return tuple(built)
+
+
+def _is_sampling_default(name: str, value: Any) -> bool:
+    """Whether ``value`` (checked by its record) is HF's default of ``name``: ``50`` for top_k."""
+    default = SAMPLING_DEFAULTS.get(name)
+    return default is not None and not isinstance(value, bool) and value == default
 
 
 def applied(controls: Sequence[Control], states: Sequence[Any], scores: jax.Array, now: Any) -> jax.Array:

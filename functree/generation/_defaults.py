@@ -20,6 +20,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from functree.generation._controls import (
+    SAMPLING_DEFAULTS as SAMPLING_DEFAULTS,  # re-exported (_generate)
+)
 from functree.generation._controls import keywords
 
 # The options of ``ft.nn.generate`` that HF's generation config sets, by HF's name (a logits
@@ -30,8 +33,8 @@ SUPPORTED = ("eos_token_id", "pad_token_id", "do_sample", *keywords(),
 # The sampling-only options (HF's warpers, temperature aside: it decides greedy or sampling).
 WARPER_OPTIONS = tuple(k for k in keywords(warper=True) if k != "temperature")
 
-# HF's global defaults of the sampling options (applied when neither the caller nor the file sets them).
-SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# HF's global defaults of the sampling options (applied when neither the caller nor the file sets
+# them) are SAMPLING_DEFAULTS, imported above from the records, which accept them with greedy decoding.
 
 # The options of HF's generation config that change its tokens, with the value at which they
 # do nothing (HF's GenerationConfig defaults).

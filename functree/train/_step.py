@@ -13,7 +13,8 @@ and moments placed by the sharding rules. Like Keras' ``Model.train_step``, each
 a method a subclass may override: ``compute_loss``, ``compute_metrics``, ``apply``,
 ``step``. ``ft.train.Trainer`` runs this same program, with a log buffer.
 
-Around it: the factories (``train_step``, ``eval_step``, the ``DataParallel*`` names) in
+Around it: :class:`EvalStep` and the loss stage both share in ``_eval_step.py``; the
+factories (``train_step``, ``eval_step``, the ``DataParallel*`` names) in
 ``_step_factories.py``; an ``on_nan="stop"`` stop's error and provenance in
 ``_nonfinite.py``; the step's partition specs and per-device outputs over a mesh's data
 axis in ``functree/parallel/_step_specs.py``.
@@ -38,11 +39,10 @@ from functree._alias import (
     DonationGuard,
     copy_aliases,
     is_deletion_error,
-    stale_error,
     warn_aliases,
 )
 from functree._flat import FlatJit, flat_jit
-from functree._jit import _hide, _show, explain_control_flow, has_untraceable_leaves, unchecked_jit
+from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
 from functree.nn._state import collect_state, salted_keys
@@ -52,10 +52,7 @@ from functree.optim._optimizer import Gradients
 from functree.optim._replicas import varying_axes
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.optim._subset import trained_view
-from functree.parallel._cast import cast as cast_to
-from functree.parallel._cast import cast_floating
 from functree.parallel._mesh import is_array
-from functree.parallel._placement import Placement
 from functree.parallel._rules import check_compute_dtype, partition_specs
 from functree.parallel._step_specs import (
     is_spec,
@@ -65,6 +62,7 @@ from functree.parallel._step_specs import (
     stack_devices,
     without_axis,
 )
+from functree.train._eval_step import EvalStep, loss_and_aux, placement_of_step
 from functree.train._halt import new_halt_log, placed_as
 from functree.train._metrics import (
     PART_SUM,
@@ -113,13 +111,6 @@ given an optax transformation wraps it in ft.optim.Optimizer, reachable as step.
 NO_DONATION = "ft.train.train_step(loss_fn, optimizer, donate=False)    # the inputs stay valid (more memory)"
 
 
-LOSS_NOT_SCALAR = """\
-The loss function must return a scalar loss (or (loss, aux)); got a loss of shape {shape}.
-
-    wrong:  return (model(x) - y) ** 2
-    right:  return jnp.mean((model(x) - y) ** 2)"""
-
-
 STEP_WITHOUT_PARTS = """\
 {cls}.step returned the counting metric {name!r} without its parts ({name}#sum, {name}#count: \
 its hits and counted labels), so the Trainer's means of it would weigh each minibatch's \
@@ -158,14 +149,6 @@ def as_optimizer(optimizer: Any) -> Optimizer:
     raise TypeError(BAD_OPTIMIZER.format(given=repr(optimizer)[:80]))
 
 
-def _split_output(out: Any) -> tuple[Any, Any]:
-    loss: Any
-    loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
-    if jnp.shape(loss) != ():
-        raise ValueError(LOSS_NOT_SCALAR.format(shape=jnp.shape(loss)))
-    return loss, aux
-
-
 def _merge_microbatches(aux: Any, size: int, accumulate: int, rows: Any) -> Any:
     """The aux outputs of ``accumulate`` microbatches of a batch of ``size`` examples as one."""
     return merge_aux(aux, size // accumulate, "microbatch", f"with accumulate={accumulate}", rows)
@@ -185,10 +168,6 @@ def _weakly(ref: Callable[[], Any], method: str) -> Callable[..., Any]:
         return getattr(ref(), method)(*args)
 
     return call
-
-
-def _placement(mesh: Any, data_axis: str, sharding: Any, call: str) -> Placement | None:
-    return None if mesh is None and sharding is None else Placement(mesh, data_axis, sharding, call)
 
 
 NOT_A_KEY = """\
@@ -330,7 +309,7 @@ class TrainStep:
         self.on_nan = check_on_nan(on_nan)
         self.steps_per_call = check_steps_per_call(steps_per_call)
         self._scanned: Any = None  # the k-steps program (_scan.py), built on first use
-        self.placement = _placement(mesh, data_axis, sharding, "ft.train.train_step")
+        self.placement = placement_of_step(mesh, data_axis, sharding, "ft.train.train_step")
         self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)
         self.loss_fn = loss_fn
         self.optimizer = as_optimizer(optimizer)
@@ -364,12 +343,7 @@ class TrainStep:
     # --- stages a subclass may override ------------------------------------------------
     def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
         """``(loss, aux)`` of ``loss_fn`` on one minibatch (aux is None without one)."""
-        dtype = self.compute_dtype
-        if dtype is not None:
-            model, batch = cast_to(model, dtype), cast_floating(batch, dtype)
-        out = self.loss_fn(model, batch) if key is None else self.loss_fn(model, batch, key=key)
-        loss, aux = _split_output(out)
-        return (loss if dtype is None else loss.astype(jnp.float32)), aux
+        return loss_and_aux(self.loss_fn, self.compute_dtype, model, batch, key)
 
     def compute_metrics(self, out: StepOutput) -> dict[str, jax.Array]:
         """``{"loss": ..., name: metric(out)}`` as float32 scalars (float64 under
@@ -739,164 +713,9 @@ class TrainStep:
                 f"on_nan={self.on_nan!r}{where}{dtype}{k})")
 
 
-class EvalStep:
-    """``step(model, batch, key=None) -> metrics``: the loss and metrics, jitted, no update.
-
-    With a ``mesh`` the batch is split over ``data_axis`` and the model placed by
-    ``sharding``; XLA partitions the forward pass (metrics are over the global batch).
-    ``compute_dtype`` casts the model and floating inputs as :class:`TrainStep` does.
-
-    Example:
-      >>> import functree as ft, jax, jax.numpy as jnp
-      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
-      >>> evaluate = ft.train.eval_step(lambda m, b: jnp.mean(m(b[0]) ** 2))
-      >>> sorted(evaluate(model, (jnp.zeros((3, 2)), None)))
-      ['loss']
-    """
-
-    def __init__(
-        self,
-        loss_fn: Callable[..., Any],
-        *,
-        metrics: Mapping[str, Any] | Sequence[Any] | None = None,
-        mesh: Any = None,
-        data_axis: str = "data",
-        sharding: Any = None,
-        compute_dtype: Any = None,
-    ):
-        self.placement = _placement(mesh, data_axis, sharding, "ft.train.eval_step")
-        self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)
-        self.loss_fn = loss_fn
-        self.metrics = resolve_metrics(metrics)
-        self._compiled: Any = None
-        self._shared: Any = None  # as TrainStep's: one program per configuration in the process
-        self._ref = weakref.ref(self)
-
-    _RUNTIME = ("_compiled", "_shared", "_ref")
-
-    def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
-        """``(loss, aux)`` of ``loss_fn`` on one minibatch."""
-        return TrainStep.compute_loss(self, model, batch, key)  # pyright: ignore[reportArgumentType]
-
-    def step(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
-        """The loss and metrics of ``model`` on ``batch``, unjitted, with each counting
-        metric's parts (``_metrics.with_parts``: the sums of :meth:`summed` divide them,
-        Σ hits / Σ counted); a call returns the metrics without them."""
-        if self.placement is not None:
-            batch, _ = self.placement.constrain_batch(batch, whole=True)  # a short last batch too
-        loss, aux = self.compute_loss(model, batch, key)
-        return evaluate_metrics(with_parts(self.metrics), StepOutput(loss, aux, batch, model))
-
-    def metric_shapes(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, Any]:
-        """The metrics :meth:`step` returns for these arguments, as ``jax.ShapeDtypeStruct``
-        by name, nothing computed. Traced once per configuration and signature (the
-        evaluation sums' structure: a second evaluation traces the loss no more).
-
-        Example:
-          >>> import functree as ft, jax.numpy as jnp
-          >>> evaluate = ft.train.eval_step(lambda m, b: jnp.mean(b * m["w"]))
-          >>> evaluate.metric_shapes({"w": jnp.ones(())}, jnp.arange(4.0))
-          {'loss': ShapeDtypeStruct(shape=(), dtype=float32)}
-        """
-        entry = self._entry()
-        table = entry.programs.setdefault("shapes", {})
-        shapes = table.get(None)
-        if shapes is None:  # one function per configuration: jax.eval_shape keeps its traces
-            call = trampoline(entry, "step")
-
-            def shapes(*args: Any) -> Any:
-                return _hide(call()(*_show(args)))
-
-            table[None] = shapes
-        entry.owner = self._ref  # a trace runs this step's stages
-        return _show(jax.eval_shape(shapes, *_hide((model, batch, key))))
-
-    def summed(self, model: Any, sums: Any, batch: Any, key: Any = None) -> Any:
-        """``sums`` after one more minibatch, unjitted: ``{"values": {name: Σ w·metric},
-        "weight": Σ w, "count": minibatches}`` with ``w`` the minibatch's size (the
-        Trainer's validation; ``key`` is folded with the minibatch's index)."""
-        if key is not None:
-            key = jax.random.fold_in(key, sums["count"])
-        metrics = self.step(model, batch, key)
-        w = float(batch_size_of(batch))
-        return {"values": {k: sums["values"][k] + w * v for k, v in metrics.items()},
-                "weight": sums["weight"] + w, "count": sums["count"] + 1}
-
-    def summing(self, static_leaves: bool = False) -> Callable[..., Any]:
-        """:meth:`summed` jitted (``sums`` donated), its programs shared by every EvalStep
-        of this configuration in the process (a new Trainer's validation compiles nothing).
-
-        Example: a weighted sum over minibatches, here one of 4 examples
-          >>> import functree as ft, jax.numpy as jnp
-          >>> evaluate = ft.train.eval_step(lambda m, b: jnp.mean(b * m["w"]))
-          >>> sums = {"values": {"loss": jnp.zeros(())}, "weight": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
-          >>> sums = evaluate.summing()({"w": jnp.ones(())}, sums, jnp.arange(4.0), None)
-          >>> sums["values"]["loss"], sums["weight"], sums["count"]  # 4 · mean(0, 1, 2, 3)
-          (Array(6., dtype=float32), Array(4., dtype=float32), Array(1, dtype=int32))
-        """
-        entry = self._entry()
-        table = entry.programs.setdefault("summed", {})
-        run = table.get(static_leaves)
-        if run is None:
-            call = trampoline(entry, "summed")
-
-            def run(model: Any, sums: Any, batch: Any, key: Any) -> Any:
-                return call()(model, sums, batch, key)
-
-            table[static_leaves] = run
-        jitted = unchecked_jit(run, donate=(1,), static_leaves=static_leaves)
-        ref = self._ref
-
-        def summing(model: Any, sums: Any, batch: Any, key: Any) -> Any:
-            entry.owner = ref  # a retrace (new shapes) runs this step's stages
-            return jitted(model, sums, batch, key)
-
-        return summing
-
-    def _entry(self) -> Any:
-        if self._shared is None:
-            self._shared = shared(program_key("EvalStep", self, self._RUNTIME))
-        return self._shared
-
-    def shard_batch(self, batch: Any) -> Any:
-        """The global batch from this process's share, on the step's mesh (else the batch)."""
-        return batch if self.placement is None else self.placement.shard_batch(batch, whole=True)
-
-    def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
-        if self._compiled is None:  # built on first use: Equinox submodules need static leaves
-            self._entry()
-            static = has_untraceable_leaves(model)
-            # One function per configuration: ft.jit's and JAX's caches key on it (a new
-            # Trainer's validation compiles nothing); a trace runs the calling step's stages.
-            run = self._shared.programs.setdefault("eval", {}).get(static)
-            if run is None:
-                run = self._shared.programs["eval"][static] = _calling(self._shared, "step")
-            self._compiled = unchecked_jit(run, static_leaves=static)
-        self._shared.owner = self._ref
-        if self.placement is not None:
-            model, batch = self.placement.place(model), self.placement.shard_batch(batch, whole=True)
-        try:
-            return self._compiled(model, batch, key)
-        except (RuntimeError, ValueError) as e:  # a donated model evaluated: name the key path
-            stale = stale_error([("model", model), ("batch", batch)]) if is_deletion_error(e) else None
-            if stale is None:
-                raise
-            raise stale from None
-
-
-def _calling(entry: Any, method: str) -> Callable[..., Any]:
-    """A function that calls ``method`` of the eval step now running ``entry``'s program,
-    its metrics without the counting metrics' parts (a call's result)."""
-    call = trampoline(entry, method)
-
-    def run(model: Any, batch: Any, key: Any = None) -> Any:
-        return without_parts(call()(model, batch, key))
-
-    return run
-
-
 def _calling_train(entry: Any, method: str) -> Callable[..., Any]:
-    """:func:`_calling` for a TrainStep's program (``_logged`` or ``_scanned_logged``)."""
+    """A function that calls ``method`` (``_logged`` or ``_scanned_logged``) of the train step
+    now running ``entry``'s program (the shared table must not hold the step)."""
     call = trampoline(entry, method)
 
     def run(model: Any, opt_state: Any, batch: Any, key: Any, log: Any) -> Any:

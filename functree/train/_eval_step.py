@@ -1,0 +1,229 @@
+"""The evaluation step: the loss and metrics of a model on one minibatch, jitted, no update.
+
+:class:`EvalStep` (``ft.train.eval_step``; the Trainer's ``evaluate`` and validation) and
+the loss stage it shares with :class:`functree.train._step.TrainStep`
+(:func:`loss_and_aux`). This module imports nothing of the train step's, which imports it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from functree._alias import is_deletion_error, stale_error
+from functree._jit import _hide, _show, has_untraceable_leaves, unchecked_jit
+from functree.parallel._cast import cast as cast_to
+from functree.parallel._cast import cast_floating
+from functree.parallel._placement import Placement
+from functree.parallel._rules import check_compute_dtype
+from functree.train._metrics import (
+    StepOutput,
+    batch_size_of,
+    evaluate_metrics,
+    resolve_metrics,
+    with_parts,
+    without_parts,
+)
+from functree.train._programs import program_key, shared, trampoline
+
+__all__ = ["EvalStep", "loss_and_aux", "placement_of_step"]
+
+
+LOSS_NOT_SCALAR = """\
+The loss function must return a scalar loss (or (loss, aux)); got a loss of shape {shape}.
+
+    wrong:  return (model(x) - y) ** 2
+    right:  return jnp.mean((model(x) - y) ** 2)"""
+
+
+def _split_output(out: Any) -> tuple[Any, Any]:
+    """``(loss, aux)`` of a loss function's output: ``loss`` or ``(loss, aux)``; a loss that is
+    not a scalar refused by name."""
+    loss: Any
+    loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    if jnp.shape(loss) != ():
+        raise ValueError(LOSS_NOT_SCALAR.format(shape=jnp.shape(loss)))
+    return loss, aux
+
+
+def loss_and_aux(loss_fn: Callable[..., Any], compute_dtype: Any, model: Any, batch: Any,
+                 key: jax.Array | None = None) -> tuple[Any, Any]:
+    """``(loss, aux)`` of ``loss_fn`` on one minibatch (aux is None without one): under a
+    ``compute_dtype``, the model (``ft.cast``) and the floating inputs cast to it, the loss
+    returned in float32 (the means and the optimizer's scale read it there).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> loss_and_aux(lambda m, b: (jnp.sum(b * m), b), jnp.bfloat16, jnp.float32(0.5), jnp.ones(3))
+      (Array(1.5, dtype=float32), Array([1, 1, 1], dtype=bfloat16))
+    """
+    if compute_dtype is not None:
+        model, batch = cast_to(model, compute_dtype), cast_floating(batch, compute_dtype)
+    out = loss_fn(model, batch) if key is None else loss_fn(model, batch, key=key)
+    loss, aux = _split_output(out)
+    return (loss if compute_dtype is None else loss.astype(jnp.float32)), aux
+
+
+def placement_of_step(mesh: Any, data_axis: str, sharding: Any, call: str) -> Placement | None:
+    """The step's :class:`Placement` over ``mesh`` (None: no mesh and no sharding)."""
+    return None if mesh is None and sharding is None else Placement(mesh, data_axis, sharding, call)
+
+
+class EvalStep:
+    """``step(model, batch, key=None) -> metrics``: the loss and metrics, jitted, no update.
+
+    With a ``mesh`` the batch is split over ``data_axis`` and the model placed by
+    ``sharding``; XLA partitions the forward pass (metrics are over the global batch).
+    ``compute_dtype`` casts the model and floating inputs as :class:`TrainStep` does.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+      >>> evaluate = ft.train.eval_step(lambda m, b: jnp.mean(m(b[0]) ** 2))
+      >>> sorted(evaluate(model, (jnp.zeros((3, 2)), None)))
+      ['loss']
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        *,
+        metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+        mesh: Any = None,
+        data_axis: str = "data",
+        sharding: Any = None,
+        compute_dtype: Any = None,
+    ):
+        self.placement = placement_of_step(mesh, data_axis, sharding, "ft.train.eval_step")
+        self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)
+        self.loss_fn = loss_fn
+        self.metrics = resolve_metrics(metrics)
+        self._compiled: Any = None
+        self._shared: Any = None  # as TrainStep's: one program per configuration in the process
+        self._ref = weakref.ref(self)
+
+    _RUNTIME = ("_compiled", "_shared", "_ref")
+
+    def compute_loss(self, model: Any, batch: Any, key: jax.Array | None = None) -> tuple[Any, Any]:
+        """``(loss, aux)`` of ``loss_fn`` on one minibatch."""
+        return loss_and_aux(self.loss_fn, self.compute_dtype, model, batch, key)
+
+    def step(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
+        """The loss and metrics of ``model`` on ``batch``, unjitted, with each counting
+        metric's parts (``_metrics.with_parts``: the sums of :meth:`summed` divide them,
+        Σ hits / Σ counted); a call returns the metrics without them."""
+        if self.placement is not None:
+            batch, _ = self.placement.constrain_batch(batch, whole=True)  # a short last batch too
+        loss, aux = self.compute_loss(model, batch, key)
+        return evaluate_metrics(with_parts(self.metrics), StepOutput(loss, aux, batch, model))
+
+    def metric_shapes(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, Any]:
+        """The metrics :meth:`step` returns for these arguments, as ``jax.ShapeDtypeStruct``
+        by name, nothing computed. Traced once per configuration and signature (the
+        evaluation sums' structure: a second evaluation traces the loss no more).
+
+        Example:
+          >>> import functree as ft, jax.numpy as jnp
+          >>> evaluate = ft.train.eval_step(lambda m, b: jnp.mean(b * m["w"]))
+          >>> evaluate.metric_shapes({"w": jnp.ones(())}, jnp.arange(4.0))
+          {'loss': ShapeDtypeStruct(shape=(), dtype=float32)}
+        """
+        entry = self._entry()
+        table = entry.programs.setdefault("shapes", {})
+        shapes = table.get(None)
+        if shapes is None:  # one function per configuration: jax.eval_shape keeps its traces
+            call = trampoline(entry, "step")
+
+            def shapes(*args: Any) -> Any:
+                return _hide(call()(*_show(args)))
+
+            table[None] = shapes
+        entry.owner = self._ref  # a trace runs this step's stages
+        return _show(jax.eval_shape(shapes, *_hide((model, batch, key))))
+
+    def summed(self, model: Any, sums: Any, batch: Any, key: Any = None) -> Any:
+        """``sums`` after one more minibatch, unjitted: ``{"values": {name: Σ w·metric},
+        "weight": Σ w, "count": minibatches}`` with ``w`` the minibatch's size (the
+        Trainer's validation; ``key`` is folded with the minibatch's index)."""
+        if key is not None:
+            key = jax.random.fold_in(key, sums["count"])
+        metrics = self.step(model, batch, key)
+        w = float(batch_size_of(batch))
+        return {"values": {k: sums["values"][k] + w * v for k, v in metrics.items()},
+                "weight": sums["weight"] + w, "count": sums["count"] + 1}
+
+    def summing(self, static_leaves: bool = False) -> Callable[..., Any]:
+        """:meth:`summed` jitted (``sums`` donated), its programs shared by every EvalStep
+        of this configuration in the process (a new Trainer's validation compiles nothing).
+
+        Example: a weighted sum over minibatches, here one of 4 examples
+          >>> import functree as ft, jax.numpy as jnp
+          >>> evaluate = ft.train.eval_step(lambda m, b: jnp.mean(b * m["w"]))
+          >>> sums = {"values": {"loss": jnp.zeros(())}, "weight": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
+          >>> sums = evaluate.summing()({"w": jnp.ones(())}, sums, jnp.arange(4.0), None)
+          >>> sums["values"]["loss"], sums["weight"], sums["count"]  # 4 · mean(0, 1, 2, 3)
+          (Array(6., dtype=float32), Array(4., dtype=float32), Array(1, dtype=int32))
+        """
+        entry = self._entry()
+        table = entry.programs.setdefault("summed", {})
+        run = table.get(static_leaves)
+        if run is None:
+            call = trampoline(entry, "summed")
+
+            def run(model: Any, sums: Any, batch: Any, key: Any) -> Any:
+                return call()(model, sums, batch, key)
+
+            table[static_leaves] = run
+        jitted = unchecked_jit(run, donate=(1,), static_leaves=static_leaves)
+        ref = self._ref
+
+        def summing(model: Any, sums: Any, batch: Any, key: Any) -> Any:
+            entry.owner = ref  # a retrace (new shapes) runs this step's stages
+            return jitted(model, sums, batch, key)
+
+        return summing
+
+    def _entry(self) -> Any:
+        if self._shared is None:
+            self._shared = shared(program_key("EvalStep", self, self._RUNTIME))
+        return self._shared
+
+    def shard_batch(self, batch: Any) -> Any:
+        """The global batch from this process's share, on the step's mesh (else the batch)."""
+        return batch if self.placement is None else self.placement.shard_batch(batch, whole=True)
+
+    def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
+        if self._compiled is None:  # built on first use: Equinox submodules need static leaves
+            self._entry()
+            static = has_untraceable_leaves(model)
+            # One function per configuration: ft.jit's and JAX's caches key on it (a new
+            # Trainer's validation compiles nothing); a trace runs the calling step's stages.
+            run = self._shared.programs.setdefault("eval", {}).get(static)
+            if run is None:
+                run = self._shared.programs["eval"][static] = _calling(self._shared, "step")
+            self._compiled = unchecked_jit(run, static_leaves=static)
+        self._shared.owner = self._ref
+        if self.placement is not None:
+            model, batch = self.placement.place(model), self.placement.shard_batch(batch, whole=True)
+        try:
+            return self._compiled(model, batch, key)
+        except (RuntimeError, ValueError) as e:  # a donated model evaluated: name the key path
+            stale = stale_error([("model", model), ("batch", batch)]) if is_deletion_error(e) else None
+            if stale is None:
+                raise
+            raise stale from None
+
+
+def _calling(entry: Any, method: str) -> Callable[..., Any]:
+    """A function that calls ``method`` of the eval step now running ``entry``'s program,
+    its metrics without the counting metrics' parts (a call's result)."""
+    call = trampoline(entry, method)
+
+    def run(model: Any, batch: Any, key: Any = None) -> Any:
+        return without_parts(call()(model, batch, key))
+
+    return run

@@ -520,3 +520,20 @@ def test_smooth_l1_message_names_the_l1_loss_for_beta_zero():
     predicted = np.random.default_rng(2).normal(size=8).astype(np.float32) * 2
     expected = torch.nn.functional.smooth_l1_loss(torch.from_numpy(predicted), torch.zeros(8), beta=0.0).item()
     np.testing.assert_allclose(ft.losses.l1(predicted, np.zeros(8, np.float32)), expected, rtol=0, atol=1e-6)
+
+
+def test_kl_div_message_computes_torchs_batchmean_for_sequences():
+    """The issue: the kl_div message called kl_divergence(jnp.exp(log_q), p) torch's
+    reduction='batchmean'; for [B, T, C] torch divides the sum by B alone (12.03 vs 0.752).
+    The `right:` line, run as written, is torch's batchmean for [B, C] and [B, T, C]."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    for shape in [(4, 10), (4, 16, 10)]:
+        log_q = np.log(rng.dirichlet(np.ones(10), size=shape[:-1])).astype(np.float32)
+        p = rng.dirichlet(np.ones(10), size=shape[:-1]).astype(np.float32)
+        reference = torch.nn.functional.kl_div(torch.from_numpy(log_q), torch.from_numpy(p), reduction="batchmean").item()
+        call = ft.losses.OTHER_CALLS["kl_div"].split("  #")[0]
+        with pytest.raises(AttributeError, match=re.escape(call)):
+            ft.losses.kl_div  # noqa: B018
+        ours = float(eval(call, {"ft": ft, "jnp": jnp, "log_q": jnp.asarray(log_q), "p": jnp.asarray(p)}))
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5 * abs(reference))

@@ -76,8 +76,9 @@ OTHER_CALLS = {
                                        "default from_logits=False takes probabilities; with logits pass them",
     "binary_crossentropy": "ft.losses.sigmoid_cross_entropy(jax.scipy.special.logit(probs), labels)  # Keras's "
                            "default from_logits=False takes probabilities; with logits pass them",
-    "kl_div": "ft.losses.kl_divergence(jnp.exp(log_q), p)  # torch's input is log q; this averages over "
-              "examples: torch's reduction='batchmean'",
+    "kl_div": "ft.losses.kl_divergence(jnp.exp(log_q), p, reduction='sum') / log_q.shape[0]  # torch's input "
+              "is log q; reduction='batchmean' divides the sum by the batch size alone: for [B, C] that is "
+              "kl_divergence's default mean, for [B, T, C] it is T times that mean",
     "poisson_nll_loss": "ft.losses.poisson(jnp.exp(log_rate), target)  # torch's default log_input=True",
     "smooth_l1_loss": "ft.losses.huber(predicted, expected, delta=beta) / beta  # torch's beta > 0 (1: huber "
                       "itself); beta=0 is the L1 loss: ft.losses.l1(predicted, expected)",

@@ -537,3 +537,45 @@ def test_kl_div_message_computes_torchs_batchmean_for_sequences():
             ft.losses.kl_div  # noqa: B018
         ours = float(eval(call, {"ft": ft, "jnp": jnp, "log_q": jnp.asarray(log_q), "p": jnp.asarray(p)}))
         np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5 * abs(reference))
+
+
+KERAS_EPSILON = np.float32(1e-7)  # keras.config.epsilon(), applied in the inputs' float32
+
+
+def _keras_categorical(probs, onehot, eps=KERAS_EPSILON):
+    """Keras 3's categorical_crossentropy(from_logits=False) in NumPy: renormalize, clip to
+    [eps, 1 - eps] (in the inputs' float32, as Keras), then -sum(target * log) per example."""
+    probs = np.clip(probs / probs.sum(-1, keepdims=True), eps, np.float32(1) - eps).astype(np.float64)
+    return float(np.mean(-np.sum(onehot * np.log(probs), -1)))
+
+
+def _keras_binary(probs, labels, eps=KERAS_EPSILON):
+    """Keras 3's binary_crossentropy(from_logits=False) in NumPy: clip, then the mean of
+    -(y log p + (1 - y) log(1 - p))."""
+    probs = np.clip(probs, eps, np.float32(1) - eps)
+    one_minus = (np.float32(1) - probs).astype(np.float64)  # float32's 1 - p, as Keras computes it
+    return float(np.mean(-(labels * np.log(probs.astype(np.float64)) + (1 - labels) * np.log(one_minus))))
+
+
+def test_keras_messages_clip_saturated_probabilities_as_keras():
+    """The issue: the categorical_crossentropy message's softmax_cross_entropy(jnp.log(probs),
+    labels) was NaN for probabilities [1, 0, 9e-14] (log 0), and binary_crossentropy's
+    sigmoid_cross_entropy(logit(probs), labels) NaN at probabilities 1.0 and 0.0. Each `right:`
+    line, run as written, is Keras's clipped number."""
+    import jax.scipy.special  # (the binary line names jax.scipy.special.logit)
+    probs = np.asarray(jax.nn.softmax(jnp.array([[30.0, -80.0, 0.0], [0.2, 0.3, -1.0], [-90.0, 40.0, 0.0]])))
+    labels = np.array([1, 0, 1])  # a class of probability 0 (16.1: -log 1e-7), one of probability 1
+    onehot = np.eye(3, dtype=np.float32)[labels]
+    p01 = np.array([1.0, 0.0, 0.3, 1.0, 0.0, 0.7], np.float32)
+    y01 = np.array([1.0, 0.0, 1.0, 0.0, 1.0, 0.0], np.float32)
+    cases = {
+        "categorical_crossentropy": (dict(probs=probs, labels=onehot), _keras_categorical(probs, onehot)),
+        "sparse_categorical_crossentropy": (dict(probs=probs, labels=labels), _keras_categorical(probs, onehot)),
+        "binary_crossentropy": (dict(probs=p01, labels=y01), _keras_binary(p01, y01)),
+    }
+    for name, (values, reference) in cases.items():
+        call = ft.losses.OTHER_CALLS[name].split("  #")[0]
+        names = {"ft": ft, "jnp": jnp, "jax": jax, **{k: jnp.asarray(v) for k, v in values.items()}}
+        ours = float(eval(call, names))
+        # float32 logs of 1e-7 (16.1) and the softmax's renormalization of the clip: 5.3e-7 measured
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=5e-6, err_msg=name)

@@ -65,17 +65,23 @@ OTHER_NAMES = {
     "poisson_nll_loss": "poisson", "hinge_loss": "hinge",
 }
 
+# Keras's default from_logits=False takes probabilities and clips them to [1e-7, 1 - 1e-7] (its
+# epsilon) before the log: a saturated probability of 0 or 1 is log(0) = -inf unclipped, and the
+# loss NaN (0 * -inf).
+KERAS_CLIP = "jnp.clip(probs, 1e-7, 1 - 1e-7)"
+KERAS_PROBS = ("Keras's default from_logits=False takes probabilities, clipped as Keras clips them (a "
+               "probability of 0 or 1 is log(0): NaN); with logits pass them")
+
 # Where the other library's loss takes other inputs (log-space, probabilities for logits, a
 # scale), the call that computes its number here: the `right:` line of the error.
 OTHER_CALLS = {
     "nll_loss": "ft.losses.softmax_cross_entropy(log_probs, labels)  # torch's input: log-probabilities "
                 "(log_softmax of them is themselves)",
-    "categorical_crossentropy": "ft.losses.softmax_cross_entropy(jnp.log(probs), labels)  # Keras's "
-                                "default from_logits=False takes probabilities; with logits pass them",
-    "sparse_categorical_crossentropy": "ft.losses.softmax_cross_entropy(jnp.log(probs), labels)  # Keras's "
-                                       "default from_logits=False takes probabilities; with logits pass them",
-    "binary_crossentropy": "ft.losses.sigmoid_cross_entropy(jax.scipy.special.logit(probs), labels)  # Keras's "
-                           "default from_logits=False takes probabilities; with logits pass them",
+    "categorical_crossentropy": f"ft.losses.softmax_cross_entropy(jnp.log({KERAS_CLIP}), labels)  # {KERAS_PROBS}",
+    "sparse_categorical_crossentropy": f"ft.losses.softmax_cross_entropy(jnp.log({KERAS_CLIP}), labels)  "
+                                       f"# {KERAS_PROBS}",
+    "binary_crossentropy": f"ft.losses.sigmoid_cross_entropy(jax.scipy.special.logit({KERAS_CLIP}), labels)  "
+                           f"# {KERAS_PROBS}",
     "kl_div": "ft.losses.kl_divergence(jnp.exp(log_q), p, reduction='sum') / log_q.shape[0]  # torch's input "
               "is log q; reduction='batchmean' divides the sum by the batch size alone: for [B, C] that is "
               "kl_divergence's default mean, for [B, T, C] it is T times that mean",

@@ -1,0 +1,263 @@
+"""Each known layer's torch tensors ↔ its own leaves: the per-layer rules of
+:mod:`functree.interop._torch` (whose docstring tables the layouts), and ``layouts=`` /
+``flattened=``, which pick another torch layout for a ``Dense`` or ``MultiheadAttention``.
+
+A rule is :data:`Local`: torch names and ft leaf names local to the layer, and the two
+conversions between them (``to_ft(*torch_tensors) -> ft leaves``, ``to_torch`` back), each a
+pure NumPy relayout (a transpose, a split, a concatenation); :func:`layer_rules` gives a
+layer's rules, or None for a node that is no known layer (walked into by the plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from functree._naming import matches
+from functree.nn._attention import MultiheadAttention
+from functree.nn._conv import Conv, ConvTranspose
+from functree.nn._embedding import Embedding
+from functree.nn._linear import Dense
+from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
+from functree.nn._recurrent import RNN, GRUCell, LSTMCell
+
+FLATTENED_SIZE = """\
+ft.nn: flattened={{{name!r}: {shape}}} has {size} values per example; the Dense layer takes \
+{inputs}. Give torch's feature-map shape before Flatten, (channels, *spatial)."""
+
+BAD_LAYOUT = """\
+ft.nn: layouts= gives {name} the layout {layout!r}; this layer knows {known}.
+
+    wrong:  layouts={{{pattern!r}: {layout!r}}}
+    right:  layouts={{{pattern!r}: "conv1d"}}   # Hugging Face's Conv1D (GPT-2)
+       or:  layouts={{{pattern!r}: {other}}}   # {why}"""
+
+PER_HEAD_GROUPED = """\
+ft.nn: layouts= gives {name} the per-head layout {layout!r} (GPT-NeoX's: rows holding each \
+head's query, key and value in turn, one key and value head per query head), but it has \
+num_kv_heads={kv} for num_heads={heads} (grouped-query attention): its key and value rows \
+cannot be laid out per query head. A grouped-query attention's fused Linear holds [q | k | v]:
+
+    wrong:  layouts={{{pattern!r}: {layout!r}}}
+    right:  layouts={{{pattern!r}: {fused!r}}}   # rows [q | k | v] (Phi-3)
+       or:  layouts={{{pattern!r}: ('q_proj', 'k_proj', 'v_proj', 'o_proj')}}   # four Linears"""
+
+# A layer's rules in local names: (torch names, ft leaf names, to_ft, to_torch).
+Local = tuple[tuple[str, ...], tuple[str, ...], Callable[..., Any], Callable[..., Any]]
+
+
+def same(torch: str, ft: str) -> Local:
+    """One tensor as it is, torch's name ``torch`` ↔ the leaf ``ft``."""
+    return (torch,), (ft,), lambda a: (a,), lambda a: (a,)
+
+
+def _permuted(torch: str, ft: str, perm: Sequence[int]) -> Local:
+    inverse = tuple(int(i) for i in np.argsort(perm))
+    return (torch,), (ft,), lambda a: (a.transpose(perm),), lambda a: (a.transpose(inverse),)
+
+
+def _flattened_linear(shape: tuple[int, ...]) -> Local:
+    """Linear after torch's Flatten of ``[C, *S]`` maps ↔ Dense after ft's of ``[*S, C]``."""
+    n = len(shape)
+    to_ft_axes = (*range(2, n + 1), 1, 0)  # [out, C, *S] -> [*S, C, out]
+    to_torch_axes = tuple(int(i) for i in np.argsort(to_ft_axes))
+    spatial_first = (*shape[1:], shape[0])
+
+    def to_ft(w: np.ndarray) -> tuple[np.ndarray]:
+        return (w.reshape((w.shape[0], *shape)).transpose(to_ft_axes).reshape((-1, w.shape[0])),)
+
+    def to_torch(w: np.ndarray) -> tuple[np.ndarray]:
+        return (w.reshape((*spatial_first, w.shape[1])).transpose(to_torch_axes).reshape((w.shape[1], -1)),)
+
+    return ("weight",), ("weight",), to_ft, to_torch
+
+
+def _dense(layer: Dense, flattened: tuple[int, ...] | None = None, torch: str = "", ft: str = "",
+           layout: str | None = None) -> list[Local]:
+    if layout == "conv1d":  # Hugging Face's Conv1D stores [in, out], as ft.nn does
+        weight = same("weight", "weight")
+    else:
+        weight = _permuted("weight", "weight", (1, 0)) if flattened is None else _flattened_linear(flattened)
+    rules = [weight] + ([same("bias", "bias")] if layer.bias is not None else [])
+    return [_prefixed(rule, torch, ft) for rule in rules]
+
+
+def _prefixed(rule: Local, torch: str, ft: str) -> Local:
+    join = lambda p, n: f"{p}.{n}" if p else n  # noqa: E731
+    return tuple(join(torch, n) for n in rule[0]), tuple(join(ft, n) for n in rule[1]), rule[2], rule[3]
+
+
+def _conv(layer: Conv) -> list[Local]:
+    n = layer._rank
+    # torch [out, in, *k] (transposes: [in, out, *k]) -> ft [*k, in, out]
+    perm = (*range(2, n + 2), 0, 1) if isinstance(layer, ConvTranspose) else (*range(2, n + 2), 1, 0)
+    return [_permuted("weight", "weight", perm)] + ([same("bias", "bias")] if layer.bias is not None else [])
+
+
+def _norm(layer: LayerNorm | GroupNorm | RMSNorm | BatchNorm) -> list[Local]:
+    rules = [] if layer.scale is None else [same("weight", "scale")]
+    if getattr(layer, "offset", None) is not None:
+        rules.append(same("bias", "offset"))
+    if isinstance(layer, BatchNorm):
+        rules += [same("running_mean", "running_mean"), same("running_var", "running_variance")]
+    return rules
+
+
+def _split(sizes: Sequence[int], transpose: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """One stacked torch tensor ↔ several ft leaves (MultiheadAttention's in_proj)."""
+    cuts = np.cumsum(sizes)[:-1]
+    t = (lambda a: a.T) if transpose else (lambda a: a)
+    return (lambda w: tuple(t(p) for p in np.split(w, cuts))), (lambda *ps: (np.concatenate([t(p) for p in ps]),))
+
+
+def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
+    projections = (layer.query_projection, layer.key_projection, layer.value_projection)
+    names = ("query_projection", "key_projection", "value_projection")
+    if isinstance(layout, (tuple, list)) and len(layout) in (2, 3):  # one Linear for q|k|v, one output Linear
+        sizes = [p.weight.shape[1] for p in projections]
+        fused, output = layout[0], layout[1]
+        if len(layout) == 3:  # GPT-NeoX: rows [q_h | k_h | v_h] head after head
+            weights, biases = _per_head(layer.num_heads, True), _per_head(layer.num_heads, False)
+        else:  # Phi-3: rows [q | k | v]
+            weights, biases = _split(sizes, True), _split(sizes, False)
+        rules = [((f"{fused}.weight",), tuple(f"{n}.weight" for n in names), *weights)]
+        if layer.query_projection.bias is not None:
+            rules.append(((f"{fused}.bias",), tuple(f"{n}.bias" for n in names), *biases))
+        return rules + _dense(layer.output_projection, torch=output, ft="output_projection")
+    if isinstance(layout, (tuple, list)):  # separate Linear layers: q_proj, k_proj, v_proj, o_proj
+        return [rule for p, t, n in zip((*projections, layer.output_projection), layout, (*names, "output_projection"))
+                for rule in _dense(p, torch=t, ft=n)]
+    inputs = {p.weight.shape[0] for p in projections}
+    sizes = [p.weight.shape[1] for p in projections]
+    if layout == "conv1d":  # GPT-2: c_attn [in, q|k|v], c_proj [in, out]
+        rules: list[Local] = [(("c_attn.weight",), tuple(f"{n}.weight" for n in names), *_split_columns(sizes))]
+        if layer.query_projection.bias is not None:
+            rules.append((("c_attn.bias",), tuple(f"{n}.bias" for n in names), *_split(sizes, False)))
+        return rules + _dense(layer.output_projection, torch="c_proj", ft="output_projection", layout="conv1d")
+    if len(inputs) == 1:  # torch's _qkv_same_embed_dim: one stacked in_proj_weight
+        rules = [(("in_proj_weight",), tuple(f"{n}.weight" for n in names), *_split(sizes, True))]
+    else:
+        rules = [_permuted(f"{t}_proj_weight", f"{n}.weight", (1, 0)) for t, n in zip("qkv", names)]
+    if layer.query_projection.bias is not None:
+        rules.append((("in_proj_bias",), tuple(f"{n}.bias" for n in names), *_split(sizes, False)))
+    return rules + _dense(layer.output_projection, torch="out_proj", ft="output_projection")
+
+
+def _per_head(heads: int, transpose: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """One torch tensor whose rows hold each head's query, key and value in turn (GPT-NeoX's
+    ``query_key_value``: ``[heads, 3, head_size, ...]``) ↔ the three projections."""
+    t = (lambda a: a.T) if transpose else (lambda a: a)
+
+    def to_ft(w: np.ndarray) -> tuple[np.ndarray, ...]:
+        parts = w.reshape((heads, 3, -1, *w.shape[1:]))
+        return tuple(t(parts[:, i].reshape((-1, *w.shape[1:]))) for i in range(3))
+
+    def to_torch(*ps: np.ndarray) -> tuple[np.ndarray]:
+        rows = [t(p) for p in ps]
+        stacked = np.stack([r.reshape((heads, -1, *r.shape[1:])) for r in rows], axis=1)
+        return (stacked.reshape((-1, *rows[0].shape[1:])),)
+
+    return to_ft, to_torch
+
+
+def _split_columns(sizes: Sequence[int]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """One ``[in, q|k|v]`` matrix ↔ the three ``[in, size]`` projection weights."""
+    cuts = np.cumsum(sizes)[:-1]
+    return (lambda w: tuple(np.split(w, cuts, axis=1))), (lambda *ps: (np.concatenate(ps, axis=1),))
+
+
+def _cell(layer: GRUCell | LSTMCell, suffix: str = "", ft: str = "") -> list[Local]:
+    rules = [_permuted("weight_ih", "input_weight", (1, 0)), _permuted("weight_hh", "hidden_weight", (1, 0))]
+    if isinstance(layer, GRUCell):
+        rules += [same("bias_ih", "input_bias"), same("bias_hh", "hidden_bias")]
+    else:  # torch adds two biases where the LSTM has one: loaded summed, saved as (bias, 0)
+        rules.append((("bias_ih", "bias_hh"), ("bias",), lambda a, b: (a + b,), lambda b: (b, np.zeros_like(b))))
+    return [(tuple(n + suffix for n in t), tuple(f"{ft}.{n}" if ft else n for n in f), a, b) for t, f, a, b in rules]
+
+
+def _rnn(layer: RNN) -> list[Local] | None:  # another cell: None, walked into, its leaves matched by name
+    """torch's first layer's tensors: ``_l0`` forward; ``reverse=True`` reads the sequence from
+    its end as a bidirectional layer's second direction does, whose tensors are ``_l0_reverse``
+    (a forward layer's names would load it into a layer computing another function)."""
+    if not isinstance(layer.cell, (GRUCell, LSTMCell)):
+        return None
+    return _cell(layer.cell, suffix="_l0_reverse" if layer.reverse else "_l0", ft="cell")
+
+
+_LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None]], ...] = (
+    (Conv, _conv),
+    ((LayerNorm, GroupNorm, RMSNorm, BatchNorm), _norm),
+    (Embedding, lambda layer: [same("weight", "embeddings")]),
+    ((GRUCell, LSTMCell), _cell),
+    (RNN, _rnn),
+)
+
+
+@dataclasses.dataclass
+class Options:
+    """``flattened=`` and ``layouts=`` as the plan reads them, and what it met on the way (the
+    Dense and attention layers' names, the patterns used): an option naming no layer is an
+    error once the whole model is walked."""
+
+    flattened: Mapping[str, tuple[int, ...]]
+    layouts: Mapping[str, Any]
+    dense: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    layered: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # Dense, attention
+    attentions: list[str] = dataclasses.field(default_factory=list)
+    used: set[str] = dataclasses.field(default_factory=set)
+    pattern: str = ""  # the layouts= pattern that matched last
+
+    def layout(self, ft: str, torch: str) -> Any:
+        self.layered.append((torch, ft))
+        for pattern, layout in self.layouts.items():
+            if matches(torch, pattern) or matches(ft, pattern):
+                self.used.add(pattern)
+                self.pattern = pattern  # the one a bad layout's error shows
+                return layout
+        return None
+
+
+def layer_rules(node: Any, ft: str, torch: str, options: Options) -> list[Local] | None:
+    """``node``'s rules (local names) if it is a known layer, in the layout ``options`` pick
+    for it (checked), else None."""
+    if isinstance(node, Dense):
+        options.dense.append((torch, ft))
+        layout = options.layout(ft, torch)
+        shape = options.flattened.get(torch, options.flattened.get(ft))
+        if shape is not None and int(np.prod(shape)) != node.weight.shape[0]:
+            raise ValueError(FLATTENED_SIZE.format(name=torch, shape=tuple(shape), size=int(np.prod(shape)),
+                                                   inputs=node.weight.shape[0]))
+        return _dense(node, None if shape is None else tuple(shape), layout=_checked_layout(layout, torch, DENSE_LAYOUTS, options))
+    if isinstance(node, MultiheadAttention):
+        options.attentions.append(torch)
+        layout = options.layout(ft, torch)
+        named = isinstance(layout, (tuple, list)) and all(isinstance(n, str) for n in layout) and (
+            len(layout) in (2, 4) or (len(layout) == 3 and layout[2] == "per_head"))
+        if named and len(layout) == 3 and node.num_kv_heads != node.num_heads:  # no [q_h | k_h | v_h] rows
+            raise ValueError(PER_HEAD_GROUPED.format(name=torch, layout=tuple(layout), pattern=options.pattern,
+                                                     heads=node.num_heads, kv=node.num_kv_heads,
+                                                     fused=tuple(layout[:2])))
+        if not named:
+            layout = _checked_layout(layout, torch, ATTENTION_LAYOUTS, options)
+        return _attention(node, layout)
+    for cls, make in _LAYERS:
+        if isinstance(node, cls):
+            return make(node)
+    return None
+
+
+DENSE_LAYOUTS = ("linear", "conv1d")
+ATTENTION_LAYOUTS = ("torch", "conv1d", "(q, k, v, output) Linear names", "(qkv, output) names of a fused q|k|v "
+                     "Linear and the output Linear", "(qkv, output, 'per_head') with q, k, v rows per head (GPT-NeoX)")
+
+
+def _checked_layout(layout: Any, torch: str, known: tuple[str, ...], options: Options) -> Any:
+    if layout is None or layout in known[:2]:
+        return layout
+    other, why = (("'linear'", "torch's Linear (the default)") if known is DENSE_LAYOUTS
+                  else ("('q_proj', 'k_proj', 'v_proj', 'o_proj')", "its four Linears' names"))
+    raise ValueError(BAD_LAYOUT.format(layout=layout, name=torch, known=", ".join(known), other=other, why=why,
+                                       pattern=options.pattern))

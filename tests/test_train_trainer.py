@@ -321,6 +321,45 @@ def test_a_given_step_and_other_trainer_arguments_are_refused():
             Trainer(mlp(), train_step=step, **given)
 
 
+class _Threshold:
+    """A metric as a bound method: its threshold lives on the instance."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def rate(self, out):
+        return jnp.mean(jax.nn.softmax(out.aux).max(-1) > self.t)
+
+
+def _threshold(t):
+    return lambda out: jnp.mean(jax.nn.softmax(out.aux).max(-1) > t)
+
+
+def test_a_given_steps_metrics_are_compared_by_instance_value_and_name():
+    """Bound methods of two instances passed as one function (``Thresh(0.4).rate`` for the
+    Trainer's ``Thresh(0.9).rate``: fit logged the t=0.4 rate, 0.875 where t=0.9 gives 0);
+    the same metrics in another dict order, and closures over equal numpy scalars, were
+    refused ("would log the step's ['a', 'c'], not ['a', 'c']")."""
+    opt = adam()
+    step = ft.train.train_step(classify, opt, metrics={"thr": _Threshold(0.4).rate})
+    with pytest.raises(ValueError, match=r"computes 'thr' with another function than the Trainer's 'thr'"):
+        Trainer(mlp(), opt, classify, metrics={"thr": _Threshold(0.9).rate}, train_step=step)
+    same = _Threshold(0.4)
+    Trainer(mlp(), opt, classify, metrics={"thr": same.rate},
+            train_step=ft.train.train_step(classify, opt, metrics={"thr": same.rate}))
+    ordered = ft.train.train_step(classify, opt, metrics={"a": ft.train.accuracy, "c": _threshold(0.5)})
+    trainer = Trainer(mlp(), opt, classify, metrics={"c": ordered.metrics["c"], "a": ft.train.accuracy},
+                      train_step=ordered)
+    assert list(trainer.train_step.metrics) == ["a", "c"]  # the step's order: the history's columns
+    history = trainer.fit(ft.train.batches((X, LABELS), 16, shuffle=False), epochs=1, progress=False)
+    assert [k for k in history.epochs if k in ("a", "c")] == ["a", "c"]
+    numpy_step = ft.train.train_step(classify, opt, metrics={"thr": _threshold(np.float32(0.4))})
+    Trainer(mlp(), opt, classify, metrics={"thr": _threshold(np.float32(0.4))}, train_step=numpy_step)
+    for other in (np.float32(0.9), np.float64(0.4), np.array([0.4], np.float32)):  # value, dtype, shape
+        with pytest.raises(ValueError, match=r"computes 'thr' with another function"):
+            Trainer(mlp(), opt, classify, metrics={"thr": _threshold(other)}, train_step=numpy_step)
+
+
 def test_restore_model_with_new_optimizer_options(tmp_path):
     trainer = Trainer(mlp(), adam(), classify)
     trainer.fit((X, LABELS), steps=4, progress=False)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from functree._where import put
 from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
@@ -159,7 +161,8 @@ def _check_given_step(step: TrainStep, loss_fn: Any, optimizer: Any, metrics: di
                      "would report the Trainer's", "opt, other_loss_fn")
     if optimizer is not step.optimizer and optimizer is not getattr(step.optimizer, "_raw_transform", None):
         raise refuse("optimizer", "it would be ignored (the step updates with its own)", "other_opt, loss_fn")
-    if metrics and (list(metrics) != list(step.metrics) or not all(
+    # Names as a set: the history's columns follow the step's order, whatever the Trainer's.
+    if metrics and (set(metrics) != set(step.metrics) or not all(
             _same_function(fn, step.metrics[name]) for name, fn in metrics.items())):
         mine = ", metrics=[...]" if step.metrics else ""
         other = [n for n, fn in metrics.items() if n in step.metrics and not _same_function(fn, step.metrics[n])]
@@ -177,15 +180,39 @@ def _same_function(a: Any, b: Any) -> bool:
     """``a`` is ``b``, or both made by one definition from equal captured values (the
     Trainer resolves ``metrics=["logits"]`` to a new ``mean("logits")``: equal to the step's
     ``mean("logits")``, not to its ``mean("labels")``, nor one factory's closure over 1 to
-    its closure over 2)."""
+    its closure over 2). Bound methods: one function, bound to one instance or to equal
+    values (``Thresh(0.4).rate`` is not ``Thresh(0.9).rate``: their code is one, their
+    ``self`` not)."""
     if a is b:
         return True
+    if hasattr(a, "__self__") or hasattr(b, "__self__"):  # bound methods (a builtin's too)
+        if not (hasattr(a, "__self__") and hasattr(b, "__self__")) or not _same_value(a.__self__, b.__self__):
+            return False
+        a, b = getattr(a, "__func__", a), getattr(b, "__func__", b)
+        if a is b:
+            return True
     code, other = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    if code is None or code is not other or getattr(a, "__defaults__", None) != getattr(b, "__defaults__", None):
+    if code is None or code is not other or not _same_values(getattr(a, "__defaults__", None) or (),
+                                                               getattr(b, "__defaults__", None) or ()):
         return False
     cells = zip(a.__closure__ or (), b.__closure__ or ())
-    return all(x.cell_contents is y.cell_contents or (
-        type(x.cell_contents) in (str, int, float, bool) and x.cell_contents == y.cell_contents) for x, y in cells)
+    return all(_same_value(x.cell_contents, y.cell_contents) for x, y in cells)
+
+
+def _same_values(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """One captured object, or equal plain values: Python scalars and strings by value, numpy
+    scalars and 0-d arrays by value and dtype (``np.float32(0.4)`` twice)."""
+    if x is y:
+        return True
+    if type(x) in (str, int, float, bool) and type(y) in (str, int, float, bool):
+        return x == y
+    if isinstance(x, (np.generic, np.ndarray)) and isinstance(y, (np.generic, np.ndarray)):
+        return np.ndim(x) == 0 and np.ndim(y) == 0 and x.dtype == y.dtype and bool(x == y)
+    return False
 
 
 def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:

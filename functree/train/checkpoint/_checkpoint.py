@@ -3,12 +3,13 @@ configuration at a step, written through orbax and rebuilt with their original t
 
 A checkpoint is an orbax directory with two items: ``arrays`` (every leaf by its dotted
 key path, ``model.layers.0.weight``) and ``meta`` (JSON: the tree's types by public name
-(:mod:`._treespec`, read back by :mod:`._decode`), the step, metrics, configuration, CRC-32s of the arrays
-(:mod:`._arrays`) and one of the metadata itself). One writer (:func:`save_args`) and one
-reader (:func:`_read`) serve :func:`save`/:func:`load` and :class:`CheckpointManager`,
-whose directory policy (lock, retention) is :mod:`._directory`. Orbax writes into a
-temporary directory renamed when complete, so a killed save leaves the previous
-checkpoint loadable. Every process of a job calls ``save``: each writes its shards.
+(:mod:`._treespec`; read back by :mod:`._decode`, or against a template by
+:mod:`._template`, the extra part entry by entry by :mod:`._extra`), the step, metrics,
+configuration, CRC-32s of the arrays (:mod:`._arrays`) and one of the metadata itself).
+One writer (:func:`save_args`) and one reader (:func:`_read`) serve :func:`save`/:func:`load`
+and :class:`CheckpointManager`, whose directory policy (lock, retention) is
+:mod:`._directory`. Orbax writes into a temporary directory renamed when complete, so a
+killed save leaves the previous checkpoint loadable. Every process of a job calls ``save``: each writes its shards.
 Arrays are read back where the reading process places them (:func:`._arrays.placement`),
 never onto the writer's devices, which the metadata keeps as information (``written_on``).
 """
@@ -27,25 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._alias import check_stale
-from functree._module import Module
-from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict
-from functree._tree import child_name
 from functree.parallel import mesh_shape
 from functree.train.checkpoint import _directory as policy
 from functree.train.checkpoint._arrays import describe, placement, saved_arrays, verify, written_on
+from functree.train.checkpoint._decode import check_names
+from functree.train.checkpoint._errors import CheckpointError, SpecError
+from functree.train.checkpoint._extra import SKIP, placed_templates, read_extra
 from functree.train.checkpoint._frozen import describe_frozen, restore_frozen
 from functree.train.checkpoint._processes import agreed, gather
-from functree.train.checkpoint._registry import type_name
-from functree.train.checkpoint._decode import (
-    EditedReader,
-    check_names,
-    decode,
-    decode_leaf,
-    dict_entries,
-    leaf_specs,
-)
-from functree.train.checkpoint._errors import CheckpointError, SpecError
-from functree.train.checkpoint._treespec import encode, same_classes, static_differences
+from functree.train.checkpoint._template import rebuild
+from functree.train.checkpoint._treespec import encode
 
 __all__ = ["Checkpoint", "CheckpointManager", "SKIP", "save", "load", "CheckpointError"]
 
@@ -86,28 +78,6 @@ No checkpoint {what} in {path} (steps present: {steps}).
     wrong:  manager.restore({step})
     right:  manager.restore()          # the latest, or one of {steps}"""
 
-TEMPLATE_MISMATCH = """\
-The checkpoint's {part}{at} does not fit the template:
-{report}
-Build the template the same way as the saved {part} (same layer sizes, dtypes and \
-optimizer), or restore without a template to get the saved {part} back as it was:
-
-    {plain}{hint}"""
-
-CAST_ON_LOAD = """\
-the loader never casts (a template checks the saved dtypes); read the saved {part} as it was \
-saved and cast it into the template: {cast}   # then ft.shard(tree, mesh, rules) for a mesh"""
-
-STATIC_MISMATCH = """\
-{what} was saved with other static configuration than the template's. A template gives the \
-saved arrays their structure; these fields change what the {part} computes, and the \
-template's values would replace the saved ones silently:
-{lines}
-Build the template with the saved values, or restore without a template to get the saved \
-{part} as it was saved:
-
-    wrong:  {wrong}      # the template's {where} is {mine}; saved: {saved}
-    right:  {right}"""
 
 OLD_OPTIMIZER_LAYOUT = """
 
@@ -149,15 +119,6 @@ PATH_EXISTS = """\
     wrong:  ft.train.save("{path}", tree)
     right:  ft.train.save("{path}", tree, overwrite=True)"""
 
-NO_EXTRA_ENTRY = """\
-extra_template gives a template for {where}, but the checkpoint's extra at step {step} has \
-no entry {key!r}: its entries are {saved}. Name the entries it has (the others are read \
-as saved):
-
-    wrong:  manager.restore({step}, extra_template={{{key!r}: template}})
-    right:  manager.restore({step}, extra_template={right})"""
-
-ENTRY_AS_SAVED = "manager.restore({step}, extra_template={{{key!r}: None}}).extra[{key!r}]   # this entry as saved"
 
 LOAD_NEEDS_TEMPLATE = """\
 Restoring onto a mesh needs a template (the tree's structure, shapes and dtypes) to place \
@@ -397,63 +358,6 @@ class _Damage(Exception):
     pass
 
 
-def _with_template(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: str,
-                   ) -> tuple[Any, FlatDictReport]:
-    """``from_flat_dict(template, the saved leaves under part)``: the tree and its report."""
-    flat = {name: decode_leaf(s, arrays, s["key"]) for name, s in _template_names(spec, part).items()}
-    return from_flat_dict(template, flat, strict=False)
-
-
-def _rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: str = "",
-             step: Any = "-", hint: str = "", plain: str = "") -> Any:
-    """The tree ``spec`` describes: with its saved types, or checked against ``template``
-    (``plain``: the call reading it as saved, for the message; default ``.{part}``)."""
-    if template is None:
-        return decode(spec, arrays, part)
-    tree, report = _with_template(spec, arrays, template, part)
-    if not report.ok:
-        at, plain = ((f" at step {step}", plain or f"manager.restore({step}).{part}") if part else
-                     ("", "ft.train.load(path)       # ft.train.save's tree, no template"))
-        report = _loader_hints(report, part or "tree", plain.split("#")[0].strip())
-        raise CheckpointError(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, report=report,
-                                                       hint=hint))
-    differences = static_differences(spec, template, part)
-    if differences:
-        lines = "\n".join(f"    {where}: saved {saved}, the template's {mine}" for where, saved, mine in differences[:8])
-        more = f"\n    ... and {len(differences) - 8} more" if len(differences) > 8 else ""
-        where, saved, mine = differences[0]
-        if step == "-":  # ft.train.load
-            what, wrong, right = "This checkpoint's tree", "ft.train.load(path, template)", "ft.train.load(path)"
-        else:
-            what = f"The checkpoint's {part} at step {step}"
-            given = _TEMPLATE_PARAMETERS.get(part.split(".")[0], "template")
-            wrong, right = f"manager.restore({step}, {given}=...)", (plain or f"manager.restore({step}).{part}") + hint
-        raise CheckpointError(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
-                                                     right=right, where=where, mine=mine, saved=saved))
-    return tree
-
-
-_TEMPLATE_PARAMETERS = {"model": "template", "opt_state": "opt_state_template", "extra": "extra_template"}
-
-
-def _template_names(spec: Any, part: str) -> dict[str, dict[str, Any]]:
-    """``{the name from_flat_dict gives a leaf: its spec}``: the stored keys without the
-    part's prefix (``model.``). A tree that is one leaf (a bare array or number) is stored as
-    ``"value"`` (or as its part, ``"model"``) and is the template's root, named ``""``."""
-    if isinstance(spec, dict) and spec.get("kind") in ("leaf", "function") and isinstance(spec.get("key"), str):
-        return {"": spec}
-    prefix = part + "." if part else ""
-    return {s["key"][len(prefix):]: s for _, s in leaf_specs(spec, part) if s["key"].startswith(prefix)}
-
-
-def _loader_hints(report: FlatDictReport, part: str, restore: str) -> FlatDictReport:
-    """``report`` with from_flat_dict's ``cast=True`` hint, which no loader takes, given as
-    the code that casts a restored tree (``restore``: the call reading it as saved)."""
-    cast = f"ft.from_flat_dict(template, ft.to_flat_dict({restore}), cast=True)"
-    cast = cast.replace("{", "{{").replace("}", "}}")  # with_hint formats the text ({names}): a dict's braces kept
-    return report.with_hint("float", FLOAT_DIFFER + CAST_ON_LOAD.format(part=part, cast=cast))
-
-
 def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) -> None:
     """Save one tree (a model, an optimizer state, anything) to ``path``, atomically.
 
@@ -508,7 +412,7 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
             arrays, meta = _read(lambda args: checkpointer.restore(path, args=args), path, target)
         step = meta.get("step")
         hint = "" if step is None else MANAGER_STEP.format(directory=path.parent, step=step)
-        tree = _rebuild(meta["spec"], arrays, template, hint=hint)
+        tree = rebuild(meta["spec"], arrays, template, hint=hint)
         check_names(meta["spec"], arrays)
         return tree
     except _Damage as e:
@@ -519,91 +423,6 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
     except SpecError as e:
         raise SpecError(f"Checkpoint {path}:\n{e}") from None
 
-
-# --- the extra part: entry by entry, a Module of the model's class like the model --------------
-
-class _Skip:
-    """The type of :data:`SKIP`."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "CheckpointManager.SKIP"
-
-
-SKIP: Any = _Skip()  # an entry of extra_template not read at all (CheckpointManager.SKIP)
-
-
-def _like_model(model: Any) -> EditedReader | None:
-    """Reads a Module of ``model``'s class (by its stored name: nothing looked up) that does
-    not decode by name, its class (or one inside it) edited since the save (a static field
-    added) or shared by several live classes (a class made by a function called twice),
-    with ``model`` as its template, as the model part is read, where it fits: the same
-    classes at the same key paths (:func:`same_classes`), the same leaf key paths, shapes
-    and dtypes (:func:`from_flat_dict`'s report) and the same static values. The best model
-    of ``EarlyStopping(restore_best=True)`` in ``extra`` then reads as the model does; one
-    that does not fit keeps its error. A Module that decodes by name is read as saved."""
-    if not isinstance(model, Module):
-        return None
-    name = type_name(type(model))
-
-    def read(spec: dict[str, Any], arrays: dict[str, Any], path: str) -> tuple[bool, Any]:
-        if spec.get("class") != name:
-            return False, None
-        if not same_classes(spec, model):  # another layer class inside (a MaxPool2D where the model has AvgPool2D)
-            return False, None
-        tree, report = _with_template(spec, arrays, model, path)
-        return (True, tree) if report.ok and not static_differences(spec, model, path) else (False, None)
-
-    return read
-
-
-def _read_extra(spec: Any, arrays: dict[str, Any], template: Any, model: Any, step: int) -> Any:
-    """The checkpoint's ``extra``: a dict ``template`` reads a saved dict entry by entry
-    (:func:`_extra_entries`); None, or a dict naming no template (only None and
-    :data:`SKIP`) when the saved extra is no dict, reads it as saved; any other template is
-    the whole extra's. Read as saved, a Module of ``model``'s class edited since the save is
-    read like the model (:func:`_like_model`)."""
-    edited = _like_model(model)
-    if isinstance(template, dict) and isinstance(spec, dict) and spec.get("kind") == "dict":
-        return _extra_entries(spec, arrays, template, edited, step)
-    if isinstance(template, dict) and template and all(t is None or t is SKIP for t in template.values()):
-        template = None  # nothing to check: a saved extra that is no dict has no entry to skip
-    if template is None:
-        return decode(spec, arrays, "extra", edited=edited)
-    return _rebuild(spec, arrays, template, "extra", step)
-
-
-def _extra_entries(spec: dict[str, Any], arrays: dict[str, Any], templates: dict[Any, Any],
-                   edited: EditedReader | None, step: int) -> dict[Any, Any]:
-    """A saved dict ``extra``, each entry read by its template in ``templates``: a tree
-    (checked as a part is: key path ``extra.<entry>``, shape, dtype, static values), None or
-    no mention (as saved), :data:`SKIP` (left out of the result, its types never read; its
-    arrays are checked with the others'). A template for an entry the checkpoint lacks is
-    :data:`NO_EXTRA_ENTRY`."""
-    entries = dict_entries(spec, "extra")
-    saved = [key for key, _, _ in entries]
-    for key, template in templates.items():
-        if key not in saved and template is not None and template is not SKIP:
-            right = f"{{{saved[0]!r}: template}}" if saved else "None   # it has no entry"
-            raise CheckpointError(NO_EXTRA_ENTRY.format(where=child_name("extra", key), step=step, key=key,
-                                                        saved=saved, right=right))
-    out = {}
-    for key, at, child in entries:
-        template = templates.get(key)
-        if template is SKIP:
-            continue
-        out[key] = decode(child, arrays, at, edited=edited) if template is None else _rebuild(
-            child, arrays, template, at, step, plain=ENTRY_AS_SAVED.format(step=step, key=key))
-    return out
-
-
-def _placed_templates(templates: dict[str, Any]) -> dict[str, Any]:
-    """The templates that place arrays: ``extra``'s entries without :data:`SKIP`."""
-    extra = templates["extra"]
-    if isinstance(extra, dict):
-        templates = {**templates, "extra": {k: t for k, t in extra.items() if t is not SKIP}}
-    return templates
 
 
 # --- the manager ------------------------------------------------------------------------------
@@ -813,7 +632,7 @@ class CheckpointManager:
         the default device: never where the writer had it.
         """
         templates: dict[str, Any] = dict(zip(_PARTS, (template, opt_state_template, extra_template)))
-        target = placement(_placed_templates(templates), mesh, sharding, data_axis)
+        target = placement(placed_templates(templates), mesh, sharding, data_axis)
         steps = self.all_steps()
         chosen = steps[-1] if step is None and steps else step
         if chosen is None or chosen not in steps:
@@ -826,10 +645,10 @@ class CheckpointManager:
                 restore_frozen(arrays, meta["frozen"], template, chosen)
             hint = OLD_OPTIMIZER_LAYOUT if meta.get("migrated_from") else ""
             model, opt_state, extra = meta["spec"]["items"]
-            parts = {"model": _rebuild(model, arrays, template, "model", chosen) if "model" in include else None,
-                     "opt_state": _rebuild(opt_state, arrays, opt_state_template, "opt_state", chosen, hint)
+            parts = {"model": rebuild(model, arrays, template, "model", chosen) if "model" in include else None,
+                     "opt_state": rebuild(opt_state, arrays, opt_state_template, "opt_state", chosen, hint)
                      if "opt_state" in include else None,
-                     "extra": _read_extra(extra, arrays, extra_template, template, chosen)
+                     "extra": read_extra(extra, arrays, extra_template, template, chosen)
                      if "extra" in include else None}
             check_names(meta["spec"], arrays)
         except _Damage as e:

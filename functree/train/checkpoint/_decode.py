@@ -125,7 +125,7 @@ class ClassEditedError(SpecError):
 # inside it, edited since the save or shared by several live classes): ``reader(spec,
 # arrays, path)`` returns ``(True, value)``, or ``(False, None)`` for the error to stand (a
 # checkpoint reads a Module of its model's class in ``extra`` with the model as its
-# template, as the model is, where it fits: _checkpoint._like_model).
+# template, as the model is, where it fits: _extra._like_model).
 EditedReader = Callable[[dict[str, Any], dict[str, Any], str], tuple[bool, Any]]
 
 

@@ -399,3 +399,100 @@ def test_train_step_with_a_compute_dtype_trains_a_dict_or_list_model_with_batch_
         np.testing.assert_array_equal(np.asarray(ft.get(new, f"{at}.{name}")),
                                       np.asarray(ft.get(ref_new, f".layers['bn'].{name}")))
     assert float(np.abs(np.asarray(ft.get(new, f"{at}.running_mean"))).max()) > 0.01  # it moved
+
+
+# --- a layer called twice in one forward updates its state in turn, as torch does
+
+class _Twice(ft.Module):
+    bn: ft.nn.BatchNorm
+
+    def __call__(self, x):
+        return self.bn(self.bn(x) * 2 + 1)
+
+
+def _torch_twice(x, momentum, eps):
+    """torch's running_mean after ``bn(bn(x) * 2 + 1)`` and the biased running variance
+    (functree's, documented) from torch's own batch statistics."""
+    import torch
+
+    bn = torch.nn.BatchNorm1d(x.shape[-1], momentum=1 - momentum, eps=eps).train()
+    seen = []
+    bn.register_forward_pre_hook(lambda _, inp: seen.append(inp[0].numpy().copy()))
+    with torch.no_grad():
+        bn(bn(torch.tensor(x)) * 2 + 1)
+    var = np.ones(x.shape[-1], np.float32)
+    for a in seen:
+        var = momentum * var + (1 - momentum) * a.var(0)
+    return bn.running_mean.numpy(), var
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_layer_called_twice_updates_its_state_twice_as_torch(jit):
+    x = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32) * 3 + 2
+    model = ft.nn.training(_Twice(ft.nn.BatchNorm(4, momentum=0.9, epsilon=1e-3)))
+    run = lambda m: ft.nn.collect_state(lambda mm: mm(jnp.asarray(x)), m)  # noqa: E731
+    _, state = (jax.jit(run) if jit else run)(model)
+    mean, var = _torch_twice(x, 0.9, 1e-3)
+    np.testing.assert_allclose(state[ft.key_path(model, ".bn.running_mean")], mean, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(state[ft.key_path(model, ".bn.running_variance")], var, rtol=0, atol=1e-5)
+    assert float(model.bn.running_mean[0]) == 0.0  # the model itself is unchanged afterwards
+
+
+class _Discriminator(ft.Module):
+    net: ft.nn.Sequential
+
+    def __call__(self, real, fake):
+        return jnp.mean(self.net(real)) - jnp.mean(self.net(fake))
+
+
+def test_two_calls_in_one_loss_under_value_with_gradient_and_state_match_torch():
+    import torch
+
+    rng = np.random.default_rng(0)
+    real = rng.normal(size=(8, 3)).astype(np.float32) * 2 + 1
+    fake = rng.normal(size=(8, 3)).astype(np.float32) * 0.1 - 3
+    d = ft.nn.training(_Discriminator(ft.nn.Sequential(
+        ft.nn.Dense(3, 4, key=jax.random.key(0)), ft.nn.BatchNorm(4, momentum=0.9, epsilon=1e-5))))
+    _, _, state = jax.jit(lambda m: ft.nn.value_with_gradient_and_state(
+        lambda mm, a, b: mm(a, b), m, jnp.asarray(real), jnp.asarray(fake)))(d)
+    t = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, eps=1e-5, momentum=0.1)).train()
+    with torch.no_grad():
+        t[0].weight.copy_(torch.tensor(np.asarray(d.net.layers[0].weight).T))
+        t[0].bias.copy_(torch.tensor(np.asarray(d.net.layers[0].bias)))
+        t(torch.tensor(real)), t(torch.tensor(fake))
+    got = state[ft.key_path(d, ".net.layers[1].running_mean")]
+    np.testing.assert_allclose(got, t[1].running_mean.numpy(), rtol=0, atol=1e-5)  # 0.1 * mean(fake) before: off by 0.1
+
+
+class _Block(ft.Module):
+    bn: ft.nn.BatchNorm
+
+    def __call__(self, x):
+        return jnp.tanh(self.bn(x))
+
+
+@pytest.mark.parametrize("wrap", ["stack", "remat"])
+def test_a_stack_or_remat_called_twice_updates_in_turn(wrap):
+    """Stack and Remat collect their layers' state inside their scan / checkpoint: a second
+    call reads the first call's record, as the same layers called twice in a loop would."""
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(6, 4)).astype(np.float32) + 1)
+    blocks = [ft.nn.training(_Block(ft.nn.BatchNorm(4, momentum=0.8))) for _ in range(2)]
+    if wrap == "stack":
+        layer = ft.nn.Stack.from_layers(blocks)
+    else:
+        layer = ft.nn.Remat(ft.nn.Sequential(*blocks))
+    twice = lambda m: m(m(x) * 3)  # noqa: E731
+    _, state = jax.jit(lambda m: ft.nn.collect_state(twice, m))(ft.nn.training(layer))
+    # the reference: the plain blocks, called in a Python loop, states threaded by hand
+    y = x
+    bns = [b.bn for b in blocks]
+    for call in range(2):
+        for i, bn in enumerate(bns):
+            y_next, s = ft.nn.collect_state(lambda m, y=y: m(y), bn)
+            bns[i] = ft.nn.apply_state(bn, s)
+            y = jnp.tanh(y_next)
+        y = y * 3 if call == 0 else y
+    means = np.stack([np.asarray(bn.running_mean) for bn in bns])
+    got = [v for p, v in state.items() if str(p).endswith("running_mean")]
+    got = np.asarray(got[0]) if wrap == "stack" else np.stack([np.asarray(v) for v in got])
+    np.testing.assert_allclose(got, means, rtol=0, atol=1e-5)

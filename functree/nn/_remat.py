@@ -25,7 +25,7 @@ from functree._remat_policy import checkpointed, remat_policy
 from functree._tree import is_array_value
 from functree.nn._mode import Layer
 from functree.nn._sequential import takes_key
-from functree.nn._state import collect_state, collector_stack
+from functree.nn._state import collect_state, collector_stack, substitute
 
 __all__ = ["Remat", "remat_policy", "call_collecting", "record_under"]
 
@@ -71,6 +71,24 @@ def record_under(owner: Any, field_name: str, paths: list[KeyPath], values: Any)
     for where in collector.paths[id(owner)]:
         for path, value in zip(paths, values):
             collector.updates[KeyPath((*where, Entry(ATTR, field_name), *path))] = value
+    for path, value in zip(paths, values):
+        parent = _parent(getattr(owner, field_name), path)
+        if parent is not None:  # a second call of owner reads it (ft.nn._state.substitute)
+            substitute(collector, parent, path[-1].key, value)
+
+
+def _parent(root: Any, path: KeyPath) -> Any:
+    """The object holding the field ``path`` ends with (``root.a[0]`` for ``.a[0].b``), or
+    None where the path does not end with a Module's field."""
+    entries = tuple(path)
+    if not entries or entries[-1].kind != ATTR:
+        return None
+    try:
+        for entry in entries[:-1]:
+            root = getattr(root, entry.key) if entry.kind == ATTR else root[entry.key]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    return root
 
 
 class Remat(Layer):

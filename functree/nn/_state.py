@@ -6,6 +6,8 @@ values for its ``no_derivative`` fields. ``ft.nn.collect_state(fn, model)`` runs
 ``ft.nn.apply_state(model, updates)`` writes them back. Nothing is mutated: the records
 are ordinary outputs of the traced function, so they pass through ``jax.jit``,
 ``jax.grad(..., has_aux=True)`` and ``ft.value_with_gradient(..., has_aux=True)``.
+A layer called twice while ``fn`` runs updates in turn, as torch does: its second call
+reads the first call's record (restored when ``collect_state`` returns).
 
 A hand-written training loop uses :func:`value_with_gradient_and_state`::
 
@@ -154,6 +156,7 @@ class _Collector:
         self.updates: dict[KeyPath, Any] = {}
         self.followed: list[Any] = []  # copies whose layers record here (ids stay theirs)
         self.trace = current_trace()  # recorded values must belong to it or to a trace around it
+        self.replaced: list[tuple[Any, str, Any]] = []  # (layer, field, value before): see substitute
 
 
 def _holds_layers(value: Any) -> bool:
@@ -218,6 +221,32 @@ def record_state(layer: Module, **values: Any) -> None:
             value = jnp.asarray(value).astype(old.dtype)
         for path in collector.paths[id(layer)]:
             collector.updates[KeyPath((*path, Entry(ATTR, name)))] = value
+        substitute(collector, layer, name, value)
+
+
+def substitute(collector: _Collector, layer: Any, name: str, value: Any) -> None:
+    """Let ``layer.<name>`` read ``value`` until ``collector`` closes, then restore it.
+
+    A layer called twice in one forward (a GAN's discriminator on real then fake data, two
+    views, ``bn(bn(x))``) updates its state in turn, as torch does: the second call reads
+    the first call's record, ``m * (m * r + (1 - m) s_1) + (1 - m) s_2``, where reading the
+    field itself would drop ``s_1``. The layer object is only changed while ``fn`` runs, so
+    the model the caller holds is unchanged afterwards. A value of a transformation opened
+    inside ``fn`` is not substituted (it may not leave it; :func:`_check_traces` reports it).
+    """
+    if not isinstance(layer, Module) or name not in layer.__dict__:
+        return
+    if inner_trace([value], collector.trace) is not None:
+        return
+    collector.replaced.append((layer, name, layer.__dict__[name]))
+    layer.__dict__[name] = value
+
+
+def _restore(collector: _Collector) -> None:
+    """Undo :func:`substitute`, latest first (so each field gets its value from before ``fn``)."""
+    for layer, name, value in reversed(collector.replaced):
+        layer.__dict__[name] = value
+    collector.replaced.clear()
 
 
 def _salts() -> list[Any]:
@@ -387,6 +416,7 @@ def collect_state(fn: Callable[[Any], Any], model: Any) -> tuple[Any, dict[KeyPa
         raise
     finally:
         stack.pop()
+        _restore(collector)
     _check_traces(collector)
     return out, collector.updates
 

@@ -29,7 +29,7 @@ import contextlib
 import copy
 import functools
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -37,15 +37,14 @@ import jax.numpy as jnp
 import optax
 
 from functree._alias import copy_aliases
-from functree._examples import check_example_axis
 from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._tangent import move
-from functree._tree import dotted_name
 from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
-from functree.nn._state import apply_state, collect_state, floating_state, salted_call
+from functree.nn._state import apply_state, collect_state
+from functree.optim._accumulate import accumulated_gradients, leading_dimension
 from functree.optim._average import with_average
 from functree.optim._checks import (
     check_state_fits,
@@ -55,6 +54,22 @@ from functree.optim._checks import (
 )
 from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
+from functree.optim._extras import (
+    EXTRAS_REFUSED,
+    check_context_reaches,
+    extra_arguments,
+    loss_value_fn,
+    taking_extras,
+    with_extras,
+)
+from functree.optim._hooks import (
+    BOTH_LOSS_HOOKS,
+    HOOK_WITHOUT_SCALE,
+    SCALED_HOOK,
+    chain_hooks,
+    checked_hooks,
+    takes_scale,
+)
 from functree.optim._hyper import HyperState
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
@@ -71,7 +86,7 @@ from functree.optim._subset import (
     with_frozen_members,
 )
 
-__all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "leading_dimension", "with_wrt"]
+__all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "with_wrt"]
 
 FROZEN_OPTIMIZER = """\
 Optimizers are immutable; build a new one instead of assigning {name!r}:
@@ -112,34 +127,6 @@ got {given}.
        or:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
 """
 
-STATEFUL_HOOK = """\
-{hook}= takes functions from a gradient tree to a gradient tree; got the optax \
-transformation {given}, which has state. Chain it into the transform instead:
-
-    wrong:  ft.optim.Optimizer(ft.optim.adam(), {hook}=optax.clip_by_global_norm(1.0))
-    right:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), ft.optim.adam()))
-"""
-
-EXTRAS_REFUSED = """\
-A transformation inside the Optimizer's transform refuses optax's extra arguments ({error}). \
-ft.optim.Optimizer passes the learning context to its transform as the extra argument \
-context=, which optax.chain (optax.masked, ...) hands to every transformation inside; an \
-optax.GradientTransformationExtraArgs whose update takes no **extra_args (optax.contrib.sam's) \
-refuses it. Make that transformation the outermost one: the Optimizer gives it only the \
-keywords its update takes.
-
-    wrong:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.sam(opt, adv_opt)))
-    right:  ft.optim.Optimizer(optax.contrib.sam(optax.chain(optax.clip_by_global_norm(1.0), opt), adv_opt))
-"""
-
-CONTEXT_NOT_PASSED = """\
-The transform's update {given} takes no optax extra arguments (no **extra_args), so it cannot pass the \
-learning context to the ft.optim transformations inside it ({where}): their hyperparameters \
-and schedules read it. Inside such a transformation (optax.contrib.sam), use optax's own:
-
-    wrong:  ft.optim.Optimizer(optax.contrib.sam(ft.optim.sgd(0.1), adv_opt))
-    right:  ft.optim.Optimizer(optax.contrib.sam(optax.sgd(0.1), adv_opt))
-"""
 
 NOT_OPTIMIZER_STATE = """\
 Optimizer.update needs the state that Optimizer.init made (an ft.optim.OptimizerState), \
@@ -148,46 +135,6 @@ got {given}:
     wrong:  state = ft.optim.adam().init(model);  opt.update(grads, state, model)
     right:  state = opt.init(model);              opt.update(grads, state, model)
 """
-
-BAD_ACCUMULATION = """\
-accumulate={k} needs the batch's leading dimension to be a multiple of {k}; \
-the leaf at {path} has shape {shape}.
-Each step splits the batch into {k} microbatches and averages their gradients (on a mesh, \
-each device splits its own share: the batch must be a multiple of devices x {k}):
-
-    wrong:  opt.minimize(loss_fn, model, state, x, y)
-    right:  x, y = jax.tree.map(lambda a: a[: {k} * (len(a) // {k})], (x, y))   # every batch argument
-            opt.minimize(loss_fn, model, state, x, y)
-"""
-
-
-def _hooks(hook: str, fns: Any) -> tuple[Callable[[Any], Any], ...]:
-    if fns is None:
-        return ()
-    if callable(fns) and not isinstance(fns, optax.GradientTransformation):
-        fns = (fns,)
-    if isinstance(fns, optax.GradientTransformation):
-        raise TypeError(STATEFUL_HOOK.format(hook=hook, given=type(fns).__name__))
-    fns = tuple(fns)
-    for f in fns:
-        if isinstance(f, optax.GradientTransformation) or not callable(f):
-            raise TypeError(STATEFUL_HOOK.format(hook=hook, given=type(f).__name__))
-    return fns
-
-
-def _chain(fns: Sequence[Callable[[Any], Any]], grads: Any) -> Any:
-    for f in fns:
-        grads = f(grads)
-    return grads
-
-
-def leading_dimension(batch: Sequence[Any]) -> int:
-    """The minibatch size of ``batch``: the leading dimension of its first array (1 if none)."""
-    for leaf in jax.tree.leaves(batch):
-        shape = getattr(leaf, "shape", ())
-        if len(shape) >= 1:
-            return int(shape[0])
-    return 1
 
 
 class StepResult(NamedTuple):
@@ -221,50 +168,6 @@ class Gradients(NamedTuple):
     out: Any
     grads: Any
     layer_state: Any
-
-
-def _keywords(transform: Any) -> frozenset[str] | None:
-    """The keyword arguments ``transform.update`` takes beyond ``(updates, state, params)``
-    when it is an ``optax.GradientTransformationExtraArgs`` whose update has no
-    ``**extra_args`` (``optax.contrib.sam``'s takes ``grad_fn`` only); else None (it takes
-    any, or optax.with_extra_args_support drops those of a plain transformation)."""
-    if not isinstance(transform, optax.GradientTransformationExtraArgs):
-        return None
-    try:
-        parameters = list(inspect.signature(transform.update).parameters.values())
-    except (TypeError, ValueError):  # an update without a signature: given every keyword
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return frozenset(p.name for p in parameters[3:]
-                     if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
-
-
-def _taking_extras(transform: Any) -> Any:
-    """``transform`` given only the extra arguments its update takes (:func:`_keywords`):
-    optax's contract is that a GradientTransformationExtraArgs ignores those it does not
-    know, which ``optax.contrib.sam`` breaks, refusing the Optimizer's ``context=``."""
-    names = _keywords(transform)
-    if names is None:
-        return transform
-
-    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
-        return transform.update(updates, state, params, **{k: v for k, v in extra.items() if k in names})
-
-    return optax.GradientTransformationExtraArgs(transform.init, update)
-
-
-def _check_context_reaches(transform: Any, inner: Any) -> None:
-    """:data:`CONTEXT_NOT_PASSED` where ``transform`` passes no extra arguments (so no
-    ``context=``) on, and its state holds a functree transform's (which needs it)."""
-    names = _keywords(transform)
-    if names is None or "context" in names:
-        return
-    paths = jax.tree_util.tree_flatten_with_path(inner, is_leaf=lambda x: isinstance(x, HyperState))[0]
-    hyper = [dotted_name(p) or "<root>" for p, x in paths if isinstance(x, HyperState)]
-    if hyper:
-        given = getattr(transform.update, "__qualname__", type(transform).__name__)
-        raise TypeError(CONTEXT_NOT_PASSED.format(given=given, where="the state at " + ", ".join(hyper)))
 
 
 def _strongly_typed(tree: Any) -> Any:
@@ -379,13 +282,13 @@ class Optimizer:
             raise ValueError(BOTH_LOSS_HOOKS)
         set_ = object.__setattr__
         set_(self, "_transform", optax.with_extra_args_support(
-            with_average(real_pairs(_taking_extras(from_optax(_with_extras(transform)))), average)))
+            with_average(real_pairs(taking_extras(from_optax(with_extras(transform)))), average)))
         set_(self, "_raw_transform", transform)
         set_(self, "_transform_loss", transform_loss)
         set_(self, "_get_gradients", get_gradients)
-        set_(self, "_unaggregated", _hooks("transform_unaggregated_gradients", transform_unaggregated_gradients))
+        set_(self, "_unaggregated", checked_hooks("transform_unaggregated_gradients", transform_unaggregated_gradients))
         set_(self, "_aggregate", aggregate_gradients)
-        set_(self, "_transform_gradients", _hooks("transform_gradients", transform_gradients))
+        set_(self, "_transform_gradients", checked_hooks("transform_gradients", transform_gradients))
         set_(self, "_apply_updates", apply_updates)
         set_(self, "_axis_name", axis_name)
         set_(self, "_accumulate", accumulate)
@@ -431,7 +334,7 @@ class Optimizer:
         with jax.numpy_dtype_promotion("standard"), _mask_structure():  # optax mixes floats and ints
             inner = self._transform.init(params)
         check_multisteps(inner, HyperState)
-        _check_context_reaches(self._raw_transform, inner)
+        check_context_reaches(self._raw_transform, inner)
         state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.
@@ -510,7 +413,7 @@ class Optimizer:
         if self._get_gradients is not None:
             if scale is None:
                 return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux)
-            if not _takes_scale(self._get_gradients):
+            if not takes_scale(self._get_gradients):
                 raise TypeError(HOOK_WITHOUT_SCALE.format(hook=getattr(self._get_gradients, "__qualname__", "hook"),
                                                           scaled_hook=SCALED_HOOK))
             return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux, scale=scale)
@@ -526,7 +429,7 @@ class Optimizer:
 
     def transform_unaggregated_gradients(self, grads: Any) -> Any:
         """Per-replica gradient transforms, before aggregation."""
-        return _chain(self._unaggregated, grads)
+        return chain_hooks(self._unaggregated, grads)
 
     @property
     def axis_name(self) -> Any:
@@ -548,7 +451,7 @@ class Optimizer:
 
     def transform_gradients(self, grads: Any) -> Any:
         """Gradient transforms after aggregation (clipping, ...)."""
-        return _chain(self._transform_gradients, grads)
+        return chain_hooks(self._transform_gradients, grads)
 
     def apply_updates(self, model: Any, updates: Any) -> Any:
         """``ft.move(model, along=updates)`` by default."""
@@ -571,7 +474,7 @@ class Optimizer:
         comes out of it NaN (:func:`~functree.optim._skip.keep_nonfinite`; a clip would make
         an overflowed ``inf`` a plausible 1, where torch's ``unscale_`` checks before it)."""
         if self.accumulate > 1:
-            out, grads = self._accumulated_gradients(loss_fn, model, batch, has_aux, state, key)
+            out, grads = accumulated_gradients(self, loss_fn, model, batch, has_aux, state, key)
         else:
             fn = loss_fn if key is None else functools.partial(loss_fn, key=key)
             out, grads = self.get_gradients(fn, model, *batch, has_aux=has_aux, state=state)
@@ -654,7 +557,7 @@ class Optimizer:
         g = half(model, state, batch) if replicas is None else replicas(half, model, state, batch)
         whole = loss_fn if key is None else functools.partial(loss_fn, key=key)  # L-BFGS: the whole batch
         return self.apply_step(g, model, state, minibatch_size=minibatch_size, on_nan=on_nan, enabled=enabled,
-                               value_fn=_value_fn(self, whole, batch, has_aux))
+                               value_fn=loss_value_fn(self, whole, batch, has_aux))
 
     def gradients(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *,
                   has_aux: bool = False, key: Any = None, checked: bool | None = None) -> Gradients:
@@ -731,54 +634,6 @@ class Optimizer:
         new_params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(out[0]))  # the model's mode
         return with_parameters(model, new_params), out[1]
 
-    def _accumulated_gradients(self, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
-                               state: Any, key: Any = None) -> tuple[Any, Any]:
-        k = self.accumulate
-        check_example_axis(batch, f"accumulate={k} microbatches")
-        micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
-
-        # Floating layer state (running statistics) is threaded through the microbatches, as
-        # torch's k forwards update it k times; the gradients are unchanged (training mode
-        # normalises with the batch's statistics). PRNG keys are not: see floating_state.
-        threaded = floating_state(model) if getattr(loss_fn, "__ft_records_state__", False) else {}
-
-        def body(carry: Any, xs: tuple) -> tuple[Any, Any]:
-            (total, carried), (mb, i) = carry, xs
-            m = apply_state(model, carried) if carried else model
-            fn = loss_fn if key is None else functools.partial(loss_fn, key=jax.random.fold_in(key, i))
-            out, grads = self.get_gradients(salted_call(fn, i), m, *mb, has_aux=has_aux, state=state)
-            if carried:
-                carried = _threaded(carried, out[1][1])
-            return (jax.tree.map(jnp.add, total, grads), carried), out
-
-        zeros = jax.tree.map(jnp.zeros_like, trained_view(model, self.wrt))
-        (total, _), outs = jax.lax.scan(body, (zeros, threaded), (micro, jnp.arange(k, dtype=jnp.uint32)))
-        grads = jax.tree.map(lambda g: g / k, total)
-        if has_aux:
-            return (jnp.mean(outs[0]), outs[1]), grads
-        return jnp.mean(outs), grads
-
-
-def _with_extras(transform: Any) -> Any:
-    """``transform``, an ``optax.MultiSteps`` as the ``GradientTransformationExtraArgs`` its
-    ``update`` is (it takes ``**extra_args`` and passes them on, but is no such instance:
-    ``optax.with_extra_args_support`` wrapped it in a layer that dropped them, and an inner
-    ``reduce_on_plateau`` never got its ``value=``)."""
-    if isinstance(transform, optax.MultiSteps):
-        return optax.GradientTransformationExtraArgs(transform.init, transform.update)  # pyright: ignore[reportArgumentType]
-    return transform
-
-
-def _threaded(carried: dict[Any, Any], recorded: dict[Any, Any]) -> dict[Any, Any]:
-    """The next microbatch's layer state: what this one recorded, in the carried dtypes
-    (a field recorded in another shape, or not recorded, keeps its carried value)."""
-    out = {}
-    for path, value in carried.items():
-        new = recorded.get(path)
-        same = new is not None and jnp.shape(new) == jnp.shape(value)
-        out[path] = jnp.asarray(new).astype(value.dtype) if same else value
-    return out
-
 
 def _scaled(loss: Any, scale: Any) -> Any:
     """``loss * scale`` in float32 at least: in float16 it is ``inf`` from a scale of 65536
@@ -812,42 +667,6 @@ def _both(a: Any, b: Any) -> Any:
     if a is None:
         return b
     return a if b is None else a & b
-
-
-def _value_fn(opt: Optimizer, loss_fn: Callable[..., Any], batch: tuple, has_aux: bool) -> Callable[[Any], Any]:
-    """The differentiated loss of this batch as a function of the model (L-BFGS's line
-    search evaluates it at trial points; nothing runs unless a transform calls it)."""
-    def value_fn(model: Any) -> Any:
-        out = loss_fn(model, *batch)
-        return opt.transform_loss(out[0] if has_aux else out)
-
-    return value_fn
-
-
-def extra_arguments(extra: dict[str, Any], grads: Any, model: Any) -> dict[str, Any]:
-    """Optax's extra arguments for the transform, from :meth:`Optimizer.update`'s keywords:
-    ``value_fn`` (a function of the model) as a function of the parameter view the
-    transform sees (``None`` leaves keep the model's), and ``grad`` defaulting to ``grads``
-    (conjugated already) when ``value`` or ``value_fn`` is given."""
-    extra = dict(extra)
-    value_fn = extra.get("value_fn")
-    if value_fn is not None and model is not None:
-        def on_view(params: Any, context: Any = None) -> Any:  # optax's line search passes on
-            return value_fn(with_parameters(model, params))    # the extra arguments it knows
-
-        extra["value_fn"] = on_view
-    if "grad" in extra:
-        extra["grad"] = descent_direction(extra["grad"])
-    elif "value" in extra or "value_fn" in extra:
-        extra["grad"] = grads
-    return extra
-
-
-def _split(path: Any, x: Any, k: int) -> Any:
-    shape = jnp.shape(x)
-    if not shape or shape[0] % k:
-        raise ValueError(BAD_ACCUMULATION.format(k=k, path=jax.tree_util.keystr(path) or "<root>", shape=shape))
-    return jnp.reshape(x, (k, shape[0] // k, *shape[1:]))
 
 
 class OptimizerWrapper(Optimizer):
@@ -934,44 +753,6 @@ class OptimizerWrapper(Optimizer):
 
     def apply_updates(self, model: Any, updates: Any) -> Any:
         return self.inner.apply_updates(model, updates)
-
-
-HOOK_WITHOUT_SCALE = """\
-The get_gradients hook {hook} takes no scale=, and a LossScaleOptimizer differentiates the \
-loss times its scale: a hook that clips or otherwise changes gradients nonlinearly would see \
-them scaled (per-example clipping would clip at threshold / scale). Take the scale and return \
-the pair (unscaled loss, grads of scale * loss), applying any threshold to scaled units \
-(ft.optim.per_example_clipping does):
-
-    wrong:  def hook(loss_fn, model, *batch, has_aux=False): ...
-{scaled_hook}"""
-
-# A get_gradients hook that takes the loss scale (LossScaleOptimizer's HOOK_RESULT shows it too).
-SCALED_HOOK = """\
-    right:  def hook(loss_fn, model, *batch, has_aux=False, scale=None):
-                s = 1.0 if scale is None else scale
-                def scaled(m, *b):
-                    out = loss_fn(m, *b)                  # loss, or (loss, aux) with has_aux
-                    return s * (out[0] if has_aux else out), out
-                (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(model, *batch)
-                return out, grads                         # (unscaled loss, grads of scale * loss)"""
-
-BOTH_LOSS_HOOKS = """\
-Optimizer(transform_loss=..., get_gradients=...): a get_gradients hook computes the gradients \
-itself and would ignore transform_loss silently. Apply the transform inside the loss function \
-(or inside the hook):
-
-    wrong:  ft.optim.Optimizer(tx, transform_loss=f, get_gradients=hook)
-    right:  ft.optim.Optimizer(tx, get_gradients=hook), with loss_fn returning f(loss)"""
-
-
-def _takes_scale(hook: Callable[..., Any]) -> bool:
-    """Whether a get_gradients hook accepts ``scale=`` (a parameter of that name, or ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(hook).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "scale" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 WRT_CONFLICT = """\

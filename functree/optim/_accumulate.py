@@ -1,0 +1,94 @@
+"""``ft.optim.Optimizer(accumulate=k)``: each batch split into ``k`` microbatches along its
+leading axis, their gradients averaged inside one ``lax.scan`` (memory of one microbatch),
+the model's floating layer state (running statistics) threaded from one microbatch to the
+next, as ``k`` torch forwards update it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from functree._examples import check_example_axis
+from functree.nn._state import apply_state, floating_state, salted_call
+from functree.optim._subset import trained_view
+
+if TYPE_CHECKING:
+    from functree.optim._optimizer import Optimizer
+
+__all__ = ["accumulated_gradients", "leading_dimension", "BAD_ACCUMULATION"]
+
+BAD_ACCUMULATION = """\
+accumulate={k} needs the batch's leading dimension to be a multiple of {k}; \
+the leaf at {path} has shape {shape}.
+Each step splits the batch into {k} microbatches and averages their gradients (on a mesh, \
+each device splits its own share: the batch must be a multiple of devices x {k}):
+
+    wrong:  opt.minimize(loss_fn, model, state, x, y)
+    right:  x, y = jax.tree.map(lambda a: a[: {k} * (len(a) // {k})], (x, y))   # every batch argument
+            opt.minimize(loss_fn, model, state, x, y)
+"""
+
+
+def leading_dimension(batch: Sequence[Any]) -> int:
+    """The minibatch size of ``batch``: the leading dimension of its first array (1 if none)."""
+    for leaf in jax.tree.leaves(batch):
+        shape = getattr(leaf, "shape", ())
+        if len(shape) >= 1:
+            return int(shape[0])
+    return 1
+
+
+def _split(path: Any, x: Any, k: int) -> Any:
+    shape = jnp.shape(x)
+    if not shape or shape[0] % k:
+        raise ValueError(BAD_ACCUMULATION.format(k=k, path=jax.tree_util.keystr(path) or "<root>", shape=shape))
+    return jnp.reshape(x, (k, shape[0] // k, *shape[1:]))
+
+
+def _threaded(carried: dict[Any, Any], recorded: dict[Any, Any]) -> dict[Any, Any]:
+    """The next microbatch's layer state: what this one recorded, in the carried dtypes
+    (a field recorded in another shape, or not recorded, keeps its carried value)."""
+    out = {}
+    for path, value in carried.items():
+        new = recorded.get(path)
+        same = new is not None and jnp.shape(new) == jnp.shape(value)
+        out[path] = jnp.asarray(new).astype(value.dtype) if same else value
+    return out
+
+
+def accumulated_gradients(opt: Optimizer, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
+                          state: Any, key: Any = None) -> tuple[Any, Any]:
+    """``(loss, grads)`` of :meth:`Optimizer.compute_gradients` with ``opt.accumulate = k``:
+    ``batch`` split into ``k`` microbatches along its leading axis, each one's gradients
+    from ``opt.get_gradients`` (microbatch ``i`` given ``jax.random.fold_in(key, i)``),
+    summed in one ``lax.scan`` (memory of one microbatch) and divided by ``k``; the
+    outputs come stacked, ``(k, ...)``, the loss their mean."""
+    k = opt.accumulate
+    check_example_axis(batch, f"accumulate={k} microbatches")
+    micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
+
+    # Floating layer state (running statistics) is threaded through the microbatches, as
+    # torch's k forwards update it k times; the gradients are unchanged (training mode
+    # normalises with the batch's statistics). PRNG keys are not: see floating_state.
+    threaded = floating_state(model) if getattr(loss_fn, "__ft_records_state__", False) else {}
+
+    def body(carry: Any, xs: tuple) -> tuple[Any, Any]:
+        (total, carried), (mb, i) = carry, xs
+        m = apply_state(model, carried) if carried else model
+        fn = loss_fn if key is None else functools.partial(loss_fn, key=jax.random.fold_in(key, i))
+        out, grads = opt.get_gradients(salted_call(fn, i), m, *mb, has_aux=has_aux, state=state)
+        if carried:
+            carried = _threaded(carried, out[1][1])
+        return (jax.tree.map(jnp.add, total, grads), carried), out
+
+    zeros = jax.tree.map(jnp.zeros_like, trained_view(model, opt.wrt))
+    (total, _), outs = jax.lax.scan(body, (zeros, threaded), (micro, jnp.arange(k, dtype=jnp.uint32)))
+    grads = jax.tree.map(lambda g: g / k, total)
+    if has_aux:
+        return (jnp.mean(outs[0]), outs[1]), grads
+    return jnp.mean(outs), grads

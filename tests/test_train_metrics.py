@@ -604,7 +604,8 @@ class _Override(ft.train.TrainStep):
     scale = 1.0
 
     def compute_metrics(self, out):
-        return {"loss": out.loss, "acc": ft.train.accuracy(out) * self.scale, "ten": jnp.float32(10.0)}
+        acc = ft.train.accuracy(out)  # reported as is: the very value accuracy returned
+        return {"loss": out.loss, "acc": acc if self.scale == 1.0 else acc * self.scale, "ten": jnp.float32(10.0)}
 
 
 class _Replaced(_Override):
@@ -633,6 +634,41 @@ def test_an_override_without_super_keeps_accuracy_per_token(k):
         np.testing.assert_allclose(t.evaluate(data)["acc"], want, rtol=0, atol=_ATOL)
         assert set(t.history.steps) == {"step", "loss", "acc", "ten", "learning_rate"}  # no part shown
         assert t.history.epochs["ten"] == [10.0]
+
+
+class _PadsAsMisses(ft.train.TrainStep):
+    """An own accuracy under the counting metric's name: pads (-100) counted as misses."""
+
+    def compute_metrics(self, out):
+        return {"loss": out.loss, "accuracy": jnp.mean(jnp.argmax(out.aux, -1) == out.batch[1])}
+
+
+def test_an_own_value_under_a_counting_name_is_decided_once_not_per_minibatch():
+    """Before: the step compared the reported number with accuracy's own, per minibatch
+    (within 8 ulp): on a minibatch without pads the two coincide and it added hits /
+    counted, on the other (v, 1); epoch accuracy 0.275 where the override's values
+    [0.25, 0.375] weigh to 0.3125. Whether a value is the counting metric's own is now its
+    identity at trace time: this one is the override's, size-weighted on every minibatch."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 4, 3)).astype(np.float32)
+    y = rng.integers(0, 3, size=(4, 4)).astype(np.int32)
+    y[2:, 2:] = -100  # the second minibatch has pads, the first none
+    model = ft.nn.Dense(3, 3, key=jax.random.key(0))
+
+    def loss_fn(m, batch):
+        logits = m(batch[0])
+        return jnp.mean(logits ** 2), logits
+
+    opt = ft.optim.sgd(0.0)  # the model stays put: numpy scores the same logits
+    step = _PadsAsMisses(loss_fn, opt, metrics=[ft.train.accuracy])
+    t = ft.train.Trainer(model, opt, loss_fn, train_step=step)
+    t.fit(ft.train.batches((x, y), 2, shuffle=False), epochs=1, progress=False)
+    pred = np.asarray(model(jnp.asarray(x))).argmax(-1)
+    per_batch = [np.mean(pred[i:i + 2] == y[i:i + 2]) for i in (0, 2)]
+    own = [(pred[i:i + 2] == y[i:i + 2])[y[i:i + 2] != -100].mean() for i in (0, 2)]
+    assert per_batch[0] == own[0] and per_batch[1] != own[1]  # the case that mixed the two
+    np.testing.assert_allclose(t.history.steps["accuracy"], per_batch, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(t.history.epochs["accuracy"], [np.mean(per_batch)], rtol=0, atol=1e-6)
 
 
 class _HandStep(ft.train.TrainStep):

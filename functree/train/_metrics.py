@@ -21,8 +21,10 @@ training loop reads it (at log intervals): no per-step synchronisation.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -331,7 +333,7 @@ def accuracy(out: StepOutput) -> jax.Array:
       Array(0.6666667, dtype=float32)
     """
     hits, counted = _accuracy_out_counts(out)
-    return hits / jnp.maximum(counted, 1.0)
+    return _noted(hits / jnp.maximum(counted, 1.0), hits, counted)
 
 
 accuracy.of = _accuracy_of  # type: ignore[attr-defined]
@@ -380,9 +382,8 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
       >>> float(ft.train.binary_accuracy(ft.train.StepOutput(jnp.zeros(()), logits, (None, labels), None)))
       0.6666666865348816
     """
-    logits = _find_logits(out.aux)
-    return _binary_accuracy_of(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy",
-                                                    source=_logits_source(out.aux))[1])
+    hits, counted = _binary_out_counts(out)
+    return _noted(hits / jnp.maximum(counted, 1.0), hits, counted)
 
 
 binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]
@@ -529,33 +530,61 @@ def _part(counts: Callable[[StepOutput], tuple[jax.Array, jax.Array]], i: int) -
     return part
 
 
-def complete_parts(values: dict[str, Any], metrics: Mapping[str, Callable[[StepOutput], Any]], out: StepOutput) -> dict[str, Any]:
+_NOTES = threading.local()  # .seen: {id(value): (value, hits, counted)} while a step traces compute_metrics
+
+
+def _noted(value: jax.Array, hits: jax.Array, counted: jax.Array) -> jax.Array:
+    """``value``, remembered with its ``(hits, counted)`` while :func:`noting` is on."""
+    seen = getattr(_NOTES, "seen", None)
+    if seen is not None:
+        seen[id(value)] = (value, hits, counted)
+    return value
+
+
+@contextlib.contextmanager
+def noting() -> Iterator[dict[int, tuple[jax.Array, jax.Array, jax.Array]]]:
+    """The values the counting metrics return inside the block, each with its hits and
+    counted labels (keyed by identity: the traced array itself, not its number)."""
+    outer, _NOTES.seen = getattr(_NOTES, "seen", None), {}
+    try:
+        yield _NOTES.seen
+    finally:
+        _NOTES.seen = outer
+
+
+def complete_parts(values: dict[str, Any], metrics: Mapping[str, Callable[[StepOutput], Any]],
+                   out: StepOutput, seen: Mapping[int, tuple[jax.Array, jax.Array, jax.Array]]) -> dict[str, Any]:
     """``values`` (what a step's ``compute_metrics`` returned for ``out``) with the parts of
     each counting metric of ``metrics`` it reports without them: a ``compute_metrics`` that
-    overrides TrainStep's without calling it. Where the value reported is the metric's own
-    (within 8 ulp: the same hits / counted), the parts are its hits and counted labels, so
-    the means are Σ hits / Σ counted; where the override replaced it (another number under
-    that name), ``name#sum = v_b``, ``name#count = 1``: its size-weighted mean, as any metric's,
-    never a mean of a metric the step did not report. A name it left out gets no parts.
+    overrides TrainStep's without calling it. Decided once per name, at trace time, by
+    identity: where the value reported is one a counting metric returned in that call
+    (``seen``, from :func:`noting`), its parts are that call's hits and counted labels, so
+    the means are Σ hits / Σ counted; any other value (the override's own number under
+    that name) gets ``name#sum = v_b``, ``name#count = 1``: its size-weighted mean, as any
+    metric's. (Comparing numbers instead decided per minibatch: an own accuracy that counts
+    pads as misses equals the counting one on a minibatch without pads, and mixed the two
+    means.) A name it left out gets no parts.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> out = ft.train.StepOutput(jnp.zeros(()), jnp.array([[2.0, 0.0]]), (None, jnp.array([0])), None)
-      >>> sorted(complete_parts({"acc": ft.train.accuracy(out)}, {"acc": ft.train.accuracy}, out))
+      >>> with noting() as seen:
+      ...     values = {"acc": ft.train.accuracy(out)}
+      >>> sorted(complete_parts(values, {"acc": ft.train.accuracy}, out, seen))
       ['acc', 'acc#count', 'acc#sum']
     """
     dtype, n = metric_dtype(), batch_size_of(out.batch)
     for name in counting_names(metrics):
         if name not in values or name + PART_SUM in values or jnp.shape(values[name]) != ():
             continue  # left out, already parted (super()), or not a scalar: record() says so
-        given = jnp.asarray(values[name])
-        hits, counted = getattr(metrics[name], COUNTS)(out)
-        own = jnp.asarray(metrics[name](out)).astype(dtype)
-        floating = jnp.issubdtype(given.dtype, jnp.floating)
-        tol = 8 * jnp.finfo(given.dtype if floating else dtype).eps  # values in [0, 1]
-        mine = (jnp.abs(given.astype(dtype) - own) <= tol) | (jnp.isnan(given.astype(dtype)) & jnp.isnan(own))
-        values[name + PART_SUM] = jnp.where(mine, hits / n, given).astype(dtype)
-        values[name + PART_COUNT] = jnp.where(mine, counted / n, 1.0).astype(dtype)
+        given = values[name]
+        own = seen.get(id(given))
+        if own is not None and own[0] is given:
+            values[name + PART_SUM] = (own[1] / n).astype(dtype)
+            values[name + PART_COUNT] = (own[2] / n).astype(dtype)
+        else:
+            values[name + PART_SUM] = jnp.asarray(given).astype(dtype)
+            values[name + PART_COUNT] = jnp.ones((), dtype)
     return values
 
 

@@ -72,6 +72,7 @@ from functree.train._metrics import (
     counting_names,
     describe_batch,
     evaluate_metrics,
+    noting,
     resolve_metrics,
     with_parts,
     without_parts,
@@ -469,7 +470,8 @@ class TrainStep:
         out = StepOutput(loss, aux, batch, model)
         # Here, not in compute_metrics: an override that does not call super() still gets
         # the parts of the counting metrics it reports (their epoch means Σ hits / Σ counted).
-        metrics = complete_parts(dict(self.compute_metrics(out)), self.metrics, out)
+        with noting() as seen:  # which reported values are a counting metric's own (by identity)
+            metrics = complete_parts(dict(self.compute_metrics(out)), self.metrics, out, seen)
         if nonfinite is not None:
             metrics[NONFINITE] = nonfinite
         return new_model, new_state, metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,10 @@ __all__ = ["provenance_for_step", "step_report"]
 ANALYSIS_FAILED = "the provenance analysis failed ({error}); the step's failure stands"
 FINITE_AGAIN = ("run again eagerly, step {step}'s loss and gradient are finite (a failure "
                 "of the compiled program only, or of a nondeterministic one)")
+EAGER_ERROR = ("run eagerly on this step's batch (outside jit), {function} raises the error below: "
+               "the likely cause, not the learning rate. Under jit a loss cannot read its inputs' "
+               "values to check them (a label outside the classes, say) and returns NaN instead.\n"
+               "{error}")
 LATER_MODEL = ("analysed with the model after {count} later step(s): the model before a "
                "skipped step is not kept")
 
@@ -50,14 +55,30 @@ def provenance_for_step(loss_fn: Callable[..., Any], model: Any, batch: Any, key
         return out
 
     function = function_name(loss_fn)
+    raised = _eager_error(loss, model, batch, key)
     try:
         if has_aux is None:
             shape = jax.eval_shape(loss, model, batch, key)
             has_aux = isinstance(shape, tuple) and len(shape) == 2
         report = nan_report(loss, (model, batch, key), has_aux=has_aux)
-        return None if report.ok else dataclasses.replace(report, function=function)
     except Exception as e:  # diagnostics after a failure must never hide the failure
-        return NaNReport(function, "unknown", note=ANALYSIS_FAILED.format(error=f"{type(e).__name__}: {e}"))
+        report = NaNReport(function, "unknown", note=ANALYSIS_FAILED.format(error=f"{type(e).__name__}: {e}"))
+    if raised:  # the loss's own message names the cause better than the equation it NaN-ed in
+        note = EAGER_ERROR.format(function=function, error=textwrap.indent(raised, "    "))
+        return dataclasses.replace(report, function=function, kind=report.kind or "unknown", note=note)
+    return None if report.ok else dataclasses.replace(report, function=function)
+
+
+def _eager_error(loss: Callable[..., Any], model: Any, batch: Any, key: Any) -> str:
+    """The error ``loss(model, batch, key)`` raises run eagerly on these concrete inputs ("" if
+    none): the nan_report analysis traces the loss, so a check of the inputs' values (a label
+    outside the classes: ``ft.losses.softmax_cross_entropy`` raises on concrete labels, is NaN
+    on traced ones) cannot run there."""
+    try:  # not under jax.disable_jit: a scanned model would run its scan as a Python loop
+        loss(model, batch, key)
+    except Exception as e:  # any error: shown as the loss's own, never raised from a diagnosis
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def step_report(loss_fn: Callable[..., Any], model: Any, batch: Any, key: Any, step: int,

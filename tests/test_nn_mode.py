@@ -224,3 +224,30 @@ def test_switching_a_second_model_of_one_definition_sets_every_flag(key):
     assert t.body.layers[1].training and t.body.layers[2].training and t.extra["drop"].training
     assert mode_free(model) is model  # no flag to clear: the tree itself
     assert not ft.nn.is_training(mode_free(t)) and jax.tree.structure(mode_free(t)) == jax.tree.structure(model)
+
+
+@pytest.mark.parametrize("switch", ["inference", "training"])
+def test_modes_switch_equinox_flags_inside_the_users_jit_as_equinox(switch):
+    """Under the user's jax.jit an Equinox flag is a bool[] tracer: it was skipped, and
+    equinox's `if inference` raised TracerBoolConversionError; eqx.nn.inference_mode sets it."""
+    eqx = pytest.importorskip("equinox")
+    x, key = jnp.arange(1.0, 9.0), jax.random.key(3)
+    start = {"drop": eqx.nn.Dropout(0.5, inference=switch == "training")}
+    ours = getattr(ft.nn, switch)
+    theirs = lambda m: eqx.nn.inference_mode(m, value=switch == "inference")  # noqa: E731
+    got = jax.jit(lambda m: ours(m)["drop"](x, key=key))(start)
+    expected = jax.jit(lambda m: theirs(m)["drop"](x, key=key))(start)
+    np.testing.assert_array_equal(got, expected)
+    if switch == "inference":
+        np.testing.assert_array_equal(got, x)
+    else:
+        assert set(np.unique(np.asarray(got) / np.asarray(x)).tolist()) <= {0.0, 2.0}
+
+
+def test_is_training_counts_equinox_flags():
+    eqx = pytest.importorskip("equinox")
+    built = {"drop": eqx.nn.Dropout(0.1)}  # equinox builds it with inference=False: training
+    assert ft.nn.is_training(built)
+    assert not ft.nn.is_training(ft.nn.inference(built))
+    assert ft.nn.is_training(ft.nn.training(ft.nn.inference(built)))
+    assert not ft.nn.is_training({"drop": eqx.nn.Dropout(0.1, inference=True)})

@@ -50,13 +50,25 @@ FOREIGN_FIELD = "inference"
 
 
 def _is_flag(value: Any) -> bool:
-    """A Python bool, or a concrete bool array without axes (``jax.device_put(model)`` makes
-    one of an Equinox flag; left an array, a jitted step would trace it and ``if inference``
-    fail): set to a Python bool, as ``eqx.nn.inference_mode`` sets it."""
+    """A Python bool, or a bool array without axes: ``jax.device_put(model)`` makes one of
+    an Equinox flag, and the user's ``jax.jit`` traces it (a bool[] tracer). Left an array,
+    ``if inference`` fails (TracerBoolConversionError); it is set to a Python bool, as
+    ``eqx.nn.inference_mode`` sets it, traced or not."""
     if type(value) is bool:
         return True
-    return (isinstance(value, (np.ndarray, np.bool_, jax.Array)) and not isinstance(value, Tracer)
+    return (isinstance(value, (np.ndarray, np.bool_, jax.Array))
             and np.shape(value) == () and value.dtype == np.bool_)
+
+
+def _foreign_training(model: Any) -> bool:
+    """Whether an Equinox-style flag of ``model`` says training (``inference`` False; a
+    traced flag's value is unknown and not counted)."""
+    leaves = jax.tree.leaves(model)
+    for i in _foreign_flags(model):
+        value = leaves[i]
+        if _is_flag(value) and not isinstance(value, Tracer) and not bool(value):
+            return True
+    return False
 
 
 def _foreign_flags(model: Any) -> tuple[int, ...]:
@@ -261,7 +273,10 @@ def inferring(model: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def is_training(model: Any) -> bool:
-    """Whether any layer of ``model`` is in training mode.
+    """Whether any layer of ``model`` is in training mode: a functree layer's static
+    ``training`` flag is True, or a foreign layer's Equinox-style ``inference`` flag is
+    False (``eqx.nn.Dropout(0.1)`` is built in training mode). A flag traced by the
+    caller's ``jax.jit`` has no known value and is not counted.
 
     Example:
       >>> import functree as ft
@@ -281,7 +296,7 @@ def is_training(model: Any) -> bool:
         return y
 
     jax.tree.map(visit, model, is_leaf=_is_module)
-    return bool(found)
+    return bool(found) or _foreign_training(model)
 
 
 class Layer(Module):

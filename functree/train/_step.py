@@ -407,8 +407,10 @@ class TrainStep:
         those rows and refuses what it cannot combine, whatever sizes coincide (a per-class
         table of 4 rows and 4 examples per device)."""
         size = batch_size_of(batch)
-        _, aux = jax.eval_shape(lambda m, b, k: collect_state(lambda mm: self.compute_loss(mm, b, k), m)[0],
-                                model, batch, key)
+        # The model is closed over, not passed: eval_shape takes arrays, and a model may hold
+        # functions as leaves (an Equinox MLP's activation).
+        _, aux = jax.eval_shape(lambda b, k: collect_state(lambda mm: self.compute_loss(mm, b, k), model)[0],
+                                batch, key)
         return jax.tree.map(lambda s: s.ndim >= 1 and s.shape[0] == size, aux)
 
     def _replicas(self, half: Callable[..., Gradients], model: Any, opt_state: Any, batch: tuple, *,
@@ -434,7 +436,14 @@ class TrainStep:
         gathered = where.constrain(model, jax.tree.map(lambda p: without_axis(p, axis), where.model_specs(model),
                                                        is_leaf=is_spec))
 
-        def per_device(m: Any, s: Any, b: tuple) -> Gradients:
+        # Only the model's arrays enter shard_map; its other leaves (an Equinox MLP's
+        # activation function) are closed over, as shard_map takes arrays alone.
+        leaves, treedef = jax.tree.flatten(gathered)
+        held = [is_array(x) for x in leaves]
+
+        def per_device(arrays: list, s: Any, b: tuple) -> Gradients:
+            given = iter(arrays)
+            m = treedef.unflatten([next(given) if a else x for x, a in zip(leaves, held)])
             # Varying over the data axis: each device differentiates its own shard, and the
             # aggregator sees per-device gradients (a custom one may psum/pmean/all_gather).
             if not alone:
@@ -452,7 +461,7 @@ class TrainStep:
             per_device, mesh=where.mesh, in_specs=(PartitionSpec(), state_in, in_batch),
             out_specs=Gradients(PartitionSpec(), (PartitionSpec(), stacked), PartitionSpec(), stacked),
             axis_names={axis},
-        )(gathered, opt_state, batch)
+        )([x for x, a in zip(leaves, held) if a], opt_state, batch)
         local = batch_size_of(batch) // where.devices
         out = (g.loss, merge_aux(g.out[1], local, "device", f"on a mesh of {where.devices} devices", rows))
         layer_state = jax.tree.map(merge_devices, g.layer_state)

@@ -113,3 +113,61 @@ def test_a_patched_call_is_asked_afresh_whether_it_takes_a_key(monkeypatch):
     expected = _noisy(x, jax.random.split(k, 1)[0])
     assert not np.all(np.asarray(expected) == 1.0)  # the key is used
     np.testing.assert_array_equal(np.asarray(ft.nn.Sequential(Plain())(x, key=k)), np.asarray(expected))
+
+
+# --- foreign (Equinox) layers are children, trained and switched, given keys
+
+
+def _eqx_model():
+    eqx = pytest.importorskip("equinox")
+    dense = ft.nn.Dense(4, 3, jnp.tanh, key=jax.random.key(0))
+    return eqx, ft.nn.Sequential(dense, eqx.nn.Linear(3, 2, key=jax.random.key(1)), eqx.nn.Dropout(0.5))
+
+
+def test_an_equinox_linear_is_trained_as_a_child():
+    """It was wrapped in a static Lambda: 'Static field Lambda.fn holds an unhashable Linear'."""
+    eqx, seq = _eqx_model()
+    assert isinstance(seq.layers[1], eqx.nn.Linear)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=4).astype(np.float32))
+    grads = ft.gradient(lambda m: jnp.sum(ft.nn.inference(m)(x) ** 2))(seq)
+
+    def reference(w, b):  # the same function written out, differentiated by jax.grad
+        h = jnp.tanh(x @ seq.layers[0].weight + seq.layers[0].bias)
+        return jnp.sum((w @ h + b) ** 2)
+
+    gw, gb = jax.grad(reference, argnums=(0, 1))(seq.layers[1].weight, seq.layers[1].bias)
+    np.testing.assert_allclose(grads.layers[1].weight, gw, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(grads.layers[1].bias, gb, rtol=0, atol=1e-6)
+
+
+def test_an_equinox_dropout_gets_a_key_and_follows_the_model_mode():
+    _, seq = _eqx_model()
+    x = jnp.arange(1.0, 5.0)
+    hidden = seq[:2](x)
+    run = jax.jit(lambda m, k: ft.nn.training(m)(x, key=k))
+    outs = [np.asarray(run(seq, jax.random.key(i))) for i in range(8)]
+    for out in outs:  # each element dropped or scaled by 1 / (1 - p)
+        assert np.all(np.isclose(out, 0.0) | np.isclose(out, 2 * np.asarray(hidden), atol=1e-6))
+    assert len({out.tobytes() for out in outs}) > 1  # keys differ, masks differ
+    np.testing.assert_allclose(jax.jit(lambda m: ft.nn.inference(m)(x))(seq), hidden, rtol=0, atol=0)
+
+
+class _Unhashable:
+    """A callable that is no pytree and not hashable (defines __eq__ only)."""
+
+    def __init__(self):
+        self.weight = np.ones((2, 2), np.float32)
+
+    def __eq__(self, other):
+        return self is other
+
+    def __call__(self, x):
+        return x @ self.weight
+
+
+def test_an_unhashable_callable_is_a_named_error():
+    from functree.nn._sequential import UNHASHABLE_CALLABLE
+
+    with pytest.raises(TypeError, match=r"(?s)Sequential layer 1 is a _Unhashable.*class Layer1\(ft.Module\)"):
+        ft.nn.Sequential(jnp.tanh, _Unhashable())
+    assert "right:" in UNHASHABLE_CALLABLE

@@ -11,9 +11,9 @@ import jax
 from functree._module import Module, field
 from functree._paths import INDEX, Entry
 from functree._repr import short_array
-from functree._tree import bounded_put
+from functree._tree import bounded_put, is_array_value
 from functree.nn._check import LayerInputError
-from functree.nn._mode import Layer
+from functree.nn._mode import FOREIGN_FIELD, Layer
 
 __all__ = ["Sequential", "Lambda"]
 
@@ -48,6 +48,18 @@ Sequential layer {index} is a {type}, not a layer or function. Pass Modules or c
 
     wrong:  ft.nn.Sequential(ft.nn.Dense(2, 4, key=k), {value!r})
     right:  ft.nn.Sequential(ft.nn.Dense(2, 4, key=k), jax.nn.relu)
+"""
+
+UNHASHABLE_CALLABLE = """\
+Sequential layer {index} is a {type}: a callable Sequential keeps static (in ft.nn.Lambda), \
+and a static value must be hashable (JAX hashes the tree definition at every jit call). A \
+layer with arrays is a pytree: register it (a Module or a JAX pytree), or keep the \
+function without its arrays:
+
+    wrong:  ft.nn.Sequential(ft.nn.Dense(2, 4, key=k), layer_{index})
+    right:  class Layer{index}(ft.Module):  # its arrays are trained, jit sees them
+                weight: jax.Array
+                def __call__(self, x): return x @ self.weight
 """
 
 
@@ -108,7 +120,9 @@ class Sequential(Layer):
     ``stack.unstack()`` takes the Stack's arguments). With ``cache=`` (a tuple of one cache
     per layer, from :meth:`init_cache`) each layer is called ``x, c = layer(x, cache=c,
     **kwargs)`` and the call returns ``(x, caches)``. Plain functions are wrapped in
-    :class:`Lambda`. A single list or tuple of layers is accepted too (``Sequential([a, b])``).
+    :class:`Lambda`; a foreign layer (``eqx.nn.Linear``, ``eqx.nn.Dropout``: a callable
+    pytree with arrays or an ``inference`` flag) is kept as it is, trained and switched
+    with the model, and gets ``key=`` where it takes one. A single list or tuple of layers is accepted too (``Sequential([a, b])``).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -179,11 +193,30 @@ class Sequential(Layer):
 
 
 def _as_layer(index: int, layer: Any) -> Any:
+    """``layer`` as Sequential holds it: a Module, or a foreign layer (a callable pytree with
+    arrays or an Equinox ``inference`` flag: ``eqx.nn.Linear``, ``eqx.nn.Dropout``) as a
+    child that jit, gradients and the mode switches see; a plain function in a static
+    :class:`Lambda`."""
     if isinstance(layer, Module):
         return layer
-    if callable(layer):
-        return Lambda(layer)
-    raise TypeError(NOT_A_LAYER.format(index=index, type=type(layer).__name__, value=layer))
+    if not callable(layer):
+        raise TypeError(NOT_A_LAYER.format(index=index, type=type(layer).__name__, value=layer))
+    if _is_foreign_layer(layer):
+        return layer
+    try:
+        hash(layer)
+    except TypeError:
+        raise TypeError(UNHASHABLE_CALLABLE.format(index=index, type=type(layer).__name__)) from None
+    return Lambda(layer)
+
+
+def _is_foreign_layer(layer: Any) -> bool:
+    """A callable pytree holding an array, or a bool ``inference`` attribute (Equinox's mode
+    flag: ``eqx.nn.Dropout`` holds no array)."""
+    if isinstance(getattr(layer, FOREIGN_FIELD, None), bool):
+        return True
+    leaves = jax.tree.leaves(layer)
+    return not (len(leaves) == 1 and leaves[0] is layer) and any(is_array_value(x) for x in leaves)
 
 
 def member_cache(layer: Any, what: str, container: str, batch_size: int, max_length: int, dtype: Any) -> Any:

@@ -521,6 +521,24 @@ def test_a_tie_whose_transform_is_not_undone_says_why_and_asks_for_the_source(tr
     assert "not a linear, invertible map" not in message
 
 
+def test_an_integer_tie_that_drops_entries_is_refused_and_an_integer_transpose_loads():
+    """``b = a[:, :2].T`` on int32 from ``b`` alone loaded ``a``'s third column as zeros
+    ([[0, 1, 0], [3, 4, 0]] for torch's [[0, 1, 2], [3, 4, 5]]): the probe was skipped for
+    integers. Now NOT_INJECTIVE as for float32; an int32 transpose still loads exactly."""
+    a = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+
+    def tie(transform, shape):
+        return ft.nn.Shared({"a": jnp.zeros((2, 3), jnp.int32), "b": jnp.zeros(shape, jnp.int32)}, {"b": ("a", transform)})
+
+    with pytest.raises(ValueError) as e:
+        ft.nn.load_torch_state_dict(tie(lambda w: w[:, :2].T, (2, 2)), {"b": a[:, :2].T.contiguous()})
+    assert "gives the tied model.b but not its source model.a" in str(e.value)
+    assert "drops entries of the source" in str(e.value) and "right:  sd['a'] = source_tensor" in str(e.value)
+    loaded = ft.nn.load_torch_state_dict(tie(lambda w: w.T, (3, 2)), {"b": a.T.contiguous()})
+    np.testing.assert_array_equal(loaded.model["a"], a.numpy())
+    assert loaded.model["a"].dtype == jnp.int32
+
+
 def test_a_wrong_shape_for_one_member_names_the_torch_key_the_member_and_both_shapes():
     sd = dict(TorchLM().state_dict())
     sd["h.1.mlp.2.weight"] = torch.zeros(D, 4 * D + 1)

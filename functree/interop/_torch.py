@@ -571,14 +571,22 @@ def _injective(transform: Callable[[Any], Any], adjoint_of: Callable[[Any], Any]
     random probe ``r`` (``c > 0``). A map that drops entries (a slice: ``A Aᵀ = I`` but
     ``Aᵀ A`` zeroes what it dropped) passes the target-side check alone, and its inverse
     would silently fill the dropped entries with zeros."""
-    if not jnp.issubdtype(template.dtype, jnp.floating):
-        return True  # integer ties are only ever reshapes/transposes; checked by the round trip
-    probe = np.random.default_rng(0).normal(size=template.shape)
-    (back,) = adjoint_of(transform(jnp.asarray(probe, template.dtype)))
-    back, r = np.asarray(back, np.float64), probe.astype(template.dtype).astype(np.float64)
+    probe = _widened(np.random.default_rng(0).normal(size=template.shape))
+    try:  # on a float copy whatever the dtype: an integer slice drops entries too (they would
+        # load as zeros), and Aᵀ A r can leave float16's range (w.T * 64: c = 4096)
+        (back,) = jax.linear_transpose(transform, probe)(transform(probe))
+    except Exception:  # a transform of the template's dtype only: its own adjoint, in that dtype
+        probe = jnp.asarray(probe, template.dtype)
+        (back,) = adjoint_of(transform(probe))
+    back, r = np.asarray(back, np.float64), np.asarray(probe, np.float64)
     c = float(np.vdot(back, r) / np.vdot(r, r)) if r.size else 1.0
-    tolerance = 8 * _eps(template) * max(abs(c), 1.0) * float(np.abs(r).max(initial=0))
+    tolerance = 8 * _eps(np.asarray(probe)) * max(abs(c), 1.0) * float(np.abs(r).max(initial=0))
     return c > 0 and float(np.abs(back - c * r).max(initial=0)) <= tolerance
+
+
+def _widened(a: Any) -> jax.Array:
+    """``a`` in the widest float JAX computes in: float64 with ``jax_enable_x64``, else float32."""
+    return jnp.asarray(np.asarray(a, np.float64))
 
 
 def _not_invertible(tie: _Tie, plan: _Plan, why: str) -> ValueError:

@@ -539,6 +539,24 @@ def test_an_integer_tie_that_drops_entries_is_refused_and_an_integer_transpose_l
     assert loaded.model["a"].dtype == jnp.int32
 
 
+def test_a_float16_tie_whose_round_trip_leaves_float16s_range_loads_as_torch_holds_it():
+    """``b = 64 aᵀ`` in float16 (A Aᵀ = 4096 I) was refused as "A Aᵀ is no multiple of the
+    identity": the check applied A to Aᵀ b in float16, 4096 |b| past 65504 (inf). The round
+    trip is in float now; ``a = bᵀ / 64`` is exact (a power of two) and ``64 aᵀ`` is torch's
+    ``b``; a slice times 64 is still refused."""
+    a = torch.randn(8, 16).to(torch.float16)
+    b = a.T * 64  # torch's float16 target: max|b| ~ 200, 4096 |b| ~ 8e5 > 65504
+    model = ft.nn.Shared({"a": jnp.zeros((8, 16), jnp.float16), "b": jnp.zeros((16, 8), jnp.float16)},
+                         {"b": ("a", lambda w: w.T * 64)})
+    loaded = ft.nn.load_torch_state_dict(model, {"b": b})
+    np.testing.assert_array_equal(np.asarray(loaded.model["a"]), a.numpy())
+    np.testing.assert_array_equal(np.asarray(loaded.resolve()["b"]), b.numpy())
+    dropping = ft.nn.Shared({"a": jnp.zeros((8, 16), jnp.float16), "b": jnp.zeros((8, 8), jnp.float16)},
+                            {"b": ("a", lambda w: w[:, :8].T * 64)})
+    with pytest.raises(ValueError, match="drops entries of the source"):
+        ft.nn.load_torch_state_dict(dropping, {"b": a[:, :8].T * 64})
+
+
 def test_a_wrong_shape_for_one_member_names_the_torch_key_the_member_and_both_shapes():
     sd = dict(TorchLM().state_dict())
     sd["h.1.mlp.2.weight"] = torch.zeros(D, 4 * D + 1)

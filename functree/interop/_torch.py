@@ -554,7 +554,9 @@ def _inverted(tie: _Tie, target: np.ndarray, plan: _Plan) -> np.ndarray:
     except Exception:  # not linear, or not of one array of this shape
         raise _not_invertible(tie, plan, NOT_LINEAR) from None
     t = wanted.astype(np.float64)
-    again = np.asarray(tie.transform(adjoint), np.float64)
+    # A Aᵀ t in the widest float on the host: c t can exceed the dtype's range (float16's
+    # 65504 for w.T * 64: c = 4096), and the check would call a valid tie overflowed.
+    again = np.asarray(tie.transform(_widened(adjoint)), np.float64)
     scale = float(np.vdot(again, t) / np.vdot(t, t)) if t.any() else 1.0
     source = (np.asarray(adjoint, np.float64) / scale).astype(template.dtype) if scale else adjoint
     reached = np.asarray(tie.transform(jnp.asarray(source)), np.float64)

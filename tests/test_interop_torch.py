@@ -1044,3 +1044,17 @@ def test_a_bfloat16_tie_under_both_names_agrees_within_rounding_and_a_real_diffe
     with pytest.raises(ValueError) as e:
         ft.nn.load_torch_state_dict(_bf16_tie(), {"a": a, "b": b + 0.25})
     assert "['b'] (ft: model.b) differs from ['a'] (ft: model.a) by up to 0.25" in str(e.value)
+
+
+def test_a_bfloat16_tie_is_exported_in_bfloat16_as_torch_computes_it():
+    """The exported ``b = 0.1 aᵀ`` of bfloat16 weights was float32 (NumPy on the host
+    promotes ``0.1 * bfloat16``), where ``model.resolve()`` and torch hold bfloat16; now
+    it is bfloat16 and equals torch's own ``0.1 * a.T`` bit for bit (one rounding of the
+    same product)."""
+    a = torch.randn(8, 16).to(torch.bfloat16)
+    model = ft.nn.Shared({"a": jnp.asarray(a.float().numpy(), jnp.bfloat16), "b": jnp.zeros((16, 8), jnp.bfloat16)},
+                         {"b": ("a", lambda w: 0.1 * w.T)})
+    sd = ft.nn.torch_state_dict(model)
+    assert sd["b"].dtype == torch.bfloat16 and sd["a"].dtype == torch.bfloat16
+    np.testing.assert_array_equal(sd["b"].float().numpy(), (0.1 * a.T).float().numpy())
+    assert ft.nn.torch_state_dict(model, numpy=True)["b"].dtype == model.resolve()["b"].dtype

@@ -87,8 +87,15 @@ def jax_policy(remat: Any) -> Any:
     return remat if callable(remat) else None
 
 
-def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
-    """``fn`` under ``jax.checkpoint`` with ``remat``'s policy; ``fn`` itself when off."""
+def checkpointed(fn: Callable[..., Any], remat: Any, *, scan_body: bool = False) -> Callable[..., Any]:
+    """``fn`` under ``jax.checkpoint`` with ``remat``'s policy; ``fn`` itself when off.
+
+    Outside a scan, XLA's common-subexpression elimination would merge the backward pass's
+    recomputation with the forward pass's values (saving them after all: a tanh chain under
+    ``jax.jit(jax.grad)`` keeps 8 tanh, as without remat, where recomputing gives 15), so
+    ``prevent_cse=True`` there, JAX's default. A ``lax.scan`` body (``scan_body=True``: a
+    Stack's) cannot be merged across iterations; preventing CSE there only costs speed.
+    """
     if remat is None or remat is False:
         return fn
-    return jax.checkpoint(fn, policy=jax_policy(remat), prevent_cse=False)  # inside scan: CSE is safe
+    return jax.checkpoint(fn, policy=jax_policy(remat), prevent_cse=not scan_body)

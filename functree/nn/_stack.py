@@ -284,7 +284,7 @@ class Stack(Layer):
             return y, (values, c)
 
         x, (values, cache) = jax.lax.scan(
-            checkpointed(body, self.remat), x, (self.layers, keys, cache), length=self.n
+            checkpointed(body, self.remat, scan_body=True), x, (self.layers, keys, cache), length=self.n
         )
         return x, values, cache
 

@@ -780,3 +780,55 @@ def test_a_missing_optimizer_or_loss_is_named():
     with pytest.raises(TypeError) as info:
         Trainer(model)
     assert str(info.value) == MISSING_ARGUMENT.format(what="optimizer", wrong="model")
+
+
+class _Frozen(ft.Module):
+    """A backbone (Dense, BatchNorm) under a head (BatchNorm, Dense)."""
+
+    backbone: ft.nn.Sequential
+    head: ft.nn.Sequential
+
+    def __call__(self, x):
+        return self.head(self.backbone(x))
+
+
+def test_a_submodule_put_in_inference_mode_stays_there_as_torchs_eval():
+    """torch's ``model.train(); model.backbone.eval()``: the frozen backbone's BatchNorm
+    normalizes with its running statistics and never updates them. The Trainer switched
+    every layer back to training (the backbone's running_mean drifted to [1.777 ...] from
+    torch's 0); a model with some layer in training mode now trains as given. One wholly in
+    inference mode (a fresh one) is still switched to training, as documented."""
+    torch = pytest.importorskip("torch")
+    k = jax.random.split(jax.random.key(0), 2)
+    net = _Frozen(ft.nn.Sequential(ft.nn.Dense(3, 4, key=k[0]), ft.nn.BatchNorm(4, momentum=0.9)),
+                  ft.nn.Sequential(ft.nn.BatchNorm(4, momentum=0.9), ft.nn.Dense(4, 1, key=k[1])))
+    net = ft.nn.training(net)
+    net = net.replace(backbone=ft.nn.inference(net.backbone))
+    x = np.random.default_rng(0).normal(size=(3, 8, 3)).astype(np.float32) * 3 + 5
+    y = np.zeros((3, 8, 1), np.float32)
+
+    def loss_fn(m, b):
+        return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+    trainer = Trainer(net, ft.optim.sgd(0.1), loss_fn, wrt="head.*")
+    trainer.fit([(x[i], y[i]) for i in range(3)], epochs=1, progress=False)
+
+    dense, bn_b, bn_h = torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, eps=1e-3, momentum=0.1), torch.nn.BatchNorm1d(
+        4, eps=1e-3, momentum=0.1)
+    with torch.no_grad():
+        dense.weight.copy_(torch.tensor(np.asarray(net.backbone.layers[0].weight).T))
+        dense.bias.copy_(torch.tensor(np.asarray(net.backbone.layers[0].bias)))
+    model = torch.nn.Sequential(torch.nn.Sequential(dense, bn_b), bn_h)  # the head's Dense does not move the stats
+    model.train()
+    model[0].eval()
+    with torch.no_grad():
+        for i in range(3):
+            model(torch.tensor(x[i]))
+    got = trainer.model
+    np.testing.assert_allclose(got.backbone.layers[1].running_mean, bn_b.running_mean.numpy(), rtol=0, atol=0)
+    np.testing.assert_allclose(got.backbone.layers[1].running_variance, bn_b.running_var.numpy(), rtol=0, atol=0)
+    # torch's running_var is unbiased (n / (n - 1)); the means agree to float32 rounding (measured 2.4e-7)
+    np.testing.assert_allclose(got.head.layers[0].running_mean, bn_h.running_mean.numpy(), rtol=0, atol=2.4e-6)
+    assert not got.backbone.layers[1].training and got.head.layers[0].training
+    fresh = Trainer(_Frozen(net.backbone, ft.nn.inference(net.head)), ft.optim.sgd(0.1), loss_fn)
+    assert fresh.model.backbone.layers[1].training and fresh.model.head.layers[0].training

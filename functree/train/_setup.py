@@ -7,8 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
+from functree import nn
+from functree._module import Module
 from functree._where import put
 from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
@@ -16,7 +19,7 @@ from functree.train._evaluation import key_parameter, signature
 from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
 
-__all__ = ["make_step", "check_key", "job_field", "check_arguments", "MISSING"]
+__all__ = ["make_step", "check_key", "job_field", "check_arguments", "MISSING", "in_training_mode"]
 
 WRT_WITH_STEP = """\
 Trainer(wrt=...) cannot change a TrainStep instance's optimizer: the step was built with its own.
@@ -213,6 +216,37 @@ def _same_value(x: Any, y: Any) -> bool:
     if isinstance(x, (np.generic, np.ndarray)) and isinstance(y, (np.generic, np.ndarray)):
         return np.ndim(x) == 0 and np.ndim(y) == 0 and x.dtype == y.dtype and bool(x == y)
     return False
+
+
+def in_training_mode(model: Any) -> Any:
+    """The model the Trainer trains: ``ft.nn.training(model)`` where no layer is in training
+    mode (a model built, or wholly put, in inference), else ``model`` as given, each
+    submodule in the mode the user chose (torch's ``model.train(); model.backbone.eval()``:
+    a frozen backbone's BatchNorm keeps its running statistics). functree's layers decide
+    where the model has any (a fresh Equinox Dropout beside them is in training mode by its
+    own default, not by the user's choice); else Equinox-style flags (``ft.nn.is_training``)."""
+    flags = _training_flags(model)
+    chosen = any(flags) if flags else nn.is_training(model)
+    return model if chosen else nn.training(model)
+
+
+def _training_flags(model: Any) -> list[bool]:
+    """The static ``training`` flags of the functree layers in ``model``."""
+    flags: list[bool] = []
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, Module):
+            cls = type(node)
+            static = cls.__ft_static__  # type: ignore[attr-defined]
+            if "training" in static:
+                flags.append(bool(node.__dict__["training"]))
+            for name in cls.__ft_fields__:  # type: ignore[attr-defined]
+                if name not in static:
+                    jax.tree.map(visit, node.__dict__[name], is_leaf=lambda x: isinstance(x, Module))
+        return node
+
+    jax.tree.map(visit, model, is_leaf=lambda x: isinstance(x, Module))
+    return flags
 
 
 def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:

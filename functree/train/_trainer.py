@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
-from functree import nn
 from functree._alias import warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._where import placement_of, put
@@ -54,7 +53,14 @@ from functree.train._nonfinite import NonFiniteError
 from functree.train._progress import Progress
 from functree.train._reader import Reader, reads_model
 from functree.train._scan import check_steps_per_call, stack_batches
-from functree.train._setup import MISSING, check_arguments, check_key, job_field, make_step
+from functree.train._setup import (
+    MISSING,
+    check_arguments,
+    check_key,
+    in_training_mode,
+    job_field,
+    make_step,
+)
 from functree.train._step import TrainStep
 from functree.train._step_factories import eval_step
 from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
@@ -234,7 +240,11 @@ class Trainer(Evaluation):
       model: the initial model (copied: the caller's arrays stay valid; the trainer's
         steps donate their own). Trained in ``ft.nn.training`` mode, evaluated in
         ``ft.nn.inference`` mode: ``trainer.model`` is the training-mode model (Dropout
-        there needs a key), :attr:`inference_model` the one to call for predictions.
+        there needs a key), :attr:`inference_model` the one to call for predictions. A
+        model with some layers in training mode trains as given, each submodule in its
+        own mode (``ft.nn.training(net).replace(backbone=ft.nn.inference(net.backbone))``:
+        a frozen backbone's BatchNorm keeps its running statistics, as torch's
+        ``backbone.eval()``); one wholly in inference mode is switched to training.
         Leaves that are not arrays (an Equinox module's functions) are kept static. It
         trains where it lives: a model committed to a device or a mesh (``jax.device_put``)
         gets the trainer's own arrays (key, metric buffer, optimizer state) there.
@@ -345,7 +355,7 @@ class Trainer(Evaluation):
         check_key(loss_fn, key, train_step)
         # An accidental tie (one array at two leaves) is named once here; the copy unties it.
         warn_aliases(model, what="The model given to ft.train.Trainer")
-        model = own_copy(nn.training(model))
+        model = own_copy(in_training_mode(model))  # the user's per-submodule modes kept
         # Every buffer is the job's own: the copies above, and Optimizer.init's state.
         opt_state = self.optimizer.init(model) if opt_state is None else own_copy(opt_state)
         placement = getattr(self.train_step, "placement", None)

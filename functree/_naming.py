@@ -548,8 +548,28 @@ def _required(e: NothingSelected, message: str, fallback: str) -> ValueError:
 
 def right_name(pattern: str, close: Sequence[str], fallback: str) -> str:
     """The fix of a pattern no :func:`suggestion` corrects: the closest name for a plain
-    name, ``fallback`` for a glob (one leaf's name would select less than it meant)."""
-    return close[0] if close and not _GLOB.search(pattern) else fallback
+    name; for a glob, a glob (one leaf's name would select less than it meant) that selects
+    the closest name: ``*.part`` (:func:`_glob_part`), else ``fallback`` if it selects it,
+    else that name. A fixed ``*.weight`` suggested in a tree with no such leaf (Flax's
+    ``layers.0.kernel.value``) was the same error again."""
+    if not close:
+        return fallback
+    if not _GLOB.search(pattern):
+        return close[0]
+    return _glob_part(pattern, close[0]) or (fallback if matches(close[0], fallback) else close[0])
+
+
+def _glob_part(pattern: str, name: str) -> str | None:
+    """``*.part`` for the part of ``name`` most like the glob's last literal part (difflib's
+    ratio at least 0.6), where it selects ``name``: ``layers.1.kernel*`` with
+    ``layers.2.kernel.value`` gives ``*.kernel``; None when no part is alike."""
+    stems = [_GLOB.sub("", p) for p in pattern.split(".")]
+    stem = next((s for s in reversed(stems) if s and not s.isdigit()), "")
+    parts = [p for p in name.split(".") if not p.isdigit()]
+    if not stem or not parts:
+        return None
+    ratio, part = max((difflib.SequenceMatcher(None, stem, p).ratio(), p) for p in parts)
+    return f"*.{part}" if ratio >= 0.6 and matches(name, f"*.{part}") else None
 
 
 def check_patterns(patterns: Sequence[Any]) -> None:

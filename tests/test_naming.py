@@ -431,6 +431,29 @@ def test_a_glob_nothing_corrects_gets_no_leaf_name_back():
     assert _naming.right_name("encoder.bais", ["encoder.bias"], "*") == "encoder.bias"
 
 
+def test_an_unmatched_sharding_glob_on_a_flax_tree_suggests_a_glob_that_matches():
+    """``layers.1.kernel*`` on Flax NNX params (``layers.0.kernel.value``; layer 1 is relu)
+    listed the right close names but suggested ``*.weight``, which matches no leaf there
+    (following it gave the same error). The suggestion is now ``*.kernel``, and the rule it
+    suggests shards exactly the kernels, as the names say."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jax.sharding import PartitionSpec as P
+    model = nnx.Sequential(nnx.Linear(2, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 4, rngs=nnx.Rngs(1)))
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    with pytest.raises(ValueError) as e:
+        ft.partition_specs(params, {"layers.1.kernel*": P(None, "data")}, mesh=mesh)
+    message = str(e.value)
+    assert "'layers.1.kernel*' matches no parameter" in message and "'layers.2.kernel.value'" in message
+    right = re.search(r"right:\s+sharding=\{'([^']+)'", message)
+    assert right is not None and right.group(1) == "*.kernel" and "*.weight" not in message
+    specs = ft.to_flat_dict(ft.partition_specs(params, {right.group(1): P(None, "data")}, mesh=mesh))
+    assert specs == {"layers.0.bias.value": P(), "layers.0.kernel.value": P(None, "data"),
+                     "layers.2.bias.value": P(), "layers.2.kernel.value": P(None, "data")}
+    # a glob like no part of the closest name: the fallback only where it selects that name
+    assert _naming.right_name("*.weight", ["layers.2.bias.value"], "*.weight") == "layers.2.bias.value"
+
+
 class _Block(ft.Module):
     q_proj: ft.nn.Dense
 

@@ -328,3 +328,25 @@ def test_spec_naming_one_mesh_axis_twice_names_the_rule_and_the_leaf():
     assert "P(('data', 'model'), None)" in str(e.value)
     with pytest.raises(ValueError, match="names the mesh axis 'model' for more than one dimension"):
         ft.shard(model(), jax.make_mesh((1, 1), ("data", "model")), {"head.weight": ("model", "model")})
+
+
+def test_a_batch_the_mesh_cannot_split_names_its_leaf():
+    """shard_batch checked each leaf alone, so BATCH_NOT_DIVISIBLE said "leading axis of the
+    batch" for {"x": 16 rows, "y": 12 rows} on 8 devices; it names ['y'] now (12 % 8 = 4,
+    right: 8), for a NumPy leaf and a jax.Array leaf alike."""
+    out = run("""
+import numpy as np, jax.numpy as jnp
+from functree.parallel import shard_batch
+mesh = jax.make_mesh((8,), ("data",))
+messages = []
+for y in (np.zeros((12, 2), np.float32), jnp.zeros((12, 2))):
+    try:
+        shard_batch({"x": np.zeros((16, 3), np.float32), "y": y}, mesh)
+    except ValueError as e:
+        messages.append(str(e))
+report(messages)
+""", devices=8)
+    assert len(out) == 2
+    for message in out:
+        assert message.startswith("The batch has 12 examples (leading axis of ['y']), which the 8 devices")
+        assert "right:  ft.train.batches(data, batch_size=8, drop_last=True)" in message

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import KeyPath
 
 from functree._examples import check_example_axis
 from functree._tree import has_shape_and_dtype
@@ -31,13 +32,14 @@ Use a batch size that is a multiple of {n}:
     right:  ft.train.batches(data, batch_size={right}, drop_last=True)"""
 
 
-def check_batch(batch: Any, n: int, axis: str) -> None:
-    """A ``ValueError`` naming the leaf and the fix when ``n`` devices cannot share ``batch``."""
+def check_batch(batch: Any, n: int, axis: str, where: KeyPath = ()) -> None:
+    """A ``ValueError`` naming the leaf and the fix when ``n`` devices cannot share ``batch``;
+    ``where``: the key path of ``batch`` itself (one leaf of a larger batch)."""
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if np.ndim(x) >= 1 and np.shape(x)[0] % n:
             size = np.shape(x)[0]
             raise ValueError(BATCH_NOT_DIVISIBLE.format(
-                size=size, path=jax.tree_util.keystr(path) or "the batch", n=n, axis=axis,
+                size=size, path=jax.tree_util.keystr((*where, *path)) or "the batch", n=n, axis=axis,
                 right=max(n, size // n * n)))
 
 
@@ -66,19 +68,19 @@ def shard_batch(batch: Any, mesh: Mesh, data_axis: str = "data") -> Any:
     amesh = auto_mesh(mesh)
     sharding = NamedSharding(amesh, PartitionSpec(data_axis))
 
-    def one(x: Any) -> Any:
+    def one(path: KeyPath, x: Any) -> Any:  # the path names the leaf in BATCH_NOT_DIVISIBLE
         if np.ndim(x) == 0:
             return x
         if isinstance(x, jax.Array) and (x.sharding == sharding or not x.is_fully_addressable):
             return x
         if jax.process_count() == 1 and isinstance(x, jax.Array):
-            check_batch(x, amesh.shape[data_axis], data_axis)
+            check_batch(x, amesh.shape[data_axis], data_axis, path)
             return jax.device_put(x, sharding)
         global_shape = (np.shape(x)[0] * jax.process_count(), *np.shape(x)[1:])
-        check_batch(np.empty((global_shape[0], 0)), amesh.shape[data_axis], data_axis)
+        check_batch(np.empty((global_shape[0], 0)), amesh.shape[data_axis], data_axis, path)
         return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
 
-    return jax.tree.map(one, batch)
+    return jax.tree_util.tree_map_with_path(one, batch)
 
 
 def one_device_mesh(data_axis: str = "data") -> Mesh:

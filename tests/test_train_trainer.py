@@ -832,3 +832,45 @@ def test_a_submodule_put_in_inference_mode_stays_there_as_torchs_eval():
     assert not got.backbone.layers[1].training and got.head.layers[0].training
     fresh = Trainer(_Frozen(net.backbone, ft.nn.inference(net.head)), ft.optim.sgd(0.1), loss_fn)
     assert fresh.model.backbone.layers[1].training and fresh.model.head.layers[0].training
+
+
+class _WeightSumStep(ft.train.TrainStep):
+    """step() overridden through super(), adding a key: the weights' sum before the step."""
+
+    def step(self, model, opt_state, batch, key=None, enabled=None):
+        new, state, metrics = super().step(model, opt_state, batch, key, enabled)
+        return new, state, {**metrics, "wsum": jnp.sum(model["w"])}
+
+
+class _RenamedStep(ft.train.TrainStep):
+    """step() overridden, its keys renamed: as many as the step's own, other names."""
+
+    def step(self, model, opt_state, batch, key=None, enabled=None):
+        new, state, metrics = super().step(model, opt_state, batch, key, enabled)
+        return new, state, {"double": 2.0 * metrics["loss"], "loss": metrics["loss"],
+                            "nonfinite": metrics["nonfinite"]}
+
+
+def test_an_overridden_step_fills_its_own_columns():
+    """The reader traced the step to learn its names only where compute_metrics was
+    overridden: a step() adding a key failed with a bare broadcasting error (float32[7] vs
+    [6]), one renaming keys wrote its values under the Trainer's names (here "mae" and
+    "loss" got double the loss and the loss). Against numpy: the model does not move (lr 0)."""
+    x = np.random.default_rng(0).normal(size=(3, 4, 2)).astype(np.float32)
+    w = np.array([0.5, -1.0], np.float32)
+
+    def loss_fn(m, b):
+        return jnp.mean((b @ m["w"] - 1.0) ** 2)
+
+    losses = [np.mean((x[i] @ w - 1.0) ** 2) for i in range(3)]
+    opt = ft.optim.sgd(0.0)
+    t = Trainer({"w": jnp.asarray(w)}, opt, loss_fn, train_step=_WeightSumStep(loss_fn, opt))
+    t.fit([x[i] for i in range(3)], epochs=1, progress=False)
+    np.testing.assert_allclose(t.history.steps["loss"], losses, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(t.history.steps["wsum"], [w.sum()] * 3, rtol=0, atol=0)
+    mae = {"mae": lambda out: jnp.mean(jnp.abs(out.batch @ out.model["w"] - 1.0))}
+    t = Trainer({"w": jnp.asarray(w)}, opt, loss_fn, train_step=_RenamedStep(loss_fn, opt, metrics=mae))
+    t.fit([x[i] for i in range(3)], epochs=1, progress=False)
+    np.testing.assert_allclose(t.history.steps["loss"], losses, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(t.history.steps["double"], np.multiply(losses, 2), rtol=0, atol=2e-6)
+    assert "mae" not in t.history.steps

@@ -62,11 +62,13 @@ class Reader:
         """The step's metrics in the order it records them (the counting metrics' parts and
         ``nonfinite`` included)."""
         t = self.trainer
-        if type(t.train_step).compute_metrics is TrainStep.compute_metrics:
+        cls = type(t.train_step)
+        if cls.compute_metrics is TrainStep.compute_metrics and cls.step is TrainStep.step:
             return ["loss", *with_parts(t.train_step.metrics), *([NONFINITE] if t.on_nan != "ignore" else [])]
-        # An overridden compute_metrics: trace once (no compilation) to learn its names, in
-        # the dict's own order, which record() writes the row in (eval_shape's result has
-        # its keys sorted: read from it, a column got another metric's values).
+        # An overridden compute_metrics or step() (which may add, drop or rename keys): trace
+        # once (no compilation) to learn its names, in the dict's own order, which record()
+        # writes the row in (eval_shape's result has its keys sorted: read from it, a column
+        # got another metric's values).
         names: list[str] = []
 
         def metrics(*args: Any) -> Any:

@@ -269,7 +269,9 @@ def generate(
     - ``exponential_decay_length_penalty=(start, factor)``: at new token ``t > start`` the
       EOS ids' logits ``l`` become ``l + |l| * (factor ** (t - start) - 1)`` (needs EOS);
     - ``suppress_tokens`` (an id or a list): these ids' logits are ``-inf`` at every step;
-    - then the warpers (sampling only; with greedy decoding or beams each is refused):
+    - then the warpers (sampling only; with greedy decoding or beams each is refused, but
+      for Hugging Face's defaults ``top_k=50`` and ``top_p=1.0``, taken and ignored as HF's
+      greedy ``generate`` ignores them):
       ``temperature``, ``top_k``, ``top_p``, ``min_p=q`` (drops the tokens whose probability
       is below ``q`` times the most likely token's), ``typical_p=m`` (keeps the fewest tokens
       whose surprisal ``-log p`` lies closest to the entropy with probability ``>= m``),
@@ -702,7 +704,8 @@ def _placed_as(host: np.ndarray, sharding: Any) -> jax.Array:
 
 def _greedy(temperature: Any) -> bool:
     """Whether ``temperature`` (checked) is greedy decoding's 0 (the warpers' options are
-    checked by their records, and refused with greedy decoding by ``active``)."""
+    checked by their records, and refused with greedy decoding by ``active`` but at HF's
+    defaults ``top_k=50``, ``top_p=1.0``, which it drops)."""
     if not _is_number(temperature) or not temperature >= 0:
         raise ValueError(BAD_TEMPERATURE.format(given=temperature))
     return temperature == 0

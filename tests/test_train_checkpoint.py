@@ -1,5 +1,6 @@
 """Checkpoints: types rebuilt without a template, templates checked, retention, atomicity."""
 
+import functools
 import os
 import signal
 import subprocess
@@ -836,3 +837,35 @@ def test_a_module_of_the_models_class_in_extra_is_read_like_the_model(tmp_path):
     np.testing.assert_array_equal(np.asarray(best.w), w2)
     np.testing.assert_array_equal(np.asarray(best.b), b)
     np.testing.assert_array_equal(np.asarray(ckpt.model.w), w)
+
+
+class _ActNet(ft.Module):
+    """A model whose static activation is a ``functools.partial``: stored as its text."""
+
+    w: jax.Array
+    act: Any = ft.field(static=True, default=None)
+
+    def __call__(self, x):
+        return self.act(x @ self.w)
+
+
+def test_a_teacher_with_another_partial_activation_is_not_read_with_the_models(tmp_path):
+    """A Module of the model's class in extra whose partial activation needs a template is
+    read with the model as template only where the stored text is the model's (memory
+    addresses aside): a teacher's negative_slope=0.1 under the model's 0.3 keeps its error
+    (read with the model's, its outputs on negative inputs would be 3x the saved ones)."""
+    def act(slope: float) -> Any:
+        return functools.partial(jax.nn.leaky_relu, negative_slope=slope)
+
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 3)), jnp.float32)
+    model = _ActNet(w=w, act=act(0.3))
+    same, other = _ActNet(w=2 * w, act=act(0.3)), _ActNet(w=w, act=act(0.1))
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, model, extra={"teacher": same})
+        manager.save(2, model, extra={"teacher": other})
+        back = manager.restore(1, template=_ActNet(w=jnp.zeros((3, 4)), act=act(0.3))).extra["teacher"]
+        z = np.asarray(x @ (2 * w))
+        np.testing.assert_allclose(np.asarray(back(x)), np.where(z > 0, z, 0.3 * z), rtol=0, atol=1e-6)
+        with pytest.raises(SpecError, match=r"static value at 'extra\.teacher\.act' without a template"):
+            manager.restore(2, template=_ActNet(w=jnp.zeros((3, 4)), act=act(0.3)))

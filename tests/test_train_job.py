@@ -5,6 +5,7 @@ the job's total, and interrupts (Ctrl-C, exceptions, SIGTERM) that never lose th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -924,3 +925,58 @@ def test_restore_with_two_live_classes_of_one_name_reads_the_best_model_by_the_t
     for name in ("w", "b"):  # continued as if never interrupted
         np.testing.assert_array_equal(np.asarray(getattr(again.model, name)), np.asarray(getattr(full.model, name)))
     assert again.history.epochs["loss"] == full.history.epochs["loss"]
+
+
+def _leaky(x: jax.Array) -> jax.Array:
+    """An activation defined in the program, never registered: stored by a name that a
+    checkpoint cannot look up."""
+    return jax.nn.leaky_relu(x, negative_slope=0.3)
+
+
+@pytest.mark.parametrize("activation", [functools.partial(jax.nn.leaky_relu, negative_slope=0.3), _leaky],
+                         ids=["partial", "own_function"])
+def test_restore_reads_the_best_model_with_an_unregistered_static_activation_by_the_template(tmp_path, activation):
+    """b4c4945..1f3ea16: a model whose static activation is a functools.partial (stored as
+    its text) or the program's own function (not registered) restored its model part by
+    the template, but EarlyStopping's best model in ``extra`` was decoded alone: "Cannot
+    rebuild a static value at 'extra.callbacks.0.best_model.act' without a template"."""
+    class Net(ft.Module):
+        l1: ft.nn.Dense
+        l2: ft.nn.Dense
+        act: Any = ft.field(static=True, default=activation)
+
+        def __call__(self, x):
+            return self.l2(self.act(self.l1(x)))
+
+    def net(seed: int) -> Any:
+        return Net(l1=ft.nn.Dense(3, 8, key=jax.random.key(seed)), l2=ft.nn.Dense(8, 1, key=jax.random.key(seed + 1)))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype(np.float32)
+    y = x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+
+    def loss(m, b):
+        return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+    def data() -> Any:
+        return ft.train.batches((x, y), 8, shuffle=False)
+
+    def stop() -> Any:
+        return ft.train.EarlyStopping(monitor="loss", patience=100, restore_best=True)
+
+    full, half = (ft.train.Trainer(net(0), ft.optim.adam(0.01), loss) for _ in range(2))
+    full.fit(data(), epochs=5, callbacks=[stop()], progress=False)
+    saved_stop = stop()
+    half.fit(data(), epochs=3, callbacks=[saved_stop], progress=False)
+    half.save(str(tmp_path / "job"))
+    again = ft.train.Trainer(net(5), ft.optim.adam(0.01), loss).restore(str(tmp_path / "job"))
+    assert again.state.callbacks is not None
+    ((_, _, state),) = again.state.callbacks
+    best = state["best_model"]
+    assert type(best) is Net and best.act is activation
+    for got, want in zip(jax.tree.leaves(best), jax.tree.leaves(saved_stop.best_model), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    again.fit(data(), epochs=5, callbacks=[stop()], progress=False)
+    assert again.history.epochs["loss"] == full.history.epochs["loss"]  # continued as if never interrupted
+    for got, want in zip(jax.tree.leaves(again.model), jax.tree.leaves(full.model), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

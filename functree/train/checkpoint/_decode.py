@@ -35,6 +35,7 @@ from functree.train.checkpoint._registry import (
 )
 
 __all__ = ["decode", "decode_leaf", "dict_entries", "EditedReader", "ClassEditedError", "AmbiguousClassError",
+           "StaticNeedsTemplateError",
            "leaf_specs", "check_names", "namedtuple_names", "safe_dtype", "numpy_scalar", "flag_bits",
            "NUMPY_INT_KEYS"]
 
@@ -121,8 +122,16 @@ class ClassEditedError(SpecError):
     now reads it (:data:`CLASS_EDITED`)."""
 
 
+class StaticNeedsTemplateError(SpecError):
+    """A stored static value that only a template gives back: a function or type not
+    registered (a function defined in a script), a value stored as its text (a
+    ``functools.partial``, a lambda). The file is intact; a template holding the value
+    reads it (:data:`NO_TEMPLATE`, :data:`STORED_AS_TEXT`)."""
+
+
 # Reads a saved Module another way where it does not decode by name (its class, or one
-# inside it, edited since the save or shared by several live classes): ``reader(spec,
+# inside it, edited since the save or shared by several live classes, or a static value in
+# it that needs a template: StaticNeedsTemplateError): ``reader(spec,
 # arrays, path)`` returns ``(True, value)``, or ``(False, None)`` for the error to stand (a
 # checkpoint reads a Module of its model's class in ``extra`` with the model as its
 # template, as the model is, where it fits: _extra._like_model).
@@ -180,10 +189,10 @@ def _decode_static(code: Any, path: str) -> Any:
         fn = lookup_function(value)
         if fn is None:
             why = f"the function {value!r} is not registered"
-            raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
+            raise StaticNeedsTemplateError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
         return fn
     if tag == "repr":
-        raise SpecError(STORED_AS_TEXT.format(path=path, text=str(value)[:200]))
+        raise StaticNeedsTemplateError(STORED_AS_TEXT.format(path=path, text=str(value)[:200]))
     raise SpecError(MALFORMED.format(path=path, why=f"unknown static encoding {tag!r}"))
 
 
@@ -290,7 +299,7 @@ def _static_record(name: Any, fields: dict[str, Any], path: str) -> Any:
     found = [c for c in lookup_type(name) if dataclasses.is_dataclass(c)] if isinstance(name, str) else []
     if not found:
         why = f"{str(name)[:200]} is not a registered type"
-        raise SpecError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
+        raise StaticNeedsTemplateError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
     cls = found[0]
     known = {f.name for f in dataclasses.fields(cls) if f.init}
     if not set(fields) <= known:
@@ -494,7 +503,7 @@ def _decode_node(spec: Any, arrays: dict[str, Any], path: str, edited: EditedRea
     if kind == "module":
         try:
             return _decode_module(spec, arrays, path, edited)
-        except (ClassEditedError, AmbiguousClassError):  # by name, it (or a class inside it) does not decode
+        except (ClassEditedError, AmbiguousClassError, StaticNeedsTemplateError):  # it does not decode alone
             found, value = edited(spec, arrays, path) if edited is not None else (False, None)
             if not found:
                 raise
@@ -567,7 +576,8 @@ def decode(spec: dict[str, Any], arrays: dict[str, Any], path: str = "", *,
     Only registered types and functions are used (see :func:`functree.train.register`);
     anything else, and any damage to ``spec``, raises :class:`SpecError`. ``edited``
     (:data:`EditedReader`) may read a Module another way (with a template) where its class,
-    or one inside it, was edited since the save (:class:`ClassEditedError`).
+    or one inside it, was edited since the save (:class:`ClassEditedError`) or a static value
+    in it needs a template (:class:`StaticNeedsTemplateError`).
     """
     return _decode(spec, arrays, path, edited)
 

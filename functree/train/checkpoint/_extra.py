@@ -1,7 +1,8 @@
 """A checkpoint's ``extra`` part read back: a dict ``extra_template`` reads a saved dict
 entry by entry (a template per entry, None as saved, :data:`SKIP` not at all), and a
-Module of the model's class that does not decode by name (its class edited since the
-save) is read with the model as its template, as the model part is.
+Module of the model's class that does not decode alone (its class edited since the save,
+or a static value in it only a template gives back) is read with the model as its
+template, as the model part is.
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ SKIP: Any = _Skip()  # an entry of extra_template not read at all (CheckpointMan
 
 def _like_model(model: Any) -> EditedReader | None:
     """Reads a Module of ``model``'s class (by its stored name: nothing looked up) that does
-    not decode by name, its class (or one inside it) edited since the save (a static field
-    added) or shared by several live classes (a class made by a function called twice),
-    with ``model`` as its template, as the model part is read, where it fits: the same
-    classes at the same key paths (:func:`same_classes`), the same leaf key paths, shapes
-    and dtypes (:func:`from_flat_dict`'s report) and the same static values. The best model
+    not decode alone, its class (or one inside it) edited since the save (a static field
+    added) or shared by several live classes (a class made by a function called twice), or
+    a static value in it that only a template gives back (a ``functools.partial`` or a
+    script's own function as activation: :class:`StaticNeedsTemplateError`), with ``model``
+    as its template, as the model part is read, where it fits: the same classes at the same
+    key paths (:func:`same_classes`), the same leaf key paths, shapes and dtypes
+    (:func:`from_flat_dict`'s report) and the same static values, a value stored as its
+    text compared as text (``texts=True``: a teacher's ``partial(leaky_relu,
+    negative_slope=0.1)`` is not the model's ``0.3``). The best model
     of ``EarlyStopping(restore_best=True)`` in ``extra`` then reads as the model does; one
     that does not fit keeps its error. A Module that decodes by name is read as saved."""
     if not isinstance(model, Module):
@@ -59,7 +64,7 @@ def _like_model(model: Any) -> EditedReader | None:
         if not same_classes(spec, model):  # another layer class inside (a MaxPool2D where the model has AvgPool2D)
             return False, None
         tree, report = with_template(spec, arrays, model, path)
-        return (True, tree) if report.ok and not static_differences(spec, model, path) else (False, None)
+        return (True, tree) if report.ok and not static_differences(spec, model, path, texts=True) else (False, None)
 
     return read
 

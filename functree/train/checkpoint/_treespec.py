@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Any
 
 import jax
@@ -288,10 +289,11 @@ def template_chooses(cls: type) -> frozenset[str]:
     return frozenset(TEMPLATE_CHOOSES) | frozenset(getattr(cls, "__ft_template_static__", ()))
 
 
-def static_differences(spec: Any, template: Any, path: str = "") -> list[tuple[str, str, str]]:
+def static_differences(spec: Any, template: Any, path: str = "", *, texts: bool = False) -> list[tuple[str, str, str]]:
     """``(key path, saved, template's)`` of every static field whose saved value differs from
-    the template's at the same place (fields the template chooses and values stored only as a
-    ``repr`` are not compared). Children are matched by name whatever the template's class
+    the template's at the same place (fields the template chooses are not compared, nor
+    values stored only as a ``repr`` unless ``texts``: then their texts are, memory
+    addresses aside, as :func:`_same_text`). Children are matched by name whatever the template's class
     (a class renamed since the save, a dict of the saved layers); a saved static field that
     a Module or dataclass template has no field for raises :class:`SpecError`
     (``STATIC_DROPPED``).
@@ -304,7 +306,7 @@ def static_differences(spec: Any, template: Any, path: str = "") -> list[tuple[s
         return []
     kind, out = spec.get("kind"), []
     if kind in ("module", "dataclass"):
-        out += _static_fields_differ(spec, template, path)
+        out += _static_fields_differ(spec, template, path, texts)
     elif kind == "function" and callable(template):  # a function at a leaf: the template's is kept
         mine = _encode_static(template)
         if mine != {"function": spec.get("name")} and "repr" not in mine:
@@ -312,11 +314,12 @@ def static_differences(spec: Any, template: Any, path: str = "") -> list[tuple[s
     for name, child in _named_children(spec, path):
         found, value = _template_child(template, name)
         if found:
-            out += static_differences(child, value, child_name(path, name))
+            out += static_differences(child, value, child_name(path, name), texts=texts)
     return out
 
 
-def _static_fields_differ(spec: dict[str, Any], template: Any, path: str) -> list[tuple[str, str, str]]:
+def _static_fields_differ(spec: dict[str, Any], template: Any, path: str,
+                          texts: bool) -> list[tuple[str, str, str]]:
     """The differences of a saved Module's (dataclass's) static fields from the template's."""
     static, out = spec.get("static"), []
     chooses = template_chooses(type(template)) | _saved_chooses(spec.get("class"))
@@ -330,9 +333,23 @@ def _static_fields_differ(spec: dict[str, Any], template: Any, path: str) -> lis
         if not found:  # a dict or list template reads the arrays alone
             continue
         mine = _encode_static(value)
-        if code != mine and "repr" not in code and "repr" not in mine and not _stored_before(code, mine, value):
+        if "repr" in code or "repr" in mine:
+            differ = texts and not _same_text(code, mine)
+        else:
+            differ = code != mine and not _stored_before(code, mine, value)
+        if differ:
             out.append((child_name(path, name), _shown(code), _shown(mine)))
     return out
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a repr's memory address: another in every process
+
+
+def _same_text(code: Any, mine: Any) -> bool:
+    """Whether two stored static values are the same text, memory addresses aside:
+    ``functools.partial(<function leaky at 0x7f..>, negative_slope=0.3)`` is the same in
+    every process, with ``negative_slope=0.1`` another value (two lambdas read the same)."""
+    return _ADDRESS.sub(" at 0x", repr(code)) == _ADDRESS.sub(" at 0x", repr(mine))
 
 
 def _saved_chooses(name: Any) -> frozenset[str]:

@@ -139,7 +139,8 @@ def _loop_state(cell, xs, reverse):
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_state_recorded_in_cell_is_the_last_steps_as_a_loop_records(reverse):
-    # Before: the records escaped lax.scan (tracers), later calls recorded nothing.
+    # Before: the records escaped lax.scan (tracers), later calls recorded nothing; then each
+    # step's record was computed from the statistics before the call (the last step's alone).
     rnn, xs = _bn_rnn(reverse), _bn_inputs()
     h_loop, expected = _loop_state(rnn.cell, xs, reverse)
     assert sorted(expected) == [".cell.bn.running_mean", ".cell.bn.running_variance"]
@@ -150,9 +151,18 @@ def test_state_recorded_in_cell_is_the_last_steps_as_a_loop_records(reverse):
         for path, value in expected.items():
             np.testing.assert_allclose(updates[ft.key_path(rnn, path)], value, rtol=0, atol=1e-5)
         np.testing.assert_allclose(h, h_loop, rtol=0, atol=1e-5)
-    # the last step run: time 3 (mean ~4) forwards, time 0 (mean ~1) backwards; momentum 0.5 from 0
+    # each step updates from the previous step's record, as torch's loop over the cell:
+    # r_t = 0.5 r_{t-1} + 0.5 mean(x_t) from 0, in scan order (time 3 -> 0 backwards)
     mean = ft.nn.apply_state(rnn, updates).cell.bn.running_mean
-    np.testing.assert_allclose(mean, 0.5 * xs[:, 0 if reverse else -1].mean(0), rtol=0, atol=1e-5)
+    expected_mean = np.zeros(3, np.float32)
+    for t in (reversed if reverse else iter)(range(xs.shape[1])):
+        expected_mean = 0.5 * expected_mean + 0.5 * np.asarray(xs[:, t]).mean(0)
+    np.testing.assert_allclose(mean, expected_mean, rtol=0, atol=1e-5)
+    torch = pytest.importorskip("torch")
+    bn = torch.nn.BatchNorm1d(3, momentum=0.5)
+    for t in (reversed if reverse else iter)(range(xs.shape[1])):
+        bn(torch.tensor(np.asarray(xs[:, t])))
+    np.testing.assert_allclose(mean, bn.running_mean.detach().numpy(), rtol=0, atol=1e-5)
 
 
 def test_state_recorded_in_cell_through_gradient_and_trainer():

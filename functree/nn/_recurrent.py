@@ -22,6 +22,7 @@ from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, collecting, record_under
 from functree.nn._sequential import takes_key
+from functree.nn._state import apply_state, floating_state
 
 __all__ = ["GRUCell", "LSTMCell", "LSTMState", "RNN"]
 
@@ -209,10 +210,11 @@ class RNN(Layer):
     ``key=`` gives step ``t`` the key ``jax.random.split(key, time)[t]`` for a cell whose
     ``__call__`` takes ``key=`` (a Dropout inside it); other cells ignore it. Layer state the
     cell records (a BatchNorm in training mode, under ``ft.nn.collect_state``) is
-    collected at the cell's key path; a state recorded at every step ends as the last
-    step's record (time ``T - 1``, or ``0`` with ``reverse=True``), computed from the
-    cell's state before the call: what the same cell called step by step in a Python loop
-    inside one ``collect_state`` records.
+    collected at the cell's key path. A floating state recorded at every step (running
+    statistics) is updated in turn, each step from the previous step's record, and ends as
+    the last step's (time ``T - 1``, or ``0`` with ``reverse=True``): what the same cell
+    called step by step in a Python loop inside one ``collect_state`` records, as torch's
+    loop over a cell does.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -256,10 +258,16 @@ class RNN(Layer):
 
     def _scan(self, state: Any, steps: jax.Array, keys: Any, *, widen: bool) -> tuple[Any, Any, list[KeyPath], Any]:
         """One ``lax.scan`` of the cell: ``(final state, outputs, state paths, state values)``."""
+        if not collecting():
+            body = _step(self.cell, keys is not None, widen)
+            final, (ys, values) = jax.lax.scan(body, state, (steps, keys), reverse=self.reverse)
+            return final, ys, [], values
+        # Running statistics are threaded through the carry: step t reads step t - 1's record.
+        threaded = floating_state(self.cell)
         paths: list[KeyPath] = []
-        body = _Step(self.cell, keys is not None, widen, paths) if collecting() else \
-            _step(self.cell, keys is not None, widen)
-        final, (ys, values) = jax.lax.scan(body, state, (steps, keys), reverse=self.reverse)
+        body = _Step(self.cell, keys is not None, widen, paths, threaded=tuple(threaded))
+        (final, _), (ys, values) = jax.lax.scan(body, (state, tuple(threaded.values())), (steps, keys),
+                                                reverse=self.reverse)
         return final, ys, paths, values
 
     def _checked(self, state: Any, batch: tuple[int, ...], xs: jax.Array) -> Any:
@@ -313,9 +321,9 @@ class _Step:
     every call) without the cache keeping the cell alive."""
 
     def __init__(self, cell: Any, keyed: bool, widen: bool, paths: list[KeyPath] | None = None,
-                 weak: bool = False) -> None:
+                 weak: bool = False, threaded: tuple[KeyPath, ...] = ()) -> None:
         self.cell: Callable[[], Any] = weakref.ref(cell) if weak else (lambda: cell)
-        self.keyed, self.widen, self.paths = keyed, widen, paths
+        self.keyed, self.widen, self.paths, self.threaded = keyed, widen, paths, threaded
 
     def __call__(self, carry: Any, step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
         cell: Any = self.cell()
@@ -323,10 +331,15 @@ class _Step:
         kw = {"key": k} if self.keyed else {}
         if self.paths is None:
             (new, y), values = cell(carry, x, **kw), ()
-        else:
-            (new, y), values = call_collecting(lambda c: c(carry, x, **kw), cell, self.paths)
+            _check_carry(cell, carry, new, self.widen)
+            return new, (y, values)
+        carry, stats = carry  # collecting: (the cell's state, the threaded running statistics)
+        cell = apply_state(cell, dict(zip(self.threaded, stats)))
+        (new, y), values = call_collecting(lambda c: c(carry, x, **kw), cell, self.paths)
         _check_carry(cell, carry, new, self.widen)
-        return new, (y, values)
+        recorded = dict(zip(self.paths, values))
+        stats = tuple(recorded.get(path, old) for path, old in zip(self.threaded, stats))
+        return (new, stats), (y, values)
 
 
 _STEPS: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], _Step]] = weakref.WeakKeyDictionary()

@@ -4,6 +4,7 @@ the PRNG key the Trainer has."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -12,14 +13,18 @@ import numpy as np
 
 from functree import nn
 from functree._module import Module
+from functree._naming import names
+from functree._tree import dotted_name, is_none
 from functree._where import put
 from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
+from functree.optim._subset import trained_view
 from functree.train._evaluation import key_parameter, signature
 from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
 
-__all__ = ["make_step", "check_key", "job_field", "check_arguments", "MISSING", "in_training_mode"]
+__all__ = ["make_step", "check_key", "job_field", "check_arguments", "MISSING", "in_training_mode",
+           "warn_frozen_state", "FrozenStateWarning"]
 
 WRT_WITH_STEP = """\
 Trainer(wrt=...) cannot change a TrainStep instance's optimizer: the step was built with its own.
@@ -218,16 +223,87 @@ def _same_value(x: Any, y: Any) -> bool:
     return False
 
 
-def in_training_mode(model: Any) -> Any:
-    """The model the Trainer trains: ``ft.nn.training(model)`` where no layer is in training
-    mode (a model built, or wholly put, in inference), else ``model`` as given, each
-    submodule in the mode the user chose (torch's ``model.train(); model.backbone.eval()``:
-    a frozen backbone's BatchNorm keeps its running statistics). functree's layers decide
-    where the model has any (a fresh Equinox Dropout beside them is in training mode by its
-    own default, not by the user's choice); else Equinox-style flags (``ft.nn.is_training``)."""
+BAD_TRAINING = """\
+Trainer(training=...) takes None (default: a model wholly in inference mode is switched to \
+training, one with some layer in training mode trains as given), True (every layer in \
+training mode, as torch's model.train()) or False (the modes given); got {given!r}.
+
+    right:  ft.train.Trainer(model, opt, loss_fn, wrt="head.*", training=False)   # torch's backbone.eval()"""
+
+FROZEN_STATE_SWITCHED = """\
+ft.train.Trainer switches a model wholly in inference mode to training mode (as it does a \
+freshly built one), so the running statistics of {paths} will change at every step although \
+{its} parameters are frozen (no pattern of wrt={wrt!r} selects them). Say which you mean:
+
+    keep them (torch's backbone.eval()):  ft.train.Trainer(model, opt, loss_fn, wrt={wrt!r}, training=False)
+    update them (torch's model.train()):  ft.train.Trainer(ft.nn.training(model), opt, loss_fn, wrt={wrt!r})"""
+
+
+class FrozenStateWarning(UserWarning):
+    """The Trainer switched a model wholly in inference mode to training, and a layer that
+    records state in training mode (BatchNorm's running statistics) has no trained
+    parameter: its statistics change although the layer is frozen (:data:`FROZEN_STATE_SWITCHED`)."""
+
+
+def in_training_mode(model: Any, training: bool | None = None) -> Any:
+    """The model the Trainer trains. ``training=None``: ``ft.nn.training(model)`` where no
+    layer is in training mode (a model built, or wholly put, in inference), else ``model``
+    as given, each submodule in the mode the user chose (torch's ``model.train();
+    model.backbone.eval()``: a frozen backbone's BatchNorm keeps its running statistics).
+    functree's layers decide where the model has any (a fresh Equinox Dropout beside them
+    is in training mode by its own default, not by the user's choice); else Equinox-style
+    flags (``ft.nn.is_training``). ``True``: every layer in training mode; ``False``: the
+    modes given, whatever they are (a model wholly in inference trains so)."""
+    if training is not None and not isinstance(training, bool):
+        raise TypeError(BAD_TRAINING.format(given=training))
+    if training is not None:
+        return nn.training(model) if training else model
     flags = _training_flags(model)
     chosen = any(flags) if flags else nn.is_training(model)
     return model if chosen else nn.training(model)
+
+
+def warn_frozen_state(given: Any, trained: Any, wrt: tuple[str, ...] | None, training: bool | None = None) -> None:
+    """Warn (:class:`FrozenStateWarning`) when ``trained`` is ``given`` switched to training
+    mode by the default rule (``training=None``) and some layer recording state (a
+    BatchNorm) has no parameter selected by ``wrt``: torch's ``backbone.eval()`` and
+    ``model.train()`` differ there, and the two models (a fresh one, one the user put in
+    inference) cannot be told apart."""
+    if wrt is None or training is not None or trained is given:  # said explicitly, or kept as given
+        return
+    frozen = _frozen_stateful(given, wrt)
+    if frozen:
+        shown = wrt[0] if len(wrt) == 1 else list(wrt)
+        paths = ", ".join(frozen)
+        warnings.warn(FROZEN_STATE_SWITCHED.format(paths=paths, its="their" if len(frozen) > 1 else "its",
+                                                   wrt=shown), FrozenStateWarning, stacklevel=3)
+
+
+def _records_state(x: Any) -> bool:
+    """A functree layer with a static ``training`` flag and carried (``no_derivative``)
+    state: in training mode it records new values of that state (BatchNorm)."""
+    if not isinstance(x, Module):
+        return False
+    cls = type(x)
+    return "training" in cls.__ft_static__ and bool(cls.__ft_no_derivative__)  # type: ignore[attr-defined]
+
+
+def _frozen_stateful(model: Any, wrt: tuple[str, ...]) -> list[str]:
+    """The key paths of the state-recording layers of ``model`` none of whose parameters
+    ``wrt`` selects (the optimizer's own matcher: :func:`trained_view`). A layer whose
+    parameters have other names (inside an ``ft.nn.Stack``: member names) is not counted."""
+    view = trained_view(model, wrt)
+    named = list(zip(names(view), jax.tree.leaves(view, is_leaf=is_none)))
+    pairs, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=_records_state)
+    out = []
+    for path, layer in pairs:
+        if not _records_state(layer):
+            continue
+        prefix = dotted_name(path)
+        mine = [leaf for name, leaf in named if prefix == "" or name.startswith(prefix + ".")]
+        if mine and all(leaf is None for leaf in mine):
+            out.append(f"{prefix or 'the model'} ({type(layer).__name__})")
+    return out
 
 
 def _training_flags(model: Any) -> list[bool]:

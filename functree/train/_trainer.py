@@ -60,6 +60,7 @@ from functree.train._setup import (
     in_training_mode,
     job_field,
     make_step,
+    warn_frozen_state,
 )
 from functree.train._step import TrainStep
 from functree.train._step_factories import eval_step
@@ -244,7 +245,8 @@ class Trainer(Evaluation):
         model with some layers in training mode trains as given, each submodule in its
         own mode (``ft.nn.training(net).replace(backbone=ft.nn.inference(net.backbone))``:
         a frozen backbone's BatchNorm keeps its running statistics, as torch's
-        ``backbone.eval()``); one wholly in inference mode is switched to training.
+        ``backbone.eval()``); one wholly in inference mode is switched to training (see
+        ``training``).
         Leaves that are not arrays (an Equinox module's functions) are kept static. It
         trains where it lives: a model committed to a device or a mesh (``jax.device_put``)
         gets the trainer's own arrays (key, metric buffer, optimizer state) there.
@@ -273,6 +275,16 @@ class Trainer(Evaluation):
         (default): the parameters' dtype.
       wrt: key-path patterns of the parameters to train (``ft.optim.Optimizer(wrt=)``);
         the others stay bit for bit and get no optimizer state.
+      training: the modes the model trains in. ``None`` (default): as above, a model
+        wholly in inference mode (a fresh one) is switched to training, one with some
+        layer in training mode trains as given. ``False``: the modes given, whatever they
+        are: a model wholly in inference mode whose BatchNorm sits in a part ``wrt``
+        leaves frozen (a Dense head trained on a frozen backbone) keeps its running
+        statistics, as torch's ``backbone.eval()``. ``True``: every layer in training mode
+        (``ft.nn.training(model)``, torch's ``model.train()``). A switched model whose
+        BatchNorm has no parameter ``wrt`` selects is ambiguous (a fresh model and one put
+        in inference look alike): a ``FrozenStateWarning`` names the layer and both fixes,
+        ``training=False`` or passing ``ft.nn.training(model)``.
       steps_per_call: run ``k`` steps per compiled call (``TrainStep(steps_per_call=k)``):
         the Trainer stacks ``k`` minibatches from any iterable (a shorter group, at the
         end of an epoch or of ``steps=``, or minibatches of another shape, run as single
@@ -336,7 +348,7 @@ class Trainer(Evaluation):
                  on_nan: str | None = DEFAULT_ON_NAN, opt_state: Any = None,
                  train_step: type[TrainStep] | TrainStep | None = None, mesh: Any = None, data_axis: str = "data",
                  sharding: Any = None, compute_dtype: Any = None, wrt: Any = None, steps_per_call: int | None = None,
-                 **unknown: Any):
+                 training: bool | None = None, **unknown: Any):
         check_arguments(optimizer, loss_fn, unknown)  # Keras's loss=, Hugging Face's Trainer(model, args)
         if unknown:  # other libraries' names (max_epochs=, compute_metrics=) and typos, named with the fix
             raise unknown_keyword("Trainer", unknown, Trainer.__init__)
@@ -355,7 +367,9 @@ class Trainer(Evaluation):
         check_key(loss_fn, key, train_step)
         # An accidental tie (one array at two leaves) is named once here; the copy unties it.
         warn_aliases(model, what="The model given to ft.train.Trainer")
-        model = own_copy(in_training_mode(model))  # the user's per-submodule modes kept
+        trained = in_training_mode(model, training)  # the user's per-submodule modes kept
+        warn_frozen_state(model, trained, getattr(self.optimizer, "wrt", None), training)  # a switched frozen BatchNorm
+        model = own_copy(trained)
         # Every buffer is the job's own: the copies above, and Optimizer.init's state.
         opt_state = self.optimizer.init(model) if opt_state is None else own_copy(opt_state)
         placement = getattr(self.train_step, "placement", None)

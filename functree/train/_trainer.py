@@ -73,8 +73,10 @@ ALREADY_DONE = "Trainer.fit at step {step}, epoch {epoch}: nothing to train, the
 
 INEXACT_MEANS = """\
 The checkpoint at step {step} ({where}) holds the {which} running mean of {names} without the \
-counted labels: it was written before functree weighed accuracy by its counted labels \
-(Σ hits / Σ counted; before: by minibatch size, which with labels of -100 is another number). \
+counted labels (Σ hits / Σ counted): the functree that wrote it did not record them for this \
+metric (before 2026-11-29 for any metric; until the session of 2026-11-29, eighth, for a \
+compute_metrics override that does not call super() or a step built outside the Trainer), so its \
+mean so far is weighted by minibatch size, which with labels of -100 is another number. \
 The mean of the steps before step {step} cannot be made exact, and continuing it would mix the two.
 
     wrong:  trainer.restore(path)                  # a checkpoint written mid-epoch by an older functree

@@ -672,7 +672,9 @@ def test_buckets_give_the_exact_tokens_and_reuse_one_program(llama, monkeypatch)
     assert names == ["jit(generate_loop)"]
     exact(monkeypatch)
     for kw, got in zip(calls, bucketed):
-        for (cut, new), out in zip(((0, NEW), (1, NEW - 4)), got):
+        # the exact-size loops for the shorter prompt and fewer new tokens (both padded up to
+        # their buckets): each exact size is a compile of its own, so one size per control
+        for (cut, new), out in zip(((1, NEW - 4),), got[1:]):
             want = ft.nn.generate(model, ids[:, cut:], new, attention_mask=mask[:, cut:], **kw)
             for a, b in zip(*((out, want) if kw.get("return_scores") else ((out,), (want,)))):
                 assert a.shape == b.shape

@@ -120,9 +120,9 @@ def test_bfloat16_and_float16_models_keep_their_dtype(tmp_path):
         assert json.loads((tmp_path / name / "config.json").read_text())["dtype"] == name
         loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype="auto")
         assert loaded.dtype == getattr(torch, name)
-        expected = ft.nn.to_hf_state_dict(model)
+        expected, got = ft.nn.to_hf_state_dict(model), loaded.state_dict()
         for key, tensor in expected.items():
-            assert torch.equal(loaded.state_dict()[key], tensor), key
+            assert torch.equal(got[key], tensor), key
 
 
 def test_a_directory_with_files_is_replaced_only_with_overwrite(tmp_path):

@@ -15,8 +15,8 @@ from functree.train._job import JobState
 from functree.train._loggers import CSVLogger, TensorBoardLogger
 from functree.train._metrics import StepOutput, accuracy, binary_accuracy, mean
 from functree.train._nonfinite import NonFiniteError
-from functree.train._setup import FrozenStateWarning
 from functree.train._scan import stack_batches
+from functree.train._setup import FrozenStateWarning
 from functree.train._step import EvalStep, TrainStep
 from functree.train._step_factories import eval_step, train_step
 from functree.train._trainer import Trainer

@@ -62,7 +62,8 @@ def provenance_for_step(loss_fn: Callable[..., Any], model: Any, batch: Any, key
             has_aux = isinstance(shape, tuple) and len(shape) == 2
         report = nan_report(loss, (model, batch, key), has_aux=has_aux)
     except Exception as e:  # diagnostics after a failure must never hide the failure
-        report = NaNReport(function, "unknown", note=ANALYSIS_FAILED.format(error=f"{type(e).__name__}: {e}"))
+        # The traced loss failed too: its eager error is that same failure, not a value check.
+        return NaNReport(function, "unknown", note=ANALYSIS_FAILED.format(error=f"{type(e).__name__}: {e}"))
     if raised:  # the loss's own message names the cause better than the equation it NaN-ed in
         note = EAGER_ERROR.format(function=function, error=textwrap.indent(raised, "    "))
         return dataclasses.replace(report, function=function, kind=report.kind or "unknown", note=note)

@@ -13,8 +13,7 @@ import numpy as np
 
 from functree import nn
 from functree._module import Module
-from functree._naming import names
-from functree._tree import dotted_name, is_none
+from functree._tree import dotted_name
 from functree._where import put
 from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
@@ -290,20 +289,14 @@ def _records_state(x: Any) -> bool:
 
 def _frozen_stateful(model: Any, wrt: tuple[str, ...]) -> list[str]:
     """The key paths of the state-recording layers of ``model`` none of whose parameters
-    ``wrt`` selects (the optimizer's own matcher: :func:`trained_view`). A layer whose
-    parameters have other names (inside an ``ft.nn.Stack``: member names) is not counted."""
-    view = trained_view(model, wrt)
-    named = list(zip(names(view), jax.tree.leaves(view, is_leaf=is_none)))
-    pairs, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=_records_state)
-    out = []
-    for path, layer in pairs:
-        if not _records_state(layer):
-            continue
-        prefix = dotted_name(path)
-        mine = [leaf for name, leaf in named if prefix == "" or name.startswith(prefix + ".")]
-        if mine and all(leaf is None for leaf in mine):
-            out.append(f"{prefix or 'the model'} ({type(layer).__name__})")
-    return out
+    ``wrt`` selects: read off the optimizer's own trained view (:func:`trained_view`, the
+    model's structure with ``None`` at the parameters it leaves frozen), layer by layer."""
+    stop = lambda x: _records_state(x) or x is None  # noqa: E731  (same nodes in both views)
+    every = jax.tree_util.tree_flatten_with_path(trained_view(model, None), is_leaf=stop)[0]
+    chosen = jax.tree.leaves(trained_view(model, wrt), is_leaf=stop)
+    return [f"{dotted_name(path) or 'the model'} ({type(layer).__name__})"
+            for (path, layer), selected in zip(every, chosen)
+            if _records_state(layer) and jax.tree.leaves(layer) and not jax.tree.leaves(selected)]
 
 
 def _training_flags(model: Any) -> list[bool]:

@@ -276,7 +276,7 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
                 walk(node._member(i), join_names(ft, str(i)), _under(stored, field_name), (*index, i), join_names(torch, str(i)))
             return
         if isinstance(node, Shared):
-            resolved, base = _resolved(node), join_names(ft, "model")
+            resolved, base = node.resolve(), join_names(ft, "model")
             for target, source, transform in node.ties:
                 derived.append(join_names(base, target.name))
                 plan.ties.append(_Tie(join_names(base, target.name), join_names(base, source.name), transform, source.get(resolved)))
@@ -316,21 +316,6 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
             patterns=unused, names=names, pattern=unused[0], first=names[0] if names else "h.*.attn"))
     plan.attentions = options.attentions
     return plan
-
-
-def _resolved(shared: Shared) -> Any:
-    """``shared.resolve()`` on host arrays, each transformed target in the dtype JAX gives it:
-    NumPy promotes ``0.1 * w.T`` of a bfloat16 ``w`` to float32, where the model (and torch)
-    hold bfloat16, so the exported tensor would change dtype."""
-    model = shared.model
-    for (target, source, _), transform in zip(shared.ties, shared._transforms()):
-        value = source.get(model)
-        if transform is not None:
-            wanted, value = jax.eval_shape(transform, value), transform(value)
-            if isinstance(value, np.ndarray) and isinstance(wanted, jax.ShapeDtypeStruct):
-                value = value.astype(wanted.dtype, copy=False)
-        model = target.set(model, value)
-    return model
 
 
 def _declared_in_functree(cls: type, name: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._key_path_names import key_path
 from functree._leaf_checks import leaf_spec, quoted
@@ -150,6 +151,17 @@ def _inside(path: KeyPath, prefix: KeyPath) -> bool:
     return len(path) >= len(prefix) and tuple(path[: len(prefix)]) == tuple(prefix)
 
 
+
+def _transformed(transform: Callable[[Any], Any], value: Any) -> Any:
+    """``transform(value)`` in the dtype JAX gives it. A host (NumPy) value's transform runs
+    in NumPy, whose promotion differs: ``0.1 * w.T`` of a bfloat16 ``w`` is float32 there,
+    bfloat16 in JAX (and torch), so an exported target would change dtype. JAX arrays and
+    tracers (a jitted call) skip the check."""
+    out = transform(value)
+    if isinstance(out, np.ndarray) and not isinstance(value, jax.Array):
+        out = out.astype(jax.eval_shape(transform, value).dtype, copy=False)
+    return out
+
 class Shared(Module):
     """A model in which some places hold the same value, stored once (weight tying).
 
@@ -259,7 +271,7 @@ class Shared(Module):
         model = self.model
         for (target, source, _), transform in zip(self.ties, self._transforms()):
             value = source.get(model)
-            model = target.set(model, value if transform is None else transform(value))
+            model = target.set(model, value if transform is None else _transformed(transform, value))
         return model
 
     def set_resolved(self, path: KeyPath, value: Any) -> Shared:

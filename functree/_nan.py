@@ -101,6 +101,9 @@ class NaNReport:
     path: str | None = None
     step: int | None = None
     note: str = ""
+    # The error the function raised run eagerly on the same inputs (a label outside the
+    # classes): the likely cause, which NonFiniteError chains as its __cause__.
+    cause: BaseException | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:

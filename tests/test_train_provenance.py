@@ -39,6 +39,21 @@ def test_a_label_outside_the_classes_under_fit_names_the_label_not_the_learning_
                        r"at labels\[2, 3\] is not a class of logits f32\[4,6,10\]") as info:
         trainer.fit([(x, y)], epochs=1, progress=False)
     assert "label 10 at labels[2, 3]" in info.value.report.note
+    # The headline's advice names the data, not the learning rate; the loss's error is chained.
+    headline = str(info.value).split(":\n")[0]
+    assert "Run eagerly on this step's batch, the loss raises ValueError: softmax_cross_entropy" in headline
+    assert "Try a lower learning rate" not in headline
+    assert isinstance(info.value.__cause__, ValueError) and "label 10" in str(info.value.__cause__)
+
+
+def test_a_nan_without_an_eager_error_keeps_the_learning_rate_advice_and_no_cause():
+    x, y = _data()
+    x = x.at[0, 0, 0].set(jnp.inf)  # inf * 0 weights: the data's NaN, no error raised eagerly
+    model = ft.nn.Dense(8, 10, key=jax.random.key(0))
+    trainer = ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.sgd(1.0)), _loss_fn)
+    with pytest.raises(ft.train.NonFiniteError, match="Try a lower learning rate") as info:
+        trainer.fit([(x, y)], epochs=1, progress=False)
+    assert info.value.__cause__ is None and info.value.report.cause is None
 
 
 def test_a_finite_batch_or_a_nan_without_an_eager_error_keeps_the_equation_report():

@@ -31,10 +31,17 @@ not finite."""
 
 NONFINITE_STOP = """\
 Training stopped at step {step}: {what} was not finite.
-The step was not applied: {holder} those after step {previous}{history}. Try a lower \
-learning rate, gradient clipping, checking the data for NaN/inf, or skipping such steps:
+The step was not applied: {holder} those after step {previous}{history}. {advice}:
 
     ft.train.Trainer(model, optimizer, loss_fn, on_nan="skip")"""
+
+NONFINITE_ADVICE = ("Try a lower learning rate, gradient clipping, checking the data for NaN/inf, "
+                    "or skipping such steps")
+
+# The loss raised run eagerly on the step's batch: the data, not the optimization, is at fault.
+NONFINITE_DATA_ADVICE = ("Run eagerly on this step's batch, the loss raises {error} (the likely cause, "
+                         "not the learning rate: below, and this error's __cause__). Fix the data, "
+                         "or skip such steps")
 
 
 NONFINITE_LOSS_SCALED = """
@@ -96,8 +103,13 @@ def nonfinite_error(step: int, index: int, *, train_step: Any, model: Any, opt_s
     scaled = ""
     if name is None and getattr(train_step.optimizer, "handles_nonfinite", False):
         scaled = NONFINITE_LOSS_SCALED.format(optimizer=type(train_step.optimizer).__name__)
+    advice = NONFINITE_ADVICE
+    if report.cause is not None:
+        first = str(report.cause).splitlines()[0] if str(report.cause) else ""
+        advice = NONFINITE_DATA_ADVICE.format(error=f"{type(report.cause).__name__}: {first}".rstrip(": "))
     error = NonFiniteError(NONFINITE_STOP.format(step=step, what=what, previous=step - 1, holder=holder,
-                                                 history=history) + scaled + provenance_text(report))
+                                                 history=history, advice=advice) + scaled + provenance_text(report))
+    error.__cause__ = report.cause
     error.step, error.parameter, error.loss_fn, error.model, error.batch, error.key, error.report = (
         step, name, train_step.loss_fn, model, batch, key, report)
     return error

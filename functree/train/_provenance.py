@@ -64,22 +64,24 @@ def provenance_for_step(loss_fn: Callable[..., Any], model: Any, batch: Any, key
     except Exception as e:  # diagnostics after a failure must never hide the failure
         # The traced loss failed too: its eager error is that same failure, not a value check.
         return NaNReport(function, "unknown", note=ANALYSIS_FAILED.format(error=f"{type(e).__name__}: {e}"))
-    if raised:  # the loss's own message names the cause better than the equation it NaN-ed in
-        note = EAGER_ERROR.format(function=function, error=textwrap.indent(raised, "    "))
-        return dataclasses.replace(report, function=function, kind=report.kind or "unknown", note=note)
+    if raised is not None:  # the loss's own message names the cause better than the equation it NaN-ed in
+        error = textwrap.indent(f"{type(raised).__name__}: {raised}", "    ")
+        note = EAGER_ERROR.format(function=function, error=error)
+        return dataclasses.replace(report, function=function, kind=report.kind or "unknown", note=note,
+                                   cause=raised)
     return None if report.ok else dataclasses.replace(report, function=function)
 
 
-def _eager_error(loss: Callable[..., Any], model: Any, batch: Any, key: Any) -> str:
-    """The error ``loss(model, batch, key)`` raises run eagerly on these concrete inputs ("" if
-    none): the nan_report analysis traces the loss, so a check of the inputs' values (a label
-    outside the classes: ``ft.losses.softmax_cross_entropy`` raises on concrete labels, is NaN
-    on traced ones) cannot run there."""
+def _eager_error(loss: Callable[..., Any], model: Any, batch: Any, key: Any) -> Exception | None:
+    """The error ``loss(model, batch, key)`` raises run eagerly on these concrete inputs (None
+    if none): the nan_report analysis traces the loss, so a check of the inputs' values (a
+    label outside the classes: ``ft.losses.softmax_cross_entropy`` raises on concrete labels,
+    is NaN on traced ones) cannot run there."""
     try:  # not under jax.disable_jit: a scanned model would run its scan as a Python loop
         loss(model, batch, key)
     except Exception as e:  # any error: shown as the loss's own, never raised from a diagnosis
-        return f"{type(e).__name__}: {e}"
-    return ""
+        return e
+    return None
 
 
 def step_report(loss_fn: Callable[..., Any], model: Any, batch: Any, key: Any, step: int,

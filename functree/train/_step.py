@@ -222,7 +222,11 @@ class TrainStep:
         :meth:`ft.optim.Optimizer.step` runs per device inside ``jax.shard_map`` (manual
         over ``data_axis`` only; other mesh axes are left to the compiler), gradients still
         varying over the axis after ``aggregate_gradients`` are averaged, and the update
-        half runs once on the parameters and moments placed by ``sharding``.
+        half runs once on the parameters and moments placed by ``sharding``. The loss and
+        gradients are the mean of the devices' own: the whole batch's for a mean over
+        examples; a mean over a variable count (unmasked tokens) weights each device's
+        tokens by its own count, as torch's DDP does (docs/guides/scale.md: pass a count
+        per example for the exact whole-batch mean).
       data_axis: the mesh axis the batch is split over.
       sharding: ``None`` (replicated), ``"fsdp"`` or ``{pattern: PartitionSpec}`` (see
         :func:`ft.partition_specs`); without a mesh, on the default device alone.

@@ -268,6 +268,11 @@ class Trainer(Evaluation):
         finite: the error says so, and ``"skip"`` skips it with the scale kept).
       opt_state: an optimizer state to continue from (default ``optimizer.init(model)``).
       train_step: a :class:`TrainStep` subclass (or instance) with overridden stages.
+      mesh, data_axis, sharding: a data-parallel step over ``mesh``'s ``data_axis``, the
+        parameters placed by ``sharding`` (:class:`TrainStep`'s). The loss and gradients
+        are the mean of the devices' own: the whole batch's for a mean over examples; a
+        mean over unmasked tokens weights each device's tokens by its own count, as torch's
+        DDP does (docs/guides/scale.md).
       compute_dtype: a floating dtype (``jnp.bfloat16``, ``jnp.float16``) the model runs in
         (:class:`TrainStep`'s ``compute_dtype``): the model (``ft.cast``) and the floating
         inputs are cast to it inside each step, :meth:`evaluate` (and validation) and

@@ -249,3 +249,36 @@ def test_a_shared_pickled_before_ranks_existed_reads_and_keeps_working():
     back = pickle.loads(pickle.dumps(older))
     assert back.ranks == lm.ranks and jax.tree.structure(back) == jax.tree.structure(lm)  # derived: as built now
     np.testing.assert_array_equal(ft.get(back, "head.weight"), lm.model.embed.embeddings.T)
+
+
+HOST = np.arange(6, dtype=np.float64).reshape(2, 3) / 3  # thirds: 0.1 * a is inexact in every width
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_a_host_tie_is_resolved_and_exported_in_the_dtype_torch_computes_it(dtype):
+    # x64 off. A float64 NumPy source gave a float32 target (the dtype of JAX without x64,
+    # 7e-9 off torch's float64 0.1 * a.T) where the source itself is exported float64; a
+    # bfloat16 one must still not widen to NumPy's float32.
+    torch = pytest.importorskip("torch")
+    a = torch.from_numpy(HOST).to(getattr(torch, dtype))
+    host = a.float().numpy().astype(jnp.bfloat16) if dtype == "bfloat16" else a.numpy()  # exact
+    tied = ft.nn.Shared({"a": host, "b": np.zeros((3, 2), host.dtype)}, {"b": ("a", lambda w: 0.1 * w.T)})
+    resolved = tied.resolve()
+    assert resolved["b"].dtype == host.dtype
+    sd = ft.interop.torch_state_dict(tied)
+    assert sd["a"].dtype == sd["b"].dtype == a.dtype
+    np.testing.assert_array_equal(sd["b"].double().numpy(), (0.1 * a.T).double().numpy())  # bit for bit
+    np.testing.assert_array_equal(np.asarray(resolved["b"], np.float64), (0.1 * a.T).double().numpy())
+
+
+def test_a_host_tie_through_a_numpy_only_transform_resolves():
+    # jax.eval_shape cannot trace np.ascontiguousarray: resolve() raised
+    # TracerArrayConversionError; the transform runs on the host and its result stands.
+    host = HOST.astype(np.float32)
+    tied = ft.nn.Shared({"a": host, "b": np.zeros((3, 2), np.float32)}, {"b": ("a", lambda w: np.ascontiguousarray(w.T))})
+    b = tied.resolve()["b"]
+    assert b.dtype == np.float32 and b.flags.c_contiguous
+    np.testing.assert_array_equal(b, host.T)
+    half = ft.nn.Shared({"a": host.astype(np.float16), "b": np.zeros((3, 2), np.float16)},
+                        {"b": ("a", lambda w: np.ascontiguousarray(w.T))})
+    np.testing.assert_array_equal(half.resolve()["b"], host.astype(np.float16).T)

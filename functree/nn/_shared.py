@@ -153,14 +153,31 @@ def _inside(path: KeyPath, prefix: KeyPath) -> bool:
 
 
 def _transformed(transform: Callable[[Any], Any], value: Any) -> Any:
-    """``transform(value)`` in the dtype JAX gives it. A host (NumPy) value's transform runs
-    in NumPy, whose promotion differs: ``0.1 * w.T`` of a bfloat16 ``w`` is float32 there,
-    bfloat16 in JAX (and torch), so an exported target would change dtype. JAX arrays and
-    tracers (a jitted call) skip the check."""
+    """``transform(value)``; a host (NumPy) source of a half-precision float keeps its width.
+
+    NumPy computes a host value's transform, and its promotion is the one to keep for
+    float64 and float32 (a float64 ``w`` gives float64 ``0.1 * w.T``, exactly as the float64
+    source is exported; JAX without x64 would give float32, 7e-9 off). A narrower source's
+    result can widen in NumPy (``0.1 * w.T`` of a bfloat16 ``w`` is float32 there, bfloat16
+    in JAX and torch): there it takes the dtype ``jax.eval_shape`` gives the transform, so
+    an exported target keeps the source's dtype. A transform JAX cannot trace (NumPy-only code such as
+    ``np.ascontiguousarray``) keeps NumPy's result. JAX arrays and tracers (a jitted call)
+    are left as the transform gives them."""
     out = transform(value)
-    if isinstance(out, np.ndarray) and not isinstance(value, jax.Array):
-        out = out.astype(jax.eval_shape(transform, value).dtype, copy=False)
-    return out
+    if not (isinstance(out, np.ndarray) and isinstance(value, np.ndarray) and _half_float(value.dtype)):
+        return out
+    try:
+        wanted = jax.eval_shape(transform, value).dtype
+    except Exception:  # the call above ran; only tracing failed: NumPy's dtype stands
+        return out
+    return out.astype(wanted, copy=False)
+
+
+def _half_float(dtype: np.dtype) -> bool:
+    """A floating dtype narrower than float32 (bfloat16, float16, the float8s), whose NumPy
+    arithmetic widens to float32 where JAX's keeps the narrow dtype."""
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4
+
 
 class Shared(Module):
     """A model in which some places hold the same value, stored once (weight tying).
@@ -245,7 +262,7 @@ class Shared(Module):
         stored = model
         for (target, source, transform), names in zip(parsed, given):
             value = source.get(model)
-            value = value if transform is None else transform(value)
+            value = value if transform is None else _transformed(transform, value)  # as resolve() gives it
             _check_tie(target.get(model), value, transform, *names)
             target.set(model, value)  # a leaf's own checks (a Python number's kind)
             stored = _removed(stored, target)

@@ -16,7 +16,7 @@ from functree.train._loggers import CSVLogger, TensorBoardLogger
 from functree.train._metrics import StepOutput, accuracy, binary_accuracy, mean
 from functree.train._nonfinite import NonFiniteError
 from functree.train._scan import stack_batches
-from functree.train._setup import FrozenStateWarning
+from functree.train._setup import FrozenStateWarning, TrainingModeWarning
 from functree.train._step import EvalStep, TrainStep
 from functree.train._step_factories import eval_step, train_step
 from functree.train._trainer import Trainer
@@ -36,6 +36,7 @@ __all__ = [
     "TrainerView",
     "NonFiniteError",
     "FrozenStateWarning",
+    "TrainingModeWarning",
     "History",
     "TrainingContext",
     "Callback",

@@ -23,7 +23,8 @@ from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
 
 __all__ = ["make_step", "check_key", "job_field", "check_arguments", "MISSING", "in_training_mode",
-           "warn_frozen_state", "FrozenStateWarning"]
+           "warn_frozen_state", "FrozenStateWarning",
+           "TrainingModeWarning"]
 
 WRT_WITH_STEP = """\
 Trainer(wrt=...) cannot change a TrainStep instance's optimizer: the step was built with its own.
@@ -82,12 +83,36 @@ KERAS_NAMED_LOSS = """
 
 HF_ARGS = """\
 ft.train.Trainer's second argument is the optimizer, and {given} is Hugging Face's training \
-arguments: functree's Trainer takes the optimizer (its learning rate and schedule inside it) \
-and a loss function; epochs, batch size and evaluation are fit()'s.
+arguments: functree's Trainer takes the optimizer (its learning rate, schedule, weight decay, \
+clipping and accumulation inside it) and a loss function; epochs, batch size and evaluation \
+are fit()'s. Your arguments as functree code:
 
     wrong:  ft.train.Trainer(model, args)          # args = TrainingArguments(...)
-    right:  trainer = ft.train.Trainer(model, ft.optim.adamw({lr}), loss_fn)   # loss_fn(model, batch) -> loss
-            trainer.fit(ft.train.batches(train_arrays, {batch}), epochs={epochs}, validation_data=eval_data)"""
+    right:  import optax
+{recipe}{left}"""
+
+# HF's update steps: ceil(epochs x ceil(examples / batch) / accumulation), or max_steps.
+HF_STEPS = """\
+            steps = {steps}   # optimizer steps, as Hugging Face's Trainer counts them"""
+
+HF_SCHEDULES = {  # lr_scheduler_type -> the schedule, warmup W over `steps` (HF's own formulas)
+    "linear": "ft.optim.schedule(optax.join_schedules([optax.linear_schedule(0.0, {lr}, {warm}), "
+              "optax.linear_schedule({lr}, 0.0, steps - {warm})], [{warm}]))",
+    "cosine": "ft.optim.warmup_cosine_decay(0.0, {lr}, {warm}, steps)",
+    "constant": "{lr}",
+    "constant_with_warmup": "ft.optim.linear_warmup({lr}, {warm})",
+}
+
+HF_OPTIMIZER = """\
+            lr = {schedule}
+            opt = ft.optim.Optimizer({transform}, accumulate={accumulate})
+            trainer = ft.train.Trainer(model, opt, loss_fn)   # loss_fn(model, batch) -> loss
+            trainer.fit(ft.train.batches(train_arrays, {batch}), {length}, validation_data=eval_data)"""
+
+HF_LEFT = """
+
+    not carried (set them yourself): {fields}"""
+
 
 MISSING_ARGUMENT = """\
 ft.train.Trainer needs the model, the optimizer and the loss function; the {what} was not given.
@@ -115,16 +140,56 @@ def _is_training_arguments(x: Any) -> bool:
     return named or (hasattr(x, "output_dir") and hasattr(x, "per_device_train_batch_size"))
 
 
+def _hf_recipe(args: Any) -> dict[str, str]:
+    """Hugging Face's ``TrainingArguments`` as functree code: AdamW (its betas, epsilon and
+    ``weight_decay``; functree's default decay is 0.01, HF's 0.0) after global-norm
+    clipping at ``max_grad_norm``, the learning-rate schedule over HF's step count
+    (linear: ``η·s/W`` for ``s < W``, then ``η·(T − s)/(T − W)``), ``accumulate=`` over a
+    batch of ``per_device_train_batch_size × gradient_accumulation_steps`` (the same
+    optimizer steps: ``⌈⌈N/b⌉/k⌉ = ⌈N/(b·k)⌉``), and what it leaves out."""
+    get = lambda name, default: getattr(args, name, default)  # noqa: E731  (an object with some fields)
+    lr, accumulate = get("learning_rate", 5e-5), int(get("gradient_accumulation_steps", 1))
+    batch = int(get("per_device_train_batch_size", 8)) * accumulate
+    epochs, max_steps = get("num_train_epochs", 3.0), int(get("max_steps", -1))
+    if max_steps > 0:
+        steps, length = str(max_steps), f"steps={max_steps}"
+    elif float(epochs).is_integer():
+        steps, length = f"{int(epochs)} * -(-len(train_arrays[0]) // {batch})", f"epochs={int(epochs)}"
+    else:  # a fractional epoch count: HF stops on its step count
+        steps, length = f"math.ceil({epochs} * -(-len(train_arrays[0]) // {batch}))", "steps=steps"
+    warmup = float(get("warmup_steps", 0) or 0)
+    ratio = float(get("warmup_ratio", 0) or 0)  # transformers < 5
+    warm = str(int(warmup)) if warmup >= 1 else (f"math.ceil(steps * {warmup or ratio})" if warmup or ratio else "0")
+    kind = str(getattr(get("lr_scheduler_type", "linear"), "value", get("lr_scheduler_type", "linear")))
+    left = [] if kind in HF_SCHEDULES else [f"lr_scheduler_type={kind!r} (a constant rate here)"]
+    schedule = HF_SCHEDULES.get(kind, "{lr}")
+    if kind == "linear" and warm == "0":
+        schedule = "ft.optim.schedule(optax.linear_schedule({lr}, 0.0, steps))"
+    adamw = (f"ft.optim.adamw(lr, beta1={get('adam_beta1', 0.9)}, beta2={get('adam_beta2', 0.999)}, "
+             f"epsilon={get('adam_epsilon', 1e-8)}, weight_decay={get('weight_decay', 0.0)})")
+    clip = float(get("max_grad_norm", 1.0) or 0)
+    transform = f"optax.chain(ft.optim.clip_by_global_norm({clip}), {adamw})" if clip > 0 else adamw
+    optim = str(getattr(get("optim", "adamw_torch"), "value", get("optim", "adamw_torch")))
+    if not optim.startswith("adamw"):
+        left.append(f"optim={optim!r} (AdamW here)")
+    left += [f"{name}={get(name, None)!r}" for name in HF_NOT_CARRIED if get(name, None)]
+    needs_math = "math." in steps or "math." in warm
+    recipe = ("            import math\n" if needs_math else "") + HF_STEPS.format(steps=steps) + "\n" + \
+        HF_OPTIMIZER.format(schedule=schedule.format(lr=lr, warm=warm), transform=transform, accumulate=accumulate,
+                            batch=batch, length=length)
+    return {"recipe": recipe, "left": HF_LEFT.format(fields=", ".join(left)) if left else ""}
+
+
+# TrainingArguments fields the recipe does not translate, named when set.
+HF_NOT_CARRIED = ("fp16", "bf16", "label_smoothing_factor", "lr_scheduler_kwargs", "optim_args")
+
+
 def check_arguments(optimizer: Any, loss_fn: Any, unknown: dict[str, Any]) -> None:
     """Refuse, by name and with the fix, a Trainer called as another library's: Hugging
     Face's ``Trainer(model, args)``, Keras's ``loss=``, or without an optimizer or loss."""
     args = unknown.get("args", optimizer)
     if _is_training_arguments(args):
-        epochs = getattr(args, "num_train_epochs", 3)
-        raise TypeError(HF_ARGS.format(
-            given=type(args).__name__, lr=getattr(args, "learning_rate", 1e-3),
-            batch=getattr(args, "per_device_train_batch_size", 8),
-            epochs=int(epochs) if isinstance(epochs, float) and epochs.is_integer() else epochs))
+        raise TypeError(HF_ARGS.format(given=type(args).__name__, **_hf_recipe(args)))
     if loss_fn is MISSING and "loss" in unknown:
         given = unknown["loss"]
         name = getattr(given, "__name__", None) if callable(given) else None
@@ -229,16 +294,65 @@ training mode, as torch's model.train()) or False (the modes given); got {given!
 
     right:  ft.train.Trainer(model, opt, loss_fn, wrt="head.*", training=False)   # torch's backbone.eval()"""
 
+# The fixes below are code the user can run as printed: their own key paths, their wrt=.
+KEEP_BY_PATH = """\
+            model = ft.nn.training(model)
+{puts}
+            ft.train.Trainer(model, opt, loss_fn{wrt_arg}, training=False)"""
+
+PUT_ONE = """\
+            model = ft.set(model, {path!r}, ft.nn.inference(ft.get(model, {path!r})))"""
+
+PUT_MANY = """\
+            for path in {paths!r}:
+                model = ft.set(model, path, ft.nn.inference(ft.get(model, path)))"""
+
 FROZEN_STATE_SWITCHED = """\
 ft.train.Trainer switches a model wholly in inference mode to training mode (as it does a \
 freshly built one), so the running statistics of {paths} will change at every step although \
 {its} parameters are frozen (no pattern of wrt={wrt!r} selects them). Say which you mean:
 
-    keep them (torch's backbone.eval()):  ft.train.Trainer(model, opt, loss_fn, wrt={wrt!r}, training=False)
-    update them (torch's model.train()):  ft.train.Trainer(ft.nn.training(model), opt, loss_fn, wrt={wrt!r})"""
+    keep them: every layer in training mode but the frozen {parts} (torch's model.train(); \
+{torch_eval}), a fresh head's Dropout on:
+{keep}
+    update them (torch's model.train()):
+            ft.train.Trainer(model, opt, loss_fn{wrt_arg}, training=True)"""
+
+LOADED_STATE_SWITCHED = """\
+ft.train.Trainer switches a model wholly in inference mode to training mode (as it does a \
+freshly built one), and {paths} {hold} running statistics that are not {its} initial ones \
+(trained or loaded: a mean not all 0 or a variance not all 1); in training mode they will \
+change at every step. A pretrained model put in inference looks like a fresh one, so say \
+which you mean:
+
+    update them (torch's model.train() on a pretrained net):
+            ft.train.Trainer(model, opt, loss_fn{wrt_arg}, training=True)
+    keep them: every layer in training mode but {these} (torch's model.train(); {torch_eval}):
+{keep}"""
+
+MIXED_MODES = """\
+ft.train.Trainer trains a model with some layers in training mode in the modes given, and \
+{paths} {are} in inference mode (Dropout off, BatchNorm's running statistics fixed). A layer \
+built fresh is in inference mode too (a new head on a trained backbone), so the Trainer cannot \
+tell whether you put {them} there; say which you mean:
+
+    every layer trains (torch's model.train()):
+            ft.train.Trainer(model, opt, loss_fn{wrt_arg}, training=True)
+    the modes as given (torch's model.train(); then .eval() on those layers), silencing this:
+            ft.train.Trainer(model, opt, loss_fn{wrt_arg}, training=False)"""
+
+SHOWN = 3  # layers named in a warning before "and N more"
 
 
-class FrozenStateWarning(UserWarning):
+class TrainingModeWarning(UserWarning):
+    """``Trainer(training=None)`` had to guess the modes a model trains in, and the guess
+    may not be the user's: a model mixing modes (kept as given, :data:`MIXED_MODES`; a
+    fresh head's Dropout stays off), or one wholly in inference switched to training whose
+    BatchNorm holds trained or loaded statistics (:data:`LOADED_STATE_SWITCHED`). Passing
+    ``training=True`` or ``training=False`` says which and silences it."""
+
+
+class FrozenStateWarning(TrainingModeWarning):
     """The Trainer switched a model wholly in inference mode to training, and a layer that
     records state in training mode (BatchNorm's running statistics) has no trained
     parameter: its statistics change although the layer is frozen (:data:`FROZEN_STATE_SWITCHED`)."""
@@ -257,25 +371,95 @@ def in_training_mode(model: Any, training: bool | None = None) -> Any:
         raise TypeError(BAD_TRAINING.format(given=training))
     if training is not None:
         return nn.training(model) if training else model
-    flags = _training_flags(model)
+    flags = [layer.training for _, layer in _mode_layers(model)]
     chosen = any(flags) if flags else nn.is_training(model)
     return model if chosen else nn.training(model)
 
 
 def warn_frozen_state(given: Any, trained: Any, wrt: tuple[str, ...] | None, training: bool | None = None) -> None:
-    """Warn (:class:`FrozenStateWarning`) when ``trained`` is ``given`` switched to training
-    mode by the default rule (``training=None``) and some layer recording state (a
-    BatchNorm) has no parameter selected by ``wrt``: torch's ``backbone.eval()`` and
-    ``model.train()`` differ there, and the two models (a fresh one, one the user put in
-    inference) cannot be told apart."""
-    if wrt is None or training is not None or trained is given:  # said explicitly, or kept as given
+    """Warn where the default rule (``training=None``) may have chosen modes the user did
+    not mean, naming the layers and both fixes as code for their key paths:
+
+    * kept as given, and some functree layer is in inference mode
+      (:data:`MIXED_MODES`, :class:`TrainingModeWarning`): a fresh head on a trained
+      backbone, or torch's ``backbone.eval()``;
+    * switched to training, and a layer recording state (a BatchNorm) has no parameter
+      selected by ``wrt`` (:data:`FROZEN_STATE_SWITCHED`, :class:`FrozenStateWarning`);
+    * switched to training, and another BatchNorm holds statistics other than its initial
+      ``μ = 0, σ² = 1`` (:data:`LOADED_STATE_SWITCHED`, :class:`TrainingModeWarning`): a
+      pretrained model put in inference, which a fresh one cannot be told from otherwise."""
+    if training is not None:  # said explicitly
         return
-    frozen = _frozen_stateful(given, wrt)
-    if frozen:
-        shown = wrt[0] if len(wrt) == 1 else list(wrt)
-        paths = ", ".join(frozen)
-        warnings.warn(FROZEN_STATE_SWITCHED.format(paths=paths, its="their" if len(frozen) > 1 else "its",
-                                                   wrt=shown), FrozenStateWarning, stacklevel=3)
+    wrt_arg = "" if wrt is None else f", wrt={wrt[0] if len(wrt) == 1 else list(wrt)!r}"
+    if trained is given:  # kept as given: some layer in training mode
+        left = [(path, layer) for path, layer in _mode_layers(given) if not layer.training]
+        if left:
+            warnings.warn(MIXED_MODES.format(paths=_named(left), are="are" if len(left) > 1 else "is",
+                                             them="them" if len(left) > 1 else "it", wrt_arg=wrt_arg),
+                          TrainingModeWarning, stacklevel=3)
+        return
+    frozen = _frozen_stateful(given, wrt) if wrt is not None else []
+    if frozen and wrt is not None:
+        parts = _frozen_parts(given, wrt, [path for path, _ in frozen])
+        warnings.warn(FROZEN_STATE_SWITCHED.format(
+            paths=_named(frozen), its="their" if len(frozen) > 1 else "its", wrt=wrt[0] if len(wrt) == 1 else list(wrt),
+            parts=", ".join(parts), torch_eval=_torch_eval(parts), keep=_keep(parts, wrt_arg), wrt_arg=wrt_arg),
+            FrozenStateWarning, stacklevel=3)
+    said = {path for path, _ in frozen}  # a frozen layer's loaded statistics: named above
+    loaded = [(path, layer) for path, layer in _mode_layers(given) if path not in said and _holds_statistics(layer)]
+    if loaded:
+        paths, many = [dotted_name(path) for path, _ in loaded], len(loaded) > 1
+        warnings.warn(LOADED_STATE_SWITCHED.format(
+            paths=_named(loaded), hold="hold" if many else "holds", its="their" if many else "its",
+            these="those layers" if many else paths[0], torch_eval=_torch_eval(paths), keep=_keep(paths, wrt_arg),
+            wrt_arg=wrt_arg), TrainingModeWarning, stacklevel=3)
+
+
+def _named(layers: list[tuple[Any, Any]]) -> str:
+    """``backbone.layers.1 (BatchNorm), ...`` for the first :data:`SHOWN`, then a count."""
+    names = [f"{dotted_name(path) or 'the model'} ({type(layer).__name__})" for path, layer in layers]
+    more = len(names) - SHOWN
+    return ", ".join(names[:SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+def _keep(paths: list[str], wrt_arg: str) -> str:
+    """The code putting ``paths`` in inference in an otherwise training-mode model,
+    trained with ``training=False`` (:data:`KEEP_BY_PATH`)."""
+    puts = PUT_ONE.format(path=paths[0]) if len(paths) == 1 else PUT_MANY.format(paths=paths)
+    return KEEP_BY_PATH.format(puts=puts, wrt_arg=wrt_arg)
+
+
+def _torch_eval(paths: list[str]) -> str:
+    """torch's calls for ``paths``: ``model.backbone.eval()``, ``model.layers[1].eval()``."""
+    def attribute(path: str) -> str:
+        return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))
+
+    shown = "; ".join(f"{attribute(p)}.eval()" for p in paths[:SHOWN])
+    return shown + ("; ..." if len(paths) > SHOWN else "")
+
+
+def _holds_statistics(layer: Any) -> bool:
+    """A BatchNorm-like layer (``running_mean``, ``running_variance``) whose statistics
+    are not the initial ``μ = 0, σ² = 1``: trained, or loaded from a pretrained model."""
+    mean, variance = getattr(layer, "running_mean", None), getattr(layer, "running_variance", None)
+    if mean is None or variance is None:
+        return False
+    return bool(np.any(np.asarray(mean) != 0) or np.any(np.asarray(variance) != 1))
+
+
+def _frozen_parts(model: Any, wrt: tuple[str, ...], paths: list[Any]) -> list[str]:
+    """For each frozen layer's key path, the largest part of ``model`` holding it that
+    ``wrt`` leaves wholly frozen (``backbone`` for ``backbone.layers.1`` under
+    ``wrt="head.*"``): what torch's ``backbone.eval()`` puts in inference. The model itself
+    never (its trained part keeps training mode); the layer's own path at least."""
+    selected = [path for path, _ in jax.tree_util.tree_flatten_with_path(trained_view(model, wrt))[0]]
+    parts: list[str] = []
+    for path in paths:
+        length = next((n for n in range(1, len(path)) if not any(s[:n] == path[:n] for s in selected)), len(path))
+        name = dotted_name(path[:length])
+        if name not in parts:
+            parts.append(name)
+    return parts
 
 
 def _records_state(x: Any) -> bool:
@@ -287,35 +471,32 @@ def _records_state(x: Any) -> bool:
     return "training" in cls.__ft_static__ and bool(cls.__ft_no_derivative__)  # type: ignore[attr-defined]
 
 
-def _frozen_stateful(model: Any, wrt: tuple[str, ...]) -> list[str]:
-    """The key paths of the state-recording layers of ``model`` none of whose parameters
-    ``wrt`` selects: read off the optimizer's own trained view (:func:`trained_view`, the
-    model's structure with ``None`` at the parameters it leaves frozen), layer by layer."""
+def _frozen_stateful(model: Any, wrt: tuple[str, ...]) -> list[tuple[Any, Any]]:
+    """The key paths and layers of ``model``'s state-recording layers none of whose
+    parameters ``wrt`` selects: read off the optimizer's own trained view
+    (:func:`trained_view`, the model's structure with ``None`` at the parameters it leaves
+    frozen), layer by layer."""
     stop = lambda x: _records_state(x) or x is None  # noqa: E731  (same nodes in both views)
     every = jax.tree_util.tree_flatten_with_path(trained_view(model, None), is_leaf=stop)[0]
     chosen = jax.tree.leaves(trained_view(model, wrt), is_leaf=stop)
-    return [f"{dotted_name(path) or 'the model'} ({type(layer).__name__})"
-            for (path, layer), selected in zip(every, chosen)
+    return [(path, layer) for (path, layer), selected in zip(every, chosen)
             if _records_state(layer) and jax.tree.leaves(layer) and not jax.tree.leaves(selected)]
 
 
-def _training_flags(model: Any) -> list[bool]:
-    """The static ``training`` flags of the functree layers in ``model``."""
-    flags: list[bool] = []
+def _mode_layers(model: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    """The functree layers in ``model`` with a static ``training`` flag, with their key
+    paths, outer before inner (an Attention and the Dropout inside it)."""
+    found: list[tuple[tuple[Any, ...], Any]] = [(prefix, model)] if not prefix and _has_mode(model) else []
+    inner = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is not model and _has_mode(x))[0]
+    for path, node in inner:
+        if _has_mode(node):
+            found.append((prefix + path, node))
+            found += _mode_layers(node, prefix + path)
+    return found
 
-    def visit(node: Any) -> Any:
-        if isinstance(node, Module):
-            cls = type(node)
-            static = cls.__ft_static__  # type: ignore[attr-defined]
-            if "training" in static:
-                flags.append(bool(node.__dict__["training"]))
-            for name in cls.__ft_fields__:  # type: ignore[attr-defined]
-                if name not in static:
-                    jax.tree.map(visit, node.__dict__[name], is_leaf=lambda x: isinstance(x, Module))
-        return node
 
-    jax.tree.map(visit, model, is_leaf=lambda x: isinstance(x, Module))
-    return flags
+def _has_mode(x: Any) -> bool:
+    return isinstance(x, Module) and "training" in type(x).__ft_static__  # type: ignore[attr-defined]
 
 
 def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:

@@ -243,12 +243,12 @@ class Trainer(Evaluation):
       model: the initial model (copied: the caller's arrays stay valid; the trainer's
         steps donate their own). Trained in ``ft.nn.training`` mode, evaluated in
         ``ft.nn.inference`` mode: ``trainer.model`` is the training-mode model (Dropout
-        there needs a key), :attr:`inference_model` the one to call for predictions. A
-        model with some layers in training mode trains as given, each submodule in its
-        own mode (``ft.nn.training(net).replace(backbone=ft.nn.inference(net.backbone))``:
-        a frozen backbone's BatchNorm keeps its running statistics, as torch's
-        ``backbone.eval()``); one wholly in inference mode is switched to training (see
-        ``training``).
+        there needs a key), :attr:`inference_model` the one to call for predictions. Which
+        layers train in training mode is ``training``'s (below): by default a model with
+        some layer in training mode trains as given, each submodule in its own mode
+        (torch's ``model.train(); model.backbone.eval()`` is
+        ``ft.set(ft.nn.training(net), "backbone", ft.nn.inference(net.backbone))``), and
+        one wholly in inference mode (a fresh one) is switched to training.
         Leaves that are not arrays (an Equinox module's functions) are kept static. It
         trains where it lives: a model committed to a device or a mesh (``jax.device_put``)
         gets the trainer's own arrays (key, metric buffer, optimizer state) there.
@@ -282,16 +282,17 @@ class Trainer(Evaluation):
         (default): the parameters' dtype.
       wrt: key-path patterns of the parameters to train (``ft.optim.Optimizer(wrt=)``);
         the others stay bit for bit and get no optimizer state.
-      training: the modes the model trains in. ``None`` (default): as above, a model
-        wholly in inference mode (a fresh one) is switched to training, one with some
-        layer in training mode trains as given. ``False``: the modes given, whatever they
-        are: a model wholly in inference mode whose BatchNorm sits in a part ``wrt``
-        leaves frozen (a Dense head trained on a frozen backbone) keeps its running
-        statistics, as torch's ``backbone.eval()``. ``True``: every layer in training mode
-        (``ft.nn.training(model)``, torch's ``model.train()``). A switched model whose
-        BatchNorm has no parameter ``wrt`` selects is ambiguous (a fresh model and one put
-        in inference look alike): a ``FrozenStateWarning`` names the layer and both fixes,
-        ``training=False`` or passing ``ft.nn.training(model)``.
+      training: the modes the model trains in. ``True``: every layer in training mode
+        (``ft.nn.training(model)``, torch's ``model.train()``). ``False``: the modes given,
+        whatever they are (torch's ``backbone.eval()``: a part put in inference keeps its
+        BatchNorm statistics and its Dropout off). ``None`` (default): a model with some
+        layer in training mode trains as given, one wholly in inference mode is switched
+        to training; as a fresh layer and one put in inference look alike, it warns
+        (:class:`TrainingModeWarning`, naming the key paths and both fixes as code) where
+        the guess may not be the user's: the model mixes modes (a fresh head's Dropout on
+        a trained backbone stays off), or a switched BatchNorm has no parameter ``wrt``
+        selects (:class:`FrozenStateWarning`) or holds trained or loaded statistics (they
+        would change). Say ``True`` or ``False`` to silence it.
       steps_per_call: run ``k`` steps per compiled call (``TrainStep(steps_per_call=k)``):
         the Trainer stacks ``k`` minibatches from any iterable (a shorter group, at the
         end of an epoch or of ``steps=``, or minibatches of another shape, run as single

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import functree as ft
 
@@ -68,3 +69,45 @@ def test_a_job_written_under_the_oldest_jax_continues_here(tmp_path):
     loss = EXPECTED["loss_at_10"]
     np.testing.assert_allclose(trainer.history.steps["loss"][-1], loss, rtol=0, atol=1e-5 * max(1.0, abs(loss)))
     assert trainer.history.steps["step"] == list(range(1, 11))
+
+
+def _context_loss(state):
+    return ft.optim.context(state.opt_state if hasattr(state, "opt_state") else state).loss
+
+
+def test_a_float32_loss_of_an_older_job_restores_under_x64_and_back(tmp_path):
+    # The fixture's learning context holds a float32 loss (x64 off; also what any job wrote
+    # before 83bcd87). Under jax_enable_x64 the template's loss is float64: Trainer.restore
+    # refused the job (context.loss: expected float64, given float32), and a job saved under
+    # x64 refused to restore without it. The loss is a running value: it is cast both ways;
+    # the job then continues to step 10 as the floor JAX continued it.
+    shutil.copytree(FIXTURE / "job", tmp_path / "job")
+    saved = ft.train.CheckpointManager(tmp_path / "job").restore(3).opt_state  # as written: no template
+    assert _context_loss(saved).dtype == jnp.float32
+    with jax.enable_x64(True):
+        trainer = make.trainer().restore(tmp_path / "job")
+        loss = _context_loss(trainer)
+        assert loss.dtype == jnp.float64 and float(loss) == float(_context_loss(saved))  # exact: float32 ⊂ float64
+        assert make.leaves(trainer.model) == EXPECTED["job_at_3"]
+        trainer.save(tmp_path / "x64")  # a float64 loss on file
+    assert ft.train.CheckpointManager(tmp_path / "x64").restore().opt_state.context.loss.dtype == jnp.float64
+    trainer = make.trainer().restore(tmp_path / "x64")
+    assert _context_loss(trainer).dtype == jnp.float32 and float(_context_loss(trainer)) == float(_context_loss(saved))
+    trainer.fit(make.data(), steps=10, progress=False, log_every=1)
+    for got, want in zip(make.leaves(trainer.model), EXPECTED["job_at_10"], strict=True):
+        want = np.asarray(want)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, float(np.max(np.abs(want)))))
+
+
+def test_a_parameter_of_another_float_dtype_is_still_refused(tmp_path):
+    # Only the loss, a running value, is cast: float64 parameters are no template for the
+    # float32 ones on file.
+    shutil.copytree(FIXTURE / "job", tmp_path / "job")
+    with jax.enable_x64(True):
+        wide = make.trainer()
+        wide = ft.train.Trainer(jax.tree.map(lambda w: w.astype(jnp.float64), wide.model),
+                                ft.optim.Optimizer(ft.optim.adam(0.05)), make.loss_fn)
+        with pytest.raises(ft.train.CheckpointError) as e:
+            wide.restore(tmp_path / "job")
+    assert "expected shape (3, 4) dtype float64, given shape (3, 4) dtype float32" in str(e.value)
+    assert "context.loss" not in str(e.value)

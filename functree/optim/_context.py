@@ -76,6 +76,9 @@ class LearningContext:
 
     counters: jax.Array
     loss: jax.Array
+    # A checkpoint's loss is a running value, not a parameter: a float32 one restores into a
+    # float64 context under jax_enable_x64 and back (functree.train's checkpoint reader).
+    __ft_cast_on_restore__ = ("loss",)
 
     @property
     def step(self) -> jax.Array:

@@ -1,5 +1,6 @@
 """A saved part read back against a template: its leaves by key path into the template's
-tree (:func:`functree.from_flat_dict`, shapes and dtypes checked), then its static values
+tree (:func:`functree.from_flat_dict`, shapes and dtypes checked; a running value that its
+type names in :data:`CAST_ON_RESTORE`, the learning context's loss, cast), then its static values
 compared with the template's (:func:`._treespec.static_differences`); either mismatch is a
 :class:`CheckpointError` naming the call that reads the part as saved.
 """
@@ -8,12 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict
+import jax
+import jax.numpy as jnp
+
+from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict, to_flat_dict
 from functree.train.checkpoint._decode import decode, decode_leaf, leaf_specs
 from functree.train.checkpoint._errors import CheckpointError
 from functree.train.checkpoint._treespec import static_differences
 
-__all__ = ["rebuild", "with_template", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "CAST_ON_LOAD"]
+__all__ = ["rebuild", "with_template", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "CAST_ON_LOAD", "CAST_ON_RESTORE"]
+
+# A type's opt-in: the fields named by this class attribute hold running values (a metric
+# such as the learning context's latest loss), not parameters: a floating value saved in
+# another floating dtype is cast into the template's (float32 <-> float64 when a job moves
+# across jax_enable_x64). Every other leaf's dtype is checked, never cast.
+CAST_ON_RESTORE = "__ft_cast_on_restore__"
 
 TEMPLATE_MISMATCH = """\
 The checkpoint's {part}{at} does not fit the template:
@@ -41,9 +51,42 @@ Build the template with the saved values, or restore without a template to get t
 
 def with_template(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: str,
                    ) -> tuple[Any, FlatDictReport]:
-    """``from_flat_dict(template, the saved leaves under part)``: the tree and its report."""
+    """``from_flat_dict(template, the saved leaves under part)``: the tree and its report,
+    the running values of :data:`CAST_ON_RESTORE` in the template's floating dtypes."""
     flat = {name: decode_leaf(s, arrays, s["key"]) for name, s in _template_names(spec, part).items()}
-    return from_flat_dict(template, flat, strict=False)
+    return from_flat_dict(template, _running_values_cast(flat, template), strict=False)
+
+
+def _opted_in(node: Any) -> bool:
+    return bool(getattr(type(node), CAST_ON_RESTORE, ()))
+
+
+def _running_values_cast(flat: dict[str, Any], template: Any) -> dict[str, Any]:
+    """``flat`` with each saved running value (a field its type names in
+    :data:`CAST_ON_RESTORE`) in the floating dtype of the template's leaf: ``x.astype(t)``
+    where both are floating and the shapes agree, else as saved (from_flat_dict reports it)."""
+    nodes = jax.tree_util.tree_flatten_with_path(template, is_leaf=_opted_in)[0]
+    fields = {tuple(path): getattr(type(node), CAST_ON_RESTORE) for path, node in nodes if _opted_in(node)}
+    if not fields:
+        return flat
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]]
+    out = dict(flat)
+    for (name, want), path in zip(to_flat_dict(template).items(), paths, strict=True):
+        saved: Any = out.get(name)
+        if _is_running(path, fields) and _floats_of_one_shape(saved, want) and saved.dtype != want.dtype:
+            out[name] = saved.astype(want.dtype)
+    return out
+
+
+def _is_running(path: tuple[Any, ...], fields: dict[tuple[Any, ...], tuple[str, ...]]) -> bool:
+    """Whether the leaf at ``path`` is (inside) a field an opted-in node above it names."""
+    return any(getattr(path[k], "name", None) in fields.get(tuple(path[:k]), ()) for k in range(len(path)))
+
+
+def _floats_of_one_shape(saved: Any, want: Any) -> bool:
+    dtypes = [getattr(x, "dtype", None) for x in (saved, want)]  # (np.dtype == None holds for float64)
+    return (all(d is not None and jnp.issubdtype(d, jnp.floating) for d in dtypes)
+            and saved.shape == want.shape)
 
 
 def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: str = "",

@@ -159,6 +159,14 @@ BAD_PATTERN = "Patterns are strings like '*.bias' or 'h.2.*', got {given!r} ({ty
 
 KEY_PATH_AS_PATTERN = " A key path is a pattern by its dotted name: path.name, here {text!r}."
 
+REVERSED_RANGE = """\
+The pattern {pattern!r} holds the character class {klass!r} with the reversed range \
+{start}-{end}: a glob drops such a range (fnmatch), so the class selects other names than \
+meant ('layers.[14-15].*' would select layers 1 and 5). A class matches one character, \
+its ranges low to high; a number of several digits takes one class per digit:
+    wrong:  {pattern!r}
+    right:  {right}"""
+
 
 def key_path_hint(given: Any) -> str:
     """:data:`KEY_PATH_AS_PATTERN` for a ``KeyPath`` given where a pattern belongs, else "".
@@ -573,10 +581,79 @@ def _glob_part(pattern: str, name: str) -> str | None:
 
 
 def check_patterns(patterns: Sequence[Any]) -> None:
-    """Raise ``TypeError`` for a pattern that is not a string."""
+    """Raise ``TypeError`` for a pattern that is not a string, ``ValueError``
+    (:data:`REVERSED_RANGE`) for one whose character class holds a reversed range."""
     for p in patterns:
         if not isinstance(p, str):
             raise TypeError(BAD_PATTERN.format(given=p, type=type(p).__name__, hint=key_path_hint(p)))
+        _refuse_reversed_range(p)
+
+
+# A character class as fnmatch reads one: "[", an optional "!", a "]" first is literal, up to "]".
+_CLASS = re.compile(r"\[(!?\]?[^\]]*)\]")
+_NUMBER_RANGE = re.compile(r"([0-9]+)-([0-9]+)")
+
+
+def _ranges(content: str) -> list[tuple[int, str, str]]:
+    """The ranges ``a-b`` of a class's content (its ``!`` taken off), with their offsets,
+    read left to right as fnmatch does (a ``-`` first or last is literal)."""
+    out, i = [], 0
+    while i < len(content):
+        if i + 2 < len(content) and content[i + 1] == "-":
+            out.append((i, content[i], content[i + 2]))
+            i += 3
+        else:
+            i += 1
+    return out
+
+
+def _refuse_reversed_range(pattern: str) -> None:
+    """:data:`REVERSED_RANGE` for a class with a range ``a-b``, ``a > b``: fnmatch drops it
+    silently (``[14-15]`` is ``[15]``, ``[2-0]`` matches nothing)."""
+    for found in _CLASS.finditer(pattern):
+        negated = found.group(1).startswith("!")
+        content = found.group(1)[negated:]
+        bad = [(i, a, b) for i, a, b in _ranges(content) if a > b]
+        if not bad:
+            continue
+        _, start, end = bad[0]
+        head, tail = pattern[:found.start()], pattern[found.end():]
+        number = _NUMBER_RANGE.fullmatch(content)
+        if number and not negated:  # a number range meant: [14-15], [2-0]
+            lo, hi = sorted(int(x) for x in number.groups())
+            globs = [head + g + tail for g in _number_globs(lo, hi)]
+            right = repr(globs[0]) if len(globs) == 1 else repr(tuple(globs))
+        else:  # each reversed range turned round: [z-a] -> [a-z]
+            fixed = list(content)
+            for i, a, b in bad:
+                fixed[i], fixed[i + 2] = b, a
+            right = repr(head + "[" + "!" * negated + "".join(fixed) + "]" + tail)
+        raise ValueError(REVERSED_RANGE.format(pattern=pattern, klass=found.group(0), start=start, end=end,
+                                               right=right))
+
+
+def _number_globs(lo: int, hi: int) -> list[str]:
+    """Globs matching the numbers ``lo`` to ``hi`` (decimal, no leading zeros) and no others:
+    ``(14, 15)`` -> ``["1[4-5]"]``, ``(8, 12)`` -> ``["[8-9]", "1[0-2]"]``."""
+    if lo > hi:
+        return []
+    if len(str(lo)) < len(str(hi)):  # one length at a time
+        cut = 10 ** len(str(lo))
+        return _number_globs(lo, cut - 1) + _number_globs(cut, hi)
+    a, b = str(lo), str(hi)
+    k = next((i for i in range(len(a)) if a[i] != b[i]), len(a))  # the common prefix
+    if k == len(a):
+        return [a]
+    rest = len(a) - k - 1
+    if a[k + 1:] == "0" * rest and b[k + 1:] == "9" * rest:  # prefix, one class, any digits after
+        return [a[:k] + _digit_class(a[k], b[k]) + "[0-9]" * rest]
+    step = 10 ** rest  # split at the digit k boundaries: lo.., whole blocks, ..hi
+    first, last = (lo // step + 1) * step, (hi // step) * step
+    return _number_globs(lo, first - 1) + _number_globs(first, last - 1) + _number_globs(last, hi)
+
+
+def _digit_class(a: str, b: str) -> str:
+    return a if a == b else f"[{a}-{b}]"
 
 
 def all_names(infos: Sequence[LeafInfo]) -> list[str]:

@@ -174,6 +174,39 @@ def test_non_string_pattern_is_an_error():
         ft.select(make_net(), "h.*", exclude=[3])
 
 
+def _adamw_init(params, pattern):
+    return ft.optim.Optimizer(ft.optim.adamw(1e-4), wrt=pattern).init(params)
+
+
+@pytest.mark.parametrize(("pattern", "right"), [
+    ("model.layers.[14-15].*", "'model.layers.1[4-5].*'"),  # the README's: fnmatch read it as [15]
+    ("layers.[2-0].*", "'layers.[0-2].*'"),                # fnmatch: matches nothing
+    ("layers.[8-12].*", "('layers.[8-9].*', 'layers.1[0-2].*')"),
+    ("*.[z-a]", "'*.[a-z]'"), ("h.[!9-0x]", "'h.[!0-9x]'"),
+])
+def test_a_character_class_with_a_reversed_range_is_refused_with_the_right_spelling(pattern, right):
+    params = {"model": {"layers": [{"w": jnp.ones(2)} for _ in range(16)]}}
+    for call in (lambda: ft.select(params, pattern), lambda: _adamw_init(params, pattern),
+                 lambda: ft.gradient(lambda p: 0.0, wrt=pattern)(params)):
+        with pytest.raises(ValueError, match=rf"The pattern {re.escape(repr(pattern))} holds the character class "
+                                             rf"(.|\n)*right:  {re.escape(right)}"):
+            call()
+
+
+def test_the_right_spelling_of_a_number_range_selects_exactly_those_numbers():
+    # the globs _number_globs writes, against Python's own range, through fnmatch
+    for lo, hi in [(14, 15), (0, 2), (8, 12), (3, 117), (95, 205), (0, 0), (10, 99)]:
+        globs = _naming._number_globs(lo, hi)
+        hit = [n for n in range(300) if any(_naming.matches(str(n), g) for g in globs)]
+        assert hit == list(range(lo, hi + 1)), (lo, hi, globs)
+    params = {"model": {"layers": [{"w": jnp.ones(2)} for _ in range(16)]}}  # the README's, fixed
+    state = ft.optim.Optimizer(ft.optim.adamw(1e-4), wrt="model.layers.1[45].*").init(params)
+    mu = ft.to_flat_dict(ft.optim.moments(state)["mu"])
+    assert [k for k, v in mu.items() if v is not None] == ["model.layers.14.w", "model.layers.15.w"]
+    for fine in ("h.[0-3].*", "x[-a]", "x[a-]", "x[]-a]", "x[", "h.[!0-1].*"):  # no reversed range
+        _naming.check_patterns([fine])
+
+
 # ------------------------------------------------------------------ consumers
 def test_gradient_wrt_members_is_zero_elsewhere_and_exact_on_the_members():
     net = make_net()

@@ -40,7 +40,11 @@ def field(
       no_derivative: a data leaf that is carried and traced but never differentiated
         (running statistics, a step counter, a previous weight).
       default, default_factory: as in :func:`dataclasses.field`.
-      **metadata: the field's metadata (``decay=False``: weight decay skips it). The
+      **metadata: the field's metadata (``decay=False``: the decoupled weight decay of
+        ``ft.optim.adamw``, ``ft.optim.lion`` and ``ft.optim.weight_decay`` skips it, by
+        their default ``exclude``; the coupled ``weight_decay=`` of ``sgd``, ``adam``,
+        ``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``, ``amsgrad`` and ``radam`` is
+        torch's L2 term ``g + λ w`` over every parameter, these too). The
         options of ``dataclasses.field`` and ``eqx.field`` that a Module's field cannot
         have (``converter``, ``init``, ``repr``, ``hash``, ``compare``, ``kw_only``,
         ``metadata``) are refused: they would be ignored.

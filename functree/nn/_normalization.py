@@ -3,7 +3,10 @@
 Statistics are computed in float32 (or the input's dtype when wider) whatever the input
 dtype: bfloat16 has 8 bits of mantissa, so ``mean(x)`` and ``x - mean`` lose the signal
 at an input mean of 100. Outputs keep the input's dtype. Every scale and offset is
-declared ``ft.field(decay=False)``: weight decay leaves normalisation parameters alone.
+declared ``ft.field(decay=False)``: the decoupled weight decay of ``ft.optim.adamw``,
+``ft.optim.lion`` and ``ft.optim.weight_decay`` leaves them alone (their default
+``exclude``); the coupled ``weight_decay=`` of ``sgd``, ``adam``, ``rmsprop`` and the other
+optimizers is torch's L2 term over every parameter, these included (as torch's).
 """
 
 from __future__ import annotations

@@ -280,3 +280,103 @@ def test_an_exclude_typo_is_still_refused_in_groups_and_with_wrt_naming_the_opti
                 fo.Optimizer(make(LR), wrt="head.*")):
         with pytest.raises(ValueError, match=message):  # adamw: at init; weight_decay (stateless): at update
             opt.update(grads, opt.init(net), net)
+
+
+def _torch_mlp():
+    """A torch 4-8-3 MLP and the functree model holding its weights, with 16-row batches."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = ft.nn.Sequential(ft.nn.Dense(4, 8, key=jax.random.key(0)), ft.nn.tanh,
+                             ft.nn.Dense(8, 3, key=jax.random.key(1)))
+    rng = np.random.default_rng(0)
+    xs, ys = rng.normal(size=(5, 16, 4)).astype(np.float32), rng.normal(size=(5, 16, 3)).astype(np.float32)
+    return torch, net, ft.nn.load_torch_state_dict(model, net.state_dict()), xs, ys
+
+
+def _mse(m, x, y):
+    return jnp.mean((m(x) - y) ** 2)
+
+
+def _torch_steps(torch, net, opts, scheds, xs, ys, steps):
+    for i in steps:
+        for o in opts:
+            o.zero_grad()
+        ((net(torch.tensor(xs[i])) - torch.tensor(ys[i])) ** 2).mean().backward()
+        for o in opts:
+            o.step()
+        for s in scheds:
+            s.step()
+
+
+def _assert_as_torch(model, net, atol):
+    sd = ft.nn.torch_state_dict(model)
+    for k, v in net.state_dict().items():
+        np.testing.assert_allclose(np.asarray(sd[k]), v.numpy(), rtol=0, atol=atol, err_msg=k)
+
+
+def test_freeze_inside_groups_may_name_another_groups_parameter_as_torch_param_groups():
+    # One freeze list shared by the groups' optimizers: inside the default group,
+    # freeze("layers.0.bias", ...) names the sgd group's bias. It was an error naming
+    # ft.select and suggesting 'layers.2.bias' (the wrong parameter); now that name counts
+    # (as adamw's exclude), the default group freezes its own layers.2.bias only.
+    torch, net, model, xs, ys = _torch_mlp()
+    frozen = ("layers.0.bias", "layers.2.bias")
+    tx = fo.groups({"layers.0.*": fo.sgd(0.1)}, default=optax.chain(fo.adam(0.01), fo.freeze(*frozen)))
+    opt = fo.Optimizer(tx)
+    state = opt.init(model)
+    for i in range(3):
+        model, state, _ = opt.minimize(_mse, model, state, xs[i], ys[i])
+    net[2].bias.requires_grad_(False)
+    opts = [torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.Adam([net[2].weight], lr=0.01)]
+    _torch_steps(torch, net, opts, [], xs, ys, range(3))
+    _assert_as_torch(model, net, atol=5e-7)  # measured 4.5e-8 on weights ~0.5
+
+
+def test_a_freeze_pattern_matching_no_name_names_ft_optim_freeze_and_the_meant_name():
+    _, _, model, _, _ = _torch_mlp()
+    for tx in (optax.chain(fo.sgd(0.1), fo.freeze("layers.2.bais")),
+               fo.groups({"layers.0.*": fo.sgd(0.1)}, default=optax.chain(fo.adam(0.01), fo.freeze("layers.2.bais")))):
+        with pytest.raises(ValueError, match=r"ft\.optim\.freeze: the pattern 'layers\.2\.bais' matches no name"
+                                             r"(.|\n)*wrong:  ft\.optim\.freeze\('layers\.2\.bais'\)"
+                                             r"\n    right:  ft\.optim\.freeze\('layers\.2\.bias'\)"):
+            fo.Optimizer(tx).init(model)
+
+
+def _recipe(message):
+    """The code after ``right:`` in an error message, dedented."""
+    code = message.split("right:  ", 1)[1]
+    return "\n".join(line.strip() for line in code.splitlines() if line.strip())
+
+
+@pytest.mark.parametrize("wrap", [lambda tx: tx, lambda tx: optax.chain(fo.clip_by_global_norm(1e6), tx)],
+                         ids=["groups", "chained"])
+def test_the_group_state_changed_recipe_runs_as_printed_and_continues_as_torch(wrap):
+    # The recipe hard-coded "inner.inner_states.head.*" whatever the groups, and its new
+    # state restarted the learning context (a schedule at step 0 again). Now it lists the
+    # unchanged groups' exact key paths and carries the context: run as printed, the step
+    # equals torch's (layer 0: sgd+momentum -> a fresh Adam; layer 2: Adam with a decaying
+    # rate, going on).
+    torch, net, model, xs, ys = _torch_mlp()
+    decay = fo.exponential_decay(0.01, 1, 0.5)  # 0.01 * 0.5^step
+    old = fo.Optimizer(wrap(fo.groups({"layers.0.*": fo.sgd(0.1, momentum=0.9)}, default=fo.adam(decay))))
+    old_state = old.init(model)
+    for i in range(3):
+        model, old_state, _ = old.minimize(_mse, model, old_state, xs[i], ys[i])
+    opt = fo.Optimizer(wrap(fo.groups({"layers.0.*": fo.adam(0.01)}, default=fo.adam(decay))))
+    with pytest.raises(ValueError, match=r"the state of group 'layers\.0\.\*' was made by another optimizer") as info:
+        opt.minimize(_mse, model, old_state, xs[3], ys[3])
+    recipe = _recipe(str(info.value))
+    assert "<default>" in recipe and "context=old_state.context" in recipe
+    scope = {"ft": ft, "opt": opt, "model": model, "old_state": old_state}
+    exec(recipe, scope)
+    state = scope["state"]
+    assert int(fo.context(state).step) == 3
+    model, state, _ = opt.minimize(_mse, model, state, xs[3], ys[3])
+
+    sgd = torch.optim.SGD(net[0].parameters(), lr=0.1, momentum=0.9)
+    adam = torch.optim.Adam(net[2].parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(adam, lambda s: 0.5 ** s)
+    _torch_steps(torch, net, [sgd, adam], [sched], xs, ys, range(3))
+    _torch_steps(torch, net, [torch.optim.Adam(net[0].parameters(), lr=0.01), adam], [sched], xs, ys, [3])
+    _assert_as_torch(model, net, atol=3e-7)  # measured 3e-8 on weights ~0.5

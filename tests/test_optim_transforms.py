@@ -279,3 +279,70 @@ def test_one_microbatch_records_the_batch_norm_statistics_as_the_plain_step():
     new, _, _ = opt.minimize(lambda mm, x: jnp.mean(mm(x) ** 2), model, opt.init(model), x)
     _, state = ft.nn.collect_state(lambda mm: mm(x), model)
     np.testing.assert_array_equal(np.asarray(new.running_mean), np.asarray(state[ft.key_path(model, ".running_mean")]))
+
+
+def test_per_example_clipping_norms_only_the_trained_parameters_as_opacus():
+    # Opacus clips the per-example gradients of the parameters that require grad: with
+    # wrt="layers.2.*" a frozen first layer's gradients must not count in the norm (the
+    # old hook took every parameter's: 6.5e-4 off after one step).
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = ft.nn.Sequential(ft.nn.Dense(4, 8, key=jax.random.key(0)), ft.nn.tanh,
+                             ft.nn.Dense(8, 3, key=jax.random.key(1)))
+    model = ft.nn.load_torch_state_dict(model, net.state_dict())
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 3)).astype(np.float32)
+    threshold, lr = 0.3, 0.1
+
+    opt = fo.Optimizer(fo.sgd(lr), get_gradients=fo.per_example_clipping(threshold), wrt="layers.2.*")
+    _, grads = opt.compute_gradients(lambda m, x, y: jnp.mean((m(x) - y) ** 2), model, x, y)
+    assert grads.layers[0].weight is None  # a frozen parameter's gradient is never computed
+    new, _, _ = opt.minimize(lambda m, x, y: jnp.mean((m(x) - y) ** 2), model, opt.init(model), x, y)
+
+    net[0].requires_grad_(False)
+    clipped = []
+    for j in range(16):  # Opacus' rule, one example at a time
+        net.zero_grad()
+        ((net(torch.tensor(x[j:j + 1])) - torch.tensor(y[j:j + 1])) ** 2).mean().backward()
+        g = [net[2].weight.grad.clone(), net[2].bias.grad.clone()]
+        norm = float(torch.sqrt(sum((t ** 2).sum() for t in g)))
+        clipped.append([t * min(1.0, threshold / norm) for t in g])
+    weight = net[2].weight.detach().numpy() - lr * sum(c[0] for c in clipped).numpy() / 16
+    bias = net[2].bias.detach().numpy() - lr * sum(c[1] for c in clipped).numpy() / 16
+    # measured 1.5e-8 on weights ~0.35
+    np.testing.assert_allclose(new.layers[2].weight, weight.T, rtol=0, atol=2e-7)
+    np.testing.assert_allclose(new.layers[2].bias, bias, rtol=0, atol=2e-7)
+    np.testing.assert_array_equal(new.layers[0].weight, model.layers[0].weight)
+
+
+def test_reduce_on_plateau_in_an_optimizer_needs_the_loss_of_the_step():
+    # apply_gradients/update without loss= read context.loss (NaN, or an earlier step's):
+    # the rate halved every `patience` steps silently (scale 0.0625 after 8 steps).
+    plateau = optax.chain(fo.sgd(1.0), fo.reduce_on_plateau(factor=0.5, patience=2))
+    opt = fo.Optimizer(plateau)
+    p = {"w": jnp.zeros(())}
+    g = {"w": jnp.ones(())}
+    state = opt.init(p)
+    with pytest.raises(ValueError, match=r"reduce_on_plateau needs the loss(.|\n)*"
+                                         r"opt\.apply_gradients\(grads, model, state, loss=loss\)"):
+        opt.apply_gradients(g, p, state)
+    with pytest.raises(ValueError, match="reduce_on_plateau needs the loss"):
+        opt.update(g, state, p)
+    # given: optax.contrib's own rule on the same losses
+    ref = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(factor=0.5, patience=2))
+    ref_state = ref.init(p)
+    losses = [3.0, 2.0, 2.5, 2.5, 1.0, 1.0, 1.0, 1.0]
+    for loss in losses:
+        p, state = opt.apply_gradients(g, p, state, loss=loss)
+        with jax.numpy_dtype_promotion("standard"):
+            _, ref_state = ref.update(g, ref_state, p, value=jnp.float32(loss))
+    scale = float(state.inner[1].inner.scale)
+    assert scale == float(ref_state[1].scale) == 0.25
+    p_ref = {"w": jnp.zeros(())}
+    ref_state = ref.init(p_ref)
+    for loss in losses:
+        with jax.numpy_dtype_promotion("standard"):
+            u, ref_state = ref.update(g, ref_state, p_ref, value=jnp.float32(loss))
+        p_ref = optax.apply_updates(p_ref, u)
+    np.testing.assert_allclose(p["w"], p_ref["w"], rtol=0, atol=1e-6)  # measured 0 on w ~5

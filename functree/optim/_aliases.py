@@ -154,7 +154,7 @@ def decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> Any:
       >>> mask(())
       {'layers.0.weight': True, 'layers.0.bias': True, 'layers.1.scale': True, 'layers.1.offset': True}
     """
-    return decay_mask_of(params, tuple(exclude), "ft.optim.decay_mask")
+    return decay_mask_of(params, exclude_patterns(exclude, "ft.optim.decay_mask"), "ft.optim.decay_mask")
 
 
 def decay_mask_of(params: Any, exclude: tuple[str, ...], where: str) -> Any:
@@ -197,6 +197,32 @@ def _check_excludes(params: Any, exclude: tuple[str, ...], where: str) -> None:
             selection(named, (glob[len(LEAF):] if whole else glob,), what="exclude", strict=True, whole=whole)
         except NothingSelected as e:
             raise ValueError(_exclude_message(exclude, glob, _exclude_fix(named, glob, e), e.close, where)) from None
+
+
+EXCLUDE_STRING = """\
+{where}: exclude takes a tuple of patterns, got the string {given!r}, which would be read \
+as its characters ({chars}), one pattern each.
+    wrong:  {call}exclude={given!r})
+    right:  {call}exclude=({given!r},))
+       or:  {call}exclude=(*ft.optim.DEFAULT_NO_DECAY, {given!r}))     # the default's too"""
+
+
+def exclude_patterns(exclude: Any, where: str) -> tuple[str, ...]:
+    """``exclude`` as a tuple of patterns; :data:`EXCLUDE_STRING` for one string (a sequence
+    of its characters: ``"*.bias"`` became ``("*", ".", "b", ...)``)."""
+    if isinstance(exclude, str):
+        call = "ft.optim.decay_mask(params, " if where == "ft.optim.decay_mask" else f"{where}(..., "
+        chars = ", ".join(map(repr, exclude[:4])) + (", ..." if len(exclude) > 4 else "")
+        raise TypeError(EXCLUDE_STRING.format(where=where, given=exclude, chars=chars, call=call))
+    return tuple(exclude)
+
+
+def _exclude_check(where: str) -> Callable[..., None]:
+    """The construction-time check of an optimizer taking ``exclude`` (:func:`exclude_patterns`)."""
+    def check(exclude: Any) -> None:
+        exclude_patterns(exclude, where)
+
+    return check
 
 
 def _exclude_fix(named: Any, glob: str, e: NothingSelected) -> str:
@@ -242,7 +268,7 @@ def _decayed_where(by_name: Any, declared: Any) -> Any:
 
 
 def _decay_mask(exclude: Sequence[str], where: str) -> Any:
-    exclude = tuple(exclude)
+    exclude = exclude_patterns(exclude, where)
     return lambda params: decay_mask_of(params, exclude, where)
 
 
@@ -504,7 +530,7 @@ def adam(
     return _decayed(weight_decay, optax.adam(learning_rate, beta1, beta2, epsilon))
 
 
-@_optimizer("ft.optim.adamw")
+@_optimizer("ft.optim.adamw", check=_exclude_check("ft.optim.adamw"))
 def adamw(
     learning_rate: Hyper = 1e-3,
     beta1: Hyper = 0.9,
@@ -645,7 +671,7 @@ def radam(
                     optax.scale_by_learning_rate(learning_rate))
 
 
-@_optimizer("ft.optim.lion")
+@_optimizer("ft.optim.lion", check=_exclude_check("ft.optim.lion"))
 def lion(
     learning_rate: Hyper = 1e-4,
     beta1: Hyper = 0.9,

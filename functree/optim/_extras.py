@@ -1,6 +1,6 @@
 """Optax's extra arguments, as ``ft.optim.Optimizer`` passes them to its transform: the
-learning context (``context=``), L-BFGS's ``value``, ``value_fn`` and ``grad``; and the
-transformations that take only some (``optax.contrib.sam``'s update, ``optax.MultiSteps``
+learning context (``context=``), the step's loss when given (``loss=``), L-BFGS's
+``value``, ``value_fn`` and ``grad``; and the transformations that take only some (``optax.contrib.sam``'s update, ``optax.MultiSteps``
 behind ``optax.with_extra_args_support``).
 """
 
@@ -118,8 +118,8 @@ def extra_arguments(extra: dict[str, Any], grads: Any, model: Any) -> dict[str, 
     extra = dict(extra)
     value_fn = extra.get("value_fn")
     if value_fn is not None and model is not None:
-        def on_view(params: Any, context: Any = None) -> Any:  # optax's line search passes on
-            return value_fn(with_parameters(model, params))    # the extra arguments it knows
+        def on_view(params: Any, context: Any = None, loss: Any = None) -> Any:  # optax's line search
+            return value_fn(with_parameters(model, params))  # passes on the Optimizer's extra arguments
 
         extra["value_fn"] = on_view
     if "grad" in extra:

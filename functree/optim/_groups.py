@@ -15,7 +15,7 @@ from functree._tree import bounded_put, cached, is_none
 from functree.optim._checks import group_kinds
 from functree.optim._masked import partition_members
 
-__all__ = ["groups", "merge_members"]
+__all__ = ["groups", "merge_members", "GroupStateChanged", "GROUP_STATE_CHANGED"]
 
 DEFAULT_LABEL = "<default>"
 
@@ -47,13 +47,36 @@ GROUP_STATE_CHANGED = """\
 ft.optim.groups: the state of group {group!r} was made by another optimizer than this group's: \
 the state holds {given}, the group's optimizer makes {expected}. A group's state continues the \
 optimizer that made it; after changing a group's optimizer (freeze() -> adam, sgd -> adam, a \
-number -> a schedule), make a new state and carry the other groups' states over by key path:
+number -> a schedule), make a new state and carry the other groups' states over by key path\
+{carry}:
 
-    wrong:  opt = ft.optim.Optimizer(ft.optim.groups({{{group!r}: ft.optim.adam(1e-3), ...}}))
-            opt.apply_gradients(grads, model, old_state)       # old_state: {group!r} had another optimizer
-    right:  state = opt.init(model)
-            state = ft.set(state, "inner.inner_states.head.*", ft.get(old_state, "inner.inner_states.head.*"))
-"""
+    wrong:  {call}(grads, {model}, old_state)       # old_state: {group!r} had another optimizer
+    right:  state = {init}
+{recipe}"""
+
+
+class GroupStateChanged(ValueError):
+    """:data:`GROUP_STATE_CHANGED`, for the PartitionState at ``path`` (a dotted name, ``""``
+    at the root); :meth:`at` words it for the state that holds it (an OptimizerState's
+    ``inner``), with its learning context carried."""
+
+    def __init__(self, group: str, given: str, expected: str, kept: list[str], labels: frozenset[str]):
+        self.group, self.given, self.expected, self.kept, self.labels = group, given, expected, kept, labels
+        super().__init__(self.message())
+
+    def message(self, path: str = "", optimizer: bool = False) -> str:
+        """The message with the recipe's key paths under ``path``; ``optimizer``: the state
+        is an ``ft.optim.Optimizer``'s (made by ``opt.init``, its learning context carried)."""
+        prefix = f"{path}.inner_states." if path else "inner_states."
+        lines = [f'            state = ft.set(state, "{prefix}{k}", ft.get(old_state, "{prefix}{k}"))'
+                 for k in self.kept]
+        if optimizer:  # a new state starts at step 0: schedules would restart
+            lines.append("            state = state.replace(context=old_state.context)   # the step count, samples")
+        carry = "" if self.kept else " (here no other group's state fits: a new state)"
+        return GROUP_STATE_CHANGED.format(
+            group=self.group, given=self.given, expected=self.expected, carry=carry,
+            call="opt.apply_gradients" if optimizer else "tx.update", model="model" if optimizer else "state",
+            init="opt.init(model)" if optimizer else "tx.init(params)", recipe="\n".join(lines))
 
 
 def _describe_kind(kind: tuple[Any, ...]) -> str:
@@ -82,11 +105,12 @@ def check_group_states(init: Any, state: Any, params: Any, memo: dict[Any, Any])
         expected = {k: group_kinds(v) for k, v in fresh.inner_states.items()}
         if key is not None:
             bounded_put(memo, key, expected)
+    given = {k: group_kinds(inner_states[k]) if k in inner_states else ("missing state",) for k in expected}
     for label, kind in expected.items():
-        given = group_kinds(inner_states[label]) if label in inner_states else ("missing state",)
-        if given != kind:
-            raise ValueError(GROUP_STATE_CHANGED.format(group=label, given=_describe_kind(given),
-                                                        expected=_describe_kind(kind)))
+        if given[label] != kind:
+            kept = [k for k in expected if k != label and given[k] == expected[k]]
+            raise GroupStateChanged(label, _describe_kind(given[label]), _describe_kind(kind), kept,
+                                    frozenset(expected))
 
 
 def _selections(params: Any, patterns: tuple[str, ...]) -> list[tuple[Any, ...]]:

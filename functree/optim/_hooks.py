@@ -11,7 +11,7 @@ from typing import Any
 
 import optax
 
-__all__ = ["checked_hooks", "chain_hooks", "takes_scale", "STATEFUL_HOOK", "BOTH_LOSS_HOOKS",
+__all__ = ["checked_hooks", "chain_hooks", "takes_scale", "takes_keyword", "STATEFUL_HOOK", "BOTH_LOSS_HOOKS",
            "HOOK_WITHOUT_SCALE", "SCALED_HOOK"]
 
 STATEFUL_HOOK = """\
@@ -74,10 +74,15 @@ def chain_hooks(fns: Sequence[Callable[[Any], Any]], grads: Any) -> Any:
     return grads
 
 
-def takes_scale(hook: Callable[..., Any]) -> bool:
-    """Whether a get_gradients hook accepts ``scale=`` (a parameter of that name, or ``**kwargs``)."""
+def takes_keyword(hook: Callable[..., Any], name: str) -> bool:
+    """Whether a get_gradients hook accepts the keyword ``name`` (a parameter of that name, or ``**kwargs``)."""
     try:
         parameters = inspect.signature(hook).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == "scale" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def takes_scale(hook: Callable[..., Any]) -> bool:
+    """Whether a get_gradients hook accepts ``scale=`` (a parameter of that name, or ``**kwargs``)."""
+    return takes_keyword(hook, "scale")

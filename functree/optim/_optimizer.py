@@ -41,6 +41,7 @@ from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._tangent import move
+from functree._tree import dotted_name
 from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
 from functree.nn._state import apply_state, collect_state
@@ -62,12 +63,14 @@ from functree.optim._extras import (
     taking_extras,
     with_extras,
 )
+from functree.optim._groups import GroupStateChanged
 from functree.optim._hooks import (
     BOTH_LOSS_HOOKS,
     HOOK_WITHOUT_SCALE,
     SCALED_HOOK,
     chain_hooks,
     checked_hooks,
+    takes_keyword,
     takes_scale,
 )
 from functree.optim._hyper import HyperState
@@ -202,7 +205,8 @@ class Optimizer:
         learning context; functree transforms read it through the optax extra argument
         ``context=``.
       transform_loss: ``loss -> loss`` applied before differentiation.
-      get_gradients: ``(loss_fn, model, *batch, has_aux=) -> (loss_or_(loss, aux), grads)``.
+      get_gradients: ``(loss_fn, model, *batch, has_aux=) -> (loss_or_(loss, aux), grads)``;
+        given ``wrt=`` (the patterns below) too when it takes that keyword.
       transform_unaggregated_gradients: ``grads -> grads`` (or a sequence, applied in
         order) before aggregation.
       aggregate_gradients: ``grads -> grads``; default: mean over ``axis_name`` when bound.
@@ -380,6 +384,8 @@ class Optimizer:
         ctx = current(state.context, minibatch_size, loss)
         if extra:
             extra = extra_arguments(extra, grads, model)
+        if loss is not None:  # the step's loss, only when given: context.loss may be stale or NaN
+            extra = {**extra, "loss": loss}
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             try:
                 updates, inner = self._transform.update(grads, state.inner, params, context=ctx, **extra)
@@ -387,6 +393,8 @@ class Optimizer:
                 if "unexpected keyword argument 'context'" not in str(e):
                     raise
                 raise TypeError(EXTRAS_REFUSED.format(error=e)) from e
+            except GroupStateChanged as e:  # its recipe's key paths from this state's root
+                raise ValueError(e.message(_partition_path(state.inner, e.labels), optimizer=True)) from None
         if partial is not None:
             updates, inner = keep_unchanged(partial, updates, inner, state.inner)
         if apply_if is not None:
@@ -409,14 +417,20 @@ class Optimizer:
         ``scale`` (a loss scale, :class:`LossScaleOptimizer`'s): the grads of ``scale *
         transform_loss(...)``, the scale applied last, so the transform sees the loss itself
         (the returned loss is never scaled). A ``get_gradients`` hook gets it as ``scale=``
-        and returns the gradients of the scaled loss."""
-        if self._get_gradients is not None:
-            if scale is None:
-                return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux)
-            if not takes_scale(self._get_gradients):
-                raise TypeError(HOOK_WITHOUT_SCALE.format(hook=getattr(self._get_gradients, "__qualname__", "hook"),
-                                                          scaled_hook=SCALED_HOOK))
-            return self._get_gradients(loss_fn, model, *batch, has_aux=has_aux, scale=scale)
+        and returns the gradients of the scaled loss. A hook that takes ``wrt=`` gets the
+        trained parameters' patterns (:attr:`wrt`, when set): a per-example clip's norm is
+        over those alone, as Opacus' over the parameters that require grad."""
+        hook = self._get_gradients
+        if hook is not None:
+            kw: dict[str, Any] = {}
+            if self.wrt is not None and takes_keyword(hook, "wrt"):
+                kw["wrt"] = self.wrt
+            if scale is not None:
+                if not takes_scale(hook):
+                    raise TypeError(HOOK_WITHOUT_SCALE.format(hook=getattr(hook, "__qualname__", "hook"),
+                                                              scaled_hook=SCALED_HOOK))
+                kw["scale"] = scale
+            return hook(loss_fn, model, *batch, has_aux=has_aux, **kw)
 
         def objective(m: Any) -> tuple[Any, Any]:
             out = loss_fn(m, *batch)
@@ -633,6 +647,18 @@ class Optimizer:
             return None
         new_params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(out[0]))  # the model's mode
         return with_parameters(model, new_params), out[1]
+
+
+def _partition_path(inner: Any, labels: frozenset[str]) -> str:
+    """The dotted name, from an OptimizerState's root, of the ``ft.optim.groups`` state in
+    ``inner`` whose groups are ``labels`` (``inner`` when none is found)."""
+    def groups_state(x: Any) -> bool:
+        return isinstance(x, optax.PartitionState) and frozenset(x.inner_states) == labels
+
+    for path, x in jax.tree_util.tree_flatten_with_path(inner, is_leaf=groups_state)[0]:
+        if groups_state(x):
+            return dotted_name(("inner", *path)) if path else "inner"
+    return "inner"
 
 
 def _scaled(loss: Any, scale: Any) -> Any:

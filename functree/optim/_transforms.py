@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._naming import broadcast
+from functree._naming import broadcast, check_patterns, required_selection
 from functree._operators import value_with_gradient
-from functree._parameters import select
-from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask_of
+from functree._tree import is_none
+from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask_of, exclude_patterns
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
 from functree.optim._masked import masked
@@ -48,11 +48,14 @@ NEEDS_PARAMS = """\
 """
 
 NEEDS_LOSS = """\
-ft.optim.reduce_on_plateau needs the loss of each step:
+ft.optim.reduce_on_plateau needs the loss of each step (it lowers the rate when the loss \
+stops improving; an Optimizer step given no loss= has none):
 
     wrong:  updates, state = tx.update(grads, state, model)
     right:  updates, state = tx.update(grads, state, model, loss=loss)
-       or:  model, state, loss = ft.optim.Optimizer(tx).minimize(loss_fn, model, state, *batch)
+    wrong:  model, state = opt.apply_gradients(grads, model, state)          # or opt.update(grads, state, model)
+    right:  model, state = opt.apply_gradients(grads, model, state, loss=loss)
+       or:  model, state, loss = opt.minimize(loss_fn, model, state, *batch)
 """
 
 
@@ -162,7 +165,9 @@ def per_example_clipping(threshold: float) -> Callable[..., Any]:
     .. math:: g = \\frac{1}{M} \\sum_i g_i \\min(1, t / \\|g_i\\|)
 
     Per-example gradients come from ``vmap`` over the batch's leading axis (each example
-    is given to ``loss_fn`` as a batch of one). Used for differential privacy.
+    is given to ``loss_fn`` as a batch of one). Used for differential privacy. With
+    ``Optimizer(wrt=)`` the norm ``‖g_i‖`` is over the trained parameters only (the
+    Optimizer passes the hook its ``wrt=``; frozen ones get no gradient), as Opacus'.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -177,7 +182,10 @@ def per_example_clipping(threshold: float) -> Callable[..., Any]:
         raise ValueError(f"per_example_clipping: threshold must be > 0, got {threshold!r}.")
 
     def get_gradients(loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
-                      scale: Any = None) -> Any:
+                      scale: Any = None, wrt: Any = None) -> Any:
+        # With wrt (the Optimizer's trained patterns): the gradients, and so each example's
+        # norm, of the trained parameters only; a frozen one's would shrink the clip factor.
+        wrt = 0 if wrt is None else wrt
         # With a loss scale s (LossScaleOptimizer): the gradients of s * loss_i, clipped at
         # s * t, which the optimizer divides by s: the same clip in the loss's own units.
         def scaled(m: Any, *single: Any) -> Any:
@@ -188,8 +196,8 @@ def per_example_clipping(threshold: float) -> Callable[..., Any]:
         def one(example: tuple) -> Any:
             single = jax.tree.map(lambda x: x[None], example)
             if scale is None:
-                return value_with_gradient(lambda m: loss_fn(m, *single), at=model, has_aux=has_aux)
-            (_, out), g = value_with_gradient(lambda m: scaled(m, *single), at=model, has_aux=True)
+                return value_with_gradient(lambda m: loss_fn(m, *single), at=model, wrt=wrt, has_aux=has_aux)
+            (_, out), g = value_with_gradient(lambda m: scaled(m, *single), at=model, wrt=wrt, has_aux=True)
             return out, g
 
         outs, grads = jax.vmap(one)(batch)
@@ -250,7 +258,7 @@ def weight_decay(rate: Any, *, exclude: Sequence[str] = DEFAULT_NO_DECAY) -> opt
       >>> tx.update({"weight": jnp.zeros(1), "bias": jnp.zeros(1)}, tx.init(p), p)[0]
       {'bias': Array([0.], dtype=float32), 'weight': Array([-0.1], dtype=float32)}
     """
-    exclude = tuple(exclude)
+    exclude = exclude_patterns(exclude, "ft.optim.weight_decay")
 
     def factory(weight_decay: Any) -> Any:
         def fn(u: Any, p: Any) -> Any:
@@ -323,10 +331,21 @@ def add_gradient_noise(eta: Hyper, gamma: float = 0.55, *, seed: int = 0) -> opt
     return optax.add_noise(eta, gamma, seed)
 
 
+FREEZE_SELECTS_NOTHING = """\
+ft.optim.freeze: the pattern {pattern!r} matches no name in the model (no parameter's, \
+nor a frozen part's or another parameter group's), so it freezes nothing. Closest names: {close}.
+    wrong:  ft.optim.freeze({pattern!r})
+    right:  ft.optim.freeze({right!r})"""
+
+
 def freeze(*patterns: str) -> optax.GradientTransformationExtraArgs:
     """Zero the updates of parameters whose dotted names match ``patterns`` (all if none given).
 
-    Member patterns (``"h.[0-3].*"``) zero those members of a stacked leaf only.
+    Member patterns (``"h.[0-3].*"``) zero those members of a stacked leaf only. Inside
+    ``ft.optim.groups`` it freezes its own group's parameters; a pattern may name another
+    group's too (one freeze list shared by the groups' optimizers), which it leaves to
+    that group: to freeze across groups, chain it after ``groups(...)``. A pattern that
+    matches no name at all is an error (:data:`FREEZE_SELECTS_NOTHING`).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, optax
@@ -337,7 +356,22 @@ def freeze(*patterns: str) -> optax.GradientTransformationExtraArgs:
     """
     if not patterns:
         return optax.with_extra_args_support(optax.set_to_zero())  # pyright: ignore[reportReturnType]
-    return masked(optax.set_to_zero(), lambda params: select(params, *patterns))
+    check_patterns(patterns)
+    return masked(optax.set_to_zero(), lambda params: _frozen(params, patterns))
+
+
+def _frozen(params: Any, patterns: tuple[str, ...]) -> Any:
+    """The freeze mask of ``params``: True (or a member array) where a pattern selects.
+    Names of non-parameters and of other groups' parameters (``optax.MaskedNode`` inside
+    ``groups``, as ``None`` here) count, as for adamw's ``exclude``: no typo, nothing frozen."""
+    named = jax.tree.map(lambda x: None if isinstance(x, optax.MaskedNode) else x, params,
+                         is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))
+    leaves, treedef = jax.tree.flatten(named, is_leaf=is_none)
+    chosen: list[Any] = [False] * len(leaves)
+    for pattern in patterns:
+        picks = required_selection(named, pattern, "ft.optim.freeze", FREEZE_SELECTS_NOTHING, "*")
+        chosen = [c | p for c, p in zip(chosen, picks)]
+    return jax.tree.unflatten(treedef, [None if x is None else c for x, c in zip(leaves, chosen)])
 
 
 class PlateauState(NamedTuple):
@@ -353,7 +387,8 @@ def reduce_on_plateau(
     """Scale the updates by ``factor`` when the loss stops improving (``optax.contrib``).
 
     Reads the loss each step from ``update(..., loss=)`` (``Optimizer.minimize`` passes
-    it). Put it after the optimizer: ``optax.chain(ft.optim.sgd(0.1), ft.optim.reduce_on_plateau())``.
+    it; ``Optimizer.update``/``apply_gradients`` pass their ``loss=``, and refuse a step
+    without one: :data:`NEEDS_LOSS`). Put it after the optimizer: ``optax.chain(ft.optim.sgd(0.1), ft.optim.reduce_on_plateau())``.
     Use ``accumulation_size`` to average noisy minibatch losses.
 
     Example:
@@ -373,9 +408,9 @@ def reduce_on_plateau(
         return PlateauState(tx.init(params))
 
     def update(updates: Any, state: Any, params: Any = None, *, loss: Any = None,
-               context: LearningContext | None = None, **extra: Any) -> tuple[Any, PlateauState]:
-        if loss is None and context is not None:  # inside an Optimizer: the step's loss
-            loss = context.loss
+               **extra: Any) -> tuple[Any, PlateauState]:
+        # Inside an Optimizer the loss comes as loss= only when the step was given one:
+        # context.loss would be NaN or an earlier step's, lowering the rate silently.
         if loss is None:
             raise ValueError(NEEDS_LOSS)
         with jax.numpy_dtype_promotion("standard"):  # optax.contrib mixes int counters and floats

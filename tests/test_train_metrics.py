@@ -609,7 +609,7 @@ class _Override(ft.train.TrainStep):
 
 
 class _Replaced(_Override):
-    scale = 0.5  # another number under the counting metric's name
+    scale = 0.5  # the counting value rescaled: its parts rescaled
 
 
 @pytest.mark.parametrize("k", [1, 2], ids=["one-step-calls", "steps_per_call=2"])
@@ -617,13 +617,14 @@ def test_an_override_without_super_keeps_accuracy_per_token(k):
     """Before: the parts came from TrainStep.compute_metrics only, so an override returning
     ``{"loss": ..., "acc": ft.train.accuracy(out)}`` got the size-weighted epoch accuracy
     (the audit's 0.428571 for numpy's 0.473684). The step adds them: Σ hits / Σ counted; a
-    replaced value keeps its own size-weighted mean (parts never override what it reported)."""
+    rescaled one (0.5 * acc) had its size-weighted mean (0.223214 for numpy's 0.5 · 0.378378
+    = 0.189189): its parts are rescaled, 0.5 · Σ hits / Σ counted."""
     logits, labels, values, data = _even_data()
     want, weighted = _per_token(logits, labels), _weighted(logits, labels, _EVEN)
     assert abs(weighted - want) > 0.05  # the data tells the two means apart
     cuts = np.cumsum((0, *_EVEN))
     steps = [_per_token(logits[a:b], labels[a:b]) for a, b in itertools.pairwise(cuts)]
-    for cls, epoch, scale in ((_Override, want, 1.0), (_Replaced, 0.5 * weighted, 0.5)):
+    for cls, epoch, scale in ((_Override, want, 1.0), (_Replaced, 0.5 * want, 0.5)):
         opt, loss_fn = ft.optim.sgd(0.0), _token_loss(logits, values)
         step = cls(loss_fn, opt, metrics={"acc": ft.train.accuracy}, steps_per_call=k)
         t = ft.train.Trainer({"w": jnp.zeros(())}, opt, loss_fn, train_step=step)
@@ -736,3 +737,128 @@ def test_a_step_override_through_super_keeps_accuracy_per_token(k):
     np.testing.assert_allclose(window, _per_token(logits[: cuts[2]], labels[: cuts[2]]), rtol=0, atol=_ATOL)
     np.testing.assert_allclose(t.history.epochs["loss"][0], 2 * np.mean(values, dtype=np.float64), rtol=0, atol=_ATOL)
     np.testing.assert_allclose(t.evaluate(data)["acc"], want, rtol=0, atol=_ATOL)
+
+
+# --- every counting value carries its parts: .of, lambdas, wrappers, rescaling (regress15 3-5) ---
+# Before, a value was the counting metric's only if it was the very array accuracy(out)
+# returned: .of, 1.0 * acc, stop_gradient(acc) or a lambda in metrics= got the size-weighted
+# epoch accuracy (the audit's 0.252308 for numpy's 0.253333; here 0.446429 for 0.378378).
+
+_VARIANTS = {  # compute_metrics' value under "acc", and what the epoch mean must be of numpy's
+    "of": (lambda out: ft.train.accuracy.of(out.aux, out.batch[1]), lambda a: a),
+    "times1": (lambda out: 1.0 * ft.train.accuracy(out), lambda a: a),
+    "stop_gradient": (lambda out: jax.lax.stop_gradient(ft.train.accuracy(out)), lambda a: a),
+    "float32": (lambda out: jnp.float32(ft.train.accuracy(out)), lambda a: a),
+    "percent": (lambda out: 100 * ft.train.accuracy(out), lambda a: 100 * a),
+    "error_rate": (lambda out: 1.0 - ft.train.accuracy.of(out.aux, out.batch[1]), lambda a: 1 - a),
+}
+
+
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+def test_a_counting_value_through_any_function_in_compute_metrics_keeps_its_parts(variant):
+    fn, expect = _VARIANTS[variant]
+    logits, labels, values, data = _even_data()
+    want = _per_token(logits, labels)
+    assert abs(_weighted(logits, labels, _EVEN) - want) > 0.05
+    cls = type("Own", (ft.train.TrainStep,), {"compute_metrics": lambda self, out: {"loss": out.loss, "acc": fn(out)}})
+    opt, loss_fn = ft.optim.sgd(0.0), _token_loss(logits, values)
+    t = ft.train.Trainer({"w": jnp.zeros(())}, opt, loss_fn, train_step=cls(loss_fn, opt, metrics={"acc": ft.train.accuracy}))
+    t.fit(data, epochs=1, progress=False, log_every=2)
+    cuts = np.cumsum((0, *_EVEN))
+    steps = [expect(_per_token(logits[a:b], labels[a:b])) for a, b in itertools.pairwise(cuts)]
+    np.testing.assert_allclose(t.history.steps["acc"], steps, rtol=0, atol=100 * _ATOL)
+    np.testing.assert_allclose(t.history.epochs["acc"][0], expect(want), rtol=0, atol=100 * _ATOL)
+
+
+@pytest.mark.parametrize("variant", ["of", "times1", "percent", "partial", "super_percent"])
+def test_a_counting_value_through_a_metric_function_keeps_its_parts_in_fit_and_evaluate(variant):
+    """metrics={name: lambda out: ft.train.accuracy.of(...)} (the label errors' own fix) was a
+    plain metric: fit, validation and evaluate gave the size-weighted mean."""
+    logits, labels, values, data = _even_data()
+    want = _per_token(logits, labels)
+    opt, loss_fn = ft.optim.sgd(0.0), _token_loss(logits, values)
+    scale, step = 1.0, None
+    if variant == "partial":
+        metric = functools.partial(ft.train.accuracy)
+    elif variant == "super_percent":  # super()'s value rescaled in an override
+        metric, scale = ft.train.accuracy, 100.0
+
+        class Percent(ft.train.TrainStep):
+            def compute_metrics(self, out):
+                metrics = super().compute_metrics(out)
+                return {**metrics, "acc": 100 * metrics["acc"]}
+
+        step = Percent(loss_fn, opt, metrics={"acc": metric})
+    else:
+        metric, scale = _VARIANTS[variant][0], 100.0 if variant == "percent" else 1.0
+    t = ft.train.Trainer({"w": jnp.zeros(())}, opt, loss_fn, metrics={"acc": metric}, train_step=step)
+    t.fit(data, epochs=1, progress=False, log_every=2, validation_data=data)
+    np.testing.assert_allclose(t.history.epochs["acc"][0], scale * want, rtol=0, atol=100 * _ATOL)
+    if step is None:  # (an EvalStep has no compute_metrics to override)
+        np.testing.assert_allclose(t.history.epochs["val_acc"][0], scale * want, rtol=0, atol=100 * _ATOL)
+        np.testing.assert_allclose(t.evaluate(data)["acc"], scale * want, rtol=0, atol=100 * _ATOL)
+    assert set(t.history.steps) >= {"loss", "acc"} and not any("#" in k for k in t.history.steps)
+
+
+def test_counting_values_combined_warn_and_keep_their_size_weighted_mean():
+    """A value of two counting metrics (or squared) has no parts: its size-weighted mean, as
+    a plain metric's, with an InexactMeanWarning naming it and the fix (never stale parts)."""
+    from functree.train._metrics import InexactMeanWarning
+
+    logits, labels, values, data = _even_data()
+    opt, loss_fn = ft.optim.sgd(0.0), _token_loss(logits, values)
+    metrics = {"sq": lambda out: ft.train.accuracy(out) ** 2,
+               "acc": lambda out: (ft.train.accuracy(out) + ft.train.accuracy.of(out.aux, out.batch[1])) / 2}
+    t = ft.train.Trainer({"w": jnp.zeros(())}, opt, loss_fn, metrics=metrics)
+    with pytest.warns(InexactMeanWarning) as caught:
+        t.fit(data, epochs=1, progress=False)
+    said = {str(w.message).split("'")[1] for w in caught}
+    assert said == {"sq", "acc"}, said
+    assert "right:  {\"accuracy\": ft.train.accuracy(out)" in str(caught[0].message)
+    cuts = np.cumsum((0, *_EVEN))
+    accs = np.array([_per_token(logits[a:b], labels[a:b]) for a, b in itertools.pairwise(cuts)])
+    np.testing.assert_allclose(t.history.epochs["sq"][0], np.dot(_EVEN, accs ** 2) / sum(_EVEN), rtol=0, atol=_ATOL)
+    np.testing.assert_allclose(t.history.epochs["acc"][0], np.dot(_EVEN, accs) / sum(_EVEN), rtol=0, atol=_ATOL)
+
+
+def _recipe(error: Exception, which: str, key: str | None = None) -> dict[str, Any]:
+    """The ``metrics=`` of an error's fix line ``which``, as a user pastes it (``key``: the
+    batch's own name for its labels in place of the example's ``"target"``)."""
+    line = next(x for x in str(error).splitlines() if x.strip().startswith(which))
+    code = line.split("metrics=", 1)[1].split("   #")[0].strip()
+    return eval(code if key is None else code.replace('"target"', f'"{key}"'), {"ft": ft, "jnp": jnp})
+
+
+@pytest.mark.parametrize("layout", ["NO_LABELS", "LABELS_OR_WEIGHTS", "FLOAT_CLASS_IDS_OR_WEIGHTS"])
+def test_the_label_errors_recipes_give_the_per_token_accuracy(layout):
+    """The three errors recommended a lambda of accuracy.of, which fit, validation and
+    evaluate averaged size-weighted (the audit's 0.252308 for numpy's 0.253333; here
+    0.446429 for 0.378378). Their recipes, run as written, give numpy's per-token accuracy."""
+    logits, labels, values, data = _even_data()
+    want = _per_token(logits, labels)
+    assert abs(_weighted(logits, labels, _EVEN) - want) > 0.05
+    table, per_example = jnp.asarray(logits), jnp.asarray(values)
+
+    def loss_fn(model, batch):
+        i = batch["x"] if isinstance(batch, dict) else batch[0]
+        return jnp.mean(per_example[i] * (1.0 + model["w"])), table[i]
+
+    key = None
+    if layout == "NO_LABELS":  # labels under a name accuracy does not know
+        batches, key = [{"x": i, "tags": y} for i, y in data], "tags"
+    elif layout == "LABELS_OR_WEIGHTS":  # Keras's (x, y, sample_weight): a weight per example
+        batches = [(i, y, np.linspace(0.5, 1.5, len(i)).astype(np.float32)) for i, y in data]
+    else:  # (input_ids, labels, loss_mask)
+        batches = [(i, y, (y != -100).astype(np.float32)) for i, y in data]
+    with pytest.raises(ValueError) as info:
+        ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), loss_fn,
+                         metrics=[ft.train.accuracy]).fit(batches, epochs=1, progress=False)
+    said = {"NO_LABELS": "could not find the labels", "LABELS_OR_WEIGHTS": "floating-point, one number per example",
+            "FLOAT_CLASS_IDS_OR_WEIGHTS": "floating-point of the class-index shape"}[layout]
+    assert said in str(info.value)
+    recipe = _recipe(info.value, "metrics=" if layout == "NO_LABELS" else "right:", key)
+    t = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), loss_fn, metrics=recipe)
+    t.fit(batches, epochs=1, progress=False, validation_data=batches)
+    for got in (t.history.epochs["accuracy"][0], t.history.epochs["val_accuracy"][0],
+                t.evaluate(batches)["accuracy"]):
+        np.testing.assert_allclose(got, want, rtol=0, atol=_ATOL)

@@ -825,3 +825,55 @@ def test_stop_inside_a_transformation_skips_the_step_and_leaves_later_calls_alon
     m2, s2, _ = step(m1, s1, (x, y))  # nothing kept from the traced call: no stop, no error
     step.check()
     _close((m2, s2), _plain_steps(model, opt, (x, y), 1)[:2])
+
+
+class _PercentStep(ft.train.TrainStep):
+    """step() rescaling super()'s accuracy: its parts stay the unscaled value's."""
+
+    def step(self, model, opt_state, batch, key=None, enabled=None):
+        new, state, metrics = super().step(model, opt_state, batch, key, enabled)
+        return new, state, {**metrics, "accuracy": 100 * metrics["accuracy"]}
+
+
+class _PercentMetrics(ft.train.TrainStep):
+    """The same in compute_metrics (STEP_CHANGED_PARTS's right line): measured, parts rescaled."""
+
+    def compute_metrics(self, out):
+        metrics = super().compute_metrics(out)
+        return {**metrics, "accuracy": 100 * metrics["accuracy"]}
+
+
+def test_a_step_override_rescaling_accuracy_is_refused_and_compute_metrics_rescales_exactly():
+    """Before: step rows showed 100 · acc_b while the epoch mean, 0.2533, came from the
+    unscaled parts (regress15 p24). step() changing a measured value is refused by name
+    (STEP_CHANGED_PARTS); its fix, in compute_metrics, is exact: 100 · numpy's per-token."""
+    from functree.train._step import STEP_CHANGED_PARTS
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 5, 3)).astype(np.float32)
+    y = rng.integers(0, 4, size=(24, 5)).astype(np.int32)
+    for i in range(24):
+        y[i, rng.integers(1, 6):] = -100  # pads, unevenly over the minibatches
+    model = ft.nn.Dense(3, 4, key=jax.random.key(0))
+
+    def loss_fn(m, b):
+        logits = m(b[0])
+        return ft.losses.softmax_cross_entropy(logits, b[1]), logits
+
+    data = [(x[i:i + 8], y[i:i + 8]) for i in (0, 8, 16)]
+    pred = np.asarray(model(jnp.asarray(x))).argmax(-1)
+    keep = y != -100
+    want = 100 * ((pred == y) & keep).sum() / keep.sum()
+    weighted = np.mean([100 * ((pred == y) & keep)[i:i + 8].sum() / keep[i:i + 8].sum() for i in (0, 8, 16)])
+    assert abs(weighted - want) > 0.05  # the data tells the two means apart (25.2308 vs 25.3333)
+    opt = ft.optim.sgd(0.0)
+    t = ft.train.Trainer(model, opt, loss_fn, metrics=[ft.train.accuracy], train_step=_PercentStep)
+    with pytest.raises(ValueError) as info:
+        t.fit(data, epochs=1, progress=False)
+    assert STEP_CHANGED_PARTS.format(cls="_PercentStep", name="accuracy") in str(info.value)
+    t = ft.train.Trainer(model, opt, loss_fn, metrics=[ft.train.accuracy], train_step=_PercentMetrics)
+    t.fit(data, epochs=1, progress=False)
+    np.testing.assert_allclose(t.history.epochs["accuracy"][0], want, rtol=0, atol=1e-4)
+    by_hand = _PercentStep(loss_fn, opt, metrics=[ft.train.accuracy], donate=False)  # a call: no means
+    got = by_hand(model, by_hand.optimizer.init(model), data[0])[2]["accuracy"]
+    np.testing.assert_allclose(got, 100 * ((pred == y) & keep)[:8].sum() / keep[:8].sum(), rtol=0, atol=1e-4)

@@ -24,8 +24,8 @@ from functree.train._metrics import (
     StepOutput,
     batch_size_of,
     evaluate_metrics,
+    measured,
     resolve_metrics,
-    with_parts,
     without_parts,
 )
 from functree.train._programs import program_key, shared, trampoline
@@ -114,12 +114,14 @@ class EvalStep:
 
     def step(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
         """The loss and metrics of ``model`` on ``batch``, unjitted, with each counting
-        metric's parts (``_metrics.with_parts``: the sums of :meth:`summed` divide them,
-        Σ hits / Σ counted); a call returns the metrics without them."""
+        value's parts (``_metrics.measured``: the sums of :meth:`summed` divide them,
+        Σ hits / Σ counted; a lambda of ``accuracy.of`` too); a call returns the metrics
+        without them."""
         if self.placement is not None:
             batch, _ = self.placement.constrain_batch(batch, whole=True)  # a short last batch too
         loss, aux = self.compute_loss(model, batch, key)
-        return evaluate_metrics(with_parts(self.metrics), StepOutput(loss, aux, batch, model))
+        out = StepOutput(loss, aux, batch, model)
+        return measured(lambda: evaluate_metrics(self.metrics, out), self.metrics, out, listed=False)
 
     def metric_shapes(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, Any]:
         """The metrics :meth:`step` returns for these arguments, as ``jax.ShapeDtypeStruct``

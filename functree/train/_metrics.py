@@ -8,9 +8,10 @@ several minibatches is the mean weighted by minibatch size,
 
 the exact per-example mean of a mean-reduced loss. It is not one for accuracy, whose
 minibatch value ``hits_b / counted_b`` counts labels, not examples (token labels, labels
-of -100 left out): such a metric (one with ``__ft_counts__``: ``accuracy``, ``binary_accuracy``)
-is weighed by its counted labels instead, from two parts every train and eval step
-computes beside it (:func:`with_parts`; the step's returned metrics leave them out) and
+of -100 left out): a counting metric's value (``accuracy``, ``binary_accuracy``, their
+``.of``, through any lambda or override, rescaled too) is weighed by its counted labels
+instead, from two parts every train and eval step records beside it (:func:`measured`,
+decided at trace time; the step's returned metrics leave them out) and
 :func:`combine_parts` divides,
 
     accuracy = Σ_b hits_b / Σ_b counted_b       (torch's and HF's per-token accuracy).
@@ -22,8 +23,10 @@ training loop reads it (at log intervals): no per-step synchronisation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -32,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of",
-           "with_parts", "without_parts", "counting_names", "combine_parts", "PART_SUM", "PART_COUNT"]
+           "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
+           "InexactMeanWarning"]
 
 NO_LOGITS = """\
 ft.train.accuracy needs the model's outputs (logits) as the loss function's aux output, \
@@ -293,7 +297,7 @@ def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
     """Fraction of examples whose predicted class equals the label (class indices equal to
     :data:`IGNORE_INDEX` left out; 0 where every label of the minibatch is)."""
     hits, counted = _accuracy_counts(logits, labels)
-    return hits / jnp.maximum(counted, 1.0)
+    return _noted(hits / jnp.maximum(counted, 1.0), hits, counted)  # its parts too: exact means
 
 
 def _accuracy_out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
@@ -323,7 +327,9 @@ def accuracy(out: StepOutput) -> jax.Array:
     - one logit per example (logits ``[N]`` or ``[N, 1]`` with labels ``[N]``): binary,
       ``logits > 0`` against ``labels > 0.5``.
 
-    ``ft.train.accuracy.of(logits, labels)`` is the plain function.
+    ``ft.train.accuracy.of(logits, labels)`` is the same from logits and labels you name;
+    in a step, its value (or an affine function of it, ``100 * acc``) still has its
+    means over minibatches Σ hits / Σ counted (``_metrics.measured``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -337,7 +343,7 @@ def accuracy(out: StepOutput) -> jax.Array:
 
 
 accuracy.of = _accuracy_of  # type: ignore[attr-defined]
-accuracy.__ft_counts__ = _accuracy_out_counts  # type: ignore[attr-defined]  # (hits, counted): with_parts
+accuracy.__ft_counts__ = _accuracy_out_counts  # type: ignore[attr-defined]  # marks it counting (counting_names)
 
 
 def _binary_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -360,7 +366,7 @@ def _binary_counts(logits: Any, labels: Any) -> tuple[jax.Array, jax.Array]:
 
 def _binary_accuracy_of(logits: Any, labels: Any) -> jax.Array:
     hits, counted = _binary_counts(logits, labels)
-    return hits / jnp.maximum(counted, 1.0)
+    return _noted(hits / jnp.maximum(counted, 1.0), hits, counted)
 
 
 def _binary_out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
@@ -387,7 +393,7 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
 
 
 binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]
-binary_accuracy.__ft_counts__ = _binary_out_counts  # type: ignore[attr-defined]  # (hits, counted): with_parts
+binary_accuracy.__ft_counts__ = _binary_out_counts  # type: ignore[attr-defined]  # marks it counting (counting_names)
 
 BINARY_SHAPES = """\
 ft.train.binary_accuracy: logits of shape {logits} do not fit 0/1 labels of shape {labels}; it
@@ -412,6 +418,7 @@ def mean(source: str | Callable[[StepOutput], Any]) -> Callable[[StepOutput], ja
             return jnp.mean(jnp.asarray(out.aux[key]).astype(metric_dtype()))
 
         from_aux.__name__ = source
+        from_aux.__ft_plain__ = True  # type: ignore[attr-defined]  # reads aux alone: no counting metric's value
         return from_aux
 
     def of_fn(out: StepOutput) -> jax.Array:
@@ -434,6 +441,7 @@ def resolve_metrics(
     for name, fn in items:
         if isinstance(fn, str):
             fn = mean(fn)
+        fn = _unpartial(fn)  # a bare partial of accuracy is accuracy (counting_names finds it)
         if not callable(fn):
             raise TypeError(BAD_METRIC.format(name=name, value=fn))
         if str(name) in out or str(name) == "loss":  # one would replace the other's column
@@ -467,14 +475,25 @@ def metric_dtype() -> np.dtype:
 
 
 def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOutput) -> dict[str, jax.Array]:
-    """Every metric on one minibatch, as scalars of :func:`metric_dtype` (checked at trace time)."""
-    dtype = metric_dtype()
-    values = {"loss": jnp.asarray(out.loss).astype(dtype)}
+    """Every metric on one minibatch, as scalars of :func:`metric_dtype` (checked at trace
+    time). Inside :func:`measured`, each value is remembered as plain (its metric called no
+    counting metric) or as the counting value it returned (cast): no probe needed for them."""
+    dtype, frame = metric_dtype(), _frame()
+    values = {"loss": _known(jnp.asarray(out.loss).astype(dtype), None, frame)}
     for name, fn in fns.items():
-        value = jnp.asarray(fn(out))
+        before = len(frame.calls) if frame is not None else 0
+        raw = fn(out)
+        value = jnp.asarray(raw)
         if value.shape != ():
             raise ValueError(NOT_SCALAR.format(name=name, shape=value.shape))
         values[name] = value.astype(dtype)
+        if frame is not None and frame.probes is None:
+            if len(frame.calls) == before:  # no counting metric called: a plain mean
+                _known(values[name], None, frame)
+            elif id(raw) in frame.known and frame.known[id(raw)][0] is raw:  # a counting value as returned
+                _known(values[name], frame.known[id(raw)][1], frame)
+            else:  # derived from one (a lambda's 1.0 * acc): measured() probes it
+                frame.derived.add(name)
     return values
 
 
@@ -491,8 +510,12 @@ COUNTS = "__ft_counts__"
 ``fn.__ft_counts__(out) -> (hits, counted)``. A private name: a user metric's own ``counts``
 (a precision's ``(tp, fp)``) must not be read as labels hit and counted."""
 
+PLAIN = "__ft_plain__"
+"""The attribute that marks a metric that never reports a counting metric's value
+(``ft.train.mean("key")``: reads the aux alone): it records no parts."""
+
 PART_SUM, PART_COUNT = "#sum", "#count"
-"""Suffixes of a counting metric's two parts (:func:`with_parts`): per example of the
+"""Suffixes of a counting metric's two parts (:func:`measured`): per example of the
 minibatch, its hits and its counted labels."""
 
 
@@ -500,91 +523,204 @@ def _is_part(name: str) -> bool:
     return name.endswith((PART_SUM, PART_COUNT))
 
 
-def with_parts(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> dict[str, Callable[[StepOutput], Any]]:
-    """``metrics`` and, for each that counts labels (``fn.__ft_counts__(out) -> (hits, counted)``:
-    ``accuracy``, ``binary_accuracy``), its parts ``name#sum = hits_b / n_b`` and
-    ``name#count = counted_b / n_b``: what every train and eval step computes
-    (``TrainStep.compute_metrics``, ``EvalStep.step``), whoever built it. Weighted by the
-    minibatch size ``n_b`` (as every mean of the Trainer is), their sums are Σ hits and
-    Σ counted: :func:`combine_parts`'s exact mean. (Per example: a plain hit count would
-    need a weight of 1, which the size-weighted sums of ``evaluate`` cannot give.)
+def _unpartial(fn: Any) -> Any:
+    """``fn``, or the counting metric a bare ``functools.partial`` of it wraps (its mark kept)."""
+    while isinstance(fn, functools.partial) and not fn.args and not fn.keywords:
+        fn = fn.func
+    return fn
+
+
+def _parted(fn: Any) -> bool:
+    """Whether a step records parts for this metric: all but the plain ones (:data:`PLAIN`).
+    A counting metric's value can come through any function (a lambda of ``accuracy.of``),
+    known only at trace time, while the Trainer reads the names before (``with_parts``)."""
+    return not getattr(fn, PLAIN, False)
+
+
+def with_parts(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> dict[str, Any]:
+    """``metrics`` and the names of their parts ``name#sum``, ``name#count`` (None): the
+    names, in order, of what a step built from ``metrics`` records (:func:`measured`) after
+    ``"loss"``. Every metric but a plain one (``ft.train.mean("key")``) has them: one that
+    reports a counting metric's value (``accuracy``, or a lambda of ``accuracy.of``) is
+    known only when the step traces. A metric that turns out plain records ``(0, 0)``,
+    which :func:`combine_parts` reads as its size-weighted mean.
 
     Example:
       >>> import functree as ft
-      >>> sorted(with_parts({"acc": ft.train.accuracy}))
-      ['acc', 'acc#count', 'acc#sum']
+      >>> sorted(with_parts({"acc": ft.train.accuracy, "mse": ft.train.mean("mse")}))
+      ['acc', 'acc#count', 'acc#sum', 'mse']
     """
-    out = dict(metrics)
+    out: dict[str, Any] = dict(metrics)
     for name, fn in metrics.items():
-        counts = getattr(fn, COUNTS, None)
-        if counts is not None:
-            out[name + PART_SUM] = _part(counts, 0)
-            out[name + PART_COUNT] = _part(counts, 1)
+        if _parted(fn):
+            out[name + PART_SUM] = out[name + PART_COUNT] = None
     return out
 
 
-def _part(counts: Callable[[StepOutput], tuple[jax.Array, jax.Array]], i: int) -> Callable[[StepOutput], jax.Array]:
-    def part(out: StepOutput) -> jax.Array:
-        return counts(out)[i] / batch_size_of(out.batch)
+INEXACT_MEAN = """The metric {name!r} reports a value computed from {what}; its parts (hits, counted labels) are not known, so its means over minibatches are size-weighted (Σ n_b·v_b / Σ n_b), not Σ hits / Σ counted. Report the counting metric's value itself, or an affine function of one (100 * acc, 1 - acc: exact), under its own name:
 
-    return part
-
-
-_NOTES = threading.local()  # .seen: {id(value): (value, hits, counted)} while a step traces compute_metrics
+    wrong:  {{"{name}": ft.train.accuracy(out) * ft.train.binary_accuracy(out)}}
+    right:  {{"accuracy": ft.train.accuracy(out), "binary_accuracy": ft.train.binary_accuracy(out)}}"""
 
 
-def _noted(value: jax.Array, hits: jax.Array, counted: jax.Array) -> jax.Array:
-    """``value``, remembered with its ``(hits, counted)`` while :func:`noting` is on."""
-    seen = getattr(_NOTES, "seen", None)
-    if seen is not None:
-        seen[id(value)] = (value, hits, counted)
-    return value
+class InexactMeanWarning(UserWarning):
+    """A metric computed from counting metrics' values in a way whose parts are not known
+    (two of them combined, squared, or mixed with other traced values): its means are
+    size-weighted (:data:`INEXACT_MEAN`)."""
+
+
+class _Frame:
+    """The counting values of one :func:`measured` run. ``calls``: each counting metric's
+    ``(hits, counted)``, in call order; ``known``: ``id(value) -> (value, how)`` where ``how``
+    is ``(call, a, b)`` (``value = a·hits/counted + b``) or None (plain); ``derived``: names
+    whose metric called a counting one but returned another value; ``probes``: None (the
+    real run) or the concrete number each call returns instead (:func:`_probe`)."""
+
+    def __init__(self, probes: Sequence[float] | None = None):
+        self.calls: list[tuple[Any, Any]] = []
+        self.known: dict[int, tuple[Any, tuple[int, float, float] | None]] = {}
+        self.derived: set[str] = set()
+        self.probes = probes
+
+
+_FRAMES = threading.local()  # .top: the innermost _Frame while measured() runs
+
+
+def _frame() -> _Frame | None:
+    return getattr(_FRAMES, "top", None)
 
 
 @contextlib.contextmanager
-def noting() -> Iterator[dict[int, tuple[jax.Array, jax.Array, jax.Array]]]:
-    """The values the counting metrics return inside the block, each with its hits and
-    counted labels (keyed by identity: the traced array itself, not its number)."""
-    outer, _NOTES.seen = getattr(_NOTES, "seen", None), {}
+def _framed(frame: _Frame) -> Iterator[_Frame]:
+    outer, _FRAMES.top = _frame(), frame
     try:
-        yield _NOTES.seen
+        yield frame
     finally:
-        _NOTES.seen = outer
+        _FRAMES.top = outer
 
 
-def complete_parts(values: dict[str, Any], metrics: Mapping[str, Callable[[StepOutput], Any]],
-                   out: StepOutput, seen: Mapping[int, tuple[jax.Array, jax.Array, jax.Array]]) -> dict[str, Any]:
-    """``values`` (what a step's ``compute_metrics`` returned for ``out``) with the parts of
-    each counting metric of ``metrics`` it reports without them: a ``compute_metrics`` that
-    overrides TrainStep's without calling it. Decided once per name, at trace time, by
-    identity: where the value reported is one a counting metric returned in that call
-    (``seen``, from :func:`noting`), its parts are that call's hits and counted labels, so
-    the means are Σ hits / Σ counted; any other value (the override's own number under
-    that name) gets ``name#sum = v_b``, ``name#count = 1``: its size-weighted mean, as any
-    metric's. (Comparing numbers instead decided per minibatch: an own accuracy that counts
-    pads as misses equals the counting one on a minibatch without pads, and mixed the two
-    means.) A name it left out gets no parts.
+def _known(value: Any, how: tuple[int, float, float] | None, frame: _Frame | None) -> Any:
+    if frame is not None and frame.probes is None:
+        frame.known[id(value)] = (value, how)
+    return value
+
+
+def _noted(value: jax.Array, hits: jax.Array, counted: jax.Array) -> jax.Array:
+    """``value`` (``hits / max(counted, 1)``), its parts noted in the running :func:`measured`;
+    in one of its probe runs, that run's concrete number instead."""
+    frame = _frame()
+    if frame is None:
+        return value
+    i = len(frame.calls)
+    frame.calls.append((hits, counted))
+    if frame.probes is not None:
+        return jnp.asarray(frame.probes[i] if i < len(frame.probes) else frame.probes[-1], value.dtype)
+    return _known(value, (i, 1.0, 0.0), frame)
+
+
+def _number(x: Any) -> float | None:
+    """``x`` as a float where it is concrete (a probe run computed it), else None (a tracer:
+    it depends on traced values, not on the probes alone)."""
+    try:
+        return float(np.asarray(x, np.float64))
+    except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+LOW, HIGH, MID = 0.25, 0.75, 0.5  # probe numbers: exact in binary, away from 0 and 1
+
+
+def _probe(run: Callable[[], Mapping[str, Any]], calls: int, names: Sequence[str]) -> dict[str, Any]:
+    """How each of ``names`` depends on the ``calls`` counting values of ``run``: ``(i, a, b)``
+    where it is ``a·value_i + b`` of one of them, ``"plain"`` where on none, ``"combined"``
+    where it is concrete but not so (two combined, or not affine), ``"traced"`` where it
+    depends on other traced values (or ``run`` called them otherwise).
+
+    ``run`` is traced again with each counting metric returning a concrete number (under
+    ``jax.ensure_compile_time_eval``, so arithmetic on it stays concrete): all at ``LOW``;
+    call ``i`` alone at ``HIGH`` (``a_i = 2·(f_i - f)``); all at ``MID``, which an affine
+    function of one of them must give as ``f + (MID - LOW)·Σ a_i``."""
+
+    def at(probes: Sequence[float]) -> dict[str, float | None] | None:
+        with _framed(_Frame(probes)) as frame, jax.ensure_compile_time_eval():
+            values = run()
+        if len(frame.calls) != calls:  # another call structure: nothing to compare
+            return None
+        return {n: _number(values[n]) if n in values else None for n in names}
+
+    base, mid = at([LOW] * calls), at([MID] * calls)
+    ups = [at([HIGH if j == i else LOW for j in range(calls)]) for i in range(calls)]
+    found: dict[str, Any] = {}
+    for name in names:
+        if base is None or mid is None or any(u is None for u in ups):
+            found[name] = "traced"
+            continue
+        f, m, us = base[name], mid[name], [u[name] for u in ups]  # type: ignore[index]
+        if f is None or m is None or any(u is None for u in us):
+            found[name] = "traced"
+            continue
+        slopes = [(u - f) / (HIGH - LOW) for u in us]  # type: ignore[operator]
+        tol = 1e-5 * (1.0 + abs(f) + sum(abs(a) for a in slopes))
+        using = [i for i, a in enumerate(slopes) if not abs(a) <= tol]  # NaN counts as used
+        if not using:
+            found[name] = "plain"
+        elif len(using) == 1 and abs(m - (f + (MID - LOW) * slopes[using[0]])) <= tol:
+            a = slopes[using[0]]
+            found[name] = (using[0], a, f - LOW * a)
+        else:
+            found[name] = "combined"
+    return found
+
+
+def measured(run: Callable[[], Mapping[str, Any]], metrics: Mapping[str, Any], out: StepOutput, *,
+             listed: bool = True) -> dict[str, Any]:
+    """``run()`` (a step's ``compute_metrics(out)``) with the parts ``name#sum``, ``name#count``
+    of every value that is a counting metric's (``accuracy``, ``.of``, ``binary_accuracy``)
+    or an affine function of one, through any function (a lambda, a partial, an override):
+    per example of the minibatch, ``(a·hits + b·counted) / n`` and ``counted / n`` for
+    ``v = a·hits/counted + b``, so that the size-weighted means of the parts divide to
+    the exact ``a·Σ hits/Σ counted + b`` (:func:`combine_parts`).
+
+    Decided at trace time: a value that is the one a counting metric returned (or a
+    metric's cast of it) is known by identity; any other, where counting metrics were
+    called, by tracing ``run`` again with them returning numbers (:func:`_probe`). A value
+    computed from them otherwise (two combined, squared, mixed with traced values under a
+    counting metric's name) gets an :class:`InexactMeanWarning` and its size-weighted mean,
+    as a plain metric's: parts ``(0, 0)`` where ``listed`` (the train step: the Trainer
+    reads the names :func:`with_parts` lists before tracing), none otherwise (an eval
+    step's names are traced: ``EvalStep.metric_shapes``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> out = ft.train.StepOutput(jnp.zeros(()), jnp.array([[2.0, 0.0]]), (None, jnp.array([0])), None)
-      >>> with noting() as seen:
-      ...     values = {"acc": ft.train.accuracy(out)}
-      >>> sorted(complete_parts(values, {"acc": ft.train.accuracy}, out, seen))
-      ['acc', 'acc#count', 'acc#sum']
+      >>> values = measured(lambda: {"pct": 100 * ft.train.accuracy(out)}, {}, out)
+      >>> {k: float(v) for k, v in values.items()}
+      {'pct': 100.0, 'pct#sum': 100.0, 'pct#count': 1.0}
     """
+    with _framed(_Frame()) as frame:
+        values = dict(run())
+    scalars = [n for n, v in values.items() if not _is_part(n) and jnp.shape(v) == () and n + PART_SUM not in values]
+    how: dict[str, Any] = {}
+    for name in scalars:
+        seen = frame.known.get(id(values[name]))
+        how[name] = (seen[1] or "plain") if seen is not None and seen[0] is values[name] else "unknown"
+    unknown = [n for n in scalars if how[n] == "unknown"]
+    if unknown and frame.calls:
+        how.update(_probe(run, len(frame.calls), unknown))
+    counting = set(counting_names(metrics))
     dtype, n = metric_dtype(), batch_size_of(out.batch)
-    for name in counting_names(metrics):
-        if name not in values or name + PART_SUM in values or jnp.shape(values[name]) != ():
-            continue  # left out, already parted (super()), or not a scalar: record() says so
-        given = values[name]
-        own = seen.get(id(given))
-        if own is not None and own[0] is given:
-            values[name + PART_SUM] = (own[1] / n).astype(dtype)
-            values[name + PART_COUNT] = (own[2] / n).astype(dtype)
-        else:
-            values[name + PART_SUM] = jnp.asarray(given).astype(dtype)
-            values[name + PART_COUNT] = jnp.ones((), dtype)
+    for name in scalars:
+        h = how[name]
+        if h == "combined" or (h == "traced" and (name in counting or name in frame.derived)):
+            what = "counting metrics' values" if h == "combined" else "a counting metric's value and other traced values"
+            warnings.warn(INEXACT_MEAN.format(name=name, what=what), InexactMeanWarning, stacklevel=3)
+        if isinstance(h, tuple):
+            i, a, b = h
+            hits, counted = frame.calls[i]
+            values[name + PART_SUM] = ((a * hits + b * counted) / n).astype(dtype)
+            values[name + PART_COUNT] = (counted / n).astype(dtype)
+        elif listed and ((name in metrics and _parted(metrics[name])) or name in counting):  # with_parts's
+            values[name + PART_SUM] = values[name + PART_COUNT] = jnp.zeros((), dtype)
     return values
 
 
@@ -608,14 +744,18 @@ def part_names(names: Any) -> set[str]:
 def combine_parts(values: Mapping[str, float], sums: Mapping[str, float] | None = None) -> dict[str, float]:
     """``values`` with each counting metric's mean ``Σ hits / Σ counted`` (its parts'
     ``sums``, default ``values``: the parts' means, whose ratio is the same), the parts left
-    out. No label counted (every one -100) gives 0, as a minibatch's accuracy does; NaN
-    parts (a NaN step under ``on_nan="ignore"``, no step) give NaN."""
+    out. Parts that counted nothing (a metric that turned out plain records ``(0, 0)``, or
+    every label -100) leave the value's own size-weighted mean (0 for an accuracy all of
+    whose labels were -100, as each minibatch's is); NaN parts (a NaN step under
+    ``on_nan="ignore"``, no step) give NaN."""
     sums = values if sums is None else sums
     out = {k: v for k, v in values.items() if k not in part_names(values)}
     for name in [k[: -len(PART_COUNT)] for k in sums if k.endswith(PART_COUNT)]:
         hits, counted = sums.get(name + PART_SUM, math.nan), sums[name + PART_COUNT]
         if math.isnan(hits) or math.isnan(counted):
             out[name] = math.nan
+        elif counted:
+            out[name] = hits / counted
         else:
-            out[name] = hits / counted if counted else 0.0
+            out[name] = out.get(name, 0.0)
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import functools
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -65,16 +66,15 @@ from functree.parallel._step_specs import (
 from functree.train._eval_step import EvalStep, loss_and_aux, placement_of_step
 from functree.train._halt import new_halt_log, placed_as
 from functree.train._metrics import (
+    PART_COUNT,
     PART_SUM,
     StepOutput,
     batch_size_of,
-    complete_parts,
     counting_names,
     describe_batch,
     evaluate_metrics,
-    noting,
+    measured,
     resolve_metrics,
-    with_parts,
     without_parts,
 )
 from functree.train._nonfinite import NONFINITE, nonfinite_error
@@ -127,13 +127,38 @@ to see): report them through compute_metrics, which the step completes, or keep 
        or:  new, state, metrics = super().step(model, opt_state, batch, key, enabled)    # in step()"""
 
 
+STEP_CHANGED_PARTS = """\
+{cls}.step changed the metric {name!r} after TrainStep.step measured it: its parts \
+({name}#sum, {name}#count: the hits and counted labels behind it) are still those of the value \
+super().step() returned, so the Trainer's means of it would be the old value's (Σ hits / \
+Σ counted), not what the steps report. A change made in compute_metrics is measured \
+(a rescaled accuracy's parts rescaled: exact means); one made in step() cannot be.
+
+    wrong:  def step(self, model, opt_state, batch, key=None, enabled=None):
+                new, state, metrics = super().step(model, opt_state, batch, key, enabled)
+                return new, state, {{**metrics, {name!r}: 100 * metrics[{name!r}]}}
+    right:  def compute_metrics(self, out):
+                metrics = super().compute_metrics(out)
+                return {{**metrics, {name!r}: 100 * metrics[{name!r}]}}"""
+
+
+_MEASURED = threading.local()  # .values: {name: (value, sum part)} TrainStep.step returned last
+
+
 def check_parts(step: Any, metrics: Mapping[str, Any]) -> None:
     """Refuse ``metrics`` (what ``step.step`` returned) holding a counting metric of the
-    step without its parts: an override of ``step()`` that built them itself, whose
-    Trainer means would be size-weighted (``TrainStep.step`` always adds them)."""
+    step without its parts (an override of ``step()`` that built them itself, whose
+    Trainer means would be size-weighted: ``TrainStep.step`` always adds them), or a
+    value changed after ``TrainStep.step`` measured it, its parts left as they were
+    (``STEP_CHANGED_PARTS``: the means would be the old value's). Checked by identity,
+    at trace time."""
     for name in counting_names(step.metrics):
         if name in metrics and name + PART_SUM not in metrics:
             raise ValueError(STEP_WITHOUT_PARTS.format(cls=type(step).__name__, name=name))
+    given = getattr(_MEASURED, "values", None) or {}
+    for name, (value, part) in given.items():
+        if name in metrics and metrics[name] is not value and metrics.get(name + PART_SUM) is part:
+            raise ValueError(STEP_CHANGED_PARTS.format(cls=type(step).__name__, name=name))
 
 
 _FIRST = operator.itemgetter(0)  # an in-flight call's first step (bisect's key: one C call)
@@ -199,9 +224,10 @@ class TrainStep:
         takes is the Optimizer's: ``step.optimizer.init(model)``, not ``tx.init(model)``.
       metrics: ``{name: fn(StepOutput) -> scalar}`` or a list of such functions. A
         counting metric (``ft.train.accuracy``, ``ft.train.binary_accuracy``) also
-        computes its parts (hits and counted labels: ``_metrics.with_parts``) for the
-        Trainer's exact means over minibatches, Σ hits / Σ counted; the metrics a call
-        returns leave them out.
+        records its parts (hits and counted labels: ``_metrics.measured``) for the
+        Trainer's exact means over minibatches, Σ hits / Σ counted, as does any value
+        computed from one (a lambda of ``accuracy.of``, ``100 * accuracy(out)``); the
+        metrics a call returns leave them out.
       on_nan: what a step whose loss or gradient is not finite does (``metrics["nonfinite"]``
         reports it, see :data:`NONFINITE`): ``"stop"`` (default, as in the Trainer): it
         and every later step are not applied (model and optimizer state unchanged, bit
@@ -352,12 +378,13 @@ class TrainStep:
 
     def compute_metrics(self, out: StepOutput) -> dict[str, jax.Array]:
         """``{"loss": ..., name: metric(out)}`` as float32 scalars (float64 under
-        ``jax_enable_x64``), with each counting metric's parts ``name#sum``, ``name#count``
-        (``_metrics.with_parts``): computed here, whoever built the step, so that the
-        Trainer's means of its rows are Σ hits / Σ counted (a mean of the minibatch
-        accuracies weighted by minibatch size is another number once labels are -100).
-        The metrics a call returns leave the parts out."""
-        return evaluate_metrics(with_parts(self.metrics), out)
+        ``jax_enable_x64``). :meth:`step` adds each counting value's parts ``name#sum``,
+        ``name#count`` (``_metrics.measured``), whatever an override returns: the
+        Trainer's means of a counting metric (or of ``100 * acc``) are Σ hits / Σ counted
+        (a mean of the minibatch accuracies weighted by minibatch size is another number
+        once labels are -100). An override is traced a few more times to tell how a value
+        it reports depends on the counting metrics it called (at trace time only)."""
+        return evaluate_metrics(self.metrics, out)
 
     def apply(
         self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None,
@@ -482,9 +509,11 @@ class TrainStep:
         new_model, new_state, loss, aux, nonfinite = self.apply(model, opt_state, batch, key, enabled)
         out = StepOutput(loss, aux, batch, model)
         # Here, not in compute_metrics: an override that does not call super() still gets
-        # the parts of the counting metrics it reports (their epoch means Σ hits / Σ counted).
-        with noting() as seen:  # which reported values are a counting metric's own (by identity)
-            metrics = complete_parts(dict(self.compute_metrics(out)), self.metrics, out, seen)
+        # the parts of the counting values it reports (their epoch means Σ hits / Σ counted).
+        metrics = measured(lambda: self.compute_metrics(out), self.metrics, out)
+        # What check_parts compares an override of step() against (a value changed after).
+        _MEASURED.values = {k: (metrics[k], metrics[k + PART_SUM]) for k in metrics
+                            if k + PART_SUM in metrics and k + PART_COUNT in metrics}
         if nonfinite is not None:
             metrics[NONFINITE] = nonfinite
         return new_model, new_state, metrics
@@ -516,11 +545,13 @@ class TrainStep:
         The Trainer's rows hold every metric with the counting metrics' parts; a caller
         gets the metrics without them."""
         enabled = None if log is None or self.on_nan != "stop" else log["halt"][1] < 0
+        _MEASURED.values = None  # (set by TrainStep.step, if the step calls it)
         model, opt_state, metrics = self.step(model, opt_state, batch, key, enabled)
         if log is None:
             return model, opt_state, without_parts(metrics), None
         if "rows" in log:  # the Trainer's means read the parts (at trace time: costs nothing)
             check_parts(self, metrics)
+        _MEASURED.values = None  # (no tracer kept past its trace)
         log = self.record(log, metrics, batch, opt_state)
         return model, opt_state, (None if "rows" in log else without_parts(metrics)), log  # rows hold them
 

@@ -862,3 +862,26 @@ def test_the_label_errors_recipes_give_the_per_token_accuracy(layout):
     for got in (t.history.epochs["accuracy"][0], t.history.epochs["val_accuracy"][0],
                 t.evaluate(batches)["accuracy"]):
         np.testing.assert_allclose(got, want, rtol=0, atol=_ATOL)
+
+
+class _MixedWithLoss(ft.train.TrainStep):
+    """accuracy mixed with another traced value under its own name: no parts can be known."""
+
+    def compute_metrics(self, out):
+        metrics = super().compute_metrics(out)
+        return {**metrics, "acc": metrics["acc"] * (1.0 + 0.0 * out.loss)}
+
+
+def test_a_counting_value_mixed_with_traced_values_warns_and_keeps_its_size_weighted_mean():
+    """No stale parts: the value the steps report, size-weighted (numpy: Σ n_b·acc_b / Σ n_b),
+    with an InexactMeanWarning naming the metric."""
+    from functree.train._metrics import InexactMeanWarning
+
+    logits, labels, values, data = _even_data()
+    opt, loss_fn = ft.optim.sgd(0.0), _token_loss(logits, values)
+    t = ft.train.Trainer({"w": jnp.zeros(())}, opt, loss_fn, metrics={"acc": ft.train.accuracy},
+                         train_step=_MixedWithLoss)
+    with pytest.warns(InexactMeanWarning, match=r"'acc' reports a value computed from a counting metric's value and "
+                                                r"other traced values"):
+        t.fit(data, epochs=1, progress=False)
+    np.testing.assert_allclose(t.history.epochs["acc"][0], _weighted(logits, labels, _EVEN), rtol=0, atol=_ATOL)

@@ -331,22 +331,46 @@ def test_spec_naming_one_mesh_axis_twice_names_the_rule_and_the_leaf():
 
 
 def test_a_batch_the_mesh_cannot_split_names_its_leaf():
-    """shard_batch checked each leaf alone, so BATCH_NOT_DIVISIBLE said "leading axis of the
-    batch" for {"x": 16 rows, "y": 12 rows} on 8 devices; it names ['y'] now (12 % 8 = 4,
-    right: 8), for a NumPy leaf and a jax.Array leaf alike."""
+    """A batch whose leaves all have 12 rows, on 8 devices: BATCH_NOT_DIVISIBLE names the
+    first leaf, ['x'] (12 % 8 = 4, right: 8). Leaves of different lengths ({"x": 16 rows, "y":
+    12 rows}) said "The batch has 12 examples" and suggested batch_size=8, which the 16 rows
+    of ['x'] already are; the error is the disagreement, naming both leaves and their rows
+    (MIXED_EXAMPLE_AXIS), for a NumPy leaf and a jax.Array leaf alike."""
     out = run("""
 import numpy as np, jax.numpy as jnp
 from functree.parallel import shard_batch
 mesh = jax.make_mesh((8,), ("data",))
 messages = []
-for y in (np.zeros((12, 2), np.float32), jnp.zeros((12, 2))):
+for x, y in [(np.zeros((12, 3), np.float32), np.zeros(12, np.int32)),
+             (np.zeros((16, 3), np.float32), np.zeros((12, 2), np.float32)),
+             (np.zeros((16, 3), np.float32), jnp.zeros((12, 2)))]:
     try:
-        shard_batch({"x": np.zeros((16, 3), np.float32), "y": y}, mesh)
+        shard_batch({"x": x, "y": y}, mesh)
     except ValueError as e:
         messages.append(str(e))
 report(messages)
 """, devices=8)
-    assert len(out) == 2
-    for message in out:
-        assert message.startswith("The batch has 12 examples (leading axis of ['y']), which the 8 devices")
-        assert "right:  ft.train.batches(data, batch_size=8, drop_last=True)" in message
+    assert len(out) == 3
+    assert out[0].startswith("The batch has 12 examples (leading axis of ['x']), which the 8 devices")
+    assert "right:  ft.train.batches(data, batch_size=8, drop_last=True)" in out[0]
+    for message in out[1:]:
+        assert message.startswith("The batch's leaves do not share one example axis: ['x'] has 16 rows, ['y'] has 12. "
+                                  "Split over the 8 devices of mesh axis 'data'")
+        assert "batch_size" not in message
+
+
+def test_an_unmatched_glob_keeps_the_parts_that_fit_in_its_fix():
+    """``layers.1.kernel*`` (Flax's name) on torch-named Dense layers suggested ``*.weight``,
+    which shards every layer's weight; the fix keeps the parts that fit, ``layers.1.weight``
+    (and ``layers.*.kernel`` gives ``layers.*.weight``). Each suggested rule, applied, gives
+    its spec to the leaves the rule meant and no other."""
+    net = ft.nn.Sequential(ft.nn.Dense(4, 8, key=jax.random.key(0)), ft.nn.Dense(8, 16, key=jax.random.key(1)))
+    meant = {"layers.1.kernel*": ["layers.1.weight"], "layers.*.kernel": ["layers.0.weight", "layers.1.weight"],
+             "*.w": ["layers.0.weight", "layers.1.weight"]}
+    fixes = {"layers.1.kernel*": "layers.1.weight", "layers.*.kernel": "layers.*.weight", "*.w": "*.weight"}
+    for pattern, names in meant.items():
+        with pytest.raises(ValueError, match="matches no parameter") as e:
+            ft.partition_specs(net, {pattern: P(None, "data")}, mesh=MESH)
+        assert f"right:  sharding={{{fixes[pattern]!r}: P(...)}}" in str(e.value)
+        specs = ft.to_flat_dict(ft.partition_specs(net, {fixes[pattern]: P(None, "data")}, mesh=MESH))
+        assert sorted(n for n, spec in specs.items() if spec == P(None, "data")) == names

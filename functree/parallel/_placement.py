@@ -55,7 +55,9 @@ def shard_batch(batch: Any, mesh: Mesh, data_axis: str = "data") -> Any:
     ``jax.make_array_from_process_local_data``: in one process the share is the whole
     batch; in ``P`` processes each passes ``1/P`` of it (``ft.train.batches(...,
     shard=(jax.process_index(), jax.process_count()))``) and the global batch is their
-    concatenation in process order. Arrays that are already global are kept.
+    concatenation in process order. Arrays that are already global are kept. A leaf the
+    devices cannot share is refused by its key path (:data:`BATCH_NOT_DIVISIBLE`); where the
+    leaves' lengths differ, that is the error, naming two of them and their rows.
 
     Example:
       >>> import functree as ft, jax, numpy as np
@@ -80,7 +82,11 @@ def shard_batch(batch: Any, mesh: Mesh, data_axis: str = "data") -> Any:
         check_batch(np.empty((global_shape[0], 0)), amesh.shape[data_axis], data_axis, path)
         return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
 
-    return jax.tree_util.tree_map_with_path(one, batch)
+    try:
+        return jax.tree_util.tree_map_with_path(one, batch)
+    except ValueError:  # leaves of different lengths: that, not one leaf's length, is the error
+        check_example_axis(batch, f"the {amesh.shape[data_axis]} devices of mesh axis {data_axis!r}")
+        raise
 
 
 def one_device_mesh(data_axis: str = "data") -> Mesh:
@@ -142,12 +148,7 @@ class Placement:
         """
         if whole and jax.process_count() == 1 and not self.divides(batch):
             return self.replicate(batch)
-        try:
-            return shard_batch(batch, self.mesh, self.data_axis)
-        except ValueError:  # a leaf the devices cannot share: say why first if its rows are no examples
-            if not whole:
-                check_example_axis(batch, self._split)
-            raise
+        return shard_batch(batch, self.mesh, self.data_axis)  # leaves of different lengths said first
 
     def replicate(self, tree: Any) -> Any:
         """``tree`` copied whole to every device of the mesh (a step's replicated outputs live

@@ -158,3 +158,73 @@ def test_a_lock_that_cannot_be_written_never_exists_empty(tmp_path, monkeypatch)
     assert os.listdir(tmp_path / "ckpt") == []
     manager.save(1, {"w": jnp.ones(4)})
     assert os.listdir(tmp_path / "ckpt") == ["1"]
+
+
+def proc_start(pid):
+    """Field 22 of /proc/<pid>/stat, for a process whose command name has no spaces."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().split()[21])
+
+
+def write_lock(directory, pid, start, token="0" * 32):
+    import socket
+
+    directory.mkdir(parents=True, exist_ok=True)
+    owner = {"pid": pid, "host": socket.gethostname(), "time": time.time(), "token": token}
+    (directory / LOCK_NAME).write_text(json.dumps(owner if start is None else {**owner, "start": start}))
+
+
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start times are read from /proc")
+
+
+@needs_proc
+@pytest.mark.parametrize("start", ["wrong", "right", None])
+def test_a_lock_naming_this_process_that_it_does_not_hold_is_stale(tmp_path, start):
+    """A restarted container's job gets its killed predecessor's pid (pid 2 again): the lock
+    it left names this process. Before the fix the job was refused as "another writer"
+    (os.kill(pid, 0) succeeds for oneself) until the lock was deleted by hand."""
+    recorded = {"wrong": proc_start(os.getpid()) + 1, "right": proc_start(os.getpid()), None: None}[start]
+    write_lock(tmp_path / "ckpt", os.getpid(), recorded)
+    manager = CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, {"w": jnp.ones(4)})
+    assert os.listdir(tmp_path / "ckpt") == ["1"]
+
+
+def test_a_lock_held_by_another_manager_of_this_process_is_respected(tmp_path):
+    first = CheckpointManager(tmp_path / "ckpt", asynchronous=True)
+    first.save(1, {"w": jnp.ones(4)})  # the lock is held until the save is waited for
+    try:
+        with pytest.raises(CheckpointError, match=rf"Another writer .*names pid {os.getpid()} on host"):
+            CheckpointManager(tmp_path / "ckpt").save(2, {"w": jnp.zeros(4)})
+    finally:
+        first.wait_until_finished()
+    CheckpointManager(tmp_path / "ckpt").save(2, {"w": jnp.zeros(4)})
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]
+
+
+@needs_proc
+def test_a_lock_naming_a_live_pid_is_respected_only_with_that_processs_start_time(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        start = proc_start(sleeper.pid)
+        write_lock(tmp_path / "ckpt", sleeper.pid, start)
+        manager = CheckpointManager(tmp_path / "ckpt")
+        with pytest.raises(CheckpointError, match=rf"Another writer .*names pid {sleeper.pid} on host"):
+            manager.save(1, {"w": jnp.ones(4)})
+        write_lock(tmp_path / "ckpt", sleeper.pid, start - 1)  # the pid, reused by another process
+        manager.save(1, {"w": jnp.ones(4)})
+        assert os.listdir(tmp_path / "ckpt") == ["1"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_the_lock_records_its_process_start_time(tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt", asynchronous=True)
+    manager.save(1, {"w": jnp.ones(4)})
+    try:
+        lock = json.loads((tmp_path / "ckpt" / LOCK_NAME).read_text())
+    finally:
+        manager.wait_until_finished()
+    assert lock["pid"] == os.getpid()
+    assert lock["start"] == (proc_start(os.getpid()) if os.path.exists("/proc/self/stat") else None)

@@ -1,13 +1,16 @@
 """A checkpoint directory's policy: what it may hold, who writes it, which steps stay.
 
 One *job* writes a directory at a time. Its primary process holds ``.functree-writer.lock``
-(pid, host, time, a token) while it saves; the job's other processes join that save
-without touching the lock; another job (or manager) gets a :class:`CheckpointError`.
-The lock appears with its content whole: it is written to a temporary file and then
-linked into place, which fails when a lock exists. A lock whose process is gone from this
-host is taken over; one from another host is respected. Leftovers of failed or killed
-saves are removed by the next writer, under the lock. Retention keeps the last
-``max_to_keep`` steps and the best by a metric.
+(pid, the process's start time, host, time, a token) while it saves; the job's other
+processes join that save without touching the lock; another job (or manager) gets a
+:class:`CheckpointError`. The lock appears with its content whole: it is written to a
+temporary file and then linked into place, which fails when a lock exists. A lock whose
+process is gone from this host is taken over: no process has its pid, or the one that has
+it started at another time than the lock records (a restarted container's job gets its
+killed predecessor's pid), or the pid is this process's own and none of its
+:class:`WriterLock` objects holds the token. A lock from another host is respected.
+Leftovers of failed or killed saves are removed by the next writer, under the lock.
+Retention keeps the last ``max_to_keep`` steps and the best by a metric.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from typing import Any
 
 from functree.train.checkpoint._treespec import CheckpointError
 
-__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "remove_leftovers", "to_delete", "best"]
+__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "remove_leftovers", "started", "to_delete", "best"]
 
 LOCK_NAME = ".functree-writer.lock"
 STEP_DIR = re.compile(r"^\d+$")
 TMP = ".orbax-checkpoint-tmp"
+_HELD: set[str] = set()  # the tokens of the locks this process's WriterLocks hold now
 
 NOT_A_CHECKPOINT_DIRECTORY = """\
 {path} is not a checkpoint directory: it holds {entries}, which are not checkpoint steps.
@@ -95,7 +99,8 @@ class WriterLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         token = uuid.uuid4().hex
         whole = self.path.with_name(f"{LOCK_NAME}.{token}")
-        owner = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": token}
+        owner = {"pid": os.getpid(), "start": started(os.getpid()), "host": socket.gethostname(),
+                 "time": time.time(), "token": token}
         fd = os.open(whole, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         try:
             with os.fdopen(fd, "w") as f:
@@ -107,6 +112,7 @@ class WriterLock:
                     self._break_stale()
                     continue
                 self.token = token
+                _HELD.add(token)
                 return True
         finally:
             whole.unlink(missing_ok=True)
@@ -132,24 +138,51 @@ class WriterLock:
 
     def release(self) -> None:
         token, self.token = self.token, None
+        if token is None:
+            return
+        _HELD.discard(token)
         try:
-            if token is not None and json.loads(self.path.read_text()).get("token") == token:
+            if json.loads(self.path.read_text()).get("token") == token:
                 self.path.unlink()
         except (OSError, ValueError):
             pass
 
 
-def _dead(owner: dict[str, Any]) -> bool:
-    """Whether the lock's process is known to be gone (only knowable on this host)."""
-    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
-        return False
+def started(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (Linux: field 22 of
+    ``/proc/<pid>/stat``); None where unknown (no ``/proc``: another OS, or no such process)."""
     try:
-        os.kill(owner["pid"], 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces and ")"
+    try:
+        return int(fields[19])  # fields[0] is field 3
+    except (IndexError, ValueError):
+        return None
+
+
+def _dead(owner: dict[str, Any]) -> bool:
+    """Whether the lock's process is known to be gone (only knowable on this host).
+
+    A pid alone does not name a process: a restarted container's job gets its killed
+    predecessor's pid (pid 2 again in a fresh pid namespace). So a lock naming this
+    process is live only while one of its ``WriterLock`` objects holds the token, and a
+    lock naming another process is live only while that pid's start time is the recorded
+    one (where both are known: Linux, and a lock that records it; else the pid decides)."""
+    pid = owner.get("pid")
+    if owner.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool):
+        return False
+    if pid == os.getpid():
+        return owner.get("token") not in _HELD
+    try:
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except OSError:
-        return False
-    return False
+        pass  # a process has the pid but is another user's: maybe a reuse, the start time says
+    start, now = owner.get("start"), started(pid)
+    return isinstance(start, int) and now is not None and now != start
 
 
 def best(scored: Iterable[tuple[Any, int]], mode: str) -> int | None:

@@ -869,3 +869,110 @@ def test_a_teacher_with_another_partial_activation_is_not_read_with_the_models(t
         np.testing.assert_allclose(np.asarray(back(x)), np.where(z > 0, z, 0.3 * z), rtol=0, atol=1e-6)
         with pytest.raises(SpecError, match=r"static value at 'extra\.teacher\.act' without a template"):
             manager.restore(2, template=_ActNet(w=jnp.zeros((3, 4)), act=act(0.3)))
+
+
+# --- save(overwrite=True) killed at each step: the old or the new tree loads -----------------
+
+class _Killed(BaseException):
+    """A save stopped dead at a chosen point (no handler catches a BaseException here)."""
+
+
+def _kill_at(monkeypatch, path, point):
+    """Stop ``ft.train.save(path, ..., overwrite=True)`` at ``point``: while orbax writes the
+    new tree, or before, between or after the renames that swap it in."""
+    from orbax.checkpoint._src.path import atomicity
+
+    new, old = path.with_name("m.functree-new"), path.with_name("m.functree-old")
+    rename, rmtree = os.rename, __import__("shutil").rmtree
+
+    def killing_rename(src, dst, *args, **kwargs):
+        if (point, os.fspath(src)) in (("before_swap", os.fspath(path)), ("old_moved", os.fspath(new))):
+            raise _Killed
+        return rename(src, dst, *args, **kwargs)
+
+    def killing_rmtree(target, *args, **kwargs):
+        if os.fspath(target) == os.fspath(old):
+            if point == "mid_delete":  # half the old tree deleted
+                files = sorted(os.path.join(r, f) for r, _, fs in os.walk(old) for f in fs)
+                for f in files[: len(files) // 2]:
+                    os.unlink(f)
+            if point in ("new_moved", "mid_delete"):
+                raise _Killed
+        return rmtree(target, *args, **kwargs)
+
+    def killing_finalize(self, *args, **kwargs):
+        raise _Killed
+
+    if point == "writing":
+        monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", killing_finalize)
+    monkeypatch.setattr(os, "rename", killing_rename)
+    monkeypatch.setattr("shutil.rmtree", killing_rmtree)
+
+
+@pytest.mark.parametrize("point, survivor", [("writing", "old"), ("before_swap", "old"), ("old_moved", "old"),
+                                             ("new_moved", "new"), ("mid_delete", "new")])
+def test_an_overwrite_killed_at_any_step_leaves_the_old_or_the_new_tree(tmp_path, monkeypatch, point, survivor):
+    """Before the fix save(overwrite=True) deleted the old tree first (orbax's force=True):
+    killed while writing, neither tree loaded ("not found" or a truncated stream)."""
+    path = tmp_path / "m"
+    trees = {name: {"w": np.full((4,), value, np.float32), "big": np.full((64, 64), value, np.float32)}
+             for name, value in (("old", 1.0), ("new", 2.0), ("third", 3.0))}
+    ft.train.save(path, trees["old"])
+    _kill_at(monkeypatch, path, point)
+    with pytest.raises(_Killed):
+        ft.train.save(path, trees["new"], overwrite=True)
+    monkeypatch.undo()
+    loaded = ft.train.load(path)
+    for key in ("w", "big"):
+        np.testing.assert_array_equal(np.asarray(loaded[key]), trees[survivor][key])
+    # the next save settles what the killed one left: the survivor at path, nothing beside it
+    with pytest.raises(CheckpointError, match=r"already exists. Nothing was overwritten"):
+        ft.train.save(path, trees["third"])
+    assert os.listdir(tmp_path) == ["m"]
+    np.testing.assert_array_equal(np.asarray(ft.train.load(path)["w"]), trees[survivor]["w"])
+    ft.train.save(path, trees["third"], overwrite=True)
+    assert os.listdir(tmp_path) == ["m"]
+    np.testing.assert_array_equal(np.asarray(ft.train.load(path)["big"]), trees["third"]["big"])
+
+
+KILLED_OVERWRITE = """
+import os, sys
+import numpy as np
+import functree as ft
+
+path = sys.argv[1]
+rename = os.rename
+
+def die_between_the_renames(src, dst, *args, **kwargs):
+    if os.fspath(src) == path + ".functree-new":  # the old tree is already moved aside
+        os._exit(9)                                # dies as a SIGKILL does: no handler runs
+    return rename(src, dst, *args, **kwargs)
+
+os.rename = die_between_the_renames
+ft.train.save(path, {"w": np.full(4, 2.0, np.float32)}, overwrite=True)
+"""
+
+
+def test_a_process_killed_between_the_renames_of_an_overwrite_leaves_the_old_tree(tmp_path):
+    path = tmp_path / "m"
+    ft.train.save(path, {"w": np.full(4, 1.0, np.float32)})
+    proc = subprocess.run([sys.executable, "-c", KILLED_OVERWRITE, str(path)], timeout=300)
+    assert proc.returncode == 9
+    assert sorted(os.listdir(tmp_path)) == ["m.functree-new", "m.functree-old"]  # path itself missing
+    np.testing.assert_array_equal(np.asarray(ft.train.load(path)["w"]), np.full(4, 1.0, np.float32))
+    ft.train.save(path, {"w": np.full(4, 3.0, np.float32)}, overwrite=True)
+    assert os.listdir(tmp_path) == ["m"]
+    np.testing.assert_array_equal(np.asarray(ft.train.load(path)["w"]), np.full(4, 3.0, np.float32))
+
+
+def test_restoring_where_nothing_was_saved_shows_the_restart_guard(tmp_path):
+    """It used to suggest the call that had just failed: "right: manager.restore() # the
+    latest, or one of []"."""
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.adam(1e-2),
+                               lambda m, b: jnp.mean(m(b[0]) ** 2))
+    with pytest.raises(CheckpointError) as info:
+        trainer.restore(tmp_path / "run")
+    message = str(info.value)
+    assert message.startswith(f"No checkpoint at all in {tmp_path / 'run'}: nothing has been saved there yet")
+    assert "right:  if manager.latest_step() is not None:" in message and "one of []" not in message
+    assert CheckpointManager(tmp_path / "run").latest_step() is None  # the guard the message shows

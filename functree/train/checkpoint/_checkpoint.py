@@ -9,7 +9,10 @@ configuration, CRC-32s of the arrays (:mod:`._arrays`) and one of the metadata i
 One writer (:func:`save_args`) and one reader (:func:`_read`) serve :func:`save`/:func:`load`
 and :class:`CheckpointManager`, whose directory policy (lock, retention) is
 :mod:`._directory`. Orbax writes into a temporary directory renamed when complete, so a
-killed save leaves the previous checkpoint loadable. Every process of a job calls ``save``: each writes its shards.
+killed save leaves the previous checkpoint loadable; :func:`save` with ``overwrite=True``
+writes the new tree beside the old one and swaps them by renames (:func:`_swap`), so the
+old or the new tree loads whenever it is killed. Every process of a job calls ``save``:
+each writes its shards.
 Arrays are read back where the reading process places them (:func:`._arrays.placement`),
 never onto the writer's devices, which the metadata keeps as information (``written_on``).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -73,10 +77,19 @@ read it once through a migration that writes a checked copy:  \
 ft.train.migrate("{path}", "{path}-v2")"""
 
 NO_CHECKPOINT = """\
-No checkpoint {what} in {path} (steps present: {steps}).
+No checkpoint at step {step} in {path} (steps present: {steps}).
 
     wrong:  manager.restore({step})
     right:  manager.restore()          # the latest, or one of {steps}"""
+
+NOTHING_SAVED = """\
+No checkpoint at all in {path}: nothing has been saved there yet, so there is nothing to
+restore (or the job saves into another directory). A job's first run starts fresh: restore
+only when a checkpoint exists, as the restart recipe does.
+
+    wrong:  manager.restore({step})               # or trainer.restore(manager): the same
+    right:  if manager.latest_step() is not None:
+                manager.restore()             # or trainer.restore(manager)"""
 
 
 OLD_OPTIMIZER_LAYOUT = """
@@ -358,10 +371,49 @@ class _Damage(Exception):
     pass
 
 
+def _siblings(path: Path) -> tuple[Path, Path]:
+    """``(new, old)``: where an overwrite writes the new tree, and where the old one waits
+    while the new one is renamed into place."""
+    return path.with_name(f"{path.name}.functree-new"), path.with_name(f"{path.name}.functree-old")
+
+
+def _settle(path: Path) -> bool:
+    """Undo or finish what an overwrite killed mid-swap left (the primary process, before a
+    save), and whether ``path`` holds a tree. The old tree waiting beside a missing ``path``
+    goes back (that save never returned); one beside a ``path`` is the old tree of a swap
+    that had finished. A new tree never swapped in, whole or not, is removed."""
+    new, old = _siblings(path)
+    if old.exists():
+        if path.exists():
+            shutil.rmtree(old)
+        else:
+            os.rename(old, path)
+    if path.parent.is_dir():
+        for entry in path.parent.iterdir():  # the new tree, and orbax's temporary directories of it
+            if entry.name == new.name or entry.name.startswith(f"{new.name}."):
+                shutil.rmtree(entry)
+    return path.exists()
+
+
+def _swap(path: Path, new: Path, old: Path) -> None:
+    """Put the whole tree at ``new`` at ``path``. Killed after any step, ``path`` or ``old``
+    holds a whole tree (which :func:`load` reads) and :func:`_settle` tidies the rest."""
+    os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old)
+
+
 def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) -> None:
     """Save one tree (a model, an optimizer state, anything) to ``path``, atomically.
 
-    Every process of a multi-process job calls it (each writes its shards).
+    Every process of a multi-process job calls it (each writes its shards). A save killed
+    at any moment leaves the previous tree at ``path`` or the new one, never neither:
+    orbax writes into a temporary directory renamed to ``path`` when complete, and with
+    ``overwrite=True`` the new tree is first written whole to ``<path>.functree-new``, then
+    swapped in by two renames (the old tree to ``<path>.functree-old``, the new one to
+    ``path``) and the old one deleted. Killed between the renames, ``path`` is missing and
+    :func:`load` reads ``<path>.functree-old``; the next ``save`` to ``path`` puts it back
+    (the interrupted save never returned) and removes a ``.functree-new`` left over.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, tempfile
@@ -373,11 +425,15 @@ def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) ->
     import orbax.checkpoint as ocp  # on first use: import functree stays light
     check_stale([("tree", tree)], "ft.train.save(path, tree)")  # donated by a step: nothing written
     path = Path(path).absolute()
-    if agreed(lambda: path.exists()) and not overwrite:
+    exists = agreed(lambda: _settle(path))
+    if exists and not overwrite:
         raise CheckpointError(PATH_EXISTS.format(path=path))
     args = save_args(*encode(tree))
+    new, old = _siblings(path)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        checkpointer.save(path, args=args, force=overwrite)
+        checkpointer.save(new if exists else path, args=args)  # never force=True: it deletes first
+    if exists:
+        agreed(lambda: _swap(path, new, old))
 
 
 def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None, sharding: Any = None,
@@ -391,7 +447,8 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
     ``sharding``: None, "fsdp" or rules) onto that mesh, placed by the rules, each device
     reading its own shards; else with ``sharding`` (a device or a ``Sharding``: torch's
     ``map_location``) there; else where the template's arrays are; else on the default
-    device.
+    device. Where ``path`` is missing but an overwrite killed mid-swap left the old tree
+    at ``<path>.functree-old`` (see :func:`save`), that tree is read.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, tempfile
@@ -407,9 +464,11 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
     if mesh is not None and template is None:
         raise CheckpointError(LOAD_NEEDS_TEMPLATE)
     target = placement({"": template}, mesh, sharding, data_axis)
+    old = _siblings(path)[1]
+    where = old if not path.exists() and old.is_dir() else path  # an overwrite killed mid-swap
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            arrays, meta = _read(lambda args: checkpointer.restore(path, args=args), path, target)
+            arrays, meta = _read(lambda args: checkpointer.restore(where, args=args), where, target)
         step = meta.get("step")
         hint = "" if step is None else MANAGER_STEP.format(directory=path.parent, step=step)
         tree = rebuild(meta["spec"], arrays, template, hint=hint)
@@ -634,10 +693,11 @@ class CheckpointManager:
         templates: dict[str, Any] = dict(zip(_PARTS, (template, opt_state_template, extra_template)))
         target = placement(placed_templates(templates), mesh, sharding, data_axis)
         steps = self.all_steps()
-        chosen = steps[-1] if step is None and steps else step
-        if chosen is None or chosen not in steps:
-            what = "at all" if not steps else f"at step {step}"
-            raise CheckpointError(NO_CHECKPOINT.format(what=what, path=self.directory, steps=steps, step=step or ""))
+        if not steps:
+            raise CheckpointError(NOTHING_SAVED.format(path=self.directory, step="" if step is None else step))
+        chosen = steps[-1] if step is None else step
+        if chosen not in steps:
+            raise CheckpointError(NO_CHECKPOINT.format(path=self.directory, steps=steps, step=step))
         try:
             arrays, meta = _read(lambda args: self._mngr.restore(chosen, args=args),
                                  self.directory / str(chosen), target, manager=True)

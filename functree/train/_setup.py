@@ -141,43 +141,63 @@ def _is_training_arguments(x: Any) -> bool:
 
 
 def _hf_recipe(args: Any) -> dict[str, str]:
-    """Hugging Face's ``TrainingArguments`` as functree code: AdamW (its betas, epsilon and
-    ``weight_decay``; functree's default decay is 0.01, HF's 0.0) after global-norm
-    clipping at ``max_grad_norm``, the learning-rate schedule over HF's step count
-    (linear: ``η·s/W`` for ``s < W``, then ``η·(T − s)/(T − W)``), ``accumulate=`` over a
-    batch of ``per_device_train_batch_size × gradient_accumulation_steps`` (the same
-    optimizer steps: ``⌈⌈N/b⌉/k⌉ = ⌈N/(b·k)⌉``), and what it leaves out."""
-    get = lambda name, default: getattr(args, name, default)  # noqa: E731  (an object with some fields)
-    lr, accumulate = get("learning_rate", 5e-5), int(get("gradient_accumulation_steps", 1))
-    batch = int(get("per_device_train_batch_size", 8)) * accumulate
-    epochs, max_steps = get("num_train_epochs", 3.0), int(get("max_steps", -1))
+    """Hugging Face's ``TrainingArguments`` as functree code (:data:`HF_ARGS`): AdamW after
+    global-norm clipping, the learning-rate schedule over HF's step count, ``accumulate=``
+    over a batch of ``per_device_train_batch_size × gradient_accumulation_steps`` (the
+    same optimizer steps: ``⌈⌈N/b⌉/k⌉ = ⌈N/(b·k)⌉``), and the fields it leaves out."""
+    accumulate = int(_hf(args, "gradient_accumulation_steps", 1))
+    batch = int(_hf(args, "per_device_train_batch_size", 8)) * accumulate
+    steps, length = _hf_steps(args, batch)
+    schedule, warm, left = _hf_schedule(args, steps)
+    transform, more = _hf_transform(args)
+    left += more + [f"{name}={_hf(args, name, None)!r}" for name in HF_NOT_CARRIED if _hf(args, name, None)]
+    imports = "            import math\n" if "math." in steps + warm else ""
+    recipe = imports + HF_STEPS.format(steps=steps) + "\n" + HF_OPTIMIZER.format(
+        schedule=schedule, transform=transform, accumulate=accumulate, batch=batch, length=length)
+    return {"recipe": recipe, "left": HF_LEFT.format(fields=", ".join(left)) if left else ""}
+
+
+def _hf(args: Any, name: str, default: Any) -> Any:
+    """A field of ``args`` (an object with some of TrainingArguments' fields), an enum's value."""
+    value = getattr(args, name, default)
+    return getattr(value, "value", value)
+
+
+def _hf_steps(args: Any, batch: int) -> tuple[str, str]:
+    """HF's optimizer steps ``T`` as code (``max_steps``, else ``⌈epochs · ⌈N/(b·k)⌉⌉``), and
+    fit()'s length argument."""
+    epochs, max_steps = _hf(args, "num_train_epochs", 3.0), int(_hf(args, "max_steps", -1))
     if max_steps > 0:
-        steps, length = str(max_steps), f"steps={max_steps}"
-    elif float(epochs).is_integer():
-        steps, length = f"{int(epochs)} * -(-len(train_arrays[0]) // {batch})", f"epochs={int(epochs)}"
-    else:  # a fractional epoch count: HF stops on its step count
-        steps, length = f"math.ceil({epochs} * -(-len(train_arrays[0]) // {batch}))", "steps=steps"
-    warmup = float(get("warmup_steps", 0) or 0)
-    ratio = float(get("warmup_ratio", 0) or 0)  # transformers < 5
-    warm = str(int(warmup)) if warmup >= 1 else (f"math.ceil(steps * {warmup or ratio})" if warmup or ratio else "0")
-    kind = str(getattr(get("lr_scheduler_type", "linear"), "value", get("lr_scheduler_type", "linear")))
+        return str(max_steps), f"steps={max_steps}"
+    per_epoch = f"-(-len(train_arrays[0]) // {batch})"
+    if float(epochs).is_integer():
+        return f"{int(epochs)} * {per_epoch}", f"epochs={int(epochs)}"
+    return f"math.ceil({epochs} * {per_epoch})", "steps=steps"  # a fractional epoch count stops on HF's step
+
+
+def _hf_schedule(args: Any, steps: str) -> tuple[str, str, list[str]]:
+    """The learning rate as code (:data:`HF_SCHEDULES`), the warmup steps ``W`` (HF's:
+    ``warmup_steps`` ≥ 1 is a count, below 1 a ratio of ``T``), and what it leaves out."""
+    lr, kind = _hf(args, "learning_rate", 5e-5), str(_hf(args, "lr_scheduler_type", "linear"))
+    ratio = float(_hf(args, "warmup_steps", 0) or 0) or float(_hf(args, "warmup_ratio", 0) or 0)  # < 5: a field
+    warm = str(int(ratio)) if ratio >= 1 else (f"math.ceil(steps * {ratio})" if ratio else "0")
     left = [] if kind in HF_SCHEDULES else [f"lr_scheduler_type={kind!r} (a constant rate here)"]
     schedule = HF_SCHEDULES.get(kind, "{lr}")
-    if kind == "linear" and warm == "0":
+    if kind == "linear" and warm == "0":  # (optax's linear_schedule takes no 0-step warmup)
         schedule = "ft.optim.schedule(optax.linear_schedule({lr}, 0.0, steps))"
-    adamw = (f"ft.optim.adamw(lr, beta1={get('adam_beta1', 0.9)}, beta2={get('adam_beta2', 0.999)}, "
-             f"epsilon={get('adam_epsilon', 1e-8)}, weight_decay={get('weight_decay', 0.0)})")
-    clip = float(get("max_grad_norm", 1.0) or 0)
-    transform = f"optax.chain(ft.optim.clip_by_global_norm({clip}), {adamw})" if clip > 0 else adamw
-    optim = str(getattr(get("optim", "adamw_torch"), "value", get("optim", "adamw_torch")))
-    if not optim.startswith("adamw"):
-        left.append(f"optim={optim!r} (AdamW here)")
-    left += [f"{name}={get(name, None)!r}" for name in HF_NOT_CARRIED if get(name, None)]
-    needs_math = "math." in steps or "math." in warm
-    recipe = ("            import math\n" if needs_math else "") + HF_STEPS.format(steps=steps) + "\n" + \
-        HF_OPTIMIZER.format(schedule=schedule.format(lr=lr, warm=warm), transform=transform, accumulate=accumulate,
-                            batch=batch, length=length)
-    return {"recipe": recipe, "left": HF_LEFT.format(fields=", ".join(left)) if left else ""}
+    return schedule.format(lr=lr, warm=warm), warm, left
+
+
+def _hf_transform(args: Any) -> tuple[str, list[str]]:
+    """AdamW with HF's betas, epsilon and ``weight_decay`` (functree's default is 0.01, HF's
+    0.0; both leave biases and normalization scales undecayed), after clipping at
+    ``max_grad_norm``; other optimizers are named as left out."""
+    adamw = (f"ft.optim.adamw(lr, beta1={_hf(args, 'adam_beta1', 0.9)}, beta2={_hf(args, 'adam_beta2', 0.999)}, "
+             f"epsilon={_hf(args, 'adam_epsilon', 1e-8)}, weight_decay={_hf(args, 'weight_decay', 0.0)})")
+    clip = float(_hf(args, "max_grad_norm", 1.0) or 0)
+    optim = str(_hf(args, "optim", "adamw_torch"))
+    left = [] if optim.startswith("adamw") else [f"optim={optim!r} (AdamW here)"]
+    return (f"optax.chain(ft.optim.clip_by_global_norm({clip}), {adamw})" if clip > 0 else adamw), left
 
 
 # TrainingArguments fields the recipe does not translate, named when set.

@@ -250,6 +250,32 @@ def test_a_body_without_its_head_is_pointed_at_its_checkpoint(gpt2, tmp_path):
     np.testing.assert_allclose(np.asarray(model(ids)), expected, rtol=0, atol=2.5e-5 * float(np.abs(expected).max()))
 
 
+@pytest.mark.parametrize("rope,missing", [
+    ({"rope_type": "dynamic", "rope_theta": 100.0}, "factor"),
+    ({"rope_type": "linear"}, "factor"),
+    ({"rope_type": "yarn", "original_max_position_embeddings": 16}, "factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16}, "low_freq_factor"),
+], ids=lambda r: r if isinstance(r, str) else r["rope_type"])
+def test_rope_missing_a_required_key_is_refused_as_hf_refuses_it(rope, missing):
+    """The issue: these loaded with a made-up factor 1.0 (no scaling) or llama3's 1.0/4.0."""
+    options = llama_config().to_dict()
+    with pytest.raises(KeyError, match=f"Missing required keys.*{missing}"):  # the reference: HF refuses it
+        transformers.LlamaConfig(**{**options, "rope_parameters": dict(rope)})
+    with pytest.raises(ValueError, match=re.escape(f"config.rope_parameters[{missing!r}] is missing")):
+        ft.nn.from_hf({**options, "rope_parameters": dict(rope)}, key=jax.random.key(0))
+    old = {**options, "rope_scaling": {("type" if k == "rope_type" else k): v for k, v in rope.items()}}
+    old.pop("rope_parameters", None)
+    with pytest.raises(ValueError, match=re.escape(f"config.rope_scaling[{missing!r}] is missing")):
+        ft.nn.from_hf(old, key=jax.random.key(0))
+
+
+def test_linear_rope_factor_under_1_names_the_config_key():
+    rope = {"rope_type": "linear", "rope_theta": 100.0, "factor": 0.5}
+    with pytest.raises(ValueError, match=r'(?s)config.rope_parameters\["factor"\] is 0.5 .*'
+                                         r"wrong:  config.rope_parameters = .*'rope_theta': 100.0"):
+        _hf_options.rope(types.SimpleNamespace(rope_parameters=rope, max_position_embeddings=8))
+
+
 def test_uncovered_config_options():
     with pytest.raises(ValueError, match=r"rope_type 'mrope' .* covered: default, linear, dynamic, yarn, llama3"):
         _hf_options.rope(types.SimpleNamespace(rope_parameters={"rope_type": "mrope"}, max_position_embeddings=8))

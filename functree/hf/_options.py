@@ -42,6 +42,24 @@ forward fails with a size mismatch), so no model computes this config.
        or:  rope_type "default" (Hugging Face's {hf_class} then rotates the whole head, whatever the factor)
 """
 
+ROPE_KEY_MISSING = """\
+ft.nn.from_hf: config.{source}[{key!r}] is missing; rope_type {kind!r} needs {needs} \
+(Hugging Face refuses this config too: "Missing required keys in `rope_parameters`"). \
+A made-up value would load a model other than the one trained.
+
+    wrong:  config.{source} = {given}
+    right:  config.{source}[{key!r}] = ...   # the value the model was trained with, e.g. {example}
+"""
+
+ROPE_FACTOR_UNDER_1 = """\
+ft.nn.from_hf: config.{source}["factor"] is {factor!r} with rope_type {kind!r}; functree's \
+{kind} rope takes factor >= 1 (a factor under 1 shrinks the context: Hugging Face only warns \
+"factor field must be a float or int >= 1").
+
+    wrong:  config.{source} = {given}
+    right:  config.{source}["factor"] = 1.0 or more   # the factor the model was trained with
+"""
+
 UNKNOWN_ACTIVATION = """\
 ft.nn.from_hf: the {model_type} config's activation {given!r} is not covered; covered: {known}."""
 
@@ -67,6 +85,26 @@ def require(config: Any, option: str, covered: Any, default: Any) -> None:
                                                  covered=f"{option}={covered!r}", covered_value=repr(covered)))
 
 
+# What Hugging Face's ``_validate_<type>_rope_parameters`` refuses a config without (keys its
+# ``standardize_rope_params`` fills first -- rope_theta, original_max_position_embeddings -- left out),
+# with the value a well-known checkpoint has, for the message.
+_ROPE_REQUIRED = {"linear": {"factor": 2.0}, "dynamic": {"factor": 2.0}, "yarn": {"factor": 4.0},
+                  "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}}
+
+
+def _check_rope_keys(params: dict[str, Any], kind: str, source: str) -> None:
+    """Raise :data:`ROPE_KEY_MISSING` / :data:`ROPE_FACTOR_UNDER_1` where HF refuses the keys or
+    functree's RopeScaling the factor, naming the config's own key rather than RopeScaling's."""
+    required = _ROPE_REQUIRED.get(kind, {})
+    for key, example in required.items():
+        if params.get(key) is None:
+            raise ValueError(ROPE_KEY_MISSING.format(source=source, key=key, kind=kind, needs=", ".join(required),
+                                                     given=params, example=example))
+    factor = params.get("factor")
+    if "factor" in required and isinstance(factor, (int, float)) and factor < 1:
+        raise ValueError(ROPE_FACTOR_UNDER_1.format(source=source, factor=factor, kind=kind, given=params))
+
+
 def rope(config: Any, head_dim: int | None = None, hf_class: str = "") -> RopeScaling:
     """Hugging Face's ``rope_parameters`` (``rope_scaling`` and ``rope_theta`` before v5) as a RopeScaling.
 
@@ -76,9 +114,11 @@ def rope(config: Any, head_dim: int | None = None, hf_class: str = "") -> RopeSc
     rope and refused for the others (HF's forward fails there); None where HF rotates the
     first ``partial_rotary_factor`` of each head (GPT-NeoX, Phi-3)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    source = "rope_scaling" if "type" in params else "rope_parameters"  # "type": an old-style config's key
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ValueError(UNKNOWN_ROPE_TYPE.format(kind=kind, known=", ".join(ROPE_TYPES)))
+    _check_rope_keys(params, kind, source)
     partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
     if head_dim is not None and int(head_dim * partial) != head_dim:
         if kind != "default":
@@ -95,7 +135,7 @@ def rope(config: Any, head_dim: int | None = None, hf_class: str = "") -> RopeSc
         original = original or getattr(config, "original_max_position_embeddings", None)
         params = {**params, "short_factor": tuple(map(float, params.get("short_factor") or ())),
                   "long_factor": tuple(map(float, params.get("long_factor") or ()))}
-    if kind in ("yarn", "longrope") and factor is None and original:
+    if kind == "longrope" and factor is None and original:  # HF requires yarn's factor
         factor = config.max_position_embeddings / original
     options = {k: params[k] for k in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
                                       "attention_factor", "mscale", "mscale_all_dim", "truncate", "short_factor",

@@ -3,8 +3,11 @@
 import contextlib
 import dataclasses
 import enum
+import functools
 import json
 import re
+import subprocess
+import sys
 from typing import NamedTuple
 
 import jax
@@ -826,3 +829,106 @@ def test_a_class_edited_since_the_save_is_named_as_an_edit_not_damage(tmp_path, 
         ft.train.load(tmp_path / "a")
     assert "damaged" not in str(e.value) and "restore another step" not in str(e.value)
     assert "ft.train.load(path, template=model)" in str(e.value)
+
+
+def _leaky_reference(model, x, slope):
+    """NumPy's leaky ReLU of the Dense layer's affine map: max(z, 0) + slope * min(z, 0)."""
+    flat = {k: np.asarray(v, np.float64) for k, v in ft.to_flat_dict(model).items()}
+    z = np.asarray(x, np.float64) @ flat["weight"] + flat["bias"]
+    return np.maximum(z, 0) + slope * np.minimum(z, 0)
+
+
+def _leaky_dense(slope, seed=0, **keywords):
+    return ft.nn.Dense(3, 4, functools.partial(jax.nn.leaky_relu, negative_slope=slope, **keywords),
+                       key=jax.random.key(seed))
+
+
+SAVE_IN_A_NEW_PROCESS = """
+import functools, sys, jax, functree as ft
+model = ft.nn.Dense(3, 4, functools.partial(jax.nn.leaky_relu, negative_slope=0.3), key=jax.random.key(0))
+ft.train.save(sys.argv[1], model)
+"""
+
+
+def test_a_partial_activation_saved_in_another_process_loads_into_the_same_partial(tmp_path):
+    # a fresh process: another partial and function object at other addresses, the same text
+    subprocess.run([sys.executable, "-c", SAVE_IN_A_NEW_PROCESS, str(tmp_path / "m")], check=True, timeout=240)
+    x = -2 * jnp.ones((1, 3)) + jnp.arange(3.0)  # negative and positive pre-activations
+    back = ft.train.load(tmp_path / "m", _leaky_dense(0.3, seed=1))
+    np.testing.assert_allclose(back(x), _leaky_reference(back, x, 0.3), rtol=0, atol=1e-5)
+    assert back.activation.keywords == {"negative_slope": 0.3}
+    with ft.train.CheckpointManager(tmp_path / "run") as manager:  # and the template path of a restore
+        manager.save(1, back)
+        again = manager.restore(template=_leaky_dense(0.3, seed=2)).model
+    np.testing.assert_allclose(again(x), _leaky_reference(back, x, 0.3), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("template", [
+    lambda: _leaky_dense(0.01, seed=1),                                          # another slope
+    lambda: ft.nn.Dense(3, 4, jax.nn.relu, key=jax.random.key(1)),                # a function instead
+    lambda: ft.nn.Dense(3, 4, functools.partial(jax.nn.elu, alpha=0.3), key=jax.random.key(1)),  # another function
+])
+def test_a_template_with_another_partial_activation_is_refused(tmp_path, template):
+    # before: loaded with the template's activation, silently (x = -2: saved -0.849, loaded -0.0283)
+    ft.train.save(tmp_path / "m", _leaky_dense(0.3))
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)activation: saved functools\.partial\(.*leaky_relu>>, "
+                                                       r"negative_slope=0\.3\), the template's .*right:  ft\.train"
+                                                       r"\.load\(path, template\)   # the template built with "
+                                                       r"activation=functools\.partial"):
+        ft.train.load(tmp_path / "m", template())
+    with ft.train.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, _leaky_dense(0.3))
+        with pytest.raises(ft.train.CheckpointError, match=r"at step 1 .*(?s:.*)activation: saved functools"):
+            manager.restore(template=template())
+
+
+def test_a_template_partial_where_a_function_was_saved_is_refused(tmp_path):
+    ft.train.save(tmp_path / "m", ft.nn.Dense(3, 4, jax.nn.relu, key=jax.random.key(0)))
+    with pytest.raises(ft.train.CheckpointError, match=r"activation: saved jax\.nn\.relu, the template's functools"):
+        ft.train.load(tmp_path / "m", _leaky_dense(0.3))
+
+
+def test_a_partial_with_its_keywords_in_another_order_is_the_same_partial(tmp_path):
+    def act(x, a, b):
+        return jnp.where(x > 0, a * x, b * x)
+
+    saved = ft.nn.Dense(3, 4, functools.partial(act, a=2.0, b=0.5), key=jax.random.key(0))
+    ft.train.save(tmp_path / "m", saved)
+    template = ft.nn.Dense(3, 4, functools.partial(act, b=0.5, a=2.0), key=jax.random.key(1))
+    x = jnp.array([[-2.0, 1.0, 3.0]])
+    z = np.asarray(x, np.float64) @ np.asarray(saved.weight, np.float64) + np.asarray(saved.bias, np.float64)
+    expected = np.where(z > 0, 2.0 * z, 0.5 * z)
+    np.testing.assert_allclose(ft.train.load(tmp_path / "m", template)(x), expected, rtol=0, atol=1e-5)
+    other = ft.nn.Dense(3, 4, functools.partial(act, b=0.5, a=3.0), key=jax.random.key(1))
+    with pytest.raises(ft.train.CheckpointError, match="activation: saved"):
+        ft.train.load(tmp_path / "m", other)
+
+
+def test_a_lambda_activation_is_stored_by_its_name_and_any_lambda_template_reads_it(tmp_path):
+    # a lambda's body is not stored (its name, ...<lambda>, is): two lambdas cannot be told apart, as before
+    ft.train.save(tmp_path / "m", ft.nn.Dense(3, 4, lambda v: v * 3, key=jax.random.key(0)))
+    back = ft.train.load(tmp_path / "m", ft.nn.Dense(3, 4, lambda v: v * 5, key=jax.random.key(1)))
+    assert back.activation(1.0) == 5.0
+
+
+SAVE_A_LAMBDA_LAYER = """
+import functools, sys, jax, functree as ft
+act = ft.nn.Lambda(functools.partial(jax.nn.leaky_relu, negative_slope=0.3))
+ft.train.save(sys.argv[1], ft.nn.Dense(3, 4, act, key=jax.random.key(0)))
+"""
+
+
+def test_a_leafless_module_holding_a_partial_saved_in_another_process_loads_into_the_same_one(tmp_path):
+    # before: its stored description held the partial's text with a memory address, so the
+    # same model built in another process was refused as "other static configuration"
+    subprocess.run([sys.executable, "-c", SAVE_A_LAMBDA_LAYER, str(tmp_path / "m")], check=True, timeout=240)
+
+    def template(slope):
+        act = ft.nn.Lambda(functools.partial(jax.nn.leaky_relu, negative_slope=slope))
+        return ft.nn.Dense(3, 4, act, key=jax.random.key(1))
+
+    back = ft.train.load(tmp_path / "m", template(0.3))
+    x = jnp.array([[-2.0, 1.0, 3.0]])
+    np.testing.assert_allclose(back(x), _leaky_reference(back, x, 0.3), rtol=0, atol=1e-5)
+    with pytest.raises(ft.train.CheckpointError, match=r"activation: saved Lambda\(fn=functools\.partial\(.*0\.3\)\)"):
+        ft.train.load(tmp_path / "m", template(0.01))

@@ -17,7 +17,8 @@ from functree.train.checkpoint._decode import decode, decode_leaf, leaf_specs
 from functree.train.checkpoint._errors import CheckpointError
 from functree.train.checkpoint._treespec import static_differences
 
-__all__ = ["rebuild", "with_template", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "CAST_ON_LOAD", "CAST_ON_RESTORE"]
+__all__ = ["rebuild", "with_template", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "TEMPLATE_WITH_SAVED", "CAST_ON_LOAD",
+           "CAST_ON_RESTORE"]
 
 # A type's opt-in: the fields named by this class attribute hold running values (a metric
 # such as the learning context's latest loss), not parameters: a floating value saved in
@@ -47,6 +48,10 @@ Build the template with the saved values, or restore without a template to get t
 
     wrong:  {wrong}      # the template's {where} is {mine}; saved: {saved}
     right:  {right}"""
+
+
+TEMPLATE_WITH_SAVED = """\
+{wrong}   # the template built with {field}={saved} (a text only a template gives back: no load without one)"""
 
 
 def with_template(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: str,
@@ -113,6 +118,8 @@ def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: s
             what = f"The checkpoint's {part} at step {step}"
             given = _TEMPLATE_PARAMETERS.get(part.split(".")[0], "template")
             wrong, right = f"manager.restore({step}, {given}=...)", (plain or f"manager.restore({step}).{part}") + hint
+        if saved.startswith("functools.partial("):  # read as saved, it would need a template again
+            right = TEMPLATE_WITH_SAVED.format(wrong=wrong, field=where.rsplit(".", 1)[-1], saved=saved)
         raise CheckpointError(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
                                                      right=right, where=where, mine=mine, saved=saved))
     return tree

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import itertools
 import re
 from typing import Any
 
@@ -293,7 +295,9 @@ def static_differences(spec: Any, template: Any, path: str = "", *, texts: bool 
     """``(key path, saved, template's)`` of every static field whose saved value differs from
     the template's at the same place (fields the template chooses are not compared, nor
     values stored only as a ``repr`` unless ``texts``: then their texts are, memory
-    addresses aside, as :func:`_same_text`). Children are matched by name whatever the template's class
+    addresses aside, as :func:`_same_text`; a ``functools.partial``'s text always is, as
+    :func:`_same_partial`: ``partial(leaky_relu, negative_slope=0.3)`` under a template's
+    ``0.01`` computes another function, and a file stores no other form of it). Children are matched by name whatever the template's class
     (a class renamed since the save, a dict of the saved layers); a saved static field that
     a Module or dataclass template has no field for raises :class:`SpecError`
     (``STATIC_DROPPED``).
@@ -333,8 +337,12 @@ def _static_fields_differ(spec: dict[str, Any], template: Any, path: str,
         if not found:  # a dict or list template reads the arrays alone
             continue
         mine = _encode_static(value)
-        if "repr" in code or "repr" in mine:
+        if _is_partial(code, value):  # stored as text, yet decides what the model computes: always compared
+            differ = not _same_partial(code, value)
+        elif "repr" in code or "repr" in mine:
             differ = texts and not _same_text(code, mine)
+        elif "module" in code and "module" in mine:  # a leafless Module may hold a partial's text, addresses and all
+            differ = not _same_text(code, mine)
         else:
             differ = code != mine and not _stored_before(code, mine, value)
         if differ:
@@ -350,6 +358,34 @@ def _same_text(code: Any, mine: Any) -> bool:
     ``functools.partial(<function leaky at 0x7f..>, negative_slope=0.3)`` is the same in
     every process, with ``negative_slope=0.1`` another value (two lambdas read the same)."""
     return _ADDRESS.sub(" at 0x", repr(code)) == _ADDRESS.sub(" at 0x", repr(mine))
+
+
+_PARTIAL_TEXT = "functools.partial("  # how a functools.partial's repr begins
+_MOST_ORDERS = 6  # keywords whose orders are tried (6! = 720 texts); more are compared in the given order
+
+
+def _is_partial(code: Any, value: Any) -> bool:
+    """Whether the saved value (a ``functools.partial``'s text) or the template's is a
+    ``functools.partial``: an activation with its arguments (``negative_slope=0.3``), which
+    a file stores only as its text and a template restores, so the texts are compared."""
+    saved = code.get("repr") if isinstance(code, dict) else None
+    return isinstance(value, functools.partial) or (isinstance(saved, str) and saved.startswith(_PARTIAL_TEXT))
+
+
+def _same_partial(code: Any, value: Any) -> bool:
+    """Whether the saved text ``code`` is the template's ``functools.partial`` ``value``:
+    the same function (its repr names it, ``<function leaky_relu>``, memory addresses aside,
+    so one rebuilt in a new process matches), the same positional arguments and the same
+    keyword arguments in any order (``partial(f, a=1, b=2)`` is ``partial(f, b=2, a=1)``).
+    A saved registered function or other value is never a partial's."""
+    if not (isinstance(value, functools.partial) and isinstance(code, dict) and isinstance(code.get("repr"), str)):
+        return False
+    keywords = list(value.keywords.items())
+    if type(value) is not functools.partial or len(keywords) > _MOST_ORDERS:
+        return _same_text(code, {"repr": repr(value)})
+    texts = (repr(functools.partial(value.func, *value.args, **dict(order)))
+             for order in itertools.permutations(keywords))
+    return any(_same_text(code, {"repr": text}) for text in texts)
 
 
 def _saved_chooses(name: Any) -> frozenset[str]:
@@ -453,4 +489,6 @@ def _shown(code: Any) -> str:
     if tag == "module" and isinstance(value, dict) and isinstance(value.get("static"), dict):
         fields = ", ".join(f"{k}={_shown(v)}" for k, v in value["static"].items())
         return f"{str(value.get('class')).rsplit('.', 1)[-1]}({fields})"
+    if tag == "repr":  # a text only a template gives back: without its memory addresses (another per process)
+        return _ADDRESS.sub("", str(value))
     return repr(value) if tag == "json" else str(value)

@@ -12,6 +12,7 @@ differ by ~1e-6), so equal tokens are the right outcome and not luck.
 
 import inspect
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -525,6 +526,35 @@ def test_beam_search_equals_hf_generate(llama, beams, returns, eos, length_penal
 
 
 # ---- bad input ---------------------------------------------------------------------------------
+
+def test_a_prompt_that_fills_max_positions_is_refused_with_a_call_that_runs(tiny):
+    """The issue: a 40-token prompt with max_positions 32 was told ``wrong: generate(model,
+    input_ids, 1)`` and ``right:`` the same call."""
+    model, _, _ = tiny
+    ids = np.arange(40, dtype=np.int32)[None] % 11
+    with pytest.raises(ValueError, match=r"prompt \(40 tokens\) alone fills the model's max_positions = 32") as info:
+        ft.nn.generate(model, ids, 1)
+    right = re.search(r"right:  (.*?)    #", str(info.value)).group(1)
+    assert right == "ft.nn.generate(model, input_ids[:, -31:], 1)"
+    out = eval(right, {"ft": ft, "model": model, "input_ids": ids})
+    assert out.shape == (1, 32) and np.array_equal(out[:, :31], ids[:, -31:])
+    with pytest.raises(ValueError, match=r"generate\(model, input_ids\[:, -24:\], 8\)"):
+        ft.nn.generate(model, ids[:, :32], 8)
+
+
+def test_eos_and_stop_ids_outside_the_vocabulary_are_refused(tiny):
+    """The issue: eos_token_id=200 with a vocabulary of 11 ran and never stopped. The pad id
+    stays unchecked (HF fills with pad_token_id=vocab_size on purpose)."""
+    model, prompt, _ = tiny
+    vocab = model.head.weight.shape[-1]
+    with pytest.raises(ValueError, match=rf"eos_token_id \[{vocab + 189}\] are not ids of this model's vocabulary "
+                                         rf"\({vocab} tokens: 0 to {vocab - 1}\)(.|\n)*eos_token_id=\[{vocab - 1}\]"):
+        ft.nn.generate(model, prompt, 4, eos_token_id=vocab + 189)
+    with pytest.raises(ValueError, match=rf"eos_token_id \[{vocab}\] are not ids"):
+        ft.nn.generate(model, prompt, 4, eos_token_id=[2, vocab])
+    with pytest.raises(ValueError, match=rf"stop \[{vocab}\] are not ids(.|\n)*stop=\[\[{vocab - 1}\]\]"):
+        ft.nn.generate(model, prompt, 4, stop=[[1, vocab]], pad_token_id=0)
+
 
 def test_errors(tiny):
     model, prompt, _ = tiny

@@ -67,6 +67,24 @@ def _call(model: Any, ids: jax.Array, am: jax.Array, pos: jax.Array, cache: Any)
     return out
 
 
+def _prefill_logits(model: Any, ids: jax.Array, new: int) -> jax.Array:
+    batch, width = ids.shape
+    cache = model.init_cache(batch, width + new)
+    am = jnp.ones((batch, width + new), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    return _call(model, ids, am, positions, cache)[0]
+
+
+_PREFILL = jax.jit(_prefill_logits, static_argnames="new")
+
+
+def vocabulary(model: Any, shape: tuple[int, int], new: int) -> int:
+    """The size of the vocabulary the model's logits span: the prefill's shapes only, nothing
+    computed (jit's trace cache makes a repeated call with the same shapes ~1 ms)."""
+    ids = jax.ShapeDtypeStruct(shape, jnp.int32)
+    return int(jax.eval_shape(partial(_PREFILL, new=new), model, ids).shape[-1])
+
+
 def output_buffer(ids: jax.Array, prompt: jax.Array, new: int, fill: jax.Array) -> jax.Array:
     """The tokens a loop returns before it runs: the prompt's ``prompt`` real slots, then
     ``fill`` (pad, else eos) in every later column, the bucket's padding slots included, as

@@ -65,6 +65,7 @@ from functree.generation._defaults import (
     inferred_mask,
     unknown_option,
 )
+from functree.generation._logits import check_in_vocabulary
 from functree.nn._shared import Shared
 
 __all__ = ["generate"]
@@ -97,6 +98,14 @@ the model takes at most max_positions = {limit}.
 
     wrong:  ft.nn.generate(model, input_ids, {new})
     right:  ft.nn.generate(model, input_ids, {fit})      # or a shorter prompt"""
+
+PROMPT_TOO_LONG = """\
+generate: the prompt ({prompt} tokens) alone fills the model's max_positions = {limit}: no \
+position is left for a new token, whatever max_new_tokens ({new}) is.
+
+    wrong:  ft.nn.generate(model, input_ids, {new})                 # input_ids [batch, {prompt}]
+    right:  ft.nn.generate(model, input_ids[:, -{keep}:], {fit})    # the prompt's last {keep} tokens \
+(and attention_mask[:, -{keep}:] if given)"""
 
 BAD_ATTENTION_MASK = """\
 generate: attention_mask must be bool or 0/1 integers with input_ids' shape {shape} (1 = a real \
@@ -381,8 +390,7 @@ def generate(
     new, prompt = int(max_new_tokens), ids.shape[1]
     limit = getattr(inner, "max_positions", None)
     if isinstance(limit, int) and prompt + new > limit:
-        raise ValueError(TOO_LONG.format(prompt=prompt, new=new, total=prompt + new, limit=limit,
-                                         fit=max(limit - prompt, 1)))
+        _too_long(prompt, new, limit)
     check = getattr(inner, "check_token_ids", None)
     if callable(check):  # the prompt's ids against the vocabulary, once, here where they are concrete
         check(ids)
@@ -549,6 +557,7 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     stops = token_sequences(stop)
     if stops and not (eos or pad):
         raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
+    _check_ends(model, ids.shape, new, eos, stops)
     beams, returns, lp, early = _beam_options(o["num_beams"], o["num_return_sequences"], o["length_penalty"],
                                               o["early_stopping"], greedy, o)
     fill = pad[0] if pad else (eos[0] if eos else 0)
@@ -580,6 +589,26 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
 
     cropped.exact = (width, bucket) == (prompt, new)  # type: ignore[attr-defined]
     return cropped
+
+
+def _too_long(prompt: int, new: int, limit: int) -> None:
+    """Raise :data:`TOO_LONG` (fewer new tokens fit) or :data:`PROMPT_TOO_LONG` (none does:
+    keep the last ``limit - fit`` prompt tokens, ``fit = min(new, limit - 1)``)."""
+    if prompt < limit:
+        raise ValueError(TOO_LONG.format(prompt=prompt, new=new, total=prompt + new, limit=limit, fit=limit - prompt))
+    fit = min(new, limit - 1)
+    raise ValueError(PROMPT_TOO_LONG.format(prompt=prompt, new=new, limit=limit, keep=limit - fit, fit=fit))
+
+
+def _check_ends(model: Any, shape: tuple[int, int], new: int, eos: tuple[int, ...],
+                stops: tuple[tuple[int, ...], ...]) -> None:
+    """Raise :data:`OUTSIDE_VOCAB` for an EOS or stop id the model never emits (a row would never
+    end). The pad id is not checked: HF's fill may lie outside the vocabulary on purpose."""
+    if not (eos or stops):
+        return
+    vocab = _decode.vocabulary(model, shape, new)
+    check_in_vocabulary("eos_token_id", eos, vocab)
+    check_in_vocabulary("stop", [i for s in stops for i in s], vocab, nested=True)
 
 
 class _PromptGiven:

@@ -14,14 +14,14 @@ import numpy as np
 OUTSIDE_VOCAB = """\
 generate: {name} {ids} are not ids of this model's vocabulary ({vocab} tokens: 0 to {last}).
 
-    right:  ft.nn.generate(model, input_ids, 8, {name}=[{example}])"""
+    right:  ft.nn.generate(model, input_ids, 8, {name}={example})"""
 
 
 def bad_word_ends(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple[int, ...], ...],
                vocab: int) -> jax.Array:
     """bool ``[rows, vocab]``: the last token of each ``bad`` sequence whose other tokens end
     the first ``length`` real tokens of the row (HF's ``bad_words_ids``)."""
-    check_in_vocabulary("bad_words_ids", [i for word in bad for i in word], vocab)
+    check_in_vocabulary("bad_words_ids", [i for word in bad for i in word], vocab, nested=True)
     rows = tokens.shape[0]
     width = max(len(word) for word in bad) - 1
     prefixes = np.full((len(bad), max(width, 1)), -1, np.int32)  # right-aligned, -1: any token
@@ -74,12 +74,14 @@ def _last(tokens: jax.Array, real: jax.Array, length: Any, width: int) -> jax.Ar
     return jax.lax.dynamic_slice_in_dim(known, length, width, axis=1)
 
 
-def check_in_vocabulary(name: str, ids: Sequence[int], vocab: int) -> None:
-    """Raise :data:`OUTSIDE_VOCAB` for the ``ids`` of option ``name`` that are ``>= vocab``."""
+def check_in_vocabulary(name: str, ids: Sequence[int], vocab: int, nested: bool = False) -> None:
+    """Raise :data:`OUTSIDE_VOCAB` for the ``ids`` of option ``name`` that are ``>= vocab``
+    (``nested``: the option is a list of id lists, as ``stop``, and its example one)."""
     outside = sorted({i for i in ids if i >= vocab})
     if outside:
+        example = f"[{min(outside[0], vocab - 1)}]"
         raise ValueError(OUTSIDE_VOCAB.format(name=name, ids=outside, vocab=vocab, last=vocab - 1,
-                                              example=min(outside[0], vocab - 1)))
+                                              example=f"[{example}]" if nested else example))
 
 
 def prompt_tokens(ids: jax.Array, mask: jax.Array, vocab: int) -> jax.Array:

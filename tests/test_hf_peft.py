@@ -686,3 +686,82 @@ def test_all_linear_of_peft_on_a_tied_head_inside_a_model_names_the_heads_and_bo
     excluded = peft_adapter(tmp_path / "excluded", target_modules="all-linear", exclude_modules=["gpt.lm_head"])
     loaded = ft.nn.load_lora(tagger(tied=True), tmp_path / "excluded")  # the first fix
     np.testing.assert_allclose(np.asarray(loaded(ids)), excluded, rtol=0, atol=2e-5 * float(np.abs(excluded).max()))
+
+
+def test_a_peft_wrapped_model_is_refused_with_the_two_routes_that_load_it(tmp_path):
+    """The issue: from_hf(peft_model) said ``right: ft.nn.from_hf(hf_model.model)``, which still
+    holds the LoRA layers and then failed suggesting to drop the base_layer/lora_ tensors (the
+    base q_proj weights and the adapter with them). Both right lines give PEFT's logits."""
+    peft_model = peft.get_peft_model(llama(seed=2), peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                                      init_lora_weights=False)).eval()
+    ids = tokens()
+    expected = hf_logits(peft_model, ids)
+    assert np.abs(expected - hf_logits(llama(seed=2), ids)).max() > 0.1  # the adapter moves the logits
+    for given, name in ((peft_model, "PeftModel"), (peft_model.model, "LlamaForCausalLM")):
+        with pytest.raises(ValueError, match=rf"(?s)the {name} given holds PEFT LoRA layers .*q_proj.base_layer.weight"
+                                             r".*merge_and_unload\(\).*ft.nn.load_lora\("):
+            ft.nn.from_hf(given)
+    with pytest.raises(ValueError, match=r"the state dict given holds PEFT LoRA layers"):
+        ft.nn.from_hf(peft_model.config, peft_model.model.state_dict())
+    merged = ft.nn.from_hf(copy.deepcopy(peft_model).merge_and_unload())  # the first right line
+    assert_close(logits(merged, ids), expected)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))  # the second
+    model = ft.nn.load_lora(ft.nn.from_hf(peft_model.unload()), str(tmp_path / "adapter"))
+    assert_close(logits(model, ids), expected)
+
+
+def _peft_saved(base, directory, **options):
+    """PEFT's adapter on ``base`` (a copy) with its LoRA and saved modules moved off their
+    initial values, saved to ``directory``; the PeftModel (eval mode)."""
+    peft_model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=2, lora_alpha=4, **options))
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    peft_model.save_pretrained(str(directory))
+    return peft_model.eval()
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to:UserWarning")
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # PEFT's, on the tied head
+def test_modules_to_save_lm_head_on_a_tied_gpt2_names_the_untied_port_that_loads_it(tmp_path):
+    """The issue: the right line was 'an untied Dense head, e.g. modules_to_save=["lm_head"]',
+    the value given. Now it is the untied port, which gives PEFT's logits; a Llama adapter
+    on GPT-2 is said to be another model's, not blamed on modules_to_save."""
+    torch.manual_seed(0)
+    gpt2 = randomized(lambda: transformers.GPT2LMHeadModel(_gpt2_config(tied=True)).eval())
+    ids = np.random.default_rng(0).integers(1, 30, (2, 7)).astype(np.int32)
+    peft_model = _peft_saved(gpt2, tmp_path / "gpt2", target_modules=["c_attn"], fan_in_fan_out=True,
+                             modules_to_save=["lm_head"])
+    expected = hf_logits(peft_model, ids)
+    with pytest.raises(ValueError, match=r"modules_to_save names 'lm_head', which is not a Dense layer") as info:
+        ft.nn.load_lora(ft.nn.from_hf(gpt2), tmp_path / "gpt2")
+    right = str(info.value).split("right:  ")[1].split("   #")[0]
+    assert right == 'model = ft.nn.from_hf({**config, "tie_word_embeddings": False}, hf_model.state_dict())'
+    scope = {"ft": ft, "config": gpt2.config.to_dict(), "hf_model": gpt2}
+    exec(right, scope)
+    assert_close(logits(ft.nn.load_lora(scope["model"], tmp_path / "gpt2"), ids), expected)
+    _peft_saved(llama(), tmp_path / "llama", target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match=r"tensors for \['model.layers.0.self_attn.q_proj'.*which name no Dense layer"
+                                         r"(.|\n)*Load it into the model it was trained on"):
+        ft.nn.load_lora(ft.nn.from_hf(gpt2), tmp_path / "llama")
+
+
+def test_modules_to_save_of_another_vocabulary_is_a_shape_error_with_the_resize_that_loads_it(tmp_path):
+    """The issue: a saved lm_head [VOCAB + 5, D] on a base of VOCAB tokens was called 'not a
+    PEFT LoRA adapter directory'. PEFT refuses it as a size mismatch; resizing the base's
+    vocabulary first, the right line, loads it as PEFT does."""
+    _peft_saved(llama(vocab_size=VOCAB + 5), tmp_path, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(RuntimeError, match="size mismatch"):  # the reference: PEFT refuses it too
+        peft.PeftModel.from_pretrained(llama(), str(tmp_path))
+    with pytest.raises(ValueError, match=rf"(?s)modules_to_save's 'lm_head' is saved as \{{'weight': \({VOCAB + 5}, {D}\)\}}"
+                                         rf".*takes \{{'weight': \({VOCAB}, {D}\)\}}: the adapter was trained on another "
+                                         rf"base model \(a vocabulary of {VOCAB + 5} tokens, not {VOCAB}\)"
+                                         rf".*resize_token_embeddings\({VOCAB + 5}\)"):
+        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path)
+    resized = llama()
+    resized.resize_token_embeddings(VOCAB + 5)
+    ids = tokens()
+    expected = hf_logits(peft.PeftModel.from_pretrained(copy.deepcopy(resized), str(tmp_path)).eval(), ids)
+    assert_close(logits(ft.nn.load_lora(ft.nn.from_hf(resized), tmp_path), ids), expected)

@@ -61,6 +61,17 @@ BertForMaskedLM as hf_model.bert); its other layers are yours to add. {how}
 # the body is the covered class; else the checkpoint read into the covered class (a fresh
 # {covered}(config) would be a random model).
 UNCOVERED_BODY = "hf_model.{prefix} is a {covered} with the model's own weights:"
+PEFT_LAYERS = """\
+ft.nn.from_hf: {given} holds PEFT LoRA layers ({names}, ...), not a plain {hf_class}'s \
+weights. Merge the adapter into the weights with PEFT, or keep it apart (trainable) with \
+ft.nn.load_lora, which reads a PEFT adapter directory onto the base model.
+
+    wrong:  ft.nn.from_hf({wrong})
+    right:  ft.nn.from_hf(peft_model.merge_and_unload())                        # the adapter merged
+       or:  peft_model.save_pretrained("adapter")                                # first: unload() drops it
+            model = ft.nn.load_lora(ft.nn.from_hf(peft_model.unload()), "adapter")   # a LoRA model
+"""
+
 UNCOVERED_OTHER = "Read its checkpoint into the covered class (the layers both have are the checkpoint's):"
 
 
@@ -204,6 +215,14 @@ def _weights_do_not_fit(hf_class: str, report: FlatDictReport, weights: Mapping[
     if report.missing or report.mismatched:
         fixes.append(OTHER_MODEL_FIX.format(hf_class=hf_class))
     return ValueError(WEIGHTS_DO_NOT_FIT.format(hf_class=hf_class, report=report, fix="\n".join(fixes)))
+
+
+def _refuse_peft_layers(weights: Mapping[str, Any], given: str, wrong: str, hf_class: str) -> None:
+    """Raise :data:`PEFT_LAYERS` where ``weights`` are a PEFT-wrapped model's (``q_proj.base_layer``,
+    ``q_proj.lora_A.default``): no tensor of them should be dropped or renamed by hand."""
+    names = [k for k in weights if ".base_layer." in k or ".lora_" in k]
+    if names:
+        raise ValueError(PEFT_LAYERS.format(given=given, names=", ".join(names[:2]), hf_class=hf_class, wrong=wrong))
 
 
 def _normalized(model_type: str, weights: Mapping[str, Any]) -> dict[str, Any]:
@@ -389,6 +408,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if weights is None and hasattr(source, "config") and hasattr(source, "state_dict"):
         config, weights = source.config, source.state_dict()
         model_type = getattr(config, "model_type", None)
+        if isinstance(model_type, str) and model_type in COVERED:  # a PeftModel, or the model inside it: PEFT's layers, not a covered class's
+            _refuse_peft_layers(weights, f"the {type(source).__name__} given", "hf_model", COVERED[model_type])
         if isinstance(model_type, str) and model_type in COVERED and type(source).__name__ != COVERED[model_type]:
             raise _uncovered_class(source, COVERED[model_type])
     else:
@@ -413,6 +434,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     model, report = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts, strict=False,
                                   given_names=True)
     if not report.ok:  # the fixes from_hf's caller has (load_torch_state_dict's rename= and strict= it has not)
+        _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
         raise _weights_do_not_fit(family.hf_class, report, weights, source, given)
     return with_dropout(model.replace(hf_config=carried), config, dropout, key)
 

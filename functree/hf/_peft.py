@@ -177,6 +177,23 @@ ft.nn.{what}: modules_to_save names {module!r}, {problem}. A module to save is a
 layer of its own, written (and read) whole, as PEFT's modules_to_save does.
     right:  {right}"""
 
+SAVED_SHAPE = """\
+ft.nn.load_lora: modules_to_save's {module!r} is saved as {got} (torch layout), but this \
+model's {module!r} takes {expected}: the adapter was trained on another base model{why}. \
+PEFT refuses it too (a size mismatch).
+    right:  ft.nn.load_lora(ft.nn.from_hf(base_model_it_was_trained_on), directory){resize}"""
+
+# SAVED_SHAPE's second fix where only the output size differs: the vocabulary the training resized.
+SAVED_VOCAB = """
+       or:  hf_model.resize_token_embeddings({given})   # as the training did, then
+            ft.nn.load_lora(ft.nn.from_hf(hf_model), directory)"""
+
+# SAVED_MODULE's fix for a port's tied head: the port built untied (its head a Dense holding a
+# copy of the embedding: the same logits), which the saved head's full weight then replaces.
+UNTIED_HEAD = """model = ft.nn.from_hf({{**config, "tie_word_embeddings": False}}, hf_model.state_dict())   # an untied \
+Dense head (a copy of the embedding), then
+            {then}"""
+
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # The config's fields that decide the adapted model's numbers: recorded in the weights file's
@@ -362,8 +379,11 @@ def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str]
                 problem = ("a part of a fused projection" if member is not None else
                            "which is not a Dense layer of its own here (a tied head is the embedding; "
                            "a norm or an embedding is another kind of layer)")
-                raise ValueError(SAVED_MODULE.format(what=what, module=module, problem=problem,
-                                                     right="an untied Dense head, e.g. modules_to_save=[\"lm_head\"]"))
+                untied = member is None and module in _tied_heads(model)
+                then = "ft.nn.load_lora(model, directory)" if what == "load_lora" else "ft.nn.lora(model, ...)  # train, save"
+                right = (UNTIED_HEAD.format(then=then) if untied else
+                         "an untied Dense head, e.g. modules_to_save=[\"lm_head\"]")
+                raise ValueError(SAVED_MODULE.format(what=what, module=module, problem=problem, right=right))
             out[module] = layers[member]
     return out
 
@@ -644,6 +664,8 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     _check_config(config, directory)
     names = torch_names(model)
     kind = "Hugging Face" if names.is_hf else "torch"
+    if config.get("modules_to_save"):  # another base's adapter: say so before its modules_to_save miss here
+        _check_known_modules(tensors, names, kind)
     saved = _saved_modules(model, names, config["modules_to_save"], "load_lora") if config.get("modules_to_save") \
         else {}
     pairs, full, bases = _split_tensors(tensors, set(saved), directory)
@@ -677,6 +699,16 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
         return wrapped.get(tuple(path), x)
 
     return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or is_dense(x))
+
+
+def _check_known_modules(tensors: dict[str, np.ndarray], names: TorchNames, kind: str) -> None:
+    """Raise :data:`UNKNOWN_MODULE` where the file's adapters name modules this model has not
+    (a Llama adapter's q_proj on a GPT-2)."""
+    adapted = {m[1] for name in tensors if (m := re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.lora_[AB]\b.*", name))}
+    unknown = sorted(m for m in adapted if m not in names.modules)
+    if unknown:
+        dense = sorted({n.module for n in names.members.values() if n.weight_param})
+        raise ValueError(UNKNOWN_MODULE.format(modules=unknown[:4], torch=kind, known=dense[:4]))
 
 
 def _check_config(config: dict[str, Any], directory: str) -> None:
@@ -774,6 +806,19 @@ def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str,
     return {m: (module, a.T, rows[m].T, scale) for m in members}
 
 
+def _saved_shape(module: str, got: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
+                 transposed: bool) -> ValueError:
+    """:data:`SAVED_SHAPE`, with :data:`SAVED_VOCAB` where only the outputs differ (a resized
+    vocabulary; ``transposed``: torch's Linear layout ``[outputs, inputs]``, else Conv1D's)."""
+    out = 0 if transposed else 1
+    given, own = got["weight"], expected["weight"]
+    head = module.rpartition(".")[2] in ("lm_head", "embed_out")  # the vocabulary's rows (GPT-NeoX: embed_out)
+    resized = head and given[1 - out] == own[1 - out] and given[out] != own[out]
+    why = f" (a vocabulary of {given[out]} tokens, not {own[out]})" if resized else ""
+    return ValueError(SAVED_SHAPE.format(module=module, got=got, expected=expected, why=why,
+                                         resize=SAVED_VOCAB.format(given=given[out]) if resized else ""))
+
+
 def _with_full(node: Any, layer: DenseLayer, i: int, module: str, given: dict[str, np.ndarray], names: TorchNames,
                directory: str) -> Any:
     """``node`` with member ``i``'s weight and bias replaced by a saved module's full tensors."""
@@ -783,8 +828,10 @@ def _with_full(node: Any, layer: DenseLayer, i: int, module: str, given: dict[st
     expected: dict[str, tuple[int, ...]] = {"weight": (found.size, n_in) if found.transposed else (n_in, found.size)}
     if bias is not None:
         expected["bias"] = (found.size,)
-    if set(given) != set(expected) or any(given[p].shape != s for p, s in expected.items()):
-        got = {p: tuple(v.shape) for p, v in given.items()}
+    got = {p: tuple(v.shape) for p, v in given.items()}
+    if set(given) == set(expected) and any(given[p].shape != s for p, s in expected.items()):
+        raise _saved_shape(module, got, expected, found.transposed)
+    if set(given) != set(expected):
         raise ValueError(NOT_PEFT.format(directory=directory, problem=(
             f"modules_to_save's {module!r} is saved as {got}, but the model's layer takes "
             f"{ {p: s for p, s in expected.items()} } (torch layout)")))

@@ -557,7 +557,7 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     stops = token_sequences(stop)
     if stops and not (eos or pad):
         raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
-    _check_ends(model, ids.shape, new, eos, stops)
+    _check_ends(model, eos, stops)
     beams, returns, lp, early = _beam_options(o["num_beams"], o["num_return_sequences"], o["length_penalty"],
                                               o["early_stopping"], greedy, o)
     fill = pad[0] if pad else (eos[0] if eos else 0)
@@ -600,13 +600,12 @@ def _too_long(prompt: int, new: int, limit: int) -> None:
     raise ValueError(PROMPT_TOO_LONG.format(prompt=prompt, new=new, limit=limit, keep=limit - fit, fit=fit))
 
 
-def _check_ends(model: Any, shape: tuple[int, int], new: int, eos: tuple[int, ...],
-                stops: tuple[tuple[int, ...], ...]) -> None:
+def _check_ends(model: Any, eos: tuple[int, ...], stops: tuple[tuple[int, ...], ...]) -> None:
     """Raise :data:`OUTSIDE_VOCAB` for an EOS or stop id the model never emits (a row would never
     end). The pad id is not checked: HF's fill may lie outside the vocabulary on purpose."""
     if not (eos or stops):
         return
-    vocab = _decode.vocabulary(model, shape, new)
+    vocab = _decode.vocabulary(model)
     check_in_vocabulary("eos_token_id", eos, vocab)
     check_in_vocabulary("stop", [i for s in stops for i in s], vocab, nested=True)
 

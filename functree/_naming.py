@@ -860,3 +860,24 @@ def untransform(transform: Callable[[Any], Any], source: Any, value: Any, target
     if not ok:
         raise ValueError(NOT_INVERTIBLE.format(target=target, source=name))
     return candidate
+
+
+def kept_parts_fix(pattern: str, close: list[str]) -> str | None:
+    """A close name with the parts of ``pattern`` that fit it kept: ``layers.1.kernel*`` on
+    ``layers.1.weight`` is ``layers.1.weight`` and ``layers.*.kernel`` is ``layers.*.weight``,
+    where a ``*.weight`` would shard every layer's weight, not the one the rule names. Parts
+    pair up one by one (after a leading ``*``, with the name's last parts); the name keeping
+    most parts wins, the closer on a tie; None where no part fits (``*.w``)."""
+    parts, best, kept_most = pattern.split("."), None, 0
+    for name in close:
+        theirs = name.split(".")
+        if len(theirs) == len(parts):
+            head, pairs = [], list(zip(parts, theirs))
+        elif parts[0] == "*" and len(theirs) >= len(parts):
+            head, pairs = ["*"], list(zip(parts[1:], theirs[len(theirs) - len(parts) + 1:]))
+        else:
+            continue
+        fits = [fnmatch.fnmatchcase(t, p) for p, t in pairs]
+        if sum(fits) > kept_most:
+            best, kept_most = ".".join(head + [p if fit else t for (p, t), fit in zip(pairs, fits)]), sum(fits)
+    return best

@@ -42,7 +42,6 @@ which is how a rule asks to split the layer axis.
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -53,6 +52,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from functree._naming import (
+    kept_parts_fix,
     leaf_infos,
     match_kind,
     member_names,
@@ -347,27 +347,8 @@ def _check_all_used(rules: Mapping[str, Any], taken: dict[str, str], names: list
         if shadowed is not None:
             raise ValueError(SHADOWED_RULE.format(pattern=pattern, name=shadowed, earlier=taken[shadowed]))
         close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)
-        better = (suggestion(pattern, leaf_infos(tree)) or _kept_parts_fix(pattern, close)
+        better = (suggestion(pattern, leaf_infos(tree)) or kept_parts_fix(pattern, close)
                   or right_name(pattern, close, "*.weight"))  # a glob stays one
         raise ValueError(UNMATCHED_RULE.format(pattern=pattern, close=", ".join(map(repr, close)), suggestion=better))
 
 
-def _kept_parts_fix(pattern: str, close: list[str]) -> str | None:
-    """A close name with the parts of ``pattern`` that fit it kept: ``layers.1.kernel*`` on
-    ``layers.1.weight`` is ``layers.1.weight`` and ``layers.*.kernel`` is ``layers.*.weight``,
-    where a ``*.weight`` would shard every layer's weight, not the one the rule names. Parts
-    pair up one by one (after a leading ``*``, with the name's last parts); the name keeping
-    most parts wins, the closer on a tie; None where no part fits (``*.w``)."""
-    parts, best, kept_most = pattern.split("."), None, 0
-    for name in close:
-        theirs = name.split(".")
-        if len(theirs) == len(parts):
-            head, pairs = [], list(zip(parts, theirs))
-        elif parts[0] == "*" and len(theirs) >= len(parts):
-            head, pairs = ["*"], list(zip(parts[1:], theirs[len(theirs) - len(parts) + 1:]))
-        else:
-            continue
-        fits = [fnmatch.fnmatchcase(t, p) for p, t in pairs]
-        if sum(fits) > kept_most:
-            best, kept_most = ".".join(head + [p if fit else t for (p, t), fit in zip(pairs, fits)]), sum(fits)
-    return best

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _references import torch_mlp
 
 import functree as ft
 import functree.optim as fo
@@ -282,18 +283,6 @@ def test_an_exclude_typo_is_still_refused_in_groups_and_with_wrt_naming_the_opti
             opt.update(grads, opt.init(net), net)
 
 
-def _torch_mlp():
-    """A torch 4-8-3 MLP and the functree model holding its weights, with 16-row batches."""
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    model = ft.nn.Sequential(ft.nn.Dense(4, 8, key=jax.random.key(0)), ft.nn.tanh,
-                             ft.nn.Dense(8, 3, key=jax.random.key(1)))
-    rng = np.random.default_rng(0)
-    xs, ys = rng.normal(size=(5, 16, 4)).astype(np.float32), rng.normal(size=(5, 16, 3)).astype(np.float32)
-    return torch, net, ft.nn.load_torch_state_dict(model, net.state_dict()), xs, ys
-
-
 def _mse(m, x, y):
     return jnp.mean((m(x) - y) ** 2)
 
@@ -320,7 +309,7 @@ def test_freeze_inside_groups_may_name_another_groups_parameter_as_torch_param_g
     # freeze("layers.0.bias", ...) names the sgd group's bias. It was an error naming
     # ft.select and suggesting 'layers.2.bias' (the wrong parameter); now that name counts
     # (as adamw's exclude), the default group freezes its own layers.2.bias only.
-    torch, net, model, xs, ys = _torch_mlp()
+    torch, net, model, xs, ys = torch_mlp()
     frozen = ("layers.0.bias", "layers.2.bias")
     tx = fo.groups({"layers.0.*": fo.sgd(0.1)}, default=optax.chain(fo.adam(0.01), fo.freeze(*frozen)))
     opt = fo.Optimizer(tx)
@@ -334,7 +323,7 @@ def test_freeze_inside_groups_may_name_another_groups_parameter_as_torch_param_g
 
 
 def test_a_freeze_pattern_matching_no_name_names_ft_optim_freeze_and_the_meant_name():
-    _, _, model, _, _ = _torch_mlp()
+    _, _, model, _, _ = torch_mlp()
     for tx in (optax.chain(fo.sgd(0.1), fo.freeze("layers.2.bais")),
                fo.groups({"layers.0.*": fo.sgd(0.1)}, default=optax.chain(fo.adam(0.01), fo.freeze("layers.2.bais")))):
         with pytest.raises(ValueError, match=r"ft\.optim\.freeze: the pattern 'layers\.2\.bais' matches no name"
@@ -357,7 +346,7 @@ def test_the_group_state_changed_recipe_runs_as_printed_and_continues_as_torch(w
     # unchanged groups' exact key paths and carries the context: run as printed, the step
     # equals torch's (layer 0: sgd+momentum -> a fresh Adam; layer 2: Adam with a decaying
     # rate, going on).
-    torch, net, model, xs, ys = _torch_mlp()
+    torch, net, model, xs, ys = torch_mlp()
     decay = fo.exponential_decay(0.01, 1, 0.5)  # 0.01 * 0.5^step
     old = fo.Optimizer(wrap(fo.groups({"layers.0.*": fo.sgd(0.1, momentum=0.9)}, default=fo.adam(decay))))
     old_state = old.init(model)

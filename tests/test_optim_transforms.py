@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _references import torch_mlp
 from _tolerance import assert_close_trained
 
 import functree as ft
@@ -285,14 +286,8 @@ def test_per_example_clipping_norms_only_the_trained_parameters_as_opacus():
     # Opacus clips the per-example gradients of the parameters that require grad: with
     # wrt="layers.2.*" a frozen first layer's gradients must not count in the norm (the
     # old hook took every parameter's: 6.5e-4 off after one step).
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    model = ft.nn.Sequential(ft.nn.Dense(4, 8, key=jax.random.key(0)), ft.nn.tanh,
-                             ft.nn.Dense(8, 3, key=jax.random.key(1)))
-    model = ft.nn.load_torch_state_dict(model, net.state_dict())
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 3)).astype(np.float32)
+    torch, net, model, xs, ys = torch_mlp()
+    x, y = xs[0], ys[0]
     threshold, lr = 0.3, 0.1
 
     opt = fo.Optimizer(fo.sgd(lr), get_gradients=fo.per_example_clipping(threshold), wrt="layers.2.*")

@@ -151,7 +151,6 @@ def _inside(path: KeyPath, prefix: KeyPath) -> bool:
     return len(path) >= len(prefix) and tuple(path[: len(prefix)]) == tuple(prefix)
 
 
-
 def _transformed(transform: Callable[[Any], Any], value: Any) -> Any:
     """``transform(value)``; a host (NumPy) source of a half-precision float keeps its width.
 

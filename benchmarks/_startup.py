@@ -15,6 +15,10 @@ float32), small (vocab 8000, d 256, 4 layers, bfloat16: the 2.66 s vs 1.97 s of 
 medium (vocab 32000, d 512, 8 layers, bfloat16; not with ``--quick``). Target: functree ≤ 2×
 ``from_pretrained`` at every size.
 
+A second pair of rows per size builds the same model from its config alone, initialized to
+train from scratch: ``ft.nn.from_hf(config, key=...)`` (one compiled program) against
+``AutoModelForCausalLM.from_config(config)`` (torch's eager initializers).
+
 Run alone: ``python benchmarks/run.py --only startup``. ``python benchmarks/_startup.py
 probe ft|hf DIRECTORY`` is the fresh-process probe the family starts.
 """
@@ -38,6 +42,7 @@ SIZES = {
                    num_attention_heads=8, num_key_value_heads=8, dtype="bfloat16"),
 }
 FUNCTREE, HF = "ft.nn.from_hf(directory)", "transformers from_pretrained"
+FUNCTREE_INIT, HF_INIT = "ft.nn.from_hf(config, key=key)", "transformers from_config"
 
 
 def write(directory: str, size: dict[str, Any]) -> None:
@@ -83,7 +88,7 @@ def _timed_steps(events: dict[str, float]) -> None:
 def probe(which: str, directory: str) -> dict[str, Any]:
     """One load in this (fresh) process, its imports done first and timed apart."""
     start = time.perf_counter()
-    if which == "ft":
+    if which in ("ft", "ft-config"):
         import jax
         import jax.numpy as jnp
 
@@ -97,10 +102,12 @@ def probe(which: str, directory: str) -> dict[str, Any]:
             lambda name, secs, **_: counts.setdefault(name.rsplit("/", 1)[-1], []).append(secs))
         imported = sys.modules.keys() & {"transformers", "torch"}
         with open(os.path.join(directory, "config.json")) as f:
-            dtype = jnp.bfloat16 if json.load(f).get("dtype") == "bfloat16" else jnp.float32
+            config = json.load(f)
+        dtype = jnp.bfloat16 if config.get("dtype") == "bfloat16" else jnp.float32
+        source, key = (config, jax.random.key(0)) if which == "ft-config" else (directory, None)
         imports = time.perf_counter() - start
         start = time.perf_counter()
-        model = jax.block_until_ready(ft.nn.from_hf(directory, dtype=dtype))
+        model = jax.block_until_ready(ft.nn.from_hf(source, dtype=dtype, key=key))
         seconds = time.perf_counter() - start
         parameters = sum(x.size for x in jax.tree.leaves(model))
 
@@ -122,7 +129,11 @@ def probe(which: str, directory: str) -> dict[str, Any]:
         transformers.logging.set_verbosity_error()
         imports = time.perf_counter() - start
         start = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype="auto")
+        if which == "hf-config":
+            config = transformers.AutoConfig.from_pretrained(directory)
+            model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype="auto")
         seconds = time.perf_counter() - start
         parameters = sum(p.numel() for p in model.parameters())
         split = {"dtype": str(next(model.parameters()).dtype), "threads": torch.get_num_threads()}
@@ -157,12 +168,21 @@ def startup(quick: bool = False) -> Any:
                 return run
 
             values = interleave({FUNCTREE: block("ft"), HF: block("hf")}, rounds)
+            inits: dict[str, list[dict[str, Any]]] = {"ft-config": [], "hf-config": []}
+            init_values = interleave({FUNCTREE_INIT: block("ft-config", results=inits),
+                                      HF_INIT: block("hf-config", results=inits)}, rounds)
             megabytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)) / 1e6
             rows = paired_rows(values, HF, scale=1e3)
             for row in rows:
                 row.name = f"{name} ({megabytes:.1f} MB): {row.name}"
             rows[0].ok = rows[0].ratio is not None and rows[0].ratio <= 2.0
             table.rows += rows
+            init_rows = paired_rows(init_values, HF_INIT, scale=1e3)
+            for row in init_rows:
+                row.name = f"{name}: {row.name}"
+            init_rows[0].ok = init_rows[0].ratio is not None and init_rows[0].ratio <= 2.0
+            table.rows += init_rows
+            table.checks[f"{name}: from config, functree split (last round, s)"] = inits["ft-config"][-1]["split"]
             last = results["ft"][-1]
             table.checks[f"{name}: functree split (last round, s)"] = last["split"]
             table.checks[f"{name}: imports s (functree, transformers)"] = (

@@ -25,6 +25,7 @@ import Dense`` to the package ``functree.nn``, ``from functree.optim import _sub
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import sys
 
@@ -80,14 +81,26 @@ def imports(module: str) -> set[str]:
     return {m for m in found if m in MODULES and m != module}
 
 
-GRAPH = {m: imports(m) for m in MODULES}
-# ft.nn's names that live in the packages above it, looked up on first use (importlib: an
-# edge the statements above do not show).
-GRAPH["functree.nn"] |= {_home for _home in __import__("functree.nn").nn.ELSEWHERE.values()}
 # The two upward edges of ft.nn (module docstring): the layer tests leave them out.
 UPWARD = {("functree.nn", "functree.hf"), ("functree.nn", "functree.generation"), ("functree.nn", "functree.interop"),
           ("functree.nn._hf_models", "functree.hf._models"), ("functree.nn._hf_config", "functree.hf._config")}
-LAYERED = {m: {d for d in deps if (m, d) not in UPWARD} for m, deps in GRAPH.items()}
+
+
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """Every module's imports, read when a test first asks (not while pytest collects: every
+    worker collects this file, and reading ~200 modules' syntax trees took seconds)."""
+    found = {m: imports(m) for m in MODULES}
+    # ft.nn's names that live in the packages above it, looked up on first use (importlib: an
+    # edge the statements above do not show).
+    found["functree.nn"] |= {_home for _home in __import__("functree.nn").nn.ELSEWHERE.values()}
+    return found
+
+
+@functools.cache
+def layered() -> dict[str, set[str]]:
+    """:func:`graph` without the two upward edges of ft.nn (:data:`UPWARD`)."""
+    return {m: {d for d in deps if (m, d) not in UPWARD} for m, deps in graph().items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -143,22 +156,22 @@ def _path(graph: dict[str, set[str]], start: str, component: list[str]) -> list[
 
 
 def test_the_graph_sees_module_level_function_level_and_relative_imports():
-    assert "functree._tree" in GRAPH["functree._paths"]
-    assert "functree.nn" in GRAPH["functree.train._setup"]  # from functree import nn
-    assert "functree.parallel" in GRAPH["functree.train.checkpoint._arrays"]  # inside a function
-    assert "functree.nn._dropout" in GRAPH["functree.nn"]  # the package's own re-exports
-    assert not any("functree.train._trainer" in GRAPH[m] for m in ("functree.train._callbacks",))  # TYPE_CHECKING
+    assert "functree._tree" in graph()["functree._paths"]
+    assert "functree.nn" in graph()["functree.train._setup"]  # from functree import nn
+    assert "functree.parallel" in graph()["functree.train.checkpoint._arrays"]  # inside a function
+    assert "functree.nn._dropout" in graph()["functree.nn"]  # the package's own re-exports
+    assert not any("functree.train._trainer" in graph()[m] for m in ("functree.train._callbacks",))  # TYPE_CHECKING
 
 
 def test_core_modules_import_no_subpackage():
     core = [m for m in MODULES if m.count(".") == 1 and m.startswith("functree._") and not m.endswith("__")]
     assert "functree._tree" in core and "functree.nn" not in core and "functree.__main__" not in core
-    upward = {m: sorted(d for d in GRAPH[m] if d == "functree" or d.split(".")[1] in SUBPACKAGES) for m in core}
+    upward = {m: sorted(d for d in graph()[m] if d == "functree" or d.split(".")[1] in SUBPACKAGES) for m in core}
     assert {m: d for m, d in upward.items() if d} == {}
 
 
 def test_no_module_imports_itself_through_others():
-    circles = [" -> ".join(_path(LAYERED, c[0], c)) for c in _cycles(LAYERED)]
+    circles = [" -> ".join(_path(layered(), c[0], c)) for c in _cycles(layered())]
     assert circles == []
 
 
@@ -170,7 +183,7 @@ def test_nn_points_up_only_by_its_documented_names():
     from functree.hf import _models
 
     above = ("functree.hf", "functree.generation", "functree.interop")
-    upward = {(m, d) for m, deps in GRAPH.items() if m.startswith("functree.nn")
+    upward = {(m, d) for m, deps in graph().items() if m.startswith("functree.nn")
               for d in deps if d.startswith(above)}
     assert upward == UPWARD
     for name, home in ft.nn.ELSEWHERE.items():
@@ -212,7 +225,7 @@ def _package(module: str) -> str | None:
 
 def test_no_two_packages_import_each_other():
     layers: dict[str, set[str]] = {}
-    for module, deps in LAYERED.items():
+    for module, deps in layered().items():
         a = _package(module)
         if a is not None:
             layers.setdefault(a, set()).update(b for d in deps if (b := _package(d)) not in (None, a))

@@ -266,3 +266,22 @@ def test_the_documented_torch_init_of_a_transposed_conv_is_torchs(rank, k):
     for w in (ours, theirs):  # both U(±bound): the max within 1% below it, the mean |w| bound/2
         assert 0.99 * bound < w.max() <= bound
         np.testing.assert_allclose(w.mean(), bound / 2, rtol=0.03)
+
+
+def test_a_bfloat16_bias_gradient_is_summed_in_float32():
+    """The gradient of Conv2D's bias is the cotangent summed over every position, and XLA:CPU
+    summed it in bfloat16: over 8x16x16 positions of U(0, 1) cotangents it came back 0.75 off the
+    float64 sum, where torch's bfloat16 Conv2d is 3.6e-3 off (the rounding of its result). The
+    bias is added in float32 now, which makes that sum float32."""
+    torch = pytest.importorskip("torch")
+    dy = jnp.asarray(np.random.default_rng(0).uniform(0, 1, (8, 16, 16, 16)), jnp.bfloat16)
+    dy32 = np.asarray(dy.astype(jnp.float32))
+    exact = dy32.astype(np.float64).sum((0, 1, 2))
+    module = torch.nn.Conv2d(4, 16, 1).bfloat16()
+    module(torch.ones(8, 4, 16, 16, dtype=torch.bfloat16)).backward(torch.tensor(dy32.transpose(0, 3, 1, 2)).bfloat16())
+    spread = np.abs(module.bias.grad.float().numpy() - exact).max()  # 3.7 of 1029: bfloat16's rounding
+    conv = ft.cast(ft.nn.Conv2D(4, 16, 1, key=jax.random.key(0)), jnp.bfloat16)
+    x = jnp.ones((8, 16, 16, 4), jnp.bfloat16)
+    grad, = jax.jit(lambda m, dy: jax.vjp(lambda m: m(x), m)[1](dy))(conv, dy)
+    assert grad.bias.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(grad.bias.astype(jnp.float32)), exact, rtol=0, atol=10 * spread)

@@ -2,7 +2,8 @@
 
 Inputs are ``[..., *spatial, in_channels]`` (swift-apis' NWC / NHWC) with any number of
 leading batch axes (none included); filters are ``[*kernel_size, in_channels // groups,
-out_channels]`` (WIO / HWIO), glorot-uniform, biases zero.
+out_channels]`` (WIO / HWIO), glorot-uniform, biases zero. In bfloat16 and float16 the bias
+is added in float32 (``_linear.add_bias``: its gradient sums every position).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from functree._module import field
 from functree._repr import short_array
 from functree.nn import _window as window
 from functree.nn._check import LayerInputError, check_input
-from functree.nn._linear import Initializer, glorot_uniform
+from functree.nn._linear import Initializer, add_bias, glorot_uniform
 from functree.nn._mode import Layer
 
 __all__ = ["Conv1D", "Conv2D", "Conv1DTranspose", "Conv2DTranspose", "check_window_fits"]
@@ -186,7 +187,7 @@ class Conv(Layer):
         flat = x.reshape((math.prod(batch), *x.shape[x.ndim - n - 1:]))
         y = self._convolve(flat)
         if self.bias is not None:
-            y = y + self.bias
+            y = add_bias(y, self.bias)  # float32 for bfloat16: its gradient sums over every position
         return self.activation(y.reshape((*batch, *y.shape[1:])))
 
     def _convolve(self, x: jax.Array) -> jax.Array:

@@ -115,3 +115,24 @@ def test_pool2d_names_the_short_axis_and_same_padding_still_fits():
     with pytest.raises(ft.nn.LayerInputError, match=r"with width >= 3(.|\n)*Its width \(2\)"):
         ft.nn.AvgPool2D((2, 3))(jnp.ones((1, 4, 2, 2)))
     assert ft.nn.AvgPool2D((2, 3), padding="SAME")(jnp.ones((1, 4, 2, 2))).shape == (1, 2, 1, 2)
+
+
+
+@pytest.mark.parametrize("layer,size,window,padding", [
+    (ft.nn.AvgPool2D(32), (64, 64), 32, 0),
+    # "SAME" pads 100 each side: windows of 200 and 300 real elements, torch's count_include_pad=False
+    (ft.nn.AvgPool1D(300, padding="SAME"), (1000,), 300, 100),
+])
+def test_a_bfloat16_average_sums_and_counts_in_float32(layer, size, window, padding):
+    """AvgPool summed each window (and counted a "SAME" window's elements) in bfloat16, where
+    a sum of values near 1 stops growing at 512: AvgPool2D(32) of values in [0.5, 1.5) gave about
+    0.5 for 1.0 and AvgPool1D(300, "SAME") was 0.22 off, where torch's bfloat16 avg_pool is 3.7e-3
+    off the float64 mean (its result's rounding)."""
+    torch = pytest.importorskip("torch")
+    pool = getattr(torch.nn.functional, f"avg_pool{len(size)}d")
+    x = torch.tensor(np.random.default_rng(0).uniform(0.5, 1.5, (2, 3, *size)), dtype=torch.bfloat16)
+    exact = pool(x.double(), window, padding=padding, count_include_pad=False).numpy()
+    spread = np.abs(pool(x, window, padding=padding, count_include_pad=False).double().numpy() - exact).max()
+    y = layer(jnp.moveaxis(jnp.asarray(x.float().numpy()), 1, -1).astype(jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.moveaxis(np.asarray(y.astype(jnp.float32)), -1, 1), exact, rtol=0, atol=10 * spread)

@@ -4,7 +4,8 @@
 ``[..., *spatial, channels]`` (``lax.reduce_window``); ``strides`` default to the window
 (swift-apis' defaults take them explicitly). ``GlobalMaxPool*`` / ``GlobalAvgPool*`` reduce
 every spatial axis. Average pooling with ``"SAME"`` padding divides by the number of
-real (unpadded) elements in each window.
+real (unpadded) elements in each window; it sums and counts in float32 for bfloat16 and
+float16 inputs (``statistics_dtype``), the output keeps the input's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from functree.nn import _window as window
 from functree.nn._check import check_input
 from functree.nn._conv import check_window_fits
 from functree.nn._mode import Layer
+from functree.nn._normalization import statistics_dtype
 
 __all__ = [
     "MaxPool1D",
@@ -74,11 +76,16 @@ class _MaxPool(_Pool):
 
 class _AvgPool(_Pool):
     def __call__(self, x: jax.Array) -> jax.Array:
-        total = self._window(x, 0.0, jax.lax.add)
+        """``sum(window) / count`` with both in ``statistics_dtype`` (float32 for bfloat16 and
+        float16: a bfloat16 sum of 32x32 ones stalls at 256, a mean of 0.25), cast back."""
+        check_input(self, x, _spatial(self._rank))  # before the cast hides an integer input
+        wide = statistics_dtype(x.dtype)
+        total = self._window(x.astype(wide), 0.0, jax.lax.add)
         if self.padding == "VALID":
-            return total / jnp.array(math.prod(self.pool_size), x.dtype)
-        counts = self._window(jnp.ones(x.shape[-self._rank - 1:], x.dtype), 0.0, jax.lax.add)
-        return total / counts
+            return (total / jnp.array(math.prod(self.pool_size), wide)).astype(x.dtype)
+        # "SAME": the number of real elements in each window, counted in the same dtype.
+        counts = self._window(jnp.ones(x.shape[-self._rank - 1:], wide), 0.0, jax.lax.add)
+        return (total / counts).astype(x.dtype)
 
 
 _POOL_DOC = """{op} pooling over ``[..., {spatial}, channels]`` (``pool_size=2``, ``strides=pool_size``, ``padding="VALID"``).

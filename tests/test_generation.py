@@ -544,14 +544,15 @@ def test_a_prompt_that_fills_max_positions_is_refused_with_a_call_that_runs(tiny
 
 def test_eos_and_stop_ids_outside_the_vocabulary_are_refused(tiny):
     """The issue: eos_token_id=200 with a vocabulary of 11 ran and never stopped. The pad id
-    stays unchecked (HF fills with pad_token_id=vocab_size on purpose)."""
+    stays unchecked (HF fills with pad_token_id=vocab_size on purpose). A caller's list with
+    some id inside the vocabulary runs (HF's rule: test_eos_outside_the_vocabulary_...)."""
     model, prompt, _ = tiny
     vocab = model.head.weight.shape[-1]
     with pytest.raises(ValueError, match=rf"eos_token_id \[{vocab + 189}\] are not ids of this model's vocabulary "
                                          rf"\({vocab} tokens: 0 to {vocab - 1}\)(.|\n)*eos_token_id=\[{vocab - 1}\]"):
         ft.nn.generate(model, prompt, 4, eos_token_id=vocab + 189)
-    with pytest.raises(ValueError, match=rf"eos_token_id \[{vocab}\] are not ids"):
-        ft.nn.generate(model, prompt, 4, eos_token_id=[2, vocab])
+    with pytest.raises(ValueError, match=rf"eos_token_id \[{vocab}, {vocab + 1}\] are not ids(.|\n)*eos_token_id=\[\]"):
+        ft.nn.generate(model, prompt, 4, eos_token_id=[vocab + 1, vocab])
     with pytest.raises(ValueError, match=rf"stop \[{vocab}\] are not ids(.|\n)*stop=\[\[{vocab - 1}\]\]"):
         ft.nn.generate(model, prompt, 4, stop=[[1, vocab]], pad_token_id=0)
 
@@ -1102,3 +1103,36 @@ def test_scores_under_x64_equal_float32s(llama):
         np.testing.assert_array_equal(np.asarray(tokens64), np.asarray(tokens))
         np.testing.assert_allclose(np.asarray(scores64), np.asarray(scores), rtol=0,
                                    atol=1e-6 * np.abs(np.asarray(scores)).max())
+
+
+# ---- a checkpoint's EOS outside the vocabulary (regression audit 16, finding 2) --------------
+
+def test_a_default_eos_outside_the_vocabulary_warns_and_gives_hf_tokens():
+    """GPT2Config's default eos_token_id 50256 on a 50-token vocabulary: generate refused the
+    model ("not a valid eos_token_id"); HF's generate runs (no row can end) and so does ours
+    now, with a CheckpointEosWarning naming the id, the vocabulary and eos_token_id=[]."""
+    from functree.generation._defaults import CheckpointEosWarning
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=D, n_layer=LAYERS, n_head=HEADS)
+    assert config.eos_token_id == 50256  # the default the issue is about
+    torch.manual_seed(1)
+    hf = randomized(transformers.GPT2LMHeadModel(config))
+    model = ft.nn.from_hf(hf)
+    ids, mask = left_padded_prompts()
+    expected = hf_generate(hf, ids, mask)  # the checkpoint's defaults: eos 50256, pad = eos
+    with pytest.warns(CheckpointEosWarning, match=rf"eos_token_id \[50256\](.|\n)*\({VOCAB} tokens(.|\n)*"
+                                                  rf"eos_token_id=\[\](.|\n)*eos_token_id=\[{VOCAB - 1}\]"):
+        out = ft.nn.generate(model, ids, NEW, attention_mask=mask)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_a_callers_eos_list_with_an_id_outside_the_vocabulary_ends_rows_as_hf(llama):
+    """eos_token_id=[0, VOCAB + 7]: HF's generate ends rows on 0 and never on the other id; the
+    list was refused. Only a caller's list with no id inside the vocabulary is (the test above:
+    test_eos_and_stop_ids_outside_the_vocabulary_are_refused)."""
+    hf, model = llama
+    ids, mask = left_padded_prompts()
+    expected = hf_generate(hf, ids, mask, pad_token_id=2, eos_token_id=[0, VOCAB + 7])
+    assert (expected[0, PROMPT + 9:] == 2).all()  # a row ended on 0
+    out = ft.nn.generate(model, ids, NEW, attention_mask=mask, eos_token_id=[0, VOCAB + 7], pad_token_id=2)
+    np.testing.assert_array_equal(out, expected)

@@ -61,6 +61,28 @@ which is not a valid {name}: {reason}
 
     right:  ft.nn.generate(model, input_ids, 32, {name}=...)    # an explicit argument wins"""
 
+CHECKPOINT_EOS_OUTSIDE = """\
+generate: the model's hf_config (config.json / generation_config.json) gives eos_token_id \
+{ids}, which lie outside its vocabulary ({vocab} tokens: 0 to {last}): no row can end on them, \
+so they are dropped and rows end on {kept}, as Hugging Face's generate does (a GPT2Config's \
+default eos 50256 on a smaller vocabulary). Pass the EOS you mean to silence this:
+
+    right:  ft.nn.generate(model, input_ids, 32, eos_token_id=[])      # no EOS: every row runs to the end
+    right:  ft.nn.generate(model, input_ids, 32, eos_token_id={example})      # an id of the vocabulary"""
+
+
+class CheckpointEosWarning(UserWarning):
+    """The checkpoint's default ``eos_token_id`` holds ids outside the model's vocabulary
+    (dropped: HF's ``generate`` never emits them either)."""
+
+
+def warn_eos_outside(outside: Sequence[int], kept: Sequence[int], vocab: int) -> None:
+    """Warn :class:`CheckpointEosWarning` for the checkpoint's EOS ids ``outside`` the vocabulary."""
+    ends = f"eos_token_id {list(kept)}" if kept else "no EOS (every row runs max_new_tokens)"
+    warnings.warn(CHECKPOINT_EOS_OUTSIDE.format(ids=list(outside), vocab=vocab, last=vocab - 1, kept=ends,
+                                                example=[vocab - 1]), CheckpointEosWarning, stacklevel=5)
+
+
 # id(hf_config) -> (hf_config, defaults): the object is kept, so its id is not reused.
 _CACHE: dict[int, tuple[Any, dict[str, Any]]] = {}
 

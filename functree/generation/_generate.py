@@ -64,6 +64,7 @@ from functree.generation._defaults import (
     checkpoint_defaults,
     inferred_mask,
     unknown_option,
+    warn_eos_outside,
 )
 from functree.generation._logits import check_in_vocabulary
 from functree.nn._shared import Shared
@@ -131,6 +132,15 @@ gives the same tokens.
 
     wrong:  ft.nn.generate(model, input_ids, 8, temperature={temperature})
     right:  ft.nn.generate(model, input_ids, 8, temperature={temperature}, key=jax.random.key(0))"""
+
+EOS_OUTSIDE_VOCAB = """\
+generate: eos_token_id {ids} are not ids of this model's vocabulary ({vocab} tokens: 0 to {last}): \
+no row could ever end. (A list with some ids inside the vocabulary is accepted, as Hugging Face's \
+generate does: rows end on those.)
+
+    wrong:  ft.nn.generate(model, input_ids, 8, eos_token_id={given})
+    right:  ft.nn.generate(model, input_ids, 8, eos_token_id={example})     # an id of the vocabulary
+    right:  ft.nn.generate(model, input_ids, 8, eos_token_id=[])     # no EOS: every row runs to the end"""
 
 STOP_NEEDS_PAD = """\
 generate: a row that emits a stop sequence is finished and emits pad_token_id afterwards, but \
@@ -398,7 +408,8 @@ def generate(
     options, sourced = _with_defaults(given, checkpoint, key)
     if attention_mask is None and checkpoint is not None:  # HF's mask from the pad id
         attention_mask = inferred_mask(ids, options["pad_token_id"], options["eos_token_id"])
-    plan = partial(_plan, model, ids, new, attention_mask, key, options, stop, return_scores, streamer, limit)
+    plan = partial(_plan, model, ids, new, attention_mask, key, options, stop, return_scores, streamer, limit,
+                   eos_default="eos_token_id" in sourced)
     exact = (type(inner), prompt, new) in _EXACT
     try:
         run = plan(exact=exact)
@@ -414,7 +425,7 @@ def generate(
         _EXACT.add((type(inner), prompt, new))
         if streamer is not None:  # the refused plan gave the streamer the prompt already
             plan = partial(_plan, model, ids, new, attention_mask, key, options, stop, return_scores,
-                           _PromptGiven(streamer), limit)
+                           _PromptGiven(streamer), limit, eos_default="eos_token_id" in sourced)
         tokens, scores = _running(plan(exact=True), model, prompt, new)
     return (tokens, scores) if return_scores else tokens
 
@@ -543,24 +554,26 @@ def _sourced(error: ValueError, sourced: dict[str, Any], given: dict[str, Any]) 
 
 
 def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict[str, Any], stop: Any,
-          return_scores: bool, streamer: Any, limit: Any, *, exact: bool = False) -> Any:
+          return_scores: bool, streamer: Any, limit: Any, *, exact: bool = False, eos_default: bool = False) -> Any:
     """Check the options and return the call that runs the compiled loop (and crops its
     bucket back to the prompt and ``new``; ``exact``: no buckets), with ``.exact`` (whether
-    its sizes are the exact ones)."""
+    its sizes are the exact ones); ``eos_default``: the EOS ids are the checkpoint's."""
     mask = _attention_mask(attention_mask, ids.shape)
     greedy = _greedy(o["temperature"])
-    eos = token_ids(o["eos_token_id"], "eos_token_id")
+    given_eos = token_ids(o["eos_token_id"], "eos_token_id")
+    stops = token_sequences(stop)
+    _check_stops(model, stops)
+    eos = _ending_ids(model, given_eos, o["eos_token_id"], eos_default)  # those a row can end on
     controls = active(Options(o, new, eos, greedy))  # every record checks its option; warpers only sampling
     if not greedy and key is None:
         raise ValueError(NEEDS_KEY.format(temperature=o["temperature"]))
     pad = token_ids(o["pad_token_id"], "pad_token_id", single=True)
-    stops = token_sequences(stop)
-    if stops and not (eos or pad):
+    if stops and not (given_eos or pad):
         raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
-    _check_ends(model, eos, stops)
     beams, returns, lp, early = _beam_options(o["num_beams"], o["num_return_sequences"], o["length_penalty"],
                                               o["early_stopping"], greedy, o)
-    fill = pad[0] if pad else (eos[0] if eos else 0)
+    # HF's fill is pad, else the first EOS id even outside the vocabulary (its pad = eos[0])
+    fill = pad[0] if pad else (given_eos[0] if given_eos else 0)
     if beams == 1 and returns > 1:  # sampling: each prompt `returns` times, HF's order (repeat_interleave)
         ids, mask = _repeated(ids, returns), _repeated(mask, returns)
     _check_streamer(streamer, beams, ids)
@@ -600,14 +613,32 @@ def _too_long(prompt: int, new: int, limit: int) -> None:
     raise ValueError(PROMPT_TOO_LONG.format(prompt=prompt, new=new, limit=limit, keep=limit - fit, fit=fit))
 
 
-def _check_ends(model: Any, eos: tuple[int, ...], stops: tuple[tuple[int, ...], ...]) -> None:
-    """Raise :data:`OUTSIDE_VOCAB` for an EOS or stop id the model never emits (a row would never
-    end). The pad id is not checked: HF's fill may lie outside the vocabulary on purpose."""
-    if not (eos or stops):
-        return
+def _check_stops(model: Any, stops: tuple[tuple[int, ...], ...]) -> None:
+    """Raise :data:`OUTSIDE_VOCAB` for a stop id the model never emits (the sequence could never
+    match). The pad id is not checked: HF's fill may lie outside the vocabulary on purpose."""
+    if stops:
+        check_in_vocabulary("stop", [i for s in stops for i in s], _decode.vocabulary(model), nested=True)
+
+
+def _ending_ids(model: Any, eos: tuple[int, ...], given: Any, default: bool) -> tuple[int, ...]:
+    """The EOS ids a row can end on: those inside the vocabulary, as HF's ``generate`` (whose
+    stopping check compares the chosen token, always ``< vocab``, with every id). Ids outside
+    are dropped: a checkpoint's (``default``) with :class:`CheckpointEosWarning`, a caller's
+    list silently where some id lies inside; a caller's value with none inside raises
+    :data:`EOS_OUTSIDE_VOCAB` (no row could ever end: a typo, or another model's id)."""
+    if not eos:
+        return eos
     vocab = _decode.vocabulary(model)
-    check_in_vocabulary("eos_token_id", eos, vocab)
-    check_in_vocabulary("stop", [i for s in stops for i in s], vocab, nested=True)
+    kept = tuple(i for i in eos if i < vocab)
+    if len(kept) == len(eos):
+        return eos
+    outside = sorted({i for i in eos if i >= vocab})
+    if default:
+        warn_eos_outside(outside, kept, vocab)
+    elif not kept:
+        raise ValueError(EOS_OUTSIDE_VOCAB.format(ids=outside, vocab=vocab, last=vocab - 1, given=given,
+                                                  example=[vocab - 1]))
+    return kept
 
 
 class _PromptGiven:

@@ -168,6 +168,15 @@ its ranges low to high; a number of several digits takes one class per digit:
     right:  {right}"""
 
 
+MULTI_DIGIT_RANGE = """\
+The pattern {pattern!r} holds the character class {klass!r} with the number range \
+{number}: a class matches one character, so a glob (fnmatch) reads it as {reading}, not as \
+the numbers {number} ('layers.[10-15].*' would select layers 0, 1 and 5). A number of \
+several digits takes one class per digit:
+    wrong:  {pattern!r}
+    right:  {right}"""
+
+
 def key_path_hint(given: Any) -> str:
     """:data:`KEY_PATH_AS_PATTERN` for a ``KeyPath`` given where a pattern belongs, else "".
     (By class name: ``functree._paths`` imports this module.)"""
@@ -592,6 +601,9 @@ def check_patterns(patterns: Sequence[Any]) -> None:
 # A character class as fnmatch reads one: "[", an optional "!", a "]" first is literal, up to "]".
 _CLASS = re.compile(r"\[(!?\]?[^\]]*)\]")
 _NUMBER_RANGE = re.compile(r"([0-9]+)-([0-9]+)")
+# A range with a number of several digits on either side ([10-15], [0-15]): meant as numbers.
+_MULTI_DIGIT = re.compile(r"[0-9]{2,}-[0-9]+|[0-9]+-[0-9]{2,}")
+_PRINTABLE = [chr(c) for c in range(33, 127)]  # the characters a message lists a class by
 
 
 def _ranges(content: str) -> list[tuple[int, str, str]]:
@@ -609,20 +621,21 @@ def _ranges(content: str) -> list[tuple[int, str, str]]:
 
 def _refuse_reversed_range(pattern: str) -> None:
     """:data:`REVERSED_RANGE` for a class with a range ``a-b``, ``a > b``: fnmatch drops it
-    silently (``[14-15]`` is ``[15]``, ``[2-0]`` matches nothing)."""
+    silently (``[14-15]`` is ``[15]``, ``[2-0]`` matches nothing); :data:`MULTI_DIGIT_RANGE`
+    for one with a number range of several digits, read one character each (``[10-15]`` is
+    ``{0, 1, 5}``)."""
     for found in _CLASS.finditer(pattern):
         negated = found.group(1).startswith("!")
         content = found.group(1)[negated:]
         bad = [(i, a, b) for i, a, b in _ranges(content) if a > b]
+        head, tail = pattern[:found.start()], pattern[found.end():]
         if not bad:
+            _refuse_multi_digit(pattern, found.group(0), content, negated, head, tail)
             continue
         _, start, end = bad[0]
-        head, tail = pattern[:found.start()], pattern[found.end():]
         number = _NUMBER_RANGE.fullmatch(content)
         if number and not negated:  # a number range meant: [14-15], [2-0]
-            lo, hi = sorted(int(x) for x in number.groups())
-            globs = [head + g + tail for g in _number_globs(lo, hi)]
-            right = repr(globs[0]) if len(globs) == 1 else repr(tuple(globs))
+            right = _numbers_right(number, head, tail)
         else:  # each reversed range turned round: [z-a] -> [a-z]
             fixed = list(content)
             for i, a, b in bad:
@@ -630,6 +643,32 @@ def _refuse_reversed_range(pattern: str) -> None:
             right = repr(head + "[" + "!" * negated + "".join(fixed) + "]" + tail)
         raise ValueError(REVERSED_RANGE.format(pattern=pattern, klass=found.group(0), start=start, end=end,
                                                right=right))
+
+
+def _refuse_multi_digit(pattern: str, klass: str, content: str, negated: bool, head: str, tail: str) -> None:
+    """:data:`MULTI_DIGIT_RANGE` for a class (``content``, its ``!`` off) holding a number
+    range of several digits; the suggestion spells that range's numbers, the class replaced."""
+    number = _MULTI_DIGIT.search(content)
+    if number is None:
+        return
+    # the characters fnmatch reads the class as (those it holds: the class without its "!")
+    held = [c for c in _PRINTABLE if fnmatch.fnmatchcase(c, "[" + content + "]")]
+    reading = ("any one character but " if negated else "one character of ") + ", ".join(held)
+    numbers = _NUMBER_RANGE.fullmatch(number.group(0))
+    assert numbers is not None  # _MULTI_DIGIT's match is a number range
+    right = _numbers_right(numbers, head, tail)
+    if negated:  # no glob excludes a number range: name the numbers, to leave out of what is selected
+        right += f"   # the numbers {number.group(0)}: select the others around them"
+    raise ValueError(MULTI_DIGIT_RANGE.format(pattern=pattern, klass=klass, number=number.group(0),
+                                              reading=reading, right=right))
+
+
+def _numbers_right(number: re.Match[str], head: str, tail: str) -> str:
+    """The ``right:`` spelling of the number range ``number`` (``lo-hi`` either way round)
+    between ``head`` and ``tail``: one glob, or a tuple of them."""
+    lo, hi = sorted(int(x) for x in number.groups())
+    globs = [head + g + tail for g in _number_globs(lo, hi)]
+    return repr(globs[0]) if len(globs) == 1 else repr(tuple(globs))
 
 
 def _number_globs(lo: int, hi: int) -> list[str]:

@@ -503,3 +503,72 @@ def test_a_bare_layer_name_suggests_a_glob_over_every_stack_member():
     assert ft.get(adapted, "h.layers.q_proj.lora_a").shape == (3, 4, 2)  # every member adapted
     x = jnp.arange(4.0).reshape(1, 4)
     np.testing.assert_allclose(adapted["h"](x), model["h"](x), rtol=0, atol=1e-6)  # lora_b = 0: unchanged
+
+
+# ---------------------------------------------- a class with a number range of several digits
+_SIXTEEN = {"layers": [{"w": jnp.ones(1)} for _ in range(16)]}
+
+
+def _selected(pattern):
+    """The layer numbers ``pattern`` selects from _SIXTEEN (a pattern or a tuple of them)."""
+    patterns = pattern if isinstance(pattern, tuple) else (pattern,)
+    flat = ft.to_flat_dict(ft.select(_SIXTEEN, *patterns))
+    return sorted(int(k.split(".")[1]) for k, v in flat.items() if v is True)
+
+
+@pytest.mark.parametrize(("pattern", "reading", "right"), [
+    ("layers.[10-15].*", "one character of 0, 1, 5", "'layers.1[0-5].*'"),  # selected 0, 1 and 5
+    ("layers.[0-15].*", "one character of 0, 1, 5", "('layers.[0-9].*', 'layers.1[0-5].*')"),
+    ("layers.[0-10].*", "one character of 0, 1", "('layers.[0-9].*', 'layers.10.*')"),
+    ("layers.[1-10].*", "one character of 0, 1", "('layers.[1-9].*', 'layers.10.*')"),
+    ("layers.[!10-15].*", "any one character but 0, 1, 5", "'layers.1[0-5].*'   # the numbers 10-15"),
+])
+def test_a_class_with_a_multi_digit_number_range_is_refused_with_one_class_per_digit(pattern, reading, right):
+    """REVERSED_RANGE caught [14-15] (4-1 reversed) but not [10-15]: fnmatch's {1, 0-1, 5}
+    selected layers 0, 1 and 5 silently. The right spelling selects exactly the numbers."""
+    with pytest.raises(ValueError, match=rf"The pattern {re.escape(repr(pattern))} holds the character class "
+                                         rf"(.|\n)*reads it as {re.escape(reading)}, not as the numbers"
+                                         rf"(.|\n)*right:  {re.escape(right)}"):
+        ft.select(_SIXTEEN, pattern)
+    globs = eval(right.split("   #")[0])  # the message's suggestion, run
+    number = re.search(r"\[!?(\d+)-(\d+)\]", pattern)
+    assert number is not None
+    lo, hi = sorted(int(x) for x in number.groups())
+    assert _selected(globs) == list(range(lo, hi + 1))
+
+
+@pytest.mark.parametrize(("pattern", "numbers"), [
+    ("layers.[0-9].*", list(range(10))), ("layers.[!0-9].*", []), ("layers.1[0-5].*", list(range(10, 16))),
+    ("layers.[]].*", []), ("layers.[]-a].*", []), ("layers.[--/].*", []), ("layers.[!]].*", list(range(10))),
+    ("layers.[a-].*", []), ("layers.[a-z].*", []), ("layers.1[!0-3].*", [14, 15]), ("layers.[13].*", [1, 3]),
+])
+def test_classes_without_a_multi_digit_range_select_as_fnmatch_does(pattern, numbers):
+    """The valid classes of the audit's list still pass the check and select what fnmatch's
+    own reading of them does (the reference: fnmatch.fnmatchcase on each name)."""
+    import fnmatch
+
+    _naming.check_patterns([pattern])
+    expected = [n for n in range(16) if fnmatch.fnmatchcase(f"layers.{n}.w", pattern)]
+    assert expected == numbers
+    if numbers:
+        assert _selected(pattern) == numbers
+    else:  # selects nothing: the no-match error, not the class's
+        with pytest.raises(ValueError, match=r"wrong:  ft.select\(\.\.\., "):
+            ft.select(_SIXTEEN, pattern)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(0, 120), st.integers(0, 120))
+def test_every_number_range_class_is_refused_unless_it_is_one_digit_low_to_high(a, b):
+    """Property: '[a-b]' passes only when fnmatch reads it as the numbers a..b (one digit each,
+    a <= b); every other one is refused, and its suggestion spells exactly min..max."""
+    pattern = f"x.[{a}-{b}]"
+    if a <= b <= 9:
+        _naming.check_patterns([pattern])
+        return
+    with pytest.raises(ValueError, match=r"right:  ") as info:
+        _naming.check_patterns([pattern])
+    right = eval(str(info.value).split("right:  ")[1])
+    globs = right if isinstance(right, tuple) else (right,)
+    hit = [n for n in range(200) if any(_naming.matches(f"x.{n}", g) for g in globs)]
+    assert hit == list(range(min(a, b), max(a, b) + 1))

@@ -258,7 +258,9 @@ def generate(
     rules of Hugging Face's ``generate``). Step ``t`` draws with ``jax.random.fold_in(key, t)``:
     the same key gives the same tokens. A row that emits ``eos_token_id`` (an id or a list of
     ids; ``[]``: none) is finished: its later tokens are ``pad_token_id`` (default: the first
-    EOS id), and the loop stops early once every row is finished. With sampling,
+    EOS id), and the loop stops early once every row is finished. EOS ids outside the
+    vocabulary never end a row: a caller's value with none inside is refused, a checkpoint's
+    are dropped with ``CheckpointEosWarning`` (HF's ``generate`` runs on). With sampling,
     ``num_return_sequences=n`` draws ``n`` sequences per prompt: rows ``i * n .. i * n + n - 1``
     continue prompt ``i`` (HF's order; greedy refuses ``n > 1``, as HF does).
 

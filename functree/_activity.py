@@ -32,7 +32,8 @@ from functree import _compat as compat
 from functree._source import is_user_file as _is_user_file
 
 __all__ = [
-    "EMPTY", "MARK", "SCOPE", "Op", "Origin", "State", "analyse", "is_inexact", "join_all", "where",
+    "EMPTY", "MARK", "SCOPE", "Op", "Origin", "State", "analyse", "is_inexact", "is_known_zero", "join_all",
+    "where",
 ]
 
 # Primitives with floating results whose derivative is zero (wherever it exists).
@@ -108,7 +109,8 @@ def is_inexact(aval: Any) -> bool:
         return False
 
 
-def _is_known_zero(value: Any) -> bool:
+def is_known_zero(value: Any) -> bool:
+    """``value`` is concrete (not a tracer) and every element is 0 (small arrays only)."""
     if isinstance(value, jax.core.Tracer):
         return False
     size = getattr(value, "size", 1)
@@ -121,7 +123,7 @@ def _is_known_zero(value: Any) -> bool:
 
 
 def _const_state(value: Any) -> State:
-    return _ZERO if _is_known_zero(value) else EMPTY
+    return _ZERO if is_known_zero(value) else EMPTY
 
 
 def _join(a: State, b: State) -> State:

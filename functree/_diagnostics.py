@@ -56,7 +56,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from functree._activity import EMPTY, MARK, Op, Origin, State, analyse, is_inexact, join_all
+from functree._activity import (
+    EMPTY,
+    MARK,
+    Op,
+    Origin,
+    State,
+    analyse,
+    is_inexact,
+    is_known_zero,
+    join_all,
+)
 from functree._config import config
 from functree._diagnostics_key import cache_key
 from functree._module import DifferentiationWarning, Module
@@ -66,7 +76,7 @@ from functree._plan import Plan
 from functree._source import function_name as _fn_name
 from functree._source import unwrap as _unwrap
 from functree._traces import staged
-from functree._tree import CACHE_LIMIT, bounded_put, dotted_name
+from functree._tree import CACHE_LIMIT, bounded_put, dotted_name, is_none
 
 __all__ = [
     "UncoveredDerivativeError",
@@ -475,6 +485,7 @@ class _TraceState(threading.local):
     active: bool = False  # the check's trace is running
     marked: list[Any] | None = None  # constants ft.without_derivative returned while it ran
     holding: bool = False  # and the warnings it catches will be emitted (its jaxpr may be replayed)
+    confirming: bool = False  # a second trace with the call's data abstract (_confirmed) is running
 
 
 _TRACE = _TraceState()
@@ -608,12 +619,11 @@ def _run(
     closed, shape, quiet_constant = trace.closed, trace.shape, trace.quiet_constant
     try:
         groups = _groups(f, plan)
-        nin = len(closed.jaxpr.invars)
-        ins = [State(1 << (i + 1), 0, 0, 0, frozenset(), False) for i in range(nin)]
-        outs = analyse(closed.jaxpr, _data_as_unknown(closed.consts, plan), ins, False)
+        outputs = None
         if first_output_only and isinstance(shape, tuple) and len(shape) == 2:
-            outs = outs[: len(jax.tree.leaves(shape[0]))]
-        total = join_all(outs) if outs else EMPTY
+            outputs = len(jax.tree.leaves(shape[0]))
+        total = _total(closed, len(closed.jaxpr.invars), call_data(plan).leaves, outputs)
+        total = _settled(g, plan, total, _all_bits(groups), outputs, trace.side_effect)
         findings = tuple(_findings(f, groups, total, quiet_constant))
         activity = tuple(
             LeafActivity(leaf.name, _status(leaf.bit, total)) for g_ in groups for leaf in g_.leaves
@@ -643,26 +653,118 @@ def bind_keywords(f: Any, kwargs: dict[str, Any]) -> Any:
     return CallKeywords(f, **kwargs) if kwargs else f
 
 
-def _data_as_unknown(consts: Sequence[Any], plan: Plan) -> list[Any]:
-    """The trace's constants with those that are the call's arguments (the batch, a
-    model's non-parameter leaves) replaced by :data:`_DATA`: they are baked into the trace
-    as constants, but another call passes other values, so an all-zero batch must not
-    make a parameter read as "always a zero gradient" (a closure's or a literal's zero
-    still does). Arguments passed by keyword (bound in a :class:`CallKeywords`) are the
-    call's data as well."""
-    data = jax.tree.leaves([a for i, a in enumerate(plan.args) if i not in plan.indices])
-    if isinstance(plan.f, CallKeywords):  # passed by keyword: data too (never differentiated)
-        data += jax.tree.leaves(plan.f.keywords)
-    for i in plan.indices:  # a differentiated model's buffers (no_derivative: a gate zero now)
-        trained = {id(leaf) for leaf in jax.tree.leaves(parameters(plan.args[i]))}
-        data += [leaf for leaf in jax.tree.leaves(plan.args[i]) if id(leaf) not in trained]
+def _is_data_leaf(x: Any) -> bool:
+    """A leaf a call could pass other values in: an array or a number (not a callable, a
+    string array or another object carried in the tree)."""
+    if isinstance(x, (jax.Array, bool, int, float, complex)):
+        return True
+    return isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "biufc"
+
+
+class _CallData(NamedTuple):
+    """The call's data (:func:`call_data`): its leaves and where they sit."""
+
+    leaves: list[Any]
+    slots: list[tuple[Any, list[Any], list[int]]]  # per tree: (treedef, its leaves, data positions)
+    keywords: bool  # the last tree is the keyword arguments of a CallKeywords
+
+    def put(self, plan: Plan, values: Sequence[Any]) -> tuple[tuple, Any]:
+        """``(args, f)`` of the call with ``values`` in the data's places."""
+        trees, it = [], iter(values)
+        for treedef, leaves, positions in self.slots:
+            leaves = list(leaves)
+            for k in positions:
+                leaves[k] = next(it)
+            trees.append(treedef.unflatten(leaves))
+        if not self.keywords:
+            return tuple(trees), plan.f
+        f = plan.f
+        assert isinstance(f, CallKeywords)
+        return tuple(trees[:-1]), CallKeywords(f.func, *f.args, **trees[-1])
+
+
+def call_data(plan: Plan) -> _CallData:
+    """Every leaf of the call's arguments outside the differentiated views: the batch, the
+    keyword arguments, a model's ``no_derivative`` leaves and the parameters ``wrt=``
+    patterns leave out (a LoRA ``B`` that is 0 now while ``A`` is trained)."""
+    views = dict(zip(plan.indices, plan.primals))
+    trees = [(a, views.get(i)) for i, a in enumerate(plan.args)]
+    keywords = isinstance(plan.f, CallKeywords)
+    if isinstance(plan.f, CallKeywords):
+        trees.append((plan.f.keywords, None))
+    slots, data = [], []
+    for tree, view in trees:
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=is_none)
+        marks = [None] * len(leaves) if view is None else jax.tree.leaves(view, is_leaf=is_none)
+        if len(marks) != len(leaves):  # not the argument's structure: its view's leaves by identity
+            chosen = {id(x) for x in jax.tree.leaves(view)}
+            marks = [x if id(x) in chosen else None for x in leaves]
+        positions = [k for k, (x, m) in enumerate(zip(leaves, marks)) if m is None and _is_data_leaf(x)]
+        slots.append((treedef, leaves, positions))
+        data += [leaves[k] for k in positions]
+    return _CallData(data, slots, keywords)
+
+
+def _data_as_unknown(consts: Sequence[Any], data: Sequence[Any]) -> list[Any]:
+    """The trace's constants with those that are the call's data (:func:`call_data`)
+    replaced by :data:`_DATA`: they are baked into the trace as constants, but another call
+    passes other values, so an all-zero batch must not make a parameter read as "always a
+    zero gradient" (a closure's or a literal's zero still does). Matched by identity: a
+    Python number (a literal) or a NumPy array (converted) is another object in the trace;
+    :func:`_confirmed` settles a zero those leave."""
     given = {id(leaf) for leaf in data}
-    # A NumPy argument enters the trace converted (another object): known by its shape and
-    # dtype (a closure's zero array of the same shape then reads as data too: a miss, never
-    # an invented zero).
-    converted = {(leaf.shape, str(leaf.dtype)) for leaf in data if isinstance(leaf, np.ndarray)}
-    return [_DATA if id(c) in given or (np.shape(c), str(getattr(c, "dtype", None))) in converted else c
-            for c in consts]
+    return [_DATA if id(c) in given else c for c in consts]
+
+
+def _total(closed: Any, primals: int, data: Sequence[Any], outputs: int | None) -> State:
+    """The joined state of the traced result (its first ``outputs`` leaves when given): the
+    first ``primals`` inputs are the differentiated leaves, any later ones data."""
+    nin = len(closed.jaxpr.invars)
+    ins = [State(1 << (i + 1), 0, 0, 0, frozenset(), False) if i < primals else EMPTY for i in range(nin)]
+    outs = analyse(closed.jaxpr, _data_as_unknown(closed.consts, data), ins, False)
+    outs = outs if outputs is None else outs[:outputs]
+    return join_all(outs) if outs else EMPTY
+
+
+def _confirmed(g: Callable[..., Any], plan: Plan, data: _CallData, outputs: int | None) -> State | None:
+    """The analysis on a trace where the call's data are inputs, not values, or None when
+    ``g`` cannot be traced so (Python control flow on a number it is given).
+
+    Run only when a zero mask was found and some data leaf is all zeros now
+    (``ft.gradient(loss)(m, x, 0.0)``, ``np.zeros(2)``): a Python number enters the first
+    trace as a literal, a NumPy array converted, so neither is known as data there. ``g``
+    is ``plan.wrap()``'s (it reads ``plan.args`` and ``plan.f`` when called): they are
+    swapped for the call with tracers in the data's places while it is traced."""
+    def with_data_traced(primals: tuple, values: list) -> Any:
+        saved = plan.args, plan.f
+        plan.args, plan.f = data.put(plan, values)
+        try:
+            return g(*primals)
+        finally:
+            plan.args, plan.f = saved
+
+    _TRACE.confirming, was = True, _TRACE.confirming  # nested operators: no check of their own
+    try:
+        again = _trace(with_data_traced, (tuple(plan.primals), list(data.leaves)))
+    except Exception:
+        return None
+    finally:
+        _TRACE.confirming = was
+    return _total(again.closed, len(jax.tree.leaves(plan.primals)), (), outputs)
+
+
+def _settled(g: Callable[..., Any], plan: Plan, total: State, bits: int, outputs: int | None,
+             side_effect: bool) -> State:
+    """``total``, or, when a leaf reads as zero-masked and the call's data hold an all-zero
+    leaf (which may be the mask), the analysis of :func:`_confirmed`; when that cannot
+    run, the masked leaves count as active (the analysis may miss a zero, never invent one)."""
+    if not total.zeroed & bits & ~total.active:
+        return total
+    data = call_data(plan)
+    if not any(is_known_zero(x) for x in data.leaves):
+        return total
+    again = None if side_effect else _confirmed(g, plan, data, outputs)
+    return again if again is not None else total._replace(active=total.active | total.zeroed, zeroed=0)
 
 
 def check(kind: str, fn: Any, g: Any, plan: Plan, has_aux: bool = False) -> Callable[..., Any]:
@@ -686,7 +788,7 @@ def check(kind: str, fn: Any, g: Any, plan: Plan, has_aux: bool = False) -> Call
     ``has_aux`` (``g`` returns ``(result, aux)``) only the result is analysed: a parameter
     read only by the aux has a zero derivative.
     """
-    if not config.diagnostics:
+    if not config.diagnostics or _TRACE.confirming:
         return g
     key = cache_key(kind + (" with aux" if has_aux else ""), fn, plan)
     if key is not None and key in _CACHE:
@@ -777,7 +879,7 @@ def diagnose(
     def run(*args: Any, **kwargs: Any) -> Any:
         fn = bind_keywords(f, kwargs)
         if nan:
-            return nan_report(fn, args, wrt=wrt, has_aux=has_aux)
+            return nan_report(f, args, wrt=wrt, has_aux=has_aux, keywords=kwargs)
         plan = Plan("diagnose", fn, args, wrt)
         report = _run(fn, plan.wrap(), plan, first_output_only=has_aux, strict=True)
         uncovered = _uncovered_derivative(fn, plan, has_aux)

@@ -1109,3 +1109,78 @@ def test_a_new_function_of_the_same_code_is_checked_afresh():
     assert caught(kept) == ["ZeroDerivativeWarning"]
     assert caught(kept) == []  # a function kept and called again: checked once
     assert len(_diagnostics._CACHE) == before + 1
+
+
+class _Gated(ft.Module):
+    body: jax.Array
+    aux: jax.Array
+    gate: Any = ft.field(no_derivative=True, default=1.0)
+
+
+_GATED = _Gated(jnp.array([0.5, -1.0]), jnp.array([2.0, 0.3]))  # pyright: ignore[reportCallIssue]
+_X2 = jnp.array([1.0, 2.0])
+
+
+def _gated_loss(m, x, aux_weight):
+    return jnp.sum(m.body * x) ** 2 + jnp.sum(aux_weight * m.gate * jnp.tanh(m.aux * x))
+
+
+@pytest.mark.parametrize("weight", [0.0, np.float32(0.0), np.zeros(()), 0, False, np.zeros(2), "keyword", "gate"])
+def test_the_calls_numbers_and_numpy_arrays_are_data_not_known_zeros(weight):
+    """ft.gradient(loss)(m, x, 0.0) warned "aux ... will always have a zero gradient": a
+    Python number enters the trace as a literal and a NumPy array converted (float64 to
+    float32), so neither was known as the call's data. A zero written in the function
+    (0.0 * ...) still warns."""
+    model, grad = _GATED, ft.gradient(_gated_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if isinstance(weight, str) and weight == "keyword":
+            out, w = grad(model, _X2, aux_weight=0.0), 0.0
+        elif isinstance(weight, str):  # a no_derivative field holding a Python 0.0
+            model = _Gated(model.body, model.aux, 0.0)  # pyright: ignore[reportCallIssue]
+            out, w = grad(model, _X2, 1.0), 1.0
+        else:
+            out, w = grad(model, _X2, weight), weight
+        report = ft.diagnose(_gated_loss)(model, _X2, w)
+    assert [a.status for a in report.activity] == ["active", "active"] and report.ok
+    body, aux, x = (np.asarray(a, np.float64) for a in (model.body, model.aux, _X2))
+    # d/dbody (body·x)² = 2 (body·x) x; d/daux w·gate·Σ tanh(aux x) = w·gate·(1 - tanh²(aux x)) x (numpy, float64)
+    np.testing.assert_allclose(out.body, 2 * (body @ x) * x, rtol=0, atol=1e-6)
+    expected_aux = np.asarray(w, np.float64) * float(model.gate) * (1 - np.tanh(aux * x) ** 2) * x
+    np.testing.assert_allclose(out.aux, np.broadcast_to(expected_aux, (2,)), rtol=0, atol=1e-6)
+    written = lambda m, x, w: jnp.sum(m.body * x) + jnp.sum(w * 0.0 * m.aux)  # noqa: E731
+    with pytest.warns(ft.UnusedParameterWarning, match="aux   \\(multiplied by a constant zero\\)"):
+        ft.gradient(written)(model, _X2, 0.0 if isinstance(w, bool) else w)  # bool * float: strict promotion
+
+
+def test_parameters_left_out_by_wrt_are_data_not_known_zeros():
+    """Training LoRA's A while B is 0 (its initialisation) warned ZeroDerivativeWarning, a
+    ReZero gate alpha = 0 beside wrt="f" too, and ft.diagnose said `f: zero mask`: the
+    parameters wrt= leaves out were read as constants of the function."""
+    class Lora(ft.Module):
+        A: jax.Array
+        B: jax.Array
+        W: jax.Array
+
+        def __call__(self, x):
+            return x @ self.W + (x @ self.A) @ self.B
+
+    class ReZero(ft.Module):
+        f: jax.Array
+        alpha: jax.Array
+
+        def __call__(self, x):
+            return x + self.alpha * jnp.tanh(x @ self.f)
+
+    lora = Lora(jnp.full((2, 3), 0.1), jnp.zeros((3, 2)), jnp.eye(2))  # pyright: ignore[reportCallIssue]
+    rezero = ReZero(jnp.eye(2), jnp.array(0.0))  # pyright: ignore[reportCallIssue]
+    square = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grad_a = ft.gradient(square, wrt="A")(lora, _X2)
+        ft.gradient(square, wrt="f")(rezero, _X2)
+        report = ft.diagnose(square, wrt="f")(rezero, _X2)
+    assert report.activity == (_diagnostics.LeafActivity("f", "active"),)
+    # d/dA Σ y², y = xW + xAB: outer(x, 2y Bᵀ) (numpy, float64): zero while B is 0.
+    x, a, b, w = (np.asarray(v, np.float64) for v in (_X2, lora.A, lora.B, lora.W))
+    np.testing.assert_allclose(grad_a.A, np.outer(x, 2 * (x @ w + x @ a @ b) @ b.T), rtol=0, atol=0)

@@ -170,7 +170,8 @@ class _Origin(NamedTuple):
     value: str
     context: tuple[str, ...]
     leaf: int = -1
-    mask: bool = False  # an intentional infinity (from a literal or constant)
+    mask: bool = False  # an intentional NaN or infinity (from a literal or constant)
+    source: tuple[str, int] = ("", 0)  # the user's line (the enclosing call's inside jnp's jits)
 
 
 def _inexact(x: Any) -> bool:
@@ -206,25 +207,33 @@ class _Run:
         self.count = 0
 
     def new(self, kind: str, phase: str, eqn: Any, deps: int, value: Any,
-            context: tuple[str, ...], leaf: int = -1) -> _Origin:
+            context: tuple[str, ...], leaf: int = -1, enclosing: tuple[str, int] = ("", 0)) -> _Origin:
         self.count += 1
-        return _Origin(self.count, kind, phase, eqn, deps, _describe(value), context, leaf)
+        source = ("", 0) if eqn is None else _source(eqn)
+        return _Origin(self.count, kind, phase, eqn, deps, _describe(value), context, leaf,
+                       source=source if source[1] else enclosing)
 
     def origin(self, outs: Sequence[Any], ins: Sequence[tuple[Any, _Origin | None]],
-               make: Callable[[Any], _Origin]) -> list[_Origin | None]:
+               make: Callable[[Any], _Origin], preferred: int = 0) -> list[_Origin | None]:
         """Each output's origin: inherited from a non-finite input, else new.
 
-        Infinities from literals and constants (``-jnp.inf`` in a mask) are intentional:
-        their origin is a *mask* origin, which an infinite result inherits but a NaN does
-        not (``-inf - -inf`` in a softmax of a fully masked row is new).
+        NaNs and infinities from literals and constants (``-jnp.inf`` in a mask, the NaN
+        ``jnp.var`` puts where ``ddof`` leaves no degree of freedom) are intentional: their
+        origin is a *mask* origin, which a result inherits when it holds the same kind of
+        value (an infinity from an infinity, a NaN from a NaN) and is never preferred to
+        a real one (``-inf - -inf`` in a softmax of a fully masked row is new). The first
+        ``preferred`` inputs' real origins come first: a pullback's cotangents (the
+        gradient's own failure) before its primal inputs (a value masked forward).
         """
         out_flags = [_flags(x) for x in outs]
         if not any(n or i for n, i in out_flags):  # the common case: inputs never read back
             return [None] * len(outs)
         flags = [_flags(x) for x, _ in ins]
-        real = [(o, n) for (_, o), (n, i) in zip(ins, flags) if (n or i) and o and not o.mask]
+        real = _real(ins[:preferred], flags[:preferred]) or _real(ins, flags)
         masked = next((o for (_, o), (n, i) in zip(ins, flags) if (n or i) and o and o.mask), None)
+        masked_nan = next((o for (_, o), (n, _i) in zip(ins, flags) if n and o and o.mask), None)
         loose = any((n or i) and o is None for (_, o), (n, i) in zip(ins, flags))
+        loose_nan = any(n and o is None for (_, o), (n, _i) in zip(ins, flags))
         result: list[_Origin | None] = []
         for x, (n, i) in zip(outs, out_flags):
             if not (n or i):
@@ -232,10 +241,15 @@ class _Run:
             elif real:  # a NaN prefers an input that holds one
                 result.append(next((o for o, has_nan in real if has_nan), real[0][0]) if n else real[0][0])
             elif n:
-                result.append(make(x))
+                result.append(masked_nan or (make(x)._replace(mask=True) if loose_nan else make(x)))
             else:
                 result.append(masked or (make(x)._replace(mask=True) if loose else make(x)))
         return result
+
+
+def _real(ins: Sequence[tuple[Any, _Origin | None]], flags: Sequence[tuple[bool, bool]]) -> list:
+    """``(origin, holds a NaN)`` of the inputs that are non-finite from a real origin."""
+    return [(o, n) for (_, o), (n, i) in zip(ins, flags) if (n or i) and o and not o.mask]
 
 
 # ----------------------------------------------------------------------------- forward
@@ -245,9 +259,10 @@ class _Tape:
     """A jaxpr run forward: its values, dependence bits and origins, and each equation's
     nested tapes (one for a call, one per iteration for a loop, the branch for a cond)."""
 
-    def __init__(self, jaxpr: Any, context: tuple[str, ...]) -> None:
+    def __init__(self, jaxpr: Any, context: tuple[str, ...], enclosing: tuple[str, int]) -> None:
         self.jaxpr = jaxpr
         self.context = context
+        self.enclosing = enclosing  # the user's line of the call that runs it (jnp.std's)
         self.env: dict[Any, Any] = {}
         self.deps: dict[Any, int] = {}
         self.origins: dict[Any, _Origin | None] = {}
@@ -269,8 +284,8 @@ def _open(j: Any) -> tuple[Any, Sequence[Any]]:
 
 def _forward(run: _Run, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
              deps: Sequence[int], origins: Sequence[_Origin | None],
-             context: tuple[str, ...]) -> _Tape:
-    tape = _Tape(jaxpr, context)
+             context: tuple[str, ...], enclosing: tuple[str, int] = ("", 0)) -> _Tape:
+    tape = _Tape(jaxpr, context, enclosing)
     for v, c in zip(jaxpr.constvars, consts):
         tape.env[v], tape.deps[v], tape.origins[v] = c, 0, None
     for v, x, d, o in zip(jaxpr.invars, args, deps, origins):
@@ -279,7 +294,7 @@ def _forward(run: _Run, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         ins = [tape.read(v) for v in eqn.invars]
         in_deps = [tape.dep(v) for v in eqn.invars]
         in_orgs = [tape.org(v) for v in eqn.invars]
-        outs, out_deps, out_orgs, sub = _forward_eqn(run, eqn, ins, in_deps, in_orgs, context)
+        outs, out_deps, out_orgs, sub = _forward_eqn(run, eqn, ins, in_deps, in_orgs, context, enclosing)
         tape.subs.append(sub)
         for v, x, d, o in zip(eqn.outvars, outs, out_deps, out_orgs):
             tape.env[v], tape.deps[v], tape.origins[v] = x, d, o
@@ -287,44 +302,49 @@ def _forward(run: _Run, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
 
 
 def _forward_eqn(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
-                 context: tuple[str, ...]) -> tuple[list, list[int], list, Any]:
+                 context: tuple[str, ...], enclosing: tuple[str, int]) -> tuple[list, list[int], list, Any]:
     name = eqn.primitive.name
     body = compat.body_of_call(eqn)
+    # An equation inside jnp's own jitted functions records no frame of the user's: its
+    # line is the user's call that reached it (as the activity analysis's _ENCLOSING).
+    here = _source(eqn)
+    inner = here if here[1] else enclosing
     if body is not None:
         jaxpr, consts = body
         label = _CONTEXT_NAMES.get(name) or name
         if name in ("jit", "pjit") and eqn.params.get("name"):
             label = f"jit({eqn.params['name']})"
-        tape = _forward(run, jaxpr, consts, ins, deps, orgs, (*context, label))
+        tape = _forward(run, jaxpr, consts, ins, deps, orgs, (*context, label), inner)
         outs = [tape.read(v) for v in jaxpr.outvars]
         sub = None if name in _CUSTOM else tape  # custom rules: pullback as a whole
         return outs, [tape.dep(v) for v in jaxpr.outvars], [tape.org(v) for v in jaxpr.outvars], sub
     if name == "cond":
-        return _forward_cond(run, eqn, ins, deps, orgs, context)
+        return _forward_cond(run, eqn, ins, deps, orgs, context, inner)
     if name == "scan":
-        return _forward_scan(run, eqn, ins, deps, orgs, context)
+        return _forward_scan(run, eqn, ins, deps, orgs, context, inner)
     if name == "while":
-        return _forward_while(run, eqn, ins, deps, orgs, context)
+        return _forward_while(run, eqn, ins, deps, orgs, context, inner)
     outs = compat.bind_eqn(eqn, ins)
     dep = functools.reduce(lambda a, b: a | b, deps, 0)
-    made = run.origin(outs, list(zip(ins, orgs)), lambda x: run.new("operation", "forward", eqn, dep, x, context))
+    made = run.origin(outs, list(zip(ins, orgs)), lambda x: run.new(
+        "operation", "forward", eqn, dep, x, context, enclosing=enclosing))
     return outs, [dep] * len(outs), made, None
 
 
 def _forward_cond(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
-                  context: tuple[str, ...]) -> tuple[list, list[int], list, Any]:
+                  context: tuple[str, ...], enclosing: tuple[str, int]) -> tuple[list, list[int], list, Any]:
     index = int(np.asarray(ins[0]))
     branches = eqn.params["branches"]
     index = min(max(index, 0), len(branches) - 1)
     jaxpr, consts = _open(branches[index])
-    tape = _forward(run, jaxpr, consts, ins[1:], deps[1:], orgs[1:], (*context, f"cond branch {index}"))
+    tape = _forward(run, jaxpr, consts, ins[1:], deps[1:], orgs[1:], (*context, f"cond branch {index}"), enclosing)
     pick = deps[0]
     outs = [tape.read(v) for v in jaxpr.outvars]
     return outs, [tape.dep(v) | pick for v in jaxpr.outvars], [tape.org(v) for v in jaxpr.outvars], (index, tape)
 
 
 def _forward_scan(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
-                  context: tuple[str, ...]) -> tuple[list, list[int], list, Any]:
+                  context: tuple[str, ...], enclosing: tuple[str, int]) -> tuple[list, list[int], list, Any]:
     p = eqn.params
     (nconst, ncarry), length = compat.scan_counts(p), p["length"]
     jaxpr, consts = _open(p["jaxpr"])
@@ -336,7 +356,7 @@ def _forward_scan(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
     for i in order:
         where = (*context, f"scan iteration {i} of {length}")
         tape = _forward(run, jaxpr, consts, [*c_in, *carry, *[x[i] for x in xs]],
-                        [*cd, *carry_d, *xs_d], [*co, *carry_o, *xs_o], where)
+                        [*cd, *carry_d, *xs_d], [*co, *carry_o, *xs_o], where, enclosing)
         tapes.append((i, tape))
         outs = [tape.read(v) for v in jaxpr.outvars]
         carry = outs[:ncarry]
@@ -358,7 +378,7 @@ def _forward_scan(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
 
 
 def _forward_while(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
-                   context: tuple[str, ...]) -> tuple[list, list[int], list, Any]:
+                   context: tuple[str, ...], enclosing: tuple[str, int]) -> tuple[list, list[int], list, Any]:
     p = eqn.params
     nc, nb = compat.while_counts(p)
     cj, cc = _open(p["cond_jaxpr"])
@@ -370,12 +390,12 @@ def _forward_while(run: _Run, eqn: Any, ins: list, deps: list[int], orgs: list,
     i = 0
     while True:
         test = _forward(run, cj, cc, [*c_in, *carry], [0] * (nc + len(carry)),
-                        [None] * (nc + len(carry)), context)
+                        [None] * (nc + len(carry)), context, enclosing)
         stop |= functools.reduce(lambda a, b: a | b, deps[:nc] + carry_d, 0)
         if not bool(np.asarray(test.read(cj.outvars[0]))):
             break
         tape = _forward(run, bj, bc, [*b_in, *carry], [*b_d, *carry_d], [*b_o, *carry_o],
-                        (*context, f"while iteration {i}"))
+                        (*context, f"while iteration {i}"), enclosing)
         carry = [tape.read(v) for v in bj.outvars]
         carry_d = [a | tape.dep(v) for a, v in zip(carry_d, bj.outvars)]
         carry_o = [tape.org(v) for v in bj.outvars]
@@ -391,13 +411,12 @@ class _Cot(NamedTuple):
     origin: _Origin | None
 
 
-def _add(run: _Run, a: _Cot | None, b: _Cot | None, eqn: Any, deps: int,
-         context: tuple[str, ...]) -> _Cot | None:
+def _add(run: _Run, a: _Cot | None, b: _Cot | None, eqn: Any, deps: int, tape: _Tape) -> _Cot | None:
     if a is None or b is None:
         return a or b
     total = jnp.add(a.value, b.value)
-    (o,) = run.origin([total], [(a.value, a.origin), (b.value, b.origin)],
-                      lambda x: run.new("operation", "backward", eqn, deps, x, context))
+    (o,) = run.origin([total], [(a.value, a.origin), (b.value, b.origin)], lambda x: run.new(
+        "operation", "backward", eqn, deps, x, tape.context, enclosing=tape.enclosing))
     return _Cot(total, o)
 
 
@@ -409,7 +428,7 @@ def _backward(run: _Run, tape: _Tape, out_cts: Sequence[_Cot | None]) -> list[_C
     def put(v: Any, c: _Cot | None, eqn: Any) -> None:
         if c is None or isinstance(v, jcore.Literal):
             return
-        ct[v] = _add(run, ct.get(v), c, eqn, tape.dep(v) & run.param_bits, tape.context)
+        ct[v] = _add(run, ct.get(v), c, eqn, tape.dep(v) & run.param_bits, tape)
 
     for v, c in zip(jaxpr.outvars, out_cts):
         put(v, c, None)
@@ -483,10 +502,13 @@ def _pullback(run: _Run, tape: _Tape, eqn: Any, outs: list, need: list[bool]) ->
         except Exception:  # no pullback (a while loop, an integer-valued rule): carries nothing
             return [None] * len(ins)
     deps = functools.reduce(lambda a, b: a | b, [tape.dep(eqn.invars[k]) for k in where], 0)
-    pairs = [(x, tape.org(v)) for v, x in zip(eqn.invars, ins)]
-    pairs += [(outs[k].value, outs[k].origin) for k in live]
+    # The cotangents first: a gradient's NaN is the backward pass's own (sqrt's derivative
+    # at 0 in jnp.std) before a value the forward pass masked away (jnp.var's NaN literal).
+    pairs = [(outs[k].value, outs[k].origin) for k in live]
+    pairs += [(x, tape.org(v)) for v, x in zip(eqn.invars, ins)]
     made = run.origin(grads, pairs, lambda x: run.new(
-        "operation", "backward", eqn, deps & run.param_bits, x, tape.context))
+        "operation", "backward", eqn, deps & run.param_bits, x, tape.context, enclosing=tape.enclosing),
+        preferred=len(live))
     result: list[_Cot | None] = [None] * len(ins)
     for k, g, o in zip(where, grads, made):
         result[k] = _Cot(g, o)
@@ -504,7 +526,7 @@ def _backward_scan(run: _Run, eqn: Any, tapes: list, outs: list) -> list[_Cot | 
     for i, tape in reversed(tapes):
         body_out = [*carry_ct, *[None if c is None else _Cot(c.value[i], c.origin) for c in ys_ct]]
         in_ct = _backward(run, tape, body_out)
-        const_ct = [_add(run, a, b, eqn, 0, tape.context) for a, b in zip(const_ct, in_ct[:nconst])]
+        const_ct = [_add(run, a, b, eqn, 0, tape) for a, b in zip(const_ct, in_ct[:nconst])]
         carry_ct = in_ct[nconst:nconst + ncarry]
         xs_ct[i] = in_ct[nconst + ncarry:]
     stacked: list[_Cot | None] = []
@@ -523,9 +545,10 @@ def _backward_scan(run: _Run, eqn: Any, tapes: list, outs: list) -> list[_Cot | 
 
 
 class _Leaf(NamedTuple):
-    argument: int
+    argument: int | None  # its position in the signature (None: a keyword it does not name)
     path: str  # dotted name inside the argument ("<root>" for the argument itself)
     parameter: bool
+    keyword: str = ""  # passed by keyword: the keyword
 
 
 def _leaves(plan: Plan) -> tuple[list[tuple[int, Any]], list[_Leaf], Any]:
@@ -545,6 +568,31 @@ def _leaves(plan: Plan) -> tuple[list[tuple[int, Any]], list[_Leaf], Any]:
         dynamic.append((k, x))
         names.append(_Leaf(path[0].idx, dotted_name(path[1:]) or "<root>", d))
     return dynamic, names, (flat, treedef)
+
+
+def _keyword_leaves(f: Any, keywords: dict[str, Any]) -> tuple[list[tuple[int, Any]], list[_Leaf], Any]:
+    """The keyword arguments' array leaves, inputs as the positional ones' (never
+    differentiated), each named by its keyword and its position in ``f``'s signature."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(keywords, is_leaf=is_none)
+    positions = _signature(f)
+    dynamic, names = [], []
+    for k, (path, x) in enumerate(flat):
+        if x is None or not is_array_or_numpy_scalar(x):
+            continue
+        keyword = str(path[0].key)
+        dynamic.append((k, x))
+        names.append(_Leaf(positions.index(keyword) if keyword in positions else None,
+                           dotted_name(path[1:]) or "<root>", False, keyword))
+    return dynamic, names, (flat, treedef)
+
+
+def _signature(f: Any) -> list[str]:
+    import inspect
+
+    try:
+        return list(inspect.signature(f).parameters)
+    except (TypeError, ValueError):
+        return []
 
 
 def _argument_label(f: Any, index: int) -> str:
@@ -568,6 +616,11 @@ def _source(eqn: Any) -> tuple[str, int]:
     return "", 0
 
 
+def _label(leaf: _Leaf, labels: Sequence[str]) -> str:
+    """The argument's name in backticks (a keyword's is its keyword)."""
+    return f"`{leaf.keyword}`" if leaf.keyword else labels[leaf.argument or 0]
+
+
 def _names(bits: int, leaves: Sequence[_Leaf], parameter: bool, labels: Sequence[str]) -> tuple[str, ...]:
     """Dotted key paths of the leaves in ``bits``: bare for the first argument's
     parameters, else prefixed by the argument's name (``batch.0``)."""
@@ -577,14 +630,16 @@ def _names(bits: int, leaves: Sequence[_Leaf], parameter: bool, labels: Sequence
             if leaf.argument == 0 and parameter:
                 out.append(leaf.path)
             else:
-                name = labels[leaf.argument].strip("`")
+                name = _label(leaf, labels).strip("`")
                 out.append(name if leaf.path == "<root>" else f"{name}.{leaf.path}")
     return tuple(out)
 
 
 def _input_name(leaf: _Leaf, labels: Sequence[str]) -> str:
     where = "" if leaf.path == "<root>" else f", key path {leaf.path}"
-    return f"argument {leaf.argument} ({labels[leaf.argument]}{where})"
+    if leaf.argument is None:
+        return f"keyword argument {_label(leaf, labels)}" + ("" if leaf.path == "<root>" else f" (key path {leaf.path})")
+    return f"argument {leaf.argument} ({_label(leaf, labels)}{where})"
 
 
 def _report(function: str, origin: _Origin, leaves: Sequence[_Leaf], labels: Sequence[str]) -> NaNReport:
@@ -592,7 +647,7 @@ def _report(function: str, origin: _Origin, leaves: Sequence[_Leaf], labels: Seq
         leaf = leaves[origin.leaf]
         return NaNReport(function, "input", "input", value=origin.value, argument=leaf.argument,
                          path=_input_name(leaf, labels))
-    file, line = _source(origin.eqn)
+    file, line = origin.source
     name = "add_any" if origin.eqn is None else origin.eqn.primitive.name  # summed cotangents
     return NaNReport(
         function, "operation", origin.phase, name, file, line, origin.value,
@@ -601,18 +656,26 @@ def _report(function: str, origin: _Origin, leaves: Sequence[_Leaf], labels: Seq
     )
 
 
-def nan_report(f: Callable[..., Any], args: tuple, *, wrt: Any = 0, has_aux: bool = False) -> NaNReport:
-    """The :class:`NaNReport` of ``f(*args)`` and its gradient with respect to ``wrt``
-    (as in :func:`ft.gradient`); with ``has_aux`` only the first result is the loss."""
+def nan_report(f: Callable[..., Any], args: tuple, *, wrt: Any = 0, has_aux: bool = False,
+               keywords: dict[str, Any] | None = None) -> NaNReport:
+    """The :class:`NaNReport` of ``f(*args, **keywords)`` and its gradient with respect to
+    ``wrt`` (as in :func:`ft.gradient`); with ``has_aux`` only the first result is the
+    loss. A keyword argument's arrays are inputs as a positional argument's are: a NaN
+    given as ``mask=`` is named as that argument."""
+    keywords = keywords or {}
     plan = Plan("diagnose", f, args, wrt)
     dynamic, leaves, (flat, treedef) = _leaves(plan)
-    values = [x for _, x in dynamic]
+    kw_dynamic, kw_leaves, (kw_flat, kw_treedef) = _keyword_leaves(f, keywords)
+    leaves = [*leaves, *kw_leaves]
+    values = [x for _, x in dynamic] + [x for _, x in kw_dynamic]
 
     def h(*xs: Any) -> Any:
-        full = [x for _, x in flat]
+        full, kw_full = [x for _, x in flat], [x for _, x in kw_flat]
         for (k, _), x in zip(dynamic, xs):
             full[k] = x
-        return f(*jax.tree.unflatten(treedef, full))
+        for (k, _), x in zip(kw_dynamic, xs[len(dynamic):]):
+            kw_full[k] = x
+        return f(*jax.tree.unflatten(treedef, full), **jax.tree.unflatten(kw_treedef, kw_full))
 
     closed, shape = jax.make_jaxpr(h, return_shape=True)(*values)
     function = _fn_name(f)

@@ -503,3 +503,60 @@ def test_a_step_finite_when_run_again_and_a_later_model_are_said():
     loss = trainer.train_step.loss_fn
     assert step_report(loss, trainer.model, data[0], None, step=1).note == FINITE_AGAIN.format(step=1)
     assert step_report(loss, trainer.model, data[1], None, step=2, applied_after=3).note == LATER_MODEL.format(count=3)
+
+
+# ------------------------------------------------------------------ jnp's jitted functions, keywords
+
+_CONSTANT_ROW = (jnp.eye(2), jnp.array([[1.0, 2.0], [3.0, 3.0]]))  # row 1 has zero variance
+
+
+def _standardized(w, x):
+    h = x @ w
+    z = (h - h.mean(-1, keepdims=True)) / (jnp.std(h, axis=-1, keepdims=True) + 1e-5)  # <- std
+    return jnp.sum(z ** 2)
+
+
+def _norms(w, x):
+    return jnp.sum(jnp.linalg.norm(x @ w, axis=-1))  # <- norm
+
+
+def test_a_nan_gradient_through_std_is_the_derivative_of_its_sqrt_at_the_users_line():
+    """jnp.std of a constant row: the gradient is NaN and the report said
+    "`convert_element_type` first produced nan at <unknown> (forward pass)", blaming the
+    NaN literal jnp.var masks away where ddof leaves no degree of freedom."""
+    h = np.asarray(_CONSTANT_ROW[1]) @ np.asarray(_CONSTANT_ROW[0])
+    variance = h.var(-1)  # numpy: row 1 exactly 0, where d√v/dv = 1 / (2√v) is infinite
+    with np.errstate(divide="ignore"):
+        assert variance[1] == 0 and np.isinf(1.0 / (2 * np.sqrt(variance[1])))
+    assert not np.isfinite(np.asarray(jax.grad(_standardized)(*_CONSTANT_ROW))).all()
+    report = ft.diagnose(_standardized, nan=True)(*_CONSTANT_ROW)
+    _check(report, _standardized, "<- std", "sqrt", "backward")
+    assert report.parameters == ("<root>",) and "nan" in report.value
+
+
+def test_an_operation_inside_jnps_jitted_function_is_located_at_the_users_call():
+    """jnp.linalg.norm of a zero row: its sqrt runs inside jit(norm), whose equations record
+    no frame of the user's; the report said `at <unknown>` and `line: :0`."""
+    x = jnp.array([[1.0, 2.0], [0.0, 0.0]])
+    # d‖r‖/dr = r/‖r‖: 0/0 at the zero row (numpy: the same division, non-finite).
+    with np.errstate(invalid="ignore", divide="ignore"):
+        assert not np.isfinite(np.asarray(x) / np.linalg.norm(np.asarray(x), axis=-1, keepdims=True)).all()
+    report = ft.diagnose(_norms, nan=True)(jnp.eye(2), x)
+    _check(report, _norms, "<- norm", "sqrt", "backward")
+    assert report.context == ("jit(norm)",) and "<unknown>" not in str(report)
+
+
+def _masked(w, x, mask=None):
+    return jnp.sum(w * x * mask)
+
+
+def test_a_nan_passed_by_keyword_is_named_as_that_argument():
+    """loss(w, x, mask=bad) said "`mul` first produced nan": keyword leaves were not inputs."""
+    w, x, bad = jnp.array([1.0, 2.0]), jnp.array([1.0, 2.0]), jnp.array([1.0, jnp.nan])
+    positional = ft.diagnose(_masked, nan=True)(w, x, bad)
+    report = ft.diagnose(_masked, nan=True)(w, x, mask=bad)
+    assert report == positional
+    assert (report.kind, report.argument, report.path) == ("input", 2, "argument 2 (`mask`)")
+    assert report.value == f"nan ({int(np.isnan(np.asarray(bad)).sum())} of 2 elements)"
+    unnamed = ft.diagnose(lambda w, **kw: jnp.sum(w * kw["m"]["a"]), nan=True)(w, m={"a": bad})
+    assert (unnamed.argument, unnamed.path) == (None, "keyword argument `m` (key path a)")

@@ -34,7 +34,9 @@ def test_function_callback_sees_the_learning_context():
     seen = []
     make().fit(data(), epochs=2, log_every=2, progress=False, callbacks=[seen.append])
     events = [(c.event, c.step, c.sweep, c.samples_seen) for c in seen]
-    assert events == [("log", 2, 0, 32), ("epoch", 3, 1, 48), ("log", 5, 1, 80), ("epoch", 6, 2, 96)]
+    # log_every counts the job's steps, across epoch ends (Lightning's log_every_n_steps)
+    assert events == [("log", 2, 0, 32), ("epoch", 3, 1, 48), ("log", 4, 1, 64), ("log", 6, 1, 96),
+                      ("epoch", 6, 2, 96)]
     assert all(c.minibatch_size == 16 and c.learning_rate == pytest.approx(0.05) for c in seen)
     assert set(seen[1].metrics) == {"loss"}
 
@@ -440,7 +442,61 @@ def test_each_hook_set_to_none_is_skipped(hook):
     for t, cbs in ((trainer, [off, full]), (plain, [])):
         t.fit(data(), epochs=2, log_every=2, progress=False, callbacks=cbs)
         t.fit(data(), epochs=2, log_every=2, progress=False, callbacks=cbs)  # already done: the end again
-    assert full.calls == [("on_train_begin", 0), ("on_log", 2), ("on_epoch_end", 3), ("on_log", 5),
+    assert full.calls == [("on_train_begin", 0), ("on_log", 2), ("on_epoch_end", 3), ("on_log", 4), ("on_log", 6),
                           ("on_epoch_end", 6), ("on_train_end", 6), ("on_train_end", 6)]  # (no step: no begin)
     assert off.calls == [c for c in full.calls if c[0] != hook]
     np.testing.assert_allclose(trainer.history.steps["loss"], plain.history.steps["loss"], rtol=0, atol=0)
+
+
+def test_reduce_lr_on_plateau_refuses_a_scheduled_rate_before_the_first_step():
+    """On ft.optim.adam(cosine_decay(...)) it failed at the first plateau, epochs in, with the
+    fix for an optax transformation (wrap optax.adam in ft.optim.Optimizer), which was
+    already done. Refused in on_train_begin, naming the schedule and the one right fix."""
+    from functree.train._callbacks import NO_LEARNING_RATE, SCHEDULED_LEARNING_RATE
+
+    trainer = Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.adam(ft.optim.cosine_decay(0.1, 100)),
+                      loss_fn)
+    with pytest.raises(ValueError) as info:
+        trainer.fit(data(), epochs=5, progress=False, callbacks=[ft.train.ReduceLROnPlateau(monitor="loss")])
+    assert str(info.value) == SCHEDULED_LEARNING_RATE.format(names="'learning_rate'")
+    assert "optax.adam" not in str(info.value) and trainer.steps_run == 0
+    plain = Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.adam(0.1), loss_fn)  # the fix: it runs
+    plain.fit(data(), epochs=1, progress=False, callbacks=[ft.train.ReduceLROnPlateau(monitor="loss")])
+    import optax  # an optax transformation without hyperparameters: the other fix, also up front
+
+    raw = Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), optax.adam(0.1), loss_fn)
+    with pytest.raises(ValueError) as info:
+        raw.fit(data(), epochs=5, progress=False, callbacks=[ft.train.ReduceLROnPlateau(monitor="loss")])
+    assert str(info.value) == NO_LEARNING_RATE.format(error="no hyperparameter named learning_rate")
+    assert raw.steps_run == 0
+
+
+def test_the_logged_learning_rate_of_per_samples_is_the_documented_one():
+    """per_samples(0.1, 10) on minibatches of 5 logs 0.1 (the rate per 10 samples, as
+    documented: TrainingContext.learning_rate, docs/guides/logging.md) while each step
+    applies 0.05; a per_samples schedule logs the rate applied. Both against NumPy SGD."""
+    x, y = X[:20], Y[:20, 0]
+
+    def fit(rate):
+        seen = []
+        trainer = Trainer({"w": jnp.zeros(2)}, ft.optim.Optimizer(ft.optim.sgd(rate)),
+                          lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2))
+        history = trainer.fit(ft.train.batches((x, y), 5, shuffle=False), epochs=1, progress=False,
+                              callbacks=[seen.append])
+        return trainer, history.steps["learning_rate"], seen[-1].learning_rate
+
+    def sgd(rates):  # NumPy reference: w -= rate * grad, minibatches of 5 in order
+        w = np.zeros(2)
+        for i, rate in zip(range(0, 20, 5), rates):
+            xb = x[i:i + 5].astype(np.float64)
+            w = w - rate * 2 * xb.T @ (xb @ w - y[i:i + 5]) / 5
+        return w
+
+    trainer, column, context = fit(ft.optim.per_samples(0.1, 10))
+    np.testing.assert_allclose(column + [context], 0.1, rtol=0, atol=1e-8)  # float32 0.1
+    np.testing.assert_allclose(np.asarray(trainer.model["w"]), sgd([0.05] * 4), rtol=0, atol=1e-6)
+    schedule = ft.optim.cosine_decay(0.1, 100)
+    trainer, column, _ = fit(ft.optim.per_samples(schedule, 10))
+    applied = [float(schedule(ft.optim.initial_context().replace(step=s))) * 5 / 10 for s in range(4)]
+    np.testing.assert_allclose(column, applied, rtol=0, atol=1e-8)
+    np.testing.assert_allclose(np.asarray(trainer.model["w"]), sgd(applied), rtol=0, atol=1e-6)

@@ -91,3 +91,47 @@ def test_the_datas_errors():
         epochs = Epochs()
         epochs.iterate(Odd(), at())
         epochs.position(at(batch_in_epoch=1))
+
+
+def test_a_leaf_of_another_leading_size_is_refused_not_read_as_the_minibatch_size():
+    """A dict batch's minibatch size was its first leaf's in key order: a per-batch
+    ``class_weights`` (3,) beside x (10, 2) gave samples_seen 6 for 20 examples and the
+    per_samples(0.1, 10) rate 0.03 for 0.1, silently. Leaves that disagree are now refused,
+    naming both key paths and sizes."""
+    from functree._examples import MIXED_EXAMPLE_AXIS
+    from functree.train._metrics import batch_size_of
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(20, 2)).astype(np.float32)
+    y = (x @ np.array([1.0, -1.0], np.float32)).astype(np.float32)
+    weights = np.ones(3, np.float32)
+    split = ("examples (the minibatch size: samples_seen, per_samples learning rates and the means' weights "
+             "count them; a mesh or accumulate=k cuts it)")
+    want = MIXED_EXAMPLE_AXIS.format(first="['x']", rows=10, other="['class_weights']", given=3, split=split)
+    with pytest.raises(ValueError) as info:
+        batch_size_of({"x": x[:10], "y": y[:10], "class_weights": weights})
+    assert str(info.value) == want
+    with pytest.raises(ValueError, match=r"\[2\] has 3"):  # a tuple too, past its fast path
+        Epochs().minibatch_size((x[:10], y[:10], weights), at(), 0)
+    assert batch_size_of({"x": x[:10], "t": np.float32(2.0)}) == 10  # a scalar rides along
+
+    def loss_fn(m, b):
+        return jnp.mean(((b["x"] @ m["w"]) * b["class_weights"][0] - b["y"]) ** 2)
+
+    trainer = ft.train.Trainer({"w": jnp.zeros(2)}, ft.optim.Optimizer(ft.optim.sgd(ft.optim.per_samples(0.1, 10))),
+                               loss_fn)
+    data = [{"x": x[i:i + 10], "y": y[i:i + 10], "class_weights": weights} for i in (0, 10)]
+    with pytest.raises(ValueError) as info:
+        trainer.fit(data, epochs=1, progress=False)
+    assert str(info.value) == want and trainer.steps_run == 0
+    assert info.value.__notes__ == ["step 1: minibatch 0 of epoch 0 (counted from 0); it was not run."]
+    seen = []  # the fix (the weights in the loss's closure): 10 examples a step, the rate 0.1
+    trainer = ft.train.Trainer({"w": jnp.zeros(2)}, ft.optim.Optimizer(ft.optim.sgd(ft.optim.per_samples(0.1, 10))),
+                               lambda m, b: loss_fn(m, {**b, "class_weights": weights}))
+    trainer.fit([{"x": b["x"], "y": b["y"]} for b in data], epochs=1, progress=False, callbacks=[seen.append])
+    assert (seen[-1].samples_seen, seen[-1].minibatch_size) == (20, 10)
+    w = np.zeros(2)  # reference: SGD at 0.1 on the mean squared error's gradient
+    for i in (0, 10):
+        xb, yb = x[i:i + 10].astype(np.float64), y[i:i + 10]
+        w = w - 0.1 * 2 * xb.T @ (xb @ w - yb) / 10
+    np.testing.assert_allclose(np.asarray(trainer.model["w"]), w, rtol=0, atol=1e-6)

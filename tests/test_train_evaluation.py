@@ -29,3 +29,41 @@ def test_predict_computes_in_the_trainers_compute_dtype_as_evaluate_does():
     loss = trainer.evaluate(ft.train.batches((x, y), 32, shuffle=False))["loss"]
     np.testing.assert_allclose(loss, float(ft.losses.softmax_cross_entropy(hand, jnp.asarray(y))),
                                rtol=0, atol=1e-6)
+
+
+def test_empty_or_used_up_evaluation_data_is_named_as_the_callers_not_as_training_data():
+    """A generator as validation_data ran epoch 1 and then failed with "The training data
+    gave no minibatch to evaluate" and the training data's fixes; evaluate([]) the same.
+    Several epochs with an iterator as validation_data are refused before the first step;
+    used-up validation or evaluation data is named as what it is, with a re-iterable fix."""
+    import pytest
+
+    from functree.train._epochs import ONE_SHOT_VALIDATION
+    from functree.train._evaluation import _EMPTY_EVAL, EMPTY_EVAL_DATA
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(12, 2)).astype(np.float32)
+    y = (x @ np.array([1.0, -1.0], np.float32)).astype(np.float32)
+    trainer = ft.train.Trainer({"w": jnp.zeros(2)}, ft.optim.sgd(0.1), lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2))
+    val = ((x[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4))
+    with pytest.raises(ValueError) as info:
+        trainer.fit((x, y), epochs=3, batch_size=4, validation_data=val, progress=False)
+    assert str(info.value) == ONE_SHOT_VALIDATION.format(count="epochs=3", kind="generator")
+    assert trainer.steps_run == 0
+    trainer.fit((x, y), epochs=1, batch_size=4, validation_data=val, progress=False)  # one epoch: allowed
+    np.testing.assert_allclose(trainer.history.epochs["val_loss"][0],  # numpy reference: the 12 rows
+                               np.mean((x @ np.asarray(trainer.model["w"]) - y) ** 2), rtol=0, atol=1e-6)
+
+    def message(which, kind):
+        name, why, wrong, right, other = _EMPTY_EVAL[which]
+        return EMPTY_EVAL_DATA.format(which=name, what="predict" if which == "predict" else "evaluate", kind=kind,
+                                      why=why, wrong=wrong, right=right, other=other)
+
+    with pytest.raises(ValueError) as info:  # the generator, used up by epoch 1's validation
+        trainer.fit((x, y), epochs=2, batch_size=4, validation_data=val, progress=False)
+    assert str(info.value) == message("validation", "generator")
+    assert str(info.value).startswith("The validation data (fit's validation_data=) gave no minibatch")
+    for call, which in ((trainer.evaluate, "evaluate"), (trainer.predict, "predict")):
+        with pytest.raises(ValueError) as info:
+            call([])
+        assert str(info.value) == message(which, "list")

@@ -85,3 +85,24 @@ def test_an_epoch_end_between_redraws_shows_its_validation_metrics_at_the_next_o
     bar.close()
     last = stream.getvalue().split("\r")[-1]
     assert "8/8" in last and "loss=0.1250" in last and "val_loss=0.2500" in last
+
+
+def test_the_last_line_of_a_fit_that_ends_mid_epoch_holds_the_means_of_its_steps(capsys):
+    """fit(steps=8) with epochs of 5 steps printed "epoch 2: 8/8 steps, loss=..." with the
+    last log interval's mean (step 8's alone, or steps 7-8), where the guide says the line
+    covers the steps after the last epoch end: it now holds steps 6-8's size-weighted mean."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import functree as ft
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(22, 2)).astype(np.float32)
+    y = (x @ np.array([1.0, -1.0], np.float32)).astype(np.float32)
+    trainer = ft.train.Trainer({"w": jnp.zeros(2)}, ft.optim.sgd(0.1), lambda m, b: jnp.mean((b[0] @ m["w"] - b[1]) ** 2))
+    capsys.readouterr()
+    history = trainer.fit(ft.train.batches((x, y), 5, key=jax.random.key(0)), steps=8, log_every=2)  # stderr: lines
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    mean = np.dot([5, 5, 5], history.steps["loss"][5:8]) / 15  # steps 6-8, minibatches of 5
+    assert last.startswith(f"epoch 2: 8/8 steps, loss={format_value(float(mean))}, lr=0.1000 (")

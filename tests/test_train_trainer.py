@@ -146,7 +146,8 @@ def test_a_fit_without_callbacks_reads_no_learning_context(monkeypatch):
     monkeypatch.undo()
     trainer.fit(data, epochs=3, progress=False, log_every=5,
                 callbacks=[lambda ctx: contexts.append((ctx.event, ctx.step, ctx.samples_seen, ctx.sweep))])
-    assert [c for c in contexts if c[0] == "log"] == [("log", 32 + s, 4 * (32 + s), 2) for s in (5, 10, 15)]
+    # log_every counts the job's steps (Lightning's log_every_n_steps): at 35, 40, 45
+    assert [c for c in contexts if c[0] == "log"] == [("log", s, 4 * s, 2) for s in (35, 40, 45)]
     assert ("epoch", 48, 4 * 48, 3) in contexts
 
 
@@ -778,11 +779,14 @@ def _hf_right_code(message):
     return "\n".join([lines[start].split("right:")[1].strip()] + [line[12:] for line in lines[start + 1:end + 1]])
 
 
-@pytest.mark.parametrize("kind, extra, steps, warm", [
-    ("linear", {"num_train_epochs": 2, "warmup_steps": 3}, 2 * math.ceil(math.ceil(40 / 4) / 2), 3),
-    ("cosine", {"max_steps": 6, "warmup_steps": 0.25}, 6, math.ceil(6 * 0.25)),  # a ratio below 1
+@pytest.mark.parametrize("kind, extra, n, steps, warm", [
+    ("linear", {"num_train_epochs": 2, "warmup_steps": 3}, 40, 2 * math.ceil(math.ceil(40 / 4) / 2), 3),
+    # 43 rows: a last minibatch of 3, which accumulate=2 cannot split (it crashed at step 6):
+    # drop_last, 2 x 5 whole minibatches of 8 (HF: 2 x 6, its last one of 3 rows)
+    ("linear", {"num_train_epochs": 2, "warmup_steps": 3}, 43, 2 * (43 // 8), 3),
+    ("cosine", {"max_steps": 6, "warmup_steps": 0.25}, 40, 6, math.ceil(6 * 0.25)),  # a ratio below 1
 ])
-def test_the_printed_hugging_face_recipe_runs_with_hfs_settings(tmp_path, kind, extra, steps, warm):
+def test_the_printed_hugging_face_recipe_runs_with_hfs_settings(tmp_path, kind, extra, n, steps, warm):
     """The recipe was ``ft.optim.adamw(0.0003)``: functree's weight decay 0.01 for the
     user's 0.1, no warmup or decay, no accumulation, no clipping. Run as printed on 40
     examples, it takes HF's optimizer steps (epochs x ceil(ceil(40 / 4) / 2), or
@@ -798,7 +802,7 @@ def test_the_printed_hugging_face_recipe_runs_with_hfs_settings(tmp_path, kind, 
     code = _hf_right_code(str(info.value))
     assert "weight_decay=0.1" in code and "accumulate=2" in code and "clip_by_global_norm(1.0)" in code
     rng = np.random.default_rng(0)
-    train_arrays = (rng.normal(size=(40, 3)).astype(np.float32), rng.normal(size=(40, 1)).astype(np.float32))
+    train_arrays = (rng.normal(size=(n, 3)).astype(np.float32), rng.normal(size=(n, 1)).astype(np.float32))
     scope = {"ft": ft, "model": ft.nn.Dense(3, 1, key=jax.random.key(0)), "loss_fn": _mse,
              "train_arrays": train_arrays, "eval_data": None}
     exec(code.replace(".fit(", ".fit(progress=False, data=", 1), scope)
@@ -1211,3 +1215,80 @@ def test_switching_a_model_with_loaded_batchnorm_statistics_warns_and_the_fixes_
                                    atol=1e-6)
         np.testing.assert_allclose(bn.scale, model[1].weight.detach().numpy(), rtol=0, atol=1e-6)
         np.testing.assert_allclose(got.head.layers[1].weight, model[3].weight.detach().numpy().T, rtol=0, atol=1e-6)
+
+
+# --- log_every across epochs, accumulate with a short last minibatch -------------------
+LX = RNG.normal(size=(22, 2)).astype(np.float32)  # minibatches of 5: 5, 5, 5, 5, 2 per epoch
+LY = (LX @ np.array([1.0, -1.0], np.float32)).astype(np.float32)
+
+
+def _linear(model, batch):
+    return jnp.mean((batch[0] @ model["w"] - batch[1]) ** 2)
+
+
+def _log_run(trainer, epochs, logs, **fit):
+    data = ft.train.batches((LX, LY), 5, key=jax.random.key(0))
+    return trainer.fit(data, epochs=epochs, log_every=7, progress=False, **fit,
+                       callbacks=[lambda c: logs.append((c.step, c.metrics["loss"])) if c.event == "log" else None])
+
+
+def test_log_every_counts_the_jobs_steps_across_epoch_ends_and_resumes_exactly(tmp_path):
+    """log_every=7 with 5 steps per epoch: the count restarted at every epoch end, so on_log
+    never fired (CSV every="log", TensorBoard step/*: empty). It now counts the job's steps
+    (Lightning's log_every_n_steps, HF's logging_steps): steps 7, 14, 21, 28, each the
+    size-weighted mean of its 7 steps (a window spanning epoch ends); a job saved at step
+    12 and restored logs the same steps with the same values."""
+    logs = []
+    history = _log_run(Trainer({"w": jnp.zeros(2)}, ft.optim.sgd(0.1), _linear), 6, logs)
+    assert [s for s, _ in logs] == [7, 14, 21, 28]
+    sizes, losses = np.tile([5, 5, 5, 5, 2], 6), np.array(history.steps["loss"])
+    expected = [np.dot(sizes[s - 7:s], losses[s - 7:s]) / sizes[s - 7:s].sum() for s in (7, 14, 21, 28)]
+    # products n·v in float32 (measured 2.2e-8 off on 0.87)
+    np.testing.assert_allclose([v for _, v in logs], expected, rtol=0, atol=2e-7)
+    first, resumed = [], []
+    trainer = Trainer({"w": jnp.zeros(2)}, ft.optim.sgd(0.1), _linear)
+    trainer.fit(ft.train.batches((LX, LY), 5, key=jax.random.key(0)), steps=12, log_every=7, progress=False,
+                callbacks=[lambda c: first.append((c.step, c.metrics["loss"])) if c.event == "log" else None])
+    assert trainer.since_log == 5  # (steps 8-12: the window spans the epoch end at step 10)
+    trainer.save(str(tmp_path / "ckpt"))
+    _log_run(Trainer({"w": jnp.zeros(2)}, ft.optim.sgd(0.1), _linear).restore(str(tmp_path / "ckpt")), 6, resumed)
+    assert first + resumed == logs  # the same steps, bit for bit
+
+
+def test_accumulate_with_a_short_last_minibatch_is_refused_with_the_trainers_fix():
+    """Optimizer(accumulate=4), 70 rows in minibatches of 16: the last of 6 rows crashed at
+    the end of epoch 1 with opt.minimize's fix. Refused before the first step (the data's
+    sizes are known), with drop_last=True; minibatches of unknown sizes at their step."""
+    from functree.train._epochs import ACCUMULATE_UNEVEN
+
+    x = np.random.default_rng(3).normal(size=(70, 2)).astype(np.float32)
+    y = (x @ np.array([1.0, -1.0], np.float32)).astype(np.float32)
+
+    def make():
+        return Trainer({"w": jnp.zeros(2)}, ft.optim.Optimizer(ft.optim.sgd(0.1), accumulate=4), _linear)
+
+    trainer = make()
+    with pytest.raises(ValueError) as info:
+        trainer.fit(ft.train.batches((x, y), 16), epochs=2, progress=False)
+    assert str(info.value) == ACCUMULATE_UNEVEN.format(
+        k=4, which="the last minibatch of each epoch (70 examples in minibatches of 16)", rows=6,
+        when=" (refused before the first step)", wrong="ft.train.batches(data, 16)",
+        right="ft.train.batches(data, 16, drop_last=True)",
+        note="   # the last 6 examples of each shuffled epoch left out")
+    assert trainer.steps_run == 0
+    trainer.fit(ft.train.batches((x, y), 16), steps=4, progress=False)  # steps= short of the 6 rows: runs
+    assert trainer.steps_run == 4
+    trainer = make()
+    with pytest.raises(ValueError, match=r"each minibatch \(batch_size=6\) has 6 examples"):
+        trainer.fit(ft.train.batches((x, y), 6, drop_last=True), epochs=2, progress=False)
+    data = ft.train.batches((x, y), 16, drop_last=True, key=jax.random.key(1))  # the fix, run
+    trainer.fit(data, epochs=2, progress=False)
+    w = np.zeros(2)  # reference: SGD on the mean gradient of each whole minibatch
+    for epoch in range(2):
+        for xb, yb in data.iterate(epoch):
+            w = w - 0.1 * 2 * xb.T.astype(np.float64) @ (xb @ w - yb) / len(xb)
+    np.testing.assert_allclose(np.asarray(trainer.model["w"]), w, rtol=0, atol=1e-6)
+    listed = make()  # sizes known only as they come: the step that would fail
+    with pytest.raises(ValueError, match=r"minibatch 2 of epoch 0 \(counted from 0\) has 6 examples.*step 3 was not"):
+        listed.fit([(x[:16], y[:16]), (x[16:32], y[16:32]), (x[32:38], y[32:38])], epochs=1, progress=False)
+    assert listed.steps_run == 2

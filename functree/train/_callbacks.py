@@ -28,7 +28,7 @@ import jax
 
 from functree.optim import hyperparameters, set_hyperparameters
 from functree.optim._average import AverageState, keeps_average
-from functree.optim._hyper import group_learning_rate, learning_rate_names
+from functree.optim._hyper import _entries, _keys, group_learning_rate, learning_rate_names
 from functree.optim._lookahead import SlowState
 from functree.train._job import JobState, own_copy
 from functree.train.checkpoint._checkpoint import CheckpointManager, metadata_digest
@@ -61,6 +61,18 @@ optimizer state has no settable learning rate ({error}).
 
     wrong:  Trainer(model, optax.adam(1e-3), loss_fn)
     right:  Trainer(model, ft.optim.Optimizer(ft.optim.adam(1e-3)), loss_fn)"""
+
+SCHEDULED_LEARNING_RATE = """\
+ReduceLROnPlateau lowers the learning rate when its monitor stalls, but {names} follows a \
+schedule, which sets the rate at every step (a lowered value would be overwritten at the \
+next one): the two cannot both set it. Give the optimizer a number for ReduceLROnPlateau to \
+lower, or keep the schedule without ReduceLROnPlateau:
+
+    wrong:  trainer = ft.train.Trainer(model, ft.optim.adam(ft.optim.cosine_decay(1e-3, 1000)), loss_fn)
+            trainer.fit(data, callbacks=[ft.train.ReduceLROnPlateau(...)])
+    right:  trainer = ft.train.Trainer(model, ft.optim.adam(1e-3), loss_fn)
+            trainer.fit(data, callbacks=[ft.train.ReduceLROnPlateau(...)])
+       or:  trainer.fit(data)      # the schedule alone, with the Trainer above"""
 
 UNKNOWN_GROUP = """\
 ReduceLROnPlateau(group={group!r}): the optimizer has no parameter group {group!r} with a \
@@ -127,7 +139,11 @@ class TrainingContext:
       samples_seen: examples consumed by the optimizer steps taken.
       minibatch_size: the size of the latest minibatch.
       learning_rate: the current learning rate (None if the state has none, or has one
-        per parameter group: see ``learning_rates``).
+        per parameter group: see ``learning_rates``), as ``ft.optim.hyperparameters``
+        reports it: a number in the unit it was given (``per_samples(0.1, 10)``: 0.1, the
+        rate per 10 samples, as CNTK prints "learning rate per 10 samples"; a step on a
+        minibatch of M applies ``0.1 · M / 10``), a schedule's value as the step applied
+        it (``per_samples(schedule, 10)``: ``schedule · M / 10``).
       metrics: means over the interval (``"log"``) or the epoch (``"epoch"``), with
         ``val_*`` validation metrics at epoch ends. Under ``on_nan="skip"`` the means
         are over the applied steps and ``skipped`` counts the steps left out.
@@ -493,6 +509,15 @@ class ReduceLROnPlateau(Callback):
         self._monitor.load(state)
         self._cooling = int(state["cooling"])
 
+    def on_train_begin(self, trainer: TrainerView) -> None:
+        """Refuse, before any step, a learning rate it could not set (a schedule's, or an
+        optimizer state with none): found at the first plateau, that was epochs in."""
+        names = self._names(trainer.opt_state)
+        entries = _entries(trainer.opt_state, values=False)
+        scheduled = [k for k, (_, _, settable, _) in zip(_keys(entries), entries) if k in names and not settable]
+        if scheduled:
+            raise ValueError(SCHEDULED_LEARNING_RATE.format(names=" and ".join(map(repr, scheduled))))
+
     def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         improved = self._monitor.improved(self._monitor.value(context))
         if self._cooling > 0:
@@ -508,6 +533,15 @@ class ReduceLROnPlateau(Callback):
 
     def _reduced(self, opt_state: Any) -> Any:
         """``opt_state`` with the learning rate(s) multiplied by ``factor`` (at least ``min_lr``)."""
+        names = self._names(opt_state)
+        now = hyperparameters(opt_state)
+        try:
+            return set_hyperparameters(opt_state, {n: max(float(now[n]) * self.factor, self.min_lr) for n in names})
+        except (KeyError, ValueError) as e:
+            raise ValueError(NO_LEARNING_RATE.format(error=e)) from None
+
+    def _names(self, opt_state: Any) -> list[str]:
+        """The learning rates it sets: every group's, or ``group``'s (errors name the fix)."""
         names = learning_rate_names(opt_state)
         if self.group is not None:
             name = group_learning_rate(opt_state, self.group)
@@ -521,11 +555,7 @@ class ReduceLROnPlateau(Callback):
             names = [name]
         if not names:
             raise ValueError(NO_LEARNING_RATE.format(error="no hyperparameter named learning_rate"))
-        now = hyperparameters(opt_state)
-        try:
-            return set_hyperparameters(opt_state, {n: max(float(now[n]) * self.factor, self.min_lr) for n in names})
-        except (KeyError, ValueError) as e:
-            raise ValueError(NO_LEARNING_RATE.format(error=e)) from None
+        return names
 
 
 class ModelCheckpoint(Callback):

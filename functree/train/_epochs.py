@@ -56,6 +56,15 @@ Pass something re-iterable, or count steps instead of epochs:
        or:  trainer.fit(loader, epochs={epochs})          # a list, a DataLoader: re-iterable
        or:  trainer.fit(generator(), steps=1000)"""
 
+ONE_SHOT_VALIDATION = """\
+trainer.fit(data, {count}, validation_data=...) validates at every epoch's end, but \
+validation_data is a one-shot iterator ({kind}): the first validation would use it up, and \
+the next one find no minibatch. Pass something re-iterable:
+
+    wrong:  trainer.fit(data, {count}, validation_data=(b for b in val_batches))
+    right:  trainer.fit(data, {count}, validation_data=list(val_batches))
+       or:  trainer.fit(data, {count}, validation_data=ft.train.batches((x_val, y_val), 32, shuffle=False))"""
+
 ONE_SHOT_RESUME = """\
 The restored trainer is at step {step}, but {kind} is a one-shot iterator that cannot report \
 or set its position (no get_state()/set_state()): it is used as if it started right after \
@@ -93,6 +102,14 @@ A step needs at least one example; drop empty minibatches where the data is made
     wrong:  loader = [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x) + 32, 32)]
     right:  loader = [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x), 32)]
        or:  ft.train.batches((x, y), batch_size=32)"""
+
+ACCUMULATE_UNEVEN = """\
+trainer.fit: Optimizer(accumulate={k}) splits every minibatch into {k} microbatches, but \
+{which} has {rows} examples, not a multiple of {k}{when}. Give minibatches of a multiple of \
+{k} examples (on a mesh: of devices x {k}):
+
+    wrong:  trainer.fit({wrong}, ...)
+    right:  trainer.fit({right}, ...){note}"""
 
 MALFORMED_MINIBATCH = """\
 step {step}: minibatch {index} of epoch {epoch} (counted from 0) failed in the training step. \
@@ -137,11 +154,12 @@ def _has_position(it: Any) -> bool:
 
 
 def batch_size(batch: Any) -> int:
-    """:func:`batch_size_of`, with a fast path for the common ``(x, y)`` tuple of arrays."""
+    """:func:`batch_size_of` (the leading axis every array leaf shares, else an error
+    naming two leaves), with a fast path for the common ``(x, y)`` tuple of arrays."""
     if type(batch) is tuple and batch:
-        shape = getattr(batch[0], "shape", ())
-        if len(shape) >= 1:
-            return int(shape[0])
+        sizes = {shape[0] if shape else -1 for shape in (getattr(x, "shape", None) for x in batch)}
+        if len(sizes) == 1 and -1 not in sizes:  # arrays of one leading size (no nested or 0-d leaf)
+            return int(sizes.pop())
     return batch_size_of(batch)
 
 
@@ -155,13 +173,14 @@ class Epochs:
     """The current epoch's iterator over the fit's data, continued across ``fit`` calls
     (``iter(data)`` once per epoch), and whether the next one resumes a restored job."""
 
-    __slots__ = ("first_shapes", "iterator", "of", "restored")
+    __slots__ = ("accumulate", "first_shapes", "iterator", "of", "restored")
 
     def __init__(self) -> None:
         self.iterator: Any = None  # the current epoch's data iterator
         self.of: Any = None  # the data it iterates
         self.restored = False  # a restored job: the next epoch iterator is positioned
         self.first_shapes = ""  # the first minibatch's shapes, for the error of a malformed one
+        self.accumulate = 1  # the optimizer's microbatches per step: each minibatch a multiple of it
 
     @staticmethod
     def check_counts(**counts: Any) -> list[int | None]:
@@ -219,9 +238,18 @@ class Epochs:
             raise ValueError(DATA_STATE_NOT_STORABLE.format(kind=type(it).__name__, given=repr(state)[:120]))
         return state
 
-    def check_data(self, data: Any, epochs: int | None, steps: int | None, job: JobState) -> None:
-        """A one-shot iterator cannot run several epochs; a restored job mid-epoch
-        continues only on data of the length it was trained on."""
+    def check_data(self, data: Any, epochs: int | None, steps: int | None, job: JobState,
+                   accumulate: int = 1, validation_data: Any = None) -> None:
+        """A one-shot iterator cannot run several epochs, nor validate at several epoch
+        ends; a restored job mid-epoch continues only on data of the length it was trained
+        on; under ``accumulate=k``, ``ft.train.batches`` of a fixed size must cut
+        minibatches of multiples of ``k`` (refused here, not at the epoch's last step)."""
+        self.accumulate = accumulate
+        if isinstance(validation_data, Iterator) and _epoch_ends(data, epochs, steps, job) > 1:
+            count = f"steps={steps}" if steps is not None else f"epochs={epochs}"
+            raise ValueError(ONE_SHOT_VALIDATION.format(count=count, kind=type(validation_data).__name__))
+        if accumulate > 1 and isinstance(data, Batches):
+            _check_accumulable(data, accumulate, steps, job)
         if steps is None and epochs is not None and epochs - job.epoch > 1 and isinstance(data, Iterator):
             raise ValueError(ONE_SHOT.format(epochs=epochs, kind=type(data).__name__))
         length = epoch_length(data)
@@ -242,7 +270,19 @@ class Epochs:
     def minibatch_size(self, batch: Any, job: JobState, offset: int) -> int:
         """The minibatch's size; an empty minibatch is an error naming it (before it
         reaches a step)."""
-        size = batch_size(batch)
+        try:
+            size = batch_size(batch)
+        except ValueError as e:  # leaves of two leading sizes: which minibatch (the data may mix)
+            e.add_note(f"step {job.steps_run + offset + 1}: minibatch {job.batch_in_epoch + offset} of epoch "
+                       f"{job.epoch} (counted from 0); it was not run.")
+            raise
+        if size % self.accumulate:  # (data of unknown sizes: found here, before its step)
+            k, step = self.accumulate, job.steps_run + offset + 1
+            raise ValueError(ACCUMULATE_UNEVEN.format(
+                k=k, which=f"minibatch {job.batch_in_epoch + offset} of epoch {job.epoch} (counted from 0)",
+                rows=size, when=f": step {step} was not run, the steps before it were", wrong="loader",
+                right=f"torch.utils.data.DataLoader(dataset, batch_size={4 * k}, drop_last=True)",
+                note=f"\n       or:  trainer.fit(ft.train.batches((x, y), {4 * k}, drop_last=True), ...)"))
         if size == 0:
             raise ValueError(EMPTY_MINIBATCH.format(step=job.steps_run + offset + 1, index=job.batch_in_epoch + offset,
                                                     epoch=job.epoch, shapes=describe_batch(batch)))
@@ -256,6 +296,41 @@ class Epochs:
         text = MALFORMED_MINIBATCH.format(step=job.steps_run + offset + 1, index=job.batch_in_epoch + offset,
                                           epoch=job.epoch, shapes=describe_batch(batch), first=first, error=error)
         return with_location(error, text)
+
+
+def _epoch_ends(data: Any, epochs: int | None, steps: int | None, job: JobState) -> int:
+    """How many epoch ends ``fit`` reaches at most (1 where unknown: steps of data of
+    unknown length)."""
+    ends = epochs - job.epoch if epochs is not None else None
+    length = epoch_length(data)
+    if steps is not None and length:  # the ends within the steps left, from the job's position
+        by_steps = (job.batch_in_epoch + steps - job.steps_run) // length
+        ends = by_steps if ends is None else min(ends, by_steps)
+    return 1 if ends is None else ends
+
+
+def _check_accumulable(data: Batches, k: int, steps: int | None, job: JobState) -> None:
+    """:data:`ACCUMULATE_UNEVEN` for ``ft.train.batches`` of a fixed size whose minibatches
+    (or its last one, of ``n % batch_size`` rows, where ``steps=`` reaches it) are not
+    multiples of ``k``. The fix: a multiple of ``k`` near the size, and ``drop_last=True``
+    where ``n % size`` still is not (no size fixes it when ``n`` is not a multiple of ``k``:
+    ``n % size ≡ n (mod k)``)."""
+    size, n = data.batch_size, data.num_examples
+    if not isinstance(size, int) or data.shard is not None:  # sizes known only as they come
+        return
+    reached = steps is None or steps - job.steps_run >= len(data) - job.batch_in_epoch
+    rest = n % size if reached and not data.drop_last else 0
+    if size % k == 0 and rest % k == 0:
+        return
+    good = k * max(1, round(size / k))
+    drop = n % good % k != 0 or data.drop_last
+    which = f"each minibatch (batch_size={size})" if size % k else \
+        f"the last minibatch of each epoch ({n} examples in minibatches of {size})"
+    left = f"   # the last {n % good} examples of each shuffled epoch left out" if drop and n % good else ""
+    raise ValueError(ACCUMULATE_UNEVEN.format(
+        k=k, which=which, rows=size if size % k else rest, when=" (refused before the first step)",
+        wrong=f"ft.train.batches(data, {size}{', drop_last=True' if data.drop_last else ''})",
+        right=f"ft.train.batches(data, {good}{', drop_last=True' if drop else ''})", note=left))
 
 
 def with_location(error: Exception, text: str) -> Exception:

@@ -20,7 +20,7 @@ from functree.optim._average import averaged as averaged_parameters
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.train._data import Batches, batches, to_arrays
-from functree.train._epochs import EMPTY_DATA, as_data, batch_size, with_location
+from functree.train._epochs import as_data, batch_size, with_location
 from functree.train._metrics import combine_parts, describe_batch, metric_dtype
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
@@ -68,6 +68,43 @@ def eval_key(fn: Callable[..., Any], key: Any) -> Any:
     return jax.random.fold_in(jax.random.key(0) if key is None else key, EVAL_KEY_SALT)
 
 
+EMPTY_EVAL_DATA = """\
+{which} gave no minibatch to {what} ({kind}): {why}
+
+    wrong:  {wrong}
+    right:  {right}
+       or:  {other}"""
+
+# EMPTY_EVAL_DATA's lines per use: fit's validation_data, evaluate's and predict's data.
+_EMPTY_EVAL = {
+    "validation": ("The validation data (fit's validation_data=)",
+                   "an iterator (a generator) is used up by the first validation, and validation_data is "
+                   "read at every epoch's end: give something re-iterable",
+                   "trainer.fit(data, epochs=5, validation_data=(b for b in val_batches))",
+                   "trainer.fit(data, epochs=5, validation_data=list(val_batches))",
+                   "trainer.fit(data, epochs=5, validation_data=ft.train.batches((x_val, y_val), 32, shuffle=False))"),
+    "evaluate": ("The data given to trainer.evaluate",
+                 "it is empty, or an iterator (a generator) an earlier call used up (it is read once)",
+                 "trainer.evaluate(val_iterator)           # read by an earlier evaluate",
+                 "trainer.evaluate(list(val_batches))      # a list is read anew by every call",
+                 "trainer.evaluate(ft.train.batches((x_val, y_val), 32, shuffle=False))"),
+    "predict": ("The data given to trainer.predict",
+                "it is empty, or an iterator (a generator) an earlier call used up (it is read once)",
+                "trainer.predict(iterator)                # read by an earlier call",
+                "trainer.predict(list(batches))           # a list is read anew by every call",
+                "trainer.predict(x, batch_size=32)"),
+}
+
+
+def no_eval_minibatch(which: str, data: Any) -> ValueError:
+    """:data:`EMPTY_EVAL_DATA` for ``which`` (``"validation"``, ``"evaluate"``, ``"predict"``):
+    the data named as the caller gave it, not as training data."""
+    name, why, wrong, right, other = _EMPTY_EVAL[which]
+    what = "predict" if which == "predict" else "evaluate"
+    return ValueError(EMPTY_EVAL_DATA.format(which=name, what=what, kind=type(data).__name__, why=why,
+                                             wrong=wrong, right=right, other=other))
+
+
 MALFORMED_EVAL_MINIBATCH = """\
 {what}: minibatch {index} (counted from 0) failed. Its shapes: {shapes}{first}. The error:
 {error}"""
@@ -111,11 +148,13 @@ def _located(what: str, index: int, batch: Any, first: Any) -> Iterator[None]:
             what=what, index=index, shapes=describe_batch(batch), first=before, error=e)) from e.__cause__
 
 
-def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key: Any) -> dict[str, float]:
+def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key: Any,
+             which: str = "evaluate") -> dict[str, float]:
     """The means of ``step``'s loss and metrics over ``data``, weighted by minibatch size,
     and a counting metric's (accuracy) over its counted labels, Σ hits / Σ counted (the
     ratio of its parts' means, which every eval step computes: ``combine_parts``):
-    ``summing`` (``EvalStep.summing``) adds each minibatch on device; one read at the end."""
+    ``summing`` (``EvalStep.summing``) adds each minibatch on device; one read at the end.
+    ``which``: whose data, for the error of data with no minibatch (``"validation"``)."""
     sums: Any = None
     for i, given, first in _numbered(data):
         with _located("evaluate", i, given, first):
@@ -131,7 +170,7 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
                 sums = put(sums, placement_of(model))
             sums = summing(model, sums, batch, key)
     if sums is None:
-        raise ValueError(EMPTY_DATA.format(why=" to evaluate"))
+        raise no_eval_minibatch(which, data)
     host = jax.device_get(sums)
     return combine_parts({k: float(v) / float(host["weight"]) for k, v in host["values"].items()})
 
@@ -150,7 +189,7 @@ def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: C
             outputs.append(program(model, step.shard_batch(to_arrays(given)), fn,
                                    None if key is None else jax.random.fold_in(key, i)))
     if not outputs:
-        raise ValueError(EMPTY_DATA.format(why=" to predict"))
+        raise no_eval_minibatch("predict", data)
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outputs)
 
 
@@ -248,10 +287,14 @@ class Evaluation:
         give each process its share to evaluate the data once. ``fit``'s
         ``validation_data`` is read the same way.
         """
+        return self._evaluate(data, batch_size, averaged, "evaluate")
+
+    def _evaluate(self, data: Any, batch_size: int | None, averaged: bool, which: str) -> dict[str, float]:
+        """:meth:`evaluate` of ``which``'s data (``"validation"``: fit's, named so in its errors)."""
         data = as_data(data, batch_size, self.key, shuffle=False)
         model = self.averaged_model if averaged else self.inference_model
         key = eval_key(self.eval_step.loss_fn, self.key)
-        return evaluate(self.eval_step, self._eval_fused, model, data, key)
+        return evaluate(self.eval_step, self._eval_fused, model, data, key, which)
 
     def predict(self, data: Any, fn: Callable[[Any, Any], Any] | None = None, *,
                 batch_size: int | None = None) -> Any:

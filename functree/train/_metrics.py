@@ -498,11 +498,22 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
 
 
 def batch_size_of(batch: Any) -> int:
-    """The number of examples in a batch: the leading axis of its first array leaf."""
+    """The number of examples in a batch: the leading axis its array leaves share (1 for
+    a batch of scalars). Leaves that disagree are refused (:func:`check_example_axis`,
+    naming both key paths and sizes): read from the first leaf in key order, a per-batch
+    ``class_weights`` of shape ``(3,)`` beside ``x: (10, 2)`` counted 3 examples, silently
+    (samples_seen, ``per_samples`` rates, the means' weights)."""
+    size = None
     for leaf in jax.tree.leaves(batch):
-        if np.ndim(leaf) >= 1:
-            return int(np.shape(leaf)[0])
-    return 1
+        shape = np.shape(leaf)
+        if shape and size is None:
+            size = int(shape[0])
+        elif shape and shape[0] != size:
+            from functree._examples import check_example_axis  # (only on this error's path)
+
+            check_example_axis(batch, "examples (the minibatch size: samples_seen, per_samples learning "
+                                      "rates and the means' weights count them; a mesh or accumulate=k cuts it)")
+    return 1 if size is None else size
 
 
 COUNTS = "__ft_counts__"

@@ -131,15 +131,17 @@ class Progress:
         if self._bar is not None:
             self._bar.set_description(text, refresh=False)
 
-    def close(self) -> None:
-        """Finish the bar (without a terminal: a line for steps after the last epoch end)."""
+    def close(self, means: Mapping[str, float] | None = None) -> None:
+        """Finish the bar; without a terminal, a line for the steps after the last epoch
+        end with ``means``, theirs (the epoch's so far: the Trainer's running epoch means;
+        None: the last log interval's, which may cover only the last of them)."""
         if self._bar is not None:
             if self._shown or self._validation:
                 self._post(refresh=False)  # the last update may not have redrawn
             self._bar.close()
             self._bar = None
         elif self._lines and self._done > self._printed:
-            self._line(self._shown)
+            self._line(self._shown if means is None else means)
         self._lines = False
 
 

@@ -191,9 +191,11 @@ class Reader:
 
 
 def _applied_rates(r: Reading, keep: int, on_nan: str) -> dict[str, list[float]]:
-    """The learning-rate columns of ``r``'s first ``keep`` rows: the rate each step applied,
-    NaN at a step ``on_nan="skip"`` left out (it applied none; the optimizer state it
-    leaves holds the rate of the applied step before it)."""
+    """The learning-rate columns of ``r``'s first ``keep`` rows: each step's rate as
+    ``ft.optim.hyperparameters`` reports it (a number in the unit it was given:
+    ``per_samples(v, n)`` logs ``v`` while a minibatch of M applies ``v · M / n``; a
+    schedule's value as applied), NaN at a step ``on_nan="skip"`` left out (it applied
+    none; the optimizer state it leaves holds the rate of the applied step before it)."""
     rates = {name: column[:keep] for name, column in r.rates.items()}
     if on_nan != "skip" or not rates:
         return rates

@@ -91,9 +91,10 @@ are fit()'s. Your arguments as functree code:
     right:  import optax
 {recipe}{left}"""
 
-# HF's update steps: ceil(epochs x ceil(examples / batch) / accumulation), or max_steps.
+# HF's update steps: ceil(epochs x ceil(examples / batch) / accumulation), or max_steps;
+# with accumulation, the whole minibatches the recipe runs (HF_REMAINDER).
 HF_STEPS = """\
-            steps = {steps}   # optimizer steps, as Hugging Face's Trainer counts them"""
+            steps = {steps}   # optimizer steps{counted}"""
 
 HF_SCHEDULES = {  # lr_scheduler_type -> the schedule, warmup W over `steps` (HF's own formulas)
     "linear": "ft.optim.schedule(optax.join_schedules([optax.linear_schedule(0.0, {lr}, {warm}), "
@@ -107,7 +108,15 @@ HF_OPTIMIZER = """\
             lr = {schedule}
             opt = ft.optim.Optimizer({transform}, accumulate={accumulate})
             trainer = ft.train.Trainer(model, opt, loss_fn)   # loss_fn(model, batch) -> loss
-            trainer.fit(ft.train.batches(train_arrays, {batch}), {length}, validation_data=eval_data)"""
+            trainer.fit(ft.train.batches(train_arrays, {batch}{drop}), {length}, validation_data=eval_data){remainder}"""
+
+# accumulate=k splits every minibatch into k: a last one of N % batch rows (not a multiple of
+# k for most N) cannot be split, so the recipe drops it, where HF's Trainer runs it as a
+# shorter step.
+HF_REMAINDER = """
+            # drop_last: accumulate={k} splits each minibatch into {k}; the last N % {batch} examples of \
+each shuffled epoch are left out, where Hugging Face's Trainer runs them as a shorter last step \
+(so its count is ceil(N / {batch}) per epoch)"""
 
 HF_LEFT = """
 
@@ -147,13 +156,16 @@ def _hf_recipe(args: Any) -> dict[str, str]:
     same optimizer steps: ``⌈⌈N/b⌉/k⌉ = ⌈N/(b·k)⌉``), and the fields it leaves out."""
     accumulate = int(_hf(args, "gradient_accumulation_steps", 1))
     batch = int(_hf(args, "per_device_train_batch_size", 8)) * accumulate
-    steps, length = _hf_steps(args, batch)
+    steps, length = _hf_steps(args, batch, whole=accumulate > 1)
     schedule, warm, left = _hf_schedule(args, steps)
     transform, more = _hf_transform(args)
     left += more + [f"{name}={_hf(args, name, None)!r}" for name in HF_NOT_CARRIED if _hf(args, name, None)]
     imports = "            import math\n" if "math." in steps + warm else ""
-    recipe = imports + HF_STEPS.format(steps=steps) + "\n" + HF_OPTIMIZER.format(
-        schedule=schedule, transform=transform, accumulate=accumulate, batch=batch, length=length)
+    counted = ", whole minibatches" if accumulate > 1 else ", as Hugging Face's Trainer counts them"
+    recipe = imports + HF_STEPS.format(steps=steps, counted=counted) + "\n" + HF_OPTIMIZER.format(
+        schedule=schedule, transform=transform, accumulate=accumulate, batch=batch, length=length,
+        drop=", drop_last=True" if accumulate > 1 else "",
+        remainder=HF_REMAINDER.format(k=accumulate, batch=batch) if accumulate > 1 else "")
     return {"recipe": recipe, "left": HF_LEFT.format(fields=", ".join(left)) if left else ""}
 
 
@@ -163,13 +175,14 @@ def _hf(args: Any, name: str, default: Any) -> Any:
     return getattr(value, "value", value)
 
 
-def _hf_steps(args: Any, batch: int) -> tuple[str, str]:
-    """HF's optimizer steps ``T`` as code (``max_steps``, else ``⌈epochs · ⌈N/(b·k)⌉⌉``), and
-    fit()'s length argument."""
+def _hf_steps(args: Any, batch: int, whole: bool) -> tuple[str, str]:
+    """HF's optimizer steps ``T`` as code (``max_steps``, else ``⌈epochs · ⌈N/(b·k)⌉⌉``;
+    ``whole``: ``⌊N/(b·k)⌋`` per epoch, the minibatches ``drop_last`` keeps), and fit()'s
+    length argument."""
     epochs, max_steps = _hf(args, "num_train_epochs", 3.0), int(_hf(args, "max_steps", -1))
     if max_steps > 0:
         return str(max_steps), f"steps={max_steps}"
-    per_epoch = f"-(-len(train_arrays[0]) // {batch})"
+    per_epoch = f"(len(train_arrays[0]) // {batch})" if whole else f"-(-len(train_arrays[0]) // {batch})"
     if float(epochs).is_integer():
         return f"{int(epochs)} * {per_epoch}", f"epochs={int(epochs)}"
     return f"math.ceil({epochs} * {per_epoch})", "steps=steps"  # a fractional epoch count stops on HF's step

@@ -461,7 +461,8 @@ class Trainer(Evaluation):
         if epochs is None and steps is None:
             epochs = 1
         data = as_data(data, batch_size, self.key)
-        self._epochs.check_data(data, epochs, steps, self._job)
+        self._epochs.check_data(data, epochs, steps, self._job, getattr(self.optimizer, "accumulate", 1),
+                                validation_data)
         cbs = [as_callback(c) for c in callbacks]
         if self._job.callbacks:  # the first fit after a restore: the saved states to their callbacks
             load_callbacks(self._job.callbacks, cbs)
@@ -512,8 +513,9 @@ class Trainer(Evaluation):
             if not isinstance(data, Iterator):
                 self._epochs.forget()  # the next epoch iterator skips to the position instead
             raise
-        finally:
-            bar.close()
+        finally:  # the last line (no terminal) holds the means of the steps after the last epoch end
+            means = self._job.epoch_means
+            bar.close(means.means(self.on_nan) if means.weight else None)
             self._fit = None
         self._train_end(cbs, save=True)
         return self.history
@@ -646,14 +648,17 @@ class Trainer(Evaluation):
     def _end_epoch(self, validation_data: Any, batch_size: int | None) -> None:
         values = self._job.epoch_means.means(self.on_nan)
         if validation_data is not None:  # may raise: nothing has changed yet
-            values.update({f"val_{k}": v for k, v in self.evaluate(validation_data, batch_size=batch_size).items()})
+            val = self._evaluate(validation_data, batch_size, False, "validation")
+            values.update({f"val_{k}": v for k, v in val.items()})
             if keeps_average(self.opt_state):  # Optimizer(average=) or lookahead: validate that model too
-                val = self.evaluate(validation_data, batch_size=batch_size, averaged=True)
+                val = self._evaluate(validation_data, batch_size, True, "validation")
                 values.update({f"val_averaged_{k}": v for k, v in val.items()})
         job, opt_state = self._job, next_sweep(self.opt_state)
         self._guard.critical = True  # the epoch's end is one commit: a Ctrl-C waits for it
-        self._job = job.replace(opt_state=opt_state, epoch=job.epoch + 1, batch_in_epoch=0, since_log=0,
-                                 window=Means(), epoch_means=Means())
+        # since_log and the log window run on across it: log_every counts the job's steps
+        # (Lightning's log_every_n_steps, HF's logging_steps), so a window may span an epoch
+        # end; restarted here, an epoch shorter than log_every never logged.
+        self._job = job.replace(opt_state=opt_state, epoch=job.epoch + 1, batch_in_epoch=0, epoch_means=Means())
         job.history.add_epoch(job.epoch + 1, {**values, "last_step": job.steps_run})
         self._reader.log.last_context = None
         self._epochs.iterator = None

@@ -3,6 +3,7 @@ config.json equals transformers' AutoConfig on every attribute the builders read
 and a dict load without importing transformers; building compiles only what it needs."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -260,3 +261,116 @@ def test_a_null_derived_field_is_derived_as_its_config_class_does(model_type, fi
     given = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, field: None}
     theirs = getattr(transformers.AutoConfig.for_model(**given), field)
     assert getattr(_hf_files.Config.of(given), field) == theirs == derived
+
+
+# A field whose default is None (or derived from None) has its type too: each value here was
+# read before (a false "num_kv_heads (2) must divide num_heads (4)", JAX's "Shapes must be 1D
+# sequences of concrete values of integer type", "dictionary update sequence element #0",
+# Phi-3's window int()-ed, a Qwen2 layer_types of 1 entry for 2 layers loaded).
+WRONG_TYPES = [("llama", "num_key_value_heads", "2", "an integer", "2"), ("llama", "num_key_value_heads", 2.0,
+                                                                         "an integer", "2"),
+               ("llama", "head_dim", 8.0, "an integer", "8"), ("gpt2", "n_inner", "128", "an integer", "128"),
+               ("llama", "rope_parameters", "default", "an object", "null"),
+               ("phi3", "sliding_window", "4", "an integer", "4"), ("phi3", "sliding_window", 4.5, "an integer", "null"),
+               ("qwen2", "layer_types", ["full_attention"], r"a list of num_hidden_layers \(2\) layer types", "null")]
+
+
+@pytest.mark.parametrize("model_type, key, value, expected, right", WRONG_TYPES)
+def test_a_nullable_field_of_the_wrong_type_is_refused_naming_it_as_transformers_does(model_type, key, value, expected,
+                                                                                     right):
+    sizes = {"gpt2": {"n_embd": 32, "n_head": 4, "n_layer": 2}}.get(
+        model_type, {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2})
+    given = {"model_type": model_type, **sizes, key: value}
+    with pytest.raises(Exception, match=rf"{key}"):  # transformers' strict dataclass refuses it too
+        transformers.AutoConfig.for_model(**given)
+    with pytest.raises(ValueError, match=rf"(?s)the {model_type} config's '{key}' is {re.escape(repr(value))} "
+                                         rf"\(a {type(value).__name__}\); Hugging Face's {model_type} config takes "
+                                         rf"{expected}.*wrong:  \"{key}\": .*right:  \"{key}\": {right} "):
+        _hf_files.Config.of(given)
+    fixed = {**given, key: json.loads(right)}
+    assert getattr(transformers.AutoConfig.for_model(**fixed), key) == _hf_files.Config.of(fixed).to_dict()[key]
+
+
+torch = pytest.importorskip("torch")
+TINY = dict(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=32)
+IDS = np.random.default_rng(1).integers(0, 61, (1, 7))
+
+
+def _hf_logits(hf_model):
+    with torch.no_grad():
+        return hf_model(torch.from_numpy(IDS)).logits.float().numpy()
+
+
+def _close(actual, expected):
+    """float32 rounding: measured 4e-7 of the logits' scale, asserted at 4e-6 of it."""
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=0, atol=4e-6 * float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_a_base_models_directory_loads_with_its_tied_head_as_transformers_loads_it(tmp_path, family):
+    """LlamaModel / GPTNeoXModel save their body without model. / gpt_neox.: transformers'
+    AutoModelForCausalLM adds the prefix (and ties the head), which from_hf refused before,
+    its fix dropping every tensor; an untied head the file lacks is named."""
+    config_class, body = {"llama": (transformers.LlamaConfig, transformers.LlamaModel),
+                          "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXModel)}[family]
+    sizes = {**TINY, "rotary_pct": 0.5} if family == "gpt_neox" else TINY  # 2 of each 4 features rotated
+    torch.manual_seed(0)
+    body(config_class(**sizes, tie_word_embeddings=True)).save_pretrained(tmp_path / "tied")
+    expected = _hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tied").eval())
+    _close(jax.jit(lambda m, ids: m(ids))(ft.nn.from_hf(tmp_path / "tied"), IDS), expected)
+    body(config_class(**sizes, tie_word_embeddings=False)).save_pretrained(tmp_path / "untied")
+    hf_class = {"llama": "LlamaForCausalLM", "gpt_neox": "GPTNeoXForCausalLM"}[family]
+    with pytest.raises(ValueError, match=rf"(?s)the weights hold no 'lm_head.weight': the {hf_class} the config "
+                                         rf"builds has an output head of its own.*a base model's weights "
+                                         rf"\({hf_class[:-len('ForCausalLM')]}Model's save_pretrained writes none\).*"
+                                         r"drawn at random.*\"tie_word_embeddings\": True"):
+        ft.nn.from_hf(tmp_path / "untied")
+
+
+def _neox_weights():
+    config = {"model_type": "gpt_neox", **TINY, "rotary_pct": 0.5}
+    weights = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+    return config, weights
+
+
+@pytest.mark.parametrize("case", ["neox", "bert"])
+def test_an_older_name_beside_its_new_name_is_refused_naming_both(case):
+    """GPT-NeoX's embed_out beside lm_head, BERT's LayerNorm.gamma beside LayerNorm.weight:
+    the rename overwrote one silently (functree read lm_head and weight, transformers
+    embed_out and gamma: logits 1.0 and 0.22 apart). Equal copies are one tensor, read."""
+    if case == "neox":
+        config, weights = _neox_weights()
+        old, new = "embed_out.weight", "lm_head.weight"
+    else:
+        config = {"model_type": "bert", **TINY}
+        weights = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+        old, new = "encoder.layer.0.output.LayerNorm.gamma", "encoder.layer.0.output.LayerNorm.weight"
+    twice = {**weights, old: weights[new] * 2}
+    with pytest.raises(ValueError, match=rf"(?s)the weights hold both '{re.escape(old)}' and '{re.escape(new)}' "
+                                         rf"\(other values\).*reads '{re.escape(old)}' \(an older file's name\).*"
+                                         rf"right:  weights.pop\('{re.escape(new)}'\)"):
+        ft.nn.from_hf(config, twice)
+    loaded = ft.nn.from_hf(config, {**weights, old: weights[new]})
+    for name, value in ft.nn.to_hf_state_dict(loaded, numpy=True).items():
+        np.testing.assert_array_equal(value, weights[name])
+
+
+def test_an_index_that_omits_a_tensor_its_shard_holds_is_named_not_the_config(tmp_path):
+    """lm_head.weight left out of the index, still in its shard: the missing key was blamed
+    on the config ("give the config saved with these weights"); transformers loads the
+    model with a random head, silently (logits 1.05 off). The loaded index's fix reads."""
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, num_key_value_heads=2)).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    full = json.loads(index.read_text())
+    shard = full["weight_map"].pop("lm_head.weight")
+    index.write_text(json.dumps(full))
+    with pytest.raises(ValueError, match=rf"(?s)index .*model.safetensors.index.json does not list \['lm_head.weight'\], "
+                                         rf"which the shard '{shard}' holds.*not the config.*"
+                                         rf"\"weight_map\": {{..., 'lm_head.weight': '{shard}'}}"):
+        ft.nn.from_hf(tmp_path)
+    full["weight_map"]["lm_head.weight"] = shard  # the message's fix
+    index.write_text(json.dumps(full))
+    _close(jax.jit(lambda m, ids: m(ids))(ft.nn.from_hf(tmp_path), IDS), _hf_logits(hf))

@@ -313,3 +313,28 @@ def test_save_file_writes_any_byte_order_little_endian_as_the_library_reads_it(t
     np.testing.assert_array_equal(theirs["w"], values.astype(np.float32))
     np.testing.assert_array_equal(theirs["i"], np.arange(3))
     assert theirs["w"].dtype == np.float32 and theirs["i"].dtype == np.int64
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both_unless_the_copies_are_equal(tmp_path):
+    """The index puts 'w' in model-1, model-2 holds another 'w': transformers reads every
+    tensor of every shard the index names, in sorted order, and keeps model-2's (the last);
+    the index's copy was read before, silently (the audit's Llama: logits 1.04 apart)."""
+    from safetensors.numpy import load_file, save_file
+
+    written(tmp_path / "model-1.safetensors")
+    save_file({"w": -3 * VALUES[:4].reshape(2, 2), "c": VALUES[:2]}, str(tmp_path / "model-2.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "model-1.safetensors", "b": "model-1.safetensors",
+                                                "c": "model-2.safetensors"}}))
+    # the library's reading of the two copies: other values
+    assert not np.array_equal(load_file(str(tmp_path / "model-1.safetensors"))["w"],
+                              load_file(str(tmp_path / "model-2.safetensors"))["w"])
+    with pytest.raises(ValueError, match=r"(?s)index .*model.safetensors.index.json puts 'w' in the shard "
+                                         r"'model-1.safetensors', and the shard 'model-2.safetensors' holds a tensor of "
+                                         r"that name too \(other values\).*keeps the copy of the shard it reads last "
+                                         r"\('model-2.safetensors'\).*neither was read.*remove 'w' from the shard"):
+        _safetensors.load_checkpoint(tmp_path)
+    save_file({"w": VALUES[:4].reshape(2, 2), "c": VALUES[:2]}, str(tmp_path / "model-2.safetensors"))
+    tensors = _safetensors.load_checkpoint(tmp_path)  # an equal copy: either reads the same
+    np.testing.assert_array_equal(tensors["w"], load_file(str(tmp_path / "model-2.safetensors"))["w"])
+    assert sorted(tensors) == ["b", "c", "w"]

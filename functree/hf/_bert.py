@@ -21,7 +21,7 @@ from functree.hf._causal import (
 )
 from functree.hf._config import HFConfig
 from functree.hf._dropout import block_keys, drop, rate, top_keys
-from functree.hf._family import HFModel
+from functree.hf._family import HFModel, renamed
 from functree.hf._options import activation, require
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
@@ -187,9 +187,17 @@ class BertModel(HFModel):
         as HF's loader ignores them."""
         out = {k: v for k, v in weights.items() if not _BERT_BUFFER.fullmatch(k)}
         if any(k.startswith("bert.") for k in out) and not any(k.startswith("embeddings.") for k in out):
-            out = {k[len("bert."):] if k.startswith("bert.") else k: v for k, v in out.items()}
-        return {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v
-                for k, v in out.items()}
+            out = renamed(out, _unprefixed, cls.hf_class)
+        return renamed(out, _norm_name, cls.hf_class)  # a rename onto a held name: refused (RENAME_COLLIDES)
+
+
+def _unprefixed(key: str) -> str:
+    return key[len("bert."):] if key.startswith("bert.") else key
+
+
+def _norm_name(key: str) -> str:
+    """LayerNorm's TensorFlow-era ``gamma`` / ``beta`` as torch's ``weight`` / ``bias``."""
+    return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
 
 
 def _token_types(model: Any, ids: jax.Array, token_type_ids: Any, types: int) -> jax.Array:

@@ -24,12 +24,15 @@ name) are the registered classes themselves, so every reader (``from_hf``,
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
-from functree._module import Module
+import numpy as np
 
-__all__ = ["FAMILIES", "COVERED", "HFModel", "family_of"]
+from functree._module import Module
+from functree._state_dict import to_numpy
+
+__all__ = ["FAMILIES", "COVERED", "HFModel", "family_of", "renamed"]
 
 FAMILY_TAKEN = """\
 {new}: model_type {model_type!r} is already covered by {old}; a model type is one family \
@@ -38,6 +41,17 @@ FAMILY_TAKEN = """\
     wrong:  class {short}({base}):  model_type = {model_type!r}
     right:  class {short}({base}):  model_type = "my_{model_type}"     # a model type of its own
        or:  del FAMILIES[{model_type!r}]                                # replace the family on purpose
+"""
+
+
+RENAME_COLLIDES = """\
+ft.nn.from_hf: the weights hold both {old!r} and {new!r}{values}: {family} reads {old!r} \
+(an older file's name) as {new!r}, so the two are one tensor. transformers keeps one of the \
+two without a word (the older name's, for GPT-NeoX's embed_out and BERT's LayerNorm.gamma); \
+which one is the model's is not in the file, so neither was read.
+
+    wrong:  {{..., {old!r}: ..., {new!r}: ...}}
+    right:  weights.pop({new!r})   # or weights.pop({old!r}): the state dict keeps the one meant
 """
 
 
@@ -117,6 +131,33 @@ class HFModel(Module):
         (``embedding``, ``attention``, ``attention_output``, ``mlp_output``:
         :mod:`functree.hf._dropout`), for ``from_hf(..., dropout=True)``; None: not ported."""
         return None
+
+
+def renamed(weights: dict[str, Any], rename: Callable[[str], str], family: str) -> dict[str, Any]:
+    """``weights`` with each name ``k`` as ``rename(k)`` (older files' names as the class's
+    ``state_dict`` has them), refusing a rename onto a name the weights already hold with
+    other values (:data:`RENAME_COLLIDES`); an equal copy is the same tensor, kept once."""
+    out: dict[str, Any] = {}
+    for key, value in weights.items():
+        new = rename(key)
+        if new != key and new in weights:
+            _same_or_refuse(key, value, new, weights[new], family)
+            continue  # the copy under the new name is read
+        out[new] = value
+    return out
+
+
+def _same_or_refuse(old: str, value: Any, new: str, other: Any, family: str) -> None:
+    a, b = _values(value), _values(other)
+    if a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b):
+        return
+    values = " (other values)" if a.shape == b.shape else f" (shapes {list(a.shape)} and {list(b.shape)})"
+    raise ValueError(RENAME_COLLIDES.format(old=old, new=new, values=values, family=family))
+
+
+def _values(x: Any) -> np.ndarray:
+    converted = to_numpy(x)  # a torch tensor (bfloat16 too) as NumPy
+    return np.asarray(x) if converted is None else converted
 
 
 def _register(cls: type[HFModel]) -> None:

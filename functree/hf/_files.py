@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from functree.hf._family import FAMILIES
-from functree.interop._safetensors import load_checkpoint
+from functree.interop._safetensors import index_omits, load_checkpoint
 
 BAD_CONFIG = """\
 ft.nn.from_hf: the first argument is a Hugging Face model (torch) or config, a dict with \
@@ -65,7 +65,8 @@ ft.nn.from_hf: the {model_type} config's {key!r} is {value!r} (a {kind}); Huggin
 {model_type} config takes {expected} there (or null). Building from it would fail later, or \
 build another model.
 
-    right:  "{key}": {default}        # Hugging Face's default, in config.json's JSON
+    wrong:  "{key}": {given}
+    right:  "{key}": {right}        # {why}, in config.json's JSON
 """
 
 NO_DEFAULTS = """\
@@ -163,6 +164,33 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, level + 1)
             stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
     return deepest
+
+
+HEAD_MISSING = """\
+ft.nn.from_hf: the weights hold no {head!r}: the {hf_class} the config builds has an output \
+head of its own (tie_word_embeddings is false), and these are a base model's weights \
+({base}'s save_pretrained writes none) or lack it. transformers' AutoModelForCausalLM loads \
+them with a head drawn at random (a warning), whose logits mean nothing; no model was built.
+
+    right:  the causal LM's own checkpoint: {hf_class}.from_pretrained(...).save_pretrained(directory)
+       or:  ft.nn.from_hf({{**config, "tie_word_embeddings": True}}, weights)   # if the head is the embedding (a tied model)
+"""
+
+
+def missing_tensors(family: Any, model: Any, missing: list[str], unexpected: list[str], given: Any
+                    ) -> ValueError | None:
+    """Why the weights ``given`` to from_hf lack the tensors ``missing`` where the config is
+    not to blame: the checkpoint's index omits them though a shard holds them
+    (:data:`~functree.interop._safetensors.INDEX_OMITS`), or only the untied output head of
+    ``model`` is missing (:data:`HEAD_MISSING`: a base model's checkpoint); else None."""
+    omitted = index_omits(given, missing, family.hf_names) if missing else None
+    if omitted is not None:
+        return omitted
+    head = family.hf_head[0] if family.hf_head is not None else None
+    if missing == [head] and not unexpected and getattr(model, "lm_head", None) is not None:
+        base = family.hf_class.removesuffix("ForCausalLM").removesuffix("LMHead") + "Model"
+        return ValueError(HEAD_MISSING.format(head=head, hf_class=family.hf_class, base=base))
+    return None
 
 
 def read_weights(weights: Any) -> Mapping[str, Any]:
@@ -347,20 +375,71 @@ class Config:
 
 
 _TYPES = ((bool, "a boolean", (bool,)), (int, "an integer", (int,)), (float, "a number", (int, float)),
-          (str, "a string", (str,)))
+          (str, "a string", (str,)), (dict, "an object", (dict,)), (list, "a list", (list,)))
+
+# The type of each field whose default is None (or Derived from None), which its default
+# cannot tell: HF's config classes type them (``int | None``, ``dict | None``) and refuse
+# another type when the config is built (transformers' strict dataclass validation).
+NULLABLE: dict[str, type] = {"num_key_value_heads": int, "head_dim": int, "n_inner": int, "sliding_window": int,
+                             "word_embed_proj_dim": int, "rope_parameters": dict,
+                             "layer_types": list, "clip_qkv": float, "classifier_dropout": float,
+                             "use_bidirectional_attention": bool, "summary_activation": str}
+# The layer types a covered family computes (HF's layer_type_validation takes more, for other
+# families): one per hidden layer.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _check_types(model_type: str, values: Mapping[str, Any]) -> None:
-    """Each field's value of its default's JSON type, or null (token ids may be lists)."""
+    """Each field's value of its default's JSON type (:data:`NULLABLE`'s where the default is
+    None), or null (token ids may be lists); ``layer_types`` one known type per layer."""
     for key, default in DEFAULTS[model_type].items():
         value = values[key]
         default = default.default if isinstance(default, Derived) else default
-        if value is None or default is None or key.endswith("_token_id"):
+        if value is None or key.endswith("_token_id") or (default is None and key not in NULLABLE):
             continue
-        kind, expected, accepted = next((t, e, a) for t, e, a in _TYPES if isinstance(default, t))
+        typed = NULLABLE[key] if default is None else type(default)
+        kind, expected, accepted = next((t, e, a) for t, e, a in _TYPES if issubclass(typed, t))
         if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
-            raise ValueError(BAD_CONFIG_VALUE.format(model_type=model_type, key=key, value=value, kind=type(value).__name__,
-                                                     expected=expected, default=json.dumps(default)))
+            raise _bad_value(model_type, key, value, expected, default)
+    _check_layer_types(model_type, values)
+
+
+def _check_layer_types(model_type: str, values: Mapping[str, Any]) -> None:
+    """``layer_types``, where given: one of :data:`LAYER_TYPES` for each of the
+    ``num_hidden_layers`` layers (HF refuses another length: the layers would read other
+    layers' types)."""
+    given, layers = values.get("layer_types"), values.get("num_hidden_layers")
+    if given is None or "layer_types" not in DEFAULTS[model_type] or not isinstance(layers, int):
+        return
+    if len(given) != layers or not all(isinstance(t, str) and t in LAYER_TYPES for t in given):
+        raise _bad_value(model_type, "layer_types", given, f"a list of num_hidden_layers ({layers}) layer types, "
+                         f"each {' or '.join(map(repr, LAYER_TYPES))},", None)
+
+
+def _bad_value(model_type: str, key: str, value: Any, expected: str, default: Any) -> ValueError:
+    meant = _meant(value, expected)
+    right, why = (meant, "the value meant, typed") if meant is not None else (default, "Hugging Face's default")
+    return ValueError(BAD_CONFIG_VALUE.format(model_type=model_type, key=key, value=value, kind=type(value).__name__,
+                                              expected=expected, given=json.dumps(value, default=str), right=json.dumps(right),
+                                              why=why))
+
+
+def _meant(value: Any, expected: str) -> Any:
+    """The value of the expected type a wrongly typed one spells (``"2"``, ``2.0`` for an
+    integer; ``"1e-6"`` for a number; ``"false"`` for a boolean), else None."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if expected == "an integer":
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return int(text) if text is not None and text.lstrip("-").isdigit() else None
+    if expected == "a number" and text is not None:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    if expected == "a boolean" and text in ("true", "false"):
+        return text == "true"
+    return None
 
 
 def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -> None:

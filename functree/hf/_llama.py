@@ -16,6 +16,7 @@ from functree._module import Module, field
 from functree.hf._causal import Block, CausalLM, check_longrope, lookup_rows
 from functree.hf._config import HFConfig
 from functree.hf._dropout import rate
+from functree.hf._family import renamed
 from functree.hf._options import activation, require, rope, window
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
@@ -45,6 +46,10 @@ _ROTARY_BUFFER = re.compile(r".*\.rotary_emb\.inv_freq|.*\.attention\.(bias|mask
 def rotary_names(weights: dict[str, Any]) -> dict[str, Any]:
     """Older files' rotary ``inv_freq`` and GPT-NeoX's mask buffers dropped (HF's loader ignores them)."""
     return {k: v for k, v in weights.items() if not _ROTARY_BUFFER.fullmatch(k)}
+
+
+def _body_name(key: str) -> str:
+    return key if key.startswith(("model.", "lm_head.")) else "model." + key
 
 
 class LlamaMLP(Module):
@@ -241,8 +246,14 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
-        """Older files' rotary ``inv_freq`` buffers dropped (HF's loader ignores them)."""
-        return rotary_names(weights)
+        """Older files' rotary ``inv_freq`` buffers dropped (HF's loader ignores them); a
+        base model's body (``LlamaModel``: ``embed_tokens.weight``, no ``model.``) under
+        ``model.``, as HF's loader adds its base model's prefix (a rename onto a name the
+        weights hold already refused: :data:`~functree.hf._family.RENAME_COLLIDES`)."""
+        weights = rotary_names(weights)
+        if "embed_tokens.weight" in weights and "model.embed_tokens.weight" not in weights:
+            weights = renamed(weights, _body_name, cls.hf_class)
+        return weights
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

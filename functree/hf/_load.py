@@ -30,7 +30,7 @@ from functree.hf import _models  # noqa: F401  (defines every covered family: FA
 from functree.hf._config import hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
-from functree.hf._files import read_config, read_weights
+from functree.hf._files import missing_tensors, read_config, read_weights
 from functree.interop._ports import PORTS, Port
 from functree.interop._safetensors import INDEX_NAME, SINGLE_NAME
 from functree.interop._torch import as_tensors, load_by_rules, state_dict_by_rules
@@ -478,7 +478,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
                                   given_names=True)
     if not report.ok:  # the fixes from_hf's caller has (load_torch_state_dict's rename= and strict= it has not)
         _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
-        raise _weights_do_not_fit(family.hf_class, report, weights, source, given)
+        explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
+        raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
     return with_dropout(model.replace(hf_config=carried), config, dropout, key)
 
 

@@ -11,6 +11,7 @@ from functree._module import Module, field
 from functree.hf._causal import Block, CausalLM
 from functree.hf._config import HFConfig
 from functree.hf._dropout import rate
+from functree.hf._family import renamed
 from functree.hf._llama import rotary_names
 from functree.hf._options import activation, require, rope
 from functree.nn._attention import MultiheadAttention
@@ -137,6 +138,19 @@ class GPTNeoXForCausalLM(CausalLM):
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
-        """GPT-NeoX's head saved as ``embed_out`` (HF renames it ``lm_head``), its mask buffers dropped."""
-        return {("lm_head." + k[len("embed_out."):] if k.startswith("embed_out.") else k): v
-                for k, v in rotary_names(weights).items()}
+        """GPT-NeoX's head saved as ``embed_out`` (HF renames it ``lm_head``), its mask buffers
+        dropped; a ``GPTNeoXModel``'s body (``embed_in.weight``, no ``gpt_neox.``) under
+        ``gpt_neox.``, as HF's loader adds its base model's prefix. A rename onto a name the
+        weights hold already is refused (:data:`~functree.hf._family.RENAME_COLLIDES`)."""
+        weights = rotary_names(weights)
+        if "embed_in.weight" in weights and "gpt_neox.embed_in.weight" not in weights:
+            weights = renamed(weights, _body_name, cls.hf_class)
+        return renamed(weights, _head_name, cls.hf_class)
+
+
+def _body_name(key: str) -> str:
+    return key if key.startswith(("gpt_neox.", "embed_out.", "lm_head.")) else "gpt_neox." + key
+
+
+def _head_name(key: str) -> str:
+    return "lm_head." + key[len("embed_out."):] if key.startswith("embed_out.") else key

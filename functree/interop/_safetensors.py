@@ -81,6 +81,26 @@ was altered: nothing was read from {shard!r}.
     right:  "weight_map": {{{tensor!r}: "model-00001-of-00002.safetensors"}}
 """
 
+SHARD_DUPLICATE = """\
+{caller}: the sharded checkpoint's index {index} puts {tensor!r} in the shard {listed!r}, and \
+the shard {other!r} holds a tensor of that name too{values}. transformers reads every tensor of \
+every shard and keeps the copy of the shard it reads last ({last!r}); the index names the other: \
+which one is the model's is not in the files, so neither was read.
+
+    right:  the index and the shards of one save_pretrained call (save the model again)
+       or:  remove {tensor!r} from the shard that should not hold it (rewrite it with safetensors' save_file)
+"""
+
+INDEX_OMITS = """\
+{caller}: the sharded checkpoint's index {index} does not list {tensors}, which the shard \
+{shard!r} holds{more}. A reader follows the index (transformers initializes such a tensor at \
+random, silently), so the index, not the config, is what lacks it: the index was altered or \
+comes from another save.
+
+    right:  the index of the same save_pretrained call as its shards (save the model again)
+       or:  add it to the index: "weight_map": {{..., {first!r}: {shard!r}}}
+"""
+
 BAD_INDEX = """\
 {caller}: {index} is not a sharded checkpoint's index ({why}): a JSON object with \
 "weight_map" {{tensor name: shard file}}, as save_pretrained writes model.safetensors.index.json. \
@@ -282,30 +302,110 @@ def _confined(shard: str) -> bool:
 
 def load_index(index: str, caller: str) -> dict[str, np.ndarray]:
     """A sharded checkpoint: each shard its index names (confined to the index's
-    directory), read lazily; every tensor checked to be in the shard the index puts it in."""
+    directory), read lazily; every tensor checked to be in the shard the index puts it in,
+    and in no other shard the index names (:data:`SHARD_DUPLICATE`)."""
     weight_map = _weight_map(index, caller)
     folder = os.path.dirname(index)
+    tensors: dict[str, np.ndarray] = {}
+    for shard, names in _by_shard(index, weight_map, caller).items():
+        held = load_file(_shard_path(index, folder, shard, names, caller), caller)
+        for name in names:
+            if name not in held:
+                example = f", e.g. {next(iter(held))!r}" if held else ""
+                raise ValueError(SHARD_LACKS.format(caller=caller, index=index, tensor=name,
+                                                    shard=os.path.join(folder, shard), count=len(held),
+                                                    example=example))
+            tensors[name] = held[name]
+        _no_second_copy(index, weight_map, shard, held, folder, caller)
+    return tensors
+
+
+def _by_shard(index: str, weight_map: dict[str, str], caller: str) -> dict[str, list[str]]:
+    """The index's tensor names per shard, each shard's name checked to stay in its directory."""
     by_shard: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         if not _confined(shard):
             raise ValueError(SHARD_OUTSIDE.format(caller=caller, index=index, tensor=name, shard=shard))
         by_shard.setdefault(shard, []).append(name)
-    tensors: dict[str, np.ndarray] = {}
-    for shard, names in by_shard.items():
+    return by_shard
+
+
+def _shard_path(index: str, folder: str, shard: str, names: list[str], caller: str) -> str:
+    """A shard's path, refused (:data:`SHARD_MISSING`) when the file is not there."""
+    path = os.path.join(folder, shard)
+    if not os.path.isfile(path):
+        more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
+        found = ", ".join(sorted(n for n in os.listdir(folder or ".") if n.endswith(".safetensors"))) or "no shards"
+        raise ValueError(SHARD_MISSING.format(caller=caller, index=index, tensor=names[0], more=more, shard=shard,
+                                              found=f"the directory holds {found}"))
+    return path
+
+
+def _no_second_copy(index: str, weight_map: dict[str, str], shard: str, held: dict[str, np.ndarray], folder: str,
+                    caller: str) -> None:
+    """Refuse a tensor of ``shard`` that the index puts in another shard, with other values:
+    transformers loads every tensor of every shard the index names, in sorted order, the
+    last copy kept; this reads the index's, so the two would read different weights (an
+    equal copy reads the same)."""
+    for name, value in held.items():
+        listed = weight_map.get(name, shard)
+        if listed == shard:
+            continue
+        other = load_file(os.path.join(folder, listed), caller)[name]
+        if value.shape == other.shape and value.dtype == other.dtype and value.tobytes() == other.tobytes():
+            continue  # the same bytes (NaNs too): either copy reads the same
+        values = " (other values)" if value.shape == other.shape else \
+            f" (shape {list(value.shape)} against {list(other.shape)})"
+        raise ValueError(SHARD_DUPLICATE.format(caller=caller, index=index, tensor=name, listed=listed, other=shard,
+                                                values=values, last=max(listed, shard)))
+
+
+def unlisted(index: str) -> dict[str, str]:
+    """The tensors the shards an index names hold but the index does not list, with their
+    shard (``{name: shard}``; headers read only), for an error naming the index, not the
+    config, when one of them is missing (:data:`INDEX_OMITS`)."""
+    weight_map = _weight_map(index, "ft.nn.from_hf")
+    folder = os.path.dirname(index)
+    out: dict[str, str] = {}
+    for shard in sorted(set(weight_map.values())):
         path = os.path.join(folder, shard)
-        if not os.path.isfile(path):
-            more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
-            found = ", ".join(sorted(n for n in os.listdir(folder or ".") if n.endswith(".safetensors"))) or "no shards"
-            raise ValueError(SHARD_MISSING.format(caller=caller, index=index, tensor=names[0], more=more, shard=shard,
-                                                  found=f"the directory holds {found}"))
-        held = load_file(path, caller)
-        for name in names:
-            if name not in held:
-                example = f", e.g. {next(iter(held))!r}" if held else ""
-                raise ValueError(SHARD_LACKS.format(caller=caller, index=index, tensor=name, shard=path,
-                                                    count=len(held), example=example))
-            tensors[name] = held[name]
-    return tensors
+        if not (_confined(shard) and os.path.isfile(path)):
+            continue
+        try:
+            _, header = read_header(path, os.path.getsize(path))
+        except _Invalid:
+            continue
+        out.update((name, shard) for name in header if name != "__metadata__" and name not in weight_map)
+    return out
+
+
+def index_of(path: Any) -> str | None:
+    """The sharded checkpoint's index that ``path`` (a directory or a file) reads, or None."""
+    where = os.fspath(path)
+    if os.path.isdir(where):
+        index = os.path.join(where, INDEX_NAME)
+        return index if os.path.isfile(index) and not os.path.isfile(os.path.join(where, SINGLE_NAME)) else None
+    return where if where.endswith(".json") and os.path.isfile(where) else None
+
+
+def index_omits(path: Any, missing: list[str], rename: Any = None) -> ValueError | None:
+    """:data:`INDEX_OMITS` where a tensor the model lacks (``missing``) is in a shard
+    header of the checkpoint ``path`` reads but not in its index, else None. ``rename``:
+    the loader's renames of older names (a function of ``{name: value}``), applied before
+    comparing; the error names the tensors as the files spell them."""
+    index = index_of(path) if isinstance(path, (str, os.PathLike)) else None
+    if index is None:
+        return None
+    held = {name: (name, shard) for name, shard in unlisted(index).items()}
+    named = rename(held) if rename is not None and held else held
+    omitted = [named[name] for name in missing if name in named]
+    if not omitted:
+        return None
+    shard = omitted[0][1]
+    same = [name for name, where in omitted if where == shard]
+    more = f" (and {len(omitted) - len(same)} more in other shards)" if len(omitted) > len(same) else ""
+    return ValueError(INDEX_OMITS.format(caller="ft.nn.from_hf", index=index, tensors=same[:4], shard=shard,
+                                         more=more, first=same[0]))
 
 
 def save_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:

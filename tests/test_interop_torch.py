@@ -1058,3 +1058,57 @@ def test_a_bfloat16_tie_is_exported_in_bfloat16_as_torch_computes_it():
     assert sd["b"].dtype == torch.bfloat16 and sd["a"].dtype == torch.bfloat16
     np.testing.assert_array_equal(sd["b"].float().numpy(), (0.1 * a.T).float().numpy())
     assert ft.nn.torch_state_dict(model, numpy=True)["b"].dtype == model.resolve()["b"].dtype
+
+
+class _Conv1DBlock(ft.Module):
+    c_fc: ft.nn.Dense
+    c_sq: ft.nn.Dense
+    c_proj: ft.nn.Dense
+
+    def __init__(self, key):
+        a, b, c = jax.random.split(key, 3)
+        self.c_fc, self.c_sq, self.c_proj = ft.nn.Dense(8, 32, key=a), ft.nn.Dense(32, 32, key=b), ft.nn.Dense(32, 8, key=c)
+
+    def __call__(self, x):
+        return self.c_proj(jnp.tanh(self.c_sq(jnp.tanh(self.c_fc(x)))))
+
+
+def test_dense_weights_given_as_conv1d_name_the_layouts_fix_and_the_square_layers():
+    """Hugging Face Conv1D weights ([in, out]) without layouts=: the error suggested rename= or
+    strict=False (neither reads them) and the square c_sq would load transposed, silently. The
+    error names layouts={...: 'conv1d'} and the square layers; that fix alone is 5.1 off torch's
+    outputs (max 3.6), with the square layers' pattern added 7e-7 (float32's rounding)."""
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    blocks = [torch.nn.ModuleDict({"c_fc": conv1d(32, 8), "c_sq": conv1d(32, 32), "c_proj": conv1d(8, 32)})
+              for _ in range(2)]
+    h = torch.nn.ModuleList(blocks)
+    for p in h.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 8)
+    want = x
+    for b in blocks:
+        want = b["c_proj"](torch.tanh(b["c_sq"](torch.tanh(b["c_fc"](want)))))
+    want = want.detach().numpy()
+    sd = {f"h.{k}": v for k, v in h.state_dict().items()}
+    model = {"h": [_Conv1DBlock(K[0]), _Conv1DBlock(K[1])]}
+    run = lambda m: np.asarray(m["h"][1](m["h"][0](jnp.asarray(x.numpy()))))  # noqa: E731
+    with pytest.raises(ValueError) as e:
+        ft.nn.load_torch_state_dict(model, sd)
+    message = str(e.value)
+    assert "The Dense weights of h.*.c_fc, h.*.c_proj are given as [in, out]" in message
+    assert "Neither rename= nor strict=False reads them" in message
+    suggested = {"h.*.c_fc": "conv1d", "h.*.c_proj": "conv1d"}
+    assert f"right:  ft.nn.load_torch_state_dict(model, sd, layouts={suggested})" in message
+    assert "Square Dense layers ([n, n]) of the same state dict need \"conv1d\" too" in message
+    assert np.abs(run(ft.nn.load_torch_state_dict(model, sd, layouts=suggested)) - want).max() > 1.0  # c_sq transposed
+    loaded = ft.nn.load_torch_state_dict(model, sd, layouts={**suggested, "h.*.c_sq": "conv1d"})
+    np.testing.assert_allclose(run(loaded), want, rtol=0, atol=2e-6 * np.abs(want).max())
+    with pytest.raises(ValueError) as e:  # the model a Dense given [in, out]: the pattern '' names it
+        ft.nn.load_torch_state_dict(ft.nn.Dense(8, 4, key=K[2]), {"weight": np.zeros((8, 4)), "bias": np.zeros(4)})
+    assert "layouts={'': 'conv1d'}" in str(e.value)
+    with pytest.raises(ValueError) as e:  # another shape: no layouts hint
+        ft.nn.load_torch_state_dict(ft.nn.Dense(8, 4, key=K[2]), {"weight": np.zeros((4, 7)), "bias": np.zeros(4)})
+    assert "conv1d" not in str(e.value)
+    with pytest.raises(ValueError) as e:  # an Embedding's table reversed: layouts= has no Embedding layout
+        ft.nn.load_torch_state_dict(ft.nn.Embedding(5, 3, key=K[2]), {"weight": np.zeros((3, 5))})
+    assert "conv1d" not in str(e.value)

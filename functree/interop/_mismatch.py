@@ -1,9 +1,10 @@
 """The error of a state dict that does not fit the model (:func:`ft.nn.load_torch_state_dict`):
 the report by torch name, what the model's torch names look like, and a ``layouts=``
-suggestion where an attention's tensors are there in another layout."""
+suggestion where an attention's tensors, or a Dense layer's weight, are there in another layout."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,18 @@ The attention {layer} (ft.nn.MultiheadAttention: torch's in_proj_weight and out_
 missing its tensors while the state dict has {given}: another layout, read with layouts=:
 
     right:  ft.nn.load_torch_state_dict(model, sd, layouts={{{pattern!r}: {layout!r}}})"""
+
+
+DENSE_LAYOUTS_HINT = """
+The Dense weights of {layers} are given as [in, out], their [out, in] shape reversed: Hugging \
+Face's Conv1D (GPT-2) stores them so. Neither rename= nor strict=False reads them; layouts= does:
+
+    wrong:  ft.nn.load_torch_state_dict(model, sd)
+    right:  ft.nn.load_torch_state_dict(model, sd, layouts={layouts})
+
+Square Dense layers ([n, n]) of the same state dict need "conv1d" too: their shape cannot tell \
+[in, out] from [out, in], so they load transposed without an error. Add their names (or one \
+pattern covering every Conv1D layer, "*" where all of them are)."""
 
 
 RNN_DIRECTION_HINT = """
@@ -79,12 +92,39 @@ def _layouts_hint(attentions: Sequence[str], report: FlatDictReport) -> str:
     return ""
 
 
+_SHAPE = re.compile(r"shape \(([\d, ]*)\)")
+
+
+def _shape(described: str) -> tuple[int, ...]:
+    """The shape a report's ``"shape (32, 8) (for c_fc.weight)"`` names (``()`` for none)."""
+    found = _SHAPE.match(described)
+    return tuple(int(d) for d in found.group(1).replace(",", " ").split()) if found else ()
+
+
+def _dense_layouts_hint(rules: Sequence[Any], attentions: Sequence[str], report: FlatDictReport) -> str:
+    """:data:`DENSE_LAYOUTS_HINT` where a Dense layer's ``weight`` is given as its expected
+    ``[out, in]`` reversed. A Dense rule maps one torch ``<layer>.weight`` onto one ft
+    ``<layer>.weight`` (an Embedding's leaf is ``embeddings``, a cell's ``input_weight``), 2-D
+    (a convolution's is 3-D or more); an attention's own are :func:`_layouts_hint`'s."""
+    dense = {r.torch[0] for r in rules if len(r.torch) == len(r.ft) == 1
+             and r.torch[0].rsplit(".", 1)[-1] == "weight" == r.ft[0].rsplit(".", 1)[-1]}
+    layers = [name.rsplit(".", 1)[0] if "." in name else "" for name, want, given in report.mismatched
+              if name in dense and not any(name.startswith(a + ".") for a in attentions)
+              and len(_shape(want)) == 2 and _shape(given) == _shape(want)[::-1]]
+    patterns = list(dict.fromkeys(".".join("*" if p.isdigit() else p for p in layer.split(".")) for layer in layers))
+    if not patterns:
+        return ""
+    return DENSE_LAYOUTS_HINT.format(layers=", ".join(patterns) if any(patterns) else "the model",
+                                     layouts={pattern: "conv1d" for pattern in patterns})
+
+
 def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: FlatDictReport, hint: str = "") -> ValueError:
     """:data:`TORCH_MISMATCH` for ``report``: an example of the rules' names (each with ``ft``
-    and ``torch`` names: ``key path -> torch name``), the attentions' ``layouts=`` hint, an
-    RNN's direction, and ``hint`` (the ports')."""
+    and ``torch`` names: ``key path -> torch name``), the attentions' and Dense layers'
+    ``layouts=`` hints, an RNN's direction, and ``hint`` (the ports')."""
     example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), None) or next(
         (f"{r.ft[0]} -> {r.torch[0]}" if r.ft[0] != r.torch[0] else r.torch[0] for r in rules[:1]), "")
     names = TORCH_NAMES.format(example=example) if rules else ""
     return ValueError(TORCH_MISMATCH.format(report=report, names=names,
-                                            hint=_layouts_hint(attentions, report) + _rnn_direction_hint(report) + hint))
+                                            hint=_layouts_hint(attentions, report) + _dense_layouts_hint(rules, attentions, report)
+                                            + _rnn_direction_hint(report) + hint))

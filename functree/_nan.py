@@ -16,7 +16,11 @@ Every value carries an *origin*: where its non-finite entries came from. An equa
 whose result has a NaN while none of its inputs (primal values and cotangents) has one,
 or an infinity while its inputs are all finite, is an origin; any other result inherits
 the origin of its first input of that kind. Non-finite literals (``-jnp.inf`` in a mask)
-count as new at the equation that uses them. The report names the origin of the loss
+count as new at the equation that uses them, as *mask* origins: a NaN literal
+(``jnp.var``'s, where ``ddof`` leaves no degree of freedom) is never preferred to a real
+origin, and a pullback's result prefers its cotangents' origins to its primal inputs'. An
+equation inside jnp's own jitted functions (``norm``, ``std``) records no frame of the
+user's: its line is that of the user's call that reached it. The report names the origin of the loss
 when the loss is not finite, else the earliest origin among the non-finite gradients:
 primitive, the user's source line (the innermost frame outside JAX, functree and the
 standard library), phase, and the parameters (dotted key paths) it depends on (forward)

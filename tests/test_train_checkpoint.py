@@ -976,3 +976,58 @@ def test_restoring_where_nothing_was_saved_shows_the_restart_guard(tmp_path):
     assert message.startswith(f"No checkpoint at all in {tmp_path / 'run'}: nothing has been saved there yet")
     assert "right:  if manager.latest_step() is not None:" in message and "one of []" not in message
     assert CheckpointManager(tmp_path / "run").latest_step() is None  # the guard the message shows
+
+
+# --- save(overwrite=True) onto a symlink or a plain file; only functree's own names removed ----
+
+def _w(value):
+    return {"w": np.full(4, value, np.float32)}
+
+
+def _loaded_w(path):
+    return np.asarray(ft.train.load(path)["w"])
+
+
+def test_an_overwrite_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path):
+    """The link itself was swapped aside as `link.functree-old` (a symlink, which
+    shutil.rmtree refuses: OSError), and every later save to it failed the same way."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    ft.train.save(real, _w(1.0))
+    os.symlink(real, link)
+    for value in (2.0, 3.0):  # the second save found the first one's leftover
+        ft.train.save(link, _w(value), overwrite=True)
+        assert link.is_symlink() and os.readlink(link) == os.fspath(real)
+        assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+        np.testing.assert_array_equal(_loaded_w(link), np.full(4, value, np.float32))
+        np.testing.assert_array_equal(_loaded_w(real), np.full(4, value, np.float32))
+
+
+def test_an_overwrite_of_a_plain_file_replaces_it(tmp_path):
+    """The file was renamed aside, then shutil.rmtree(file) raised NotADirectoryError after the
+    swap, and every later save to the path failed on the leftover."""
+    path = tmp_path / "m"
+    path.write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"already exists. Nothing was overwritten"):
+        ft.train.save(path, _w(1.0))
+    assert path.read_text() == "not a checkpoint"
+    for value in (1.0, 2.0):
+        ft.train.save(path, _w(value), overwrite=True)
+        assert os.listdir(tmp_path) == ["m"]
+        np.testing.assert_array_equal(_loaded_w(path), np.full(4, value, np.float32))
+
+
+def test_settling_removes_only_the_names_functree_and_orbax_create(tmp_path):
+    """`m.functree-new.backup` (a user's) was deleted with the leftovers. A leftover of the
+    names functree writes is still removed: the new tree, orbax's temporary of it, an old
+    tree that is a symlink or a file (from the bug above)."""
+    path = tmp_path / "m"
+    ft.train.save(path, _w(1.0))
+    (tmp_path / "m.functree-new.backup").mkdir()
+    (tmp_path / "m.functree-new.backup" / "notes.txt").write_text("keep")
+    (tmp_path / "m.functree-new.orbax-checkpoint-tmp-1712").mkdir()
+    (tmp_path / "m.functree-new").mkdir()
+    os.symlink(path, tmp_path / "m.functree-old")
+    ft.train.save(path, _w(2.0), overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["m", "m.functree-new.backup"]
+    assert (tmp_path / "m.functree-new.backup" / "notes.txt").read_text() == "keep"
+    np.testing.assert_array_equal(_loaded_w(path), np.full(4, 2.0, np.float32))

@@ -377,22 +377,46 @@ def _siblings(path: Path) -> tuple[Path, Path]:
     return path.with_name(f"{path.name}.functree-new"), path.with_name(f"{path.name}.functree-old")
 
 
+# orbax's temporary directory of a save to ``<name>`` is ``<name>.orbax-checkpoint-tmp...``
+# (orbax.checkpoint's TMP_DIR_SUFFIX): with the new tree's own name, the only names
+# _settle removes beside ``path`` (a user's ``model.functree-new.backup`` stays).
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+
+
+def _target(path: str | os.PathLike[str]) -> Path:
+    """Where a tree at ``path`` lives: ``path``, or the target of a symlink ``path`` (a save
+    writes through the link, as ``open(link, "w")`` does: the link stays and points at the
+    new tree; swapping the link itself aside left a symlink ``.functree-old`` that
+    ``shutil.rmtree`` refuses, and every later save failed on it)."""
+    path = Path(path).absolute()
+    return path.resolve() if path.is_symlink() else path
+
+
+def _remove(entry: Path) -> None:
+    """Delete ``entry``: a real directory and what it holds, else the file or link itself
+    (``shutil.rmtree`` refuses both: an overwritten plain file crashed after the swap)."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
+
+
 def _settle(path: Path) -> bool:
     """Undo or finish what an overwrite killed mid-swap left (the primary process, before a
     save), and whether ``path`` holds a tree. The old tree waiting beside a missing ``path``
     goes back (that save never returned); one beside a ``path`` is the old tree of a swap
     that had finished. A new tree never swapped in, whole or not, is removed."""
     new, old = _siblings(path)
-    if old.exists():
-        if path.exists():
-            shutil.rmtree(old)
+    if old.exists() or old.is_symlink():
+        if path.exists() or path.is_symlink():
+            _remove(old)
         else:
             os.rename(old, path)
     if path.parent.is_dir():
         for entry in path.parent.iterdir():  # the new tree, and orbax's temporary directories of it
-            if entry.name == new.name or entry.name.startswith(f"{new.name}."):
-                shutil.rmtree(entry)
-    return path.exists()
+            if entry.name == new.name or entry.name.startswith(new.name + _ORBAX_TMP):
+                _remove(entry)
+    return path.exists() or path.is_symlink()
 
 
 def _swap(path: Path, new: Path, old: Path) -> None:
@@ -400,7 +424,7 @@ def _swap(path: Path, new: Path, old: Path) -> None:
     holds a whole tree (which :func:`load` reads) and :func:`_settle` tidies the rest."""
     os.rename(path, old)
     os.rename(new, path)
-    shutil.rmtree(old)
+    _remove(old)
 
 
 def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) -> None:
@@ -414,6 +438,8 @@ def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) ->
     ``path``) and the old one deleted. Killed between the renames, ``path`` is missing and
     :func:`load` reads ``<path>.functree-old``; the next ``save`` to ``path`` puts it back
     (the interrupted save never returned) and removes a ``.functree-new`` left over.
+    A symlink ``path`` is written through: its target gets the new tree and the link stays;
+    a plain file at ``path`` is replaced by the tree (``overwrite=True`` only).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, tempfile
@@ -424,7 +450,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) ->
     """
     import orbax.checkpoint as ocp  # on first use: import functree stays light
     check_stale([("tree", tree)], "ft.train.save(path, tree)")  # donated by a step: nothing written
-    path = Path(path).absolute()
+    path = _target(path)
     exists = agreed(lambda: _settle(path))
     if exists and not overwrite:
         raise CheckpointError(PATH_EXISTS.format(path=path))
@@ -460,7 +486,7 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
       (Dense(weight=f32[2,1], bias=f32[1], activation=identity), True)
     """
     import orbax.checkpoint as ocp  # on first use: import functree stays light
-    path = Path(path).absolute()
+    path = _target(path)
     if mesh is not None and template is None:
         raise CheckpointError(LOAD_NEEDS_TEMPLATE)
     target = placement({"": template}, mesh, sharding, data_axis)

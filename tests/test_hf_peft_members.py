@@ -11,6 +11,7 @@ test_nn_lora); the defects these tests guard against were 1e-3 to 5e-2 off.
 
 import json
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 V1 = "layers.1.self_attn.v_proj"
-PATTERNS = {"alpha_pattern": dict(r=2, lora_alpha=6, alpha_pattern={V1: 24}),  # scales 3 and 12
+PATTERNS: dict[str, dict[str, Any]] = {"alpha_pattern": dict(r=2, lora_alpha=6, alpha_pattern={V1: 24}),  # scales 3 and 12
             "rank_pattern": dict(r=2, lora_alpha=6, rank_pattern={V1: 4})}  # ranks 2 and 4: scales 3 and 1.5
 
 
@@ -161,7 +162,18 @@ def test_tensors_under_adapter_names_load_the_one_peft_loads(tmp_path):
     expected = hf_logits(peft.PeftModel.from_pretrained(llama(), str(both)).eval(), tokens())
     peft_model.set_adapter("default")
     assert_close(expected, hf_logits(peft_model.eval(), tokens()))  # PEFT reads 'default'
-    assert_close(logits(ft.nn.load_lora(ft.nn.from_hf(llama()), both), tokens()), expected)  # was 'other': 0.48 off
+    with pytest.raises(ValueError, match=r"(?s)both/adapter_model\.safetensors holds the tensors of several adapters: "
+                                         r"'default' \(the one PeftModel.from_pretrained reads\) and 'other' \(on "
+                                         r"\['model\.layers\.0\.self_attn\.q_proj'.*selected_adapters=\[\"default\"\]"):
+        ft.nn.load_lora(ft.nn.from_hf(llama()), both)
+    peft_model.save_pretrained(str(tmp_path / "selected"), selected_adapters=["default"])  # the message's fix
+    assert_close(logits(ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "selected"), tokens()), expected)
+    # default's q_proj beside other's v_proj: each module's only name loaded a mix (q of one
+    # adapter, v of the other, no adapter PEFT loads: 1.2x the logits off); one name per file.
+    mix = written("mix", {k: v for k, v in state.items() if (".q_proj." in k) == (".default." in k)})
+    with pytest.raises(ValueError, match=r"(?s)several adapters: 'default' .* and 'other' \(on "
+                                         r"\['model\.layers\.0\.self_attn\.v_proj', 'model\.layers\.1\.self_attn\.v_proj'\]\)"):
+        ft.nn.load_lora(ft.nn.from_hf(llama()), mix)
     only_other = written("other", {k: v for k, v in state.items() if ".other." in k})  # one name: that adapter
     peft_model.set_adapter("other")
     assert_close(logits(ft.nn.load_lora(ft.nn.from_hf(llama()), only_other), tokens()), hf_logits(peft_model, tokens()))

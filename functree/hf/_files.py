@@ -188,7 +188,8 @@ def missing_tensors(family: Any, model: Any, missing: list[str], unexpected: lis
         return omitted
     head = family.hf_head[0] if family.hf_head is not None else None
     if missing == [head] and not unexpected and getattr(model, "lm_head", None) is not None:
-        base = family.hf_class.removesuffix("ForCausalLM").removesuffix("LMHead") + "Model"
+        name = family.hf_class
+        base = next((name[: -len(s)] + "Model" for s in ("ForCausalLM", "LMHeadModel") if name.endswith(s)), name)
         return ValueError(HEAD_MISSING.format(head=head, hf_class=family.hf_class, base=base))
     return None
 

@@ -528,8 +528,7 @@ def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: s
             raise ValueError(NOT_PEFT.format(directory=directory, problem=f"an unexpected tensor {name!r}"))
         if not (np.issubdtype(value.dtype, np.floating) or value.dtype == jnp.bfloat16):
             raise ValueError(ADAPTER_DTYPE.format(name=name, dtype=value.dtype))
-    pairs = {module: chosen_adapter(by_name, module, os.path.join(directory, WEIGHTS_FILE))
-             for module, by_name in named.items()}
+    pairs = chosen_adapter(named, os.path.join(directory, WEIGHTS_FILE))
     for module, pair in pairs.items():
         for which in ("lora_A", "lora_B"):
             if which not in pair:

@@ -2,7 +2,7 @@
 
 Reading: a file's tensors may carry an adapter name (``lora_A.default.weight``, a state
 dict of a ``PeftModel``); :func:`chosen_adapter` takes the one ``PeftModel.from_pretrained``
-takes (no name, or ``default``). :func:`loaded_layer` puts a layer's members together into one
+takes (no name, or ``default``), one name for the whole file, and refuses tensors under another. :func:`loaded_layer` puts a layer's members together into one
 ``LoraDense``: each member keeps PEFT's ``A`` and ``B`` and its own scale ``s_i``
 (``alpha_i / r_i``; ``LoraDense.member_scale`` where the members' differ), the ranks padded
 with zeros to the largest (zero columns of ``A`` with zero rows of ``B``: they add nothing and
@@ -34,6 +34,16 @@ ignores the others: which one is this adapter is not in the file.
     wrong:  safetensors.torch.save_file(peft_model.state_dict(), ...)   # every adapter's tensors
     right:  peft_model.save_pretrained(directory, selected_adapters=["default"])   # one adapter per directory"""
 
+OTHER_ADAPTERS = """\
+ft.nn.load_lora: {file} holds the tensors of several adapters: {chosen} (the one \
+PeftModel.from_pretrained reads) and {others} (on {modules}{more}). PEFT ignores the other \
+adapters' tensors, leaving a module that only they hold at its initialization; taking each \
+module's from whichever adapter holds it would load a mix of adapters, no adapter that was \
+trained. A directory holds one adapter.
+    wrong:  safetensors.torch.save_file(peft_model.state_dict(), ...)   # every adapter's tensors
+    right:  peft_model.save_pretrained(directory, selected_adapters=["default"])   # the one meant
+       or:  peft_model.save_pretrained(directory)   # each adapter in a directory of its own: directory/<name>"""
+
 
 def member_arrays(a: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
     """A stacked array's members in C order over its stack axes (itself when not stacked)."""
@@ -41,26 +51,43 @@ def member_arrays(a: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
     return list(array.reshape((-1, *array.shape[len(sizes):]))) if sizes else [array]
 
 
-def chosen_adapter(named: dict[str | None, dict[str, np.ndarray]], module: str, file: str
-                   ) -> dict[str, np.ndarray]:
-    """The tensors (``{"lora_A": ..., "lora_B": ...}``) of ``module`` under the adapter name
-    PEFT loads: none, else ``default`` (``PeftModel.from_pretrained``'s adapter name: its
-    keys match the model's own), else the file's only name (a file of one adapter written
-    with its name kept). Refused: several other names, or both the unnamed and the
-    ``default`` tensors with other values (PEFT keeps whichever the file lists last)."""
-    if None in named and "default" in named:
-        same = named[None].keys() == named["default"].keys() and all(
-            np.array_equal(named[None][k], named["default"][k]) for k in named[None])
+def chosen_adapter(named: dict[str, dict[str | None, dict[str, np.ndarray]]], file: str
+                   ) -> dict[str, dict[str, np.ndarray]]:
+    """The tensors (``{module: {"lora_A": ..., "lora_B": ...}}``) of the one adapter name
+    PEFT loads from the file, chosen per file (``named``: each module's tensors per adapter
+    name): none, else ``default`` (``PeftModel.from_pretrained``'s adapter name: its keys
+    match the model's own), else the file's only name (a file of one adapter written with
+    its name kept). Refused: several other names, the unnamed and the ``default`` tensors of
+    a module with other values (PEFT keeps whichever the file lists last), and tensors under
+    another name beside the chosen one (:data:`OTHER_ADAPTERS`: taking each module's own
+    name would load a mix of adapters)."""
+    for module, by_name in named.items():
+        _same_unnamed_and_default(by_name, module, file)
+    names = {name for by_name in named.values() for name in by_name}
+    chosen = {None, "default"} & names
+    if not chosen:
+        if len(names) > 1:
+            module = max(named, key=lambda m: len(named[m]))  # one holding the most names
+            raise ValueError(SEVERAL_ADAPTERS.format(file=file, module=module, names=sorted(map(str, names)),
+                                                     why="and none without a name or named 'default'"))
+        chosen = names
+    others = sorted(str(n) for n in names - chosen)
+    if others:
+        modules = sorted(m for m, by_name in named.items() if set(by_name) - chosen)
+        raise ValueError(OTHER_ADAPTERS.format(file=file, chosen="'default'" if "default" in chosen else "the unnamed",
+                                               others=", ".join(map(repr, others)), modules=modules[:3],
+                                               more=f" and {len(modules) - 3} more" if len(modules) > 3 else ""))
+    return {module: next(iter(by_name.values())) for module, by_name in named.items()}  # one name (or equal two)
+
+
+def _same_unnamed_and_default(by_name: dict[str | None, dict[str, np.ndarray]], module: str, file: str) -> None:
+    """Refuse a module's unnamed and ``default`` tensors unless they are one adapter's (equal)."""
+    if None in by_name and "default" in by_name:
+        same = by_name[None].keys() == by_name["default"].keys() and all(
+            np.array_equal(by_name[None][k], by_name["default"][k]) for k in by_name[None])
         if not same:
             raise ValueError(SEVERAL_ADAPTERS.format(file=file, module=module, names=[None, "default"],
                                                      why="both PeftModel's names of one adapter, with other values"))
-    for name in (None, "default"):
-        if name in named:
-            return named[name]
-    if len(named) == 1:
-        return next(iter(named.values()))
-    raise ValueError(SEVERAL_ADAPTERS.format(file=file, module=module, names=sorted(map(str, named)),
-                                             why="and none without a name or named 'default'"))
 
 
 def adapter_dtype(dtypes: list[np.dtype]) -> np.dtype:

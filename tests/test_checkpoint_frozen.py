@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.train.checkpoint._frozen import _fingerprints, frozen_keys
+from functree.train.checkpoint._frozen import _base, _fingerprints, frozen_keys
 
 X = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
 
@@ -92,7 +92,7 @@ def test_restoring_without_the_base_is_refused_with_the_fix(tmp_path):
         ft.train.JobState.restore(tmp_path / "lora")
     # A from_hf base is not named either (its config keeps no _name_or_path: one model read
     # from two paths compiles once); the message said "a model not built by ft.nn.from_hf".
-    assert "not built by" not in str(ft.train.checkpoint._frozen._base(None))
+    assert "not built by" not in str(_base(None))
 
 
 def test_what_a_subset_leaves_frozen():
@@ -114,3 +114,39 @@ def test_the_fingerprint_is_exact_and_placement_free():
     bits = np.arange(5, dtype=np.float32).view(np.uint32).astype(np.uint64)
     i = np.arange(5, dtype=np.uint64)
     assert got["f32"] == [int(np.sum(bits * (2 * i + 1)) % 2**32), int(np.sum(bits ^ (i * 0x9E3779B9 % 2**32)) % 2**32)]
+
+
+def test_the_fingerprint_is_one_across_x64_and_the_old_x64_form_restores():
+    """jnp.sum of uint32 widened to uint64 under jax_enable_x64: one base's fingerprint was
+    [858321213923, 827771298087] there and [3622722019, 3137577255] without, so a LoRA job
+    restored across the flag was refused as "trained on another base". The sums are now
+    taken in uint32 (mod 2**32) in both modes; an x64 job's old, unreduced sums (uint64)
+    still restore, compared mod 2**32. (describe_frozen and restore_frozen are what
+    trainer.save and trainer.restore call for the frozen base.)"""
+    from functree.train.checkpoint import _frozen
+    w = base().layers[0].weight
+    bits = np.asarray(w).view(np.uint32).reshape(-1).astype(np.uint64)
+    i = np.arange(bits.size, dtype=np.uint64)
+    want = [int(np.sum(bits * (2 * i + 1)) % 2**32), int(np.sum(bits ^ (i * 0x9E3779B9 % 2**32)) % 2**32)]
+    unreduced = [int(np.sum(bits * (2 * i + 1))), int(np.sum(bits ^ (i * 0x9E3779B9 % 2**32)))]
+    assert unreduced[0] > 2**32  # the old form differs
+
+    def written() -> dict:
+        return _frozen.describe_frozen({"model.w": w}, ["model.w"], None)
+
+    def restored(about: dict) -> jax.Array:
+        arrays: dict = {}
+        _frozen.restore_frozen(arrays, about, {"w": w}, step=3)
+        return arrays["model.w"]
+
+    x32 = written()
+    with jax.enable_x64(True):
+        x64 = written()
+        assert restored(x32) is w
+    old = {"source": None, "leaves": {"model.w": {**x64["leaves"]["model.w"], "fingerprint": unreduced}}}
+    assert x32 == x64 and x32["leaves"]["model.w"]["fingerprint"] == want
+    assert restored(x64) is w and restored(old) is w
+    other = {"source": None, "leaves": {"model.w": {**old["leaves"]["model.w"], "fingerprint": [unreduced[0] + 1,
+                                                                                              unreduced[1]]}}}
+    with pytest.raises(ft.train.CheckpointError, match="holds other values in the template"):
+        restored(other)

@@ -11,7 +11,8 @@ as PRNG keys and statistics, the rest of the job) and, for each frozen parameter
 
 with ``bits_i`` the i-th element's bit pattern as an unsigned integer. Integer sums modulo
 2³² are exact in any order, so the fingerprint is the same on every device, platform and
-sharding, and it is computed where the array lives (no copy to the host). The base is
+sharding, with ``jax_enable_x64`` or without, and it is computed where the array lives (no
+copy to the host). The base is
 known by these fingerprints alone: a model's config keeps no path or name
 (:data:`functree.hf._config.PROVENANCE`: the same model read from two paths is one
 static configuration), so the messages say which template to pass, not where it came from
@@ -76,9 +77,13 @@ def _bits(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _fingerprint(x: jax.Array) -> jax.Array:
+    """``[s1, s2]`` as uint32. The sums accumulate in uint32 (wrapping is the mod 2³²):
+    left to its default, ``jnp.sum`` of uint32 widens to uint64 under ``jax_enable_x64`` and
+    the fingerprint changed with the flag."""
     bits = _bits(x)
     i = jnp.arange(bits.size, dtype=jnp.uint32)
-    return jnp.stack([jnp.sum(bits * (2 * i + 1)), jnp.sum(bits ^ (i * jnp.uint32(0x9E3779B9)))])
+    return jnp.stack([jnp.sum(bits * (2 * i + 1), dtype=jnp.uint32),
+                      jnp.sum(bits ^ (i * jnp.uint32(0x9E3779B9)), dtype=jnp.uint32)])
 
 
 def _fingerprints(arrays: Mapping[str, Any]) -> dict[str, list[int]]:
@@ -122,13 +127,22 @@ def restore_frozen(arrays: dict[str, Any], about: Any, template: Any, step: Any,
             problem = "is not in the template"
         elif not _same_kind(found[key], want):
             problem = f"is {found[key].dtype}{list(np.shape(found[key]))} in the template"
-        elif sums[key] != want.get("fingerprint"):
+        elif sums[key] != _saved_fingerprint(want):
             problem = "holds other values in the template (its fingerprint differs)"
         else:
             arrays[key] = found[key]
             continue
         raise CheckpointError(BASE_DIFFERS.format(step=step, key=key, saved=saved, problem=problem, source=source,
                                                   build=build))
+
+
+def _saved_fingerprint(want: dict[str, Any]) -> Any:
+    """The saved fingerprint mod 2³²: a job under ``jax_enable_x64`` wrote the sums unreduced
+    (uint64, before they were summed in uint32), and Σ mod 2⁶⁴ mod 2³² = Σ mod 2³²."""
+    saved = want.get("fingerprint")
+    if not isinstance(saved, list) or not all(isinstance(s, int) for s in saved):
+        return saved  # (damaged: differs from any fingerprint)
+    return [s % 2**32 for s in saved]
 
 
 def _same_kind(x: Any, want: Any) -> bool:

@@ -885,3 +885,46 @@ def test_a_counting_value_mixed_with_traced_values_warns_and_keeps_its_size_weig
                                                 r"other traced values"):
         t.fit(data, epochs=1, progress=False)
     np.testing.assert_allclose(t.history.epochs["acc"][0], _weighted(logits, labels, _EVEN), rtol=0, atol=_ATOL)
+
+
+class _Logged(ft.train.TrainStep):
+    """compute_metrics with host callbacks: one logs the loss and accuracy, one (a
+    pure_callback) reports the accuracy as the host computed it."""
+
+    logged: list[tuple[float, float]]
+    seen: list[float]
+
+    def compute_metrics(self, out):
+        metrics = super().compute_metrics(out)
+        jax.debug.callback(lambda loss, acc: self.logged.append((float(loss), float(acc))), metrics["loss"],
+                           metrics["acc"])
+        host = jax.pure_callback(lambda v: (self.seen.append(float(v)), np.asarray(v, np.float32))[1],
+                                 jax.ShapeDtypeStruct((), jnp.float32), metrics["acc"])
+        return {**metrics, "acc100": 100 * metrics["acc"], "host": host}
+
+
+def test_callbacks_in_compute_metrics_run_once_a_step_on_the_steps_values():
+    """Before: the exactness probe re-ran compute_metrics inside the step's trace, so a
+    jax.debug.callback logged each step 4 times, and callbacks fed the accuracy got the
+    probe's made-up 0.25, 0.5, 0.75 at trace time. The probe traces into a throwaway jaxpr
+    and evaluates no callback: once a step, the step's own values; 100 * acc stays exact
+    (Σ hits / Σ counted), the host's value is size-weighted with an InexactMeanWarning."""
+    from functree.train._metrics import InexactMeanWarning
+
+    logits, labels, values, data = _even_data()
+    opt, loss_fn = ft.optim.sgd(0.0), _token_loss(logits, values)
+    step = _Logged(loss_fn, opt, metrics={"acc": ft.train.accuracy})
+    step.logged, step.seen = [], []
+    t = ft.train.Trainer({"w": jnp.zeros(())}, opt, loss_fn, train_step=step)
+    with pytest.warns(InexactMeanWarning) as caught:
+        t.fit(data, epochs=1, progress=False)
+    assert {str(w.message).split("'")[1] for w in caught} == {"host"}
+    cuts = np.cumsum((0, *_EVEN))
+    accs = [_per_token(logits[a:b], labels[a:b]) for a, b in itertools.pairwise(cuts)]
+    losses = [float(np.mean(values[a:b], dtype=np.float32)) for a, b in itertools.pairwise(cuts)]
+    assert len(step.logged) == len(step.seen) == len(_EVEN)  # once a step (callbacks may run unordered)
+    # measured: at most 6e-8 (float32 losses, hit fractions), x10 and up
+    np.testing.assert_allclose(np.array(sorted(step.logged)), np.array(sorted(zip(losses, accs))), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(sorted(step.seen), sorted(accs), rtol=0, atol=_ATOL)
+    np.testing.assert_allclose(t.history.epochs["acc100"][0], 100 * _per_token(logits, labels), rtol=0, atol=100 * _ATOL)
+    np.testing.assert_allclose(t.history.epochs["host"][0], _weighted(logits, labels, _EVEN), rtol=0, atol=_ATOL)

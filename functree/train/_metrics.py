@@ -33,6 +33,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
+from jax.extend import core as jcore
+
+from functree import _compat as compat
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
@@ -574,6 +578,11 @@ INEXACT_MEAN = """The metric {name!r} reports a value computed from {what}; its 
     right:  {{"accuracy": ft.train.accuracy(out), "binary_accuracy": ft.train.binary_accuracy(out)}}"""
 
 
+MIXED = ("a counting metric's value and other traced values (or host code, such as a jax.debug.callback or "
+         "pure_callback around the value, which is never run on anything but the step's own values)")
+"""What :data:`INEXACT_MEAN` says a value mixed its counting value with."""
+
+
 class InexactMeanWarning(UserWarning):
     """A metric computed from counting metrics' values in a way whose parts are not known
     (two of them combined, squared, or mixed with other traced values): its means are
@@ -585,9 +594,9 @@ class _Frame:
     ``(hits, counted)``, in call order; ``known``: ``id(value) -> (value, how)`` where ``how``
     is ``(call, a, b)`` (``value = a·hits/counted + b``) or None (plain); ``derived``: names
     whose metric called a counting one but returned another value; ``probes``: None (the
-    real run) or the concrete number each call returns instead (:func:`_probe`)."""
+    real run) or what each call returns instead: the inputs of :func:`_probe_jaxpr`'s trace."""
 
-    def __init__(self, probes: Sequence[float] | None = None):
+    def __init__(self, probes: Sequence[Any] | None = None):
         self.calls: list[tuple[Any, Any]] = []
         self.known: dict[int, tuple[Any, tuple[int, float, float] | None]] = {}
         self.derived: set[str] = set()
@@ -618,7 +627,7 @@ def _known(value: Any, how: tuple[int, float, float] | None, frame: _Frame | Non
 
 def _noted(value: jax.Array, hits: jax.Array, counted: jax.Array) -> jax.Array:
     """``value`` (``hits / max(counted, 1)``), its parts noted in the running :func:`measured`;
-    in one of its probe runs, that run's concrete number instead."""
+    in its probe trace, that trace's input instead (:func:`_probe_jaxpr`)."""
     frame = _frame()
     if frame is None:
         return value
@@ -630,45 +639,126 @@ def _noted(value: jax.Array, hits: jax.Array, counted: jax.Array) -> jax.Array:
 
 
 def _number(x: Any) -> float | None:
-    """``x`` as a float where it is concrete (a probe run computed it), else None (a tracer:
-    it depends on traced values, not on the probes alone)."""
+    """``x`` as a float where it is one number, else None."""
     try:
         return float(np.asarray(x, np.float64))
-    except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    except (TypeError, ValueError):
         return None
 
 
 LOW, HIGH, MID = 0.25, 0.75, 0.5  # probe numbers: exact in binary, away from 0 and 1
 
+HOST_CODE = frozenset({"pure_callback", "io_callback", "debug_callback", "ffi_call"})
+"""Primitives that run code outside JAX (a user's Python callback, a foreign function):
+never run on probe numbers, even where they declare no effect (``pure_callback``)."""
+
+
+class _Unknown:
+    """A jaxpr variable's value the probe does not compute (``_UNKNOWN``)."""
+
+
+_UNKNOWN = _Unknown()
+
+
+def _runs_host_code(eqn: Any) -> bool:
+    """Whether an equation has effects or runs host code (:data:`HOST_CODE`), itself or in
+    one of its bodies: the probe never runs it."""
+    if eqn.effects or eqn.primitive.name in HOST_CODE:
+        return True
+    return any(_runs_host_code(e) for j in compat.sub_jaxprs(eqn.params) for e in j.eqns)
+
+
+def _probe_jaxpr(run: Callable[[], Mapping[str, Any]], calls: int, names: Sequence[str]) -> tuple[Any, list[str]] | None:
+    """``run`` traced once more into a throwaway jaxpr whose inputs are the values of its
+    ``calls`` counting metrics (each ``_noted`` returns its input instead), and the names
+    among ``names`` it returns, its outputs in that order; None where that trace calls
+    counting metrics another number of times (nothing to compare). The jaxpr is never
+    compiled into the step: its callbacks add nothing to it."""
+    present: list[str] = []
+
+    def traced(*counting: jax.Array) -> list[jax.Array]:
+        with _framed(_Frame(counting)) as frame:
+            values = run()
+        if len(frame.calls) != calls:
+            return []
+        present[:] = [n for n in names if n in values and jnp.shape(values[n]) == ()]
+        return [jnp.asarray(values[n]) for n in present]
+
+    closed = jax.make_jaxpr(traced)(*[jax.ShapeDtypeStruct((), jnp.float32)] * calls)
+    return (closed, present) if present else None
+
+
+def _needed(jaxpr: Any) -> list[Any]:
+    """The equations of ``jaxpr`` its outputs read (backwards from them): the rest (the
+    counting metrics' own hits and counts, read from traced values) is not looked at."""
+    need = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in need for v in eqn.outvars):
+            kept.append(eqn)
+            need.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return kept[::-1]
+
+
+def _on_counting(jaxpr: Any, eqns: Sequence[Any]) -> list[bool]:
+    """Per output of ``jaxpr``: whether it is computed from its inputs (the counting values)."""
+    on = set(jaxpr.invars)
+    for eqn in eqns:
+        if any(v in on for v in eqn.invars if not isinstance(v, jcore.Literal)):
+            on.update(eqn.outvars)
+    return [not isinstance(v, jcore.Literal) and v in on for v in jaxpr.outvars]
+
+
+def _evaluate(closed: Any, eqns: Sequence[Any], probes: Sequence[float]) -> list[float | None]:
+    """The outputs of ``closed`` with its inputs at ``probes``, evaluated equation by
+    equation where they depend on the inputs and constants alone, through no effect and
+    no host code; None for the others (they read the step's traced values: its constants
+    that are tracers, or an equation never run)."""
+    jaxpr = closed.jaxpr
+    env: dict[Any, Any] = {v: _UNKNOWN if isinstance(c, Tracer) else c
+                           for v, c in zip(jaxpr.constvars, closed.consts)}
+    env.update({v: np.float32(p) for v, p in zip(jaxpr.invars, probes)})
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env.get(v, _UNKNOWN)
+
+    with jax.ensure_compile_time_eval():  # concrete inputs: computed now, not staged
+        for eqn in eqns:
+            ins = [read(v) for v in eqn.invars]
+            outs: Sequence[Any] = [_UNKNOWN] * len(eqn.outvars)
+            if not any(x is _UNKNOWN for x in ins) and not _runs_host_code(eqn):
+                outs = compat.bind_eqn(eqn, ins)
+            env.update(zip(eqn.outvars, outs))
+    found = [read(v) for v in jaxpr.outvars]
+    return [None if x is _UNKNOWN else _number(x) for x in found]
+
 
 def _probe(run: Callable[[], Mapping[str, Any]], calls: int, names: Sequence[str]) -> dict[str, Any]:
     """How each of ``names`` depends on the ``calls`` counting values of ``run``: ``(i, a, b)``
     where it is ``a·value_i + b`` of one of them, ``"plain"`` where on none, ``"combined"``
-    where it is concrete but not so (two combined, or not affine), ``"traced"`` where it
-    depends on other traced values (or ``run`` called them otherwise).
+    where on them alone but not so (two combined, or not affine), ``"mixed"`` where on them
+    and on other traced values or through host code (a callback), ``"traced"`` where on
+    other traced values alone (or ``run`` called them otherwise).
 
-    ``run`` is traced again with each counting metric returning a concrete number (under
-    ``jax.ensure_compile_time_eval``, so arithmetic on it stays concrete): all at ``LOW``;
-    call ``i`` alone at ``HIGH`` (``a_i = 2·(f_i - f)``); all at ``MID``, which an affine
-    function of one of them must give as ``f + (MID - LOW)·Σ a_i``."""
-
-    def at(probes: Sequence[float]) -> dict[str, float | None] | None:
-        with _framed(_Frame(probes)) as frame, jax.ensure_compile_time_eval():
-            values = run()
-        if len(frame.calls) != calls:  # another call structure: nothing to compare
-            return None
-        return {n: _number(values[n]) if n in values else None for n in names}
-
-    base, mid = at([LOW] * calls), at([MID] * calls)
-    ups = [at([HIGH if j == i else LOW for j in range(calls)]) for i in range(calls)]
-    found: dict[str, Any] = {}
-    for name in names:
-        if base is None or mid is None or any(u is None for u in ups):
-            found[name] = "traced"
-            continue
-        f, m, us = base[name], mid[name], [u[name] for u in ups]  # type: ignore[index]
+    ``run`` is traced once more into a throwaway jaxpr of the counting values
+    (:func:`_probe_jaxpr`), whose equations on them alone are evaluated (:func:`_evaluate`)
+    with all at ``LOW``; call ``i`` alone at ``HIGH`` (``a_i = 2·(f_i - f)``); all at
+    ``MID``, which an affine function of one of them must give as ``f + (MID - LOW)·Σ a_i``.
+    Nothing runs in the step but ``run`` itself: its callbacks run once a step, on the
+    real values (not on probe numbers, which no equation with effects or host code sees)."""
+    probed = _probe_jaxpr(run, calls, names)
+    if probed is None:
+        return {name: "traced" for name in names}
+    closed, present = probed
+    eqns = _needed(closed.jaxpr)
+    on = dict(zip(present, _on_counting(closed.jaxpr, eqns)))
+    base, mid = _evaluate(closed, eqns, [LOW] * calls), _evaluate(closed, eqns, [MID] * calls)
+    ups = [_evaluate(closed, eqns, [HIGH if j == i else LOW for j in range(calls)]) for i in range(calls)]
+    found: dict[str, Any] = {name: "traced" for name in names}
+    for k, name in enumerate(present):
+        f, m, us = base[k], mid[k], [u[k] for u in ups]
         if f is None or m is None or any(u is None for u in us):
-            found[name] = "traced"
+            found[name] = "mixed" if on[name] else "traced"
             continue
         slopes = [(u - f) / (HIGH - LOW) for u in us]  # type: ignore[operator]
         tol = 1e-5 * (1.0 + abs(f) + sum(abs(a) for a in slopes))
@@ -694,9 +784,11 @@ def measured(run: Callable[[], Mapping[str, Any]], metrics: Mapping[str, Any], o
 
     Decided at trace time: a value that is the one a counting metric returned (or a
     metric's cast of it) is known by identity; any other, where counting metrics were
-    called, by tracing ``run`` again with them returning numbers (:func:`_probe`). A value
-    computed from them otherwise (two combined, squared, mixed with traced values under a
-    counting metric's name) gets an :class:`InexactMeanWarning` and its size-weighted mean,
+    called, by tracing ``run`` again into a throwaway jaxpr of them and evaluating it at
+    numbers (:func:`_probe`: the step gains no equation, a callback runs once a step, on
+    real values). A value computed from them otherwise (two combined, squared, mixed with
+    traced values or passed through host code) or another traced value under a counting
+    metric's name gets an :class:`InexactMeanWarning` and its size-weighted mean,
     as a plain metric's: parts ``(0, 0)`` where ``listed`` (the train step: the Trainer
     reads the names :func:`with_parts` lists before tracing), none otherwise (an eval
     step's names are traced: ``EvalStep.metric_shapes``).
@@ -722,8 +814,8 @@ def measured(run: Callable[[], Mapping[str, Any]], metrics: Mapping[str, Any], o
     dtype, n = metric_dtype(), batch_size_of(out.batch)
     for name in scalars:
         h = how[name]
-        if h == "combined" or (h == "traced" and (name in counting or name in frame.derived)):
-            what = "counting metrics' values" if h == "combined" else "a counting metric's value and other traced values"
+        if h in ("combined", "mixed") or (h == "traced" and (name in counting or name in frame.derived)):
+            what = "counting metrics' values" if h == "combined" else MIXED
             warnings.warn(INEXACT_MEAN.format(name=name, what=what), InexactMeanWarning, stacklevel=3)
         if isinstance(h, tuple):
             i, a, b = h

@@ -36,3 +36,60 @@ def test_means_are_values_and_round_trip_through_json():
     second = first.plus(Means.terms({"a": np.array([2.0], np.float32)}, np.array([3.0], np.float32)))
     assert first == Means() and second.sums == {"a": 6.0} and second.weight == 3.0
     assert Means.from_json(second.to_json()) == second and Means.from_json(None) == Means()
+
+
+def _steps(sizes, seed=0):
+    """Per step of a token-accuracy epoch: its size n, hits, counted labels (labels of -100
+    left out) and an example mean x0, from random predictions; every other step has
+    few labels and many hits (the size-weighted mean is not the per-token one)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i, n in enumerate(sizes):
+        labels = rng.integers(0, 5, size=(n, 4))
+        labels[rng.random((n, 4)) < (0.8 if i % 2 else 0.1)] = -100
+        pred = np.where(rng.random((n, 4)) < (0.6 if i % 2 else 0.1), labels, rng.integers(0, 5, size=(n, 4)))
+        counted = labels != -100
+        rows.append((n, float(np.sum((pred == labels) & counted)), float(np.sum(counted)), float(rng.normal())))
+    return rows
+
+
+def _terms(rows, old=False):
+    """The steps' terms as a step records them: acc (a counting metric) and pct = 100 * acc
+    with their parts per example, x0 a plain metric (parts of 0); ``old``: as functree
+    31096b0 recorded them, parts for the counting metric only."""
+    n, hits, counted, x0 = (np.array(c, np.float64) for c in zip(*rows))
+    acc = hits / np.maximum(counted, 1)
+    values = {"acc": acc, "acc#sum": hits / n, "acc#count": counted / n, "pct": 100 * acc, "x0": x0}
+    if not old:
+        values.update({"pct#sum": 100 * hits / n, "pct#count": counted / n, "x0#sum": 0 * n, "x0#count": 0 * n})
+    return Means.terms(values, n)
+
+
+def test_a_mean_restored_without_its_parts_keeps_its_size_weighted_mean_for_the_whole_epoch():
+    """Before: resumed mid-epoch from a checkpoint of functree 31096b0 (no parts for
+    pct = 100 * accuracy), the new steps' parts were divided alone: pct 27.27 for the epoch's
+    size-weighted 17.35 (and per-token 19.15). The epoch keeps the size-weighted mean of
+    every step, as 31096b0 gave it, with an InexactMeanWarning; never a mix."""
+    import pytest
+
+    from functree.train._metrics import InexactMeanWarning
+
+    sizes = (16, 16, 16, 16, 16, 8)
+    rows = _steps(sizes)
+    n, hits, counted, x0 = (np.array(c, np.float64) for c in zip(*rows))
+    weighted = float(np.sum(n * 100 * hits / np.maximum(counted, 1)) / np.sum(n))
+    per_token = float(100 * hits.sum() / counted.sum())
+    assert abs(weighted - per_token) > 1.0  # the data tells the two means apart
+    restored = Means.from_json(Means().plus(_terms(rows[:3], old=True)).to_json())  # the old checkpoint's
+    with pytest.warns(InexactMeanWarning, match=r"'pct' was restored from a checkpoint that summed it without"):
+        m = restored.plus(_terms(rows[3:5]))
+    with pytest.warns(InexactMeanWarning):  # saved and restored again: still without parts, still warned
+        m = Means.from_json(m.to_json()).plus(_terms(rows[5:]))
+    got = m.means()
+    atol = 1e-13  # measured: 0 (numpy sums the same float64 terms); ~10 ulp of the values allowed
+    np.testing.assert_allclose(got["pct"], weighted, rtol=0, atol=100 * atol)
+    np.testing.assert_allclose(got["acc"], per_token / 100, rtol=0, atol=atol)  # its parts span every step
+    np.testing.assert_allclose(got["x0"], np.sum(n * x0) / np.sum(n), rtol=0, atol=atol)
+    assert not any(k.startswith(("pct#", "x0#")) for k in m.sums)
+    whole = Means().plus(_terms(rows))  # an epoch of this functree: exact, no warning
+    np.testing.assert_allclose(whole.means()["pct"], per_token, rtol=0, atol=100 * atol)

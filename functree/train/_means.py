@@ -13,14 +13,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from functree.train._metrics import PART_COUNT, PART_SUM, combine_parts
+from functree.train._metrics import PART_COUNT, PART_SUM, InexactMeanWarning, combine_parts
 
-__all__ = ["Means", "Terms"]
+__all__ = ["Means", "Terms", "RESTORED_WITHOUT_PARTS"]
+
+RESTORED_WITHOUT_PARTS = """\
+The running mean of {name!r} was restored from a checkpoint that summed it without its parts \
+(hits, counted labels): the functree that wrote it recorded them for counting metrics only, \
+not for a value computed from one (100 * accuracy). Its mean over the steps of this epoch (and \
+log window) stays weighted by minibatch size, Σ n_b·v_b / Σ n_b, as that functree computed it, \
+not Σ hits / Σ counted, which the steps before the checkpoint cannot give; from the next epoch \
+on it is Σ hits / Σ counted.
+
+    wrong:  trainer.restore(path)                  # a checkpoint written mid-epoch by an older functree
+    right:  trainer.restore(path, step=<a step at an epoch's end>)   # its running means are empty
+       or:  finish the epoch with the functree that wrote it, then continue here"""
 
 Terms = tuple[dict[str, list[float]], list[float], int]
 """``(n·v per name, n per step, steps skipped)`` of an interval's steps."""
@@ -57,8 +70,17 @@ class Means:
 
     def plus(self, terms: Terms) -> Means:
         """These means with an interval's terms added, step by step in float64. (A plain
-        loop, not ``sum()``: Python 3.12's ``sum()`` of floats compensates: another result.)"""
+        loop, not ``sum()``: Python 3.12's ``sum()`` of floats compensates: another result.)
+
+        A metric whose sum holds steps without its parts (an older functree's checkpoint,
+        which recorded them for counting metrics only: ``100 * accuracy`` had none) keeps
+        no parts in these means: its mean stays Σ n·v / Σ n over all of their steps, with
+        an :class:`InexactMeanWarning` where the new steps counted labels. Parts of the
+        new steps alone, divided (:func:`combine_parts`), gave the new steps' mean as the
+        epoch's: 27.27 for a size-weighted 17.35 (per token: 19.15)."""
         products, weights, skipped = terms
+        unparted = self._unparted(products)
+        products = {k: v for k, v in products.items() if k == _whole(k) or _whole(k) not in unparted}
         sums = dict(self.sums)
         for name, column in products.items():
             total = sums.get(name, 0.0)
@@ -69,6 +91,18 @@ class Means:
         for w in weights:
             weight += w
         return Means(sums, weight, self.skipped + skipped)
+
+    def _unparted(self, products: Mapping[str, list[float]]) -> set[str]:
+        """The names whose parts ``products`` brings while these sums hold steps of theirs
+        without parts: their parts stay out (:meth:`plus`), with a warning where they
+        count labels (a metric that turned out plain records parts of 0)."""
+        names = {_whole(k) for k in products if k != _whole(k)}
+        unparted = {n for n in names if self.weight and n in self.sums
+                    and not (n + PART_SUM in self.sums and n + PART_COUNT in self.sums)}
+        for name in sorted(unparted):
+            if any(products.get(name + PART_COUNT, ())):
+                warnings.warn(RESTORED_WITHOUT_PARTS.format(name=name), InexactMeanWarning, stacklevel=3)
+        return unparted
 
     def means(self, on_nan: str | None = None) -> dict[str, float]:
         """The means (NaN where every step added was skipped), with ``skipped`` (the steps
@@ -108,6 +142,14 @@ class Means:
         sum can turn into Σ hits / Σ counted (an empty mean has nothing to misread)."""
         return [n for n in names if self.weight and n in self.sums
                 and not (n + PART_SUM in self.sums and n + PART_COUNT in self.sums)]
+
+
+def _whole(name: str) -> str:
+    """The metric a part's name belongs to (``"pct#sum"`` -> ``"pct"``); a metric's own name."""
+    for suffix in (PART_SUM, PART_COUNT):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 def _number(value: Any) -> bool:

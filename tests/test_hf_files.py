@@ -371,6 +371,10 @@ def test_an_index_that_omits_a_tensor_its_shard_holds_is_named_not_the_config(tm
                                          rf"which the shard '{shard}' holds.*not the config.*"
                                          rf"\"weight_map\": {{..., 'lm_head.weight': '{shard}'}}"):
         ft.nn.from_hf(tmp_path)
+    alone = {k: v for k, v in full["weight_map"].items() if v != shard}  # the shard named by no entry
+    index.write_text(json.dumps({**full, "weight_map": alone}))
+    with pytest.raises(ValueError, match=rf"(?s)does not list \['model\.layers\..*'\.\.\.'\], which the shard '{shard}' holds"):
+        ft.nn.from_hf(tmp_path)
     full["weight_map"]["lm_head.weight"] = shard  # the message's fix
     index.write_text(json.dumps(full))
     _close(jax.jit(lambda m, ids: m(ids))(ft.nn.from_hf(tmp_path), IDS), _hf_logits(hf))

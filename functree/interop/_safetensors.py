@@ -361,13 +361,15 @@ def _no_second_copy(index: str, weight_map: dict[str, str], shard: str, held: di
 
 
 def unlisted(index: str) -> dict[str, str]:
-    """The tensors the shards an index names hold but the index does not list, with their
-    shard (``{name: shard}``; headers read only), for an error naming the index, not the
-    config, when one of them is missing (:data:`INDEX_OMITS`)."""
+    """The tensors the shards beside an index hold (those it names, and any other
+    ``.safetensors`` file of its directory: a shard whose every tensor the index omits) but
+    the index does not list, with their shard (``{name: shard}``; headers read only), for an
+    error naming the index, not the config, when one of them is missing (:data:`INDEX_OMITS`)."""
     weight_map = _weight_map(index, "ft.nn.from_hf")
     folder = os.path.dirname(index)
+    beside = {n for n in os.listdir(folder or ".") if n.endswith(".safetensors")}
     out: dict[str, str] = {}
-    for shard in sorted(set(weight_map.values())):
+    for shard in sorted(set(weight_map.values()) | beside):
         path = os.path.join(folder, shard)
         if not (_confined(shard) and os.path.isfile(path)):
             continue
@@ -404,7 +406,8 @@ def index_omits(path: Any, missing: list[str], rename: Any = None) -> ValueError
     shard = omitted[0][1]
     same = [name for name, where in omitted if where == shard]
     more = f" (and {len(omitted) - len(same)} more in other shards)" if len(omitted) > len(same) else ""
-    return ValueError(INDEX_OMITS.format(caller="ft.nn.from_hf", index=index, tensors=same[:4], shard=shard,
+    listed = same[:4] + (["..."] if len(same) > 4 else [])
+    return ValueError(INDEX_OMITS.format(caller="ft.nn.from_hf", index=index, tensors=listed, shard=shard,
                                          more=more, first=same[0]))
 
 

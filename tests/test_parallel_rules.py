@@ -330,33 +330,122 @@ def test_spec_naming_one_mesh_axis_twice_names_the_rule_and_the_leaf():
         ft.shard(model(), jax.make_mesh((1, 1), ("data", "model")), {"head.weight": ("model", "model")})
 
 
-def test_a_batch_the_mesh_cannot_split_names_its_leaf():
+# One process on 8 devices for the batch and placement scenarios below (each test reads its part).
+EIGHT_DEVICES = """
+import tempfile
+import numpy as np, jax.numpy as jnp, functree as ft
+from functree.parallel import shard_batch
+mesh = jax.make_mesh((8,), ("data",))
+D = jax.devices()
+
+def message(f):
+    try:
+        f()
+    except Exception as e:
+        return str(e)
+
+out = {"batches": [message(lambda: shard_batch({"x": x, "y": y}, mesh)) for x, y in [
+    (np.zeros((12, 3), np.float32), np.zeros(12, np.int32)),
+    (np.zeros((16, 3), np.float32), np.zeros((12, 2), np.float32)),
+    (np.zeros((16, 3), np.float32), jnp.zeros((12, 2))),
+    (np.zeros((16, 3), np.float32), np.zeros(8, np.int32))]]}
+
+# 44 rows in batches of 16 on 8 devices: the last has 12. Then the fix the message prints.
+rng = np.random.default_rng(0)
+X, Y = rng.normal(size=(44, 3)).astype(np.float32), rng.normal(size=(44, 1)).astype(np.float32)
+loss_fn = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)
+trainer = lambda: ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.Optimizer(ft.optim.sgd(0.1)),
+                                   loss_fn, mesh=mesh)
+t = trainer()
+out["fit"] = message(lambda: t.fit(ft.train.batches((X, Y), 16, shuffle=False), epochs=1, progress=False))
+right = out["fit"].split("right:  ")[1].split("   #")[0]
+t = trainer()
+t.fit(eval(right, {"ft": ft, "data": (X, Y)}), epochs=1, progress=False)
+out["fixed"] = [t.steps_run, int(t.model.weight.sharding.num_devices)]
+
+# A checkpoint of float32 arrays read into a bfloat16 template on device 2 (BatchNorm's
+# statistics float32): the printed cast code, run as printed, from ft.train.load and from trainer.restore.
+@jax.jit  # one program builds it (eager, every initializer compiles apart)
+def model():
+    k = jax.random.split(jax.random.key(0), 2)
+    return ft.nn.Sequential(ft.nn.Dense(6, 32, jax.nn.relu, key=k[0]), ft.nn.BatchNorm(32), ft.nn.Dense(32, 3, key=k[1]))
+saved = model()
+template = jax.device_put(ft.cast(saved, jnp.bfloat16), D[2])
+d = tempfile.mkdtemp()
+ft.train.save(d + "/f32", saved)
+with ft.train.CheckpointManager(d + "/run") as manager:
+    manager.save(1, saved)
+out["cast"] = {}
+for name, restore in [("load", lambda: ft.train.load(d + "/f32", template)),
+                      ("trainer", lambda: ft.train.Trainer(template, ft.optim.adam(1e-3), loss_fn).restore(d + "/run"))]:
+    printed = message(restore)
+    code = printed.split("cast it into the template")[1].split(": ", 1)[1].split("   #")[0]
+    with ft.train.CheckpointManager(d + "/run") as manager:  # as the note says for trainer.restore(path)
+        cast = eval(code, {"ft": ft, "template": template, "path": d + "/f32", "manager": manager})
+    out["cast"][name] = {"printed": printed, "devices": sorted({str(dv) for x in jax.tree.leaves(cast)
+                                                                  for dv in x.devices()}),
+                         "leaves": [[str(x.dtype), np.asarray(x.astype(jnp.float32)).tolist()]
+                                    for x in jax.tree.leaves(cast)]}
+out["saved"] = [np.asarray(x).tolist() for x in jax.tree.leaves(saved)]
+out["template"] = [str(x.dtype) for x in jax.tree.leaves(template)]
+report(out)
+"""
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return run(EIGHT_DEVICES, devices=8)
+
+
+def test_a_batch_the_mesh_cannot_split_names_its_leaf(eight):
     """A batch whose leaves all have 12 rows, on 8 devices: BATCH_NOT_DIVISIBLE names the
     first leaf, ['x'] (12 % 8 = 4, right: 8). Leaves of different lengths ({"x": 16 rows, "y":
     12 rows}) said "The batch has 12 examples" and suggested batch_size=8, which the 16 rows
     of ['x'] already are; the error is the disagreement, naming both leaves and their rows
-    (MIXED_EXAMPLE_AXIS), for a NumPy leaf and a jax.Array leaf alike."""
-    out = run("""
-import numpy as np, jax.numpy as jnp
-from functree.parallel import shard_batch
-mesh = jax.make_mesh((8,), ("data",))
-messages = []
-for x, y in [(np.zeros((12, 3), np.float32), np.zeros(12, np.int32)),
-             (np.zeros((16, 3), np.float32), np.zeros((12, 2), np.float32)),
-             (np.zeros((16, 3), np.float32), jnp.zeros((12, 2)))]:
-    try:
-        shard_batch({"x": x, "y": y}, mesh)
-    except ValueError as e:
-        messages.append(str(e))
-report(messages)
-""", devices=8)
-    assert len(out) == 3
+    (MIXED_EXAMPLE_AXIS), for a NumPy leaf and a jax.Array leaf alike. {"x": 16 rows, "y": 8}
+    split on 8 devices too (2 rows of x and 1 of y on each, no longer pairing up) and
+    shard_batch placed it silently: it is refused the same way."""
+    out = eight["batches"]
     assert out[0].startswith("The batch has 12 examples (leading axis of ['x']), which the 8 devices")
     assert "right:  ft.train.batches(data, batch_size=8, drop_last=True)" in out[0]
-    for message in out[1:]:
-        assert message.startswith("The batch's leaves do not share one example axis: ['x'] has 16 rows, ['y'] has 12. "
-                                  "Split over the 8 devices of mesh axis 'data'")
+    assert "12 examples may also be the short last minibatch" in out[0]
+    for message, rows in zip(out[1:], (12, 12, 8), strict=True):
+        assert message.startswith(f"The batch's leaves do not share one example axis: ['x'] has 16 rows, ['y'] has "
+                                  f"{rows}. Split over the 8 devices of mesh axis 'data'")
         assert "batch_size" not in message
+
+
+def test_a_short_last_batch_on_a_mesh_is_named_with_the_users_batch_size(eight):
+    """44 rows in batches of 16 on 8 devices: step 3's 12 rows failed with "wrong:
+    batch_size=12 / right: batch_size=8, drop_last=True", though the user wrote 16. The
+    placement remembers the batches before (16), names the short last minibatch and the fix at
+    the user's size, which, run as printed, trains the 2 full batches on the 8 devices."""
+    message = eight["fit"]
+    assert "The batch has 12 examples (leading axis of [0])" in message
+    assert "The batches before it had 16: this is most likely the data's short last minibatch" in message
+    assert "wrong:  ft.train.batches(data, batch_size=16)\n" in message
+    assert "right:  ft.train.batches(data, batch_size=16, drop_last=True)" in message
+    assert eight["fixed"] == [2, 8]
+
+
+def test_the_cast_hint_of_a_checkpoint_of_another_dtype_keeps_the_templates_device(eight):
+    """A float32 checkpoint read into a bfloat16 template on device 2: the printed cast code
+    put every array on device 0 (from_flat_dict casts through NumPy), and from trainer.restore
+    it named a ``manager`` the user never made. Run as printed, it now gives the template's
+    dtypes on device 2, each value the float32 one rounded to the template's dtype (NumPy's
+    ml_dtypes cast, exact), and the message says what ``manager`` is."""
+    saved = [np.asarray(x, np.float32) for x in eight["saved"]]
+    for name in ("load", "trainer"):
+        got = eight["cast"][name]
+        assert got["devices"] == ["cpu:2"]
+        assert [dtype for dtype, _ in got["leaves"]] == eight["template"]
+        for (dtype, value), want in zip(got["leaves"], saved, strict=True):
+            expected = want.astype(jnp.dtype(dtype)).astype(np.float32)
+            np.testing.assert_allclose(np.asarray(value, np.float32), expected, rtol=0, atol=0)
+    assert "ft.to_flat_dict(ft.train.load(path))" in eight["cast"]["load"]["printed"]
+    printed = eight["cast"]["trainer"]["printed"]
+    assert "ft.to_flat_dict(manager.restore(1).model)" in printed
+    assert "manager: your CheckpointManager, or ft.train.CheckpointManager(path) for trainer.restore(path)" in printed
 
 
 def test_an_unmatched_glob_keeps_the_parts_that_fit_in_its_fix():

@@ -21,26 +21,39 @@ from functree._tree import has_shape_and_dtype
 from functree.parallel._mesh import auto_mesh, constrain, place
 from functree.parallel._rules import check_data_axis, check_rules, partition_specs
 
-__all__ = ["Placement", "shard_batch", "batch_specs", "check_batch", "one_device_mesh"]
+__all__ = ["Placement", "shard_batch", "place_batch", "batch_specs", "check_batch", "one_device_mesh"]
 
-BATCH_NOT_DIVISIBLE = """\
+_NOT_SHARED = """\
 The batch has {size} examples (leading axis of {path}), which the {n} devices of mesh axis \
-{axis!r} cannot share evenly: each device takes the same number of examples.
-Use a batch size that is a multiple of {n}:
+{axis!r} cannot share evenly: each device takes the same number of examples."""
 
-    wrong:  ft.train.batches(data, batch_size={size})
+BATCH_NOT_DIVISIBLE = _NOT_SHARED + """ Use a batch size that is a multiple of {n}, with \
+drop_last=True: {size} examples may also be the short last minibatch of data whose length is \
+not a multiple of the batch size (then keep your batch size and drop that minibatch):
+
+    wrong:  ft.train.batches(data, batch_size={size})   # or a batch size whose last minibatch has {size}
     right:  ft.train.batches(data, batch_size={right}, drop_last=True)"""
 
+SHORT_LAST_BATCH = _NOT_SHARED + """ The batches before it had {earlier}: this is most likely \
+the data's short last minibatch (the data's length is not a multiple of {earlier}). Drop it:
 
-def check_batch(batch: Any, n: int, axis: str, where: KeyPath = ()) -> None:
+    wrong:  ft.train.batches(data, batch_size={earlier})
+    right:  ft.train.batches(data, batch_size={earlier}, drop_last=True)   # or a multiple of {n} that divides the data"""
+
+
+def check_batch(batch: Any, n: int, axis: str, where: KeyPath = (), *, earlier: int = 0) -> None:
     """A ``ValueError`` naming the leaf and the fix when ``n`` devices cannot share ``batch``;
-    ``where``: the key path of ``batch`` itself (one leaf of a larger batch)."""
+    ``where``: the key path of ``batch`` itself (one leaf of a larger batch); ``earlier``:
+    the examples of the batches a step took before (0: unknown). A batch shorter than those
+    is most likely the data's short last minibatch (:data:`SHORT_LAST_BATCH`: drop it at the
+    user's batch size), else :data:`BATCH_NOT_DIVISIBLE` (a multiple of ``n``)."""
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if np.ndim(x) >= 1 and np.shape(x)[0] % n:
             size = np.shape(x)[0]
-            raise ValueError(BATCH_NOT_DIVISIBLE.format(
+            text = SHORT_LAST_BATCH if size < earlier else BATCH_NOT_DIVISIBLE
+            raise ValueError(text.format(
                 size=size, path=jax.tree_util.keystr((*where, *path)) or "the batch", n=n, axis=axis,
-                right=max(n, size // n * n)))
+                right=max(n, size // n * n), earlier=earlier))
 
 
 def batch_specs(batch: Any, axis: str) -> Any:
@@ -55,9 +68,11 @@ def shard_batch(batch: Any, mesh: Mesh, data_axis: str = "data") -> Any:
     ``jax.make_array_from_process_local_data``: in one process the share is the whole
     batch; in ``P`` processes each passes ``1/P`` of it (``ft.train.batches(...,
     shard=(jax.process_index(), jax.process_count()))``) and the global batch is their
-    concatenation in process order. Arrays that are already global are kept. A leaf the
-    devices cannot share is refused by its key path (:data:`BATCH_NOT_DIVISIBLE`); where the
-    leaves' lengths differ, that is the error, naming two of them and their rows.
+    concatenation in process order. Arrays that are already global are kept. Leaves whose
+    lengths differ are refused first, naming two of them and their rows
+    (:data:`functree._examples.MIXED_EXAMPLE_AXIS`: each device's rows would no longer pair
+    up, even where every length splits); then a leaf the devices cannot share, by its key
+    path (:data:`BATCH_NOT_DIVISIBLE`).
 
     Example:
       >>> import functree as ft, jax, numpy as np
@@ -66,32 +81,50 @@ def shard_batch(batch: Any, mesh: Mesh, data_axis: str = "data") -> Any:
       >>> x.shape, x.sharding.spec
       ((8, 3), P('data',))
     """
+    return place_batch(batch, mesh, data_axis)
+
+
+def place_batch(batch: Any, mesh: Mesh, data_axis: str, earlier: int = 0) -> Any:
+    """:func:`shard_batch`, ``earlier``: the examples of the batches before (for
+    :func:`check_batch`'s message)."""
     check_data_axis(mesh, data_axis, "ft.train.train_step")
     amesh = auto_mesh(mesh)
     sharding = NamedSharding(amesh, PartitionSpec(data_axis))
+    devices = amesh.shape[data_axis]
+    # The global batch's rows (a process's share counted P times) must agree before any is cut.
+    check_example_axis(jax.tree.map(lambda x: np.empty((global_rows(x), 0)) if np.ndim(x) else x, batch),
+                       f"the {devices} devices of mesh axis {data_axis!r}")
 
     def one(path: KeyPath, x: Any) -> Any:  # the path names the leaf in BATCH_NOT_DIVISIBLE
         if np.ndim(x) == 0:
             return x
         if isinstance(x, jax.Array) and (x.sharding == sharding or not x.is_fully_addressable):
             return x
+        check_batch(np.empty((global_rows(x), 0)), devices, data_axis, path, earlier=earlier)
         if jax.process_count() == 1 and isinstance(x, jax.Array):
-            check_batch(x, amesh.shape[data_axis], data_axis, path)
             return jax.device_put(x, sharding)
-        global_shape = (np.shape(x)[0] * jax.process_count(), *np.shape(x)[1:])
-        check_batch(np.empty((global_shape[0], 0)), amesh.shape[data_axis], data_axis, path)
+        global_shape = (global_rows(x), *np.shape(x)[1:])
         return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
 
-    try:
-        return jax.tree_util.tree_map_with_path(one, batch)
-    except ValueError:  # leaves of different lengths: that, not one leaf's length, is the error
-        check_example_axis(batch, f"the {amesh.shape[data_axis]} devices of mesh axis {data_axis!r}")
-        raise
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def global_rows(x: Any) -> int:
+    """The rows of ``x`` in the global batch: a global array's own, a process's share times
+    the process count."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.shape(x)[0]
+    return np.shape(x)[0] * jax.process_count()
 
 
 def one_device_mesh(data_axis: str = "data") -> Mesh:
     """A mesh of the default device alone (sharding rules without a mesh)."""
     return jax.make_mesh((1,), (data_axis,), devices=jax.devices()[:1])
+
+
+def _examples(batch: Any) -> int:
+    """The rows of ``batch``'s first leaf with a leading axis (0: none)."""
+    return next((np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x) >= 1), 0)
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> bool:
@@ -118,6 +151,9 @@ class Placement:
         check_rules(sharding)
         self.mesh, self.data_axis, self.sharding = auto_mesh(mesh), data_axis, sharding
         self.devices = self.mesh.shape[data_axis]
+        # The largest training batch placed so far: a shorter one the devices cannot share is
+        # most likely the data's short last minibatch (check_batch's message says so).
+        self.earlier = 0
 
     def model_specs(self, model: Any) -> Any:
         """The ``PartitionSpec`` tree of ``model`` under ``sharding``."""
@@ -148,7 +184,10 @@ class Placement:
         """
         if whole and jax.process_count() == 1 and not self.divides(batch):
             return self.replicate(batch)
-        return shard_batch(batch, self.mesh, self.data_axis)  # leaves of different lengths said first
+        placed = place_batch(batch, self.mesh, self.data_axis, self.earlier)
+        if not whole:  # (an evaluation's batch sizes are its own)
+            self.earlier = max(self.earlier, _examples(placed))
+        return placed
 
     def replicate(self, tree: Any) -> Any:
         """``tree`` copied whole to every device of the mesh (a step's replicated outputs live
@@ -171,7 +210,7 @@ class Placement:
             return constrain(batch, specs, self.mesh), specs
         if not whole:  # (an evaluation computes on the whole batch: any leaves)
             check_example_axis(batch, self._split)
-        check_batch(batch, self.devices, self.data_axis)
+        check_batch(batch, self.devices, self.data_axis, earlier=self.earlier)
         specs = batch_specs(batch, self.data_axis)
         return constrain(batch, specs, self.mesh), specs
 

@@ -18,7 +18,7 @@ from functree.train.checkpoint._errors import CheckpointError
 from functree.train.checkpoint._treespec import static_differences
 
 __all__ = ["rebuild", "with_template", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "TEMPLATE_WITH_SAVED", "CAST_ON_LOAD",
-           "CAST_ON_RESTORE"]
+           "CAST_CODE", "CAST_ON_RESTORE"]
 
 # A type's opt-in: the fields named by this class attribute hold running values (a metric
 # such as the learning context's latest loss), not parameters: a floating value saved in
@@ -36,7 +36,18 @@ optimizer), or restore without a template to get the saved {part} back as it was
 
 CAST_ON_LOAD = """\
 the loader never casts (a template checks the saved dtypes); read the saved {part} as it was \
-saved and cast it into the template: {cast}   # then ft.shard(tree, mesh, rules) for a mesh"""
+saved and, on the template's devices, cast it into the template: {cast}   # {note}"""
+
+# The cast code: from_flat_dict's cast goes through NumPy and lands on the default device,
+# so each array goes back where the template's is (its device, or its shards on a mesh).
+CAST_CODE = ("ft.tree_map(lambda t, x: x.to_device(t.sharding) if hasattr(t, 'addressable_shards') else x, "
+             "template, ft.from_flat_dict(template, ft.to_flat_dict({restore}), cast=True))")
+
+# What the cast code's names are where it is printed: trainer.restore(path) opened the
+# manager itself, so the user may hold none.
+CAST_NOTE = {"": "ft.shard(tree, mesh, rules) places it by other rules",
+             "manager": "manager: your CheckpointManager, or ft.train.CheckpointManager(path) for "
+                        "trainer.restore(path)'s path"}
 
 STATIC_MISMATCH = """\
 {what} was saved with other static configuration than the template's. A template gives the \
@@ -141,6 +152,7 @@ def _template_names(spec: Any, part: str) -> dict[str, dict[str, Any]]:
 def _loader_hints(report: FlatDictReport, part: str, restore: str) -> FlatDictReport:
     """``report`` with from_flat_dict's ``cast=True`` hint, which no loader takes, given as
     the code that casts a restored tree (``restore``: the call reading it as saved)."""
-    cast = f"ft.from_flat_dict(template, ft.to_flat_dict({restore}), cast=True)"
-    cast = cast.replace("{", "{{").replace("}", "}}")  # with_hint formats the text ({names}): a dict's braces kept
-    return report.with_hint("float", FLOAT_DIFFER + CAST_ON_LOAD.format(part=part, cast=cast))
+    # with_hint formats the text ({names}): the braces of a dict in the code are kept
+    cast = CAST_CODE.format(restore=restore).replace("{", "{{").replace("}", "}}")
+    note = CAST_NOTE["manager" if restore.startswith("manager.") else ""]
+    return report.with_hint("float", FLOAT_DIFFER + CAST_ON_LOAD.format(part=part, cast=cast, note=note))

@@ -334,6 +334,7 @@ def test_spec_naming_one_mesh_axis_twice_names_the_rule_and_the_leaf():
 EIGHT_DEVICES = """
 import tempfile
 import numpy as np, jax.numpy as jnp, functree as ft
+from jax.sharding import PartitionSpec as P
 from functree.parallel import shard_batch
 mesh = jax.make_mesh((8,), ("data",))
 D = jax.devices()
@@ -387,6 +388,18 @@ for name, restore in [("load", lambda: ft.train.load(d + "/f32", template)),
                          "leaves": [[str(x.dtype), np.asarray(x.astype(jnp.float32)).tolist()]
                                     for x in jax.tree.leaves(cast)]}
 out["saved"] = [np.asarray(x).tolist() for x in jax.tree.leaves(saved)]
+
+# generate's cache check (tests/test_generation_memory.py): 500 bytes free on device 2 alone.
+from functree.generation import _memory
+class Cached(ft.Module):
+    w: jax.Array
+    def init_cache(self, rows, length):
+        return jnp.zeros((rows, length), jnp.float32)
+_memory.available_bytes = lambda d: (500 if d.id == 2 else 10**9, f"{d}'s memory")
+out["cache"] = [message(lambda: _memory.checked_cache(jax.device_put(Cached(jnp.ones(2)), devices), 16, 16,
+                                                      abstract=True))
+                for devices in (D[0], D[2], jax.sharding.NamedSharding(jax.make_mesh((2,), ("x",), devices=D[1:3]),
+                                                                      P()))]
 out["template"] = [str(x.dtype) for x in jax.tree.leaves(template)]
 report(out)
 """
@@ -446,6 +459,17 @@ def test_the_cast_hint_of_a_checkpoint_of_another_dtype_keeps_the_templates_devi
     printed = eight["cast"]["trainer"]["printed"]
     assert "ft.to_flat_dict(manager.restore(1).model)" in printed
     assert "manager: your CheckpointManager, or ft.train.CheckpointManager(path) for trainer.restore(path)" in printed
+
+
+def test_the_generation_cache_is_checked_on_the_models_devices(eight):
+    """generate's cache check read device 0's free memory whatever the model's devices: a
+    model on device 2, or on a mesh of devices 1 and 2, with 500 bytes free on device 2, was
+    let through (1024 bytes of cache). The check now reads the model's devices (the least
+    free of them); device 0's model, with room there, still passes."""
+    on0, on2, mesh12 = eight["cache"]
+    assert on0 is None
+    assert "the cache needs 1024 bytes, 500 are available (cpu:2's memory)" in on2
+    assert "the cache needs 1024 bytes, 500 are available (cpu:2's memory (the least of the model's 2 devices))" in mesh12
 
 
 def test_an_unmatched_glob_keeps_the_parts_that_fit_in_its_fix():

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.core import Tracer
+
+from functree._where import default_device
 
 CACHE_TOO_LARGE = """\
 generate: the key-value cache for {rows} sequences of {length} positions (the prompt's {prompt} \
@@ -61,15 +65,38 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def checked_cache(model: Any, rows: int, length: int, *, abstract: bool = False) -> Any:
+def checked_cache(model: Any, rows: int, length: int, *, abstract: bool = False,
+                  devices: Sequence[Any] | None = None) -> Any:
     """``model.init_cache(rows, length)`` (its shapes only with ``abstract``: None), after
-    checking its bytes against :func:`available_bytes`. Call it while tracing."""
+    checking its bytes against the least any of ``devices`` has (:func:`least_available`):
+    by default the model's (:func:`model_devices`). Call it while tracing (a traced model's
+    devices are unknown there: a caller that knows them passes them)."""
     cache = jax.eval_shape(lambda: model.init_cache(rows, length)) if abstract else model.init_cache(rows, length)
     need = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
-    available, where = available_bytes(jax.devices()[0])
+    available, where = least_available(model_devices(model) if devices is None else devices)
     if available is not None and need > available:
         raise CacheTooLarge(need, available, where, rows, length)
     return None if abstract else cache
+
+
+def model_devices(model: Any) -> tuple[Any, ...]:
+    """The devices ``model``'s arrays live on (the cache is made beside them: a model on
+    device 2, or on a mesh), by id; the default device where none is concrete (a traced
+    model, or NumPy leaves)."""
+    found = {d for x in jax.tree.leaves(model) if isinstance(x, jax.Array) and not isinstance(x, Tracer)
+             for d in x.devices()}
+    return tuple(sorted(found, key=lambda d: d.id)) or (default_device(),)
+
+
+def least_available(devices: Sequence[Any]) -> tuple[int | None, str]:
+    """The fewest bytes any of ``devices`` can still allocate (:func:`available_bytes`), and
+    what they are: min over the devices, so the cache, whole or in shards, fits on each
+    (conservative for a sharded cache). None where no device's is known."""
+    known = [(n, where) for n, where in map(available_bytes, devices) if n is not None]
+    if not known:
+        return None, "host's memory"
+    n, where = min(known, key=lambda found: found[0])
+    return n, where if len(devices) == 1 else f"{where} (the least of the model's {len(devices)} devices)"
 
 
 def available_bytes(device: Any) -> tuple[int | None, str]:

@@ -99,7 +99,7 @@ def test_a_leaf_of_another_leading_size_is_refused_not_read_as_the_minibatch_siz
     per_samples(0.1, 10) rate 0.03 for 0.1, silently. Leaves that disagree are now refused,
     naming both key paths and sizes."""
     from functree._examples import MIXED_EXAMPLE_AXIS
-    from functree.train._metrics import batch_size_of
+    from functree.train._metrics import shared_batch_size
 
     rng = np.random.default_rng(2)
     x = rng.normal(size=(20, 2)).astype(np.float32)
@@ -109,11 +109,11 @@ def test_a_leaf_of_another_leading_size_is_refused_not_read_as_the_minibatch_siz
              "count them; a mesh or accumulate=k cuts it)")
     want = MIXED_EXAMPLE_AXIS.format(first="['x']", rows=10, other="['class_weights']", given=3, split=split)
     with pytest.raises(ValueError) as info:
-        batch_size_of({"x": x[:10], "y": y[:10], "class_weights": weights})
+        shared_batch_size({"x": x[:10], "y": y[:10], "class_weights": weights})
     assert str(info.value) == want
     with pytest.raises(ValueError, match=r"\[2\] has 3"):  # a tuple too, past its fast path
         Epochs().minibatch_size((x[:10], y[:10], weights), at(), 0)
-    assert batch_size_of({"x": x[:10], "t": np.float32(2.0)}) == 10  # a scalar rides along
+    assert shared_batch_size({"x": x[:10], "t": np.float32(2.0)}) == 10  # a scalar rides along
 
     def loss_fn(m, b):
         return jnp.mean(((b["x"] @ m["w"]) * b["class_weights"][0] - b["y"]) ** 2)

@@ -23,7 +23,7 @@ import numpy as np
 from functree._tree import is_array_value
 from functree.train._data import Batches, batches
 from functree.train._job import JobState
-from functree.train._metrics import batch_size_of, describe_batch
+from functree.train._metrics import describe_batch, shared_batch_size
 from functree.train.checkpoint._position import DATA_STATE_NOT_STORABLE, storable
 
 __all__ = ["Epochs", "as_data", "epoch_length"]
@@ -154,13 +154,13 @@ def _has_position(it: Any) -> bool:
 
 
 def batch_size(batch: Any) -> int:
-    """:func:`batch_size_of` (the leading axis every array leaf shares, else an error
+    """:func:`shared_batch_size` (the leading axis every array leaf shares, else an error
     naming two leaves), with a fast path for the common ``(x, y)`` tuple of arrays."""
     if type(batch) is tuple and batch:
         sizes = {shape[0] if shape else -1 for shape in (getattr(x, "shape", None) for x in batch)}
         if len(sizes) == 1 and -1 not in sizes:  # arrays of one leading size (no nested or 0-d leaf)
             return int(sizes.pop())
-    return batch_size_of(batch)
+    return shared_batch_size(batch)
 
 
 def batch_signature(batch: Any) -> tuple[Any, ...]:

@@ -22,10 +22,10 @@ from functree.parallel._placement import Placement
 from functree.parallel._rules import check_compute_dtype
 from functree.train._metrics import (
     StepOutput,
-    batch_size_of,
     evaluate_metrics,
     measured,
     resolve_metrics,
+    shared_batch_size,
     without_parts,
 )
 from functree.train._programs import program_key, shared, trampoline
@@ -154,7 +154,7 @@ class EvalStep:
         if key is not None:
             key = jax.random.fold_in(key, sums["count"])
         metrics = self.step(model, batch, key)
-        w = float(batch_size_of(batch))
+        w = float(shared_batch_size(batch))
         return {"values": {k: sums["values"][k] + w * v for k, v in metrics.items()},
                 "weight": sums["weight"] + w, "count": sums["count"] + 1}
 

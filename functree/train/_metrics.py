@@ -38,7 +38,7 @@ from jax.extend import core as jcore
 
 from functree import _compat as compat
 
-__all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of",
+__all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
            "InexactMeanWarning"]
 
@@ -502,11 +502,22 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
 
 
 def batch_size_of(batch: Any) -> int:
-    """The number of examples in a batch: the leading axis its array leaves share (1 for
-    a batch of scalars). Leaves that disagree are refused (:func:`check_example_axis`,
-    naming both key paths and sizes): read from the first leaf in key order, a per-batch
-    ``class_weights`` of shape ``(3,)`` beside ``x: (10, 2)`` counted 3 examples, silently
-    (samples_seen, ``per_samples`` rates, the means' weights)."""
+    """The number of examples in a batch: the leading axis of its first array leaf (a plain
+    step takes a batch whose other leaves are not per example, such as a per-class table;
+    the Trainer, which counts samples and weighs its means by them, checks they agree:
+    :func:`shared_batch_size`)."""
+    for leaf in jax.tree.leaves(batch):
+        if np.ndim(leaf) >= 1:
+            return int(np.shape(leaf)[0])
+    return 1
+
+
+def shared_batch_size(batch: Any) -> int:
+    """The leading axis the batch's array leaves share (1 for a batch of scalars). Leaves that
+    disagree are refused (:func:`check_example_axis`, naming both key paths and sizes): read
+    from the first leaf in key order, a per-batch ``class_weights`` of shape ``(3,)`` beside
+    ``x: (10, 2)`` counted 3 examples, silently (samples_seen, ``per_samples`` rates, the
+    means' weights)."""
     size = None
     for leaf in jax.tree.leaves(batch):
         shape = np.shape(leaf)

@@ -767,34 +767,6 @@ def test_from_config_builds_as_one_program_equal_to_op_by_op():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max())))
 
 
-def test_from_config_draws_its_matrices_together_as_independent_draws():
-    """The build's program draws every matrix from one split and one flat normal draw (each
-    threefry draw costs XLA:CPU ~0.5 CPU-s to compile: a 2-layer Llama drew 9 matrices from
-    9 fold_ins, 12 CPU-s to build); no two matrices share values, a group past DRAW_GROUP
-    elements is a draw of its own, and every draw is standard normal."""
-    from functree.hf import _load as _hf
-
-    config = INIT_CONFIGS["llama"]()
-    family = _hf.FAMILIES["llama"]
-    built = family.from_config(config, set(), jnp.float32, jax.random.key(0), "auto")
-    jaxpr = str(jax.make_jaxpr(lambda k: _hf._hf_initialized(family, built, config, k))(jax.random.key(0)))
-    draws = [jaxpr.count(f"random_{op}") for op in ("bits", "split", "fold_in")]
-    assert draws == [1, 1, 0]  # each a threefry to compile; main: 9 draws from 9 fold_ins
-    model = ft.nn.from_hf(config, key=jax.random.key(0))
-    matrices = [v for v in ft.nn.to_hf_state_dict(model, numpy=True).values() if v.ndim == 2]
-    starts = {tuple(m.ravel()[m.ravel() != 0][:8]) for m in matrices}
-    assert len(starts) == len(matrices) > 8  # each matrix its own slice of the draw
-    shapes = [(3, 4), (5,), (2, 2, 2)]
-    draws = _hf.standard_normals(jax.random.key(1), shapes)
-    assert [d.shape for d in draws] == shapes
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_hf, "DRAW_GROUP", 10)  # (3, 4) alone, then (5,) and (2, 2, 2) past it: three draws
-        grouped = str(jax.make_jaxpr(lambda k: _hf.standard_normals(k, shapes))(jax.random.key(1)))
-    assert grouped.count("random_bits") == 3
-    sample = np.concatenate([d.ravel() for d in _hf.standard_normals(jax.random.key(2), [(4000,), (3000,)])])
-    assert abs(sample.mean()) < 5 / np.sqrt(sample.size) and abs(sample.std() - 1) < 5 / np.sqrt(2 * sample.size)
-
-
 @pytest.mark.parametrize("family", INIT_CONFIGS)
 def test_the_template_is_the_traced_build_without_the_draws(family):
     """from_hf's abstract template (the layers' initializers skipped: shapes_only) is the

@@ -267,45 +267,6 @@ def _untie(family: type[HFModel], model: Any, weights: Mapping[str, Any], prefix
     return weights
 
 
-# Elements per flat draw in :func:`standard_normals`: a bound on what drawing together adds to
-# the build's memory (64 MB of float32); a larger matrix is drawn on its own.
-DRAW_GROUP = 1 << 24
-
-
-def standard_normals(key: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array]:
-    """Independent ``normal(0, 1)`` float32 arrays of ``shapes``, drawn together: consecutive
-    shapes of up to :data:`DRAW_GROUP` elements in all are slices of one flat draw.
-
-    Each threefry draw in a program costs XLA:CPU about half a CPU-second to compile at its
-    default optimisation level (``fold_in`` is one too): a 2-layer Llama's nine matrices, each
-    drawn from ``fold_in(key, i)``, took 12 CPU-s to build; drawn together, one split and one
-    normal draw (benchmarks family ``startup``). Slices of one draw are independent draws.
-
-    Example:
-      >>> a, b = standard_normals(jax.random.key(0), [(2, 3), (4,)])
-      >>> a.shape, b.shape
-      ((2, 3), (4,))
-    """
-    groups: list[list[int]] = []
-    size = 0
-    for i, shape in enumerate(shapes):
-        n = math.prod(shape)
-        if not groups or size + n > DRAW_GROUP:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += n
-    out: list[jax.Array] = []
-    for group_key, members in zip(jax.random.split(key, len(groups)) if groups else [], groups):
-        flat = jax.random.normal(group_key, (sum(math.prod(shapes[i]) for i in members),), jnp.float32)
-        offset = 0
-        for i in members:
-            n = math.prod(shapes[i])
-            out.append(flat[offset:offset + n].reshape(shapes[i]))
-            offset += n
-    return out
-
-
 def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Array) -> Any:
     """``model`` with Hugging Face's initialization (its ``_init_weights``), as
     ``family.hf_class(config)`` starts training from scratch: every weight matrix (linear,
@@ -313,25 +274,20 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
     residual projections (GPT-2's ``c_proj``) ``/ sqrt(2 * n_layer)``, biases zero, the
     padding id's embedding row zero, norms as built (scale 1, Gemma's offset 0). Independent
     normal draws are the same whatever the layout, so each ``Dense`` and ``Embedding`` is
-    drawn as it is (fused or split projections, stacked layers), from
-    :func:`standard_normals`; it traces (``jax.jit`` of a build)."""
+    drawn as it is (fused or split projections, stacked layers); it traces (``jax.jit`` of a
+    build)."""
     std = next((float(v) for v in (getattr(config, "initializer_range", None), getattr(config, "init_std", None))
                 if v is not None), 0.02)
     pad = getattr(config, "pad_token_id", None)
     padded = None if family.hf_padded is None else family.hf_padded.removesuffix(".weight")  # HF's names are kept
 
-    nodes, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, (Dense, Embedding)))
-    drawn = [node.embeddings if isinstance(node, Embedding) else node.weight
-             for _, node in nodes if isinstance(node, (Dense, Embedding))]
-    draws = iter(standard_normals(key, [leaf.shape for leaf in drawn]))
+    def normal(i: int, like: jax.Array, scale: float) -> jax.Array:
+        return (scale * jax.random.normal(jax.random.fold_in(key, i), like.shape, jnp.float32)).astype(like.dtype)
 
-    def normal(like: jax.Array, scale: float) -> jax.Array:
-        return (scale * next(draws)).astype(like.dtype)
-
-    def fresh(path: Any, node: Any) -> Any:
+    def fresh(i: int, path: Any, node: Any) -> Any:
         name = dotted_name(path)
         if isinstance(node, Embedding):
-            table = normal(node.embeddings, std)
+            table = normal(i, node.embeddings, std)
             if name == padded and isinstance(pad, int) and 0 <= pad < table.shape[0]:
                 table = table.at[pad].set(0)
             return node.replace(embeddings=table)
@@ -339,10 +295,11 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
             residual = any(matches(name, pattern) for pattern in family.hf_residual)
             scale = std / math.sqrt(2 * config.num_hidden_layers) if residual else std
             bias = None if node.bias is None else jnp.zeros_like(node.bias)
-            return node.replace(weight=normal(node.weight, scale), bias=bias)
+            return node.replace(weight=normal(i, node.weight, scale), bias=bias)
         return node  # a norm's leaf: as built
 
-    return treedef.unflatten([fresh(path, node) for path, node in nodes])
+    nodes, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, (Dense, Embedding)))
+    return treedef.unflatten([fresh(i, path, node) for i, (path, node) in enumerate(nodes)])
 
 
 def _from_config(family: type[HFModel], config: Any, dtype: Any, key: jax.Array, attention: str) -> Any:

@@ -13,6 +13,7 @@ from functree._module import field
 from functree.nn._abstract import initialized
 from functree.nn._check import check_input
 from functree.nn._mode import Layer
+from functree.nn._precision import statistics_dtype
 
 __all__ = ["Dense", "add_bias", "identity"]
 
@@ -27,13 +28,13 @@ def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
     leading axis, in the cotangent's dtype, and XLA:CPU accumulates a bfloat16 reduction in
     bfloat16 (a Conv2D bias's gradient over 8x32x32 positions came back 0.94 off; torch's
     bfloat16 one is 3e-3 off). Added in float32, the sum is float32 and only its result is
-    rounded. The rule is ``ft.nn``'s ``statistics_dtype`` (``_normalization``, which imports
-    the convolutions, so it cannot be imported here); float32 and float64 add as before.
+    rounded (:func:`~functree.nn._precision.statistics_dtype`); float32 and float64 add as before.
     """
     dtype = jnp.result_type(y, bias)
-    if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits >= 32:
+    if not jnp.issubdtype(dtype, jnp.floating) or statistics_dtype(dtype) == dtype:
         return y + bias
-    return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
+    wide = statistics_dtype(dtype)
+    return (y.astype(wide) + bias.astype(wide)).astype(dtype)
 
 
 class Dense(Layer):

@@ -23,6 +23,7 @@ from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._conv import _channels_first
 from functree.nn._mode import Layer
+from functree.nn._precision import statistics_dtype
 from functree.nn._state import record_state
 
 __all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"]
@@ -39,18 +40,6 @@ GroupNorm: channels ({channels}) must be divisible by groups ({groups}).
     wrong:  ft.nn.GroupNorm({groups}, {channels})
     right:  ft.nn.GroupNorm({suggestion}, {channels})
 """
-
-
-def statistics_dtype(dtype: Any) -> Any:
-    """float32 for narrower floating dtypes (bfloat16, float16), else ``dtype`` itself.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> statistics_dtype(jnp.bfloat16), statistics_dtype(jnp.float64)
-      (dtype('float32'), dtype('float64'))
-    """
-    dtype = jnp.dtype(dtype)
-    return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else dtype
 
 
 def _scale_and_shift(

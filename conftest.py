@@ -17,6 +17,8 @@ order (another batch split or device count, another CPU's instruction set) diffe
 
 import os
 import re
+import shutil
+import tempfile
 
 # XLA compiles the suite's programs for compile speed: the suite's arrays are tiny, so
 # compiling is most of its time. Two flags, each appended to XLA_FLAGS unless set there:
@@ -80,6 +82,29 @@ os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""), _installe
 # Each process takes what it uses instead (unless set otherwise); nothing changes on a CPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# One persistent compilation cache (JAX's, on disk) for the whole run: its xdist workers, and
+# their subprocesses and notebook kernels, which inherit the environment, compile many of the
+# same programs (an eager operation's, a model built from the same config in another file, a
+# step compiled again after `jax.clear_caches()`) and load them instead. Measured on 2 cores:
+# the suite's summed test time 2448 -> 1944 s, its wall 21:17 -> 17:00. The cache is keyed by
+# the program, the XLA flags and the jaxlib, so a loaded program is the one XLA would compile:
+# same machine code, same numbers. A fresh directory per run, removed when the run ends; a
+# directory the developer set (JAX_COMPILATION_CACHE_DIR) is used as it is and kept.
+def _shared_compilation_cache() -> str | None:
+    """The run's cache directory if this process made it (its workers inherit it), else None."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return None
+    directory = tempfile.mkdtemp(prefix="functree-suite-jax-cache-")
+    os.environ.update({
+        "JAX_COMPILATION_CACHE_DIR": directory,
+        # every program, however small or quick to compile (JAX's defaults: 1 s and up)
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    })
+    return directory
+
+
+_OWN_CACHE = _shared_compilation_cache()
+
 import jax  # noqa: E402 (after XLA_FLAGS: JAX reads them when it starts its backend)
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
@@ -114,3 +139,8 @@ def _own_compiled_steps():
     from functree.train._programs import forget_programs
 
     forget_programs()
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:  # the process that made the run's cache (xdist's controller)
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -87,3 +87,32 @@ def test_a_jaxlib_without_metadata_is_read_from_its_version_module(monkeypatch):
 def test_the_suite_s_processes_take_the_gpu_memory_they_use():
     """pytest's workers share one GPU: none reserves most of it (conftest's default)."""
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" in os.environ  # "false" unless the user set it
+
+
+# A program only this test compiles, run the same way here and in a fresh process.
+_CACHED_PROGRAM = """
+import jax, jax.numpy as jnp
+events = []
+jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
+y = jax.jit(lambda x: jnp.cumsum(x * 3.25 + 1.5))(jnp.arange(7.0, dtype=jnp.float32))
+loaded = events.count("/jax/compilation_cache/cache_hits")
+compiled = events.count("/jax/compilation_cache/cache_misses")
+"""
+
+
+def test_the_runs_processes_share_one_compilation_cache():
+    """conftest.py gives the run one persistent compilation cache, which subprocesses and
+    notebook kernels inherit: a program this process compiled loads in a fresh process, with
+    the same numbers: every program the fresh process runs is loaded, none compiled."""
+    import jax
+
+    directory = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    assert jax.config.jax_compilation_cache_dir == directory and os.path.isdir(directory)
+    here: dict = {}
+    exec(_CACHED_PROGRAM, here)
+    done = subprocess.run([sys.executable, "-c", _CACHED_PROGRAM + "print(loaded, compiled, y.tolist())"],
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded, compiled, numbers = done.stdout.split(maxsplit=2)
+    assert int(loaded) >= 1 and compiled == "0" and numbers == f"{here['y'].tolist()}\n", done.stdout

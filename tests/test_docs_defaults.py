@@ -5,6 +5,7 @@ functree does, so the table cannot drift from either. A row's test names the row
 import inspect
 import os
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,14 +14,29 @@ import pytest
 
 import functree as ft
 
-eqx = pytest.importorskip("equinox")
-nnx = pytest.importorskip("flax.nnx")
-torch = pytest.importorskip("torch")
-optax = pytest.importorskip("optax")
 os.environ.setdefault("KERAS_BACKEND", "jax")
-keras = pytest.importorskip("keras")
-if keras.backend.backend() != "jax":
-    pytest.skip("keras runs another backend (KERAS_BACKEND)", allow_module_level=True)
+# The five libraries, bound by _libraries when the module's first test runs: imported at
+# collection they cost ~8 CPU-s in every xdist worker (each collects every file).
+eqx: Any
+nnx: Any
+torch: Any
+optax: Any
+keras: Any
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _libraries():
+    """Import the libraries the table compares; a missing one (or Keras on another backend)
+    skips every test of the module, as a module-level importorskip did."""
+    global eqx, nnx, torch, optax, keras
+    eqx = pytest.importorskip("equinox")
+    nnx = pytest.importorskip("flax.nnx")
+    torch = pytest.importorskip("torch")
+    optax = pytest.importorskip("optax")
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras runs another backend (KERAS_BACKEND)")
+
 
 KEY = jax.random.key(0)
 

@@ -9,6 +9,7 @@ self.query``; ``ft.nn.load_lora`` reads its adapter, ``ft.nn.save_lora`` writes 
 times the outputs' magnitude, as in test_nn_lora).
 """
 
+import functools
 import json
 import os
 from typing import Any
@@ -22,9 +23,23 @@ import functree as ft
 from functree.hf import _names
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+# torch, transformers and PEFT, bound by _libraries when the module's first test runs:
+# imported at collection they cost ~10 CPU-s in every xdist worker (each collects every file).
+torch: Any
+transformers: Any
+peft: Any
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _libraries():
+    """Import the references; a missing one skips every test of the module, as a
+    module-level importorskip did."""
+    global torch, transformers, peft
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+
+
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 VOCAB, D, CLASSES, T = 40, 16, 3, 6
@@ -40,16 +55,22 @@ def llama_config(**changes):
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, **changes)
 
 
-class TorchClassifier(torch.nn.Module):
-    """The user's torch model: a BertModel and a Linear head on its first token."""
+@functools.cache
+def torch_classifier_class():
+    """The class of the user's torch model (defined once torch is imported)."""
 
-    def __init__(self):
-        super().__init__()
-        self.bert = transformers.BertModel(bert_config())
-        self.head = torch.nn.Linear(D, CLASSES)
+    class TorchClassifier(torch.nn.Module):
+        """The user's torch model: a BertModel and a Linear head on its first token."""
 
-    def forward(self, input_ids):
-        return self.head(self.bert(input_ids).last_hidden_state[:, 0])
+        def __init__(self):
+            super().__init__()
+            self.bert = transformers.BertModel(bert_config())
+            self.head = torch.nn.Linear(D, CLASSES)
+
+        def forward(self, input_ids):
+            return self.head(self.bert(input_ids).last_hidden_state[:, 0])
+
+    return TorchClassifier
 
 
 class Classifier(ft.Module):
@@ -76,7 +97,7 @@ def randomized(module, seed=0):
 
 def torch_classifier():
     torch.manual_seed(0)
-    return randomized(TorchClassifier())  # the same weights each call (PEFT edits its model)
+    return randomized(torch_classifier_class()())  # the same weights each call (PEFT edits its model)
 
 
 def tokens():

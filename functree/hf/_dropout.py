@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field, from_fields
+from functree._random import flat_key
 from functree.hf._family import FAMILIES, HFModel
 from functree.nn._attention import MultiheadAttention
 from functree.nn._stack import Stack, member_ranks
@@ -342,5 +343,5 @@ def drop(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """
     if rate == 0.0 or key is None:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, jnp.shape(x))
+    keep = jax.random.bernoulli(flat_key(key), 1.0 - rate, jnp.shape(x))  # the key's mask (functree/_random.py)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))

@@ -24,6 +24,7 @@ import numpy as np
 
 from functree._jit import unchecked_jit
 from functree._naming import matches
+from functree._random import flat_key
 from functree._state_dict import FlatDictReport, to_numpy
 from functree._tree import dotted_name, join_names, written_dtype
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
@@ -282,7 +283,8 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
     padded = None if family.hf_padded is None else family.hf_padded.removesuffix(".weight")  # HF's names are kept
 
     def normal(i: int, like: jax.Array, scale: float) -> jax.Array:
-        return (scale * jax.random.normal(jax.random.fold_in(key, i), like.shape, jnp.float32)).astype(like.dtype)
+        drawn = jax.random.normal(flat_key(jax.random.fold_in(key, i)), like.shape, jnp.float32)  # functree/_random.py
+        return (scale * drawn).astype(like.dtype)
 
     def fresh(i: int, path: Any, node: Any) -> Any:
         name = dotted_name(path)

@@ -21,6 +21,8 @@ import jax
 import jax.core
 import jax.numpy as jnp
 
+from functree._random import flat_key
+
 _SHAPES_ONLY = contextvars.ContextVar("functree_shapes_only", default=False)
 
 NOT_TRACED = """\
@@ -57,4 +59,4 @@ def initialized(init: Callable[..., jax.Array], key: jax.Array, shape: tuple[int
         if not isinstance(key, jax.core.Tracer):  # eager: zeros would be the model's values
             raise RuntimeError(NOT_TRACED)
         return jnp.zeros(shape, dtype)
-    return init(key, shape, dtype)
+    return init(flat_key(key), shape, dtype)  # the key's own draws, compiled fast (functree/_random.py)

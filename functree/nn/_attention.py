@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree._random import flat_key
 from functree._repr import short_array
 from functree.nn._attention_kernel import CUDNN_DOES_NOT_APPLY, check_implementation, choose
 from functree.nn._check import LayerInputError, check_input
@@ -491,6 +492,6 @@ def attention_weights_times_values(
     weights = jax.nn.softmax(logits, axis=-1)
     if dropout > 0.0:
         assert key is not None
-        keep = jax.random.bernoulli(key, 1.0 - dropout, weights.shape)
+        keep = jax.random.bernoulli(flat_key(key), 1.0 - dropout, weights.shape)  # functree/_random.py
         weights = jnp.where(keep, weights / jnp.asarray(1.0 - dropout, weights.dtype), jnp.zeros((), weights.dtype))
     return jnp.einsum("...hqk,...khd->...qhd", weights.astype(v.dtype), v)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
+from functree._random import flat_key
 from functree.nn._mode import Layer
 
 __all__ = ["Dropout"]
@@ -60,5 +61,5 @@ class Dropout(Layer):
             return x
         if key is None:
             raise ValueError(NO_KEY.format(rate=self.rate))
-        keep = jax.random.bernoulli(key, 1.0 - self.rate, jnp.shape(x))
+        keep = jax.random.bernoulli(flat_key(key), 1.0 - self.rate, jnp.shape(x))  # the key's mask (functree/_random.py)
         return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))

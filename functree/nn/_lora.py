@@ -41,6 +41,7 @@ import numpy as np
 from functree import _naming
 from functree._activations import identity
 from functree._module import Module, field, from_fields
+from functree._random import flat_key
 from functree._tree import dotted_name, is_none, written_dtype
 from functree.nn._check import check_input
 from functree.nn._linear import Dense
@@ -216,7 +217,7 @@ class LoraDense(Layer):
         bound = 1.0 / math.sqrt(n_in)
         a_key, drop_key = jax.random.split(key)
         self.weight, self.bias, self.activation = weight, dense.bias, dense.activation
-        self.lora_a = jax.random.uniform(a_key, (*lead, n_in, rank), dtype, -bound, bound)
+        self.lora_a = jax.random.uniform(flat_key(a_key), (*lead, n_in, rank), dtype, -bound, bound)
         self.lora_b = jnp.zeros((*lead, rank, n_out), dtype)
         self.alpha, self.dropout, self.training = float(alpha), float(dropout), False
         self.dropout_key, self.member_scale = None, None
@@ -253,7 +254,7 @@ class LoraDense(Layer):
                 drawn = salted(drawn)  # a microbatch's / device's own masks; the next key unsalted
             else:
                 drawn = key
-            keep = jax.random.bernoulli(drawn, 1.0 - self.dropout, jnp.shape(x))
+            keep = jax.random.bernoulli(flat_key(drawn), 1.0 - self.dropout, jnp.shape(x))
             h = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
         a, b = self.lora_a.astype(y.dtype), self.lora_b.astype(y.dtype)
         scale = self.alpha / self.rank if self.member_scale is None else self.member_scale.astype(y.dtype)

@@ -18,6 +18,7 @@ import optax
 
 from functree._naming import broadcast, check_patterns, required_selection
 from functree._operators import value_with_gradient
+from functree._random import flat_key
 from functree._tree import is_none
 from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask_of, exclude_patterns
 from functree.optim._context import LearningContext
@@ -308,7 +309,7 @@ def add_parameter_noise(std: Hyper, *, seed: int = 0) -> optax.GradientTransform
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, NoiseState]:
         key, keys = _split_like(state.key, updates)
-        noisy = jax.tree.map(lambda x, k: x + (std * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype),
+        noisy = jax.tree.map(lambda x, k: x + (std * jax.random.normal(flat_key(k), x.shape, jnp.float32)).astype(x.dtype),
                              updates, keys)
         return noisy, NoiseState(key)
 

@@ -1,0 +1,97 @@
+"""functree/_random.py: a key whose draws are hashed flat gives the key's own values, bit for
+bit, and the initializers and dropout masks functree draws hash only flat counters (XLA:CPU
+compiled a 3x3 conv kernel's he_normal draw in 7.25 CPU-s, flat in 0.63)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functree as ft
+from functree._random import flat_key
+
+DRAWS = {
+    "normal": lambda k, s: jax.random.normal(k, s),
+    "uniform": lambda k, s: jax.random.uniform(k, s, jnp.float32, -2.0, 3.0),
+    "truncated_normal": lambda k, s: jax.random.truncated_normal(k, -2.0, 2.0, s),
+    "bernoulli": lambda k, s: jax.random.bernoulli(k, 0.3, s),
+    "bits": lambda k, s: jax.random.bits(k, s),
+    "he_normal": lambda k, s: jax.nn.initializers.he_normal()(k, (*s, 3, 2)),
+}
+
+
+@settings(max_examples=12)  # each example compiles its draws
+@given(shape=st.lists(st.integers(1, 4), max_size=4).map(tuple), seed=st.integers(0, 2**31 - 1),
+       draw=st.sampled_from(sorted(DRAWS)))
+def test_a_flat_keys_draws_are_the_keys_own(shape, seed, draw):
+    key = jax.random.key(seed)
+    np.testing.assert_array_equal(DRAWS[draw](flat_key(key), shape), DRAWS[draw](key, shape))
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_batched_raw_jitted_and_both_threefry_counters_give_the_keys_own(partitionable):
+    with jax.threefry_partitionable(partitionable):
+        keys = jax.random.split(jax.random.key(3), 5)
+        batched = jax.vmap(lambda k: jax.random.normal(flat_key(k), (4, 3, 2)))(keys)
+        np.testing.assert_array_equal(batched, jax.vmap(lambda k: jax.random.normal(k, (4, 3, 2)))(keys))
+        raw = jax.random.PRNGKey(7)  # a legacy uint32 key
+        jitted = jax.jit(lambda k: jax.random.uniform(flat_key(k), (2, 3, 4)))(raw)
+        np.testing.assert_array_equal(jitted, jax.random.uniform(raw, (2, 3, 4)))
+        folded = jax.random.fold_in(flat_key(keys[0]), 9), jax.random.fold_in(keys[0], 9)
+        np.testing.assert_array_equal(jax.random.key_data(folded[0]), jax.random.key_data(folded[1]))
+
+
+def test_another_generators_key_is_kept():
+    key = jax.random.key(0, impl="rbg")
+    assert flat_key(key) is key
+    flat = flat_key(jax.random.key(0))
+    assert flat_key(flat) is flat
+
+
+def _draws(jaxpr: Any) -> list[tuple[str, int]]:
+    """``(generator, rank)`` of every draw of bits in ``jaxpr``, nested ones included."""
+    draws = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "random_bits":
+            draws.append((str(eqn.invars[0].aval.dtype), len(eqn.params["shape"])))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    draws += _draws(inner)
+    return draws
+
+
+BUILDS = {
+    "Conv2D": lambda k: ft.nn.Conv2D(3, 8, (3, 3), key=k, weight_initializer=jax.nn.initializers.he_normal()),
+    "Stack of Dense": lambda k: ft.nn.Stack(lambda kk: ft.nn.Dense(4, 4, key=kk), 3, key=k),
+    "LSTM in a Stack": lambda k: ft.nn.Stack(lambda kk: ft.nn.LSTMCell(3, 4, key=kk), 2, key=k),
+    "Dropout on [batch, time, features]": lambda k: ft.nn.Dropout(0.5, training=True)(jnp.ones((2, 3, 4)), key=k),
+    "attention dropout": lambda k: ft.nn.training(ft.nn.MultiheadAttention(8, 2, dropout=0.5, key=k))(
+        jnp.ones((2, 3, 8)), key=k),
+}
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_initializers_and_masks_hash_flat_counters(build):
+    """main hashed a conv kernel's counters in 4 axes, a Stack's and a mask's in 3: every
+    draw of two axes or more is now made with a flat key."""
+    draws = _draws(jax.make_jaxpr(BUILDS[build])(jax.random.key(0)).jaxpr)
+    assert any(rank >= 2 for _, rank in draws), draws
+    assert all(generator == "key<fryf>" for generator, rank in draws if rank >= 2), draws
+
+
+def test_a_conv_kernel_and_a_stack_are_what_their_keys_draw():
+    key = jax.random.key(1)
+    conv = BUILDS["Conv2D"](key)
+    np.testing.assert_array_equal(conv.weight, jax.nn.initializers.he_normal()(key, (3, 3, 3, 8), jnp.float32))
+    stack = BUILDS["Stack of Dense"](key)
+    for i, k in enumerate(jax.random.split(key, 3)):
+        np.testing.assert_array_equal(stack.layers.weight[i], ft.nn.Dense(4, 4, key=k).weight)
+    assert not any(jnp.issubdtype(x.dtype, jax.dtypes.prng_key) for x in jax.tree.leaves(stack))

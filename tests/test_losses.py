@@ -441,6 +441,7 @@ def test_other_names_right_calls_compute_torchs_numbers():
         "sparse_categorical_crossentropy": (dict(probs=probs, labels=labels),
                                             F.nll_loss(torch.log(torch.tensor(probs)), torch.tensor(labels))),
         "binary_crossentropy": (dict(probs=p01, labels=y01), F.binary_cross_entropy(torch.tensor(p01), torch.tensor(y01))),
+        "binary_cross_entropy": (dict(probs=p01, labels=y01), F.binary_cross_entropy(torch.tensor(p01), torch.tensor(y01))),
         "kl_div": (dict(log_q=log_probs, p=probs[::-1].copy()),
                    F.kl_div(torch.tensor(log_probs), torch.tensor(probs[::-1].copy()), reduction="batchmean")),
         "poisson_nll_loss": (dict(log_rate=log_rate, target=target),
@@ -458,6 +459,65 @@ def test_other_names_right_calls_compute_torchs_numbers():
         ours = float(eval(call, names))  # the library's own message, run as a user pastes it
         np.testing.assert_allclose(ours, float(reference), rtol=0, atol=1e-6 * max(1.0, abs(float(reference))),
                                    err_msg=name)
+
+
+def test_binary_cross_entropy_names_the_call_that_gives_torchs_number():
+    """`ft.losses.binary_cross_entropy` hinted `did you mean ft.losses.softmax_cross_entropy?`,
+    which on torch's probabilities [0.9, 0.2, 0.6] with labels [1, 0, 0] gives 0.805 where
+    F.binary_cross_entropy gives 0.415. It now names sigmoid_cross_entropy of the logits
+    (checked against torch in test_other_names_right_calls_compute_torchs_numbers)."""
+    with pytest.raises(AttributeError, match=r"(?s)'binary_cross_entropy': its equivalent here is "
+                                             r"ft.losses.sigmoid_cross_entropy.*right: +ft.losses.sigmoid_cross_entropy"
+                                             r"\(jax.scipy.special.logit\(jnp.clip\(probs, 1e-7, 1 - 1e-7\)\), labels\)"):
+        ft.losses.binary_cross_entropy  # noqa: B018
+
+
+@pytest.mark.parametrize("name,alike,optax_name", [("sigmoid_focal_loss", "sigmoid_cross_entropy", "sigmoid_focal_loss"),
+                                                   ("binary_focal_crossentropy", "softmax_cross_entropy",
+                                                    "sigmoid_focal_loss"),
+                                                   ("ctc_loss", None, "ctc_loss"),
+                                                   ("triplet_margin_loss", None, "triplet_margin_loss"),
+                                                   ("margin_ranking_loss", None, None)])
+def test_a_loss_with_no_equivalent_says_so_instead_of_guessing_another(name, alike, optax_name):
+    """`ft.losses.sigmoid_focal_loss` hinted `did you mean ft.losses.sigmoid_cross_entropy?`:
+    another loss. Names with no equivalent say there is none (and name the look-alike as
+    another loss); optax's loss of that kind is named where it has one, and exists."""
+    import optax
+
+    with pytest.raises(AttributeError) as e:
+        getattr(ft.losses, name)
+    message = str(e.value)
+    assert "no loss here computes it" in message and "did you mean" not in message
+    assert (f"ft.losses.{alike}, whose name looks alike, is another loss" in message) == (alike is not None)
+    assert (f"optax.losses.{optax_name} (" in message) if optax_name else "optax" not in message
+    assert f"right:  def {name}(predicted, expected): ..." in message
+    for other in ft.losses.NO_EQUIVALENT.values():
+        assert other is None or hasattr(optax.losses, other.rpartition(".")[2]), other
+    assert not set(ft.losses.NO_EQUIVALENT) & (set(ft.losses.OTHER_NAMES) | set(ft.losses.__all__))
+
+
+def test_hinge_losses_refuse_zero_one_labels():
+    """hinge([2, -2, .3, -.4], [1, 0, 1, 0]) was 0.675 (each 0 label a constant 1), where
+    Keras maps 0/1 labels to -1/1 and gives 0.325. Concrete 0/1 labels now raise, naming
+    `2 * labels - 1`, which gives the -1/1 numbers (NumPy's formula); -1/1 labels, all-1
+    labels and traced labels pass."""
+    p, y01 = np.array([2.0, -2.0, 0.3, -0.4], np.float32), np.array([1.0, 0.0, 1.0, 0.0], np.float32)
+    signed = 2 * y01 - 1
+    for loss, power in ((ft.losses.hinge, 1), (ft.losses.squared_hinge, 2)):
+        name = loss.__name__
+        with pytest.raises(ValueError, match=rf"(?s){name}: labels must be in {{-1, 1}}.*expected\[1\] is 0.*"
+                                             rf"wrong: +ft.losses.{name}\(predicted, labels\).*"
+                                             rf"right: +ft.losses.{name}\(predicted, 2 \* labels - 1\)"):
+            loss(p, y01)
+        with pytest.raises(ValueError, match=r"expected\[0\]\[1\] is 0"):
+            loss(p.reshape(2, 2), jnp.asarray(y01).reshape(2, 2))
+        reference = np.mean(np.maximum(0, 1 - signed * p) ** power)  # 0.325 for hinge: Keras's number
+        np.testing.assert_allclose(loss(p, 2 * y01 - 1), reference, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(loss(p, np.ones(4, np.float32)), np.mean(np.maximum(0, 1 - p) ** power),
+                                   rtol=0, atol=1e-6)
+        traced = jax.jit(loss)(p, y01)  # not readable under jit: taken as given (documented)
+        np.testing.assert_allclose(traced, np.mean(np.maximum(0, 1 - y01 * p) ** power), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ft.losses.hinge(p, signed), 0.325, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype,classes,label", [(np.uint8, 200, 156), (np.uint16, 65500, 65436)])

@@ -62,7 +62,7 @@ OTHER_NAMES = {
     "mse_loss": "mean_squared_error", "mse": "mean_squared_error", "squared_error": "mean_squared_error",
     "l1_loss": "mean_absolute_error", "mae": "mean_absolute_error", "absolute_error": "mean_absolute_error",
     "huber_loss": "huber", "smooth_l1_loss": "huber", "kl_div": "kl_divergence", "kld": "kl_divergence",
-    "poisson_nll_loss": "poisson", "hinge_loss": "hinge",
+    "poisson_nll_loss": "poisson", "hinge_loss": "hinge", "binary_cross_entropy": "sigmoid_cross_entropy",
 }
 
 # Keras's default from_logits=False takes probabilities and clips them to [1e-7, 1 - 1e-7] (its
@@ -82,6 +82,10 @@ OTHER_CALLS = {
                                        f"# {KERAS_PROBS}",
     "binary_crossentropy": f"ft.losses.sigmoid_cross_entropy(jax.scipy.special.logit({KERAS_CLIP}), labels)  "
                            f"# {KERAS_PROBS}",
+    # torch clamps each log at -100 instead: the two agree for probabilities in [1e-7, 1 - 1e-7]
+    "binary_cross_entropy": f"ft.losses.sigmoid_cross_entropy(jax.scipy.special.logit({KERAS_CLIP}), labels)  "
+                            "# torch's F.binary_cross_entropy takes probabilities (with logits: "
+                            "binary_cross_entropy_with_logits, sigmoid_cross_entropy(logits, labels))",
     "kl_div": "ft.losses.kl_divergence(jnp.exp(log_q), p, reduction='sum') / log_q.shape[0]  # torch's input "
               "is log q; reduction='batchmean' divides the sum by the batch size alone: for [B, C] that is "
               "kl_divergence's default mean, for [B, T, C] it is T times that mean",
@@ -89,6 +93,28 @@ OTHER_CALLS = {
     "smooth_l1_loss": "ft.losses.huber(predicted, expected, delta=beta) / beta  # torch's beta > 0 (1: huber "
                       "itself); beta=0 is the L1 loss: ft.losses.l1(predicted, expected)",
 }
+
+# Other libraries' losses with no equivalent here: a spelling guess would name another loss
+# (sigmoid_focal_loss looks like sigmoid_cross_entropy), so the error says there is none, and
+# names optax's loss of that kind where it has one.
+NO_EQUIVALENT = {
+    "sigmoid_focal_loss": "optax.losses.sigmoid_focal_loss", "focal_loss": "optax.losses.sigmoid_focal_loss",
+    "binary_focal_crossentropy": "optax.losses.sigmoid_focal_loss", "categorical_focal_crossentropy": None,
+    "ctc_loss": "optax.losses.ctc_loss", "ctc": "optax.losses.ctc_loss",
+    "triplet_margin_loss": "optax.losses.triplet_margin_loss", "triplet_loss": "optax.losses.triplet_margin_loss",
+    "triplet_semihard_loss": None, "triplet_margin_with_distance_loss": None,
+    "cosine_similarity": "optax.losses.cosine_similarity", "cosine_distance": "optax.losses.cosine_distance",
+    "cosine_embedding_loss": None, "margin_ranking_loss": None, "hinge_embedding_loss": None,
+    "multilabel_margin_loss": None, "multi_margin_loss": None, "multilabel_soft_margin_loss": None,
+    "soft_margin_loss": None, "gaussian_nll_loss": None, "dice_loss": "optax.losses.dice_loss",
+    "ntxent": "optax.losses.ntxent",
+}
+
+NO_EQUIVALENT_LOSS = """\
+module 'functree.losses' has no attribute {name!r}, and no loss here computes it{alike}. \
+{elsewhere} from its formula with jnp:
+
+    right:  def {name}(predicted, expected): ...     # its formula, in jnp"""
 
 OTHER_NAME = """\
 module 'functree.losses' has no attribute {name!r}: its equivalent here is \
@@ -106,7 +132,19 @@ def __getattr__(name: str):
         import difflib
 
         close = difflib.get_close_matches(name, __all__, n=1)
+        if name in NO_EQUIVALENT:
+            raise AttributeError(_no_equivalent(name, close[0] if close else None))
         hint = f"; did you mean ft.losses.{close[0]}?" if close else ""
         raise AttributeError(f"module 'functree.losses' has no attribute {name!r}{hint}")
     right = OTHER_CALLS.get(name, f"ft.losses.{ours}(predicted, expected)")
     raise AttributeError(OTHER_NAME.format(name=name, ours=ours, right=right))
+
+
+def _no_equivalent(name: str, alike: str | None) -> str:
+    """:data:`NO_EQUIVALENT_LOSS` for ``name``: the loss whose name looks alike, if any, is
+    said to be another one; optax's loss of that kind is named where there is one."""
+    other = NO_EQUIVALENT[name]
+    return NO_EQUIVALENT_LOSS.format(
+        name=name, alike=f" (ft.losses.{alike}, whose name looks alike, is another loss)" if alike else "",
+        elsewhere=(f"Use optax's loss of its kind, {other} (its own arguments and defaults: check its numbers "
+                   f"against the library you port from), or write it" if other else "Write it"))

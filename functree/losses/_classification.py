@@ -330,8 +330,37 @@ def kl_divergence(predicted: Any, expected: Any, *, reduction: str = "mean") -> 
     return reduce("kl_divergence", jnp.sum(terms, axis=-1), reduction)
 
 
+ZERO_ONE_LABELS = """\
+{loss}: labels must be in {{-1, 1}} (the margin is expected * predicted); given labels in \
+{{0, 1}}: expected{where} is 0. A 0 label has margin 0 whatever the prediction, so its term is \
+a constant {term} with no gradient, and the loss is silently another (hinge of [2, -2, 0.3, \
+-0.4] on [1, 0, 1, 0]: 0.675, where Keras, which maps 0/1 labels to -1/1, gives 0.325). Map \
+them to -1/1:
+
+    wrong:  ft.losses.{loss}(predicted, labels)              # labels in {{0, 1}}
+    right:  ft.losses.{loss}(predicted, 2 * labels - 1)      # labels in {{-1, 1}}
+"""
+
+
+def _check_signed_labels(loss: str, expected: Any, term: str) -> None:
+    """Raise :data:`ZERO_ONE_LABELS` when concrete labels are all 0 or 1 and some are 0:
+    0/1 labels, where the hinge losses take -1/1. Traced labels (under ``jax.jit``) cannot
+    be read and are taken as given."""
+    try:
+        given = np.asarray(expected)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    zero = given == 0
+    if zero.any() and np.all(zero | (given == 1)):
+        where = "".join(f"[{int(i)}]" for i in np.argwhere(zero)[0])
+        raise ValueError(ZERO_ONE_LABELS.format(loss=loss, where=where, term=term))
+
+
 def hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
     """``mean(max(0, 1 - expected * predicted))`` for labels in {-1, 1}, elementwise.
+
+    Concrete 0/1 labels (all 0 or 1, some 0) raise :data:`ZERO_ONE_LABELS`: their 0s would
+    each add a constant 1, silently; give ``2 * labels - 1``. Traced labels are not checked.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -339,11 +368,15 @@ def hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Arra
       Array(0.25, dtype=float32)
     """
     predicted, expected = check_same_shape("hinge", predicted, expected)
+    _check_signed_labels("hinge", expected, "max(0, 1 - 0) = 1")
     return reduce("hinge", jax.nn.relu(1 - expected * predicted), reduction)
 
 
 def squared_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
     """``mean(max(0, 1 - expected * predicted)^2)`` for labels in {-1, 1}, elementwise.
+
+    Concrete 0/1 labels raise :data:`ZERO_ONE_LABELS`, as :func:`hinge`'s (traced ones are
+    not checked): give ``2 * labels - 1``.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -351,6 +384,7 @@ def squared_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> 
       Array(0.125, dtype=float32)
     """
     predicted, expected = check_same_shape("squared_hinge", predicted, expected)
+    _check_signed_labels("squared_hinge", expected, "max(0, 1 - 0)^2 = 1")
     return reduce("squared_hinge", jnp.square(jax.nn.relu(1 - expected * predicted)), reduction)
 
 

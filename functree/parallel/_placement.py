@@ -117,6 +117,13 @@ def global_rows(x: Any) -> int:
     return np.shape(x)[0] * jax.process_count()
 
 
+def _stacked_rows(x: Any) -> int:
+    """The rows of one step's global minibatch in a stacked leaf ``(steps, rows, ...)``."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.shape(x)[1]
+    return np.shape(x)[1] * jax.process_count()
+
+
 def one_device_mesh(data_axis: str = "data") -> Mesh:
     """A mesh of the default device alone (sharding rules without a mesh)."""
     return jax.make_mesh((1,), (data_axis,), devices=jax.devices()[:1])
@@ -188,6 +195,16 @@ class Placement:
         if not whole:  # (an evaluation's batch sizes are its own)
             self.earlier = max(self.earlier, _examples(placed))
         return placed
+
+    def check_stacked(self, batch: Any) -> None:
+        """Before a stacked batch ``(steps, rows, ...)`` is placed (``steps_per_call > 1``):
+        each step's minibatch (axis 1, a process's share counted ``P`` times) checked as
+        :meth:`shard_batch` checks one, and remembered in ``earlier``, so that the data's
+        short last minibatch, run alone after stacked calls, is named as such."""
+        rows = {path: _stacked_rows(x) for path, x in jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(x) >= 2}
+        for path, n in rows.items():  # the path names the leaf in check_batch's message
+            check_batch(np.empty((n, 0)), self.devices, self.data_axis, path, earlier=self.earlier)
+        self.earlier = max(self.earlier, *rows.values(), 0)
 
     def replicate(self, tree: Any) -> Any:
         """``tree`` copied whole to every device of the mesh (a step's replicated outputs live

@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree import nn
 from functree._tree import is_array_value
@@ -116,13 +118,42 @@ NaN times its weight 0 made the whole result NaN. Leave empty minibatches out:
     right:  [b for b in minibatches if len(b[0])]   (np.array_split gives empty ones past len(x))"""
 
 
+MIXED_EVAL_LEAVES = """\
+The minibatch's leaves do not share one example axis: {first} has {rows} rows, {other} has \
+{given}. The mean over minibatches weighs each by its examples, the leading axis every array \
+leaf shares (training counts them so too), so this minibatch's weight is ambiguous. Keep \
+values that are not per example out of the batch (in the loss's closure), or give them one \
+row per example:
+
+    wrong:  batch = {{"x": x, "y": y, "class_weights": w}}               # w: one per class
+    right:  loss_fn = functools.partial(weighted_loss, class_weights=w)    # or w[y]: one per example"""
+
+# The minibatch errors' first words per use (EMPTY_EVAL_DATA names the data alike).
+_WHAT = {"validation": "validation (fit's validation_data=)", "evaluate": "evaluate", "predict": "predict"}
+
+
 def _minibatches(data: Any) -> Iterable[Any]:
     """Every example once, in order: a ``Batches`` (the training data's, shuffled, maybe
     dropping its last minibatch) is read :meth:`~Batches.in_order`."""
     return data.in_order().iterate(0) if isinstance(data, Batches) else data
 
 
+def _check_examples(batch: Any) -> None:
+    """:data:`MIXED_EVAL_LEAVES` unless the array leaves share their leading axis: the
+    examples the mean weighs the minibatch by. The example axis is the size most leaves
+    share (the larger on a tie); the first leaf of another size is named."""
+    leaves = [(jax.tree_util.keystr(path) or "the batch", np.shape(x)[0])
+              for path, x in jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(x) >= 1]
+    sizes = Counter(rows for _, rows in leaves)
+    if len(sizes) > 1:
+        rows = max(sizes, key=lambda n: (sizes[n], n))
+        first = next(where for where, n in leaves if n == rows)
+        other, given = next((where, n) for where, n in leaves if n != rows)
+        raise ValueError(MIXED_EVAL_LEAVES.format(first=first, rows=rows, other=other, given=given))
+
+
 def _check_not_empty(what: str, index: int, batch: Any) -> None:
+    _check_examples(batch)  # (before batch_size's error, whose reason is a split's)
     if batch_size(batch) == 0:
         raise ValueError(EMPTY_EVAL_MINIBATCH.format(what=what, index=index, shapes=describe_batch(batch)))
 
@@ -156,10 +187,11 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
     ``summing`` (``EvalStep.summing``) adds each minibatch on device; one read at the end.
     ``which``: whose data, for the error of data with no minibatch (``"validation"``)."""
     sums: Any = None
+    what = _WHAT[which]  # (a validation minibatch's error says so, as its empty data's does)
     for i, given, first in _numbered(data):
-        with _located("evaluate", i, given, first):
+        with _located(what, i, given, first):
             batch = step.shard_batch(to_arrays(given))
-            _check_not_empty("evaluate", i, batch)
+            _check_not_empty(what, i, batch)
             if sums is None:
                 shapes = step.metric_shapes(model, batch, key)  # traced once per signature
                 dtype = metric_dtype()  # float64 under jax_enable_x64: sums as precise as the values

@@ -636,7 +636,11 @@ class TrainStep:
         self._owned_call = owned
         if self.placement is not None:
             where = self.placement
-            batch = where.shard_batch(batch) if steps == 1 else shard_stacked(where.mesh, where.data_axis, batch)
+            if steps == 1:
+                batch = where.shard_batch(batch)
+            else:  # (its rows set `earlier`, as shard_batch's do: a short last minibatch is named)
+                where.check_stacked(batch)
+                batch = shard_stacked(where.mesh, where.data_axis, batch)
         if self._shared is not None:  # a shared program traces (new shapes) with this step's stages
             self._shared.owner = self._ref
         if program.__class__ is FlatJit:  # it runs _before, _explain and the guard off a loop's fast path

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _devices import part, run, selected_scenarios
+from _devices import part, selected_scenarios
 from _tolerance import assert_close_trained, needs_float16_conversions
 
 import functree as ft
@@ -101,6 +101,27 @@ except ValueError as e:
     res["mixed"] = str(e)
 report(res)
 """,
+    'an_equinox_model_trains_on_a_mesh_and_with_accumulation': """
+import jax, numpy as np, equinox as eqx
+import functree as ft
+mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+# holds jax.nn.relu as a leaf; built in one program (eagerly, each initializer compiled apart)
+model = eqx.filter_jit(lambda: eqx.nn.MLP(4, 3, 16, 1, key=jax.random.key(1)))()
+def loss_fn(m, b):
+    return ft.losses.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1])
+rng = np.random.default_rng(0)
+xs, ys = rng.normal(size=(3, 8, 4)).astype(np.float32), rng.integers(0, 3, size=(3, 8)).astype(np.int32)
+res = {}
+for name, where, k in (("plain", None, 1), ("mesh", mesh, 1), ("accumulate", None, 2), ("both", mesh, 2)):
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.5), accumulate=k)
+    step = ft.train.train_step(loss_fn, opt, donate=False, mesh=where)
+    m, s, losses = model, opt.init(model), []
+    for i in range(3):
+        m, s, metrics = step(m, s, (xs[i], ys[i]))
+        losses.append(float(metrics["loss"]))
+    res[name] = {"losses": losses, "weights": [np.asarray(layer.weight).ravel().tolist() for layer in m.layers]}
+report(res)
+""",
     'eight_devices_equal_one_device_replicated_fsdp_and_rules': """
 rules = {"layers.1.weight": P("data", None), "layers.0.weight": P(None, "data"), "layers.2.weight": P("data"),
          "layers.*": P()}
@@ -147,10 +168,13 @@ same = [float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(named), jax
 c = 1e-3
 clip = lambda g: jax.tree.map(lambda x: jnp.clip(x, -c, c), g)
 clipped = one_step(ft.optim.Optimizer(ft.optim.sgd(1.0), transform_unaggregated_gradients=clip))
-grad = jax.jit(lambda b: ft.gradient(lambda m: loss_fn(m, b)[0], at=model))  # eager: ~100 op compiles
-per_device = [clip(grad((xs[0][8 * i: 8 * i + 8], ys[0][8 * i: 8 * i + 8]))) for i in range(8)]
-expected = jax.tree.map(lambda *g: -sum(g) / 8, *per_device)
-after_mean = jax.tree.map(lambda g: -g, clip(grad(batch)))
+# clipped in the gradient's program and averaged in NumPy (the same float32 operations): eager
+# JAX compiled a clip, add, negative and divide for each leaf's shape, 30 programs
+clipped_grad = jax.jit(lambda b: clip(ft.gradient(lambda m: loss_fn(m, b)[0], at=model)))
+numpy = lambda tree: jax.tree.map(np.asarray, tree)
+per_device = [numpy(clipped_grad((xs[0][8 * i: 8 * i + 8], ys[0][8 * i: 8 * i + 8]))) for i in range(8)]
+expected = jax.tree.map(lambda *g: -sum(g) / np.float32(8), *per_device)
+after_mean = jax.tree.map(lambda g: -g, numpy(clipped_grad(batch)))
 err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
           for a, b in zip(jax.tree.leaves(clipped), jax.tree.leaves(expected)))
 differs = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
@@ -210,8 +234,9 @@ report({"diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
     'a_data_axis_of_one_device_beside_a_model_axis_trains_as_one_device': """
 import numpy as np, jax.numpy as jnp, functree as ft
 from jax.sharding import PartitionSpec as P
-k = jax.random.split(jax.random.key(0), 2)
+@jax.jit  # one program builds each fresh copy (eager, every initializer compiles apart)
 def make():
+    k = jax.random.split(jax.random.key(0), 2)
     return ft.nn.training(ft.nn.Sequential(ft.nn.Dense(6, 8, jax.nn.relu, key=k[0]), ft.nn.BatchNorm(8),
                                            ft.nn.Dropout(0.25), ft.nn.Dense(8, 2, key=k[1])))
 def loss_fn(model, batch, *, key):
@@ -415,41 +440,20 @@ def test_aux_rows_merge_and_what_cannot_be_combined_is_refused(eight_devices):
     assert "[0] has 64 rows, [2] has 4. Split over the 8 devices of mesh axis 'data'" in out["mixed"], out["mixed"]
 
 
-
 # The largest difference measured between the Equinox MLP's losses and weights trained on a
 # 2-device mesh, with accumulate=2, or both, and on one device (1.2e-7 for losses near 1.2,
 # 3e-8 for the weights): the comparison allows ten times it.
 SPREAD_EQX = 1.2e-7
 
-EQX_ON_TWO_DEVICES = """
-import jax, numpy as np, equinox as eqx
-import functree as ft
-mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-model = eqx.nn.MLP(4, 3, 16, 1, key=jax.random.key(1))  # holds jax.nn.relu as a leaf
-def loss_fn(m, b):
-    return ft.losses.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1])
-rng = np.random.default_rng(0)
-xs, ys = rng.normal(size=(3, 8, 4)).astype(np.float32), rng.integers(0, 3, size=(3, 8)).astype(np.int32)
-res = {}
-for name, where, k in (("plain", None, 1), ("mesh", mesh, 1), ("accumulate", None, 2), ("both", mesh, 2)):
-    opt = ft.optim.Optimizer(ft.optim.sgd(0.5), accumulate=k)
-    step = ft.train.train_step(loss_fn, opt, donate=False, mesh=where)
-    m, s, losses = model, opt.init(model), []
-    for i in range(3):
-        m, s, metrics = step(m, s, (xs[i], ys[i]))
-        losses.append(float(metrics["loss"]))
-    res[name] = {"losses": losses, "weights": [np.asarray(layer.weight).ravel().tolist() for layer in m.layers]}
-report(res)
-"""
 
-
-def test_an_equinox_model_trains_on_a_mesh_and_with_accumulation():
+def test_an_equinox_model_trains_on_a_mesh_and_with_accumulation(eight_devices):
     """An eqx.nn.MLP holds jax.nn.relu as a leaf: the step passed the whole model to
     jax.eval_shape (accumulate=2, a mesh) and to shard_map (a mesh), which take arrays
     alone, and failed deep in JAX ("custom_jvp ... as an abstract array"). Three SGD steps
-    on a 2-device mesh, with accumulate=2, and both, equal the one-device step's."""
-    pytest.importorskip("equinox")
-    res = run(EQX_ON_TWO_DEVICES, devices=2)
+    on a 2-device mesh, with accumulate=2, and both, equal the one-device step's (a mesh of
+    2 of the 8-device subprocess's devices: its own start-up cost ~2.5 CPU-s more)."""
+    pytest.importorskip("equinox")  # before part(): without Equinox its scenario failed to import it
+    res = part(eight_devices, "an_equinox_model_trains_on_a_mesh_and_with_accumulation")
     ref = res["plain"]
     for name in ("mesh", "accumulate", "both"):
         np.testing.assert_allclose(res[name]["losses"], ref["losses"], rtol=0, atol=10 * SPREAD_EQX, err_msg=name)

@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import functree as ft
 from jax.experimental import multihost_utils
 sys.path.insert(0, "tests")
-from _digits import digits, loss_fn, mlp
+from _digits import loss_fn, mlp
 
-x, y = digits(512)
+with np.load(out + "/digits.npz") as arrays:  # written by the test process: no scikit-learn import here
+    x, y = arrays["x"], arrays["y"]
 model = mlp()
 
 mesh = jax.make_mesh((4,), ("data",))
@@ -99,6 +100,9 @@ def job(tmp_path_factory):
     then, in the same two processes, a new Trainer resumes the job from its step-8 checkpoint
     and loads a model this process wrote whole (one start-up and compilation for both)."""
     out = tmp_path_factory.mktemp("job")
+    # the workers read the digits from a file: importing scikit-learn costs each ~2 CPU-s
+    x, y = digits(512)
+    np.savez(out / "digits.npz", x=x, y=y)
     (out / "ckpt").mkdir()
     (out / "ckpt" / LOCK_NAME).write_text(json.dumps(
         {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": "other job"}))

@@ -11,6 +11,7 @@ its ``1 / (1 - rate)`` scaling are HF's. Logits are compared at the real tokens 
 it, Llama).
 """
 
+import functools
 import hashlib
 import os
 import re
@@ -140,7 +141,7 @@ def same_masks(monkeypatch):
     rates = []
 
     def bernoulli(key, p=0.5, shape=None, **kwargs):
-        return jnp.asarray(pattern(tuple(shape)))
+        return jnp.asarray(pattern(tuple(shape) if shape is not None else np.shape(p)))
 
     def dropout(x, p=0.5, training=True, inplace=False):
         if not training or p == 0.0:
@@ -267,8 +268,15 @@ def test_train_step_draws_fresh_masks_every_step(recorded):
     assert len({m.tobytes() for m in weights}) == len(weights) >= 9  # 3 layers x 3 steps, all different
 
 
+@functools.cache
+def _resid_port():
+    """The port with a residual rate alone, in training mode: built once (a compile), read by
+    the tests below (modules are immutable: none changes it)."""
+    return ft.nn.training(ft.nn.from_hf(gpt2_config(resid=0.1), dropout=True, key=jax.random.key(0)))
+
+
 def test_value_with_gradient_and_state_advances_the_keys():
-    model = ft.nn.training(ft.nn.from_hf(gpt2_config(resid=0.1), dropout=True, key=jax.random.key(0)))
+    model = _resid_port()
     ids = np.zeros((1, 4), np.int32)
     _, _, state = ft.nn.value_with_gradient_and_state(lambda m: jnp.sum(m(ids)), model)
     after = ft.nn.apply_state(model, state)
@@ -297,10 +305,8 @@ def test_the_kernel_runs_except_for_attention_dropout_in_training(monkeypatch):
     monkeypatch.setattr(_attention, "_fused_attention", lambda *a: fused.append(1) or real(*a))
     ids = np.zeros((1, 4), np.int32)
     _stack._SCANS.clear()
-    for config, training, uses_kernel in ((gpt2_config(attn=0.1), False, True), (gpt2_config(attn=0.1), True, False),
-                                          (gpt2_config(resid=0.1), True, True)):
-        model = ft.nn.from_hf(config, dropout=True, key=jax.random.key(0))
-        model = ft.nn.training(model) if training else model
+    attention = ft.nn.from_hf(gpt2_config(attn=0.1), dropout=True, key=jax.random.key(0))  # built once, both modes
+    for model, uses_kernel in ((attention, True), (ft.nn.training(attention), False), (_resid_port(), True)):
         fused.clear()
         model(ids, key=jax.random.key(1))
         assert bool(fused) == uses_kernel
@@ -339,13 +345,18 @@ def fingerprint(model):
 
 @pytest.mark.parametrize("family", list(TODAY))
 def test_the_default_port_is_todays_tree(family):
+    """Two builds (each a compile): the default port, read for its tree and its weights, and
+    the dropout port; ``dropout=False``'s tree is traced (``jax.eval_shape``: the same tree
+    definition, shapes and dtypes as its build, without compiling it)."""
     config = {"model_type": family, "vocab_size": VOCAB, **SMALL[family]}
-    assert fingerprint(ft.nn.from_hf(config, key=jax.random.key(0))) == TODAY[family]
-    assert fingerprint(ft.nn.from_hf(config, key=jax.random.key(0), dropout=False)) == TODAY[family]
+    default = ft.nn.from_hf(config, key=jax.random.key(0))
+    assert fingerprint(default) == TODAY[family]
+    assert fingerprint(jax.eval_shape(lambda: ft.nn.from_hf(config, key=jax.random.key(0), dropout=False))) == \
+        TODAY[family]
     with_dropout = ft.nn.from_hf(config, key=jax.random.key(0), dropout=True)
     assert fingerprint(with_dropout) != TODAY[family]
     # the same weights: dropout's keys come from their own stream of the key
-    plain = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+    plain = ft.nn.to_hf_state_dict(default, numpy=True)
     dropped = ft.nn.to_hf_state_dict(with_dropout, numpy=True)
     assert plain.keys() == dropped.keys()
     for name, value in plain.items():
@@ -376,14 +387,13 @@ def test_a_dropout_port_exports_saves_and_restores(tmp_path):
 
 def test_dropout_errors(tmp_path):
     config = gpt2_config(attn=0.1)
+    saved = ft.nn.from_hf(config, key=jax.random.key(0))  # built once: its config, weights and directory below
     with pytest.raises(ValueError, match=r"dropout=True\) draws dropout masks and needs a PRNG key"):
-        ft.nn.from_hf(ft.nn.from_hf(config, key=jax.random.key(0)).hf_config.to_dict(),
-                      ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True), dropout=True)
+        ft.nn.from_hf(saved.hf_config.to_dict(), ft.nn.to_hf_state_dict(saved, numpy=True), dropout=True)
     with pytest.raises(ValueError, match=r"dropout must be True .* got 0.1"):
-        ft.nn.from_hf(config, key=jax.random.key(0), dropout=0.1)
+        ft.nn.from_hf(config, key=jax.random.key(0), dropout=0.1)  # pyright: ignore[reportArgumentType]  # refused
     with pytest.raises(ValueError, match=r"the gpt2 config's attn_pdrop is 1.0; a dropout rate is a number in \[0, 1\)"):
         ft.nn.from_hf(gpt2_config(attn=1.0), key=jax.random.key(0), dropout=True)
-    saved = ft.nn.from_hf(config, key=jax.random.key(0))
     ft.nn.save_hf(saved, tmp_path / "saved")
     # A directory with weights: they are read, and the key seeds the masks (was refused, and
     # without dropout a key silently built a fresh model in place of the directory's weights).
@@ -415,13 +425,13 @@ def test_a_family_without_dropout_positions_is_refused():
 
 
 def test_training_without_a_collector_or_key_warns_as_lora_does():
-    model = ft.nn.training(ft.nn.from_hf(gpt2_config(resid=0.1), dropout=True, key=jax.random.key(0)))
+    model = _resid_port()
     with pytest.warns(ft.nn.UncollectedStateWarning):
         model(np.zeros((1, 4), np.int32))
 
 
 def test_training_without_any_key_is_refused():
-    model = ft.nn.training(ft.nn.from_hf(gpt2_config(resid=0.1), dropout=True, key=jax.random.key(0)))
+    model = _resid_port()
     blocks = model.transformer.h
     keyless = blocks.replace(layers=blocks.layers.replace(attn=blocks.layers.attn.replace(dropout_key=None)))
     model = model.replace(transformer=model.transformer.replace(h=keyless))
@@ -449,11 +459,12 @@ def test_a_rate_given_as_dropout_is_pointed_at_the_family_s_own_fields(family):
     config = configs(on=False)[family]
     weights, key = hf_model(config).state_dict(), jax.random.key(0)
     with pytest.raises(ValueError, match=rf"dropout must be True .* got 0.05.*the {family} family reads") as info:
-        ft.nn.from_hf(config, weights, dropout=0.05, key=key)
+        ft.nn.from_hf(config, weights, dropout=0.05, key=key)  # pyright: ignore[reportArgumentType]  # refused
     fields = _dropout.rate_fields(_dropout.FAMILIES[config.model_type])
     assert _or_lines(info.value).startswith(" = ".join(f"config.{n}" for n in fields) + " = 0.05;")
     exec(_or_lines(info.value), {"ft": ft, "config": config, "weights": weights, "key": key})
-    assert set(_dropout.FAMILIES[config.model_type].hf_dropout(config).values()) == {0.05}  # every field it reads
+    rates = _dropout.FAMILIES[config.model_type].hf_dropout(config)
+    assert rates is not None and set(rates.values()) == {0.05}  # every field it reads
     model = ft.nn.from_hf(config, weights, dropout=True, key=key)
     assert 0.05 in {r for rates in _attention_rates(model) for r in rates}
     if family == "llama":  # the attention weights' rate, the only one: was 0 after config.attn_pdrop = 0.05
@@ -463,7 +474,7 @@ def test_a_rate_given_as_dropout_is_pointed_at_the_family_s_own_fields(family):
 def test_a_rate_for_a_source_of_unknown_family_lists_each_family_s_fields(tmp_path):
     with pytest.raises(ValueError, match=r"got 0\.05\. A rate of your own goes into the config, in the fields the "
                                          r"model's family reads") as info:
-        ft.nn.from_hf(tmp_path, dropout=0.05, key=jax.random.key(0))
+        ft.nn.from_hf(tmp_path, dropout=0.05, key=jax.random.key(0))  # pyright: ignore[reportArgumentType]  # refused
     message = str(info.value)
     assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, gemma, olmo\n", message)
     assert re.search(r"config\.hidden_dropout_prob = config\.attention_probs_dropout_prob = 0\.05 +# bert", message)
@@ -556,18 +567,19 @@ def loss_fn(m, b):
 out = {}
 for name, model, row, key_path in (("gpt2", gpt2, np.arange(1, 7, dtype=np.int32), "transformer.h.layers.attn.dropout_key"),
                                    ("lora", adapted, np.arange(32, dtype=np.float32), "a.dropout_key")):
+    # one device's call (one row), the same for k = 1 and 2: made once per model
+    one, plain = ft.nn.collect_state(lambda m: m(row[None]), model)
+    w = jax.random.normal(jax.random.key(5), one.shape[1:])  # each output row read as one number
+    with salted_keys(3):  # device 3 (one microbatch): the row's call with salt 3
+        third, _ = ft.nn.collect_state(lambda m: m(row[None]), model)
     for k in (1, 2):
         batch = (np.tile(row[None], (8 * k, 1)),)  # identical rows: k per device
         opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k)
-        one, plain = ft.nn.collect_state(lambda m: m(batch[0][:1]), model)
-        w = jax.random.normal(jax.random.key(5), one.shape[1:])  # each output row read as one number
         metrics = {f"row{i}": (lambda o, i=i: jnp.sum(o.aux[i] * w)) for i in range(8 * k)}
         new, _, values = ft.train.train_step(loss_fn, opt, mesh=mesh, donate=False, metrics=metrics)(
             model, opt.init(model), batch)
         rows = np.array([float(values[f"row{i}"]) for i in range(8 * k)])
         scale = float(np.abs(rows).max())
-        with salted_keys(3):  # device 3 (one microbatch): the row's call with salt 3
-            third, _ = ft.nn.collect_state(lambda m: m(batch[0][:1]), model)
         out[f"{name}_{k}"] = {
             "distinct": len(set(rows.round(5).tolist())),
             "least_gap": min(abs(rows[i] - rows[j]) / scale for i in range(len(rows)) for j in range(i)),

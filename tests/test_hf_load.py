@@ -9,6 +9,7 @@ times 10; all pass under every XLA CPU instruction set with isa-sweep). The user
 each port is one line: ``ft.nn.from_hf(hf)``.
 """
 
+import functools
 import os
 import re
 import sys
@@ -53,10 +54,15 @@ def hf_output(hf, ids, mask, positions=True):
     return (out.logits if hasattr(out, "logits") else out.last_hidden_state).numpy()
 
 
+# One jitted forward for the file: a port of a tree and shapes seen before (the gpt2 fixture's,
+# loaded three ways) reuses its compiled program instead of tracing a fresh lambda again.
+forward = jax.jit(lambda m, i, a: m(i, attention_mask=a))
+
+
 def assert_equal_at_tokens(model, hf, length=T, positions=True):
     ids, mask = batch(length)
     expected = hf_output(hf, ids, mask, positions)
-    actual = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, mask))
+    actual = np.asarray(forward(model, ids, mask))
     real = mask.astype(bool)
     assert actual.shape == expected.shape
     np.testing.assert_allclose(actual[real], expected[real], rtol=0, atol=2.5e-5 * float(np.abs(expected).max()))
@@ -77,6 +83,13 @@ def llama_config(**changes):
 def gpt2_config(**changes):
     options = dict(vocab_size=VOCAB, n_positions=80, n_embd=D, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2Config(**{**options, **changes})
+
+
+@functools.cache
+def llama_from_config():
+    """``ft.nn.from_hf(llama_config(), key=key(0))``: built once (a compile) for the tests that
+    read it (modules are immutable: none changes it)."""
+    return ft.nn.from_hf(llama_config(), key=jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -570,10 +583,12 @@ def test_checkpoints_and_pickles_written_before_the_split_restore():
 
     data = os.path.join(os.path.dirname(__file__), "data", "hf_models_checkpoint")
     gpt2_model = ft.train.load(os.path.join(data, "gpt2"))  # no template: the names alone
+    assert gpt2_model.hf_config is not None
     assert type(gpt2_model) is _hf_models.GPT2LMHeadModel and gpt2_model.hf_config["n_layer"] == 2
     with open(os.path.join(data, "phi3.pkl"), "rb") as f:
         phi3 = pickle.load(f)
     assert type(phi3) is _hf_models.Phi3ForCausalLM and type(phi3.model.layers.layers.mlp) is _hf_models.Phi3MLP
+    assert phi3.hf_config is not None
     assert jax.tree.structure(phi3) == jax.tree.structure(ft.nn.from_hf(phi3.hf_config.to_dict(), key=jax.random.key(0)))
     assert pickle.loads(pickle.dumps(phi3)).hf_config == phi3.hf_config
     written = pickle.dumps(phi3)  # what new pickles record: unchanged (older functree reads them)
@@ -848,7 +863,7 @@ def test_every_from_hf_model_carries_its_config(gpt2, tmp_path):
     assert from_directory.hf_config["n_layer"] == 2
     from_dict = ft.nn.from_hf(gpt2.config.to_dict(), ft.nn.to_hf_state_dict(model, numpy=True))
     assert from_dict.hf_config["n_head"] == 4 and len(from_dict.hf_config.generation) == 0
-    fresh = ft.nn.from_hf(llama_config(), key=jax.random.key(0))
+    fresh = llama_from_config()
     assert fresh.hf_config["model_type"] == "llama" and fresh.hf_config["num_key_value_heads"] == 2
     # static configuration: hashable, immutable, compared by content; a jitted call takes it
     hash(config)
@@ -913,13 +928,13 @@ def test_float16_runs_on_a_cpu_as_torch_float16(family):
     Logits against HF's float16 model on the CPU; measured: 2.3e-3 of the largest logit at
     most (phi3), where torch's own float16 logits differ from its float32 ones by 2.3e-3."""
     skip_without_xla_float16()
-    config = {"gpt2": gpt2_config, "llama": llama_config}.get(family, FAMILIES.get(family))()
+    config = ({"gpt2": gpt2_config, "llama": llama_config}.get(family) or FAMILIES[family])()
     hf = hf_model(config)
     model = ft.nn.from_hf(hf, dtype=jnp.float16)
     assert {leaf.dtype for leaf in jax.tree.leaves(model)} == {jnp.dtype(jnp.float16)}
     ids, mask = batch(12)
     expected = hf_output(hf.half(), ids, mask).astype(np.float32)
-    actual = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, mask))
+    actual = np.asarray(forward(model, ids, mask))
     assert actual.dtype == np.float16
     real = mask.astype(bool)
     np.testing.assert_allclose(actual.astype(np.float32)[real], expected[real], rtol=0,
@@ -960,20 +975,31 @@ def test_bert_token_type_ids_outside_the_table_are_refused_as_hf_refuses_them():
     np.testing.assert_array_equal(model(ids), model(ids, token_type_ids=np.zeros((2, 4), np.int32)))
 
 
-@pytest.mark.parametrize("family, wrt", [("gpt2", "transformer.h.*.attn.*"), ("llama", "model.layers.*.mlp.*"),
-                                         ("llama", "lm_head.*")])
-def test_a_partial_gradient_exports_the_tensors_it_holds(family, wrt):
-    """ft.gradient(..., wrt=) has None outside wrt: to_hf_state_dict crashed in a layout
-    transpose (Llama) or returned object arrays and dropped tensors (GPT-2). It now gives
-    exactly the selected tensors, equal to the full gradient's export there."""
+@functools.cache
+def _whole_gradient(family):
+    """A fresh port of ``family``, its loss and its whole gradient's export: made once, read
+    by each ``wrt`` of the test below (Llama's two share it). The gradients are compiled
+    (one program each, where op by op was most of the test's time): what is tested is the
+    export of the ``None`` leaves outside ``wrt``, which jit hands back as they are."""
     config = ({"model_type": "gpt2", "vocab_size": VOCAB, "n_positions": 16, "n_embd": D, "n_layer": 2, "n_head": 2,
                "bos_token_id": 0, "eos_token_id": 0} if family == "gpt2" else
               {"model_type": "llama", **DECODER, "intermediate_size": 2 * D, "bos_token_id": 0, "eos_token_id": 0})
     model = ft.nn.from_hf(config, key=jax.random.key(0))
     ids = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
     loss = lambda m: ft.losses.softmax_cross_entropy(m(ids)[:, :-1], ids[:, 1:])  # noqa: E731
-    whole = ft.hf.to_hf_state_dict(ft.gradient(loss, at=model), numpy=True)
-    part = ft.hf.to_hf_state_dict(ft.gradient(loss, at=model, wrt=wrt), numpy=True)
+    return model, loss, ft.hf.to_hf_state_dict(jax.jit(ft.gradient(loss))(model), numpy=True)
+
+
+@pytest.mark.parametrize("family, wrt", [("gpt2", "transformer.h.*.attn.*"), ("llama", "model.layers.*.mlp.*"),
+                                         ("llama", "lm_head.*")])
+def test_a_partial_gradient_exports_the_tensors_it_holds(family, wrt):
+    """ft.gradient(..., wrt=) has None outside wrt: to_hf_state_dict crashed in a layout
+    transpose (Llama) or returned object arrays and dropped tensors (GPT-2). It now gives
+    exactly the selected tensors, equal to the full gradient's export there."""
+    model, loss, whole = _whole_gradient(family)
+    partial = jax.jit(ft.gradient(loss, wrt=wrt))(model)
+    assert any(leaf is None for leaf in jax.tree.leaves(partial, is_leaf=lambda x: x is None))  # what broke the export
+    part = ft.hf.to_hf_state_dict(partial, numpy=True)
     assert part and set(part) < set(whole)
     assert all(v.dtype == np.float32 for v in part.values())
     for name, value in part.items():
@@ -1020,11 +1046,10 @@ def test_the_pad_tokens_embedding_row_gets_the_gradient_hf_gives_it(family):
 
 def test_to_hf_state_dict_of_an_adapted_model_names_itself_and_the_merge():
     """The refusal shows the call the user made (to_hf_state_dict), with merge_lora inside it."""
-    adapted = ft.nn.lora(ft.nn.from_hf(llama_config(), key=jax.random.key(0)), "*.q_proj", rank=2,
-                         key=jax.random.key(1))
+    adapted = ft.nn.lora(llama_from_config(), "*.q_proj", rank=2, key=jax.random.key(1))
     with pytest.raises(ValueError, match=r"(?s)^ft\.nn\.to_hf_state_dict: .*query_projection is an adapted layer.*"
                                          r"wrong:  ft\.nn\.to_hf_state_dict\(model\)\n"
                                          r"    right:  ft\.nn\.to_hf_state_dict\(ft\.nn\.merge_lora\(model\)\)"):
         ft.nn.to_hf_state_dict(adapted)
     assert set(ft.nn.to_hf_state_dict(ft.nn.merge_lora(adapted), numpy=True)) == set(
-        ft.nn.to_hf_state_dict(ft.nn.from_hf(llama_config(), key=jax.random.key(0)), numpy=True))
+        ft.nn.to_hf_state_dict(llama_from_config(), numpy=True))

@@ -492,3 +492,47 @@ def test_setting_a_weight_decay_built_as_zero_says_why_and_each_fix_sets_it(name
     undecayed = steps(reference(0.0), reference(0.0).init(p), 2)
     np.testing.assert_allclose(got[0]["weight"], undecayed[0]["weight"], rtol=0, atol=7e-6)
     assert not np.allclose(got[1]["weight"], undecayed[1]["weight"], rtol=0, atol=1e-2)  # decayed: 0.1 apart
+
+
+def test_per_samples_through_an_optimizer_needs_the_minibatch_size():
+    """Optimizer.update without minibatch_size ran a per_samples(0.01, 1) rate at M = 1 (the
+    context's initial size): -0.01 on a minibatch of 32, where η · M / samples is -0.32.
+    Now refused (apply_gradients too, jitted too); given M, the step is NumPy's."""
+    x = np.arange(1.0, 33.0, dtype=np.float32)  # a minibatch of 32: loss = mean(w * x)
+    opt = ft.optim.Optimizer(fo.sgd(fo.per_samples(0.01, 1), momentum=fo.per_samples(0.5, 4)))
+    state = opt.init(_params())
+    g = jax.grad(lambda p: jnp.mean(p["w"] * x))(_params())
+    wrong = r"learning_rate=ft.optim.per_samples\(0.01, 1\) is a rate per 1 sample(?s:.*)no minibatch_size(?s:.*)" \
+            r"wrong: +updates, state = opt.update\(grads, state, model\)\n +right: .*minibatch_size=x.shape\[0\]"
+    for call in (lambda: opt.update(g, state, _params()), lambda: opt.apply_gradients(g, _params(), state),
+                 lambda: jax.jit(opt.update)(g, state, _params())):
+        with pytest.raises(ValueError, match=wrong):
+            call()
+    u, state = opt.update(g, state, _params(), minibatch_size=32)
+    np.testing.assert_allclose(u["w"], -0.01 * 32 * x.mean(), rtol=0, atol=1e-5)  # the first step: no momentum yet
+    assert int(fo.context(state).samples_seen) == 32
+    u, _ = opt.update(g, state, _params(), minibatch_size=32)  # momentum 0.5^(32 / 4) on the first gradient
+    np.testing.assert_allclose(u["w"], -0.01 * 32 * x.mean() * (1 + 0.5 ** 8), rtol=0, atol=1e-5)
+
+
+def test_minimize_refuses_a_per_samples_rate_on_a_batch_whose_leading_axes_disagree():
+    """minimize read M from the first array's leading axis: a time-major x of (T=10, B=2)
+    counted 10 samples, a step 5x too large under per_samples. Refused when a per-sample
+    rate reads M (naming both leaves); minibatch_size=B gives the step NumPy computes; a
+    rate per minibatch never reads M, and is not refused."""
+    x, y = np.ones((10, 2), np.float32) * np.arange(1, 11, dtype=np.float32)[:, None], np.ones(2, np.float32)
+
+    def loss_fn(p, x, y):
+        return jnp.mean(p["w"] * x.sum(0) * y)
+
+    opt = ft.optim.Optimizer(fo.sgd(fo.per_samples(0.01, 1)))
+    state = opt.init(_params())
+    with pytest.raises(ValueError, match=r"batch\[0\] has 10 rows, batch\[1\] has 2(?s:.*)"
+                                         r"right: .*minibatch_size=y.shape\[0\]"):
+        opt.minimize(loss_fn, _params(), state, x, y)
+    p, state, _ = opt.minimize(loss_fn, _params(), state, x, y, minibatch_size=2)
+    np.testing.assert_allclose(p["w"], -0.01 * 2 * np.mean(x.sum(0) * y), rtol=0, atol=1e-5)  # dL/dw = 55
+    assert int(fo.context(state).samples_seen) == 2
+    plain = ft.optim.Optimizer(fo.sgd(0.01))
+    p, _, _ = plain.minimize(loss_fn, _params(), plain.init(_params()), x, y)
+    np.testing.assert_allclose(p["w"], -0.01 * np.mean(x.sum(0) * y), rtol=0, atol=1e-5)

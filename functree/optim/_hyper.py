@@ -18,10 +18,12 @@ A hyperparameter is one of
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -215,9 +217,71 @@ class Rate:
     samples: int | None = None
 
     def scale(self, ctx: LearningContext, dtype: Any = jnp.float32) -> Any:
+        """``M / samples`` for the context's minibatch of ``M`` (1 per minibatch)."""
         if self.samples is None:
             return 1.0
         return ctx.minibatch_size.astype(dtype) / jnp.asarray(self.samples, dtype)
+
+
+PER_SAMPLES_WITHOUT_SIZE = """\
+{where}: {name}={rate} is a rate per {samples} sample(s): a minibatch of M takes {rule}. \
+This update was given no minibatch_size, so M would be the size the learning context kept \
+(1 before any was given), silently: per_samples(0.01, 1) on a minibatch of 32 stepped \
+0.01, not 0.32. Give the minibatch's size:
+
+    wrong:  updates, state = opt.update(grads, state, model)
+    right:  updates, state = opt.update(grads, state, model, minibatch_size=x.shape[0])
+       or:  model, state, loss = opt.minimize(loss_fn, model, state, x, y)   # M: the batch's leading axis
+"""
+
+PER_SAMPLES_LEADING_AXES = """\
+{where}: {name}={rate} is a rate per {samples} sample(s): a minibatch of M takes {rule}. \
+M is read from the batch's leading axis, and its array leaves disagree: {first} has {rows} \
+rows, {other} has {given}. M = {rows} would be used, silently (a time-major x of shape \
+(T, B) counts T examples). Give the minibatch's size, or put the example axis first:
+
+    wrong:  opt.minimize(loss_fn, model, state, x, y)                       # x: (T, B), y: (B,)
+    right:  opt.minimize(loss_fn, model, state, x, y, minibatch_size=y.shape[0])
+       or:  opt.minimize(loss_fn, model, state, x.swapaxes(0, 1), y)      # x: (B, T)
+"""
+
+SIZE_NOT_GIVEN = "not given"
+"""The :data:`_SIZE_SOURCE` of an update given no ``minibatch_size``."""
+
+_SIZE_SOURCE: contextvars.ContextVar[Any] = contextvars.ContextVar("ft_minibatch_size_source", default=None)
+"""Where the running update's minibatch size came from, for a per-sample rate to check at
+trace time: ``None`` (given, or no Optimizer step runs: nothing to check),
+:data:`SIZE_NOT_GIVEN`, or the batch (tuple of ``minimize``'s arguments) whose first
+array's leading axis it is. Only a rate per samples reads M, so only one checks."""
+
+
+@contextlib.contextmanager
+def minibatch_size_source(source: Any) -> Iterator[None]:
+    """Set :data:`_SIZE_SOURCE` while an Optimizer's update (or step) runs."""
+    token = _SIZE_SOURCE.set(source)
+    try:
+        yield
+    finally:
+        _SIZE_SOURCE.reset(token)
+
+
+def _check_size_source(where: str, name: str, rate: Rate) -> None:
+    """Refuse a per-sample rate whose minibatch size M was not given (the context's 1, or a
+    stale size), or was read from the first of a batch's leaves that disagree on it."""
+    source = _SIZE_SOURCE.get()
+    if source is None:
+        return
+    rule = "γ^(M / samples)" if name in DECAY_RATES else "η · M / samples"
+    shown = {"where": where, "name": name, "rate": f"ft.optim.per_samples({rate.value!r}, {rate.samples})",
+             "samples": rate.samples, "rule": rule}
+    if isinstance(source, str):
+        raise ValueError(PER_SAMPLES_WITHOUT_SIZE.format(**shown))
+    rows = [(f"batch{jax.tree_util.keystr(path)}", np.shape(x)[0])
+            for path, x in jax.tree_util.tree_flatten_with_path(source)[0] if np.ndim(x) >= 1]
+    other = next(((where_, n) for where_, n in rows if n != rows[0][1]), None)
+    if other is not None:
+        raise ValueError(PER_SAMPLES_LEADING_AXES.format(**shown, first=rows[0][0], rows=rows[0][1],
+                                                         other=other[0], given=other[1]))
 
 
 def per_minibatch(value: Any) -> Rate:
@@ -237,7 +301,10 @@ def per_samples(value: Any, samples: int) -> Rate:
     gradient times ``v``. Given for a decay rate (``momentum``, ``beta1``, ``beta2``,
     ``rho``), a minibatch of M takes ``value^(M / samples)``: the decay per example is the
     same whatever the minibatch size (CNTK's per-sample momentum). Other hyperparameters
-    refuse it. ``ft.optim.hyperparameters`` (and the Trainer's ``learning_rate`` column)
+    refuse it. Through an :class:`ft.optim.Optimizer`, ``update``/``apply_gradients`` need
+    ``minibatch_size=`` (without it M would be 1, silently: an error), and ``minimize``
+    refuses a batch whose array leaves disagree on the leading axis it reads M from.
+    ``ft.optim.hyperparameters`` (and the Trainer's ``learning_rate`` column)
     report the value given, ``v``, for a number; a schedule's is reported as applied.
 
     Example:
@@ -422,6 +489,7 @@ class _Spec:
             raise ValueError(MISSING_HYPERPARAMETER.format(where=where, name=self.name))
         if self.rate.samples is None:
             return base
+        _check_size_source(where, self.name, self.rate)  # at trace time: M is static here
         scale = self.rate.scale(ctx, dtype)
         if self.name in DECAY_RATES:  # the per-example decay, M times: γ^(M / samples)
             return jnp.asarray(base, dtype) ** scale

@@ -73,7 +73,7 @@ from functree.optim._hooks import (
     takes_keyword,
     takes_scale,
 )
-from functree.optim._hyper import HyperState
+from functree.optim._hyper import SIZE_NOT_GIVEN, HyperState, minibatch_size_source
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._multisteps import check_multisteps
@@ -355,7 +355,8 @@ class Optimizer:
         are checked here, once; the transforms trust both. A ``None`` gradient leaves its
         parameter and that parameter's moments unchanged. The learning context advances
         by one step and ``minibatch_size`` samples (kept from the previous step if not
-        given) unless the step is skipped: ``apply_if`` is False, or a
+        given; a :func:`~functree.optim.per_samples` rate, which reads it, refuses a step
+        without it: :data:`~functree.optim._hyper.PER_SAMPLES_WITHOUT_SIZE`) unless the step is skipped: ``apply_if`` is False, or a
         :func:`skip_non_finite` inside skipped it; a skipped step returns zero updates
         and the state it was given. ``finite`` is the step's finiteness of ``grads`` when
         it was computed already (see :attr:`handles_nonfinite`; unused here).
@@ -386,7 +387,9 @@ class Optimizer:
             extra = extra_arguments(extra, grads, model)
         if loss is not None:  # the step's loss, only when given: context.loss may be stale or NaN
             extra = {**extra, "loss": loss}
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
+        # A per_samples rate reads M: without minibatch_size it would be the context's 1, silently
+        unsized = minibatch_size_source(SIZE_NOT_GIVEN) if minibatch_size is None else contextlib.nullcontext()
+        with jax.numpy_dtype_promotion("standard"), unsized:  # optax mixes float hyperparameters and int counts
             try:
                 updates, inner = self._transform.update(grads, state.inner, params, context=ctx, **extra)
             except TypeError as e:  # a transformation inside a chain refusing context= (optax.contrib.sam)
@@ -529,7 +532,9 @@ class Optimizer:
         """One step on ``loss_fn(model, *batch)``: ``(model, state, loss)`` or ``(..., (loss, aux))``.
 
         Advances the learning context by one step and ``minibatch_size`` samples (the
-        batch's leading dimension, times the replicas when ``axis_name`` is bound) and
+        batch's leading dimension, times the replicas when ``axis_name`` is bound; read so,
+        a :func:`~functree.optim.per_samples` rate refuses a batch whose array leaves
+        disagree on it: :data:`~functree.optim._hyper.PER_SAMPLES_LEADING_AXES`) and
         stores the loss in it. With an ``axis_name`` the loss returned (and stored) is the
         mean over the replicas: the global batch's loss. Layer state that the model records in training mode
         (BatchNorm statistics) is collected and written back into the returned model.
@@ -558,7 +563,8 @@ class Optimizer:
         on_nan = check_on_nan(on_nan)
         if skip_non_finite and on_nan == "ignore":
             on_nan = "skip"
-        if minibatch_size is None:
+        read = minibatch_size is None  # from the first array's leading axis: per_samples rates check the others
+        if read:
             minibatch_size = leading_dimension(batch)
             if self.axis_name is not None and replicas is None:
                 minibatch_size *= axis_size(self.axis_name)
@@ -570,8 +576,9 @@ class Optimizer:
 
         g = half(model, state, batch) if replicas is None else replicas(half, model, state, batch)
         whole = loss_fn if key is None else functools.partial(loss_fn, key=key)  # L-BFGS: the whole batch
-        return self.apply_step(g, model, state, minibatch_size=minibatch_size, on_nan=on_nan, enabled=enabled,
-                               value_fn=loss_value_fn(self, whole, batch, has_aux))
+        with minibatch_size_source(batch) if read else contextlib.nullcontext():
+            return self.apply_step(g, model, state, minibatch_size=minibatch_size, on_nan=on_nan, enabled=enabled,
+                                   value_fn=loss_value_fn(self, whole, batch, has_aux))
 
     def gradients(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *,
                   has_aux: bool = False, key: Any = None, checked: bool | None = None) -> Gradients:

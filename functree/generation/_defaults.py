@@ -2,8 +2,9 @@
 passes nothing.
 
 HF's ``model.generate(ids)`` takes each option from, in order: the caller's argument, the
-model's ``generation_config`` (``generation_config.json``; without one, the generation values
-of ``config.json``), then HF's global defaults (``GenerationConfig._get_default_generation_params``:
+model's ``generation_config`` (``generation_config.json`` alone, none of config.json's values
+mixed in; only without that file, the generation values of ``config.json``), then HF's global
+defaults (``GenerationConfig._get_default_generation_params``:
 ``do_sample=False``, ``temperature=1.0``, ``top_k=50``, ``top_p=1.0`` ...). A model ported by
 ``ft.nn.from_hf`` carries both files as ``model.hf_config`` (a mapping of config.json's values,
 with generation_config.json's as ``model.hf_config.generation``); :func:`checkpoint_defaults`
@@ -89,8 +90,10 @@ _CACHE: dict[int, tuple[Any, dict[str, Any]]] = {}
 
 def checkpoint_defaults(model: Any) -> dict[str, Any] | None:
     """The generation options ``model.hf_config`` sets (HF's names; None for a model without
-    ``hf_config``), read once per config object: generation_config.json's value, else
-    config.json's (HF's ``GenerationConfig.from_model_config``); a None value is unset."""
+    ``hf_config``), read once per config object, as HF's ``from_pretrained`` reads them: from
+    generation_config.json alone when the checkpoint has one (an HF model's
+    ``generation_config`` for ``from_hf(hf_model)``), else from config.json (HF's
+    ``GenerationConfig.from_model_config``); a None value is unset."""
     config = getattr(model, "hf_config", None)
     if not isinstance(config, Mapping):
         return None
@@ -99,11 +102,10 @@ def checkpoint_defaults(model: Any) -> dict[str, Any] | None:
         return found[1]
     generation = getattr(config, "generation", None)
     generation = generation if isinstance(generation, Mapping) else {}
-    defaults: dict[str, Any] = {}
-    for name in SUPPORTED:
-        value = generation.get(name)
-        defaults[name] = config.get(name) if value is None else value
-    defaults = {k: v for k, v in defaults.items() if v is not None}
+    # HF reads generation_config.json alone when there is one (a key it lacks is unset, never
+    # config.json's: eos 38 in config.json does not end rows); config.json only without one.
+    source = generation if len(generation) else config
+    defaults = {name: source[name] for name in SUPPORTED if source.get(name) is not None}
     _warn_unapplied(generation)
     if len(_CACHE) > 64:  # a long session of ported models: keep the table small
         _CACHE.clear()

@@ -416,6 +416,21 @@ def test_load_lora_follows_the_config_not_the_file(tmp_path):
     assert isinstance(ft.nn.load_lora(base, tmp_path).model.layers.layers.self_attn.value_projection, ft.nn.LoraDense)
 
 
+@pytest.mark.parametrize(("option", "value"), [("layers_to_transform", [1]), ("layers_pattern", "layers")])
+def test_a_layer_selection_beside_a_regex_target_is_refused_as_peft_refuses_it(base, tmp_path, option, value):
+    """target_modules a regex with layers_to_transform / layers_pattern: PEFT's LoraConfig
+    refuses it; load_lora put the adapters on every layer the regex matched (both, here)."""
+    regex = r".*\.(q|v)_proj"
+    peft_adapter(llama, tmp_path, r=4, lora_alpha=8, target_modules=regex)
+    edit_config(tmp_path, **{option: value})
+    with pytest.raises(ValueError, match=rf"`{option}` cannot be used when `target_modules` is a str"):
+        peft.LoraConfig.from_pretrained(str(tmp_path))  # the reference
+    with pytest.raises(ValueError, match=rf"(?s)adapter_config.json in .* sets {option}={re.escape(repr(value))}: .*regular "
+                                         rf"expression {re.escape(repr(regex))}.*PEFT refuses it too.*"
+                                         r"right:  \"target_modules\": \[\"q_proj\", \"v_proj\"\]"):
+        ft.nn.load_lora(base, tmp_path)
+
+
 def test_integer_and_damaged_adapter_files_are_refused(tmp_path):
     peft_adapter(llama, tmp_path, r=2, target_modules=["q_proj"])
     base = ft.nn.from_hf(llama())

@@ -711,7 +711,9 @@ def _check_known_modules(tensors: dict[str, np.ndarray], names: TorchNames, kind
 
 
 def _check_config(config: dict[str, Any], directory: str) -> None:
-    """The config's numbers: PEFT's ``r > 0`` (a ZeroDivisionError deep inside otherwise)."""
+    """The config's numbers: PEFT's ``r > 0`` (a ZeroDivisionError deep inside otherwise); and
+    no layer selection beside a regex ``target_modules`` (PEFT refuses it; the regex alone would
+    otherwise put adapters on every layer)."""
     def bad(option: str, value: Any, why: str, right: str) -> ValueError:
         return ValueError(BAD_CONFIG.format(directory=directory, option=option, value=value, why=why, right=right))
 
@@ -727,6 +729,14 @@ def _check_config(config: dict[str, Any], directory: str) -> None:
     dropout = config.get("lora_dropout") or 0.0
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise bad("lora_dropout", dropout, "a dropout probability is in [0, 1)", '"lora_dropout": 0.05')
+    targets = config.get("target_modules")
+    for option in ("layers_to_transform", "layers_pattern"):  # LoraConfig.__post_init__ refuses both
+        if isinstance(targets, str) and config.get(option) is not None:
+            raise bad(option, config[option], f"it selects layers of a list of target_modules, and target_modules "
+                      f"is the regular expression {targets!r} (PEFT: `{option}` cannot be used when "
+                      "`target_modules` is a str)",
+                      '"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1]    # or a regex '
+                      'naming the layers: ".*\\.1\\.self_attn\\.(q|v)_proj"')
 
 
 def _not_dense(targets: Any, modules: list[str], model: Any) -> ValueError:

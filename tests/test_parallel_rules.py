@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _devices import run
 from _tolerance import MARGIN
@@ -487,3 +488,24 @@ def test_an_unmatched_glob_keeps_the_parts_that_fit_in_its_fix():
         assert f"right:  sharding={{{fixes[pattern]!r}: P(...)}}" in str(e.value)
         specs = ft.to_flat_dict(ft.partition_specs(net, {fixes[pattern]: P(None, "data")}, mesh=MESH))
         assert sorted(n for n, spec in specs.items() if spec == P(None, "data")) == names
+
+
+def test_a_rule_that_cannot_split_a_models_leaf_beside_its_state_is_refused():
+    """A (model, state) template named the model's leaves 0.layers.1.weight: a rule for
+    layers.1.weight matched them only as a suffix, as it matches a moment's name, and a rule
+    that could not split the leaf replicated it silently (a full copy on every device). A
+    model's leaf is refused as it is alone; a factored moment of another shape is still
+    replicated."""
+    model = ft.nn.Sequential([ft.nn.Dense(4, 64, key=jax.random.key(0)), ft.nn.Dense(64, 64, key=jax.random.key(1))])
+    mesh = AbstractMesh((3,), ("data",))
+    bad = {"layers.1.weight": P("data", None)}  # 64 rows on 3 devices
+    for tree in (model, (model, ft.optim.Optimizer(ft.optim.adam(1e-3)).init(model)), {"model": model}):
+        with pytest.raises(ValueError, match=r"layers\.1\.weight.*\(64, 64\).*not divisible by mesh axis 'data' of size 3"):
+            ft.partition_specs(tree, bad, mesh=mesh)
+    factored = ft.optim.Optimizer(optax.adafactor(1e-3, min_dim_size_to_factor=8)).init(model)
+    specs = ft.to_flat_dict(ft.partition_specs(factored, bad, mesh=mesh))  # v_row (64,), v_col (64,)
+    assert {spec for name, spec in specs.items() if name.endswith("layers.1.weight")} == {P()}, specs
+    fits = {"layers.1.weight": P(None, "data")}
+    specs = ft.to_flat_dict(ft.partition_specs((model, factored), fits, mesh=AbstractMesh((8,), ("data",))))
+    assert specs.pop("0.layers.1.weight") == P(None, "data")
+    assert {spec for name, spec in specs.items() if name.endswith("layers.1.weight")} == {P()}, specs

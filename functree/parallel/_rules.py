@@ -241,7 +241,7 @@ def _hits(name: str, pattern: str) -> tuple[bool, bool]:
 
 
 def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, taken: dict[str, str],
-               layers: int = 0, data_axis: str = "data") -> PartitionSpec:
+               layers: int = 0, data_axis: str = "data", moment: bool = True) -> PartitionSpec:
     for pattern, spec in rules.items():
         direct, hit = _hits(name, pattern)
         if not hit:
@@ -255,12 +255,29 @@ def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | Abst
         why = _misfit(spec, tuple(leaf.shape), mesh)
         if why is None:
             return spec
-        if direct:
+        if direct or not moment:
             sizes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
             raise ValueError(BAD_SPEC.format(pattern=pattern, spec=spec, path=name, shape=tuple(leaf.shape),
                                              why=why, sizes=sizes))
         return PartitionSpec()  # a moment of another shape (factored): replicated
     return PartitionSpec()
+
+
+def _is_state(node: Any) -> bool:
+    """An optimizer state: functree's, or one of optax's (a NamedTuple)."""
+    from functree.optim._state import OptimizerState  # functree.optim is above this layer
+
+    return isinstance(node, OptimizerState) or (isinstance(node, tuple) and hasattr(node, "_fields"))
+
+
+def in_optimizer_states(tree: Any) -> list[bool]:
+    """For each leaf of ``tree`` (in flattening order), whether it lies in an optimizer state:
+    a moment, whose name ends with its parameter's, and not a parameter of a model held
+    beside the state (``(model, state)``: ``0.layers.1.weight``)."""
+    flags: list[bool] = []
+    for node in jax.tree.leaves(tree, is_leaf=_is_state):
+        flags += [True] * len(jax.tree.leaves(node)) if _is_state(node) else [False]
+    return flags
 
 
 def check_rules(rules: Any) -> None:
@@ -310,7 +327,8 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
     depths = stack_depths(tree)  # leading layer axes of each leaf (ft.nn.Stack)
     taken: dict[str, str] = {}  # leaf name -> the rule that gave its spec
     specs = []
-    for name, (_, leaf), layers in zip(names, path_leaves, depths):
+    moments = in_optimizer_states(tree)
+    for name, (_, leaf), layers, moment in zip(names, path_leaves, depths, moments, strict=True):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             specs.append(leaf)
         elif not _is_floating(leaf) or rules is None:
@@ -318,7 +336,7 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
         elif isinstance(rules, str):  # "fsdp"
             specs.append(_fsdp_spec(tuple(leaf.shape), data_axis, mesh.shape[data_axis], layers))
         else:
-            specs.append(_rule_spec(name, leaf, rules, mesh, taken, layers, data_axis))
+            specs.append(_rule_spec(name, leaf, rules, mesh, taken, layers, data_axis, moment))
     if strict and isinstance(rules, Mapping):
         floating = [(n, leaf) for n, (_, leaf) in zip(names, path_leaves) if _is_floating(leaf)]
         if any(len(leaf.shape) for _, leaf in floating):  # not only scalars (an SGD state)

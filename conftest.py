@@ -81,6 +81,12 @@ os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""), _installe
 # (and their subprocesses) would each ask for it and all but the first fail to allocate.
 # Each process takes what it uses instead (unless set otherwise); nothing changes on a CPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# torch (the references: Hugging Face, torch.optim, torch layers) on one thread per process,
+# unless set otherwise: `pytest -n 2` runs two workers on the cores already, and each
+# worker's torch spun a second OpenMP thread that took ~20x the CPU of a tiny model's call
+# (a Hugging Face generate: 2.4 -> 0.12 CPU-s; test_hf_peft + test_interop_torch 65 -> 60
+# CPU-s). XLA's own thread pool does not read it. Read when torch starts; inherited.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # One persistent compilation cache (JAX's, on disk) for the whole run: its xdist workers, and
 # their subprocesses and notebook kernels, which inherit the environment, compile many of the

@@ -458,3 +458,18 @@ def test_lora_names_a_dtype_that_is_not_floating(given, written):
     for fine in ("bfloat16", np.float16, jnp.float32):
         adapted = ft.nn.lora(model, "l", rank=1, key=jax.random.key(0), dtype=fine)
         assert adapted["l"].lora_a.dtype == adapted["l"].lora_b.dtype == jnp.dtype(fine)
+
+
+def test_a_bfloat16_lora_dense_adds_its_bias_as_dense_does():
+    """The bias's gradient sums dL/dy over every row: added in bfloat16 (LoraDense; Dense adds
+    it in float32, add_bias), XLA:CPU summed 16x256 rows in bfloat16 and the gradient came back
+    2048 off (0.5 of its 4096; 0.75 over 32x512 rows); now 7 off, Dense's. The reference: d bias_j = rows * cos(j)
+    exactly, for L = sum_j cos(j) y_j. The outputs are Dense's bit for bit (lora_b = 0)."""
+    x = jax.random.normal(jax.random.key(1), (16, 256, 16)).astype(jnp.bfloat16)
+    dense = ft.nn.Dense(16, 8, key=jax.random.key(0), dtype=jnp.bfloat16)
+    adapted = ft.nn.lora({"d": dense}, "d", rank=2, key=jax.random.key(2))["d"]
+    w = np.cos(np.arange(8.0))
+    grad = jax.grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32) * w))(adapted, x).bias
+    expected = 16 * 256 * w
+    np.testing.assert_allclose(np.asarray(grad, np.float64), expected, rtol=0, atol=0.017 * np.max(np.abs(expected)))
+    assert np.array_equal(np.asarray(adapted(x), np.float32), np.asarray(dense(x), np.float32))

@@ -44,7 +44,7 @@ from functree._module import Module, field, from_fields
 from functree._random import flat_key
 from functree._tree import dotted_name, is_none, written_dtype
 from functree.nn._check import check_input
-from functree.nn._linear import Dense
+from functree.nn._linear import Dense, add_bias
 from functree.nn._mode import Layer
 from functree.nn._state import record_state, salted
 
@@ -153,7 +153,8 @@ class LoraDense(Layer):
     ``±1/sqrt(in)`` (PEFT's default) and ``lora_b [r, out]`` is zero, so the layer computes
     what the wrapped one did until ``lora_b`` trains. The adapter runs in the input's dtype
     (``ft.cast(model, jnp.bfloat16)`` casts all of them; float32 adapters on a bfloat16
-    base are cast to it). ``alpha``, ``dropout`` and ``activation`` are static.
+    base are cast to it); in bfloat16 and float16 the bias is added in float32, as ``Dense`` adds it
+    (``add_bias``: its gradient sums every row). ``alpha``, ``dropout`` and ``activation`` are static.
 
     ``dropout`` zeroes adapter inputs with that probability in training mode
     (``ft.nn.training``), scaling the rest by ``1/(1 - dropout)``; the mask comes from
@@ -242,8 +243,8 @@ class LoraDense(Layer):
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         check_input(self, x, (self.weight.shape[-2],))
         y = x @ self.weight
-        if self.bias is not None:
-            y = y + self.bias
+        if self.bias is not None:  # in float32 below float32, as Dense adds it (its gradient sums every row)
+            y = add_bias(y, self.bias)
         h = x
         if self.training and self.dropout > 0.0:
             if key is None:

@@ -19,7 +19,7 @@ from functree._paths import ATTR, Entry, KeyPath
 from functree._random import flat_key
 from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
-from functree.nn._linear import Initializer
+from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, collecting, record_under
 from functree.nn._sequential import takes_key
@@ -96,7 +96,8 @@ class GRUCell(Layer):
         h' = (1 - z) * n + z * h
 
     ``input_weight`` is ``[input_size, 3 * hidden_size]`` (glorot-uniform),
-    ``hidden_weight`` ``[hidden_size, 3 * hidden_size]`` (orthogonal blocks), biases zero.
+    ``hidden_weight`` ``[hidden_size, 3 * hidden_size]`` (orthogonal blocks), biases zero
+    (added in float32 in bfloat16 and float16, as ``Dense`` adds its: their gradients sum every row).
     ``cell(h, x)`` returns ``(h', h')``.
 
     Example:
@@ -132,8 +133,9 @@ class GRUCell(Layer):
 
     def __call__(self, state: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         check_input(self, x, (self.input_weight.shape[0],))
-        xi = x @ self.input_weight + self.input_bias
-        hh = state @ self.hidden_weight + self.hidden_bias
+        # biases added in float32 below float32 (add_bias): their gradients sum every batch row
+        xi = add_bias(x @ self.input_weight, self.input_bias)
+        hh = add_bias(state @ self.hidden_weight, self.hidden_bias)
         x_r, x_z, x_n = jnp.split(xi, 3, axis=-1)
         h_r, h_z, h_n = jnp.split(hh, 3, axis=-1)
         r = jax.nn.sigmoid(x_r + h_r)
@@ -152,7 +154,8 @@ class LSTMCell(Layer):
         c' = f * c + i * g;   h' = o * tanh(c')
 
     ``bias`` starts at zero except the forget block at ``forget_bias`` (default 1,
-    Jozefowicz et al. 2015). ``cell(LSTMState(h, c), x)`` returns ``(LSTMState(h', c'), h')``.
+    Jozefowicz et al. 2015), added in float32 in bfloat16 and float16 (as ``Dense``: its gradient
+    sums every row). ``cell(LSTMState(h, c), x)`` returns ``(LSTMState(h', c'), h')``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -187,7 +190,7 @@ class LSTMCell(Layer):
     def __call__(self, state: LSTMState, x: jax.Array) -> tuple[LSTMState, jax.Array]:
         check_input(self, x, (self.input_weight.shape[0],))
         h, c = state
-        gates = x @ self.input_weight + h @ self.hidden_weight + self.bias
+        gates = add_bias(x @ self.input_weight + h @ self.hidden_weight, self.bias)  # float32 below float32, as Dense
         i, f, g, o = jnp.split(gates, 4, axis=-1)
         c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
         h = jax.nn.sigmoid(o) * jnp.tanh(c)

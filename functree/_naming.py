@@ -600,9 +600,10 @@ def check_patterns(patterns: Sequence[Any]) -> None:
 
 # A character class as fnmatch reads one: "[", an optional "!", a "]" first is literal, up to "]".
 _CLASS = re.compile(r"\[(!?\]?[^\]]*)\]")
-_NUMBER_RANGE = re.compile(r"([0-9]+)-([0-9]+)")
-# A range with a number of several digits on either side ([10-15], [0-15]): meant as numbers.
-_MULTI_DIGIT = re.compile(r"[0-9]{2,}-[0-9]+|[0-9]+-[0-9]{2,}")
+# A number as layer names write one: no leading zero ("05" is no number: [05-9] is 0 and 5-9).
+_NUMBER = r"(0|[1-9][0-9]*)"
+# A class that is one number range, nothing else ([10-15], [0-15], [2-0]): the numbers meant.
+_ONE_NUMBER_RANGE = re.compile(_NUMBER + "-" + _NUMBER)
 _PRINTABLE = [chr(c) for c in range(33, 127)]  # the characters a message lists a class by
 
 
@@ -633,8 +634,8 @@ def _refuse_reversed_range(pattern: str) -> None:
             _refuse_multi_digit(pattern, found.group(0), content, negated, head, tail)
             continue
         _, start, end = bad[0]
-        number = _NUMBER_RANGE.fullmatch(content)
-        if number and not negated:  # a number range meant: [14-15], [2-0]
+        number = _ONE_NUMBER_RANGE.fullmatch(content)
+        if number and not negated:  # a number range meant: [14-15], [2-0] (not [05-3]: 0, and 5-3 reversed)
             right = _numbers_right(number, head, tail)
         else:  # each reversed range turned round: [z-a] -> [a-z]
             fixed = list(content)
@@ -646,17 +647,21 @@ def _refuse_reversed_range(pattern: str) -> None:
 
 
 def _refuse_multi_digit(pattern: str, klass: str, content: str, negated: bool, head: str, tail: str) -> None:
-    """:data:`MULTI_DIGIT_RANGE` for a class (``content``, its ``!`` off) holding a number
-    range of several digits; the suggestion spells that range's numbers, the class replaced."""
-    number = _MULTI_DIGIT.search(content)
-    if number is None:
+    """:data:`MULTI_DIGIT_RANGE` for a class whose ``content`` (its ``!`` off) is one number
+    range with a number of several digits (``[10-15]``, ``[0-15]``, ``[!10-15]``); the
+    suggestion spells that range's numbers, the class replaced.
+
+    Any other class is a glob's own: fnmatch reads single characters and ranges ``a-b`` one
+    character each, and that is what such a class means (``[0-35-9]``: 0-3 and 5-9, every
+    digit but 4; ``[05-9]``: 0 and 5-9). A digit run in it is no number range meant: the
+    class holds more than the range, or a number with a leading zero, as no layer is named."""
+    number = _ONE_NUMBER_RANGE.fullmatch(content)
+    if number is None or max(len(number.group(1)), len(number.group(2))) < 2:
         return
     # the characters fnmatch reads the class as (those it holds: the class without its "!")
     held = [c for c in _PRINTABLE if fnmatch.fnmatchcase(c, "[" + content + "]")]
     reading = ("any one character but " if negated else "one character of ") + ", ".join(held)
-    numbers = _NUMBER_RANGE.fullmatch(number.group(0))
-    assert numbers is not None  # _MULTI_DIGIT's match is a number range
-    right = _numbers_right(numbers, head, tail)
+    right = _numbers_right(number, head, tail)
     if negated:  # no glob excludes a number range: name the numbers, to leave out of what is selected
         right += f"   # the numbers {number.group(0)}: select the others around them"
     raise ValueError(MULTI_DIGIT_RANGE.format(pattern=pattern, klass=klass, number=number.group(0),

@@ -183,6 +183,7 @@ def _adamw_init(params, pattern):
     ("layers.[2-0].*", "'layers.[0-2].*'"),                # fnmatch: matches nothing
     ("layers.[8-12].*", "('layers.[8-9].*', 'layers.1[0-2].*')"),
     ("*.[z-a]", "'*.[a-z]'"), ("h.[!9-0x]", "'h.[!0-9x]'"),
+    ("layers.[05-3].*", "'layers.[03-5].*'"),  # 0 and 5-3 turned round: not the numbers 3-5 (which dropped 0)
 ])
 def test_a_character_class_with_a_reversed_range_is_refused_with_the_right_spelling(pattern, right):
     params = {"model": {"layers": [{"w": jnp.ones(2)} for _ in range(16)]}}
@@ -541,6 +542,9 @@ def test_a_class_with_a_multi_digit_number_range_is_refused_with_one_class_per_d
     ("layers.[0-9].*", list(range(10))), ("layers.[!0-9].*", []), ("layers.1[0-5].*", list(range(10, 16))),
     ("layers.[]].*", []), ("layers.[]-a].*", []), ("layers.[--/].*", []), ("layers.[!]].*", list(range(10))),
     ("layers.[a-].*", []), ("layers.[a-z].*", []), ("layers.1[!0-3].*", [14, 15]), ("layers.[13].*", [1, 3]),
+    # literals and ranges mixed: refused as [5-9] and [0-35] (numbers 0-35) until the class was read as fnmatch does
+    ("layers.[05-9].*", [0, 5, 6, 7, 8, 9]), ("layers.[0-35-9].*", [0, 1, 2, 3, 5, 6, 7, 8, 9]),
+    ("layers.1[!05-9].*", [11, 12, 13, 14]), ("layers.[00-1].*", [0, 1]), ("layers.1[0-23-5].*", list(range(10, 16))),
 ])
 def test_classes_without_a_multi_digit_range_select_as_fnmatch_does(pattern, numbers):
     """The valid classes of the audit's list still pass the check and select what fnmatch's
@@ -572,3 +576,16 @@ def test_every_number_range_class_is_refused_unless_it_is_one_digit_low_to_high(
     globs = right if isinstance(right, tuple) else (right,)
     hit = [n for n in range(200) if any(_naming.matches(f"x.{n}", g) for g in globs)]
     assert hit == list(range(min(a, b), max(a, b) + 1))
+
+
+def test_a_stack_selects_by_a_class_of_literals_and_ranges_as_fnmatch_reads_it():
+    """The audit's case: "h.[05-9].*" on a Stack of 10 Dense was refused, its fix 'h.[5-9].*'
+    dropping layer 0; "h.[0-35-9].*" was refused, its fix selecting 0-35. Both are globs
+    fnmatch reads one character at a time (the reference: fnmatch.fnmatchcase per member)."""
+    import fnmatch
+
+    h = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 10, key=jax.random.key(0))
+    for pattern in ("h.[05-9].*", "h.[0-35-9].*"):
+        picked = ft.select({"h": h}, pattern)["h"].layers.weight
+        expected = [fnmatch.fnmatchcase(f"h.{n}.weight", pattern) for n in range(10)]
+        assert list(np.asarray(picked)) == expected

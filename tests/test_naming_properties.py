@@ -202,3 +202,35 @@ def test_a_value_under_the_tie_targets_name_lands_on_its_source(cls, transposed,
         assert out[1].ok, out[1]
     np.testing.assert_allclose(tree.model.embed.embeddings, new.T if transposed else new, rtol=0, atol=0)
     assert _naming.resolve_alias(lm, "head.weight") == "model.embed.embeddings"
+
+
+_DIGIT = st.integers(0, 9).map(str)
+_ITEM = st.one_of(_DIGIT, st.tuples(_DIGIT, _DIGIT).map(lambda ab: "-".join(sorted(ab))))  # "7" or "2-5"
+
+
+def _one_number_range(content):
+    """Whether a class's content is one range of numbers as layers are named, one of them of
+    several digits ("10-15", "0-15"): what MULTI_DIGIT_RANGE refuses."""
+    lo, dash, hi = content.partition("-")
+    numbers = [n for n in (lo, hi) if n.isdigit() and (n == "0" or not n.startswith("0"))]
+    return bool(dash) and len(numbers) == 2 and max(map(len, numbers)) > 1
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.booleans(), st.lists(_ITEM, min_size=1, max_size=4))
+def test_a_class_of_digits_and_ranges_selects_as_fnmatch_reads_it_unless_it_is_one_number_range(negated, items):
+    """Property: a class mixing literal digits and ranges ("[05-9]", "[0-35-9]", "[!3-47]")
+    passes the check and selects the names fnmatch.fnmatchcase selects; only a class that is
+    one number range of several digits ("[10-15]", "[!0-15]") is refused, naming the class."""
+    import fnmatch
+    import re
+
+    content = "".join(items)
+    pattern = "layers.[" + "!" * negated + content + "].w"
+    if _one_number_range(content):
+        with pytest.raises(ValueError, match=re.escape(f"holds the character class '[{'!' * negated}{content}]'")):
+            _naming.check_patterns([pattern])
+        return
+    _naming.check_patterns([pattern])
+    names = [f"layers.{n}.w" for n in range(12)]
+    assert [_naming.matches(n, pattern) for n in names] == [fnmatch.fnmatchcase(n, pattern) for n in names]

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 
-def all_equations(jaxpr: Any) -> int:
-    """Equations of ``jaxpr`` and of every jaxpr inside them (cond branches, scan bodies)."""
-    total = 0
+def equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` and of every jaxpr inside them (cond branches, scan bodies)."""
     for eqn in jaxpr.eqns:
-        total += 1
+        yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr itself
                 if hasattr(inner, "eqns"):
-                    total += all_equations(inner)
-    return total
+                    yield from equations(inner)
+
+
+def all_equations(jaxpr: Any) -> int:
+    """Equations of ``jaxpr`` and of every jaxpr inside them (cond branches, scan bodies)."""
+    return sum(1 for _ in equations(jaxpr))

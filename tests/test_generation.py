@@ -34,18 +34,6 @@ from test_hf_ports import GPT2_NAMES, MLP, randomized  # noqa: E402
 VOCAB, D, HEADS, LAYERS, PROMPT, NEW = 50, 32, 4, 2, 6, 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Torch runs this module's Hugging Face calls on one thread, its count restored after.
-    Its ops here are tiny (a 32-wide model, a few rows), so a second OpenMP thread only
-    spins waiting for work: on 2 loaded cores one generate call took 2.4 CPU-s with two
-    threads, 0.12 with one. The tokens and scores compared are the same computation."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- models written against the cache protocol ------------------------------------------
 
 class GPT2Block(ft.Module):

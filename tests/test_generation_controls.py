@@ -46,17 +46,6 @@ EOS, PAD = 10, 0
 GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guides" / "generation.md"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Torch runs this module's Hugging Face calls on one thread, its count restored after.
-    Its ops here are tiny (a 32-wide model, a few rows), so a second OpenMP thread only
-    spins waiting for work: on 2 loaded cores one generate call took 2.4 CPU-s with two
-    threads, 0.12 with one. The tokens and scores compared are the same computation."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 # A value of every warper's keyword that turns it on (a new warper adds its own here: checked).
 ACTIVE: dict[str, Any] = {"top_k": 3, "top_p": 0.5, "min_p": 0.1, "typical_p": 0.5, "epsilon_cutoff": 0.01,
                           "eta_cutoff": 0.01}

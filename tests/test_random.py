@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr import equations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -56,16 +57,8 @@ def test_another_generators_key_is_kept():
 
 def _draws(jaxpr: Any) -> list[tuple[str, int]]:
     """``(generator, rank)`` of every draw of bits in ``jaxpr``, nested ones included."""
-    draws = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "random_bits":
-            draws.append((str(eqn.invars[0].aval.dtype), len(eqn.params["shape"])))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    draws += _draws(inner)
-    return draws
+    return [(str(eqn.invars[0].aval.dtype), len(eqn.params["shape"]))
+            for eqn in equations(jaxpr) if eqn.primitive.name == "random_bits"]
 
 
 BUILDS = {

@@ -29,20 +29,26 @@ __all__ = ["check_example_axis", "MIXED_EXAMPLE_AXIS"]
 
 MIXED_EXAMPLE_AXIS = """\
 The batch's leaves do not share one example axis: {first} has {rows} rows, {other} has \
-{given}. Split over {split}, every array leaf is cut along its leading axis as if each row \
-were an example, so {other} would be sliced (each part reading other rows of it). Keep \
-values that are not per example out of the batch (in the model, or the loss's closure), or \
-give them one row per example:
+{given}. {why} Keep values that are not per example out of the batch (in the model, or the \
+loss's closure), or give them one row per example:
 
     wrong:  step(model, state, {{"x": x, "y": y, "class_weights": w}})   # w: one per class
     right:  loss_fn = functools.partial(weighted_loss, class_weights=w)    # or w[y]: one per example"""
 
 
-def check_example_axis(batch: Any, split: str) -> None:
+SPLIT = ("Split over {split}, every array leaf is cut along its leading axis as if each row were an "
+         "example, so {other} would be sliced (each part reading other rows of it).")
+COUNTED = ("The minibatch size is its number of examples (samples_seen, per_samples learning rates and "
+           "the means' weights count them), which {first} and {other} give differently.")
+
+
+def check_example_axis(batch: Any, split: str | None) -> None:
     """Raise :data:`MIXED_EXAMPLE_AXIS` unless every array leaf of ``batch`` with a leading
     axis has the same number of rows (scalars ride along whole). The example axis is the
     size most leaves share (the larger on a tie); the first other leaf is named, by its path
-    in the batch (a step's argument tuple holding the batch alone is read as the batch)."""
+    in the batch (a step's argument tuple holding the batch alone is read as the batch).
+    ``split`` names what cuts the batch (:data:`SPLIT`); None where nothing does and the
+    batch's size is only counted (:data:`COUNTED`)."""
     if type(batch) is tuple and len(batch) == 1:
         batch = batch[0]
     leaves = [(jax.tree_util.keystr(path) or "the batch", np.shape(x)[0])
@@ -53,4 +59,5 @@ def check_example_axis(batch: Any, split: str) -> None:
     examples = max(sizes, key=lambda rows: (sizes[rows], rows))
     first = next(where for where, rows in leaves if rows == examples)
     other, given = next((where, rows) for where, rows in leaves if rows != examples)
-    raise ValueError(MIXED_EXAMPLE_AXIS.format(first=first, rows=examples, other=other, given=given, split=split))
+    why = (COUNTED if split is None else SPLIT).format(split=split, first=first, other=other)
+    raise ValueError(MIXED_EXAMPLE_AXIS.format(first=first, rows=examples, other=other, given=given, why=why))

@@ -98,16 +98,16 @@ def test_a_leaf_of_another_leading_size_is_refused_not_read_as_the_minibatch_siz
     ``class_weights`` (3,) beside x (10, 2) gave samples_seen 6 for 20 examples and the
     per_samples(0.1, 10) rate 0.03 for 0.1, silently. Leaves that disagree are now refused,
     naming both key paths and sizes."""
-    from functree._examples import MIXED_EXAMPLE_AXIS
+    from functree._examples import COUNTED, MIXED_EXAMPLE_AXIS
     from functree.train._metrics import shared_batch_size
 
     rng = np.random.default_rng(2)
     x = rng.normal(size=(20, 2)).astype(np.float32)
     y = (x @ np.array([1.0, -1.0], np.float32)).astype(np.float32)
     weights = np.ones(3, np.float32)
-    split = ("examples (the minibatch size: samples_seen, per_samples learning rates and the means' weights "
-             "count them; a mesh or accumulate=k cuts it)")
-    want = MIXED_EXAMPLE_AXIS.format(first="['x']", rows=10, other="['class_weights']", given=3, split=split)
+    why = COUNTED.format(first="['x']", other="['class_weights']")  # nothing cut on one device
+    want = MIXED_EXAMPLE_AXIS.format(first="['x']", rows=10, other="['class_weights']", given=3, why=why)
+    assert "is cut along" not in want and "minibatch size is its number of examples" in want
     with pytest.raises(ValueError) as info:
         shared_batch_size({"x": x[:10], "y": y[:10], "class_weights": weights})
     assert str(info.value) == want

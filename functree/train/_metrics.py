@@ -526,8 +526,7 @@ def shared_batch_size(batch: Any) -> int:
         elif shape and shape[0] != size:
             from functree._examples import check_example_axis  # (only on this error's path)
 
-            check_example_axis(batch, "examples (the minibatch size: samples_seen, per_samples learning "
-                                      "rates and the means' weights count them; a mesh or accumulate=k cuts it)")
+            check_example_axis(batch, None)  # counted here; a mesh or accumulate=k cuts it later
     return 1 if size is None else size
 
 

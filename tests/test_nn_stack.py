@@ -435,64 +435,9 @@ def test_a_block_that_changes_the_shape_of_x():
             jnp.ones((3, 4)))
 
 
-@pytest.mark.slow
-def test_fsdp_and_tensor_parallel_on_eight_devices_equal_one_device():
-    from _devices import run
-
-    out = run("""
-import jax.numpy as jnp, numpy as np
-import functree as ft
-from jax.sharding import PartitionSpec as P
-
-class Block(ft.Module):
-    norm: ft.nn.LayerNorm
-    up: ft.nn.Dense
-    down: ft.nn.Dense
-    def __init__(self, d, *, key):
-        k1, k2 = jax.random.split(key)
-        self.norm = ft.nn.LayerNorm(d)
-        self.up = ft.nn.Dense(d, 4 * d, jax.nn.gelu, key=k1)
-        self.down = ft.nn.Dense(4 * d, d, key=k2)
-    def __call__(self, x):
-        return x + self.down(self.up(self.norm(x)))
-
-def loss_fn(m, batch):
-    x, y = batch
-    return jnp.mean((m(x) - y) ** 2)
-
-rng = np.random.default_rng(0)
-xs = rng.normal(size=(4, 64, 32)).astype(np.float32)
-ys = rng.normal(size=(4, 64, 32)).astype(np.float32)
-
-# one program builds each fresh copy (eager, every initializer compiles apart)
-build = jax.jit(lambda: ft.nn.Stack(lambda k: Block(32, key=k), 8, key=jax.random.key(0), remat=True))
-
-def train(**kw):
-    m = build()
-    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
-    step, s = ft.train.train_step(loss_fn, opt, **kw), opt.init(m)
-    for i in range(4):
-        m, s, _ = step(m, s, (xs[i], ys[i]))
-    return m
-
-one = train()
-fsdp = train(mesh=jax.make_mesh((8,), ("data",)), sharding="fsdp")
-tp = train(mesh=jax.make_mesh((4, 2), ("data", "model")),
-           sharding={"*.up.weight": P(None, "model"), "*.down.weight": P("model", None)})
-def diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-report({"fsdp": diff(fsdp, one), "tp": diff(tp, one),
-        "scale": max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(one)),
-        "fsdp_spec": str(fsdp.layers.up.weight.sharding.spec), "tp_spec": str(tp.layers.up.weight.sharding.spec)})
-""")
-    # 4 Adam steps (lr 1e-2), 8 devices vs 1: the sums differ in order only, and Adam's
-    # normalisation carries that into the parameters. Measured (fraction of the largest
-    # parameter) under the four XLA CPU instruction sets: FSDP 4.6e-7 to 4.7e-6, tensor
-    # parallel 1.37e-5 to 1.42e-5 (once 3.4e-5 while the tests were being reworked); 3e-4 is
-    # ~10x the largest; a wrongly split or unsynchronised update is off by ~lr = 1e-2.
-    assert out["fsdp"] <= 3e-4 * out["scale"] and out["tp"] <= 3e-4 * out["scale"], out
-    assert out["fsdp_spec"] == "P(None, None, 'data')"  # never the layer axis
-    assert out["tp_spec"] == "P(None, None, 'model')"  # the member's rule, layer axis prepended
+# The FSDP and tensor-parallel Stack on 8 devices: test_parallel_step.py's
+# test_a_stack_on_fsdp_and_tensor_parallel_meshes_equals_one_device (its 8-device subprocess,
+# one start-up for all of them).
 
 
 # ------------------------------------------------------------------ member patterns (functree/_naming.py)

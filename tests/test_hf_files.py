@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -378,3 +379,37 @@ def test_an_index_that_omits_a_tensor_its_shard_holds_is_named_not_the_config(tm
     full["weight_map"]["lm_head.weight"] = shard  # the message's fix
     index.write_text(json.dumps(full))
     _close(jax.jit(lambda m, ids: m(ids))(ft.nn.from_hf(tmp_path), IDS), _hf_logits(hf))
+
+
+@pytest.mark.parametrize(("task", "config_class", "covered", "body"), [
+    ("Qwen2ForSequenceClassification", "Qwen2Config", "Qwen2ForCausalLM", "model"),
+    ("BertForTokenClassification", "BertConfig", "BertModel", "bert")])
+def test_a_task_class_directory_is_refused_naming_its_body_as_the_portable_part(tmp_path, task, config_class,
+                                                                              covered, body):
+    """A classification checkpoint's directory: from_hf's fix dropped its head tensors, which
+    built a causal LM (the head tied to the embedding) or a BERT named as the checkpoint.
+    config.json's architectures names the uncovered class now; the fix's body is the
+    checkpoint's, hidden states equal to transformers' body of the task model."""
+    torch.manual_seed(0)
+    heads = {"num_key_value_heads": 2} if config_class == "Qwen2Config" else {}  # Qwen2's default: 32
+    hf_model = getattr(transformers, task)(getattr(transformers, config_class)(**TINY, **heads, num_labels=3)).eval()
+    hf_model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"(?s)^ft.nn.from_hf: {task} is not covered; of its model type functree "
+                                         rf"covers {covered} .*architectures \['{task}'\]. Its body \({body}\.\*.*"
+                                         rf"right:  (body|ported) = ft.nn.from_hf\(transformers\.") as info:
+        ft.nn.from_hf(tmp_path)
+    right = str(info.value).split("right:  ")[1].split("    #")[0]
+    scope = {"ft": ft, "transformers": transformers}
+    with warnings.catch_warnings():  # transformers names the head it does not load
+        warnings.simplefilter("ignore")
+        exec(right, scope)  # the fix as the message writes it
+    if "body" in scope:  # BERT: the body is the covered class, its hidden states transformers'
+        with torch.no_grad():
+            expected = getattr(hf_model, body)(torch.from_numpy(IDS)).last_hidden_state.numpy()
+        _close(scope["body"](IDS), expected)
+        return
+    ours = {k: v for k, v in ft.nn.to_hf_state_dict(scope["ported"], numpy=True).items() if k.startswith("model.")}
+    theirs = {k: v.numpy() for k, v in hf_model.state_dict().items() if k.startswith("model.")}
+    assert sorted(ours) == sorted(theirs)
+    for name, value in theirs.items():  # the body's tensors, copied exactly
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)

@@ -366,7 +366,9 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     loader reads them (GPT-2's body without ``transformer.`` and its mask buffers; BERT's
     ``bert.`` prefix and LayerNorm ``gamma``/``beta``; GPT-NeoX's ``embed_out``; OPT's
     ``decoder.`` without ``model.``); a task head's tensors (BERT's ``cls.*``) are unexpected:
-    drop them first. ``from_hf(config, key=key)`` without weights builds the model with
+    drop them first. A directory whose ``config.json`` names only uncovered task classes in
+    ``architectures`` (``Qwen2ForSequenceClassification``) is refused naming its body, the
+    part functree ports. ``from_hf(config, key=key)`` without weights builds the model with
     Hugging Face's initialization, as ``AutoModelForCausalLM.from_config(config)`` does (to
     train from scratch): weight matrices and embeddings ``normal(0, initializer_range)``,
     GPT-2's residual projections scaled by ``1 / sqrt(2 * n_layer)``, biases zero, the
@@ -418,6 +420,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         if weights is None and _holds_weights(source, key, dropout):
             weights = source  # a save_pretrained directory: its config and its weights
         config = read_config(source)
+        if weights is source:  # the directory's own weights: its config.json names their class
+            _check_architectures(config, source)
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}", covered=_covered()))
@@ -494,6 +498,39 @@ def _port(node: Any) -> Port | None:
 
 
 PORTS.append(_port)
+
+
+# The body of a task class: the attribute HF's class keeps it under (its base_model_prefix).
+_BODY_PREFIX = {"gpt2": "transformer", "gpt_neox": "gpt_neox", "bert": "bert"}  # others: "model"
+UNCOVERED_CHECKPOINT = ("config.json in {path!r} gives architectures {listed}. Its body ({prefix}.*, "
+                        "the checkpoint's weights) is the portable part; its task head is yours to add:")
+
+
+def _check_architectures(config: Any, directory: Any) -> None:
+    """UNCOVERED_CLASS where a directory's config.json names only task classes functree does
+    not cover (``Qwen2ForSequenceClassification``, ``BertForTokenClassification``): its
+    weights are a body and a head, and the covered class of its model type would build
+    another model (a causal LM head tied to the embedding, or missing)."""
+    model_type = getattr(config, "model_type", None)
+    listed = getattr(config, "architectures", None)
+    if not isinstance(model_type, str) or model_type not in COVERED or not isinstance(listed, (list, tuple)) \
+            or not listed:
+        return
+    covered = COVERED[model_type]
+    task = [a for a in listed if isinstance(a, str) and a != covered and ("For" in a or a.endswith("HeadModel")
+                                                                          or a.endswith("HeadsModel"))]
+    if len(task) < len(listed):  # the covered class, or a base model (its directory loads)
+        return
+    prefix = _BODY_PREFIX.get(model_type, "model")
+    path = os.fspath(directory)
+    if covered.endswith("ForCausalLM") or covered.endswith("LMHeadModel"):  # the body inside the covered port
+        right = (f"ported = ft.nn.from_hf(transformers.{covered}.from_pretrained({path!r}))"
+                 f"    # ported.{prefix}: the checkpoint's body; its head is not the {task[0]}'s")
+    else:  # the covered class is the body itself (BertModel)
+        right = f"body = ft.nn.from_hf(transformers.{task[0]}.from_pretrained({path!r}).{prefix})    # a {covered}"
+    how = UNCOVERED_CHECKPOINT.format(path=path, listed=list(listed), prefix=prefix)
+    raise ValueError(UNCOVERED_CLASS.format(given=task[0], covered=covered, all=", ".join(COVERED.values()),
+                                            how=how, right=right))
 
 
 def _uncovered_class(source: Any, covered: str) -> ValueError:

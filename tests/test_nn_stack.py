@@ -689,7 +689,7 @@ def test_a_stack_pickled_or_saved_before_ranks_existed_reads_and_keeps_working()
 
     from functree.train.checkpoint._treespec import decode, encode
 
-    m = build(3)
+    m = jax.jit(lambda: build(3))()  # one program: eagerly, every initializer compiles apart
     older = pickle.loads(pickle.dumps(m))
     older.blocks.__dict__.pop("ranks")  # what an earlier functree's pickle holds
     back = pickle.loads(pickle.dumps(older))
@@ -744,20 +744,20 @@ class Gated(ft.Module):
 def test_an_eager_stack_compiles_its_scan_once_and_its_gradient_once():
     """main: the body was a fresh closure, so every eager call traced and compiled the scan
     again (1 compile per call; jax.grad 2). Now 0 after the first call, same values."""
-    model = build()
+    m = model()  # the shared build(N): an eager build would compile every initializer apart
     x = jax.random.normal(jax.random.key(3), (2, D))
-    loss = lambda m: jnp.sum(m(x) ** 2)  # noqa: E731
-    first, grad = model(x), jax.grad(loss)(model)  # compiles
+    loss = lambda mm: jnp.sum(mm(x) ** 2)  # noqa: E731
+    first, grad = m(x), jax.grad(loss)(m)  # compiles
     with counting_compiles() as count:
         for _ in range(3):
-            again, grad_again = model(x), jax.grad(loss)(model)
+            again, grad_again = m(x), jax.grad(loss)(m)
         jax.block_until_ready((again, grad_again))
     assert count[0] == 0
     np.testing.assert_array_equal(again, first)
     for a, b in zip(jax.tree.leaves(grad_again), jax.tree.leaves(grad)):
         np.testing.assert_array_equal(a, b)
     # Under jit nothing changes: the same jaxpr, the scan in it (no inner jit).
-    eqns = jax.make_jaxpr(lambda m: m.blocks(x))(model).jaxpr.eqns
+    eqns = jax.make_jaxpr(lambda mm: mm.blocks(x))(m).jaxpr.eqns
     assert [e.primitive.name for e in eqns] == ["scan"]
 
 

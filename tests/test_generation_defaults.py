@@ -88,3 +88,25 @@ def test_without_generation_config_json_config_jsons_eos_and_pad_apply(saved, tm
     hf = _hf_generate(transformers.AutoModelForCausalLM.from_pretrained(directory).eval())
     model = ft.nn.from_hf(directory)
     _same_tokens(ft.nn.generate(model, PROMPT, NEW, attention_mask=jnp.asarray(PROMPT != 0, jnp.int32)), hf, pad=0)
+
+
+@pytest.mark.parametrize("generation", [{}, {"transformers_version": "4.51.0"}], ids=["empty", "provenance only"])
+def test_an_empty_generation_config_json_is_read_alone_too(saved, tmp_path, generation):
+    """A file of ``{}`` (or of provenance keys only, which functree does not keep) counted as
+    no file: config.json's eos ended row 0 and its pad 0 was filled in, where HF reads the
+    empty file alone (eos and pad unset)."""
+    eos = int(saved[1][0, PROMPT.shape[1] + 1])
+    directory = _checkpoint(saved, tmp_path, {"eos_token_id": eos}, generation)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert hf_model.generation_config.eos_token_id is None and hf_model.generation_config.pad_token_id is None
+    hf = _hf_generate(hf_model)
+    model = ft.nn.from_hf(directory)
+    assert model.hf_config.has_generation and len(model.hf_config.generation) == 0
+    mask = jnp.asarray(PROMPT != 0, jnp.int32)
+    np.testing.assert_array_equal(ft.nn.generate(model, PROMPT, NEW, attention_mask=mask), hf)
+    ft.nn.save_hf(model, tmp_path / "saved")  # written back, read back: still read alone, by HF too
+    again = ft.nn.from_hf(tmp_path / "saved")
+    assert again.hf_config.has_generation and again.hf_config == model.hf_config
+    np.testing.assert_array_equal(ft.nn.generate(again, PROMPT, NEW, attention_mask=mask), hf)
+    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    np.testing.assert_array_equal(_hf_generate(reread), hf)

@@ -103,8 +103,9 @@ def checkpoint_defaults(model: Any) -> dict[str, Any] | None:
     generation = getattr(config, "generation", None)
     generation = generation if isinstance(generation, Mapping) else {}
     # HF reads generation_config.json alone when there is one (a key it lacks is unset, never
-    # config.json's: eos 38 in config.json does not end rows); config.json only without one.
-    source = generation if len(generation) else config
+    # config.json's: eos 38 in config.json does not end rows), an empty one too; config.json
+    # only without one.
+    source = generation if getattr(config, "has_generation", len(generation) > 0) else config
     defaults = {name: source[name] for name in SUPPORTED if source.get(name) is not None}
     _warn_unapplied(generation)
     if len(_CACHE) > 64:  # a long session of ported models: keep the table small

@@ -87,7 +87,9 @@ class HFConfig(Mapping[str, Any]):
     def __init__(self, values: Mapping[str, Any], generation: Mapping[str, Any] | None = None):
         frozen = {str(k): _frozen(v, str(k)) for k, v in values.items() if k not in PROVENANCE}
         object.__setattr__(self, "_values", frozen)
-        gen = None if not generation else (generation if isinstance(generation, HFConfig) else HFConfig(generation))
+        # None: the source had no generation config; an empty one (a file of `{}`, or of
+        # provenance keys only) is kept: Hugging Face reads it alone, never config.json's ids.
+        gen = None if generation is None else (generation if isinstance(generation, HFConfig) else HFConfig(generation))
         object.__setattr__(self, "_generation", gen)
         # hashed once: it is part of the model's tree definition, hashed on every jitted call
         object.__setattr__(self, "_hash", hash((tuple(sorted(frozen.items(), key=lambda kv: kv[0])), gen)))
@@ -99,6 +101,12 @@ class HFConfig(Mapping[str, Any]):
     def generation(self) -> HFConfig:
         """``generation_config.json``'s values (an empty HFConfig when the source had none)."""
         return _EMPTY if self._generation is None else self._generation
+
+    @property
+    def has_generation(self) -> bool:
+        """Whether the source had a generation config (``generation_config.json``, an HF
+        model's ``generation_config``), even an empty one."""
+        return self._generation is not None
 
     def __getitem__(self, key: str) -> Any:
         return self._values[key]
@@ -117,8 +125,8 @@ class HFConfig(Mapping[str, Any]):
             return True
         if not isinstance(other, HFConfig):
             return NotImplemented
-        return self._hash == other._hash and self._values == other._values and self.generation._values == \
-            other.generation._values
+        return self._hash == other._hash and self._values == other._values and self.has_generation == \
+            other.has_generation and self.generation._values == other.generation._values
 
     def __repr__(self) -> str:  # short: it shows in the model's repr
         kind = self._values.get("model_type")

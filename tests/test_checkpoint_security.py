@@ -699,3 +699,17 @@ def test_register_in_a_cell_run_again_replaces_its_definition_and_refuses_anothe
         ns = notebook("@ft.train.register\nclass Counter(typing.NamedTuple):\n    count: jax.Array\n"
                       f"ft.train.save({str(tmp_path / 'c')!r}, Counter(jnp.array(3)), overwrite=True)\n")
         assert type(ft.train.load(tmp_path / "c")) is ns["Counter"]
+
+
+def test_a_step_folder_copied_or_renamed_is_refused_not_restored_as_another_step(tmp_path):
+    """`cp -r run/1 run/7` made restore(7) (and the latest restore) return step 1's arrays,
+    silently: the metadata's step, under its CRC, was never compared with the folder's name."""
+    directory = saved(tmp_path)
+    shutil.copytree(directory / "1", directory / "7")
+    for kwargs in ({"step": 7}, {}):
+        message = restore_error(directory, **kwargs)
+        assert "checkpoint at step 7" in message and "it holds step 1, but its folder is named 7" in message, message
+        assert "restore step 1 from a folder of that name" in message
+    shutil.rmtree(directory / "7")
+    os.rename(directory / "1", directory / "5")
+    assert "it holds step 1, but its folder is named 5" in restore_error(directory, step=5)

@@ -319,6 +319,9 @@ def _metadata_problem(meta: Any, path: Path, manager: bool) -> str | None:
     if manager:
         if not isinstance(meta.get("step"), int) or isinstance(meta.get("step"), bool):
             return f"the step is {meta.get('step')!r}"
+        if path.name.isdigit() and int(path.name) != meta["step"]:  # a step folder copied or renamed
+            return (f"it holds step {meta['step']}, but its folder is named {path.name} (copied or renamed: "
+                    f"restore step {meta['step']} from a folder of that name)")
         for key in ("metrics", "config"):
             if not isinstance(meta.get(key), dict):
                 return f"{key!r} is {type(meta.get(key)).__name__}, not a dict"

@@ -276,7 +276,8 @@ def _flag_combination(name: str, bits: Any, path: str) -> Any:
         raise SpecError(MALFORMED.format(path=path, why=f"the Flag {cls.__name__} has no members"))
     if type(bits) is not int or not flag_bits(cls, bits):
         members = " | ".join(f"{k}={m.value!r}" for k, m in cls.__members__.items())[:200]
-        why = f"{str(bits)[:50]} is not a combination of the {cls.__name__} flags ({members})"
+        why = (f"{repr(bits)[:50]} is not an int" if type(bits) is not int else
+               f"{bits} is not a combination of the {cls.__name__} flags ({members})")
         raise SpecError(MALFORMED.format(path=path, why=why))
     return cls(bits)
 

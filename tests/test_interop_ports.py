@@ -25,6 +25,7 @@ from test_hf_names import (  # noqa: E402
     Classifier,
     D,
     Towers,
+    _libraries,  # noqa: F401 (autouse: binds test_hf_names' torch/transformers/peft for its helpers here too)
     assert_close,
     bert_config,
     llama_config,

@@ -346,3 +346,35 @@ def test_bfloat16_bias_gradients_sum_the_batch_in_float32_as_torch_does(cell_cls
     for got, expected in zip(mine, (ref.bias_ih_l0.grad.numpy(), ref.bias_hh_l0.grad.numpy())):
         scale = np.max(np.abs(expected))
         np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=0, atol=0.03 * scale)
+
+
+@pytest.mark.parametrize("cell_cls", [ft.nn.GRUCell, ft.nn.LSTMCell])
+def test_bfloat16_weight_gradients_sum_the_steps_in_float32(cell_cls):
+    """scan's transpose sums a closed-over weight's gradient over the steps in the weight's
+    dtype: over 1024 steps a bfloat16 cell's hidden_weight and bias gradients were 3.8-4.0%
+    (of the largest entry) off torch's float32 gradient, where torch's own bfloat16 GRU/LSTM
+    is 0.7-3.8% off. The cell's bfloat16 leaves ride in the carry as float32: 0.7-1.2%."""
+    torch = pytest.importorskip("torch")
+    steps, batch, n_in, n_hidden = 1024, 4, 16, 8
+    cell = cell_cls(n_in, n_hidden, key=jax.random.key(0), dtype=jnp.bfloat16)
+    xs = jax.random.normal(jax.random.key(1), (batch, steps, n_in)).astype(jnp.bfloat16)
+    w = np.cos(np.arange(steps * n_hidden, dtype=np.float32)).reshape(steps, n_hidden)
+    grads = jax.jit(jax.grad(lambda m, xs: jnp.sum(m(xs).astype(jnp.float32) * w)))(ft.nn.RNN(cell), xs).cell
+    assert grads.hidden_weight.dtype == jnp.bfloat16
+
+    def t(a):
+        return torch.tensor(np.asarray(a, np.float32))
+
+    gru = cell_cls is ft.nn.GRUCell
+    ref = (torch.nn.GRU if gru else torch.nn.LSTM)(n_in, n_hidden, batch_first=True)
+    with torch.no_grad():
+        ref.weight_ih_l0.copy_(t(cell.input_weight).T)
+        ref.weight_hh_l0.copy_(t(cell.hidden_weight).T)
+        ref.bias_ih_l0.copy_(t(cell.input_bias if gru else cell.bias))
+        ref.bias_hh_l0.copy_(t(cell.hidden_bias) if gru else torch.zeros(4 * n_hidden))
+    ys, _ = ref(t(xs))
+    (ys * torch.tensor(w)).sum().backward()
+    mine = (grads.hidden_weight.T, grads.input_bias if gru else grads.bias)
+    for got, expected in zip(mine, (ref.weight_hh_l0.grad.numpy(), ref.bias_ih_l0.grad.numpy())):
+        scale = np.max(np.abs(expected))
+        np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=0, atol=0.02 * scale)

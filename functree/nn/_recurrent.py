@@ -261,17 +261,22 @@ class RNN(Layer):
         return (ys, final) if return_state else ys
 
     def _scan(self, state: Any, steps: jax.Array, keys: Any, *, widen: bool) -> tuple[Any, Any, list[KeyPath], Any]:
-        """One ``lax.scan`` of the cell: ``(final state, outputs, state paths, state values)``."""
+        """One ``lax.scan`` of the cell: ``(final state, outputs, state paths, state values)``.
+
+        The cell's half-precision leaves ride in the carry as float32 (``wide``), cast back
+        inside the body (exact): scan's transpose sums a weight's gradient over the steps in
+        its carry's dtype, so a bfloat16 bias summed 256 steps of cotangents in bfloat16."""
+        wide = _widened(self.cell)
         if not collecting():
-            body = _step(self.cell, keys is not None, widen)
-            final, (ys, values) = jax.lax.scan(body, state, (steps, keys), reverse=self.reverse)
+            body = _step(self.cell, keys is not None, widen, bool(wide))
+            (final, _), (ys, values) = jax.lax.scan(body, (state, wide), (steps, keys), reverse=self.reverse)
             return final, ys, [], values
         # Running statistics are threaded through the carry: step t reads step t - 1's record.
         threaded = floating_state(self.cell)
         paths: list[KeyPath] = []
-        body = _Step(self.cell, keys is not None, widen, paths, threaded=tuple(threaded))
-        (final, _), (ys, values) = jax.lax.scan(body, (state, tuple(threaded.values())), (steps, keys),
-                                                reverse=self.reverse)
+        body = _Step(self.cell, keys is not None, widen, paths, threaded=tuple(threaded), wide=bool(wide))
+        ((final, _), _), (ys, values) = jax.lax.scan(body, ((state, tuple(threaded.values())), wide),
+                                                     (steps, keys), reverse=self.reverse)
         return final, ys, paths, values
 
     def _checked(self, state: Any, batch: tuple[int, ...], xs: jax.Array) -> Any:
@@ -325,12 +330,17 @@ class _Step:
     every call) without the cache keeping the cell alive."""
 
     def __init__(self, cell: Any, keyed: bool, widen: bool, paths: list[KeyPath] | None = None,
-                 weak: bool = False, threaded: tuple[KeyPath, ...] = ()) -> None:
+                 weak: bool = False, threaded: tuple[KeyPath, ...] = (), wide: bool = False) -> None:
         self.cell: Callable[[], Any] = weakref.ref(cell) if weak else (lambda: cell)
-        self.keyed, self.widen, self.paths, self.threaded = keyed, widen, paths, threaded
+        self.keyed, self.widen, self.paths, self.threaded, self.wide = keyed, widen, paths, threaded, wide
 
     def __call__(self, carry: Any, step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
-        cell: Any = self.cell()
+        carry, wide = carry
+        cell: Any = _narrowed(self.cell(), wide) if self.wide else self.cell()
+        new, out = self._call(cell, carry, step)
+        return (new, wide), out
+
+    def _call(self, cell: Any, carry: Any, step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
         x, k = step
         kw = {"key": k} if self.keyed else {}
         if self.paths is None:
@@ -346,18 +356,36 @@ class _Step:
         return (new, stats), (y, values)
 
 
-_STEPS: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], _Step]] = weakref.WeakKeyDictionary()
+_STEPS: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool, bool], _Step]] = weakref.WeakKeyDictionary()
 
 
-def _step(cell: Any, keyed: bool, widen: bool) -> _Step:
+def _step(cell: Any, keyed: bool, widen: bool, wide: bool) -> _Step:
     try:
         steps = _STEPS.setdefault(cell, {})
     except TypeError:  # not weakly referable: a fresh body (retraced at each eager call)
-        return _Step(cell, keyed, widen)
-    found = steps.get((keyed, widen))
+        return _Step(cell, keyed, widen, wide=wide)
+    found = steps.get((keyed, widen, wide))
     if found is None:
-        found = steps[keyed, widen] = _Step(cell, keyed, widen, weak=True)
+        found = steps[keyed, widen, wide] = _Step(cell, keyed, widen, weak=True, wide=wide)
     return found
+
+
+def _half(leaf: Any) -> bool:
+    """A floating array of fewer than 32 bits (bfloat16, float16)."""
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def _widened(cell: Any) -> tuple[jax.Array, ...]:
+    """The cell's half-precision leaves as float32, in leaf order (``()`` if it has none)."""
+    return tuple(leaf.astype(jnp.float32) for leaf in jax.tree.leaves(cell) if _half(leaf))
+
+
+def _narrowed(cell: Any, wide: tuple[jax.Array, ...]) -> Any:
+    """``cell`` with its half-precision leaves read from ``wide``, cast back to their dtypes."""
+    leaves, treedef = jax.tree.flatten(cell)
+    carried = iter(wide)
+    return jax.tree.unflatten(treedef, [next(carried).astype(a.dtype) if _half(a) else a for a in leaves])
 
 
 class _Widened(Exception):

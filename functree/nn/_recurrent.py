@@ -209,7 +209,8 @@ class RNN(Layer):
     was given, as NumPy promotion does (a bfloat16 ``ft.cast`` of the model on float32
     inputs, as ``Dense`` gives float32 there; a bfloat16 ``initial_state`` with float32
     weights), runs from the initial state cast to that dtype: what a Python loop over the
-    steps computes.
+    steps computes. A cell's bfloat16/float16 weights sum their gradients over the steps in
+    float32 (they ride in the scan's carry as float32), as torch's RNNs sum theirs.
 
     ``key=`` gives step ``t`` the key ``jax.random.split(key, time)[t]`` for a cell whose
     ``__call__`` takes ``key=`` (a Dropout inside it); other cells ignore it. Layer state the

@@ -338,3 +338,38 @@ def test_a_tensor_in_two_shards_is_refused_naming_both_unless_the_copies_are_equ
     tensors = _safetensors.load_checkpoint(tmp_path)  # an equal copy: either reads the same
     np.testing.assert_array_equal(tensors["w"], load_file(str(tmp_path / "model-2.safetensors"))["w"])
     assert sorted(tensors) == ["b", "c", "w"]
+
+
+def test_a_tie_save_model_dropped_reads_from_its_metadata(tmp_path):
+    """safetensors.torch.save_model writes a tied head once and records {"head.weight":
+    "emb.weight"} in __metadata__; the head read from the file is the embedding (it was
+    'missing keys: head.weight', and strict=False left the head at its initial values)."""
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(11, 6), torch.nn.Linear(6, 11, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    class Untied(ft.Module):
+        emb: ft.nn.Embedding
+        head: ft.nn.Dense
+
+        def __call__(self, ids):
+            return self.head(self.emb(ids))
+
+    tied = Tied()
+    path = tmp_path / "m.safetensors"
+    safetensors_torch.save_model(tied, str(path), metadata={"format": "pt"})
+    assert set(_safetensors.read_header(str(path), path.stat().st_size)[1]) == {"emb.weight", "__metadata__"}
+    model = Untied(ft.nn.Embedding(11, 6, key=jax.random.key(0)), ft.nn.Dense(6, 11, use_bias=False, key=jax.random.key(1)))
+    loaded = ft.nn.load_torch_state_dict(model, path)
+    ids = np.array([[1, 5, 10, 0]])
+    expected = tied(torch.tensor(ids)).detach().numpy()
+    np.testing.assert_allclose(np.asarray(loaded(jnp.asarray(ids))), expected, rtol=0, atol=1e-5 * np.abs(expected).max())

@@ -16,6 +16,10 @@ error naming the file, the tensor and the rule:
 * the entries sorted by offsets tile the data exactly: the first begins at 0, each begins
   where the one before it ends (no overlap, no gap), the last ends at the end of the file.
 
+A name the file omits that its ``__metadata__`` maps to a tensor it holds reads as that
+tensor: ``safetensors.torch.save_model`` writes one copy of tied weights (a head sharing its
+embedding) and records ``{"head.weight": "emb.weight"}`` there.
+
 Read here rather than by ``safetensors.numpy``, which refuses bfloat16, and which would copy
 every tensor: a view of the memory map is read from disk only when it is used.
 """
@@ -239,7 +243,8 @@ def load_file(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[st
     total = os.path.getsize(where)
     try:
         size, header = read_header(where, total)
-        _metadata(header.pop("__metadata__", None))
+        metadata = header.pop("__metadata__", None)
+        _metadata(metadata)
         entries = {name: _entry(name, info) for name, info in header.items()}
         _tiled(entries, total - 8 - size)
     except _Invalid as e:
@@ -251,7 +256,13 @@ def load_file(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[st
         raw = np.zeros(0, np.uint8)
     else:
         raw = np.memmap(where, np.uint8, mode="r", offset=8 + size)
-    return {name: raw[begin:end].view(dtype).reshape(shape) for name, (dtype, shape, begin, end) in entries.items()}
+    tensors = {name: raw[begin:end].view(dtype).reshape(shape) for name, (dtype, shape, begin, end) in entries.items()}
+    return tensors | _aliases(metadata or {}, tensors)
+
+
+def _aliases(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tied names ``save_model`` dropped: metadata ``{omitted name: held name}``."""
+    return {alias: tensors[held] for alias, held in metadata.items() if alias not in tensors and held in tensors}
 
 
 def load_checkpoint(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[str, np.ndarray]:

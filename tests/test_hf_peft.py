@@ -780,3 +780,29 @@ def test_modules_to_save_of_another_vocabulary_is_a_shape_error_with_the_resize_
     ids = tokens()
     expected = hf_logits(peft.PeftModel.from_pretrained(copy.deepcopy(resized), str(tmp_path)).eval(), ids)
     assert_close(logits(ft.nn.load_lora(ft.nn.from_hf(resized), tmp_path), ids), expected)
+
+
+def test_adapter_config_fields_of_another_json_type_are_named(base, tmp_path):
+    """A field of another JSON type than PEFT's LoraConfig takes is BAD_CONFIG_TYPE naming
+    the field, the value and its type: target_modules=5 and layers_to_transform="x" were a
+    bare TypeError inside the matching (PEFT's own loader fails there too), use_rslora="false"
+    a truthy string (alpha / sqrt(r), another scale)."""
+    peft_adapter(llama, tmp_path, r=2, target_modules=["q_proj"])
+    original = json.loads((tmp_path / "adapter_config.json").read_text())
+    edit_config(tmp_path, target_modules=5)
+    with pytest.raises(TypeError):  # the reference: PEFT fails deep inside, naming nothing
+        peft.PeftModel.from_pretrained(llama(), str(tmp_path))
+    cases = [("target_modules", 5, r"a regular expression \(str\) or a list of module names \(list of str\)"),
+             ("target_modules", ["q_proj", 3], r"list of str"),
+             ("layers_to_transform", "x", r"a layer number \(int\) or a list of them \(list of int\)"),
+             ("layers_to_transform", [0, True], r"list of int"),
+             ("layers_pattern", 1, r"list of str"), ("exclude_modules", {"a": 1}, r"list of str"),
+             ("modules_to_save", 7, r"list of str"), ("rank_pattern", ["q_proj"], r"an object"),
+             ("alpha_pattern", 2, r"an object"), ("use_rslora", "false", r"true or false"),
+             ("fan_in_fan_out", 0, r"true or false"), ("bias", 0, r"\"none\"")]
+    for option, value, accepted in cases:
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**original, option: value}))
+        with pytest.raises(ValueError, match=rf"(?s)sets {option}={re.escape(repr(value))} \(a {type(value).__name__}\); "
+                                             rf"PEFT's LoraConfig takes .*{accepted}.*wrong:  \"{option}\": "
+                                             rf"{re.escape(json.dumps(value))}\n    right:  \"{option}\": "):
+            ft.nn.load_lora(base, tmp_path)

@@ -38,7 +38,7 @@ import os
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -89,6 +89,69 @@ BAD_CONFIG = """\
 ft.nn.load_lora: adapter_config.json in {directory!r} sets {option}={value!r}: {why}. PEFT \
 refuses it too (or computes nothing sensible with it).
     right:  {right}"""
+
+BAD_CONFIG_TYPE = """\
+ft.nn.load_lora: adapter_config.json in {directory!r} sets {option}={value!r} (a {kind}); PEFT's \
+LoraConfig takes {accepted} there. The file was written by hand or altered; read as it is, \
+the adapter would fail deep inside the loader or select other layers.
+
+    wrong:  "{option}": {given}
+    right:  "{option}": {right}"""
+
+def _strs(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ints(value: Any) -> bool:
+    return _is_int(value) or (isinstance(value, list) and all(_is_int(x) for x in value))
+
+
+def _bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+# The JSON type of each adapter_config.json field load_lora reads besides r, lora_alpha and
+# lora_dropout (checked as numbers in _check_config): (test, what PEFT takes, a right value).
+FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "target_modules": (_strs, "a regular expression (str) or a list of module names (list of str)",
+                       '["q_proj", "v_proj"]'),
+    "exclude_modules": (_strs, "a regular expression (str) or a list of module names (list of str)", '["lm_head"]'),
+    "layers_to_transform": (_ints, "a layer number (int) or a list of them (list of int)", "[0, 1]"),
+    "layers_pattern": (_strs, "a module name (str) or a list of them (list of str)", '"layers"'),
+    "modules_to_save": (_strs, "a list of module names (list of str)", '["lm_head"]'),
+    "rank_pattern": (_object, "an object {module regex: rank (int)}", '{"q_proj": 16}'),
+    "alpha_pattern": (_object, "an object {module regex: alpha (number)}", '{"q_proj": 32}'),
+    "use_rslora": (_bool, "true or false", "false"),
+    "fan_in_fan_out": (_bool, "true or false", "false"),
+    "use_dora": (_bool, "true or false", "false"),
+    "lora_bias": (_bool, "true or false", "false"),
+    "bias": (_str, '"none", "all" or "lora_only" (str)', '"none"'),
+}
+
+
+def _check_types(config: dict[str, Any], directory: str) -> None:
+    """Each field of :data:`FIELD_TYPES` null or of the JSON type PEFT's LoraConfig takes
+    (:data:`BAD_CONFIG_TYPE`): ``target_modules=5`` was a TypeError deep in the matching,
+    ``use_rslora="false"`` a truthy string (alpha / sqrt(r): another scale)."""
+    for option, (ok, accepted, right) in FIELD_TYPES.items():
+        value = config.get(option)
+        if value is not None and not ok(value):
+            raise ValueError(BAD_CONFIG_TYPE.format(directory=directory, option=option, value=value,
+                                                    kind=type(value).__name__, accepted=accepted,
+                                                    given=json.dumps(value, default=str), right=right))
+
 
 UNKNOWN_MODULE = """\
 ft.nn.load_lora: the adapter holds tensors for {modules}, which name no Dense layer of \
@@ -460,6 +523,7 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         given = config.get("peft_type") if isinstance(config, dict) else config
         raise ValueError(NOT_PEFT.format(directory=directory, problem=f"peft_type is {given!r}, not 'LORA'"))
+    _check_types(config, directory)
     for option, covered in COVERED:
         value = config.get(option)
         if value is None or value == covered or (covered in (None, False) and not value):

@@ -359,6 +359,25 @@ def test_truncated_files(tmp_path, cut):
         path.write_bytes(data)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "emptied"])
+def test_damaged_array_files_name_the_array_the_first_line_and_the_fix(tmp_path, damage):
+    """ft.train.load of a tree whose array data file was truncated, zeroed or emptied after
+    save: the error names the stored array (its key path), keeps TensorStore's first line
+    (was: 300 characters cut inside orbax's dump of the TensorStore spec, no name) and says
+    to restore or save again (was: "Pass the directory written by ft.train.save")."""
+    ft.train.save(tmp_path / "m", {"w": W, "b": np.arange(3, dtype=np.float32)})
+    data = _data_file(tmp_path / "m")
+    size = data.stat().st_size
+    data.write_bytes({"truncated": data.read_bytes()[: size // 2], "zeroed": bytes(size), "emptied": b""}[damage])
+    with pytest.raises(CheckpointError) as caught:
+        ft.train.load(tmp_path / "m")
+    message = str(caught.value)
+    first = message.splitlines()[0]
+    assert "is damaged or incomplete: the stored array 'w' could not be read (ValueError: " in first
+    assert 'Error reading "w/' in first and "TensorStore(" not in message and "Pass the directory" not in message
+    assert f'or:  ft.train.save("{tmp_path / "m"}", tree, overwrite=True)' in message
+
+
 def test_each_deleted_file(tmp_path):
     directory = tmp_path / "ckpt"
     with CheckpointManager(directory) as manager:

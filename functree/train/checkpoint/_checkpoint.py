@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +59,17 @@ Nothing was loaded or changed on disk. Restore another step instead: {others}
 NOT_READABLE = """\
 {path} is not a readable functree checkpoint ({problem}).
 Pass the directory written by ft.train.save(path, tree)."""
+
+DAMAGED_FILES = """\
+{path} {problem}.
+Its metadata was read and checked: ft.train.save wrote this checkpoint, and its array files \
+were truncated, removed or overwritten since (a copy cut short, a full disk, an edited file). \
+Nothing was loaded. Restore the directory from another copy, load another checkpoint, or save \
+the tree again:
+
+    wrong:  ft.train.load("{path}")
+    right:  ft.train.load("path/to/a/copy")                        # restored from elsewhere
+       or:  ft.train.save("{path}", tree, overwrite=True)   # the tree in memory, written again"""
 
 MANAGER_DIRECTORY = """\
 {path} is a CheckpointManager's directory (a Trainer's ModelCheckpoint writes one): it holds \
@@ -351,10 +363,10 @@ def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool 
     except CheckpointError:  # a placement that cannot hold an array: not damage
         raise
     except Exception as e:
-        raise _Damage(_unreadable(e)) from e
+        raise _Damage(_unreadable(e), files=True) from e
     bad = verify(meta.get("checksums"), arrays)
     if bad:
-        raise _Damage(f"is corrupted: the array {bad[0]!r} {bad[1]}")
+        raise _Damage(f"is corrupted: the array {bad[0]!r} {bad[1]}", files=True)
     return _with_empty(arrays, meta), meta
 
 
@@ -365,13 +377,42 @@ def _step_directories(path: Path) -> list[int]:
     return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "meta").is_dir())
 
 
-def _unreadable(e: Exception) -> str:
-    error = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
+# The stored arrays an orbax error names: TensorStore's key of a chunk ("model.w/0.0": the
+# array "model.w") in its first line, or the relative kvstore path of the array it read
+# (``'path': 'model.w/'``) in the TensorStore spec it dumps.
+_CHUNK_KEY = re.compile(r'Error reading "([^"/]+)/[^"/]*"')
+_SPEC_PATH = re.compile(r"'path': '([^'/][^']*)/'")
+_DUMP = " See full TensorStore details"  # where orbax's first line turns into a dump of the spec
+_LONGEST = 400  # characters of the underlying error's first line kept
+
+
+def _unreadable(e: BaseException) -> str:
+    """What could not be read (the arrays by name, where the errors name them) and the
+    underlying error: the innermost of the chain (TensorStore's own, under orbax's), its
+    first line without orbax's dump of the TensorStore spec."""
+    chain: list[BaseException] = [e]
+    while len(chain) < 16 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(cast(BaseException, chain[-1].__cause__ or chain[-1].__context__))
+    texts = [str(c) for c in chain]
+    names = list(dict.fromkeys(n for t in texts for n in _CHUNK_KEY.findall(t)))
+    names = names or list(dict.fromkeys(n for t in texts for n in _SPEC_PATH.findall(t)))
+    cause = chain[-1]
+    line = (str(cause).splitlines() or [""])[0].split(_DUMP)[0]
+    line = line if len(line) <= _LONGEST else line[:_LONGEST] + " ..."
+    error = f"{type(cause).__name__}: {line}"
+    if names:
+        arrays = ", ".join(map(repr, names[:8])) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return f"is damaged or incomplete: the stored array{'s' if len(names) > 1 else ''} {arrays} could not be read ({error})"
     return f"is corrupted or incomplete and cannot be read ({error})"
 
 
 class _Damage(Exception):
-    pass
+    """A checkpoint that cannot be read: ``files`` where its metadata was read and its array
+    files were not (damaged after ft.train.save wrote them)."""
+
+    def __init__(self, problem: str, files: bool = False):
+        super().__init__(problem)
+        self.files = files
 
 
 def _siblings(path: Path) -> tuple[Path, Path]:
@@ -507,7 +548,7 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
         steps = _step_directories(path)
         if steps:  # not damage: the parent of a manager's steps
             raise CheckpointError(MANAGER_DIRECTORY.format(path=path, steps=steps, last=steps[-1])) from None
-        raise CheckpointError(NOT_READABLE.format(path=path, problem=e)) from e.__cause__
+        raise CheckpointError((DAMAGED_FILES if e.files else NOT_READABLE).format(path=path, problem=e)) from e.__cause__
     except SpecError as e:
         raise SpecError(f"Checkpoint {path}:\n{e}") from None
 

@@ -88,7 +88,9 @@ The optimizer state has moments for {path}, which this optimizer does not train 
 the state was made for all parameters and the optimizer trains only its wrt= selection (or \
 {path} is no parameter now). The model did not change: to freeze parameters mid-run and keep \
 every moment (torch's requires_grad_(False)), keep the optimizer of the state and give it \
-partial gradients; a None gradient leaves its parameter and moments unchanged:
+partial gradients; a None gradient leaves its parameter and moments unchanged (for torch's \
+per-parameter Adam counts, the frozen parameters need an ft.optim.groups group of their own: \
+docs/guides/training.md):
 
     wrong:  ft.optim.Optimizer(tx, wrt="head.*").apply_gradients(grads, model, state)
     right:  grads = ft.gradient(loss_fn, at=model, wrt="head.*")      # loss_fn(model) -> loss
@@ -563,25 +565,44 @@ def _unit(x: Any) -> bool:
     return x is None or isinstance(x, RealPair)
 
 
+def _place(x: Any) -> bool:
+    """A parameter's place in a state's per-parameter tree: its moment, or ``optax.MaskedNode``
+    where a group's state (``ft.optim.groups``) holds another group's parameter."""
+    return _unit(x) or isinstance(x, optax.MaskedNode)
+
+
 def keep_unchanged(partial: tuple[Any, tuple[bool, ...]], updates: Any, new_inner: Any,
                    old_inner: Any) -> tuple[Any, Any]:
     """No update for parameters without a gradient: ``None`` updates, their moments as they were
     (a complex parameter's moment is a :class:`RealPair`: one unit, as the parameter).
 
     An entry of ``partial`` may be a boolean member array (a stacked leaf partly frozen by
-    ``Optimizer(wrt="h.2.*")``): those members only."""
+    ``Optimizer(wrt="h.2.*")``): those members only.
+
+    A state that holds moments of parameters without a gradient only (the state of an
+    ``ft.optim.groups`` group whose parameters all have ``None`` gradients) is kept whole,
+    its step count too: that group's optimizer does not step, as torch's Adam counts each
+    parameter's own steps. One optimizer's state shares its count among its parameters
+    (optax's), so it advances while any of them has a gradient."""
     treedef, missing = partial
 
     def per_parameter(x: Any) -> bool:
-        return jax.tree.structure(x, is_leaf=_unit) == treedef
+        return jax.tree.structure(x, is_leaf=_place) == treedef
+
+    def idle(x: Any) -> bool:
+        """``x`` holds per-parameter trees, each only at parameters without a gradient."""
+        trees = [t for t in jax.tree.leaves(x, is_leaf=per_parameter) if per_parameter(t)]
+        return bool(trees) and not per_parameter(x) and all(
+            isinstance(p, optax.MaskedNode) or (isinstance(m, (bool, np.bool_)) and bool(m))
+            for t in trees for p, m in zip(jax.tree.leaves(t, is_leaf=_place), missing))
 
     def keep(new: Any, old: Any) -> Any:
         if not per_parameter(new):
-            return new
-        news, olds = jax.tree.leaves(new, is_leaf=_unit), jax.tree.leaves(old, is_leaf=_unit)
+            return old if idle(new) else new
+        news, olds = jax.tree.leaves(new, is_leaf=_place), jax.tree.leaves(old, is_leaf=_place)
         return treedef.unflatten([_kept(n, o, m) for n, o, m in zip(news, olds, missing)])
 
-    inner = jax.tree.map(keep, new_inner, old_inner, is_leaf=per_parameter)
+    inner = jax.tree.map(keep, new_inner, old_inner, is_leaf=lambda x: per_parameter(x) or idle(x))
     leaves = jax.tree.leaves(updates, is_leaf=is_none)
     updates = treedef.unflatten([_no_update(u, m) for u, m in zip(leaves, missing)])
     return updates, inner

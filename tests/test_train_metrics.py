@@ -13,6 +13,16 @@ import functree as ft
 from functree.train import StepOutput
 from functree.train._metrics import evaluate_metrics, resolve_metrics
 
+
+@pytest.fixture(autouse=True)
+def _own_compiled_steps():
+    """Overrides conftest.py's: this module's Trainers share their compiled programs across
+    tests (most run :func:`_token_loss` on the same data with sgd(0.0) and accuracy: the
+    process-wide table of functree/train/_programs.py, as a user's process has it). No test
+    here counts its compilations; the ones that expect a trace-time warning build a step of
+    their own class or metrics, which no other test shares."""
+
+
 LOGITS = jnp.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 0.0, 0.0]])
 
 
@@ -113,7 +123,11 @@ def test_metrics_keep_a_float64_loss_under_x64():
     float64 model's loss 0.5648236194... was logged as 0.5648236274719238."""
     with jax.enable_x64(True):
         model, loss, batch = _float64_regression()
-        exact = float(loss(model, batch))
+        # the reference: the loss before and after one SGD step, in one compiled program
+        # (eagerly, ~40 programs of one operation each; the same float64 sums to ~1e-16)
+        reference = jax.jit(lambda m: (loss(m, batch), loss(jax.tree.map(lambda w, g: w - 0.1 * g, m,
+                                                                         jax.grad(loss)(m, batch)), batch)))
+        exact, after = (float(v) for v in reference(model))
         step = ft.train.train_step(loss, ft.optim.sgd(0.1), donate=False)
         _, _, out = step(model, step.optimizer.init(model), batch)
         close = functools.partial(np.testing.assert_allclose, rtol=0, atol=1e-14)  # float32 was ~1e-8 off
@@ -123,8 +137,7 @@ def test_metrics_keep_a_float64_loss_under_x64():
         trainer = ft.train.Trainer(model, ft.optim.sgd(0.1), loss)
         close(trainer.evaluate([batch])["loss"], exact)
         history = trainer.fit([batch], epochs=2, progress=False)
-        m1 = jax.tree.map(lambda w, g: w - 0.1 * g, model, jax.grad(loss)(model, batch))
-        close(history.steps["loss"], [exact, float(loss(m1, batch))])
+        close(history.steps["loss"], [exact, after])
         assert history.steps["learning_rate"] == [0.1, 0.1]  # was 0.10000000149011612
     _, loss32, _ = _float64_regression()  # without x64: float32 columns, as before
     step = ft.train.train_step(loss32, ft.optim.sgd(0.1), donate=False)
@@ -333,14 +346,9 @@ def _per_token(logits, labels):
 
 
 def _trainer(logits, values):
-    table, per_example = jnp.asarray(logits), jnp.asarray(values)
-
-    def loss_fn(model, batch):
-        i = batch[0]
-        return jnp.mean(per_example[i] * (1.0 + model["w"])), table[i]
-
     # (a learning rate of 0: the loss stays each minibatch's mean of the values)
-    return ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), loss_fn, metrics=[ft.train.accuracy])
+    return ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), _token_loss(logits, values),
+                            metrics=[ft.train.accuracy])
 
 
 @pytest.mark.parametrize("ignore", [True, False], ids=["ignored-labels", "every-label"])
@@ -460,13 +468,22 @@ def _even_data(nan_at: int | None = None):
     return logits, labels, values, [(idx[a:b], labels[a:b]) for a, b in itertools.pairwise(cuts)]
 
 
+_LOSSES: dict[bytes, Any] = {}
+
+
 def _token_loss(logits, values):
-    table, per_example = jnp.asarray(logits), jnp.asarray(values)
+    """The loss of per-example ``values`` (times 1 + w) with the ``logits`` table as aux, read
+    by example index; one function per data (the program table compares a test's function
+    by identity, so the Trainers of several tests on the same data share their programs)."""
+    key = repr((logits.shape, values.shape)).encode() + logits.tobytes() + values.tobytes()
+    if key not in _LOSSES:
+        table, per_example = jnp.asarray(logits), jnp.asarray(values)
 
-    def loss_fn(model, batch):
-        return jnp.mean(per_example[batch[0]] * (1.0 + model["w"])), table[batch[0]]
+        def loss_fn(model, batch):
+            return jnp.mean(per_example[batch[0]] * (1.0 + model["w"])), table[batch[0]]
 
-    return loss_fn
+        _LOSSES[key] = loss_fn
+    return _LOSSES[key]
 
 
 class _Step(ft.train.TrainStep):

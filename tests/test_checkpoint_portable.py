@@ -6,8 +6,9 @@ checkpoint written on device 5 of 8, or on a mesh of 8, is read in this 1-device
 by every reader; one written here is read in an 8-device process onto device 3 (as the
 default device, as a template's device, as ``sharding=``) and onto a mesh of 8. A
 checkpoint whose orbax metadata names devices this machine lacks (``cuda:5``: what a GPU
-writes) reads here. A multi-process job saves what each process made and refuses a leaf
-no checkpoint can hold on every process before writing anything.
+writes) reads here. The writes on 8 devices and the reads there run in one 8-device subprocess
+(one start-up, ~4 CPU-s). A multi-process job saves what each process made and refuses a
+leaf no checkpoint can hold on every process before writing anything: tests/test_train_processes.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _devices import free_port, part, results, scenarios, start
+from _devices import part, scenarios
 
 import functree as ft
 
@@ -87,10 +88,9 @@ report({"spec": str(model.weight.sharding.spec), "model": values(model)})
 
 
 @pytest.fixture(scope="module")
-def written_on_eight(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eight")
-    got = scenarios(COMMON + f"OUT = {str(out)!r}\n", WRITE_ON_EIGHT)
-    return out, got
+def written_on_eight(on_eight):
+    """The WRITE_ON_EIGHT reports, and the directory they wrote."""
+    return on_eight[0], on_eight[1]
 
 
 @pytest.mark.slow
@@ -199,8 +199,11 @@ report({"job": on(state), "trainer": on(t.state), "steps": t.steps_run})
 
 
 @pytest.fixture(scope="module")
-def read_on_eight(tmp_path_factory):
-    out = tmp_path_factory.mktemp("one")
+def on_eight(tmp_path_factory):
+    """One 8-device subprocess writes (WRITE_ON_EIGHT, into its own directory) and reads what
+    this process wrote (READ_ON_EIGHT); returns the former's directory, the reports, and the
+    values this process saved."""
+    eight, out = tmp_path_factory.mktemp("eight"), tmp_path_factory.mktemp("one")
     opt = ft.optim.Optimizer(ft.optim.adam(0.1))
     model = job.model()
     ft.train.save(out / "tree", model)
@@ -210,8 +213,16 @@ def read_on_eight(tmp_path_factory):
     t = job.trainer()
     t.fit(ft.train.batches((job.X, job.Y), 10, key=jax.random.key(3)), steps=3, progress=False)
     t.save(out / "job")
-    got = scenarios(COMMON + f"OUT, FIXTURE = {str(out)!r}, {str(FIXTURE)!r}\n", READ_ON_EIGHT)
-    return _values(model), got
+    # each scenario names its own directory: the writes and the reads never share one
+    sources = {**{name: f"OUT = {str(eight)!r}\n" + src for name, src in WRITE_ON_EIGHT.items()},
+               **{name: f"OUT, FIXTURE = {str(out)!r}, {str(FIXTURE)!r}\n" + src for name, src in READ_ON_EIGHT.items()}}
+    return eight, scenarios(COMMON, sources), _values(model)
+
+
+@pytest.fixture(scope="module")
+def read_on_eight(on_eight):
+    """The values this process saved, and the READ_ON_EIGHT reports."""
+    return on_eight[2], on_eight[1]
 
 
 @pytest.mark.slow
@@ -313,54 +324,8 @@ def test_a_leaf_no_checkpoint_can_hold_is_refused_before_anything_is_written(tmp
         assert m.all_steps() == [1]
 
 
-# --- several processes ---------------------------------------------------------------------------
-
-PROCESSES = """
-import sys, os, glob
-process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
-                           initialization_timeout=120)
-import jax.numpy as jnp, numpy as np
-import functree as ft
-mesh = jax.make_mesh((4,), ("data",))
-model = ft.shard(ft.nn.Dense(8, 256, key=jax.random.key(1)), mesh, "fsdp")  # global arrays
-mine = jnp.full(2, float(1 + jax.process_index()))  # each process's own: process 0's is saved
-got = {}
-ft.train.save(out + "/tree", {"model": model, "ema": jnp.zeros(2), "mine": mine, "rounds": 3})
-with ft.train.CheckpointManager(out + "/mgr") as m:
-    m.save(1, model, extra={"ema": jnp.zeros(2), "mine": mine})
-tree = ft.train.load(out + "/tree")
-ck = ft.train.CheckpointManager(out + "/mgr").restore()
-got["restored"] = [np.asarray(tree["mine"]).tolist(), type(tree["mine"]).__name__, tree["rounds"],
-                   np.asarray(ck.extra["mine"]).tolist(), type(ck.extra["ema"]).__name__]
-try:
-    ft.train.save(out + "/bad", {"model": model, "note": "warm start"})
-    got["bad"] = "saved"
-except ft.train.CheckpointError as e:
-    got["bad"] = str(e).splitlines()[0]
-got["left"] = sorted(os.path.basename(p) for p in glob.glob(out + "/bad*"))
-# the training-jobs guide's example: a job on a mesh over both processes, extra made by each
-trainer = ft.train.Trainer(ft.nn.Dense(8, 256, key=jax.random.key(1)), ft.optim.adam(1e-2),
-                           lambda m, x: jnp.mean(m(x) ** 2), mesh=mesh, sharding="fsdp")
-trainer.save(out + "/job", extra={"rounds": 3, "ema": jnp.zeros(2)})
-job = ft.train.JobState.restore(out + "/job", like=trainer.state)
-got["job"] = [job.extra["rounds"], np.asarray(job.extra["ema"]).tolist(), job.steps_run]
-report(got)
-"""
-
-
-@pytest.mark.slow
-def test_two_processes_save_what_each_made_and_refuse_text_on_every_process(tmp_path):
-    port = free_port()
-    procs = [start(PROCESSES, devices=2, args=(str(i), str(port), str(tmp_path))) for i in range(2)]
-    outs = results(procs)
-    for got in outs:
-        assert got["restored"] == [[1.0, 1.0], "ArrayImpl", 3, [1.0, 1.0], "ArrayImpl"], got
-        assert got["bad"].startswith("The leaf 'note' is str 'warm start'"), got["bad"]
-        assert got["left"] == [] and got["job"] == [3, [0.0, 0.0], 0]
-    tree = ft.train.load(tmp_path / "tree")  # and in one process
-    np.testing.assert_array_equal(tree["mine"], [1.0, 1.0])
-    assert tree["model"].weight.shape == (8, 256)
+# --- several processes: tests/test_train_processes.py's two worker processes save what each
+# made and refuse text on every process (no start-up of their own) ---------------------------
 
 
 def test_a_template_that_does_not_fit_is_reported_as_such_onto_a_mesh_too(tmp_path):

@@ -521,13 +521,17 @@ def test_accumulated_microbatches_draw_masks_of_their_own(rates):
     # identical rows gave identical outputs (with accumulate=1 they differ). Microbatch i now
     # folds i into every key drawn from a stored key; the keys recorded for the next step are
     # the unsalted ones, the same for any k, and with k=1 the step is the plain call's.
+    # Each call below runs as one jitted program (as a train step runs it): eagerly, each of
+    # their operations compiled apart (141 programs, ~8 CPU-s of the test's 12).
     model = ft.nn.training(ft.nn.from_hf(gpt2_config(**rates), dropout=True, key=jax.random.key(0)))
     ids = np.tile(np.arange(1, 9, dtype=np.int32)[None], (2, 1))
-    plain, plain_state = ft.nn.collect_state(lambda m: m(ids), model)
+    call = jax.jit(lambda m, rows: ft.nn.collect_state(lambda m: m(rows), m))
+    plain, plain_state = call(model, ids)
     results = {}
     for k in (1, 2):
         opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k)
-        new, _, (_, out) = opt.minimize(mean_square, model, opt.init(model), ids, has_aux=True)
+        minimize = jax.jit(lambda m: opt.minimize(mean_square, m, opt.init(m), ids, has_aux=True))  # noqa: B023
+        new, _, (_, out) = minimize(model)
         out = np.asarray(out).reshape(plain.shape)
         results[k] = out, np.asarray(new.transformer.h.layers.attn.dropout_key)
         assert float(np.max(np.abs(out[0] - out[1]))) > 1e-3 * float(np.abs(out).max())  # the rows' masks differ
@@ -535,8 +539,8 @@ def test_accumulated_microbatches_draw_masks_of_their_own(rates):
     (recorded,) = plain_state.values()
     np.testing.assert_array_equal(results[1][1], np.asarray(recorded))
     np.testing.assert_array_equal(results[2][1], np.asarray(recorded))
-    with salted_keys(1):  # microbatch 1's masks: the row's call with salt 1
-        second, _ = ft.nn.collect_state(lambda m: m(ids[1:]), model)
+    with salted_keys(1):  # microbatch 1's masks: the row's call with salt 1 (traced here)
+        second, _ = jax.jit(lambda m: ft.nn.collect_state(lambda m: m(ids[1:]), m))(model)
     np.testing.assert_allclose(results[2][0][1], np.asarray(second)[0], rtol=0,
                                atol=1e-6 * float(np.abs(second).max()))
 

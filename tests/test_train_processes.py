@@ -4,12 +4,20 @@ Every process calls save (the Trainer and ModelCheckpoint do), the primary proce
 the directory's lock, each process writes and checksums its shards. The checkpoint then
 restores in one process (equal to a one-process run) and resumes on two processes to the
 uninterrupted result. A second job on the same directory is refused on every process.
+
+Two more claims of a 2-process job run in the same two worker processes (each process's
+start-up, JAX import and ``jax.distributed`` connection cost ~4 CPU-s, paid once here): a
+checkpoint saves what each process made and refuses text on every process (from
+tests/test_checkpoint_portable.py), and generate on a model sharded over both processes
+returns tokens each process reads (from tests/test_generation.py). Each runs in its own copy
+of the worker's globals and is reported to its own test.
 """
 
 import json
 import os
 import socket
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -78,14 +86,89 @@ try:
 except Exception:
     import traceback
     again = {"error": traceback.format_exc()}
+
+
+def claim(source):  # what source leaves in `got`, run in a copy of these globals (or its traceback)
+    scope = dict(globals())
+    try:
+        exec(source, scope)
+        return scope["got"]
+    except Exception:
+        import traceback
+        return {"error": traceback.format_exc()}
+
+
 report({"params": gathered(trainer.model), "refused": refused, "steps": trainer.steps_run, "files": files,
-        "resumed": again})
+        "resumed": again, "portable": claim(PORTABLE), "generate": claim(GENERATE)})
+"""
+
+
+# A job on a mesh over both processes saves what each made; a leaf no checkpoint can hold is
+# refused on every process before anything is written (from tests/test_checkpoint_portable.py).
+PORTABLE = """
+import glob
+out = out + "/portable"
+os.makedirs(out, exist_ok=True)
+model = ft.shard(ft.nn.Dense(8, 256, key=jax.random.key(1)), mesh, "fsdp")  # global arrays
+mine = jnp.full(2, float(1 + jax.process_index()))  # each process's own: process 0's is saved
+got = {}
+ft.train.save(out + "/tree", {"model": model, "ema": jnp.zeros(2), "mine": mine, "rounds": 3})
+with ft.train.CheckpointManager(out + "/mgr") as m:
+    m.save(1, model, extra={"ema": jnp.zeros(2), "mine": mine})
+tree = ft.train.load(out + "/tree")
+ck = ft.train.CheckpointManager(out + "/mgr").restore()
+got["restored"] = [np.asarray(tree["mine"]).tolist(), type(tree["mine"]).__name__, tree["rounds"],
+                   np.asarray(ck.extra["mine"]).tolist(), type(ck.extra["ema"]).__name__]
+try:
+    ft.train.save(out + "/bad", {"model": model, "note": "warm start"})
+    got["bad"] = "saved"
+except ft.train.CheckpointError as e:
+    got["bad"] = str(e).splitlines()[0]
+got["left"] = sorted(os.path.basename(p) for p in glob.glob(out + "/bad*"))
+# the training-jobs guide's example: a job on a mesh over both processes, extra made by each
+trainer = ft.train.Trainer(ft.nn.Dense(8, 256, key=jax.random.key(1)), ft.optim.adam(1e-2),
+                           lambda m, x: jnp.mean(m(x) ** 2), mesh=mesh, sharding="fsdp")
+trainer.save(out + "/job", extra={"rounds": 3, "ema": jnp.zeros(2)})
+saved = ft.train.JobState.restore(out + "/job", like=trainer.state)
+got["job"] = [saved.extra["rounds"], np.asarray(saved.extra["ema"]).tolist(), saved.steps_run]
+"""
+
+# The model of the 2-process generate, built alike in the workers and in the test's process.
+GENERATE_MODEL = """
+import functree as ft
+
+def moved(model):  # every parameter off from_hf's small initial values: clear top-1 margins
+    leaves, tree = jax.tree.flatten(model)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.tree.unflatten(tree, [w + 0.2 * jax.random.normal(k, w.shape, w.dtype) for w, k in zip(leaves, keys)])
+
+CONFIG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 32, "bos_token_id": 0, "eos_token_id": 0}
+make = lambda: moved(ft.nn.from_hf(CONFIG, key=jax.random.key(0)))
+PROMPT = np.array([[1, 5, 9, 3], [2, 7, 7, 4]], np.int32)  # 4 + 4 tokens: a larger bucket, cropped
+"""
+
+# generate on a model sharded over both processes' 4 devices (from tests/test_generation.py)
+GENERATE = GENERATE_MODEL + """
+tokens, scores = ft.nn.generate(ft.shard(make, mesh, "fsdp"), PROMPT, 4, return_scores=True)
+got = {"local": sorted(d.id for d in jax.local_devices()), "mesh": sorted(d.id for d in mesh.devices.flat),
+       "tokens_on": sorted(d.id for d in tokens.devices()), "scores_on": sorted(d.id for d in scores.devices()),
+       "tokens": np.asarray(tokens).tolist(), "scores": np.asarray(scores).tolist()}
 """
 
 
 def run_job(out):
     port = free_port()
-    return results([start(WORKER, devices=2, args=(str(i), str(port), str(out))) for i in range(2)])
+    source = f"PORTABLE, GENERATE = {PORTABLE!r}, {GENERATE!r}\n" + WORKER
+    return results([start(source, devices=2, args=(str(i), str(port), str(out))) for i in range(2)])
+
+
+def claimed(outs, name):
+    """Each worker's report of claim ``name`` (raises with a worker's traceback)."""
+    for o in outs:
+        assert "error" not in o[name], o[name]["error"]
+    return [o[name] for o in outs]
 
 
 def one_process_trainer():
@@ -161,3 +244,31 @@ def test_a_damaged_shard_checksum_is_named_with_its_shard(job):
             ft.train.CheckpointManager(out / "ckpt").restore(8)
     finally:
         path.write_text(original)
+
+
+@pytest.mark.slow
+def test_two_processes_save_what_each_made_and_refuse_text_on_every_process(job):
+    out, outs, _ = job
+    for got in claimed(outs, "portable"):
+        assert got["restored"] == [[1.0, 1.0], "ArrayImpl", 3, [1.0, 1.0], "ArrayImpl"], got
+        assert got["bad"].startswith("The leaf 'note' is str 'warm start'"), got["bad"]
+        assert got["left"] == [] and got["job"] == [3, [0.0, 0.0], 0]
+    tree = ft.train.load(out / "portable" / "tree")  # and in one process
+    np.testing.assert_array_equal(tree["mine"], [1.0, 1.0])
+    assert tree["model"].weight.shape == (8, 256)
+
+
+@pytest.mark.slow
+def test_a_model_sharded_over_two_processes_returns_tokens_each_process_reads(job):
+    # D9: the cropped tokens were committed to one device of the mesh, taken from a set: in
+    # a 2-process job often another process's (np.asarray raised JAX's non-addressable
+    # error); they now keep the loop's placement (replicated over the mesh), as uncropped ones
+    scope: dict[str, Any] = {"jax": jax, "np": np}
+    exec(GENERATE_MODEL, scope)
+    tokens, scores = ft.nn.generate(scope["make"](), scope["PROMPT"], 4, return_scores=True)  # one device
+    top2 = np.sort(np.asarray(scores), axis=-1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() > 1e-3  # clear top-1 margins: equal tokens are not luck
+    for out in claimed(job[1], "generate"):
+        assert out["tokens_on"] == out["scores_on"] == out["mesh"] and set(out["local"]) < set(out["mesh"])
+        np.testing.assert_array_equal(out["tokens"], tokens)
+        np.testing.assert_allclose(out["scores"], scores, rtol=0, atol=1e-5)  # magnitude 2.4: measured 9.5e-7

@@ -413,3 +413,72 @@ def test_a_task_class_directory_is_refused_naming_its_body_as_the_portable_part(
     assert sorted(ours) == sorted(theirs)
     for name, value in theirs.items():  # the body's tensors, copied exactly
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def small_gpt2(tmp_path_factory):
+    """A 1-layer GPT-2 directory (n_embd 8), written once."""
+    from safetensors.numpy import save_file
+
+    directory = tmp_path_factory.mktemp("gpt2")
+    config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
+    shapes = {"wte.weight": (11, 8), "wpe.weight": (8, 8), "h.0.attn.c_attn.weight": (8, 24), "h.0.attn.c_attn.bias": (24,),
+              "h.0.attn.c_proj.weight": (8, 8), "h.0.mlp.c_fc.weight": (8, 32), "h.0.mlp.c_fc.bias": (32,),
+              "h.0.mlp.c_proj.weight": (32, 8), **{f"{n}.{p}": (8,) for n in ("h.0.ln_1", "h.0.ln_2", "ln_f")
+                                                    for p in ("weight", "bias")},
+              "h.0.attn.c_proj.bias": (8,), "h.0.mlp.c_proj.bias": (8,)}  # GPT2LMHeadModel's, tied head
+    rng = np.random.default_rng(0)  # (a fresh from_hf build compiles: seconds)
+    save_file({f"transformer.{k}": rng.normal(size=v).astype(np.float32) for k, v in shapes.items()},
+              str(directory / "model.safetensors"))
+    ft.nn.from_hf(config, str(directory / "model.safetensors"))  # the file is the config's own: it loads
+    return directory, config
+
+
+def _small_gpt2_directory(small_gpt2, tmp_path, **sizes):
+    """A copy of ``small_gpt2`` whose config.json claims ``sizes``."""
+    directory, config = small_gpt2
+    (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **sizes}))
+
+
+@pytest.mark.parametrize("n_embd", [4096, 65536, 10**12])
+def test_config_sizes_larger_than_the_weights_are_compared_before_any_array_is_built(small_gpt2, tmp_path, n_embd):
+    """A config.json claiming n_embd far above its 8-wide weights: the torch shapes it implies
+    are traced (jax.eval_shape) and compared with the files' headers, nothing built at its
+    size. Was: the fused c_attn's placeholder concatenated (4096: 200 MB; 65536: NumPy's
+    MemoryError for 48 GiB), 10**12: NumPy's "iterator is too large"."""
+    import tracemalloc
+
+    from safetensors import safe_open
+
+    _small_gpt2_directory(small_gpt2, tmp_path, n_embd=n_embd)
+    with safe_open(str(tmp_path / "model.safetensors"), "np") as f:  # the reference: the file's own header
+        given = tuple(f.get_slice("transformer.h.0.attn.c_attn.weight").get_shape())
+    if n_embd == 4096:  # NumPy's allocations, traced (slow: this size alone)
+        tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=rf"(?s)weights do not fit the GPT2LMHeadModel.*"
+                                             rf"  transformer.h.0.attn.c_attn.weight: expected shape "
+                                             rf"\({n_embd}, {3 * n_embd}\) \(for Stack member transformer.h.0.attn."
+                                             rf"query_projection.weight ...\), given shape {re.escape(str(given))}.*"
+                                             r"give the config saved with these weights"):
+            ft.nn.from_hf(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert given == (8, 24) and peak < 16 * 2**20, peak  # was 200 MB at 4096 (the fused placeholder built)
+
+
+def test_a_config_with_more_layers_than_the_weights_fails_fast_naming_both_counts(small_gpt2, tmp_path):
+    """n_layer 3000 (or 10**7) beside a 1-layer file: the weights' names hold layer 0 alone,
+    found before any layer is walked (was: 3000 layers planned, 36000 names listed missing;
+    10**7 never answered)."""
+    _small_gpt2_directory(small_gpt2, tmp_path, n_layer=10**7)
+    message = r"(?s)^ft.nn.from_hf: the config builds {n} layers \(transformer.h.0 to transformer.h.{last}, the " \
+              r"model's transformer.h\), but the weights hold layers 0 to 0\..*wrong:  \"n_layer\": {n}\n" \
+              r"    right:  \"n_layer\": 1 "
+    with pytest.raises(ValueError, match=message.format(n=10**7, last=10**7 - 1)):
+        ft.nn.from_hf(tmp_path)
+    _small_gpt2_directory(small_gpt2, tmp_path, n_layer=3000)
+    with pytest.raises(ValueError, match=message.format(n=3000, last=2999)):
+        ft.nn.from_hf(tmp_path)

@@ -31,10 +31,10 @@ from functree.hf import _models  # noqa: F401  (defines every covered family: FA
 from functree.hf._config import hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
-from functree.hf._files import missing_tensors, read_config, read_weights
+from functree.hf._files import ALIASES, missing_tensors, read_config, read_weights
 from functree.interop._ports import PORTS, Port
 from functree.interop._safetensors import INDEX_NAME, SINGLE_NAME
-from functree.interop._torch import as_tensors, load_by_rules, state_dict_by_rules
+from functree.interop._torch import ShortStack, as_tensors, load_by_rules, state_dict_by_rules
 from functree.nn._abstract import shapes_only
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
@@ -179,6 +179,14 @@ OTHER_MODEL_FIX = """The {hf_class} the config describes differs from the weight
 above): give the config saved with these weights.
 
     right:  ft.nn.from_hf(config, weights)   # config.json of the same save_pretrained directory"""
+
+LAYERS_NOT_IN_WEIGHTS = """\
+ft.nn.from_hf: the config builds {length} layers ({torch}.0 to {torch}.{last}, the model's {ft}), but \
+the weights hold {held}. The config does not describe these weights: a config.json \
+edited, or another model's. Nothing was built.
+
+    wrong:  "{key}": {length}
+    right:  "{key}": {count}     # or the config.json saved with these weights"""
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
@@ -437,13 +445,28 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     template = _template(family, config, set(weights), dtype, attention)
     weights = _untie(family, template, weights)
     cls = type(template)
-    model, report = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts, strict=False,
-                                  given_names=True)
+    try:
+        model, report = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts, strict=False,
+                                      given_names=True, complete=True)
+    except ShortStack as e:  # found in the weights' names alone: no layer walked, no array built
+        raise _layers_not_in_weights(e, config) from None
     if not report.ok:  # the fixes from_hf's caller has (load_torch_state_dict's rename= and strict= it has not)
         _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
         explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
         raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
     return with_dropout(model.replace(hf_config=carried), config, dropout, key)
+
+
+def _layers_not_in_weights(short: ShortStack, config: Any) -> ValueError:
+    """:data:`LAYERS_NOT_IN_WEIGHTS` of a config whose layer count exceeds the weights'."""
+    model_type = getattr(config, "model_type", None)
+    key = ALIASES.get(model_type, {}).get("num_hidden_layers", "num_hidden_layers") if isinstance(model_type, str) \
+        else "num_hidden_layers"
+    held = short.held
+    shown = (f"layers {held[0]} to {held[-1]}" if held == list(range(held[0], held[-1] + 1)) else f"layers {held}") \
+        if held else f"no {short.torch}.* layer"
+    return ValueError(LAYERS_NOT_IN_WEIGHTS.format(length=short.length, torch=short.torch, last=short.length - 1,
+                                                   ft=short.ft, held=shown, key=key, count=max(held, default=-1) + 1))
 
 
 def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:

@@ -11,9 +11,12 @@ layer's rules, or None for a node that is no known layer (walked into by the pla
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from functree._naming import matches
@@ -49,16 +52,28 @@ cannot be laid out per query head. A grouped-query attention's fused Linear hold
 Local = tuple[tuple[str, ...], tuple[str, ...], Callable[..., Any], Callable[..., Any]]
 
 
+def _xp(a: Any) -> Any:
+    """The array module of ``a``: NumPy for a host array, jax.numpy for a JAX array or tracer
+    (a rule's ``to_torch`` is traced by ``jax.eval_shape`` to give the torch shapes a model
+    implies without building them: concatenating placeholders of a config's sizes would)."""
+    return jnp if isinstance(a, jax.Array) else np
+
+
+# The rule factories are memoized: a Stack's members get the same conversion functions, so
+# the torch shapes each implies are traced once (interop._torch caches them by function).
+@functools.lru_cache(maxsize=1024)
 def same(torch: str, ft: str) -> Local:
     """One tensor as it is, torch's name ``torch`` ↔ the leaf ``ft``."""
     return (torch,), (ft,), lambda a: (a,), lambda a: (a,)
 
 
-def _permuted(torch: str, ft: str, perm: Sequence[int]) -> Local:
+@functools.lru_cache(maxsize=1024)
+def _permuted(torch: str, ft: str, perm: tuple[int, ...]) -> Local:
     inverse = tuple(int(i) for i in np.argsort(perm))
     return (torch,), (ft,), lambda a: (a.transpose(perm),), lambda a: (a.transpose(inverse),)
 
 
+@functools.lru_cache(maxsize=256)
 def _flattened_linear(shape: tuple[int, ...]) -> Local:
     """Linear after torch's Flatten of ``[C, *S]`` maps ↔ Dense after ft's of ``[*S, C]``."""
     n = len(shape)
@@ -106,18 +121,20 @@ def _norm(layer: LayerNorm | GroupNorm | RMSNorm | BatchNorm) -> list[Local]:
     return rules
 
 
-def _split(sizes: Sequence[int], transpose: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+@functools.lru_cache(maxsize=1024)
+def _split(sizes: tuple[int, ...], transpose: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """One stacked torch tensor ↔ several ft leaves (MultiheadAttention's in_proj)."""
     cuts = np.cumsum(sizes)[:-1]
     t = (lambda a: a.T) if transpose else (lambda a: a)
-    return (lambda w: tuple(t(p) for p in np.split(w, cuts))), (lambda *ps: (np.concatenate([t(p) for p in ps]),))
+    return (lambda w: tuple(t(p) for p in np.split(w, cuts))), (
+        lambda *ps: (_xp(ps[0]).concatenate([t(p) for p in ps]),))
 
 
 def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     projections = (layer.query_projection, layer.key_projection, layer.value_projection)
     names = ("query_projection", "key_projection", "value_projection")
     if isinstance(layout, (tuple, list)) and len(layout) in (2, 3):  # one Linear for q|k|v, one output Linear
-        sizes = [p.weight.shape[1] for p in projections]
+        sizes = tuple(int(p.weight.shape[1]) for p in projections)
         fused, output = layout[0], layout[1]
         if len(layout) == 3:  # GPT-NeoX: rows [q_h | k_h | v_h] head after head
             weights, biases = _per_head(layer.num_heads, True), _per_head(layer.num_heads, False)
@@ -131,7 +148,7 @@ def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
         return [rule for p, t, n in zip((*projections, layer.output_projection), layout, (*names, "output_projection"))
                 for rule in _dense(p, torch=t, ft=n)]
     inputs = {p.weight.shape[0] for p in projections}
-    sizes = [p.weight.shape[1] for p in projections]
+    sizes = tuple(int(p.weight.shape[1]) for p in projections)
     if layout == "conv1d":  # GPT-2: c_attn [in, q|k|v], c_proj [in, out]
         rules: list[Local] = [(("c_attn.weight",), tuple(f"{n}.weight" for n in names), *_split_columns(sizes))]
         if layer.query_projection.bias is not None:
@@ -146,6 +163,7 @@ def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     return rules + _dense(layer.output_projection, torch="out_proj", ft="output_projection")
 
 
+@functools.lru_cache(maxsize=256)
 def _per_head(heads: int, transpose: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """One torch tensor whose rows hold each head's query, key and value in turn (GPT-NeoX's
     ``query_key_value``: ``[heads, 3, head_size, ...]``) ↔ the three projections."""
@@ -157,16 +175,17 @@ def _per_head(heads: int, transpose: bool) -> tuple[Callable[..., Any], Callable
 
     def to_torch(*ps: np.ndarray) -> tuple[np.ndarray]:
         rows = [t(p) for p in ps]
-        stacked = np.stack([r.reshape((heads, -1, *r.shape[1:])) for r in rows], axis=1)
+        stacked = _xp(rows[0]).stack([r.reshape((heads, -1, *r.shape[1:])) for r in rows], axis=1)
         return (stacked.reshape((-1, *rows[0].shape[1:])),)
 
     return to_ft, to_torch
 
 
-def _split_columns(sizes: Sequence[int]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+@functools.lru_cache(maxsize=1024)
+def _split_columns(sizes: tuple[int, ...]) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """One ``[in, q|k|v]`` matrix ↔ the three ``[in, size]`` projection weights."""
     cuts = np.cumsum(sizes)[:-1]
-    return (lambda w: tuple(np.split(w, cuts, axis=1))), (lambda *ps: (np.concatenate(ps, axis=1),))
+    return (lambda w: tuple(np.split(w, cuts, axis=1))), (lambda *ps: (_xp(ps[0]).concatenate(ps, axis=1),))
 
 
 def _cell(layer: GRUCell | LSTMCell, suffix: str = "", ft: str = "") -> list[Local]:
@@ -174,8 +193,16 @@ def _cell(layer: GRUCell | LSTMCell, suffix: str = "", ft: str = "") -> list[Loc
     if isinstance(layer, GRUCell):
         rules += [same("bias_ih", "input_bias"), same("bias_hh", "hidden_bias")]
     else:  # torch adds two biases where the LSTM has one: loaded summed, saved as (bias, 0)
-        rules.append((("bias_ih", "bias_hh"), ("bias",), lambda a, b: (a + b,), lambda b: (b, np.zeros_like(b))))
+        rules.append((("bias_ih", "bias_hh"), ("bias",), _summed, _with_zeros))
     return [(tuple(n + suffix for n in t), tuple(f"{ft}.{n}" if ft else n for n in f), a, b) for t, f, a, b in rules]
+
+
+def _summed(a: Any, b: Any) -> tuple[Any]:
+    return (a + b,)
+
+
+def _with_zeros(b: Any) -> tuple[Any, Any]:
+    return b, _xp(b).zeros_like(b)
 
 
 def _rnn(layer: RNN) -> list[Local] | None:  # another cell: None, walked into, its leaves matched by name

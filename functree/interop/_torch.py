@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -183,7 +183,7 @@ class _Leaf:
 
     stored: str | None  # the stored leaf's ``to_flat_dict`` name; None for a tie's target
     index: tuple[int, ...]  # member numbers into the stored leaf (one per enclosing Stack)
-    value: np.ndarray
+    value: Any  # an array; while loading, a placeholder (_placeholder: no memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +232,7 @@ def _refuse_adapters(model: Any, what: str, rest: str = "") -> None:
 
 
 def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping[str, Any] | None = None,
-          *, values: bool = True, ports: bool = True) -> _Plan:
+          *, values: bool = True, ports: bool = True, complete: Collection[str] | None = None) -> _Plan:
     """Every rule of the model, in full names; each parameter (member) is covered by exactly one.
 
     Stacks are walked member by member (torch's ``h.0``, ``h.1``, ...), a Shared's tied
@@ -241,6 +241,9 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
     placeholders of the leaves' shapes and dtypes (loading needs no copy of the model).
     A port (:mod:`functree.interop._ports`: a Hugging Face model) is recorded whole, not
     walked into (``ports=False``: walked as any model, its converter's own plan).
+    ``complete``: the given torch names (model-side), every member of each Stack required:
+    a Stack longer than the members they hold raises :class:`ShortStack` before its members
+    are walked (a config claiming 10**7 layers beside a 2-layer file never answered).
     """
     if not values:
         _refuse_adapters(model, "ft.nn.load_torch_state_dict", ", state_dict")
@@ -258,7 +261,8 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
             names = tuple(join_names(ft, n) for n in f)
             for n, full in zip(f, names):
                 where = None if stored is None or tied(full) else join_names(stored, n)
-                plan.leaves[full] = _Leaf(where, index, np.asarray(_get(node, n) if n else node))
+                value = _get(node, n) if n else node
+                plan.leaves[full] = _Leaf(where, index, value if isinstance(value, _Abstract) else np.asarray(value))
             plan.rules.append(_Rule(tuple(join_names(torch, n) for n in t), names, a, b))
 
     def walk(node: Any, ft: str, stored: str | None, index: tuple[int, ...], torch: str) -> None:
@@ -272,6 +276,8 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
             return uncovered({n for _, f, _, _ in local for n in f}, node, ft, stored, index, torch)
         if is_stacked(node):
             ((field_name, _),) = _children(node)
+            if complete is not None:
+                _check_members(complete, ft, torch, len(node))
             for i in range(len(node)):
                 walk(node._member(i), join_names(ft, str(i)), _under(stored, field_name), (*index, i), join_names(torch, str(i)))
             return
@@ -318,17 +324,83 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
     return plan
 
 
+class ShortStack(ValueError):
+    """A Stack of ``length`` members at ``ft`` (torch's ``torch.0`` ...) whose given tensors
+    end at member ``held - 1``: the state dict describes a model of fewer members."""
+
+    def __init__(self, ft: str, torch: str, length: int, held: list[int]):
+        self.ft, self.torch, self.length, self.held = ft, torch, length, held
+        super().__init__(f"{ft}: a Stack of {length} members; the state dict holds {torch}.* members {held[:8]}")
+
+
+def _check_members(given: Collection[str], ft: str, torch: str, length: int) -> None:
+    """Raise :class:`ShortStack` where the ``given`` names hold none of the Stack's last
+    members (``torch.{i}.*`` up to some ``i < length - 1``): looked up in the given names
+    alone, never by walking the ``length`` members."""
+    start = f"{torch}." if torch else ""
+    held = sorted({int(number) for name in given if name.startswith(start)
+                   for number in [name[len(start):].split(".", 1)[0]] if number.isdigit()})
+    if max(held, default=-1) + 1 < length:
+        raise ShortStack(ft, torch, length, held)
+
+
 def _declared_in_functree(cls: type, name: str) -> bool:
     """Whether field ``name`` of ``cls`` is declared by one of functree's classes (not a user's)."""
     owner = next((c for c in cls.__mro__ if name in vars(c).get("__annotations__", {})), cls)
     return owner.__module__.startswith("functree.")
 
 
-def _placeholder(leaf: Any) -> np.ndarray:
-    """Zeros of ``leaf``'s shape and dtype that take no memory (a broadcast view)."""
+def _placeholder(leaf: Any) -> Any:
+    """Zeros of ``leaf``'s shape and dtype that take no memory (a broadcast view); an
+    :class:`_Abstract` where NumPy cannot describe the shape (2**63 elements or more: a
+    config's absurd sizes, refused later by the shape check, not here by NumPy)."""
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+        try:
+            return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+        except ValueError:  # "iterator is too large"
+            return _Abstract(tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype))
     return np.asarray(leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abstract:
+    """An array leaf's shape and dtype alone, for a plan that only compares shapes; a Stack
+    takes its members by index (``[i]``: one member's shape)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index: int) -> _Abstract:
+        return _Abstract(self.shape[1:], self.dtype)
+
+
+# The torch shapes each rule's to_torch gives for the ft leaves' shapes and dtypes, traced
+# (jax.eval_shape: nothing built) once per conversion function and signature; the rule
+# factories of interop._layouts are memoized, so a Stack's members share one entry.
+_TORCH_SHAPES: dict[Any, tuple[tuple[int, ...], ...]] = {}
+_TORCH_SHAPES_LIMIT = 4096
+
+
+def _torch_shapes(rule: _Rule, leaves: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
+    """The shapes of ``rule.to_torch(*leaves)`` without computing it (``leaves``: arrays or
+    placeholders; only their shapes are read): concatenating a fused
+    projection's zero-stride placeholders built the whole tensor (48 GiB for a config.json
+    claiming n_embd=65536 beside a 30 KB file) before any shape was compared."""
+    signature = tuple(tuple(int(d) for d in np.shape(v)) for v in leaves)
+    key = (rule.to_torch, signature)
+    shapes = _TORCH_SHAPES.get(key)
+    if shapes is None:  # traced in float32 whatever the dtypes: a relayout's shapes do not depend on
+        # them, and JAX holds no NumPy object or string array (nor float64 without x64)
+        structs = [jax.ShapeDtypeStruct(shape, np.float32) for shape in signature]
+        shapes = tuple(tuple(out.shape) for out in jax.eval_shape(rule.to_torch, *structs))
+        if len(_TORCH_SHAPES) >= _TORCH_SHAPES_LIMIT:
+            _TORCH_SHAPES.clear()
+        _TORCH_SHAPES[key] = shapes
+    return shapes
 
 
 def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
@@ -428,17 +500,19 @@ def load_torch_state_dict(
 
 def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[str], *, strict: bool = True,
                   rename: Rename = None, flattened: Mapping[str, Sequence[int]] | None = None,
-                  layouts: Mapping[str, Any] | None = None, ports: bool = False, given_names: bool = False) -> Any:
+                  layouts: Mapping[str, Any] | None = None, ports: bool = False, given_names: bool = False,
+                  complete: bool = False) -> Any:
     """:func:`load_torch_state_dict`; ``ports=False`` (a port's own converter: ``from_hf``)
     reads every layer by the rules above, a port's root included. ``given_names``: the
     report names tensors as the state dict does (a port's: Hugging Face's names), not as
-    ``rename=`` maps them onto the model."""
+    ``rename=`` maps them onto the model. ``complete``: every Stack member is required
+    (:class:`ShortStack` where the state dict ends before a Stack does)."""
     if isinstance(state_dict, (str, os.PathLike)):
         state_dict = load_checkpoint(state_dict)
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
-    plan = _plan(model, shapes, layouts, values=False, ports=ports)
     to_model = _renamer(rename, to_model=True)
     given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
+    plan = _plan(model, shapes, layouts, values=False, ports=ports, complete=set(given) if complete else None)
     loaded, ported, taken = load_ports(model, plan.ports, given) if plan.ports else ({}, FlatDictReport(), set())
     given = {k: v for k, v in given.items() if k not in taken}
     values, absent, mismatched = _converted(plan, given)
@@ -487,10 +561,10 @@ def _converted(plan: _Plan, given: Mapping[str, Any]
     mismatched: list[tuple[str, str, str]] = []
     for rule in plan.rules:
         leaves = [plan.leaves[n] for n in rule.ft]
-        expected = rule.to_torch(*(leaf.value for leaf in leaves))
+        expected = _torch_shapes(rule, [leaf.value for leaf in leaves])
         absent = [n for n in rule.torch if n not in given]
-        wrong = [(n, e.shape, _shape(n, given[n])) for n, e in zip(rule.torch, expected)
-                 if n in given and _shape(n, given[n]) != e.shape]
+        wrong = [(n, e, _shape(n, given[n])) for n, e in zip(rule.torch, expected)
+                 if n in given and _shape(n, given[n]) != e]
         if absent and all(leaf.stored is not None for leaf in leaves):  # a tie's target may be absent
             missing.append((rule, absent))
         where = _member_of(rule.ft[0], leaves[0]) + (" ..." if len(rule.ft) > 1 else "")

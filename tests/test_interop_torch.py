@@ -1112,3 +1112,84 @@ def test_dense_weights_given_as_conv1d_name_the_layouts_fix_and_the_square_layer
     with pytest.raises(ValueError) as e:  # an Embedding's table reversed: layouts= has no Embedding layout
         ft.nn.load_torch_state_dict(ft.nn.Embedding(5, 3, key=K[2]), {"weight": np.zeros((3, 5))})
     assert "conv1d" not in str(e.value)
+
+
+def test_a_meta_state_dict_names_its_keys_and_the_fix_strict_or_not():
+    """Tensors on torch's "meta" device have no values: torch's own copy error (naming no
+    key) came out of the conversion, strict=False too; now META_TENSORS names them, strict or
+    not, as torch's load_state_dict refuses them under strict=False too (a copy error)."""
+    from functree.interop._torch import META_TENSORS
+
+    with torch.device("meta"):
+        meta = nn.Linear(4, 2)
+    with pytest.raises(RuntimeError, match="meta tensor"):  # torch: an error under strict=False too
+        nn.Linear(4, 2).load_state_dict(meta.state_dict(), strict=False)
+    expected = META_TENSORS.format(names="'weight', 'bias'")
+    for strict in (True, False):
+        with pytest.raises(ValueError) as e:
+            ft.nn.load_torch_state_dict(ft.nn.Dense(4, 2, key=K[0]), meta.state_dict(), strict=strict)
+        assert str(e.value) == expected
+    assert 'right:  module.to_empty(device="cpu")' in expected
+
+
+def test_a_module_or_a_list_of_pairs_for_the_state_dict_names_it_and_the_fix():
+    """Was AttributeError: 'Linear' object has no attribute 'items'."""
+    from functree.interop._torch import MODULE_GIVEN, NOT_A_STATE_DICT, PAIRS_GIVEN
+
+    linear, dense = nn.Linear(4, 2), ft.nn.Dense(4, 2, key=K[0])
+    with pytest.raises(TypeError) as e:
+        ft.nn.load_torch_state_dict(dense, linear)
+    assert str(e.value) == NOT_A_STATE_DICT.format(kind="torch.nn.modules.linear.Linear", fix=MODULE_GIVEN)
+    assert "right:  ft.nn.load_torch_state_dict(model, module.state_dict())" in str(e.value)
+    with pytest.raises(TypeError) as e:
+        ft.nn.load_torch_state_dict(dense, list(linear.state_dict().items()))  # pyright: ignore[reportArgumentType]
+    assert str(e.value) == NOT_A_STATE_DICT.format(kind="list", fix=PAIRS_GIVEN)
+    loaded = ft.nn.load_torch_state_dict(dense, dict(linear.state_dict().items()))
+    np.testing.assert_array_equal(np.asarray(loaded.weight), linear.weight.detach().numpy().T)
+
+
+def _torch_grads(module, loss):
+    module.zero_grad()
+    loss.backward()
+    return {n: p.grad.numpy() for n, p in module.named_parameters()}
+
+
+def _close_grads(exported, expected):
+    assert sorted(exported) == sorted(expected)
+    for name, grad in expected.items():  # measured spread: up to 1.5e-7 of max|grad|
+        np.testing.assert_allclose(exported[name], grad, rtol=0, atol=1.5e-6 * max(1.0, float(np.abs(grad).max())))
+
+
+def test_a_gradient_exported_with_gradient_true_is_torch_s_grad_for_lstm_cell_and_bidirectional_lstm():
+    """torch sums an LSTM's two biases: d/d b_ih of f(b_ih + b_hh) = d/d b_hh = g. The values'
+    layout (b, 0) gave bias_hh a zero gradient (off by up to 0.4); gradient=True writes g
+    under both names, every other tensor as torch's .grad too."""
+    rng = np.random.default_rng(0)
+    torch_cell = nn.LSTMCell(3, 4)
+    cell = ft.nn.load_torch_state_dict(build(lambda: ft.nn.LSTMCell(3, 4, key=K[0])), torch_cell.state_dict())
+    x, w = rng.normal(size=(2, 3)).astype(np.float32), rng.normal(size=(2, 4)).astype(np.float32)
+    h0, c0 = rng.normal(size=(2, 2, 4)).astype(np.float32)  # a nonzero state: hidden_weight is used
+    h, c = torch_cell(torch.from_numpy(x), (torch.from_numpy(h0), torch.from_numpy(c0)))
+    expected = _torch_grads(torch_cell, ((h + c) * torch.from_numpy(w)).sum())
+    grad = jax.jit(jax.grad(lambda m: (sum(m(type(m.zero_state())(h0, c0), x)[0]) * w).sum()))(cell)
+    _close_grads(ft.nn.torch_state_dict(grad, numpy=True, gradient=True), expected)
+    assert not ft.nn.torch_state_dict(grad, numpy=True)["bias_hh"].any()  # the values' layout: (b, 0)
+
+    lstm = nn.LSTM(3, 4, batch_first=True, bidirectional=True)
+    rename = lambda n: ("bwd." if n.endswith("_reverse") else "fwd.") + n  # noqa: E731
+    cells = [ft.nn.LSTMCell(3, 4, key=K[i]) for i in (1, 2)]
+    model = ft.nn.load_torch_state_dict(BiRNN(ft.nn.RNN(cells[0]), ft.nn.RNN(cells[1], reverse=True)),
+                                        lstm.state_dict(), rename=rename)
+    xs, ws = rng.normal(size=(2, 5, 3)).astype(np.float32), rng.normal(size=(2, 5, 8)).astype(np.float32)
+    expected = _torch_grads(lstm, (lstm(torch.from_numpy(xs))[0] * torch.from_numpy(ws)).sum())
+    grad = jax.jit(jax.grad(lambda m: (m(xs) * ws).sum()))(model)
+    _close_grads(ft.nn.torch_state_dict(grad, numpy=True, gradient=True, rename=lambda n: n.split(".", 1)[1]),
+                 expected)
+
+
+def test_bfloat16_nan_payloads_are_exported_bit_for_bit():
+    """Through float32 and .to(torch.bfloat16), NaNs 0xffc0, 0x7f81, 0xff81 came out 0xffff."""
+    bits = np.array([0x3F80, 0xFFC0, 0x7F81, 0xFF81, 0x0001], np.uint16)
+    sd = ft.nn.torch_state_dict({"w": jnp.asarray(bits.view(jnp.bfloat16))})
+    assert sd["w"].dtype == torch.bfloat16
+    np.testing.assert_array_equal(sd["w"].view(torch.int16).numpy().view(np.uint16), bits)

@@ -205,6 +205,23 @@ def _with_zeros(b: Any) -> tuple[Any, Any]:
     return b, _xp(b).zeros_like(b)
 
 
+def _repeated(g: Any) -> tuple[Any, Any]:
+    return g, g
+
+
+# A gradient's torch layout where it differs from the values'. Every other rule moves entries
+# (a transpose, a split, a concatenation: a permutation P), and a gradient moves with them
+# (d/d(P x) of f = P d/dx of f, P orthogonal). The LSTM's summed bias does not: with
+# b = b_ih + b_hh, d/d b_ih of f(b_ih + b_hh) = d/d b_hh = g, so each torch bias gets g, the
+# .grad torch gives both, where the values' (b, 0) would give bias_hh a zero gradient.
+_GRADIENT_TO_TORCH: dict[Callable[..., Any], Callable[..., Any]] = {_with_zeros: _repeated}
+
+
+def gradient_to_torch(to_torch: Callable[..., Any]) -> Callable[..., Any]:
+    """A rule's ``to_torch`` for a gradient of its leaves (:data:`_GRADIENT_TO_TORCH`)."""
+    return _GRADIENT_TO_TORCH.get(to_torch, to_torch)
+
+
 def _rnn(layer: RNN) -> list[Local] | None:  # another cell: None, walked into, its leaves matched by name
     """torch's first layer's tensors: ``_l0`` forward; ``reverse=True`` reads the sequence from
     its end as a bidirectional layer's second direction does, whose tensors are ``_l0_reverse``

@@ -41,6 +41,9 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
 * Convolutions are channels-last (``x.permute(0, 2, 3, 1)`` for an NCHW input) and pad
   ``"SAME"`` by default (torch's ``padding=0`` is ``"VALID"``); a ``Linear`` after
   ``Flatten`` of NCHW feature maps needs ``flattened={name: (C, H, W)}`` (below).
+* ``RMSNorm``: ``epsilon=1e-6``; torch's ``RMSNorm(eps=None)`` uses the input dtype's machine
+  epsilon (``torch.finfo(x.dtype).eps``: 1.19e-7 for float32) →
+  ``ft.nn.RMSNorm(n, epsilon=float(jnp.finfo(jnp.float32).eps))`` (or torch's ``eps=`` where set).
 * ``RNN`` is batch-first (torch's ``batch_first=True``).
 """
 
@@ -68,7 +71,7 @@ from functree._state_dict import (
 )
 from functree._tree import dotted_name, join_names
 from functree.interop._host import copied, copy_all, empty
-from functree.interop._layouts import Local, Options, layer_rules, same
+from functree.interop._layouts import Local, Options, gradient_to_torch, layer_rules, same
 from functree.interop._mismatch import mismatch_error
 from functree.interop._ports import (
     Found,
@@ -147,6 +150,31 @@ NOT_SCALED_ORTHOGONAL = ("its transform is linear, but applying it to the adjoin
 NOT_INJECTIVE = ("its transform is linear but drops entries of the source (a slice, a sum): the target "
                  "does not hold the whole source, and the rest cannot be known")
 NOT_AN_ARRAY_SOURCE = "the tie's source is a subtree, and only an array source's transform is undone"
+
+NOT_A_STATE_DICT = """\
+ft.nn.load_torch_state_dict: state_dict is a {kind}, not a mapping of names to tensors (a torch \
+module's state_dict(), a dict of arrays) nor a checkpoint's path.{fix}"""
+
+# NOT_A_STATE_DICT's {fix}: what was given instead.
+MODULE_GIVEN = """
+
+    wrong:  ft.nn.load_torch_state_dict(model, module)
+    right:  ft.nn.load_torch_state_dict(model, module.state_dict())"""
+PAIRS_GIVEN = """
+
+    wrong:  ft.nn.load_torch_state_dict(model, pairs)   # [(name, tensor), ...]
+    right:  ft.nn.load_torch_state_dict(model, dict(pairs))"""
+
+META_TENSORS = """\
+ft.nn.load_torch_state_dict: the state dict's {names} are on torch's "meta" device: shapes \
+without values (a module built under torch.device("meta"), or by init_empty_weights). There \
+is nothing to load, with strict=False too (torch's load_state_dict refuses them the same way). \
+Load real weights:
+
+    wrong:  ft.nn.load_torch_state_dict(model, meta_module.state_dict())
+    right:  module.to_empty(device="cpu"); module.load_state_dict(torch.load(path))
+            ft.nn.load_torch_state_dict(model, module.state_dict())
+       or:  ft.nn.load_torch_state_dict(model, "model.safetensors")   # the checkpoint file"""
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
@@ -509,6 +537,8 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     (:class:`ShortStack` where the state dict ends before a Stack does)."""
     if isinstance(state_dict, (str, os.PathLike)):
         state_dict = load_checkpoint(state_dict)
+    else:  # a checkpoint's tensors are read lazily, and never meta
+        _check_given(state_dict)
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
     to_model = _renamer(rename, to_model=True)
     given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
@@ -536,6 +566,21 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     if strict and not report.ok:
         raise mismatch_error(plan.rules, plan.attentions, report, hint(plan.ports))
     return tree if strict else (tree, report)
+
+
+def _check_given(state_dict: Any) -> None:
+    """Raise :data:`NOT_A_STATE_DICT` for what is no mapping (a torch module, a list of pairs),
+    :data:`META_TENSORS` for tensors without values (strict or not: unlike a missing key,
+    loading them would leave the model's initial values where the caller meant weights)."""
+    if not callable(getattr(state_dict, "items", None)):
+        fix = (MODULE_GIVEN if callable(getattr(state_dict, "state_dict", None))
+               else PAIRS_GIVEN if isinstance(state_dict, (list, tuple)) else "")
+        kind = f"{type(state_dict).__module__}.{type(state_dict).__qualname__}"
+        raise TypeError(NOT_A_STATE_DICT.format(kind=kind.removeprefix("builtins."), fix=fix))
+    meta = [k for k, v in state_dict.items() if getattr(v, "is_meta", False) is True]
+    if meta:
+        raise ValueError(META_TENSORS.format(names=", ".join(map(repr, meta[:5])) + (
+            f" and {len(meta) - 5} more" if len(meta) > 5 else "")))
 
 
 def _as_given(report: FlatDictReport, state_dict: Mapping[str, Any], rename: Rename) -> FlatDictReport:
@@ -767,6 +812,7 @@ def torch_state_dict(
     flattened: Mapping[str, Sequence[int]] | None = None,
     layouts: Mapping[str, Any] | None = None,
     numpy: bool = False,
+    gradient: bool = False,
 ) -> dict[str, Any]:
     """The inverse of :func:`load_torch_state_dict`: ``model``'s leaves as a torch state dict.
 
@@ -775,12 +821,21 @@ def torch_state_dict(
     value under each of its names (as torch's tied ``state_dict()``). ``rename`` is the
     same mapping as for loading (``{torch_prefix: model_prefix}``, applied backwards) or a
     function of the model's torch name; ``flattened`` and ``layouts`` as for loading. An
-    LSTM's one bias is saved as ``bias_ih`` with a zero ``bias_hh``. A model of
+    LSTM's one bias is saved as ``bias_ih`` with a zero ``bias_hh``.
+
+    A partial tree (a gradient with ``wrt=``: ``None`` leaves) gives the tensors it holds.
+    ``gradient=True`` writes ``model`` as a gradient, torch's ``.grad`` of each parameter:
+    layouts that move entries (transposes, splits) move a gradient alike, but torch's two
+    LSTM biases are summed, ``b = b_ih + b_hh``, so d/d b_ih of f(b_ih + b_hh) = d/d b_hh
+    = g: both get the bias's gradient ``g`` (the values' ``(b, 0)`` would give ``bias_hh``
+    a zero gradient).
+
+    A model of
     :func:`ft.nn.from_hf` (at the root or inside) is written as its Hugging Face model's
     ``state_dict()`` under its torch name (:func:`ft.nn.to_hf_state_dict`'s tensors: a tied
     head under both names). Tensors are torch's (bfloat16 and float8 stay bfloat16 and
-    float8, bit for bit); ``numpy=True`` returns NumPy arrays instead and does not import
-    torch. In a multi-process job every process calls it: leaves sharded over other
+    float8, bit for bit, NaN payloads too); ``numpy=True`` returns NumPy arrays instead and
+    does not import torch. In a multi-process job every process calls it: leaves sharded over other
     processes' devices are gathered, and each process gets the whole state dict.
 
     Example:
@@ -791,14 +846,17 @@ def torch_state_dict(
       {'0.weight': (2, 3), '0.bias': (2,), '1.weight': (2,), '1.bias': (2,), '1.running_mean': (2,), '1.running_var': (2,)}
     """
     check_stale([("model", model)], "ft.nn.torch_state_dict(model)")  # donated by a step
-    out = state_dict_by_rules(model, rename=rename, flattened=flattened, layouts=layouts, ports=True)
+    out = state_dict_by_rules(model, rename=rename, flattened=flattened, layouts=layouts, ports=True,
+                              gradient=gradient)
     return out if numpy else as_tensors(out)
 
 
 def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping[str, Sequence[int]] | None = None,
-                        layouts: Mapping[str, Any] | None = None, ports: bool = False) -> dict[str, np.ndarray]:
+                        layouts: Mapping[str, Any] | None = None, ports: bool = False,
+                        gradient: bool = False) -> dict[str, np.ndarray]:
     """:func:`torch_state_dict` as NumPy arrays; ``ports=False`` (a port's own converter:
-    ``to_hf_state_dict``) writes every layer by the rules above, a port's root included."""
+    ``to_hf_state_dict``) writes every layer by the rules above, a port's root included.
+    ``gradient``: each rule's gradient layout (:func:`~functree.interop._layouts.gradient_to_torch`)."""
     shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
     to_torch = _renamer(rename, to_model=False)
     plan = _plan(model, shapes, layouts, ports=ports)
@@ -807,7 +865,7 @@ def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping
         leaves = [plan.leaves[n].value for n in rule.ft]
         if any(_absent(leaf) for leaf in leaves):
             continue  # a partial tree (a gradient with wrt=): only the tensors it holds whole
-        values = rule.to_torch(*leaves)
+        values = (gradient_to_torch(rule.to_torch) if gradient else rule.to_torch)(*leaves)
         out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in zip(rule.torch, values))
     for found in plan.ports:  # Hugging Face's names under the port's torch prefix
         ported = prefixed(found.torch, found.port.state_dict(found.node))
@@ -828,8 +886,9 @@ def as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         raise ImportError(NO_TORCH) from e
 
     def tensor(name: str, a: np.ndarray) -> Any:
-        if a.dtype.name == "bfloat16":  # no NumPy bfloat16 in torch: through float32
-            return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+        if a.dtype.name == "bfloat16":  # torch takes no NumPy bfloat16: the bits, reinterpreted
+            # (through float32, .to(torch.bfloat16) turns every NaN into 0xffff)
+            return torch.from_numpy(np.array(a).view(np.int16)).view(torch.bfloat16)
         float8 = getattr(torch, a.dtype.name, None) if a.dtype.name.startswith("float8_") else None
         if float8 is not None:  # ml_dtypes' float8 bits are torch's (same names): the bytes, reinterpreted
             return torch.from_numpy(np.array(a).view(np.uint8)).view(float8)

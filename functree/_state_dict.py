@@ -59,6 +59,14 @@ loading converts floating tensors to the model's floating dtypes and integer ten
 integer dtypes where they hold the values; these are of another kind (an integer tensor for a \
 floating leaf, or the reverse) or out of range: convert them before loading: {names}"""
 
+META_TENSORS = """\
+ft.from_flat_dict: {names} are torch tensors on the "meta" device: shapes without values (a \
+module built under torch.device("meta")), nothing to load. Give real values:
+
+    wrong:  ft.from_flat_dict(template, meta_module.state_dict(), cast=True)
+    right:  module.to_empty(device="cpu"); module.load_state_dict(torch.load(path))
+            ft.from_flat_dict(template, module.state_dict(), cast=True)"""
+
 _HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}
 
 
@@ -230,6 +238,9 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
       Array([1., 1.], dtype=float32)
     """
     olds, treedef, names = _named_leaves(template, "from_flat_dict")
+    meta = meta_names(flat)
+    if meta:  # torch's own error, from the conversion, names no key
+        raise ValueError(META_TENSORS.format(names=meta))
     flat = _through_ties(template, flat, frozenset(names))
     if _stacked.wants_members(template, flat, frozenset(names)) and _names_members(template, flat, names):
         out = from_flat_dict(_stacked.expand(template), flat, strict=strict, cast=cast)
@@ -311,6 +322,11 @@ def _python_scalar_fits(old: Any, new: Any) -> bool:
     if isinstance(old, bool):
         return kind == "b"
     return kind in ("i", "u") if isinstance(old, int) else kind == "f"
+
+
+def meta_names(flat: Mapping[str, Any]) -> str:
+    """The names of ``flat``'s torch tensors on the "meta" device (no values), listed; "" if none."""
+    return _listed([repr(k) for k, v in flat.items() if getattr(v, "is_meta", False) is True])
 
 
 def _is_torch_like(x: Any) -> bool:

@@ -18,6 +18,7 @@ from _hypothesis import examples
 from hypothesis import example, given, settings
 
 import functree as ft
+from functree import _state_dict as ft_state_dict
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -1130,6 +1131,9 @@ def test_a_meta_state_dict_names_its_keys_and_the_fix_strict_or_not():
             ft.nn.load_torch_state_dict(ft.nn.Dense(4, 2, key=K[0]), meta.state_dict(), strict=strict)
         assert str(e.value) == expected
     assert 'right:  module.to_empty(device="cpu")' in expected
+    with pytest.raises(ValueError) as e:  # ft.from_flat_dict(cast=True) raised torch's error too
+        ft.from_flat_dict({"weight": jnp.zeros((2, 4)), "bias": jnp.zeros(2)}, meta.state_dict(), cast=True)
+    assert str(e.value) == ft_state_dict.META_TENSORS.format(names="'weight', 'bias'")
 
 
 def test_a_module_or_a_list_of_pairs_for_the_state_dict_names_it_and_the_fix():

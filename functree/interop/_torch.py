@@ -66,6 +66,7 @@ from functree._state_dict import (
     FlatDictReport,
     castable,
     from_flat_dict,
+    meta_names,
     to_flat_dict,
     to_numpy,
 )
@@ -577,10 +578,9 @@ def _check_given(state_dict: Any) -> None:
                else PAIRS_GIVEN if isinstance(state_dict, (list, tuple)) else "")
         kind = f"{type(state_dict).__module__}.{type(state_dict).__qualname__}"
         raise TypeError(NOT_A_STATE_DICT.format(kind=kind.removeprefix("builtins."), fix=fix))
-    meta = [k for k, v in state_dict.items() if getattr(v, "is_meta", False) is True]
+    meta = meta_names(state_dict)
     if meta:
-        raise ValueError(META_TENSORS.format(names=", ".join(map(repr, meta[:5])) + (
-            f" and {len(meta) - 5} more" if len(meta) > 5 else "")))
+        raise ValueError(META_TENSORS.format(names=meta))
 
 
 def _as_given(report: FlatDictReport, state_dict: Mapping[str, Any], rename: Rename) -> FlatDictReport:

@@ -143,3 +143,15 @@ def test_in_order_reads_every_example_once_unshuffled(key):
     data = ft.train.batches(np.arange(7), 3, key=key, drop_last=True)
     assert [b.tolist() for b in data.in_order()] == [[0, 1, 2], [3, 4, 5], [6]]
     assert sorted(np.concatenate(list(data.iterate(0))).tolist()) != list(range(7))  # drop_last: 6 of 7
+
+
+@pytest.mark.parametrize("key", [0, 7, 1.5, "seed"])
+def test_a_key_that_is_no_prng_key_is_refused_at_the_call(key):
+    """key=0 built, then failed at the first epoch inside JAX ('invalid PRNG key data')."""
+    seed = key if isinstance(key, int) else 0
+    right = rf"right:  {{call}}\(\.\.\., key=jax\.random\.key\({seed}\)\)"
+    with pytest.raises(TypeError, match=right.format(call=r"ft\.train\.batches")):
+        ft.train.batches(np.arange(10.0), 4, key=key)
+    with pytest.raises(TypeError, match=right.format(call=r"ft\.train\.Trainer")):
+        ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b.sum(), key=key)
+    assert len(ft.train.batches(np.arange(10.0), 4, key=jax.random.PRNGKey(0))) == 3  # raw key data too

@@ -67,3 +67,12 @@ def test_empty_or_used_up_evaluation_data_is_named_as_the_callers_not_as_trainin
         with pytest.raises(ValueError) as info:
             call([])
         assert str(info.value) == message(which, "list")
+
+
+def test_predict_of_a_function_without_an_example_axis_names_the_output():
+    """A scalar per minibatch was 'Zero-dimensional arrays cannot be concatenated.'"""
+    import pytest
+
+    trainer = ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b.sum())
+    with pytest.raises(ValueError, match=r"(?s)returned f32\[\] at \['total'\].*right:  jnp\.sum\(trainer\.predict"):
+        trainer.predict(np.ones((5, 2), np.float32), lambda m, b: {"total": jnp.sum(b), "rows": b}, batch_size=2)

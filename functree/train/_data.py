@@ -139,7 +139,7 @@ class Batches:
             _check_size(batch_size)
         self.arrays, self.batch_size = jax.tree.map(_host_if_cpu, arrays), batch_size
         self.shuffle, self.drop_last = shuffle, drop_last
-        self.key = jax.random.key(0) if key is None else key
+        self.key = jax.random.key(0) if key is None else checked_key(key, "ft.train.batches")
         self.num_examples = int(lengths[0])
         self._epochs_started = 0
         self._starts: list[tuple[int, int]] = [(0, 0)]  # (step, samples) at each epoch start
@@ -220,6 +220,26 @@ class Batches:
                 f"shuffle={self.shuffle}, drop_last={self.drop_last})")
 
 
+NOT_A_PRNG_KEY = """\
+{caller}: key= is a JAX PRNG key (it seeds the shuffling and the loss's dropout), and \
+{given} ({kind}) is none. An integer seed makes one:
+
+    wrong:  {caller}(..., key={given})
+    right:  {caller}(..., key=jax.random.key({seed}))"""
+
+
+def checked_key(key: Any, caller: str) -> Any:
+    """``key`` if it is a PRNG key: a typed key array (``jax.random.key``) or raw ``uint32``
+    key data ``[..., 2]`` (``jax.random.PRNGKey``); else :data:`NOT_A_PRNG_KEY` at the call,
+    not deep inside the first shuffle."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key)
+                              or (dtype == jnp.uint32 and np.shape(key)[-1:] == (2,))):
+        return key
+    seed = int(key) if isinstance(key, (int, np.integer)) and not isinstance(key, bool) else 0
+    raise TypeError(NOT_A_PRNG_KEY.format(caller=caller, given=repr(key)[:60], kind=type(key).__name__, seed=seed))
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _permutation(key: Any, epoch: Any, n: int) -> jax.Array:
     """Epoch ``epoch``'s order of ``n`` examples: one dispatch (eagerly, the fold-in and the
@@ -233,6 +253,8 @@ def _host_if_cpu(x: Any) -> Any:
     on_cpu = isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.devices())
     if on_cpu and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         return np.asarray(x)
+    if not isinstance(x, (jax.Array, np.ndarray)) and hasattr(x, "__array__"):  # a torch/TF tensor
+        return tensor_to_numpy(x) if type(x).__module__.startswith("torch") else np.asarray(x)
     return x
 
 

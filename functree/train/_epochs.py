@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import operator
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,7 +26,7 @@ from functree.train._job import JobState
 from functree.train._metrics import describe_batch, shared_batch_size
 from functree.train.checkpoint._position import DATA_STATE_NOT_STORABLE, storable
 
-__all__ = ["Epochs", "as_data", "epoch_length"]
+__all__ = ["Epochs", "as_data", "cut_by_batch_size", "epoch_length"]
 
 BAD_LENGTH = """\
 {what} must be a positive int, got {value!r}.
@@ -122,23 +122,62 @@ def no_minibatch(data: Any) -> ValueError:
     return ValueError(EMPTY_DATA.format(why=f" ({type(data).__name__})"))
 
 
+BATCH_SIZE_UNUSED = """\
+{caller}(data, batch_size={size}): batch_size= cuts in-memory arrays (an array, or a tuple or \
+dict of arrays) into minibatches, but the data is {kind}, which is read as minibatches as it \
+is (each of its items one minibatch{own}): batch_size would be ignored.
+
+    wrong:  {caller}([x, y], batch_size={size})        # a list: two minibatches, x and y
+    right:  {caller}((x, y), batch_size={size})        # a tuple of arrays: cut into minibatches
+       or:  {caller}(ft.train.batches((x, y), batch_size={size}))"""
+
+
+def _array_like(x: Any) -> bool:
+    """An array of at least one axis: JAX's, NumPy's, or another library's that NumPy reads
+    (``__array__``: a torch tensor, a TF tensor), cut by :func:`batches` as NumPy's."""
+    if is_array_value(x):
+        return np.ndim(x) >= 1
+    shape = getattr(x, "shape", None)
+    return hasattr(x, "__array__") and isinstance(shape, Sequence) and len(shape) >= 1
+
+
 def _is_array_tree(data: Any) -> bool:
     """An array, or a tuple/dict of arrays: in-memory data to cut into minibatches."""
-    if is_array_value(data):
+    if _array_like(data):
         return True
     if isinstance(data, (tuple, Mapping)):
         leaves = jax.tree.leaves(data)
-        return bool(leaves) and all(is_array_value(x) and np.ndim(x) >= 1 for x in leaves)
+        return bool(leaves) and all(_array_like(x) for x in leaves)
     return False
 
 
-def as_data(data: Any, batch_size: int | None, key: Any, shuffle: bool = True) -> Any:
-    """``data`` as minibatches: in-memory arrays cut by :func:`batches` (shuffled with
-    ``fold_in(key, 1)``), anything else as it is."""
+def cut_by_batch_size(data: Any) -> bool:
+    """In-memory arrays that :func:`as_data` cuts into minibatches of ``batch_size``."""
+    return not isinstance(data, Batches) and _is_array_tree(data)
+
+
+def as_data(data: Any, batch_size: int | None, key: Any, shuffle: bool = True,
+            caller: str = "trainer.fit") -> Any:
+    """``data`` as minibatches: in-memory arrays (torch tensors too) cut by :func:`batches`
+    (shuffled with ``fold_in(key, 1)``), anything else as it is; a ``batch_size`` that would
+    not cut it is :data:`BATCH_SIZE_UNUSED`."""
     if isinstance(data, Batches) or not _is_array_tree(data):
+        if batch_size is not None and not (isinstance(data, Batches) and data.batch_size == batch_size):
+            own = f"; its own batch_size={data.batch_size!r}" if isinstance(data, Batches) else ""
+            raise ValueError(BATCH_SIZE_UNUSED.format(caller=caller, size=batch_size,
+                                                      kind=_kind(data), own=own))
         return data
     key = jax.random.fold_in(jax.random.key(0) if key is None else key, 1)
     return batches(data, 32 if batch_size is None else batch_size, shuffle=shuffle, key=key)
+
+
+def _kind(data: Any) -> str:
+    """``a list of 2 items``, ``a DataLoader``, ``ft.train.batches(...)``."""
+    if isinstance(data, Batches):
+        return "ft.train.batches(...)"
+    if isinstance(data, (list, tuple)):
+        return f"a {type(data).__name__} of {len(data)} items"
+    return f"a {type(data).__name__}"
 
 
 def epoch_length(data: Any) -> int | None:

@@ -16,13 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree import nn
+from functree._repr import short_array
 from functree._tree import is_array_value
 from functree._where import placement_of, put
 from functree.optim._average import averaged as averaged_parameters
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.train._data import Batches, batches, to_arrays
-from functree.train._epochs import as_data, batch_size, with_location
+from functree.train._epochs import as_data, batch_size, cut_by_batch_size, with_location
 from functree.train._metrics import combine_parts, describe_batch, metric_dtype
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
@@ -222,7 +223,26 @@ def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: C
                                    None if key is None else jax.random.fold_in(key, i)))
     if not outputs:
         raise no_eval_minibatch("predict", data)
+    _check_rows(fn, outputs[0])
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outputs)
+
+
+PREDICT_NO_ROWS = """\
+trainer.predict(data, fn): fn's outputs are concatenated along their first axis, one row \
+per example, but {fn} returned {output} at {path} for the first minibatch: no example axis \
+to concatenate. Return a value per example, and reduce after predict:
+
+    wrong:  trainer.predict(data, lambda m, b: jnp.sum(m(b)))
+    right:  jnp.sum(trainer.predict(data, lambda m, b: m(b)))
+       or:  trainer.evaluate(data)      # a loss or metric averaged over the data"""
+
+
+def _check_rows(fn: Any, output: Any) -> None:
+    """:data:`PREDICT_NO_ROWS` for an output leaf without a leading axis."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(output)[0]:
+        if np.ndim(leaf) == 0:
+            raise ValueError(PREDICT_NO_ROWS.format(fn=getattr(fn, "__name__", "fn"), output=short_array(jnp.asarray(leaf)),
+                                                    path=jax.tree_util.keystr(path) or "its root"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +343,9 @@ class Evaluation:
 
     def _evaluate(self, data: Any, batch_size: int | None, averaged: bool, which: str) -> dict[str, float]:
         """:meth:`evaluate` of ``which``'s data (``"validation"``: fit's, named so in its errors)."""
-        data = as_data(data, batch_size, self.key, shuffle=False)
+        if which == "validation" and not cut_by_batch_size(data):
+            batch_size = None  # fit's batch_size= cuts its training arrays; a loader validates as it is
+        data = as_data(data, batch_size, self.key, shuffle=False, caller="trainer.evaluate")
         model = self.averaged_model if averaged else self.inference_model
         key = eval_key(self.eval_step.loss_fn, self.key)
         return evaluate(self.eval_step, self._eval_fused, model, data, key, which)
@@ -353,6 +375,6 @@ class Evaluation:
         fn = fn or default_predict
         if is_array_value(data):
             data = batches(data, batch_size or 32, shuffle=False)
-        data = as_data(data, batch_size, self.key, shuffle=False)
+        data = as_data(data, batch_size, self.key, shuffle=False, caller="trainer.predict")
         return predict(self.eval_step, self._predict, self.inference_model, data, fn,
                                   eval_key(fn, self.key))

@@ -29,9 +29,16 @@ from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._skip import DEFAULT_ON_NAN
 from functree.train._callbacks import Callback, ModelCheckpoint, TrainingContext, as_callback
-from functree.train._data import Batches, to_arrays
+from functree.train._data import Batches, checked_key, to_arrays
 from functree.train._dispatch import end_epoch, finish_pending
-from functree.train._epochs import Epochs, as_data, batch_signature, epoch_length, no_minibatch
+from functree.train._epochs import (
+    Epochs,
+    as_data,
+    batch_signature,
+    cut_by_batch_size,
+    epoch_length,
+    no_minibatch,
+)
 from functree.train._evaluation import Evaluation, call_predict
 from functree.train._history import History
 from functree.train._interrupts import Interrupts
@@ -372,6 +379,7 @@ class Trainer(Evaluation):
         self.on_nan = self.train_step.on_nan
         self.steps_per_call = check_steps_per_call(
             getattr(self.train_step, "steps_per_call", 1) if steps_per_call is None else steps_per_call)
+        key = None if key is None else checked_key(key, "ft.train.Trainer")
         check_key(loss_fn, key, train_step)
         # An accidental tie (one array at two leaves) is named once here; the copy unties it.
         warn_aliases(model, what="The model given to ft.train.Trainer")
@@ -460,7 +468,9 @@ class Trainer(Evaluation):
         k = self.steps_per_call if steps_per_call is None else check_steps_per_call(steps_per_call)
         if epochs is None and steps is None:
             epochs = 1
-        data = as_data(data, batch_size, self.key)
+        # batch_size= also cuts validation arrays: unused by the training data, it may be theirs
+        validates = validation_data is not None and cut_by_batch_size(validation_data)
+        data = as_data(data, None if validates and not cut_by_batch_size(data) else batch_size, self.key)
         self._epochs.check_data(data, epochs, steps, self._job, getattr(self.optimizer, "accumulate", 1),
                                 validation_data)
         cbs = [as_callback(c) for c in callbacks]

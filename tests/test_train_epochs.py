@@ -180,3 +180,12 @@ def test_fits_batch_size_still_cuts_training_arrays_beside_a_validation_loader()
     x, y, trainer = _pairs()
     trainer.fit((x, y), epochs=1, batch_size=4, validation_data=[(x, y)])
     np.testing.assert_allclose(trainer.history["val_loss"][-1], trainer.evaluate([(x, y)])["loss"], rtol=0, atol=1e-7)
+
+
+def test_drop_last_dropping_every_example_says_so():
+    """Was the generic 'The training data gave no minibatch (Batches)' with a fix that repeats
+    the mistake (batch_size=32 over 7 examples)."""
+    trainer = ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * jnp.sum(b))
+    with pytest.raises(ValueError, match=r"(?s)batch_size=30, drop_last=True\) drops.*its 7 examples.*"
+                                         r"right:  ft\.train\.batches\(\(x, y\), batch_size=7, drop_last=True\)"):
+        trainer.fit(ft.train.batches(np.arange(7.0), 30, drop_last=True), epochs=1, progress=False)

@@ -117,8 +117,21 @@ Its shapes: {shapes}{first}. The error:
 {error}"""
 
 
+ALL_DROPPED = """\
+The training data gave no minibatch: ft.train.batches(..., batch_size={size}, drop_last=True) \
+drops a last minibatch of fewer than {size} examples, and its {n} examples are all fewer.
+
+    wrong:  ft.train.batches((x, y), batch_size={size}, drop_last=True)     # {n} examples
+    right:  ft.train.batches((x, y), batch_size={fit}, drop_last=True)
+       or:  ft.train.batches((x, y), batch_size={size})                     # one minibatch of {n}"""
+
+
 def no_minibatch(data: Any) -> ValueError:
-    """The error of data that gave no minibatch at all."""
+    """The error of data that gave no minibatch at all (:data:`ALL_DROPPED` for a
+    ``drop_last`` :class:`Batches` whose examples are fewer than one minibatch)."""
+    if isinstance(data, Batches) and data.drop_last and isinstance(data.batch_size, int) \
+            and 0 < data.num_examples < data.batch_size:
+        return ValueError(ALL_DROPPED.format(size=data.batch_size, n=data.num_examples, fit=data.num_examples))
     return ValueError(EMPTY_DATA.format(why=f" ({type(data).__name__})"))
 
 

@@ -435,9 +435,10 @@ class Trainer(Evaluation):
         script that restores its latest checkpoint and calls ``fit(data, epochs=N)`` ends
         where the uninterrupted job ends.
 
-        ``data`` is ``ft.train.batches(...)``, arrays / a tuple or dict of arrays (cut into
-        shuffled minibatches of ``batch_size``, default 32), or any iterable of batches
-        (a list, a torch DataLoader, a tf.data Dataset; ``iter(data)`` once per epoch).
+        ``data`` is ``ft.train.batches(...)``, arrays / a tuple or dict of arrays (JAX's,
+        NumPy's or torch tensors; cut into shuffled minibatches of ``batch_size``, default
+        32), or any iterable of batches (a list, a torch DataLoader, a tf.data Dataset;
+        ``iter(data)`` once per epoch; ``batch_size=`` there is refused, as it would not cut it).
         Continuing inside an epoch, ``Batches`` replays from its position, an iterator with
         ``get_state()``/``set_state(state)`` (grain's ``DataLoader`` and dataset
         iterators; a position of JSON values or bytes) is set to the saved position, and

@@ -60,12 +60,14 @@ integer dtypes where they hold the values; these are of another kind (an integer
 floating leaf, or the reverse) or out of range: convert them before loading: {names}"""
 
 META_TENSORS = """\
-ft.from_flat_dict: {names} are torch tensors on the "meta" device: shapes without values (a \
-module built under torch.device("meta")), nothing to load. Give real values:
+{caller}: {names} are torch tensors on the "meta" device: shapes without values (a module \
+built under torch.device("meta"), or by init_empty_weights), nothing to load{strict}. Give \
+real values:
 
-    wrong:  ft.from_flat_dict(template, meta_module.state_dict(), cast=True)
+    wrong:  {caller}({target}, meta_module.state_dict(){options})
     right:  module.to_empty(device="cpu"); module.load_state_dict(torch.load(path))
-            ft.from_flat_dict(template, module.state_dict(), cast=True)"""
+            {caller}({target}, module.state_dict(){options})"""
+
 
 _HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}
 
@@ -238,9 +240,7 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
       Array([1., 1.], dtype=float32)
     """
     olds, treedef, names = _named_leaves(template, "from_flat_dict")
-    meta = meta_names(flat)
-    if meta:  # torch's own error, from the conversion, names no key
-        raise ValueError(META_TENSORS.format(names=meta))
+    check_no_meta(flat, "ft.from_flat_dict", "template", ", cast=True")
     flat = _through_ties(template, flat, frozenset(names))
     if _stacked.wants_members(template, flat, frozenset(names)) and _names_members(template, flat, names):
         out = from_flat_dict(_stacked.expand(template), flat, strict=strict, cast=cast)
@@ -324,9 +324,13 @@ def _python_scalar_fits(old: Any, new: Any) -> bool:
     return kind in ("i", "u") if isinstance(old, int) else kind == "f"
 
 
-def meta_names(flat: Mapping[str, Any]) -> str:
-    """The names of ``flat``'s torch tensors on the "meta" device (no values), listed; "" if none."""
-    return _listed([repr(k) for k, v in flat.items() if getattr(v, "is_meta", False) is True])
+def check_no_meta(flat: Mapping[str, Any], caller: str, target: str, options: str = "", strict: str = "") -> None:
+    """:data:`META_TENSORS` naming ``flat``'s torch tensors on the "meta" device (no values):
+    torch's own error, from the conversion, names no key."""
+    names = [repr(k) for k, v in flat.items() if getattr(v, "is_meta", False) is True]
+    if names:
+        raise ValueError(META_TENSORS.format(caller=caller, names=_listed(names), strict=strict,
+                                             target=target, options=options))
 
 
 def _is_torch_like(x: Any) -> bool:

@@ -18,7 +18,6 @@ from _hypothesis import examples
 from hypothesis import example, given, settings
 
 import functree as ft
-from functree import _state_dict as ft_state_dict
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -1119,13 +1118,15 @@ def test_a_meta_state_dict_names_its_keys_and_the_fix_strict_or_not():
     """Tensors on torch's "meta" device have no values: torch's own copy error (naming no
     key) came out of the conversion, strict=False too; now META_TENSORS names them, strict or
     not, as torch's load_state_dict refuses them under strict=False too (a copy error)."""
-    from functree.interop._torch import META_TENSORS
+    from functree._state_dict import META_TENSORS
+    from functree.interop._torch import META_STRICT
 
     with torch.device("meta"):
         meta = nn.Linear(4, 2)
     with pytest.raises(RuntimeError, match="meta tensor"):  # torch: an error under strict=False too
         nn.Linear(4, 2).load_state_dict(meta.state_dict(), strict=False)
-    expected = META_TENSORS.format(names="'weight', 'bias'")
+    expected = META_TENSORS.format(caller="ft.nn.load_torch_state_dict", names="'weight', 'bias'",
+                                   strict=META_STRICT, target="model", options="")
     for strict in (True, False):
         with pytest.raises(ValueError) as e:
             ft.nn.load_torch_state_dict(ft.nn.Dense(4, 2, key=K[0]), meta.state_dict(), strict=strict)
@@ -1133,7 +1134,8 @@ def test_a_meta_state_dict_names_its_keys_and_the_fix_strict_or_not():
     assert 'right:  module.to_empty(device="cpu")' in expected
     with pytest.raises(ValueError) as e:  # ft.from_flat_dict(cast=True) raised torch's error too
         ft.from_flat_dict({"weight": jnp.zeros((2, 4)), "bias": jnp.zeros(2)}, meta.state_dict(), cast=True)
-    assert str(e.value) == ft_state_dict.META_TENSORS.format(names="'weight', 'bias'")
+    assert str(e.value) == META_TENSORS.format(caller="ft.from_flat_dict", names="'weight', 'bias'",
+                                               strict="", target="template", options=", cast=True")
 
 
 def test_a_module_or_a_list_of_pairs_for_the_state_dict_names_it_and_the_fix():

@@ -237,7 +237,7 @@ def _write_files(staging: str, model: Any, family: Any, weights: dict[str, np.nd
                  "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
         _write_json(os.path.join(staging, INDEX_FILE), index)
     generation = model.hf_config.generation
-    if getattr(model.hf_config, "has_generation", len(generation) > 0):  # an empty one too: read alone
+    if model.hf_config.has_generation:  # an empty one too: Hugging Face reads it alone
         _write_json(os.path.join(staging, "generation_config.json"), _versioned(generation.to_dict()))
     _write_json(os.path.join(staging, "config.json"), _config_json(model, family, weights))
 

@@ -50,6 +50,7 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -65,8 +66,8 @@ from functree._state_dict import (
     TORCH_CAST_HINT,
     FlatDictReport,
     castable,
+    check_no_meta,
     from_flat_dict,
-    meta_names,
     to_flat_dict,
     to_numpy,
 )
@@ -166,16 +167,9 @@ PAIRS_GIVEN = """
     wrong:  ft.nn.load_torch_state_dict(model, pairs)   # [(name, tensor), ...]
     right:  ft.nn.load_torch_state_dict(model, dict(pairs))"""
 
-META_TENSORS = """\
-ft.nn.load_torch_state_dict: the state dict's {names} are on torch's "meta" device: shapes \
-without values (a module built under torch.device("meta"), or by init_empty_weights). There \
-is nothing to load, with strict=False too (torch's load_state_dict refuses them the same way). \
-Load real weights:
-
-    wrong:  ft.nn.load_torch_state_dict(model, meta_module.state_dict())
-    right:  module.to_empty(device="cpu"); module.load_state_dict(torch.load(path))
-            ft.nn.load_torch_state_dict(model, module.state_dict())
-       or:  ft.nn.load_torch_state_dict(model, "model.safetensors")   # the checkpoint file"""
+# META_TENSORS' {strict} here: unlike a missing key, a meta tensor left out would leave the
+# model's initial values where the caller meant weights.
+META_STRICT = " (with strict=False too, as torch's load_state_dict refuses them)"
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
@@ -407,29 +401,22 @@ class _Abstract:
         return _Abstract(self.shape[1:], self.dtype)
 
 
-# The torch shapes each rule's to_torch gives for the ft leaves' shapes and dtypes, traced
-# (jax.eval_shape: nothing built) once per conversion function and signature; the rule
-# factories of interop._layouts are memoized, so a Stack's members share one entry.
-_TORCH_SHAPES: dict[Any, tuple[tuple[int, ...], ...]] = {}
-_TORCH_SHAPES_LIMIT = 4096
-
-
 def _torch_shapes(rule: _Rule, leaves: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
     """The shapes of ``rule.to_torch(*leaves)`` without computing it (``leaves``: arrays or
     placeholders; only their shapes are read): concatenating a fused
     projection's zero-stride placeholders built the whole tensor (48 GiB for a config.json
     claiming n_embd=65536 beside a 30 KB file) before any shape was compared."""
-    signature = tuple(tuple(int(d) for d in np.shape(v)) for v in leaves)
-    key = (rule.to_torch, signature)
-    shapes = _TORCH_SHAPES.get(key)
-    if shapes is None:  # traced in float32 whatever the dtypes: a relayout's shapes do not depend on
-        # them, and JAX holds no NumPy object or string array (nor float64 without x64)
-        structs = [jax.ShapeDtypeStruct(shape, np.float32) for shape in signature]
-        shapes = tuple(tuple(out.shape) for out in jax.eval_shape(rule.to_torch, *structs))
-        if len(_TORCH_SHAPES) >= _TORCH_SHAPES_LIMIT:
-            _TORCH_SHAPES.clear()
-        _TORCH_SHAPES[key] = shapes
-    return shapes
+    return _traced_shapes(rule.to_torch, tuple(tuple(int(d) for d in np.shape(v)) for v in leaves))
+
+
+# Traced once per conversion function and signature: the rule factories of interop._layouts
+# are memoized, so a Stack's members share one entry.
+@functools.lru_cache(maxsize=4096)
+def _traced_shapes(to_torch: Callable[..., Any], shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    # traced in float32 whatever the dtypes: a relayout's shapes do not depend on them, and
+    # JAX holds no NumPy object or string array (nor float64 without x64)
+    structs = [jax.ShapeDtypeStruct(shape, np.float32) for shape in shapes]
+    return tuple(tuple(out.shape) for out in jax.eval_shape(to_torch, *structs))
 
 
 def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
@@ -571,16 +558,14 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
 
 def _check_given(state_dict: Any) -> None:
     """Raise :data:`NOT_A_STATE_DICT` for what is no mapping (a torch module, a list of pairs),
-    :data:`META_TENSORS` for tensors without values (strict or not: unlike a missing key,
+    :data:`~functree._state_dict.META_TENSORS` for tensors without values (strict or not: unlike a missing key,
     loading them would leave the model's initial values where the caller meant weights)."""
     if not callable(getattr(state_dict, "items", None)):
         fix = (MODULE_GIVEN if callable(getattr(state_dict, "state_dict", None))
                else PAIRS_GIVEN if isinstance(state_dict, (list, tuple)) else "")
         kind = f"{type(state_dict).__module__}.{type(state_dict).__qualname__}"
         raise TypeError(NOT_A_STATE_DICT.format(kind=kind.removeprefix("builtins."), fix=fix))
-    meta = meta_names(state_dict)
-    if meta:
-        raise ValueError(META_TENSORS.format(names=meta))
+    check_no_meta(state_dict, "ft.nn.load_torch_state_dict", "model", strict=META_STRICT)
 
 
 def _as_given(report: FlatDictReport, state_dict: Mapping[str, Any], rename: Rename) -> FlatDictReport:

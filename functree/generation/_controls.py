@@ -155,8 +155,7 @@ def _distribution(scores: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
     No ``-inf`` enters ``exp``, ``log`` or a product: ``-inf * 0`` is NaN even in the branch a
     ``jnp.where`` does not take, and a CPU's vectorized ``exp(-inf)`` is the one input a
-    polynomial kernel may get wrong. (A CI machine once saw ``H = 0`` for an entropy of 3.6
-    nats: eta's cutoff became ``e`` itself and removed 80% of the kept mass.)"""
+    polynomial kernel may get wrong."""
     kept = scores > LOWEST
     shifted = jnp.where(kept, scores - jnp.max(scores, axis=-1, keepdims=True), 0.0)
     e = jnp.where(kept, jnp.exp(shifted), 0.0)
@@ -563,8 +562,9 @@ class EtaCutoff(Control):
 
     Compared in logs, ``log p < min(log e, log(e) / 2 - H)`` (``log e`` taken on the host): the
     same set, with no ``exp`` of ``H``. (Twice a CI machine's compiled loop removed the first
-    step's tokens below ``e`` itself, as if ``H = 0``, where ``H`` is 3.6 nats; the records
-    alone, and every machine here, give HF's set.)"""
+    step's tokens below ``e`` itself, as if ``H = 0`` where it is 3.6 nats; XLA had fused the
+    ``exp`` into the entropy's reduction, ``exp(sum(p log p))`` in one kernel, which no other
+    machine got wrong.)"""
 
     log_epsilon: Any
     keywords = ("eta_cutoff",)

@@ -543,20 +543,41 @@ def test_config_rejects_non_bool():
         pass
 
 
-@pytest.mark.parametrize(
-    "value, expected", [("0", "False"), ("off", "False"), ("1", "True"), ("", "True")]
-)
-def test_environment_variable(value, expected):
-    env = {**os.environ, "FUNCTREE_DIAGNOSTICS": value}
-    code = "import functree as ft; print(ft.config.diagnostics)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == expected, out.stderr
+@pytest.mark.parametrize("value, expected", [("0", False), ("off", False), ("1", True), ("", True)])
+def test_environment_variable(monkeypatch, value, expected):
+    # ft.config is a Config built at import: a fresh Config reads the variable as import
+    # does (test_environment_variable_typo_is_an_error imports functree under it, once).
+    monkeypatch.setenv("FUNCTREE_DIAGNOSTICS", value)
+    assert type(ft.config)().diagnostics is expected
 
 
-def test_environment_variable_typo_is_an_error():
+# One interpreter for both imports (a start + jax import is ~3 CPU-s): a typo stops the
+# import with the message; then, the variable fixed, functree imports again (its modules
+# dropped, jax kept) and reads "off".
+_IMPORT_TWICE = """\
+import os, sys, traceback
+try:
+    import functree
+except ValueError:
+    traceback.print_exc()
+else:
+    sys.exit("imported under a typo")
+os.environ["FUNCTREE_DIAGNOSTICS"] = "off"
+for name in [m for m in sys.modules if m == "functree" or m.startswith("functree.")]:
+    del sys.modules[name]
+import functree as ft
+print(ft.config.diagnostics)
+"""
+
+
+def test_environment_variable_typo_is_an_error(monkeypatch):
     env = {**os.environ, "FUNCTREE_DIAGNOSTICS": "maybe"}
-    out = subprocess.run([sys.executable, "-c", "import functree"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", _IMPORT_TWICE], env=env, capture_output=True, text=True)
     assert "FUNCTREE_DIAGNOSTICS='maybe' is not a switch" in out.stderr
+    assert out.stdout.strip() == "False", out.stderr  # read at import
+    monkeypatch.setenv("FUNCTREE_DIAGNOSTICS", "maybe")
+    with pytest.raises(ValueError, match="FUNCTREE_DIAGNOSTICS='maybe' is not a switch"):
+        type(ft.config)()
 
 
 def test_report_text_and_html():

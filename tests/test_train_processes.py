@@ -149,9 +149,12 @@ make = lambda: moved(ft.nn.from_hf(CONFIG, key=jax.random.key(0)))
 PROMPT = np.array([[1, 5, 9, 3], [2, 7, 7, 4]], np.int32)  # 4 + 4 tokens: a larger bucket, cropped
 """
 
-# generate on a model sharded over both processes' 4 devices (from tests/test_generation.py)
+# generate on a model sharded over both processes' 4 devices (from tests/test_generation.py):
+# the model the test's process built and saved, each process's copy sharded over the mesh
+# (building it here compiled its initialisation in each process: ~3 CPU-s each)
 GENERATE = GENERATE_MODEL + """
-tokens, scores = ft.nn.generate(ft.shard(make, mesh, "fsdp"), PROMPT, 4, return_scores=True)
+sharded = ft.shard(ft.train.load(out + "/generate_model"), mesh, "fsdp")
+tokens, scores = ft.nn.generate(sharded, PROMPT, 4, return_scores=True)
 got = {"local": sorted(d.id for d in jax.local_devices()), "mesh": sorted(d.id for d in mesh.devices.flat),
        "tokens_on": sorted(d.id for d in tokens.devices()), "scores_on": sorted(d.id for d in scores.devices()),
        "tokens": np.asarray(tokens).tolist(), "scores": np.asarray(scores).tolist()}
@@ -181,7 +184,8 @@ def one_process_trainer():
 def job(tmp_path_factory):
     """Two processes train 2 epochs (8 steps each) with ModelCheckpoint, after a refused save;
     then, in the same two processes, a new Trainer resumes the job from its step-8 checkpoint
-    and loads a model this process wrote whole (one start-up and compilation for both)."""
+    and loads a model this process wrote whole (one start-up and compilation for both). The
+    model of the 2-process generate is built here once and read by the workers."""
     out = tmp_path_factory.mktemp("job")
     # the workers read the digits from a file: importing scikit-learn costs each ~2 CPU-s
     x, y = digits(512)
@@ -191,12 +195,16 @@ def job(tmp_path_factory):
         {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": "other job"}))
     model = one_process_trainer()[0].model
     ft.train.save(out / "single", model)
-    return out, run_job(out), model
+    scope: dict[str, Any] = {"jax": jax, "np": np}
+    exec(GENERATE_MODEL, scope)
+    generating = jax.jit(scope["make"])()  # one program, not the eager initialisation's many
+    ft.train.save(out / "generate_model", generating)
+    return out, run_job(out), model, (generating, scope["PROMPT"])
 
 
 @pytest.mark.slow
 def test_two_processes_save_as_one_and_restore_in_one_process(job):
-    out, outs, _ = job
+    out, outs, _, _ = job
     for o in outs:  # the other job's lock: refused on both processes, nothing written
         assert "Another writer" in o["refused"] and o["files"] == ["16", "8"]
     assert "pid" in outs[0]["refused"] and "primary process" in outs[1]["refused"]
@@ -219,7 +227,7 @@ def test_two_processes_save_as_one_and_restore_in_one_process(job):
 
 @pytest.mark.slow
 def test_two_processes_resume_to_the_uninterrupted_result(job):
-    _, outs, model = job
+    _, outs, model, _ = job
     resumed = [o["resumed"] for o in outs]
     for o in resumed:
         assert "error" not in o, o["error"]
@@ -231,7 +239,7 @@ def test_two_processes_resume_to_the_uninterrupted_result(job):
 
 
 def test_a_damaged_shard_checksum_is_named_with_its_shard(job):
-    out, _, _ = job
+    out, _, _, _ = job
     path = out / "ckpt" / "8" / "meta" / "metadata"
     original = path.read_text()
     meta = json.loads(original)
@@ -248,7 +256,7 @@ def test_a_damaged_shard_checksum_is_named_with_its_shard(job):
 
 @pytest.mark.slow
 def test_two_processes_save_what_each_made_and_refuse_text_on_every_process(job):
-    out, outs, _ = job
+    out, outs, _, _ = job
     for got in claimed(outs, "portable"):
         assert got["restored"] == [[1.0, 1.0], "ArrayImpl", 3, [1.0, 1.0], "ArrayImpl"], got
         assert got["bad"].startswith("The leaf 'note' is str 'warm start'"), got["bad"]
@@ -263,9 +271,8 @@ def test_a_model_sharded_over_two_processes_returns_tokens_each_process_reads(jo
     # D9: the cropped tokens were committed to one device of the mesh, taken from a set: in
     # a 2-process job often another process's (np.asarray raised JAX's non-addressable
     # error); they now keep the loop's placement (replicated over the mesh), as uncropped ones
-    scope: dict[str, Any] = {"jax": jax, "np": np}
-    exec(GENERATE_MODEL, scope)
-    tokens, scores = ft.nn.generate(scope["make"](), scope["PROMPT"], 4, return_scores=True)  # one device
+    model, prompt = job[3]  # the model the workers sharded, on this process's one device
+    tokens, scores = ft.nn.generate(model, prompt, 4, return_scores=True)
     top2 = np.sort(np.asarray(scores), axis=-1)[..., -2:]
     assert (top2[..., 1] - top2[..., 0]).min() > 1e-3  # clear top-1 margins: equal tokens are not luck
     for out in claimed(job[1], "generate"):

@@ -217,6 +217,19 @@ def test_every_python_block_runs(page, tmp_path):
     assert result.returncode == 0, f"{page_id(page)}: a block fails as pasted\n{result.stderr[-6000:]}"
 
 
+@pytest.fixture(scope="module")
+def blocks_process(tmp_path_factory):
+    """(functree's file, the device count) in a process with a page's environment of 8 CPU
+    devices: one process start (python + jax + functree, ~2 CPU-s) serves both tests below,
+    the PYTHONPATH (functree from the checkout) and the device count being one environment's."""
+    found = subprocess.run([sys.executable, "-c", "import functree, jax; print(functree.__file__); "
+                            "print(jax.device_count())"], cwd=tmp_path_factory.mktemp("blocks"),
+                           env=block_environment(8), capture_output=True, text=True, timeout=300)
+    assert found.returncode == 0, found.stderr[-3000:]
+    functree_file, device_count = found.stdout.splitlines()
+    return functree_file, device_count
+
+
 def test_blocks_are_found_and_titles_are_read(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(textwrap.dedent('''\
@@ -251,7 +264,7 @@ def test_blocks_are_found_and_titles_are_read(tmp_path):
         ("", True), ("Needs: the Hugging Face Hub", False), ("", False)]
 
 
-def test_pages_that_import_a_missing_package_are_skipped_and_functree_comes_from_the_checkout(tmp_path):
+def test_pages_that_import_a_missing_package_are_skipped_and_functree_comes_from_the_checkout(tmp_path, blocks_process):
     page = tmp_path / "page.md"
     page.write_text(textwrap.dedent('''\
         ```python
@@ -269,20 +282,18 @@ def test_pages_that_import_a_missing_package_are_skipped_and_functree_comes_from
     assert missing_packages(spec) == ["no_such_package_here"]  # a block not run needs nothing
     env = block_environment()
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
-    found = subprocess.run([sys.executable, "-c", "import functree; print(functree.__file__)"], cwd=tmp_path,
-                           env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
-    assert found.returncode == 0, found.stderr[-3000:]
-    assert pathlib.Path(found.stdout.strip()).resolve().parent == ROOT / "functree"
+    assert block_environment(8)["PYTHONPATH"] == env["PYTHONPATH"]  # blocks_process ran in it
+    functree_file, _ = blocks_process
+    assert pathlib.Path(functree_file).resolve().parent == ROOT / "functree"
 
 
-def test_a_page_asks_for_simulated_devices(tmp_path):
+def test_a_page_asks_for_simulated_devices(tmp_path, blocks_process):
     page = tmp_path / "page.md"
     page.write_text("Text.\n<!-- blocks run with 8 CPU devices -->\n")
     assert page_devices(page) == 8
     env = block_environment(8)
     assert env["XLA_FLAGS"].startswith(os.environ.get("XLA_FLAGS", "").strip())  # appended
-    counted = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=300)
-    assert counted.stdout.strip() == "8", counted.stderr[-3000:]
+    _, device_count = blocks_process
+    assert device_count == "8"
     page.write_text("Text.\n")
     assert page_devices(page) is None and "JAX_PLATFORMS" not in block_environment(None).keys() - os.environ.keys()

@@ -118,9 +118,9 @@ def test_causal_flag_equals_a_lower_triangular_mask(key):
     mha = ft.nn.MultiheadAttention(4, 2, causal=True, key=key)
     x = jax.random.normal(jax.random.key(1), (3, 5, 4))
     tril = jnp.tril(jnp.ones((5, 5), bool))
-    np.testing.assert_allclose(mha(x), mha.replace(causal=False)(x, mask=tril), rtol=1e-5, atol=1e-6)
-    y2 = mha(x.at[:, 3:].set(100.0))
-    np.testing.assert_allclose(mha(x)[:, :3], y2[:, :3], rtol=1e-5, atol=1e-5)
+    y, masked, y2 = jax.jit(lambda m, x: (m(x), m.replace(causal=False)(x, mask=tril), m(x.at[:, 3:].set(100.0))))(mha, x)
+    np.testing.assert_allclose(y, masked, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y[:, :3], y2[:, :3], rtol=1e-5, atol=1e-5)
 
 
 def test_attention_dropout(key):
@@ -142,9 +142,8 @@ def test_attention_dropout(key):
 def test_bfloat16_attention_under_strict_promotion(key):
     mha = ft.nn.MultiheadAttention(8, 2, key=key, dtype=jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (2, 4, 8)).astype(jnp.bfloat16)
-    y = mha(x)
+    y, reference = jax.jit(lambda m, x: (m(x), _explicit(_x32(m), x.astype(jnp.float32))))(mha, x)
     assert y.dtype == jnp.bfloat16
-    reference = _explicit(_x32(mha), x.astype(jnp.float32))
     np.testing.assert_allclose(y.astype(jnp.float32), reference, rtol=0.05, atol=0.05)
 
 
@@ -155,8 +154,9 @@ def _x32(tree):
 def test_dot_product_attention_gradients_match_the_hand_written_ones(key):
     mha = ft.nn.MultiheadAttention(4, 2, causal=True, key=key)
     x = jax.random.normal(jax.random.key(1), (2, 5, 4))
-    fused = jax.grad(lambda m: jnp.sum(jnp.sin(m(x))))(mha)
-    explicit = jax.grad(lambda m: jnp.sum(jnp.sin(_explicit(m, x, causal=True))))(mha)
+    # one jitted program for both (eagerly every operation of both gradients compiled apart)
+    fused, explicit = jax.jit(lambda m: (jax.grad(lambda m: jnp.sum(jnp.sin(m(x))))(m),
+                                         jax.grad(lambda m: jnp.sum(jnp.sin(_explicit(m, x, causal=True))))(m)))(mha)
     for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(explicit)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -424,10 +424,11 @@ def test_sliding_window_equals_a_band_mask_with_and_without_a_cache(key):
     x = jax.random.normal(jax.random.key(1), (2, 7, 16))
     i, j = np.arange(7)[:, None], np.arange(7)[None]
     band = jnp.asarray((j <= i) & (j > i - 3))
-    expected = mha.replace(window=None, causal=False)(x, mask=band)
+    windowed, expected, causal = jax.jit(lambda m, x: (m(x), m.replace(window=None, causal=False)(x, mask=band),
+                                                       m.replace(window=None)(x)))(mha, x)
     atol = 1e-5 * float(np.abs(expected).max())
-    np.testing.assert_allclose(mha(x), expected, rtol=0, atol=atol)
-    assert not np.allclose(mha.replace(window=None)(x), expected, atol=atol)  # the window matters here
+    np.testing.assert_allclose(windowed, expected, rtol=0, atol=atol)
+    assert not np.allclose(causal, expected, atol=atol)  # the window matters here
     np.testing.assert_allclose(_decode(mha, x, [3, 1, 1, 1, 1])[0], expected, rtol=0, atol=atol)
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match=r"window must be an int >= 1 .* got"):
@@ -475,7 +476,7 @@ def test_a_query_with_every_key_masked_is_what_the_docstring_says(key):
     q, kv = np.random.default_rng(0).normal(size=(2, 2, 5, 8)).astype(np.float32)
     mask = np.ones((2, 1, 5, 5), bool)
     mask[1, :, 0] = False  # query 0 of example 1 sees no key
-    y = mha(jnp.asarray(q), jnp.asarray(kv), mask=jnp.asarray(mask))
+    y = jax.jit(lambda m, q, kv, mask: m(q, kv, mask=mask))(mha, jnp.asarray(q), jnp.asarray(kv), jnp.asarray(mask))
     values = np.asarray(kv[1], np.float64) @ np.asarray(mha.value_projection.weight) + np.asarray(mha.value_projection.bias)
     expected = values.mean(0) @ np.asarray(mha.output_projection.weight) + np.asarray(mha.output_projection.bias)
     np.testing.assert_allclose(y[1, 0], expected, rtol=0, atol=1e-5)

@@ -1,5 +1,7 @@
 """Training a subset of the parameters: Optimizer(wrt=) and Trainer(wrt=)."""
 
+import fnmatch
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,3 +247,46 @@ def test_member_pattern_errors():
         ft.optim.Optimizer(ft.optim.adam(), wrt="h.9.*").init(deep())
     with pytest.raises(ValueError, match=r"wrt='hx\.1\.\*'\) selects no parameter(.|\n)*'h\.1\.weight'"):
         ft.optim.Optimizer(ft.optim.adam(), wrt="hx.1.*").init(deep())
+
+
+@pytest.fixture(scope="module")
+def bert():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16)
+    return ft.nn.from_hf(transformers.BertModel(config).eval())
+
+
+@pytest.mark.parametrize(("written", "right"), [
+    ("*.attention.self.value.*", "encoder.layer.*.attention.value_projection.*"),
+    ("encoder.layer.*.attention.self.query.weight", "encoder.layer.*.attention.query_projection.weight"),
+    ("encoder.layer.1.output.dense.*", "encoder.layer.1.output.*"),
+    ("pooler.dense.*", "pooler.*"),
+])
+def test_a_pattern_in_hugging_faces_names_gets_functrees_pattern_of_the_same_parameters(bert, written, right):
+    """A from_hf BERT's wrt= written with HF's module names: the fix is the functree pattern
+    selecting the very parameters HF's names do. Before, a fuzzy match of one part at a time:
+    'encoder.layer.1.attention_norm.scale' for '*.attention.self.value.*', layer 1 alone for
+    'encoder.layer.*...', 'pooler.bias' (the weight dropped) for 'pooler.dense.*'."""
+    model = bert
+    with pytest.raises(ValueError) as error:
+        ft.optim.Optimizer(optax.sgd(0.1), wrt=written).init(model)
+    assert f'right:  ft.optim.Optimizer(tx, wrt="{right}")  # Hugging Face\'s {written!r}' in str(error.value)
+    # the fix trains what HF's names select: one step, read back in HF's names
+    opt = ft.optim.Optimizer(optax.sgd(1e4), wrt=right)  # (HF's 0.02-scale weights: tiny query gradients)
+    ids = jnp.asarray([[1, 5, 7, 2]], jnp.int32)
+
+    def loss(m, x):
+        hidden = m(x)
+        return jnp.sum(jnp.square(hidden)) + jnp.sum(jnp.square(m.pooler(hidden[:, 0])))
+
+    stepped = opt.minimize(loss, model, opt.init(model), ids)[0]
+    before, after = ft.hf.to_hf_state_dict(model, numpy=True), ft.hf.to_hf_state_dict(stepped, numpy=True)
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed == {k for k in before if fnmatch.fnmatchcase(k, written)} != set()
+
+
+def test_a_pattern_close_to_no_name_says_its_example_is_one_to_choose_from():
+    with pytest.raises(ValueError, match=r'wrt="[a-z.]+"\)  # a name above \(no parameter\'s name is close\)'):
+        ft.optim.Optimizer(optax.sgd(0.1), wrt="zzz.qqq").init(net())

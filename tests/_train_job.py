@@ -226,12 +226,19 @@ def _program_only(text: str) -> str:
     return re.sub(r"%[\w.\-]+", lambda m: f"%{order.setdefault(m.group(), len(order))}", text)
 
 
-def _program(config: dict, directory: str) -> None:
+def _program(config: dict, directory: str, out: str | None = None) -> None:
     """The job of ``config`` straight through, then the digests of its step program (in a
-    fresh process: the program must not depend on the process)."""
+    fresh process: the program must not depend on the process), printed or written whole
+    to the file ``out`` (a rename: a reader never sees part of it)."""
     t = trainer(config["accumulate"], config["steps_per_call"])
     fit(t, config, directory)
-    print(json.dumps(step_program(t, (X[:10], Y[:10]))), flush=True)
+    digests = json.dumps(step_program(t, (X[:10], Y[:10])))
+    if out is None:
+        print(digests, flush=True)
+        return
+    with open(out + ".part", "w") as f:
+        f.write(digests)
+    os.replace(out + ".part", out)
 
 
 def _sigkill(directory: str, config: dict) -> None:

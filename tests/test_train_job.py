@@ -337,15 +337,20 @@ def test_sigterm_saves_at_the_current_step_and_stops(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-# One child for the subprocess scenarios (each new process starts JAX and compiles again):
-# the Ctrl-C trials, then two checkpointing jobs side by side in threads, so that one
-# SIGKILL lands at a random moment of each.
+# One child for the subprocess scenarios (each new process starts JAX and compiles again,
+# ~4 CPU-s): the digests of PROGRAM_CONFIG's step program first (written to a file, for
+# test_a_restored_job_runs_the_very_program_of_the_uninterrupted_one); then, once told "go"
+# on its stdin (only the SIGKILL test asks), the Ctrl-C trials, then two checkpointing jobs
+# side by side in threads, so that one SIGKILL lands at a random moment of each.
 CHILD = """
 import json, sys, threading
 import _train_job as job
 
-job._sigint(int(sys.argv[1]), int(sys.argv[2]))  # first, in the main thread (where signals land)
-runs = json.loads(sys.argv[3])
+job._program(json.loads(sys.argv[1]), sys.argv[2], out=sys.argv[3])
+if sys.stdin.readline().strip() != "go":
+    sys.exit(0)
+job._sigint(int(sys.argv[4]), int(sys.argv[5]))  # first, in the main thread (where signals land)
+runs = json.loads(sys.argv[6])
 for _, config in runs:  # compile each job's programs before either job starts
     spc = config["steps_per_call"]
     job.trainer(config["accumulate"], spc).fit(job.data(config["kind"], config["n_batches"]), steps=2 * spc,
@@ -357,34 +362,55 @@ for thread in jobs:
     thread.join()
 """
 
+PROGRAM_CONFIG = {"every_steps": 3, "log_every": LOG, "steps_per_call": 1, "accumulate": 2, "n_batches": 4,
+                  "kind": "positioned", "epochs": 3, "min_delta": 0.0}
 
-def _child(*args):
-    env = job.child_env(str(HERE.parent), str(HERE))  # the child's programs are this process's
-    return subprocess.Popen([sys.executable, "-c", CHILD, *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+KILLED_CONFIGS = [  # minibatches of 10 (n_batches=4: the same data here and in the child)
+    {"every_steps": 3, "log_every": LOG, "steps_per_call": 1, "accumulate": 1, "n_batches": 4,
+     "kind": "batches", "epochs": 6, "min_delta": 0.0},
+    {"every_steps": 4, "log_every": LOG, "steps_per_call": 2, "accumulate": 2, "n_batches": 4,
+     "kind": "positioned", "epochs": 6, "min_delta": 0.0},
+]
+
+
+class Child(NamedTuple):
+    process: subprocess.Popen
+    program: Path  # where the child writes its step program's digests
+    runs: list  # (directory, config) of the jobs it runs once told "go"
+
+
+@pytest.fixture(scope="module")
+def child(tmp_path_factory):
+    """The subprocess of :data:`CHILD`, another PYTHONHASHSEED than this process's (its
+    programs must not depend on the process), killed at the module's end."""
+    root = tmp_path_factory.mktemp("child")
+    runs = [(str(root / f"run{i}"), c) for i, c in enumerate(KILLED_CONFIGS)]
+    env = dict(job.child_env(str(HERE.parent), str(HERE)), PYTHONHASHSEED="7")  # the child's programs are ours
+    args = [json.dumps(PROGRAM_CONFIG), str(root / "program-job"), str(root / "program.json"), 20, 0, json.dumps(runs)]
+    process = subprocess.Popen([sys.executable, "-c", CHILD, *map(str, args)], env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield Child(process, root / "program.json", runs)
+    if process.poll() is None:
+        process.kill()
+    process.communicate()
 
 
 @pytest.mark.slow
-def test_sigkill_and_sigint_in_subprocesses(tmp_path, straight_job):
+def test_sigkill_and_sigint_in_subprocesses(child, straight_job):
     """A real SIGKILL at a random moment of two jobs, resumed here bit for bit; and 20
     Ctrl-Cs at random moments of a dispatch-bound fit: no lost model, no stuck trainer."""
-    configs = [  # minibatches of 10 (n_batches=4: the same data here and in the child)
-        {"every_steps": 3, "log_every": LOG, "steps_per_call": 1, "accumulate": 1, "n_batches": 4,
-         "kind": "batches", "epochs": 6, "min_delta": 0.0},
-        {"every_steps": 4, "log_every": LOG, "steps_per_call": 2, "accumulate": 2, "n_batches": 4,
-         "kind": "positioned", "epochs": 6, "min_delta": 0.0},
-    ]
-    runs = [(str(tmp_path / f"run{i}"), c) for i, c in enumerate(configs)]
-    child = _child(20, 0, json.dumps(runs))
+    process, _, runs = child
+    process.stdin.write("go\n")
+    process.stdin.flush()
     deadline = time.monotonic() + 300
     while any(ft.train.CheckpointManager(d).latest_step() is None for d, _ in runs):
-        if child.poll() is not None or time.monotonic() > deadline:
-            child.kill()
-            pytest.fail(f"the jobs never saved a checkpoint: {child.communicate()}")
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the jobs never saved a checkpoint: {process.communicate()}")
         time.sleep(0.05)
     time.sleep(float(np.random.default_rng(1).uniform(0, 0.3)))
-    child.send_signal(signal.SIGKILL)
-    out, err = child.communicate()  # waits, and closes its pipes
+    process.send_signal(signal.SIGKILL)
+    out, err = process.communicate()  # waits, and closes its pipes
     for directory, config in runs:
         resumed, cbs = resume(config, directory)
         straight, straight_cbs, _ = straight_job(config)
@@ -407,15 +433,14 @@ class _Compiles(logging.Handler):
             self.names.append(record.getMessage()[:120])
 
 
-def test_a_restored_job_runs_the_very_program_of_the_uninterrupted_one(tmp_path):
+def test_a_restored_job_runs_the_very_program_of_the_uninterrupted_one(tmp_path, child):
     """Resume is bit for bit on every backend only if the restored job runs the program the
     uninterrupted one runs (issue 44 item 3: on a GPU another program is compiled and
     autotuned again, and may round otherwise). The restored arrays are keyed as the
     step's own outputs (dtype, shape, weak type, sharding, committed), the resumed fit
     compiles nothing, and the step program's lowered and compiled text is the same here,
-    after the restore, and in a fresh process (another PYTHONHASHSEED)."""
-    config = {"every_steps": 3, "log_every": LOG, "steps_per_call": 1, "accumulate": 2, "n_batches": 4,
-              "kind": "positioned", "epochs": 3, "min_delta": 0.0}
+    after the restore, and in a fresh process (another PYTHONHASHSEED: the module's child)."""
+    config = PROGRAM_CONFIG
     straight = job.trainer(config["accumulate"], config["steps_per_call"])
     job.fit(straight, config, tmp_path / "straight")
     resumed = job.trainer(config["accumulate"], config["steps_per_call"]).restore(tmp_path / "straight", step=6)
@@ -433,11 +458,13 @@ def test_a_restored_job_runs_the_very_program_of_the_uninterrupted_one(tmp_path)
     batch = (job.X[:SIZE], job.Y[:SIZE])
     here = job.step_program(straight, batch)
     assert job.step_program(resumed, batch) == here
-    env = dict(job.child_env(str(HERE.parent), str(HERE)), PYTHONHASHSEED="7")
-    code = f"import _train_job as job; job._program({json.dumps(config)}, {str(tmp_path / 'child')!r})"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.splitlines()[-1]) == here
+    deadline = time.monotonic() + 300
+    while not child.program.exists():  # written whole (a rename) by the child's first scenario
+        if child.process.poll() is not None or time.monotonic() > deadline:
+            child.process.kill()
+            pytest.fail(f"the child wrote no program: {child.process.communicate()}")
+        time.sleep(0.05)
+    assert json.loads(child.program.read_text()) == here
 
 
 # --- the job's state (issue 38): one record, saved and restored as it is ------------------------

@@ -199,7 +199,7 @@ def test_grouped_and_multi_query_attention_match_a_hand_written_reference(key, k
     fused = jax.jit(lambda m, x: m(x))(mha, x)  # jax.nn.dot_product_attention
     np.testing.assert_allclose(fused, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     with jax.enable_x64(True):
-        explicit = _x64(mha)(x.astype(jnp.float64))  # the hand-written path (float64 takes it)
+        explicit = jax.jit(lambda m, x: m(x))(_x64(mha), x.astype(jnp.float64))  # the hand-written path (float64 takes it)
         np.testing.assert_allclose(explicit, expected, rtol=0, atol=1e-12 * np.abs(expected).max())
 
 

@@ -278,7 +278,8 @@ def _resid_port():
 def test_value_with_gradient_and_state_advances_the_keys():
     model = _resid_port()
     ids = np.zeros((1, 4), np.int32)
-    _, _, state = ft.nn.value_with_gradient_and_state(lambda m: jnp.sum(m(ids)), model)
+    # one compiled program (as a train step runs it): op by op it was most of the test's time
+    _, _, state = jax.jit(lambda m: ft.nn.value_with_gradient_and_state(lambda m: jnp.sum(m(ids)), m))(model)
     after = ft.nn.apply_state(model, state)
     old, new = (np.asarray(m.transformer.h.layers.attn.dropout_key) for m in (model, after))
     assert old.shape == new.shape == (3, 2) and not np.array_equal(old, new)
@@ -521,17 +522,24 @@ def test_accumulated_microbatches_draw_masks_of_their_own(rates):
     # identical rows gave identical outputs (with accumulate=1 they differ). Microbatch i now
     # folds i into every key drawn from a stored key; the keys recorded for the next step are
     # the unsalted ones, the same for any k, and with k=1 the step is the plain call's.
-    # Each call below runs as one jitted program (as a train step runs it): eagerly, each of
-    # their operations compiled apart (141 programs, ~8 CPU-s of the test's 12).
+    # The four calls below (the plain call, the steps with k = 1 and 2, microbatch 1's call)
+    # run as ONE jitted program, as a train step runs them: eagerly, each of their operations
+    # compiled apart (141 programs); as four programs, 4 compiles of ~1.5 CPU-s.
     model = ft.nn.training(ft.nn.from_hf(gpt2_config(**rates), dropout=True, key=jax.random.key(0)))
     ids = np.tile(np.arange(1, 9, dtype=np.int32)[None], (2, 1))
-    call = jax.jit(lambda m, rows: ft.nn.collect_state(lambda m: m(rows), m))
-    plain, plain_state = call(model, ids)
+    opts = {k: ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k) for k in (1, 2)}
+
+    @jax.jit
+    def calls(m):
+        plain = ft.nn.collect_state(lambda m: m(ids), m)
+        steps = {k: opt.minimize(mean_square, m, opt.init(m), ids, has_aux=True) for k, opt in opts.items()}
+        with salted_keys(1):  # microbatch 1's masks: the row's call with salt 1 (traced here)
+            second, _ = ft.nn.collect_state(lambda m: m(ids[1:]), m)
+        return plain, steps, second
+
+    (plain, plain_state), steps, second = calls(model)
     results = {}
-    for k in (1, 2):
-        opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k)
-        minimize = jax.jit(lambda m: opt.minimize(mean_square, m, opt.init(m), ids, has_aux=True))  # noqa: B023
-        new, _, (_, out) = minimize(model)
+    for k, (new, _, (_, out)) in steps.items():
         out = np.asarray(out).reshape(plain.shape)
         results[k] = out, np.asarray(new.transformer.h.layers.attn.dropout_key)
         assert float(np.max(np.abs(out[0] - out[1]))) > 1e-3 * float(np.abs(out).max())  # the rows' masks differ
@@ -539,8 +547,6 @@ def test_accumulated_microbatches_draw_masks_of_their_own(rates):
     (recorded,) = plain_state.values()
     np.testing.assert_array_equal(results[1][1], np.asarray(recorded))
     np.testing.assert_array_equal(results[2][1], np.asarray(recorded))
-    with salted_keys(1):  # microbatch 1's masks: the row's call with salt 1 (traced here)
-        second, _ = jax.jit(lambda m: ft.nn.collect_state(lambda m: m(ids[1:]), m))(model)
     np.testing.assert_allclose(results[2][0][1], np.asarray(second)[0], rtol=0,
                                atol=1e-6 * float(np.abs(second).max()))
 
@@ -572,10 +578,12 @@ out = {}
 for name, model, row, key_path in (("gpt2", gpt2, np.arange(1, 7, dtype=np.int32), "transformer.h.layers.attn.dropout_key"),
                                    ("lora", adapted, np.arange(32, dtype=np.float32), "a.dropout_key")):
     # one device's call (one row), the same for k = 1 and 2: made once per model
-    one, plain = ft.nn.collect_state(lambda m: m(row[None]), model)
+    # compiled (each call one program): op by op they were 3.7 of the subprocess's 21 CPU-s
+    call = jax.jit(lambda m: ft.nn.collect_state(lambda m: m(row[None]), m))  # noqa: B023
+    one, plain = call(model)
     w = jax.random.normal(jax.random.key(5), one.shape[1:])  # each output row read as one number
     with salted_keys(3):  # device 3 (one microbatch): the row's call with salt 3
-        third, _ = ft.nn.collect_state(lambda m: m(row[None]), model)
+        third, _ = jax.jit(lambda m: ft.nn.collect_state(lambda m: m(row[None]), m))(model)  # noqa: B023
     for k in (1, 2):
         batch = (np.tile(row[None], (8 * k, 1)),)  # identical rows: k per device
         opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k)

@@ -414,18 +414,16 @@ def test_full_or_read_only_disk_raises_and_changes_nothing(tmp_path, monkeypatch
         np.testing.assert_array_equal(a, b)
 
 
-FRESH_RESUME = textwrap.dedent(
-    """
-    import sys
-    sys.path.insert(0, sys.argv[2])
-    import test_train_checkpoint as t
-    import functree as ft
-    trainer = t._trainer(steps=0)  # a new, untrained Trainer: all it has comes from the files
-    trainer.restore(sys.argv[1])
-    trainer.fit(t._data(), steps=10, progress=False)  # steps= counts the whole job
-    ft.train.save(sys.argv[1] + "_resumed", (trainer.model, trainer.opt_state))
-    """
-)
+FRESH_RESUME = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import test_train_checkpoint as t
+import functree as ft
+trainer = t._trainer(steps=0)  # a new, untrained Trainer: all it has comes from the files
+trainer.restore(sys.argv[1])
+trainer.fit(t._data(), steps=10, progress=False)  # steps= counts the whole job
+ft.train.save(sys.argv[1] + "_resumed", (trainer.model, trainer.opt_state))
+"""
 
 
 def _data():
@@ -433,14 +431,29 @@ def _data():
     return ft.train.batches((x, x[:, :1] * 2), 8, key=jax.random.key(5))
 
 
-def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
-    straight = _trainer()
-    straight.fit(_data(), steps=10, progress=False)
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory):
+    """One fresh process for two scenarios (its start-up and imports are most of each):
+    resume the job checkpointed at ``resume/ckpt``, then die (``os._exit(9)``) between the
+    renames of an overwrite of the tree at ``overwrite/m``. Returns the two directories and
+    the process's exit status."""
+    root = tmp_path_factory.mktemp("fresh")
     first = _trainer()
     first.fit(_data(), steps=5, progress=False)
-    first.save(tmp_path / "ckpt")
-    subprocess.run([sys.executable, "-c", FRESH_RESUME, str(tmp_path / "ckpt"), os.path.dirname(__file__)],
-                   check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    first.save(root / "resume" / "ckpt")
+    (root / "overwrite").mkdir()
+    ft.train.save(root / "overwrite" / "m", {"w": np.full(4, 1.0, np.float32)})
+    proc = subprocess.run([sys.executable, "-c", FRESH_RESUME + KILLED_OVERWRITE, str(root / "resume" / "ckpt"), os.path.dirname(__file__),
+                           str(root / "overwrite" / "m")], timeout=300, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    return root / "resume", root / "overwrite", proc
+
+
+def test_resume_in_a_fresh_process_is_bit_identical(fresh_process):
+    tmp_path, _, proc = fresh_process
+    assert proc.returncode == 9, proc.stderr[-3000:]  # the resume ran whole, then the overwrite's death
+    straight = _trainer()
+    straight.fit(_data(), steps=10, progress=False)
     model, opt_state = ft.train.load(tmp_path / "ckpt_resumed")
     for a, b in zip(jax.tree.leaves((straight.model, straight.opt_state)), jax.tree.leaves((model, opt_state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -940,7 +953,7 @@ import os, sys
 import numpy as np
 import functree as ft
 
-path = sys.argv[1]
+path = sys.argv[3]  # after FRESH_RESUME's two (fresh_process runs both)
 rename = os.rename
 
 def die_between_the_renames(src, dst, *args, **kwargs):
@@ -953,11 +966,10 @@ ft.train.save(path, {"w": np.full(4, 2.0, np.float32)}, overwrite=True)
 """
 
 
-def test_a_process_killed_between_the_renames_of_an_overwrite_leaves_the_old_tree(tmp_path):
+def test_a_process_killed_between_the_renames_of_an_overwrite_leaves_the_old_tree(fresh_process):
+    _, tmp_path, proc = fresh_process  # the process of KILLED_OVERWRITE (after a resume)
     path = tmp_path / "m"
-    ft.train.save(path, {"w": np.full(4, 1.0, np.float32)})
-    proc = subprocess.run([sys.executable, "-c", KILLED_OVERWRITE, str(path)], timeout=300)
-    assert proc.returncode == 9
+    assert proc.returncode == 9, proc.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["m.functree-new", "m.functree-old"]  # path itself missing
     np.testing.assert_array_equal(np.asarray(ft.train.load(path)["w"]), np.full(4, 1.0, np.float32))
     ft.train.save(path, {"w": np.full(4, 3.0, np.float32)}, overwrite=True)

@@ -126,12 +126,14 @@ def test_causal_flag_equals_a_lower_triangular_mask(key):
 def test_attention_dropout(key):
     mha = ft.nn.MultiheadAttention(4, 2, dropout=0.5, key=key)
     x = jax.random.normal(jax.random.key(1), (3, 5, 4))
-    np.testing.assert_array_equal(mha(x), mha.replace(dropout=0.0)(x))  # inference: no dropout
     train = ft.nn.training(mha)
     drop_key = jax.random.key(7)
-    y = train(x, key=drop_key)
-    np.testing.assert_allclose(y, _explicit(mha, x, dropout=0.5, key=drop_key), rtol=1e-5, atol=1e-6)
-    assert not np.allclose(y, mha(x), atol=1e-3)
+    # one jitted program (eagerly every operation compiled apart)
+    y_eval, y_no_dropout, y, y_explicit = jax.jit(lambda m, t, x, k: (
+        m(x), m.replace(dropout=0.0)(x), t(x, key=k), _explicit(m, x, dropout=0.5, key=k)))(mha, train, x, drop_key)
+    np.testing.assert_array_equal(y_eval, y_no_dropout)  # inference: no dropout
+    np.testing.assert_allclose(y, y_explicit, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(y, y_eval, atol=1e-3)
     assert ft.nn.training(ft.nn.Sequential(mha))(x, key=drop_key).shape == (3, 5, 4)  # Sequential passes keys
     with pytest.raises(ValueError, match=r"(?s)dropout=0.5\) is in training mode and needs a PRNG key.*key=jax.random.key\(step\)"):
         train(x)

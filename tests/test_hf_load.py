@@ -1029,7 +1029,8 @@ def test_the_pad_tokens_embedding_row_gets_the_gradient_hf_gives_it(family):
     def loss(out):  # every output position
         return (out * readout).sum()
 
-    grads = ft.hf.to_hf_state_dict(ft.gradient(lambda m: loss(m(ids)), at=model), numpy=True)
+    # one compiled program: op by op (each operation compiled apart) it was most of the test's time
+    grads = ft.hf.to_hf_state_dict(jax.jit(ft.gradient(lambda m: loss(m(ids))))(model), numpy=True)
     hf.zero_grad()
     out = hf(torch.from_numpy(ids).long())
     torch_out = out.logits if hasattr(out, "logits") else out.last_hidden_state

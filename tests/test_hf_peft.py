@@ -654,11 +654,11 @@ class _TorchTagger(torch.nn.Module):
 
 
 class _Tagger(ft.Module):
-    gpt: object
+    gpt: object  # a port (a Callable annotation would mark it non-differentiable)
     head: ft.nn.Dense
 
     def __call__(self, ids):
-        return self.head(self.gpt(ids))
+        return self.head(self.gpt(ids))  # pyright: ignore[reportCallIssue]
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to:UserWarning")  # PEFT's: Linear and Conv1D both
@@ -685,9 +685,14 @@ def test_all_linear_of_peft_on_a_tied_head_inside_a_model_names_the_heads_and_bo
         with torch.no_grad():
             return model.eval()(torch.from_numpy(ids).long()).numpy()
 
+    built = {}  # each port built once (a compile): the tied one serves both of its loads (modules are immutable)
+
     def tagger(tied):
-        built = _Tagger(ft.nn.from_hf(_gpt2_config(tied), key=jax.random.key(0)), ft.nn.Dense(30, 3, key=jax.random.key(1)))
-        return ft.nn.load_torch_state_dict(built, reference.state_dict())
+        if tied not in built:
+            port = ft.nn.from_hf(_gpt2_config(tied), key=jax.random.key(0))
+            tagged = _Tagger(port, ft.nn.Dense(30, 3, key=jax.random.key(1)))  # pyright: ignore[reportCallIssue]
+            built[tied] = ft.nn.load_torch_state_dict(tagged, reference.state_dict())
+        return built[tied]
 
     expected = peft_adapter(tmp_path / "all", target_modules="all-linear")
     with pytest.raises(ValueError, match=r"(?s)selects \['gpt.lm_head'\]: the tied output head of a Hugging Face port"

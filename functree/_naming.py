@@ -135,15 +135,42 @@ def refuse_batched_members(stack: Any, path: str, stack_name: str) -> None:
                                                 expected=expected))
 
 
+class ForeignNames(NamedTuple):
+    """A model's Dense members as the framework its weights come from names them: each
+    member's module (``"layers.0.attention.query_projection"`` ->
+    ``"model.layers.0.self_attn.q_proj"``) and the output head's module (PEFT's
+    ``"all-linear"`` leaves it out), or None."""
+
+    modules: dict[str, str]
+    head: str | None
+
+
+# The readers of ForeignNames, tried in order (``functree.hf`` adds Hugging Face's for a
+# model of ``from_hf`` as it is imported): the naming layer sits below the packages that
+# convert models and cannot import them, so they register here instead.
+FOREIGN_NAMES: list[Callable[[Any], ForeignNames | None]] = []
+
+
+def foreign_names(model: Any) -> ForeignNames:
+    """The first registered reader's names for ``model``; none (``{}``, no head) for a model
+    of ``ft.nn`` layers alone, whose patterns name its key paths."""
+    for read in FOREIGN_NAMES:
+        found = read(model)
+        if found is not None:
+            return found
+    return ForeignNames({}, None)
+
+
 class NothingSelected(ValueError):
     """A pattern selected nothing: ``pattern``, the ``close`` names, and ``out_of_range``
     (the message for a member index past a stack's end, else None)."""
 
     def __init__(self, message: str, pattern: str, close: list[str], out_of_range: str | None,
-                 suggestion: str | None = None):
+                 suggestion: str | None = None, foreign: bool = False):
         super().__init__(message)
         self.pattern, self.close, self.out_of_range = pattern, close, out_of_range
         self.suggestion = suggestion  # the pattern most likely meant (``suggestion()``), or None
+        self.foreign = foreign  # the suggestion is the pattern's foreign names in ours (:func:`foreign_pattern`)
 
 
 TIE_SHAPE = """\
@@ -508,7 +535,8 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
     for pattern in patterns:
         picks = [_leaf_selection(i, pattern, whole) if ok else False for i, ok in zip(infos, only)]
         if strict and not any(np.any(p) for p in picks):
-            raise nothing_selected(pattern, what, kind, [i for i, ok in zip(infos, only) if ok])
+            raise nothing_selected(pattern, what, kind, [i for i, ok in zip(infos, only) if ok],
+                                   foreign=foreign_pattern(tree, pattern, only))
         chosen = [_combine(c, p, np.logical_or) for c, p in zip(chosen, picks)]
     for pattern, exact in [(p, whole) for p in exclude] + [(p, True) for p in exclude_whole]:
         picks = [_leaf_selection(i, pattern, exact) for i in infos]
@@ -830,18 +858,44 @@ def _stack_prefixes(info: LeafInfo) -> list[str]:
     return out
 
 
-def nothing_selected(pattern: str, what: str, kind: str, infos: Sequence[LeafInfo]) -> NothingSelected:
+def nothing_selected(pattern: str, what: str, kind: str, infos: Sequence[LeafInfo],
+                     foreign: str | None = None) -> NothingSelected:
     """The error for a pattern that selects nothing: a member out of range, or the
-    closest names. A consumer with its own message catches it and words its own."""
+    closest names; ``foreign`` (:func:`foreign_pattern`) is the fix where given. A consumer
+    with its own message catches it and words its own."""
     close = closest(pattern, infos)
     out_of_range = _out_of_range(pattern, infos, what)
     if out_of_range is not None:
         return NothingSelected(out_of_range, pattern, close, out_of_range)
-    better = suggestion(pattern, infos)
+    better = foreign or suggestion(pattern, infos)
     right = f"{what}(..., {better or right_name(pattern, close, '*')!r})"
     message = SELECTS_NOTHING.format(what=what, pattern=pattern, kind=kind, close=", ".join(map(repr, close)) or "none",
                                      wrong=f"{what}(..., {pattern!r})", right=right)
-    return NothingSelected(message, pattern, close, None, better)
+    return NothingSelected(message, pattern, close, None, better, foreign is not None)
+
+
+def foreign_pattern(tree: Any, pattern: str, only: Sequence[bool] | None = None) -> str | None:
+    """Our pattern of the parameters that ``pattern`` selects by their foreign names (a model
+    of ``from_hf``: Hugging Face's ``"*.attention.self.value.*"`` ->
+    ``"encoder.layer.*.attention.value_projection.*"``): their common parts, ``*`` where they
+    differ, checked to select exactly them; None when no foreign name matches or no one glob
+    selects exactly them. Only a Dense layer's ``weight`` and ``bias`` have foreign names
+    (:func:`foreign_names`, ``ft.nn.lora``'s): a norm's pattern gets no fix from them."""
+    try:
+        modules = foreign_names(tree).modules
+    except Exception:  # (an error message's helper: never a second error in its place)
+        return None
+    hits = [f"{ours}.{param}" for ours, theirs in modules.items() for param in ("weight", "bias")
+            if matches(f"{theirs}.{param}", pattern)]
+    picked = [selection(tree, (h,), only=only, strict=False) for h in hits]
+    hits = [h for h, p in zip(hits, picked) if any(np.any(c) for c in p)]  # a (selected) parameter's
+    split = [h.split(".") for h in hits]
+    if not hits or len({len(parts) for parts in split}) != 1:
+        return None
+    glob = ".".join(parts[0] if len(set(parts)) == 1 else "*" for parts in zip(*split))
+    exact = selection(tree, tuple(hits), only=only, strict=False)
+    got = selection(tree, (glob,), only=only, strict=False)
+    return glob if all(np.array_equal(a, b) for a, b in zip(got, exact)) else None
 
 
 def member_rule_names(pattern: str, infos: Sequence[LeafInfo]) -> list[str]:

@@ -273,6 +273,9 @@ def test_a_pattern_in_hugging_faces_names_gets_functrees_pattern_of_the_same_par
     with pytest.raises(ValueError) as error:
         ft.optim.Optimizer(optax.sgd(0.1), wrt=written).init(model)
     assert f'right:  ft.optim.Optimizer(tx, wrt="{right}")  # Hugging Face\'s {written!r}' in str(error.value)
+    with pytest.raises(ValueError) as by_gradient:  # the naming layer's fix: every wrt= and selection's
+        ft.gradient(lambda m: 0.0, at=model, wrt=written)
+    assert f"right:  wrt={right!r}" in str(by_gradient.value)
     # the fix trains what HF's names select: one step, read back in HF's names
     opt = ft.optim.Optimizer(optax.sgd(1e4), wrt=right)  # (HF's 0.02-scale weights: tiny query gradients)
     ids = jnp.asarray([[1, 5, 7, 2]], jnp.int32)

@@ -530,7 +530,8 @@ def _fraction(o: Options, option: str, bounds: str, *, off: float, error: str, *
 
 
 def _below(probs: jax.Array, cutoff: jax.Array, scores: jax.Array) -> jax.Array:
-    """``scores`` without the tokens whose probability is below ``cutoff``, the most likely kept."""
+    """``scores`` without the tokens whose probability (or its log, beside a log cutoff) is
+    below ``cutoff``, the most likely kept."""
     top = jnp.max(scores, axis=-1, keepdims=True)
     return _removed((probs < cutoff) & (scores < top), scores)
 
@@ -578,8 +579,7 @@ class EtaCutoff(Control):
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         _, logp, entropy = _distribution(scores)
         cutoff = jnp.minimum(self.log_epsilon, 0.5 * self.log_epsilon - entropy)
-        top = jnp.max(scores, axis=-1, keepdims=True)
-        return _removed((logp < cutoff) & (scores < top), scores)  # a removed token (log p = 0) stays removed
+        return _below(logp, cutoff, scores)  # a removed token (log p = 0) stays removed
 
 
 # Every control, in the order its scores pass them (HF's ``_get_logits_processor``: the

@@ -9,7 +9,7 @@ The names come from the converters themselves: a copy of the model whose leaves 
 arrays holding a code per ``Dense`` member (no copy of the weights) goes through
 :func:`ft.hf.to_hf_state_dict` (or ``torch_state_dict``), and the code found in each
 tensor names its layer; computed once per tree definition and leaf shapes. ``ft.nn.lora``
-reads Hugging Face's names through :data:`functree.nn._lora.FOREIGN_NAMES`, where this
+reads Hugging Face's names through :data:`functree._naming.FOREIGN_NAMES`, where this
 module registers :func:`hf_names` (``ft.nn`` sits below this package and cannot import it).
 """
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from functree import _naming
 from functree._module import from_fields
+from functree._naming import FOREIGN_NAMES, ForeignNames
 from functree._tree import bounded_put, cached, is_none
 from functree.hf._family import family_of
 from functree.hf._load import to_hf_state_dict
@@ -29,8 +30,6 @@ from functree.interop._ports import holds_port
 from functree.interop._torch import torch_state_dict
 from functree.nn._linear import Dense
 from functree.nn._lora import (
-    FOREIGN_NAMES,
-    ForeignNames,
     LoraDense,
     dense_layers,
     member_layer_names,

@@ -15,7 +15,7 @@ structure back, plain ``Dense`` layers); ``ft.hf.save_lora`` writes the director
 
 Foreign names: for a model of ``ft.hf.from_hf``, patterns may also name layers as Hugging
 Face does (``model.layers.*.self_attn.[qv]_proj``). This module reads such names through
-:data:`FOREIGN_NAMES`, where ``functree.hf`` registers its reader (``functree/hf/_names.py``
+:data:`functree._naming.FOREIGN_NAMES`, where ``functree.hf`` registers its reader (``functree/hf/_names.py``
 finds them through ``to_hf_state_dict`` itself): ``ft.nn`` sits below the packages that
 convert models.
 
@@ -31,7 +31,7 @@ called without a key, draw a fresh mask every step (and each microbatch of
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -41,6 +41,7 @@ import numpy as np
 from functree import _naming
 from functree._activations import identity
 from functree._module import Module, field, from_fields
+from functree._naming import foreign_names
 from functree._random import flat_key
 from functree._tree import dotted_name, is_none, written_dtype
 from functree.nn._check import check_input
@@ -310,32 +311,6 @@ def member_layer_names(layer: DenseLayer) -> list[str]:
     """The layer's name per member (C order over its stack axes), or its one name."""
     members = _naming.member_names(layer.info)
     return [_layer_name(m) for m in members] if members else [_layer_name(layer.info.name)]
-
-
-class ForeignNames(NamedTuple):
-    """A model's Dense members as the framework its weights come from names them: each
-    member's module (``"layers.0.attention.query_projection"`` ->
-    ``"model.layers.0.self_attn.q_proj"``) and the output head's module (PEFT's
-    ``"all-linear"`` leaves it out), or None."""
-
-    modules: dict[str, str]
-    head: str | None
-
-
-# The readers of ForeignNames, tried in order (``functree.hf`` adds Hugging Face's for a
-# model of ``from_hf`` as it is imported): ``ft.nn`` sits below the packages that convert
-# models and cannot import them, so they register here instead.
-FOREIGN_NAMES: list[Callable[[Any], ForeignNames | None]] = []
-
-
-def foreign_names(model: Any) -> ForeignNames:
-    """The first registered reader's names for ``model``; none (``{}``, no head) for a model
-    of ``ft.nn`` layers alone, whose patterns name its key paths."""
-    for read in FOREIGN_NAMES:
-        found = read(model)
-        if found is not None:
-            return found
-    return ForeignNames({}, None)
 
 
 # ---- ft.nn.lora -------------------------------------------------------------------------------

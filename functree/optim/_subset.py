@@ -21,12 +21,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from functree._naming import NothingSelected, broadcast, matches, names, selection
+from functree._naming import NothingSelected, broadcast, names, selection
 from functree._parameters import parameters
 from functree._tree import is_none
-from functree.nn._lora import foreign_names
 from functree.optim._masked import is_partial
 
 __all__ = ["check_wrt", "trained_view", "drop_frozen", "frozen_members", "with_frozen_members"]
@@ -43,7 +41,7 @@ SELECTS_NOTHING = """\
 Optimizer(wrt={pattern!r}) selects no parameter of the model; patterns are globs over \
 dotted names such as {examples}.
 
-    right:  ft.optim.Optimizer(tx, wrt={first}){why}
+    right:  ft.optim.Optimizer(tx, wrt="{first}"){why}
 """
 
 # The reason given beside the fix: the names it selects, when they are not the pattern's own.
@@ -71,54 +69,11 @@ def _chosen(view: Any, leaves: list[Any], patterns: tuple[str, ...]) -> tuple[An
         if e.out_of_range is not None:
             raise ValueError(e.out_of_range) from None
         examples = e.close or [n for n, ok in zip(names(view), only) if ok][:3]
-        foreign = _foreign_fix(view, e.pattern, only)
-        if foreign is not None:
-            first, why = foreign, FOREIGN_FIX.format(pattern=e.pattern)
-        elif e.suggestion is not None:
-            first, why = e.suggestion, ""
+        if e.suggestion is not None:
+            first, why = e.suggestion, FOREIGN_FIX.format(pattern=e.pattern) if e.foreign else ""
         else:
             first, why = (examples[0] if examples else "*"), AN_EXAMPLE
-        written = f'"{first}"' if isinstance(first, str) else repr(first)
-        raise ValueError(SELECTS_NOTHING.format(pattern=e.pattern, examples=examples, first=written, why=why)) from None
-
-
-def _foreign_fix(view: Any, pattern: str, only: tuple[bool, ...]) -> str | tuple[str, ...] | None:
-    """The functree pattern of the parameters that ``pattern`` selects by their Hugging Face
-    names (a model of ``from_hf``: ``"*.attention.self.value.*"`` ->
-    ``"encoder.layer.*.attention.value_projection.*"``), checked to select exactly those;
-    else their names (up to 4), else None. Only a Dense layer's ``weight`` and ``bias``
-    have their HF names here (``ft.nn.lora``'s names): a norm's pattern gets no fix from it."""
-    try:
-        modules = foreign_names(view).modules
-    except Exception:  # (an error message's helper: never a second error in its place)
-        return None
-    hits = [f"{ours}.{param}" for ours, theirs in modules.items() for param in ("weight", "bias")
-            if matches(f"{theirs}.{param}", pattern)]
-    hits = [h for h in hits if any(np.any(c) for c in _selects(view, (h,), only))]  # a parameter's
-    if not hits:
-        return None
-    exact = _selects(view, tuple(hits), only)
-    glob = _generalized(hits)
-    if glob is not None and _same(_selects(view, (glob,), only), exact):
-        return glob
-    return tuple(hits) if len(hits) <= 4 else None
-
-
-def _selects(view: Any, patterns: tuple[str, ...], only: tuple[bool, ...]) -> tuple[Any, ...]:
-    return selection(view, patterns, what="Optimizer(wrt=)", only=only, strict=False)
-
-
-def _generalized(names_: list[str]) -> str | None:
-    """One glob over ``names_``: their common parts, ``*`` where they differ (None when
-    their numbers of parts differ)."""
-    split = [n.split(".") for n in names_]
-    if len({len(p) for p in split}) != 1:
-        return None
-    return ".".join(parts[0] if len(set(parts)) == 1 else "*" for parts in zip(*split))
-
-
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+        raise ValueError(SELECTS_NOTHING.format(pattern=e.pattern, examples=examples, first=first, why=why)) from None
 
 
 def trained_view(model: Any, patterns: tuple[str, ...] | None) -> Any:

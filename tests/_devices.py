@@ -51,11 +51,16 @@ def env_with_devices(devices: int) -> dict[str, str]:
     return env
 
 
+# A subprocess's warnings are errors, as the suite's (pyproject's filterwarnings), but for a
+# read of the shared compilation cache racing another process's write: JAX compiles instead.
+WARNINGS = ("-W", "error", "-W", "ignore:Error reading persistent compilation cache entry:UserWarning")
+
+
 def start(code: str, devices: int = 8, args: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start ``code`` (with ``report``) in a new Python process with ``devices`` CPU devices."""
     source = PRELUDE + textwrap.dedent(code)
     return subprocess.Popen(
-        [sys.executable, "-W", "error", "-c", source, *args], env=env_with_devices(devices), cwd=ROOT,
+        [sys.executable, *WARNINGS, "-c", source, *args], env=env_with_devices(devices), cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 

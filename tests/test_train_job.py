@@ -755,7 +755,7 @@ def test_a_piece_of_job_state_is_its_record_alone(tmp_path):
     source.write_text(text)
     env = _devices.env_with_devices(2)
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
-    proc = subprocess.Popen([sys.executable, "-W", "error", "-c", _devices.PRELUDE + RECIPE, str(tmp_path),
+    proc = subprocess.Popen([sys.executable, *_devices.WARNINGS, "-c", _devices.PRELUDE + RECIPE, str(tmp_path),
                              str(OLD_CHECKPOINT)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     out = _devices.result(proc, timeout=600)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -174,6 +176,45 @@ def test_a_batch_size_the_data_would_ignore_is_refused_naming_the_tuple(call):
     with pytest.raises(ValueError, match=r"(?s)ft\.train\.batches\(\.\.\.\).*its own batch_size=5"):
         method(ft.train.batches((x, y), 5), *args, batch_size=4)
     method(ft.train.batches((x, y), 4, shuffle=False), *args, batch_size=4)  # the same size: no conflict
+
+
+@pytest.mark.parametrize("call", ["fit", "validation", "evaluate", "predict"])
+def test_a_list_of_inputs_and_labels_is_refused_naming_the_tuple(call):
+    """[x, labels] (arrays of other dtypes or ranks) was read as two minibatches, x alone and
+    then the labels alone: a step on each, no error where the loss runs on a bare array."""
+    x, y, trainer = _pairs()
+    labels = np.arange(11, dtype=np.int32) % 3
+    args = (lambda m, b: b,) if call == "predict" else ()
+    method = trainer.fit if call == "validation" else getattr(trainer, call)
+    caller = {"validation": "trainer.fit"}.get(call, f"trainer.{call}")
+    wrong, right = (("trainer.fit(data, validation_data=[x, y])", "trainer.fit(data, validation_data=(x, y))")
+                    if call == "validation" else (f"{caller}([x, y], ...)", f"{caller}((x, y), ...)"))
+    for data, what, shapes in (([x, labels], "dtype and rank", "float32[11, 3], int32[11]"),
+                               ([x, y[:, 0]], "rank", "float32[11, 3], float32[11]"),
+                               ([x, y.astype(np.float16)], "dtype", "float32[11, 3], float16[11, 3]")):
+        with pytest.raises(ValueError, match=rf"(?s)list's 2 arrays differ in {what} \({re.escape(shapes)}\).*"
+                                             rf"wrong:  {re.escape(wrong)}.*right:  {re.escape(right)}"):
+            if call == "validation":
+                method((x, y), epochs=1, progress=False, validation_data=data)
+            else:
+                method(data, *args)
+    # Minibatches of one dataset (one dtype and rank) are a list as before.
+    got = trainer.evaluate([(x[:5], y[:5]), (x[5:], y[5:])])["loss"]
+    np.testing.assert_allclose(got, float(np.mean((x - y) ** 2)), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(trainer.predict([x[:5], x[5:]], lambda m, b: b @ m["w"])), x)
+
+
+def test_a_failing_step_on_a_list_of_arrays_says_each_item_is_a_minibatch():
+    """[x, y] of one dtype and rank is a valid list of minibatches; when its step fails (here
+    on y, of another width), the error says the list's items are minibatches, naming the tuple."""
+    x, y, trainer = _pairs()
+    with pytest.raises(Exception) as raised:
+        trainer.fit([x, y[:, :1]], epochs=1, progress=False)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "minibatch 1 of epoch 0" in str(raised.value)
+    assert ("trainer.fit's data is a list of 2 arrays (float32[11, 3], float32[11, 1]): each item is one "
+            "minibatch, so this minibatch is the array data[1] alone. If the list is [inputs, labels], pass "
+            "the tuple (x, y): trainer.fit((x, y), ...).") in notes, notes
 
 
 def test_fits_batch_size_still_cuts_training_arrays_beside_a_validation_loader():

@@ -145,6 +145,58 @@ is (each of its items one minibatch{own}): batch_size would be ignored.
        or:  {caller}(ft.train.batches((x, y), batch_size={size}))"""
 
 
+LIST_OF_ARRAYS = """\
+{caller}: a list is read as minibatches, one per item, but this list's {n} arrays differ \
+in {what} ({shapes}), which one dataset's minibatches share: it looks like [inputs, labels]. \
+Inputs and labels are a tuple, cut into minibatches:
+
+    wrong:  {wrong}
+    right:  {right}                       # batch_size=32 by default
+       or:  {batches}"""
+
+LIST_ITEM_IS_MINIBATCH = """\
+{caller}'s data is a list of {n} arrays ({shapes}): each item is one minibatch, so this \
+minibatch is the array {item} alone. If the list is [inputs, labels], pass the tuple (x, y): \
+{caller}((x, y), ...)."""
+
+
+VALIDATION = "trainer.fit(validation_data=...)"  # as_data's caller for fit's validation data
+
+
+def list_of_arrays(data: Any) -> list[Any] | None:
+    """``data``'s items when it is a list of two or more bare arrays (what ``[x, y]``
+    written for ``(x, y)`` is), else None."""
+    if type(data) is list and len(data) >= 2 and all(_array_like(x) for x in data):
+        return data
+    return None
+
+
+def check_list_of_arrays(data: Any, caller: str) -> None:
+    """:data:`LIST_OF_ARRAYS` for a list of arrays of more than one dtype or rank: read as
+    minibatches, each item would be a step of its own (``[x, y]``: a step on ``x`` alone,
+    then one on ``y``), a silent misreading of inputs and labels where the loss runs."""
+    items = list_of_arrays(data)
+    if items is None:
+        return
+    kinds = {(np.dtype(getattr(x, "dtype", np.asarray(x).dtype)).name, np.ndim(x)) for x in items}
+    if len(kinds) > 1:
+        what = "dtype" if len({k for k, _ in kinds}) > 1 else "rank"
+        if what == "dtype" and len({r for _, r in kinds}) > 1:
+            what = "dtype and rank"
+        shapes = ", ".join(describe_batch(x) for x in items[:4]) + (", ..." if len(items) > 4 else "")
+        raise ValueError(LIST_OF_ARRAYS.format(
+            caller=caller, n=len(items), what=what, shapes=shapes, wrong=_called(caller, "[x, y]"),
+            right=_called(caller, "(x, y)"), batches=_called(caller, "ft.train.batches((x, y), batch_size=32)")))
+
+
+def _called(caller: str, data: str) -> str:
+    """``caller``'s call with ``data``: ``trainer.fit([x, y], ...)``, and for fit's
+    validation data ``trainer.fit(data, validation_data=[x, y])``."""
+    if caller == VALIDATION:
+        return f"trainer.fit(data, validation_data={data})"
+    return f"{caller}({data}, ...)"
+
+
 def _array_like(x: Any) -> bool:
     """An array of at least one axis: JAX's, NumPy's, or another library's that NumPy reads
     (``__array__``: a torch tensor, a TF tensor), cut by :func:`batches` as NumPy's."""
@@ -175,6 +227,7 @@ def as_data(data: Any, batch_size: int | None, key: Any, shuffle: bool = True,
     (shuffled with ``fold_in(key, 1)``), anything else as it is; a ``batch_size`` that would
     not cut it is :data:`BATCH_SIZE_UNUSED`."""
     if isinstance(data, Batches) or not _is_array_tree(data):
+        check_list_of_arrays(data, caller)
         if batch_size is not None and not (isinstance(data, Batches) and data.batch_size == batch_size):
             own = f"; its own batch_size={data.batch_size!r}" if isinstance(data, Batches) else ""
             raise ValueError(BATCH_SIZE_UNUSED.format(caller=caller, size=batch_size,
@@ -295,8 +348,10 @@ class Epochs:
         """A one-shot iterator cannot run several epochs, nor validate at several epoch
         ends; a restored job mid-epoch continues only on data of the length it was trained
         on; under ``accumulate=k``, ``ft.train.batches`` of a fixed size must cut
-        minibatches of multiples of ``k`` (refused here, not at the epoch's last step)."""
+        minibatches of multiples of ``k`` (refused here, not at the epoch's last step);
+        validation data that is ``[x, y]`` is refused before the first epoch, not at its end."""
         self.accumulate = accumulate
+        check_list_of_arrays(validation_data, VALIDATION)
         if isinstance(validation_data, Iterator) and _epoch_ends(data, epochs, steps, job) > 1:
             count = f"steps={steps}" if steps is not None else f"epochs={epochs}"
             raise ValueError(ONE_SHOT_VALIDATION.format(count=count, kind=type(validation_data).__name__))
@@ -347,7 +402,14 @@ class Epochs:
         first = f"; the trainer's first minibatch had {self.first_shapes}" if self.first_shapes else ""
         text = MALFORMED_MINIBATCH.format(step=job.steps_run + offset + 1, index=job.batch_in_epoch + offset,
                                           epoch=job.epoch, shapes=describe_batch(batch), first=first, error=error)
-        return with_location(error, text)
+        located = with_location(error, text)
+        items = list_of_arrays(self.of)
+        if items is not None:  # [x, y] for (x, y): each array a minibatch of its own
+            item = next((f"data[{i}]" for i, x in enumerate(items) if x is batch), "data[i]")
+            shapes = ", ".join(describe_batch(x) for x in items[:4]) + (", ..." if len(items) > 4 else "")
+            located.add_note(LIST_ITEM_IS_MINIBATCH.format(caller="trainer.fit", n=len(items), shapes=shapes,
+                                                           item=item))
+        return located
 
 
 def _epoch_ends(data: Any, epochs: int | None, steps: int | None, job: JobState) -> int:

@@ -23,7 +23,7 @@ from functree.optim._average import averaged as averaged_parameters
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.train._data import Batches, batches, to_arrays
-from functree.train._epochs import as_data, batch_size, cut_by_batch_size, with_location
+from functree.train._epochs import VALIDATION, as_data, batch_size, cut_by_batch_size, with_location
 from functree.train._metrics import combine_parts, describe_batch, metric_dtype
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
@@ -345,7 +345,8 @@ class Evaluation:
         """:meth:`evaluate` of ``which``'s data (``"validation"``: fit's, named so in its errors)."""
         if which == "validation" and not cut_by_batch_size(data):
             batch_size = None  # fit's batch_size= cuts its training arrays; a loader validates as it is
-        data = as_data(data, batch_size, self.key, shuffle=False, caller="trainer.evaluate")
+        caller = VALIDATION if which == "validation" else "trainer.evaluate"
+        data = as_data(data, batch_size, self.key, shuffle=False, caller=caller)
         model = self.averaged_model if averaged else self.inference_model
         key = eval_key(self.eval_step.loss_fn, self.key)
         return evaluate(self.eval_step, self._eval_fused, model, data, key, which)

@@ -439,6 +439,8 @@ class Trainer(Evaluation):
         NumPy's or torch tensors; cut into shuffled minibatches of ``batch_size``, default
         32), or any iterable of batches (a list, a torch DataLoader, a tf.data Dataset;
         ``iter(data)`` once per epoch; ``batch_size=`` there is refused, as it would not cut it).
+        A list's items are minibatches: inputs and labels are the tuple ``(x, y)``, and a list
+        of arrays of other dtypes or ranks (``[x, labels]``) is refused naming it.
         Continuing inside an epoch, ``Batches`` replays from its position, an iterator with
         ``get_state()``/``set_state(state)`` (grain's ``DataLoader`` and dataset
         iterators; a position of JSON values or bytes) is set to the saved position, and

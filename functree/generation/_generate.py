@@ -11,7 +11,10 @@ tokens: ``0 .. P-1`` for a prompt of length ``P``, then ``P, P+1, ...``), ``am``
 padding and everything generated so far, the current tokens included) and ``logits``
 ``[batch, T, vocab]``. A model may define ``max_positions`` (an int: the longest sequence
 it takes, e.g. the size of a learned position embedding); ``generate`` then refuses to go
-past it.
+past it. A model may define ``check_generation(prompt_length, new_tokens)``: ``generate``
+calls it with the exact sizes before compiling anything, and it raises for sizes the model
+cannot generate as its reference does (Phi-3's longrope switch point: a bucket or a
+one-token prefill hides it from the model's own call).
 
 The loops are in ``_decode.py``, the logits controls (one record each) in ``_controls.py``;
 this module checks the arguments, builds the active controls and picks the loop. One
@@ -406,6 +409,9 @@ def generate(
     check = getattr(inner, "check_token_ids", None)
     if callable(check):  # the prompt's ids against the vocabulary, once, here where they are concrete
         check(ids)
+    sizes = getattr(inner, "check_generation", None)
+    if callable(sizes):  # the model's own limits on these exact sizes (Phi-3's longrope switch point)
+        sizes(prompt, new)
     checkpoint = checkpoint_defaults(inner)
     options, sourced = _with_defaults(given, checkpoint, key)
     if attention_mask is None and checkpoint is not None:  # HF's mask from the pad id

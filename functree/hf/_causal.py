@@ -96,24 +96,39 @@ TOO_MANY_POSITIONS = """\
 LONGROPE_CROSSING = """\
 {model}: longrope switches from its short to its long factors past original_max_positions \
 ({original}), and this cache of {length} slots would cross that point after a prompt of {prompt} \
-tokens. Hugging Face recomputes the whole cache with the long factors there (Phi-3's \
-prepare_inputs_for_generation); a KV cache keeps the keys it has, so the answers would differ.
+tokens. Hugging Face's generate recomputes the whole cache with the long factors there (Phi-3's \
+prepare_inputs_for_generation, at the step whose input holds {original} + 1 tokens); a KV cache \
+keeps the keys it has, so the tokens would differ.
 
-    right:  ft.nn.generate(model, input_ids, {fit})        # stay within {original} positions
+    right:  ft.nn.generate(model, input_ids, {fit})        # at most {original} + 1 positions in all
        or:  model(all_tokens)                               # no cache: the long factors throughout, as HF
 """
 
 
-def check_longrope(model: Any, attention: MultiheadAttention, ids: Any, cache: Any) -> None:
-    """A prefill (``T > 1`` tokens) into a cache that crosses longrope's switch point raises."""
-    rotary = attention.rotary
-    if cache is None or not isinstance(rotary, RopeScaling) or rotary.kind != "longrope":
+def longrope_crossing(model: Any, rotary: Any, prompt: int, length: int) -> None:
+    """Raise :data:`LONGROPE_CROSSING` where a prompt of ``prompt`` tokens (its keys rotated
+    with the short factors: ``prompt <= L0 = original_max_positions``) into a cache of
+    ``length`` slots reaches the long factors, ``length >= L0 + 2``. Hugging Face's
+    ``generate`` computes step ``k`` (``k >= 1``) from ``prompt + k`` tokens and recomputes its
+    whole cache with the long factors at the step whose input has ``L0 + 1`` tokens, which
+    exists iff ``prompt <= L0 < prompt + new - 1``; with ``length = prompt + new`` slots (the
+    last token is never fed back) that is ``length >= L0 + 2``. A prompt past ``L0`` has its
+    keys rotated with the long factors already, as HF's. Any rotary but longrope passes."""
+    if not isinstance(rotary, RopeScaling) or rotary.kind != "longrope":
         return
-    original, length = rotary.original_max_positions or 0, jax.tree.leaves(cache)[0].shape[2]
-    prompt = np.shape(ids)[1] if np.ndim(ids) == 2 else 0
-    if 1 < prompt <= original < length:
+    original = rotary.original_max_positions or 0
+    if 1 <= prompt <= original and length >= original + 2:
         raise ValueError(LONGROPE_CROSSING.format(model=type(model).__name__, original=original, length=length,
-                                                  prompt=prompt, fit=max(original - prompt, 1)))
+                                                  prompt=prompt, fit=original + 1 - prompt))
+
+
+def check_longrope(model: Any, attention: MultiheadAttention, ids: Any, cache: Any) -> None:
+    """A prefill (``T > 1`` tokens) into a cache that crosses longrope's switch point raises
+    (:func:`longrope_crossing`). A call of one token cannot tell a one-token prompt from a
+    decoding step: ``ft.nn.generate`` checks its own sizes first (``check_generation``)."""
+    prompt = np.shape(ids)[1] if np.ndim(ids) == 2 else 0
+    if cache is not None and prompt > 1:
+        longrope_crossing(model, attention.rotary, prompt, jax.tree.leaves(cache)[0].shape[2])
 
 
 def _concrete(x: Any) -> np.ndarray | None:
@@ -370,6 +385,12 @@ class CausalLM(HFModel):
 
     def _check_call(self, input_ids: Any, cache: Any) -> None:
         """A family's own check of a call's inputs (Phi-3's longrope with a cache)."""
+
+    def check_generation(self, prompt_length: int, new_tokens: int) -> None:
+        """Raise where ``ft.nn.generate`` of ``new_tokens`` after a prompt of ``prompt_length``
+        tokens (left padding included) would compute other tokens than Hugging Face's
+        ``generate`` (Phi-3's longrope switch point: :func:`longrope_crossing`); ``generate``
+        calls it with the exact sizes, before any bucket. Nothing to check here."""
 
     def check_token_ids(self, input_ids: Any) -> None:
         """Raise if concrete ``input_ids`` hold an id outside the vocabulary (``ft.nn.generate`` calls it)."""

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
-from functree.hf._causal import Block, CausalLM, check_longrope, lookup_rows
+from functree.hf._causal import Block, CausalLM, check_longrope, longrope_crossing, lookup_rows
 from functree.hf._config import HFConfig
 from functree.hf._dropout import rate
 from functree.hf._family import renamed
@@ -216,6 +216,14 @@ class LlamaForCausalLM(CausalLM):
 
     def _check_call(self, input_ids: Any, cache: Any) -> None:
         check_longrope(self, self.model.layers.layers.self_attn, input_ids, cache)
+
+    def check_generation(self, prompt_length: int, new_tokens: int) -> None:
+        """Phi-3's longrope: a generation whose prompt uses the short factors and whose new
+        tokens pass ``original_max_position_embeddings`` raises (HF's ``generate`` recomputes
+        its cache there; :func:`~functree.hf._causal.longrope_crossing`). A one-token prompt
+        included: its prefill is a call of one token, which the call's own check lets pass."""
+        rotary = self.model.layers.layers.self_attn.rotary
+        longrope_crossing(self, rotary, prompt_length, prompt_length + new_tokens)
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from functree._parameters import (
     path_of,
 )
 from functree._tree import bounded_put, cached, is_none
+from functree._where import committed_sharding
 
 __all__ = [
     "move",
@@ -291,20 +292,22 @@ def _why_not_parameter(x: Any, k: int, leaf: Any) -> str:
 
 
 def _zeros(spec: Any) -> Any:
-    return jnp.zeros(spec.shape, spec.dtype)
+    return jnp.zeros(spec.shape, spec.dtype, device=spec.sharding)
 
 
 def zero_tangent_vector(x: Any) -> Any:
     """Zeros shaped like the parameter view of ``x``: ``move(x, along=zero) == x``.
 
-    Non-parameters (here an integer array) are ``None`` in the result.
+    Non-parameters (here an integer array) are ``None`` in the result. Each zero lies where
+    its parameter does (a committed array's sharding: a model on device 3 or a mesh).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.zero_tangent_vector({"w": jnp.ones(2), "n": jnp.zeros((), jnp.int32)})
       {'n': None, 'w': Array([0., 0.], dtype=float32)}
     """
-    return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a)), parameters(x))
+    return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a), device=committed_sharding(a)),
+                        parameters(x))
 
 
 def zero_tangent_vector_initializer(x: Any) -> Callable[[], Any]:
@@ -320,7 +323,8 @@ def zero_tangent_vector_initializer(x: Any) -> Callable[[], Any]:
       Array([0., 0., 0.], dtype=float32)
     """
     specs = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), parameters(x)
+        lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=committed_sharding(a)),
+        parameters(x)
     )
     return lambda: jax.tree.map(_zeros, specs)
 

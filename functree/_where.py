@@ -26,9 +26,17 @@ from typing import Any
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import (
+    AxisType,
+    Mesh,
+    NamedSharding,
+    PartitionSpec,
+    Sharding,
+    SingleDeviceSharding,
+)
 
-__all__ = ["placement_of", "put", "default_device", "devices_error", "INCOMPATIBLE_DEVICES"]
+__all__ = ["placement_of", "put", "placed_like", "committed_sharding", "default_device", "devices_error", "INCOMPATIBLE_DEVICES",
+           "MESH_AXIS_TYPES"]
 
 
 INCOMPATIBLE_DEVICES = """\
@@ -39,10 +47,25 @@ uncommitted array there (NumPy, or made without a device) but never a committed 
     right:  {fix}    # or pass NumPy arrays"""
 
 
+MESH_AXIS_TYPES = """\
+{call}: its arguments are on two meshes of the same devices that differ in their axis types: \
+{auto} is on the mesh with Auto axes, {other} on the one with {types} axes, and JAX runs a call \
+on one mesh. ft.shard (as every functree placement: Trainer(mesh=), train_step(mesh=), \
+ft.train.load(mesh=)) puts arrays on the Auto-typed twin of the mesh it is given (jax.make_mesh \
+makes Explicit axes); put {name} there too, or pass NumPy arrays (the call places them).
+    wrong:  {name} = jax.device_put({name}, NamedSharding(mesh, {spec}))    # mesh's {types} axes
+    right:  {name} = jax.device_put({name}, NamedSharding(ft.parallel.auto_mesh(mesh), {spec}))
+       or:  {name} = ft.parallel.shard_batch({name}, mesh)    # a batch, split over the data axis"""
+
+
 def devices_error(call: str, error: Exception, named: list[tuple[str, Any]]) -> ValueError | None:
     """:data:`INCOMPATIBLE_DEVICES` for JAX's "incompatible devices" ``error`` of a call
     given ``named`` arguments (``[(name, tree)]``): the first committed array, and the first
-    one committed to other devices, by key path. None for another error."""
+    one committed to other devices, by key path; :data:`MESH_AXIS_TYPES` for JAX's "Mesh for
+    all inputs should be equal" where two arguments lie on one mesh's Auto and other-typed
+    twins. None for another error."""
+    if "Mesh for all inputs should be equal" in str(error):
+        return _mesh_types_error(call, named)
     if "incompatible devices" not in str(error):
         return None
     first = None
@@ -65,6 +88,30 @@ def devices_error(call: str, error: Exception, named: list[tuple[str, Any]]) -> 
                     call=call, first=first[0], first_devices=shown(first[1]), other=where, other_devices=shown(devices),
                     fix=fix, wrong=wrong, first_name=first[2]))
     return None
+
+
+def _mesh_types_error(call: str, named: list[tuple[str, Any]]) -> ValueError | None:
+    """:data:`MESH_AXIS_TYPES` naming an array on a mesh of Auto axes and one on the same
+    devices and axis names with other axis types (the first of each, by key path)."""
+    auto = other = None
+    for name, tree in named:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            sharding = committed_sharding(leaf)
+            if not isinstance(sharding, NamedSharding):
+                continue
+            where = (f"{name}{jax.tree_util.keystr(path)}", name, sharding)
+            if all(t == AxisType.Auto for t in sharding.mesh.axis_types):
+                auto = auto or where
+            else:
+                other = other or where
+    if auto is None or other is None:
+        return None
+    mine, theirs = auto[2].mesh, other[2].mesh
+    if mine.axis_names != theirs.axis_names or np.asarray(mine.devices).tolist() != np.asarray(theirs.devices).tolist():
+        return None  # two meshes apart: JAX's own message
+    types = "/".join(sorted({str(t).rsplit(".", 1)[-1] for t in theirs.axis_types}))
+    return ValueError(MESH_AXIS_TYPES.format(call=call, auto=auto[0], other=other[0], types=types, name=other[1],
+                                             spec=other[2].spec))
 
 
 def default_device() -> Any:
@@ -111,6 +158,30 @@ def put(tree: Any, where: Sharding | None) -> Any:
     devices = where.device_set
     return jax.tree.map(lambda x: jax.device_put(x, where) if isinstance(x, jax.Array) and (
         not x.committed or x.sharding.device_set != devices) else x, tree)
+
+
+def committed_sharding(x: Any) -> Sharding | None:
+    """The sharding of ``x`` when it is a committed, concrete array (where arrays made for
+    it go: ``jnp.zeros(..., device=)``, ``jax.device_put``); None for any other leaf."""
+    return x.sharding if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.committed else None
+
+
+def placed_like(new: Any, old: Any) -> Any:
+    """``new`` (arrays made for ``old``: LoRA adapters, loaded weights) put where ``old``
+    lives (:func:`placement_of`): a layer of a model on device 3 gets its new arrays on
+    device 3, not on the default device (JAX makes arrays there, and moves them at every
+    jitted call until a step's outputs come back committed: one more compile and a copy).
+    ``new`` as it is where ``old`` needs no move (uncommitted, the default device, traced).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree._where import placed_like
+      >>> old = {"w": jnp.ones(2)}
+      >>> placed_like({"a": jnp.zeros(2)}, old)["a"].committed     # old is uncommitted
+      False
+    """
+    where = placement_of(old)
+    return new if where is None else put(new, where)
 
 
 def _uncommitted(x: Any) -> bool:

@@ -125,6 +125,46 @@ for name, call in calls.items():
         messages[name] = str(e)
 report(messages)
 """,
+    "arrays_made_for_a_model_where_it_lives": """
+mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[4:])
+model = jax.device_put(new_model(), DEVICE)
+adapted = ft.nn.lora(model, "layers.0", rank=2, key=jax.random.key(1), dropout=0.1)
+directory = tempfile.mkdtemp()
+ft.nn.save_lora(adapted, directory)
+loaded = ft.nn.load_lora(model, directory)
+state = {"0.weight": np.ones((4, 3), np.float32), "0.bias": np.zeros(4, np.float32),
+         "2.weight": np.ones((1, 4), np.float32), "2.bias": np.zeros(1, np.float32)}
+sharded = ft.shard(new_model(), mesh, {"layers.0.weight": P(None, "data")})
+on_mesh = ft.nn.load_torch_state_dict(sharded, state)
+committed = lambda t: all(x.committed for x in jax.tree.leaves(t) if isinstance(x, jax.Array))  # noqa: E731
+report({"lora": devices_of(adapted), "lora_committed": committed(adapted), "loaded": devices_of(loaded),
+        "torch": devices_of(ft.nn.load_torch_state_dict(model, state)),
+        "torch_on_mesh": [str(x.sharding.spec) for x in jax.tree.leaves(on_mesh)],
+        "zeros": devices_of(ft.zero_tangent_vector(model)),
+        "zeros_later": devices_of(ft.zero_tangent_vector_initializer(model)()),
+        "zeros_on_mesh": [str(x.sharding.spec) for x in jax.tree.leaves(ft.zero_tangent_vector(sharded))],
+        "loss_scale": devices_of(ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.sgd(0.1))).init(model))})
+""",
+    "a_batch_on_the_explicit_twin_of_the_mesh": """
+mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[4:])  # Explicit axes; ft.shard places on the Auto twin
+model = ft.shard(ft.nn.Dense(3, 1, key=jax.random.key(0)), mesh)
+opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+batch = jax.device_put((X[:8], Y[:8]), NamedSharding(mesh, P("data")))
+on_two = jax.device_put(ft.nn.Dense(3, 1, key=jax.random.key(0)), DEVICE)
+calls = {"train_step": lambda: ft.train.train_step(plain_loss, opt, donate=False)(model, opt.init(model), batch),
+         "jit": lambda: ft.jit(plain_loss)(model, batch),
+         "eval_step": lambda: ft.train.eval_step(plain_loss)(model, batch),
+         "evaluate": lambda: ft.train.Trainer(model, opt, plain_loss).evaluate([batch]),
+         "eval_step_devices": lambda: ft.train.eval_step(plain_loss)(on_two, jax.device_put((X[:8], Y[:8]), jax.devices()[0]))}
+messages = {}
+for name, call in calls.items():
+    try:
+        call()
+        messages[name] = "no error"
+    except ValueError as e:
+        messages[name] = str(e)
+report(messages)
+""",
 }
 
 
@@ -198,3 +238,30 @@ def test_a_batch_committed_elsewhere(eight_devices):
                                         "model.weight is on")
     assert "the train step: its arguments are committed" in got["trainer"]
 
+
+
+def test_arrays_made_for_a_model_where_it_lives(eight_devices):
+    """LoRA adapters (``ft.nn.lora``, ``load_lora``), a torch state dict's weights, zero
+    tangents and a ``LossScaleOptimizer``'s scale and counters go where the model lives (device 2, or its shards on a mesh), committed; they
+    were made on the default device (a model on two devices, one more compile and a copy
+    at the first step; a whole checkpoint's weights on GPU 0)."""
+    got = part(eight_devices, "arrays_made_for_a_model_where_it_lives")
+    assert got["lora"] == [2] and got["lora_committed"] and got["loaded"] == [2] and got["torch"] == [2]
+    assert got["zeros"] == [2] and got["zeros_later"] == [2] and got["loss_scale"] == [2]
+    assert got["torch_on_mesh"] == ["P(None, 'data')", "P()", "P()", "P()"]  # layers.0.weight first
+    assert got["zeros_on_mesh"] == got["torch_on_mesh"]
+
+
+def test_a_batch_on_the_explicit_twin_of_the_mesh(eight_devices):
+    """A model placed by ``ft.shard`` (the Auto twin of ``jax.make_mesh``'s mesh) and a batch
+    put on the mesh itself (Explicit axes): JAX's bare "Mesh for all inputs should be equal"
+    became an error naming both key paths and the placement that fixes it; an eval step's
+    arguments on two devices get the train step's error."""
+    got = part(eight_devices, "a_batch_on_the_explicit_twin_of_the_mesh")
+    for name in ("train_step", "jit", "eval_step", "evaluate"):
+        message = got[name]
+        assert "on two meshes of the same devices that differ in their axis types" in message, (name, message)
+        assert ".weight is on the mesh with Auto axes, " in message and "[0] on the one with Explicit axes" in message
+        assert "NamedSharding(ft.parallel.auto_mesh(mesh), P('data',)))" in message, (name, message)
+    assert got["eval_step_devices"].startswith("the eval step: its arguments are committed to different devices: "
+                                               "model.weight is on")

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._tree import dotted_name, join_names
+from functree._where import placed_like
 from functree.hf._family import family_of
 from functree.hf._load import tied_head
 from functree.hf._names import TorchNames, torch_names
@@ -757,6 +758,10 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
                         if any(m.endswith(e) for m in saved))
         wrapped = {path: node.replace(saved_modules=entries) if isinstance(node, LoraDense) else node
                    for path, node in wrapped.items()}
+
+    # The loaded arrays where each layer's weight lives (a model put on device 3 or on a mesh).
+    base = {layer.path: layer.node for layer in layers}
+    wrapped = {path: placed_like(node, base[path]) if path in base else node for path, node in wrapped.items()}
 
     def one(path: Any, x: Any) -> Any:
         return wrapped.get(tuple(path), x)

@@ -72,6 +72,7 @@ from functree._state_dict import (
     to_numpy,
 )
 from functree._tree import dotted_name, join_names
+from functree._where import committed_sharding
 from functree.interop._host import copied, copy_all, empty
 from functree.interop._layouts import Local, Options, gradient_to_torch, layer_rules, same
 from functree.interop._mismatch import mismatch_error
@@ -745,7 +746,10 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
                     array[index] = 0  # reported; never uninitialized memory
         filled[stored] = array
     copy_all(copies)  # then each on the device as it is: aligned, a CPU's own buffer (jnp.asarray: a compile per shape)
-    flat.update((stored, jax.device_put(array, may_alias=True)) for stored, array in filled.items())
+    # ... where the model's leaf lives (a model on device 3 or sharded on a mesh: each device
+    # gets its part from the host), else on the default device.
+    flat.update((stored, jax.device_put(array, committed_sharding(template[stored]), may_alias=True))
+                for stored, array in filled.items())
     return flat, wrong
 
 

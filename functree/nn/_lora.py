@@ -44,6 +44,7 @@ from functree._module import Module, field, from_fields
 from functree._naming import foreign_names
 from functree._random import flat_key
 from functree._tree import dotted_name, is_none, written_dtype
+from functree._where import placed_like
 from functree.nn._check import check_input
 from functree.nn._linear import Dense, add_bias
 from functree.nn._mode import Layer
@@ -229,6 +230,8 @@ class LoraDense(Layer):
             if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
                 keys = jax.random.key_data(keys)
             self.dropout_key = keys.reshape((*lead, -1))
+        # Where the weight lives (a model put on device 3, or on a mesh), not on the default device.
+        self.lora_a, self.lora_b, self.dropout_key = placed_like((self.lora_a, self.lora_b, self.dropout_key), weight)
 
     @property
     def rank(self) -> int:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._tree import all_finite
+from functree._where import placement_of
 from functree.optim._optimizer import SCALED_HOOK, OptimizerWrapper
 from functree.optim._skip import select
 
@@ -165,12 +166,12 @@ class LossScaleOptimizer(OptimizerWrapper):
         object.__setattr__(self, "growth_interval", growth_interval)
 
     def init(self, model: Any) -> LossScaleState:
-        return LossScaleState(
-            jnp.asarray(self.initial_scale, jnp.float32),
-            jnp.zeros((), jnp.int32),
-            jnp.zeros((), jnp.int32),
-            self.inner.init(model),
-        )
+        # From the host, on the model's devices (a model on device 3 or a mesh), as the inner
+        # state's context: not on the default device, and no compile for a zero.
+        scale, good, skipped = jax.device_put(
+            (np.asarray(self.initial_scale, np.float32), np.zeros((), np.int32), np.zeros((), np.int32)),
+            placement_of(model))
+        return LossScaleState(scale, good, skipped, self.inner.init(model))
 
     def compute_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,
                           state: Any = None, key: Any = None, checked: bool | None = None) -> tuple[Any, Any]:

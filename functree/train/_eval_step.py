@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from functree._alias import is_deletion_error, stale_error
 from functree._jit import _hide, _show, has_untraceable_leaves, unchecked_jit
+from functree._where import devices_error
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.parallel._placement import Placement
@@ -213,11 +214,12 @@ class EvalStep:
             model, batch = self.placement.place(model), self.placement.shard_batch(batch, whole=True)
         try:
             return self._compiled(model, batch, key)
-        except (RuntimeError, ValueError) as e:  # a donated model evaluated: name the key path
-            stale = stale_error([("model", model), ("batch", batch)]) if is_deletion_error(e) else None
-            if stale is None:
+        except (RuntimeError, ValueError) as e:  # a donated model evaluated, or arguments apart: name the key paths
+            named = [("model", model), ("batch", batch), ("key", key)]
+            better = stale_error(named[:2]) if is_deletion_error(e) else devices_error("the eval step", e, named)
+            if better is None:
                 raise
-            raise stale from None
+            raise better from None
 
 
 def _calling(entry: Any, method: str) -> Callable[..., Any]:

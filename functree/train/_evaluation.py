@@ -18,7 +18,7 @@ import numpy as np
 from functree import nn
 from functree._repr import short_array
 from functree._tree import is_array_value
-from functree._where import placement_of, put
+from functree._where import devices_error, placement_of, put
 from functree.optim._average import averaged as averaged_parameters
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
@@ -193,19 +193,30 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
         with _located(what, i, given, first):
             batch = step.shard_batch(to_arrays(given))
             _check_not_empty(what, i, batch)
-            if sums is None:
-                shapes = step.metric_shapes(model, batch, key)  # traced once per signature
-                dtype = metric_dtype()  # float64 under jax_enable_x64: sums as precise as the values
-                sums = {"values": {k: jnp.zeros((), dtype) for k in shapes},
-                        "weight": jnp.zeros((), dtype), "count": jnp.zeros((), jnp.int32)}
-                # Committed where the model lives, as the sums the program returns: one program
-                # (uncommitted first sums compiled it twice per evaluation's shapes).
-                sums = put(sums, placement_of(model))
-            sums = summing(model, sums, batch, key)
+            try:
+                sums = _summed(step, summing, model, sums, batch, key)
+            except ValueError as e:  # the model and the minibatch apart: name their key paths
+                better = devices_error(what, e, [("model", model), ("batch", batch)])
+                if better is None:
+                    raise
+                raise better from None
     if sums is None:
         raise no_eval_minibatch(which, data)
     host = jax.device_get(sums)
     return combine_parts({k: float(v) / float(host["weight"]) for k, v in host["values"].items()})
+
+
+def _summed(step: Any, summing: Callable[..., Any], model: Any, sums: Any, batch: Any, key: Any) -> Any:
+    """``sums`` with ``batch``'s added (the first minibatch's made first, zero)."""
+    if sums is None:
+        shapes = step.metric_shapes(model, batch, key)  # traced once per signature
+        dtype = metric_dtype()  # float64 under jax_enable_x64: sums as precise as the values
+        sums = {"values": {k: jnp.zeros((), dtype) for k in shapes},
+                "weight": jnp.zeros((), dtype), "count": jnp.zeros((), jnp.int32)}
+        # Committed where the model lives, as the sums the program returns: one program
+        # (uncommitted first sums compiled it twice per evaluation's shapes).
+        sums = put(sums, placement_of(model))
+    return summing(model, sums, batch, key)
 
 
 def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: Callable[..., Any], key: Any) -> Any:

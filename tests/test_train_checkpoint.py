@@ -1,7 +1,9 @@
 """Checkpoints: types rebuilt without a template, templates checked, retention, atomicity."""
 
 import functools
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -1043,3 +1045,38 @@ def test_settling_removes_only_the_names_functree_and_orbax_create(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["m", "m.functree-new.backup"]
     assert (tmp_path / "m.functree-new.backup" / "notes.txt").read_text() == "keep"
     np.testing.assert_array_equal(_loaded_w(path), np.full(4, 2.0, np.float32))
+
+
+def test_a_one_process_save_writes_jax_arrays_by_orbax_s_numpy_path(tmp_path):
+    """Orbax's jax-array path (replica slices, a sharding record, array metadata merged and
+    validated) cost twice the CPU of its NumPy path per save: a jax array the process holds
+    whole is written as NumPy (``process_local``) and still comes back as a jax array on the
+    reader's device, checked by its CRC-32; a NumPy leaf still comes back as NumPy."""
+    tree = {"w": jnp.arange(3.0), "half": jnp.ones(2, jnp.bfloat16), "n": np.arange(2, dtype=np.int32)}
+    ft.train.save(tmp_path / "t", tree)
+    meta = json.loads((tmp_path / "t" / "meta" / "metadata").read_text())
+    assert sorted(meta["process_local"]) == ["half", "w"] and not list((tmp_path / "t").rglob("_sharding"))
+    assert meta["written_on"]["device_count"] == 1  # the writer's device, as information
+    for out in (ft.train.load(tmp_path / "t"), ft.train.load(tmp_path / "t", tree)):
+        assert isinstance(out["w"], jax.Array) and out["w"].committed and out["w"].devices() == {jax.devices()[0]}
+        assert out["half"].dtype == jnp.bfloat16 and isinstance(out["n"], np.ndarray) and out["n"].dtype == np.int32
+        np.testing.assert_array_equal(out["w"], np.arange(3.0, dtype=np.float32))
+
+
+def test_all_steps_sees_what_another_writer_changed(tmp_path):
+    """all_steps lists the step directories and asks orbax to read every step's metadata
+    again only when the listing differs from what it knows: a step removed or added behind
+    the manager's back is still seen, and the manager keeps saving and pruning."""
+    directory = tmp_path / "ckpt"
+    manager = CheckpointManager(directory, max_to_keep=2)
+    for step in (1, 2):
+        manager.save(step, {"w": jnp.full(2, float(step))})
+    shutil.rmtree(directory / "1")
+    assert manager.all_steps() == [2]
+    with CheckpointManager(directory, max_to_keep=None) as other:
+        other.save(5, {"w": jnp.full(2, 5.0)})
+    assert manager.all_steps() == [2, 5] and manager.latest_step() == 5
+    np.testing.assert_array_equal(manager.restore().model["w"], np.full(2, 5.0, np.float32))
+    manager.save(6, {"w": jnp.full(2, 6.0)})
+    assert manager.all_steps() == [5, 6] and sorted(os.listdir(directory)) == ["5", "6"]
+    manager.close()

@@ -35,7 +35,15 @@ import numpy as np
 from functree._alias import check_stale
 from functree.parallel import mesh_shape
 from functree.train.checkpoint import _directory as policy
-from functree.train.checkpoint._arrays import describe, placement, saved_arrays, verify, written_on
+from functree.train.checkpoint._arrays import (
+    describe,
+    placement,
+    put,
+    saved_arrays,
+    verify,
+    via_host,
+    written_on,
+)
 from functree.train.checkpoint._decode import check_names
 from functree.train.checkpoint._errors import CheckpointError, SpecError
 from functree.train.checkpoint._extra import SKIP, placed_templates, read_extra
@@ -246,13 +254,19 @@ def _unsavable_message(key: str, given: str) -> str:
 
 
 def _writable(arrays: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The arrays as orbax writes them, and the keys of the jax arrays each process holds
-    whole in a job of several (its own, or made on its devices alone: orbax refuses them);
-    those are written from process 0, as NumPy arrays, and restored onto a device."""
-    several = jax.process_count() > 1
+    """The arrays as orbax writes them, and the keys of the jax arrays written as NumPy
+    arrays (restored onto a device, as written: ``process_local`` in the metadata).
+
+    A jax array this process holds whole (every array of a one-process job) is written as
+    NumPy: orbax's jax-array path (replica slices, a sharding record, per-process array
+    metadata merged and validated) costs about twice the CPU of its NumPy path, and no
+    reader consults the writer's sharding (:func:`._arrays.placement`). In a job of several
+    processes these are each process's own arrays (orbax refuses them as jax arrays),
+    written from process 0. Arrays spread over processes stay jax arrays: each process
+    writes its shards."""
     out, local = {}, []
     for key, x in arrays.items():
-        if isinstance(x, jax.Array) and not (several and x.is_fully_addressable):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
             out[key] = x
         else:
             out[key] = np.asarray(x)
@@ -311,9 +325,10 @@ def save_args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     arrays, empty = _split_empty(arrays)
     if empty:
         fields = {**fields, "empty": empty}
+    mesh, writer = mesh_shape(arrays), written_on(arrays)  # of the arrays as given: information
     arrays, local = _writable(arrays)
     meta = json.loads(json.dumps({"format": FORMAT, **fields, "spec": spec, "checksums": describe(arrays),
-                                  "mesh": mesh_shape(arrays), "written_on": written_on(arrays),
+                                  "mesh": mesh, "written_on": writer,
                                   **({"process_local": local} if local else {})}, allow_nan=True))
     meta["digest"] = metadata_digest(meta)
     return ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta))
@@ -358,16 +373,16 @@ def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool 
     if problem:
         raise _Damage(f"has damaged metadata: {problem}")
     try:
-        args = ocp.args.Composite(arrays=ocp.args.StandardRestore(target(saved_arrays(path / "arrays"), meta)))
-        arrays = dict(restore(args)["arrays"])
+        wanted, moves = via_host(target(saved_arrays(path / "arrays"), meta))
+        arrays = dict(restore(ocp.args.Composite(arrays=ocp.args.StandardRestore(wanted)))["arrays"])
     except CheckpointError:  # a placement that cannot hold an array: not damage
         raise
     except Exception as e:
         raise _Damage(_unreadable(e), files=True) from e
-    bad = verify(meta.get("checksums"), arrays)
+    bad = verify(meta.get("checksums"), arrays)  # before anything goes to a device
     if bad:
         raise _Damage(f"is corrupted: the array {bad[0]!r} {bad[1]}", files=True)
-    return _with_empty(arrays, meta), meta
+    return _with_empty(put(arrays, moves), meta), meta
 
 
 def _step_directories(path: Path) -> list[int]:
@@ -692,7 +707,8 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """The steps with a complete checkpoint, ascending (read from the directory)."""
-        self._mngr.reload()
+        if policy.step_names(self.directory) != sorted(self._mngr.all_steps()):
+            self._mngr.reload()  # another writer changed the directory: orbax reads every step's metadata
         steps = sorted(self._mngr.all_steps())
         for gone in set(self._metrics) - set(steps):
             self._metrics.pop(gone, None)

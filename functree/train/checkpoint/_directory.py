@@ -28,7 +28,8 @@ from typing import Any
 
 from functree.train.checkpoint._treespec import CheckpointError
 
-__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "remove_leftovers", "started", "to_delete", "best"]
+__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "remove_leftovers", "step_names", "started", "to_delete",
+           "best"]
 
 LOCK_NAME = ".functree-writer.lock"
 STEP_DIR = re.compile(r"^\d+$")
@@ -84,6 +85,14 @@ def remove_leftovers(directory: Path) -> None:
         if TMP in entry.name:
             shutil.rmtree(entry, ignore_errors=True)
 
+
+def step_names(directory: Path) -> list[int]:
+    """The steps named by the directories in ``directory`` (a cheap listing: orbax renames
+    a step's temporary directory to its step name when the step is complete, so the names
+    agree with orbax's steps unless another writer changed the directory)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(e.name) for e in directory.iterdir() if STEP_DIR.match(e.name) and e.is_dir())
 
 class WriterLock:
     """``LOCK_NAME`` in ``directory``, held by this object while ``token`` is set."""

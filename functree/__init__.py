@@ -6,9 +6,8 @@ nested parameters; differential operators carry the Swift proposal's names.
     >>> import functree as ft
 """
 
-import sys
+from typing import TYPE_CHECKING
 
-from functree import generation, hf, interop, losses, nn, optim, parallel, train
 from functree._alias import AliasWarning
 from functree._config import config
 from functree._derivative import (
@@ -70,18 +69,40 @@ from functree._tangent import (
     zero_tangent_vector,
     zero_tangent_vector_initializer,
 )
-from functree.parallel import cast, partition_specs, shard
-from functree.train._step_factories import DataParallelEvalStep, DataParallelStep
-from functree.train.checkpoint._registry import register_packages
 
-# Checkpoints name functree's public classes: the registry (below the subpackages) is
-# handed their namespaces once they are all imported.
-register_packages(sys.modules[__name__], nn, optim, train, losses)
-del register_packages, sys
-# The older names of the mesh steps, where they were first documented (functree.parallel
-# sits below functree.train and does not import it).
-parallel.DataParallelStep, parallel.DataParallelEvalStep = DataParallelStep, DataParallelEvalStep
-del DataParallelStep, DataParallelEvalStep
+if TYPE_CHECKING:  # the lazy names below, for type checkers, editors and the API reference
+    from functree import generation, hf, interop, losses, nn, optim, parallel, train
+    from functree.parallel import cast, partition_specs, shard
+
+# ``import functree`` runs the core (the modules above: the differential operators, key
+# paths, Module); each subpackage is imported when it is first read (``ft.nn``, or ``import
+# functree.nn``), so a process that never trains or ports a model never pays for it (PEP
+# 562). Name -> the module it is read from; a subpackage is the module itself.
+_SUBPACKAGES = ("nn", "optim", "train", "losses", "parallel", "hf", "generation", "interop")
+_LAZY = {
+    **{name: f"functree.{name}" for name in _SUBPACKAGES},
+    "shard": "functree.parallel",
+    "partition_specs": "functree.parallel",
+    "cast": "functree.parallel",
+}
+
+
+def __getattr__(name: str):
+    """``ft.nn``, ``ft.shard`` and the other names of ``_LAZY``: imported on this first read."""
+    home = _LAZY.get(name)
+    if home is None:
+        raise AttributeError(f"module 'functree' has no attribute {name!r}")
+    import importlib
+
+    module = importlib.import_module(home)
+    value = module if name in _SUBPACKAGES else getattr(module, name)
+    globals()[name] = value  # found once: later reads are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it; CHANGELOG.md names each release
 

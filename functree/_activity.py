@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.core
 import numpy as np
-from jax.extend import core as jcore
 
 from functree import _compat as compat
 from functree._source import is_user_file as _is_user_file
@@ -210,6 +209,7 @@ _open = compat.open_jaxpr
 
 
 def analyse(jaxpr: Any, consts: Sequence[Any], ins: Sequence[State], scoped: bool) -> list:
+    from jax.extend import core as jcore
     env: dict[Any, State] = {}
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = _const_state(c)
@@ -251,6 +251,7 @@ def _transfer(eqn: Any, ins: list, scoped: bool) -> list:
 
 
 def _elementary(eqn: Any, ins: list, scoped: bool) -> list:
+    from jax.extend import core as jcore
     name = eqn.primitive.name
     u = join_all(ins) if ins else EMPTY
     if name == "stop_gradient":

@@ -42,7 +42,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.extend import core as jcore
 
 __all__ = [
     "CALL_BODIES",
@@ -155,6 +154,7 @@ def _unsupported(primitive: str, detail: str) -> UnsupportedJaxError:
 
 def open_jaxpr(j: Any) -> tuple[Any, Sequence[Any]]:
     """``(jaxpr, consts)`` of a ``ClosedJaxpr`` or a bare ``Jaxpr`` (no consts)."""
+    from jax.extend import core as jcore
     if isinstance(j, jcore.ClosedJaxpr):
         return j.jaxpr, j.consts
     return j, ()
@@ -217,6 +217,7 @@ def sub_jaxprs(params: Any) -> list[Any]:
 def _jaxprs_in_params(params: Any) -> list[Any]:
     """``jax.extend.core.jaxprs_in_params`` (JAX 0.10+); on 0.9, the same walk over the
     parameters' values and the tuples and lists of them (its definition there)."""
+    from jax.extend import core as jcore
     found = getattr(jcore, "jaxprs_in_params", None)
     if found is not None:
         return list(found(params))

@@ -14,7 +14,6 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
-from jax.extend import core as jcore
 
 from functree import _diagnostics, _operators, _warnings
 from functree._activity import SCOPE
@@ -418,6 +417,7 @@ def _hoisted(pb: Callable[..., Any], value: Any) -> tuple[Callable[..., Any], li
     (UnexpectedTracerError under ``ft.gradient``'s diagnostics, jit, checkpoint, cond, scan).
     Concrete constants stay in the jaxpr. The forward pass is not recomputed.
     """
+    from jax.extend import core as jcore
     closed, shape = jax.make_jaxpr(pb, return_shape=True)(value)
     out_tree = jax.tree.structure(shape)
     traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]

@@ -54,7 +54,6 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
 from functree._activity import (
     EMPTY,
@@ -553,6 +552,7 @@ def _replay(traced: _Traced) -> Callable[..., Any] | None:
     The warnings the function raised while traced are emitted now, once. The operator
     calls the result with its own tracers (every primal is differentiated), as it would
     call the function."""
+    from jax.extend import core as jcore
     outvars = traced.closed.jaxpr.outvars
     if traced.side_effect or len(traced.returned) != len(outvars):
         return None

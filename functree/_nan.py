@@ -46,7 +46,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
 from functree import _compat as compat
 from functree._plan import Plan
@@ -273,12 +272,15 @@ class _Tape:
         self.subs: list[Any] = []
 
     def read(self, v: Any) -> Any:
+        from jax.extend import core as jcore
         return v.val if isinstance(v, jcore.Literal) else self.env[v]
 
     def dep(self, v: Any) -> int:
+        from jax.extend import core as jcore
         return 0 if isinstance(v, jcore.Literal) else self.deps.get(v, 0)
 
     def org(self, v: Any) -> _Origin | None:
+        from jax.extend import core as jcore
         return None if isinstance(v, jcore.Literal) else self.origins.get(v)
 
 
@@ -426,6 +428,7 @@ def _add(run: _Run, a: _Cot | None, b: _Cot | None, eqn: Any, deps: int, tape: _
 
 def _backward(run: _Run, tape: _Tape, out_cts: Sequence[_Cot | None]) -> list[_Cot | None]:
     """Cotangents of the tape's inputs from those of its outputs (None: zero)."""
+    from jax.extend import core as jcore
     jaxpr = tape.jaxpr
     ct: dict[Any, _Cot | None] = {}
 

@@ -95,7 +95,7 @@ ELSEWHERE = {
 
 def __getattr__(name: str):
     """``ft.nn.from_hf`` and the other names of :data:`ELSEWHERE`: the object itself, from
-    its package (imported by ``import functree`` already; this only fetches it)."""
+    its package (imported on this first read, as ``import functree`` imports no subpackage)."""
     home = ELSEWHERE.get(name)
     if home is None:
         raise AttributeError(f"module 'functree.nn' has no attribute {name!r}")

@@ -13,15 +13,14 @@ reverse).
   each device reading its own shards).
 * ``DataParallelStep`` / ``DataParallelEvalStep``: the older names of
   ``ft.train.TrainStep(..., mesh=)`` / ``ft.train.EvalStep(..., mesh=)``, defined in
-  ``functree.train`` and set here by ``functree/__init__.py`` once both are imported (this
-  package never imports ``functree.train``).
+  ``functree.train`` and looked up there on first use (:data:`ELSEWHERE`): this package
+  cannot import the package that imports it.
 
 Nothing here communicates by itself: meshes and ``NamedSharding`` place the arrays,
 ``jax.shard_map`` collectives aggregate gradients, ``jax.distributed`` spans processes.
 """
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from functree.parallel._cast import cast
 from functree.parallel._mesh import auto_mesh
@@ -41,6 +40,30 @@ __all__ = [
     "mesh_shape",
 ]
 
-# Set by functree/__init__.py (see the module docstring); declared here for type checkers.
-DataParallelStep: Callable[..., Any]
-DataParallelEvalStep: Callable[..., Any]
+if TYPE_CHECKING:  # what ELSEWHERE's names are, for type checkers and editors
+    from functree.train._step_factories import DataParallelEvalStep as DataParallelEvalStep
+    from functree.train._step_factories import DataParallelStep as DataParallelStep
+
+# The older names of the mesh steps, where they were first documented: name -> the module
+# above this package that defines them.
+ELSEWHERE = {
+    "DataParallelStep": "functree.train._step_factories",
+    "DataParallelEvalStep": "functree.train._step_factories",
+}
+
+
+def __getattr__(name: str):
+    """``ft.parallel.DataParallelStep`` and the other names of :data:`ELSEWHERE`: the object
+    itself, from ``functree.train`` (imported on this first read)."""
+    home = ELSEWHERE.get(name)
+    if home is None:
+        raise AttributeError(f"module 'functree.parallel' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # found once: later reads are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *ELSEWHERE})

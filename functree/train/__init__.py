@@ -1,5 +1,8 @@
 """functree.train: the training step, the Trainer, data, metrics and checkpoints."""
 
+import sys
+
+from functree import losses, nn, optim
 from functree.train._callbacks import (
     Callback,
     EarlyStopping,
@@ -28,7 +31,13 @@ from functree.train.checkpoint._checkpoint import (
     save,
 )
 from functree.train.checkpoint._migrate import migrate
-from functree.train.checkpoint._registry import register
+from functree.train.checkpoint._registry import register, register_packages
+
+# Checkpoints name functree's public classes: the registry (below the subpackages) is handed
+# their namespaces here, in the package every save and load goes through (``import functree``
+# imports the subpackages on first use; this one imports those the registry reads).
+register_packages(sys.modules["functree"], nn, optim, sys.modules[__name__], losses)
+del losses, nn, optim, register_packages, sys
 
 __all__ = [
     "Trainer",

@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jax.extend import core as jcore
 
 from functree import _compat as compat
 
@@ -701,6 +700,7 @@ def _probe_jaxpr(run: Callable[[], Mapping[str, Any]], calls: int, names: Sequen
 def _needed(jaxpr: Any) -> list[Any]:
     """The equations of ``jaxpr`` its outputs read (backwards from them): the rest (the
     counting metrics' own hits and counts, read from traced values) is not looked at."""
+    from jax.extend import core as jcore
     need = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
     kept = []
     for eqn in reversed(jaxpr.eqns):
@@ -712,6 +712,7 @@ def _needed(jaxpr: Any) -> list[Any]:
 
 def _on_counting(jaxpr: Any, eqns: Sequence[Any]) -> list[bool]:
     """Per output of ``jaxpr``: whether it is computed from its inputs (the counting values)."""
+    from jax.extend import core as jcore
     on = set(jaxpr.invars)
     for eqn in eqns:
         if any(v in on for v in eqn.invars if not isinstance(v, jcore.Literal)):
@@ -724,6 +725,7 @@ def _evaluate(closed: Any, eqns: Sequence[Any], probes: Sequence[float]) -> list
     equation where they depend on the inputs and constants alone, through no effect and
     no host code; None for the others (they read the step's traced values: its constants
     that are tracers, or an equation never run)."""
+    from jax.extend import core as jcore
     jaxpr = closed.jaxpr
     env: dict[Any, Any] = {v: _UNKNOWN if isinstance(c, Tracer) else c
                            for v, c in zip(jaxpr.constvars, closed.consts)}

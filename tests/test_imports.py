@@ -282,13 +282,18 @@ def test_import_functree_loads_no_checkpoint_or_porting_library():
 # a diagnostic walks).
 LAZY = (*(f"functree.{p}" for p in SUBPACKAGES), "optax", "jax.extend")
 
-# The subprocess of the test below: what ``import functree`` loaded, then every public
-# name of functree and its subpackages, each package's ``dir``, the older names of the mesh
-# steps, and a checkpoint's public type names (the registry is handed the packages' names
-# by ``functree.train``, now that ``import functree`` no longer imports it).
+# The subprocess of the test below: what ``import functree`` loaded; the readers of foreign
+# names once ``ft.nn.from_hf`` is read (``functree.hf`` registers Hugging Face's as it is
+# imported: ``ft.nn.lora(model, "model.layers.*.q_proj")``); every public name of functree
+# and its subpackages, each package's ``dir``, the older names of the mesh steps, and a
+# checkpoint's public type names (the registry is handed the packages' names by
+# ``functree.train``, now that ``import functree`` no longer imports it).
 FRESH = f"""
 import sys, tempfile, functree as ft
 loaded = sorted(m for m in {LAZY!r} if m in sys.modules)
+ft.nn.from_hf
+from functree import _naming
+foreign = [read.__module__ for read in _naming.FOREIGN_NAMES]
 missing = []
 for package in [ft, *(getattr(ft, p) for p in {SUBPACKAGES!r})]:
     for name in package.__all__:
@@ -306,7 +311,7 @@ with tempfile.TemporaryDirectory() as directory:
     save(directory + "/c", (model, state))
     loaded_model, loaded_state = ft.train.load(directory + "/c")
 from functree.train.checkpoint import _registry
-report(dict(loaded=loaded, missing=missing, same_step=DataParallelStep is defined,
+report(dict(loaded=loaded, foreign=foreign, missing=missing, same_step=DataParallelStep is defined,
             types=[type(loaded_model).__name__, type(loaded_state).__name__],
             names=[_registry.type_name(type(model)), _registry.type_name(type(state))]))
 """
@@ -322,6 +327,7 @@ def test_import_functree_imports_the_core_alone():
     whose XLA_FLAGS append to the inherited ones (``_devices``)."""
     got = _devices.run(FRESH, devices=1)
     assert got["loaded"] == [], f"import functree imported {got['loaded']}: read them on first use"
+    assert got["foreign"] == ["functree.hf._names"]  # registered with from_hf: ft.nn.lora reads HF names
     assert got["missing"] == []
     assert got["same_step"] is True
     assert got["types"] == ["Dense", "OptimizerState"]

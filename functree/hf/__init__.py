@@ -14,39 +14,8 @@ Each is also ``ft.nn.<name>``, where it was first documented. A family is one cl
 ``_neox.py``, ``_opt.py``, ``_bert.py``); see docs/development/layout.md, "How to add".
 """
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the names below, for type checkers, editors and the API reference
-    from functree.hf._load import from_hf, to_hf_state_dict
-    from functree.hf._peft import load_lora, save_lora
-    from functree.hf._save import save_hf
-
-# Each public name -> its private module, imported on first use (PEP 562): the families and
-# their loaders stay unimported until a name is read (``functree.train``'s checkpoints import
-# ``functree.hf._config`` alone).
-_HOMES = {
-    "from_hf": "functree.hf._load",
-    "to_hf_state_dict": "functree.hf._load",
-    "save_hf": "functree.hf._save",
-    "load_lora": "functree.hf._peft",
-    "save_lora": "functree.hf._peft",
-}
-
-
-def __getattr__(name: str):
-    """The names of ``_HOMES``: imported from their module on this first read."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # found once: later reads are plain module attributes
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
-
+from functree.hf._load import from_hf, to_hf_state_dict
+from functree.hf._peft import load_lora, save_lora
+from functree.hf._save import save_hf
 
 __all__ = ["from_hf", "to_hf_state_dict", "save_hf", "load_lora", "save_lora"]

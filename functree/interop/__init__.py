@@ -11,34 +11,6 @@ are read memory-mapped and validated by every rule the safetensors library appli
 ``_host.py``'s. Also ``ft.nn.<name>``, where they were first documented.
 """
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the names below, for type checkers, editors and the API reference
-    from functree.interop._torch import load_torch_state_dict, torch_state_dict
-
-# Each public name -> its private module, imported on first use (PEP 562): the torch
-# layouts stay unimported until a name is read (``functree.hf`` reads ``.safetensors`` files
-# through ``functree.interop._safetensors`` alone).
-_HOMES = {
-    "load_torch_state_dict": "functree.interop._torch",
-    "torch_state_dict": "functree.interop._torch",
-}
-
-
-def __getattr__(name: str):
-    """The names of ``_HOMES``: imported from their module on this first read."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # found once: later reads are plain module attributes
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
-
+from functree.interop._torch import load_torch_state_dict, torch_state_dict
 
 __all__ = ["load_torch_state_dict", "torch_state_dict"]

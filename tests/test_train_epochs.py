@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import functree as ft
-from functree.train._epochs import Epochs
+from functree.train._epochs import Epochs, check_list_of_arrays
 from functree.train._job import JobState
 
 ITEMS = [(np.full((2, 1), i, np.float32),) for i in range(5)]
@@ -215,6 +216,30 @@ def test_a_failing_step_on_a_list_of_arrays_says_each_item_is_a_minibatch():
     assert ("trainer.fit's data is a list of 2 arrays (float32[11, 3], float32[11, 1]): each item is one "
             "minibatch, so this minibatch is the array data[1] alone. If the list is [inputs, labels], pass "
             "the tuple (x, y): trainer.fit((x, y), ...).") in notes, notes
+
+
+def test_a_list_of_minibatches_is_judged_by_the_dtypes_a_step_sees():
+    """The [x, labels] check read np.dtype(tensor.dtype): a list of torch minibatches (float32,
+    bfloat16) raised TypeError "Cannot interpret 'torch.float32' as a data type" in fit and
+    predict, and NumPy float64/int64 minibatches beside JAX's float32/int32 ones (one dtype
+    to a step without x64) were refused as [inputs, labels], a list of PRNG keys raised
+    canonicalize_dtype's ValueError. A failing step's note named
+    data[i] for a converted (torch) minibatch; it names the list's item."""
+    torch = pytest.importorskip("torch")
+    x, y, trainer = _pairs()
+    rows = lambda m, b: jnp.sum(b.astype(jnp.float32), axis=-1)  # noqa: E731
+    for data in ([torch.tensor(x[:5]), torch.tensor(x[5:])],
+                 [torch.tensor(x[:5]).bfloat16(), torch.tensor(x[5:]).bfloat16()],
+                 [x[:5].astype(np.float64), jnp.asarray(x[5:])],
+                 [np.arange(15).reshape(5, 3), jnp.arange(18).reshape(6, 3)]):
+        assert trainer.predict(data, rows).shape == (11,)
+    keys = jax.random.split(jax.random.key(0), 4)  # key<fry>: a dtype JAX does not canonicalize by default
+    check_list_of_arrays([keys[:2], keys[2:]], "trainer.predict")
+    with pytest.raises(ValueError, match=re.escape("differ in dtype and rank (torch.float32[11, 3], torch.int64[11])")):
+        trainer.fit([torch.tensor(x), torch.arange(11)], epochs=1, progress=False)
+    with pytest.raises(Exception) as raised:
+        trainer.fit([torch.tensor(x), torch.tensor(y[:, :1])], epochs=1, progress=False)
+    assert "so this minibatch is the array data[1] alone" in "\n".join(getattr(raised.value, "__notes__", []))
 
 
 def test_fits_batch_size_still_cuts_training_arrays_beside_a_validation_loader():

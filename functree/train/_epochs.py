@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from functree._tree import is_array_value
-from functree.train._data import Batches, batches
+from functree.train._data import Batches, batches, to_arrays
 from functree.train._job import JobState
 from functree.train._metrics import describe_batch, shared_batch_size
 from functree.train.checkpoint._position import DATA_STATE_NOT_STORABLE, storable
@@ -178,7 +178,7 @@ def check_list_of_arrays(data: Any, caller: str) -> None:
     items = list_of_arrays(data)
     if items is None:
         return
-    kinds = {(np.dtype(getattr(x, "dtype", np.asarray(x).dtype)).name, np.ndim(x)) for x in items}
+    kinds = {(_step_dtype(x), len(x.shape)) for x in items}
     if len(kinds) > 1:
         what = "dtype" if len({k for k, _ in kinds}) > 1 else "rank"
         if what == "dtype" and len({r for _, r in kinds}) > 1:
@@ -187,6 +187,22 @@ def check_list_of_arrays(data: Any, caller: str) -> None:
         raise ValueError(LIST_OF_ARRAYS.format(
             caller=caller, n=len(items), what=what, shapes=shapes, wrong=_called(caller, "[x, y]"),
             right=_called(caller, "(x, y)"), batches=_called(caller, "ft.train.batches((x, y), batch_size=32)")))
+
+
+def _step_dtype(x: Any) -> str:
+    """The name of the dtype a step sees of the minibatch ``x``: a torch or TF tensor's as
+    :func:`~functree.train.to_arrays` converts it (an empty slice converted: ``torch.float32``
+    is no NumPy dtype), then JAX's canonical one (float64 and int64 are float32 and int32
+    without ``jax_enable_x64``: a list of NumPy float64 and JAX float32 minibatches is one
+    dataset's)."""
+    try:
+        dtype = np.dtype(x.dtype)
+    except (AttributeError, TypeError):  # torch.float32; an __array__ object without a dtype
+        try:
+            dtype = to_arrays(x[:0]).dtype
+        except (TypeError, IndexError, AttributeError):  # not sliceable: the whole array read
+            dtype = np.asarray(x).dtype
+    return str(jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True))  # (key<fry>: a name too)
 
 
 def _called(caller: str, data: str) -> str:
@@ -405,7 +421,7 @@ class Epochs:
         located = with_location(error, text)
         items = list_of_arrays(self.of)
         if items is not None:  # [x, y] for (x, y): each array a minibatch of its own
-            item = next((f"data[{i}]" for i, x in enumerate(items) if x is batch), "data[i]")
+            item = f"data[{job.batch_in_epoch + offset}]"  # the list's item (batch: it converted)
             shapes = ", ".join(describe_batch(x) for x in items[:4]) + (", ..." if len(items) > 4 else "")
             located.add_note(LIST_ITEM_IS_MINIBATCH.format(caller="trainer.fit", n=len(items), shapes=shapes,
                                                            item=item))

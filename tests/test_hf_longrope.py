@@ -132,6 +132,33 @@ def test_a_generation_that_would_cross_the_switch_point_is_refused(phi3, prompt,
         ft.nn.generate(model, tokens(1, prompt), new, temperature=0.0)
 
 
+def test_a_llama_with_longrope_generates_across_the_switch_as_hf(tmp_path):
+    """Only Phi-3's generate recomputes its cache at the switch point; HF's Llama with a
+    longrope rope keeps its cache (short-factor keys, then long-factor queries and keys), as a
+    KV cache does. Its generations across the switch were refused (the check lived on every
+    Llama-family class): a one-token prompt and a prompt of 6 into 15 slots give HF's tokens."""
+    rope = {**LONGROPE, "partial_rotary_factor": 1.0, "short_factor": [1.0, 1.5, 1.2, 1.1],
+            "long_factor": [3.0, 7.0, 2.0, 5.0], "original_max_position_embeddings": L0}
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=32, max_position_embeddings=48,
+                                      original_max_position_embeddings=L0, rope_parameters=rope)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    model = ft.nn.from_hf(tmp_path)
+    assert model.model.layers.layers.self_attn.rotary.kind == "longrope"
+    for prompt, new in ((1, L0 + 1), (6, L0 - 3)):
+        ids = tokens(1, prompt, seed=prompt)
+        tokens_, scores = ft.nn.generate(model, ids, new, temperature=0.0, eos_token_id=[], pad_token_id=0,
+                                         return_scores=True)
+        expected_tokens, expected_scores = hf_generate(hf, ids, new, np.ones_like(ids))
+        np.testing.assert_array_equal(np.asarray(tokens_), expected_tokens)
+        np.testing.assert_allclose(np.asarray(scores), expected_scores, rtol=0, atol=1e-5)
+
+
 def test_save_hf_writes_hf_s_longrope_config(phi3, tmp_path):
     """config.json's rope_parameters (an old-style rope_scaling with factor and attention
     factor too) and original_max_position_embeddings exactly as HF's save_pretrained writes them."""

@@ -214,17 +214,6 @@ class LlamaForCausalLM(CausalLM):
     def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
         return self.model.embed(ids, self._padding())
 
-    def _check_call(self, input_ids: Any, cache: Any) -> None:
-        check_longrope(self, self.model.layers.layers.self_attn, input_ids, cache)
-
-    def check_generation(self, prompt_length: int, new_tokens: int) -> None:
-        """Phi-3's longrope: a generation whose prompt uses the short factors and whose new
-        tokens pass ``original_max_position_embeddings`` raises (HF's ``generate`` recomputes
-        its cache there; :func:`~functree.hf._causal.longrope_crossing`). A one-token prompt
-        included: its prefill is a call of one token, which the call's own check lets pass."""
-        rotary = self.model.layers.layers.self_attn.rotary
-        longrope_crossing(self, rotary, prompt_length, prompt_length + new_tokens)
-
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
         """How this family differs from Llama: keyword arguments of :class:`LlamaForCausalLM`
@@ -315,6 +304,19 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
         return {"mlp": Phi3MLP, "window": window(config), "rotary": rope(config, None, cls.hf_class)}
+
+    def _check_call(self, input_ids: Any, cache: Any) -> None:
+        check_longrope(self, self.model.layers.layers.self_attn, input_ids, cache)
+
+    def check_generation(self, prompt_length: int, new_tokens: int) -> None:
+        """Phi-3's longrope: a generation whose prompt uses the short factors and whose new
+        tokens pass ``original_max_position_embeddings`` raises (HF's ``generate`` recomputes
+        its cache there; :func:`~functree.hf._causal.longrope_crossing`). A one-token prompt
+        included: its prefill is a call of one token, which the call's own check lets pass.
+        Phi-3's alone: HF's other families (a Llama config with longrope rope) keep their
+        cache across the switch, as a KV cache does, so they generate as HF's."""
+        rotary = self.model.layers.layers.self_attn.rotary
+        longrope_crossing(self, rotary, prompt_length, prompt_length + new_tokens)
 
     @classmethod
     def hf_dropout(cls, config: Any) -> dict[str, float] | None:

@@ -110,8 +110,9 @@ def register_packages(*packages: Any) -> None:
     """Make the public Module subclasses of ``packages`` (and the state types of
     :data:`FUNCTREE_TYPES`, defined in their private modules) builtin names.
 
-    Called once, by ``functree/__init__.py`` after it has imported its subpackages: the
-    registry sits below them (``functree.train`` imports it) and imports none of them.
+    Called once, by ``functree/train/__init__.py`` (the package every save and load goes
+    through; ``import functree`` imports its subpackages on first read): the registry sits
+    below them and imports none of them.
     """
     global _packages
     _packages = packages

@@ -20,6 +20,7 @@ never onto the writer's devices, which the metadata keeps as information (``writ
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -228,9 +229,21 @@ def metadata_digest(meta: dict[str, Any]) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True, allow_nan=True).encode())
 
 
+UNWRITABLE_DTYPES = ("uint4", "uint2")  # JAX's, which tensorstore (orbax's files) has no type for
+
+UNWRITABLE_DTYPE = """\
+The leaf {key!r} is {given}: orbax's files (tensorstore) have no {dtype} type, so no \
+checkpoint can hold it as it is. Nothing was written. Save it widened, and narrow it back \
+after loading (exact: every {dtype} value is a uint8):
+
+    wrong:  ft.train.save(path, {{"codes": codes}})                      # {dtype}
+    right:  ft.train.save(path, {{"codes": codes.astype(jnp.uint8)}})    # loaded["codes"].astype(jnp.{dtype})"""
+
+
 def _unsavable(arrays: dict[str, Any]) -> tuple[str, str] | None:
-    """``(key, what it is)`` of the first leaf no checkpoint can hold (text, objects); a
-    function's ``what`` starts with ``function``."""
+    """``(key, what it is)`` of the first leaf no checkpoint can hold (text, objects, a
+    dtype orbax cannot write); a function's ``what`` starts with ``function``, an
+    unwritable dtype's with ``dtype``."""
     for key, x in arrays.items():
         if callable(x) and not isinstance(x, (jax.Array, np.ndarray, np.generic, type)):
             return key, f"function {getattr(x, '__module__', '?')}.{getattr(x, '__qualname__', repr(x)[:60])}"
@@ -239,10 +252,16 @@ def _unsavable(arrays: dict[str, Any]) -> tuple[str, str] | None:
             dtype = np.asarray(x).dtype
         if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
             return key, f"{type(x).__name__} {repr(x)[:60]}"
+        shape = tuple(getattr(x, "shape", ()))
+        if dtype.name in UNWRITABLE_DTYPES and math.prod(shape):  # (an empty one is stored as its shape)
+            return key, f"dtype {dtype.name} {dtype.name}{list(shape)}"
     return None
 
 
 def _unsavable_message(key: str, given: str) -> str:
+    if given.startswith("dtype "):
+        dtype, array = given.removeprefix("dtype ").split(" ", 1)
+        return UNWRITABLE_DTYPE.format(key=key, given=f"a {array} array", dtype=dtype)
     if not given.startswith("function "):
         return UNSAVABLE.format(key=key, given=given)
     name = given.removeprefix("function ")

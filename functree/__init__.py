@@ -33,6 +33,7 @@ from functree._key_path_names import (
     key_path,
     set,  # noqa: A004 - Swift's name; ft.set never shadows the builtin at call sites
 )
+from functree._lazy import lazy_names
 from functree._module import (
     DifferentiationWarning,
     FrozenModuleError,
@@ -87,21 +88,8 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    """``ft.nn``, ``ft.shard`` and the other names of ``_LAZY``: imported on this first read."""
-    home = _LAZY.get(name)
-    if home is None:
-        raise AttributeError(f"module 'functree' has no attribute {name!r}")
-    import importlib
-
-    module = importlib.import_module(home)
-    value = module if name in _SUBPACKAGES else getattr(module, name)
-    globals()[name] = value  # found once: later reads are plain module attributes
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)  # ``ft.nn``, ``ft.shard``: imported on their first read
+del lazy_names
 
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it; CHANGELOG.md names each release

@@ -39,6 +39,7 @@ from functree._activations import (
     swish,
     tanh,
 )
+from functree._lazy import lazy_names
 from functree.nn import initializers
 from functree.nn._attention import KVCache, MultiheadAttention
 from functree.nn._check import LayerInputError
@@ -93,21 +94,10 @@ ELSEWHERE = {
 }
 
 
-def __getattr__(name: str):
-    """``ft.nn.from_hf`` and the other names of :data:`ELSEWHERE`: the object itself, from
-    its package (imported on this first read, as ``import functree`` imports no subpackage)."""
-    home = ELSEWHERE.get(name)
-    if home is None:
-        raise AttributeError(f"module 'functree.nn' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # found once: later reads are plain module attributes
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *ELSEWHERE})
+# ``ft.nn.from_hf`` and the other names of ELSEWHERE: the object itself, from its package
+# (imported on this first read, as ``import functree`` imports no subpackage).
+__getattr__, __dir__ = lazy_names(__name__, ELSEWHERE)
+del lazy_names
 
 
 __all__ = [

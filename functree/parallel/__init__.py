@@ -22,6 +22,7 @@ Nothing here communicates by itself: meshes and ``NamedSharding`` place the arra
 
 from typing import TYPE_CHECKING
 
+from functree._lazy import lazy_names
 from functree.parallel._cast import cast
 from functree.parallel._mesh import auto_mesh
 from functree.parallel._placement import shard_batch
@@ -52,18 +53,7 @@ ELSEWHERE = {
 }
 
 
-def __getattr__(name: str):
-    """``ft.parallel.DataParallelStep`` and the other names of :data:`ELSEWHERE`: the object
-    itself, from ``functree.train`` (imported on this first read)."""
-    home = ELSEWHERE.get(name)
-    if home is None:
-        raise AttributeError(f"module 'functree.parallel' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # found once: later reads are plain module attributes
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *ELSEWHERE})
+# ``ft.parallel.DataParallelStep`` and the other names of ELSEWHERE: the object itself, from
+# ``functree.train`` (imported on this first read).
+__getattr__, __dir__ = lazy_names(__name__, ELSEWHERE)
+del lazy_names

@@ -45,6 +45,17 @@ def new_model():
 def devices_of(tree):
     return sorted({d.id for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.devices()})
 
+def messages_of(calls):
+    # each call's ValueError message, or "no error"
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = "no error"
+        except ValueError as e:
+            messages[name] = str(e)
+    return messages
+
 def trainer(where=None):
     model = new_model() if where is None else jax.device_put(new_model(), where)
     return ft.train.Trainer(model, ft.optim.Optimizer(ft.optim.adam(0.05)), loss_fn, key=jax.random.key(7))
@@ -111,19 +122,12 @@ report({"on": devices_of((t.model, t.opt_state, t.key, t._reader.log.buffer)),
 model = jax.device_put(ft.nn.Dense(3, 1, key=jax.random.key(0)), DEVICE)
 opt = ft.optim.Optimizer(ft.optim.adam(0.1))
 batch = jax.device_put((X[:8], Y[:8]), jax.devices()[0])
-messages = {}
 calls = {"train_step": lambda: ft.train.train_step(plain_loss, opt)(model, opt.init(model), batch),
          "jit_donating": lambda: ft.jit(lambda m, s, b: opt.minimize(plain_loss, m, s, b), donate=(0, 1))(
              model, opt.init(model), batch),
          "jit": lambda: ft.jit(lambda m, b: plain_loss(m, b))(model, batch),
          "trainer": lambda: ft.train.Trainer(model, opt, plain_loss).fit([batch], steps=1, progress=False)}
-for name, call in calls.items():
-    try:
-        call()
-        messages[name] = "no error"
-    except ValueError as e:
-        messages[name] = str(e)
-report(messages)
+report(messages_of(calls))
 """,
     "arrays_made_for_a_model_where_it_lives": """
 mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[4:])
@@ -156,14 +160,7 @@ calls = {"train_step": lambda: ft.train.train_step(plain_loss, opt, donate=False
          "eval_step": lambda: ft.train.eval_step(plain_loss)(model, batch),
          "evaluate": lambda: ft.train.Trainer(model, opt, plain_loss).evaluate([batch]),
          "eval_step_devices": lambda: ft.train.eval_step(plain_loss)(on_two, jax.device_put((X[:8], Y[:8]), jax.devices()[0]))}
-messages = {}
-for name, call in calls.items():
-    try:
-        call()
-        messages[name] = "no error"
-    except ValueError as e:
-        messages[name] = str(e)
-report(messages)
+report(messages_of(calls))
 """,
 }
 

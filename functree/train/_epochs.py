@@ -183,10 +183,14 @@ def check_list_of_arrays(data: Any, caller: str) -> None:
         what = "dtype" if len({k for k, _ in kinds}) > 1 else "rank"
         if what == "dtype" and len({r for _, r in kinds}) > 1:
             what = "dtype and rank"
-        shapes = ", ".join(describe_batch(x) for x in items[:4]) + (", ..." if len(items) > 4 else "")
         raise ValueError(LIST_OF_ARRAYS.format(
-            caller=caller, n=len(items), what=what, shapes=shapes, wrong=_called(caller, "[x, y]"),
+            caller=caller, n=len(items), what=what, shapes=_shapes(items), wrong=_called(caller, "[x, y]"),
             right=_called(caller, "(x, y)"), batches=_called(caller, "ft.train.batches((x, y), batch_size=32)")))
+
+
+def _shapes(items: list[Any]) -> str:
+    """The first four items' ``dtype[shape]``, for the messages of a list of arrays."""
+    return ", ".join(describe_batch(x) for x in items[:4]) + (", ..." if len(items) > 4 else "")
 
 
 def _step_dtype(x: Any) -> str:
@@ -422,8 +426,7 @@ class Epochs:
         items = list_of_arrays(self.of)
         if items is not None:  # [x, y] for (x, y): each array a minibatch of its own
             item = f"data[{job.batch_in_epoch + offset}]"  # the list's item (batch: it converted)
-            shapes = ", ".join(describe_batch(x) for x in items[:4]) + (", ..." if len(items) > 4 else "")
-            located.add_note(LIST_ITEM_IS_MINIBATCH.format(caller="trainer.fit", n=len(items), shapes=shapes,
+            located.add_note(LIST_ITEM_IS_MINIBATCH.format(caller="trainer.fit", n=len(items), shapes=_shapes(items),
                                                            item=item))
         return located
 

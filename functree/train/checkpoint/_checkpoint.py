@@ -406,9 +406,7 @@ def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool 
 
 def _step_directories(path: Path) -> list[int]:
     """The steps a CheckpointManager wrote under ``path`` (none where ``path`` is a checkpoint)."""
-    if (path / "meta").exists() or not path.is_dir():
-        return []
-    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "meta").is_dir())
+    return [] if (path / "meta").exists() else policy.step_names(path, written=True)
 
 
 # The stored arrays an orbax error names: TensorStore's key of a chunk ("model.w/0.0": the

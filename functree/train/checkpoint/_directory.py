@@ -86,13 +86,16 @@ def remove_leftovers(directory: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def step_names(directory: Path) -> list[int]:
+def step_names(directory: Path, written: bool = False) -> list[int]:
     """The steps named by the directories in ``directory`` (a cheap listing: orbax renames
     a step's temporary directory to its step name when the step is complete, so the names
-    agree with orbax's steps unless another writer changed the directory)."""
+    agree with orbax's steps unless another writer changed the directory); with ``written``,
+    those holding a checkpoint's ``meta``."""
     if not directory.is_dir():
         return []
-    return sorted(int(e.name) for e in directory.iterdir() if STEP_DIR.match(e.name) and e.is_dir())
+    return sorted(int(e.name) for e in directory.iterdir()
+                  if STEP_DIR.match(e.name) and ((e / "meta").is_dir() if written else e.is_dir()))
+
 
 class WriterLock:
     """``LOCK_NAME`` in ``directory``, held by this object while ``token`` is set."""

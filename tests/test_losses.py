@@ -639,3 +639,80 @@ def test_keras_messages_clip_saturated_probabilities_as_keras():
         ours = float(eval(call, names))
         # float32 logs of 1e-7 (16.1) and the softmax's renormalization of the clip: 5.3e-7 measured
         np.testing.assert_allclose(ours, reference, rtol=0, atol=5e-6, err_msg=name)
+
+
+def test_sigmoid_cross_entropy_refuses_labels_outside_zero_one():
+    """The issue: labels -1/1 (the hinge losses') or 0/255 (an image mask) gave a number, as
+    torch's binary_cross_entropy_with_logits does: logits [2, -2, 0.3, -0.4] on [1, 0, 1, 0]
+    are 0.3303, on their -1/1 form -0.2697, on 0/255 -145.7. Concrete labels outside [0, 1]
+    now raise; soft labels in [0, 1], bool and integer 0/1 labels are read as before."""
+    logits = np.array([2.0, -2.0, 0.3, -0.4], np.float32)
+    labels = np.array([1, 0, 1, 0], np.float32)
+    for given, value, where in [(2 * labels - 1, "-1", r"\[1\]"), ((255 * labels).astype(np.uint8), "255", r"\[0\]")]:
+        with pytest.raises(ValueError, match=rf"(?s)sigmoid_cross_entropy: labels must be probabilities in \[0, 1\].*"
+                                             rf"but labels{where} is {value}\..*right: .*\(labels \+ 1\) / 2"):
+            ft.losses.sigmoid_cross_entropy(logits, given)
+    torch = pytest.importorskip("torch")
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(torch.tensor(logits), torch.tensor(labels)).item()
+    for given in [labels, labels.astype(bool), labels.astype(np.int64), np.array([0.9, 0.0, 1.0, 0.25], np.float32)]:
+        reference = torch.nn.functional.binary_cross_entropy_with_logits(
+            torch.tensor(logits), torch.tensor(given.astype(np.float32))).item()
+        np.testing.assert_allclose(ft.losses.sigmoid_cross_entropy(logits, given), reference, rtol=0, atol=1e-6)
+    assert abs(expected - 0.3303) < 1e-4
+    # traced labels cannot be read: taken as given (documented)
+    traced = jax.jit(ft.losses.sigmoid_cross_entropy)(logits, 2 * labels - 1)
+    np.testing.assert_allclose(traced, -0.2697, rtol=0, atol=1e-4)
+
+
+def test_softmax_cross_entropy_refuses_negative_probabilities():
+    """The issue: a teacher's logits given as probability targets (distillation) gave a
+    number, here -1.4115 where the softmax of them gives 1.7742 (torch's cross_entropy takes
+    them too). Concrete negative probabilities now raise, naming jax.nn.softmax."""
+    student = np.random.default_rng(1).normal(size=(4, 5)).astype(np.float32)
+    teacher = np.random.default_rng(0).normal(size=(4, 5)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"(?s)labels f32\[4,5\] have the logits' shape, so they are read as "
+                                         r"probabilities over the 5 classes, but labels\[0, 1\] is -0\.1\d+: a "
+                                         r"probability is never negative.*right: .*jax\.nn\.softmax\(teacher_logits\)"):
+        ft.losses.softmax_cross_entropy(student, teacher)
+    torch = pytest.importorskip("torch")
+    target = np.asarray(jax.nn.softmax(teacher))
+    reference = torch.nn.functional.cross_entropy(torch.tensor(student), torch.tensor(target)).item()
+    np.testing.assert_allclose(ft.losses.softmax_cross_entropy(student, target), reference, rtol=0, atol=1e-6)
+
+
+def test_softmax_cross_entropy_names_torchs_class_axis():
+    """The issue: logits in torch's layout [N, C, T] with labels [N, T] got `right:
+    labels.reshape([N, C])`, wrong advice. It now names jnp.moveaxis(logits, 1, -1), whose
+    loss is torch's cross_entropy of the [N, C, T] logits."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (2, 3, 5)).astype(np.float32)
+    labels = rng.integers(0, 3, (2, 5))
+    labels[1, 3] = -100
+    with pytest.raises(ValueError, match=r"(?s)logits f32\[2,3,5\] and labels i64\[2,5\] are in torch's layout.*"
+                                         r"right: +ft.losses.softmax_cross_entropy\(jnp.moveaxis\(logits, 1, -1\), labels\)"):
+        ft.losses.softmax_cross_entropy(logits, labels)
+    reference = torch.nn.functional.cross_entropy(torch.tensor(logits), torch.tensor(labels)).item()
+    np.testing.assert_allclose(ft.losses.softmax_cross_entropy(jnp.moveaxis(logits, 1, -1), labels), reference,
+                               rtol=0, atol=1e-6)
+
+
+def test_kl_divergence_refuses_log_probabilities():
+    """The issue: log-probabilities (torch's kl_div input, or its log_target=True target)
+    gave NaN. Concrete negative inputs now raise, naming jnp.exp(log_q)."""
+    q = np.full((2, 3), 1 / 3, np.float32)
+    for what, args in [("predicted", (np.log(q), q)), ("expected", (q, np.log(q)))]:
+        with pytest.raises(ValueError, match=rf"(?s)kl_divergence: {what} must be probabilities.*but {what}\[0, 0\] "
+                                             rf"is -1\.09861.*right: +ft.losses.kl_divergence\(jnp.exp\(log_q\), p\)"):
+            ft.losses.kl_divergence(*args)
+
+
+def test_poisson_refuses_log_rates():
+    """The issue: torch's poisson_nll_loss takes log-rates by default; given here they were NaN
+    (log-rates [-0.5, 0.3, 1.2]: torch 0.7255). Concrete negative rates now raise, naming
+    jnp.exp(log_rate), which gives torch's number."""
+    log_rate, target = np.array([-0.5, 0.3, 1.2], np.float32), np.array([1.0, 0.0, 3.0], np.float32)
+    with pytest.raises(ValueError, match=r"(?s)poisson: predicted must be rates \(non-negative\), but predicted\[0\] "
+                                         r"is -0\.5: log-rates.*right: +ft.losses.poisson\(jnp.exp\(log_rate\), target\)"):
+        ft.losses.poisson(log_rate, target)
+    np.testing.assert_allclose(ft.losses.poisson(jnp.exp(log_rate), target), 0.725502, rtol=0, atol=1e-6)

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from functree._repr import short_array
-from functree.losses._reduction import check_float, check_same_shape, reduce
+from functree.losses._reduction import check_float, check_same_shape, first_outside, reduce
 
 __all__ = [
     "softmax_cross_entropy",
@@ -95,6 +95,26 @@ as one (a negative label would index from the end and train toward another token
        or:  labels below {classes} (a vocabulary of {classes}: resize the head, or fix the collator)
 """
 
+TORCH_LAYOUT = """\
+softmax_cross_entropy: logits {logits} and labels {given} are in torch's layout, the classes on \
+axis 1 ([N, C, d1, ...] with labels [N, d1, ...]); here the classes are the last axis, and the \
+labels would need the shape {index_shape}. Move the class axis last:
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels)                        # logits [N, C, ...]
+    right:  ft.losses.softmax_cross_entropy(jnp.moveaxis(logits, 1, -1), labels)   # logits [N, ..., C]
+"""
+
+NEGATIVE_PROBABILITIES = """\
+softmax_cross_entropy: labels {given} have the logits' shape, so they are read as probabilities \
+over the {classes} classes, but labels{where} is {value}: a probability is never negative. \
+These are logits (a teacher's, in distillation) or log-probabilities, and the loss would be \
+silently another number (it can be negative).
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, teacher_logits)
+    right:  ft.losses.softmax_cross_entropy(logits, jax.nn.softmax(teacher_logits))
+       or:  ft.losses.softmax_cross_entropy(logits, jnp.exp(log_probabilities))
+"""
+
 IGNORE_WITH_PROBABILITIES = """\
 softmax_cross_entropy: ignore_index={index} needs integer class labels {index_shape}, got \
 probabilities {given}. Mask probability targets by giving padded rows zero weight instead:
@@ -130,7 +150,11 @@ def softmax_cross_entropy(
     logits' shape are refused (class indices broadcast by mistake, or one-hot rows: give
     ``labels.argmax(-1)`` or ``labels.astype(logits.dtype)``), and so are logits of fewer
     than 2 classes (a softmax over one class is 1: a loss of 0 and no gradient whatever the
-    labels; a one-logit binary head takes ``ft.losses.sigmoid_cross_entropy``).
+    labels; a one-logit binary head takes ``ft.losses.sigmoid_cross_entropy``). Concrete
+    probabilities below 0 raise :data:`NEGATIVE_PROBABILITIES` (a teacher's logits given as
+    targets: a silently wrong, possibly negative loss; traced ones are not checked), and
+    logits in torch's layout ``[N, C, d1, ...]`` with labels ``[N, d1, ...]`` raise
+    :data:`TORCH_LAYOUT` (``jnp.moveaxis(logits, 1, -1)``).
 
     ``label_smoothing=a`` (a Python or NumPy number, not an array) trains on
     ``target = (1 - a) * labels + a / classes`` (Szegedy et al. 2016; ``labels`` one-hot for
@@ -215,7 +239,14 @@ def softmax_cross_entropy(
                     index=ignore_index, index_shape=index_shape, given=short_array(given)
                 )
             )
+        negative = first_outside(given, 0, np.inf)
+        if negative is not None:
+            raise ValueError(NEGATIVE_PROBABILITIES.format(given=short_array(given), classes=classes,
+                                                           where=negative[0], value=f"{negative[1]:g}"))
         values = _smoothed(logits, jnp.asarray(given).astype(logits.dtype), label_smoothing)
+    elif logits.ndim >= 3 and given.shape == logits.shape[:1] + logits.shape[2:]:
+        raise ValueError(TORCH_LAYOUT.format(logits=short_array(logits), given=short_array(given),
+                                             index_shape=index_shape))
     else:
         raise ValueError(
             LABEL_SHAPE.format(
@@ -292,9 +323,26 @@ def _smoothed(logits: jax.Array, targets: jax.Array, smoothing: float) -> jax.Ar
     return optax.softmax_cross_entropy(logits, targets)
 
 
+LABELS_OUTSIDE_UNIT = """\
+sigmoid_cross_entropy: labels must be probabilities in [0, 1] (0/1 targets, or soft ones), but \
+labels{where} is {value}. Outside [0, 1] the loss is silently another number, unbounded below: \
+logits [2, -2, 0.3, -0.4] on labels [1, 0, 1, 0] give 0.3303, on the same labels as -1/1 \
+(the hinge losses') -0.2697 and as 0/255 (an image mask's) -145.7, as torch's \
+binary_cross_entropy_with_logits returns them. Map them to [0, 1]:
+
+    wrong:  ft.losses.sigmoid_cross_entropy(logits, labels)                      # labels hold {value}
+    right:  ft.losses.sigmoid_cross_entropy(logits, (labels + 1) / 2)            # -1/1 labels
+       or:  ft.losses.sigmoid_cross_entropy(logits, (labels > 0).astype(logits.dtype))   # 0/255 masks
+"""
+
+
 def sigmoid_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") -> jax.Array:
     """``-(labels * log(sigmoid(logits)) + (1 - labels) * log(1 - sigmoid(logits)))``,
     elementwise (``optax.sigmoid_binary_cross_entropy``); ``labels`` in [0, 1], same shape.
+
+    Concrete labels outside [0, 1] raise :data:`LABELS_OUTSIDE_UNIT` (-1/1 labels, a 0/255
+    mask: torch's ``binary_cross_entropy_with_logits`` returns a number for them, negative
+    for labels above 1); labels traced under ``jax.jit`` are not checked.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -302,7 +350,21 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") 
       Array(0.6931472, dtype=float32)
     """
     logits, labels = check_same_shape("sigmoid_cross_entropy", logits, labels)
+    outside = first_outside(labels, 0, 1)
+    if outside is not None:
+        raise ValueError(LABELS_OUTSIDE_UNIT.format(where=outside[0], value=f"{outside[1]:g}"))
     return reduce("sigmoid_cross_entropy", optax.sigmoid_binary_cross_entropy(logits, labels), reduction)
+
+
+KL_NOT_PROBABILITIES = """\
+kl_divergence: {what} must be probabilities (non-negative, summing to 1 over the last axis), \
+but {what}{where} is {value}: log-probabilities (torch's kl_div takes its input as log q, and \
+with log_target=True its target as log p) or logits. The divergence would be NaN. Give \
+probabilities:
+
+    wrong:  ft.losses.kl_divergence(log_q, p)                # torch: F.kl_div(log_q, p)
+    right:  ft.losses.kl_divergence(jnp.exp(log_q), p)       # or jax.nn.softmax(logits)
+"""
 
 
 def kl_divergence(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -311,7 +373,9 @@ def kl_divergence(predicted: Any, expected: Any, *, reduction: str = "mean") -> 
     ``kullbackLeiblerDivergence`` sums them: ``reduction="sum"``). Terms with
     ``expected == 0`` are zero (the limit of ``e * log e``), also where ``predicted == 0``
     there (an underflowed float32 softmax), and so is their gradient; ``predicted == 0``
-    where ``expected > 0`` is an infinite divergence.
+    where ``expected > 0`` is an infinite divergence. Concrete negative inputs raise
+    :data:`KL_NOT_PROBABILITIES` (log-probabilities, as torch's ``kl_div`` takes them, were
+    NaN); traced ones are not checked.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -321,6 +385,10 @@ def kl_divergence(predicted: Any, expected: Any, *, reduction: str = "mean") -> 
       Array(0., dtype=float32)
     """
     predicted, expected = check_same_shape("kl_divergence", predicted, expected)
+    for what, x in (("predicted", predicted), ("expected", expected)):
+        negative = first_outside(x, 0, np.inf)
+        if negative is not None:
+            raise ValueError(KL_NOT_PROBABILITIES.format(what=what, where=negative[0], value=f"{negative[1]:g}"))
     zero = expected == 0
     # Both branches of the outer where are differentiated: the inner wheres keep log(0) out of
     # the zero terms' branch, so their value and their gradient are 0, never 0 * inf = NaN.

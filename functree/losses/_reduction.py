@@ -6,10 +6,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._repr import short_array
 
-__all__ = ["reduce", "check_same_shape", "check_float", "REDUCTIONS"]
+__all__ = ["reduce", "check_same_shape", "check_float", "first_outside", "REDUCTIONS"]
 
 HALF_PRECISION = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 """The dtypes a loss computes in float32, returning a float32 loss (torch's autocast runs its
@@ -97,3 +98,18 @@ def reduce(loss: str, values: jax.Array, reduction: str) -> jax.Array:
     if reduction == "none":
         return values
     raise ValueError(BAD_REDUCTION.format(loss=loss, choices=list(REDUCTIONS), given=reduction))
+
+
+def first_outside(x: Any, low: float, high: float) -> tuple[str, float] | None:
+    """Where concrete ``x`` first holds a value outside ``[low, high]`` (``"[i, j]"``; ``""``
+    for a scalar) and that value, or None (none, or ``x`` traced under ``jax.jit`` or
+    ``jax.grad``: not checked)."""
+    try:
+        given = np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+    bad = (given < low) | (given > high)
+    if not bad.any():
+        return None
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    return (str(list(where)) if where else ""), float(given[where])

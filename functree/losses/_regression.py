@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree.losses._reduction import check_same_shape, reduce
+from functree.losses._reduction import check_same_shape, first_outside, reduce
 
 __all__ = [
     "mean_squared_error",
@@ -38,6 +38,16 @@ loss:
     wrong:  ft.losses.huber(predicted, expected, delta={given!r})
     right:  ft.losses.huber(predicted, expected, delta=1.0)
        or:  ft.losses.l1(predicted, expected)
+"""
+
+
+NEGATIVE_RATES = """\
+poisson: predicted must be rates (non-negative), but predicted{where} is {value}: log-rates, \
+as torch's poisson_nll_loss takes them by default (log_input=True). The loss would be NaN, and \
+log-rates that happen to be positive a silently wrong number. Give the rates:
+
+    wrong:  ft.losses.poisson(log_rate, target)            # torch: F.poisson_nll_loss(log_rate, target)
+    right:  ft.losses.poisson(jnp.exp(log_rate), target)
 """
 
 
@@ -167,10 +177,16 @@ def log_cosh(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.A
 def poisson(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
     """``mean(predicted - expected * log(predicted))`` for positive rates ``predicted``.
 
+    Concrete negative rates raise :data:`NEGATIVE_RATES` (log-rates, torch's default input);
+    traced ones are not checked.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.losses.poisson(jnp.array([1.0, 2.0]), jnp.array([1.0, 0.0]))
       Array(1.5, dtype=float32)
     """
     predicted, expected = check_same_shape("poisson", predicted, expected)
+    negative = first_outside(predicted, 0, np.inf)
+    if negative is not None:
+        raise ValueError(NEGATIVE_RATES.format(where=negative[0], value=f"{negative[1]:g}"))
     return reduce("poisson", predicted - jax.scipy.special.xlogy(expected, predicted), reduction)

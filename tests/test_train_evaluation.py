@@ -76,3 +76,33 @@ def test_predict_of_a_function_without_an_example_axis_names_the_output():
     trainer = ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b.sum())
     with pytest.raises(ValueError, match=r"(?s)returned f32\[\] at \['total'\].*right:  jnp\.sum\(trainer\.predict"):
         trainer.predict(np.ones((5, 2), np.float32), lambda m, b: {"total": jnp.sum(b), "rows": b}, batch_size=2)
+
+
+def test_every_mean_over_a_short_last_minibatch_is_the_whole_datas():
+    """100 examples in minibatches of 7 (a last one of 2) at learning rate 0, with
+    steps_per_call=3 (a remainder of 2 single steps an epoch): the epoch means, validation,
+    evaluate and predict give the whole data's numbers computed at once, in NumPy
+    (measured: 2e-7 on a loss of 1.87; accuracy exact), as Keras's size-weighted trackers."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, 3)).astype(np.float32)
+    y = rng.integers(0, 4, size=100).astype(np.int32)
+    model = ft.nn.Dense(3, 4, key=jax.random.key(0))
+    logits = np.asarray(model(x), np.float64)
+    top = logits.max(1)
+    loss = np.mean(np.log(np.exp(logits - top[:, None]).sum(1)) + top - logits[np.arange(100), y])
+    accuracy = np.mean(logits.argmax(1) == y)
+
+    def loss_fn(m, b):
+        out = m(b[0])
+        return ft.losses.softmax_cross_entropy(out, b[1]), out
+
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics=[ft.train.accuracy], steps_per_call=3)
+    history = trainer.fit(ft.train.batches((x, y), 7, key=jax.random.key(1)), epochs=2, progress=False,
+                          validation_data=(x, y), batch_size=7)
+    assert len(history.steps["loss"]) == 30
+    for name, want in (("loss", loss), ("accuracy", accuracy), ("val_loss", loss), ("val_accuracy", accuracy)):
+        np.testing.assert_allclose(history.epochs[name], [want, want], rtol=0, atol=2e-6, err_msg=name)
+    got = trainer.evaluate((x, y), batch_size=7)
+    np.testing.assert_allclose([got["loss"], got["accuracy"]], [loss, accuracy], rtol=0, atol=2e-6)
+    out = trainer.predict(ft.train.batches(x, 7, key=jax.random.key(2)))  # shuffled data: read in order
+    np.testing.assert_allclose(np.asarray(out), logits, rtol=0, atol=2e-6)

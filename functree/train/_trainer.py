@@ -27,6 +27,7 @@ from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._where import placement_of, put
 from functree.optim import next_sweep
 from functree.optim._average import keeps_average
+from functree.optim._multisteps import warn_unapplied
 from functree.optim._skip import DEFAULT_ON_NAN
 from functree.train._callbacks import Callback, ModelCheckpoint, TrainingContext, as_callback
 from functree.train._data import Batches, checked_key, to_arrays
@@ -530,6 +531,7 @@ class Trainer(Evaluation):
             means = self._job.epoch_means
             bar.close(means.means(self.on_nan) if means.weight else None)
             self._fit = None
+        warn_unapplied(self.opt_state, self.steps_run)  # optax.MultiSteps's sum of the last minibatches
         self._train_end(cbs, save=True)
         return self.history
 

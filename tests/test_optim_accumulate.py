@@ -1,0 +1,103 @@
+"""Gradient accumulation's bookkeeping: ``Optimizer(accumulate=k)`` (one update per
+minibatch, its microbatches' mean) and ``optax.MultiSteps`` (one update per ``k``
+minibatches) in the Trainer: the update, the learning context and the schedule's count,
+and MultiSteps's sum left unapplied at the end of ``fit``."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functree as ft
+from functree.optim._multisteps import UnappliedGradientsWarning, unapplied_microsteps
+
+RNG = np.random.default_rng(3)
+X = RNG.normal(size=(48, 4)).astype(np.float32)
+Y = RNG.normal(size=(48, 2)).astype(np.float32)
+
+
+def _model():
+    return ft.nn.Dense(4, 2, key=jax.random.key(0))
+
+
+def _loss(m, b):
+    return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+
+def _leaves(tree):
+    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+
+
+@pytest.mark.parametrize("make", [lambda: ft.optim.sgd(0.1), lambda: ft.optim.adam(0.1)], ids=["sgd", "adam"])
+def test_accumulate_k_equals_one_step_on_the_whole_minibatch(make):
+    """The mean of k equal microbatches' mean gradients is the minibatch's mean gradient:
+    three steps with k = 2, 4, 8 end where k = 1 ends (measured: 6e-8 on values of 0.66)."""
+    def run(k):
+        opt = ft.optim.Optimizer(make(), accumulate=k)
+        model, state = _model(), None
+        state = opt.init(model)
+        for i in range(3):
+            batch = (X[i * 16:(i + 1) * 16], Y[i * 16:(i + 1) * 16])
+            model, state, _ = opt.minimize(_loss, model, state, batch)
+        return _leaves(model), ft.optim.context(state)
+
+    whole, context = run(1)
+    for k in (2, 4, 8):
+        leaves, ctx = run(k)
+        np.testing.assert_allclose(leaves, whole, rtol=0, atol=1e-6)
+        assert (int(ctx.step), int(ctx.samples_seen)) == (int(context.step), int(context.samples_seen)) == (3, 48)
+
+
+def test_the_schedule_counts_updates_not_microbatches_nor_calls():
+    """Under accumulate=4 and steps_per_call=3 (4 minibatches an epoch: one call of 3, one
+    single step) every history row's learning rate is the schedule at that update's count,
+    and the context counts minibatches and their examples."""
+    schedule = optax.linear_schedule(1.0, 0.0, 100)
+    opt = ft.optim.Optimizer(ft.optim.sgd(ft.optim.schedule(schedule, unit="steps")), accumulate=4)
+    trainer = ft.train.Trainer(_model(), opt, _loss, steps_per_call=3)
+    history = trainer.fit(ft.train.batches((X[:32], Y[:32]), 8), epochs=3, progress=False)
+    steps = np.array(history.steps["step"])
+    np.testing.assert_array_equal(steps, np.arange(1, 13))
+    np.testing.assert_allclose(history.steps["learning_rate"], [schedule(s - 1) for s in steps], rtol=0, atol=1e-6)
+    ctx = ft.optim.context(trainer.opt_state)
+    assert (int(ctx.step), int(ctx.sweep), int(ctx.samples_seen)) == (12, 3, 96)
+
+
+def _by_hand(minibatches, k):
+    """optax.MultiSteps(optax.sgd(0.1), k) run by hand over the minibatches' gradients."""
+    tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=k)
+    params = _model()
+    state = tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's mean divides by its int count
+        for batch in minibatches:
+            updates, state = tx.update(jax.grad(_loss)(params, batch), state, params)
+            params = optax.apply_updates(params, updates)
+    return params
+
+
+def test_multisteps_sum_left_unapplied_at_the_end_of_fit_is_named_and_kept():
+    """6 minibatches with every_k_schedule=4: one update, and the last 2 minibatches'
+    gradients summed in the state. fit returned that model silently (the 2 minibatches
+    never trained it); it now warns with the count, and the next fit goes on summing:
+    12 steps in all are 3 updates, as optax by hand, with no warning."""
+    data = ft.train.batches((X, Y), 8, shuffle=False)
+    minibatches = list(data.in_order().iterate(0))
+    trainer = ft.train.Trainer(_model(), optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4), _loss)
+    with pytest.warns(UnappliedGradientsWarning, match=r"(?s)step 6 with the gradients of the last 2 .*accumulate=4"):
+        trainer.fit(data, epochs=1, progress=False)
+    assert unapplied_microsteps(trainer.opt_state) == 2
+    np.testing.assert_allclose(_leaves(trainer.model), _leaves(_by_hand(minibatches[:4], 4)), rtol=0, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.fit(data, epochs=2, progress=False)
+    assert unapplied_microsteps(trainer.opt_state) == 0
+    np.testing.assert_allclose(_leaves(trainer.model), _leaves(_by_hand(minibatches * 2, 4)), rtol=0, atol=1e-6)
+
+
+def test_unapplied_microsteps_reads_none_where_there_is_no_multisteps():
+    params = {"w": jnp.ones(2)}
+    assert unapplied_microsteps(ft.optim.Optimizer(ft.optim.adam(0.1), accumulate=2).init(params)) == 0
+    assert unapplied_microsteps(optax.MultiSteps(optax.sgd(0.1), 3).init(params)) == 0

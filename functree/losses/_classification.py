@@ -115,6 +115,14 @@ silently another number (it can be negative).
        or:  ft.losses.softmax_cross_entropy(logits, jnp.exp(log_probabilities))
 """
 
+BAD_WEIGHT = """\
+softmax_cross_entropy: weight must be one floating weight per class, f32[{classes}] for logits \
+{logits} (torch's CrossEntropyLoss(weight=)); got {given}.
+
+    wrong:  ft.losses.softmax_cross_entropy(logits, labels, weight=w)                         # w {given}
+    right:  ft.losses.softmax_cross_entropy(logits, labels, weight=jnp.asarray(w, jnp.float32))  # w [{classes}]
+"""
+
 IGNORE_WITH_PROBABILITIES = """\
 softmax_cross_entropy: ignore_index={index} needs integer class labels {index_shape}, got \
 probabilities {given}. Mask probability targets by giving padded rows zero weight instead:
@@ -140,6 +148,7 @@ def softmax_cross_entropy(
     *,
     label_smoothing: float = 0.0,
     ignore_index: int | None = -100,
+    weight: Any = None,
     reduction: str = "mean",
 ) -> jax.Array:
     """``-sum_c target[c] * log_softmax(logits)[c]`` per example, averaged over examples.
@@ -164,6 +173,13 @@ def softmax_cross_entropy(
     loss of zero; the mean is then taken over the other positions only (zero if every
     position is ignored), ``"sum"`` sums them, ``"none"`` returns zeros at ignored
     positions. ``ignore_index=None`` ignores nothing.
+
+    ``weight=w`` (``[classes]``, torch's ``CrossEntropyLoss(weight=)``) weighs each class:
+    with class indices a position counts ``w[label]``, its loss is ``w[label]`` times its
+    cross entropy (with smoothing, ``(1 - a) w[y] (-log p_y) + (a / classes) sum_c w_c
+    (-log p_c)``), and the mean divides by the kept positions' summed ``w[label]``, as
+    torch's (zero if that sum is 0); with probabilities each class term is weighted and the
+    mean is over positions.
 
     A label outside ``0 .. classes - 1`` (and not ``ignore_index``) is never read as a
     class: concrete labels raise, naming the label and where it is (NumPy ``int64`` labels
@@ -202,7 +218,8 @@ def softmax_cross_entropy(
     given = labels if host is None else host
     index_shape, prob_shape = list(logits.shape[:-1]), list(logits.shape)
     classes = logits.shape[-1]
-    keep = None
+    keep = counted = None
+    w = None if weight is None else _class_weights(weight, logits)
     if given.shape == logits.shape[:-1]:
         if not jnp.issubdtype(given.dtype, jnp.integer):
             raise TypeError(
@@ -216,7 +233,9 @@ def softmax_cross_entropy(
         keep = None if ignore_index is None else labels != ignore_index
         inside = (labels >= 0) & (labels < classes)
         labels = jnp.where(inside, labels, 0)
-        if label_smoothing:
+        if w is not None:
+            values, counted = _weighted(logits, labels, w, label_smoothing)
+        elif label_smoothing:
             values = _smoothed(logits, jax.nn.one_hot(labels, classes, dtype=logits.dtype), label_smoothing)
         else:
             values = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
@@ -243,7 +262,7 @@ def softmax_cross_entropy(
         if negative is not None:
             raise ValueError(NEGATIVE_PROBABILITIES.format(given=short_array(given), classes=classes,
                                                            where=negative[0], value=f"{negative[1]:g}"))
-        values = _smoothed(logits, jnp.asarray(given).astype(logits.dtype), label_smoothing)
+        values = _smoothed(logits, jnp.asarray(given).astype(logits.dtype), label_smoothing, w)
     elif logits.ndim >= 3 and given.shape == logits.shape[:1] + logits.shape[2:]:
         raise ValueError(TORCH_LAYOUT.format(logits=short_array(logits), given=short_array(given),
                                              index_shape=index_shape))
@@ -254,12 +273,16 @@ def softmax_cross_entropy(
                 given=short_array(given),
             )
         )
-    if keep is None:
+    if keep is None and counted is None:
         return reduce(name, values, reduction)
-    values = jnp.where(keep, values, jnp.zeros((), values.dtype))
-    if reduction == "mean":
-        count = jnp.sum(keep).astype(values.dtype)
-        return jnp.sum(values) / jnp.maximum(count, jnp.ones((), values.dtype))
+    zero = jnp.zeros((), values.dtype)
+    if keep is not None:
+        values = jnp.where(keep, values, zero)
+    if reduction == "mean":  # over the kept positions, each counted by its class's weight (torch's)
+        per = jnp.ones_like(values) if counted is None else counted
+        total = jnp.sum(per if keep is None else jnp.where(keep, per, zero))
+        some = total != 0
+        return jnp.where(some, jnp.sum(values) / jnp.where(some, total, jnp.ones((), values.dtype)), zero)
     return reduce(name, values, reduction)
 
 
@@ -317,10 +340,33 @@ def _wide(labels: jax.Array, ignore_index: int | None) -> jax.Array:
     return labels.astype(wide)
 
 
-def _smoothed(logits: jax.Array, targets: jax.Array, smoothing: float) -> jax.Array:
+def _smoothed(logits: jax.Array, targets: jax.Array, smoothing: float, weight: jax.Array | None = None) -> jax.Array:
+    """``-sum_c w[c] target[c] log_softmax(logits)[c]`` with the targets smoothed (``w`` = 1 without weights)."""
     if smoothing:
         targets = optax.smooth_labels(targets, smoothing)
-    return optax.softmax_cross_entropy(logits, targets)
+    if weight is None:
+        return optax.softmax_cross_entropy(logits, targets)
+    return -jnp.sum(weight * targets * jax.nn.log_softmax(logits), axis=-1)
+
+
+def _weighted(logits: jax.Array, labels: jax.Array, weight: jax.Array, smoothing: float) -> tuple[jax.Array, jax.Array]:
+    """torch's weighted cross entropy of class indices (in range) and each position's count,
+    ``w[y]``: ``(1 - a) w[y] (-log p[y]) + (a / C) sum_c w[c] (-log p[c])``, whose mean is
+    their sum over the sum of the counts."""
+    log_p = jax.nn.log_softmax(logits)
+    counted = weight[labels]
+    values = -counted * jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]
+    if smoothing:
+        values = (1 - smoothing) * values - smoothing / logits.shape[-1] * jnp.sum(weight * log_p, axis=-1)
+    return values, counted
+
+
+def _class_weights(weight: Any, logits: jax.Array) -> jax.Array:
+    """``weight`` as a ``[classes]`` array of the logits' dtype, or :data:`BAD_WEIGHT`."""
+    w = jnp.asarray(weight)
+    if w.shape != logits.shape[-1:] or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(BAD_WEIGHT.format(classes=logits.shape[-1], logits=short_array(logits), given=short_array(w)))
+    return w.astype(logits.dtype)
 
 
 LABELS_OUTSIDE_UNIT = """\
@@ -336,7 +382,17 @@ binary_cross_entropy_with_logits returns them. Map them to [0, 1]:
 """
 
 
-def sigmoid_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") -> jax.Array:
+BAD_POS_WEIGHT = """\
+sigmoid_cross_entropy: pos_weight must be a floating array that broadcasts to the labels' shape \
+{labels} (torch's BCEWithLogitsLoss(pos_weight=): one weight per class, f32[{classes}]); got \
+{given}.
+
+    wrong:  ft.losses.sigmoid_cross_entropy(logits, labels, pos_weight=w)                          # w {given}
+    right:  ft.losses.sigmoid_cross_entropy(logits, labels, pos_weight=jnp.asarray(w, jnp.float32))  # w [{classes}]
+"""
+
+
+def sigmoid_cross_entropy(logits: Any, labels: Any, *, pos_weight: Any = None, reduction: str = "mean") -> jax.Array:
     """``-(labels * log(sigmoid(logits)) + (1 - labels) * log(1 - sigmoid(logits)))``,
     elementwise (``optax.sigmoid_binary_cross_entropy``); ``labels`` in [0, 1], same shape.
 
@@ -344,16 +400,40 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, *, reduction: str = "mean") 
     mask: torch's ``binary_cross_entropy_with_logits`` returns a number for them, negative
     for labels above 1); labels traced under ``jax.jit`` are not checked.
 
+    ``pos_weight=w`` (torch's ``BCEWithLogitsLoss(pos_weight=)``: a floating array that
+    broadcasts to the labels' shape, e.g. one weight per class ``[classes]``) weighs the
+    positive term: ``-(w * labels * log(sigmoid(logits)) + (1 - labels) * log(1 - sigmoid(logits)))``;
+    the mean is over elements, as torch's.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.losses.sigmoid_cross_entropy(jnp.array([0.0, 0.0]), jnp.array([0.0, 1.0]))
       Array(0.6931472, dtype=float32)
+      >>> ft.losses.sigmoid_cross_entropy(jnp.array([0.0, 0.0]), jnp.array([0.0, 1.0]), pos_weight=jnp.array([3.0, 3.0]))
+      Array(1.3862944, dtype=float32)
     """
     logits, labels = check_same_shape("sigmoid_cross_entropy", logits, labels)
     outside = first_outside(labels, 0, 1)
     if outside is not None:
         raise ValueError(LABELS_OUTSIDE_UNIT.format(where=outside[0], value=f"{outside[1]:g}"))
-    return reduce("sigmoid_cross_entropy", optax.sigmoid_binary_cross_entropy(logits, labels), reduction)
+    if pos_weight is None:
+        return reduce("sigmoid_cross_entropy", optax.sigmoid_binary_cross_entropy(logits, labels), reduction)
+    w = _positive_weight(pos_weight, labels)
+    values = -(w * labels * jax.nn.log_sigmoid(logits) + (1 - labels) * jax.nn.log_sigmoid(-logits))
+    return reduce("sigmoid_cross_entropy", values, reduction)
+
+
+def _positive_weight(pos_weight: Any, labels: jax.Array) -> jax.Array:
+    """``pos_weight`` as an array of the labels' dtype broadcasting to their shape, or :data:`BAD_POS_WEIGHT`."""
+    w = jnp.asarray(pos_weight)
+    try:
+        fits = jnp.broadcast_shapes(w.shape, labels.shape) == labels.shape
+    except ValueError:
+        fits = False
+    if not (fits and jnp.issubdtype(w.dtype, jnp.floating)):
+        raise ValueError(BAD_POS_WEIGHT.format(given=short_array(w), labels=short_array(labels),
+                                               classes=labels.shape[-1] if labels.ndim else 1))
+    return w.astype(labels.dtype)
 
 
 KL_NOT_PROBABILITIES = """\

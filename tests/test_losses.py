@@ -659,9 +659,10 @@ def test_sigmoid_cross_entropy_refuses_labels_outside_zero_one():
             torch.tensor(logits), torch.tensor(given.astype(np.float32))).item()
         np.testing.assert_allclose(ft.losses.sigmoid_cross_entropy(logits, given), reference, rtol=0, atol=1e-6)
     assert abs(expected - 0.3303) < 1e-4
-    # traced labels cannot be read: taken as given (documented)
-    traced = jax.jit(ft.losses.sigmoid_cross_entropy)(logits, 2 * labels - 1)
-    np.testing.assert_allclose(traced, -0.2697, rtol=0, atol=1e-4)
+    # traced labels (a jit of your own, ft.train's step) cannot be read: NaN, never a number
+    traced = jax.jit(lambda z, y: ft.losses.sigmoid_cross_entropy(z, y, reduction="none"))(logits, 2 * labels - 1)
+    np.testing.assert_array_equal(np.isnan(traced), labels == 0)
+    assert np.isnan(float(jax.jit(ft.losses.sigmoid_cross_entropy)(logits, 255 * labels)))
 
 
 def test_softmax_cross_entropy_refuses_negative_probabilities():
@@ -674,6 +675,9 @@ def test_softmax_cross_entropy_refuses_negative_probabilities():
                                          r"probabilities over the 5 classes, but labels\[0, 1\] is -0\.1\d+: a "
                                          r"probability is never negative.*right: .*jax\.nn\.softmax\(teacher_logits\)"):
         ft.losses.softmax_cross_entropy(student, teacher)
+    mixed = np.where(np.arange(4)[:, None] == 2, np.asarray(jax.nn.softmax(teacher)), teacher)  # row 2 fine
+    traced = jax.jit(lambda z, y: ft.losses.softmax_cross_entropy(z, y, reduction="none"))(student, mixed)
+    np.testing.assert_array_equal(np.isnan(traced), [True, True, False, True])  # traced: NaN, never a number
     torch = pytest.importorskip("torch")
     target = np.asarray(jax.nn.softmax(teacher))
     reference = torch.nn.functional.cross_entropy(torch.tensor(student), torch.tensor(target)).item()
@@ -835,3 +839,17 @@ def test_causal_lm_recipe_equals_hugging_faces_labels_loss():
                                 torch.tensor(labels), vocab_size=64).item()
     assert recipe(half).dtype == jnp.float32
     np.testing.assert_allclose(recipe(half), reference, rtol=0, atol=5e-6)
+
+
+def test_weighted_losses_gradients_finite_differences():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        logits = jnp.asarray(rng.normal(size=(3, 4, 5)))
+        labels = rng.integers(0, 5, (3, 4))
+        labels[0, 0] = -100
+        weight = jnp.asarray(rng.uniform(0.5, 2, 5))
+        probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(3, 4, 5))))
+        for loss in [lambda z: ft.losses.softmax_cross_entropy(z, labels, label_smoothing=0.1, weight=weight),
+                     lambda z: ft.losses.softmax_cross_entropy(z, probs, label_smoothing=0.1, weight=weight),
+                     lambda z: ft.losses.sigmoid_cross_entropy(z, probs, pos_weight=weight)]:
+            check_grads(jax.jit(loss), (logits,), order=1, modes=["rev"])

@@ -161,9 +161,9 @@ def softmax_cross_entropy(
     than 2 classes (a softmax over one class is 1: a loss of 0 and no gradient whatever the
     labels; a one-logit binary head takes ``ft.losses.sigmoid_cross_entropy``). Concrete
     probabilities below 0 raise :data:`NEGATIVE_PROBABILITIES` (a teacher's logits given as
-    targets: a silently wrong, possibly negative loss; traced ones are not checked), and
-    logits in torch's layout ``[N, C, d1, ...]`` with labels ``[N, d1, ...]`` raise
-    :data:`TORCH_LAYOUT` (``jnp.moveaxis(logits, 1, -1)``).
+    targets: a silently wrong, possibly negative loss; traced ones make their example's loss
+    NaN), and logits in torch's layout ``[N, C, d1, ...]`` with labels ``[N, d1, ...]``
+    raise :data:`TORCH_LAYOUT` (``jnp.moveaxis(logits, 1, -1)``).
 
     ``label_smoothing=a`` (a Python or NumPy number, not an array) trains on
     ``target = (1 - a) * labels + a / classes`` (Szegedy et al. 2016; ``labels`` one-hot for
@@ -262,7 +262,10 @@ def softmax_cross_entropy(
         if negative is not None:
             raise ValueError(NEGATIVE_PROBABILITIES.format(given=short_array(given), classes=classes,
                                                            where=negative[0], value=f"{negative[1]:g}"))
-        values = _smoothed(logits, jnp.asarray(given).astype(logits.dtype), label_smoothing, w)
+        targets = jnp.asarray(given).astype(logits.dtype)
+        values = _smoothed(logits, targets, label_smoothing, w)
+        # A traced negative probability (the check above could not read it): NaN, never a number.
+        values = jnp.where(jnp.any(targets < 0, axis=-1), jnp.full((), jnp.nan, values.dtype), values)
     elif logits.ndim >= 3 and given.shape == logits.shape[:1] + logits.shape[2:]:
         raise ValueError(TORCH_LAYOUT.format(logits=short_array(logits), given=short_array(given),
                                              index_shape=index_shape))
@@ -398,7 +401,8 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, *, pos_weight: Any = None, r
 
     Concrete labels outside [0, 1] raise :data:`LABELS_OUTSIDE_UNIT` (-1/1 labels, a 0/255
     mask: torch's ``binary_cross_entropy_with_logits`` returns a number for them, negative
-    for labels above 1); labels traced under ``jax.jit`` are not checked.
+    for labels above 1); a traced one (under a ``jax.jit`` of your own, or ``ft.train``'s
+    step) cannot be read, and its loss is NaN (a training step's NaN check stops there).
 
     ``pos_weight=w`` (torch's ``BCEWithLogitsLoss(pos_weight=)``: a floating array that
     broadcasts to the labels' shape, e.g. one weight per class ``[classes]``) weighs the
@@ -417,9 +421,12 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, *, pos_weight: Any = None, r
     if outside is not None:
         raise ValueError(LABELS_OUTSIDE_UNIT.format(where=outside[0], value=f"{outside[1]:g}"))
     if pos_weight is None:
-        return reduce("sigmoid_cross_entropy", optax.sigmoid_binary_cross_entropy(logits, labels), reduction)
-    w = _positive_weight(pos_weight, labels)
-    values = -(w * labels * jax.nn.log_sigmoid(logits) + (1 - labels) * jax.nn.log_sigmoid(-logits))
+        values = optax.sigmoid_binary_cross_entropy(logits, labels)
+    else:
+        w = _positive_weight(pos_weight, labels)
+        values = -(w * labels * jax.nn.log_sigmoid(logits) + (1 - labels) * jax.nn.log_sigmoid(-logits))
+    # A traced label outside [0, 1] (the check above could not read it): NaN, never a plausible number.
+    values = jnp.where((labels < 0) | (labels > 1), jnp.full((), jnp.nan, values.dtype), values)
     return reduce("sigmoid_cross_entropy", values, reduction)
 
 

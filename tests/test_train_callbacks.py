@@ -501,3 +501,31 @@ def test_the_logged_learning_rate_of_per_samples_is_the_documented_one():
     applied = [float(schedule(ft.optim.initial_context().replace(step=s))) * 5 / 10 for s in range(4)]
     np.testing.assert_allclose(column, applied, rtol=0, atol=1e-8)
     np.testing.assert_allclose(np.asarray(trainer.model["w"]), sgd(applied), rtol=0, atol=1e-6)
+
+
+class _End(ft.train.Callback):
+    reads_model = False
+
+    def __init__(self):
+        self.metrics = None
+
+    def on_train_end(self, trainer, context):
+        self.metrics = context.metrics
+
+
+def test_the_end_of_fit_sees_the_last_epochs_metrics_whatever_log_every():
+    """on_train_end's context.metrics were the last log window's: {} where fit ended at a log
+    point (log_every=3, 3 steps an epoch), the last 2 steps' mean for log_every=4 instead of
+    the epoch's. They are now the last epoch's row (Keras's on_train_end logs), val_*
+    included; a fit ending between epoch ends (steps=) sees the means of the steps after the
+    last one, each minibatch weighed by its examples."""
+    for every in (3, 4, 50):
+        end = _End()
+        history = make().fit(data(), epochs=2, progress=False, log_every=every, validation_data=(X, Y), callbacks=[end])
+        want = {k: v[-1] for k, v in history.epochs.items() if k not in ("epoch", "last_step")}
+        assert end.metrics == want and set(want) == {"loss", "val_loss"}
+    end = _End()
+    minibatches = [(X[:16], Y[:16]), (X[16:24], Y[16:24]), (X[24:40], Y[24:40])]
+    history = make().fit(minibatches, steps=5, progress=False, log_every=1, callbacks=[end])
+    steps = history.steps["loss"]  # epoch 2: a minibatch of 16, then one of 8
+    np.testing.assert_allclose(end.metrics["loss"], (16 * steps[3] + 8 * steps[4]) / 24, rtol=0, atol=1e-7)

@@ -145,7 +145,9 @@ class TrainingContext:
         minibatch of M applies ``0.1 · M / 10``), a schedule's value as the step applied
         it (``per_samples(schedule, 10)``: ``schedule · M / 10``).
       metrics: means over the interval (``"log"``) or the epoch (``"epoch"``), with
-        ``val_*`` validation metrics at epoch ends. Under ``on_nan="skip"`` the means
+        ``val_*`` validation metrics at epoch ends; at the end of ``fit`` (``"end"``) the
+        last epoch's (with its ``val_*``, Keras's ``on_train_end`` logs), or where fit
+        ended between epoch ends the means of the steps after the last one. Under ``on_nan="skip"`` the means
         are over the applied steps and ``skipped`` counts the steps left out.
       learning_rates: every learning rate by name: ``{"learning_rate": ...}``, or with
         ``ft.optim.groups`` one per group, ``{"<group>/learning_rate": ...}`` (the

@@ -531,7 +531,8 @@ class Trainer(Evaluation):
             means = self._job.epoch_means
             bar.close(means.means(self.on_nan) if means.weight else None)
             self._fit = None
-        warn_unapplied(self.opt_state, self.steps_run)  # optax.MultiSteps's sum of the last minibatches
+        if not self.preempted:  # (a preempted job goes on from its checkpoint, summing)
+            warn_unapplied(self.opt_state, self.steps_run)  # optax.MultiSteps's sum of the last minibatches
         self._train_end(cbs, save=True)
         return self.history
 
@@ -539,12 +540,26 @@ class Trainer(Evaluation):
         """The end of ``fit``: the final checkpoints (``save``), then every ``on_train_end``."""
         if not cbs:  # the context would be read from the device for nobody
             return
-        end = self._reader.context("end", self._job.window.means(self.on_nan))
+        end = self._reader.context("end", self._end_metrics())
         if save:
             self._save_point("end", end)  # the final checkpoints first: no on_train_end has replaced the model
         for cb in cbs:
             if cb.on_train_end is not None:  # `on_train_end = None`: switched off (as call_hooks)
                 cb.on_train_end(self, end)
+
+    def _end_metrics(self) -> dict[str, float]:
+        """The metrics of the end of ``fit``: the means of the steps after the last epoch
+        end (the epoch so far, the progress output's last line), else the last epoch's row
+        (its means and ``val_*``: Keras's ``on_train_end`` logs), else none. (The log
+        window's means were another number for each ``log_every``: none where fit ended at
+        a log point.)"""
+        means = self._job.epoch_means
+        if means.weight:
+            return means.means(self.on_nan)
+        epochs = self.history.epochs
+        if not epochs["epoch"]:
+            return {}
+        return {k: v[-1] for k, v in epochs.items() if k not in ("epoch", "last_step") and v[-1] is not None}
 
     def _reached(self, epochs: int | None, steps: int | None) -> bool:
         return (steps is not None and self.steps_run >= steps) or (epochs is not None and self.epoch >= epochs)

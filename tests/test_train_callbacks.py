@@ -108,21 +108,28 @@ def test_callback_errors():
         trainer.fit(data(), epochs=2, progress=False, callbacks=[reduce])
 
 
-def test_model_checkpoint_every_steps_stores_the_metrics_of_its_own_step(tmp_path):
-    """A checkpoint at a log point carries that log interval's metrics (those callbacks saw
-    with context.step equal to the checkpoint's step), never another step's."""
-    trainer = make()
-    save = ft.train.ModelCheckpoint(tmp_path / "ckpt", every_steps=2, max_to_keep=None)
-    logs = []
-    trainer.fit(data(), epochs=3, log_every=2, progress=False, callbacks=[logs.append, save])
-    steps = save.manager.all_steps()
-    assert steps == [2, 4, 6, 8, 9]
-    seen = {c.step: c.metrics for c in logs if c.event == "log"}
-    assert {2, 8} <= set(seen)  # log points (log_every counts from each epoch's start)
-    for step in set(steps) & set(seen):
-        assert save.manager.restore(step).metrics == seen[step]
-    final = save.manager.restore(9)
-    np.testing.assert_array_equal(final.model.weight, trainer.model.weight)
+def test_model_checkpoint_every_steps_stores_the_means_of_its_epoch_so_far(tmp_path):
+    """A checkpoint at step s carries the means of its epoch's steps up to s (Keras's logs
+    there), never another step's, and the same numbers whatever log_every: they were the log
+    window's, so a best_metric="loss" directory ranked windows of other lengths and kept
+    another best step for each log_every (2 epochs of 8 steps, every_steps=4: step 4 for
+    log_every=50, 16 for 3 and 5, where the epochs' means pick 12)."""
+    runs = {}
+    for every in (2, 3, 50):
+        trainer = make()
+        save = ft.train.ModelCheckpoint(tmp_path / f"ckpt{every}", every_steps=2, max_to_keep=None)
+        history = trainer.fit(data(), epochs=3, log_every=every, progress=False, callbacks=[save])
+        steps = save.manager.all_steps()
+        assert steps == [2, 4, 6, 8, 9]
+        loss = history.steps["loss"]  # 3 minibatches of 16 an epoch: steps 1-3, 4-6, 7-9
+        for step in steps:
+            first = 3 * ((step - 1) // 3)
+            np.testing.assert_allclose(save.manager.restore(step).metrics["loss"], np.mean(loss[first:step]),
+                                       rtol=0, atol=1e-6)
+        runs[every] = [save.manager.restore(step).metrics for step in steps]
+        final = save.manager.restore(9)
+        np.testing.assert_array_equal(final.model.weight, trainer.model.weight)
+    assert runs[2] == runs[3] == runs[50]
 
 
 def test_early_stopping_restores_the_best_after_a_full_run(tmp_path):

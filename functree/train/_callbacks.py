@@ -569,7 +569,11 @@ class ModelCheckpoint(Callback):
     and at the end of training.
 
     The checkpoint labelled ``s`` holds the state after exactly ``s`` steps; a stop
-    (``on_nan="stop"``) is found before any save, so nothing is written past it. When the
+    (``on_nan="stop"``) is found before any save, so nothing is written past it. Its
+    metrics (what ``best_metric`` ranks) are those of step ``s``: at an epoch's end the
+    epoch's means and ``val_*``, elsewhere the means of its epoch's steps up to ``s``
+    (Keras's logs there), whatever ``log_every``; a checkpoint without ``best_metric``
+    among them (``val_loss`` between epoch ends) is not written to a ranked directory. When the
     process gets SIGTERM (preemption) during ``fit``, the Trainer saves at the current step
     and stops. ``extra`` is a function ``extra(trainer)`` whose tree (arrays and plain
     values: a data pipeline's state, a counter) is saved with every checkpoint and comes

@@ -163,7 +163,6 @@ class MetricLog:
         self.names: list[str] | None = None  # the step's metrics, in its order
         self.rates: list[str] = []  # the learning rates' names: the buffer's last columns
         self.last_context: Any = None  # the host context after the last step read, until the next step
-        self.last_log: dict[str, float] = {}  # the last log interval's metrics
 
     def open(self, opt_state: Any, place: Any = None) -> Any:
         """The open buffer (a new one: one row per step, ``TrainStep.record`` writes it);

@@ -139,7 +139,6 @@ class Reader:
         bar.update(len(r.steps), shown)
         if r.log:
             t._job = job.replace(window=Means())
-            log.last_log = means
             if cbs:
                 ctx = self.context("log", means, r.context, step=r.first + len(r.steps) - 1)
                 call_hooks(t, cbs, "on_log", ctx)  # one that raises: the rest at the next fit

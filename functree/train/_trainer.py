@@ -540,19 +540,20 @@ class Trainer(Evaluation):
         """The end of ``fit``: the final checkpoints (``save``), then every ``on_train_end``."""
         if not cbs:  # the context would be read from the device for nobody
             return
-        end = self._reader.context("end", self._end_metrics())
+        end = self._reader.context("end", self._latest_means())
         if save:
             self._save_point("end", end)  # the final checkpoints first: no on_train_end has replaced the model
         for cb in cbs:
             if cb.on_train_end is not None:  # `on_train_end = None`: switched off (as call_hooks)
                 cb.on_train_end(self, end)
 
-    def _end_metrics(self) -> dict[str, float]:
-        """The metrics of the end of ``fit``: the means of the steps after the last epoch
-        end (the epoch so far, the progress output's last line), else the last epoch's row
-        (its means and ``val_*``: Keras's ``on_train_end`` logs), else none. (The log
-        window's means were another number for each ``log_every``: none where fit ended at
-        a log point.)"""
+    def _latest_means(self) -> dict[str, float]:
+        """The metrics of the end of ``fit`` and of a save point: the means of the steps
+        after the last epoch end (the epoch so far: the progress output's last line, Keras's
+        batch logs), else the last epoch's row (its means and ``val_*``: Keras's
+        ``on_train_end`` logs), else none. (The log window's means were another number for
+        each ``log_every``: none where fit ended at a log point, and a best-``loss``
+        checkpoint ranked by windows of other lengths.)"""
         means = self._job.epoch_means
         if means.weight:
             return means.means(self.on_nan)
@@ -703,9 +704,8 @@ class Trainer(Evaluation):
     def _save_point(self, event: str, ctx: TrainingContext | None = None) -> None:
         """``event``'s checkpoints through every :class:`ModelCheckpoint` (``"step"``: every
         ``every_steps``; ``"epoch"``; ``"end"`` of fit; ``"terminate"``: SIGTERM, then stop)."""
-        if ctx is None:
-            window = self._job.window
-            ctx = self._reader.context("step", window.means(self.on_nan) if window.weight else self._reader.log.last_log)
+        if ctx is None:  # the epoch's means so far (Keras's logs there), whatever log_every
+            ctx = self._reader.context("step", self._latest_means())
         saved = [cb for cb in self._callbacks if isinstance(cb, ModelCheckpoint)]
         for cb in saved:
             cb._save_point(self, ctx, event)

@@ -88,6 +88,7 @@ def unapplied_microsteps(state: Any) -> int:
 
     Example:
       >>> import optax, jax, jax.numpy as jnp
+      >>> from functree.optim._multisteps import unapplied_microsteps
       >>> tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4)
       >>> params = {"w": jnp.ones(2)}
       >>> state = tx.init(params)

@@ -482,3 +482,45 @@ def test_a_config_with_more_layers_than_the_weights_fails_fast_naming_both_count
     _small_gpt2_directory(small_gpt2, tmp_path, n_layer=3000)
     with pytest.raises(ValueError, match=message.format(n=3000, last=2999)):
         ft.nn.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("field, value, method", [
+    ("quantization_config", {"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
+    ("quantization_config", {"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
+    ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+    ("quantization", {"group_size": 64, "bits": 4}, "MLX, 4 bits")])  # mlx_lm's
+def test_a_quantized_checkpoints_config_is_refused_naming_the_field(small_gpt2, tmp_path, field, value, method):
+    """A config.json with a quantization_config (or MLX's quantization): the weights are
+    packed integers or float8 with scales beside them. Was: the field ignored, float weights
+    beside it loaded as if unquantized, and where the scales were extra tensors the fix
+    offered was to drop them (a float8 weight read without its scale)."""
+    _small_gpt2_directory(small_gpt2, tmp_path, **{field: value})
+    message = rf"(?s)the config's '{field}' is {re.escape(json.dumps(value))}: .*stored quantized \({method}:.*" \
+              rf"nothing was built.*\"{field}\": {re.escape(json.dumps(value))}.*dequantize\(\)"
+    with pytest.raises(ValueError, match=message):
+        ft.nn.from_hf(tmp_path)
+    config = transformers.GPT2Config(**{k: v for k, v in small_gpt2[1].items() if k != "model_type"})
+    setattr(config, field, value)  # a transformers config in memory: refused alike
+    with pytest.raises(ValueError, match=message):
+        ft.nn.from_hf(config, str(tmp_path / "model.safetensors"))
+    _small_gpt2_directory(small_gpt2, tmp_path, **{field: None})  # null: not quantized, loads
+    ft.nn.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("extra", ["weight_scale_inv", "weight_scale", "qzeros", "SCB"])
+def test_a_quantized_checkpoints_scales_are_not_offered_to_be_dropped(small_gpt2, extra):
+    """float8 weights and their scales given without the quantization_config: the error named
+    the scales as leftovers to leave out, and the weights loaded without them (the float8
+    values as the weights: another model). Now it says what they are and not to drop them."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    directory, config = small_gpt2
+    weights = load_file(str(directory / "model.safetensors"))
+    name = "transformer.h.0.attn.c_attn.weight"
+    weights[name] = (weights[name] / 2).astype(ml_dtypes.float8_e4m3fn)
+    weights[name.replace("weight", extra)] = np.full((1,), 2.0, np.float32)
+    with pytest.raises(ValueError, match=rf"(?s)unexpected keys: \['{name.replace('weight', extra)}'\].*"
+                                         r"a quantized checkpoint's tensors .*do not leave them out") as refused:
+        ft.nn.from_hf(config, weights)
+    assert "leave them out;" not in str(refused.value) and "weights = {k: v" not in str(refused.value)

@@ -177,6 +177,44 @@ them with a head drawn at random (a warning), whose logits mean nothing; no mode
 """
 
 
+QUANTIZED = """\
+ft.nn.from_hf: the config's {field!r} is {shown}: the checkpoint's weights are stored \
+quantized ({method}: packed integers, or narrow floats whose scales are tensors of their own), \
+and functree reads every weight as a floating array of the model's shape. Read so they would \
+compute another model (an int4 word or a float8 weight without its scale is not the weight), \
+so nothing was built.
+
+    wrong:  ft.nn.from_hf(path)    # config.json: "{field}": {shown}
+    right:  ft.nn.from_hf("path/to/the/unquantized/checkpoint")   # the float16/bfloat16/float32 original
+       or:  hf_model = transformers.AutoModelForCausalLM.from_pretrained(path)
+            hf_model.dequantize()                    # where its quantizer can; drops config.{field}
+            model = ft.nn.from_hf(hf_model)
+"""
+
+
+def _quantization(field: str, value: Any) -> str:
+    """The quantization method a config's ``field`` names: transformers' ``quant_method``, MLX's bits."""
+    if field == "quantization":  # mlx_lm's {"group_size": 64, "bits": 4}
+        return f"MLX, {value.get('bits', '?')} bits" if isinstance(value, Mapping) else "MLX"
+    method = value.get("quant_method") if isinstance(value, Mapping) else None
+    return str(getattr(method, "value", method)) if method is not None else "an unnamed method"  # (an enum's value)
+
+
+def refuse_quantized(config: Any) -> None:
+    """Raise :data:`QUANTIZED` where ``config`` (an HF config object or a :class:`Config`)
+    describes quantized weights: a ``quantization_config`` (transformers' quantizers: GPTQ,
+    AWQ, bitsandbytes, fp8, compressed-tensors, ...) or MLX's ``quantization``, not null."""
+    for field in ("quantization_config", "quantization"):
+        value = getattr(config, field, None)
+        if value is None:
+            continue
+        if hasattr(value, "to_dict"):  # transformers' QuantizationConfig objects
+            value = value.to_dict()
+        shown = json.dumps(value, default=str)
+        shown = shown if len(shown) <= 120 else shown[:117] + "..."
+        raise ValueError(QUANTIZED.format(field=field, shown=shown, method=_quantization(field, value)))
+
+
 def missing_tensors(family: Any, model: Any, missing: list[str], unexpected: list[str], given: Any
                     ) -> ValueError | None:
     """Why the weights ``given`` to from_hf lack the tensors ``missing`` where the config is

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +32,7 @@ from functree.hf import _models  # noqa: F401  (defines every covered family: FA
 from functree.hf._config import hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
-from functree.hf._files import ALIASES, missing_tensors, read_config, read_weights
+from functree.hf._files import ALIASES, missing_tensors, read_config, read_weights, refuse_quantized
 from functree.interop._ports import PORTS, Port
 from functree.interop._safetensors import INDEX_NAME, SINGLE_NAME
 from functree.interop._torch import ShortStack, as_tensors, load_by_rules, state_dict_by_rules
@@ -202,13 +203,36 @@ def _loading(given: Any) -> str:
     return f"weights = safetensors.torch.load_file({single!r})\n            "
 
 
+# WEIGHTS_DO_NOT_FIT's fix where the tensors left over are a quantized checkpoint's (its
+# config's quantization_config dropped or not given): dropping them, EXTRA_TENSORS_FIX's fix,
+# would read float8 weights without their scales as the weights (another model, silently).
+QUANTIZED_TENSORS_FIX = """The weights hold a quantized checkpoint's tensors ({extra}: scales, zero points or packed \
+words beside the weights). Read without them the weights are not the model's, so do not leave them out: \
+the checkpoint's config.json names its quantization_config, which ft.nn.from_hf refuses.
+
+    right:  ft.nn.from_hf("path/to/the/unquantized/checkpoint")   # the float16/bfloat16/float32 original
+       or:  hf_model = transformers.AutoModelForCausalLM.from_pretrained(path)
+            hf_model.dequantize()                    # where its quantizer can
+            model = ft.nn.from_hf(hf_model)"""
+
+# The names quantizers give the tensors beside (or instead of) a weight: transformers' fp8,
+# fbgemm and compressed-tensors scales, GPTQ/AWQ's packed words, bitsandbytes' statistics, MLX's.
+_QUANTIZER_TENSOR = re.compile(r".*\.(weight_scale|weight_scale_inv|input_scale|output_scale|weight_zero_point|"
+                               r"weight_packed|weight_shape|qweight|qzeros|scales|biases|g_idx|SCB|weight_format|"
+                               r"absmax|quant_map|nested_absmax|nested_quant_map|quant_state\..*)")
+
+
 def _weights_do_not_fit(hf_class: str, report: FlatDictReport, weights: Mapping[str, Any], source: Any,
                         given: Any) -> ValueError:
     """:data:`WEIGHTS_DO_NOT_FIT` with the fix from_hf's caller has: drop the tensors left
     over (by their first name part where no tensor the model reads shares it, else by name),
-    or give the weights' own config."""
+    or give the weights' own config; a quantized checkpoint's tensors left over are not to be
+    dropped (:data:`QUANTIZED_TENSORS_FIX`)."""
     fixes = []
-    if report.unexpected:
+    quantizer = sorted(n for n in report.unexpected if _QUANTIZER_TENSOR.fullmatch(n))
+    if quantizer:
+        fixes.append(QUANTIZED_TENSORS_FIX.format(extra=quantizer[:3] + (["..."] if len(quantizer) > 3 else [])))
+    elif report.unexpected:
         extra = set(report.unexpected)
         kept = [k for k in weights if k not in extra]
         heads = sorted({n.split(".")[0] + "." for n in extra})
@@ -434,6 +458,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if model_type not in FAMILIES:
         raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}", covered=_covered()))
     family = FAMILIES[model_type]
+    refuse_quantized(config)  # quantized weights read as floats would be another model
     carried = hf_config_of(config, source)
     if weights is None:
         if key is None:

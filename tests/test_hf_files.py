@@ -31,10 +31,16 @@ CONFIGS = {
                                 "original_max_position_embeddings": 8192}, "rope_theta": 500000.0,
                "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True, "pad_token_id": 0},
               {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
-               "max_position_embeddings": 4096, "head_dim": 64}],
+               "max_position_embeddings": 4096, "head_dim": 64},
+              # a top-level original_max_position_embeddings wins over rope_scaling's (HF reads the
+              # attribute; was: the rope dict's, or max_position_embeddings: logits 0.74 of their scale off)
+              {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
+               "original_max_position_embeddings": 2048, "max_position_embeddings": 16384}],
     "qwen2": [{}, {"use_sliding_window": True, "max_window_layers": 0, "sliding_window": 64},
               {"use_sliding_window": True, "num_hidden_layers": 4, "max_window_layers": 2, "rope_theta": 1e6},  # refused
-              {"num_key_value_heads": None, "head_dim": 32, "tie_word_embeddings": True}],
+              {"num_key_value_heads": None, "head_dim": 32, "tie_word_embeddings": True},
+              {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+               "original_max_position_embeddings": 4096}],  # the top-level value (was: max_position_embeddings)
     "mistral": [{}, {"sliding_window": None, "head_dim": None, "hidden_size": 256, "num_attention_heads": 8}],
     "gemma": [{}, {"hidden_act": "gelu", "num_key_value_heads": 1, "head_dim": 32}],
     "phi3": [{}, {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
@@ -94,6 +100,8 @@ def test_a_config_json_reads_as_transformers_reads_it(model_type, i):
     given = {"model_type": model_type, **CONFIGS[model_type][i]}
     ours = _hf_files.Config.of(json.loads(json.dumps(given)))
     theirs = transformers.AutoConfig.for_model(**json.loads(json.dumps(given)))
+    if getattr(theirs, "rope_parameters", None):  # again, as HF's rope init does when its model is built:
+        theirs.standardize_rope_params()          # a top-level original_max_position_embeddings then wins
     (names, error), (their_names, their_error) = read_by_builders(ours), read_by_builders(theirs)
     assert error == their_error
     names |= their_names

@@ -9,7 +9,8 @@ each class's field defaults, then its ``__post_init__``: a ``head_dim`` or
 ``layer_types``, OPT's ``word_embed_proj_dim``, Gemma's legacy ``"gelu"``, GPT-2's
 ``hidden_size``-style aliases, and the rotary parameters gathered into ``rope_parameters``
 from older files' ``rope_scaling``, ``rope_theta``, ``partial_rotary_factor``, GPT-NeoX's
-``rotary_emb_base`` / ``rotary_pct`` and Phi-3's ``original_max_position_embeddings``); the
+``rotary_emb_base`` / ``rotary_pct`` and a top-level ``original_max_position_embeddings``:
+Phi-3's field, or any file's); the
 generation options older files kept in config.json are dropped, as HF drops them.
 ``tests/test_hf_files.py`` checks every attribute the builders read against
 ``transformers.AutoConfig`` for each covered model type.
@@ -507,7 +508,10 @@ def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, A
     files) first, then ``rope_parameters``; ``rope_theta`` and ``partial_rotary_factor`` from
     the file's top level (GPT-NeoX: ``rotary_emb_base``, ``rotary_pct``; Phi-3 and GPT-NeoX
     default the factor); ``rope_type`` from ``type``; the pretraining length kept for scaled
-    types. The keys HF consumes are not attributes afterwards."""
+    types: a top-level ``original_max_position_embeddings`` over the rope dict's own, then
+    ``max_position_embeddings`` (as HF's model: its rope init standardizes the config again,
+    the file's top-level key then an attribute, which wins; HF's config object alone keeps the
+    rope dict's). The keys HF consumes are not attributes afterwards."""
     params = dict(values.pop("rope_scaling", None) or values.get("rope_parameters") or {})
     if model_type == "gpt_neox":
         params.setdefault("rope_theta", values.pop("rotary_emb_base", _DEFAULT_THETA))
@@ -521,7 +525,9 @@ def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, A
             params.setdefault("partial_rotary_factor", values.pop("partial_rotary_factor"))
     params.setdefault("rope_type", params.get("type", "default"))
     if params["rope_type"] in _SCALED_ROPES:
-        if "original_max_position_embeddings" in DEFAULTS[model_type]:  # a field (Phi-3): it wins
+        # a top-level value wins over the rope dict's own: Phi-3's field, and any config.json
+        # that gives one (HF's standardize_rope_params reads the attribute wherever it is set)
+        if values.get("original_max_position_embeddings") is not None:
             params["original_max_position_embeddings"] = values["original_max_position_embeddings"]
         else:
             params.setdefault("original_max_position_embeddings", values.get("max_position_embeddings"))

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import functree as ft
-from functree.optim._multisteps import UnappliedGradientsWarning, unapplied_microsteps
+from functree.optim._multisteps import unapplied_microsteps
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(48, 4)).astype(np.float32)
@@ -86,7 +86,7 @@ def test_multisteps_sum_left_unapplied_at_the_end_of_fit_is_named_and_kept():
     data = ft.train.batches((X, Y), 8, shuffle=False)
     minibatches = list(data.in_order().iterate(0))
     trainer = ft.train.Trainer(_model(), optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4), _loss)
-    with pytest.warns(UnappliedGradientsWarning, match=r"(?s)step 6 with the gradients of the last 2 .*accumulate=4"):
+    with pytest.warns(ft.optim.UnappliedGradientsWarning, match=r"(?s)step 6 with the gradients of the last 2 .*accumulate=4"):
         trainer.fit(data, epochs=1, progress=False)
     assert unapplied_microsteps(trainer.opt_state) == 2
     np.testing.assert_allclose(_leaves(trainer.model), _leaves(_by_hand(minibatches[:4], 4)), rtol=0, atol=1e-6)

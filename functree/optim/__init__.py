@@ -48,6 +48,7 @@ from functree.optim._hyper import (
 from functree.optim._lookahead import SlowState, lookahead
 from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState
 from functree.optim._masked import masked
+from functree.optim._multisteps import UnappliedGradientsWarning
 from functree.optim._optimizer import Optimizer, OptimizerWrapper, StepResult
 from functree.optim._schedules import (
     constant,
@@ -140,6 +141,7 @@ __all__ = [
     "HyperState",
     "Rate",
     "ComplexGradientWarning",
+    "UnappliedGradientsWarning",
     "per_minibatch",
     "per_samples",
     # schedules

@@ -532,3 +532,21 @@ def test_a_quantized_checkpoints_scales_are_not_offered_to_be_dropped(small_gpt2
                                          r"a quantized checkpoint's tensors .*do not leave them out") as refused:
         ft.nn.from_hf(config, weights)
     assert "leave them out;" not in str(refused.value) and "weights = {k: v" not in str(refused.value)
+
+
+def test_a_transformers_config_with_a_top_level_pretraining_length_reads_as_its_model():
+    """transformers keeps rope_scaling's length (or max_position_embeddings) in the config
+    object, but its model's rope init standardizes the config again and a top-level
+    original_max_position_embeddings wins: from_hf(config, weights) read the object's
+    (logits 0.74 of their scale from HF's model); now the model's, the caller's config untouched."""
+    from functree.hf import _options
+
+    config = transformers.LlamaConfig(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=64,
+                                      rope_scaling={"rope_type": "yarn", "factor": 4.0}, original_max_position_embeddings=16)
+    assert config.rope_parameters["original_max_position_embeddings"] == 64  # the object's own
+    assert _options.rope(_hf_files.read_config(config), 4).original_max_positions == 16
+    assert config.rope_parameters["original_max_position_embeddings"] == 64  # the caller's, untouched
+    hf_model = transformers.LlamaForCausalLM(config)  # (standardizes the config it is given again, in place)
+    assert hf_model.config.rope_parameters["original_max_position_embeddings"] == 16  # the model's
+    assert _options.rope(_hf_files.read_config(hf_model.config), 4).original_max_positions == 16

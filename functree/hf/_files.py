@@ -100,8 +100,9 @@ them; got {given}.
 
 
 def read_config(source: Any) -> Any:
-    """The HF config of ``from_hf``'s first argument: a config object as given, or a
-    :class:`Config` of a ``config.json`` dict or of a ``save_pretrained`` directory's."""
+    """The HF config of ``from_hf``'s first argument: a config object (its rope parameters
+    as its model reads them: :func:`_as_its_model_reads_it`), or a :class:`Config` of a
+    ``config.json`` dict or of a ``save_pretrained`` directory's."""
     if isinstance(source, Mapping):
         if "model_type" not in source:
             raise ValueError(BAD_CONFIG.format(given=f"a dict without 'model_type' (keys {sorted(source)[:6]})"))
@@ -111,7 +112,20 @@ def read_config(source: Any) -> Any:
     if not hasattr(source, "model_type"):
         raise ValueError(BAD_CONFIG.format(given=type(source).__name__ if not isinstance(source, (str, os.PathLike))
                                            else f"{os.fspath(source)!r}, not a directory"))
-    return source
+    return _as_its_model_reads_it(source)
+
+
+def _as_its_model_reads_it(config: Any) -> Any:
+    """A transformers config as its model reads it: HF's rope init standardizes the config's
+    rope parameters again when the model is built, and a top-level
+    ``original_max_position_embeddings`` (an attribute by then) replaces the rope dict's
+    (yarn, llama3, longrope). The config object alone keeps the dict's (or
+    ``max_position_embeddings``), so it is standardized again here, on a copy."""
+    if not (hasattr(config, "standardize_rope_params") and getattr(config, "rope_parameters", None)):
+        return config
+    config = copy.deepcopy(config)
+    config.standardize_rope_params()
+    return config
 
 
 def _read_json(directory: Any) -> dict[str, Any]:

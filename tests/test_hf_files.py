@@ -47,7 +47,7 @@ CONFIGS = {
                   "original_max_position_embeddings": 2048, "max_position_embeddings": 8192, "sliding_window": 64},
              {"partial_rotary_factor": 0.5, "num_key_value_heads": 8}],
     "gpt_neox": [{}, {"rotary_pct": 0.5, "rotary_emb_base": 20000.0, "use_parallel_residual": False,
-                      "attention_bias": False, "hidden_act": "gelu_new"},
+                      "attention_bias": False, "hidden_act": "gelu_fast"},
                  {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_theta": 1234.0}],
     "opt": [{}, {"word_embed_proj_dim": None, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "enable_bias": False}],
     "bert": [{}, {"hidden_act": "relu", "type_vocab_size": 1}],

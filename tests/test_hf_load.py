@@ -289,13 +289,26 @@ def test_linear_rope_factor_under_1_names_the_config_key():
         _hf_options.rope(types.SimpleNamespace(rope_parameters=rope, max_position_embeddings=8))
 
 
+def test_every_covered_activation_is_transformers_own():
+    """Each hidden_act / activation_function name functree reads is HF's ACT2FN function of that
+    name (measured: gelu_new, gelu_fast, gelu_pytorch_tanh 5.8e-7 from ACT2FN on [-8, 8])."""
+    torch = pytest.importorskip("torch")
+    from transformers.activations import ACT2FN
+
+    x = np.linspace(-8.0, 8.0, 2001, dtype=np.float32)
+    for name in _hf_options._ACTIVATIONS:
+        theirs = ACT2FN[name](torch.tensor(x)).numpy()
+        ours = np.asarray(_hf_options.activation(types.SimpleNamespace(model_type="llama", hidden_act=name), "hidden_act")(jnp.asarray(x)))
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6 * 8, err_msg=name)  # 10x the spread
+
+
 def test_uncovered_config_options():
     with pytest.raises(ValueError, match=r"rope_type 'mrope' .* covered: default, linear, dynamic, yarn, llama3"):
         _hf_options.rope(types.SimpleNamespace(rope_parameters={"rope_type": "mrope"}, max_position_embeddings=8))
     with pytest.raises(ValueError, match=r"sets scale_attn_by_inverse_layer_idx=True"):
         ft.nn.from_hf(gpt2_config(scale_attn_by_inverse_layer_idx=True), {})
-    with pytest.raises(ValueError, match=r"activation 'gelu_fast' is not covered; covered: gelu_new"):
-        ft.nn.from_hf(gpt2_config(activation_function="gelu_fast"), {})
+    with pytest.raises(ValueError, match=r"activation 'quick_gelu' is not covered; covered: gelu_new"):
+        ft.nn.from_hf(gpt2_config(activation_function="quick_gelu"), {})
     with pytest.raises(ValueError, match=r"rope type 'ntk' is not covered"):
         ft.nn.RopeScaling("ntk")
     with pytest.raises(ValueError, match=r"RopeScaling\('llama3'\) needs original_max_positions"):

@@ -64,7 +64,8 @@ UNKNOWN_ACTIVATION = """\
 ft.nn.from_hf: the {model_type} config's activation {given!r} is not covered; covered: {known}."""
 
 
-_ACTIVATIONS = {"gelu_new": act.gelu, "gelu_pytorch_tanh": act.gelu, "gelu": act.gelu_exact, "relu": act.relu,
+# gelu_fast (GPT-NeoX-20B) is gelu_new's tanh formula written another way (5.8e-7 apart on [-8, 8]).
+_ACTIVATIONS = {"gelu_new": act.gelu, "gelu_pytorch_tanh": act.gelu, "gelu_fast": act.gelu, "gelu": act.gelu_exact, "relu": act.relu,
                 "silu": act.silu, "swish": act.silu, "tanh": act.tanh}
 
 

@@ -1,8 +1,11 @@
 """Losses with swift-apis' names and ``(predicted, expected)`` argument order.
 
-Every loss takes ``reduction="mean" | "sum" | "none"`` and defaults to the mean (over
-examples for the per-example losses: cross entropies, ``kl_divergence``,
-``categorical_hinge``). Inputs are checked: shapes that would silently broadcast, float
+Every loss takes ``reduction="mean" | "sum" | "none" | "weighted"`` and defaults to the
+mean (over examples for the per-example losses: cross entropies, ``kl_divergence``,
+``categorical_hinge``; over the kept positions for ``softmax_cross_entropy``'s ignored
+labels). ``"weighted"`` returns that mean as its parts, :class:`WeightedMean` ``(total,
+count)``, which ``ft.optim.Optimizer(accumulate=k)`` combines exactly over microbatches
+of unequal counts (kept tokens). Inputs are checked: shapes that would silently broadcast, float
 labels where class indices are needed, integer labels where probabilities are, are errors.
 
 float16 and bfloat16 inputs are computed in float32 and the loss is float32, as torch's
@@ -31,6 +34,7 @@ from functree.losses._regression import (
     mean_squared_logarithmic_error,
     poisson,
 )
+from functree.losses._weighted import WeightedMean
 
 __all__ = [
     "mean_squared_error",
@@ -49,6 +53,7 @@ __all__ = [
     "squared_hinge",
     "categorical_hinge",
     "REDUCTIONS",
+    "WeightedMean",
 ]
 
 # Other libraries' names for these losses: ``ft.losses.cross_entropy`` names its equivalent.

@@ -16,6 +16,7 @@ import optax
 
 from functree._repr import short_array
 from functree.losses._reduction import check_float, check_same_shape, first_outside, reduce
+from functree.losses._weighted import WeightedMean
 
 __all__ = [
     "softmax_cross_entropy",
@@ -150,7 +151,7 @@ def softmax_cross_entropy(
     ignore_index: int | None = -100,
     weight: Any = None,
     reduction: str = "mean",
-) -> jax.Array:
+) -> Any:
     """``-sum_c target[c] * log_softmax(logits)[c]`` per example, averaged over examples.
 
     ``labels`` are integer class indices ``[...]`` (``optax.softmax_cross_entropy_with_integer_labels``)
@@ -172,7 +173,11 @@ def softmax_cross_entropy(
     which put -100 on the prompt and the padding) gives positions whose label is ``i`` a
     loss of zero; the mean is then taken over the other positions only (zero if every
     position is ignored), ``"sum"`` sums them, ``"none"`` returns zeros at ignored
-    positions. ``ignore_index=None`` ignores nothing.
+    positions. ``ignore_index=None`` ignores nothing. ``reduction="weighted"`` returns the
+    mean as its parts, ``ft.losses.WeightedMean(kept positions' summed loss, their count)``
+    (with ``weight=``, their summed class weights): ``ft.optim.Optimizer(accumulate=k)``
+    then takes the whole minibatch's gradient, ``Σ ∇total_i / Σ count_i``, where the mean
+    of the microbatches' means weighs a microbatch of few kept tokens as one of many.
 
     ``weight=w`` (``[classes]``, torch's ``CrossEntropyLoss(weight=)``) weighs each class:
     with class indices a position counts ``w[label]``, its loss is ``w[label]`` times its
@@ -281,9 +286,11 @@ def softmax_cross_entropy(
     zero = jnp.zeros((), values.dtype)
     if keep is not None:
         values = jnp.where(keep, values, zero)
-    if reduction == "mean":  # over the kept positions, each counted by its class's weight (torch's)
+    if reduction in ("mean", "weighted"):  # over the kept positions, each counted by its class's weight (torch's)
         per = jnp.ones_like(values) if counted is None else counted
         total = jnp.sum(per if keep is None else jnp.where(keep, per, zero))
+        if reduction == "weighted":
+            return WeightedMean(jnp.sum(values), total)
         some = total != 0
         return jnp.where(some, jnp.sum(values) / jnp.where(some, total, jnp.ones((), values.dtype)), zero)
     return reduce(name, values, reduction)

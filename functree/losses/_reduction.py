@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._repr import short_array
+from functree.losses._weighted import WeightedMean
 
 __all__ = ["reduce", "check_same_shape", "check_float", "first_outside", "REDUCTIONS"]
 
@@ -17,16 +18,21 @@ HALF_PRECISION = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 losses in float32; Hugging Face's loss functions take ``logits.float()``): a float16 loss
 times a loss scale of 65536 is ``inf``, and bfloat16 sums lose the examples' small terms."""
 
-REDUCTIONS = ("mean", "sum", "none")
+REDUCTIONS = ("mean", "sum", "none", "weighted")
 """The ``reduction=`` every loss takes: ``"mean"`` (the default) over every element,
-``"sum"``, or ``"none"``: the per-element losses, shaped like the inputs (less a class axis).
+``"sum"``, ``"none"``: the per-element losses, shaped like the inputs (less a class axis),
+or ``"weighted"``: the mean as its parts, ``ft.losses.WeightedMean(sum, count)`` (count:
+the elements, or the kept positions of a loss that ignores some), which
+``ft.optim.Optimizer(accumulate=k)`` combines exactly over microbatches.
 
 Example:
   >>> import functree as ft, jax.numpy as jnp
   >>> ft.losses.REDUCTIONS
-  ('mean', 'sum', 'none')
+  ('mean', 'sum', 'none', 'weighted')
   >>> ft.losses.l1(jnp.array([1.0, 3.0]), jnp.zeros(2), reduction="none")
   Array([1., 3.], dtype=float32)
+  >>> ft.losses.l1(jnp.array([1.0, 3.0]), jnp.zeros(2), reduction="weighted").value
+  Array(2., dtype=float32)
 """
 
 BAD_REDUCTION = """\
@@ -89,14 +95,17 @@ def check_same_shape(loss: str, predicted: Any, expected: Any) -> tuple[jax.Arra
     return predicted, expected.astype(predicted.dtype)
 
 
-def reduce(loss: str, values: jax.Array, reduction: str) -> jax.Array:
-    """``mean``, ``sum`` or ``none`` (the values unreduced)."""
+def reduce(loss: str, values: jax.Array, reduction: str) -> Any:
+    """``mean``, ``sum``, ``none`` (the values unreduced) or ``weighted``
+    (:class:`~functree.losses.WeightedMean` of their sum and number)."""
     if reduction == "mean":
         return jnp.mean(values)
     if reduction == "sum":
         return jnp.sum(values)
     if reduction == "none":
         return values
+    if reduction == "weighted":
+        return WeightedMean(jnp.sum(values), jnp.asarray(values.size, values.dtype))
     raise ValueError(BAD_REDUCTION.format(loss=loss, choices=list(REDUCTIONS), given=reduction))
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._examples import check_example_axis
+from functree.losses._weighted import WeightedMean
 from functree.nn._state import apply_state, floating_state, salted_call
 from functree.optim._subset import trained_view
 
@@ -67,7 +68,10 @@ def accumulated_gradients(opt: Optimizer, loss_fn: Callable[..., Any], model: An
     ``batch`` split into ``k`` microbatches along its leading axis, each one's gradients
     from ``opt.get_gradients`` (microbatch ``i`` given ``jax.random.fold_in(key, i)``),
     summed in one ``lax.scan`` (memory of one microbatch) and divided by ``k``; the
-    outputs come stacked, ``(k, ...)``, the loss their mean."""
+    outputs come stacked, ``(k, ...)``, the loss their mean. A
+    :class:`~functree.losses.WeightedMean` loss weighs microbatch ``i`` by its ``count``
+    (kept tokens): ``Σ count_i ∇value_i / Σ count_i``, the whole minibatch's gradient, and
+    the loss is ``WeightedMean(Σ total_i, Σ count_i)``."""
     k = opt.accumulate
     check_example_axis(batch, f"accumulate={k} microbatches")
     micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
@@ -84,11 +88,30 @@ def accumulated_gradients(opt: Optimizer, loss_fn: Callable[..., Any], model: An
         out, grads = opt.get_gradients(salted_call(fn, i), m, *mb, has_aux=has_aux, state=state)
         if carried:
             carried = _threaded(carried, out[1][1])
+        loss = out[0] if has_aux else out
+        if isinstance(loss, WeightedMean):  # weighed by its count (kept tokens): see _weighted
+            return (jax.tree.map(lambda t, g: t + g * loss.count.astype(g.dtype), total, grads), carried), out
         return (jax.tree.map(jnp.add, total, grads), carried), out
 
     zeros = jax.tree.map(jnp.zeros_like, trained_view(model, opt.wrt))
     (total, _), outs = jax.lax.scan(body, (zeros, threaded), (micro, jnp.arange(k, dtype=jnp.uint32)))
+    if isinstance(outs[0] if has_aux else outs, WeightedMean):
+        return _weighted(total, outs, has_aux)
     grads = jax.tree.map(lambda g: g / k, total)
     if has_aux:
         return (jnp.mean(outs[0]), outs[1]), grads
     return jnp.mean(outs), grads
+
+
+def _weighted(total: Any, outs: Any, has_aux: bool) -> tuple[Any, Any]:
+    """The loss and gradients of :func:`accumulated_gradients` for a
+    :class:`~functree.losses.WeightedMean` loss, from the sum ``total = Σ_i count_i ∇value_i``:
+    ``total / Σ_i count_i`` (``= Σ_i ∇total_i / Σ_i count_i``, the whole minibatch's
+    gradient: the counts hold no derivative), zero when every count is 0; the loss
+    ``WeightedMean(Σ total_i, Σ count_i)``."""
+    stacked = outs[0] if has_aux else outs
+    loss = WeightedMean(jnp.sum(stacked.total), jnp.sum(stacked.count))
+    some = loss.count != 0
+    count = jnp.where(some, loss.count, jnp.ones((), loss.count.dtype))
+    grads = jax.tree.map(lambda g: jnp.where(some, g / count.astype(g.dtype), jnp.zeros((), g.dtype)), total)
+    return ((loss, outs[1]) if has_aux else loss), grads

@@ -43,6 +43,7 @@ from functree._parameters import with_parameters
 from functree._tangent import move
 from functree._tree import dotted_name
 from functree._where import placement_of, put
+from functree.losses._weighted import loss_value
 from functree.nn._mode import in_mode, mode_free
 from functree.nn._state import apply_state, collect_state
 from functree.optim._accumulate import accumulated_gradients, leading_dimension
@@ -437,7 +438,7 @@ class Optimizer:
 
         def objective(m: Any) -> tuple[Any, Any]:
             out = loss_fn(m, *batch)
-            loss = self.transform_loss(out[0] if has_aux else out)
+            loss = self.transform_loss(loss_value(out[0] if has_aux else out))  # a WeightedMean: its value
             return (loss if scale is None else _scaled(loss, scale)), out
         objective.__qualname__ = getattr(loss_fn, "__qualname__", "loss_fn")  # wrt='s errors name the user's loss
 
@@ -540,7 +541,8 @@ class Optimizer:
         (BatchNorm statistics) is collected and written back into the returned model.
         """
         result = self.step(loss_fn, model, state, batch, has_aux=has_aux, minibatch_size=minibatch_size)
-        return result.model, result.state, result.out
+        out = result.out  # a WeightedMean loss comes back as its value
+        return result.model, result.state, ((loss_value(out[0]), *out[1:]) if has_aux else loss_value(out))
 
     def step(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *, has_aux: bool = False,
              minibatch_size: Any = None, on_nan: str = "ignore", enabled: Any = None,
@@ -575,7 +577,7 @@ class Optimizer:
             return self.gradients(loss_fn, m, s, b, has_aux=has_aux, key=key, checked=checked)
 
         g = half(model, state, batch) if replicas is None else replicas(half, model, state, batch)
-        whole = loss_fn if key is None else functools.partial(loss_fn, key=key)  # L-BFGS: the whole batch
+        whole = _valued(loss_fn if key is None else functools.partial(loss_fn, key=key), has_aux)  # L-BFGS: the whole batch
         with minibatch_size_source(batch) if read else contextlib.nullcontext():
             return self.apply_step(g, model, state, minibatch_size=minibatch_size, on_nan=on_nan, enabled=enabled,
                                    value_fn=loss_value_fn(self, whole, batch, has_aux))
@@ -598,10 +600,13 @@ class Optimizer:
             out, grads = self.compute_gradients(loss_fn, model, *batch, has_aux=has_aux, state=state, key=key,
                                                 checked=checked)
             loss, layer_state = (out[0] if has_aux else out), {}
+        # A WeightedMean loss (reduction="weighted"): the step gates and stores its value, and
+        # `out` keeps the record (the Trainer's means weigh the step by its count).
+        record, loss = loss, loss_value(loss)
         if self.accumulate > 1:  # microbatch outputs come stacked: (k, ...); the last one's state
             # (threaded: microbatch i's BatchNorm update starts from microbatch i - 1's)
             layer_state = jax.tree.map(lambda u: u[-1], layer_state)
-            out = (loss, out[1]) if has_aux else loss
+            out = (record, out[1]) if has_aux else record
         if self.axis_name is not None:  # the global batch's loss: replicas' states stay identical
             loss = replica_mean(loss, self.axis_name, reduced="value")
             out = (loss, out[1]) if has_aux else loss
@@ -666,6 +671,15 @@ def _partition_path(inner: Any, labels: frozenset[str]) -> str:
         if groups_state(x):
             return dotted_name(("inner", *path)) if path else "inner"
     return "inner"
+
+
+def _valued(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``loss_fn`` with a :class:`~functree.losses.WeightedMean` loss replaced by its value
+    (what a line search evaluates); the loss function's output otherwise as it is."""
+    def valued(*args: Any, **kwargs: Any) -> Any:
+        out = loss_fn(*args, **kwargs)
+        return (loss_value(out[0]), *out[1:]) if has_aux else loss_value(out)
+    return valued
 
 
 def _scaled(loss: Any, scale: Any) -> Any:

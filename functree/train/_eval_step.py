@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from functree._alias import is_deletion_error, stale_error
 from functree._jit import _hide, _show, has_untraceable_leaves, unchecked_jit
 from functree._where import devices_error
+from functree.losses._weighted import WeightedMean, loss_value
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.parallel._placement import Placement
@@ -46,7 +47,7 @@ def _split_output(out: Any) -> tuple[Any, Any]:
     not a scalar refused by name."""
     loss: Any
     loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
-    if jnp.shape(loss) != ():
+    if not isinstance(loss, WeightedMean) and jnp.shape(loss) != ():  # a WeightedMean's parts are scalars
         raise ValueError(LOSS_NOT_SCALAR.format(shape=jnp.shape(loss)))
     return loss, aux
 
@@ -66,7 +67,11 @@ def loss_and_aux(loss_fn: Callable[..., Any], compute_dtype: Any, model: Any, ba
         model, batch = cast_to(model, compute_dtype), cast_floating(batch, compute_dtype)
     out = loss_fn(model, batch) if key is None else loss_fn(model, batch, key=key)
     loss, aux = _split_output(out)
-    return (loss if compute_dtype is None else loss.astype(jnp.float32)), aux
+    if compute_dtype is None:
+        return loss, aux
+    if isinstance(loss, WeightedMean):  # its parts in float32, as a scalar loss
+        return WeightedMean(loss.total.astype(jnp.float32), loss.count.astype(jnp.float32)), aux
+    return loss.astype(jnp.float32), aux
 
 
 def placement_of_step(mesh: Any, data_axis: str, sharding: Any, call: str) -> Placement | None:
@@ -121,7 +126,7 @@ class EvalStep:
         if self.placement is not None:
             batch, _ = self.placement.constrain_batch(batch, whole=True)  # a short last batch too
         loss, aux = self.compute_loss(model, batch, key)
-        out = StepOutput(loss, aux, batch, model)
+        out = StepOutput(loss_value(loss), aux, batch, model, loss if isinstance(loss, WeightedMean) else None)
         return measured(lambda: evaluate_metrics(self.metrics, out), self.metrics, out, listed=False)
 
     def metric_shapes(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, Any]:

@@ -138,6 +138,10 @@ class StepOutput(NamedTuple):
     aux: Any
     batch: Any
     model: Any
+    parts: Any = None
+    """The loss as ``ft.losses.WeightedMean(total, count)`` when the loss function returned
+    one (``reduction="weighted"``; ``loss`` is then its value): the means over minibatches
+    weigh each by its ``count`` (kept tokens), Σ total / Σ count. None otherwise."""
 
 
 def _describe(x: Any) -> str:
@@ -482,7 +486,10 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
     time). Inside :func:`measured`, each value is remembered as plain (its metric called no
     counting metric) or as the counting value it returned (cast): no probe needed for them."""
     dtype, frame = metric_dtype(), _frame()
-    values = {"loss": _known(jnp.asarray(out.loss).astype(dtype), None, frame)}
+    if out.parts is None:
+        values = {"loss": _known(jnp.asarray(out.loss).astype(dtype), None, frame)}
+    else:  # a WeightedMean loss: its means over minibatches are Σ total / Σ count (parts as accuracy's)
+        values = {"loss": _noted(jnp.asarray(out.loss).astype(dtype), out.parts.total, out.parts.count)}
     for name, fn in fns.items():
         before = len(frame.calls) if frame is not None else 0
         raw = fn(out)
@@ -579,6 +586,21 @@ def with_parts(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> dict[str, 
         if _parted(fn):
             out[name + PART_SUM] = out[name + PART_COUNT] = None
     return out
+
+
+def step_names(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> list[str]:
+    """The names, in order, of what a train step built from ``metrics`` records
+    (:func:`measured`): ``"loss"``, the metrics, the loss's parts (a
+    ``ft.losses.WeightedMean`` loss's total and count per example; 0 for another loss,
+    whose means stay size-weighted), then the metrics' parts (:func:`with_parts`).
+
+    Example:
+      >>> import functree as ft
+      >>> step_names({"acc": ft.train.accuracy})
+      ['loss', 'acc', 'loss#sum', 'loss#count', 'acc#sum', 'acc#count']
+    """
+    names = list(with_parts(metrics))
+    return ["loss", *metrics, "loss" + PART_SUM, "loss" + PART_COUNT, *names[len(metrics):]]
 
 
 INEXACT_MEAN = """The metric {name!r} reports a value computed from {what}; its parts (hits, counted labels) are not known, so its means over minibatches are size-weighted (Σ n_b·v_b / Σ n_b), not Σ hits / Σ counted. Report the counting metric's value itself, or an affine function of one (100 * acc, 1 - acc: exact), under its own name:
@@ -834,7 +856,7 @@ def measured(run: Callable[[], Mapping[str, Any]], metrics: Mapping[str, Any], o
             hits, counted = frame.calls[i]
             values[name + PART_SUM] = ((a * hits + b * counted) / n).astype(dtype)
             values[name + PART_COUNT] = (counted / n).astype(dtype)
-        elif listed and ((name in metrics and _parted(metrics[name])) or name in counting):  # with_parts's
+        elif listed and (name == "loss" or (name in metrics and _parted(metrics[name])) or name in counting):  # step_names's
             values[name + PART_SUM] = values[name + PART_COUNT] = jnp.zeros((), dtype)
     return values
 

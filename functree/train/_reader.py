@@ -23,7 +23,7 @@ from functree.train._callbacks import Callback, TrainingContext
 from functree.train._dispatch import call_hooks
 from functree.train._intervals import MetricLog, Reading, snapshot, to_host
 from functree.train._means import Means
-from functree.train._metrics import part_names, with_parts
+from functree.train._metrics import part_names, step_names
 from functree.train._nonfinite import NONFINITE, nonfinite_error, parameter_names, step_provenance
 from functree.train._progress import Progress
 from functree.train._step import TrainStep
@@ -64,7 +64,7 @@ class Reader:
         t = self.trainer
         cls = type(t.train_step)
         if cls.compute_metrics is TrainStep.compute_metrics and cls.step is TrainStep.step:
-            return ["loss", *with_parts(t.train_step.metrics), *([NONFINITE] if t.on_nan != "ignore" else [])]
+            return [*step_names(t.train_step.metrics), *([NONFINITE] if t.on_nan != "ignore" else [])]
         # An overridden compute_metrics or step() (which may add, drop or rename keys): trace
         # once (no compilation) to learn its names, in the dict's own order, which record()
         # writes the row in (eval_shape's result has its keys sorted: read from it, a column

@@ -46,6 +46,7 @@ from functree._flat import FlatJit, flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
+from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._state import collect_state, salted_keys
 from functree.optim import Optimizer, OptimizerState, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
@@ -507,13 +508,14 @@ class TrainStep:
         if key is not None:
             key = jax.random.fold_in(key, context(opt_state).step)
         new_model, new_state, loss, aux, nonfinite = self.apply(model, opt_state, batch, key, enabled)
-        out = StepOutput(loss, aux, batch, model)
+        # A WeightedMean loss: the metrics' loss is its value, its parts weigh the means.
+        out = StepOutput(loss_value(loss), aux, batch, model, loss if isinstance(loss, WeightedMean) else None)
         # Here, not in compute_metrics: an override that does not call super() still gets
         # the parts of the counting values it reports (their epoch means Σ hits / Σ counted).
         metrics = measured(lambda: self.compute_metrics(out), self.metrics, out)
         # What check_parts compares an override of step() against (a value changed after).
         _MEASURED.values = {k: (metrics[k], metrics[k + PART_SUM]) for k in metrics
-                            if k + PART_SUM in metrics and k + PART_COUNT in metrics}
+                            if k != "loss" and k + PART_SUM in metrics and k + PART_COUNT in metrics}
         if nonfinite is not None:
             metrics[NONFINITE] = nonfinite
         return new_model, new_state, metrics

@@ -186,6 +186,23 @@ def _replica_mean(x: Any, axis: str) -> Any:
     return jax.lax.pmean(x, axis) if axis in varying_axes(x) else x
 
 
+def _replica_sum(x: Any, axis: str) -> Any:
+    """The sum over ``axis`` of a value that still varies over it (else the value)."""
+    return jax.lax.psum(x, axis) if axis in varying_axes(x) else x
+
+
+def _devices_weighted(record: WeightedMean, grads: Any, axis: str) -> tuple[WeightedMean, Any]:
+    """The devices' :class:`~functree.losses.WeightedMean` losses as one, ``Σ total_d /
+    Σ count_d``, and their gradients weighed by count, ``Σ count_d ∇value_d / Σ count_d``:
+    the global batch's (a mean over devices would weigh a device of 2 kept tokens as one of
+    200); zero gradients when no device counted any."""
+    whole = WeightedMean(_replica_sum(record.total, axis), _replica_sum(record.count, axis))
+    some = whole.count != 0
+    share = jnp.where(some, record.count / jnp.where(some, whole.count, jnp.ones((), whole.count.dtype)),
+                      jnp.zeros((), whole.count.dtype))
+    return whole, jax.tree.map(lambda x: _replica_sum(x * share.astype(x.dtype), axis), grads)
+
+
 def _weakly(ref: Callable[[], Any], method: str) -> Callable[..., Any]:
     """``method`` of the step ``ref`` refers to, looked up at each call: the step holds its
     program, so the program must not hold the step (a dropped step and its last model and
@@ -396,7 +413,9 @@ class TrainStep:
         :meth:`ft.optim.Optimizer.step` (an override of it is honoured, with and without a
         mesh) with this step's ``on_nan`` and ``enabled``: a step its gate closes leaves
         ``model`` and ``opt_state`` as they were. ``nonfinite`` is None with
-        ``on_nan="ignore"``.
+        ``on_nan="ignore"``. A loss function returning ``ft.losses.WeightedMean``
+        (``reduction="weighted"``) gives ``loss`` as that record, the whole minibatch's
+        (microbatches and devices summed); its ``.value`` is the loss.
         """
         if type(self.optimizer) is Optimizer and not isinstance(opt_state, OptimizerState):  # at trace only
             raise TypeError(NOT_STEP_STATE.format(given=type(opt_state).__name__))
@@ -481,12 +500,16 @@ class TrainStep:
             if not alone:
                 m = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying") if is_array(x) else x, m)
             g = half(m, s, b)
-            loss = _replica_mean(g.loss, axis)
-            grads = jax.tree.map(lambda x: _replica_mean(x, axis), g.grads)
+            if isinstance(g.out[0], WeightedMean):  # each device weighed by its count (kept tokens)
+                record, grads = _devices_weighted(g.out[0], g.grads, axis)
+                loss = record.value
+            else:
+                loss = record = _replica_mean(g.loss, axis)
+                grads = jax.tree.map(lambda x: _replica_mean(x, axis), g.grads)
             aux = g.out[1]
             if accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
                 aux = _merge_microbatches(aux, batch_size_of(b), accumulate, rows)
-            return Gradients(loss, (loss, jax.tree.map(stack_devices, aux)), grads, jax.tree.map(stack_devices, g.layer_state))
+            return Gradients(loss, (record, jax.tree.map(stack_devices, aux)), grads, jax.tree.map(stack_devices, g.layer_state))
 
         stacked = PartitionSpec(axis)  # apply() asks the optimizer for (loss, aux)
         g = jax.shard_map(
@@ -495,7 +518,7 @@ class TrainStep:
             axis_names={axis},
         )([x for x, a in zip(leaves, held) if a], opt_state, batch)
         local = batch_size_of(batch) // where.devices
-        out = (g.loss, merge_aux(g.out[1], local, "device", f"on a mesh of {where.devices} devices", rows))
+        out = (g.out[0], merge_aux(g.out[1], local, "device", f"on a mesh of {where.devices} devices", rows))
         layer_state = jax.tree.map(merge_devices, g.layer_state)
         grad_specs = partition_specs(trained_view(model, self.optimizer.wrt), where.sharding, mesh=where.mesh, data_axis=axis, strict=False)
         return Gradients(g.loss, out, where.constrain(g.grads, grad_specs), layer_state)

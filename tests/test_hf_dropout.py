@@ -577,13 +577,18 @@ def loss_fn(m, b):
 out = {}
 for name, model, row, key_path in (("gpt2", gpt2, np.arange(1, 7, dtype=np.int32), "transformer.h.layers.attn.dropout_key"),
                                    ("lora", adapted, np.arange(32, dtype=np.float32), "a.dropout_key")):
-    # one device's call (one row), the same for k = 1 and 2: made once per model
-    # compiled (each call one program): op by op they were 3.7 of the subprocess's 21 CPU-s
-    call = jax.jit(lambda m: ft.nn.collect_state(lambda m: m(row[None]), m))  # noqa: B023
-    one, plain = call(model)
-    w = jax.random.normal(jax.random.key(5), one.shape[1:])  # each output row read as one number
-    with salted_keys(3):  # device 3 (one microbatch): the row's call with salt 3
-        third, _ = jax.jit(lambda m: ft.nn.collect_state(lambda m: m(row[None]), m))(model)  # noqa: B023
+    # one device's call (one row), the same for k = 1 and 2, and device 3's (one microbatch:
+    # the row's call with salt 3), made once per model as ONE program (op by op they were 3.7
+    # of the subprocess's 21 CPU-s; as two programs, a compile more per model)
+    def calls(m):
+        plain = ft.nn.collect_state(lambda m: m(row[None]), m)  # noqa: B023
+        with salted_keys(3):
+            third, _ = ft.nn.collect_state(lambda m: m(row[None]), m)  # noqa: B023
+        return plain, third
+
+    (one, plain), third = jax.jit(calls)(model)
+    # each output row read as one number (numpy's draw: no program to compile for it)
+    w = np.random.default_rng(5).standard_normal(one.shape[1:]).astype(np.float32)
     for k in (1, 2):
         batch = (np.tile(row[None], (8 * k, 1)),)  # identical rows: k per device
         opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k)

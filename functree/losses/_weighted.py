@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["WeightedMean", "loss_value", "loss_count", "WEIGHTED_MEAN_NOT_SCALAR"]
+__all__ = ["WeightedMean", "loss_value", "loss_count", "WEIGHTED_MEAN_NOT_SCALAR", "BAD_TOTAL", "BAD_COUNT", "IMMUTABLE"]
 
 WEIGHTED_MEAN_NOT_SCALAR = """\
 {what} needs a scalar, but got a ft.losses.WeightedMean(total, count) (a loss returned with \
@@ -19,6 +19,27 @@ itself (accumulate=k weighs each microbatch by its count); anywhere else take it
     wrong:  ft.gradient(loss_fn, at=model)            # loss_fn returns reduction="weighted"
     right:  ft.gradient(lambda m, *b: loss_fn(m, *b).value, at=model)
        or:  loss = ft.losses.softmax_cross_entropy(logits, labels)   # the mean itself
+"""
+
+BAD_TOTAL = """\
+WeightedMean: total must be a floating scalar (the kept positions' summed loss), got {given}.
+
+    wrong:  ft.losses.WeightedMean(values, keep.sum())
+    right:  ft.losses.WeightedMean(jnp.sum(values * keep), keep.sum())
+"""
+
+BAD_COUNT = """\
+WeightedMean: count must be a scalar (the number of kept positions), got shape {given}.
+
+    wrong:  ft.losses.WeightedMean(total, keep)
+    right:  ft.losses.WeightedMean(total, keep.sum())
+"""
+
+IMMUTABLE = """\
+WeightedMean is immutable (set {name!r}): build another.
+
+    wrong:  w.total = w.total + penalty
+    right:  w = ft.losses.WeightedMean(w.total + penalty * w.count, w.count)
 """
 
 
@@ -58,19 +79,15 @@ class WeightedMean:
     def __init__(self, total: Any, count: Any) -> None:
         total = jnp.asarray(total)
         if not jnp.issubdtype(total.dtype, jnp.inexact) or total.shape != ():
-            raise TypeError(f"WeightedMean: total must be a floating scalar, got {total.dtype}{list(total.shape)}.\n\n"
-                            "    wrong:  ft.losses.WeightedMean(values, keep.sum())\n"
-                            "    right:  ft.losses.WeightedMean(jnp.sum(values * keep), keep.sum())")
+            raise TypeError(BAD_TOTAL.format(given=f"{total.dtype}{list(total.shape)}"))
         count = jnp.asarray(count)
         if count.shape != ():
-            raise TypeError(f"WeightedMean: count must be a scalar, got shape {list(count.shape)}.\n\n"
-                            "    wrong:  ft.losses.WeightedMean(total, keep)\n"
-                            "    right:  ft.losses.WeightedMean(total, keep.sum())")
+            raise TypeError(BAD_COUNT.format(given=list(count.shape)))
         object.__setattr__(self, "total", total)
         object.__setattr__(self, "count", jax.lax.stop_gradient(count.astype(total.dtype)))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"WeightedMean is immutable: build another, WeightedMean(total, count) (set {name!r})")
+        raise AttributeError(IMMUTABLE.format(name=name))
 
     @property
     def value(self) -> jax.Array:

@@ -92,8 +92,9 @@ def unapplied_microsteps(state: Any) -> int:
       >>> tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4)
       >>> params = {"w": jnp.ones(2)}
       >>> state = tx.init(params)
-      >>> for _ in range(6):
-      ...     _, state = tx.update({"w": jnp.ones(2)}, state, params)
+      >>> with jax.numpy_dtype_promotion("standard"):  # (optax's MultiSteps divides by its int32 count)
+      ...     for _ in range(6):
+      ...         _, state = tx.update({"w": jnp.ones(2)}, state, params)
       >>> unapplied_microsteps(state), unapplied_microsteps(optax.sgd(0.1).init(params))
       (2, 0)
     """

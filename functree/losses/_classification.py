@@ -16,7 +16,7 @@ import optax
 
 from functree._repr import short_array
 from functree.losses._reduction import check_float, check_same_shape, first_outside, reduce
-from functree.losses._weighted import WeightedMean
+from functree.losses._weighted import WeightedMean, ratio
 
 __all__ = [
     "softmax_cross_entropy",
@@ -291,8 +291,7 @@ def softmax_cross_entropy(
         total = jnp.sum(per if keep is None else jnp.where(keep, per, zero))
         if reduction == "weighted":
             return WeightedMean(jnp.sum(values), total)
-        some = total != 0
-        return jnp.where(some, jnp.sum(values) / jnp.where(some, total, jnp.ones((), values.dtype)), zero)
+        return ratio(jnp.sum(values), total)
     return reduce(name, values, reduction)
 
 

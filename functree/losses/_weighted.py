@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["WeightedMean", "loss_value", "loss_count", "WEIGHTED_MEAN_NOT_SCALAR", "BAD_TOTAL", "BAD_COUNT", "IMMUTABLE"]
+__all__ = ["WeightedMean", "ratio", "loss_value", "loss_count", "WEIGHTED_MEAN_NOT_SCALAR", "BAD_TOTAL", "BAD_COUNT", "IMMUTABLE"]
 
 WEIGHTED_MEAN_NOT_SCALAR = """\
 {what} needs a scalar, but got a ft.losses.WeightedMean(total, count) (a loss returned with \
@@ -92,9 +92,7 @@ class WeightedMean:
     @property
     def value(self) -> jax.Array:
         """``total / count``, 0 where ``count`` is 0 (every label ignored), as the mean's."""
-        some = self.count != 0
-        one = jnp.ones((), self.count.dtype)
-        return jnp.where(some, self.total / jnp.where(some, self.count, one), jnp.zeros((), self.total.dtype))
+        return ratio(self.total, self.count)
 
     def tree_flatten(self) -> tuple[tuple[Any, Any], None]:
         return (self.total, self.count), None
@@ -115,6 +113,21 @@ class WeightedMean:
     __array__ = __jax_array__ = __float__ = __index__ = __bool__ = _refuse
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
     __truediv__ = __rtruediv__ = __pow__ = __neg__ = __lt__ = __gt__ = __le__ = __ge__ = _refuse
+
+
+def ratio(numerator: Any, denominator: Any) -> jax.Array:
+    """``numerator / denominator``, 0 where ``denominator`` is 0 (no label kept: the mean of
+    nothing), with a finite gradient there (the division never sees the 0).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functree.losses._weighted import ratio
+      >>> ratio(jnp.float32(3.0), jnp.float32(2.0)), ratio(jnp.float32(3.0), jnp.float32(0.0))
+      (Array(1.5, dtype=float32), Array(0., dtype=float32))
+    """
+    some = denominator != 0
+    safe = jnp.where(some, denominator, jnp.ones((), jnp.result_type(denominator)))
+    return jnp.where(some, numerator / safe, jnp.zeros((), jnp.result_type(numerator)))
 
 
 def loss_value(loss: Any) -> Any:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._examples import check_example_axis
-from functree.losses._weighted import WeightedMean
+from functree.losses._weighted import WeightedMean, ratio
 from functree.nn._state import apply_state, floating_state, salted_call
 from functree.optim._subset import trained_view
 
@@ -111,7 +111,5 @@ def _weighted(total: Any, outs: Any, has_aux: bool) -> tuple[Any, Any]:
     ``WeightedMean(Σ total_i, Σ count_i)``."""
     stacked = outs[0] if has_aux else outs
     loss = WeightedMean(jnp.sum(stacked.total), jnp.sum(stacked.count))
-    some = loss.count != 0
-    count = jnp.where(some, loss.count, jnp.ones((), loss.count.dtype))
-    grads = jax.tree.map(lambda g: jnp.where(some, g / count.astype(g.dtype), jnp.zeros((), g.dtype)), total)
+    grads = jax.tree.map(lambda g: ratio(g, loss.count.astype(g.dtype)), total)
     return ((loss, outs[1]) if has_aux else loss), grads

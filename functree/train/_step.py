@@ -46,7 +46,7 @@ from functree._flat import FlatJit, flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
-from functree.losses._weighted import WeightedMean, loss_value
+from functree.losses._weighted import WeightedMean, loss_value, ratio
 from functree.nn._state import collect_state, salted_keys
 from functree.optim import Optimizer, OptimizerState, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
@@ -197,9 +197,7 @@ def _devices_weighted(record: WeightedMean, grads: Any, axis: str) -> tuple[Weig
     the global batch's (a mean over devices would weigh a device of 2 kept tokens as one of
     200); zero gradients when no device counted any."""
     whole = WeightedMean(_replica_sum(record.total, axis), _replica_sum(record.count, axis))
-    some = whole.count != 0
-    share = jnp.where(some, record.count / jnp.where(some, whole.count, jnp.ones((), whole.count.dtype)),
-                      jnp.zeros((), whole.count.dtype))
+    share = ratio(record.count, whole.count)
     return whole, jax.tree.map(lambda x: _replica_sum(x * share.astype(x.dtype), axis), grads)
 
 

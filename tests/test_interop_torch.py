@@ -361,6 +361,32 @@ def test_flattened_errors():
     np.testing.assert_array_equal(both[0]["1.weight"], both[1]["1.weight"])
 
 
+def test_a_dense_after_flatten_of_conv_maps_must_be_named():
+    # torch's rows are [C, H, W], ft's [H, W, C]: unnamed, loaded as they are, the model was
+    # 1.95 (relative) off torch's (3 channels of 3x4 maps into Linear(36, 5)); now refused
+    model = build(lambda: ft.nn.Sequential(ft.nn.Conv1D(2, 3, 2, key=K[0]), ft.nn.relu, ft.nn.MaxPool1D(1),
+                                           ft.nn.Flatten(), ft.nn.Dropout(0.1), ft.nn.Dense(12, 2, key=K[1])))
+    with pytest.raises(ValueError, match=r"(?s)5 \(ft: layers\.5\) is a Dense layer after Flatten of the "
+                       r"3-channel feature maps of the Conv 0.*torch_state_dict\(model, flattened=\{'5': \(3, length\)\}"):
+        ft.nn.torch_state_dict(model, numpy=True)
+    sd = ft.nn.torch_state_dict(model, flattened={"5": (3, 4)}, numpy=True)
+    with pytest.raises(ValueError, match=r"load_torch_state_dict\(model, state_dict, flattened=\{'5'"):
+        ft.nn.load_torch_state_dict(model, sd)
+    loaded = ft.nn.load_torch_state_dict(model, sd, flattened={"layers.5": (3, 4)})
+    np.testing.assert_array_equal(loaded.layers[5].weight, model.layers[5].weight)
+    plain = ft.nn.torch_state_dict(model, flattened={"5": None}, numpy=True)  # channels-last in torch too
+    np.testing.assert_array_equal(plain["5.weight"], np.asarray(model.layers[5].weight).T)
+    mixing = model.layers[5].replace(weight=jnp.zeros((3, 3)), bias=jnp.zeros(3))  # no initializer compiled
+    nested = ft.nn.Sequential(ft.nn.Sequential(model.layers[0], mixing), ft.nn.Flatten(), model.layers[5])
+    assert set(ft.nn.torch_state_dict(nested, numpy=True)) >= {"2.weight"}  # a Dense last: no maps to permute
+    nested = ft.nn.Sequential(ft.nn.Sequential(mixing, model.layers[0]), *model.layers[1:])
+    with pytest.raises(ValueError, match=r"feature maps of the Conv 0\.1: "):
+        ft.nn.torch_state_dict(nested, numpy=True)
+    one = build(lambda: ft.nn.Sequential(ft.nn.Conv1D(2, 3, 2, padding="VALID", key=K[0]), ft.nn.Flatten(),
+                                         ft.nn.Dense(3, 2, key=K[1])))
+    assert set(ft.nn.torch_state_dict(one, numpy=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # 1 position
+
+
 def test_torch_state_dict_without_torch_names_the_fix(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torch", None)
     with pytest.raises(ImportError, match="numpy=True"):

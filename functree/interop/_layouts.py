@@ -246,7 +246,7 @@ class Options:
     Dense and attention layers' names, the patterns used): an option naming no layer is an
     error once the whole model is walked."""
 
-    flattened: Mapping[str, tuple[int, ...]]
+    flattened: Mapping[str, tuple[int, ...] | None]
     layouts: Mapping[str, Any]
     dense: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     layered: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # Dense, attention

@@ -40,7 +40,10 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
   default ``nn.GELU()`` is ``ft.nn.gelu_exact``.
 * Convolutions are channels-last (``x.permute(0, 2, 3, 1)`` for an NCHW input) and pad
   ``"SAME"`` by default (torch's ``padding=0`` is ``"VALID"``); a ``Linear`` after
-  ``Flatten`` of NCHW feature maps needs ``flattened={name: (C, H, W)}`` (below).
+  ``Flatten`` of NCHW feature maps needs ``flattened={name: (C, H, W)}`` (below). They pad
+  with zeros: torch's ``padding_mode="reflect"`` / ``"circular"`` / ``"replicate"`` is no
+  tensor of the state dict → ``jnp.pad(x, pads, mode="reflect" / "wrap" / "edge")`` and
+  ``padding="VALID"``.
 * ``RMSNorm``: ``epsilon=1e-6``; torch's ``RMSNorm(eps=None)`` uses the input dtype's machine
   epsilon (``torch.finfo(x.dtype).eps``: 1.19e-7 for float32) →
   ``ft.nn.RMSNorm(n, epsilon=float(jnp.finfo(jnp.float32).eps))`` (or torch's ``eps=`` where set).
@@ -90,6 +93,9 @@ from functree.interop._ports import (
 )
 from functree.interop._processes import host_array
 from functree.interop._safetensors import load_checkpoint
+from functree.nn._conv import Conv
+from functree.nn._linear import Dense
+from functree.nn._pooling import Flatten
 from functree.nn._remat import Remat
 from functree.nn._sequential import Sequential
 from functree.nn._shared import Shared
@@ -101,6 +107,17 @@ ft.nn: flattened= names {names}, which are not Dense layers of the model. Name a
 by its torch name or key path: {dense}
 
     right:  flattened={{{first!r}: (channels, height, width)}}"""
+
+FLATTENED_UNNAMED = """\
+ft.nn: {name} (ft: {ft}) is a Dense layer after Flatten of the {channels}-channel feature maps of the Conv \
+{conv}: torch's Flatten of channels-first maps orders its {inputs} inputs ({channels}, {spatial}), \
+ft.nn's of channels-last maps ({spatial}, {channels}), so its weight's rows are permuted between the \
+two, by the maps' shape, which no tensor holds (taken as they are, a silently different model). \
+Give torch's map shape before Flatten:
+
+    wrong:  ft.nn.{fn}(model{rest})
+    right:  ft.nn.{fn}(model{rest}, flattened={{{name!r}: ({channels}, {spatial})}})   # {spatial}: {size} positions
+       or:  flattened={{{name!r}: None}}   # torch's model flattened channels-last maps too (x.permute(0, 2, 3, 1).flatten(1))"""
 
 NO_TORCH = """\
 ft.nn.torch_state_dict returns torch tensors and needs torch: pip install torch. For NumPy \
@@ -255,7 +272,7 @@ def _refuse_adapters(model: Any, what: str, rest: str = "") -> None:
                                                   rest=rest))
 
 
-def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping[str, Any] | None = None,
+def _plan(model: Any, flattened: Mapping[str, tuple[int, ...] | None], layouts: Mapping[str, Any] | None = None,
           *, values: bool = True, ports: bool = True, complete: Collection[str] | None = None) -> _Plan:
     """Every rule of the model, in full names; each parameter (member) is covered by exactly one.
 
@@ -311,6 +328,8 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
                 derived.append(join_names(base, target.name))
                 plan.ties.append(_Tie(join_names(base, target.name), join_names(base, source.name), transform, source.get(resolved)))
             return walk(resolved, base, _under(stored, "model"), index, torch)
+        if isinstance(node, Sequential):
+            _check_flattened(node, ft, torch, options, loading=not values)
         children = _children(node)
         if not children and jax.tree.leaves(node):  # a leaf outside known layers: its name, as is
             return add([same("", "")], node, ft, stored, index, torch)
@@ -346,6 +365,53 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...]], layouts: Mapping
             patterns=unused, names=names, pattern=unused[0], first=names[0] if names else "h.*.attn"))
     plan.attentions = options.attentions
     return plan
+
+
+def _check_flattened(node: Sequential, ft: str, torch: str, options: Options, *, loading: bool) -> None:
+    """Raise :data:`FLATTENED_UNNAMED` for a ``Dense`` of ``node`` fed by ``Flatten`` of a
+    ``Conv``'s maps of more than one position (layers without arrays between: activations,
+    ``Dropout``; any layer but a ``Dense`` between the ``Conv`` and ``Flatten``: pooling,
+    normalization) that ``flattened=`` does not name: torch's rows are ``[C, *S]``, ft's
+    ``[*S, C]``, a permutation only the maps' shape decides."""
+    layers = node.layers
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, Dense):
+            continue
+        before = i - 1
+        while before >= 0 and not isinstance(layers[before], Flatten) and not jax.tree.leaves(layers[before]):
+            before -= 1
+        if before < 0 or not isinstance(layers[before], Flatten):
+            continue
+        found = next(((j, last) for j in range(before - 1, -1, -1) for last in [_last_weighted(layers[j])]
+                      if last is not None), None)
+        if found is None:
+            continue
+        j, (inner, conv) = found
+        if not isinstance(conv, Conv):
+            continue
+        channels, inputs = int(conv.weight.shape[-1]), int(layer.weight.shape[0])
+        name, path = join_names(torch, str(i)), join_names(ft, f"layers.{i}")
+        if inputs <= channels or inputs % channels or name in options.flattened or path in options.flattened:
+            continue
+        spatial = "length" if conv._rank == 1 else "height, width"
+        raise ValueError(FLATTENED_UNNAMED.format(
+            name=name, ft=path, channels=channels, conv=join_names(torch, join_names(str(j), inner)), inputs=inputs,
+            spatial=spatial,
+            size=inputs // channels, fn="load_torch_state_dict" if loading else "torch_state_dict",
+            rest=", state_dict" if loading else ""))
+
+
+def _last_weighted(layer: Any) -> tuple[str, Conv | Dense] | None:
+    """The last ``Conv`` or ``Dense`` ``layer`` applies (itself, or in a nested ``Sequential``),
+    with its torch name under ``layer``'s; None for another layer."""
+    if isinstance(layer, (Conv, Dense)):
+        return "", layer
+    if isinstance(layer, Sequential):
+        for k in range(len(layer.layers) - 1, -1, -1):
+            found = _last_weighted(layer.layers[k])
+            if found is not None:
+                return join_names(str(k), found[0]), found[1]
+    return None
 
 
 class ShortStack(ValueError):
@@ -420,6 +486,11 @@ def _traced_shapes(to_torch: Callable[..., Any], shapes: tuple[tuple[int, ...], 
     return tuple(tuple(out.shape) for out in jax.eval_shape(to_torch, *structs))
 
 
+def _shapes(flattened: Mapping[str, Sequence[int] | None] | None) -> dict[str, tuple[int, ...] | None]:
+    """``flattened=`` as tuples of ints; None (torch flattened channels-last maps) kept."""
+    return {k: None if v is None else tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
+
+
 def _renamer(rename: Rename, to_model: bool) -> Callable[[str], str]:
     """Torch names → the model's (``to_model``) or back.
 
@@ -455,7 +526,7 @@ def load_torch_state_dict(
     *,
     strict: bool = True,
     rename: Rename = None,
-    flattened: Mapping[str, Sequence[int]] | None = None,
+    flattened: Mapping[str, Sequence[int] | None] | None = None,
     layouts: Mapping[str, Any] | None = None,
 ) -> Any:
     """``model`` with a torch ``state_dict``'s tensors in it, renamed and re-laid-out.
@@ -490,7 +561,8 @@ def load_torch_state_dict(
     and value in turn (GPT-NeoX).
     ``flattened={"classifier.0": (C, H, W)}`` names Dense layers fed by torch's ``Flatten``
     of ``[C, H, W]`` feature maps: their weight rows are permuted to ft's channels-last
-    ``[H, W, C]`` order.
+    ``[H, W, C]`` order. A ``Dense`` after ``Flatten`` of a ``Conv``'s maps in a ``Sequential``
+    must be named (:data:`FLATTENED_UNNAMED`; ``None``: torch's rows are channels-last too).
 
     A model of :func:`ft.nn.from_hf`, at the root or held anywhere inside the model
     (``Classifier(bert=ft.nn.from_hf(...), head=Dense)``), reads Hugging Face's names under
@@ -516,7 +588,7 @@ def load_torch_state_dict(
 
 
 def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[str], *, strict: bool = True,
-                  rename: Rename = None, flattened: Mapping[str, Sequence[int]] | None = None,
+                  rename: Rename = None, flattened: Mapping[str, Sequence[int] | None] | None = None,
                   layouts: Mapping[str, Any] | None = None, ports: bool = False, given_names: bool = False,
                   complete: bool = False) -> Any:
     """:func:`load_torch_state_dict`; ``ports=False`` (a port's own converter: ``from_hf``)
@@ -528,7 +600,7 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
         state_dict = load_checkpoint(state_dict)
     else:  # a checkpoint's tensors are read lazily, and never meta
         _check_given(state_dict)
-    shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
+    shapes = _shapes(flattened)
     to_model = _renamer(rename, to_model=True)
     given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
     plan = _plan(model, shapes, layouts, values=False, ports=ports, complete=set(given) if complete else None)
@@ -798,7 +870,7 @@ def torch_state_dict(
     model: Any,
     *,
     rename: Rename = None,
-    flattened: Mapping[str, Sequence[int]] | None = None,
+    flattened: Mapping[str, Sequence[int] | None] | None = None,
     layouts: Mapping[str, Any] | None = None,
     numpy: bool = False,
     gradient: bool = False,
@@ -840,13 +912,13 @@ def torch_state_dict(
     return out if numpy else as_tensors(out)
 
 
-def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping[str, Sequence[int]] | None = None,
+def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping[str, Sequence[int] | None] | None = None,
                         layouts: Mapping[str, Any] | None = None, ports: bool = False,
                         gradient: bool = False) -> dict[str, np.ndarray]:
     """:func:`torch_state_dict` as NumPy arrays; ``ports=False`` (a port's own converter:
     ``to_hf_state_dict``) writes every layer by the rules above, a port's root included.
     ``gradient``: each rule's gradient layout (:func:`~functree.interop._layouts.gradient_to_torch`)."""
-    shapes = {k: tuple(int(d) for d in v) for k, v in (flattened or {}).items()}
+    shapes = _shapes(flattened)
     to_torch = _renamer(rename, to_model=False)
     plan = _plan(model, shapes, layouts, ports=ports)
     out: dict[str, Any] = {}

@@ -6,6 +6,11 @@
 every spatial axis. Average pooling with ``"SAME"`` padding divides by the number of
 real (unpadded) elements in each window; it sums and counts in float32 for bfloat16 and
 float16 inputs (``statistics_dtype``), the output keeps the input's dtype.
+
+torch's ``AvgPool2d(k, s, padding=p)`` counts the padded zeros by default
+(``count_include_pad=True``): its border windows are ``"SAME"``'s times the real count over
+``k * k``. Port it with ``jnp.pad`` and ``"VALID"``; ``count_include_pad=False`` with odd
+``k``, ``s=1``, ``p=(k-1)//2`` is ``"SAME"``.
 """
 
 from __future__ import annotations

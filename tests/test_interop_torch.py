@@ -372,6 +372,9 @@ def test_a_dense_after_flatten_of_conv_maps_must_be_named():
     sd = ft.nn.torch_state_dict(model, flattened={"5": (3, 4)}, numpy=True)
     with pytest.raises(ValueError, match=r"load_torch_state_dict\(model, state_dict, flattened=\{'5'"):
         ft.nn.load_torch_state_dict(model, sd)
+    head = ft.nn.Sequential(*model.layers[:4], ft.nn.Sequential(ft.nn.relu, model.layers[5]))
+    with pytest.raises(ValueError, match=r"flattened=\{'4\.1': \(3, length\)\}"):  # the Dense inside a head
+        ft.nn.torch_state_dict(head, numpy=True)
     loaded = ft.nn.load_torch_state_dict(model, sd, flattened={"layers.5": (3, 4)})
     np.testing.assert_array_equal(loaded.layers[5].weight, model.layers[5].weight)
     plain = ft.nn.torch_state_dict(model, flattened={"5": None}, numpy=True)  # channels-last in torch too
@@ -382,6 +385,9 @@ def test_a_dense_after_flatten_of_conv_maps_must_be_named():
     nested = ft.nn.Sequential(ft.nn.Sequential(mixing, model.layers[0]), *model.layers[1:])
     with pytest.raises(ValueError, match=r"feature maps of the Conv 0\.1: "):
         ft.nn.torch_state_dict(nested, numpy=True)
+    normed = ft.nn.Sequential(*model.layers[:4], ft.nn.BatchNorm(12), model.layers[5])  # torch's BatchNorm1d(12)
+    with pytest.raises(ValueError, match=r"(?s)4 \(ft: layers\.4\) is a BatchNorm after Flatten.*jnp\.moveaxis"):
+        ft.nn.torch_state_dict(normed, numpy=True)
     one = build(lambda: ft.nn.Sequential(ft.nn.Conv1D(2, 3, 2, padding="VALID", key=K[0]), ft.nn.Flatten(),
                                          ft.nn.Dense(3, 2, key=K[1])))
     assert set(ft.nn.torch_state_dict(one, numpy=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # 1 position

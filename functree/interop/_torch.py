@@ -95,6 +95,7 @@ from functree.interop._processes import host_array
 from functree.interop._safetensors import load_checkpoint
 from functree.nn._conv import Conv
 from functree.nn._linear import Dense
+from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._pooling import Flatten
 from functree.nn._remat import Remat
 from functree.nn._sequential import Sequential
@@ -118,6 +119,16 @@ Give torch's map shape before Flatten:
     wrong:  ft.nn.{fn}(model{rest})
     right:  ft.nn.{fn}(model{rest}, flattened={{{name!r}: ({channels}, {spatial})}})   # {spatial}: {size} positions
        or:  flattened={{{name!r}: None}}   # torch's model flattened channels-last maps too (x.permute(0, 2, 3, 1).flatten(1))"""
+
+FLATTENED_NOT_DENSE = """\
+ft.nn: {name} (ft: {ft}) is a {kind} after Flatten of the {channels}-channel feature maps of the Conv \
+{conv}: its {inputs} features are ({spatial}, {channels}) in ft.nn's channels-last order, torch's \
+({channels}, {spatial}), and flattened= permutes only a Dense's rows (taken as they are, a silently \
+different model). Flatten in torch's order instead, and the layers after it take torch's tensors as \
+they are:
+
+    wrong:  ft.nn.Flatten()
+    right:  lambda x: jnp.moveaxis(x, -1, 1).reshape(x.shape[0], -1)   # torch's Flatten of [N, C, {spatial}]"""
 
 NO_TORCH = """\
 ft.nn.torch_state_dict returns torch tensors and needs torch: pip install torch. For NumPy \
@@ -368,37 +379,53 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...] | None], layouts: 
 
 
 def _check_flattened(node: Sequential, ft: str, torch: str, options: Options, *, loading: bool) -> None:
-    """Raise :data:`FLATTENED_UNNAMED` for a ``Dense`` of ``node`` fed by ``Flatten`` of a
-    ``Conv``'s maps of more than one position (layers without arrays between: activations,
-    ``Dropout``; any layer but a ``Dense`` between the ``Conv`` and ``Flatten``: pooling,
-    normalization) that ``flattened=`` does not name: torch's rows are ``[C, *S]``, ft's
-    ``[*S, C]``, a permutation only the maps' shape decides."""
+    """Raise where ``Flatten`` of a ``Conv``'s maps of more than one position (pooling,
+    normalization, activations between) feeds a layer whose arrays are per flattened
+    feature (layers without arrays between: activations, ``Dropout``): torch's features are
+    ``[C, *S]``, ft's ``[*S, C]``, a permutation only the maps' shape decides. A ``Dense``
+    that ``flattened=`` does not name: :data:`FLATTENED_UNNAMED`; another layer (a
+    ``BatchNorm`` over the flattened features): :data:`FLATTENED_NOT_DENSE`."""
     layers = node.layers
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, Dense):
+    for i, flatten in enumerate(layers):
+        if not isinstance(flatten, Flatten):
             continue
-        before = i - 1
-        while before >= 0 and not isinstance(layers[before], Flatten) and not jax.tree.leaves(layers[before]):
-            before -= 1
-        if before < 0 or not isinstance(layers[before], Flatten):
-            continue
-        found = next(((j, last) for j in range(before - 1, -1, -1) for last in [_last_weighted(layers[j])]
+        found = next(((j, last) for j in range(i - 1, -1, -1) for last in [_last_weighted(layers[j])]
                       if last is not None), None)
-        if found is None:
+        after = next((k for k in range(i + 1, len(layers)) if jax.tree.leaves(layers[k])), None)
+        if found is None or after is None:
             continue
         j, (inner, conv) = found
-        if not isinstance(conv, Conv):
+        first = _first_weighted(layers[after])
+        if not isinstance(conv, Conv) or first is None:
             continue
-        channels, inputs = int(conv.weight.shape[-1]), int(layer.weight.shape[0])
-        name, path = join_names(torch, str(i)), join_names(ft, f"layers.{i}")
+        torch_inner, ft_inner, layer = first
+        channels = int(conv.weight.shape[-1])
+        inputs = (int(layer.weight.shape[0]) if isinstance(layer, Dense)
+                  else max(int(np.prod(np.shape(a))) for a in jax.tree.leaves(layer)))
+        name = join_names(torch, join_names(str(after), torch_inner))
+        path = join_names(ft, join_names(f"layers.{after}", ft_inner))
         if inputs <= channels or inputs % channels or name in options.flattened or path in options.flattened:
             continue
         spatial = "length" if conv._rank == 1 else "height, width"
-        raise ValueError(FLATTENED_UNNAMED.format(
-            name=name, ft=path, channels=channels, conv=join_names(torch, join_names(str(j), inner)), inputs=inputs,
-            spatial=spatial,
-            size=inputs // channels, fn="load_torch_state_dict" if loading else "torch_state_dict",
-            rest=", state_dict" if loading else ""))
+        fields = dict(name=name, ft=path, channels=channels, conv=join_names(torch, join_names(str(j), inner)),
+                      inputs=inputs, spatial=spatial, size=inputs // channels, kind=type(layer).__name__,
+                      fn="load_torch_state_dict" if loading else "torch_state_dict",
+                      rest=", state_dict" if loading else "")
+        raise ValueError((FLATTENED_UNNAMED if isinstance(layer, Dense) else FLATTENED_NOT_DENSE).format(**fields))
+
+
+def _first_weighted(layer: Any) -> tuple[str, str, Any] | None:
+    """The first layer with arrays ``layer`` applies, when it is a ``Dense`` or a per-feature
+    normalization (itself, or in a nested ``Sequential``), with its torch name and key path
+    under ``layer``'s; None for another."""
+    if isinstance(layer, (Dense, BatchNorm, LayerNorm, RMSNorm, GroupNorm)):
+        return "", "", layer
+    if isinstance(layer, Sequential):
+        k = next((k for k, inner in enumerate(layer.layers) if jax.tree.leaves(inner)), None)
+        found = None if k is None else _first_weighted(layer.layers[k])
+        if found is not None:
+            return join_names(str(k), found[0]), join_names(f"layers.{k}", found[1]), found[2]
+    return None
 
 
 def _last_weighted(layer: Any) -> tuple[str, Conv | Dense] | None:

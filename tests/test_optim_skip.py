@@ -1,7 +1,9 @@
 """functree.optim._skip: the step's gate."""
 
 import jax.numpy as jnp
+import pytest
 
+import functree as ft
 from functree.optim._skip import gate
 
 
@@ -16,3 +18,31 @@ def test_a_handled_optimizers_gate_closes_on_the_loss_and_reports_the_loss():
     assert bool(open_.apply) and not bool(open_.finite) and int(open_.nonfinite) == -1
     plain = gate(jnp.float32(jnp.inf), grads, on_nan="stop")  # not handled: the first gradient
     assert not bool(plain.apply) and int(plain.nonfinite) == 1
+
+
+RATES = [(1, 1.0), (1, 2.0), (1, 3.0)]
+
+
+@pytest.mark.parametrize("nested, whole, names", [
+    (lambda s, tx: ft.optim.groups({"head": s(tx)}, default=tx),
+     lambda s, tx: s(ft.optim.groups({"head": tx}, default=tx)), ("ft.optim.groups", "inner_states['head']")),
+    (lambda s, tx: ft.optim.lookahead(s(tx), sync_period=2, slow_step_size=0.5),
+     lambda s, tx: s(ft.optim.lookahead(tx, sync_period=3, slow_step_size=0.5)), ("lookahead's fast", "fast_state")),
+], ids=["groups", "lookahead"])
+def test_a_skip_inside_a_group_or_lookahead_is_refused_and_the_whole_step_skips_outside(nested, whole, names):
+    # Inside one group, skip_non_finite skipped that group alone while the one learning context
+    # stopped: the other group took its scheduled rate again (1, 2, 2 for 1, 2, 3). Inside
+    # lookahead the skipped step counted towards sync_period (fast 2.5 / slow 1.5 after 5 steps
+    # for 2.0 / 2.0). Outside, the whole step skips: no update, the context stays.
+    tx = ft.optim.sgd(ft.optim.piecewise(RATES))
+    params = {"head": jnp.zeros(()), "body": jnp.zeros(())}
+    with pytest.raises(ValueError, match="skip_non_finite sits inside") as e:
+        ft.optim.Optimizer(nested(ft.optim.skip_non_finite, tx)).init(params)
+    assert all(n in str(e.value) for n in names)
+    opt = ft.optim.Optimizer(whole(ft.optim.skip_non_finite, tx))
+    state = opt.init(params)
+    rates = []
+    for head in (-1.0, jnp.nan, -1.0):
+        updates, state = opt.update({"head": jnp.asarray(head), "body": jnp.asarray(-1.0)}, state, params)
+        rates.append(float(updates["body"]))
+    assert rates == [1.0, 0.0, 2.0] and int(ft.optim.context(state).step) == 2

@@ -79,7 +79,15 @@ from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._multisteps import check_multisteps
 from functree.optim._replicas import axis_size, replica_mean
-from functree.optim._skip import applied_in, apply_or_keep, check_on_nan, gate, guard, select
+from functree.optim._skip import (
+    SkipState,
+    applied_in,
+    apply_or_keep,
+    check_on_nan,
+    gate,
+    guard,
+    select,
+)
 from functree.optim._skip import keep_nonfinite as _keep
 from functree.optim._state import OptimizerState, release_contexts
 from functree.optim._subset import (
@@ -130,6 +138,34 @@ got {given}.
     right:  ft.optim.Optimizer(ft.optim.adam(1e-3))
        or:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
 """
+
+
+NESTED_SKIP = """\
+ft.optim.skip_non_finite sits inside {inside} (state {path}): on a non-finite gradient it \
+skips {what}, while the optimizer's one learning context stops for the whole step, so \
+{consequence}. Skip the whole step: put skip_non_finite outside, or leave it out and let \
+the step skip (ft.train.train_step(loss_fn, opt, on_nan="skip"), the Trainer's on_nan):
+
+    wrong:  {wrong}
+    right:  {right}"""
+
+NESTED_SKIP_CASES = {
+    "inner_states": (
+        "ft.optim.groups", "that group's update only",
+        "the other groups, which did update, take this step's scheduled rate again at the next "
+        "(a piecewise rate of 1, 2, 3, 4, 5 gave them 1, 2, 2, 3, 4), and its samples go uncounted",
+        'ft.optim.groups({"head.*": ft.optim.skip_non_finite(tx)}, default=other)',
+        'ft.optim.skip_non_finite(ft.optim.groups({"head.*": tx}, default=other))'),
+    "fast_state": (
+        "ft.optim.lookahead's fast optimizer", "the fast update only",
+        "lookahead counts the skipped step towards sync_period and syncs the weights at a step "
+        "that did not happen (sgd(1.0), sync_period=2, a NaN at step 2: fast weights 2.5 and slow "
+        "1.5 after 5 steps, where 4 real steps give 2.0 and 2.0)",
+        "ft.optim.lookahead(ft.optim.skip_non_finite(tx), sync_period=5, slow_step_size=0.5)",
+        "ft.optim.skip_non_finite(ft.optim.lookahead(tx, sync_period=5, slow_step_size=0.5))"),
+}
+"""Where a :func:`ft.optim.skip_non_finite` may not sit inside an Optimizer's transform (the
+attribute of the enclosing state on its path): what it would skip, and the fix."""
 
 
 NOT_OPTIMIZER_STATE = """\
@@ -340,6 +376,7 @@ class Optimizer:
             inner = self._transform.init(params)
         check_multisteps(inner, HyperState)
         check_context_reaches(self._raw_transform, inner)
+        _check_nested_skip(inner)
         state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers
         # here, where the state is created, so a step can donate both.
@@ -659,6 +696,27 @@ class Optimizer:
             return None
         new_params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(out[0]))  # the model's mode
         return with_parameters(model, new_params), out[1]
+
+
+def _is_skip(x: Any) -> bool:
+    return isinstance(x, SkipState)
+
+
+def _check_nested_skip(inner: Any) -> None:
+    """:data:`NESTED_SKIP` for a :func:`ft.optim.skip_non_finite` whose state lies inside a
+    parameter group's (``ft.optim.groups``) or lookahead's fast optimizer's: it would skip
+    part of a step that the one learning context counts as not taken. Inside a chain, an
+    ``Optimizer(average=)`` or at the top it skips the whole step (the average and the
+    chained EMA keep theirs)."""
+    for path, node in jax.tree_util.tree_flatten_with_path(inner, is_leaf=_is_skip)[0]:
+        if not _is_skip(node):
+            continue
+        names = [getattr(k, "name", None) for k in path]
+        for attribute, (inside, what, consequence, wrong, right) in NESTED_SKIP_CASES.items():
+            if attribute in names:
+                raise ValueError(NESTED_SKIP.format(
+                    inside=inside, path="inner" + jax.tree_util.keystr(path), what=what,
+                    consequence=consequence, wrong=wrong, right=right))
 
 
 def _partition_path(inner: Any, labels: frozenset[str]) -> str:

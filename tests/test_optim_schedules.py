@@ -44,10 +44,21 @@ def test_raw_piecewise_list_is_accepted():
     assert got == [1.0, 0.5]
 
 
-@pytest.mark.parametrize("pairs", [[], [(0, 1.0)], [(1, 2.0, 3.0)]])
+@pytest.mark.parametrize("pairs", [[], [(0, 1.0)], [(1, 2.0, 3.0)], [(True, 1.0)], [("3", 1.0)]])
 def test_piecewise_bad_pairs(pairs):
     with pytest.raises(ValueError, match="takes \\(count, value\\) pairs"):
         fo.piecewise(pairs)
+
+
+@pytest.mark.parametrize("unit, fix", [("sweeps", "(1.5 * steps_per_sweep, 0.1), ...], unit='steps'"),
+                                       ("samples", "(2, 0.1), ...], unit='samples'")])
+def test_piecewise_fractional_count_is_refused(unit, fix):
+    # int() truncated the count: 1.5 sweeps at 0.1 held for 1 sweep, the next value came early.
+    with pytest.raises(ValueError, match="not a whole number") as e:
+        fo.piecewise([(1.5, 0.1), (1, 0.01)], unit=unit)
+    assert "was read as 1 " in str(e.value) and fix in str(e.value)
+    at = fo.piecewise([(1e3, 0.5), (1, 0.25)])  # a whole float count is a count
+    assert [float(at(fo.initial_context().replace(step=s))) for s in (999, 1000)] == [0.5, 0.25]
 
 
 def test_bad_unit():

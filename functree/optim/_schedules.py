@@ -43,6 +43,34 @@ Each pair holds its value for `count` units; the last value holds afterwards:
     right:  ft.optim.piecewise([(1000, 1e-2), (1000, 1e-3), (1, 1e-4)], unit="samples")
 """
 
+FRACTIONAL_COUNT = """\
+ft.optim.piecewise: pair {index} holds its value for {count!r} {unit}, not a whole number; the \
+learning context counts {unit} in integers, and {count!r} was read as {whole} (the value after \
+it came {early} {unit} early).{hint} Give whole counts:
+
+    wrong:  ft.optim.piecewise([..., ({count!r}, {value!r}), ...], unit={unit!r})
+    right:  ft.optim.piecewise([..., ({fix}, {value!r}), ...], unit={right_unit!r}){comment}
+"""
+
+
+def _count(pairs: list[Any], index: int, unit: str) -> int:
+    """The count of ``pairs[index]`` as an int: :data:`BAD_PIECEWISE` for one that is no
+    positive number (a bool, a string), :data:`FRACTIONAL_COUNT` for one with a fraction
+    (``int`` truncated 1.5 sweeps to 1, silently)."""
+    count, value = pairs[index]
+    number = isinstance(count, (int, float, np.integer, np.floating)) and not isinstance(count, (bool, np.bool_))
+    if not number or not np.isfinite(count) or int(count) <= 0:
+        raise ValueError(BAD_PIECEWISE.format(pairs=pairs))
+    if count != int(count):
+        sweeps = unit == "sweeps"
+        raise ValueError(FRACTIONAL_COUNT.format(
+            index=index, count=count, unit=unit, whole=int(count), early=round(float(count) - int(count), 6),
+            value=value, hint=" A part of a sweep is a count of steps." if sweeps else "",
+            fix=f"{count!r} * steps_per_sweep" if sweeps else round(float(count)),
+            right_unit="steps" if sweeps else unit,
+            comment="   # the steps of one pass over the data" if sweeps else ""))
+    return int(count)
+
 
 def counter(ctx: LearningContext, unit: str) -> jax.Array:
     """The context's count in ``unit``."""
@@ -103,9 +131,10 @@ def piecewise(pairs: Sequence[tuple[int, float]], unit: str = "steps") -> Callab
     """
     _check_unit(unit)
     pairs = list(pairs)
-    if not pairs or any(len(p) != 2 or int(p[0]) <= 0 for p in pairs):
+    if not pairs or any(not isinstance(p, (tuple, list)) or len(p) != 2 for p in pairs):
         raise ValueError(BAD_PIECEWISE.format(pairs=pairs))
-    ends = jnp.asarray(np.cumsum([int(c) for c, _ in pairs])[:-1], jnp.int32)
+    counts = [_count(pairs, i, unit) for i in range(len(pairs))]
+    ends = jnp.asarray(np.cumsum(counts)[:-1], jnp.int32)
     values = jnp.asarray([float(v) for _, v in pairs], jnp.float32)
 
     def at(ctx: LearningContext) -> jax.Array:

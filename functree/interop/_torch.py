@@ -35,7 +35,8 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
 * ``BatchNorm``: ``epsilon=1e-3`` (torch ``eps=1e-5``) → ``ft.nn.BatchNorm(n, epsilon=1e-5)``;
   ``momentum`` weighs the old statistics (``0.99``; torch's ``0.1`` weighs the new ones) →
   ``momentum=0.9``. In training torch updates ``running_var`` with the unbiased batch
-  variance, ``ft.nn`` with the biased one (the one both normalize with).
+  variance, ``ft.nn`` with the biased one (the one both normalize with) →
+  ``unbiased_running_variance=True``.
 * ``ft.nn.gelu`` is the tanh approximation (torch's ``GELU(approximate="tanh")``); torch's
   default ``nn.GELU()`` is ``ft.nn.gelu_exact``.
 * Convolutions are channels-last (``x.permute(0, 2, 3, 1)`` for an NCHW input) and pad

@@ -34,6 +34,14 @@ ft.nn.BatchNorm: axis must be an int, got {axis!r}. The arguments after the feat
     wrong:  ft.nn.BatchNorm({features}, {axis!r}, {momentum!r})
     right:  ft.nn.BatchNorm({features}, epsilon=1e-5, momentum=0.9)     # torch's momentum m is 1 - m here"""
 
+UNBIASED_ONE = """\
+ft.nn.BatchNorm(unbiased_running_variance=True) in training needs more than one value per \
+feature: {given} gives {count} at axis {axis}, and the unbiased variance divides by count - 1 \
+(torch's BatchNorm raises here too).
+
+    wrong:  ft.nn.training(bn)(x)          # x: {given}
+    right:  ft.nn.training(bn)(x_batch)    # several rows (or positions) per feature"""
+
 BAD_GROUPS = """\
 GroupNorm: channels ({channels}) must be divisible by groups ({groups}).
 
@@ -207,6 +215,13 @@ class BatchNorm(Layer):
         running_mean     <- momentum * running_mean     + (1 - momentum) * mean_B
         running_variance <- momentum * running_variance + (1 - momentum) * var_B
 
+    ``var_B`` is the biased variance (swift-apis', Keras' and Flax's);
+    ``unbiased_running_variance=True`` records ``var_B * n / (n - 1)`` (``n`` values per
+    feature) as torch's ``running_var`` does, its ``momentum=m`` being ``momentum=1 - m`` here:
+    torch's ``BatchNorm1d(c)`` trains as ``ft.nn.BatchNorm(c, momentum=0.9, epsilon=1e-5,
+    unbiased_running_variance=True)`` (with the biased variance and 4 rows a batch, torch's
+    ``running_var`` ends 25% above ft's and eval outputs 15% apart).
+
     Inference (the default): the running statistics replace the batch ones. Statistics
     and normalization run in float32 for bfloat16/float16 inputs; the output keeps the
     input dtype. The running statistics are stored in ``dtype``: with
@@ -236,7 +251,9 @@ class BatchNorm(Layer):
     momentum: float = field(static=True, default=0.99)
     epsilon: float = field(static=True, default=1e-3)
     training: bool = field(static=True, default=False)
-    __ft_template_static__: ClassVar[tuple[str, ...]] = ("momentum",)  # a restore's template decides them (how it trains its running statistics)
+    unbiased_running_variance: bool = field(static=True, default=False)
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("momentum", "unbiased_running_variance")  # a restore's template decides them (how it trains its running statistics)
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("unbiased_running_variance",)  # files written before it: False
 
     def __init__(
         self,
@@ -247,6 +264,7 @@ class BatchNorm(Layer):
         *,
         dtype: Any = jnp.float32,
         training: bool = False,
+        unbiased_running_variance: bool = False,
     ):
         try:  # a float here is torch's order: (features, eps, momentum)
             axis = operator.index(axis)
@@ -258,6 +276,7 @@ class BatchNorm(Layer):
         self.running_variance = jnp.ones((feature_count,), dtype)
         self.axis, self.momentum, self.epsilon = axis, float(momentum), float(epsilon)
         self.training = training
+        self.unbiased_running_variance = bool(unbiased_running_variance)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         features = self.scale.shape[0]
@@ -280,10 +299,16 @@ class BatchNorm(Layer):
             mean = jnp.mean(xs, axis=reduce)
             var = jnp.mean(jnp.square(xs - mean.reshape(shape)), axis=reduce)
             m = self.momentum
+            recorded = var
+            if self.unbiased_running_variance:  # torch's running_var: var * n / (n - 1)
+                count = x.size // features
+                if count < 2:
+                    raise ValueError(UNBIASED_ONE.format(given=short_array(x), count=count, axis=self.axis))
+                recorded = var * jnp.asarray(count / (count - 1), var.dtype)
             record_state(
                 self,
                 running_mean=m * self.running_mean + (1 - m) * mean.astype(self.running_mean.dtype),
-                running_variance=m * self.running_variance + (1 - m) * var.astype(self.running_variance.dtype),
+                running_variance=m * self.running_variance + (1 - m) * recorded.astype(self.running_variance.dtype),
             )
         else:
             mean, var = self.running_mean.astype(xs.dtype), self.running_variance.astype(xs.dtype)

@@ -99,3 +99,28 @@ def test_an_optax_schedule_given_directly_explains_the_fix():
     with pytest.raises(TypeError, match=r"take a ft\.optim\.LearningContext, not a step count") as info:
         tx.init(_params())
     assert "ft.optim.schedule(" in str(info.value)
+
+
+def test_linear_warmup_of_zero_steps_is_the_peak():
+    # HF's get_constant_schedule_with_warmup(opt, 0) (TrainingArguments' warmup_steps=0): the
+    # peak from the first step. optax's linear_schedule without transition steps stays at
+    # init_value: the rate was 0.0 at every step, and the model never moved.
+    tx = fo.sgd(fo.linear_warmup(0.1, 0))
+    state = tx.init(_params())
+    rates = []
+    for _ in range(2):
+        updates, state = tx.update(ONE, state)
+        rates.append(-float(updates["w"]))
+    assert rates == [float(jnp.float32(0.1))] * 2
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: fo.linear_warmup(0.1, -1), "warmup_steps=-1; it must be >= 0"),
+    (lambda: fo.exponential_decay(0.1, 0, 0.5), "transition_steps=0; it must be > 0: optax reads 0 as no decay"),
+    (lambda: fo.inverse_time_decay(0.1, -0.5), "decay=-0.5; it must be >= 0: 1 \\+ -0.5·c reaches 0 at c = 2"),
+], ids=["warmup", "exponential", "inverse_time"])
+def test_degenerate_schedule_arguments_are_refused(make, message):
+    # Each was another schedule, silently: a constant (exponential_decay, transition_steps=0),
+    # an infinite then negative rate (inverse_time_decay, decay < 0).
+    with pytest.raises(ValueError, match=message):
+        make()

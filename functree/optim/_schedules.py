@@ -53,6 +53,20 @@ it came {early} {unit} early).{hint} Give whole counts:
 """
 
 
+OUT_OF_RANGE = """\
+ft.optim.{where}: {arg}={given!r}; it must be {rule}: {why}.
+
+    wrong:  ft.optim.{where}({call}{arg}={given!r})
+    right:  ft.optim.{where}({call}{arg}={right})"""
+
+
+def _check_range(where: str, arg: str, given: Any, ok: bool, rule: str, why: str, right: str, call: str) -> None:
+    """:data:`OUT_OF_RANGE` unless ``ok`` (optax reads a degenerate argument as another schedule)."""
+    if not ok:
+        raise ValueError(OUT_OF_RANGE.format(where=where, arg=arg, given=given, rule=rule, why=why, right=right,
+                                             call=call))
+
+
 def _count(pairs: list[Any], index: int, unit: str) -> int:
     """The count of ``pairs[index]`` as an int: :data:`BAD_PIECEWISE` for one that is no
     positive number (a bool, a string), :data:`FRACTIONAL_COUNT` for one with a fraction
@@ -161,6 +175,9 @@ def exponential_decay(
       >>> [float(lr(ctx.replace(step=s))) for s in (0, 5, 10, 15, 20)]
       [1.0, 1.0, 0.5, 0.5, 0.25]
     """
+    _check_range("exponential_decay", "transition_steps", transition_steps, transition_steps > 0, "> 0",
+                 f"optax reads {transition_steps!r} as no decay at all (init_value at every step)", "1000",
+                 f"{init_value!r}, ")
     return schedule(
         optax.exponential_decay(init_value, transition_steps, decay_rate, staircase=staircase, end_value=end_value),
         unit,
@@ -195,7 +212,15 @@ def linear_warmup(
       >>> lr, ctx = ft.optim.linear_warmup(1.0, 4), ft.optim.initial_context()
       >>> [float(lr(ctx.replace(step=s))) for s in range(6)]
       [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+
+    ``warmup_steps=0`` is no warmup: ``peak_value`` from the first step (Hugging Face's
+    ``get_constant_schedule_with_warmup(opt, 0)``; optax's ``linear_schedule`` with no
+    transition steps stays at ``init_value``).
     """
+    _check_range("linear_warmup", "warmup_steps", warmup_steps, warmup_steps >= 0, ">= 0",
+                 "the steps (or samples, sweeps) before the peak; 0 is no warmup", "0", f"{peak_value!r}, ")
+    if warmup_steps == 0:
+        return schedule(optax.constant_schedule(peak_value), unit)
     return schedule(optax.linear_schedule(init_value, peak_value, warmup_steps), unit)
 
 
@@ -235,6 +260,9 @@ def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") 
       [1.0, 0.5, 0.25]
     """
     _check_unit(unit)
+    _check_range("inverse_time_decay", "decay", decay, decay >= 0, ">= 0",
+                 f"1 + {decay!r}·c reaches 0 at c = {(-1 / decay) if decay < 0 else 0:.4g}, an infinite rate, "
+                 "and is negative after it (a rate that climbs the loss)", "1e-4", f"{init_value!r}, ")
     ahead = 1.0 if unit == "steps" else 0.0
 
     def rate(ctx: LearningContext) -> jax.Array:

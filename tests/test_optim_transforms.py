@@ -180,6 +180,13 @@ def test_reduce_on_plateau_reads_the_loss():
         tx.update(g, state, g)
 
 
+@pytest.mark.parametrize("arg, given", [("patience", 0), ("patience", -1), ("cooldown", -1), ("accumulation_size", 0)])
+def test_reduce_on_plateau_refuses_what_optax_takes_unchecked(arg, given):
+    # patience=0 (torch's patience=0 ported as it is) halved the rate at every step, the loss
+    # falling or not (0.5, 0.25, 0.125 on losses 3, 2, 1); a negative one never reduced.
+    with pytest.raises(ValueError, match=f"{arg}={given}; it must be an int >= "):
+        fo.reduce_on_plateau(**{arg: given})
+
 def test_reduce_on_plateau_through_minimize():
     opt = fo.Optimizer(optax.chain(fo.sgd(0.1), fo.reduce_on_plateau(0.5, patience=1)))
     p = {"w": jnp.zeros(())}

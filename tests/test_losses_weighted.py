@@ -34,9 +34,10 @@ def _leaves(tree):
 
 
 def _update(k, reduction, make=lambda: ft.optim.sgd(1.0)):
+    """One minimize step from _model(), in one jit (one program, not dozens of eager ones)."""
     model = _model()
     opt = ft.optim.Optimizer(make(), accumulate=k)
-    new, _, loss = opt.minimize(_loss(reduction), model, opt.init(model), IDS, LABELS)
+    new, _, loss = jax.jit(lambda m: opt.minimize(_loss(reduction), m, opt.init(m), IDS, LABELS))(model)
     return _leaves(new) - _leaves(model), loss
 
 
@@ -93,7 +94,7 @@ def test_accumulate_with_aux_and_every_microbatch_ignored():
     def loss_fn(m, x, y):
         return ft.losses.softmax_cross_entropy(m(x), y, reduction="weighted"), jnp.sum(x)
 
-    new, _, (loss, aux) = opt.minimize(loss_fn, model, opt.init(model), IDS, labels, has_aux=True)
+    new, _, (loss, aux) = jax.jit(lambda m: opt.minimize(loss_fn, m, opt.init(m), IDS, labels, has_aux=True))(model)
     assert float(loss) == 0 and aux.shape == (2,) and np.array_equal(_leaves(new), _leaves(model))  # no NaN
 
 
@@ -143,16 +144,22 @@ def _fit(reduction, **kw):
     return model, trainer, history, data
 
 
+@jax.jit
+def _token_mean(model, ids, labels):
+    """The plain mean loss of model(ids), one program per shape (the reference, not the subject)."""
+    return ft.losses.softmax_cross_entropy(model(ids), labels)
+
+
 @pytest.mark.parametrize("kw", [{}, {"steps_per_call": 3}, {"log_every": 3}], ids=["plain", "steps_per_call", "log"])
 def test_trainer_means_are_the_whole_datas_token_mean(kw):
     """Minibatches of 2, 10, 0, 10 kept tokens: the epoch's (and evaluate's) mean of a
     weighted loss is the token mean over all the data (measured: 1.3e-7 on 2.37); a plain
     mean's is the size-weighted mean of minibatch means, as before (another number)."""
     model, trainer, history, data = _fit("weighted", **kw)
-    token_mean = float(ft.losses.softmax_cross_entropy(model(IDS), LABELS))
+    token_mean = float(_token_mean(model, IDS, LABELS))
     np.testing.assert_allclose(history.epochs["loss"][0], token_mean, rtol=0, atol=1e-6 * token_mean)
     np.testing.assert_allclose(trainer.evaluate(data)["loss"], token_mean, rtol=0, atol=1e-6 * token_mean)
-    per_step = [float(ft.losses.softmax_cross_entropy(model(IDS[i:i + 2]), LABELS[i:i + 2])) for i in range(0, B, 2)]
+    per_step = [float(_token_mean(model, IDS[i:i + 2], LABELS[i:i + 2])) for i in range(0, B, 2)]
     np.testing.assert_allclose(history.steps["loss"], per_step, rtol=0, atol=1e-6 * max(per_step))  # step values
     _, _, plain, _ = _fit("mean", **kw)
     assert plain.steps["loss"] == history.steps["loss"]
@@ -182,10 +189,10 @@ def test_a_loss_scale_and_compute_dtype_keep_the_weighting():
     whole, _ = _update(1, "weighted")
     model = _model()
     opt = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.sgd(1.0), accumulate=2))
-    new, _, _ = opt.minimize(_loss("weighted"), model, opt.init(model), IDS, LABELS)
+    new, _, _ = jax.jit(lambda m: opt.minimize(_loss("weighted"), m, opt.init(m), IDS, LABELS))(model)
     np.testing.assert_allclose(_leaves(new) - _leaves(model), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
     model, _, history, _ = _fit("weighted", compute_dtype=jnp.bfloat16)
-    token_mean = float(ft.losses.softmax_cross_entropy(ft.cast(model, jnp.bfloat16)(IDS), LABELS))
+    token_mean = float(_token_mean(ft.cast(model, jnp.bfloat16), IDS, LABELS))
     np.testing.assert_allclose(history.epochs["loss"][0], token_mean, rtol=0, atol=1e-6 * token_mean)
 
 
@@ -193,7 +200,7 @@ def test_a_transform_reading_the_loss_gets_its_value():
     """A transform that reads the loss (``value=``: L-BFGS's line search) gets the scalar value."""
     model = _model()
     opt = ft.optim.Optimizer(optax.lbfgs())
-    new, _, loss = opt.minimize(_loss("weighted"), model, opt.init(model), IDS, LABELS)
+    new, _, loss = jax.jit(lambda m: opt.minimize(_loss("weighted"), m, opt.init(m), IDS, LABELS))(model)
     assert np.isfinite(float(loss)) and np.isfinite(_leaves(new)).all()
 
 

@@ -347,11 +347,11 @@ def test_rmsprop_momentum_and_radam_epsilon():
     ε before the bias correction (torch, functree) against after it (optax)."""
     def ours_rms(tx):
         p = {"w": jnp.zeros(1)}
-        state, w = tx.init(p), 0.0
+        state, w, update = tx.init(p), 0.0, jax.jit(tx.update)  # one program, not one per operation
         for rate in (0.1, 0.01):
             state = ft.optim.set_hyperparameters(state, learning_rate=rate)
-            u, state = tx.update({"w": jnp.ones(1)}, state, p)
-            w += float(u["w"][0])
+            u, state = update({"w": jnp.ones(1)}, state, p)
+            w += float(np.asarray(u["w"])[0])
         return w
 
     w = torch.zeros(1, requires_grad=True)
@@ -362,11 +362,11 @@ def test_rmsprop_momentum_and_radam_epsilon():
         opt.step()
     with jax.numpy_dtype_promotion("standard"):
         tx = optax.inject_hyperparams(optax.rmsprop)(learning_rate=0.1, decay=0.9, momentum=0.9, eps_in_sqrt=False)
-        state, p = tx.init({"w": jnp.zeros(1)}), 0.0
+        state, p, update = tx.init({"w": jnp.zeros(1)}), 0.0, jax.jit(tx.update)
         for rate in (0.1, 0.01):
             state.hyperparams["learning_rate"] = jnp.asarray(rate)
-            u, state = tx.update({"w": jnp.ones(1)}, state)
-            p += float(u["w"][0])
+            u, state = update({"w": jnp.ones(1)}, state)
+            p += float(np.asarray(u["w"])[0])
     v = keras.Variable(np.zeros(1, np.float32))
     k = keras.optimizers.RMSprop(learning_rate=0.1, rho=0.9, momentum=0.9, epsilon=1e-8)
     for rate in (0.1, 0.01):
@@ -382,10 +382,10 @@ def test_rmsprop_momentum_and_radam_epsilon():
         theirs = optax.radam(1.0)
         steps = {}
         for name, tx in (("ours", ours), ("optax", theirs)):
-            state, total = tx.init({"w": jnp.zeros(1)}), 0.0
+            state, total, update = tx.init({"w": jnp.zeros(1)}), 0.0, jax.jit(tx.update)
             for _ in range(8):
-                u, state = tx.update({"w": jnp.asarray(g)}, state)
-                total += float(u["w"][0])
+                u, state = update({"w": jnp.asarray(g)}, state)
+                total += float(np.asarray(u["w"])[0])
             steps[name] = total
     w = torch.zeros(1, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.RAdam([w], lr=1.0)
@@ -405,10 +405,10 @@ def test_adam_epsilon():
     assert keras.optimizers.Adam().epsilon == 1e-7
     g = np.full(1, 1e-8, np.float32)
     tx, total = ft.optim.adam(1.0), 0.0
-    state = tx.init({"w": jnp.zeros(1)})
+    state, update = tx.init({"w": jnp.zeros(1)}), jax.jit(tx.update)  # one program, not one per operation
     for _ in range(8):
-        u, state = tx.update({"w": jnp.asarray(g)}, state)
-        total += float(u["w"][0])
+        u, state = update({"w": jnp.asarray(g)}, state)
+        total += float(np.asarray(u["w"])[0])
     w = torch.zeros(1, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.Adam([w], lr=1.0)
     for _ in range(8):

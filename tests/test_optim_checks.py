@@ -35,6 +35,9 @@ def _loss(m):
     return jnp.mean(m(X) ** 2)
 
 
+_grad = jax.jit(ft.gradient(_loss))  # one program per model shape, shared by the tests (eager: one per op)
+
+
 def _torch_net(net):
     t = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, net.head.weight.shape[1]))
     with torch.no_grad():
@@ -51,11 +54,11 @@ def test_a_second_moment_of_a_changed_layer_is_refused(tx):
     opt = fo.Optimizer(tx)
     old = _net(out=1)
     state = opt.init(old)
-    _, state = opt.apply_gradients(ft.gradient(_loss, at=old), old, state)
+    _, state = jax.jit(opt.apply_gradients)(_grad(old), old, state)  # the setup step compiled: one program
     new = old.replace(head=ft.nn.Dense(4, 3, key=jax.random.key(5)))
     with pytest.raises(ValueError, match=r"another structure: its moment \w+ differs from the gradients at "
                                          r"head\.(weight|bias): the gradient has shape \((4, )?3,?\)"):
-        opt.apply_gradients(ft.gradient(_loss, at=new), new, state)
+        opt.apply_gradients(_grad(new), new, state)
 
 
 @pytest.mark.parametrize("tx", [optax.novograd(0.1), optax.adafactor(0.1, min_dim_size_to_factor=1), fo.adagrad(0.1)],
@@ -70,14 +73,14 @@ def test_unfreezing_with_a_wrt_state_is_refused_and_the_advised_code_keeps_the_h
     net = _net()
     head_opt = fo.Optimizer(fo.adam(1e-2), wrt="head.*")
     state = head_opt.init(net)
-    net, state = head_opt.apply_gradients(ft.gradient(_loss, at=net, wrt="head.*"), net, state)
+    net, state = jax.jit(lambda n, s: head_opt.apply_gradients(ft.gradient(_loss, at=n, wrt="head.*"), n, s))(net, state)
     opt = fo.Optimizer(fo.adam(1e-2))
-    grads = ft.gradient(_loss, at=net)
+    grads = _grad(net)
     with pytest.raises(ValueError, match=r"no moment mu for encoder\.weight, which has a gradient now.*wrt="):
         opt.apply_gradients(grads, net, state)
     # the message's recipe: the head's moments and the step count kept, the encoder's from zero
     kept = jax.tree.map(lambda old, new: new if old is None else old, state, opt.init(net), is_leaf=lambda x: x is None)
-    _, after = opt.apply_gradients(grads, net, kept)
+    _, after = jax.jit(opt.apply_gradients)(grads, net, kept)
     mu_before, mu_after = fo.moments(state)["mu"], fo.moments(after)["mu"]
     np.testing.assert_allclose(mu_after.head.weight, 0.9 * mu_before.head.weight + 0.1 * grads.head.weight,
                                rtol=0, atol=1e-8)
@@ -98,8 +101,9 @@ def test_freezing_mid_run_names_wrt_and_the_advised_partial_gradients_match_torc
         (tnet(torch.tensor(X)) ** 2).mean().backward()
         topt.step()
 
+    full = jax.jit(lambda n, s: opt.apply_gradients(_grad(n), n, s))  # one program per loop, not one per op
     for _ in range(2):
-        net, state = opt.apply_gradients(ft.gradient(_loss, at=net), net, state)
+        net, state = full(net, state)
         torch_step()
     with pytest.raises(ValueError, match=r"(?s)moments for encoder\.weight, which this optimizer does not train.*"
                                          r"made for all parameters.*ft\.gradient\(loss_fn, at=model, wrt=\"head\.\*\"\)"):
@@ -107,8 +111,9 @@ def test_freezing_mid_run_names_wrt_and_the_advised_partial_gradients_match_torc
     # the advised way: the same optimizer, partial gradients (torch: requires_grad_(False))
     encoder = net.encoder
     tnet[0].requires_grad_(False)
+    partial = jax.jit(lambda n, s: opt.apply_gradients(ft.gradient(_loss, at=n, wrt="head.*"), n, s))
     for _ in range(2):
-        net, state = opt.apply_gradients(ft.gradient(_loss, at=net, wrt="head.*"), net, state)
+        net, state = partial(net, state)
         torch_step()
     assert np.array_equal(net.encoder.weight, encoder.weight)
     np.testing.assert_allclose(net.head.weight, tnet[2].weight.detach().numpy().T, rtol=0, atol=1e-6)
@@ -122,11 +127,11 @@ def test_adafactor_factored_moments_are_read_by_name():
     net = _net(out=3)
     params = ft.parameters(net)
     state = fo.Optimizer(tx).init(net)
-    grads = jax.tree.map(jnp.ones_like, params)
-    _, state = fo.Optimizer(tx).update(grads, state, net)
+    grads = jax.tree.map(np.ones_like, params)
+    _, state = jax.jit(fo.Optimizer(tx).update)(grads, state, net)  # one program, not one per optax op
     m = fo.moments(state)
     assert {"v_row", "v_col", "v"} <= set(m)
-    raw = tx.update(grads, tx.init(params), params)[1]
+    raw = jax.jit(tx.update)(grads, tx.init(params), params)[1]
     factored = next(s for s in jax.tree.leaves(raw, is_leaf=lambda x: hasattr(x, "v_row")) if hasattr(s, "v_row"))
     np.testing.assert_allclose(ft.get(m["v_row"], "head.weight"), factored.v_row.head.weight, rtol=0, atol=1e-7)
     np.testing.assert_allclose(ft.get(m["v_col"], "head.weight"), factored.v_col.head.weight, rtol=0, atol=1e-7)
@@ -140,15 +145,16 @@ def test_a_static_value_changed_after_init_is_named_and_the_moments_carry_over()
     stack = ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, jax.nn.tanh, key=k), 3, key=jax.random.key(0))
     opt = ft.optim.Optimizer(optax.adam(1e-2))
     loss = lambda m: jnp.sum(m(jnp.linspace(-1.0, 1.0, 3)) ** 2)  # noqa: E731
-    model, opt_state, _ = opt.minimize(loss, stack, opt.init(stack))
+    step = jax.jit(lambda m, s: opt.minimize(loss, m, s))  # the steps around the refused one compiled
+    model, opt_state, _ = step(stack, opt.init(stack))
     changed = model.replace(remat=True)
     with pytest.raises(ValueError, match=r"(?s)before a static value changed: its moment mu .*"
                                          r"the field 'remat' is True in the model, None in the state's.*"
                                          r"right:  opt_state = jax.tree.unflatten"):
         opt.minimize(loss, changed, opt_state)
     carried = jax.tree.unflatten(jax.tree.structure(opt.init(changed)), jax.tree.leaves(opt_state))
-    after, _, _ = opt.minimize(loss, changed, carried)
-    expected, _, _ = opt.minimize(loss, model, opt_state)  # the same step without the change
+    after, _, _ = step(changed, carried)
+    expected, _, _ = step(model, opt_state)  # the same step without the change
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     dense = ft.nn.Dense(3, 3, jax.nn.relu, key=jax.random.key(1))
@@ -167,9 +173,9 @@ def test_a_field_named_v_outside_adafactor_is_not_a_moment():
     tx = optax.contrib.mechanize(optax.sgd(0.1))
     opt = ft.optim.Optimizer(tx)
     state = opt.init(params)
-    new, _, _ = opt.minimize(loss, params, state)
+    new, _, _ = jax.jit(lambda p, s: opt.minimize(loss, p, s))(params, state)  # one program, not one per op
     raw_state = tx.init(params)
-    updates, _ = tx.update(jax.grad(loss)(params), raw_state, params)
+    updates, _ = jax.jit(lambda p, s: tx.update(jax.grad(loss)(p), s, p))(params, raw_state)
     np.testing.assert_allclose(new["w"], optax.apply_updates(params, updates)["w"], rtol=0, atol=1e-7)
     assert "v" not in ft.optim.moments(state)
     factored = ft.optim.Optimizer(optax.adafactor(0.1, min_dim_size_to_factor=1)).init({"w": jnp.ones((3, 2))})
@@ -197,11 +203,15 @@ def test_moments_not_shaped_like_the_parameters_run_as_plain_optax(make):
     ref, ref_state = dict(_W), tx.init(_W)
     opt = ft.optim.Optimizer(tx)
     ours, state = dict(_W), opt.init(_W)
-    for _ in range(3):
+
+    @jax.jit  # both steps in one program (eager: one per op)
+    def steps(ref, ref_state, ours, state):
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float literals and int counts
             updates, ref_state = tx.update(jax.grad(_mse)(ref), ref_state, ref)
-        ref = optax.apply_updates(ref, updates)
-        ours, state, _ = opt.minimize(_mse, ours, state)
+        return optax.apply_updates(ref, updates), ref_state, *opt.minimize(_mse, ours, state)[:2]
+
+    for _ in range(3):
+        ref, ref_state, ours, state = steps(ref, ref_state, ours, state)
     assert jax.tree.structure(ours) == jax.tree.structure(ref)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):  # measured: bit for bit
         np.testing.assert_allclose(a, b, rtol=0, atol=0)
@@ -246,14 +256,14 @@ def test_a_state_of_another_optimizer_is_refused_by_name(case):
     "'inner_state'", chain's "number of updates and states", KeyError 'learning_rate')."""
     made_by, rebuilt, where = _REBUILT[case]
     old = ft.optim.Optimizer(made_by)
-    model, state, _ = old.minimize(_mloss, _M, old.init(_M))
+    model, state, _ = jax.jit(lambda m, s: old.minimize(_mloss, m, s))(_M, old.init(_M))  # one program
     new = ft.optim.Optimizer(**rebuilt)
     with pytest.raises(ValueError, match=r"(?s)made by another optimizer than this one: at " + where +
                                          r".*make a new state.*state = opt.init\(model\)") as e:
         new.minimize(_mloss, model, state)
     settable = "ft.optim.set_hyperparameters(state" in str(e.value)
     assert settable == (case not in ("optax-adamw", "multisteps", "number-to-schedule"))  # offered where the old state holds settable hyperparameters
-    after, _, _ = new.minimize(_mloss, model, new.init(model))  # the fix
+    after, _, _ = jax.jit(lambda m, s: new.minimize(_mloss, m, s))(model, new.init(model))  # the fix
     assert jax.tree.structure(after) == jax.tree.structure(_M)
 
 
@@ -265,8 +275,9 @@ def test_a_schedule_replaced_by_a_number_keeps_the_state(schedule):
     same state does. It was refused as another optimizer's state, offering only a new state."""
     old = ft.optim.Optimizer(schedule(lambda count: 1e-2 / (1.0 + count.astype(jnp.float32))))
     model, state = _M, old.init(_M)
+    step = jax.jit(lambda m, s: old.minimize(_mloss, m, s))  # the steps before the change: one program
     for _ in range(3):
-        model, state, _ = old.minimize(_mloss, model, state)
+        model, state, _ = step(model, state)
     grads = ft.gradient(_mloss)(model)
     new = ft.optim.Optimizer(schedule(1e-3))
     reference, ref_state = schedule(1e-3), (state.inner[0], optax.EmptyState())
@@ -311,6 +322,7 @@ def _linear_class() -> Any:
 _Y = (X @ np.array([[1.0], [2.0], [-1.0]], np.float32)).astype(np.float32)
 
 
+@jax.jit  # the gradient is the refused call's input, not its subject: one program per class
 def _linear_grads(model):
     return jax.grad(lambda m: jnp.mean((m(X) - _Y) ** 2))(model)
 
@@ -326,10 +338,11 @@ def test_a_redefined_model_class_is_named_and_its_moments_carry_over(through):
     opt: Any = fo.Optimizer(tx) if through == "Optimizer" else tx
     model = old_cls(jnp.zeros((3, 1)), jnp.zeros(1))
     state = opt.init(model)
-    updates, state = opt.update(_linear_grads(model), state, model)
+    update = jax.jit(lambda m, s: opt.update(_linear_grads(m), s, m))  # the steps not refused: one program each
+    updates, state = update(model, state)
     model = ft.move(model, along=updates)
     # the uninterrupted run's second step
-    expected, _ = opt.update(_linear_grads(model), state, model)
+    expected, _ = update(model, state)
     # the cell re-run: the same fields and values, in the new class
     model = new_cls(model.w, model.b)
     with pytest.raises(ValueError, match="a model class was defined again") as e:
@@ -337,7 +350,7 @@ def test_a_redefined_model_class_is_named_and_its_moments_carry_over(through):
     assert "at <root>" in str(e.value) and f"{__name__}.Linear" in str(e.value)
     # the carry-over the message gives: the same moments and step count, the new class
     state = jax.tree.unflatten(jax.tree.structure(opt.init(model)), jax.tree.leaves(state))
-    updates, _ = opt.update(_linear_grads(model), state, model)
+    updates, _ = update(model, state)
     np.testing.assert_allclose(updates.w, expected.w, rtol=0, atol=0)
     np.testing.assert_allclose(updates.b, expected.b, rtol=0, atol=0)
     # and optax's second Adam step on a plain dict
@@ -345,10 +358,15 @@ def test_a_redefined_model_class_is_named_and_its_moments_carry_over(through):
     p: Any = {"w": jnp.zeros((3, 1)), "b": jnp.zeros(1)}
     s: Any = ref.init(p)
     u: Any = None
-    for _ in range(2):
+
+    @jax.jit  # optax's step compiled: one program, not one per op
+    def ref_step(p, s):
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int
             u, s = ref.update(jax.grad(_dict_loss)(p), s, p)
-        p = optax.apply_updates(p, u)
+        return optax.apply_updates(p, u), s, u
+
+    for _ in range(2):
+        p, s, u = ref_step(p, s)
     # measured: 6.8e-7 apart (updates of 0.1; functree's Adam rounds in another order)
     np.testing.assert_allclose(updates.w, u["w"], rtol=0, atol=7e-6)
     np.testing.assert_allclose(updates.b, u["b"], rtol=0, atol=7e-6)
@@ -382,11 +400,16 @@ def test_sam_through_the_optimizer_takes_optax_s_steps():
     ref = _sam(optax.adam(0.1))
     p: Any = {"w": model.weight, "b": model.bias}
     s: Any = ref.init(p)
-    for _ in range(5):  # adversarial, outer, adversarial, outer, adversarial
-        model, state, _ = step(model, state)
+
+    @jax.jit  # optax's step compiled: one program, not one per op
+    def ref_step(p, s):
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int
             u, s = ref.update(jax.grad(_dict_loss)(p), s, p)
-        p = optax.apply_updates(p, u)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(5):  # adversarial, outer, adversarial, outer, adversarial
+        model, state, _ = step(model, state)
+        p, s = ref_step(p, s)
         # measured: equal bit for bit (weights near 1.3: 10 float32 ulps would be 1.2e-6)
         np.testing.assert_allclose(model.weight, p["w"], rtol=0, atol=1e-6)
         np.testing.assert_allclose(model.bias, p["b"], rtol=0, atol=1e-6)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from functree.optim._arguments import check_argument
 from functree.optim._context import LearningContext
 
 __all__ = [
@@ -51,20 +52,6 @@ it came {early} {unit} early).{hint} Give whole counts:
     wrong:  ft.optim.piecewise([..., ({count!r}, {value!r}), ...], unit={unit!r})
     right:  ft.optim.piecewise([..., ({fix}, {value!r}), ...], unit={right_unit!r}){comment}
 """
-
-
-OUT_OF_RANGE = """\
-ft.optim.{where}: {arg}={given!r}; it must be {rule}: {why}.
-
-    wrong:  ft.optim.{where}({call}{arg}={given!r})
-    right:  ft.optim.{where}({call}{arg}={right})"""
-
-
-def _check_range(where: str, arg: str, given: Any, ok: bool, rule: str, why: str, right: str, call: str) -> None:
-    """:data:`OUT_OF_RANGE` unless ``ok`` (optax reads a degenerate argument as another schedule)."""
-    if not ok:
-        raise ValueError(OUT_OF_RANGE.format(where=where, arg=arg, given=given, rule=rule, why=why, right=right,
-                                             call=call))
 
 
 def _count(pairs: list[Any], index: int, unit: str) -> int:
@@ -175,7 +162,7 @@ def exponential_decay(
       >>> [float(lr(ctx.replace(step=s))) for s in (0, 5, 10, 15, 20)]
       [1.0, 1.0, 0.5, 0.5, 0.25]
     """
-    _check_range("exponential_decay", "transition_steps", transition_steps, transition_steps > 0, "> 0",
+    check_argument("exponential_decay", "transition_steps", transition_steps, transition_steps > 0, "> 0",
                  f"optax reads {transition_steps!r} as no decay at all (init_value at every step)", "1000",
                  f"{init_value!r}, ")
     return schedule(
@@ -217,7 +204,7 @@ def linear_warmup(
     ``get_constant_schedule_with_warmup(opt, 0)``; optax's ``linear_schedule`` with no
     transition steps stays at ``init_value``).
     """
-    _check_range("linear_warmup", "warmup_steps", warmup_steps, warmup_steps >= 0, ">= 0",
+    check_argument("linear_warmup", "warmup_steps", warmup_steps, warmup_steps >= 0, ">= 0",
                  "the steps (or samples, sweeps) before the peak; 0 is no warmup", "0", f"{peak_value!r}, ")
     if warmup_steps == 0:
         return schedule(optax.constant_schedule(peak_value), unit)
@@ -260,7 +247,7 @@ def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") 
       [1.0, 0.5, 0.25]
     """
     _check_unit(unit)
-    _check_range("inverse_time_decay", "decay", decay, decay >= 0, ">= 0",
+    check_argument("inverse_time_decay", "decay", decay, decay >= 0, ">= 0",
                  f"1 + {decay!r}·c reaches 0 at c = {(-1 / decay) if decay < 0 else 0:.4g}, an infinite rate, "
                  "and is negative after it (a rate that climbs the loss)", "1e-4", f"{init_value!r}, ")
     ahead = 1.0 if unit == "steps" else 0.0

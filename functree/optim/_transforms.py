@@ -21,6 +21,7 @@ from functree._operators import value_with_gradient
 from functree._random import flat_key
 from functree._tree import is_none
 from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask_of, exclude_patterns
+from functree.optim._arguments import check_argument
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
 from functree.optim._masked import masked
@@ -375,30 +376,25 @@ def _frozen(params: Any, patterns: tuple[str, ...]) -> Any:
     return jax.tree.unflatten(treedef, [None if x is None else c for x, c in zip(leaves, chosen)])
 
 
-PLATEAU_OUT_OF_RANGE = """\
-ft.optim.reduce_on_plateau: {arg}={given!r}; it must be an int {rule}: {why}.
-
-    wrong:  ft.optim.reduce_on_plateau({arg}={given!r})
-    right:  ft.optim.reduce_on_plateau({arg}={right})"""
-
+# reduce_on_plateau's integer arguments: (least, rule, why, a right value).
 _PLATEAU_RULES = {
-    "patience": (1, ">= 1", "the steps without improvement that reduce the rate (optax's rule, "
+    "patience": (1, "an int >= 1", "the steps without improvement that reduce the rate (optax's rule, "
                  "count >= patience, holds at 0 on every step: factor 0.5 on falling losses 3, 2, 1 "
                  "gave rates 0.5, 0.25, 0.125); torch's ReduceLROnPlateau(patience=p) reduces after "
                  "p + 1 such steps, patience=p + 1 here", "1"),
-    "cooldown": (0, ">= 0", "the steps after a reduction before counting again", "0"),
-    "accumulation_size": (1, ">= 1", "the losses averaged into one", "1"),
+    "cooldown": (0, "an int >= 0", "the steps after a reduction before counting again", "0"),
+    "accumulation_size": (1, "an int >= 1", "the losses averaged into one", "1"),
 }
 
 
 def _check_plateau(**given: Any) -> None:
-    """:data:`PLATEAU_OUT_OF_RANGE` for an argument optax takes without a check (a patience
-    of 0 reduced at the first step; a negative one or cooldown never counted)."""
+    """:data:`~functree.optim._arguments.ARGUMENT_OUT_OF_RANGE` for an argument optax takes
+    without a check (a patience of 0 reduced at the first step; a negative one or cooldown
+    never counted)."""
     for arg, value in given.items():
         least, rule, why, right = _PLATEAU_RULES[arg]
         whole = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-        if not whole or value < least:
-            raise ValueError(PLATEAU_OUT_OF_RANGE.format(arg=arg, given=value, rule=rule, why=why, right=right))
+        check_argument("reduce_on_plateau", arg, value, bool(whole and value >= least), rule, why, right)
 
 
 class PlateauState(NamedTuple):

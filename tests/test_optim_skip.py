@@ -1,6 +1,7 @@
 """functree.optim._skip: the step's gate."""
 
 import jax.numpy as jnp
+import optax
 import pytest
 
 import functree as ft
@@ -21,6 +22,7 @@ def test_a_handled_optimizers_gate_closes_on_the_loss_and_reports_the_loss():
 
 
 RATES = [(1, 1.0), (1, 2.0), (1, 3.0)]
+HEAD, BODY = {"head": True, "body": False}, {"head": False, "body": True}
 
 
 @pytest.mark.parametrize("nested, whole, names", [
@@ -28,12 +30,14 @@ RATES = [(1, 1.0), (1, 2.0), (1, 3.0)]
      lambda s, tx: s(ft.optim.groups({"head": tx}, default=tx)), ("ft.optim.groups", "inner_states['head']")),
     (lambda s, tx: ft.optim.lookahead(s(tx), sync_period=2, slow_step_size=0.5),
      lambda s, tx: s(ft.optim.lookahead(tx, sync_period=3, slow_step_size=0.5)), ("lookahead's fast", "fast_state")),
-], ids=["groups", "lookahead"])
+    (lambda s, tx: optax.chain(optax.masked(s(tx), HEAD), optax.masked(tx, BODY)),
+     lambda s, tx: s(optax.chain(optax.masked(tx, HEAD), optax.masked(tx, BODY))), ("optax.masked", "inner[0].inner_state")),
+], ids=["groups", "lookahead", "masked"])
 def test_a_skip_inside_a_group_or_lookahead_is_refused_and_the_whole_step_skips_outside(nested, whole, names):
     # Inside one group, skip_non_finite skipped that group alone while the one learning context
     # stopped: the other group took its scheduled rate again (1, 2, 2 for 1, 2, 3). Inside
     # lookahead the skipped step counted towards sync_period (fast 2.5 / slow 1.5 after 5 steps
-    # for 2.0 / 2.0). Outside, the whole step skips: no update, the context stays.
+    # for 2.0 / 2.0). Inside optax.masked, as inside a group. Outside, the whole step skips: no update, the context stays.
     tx = ft.optim.sgd(ft.optim.piecewise(RATES))
     params = {"head": jnp.zeros(()), "body": jnp.zeros(())}
     with pytest.raises(ValueError, match="skip_non_finite sits inside") as e:

@@ -163,9 +163,17 @@ NESTED_SKIP_CASES = {
         "1.5 after 5 steps, where 4 real steps give 2.0 and 2.0)",
         "ft.optim.lookahead(ft.optim.skip_non_finite(tx), sync_period=5, slow_step_size=0.5)",
         "ft.optim.skip_non_finite(ft.optim.lookahead(tx, sync_period=5, slow_step_size=0.5))"),
+    "masked": (
+        "optax.masked", "the masked parameters' update only",
+        "the other parameters, which did update, take this step's scheduled rate again at the "
+        "next (a piecewise rate of 1, 2, 3, 4, 5 gave them 1, 2, 2, 3, 4)",
+        "optax.chain(optax.masked(ft.optim.skip_non_finite(tx), mask), other)",
+        "ft.optim.skip_non_finite(optax.chain(optax.masked(tx, mask), other))"),
 }
 """Where a :func:`ft.optim.skip_non_finite` may not sit inside an Optimizer's transform (the
-attribute of the enclosing state on its path): what it would skip, and the fix."""
+attribute of the enclosing state on its path, or ``"masked"`` for an ``optax.masked`` state,
+whose attribute ``inner_state`` ``optax.inject_hyperparams`` shares): what it would skip, and
+the fix."""
 
 
 NOT_OPTIMIZER_STATE = """\
@@ -704,19 +712,36 @@ def _is_skip(x: Any) -> bool:
 
 def _check_nested_skip(inner: Any) -> None:
     """:data:`NESTED_SKIP` for a :func:`ft.optim.skip_non_finite` whose state lies inside a
-    parameter group's (``ft.optim.groups``) or lookahead's fast optimizer's: it would skip
-    part of a step that the one learning context counts as not taken. Inside a chain, an
+    parameter group's (``ft.optim.groups``), lookahead's fast optimizer's or an
+    ``optax.masked`` transform's (``ft.optim.masked``'s): it would skip part of a step that
+    the one learning context counts as not taken. Inside a chain, an
     ``Optimizer(average=)`` or at the top it skips the whole step (the average and the
     chained EMA keep theirs)."""
-    for path, node in jax.tree_util.tree_flatten_with_path(inner, is_leaf=_is_skip)[0]:
-        if not _is_skip(node):
-            continue
-        names = [getattr(k, "name", None) for k in path]
-        for attribute, (inside, what, consequence, wrong, right) in NESTED_SKIP_CASES.items():
-            if attribute in names:
-                raise ValueError(NESTED_SKIP.format(
-                    inside=inside, path="inner" + jax.tree_util.keystr(path), what=what,
-                    consequence=consequence, wrong=wrong, right=right))
+    def stop(x: Any) -> bool:
+        return _is_skip(x) or isinstance(x, optax.MaskedState)
+
+    def refuse(case: str, path: tuple[Any, ...]) -> None:
+        inside, what, consequence, wrong, right = NESTED_SKIP_CASES[case]
+        raise ValueError(NESTED_SKIP.format(
+            inside=inside, path="inner" + jax.tree_util.keystr(path), what=what,
+            consequence=consequence, wrong=wrong, right=right))
+
+    def visit(tree: Any, prefix: tuple[Any, ...]) -> None:
+        for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=stop)[0]:
+            path = prefix + tuple(path)
+            names = [getattr(k, "name", None) for k in path]
+            if isinstance(node, optax.MaskedState):
+                inside = jax.tree_util.tree_flatten_with_path(node.inner_state, is_leaf=_is_skip)[0]
+                skips = [p for p, x in inside if _is_skip(x)]
+                if skips and "inner_states" not in names:  # (a group's own mask: the groups case)
+                    refuse("masked", path + (jax.tree_util.GetAttrKey("inner_state"), *skips[0]))
+                visit(node.inner_state, path + (jax.tree_util.GetAttrKey("inner_state"),))
+            elif _is_skip(node):
+                for case in ("inner_states", "fast_state"):
+                    if case in names:
+                        refuse(case, path)
+
+    visit(inner, ())
 
 
 def _partition_path(inner: Any, labels: frozenset[str]) -> str:

@@ -43,7 +43,7 @@ from functree._parameters import with_parameters
 from functree._tangent import move
 from functree._tree import dotted_name
 from functree._where import placement_of, put
-from functree.losses._weighted import loss_value
+from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._mode import in_mode, mode_free
 from functree.nn._state import apply_state, collect_state
 from functree.optim._accumulate import accumulated_gradients, leading_dimension
@@ -78,7 +78,13 @@ from functree.optim._hyper import SIZE_NOT_GIVEN, HyperState, minibatch_size_sou
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._multisteps import check_multisteps
-from functree.optim._replicas import axis_size, replica_mean
+from functree.optim._replicas import (
+    all_varying,
+    as_varying,
+    axis_size,
+    replica_mean,
+    replica_weighted_mean,
+)
 from functree.optim._skip import (
     SkipState,
     applied_in,
@@ -512,6 +518,13 @@ class Optimizer:
             return grads
         return replica_mean(grads, self._axis_name, reduced="sum")
 
+    def _weighing_axis(self) -> Any:
+        """``axis_name`` where the default aggregation runs (no ``aggregate_gradients=`` given
+        or overridden): a :class:`~functree.losses.WeightedMean` loss is then weighed by its
+        replicas' counts."""
+        default = self._aggregate is None and type(self).aggregate_gradients is Optimizer.aggregate_gradients
+        return self._axis_name if default else None
+
     def transform_gradients(self, grads: Any) -> Any:
         """Gradient transforms after aggregation (clipping, ...)."""
         return chain_hooks(self._transform_gradients, grads)
@@ -535,15 +548,31 @@ class Optimizer:
         ``checked`` (a finiteness check follows: ``on_nan="stop"``/``"skip"``; by default,
         when this optimizer :attr:`handles_nonfinite`): a gradient not finite before a hook
         comes out of it NaN (:func:`~functree.optim._skip.keep_nonfinite`; a clip would make
-        an overflowed ``inf`` a plausible 1, where torch's ``unscale_`` checks before it)."""
-        if self.accumulate > 1:
-            out, grads = accumulated_gradients(self, loss_fn, model, batch, has_aux, state, key)
-        else:
+        an overflowed ``inf`` a plausible 1, where torch's ``unscale_`` checks before it).
+
+        With an ``axis_name`` and the default aggregation, a
+        :class:`~functree.losses.WeightedMean` loss (``reduction="weighted"``) weighs each
+        replica's gradient by its count (:func:`~functree.optim._replicas.replica_weighted_mean`):
+        the global batch's mean, as ``ft.train.train_step(mesh=)`` takes it."""
+        def differentiated(model: Any) -> tuple[Any, Any]:
+            if self.accumulate > 1:
+                return accumulated_gradients(self, loss_fn, model, batch, has_aux, state, key)
             fn = loss_fn if key is None else functools.partial(loss_fn, key=key)
-            out, grads = self.get_gradients(fn, model, *batch, has_aux=has_aux, state=state)
+            return self.get_gradients(fn, model, *batch, has_aux=has_aux, state=state)
+
+        out, grads = differentiated(model)
+        axis = self._weighing_axis()
+        weighed = axis is not None and isinstance(out[0] if has_aux else out, WeightedMean)
+        if weighed and not all_varying(grads, axis):
+            # shard_map summed the replicated parameters' gradients: once more, each replica's own
+            out, grads = differentiated(as_varying(model, axis))
         checked = self.handles_nonfinite if checked is None else checked
         hooked = self.transform_unaggregated_gradients(grads)
-        grads = self.aggregate_gradients(_keep(grads, hooked) if checked else hooked)
+        record = out[0] if has_aux else out
+        if weighed:
+            grads = replica_weighted_mean(record, _keep(grads, hooked) if checked else hooked, axis)[1]
+        else:
+            grads = self.aggregate_gradients(_keep(grads, hooked) if checked else hooked)
         hooked = self.transform_gradients(grads)
         return out, _keep(grads, hooked) if checked else hooked
 
@@ -653,8 +682,12 @@ class Optimizer:
             layer_state = jax.tree.map(lambda u: u[-1], layer_state)
             out = (record, out[1]) if has_aux else record
         if self.axis_name is not None:  # the global batch's loss: replicas' states stay identical
-            loss = replica_mean(loss, self.axis_name, reduced="value")
-            out = (loss, out[1]) if has_aux else loss
+            if self._weighing_axis() is not None and isinstance(record, WeightedMean):
+                record = replica_weighted_mean(record, None, self.axis_name)[0]  # Σ total / Σ count
+                loss = record.value
+            else:
+                record = loss = replica_mean(loss, self.axis_name, reduced="value")
+            out = (record, out[1]) if has_aux else record
         return Gradients(loss, out, grads, layer_state)
 
     def apply_step(self, g: Gradients, model: Any, state: Any, *, minibatch_size: Any, on_nan: str = "ignore",
@@ -877,6 +910,10 @@ class OptimizerWrapper(Optimizer):
 
     def aggregate_gradients(self, grads: Any) -> Any:
         return self.inner.aggregate_gradients(grads)
+
+    def _weighing_axis(self) -> Any:  # the inner's, unless this wrapper aggregates itself
+        own = type(self).aggregate_gradients is not OptimizerWrapper.aggregate_gradients
+        return None if own else self.inner._weighing_axis()
 
     def transform_gradients(self, grads: Any) -> Any:
         return self.inner.transform_gradients(grads)

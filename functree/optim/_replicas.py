@@ -11,6 +11,12 @@ on what arrives:
   inserts the ``psum`` when it transposes the parameter's broadcast): divide by the
   axis size.
 
+A :class:`~functree.losses.WeightedMean` loss (``reduction="weighted"``) asks for the
+global batch's mean, so its replicas are weighed by their counts
+(:func:`replica_weighted_mean`), which needs each replica's own gradient:
+:func:`as_varying` makes the parameters varying before they are differentiated, where
+:func:`all_varying` finds that the gradients came summed.
+
 Whether the checking is on is read structurally, from the type of ``axis_index``.
 """
 
@@ -20,7 +26,9 @@ from typing import Any
 
 import jax
 
-__all__ = ["axis_size", "replica_mean", "varying_axes", "UNBOUND_AXIS"]
+from functree.losses._weighted import WeightedMean, ratio
+
+__all__ = ["all_varying", "as_varying", "axis_size", "replica_mean", "replica_weighted_mean", "varying_axes", "UNBOUND_AXIS"]
 
 UNBOUND_AXIS = """\
 The optimizer aggregates gradients over axis_name={name!r}, but no axis of that name is \
@@ -82,3 +90,59 @@ def replica_mean(tree: Any, name: Any, *, reduced: str = "sum") -> Any:
         return x / n if reduced == "sum" else x
 
     return jax.tree.map(one, tree)
+
+
+def all_varying(tree: Any, name: Any) -> bool:
+    """Whether every array leaf of ``tree`` holds each replica's own value: JAX tracks no
+    varying axes for ``name`` (``vmap``, ``pmap``, ``shard_map(check_vma=False)``), or each
+    varies over it."""
+    if not _tracksvarying_axes(name):
+        return True
+    return all(name in varying_axes(x) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
+
+
+def as_varying(tree: Any, name: Any) -> Any:
+    """``tree`` with every array leaf varying over ``name`` where JAX tracks varying axes
+    (``shard_map(check_vma=True)``): differentiated, each replica then gets its own
+    gradient, not the sum JAX would insert (elsewhere ``tree`` as it is)."""
+    if not _tracksvarying_axes(name):
+        return tree
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and name not in varying_axes(x):
+            return jax.lax.pcast(x, name, to="varying")
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+def replica_weighted_mean(record: WeightedMean, grads: Any, name: Any) -> tuple[WeightedMean, Any]:
+    """The replicas' :class:`~functree.losses.WeightedMean` losses as one, ``Σ total_r /
+    Σ count_r``, and their own gradients (varying over ``name``: :func:`as_varying`)
+    weighed by count, ``Σ count_r ∇value_r / Σ count_r``: the global batch's mean (an
+    equal-weight mean would weigh a replica of 2 kept tokens as one of 200); zero
+    gradients when no replica counted any.
+
+    .. math:: L = \\frac{\\sum_r t_r}{\\sum_r c_r},\\quad
+       \\nabla L = \\sum_r \\frac{c_r}{\\sum_s c_s} \\nabla \\frac{t_r}{c_r}
+
+    Example:
+      >>> import jax, jax.numpy as jnp, functree as ft
+      >>> from functree.optim._replicas import replica_weighted_mean
+      >>> def per_replica(t, c, g):
+      ...     whole, grads = replica_weighted_mean(ft.losses.WeightedMean(t, c), g, "r")
+      ...     return whole.value, grads
+      >>> value, grads = jax.vmap(per_replica, axis_name="r")(jnp.array([2.0, 30.0]), jnp.array([1.0, 3.0]), jnp.array([4.0, 8.0]))
+      >>> float(value[0]), float(grads[0])  # 32 / 4; (1 * 4 + 3 * 8) / 4
+      (8.0, 7.0)
+    """
+    n = axis_size(name)
+    tracked = _tracksvarying_axes(name)
+
+    def summed(x: Any) -> Any:  # a value equal on every replica sums to n times itself
+        return jax.lax.psum(x, name) if not tracked or name in varying_axes(x) else x * n
+
+    count = summed(record.count)
+    share = ratio(record.count, count)
+    weighed = jax.tree.map(lambda x: None if x is None else summed(x * share.astype(x.dtype)), grads)
+    return WeightedMean(summed(record.total), count), weighed

@@ -46,12 +46,12 @@ from functree._flat import FlatJit, flat_jit
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
-from functree.losses._weighted import WeightedMean, loss_value, ratio
+from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._state import collect_state, salted_keys
 from functree.optim import Optimizer, OptimizerState, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import Gradients
-from functree.optim._replicas import varying_axes
+from functree.optim._replicas import replica_weighted_mean, varying_axes
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.optim._subset import trained_view
 from functree.parallel._mesh import is_array
@@ -184,21 +184,6 @@ def _merge_microbatches(aux: Any, size: int, accumulate: int, rows: Any) -> Any:
 def _replica_mean(x: Any, axis: str) -> Any:
     """The mean over ``axis`` of a value that still varies over it (else the value)."""
     return jax.lax.pmean(x, axis) if axis in varying_axes(x) else x
-
-
-def _replica_sum(x: Any, axis: str) -> Any:
-    """The sum over ``axis`` of a value that still varies over it (else the value)."""
-    return jax.lax.psum(x, axis) if axis in varying_axes(x) else x
-
-
-def _devices_weighted(record: WeightedMean, grads: Any, axis: str) -> tuple[WeightedMean, Any]:
-    """The devices' :class:`~functree.losses.WeightedMean` losses as one, ``Σ total_d /
-    Σ count_d``, and their gradients weighed by count, ``Σ count_d ∇value_d / Σ count_d``:
-    the global batch's (a mean over devices would weigh a device of 2 kept tokens as one of
-    200); zero gradients when no device counted any."""
-    whole = WeightedMean(_replica_sum(record.total, axis), _replica_sum(record.count, axis))
-    share = ratio(record.count, whole.count)
-    return whole, jax.tree.map(lambda x: _replica_sum(x * share.astype(x.dtype), axis), grads)
 
 
 def _weakly(ref: Callable[[], Any], method: str) -> Callable[..., Any]:
@@ -499,7 +484,7 @@ class TrainStep:
                 m = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying") if is_array(x) else x, m)
             g = half(m, s, b)
             if isinstance(g.out[0], WeightedMean):  # each device weighed by its count (kept tokens)
-                record, grads = _devices_weighted(g.out[0], g.grads, axis)
+                record, grads = replica_weighted_mean(g.out[0], g.grads, axis)
                 loss = record.value
             else:
                 loss = record = _replica_mean(g.loss, axis)

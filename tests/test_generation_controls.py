@@ -132,6 +132,8 @@ def test_exponential_decay_record_equals_hf_processor():
     logits = (rng.normal(size=(4, 12)) * 4).astype(np.float32)
     logits[1, 7] = -np.inf  # a removed EOS stays removed
     logits[2, 3] = 0.0
+    # one program for every record and step (the records' fields and t are its arguments)
+    apply = jax.jit(lambda record, x, t: record.apply(x, None, _controls.Now(None, t, None)))  # pyright: ignore
     for start, factor in [(0, 1.5), (2, 1.1), (3, 0.8), (0, 3.0)]:
         hf = ExponentialDecayLengthPenalty((start, factor), eos, prompt)
         record = _controls.ExponentialDecayLengthPenalty.build(_controls.Options(
@@ -139,8 +141,7 @@ def test_exponential_decay_record_equals_hf_processor():
         assert record is not None
         for t in range(8):  # new token t: HF's input_ids hold the prompt and t new tokens
             expected = hf(torch.zeros((4, prompt + t), dtype=torch.long), torch.from_numpy(logits.copy())).numpy()
-            now = _controls.Now(None, jnp.int32(t), None)  # pyright: ignore[reportArgumentType]
-            ours = np.asarray(jax.jit(record.apply)(jnp.asarray(logits), None, now))
+            ours = np.asarray(apply(record, jnp.asarray(logits), jnp.int32(t)))
             np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
             kept = np.isfinite(expected)
             np.testing.assert_allclose(ours[kept], expected[kept], rtol=0, atol=2e-6 * np.abs(expected[kept]).max())
@@ -152,7 +153,7 @@ def test_exponential_decay_record_equals_hf_processor():
 def test_exponential_decay_greedy_and_beams_equal_hf_generate(llama, beams):
     hf, model = llama
     ids, mask = left_padded()
-    new = 10
+    new = 8  # (bucket 8: its greedy program is also the two tests' below, which give scores for it)
 
     def hf_run(**kw):
         with torch.no_grad():
@@ -161,6 +162,7 @@ def test_exponential_decay_greedy_and_beams_equal_hf_generate(llama, beams):
                                pad_token_id=PAD, output_scores=True, return_dict_in_generate=True, **kw)
 
     changed = False
+    plain = hf_run().sequences.numpy()  # without the penalty: one run for the three decays
     for decay in [(1, 1.6), (3, 2.5), (0, 1.2)]:
         out = hf_run(exponential_decay_length_penalty=decay)
         seq = out.sequences.numpy()
@@ -168,7 +170,7 @@ def test_exponential_decay_greedy_and_beams_equal_hf_generate(llama, beams):
             expected_scores = hf.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).numpy()
         else:
             expected_scores = hf.compute_transition_scores(out.sequences, out.scores, out.beam_indices).numpy()
-        changed |= seq.shape != hf_run().sequences.shape or bool((seq != hf_run().sequences.numpy()).any())
+        changed |= seq.shape != plain.shape or bool((seq != plain).any())
         tokens, scores = ft.nn.generate(model, ids, new, attention_mask=mask, num_beams=beams, eos_token_id=EOS,
                                         pad_token_id=PAD, exponential_decay_length_penalty=decay, return_scores=True)
         tokens, scores = np.asarray(tokens), np.asarray(scores)
@@ -195,9 +197,9 @@ def test_exponential_decay_start_past_int32_never_applies(llama):
                                max_new_tokens=6, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
                                exponential_decay_length_penalty=(2**40, 1.5)).numpy()
     np.testing.assert_array_equal(plain[:, :expected.shape[1]], expected)
-    for start in (2**31 - 1, 2**31, 2**40):
-        tokens = ft.nn.generate(model, ids, 6, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD,
-                                exponential_decay_length_penalty=(start, 1.5))
+    for start in (2**31 - 1, 2**31, 2**40):  # (with scores: the program of the test above, 6 new tokens in bucket 8)
+        tokens, _ = ft.nn.generate(model, ids, 6, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD,
+                                   exponential_decay_length_penalty=(start, 1.5), return_scores=True)
         np.testing.assert_array_equal(np.asarray(tokens), plain)
         hf_config = _HFConfigWith({}, {"exponential_decay_length_penalty": [start, 1.5], "eos_token_id": EOS,
                                        "pad_token_id": PAD})
@@ -258,8 +260,9 @@ def test_a_checkpoint_with_the_new_controls_applies_them_without_a_warning(llama
     explicit = ft.nn.generate(model, ids, 8, attention_mask=mask, key=key, top_k=50, eos_token_id=EOS,
                               pad_token_id=PAD, **options)
     np.testing.assert_array_equal(defaults, explicit)
-    np.testing.assert_array_equal(greedy, ft.nn.generate(model, ids, 8, attention_mask=mask, eos_token_id=EOS,
-                                                         pad_token_id=PAD, exponential_decay_length_penalty=(2, 1.5)))
+    explicit_greedy, _ = ft.nn.generate(model, ids, 8, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD,
+                                        exponential_decay_length_penalty=(2, 1.5), return_scores=True)  # (scores:
+    np.testing.assert_array_equal(greedy, explicit_greedy)  # test_exponential_decay_greedy_and_beams_...'s program)
     assert (np.asarray(defaults) != np.asarray(ft.nn.generate(model, ids, 8, attention_mask=mask, key=key, top_k=50,
                                                               eos_token_id=EOS, pad_token_id=PAD,
                                                               temperature=0.9))).any()
@@ -398,9 +401,10 @@ def test_a_records_keyword_is_a_checkpoint_option_never_warned_about():
 
 
 def test_filtered_applies_every_warper_it_is_given():
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 20)).astype(np.float32) * 3)
-    four = _controls.filtered(logits, 1.0, top_k=15, top_p=0.999, min_p=0.001)
-    five = _controls.filtered(logits, 1.0, top_k=15, top_p=0.999, min_p=0.001, typical_p=0.3)
+    # the shape and top_k of test_new_warpers_equal_hf_logits_warpers' last case: its eager programs
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(8, 100)).astype(np.float32) * 3)
+    four = _controls.filtered(logits, 1.0, top_k=40, top_p=0.999, min_p=0.001)
+    five = _controls.filtered(logits, 1.0, top_k=40, top_p=0.999, min_p=0.001, typical_p=0.3)
     assert int(jnp.isfinite(five).sum()) < int(jnp.isfinite(four).sum())  # the 5th warper was dropped before
     with pytest.raises(TypeError, match=r"filtered: \['typicl_p'\] are not warpers' keywords"):
         _controls.filtered(logits, 1.0, typicl_p=0.3)

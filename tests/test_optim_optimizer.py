@@ -164,7 +164,8 @@ def test_state_is_checkpointable_with_orbax(tmp_path):
     model = _model()
     opt = fo.Optimizer(optax.chain(fo.clip_by_global_norm(1.0), fo.adam(fo.piecewise([(2, 0.1), (1, 0.01)]))))
     state = opt.init(model)
-    model, state, _ = opt.minimize(_loss, model, state, X, Y)
+    # one compiled step (eager, each of its operations compiled a program of its own)
+    model, state, _ = jax.jit(lambda m, s: opt.minimize(_loss, m, s, X, Y))(model, state)
     state = fo.set_hyperparameters(state, threshold=0.5)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "state", state)
@@ -212,7 +213,9 @@ def test_a_step_returns_the_state_types_init_made(make):
     opt = fo.Optimizer(make())
     model = _model()
     state = opt.init(model)
-    _, after, _ = opt.minimize(_loss, model, state, X, Y)
+    # traced, not run: the types a jitted step's trace gives its output are what decides a
+    # recompile (eager, each operation of the step compiled a program of its own)
+    _, after, _ = jax.eval_shape(lambda m, s: opt.minimize(_loss, m, s, X, Y), model, state)
 
     def types(tree):
         return [(jax.tree_util.keystr(p), x.shape, x.dtype, x.weak_type)
@@ -576,10 +579,15 @@ def test_optax_multisteps_takes_the_optimizers_extra_arguments_and_refuses_a_fun
     reference = {"w": jnp.ones(3)}
     tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
     state = tx.init(reference)
+
+    @jax.jit  # a step is one program (eager, each of its operations compiled one)
+    def by_hand(reference, state):
+        updates, state = tx.update(jax.grad(loss)(reference), state, reference)
+        return optax.apply_updates(reference, updates), state
+
     with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes int and float
         for _ in range(4):
-            updates, state = tx.update(jax.grad(loss)(reference), state, reference)
-            reference = optax.apply_updates(reference, updates)
+            reference, state = by_hand(reference, state)
     if trainer:
         t = ft.train.Trainer({"w": jnp.ones(3)}, optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), loss)
         t.fit([None] * 4, epochs=1, progress=False)
@@ -588,8 +596,9 @@ def test_optax_multisteps_takes_the_optimizers_extra_arguments_and_refuses_a_fun
         opt = ft.optim.Optimizer(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))
         params = {"w": jnp.ones(3)}
         opt_state = opt.init(params)
+        step = jax.jit(lambda p, s: opt.minimize(loss, p, s))  # one program, as the Trainer's
         for _ in range(4):
-            params, opt_state, _ = opt.minimize(loss, params, opt_state)
+            params, opt_state, _ = step(params, opt_state)
     np.testing.assert_allclose(params["w"], reference["w"], rtol=0, atol=1e-6)
     assert float(jnp.max(jnp.abs(params["w"] - 1.0))) > 1e-2  # two applied steps
     scheduled = ft.optim.sgd(ft.optim.schedule(optax.linear_schedule(1.0, 0.0, 4), unit="steps"))

@@ -7,6 +7,7 @@ autocast; see :mod:`functree.losses`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -15,7 +16,15 @@ import numpy as np
 import optax
 
 from functree._repr import short_array
-from functree.losses._reduction import check_float, check_same_shape, first_outside, reduce
+from functree.losses._reduction import (
+    check_float,
+    check_reduction,
+    check_same_shape,
+    first_outside,
+    in_compute_dtype,
+    reduce,
+    reduced,
+)
 from functree.losses._weighted import WeightedMean, ratio
 
 __all__ = [
@@ -214,8 +223,9 @@ def softmax_cross_entropy(
       Array(0.12692..., dtype=float32)
     """
     name = "softmax_cross_entropy"
-    logits = check_float(name, "logits", logits)
+    logits = check_float(name, "logits", logits)  # (float32 for half: the kernel's)
     label_smoothing = _smoothing(label_smoothing)
+    check_reduction(name, reduction)
     _check_classes(logits)
     # NumPy and Python labels are read on the host before jnp.asarray: with x64 off it wraps an
     # int64 label >= 2**31 into a small one, which the range check would take for a class.
@@ -223,7 +233,6 @@ def softmax_cross_entropy(
     given = labels if host is None else host
     index_shape, prob_shape = list(logits.shape[:-1]), list(logits.shape)
     classes = logits.shape[-1]
-    keep = counted = None
     w = None if weight is None else _class_weights(weight, logits)
     if given.shape == logits.shape[:-1]:
         if not jnp.issubdtype(given.dtype, jnp.integer):
@@ -234,19 +243,8 @@ def softmax_cross_entropy(
                 )
             )
         _check_labels(given, classes, ignore_index, logits)
-        labels = _wide(jnp.asarray(given), ignore_index)
-        keep = None if ignore_index is None else labels != ignore_index
-        inside = (labels >= 0) & (labels < classes)
-        labels = jnp.where(inside, labels, 0)
-        if w is not None:
-            values, counted = _weighted(logits, labels, w, label_smoothing)
-        elif label_smoothing:
-            values = _smoothed(logits, jax.nn.one_hot(labels, classes, dtype=logits.dtype), label_smoothing)
-        else:
-            values = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        # A traced label outside the classes (the check above could not read it): NaN, never a class.
-        outside = ~inside if keep is None else keep & ~inside
-        values = jnp.where(outside, jnp.full((), jnp.nan, values.dtype), values)
+        _check_ignore_width(ignore_index)
+        indices = True
     elif given.shape == logits.shape:
         if not jnp.issubdtype(given.dtype, jnp.floating):
             # As torch: integer (or bool) targets of the logits' shape are refused, never read as
@@ -267,10 +265,7 @@ def softmax_cross_entropy(
         if negative is not None:
             raise ValueError(NEGATIVE_PROBABILITIES.format(given=short_array(given), classes=classes,
                                                            where=negative[0], value=f"{negative[1]:g}"))
-        targets = jnp.asarray(given).astype(logits.dtype)
-        values = _smoothed(logits, targets, label_smoothing, w)
-        # A traced negative probability (the check above could not read it): NaN, never a number.
-        values = jnp.where(jnp.any(targets < 0, axis=-1), jnp.full((), jnp.nan, values.dtype), values)
+        indices, ignore_index = False, None
     elif logits.ndim >= 3 and given.shape == logits.shape[:1] + logits.shape[2:]:
         raise ValueError(TORCH_LAYOUT.format(logits=short_array(logits), given=short_array(given),
                                              index_shape=index_shape))
@@ -281,8 +276,42 @@ def softmax_cross_entropy(
                 given=short_array(given),
             )
         )
+    return _softmax_cross_entropy(logits, given, w, ignore_index=ignore_index, smoothing=label_smoothing,
+                                  reduction=reduction, indices=indices)
+
+
+@functools.partial(jax.jit, static_argnames=("ignore_index", "smoothing", "reduction", "indices"))
+def _softmax_cross_entropy(logits: jax.Array, given: jax.Array, w: jax.Array | None, *, ignore_index: int | None,
+                           smoothing: float, reduction: str, indices: bool) -> Any:
+    """The arithmetic of :func:`softmax_cross_entropy` once its inputs are checked: one
+    compiled program per shapes and options (called eagerly, ~30 operations were as many
+    programs, each compiled at a new shape), inlined into a caller's own ``jax.jit``.
+    ``indices``: ``given`` holds class indices (else probabilities)."""
+    logits = in_compute_dtype(logits)
+    w = None if w is None else w.astype(logits.dtype)
+    classes = logits.shape[-1]
+    keep = counted = None
+    if indices:
+        labels = _wide(given)
+        keep = None if ignore_index is None else labels != ignore_index
+        inside = (labels >= 0) & (labels < classes)
+        labels = jnp.where(inside, labels, 0)
+        if w is not None:
+            values, counted = _weighted(logits, labels, w, smoothing)
+        elif smoothing:
+            values = _smoothed(logits, jax.nn.one_hot(labels, classes, dtype=logits.dtype), smoothing)
+        else:
+            values = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        # A traced label outside the classes (the check could not read it): NaN, never a class.
+        outside = ~inside if keep is None else keep & ~inside
+        values = jnp.where(outside, jnp.full((), jnp.nan, values.dtype), values)
+    else:
+        targets = given.astype(logits.dtype)
+        values = _smoothed(logits, targets, smoothing, w)
+        # A traced negative probability (the check could not read it): NaN, never a number.
+        values = jnp.where(jnp.any(targets < 0, axis=-1), jnp.full((), jnp.nan, values.dtype), values)
     if keep is None and counted is None:
-        return reduce(name, values, reduction)
+        return reduce("softmax_cross_entropy", values, reduction)
     zero = jnp.zeros((), values.dtype)
     if keep is not None:
         values = jnp.where(keep, values, zero)
@@ -292,7 +321,7 @@ def softmax_cross_entropy(
         if reduction == "weighted":
             return WeightedMean(jnp.sum(values), total)
         return ratio(jnp.sum(values), total)
-    return reduce(name, values, reduction)
+    return reduce("softmax_cross_entropy", values, reduction)
 
 
 def _smoothing(value: Any) -> float:
@@ -337,16 +366,21 @@ def _check_labels(labels: Any, classes: int, ignore_index: int | None, logits: j
                                                    ignore=ignore_index))
 
 
-def _wide(labels: jax.Array, ignore_index: int | None) -> jax.Array:
-    """``labels`` as JAX's widest signed integer (int32; int64 under ``jax_enable_x64``), so
-    ``-100`` and the class count compare as numbers: in uint8, ``ignore_index=-100`` wraps to
-    156 (real labels 156 were ignored) and ``labels < 256`` casts 256 to 0 (every label was
-    outside: NaN). An ``ignore_index`` beyond that dtype raises :data:`IGNORE_INDEX_TOO_WIDE`."""
+def _check_ignore_width(ignore_index: int | None) -> None:
+    """:data:`IGNORE_INDEX_TOO_WIDE` for an ``ignore_index`` beyond :func:`_wide`'s dtype."""
     wide = jax.dtypes.canonicalize_dtype(np.int64)
     info = np.iinfo(wide)
     if ignore_index is not None and not info.min <= ignore_index <= info.max:
         raise ValueError(IGNORE_INDEX_TOO_WIDE.format(index=ignore_index, dtype=wide, low=info.min, high=info.max))
-    return labels.astype(wide)
+
+
+def _wide(labels: jax.Array) -> jax.Array:
+    """``labels`` as JAX's widest signed integer (int32; int64 under ``jax_enable_x64``), so
+    ``-100`` and the class count compare as numbers: in uint8, ``ignore_index=-100`` wraps to
+    156 (real labels 156 were ignored) and ``labels < 256`` casts 256 to 0 (every label was
+    outside: NaN). An ``ignore_index`` beyond that dtype is refused first
+    (:func:`_check_ignore_width`)."""
+    return labels.astype(jax.dtypes.canonicalize_dtype(np.int64))
 
 
 def _smoothed(logits: jax.Array, targets: jax.Array, smoothing: float, weight: jax.Array | None = None) -> jax.Array:
@@ -370,12 +404,12 @@ def _weighted(logits: jax.Array, labels: jax.Array, weight: jax.Array, smoothing
     return values, counted
 
 
-def _class_weights(weight: Any, logits: jax.Array) -> jax.Array:
-    """``weight`` as a ``[classes]`` array of the logits' dtype, or :data:`BAD_WEIGHT`."""
-    w = jnp.asarray(weight)
+def _class_weights(weight: Any, logits: jax.Array) -> Any:
+    """``weight`` as a ``[classes]`` floating array, or :data:`BAD_WEIGHT`."""
+    w = weight if isinstance(weight, (jax.Array, np.ndarray)) else np.asarray(weight)
     if w.shape != logits.shape[-1:] or not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(BAD_WEIGHT.format(classes=logits.shape[-1], logits=short_array(logits), given=short_array(w)))
-    return w.astype(logits.dtype)
+    return w  # (in the logits' compute dtype: the kernel's cast)
 
 
 LABELS_OUTSIDE_UNIT = """\
@@ -426,19 +460,24 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, *, pos_weight: Any = None, r
     outside = first_outside(labels, 0, 1)
     if outside is not None:
         raise ValueError(LABELS_OUTSIDE_UNIT.format(where=outside[0], value=f"{outside[1]:g}"))
-    if pos_weight is None:
+    w = None if pos_weight is None else _positive_weight(pos_weight, labels)
+    return reduced("sigmoid_cross_entropy", _sigmoid_terms, reduction, logits, labels, w)
+
+
+def _sigmoid_terms(logits: jax.Array, labels: jax.Array, w: jax.Array | None) -> jax.Array:
+    if w is None:
         values = optax.sigmoid_binary_cross_entropy(logits, labels)
     else:
-        w = _positive_weight(pos_weight, labels)
+        w = w.astype(labels.dtype)
         values = -(w * labels * jax.nn.log_sigmoid(logits) + (1 - labels) * jax.nn.log_sigmoid(-logits))
-    # A traced label outside [0, 1] (the check above could not read it): NaN, never a plausible number.
-    values = jnp.where((labels < 0) | (labels > 1), jnp.full((), jnp.nan, values.dtype), values)
-    return reduce("sigmoid_cross_entropy", values, reduction)
+    # A traced label outside [0, 1] (the check could not read it): NaN, never a plausible number.
+    return jnp.where((labels < 0) | (labels > 1), jnp.full((), jnp.nan, values.dtype), values)
 
 
-def _positive_weight(pos_weight: Any, labels: jax.Array) -> jax.Array:
-    """``pos_weight`` as an array of the labels' dtype broadcasting to their shape, or :data:`BAD_POS_WEIGHT`."""
-    w = jnp.asarray(pos_weight)
+def _positive_weight(pos_weight: Any, labels: jax.Array) -> Any:
+    """``pos_weight`` as a floating array broadcasting to the labels' shape (cast to their
+    compute dtype by the kernel), or :data:`BAD_POS_WEIGHT`."""
+    w = pos_weight if isinstance(pos_weight, (jax.Array, np.ndarray)) else np.asarray(pos_weight)
     try:
         fits = jnp.broadcast_shapes(w.shape, labels.shape) == labels.shape
     except ValueError:
@@ -446,7 +485,7 @@ def _positive_weight(pos_weight: Any, labels: jax.Array) -> jax.Array:
     if not (fits and jnp.issubdtype(w.dtype, jnp.floating)):
         raise ValueError(BAD_POS_WEIGHT.format(given=short_array(w), labels=short_array(labels),
                                                classes=labels.shape[-1] if labels.ndim else 1))
-    return w.astype(labels.dtype)
+    return w
 
 
 KL_NOT_PROBABILITIES = """\
@@ -482,13 +521,16 @@ def kl_divergence(predicted: Any, expected: Any, *, reduction: str = "mean") -> 
         negative = first_outside(x, 0, np.inf)
         if negative is not None:
             raise ValueError(KL_NOT_PROBABILITIES.format(what=what, where=negative[0], value=f"{negative[1]:g}"))
+    return reduced("kl_divergence", _kl_terms, reduction, predicted, expected)
+
+
+def _kl_terms(predicted: jax.Array, expected: jax.Array) -> jax.Array:
     zero = expected == 0
     # Both branches of the outer where are differentiated: the inner wheres keep log(0) out of
     # the zero terms' branch, so their value and their gradient are 0, never 0 * inf = NaN.
     one = jnp.ones((), expected.dtype)
     e, p = jnp.where(zero, one, expected), jnp.where(zero, one, predicted)
-    terms = jnp.where(zero, jnp.zeros((), e.dtype), e * (jnp.log(e) - jnp.log(p)))
-    return reduce("kl_divergence", jnp.sum(terms, axis=-1), reduction)
+    return jnp.sum(jnp.where(zero, jnp.zeros((), e.dtype), e * (jnp.log(e) - jnp.log(p))), axis=-1)
 
 
 ZERO_ONE_LABELS = """\
@@ -530,7 +572,7 @@ def hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Arra
     """
     predicted, expected = check_same_shape("hinge", predicted, expected)
     _check_signed_labels("hinge", expected, "max(0, 1 - 0) = 1")
-    return reduce("hinge", jax.nn.relu(1 - expected * predicted), reduction)
+    return reduced("hinge", _hinge_terms, reduction, predicted, expected)
 
 
 def squared_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -546,7 +588,7 @@ def squared_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> 
     """
     predicted, expected = check_same_shape("squared_hinge", predicted, expected)
     _check_signed_labels("squared_hinge", expected, "max(0, 1 - 0)^2 = 1")
-    return reduce("squared_hinge", jnp.square(jax.nn.relu(1 - expected * predicted)), reduction)
+    return reduced("squared_hinge", _squared_hinge_terms, reduction, predicted, expected)
 
 
 def categorical_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -559,6 +601,19 @@ def categorical_hinge(predicted: Any, expected: Any, *, reduction: str = "mean")
       Array(0., dtype=float32)
     """
     predicted, expected = check_same_shape("categorical_hinge", predicted, expected)
+    return reduced("categorical_hinge", _categorical_hinge_terms, reduction, predicted, expected)
+
+
+# The hinge losses' terms (module-level: each keys its compiled program; see reduced).
+def _hinge_terms(predicted: jax.Array, expected: jax.Array) -> jax.Array:
+    return jax.nn.relu(1 - expected * predicted)
+
+
+def _squared_hinge_terms(predicted: jax.Array, expected: jax.Array) -> jax.Array:
+    return jnp.square(jax.nn.relu(1 - expected * predicted))
+
+
+def _categorical_hinge_terms(predicted: jax.Array, expected: jax.Array) -> jax.Array:
     positive = jnp.sum(expected * predicted, axis=-1)
     negative = jnp.max((1 - expected) * predicted, axis=-1)
-    return reduce("categorical_hinge", jax.nn.relu(1 + negative - positive), reduction)
+    return jax.nn.relu(1 + negative - positive)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree.losses._reduction import check_same_shape, first_outside, reduce
+from functree.losses._reduction import check_same_shape, first_outside, reduced
 
 __all__ = [
     "mean_squared_error",
@@ -60,7 +60,7 @@ def mean_squared_error(predicted: Any, expected: Any, *, reduction: str = "mean"
       Array(2.5, dtype=float32)
     """
     predicted, expected = check_same_shape("mean_squared_error", predicted, expected)
-    return reduce("mean_squared_error", optax.squared_error(predicted, expected), reduction)
+    return reduced("mean_squared_error", optax.squared_error, reduction, predicted, expected)
 
 
 def mean_absolute_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -72,7 +72,7 @@ def mean_absolute_error(predicted: Any, expected: Any, *, reduction: str = "mean
       Array(1.5, dtype=float32)
     """
     predicted, expected = check_same_shape("mean_absolute_error", predicted, expected)
-    return reduce("mean_absolute_error", jnp.abs(predicted - expected), reduction)
+    return reduced("mean_absolute_error", _absolute_error, reduction, predicted, expected)
 
 
 def l1(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -86,7 +86,7 @@ def l1(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
       Array(3., dtype=float32)
     """
     predicted, expected = check_same_shape("l1", predicted, expected)
-    return reduce("l1", jnp.abs(predicted - expected), reduction)
+    return reduced("l1", _absolute_error, reduction, predicted, expected)
 
 
 def l2(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -101,7 +101,7 @@ def l2(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
       Array(5., dtype=float32)
     """
     predicted, expected = check_same_shape("l2", predicted, expected)
-    return reduce("l2", optax.squared_error(predicted, expected), reduction)
+    return reduced("l2", optax.squared_error, reduction, predicted, expected)
 
 
 def huber(predicted: Any, expected: Any, *, delta: float = 1.0, reduction: str = "mean") -> jax.Array:
@@ -120,7 +120,7 @@ def huber(predicted: Any, expected: Any, *, delta: float = 1.0, reduction: str =
     """
     _check_delta(delta)
     predicted, expected = check_same_shape("huber", predicted, expected)
-    return reduce("huber", optax.huber_loss(predicted, expected, delta=delta), reduction)
+    return reduced("huber", _huber, reduction, predicted, expected, delta)
 
 
 def _check_delta(delta: Any) -> None:
@@ -144,8 +144,7 @@ def mean_squared_logarithmic_error(predicted: Any, expected: Any, *, reduction: 
       Array(0.96090..., dtype=float32)
     """
     predicted, expected = check_same_shape("mean_squared_logarithmic_error", predicted, expected)
-    diff = jnp.log1p(jnp.maximum(predicted, 0)) - jnp.log1p(jnp.maximum(expected, 0))
-    return reduce("mean_squared_logarithmic_error", jnp.square(diff), reduction)
+    return reduced("mean_squared_logarithmic_error", _squared_log_error, reduction, predicted, expected)
 
 
 def mean_absolute_percentage_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -157,9 +156,7 @@ def mean_absolute_percentage_error(predicted: Any, expected: Any, *, reduction: 
       Array(50., dtype=float32)
     """
     predicted, expected = check_same_shape("mean_absolute_percentage_error", predicted, expected)
-    eps = jnp.finfo(predicted.dtype).eps
-    values = 100 * jnp.abs((expected - predicted) / jnp.maximum(jnp.abs(expected), eps))
-    return reduce("mean_absolute_percentage_error", values, reduction)
+    return reduced("mean_absolute_percentage_error", _percentage_error, reduction, predicted, expected)
 
 
 def log_cosh(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -171,7 +168,7 @@ def log_cosh(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.A
       Array(0.21689..., dtype=float32)
     """
     predicted, expected = check_same_shape("log_cosh", predicted, expected)
-    return reduce("log_cosh", optax.log_cosh(predicted, expected), reduction)
+    return reduced("log_cosh", optax.log_cosh, reduction, predicted, expected)
 
 
 def poisson(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
@@ -189,4 +186,27 @@ def poisson(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Ar
     negative = first_outside(predicted, 0, np.inf)
     if negative is not None:
         raise ValueError(NEGATIVE_RATES.format(where=negative[0], value=f"{negative[1]:g}"))
-    return reduce("poisson", predicted - jax.scipy.special.xlogy(expected, predicted), reduction)
+    return reduced("poisson", _poisson, reduction, predicted, expected)
+
+
+# The losses' elementwise terms (module-level: each is the key of its compiled program, see
+# functree/losses/_reduction.py's reduced), in the compute dtype.
+def _absolute_error(predicted: jax.Array, expected: jax.Array) -> jax.Array:
+    return jnp.abs(predicted - expected)
+
+
+def _huber(predicted: jax.Array, expected: jax.Array, delta: Any) -> jax.Array:
+    return optax.huber_loss(predicted, expected, delta=delta)
+
+
+def _squared_log_error(predicted: jax.Array, expected: jax.Array) -> jax.Array:
+    return jnp.square(jnp.log1p(jnp.maximum(predicted, 0)) - jnp.log1p(jnp.maximum(expected, 0)))
+
+
+def _percentage_error(predicted: jax.Array, expected: jax.Array) -> jax.Array:
+    eps = jnp.finfo(predicted.dtype).eps
+    return 100 * jnp.abs((expected - predicted) / jnp.maximum(jnp.abs(expected), eps))
+
+
+def _poisson(predicted: jax.Array, expected: jax.Array) -> jax.Array:
+    return predicted - jax.scipy.special.xlogy(expected, predicted)

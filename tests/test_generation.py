@@ -150,6 +150,54 @@ def llama():
     return hf, ft.nn.from_hf(hf)  # the one-call port
 
 
+# ---- compiled sizes: buckets -------------------------------------------------------------------
+
+def exact(monkeypatch):
+    """Run generate without buckets (the loop compiled for the exact prompt and new sizes)."""
+    monkeypatch.setattr(_generate, "_buckets", lambda prompt, new, limit: (prompt, new))
+
+
+def test_buckets_give_the_exact_tokens_and_reuse_one_program(llama, monkeypatch):
+    """A prompt of 5 or 6 tokens and 20 or 24 new ones run in one program (prompt bucket 8, new
+    32): the second call compiles nothing; greedy with EOS, sampling with controls and beam
+    search give the tokens (and scores) of loops compiled for the exact sizes."""
+    from _compiles import compiled
+
+    _, model = llama
+    ids, mask = left_padded_prompts()
+    calls: list[dict[str, Any]] = [
+        dict(eos_token_id=0, pad_token_id=2),
+        dict(eos_token_id=[0, 5], pad_token_id=2, temperature=0.9, top_k=7, top_p=0.9, key=jax.random.key(4),
+             repetition_penalty=1.3, min_new_tokens=3, no_repeat_ngram_size=2, return_scores=True,
+             stop=[[7, 8]]),
+        dict(eos_token_id=0, pad_token_id=2, num_beams=3, num_return_sequences=2, return_scores=True),
+    ]
+    bucketed = []
+    # One block, every cache cleared once at its start (the first test of the module: the
+    # programs compiled here are the later tests'): each call's programs are those the block
+    # logged since the call before, and the kinds' programs differ (their static options), so
+    # each kind's first call compiles its loop and nothing else, and its second nothing.
+    with compiled() as names:
+        for kw in calls:  # the tokens compared below are those of the calls whose compiles are counted
+            start = len(names)
+            bucketed.append([ft.nn.generate(model, ids[:, cut:], new, attention_mask=mask[:, cut:], **kw)
+                             for cut, new in ((0, NEW), (1, NEW - 4))])
+            assert names[start:] == ["jit(beam_search)" if "num_beams" in kw else "jit(generate_loop)"], (kw, names)
+        start = len(names)
+        ft.nn.generate(model, ids, NEW, attention_mask=mask, eos_token_id=[])  # plain greedy: one program
+        assert names[start:] == ["jit(generate_loop)"]
+    exact(monkeypatch)
+    for kw, got in zip(calls, bucketed):
+        # the exact-size loops for the shorter prompt and fewer new tokens (both padded up to
+        # their buckets): each exact size is a compile of its own, so one size per control
+        for (cut, new), out in zip(((1, NEW - 4),), got[1:]):
+            want = ft.nn.generate(model, ids[:, cut:], new, attention_mask=mask[:, cut:], **kw)
+            for a, b in zip(*((out, want) if kw.get("return_scores") else ((out,), (want,)))):
+                assert a.shape == b.shape
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max())))
+    assert (np.asarray(bucketed[0][0])[:, PROMPT:] == 0).any()  # EOS ends a row (the padding after it is cropped)
+
+
 def test_greedy_gpt2_equals_hf_generate_with_left_padding(gpt2):
     """A user model written against the protocol, and ft.nn.from_hf's GPT-2 (its learned
     positions count the real tokens before each cache slot)."""
@@ -193,7 +241,9 @@ def test_a_batch_that_finishes_inside_the_prompts_bucket_is_padded_as_hf_pads_it
     `stop=` and beams alike)."""
     hf, model = llama
     ids = np.arange(5, 11, dtype=np.int32).reshape(2, 3)
-    free = np.asarray(ft.nn.generate(model, ids, 6, eos_token_id=[]))
+    # (with its scores: the program of the test above, 2 rows in buckets of 8 and 8; greedy
+    # tokens do not depend on it)
+    free = np.asarray(ft.nn.generate(model, ids, 6, eos_token_id=[], return_scores=True)[0])
     eos = [int(free[0, 4]), int(free[1, 4])]
     with torch.no_grad():
         expected = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.ones(2, 3, dtype=torch.long),
@@ -668,49 +718,6 @@ def test_errors(tiny):
         generate(NoPair(key=jax.random.key(0)), prompt, 4)
 
 
-# ---- compiled sizes: buckets -------------------------------------------------------------------
-
-def exact(monkeypatch):
-    """Run generate without buckets (the loop compiled for the exact prompt and new sizes)."""
-    monkeypatch.setattr(_generate, "_buckets", lambda prompt, new, limit: (prompt, new))
-
-
-def test_buckets_give_the_exact_tokens_and_reuse_one_program(llama, monkeypatch):
-    """A prompt of 5 or 6 tokens and 20 or 24 new ones run in one program (prompt bucket 8, new
-    32): the second call compiles nothing; greedy with EOS, sampling with controls and beam
-    search give the tokens (and scores) of loops compiled for the exact sizes."""
-    from _compiles import compiled
-
-    _, model = llama
-    ids, mask = left_padded_prompts()
-    calls: list[dict[str, Any]] = [
-        dict(eos_token_id=0, pad_token_id=2),
-        dict(eos_token_id=[0, 5], pad_token_id=2, temperature=0.9, top_k=7, top_p=0.9, key=jax.random.key(4),
-             repetition_penalty=1.3, min_new_tokens=3, no_repeat_ngram_size=2, return_scores=True,
-             stop=[[7, 8]]),
-        dict(eos_token_id=0, pad_token_id=2, num_beams=3, num_return_sequences=2, return_scores=True),
-    ]
-    bucketed = []
-    for kw in calls:  # the tokens compared below are those of the calls whose compiles are counted
-        with compiled() as names:
-            bucketed.append([ft.nn.generate(model, ids[:, cut:], new, attention_mask=mask[:, cut:], **kw)
-                             for cut, new in ((0, NEW), (1, NEW - 4))])
-        assert names == ["jit(beam_search)" if "num_beams" in kw else "jit(generate_loop)"], (kw, names)
-    with compiled() as names:  # plain greedy: one program
-        ft.nn.generate(model, ids, NEW, attention_mask=mask, eos_token_id=[])
-    assert names == ["jit(generate_loop)"]
-    exact(monkeypatch)
-    for kw, got in zip(calls, bucketed):
-        # the exact-size loops for the shorter prompt and fewer new tokens (both padded up to
-        # their buckets): each exact size is a compile of its own, so one size per control
-        for (cut, new), out in zip(((1, NEW - 4),), got[1:]):
-            want = ft.nn.generate(model, ids[:, cut:], new, attention_mask=mask[:, cut:], **kw)
-            for a, b in zip(*((out, want) if kw.get("return_scores") else ((out,), (want,)))):
-                assert a.shape == b.shape
-                np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max())))
-    assert (np.asarray(bucketed[0][0])[:, PROMPT:] == 0).any()  # EOS ends a row (the padding after it is cropped)
-
-
 # ---- a checkpoint's generation config -----------------------------------------------------------
 
 class Config(dict):
@@ -853,11 +860,17 @@ def test_a_donated_model_is_named_by_key_path(tiny):
         ft.nn.generate(copy, prompt, 4)
 
 
+class Untraced(TinyLM):
+    """TinyLM under a type of its own: no loop that another test compiled for a TinyLM is in
+    the jit cache for it, so each of its calls below is traced (where the memory check runs).
+    With tiny's model the test passed only while an earlier test cleared every cache."""
+
+
 def test_a_cache_larger_than_memory_raises_before_it_is_made(tiny, monkeypatch):
     """The cache's bytes, from its shapes while the loop is traced, against the memory there
     is: a clear error naming both (nothing is allocated), with a max_new_tokens that fits; a
     bucket too large whose exact sizes fit runs at its exact sizes."""
-    model, prompt, _ = tiny
+    model, prompt = Untraced(key=jax.random.key(0)), tiny[1]
     unbounded = model.replace(max_positions=None)
     rows = jnp.zeros((64, 3), jnp.int32)  # 64 rows of 2 ** 30 positions: 4 TiB of keys and values
     with pytest.raises(ValueError, match=r"cache for 64 sequences of 1073741803 positions \(the prompt's 3 tokens "
@@ -1027,7 +1040,7 @@ def test_sampling_a_small_vocabulary_from_hf_model_with_hf_defaults():
 
 def test_hugging_faces_spellings_and_typos_name_the_keyword_to_write(tiny):
     """`output_scores=True` (HF's name) was Python's bare "unexpected keyword argument"."""
-    model, ids = tiny[0], np.array([[1, 2, 3]], np.int32)
+    model, ids = tiny[0], np.array([[1, 2, 3], [4, 5, 6]], np.int32)  # tiny's rows: its greedy program
     cases = {"output_scores": r"\(Hugging Face's name\).*right:  ft.nn.generate\(model, input_ids, max_new_tokens, "
                               r"return_scores=True\)",
              "do_sample": r"right:  ft.nn.generate\(model, input_ids, max_new_tokens, key=jax.random.key\(0\)\)",
@@ -1039,8 +1052,8 @@ def test_hugging_faces_spellings_and_typos_name_the_keyword_to_write(tiny):
                                             rf"'{name}'.*{pattern}"):
             ft.nn.generate(model, ids, 2, **{name: 1})
     tokens, scores = ft.nn.generate(model, ids, 2, return_scores=True)  # the fixes run
-    assert tokens.shape == (1, 5) and scores.shape == (1, 2)
-    assert ft.nn.generate(model, ids, 5 - ids.shape[1]).shape == (1, 5)
+    assert tokens.shape == (2, 5) and scores.shape == (2, 2)
+    assert ft.nn.generate(model, ids, 5 - ids.shape[1]).shape == (2, 5)
 
 
 def test_scores_under_x64_equal_float32s(llama):
@@ -1048,6 +1061,7 @@ def test_scores_under_x64_equal_float32s(llama):
     TypeError from dynamic_update_slice, int32 slot indices beside a weak int64 step 0)."""
     _, model = llama
     ids, mask = left_padded_prompts()
+    ids, mask = ids[1:], mask[1:]  # the left-padded rows: float32 greedy is test_a_pad_id_...'s program
     runs = {}
     for x64 in (False, True):
         with jax.enable_x64(x64):

@@ -58,7 +58,7 @@ def trained(base):
     return train_adapters(base)
 
 
-def test_save_lora_loads_in_peft_with_equal_logits(hf, trained, tmp_path):
+def test_save_lora_loads_in_peft_with_equal_logits(hf, base, trained, tmp_path):
     model, _, _ = trained
     ft.nn.save_lora(model, tmp_path, base_model_name_or_path="tiny-llama")
     config = json.loads((tmp_path / "adapter_config.json").read_text())
@@ -70,9 +70,9 @@ def test_save_lora_loads_in_peft_with_equal_logits(hf, trained, tmp_path):
     expected = hf_logits(peft_model, ids)
     assert not np.allclose(expected, hf_logits(hf, ids), atol=1e-3)  # the adapters change the logits
     assert_close(logits(model, ids), expected)
-    loaded = ft.nn.load_lora(ft.nn.from_hf(hf), tmp_path)  # and back
+    loaded = ft.nn.load_lora(base, tmp_path)  # and back
     assert jax.tree.structure(loaded) == jax.tree.structure(model)
-    assert bool(jnp.all(logits(loaded, ids) == logits(model, ids)))
+    assert np.array_equal(logits(loaded, ids), logits(model, ids))
 
 
 def test_load_lora_reads_peft_save_pretrained(tmp_path):
@@ -121,6 +121,11 @@ def test_save_and_load_errors(tmp_path, base):
         ft.nn.load_lora(ft.nn.Sequential(ft.nn.Dense(D + 1, D, key=jax.random.key(0))), tmp_path)
 
 
+def normal(seed, shape):
+    """Standard normal float32 values drawn in NumPy (a jax.random draw compiles a program per shape)."""
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
 def gpt2_hf():
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=D, n_layer=2, n_head=4,
                                      bos_token_id=0, eos_token_id=0)
@@ -137,7 +142,7 @@ def test_gpt2_conv1d_layers_save_with_fan_in_fan_out(gpt2, tmp_path):
     model = ft.nn.lora(gpt2, ["*.mlp.c_fc", "*.attn.c_proj"], rank=2, alpha=4, key=jax.random.key(0))
     for name in ("transformer.h.layers.mlp.c_fc.lora_b", "transformer.h.layers.attn.output_projection.lora_b"):
         value = ft.get(model, name)
-        model = ft.set(model, name, 0.3 * jax.random.normal(jax.random.key(1), value.shape))
+        model = ft.set(model, name, jnp.asarray(0.3 * normal(1, value.shape)))
     ft.nn.save_lora(model, tmp_path)
     assert json.loads((tmp_path / "adapter_config.json").read_text())["fan_in_fan_out"] is True
     peft_model = peft.PeftModel.from_pretrained(gpt2_hf(), str(tmp_path)).eval()
@@ -157,7 +162,7 @@ def _sequential(n_out):
 
 def _adapted(n_out):
     model = ft.nn.lora(_sequential(n_out), "*", rank=2, key=jax.random.key(2))
-    return ft.set(model, "layers.1.lora_b", 0.3 * jax.random.normal(jax.random.key(3), (2, n_out)))
+    return ft.set(model, "layers.1.lora_b", jnp.asarray(0.3 * normal(3, (2, n_out))))
 
 
 def test_torch_names_follow_the_leaf_shapes_not_the_tree_definition_alone(tmp_path):
@@ -180,12 +185,13 @@ def test_torch_names_follow_the_leaf_shapes_not_the_tree_definition_alone(tmp_pa
     state = ft.interop.torch_state_dict(_sequential(3), numpy=True)
     torch_model.load_state_dict({k: torch.tensor(np.array(v)) for k, v in state.items()})
     peft_model = peft.PeftModel.from_pretrained(torch_model, str(tmp_path / "three")).eval()
-    x = np.asarray(jax.random.normal(jax.random.key(4), (5, 4)))
+    x = normal(4, (5, 4))
     with torch.no_grad():
         expected = peft_model(torch.tensor(x)).numpy()
-    assert not np.allclose(expected, np.asarray(_sequential(3)(x)), atol=1e-2)  # the adapter changes the outputs
-    assert_close(loaded(x), expected)
-    assert_close(_adapted(3)(x), expected)
+    apply = jax.jit(lambda m, v: m(v))  # one program per model structure, not one per operation and shape
+    assert not np.allclose(expected, np.asarray(apply(_sequential(3), x)), atol=1e-2)  # the adapter changes the outputs
+    assert_close(apply(loaded, x), expected)
+    assert_close(apply(_adapted(3), x), expected)
 
 
 DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -292,7 +298,7 @@ def test_fused_members_trained_apart_load_back_with_their_own_rank(trained, tmp_
     if trained:
         leaves = {n: v for n, v in ft.to_flat_dict(model).items() if n.endswith("lora_b")}
         model = ft.from_flat_dict(model, {**ft.to_flat_dict(model), **{
-            n: jax.random.normal(jax.random.key(i), v.shape) for i, (n, v) in enumerate(leaves.items())}})
+            n: jnp.asarray(normal(i, v.shape)) for i, (n, v) in enumerate(leaves.items())}})
     ft.nn.save_lora(model, tmp_path / "one")
     config = json.loads((tmp_path / "one" / "adapter_config.json").read_text())
     assert config["r"] == 6  # the block form: A stacked
@@ -333,7 +339,8 @@ def test_all_linear_adapts_what_peft_adapts(make_hf, tmp_path):
     peft_model = peft.get_peft_model(make_hf(), peft.LoraConfig(target_modules="all-linear",
                                                                 fan_in_fan_out=make_hf is gpt2_hf))
     wanted = set(peft_model.peft_config["default"].target_modules)
-    model = ft.nn.lora(ft.nn.from_hf(make_hf()), "all-linear", rank=2, key=jax.random.key(0))
+    port = ft.nn.from_hf(make_hf())  # read by both (modules are immutable)
+    model = ft.nn.lora(port, "all-linear", rank=2, key=jax.random.key(0))
     ft.nn.save_lora(model, tmp_path)
     assert set(json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]) == wanted
     assert "lm_head" not in wanted and len(wanted) > 4
@@ -346,7 +353,7 @@ def test_all_linear_adapts_what_peft_adapts(make_hf, tmp_path):
     peft_model.eval().save_pretrained(str(tmp_path / "peft"))
     edit_config(tmp_path / "peft", target_modules="all-linear")
     ids = tokens()
-    loaded = ft.nn.load_lora(ft.nn.from_hf(make_hf()), tmp_path / "peft")
+    loaded = ft.nn.load_lora(port, tmp_path / "peft")
     assert_close(logits(loaded, ids), hf_logits(peft_model, ids))
 
 
@@ -354,7 +361,7 @@ def test_one_member_of_a_fused_projection_saves_as_peft_reads_it(tmp_path):
     """An adapter on GPT-2's query projection alone is PEFT's c_attn adapter with zero k, v rows."""
     model = ft.nn.lora(ft.nn.from_hf(gpt2_hf()), "*.attn.query_projection", rank=2, alpha=4, key=jax.random.key(1))
     name = "transformer.h.layers.attn.query_projection.lora_b"
-    model = ft.set(model, name, jax.random.normal(jax.random.key(2), ft.get(model, name).shape))
+    model = ft.set(model, name, jnp.asarray(normal(2, ft.get(model, name).shape)))
     ft.nn.save_lora(model, tmp_path)
     b = safetensors.numpy.load_file(str(tmp_path / "adapter_model.safetensors"))[
         "base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"]
@@ -364,23 +371,22 @@ def test_one_member_of_a_fused_projection_saves_as_peft_reads_it(tmp_path):
     assert_close(logits(model, ids), hf_logits(peft_model, ids))
 
 
-def test_alpha_zero_with_an_alpha_pattern_and_rslora_load_as_peft(tmp_path):
+def test_alpha_zero_with_an_alpha_pattern_and_rslora_load_as_peft(tmp_path, base):
     ids = tokens()
     for name, options in [("zero", dict(lora_alpha=0, alpha_pattern={"v_proj": 16})),
                           ("rslora", dict(lora_alpha=6, use_rslora=True))]:
         peft_model = peft_adapter(llama, tmp_path / name, r=4, target_modules=["q_proj", "v_proj"], **options)
-        model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / name)  # was: ZeroDivisionError
+        model = ft.nn.load_lora(base, tmp_path / name)  # was: ZeroDivisionError
         assert_close(logits(model, ids), hf_logits(peft_model, ids))
         ft.nn.save_lora(model, tmp_path / f"{name}_back")
         again = peft.PeftModel.from_pretrained(llama(), str(tmp_path / f"{name}_back")).eval()
         assert_close(hf_logits(again, ids), hf_logits(peft_model, ids))
 
 
-def test_load_lora_follows_the_config_not_the_file(tmp_path):
+def test_load_lora_follows_the_config_not_the_file(tmp_path, base):
     """The file holds q and v; configs that select other modules or ranks than the file's are
     refused (PEFT: loads a subset silently, or its size-mismatch error, or ZeroDivisionError)."""
     peft_adapter(llama, tmp_path, r=4, target_modules=["q_proj", "v_proj"])
-    base = ft.nn.from_hf(llama())
     edit_config(tmp_path, target_modules=["q_proj"])  # was: v applied too (logits 0.25 from PEFT's)
     with pytest.raises(ValueError, match=r"(?s)holds tensors for \['model.layers.0.self_attn.v_proj'.*"
                                          r"does not select.*\"target_modules\": \["):
@@ -431,9 +437,8 @@ def test_a_layer_selection_beside_a_regex_target_is_refused_as_peft_refuses_it(b
         ft.nn.load_lora(base, tmp_path)
 
 
-def test_integer_and_damaged_adapter_files_are_refused(tmp_path):
+def test_integer_and_damaged_adapter_files_are_refused(tmp_path, base):
     peft_adapter(llama, tmp_path, r=2, target_modules=["q_proj"])
-    base = ft.nn.from_hf(llama())
     path = tmp_path / "adapter_model.safetensors"
     tensors = safetensors.numpy.load_file(str(path))
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -446,7 +451,7 @@ def test_integer_and_damaged_adapter_files_are_refused(tmp_path):
         ft.nn.load_lora(base, tmp_path)
 
 
-def test_modules_to_save_lm_head_loads_and_saves_as_peft(tmp_path):
+def test_modules_to_save_lm_head_loads_and_saves_as_peft(tmp_path, base):
     """PEFT's modules_to_save=["lm_head"]: the trained head's full weight beside the adapters
     (base_model.model.lm_head.weight) replaces the head; saved back the same way."""
     torch.manual_seed(3)
@@ -457,7 +462,7 @@ def test_modules_to_save_lm_head_loads_and_saves_as_peft(tmp_path):
     peft_model.save_pretrained(str(tmp_path / "peft"))
     ids = tokens()
     expected = hf_logits(peft_model, ids)
-    model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "peft")
+    model = ft.nn.load_lora(base, tmp_path / "peft")
     assert_close(logits(model, ids), expected)
     ft.nn.save_lora(model, tmp_path / "ft", modules_to_save="lm_head")  # a str, as PEFT takes it
     assert json.loads((tmp_path / "ft" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
@@ -470,7 +475,7 @@ def test_modules_to_save_lm_head_loads_and_saves_as_peft(tmp_path):
         ft.nn.save_lora(model, tmp_path / "none", modules_to_save=["classifier"])
 
 
-def test_modules_to_save_naming_no_module_is_skipped_as_peft_skips_it(tmp_path):
+def test_modules_to_save_naming_no_module_is_skipped_as_peft_skips_it(tmp_path, base):
     """PEFT's SEQ_CLS adapters always list ["classifier", "score"], one of which the model
     lacks; PEFT skips such an entry (_set_trainable), and so does load_lora (it refused the
     file). save_lora writes the entries found; its own argument naming nothing is an error."""
@@ -484,7 +489,7 @@ def test_modules_to_save_naming_no_module_is_skipped_as_peft_skips_it(tmp_path):
     ids = tokens()
     expected = hf_logits(peft.PeftModel.from_pretrained(llama(), str(tmp_path / "peft")).eval(), ids)
     assert_close(expected, hf_logits(peft_model, ids))
-    model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "peft")
+    model = ft.nn.load_lora(base, tmp_path / "peft")
     assert_close(logits(model, ids), expected)
     ft.nn.save_lora(model, tmp_path / "ft")
     assert json.loads((tmp_path / "ft" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
@@ -493,7 +498,7 @@ def test_modules_to_save_naming_no_module_is_skipped_as_peft_skips_it(tmp_path):
         ft.nn.save_lora(model, tmp_path / "none", modules_to_save=["lm_head", "score"])
 
 
-def test_a_loaded_head_is_saved_again_without_being_named(tmp_path):
+def test_a_loaded_head_is_saved_again_without_being_named(tmp_path, base):
     """An adapter loaded with modules_to_save (a head trained in full) and trained further
     goes back out with its head: save_lora's modules_to_save defaults to the loaded
     adapter's (the adapters record it), so PEFT does not get the base's head back. [] drops
@@ -504,7 +509,7 @@ def test_a_loaded_head_is_saved_again_without_being_named(tmp_path):
     with torch.no_grad():
         peft_model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)
     peft_model.save_pretrained(str(tmp_path / "peft"))
-    model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "peft")
+    model = ft.nn.load_lora(base, tmp_path / "peft")
     assert model.model.layers.layers.self_attn.query_projection.saved_modules == ("lm_head",)
     model = ft.set(model, "lm_head.weight", model.lm_head.weight * 1.5)  # the head trained on
     ids = tokens()
@@ -552,13 +557,17 @@ def test_an_interrupted_save_is_refused_not_loaded(tmp_path, base, monkeypatch):
         ft.nn.load_lora(base, tmp_path)
 
 
-def test_bfloat16_adapters_save_and_load(hf, trained, tmp_path):
+def test_bfloat16_adapters_save_and_load(base, trained, tmp_path):
     """bfloat16 adapters are written as BF16 tensors (safetensors.numpy refuses them) and read back bit for bit."""
     model, _, _ = trained
-    half = jax.tree.map(lambda x: x.replace(lora_a=x.lora_a.astype(jnp.bfloat16), lora_b=x.lora_b.astype(jnp.bfloat16))
+
+    def bf16(a):  # cast in NumPy (ml_dtypes, round to nearest even as XLA): no program per shape
+        return jnp.asarray(np.asarray(a).astype(jnp.bfloat16))
+
+    half = jax.tree.map(lambda x: x.replace(lora_a=bf16(x.lora_a), lora_b=bf16(x.lora_b))
                         if isinstance(x, ft.nn.LoraDense) else x, model, is_leaf=lambda x: isinstance(x, ft.nn.LoraDense))
     ft.nn.save_lora(half, tmp_path)
-    loaded = ft.nn.load_lora(ft.nn.from_hf(hf), tmp_path)
+    loaded = ft.nn.load_lora(base, tmp_path)
     layer = loaded.model.layers.layers.self_attn.query_projection
     assert layer.lora_b.dtype == jnp.bfloat16
     assert np.array_equal(np.asarray(layer.lora_b), np.asarray(half.model.layers.layers.self_attn.query_projection.lora_b))
@@ -568,7 +577,7 @@ def test_bfloat16_adapters_save_and_load(hf, trained, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers` to `True`:UserWarning")  # PEFT's, saving
-def test_an_adapter_on_lm_head_with_the_base_weight_peft_saves_beside_it(tmp_path):
+def test_an_adapter_on_lm_head_with_the_base_weight_peft_saves_beside_it(tmp_path, base):
     """PEFT's save_embedding_layers="auto" writes lm_head's base weight beside its adapter
     (``lm_head.base_layer.weight``): read when it is the model's own, refused when it is
     another (PEFT would load it over the model's); an adapted embedding is another kind."""
@@ -577,7 +586,7 @@ def test_an_adapter_on_lm_head_with_the_base_weight_peft_saves_beside_it(tmp_pat
     tensors = safetensors.numpy.load_file(str(file))
     assert "base_model.model.lm_head.base_layer.weight" in tensors
     ids = tokens()
-    model = ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "head")
+    model = ft.nn.load_lora(base, tmp_path / "head")
     assert_close(logits(model, ids), hf_logits(peft_model, ids))
     assert isinstance(model.lm_head, _lora.LoraDense)
     name = "base_model.model.lm_head.base_layer.weight"
@@ -585,15 +594,15 @@ def test_an_adapter_on_lm_head_with_the_base_weight_peft_saves_beside_it(tmp_pat
                            (tensors[name][:40], f"shape (40, {D}) against ({VOCAB}, {D}))")):
         safetensors.numpy.save_file({**tensors, name: changed}, str(file))
         with pytest.raises(ValueError, match=re.escape(f"{name!r} is the base weight of 'lm_head'")) as info:
-            ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "head")
+            ft.nn.load_lora(base, tmp_path / "head")
         assert shown in str(info.value) and "base_model_it_was_trained_on" in str(info.value)
     peft_adapter(llama, tmp_path / "embed", r=2, target_modules=["q_proj", "embed_tokens"])
     with pytest.raises(ValueError, match=r"selects \['model.embed_tokens'\], which is not a Dense layer"):
-        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "embed")
+        ft.nn.load_lora(base, tmp_path / "embed")
 
 
 @pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga", "mica", "bogus"])
-def test_initializations_that_change_the_base_weights_are_refused(tmp_path, init):
+def test_initializations_that_change_the_base_weights_are_refused(tmp_path, init, base):
     """With PiSSA, CorDA, OLoRA, LoftQ and LoRA-GA PEFT rewrites the base layer's weight
     when it loads the adapter (W - scale B0 A0): the file's A and B do not apply to the
     base given, so loading them would be another model (measured: logits 0.04-0.07 off)."""
@@ -604,16 +613,16 @@ def test_initializations_that_change_the_base_weights_are_refused(tmp_path, init
     else:
         match = rf"sets init_lora_weights='{init}': with it PEFT changes the base model's own weights"
     with pytest.raises(ValueError, match=match) as info:
-        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path)
+        ft.nn.load_lora(base, tmp_path)
     assert ("path_initial_model_for_weight_conversion" in str(info.value)) == (init.split("_")[0] in ("pissa", "olora",
                                                                                                        "corda"))
     for plain in (True, False, "Gaussian", "eva", "orthogonal"):
         edit_config(tmp_path, init_lora_weights=plain)
-        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path)
+        ft.nn.load_lora(base, tmp_path)
 
 
 @pytest.mark.filterwarnings("ignore:PiSSA changes the base weights:UserWarning")  # PEFT's, converting
-def test_a_pissa_adapter_converted_by_peft_loads_as_peft_loads_it(tmp_path):
+def test_a_pissa_adapter_converted_by_peft_loads_as_peft_loads_it(tmp_path, base):
     """The fix the refusal names: PEFT's save with path_initial_model_for_weight_conversion
     writes plain LoRA (rank 2r) that applies to the unchanged base."""
     torch.manual_seed(4)
@@ -631,9 +640,9 @@ def test_a_pissa_adapter_converted_by_peft_loads_as_peft_loads_it(tmp_path):
     ids = tokens()
     expected = hf_logits(peft.PeftModel.from_pretrained(llama(), str(tmp_path / "plain")).eval(), ids)
     assert_close(hf_logits(peft_model.eval(), ids), expected)  # the conversion keeps the model
-    assert_close(logits(ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "plain"), ids), expected)
+    assert_close(logits(ft.nn.load_lora(base, tmp_path / "plain"), ids), expected)
     with pytest.raises(ValueError, match="init_lora_weights='pissa'"):
-        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path / "pissa")
+        ft.nn.load_lora(base, tmp_path / "pissa")
 
 
 def _gpt2_config(tied=True):
@@ -685,11 +694,11 @@ def test_all_linear_of_peft_on_a_tied_head_inside_a_model_names_the_heads_and_bo
         with torch.no_grad():
             return model.eval()(torch.from_numpy(ids).long()).numpy()
 
-    built = {}  # each port built once (a compile): the tied one serves both of its loads (modules are immutable)
+    built = {}  # each port built once: the tied one serves both of its loads (modules are immutable)
 
     def tagger(tied):
-        if tied not in built:
-            port = ft.nn.from_hf(_gpt2_config(tied), key=jax.random.key(0))
+        if tied not in built:  # the port read from the GPT-2's weights (no build compiled), then the user's load
+            port = ft.nn.from_hf(_gpt2_config(tied), reference.gpt.state_dict())
             tagged = _Tagger(port, ft.nn.Dense(30, 3, key=jax.random.key(1)))  # pyright: ignore[reportCallIssue]
             built[tied] = ft.nn.load_torch_state_dict(tagged, reference.state_dict())
         return built[tied]
@@ -699,13 +708,13 @@ def test_all_linear_of_peft_on_a_tied_head_inside_a_model_names_the_heads_and_bo
                                          r".*exclude_modules=\['gpt.lm_head'\].*\"tie_word_embeddings\": False"):
         ft.nn.load_lora(tagger(tied=True), tmp_path / "all")
     untied = ft.nn.load_lora(tagger(tied=False), tmp_path / "all")  # the second fix: the same logits as PEFT's
-    np.testing.assert_allclose(np.asarray(untied(ids)), expected, rtol=0, atol=2e-5 * float(np.abs(expected).max()))
+    np.testing.assert_allclose(np.asarray(logits(untied, ids)), expected, rtol=0, atol=2e-5 * float(np.abs(expected).max()))
     with torch.no_grad():  # the adapters move the outputs: a base without them would not pass
         base = reference(torch.from_numpy(ids).long()).numpy()
     assert np.abs(expected - base).max() > 0.1
     excluded = peft_adapter(tmp_path / "excluded", target_modules="all-linear", exclude_modules=["gpt.lm_head"])
     loaded = ft.nn.load_lora(tagger(tied=True), tmp_path / "excluded")  # the first fix
-    np.testing.assert_allclose(np.asarray(loaded(ids)), excluded, rtol=0, atol=2e-5 * float(np.abs(excluded).max()))
+    np.testing.assert_allclose(np.asarray(logits(loaded, ids)), excluded, rtol=0, atol=2e-5 * float(np.abs(excluded).max()))
 
 
 def test_a_peft_wrapped_model_is_refused_with_the_two_routes_that_load_it(tmp_path):
@@ -768,7 +777,7 @@ def test_modules_to_save_lm_head_on_a_tied_gpt2_names_the_untied_port_that_loads
         ft.nn.load_lora(ft.nn.from_hf(gpt2), tmp_path / "llama")
 
 
-def test_modules_to_save_of_another_vocabulary_is_a_shape_error_with_the_resize_that_loads_it(tmp_path):
+def test_modules_to_save_of_another_vocabulary_is_a_shape_error_with_the_resize_that_loads_it(tmp_path, base):
     """The issue: a saved lm_head [VOCAB + 5, D] on a base of VOCAB tokens was called 'not a
     PEFT LoRA adapter directory'. PEFT refuses it as a size mismatch; resizing the base's
     vocabulary first, the right line, loads it as PEFT does."""
@@ -779,7 +788,7 @@ def test_modules_to_save_of_another_vocabulary_is_a_shape_error_with_the_resize_
                                          rf".*takes \{{'weight': \({VOCAB}, {D}\)\}}: the adapter was trained on another "
                                          rf"base model \(a vocabulary of {VOCAB + 5} tokens, not {VOCAB}\)"
                                          rf".*resize_token_embeddings\({VOCAB + 5}\)"):
-        ft.nn.load_lora(ft.nn.from_hf(llama()), tmp_path)
+        ft.nn.load_lora(base, tmp_path)
     resized = llama()
     resized.resize_token_embeddings(VOCAB + 5)
     ids = tokens()

@@ -170,8 +170,10 @@ class Norms(ft.Module):
 
 
 def test_transformer_blocks_with_a_mask_keyword():
-    x = jax.random.normal(jax.random.key(1), (2, 5, D))
-    mask = jnp.ones((5, 5), bool).at[:, 0].set(False).at[0, 0].set(True)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, D)), jnp.float32)  # NumPy's: no eager programs
+    mask = np.ones((5, 5), bool)
+    mask[:, 0], mask[0, 0] = False, True
+    mask = jnp.asarray(mask)
 
     @jax.jit  # built inside the program: eager initializers would compile once per shape
     def stacked_and_applied(key):
@@ -206,7 +208,7 @@ noisy_stack = built_once(lambda: ft.nn.Stack(lambda k: Noisy(key=k), 3, key=jax.
 
 def test_dropout_gets_a_fresh_key_per_member_and_state_is_collected():
     stack = ft.nn.training(noisy_stack())
-    x, key = jnp.arange(12.0).reshape(4, 3), jax.random.key(5)
+    x, key = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3)), jax.random.key(5)
     y, state = ft.nn.collect_state(lambda s: s(x, key=key), stack)
     # Sequential splits its key the same way among the members that take one.
     y_ref, state_ref = ft.nn.collect_state(lambda s: s(x, key=key), stack.unstack())
@@ -224,7 +226,7 @@ def test_dropout_gets_a_fresh_key_per_member_and_state_is_collected():
 
 def test_state_under_value_with_gradient_and_state_inside_a_model():
     m = ft.nn.training(ft.nn.Sequential(noisy_stack()))
-    x = jnp.arange(12.0).reshape(4, 3)
+    x = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3))
     _, grads, state = ft.nn.value_with_gradient_and_state(
         lambda mm, xx: jnp.mean(mm(xx, key=jax.random.key(1)) ** 2), m, x)
     assert sorted(map(str, state)) == [".layers[0].layers.norm.running_mean",
@@ -504,9 +506,9 @@ attention_stack = built_once(lambda: ft.nn.Stack(lambda k: AttentionBlock(key=k)
 
 def test_a_stack_carries_one_cache_per_member_and_unstack_takes_its_arguments():
     stack = attention_stack()
-    x = jax.random.normal(jax.random.key(1), (2, 5, D))
-    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
-    am = jnp.ones((2, 5), jnp.int32)  # a slot mask: keyword arguments reach every member
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, D)), jnp.float32)  # NumPy's: no eager programs
+    pos = jnp.asarray(np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5)))
+    am = jnp.asarray(np.ones((2, 5), np.int32))  # a slot mask: keyword arguments reach every member
 
     @jax.jit
     def run(stack, x):
@@ -579,10 +581,14 @@ class Net(ft.Module):
         return self.blocks(x)
 
 
+@functools.cache
 def ensemble(size, n=3):
-    """``size`` models of an ``n``-member Stack, built by jax.vmap: leaves (size, n, ...)."""
+    """``size`` models of an ``n``-member Stack, built by jax.vmap: leaves (size, n, ...).
+
+    Built once per size as one compiled program (eagerly, each vmapped initializer compiled
+    apart) and shared: arrays are immutable and no test donates them."""
     make = lambda k: Net(ft.nn.Stack(lambda kk: Blk(ft.nn.Dense(2, 2, key=kk)), n, key=k))  # noqa: E731
-    return jax.vmap(make)(jax.random.split(jax.random.key(0), size))
+    return jax.jit(lambda: jax.vmap(make)(jax.random.split(jax.random.key(0), size)))()
 
 
 X2 = jnp.asarray(np.random.default_rng(3).normal(size=(4, 2)), jnp.float32)
@@ -633,33 +639,37 @@ def test_member_patterns_inside_vmap_are_exact_and_the_ensemble_is_still_refused
     # The right code: the pattern inside jax.vmap, one model at a time. A selection cached by
     # that call (same tree structure) must not let the ensemble through afterwards.
     ens = ensemble(3)
-    full = ft.gradient(ensemble_loss)(ens).blocks.layers.d.weight
-    inside = jax.vmap(ft.gradient(one_loss, wrt="blocks.1.*"))(ens).blocks.layers.d.weight
+    weight = np.asarray(ens.blocks.layers.d.weight)
+    # each jax.vmap below jitted (one program; eagerly, each vmapped operation compiled apart),
+    # the comparisons in NumPy
+    full, inside = (np.asarray(g.blocks.layers.d.weight) for g in jax.jit(
+        lambda e: (ft.gradient(ensemble_loss)(e), jax.vmap(ft.gradient(one_loss, wrt="blocks.1.*"))(e)))(ens))
     np.testing.assert_allclose(inside[:, 1], full[:, 1], rtol=0, atol=1e-6)
-    assert not np.asarray(inside[:, [0, 2]]).any()
+    assert not inside[:, [0, 2]].any()
     with pytest.raises(ValueError, match=refused("blocks.1.*", 3)):
         ft.gradient(ensemble_loss, wrt="blocks.1.*")(ens)
-    got = jax.vmap(lambda m: ft.get(m, "blocks.1.d.weight"))(ens)
-    np.testing.assert_allclose(got, ens.blocks.layers.d.weight[:, 1], rtol=0, atol=0)
+    got = jax.jit(jax.vmap(lambda m: ft.get(m, "blocks.1.d.weight")))(ens)
+    np.testing.assert_allclose(got, weight[:, 1], rtol=0, atol=0)
     opt = ft.optim.Optimizer(ft.optim.sgd(1.0), wrt="blocks.1.*")
-    new, _, _ = jax.vmap(lambda m, s: opt.minimize(one_loss, m, s))(ens, jax.vmap(opt.init)(ens))
-    changed = np.asarray(jnp.abs(new.blocks.layers.d.weight - ens.blocks.layers.d.weight).sum((-1, -2)) > 0)
+    new, _, _ = jax.jit(lambda e: jax.vmap(lambda m, s: opt.minimize(one_loss, m, s))(e, jax.vmap(opt.init)(e)))(ens)
+    changed = np.abs(np.asarray(new.blocks.layers.d.weight) - weight).sum((-1, -2)) > 0
     np.testing.assert_array_equal(changed, [[False, True, False]] * 3)
 
 
 def test_whole_leaf_patterns_work_on_an_ensemble():
     ens = ensemble(2)
-    full = ft.gradient(ensemble_loss)(ens)
-    some = ft.gradient(ensemble_loss, wrt="blocks.*")(ens)
+    # one program (eagerly, each operation compiled apart), the comparisons in NumPy
+    full, some = jax.jit(lambda e: (ft.gradient(ensemble_loss)(e), ft.gradient(ensemble_loss, wrt="blocks.*")(e)))(ens)
     for a, b in zip(jax.tree.leaves(some), jax.tree.leaves(full)):
         np.testing.assert_allclose(a, b, rtol=0, atol=0)
     assert ft.select(ens, "*.weight").blocks.layers.d.weight is True
     assert ft.get(ens, "blocks.layers.d.weight").shape == (2, 3, 2, 2)
     opt = ft.optim.Optimizer(ft.optim.sgd(0.5), wrt="*.bias")
-    new, _, _ = opt.minimize(ensemble_loss, ens, opt.init(ens))
-    np.testing.assert_allclose(new.blocks.layers.d.bias, ens.blocks.layers.d.bias - 0.5 * full.blocks.layers.d.bias,
+    new, _, _ = jax.jit(lambda e: opt.minimize(ensemble_loss, e, opt.init(e)))(ens)
+    bias = np.asarray(ens.blocks.layers.d.bias)
+    np.testing.assert_allclose(new.blocks.layers.d.bias, bias - 0.5 * np.asarray(full.blocks.layers.d.bias),
                                rtol=0, atol=1e-6)
-    assert jnp.array_equal(new.blocks.layers.d.weight, ens.blocks.layers.d.weight)
+    assert np.array_equal(np.asarray(new.blocks.layers.d.weight), np.asarray(ens.blocks.layers.d.weight))
 
 
 def test_summary_of_an_ensemble_counts_one_member_of_one_model():
@@ -671,13 +681,14 @@ def test_nested_stacks_in_an_ensemble_are_refused_and_work_inside_vmap():
     def make(k):
         return ft.nn.Stack(lambda kk: ft.nn.Stack(lambda j: ft.nn.Dense(2, 2, key=j), 2, key=kk), 3, key=k)
 
-    ens = jax.vmap(lambda k: {"blocks": make(k)})(jax.random.split(jax.random.key(1), 2))
+    # built as one program (eagerly, each vmapped initializer compiled apart)
+    ens = jax.jit(lambda: jax.vmap(lambda k: {"blocks": make(k)})(jax.random.split(jax.random.key(1), 2)))()
     assert ens["blocks"].ranks == (("layers.weight", 3), ("layers.bias", 2))
     assert "ranks" not in repr(ens["blocks"])  # derived bookkeeping: a notebook's repr does not show it
     with pytest.raises(ValueError, match=r"'blocks.2.1.weight' addresses a member .* shape \(2, 3, 2, 2, 2\)"):
         ft.get(ens, "blocks.2.1.weight")
-    got = jax.vmap(lambda m: ft.get(m, "blocks.2.1.weight"))(ens)
-    np.testing.assert_allclose(got, ens["blocks"].layers.layers.weight[:, 2, 1], rtol=0, atol=0)
+    got = jax.jit(jax.vmap(lambda m: ft.get(m, "blocks.2.1.weight")))(ens)
+    np.testing.assert_allclose(got, np.asarray(ens["blocks"].layers.layers.weight)[:, 2, 1], rtol=0, atol=0)
 
 
 def test_a_stack_pickled_or_saved_before_ranks_existed_reads_and_keeps_working():
@@ -745,7 +756,7 @@ def test_an_eager_stack_compiles_its_scan_once_and_its_gradient_once():
     """main: the body was a fresh closure, so every eager call traced and compiled the scan
     again (1 compile per call; jax.grad 2). Now 0 after the first call, same values."""
     m = model()  # the shared build(N): an eager build would compile every initializer apart
-    x = jax.random.normal(jax.random.key(3), (2, D))
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, D)), jnp.float32)  # NumPy's: no eager programs
     loss = lambda mm: jnp.sum(mm(x) ** 2)  # noqa: E731
     first, grad = m(x), jax.grad(loss)(m)  # compiles
     with counting_compiles() as count:
@@ -766,8 +777,8 @@ def test_an_eager_stack_passes_its_arguments_in_and_keys_plain_values_by_type():
     closure would keep the first call's mask), and Python values are compiled in keyed by
     type and exact value (1.0, 1 and True; 0.0 and -0.0), as the unrolled members see them."""
     stack = ft.nn.Stack(lambda k: Gated(key=k), 3, key=jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (2, D))
-    masks = [jnp.arange(D) < 3, jnp.arange(D) >= 5]
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, D)), jnp.float32)  # NumPy's: no eager programs
+    masks = [jnp.asarray(np.arange(D) < 3), jnp.asarray(np.arange(D) >= 5)]
     unrolled = [stack.unstack()(x, mask) for mask in masks]
     stack(x, masks[0])  # compiles
     with counting_compiles() as count:

@@ -568,8 +568,8 @@ class Optimizer:
             out, grads = differentiated(as_varying(model, axis))
         checked = self.handles_nonfinite if checked is None else checked
         hooked = self.transform_unaggregated_gradients(grads)
-        record = out[0] if has_aux else out
         if weighed:
+            record = out[0] if has_aux else out
             grads = replica_weighted_mean(record, _keep(grads, hooked) if checked else hooked, axis)[1]
         else:
             grads = self.aggregate_gradients(_keep(grads, hooked) if checked else hooked)

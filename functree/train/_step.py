@@ -51,7 +51,7 @@ from functree.nn._state import collect_state, salted_keys
 from functree.optim import Optimizer, OptimizerState, context, hyperparameters
 from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import Gradients
-from functree.optim._replicas import replica_weighted_mean, varying_axes
+from functree.optim._replicas import as_varying, replica_mean, replica_weighted_mean
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.optim._subset import trained_view
 from functree.parallel._mesh import is_array
@@ -179,11 +179,6 @@ def as_optimizer(optimizer: Any) -> Optimizer:
 def _merge_microbatches(aux: Any, size: int, accumulate: int, rows: Any) -> Any:
     """The aux outputs of ``accumulate`` microbatches of a batch of ``size`` examples as one."""
     return merge_aux(aux, size // accumulate, "microbatch", f"with accumulate={accumulate}", rows)
-
-
-def _replica_mean(x: Any, axis: str) -> Any:
-    """The mean over ``axis`` of a value that still varies over it (else the value)."""
-    return jax.lax.pmean(x, axis) if axis in varying_axes(x) else x
 
 
 def _weakly(ref: Callable[[], Any], method: str) -> Callable[..., Any]:
@@ -481,14 +476,14 @@ class TrainStep:
             # Varying over the data axis: each device differentiates its own shard, and the
             # aggregator sees per-device gradients (a custom one may psum/pmean/all_gather).
             if not alone:
-                m = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying") if is_array(x) else x, m)
+                m = as_varying(m, axis)
             g = half(m, s, b)
             if isinstance(g.out[0], WeightedMean):  # each device weighed by its count (kept tokens)
                 record, grads = replica_weighted_mean(g.out[0], g.grads, axis)
                 loss = record.value
             else:
-                loss = record = _replica_mean(g.loss, axis)
-                grads = jax.tree.map(lambda x: _replica_mean(x, axis), g.grads)
+                loss = record = replica_mean(g.loss, axis, reduced="value")
+                grads = replica_mean(g.grads, axis, reduced="value")
             aux = g.out[1]
             if accumulate > 1:  # microbatch outputs come stacked: (k, n / k, ...)
                 aux = _merge_microbatches(aux, batch_size_of(b), accumulate, rows)

@@ -23,7 +23,6 @@ benchmarks/_startup.py's split and by hand.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,28 +30,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from functree._host_buffers import ALIGNMENT as ALIGNMENT  # (re-exported: its tests read it here)
+from functree._host_buffers import empty
+
 BLOCK = 128  # columns per block: measured best of 32 ... 512 on float32 and bfloat16
-ALIGNMENT = 64  # XLA's CPU minimum alignment (kMinimumAlignment): a buffer aligned so is aliased, not copied
 PIECE = 2 << 20  # bytes per piece of a parallel copy: many pieces per core on a large load, balanced
 PARALLEL = 8 << 20  # bytes below which a load's copies run on this thread (a thread pool costs ~1 ms)
 THREADS = 8  # at most: memory bandwidth, not cores, bounds a copy beyond a few
-
-
-def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data begins at a multiple of
-    :data:`ALIGNMENT` bytes (a view into a slightly larger byte buffer it keeps alive).
-
-    Example:
-      >>> import numpy as np
-      >>> a = empty((3, 5), np.float32)
-      >>> a.shape, a.dtype, a.flags.c_contiguous, a.ctypes.data % ALIGNMENT
-      ((3, 5), dtype('float32'), True, 0)
-    """
-    dtype = np.dtype(dtype)
-    size = math.prod(shape) * dtype.itemsize
-    raw = np.empty(size + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + size].view(dtype).reshape(shape)
 
 
 def copy_into(out: np.ndarray, value: np.ndarray) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from functree._alias import check_stale
+from functree._host_buffers import private
 from functree._parameters import parameters
 from functree._tree import is_none, register_record
 from functree._warnings import warn
@@ -368,8 +369,9 @@ def _pack(xs: list[jax.Array]) -> jax.Array | None:
 
 
 def _on_device(x: Any) -> Any:
-    """``x`` as a device array if it is a NumPy one (a fresh buffer either way for NumPy)."""
-    return jax.device_put(x) if isinstance(x, (np.ndarray, np.generic)) else x
+    """``x`` as a device array if it is a NumPy one, in a buffer of its own (JAX takes an
+    aligned NumPy array's memory as the device buffer: a later write to ``x`` would change it)."""
+    return jax.device_put(private(x)) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
 def _on_host(x: Any) -> bool:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from functree._host_buffers import own_host, private
 from functree._tree import has_shape_and_dtype
 
 __all__ = ["auto_mesh", "place", "constrain", "is_array"]
@@ -43,8 +43,8 @@ def _place_leaf(x: Any, sharding: NamedSharding) -> Any:
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
     if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
-        return jax.device_put(x, sharding)
-    host = np.asarray(x)  # the same value in every process: each takes its own shards
+        return jax.device_put(private(x), sharding)  # (JAX would alias it)
+    host = own_host(x)  # the same value in every process: each takes its own shards
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 

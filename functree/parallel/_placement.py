@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import KeyPath
 
 from functree._examples import check_example_axis
+from functree._host_buffers import own_host, private_arrays
 from functree._tree import has_shape_and_dtype
 from functree.parallel._mesh import auto_mesh, constrain, place
 from functree.parallel._rules import check_data_axis, check_rules, partition_specs
@@ -104,7 +105,8 @@ def place_batch(batch: Any, mesh: Mesh, data_axis: str, earlier: int = 0) -> Any
         if jax.process_count() == 1 and isinstance(x, jax.Array):
             return jax.device_put(x, sharding)
         global_shape = (global_rows(x), *np.shape(x)[1:])
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
+        # (a copy: JAX takes an aligned NumPy buffer as the device's, and the caller may refill it)
+        return jax.make_array_from_process_local_data(sharding, own_host(x), global_shape)
 
     return jax.tree_util.tree_map_with_path(one, batch)
 
@@ -209,7 +211,7 @@ class Placement:
     def replicate(self, tree: Any) -> Any:
         """``tree`` copied whole to every device of the mesh (a step's replicated outputs live
         there: its NaN halt log, the Trainer's log buffer)."""
-        return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+        return jax.device_put(private_arrays(tree), NamedSharding(self.mesh, PartitionSpec()))
 
     @property
     def _split(self) -> str:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._alias import is_deletion_error, stale_error
+from functree._host_buffers import private_arrays
 from functree._jit import _hide, _show, has_untraceable_leaves, unchecked_jit
 from functree._where import devices_error
 from functree.losses._weighted import WeightedMean, loss_value
@@ -191,7 +192,7 @@ class EvalStep:
 
         def summing(model: Any, sums: Any, batch: Any, key: Any) -> Any:
             entry.owner = ref  # a retrace (new shapes) runs this step's stages
-            return jitted(model, sums, batch, key)
+            return jitted(model, sums, private_arrays(batch), key)
 
         return summing
 
@@ -215,6 +216,7 @@ class EvalStep:
                 run = self._shared.programs["eval"][static] = _calling(self._shared, "step")
             self._compiled = unchecked_jit(run, static_leaves=static)
         self._shared.owner = self._ref
+        batch = private_arrays(batch)  # runs after the call returns: not from a buffer the caller refills
         if self.placement is not None:
             model, batch = self.placement.place(model), self.placement.shard_batch(batch, whole=True)
         try:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from functree._host_buffers import own_host, private
 from functree.parallel._placement import check_batch
 
 __all__ = ["stack_batches", "check_steps_per_call", "check_stacked", "scan_steps", "shard_stacked",
@@ -163,14 +164,14 @@ def shard_stacked(mesh: Any, data_axis: str, batch: Any) -> Any:
 
     def one(x: Any) -> Any:
         if np.ndim(x) < 2:
-            return x if isinstance(x, jax.Array) and x.sharding == whole else jax.device_put(x, whole)
+            return x if isinstance(x, jax.Array) and x.sharding == whole else jax.device_put(private(x), whole)
         if isinstance(x, jax.Array) and (x.sharding == sharding or not x.is_fully_addressable):
             return x
         if jax.process_count() == 1:
             check_batch(np.empty((np.shape(x)[1], 0)), devices, data_axis)
-            return jax.device_put(x, sharding)
+            return jax.device_put(private(x), sharding)  # (a copy of NumPy: JAX would alias it)
         shape = (np.shape(x)[0], np.shape(x)[1] * jax.process_count(), *np.shape(x)[2:])
         check_batch(np.empty((shape[1], 0)), devices, data_axis)
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x), shape)
+        return jax.make_array_from_process_local_data(sharding, own_host(x), shape)
 
     return jax.tree.map(one, batch)

@@ -43,6 +43,7 @@ from functree._alias import (
     warn_aliases,
 )
 from functree._flat import FlatJit, flat_jit
+from functree._host_buffers import private_arrays
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
@@ -348,6 +349,7 @@ class TrainStep:
         self._calls = 0
         self._owned_call = False  # run(owned=...) of the call running
         self._inflight: list[tuple[int, Any, Any]] = []  # (call, batch, key): references only
+        self._private: Any = None  # the batch a plain call passes run() with its NumPy leaves copied
         self._shared: Any = None  # the process-wide programs of this configuration (_programs.py)
         self._ref = weakref.ref(self)
         # The flat program a plain call runs without run()'s Python frame: set by run() once
@@ -559,7 +561,7 @@ class TrainStep:
         return model, opt_state, (None if "rows" in log else without_parts(metrics)), log  # rows hold them
 
     _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref", "_owned_call",
-                "_direct")
+                "_direct", "_private")
     """Instance attributes that are run-time state; every other one is configuration: a
     step equal to another in all of them (and in class) shares its compiled programs."""
 
@@ -630,6 +632,9 @@ class TrainStep:
         a state with a new learning context every epoch). ``steps``: the steps this
         call runs (default ``steps_per_call``); above 1, ``batch`` holds that many
         minibatches stacked along its leading axis."""
+        if batch is not self._private:  # (a plain call copied its NumPy leaves already)
+            batch = private_arrays(batch)
+        self._private = None
         steps = self.steps_per_call if steps is None else steps
         if steps == 1:
             program = self._compiled or self._program(model)
@@ -712,8 +717,12 @@ class TrainStep:
         direct = self._direct
         if CURRENT.value is not TOP:  # inside the user's jit/vmap/scan: keep none of its values
             return traced_call(self, model, opt_state, batch, key)
+        # NumPy leaves copied: the step runs after this call returns, and JAX would read a
+        # buffer the caller refills for the next batch (functree/_host_buffers.py)
+        batch = private_arrays(batch)
         if self.on_nan != "stop":
             if direct is None:
+                self._private = batch
                 return self.run(model, opt_state, batch, key)[:3]
             self._owned_call = False
             self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
@@ -724,6 +733,7 @@ class TrainStep:
             self._check(model, opt_state, block=False)
         self._inflight.append((self._calls * self.steps_per_call, batch, key))  # its first step
         if direct is None:
+            self._private = batch
             model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
         else:
             self._owned_call = False

@@ -2,6 +2,8 @@
 its parts, so that ``Optimizer(accumulate=k)`` takes the whole minibatch's gradient and the
 Trainer's means are per kept token, whatever the microbatches' and minibatches' counts."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,9 @@ LABELS[:2, 1:] = -100   # rows 0-1: 1 kept token each; rows 4-5: none kept; the 
 LABELS[4:6] = -100
 
 
+@functools.cache
 def _model():
+    """The tests' model, built once (a frozen pytree: no test can change it)."""
     return ft.nn.Sequential(ft.nn.Embedding(V, 8, key=jax.random.key(0)), ft.nn.Dense(8, V, key=jax.random.key(1)))
 
 
@@ -33,37 +37,50 @@ def _leaves(tree):
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
 
 
-def _update(k, reduction, make=lambda: ft.optim.sgd(1.0)):
-    """One minimize step from _model(), in one jit (one program, not dozens of eager ones)."""
+def _sgd():
+    return ft.optim.sgd(1.0)
+
+
+def _adam():
+    return ft.optim.adam(0.1)
+
+
+@functools.cache
+def _update(k, reduction, make=_sgd):
+    """One minimize step from _model(), in one jit (one program, not dozens of eager ones);
+    computed once per (k, reduction, make) for the file (the update read-only)."""
     model = _model()
     opt = ft.optim.Optimizer(make(), accumulate=k)
     new, _, loss = jax.jit(lambda m: opt.minimize(_loss(reduction), m, opt.init(m), IDS, LABELS))(model)
-    return _leaves(new) - _leaves(model), loss
+    update = _leaves(new) - _leaves(model)
+    update.flags.writeable = False
+    return update, loss
 
 
 def test_weighted_is_the_mean_as_its_parts():
-    logits = jnp.asarray(RNG.normal(size=(B, T, V)).astype(np.float32))
+    logits = RNG.normal(size=(B, T, V)).astype(np.float32)
     w = ft.losses.softmax_cross_entropy(logits, LABELS, reduction="weighted")
     assert isinstance(w, ft.losses.WeightedMean) and float(w.count) == float(np.sum(LABELS != -100))
-    assert w.value == ft.losses.softmax_cross_entropy(logits, LABELS)  # bit for bit: the same division
+    # bit for bit: the same division (compared in NumPy)
+    assert np.asarray(w.value) == np.asarray(ft.losses.softmax_cross_entropy(logits, LABELS))
     assert float(w.total) == pytest.approx(float(ft.losses.softmax_cross_entropy(logits, LABELS, reduction="sum")))
-    weight = jnp.asarray([1.0, 2.0, 0.5, 1.0, 3.0, 1.0, 1.0])  # with class weights: their summed weights
+    weight = np.array([1.0, 2.0, 0.5, 1.0, 3.0, 1.0, 1.0], np.float32)  # with class weights: their summed weights
     wc = ft.losses.softmax_cross_entropy(logits, LABELS, weight=weight, reduction="weighted")
-    assert wc.value == ft.losses.softmax_cross_entropy(logits, LABELS, weight=weight)
+    assert np.asarray(wc.value) == np.asarray(ft.losses.softmax_cross_entropy(logits, LABELS, weight=weight))
     empty = ft.losses.softmax_cross_entropy(logits, np.full((B, T), -100, np.int32), reduction="weighted")
     assert float(empty.count) == 0 and float(empty.value) == 0  # every label ignored: 0, as the mean's
-    mse = ft.losses.mean_squared_error(jnp.ones((3, 2)), jnp.zeros((3, 2)), reduction="weighted")
+    mse = ft.losses.mean_squared_error(np.ones((3, 2), np.float32), np.zeros((3, 2), np.float32), reduction="weighted")
     assert (float(mse.total), float(mse.count), float(mse.value)) == (6.0, 6.0, 1.0)
     assert "weighted" in ft.losses.REDUCTIONS
 
 
 def test_the_count_holds_no_derivative():
-    g = ft.gradient(lambda s: ft.losses.WeightedMean(3.0 * s, s).value, at=jnp.float32(2.0))
+    g = jax.jit(lambda x: ft.gradient(lambda s: ft.losses.WeightedMean(3.0 * s, s).value, at=x))(np.float32(2.0))
     assert float(g) == 1.5  # d(3s / stop_gradient(s)) = 3 / 2
 
 
 @pytest.mark.parametrize("k", [2, 4])
-@pytest.mark.parametrize("make", [lambda: ft.optim.sgd(1.0), lambda: ft.optim.adam(0.1)], ids=["sgd", "adam"])
+@pytest.mark.parametrize("make", [_sgd, _adam], ids=["sgd", "adam"])
 def test_accumulate_k_is_the_whole_minibatchs_update_with_uneven_kept_tokens(k, make):
     """Microbatches of 2 / 10 / 0 / 10 kept tokens (k=4): the mean of their means is another
     update (measured: 0.15 apart on sgd updates of 0.19 at k=4, 0.015 at k=2; adam's 0.2);
@@ -82,8 +99,9 @@ def test_accumulate_k_is_the_whole_minibatchs_update_with_uneven_kept_tokens(k, 
 def test_a_plain_loss_accumulates_as_before_bit_for_bit():
     whole, _ = _update(1, "mean")
     assert np.array_equal(_update(1, "weighted")[0], whole)  # one microbatch: the same update
-    w = ft.losses.softmax_cross_entropy(_model()(IDS), LABELS, reduction="weighted")
-    assert np.array_equal(np.asarray(w.value), np.asarray(ft.losses.softmax_cross_entropy(_model()(IDS), LABELS)))
+    logits = jax.jit(lambda m: m(IDS))(_model())  # one program (the model is not the subject)
+    w = ft.losses.softmax_cross_entropy(logits, LABELS, reduction="weighted")
+    assert np.array_equal(np.asarray(w.value), np.asarray(ft.losses.softmax_cross_entropy(logits, LABELS)))
 
 
 def test_accumulate_with_aux_and_every_microbatch_ignored():
@@ -192,7 +210,7 @@ def test_a_loss_scale_and_compute_dtype_keep_the_weighting():
     new, _, _ = jax.jit(lambda m: opt.minimize(_loss("weighted"), m, opt.init(m), IDS, LABELS))(model)
     np.testing.assert_allclose(_leaves(new) - _leaves(model), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
     model, _, history, _ = _fit("weighted", compute_dtype=jnp.bfloat16)
-    token_mean = float(_token_mean(ft.cast(model, jnp.bfloat16), IDS, LABELS))
+    token_mean = float(jax.jit(lambda m: _token_mean(ft.cast(m, jnp.bfloat16), IDS, LABELS))(model))
     np.testing.assert_allclose(history.epochs["loss"][0], token_mean, rtol=0, atol=1e-6 * token_mean)
 
 
@@ -208,7 +226,9 @@ def test_a_mesh_weighs_each_device_by_its_count():
     """TrainStep(mesh=) over 4 devices holding 2, 10, 0 and 10 kept tokens (and 2 of them
     accumulating 2 microbatches each): the update and the loss are the whole minibatch's
     (measured: 1.2e-7 on 0.19, the loss equal; the mean over devices of their means is
-    0.15 apart), and so is the epoch mean (1.1e-7 on 2.37)."""
+    0.15 apart), and so is the epoch mean (1.1e-7 on 2.37). The whole minibatch's update and
+    token mean are this process's (_update, _token_mean: the same model, bit for bit a
+    TrainStep's without a mesh there), so the subprocess compiles only the mesh programs."""
     from _devices import run
 
     result = run("""
@@ -223,23 +243,23 @@ model = ft.nn.Sequential(ft.nn.Embedding(V, 8, key=jax.random.key(0)), ft.nn.Den
 leaves = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
 def loss_fn(reduction):
     return lambda m, b: ft.losses.softmax_cross_entropy(m(b[0]), b[1], reduction=reduction)
-out = {}
-for name, reduction, k, mesh in [("whole", "weighted", 1, None), ("mesh", "weighted", 1, (4,)),
-                                 ("mesh_k2", "weighted", 2, (2,)), ("mesh_mean", "mean", 1, (4,))]:
+out = {"data": [ids.tolist(), labels.tolist()]}
+for name, reduction, k, mesh in [("mesh", "weighted", 1, (4,)), ("mesh_k2", "weighted", 2, (2,)),
+                                 ("mesh_mean", "mean", 1, (4,))]:
     opt = ft.optim.Optimizer(ft.optim.sgd(1.0), accumulate=k)
     step = ft.train.TrainStep(loss_fn(reduction), opt, donate=False,
-                              mesh=None if mesh is None else jax.make_mesh(mesh, ("data",), devices=jax.devices()[:mesh[0]]))
+                              mesh=jax.make_mesh(mesh, ("data",), devices=jax.devices()[:mesh[0]]))
     new, _, metrics = step(model, opt.init(model), (ids, labels))
     out[name] = [(leaves(new) - leaves(model)).tolist(), float(metrics["loss"])]
 trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn("weighted"), mesh=jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]))
 out["epoch"] = trainer.fit(ft.train.batches((ids, labels), 4, shuffle=False), epochs=1, progress=False).epochs["loss"][0]
-out["token_mean"] = float(ft.losses.softmax_cross_entropy(model(ids), labels))
 report(out)
 """, devices=4)
-    whole, loss = np.asarray(result["whole"][0]), result["whole"][1]
-    scale = np.abs(whole).max()
+    assert result["data"] == [IDS.tolist(), LABELS.tolist()]  # the data of _update and _token_mean
+    whole, loss = _update(1, "weighted")
+    loss, scale, token_mean = float(loss), np.abs(whole).max(), float(_token_mean(_model(), IDS, LABELS))
     for name in ("mesh", "mesh_k2"):
         np.testing.assert_allclose(result[name][0], whole, rtol=0, atol=1e-5 * scale)
         np.testing.assert_allclose(result[name][1], loss, rtol=0, atol=1e-6 * loss)
     assert np.abs(np.asarray(result["mesh_mean"][0]) - whole).max() > 0.05 * scale
-    np.testing.assert_allclose(result["epoch"], result["token_mean"], rtol=0, atol=1e-6 * result["token_mean"])
+    np.testing.assert_allclose(result["epoch"], token_mean, rtol=0, atol=1e-6 * token_mean)

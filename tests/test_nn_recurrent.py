@@ -1,5 +1,7 @@
 """GRUCell, LSTMCell and RNN against numpy step loops; gradients; errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,10 +10,6 @@ from _tolerance import needs_float16_conversions
 from jax.test_util import check_grads
 
 import functree as ft
-
-
-def _x64(tree):
-    return jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def _sigmoid(v):
@@ -39,16 +37,21 @@ def _lstm_step(p, h, c, x):
     return _sigmoid(o) * np.tanh(c), c
 
 
+def _normal(shape, seed, dtype=np.float32):
+    """N(0, 1) drawn by NumPy (eager jax.random compiled a program per shape)."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(dtype)
+
+
 def _randomize(cell):
+    """Every leaf of ``cell`` N(0, 0.5^2) in float32 (``cell`` may be abstract: jax.eval_shape)."""
     leaves, treedef = jax.tree.flatten(cell)
-    keys = jax.random.split(jax.random.key(7), len(leaves))
-    return jax.tree.unflatten(treedef, [0.5 * jax.random.normal(k, a.shape) for k, a in zip(keys, leaves)])
+    return jax.tree.unflatten(treedef, [jax.device_put(0.5 * _normal(a.shape, 7 + i)) for i, a in enumerate(leaves)])
 
 
 def test_gru_rnn_matches_step_loop(key):
     cell = _randomize(ft.nn.GRUCell(3, 4, key=key))
-    xs = np.asarray(jax.random.normal(jax.random.key(1), (2, 6, 3)))
-    ys, h_final = jax.jit(lambda m, x: m(x, return_state=True))(ft.nn.RNN(cell), xs)
+    xs = _normal((2, 6, 3), 1)
+    ys, h_final = map(np.asarray, jax.jit(lambda m, x: m(x, return_state=True))(ft.nn.RNN(cell), xs))
     p = _numpy(cell)
     h = np.zeros((2, 4))
     for t in range(6):
@@ -59,10 +62,11 @@ def test_gru_rnn_matches_step_loop(key):
 
 def test_lstm_rnn_reverse_and_initial_state(key):
     cell = _randomize(ft.nn.LSTMCell(3, 4, key=key))
-    xs = np.asarray(jax.random.normal(jax.random.key(1), (5, 2, 3)))  # time-major
-    h0 = np.asarray(jax.random.normal(jax.random.key(2), (2, 4)))
+    xs = _normal((5, 2, 3), 1)  # time-major
+    h0 = _normal((2, 4), 2)
     rnn = ft.nn.RNN(cell, time_axis=0, reverse=True)
-    ys, state = jax.jit(lambda m, x, s: m(x, s, return_state=True))(rnn, xs, ft.nn.LSTMState(jnp.asarray(h0), jnp.zeros((2, 4))))
+    ys, state = jax.jit(lambda m, x, s: m(x, s, return_state=True))(rnn, xs, ft.nn.LSTMState(h0, np.zeros((2, 4), np.float32)))
+    ys = np.asarray(ys)
     p = _numpy(cell)
     h, c = h0, np.zeros((2, 4))
     for t in reversed(range(5)):
@@ -82,10 +86,20 @@ def test_initialisation(key):
 
 @pytest.mark.parametrize("cell_cls", [ft.nn.GRUCell, ft.nn.LSTMCell])
 def test_gradients_finite_differences(key, cell_cls):
+    # Every weight (random, the cell's shapes) and input in one float64 vector, cut apart inside
+    # the jitted function: check_grads perturbs and multiplies its arguments eagerly, one
+    # program per argument shape (a tree of them compiled ~25).
+    rnn = _randomize(jax.eval_shape(lambda: ft.nn.RNN(cell_cls(2, 3, key=key))))
+    leaves, treedef = jax.tree.flatten((rnn, _normal((1, 3, 2), 1)))
+    flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in leaves])
+    ends = np.cumsum([a.size for a in leaves])[:-1]
+
+    def run(v):
+        m, xs = jax.tree.unflatten(treedef, [p.reshape(a.shape) for p, a in zip(jnp.split(v, ends), leaves)])
+        return m(xs)
+
     with jax.enable_x64(True):
-        rnn = _x64(ft.nn.RNN(cell_cls(2, 3, key=key)))
-        xs = jax.random.normal(jax.random.key(1), (1, 3, 2), jnp.float64)
-        check_grads(jax.jit(lambda m, xs: m(xs)), (rnn, xs), order=1, modes=["rev"])
+        check_grads(jax.jit(run), (flat,), order=1, modes=["rev"])
 
 
 def test_jit_and_key_paths(key):
@@ -123,11 +137,13 @@ def _bn_rnn(reverse=False):
 
 
 def _bn_inputs():
-    return jax.random.normal(jax.random.key(3), (8, 4, 3)) + jnp.arange(1.0, 5.0)[:, None]  # step means 1..4
+    return jax.device_put(_normal((8, 4, 3), 3) + np.arange(1.0, 5.0, dtype=np.float32)[:, None])  # step means 1..4
 
 
+@functools.partial(jax.jit, static_argnames="reverse")
 def _loop_state(cell, xs, reverse):
-    """The cell called step by step in a Python loop inside one collect_state."""
+    """The cell called step by step in a Python loop inside one collect_state (unrolled in one
+    program: eagerly, the steps' GRU and BatchNorm operations compiled ~20)."""
     def run(c):
         h = c.zero_state(xs.shape[:1])
         for t in (reversed if reverse else iter)(range(xs.shape[1])):
@@ -199,11 +215,12 @@ class _DropCell(ft.Module):
 
 def test_key_gives_each_step_its_own_key_for_a_cell_that_takes_one():
     cell = ft.nn.training(_DropCell(ft.nn.GRUCell(3, 4, key=jax.random.key(0)), ft.nn.Dropout(0.5)))
-    xs, k = jnp.ones((2, 5, 3)), jax.random.key(9)
-    ys = ft.nn.RNN(cell)(xs, key=k)  # before: TypeError (no key=)
+    xs, k = np.ones((2, 5, 3), np.float32), jax.random.key(9)
+    ys = np.asarray(ft.nn.RNN(cell)(xs, key=k))  # before: TypeError (no key=)
     h, keys = cell.zero_state((2,)), jax.random.split(k, 5)
+    step = jax.jit(lambda c, h, x, kt: c(h, x, key=kt)[0])  # each step the same program (eagerly ~15)
     for t in range(5):
-        h, _ = cell(h, xs[:, t], key=keys[t])
+        h = step(cell, h, xs[:, t], keys[t])
         np.testing.assert_allclose(ys[:, t], h, rtol=0, atol=1e-6)
     masks = [np.asarray(cell.drop(xs[:, 0], key=kt) != 0) for kt in keys]
     assert any((masks[0] != m).any() for m in masks[1:])  # not one mask for every step
@@ -232,7 +249,10 @@ def test_float32_initialisation_unchanged(key):
     np.testing.assert_array_equal(cell.hidden_weight, jnp.concatenate(blocks, axis=1))
 
 
+@jax.jit
 def _loop(cell, state, xs):
+    """The cell called step by step in a Python loop (unrolled in one program: eagerly, each
+    step's operations compiled ~20 programs per cell and dtype)."""
     ys = []
     for t in range(xs.shape[1]):
         state, y = cell(state, xs[:, t])
@@ -243,14 +263,14 @@ def _loop(cell, state, xs):
 @pytest.mark.parametrize("cell_cls", [ft.nn.GRUCell, ft.nn.LSTMCell])
 def test_mixed_dtypes_run_as_a_python_loop_does(key, cell_cls):
     cell = _randomize(cell_cls(3, 4, key=key))
-    xs = jax.random.normal(jax.random.key(1), (2, 5, 3))
+    xs = _normal((2, 5, 3), 1)
     with jax.numpy_dtype_promotion("standard"):
         half = ft.cast(cell, jnp.bfloat16)  # bfloat16 weights on float32 data (before: scan carry error)
         ys = ft.nn.RNN(half)(xs)
         expected, _ = _loop(half, half.zero_state((2,)), xs)
         assert ys.dtype == expected.dtype == jnp.float32
         np.testing.assert_allclose(ys, expected, rtol=0, atol=1e-5)
-        h0 = jax.tree.map(lambda a: (a + 0.5).astype(jnp.bfloat16), cell.zero_state((2,)))  # bf16 state, f32 weights
+        h0 = jax.tree.map(lambda a: (np.asarray(a) + 0.5).astype(jnp.bfloat16), cell.zero_state((2,)))  # bf16 state, f32 weights
         ys, final = ft.nn.RNN(cell)(xs, h0, return_state=True)
         expected, expected_final = _loop(cell, h0, xs)
         assert ys.dtype == jnp.float32 and jax.tree.leaves(final)[0].dtype == jnp.float32
@@ -326,9 +346,10 @@ def test_bfloat16_bias_gradients_sum_the_batch_in_float32_as_torch_does(cell_cls
     torch = pytest.importorskip("torch")
     batch, steps, n_in, n_hidden = (64, 128), 2, 16, 8
     cell = cell_cls(n_in, n_hidden, key=jax.random.key(0), dtype=jnp.bfloat16)
-    xs = jax.random.normal(jax.random.key(1), (*batch, steps, n_in)).astype(jnp.bfloat16)
+    xs = _normal((*batch, steps, n_in), 1, jnp.bfloat16)
     w = np.cos(np.arange(steps * n_hidden, dtype=np.float32)).reshape(steps, n_hidden)
-    grads = jax.grad(lambda m, xs: jnp.sum(m(xs).astype(jnp.float32) * w))(ft.nn.RNN(cell), xs).cell
+    # jitted: one program (eagerly ~30; the scan, whose transpose sums the batch, is compiled either way)
+    grads = jax.jit(jax.grad(lambda m, xs: jnp.sum(m(xs).astype(jnp.float32) * w)))(ft.nn.RNN(cell), xs).cell
 
     def t(a):
         return torch.tensor(np.asarray(a, np.float32))

@@ -27,10 +27,12 @@ pytest.importorskip("safetensors")
 from test_hf_load import (  # noqa: E402
     FAMILIES,
     batch,
+    forward,
     gpt2_config,
     hf_model,
     hf_output,
     llama_config,
+    llama_from_config,
     skip_without_xla_float16,
 )
 
@@ -39,9 +41,12 @@ CONFIGS = {"gpt2": gpt2_config, "llama": llama_config,
 
 
 def tuned(model):
-    """Every parameter moved: a fine-tuned model (a loaded copy of the original would differ)."""
+    """Every parameter moved: a fine-tuned model (a loaded copy of the original would differ).
+    The moves are NumPy's, put on the device (eager jax.random/add and jnp.asarray compile a
+    program per leaf shape; device_put none)."""
     leaves = jax.tree.leaves(model)
-    moved = [x + 0.05 * jax.random.normal(jax.random.key(i), x.shape, x.dtype) for i, x in enumerate(leaves)]
+    moved = [jax.device_put(np.asarray(x) + (0.05 * np.random.default_rng(i).standard_normal(x.shape)).astype(x.dtype))
+             for i, x in enumerate(leaves)]
     return jax.tree.unflatten(jax.tree.structure(model), moved)
 
 
@@ -54,7 +59,7 @@ def assert_reads_back(model, directory, auto=None, positions=True):
         np.testing.assert_array_equal(got[name], array, err_msg=name)  # bit for bit
     ids, mask = batch(12)
     theirs = hf_output(loaded, ids, mask, positions)
-    ours = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, mask))
+    ours = np.asarray(forward(model, ids, mask))  # test_hf_load's jit: a model of a tree seen before reuses it
     real = mask.astype(bool)
     np.testing.assert_allclose(ours[real], theirs[real], rtol=0, atol=2.5e-5 * float(np.abs(theirs).max()))
     return loaded
@@ -172,12 +177,14 @@ def test_an_interrupted_write_leaves_no_checkpoint(tmp_path, monkeypatch):
 
 def test_a_lora_model_is_refused_and_saves_merged(tmp_path):
     base = ft.nn.from_hf(hf_model(llama_config()))
-    adapted = ft.nn.lora(base, "model.layers.*.self_attn.[qv]_proj", rank=2, key=jax.random.key(0))
-    adapted = jax.tree.map(lambda x: x + 0.1 if x.ndim >= 2 else x, adapted)  # lora_b trained off zero
+    adapted = jax.jit(lambda m, k: ft.nn.lora(m, "model.layers.*.self_attn.[qv]_proj", rank=2, key=k))(
+        base, jax.random.key(0))  # one program (eagerly, ~10)
+    adapted = jax.tree.map(lambda x: jax.device_put(np.asarray(x) + np.float32(0.1)) if x.ndim >= 2 else x,
+                           adapted)  # lora_b trained off zero (in NumPy: no program per leaf shape)
     with pytest.raises(ValueError, match=r"(?s)the model has LoRA adapters \(model.layers.*ft.nn.merge_lora\(model\)"):
         ft.nn.save_hf(adapted, tmp_path / "adapted")
     assert not (tmp_path / "adapted").exists()
-    merged = ft.nn.merge_lora(adapted)
+    merged = jax.jit(ft.nn.merge_lora)(adapted)
     ft.nn.save_hf(merged, tmp_path / "merged")
     assert_reads_back(merged, tmp_path / "merged")
 
@@ -187,7 +194,7 @@ def test_what_cannot_be_saved_says_why(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"(?s)carries no Hugging Face config \(model.hf_config is None\).*from_hf"):
         ft.nn.save_hf(hand_built, tmp_path / "a")
     with pytest.raises(ValueError, match=r"takes a model built by ft.nn.from_hf .*got Dense"):
-        ft.nn.save_hf(ft.nn.Dense(2, 2, key=jax.random.key(0)), tmp_path / "b")
+        ft.nn.save_hf(jax.eval_shape(lambda: ft.nn.Dense(2, 2, key=jax.random.key(0))), tmp_path / "b")
     assert os.listdir(tmp_path) == []
 
 
@@ -199,8 +206,8 @@ def test_a_model_whose_layers_changed_is_refused_and_saves_with_its_config(tmp_p
     report. The config that describes it saves as the error says."""
     model = ft.nn.from_hf(hf_model(llama_config()))
     stack = model.model.layers
-    changed = model.replace(model=model.model.replace(
-        layers=ft.nn.Stack.from_layers([stack[min(i, 1)] for i in range(layers)])))
+    restacked = jax.jit(lambda s: ft.nn.Stack.from_layers([s[min(i, 1)] for i in range(layers)]))(stack)  # one program
+    changed = model.replace(model=model.model.replace(layers=restacked))
     with pytest.raises(ValueError, match=rf"(?s)model.layers.layers.* is \[{layers}, .*num_hidden_layers=2.* builds "
                                          r"\[2, .*right:  config = \{\*\*model.hf_config.to_dict\(\), "
                                          rf"'num_hidden_layers': {layers}\}}"):
@@ -215,7 +222,7 @@ def test_a_model_whose_layers_changed_is_refused_and_saves_with_its_config(tmp_p
 def test_saving_needs_no_safetensors_package(tmp_path, monkeypatch):
     """save_hf writes the files itself (functree.interop._safetensors.save_file, the writer
     save_lora uses too); the safetensors package reads them back to the same arrays."""
-    model = tuned(ft.nn.from_hf(llama_config(), key=jax.random.key(0)))
+    model = tuned(llama_from_config())  # ft.nn.from_hf(llama_config(), key=key(0)), built once per process
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
     ft.nn.save_hf(model, tmp_path / "c")
@@ -233,7 +240,9 @@ def test_saving_needs_no_safetensors_package(tmp_path, monkeypatch):
 def _hf_models_llama():
     from functree.hf._models import LlamaForCausalLM
 
-    return LlamaForCausalLM(40, 16, 4, 2, 32, 1, key=jax.random.key(0))
+    # its shapes alone (save_hf refuses it before reading a weight; eagerly, its initializers
+    # compiled ~30 programs)
+    return jax.eval_shape(lambda: LlamaForCausalLM(40, 16, 4, 2, 32, 1, key=jax.random.key(0)))
 
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,

@@ -51,18 +51,23 @@ def test_the_table_says_which_jaxlib_knows_each_flag(flag, removed):
         assert flag.split("=")[0] not in os.environ["XLA_FLAGS"]  # conftest left it out
 
 
+SPLIT = "--xla_cpu_parallel_codegen_split_count=1"
+
+
 def test_flags_are_chosen_by_the_jaxlib_version():
-    both = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    assert conftest.suite_flags("", (0, 9, 2)) == both
-    assert conftest.suite_flags("", (0, 11, 0)) == both
+    all_three = f"--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false {SPLIT}"
+    assert conftest.suite_flags("", (0, 9, 2)) == all_three
+    assert conftest.suite_flags("", (0, 11, 0)) == all_three
     for newer in ((0, 11, 1), (0, 11, 2), (0, 12, 0, 1), (1, 0)):
-        assert conftest.suite_flags("", newer) == "--xla_backend_optimization_level=0"
+        assert conftest.suite_flags("", newer) == f"--xla_backend_optimization_level=0 {SPLIT}"
 
 
 def test_an_inherited_setting_stays_and_is_appended_to():
     inherited = "--xla_cpu_max_isa=AVX --xla_backend_optimization_level=2"
-    assert conftest.suite_flags(inherited, (0, 10, 2)) == f"{inherited} --xla_cpu_use_fusion_emitters=false"
-    assert conftest.suite_flags(inherited, (0, 11, 2)) == inherited
+    assert conftest.suite_flags(inherited, (0, 10, 2)) == f"{inherited} --xla_cpu_use_fusion_emitters=false {SPLIT}"
+    assert conftest.suite_flags(inherited, (0, 11, 2)) == f"{inherited} {SPLIT}"
+    split_set = f"{inherited} --xla_cpu_parallel_codegen_split_count=4"
+    assert conftest.suite_flags(split_set, (0, 11, 2)) == split_set  # the developer's value kept
 
 
 def test_release_reads_the_numbers_of_a_version():

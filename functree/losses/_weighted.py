@@ -115,6 +115,7 @@ class WeightedMean:
     __truediv__ = __rtruediv__ = __pow__ = __neg__ = __lt__ = __gt__ = __le__ = __ge__ = _refuse
 
 
+@jax.jit  # one program where it runs eagerly (WeightedMean.value in a notebook cell), not five
 def ratio(numerator: Any, denominator: Any) -> jax.Array:
     """``numerator / denominator``, 0 where ``denominator`` is 0 (no label kept: the mean of
     nothing), with a finite gradient there (the division never sees the 0).

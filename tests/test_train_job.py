@@ -395,6 +395,13 @@ def child(tmp_path_factory):
     process.communicate()
 
 
+def _has_checkpoint(directory: str) -> bool:
+    """Whether the job at ``directory`` has saved a checkpoint: its manager says so (opened
+    only once a step's folder is there: a manager per poll cost ~0.7 CPU-s a test)."""
+    steps = os.listdir(directory) if os.path.isdir(directory) else []
+    return any(name.isdigit() for name in steps) and ft.train.CheckpointManager(directory).latest_step() is not None
+
+
 @pytest.mark.slow
 def test_sigkill_and_sigint_in_subprocesses(child, straight_job):
     """A real SIGKILL at a random moment of two jobs, resumed here bit for bit; and 20
@@ -403,7 +410,7 @@ def test_sigkill_and_sigint_in_subprocesses(child, straight_job):
     process.stdin.write("go\n")
     process.stdin.flush()
     deadline = time.monotonic() + 300
-    while any(ft.train.CheckpointManager(d).latest_step() is None for d, _ in runs):
+    while not all(_has_checkpoint(d) for d, _ in runs):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             pytest.fail(f"the jobs never saved a checkpoint: {process.communicate()}")
@@ -742,8 +749,12 @@ def test_a_piece_of_job_state_is_its_record_alone(tmp_path):
     import _devices
 
     package = Path(ft.__file__).parent
-    shutil.copytree(package, tmp_path / "functree", ignore=shutil.ignore_patterns("__pycache__"))
+    # with its bytecode (the child imports ~200 modules: compiled from source, ~1 CPU-s more),
+    # but for the edited module's: Python compiles the edited source, whatever the cache holds
+    shutil.copytree(package, tmp_path / "functree")
     source = tmp_path / "functree" / "train" / "_job.py"
+    for stale in (source.parent / "__pycache__").glob("_job.*.pyc"):
+        stale.unlink()
     text = source.read_text()
     for anchor, added in [("    epoch_length: int | None = None\n", "    fit_calls: int = 0\n"),
                           ('    "epoch_length": (("epoch_length",), lambda n: n, _length),\n',
@@ -766,16 +777,28 @@ def test_a_piece_of_job_state_is_its_record_alone(tmp_path):
     assert keys[:len(out["old_keys"])] == out["old_keys"] and "fit_calls" in keys[len(out["old_keys"]):]
 
 
-def _small_checkpoint(tmp_path, change):
-    """A Trainer checkpoint (2 steps, 1 epoch) whose "trainer" config ``change`` edits,
-    its metadata digest recomputed (as an attacker would): files are data."""
-    from functree.train.checkpoint._checkpoint import metadata_digest
-
+@pytest.fixture(scope="module")
+def small_job(tmp_path_factory):
+    """``(directory, trainer)``: a Trainer checkpoint (2 steps, 1 epoch), trained and saved
+    once for the module; each test tampers with its own copy (:func:`_small_checkpoint`)."""
     x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(8, 2)
     trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
                                lambda m, b: jnp.mean(m(b) ** 2))
     trainer.fit(ft.train.batches(x, 4), epochs=1, progress=False)
-    trainer.save(tmp_path / "ck")
+    directory = tmp_path_factory.mktemp("small") / "ck"
+    trainer.save(directory)
+    return directory, trainer
+
+
+def _small_checkpoint(tmp_path, small_job, change):
+    """A copy of ``small_job``'s checkpoint whose "trainer" config ``change`` edits, its
+    metadata digest recomputed (as an attacker would): files are data."""
+    import shutil
+
+    from functree.train.checkpoint._checkpoint import metadata_digest
+
+    source, trainer = small_job
+    shutil.copytree(source, tmp_path / "ck")
     meta_file = tmp_path / "ck" / "2" / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
     change(meta["config"])
@@ -811,10 +834,10 @@ def _put(*path_and_value):
     ("means.epoch", _put("means", "epoch", {"sums": {}, "weight": -1.0, "skipped": 0})),
     ("means", _put("means", [1])),  # the old reader: both means silently empty
 ])
-def test_a_tampered_position_value_is_refused_not_converted(tmp_path, key, change):
+def test_a_tampered_position_value_is_refused_not_converted(tmp_path, small_job, key, change):
     # The old readers converted: "false" -> True, 1.7 -> 1, True -> 1, [[1.9, "x"]] -> step 1;
     # -3 restored (fit's IndexError later), NaN/None/[1] crashed with a bare ValueError/TypeError.
-    path, _ = _small_checkpoint(tmp_path, change)
+    path, _ = _small_checkpoint(tmp_path, small_job, change)
     trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
                                lambda m, b: jnp.mean(m(b) ** 2))
     with pytest.raises(ft.train.CheckpointError, match=rf"ck step 2: trainer\.{key} is"):
@@ -829,22 +852,22 @@ def test_a_tampered_position_value_is_refused_not_converted(tmp_path, key, chang
     ("epochs", lambda c: c["trainer"]["history"]["epochs"].pop("epoch")),
     ("", lambda c: c["trainer"].__setitem__("history", [])),
 ])
-def test_a_tampered_history_column_is_refused(tmp_path, column, change):
+def test_a_tampered_history_column_is_refused(tmp_path, small_job, column, change):
     # The old reader took a short column as it was: the next fit's losses landed on the
     # wrong steps (a string column: an AttributeError in History._append).
-    path, _ = _small_checkpoint(tmp_path, change)
+    path, _ = _small_checkpoint(tmp_path, small_job, change)
     with pytest.raises(ft.train.CheckpointError, match=rf"ck step 2: trainer\.history\.?{column} is"):
         ft.train.JobState.restore(path)
 
 
-def test_a_trainer_config_that_is_not_an_object_is_refused(tmp_path):
-    path, _ = _small_checkpoint(tmp_path, lambda c: c.__setitem__("trainer", [1, 2]))
+def test_a_trainer_config_that_is_not_an_object_is_refused(tmp_path, small_job):
+    path, _ = _small_checkpoint(tmp_path, small_job, lambda c: c.__setitem__("trainer", [1, 2]))
     with pytest.raises(ft.train.CheckpointError, match="ck step 2: trainer is \\[1, 2\\], not a JSON object"):
         ft.train.JobState.restore(path)  # the old reader: AttributeError ('list' has no 'get')
 
 
-def test_a_resealed_untampered_checkpoint_restores_exactly(tmp_path):
-    path, saved = _small_checkpoint(tmp_path, lambda c: None)
+def test_a_resealed_untampered_checkpoint_restores_exactly(tmp_path, small_job):
+    path, saved = _small_checkpoint(tmp_path, small_job, lambda c: None)
     back = ft.train.JobState.restore(path)
     assert back.position == saved.state.position and back.history == saved.history
 

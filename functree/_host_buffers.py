@@ -39,13 +39,13 @@ ALIGNMENT = 64  # XLA's CPU minimum alignment (kMinimumAlignment): a buffer alig
 ALIGNED_FROM = 1 << 16
 
 _flatten = jax.tree_util.default_registry.flatten  # jax.tree.flatten without its Python frames
-_JAX_ARRAYS: set[type] = set()  # the classes of jax.Array seen (ArrayImpl, tracers): a set lookup
+JAX_ARRAYS: set[type] = set()  # the classes of jax.Array seen (ArrayImpl, tracers): a set lookup
 
 
 def _jax_array(x: Any) -> bool:
     """Whether ``x`` is a ``jax.Array`` (its class remembered: the next check is a set lookup)."""
     if isinstance(x, jax.Array):
-        _JAX_ARRAYS.add(x.__class__)
+        JAX_ARRAYS.add(x.__class__)
         return True
     return False
 
@@ -100,7 +100,7 @@ def private_arrays(tree: Any) -> Any:
     kind = tree.__class__
     if kind is tuple or kind is dict:  # a step's usual batch, checked without flattening it
         for x in (tree.values() if kind is dict else tree):
-            if x.__class__ not in _JAX_ARRAYS and not _jax_array(x):
+            if x.__class__ not in JAX_ARRAYS and not _jax_array(x):
                 break
         else:
             return tree

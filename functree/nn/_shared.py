@@ -157,11 +157,12 @@ def _transformed(transform: Callable[[Any], Any], value: Any) -> Any:
     NumPy computes a host value's transform, and its promotion is the one to keep for
     float64 and float32 (a float64 ``w`` gives float64 ``0.1 * w.T``, exactly as the float64
     source is exported; JAX without x64 would give float32, 7e-9 off). A narrower source's
-    result can widen in NumPy (``0.1 * w.T`` of a bfloat16 ``w`` is float32 there, bfloat16
-    in JAX and torch): there it takes the dtype ``jax.eval_shape`` gives the transform, so
-    an exported target keeps the source's dtype. A transform JAX cannot trace (NumPy-only code such as
-    ``np.ascontiguousarray``) keeps NumPy's result. JAX arrays and tracers (a jitted call)
-    are left as the transform gives them."""
+    result takes the dtype ``jax.eval_shape`` gives the transform (bfloat16 for ``0.1 * w.T``
+    of a bfloat16 ``w``, as torch's), so an exported target keeps the source's dtype; where
+    that is the source's dtype, the transform runs on float32 and is rounded once, as torch
+    computes ``0.1 * w``, whatever NumPy's promotion of the version installed. A transform JAX
+    cannot trace (NumPy-only code such as ``np.ascontiguousarray``) keeps NumPy's result. JAX
+    arrays and tracers (a jitted call) are left as the transform gives them."""
     out = transform(value)
     if not (isinstance(out, np.ndarray) and isinstance(value, np.ndarray) and _half_float(value.dtype)):
         return out
@@ -169,6 +170,14 @@ def _transformed(transform: Callable[[Any], Any], value: Any) -> Any:
         wanted = jax.eval_shape(transform, value).dtype
     except Exception:  # the call above ran; only tracing failed: NumPy's dtype stands
         return out
+    if wanted == value.dtype:
+        # Computed on float32 (which holds every half-precision value exactly) and rounded
+        # once, as torch computes 0.1 * w: not left to NumPy's promotion, which changed under
+        # us (ml_dtypes 0.7 keeps 0.1 * bfloat16 in bfloat16, rounding 0.1 to bfloat16 first:
+        # one bfloat16 step off torch's product; ml_dtypes 0.6 widened it to float32).
+        wide = transform(value.astype(np.float32))
+        if isinstance(wide, np.ndarray) and wide.shape == out.shape:
+            return wide.astype(wanted)
     return out.astype(wanted, copy=False)
 
 

@@ -43,7 +43,7 @@ from functree._alias import (
     warn_aliases,
 )
 from functree._flat import FlatJit, flat_jit
-from functree._host_buffers import private_arrays
+from functree._host_buffers import JAX_ARRAYS, private_arrays
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
@@ -718,8 +718,16 @@ class TrainStep:
         if CURRENT.value is not TOP:  # inside the user's jit/vmap/scan: keep none of its values
             return traced_call(self, model, opt_state, batch, key)
         # NumPy leaves copied: the step runs after this call returns, and JAX would read a
-        # buffer the caller refills for the next batch (functree/_host_buffers.py)
-        batch = private_arrays(batch)
+        # buffer the caller refills for the next batch (functree/_host_buffers.py). A batch of
+        # device arrays is looked at here, inline: a loop's call runs no Python frame for it.
+        kind = batch.__class__
+        if kind is tuple or kind is dict:
+            for x in (batch.values() if kind is dict else batch):
+                if x.__class__ not in JAX_ARRAYS:
+                    batch = private_arrays(batch)
+                    break
+        else:
+            batch = private_arrays(batch)
         if self.on_nan != "stop":
             if direct is None:
                 self._private = batch

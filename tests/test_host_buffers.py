@@ -98,5 +98,7 @@ def test_private_copies_are_aligned_and_leave_device_arrays_alone():
     assert private_arrays(tree) is tree  # nothing to copy: the same tree
     out = private_arrays({"a": device, "b": x, "s": np.float32(2)})
     assert out["a"] is device and out["s"] == 2 and not np.shares_memory(out["b"], x)
+    assert private_copy(out["b"]) is out["b"] and private_arrays(out) is out  # a copy is not copied again
+    assert not out["b"].flags.writeable  # and no one writes into it
     names = np.array(["a", "b"], object)  # no buffer to align: copied as it is
     assert private_copy(names).tolist() == ["a", "b"]

@@ -349,7 +349,6 @@ class TrainStep:
         self._calls = 0
         self._owned_call = False  # run(owned=...) of the call running
         self._inflight: list[tuple[int, Any, Any]] = []  # (call, batch, key): references only
-        self._private: Any = None  # the batch a plain call passes run() with its NumPy leaves copied
         self._shared: Any = None  # the process-wide programs of this configuration (_programs.py)
         self._ref = weakref.ref(self)
         # The flat program a plain call runs without run()'s Python frame: set by run() once
@@ -561,7 +560,7 @@ class TrainStep:
         return model, opt_state, (None if "rows" in log else without_parts(metrics)), log  # rows hold them
 
     _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref", "_owned_call",
-                "_direct", "_private")
+                "_direct")
     """Instance attributes that are run-time state; every other one is configuration: a
     step equal to another in all of them (and in class) shares its compiled programs."""
 
@@ -632,9 +631,7 @@ class TrainStep:
         a state with a new learning context every epoch). ``steps``: the steps this
         call runs (default ``steps_per_call``); above 1, ``batch`` holds that many
         minibatches stacked along its leading axis."""
-        if batch is not self._private:  # (a plain call copied its NumPy leaves already)
-            batch = private_arrays(batch)
-        self._private = None
+        batch = private_arrays(batch)  # (a plain call's copies pass as they are)
         steps = self.steps_per_call if steps is None else steps
         if steps == 1:
             program = self._compiled or self._program(model)
@@ -730,7 +727,6 @@ class TrainStep:
             batch = private_arrays(batch)
         if self.on_nan != "stop":
             if direct is None:
-                self._private = batch
                 return self.run(model, opt_state, batch, key)[:3]
             self._owned_call = False
             self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
@@ -741,7 +737,6 @@ class TrainStep:
             self._check(model, opt_state, block=False)
         self._inflight.append((self._calls * self.steps_per_call, batch, key))  # its first step
         if direct is None:
-            self._private = batch
             model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
         else:
             self._owned_call = False

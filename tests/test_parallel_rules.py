@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import run
+from _devices import part, scenarios
 from _tolerance import MARGIN
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -270,11 +270,7 @@ def test_rule_naming_one_stack_member_keeps_its_message_beside_the_fallback():
     assert "'blocks.layers.up.weight'" in str(e.value)
 
 
-@pytest.mark.slow
-def test_rules_with_fsdp_fallback_train_on_eight_devices_as_on_one():
-    """One Adam step on a (4, 2) mesh, tensor parallel by rules and FSDP for the rest,
-    equals one device's step; the arrays are where the rules say."""
-    out = run("""
+FALLBACK = """
 import sys; sys.path.insert(0, "tests")
 import numpy as np, jax.numpy as jnp, functree as ft
 from jax.sharding import PartitionSpec as P
@@ -293,7 +289,14 @@ report({"error": scaled_error((model, state), (ref, ref_state)),
         "loss": [float(metrics["loss"]), float(ref_metrics["loss"])],
         "specs": {n: str(x.sharding.spec) for n, x in ft.to_flat_dict(model).items()},
         "mu": str(ft.optim.moments(state)["mu"].blocks.layers.down.weight.sharding.spec)})
-""")
+"""
+
+
+@pytest.mark.slow
+def test_rules_with_fsdp_fallback_train_on_eight_devices_as_on_one(eight_devices):
+    """One Adam step on a (4, 2) mesh, tensor parallel by rules and FSDP for the rest,
+    equals one device's step; the arrays are where the rules say."""
+    out = part(eight_devices, "fallback")
     assert out["error"] < MARGIN * SPREAD_RULES_8_VS_1
     assert out["loss"][0] == pytest.approx(out["loss"][1], rel=1e-6)
     assert out["specs"]["blocks.layers.up.weight"] == "P(None, None, 'model')"
@@ -331,7 +334,8 @@ def test_spec_naming_one_mesh_axis_twice_names_the_rule_and_the_leaf():
         ft.shard(model(), jax.make_mesh((1, 1), ("data", "model")), {"head.weight": ("model", "model")})
 
 
-# One process on 8 devices for the batch and placement scenarios below (each test reads its part).
+# The batch and placement scenarios below, on 8 devices (each test reads its part); one process runs
+# them and FALLBACK.
 EIGHT_DEVICES = """
 import tempfile
 import numpy as np, jax.numpy as jnp, functree as ft
@@ -406,9 +410,29 @@ report(out)
 """
 
 
+PLACEMENT_TESTS = ("test_a_batch_the_mesh_cannot_split_names_its_leaf",
+                   "test_a_short_last_batch_on_a_mesh_is_named_with_the_users_batch_size",
+                   "test_the_cast_hint_of_a_checkpoint_of_another_dtype_keeps_the_templates_device",
+                   "test_the_generation_cache_is_checked_on_the_models_devices")
+
+
+# The README's `--dist loadfile` runs a module's tests on one pytest-xdist worker, so this
+# module fixture starts its subprocess once per run.
 @pytest.fixture(scope="module")
-def eight():
-    return run(EIGHT_DEVICES, devices=8)
+def eight_devices(request):
+    """One 8-device subprocess for the selected tests: FALLBACK (the rules' training step) and
+    EIGHT_DEVICES (the batch and placement scenarios), each in its own copy of the globals."""
+    here = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    sources = {"fallback": FALLBACK} if "test_rules_with_fsdp_fallback_train_on_eight_devices_as_on_one" in here else {}
+    if here & set(PLACEMENT_TESTS):
+        sources["placement"] = EIGHT_DEVICES  # after FALLBACK: it replaces _memory.available_bytes
+    return scenarios("", sources)
+
+
+@pytest.fixture(scope="module")
+def eight(eight_devices):
+    """EIGHT_DEVICES's report."""
+    return part(eight_devices, "placement")
 
 
 def test_a_batch_the_mesh_cannot_split_names_its_leaf(eight):

@@ -35,6 +35,10 @@ sys.path.insert(0, "tests")
 import _train_job as job
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 D = jax.devices()
+# The job's model (its Trainers' too) built in one program: eagerly each initializer compiled
+# apart, again on each default device the scenarios set (~20 programs a device). What a
+# scenario builds here is compared only with what it wrote or read here.
+job.model = jax.jit(job.model)
 
 def on(tree):
     return sorted({str(d) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.devices()})
@@ -43,6 +47,7 @@ def values(tree):
     return [np.asarray(x).tolist() for x in jax.tree.leaves(tree) if not jax.dtypes.issubdtype(
         getattr(x, "dtype", np.float32), jax.dtypes.prng_key)]
 
+@jax.jit  # one program (see job.model)
 def wide():  # big enough for the fsdp rules to shard over 8 devices
     return ft.nn.Dense(8, 256, key=jax.random.key(1))
 

@@ -162,7 +162,7 @@ class _EightDevices:
         self._reports: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.parts = self.report()
+        self.parts = self.report(timeout=300 * max(1, len(parts)))  # 300 s a part, as _devices.scenarios
 
     def _read(self):
         for line in self._proc.stdout:

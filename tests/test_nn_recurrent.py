@@ -369,6 +369,37 @@ def test_bfloat16_bias_gradients_sum_the_batch_in_float32_as_torch_does(cell_cls
         np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=0, atol=0.03 * scale)
 
 
+def _scans(jaxpr):
+    """Every ``scan`` equation of ``jaxpr``, nested ones included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _scans(inner)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("cell_cls", [ft.nn.GRUCell, ft.nn.LSTMCell])
+def test_bfloat16_leaves_gradients_are_summed_in_a_float32_carry(cell_cls, reverse):
+    """What the numeric test below measures on one input, read off the program for any: the
+    gradient's scan sums each bfloat16 weight's and bias's cotangent in a float32 carry (a
+    closed-over bfloat16 leaf was summed in a bfloat16 carry, checked: this test then fails)."""
+    cell = cell_cls(16, 8, key=jax.random.key(0), dtype=jnp.bfloat16)
+    xs = jax.ShapeDtypeStruct((4, 8, 16), jnp.bfloat16)
+    rnn = ft.nn.RNN(cell, reverse=reverse)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda m, xs: jnp.sum(m(xs).astype(jnp.float32))))(rnn, xs).jaxpr
+    shapes = {leaf.shape for leaf in jax.tree.leaves(cell) if leaf.dtype == jnp.bfloat16}
+    assert shapes, "the cell has bfloat16 leaves"
+    carried = [v.aval for eqn in _scans(jaxpr) if eqn.params["reverse"] != reverse
+               for v in eqn.invars[eqn.params["num_consts"]:eqn.params["num_consts"] + eqn.params["num_carry"]]]
+    for shape in shapes:
+        dtypes = sorted({a.dtype.name for a in carried if a.shape == shape})
+        assert dtypes == ["float32"], (shape, dtypes)
+
+
 @pytest.mark.parametrize("cell_cls", [ft.nn.GRUCell, ft.nn.LSTMCell])
 def test_bfloat16_weight_gradients_sum_the_steps_in_float32(cell_cls):
     """scan's transpose sums a closed-over weight's gradient over the steps in the weight's

@@ -239,11 +239,12 @@ def test_a_standalone_state_serves_the_model_in_either_mode(first):
     after = ft.nn.inference(model) if first == "training" else ft.nn.training(model)
     tx = ft.optim.adam(1e-2)
     x = jnp.arange(6.0).reshape(3, 2)
-    grads = ft.gradient(lambda m: m(x, key=jax.random.key(1)).sum(), at=after)
+    grads = jax.jit(lambda a: ft.gradient(lambda m: m(x, key=jax.random.key(1)).sum(), at=a))(after)
     early, late = tx.init(before), tx.init(after)
+    update = jax.jit(tx.update)  # one program for both states (eagerly, each operation compiled apart)
     for _ in range(2):
-        u_early, early = tx.update(grads, early, after)
-        u_late, late = tx.update(grads, late, after)
+        u_early, early = update(grads, early, after)
+        u_late, late = update(grads, late, after)
     assert jax.tree.structure(u_early) == jax.tree.structure(grads)
     for a, b in zip(jax.tree.leaves(u_early), jax.tree.leaves(u_late)):
         np.testing.assert_array_equal(a, b)
@@ -255,13 +256,13 @@ def test_a_complex_gradient_in_a_bare_transform_warns_with_both_fixes():
     """A bare transform follows optax's complex convention: ft.gradient's (JAX's) complex
     gradients made a torch user's hand loop climb (loss 5.97 -> 9.45), silently."""
     z = {"z": jnp.array([1.0 + 1.0j])}
-    grads = ft.gradient(lambda p: jnp.sum(jnp.abs(p["z"]) ** 2), at=z)
+    grads = jax.jit(lambda z: ft.gradient(lambda p: jnp.sum(jnp.abs(p["z"]) ** 2), at=z))(z)
     tx = fo.adam(0.1)
     with pytest.warns(fo.ComplexGradientWarning, match=r"(?s)ft.optim.adam: a complex gradient.*ft.optim.Optimizer"):
         tx.update(grads, tx.init(z), z)
     opt = fo.Optimizer(fo.adam(0.1))  # torch's numbers, no warning
-    updates, _ = opt.update(grads, opt.init(z), z)
-    assert float(jnp.abs(ft.move(z, along=updates)["z"][0])) < float(jnp.abs(z["z"][0]))  # downhill
+    moved = jax.jit(lambda g, s: ft.move(z, along=opt.update(g, s, z)[0]))(grads, opt.init(z))  # one program
+    assert abs(np.asarray(moved["z"])[0]) < abs(np.asarray(z["z"])[0])  # downhill
 
 
 def test_float64_parameters_keep_float64_hyperparameters():
@@ -278,10 +279,12 @@ def test_float64_parameters_keep_float64_hyperparameters():
                              (fo.adamw(fo.schedule(schedule, unit="steps"), weight_decay=0.01),
                               optax.adamw(schedule, weight_decay=0.01))]:
             state, reference = ours.init(params), theirs.init(params)
+            # one program each (eagerly, each operation compiled apart)
+            ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
             for g in grads:
-                u, state = ours.update(g, state, params)
+                u, state = ours_update(g, state, params)
                 with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix ints and floats
-                    v, reference = theirs.update(g, reference, params)
+                    v, reference = theirs_update(g, reference, params)
                 assert u["w"].dtype == jnp.float64  # float32 rates were 4.5e-10 off here: 1e-14 is ~50 ulps
                 np.testing.assert_allclose(u["w"], v["w"], rtol=0, atol=1e-14)
         state = fo.set_hyperparameters(fo.sgd(0.1).init(params), learning_rate=1 / 3)
@@ -337,16 +340,25 @@ def test_inject_hyperparams_are_read_and_set_exactly_as_optaxs_idiom():
     assert ft.optim.hyperparameters(state)["learning_rate"] == np.float32(1e-2)  # was {}
     assert "learning_rate" in ft.optim.hyperparameter_names(state)
     ours, theirs = params, params
+
+    @jax.jit  # one program each (eagerly, each operation compiled apart)
+    def our_step(p, state):
+        u, state = opt.update(grads(p), state, p)
+        return optax.apply_updates(p, u), state
+
+    @jax.jit
+    def their_step(p, ref):
+        with jax.numpy_dtype_promotion("standard"):
+            v, ref = tx.update(grads(p), ref, p)
+        return optax.apply_updates(p, v), ref
+
     for i in range(5):
         if i == 2:
             state = ft.optim.set_hyperparameters(state, learning_rate=0.05, weight_decay=0.0)  # was KeyError
             ref.hyperparams["learning_rate"] = jnp.asarray(0.05)  # optax's idiom
             ref.hyperparams["weight_decay"] = jnp.asarray(0.0)
-        u, state = opt.update(grads(ours), state, ours)
-        ours = optax.apply_updates(ours, u)
-        with jax.numpy_dtype_promotion("standard"):
-            v, ref = tx.update(grads(theirs), ref, theirs)
-        theirs = optax.apply_updates(theirs, v)
+        ours, state = our_step(ours, state)
+        theirs, ref = their_step(theirs, ref)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)  # values ~1
     assert float(ft.optim.hyperparameters(state)["learning_rate"]) == np.float32(0.05)
@@ -392,6 +404,9 @@ def _rebuilt_loss(m):
     return jnp.sum(m["w"] ** 2) + m["b"] ** 2
 
 
+_rebuilt_gradient = jax.jit(lambda m: ft.gradient(_rebuilt_loss, at=m))  # one program for the module
+
+
 @pytest.mark.parametrize("old, new", [
     (lambda: fo.adam(1e-2), lambda: fo.adam(fo.cosine_decay(2e-2, 10))),
     (lambda: fo.sgd(0.1, momentum=0.9), lambda: fo.sgd(fo.cosine_decay(0.1, 10), momentum=0.9)),
@@ -404,17 +419,18 @@ def test_a_state_of_an_optimizer_with_other_hyperparameters_is_refused_naming_bo
     model = _rebuilt_model()
     first = fo.Optimizer(old())
     state = first.init(model)
-    model, state = first.apply_gradients(ft.gradient(_rebuilt_loss, at=model), model, state)
+    model, state = jax.jit(first.apply_gradients)(_rebuilt_gradient(model), model, state)  # one program
+    grads = _rebuilt_gradient(model)
     second = fo.Optimizer(new())
     pattern = r"this state was made by an optimizer with other hyperparameters: it stores \((learning_rate|beta1)"
     with pytest.raises(ValueError, match=pattern) as info:
-        second.apply_gradients(ft.gradient(_rebuilt_loss, at=model), model, state)
+        second.apply_gradients(grads, model, state)
     assert "opt.init(model)" in str(info.value) and "set_hyperparameters" in str(info.value)
     with pytest.raises(ValueError, match=pattern):  # jitted: at trace time
         ft.jit(lambda m, s: second.minimize(_rebuilt_loss, m, s))(model, state)
     with pytest.raises(ValueError, match=pattern):  # before: "Expected None, got JitTracer(float32[1])"
         ft.train.train_step(lambda m, batch: _rebuilt_loss(m), second)(model, state, ())
-    second.apply_gradients(ft.gradient(_rebuilt_loss, at=model), model, second.init(model))  # the fix runs
+    jax.jit(second.apply_gradients)(grads, model, second.init(model))  # the fix runs
 
 
 def test_a_hyperparameter_without_a_value_and_another_transforms_state_are_clear_errors():
@@ -474,10 +490,10 @@ def test_setting_a_weight_decay_built_as_zero_says_why_and_each_fix_sets_it(name
         fo.set_hyperparameters(fo.groups({"head.*": ours(0.0)}).init({"head": p}), {"head.*/weight_decay": 0.5})
 
     def steps(tx, state, n=3):
-        got = []
+        got, update = [], jax.jit(tx.update)  # one program (eagerly, each operation compiled apart)
         for _ in range(n):
             with jax.numpy_dtype_promotion("standard"):  # optax's adamw: float rates, int counts
-                u, state = tx.update(g, state, p)
+                u, state = update(g, state, p)
             got.append(u)
         return got
 

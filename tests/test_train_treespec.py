@@ -849,12 +849,29 @@ model = ft.nn.Dense(3, 4, functools.partial(jax.nn.leaky_relu, negative_slope=0.
 ft.train.save(sys.argv[1], model)
 """
 
+SAVE_A_LAMBDA_LAYER = """
+import functools, sys, jax, functree as ft
+act = ft.nn.Lambda(functools.partial(jax.nn.leaky_relu, negative_slope=0.3))
+ft.train.save(sys.argv[2], ft.nn.Dense(3, 4, act, key=jax.random.key(0)))
+"""
 
-def test_a_partial_activation_saved_in_another_process_loads_into_the_same_partial(tmp_path):
+
+@pytest.fixture(scope="module")
+def saved_in_another_process(tmp_path_factory):
+    """One fresh process (its start-up and imports are most of its time) saves both models
+    of the two tests below: the Dense layer with a partial activation at ``partial``, the
+    one whose activation is a Lambda layer holding that partial at ``lambda``."""
+    root = tmp_path_factory.mktemp("another_process")
+    subprocess.run([sys.executable, "-c", SAVE_IN_A_NEW_PROCESS + SAVE_A_LAMBDA_LAYER, str(root / "partial"),
+                    str(root / "lambda")], check=True, timeout=240)
+    return root
+
+
+def test_a_partial_activation_saved_in_another_process_loads_into_the_same_partial(saved_in_another_process,
+                                                                                    tmp_path):
     # a fresh process: another partial and function object at other addresses, the same text
-    subprocess.run([sys.executable, "-c", SAVE_IN_A_NEW_PROCESS, str(tmp_path / "m")], check=True, timeout=240)
-    x = -2 * jnp.ones((1, 3)) + jnp.arange(3.0)  # negative and positive pre-activations
-    back = ft.train.load(tmp_path / "m", _leaky_dense(0.3, seed=1))
+    x = np.arange(3.0, dtype=np.float32)[None] - 2  # negative and positive pre-activations
+    back = ft.train.load(saved_in_another_process / "partial", _leaky_dense(0.3, seed=1))
     np.testing.assert_allclose(back(x), _leaky_reference(back, x, 0.3), rtol=0, atol=1e-5)
     assert back.activation.keywords == {"negative_slope": 0.3}
     with ft.train.CheckpointManager(tmp_path / "run") as manager:  # and the template path of a restore
@@ -911,24 +928,16 @@ def test_a_lambda_activation_is_stored_by_its_name_and_any_lambda_template_reads
     assert back.activation(1.0) == 5.0
 
 
-SAVE_A_LAMBDA_LAYER = """
-import functools, sys, jax, functree as ft
-act = ft.nn.Lambda(functools.partial(jax.nn.leaky_relu, negative_slope=0.3))
-ft.train.save(sys.argv[1], ft.nn.Dense(3, 4, act, key=jax.random.key(0)))
-"""
-
-
-def test_a_leafless_module_holding_a_partial_saved_in_another_process_loads_into_the_same_one(tmp_path):
+def test_a_leafless_module_holding_a_partial_saved_in_another_process_loads_into_the_same_one(
+        saved_in_another_process):
     # before: its stored description held the partial's text with a memory address, so the
     # same model built in another process was refused as "other static configuration"
-    subprocess.run([sys.executable, "-c", SAVE_A_LAMBDA_LAYER, str(tmp_path / "m")], check=True, timeout=240)
-
     def template(slope):
         act = ft.nn.Lambda(functools.partial(jax.nn.leaky_relu, negative_slope=slope))
         return ft.nn.Dense(3, 4, act, key=jax.random.key(1))
 
-    back = ft.train.load(tmp_path / "m", template(0.3))
-    x = jnp.array([[-2.0, 1.0, 3.0]])
+    back = ft.train.load(saved_in_another_process / "lambda", template(0.3))
+    x = np.array([[-2.0, 1.0, 3.0]], np.float32)
     np.testing.assert_allclose(back(x), _leaky_reference(back, x, 0.3), rtol=0, atol=1e-5)
     with pytest.raises(ft.train.CheckpointError, match=r"activation: saved Lambda\(fn=functools\.partial\(.*0\.3\)\)"):
-        ft.train.load(tmp_path / "m", template(0.01))
+        ft.train.load(saved_in_another_process / "lambda", template(0.01))

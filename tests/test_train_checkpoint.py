@@ -244,7 +244,7 @@ def test_a_managers_directory_and_a_saved_tree_name_each_other(tmp_path):
 
 KILLED_SAVE = textwrap.dedent(
     """
-    import sys, time
+    import sys, threading, time
     import jax.numpy as jnp
     from orbax.checkpoint._src.path import atomicity
     import functree as ft
@@ -252,26 +252,47 @@ KILLED_SAVE = textwrap.dedent(
     manager = ft.train.CheckpointManager(sys.argv[1])
     manager.save(1, {"w": jnp.ones(1000)})
     original = atomicity.AtomicRenameTemporaryPath.finalize
+    stalled = threading.Event()
 
     def stall(self, *args, **kwargs):
-        print("MIDSAVE", flush=True)
-        time.sleep(120)
+        if threading.current_thread().name == "midsave":  # the save of step 2 only
+            print("MIDSAVE", flush=True)
+            stalled.set()
+            time.sleep(120)
         return original(self, *args, **kwargs)
 
     atomicity.AtomicRenameTemporaryPath.finalize = stall
-    manager.save(2, {"w": jnp.zeros(1000)})
-    print("FINISHED", flush=True)
+    threading.Thread(target=lambda: manager.save(2, {"w": jnp.zeros(1000)}), name="midsave", daemon=True).start()
+    stalled.wait(60)
+    """
+)
+
+SAVE_LOOP = textwrap.dedent(
+    """
+    manager = ft.train.CheckpointManager(sys.argv[2], max_to_keep=2, best_metric="loss")
+    for step in range(1, 10_000):
+        loss = 1.0 / step if step % 7 == 3 else 5.0 + (step % 5)  # best so far at steps 3, 10, ...
+        manager.save(step, {"w": jnp.full(5000, float(step))}, metrics={"loss": loss})
+        print("ACK", step, flush=True)
     """
 )
 
 
-def test_process_killed_mid_save_leaves_previous_checkpoint(tmp_path):
-    directory = tmp_path / "ckpt"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_SAVE, str(directory)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def _loss(step):
+    return 1.0 / step if step % 7 == 3 else 5.0 + (step % 5)
+
+
+@pytest.fixture(scope="module")
+def killed_process(tmp_path_factory):
+    """One process SIGKILLed (its start-up and imports are most of its time) for two
+    scenarios: a save of step 2 stalled in its final rename (a thread, after step 1 was
+    saved) at ``midsave``, and a loop of saves (the main thread, after the stall began)
+    at ``loop``, killed at a random moment after 4-15 acknowledged saves. Returns the two
+    directories and the last acknowledged step of the loop."""
+    root = tmp_path_factory.mktemp("killed")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE + SAVE_LOOP, str(root / "midsave"), str(root / "loop")],
+                            stdout=subprocess.PIPE, text=True)
+    acked = 0
     try:
         deadline = time.monotonic() + 60
         line = ""
@@ -280,12 +301,24 @@ def test_process_killed_mid_save_leaves_previous_checkpoint(tmp_path):
             if not line and proc.poll() is not None:
                 break
         assert "MIDSAVE" in line
+        kill_after = 4 + np.random.default_rng().integers(0, 12)  # saves to wait for
+        while acked < kill_after:
+            line = proc.stdout.readline()
+            assert line, "the saving process ended early"
+            acked = int(line.split()[1])
+        time.sleep(np.random.default_rng().uniform(0, 0.05))  # somewhere inside a save
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        acked = max([acked] + [int(x.split()[1]) for x in proc.stdout.read().split("\n") if x])
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
+    return root / "midsave", root / "loop", acked
+
+
+def test_process_killed_mid_save_leaves_previous_checkpoint(killed_process):
+    directory = killed_process[0]
     leftovers = [n for n in os.listdir(directory) if n != "1"]
     assert leftovers, "the interrupted save should have left its temporary directory"
     manager = CheckpointManager(directory)
@@ -304,44 +337,8 @@ def test_asynchronous_save(tmp_path):
         assert manager.restore(1, include=("extra",)).model is None
 
 
-SAVE_LOOP = textwrap.dedent(
-    """
-    import sys
-    import jax.numpy as jnp
-    import functree as ft
-
-    manager = ft.train.CheckpointManager(sys.argv[1], max_to_keep=2, best_metric="loss")
-    for step in range(1, 10_000):
-        loss = 1.0 / step if step % 7 == 3 else 5.0 + (step % 5)  # best so far at steps 3, 10, ...
-        manager.save(step, {"w": jnp.full(5000, float(step))}, metrics={"loss": loss})
-        print("ACK", step, flush=True)
-    """
-)
-
-
-def _loss(step):
-    return 1.0 / step if step % 7 == 3 else 5.0 + (step % 5)
-
-
-def test_sigkill_at_a_random_moment_keeps_the_last_acknowledged_and_the_best(tmp_path):
-    directory = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", SAVE_LOOP, str(directory)],
-                            stdout=subprocess.PIPE, text=True)
-    acked = 0
-    try:
-        kill_after = 4 + np.random.default_rng().integers(0, 12)  # saves to wait for
-        while acked < kill_after:
-            line = proc.stdout.readline()
-            assert line, "the saving process ended early"
-            acked = int(line.split()[1])
-        time.sleep(np.random.default_rng().uniform(0, 0.05))  # somewhere inside a save
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        acked = max([acked] + [int(x.split()[1]) for x in proc.stdout.read().split("\n") if x])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
+def test_sigkill_at_a_random_moment_keeps_the_last_acknowledged_and_the_best(killed_process):
+    _, directory, acked = killed_process
     manager = CheckpointManager(directory, max_to_keep=2, best_metric="loss")
     latest = manager.latest_step()
     assert latest in (acked, acked + 1)  # a save may finish just before its ACK is printed
@@ -625,7 +622,8 @@ def test_narrow_dtypes_round_trip_bit_for_bit_and_uint4_is_refused_naming_the_le
     written, naming the leaf and the widening fix (an empty one is stored by its shape)."""
     names = [n for n in ("int4", "int2", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn")
              if hasattr(jnp, n)]
-    tree = {n: jnp.array([0.5, 1.0, 2.0, -1.0] if "float" in n else [0, 1, -1, 1]).astype(getattr(jnp, n))
+    tree = {n: jnp.asarray(np.array([0.5, 1.0, 2.0, -1.0] if "float" in n else [0, 1, -1, 1],  # numpy's casts:
+                                    np.float32 if "float" in n else np.int32).astype(getattr(jnp, n)))  # no program
             for n in names}
     ft.train.save(tmp_path / "narrow", tree)
     back = ft.train.load(tmp_path / "narrow")
@@ -691,12 +689,13 @@ def test_equinox_mlp_saves_with_the_messages_fixes(tmp_path, registry_restored):
         ft.train.save(tmp_path / "m", mlp)
     ft.train.save(tmp_path / "a", eqx.filter(mlp, eqx.is_array))
     back = eqx.combine(ft.train.load(tmp_path / "a", eqx.filter(mlp, eqx.is_array)), mlp)
-    np.testing.assert_array_equal(np.asarray(back(jnp.ones(2))), np.asarray(mlp(jnp.ones(2))))
+    call = eqx.filter_jit(lambda net: net(np.ones(2, np.float32)))  # one program, not one per eager operation
+    np.testing.assert_array_equal(np.asarray(call(back)), np.asarray(call(mlp)))
     ft.train.register(mlp.final_activation, name="equinox.nn._mlp.identity")
     ft.train.save(tmp_path / "m", mlp)
     back = ft.train.load(tmp_path / "m", mlp)
     assert back.activation is jax.nn.relu
-    np.testing.assert_array_equal(np.asarray(back(jnp.ones(2))), np.asarray(mlp(jnp.ones(2))))
+    np.testing.assert_array_equal(np.asarray(call(back)), np.asarray(call(mlp)))
 
 
 @pytest.mark.parametrize("tree", [jnp.arange(3.0), 2.5, np.float32(1.5), jnp.array(7, jnp.int32)],
@@ -828,7 +827,8 @@ def test_a_teacher_of_the_models_class_with_other_layers_inside_is_read_as_saved
         manager.save(1, model, extra={"teacher": teacher})
         back = manager.restore(template=model).extra["teacher"]
     assert type(back.layers[1]) is ft.nn.MaxPool2D
-    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(teacher(x)))
+    call = jax.jit(lambda net: net(x))  # one program for both (same layers), not an eager one per operation
+    np.testing.assert_array_equal(np.asarray(call(back)), np.asarray(call(teacher)))
 
 
 _HOLDER = "class Holder(ft.Module):\n    pool: ft.Module\n    w: jax.Array\n"

@@ -13,6 +13,18 @@ from functree.nn import _attention as attention
 from functree.nn import _attention_kernel as kernel
 
 
+def _normal(seed, shape, dtype=np.float32):
+    """Standard normal values drawn by NumPy: no sampler compiled per shape."""
+    return jax.device_put(np.random.default_rng(seed).normal(size=shape).astype(dtype))
+
+
+def _mask(seed, p, shape):
+    """A NumPy-drawn boolean mask (True with probability ``p``) where every query sees key 0."""
+    mask = np.random.default_rng(seed).random(shape) < p
+    mask[..., 0] = True
+    return jax.device_put(mask)
+
+
 def _x64(tree):
     return jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
@@ -49,16 +61,16 @@ def _numpy_reference(mha, q, k, v, mask):
 
 def test_self_attention_matches_jax(key):
     mha = ft.nn.MultiheadAttention(8, 2, key=key)
-    x = jax.random.normal(jax.random.key(1), (3, 5, 8))
+    x = _normal(1, (3, 5, 8))
     np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(mha, x), _reference(mha, x, x, x), rtol=1e-5, atol=1e-5)
 
 
 def test_cross_attention_with_mask_and_sizes(key):
     mha = ft.nn.MultiheadAttention(6, 3, key_size=4, value_size=5, output_size=7, qk_size=2, vo_size=3, key=key)
-    q = jax.random.normal(jax.random.key(1), (2, 4, 6))
-    k = jax.random.normal(jax.random.key(2), (2, 3, 4))
-    v = jax.random.normal(jax.random.key(3), (2, 3, 5))
-    mask = jax.random.bernoulli(jax.random.key(4), 0.7, (2, 1, 4, 3)).at[..., 0].set(True)
+    q = _normal(1, (2, 4, 6))
+    k = _normal(2, (2, 3, 4))
+    v = _normal(3, (2, 3, 5))
+    mask = _mask(4, 0.7, (2, 1, 4, 3))
     y = jax.jit(lambda m, *a, mask: m(*a, mask=mask))(mha, q, k, v, mask=mask)
     assert y.shape == (2, 4, 7)
     np.testing.assert_allclose(y, _numpy_reference(mha, q, k, v, mask), rtol=1e-5, atol=1e-5)
@@ -66,8 +78,8 @@ def test_cross_attention_with_mask_and_sizes(key):
 
 def test_causal_mask_ignores_the_future(key):
     mha = ft.nn.MultiheadAttention(4, 2, key=key)
-    x = jax.random.normal(jax.random.key(1), (5, 4))
-    causal = jnp.tril(jnp.ones((5, 5), bool))
+    x = _normal(1, (5, 4))
+    causal = np.tril(np.ones((5, 5), bool))
     f = jax.jit(lambda m, x: m(x, mask=causal))
     y, y2 = f(mha, x), f(mha, x.at[3:].set(100.0))
     np.testing.assert_allclose(y[:3], y2[:3], rtol=1e-5, atol=1e-5)
@@ -76,7 +88,7 @@ def test_causal_mask_ignores_the_future(key):
 def test_gradient_finite_differences(key):
     with jax.enable_x64(True):
         mha = _x64(ft.nn.MultiheadAttention(4, 2, key=key))
-        x = jax.random.normal(jax.random.key(1), (3, 4), jnp.float64)
+        x = _normal(1, (3, 4), np.float64)
         check_grads(jax.jit(lambda m, x: m(x)), (mha, x), order=1, modes=["rev"])
 
 
@@ -101,8 +113,8 @@ def _explicit(mha, x, mask=None, causal=False, dropout=0.0, key=None):
 
 def test_dot_product_attention_path_matches_the_hand_written_one(key):
     mha = ft.nn.MultiheadAttention(8, 2, key=key)
-    x = jax.random.normal(jax.random.key(1), (2, 3, 6, 8))  # two leading batch axes
-    mask = jax.random.bernoulli(jax.random.key(2), 0.6, (2, 3, 2, 6, 6)).at[..., 0].set(True)
+    x = _normal(1, (2, 3, 6, 8))  # two leading batch axes
+    mask = _mask(2, 0.6, (2, 3, 2, 6, 6))
 
     @jax.jit
     def both(mha, x, mask):
@@ -116,8 +128,8 @@ def test_dot_product_attention_path_matches_the_hand_written_one(key):
 
 def test_causal_flag_equals_a_lower_triangular_mask(key):
     mha = ft.nn.MultiheadAttention(4, 2, causal=True, key=key)
-    x = jax.random.normal(jax.random.key(1), (3, 5, 4))
-    tril = jnp.tril(jnp.ones((5, 5), bool))
+    x = _normal(1, (3, 5, 4))
+    tril = np.tril(np.ones((5, 5), bool))
     y, masked, y2 = jax.jit(lambda m, x: (m(x), m.replace(causal=False)(x, mask=tril), m(x.at[:, 3:].set(100.0))))(mha, x)
     np.testing.assert_allclose(y, masked, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(y[:, :3], y2[:, :3], rtol=1e-5, atol=1e-5)
@@ -125,7 +137,7 @@ def test_causal_flag_equals_a_lower_triangular_mask(key):
 
 def test_attention_dropout(key):
     mha = ft.nn.MultiheadAttention(4, 2, dropout=0.5, key=key)
-    x = jax.random.normal(jax.random.key(1), (3, 5, 4))
+    x = _normal(1, (3, 5, 4))
     train = ft.nn.training(mha)
     drop_key = jax.random.key(7)
     # one jitted program (eagerly every operation compiled apart)
@@ -143,7 +155,7 @@ def test_attention_dropout(key):
 
 def test_bfloat16_attention_under_strict_promotion(key):
     mha = ft.nn.MultiheadAttention(8, 2, key=key, dtype=jnp.bfloat16)
-    x = jax.random.normal(jax.random.key(1), (2, 4, 8)).astype(jnp.bfloat16)
+    x = _normal(1, (2, 4, 8), jnp.bfloat16)
     y, reference = jax.jit(lambda m, x: (m(x), _explicit(_x32(m), x.astype(jnp.float32))))(mha, x)
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(y.astype(jnp.float32), reference, rtol=0.05, atol=0.05)
@@ -155,7 +167,7 @@ def _x32(tree):
 
 def test_dot_product_attention_gradients_match_the_hand_written_ones(key):
     mha = ft.nn.MultiheadAttention(4, 2, causal=True, key=key)
-    x = jax.random.normal(jax.random.key(1), (2, 5, 4))
+    x = _normal(1, (2, 5, 4))
     # one jitted program for both (eagerly every operation of both gradients compiled apart)
     fused, explicit = jax.jit(lambda m: (jax.grad(lambda m: jnp.sum(jnp.sin(m(x))))(m),
                                          jax.grad(lambda m: jnp.sum(jnp.sin(_explicit(m, x, causal=True))))(m)))(mha)
@@ -194,9 +206,9 @@ def _gqa_reference(mha, x, causal, rotary=None):
 def test_grouped_and_multi_query_attention_match_a_hand_written_reference(key, kv_heads, causal, rotary):
     mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=kv_heads, causal=causal, rotary=rotary, key=key)
     assert mha.key_projection.weight.shape == (16, 4 * kv_heads)
-    mha = mha.replace(**{n: getattr(mha, n).replace(bias=jax.random.normal(jax.random.key(5), (16 if n[0] in "qo" else 4 * kv_heads,)))
+    mha = mha.replace(**{n: getattr(mha, n).replace(bias=_normal(5, (16 if n[0] in "qo" else 4 * kv_heads,)))
                          for n in ("query_projection", "key_projection", "value_projection", "output_projection")})
-    x = jax.random.normal(jax.random.key(1), (2, 6, 16))
+    x = _normal(1, (2, 6, 16))
     expected = _gqa_reference(mha, x, causal, rotary)
     fused = jax.jit(lambda m, x: m(x))(mha, x)  # jax.nn.dot_product_attention
     np.testing.assert_allclose(fused, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
@@ -233,7 +245,7 @@ def test_cache_decoding_equals_causal_attention_with_left_padding(key):
     then row 0's first 4 tokens: masked out and rotated by their slots (2..5), its outputs
     equal row 0's (rotary attention depends on offsets only)."""
     mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=2, rotary=10000.0, causal=True, key=key)
-    x0 = jax.random.normal(jax.random.key(1), (6, 16))
+    x0 = _normal(1, (6, 16))
     x = jnp.stack([x0, jnp.concatenate([jnp.full((2, 16), 9.0), x0[:4]])])
     mask = jnp.array([[True] * 8, [False, False] + [True] * 6])  # over the 8 slots
     out, cache = _decode(mha, x, [3, 1, 1, 1], mask=mask, length=8)
@@ -247,7 +259,7 @@ def test_cache_decoding_equals_causal_attention_with_left_padding(key):
 
 def test_positions_without_a_cache_rotate_queries_and_keys(key):
     mha = ft.nn.MultiheadAttention(8, 2, rotary=True, causal=True, key=key)
-    x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    x = _normal(1, (2, 5, 8))
     at = jax.jit(lambda m, x, p: m(x, positions=p))
     shifted, plain = at(mha, x, jnp.arange(5) + 7), at(mha, x, jnp.arange(5))  # the same offsets: the same attention
     np.testing.assert_allclose(shifted, plain, rtol=0, atol=1e-5 * np.abs(shifted).max())
@@ -365,7 +377,7 @@ def test_an_unknown_implementation_is_refused_at_construction():
 def test_auto_is_the_default_and_equals_xla_here():
     attention = ft.nn.MultiheadAttention(8, 2, causal=True, key=jax.random.key(0))
     assert attention.implementation == "auto"
-    x = jax.random.normal(jax.random.key(1), (2, 6, 8))
+    x = _normal(1, (2, 6, 8))
     np.testing.assert_array_equal(attention(x), attention.replace(implementation="xla")(x))
 
 
@@ -398,7 +410,7 @@ def test_auto_falls_back_to_xla_when_cudnn_refuses_while_tracing(monkeypatch, re
         _refusing_cudnn(monkeypatch)
     monkeypatch.setattr(kernel, "_device", lambda: _H200)
     attention = ft.nn.MultiheadAttention(16, 2, causal=True, key=jax.random.key(0), dtype=jnp.bfloat16)
-    x = jax.random.normal(jax.random.key(1), (2, 8, 16)).astype(jnp.bfloat16)
+    x = _normal(1, (2, 8, 16), jnp.bfloat16)
     np.testing.assert_array_equal(attention(x), attention.replace(implementation="xla")(x))
     with pytest.raises(RuntimeError, match="cuDNN"):  # asked for by name: JAX's own error
         attention.replace(implementation="cudnn")(x)
@@ -408,7 +420,7 @@ def test_auto_runs_the_kernel_chosen_for_the_default_device():
     """bf16 attention: cuDNN's flash kernel on an NVIDIA GPU (its outputs differ from XLA's by
     bf16 rounding), XLA's on every other device (the same outputs)."""
     attention = ft.nn.MultiheadAttention(16, 2, causal=True, key=jax.random.key(0), dtype=jnp.bfloat16)
-    x = jax.random.normal(jax.random.key(1), (2, 8, 16)).astype(jnp.bfloat16)
+    x = _normal(1, (2, 8, 16), jnp.bfloat16)
     q = jnp.zeros((2, 8, 2, 8), jnp.bfloat16)  # the layer's heads: [batch, T, 2 heads, 8]
     chosen = kernel.choose("auto", q, q, q, None)
     assert chosen == ("cudnn" if _cudnn_runs_here() else "xla")
@@ -423,7 +435,7 @@ def test_auto_runs_the_kernel_chosen_for_the_default_device():
 def test_sliding_window_equals_a_band_mask_with_and_without_a_cache(key):
     """window=W (Mistral's): query i sees keys i - W < j <= i, in the forward and in the cache."""
     mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=2, rotary=10000.0, causal=True, window=3, key=key)
-    x = jax.random.normal(jax.random.key(1), (2, 7, 16))
+    x = _normal(1, (2, 7, 16))
     i, j = np.arange(7)[:, None], np.arange(7)[None]
     band = jnp.asarray((j <= i) & (j > i - 3))
     windowed, expected, causal = jax.jit(lambda m, x: (m(x), m.replace(window=None, causal=False)(x, mask=band),

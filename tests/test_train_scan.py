@@ -46,7 +46,8 @@ def noisy(model, batch, *, key):  # the key folds per step: k steps must see k k
 
 
 def copy(tree):
-    return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
+    """A fresh device buffer per array (the steps donate theirs), through the host: no program."""
+    return jax.tree.map(lambda x: jax.device_put(np.array(x)) if isinstance(x, jax.Array) else x, tree)
 
 
 def single_and_scanned(loss_fn, opt, data, model, key=None, **options):
@@ -56,13 +57,13 @@ def single_and_scanned(loss_fn, opt, data, model, key=None, **options):
     for b in data:
         m, s, metrics = one(m, s, b, key)
         rows.append(metrics)
-    single = (m, s, jax.tree.map(lambda *x: jnp.stack(x), *rows))
+    single = (m, s, jax.tree.map(lambda *x: np.stack(x), *rows))  # numpy: the rows' values, no program
     many = TrainStep(loss_fn, opt, steps_per_call=K, **options)
     m, s, rows = copy(model), opt.init(model), []
     for i in range(0, len(data), K):
         m, s, metrics = many(m, s, stack_batches(data[i:i + K]), key)
         rows.append(metrics)
-    return single, (m, s, jax.tree.map(lambda *x: jnp.concatenate(x), *rows))
+    return single, (m, s, jax.tree.map(lambda *x: np.concatenate(x), *rows))
 
 
 def assert_same(scanned, single):

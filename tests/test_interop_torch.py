@@ -31,13 +31,15 @@ def _seed():
 
 
 def build(make):
-    """``make()``'s model with random NumPy values: no initializer compiled per shape (fast)."""
+    """``make()``'s model with random NumPy values: no initializer compiled per shape (fast), and
+    put on the device by ``jax.device_put`` (``jnp.asarray`` of a NumPy array compiles a copy
+    program per shape)."""
     rng = np.random.default_rng(2)
 
     def fill(path, leaf):
         value = rng.uniform(0.5, 1.5, leaf.shape) if "variance" in jax.tree_util.keystr(path) else \
             rng.normal(0.0, 0.5, leaf.shape)
-        return jnp.asarray(value.astype(leaf.dtype))
+        return jax.device_put(value.astype(leaf.dtype))
 
     return jax.tree_util.tree_map_with_path(fill, jax.eval_shape(make))
 
@@ -59,10 +61,10 @@ def both_ways(torch_module, ft_model, x_torch, x_ft=None, ft_call=None, **option
     x_ft = x_torch if x_ft is None else x_ft
     call = jax.jit(ft_call or (lambda m, *a: m(*a)))  # one compile per model, not one per op
     loaded = ft.nn.load_torch_state_dict(ft_model, torch_module.state_dict(), **options)
-    close(call(loaded, *(jnp.asarray(a) for a in x_ft)), to_ft_layout(run_torch(torch_module, x_torch), x_torch, x_ft))
+    close(call(loaded, *(jax.device_put(a) for a in x_ft)), to_ft_layout(run_torch(torch_module, x_torch), x_torch, x_ft))
     # the other way: the ft model's own (different) weights into the torch module
     torch_module.load_state_dict(ft.nn.torch_state_dict(ft_model, **options))
-    close(to_ft_layout(run_torch(torch_module, x_torch), x_torch, x_ft), call(ft_model, *(jnp.asarray(a) for a in x_ft)))
+    close(to_ft_layout(run_torch(torch_module, x_torch), x_torch, x_ft), call(ft_model, *(jax.device_put(a) for a in x_ft)))
     return loaded
 
 
@@ -831,7 +833,7 @@ def from_spec(spec, d, key):
 
 def zeros(model):
     """A fresh model of ``model``'s structure, all zeros (NumPy's: jnp.zeros_like compiled per shape)."""
-    return jax.tree.map(lambda x: jnp.asarray(np.zeros(x.shape, x.dtype)), model)
+    return jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype)), model)
 
 
 @settings(max_examples=examples(12), deadline=None)
@@ -880,7 +882,7 @@ class AttentionBlock(ft.Module):
 def filled(make):
     """``make()``'s structure with random values, built without running its initializers."""
     rng = np.random.default_rng(0)
-    return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape).astype(s.dtype)), jax.eval_shape(make))
+    return jax.tree.map(lambda s: jax.device_put(rng.normal(size=s.shape).astype(s.dtype)), jax.eval_shape(make))
 
 
 def test_missing_attention_tensors_suggest_layouts():

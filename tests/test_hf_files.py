@@ -2,6 +2,7 @@
 config.json equals transformers' AutoConfig on every attribute the builders read; a directory
 and a dict load without importing transformers; building compiles only what it needs."""
 
+import functools
 import json
 import re
 import subprocess
@@ -148,11 +149,18 @@ def test_a_config_value_of_the_wrong_type_is_refused_naming_it(key, value, expec
     assert config.rms_norm_eps == 1 and config.pad_token_id == [0, 1]
 
 
+@functools.cache
+def _gpt2_weights():
+    """A 1-layer GPT-2's config and its random weights (NumPy, only read: saved by each test).
+    Built once for the module: every ``from_hf(config, key=)`` compiles its build again (~2 CPU-s)."""
+    config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
+    return config, ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+
+
 @pytest.mark.parametrize("text, words", [(b"{\"eos_token_id\": 2", r"not JSON: Expecting"),
                                          (b"[2]", r"a JSON list, not an object")])
 def test_a_damaged_generation_config_json_is_refused_naming_it(tmp_path, text, words):
-    config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
-    weights = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+    config, weights = _gpt2_weights()
     from safetensors.numpy import save_file
 
     save_file(weights, tmp_path / "model.safetensors")
@@ -166,8 +174,7 @@ def test_a_damaged_generation_config_json_is_refused_naming_it(tmp_path, text, w
 
 
 def _gpt2_directory(tmp_path):
-    config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
-    weights = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+    config, weights = _gpt2_weights()
     from safetensors.numpy import save_file
 
     save_file(weights, tmp_path / "model.safetensors")

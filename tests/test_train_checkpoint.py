@@ -622,8 +622,8 @@ def test_narrow_dtypes_round_trip_bit_for_bit_and_uint4_is_refused_naming_the_le
     written, naming the leaf and the widening fix (an empty one is stored by its shape)."""
     names = [n for n in ("int4", "int2", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn")
              if hasattr(jnp, n)]
-    tree = {n: jnp.asarray(np.array([0.5, 1.0, 2.0, -1.0] if "float" in n else [0, 1, -1, 1],  # numpy's casts:
-                                    np.float32 if "float" in n else np.int32).astype(getattr(jnp, n)))  # no program
+    tree = {n: jax.device_put(np.array([0.5, 1.0, 2.0, -1.0] if "float" in n else [0, 1, -1, 1],  # numpy's casts
+                                       np.float32 if "float" in n else np.int32).astype(getattr(jnp, n)))  # no program
             for n in names}
     ft.train.save(tmp_path / "narrow", tree)
     back = ft.train.load(tmp_path / "narrow")

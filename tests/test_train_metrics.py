@@ -33,7 +33,7 @@ def out(aux, batch):
 def test_accuracy_label_forms():
     ints = jnp.array([0, 1, 1, 0])
     assert float(ft.train.accuracy(out(LOGITS, (None, ints)))) == 0.75
-    onehot = jnp.asarray(np.eye(3, dtype=np.float32)[np.asarray(ints)])  # numpy builds it: no program
+    onehot = jax.device_put(np.eye(3, dtype=np.float32)[np.asarray(ints)])  # numpy builds it: no program
     assert float(ft.train.accuracy(out({"logits": LOGITS}, {"label": onehot}))) == 0.75
     binary = jnp.array([1.0, 0.0, 1.0])
     assert float(ft.train.accuracy.of(jnp.array([[2.0], [-1.0], [-0.5]]), binary)) == pytest.approx(2 / 3)

@@ -74,6 +74,7 @@ from functree._parameters import parameters
 from functree._plan import Plan
 from functree._source import function_name as _fn_name
 from functree._source import unwrap as _unwrap
+from functree._source import user_function as _user_function
 from functree._traces import staged
 from functree._tree import CACHE_LIMIT, bounded_put, dotted_name, is_none
 
@@ -285,8 +286,8 @@ def _location(f: Any) -> tuple[str, int]:
 
 
 def _argument_name(f: Any, index: int) -> str:
-    try:
-        names = list(inspect.signature(f).parameters)
+    try:  # a library wrapper's argument ``index`` is its user's function's (the model)
+        names = list(inspect.signature(_user_function(f)).parameters)
         return f"argument {index} (`{names[index]}`)"
     except (TypeError, ValueError, IndexError):
         return f"argument {index}"
@@ -445,7 +446,9 @@ def _findings(
     for group in groups:
         statuses = [(leaf, _status(leaf.bit, total)) for leaf in group.leaves]
         if not any(s in ("active", "without_derivative") for _, s in statuses):
-            out.extend(_whole_function(fn, file, line, [group], total, False))
+            # Another argument is active, so the result is not wholly a marked constant: a
+            # stopped output beside it silences nothing for this argument (its own bits do).
+            out.extend(_whole_function(fn, file, line, [group], total, False, result_marked=False))
             continue
         if not group.is_module:
             continue
@@ -458,7 +461,8 @@ def _findings(
 
 
 def _whole_function(
-    fn: str, file: str, line: int, groups: Sequence[_Group], total: State, quiet_constant: bool
+    fn: str, file: str, line: int, groups: Sequence[_Group], total: State, quiet_constant: bool,
+    result_marked: bool = True,
 ) -> list[Finding]:
     bits = _all_bits(groups)
     what = ", ".join(g.what for g in groups)
@@ -468,7 +472,7 @@ def _whole_function(
         where = (ops[0].file, ops[0].line) if ops else (file, line)
         message = NON_DIFFERENTIABLE.format(fn=fn, what=what, ops=_format_ops(ops))
         return [Finding(NonDifferentiableWarning, message, *where, paths)]
-    if total.quiet & (bits | MARK) or quiet_constant:
+    if total.quiet & (bits | (MARK if result_marked else 0)) or quiet_constant:
         return []
     detail = " with respect to " + what
     if total.zeroed & bits:

@@ -6,7 +6,8 @@ held: a new function of the same code, from a re-run cell or a factory, is analy
 afresh, as its closure's or globals' values may differ) with its code and closure (cells,
 defaults, ``functools.partial`` arguments, a method's ``self``, recursively to depth 3),
 the plan's indices and patterns, and each argument's tree definition with its leaves'
-abstract values (shape, dtype, weak type; a Python scalar's value unless differentiated).
+abstract values (shape, dtype, weak type unless differentiated; a Python scalar's value
+unless differentiated).
 Objects equal only to themselves are held weakly (:class:`WeakIdentity`), so the bounded
 cache keeps no user's arrays alive. ``None`` when the key cannot be made (never raises).
 
@@ -68,7 +69,10 @@ def _leaf_key(x: Any, depth: int, baked: bool = True) -> Any:
         kind = _kind(type(x))
     if kind <= _ARRAY:
         aval = x.aval
-        return (kind, aval.shape, aval.dtype, getattr(aval, "weak_type", False))
+        # A differentiated argument's weak type is no part of it: a parameter made by
+        # ``jnp.asarray(0.1)`` loses it at the first ``ft.move``, and the same findings would
+        # be made, and warned, again at the second step.
+        return (kind, aval.shape, aval.dtype, getattr(aval, "weak_type", False) and baked)
     if kind == _NUMPY:
         return (kind, x.shape, x.dtype)
     if kind == _PYTHON:

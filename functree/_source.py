@@ -20,7 +20,7 @@ import jaxlib
 
 from functree._tree import bounded_put
 
-__all__ = ["is_user_file", "function_name", "unwrap"]
+__all__ = ["is_user_file", "function_name", "unwrap", "user_function", "USER_FUNCTION"]
 
 # Source directories that are never the user's line: JAX, jaxlib and the standard library
 # (whose site-packages, where user code can live, is not excluded).
@@ -56,11 +56,38 @@ def function_name(f: Any) -> str:
     return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or type(f).__name__
 
 
-def unwrap(f: Any) -> Any:
-    """The function under ``functools.partial``, a bound method, ``functools.wraps`` or a
-    ``ft.DifferentiableFunction`` (at most 8 layers)."""
+USER_FUNCTION = "__ft_user_function__"
+"""The attribute by which a library wrapper names the user's function it stands for (the
+optimizer's objective, a train step's loss): warnings and reports name that function and
+its line, not the wrapper's. Unlike ``__wrapped__``, ``inspect.signature`` ignores it."""
+
+
+def user_function(f: Any) -> Any:
+    """The user's function a library wrapper stands for (:data:`USER_FUNCTION`), else ``f``.
+
+    Example:
+      >>> def loss(model, batch): ...
+      >>> def objective(m): ...
+      >>> setattr(objective, USER_FUNCTION, loss)
+      >>> user_function(objective) is loss, user_function(loss) is loss
+      (True, True)
+    """
     for _ in range(8):
-        if isinstance(f, functools.partial):
+        inner = getattr(f, USER_FUNCTION, None)
+        if inner is None:
+            break
+        f = inner
+    return f
+
+
+def unwrap(f: Any) -> Any:
+    """The function under ``functools.partial``, a bound method, ``functools.wraps``, a
+    ``ft.DifferentiableFunction`` or a library wrapper (:func:`user_function`), at most 8
+    layers."""
+    for _ in range(8):
+        if getattr(f, USER_FUNCTION, None) is not None:
+            f = user_function(f)
+        elif isinstance(f, functools.partial):
             f = f.func
         elif inspect.ismethod(f):
             f = f.__func__

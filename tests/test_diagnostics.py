@@ -1208,3 +1208,88 @@ def test_parameters_left_out_by_wrt_are_data_not_known_zeros():
     # d/dA Σ y², y = xW + xAB: outer(x, 2y Bᵀ) (numpy, float64): zero while B is 0.
     x, a, b, w = (np.asarray(v, np.float64) for v in (_X2, lora.A, lora.B, lora.W))
     np.testing.assert_allclose(grad_a.A, np.outer(x, 2 * (x @ w + x @ a @ b) @ b.T), rtol=0, atol=0)
+
+
+class _SpareNet(ft.Module):
+    body: jax.Array
+    spare: jax.Array  # never read: UnusedParameterWarning
+
+    def __call__(self, x):
+        return x @ self.body
+
+
+def _spare_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def test_a_train_steps_warning_names_the_users_loss_and_its_line():
+    """A train step's UnusedParameterWarning named `TrainStep.apply.<locals>.loss_fn` at
+    functree/optim/_optimizer.py (the optimizer's wrapper): a user's filter by module did
+    not match it, and the message named neither the loss nor its argument."""
+    model = _SpareNet(jnp.ones((2, 1)), jnp.ones(3))  # pyright: ignore[reportCallIssue]
+    batch = (jnp.ones((4, 2)), jnp.ones((4, 1)))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(_spare_loss, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(model, opt.init(model), batch)
+    (w,) = [w for w in caught if issubclass(w.category, ft.UnusedParameterWarning)]
+    assert (w.filename, w.lineno) == (__file__, _line(_spare_loss))
+    assert str(w.message).startswith("_spare_loss: 1 parameter(s) of argument 0 (`model`)")
+    with warnings.catch_warnings(record=True) as caught:  # a filter by the user's module applies
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=ft.UnusedParameterWarning, module=__name__)
+        model = _SpareNet(jnp.ones((2, 1)), jnp.ones(3))  # pyright: ignore[reportCallIssue]
+        ft.train.train_step(_spare_loss, opt)(model, opt.init(model), batch)
+    assert not [w for w in caught if issubclass(w.category, ft.DifferentiationWarning)]
+
+
+def test_a_train_steps_overridden_compute_loss_is_the_function_named():
+    class Penalised(ft.train.TrainStep):
+        def compute_loss(self, model, batch, key=None):
+            loss, aux = super().compute_loss(model, batch, key)
+            return loss + 1e-3 * jnp.sum(model.body ** 2), aux
+
+    model = _SpareNet(jnp.ones((2, 1)), jnp.ones(3))  # pyright: ignore[reportCallIssue]
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Penalised(_spare_loss, opt)(model, opt.init(model), (jnp.ones((4, 2)), jnp.ones((4, 1))))
+    (w,) = [w for w in caught if issubclass(w.category, ft.UnusedParameterWarning)]
+    assert (w.filename, w.lineno) == (__file__, _line(Penalised.compute_loss))
+    assert "Penalised.compute_loss: 1 parameter(s) of argument 0 (`model`)" in str(w.message)
+
+
+def test_a_stopped_output_does_not_silence_an_argument_no_output_reads():
+    """A pullback of (a·x, without_derivative(sin x)) with respect to (a, b): b reaches no
+    output, and the marked second output silenced its ZeroDerivativeWarning."""
+    def two_outputs(a, b):
+        return a * X3, ft.without_derivative(at=jnp.sin(X3))
+
+    report = ft.diagnose(two_outputs, wrt=(0, 1))(X3, X3)
+    assert [f.category for f in report.findings] == [ft.ZeroDerivativeWarning]
+    assert "argument 1 (`b`)" in report.findings[0].message
+    def only_stopped(a):  # the whole result stopped: intentional, silent
+        return ft.without_derivative(at=jnp.sin(X3)), ft.without_derivative(at=jnp.cos(X3))
+
+    assert ft.diagnose(only_stopped)(X3).ok
+
+
+def test_a_parameter_that_loses_its_weak_type_is_not_checked_again():
+    """An eager loop warned twice: `jnp.asarray(0.1)` is weakly typed, ft.move's result is
+    not, and the new abstract signature was checked (and warned) again at step 2."""
+    class Gate(ft.Module):
+        w: jax.Array
+        spare: jax.Array
+
+    def loss(m, x):
+        return jnp.sum(m.w * x)
+
+    model = Gate(jnp.ones(2), jnp.asarray(0.1))  # pyright: ignore[reportCallIssue]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            g = ft.gradient(loss)(model, jnp.ones(2))
+            model = ft.move(model, along=ft.tangent_scale(g, -0.1))
+    assert [w.category for w in caught] == [ft.UnusedParameterWarning]

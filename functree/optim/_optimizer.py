@@ -40,6 +40,7 @@ from functree._alias import copy_aliases
 from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
+from functree._source import USER_FUNCTION
 from functree._tangent import move
 from functree._tree import dotted_name
 from functree._where import placement_of, put
@@ -492,6 +493,7 @@ class Optimizer:
             loss = self.transform_loss(loss_value(out[0] if has_aux else out))  # a WeightedMean: its value
             return (loss if scale is None else _scaled(loss, scale)), out
         objective.__qualname__ = getattr(loss_fn, "__qualname__", "loss_fn")  # wrt='s errors name the user's loss
+        setattr(objective, USER_FUNCTION, loss_fn)  # the diagnostics' warnings: its name and line
 
         (_, out), grads = value_with_gradient(objective, at=model, wrt=self.wrt or 0, has_aux=True)
         return out, grads
@@ -666,6 +668,7 @@ class Optimizer:
                 out, layer_state = collect_state(lambda mm: loss_fn(mm, *b, **kw), m)
                 return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
             objective.__qualname__ = getattr(loss_fn, "__qualname__", "loss_fn")  # (as get_gradients')
+            setattr(objective, USER_FUNCTION, loss_fn)
             objective.__ft_records_state__ = True  # type: ignore[attr-defined]  # accumulation threads it
 
             (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,

@@ -45,6 +45,7 @@ from functree._alias import (
 from functree._flat import FlatJit, flat_jit
 from functree._host_buffers import JAX_ARRAYS, private_arrays
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
+from functree._source import USER_FUNCTION
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
 from functree.losses._weighted import WeightedMean, loss_value
@@ -415,6 +416,10 @@ class TrainStep:
                 with salted_keys(index):  # masks drawn from layers' stored keys: each device its own
                     return self.compute_loss(m, b, None if key is None else jax.random.fold_in(key, index))
 
+        # The diagnostics' warnings name the user's function and line: an overridden
+        # compute_loss, else the loss function.
+        overridden = type(self).compute_loss is not TrainStep.compute_loss
+        setattr(loss_fn, USER_FUNCTION, self.compute_loss if overridden else self.loss_fn)
         rows = self._per_example(model, batch, key) if where is not None or self.optimizer.accumulate > 1 else None
         result = self.optimizer.step(
             loss_fn, model, opt_state, (batch,), has_aux=True, minibatch_size=size, on_nan=self.on_nan,

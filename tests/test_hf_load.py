@@ -1090,3 +1090,38 @@ def test_from_config_builds_as_one_program_equal_to_op_by_op():
     assert jax.tree.structure(model) == jax.tree.structure(by_op.replace(hf_config=model.hf_config))
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(by_op)):  # measured: 7.5e-9 at most (values ≤ 1)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max())))
+
+
+def test_the_same_config_builds_again_without_a_trace_or_a_compile():
+    """from_hf(config, key) keeps its program per configuration: an equal config (another
+    object, another key) builds with no compile and the values of a build from scratch; a
+    config changed in place after a build is another configuration (read at each call, not
+    by the object), and an equal config of the first one still builds the first model."""
+    from _compiles import compiled
+
+    from functree.hf import _load as _hf
+
+    config = INIT_CONFIGS["llama"]()
+    first = ft.nn.from_hf(config, key=jax.random.key(0))
+    with compiled() as names:  # (clears JAX's caches: the program is traced and compiled again here)
+        ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(1))
+        names.clear()
+        again = ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(2))
+        jax.block_until_ready(again)
+    assert names == []
+    _hf._BUILDS.clear()
+    fresh = ft.nn.from_hf(config, key=jax.random.key(2))
+    assert jax.tree.structure(again) == jax.tree.structure(fresh)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(fresh)):
+        np.testing.assert_array_equal(a, b)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)))
+
+    config.num_hidden_layers = 1  # the user's config object, changed in place
+    assert ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True).keys() != \
+        ft.nn.to_hf_state_dict(first, numpy=True).keys()
+    jax.clear_caches()
+    rebuilt = ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(0))  # the two-layer program
+    for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(first), strict=True):
+        np.testing.assert_array_equal(a, b)
+    bf16 = ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(0), dtype=jnp.bfloat16)
+    assert {a.dtype for a in jax.tree.leaves(bf16)} == {jnp.dtype(jnp.bfloat16)}

@@ -162,7 +162,7 @@ zero gradient:
 {names}
 Call the layers you defined, or stop differentiating these parameters:
 
-    wrong:  ft.gradient(loss, at=model)    # {first} never reaches the loss
+    wrong:  {wrong}    # {first} never reaches the loss
     right:  {fix}
        or:  name: jax.Array = ft.field(no_derivative=True)   # carried, never trained
 """
@@ -285,9 +285,16 @@ def _location(f: Any) -> tuple[str, int]:
     return ("<unknown>", 0)
 
 
+def _stood_for(f: Any) -> Any:
+    """The user's function that ``f``, a library wrapper (an optimizer's objective), stands
+    for, else None."""
+    inner = _user_function(f)
+    return None if inner is f else inner
+
+
 def _argument_name(f: Any, index: int) -> str:
     try:  # a library wrapper's argument ``index`` is its user's function's (the model)
-        names = list(inspect.signature(_user_function(f)).parameters)
+        names = list(inspect.signature(_stood_for(f) or f).parameters)
         return f"argument {index} (`{names[index]}`)"
     except (TypeError, ValueError, IndexError):
         return f"argument {index}"
@@ -396,14 +403,19 @@ def _wrt_literal(patterns: Sequence[str]) -> str:
 
 
 def _unused_finding(
-    fn: str, file: str, line: int, group: _Group, statuses: Sequence[tuple[_Leaf, str]]
+    fn: str, file: str, line: int, group: _Group, statuses: Sequence[tuple[_Leaf, str]],
+    stepped: bool = False,
 ) -> Finding | None:
     unused = [(leaf.name, s) for leaf, s in statuses if s in _UNUSED]
     if not unused:
         return None
     used = [leaf.name for leaf, s in statuses if s not in _UNUSED]
     wrt = _wrt_literal(used_patterns(used, group.parameter_names or used))
-    if group.index == 0:
+    wrong = "ft.gradient(loss, at=model)"
+    if stepped:  # an optimizer's objective (a train step, a Trainer): its wrt= selects
+        wrong = "ft.optim.Optimizer(transform)"
+        fix = f"ft.optim.Optimizer(transform, wrt={wrt})    # or ft.train.Trainer(..., wrt=...)"
+    elif group.index == 0:
         fix = f'ft.gradient(loss, at=model, wrt={wrt})    # differentiate what is used'
     else:
         fix = f"ft.gradient(loss, wrt={wrt})(model, ...)   # patterns select in argument 0"
@@ -412,7 +424,7 @@ def _unused_finding(
         for n, s in unused
     )
     message = UNUSED_PARAMETERS.format(
-        fn=fn, count=len(unused), what=group.what, names=listing, fix=fix, first=unused[0][0]
+        fn=fn, count=len(unused), what=group.what, names=listing, fix=fix, first=unused[0][0], wrong=wrong,
     )
     return Finding(UnusedParameterWarning, message, file, line, tuple(n for n, _ in unused))
 
@@ -453,7 +465,7 @@ def _findings(
         if not group.is_module:
             continue
         found = (
-            _unused_finding(fn, file, line, group, statuses),
+            _unused_finding(fn, file, line, group, statuses, _stood_for(f) is not None),
             _cut_finding(fn, file, line, group, statuses, total),
         )
         out.extend(x for x in found if x is not None)

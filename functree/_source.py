@@ -73,11 +73,25 @@ def user_function(f: Any) -> Any:
       (True, True)
     """
     for _ in range(8):
-        inner = getattr(f, USER_FUNCTION, None)
+        inner = _marked_under(f)
         if inner is None:
             break
         f = inner
     return f
+
+
+def _marked_under(f: Any) -> Any:
+    """The function the first :data:`USER_FUNCTION` at or under ``f`` names, looking
+    through the library's ``functools.partial`` and ``functools.wraps`` layers (a loss
+    given its key, the accumulation loop's salted call), else None."""
+    for _ in range(8):
+        inner = getattr(f, USER_FUNCTION, None)
+        if inner is not None:
+            return inner
+        f = f.func if isinstance(f, functools.partial) else getattr(f, "__wrapped__", None)
+        if f is None:
+            return None
+    return None
 
 
 def unwrap(f: Any) -> Any:
@@ -86,7 +100,7 @@ def unwrap(f: Any) -> Any:
     layers."""
     for _ in range(8):
         if getattr(f, USER_FUNCTION, None) is not None:
-            f = user_function(f)
+            f = getattr(f, USER_FUNCTION)
         elif isinstance(f, functools.partial):
             f = f.func
         elif inspect.ismethod(f):

@@ -1218,7 +1218,7 @@ class _SpareNet(ft.Module):
         return x @ self.body
 
 
-def _spare_loss(model, batch):
+def _spare_loss(model, batch, key=None):  # a key: the accumulation loop binds it by a partial
     x, y = batch
     return jnp.mean((model(x) - y) ** 2)
 
@@ -1293,3 +1293,23 @@ def test_a_parameter_that_loses_its_weak_type_is_not_checked_again():
             g = ft.gradient(loss)(model, jnp.ones(2))
             model = ft.move(model, along=ft.tangent_scale(g, -0.1))
     assert [w.category for w in caught] == [ft.UnusedParameterWarning]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_train_steps_unused_warning_shows_the_optimizers_wrt(accumulate):
+    """The fix a train step's UnusedParameterWarning shows is the optimizer's wrt= (the
+    step's loss is no ft.gradient of the user's), which silences it."""
+    model = _SpareNet(jnp.ones((2, 1)), jnp.ones(3))  # pyright: ignore[reportCallIssue]
+    batch = (jnp.ones((4, 2)), jnp.ones((4, 1)))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), accumulate=accumulate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ft.train.train_step(_spare_loss, opt)(model, opt.init(model), batch, key=jax.random.key(0))
+    (w,) = [w for w in caught if issubclass(w.category, ft.UnusedParameterWarning)]
+    assert "argument 0 (`model`)" in str(w.message)
+    assert 'right:  ft.optim.Optimizer(transform, wrt="body")' in str(w.message)
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="body", accumulate=accumulate)
+    model = _SpareNet(jnp.ones((2, 1)), jnp.ones(3))  # pyright: ignore[reportCallIssue]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.train.train_step(_spare_loss, opt)(model, opt.init(model), batch, key=jax.random.key(0))

@@ -18,6 +18,7 @@ import copy
 import math
 import os
 import re
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -356,26 +357,28 @@ def _from_config(family: type[HFModel], config: Any, dtype: Any, key: jax.Array,
     (another key, a notebook cell run again, a teacher and a student) runs it without a
     trace or a compile (a 2-layer Llama: 2.4 CPU-s a build before, on a 2-core CPU)."""
     signature = (family, HFConfig(_json_config(config)), repr(dtype), attention)  # what the build reads
-    program = _BUILDS.get(signature)
-    if program is None:
-        # (a later trace must not read the caller's HF config changed since; config.json's is read-only)
-        kept = config if isinstance(config, Config) else copy.deepcopy(config)
+    with _BUILDS_LOCK:  # (models built in threads)
+        program = _BUILDS.get(signature)
+        if program is None:
+            # (a later trace must not read the caller's HF config changed since; config.json's is read-only)
+            kept = config if isinstance(config, Config) else copy.deepcopy(config)
 
-        def build(key: jax.Array) -> Any:
-            built = family.from_config(kept, {"pooler.dense.weight"}, dtype, jax.random.fold_in(key, 1), attention)
-            return _hf_initialized(family, built, kept, key)
+            def build(key: jax.Array) -> Any:
+                built = family.from_config(kept, {"pooler.dense.weight"}, dtype, jax.random.fold_in(key, 1), attention)
+                return _hf_initialized(family, built, kept, key)
 
-        program = _BUILDS[signature] = unchecked_jit(build, static_leaves=True)
-        while len(_BUILDS) > _KEPT_BUILDS:  # the least recently built goes (its program with it)
-            del _BUILDS[next(iter(_BUILDS))]
-    else:
-        _BUILDS.move_to_end(signature)
+            program = _BUILDS[signature] = unchecked_jit(build, static_leaves=True)
+            while len(_BUILDS) > _KEPT_BUILDS:  # the least recently built goes (its program with it)
+                del _BUILDS[next(iter(_BUILDS))]
+        else:
+            _BUILDS.move_to_end(signature)
     return program(key)
 
 
 # (family, the config's values, dtype, attention) -> its jitted build: equal configs build
 # the same model (the builders read nothing but the config's values), so they share it.
 _BUILDS: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
+_BUILDS_LOCK = threading.Lock()
 _KEPT_BUILDS = 16
 
 

@@ -32,7 +32,7 @@ from functree._random import flat_key
 from functree._state_dict import FlatDictReport, to_numpy
 from functree._tree import dotted_name, join_names, written_dtype
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
-from functree.hf._config import HFConfig, _json_config, hf_config_of
+from functree.hf._config import HFConfig, hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
 from functree.hf._files import (
@@ -346,17 +346,19 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
     return treedef.unflatten([fresh(i, path, node) for i, (path, node) in enumerate(nodes)])
 
 
-def _from_config(family: type[HFModel], config: Any, dtype: Any, key: jax.Array, attention: str) -> Any:
+def _from_config(family: type[HFModel], config: Any, values: HFConfig, dtype: Any, key: jax.Array,
+                 attention: str) -> Any:
     """The model built and initialized as HF does (:func:`_hf_initialized`), as one
     compiled program: run op by op, each operation compiled on its own (47 programs for a
     2-layer Llama, each a GPU compile) and every layer's default initialization drawn
     only to be replaced (12 layers at d=256, vocabulary 32000: 32 s on a 2-core CPU, 17 s
     as one program). Leaves that are not arrays stay Python values (``static_leaves``).
 
-    The program is kept per configuration (:data:`_BUILDS`): building the same config again
+    The program is kept per configuration (:data:`_BUILDS`, keyed by ``values``, the
+    config's :class:`HFConfig`): building the same config again
     (another key, a notebook cell run again, a teacher and a student) runs it without a
     trace or a compile (a 2-layer Llama: 2.4 CPU-s a build before, on a 2-core CPU)."""
-    signature = (family, HFConfig(_json_config(config)), repr(dtype), attention)  # what the build reads
+    signature = (family, values, repr(dtype), attention)  # what the build reads
     with _BUILDS_LOCK:  # (models built in threads)
         program = _BUILDS.get(signature)
         if program is None:
@@ -495,7 +497,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if weights is None:
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
-        return with_dropout(_from_config(family, config, dtype, key, attention).replace(hf_config=carried), config,
+        return with_dropout(_from_config(family, config, carried, dtype, key, attention).replace(hf_config=carried), config,
                             dropout, key)
     given = weights
     weights = _normalized(model_type, read_weights(weights))

@@ -91,6 +91,29 @@ Return its cotangent (zeros, if the zero is intended):
     right:  return y, lambda v: (..., jnp.zeros_like({name}))  # an intentional zero
        or:  return y, lambda v: (..., <the cotangent of {name}>)"""
 
+COTANGENT_DTYPE = """\
+The pullback registered for {fn} returned a cotangent of {given} for {what}, which is \
+{expected}: a cotangent has its argument's dtype (Swift's TangentVector), or the gradient \
+would silently be {given_dtype}.
+
+    wrong:  return y, lambda v: (..., ct)                      # ct: {given}
+    right:  return y, lambda v: (..., ct.astype({name}.dtype))  # computed in another dtype"""
+
+COTANGENT_SHAPE = """\
+The pullback registered for {fn} returned a cotangent of {given} for {what}, which is \
+{expected}: a cotangent has its argument's shape.
+
+    wrong:  return y, lambda v: (..., ct)   # ct: {given}
+    right:  return y, lambda v: (..., ct)   # ct: {expected}, shaped like {name}"""
+
+COTANGENT_STRUCTURE = """\
+The pullback registered for {fn} returned a cotangent for {what} whose structure is not \
+the argument's: {problem}. A cotangent has its argument's structure, with None (or \
+zeros) where no derivative flows.
+
+    wrong:  return y, lambda v: (..., ct)   # ct with {wrong}
+    right:  return y, lambda v: (..., ct)   # ct with {right}, as `{name}`"""
+
 UNDECORATED_METHOD = """\
 @ft.derivative(of={qualname}) names a method that was not declared with \
 @ft.differentiable: the rule is registered on the function @ft.derivative returns \
@@ -317,7 +340,10 @@ def derivative(
 
     The rule covers the ``wrt`` arguments only (Swift's rule): differentiating with respect
     to another argument, or to a parameter the pullback returns ``None`` for, is an
-    :class:`UncoveredDerivativeError` naming it and the fix, never a silent zero.
+    :class:`UncoveredDerivativeError` naming it and the fix, never a silent zero. A
+    cotangent has its argument's structure (``None`` for a subtree nothing flows to), shape
+    and float dtype: another is a ``TypeError`` naming the argument's key path (JAX would
+    return a float32 parameter's gradient in the float16 a rule computed in).
 
     Example (Swift's ``@derivative(of: expf)``):
       >>> import functree as ft, jax.numpy as jnp
@@ -469,6 +495,42 @@ def _instantiate(t: Any) -> Any:
     return jnp.zeros(aval.shape, aval.dtype)
 
 
+def _keyed_leaves(tree: Any, is_leaf: Any = None) -> list[tuple[str, Any]]:
+    """``tree``'s leaves with their key paths as printed (``['b']``, ``.weight``)."""
+    with_paths, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in with_paths]
+
+
+def _structure_problem(given: dict[str, Any], expected: dict[str, Any]) -> tuple[str, str, str] | None:
+    """What differs between a cotangent's leaf paths and its primal's (a cotangent's None
+    stands for every primal leaf below it), with the entries as written; None if nothing."""
+    def covered(path: str) -> bool:
+        return path in given or any(
+            g is None and path.startswith(q) and path[len(q):][:1] in ("[", ".") for q, g in given.items()
+        )
+
+    missing = [p for p in expected if not covered(p)]
+    extra = [q for q, g in given.items() if g is not None and q not in expected]
+    if not missing and not extra:
+        return None
+    parts = []
+    if missing:
+        parts.append(f"missing {', '.join(missing)}")
+    if extra:
+        parts.append(f"{', '.join(extra)} not in the argument")
+    wrong = ", ".join(given) or "no entries"
+    right = ", ".join(expected)
+    return "; ".join(parts), wrong, right
+
+
+def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
+    return tuple(np.shape(x)), np.dtype(jnp.result_type(x))
+
+
+def _type_str(shape: tuple[int, ...], dtype: Any) -> str:
+    return f"{np.dtype(dtype).name}{list(shape)}"
+
+
 def _parameter_flags(x: Any) -> list[bool]:
     """For each leaf of ``x`` (flattened as JAX does), whether it is a parameter."""
     return [p is not None for p in jax.tree.leaves(parameters(x), is_leaf=is_none)]
@@ -560,7 +622,7 @@ class _Call:
     # -- reverse mode
 
     def with_pullback(self) -> Any:
-        pullback_of_call: list[tuple[Callable[..., Any], list[list[bool]]]] = []
+        pullback_of_call: list[tuple[Callable[..., Any], list[list[bool]], tuple]] = []
         custom = jax.custom_vjp(_positional(self.fn))
 
         def fwd(*primals: Any) -> Any:
@@ -579,11 +641,11 @@ class _Call:
                 [f and p for f, p in zip(flags, _parameter_flags(v))]
                 for v, flags in zip(values, perturbed)
             ]
-            pullback_of_call.append((converted, live))
+            pullback_of_call.append((converted, live, values))
             return value, residuals
 
         def bwd(residuals: Any, cotangent: Any) -> tuple:
-            converted, live = pullback_of_call[-1]
+            converted, live, values = pullback_of_call[-1]
             cotangent = jax.tree.map(_instantiate, cotangent, is_leaf=_is_symbolic_zero)
             cts = self._cotangents(converted(cotangent, *residuals))
             out: list[Any] = [None] * len(self.dyn_args)
@@ -591,6 +653,7 @@ class _Call:
                 k = self.position.get(i)
                 if k is not None:  # not a constant bound outside JAX (a string flag)
                     self._check_returned(k, ct, live[k])
+                    self._check_type(k, ct, values[k])
                     out[k] = ct
             return tuple(out)
 
@@ -680,6 +743,38 @@ class _Call:
         for (path, leaf), differentiated in zip(with_paths, live):
             if leaf is None and differentiated:
                 raise self._none_returned(k, jax.tree_util.keystr(path))
+
+    def _check_type(self, k: int, ct: Any, primal: Any) -> None:
+        """The cotangent has the primal's structure (None standing for a zero subtree), and
+        each array the primal's shape and, for a float primal, its dtype: JAX accepts a
+        cotangent of another float dtype and returns the gradient in it (a float16
+        gradient of a float32 parameter), and names a wrong structure or shape by JAX's
+        positions only (traced once: no per-call cost)."""
+        if ct is None:
+            return
+        fn = getattr(self.original, "__name__", "f")
+        name = self._name(self.dynamic[k])
+        given = dict(_keyed_leaves(ct, is_leaf=is_none))
+        expected = dict(_keyed_leaves(primal))
+        problem = _structure_problem(given, expected)
+        if problem is not None:
+            problem, wrong, right = problem
+            raise TypeError(COTANGENT_STRUCTURE.format(
+                fn=fn, what=self._what(self.dynamic[k]), problem=problem, name=name, wrong=wrong, right=right))
+        for path, c in given.items():
+            if c is None:
+                continue
+            shape, dtype = _shape_dtype(expected[path])
+            c_shape, c_dtype = _shape_dtype(c)
+            float_primal = jnp.issubdtype(dtype, jnp.inexact)
+            if c_shape == shape and (c_dtype == dtype or not float_primal):
+                continue
+            template = COTANGENT_SHAPE if c_shape != shape else COTANGENT_DTYPE
+            raise TypeError(template.format(
+                fn=fn, what=self._what(self.dynamic[k], path), name=name + path,
+                given=_type_str(c_shape, c_dtype), expected=_type_str(shape, dtype),
+                given_dtype=np.dtype(c_dtype).name,
+            ))
 
     # -- forward mode
 

@@ -1052,3 +1052,58 @@ def test_too_many_cotangents_without_a_default_show_the_extra_one():
                                         r"(.|\n)*wrong:  return y, lambda v: \(<ct of a>, <ct of b>, <1 more>\)"
                                         r"(.|\n)*right:  return y, lambda v: \(<ct of a>, <ct of b>\)"):
         ft.gradient(lambda a, b: mul(a, b), wrt=(0, 1))(2.0, 3.0)
+
+
+def test_a_cotangent_of_another_dtype_shape_or_structure_is_an_error_naming_the_argument():
+    """JAX returns a float16 gradient for a float32 argument whose rule computed in float16,
+    and names a wrong shape or a missing dict entry by its positions only."""
+
+    def loss(x):
+        return jnp.sum(x**2)
+
+    @ft.derivative(of=loss)
+    def half(x):
+        return loss(x), lambda v: (v * 2 * x).astype(jnp.float16)
+
+    @ft.derivative(of=loss)
+    def short(x):
+        return loss(x), lambda v: v * 2 * x[:2]
+
+    def total(p):
+        return jnp.sum(p["w"]) + jnp.sum(p["b"])
+
+    @ft.derivative(of=total)
+    def partial(p):
+        return total(p), lambda v: {"w": v * jnp.ones_like(p["w"])}
+
+    x = np.arange(3.0, dtype=np.float32)
+    with pytest.raises(TypeError) as info:
+        jax.jit(ft.gradient(half))(x)
+    message = str(info.value)
+    assert "cotangent of float16[3] for argument 0 (`x`), which is float32[3]" in message
+    assert "silently be float16" in message and "ct.astype(x.dtype)" in message
+    with pytest.raises(TypeError, match=r"cotangent of float32\[2\] for argument 0 \(`x`\), which is float32\[3\]"):
+        ft.gradient(short)(x)
+    with pytest.raises(TypeError) as info:
+        ft.gradient(partial)({"w": x, "b": x})
+    message = str(info.value)
+    assert "argument 0 (`p`) whose structure is not the argument's: missing ['b']" in message
+    assert "ct with ['b'], ['w'], as `p`" in message
+
+
+def test_cotangents_with_none_subtrees_python_scalars_and_low_precision_dtypes_are_accepted():
+    def total(p, scale):
+        return jnp.sum(p["w"]).astype(jnp.float32) * scale + jnp.sum(p["n"]["c"]).astype(jnp.float32)
+
+    @ft.derivative(of=total)
+    def rule(p, scale):
+        # None for an integer entry (not differentiated); the bfloat16 entry's cotangent in
+        # bfloat16; a weakly typed product for the Python float.
+        w = p["w"]
+        return total(p, scale), lambda v: ({"w": (v * scale * jnp.ones(w.shape)).astype(w.dtype), "n": None}, 2.0 * v)
+
+    p = {"w": np.ones(2, jnp.bfloat16), "n": {"c": np.arange(3, dtype=np.int32)}}
+    g = ft.gradient(rule, wrt=(0, 1))(p, 1.5)
+    assert g[0]["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(g[0]["w"], np.float32), [1.5, 1.5])
+    assert float(g[1]) == 2.0

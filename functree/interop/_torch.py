@@ -340,9 +340,9 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...] | None], layouts: 
                 derived.append(join_names(base, target.name))
                 plan.ties.append(_Tie(join_names(base, target.name), join_names(base, source.name), transform, source.get(resolved)))
             return walk(resolved, base, _under(stored, "model"), index, torch)
-        if isinstance(node, Sequential):
-            _check_flattened(node, ft, torch, options, loading=not values)
         children = _children(node)
+        if isinstance(node, Sequential) or any(isinstance(child, Flatten) for _, child in children):
+            _check_flattened(_steps(node), ft, torch, options, loading=not values)
         if not children and jax.tree.leaves(node):  # a leaf outside known layers: its name, as is
             return add([same("", "")], node, ft, stored, index, torch)
         for name, child in children:
@@ -379,14 +379,20 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...] | None], layouts: 
     return plan
 
 
-def _check_flattened(node: Sequential, ft: str, torch: str, options: Options, *, loading: bool) -> None:
+def _check_flattened(steps: list[tuple[str, str, Any]], ft: str, torch: str, options: Options, *,
+                     loading: bool) -> None:
     """Raise where ``Flatten`` of a ``Conv``'s maps of more than one position (pooling,
     normalization, activations between) feeds a layer whose arrays are per flattened
     feature (layers without arrays between: activations, ``Dropout``): torch's features are
     ``[C, *S]``, ft's ``[*S, C]``, a permutation only the maps' shape decides. A ``Dense``
     that ``flattened=`` does not name: :data:`FLATTENED_UNNAMED`; another layer (a
-    ``BatchNorm`` over the flattened features): :data:`FLATTENED_NOT_DENSE`."""
-    layers = node.layers
+    ``BatchNorm`` over the flattened features): :data:`FLATTENED_NOT_DENSE`.
+
+    ``steps``: the layers in the order they apply, ``(torch name, key path, layer)`` under
+    ``torch`` / ``ft``: a ``Sequential``'s, or the fields of a model that holds a ``Flatten``
+    (in field order). The ``Conv`` and the ``Dense`` are found inside any block (a user's
+    module holding a ``Conv``: its last ``Conv`` or ``Dense`` in field order)."""
+    layers = [layer for _, _, layer in steps]
     for i, flatten in enumerate(layers):
         if not isinstance(flatten, Flatten):
             continue
@@ -403,42 +409,60 @@ def _check_flattened(node: Sequential, ft: str, torch: str, options: Options, *,
         channels = int(conv.weight.shape[-1])
         inputs = (int(layer.weight.shape[0]) if isinstance(layer, Dense)
                   else max(int(np.prod(np.shape(a))) for a in jax.tree.leaves(layer)))
-        name = join_names(torch, join_names(str(after), torch_inner))
-        path = join_names(ft, join_names(f"layers.{after}", ft_inner))
+        name = join_names(torch, join_names(steps[after][0], torch_inner))
+        path = join_names(ft, join_names(steps[after][1], ft_inner))
         if inputs <= channels or inputs % channels or name in options.flattened or path in options.flattened:
             continue
         spatial = "length" if conv._rank == 1 else "height, width"
-        fields = dict(name=name, ft=path, channels=channels, conv=join_names(torch, join_names(str(j), inner)),
+        fields = dict(name=name, ft=path, channels=channels, conv=join_names(torch, join_names(steps[j][0], inner)),
                       inputs=inputs, spatial=spatial, size=inputs // channels, kind=type(layer).__name__,
                       fn="load_torch_state_dict" if loading else "torch_state_dict",
                       rest=", state_dict" if loading else "")
         raise ValueError((FLATTENED_UNNAMED if isinstance(layer, Dense) else FLATTENED_NOT_DENSE).format(**fields))
 
 
+def _steps(node: Any) -> list[tuple[str, str, Any]]:
+    """The parts of ``node`` in the order they (presumably) apply, ``(torch name, key path,
+    part)``: a ``Sequential``'s layers; a ``Stack``'s first and last members; a ``Remat``'s
+    or ``Shared``'s model (no torch name of its own); another node's children in field order."""
+    if isinstance(node, Sequential):
+        return [(str(k), f"layers.{k}", layer) for k, layer in enumerate(node.layers)]
+    if is_stacked(node):
+        return [(str(i), str(i), node._member(i)) for i in sorted({0, len(node) - 1})] if len(node) else []
+    if isinstance(node, Remat):
+        return [("", "layer", node.layer)]
+    if isinstance(node, Shared):
+        return [("", "model", node.resolve())]
+    return [(name, name, child) for name, child in _children(node)]
+
+
 def _first_weighted(layer: Any) -> tuple[str, str, Any] | None:
     """The first layer with arrays ``layer`` applies, when it is a ``Dense`` or a per-feature
-    normalization (itself, or in a nested ``Sequential``), with its torch name and key path
-    under ``layer``'s; None for another."""
+    normalization (itself, or inside a block), with its torch name and key path under
+    ``layer``'s; None for another."""
     if isinstance(layer, (Dense, BatchNorm, LayerNorm, RMSNorm, GroupNorm)):
         return "", "", layer
-    if isinstance(layer, Sequential):
-        k = next((k for k, inner in enumerate(layer.layers) if jax.tree.leaves(inner)), None)
-        found = None if k is None else _first_weighted(layer.layers[k])
-        if found is not None:
-            return join_names(str(k), found[0]), join_names(f"layers.{k}", found[1]), found[2]
-    return None
+    if isinstance(layer, (Conv, Flatten)) or not jax.tree.leaves(layer):
+        return None
+    step = next(((t, f, inner) for t, f, inner in _steps(layer) if jax.tree.leaves(inner)), None)
+    found = None if step is None or step[2] is layer else _first_weighted(step[2])
+    if step is None or found is None:
+        return None
+    return join_names(step[0], found[0]), join_names(step[1], found[1]), found[2]
 
 
 def _last_weighted(layer: Any) -> tuple[str, Conv | Dense] | None:
-    """The last ``Conv`` or ``Dense`` ``layer`` applies (itself, or in a nested ``Sequential``),
-    with its torch name under ``layer``'s; None for another layer."""
+    """The last ``Conv`` or ``Dense`` ``layer`` applies (itself, or inside a block: a
+    ``Sequential``'s last, a user's module's last in field order), with its torch name under
+    ``layer``'s; None for a layer holding neither."""
     if isinstance(layer, (Conv, Dense)):
         return "", layer
-    if isinstance(layer, Sequential):
-        for k in range(len(layer.layers) - 1, -1, -1):
-            found = _last_weighted(layer.layers[k])
-            if found is not None:
-                return join_names(str(k), found[0]), found[1]
+    if isinstance(layer, Flatten) or not jax.tree.leaves(layer):
+        return None
+    for t, _, inner in reversed(_steps(layer)):
+        found = None if inner is layer else _last_weighted(inner)
+        if found is not None:
+            return join_names(t, found[0]), found[1]
     return None
 
 
@@ -590,7 +614,9 @@ def load_torch_state_dict(
     ``flattened={"classifier.0": (C, H, W)}`` names Dense layers fed by torch's ``Flatten``
     of ``[C, H, W]`` feature maps: their weight rows are permuted to ft's channels-last
     ``[H, W, C]`` order. A ``Dense`` after ``Flatten`` of a ``Conv``'s maps in a ``Sequential``
+    (or fields of a model, in field order; the ``Conv`` inside any block before it)
     must be named (:data:`FLATTENED_UNNAMED`; ``None``: torch's rows are channels-last too).
+    A model whose ``__call__`` flattens without an ``ft.nn.Flatten`` is not seen: name its Dense.
 
     A model of :func:`ft.nn.from_hf`, at the root or held anywhere inside the model
     (``Classifier(bert=ft.nn.from_hf(...), head=Dense)``), reads Hugging Face's names under

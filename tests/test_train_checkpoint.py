@@ -2,6 +2,7 @@
 
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -128,6 +129,17 @@ def test_tied_best_is_the_first_step_to_reach_it(tmp_path, mode):
     for step, m in zip(range(1, 6), [0.5, 0.7, 0.7, 0.6, 0.4] if mode == "max" else [0.5, 0.2, 0.2, 0.3, 0.6]):
         manager.save(step, {"w": jnp.ones(1)}, metrics={"m": m})
     assert manager.best_step() == 2 and manager.all_steps() == [2, 5]
+
+
+@pytest.mark.parametrize("mode, diverged", [("min", -math.inf), ("max", math.inf), ("min", math.nan)])
+def test_a_non_finite_metric_never_displaces_the_best(tmp_path, mode, diverged):
+    # a diverged -inf loss was kept as the best and the best finite checkpoint deleted
+    manager = CheckpointManager(tmp_path / "ckpt", max_to_keep=1, best_metric="m", mode=mode)
+    good, worse = (0.2, 0.5) if mode == "min" else (0.9, 0.5)
+    for step, m in zip(range(1, 5), [worse, good, diverged, worse]):
+        manager.save(step, {"w": jnp.ones(1)}, metrics={"m": m})
+    assert manager.best_step() == 2 and manager.all_steps() == [2, 4]
+    assert CheckpointManager(tmp_path / "ckpt", best_metric="m", mode=mode).best_step() == 2  # read from the files
 
 
 def test_missing_best_metric_and_bad_mode(tmp_path):

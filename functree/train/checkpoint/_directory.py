@@ -16,6 +16,7 @@ Retention keeps the last ``max_to_keep`` steps and the best by a metric.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -201,8 +202,8 @@ def best(scored: Iterable[tuple[Any, int]], mode: str) -> int | None:
     """The step with the best finite score, ``(score, step)`` pairs, by ``mode``; of tied
     scores the first step to reach it (the rule of EarlyStopping and ReduceLROnPlateau)."""
     sign = 1 if mode == "min" else -1
-    valid = [(sign * v, s) for v, s in scored
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v]
+    valid = [(sign * v, s) for v, s in scored  # a diverged -inf loss never displaces the best
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
     return None if not valid else min(valid)[1]
 
 

@@ -142,6 +142,20 @@ def test_a_non_finite_metric_never_displaces_the_best(tmp_path, mode, diverged):
     assert CheckpointManager(tmp_path / "ckpt", best_metric="m", mode=mode).best_step() == 2  # read from the files
 
 
+def test_a_linked_step_folder_is_pruned_as_a_link_and_what_it_points_to_stays(tmp_path):
+    # pruning a step folder that is a symlink raised OSError("Cannot call rmtree on a
+    # symbolic link") from orbax, in the middle of a save (and of fit)
+    with CheckpointManager(tmp_path / "elsewhere") as other:
+        other.save(1, {"w": jnp.full(2, 7.0)})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "1").symlink_to(tmp_path / "elsewhere" / "1")
+    manager = CheckpointManager(tmp_path / "run", max_to_keep=1)
+    assert float(manager.restore(1).model["w"][0]) == 7.0
+    manager.save(2, {"w": jnp.ones(2)})
+    assert manager.all_steps() == [2] and not os.path.lexists(tmp_path / "run" / "1")
+    assert CheckpointManager(tmp_path / "elsewhere").all_steps() == [1]  # the linked checkpoint is intact
+
+
 def test_missing_best_metric_and_bad_mode(tmp_path):
     manager = CheckpointManager(tmp_path / "ckpt", best_metric="val_loss")
     with pytest.raises(CheckpointError, match=r'metrics=\{"val_loss": value\}'):

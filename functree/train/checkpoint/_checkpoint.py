@@ -714,8 +714,15 @@ class CheckpointManager:
         return self._metrics[step]
 
     def delete(self, step: int) -> None:
-        """Remove the checkpoint at ``step`` (every process of a job calls it)."""
-        self._mngr.delete(int(step))
+        """Remove the checkpoint at ``step`` (every process of a job calls it). A step folder
+        that is a symbolic link (a checkpoint kept elsewhere, linked in) loses the link
+        alone: what it points to is left as it is."""
+        link = self.directory / str(int(step))
+        if agreed(link.is_symlink, "delete"):  # orbax's rmtree refuses a link (OSError): the entry goes, as with `rm`
+            agreed(link.unlink, "delete")
+            self._mngr.reload()
+        else:
+            self._mngr.delete(int(step))
         self._metrics.pop(int(step), None)
 
     def wait_until_finished(self) -> None:

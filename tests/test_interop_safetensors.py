@@ -114,8 +114,26 @@ def test_every_dtype_reads_its_bytes(tmp_path):
     loaded = _safetensors.load_file(written(tmp_path / "all.safetensors", header=header, body=body))
     for name, dtype in _safetensors.DTYPES.items():
         assert loaded[name].dtype == np.dtype(dtype), name
-        expected = np.arange(3).astype(dtype).astype(np.float32)  # BOOL: [0, 1, 1]
-        np.testing.assert_array_equal(loaded[name].astype(np.float32), expected, err_msg=name)
+        np.testing.assert_array_equal(loaded[name], np.arange(3).astype(dtype), err_msg=name)  # BOOL: [0, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fnuz", "float8_e5m2fnuz", "complex64"])
+def test_the_librarys_other_dtypes_read_bit_for_bit_and_load(tmp_path, dtype):
+    # safetensors writes these (AMD's float8, torch's complex64); functree refused the files
+    # ("has dtype 'F8_E4M3FNUZ'; one of F64, ... is read")
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    values = torch.linspace(-3, 3, 8).reshape(2, 4)
+    values = torch.complex(values, -values) if dtype == "complex64" else values.to(getattr(torch, dtype))
+    path = tmp_path / "x.safetensors"
+    save_file({"w": values, "b": values[0].clone()}, path)
+    ours, theirs = _safetensors.load_file(path)["w"], load_file(path)["w"]
+    assert ours.dtype.name == dtype
+    np.testing.assert_array_equal(ours.view(np.uint8), theirs.view(torch.uint8).numpy())
+    leaf = jnp.complex64 if dtype == "complex64" else jnp.float32  # float8 cast exactly as loaded
+    loaded = ft.nn.load_torch_state_dict({"w": jnp.zeros((2, 4), leaf), "b": jnp.zeros(4, leaf)}, path)
+    np.testing.assert_array_equal(loaded["w"], values.numpy() if dtype == "complex64" else values.float().numpy())
 
 
 def sharded(tmp_path, weight_map):

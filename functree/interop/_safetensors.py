@@ -38,6 +38,7 @@ import numpy as np
 DTYPES: dict[str, Any] = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz, "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz, "C64": np.complex64,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
 }

@@ -95,6 +95,20 @@ def test_restoring_without_the_base_is_refused_with_the_fix(tmp_path):
     assert "not built by" not in str(_base(None))
 
 
+def test_an_abstract_template_is_refused_naming_the_frozen_leaf(tmp_path):
+    # jax.eval_shape's template restores a whole job; for a job without its base it failed
+    # in NumPy: "float() argument must be a string or a real number, not 'ShapeDtypeStruct'"
+    t = trainer(base())
+    t.save(tmp_path / "lora")
+    abstract = jax.eval_shape(lambda: t.model)
+    with ft.train.CheckpointManager(tmp_path / "lora") as manager:
+        with pytest.raises(ft.train.CheckpointError, match=r"(?s)its frozen leaf 'model.layers.0.weight' "
+                           r"\(float32\[64, 256\]\) is not in it, and the template holds no values there "
+                           r"\(ShapeDtypeStruct.*right:  manager.restore\(step, template=make_model\(\)\)"):
+            manager.restore(template=abstract)
+        assert same(manager.restore(template=t.model).model, t.model)  # a concrete base restores
+
+
 def test_what_a_subset_leaves_frozen():
     model = ft.nn.lora(base(), "layers.*", rank=2, alpha=4, key=jax.random.key(2))
     assert frozen_keys(model, None) == ()

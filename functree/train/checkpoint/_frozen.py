@@ -35,7 +35,7 @@ import numpy as np
 from functree._parameters import selected
 from functree.train.checkpoint._treespec import CheckpointError, encode
 
-__all__ = ["frozen_keys", "describe_frozen", "restore_frozen"]
+__all__ = ["frozen_keys", "describe_frozen", "restore_frozen", "ABSTRACT_BASE"]
 
 NEEDS_BASE = """\
 The checkpoint at step {step} holds only what its job trained: the frozen base's {count} \
@@ -54,6 +54,16 @@ The checkpoint at step {step} was trained on another base: its frozen leaf {key!
 
     wrong:  ft.nn.lora(other_base, ...)          # then trainer.restore(path)
     right:  {build}"""
+
+
+ABSTRACT_BASE = """\
+The checkpoint at step {step} holds only what its job trained: its frozen leaf {key!r} \
+({saved}) is not in it, and the template holds no values there ({given}: an abstract \
+template, from jax.eval_shape, gives shapes, not the base's weights). Restore into a model \
+built from the base, whose frozen arrays are checked against the saved fingerprints:
+
+    wrong:  manager.restore(step, template=jax.eval_shape(make_model))
+    right:  manager.restore(step, template=make_model())    # the base with its adapters, as built for the job"""
 
 
 def frozen_keys(model: Any, wrt: Sequence[str] | None, part: str = "model") -> tuple[str, ...]:
@@ -120,6 +130,11 @@ def restore_frozen(arrays: dict[str, Any], about: Any, template: Any, step: Any,
                                                 source=source))
     given, _ = encode({part: template})
     found = {k: given[k] for k in leaves if k in given}
+    for key, x in found.items():  # jax.ShapeDtypeStruct: no values to give or to fingerprint
+        if not hasattr(x, "__array__"):
+            want = leaves[key] if isinstance(leaves[key], dict) else {}
+            raise CheckpointError(ABSTRACT_BASE.format(step=step, key=key, saved=f"{want.get('dtype')}{want.get('shape')}",
+                                                       given=type(x).__name__))
     sums = _fingerprints({k: x for k, x in found.items() if _same_kind(x, leaves[k])})
     for key, want in leaves.items():
         saved = f"{want.get('dtype')}{want.get('shape')}"

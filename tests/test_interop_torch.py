@@ -338,6 +338,20 @@ def test_strict_error_names_missing_unexpected_and_mis_shaped_torch_keys():
     np.testing.assert_array_equal(loaded.layers[1].scale, model.layers[1].scale)  # kept
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_lstms_two_biases_are_summed_exactly_for_a_float32_model(dtype):
+    # summed in the file's dtype, the bias was rounded to it: 6.8e-3 off for bfloat16
+    # (biases near 4), outputs 1.2e-3 off torch's float32 LSTM of the same tensors
+    lstm = nn.LSTM(3, 4, batch_first=True)
+    with torch.no_grad():
+        for p in lstm.parameters():
+            p.copy_(torch.randn_like(p))
+    sd = {k: v.to(dtype) for k, v in lstm.state_dict().items()}
+    rnn = build(lambda: ft.nn.RNN(ft.nn.LSTMCell(3, 4, key=K[0])))
+    loaded = ft.nn.load_torch_state_dict(rnn, sd)
+    np.testing.assert_array_equal(loaded.cell.bias, (sd["bias_ih_l0"].float() + sd["bias_hh_l0"].float()).numpy())
+
+
 def test_lstm_of_other_layers_and_directions_reported():
     lstm = nn.LSTM(4, 6, num_layers=2, bidirectional=True)
     _, report = ft.nn.load_torch_state_dict(build(lambda: ft.nn.RNN(ft.nn.LSTMCell(4, 6, key=K[0]))),

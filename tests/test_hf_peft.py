@@ -557,6 +557,22 @@ def test_an_interrupted_save_is_refused_not_loaded(tmp_path, base, monkeypatch):
         ft.nn.load_lora(base, tmp_path)
 
 
+def test_a_config_peft_saved_again_in_its_own_order_loads(tmp_path, base):
+    """PEFT holds target_modules as a set, so its LoraConfig.from_pretrained(d).save_pretrained(d)
+    (a user changing base_model_name_or_path) writes them back in hash order: load_lora refused
+    such a directory as an interrupted save ("target_modules is [...] in the config, but the
+    weights were written for [...]"), though the modules are the same."""
+    model = ft.nn.lora(base, QV, rank=2, key=jax.random.key(0))
+    ft.nn.save_lora(model, tmp_path)
+    listed = json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]
+    edit_config(tmp_path, target_modules=listed[::-1], base_model_name_or_path="my/base")
+    loaded = ft.nn.load_lora(base, tmp_path)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True))
+    edit_config(tmp_path, target_modules=listed[1:])  # another selection is still refused
+    with pytest.raises(ValueError, match=r"target_modules is \[.*\] in the config, but the weights were written for"):
+        ft.nn.load_lora(base, tmp_path)
+
+
 def test_bfloat16_adapters_save_and_load(base, trained, tmp_path):
     """bfloat16 adapters are written as BF16 tensors (safetensors.numpy refuses them) and read back bit for bit."""
     model, _, _ = trained

@@ -560,9 +560,22 @@ def _check_record(directory: str, config: dict[str, Any], text: str) -> None:
         raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{WEIGHTS_FILE}'s record of its config "
                                                                       f"is not JSON ({e})")) from e
     for option in RECORDED:
-        if option in recorded and recorded[option] != config.get(option):
+        if option in recorded and not _same_setting(option, recorded[option], config.get(option)):
             raise ValueError(STALE_CONFIG.format(directory=directory, option=option, given=config.get(option),
                                                  recorded=recorded[option]))
+
+
+# Module lists PEFT holds as sets (LoraConfig.__post_init__): a config PEFT saved again lists them in
+# another order (PeftConfig.from_pretrained(d).save_pretrained(d)), which selects the same modules.
+UNORDERED = ("target_modules", "exclude_modules")
+
+
+def _same_setting(option: str, recorded: Any, given: Any) -> bool:
+    """Whether the config's ``given`` value of ``option`` is the ``recorded`` one (the lists of
+    :data:`UNORDERED` in any order: PEFT writes its sets back in hash order)."""
+    if option in UNORDERED and isinstance(recorded, list) and isinstance(given, list):
+        return set(recorded) == set(given)
+    return bool(recorded == given)
 
 
 def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: str

@@ -555,6 +555,22 @@ def test_job_state_restore_of_a_model_checkpoint_is_an_error(tmp_path):
         ft.train.JobState.restore(tmp_path / "m")
 
 
+@pytest.mark.parametrize("changed", ["adamw", "wrt"])
+def test_a_changed_optimizer_is_refused_with_the_trainer_s_fix_which_runs(tmp_path, changed):
+    """A trainer whose optimizer changed since the save was told to read the state with
+    ``manager.restore(3).opt_state`` (no manager in hand, and not what continues the job)."""
+    loss = lambda m, x: jnp.mean((m(x) - x) ** 2)  # noqa: E731
+    make = lambda opt: ft.train.Trainer(ft.nn.Dense(3, 3, key=jax.random.key(0)), opt, loss)  # noqa: E731
+    saved = make(ft.optim.adam(0.1))
+    saved.save(tmp_path / "job")
+    other = ft.optim.adamw(0.1) if changed == "adamw" else ft.optim.Optimizer(ft.optim.adam(0.1), wrt="weight")
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)The checkpoint's opt_state at step 0 does not fit.*"
+                       r"its optimizer changed.*right:  trainer.restore\(path, optimizer_state=False\)"):
+        make(other).restore(tmp_path / "job")
+    restored = make(other).restore(tmp_path / "job", optimizer_state=False)
+    assert bool(jnp.all(restored.model.weight == saved.model.weight)) and restored.steps_run == 0
+
+
 def test_a_model_checkpoint_s_fixes_run(tmp_path):
     """NOT_A_JOB's "or: trainer.restore(path)" failed on a model-only checkpoint (no optimizer
     state in it); each fix of the message now runs, pasted."""

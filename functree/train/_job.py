@@ -28,9 +28,10 @@ from functree.train._pending import check_pending, is_count
 from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
 from functree.train.checkpoint._frozen import frozen_keys
 from functree.train.checkpoint._position import decode, encode
+from functree.train.checkpoint._template import TemplateMismatch
 from functree.train.checkpoint._treespec import CheckpointError
 
-__all__ = ["JobState", "Position", "ADDED", "is_count", "PLACED", "JOB_ATTRIBUTES", "add_readers", "refuse_taken", "position_json", "read_position", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
+__all__ = ["JobState", "Position", "ADDED", "OPTIMIZER_CHANGED", "is_count", "PLACED", "JOB_ATTRIBUTES", "add_readers", "refuse_taken", "position_json", "read_position", "save_job", "read_job", "callback_keys", "check_extra", "load_callbacks"]
 
 BAD_EXTRA = """\
 extra= must be a tree (dicts, lists, tuples, None) of arrays and plain numbers, but \
@@ -47,6 +48,16 @@ same callback.name), or restore without their states:
 
     right:  trainer.fit(data, epochs=10, callbacks=[ft.train.EarlyStopping(patience=6), checkpoints])
        or:  trainer.restore(path, callbacks=False)"""
+
+OPTIMIZER_CHANGED = """\
+
+This trainer's optimizer state is not the saved job's: its optimizer changed (another \
+transform, schedule, wrt=, freeze or groups). Continue the saved model with this \
+optimizer's fresh state, or build the trainer with the saved job's optimizer to continue \
+its moments:
+
+    wrong:  trainer.restore(path)                           # another optimizer than the job's
+    right:  trainer.restore(path, optimizer_state=False)    # model, position and key; this optimizer's state"""
 
 NOT_A_JOB = """\
 {path} step {step} is a checkpoint of a model, not of a training job (it has no job \
@@ -511,9 +522,14 @@ def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, op
     include = ("model", "opt_state", "extra") if optimizer_state else ("model", "extra")
     placed = {} if placement is None else {"mesh": placement.mesh, "sharding": placement.sharding,
                                            "data_axis": placement.data_axis}
-    ckpt = manager.restore(step, template=like.model, opt_state_template=like.opt_state,
-                           extra_template=None if callbacks else {"callbacks": CheckpointManager.SKIP},
-                           include=include, **placed)
+    try:
+        ckpt = manager.restore(step, template=like.model, opt_state_template=like.opt_state,
+                               extra_template=None if callbacks else {"callbacks": CheckpointManager.SKIP},
+                               include=include, **placed)
+    except TemplateMismatch as e:  # the optimizer changed: the trainer's own fix, after the reader's
+        if e.part != "opt_state":
+            raise
+        raise TemplateMismatch(str(e) + OPTIMIZER_CHANGED, e.part) from None
     opt_state = ckpt.opt_state if optimizer_state else like.opt_state
     model, opt_state = copy_aliases((ckpt.model, opt_state))
     where = f"{manager.directory} step {ckpt.step}"

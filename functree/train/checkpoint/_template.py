@@ -17,7 +17,7 @@ from functree.train.checkpoint._decode import decode, decode_leaf, leaf_specs
 from functree.train.checkpoint._errors import CheckpointError
 from functree.train.checkpoint._treespec import static_differences
 
-__all__ = ["rebuild", "with_template", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "TEMPLATE_WITH_SAVED", "CAST_ON_LOAD",
+__all__ = ["rebuild", "with_template", "TemplateMismatch", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "TEMPLATE_WITH_SAVED", "CAST_ON_LOAD",
            "CAST_CODE", "CAST_ON_RESTORE"]
 
 # A type's opt-in: the fields named by this class attribute hold running values (a metric
@@ -25,6 +25,15 @@ __all__ = ["rebuild", "with_template", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "
 # another floating dtype is cast into the template's (float32 <-> float64 when a job moves
 # across jax_enable_x64). Every other leaf's dtype is checked, never cast.
 CAST_ON_RESTORE = "__ft_cast_on_restore__"
+
+class TemplateMismatch(CheckpointError):
+    """A saved part that does not fit its template; ``part``: ``"model"``, ``"opt_state"``,
+    ``"extra"`` (``""`` for ``ft.train.load``'s tree), for a caller that adds its own fix."""
+
+    def __init__(self, message: str, part: str = ""):
+        super().__init__(message)
+        self.part = part
+
 
 TEMPLATE_MISMATCH = """\
 The checkpoint's {part}{at} does not fit the template:
@@ -116,8 +125,8 @@ def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: s
         at, plain = ((f" at step {step}", plain or f"manager.restore({step}).{part}") if part else
                      ("", "ft.train.load(path)       # ft.train.save's tree, no template"))
         report = _loader_hints(report, part or "tree", plain.split("#")[0].strip())
-        raise CheckpointError(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, report=report,
-                                                       hint=hint))
+        raise TemplateMismatch(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, report=report,
+                                                        hint=hint), part)
     differences = static_differences(spec, template, part)
     if differences:
         lines = "\n".join(f"    {where}: saved {saved}, the template's {mine}" for where, saved, mine in differences[:8])
@@ -131,8 +140,8 @@ def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: s
             wrong, right = f"manager.restore({step}, {given}=...)", (plain or f"manager.restore({step}).{part}") + hint
         if saved.startswith("functools.partial("):  # read as saved, it would need a template again
             right = TEMPLATE_WITH_SAVED.format(wrong=wrong, field=where.rsplit(".", 1)[-1], saved=saved)
-        raise CheckpointError(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
-                                                     right=right, where=where, mine=mine, saved=saved))
+        raise TemplateMismatch(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
+                                                      right=right, where=where, mine=mine, saved=saved), part)
     return tree
 
 

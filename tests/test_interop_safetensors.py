@@ -358,10 +358,13 @@ def test_a_tensor_in_two_shards_is_refused_naming_both_unless_the_copies_are_equ
     assert sorted(tensors) == ["b", "c", "w"]
 
 
-def test_a_tie_save_model_dropped_reads_from_its_metadata(tmp_path):
+@pytest.mark.parametrize("writer", ["save_model", "save_torch_state_dict"])
+def test_a_tie_save_model_dropped_reads_from_its_metadata(tmp_path, writer):
     """safetensors.torch.save_model writes a tied head once and records {"head.weight":
     "emb.weight"} in __metadata__; the head read from the file is the embedding (it was
-    'missing keys: head.weight', and strict=False left the head at its initial values)."""
+    'missing keys: head.weight', and strict=False left the head at its initial values).
+    huggingface_hub's sharded save_torch_state_dict records it in the index's metadata
+    (which was not read: 'missing keys: head.weight')."""
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
     torch.manual_seed(0)
@@ -369,7 +372,7 @@ def test_a_tie_save_model_dropped_reads_from_its_metadata(tmp_path):
     class Tied(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb, self.head = torch.nn.Embedding(11, 6), torch.nn.Linear(6, 11, bias=False)
+            self.emb, self.head = torch.nn.Embedding(11, 6), torch.nn.Linear(6, 11)
             self.head.weight = self.emb.weight
 
         def forward(self, ids):
@@ -383,10 +386,19 @@ def test_a_tie_save_model_dropped_reads_from_its_metadata(tmp_path):
             return self.head(self.emb(ids))
 
     tied = Tied()
-    path = tmp_path / "m.safetensors"
-    safetensors_torch.save_model(tied, str(path), metadata={"format": "pt"})
-    assert set(_safetensors.read_header(str(path), path.stat().st_size)[1]) == {"emb.weight", "__metadata__"}
-    model = Untied(ft.nn.Embedding(11, 6, key=jax.random.key(0)), ft.nn.Dense(6, 11, use_bias=False, key=jax.random.key(1)))
+    if writer == "save_model":
+        path = tmp_path / "m.safetensors"
+        safetensors_torch.save_model(tied, str(path), metadata={"format": "pt"})
+        assert set(_safetensors.read_header(str(path), path.stat().st_size)[1]) == {"emb.weight", "head.bias",
+                                                                                   "__metadata__"}
+    else:
+        hub = pytest.importorskip("huggingface_hub")
+        path = tmp_path / "sharded"
+        path.mkdir()
+        hub.save_torch_state_dict(tied.state_dict(), path, max_shard_size=100)  # emb, head.bias: 2 shards
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == {"emb.weight", "head.bias"} and index["metadata"]["head.weight"] == "emb.weight"
+    model = Untied(ft.nn.Embedding(11, 6, key=jax.random.key(0)), ft.nn.Dense(6, 11, key=jax.random.key(1)))
     loaded = ft.nn.load_torch_state_dict(model, path)
     ids = np.array([[1, 5, 10, 0]])
     expected = tied(torch.tensor(ids)).detach().numpy()

@@ -18,7 +18,8 @@ error naming the file, the tensor and the rule:
 
 A name the file omits that its ``__metadata__`` maps to a tensor it holds reads as that
 tensor: ``safetensors.torch.save_model`` writes one copy of tied weights (a head sharing its
-embedding) and records ``{"head.weight": "emb.weight"}`` there.
+embedding) and records ``{"head.weight": "emb.weight"}`` there; a sharded checkpoint of
+``huggingface_hub.save_torch_state_dict`` records them in its index's ``metadata``.
 
 Read here rather than by ``safetensors.numpy``, which refuses bfloat16, and which would copy
 every tensor: a view of the memory map is read from disk only when it is used.
@@ -292,16 +293,26 @@ def _written(path: str) -> str:
 
 
 def _weight_map(index: str, caller: str) -> dict[str, str]:
+    return _read_index(index, caller)[0]
+
+
+def _read_index(index: str, caller: str) -> tuple[dict[str, str], dict[str, str]]:
+    """An index's ``weight_map`` (checked) and the string entries of its ``metadata``
+    (``huggingface_hub.save_torch_state_dict`` records there the tied names it dropped,
+    ``{"head.weight": "emb.weight"}``, as ``save_model`` does in a file's ``__metadata__``)."""
     try:
         with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+            content = json.load(f)
+        weight_map = content.get("weight_map")
+        metadata = content.get("metadata")
         ok = isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
         why = "no weight_map of file names"
     except (ValueError, AttributeError) as e:
         ok, why = False, f"not JSON: {e}" if isinstance(e, ValueError) else "not a JSON object"
     if not ok:
         raise ValueError(BAD_INDEX.format(caller=caller, index=index, why=why))
-    return weight_map
+    strings = {k: v for k, v in metadata.items() if isinstance(v, str)} if isinstance(metadata, dict) else {}
+    return weight_map, strings
 
 
 def _confined(shard: str) -> bool:
@@ -316,7 +327,7 @@ def load_index(index: str, caller: str) -> dict[str, np.ndarray]:
     """A sharded checkpoint: each shard its index names (confined to the index's
     directory), read lazily; every tensor checked to be in the shard the index puts it in,
     and in no other shard the index names (:data:`SHARD_DUPLICATE`)."""
-    weight_map = _weight_map(index, caller)
+    weight_map, metadata = _read_index(index, caller)
     folder = os.path.dirname(index)
     tensors: dict[str, np.ndarray] = {}
     for shard, names in _by_shard(index, weight_map, caller).items():
@@ -329,7 +340,7 @@ def load_index(index: str, caller: str) -> dict[str, np.ndarray]:
                                                     example=example))
             tensors[name] = held[name]
         _no_second_copy(index, weight_map, shard, held, folder, caller)
-    return tensors
+    return tensors | _aliases(metadata, tensors)
 
 
 def _by_shard(index: str, weight_map: dict[str, str], caller: str) -> dict[str, list[str]]:

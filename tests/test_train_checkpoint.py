@@ -617,6 +617,25 @@ def test_a_load_template_that_does_not_fit_names_the_load_without_one(tmp_path):
     assert "weight: expected shape (2, 32) dtype float32, given shape (2, 16)" in message
 
 
+def test_an_untied_tree_into_a_tied_template_is_a_checkpoint_error(tmp_path):
+    """Two different saved arrays where the template ties one (ft.nn.Shared) raised
+    from_flat_dict's ValueError (not a CheckpointError) with its fix for a flat dict,
+    ``flat.pop(...)``; an untied tree whose arrays agree loads into the tie."""
+    embed, head = ft.nn.Embedding(10, 4, key=jax.random.key(0)), ft.nn.Dense(4, 10, key=jax.random.key(1))
+    untied = {"embed": embed, "head": head}
+    tie = {"head.weight": ("embed.embeddings", jnp.transpose)}
+    ft.train.save(tmp_path / "untied", untied)
+    with pytest.raises(CheckpointError, match=r"(?s)does not fit the template:\n  'head.weight' and 'embed.embeddings' "
+                       r"name one tied parameter .* hold different values: the tree was saved without the tie.*"
+                       r"ft.train.load\(path\)") as info:
+        ft.train.load(tmp_path / "untied", ft.nn.Shared(untied, tie))
+    assert "flat.pop" not in str(info.value)
+    agreeing = ft.nn.Shared(untied, tie)
+    ft.train.save(tmp_path / "agreeing", agreeing.resolve())
+    loaded = ft.train.load(tmp_path / "agreeing", ft.nn.Shared(untied, tie))
+    np.testing.assert_array_equal(loaded.resolve()["head"].weight, agreeing.resolve()["head"].weight)
+
+
 def test_a_floating_dtype_mismatch_hints_code_that_casts_on_load(tmp_path):
     """A float64 checkpoint (written with x64) into a float32 template: the hint was
     from_flat_dict's "pass cast=True", which no loader takes; it now gives code that runs."""

@@ -120,10 +120,16 @@ def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: s
     (``plain``: the call reading it as saved, for the message; default ``.{part}``)."""
     if template is None:
         return decode(spec, arrays, part)
-    tree, report = with_template(spec, arrays, template, part)
+    at, plain = ((f" at step {step}", plain or f"manager.restore({step}).{part}") if part else
+                 ("", "ft.train.load(path)       # ft.train.save's tree, no template"))
+    try:
+        tree, report = with_template(spec, arrays, template, part)
+    except ValueError as e:  # from_flat_dict's own refusal (a tie the saved arrays break): a mismatch too
+        if isinstance(e, CheckpointError):
+            raise
+        raise TemplateMismatch(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, hint=hint,
+                                                        report=_refusal(e)), part) from None
     if not report.ok:
-        at, plain = ((f" at step {step}", plain or f"manager.restore({step}).{part}") if part else
-                     ("", "ft.train.load(path)       # ft.train.save's tree, no template"))
         report = _loader_hints(report, part or "tree", plain.split("#")[0].strip())
         raise TemplateMismatch(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, report=report,
                                                         hint=hint), part)
@@ -143,6 +149,15 @@ def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: s
         raise TemplateMismatch(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
                                                       right=right, where=where, mine=mine, saved=saved), part)
     return tree
+
+
+def _refusal(e: ValueError) -> str:
+    """from_flat_dict's refusal as a report line, without its own fix (for a flat dict in
+    hand, not a checkpoint): two saved arrays at the places a template's tie holds once."""
+    line = str(e).splitlines()[0].removeprefix("ft.from_flat_dict: ")
+    if " A tie holds one value" in line:
+        line = line.split(" A tie holds one value")[0].rstrip(".") + ": the tree was saved without the tie"
+    return "  " + line
 
 
 _TEMPLATE_PARAMETERS = {"model": "template", "opt_state": "opt_state_template", "extra": "extra_template"}

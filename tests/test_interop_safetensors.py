@@ -64,6 +64,9 @@ CASES = {
                         body=bytes(28)), r"bytes 0..4 of its data \(at the start of the data, before 'w'\)", True),
     "trailing bytes": (dict(body=VALUES.tobytes() + bytes(8)), r"bytes 24..32 of its data \(after 'b'\) belong to no", True),
     "truncated": (dict(body=VALUES.tobytes()[:20]), r"entry for 'b' has data_offsets ending at byte 24, past the 20 bytes", True),
+    # a RecursionError from json before (the library's parser stops at 128 levels)
+    "nested": (dict(text=b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), r"header is not JSON this reads: values "
+               r"nested deeper than a JSON parser follows", True),
 }
 
 
@@ -169,7 +172,9 @@ def test_an_index_in_a_subdirectory_and_symbolic_links_still_read(tmp_path):
 
 
 @pytest.mark.parametrize("text, words", [("{not json", r"not JSON: Expecting"), ("[1]", r"not a JSON object"),
-                                         ('{"weight_map": {"w": 3}}', r"no weight_map of file names")])
+                                         ('{"weight_map": {"w": 3}}', r"no weight_map of file names"),
+                                         ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}", r"not JSON this reads: "
+                                          r"values nested deeper")])  # was a RecursionError
 def test_a_damaged_index_is_refused_naming_it(tmp_path, text, words):
     (tmp_path / "model.safetensors.index.json").write_text(text)
     with pytest.raises(ValueError, match=rf"(?s)model.safetensors.index.json is not a sharded checkpoint's index \({words}"

@@ -136,6 +136,9 @@ read rather than perhaps the stale ones.
 INDEX_NAME, SINGLE_NAME = "model.safetensors.index.json", "model.safetensors"
 
 
+NESTED = "values nested deeper than a JSON parser follows (its entries nest {depth} deep)"
+
+
 class _Invalid(ValueError):
     """Why a header breaks the format (worded to follow "the file's ...")."""
 
@@ -168,6 +171,8 @@ def read_header(path: str, total: int) -> tuple[int, dict[str, Any]]:
         raise
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise _Invalid(f"its header is not JSON: {e}") from None
+    except RecursionError:  # arrays in arrays past Python's recursion limit (the library's parser stops at 128)
+        raise _Invalid(f"its header is not JSON this reads: {NESTED.format(depth=3)}") from None
     if not isinstance(header, dict):
         raise _Invalid("its header is not JSON: not an object")
     return size, header
@@ -309,6 +314,8 @@ def _read_index(index: str, caller: str) -> tuple[dict[str, str], dict[str, str]
         why = "no weight_map of file names"
     except (ValueError, AttributeError) as e:
         ok, why = False, f"not JSON: {e}" if isinstance(e, ValueError) else "not a JSON object"
+    except RecursionError:
+        ok, why = False, f"not JSON this reads: {NESTED.format(depth=2)}"
     if not ok:
         raise ValueError(BAD_INDEX.format(caller=caller, index=index, why=why))
     strings = {k: v for k, v in metadata.items() if isinstance(v, str)} if isinstance(metadata, dict) else {}

@@ -836,3 +836,76 @@ def test_adapter_config_fields_of_another_json_type_are_named(base, tmp_path):
                                              rf"PEFT's LoraConfig takes .*{accepted}.*wrong:  \"{option}\": "
                                              rf"{re.escape(json.dumps(value))}\n    right:  \"{option}\": "):
             ft.nn.load_lora(base, tmp_path)
+
+
+def without_record(directory):
+    """The adapter's weights written again without save_lora's record of its config (as PEFT writes them)."""
+    path = str(directory / "adapter_model.safetensors")
+    safetensors.numpy.save_file(safetensors.numpy.load_file(path), path)
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to:UserWarning")  # PEFT's: Linear and Conv1D both
+def test_refused_adapters_name_the_route_that_loads_them(tmp_path, base, gpt2):
+    """The errors for adapters load_lora does not read had no fix, or one for another case:
+    DoRA and adapter biases ("reads plain LoRA (...)", nothing more), a modules_to_save
+    naming a fused projection ('right: an untied Dense head, e.g. modules_to_save=["lm_head"]'),
+    an adapter on an embedding (only "train on Linear modules"). Each now shows PEFT's
+    merge_and_unload ported with from_hf (its logits: checked for DoRA), except where the merge
+    is not PEFT's model: an adapter on a tied embedding changes the head it shares."""
+    hf = llama()
+    peft_model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True,
+                                                              init_lora_weights=False)).eval()
+    peft_model.save_pretrained(str(tmp_path / "dora"))
+    with pytest.raises(ValueError, match=r"(?s)sets use_dora=True.*right:  merged = peft.PeftModel.from_pretrained"
+                                         r"\(hf_model, directory\).merge_and_unload\(\)\n +model = ft.nn.from_hf\(merged\)"):
+        ft.nn.load_lora(base, tmp_path / "dora")
+    merged = peft.PeftModel.from_pretrained(hf, str(tmp_path / "dora")).merge_and_unload()  # the route
+    ids = tokens()
+    expected = hf_logits(peft_model, ids)
+    assert_close(logits(ft.nn.from_hf(merged), ids), expected)
+    assert np.abs(expected - hf_logits(llama(), ids)).max() > 0.1  # the adapter moves the logits
+
+    ft.nn.save_lora(ft.nn.lora(base, QV, rank=2, key=jax.random.key(0)), tmp_path / "qv")
+    edit_config(tmp_path / "qv", alora_invocation_tokens=[3])  # no merge route: PEFT applies it after those tokens
+    with pytest.raises(ValueError, match=r"sets alora_invocation_tokens=\[3\].*different model\.$"):
+        ft.nn.load_lora(base, tmp_path / "qv")
+    ft.nn.save_lora(ft.nn.lora(base, QV, rank=2, key=jax.random.key(0)), tmp_path / "qv")
+    without_record(tmp_path / "qv")  # as PEFT writes it: the config alone decides
+    edit_config(tmp_path / "qv", target_modules=["q_proj", "v_proj", "embed_tokens"])
+    with pytest.raises(ValueError, match=r"(?s)selects \['model.embed_tokens'\], which is not a Dense layer.*"
+                                         r"or:  model = ft.nn.from_hf\(peft.PeftModel.from_pretrained"):
+        ft.nn.load_lora(base, tmp_path / "qv")
+
+    adapted = ft.nn.lora(gpt2, "*.mlp.c_fc", rank=2, key=jax.random.key(0))
+    ft.nn.save_lora(adapted, tmp_path / "gpt2")
+    without_record(tmp_path / "gpt2")
+    edit_config(tmp_path / "gpt2", target_modules=["c_fc", "wte"])  # GPT-2's embedding is its head's weight
+    with pytest.raises(ValueError, match=r"selects \['transformer.wte'\], which is not a Dense layer") as info:
+        ft.nn.load_lora(gpt2, tmp_path / "gpt2")
+    assert "merge_and_unload" not in str(info.value)
+    edit_config(tmp_path / "gpt2", target_modules=["c_fc"], modules_to_save=["c_attn"])
+    with pytest.raises(ValueError, match=r"(?s)names 'transformer.h.0.attn.c_attn', a fused projection .*"
+                                         r"right:  merged = peft.PeftModel.from_pretrained"):
+        ft.nn.load_lora(gpt2, tmp_path / "gpt2")
+
+
+def test_a_pickled_or_unprefixed_adapter_file_is_named_with_its_conversion(tmp_path, base):
+    """PEFT's adapter_model.bin (a pickle: never unpickled here) was "not a PEFT LoRA adapter
+    directory: no adapter_model.safetensors"; tensors without PEFT's "base_model.model."
+    prefix (which PEFT does not load either) were "an unexpected tensor". Each now names
+    what the file is and the conversion; the prefixed file loads."""
+    ft.nn.save_lora(ft.nn.lora(base, QV, rank=2, key=jax.random.key(0)), tmp_path)
+    weights = tmp_path / "adapter_model.safetensors"
+    tensors = safetensors.numpy.load_file(str(weights))
+    weights.rename(tmp_path / "adapter_model.bin")  # its bytes are never read
+    with pytest.raises(ValueError, match=r"(?s)holds its weights as adapter_model.bin, a pickle.*"
+                                         r"torch.load\(bin_path, weights_only=True\)"):
+        ft.nn.load_lora(base, tmp_path)
+    (tmp_path / "adapter_model.bin").unlink()
+    safetensors.numpy.save_file({k.removeprefix("base_model.model."): v for k, v in tensors.items()}, str(weights))
+    with pytest.raises(ValueError, match=r"(?s)'model.layers.0.self_attn.q_proj.lora_A.weight' in .* names its module "
+                                         r"without the prefix \"base_model.model.\".*\"base_model.model.\" \+ k"):
+        ft.nn.load_lora(base, tmp_path)
+    unprefixed = safetensors.numpy.load_file(str(weights))
+    safetensors.numpy.save_file({"base_model.model." + k: v for k, v in unprefixed.items()}, str(weights))  # the fix
+    assert isinstance(ft.nn.load_lora(base, tmp_path).model.layers.layers.self_attn.query_projection, ft.nn.LoraDense)

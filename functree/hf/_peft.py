@@ -84,7 +84,35 @@ ft.nn.load_lora: {directory!r} is not a PEFT LoRA adapter directory: {problem}.
 
 UNSUPPORTED_PEFT = """\
 ft.nn.load_lora: the adapter sets {option}={value!r}; ft.nn.load_lora reads plain LoRA \
-({covered}). Loading it anyway would give a different model."""
+({covered}). Loading it anyway would give a different model.{right}"""
+
+# The fix for adapters PEFT merges exactly (DoRA, biases, trainable tokens, an embedding's
+# adapter, modules_to_save of other layers): fold the adapter in, then port the merged model
+# (measured: the PeftModel's logits to 2e-6).
+MERGED_ROUTE = """
+    right:  merged = peft.PeftModel.from_pretrained(hf_model, directory).merge_and_unload()
+            model = ft.nn.from_hf(merged)   # the adapter folded into the weights: PEFT's logits"""
+# The options of COVERED whose other values PEFT's merge_and_unload folds in exactly.
+MERGEABLE = ("use_dora", "lora_bias", "bias", "trainable_token_indices")
+
+PICKLED_WEIGHTS = """\
+ft.nn.load_lora: {directory!r} holds its weights as adapter_model.bin, a pickle \
+(PeftModel.save_pretrained(..., safe_serialization=False)); unpickling a file can run code, \
+so ft.nn.load_lora reads adapter_model.safetensors only. Write that file from it (in torch, \
+where you trust the file):
+
+    wrong:  ft.nn.load_lora(model, {directory!r})   # adapter_model.bin beside adapter_config.json
+    right:  peft.PeftModel.from_pretrained(hf_model, {directory!r}).save_pretrained(new_directory)
+       or:  safetensors.torch.save_file(torch.load(bin_path, weights_only=True), safetensors_path)"""
+
+UNPREFIXED = """\
+ft.nn.load_lora: {name!r} in {directory!r} names its module without the prefix \
+"base_model.model." that every tensor PeftModel.save_pretrained writes has. PEFT finds no \
+adapter in such a file (it warns of missing keys and leaves the modules at their \
+initialization); another tool wrote it. Add the prefix:
+
+    right:  tensors = safetensors.numpy.load_file(path)
+            safetensors.numpy.save_file({{"base_model.model." + k: v for k, v in tensors.items()}}, path)"""
 
 BAD_CONFIG = """\
 ft.nn.load_lora: adapter_config.json in {directory!r} sets {option}={value!r}: {why}. PEFT \
@@ -183,7 +211,12 @@ NOT_DENSE_TARGET = """\
 ft.nn.load_lora: adapter_config.json's {option} selects {modules}, which {are} not a Dense \
 layer of this model (ft.nn.load_lora puts adapters on Dense layers; an embedding, a norm or \
 a whole block is another kind of adapter). Loading the rest would be a different model.
-    right:  "target_modules": ["q_proj", "v_proj"]   # Linear (and Conv1D) modules only"""
+    right:  "target_modules": ["q_proj", "v_proj"]   # train on Linear (and Conv1D) modules only{merged}"""
+
+# NOT_DENSE_TARGET's second fix, where PEFT's merge is exact: not for an adapter on a tied
+# embedding (merged into the weight the head shares, it moves the logits too: 60x off, measured).
+MERGED_TARGET = """
+       or:  model = ft.nn.from_hf(peft.PeftModel.from_pretrained(hf_model, directory).merge_and_unload())"""
 
 TIED_HEAD_TARGET = """\
 ft.nn.load_lora: adapter_config.json's {option} selects {modules}: the tied output head of \
@@ -260,6 +293,7 @@ Dense head (a copy of the embedding), then
 
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PICKLED = "adapter_model.bin"  # PEFT's pickled weights (safe_serialization=False): never unpickled here
 # The config's fields that decide the adapted model's numbers: recorded in the weights file's
 # metadata (under RECORD) by save_lora and checked against the config by load_lora.
 RECORD = "functree.adapter_config"
@@ -440,12 +474,14 @@ def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str]
         for module in matched:
             member = next((m for m, n in names.members.items() if n.module == module and n.weight_param), None)
             if member is None or names.members[member].shared_with:
-                problem = ("a part of a fused projection" if member is not None else
+                problem = ("a fused projection (held here as Dense layers of its parts: q, k and v)"
+                           if member is not None else
                            "which is not a Dense layer of its own here (a tied head is the embedding; "
                            "a norm or an embedding is another kind of layer)")
                 untied = member is None and module in _tied_heads(model)
                 then = "ft.nn.load_lora(model, directory)" if what == "load_lora" else "ft.nn.lora(model, ...)  # train, save"
                 right = (UNTIED_HEAD.format(then=then) if untied else
+                         MERGED_ROUTE.strip().removeprefix("right:").strip() if what == "load_lora" else
                          "an untied Dense head, e.g. modules_to_save=[\"lm_head\"]")
                 raise ValueError(SAVED_MODULE.format(what=what, module=module, problem=problem, right=right))
             out[module] = layers[member]
@@ -514,6 +550,8 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
     the weights carry (when save_lora wrote them)."""
     config_path, weights_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, WEIGHTS_FILE)
     for path in (config_path, weights_path):
+        if path == weights_path and not os.path.isfile(path) and os.path.isfile(os.path.join(directory, PICKLED)):
+            raise ValueError(PICKLED_WEIGHTS.format(directory=directory))
         if not os.path.isfile(path):
             raise ValueError(NOT_PEFT.format(directory=directory, problem=f"no {os.path.basename(path)}"))
     try:
@@ -530,7 +568,8 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
         if value is None or value == covered or (covered in (None, False) and not value):
             continue
         raise ValueError(UNSUPPORTED_PEFT.format(option=option, value=value,
-                                                     covered=", ".join(f"{o}={c!r}" for o, c in COVERED)))
+                                                 covered=", ".join(f"{o}={c!r}" for o, c in COVERED),
+                                                 right=MERGED_ROUTE if option in MERGEABLE else ""))
     _check_init(config.get("init_lora_weights", True))
     tensors = load_file(weights_path, caller="ft.nn.load_lora")  # every rule of the format checked
     metadata = read_header(weights_path, os.path.getsize(weights_path))[1].get("__metadata__") or {}
@@ -548,7 +587,7 @@ def _check_init(value: Any) -> None:
     kind = next((k for k in MUTATING_INITS if name is not None and (name == k or name.startswith(f"{k}_"))), None)
     if kind is None:
         raise ValueError(UNSUPPORTED_PEFT.format(option="init_lora_weights", value=value, covered=", ".join(
-            f"init_lora_weights={v!r}" for v in PLAIN_INITS)))
+            f"init_lora_weights={v!r}" for v in PLAIN_INITS), right=""))
     right = CONVERT_MUTATED if kind in ("pissa", "corda", "olora") else "PEFT cannot convert it to plain LoRA."
     raise ValueError(MUTATED_BASE.format(value=value, how=MUTATING_INITS[kind], right=right))
 
@@ -602,6 +641,8 @@ def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: s
             bases.setdefault(base[1], {})[base[2]] = value
         elif name.startswith(PREFIX) and module in saved:
             full.setdefault(module, {})[param] = value
+        elif not name.startswith(PREFIX) and re.fullmatch(r".+\.lora_(A|B|embedding_A|embedding_B)\b.*", name):
+            raise ValueError(UNPREFIXED.format(name=name, directory=directory))
         else:
             raise ValueError(NOT_PEFT.format(directory=directory, problem=f"an unexpected tensor {name!r}"))
         if not (np.issubdtype(value.dtype, np.floating) or value.dtype == jnp.bfloat16):
@@ -829,20 +870,27 @@ def _not_dense(targets: Any, modules: list[str], model: Any) -> ValueError:
     if tied:
         return ValueError(TIED_HEAD_TARGET.format(option=option, modules=tied[:4], heads=heads,
                                                   are="it is" if len(tied) == 1 else "each is"))
+    tied_embeddings = {embedding for _, embedding in _tied_pairs(model)}
+    merged = "" if any(m in tied_embeddings for m in modules) else MERGED_TARGET
     return ValueError(NOT_DENSE_TARGET.format(option=option, modules=modules[:4],
-                                              are="is" if len(modules) == 1 else "are"))
+                                              are="is" if len(modules) == 1 else "are", merged=merged))
 
 
 def _tied_heads(model: Any) -> list[str]:
     """The torch module names of the tied output heads of ``model``'s from_hf ports, at its
     root (``lm_head``) or inside it (``decoders.0.lm_head``): no Dense layer holds them."""
+    return [head for head, _ in _tied_pairs(model)]
+
+
+def _tied_pairs(model: Any) -> list[tuple[str, str]]:
+    """``(head, embedding)`` torch module names of each tied from_hf port in ``model``."""
     pairs, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: family_of(x) is not None)
-    heads = []
+    out = []
     for path, node in pairs:
         tied = tied_head(family_of(node), node) if family_of(node) is not None else None  # type: ignore[arg-type]
         if tied is not None:
-            heads.append(join_names(dotted_name(path), tied[0].rpartition(".")[0]))
-    return heads
+            out.append(tuple(join_names(dotted_name(path), name.rpartition(".")[0]) for name in tied))
+    return out  # type: ignore[return-value]
 
 
 def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str, Any], kind: str,

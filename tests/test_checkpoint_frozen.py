@@ -109,6 +109,20 @@ def test_an_abstract_template_is_refused_naming_the_frozen_leaf(tmp_path):
         assert same(manager.restore(template=t.model).model, t.model)  # a concrete base restores
 
 
+def test_a_base_job_read_into_an_adapted_model_shows_the_lora_call_that_runs(tmp_path):
+    """A base's checkpoint restored into ft.nn.lora(base) said only "build the template the
+    same way"; the missing leaves are the adapters, and the fix adapts the restored model."""
+    full = ft.train.Trainer(base(), ft.optim.adam(1e-2), lambda m, x: jnp.mean((m(x) - x) ** 2))
+    full.save(tmp_path / "base")
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)missing keys: +\['layers.0.lora_a'.*The missing leaves "
+                       r"are LoRA adapters \(layers.0.lora_a, layers.0.lora_b, layers.1.lora_a, layers.1.lora_b\)") as info:
+        trainer(base()).restore(tmp_path / "base")
+    fix = next(line for line in str(info.value).splitlines() if "right:  ft.nn.lora(" in line)
+    code = fix.split("right:", 1)[1].strip().replace("pattern", "'layers.*'")
+    adapted = eval(code, {"ft": ft, "path": str(tmp_path / "base"), "key": jax.random.key(2)})
+    assert same(adapted.layers[0].weight, full.model.layers[0].weight) and adapted.layers[0].lora_a.shape == (64, 8)
+
+
 def test_what_a_subset_leaves_frozen():
     model = ft.nn.lora(base(), "layers.*", rank=2, alpha=4, key=jax.random.key(2))
     assert frozen_keys(model, None) == ()

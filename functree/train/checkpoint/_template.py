@@ -70,6 +70,16 @@ Build the template with the saved values, or restore without a template to get t
     right:  {right}"""
 
 
+LORA_ADDED = """
+
+The missing leaves are LoRA adapters ({names}): the checkpoint holds the {part} before \
+ft.nn.lora. Read it as saved, then adapt it (a Trainer: built on that model):
+
+    right:  ft.nn.lora({plain}, pattern, rank=8, key=key)"""
+
+_ADAPTER_LEAVES = ("lora_a", "lora_b", "dropout_key")  # what ft.nn.lora adds to each Dense
+
+
 TEMPLATE_WITH_SAVED = """\
 {wrong}   # the template built with {field}={saved} (a text only a template gives back: no load without one)"""
 
@@ -130,6 +140,7 @@ def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: s
         raise TemplateMismatch(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, hint=hint,
                                                         report=_refusal(e)), part) from None
     if not report.ok:
+        hint += _lora_added(report, part or "tree", plain.split("#")[0].strip())
         report = _loader_hints(report, part or "tree", plain.split("#")[0].strip())
         raise TemplateMismatch(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, report=report,
                                                         hint=hint), part)
@@ -149,6 +160,19 @@ def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: s
         raise TemplateMismatch(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
                                                       right=right, where=where, mine=mine, saved=saved), part)
     return tree
+
+
+def _lora_added(report: FlatDictReport, part: str, plain: str) -> str:
+    """:data:`LORA_ADDED` where the template lacks nothing but ft.nn.lora's adapters (a base's
+    checkpoint read into the adapted model), else ``""``."""
+    if not report.missing or report.unexpected or report.mismatched or part == "opt_state":
+        return ""
+    if not all(name.rsplit(".", 1)[-1] in _ADAPTER_LEAVES for name in report.missing):
+        return ""
+    names = ", ".join(report.missing[:4]) + (", ..." if len(report.missing) > 4 else "")
+    if plain.startswith("manager."):  # trainer.restore(path) opened the manager itself
+        plain = "ft.train.CheckpointManager(path)." + plain.removeprefix("manager.")
+    return LORA_ADDED.format(names=names, part=part, plain=plain)
 
 
 def _refusal(e: ValueError) -> str:

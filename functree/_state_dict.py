@@ -340,15 +340,18 @@ def _is_torch_like(x: Any) -> bool:
 
 def tensor_to_numpy(x: Any) -> np.ndarray:
     """A torch tensor as NumPy, without importing torch: bfloat16, which torch hands NumPy
-    no dtype for, as its bits in ml_dtypes' bfloat16 (exact); other dtypes NumPy lacks are
-    widened to float32."""
+    no dtype for, as its bits in ml_dtypes' bfloat16 (exact); complex32 widened to
+    complex64 (``.float()`` would drop the imaginary parts); other dtypes NumPy lacks
+    (float8) widened to float32."""
     tensor = x.detach().cpu()
     try:
         return np.asarray(tensor.numpy())
     except TypeError:
+        torch = sys.modules[type(tensor).__module__.split(".")[0]]  # the tensor's own torch
         if str(tensor.dtype) == "torch.bfloat16":
-            int16 = sys.modules[type(tensor).__module__.split(".")[0]].int16  # the tensor's own torch
-            return tensor.view(int16).numpy().view(ml_dtypes.bfloat16)
+            return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        if tensor.is_complex():
+            return np.asarray(tensor.to(torch.complex64).numpy())
         return np.asarray(tensor.float().numpy())
 
 

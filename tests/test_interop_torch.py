@@ -6,6 +6,7 @@ eval mode with an atol of 1e-5 times the outputs' magnitude: float32 rounding of
 sums in two libraries' kernels (measured spreads up to ~1e-6 of the magnitude).
 """
 
+import re
 import tempfile
 from typing import Any
 
@@ -302,6 +303,24 @@ def test_integer_tensors_lists_and_kind_mismatches():
     with pytest.raises(TypeError, match=r"the state dict's 'weight' is a ragged list, not a tensor"):
         ft.nn.load_torch_state_dict(ft.nn.Dense(2, 3, key=jax.random.key(0)),
                                     {"weight": [[1.0, 2.0], [1.0], [1.0, 2.0]], "bias": [0.0, 0.0, 0.0]})
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated")
+def test_complex32_keeps_its_imaginary_parts_and_quantized_or_sparse_tensors_name_the_conversion():
+    # complex32 (which NumPy lacks) went through .float(): its real parts loaded into a float
+    # leaf, silently; a quantized or sparse tensor failed deep in torch, naming no key
+    values = torch.linspace(-2, 2, 6).reshape(2, 3)
+    half = torch.complex(values, -values).to(torch.complex32)
+    loaded = ft.nn.load_torch_state_dict({"w": jnp.zeros((2, 3), jnp.complex64)}, {"w": half})
+    np.testing.assert_array_equal(loaded["w"], half.to(torch.complex64).numpy())
+    with pytest.raises(ValueError, match=r"w: expected shape \(2, 3\) dtype float32, given shape \(2, 3\) dtype complex64"):
+        ft.nn.load_torch_state_dict({"w": jnp.zeros((2, 3))}, {"w": half})
+    for tensor, fix in [(torch.quantize_per_tensor(values, 0.1, 0, torch.qint8), "dequantize()"),
+                        (values.to_sparse(), "to_dense()")]:
+        with pytest.raises(TypeError, match=rf"state dict's 'w' is a \w+ tensor.*\n.*right:  state_dict\['w'\] = "
+                                            rf"state_dict\['w'\]\.{re.escape(fix)}"):
+            ft.nn.load_torch_state_dict({"w": jnp.zeros((2, 3))}, {"w": tensor})
 
 
 class EmbedHead(ft.Module):

@@ -743,9 +743,22 @@ def _shape(name: str, value: Any) -> tuple[int, ...]:
         raise TypeError(NOT_AN_ARRAY.format(name=name, kind=f"ragged {type(value).__name__}")) from None
 
 
+NOT_A_PLAIN_TENSOR = """\
+ft.nn.load_torch_state_dict: the state dict's {name!r} is a {kind} tensor, which holds no plain \
+array of values. Convert it first:
+    right:  state_dict[{name!r}] = state_dict[{name!r}].{fix}"""
+
+
 def _array(name: str, value: Any) -> np.ndarray:
     """A state dict's value as NumPy (a tensor, an array, nested lists of numbers), or an
-    error naming it (an object, a ragged list, strings)."""
+    error naming it (an object, a ragged list, strings; a quantized or sparse torch tensor,
+    whose conversion failed deep in torch: :data:`NOT_A_PLAIN_TENSOR`)."""
+    quantized = getattr(value, "is_quantized", None)  # a torch tensor's (torch is not imported)
+    if quantized is True:
+        raise TypeError(NOT_A_PLAIN_TENSOR.format(name=name, kind="quantized", fix="dequantize()   # its float values"))
+    layout = str(getattr(value, "layout", "")) if quantized is False else "torch.strided"
+    if layout != "torch.strided":
+        raise TypeError(NOT_A_PLAIN_TENSOR.format(name=name, kind=layout.removeprefix("torch."), fix="to_dense()"))
     array = to_numpy(value)
     if array is None:
         raise TypeError(NOT_AN_ARRAY.format(name=name, kind=type(value).__name__))

@@ -41,8 +41,8 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
   default ``nn.GELU()`` is ``ft.nn.gelu_exact``.
 * Convolutions are channels-last (``x.permute(0, 2, 3, 1)`` for an NCHW input) and pad
   ``"SAME"`` by default (torch's ``padding=0`` is ``"VALID"``, its ``padding=p`` is
-  ``padding=p``: ``"SAME"`` at stride 2 pads the end alone, torch's ``padding=1`` both
-  sides, same shapes, other numbers); a ``Linear`` after
+  ``padding=p``: ``"SAME"`` at stride 2 on an even size pads the end alone, torch's
+  ``padding=1`` both sides, same shapes, other numbers); a ``Linear`` after
   ``Flatten`` of NCHW feature maps needs ``flattened={name: (C, H, W)}`` (below). They pad
   with zeros: torch's ``padding_mode="reflect"`` / ``"circular"`` / ``"replicate"`` is no
   tensor of the state dict → ``jnp.pad(x, pads, mode="reflect" / "wrap" / "edge")`` and

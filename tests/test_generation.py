@@ -1043,7 +1043,8 @@ def test_hugging_faces_spellings_and_typos_name_the_keyword_to_write(tiny):
     model, ids = tiny[0], np.array([[1, 2, 3], [4, 5, 6]], np.int32)  # tiny's rows: its greedy program
     cases = {"output_scores": r"\(Hugging Face's name\).*right:  ft.nn.generate\(model, input_ids, max_new_tokens, "
                               r"return_scores=True\)",
-             "do_sample": r"right:  ft.nn.generate\(model, input_ids, max_new_tokens, key=jax.random.key\(0\)\)",
+             "do_sample": r"right:  ft.nn.generate\(model, input_ids, max_new_tokens, temperature=1.0, "
+                          r"key=jax.random.key\(0\)\)",
              "max_length": r"right:  ft.nn.generate\(model, input_ids, max_length - input_ids.shape\[1\]\)",
              "top_kk": r"\(did you mean 'top_k'\?\).*right:  ft.nn.generate\(model, input_ids, max_new_tokens, top_k=",
              "forced_eos_token_id": r"Hugging Face's generate applies it; ft.nn.generate does not have it"}
@@ -1054,6 +1055,25 @@ def test_hugging_faces_spellings_and_typos_name_the_keyword_to_write(tiny):
     tokens, scores = ft.nn.generate(model, ids, 2, return_scores=True)  # the fixes run
     assert tokens.shape == (2, 5) and scores.shape == (2, 2)
     assert ft.nn.generate(model, ids, 5 - ids.shape[1]).shape == (2, 5)
+
+
+def test_the_do_sample_fixes_sample_and_decode_greedily(tiny):
+    """do_sample=True's fix was ``key=jax.random.key(0)`` alone, which decodes greedily (a key
+    samples only where the checkpoint sets do_sample=True): the call it names samples now, and
+    do_sample=False's is greedy."""
+    model, prompt, _ = tiny
+    space = {"ft": ft, "jax": jax, "model": model, "input_ids": prompt, "max_new_tokens": 8}
+    runs = {}
+    for value in (True, False):
+        with pytest.raises(TypeError, match=r"'do_sample' \(Hugging Face's name\)") as info:
+            ft.nn.generate(model, prompt, 8, do_sample=value)
+        right = re.search(r"right:  (.*?)   #", str(info.value)).group(1)
+        runs[value] = np.asarray(eval(right, space))
+    greedy = np.asarray(ft.nn.generate(model, prompt, 8))
+    np.testing.assert_array_equal(runs[False], greedy)
+    np.testing.assert_array_equal(runs[True], ft.nn.generate(model, prompt, 8, temperature=1.0,
+                                                             key=jax.random.key(0)))
+    assert (runs[True] != greedy).any()  # it samples
 
 
 def test_scores_under_x64_equal_float32s(llama):

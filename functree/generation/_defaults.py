@@ -163,7 +163,8 @@ def inferred_mask(ids: Any, pad: Any, eos: Any) -> Any:
 # Hugging Face's generate() keywords that functree spells otherwise: the call to write here.
 _CALL = "ft.nn.generate(model, input_ids, max_new_tokens, {})"
 HF_SPELLINGS = {
-    "do_sample": (_CALL.format("key=jax.random.key(0)"), "sampling is on when a key is given, greedy without"),
+    # (a key alone samples only where the checkpoint sets do_sample=True: greedy elsewhere)
+    "do_sample": (_CALL.format("temperature=1.0, key=jax.random.key(0)"), "temperature > 0 samples; 0.0 is greedy"),
     "output_scores": (_CALL.format("return_scores=True"), "returns (tokens, scores)"),
     "return_dict_in_generate": (_CALL.format("return_scores=True"), "returns (tokens, scores), not a dict"),
     "output_logits": (_CALL.format("return_scores=True"), "the chosen tokens' log-probabilities"),
@@ -185,6 +186,8 @@ def unknown_option(options: dict[str, Any], known: Sequence[str]) -> TypeError:
     name = next(iter(options))
     if name in HF_SPELLINGS:
         call, note = HF_SPELLINGS[name]
+        if name == "do_sample" and not options[name]:  # do_sample=False: greedy, the default
+            call, note = _CALL.format("temperature=0.0"), "greedy (the default, unless the checkpoint sets do_sample=True)"
         return TypeError(UNKNOWN_OPTION.format(name=name, why=" (Hugging Face's name)", right=f"{call}   # {note}"))
     if name in UNSUPPORTED:
         return TypeError(UNKNOWN_OPTION.format(

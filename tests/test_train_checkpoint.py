@@ -519,6 +519,10 @@ def test_a_pre_redesign_optimizer_state_says_how_to_convert_and_converts(tmp_pat
     manager = CheckpointManager(tmp_path / "ck2")
     with pytest.raises(ft.train.CheckpointError, match=r"(?s)before functree's one-context.*upgrade_state"):
         manager.restore(template=model, opt_state_template=new)
+    trainer = ft.train.Trainer(model, opt, lambda m, x: jnp.mean(m(x)))
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)before functree's one-context.*upgrade_state") as info:
+        trainer.restore(manager)
+    assert "optimizer changed" not in str(info.value)  # the old layout's own fix, not a changed optimizer's
     restored = manager.restore(template=model)
     state = ft.optim.upgrade_state(restored.opt_state, opt, restored.model)
     assert int(ft.optim.context(state).step) == 9

@@ -25,7 +25,11 @@ from functree._alias import copy_aliases
 from functree.train._history import History
 from functree.train._means import Means
 from functree.train._pending import check_pending, is_count
-from functree.train.checkpoint._checkpoint import Checkpoint, CheckpointManager
+from functree.train.checkpoint._checkpoint import (
+    OLD_OPTIMIZER_LAYOUT,
+    Checkpoint,
+    CheckpointManager,
+)
 from functree.train.checkpoint._frozen import frozen_keys
 from functree.train.checkpoint._position import decode, encode
 from functree.train.checkpoint._template import TemplateMismatch
@@ -527,7 +531,7 @@ def read_job(manager: CheckpointManager, step: int | None, like: JobState, *, op
                                extra_template=None if callbacks else {"callbacks": CheckpointManager.SKIP},
                                include=include, **placed)
     except TemplateMismatch as e:  # the optimizer changed: the trainer's own fix, after the reader's
-        if e.part != "opt_state":
+        if e.part != "opt_state" or OLD_OPTIMIZER_LAYOUT in str(e):  # an older layout: its own fix
             raise
         raise TemplateMismatch(str(e) + OPTIMIZER_CHANGED, e.part) from None
     opt_state = ckpt.opt_state if optimizer_state else like.opt_state

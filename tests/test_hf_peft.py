@@ -909,3 +909,30 @@ def test_a_pickled_or_unprefixed_adapter_file_is_named_with_its_conversion(tmp_p
     unprefixed = safetensors.numpy.load_file(str(weights))
     safetensors.numpy.save_file({"base_model.model." + k: v for k, v in unprefixed.items()}, str(weights))  # the fix
     assert isinstance(ft.nn.load_lora(base, tmp_path).model.layers.layers.self_attn.query_projection, ft.nn.LoraDense)
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to:UserWarning")  # PEFT's: Linear and Conv1D both
+def test_embedding_layers_peft_saves_whole_load_where_they_are_the_model_s(tmp_path, base, gpt2):
+    """``save_pretrained(..., save_embedding_layers=True)`` (PEFT's "auto" sets it after a
+    vocabulary resize) writes the embedding and the head whole beside the adapter, and PEFT
+    loads them over the model's: load_lora refused every such file ("an unexpected tensor
+    'base_model.model.lm_head.weight'"). Now tensors equal to the model's own load (the tied
+    GPT-2 too), and other ones (a resized vocabulary) are named with the route that loads them."""
+    ids = tokens()
+    peft_model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                              init_lora_weights=False)).eval()
+    peft_model.save_pretrained(str(tmp_path / "llama"), save_embedding_layers=True)
+    assert_close(logits(ft.nn.load_lora(base, tmp_path / "llama"), ids), hf_logits(peft_model, ids))
+    tied = peft.get_peft_model(gpt2_hf(), peft.LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False))
+    tied.eval().save_pretrained(str(tmp_path / "gpt2"), save_embedding_layers=True)
+    assert_close(logits(ft.nn.load_lora(gpt2, tmp_path / "gpt2"), ids), hf_logits(tied, ids))
+
+    resized = llama()
+    resized.resize_token_embeddings(VOCAB + 6, mean_resizing=False)  # the new rows drawn at random
+    peft_model = peft.get_peft_model(resized, peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                              init_lora_weights=False)).eval()
+    peft_model.save_pretrained(str(tmp_path / "resized"), save_embedding_layers=True)
+    with pytest.raises(ValueError, match=r"(?s)'base_model.model.lm_head.weight' is a weight of the base model .*"
+                                         rf"{VOCAB + 6} rows for the model's {VOCAB}: a resized vocabulary.*"
+                                         rf"resize_token_embeddings\({VOCAB + 6}\)"):
+        ft.nn.load_lora(base, tmp_path / "resized")  # (the route: PEFT's logits to 4e-7, measured)

@@ -48,8 +48,8 @@ import numpy as np
 from functree._tree import dotted_name, join_names
 from functree._where import placed_like
 from functree.hf._family import family_of
-from functree.hf._load import tied_head
-from functree.hf._names import TorchNames, torch_names
+from functree.hf._load import tied_head, to_hf_state_dict
+from functree.hf._names import TorchNames, torch_names, unwrapped
 from functree.hf._peft_blocks import BLOCKS, member_columns, read_blocks
 from functree.hf._peft_members import (
     chosen_adapter,
@@ -59,6 +59,7 @@ from functree.hf._peft_members import (
     written_alpha,
 )
 from functree.interop._safetensors import load_file, read_header, save_file
+from functree.interop._torch import torch_state_dict
 from functree.nn._lora import (
     DenseLayer,
     LoraDense,
@@ -268,6 +269,14 @@ ft.nn.load_lora: {name!r} is the base weight of {module!r} that PEFT saved besid
 PEFT would load it over the model's own; the adapter was trained on another base (a resized \
 vocabulary, or trained embeddings).
     right:  ft.nn.load_lora(ft.nn.from_hf(base_model_it_was_trained_on), directory)"""
+
+BASE_TENSOR = """\
+ft.nn.load_lora: {name!r} is a weight of the base model that PEFT saved whole beside the \
+adapter (save_pretrained(..., save_embedding_layers=True), or "auto" after the vocabulary was \
+resized), and it differs from this model's ({how}). PEFT loads it over the model's own: the \
+adapter belongs to that base (its new tokens' rows), and loading it onto this one would give \
+a different model.
+    right:  {resize}model = ft.nn.from_hf(peft.PeftModel.from_pretrained(hf_model, directory).merge_and_unload())"""
 
 SAVED_MODULE = """\
 ft.nn.{what}: modules_to_save names {module!r}, {problem}. A module to save is a Dense \
@@ -619,16 +628,19 @@ def _same_setting(option: str, recorded: Any, given: Any) -> bool:
 
 def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: str
                    ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]],
-                              dict[str, dict[str, np.ndarray]]]:
+                              dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """``({module: {"lora_A": ..., "lora_B": ...}}, {saved module: {param: full tensor}},
-    {module: {param: its base layer's tensor}})``: the adapters (an embedding's
-    ``lora_embedding_A`` / ``_B`` among them, refused later as not a Dense target), the
-    modules_to_save, and the base weights PEFT's ``save_embedding_layers`` writes beside an
-    adapted ``lm_head`` or ``embed_tokens``. Tensors named with an adapter
-    (``lora_A.default.weight``): the one PEFT reads (:func:`chosen_adapter`)."""
+    {module: {param: its base layer's tensor}}, {torch name: tensor})``: the adapters (an
+    embedding's ``lora_embedding_A`` / ``_B`` among them, refused later as not a Dense
+    target), the modules_to_save, the base weights PEFT's ``save_embedding_layers`` writes
+    beside an adapted ``lm_head`` or ``embed_tokens``, and any other tensor under PEFT's prefix
+    (the embedding and head ``save_embedding_layers`` writes whole when they are not adapted:
+    :func:`_check_base_tensors`). Tensors named with an adapter (``lora_A.default.weight``):
+    the one PEFT reads (:func:`chosen_adapter`)."""
     named: dict[str, dict[str | None, dict[str, np.ndarray]]] = {}
     full: dict[str, dict[str, np.ndarray]] = {}
     bases: dict[str, dict[str, np.ndarray]] = {}
+    others: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         match = re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.(lora_A|lora_B)(?:\.([^.]+))?\.weight", name) or re.fullmatch(
             rf"{re.escape(PREFIX)}(.*)\.lora_embedding_(A|B)(?:\.([^.]+))?", name)
@@ -643,6 +655,8 @@ def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: s
             full.setdefault(module, {})[param] = value
         elif not name.startswith(PREFIX) and re.fullmatch(r".+\.lora_(A|B|embedding_A|embedding_B)\b.*", name):
             raise ValueError(UNPREFIXED.format(name=name, directory=directory))
+        elif name.startswith(PREFIX) and "lora_" not in name and not name.endswith(".base_layer"):
+            others[name[len(PREFIX):]] = value
         else:
             raise ValueError(NOT_PEFT.format(directory=directory, problem=f"an unexpected tensor {name!r}"))
         if not (np.issubdtype(value.dtype, np.floating) or value.dtype == jnp.bfloat16):
@@ -652,7 +666,32 @@ def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: s
         for which in ("lora_A", "lora_B"):
             if which not in pair:
                 raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{module!r} has no {which}"))
-    return pairs, full, bases
+    return pairs, full, bases, others
+
+
+def _check_base_tensors(model: Any, given: dict[str, np.ndarray], directory: str) -> None:
+    """The base model's tensors PEFT's ``save_embedding_layers`` wrote whole beside the adapter
+    (an embedding, a head not adapted: ``model.embed_tokens.weight``): PEFT loads them over the
+    model's own, so they are read where they equal the model's (in its dtype) and refused where
+    they differ (:data:`BASE_TENSOR`: the adapter was trained on that other base); a name the
+    model's state dict does not hold is :data:`NOT_PEFT`."""
+    if not given:
+        return
+    plain = unwrapped(model)
+    own = to_hf_state_dict(plain, numpy=True) if family_of(plain) is not None else torch_state_dict(plain, numpy=True)
+    for name, value in given.items():
+        mine = own.get(name)
+        if mine is None:
+            raise ValueError(NOT_PEFT.format(directory=directory, problem=f"an unexpected tensor {PREFIX + name!r}"))
+        mine = np.asarray(mine)
+        if value.shape == mine.shape and np.array_equal(value.astype(mine.dtype), mine):
+            continue
+        resized = value.ndim == mine.ndim and value.shape[1:] == mine.shape[1:] and value.shape[0] != mine.shape[0]
+        how = (f"{value.shape[0]} rows for the model's {mine.shape[0]}: a resized vocabulary" if resized else
+               f"shape {value.shape} for {mine.shape}" if value.shape != mine.shape else "other values")
+        resize = f"hf_model.resize_token_embeddings({value.shape[0]})   # as the training did, then\n            " \
+            if resized else ""
+        raise ValueError(BASE_TENSOR.format(name=PREFIX + name, how=how, resize=resize))
 
 
 def _check_base_layers(model: Any, names: TorchNames, bases: dict[str, dict[str, np.ndarray]], modules: list[str],
@@ -764,7 +803,8 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     are not Dense layers, DoRA and adapter biases, an ``init_lora_weights`` with which PEFT
     rewrites the base weights at load (PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA: PEFT's converted
     save, ``path_initial_model_for_weight_conversion=``, loads), and a base weight saved
-    beside an adapted head (``save_embedding_layers``) that is not the model's own.
+    beside an adapted head (``save_embedding_layers``), or an embedding or head it saved whole,
+    that is not the model's own (one equal to it is read: PEFT loads it over the model's).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp, tempfile
@@ -786,7 +826,8 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
         _check_known_modules(tensors, names, kind)
     saved = _saved_modules(model, names, config["modules_to_save"], "load_lora") if config.get("modules_to_save") \
         else {}
-    pairs, full, bases = _split_tensors(tensors, set(saved), directory)
+    pairs, full, bases, others = _split_tensors(tensors, set(saved), directory)
+    _check_base_tensors(model, others, directory)
     modules = _checked_modules(config, names, pairs, kind, model)
     _check_base_layers(model, names, bases, modules, directory)
     layers = dense_layers(model)

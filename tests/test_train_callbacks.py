@@ -93,6 +93,26 @@ def test_model_checkpoint_keeps_best_and_history_logger(tmp_path):
     assert records[-1]["samples_seen"] == 144
 
 
+def test_every_steps_ranked_by_val_loss_saves_the_epoch_ends_among_its_steps(tmp_path):
+    # The step save point ran before validation: val_loss was missing and every step was
+    # skipped; the epoch end's was not used with every_steps: the directory stayed empty.
+    trainer = make()  # 3 steps an epoch, 12 in all
+    saves = {k: ft.train.ModelCheckpoint(tmp_path / f"best{k}", every_steps=k, best_metric="val_loss",
+                                         max_to_keep=None) for k in (2, 3)}
+    trainer.fit(data(), epochs=4, validation_data=(X, Y), progress=False, callbacks=list(saves.values()))
+    assert saves[2].manager.all_steps() == [6, 12] and saves[3].manager.all_steps() == [3, 6, 9, 12]
+    val = dict(zip(trainer.history.epochs["last_step"], trainer.history.epochs["val_loss"]))
+    for step in (3, 6, 9, 12):  # each ranked by its own model's validation, after the epoch's end
+        ckpt = saves[3].manager.restore(step)
+        assert ckpt.metrics["val_loss"] == val[step] and ckpt.config["trainer"]["epoch"] == step // 3
+    for every in (2, None):  # no validation data: an error at the first epoch end, not an empty directory
+        save = ft.train.ModelCheckpoint(tmp_path / f"none{every}", every_steps=every, best_metric="val_loss")
+        with pytest.raises(ValueError, match=r"(?s)best_metric='val_loss'.*end of epoch 1 \(step 3\) are "
+                                             r"\['loss'\].*right:  trainer.fit\(data, validation_data=val"):
+            make().fit(data(), epochs=2, progress=False, callbacks=[save])
+        assert save.manager.all_steps() == []
+
+
 def test_callback_errors():
     with pytest.raises(ValueError, match=r"(?s)EarlyStopping monitors 'val_loss'.*validation_data=val"):
         make().fit(data(), epochs=1, progress=False, callbacks=[ft.train.EarlyStopping()])

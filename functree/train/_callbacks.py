@@ -104,6 +104,15 @@ continue the other run.
             for step in {ahead}: manager.delete(step)
             trainer.fit(..., callbacks=[ft.train.ModelCheckpoint(manager, ...)])"""
 
+BEST_METRIC_MISSING = """\
+ModelCheckpoint ranks {directory} by best_metric={metric!r}, but the metrics at the end of \
+epoch {epoch} (step {step}) are {given}: no checkpoint would ever be written there. \
+Validation metrics (val_*) need validation data; metric names come from Trainer(metrics=...):
+
+    wrong:  trainer.fit(data, callbacks=[ft.train.ModelCheckpoint(path, best_metric="val_loss")])
+    right:  trainer.fit(data, validation_data=val, callbacks=[ft.train.ModelCheckpoint(path, best_metric="val_loss")])
+       or:  ft.train.ModelCheckpoint(path, best_metric="loss")     # the epoch's mean training loss"""
+
 REPLAY_DIVERGED = """\
 ModelCheckpoint: {directory} holds checkpoints past step {step} ({ahead}) of the run this \
 job was restored from (their history began with this job's), but this run has gone another \
@@ -573,7 +582,12 @@ class ModelCheckpoint(Callback):
     metrics (what ``best_metric`` ranks) are those of step ``s``: at an epoch's end the
     epoch's means and ``val_*``, elsewhere the means of its epoch's steps up to ``s``
     (Keras's logs there), whatever ``log_every``; a checkpoint without ``best_metric``
-    among them (``val_loss`` between epoch ends) is not written to a ranked directory. When the
+    among them (``val_loss`` between epoch ends) is not written to a ranked directory: with
+    ``every_steps``, a ``val_*`` metric ranks the steps k, 2k, ... that end an epoch, written
+    after its validation and every ``on_epoch_end`` (ranked by another step's validation,
+    a checkpoint would carry a number never measured on its model). A ``best_metric``
+    missing at an epoch's end (no ``validation_data``, a misspelt name) is an error
+    (:data:`BEST_METRIC_MISSING`), not a directory left empty. When the
     process gets SIGTERM (preemption) during ``fit``, the Trainer saves at the current step
     and stops. ``extra`` is a function ``extra(trainer)`` whose tree (arrays and plain
     values: a data pipeline's state, a counter) is saved with every checkpoint and comes
@@ -659,16 +673,30 @@ class ModelCheckpoint(Callback):
         """The Trainer's save points: ``"step"`` (every ``every_steps``), ``"epoch"`` (after
         every callback's ``on_epoch_end``), ``"end"`` (the end of ``fit``, before every
         callback's ``on_train_end``: ``EarlyStopping(restore_best=True)`` may then set
-        another epoch's model) and ``"terminate"`` (SIGTERM)."""
+        another epoch's model) and ``"terminate"`` (SIGTERM). A ranked step save at an epoch's
+        last step waits for the ``"epoch"`` point, where its ``val_*`` are known."""
+        ranked = self.manager.best_metric
+        if event == "epoch" and ranked is not None and ranked not in context.metrics:
+            raise ValueError(BEST_METRIC_MISSING.format(
+                directory=self.manager.directory, metric=ranked, epoch=trainer.epoch, step=trainer.steps_run,
+                given=sorted(context.metrics)))
         if event == "step" and self.every_steps and trainer.steps_run % self.every_steps:
             return
-        if event == "epoch" and trainer.epoch % self.every_epochs:
+        if event == "epoch" and not self._saves_at_epoch_end(trainer):
             return
         if event == "end":  # the end of fit, before any callback's on_train_end
-            if self.manager.best_metric is None:
+            if ranked is None:
                 self.save(trainer, context)
-        elif event == "terminate" or (event == "step") == bool(self.every_steps):
+        elif event != "step" or self.every_steps:
             self.save(trainer, context)
+
+    def _saves_at_epoch_end(self, trainer: TrainerView) -> bool:
+        """With ``every_steps``, a ranked directory's step saves that end an epoch (their
+        ``val_*`` known now; one saved at the step already is skipped), no periodic one (saved
+        at the step); without, every ``every_epochs``-th epoch."""
+        if self.every_steps:
+            return self.manager.best_metric is not None and trainer.steps_run % self.every_steps == 0
+        return trainer.epoch % self.every_epochs == 0
 
     def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         self.manager.wait_until_finished()

@@ -84,3 +84,16 @@ def test_a_bfloat16_bias_gradient_over_a_sequence_is_summed_in_float32(key):
     np.testing.assert_allclose(np.asarray(grad.bias.astype(jnp.float32)), exact, rtol=0, atol=10 * spread)
     program = str(jax.make_jaxpr(ft.nn.Dense(4, 16, key=key))(jnp.ones((2, 3, 4))))
     assert "convert_element_type" not in program
+
+
+def test_layers_with_no_input_features_build_as_torch_does(key):
+    """``Dense(0, 3)`` (torch's ``Linear(0, 3)``: an empty feature set) raised JAX's
+    ZeroDivisionError from the zero fan of its variance-scaling initializer; an array of no
+    values draws nothing. The output is the bias; a layer with values draws as before."""
+    dense = ft.nn.Dense(0, 3, key=key)
+    assert dense.weight.shape == (0, 3)
+    np.testing.assert_array_equal(dense(np.ones((2, 0), np.float32)), np.zeros((2, 3), np.float32))
+    assert ft.nn.Conv2D(0, 4, 3, key=key).weight.shape == (3, 3, 0, 4)
+    assert ft.nn.LSTMCell(0, 4, key=key).input_weight.shape == (0, 16)
+    np.testing.assert_array_equal(ft.nn.Dense(2, 3, key=key).weight,
+                                  jax.nn.initializers.glorot_uniform()(key, (2, 3), jnp.float32))

@@ -54,9 +54,12 @@ def shapes_only() -> Iterator[None]:
 
 
 def initialized(init: Callable[..., jax.Array], key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """``init(key, shape, dtype)``, or zeros of that shape and dtype inside :func:`shapes_only`."""
+    """``init(key, shape, dtype)``, or zeros of that shape and dtype inside :func:`shapes_only`
+    and for a shape with no elements (``Dense(0, 3)``, as torch's ``Linear(0, 3)``)."""
     if _SHAPES_ONLY.get():
         if not isinstance(key, jax.core.Tracer):  # eager: zeros would be the model's values
             raise RuntimeError(NOT_TRACED)
+        return jnp.zeros(shape, dtype)
+    if 0 in shape:  # no values to draw (JAX's variance-scaling initializers divide by the zero fan)
         return jnp.zeros(shape, dtype)
     return init(flat_key(key), shape, dtype)  # the key's own draws, compiled fast (functree/_random.py)

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from functree._activations import identity
 from functree._module import field
-from functree._random import flat_key
 from functree._repr import short_array
 from functree.nn import _window as window
+from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Initializer, add_bias, glorot_uniform
 from functree.nn._mode import Layer
@@ -164,7 +164,7 @@ class Conv(Layer):
             ("kernel_size", kernel_size), ("strides", strides), ("dilation", dilation)))
         self.padding = window.padding(name, padding, n)
         shape = (*kernel, in_channels // groups, out_channels)
-        self.weight = weight_initializer(flat_key(key), shape, dtype)  # the key's draws (functree/_random.py)
+        self.weight = initialized(weight_initializer, key, shape, dtype)  # the key's draws (functree/_random.py)
         bias_key = jax.random.fold_in(key, 1)
         self.bias = bias_initializer(bias_key, (out_channels,), dtype) if use_bias else None
         self.groups = groups

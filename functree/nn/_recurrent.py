@@ -18,6 +18,7 @@ from functree._module import field
 from functree._paths import ATTR, Entry, KeyPath
 from functree._random import flat_key
 from functree._repr import short_array
+from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
@@ -78,7 +79,7 @@ def _weights(key: jax.Array, n_in: int, n_hidden: int, gates: int, dtype: Any,
     # float32 cell of the same key, rounded. float32 and float64 draw as they always did.
     drawn = jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32 else dtype
     k_in, k_h = jax.random.split(key)
-    w_in = input_init(flat_key(k_in), (n_in, gates * n_hidden), drawn)  # the keys' draws (functree/_random.py)
+    w_in = initialized(input_init, k_in, (n_in, gates * n_hidden), drawn)  # the keys' draws (functree/_random.py)
     w_h = jnp.concatenate(
         [hidden_init(flat_key(k), (n_hidden, n_hidden), drawn) for k in jax.random.split(k_h, gates)], axis=1
     )

@@ -206,8 +206,16 @@ def test_greedy_gpt2_equals_hf_generate_with_left_padding(gpt2):
     expected = hf_generate(hf, ids, mask, pad_token_id=0, eos_token_id=None)
     np.testing.assert_array_equal(ft.nn.generate(by_hand, ids, NEW, attention_mask=mask), expected)
     np.testing.assert_array_equal(ft.nn.generate(ported, ids, NEW, attention_mask=mask, eos_token_id=[]), expected)
-    with pytest.raises(ValueError, match="max_positions = 64"):  # from_hf's GPT-2: n_positions
-        ft.nn.generate(ported, ids, 64 - PROMPT + 1, attention_mask=mask)
+    # A prompt of max_positions (n_positions) tokens gets one new token, as from HF: the last new
+    # token is never fed back (it was refused, "no position is left for a new token").
+    full = np.random.default_rng(1).integers(1, VOCAB, (1, 64)).astype(np.int32)
+    with torch.no_grad():
+        expected = hf.generate(torch.from_numpy(full).long(), attention_mask=torch.ones(1, 64, dtype=torch.long),
+                               max_new_tokens=1, do_sample=False, pad_token_id=0, eos_token_id=None).numpy()
+    np.testing.assert_array_equal(ft.nn.generate(ported, full, 1, eos_token_id=[]), expected)
+    with pytest.raises(ValueError, match=r"feeds the model 65 positions(.|\n)*max_positions = 64(.|\n)*"
+                                         r"generate\(model, input_ids, 1\)"):  # from_hf's GPT-2: n_positions
+        ft.nn.generate(ported, full, 2)
 
 
 def test_greedy_llama_gqa_equals_hf_generate_with_left_padding_and_eos(llama):
@@ -576,19 +584,21 @@ def test_beam_search_equals_hf_generate(llama, beams, returns, eos, length_penal
 
 # ---- bad input ---------------------------------------------------------------------------------
 
-def test_a_prompt_that_fills_max_positions_is_refused_with_a_call_that_runs(tiny):
+def test_a_prompt_longer_than_max_positions_is_refused_with_a_call_that_runs(tiny):
     """The issue: a 40-token prompt with max_positions 32 was told ``wrong: generate(model,
-    input_ids, 1)`` and ``right:`` the same call."""
+    input_ids, 1)`` and ``right:`` the same call. The last new token is never fed back, so a
+    prompt of max_positions tokens gets one (test_greedy_gpt2_...: HF's tokens)."""
     model, _, _ = tiny
     ids = np.arange(40, dtype=np.int32)[None] % 11
-    with pytest.raises(ValueError, match=r"prompt \(40 tokens\) alone fills the model's max_positions = 32") as info:
+    with pytest.raises(ValueError, match=r"prompt \(40 tokens\) alone is longer than the model's "
+                                         r"max_positions = 32") as info:
         ft.nn.generate(model, ids, 1)
     right = re.search(r"right:  (.*?)    #", str(info.value)).group(1)
-    assert right == "ft.nn.generate(model, input_ids[:, -31:], 1)"
+    assert right == "ft.nn.generate(model, input_ids[:, -32:], 1)"
     out = eval(right, {"ft": ft, "model": model, "input_ids": ids})
-    assert out.shape == (1, 32) and np.array_equal(out[:, :31], ids[:, -31:])
-    with pytest.raises(ValueError, match=r"generate\(model, input_ids\[:, -24:\], 8\)"):
-        ft.nn.generate(model, ids[:, :32], 8)
+    assert out.shape == (1, 33) and np.array_equal(out[:, :32], ids[:, -32:])
+    with pytest.raises(ValueError, match=r"generate\(model, input_ids\[:, -25:\], 8\)"):
+        ft.nn.generate(model, ids[:, :33], 8)
 
 
 def test_eos_and_stop_ids_outside_the_vocabulary_are_refused(tiny):
@@ -617,9 +627,9 @@ def test_errors(tiny):
         generate(model, prompt.astype(jnp.float32), 4)
     with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1, got 0"):
         generate(model, prompt, 0)
-    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) plus max_new_tokens \(30\) is 33 positions, "
-                                         r"but the model takes at most max_positions = 32(.|\n)*generate\(model, input_ids, 29\)"):
-        generate(model, prompt, 30)
+    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) plus max_new_tokens \(31\) feeds the model 33 "
+                                         r"positions (.|\n)*max_positions = 32(.|\n)*generate\(model, input_ids, 30\)"):
+        generate(model, prompt, 31)
     with pytest.raises(ValueError, match=r"attention_mask must be bool or 0/1 integers with input_ids' shape "
                                          r"\[2, 3\](.|\n)*got i32\[2,4\]"):
         generate(model, prompt, 4, attention_mask=jnp.ones((2, 4), jnp.int32))

@@ -10,8 +10,9 @@ tokens: ``0 .. P-1`` for a prompt of length ``P``, then ``P, P+1, ...``), ``am``
 ``[batch, max_length]`` (1 at the slots that hold a real token: the prompt without its left
 padding and everything generated so far, the current tokens included) and ``logits``
 ``[batch, T, vocab]``. A model may define ``max_positions`` (an int: the longest sequence
-it takes, e.g. the size of a learned position embedding); ``generate`` then refuses to go
-past it. A model may define ``check_generation(prompt_length, new_tokens)``: ``generate``
+it takes, e.g. the size of a learned position embedding); ``generate`` then refuses to feed
+it more (the prompt and every new token but the last, which is never fed back: a prompt of
+``max_positions`` tokens gets one new token, as in Hugging Face's ``generate``). A model may define ``check_generation(prompt_length, new_tokens)``: ``generate``
 calls it with the exact sizes before compiling anything, and it raises for sizes the model
 cannot generate as its reference does (Phi-3's longrope switch point: a bucket or a
 one-token prefill hides it from the model's own call).
@@ -97,15 +98,16 @@ generate: max_new_tokens must be an int >= 1, got {given!r}.
     right:  ft.nn.generate(model, input_ids, 32)"""
 
 TOO_LONG = """\
-generate: the prompt ({prompt} tokens) plus max_new_tokens ({new}) is {total} positions, but \
-the model takes at most max_positions = {limit}.
+generate: the prompt ({prompt} tokens) plus max_new_tokens ({new}) feeds the model {fed} \
+positions (every token but the last new one, which is never fed back), but it takes at most \
+max_positions = {limit}.
 
     wrong:  ft.nn.generate(model, input_ids, {new})
     right:  ft.nn.generate(model, input_ids, {fit})      # or a shorter prompt"""
 
 PROMPT_TOO_LONG = """\
-generate: the prompt ({prompt} tokens) alone fills the model's max_positions = {limit}: no \
-position is left for a new token, whatever max_new_tokens ({new}) is.
+generate: the prompt ({prompt} tokens) alone is longer than the model's max_positions = {limit}, \
+whatever max_new_tokens ({new}) is.
 
     wrong:  ft.nn.generate(model, input_ids, {new})                 # input_ids [batch, {prompt}]
     right:  ft.nn.generate(model, input_ids[:, -{keep}:], {fit})    # the prompt's last {keep} tokens \
@@ -404,7 +406,7 @@ def generate(
         raise ValueError(BAD_NEW_TOKENS.format(given=max_new_tokens))
     new, prompt = int(max_new_tokens), ids.shape[1]
     limit = getattr(inner, "max_positions", None)
-    if isinstance(limit, int) and prompt + new > limit:
+    if isinstance(limit, int) and prompt + new - 1 > limit:  # (the last new token is never fed: HF's bound)
         _too_long(prompt, new, limit)
     check = getattr(inner, "check_token_ids", None)
     if callable(check):  # the prompt's ids against the vocabulary, once, here where they are concrete
@@ -614,11 +616,14 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
 
 def _too_long(prompt: int, new: int, limit: int) -> None:
     """Raise :data:`TOO_LONG` (fewer new tokens fit) or :data:`PROMPT_TOO_LONG` (none does:
-    keep the last ``limit - fit`` prompt tokens, ``fit = min(new, limit - 1)``)."""
-    if prompt < limit:
-        raise ValueError(TOO_LONG.format(prompt=prompt, new=new, total=prompt + new, limit=limit, fit=limit - prompt))
-    fit = min(new, limit - 1)
-    raise ValueError(PROMPT_TOO_LONG.format(prompt=prompt, new=new, limit=limit, keep=limit - fit, fit=fit))
+    keep the last ``limit + 1 - fit`` prompt tokens, ``fit = min(new, limit)``). The model is
+    fed ``prompt + new - 1`` positions: the last new token is never fed back (HF's
+    ``generate`` makes a prompt of ``max_positions`` tokens one more)."""
+    if prompt <= limit:
+        raise ValueError(TOO_LONG.format(prompt=prompt, new=new, fed=prompt + new - 1, limit=limit,
+                                         fit=limit + 1 - prompt))
+    fit = min(new, limit)
+    raise ValueError(PROMPT_TOO_LONG.format(prompt=prompt, new=new, limit=limit, keep=limit + 1 - fit, fit=fit))
 
 
 def _check_stops(model: Any, stops: tuple[tuple[int, ...], ...]) -> None:

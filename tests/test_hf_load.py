@@ -1002,12 +1002,14 @@ def _whole_gradient(family):
     return model, loss, ft.hf.to_hf_state_dict(jax.jit(ft.gradient(loss))(model), numpy=True)
 
 
-@pytest.mark.parametrize("family, wrt", [("gpt2", "transformer.h.*.attn.*"), ("llama", "model.layers.*.mlp.*"),
-                                         ("llama", "lm_head.*")])
+@pytest.mark.parametrize("family, wrt", [("gpt2", "transformer.h.*.attn.*"), ("gpt2", "transformer.h.*.mlp.*"),
+                                         ("llama", "model.layers.*.mlp.*"), ("llama", "lm_head.*")])
 def test_a_partial_gradient_exports_the_tensors_it_holds(family, wrt):
     """ft.gradient(..., wrt=) has None outside wrt: to_hf_state_dict crashed in a layout
-    transpose (Llama) or returned object arrays and dropped tensors (GPT-2). It now gives
-    exactly the selected tensors, equal to the full gradient's export there."""
+    transpose (Llama), read the sizes of GPT-2's fused q|k|v from its absent projections
+    (an AttributeError where attention is outside wrt), or returned object arrays and
+    dropped tensors (GPT-2). It now gives exactly the selected tensors, equal to the full
+    gradient's export there."""
     model, loss, whole = _whole_gradient(family)
     partial = jax.jit(ft.gradient(loss, wrt=wrt))(model)
     assert any(leaf is None for leaf in jax.tree.leaves(partial, is_leaf=lambda x: x is None))  # what broke the export

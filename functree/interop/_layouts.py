@@ -133,8 +133,11 @@ def _split(sizes: tuple[int, ...], transpose: bool) -> tuple[Callable[..., Any],
 def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     projections = (layer.query_projection, layer.key_projection, layer.value_projection)
     names = ("query_projection", "key_projection", "value_projection")
+    # A partial tree (a gradient with wrt=) may lack the projections' weights: a fused
+    # tensor's rule is then skipped (it is written only whole), and its sizes never used.
+    held = [p.weight for p in projections if not absent(p.weight)]
+    sizes = tuple(int(p.weight.shape[1]) for p in projections) if len(held) == 3 else (0, 0, 0)
     if isinstance(layout, (tuple, list)) and len(layout) in (2, 3):  # one Linear for q|k|v, one output Linear
-        sizes = tuple(int(p.weight.shape[1]) for p in projections)
         fused, output = layout[0], layout[1]
         if len(layout) == 3:  # GPT-NeoX: rows [q_h | k_h | v_h] head after head
             weights, biases = _per_head(layer.num_heads, True), _per_head(layer.num_heads, False)
@@ -147,8 +150,7 @@ def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     if isinstance(layout, (tuple, list)):  # separate Linear layers: q_proj, k_proj, v_proj, o_proj
         return [rule for p, t, n in zip((*projections, layer.output_projection), layout, (*names, "output_projection"))
                 for rule in _dense(p, torch=t, ft=n)]
-    inputs = {p.weight.shape[0] for p in projections}
-    sizes = tuple(int(p.weight.shape[1]) for p in projections)
+    inputs = {w.shape[0] for w in held}
     if layout == "conv1d":  # GPT-2: c_attn [in, q|k|v], c_proj [in, out]
         rules: list[Local] = [(("c_attn.weight",), tuple(f"{n}.weight" for n in names), *_split_columns(sizes))]
         if layer.query_projection.bias is not None:
@@ -161,6 +163,12 @@ def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     if layer.query_projection.bias is not None:
         rules.append((("in_proj_bias",), tuple(f"{n}.bias" for n in names), *_split(sizes, False)))
     return rules + _dense(layer.output_projection, torch="out_proj", ft="output_projection")
+
+
+def absent(leaf: Any) -> bool:
+    """A leaf a partial tree does not hold: None (a parameter outside ``wrt=``), as the plan
+    reads it (a bare None, or a stacked None as an object array)."""
+    return leaf is None or (isinstance(leaf, np.ndarray) and leaf.dtype == object)
 
 
 @functools.lru_cache(maxsize=256)

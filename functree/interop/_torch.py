@@ -80,7 +80,7 @@ from functree._state_dict import (
 from functree._tree import dotted_name, join_names
 from functree._where import committed_sharding
 from functree.interop._host import copied, copy_all, empty
-from functree.interop._layouts import Local, Options, gradient_to_torch, layer_rules, same
+from functree.interop._layouts import Local, Options, absent, gradient_to_torch, layer_rules, same
 from functree.interop._mismatch import mismatch_error
 from functree.interop._ports import (
     Found,
@@ -993,7 +993,7 @@ def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping
     out: dict[str, Any] = {}
     for rule in plan.rules:
         leaves = [plan.leaves[n].value for n in rule.ft]
-        if any(_absent(leaf) for leaf in leaves):
+        if any(absent(leaf) for leaf in leaves):
             continue  # a partial tree (a gradient with wrt=): only the tensors it holds whole
         values = (gradient_to_torch(rule.to_torch) if gradient else rule.to_torch)(*leaves)
         out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in zip(rule.torch, values))
@@ -1001,12 +1001,6 @@ def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping
         ported = prefixed(found.torch, found.port.state_dict(found.node))
         out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in ported.items())
     return out
-
-
-def _absent(leaf: Any) -> bool:
-    """A leaf a partial tree does not hold: None (a parameter outside ``wrt=``), as the plan
-    reads it (a bare None, or a stacked None as an object array)."""
-    return leaf is None or (isinstance(leaf, np.ndarray) and leaf.dtype == object)
 
 
 def as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from functree.train._means import Means
 
@@ -93,3 +94,19 @@ def test_a_mean_restored_without_its_parts_keeps_its_size_weighted_mean_for_the_
     assert not any(k.startswith(("pct#", "x0#")) for k in m.sums)
     whole = Means().plus(_terms(rows))  # an epoch of this functree: exact, no warning
     np.testing.assert_allclose(whole.means()["pct"], per_token, rtol=0, atol=100 * atol)
+
+
+def test_a_metric_added_or_removed_within_the_means_has_the_mean_of_the_steps_that_recorded_it():
+    """Before: one weight for every name; a metric added at a restore (its first steps
+    inside a log window) was Σ over its steps / Σ n over the window's: 1.5 for 2.0 here."""
+    loss, mae, n = np.array([1.0, 2.0, 3.0, 4.0]), np.array([2.0, 2.0]), np.array([1.0, 1.0, 3.0, 3.0])
+    before = Means().plus(Means.terms({"loss": loss[:2]}, n[:2]))
+    added = before.plus(Means.terms({"loss": loss[2:], "mae": mae}, n[2:]))
+    assert added.means() == {"loss": 24.0 / 8.0, "mae": 2.0}
+    assert before.weights == {}  # while every name has the whole weight: none of its own
+    assert Means.from_json(added.to_json()) == added
+    removed = added.plus(Means.terms({"loss": np.array([5.0])}, np.array([2.0])))
+    assert removed.means() == {"loss": 34.0 / 10.0, "mae": 2.0} and removed.weights == {"loss": 10.0, "mae": 6.0}
+    for bad in ({"other": 1.0}, {"mae": -1.0}, [6.0]):
+        with pytest.raises(ValueError, match="are not a JSON object"):
+            Means.from_json({**added.to_json(), "weights": bad})

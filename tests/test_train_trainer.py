@@ -269,6 +269,38 @@ def test_restore_checks_the_template(tmp_path):
         other.restore(tmp_path / "ckpt")
 
 
+def test_other_metrics_mid_epoch_are_refused_and_added_at_an_epoch_end_mean_their_own_steps(tmp_path):
+    # Before: one weight for every metric's running mean: a metric added on a restore
+    # inside an epoch was Σ over the steps after it / Σ n over the epoch's (0.42 for 0.87),
+    # and one added at an epoch's end, in a log window spanning it, / Σ n over the window's.
+    def mae(out):
+        return jnp.mean(jnp.abs(out.model(out.batch[0]) - out.batch[1]))
+
+    def make(metrics=None):
+        return Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), adam(), regress, metrics=metrics)
+
+    def data():
+        return ft.train.batches((X, Y), 16, key=jax.random.key(1))  # 4 steps an epoch
+
+    for change, saved, ours in (("added", None, {"mae": mae}), ("removed", {"mae": mae}, None)):
+        old = make(saved)
+        old.fit(data(), steps=2, progress=False)
+        old.save(tmp_path / change)
+        with pytest.raises(ft.train.CheckpointError, match=r"(?s)step 2 .* inside epoch 1: .*\(" + change +
+                           r" \['mae'\]\).*right:  trainer.restore\(path, step="):
+            make(ours).restore(tmp_path / change)
+    path = tmp_path / "added"  # the error's other fix: the epoch finished with the saved metrics
+    old = make().restore(path)
+    old.fit(data(), epochs=old.epoch + 1, progress=False)
+    old.save(path)
+    new = make({"mae": mae}).restore(path)
+    seen = []
+    new.fit(data(), epochs=2, log_every=3, progress=False, callbacks=[seen.append])
+    first = next(c for c in seen if c.event == "log")  # the window of steps 1-5 (since_log 4 restored)
+    assert first.step == 5 and new.history.steps["step"][4] == 5
+    assert first.metrics["mae"] == new.history.steps["mae"][4]  # step 5's alone: Σ n·v / n, exact
+
+
 def test_progress_bar(capsys):
     trainer = Trainer(mlp(), adam(), classify, metrics={"acc": ft.train.accuracy})
     trainer.fit((X, LABELS), epochs=2, batch_size=16, log_every=2, progress=True, validation_data=(X, LABELS))

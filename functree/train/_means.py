@@ -45,17 +45,27 @@ class Means:
     ``on_nan="skip"`` is left out and counted in ``skipped``; a non-finite value of an
     applied step (``on_nan="ignore"``) makes its mean NaN.
 
+    Each name's mean is over the steps that recorded it: a metric added (or removed) when a
+    job was restored from a checkpoint with these means begins (or ends) within them, and
+    has its own Σ n in ``weights`` (an empty mapping while every name has ``weight``: no
+    work per interval then). One weight for all gave the log window's mean of a metric
+    added at a restore Σ over its 2 steps / Σ n over the window's 4.
+
     Example:
       >>> from functree.train._means import Means
       >>> import numpy as np
       >>> m = Means().plus(Means.terms({"loss": np.array([1.0, 4.0])}, np.array([1.0, 3.0])))
       >>> m.means(), Means.from_json(m.to_json()) == m
       ({'loss': 3.25}, True)
+      >>> added = m.plus(Means.terms({"loss": np.array([1.0]), "mae": np.array([0.5])}, np.array([4.0])))
+      >>> added.means(), added.weights   # "mae" over its step alone
+      ({'loss': 2.125, 'mae': 0.5}, {'loss': 8.0, 'mae': 4.0})
     """
 
     sums: Mapping[str, float] = dataclasses.field(default_factory=dict)
     weight: float = 0.0
     skipped: int = 0
+    weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def terms(values: Mapping[str, np.ndarray], weights: np.ndarray, applied: np.ndarray | None = None) -> Terms:
@@ -90,7 +100,21 @@ class Means:
         weight = self.weight
         for w in weights:
             weight += w
-        return Means(sums, weight, self.skipped + skipped)
+        own = self.weights
+        if own or (self.weight and products.keys() != self.sums.keys()):  # a metric added or removed
+            own = self._own_weights(products, weights)
+        return Means(sums, weight, self.skipped + skipped, own)
+
+    def _own_weights(self, products: Mapping[str, list[float]], weights: list[float]) -> dict[str, float]:
+        """Each name's Σ n with an interval's ``weights`` added to the names it records:
+        a name new to these means starts at 0, one it does not record keeps its own."""
+        own = {name: self.weights.get(name, self.weight) for name in self.sums}
+        for name in products:
+            total = own.get(name, 0.0)
+            for w in weights:
+                total += w
+            own[name] = total
+        return own
 
     def _unparted(self, products: Mapping[str, list[float]]) -> set[str]:
         """The names whose parts ``products`` brings while these sums hold steps of theirs
@@ -109,16 +133,22 @@ class Means:
         left out) under ``on_nan="skip"``. A counting metric's is Σ hits / Σ counted, its
         parts' sums' ratio (:func:`~functree.train._metrics.combine_parts`), not its
         minibatch values' size-weighted mean."""
-        values = {k: v / self.weight if self.weight else math.nan for k, v in self.sums.items()}
+        own = self.weights
+        values = {k: v / w if (w := own.get(k, self.weight)) else math.nan for k, v in self.sums.items()}
         values = combine_parts(values, self.sums if self.weight else values)
         if on_nan == "skip":
             values["skipped"] = self.skipped
         return values
 
     def to_json(self) -> dict[str, Any]:
-        return {"sums": dict(self.sums), "weight": self.weight, "skipped": self.skipped}
+        """The means as JSON values (``weights`` only where a name has its own)."""
+        state = {"sums": dict(self.sums), "weight": self.weight, "skipped": self.skipped}
+        if self.weights:
+            state["weights"] = dict(self.weights)
+        return state
 
-    FORM = 'a JSON object {"sums": {name: number}, "weight": a number >= 0, "skipped": an int >= 0}'
+    FORM = ('a JSON object {"sums": {name: number}, "weight": a number >= 0, "skipped": an int >= 0, '
+            'optionally "weights": {name of sums: a number >= 0}}')
     """What :meth:`from_json` reads (what :meth:`to_json` writes)."""
 
     @staticmethod
@@ -127,14 +157,21 @@ class Means:
         of that form (:attr:`FORM`) is a ``ValueError``: nothing is converted."""
         if state is None:
             return Means()
-        if not isinstance(state, Mapping) or not set(state) <= {"sums", "weight", "skipped"}:
+        if not isinstance(state, Mapping) or not set(state) <= {"sums", "weight", "skipped", "weights"}:
             raise ValueError(f"means {repr(state)[:120]} are not {Means.FORM}")
         sums, weight, skipped = state.get("sums", {}), state.get("weight", 0.0), state.get("skipped", 0)
+        own = state.get("weights", {})
         if not (isinstance(sums, Mapping) and all(isinstance(k, str) and _number(v) for k, v in sums.items())
-                and _number(weight) and weight >= 0 and type(skipped) is int and skipped >= 0):
+                and _number(weight) and weight >= 0 and type(skipped) is int and skipped >= 0
+                and isinstance(own, Mapping) and set(own) <= set(sums)
+                and all(_number(v) and v >= 0 for v in own.values())):
             raise ValueError(f"means {repr(state)[:120]} are not {Means.FORM}")
-        return Means({str(k): v for k, v in sums.items()}, weight, skipped)
+        return Means({str(k): v for k, v in sums.items()}, weight, skipped, {str(k): v for k, v in own.items()})
 
+
+    def names(self) -> set[str]:
+        """The metrics these means hold (a counting metric's parts under its name)."""
+        return {_whole(k) for k in self.sums}
 
     def inexact(self, names: Any) -> list[str]:
         """The counting metrics among ``names`` whose mean these sums hold without its

@@ -91,6 +91,18 @@ The mean of the steps before step {step} cannot be made exact, and continuing it
     right:  trainer.restore(path, step=<a step at an epoch's end>)   # its running means are empty
        or:  finish the epoch with the functree that wrote it, then continue here"""
 
+METRICS_CHANGED = """\
+The checkpoint at step {step} ({where}) is inside epoch {epoch}: its running means hold the \
+epoch's steps so far for {saved}, but this trainer records {ours} ({change}). The epoch's mean \
+of an added metric would cover the steps after step {step} alone (one removed, those before), \
+reported, ranked and monitored as the whole epoch's.
+
+    wrong:  Trainer(model, opt, loss_fn, metrics={{...}}).restore(path)   # other metrics, mid-epoch
+    right:  trainer.restore(path, step=<a step at an epoch's end>)        # its epoch means are empty
+       or:  old = Trainer(model, opt, loss_fn, metrics=<the saved ones>).restore(path)
+            old.fit(data, epochs=old.epoch + 1); old.save(path)          # finish the epoch, then
+            trainer.restore(path)                                         # change the metrics"""
+
 _LOG = logging.getLogger("functree.train")
 _KEEP: Any = object()  # Trainer.save(extra=) not given: the job's extra is saved
 
@@ -778,7 +790,18 @@ class Trainer(Evaluation):
 
     def _check_means(self, job: JobState, where: str) -> None:
         """Refuse running means of a counting metric stored without its parts (an older
-        functree's, mid-epoch): read on, the epoch's accuracy would silently mix two means."""
+        functree's, mid-epoch): read on, the epoch's accuracy would silently mix two means;
+        and an epoch's means of other metrics than this trainer's (:data:`METRICS_CHANGED`).
+        (A step that renames its metrics, known when it traces, and a log window: each
+        name's mean covers the steps that recorded it, :class:`Means`.)"""
+        cls = type(self.train_step)
+        if job.epoch_means.weight and cls.compute_metrics is TrainStep.compute_metrics and cls.step is TrainStep.step:
+            saved, ours = job.epoch_means.names(), {"loss", *self.train_step.metrics}
+            if saved != ours:
+                change = ", ".join(f"{what} {sorted(names)}" for what, names in (
+                    ("added", ours - saved), ("removed", saved - ours)) if names)
+                raise CheckpointError(METRICS_CHANGED.format(step=job.steps_run, where=where, epoch=job.epoch + 1,
+                                                             saved=sorted(saved), ours=sorted(ours), change=change))
         counting = counting_names(self.train_step.metrics)
         for which, means in (("epoch's", job.epoch_means), ("log window's", job.window)):
             names = means.inexact(counting)

@@ -1,6 +1,7 @@
 """Callbacks: the learning context they see, early stopping, plateau, checkpoints, logs."""
 
 import json
+import logging
 import types
 
 import jax
@@ -111,6 +112,18 @@ def test_every_steps_ranked_by_val_loss_saves_the_epoch_ends_among_its_steps(tmp
                                              r"\['loss'\].*right:  trainer.fit\(data, validation_data=val"):
             make().fit(data(), epochs=2, progress=False, callbacks=[save])
         assert save.manager.all_steps() == []
+
+
+def test_a_ranked_directory_a_fit_wrote_nothing_to_is_logged(tmp_path, caplog):
+    # Before: silently empty (val_loss ranks epoch ends; this fit of 2 steps reached none,
+    # and with every_steps=2 on 3-step epochs step 6 is the first that ends one).
+    saves = [ft.train.ModelCheckpoint(tmp_path / "a", best_metric="val_loss"),
+             ft.train.ModelCheckpoint(tmp_path / "b", every_steps=2, best_metric="val_loss")]
+    with caplog.at_level(logging.WARNING, logger="functree.train"):
+        make().fit(data(), steps=2, validation_data=(X, Y), progress=False, callbacks=saves)
+    for name, where in (("a", "epoch ends"), ("b", "the steps 2, 4, ... that end an epoch")):
+        assert f"wrote no checkpoint to {tmp_path / name}: a best_metric='val_loss' directory holds the " \
+               f"checkpoints whose metric is known ({where}), and this fit reached none (it ended at step 2)" in caplog.text
 
 
 def test_callback_errors():

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -112,6 +113,14 @@ Validation metrics (val_*) need validation data; metric names come from Trainer(
     wrong:  trainer.fit(data, callbacks=[ft.train.ModelCheckpoint(path, best_metric="val_loss")])
     right:  trainer.fit(data, validation_data=val, callbacks=[ft.train.ModelCheckpoint(path, best_metric="val_loss")])
        or:  ft.train.ModelCheckpoint(path, best_metric="loss")     # the epoch's mean training loss"""
+
+NOTHING_RANKED = """\
+ModelCheckpoint wrote no checkpoint to {directory}: a best_metric={metric!r} directory holds \
+the checkpoints whose metric is known ({where}), and this fit reached none (it ended at step {step}).
+    right:  trainer.fit(data, epochs=N, validation_data=val, callbacks=[...])   # to an epoch's end
+       or:  ft.train.ModelCheckpoint(path, best_metric={metric!r}, every_steps=<one that divides the epoch's steps>)"""
+
+_LOG = logging.getLogger("functree.train")
 
 REPLAY_DIVERGED = """\
 ModelCheckpoint: {directory} holds checkpoints past step {step} ({ahead}) of the run this \
@@ -587,7 +596,8 @@ class ModelCheckpoint(Callback):
     after its validation and every ``on_epoch_end`` (ranked by another step's validation,
     a checkpoint would carry a number never measured on its model). A ``best_metric``
     missing at an epoch's end (no ``validation_data``, a misspelt name) is an error
-    (:data:`BEST_METRIC_MISSING`), not a directory left empty. When the
+    (:data:`BEST_METRIC_MISSING`), not a directory left empty, and a ``fit`` that ends with
+    the ranked directory empty (no epoch end reached) logs :data:`NOTHING_RANKED`. When the
     process gets SIGTERM (preemption) during ``fit``, the Trainer saves at the current step
     and stops. ``extra`` is a function ``extra(trainer)`` whose tree (arrays and plain
     values: a data pipeline's state, a counter) is saved with every checkpoint and comes
@@ -687,6 +697,12 @@ class ModelCheckpoint(Callback):
         if event == "end":  # the end of fit, before any callback's on_train_end
             if ranked is None:
                 self.save(trainer, context)
+            elif jax.process_index() == 0 and not self.manager.all_steps():
+                where = "epoch ends" if not self.every_steps else (
+                    f"the steps {self.every_steps}, {2 * self.every_steps}, ... that end an epoch"
+                    if ranked.startswith("val_") else f"the steps {self.every_steps}, {2 * self.every_steps}, ...")
+                _LOG.warning(NOTHING_RANKED.format(directory=self.manager.directory, metric=ranked, where=where,
+                                                   step=trainer.steps_run))
         elif event != "step" or self.every_steps:
             self.save(trainer, context)
 

@@ -337,7 +337,8 @@ def generate(
     the loop has no host callback at all.
 
     ``attention_mask`` (bool or 0/1, ``[batch, P]``) marks the real tokens of left-padded
-    prompts (0 = padding, at the start of a row). ``model`` follows the cache protocol (see
+    prompts (0 = padding, at the start of a row); a right-padded one is refused where it is
+    concrete (traced, inside a ``jax.jit`` of your own, it is not seen: pad on the left). ``model`` follows the cache protocol (see
     the module, and ``docs/guides/generation.md``): ``model.init_cache(batch, P + N)`` and
     ``model(ids, attention_mask=am, positions=pos, cache=cache) -> (logits, cache)``. The
     prompt is one call (prefill), then one token per step in a ``lax.while_loop``, all in one

@@ -782,3 +782,26 @@ def test_multisteps_passes_the_extra_arguments_to_the_transform_it_wraps():
             ref = optax.apply_updates(ref, ref_updates)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(("param", "grad", "why"), [
+    (jnp.ones(2), jnp.ones(2, jnp.int32), "rounds to 0"),        # adam's update was int32 [0, 0]
+    (jnp.ones(2), jnp.ones(2, jnp.bool_), "a bool adds"),        # sgd's update was True: +1
+    (jnp.ones(2), jnp.ones(2, jnp.complex64), "imaginary part"),  # optax's tree-map structure error
+    (jnp.ones(2, jnp.complex64), jnp.ones(2), "pair of reals"),   # "Only integer scalar arrays ..."
+])
+def test_a_gradient_of_another_kind_of_number_is_refused_naming_its_key_path(param, grad, why):
+    opt = fo.Optimizer(fo.adam(0.1))
+    params = {"head": {"w": param}, "b": jnp.ones(2)}
+    with pytest.raises(TypeError, match=rf"(?s)at head\.w: the parameter is {param.dtype}.*{why}"):
+        opt.update({"head": {"w": grad}, "b": jnp.ones(2)}, opt.init(params), params)
+
+
+def test_floating_gradients_of_other_widths_keep_the_parameters_dtypes():
+    # A float32 gradient for a bfloat16 weight: the float32 update is added and rounded once.
+    opt = fo.Optimizer(fo.sgd(0.6))
+    params = {"w": jnp.asarray([1.0, 2.0, 3.0], jnp.bfloat16), "h": jnp.ones(2, jnp.float16)}
+    grads = {"w": jnp.asarray([2.0**-8, 2.0**-7, 2.0**-6], jnp.float32), "h": jnp.ones(2, jnp.float32)}
+    new, _ = opt.apply_gradients(grads, params, opt.init(params))
+    assert (new["w"].dtype, new["h"].dtype) == (jnp.bfloat16, jnp.float16)
+    np.testing.assert_array_equal(np.asarray(new["w"], np.float32), [0.99609375, 1.9921875, 2.984375])

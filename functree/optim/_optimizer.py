@@ -42,7 +42,7 @@ from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._source import USER_FUNCTION
 from functree._tangent import move
-from functree._tree import dotted_name
+from functree._tree import dotted_name, is_none
 from functree._where import placement_of, put
 from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._mode import in_mode, mode_free
@@ -432,6 +432,7 @@ class Optimizer:
         given = (jax.tree.structure(grads), None if params is None else jax.tree.structure(params))
         grads, params = mode_free(grads), mode_free(params)
         grads, partial = checked_gradients(grads, params)
+        _check_gradient_dtypes(grads, params)
         check_state_fits(state.inner, grads, self._transform.init, params)  # at trace time under jit; cached
         partial = with_frozen_members(partial, params, frozen)
         grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
@@ -740,6 +741,60 @@ class Optimizer:
             return None
         new_params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(out[0]))  # the model's mode
         return with_parameters(model, new_params), out[1]
+
+
+GRADIENT_DTYPE = """\
+The gradient does not fit the model's parameters at {path}: the parameter is {expected}, the \
+gradient is {given}. {why}
+
+    wrong:  updates, state = opt.update(grads, state, model)   # {given} at {path}
+    right:  updates, state = opt.update({right}, state, model)
+       or:  grads = ft.gradient(loss, at=model)                 # {expected} at {path}
+"""
+
+_DTYPE_WHY = {
+    "integer": ("An integer or bool gradient makes the update integer: -lr * g rounds to 0 (no step, "
+                "silently) and a bool adds +1.", "jax.tree.map(lambda g: g.astype(jnp.float32), grads)"),
+    "complex": ("Moving along it would drop the imaginary part; a real parameter's gradient is real.",
+                "jax.tree.map(jnp.real, grads)"),
+    "real": ("A complex parameter is trained as a pair of reals (torch.optim's view_as_real) and its "
+             "gradient is complex: the real and imaginary parts' derivatives.",
+             "jax.tree.map(lambda g: g.astype(jnp.complex64), grads)"),
+}
+
+
+def _dtype_misfit(g: Any, p: Any) -> str | None:
+    """Why gradient ``g`` cannot update parameter ``p`` (a key of ``_DTYPE_WHY``), or None.
+    A floating gradient of another width is fine: the update is added in the wider dtype
+    and rounded once to the parameter's (``ft.move``)."""
+    g_kind, p_kind = jnp.dtype(jnp.result_type(g)).kind, jnp.dtype(jnp.result_type(p)).kind
+    if g_kind not in "fVc" and p_kind in "fVc":  # bool, int, uint ("V": bfloat16 and the ml_dtypes)
+        return "integer"
+    if g_kind == "c" and p_kind != "c":
+        return "complex"
+    if p_kind == "c" and g_kind != "c":
+        return "real"
+    return None
+
+
+def _check_gradient_dtypes(grads: Any, params: Any) -> None:
+    """:data:`GRADIENT_DTYPE` naming the first key path where a gradient's kind of number does
+    not fit its parameter's (an integer, bool or complex gradient at a real parameter, a real
+    one at a complex parameter): optax would round the update to an integer (no step) or fail
+    deep inside its tree maps. Python over the leaves: under ``jit`` only while tracing."""
+    if params is None:
+        return
+    pairs = zip(jax.tree.leaves(grads, is_leaf=is_none), jax.tree.leaves(params, is_leaf=is_none))
+    for i, (g, p) in enumerate(pairs):
+        if g is None or p is None or not hasattr(p, "dtype"):
+            continue
+        misfit = _dtype_misfit(g, p)
+        if misfit is None:
+            continue
+        path = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0][i][0]
+        why, right = _DTYPE_WHY[misfit]
+        raise TypeError(GRADIENT_DTYPE.format(path=dotted_name(path) or "<root>", expected=jnp.result_type(p),
+                                              given=jnp.result_type(g), why=why, right=right))
 
 
 def _is_skip(x: Any) -> bool:

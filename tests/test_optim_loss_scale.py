@@ -363,3 +363,15 @@ def test_a_loss_scale_optimizer_takes_an_optax_transformation_as_the_trainer_doe
     assert float(a["w"]) == float(b["w"]) == pytest.approx(0.7, abs=1e-6)
     with pytest.raises(TypeError, match="needs an optax GradientTransformation"):
         ft.optim.LossScaleOptimizer(0.1)
+
+
+def test_float16_parameters_are_refused_as_torchs_gradscaler_does():
+    # Their gradients were unscaled in float16: 2e-8 (3.3e-4 once scaled) came out 0, silently.
+    opt = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.sgd(0.1)))
+    with pytest.raises(ValueError, match=r"(?s)parameter at head\.w is float16.*compute_dtype=jnp\.float16"):
+        opt.init({"head": {"w": jnp.ones(2, jnp.float16)}, "b": jnp.ones(2)})
+    # bfloat16 (float32's range) and the float32 master parameters of compute_dtype= are taken.
+    for dtype in (jnp.bfloat16, jnp.float32):
+        p = {"w": jnp.ones(2, dtype)}
+        _, grads = opt.compute_gradients(lambda q: jnp.sum(q["w"].astype(jnp.float32) * 2e-8), p, state=opt.init(p))
+        np.testing.assert_allclose(np.asarray(grads["w"], np.float32), 2e-8, atol=2e-10)  # bfloat16: 8e-11

@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._tree import all_finite
+from functree._tree import all_finite, dotted_name, is_none
 from functree._where import placement_of
 from functree.optim._optimizer import SCALED_HOOK, OptimizerWrapper
 from functree.optim._skip import select
+from functree.optim._subset import trained_view
 
 __all__ = ["LossScaleOptimizer", "LossScaleState"]
 
@@ -43,7 +44,25 @@ overflow and be skipped, and inf / 2 is inf: training would silently never move.
     right:  ft.optim.LossScaleOptimizer(opt, initial_scale=2.0**16)   # torch's GradScaler's init_scale
 """
 
+FLOAT16_PARAMETER = """\
+LossScaleOptimizer: the parameter at {path} is float16. Its gradient would be unscaled in \
+float16 too, where every value below 6e-8 (float16's smallest) comes out 0: the small \
+gradients the scale exists to keep are lost, silently (torch's GradScaler refuses it: \
+"Attempting to unscale FP16 gradients."). Keep the parameters in float32 and compute in float16:
+
+    wrong:  opt.init(ft.cast(model, jnp.float16))
+    right:  ft.train.train_step(loss_fn, opt, compute_dtype=jnp.float16)     # float32 master parameters
+       or:  loss_fn(ft.cast(model, jnp.float16), batch)   # inside the loss, model kept float32
+"""
+
 _LARGEST = float(np.finfo(np.float32).max)
+
+
+def _check_no_float16(model: Any, wrt: Any) -> None:
+    """:data:`FLOAT16_PARAMETER` naming the first trained float16 parameter of ``model``."""
+    for path, p in jax.tree_util.tree_flatten_with_path(trained_view(model, wrt), is_leaf=is_none)[0]:
+        if p is not None and jnp.result_type(p) == jnp.float16:
+            raise ValueError(FLOAT16_PARAMETER.format(path=dotted_name(path) or "<root>"))
 
 
 class LossScaleState(NamedTuple):
@@ -141,7 +160,10 @@ class LossScaleOptimizer(OptimizerWrapper):
     rounding of ``scale / k``). The loss is multiplied by the scale in float32 (a float16
     product is ``inf`` from 65536 on); a loss function returning float16 still caps the
     scale at 32768, as its cotangent is float16: compute the loss in float32 (the
-    ``ft.losses`` do).
+    ``ft.losses`` do). float16 *parameters* are refused at :meth:`init`
+    (:data:`FLOAT16_PARAMETER`, torch's "Attempting to unscale FP16 gradients."): their
+    unscaled gradients would be float16, where those below ``6e-8`` are 0; keep float32
+    master parameters and compute in float16 (``train_step(compute_dtype=jnp.float16)``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -166,6 +188,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         object.__setattr__(self, "growth_interval", growth_interval)
 
     def init(self, model: Any) -> LossScaleState:
+        _check_no_float16(model, self.wrt)
         # From the host, on the model's devices (a model on device 3 or a mesh), as the inner
         # state's context: not on the default device, and no compile for a zero.
         scale, good, skipped = jax.device_put(

@@ -1056,6 +1056,8 @@ def test_hugging_faces_spellings_and_typos_name_the_keyword_to_write(tiny):
              "do_sample": r"right:  ft.nn.generate\(model, input_ids, max_new_tokens, temperature=1.0, "
                           r"key=jax.random.key\(0\)\)",
              "max_length": r"right:  ft.nn.generate\(model, input_ids, max_length - input_ids.shape\[1\]\)",
+             "min_length": r"\(Hugging Face's name\).*right:  ft.nn.generate\(model, input_ids, max_new_tokens, "
+                           r"min_new_tokens=min_length - input_ids.shape\[1\]\)",
              "top_kk": r"\(did you mean 'top_k'\?\).*right:  ft.nn.generate\(model, input_ids, max_new_tokens, top_k=",
              "forced_eos_token_id": r"Hugging Face's generate applies it; ft.nn.generate does not have it"}
     for name, pattern in cases.items():

@@ -169,6 +169,7 @@ HF_SPELLINGS = {
     "return_dict_in_generate": (_CALL.format("return_scores=True"), "returns (tokens, scores), not a dict"),
     "output_logits": (_CALL.format("return_scores=True"), "the chosen tokens' log-probabilities"),
     "max_length": ("ft.nn.generate(model, input_ids, max_length - input_ids.shape[1])", "new tokens, not the total"),
+    "min_length": (_CALL.format("min_new_tokens=min_length - input_ids.shape[1]"), "new tokens, not the total"),
     "generation_config": (_CALL.format("top_k=..., top_p=..."), "the checkpoint's generation config applies already"),
     "use_cache": ("ft.nn.generate(model, input_ids, max_new_tokens)", "generate always runs with its KV cache"),
 }

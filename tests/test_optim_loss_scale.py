@@ -375,3 +375,14 @@ def test_float16_parameters_are_refused_as_torchs_gradscaler_does():
         p = {"w": jnp.ones(2, dtype)}
         _, grads = opt.compute_gradients(lambda q: jnp.sum(q["w"].astype(jnp.float32) * 2e-8), p, state=opt.init(p))
         np.testing.assert_allclose(np.asarray(grads["w"], np.float32), 2e-8, atol=2e-10)  # bfloat16: 8e-11
+
+
+def test_float64_gradients_are_unscaled_in_float64_under_x64():
+    # They were unscaled in float32: 1 + 2**-40 came back 1, and 1e300 inf (a skipped step).
+    with jax.enable_x64(True):
+        opt = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.sgd(1.0)))
+        p = {"w": jnp.ones(2, jnp.float64)}
+        c = jnp.asarray([1 + 2.0**-40, 1e300], jnp.float64)
+        _, grads = opt.compute_gradients(lambda q: jnp.sum(q["w"] * c), p, state=opt.init(p))
+        assert grads["w"].dtype == jnp.float64
+        np.testing.assert_array_equal(np.asarray(grads["w"]), np.asarray(c))  # exact: the scale is 2**15

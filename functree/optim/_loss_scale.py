@@ -11,6 +11,7 @@ import numpy as np
 
 from functree._tree import all_finite, dotted_name, is_none
 from functree._where import placement_of
+from functree.nn._precision import statistics_dtype
 from functree.optim._optimizer import SCALED_HOOK, OptimizerWrapper
 from functree.optim._skip import select
 from functree.optim._subset import trained_view
@@ -94,15 +95,16 @@ def _finite_positive(value: Any) -> bool:
 
 
 def _unscaled(g: Any, scale: jax.Array) -> jax.Array:
-    """``g / scale`` in float32 at least; a complex gradient stays complex (cast to float32 it
-    would lose its imaginary part).
+    """``g / scale`` in float32 at least: a float64 gradient (under x64) in float64 (in
+    float32 it lost its low bits, and from 3.4e38 on it overflowed: a skipped step); a
+    complex gradient stays complex (cast to float32 it would lose its imaginary part).
 
     XLA computes a division by a scalar as a product with its reciprocal, and from a scale
     of 2**127 on that reciprocal is subnormal, which XLA flushes to zero: every gradient came
     out 0. Above 2**126 the reciprocal is taken in two normal factors, ``2**-64`` and
     ``2**64 / scale`` (both exact for a power of two; a gradient that the first one
     flushes is below float32's range once divided by the scale anyway)."""
-    wide = g.dtype if jnp.issubdtype(g.dtype, jnp.complexfloating) else jnp.float32
+    wide = g.dtype if jnp.issubdtype(g.dtype, jnp.complexfloating) else statistics_dtype(g.dtype)
     big = scale > 2.0**126
     first = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
     second = jnp.where(big, jnp.float32(2.0**64), jnp.float32(1.0)) / scale

@@ -196,6 +196,13 @@ try:
     error = ""
 except ValueError as e:
     error = str(e)
+# accumulate=8 on 8 devices: 32 examples split over the devices (4 each), not into 8 microbatches
+eight = ft.optim.Optimizer(ft.optim.sgd(0.1), accumulate=8)
+try:
+    DataParallelStep(loss_fn, eight, mesh=mesh)(model, eight.init(model), (xs[0][:32], ys[0][:32]))
+    accumulate_error = ""
+except ValueError as e:
+    accumulate_error = str(e)
 half = DataParallelStep(loss_fn, opt, mesh=mesh, compute_dtype=jnp.bfloat16)
 m16, s16, metrics16 = train(half, opt)
 m32, s32, metrics32 = train(DataParallelStep(loss_fn, opt, mesh=mesh), opt)
@@ -215,7 +222,7 @@ short1 = ft.train.Trainer(m32, opt, loss_fn).evaluate(val, batch_size=64)
 assert_close_trained(short8["loss"], short1["loss"], spread=SPREAD_8_VS_1, err_msg="short last batch")
 assert_close_trained(evaluate(m32, (xs[1][:60], ys[1][:60]))["loss"], plain(m32, (xs[1][:60], ys[1][:60]))["loss"],
                      spread=SPREAD_8_VS_1, err_msg="eval step, 60 examples")
-report({"error": error,
+report({"error": error, "accumulate_error": accumulate_error,
         "eval": [float(ev8["loss"]), float(ev1["loss"]), float(ev8["accuracy"]), float(ev1["accuracy"])],
         "trainer_sharded": not trainers[1].model.layers[0].weight.sharding.is_fully_replicated,
         "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves((m16, s16)) if jnp.issubdtype(x.dtype, jnp.floating)}),
@@ -359,6 +366,10 @@ def test_indivisible_batch_bfloat16_master_parameters_eval_and_trainer(eight_dev
     out = part(eight_devices, 'indivisible_batch_bfloat16_master_parameters_eval_and_trainer')
     assert "60 examples" in out["error"] and "8 devices of mesh axis 'data'" in out["error"]
     assert "batch_size=56, drop_last=True" in out["error"]
+    # accumulate on a mesh: named by the global batch and devices x k (it named one device's
+    # share, (4, 16), and a fix that kept the 32 examples)
+    assert "multiple of 8 x 8 = 64" in out["accumulate_error"] and "has 32 examples" in out["accumulate_error"]
+    assert "batch_size=64, drop_last=True" in out["accumulate_error"] and "accumulate=4" in out["accumulate_error"]
     assert out["dtypes"] == ["float32"]  # master parameters and Adam state stay float32
     assert abs(out["loss16"] - out["loss32"]) < 0.05 * out["loss32"]
     assert out["rel"] > 0  # it did compute in bfloat16

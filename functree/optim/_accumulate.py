@@ -21,7 +21,7 @@ from functree.optim._subset import trained_view
 if TYPE_CHECKING:
     from functree.optim._optimizer import Optimizer
 
-__all__ = ["accumulated_gradients", "leading_dimension", "BAD_ACCUMULATION"]
+__all__ = ["accumulated_gradients", "check_accumulation", "leading_dimension", "BAD_ACCUMULATION", "BAD_ACCUMULATION_ON_MESH"]
 
 BAD_ACCUMULATION = """\
 accumulate={k} needs the batch's leading dimension to be a multiple of {k}; \
@@ -33,6 +33,32 @@ each device splits its own share: the batch must be a multiple of devices x {k})
     right:  x, y = jax.tree.map(lambda a: a[: {k} * (len(a) // {k})], (x, y))   # every batch argument
             opt.minimize(loss_fn, model, state, x, y)
 """
+
+
+BAD_ACCUMULATION_ON_MESH = """\
+accumulate={k} on the {n} devices of mesh axis {axis!r} needs the batch's leading dimension to \
+be a multiple of {n} x {k} = {nk}: each device splits its share ({share} examples here) into \
+{k} microbatches. The leaf at {path} has {size} examples.
+
+    wrong:  ft.train.batches(data, batch_size={size})
+    right:  ft.train.batches(data, batch_size={right}, drop_last=True)   # a multiple of {nk}
+       or:  ft.optim.Optimizer(transform, accumulate={fewer})   # divides each device's {share}
+"""
+
+
+def check_accumulation(batch: Any, devices: int, k: int, axis: str) -> None:
+    """Before a step on a mesh splits each device's share into ``k`` microbatches: a
+    ``ValueError`` (:data:`BAD_ACCUMULATION_ON_MESH`) naming the leaf, the global batch
+    size and the multiple of ``devices * k`` it needs; the microbatch split inside the
+    device would name the share's shape and a fix for one device."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = jnp.shape(x)
+        if shape and shape[0] % (devices * k):
+            size, share = shape[0], shape[0] // devices
+            raise ValueError(BAD_ACCUMULATION_ON_MESH.format(
+                k=k, n=devices, axis=axis, nk=devices * k, share=share, size=size,
+                path=jax.tree_util.keystr(path) or "<root>", right=max(devices * k, size // (devices * k) * devices * k),
+                fewer=max(d for d in range(1, k + 1) if share % d == 0) if share else 1))
 
 
 def leading_dimension(batch: Sequence[Any]) -> int:

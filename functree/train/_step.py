@@ -51,6 +51,7 @@ from functree._where import devices_error
 from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._state import collect_state, salted_keys
 from functree.optim import Optimizer, OptimizerState, context, hyperparameters
+from functree.optim._accumulate import check_accumulation
 from functree.optim._hyper import learning_rate_names
 from functree.optim._optimizer import Gradients
 from functree.optim._replicas import as_varying, replica_mean, replica_weighted_mean
@@ -455,6 +456,8 @@ class TrainStep:
         assert where is not None
         axis, accumulate = where.data_axis, self.optimizer.accumulate
         batch, in_batch = where.constrain_batch(batch)
+        if accumulate > 1:  # named by the global batch, before each device splits its share
+            check_accumulation(batch, where.devices, accumulate, axis)
         # One device on the data axis (a (1, n) mesh): nothing varies over it, so no value is
         # marked varying and no collective over it is emitted; XLA's SPMD partitioner rejects
         # such an all-reduce beside a model axis ("Cross-partition allreduce must be in

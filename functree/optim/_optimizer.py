@@ -432,7 +432,7 @@ class Optimizer:
         given = (jax.tree.structure(grads), None if params is None else jax.tree.structure(params))
         grads, params = mode_free(grads), mode_free(params)
         grads, partial = checked_gradients(grads, params)
-        _check_gradient_dtypes(grads, params)
+        grads = _fitted_gradients(grads, params)
         check_state_fits(state.inner, grads, self._transform.init, params)  # at trace time under jit; cached
         partial = with_frozen_members(partial, params, frozen)
         grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
@@ -777,24 +777,47 @@ def _dtype_misfit(g: Any, p: Any) -> str | None:
     return None
 
 
-def _check_gradient_dtypes(grads: Any, params: Any) -> None:
-    """:data:`GRADIENT_DTYPE` naming the first key path where a gradient's kind of number does
+def _fitted_gradients(grads: Any, params: Any) -> Any:
+    """``grads`` with each floating gradient narrower than its parameter widened to the
+    parameter's dtype (a bfloat16 gradient for a float32 master weight: exact), or
+    :data:`GRADIENT_DTYPE` naming the first key path where a gradient's kind of number does
     not fit its parameter's (an integer, bool or complex gradient at a real parameter, a real
     one at a complex parameter): optax would round the update to an integer (no step) or fail
-    deep inside its tree maps. Python over the leaves: under ``jit`` only while tracing."""
+    deep inside its tree maps.
+
+    The transforms compute in the gradient's dtype and return the update in it: a bfloat16
+    gradient made a bfloat16 update for a float32 weight, rounded (Adam's: 5e-4 relative).
+    A wider gradient stays (a float32 one for a bfloat16 weight: ``ft.move`` adds it in
+    float32 and rounds once). Python over the leaves: under ``jit`` only while tracing."""
     if params is None:
-        return
-    pairs = zip(jax.tree.leaves(grads, is_leaf=is_none), jax.tree.leaves(params, is_leaf=is_none))
-    for i, (g, p) in enumerate(pairs):
+        return grads
+    g_leaves, p_leaves = jax.tree.leaves(grads, is_leaf=is_none), jax.tree.leaves(params, is_leaf=is_none)
+    narrower = False
+    for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
         if g is None or p is None or not hasattr(p, "dtype"):
             continue
         misfit = _dtype_misfit(g, p)
         if misfit is None:
+            narrower = narrower or _narrower(g, p)
             continue
         path = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0][i][0]
         why, right = _DTYPE_WHY[misfit]
         raise TypeError(GRADIENT_DTYPE.format(path=dotted_name(path) or "<root>", expected=jnp.result_type(p),
                                               given=jnp.result_type(g), why=why, right=right))
+    if not narrower:
+        return grads
+    widened = [g.astype(p.dtype) if g is not None and p is not None and hasattr(p, "dtype") and _narrower(g, p)
+               else g for g, p in zip(g_leaves, p_leaves)]
+    return jax.tree.unflatten(jax.tree.structure(grads, is_leaf=is_none), widened)
+
+
+def _narrower(g: Any, p: Any) -> bool:
+    """Whether floating gradient ``g`` converts exactly to its parameter's other, wider dtype."""
+    g_dtype, p_dtype = jnp.result_type(g), jnp.result_type(p)
+    if g_dtype == p_dtype or not hasattr(g, "astype"):
+        return False
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(g_dtype, p_dtype) == p_dtype
 
 
 def _is_skip(x: Any) -> bool:

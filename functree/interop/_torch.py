@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._alias import check_stale
+from functree._module import Module
 from functree._naming import fill_stars, rename_pattern
 from functree._stacked import is_stacked
 from functree._state_dict import (
@@ -122,6 +123,18 @@ Give torch's map shape before Flatten:
     wrong:  ft.nn.{fn}(model{rest})
     right:  ft.nn.{fn}(model{rest}, flattened={{{name!r}: ({channels}, {spatial})}})   # {spatial}: {size} positions
        or:  flattened={{{name!r}: None}}   # torch's model flattened channels-last maps too (x.permute(0, 2, 3, 1).flatten(1))"""
+
+FLATTENED_UNSEEN = """\
+ft.nn: {name} (ft: {ft}) is a Dense layer of {inputs} inputs, {size} x the {channels} channels \
+of the Conv {conv} before it, in a model without ft.nn.Flatten: if its __call__ flattens the \
+Conv's feature maps (x.reshape(len(x), -1)), torch's Flatten of channels-first maps orders \
+them ({channels}, {spatial}) and ft.nn's of channels-last maps ({spatial}, {channels}), so \
+the weight's rows are permuted between the two by the maps' shape, which no tensor holds \
+(taken as they are, a silently different model). Say what the Dense takes:
+
+    wrong:  ft.nn.{fn}(model{rest})
+    right:  ft.nn.{fn}(model{rest}, flattened={{{name!r}: ({channels}, {spatial})}})   # {spatial}: {size} positions
+       or:  flattened={{{name!r}: None}}   # its inputs are not flattened maps (or channels-last in torch too)"""
 
 FLATTENED_NOT_DENSE = """\
 ft.nn: {name} (ft: {ft}) is a {kind} after Flatten of the {channels}-channel feature maps of the Conv \
@@ -345,6 +358,8 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...] | None], layouts: 
         children = _children(node)
         if isinstance(node, Sequential) or any(isinstance(child, Flatten) for _, child in children):
             _check_flattened(_steps(node), ft, torch, options, loading=not values)
+        elif isinstance(node, Module) and len(children) > 1:  # fields in order, a __call__ of its own
+            _check_unflattened(_steps(node), ft, torch, options, loading=not values)
         if not children and jax.tree.leaves(node):  # a leaf outside known layers: its name, as is
             return add([same("", "")], node, ft, stored, index, torch)
         for name, child in children:
@@ -421,6 +436,35 @@ def _check_flattened(steps: list[tuple[str, str, Any]], ft: str, torch: str, opt
                       fn="load_torch_state_dict" if loading else "torch_state_dict",
                       rest=", state_dict" if loading else "")
         raise ValueError((FLATTENED_UNNAMED if isinstance(layer, Dense) else FLATTENED_NOT_DENSE).format(**fields))
+
+
+def _check_unflattened(steps: list[tuple[str, str, Any]], ft: str, torch: str, options: Options, *,
+                       loading: bool) -> None:
+    """Raise (:data:`FLATTENED_UNSEEN`) where a model without an ``ft.nn.Flatten`` holds, in
+    field order, a ``Conv`` and then a ``Dense`` whose inputs are a multiple (> 1) of the
+    Conv's channels: its ``__call__`` most likely flattens the maps by hand (torchvision's
+    VGG, AlexNet), and torch's rows are then ``[C, *S]`` where ft's are ``[*S, C]``. Another
+    layout (two pooled branches joined) says so with ``flattened={name: None}``."""
+    last: tuple[int, str, Conv | Dense] | None = None
+    for k, (_, _, layer) in enumerate(steps):
+        first = None if last is None else _first_weighted(layer)
+        if last is not None and first is not None and isinstance(last[2], Conv) and isinstance(first[2], Dense):
+            j, inner, conv = last[0], last[1], last[2]
+            torch_inner, ft_inner, dense = first
+            assert isinstance(conv, Conv)
+            channels, inputs = int(conv.weight.shape[-1]), int(dense.weight.shape[0])
+            name = join_names(torch, join_names(steps[k][0], torch_inner))
+            path = join_names(ft, join_names(steps[k][1], ft_inner))
+            if inputs > channels and not inputs % channels and name not in options.flattened \
+                    and path not in options.flattened:
+                spatial = "length" if conv._rank == 1 else "height, width"
+                raise ValueError(FLATTENED_UNSEEN.format(
+                    name=name, ft=path, channels=channels, conv=join_names(torch, join_names(steps[j][0], inner)),
+                    inputs=inputs, spatial=spatial, size=inputs // channels,
+                    fn="load_torch_state_dict" if loading else "torch_state_dict", rest=", state_dict" if loading else ""))
+        found = _last_weighted(layer)
+        if found is not None:
+            last = (k, *found)
 
 
 def _steps(node: Any) -> list[tuple[str, str, Any]]:
@@ -618,7 +662,9 @@ def load_torch_state_dict(
     ``[H, W, C]`` order. A ``Dense`` after ``Flatten`` of a ``Conv``'s maps in a ``Sequential``
     (or fields of a model, in field order; the ``Conv`` inside any block before it)
     must be named (:data:`FLATTENED_UNNAMED`; ``None``: torch's rows are channels-last too).
-    A model whose ``__call__`` flattens without an ``ft.nn.Flatten`` is not seen: name its Dense.
+    A model without an ``ft.nn.Flatten`` whose fields hold a ``Conv`` and then a ``Dense`` of a
+    multiple (> 1) of its channels (a ``__call__`` that flattens by hand) is refused too
+    (:data:`FLATTENED_UNSEEN`); fields in another order than the call's are not seen.
 
     A model of :func:`ft.nn.from_hf`, at the root or held anywhere inside the model
     (``Classifier(bert=ft.nn.from_hf(...), head=Dense)``), reads Hugging Face's names under

@@ -164,6 +164,11 @@ def test_cast_touches_floating_parameters_only():
     assert half["head"].steps.dtype == jnp.int32  # integer leaf
     assert half["head"].mean.dtype == jnp.float32  # no_derivative statistic
     assert half["head"].name == "block"  # static field
+    # a complex parameter keeps its dtype and its imaginary part (astype to bfloat16 dropped it)
+    z = np.array([1 + 2j, 3 - 1j], np.complex64)
+    cast = ft.cast({"z": z, "w": np.ones(2, np.float32)}, jnp.bfloat16)
+    assert cast["z"].dtype == np.complex64 and cast["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(cast["z"], z)
 
 
 def test_cast_gradients_come_back_in_the_master_dtype():

@@ -18,7 +18,8 @@ def cast(tree: Any, dtype: Any) -> Any:
     """``tree`` with every floating *parameter* leaf cast to ``dtype``.
 
     Parameters are the leaves of ``ft.parameters(tree)``: integer and boolean leaves,
-    ``no_derivative`` fields (BatchNorm statistics) and static fields are left as they are.
+    ``no_derivative`` fields (BatchNorm statistics) and static fields are left as they are,
+    and so are complex parameters (no complex bfloat16: a cast would drop the imaginary part).
     Differentiating through ``cast`` gives gradients in the original dtype, which is how a
     float32 master copy trains in bfloat16: ``loss_fn(ft.cast(model, jnp.bfloat16), x)``.
     Inside ``ft.nn.collect_state`` the cast layers record their state (BatchNorm's
@@ -33,7 +34,9 @@ def cast(tree: Any, dtype: Any) -> Any:
     """
     dtype = check_compute_dtype(dtype, "ft.cast(model, ")
     view = parameters(tree)
-    out = with_parameters(tree, jax.tree.map(lambda p: p.astype(dtype), view))
+    # Real parameters only: a complex one has no bfloat16 form (astype drops its imaginary part).
+    out = with_parameters(tree, jax.tree.map(
+        lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, view))
     follow(tree, out)  # under ft.nn.collect_state: the cast layers record at the model's key paths
     return out
 

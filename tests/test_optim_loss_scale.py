@@ -386,3 +386,25 @@ def test_float64_gradients_are_unscaled_in_float64_under_x64():
         _, grads = opt.compute_gradients(lambda q: jnp.sum(q["w"] * c), p, state=opt.init(p))
         assert grads["w"].dtype == jnp.float64
         np.testing.assert_array_equal(np.asarray(grads["w"]), np.asarray(c))  # exact: the scale is 2**15
+
+
+def test_a_non_finite_loss_with_finite_gradients_is_a_step_under_ignore_as_torchs():
+    """torch's GradScaler checks the gradients alone: an inf loss whose gradients are finite
+    (a constant term overflowing in a float16 forward) steps, and the scale stays. Under
+    on_nan="ignore" it was taken as an overflow: skipped, the scale halved."""
+    opt = fo.LossScaleOptimizer(fo.Optimizer(fo.sgd(1.0)), initial_scale=1024.0)
+    p = {"w": jnp.zeros(())}
+
+    def loss(p):
+        return 3.0 * p["w"] + ft.without_derivative(at=jnp.float32(jnp.inf))
+
+    new, state, value = jax.jit(lambda p, s: opt.minimize(loss, p, s))(p, opt.init(p))
+    assert float(value) == np.inf and float(new["w"]) == -3.0
+    assert float(state.scale) == 1024.0 and int(state.skipped) == 0
+    w = torch.zeros((), requires_grad=True)
+    sgd = torch.optim.SGD([w], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(3.0 * w + torch.tensor(float("inf"))).backward()
+    scaler.step(sgd)
+    scaler.update()
+    assert float(w.detach()) == -3.0 and scaler.get_scale() == 1024.0

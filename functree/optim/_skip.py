@@ -151,8 +151,10 @@ def gate(loss: Any, grads: Any, *, on_nan: str = "ignore", enabled: Any = None, 
 
     ``on_nan`` "stop"/"skip" close the gate on a non-finite loss or gradient; ``enabled``
     (a bool array) closes it regardless. An optimizer that ``handled`` non-finite
-    gradients itself (loss scaling: its own skip, a smaller scale) gets ``finite`` and the
-    gate stays open for them; only a non-finite loss closes it then, and ``nonfinite``
+    gradients itself (loss scaling: its own skip, a smaller scale) gets ``finite``, whether
+    every gradient is finite (the loss aside: torch's ``GradScaler`` checks the gradients
+    alone, so under "ignore" a non-finite loss with finite gradients is a step, not an
+    overflow), and the gate stays open for them; only a non-finite loss closes it then, and ``nonfinite``
     reports the loss (-2) as the cause, whatever the gradients: a smaller scale cannot make
     a loss finite that is not finite before it is scaled (a float16 forward overflowing),
     so neither is the step the loss scale's skip (torch's ``GradScaler``, which checks only
@@ -170,17 +172,21 @@ def gate(loss: Any, grads: Any, *, on_nan: str = "ignore", enabled: Any = None, 
       >>> g = gate(jnp.float32(jnp.inf), {"w": jnp.array([jnp.nan])}, on_nan="stop", handled=True)
       >>> bool(g.apply), int(g.nonfinite)
       (False, -2)
+      >>> g = gate(jnp.float32(jnp.inf), {"w": jnp.ones(1)}, handled=True)   # "ignore": the gradients'
+      >>> bool(g.finite)
+      True
     """
     if on_nan == "ignore" and not handled:
         return Gate(enabled, None, None)
     index, loss_ok = _finiteness(loss, grads)
     finite = index == -1
-    if on_nan == "ignore":
-        return Gate(enabled, finite, None)
+    gradients_ok = index < 0  # every gradient (-2: the loss alone is not): the handler's check
+    if on_nan == "ignore":  # (handled: see above)
+        return Gate(enabled, gradients_ok, None)
     closed = ~loss_ok if handled else ~finite
     apply = ~closed if enabled is None else ~closed & enabled
     cause = jnp.int32(-2) if handled else index  # handled: only the loss closes the gate
-    return Gate(apply, finite, jnp.where(closed, cause, -1))
+    return Gate(apply, gradients_ok if handled else finite, jnp.where(closed, cause, -1))
 
 
 def select(ok: jax.Array, new: Any, old: Any) -> Any:

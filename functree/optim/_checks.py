@@ -15,7 +15,7 @@ from functree._parameters import first_difference
 from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
 from functree.optim._complex import RealPair
 
-__all__ = ["check_gradients", "checked_gradients", "check_state_fits", "check_redefined", "keep_unchanged", "descent_direction",
+__all__ = ["GRADIENT_DTYPE", "check_gradients", "checked_gradients", "check_state_fits", "check_redefined", "keep_unchanged", "descent_direction",
            "STATE_MISMATCH", "STATE_WITHOUT_MOMENT", "STATE_FOR_ALL_PARAMETERS", "STATE_OF_ANOTHER_OPTIMIZER",
            "STATE_CLASS_REDEFINED"]
 
@@ -117,12 +117,19 @@ _SET_INSTEAD = """\
 """
 
 
-def check_gradients(grads: Any, params: Any) -> list[bool]:
-    """Check that ``grads`` fits ``params`` (a parameter view); the positions without a gradient.
+def check_gradients(grads: Any, params: Any) -> tuple[list[bool], list[bool]]:
+    """Check that ``grads`` fits ``params`` (a parameter view); ``(missing, narrower)``: the
+    positions without a gradient, and those whose floating gradient is narrower than its
+    parameter (a bfloat16 gradient for a float32 master weight: :func:`checked_gradients`
+    widens it, exactly, or the transforms would round the update to bfloat16, Adam's 5e-4
+    relative; a wider one stays: ``ft.move`` adds it in its dtype and rounds once).
 
-    Raises naming the first key path where the structures or shapes differ, or where a
-    gradient is given for a non-parameter. A ``None`` gradient for a parameter is allowed
-    (a partial gradient, e.g. ``ft.gradient(loss, wrt="head.*")``): the returned list has
+    Raises naming the first key path where the structures or shapes differ, where a
+    gradient is given for a non-parameter, or where its kind of number does not fit the
+    parameter's (:data:`GRADIENT_DTYPE`: an integer, bool or complex gradient at a real
+    parameter, whose update optax would round to an integer, no step, or a real one at a
+    complex parameter, which fails deep in optax). A ``None`` gradient for a parameter is
+    allowed (a partial gradient, e.g. ``ft.gradient(loss, wrt="head.*")``): ``missing`` has
     ``True`` at those leaf positions (flatten order of ``params`` with ``None`` leaves).
     Runs in Python: under ``jit`` only while tracing.
     """
@@ -132,7 +139,7 @@ def check_gradients(grads: Any, params: Any) -> list[bool]:
         diff = first_difference(params, grads) or first_difference(params, grads, none_is_leaf=True)
         path, detail = diff or ("<root>", "different structures")
         raise ValueError(GRADIENT_MISMATCH.format(path=path or "<root>", detail=detail))
-    missing = []
+    missing, narrower = [], []
     for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
         missing.append(g is None and p is not None)
         if p is None and g is not None:
@@ -141,7 +148,57 @@ def check_gradients(grads: Any, params: Any) -> list[bool]:
         if g is not None and np.shape(g) != np.shape(p):  # type: ignore[arg-type]  # p is an array here
             detail = f"expected shape {np.shape(p)} (the parameter's), given shape {np.shape(g)}"  # type: ignore[arg-type]
             raise ValueError(GRADIENT_MISMATCH.format(path=_names(params, p_def)[i], detail=detail))
-    return missing
+        fits = g is None or p is None or not hasattr(p, "dtype")
+        misfit = None if fits else _dtype_misfit(g, p)
+        if misfit is not None:
+            why, right = _DTYPE_WHY[misfit]
+            raise TypeError(GRADIENT_DTYPE.format(path=_names(params, p_def)[i], expected=jnp.result_type(p),
+                                                  given=jnp.result_type(g), why=why, right=right))
+        narrower.append(not fits and _narrower(g, p))
+    return missing, narrower
+
+
+GRADIENT_DTYPE = """\
+The gradient does not fit the model's parameters at {path}: the parameter is {expected}, the \
+gradient is {given}. {why}
+
+    wrong:  updates, state = opt.update(grads, state, model)   # {given} at {path}
+    right:  updates, state = opt.update({right}, state, model)
+       or:  grads = ft.gradient(loss, at=model)                 # {expected} at {path}
+"""
+
+_DTYPE_WHY = {
+    "integer": ("An integer or bool gradient makes the update integer: -lr * g rounds to 0 (no step, "
+                "silently) and a bool adds +1.", "jax.tree.map(lambda g: g.astype(jnp.float32), grads)"),
+    "complex": ("Moving along it would drop the imaginary part; a real parameter's gradient is real.",
+                "jax.tree.map(jnp.real, grads)"),
+    "real": ("A complex parameter is trained as a pair of reals (torch.optim's view_as_real) and its "
+             "gradient is complex: the real and imaginary parts' derivatives.",
+             "jax.tree.map(lambda g: g.astype(jnp.complex64), grads)"),
+}
+
+
+def _dtype_misfit(g: Any, p: Any) -> str | None:
+    """Why gradient ``g`` cannot update parameter ``p`` (a key of ``_DTYPE_WHY``), or None.
+    A floating gradient of another width is fine: the update is added in the wider dtype
+    and rounded once to the parameter's (``ft.move``)."""
+    g_kind, p_kind = jnp.dtype(jnp.result_type(g)).kind, jnp.dtype(jnp.result_type(p)).kind
+    if g_kind not in "fVc" and p_kind in "fVc":  # bool, int, uint ("V": bfloat16 and the ml_dtypes)
+        return "integer"
+    if g_kind == "c" and p_kind != "c":
+        return "complex"
+    if p_kind == "c" and g_kind != "c":
+        return "real"
+    return None
+
+
+def _narrower(g: Any, p: Any) -> bool:
+    """Whether floating gradient ``g`` converts exactly to its parameter's other, wider dtype."""
+    g_dtype, p_dtype = jnp.result_type(g), jnp.result_type(p)
+    if g_dtype == p_dtype or not hasattr(g, "astype"):
+        return False
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(g_dtype, p_dtype) == p_dtype
 
 
 _NAMES: dict[Any, list[str]] = {}
@@ -549,16 +606,20 @@ def _describe(x: Any) -> str:
 
 
 def checked_gradients(grads: Any, params: Any) -> tuple[Any, Any]:
-    """``(grads, partial)``: grads with zeros where a parameter has a ``None`` gradient, and the
-    positions of those parameters (``None`` when every parameter has a gradient)."""
+    """``(grads, partial)``: grads with zeros where a parameter has a ``None`` gradient and a
+    narrower floating gradient widened to its parameter's dtype (:func:`check_gradients`),
+    and the positions of the parameters without one (``None`` when every parameter has a
+    gradient)."""
     if params is None:
         return grads, None
-    missing = check_gradients(grads, params)
-    if not any(missing):
+    missing, narrower = check_gradients(grads, params)
+    if not any(missing) and not any(narrower):
         return grads, None
-    filled = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None and p is not None else g, grads, params,
-                          is_leaf=is_none)
-    return filled, (jax.tree.structure(params, is_leaf=is_none), tuple(missing))
+    g_leaves, treedef = jax.tree.flatten(grads, is_leaf=is_none)
+    p_leaves = jax.tree.leaves(params, is_leaf=is_none)
+    filled = treedef.unflatten([jnp.zeros_like(p) if m else g.astype(p.dtype) if n else g
+                                for g, p, m, n in zip(g_leaves, p_leaves, missing, narrower)])
+    return filled, (jax.tree.structure(params, is_leaf=is_none), tuple(missing)) if any(missing) else None
 
 
 def _unit(x: Any) -> bool:

@@ -42,7 +42,7 @@ from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._source import USER_FUNCTION
 from functree._tangent import move
-from functree._tree import dotted_name, is_none
+from functree._tree import dotted_name
 from functree._where import placement_of, put
 from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._mode import in_mode, mode_free
@@ -432,7 +432,6 @@ class Optimizer:
         given = (jax.tree.structure(grads), None if params is None else jax.tree.structure(params))
         grads, params = mode_free(grads), mode_free(params)
         grads, partial = checked_gradients(grads, params)
-        grads = _fitted_gradients(grads, params)
         check_state_fits(state.inner, grads, self._transform.init, params)  # at trace time under jit; cached
         partial = with_frozen_members(partial, params, frozen)
         grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
@@ -741,83 +740,6 @@ class Optimizer:
             return None
         new_params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(out[0]))  # the model's mode
         return with_parameters(model, new_params), out[1]
-
-
-GRADIENT_DTYPE = """\
-The gradient does not fit the model's parameters at {path}: the parameter is {expected}, the \
-gradient is {given}. {why}
-
-    wrong:  updates, state = opt.update(grads, state, model)   # {given} at {path}
-    right:  updates, state = opt.update({right}, state, model)
-       or:  grads = ft.gradient(loss, at=model)                 # {expected} at {path}
-"""
-
-_DTYPE_WHY = {
-    "integer": ("An integer or bool gradient makes the update integer: -lr * g rounds to 0 (no step, "
-                "silently) and a bool adds +1.", "jax.tree.map(lambda g: g.astype(jnp.float32), grads)"),
-    "complex": ("Moving along it would drop the imaginary part; a real parameter's gradient is real.",
-                "jax.tree.map(jnp.real, grads)"),
-    "real": ("A complex parameter is trained as a pair of reals (torch.optim's view_as_real) and its "
-             "gradient is complex: the real and imaginary parts' derivatives.",
-             "jax.tree.map(lambda g: g.astype(jnp.complex64), grads)"),
-}
-
-
-def _dtype_misfit(g: Any, p: Any) -> str | None:
-    """Why gradient ``g`` cannot update parameter ``p`` (a key of ``_DTYPE_WHY``), or None.
-    A floating gradient of another width is fine: the update is added in the wider dtype
-    and rounded once to the parameter's (``ft.move``)."""
-    g_kind, p_kind = jnp.dtype(jnp.result_type(g)).kind, jnp.dtype(jnp.result_type(p)).kind
-    if g_kind not in "fVc" and p_kind in "fVc":  # bool, int, uint ("V": bfloat16 and the ml_dtypes)
-        return "integer"
-    if g_kind == "c" and p_kind != "c":
-        return "complex"
-    if p_kind == "c" and g_kind != "c":
-        return "real"
-    return None
-
-
-def _fitted_gradients(grads: Any, params: Any) -> Any:
-    """``grads`` with each floating gradient narrower than its parameter widened to the
-    parameter's dtype (a bfloat16 gradient for a float32 master weight: exact), or
-    :data:`GRADIENT_DTYPE` naming the first key path where a gradient's kind of number does
-    not fit its parameter's (an integer, bool or complex gradient at a real parameter, a real
-    one at a complex parameter): optax would round the update to an integer (no step) or fail
-    deep inside its tree maps.
-
-    The transforms compute in the gradient's dtype and return the update in it: a bfloat16
-    gradient made a bfloat16 update for a float32 weight, rounded (Adam's: 5e-4 relative).
-    A wider gradient stays (a float32 one for a bfloat16 weight: ``ft.move`` adds it in
-    float32 and rounds once). Python over the leaves: under ``jit`` only while tracing."""
-    if params is None:
-        return grads
-    g_leaves, p_leaves = jax.tree.leaves(grads, is_leaf=is_none), jax.tree.leaves(params, is_leaf=is_none)
-    narrower = False
-    for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
-        if g is None or p is None or not hasattr(p, "dtype"):
-            continue
-        misfit = _dtype_misfit(g, p)
-        if misfit is None:
-            narrower = narrower or _narrower(g, p)
-            continue
-        path = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0][i][0]
-        why, right = _DTYPE_WHY[misfit]
-        raise TypeError(GRADIENT_DTYPE.format(path=dotted_name(path) or "<root>", expected=jnp.result_type(p),
-                                              given=jnp.result_type(g), why=why, right=right))
-    if not narrower:
-        return grads
-    widened = [g.astype(p.dtype) if g is not None and p is not None and hasattr(p, "dtype") and _narrower(g, p)
-               else g for g, p in zip(g_leaves, p_leaves)]
-    return jax.tree.unflatten(jax.tree.structure(grads, is_leaf=is_none), widened)
-
-
-def _narrower(g: Any, p: Any) -> bool:
-    """Whether floating gradient ``g`` converts exactly to its parameter's other, wider dtype."""
-    g_dtype, p_dtype = jnp.result_type(g), jnp.result_type(p)
-    if g_dtype == p_dtype or not hasattr(g, "astype"):
-        return False
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.promote_types(g_dtype, p_dtype) == p_dtype
 
 
 def _is_skip(x: Any) -> bool:

@@ -30,6 +30,7 @@ called without a key, draw a fresh mask every step (and each microbatch of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
@@ -50,7 +51,7 @@ from functree.nn._linear import Dense, add_bias
 from functree.nn._mode import Layer
 from functree.nn._state import record_state, salted
 
-__all__ = ["LoraDense", "lora", "merge_lora"]
+__all__ = ["LoraDense", "lora", "merge_lora", "ADDED_FIELDS"]
 
 NOTHING_SELECTED = """\
 ft.nn.lora: the pattern {pattern!r} selects no Dense layer. Closest layer names: {close}.
@@ -278,6 +279,12 @@ def _check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) 
 
 
 # ---- the Dense layers of a model and their names ----------------------------------------------
+
+# What ft.nn.lora adds to a Dense (a base's checkpoint read into an adapted model lacks
+# exactly these: functree/train/checkpoint/_template.py names them).
+ADDED_FIELDS = tuple(sorted({f.name for f in dataclasses.fields(LoraDense)}  # type: ignore[arg-type]
+                            - {f.name for f in dataclasses.fields(Dense)}))  # type: ignore[arg-type]
+
 
 class DenseLayer(NamedTuple):
     """One Dense (or LoraDense) node: its key path, its dotted name (a Stack's members' stacked

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict, to_flat_dict
+from functree.nn._lora import ADDED_FIELDS
 from functree.train.checkpoint._decode import decode, decode_leaf, leaf_specs
 from functree.train.checkpoint._errors import CheckpointError
 from functree.train.checkpoint._treespec import static_differences
@@ -77,7 +78,6 @@ ft.nn.lora. Read it as saved, then adapt it (a Trainer: built on that model):
 
     right:  ft.nn.lora({plain}, pattern, rank=8, key=key)"""
 
-_ADAPTER_LEAVES = ("lora_a", "lora_b", "dropout_key")  # what ft.nn.lora adds to each Dense
 
 
 TEMPLATE_WITH_SAVED = """\
@@ -167,7 +167,7 @@ def _lora_added(report: FlatDictReport, part: str, plain: str) -> str:
     checkpoint read into the adapted model), else ``""``."""
     if not report.missing or report.unexpected or report.mismatched or part == "opt_state":
         return ""
-    if not all(name.rsplit(".", 1)[-1] in _ADAPTER_LEAVES for name in report.missing):
+    if not all(name.rsplit(".", 1)[-1] in ADDED_FIELDS for name in report.missing):
         return ""
     names = ", ".join(report.missing[:4]) + (", ..." if len(report.missing) > 4 else "")
     if plain.startswith("manager."):  # trainer.restore(path) opened the manager itself

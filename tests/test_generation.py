@@ -856,6 +856,17 @@ def test_sampling_returns_several_sequences_per_prompt_in_hf_order(tiny):
     with pytest.raises(ValueError, match=r"num_return_sequences=2 asks for 2 sequences per prompt, but greedy"
                                          r"(.|\n)*Hugging Face's generate raises too"):
         ft.nn.generate(model, prompt, 4, num_return_sequences=2)
+    # the number from a sampling checkpoint, greedy decoding asked for by the caller: the error
+    # names the checkpoint's value (the caller never wrote num_return_sequences), and its fixes run
+    sampling = WithConfig(model, Config({}, {"do_sample": True, "num_return_sequences": 2}))
+    with pytest.raises(ValueError, match=r"^generate: the model's generation config \(hf_config.generation: "
+                                         r"generation_config.json\) sets num_return_sequences=2, but this call "
+                                         r"decodes greedily(.|\n)*wrong:  ft.nn.generate\(model, input_ids, 8, "
+                                         r"temperature=0.0\)\n") as info:
+        ft.nn.generate(sampling, prompt, 8, temperature=0.0)
+    fixes = [line.split("right:")[1].split("#")[0].strip() for line in str(info.value).splitlines() if "right:" in line]
+    space = {"ft": ft, "model": sampling, "input_ids": prompt, "key": key}
+    assert [eval(fix, space).shape for fix in fixes] == [(2, 11), (4, 11), (4, 11)]
 
 
 def test_a_donated_model_is_named_by_key_path(tiny):

@@ -200,6 +200,22 @@ raises too).
     right:  ft.nn.generate(model, input_ids, 8, num_return_sequences={given}, temperature=1.0, key=key)  # samples
     right:  ft.nn.generate(model, input_ids, 8, num_return_sequences={given}, num_beams={given})        # beams"""
 
+CHECKPOINT_RETURNS = """\
+generate: the model's generation config (hf_config.generation: generation_config.json) sets \
+num_return_sequences={given}, but this call decodes greedily (temperature=0.0, num_beams=1), which \
+makes one sequence per prompt: they would all be equal (Hugging Face's generate raises too).
+
+    wrong:  ft.nn.generate(model, input_ids, 8{call})
+    right:  ft.nn.generate(model, input_ids, 8{call}, num_return_sequences=1)   # one sequence per prompt
+    right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, key=key)   # {given} samples per prompt
+    right:  ft.nn.generate(model, input_ids, 8{call}, num_beams={given})   # the {given} best beams"""
+
+
+class _GreedyReturns(ValueError):
+    """GREEDY_RETURNS: told apart from other num_return_sequences errors where the number came
+    from the checkpoint (:func:`_sourced`)."""
+
+
 CHECKPOINT_SAMPLES = """\
 generate: the model's generation config (hf_config.generation: generation_config.json) sets \
 do_sample=True ({values}): Hugging Face's generate samples by default here, which needs key= \
@@ -551,6 +567,11 @@ def _sourced(error: ValueError, sourced: dict[str, Any], given: dict[str, Any]) 
     first line) came from the model's ``hf_config``. An option the caller gave, named there,
     is the caller's to change: ``num_beams=3, temperature=0.7`` is refused for the caller's
     temperature, not for the checkpoint's ``top_k=50`` beside it."""
+    if isinstance(error, _GreedyReturns) and "num_return_sequences" in sourced:
+        # the caller asked for greedy decoding (or left the checkpoint's greedy); the number of
+        # sequences is the checkpoint's: its wrong: line must not show the caller writing it
+        call = "" if given.get("temperature") is None else f", temperature={given['temperature']!r}"
+        return ValueError(CHECKPOINT_RETURNS.format(given=sourced["num_return_sequences"], call=call))
     first = str(error).split("\n")[0]
 
     def named(name: str) -> bool:  # as a word: top_k is not named by "top_k_ids"
@@ -796,7 +817,7 @@ def _beam_options(beams: Any, returns: Any, length_penalty: Any, early: Any, gre
         if returns is not None and (not _is_int(returns) or returns < 1):
             raise ValueError(BAD_RETURN_SEQUENCES.format(beams="num_beams", given=returns, fit=2))
         if greedy and returns not in (None, 1):  # HF raises too: greedy rows would be copies
-            raise ValueError(GREEDY_RETURNS.format(given=returns))
+            raise _GreedyReturns(GREEDY_RETURNS.format(given=returns))
         return 1, 1 if returns is None else int(returns), 1.0, False
     if not greedy:
         rest = "".join(f", {n}={o[n]!r}" for n in WARPER_OPTIONS if o[n] is not None)  # every warper's

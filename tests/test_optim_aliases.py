@@ -726,6 +726,34 @@ def test_gemma_norm_weights_get_no_weight_decay_as_in_hf_trainer():
     assert "model.layers.layers.mlp.up_proj.weight" in decayed
 
 
+@pytest.mark.parametrize("make", [
+    lambda exclude: fo.adamw(0.1, weight_decay=0.5, exclude=exclude),
+    lambda exclude: fo.lion(0.1, weight_decay=0.5, exclude=exclude),
+    lambda exclude: optax.chain(fo.adam(0.1), fo.weight_decay(0.05, exclude=exclude)),
+    lambda exclude: fo.groups({"weight": fo.adamw(0.1, weight_decay=0.5, exclude=exclude)},
+                              default=fo.adamw(0.1, weight_decay=0.5, exclude=exclude)),
+], ids=["adamw", "lion", "weight_decay", "groups"])
+def test_complex_leaves_named_bias_or_scale_get_no_decay_through_an_optimizer(make):
+    """An Optimizer trains a complex leaf as a RealPair (``bias.real``, ``bias.imag``): the
+    default's whole-name ``"<leaf>*.bias"`` matched neither part, so a complex ``bias`` or
+    ``scale`` was decayed (1 -> 0.95 a step at lr 0.1, wd 0.5; torch's AdamW with the biases
+    in a weight_decay=0 group leaves them), and a user's ``"<leaf>*.gain"`` was refused as
+    matching no name. Zero gradients: a step moves a parameter by its decay alone."""
+    rng = np.random.default_rng(0)
+
+    def c(*shape):
+        return jnp.asarray((rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(np.complex64))
+
+    params = {"weight": c(3, 2), "bias": c(2), "norm": {"scale": c(2)}, "gain": c(2), "other": c(2)}
+    opt = fo.Optimizer(make((*fo.DEFAULT_NO_DECAY, fo.LEAF + "*.gain")))
+    new, _ = opt.apply_gradients(jax.tree.map(jnp.zeros_like, params), params, opt.init(params))
+    np.testing.assert_array_equal(new["bias"], params["bias"])
+    np.testing.assert_array_equal(new["norm"]["scale"], params["norm"]["scale"])
+    np.testing.assert_array_equal(new["gain"], params["gain"])
+    for decayed in ("weight", "other"):  # w (1 - 0.1 * 0.5), |w| < 1.4: 3.0e-8 from float64's, times 10
+        np.testing.assert_allclose(new[decayed], 0.95 * params[decayed], rtol=0, atol=3e-7)
+
+
 def test_moments_of_a_donated_state_name_the_call_and_the_fix():
     # The moments came back deleted: JAX's "called on deleted or donated buffer" at first use.
     model = ft.nn.Dense(3, 1, key=jax.random.key(0))

@@ -371,6 +371,36 @@ def test_the_group_state_changed_recipe_runs_as_printed_and_continues_as_torch(w
     _assert_as_torch(model, net, atol=3e-7)  # measured 3e-8 on weights ~0.5
 
 
+@pytest.mark.parametrize("wrap", [lambda tx: tx, lambda tx: optax.chain(fo.clip_by_global_norm(1e6), tx)],
+                         ids=["groups", "chained"])
+def test_a_state_of_other_group_patterns_is_refused_and_its_recipe_runs_as_printed(wrap):
+    # Patterns changed ("head.*" -> "head.weight", the head's bias now in the default group):
+    # the error said group 'head.weight' "was made by another optimizer" and its recipe
+    # carried '<default>' over, whose parameters had changed: run, it failed again on the
+    # state's structure. Now it names both sets of groups and carries only the groups whose
+    # parameters stay ('encoder.*': its moments and the step count go on).
+    k1, k2 = jax.random.split(jax.random.key(0))
+    net = {"encoder": ft.nn.Dense(2, 2, key=k1), "head": ft.nn.Dense(2, 1, key=k2)}
+    grads = jax.tree.map(jnp.ones_like, ft.parameters(net))
+    old = fo.Optimizer(wrap(fo.groups({"encoder.*": fo.adam(1e-2), "head.*": fo.adam(1e-2)})))
+    old_state = old.init(net)
+    for _ in range(2):
+        net, old_state = old.apply_gradients(grads, net, old_state)
+    opt = fo.Optimizer(wrap(fo.groups({"encoder.*": fo.adam(1e-2), "head.weight": fo.adam(1e-2)}, default=fo.sgd(0.1))))
+    with pytest.raises(ValueError, match=r"ft\.optim\.groups: the state was made with other group patterns: it holds "
+                                         r"the groups 'encoder\.\*', 'head\.\*', this optimizer's are '<default>', "
+                                         r"'encoder\.\*', 'head\.weight'") as info:
+        opt.apply_gradients(grads, net, old_state)
+    recipe = _recipe(str(info.value))
+    assert "encoder.*" in recipe and "<default>" not in recipe and "context=old_state.context" in recipe
+    scope = {"ft": ft, "opt": opt, "model": net, "old_state": old_state}
+    exec(recipe, scope)
+    state = scope["state"]
+    assert int(fo.context(state).step) == 2
+    np.testing.assert_array_equal(fo.moments(state)["mu"]["encoder"].weight, fo.moments(old_state)["mu"]["encoder"].weight)
+    opt.apply_gradients(grads, net, state)
+
+
 def test_a_group_without_gradients_keeps_its_moments_and_count_as_torch_frozen_parameters():
     """Warm up a head with the encoder frozen (None gradients), then unfreeze, as torch's
     requires_grad_(False) / True. Inside ft.optim.groups the frozen group's moments decayed as

@@ -15,7 +15,7 @@ from functree._tree import bounded_put, cached, is_none
 from functree.optim._checks import group_kinds
 from functree.optim._masked import partition_members
 
-__all__ = ["groups", "merge_members", "GroupStateChanged", "GROUP_STATE_CHANGED"]
+__all__ = ["groups", "merge_members", "GroupStateChanged", "GROUP_STATE_CHANGED", "GROUPS_CHANGED"]
 
 DEFAULT_LABEL = "<default>"
 
@@ -55,13 +55,26 @@ number -> a schedule), make a new state and carry the other groups' states over 
 {recipe}"""
 
 
+GROUPS_CHANGED = """\
+ft.optim.groups: the state was made with other group patterns: it holds the groups {given}, \
+this optimizer's are {expected}. A group's state holds the moments of the parameters its pattern \
+selects; with other patterns parameters move between groups (the default's included), so make \
+a new state{carry}:
+
+    wrong:  {call}(grads, {model}, old_state)       # old_state: groups {given}
+    right:  state = {init}
+{recipe}"""
+
+
 class GroupStateChanged(ValueError):
-    """:data:`GROUP_STATE_CHANGED`, for the PartitionState at ``path`` (a dotted name, ``""``
+    """:data:`GROUP_STATE_CHANGED` (or :data:`GROUPS_CHANGED`, given ``patterns``), for the PartitionState at ``path`` (a dotted name, ``""``
     at the root); :meth:`at` words it for the state that holds it (an OptimizerState's
     ``inner``), with its learning context carried."""
 
-    def __init__(self, group: str, given: str, expected: str, kept: list[str], labels: frozenset[str]):
+    def __init__(self, group: str, given: str, expected: str, kept: list[str], labels: frozenset[str],
+                 patterns: tuple[list[str], list[str]] | None = None):
         self.group, self.given, self.expected, self.kept, self.labels = group, given, expected, kept, labels
+        self.patterns = patterns  # (the state's groups, this optimizer's) where they differ: GROUPS_CHANGED
         super().__init__(self.message())
 
     def message(self, path: str = "", optimizer: bool = False) -> str:
@@ -72,6 +85,14 @@ class GroupStateChanged(ValueError):
                  for k in self.kept]
         if optimizer:  # a new state starts at step 0: schedules would restart
             lines.append("            state = state.replace(context=old_state.context)   # the step count, samples")
+        if self.patterns is not None:
+            given, expected = (", ".join(map(repr, names)) for names in self.patterns)
+            carry = (" and carry over the states of the groups whose parameters stay the same, by key path"
+                     if self.kept else " (here no group keeps its parameters: every moment starts from zero)")
+            return GROUPS_CHANGED.format(
+                given=given, expected=expected, carry=carry, call="opt.apply_gradients" if optimizer else "tx.update",
+                model="model" if optimizer else "state", init="opt.init(model)" if optimizer else "tx.init(params)",
+                recipe="\n".join(lines))
         carry = "" if self.kept else " (here no other group's state fits: a new state)"
         return GROUP_STATE_CHANGED.format(
             group=self.group, given=self.given, expected=self.expected, carry=carry,
@@ -92,7 +113,8 @@ def _listed(names: tuple[str, ...]) -> str:
 
 def check_group_states(init: Any, state: Any, params: Any, memo: dict[Any, Any]) -> None:
     """:data:`GROUP_STATE_CHANGED` for the first group whose state was not made by its
-    optimizer. The expected kinds come from ``jax.eval_shape(init, params)``, once per
+    optimizer; :data:`GROUPS_CHANGED` for a state of other group patterns (a group missing
+    or one more: moments of parameters that changed group). The expected kinds come from ``jax.eval_shape(init, params)``, once per
     tree definition and shapes of ``params`` (kept in ``memo``, the transform's own;
     nothing runs on a device)."""
     inner_states = getattr(state, "inner_states", None)
@@ -102,15 +124,34 @@ def check_group_states(init: Any, state: Any, params: Any, memo: dict[Any, Any])
     key, expected = cached(memo, (treedef, tuple(np.shape(x) for x in leaves if x is not None)))
     if expected is None:
         fresh = jax.eval_shape(init, params)
-        expected = {k: group_kinds(v) for k, v in fresh.inner_states.items()}
+        expected = {k: (group_kinds(v), _held(v)) for k, v in fresh.inner_states.items()}
         if key is not None:
             bounded_put(memo, key, expected)
     given = {k: group_kinds(inner_states[k]) if k in inner_states else ("missing state",) for k in expected}
-    for label, kind in expected.items():
+    if set(inner_states) != set(expected):  # other patterns: a group of each may hold other parameters
+        raise GroupStateChanged("", "", "", _fitting(expected, given, inner_states), frozenset(inner_states),
+                                (list(inner_states), list(expected)))
+    for label, (kind, _) in expected.items():
         if given[label] != kind:
-            kept = [k for k in expected if k != label and given[k] == expected[k]]
+            kept = [k for k in _fitting(expected, given, inner_states) if k != label]
             raise GroupStateChanged(label, _describe_kind(given[label]), _describe_kind(kind), kept,
                                     frozenset(expected))
+
+
+def _fitting(expected: dict[str, Any], given: dict[str, Any], inner_states: dict[str, Any]) -> list[str]:
+    """The groups whose state the new one can take over: made by the group's optimizer, for
+    the same parameters (:func:`_held`)."""
+    return [k for k in expected if given[k] == expected[k][0] and _held(inner_states[k]) == expected[k][1]]
+
+
+def _held(state: Any) -> tuple[str, ...]:
+    """Where a group's state holds no parameter: the key paths of its ``optax.MaskedNode`` s
+    (another group's parameters)."""
+    def masked(x: Any) -> bool:
+        return isinstance(x, optax.MaskedNode)
+
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]
+    return tuple(jax.tree_util.keystr(path) for path, x in flat if masked(x))
 
 
 def _selections(params: Any, patterns: tuple[str, ...]) -> list[tuple[Any, ...]]:

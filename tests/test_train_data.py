@@ -155,3 +155,19 @@ def test_a_key_that_is_no_prng_key_is_refused_at_the_call(key):
     with pytest.raises(TypeError, match=right.format(call=r"ft\.train\.Trainer")):
         ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b.sum(), key=key)
     assert len(ft.train.batches(np.arange(10.0), 4, key=jax.random.PRNGKey(0))) == 3  # raw key data too
+
+
+def test_a_leaf_without_an_example_axis_is_named_by_its_key_path():
+    """Was: "needs arrays with a leading (example) axis, got (array([[0., 0.], ..." (the
+    tree's repr cut at 80 characters, the 0-d leaf not in it)."""
+    x = np.zeros((5, 2), np.float32)
+    with pytest.raises(ValueError, match=r"but leaf 1 is a 0-d float32 array, with no such axis"):
+        ft.train.batches((x, np.float32(1)), 2)
+    with pytest.raises(ValueError, match=r"leaf b\.0\.0 is the int 1, with no such axis: a list of numbers"):
+        ft.train.batches({"a": x[:2], "b": [[1, 2], [3]]}, 2)
+
+
+def test_a_length_mismatch_names_the_leaf_past_a_none():
+    """None is no leaf: the mismatch named the None's key (b), not the leaf of 4 rows (c)."""
+    with pytest.raises(ValueError, match=r"but a has 5 and c has 4\."):
+        ft.train.batches({"a": np.zeros(5), "b": None, "c": np.zeros(4)}, 2)

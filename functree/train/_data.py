@@ -37,6 +37,16 @@ ft.train.batches needs arrays with a leading (example) axis, got {what}.
     wrong:  ft.train.batches([], 32)
     right:  ft.train.batches((x, y), 32)"""
 
+SCALAR_LEAF = """\
+ft.train.batches cuts every leaf of the data along its leading (example) axis, but leaf \
+{name} is {what}, with no such axis{hint}.
+
+    wrong:  ft.train.batches((x, 0.5), 32)
+    right:  ft.train.batches((x, y), 32)          # every leaf of shape (n, ...)"""
+
+PYTHON_NUMBERS = """: a list of numbers is a tree of scalars to JAX, not an array (np.asarray(values) makes \
+one; a ragged list needs padding to one length first)"""
+
 BAD_BATCH_SIZE = """\
 The minibatch size must be a positive int, got {size!r}{where}.
 
@@ -125,9 +135,13 @@ class Batches:
     ):
         self.shard = None if shard is None else _check_shard(shard)
         leaves = jax.tree.leaves(arrays)
-        if not leaves or any(np.ndim(x) == 0 for x in leaves):
+        if not leaves:
             raise ValueError(NO_ARRAYS.format(what=repr(arrays)[:80]))
-        names = _leaf_names(arrays)
+        names = _array_names(arrays)
+        for name, x in zip(names, leaves):
+            if np.ndim(x) == 0:
+                hint = PYTHON_NUMBERS if isinstance(x, (int, float, complex)) else ""
+                raise ValueError(SCALAR_LEAF.format(name=name or "(the data itself)", what=_what(x), hint=hint))
         lengths = [np.shape(x)[0] for x in leaves]
         for name, m in zip(names, lengths):
             if m != lengths[0]:
@@ -245,6 +259,19 @@ def _permutation(key: Any, epoch: Any, n: int) -> jax.Array:
     """Epoch ``epoch``'s order of ``n`` examples: one dispatch (eagerly, the fold-in and the
     shuffle's sorts were a dozen: ~0.3 ms an epoch, most of a short epoch's cost)."""
     return jax.random.permutation(jax.random.fold_in(key, epoch), n)
+
+
+def _array_names(arrays: Any) -> list[str]:
+    """The dotted names of the leaves ``jax.tree.leaves(arrays)`` gives (``None`` is no leaf)."""
+    nodes = jax.tree.leaves(arrays, is_leaf=lambda x: x is None)
+    return [name for name, x in zip(_leaf_names(arrays), nodes) if x is not None]
+
+
+def _what(x: Any) -> str:
+    """``a 0-d float64 array``, ``the float 0.5``: a leaf without a leading axis."""
+    if hasattr(x, "dtype"):
+        return f"a 0-d {x.dtype} array"
+    return f"the {type(x).__name__} {repr(x)[:40]}"
 
 
 def _host_if_cpu(x: Any) -> Any:

@@ -171,3 +171,34 @@ def test_a_length_mismatch_names_the_leaf_past_a_none():
     """None is no leaf: the mismatch named the None's key (b), not the leaf of 4 rows (c)."""
     with pytest.raises(ValueError, match=r"but a has 5 and c has 4\."):
         ft.train.batches({"a": np.zeros(5), "b": None, "c": np.zeros(4)}, 2)
+
+
+BIG = np.array([3, 2**31 + 5, 7, 1], np.int64)  # JAX without x64 holds it as int32: -2**31 + 5
+
+
+def test_int64_values_past_int32_are_refused_not_wrapped():
+    """The step got 2**31 + 5 as -2147483643 (JAX's int64 -> int32 without x64), silently."""
+    x = np.zeros((4, 2), np.float32)
+    wrapped = r"leaf 1 holds int64 values outside the int32 range .* \(2147483653 at index 1\): .*to -2147483643"
+    with pytest.raises(ValueError, match=r"ft\.train\.batches: " + wrapped):
+        ft.train.batches((x, BIG), 2)
+    with pytest.raises(ValueError, match=r"\(ft\.train\.to_arrays, .*\): " + wrapped):
+        to_arrays((x, BIG))  # a loader's minibatch, as the Trainer reads each one
+    with pytest.raises(ValueError, match=r"leaf y holds uint64 values outside the uint32 range .*\(1, 0\)"):
+        to_arrays({"x": x, "y": np.array([[1], [2**32]], np.uint64)})
+    assert to_arrays((x, BIG % 2**31))[1].dtype == np.int64  # in range: kept as it is
+    with jax.enable_x64(True):
+        assert ft.train.batches((x, BIG), 2).num_examples == 4  # JAX keeps int64
+    trainer = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * 0.0)
+    with pytest.raises(ValueError, match=r"leaf 1 holds int64"):
+        trainer.fit([(x, BIG)], epochs=1, progress=False)
+    assert trainer.steps_run == 0
+
+
+def test_torch_int64_labels_past_int32_are_refused():
+    torch = pytest.importorskip("torch")
+    labels = torch.tensor(BIG)
+    with pytest.raises(ValueError, match=r"leaf 1 holds int64 .*\(2147483653 at index 1\)"):
+        ft.train.batches((torch.zeros(4, 2), labels), 2)
+    with pytest.raises(ValueError, match=r"leaf 1 holds int64"):
+        to_arrays([torch.zeros(4, 2), labels])  # a DataLoader's minibatch

@@ -47,6 +47,16 @@ ft.train.batches cuts every leaf of the data along its leading (example) axis, b
 PYTHON_NUMBERS = """: a list of numbers is a tree of scalars to JAX, not an array (np.asarray(values) makes \
 one; a ragged list needs padding to one length first)"""
 
+NARROWED_INTEGERS = """\
+{where}: leaf {name} holds {dtype} values outside the {narrow} range JAX computes in \
+without jax_enable_x64 ({value} at index {index}): the step would get it wrapped to \
+{wrapped}, with no error.
+
+    wrong:  ft.train.batches((x, ids), 32)                 # ids: int64, some >= 2**31
+    right:  jax.config.update("jax_enable_x64", True)      # at startup: int64 kept
+       or:  ft.train.batches((x, ids % num_buckets), 32)   # hashed ids folded into range first
+       or:  ft.train.batches((x, np.unique(ids, return_inverse=True)[1]), 32)   # ids as categories"""
+
 BAD_BATCH_SIZE = """\
 The minibatch size must be a positive int, got {size!r}{where}.
 
@@ -155,6 +165,9 @@ class Batches:
         self.shuffle, self.drop_last = shuffle, drop_last
         self.key = jax.random.key(0) if key is None else checked_key(key, "ft.train.batches")
         self.num_examples = int(lengths[0])
+        for name, x in zip(names, jax.tree.leaves(self.arrays)):
+            if type(x) is np.ndarray:  # in memory (a memmap's minibatches are checked as they are read)
+                check_integer_range(x, name, "ft.train.batches")
         self._epochs_started = 0
         self._starts: list[tuple[int, int]] = [(0, 0)]  # (step, samples) at each epoch start
 
@@ -274,6 +287,30 @@ def _what(x: Any) -> str:
     return f"the {type(x).__name__} {repr(x)[:40]}"
 
 
+_WIDE = frozenset({np.dtype(np.int64), np.dtype(np.uint64)})
+_NARROW = {np.dtype(np.int32): (-(2**31), 2**31 - 1), np.dtype(np.uint32): (0, 2**32 - 1)}
+
+
+def check_integer_range(x: Any, name: str, where: str) -> None:
+    """:data:`NARROWED_INTEGERS` for a NumPy ``int64``/``uint64`` array (or scalar) with a
+    value that the dtype JAX holds it in (``int32``/``uint32`` without ``jax_enable_x64``)
+    cannot represent: JAX would wrap it (``2**31 + 5`` to ``-2**31 + 5``) where the step
+    reads it. (Two reductions of the leaf: JAX's own conversion to ``int32`` is a pass too.)"""
+    if not (isinstance(x, (np.ndarray, np.generic)) and x.dtype in _WIDE and x.size):
+        return
+    narrow = jax.dtypes.canonicalize_dtype(x.dtype)
+    bounds = _NARROW.get(narrow)
+    if bounds is None or (bounds[0] <= x.min() and x.max() <= bounds[1]):  # (None: x64 keeps it)
+        return
+    values = np.asarray(x).reshape(-1)
+    flat = int(np.flatnonzero(np.less(values, bounds[0]) | np.greater(values, bounds[1]))[0])
+    index = tuple(int(i) for i in np.unravel_index(flat, np.shape(x)))
+    value = values[flat]
+    raise ValueError(NARROWED_INTEGERS.format(
+        where=where, name=name or "(the data itself)", dtype=x.dtype, narrow=narrow, value=int(value),
+        index=index[0] if len(index) == 1 else index, wrapped=int(value.astype(narrow))))
+
+
 def _host_if_cpu(x: Any) -> Any:
     """A CPU-resident jax array as a NumPy view: slicing it costs ~1 µs instead of an
     eager device op per minibatch (tens of µs); the jitted step reads it directly."""
@@ -311,6 +348,8 @@ def batches(
     yields each process its share of every minibatch (rows ``i·b/P`` to ``(i+1)·b/P`` of
     the same shuffled minibatch in every process); the data-parallel step assembles the
     global minibatch from the shares.
+    NumPy ``int64`` values outside ``int32`` without ``jax_enable_x64`` are refused
+    (:data:`NARROWED_INTEGERS`: JAX would wrap them).
 
     Example:
       >>> import functree as ft, numpy as np
@@ -339,7 +378,9 @@ def to_arrays(batch: Any) -> Any:
     """A batch from any loader with its tensors turned into NumPy/JAX arrays.
 
     Lists are kept as lists; torch and TensorFlow tensors become NumPy arrays. An array or
-    a tuple of arrays is returned as it is (no tree traversal).
+    a tuple of arrays is returned as it is (no tree traversal). A NumPy ``int64``/``uint64``
+    leaf with values that JAX without ``jax_enable_x64`` would wrap into ``int32``/``uint32``
+    is refused (:data:`NARROWED_INTEGERS`).
 
     Example:
       >>> import functree as ft, numpy as np
@@ -348,11 +389,27 @@ def to_arrays(batch: Any) -> Any:
       >>> ft.train.to_arrays({"x": Tensor(), "y": [1, 2]})
       {'x': array([0., 1., 2.]), 'y': [1, 2]}
     """
-    if isinstance(batch, _ARRAYS) or (
-        type(batch) is tuple and all(isinstance(x, _ARRAYS) for x in batch)
-    ):
-        return batch  # the common case, without a tree traversal
-    return jax.tree.map(_leaf_to_array, batch)
+    if isinstance(batch, _ARRAYS):
+        if batch.dtype in _WIDE:
+            check_integer_range(batch, "", _TO_ARRAYS)
+        return batch
+    if type(batch) is tuple and all(isinstance(x, _ARRAYS) for x in batch):
+        for i, x in enumerate(batch):  # the common case, without a tree traversal
+            if x.dtype in _WIDE:
+                check_integer_range(x, str(i), _TO_ARRAYS)
+        return batch
+    out = jax.tree.map(_leaf_to_array, batch)
+    leaves = jax.tree.leaves(out)
+    for i, x in enumerate(leaves):
+        if getattr(x, "dtype", None) in _WIDE:
+            try:
+                check_integer_range(x, "", _TO_ARRAYS)
+            except ValueError:  # named by its key path (built only now)
+                check_integer_range(x, _array_names(out)[i], _TO_ARRAYS)
+    return out
+
+
+_TO_ARRAYS = "A minibatch (ft.train.to_arrays, as the Trainer reads it)"
 
 
 _ARRAYS = (jax.Array, np.ndarray)

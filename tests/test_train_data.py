@@ -202,3 +202,14 @@ def test_torch_int64_labels_past_int32_are_refused():
         ft.train.batches((torch.zeros(4, 2), labels), 2)
     with pytest.raises(ValueError, match=r"leaf 1 holds int64"):
         to_arrays([torch.zeros(4, 2), labels])  # a DataLoader's minibatch
+
+
+def test_a_shard_that_cannot_split_the_last_minibatch_is_refused_at_the_call():
+    """Was raised at the epoch's last minibatch, after its other steps had run."""
+    with pytest.raises(ValueError, match=r"a minibatch of 4 examples does not split evenly into 8 shares .*"
+                                         r"it is the last minibatch of each epoch \(100 examples in minibatches of 32\)"):
+        ft.train.batches(np.arange(100), 32, shard=(0, 8))
+    with pytest.raises(ValueError, match=r"a minibatch of 32 examples does not split evenly into 3 shares"):
+        ft.train.batches(np.arange(96), 32, shard=(1, 3))
+    data = ft.train.batches(np.arange(100), 32, shard=(7, 8), drop_last=True, shuffle=False)
+    assert [b.tolist() for b in data] == [[28, 29, 30, 31], [60, 61, 62, 63], [92, 93, 94, 95]]

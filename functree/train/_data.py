@@ -79,14 +79,14 @@ def _check_shard(shard: Any) -> tuple[int, int]:
     return int(shard[0]), int(shard[1])
 
 
-def _rows(offset: int, size: int, shard: tuple[int, int] | None) -> tuple[int, int]:
+def _rows(offset: int, size: int, shard: tuple[int, int] | None, last: str = "") -> tuple[int, int]:
     """(first, end) of this process's rows of the minibatch of ``size`` rows at ``offset``."""
     if shard is None:
         return offset, offset + size
     index, count = shard
     if size % count:
         why = f": a minibatch of {size} examples does not split evenly into {count} shares " \
-              f"(use a batch size that is a multiple of {count}, and drop_last=True)"
+              f"(use a batch size that is a multiple of {count}, and drop_last=True){last}"
         raise ValueError(BAD_SHARD.format(shard=shard, why=why))
     share = size // count
     return offset + index * share, offset + (index + 1) * share
@@ -168,6 +168,12 @@ class Batches:
         for name, x in zip(names, jax.tree.leaves(self.arrays)):
             if type(x) is np.ndarray:  # in memory (a memmap's minibatches are checked as they are read)
                 check_integer_range(x, name, "ft.train.batches")
+        if self.shard is not None and not callable(batch_size):  # at the call, not at the epoch's end
+            _rows(0, batch_size, self.shard)
+            tail = self.num_examples % batch_size
+            if tail and not drop_last:
+                _rows(0, tail, self.shard, f"; it is the last minibatch of each epoch "
+                                           f"({self.num_examples} examples in minibatches of {batch_size})")
         self._epochs_started = 0
         self._starts: list[tuple[int, int]] = [(0, 0)]  # (step, samples) at each epoch start
 
@@ -347,7 +353,8 @@ def batches(
     minibatch (no extra compilation). ``shard=(jax.process_index(), jax.process_count())``
     yields each process its share of every minibatch (rows ``i·b/P`` to ``(i+1)·b/P`` of
     the same shuffled minibatch in every process); the data-parallel step assembles the
-    global minibatch from the shares.
+    global minibatch from the shares. A batch size (or, without ``drop_last``, a last
+    minibatch) that does not split into ``count`` shares is refused here, at the call.
     NumPy ``int64`` values outside ``int32`` without ``jax_enable_x64`` are refused
     (:data:`NARROWED_INTEGERS`: JAX would wrap them).
 

@@ -163,7 +163,8 @@ def test_a_leaf_without_an_example_axis_is_named_by_its_key_path():
     x = np.zeros((5, 2), np.float32)
     with pytest.raises(ValueError, match=r"but leaf 1 is a 0-d float32 array, with no such axis"):
         ft.train.batches((x, np.float32(1)), 2)
-    with pytest.raises(ValueError, match=r"leaf b\.0\.0 is the int 1, with no such axis: a list of numbers"):
+    with pytest.raises(ValueError, match=r"leaf b\.0\.0 is the int 1, with no such axis: a list of numbers of "
+                                         r"unequal lengths \(ragged\)"):
         ft.train.batches({"a": x[:2], "b": [[1, 2], [3]]}, 2)
 
 
@@ -213,3 +214,36 @@ def test_a_shard_that_cannot_split_the_last_minibatch_is_refused_at_the_call():
         ft.train.batches(np.arange(96), 32, shard=(1, 3))
     data = ft.train.batches(np.arange(100), 32, shard=(7, 8), drop_last=True, shuffle=False)
     assert [b.tolist() for b in data] == [[28, 29, 30, 31], [60, 61, 62, 63], [92, 93, 94, 95]]
+
+
+def test_a_mapping_that_jax_takes_for_a_leaf_is_read_as_a_dict():
+    """Hugging Face's BatchEncoding (a UserDict: a tokenizer's or collator's output) was one
+    leaf to JAX: its tensors were left unconverted and the step failed inside jit ("Error
+    interpreting argument ... of type BatchEncoding")."""
+    from collections import UserDict
+
+    batch = to_arrays(UserDict({"ids": FakeTensor([[1, 2], [3, 4]]), "labels": np.arange(2)}))
+    assert type(batch) is dict and isinstance(batch["ids"], np.ndarray)
+    data = ft.train.batches(UserDict({"ids": np.arange(10).reshape(5, 2), "labels": np.arange(5)}), 2, shuffle=False)
+    assert [b["labels"].tolist() for b in data] == [[0, 1], [2, 3], [4]]
+    trainer = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.1),
+                               lambda m, b: m["w"] * jnp.sum(b["labels"]).astype(jnp.float32))
+    trainer.fit([UserDict({"labels": np.arange(3)})], epochs=1, progress=False)
+    assert trainer.steps_run == 1 and trainer.history.steps["loss"] == [0.0]
+
+
+def test_lists_of_numbers_are_read_as_arrays_and_counted_by_their_rows():
+    """A collator without return_tensors gives lists: each number was a leaf of its own, so
+    the minibatch counted as 1 example (samples_seen 2 for 30 examples; the epoch's loss
+    0.44 where the examples' mean is 0.67: minibatches of 3 and 27 weighed alike)."""
+    y = np.random.default_rng(0).normal(size=30).astype(np.float32)
+    batch = to_arrays({"ids": [[1, 2], [3, 4]], "y": [0.5, 1.5], "ragged": [[1], [2, 3]]})
+    assert batch["ids"].shape == (2, 2) and batch["y"].dtype == np.float64 and batch["ragged"] == [[1], [2, 3]]
+    data = ft.train.batches({"y": y.tolist(), "ids": [[i, i] for i in range(30)]}, 8, shuffle=False)
+    assert [b["ids"].shape for b in data] == [(8, 2)] * 3 + [(6, 2)]
+    trainer = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0),
+                               lambda m, b: jnp.mean((jnp.asarray(b["y"], jnp.float32) - m["w"]) ** 2))
+    history = trainer.fit([{"y": y[:3].tolist()}, {"y": y[3:].tolist()}], epochs=1, progress=False)
+    assert int(ft.optim.context(trainer.opt_state).samples_seen) == 30
+    # float32 means of float32 squares, summed in float64: ~1e-7 of the value 0.67
+    np.testing.assert_allclose(history.epochs["loss"][-1], np.mean(y.astype(np.float64) ** 2), atol=1e-6)

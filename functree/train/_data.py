@@ -12,7 +12,7 @@ iterable of batches (NumPy arrays, tuples or dicts of arrays, a
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -44,8 +44,8 @@ ft.train.batches cuts every leaf of the data along its leading (example) axis, b
     wrong:  ft.train.batches((x, 0.5), 32)
     right:  ft.train.batches((x, y), 32)          # every leaf of shape (n, ...)"""
 
-PYTHON_NUMBERS = """: a list of numbers is a tree of scalars to JAX, not an array (np.asarray(values) makes \
-one; a ragged list needs padding to one length first)"""
+PYTHON_NUMBERS = """: a list of numbers of unequal lengths (ragged) is a tree of scalars to JAX, \
+not an array; pad it to one length first (a list of one length is read as np.asarray(values))"""
 
 NARROWED_INTEGERS = """\
 {where}: leaf {name} holds {dtype} values outside the {narrow} range JAX computes in \
@@ -144,6 +144,7 @@ class Batches:
         shard: tuple[int, int] | None = None,
     ):
         self.shard = None if shard is None else _check_shard(shard)
+        arrays = jax.tree.map(_as_arrays_tree, arrays, is_leaf=_is_number_list)
         leaves = jax.tree.leaves(arrays)
         if not leaves:
             raise ValueError(NO_ARRAYS.format(what=repr(arrays)[:80]))
@@ -280,6 +281,29 @@ def _permutation(key: Any, epoch: Any, n: int) -> jax.Array:
     return jax.random.permutation(jax.random.fold_in(key, epoch), n)
 
 
+_NUMBERS = (int, float, bool)
+
+
+def _is_number_list(x: Any) -> bool:
+    """A list of Python numbers, or of such lists (a collator's ``input_ids`` without
+    ``return_tensors``): one array of the minibatch, not a tree of scalar leaves."""
+    return type(x) is list and bool(x) and all(
+        isinstance(v, _NUMBERS) if not isinstance(v, list) else _is_number_list(v) for v in x)
+
+
+def _as_arrays_tree(x: Any) -> Any:
+    """A mapping that JAX takes for a leaf (Hugging Face's ``BatchEncoding``) as a dict, a
+    list of Python numbers of one length per level as a NumPy array (a ragged one kept)."""
+    if isinstance(x, Mapping):
+        return jax.tree.map(_as_arrays_tree, dict(x), is_leaf=_is_number_list)
+    if type(x) is list:
+        try:
+            return np.asarray(x)
+        except ValueError:
+            return x
+    return x
+
+
 def _array_names(arrays: Any) -> list[str]:
     """The dotted names of the leaves ``jax.tree.leaves(arrays)`` gives (``None`` is no leaf)."""
     nodes = jax.tree.leaves(arrays, is_leaf=lambda x: x is None)
@@ -343,7 +367,9 @@ def batches(
     drop_last: bool = False,
     shard: tuple[int, int] | None = None,
 ) -> Batches:
-    """Minibatches of ``arrays`` (a tree of arrays with a common leading axis).
+    """Minibatches of ``arrays`` (a tree of arrays with a common leading axis; a list of
+    Python numbers of one length per level is read as ``np.asarray`` of it, a mapping
+    that is no pytree node, as Hugging Face's ``BatchEncoding``, as a dict).
 
     Each iteration is one epoch (sweep); epoch ``e`` is ordered by a permutation drawn from
     ``jax.random.fold_in(key, e)`` (``key`` defaults to ``jax.random.key(0)``), so runs
@@ -374,6 +400,13 @@ def batches(
 def _leaf_to_array(x: Any) -> Any:
     if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
         return x
+    if type(x) is list:  # (only a list of numbers is a leaf here) of one length per level: an array
+        try:
+            return np.asarray(x)
+        except ValueError:  # ragged: kept as it is
+            return x
+    if isinstance(x, Mapping):  # a mapping JAX takes for a leaf (Hugging Face's BatchEncoding): a dict
+        return jax.tree.map(_leaf_to_array, dict(x), is_leaf=_is_number_list)
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor (bfloat16 kept: its bits)
         return tensor_to_numpy(x)
     if hasattr(x, "__array__") or hasattr(x, "numpy"):  # tf.Tensor, other array-likes
@@ -384,8 +417,13 @@ def _leaf_to_array(x: Any) -> Any:
 def to_arrays(batch: Any) -> Any:
     """A batch from any loader with its tensors turned into NumPy/JAX arrays.
 
-    Lists are kept as lists; torch and TensorFlow tensors become NumPy arrays. An array or
-    a tuple of arrays is returned as it is (no tree traversal). A NumPy ``int64``/``uint64``
+    Torch and TensorFlow tensors become NumPy arrays; a list of Python numbers (or of
+    such lists, of one length per level: a collator's ``input_ids`` without
+    ``return_tensors``) becomes one NumPy array (as leaves, its numbers counted as one
+    example and compiled as one scalar argument each); other lists stay lists; a mapping
+    that is no pytree node to JAX (Hugging Face's ``BatchEncoding``, a collator's output)
+    becomes a dict (JAX would take it for one leaf, and fail in the step). An array or a
+    tuple of arrays is returned as it is (no tree traversal). A NumPy ``int64``/``uint64``
     leaf with values that JAX without ``jax_enable_x64`` would wrap into ``int32``/``uint32``
     is refused (:data:`NARROWED_INTEGERS`).
 
@@ -394,7 +432,7 @@ def to_arrays(batch: Any) -> Any:
       >>> class Tensor:  # stands in for a torch.Tensor or tf.Tensor
       ...     def __array__(self, dtype=None, copy=None): return np.arange(3.0)
       >>> ft.train.to_arrays({"x": Tensor(), "y": [1, 2]})
-      {'x': array([0., 1., 2.]), 'y': [1, 2]}
+      {'x': array([0., 1., 2.]), 'y': array([1, 2])}
     """
     if isinstance(batch, _ARRAYS):
         if batch.dtype in _WIDE:
@@ -405,7 +443,7 @@ def to_arrays(batch: Any) -> Any:
             if x.dtype in _WIDE:
                 check_integer_range(x, str(i), _TO_ARRAYS)
         return batch
-    out = jax.tree.map(_leaf_to_array, batch)
+    out = jax.tree.map(_leaf_to_array, batch, is_leaf=_is_number_list)
     leaves = jax.tree.leaves(out)
     for i, x in enumerate(leaves):
         if getattr(x, "dtype", None) in _WIDE:

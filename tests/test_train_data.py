@@ -216,6 +216,18 @@ def test_a_shard_that_cannot_split_the_last_minibatch_is_refused_at_the_call():
     assert [b.tolist() for b in data] == [[28, 29, 30, 31], [60, 61, 62, 63], [92, 93, 94, 95]]
 
 
+def test_stack_batches_refuses_a_promotion_that_changes_values_or_kind():
+    """np.stack made int64 beside uint64 float64 (2**60 + 1 became 2**60) and a bool mask
+    beside int32 an int32 array, silently."""
+    with pytest.raises(ValueError, match=r"leaf \[1\] has dtype int64 in minibatch 0 and uint64 in "
+                                         r"minibatch 1: stacked, both would become float64, changing values"):
+        ft.train.stack_batches([(np.zeros(2), np.full(2, 2**60 + 1)), (np.zeros(2), np.ones(2, np.uint64))])
+    with pytest.raises(ValueError, match=r"leaf \['mask'\] has dtype bool in minibatch 0 and int32 in minibatch 2"):
+        ft.train.stack_batches([{"mask": np.ones(2, bool)}] * 2 + [{"mask": np.ones(2, np.int32)}])
+    wide = ft.train.stack_batches([np.ones(2, np.float32), np.ones(2, np.float64)])  # widened: values kept
+    assert wide.dtype == np.float64 and wide.shape == (2, 2)
+
+
 def test_a_mapping_that_jax_takes_for_a_leaf_is_read_as_a_dict():
     """Hugging Face's BatchEncoding (a UserDict: a tokenizer's or collator's output) was one
     leaf to JAX: its tensors were left unconverted and the step failed inside jit ("Error

@@ -56,6 +56,15 @@ The last minibatch of an epoch is often shorter; drop it, or run it as a step of
     right:  ft.train.stack_batches(list(ft.train.batches(data, batch_size=32, drop_last=True)))"""
 
 
+MIXED_DTYPES = """\
+ft.train.stack_batches stacks each leaf's minibatches into one array of one dtype, but leaf \
+{path} has dtype {first} in minibatch 0 and {other} in minibatch {i}: stacked, both would \
+become {promoted}{changed}. Give the minibatches one dtype where they are made:
+
+    wrong:  ft.train.stack_batches([(x, labels_int64), (x, labels_uint64)])
+    right:  ft.train.stack_batches([(x, labels.astype(np.int32)) for x, labels in group])"""
+
+
 def check_steps_per_call(k: Any) -> int:
     """``k`` when it is a positive int, else a ``ValueError`` naming the fix."""
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
@@ -72,7 +81,9 @@ def stack_batches(batches: Sequence[Any]) -> Any:
     axis of size ``k``: the input of a step with ``steps_per_call=k``.
 
     ``out[leaf][i] = batches[i][leaf]``; NumPy leaves are stacked on the host (one
-    transfer when the step runs), JAX arrays on their device.
+    transfer when the step runs), JAX arrays on their device. A leaf's minibatches share
+    one shape and one kind of dtype (one may be wider: ``float32`` beside ``float64``
+    stacks as ``float64``); others are refused (:data:`MIXED_DTYPES`), not promoted.
 
     Example:
       >>> import functree as ft, numpy as np
@@ -96,6 +107,8 @@ def stack_batches(batches: Sequence[Any]) -> Any:
                 raise ValueError(UNEVEN_BATCHES.format(
                     what=f"leaf {_path(path)} has shape {np.shape(x0)} in minibatch 0 but "
                          f"{np.shape(x)} in minibatch {i}"))
+            if hasattr(x, "dtype") and hasattr(x0, "dtype") and x.dtype != x0.dtype:  # (Python numbers: weak)
+                _check_promotion(path, x0.dtype, x.dtype, i)
             column.append(x)
     on_host = [all(isinstance(x, np.ndarray | np.generic | int | float) for x in c) for c in columns]
     device_columns = [c for c, host in zip(columns, on_host) if not host]
@@ -103,6 +116,23 @@ def stack_batches(batches: Sequence[Any]) -> Any:
     it = iter(on_device)
     stacked = [np.stack(c) if host else next(it) for c, host in zip(columns, on_host)]
     return jax.tree_util.tree_unflatten(treedef, stacked)
+
+
+def _check_promotion(path: Any, first: Any, other: Any, i: int) -> None:
+    """:data:`MIXED_DTYPES` unless stacking ``first`` with ``other`` only widens one of
+    them within its kind (``float32`` beside ``float64``: values kept). ``np.stack`` would
+    make ``int64`` beside ``uint64`` ``float64`` (values rounded), ``bool`` beside ``int32``
+    ``int32`` (a mask read as indices), ``int32`` beside ``float32`` ``float64``."""
+    try:
+        promoted = np.result_type(first, other)
+    except TypeError:  # (no common NumPy dtype: a PRNG key beside an array, bfloat16 beside float16)
+        promoted = None
+    if promoted is not None and first.kind == other.kind and promoted in (first, other):
+        return
+    changed = ", changing values" if promoted is not None and promoted.kind == "f" and \
+        {first.kind, other.kind} <= set("iub") else ""
+    raise ValueError(MIXED_DTYPES.format(path=_path(path), first=first, other=other, i=i,
+                                         promoted=promoted or "an error", changed=changed))
 
 
 @jax.jit

@@ -348,3 +348,34 @@ def test_reduce_on_plateau_in_an_optimizer_needs_the_loss_of_the_step():
             u, ref_state = ref.update(g, ref_state, p_ref, value=jnp.float32(loss))
         p_ref = optax.apply_updates(p_ref, u)
     np.testing.assert_allclose(p["w"], p_ref["w"], rtol=0, atol=1e-6)  # measured 0 on w ~5
+
+
+def _member_gradients(stack, scale=1.0):
+    """Gradients at a Stack of three Dense(1, 2): member norms 5, 0.5 and 10 (times scale)
+    in the weight, 5 in each bias."""
+    weight = scale * np.array([[[3.0, 4.0]], [[0.3, 0.4]], [[6.0, 8.0]]], np.float32)
+    bias = np.full((3, 2), np.sqrt(12.5), np.float32)
+    return jax.tree.map(lambda x: jnp.asarray(np.broadcast_to(weight if x.ndim == weight.ndim else bias, x.shape)), stack)
+
+
+def test_per_tensor_clipping_clips_each_member_of_a_stack_as_the_unrolled_layers():
+    """A Stack's leaf holds one tensor per member: clip_by_norm (and clip_per_sample by
+    norm) clip each member by its own norm, as the blocks unrolled would be (the stacked
+    leaf's one norm, 11.2, clipped member 1's [0.3, 0.4] to [0.027, 0.036])."""
+    stack = ft.nn.Stack(lambda k: ft.nn.Dense(1, 2, key=k), 3, key=jax.random.key(0))
+    g = _member_gradients(stack)
+    want = np.array([[[0.6, 0.8]], [[0.3, 0.4]], [[0.6, 0.8]]])
+    for tx, extra in [(fo.clip_by_norm(1.0), {}), (fo.clip_per_sample(1.0, truncation=False), {"minibatch_size": 4})]:
+        u, _ = _update(tx, {"blocks": g}, **extra)
+        np.testing.assert_allclose(u["blocks"].layers.weight, want, rtol=0, atol=1e-7)
+        np.testing.assert_allclose(np.linalg.norm(u["blocks"].layers.bias, axis=-1), [1.0] * 3, rtol=0, atol=1e-6)
+        unrolled, _ = _update(tx, {"blocks": g.unstack()}, **extra)
+        for i, member in enumerate(unrolled["blocks"].layers):
+            np.testing.assert_allclose(u["blocks"].layers.weight[i], member.weight, rtol=0, atol=1e-7)
+    # a batch of models (jax.vmap): one norm per model and member
+    ensemble = jax.vmap(lambda k: ft.nn.Stack(lambda kk: ft.nn.Dense(1, 2, key=kk), 3, key=k))(
+        jax.random.split(jax.random.key(1), 2))
+    g = jax.tree.map(lambda a, b: jnp.stack([a, b]), _member_gradients(stack), _member_gradients(stack, 2.0))
+    g = jax.tree.unflatten(jax.tree.structure(ensemble), jax.tree.leaves(g))
+    u, _ = _update(fo.clip_by_norm(1.0), g)
+    np.testing.assert_allclose(u.layers.weight, [want, [[[0.6, 0.8]]] * 3], rtol=0, atol=1e-7)

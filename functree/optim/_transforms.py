@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._naming import broadcast, check_patterns, required_selection
+from functree._naming import broadcast, check_patterns, is_stacked, leaf_infos, required_selection
 from functree._operators import value_with_gradient
 from functree._random import flat_key
 from functree._tree import is_none
@@ -86,15 +86,42 @@ def clip(threshold: Hyper) -> optax.GradientTransformation:
     return optax.clip(threshold)
 
 
-def _clip_tensor(g: Any, t: Any) -> Any:
-    norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
+def _clip_tensor(g: Any, t: Any, members: int = 0) -> Any:
+    """``g · min(1, t / ‖g‖₂)``, the norm over the trailing axes of one member: a stacked
+    leaf's ``members`` leading axes (an ``ft.nn.Stack``'s layer axis) are not reduced."""
+    axes = tuple(range(min(members, jnp.ndim(g)), jnp.ndim(g)))
+    norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=axes, keepdims=True))
     factor = jnp.minimum(1.0, t / jnp.maximum(norm, 1e-30))
     return (g * factor).astype(g.dtype)
+
+
+def _per_tensor(fn: Callable[[Any, int], Any], tree: Any) -> Any:
+    """``fn(leaf, members)`` on each array leaf of ``tree``, ``members`` the count of its
+    leading stack axes: a leaf of an ``ft.nn.Stack`` holds one tensor per member (the
+    blocks unrolled are separate parameters), each clipped by its own norm. A leaf with
+    more leading axes than its stack's (a batch of models made with ``jax.vmap``) keeps
+    one tensor per model and member: only the trailing axes of one member are reduced."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_none)
+    if not any(is_stacked(x) for x in jax.tree.leaves(tree, is_leaf=is_stacked)):
+        return treedef.unflatten([None if x is None else fn(x, 0) for x in leaves])
+    infos = leaf_infos(tree)
+    out = []
+    for x, info in zip(leaves, infos):
+        if x is None:
+            out.append(None)
+            continue
+        stacks, rank = len(info.sizes), jnp.ndim(x)
+        member_rank = rank - stacks if info.ndim is None else info.ndim - stacks
+        out.append(fn(x, rank - member_rank if stacks else 0))
+    return treedef.unflatten(out)
 
 
 @optimizer("ft.optim.clip_by_norm")
 def clip_by_norm(threshold: Hyper) -> optax.GradientTransformation:
     """Per-tensor norm clipping: ``g ← g · min(1, t / ‖g‖₂)`` for each parameter separately.
+
+    A leaf of an ``ft.nn.Stack`` holds one parameter per member: each member's tensor is
+    clipped by its own norm, as the blocks unrolled (``stack.unstack()``) would be.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -103,7 +130,8 @@ def clip_by_norm(threshold: Hyper) -> optax.GradientTransformation:
       >>> tx.update(g, tx.init(g))[0]
       {'a': Array([0.6, 0.8], dtype=float32), 'b': Array([0.3, 0.4], dtype=float32)}
     """
-    return _stateless(lambda g, _: jax.tree.map(lambda x: _clip_tensor(x, threshold), g), "clip_by_norm")
+    return _stateless(lambda g, _: _per_tensor(lambda x, members: _clip_tensor(x, threshold, members), g),
+                      "clip_by_norm")
 
 
 @optimizer("ft.optim.clip_by_global_norm")
@@ -126,7 +154,8 @@ def clip_per_sample(threshold: Any, *, truncation: bool = True) -> optax.Gradien
     """CNTK's ``gradient_clipping_threshold_per_sample``: clip the *summed* gradient.
 
     The minibatch's summed gradient ``M ḡ`` is clipped at ``t · M`` (``M`` from the
-    learning context), elementwise (``truncation=True``) or by each tensor's norm; the
+    learning context), elementwise (``truncation=True``) or by each tensor's norm (each
+    member's, in an ``ft.nn.Stack``: see :func:`clip_by_norm`); the
     result is divided by ``M`` again. Since functree gradients are means, this equals
     clipping the mean gradient at ``t``.
 
@@ -140,13 +169,13 @@ def clip_per_sample(threshold: Any, *, truncation: bool = True) -> optax.Gradien
 
     def factory(threshold: Any, minibatch: Any) -> Any:
         def fn(g: Any, _: Any) -> Any:
-            def one(x: Any) -> Any:
+            def one(x: Any, members: int) -> Any:
                 total = x * minibatch
                 limit = threshold * minibatch
-                clipped = jnp.clip(total, -limit, limit) if truncation else _clip_tensor(total, limit)
+                clipped = jnp.clip(total, -limit, limit) if truncation else _clip_tensor(total, limit, members)
                 return (clipped / minibatch).astype(x.dtype)
 
-            return jax.tree.map(one, g)
+            return _per_tensor(one, g)
 
         return _stateless(fn, "clip_per_sample")
 

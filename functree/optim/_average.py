@@ -221,7 +221,11 @@ def with_average(transform: Any, average: Any) -> Any:
     """``transform`` followed by the averaging transform ``average`` (``Optimizer(average=)``).
 
     The state is ``optax.chain``'s, ``(transform's, average's)``; a step that a
-    :func:`ft.optim.skip_non_finite` inside ``transform`` skipped leaves the average as it was.
+    :func:`ft.optim.skip_non_finite` inside ``transform`` skipped leaves the average as it was,
+    and so does a micro-step of an ``optax.MultiSteps`` inside it (a minibatch whose
+    gradients it sums without updating): the average is over the updates, as
+    ``torch.optim.swa_utils.AveragedModel.update_parameters`` after each ``optimizer.step()``
+    and as ``Optimizer(tx, accumulate=k)`` on minibatches ``k`` times as large.
     """
     if average is None:
         return transform
@@ -237,12 +241,32 @@ def with_average(transform: Any, average: Any) -> Any:
     def update(updates: Any, state: tuple[Any, Any], params: Any = None, **extra: Any) -> tuple[Any, Any]:
         updates, first = inner.update(updates, state[0], params, **extra)
         updates, second = avg.update(updates, state[1], params, **extra)
-        applied = applied_in(first)
+        applied = _both(applied_in(first), _updated(state[0], first))
         if applied is not None:
             second = select(applied, second, state[1])
         return updates, (first, second)
 
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+
+
+def _is_multisteps(x: Any) -> bool:
+    return isinstance(x, optax.MultiStepsState)
+
+
+def _updated(old: Any, new: Any) -> jax.Array | None:
+    """Whether every ``optax.MultiSteps`` in the state updated the parameters at this step
+    (its ``gradient_step`` advanced; a micro-step only sums the gradients); None where
+    there is none."""
+    before = [x for x in jax.tree.leaves(old, is_leaf=_is_multisteps) if _is_multisteps(x)]
+    after = [x for x in jax.tree.leaves(new, is_leaf=_is_multisteps) if _is_multisteps(x)]
+    if not after or len(before) != len(after):
+        return None
+    flags = [a.gradient_step != b.gradient_step for b, a in zip(before, after)]
+    return jnp.stack(flags).all() if len(flags) > 1 else flags[0]
+
+
+def _both(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
+    return b if a is None else a if b is None else a & b
 
 
 def _has_average(x: Any) -> bool:

@@ -878,6 +878,8 @@ def with_recomputation_in_pullbacks(
 
     @functools.wraps(f)
     def recomputed(*args: Any, **kwargs: Any) -> Any:
+        if _collecting():  # layers in f may record state (BatchNorm in training mode)
+            return _collecting_call(f, policy, args, kwargs)
         if all(is_dynamic(a) for a in args) and all(is_dynamic(v) for v in kwargs.values()):
             return whole(*args, **kwargs)  # the common case: every argument is data
         return _with_constants(f, policy, args, kwargs)
@@ -889,6 +891,47 @@ def is_dynamic(x: Any) -> bool:
     """Whether ``x`` is data JAX traces: arrays and numbers, but not a Python int or bool
     (an axis, a flag) nor a non-array (a string), which are a call's constants."""
     return _is_data(x) and not _is_static_integer(x)
+
+
+def _collecting() -> bool:
+    """Whether ``ft.nn.collect_state`` is collecting layer state now (``Optimizer.step``,
+    ``ft.train``, ``value_with_gradient_and_state`` on a model with layer state)."""
+    from functree.nn._remat import collecting  # (functree.nn imports this module)
+
+    return collecting()
+
+
+def _collecting_call(f: Callable[..., Any], policy: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``f(*args, **kwargs)`` checkpointed while layer state is collected. ``jax.checkpoint``
+    calls ``f`` on rebuilt arguments, new objects the collector does not know, so the state
+    their layers record (BatchNorm's running statistics) is collected inside the checkpoint,
+    against the arguments, and filed under the key paths of the layers given, as
+    ``ft.nn.Remat`` does: the statistics of the layers not recomputed."""
+    from functree.nn._remat import call_collecting, record_in  # (functree.nn imports this module)
+
+    dyn_pos = [i for i, a in enumerate(args) if is_dynamic(a)]
+    dyn_kw = [k for k, v in kwargs.items() if is_dynamic(v)]
+    paths: list[Any] = []
+
+    def inner(*dyn: Any) -> Any:
+        full = list(args)
+        for i, value in zip(dyn_pos, dyn):
+            full[i] = value
+        kw = dict(kwargs)
+        kw.update(zip(dyn_kw, dyn[len(dyn_pos):]))
+        return call_collecting(lambda given: f(*given[0], **given[1]), (tuple(full), kw), paths)
+
+    dyn = [args[i] for i in dyn_pos] + [kwargs[k] for k in dyn_kw]
+    out, values = jax.checkpoint(inner, policy=policy)(*dyn)  # pyright: ignore[reportArgumentType]
+    by_argument: dict[tuple[int, Any], tuple[list[Any], list[Any]]] = {}
+    for path, value in zip(paths, values):  # path: (args or kwargs, position or name, *inside)
+        where, name, *inside = tuple(path)
+        owned = by_argument.setdefault((where.key, name.key), ([], []))
+        owned[0].append(type(path)(tuple(inside)))
+        owned[1].append(value)
+    for (where, name), (inside, recorded) in by_argument.items():
+        record_in(args[name] if where == 0 else kwargs[name], inside, recorded)
+    return out
 
 
 def _with_constants(f: Callable[..., Any], policy: Any, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -27,7 +27,7 @@ from functree.nn._mode import Layer
 from functree.nn._sequential import takes_key
 from functree.nn._state import collect_state, collector_stack, substitute
 
-__all__ = ["Remat", "remat_policy", "call_collecting", "record_under"]
+__all__ = ["Remat", "remat_policy", "call_collecting", "record_under", "record_in"]
 
 NOT_IN_MODEL = """\
 A {cls} recorded layer state inside ft.nn.collect_state, but it is not part of the model \
@@ -62,6 +62,12 @@ def call_collecting(call: Callable[[Any], Any], layer: Any, paths: list[KeyPath]
 
 def record_under(owner: Any, field_name: str, paths: list[KeyPath], values: Any) -> None:
     """File state recorded by ``owner.<field_name>`` (at ``paths``) under ``owner``'s key path."""
+    record_in(owner, [KeyPath((Entry(ATTR, field_name), *path)) for path in paths], values)
+
+
+def record_in(owner: Any, paths: list[KeyPath], values: Any) -> None:
+    """File state recorded by a rebuilt copy of ``owner`` (at ``paths``, relative to
+    ``owner``) under ``owner``'s key path in the collector that knows it."""
     if not paths:
         return
 
@@ -70,11 +76,11 @@ def record_under(owner: Any, field_name: str, paths: list[KeyPath], values: Any)
         raise ValueError(NOT_IN_MODEL.format(cls=type(owner).__name__))
     for where in collector.paths[id(owner)]:
         for path, value in zip(paths, values):
-            collector.updates[KeyPath((*where, Entry(ATTR, field_name), *path))] = value
+            collector.updates[KeyPath((*where, *path))] = value
     for path, value in zip(paths, values):
-        parent = _parent(getattr(owner, field_name), path)
+        parent = _parent(owner, path)
         if parent is not None:  # a second call of owner reads it (ft.nn._state.substitute)
-            substitute(collector, parent, path[-1].key, value)
+            substitute(collector, parent, tuple(path)[-1].key, value)
 
 
 def _parent(root: Any, path: KeyPath) -> Any:

@@ -244,6 +244,25 @@ def test_trainer_stacks_k_batches_keeps_per_step_rows_and_runs_other_shapes_sing
     assert h.steps["step"] == list(range(1, 27)) and t4.train_step._scanned._cache_size() == 2
 
 
+def test_trainer_runs_a_minibatch_of_another_dtype_kind_in_a_call_of_its_own():
+    """A loader whose labels are int in one minibatch and float in the others: that one runs
+    alone (stack_batches refuses a stack that would promote it), the job equals k=1's."""
+    def cast(model, batch):
+        x, y = batch
+        return jnp.mean((model(x) - y.astype(jnp.float32)) ** 2)
+
+    data = [(x, np.round(y).astype(np.int32) if i == 2 else y) for i, (x, y) in enumerate(minibatches(6))]
+    trained = []
+    for k in (1, K):
+        trainer = Trainer(mlp(), ft.optim.Optimizer(ft.optim.sgd(0.05)), cast, steps_per_call=k)
+        history = trainer.fit(data, epochs=1, progress=False)
+        trained.append((trainer.model, history))
+    (one, h1), (many, hk) = trained
+    assert hk.steps["step"] == h1.steps["step"] == list(range(1, 7))
+    np.testing.assert_allclose(hk.steps["loss"], h1.steps["loss"], rtol=0, atol=1e-6 * max(h1.steps["loss"]))
+    assert_close_trained(many, one, spread=0)  # the same program per step
+
+
 def test_trainer_stops_at_the_exact_step_inside_a_call():
     trainer = Trainer(mlp(), ft.optim.Optimizer(ft.optim.adam(0.05)), mse, steps_per_call=K)
     with pytest.raises(NonFiniteError, match=r"step 6: the gradient of parameter 'layers\.0\.weight'"):

@@ -289,9 +289,11 @@ def batch_size(batch: Any) -> int:
 
 
 def batch_signature(batch: Any) -> tuple[Any, ...]:
-    """A minibatch's structure and leaf shapes: those of one signature stack."""
+    """A minibatch's structure, leaf shapes and dtypes: those of one stack. (A loader's int
+    labels beside float ones stack into neither: ``stack_batches`` refuses the promotion, so
+    each runs in a call of its own kind.)"""
     leaves, tree = jax.tree.flatten(batch)
-    return tree, *(np.shape(x) for x in leaves)
+    return tree, *((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
 
 
 class Epochs:

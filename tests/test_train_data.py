@@ -259,3 +259,10 @@ def test_lists_of_numbers_are_read_as_arrays_and_counted_by_their_rows():
     assert int(ft.optim.context(trainer.opt_state).samples_seen) == 30
     # float32 means of float32 squares, summed in float64: ~1e-7 of the value 0.67
     np.testing.assert_allclose(history.epochs["loss"][-1], np.mean(y.astype(np.float64) ** 2), atol=1e-6)
+    # in-memory data as a dict of lists, given to fit with batch_size (a dict is never a loader:
+    # iterating it gave its keys, "Its shapes: str[]"): cut as the arrays are
+    listed = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0),
+                              lambda m, b: jnp.mean((jnp.asarray(b["y"], jnp.float32) - m["w"]) ** 2))
+    history = listed.fit({"y": y.tolist()}, batch_size=8, epochs=1, progress=False)
+    assert listed.steps_run == 4 and int(ft.optim.context(listed.opt_state).samples_seen) == 30
+    np.testing.assert_allclose(history.epochs["loss"][-1], np.mean(y.astype(np.float64) ** 2), atol=1e-6)

@@ -144,7 +144,7 @@ class Batches:
         shard: tuple[int, int] | None = None,
     ):
         self.shard = None if shard is None else _check_shard(shard)
-        arrays = jax.tree.map(_as_arrays_tree, arrays, is_leaf=_is_number_list)
+        arrays = jax.tree.map(_as_arrays_tree, arrays, is_leaf=is_number_list)
         leaves = jax.tree.leaves(arrays)
         if not leaves:
             raise ValueError(NO_ARRAYS.format(what=repr(arrays)[:80]))
@@ -284,18 +284,18 @@ def _permutation(key: Any, epoch: Any, n: int) -> jax.Array:
 _NUMBERS = (int, float, bool)
 
 
-def _is_number_list(x: Any) -> bool:
+def is_number_list(x: Any) -> bool:
     """A list of Python numbers, or of such lists (a collator's ``input_ids`` without
     ``return_tensors``): one array of the minibatch, not a tree of scalar leaves."""
     return type(x) is list and bool(x) and all(
-        isinstance(v, _NUMBERS) if not isinstance(v, list) else _is_number_list(v) for v in x)
+        isinstance(v, _NUMBERS) if not isinstance(v, list) else is_number_list(v) for v in x)
 
 
 def _as_arrays_tree(x: Any) -> Any:
     """A mapping that JAX takes for a leaf (Hugging Face's ``BatchEncoding``) as a dict, a
     list of Python numbers of one length per level as a NumPy array (a ragged one kept)."""
     if isinstance(x, Mapping):
-        return jax.tree.map(_as_arrays_tree, dict(x), is_leaf=_is_number_list)
+        return jax.tree.map(_as_arrays_tree, dict(x), is_leaf=is_number_list)
     if type(x) is list:
         try:
             return np.asarray(x)
@@ -406,7 +406,7 @@ def _leaf_to_array(x: Any) -> Any:
         except ValueError:  # ragged: kept as it is
             return x
     if isinstance(x, Mapping):  # a mapping JAX takes for a leaf (Hugging Face's BatchEncoding): a dict
-        return jax.tree.map(_leaf_to_array, dict(x), is_leaf=_is_number_list)
+        return jax.tree.map(_leaf_to_array, dict(x), is_leaf=is_number_list)
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor (bfloat16 kept: its bits)
         return tensor_to_numpy(x)
     if hasattr(x, "__array__") or hasattr(x, "numpy"):  # tf.Tensor, other array-likes
@@ -443,7 +443,7 @@ def to_arrays(batch: Any) -> Any:
             if x.dtype in _WIDE:
                 check_integer_range(x, str(i), _TO_ARRAYS)
         return batch
-    out = jax.tree.map(_leaf_to_array, batch, is_leaf=_is_number_list)
+    out = jax.tree.map(_leaf_to_array, batch, is_leaf=is_number_list)
     leaves = jax.tree.leaves(out)
     for i, x in enumerate(leaves):
         if getattr(x, "dtype", None) in _WIDE:

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from functree._tree import is_array_value
-from functree.train._data import Batches, batches, to_arrays
+from functree.train._data import Batches, batches, is_number_list, to_arrays
 from functree.train._job import JobState
 from functree.train._metrics import describe_batch, shared_batch_size
 from functree.train.checkpoint._position import DATA_STATE_NOT_STORABLE, storable
@@ -227,12 +227,14 @@ def _array_like(x: Any) -> bool:
 
 
 def _is_array_tree(data: Any) -> bool:
-    """An array, or a tuple/dict of arrays: in-memory data to cut into minibatches."""
+    """An array, or a tuple/dict of arrays (or of lists of numbers, which :func:`batches`
+    reads as arrays): in-memory data to cut into minibatches. (A dict is never a loader:
+    iterating it gives its keys.)"""
     if _array_like(data):
         return True
     if isinstance(data, (tuple, Mapping)):
-        leaves = jax.tree.leaves(data)
-        return bool(leaves) and all(_array_like(x) for x in leaves)
+        leaves = jax.tree.leaves(data, is_leaf=is_number_list)
+        return bool(leaves) and all(_array_like(x) or is_number_list(x) for x in leaves)
     return False
 
 

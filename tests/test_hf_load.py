@@ -458,6 +458,15 @@ def test_bad_arguments():
         ft.nn.from_hf(gpt2_config())
     with pytest.raises(ValueError, match=r"takes a model built by ft.nn.from_hf .*got Dense"):
         ft.nn.to_hf_state_dict(jax.eval_shape(lambda: ft.nn.Dense(2, 2, key=jax.random.key(0))))  # (no draws run)
+    # a per-parameter mask (one bool a tensor) crashed in the layouts' rules (IndexError): named, and the fix runs
+    model = jax.eval_shape(lambda: ft.nn.from_hf(gpt2_config(n_layer=1), key=jax.random.key(0)))
+    with pytest.raises(ValueError, match=r"^ft.nn.to_hf_state_dict writes tensors, but leaf transformer.wte.embeddings "
+                                         r"is a Python bool \(True\)(.|\n)*right:  ") as info:
+        ft.nn.to_hf_state_dict(ft.optim.decay_mask(model))
+    fix = str(info.value).split("right:  ")[1]
+    flags = eval(fix.replace("ft.nn.to_hf_state_dict(", "ft.nn.to_hf_state_dict(numpy=True, model=", 1),
+                 {"ft": ft, "jax": jax, "np": np, "model": model})
+    assert flags["transformer.h.0.attn.c_attn.weight"].all() and not flags["transformer.h.0.ln_1.weight"].any()
 
 
 def test_bad_model_inputs():

@@ -550,7 +550,7 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
     if family is None:
         raise ValueError(NOT_A_PORT.format(covered=", ".join(f.__name__ for f in FAMILIES.values()),
                                            given=type(model).__name__))
-    out = state_dict_by_rules(model, rename=model.hf_rename, layouts=model.hf_layouts)
+    out = state_dict_by_rules(model, rename=model.hf_rename, layouts=model.hf_layouts, where="ft.nn.to_hf_state_dict")
     tied = tied_head(family, model)
     if tied is not None and tied[1] in out:  # (a partial gradient without the embedding: neither)
         out[tied[0]] = out[tied[1]]

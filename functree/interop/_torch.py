@@ -1029,10 +1029,12 @@ def torch_state_dict(
 
 def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping[str, Sequence[int] | None] | None = None,
                         layouts: Mapping[str, Any] | None = None, ports: bool = False,
-                        gradient: bool = False) -> dict[str, np.ndarray]:
+                        gradient: bool = False, where: str = "ft.nn.torch_state_dict") -> dict[str, np.ndarray]:
     """:func:`torch_state_dict` as NumPy arrays; ``ports=False`` (a port's own converter:
     ``to_hf_state_dict``) writes every layer by the rules above, a port's root included.
-    ``gradient``: each rule's gradient layout (:func:`~functree.interop._layouts.gradient_to_torch`)."""
+    ``gradient``: each rule's gradient layout (:func:`~functree.interop._layouts.gradient_to_torch`).
+    ``where``: the public function, for :data:`FLAG_LEAF`."""
+    _check_no_flags(model, where)
     shapes = _shapes(flattened)
     to_torch = _renamer(rename, to_model=False)
     plan = _plan(model, shapes, layouts, ports=ports)
@@ -1047,6 +1049,24 @@ def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping
         ported = prefixed(found.torch, found.port.state_dict(found.node))
         out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in ported.items())
     return out
+
+
+FLAG_LEAF = """\
+{where} writes tensors, but leaf {path} is a Python bool ({value!r}): one flag for a whole \
+parameter (a mask, as ft.optim.decay_mask gives), which has no tensor to write in torch's \
+layout (a fused or transposed weight). Broadcast each flag to its parameter's shape first:
+
+    wrong:  {where}(ft.optim.decay_mask(model))
+    right:  {where}(jax.tree.map(lambda m, w: np.full(np.shape(w), m), ft.optim.decay_mask(model), model))"""
+
+
+def _check_no_flags(tree: Any, where: str) -> None:
+    """:data:`FLAG_LEAF` for a Python/NumPy bool leaf (a per-parameter mask): the layouts'
+    rules read a weight's shape, and crashed inside on a flag's."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, (bool, np.bool_)):
+            raise ValueError(FLAG_LEAF.format(where=where, path=dotted_name(path) or "(the tree itself)",
+                                              value=bool(leaf)))
 
 
 def as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, Any]:

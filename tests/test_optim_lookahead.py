@@ -100,6 +100,21 @@ def test_lookahead_errors():
         ft.optim.Optimizer(optax.GradientTransformation(lambda p: optax.EmptyState(), update_fn))
 
 
+def test_lookahead_around_multisteps_is_refused_and_accumulate_syncs_on_updates():
+    """A MultiSteps inside the lookahead: sync_period counted its micro-steps (minibatches), the
+    slow weights 5e-3 from accumulating around it; refused, and the fix's sync is per update."""
+    for make in (ft.optim.lookahead, optax.lookahead):
+        with pytest.raises(ValueError, match=r"^ft.optim.lookahead counts sync_period in calls of its fast "
+                                             r"optimizer(.|\n)*right:  ft.optim.Optimizer\(ft.optim.lookahead\(tx, "
+                                             r"sync_period=5, slow_step_size=0.5\), accumulate=k\)"):
+            ft.optim.Optimizer(make(optax.MultiSteps(optax.sgd(0.1), 2), 2, 0.5)).init(PARAMS)
+    opt = ft.optim.Optimizer(ft.optim.lookahead(optax.sgd(0.1), 2, 0.5), accumulate=2)
+    params, state = PARAMS, opt.init(PARAMS)
+    for _ in range(2):  # two updates of minibatches of 16: one sync
+        params, state, _ = opt.minimize(lambda p, b: loss(p, *b), params, state, (X, Y))
+    np.testing.assert_array_equal(ft.optim.averaged(state, params)["w"], params["w"])  # synced: fast = slow
+
+
 def test_optax_lookahead_params_model_is_refused_naming_ft_lookahead():
     """optax's documented model, LookaheadParams(fast, slow) with the loss on .fast: through
     Optimizer/Trainer the slow weights never moved (an unused-parameter warning was all)."""

@@ -38,6 +38,15 @@ pass the model.
     right:  updates, state = tx.update(grads, state, model)
 """
 
+LOOKAHEAD_MULTISTEPS = """\
+ft.optim.lookahead counts sync_period in calls of its fast optimizer, but the fast optimizer \
+holds an optax.MultiSteps, whose calls between its updates only sum gradients: the slow \
+weights would sync every sync_period minibatches, not every sync_period updates (and move \
+towards weights that did not change). Accumulate around the lookahead instead:
+
+    wrong:  ft.optim.Optimizer(ft.optim.lookahead(optax.MultiSteps(tx, k), sync_period=5, slow_step_size=0.5))
+    right:  ft.optim.Optimizer(ft.optim.lookahead(tx, sync_period=5, slow_step_size=0.5), accumulate=k)"""
+
 LOOKAHEAD_PARAMS_MODEL = """\
 ft.optim.lookahead (which ft.optim.Optimizer runs for optax.lookahead) keeps the slow \
 weights in the optimizer state: the model is the fast weights alone. Given an \
@@ -94,6 +103,10 @@ class SlowState:
 register_record(SlowState, ["inner", "slow"])
 
 
+def _is_multisteps(x: Any) -> bool:
+    return isinstance(x, optax.MultiStepsState)
+
+
 def _is_hyper(x: Any) -> bool:
     return isinstance(x, HyperState)
 
@@ -144,7 +157,10 @@ def lookahead(fast_optimizer: optax.GradientTransformation, sync_period: int, sl
         if isinstance(params, optax.LookaheadParams):
             raise ValueError(LOOKAHEAD_PARAMS_MODEL)
         inner = optax.lookahead(fast, sync_period, slow_step_size, reset_state)
-        return SlowState(inner.init(optax.LookaheadParams(params, params)), params)
+        state = inner.init(optax.LookaheadParams(params, params))
+        if any(isinstance(x, optax.MultiStepsState) for x in jax.tree.leaves(state.fast_state, is_leaf=_is_multisteps)):
+            raise ValueError(LOOKAHEAD_MULTISTEPS)
+        return SlowState(state, params)
 
     def update(updates: Any, state: SlowState, params: Any = None, **extra: Any) -> tuple[Any, SlowState]:
         if params is None:

@@ -157,8 +157,8 @@ def lookahead(fast_optimizer: optax.GradientTransformation, sync_period: int, sl
         if isinstance(params, optax.LookaheadParams):
             raise ValueError(LOOKAHEAD_PARAMS_MODEL)
         inner = optax.lookahead(fast, sync_period, slow_step_size, reset_state)
-        state = inner.init(optax.LookaheadParams(params, params))
-        if any(isinstance(x, optax.MultiStepsState) for x in jax.tree.leaves(state.fast_state, is_leaf=_is_multisteps)):
+        state: Any = inner.init(optax.LookaheadParams(params, params))
+        if any(_is_multisteps(x) for x in jax.tree.leaves(state.fast_state, is_leaf=_is_multisteps)):
             raise ValueError(LOOKAHEAD_MULTISTEPS)
         return SlowState(state, params)
 

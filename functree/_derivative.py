@@ -893,12 +893,27 @@ def is_dynamic(x: Any) -> bool:
     return _is_data(x) and not _is_static_integer(x)
 
 
+class StateCollection(NamedTuple):
+    """What ``functree.nn``'s layer-state collector gives recomputation (registered by
+    ``functree/nn/_remat.py`` when it is imported: the core imports no subpackage)."""
+
+    collecting: Callable[[], bool]  # whether ft.nn.collect_state is collecting now
+    call_collecting: Callable[..., Any]  # a call whose recorded state is returned with its key paths
+    record_in: Callable[..., None]  # that state filed under an argument's key paths
+
+
+_STATE_COLLECTION: list[StateCollection] = []  # empty until functree.nn is imported
+
+
+def register_state_collection(collection: StateCollection) -> None:
+    """Give recomputation ``functree.nn``'s layer-state collector (once, at its import)."""
+    _STATE_COLLECTION[:] = [collection]
+
+
 def _collecting() -> bool:
     """Whether ``ft.nn.collect_state`` is collecting layer state now (``Optimizer.step``,
     ``ft.train``, ``value_with_gradient_and_state`` on a model with layer state)."""
-    from functree.nn._remat import collecting  # (functree.nn imports this module)
-
-    return collecting()
+    return bool(_STATE_COLLECTION) and _STATE_COLLECTION[0].collecting()
 
 
 def _collecting_call(f: Callable[..., Any], policy: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -907,7 +922,7 @@ def _collecting_call(f: Callable[..., Any], policy: Any, args: tuple, kwargs: di
     their layers record (BatchNorm's running statistics) is collected inside the checkpoint,
     against the arguments, and filed under the key paths of the layers given, as
     ``ft.nn.Remat`` does: the statistics of the layers not recomputed."""
-    from functree.nn._remat import call_collecting, record_in  # (functree.nn imports this module)
+    call_collecting, record_in = _STATE_COLLECTION[0].call_collecting, _STATE_COLLECTION[0].record_in
 
     dyn_pos = [i for i, a in enumerate(args) if is_dynamic(a)]
     dyn_kw = [k for k, v in kwargs.items() if is_dynamic(v)]

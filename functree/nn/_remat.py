@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import jax
 
-from functree._derivative import is_dynamic
+from functree._derivative import StateCollection, is_dynamic, register_state_collection
 from functree._module import Module, field
 from functree._paths import ATTR, Entry, KeyPath
 from functree._remat_policy import checkpointed, remat_policy
@@ -171,3 +171,6 @@ def _check_layer(layer: Any) -> None:
     if jax.tree_util.treedef_is_leaf(jax.tree.structure(layer)):
         name = getattr(layer, "__name__", None) or type(layer).__name__
         raise TypeError(A_FUNCTION.format(type=type(layer).__name__, name=name))
+
+
+register_state_collection(StateCollection(collecting, call_collecting, record_in))  # for ft.with_recomputation_in_pullbacks

@@ -924,19 +924,12 @@ def _collecting_call(f: Callable[..., Any], policy: Any, args: tuple, kwargs: di
     ``ft.nn.Remat`` does: the statistics of the layers not recomputed."""
     call_collecting, record_in = _STATE_COLLECTION[0].call_collecting, _STATE_COLLECTION[0].record_in
 
-    dyn_pos = [i for i, a in enumerate(args) if is_dynamic(a)]
-    dyn_kw = [k for k, v in kwargs.items() if is_dynamic(v)]
     paths: list[Any] = []
+    dyn, rebuilt = _split_dynamic(args, kwargs)
 
     def inner(*dyn: Any) -> Any:
-        full = list(args)
-        for i, value in zip(dyn_pos, dyn):
-            full[i] = value
-        kw = dict(kwargs)
-        kw.update(zip(dyn_kw, dyn[len(dyn_pos):]))
-        return call_collecting(lambda given: f(*given[0], **given[1]), (tuple(full), kw), paths)
+        return call_collecting(lambda given: f(*given[0], **given[1]), rebuilt(dyn), paths)
 
-    dyn = [args[i] for i in dyn_pos] + [kwargs[k] for k in dyn_kw]
     out, values = jax.checkpoint(inner, policy=policy)(*dyn)  # pyright: ignore[reportArgumentType]
     by_argument: dict[tuple[int, Any], tuple[list[Any], list[Any]]] = {}
     for path, value in zip(paths, values):  # path: (args or kwargs, position or name, *inside)
@@ -951,16 +944,27 @@ def _collecting_call(f: Callable[..., Any], policy: Any, args: tuple, kwargs: di
 
 def _with_constants(f: Callable[..., Any], policy: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     """``f(*args, **kwargs)`` checkpointed with its non-data arguments bound as constants."""
+    dyn, rebuilt = _split_dynamic(args, kwargs)
+
+    def inner(*dyn: Any) -> Any:
+        full, kw = rebuilt(dyn)
+        return f(*full, **kw)
+
+    return jax.checkpoint(inner, policy=policy)(*dyn)  # pyright: ignore[reportArgumentType]
+
+
+def _split_dynamic(args: tuple, kwargs: dict[str, Any]) -> tuple[list[Any], Callable[[Any], tuple[tuple, dict]]]:
+    """The data arguments (positional, then keyword: what ``jax.checkpoint`` traces) and a
+    function rebuilding ``(args, kwargs)`` from new values of them, the others bound as they are."""
     dyn_pos = [i for i, a in enumerate(args) if is_dynamic(a)]
     dyn_kw = [k for k, v in kwargs.items() if is_dynamic(v)]
 
-    def inner(*dyn: Any) -> Any:
+    def rebuilt(dyn: Any) -> tuple[tuple, dict]:
         full = list(args)
         for i, value in zip(dyn_pos, dyn):
             full[i] = value
         kw = dict(kwargs)
         kw.update(zip(dyn_kw, dyn[len(dyn_pos):]))
-        return f(*full, **kw)
+        return tuple(full), kw
 
-    dyn = [args[i] for i in dyn_pos] + [kwargs[k] for k in dyn_kw]
-    return jax.checkpoint(inner, policy=policy)(*dyn)  # pyright: ignore[reportArgumentType]
+    return [args[i] for i in dyn_pos] + [kwargs[k] for k in dyn_kw], rebuilt

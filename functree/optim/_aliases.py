@@ -49,7 +49,7 @@ from functree._naming import NothingSelected, check_patterns, right_name, select
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._checks import moment_fields
-from functree.optim._complex import RealPair
+from functree.optim._complex import RealPair, is_pair
 from functree.optim._groups import merge_members
 from functree.optim._hyper import OFF_AT_ZERO
 from functree.optim._leafwise import separable
@@ -166,17 +166,13 @@ def decay_mask_of(params: Any, exclude: tuple[str, ...], where: str) -> Any:
     (``bias`` as ``bias.real`` and ``bias.imag``): its mask entry is the complex leaf's,
     taken under the leaf's own name (the default's ``"<leaf>*.bias"`` had matched neither
     part, so a complex ``bias`` was decayed), and given to both parts."""
-    if not any(isinstance(x, RealPair) for x in jax.tree.leaves(params, is_leaf=_is_pair)):
+    if not any(is_pair(x) for x in jax.tree.leaves(params, is_leaf=is_pair)):
         return _decay_mask_named(params, exclude, where)
-    mask = _decay_mask_named(jax.tree.map(lambda x: x.real if _is_pair(x) else x, params, is_leaf=_is_pair),
+    mask = _decay_mask_named(jax.tree.map(lambda x: x.real if is_pair(x) else x, params, is_leaf=is_pair),
                              exclude, where)
-    paired = jax.tree.map(_is_pair, params, is_leaf=_is_pair)  # another group's pair: MaskedNode parts
+    paired = jax.tree.map(is_pair, params, is_leaf=is_pair)  # another group's pair: MaskedNode parts
     return jax.tree.map(lambda m, pair: RealPair(m, m) if pair is True else m, mask, paired,
                         is_leaf=lambda x: x is None or _masked(x))
-
-
-def _is_pair(x: Any) -> bool:
-    return isinstance(x, RealPair)
 
 
 def _decay_mask_named(params: Any, exclude: tuple[str, ...], where: str) -> Any:

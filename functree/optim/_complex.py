@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-__all__ = ["RealPair", "has_complex", "as_pairs", "from_pairs", "real_pairs"]
+__all__ = ["RealPair", "has_complex", "as_pairs", "from_pairs", "real_pairs", "is_pair"]
 
 
 class RealPair(NamedTuple):
@@ -61,13 +61,13 @@ def as_pairs(tree: Any) -> Any:
     return jax.tree.map(lambda x: RealPair(x.real, x.imag) if _is_complex(x) else x, tree)
 
 
-def _is_pair(x: Any) -> bool:
+def is_pair(x: Any) -> bool:
     return isinstance(x, RealPair)
 
 
 def from_pairs(tree: Any) -> Any:
     """The inverse of :func:`as_pairs`: each :class:`RealPair` back as one complex array."""
-    return jax.tree.map(lambda x: jax.lax.complex(x.real, x.imag) if _is_pair(x) else x, tree, is_leaf=_is_pair)
+    return jax.tree.map(lambda x: jax.lax.complex(x.real, x.imag) if is_pair(x) else x, tree, is_leaf=is_pair)
 
 
 def real_pairs(transform: Any) -> optax.GradientTransformationExtraArgs:

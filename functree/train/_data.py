@@ -144,7 +144,7 @@ class Batches:
         shard: tuple[int, int] | None = None,
     ):
         self.shard = None if shard is None else _check_shard(shard)
-        arrays = jax.tree.map(_as_arrays_tree, arrays, is_leaf=is_number_list)
+        arrays = jax.tree.map(_leaf_to_array, arrays, is_leaf=is_number_list)  # to_arrays' reading
         leaves = jax.tree.leaves(arrays)
         if not leaves:
             raise ValueError(NO_ARRAYS.format(what=repr(arrays)[:80]))
@@ -289,19 +289,6 @@ def is_number_list(x: Any) -> bool:
     ``return_tensors``): one array of the minibatch, not a tree of scalar leaves."""
     return type(x) is list and bool(x) and all(
         isinstance(v, _NUMBERS) if not isinstance(v, list) else is_number_list(v) for v in x)
-
-
-def _as_arrays_tree(x: Any) -> Any:
-    """A mapping that JAX takes for a leaf (Hugging Face's ``BatchEncoding``) as a dict, a
-    list of Python numbers of one length per level as a NumPy array (a ragged one kept)."""
-    if isinstance(x, Mapping):
-        return jax.tree.map(_as_arrays_tree, dict(x), is_leaf=is_number_list)
-    if type(x) is list:
-        try:
-            return np.asarray(x)
-        except ValueError:
-            return x
-    return x
 
 
 def _array_names(arrays: Any) -> list[str]:

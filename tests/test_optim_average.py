@@ -206,3 +206,41 @@ def test_averaged_of_a_donated_state_or_model_names_the_call_and_the_fix():
     with pytest.raises(ValueError, match=call + r"model\.weight"):
         ft.optim.averaged(new_state, model)
     assert ft.optim.averaged(new_state, new_model).weight.shape == (3, 1)
+
+
+def test_an_average_chained_anywhere_but_last_or_after_multisteps_is_refused():
+    """An average in an optax.chain folds θ + u, u the update it is given: chained first it
+    folded the gradients (2.6 off the average of the steps' parameters after 8 Adam steps),
+    before another transformation it missed that change (0.080), after an optax.MultiSteps
+    it folded every minibatch (0.0080). Refused at init; chained last it equals average=."""
+    w = {"w": jnp.ones(2)}
+    refused = {
+        "element 0 of an optax.chain of 2": optax.chain(ft.optim.ema(0.5), optax.adam(0.1)),
+        "element 1 of an optax.chain of 3": optax.chain(optax.adam(0.1), ft.optim.uniform_average(), optax.scale(0.5)),
+        "ft.optim.lookahead is element 0": optax.chain(ft.optim.lookahead(optax.sgd(0.1), 2, 0.5), optax.clip(1.0)),
+        "chained after an optax.MultiSteps": optax.chain(optax.MultiSteps(optax.adam(0.1), 2), ft.optim.ema(0.5)),
+        "lookahead is chained after an optax.MultiSteps":
+            optax.chain(optax.MultiSteps(optax.adam(0.1), 2), ft.optim.lookahead(optax.sgd(0.1), 2, 0.5)),
+    }
+    for message, tx in refused.items():
+        for average in (None, ft.optim.ema(0.9)):  # also inside Optimizer(average=)'s own pair
+            with pytest.raises(ValueError, match=message) as info:
+                ft.optim.Optimizer(tx, average=average).init(w)
+        fixes = [line.split(":", 1)[1].strip() for line in str(info.value).splitlines()
+                 if line.strip().startswith(("right:", "or:"))]
+        assert len(fixes) == 2
+        for fix in fixes:  # every fix the message shows is taken
+            eval(fix, {"ft": ft, "optax": optax}).init(w)
+    # chained last (also inside a skip, or averaging inside the MultiSteps): the average of average=
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    got = []
+    for opt in (ft.optim.Optimizer(optax.adam(0.1), average=ft.optim.ema(0.5)),
+                ft.optim.Optimizer(optax.chain(optax.adam(0.1), ft.optim.ema(0.5))),
+                ft.optim.Optimizer(ft.optim.skip_non_finite(optax.chain(optax.adam(0.1), ft.optim.ema(0.5))))):
+        m, state = model, opt.init(model)
+        for i in range(0, 16, 4):
+            m, state, _ = opt.minimize(mse, m, state, X[i:i + 4], Y[i:i + 4])
+        got.append(ft.optim.averaged(state, m).weight)
+    np.testing.assert_array_equal(got[1], got[0])
+    np.testing.assert_array_equal(got[2], got[0])
+    ft.optim.Optimizer(optax.MultiSteps(optax.chain(optax.adam(0.1), ft.optim.ema(0.5)), 2)).init(w)

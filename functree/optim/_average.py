@@ -39,7 +39,8 @@ from functree._tree import is_none, register_record
 from functree.optim._lookahead import SlowState
 from functree.optim._skip import applied_in, select
 
-__all__ = ["AverageState", "ema", "uniform_average", "averaged", "keeps_average", "with_average"]
+__all__ = ["AverageState", "ema", "uniform_average", "averaged", "keeps_average", "with_average",
+           "check_average_placement"]
 
 NEEDS_PARAMS = """\
 {name} averages the parameters, so update needs them: pass the model.
@@ -87,6 +88,28 @@ TWO_AVERAGES = """\
 ft.optim.averaged: this optimizer state keeps {count} averages of the parameters; \
 give the optimizer one (average= or one ft.optim.ema / uniform_average / lookahead in the chain).
 """
+
+
+AVERAGE_NOT_LAST = """\
+{name} is element {index} of an optax.chain of {length}, not its last: it folds each \
+step's new parameters θ + u into its average, where u is the update it is given, so a \
+transformation before the optimizer hands it gradients, and one after it changes the step \
+that is applied: the average would not be of the parameters the model takes. Give the \
+average to the optimizer, or chain it last:
+
+    wrong:  ft.optim.Optimizer(optax.chain(ft.optim.ema(0.999), optax.adam(1e-3)))
+    right:  ft.optim.Optimizer(optax.adam(1e-3), average=ft.optim.ema(0.999))
+       or:  ft.optim.Optimizer(optax.chain(optax.adam(1e-3), ft.optim.ema(0.999)))"""
+
+AVERAGE_AFTER_MULTISTEPS = """\
+{name} is chained after an optax.MultiSteps, whose calls between its updates only sum \
+gradients: it would count every minibatch as a step (each update folded k times, start \
+and every counted in minibatches, the lookahead's sync_period too). Give the average to \
+the optimizer, which folds at the updates only, or accumulate with functree:
+
+    wrong:  ft.optim.Optimizer(optax.chain(optax.MultiSteps(optax.adam(1e-3), 4), ft.optim.ema(0.999)))
+    right:  ft.optim.Optimizer(optax.MultiSteps(optax.adam(1e-3), 4), average=ft.optim.ema(0.999))
+       or:  ft.optim.Optimizer(optax.adam(1e-3), accumulate=4, average=ft.optim.ema(0.999))"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +294,52 @@ def _both(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
 
 def _has_average(x: Any) -> bool:
     return isinstance(x, (AverageState, SlowState))
+
+
+def check_average_placement(state: Any, averaged: bool) -> None:
+    """Refuse an average (``ft.optim.ema``, ``uniform_average``, ``lookahead``) that an
+    ``optax.chain`` in the optimizer state holds anywhere but last, or after an
+    ``optax.MultiSteps``: it would average something other than the parameters the steps
+    make (``Optimizer.init`` calls this; ``averaged``: the state's top pair is
+    ``Optimizer(average=)``'s own, which folds at the updates only, so it is not checked).
+
+    A chain's state is a plain tuple, one element per transformation, in order.
+
+    Example:
+      >>> import optax, functree as ft, jax.numpy as jnp
+      >>> state = optax.chain(ft.optim.ema(0.9), optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> try:
+      ...     check_average_placement(state, averaged=False)
+      ... except ValueError as e:
+      ...     print(str(e).split(":")[0])
+      ft.optim.ema / ft.optim.uniform_average is element 0 of an optax.chain of 2, not its last
+    """
+    for node in _nodes(state):
+        if type(node) is tuple and not (averaged and node is state):
+            _check_chain(node)
+
+
+def _is_node(x: Any) -> bool:
+    return type(x) is tuple or isinstance(x, (optax.MultiStepsState, AverageState, SlowState))
+
+
+def _nodes(tree: Any) -> list[Any]:
+    """``tree`` and every chain state, MultiSteps state and average inside it."""
+    below = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: x is not tree and _is_node(x)) if _is_node(x)]
+    return [tree] + [node for x in below for node in _nodes(x)]
+
+
+def _check_chain(chain: tuple[Any, ...]) -> None:
+    accumulating = False
+    for index, element in enumerate(chain):
+        found = [x for x in _nodes(element) if _has_average(x)]
+        if found:
+            name = "ft.optim.lookahead" if isinstance(found[0], SlowState) else "ft.optim.ema / ft.optim.uniform_average"
+            if accumulating:
+                raise ValueError(AVERAGE_AFTER_MULTISTEPS.format(name=name))
+            if index != len(chain) - 1:
+                raise ValueError(AVERAGE_NOT_LAST.format(name=name, index=index, length=len(chain)))
+        accumulating = accumulating or any(isinstance(x, optax.MultiStepsState) for x in _nodes(element))
 
 
 def _averages(state: Any) -> list[Any]:

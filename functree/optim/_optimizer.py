@@ -48,7 +48,7 @@ from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._mode import in_mode, mode_free
 from functree.nn._state import apply_state, collect_state
 from functree.optim._accumulate import accumulated_gradients, leading_dimension
-from functree.optim._average import with_average
+from functree.optim._average import check_average_placement, with_average
 from functree.optim._checks import (
     check_state_fits,
     checked_gradients,
@@ -314,6 +314,7 @@ class Optimizer:
     _accumulate: int
     _wrt: tuple[str, ...] | None
     _separable: bool
+    _averaged: bool  # average= given: the state's top pair is with_average's
 
     def __init__(
         self,
@@ -350,6 +351,7 @@ class Optimizer:
         set_(self, "_accumulate", accumulate)
         set_(self, "_wrt", check_wrt(wrt))
         set_(self, "_separable", is_separable(transform) and average is None)
+        set_(self, "_averaged", average is not None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         shown = repr(value) if isinstance(value, (int, float)) else "..."
@@ -390,6 +392,7 @@ class Optimizer:
         with jax.numpy_dtype_promotion("standard"), _mask_structure():  # optax mixes floats and ints
             inner = self._transform.init(params)
         check_multisteps(inner, HyperState)
+        check_average_placement(inner, self._averaged)
         check_context_reaches(self._raw_transform, inner)
         _check_nested_skip(inner)
         state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))

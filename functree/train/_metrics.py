@@ -36,6 +36,7 @@ import numpy as np
 from jax.core import Tracer
 
 from functree import _compat as compat
+from functree.losses._weighted import WeightedMean, ratio
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
@@ -484,7 +485,9 @@ def metric_dtype() -> np.dtype:
 def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOutput) -> dict[str, jax.Array]:
     """Every metric on one minibatch, as scalars of :func:`metric_dtype` (checked at trace
     time). Inside :func:`measured`, each value is remembered as plain (its metric called no
-    counting metric) or as the counting value it returned (cast): no probe needed for them."""
+    counting metric) or as the counting value it returned (cast): no probe needed for them.
+    A metric returning ``ft.losses.WeightedMean`` gives its value with its parts, as such a
+    loss does: its means are ``Σ total / Σ count``."""
     dtype, frame = metric_dtype(), _frame()
     if out.parts is None:
         values = {"loss": _known(jnp.asarray(out.loss).astype(dtype), None, frame)}
@@ -493,6 +496,9 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
     for name, fn in fns.items():
         before = len(frame.calls) if frame is not None else 0
         raw = fn(out)
+        if isinstance(raw, WeightedMean):  # a token-level metric: Σ total / Σ count, as such a loss
+            values[name] = _weighted(raw, dtype)
+            continue
         value = jnp.asarray(raw)
         if value.shape != ():
             raise ValueError(NOT_SCALAR.format(name=name, shape=value.shape))
@@ -505,6 +511,14 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
             else:  # derived from one (a lambda's 1.0 * acc): measured() probes it
                 frame.derived.add(name)
     return values
+
+
+def _weighted(metric: WeightedMean, dtype: Any) -> jax.Array:
+    """A metric's ``WeightedMean(total, count)`` as its value ``total / count``, noted with
+    its parts (in ``dtype``: a bfloat16 total's parts divided in float32), so that its means
+    over minibatches are ``Σ total_b / Σ count_b`` (a token mean), not size-weighted."""
+    total, count = jnp.asarray(metric.total).astype(dtype), jnp.asarray(metric.count).astype(dtype)
+    return _noted(ratio(total, count), total, count)
 
 
 def batch_size_of(batch: Any) -> int:

@@ -126,7 +126,7 @@ Give torch's map shape before Flatten:
 
 FLATTENED_UNSEEN = """\
 ft.nn: {name} (ft: {ft}) is a Dense layer of {inputs} inputs, {size} x the {channels} channels \
-of the Conv {conv} before it, in a model without ft.nn.Flatten: if its __call__ flattens the \
+of the Conv {conv} {where}, in a model without ft.nn.Flatten: if its __call__ flattens the \
 Conv's feature maps (x.reshape(len(x), -1)), torch's Flatten of channels-first maps orders \
 them ({channels}, {spatial}) and ft.nn's of channels-last maps ({spatial}, {channels}), so \
 the weight's rows are permuted between the two by the maps' shape, which no tensor holds \
@@ -444,27 +444,43 @@ def _check_unflattened(steps: list[tuple[str, str, Any]], ft: str, torch: str, o
     field order, a ``Conv`` and then a ``Dense`` whose inputs are a multiple (> 1) of the
     Conv's channels: its ``__call__`` most likely flattens the maps by hand (torchvision's
     VGG, AlexNet), and torch's rows are then ``[C, *S]`` where ft's are ``[*S, C]``. Another
-    layout (two pooled branches joined) says so with ``flattened={name: None}``."""
-    last: tuple[int, str, Conv | Dense] | None = None
+    layout (two pooled branches joined) says so with ``flattened={name: None}``. A Dense
+    that no weighted field precedes, with a ``Conv`` in a later field, is refused alike:
+    field order need not be the call's (``fc`` declared before ``features``)."""
+    weighted = [(k, *found) for k, (_, _, layer) in enumerate(steps) for found in [_last_weighted(layer)]
+                if found is not None]
     for k, (_, _, layer) in enumerate(steps):
-        first = None if last is None else _first_weighted(layer)
-        if last is not None and first is not None and isinstance(last[2], Conv) and isinstance(first[2], Dense):
-            j, inner, conv = last[0], last[1], last[2]
-            torch_inner, ft_inner, dense = first
-            assert isinstance(conv, Conv)
-            channels, inputs = int(conv.weight.shape[-1]), int(dense.weight.shape[0])
-            name = join_names(torch, join_names(steps[k][0], torch_inner))
-            path = join_names(ft, join_names(steps[k][1], ft_inner))
-            if inputs > channels and not inputs % channels and name not in options.flattened \
-                    and path not in options.flattened:
-                spatial = "length" if conv._rank == 1 else "height, width"
-                raise ValueError(FLATTENED_UNSEEN.format(
-                    name=name, ft=path, channels=channels, conv=join_names(torch, join_names(steps[j][0], inner)),
-                    inputs=inputs, spatial=spatial, size=inputs // channels,
-                    fn="load_torch_state_dict" if loading else "torch_state_dict", rest=", state_dict" if loading else ""))
-        found = _last_weighted(layer)
-        if found is not None:
-            last = (k, *found)
+        first = _first_weighted(layer)
+        if first is None or not isinstance(first[2], Dense):
+            continue
+        before = [w for w in weighted if w[0] < k]
+        # The weighted layer before it in field order; a Dense that no layer precedes there
+        # may still be called after a Conv declared later (fields out of call order): the
+        # first such Conv after it.
+        last = before[-1] if before else next((w for w in weighted if w[0] > k and isinstance(w[2], Conv)), None)
+        if last is not None and isinstance(last[2], Conv):
+            _refuse_unseen(steps, k, first, last, ft, torch, options, loading=loading,
+                           where="before it" if before else "after it in field order (which need not be the call's)")
+
+
+def _refuse_unseen(steps: list[tuple[str, str, Any]], k: int, first: tuple[str, str, Any],
+                   last: tuple[int, str, Any], ft: str, torch: str, options: Options, *, loading: bool,
+                   where: str) -> None:
+    """Raise :data:`FLATTENED_UNSEEN` for the Dense ``first`` (of step ``k``) after the Conv
+    ``last`` where its inputs are a multiple (> 1) of the Conv's channels and neither of its
+    names is in ``flattened=``."""
+    j, inner, conv = last
+    torch_inner, ft_inner, dense = first
+    channels, inputs = int(conv.weight.shape[-1]), int(dense.weight.shape[0])
+    name = join_names(torch, join_names(steps[k][0], torch_inner))
+    path = join_names(ft, join_names(steps[k][1], ft_inner))
+    if inputs > channels and not inputs % channels and name not in options.flattened \
+            and path not in options.flattened:
+        spatial = "length" if conv._rank == 1 else "height, width"
+        raise ValueError(FLATTENED_UNSEEN.format(
+            name=name, ft=path, channels=channels, conv=join_names(torch, join_names(steps[j][0], inner)),
+            where=where, inputs=inputs, spatial=spatial, size=inputs // channels,
+            fn="load_torch_state_dict" if loading else "torch_state_dict", rest=", state_dict" if loading else ""))
 
 
 def _steps(node: Any) -> list[tuple[str, str, Any]]:
@@ -664,7 +680,8 @@ def load_torch_state_dict(
     must be named (:data:`FLATTENED_UNNAMED`; ``None``: torch's rows are channels-last too).
     A model without an ``ft.nn.Flatten`` whose fields hold a ``Conv`` and then a ``Dense`` of a
     multiple (> 1) of its channels (a ``__call__`` that flattens by hand) is refused too
-    (:data:`FLATTENED_UNSEEN`); fields in another order than the call's are not seen.
+    (:data:`FLATTENED_UNSEEN`), and so is one declared before the ``Conv`` that nothing
+    precedes (fields in another order than the call's).
 
     A model of :func:`ft.nn.from_hf`, at the root or held anywhere inside the model
     (``Classifier(bert=ft.nn.from_hf(...), head=Dense)``), reads Hugging Face's names under

@@ -755,7 +755,7 @@ def test_dynamic_rope_decodes_as_hf_past_the_context_with_padding():
 
 INIT_CONFIGS = {
     "gpt2": lambda: gpt2_config(n_embd=32),
-    "llama": lambda: llama_config(hidden_size=32, pad_token_id=3),
+    "llama": lambda: llama_config(hidden_size=32, pad_token_id=-1),  # older Llama configs': torch's last row
     "bert": lambda: transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                             num_attention_heads=4, intermediate_size=64, max_position_embeddings=16),
     **FAMILIES,
@@ -769,13 +769,17 @@ def test_from_config_initializes_as_hf(family):
     of HF's (5 sigma of the two estimates' ratio where that is more: 64 draws; GPT-2's
     residual projections are at half the std of the rest, Gemma's norms 0) and its mean
     near 0. main initialized embeddings with std 1.0 (HF: 0.02): a random GPT-2 put 0.997 of
-    its next-token probability on one token at step 0 (HF: 0.02, of 64)."""
+    its next-token probability on one token at step 0 (HF: 0.02, of 64). Llama's
+    ``pad_token_id=-1`` is the row torch's ``padding_idx=-1`` wraps to, the last, zeroed by
+    HF (the build left it random: its range check read ``0 <= pad``)."""
     config = INIT_CONFIGS[family]()
     torch.manual_seed(0)
     builder = transformers.BertModel if family == "bert" else transformers.AutoModelForCausalLM.from_config
     expected = {k: v.numpy() for k, v in builder(config).state_dict().items()}
     ours = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
     assert set(ours) == set(expected)
+    if family == "llama":  # the row torch wraps -1 to
+        assert np.flatnonzero(np.all(ours["model.embed_tokens.weight"] == 0, axis=-1)).tolist() == [VOCAB - 1]
     checked = 0
     for name, theirs in expected.items():
         mine = ours[name]

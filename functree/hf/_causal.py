@@ -42,7 +42,7 @@ from functree.nn._linear import Dense
 from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack
 
-__all__ = ["CausalLM", "Block", "check_token_ids", "padding_row"]
+__all__ = ["CausalLM", "Block", "check_token_ids", "padding_index", "padding_row"]
 
 BAD_INPUT_IDS = """\
 {model}: input_ids must be integer token ids [batch, T], got {given}.
@@ -170,7 +170,13 @@ def padding_row(model: Any, vocab: int) -> int | None:
     config = getattr(model, "hf_config", None)
     if type(model).hf_padded is None or config is None:
         return None
-    pad = config.get("pad_token_id")
+    return padding_index(config.get("pad_token_id"), vocab)
+
+
+def padding_index(pad: Any, vocab: int) -> int | None:
+    """The row torch's ``nn.Embedding(vocab, d, padding_idx=pad)`` holds at zero: ``pad``
+    wrapped as torch wraps a negative index (older Llama configs' ``pad_token_id: -1`` is
+    the last row), or None (no pad id, or one outside the table, which torch refuses)."""
     if not isinstance(pad, int) or isinstance(pad, bool) or not -vocab <= pad < vocab:
         return None
     return pad % vocab

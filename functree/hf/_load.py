@@ -32,6 +32,7 @@ from functree._random import flat_key
 from functree._state_dict import FlatDictReport, to_numpy
 from functree._tree import dotted_name, join_names, written_dtype
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
+from functree.hf._causal import padding_index
 from functree.hf._config import HFConfig, hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
@@ -315,10 +316,10 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
     ``family.hf_class(config)`` starts training from scratch: every weight matrix (linear,
     Conv1D, embedding) ``normal(0, initializer_range)`` (OPT: ``init_std``), the family's
     residual projections (GPT-2's ``c_proj``) ``/ sqrt(2 * n_layer)``, biases zero, the
-    padding id's embedding row zero, norms as built (scale 1, Gemma's offset 0). Independent
-    normal draws are the same whatever the layout, so each ``Dense`` and ``Embedding`` is
-    drawn as it is (fused or split projections, stacked layers); it traces (``jax.jit`` of a
-    build)."""
+    padding id's embedding row zero (a negative id wrapped, as torch's ``padding_idx``: -1 is
+    the last row), norms as built (scale 1, Gemma's offset 0). Independent normal draws are
+    the same whatever the layout, so each ``Dense`` and ``Embedding`` is drawn as it is
+    (fused or split projections, stacked layers); it traces (``jax.jit`` of a build)."""
     std = next((float(v) for v in (getattr(config, "initializer_range", None), getattr(config, "init_std", None))
                 if v is not None), 0.02)
     pad = getattr(config, "pad_token_id", None)
@@ -332,8 +333,9 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
         name = dotted_name(path)
         if isinstance(node, Embedding):
             table = normal(i, node.embeddings, std)
-            if name == padded and isinstance(pad, int) and 0 <= pad < table.shape[0]:
-                table = table.at[pad].set(0)
+            row = padding_index(pad, table.shape[0]) if name == padded else None
+            if row is not None:
+                table = table.at[row].set(0)
             return node.replace(embeddings=table)
         if isinstance(node, Dense):
             residual = any(matches(name, pattern) for pattern in family.hf_residual)

@@ -12,6 +12,7 @@ import pytest
 
 import functree as ft
 from functree.losses._weighted import WEIGHTED_MEAN_NOT_SCALAR
+from functree.train._metrics import AUX_WEIGHTED_MEAN
 
 V, T, B = 7, 5, 8
 RNG = np.random.default_rng(0)
@@ -200,16 +201,35 @@ def test_a_metric_returning_a_weighted_mean_has_the_whole_datas_token_mean():
     def token_ce(out):
         return ft.losses.softmax_cross_entropy(out.aux, out.batch[1], reduction="weighted")
 
-    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics={"token_ce": token_ce})
+    metrics = {"token_ce": token_ce, "by_mean": ft.train.mean(token_ce)}  # ft.train.mean passes it on
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics=metrics)
     data = ft.train.batches((IDS, LABELS), 2, shuffle=False)
     history = trainer.fit(data, epochs=1, progress=False)
     token_mean = float(_token_mean(model, IDS, LABELS))
     np.testing.assert_allclose(history.epochs["token_ce"][0], token_mean, rtol=0, atol=1e-6 * token_mean)
-    np.testing.assert_allclose(trainer.evaluate(data)["token_ce"], token_mean, rtol=0, atol=1e-6 * token_mean)
-    per_step = [float(_token_mean(model, IDS[i:i + 2], LABELS[i:i + 2])) for i in range(0, B, 2)]
-    np.testing.assert_allclose(history.steps["token_ce"], per_step, rtol=0, atol=1e-6 * max(per_step))
-    assert history.steps["loss"] == history.steps["token_ce"]  # one minibatch: the same mean
+    evaluated = trainer.evaluate(data)
+    np.testing.assert_allclose(evaluated["token_ce"], token_mean, rtol=0, atol=1e-6 * token_mean)
+    assert evaluated["by_mean"] == evaluated["token_ce"] and history.epochs["by_mean"] == history.epochs["token_ce"]
+    assert history.steps["loss"] == history.steps["token_ce"]  # a step's: its minibatch's token mean
     assert abs(history.epochs["loss"][0] - token_mean) > 1e-2  # the plain loss: size-weighted
+
+
+def test_a_weighted_mean_in_aux_named_to_ft_train_mean_is_refused_with_the_fix():
+    """``ft.train.mean("tok")`` of an aux ``WeightedMean`` (a plain mean: no columns for
+    its parts) names the fix, a function returning it, which gives the token mean
+    (unjitted steps: nothing compiled)."""
+    def loss_fn(m, b):
+        logits = m(b[0])
+        return ft.losses.softmax_cross_entropy(logits, b[1]), {"tok": ft.losses.softmax_cross_entropy(
+            logits, b[1], reduction="weighted")}
+
+    with pytest.raises(TypeError) as e:
+        ft.train.eval_step(loss_fn, metrics={"tok": ft.train.mean("tok")}).step(_model(), (IDS, LABELS))
+    assert str(e.value) == AUX_WEIGHTED_MEAN.format(key="tok")
+    right = ft.train.eval_step(loss_fn, metrics={"tok": lambda out: out.aux["tok"]}).step(_model(), (IDS, LABELS))
+    token_mean = float(_token_mean(_model(), IDS, LABELS))
+    np.testing.assert_allclose(float(right["tok"]), token_mean, rtol=0, atol=1e-6 * token_mean)
+    assert float(right["tok#count"]) * B == np.sum(LABELS != -100)  # its parts: the kept tokens
 
 
 def test_a_weighted_mean_where_a_scalar_is_needed_is_refused_by_name():

@@ -119,6 +119,14 @@ MISSING_AUX_KEY = """\
 ft.train.mean({key!r}) reads aux[{key!r}], but the loss function's aux is {aux}.
     right:  def loss_fn(model, batch): ...; return loss, {{{key!r}: value}}"""
 
+AUX_WEIGHTED_MEAN = """\
+ft.train.mean({key!r}) averages the array aux[{key!r}], but it is a ft.losses.WeightedMean \
+(total, count): a mean already, whose means over minibatches are Σ total / Σ count when a \
+metric function returns it. Return it from one:
+
+    wrong:  metrics={{{key!r}: ft.train.mean({key!r})}}
+    right:  metrics={{{key!r}: lambda out: out.aux[{key!r}]}}"""
+
 
 class StepOutput(NamedTuple):
     """What a metric sees: this minibatch's loss and aux output, the batch, the model.
@@ -409,7 +417,8 @@ takes one logit per label (logits of the labels' shape, or the labels' shape + (
 
 
 def mean(source: str | Callable[[StepOutput], Any]) -> Callable[[StepOutput], jax.Array]:
-    """A metric averaging ``aux[source]`` (a name) or ``source(out)`` (a function).
+    """A metric averaging ``aux[source]`` (a name) or ``source(out)`` (a function); a
+    ``source`` returning ``ft.losses.WeightedMean`` gives it as it is (a token mean).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -423,14 +432,19 @@ def mean(source: str | Callable[[StepOutput], Any]) -> Callable[[StepOutput], ja
         def from_aux(out: StepOutput) -> jax.Array:
             if not isinstance(out.aux, Mapping) or key not in out.aux:
                 raise ValueError(MISSING_AUX_KEY.format(key=key, aux=_describe(out.aux)))
+            if isinstance(out.aux[key], WeightedMean):  # its parts need the columns a plain mean has not
+                raise TypeError(AUX_WEIGHTED_MEAN.format(key=key))
             return jnp.mean(jnp.asarray(out.aux[key]).astype(metric_dtype()))
 
         from_aux.__name__ = source
         from_aux.__ft_plain__ = True  # type: ignore[attr-defined]  # reads aux alone: no counting metric's value
         return from_aux
 
-    def of_fn(out: StepOutput) -> jax.Array:
-        return jnp.mean(jnp.asarray(source(out)).astype(metric_dtype()))
+    def of_fn(out: StepOutput) -> Any:
+        value = source(out)
+        if isinstance(value, WeightedMean):  # a mean already, as its parts (its means Σ total / Σ count)
+            return value
+        return jnp.mean(jnp.asarray(value).astype(metric_dtype()))
 
     of_fn.__name__ = getattr(source, "__name__", "mean")
     return of_fn

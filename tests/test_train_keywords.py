@@ -255,3 +255,27 @@ def test_kerass_positional_fit_x_y_names_the_tuple():
     assert trainer.steps_run == 0
     trainer.fit((X, Y), epochs=2, batch_size=16, progress=False)
     assert trainer.steps_run == 4
+
+
+@pytest.mark.parametrize("name", ["step", "global_step", "iterations", "current_epoch", "params", "optimizer_state"])
+def test_another_loops_attribute_names_ours_and_its_right_line_reads_it(name):
+    """`trainer.step` (Lightning's global_step, Keras's iterations, flax's params) raised
+    Python's AttributeError suggesting the private `_step`; it names the attribute here,
+    whose right line reads the same value."""
+    trainer = make()
+    trainer.fit((X, Y), steps=3, batch_size=8, progress=False)
+    with pytest.raises(AttributeError, match=rf"has no attribute '{name}': .* is trainer\.") as info:
+        getattr(trainer, name)
+    right = right_line(str(info.value))
+    value = eval(right, {"trainer": trainer})
+    expected = {"steps_run": 3, "epoch": 0}.get(right.split(".")[1])
+    assert value == expected if expected is not None else value is not None
+
+
+def test_an_attribute_typo_names_the_closest_public_attribute():
+    trainer = make()
+    with pytest.raises(AttributeError, match=r"no attribute 'histroy'; did you mean trainer\.history\?"):
+        trainer.histroy  # noqa: B018
+    with pytest.raises(AttributeError, match=r"no attribute '_stp'$"):  # private names: no guess
+        trainer._stp  # noqa: B018
+    assert not hasattr(trainer, "global_step") and getattr(trainer, "_none", 7) == 7

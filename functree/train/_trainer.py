@@ -18,7 +18,7 @@ import difflib
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -201,6 +201,37 @@ UNKNOWN_KEYWORD = """\
     wrong:  {wrong}
     right:  {right}"""
 
+# Other training loops' attribute names (Lightning's, Keras's, Hugging Face's, flax's
+# TrainState's) and what holds that here: Python's own suggestion for `trainer.step` is the
+# private `_step`.
+OTHER_ATTRIBUTES = {
+    "step": ("the count of training steps the job has run", "steps_run"),
+    "global_step": ("the count of training steps the job has run", "steps_run"),
+    "iterations": ("the count of training steps the job has run", "steps_run"),
+    "current_epoch": ("the count of epochs completed", "epoch"),
+    "params": ("the model (its leaves are the parameters)", "model"),
+    "optimizer_state": ("the optimizer state", "opt_state"),
+}
+
+OTHER_ATTRIBUTE = """\
+'Trainer' object has no attribute {name!r}: {what} is trainer.{ours} here.
+
+    wrong:  trainer.{name}
+    right:  trainer.{ours}"""
+
+
+def no_attribute(name: str, owner: type) -> AttributeError:
+    """The error for ``trainer.<name>``: another loop's name for an attribute here
+    (:data:`OTHER_ATTRIBUTES`), or the closest public name of ``owner``."""
+    if name in OTHER_ATTRIBUTES:
+        what, ours = OTHER_ATTRIBUTES[name]
+        return AttributeError(OTHER_ATTRIBUTE.format(name=name, what=what, ours=ours))
+    close = [] if name.startswith("_") else difflib.get_close_matches(
+        name, [n for n in dir(owner) if not n.startswith("_")], n=1)
+    hint = f"; did you mean trainer.{close[0]}?" if close else ""
+    return AttributeError(f"'{owner.__name__}' object has no attribute {name!r}{hint}")
+
+
 _CALLS = {"Trainer": "ft.train.Trainer(model, optimizer, loss_fn, {})", "fit": "trainer.fit({})",
           "evaluate": "trainer.evaluate({})", "predict": "trainer.predict({})"}
 
@@ -368,8 +399,9 @@ class Trainer(Evaluation):
     history = job_field("history", "The job's :class:`History`.")
     # Every other field of the job's position (and any field added to JobState) is a read-only
     # attribute too, made from the record below (add_readers); a name defined here wins.
-    if TYPE_CHECKING:
-        def __getattr__(self, name: str) -> Any: ...
+    def __getattr__(self, name: str) -> Any:
+        # Only for names normal lookup did not find (no cost to the others).
+        raise no_attribute(name, type(self))
 
     def __init__(self, model: Any, optimizer: Any = MISSING, loss_fn: Callable[..., Any] = MISSING, *,
                  metrics: Mapping[str, Any] | Sequence[Any] | None = None, key: jax.Array | None = None,

@@ -25,7 +25,7 @@ def test_predict_computes_in_the_trainers_compute_dtype_as_evaluate_does():
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(hand, np.float32))
     given = trainer.predict(ft.train.batches((x, y), 8, shuffle=False), lambda m, b: m(b[0]))
     np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(hand, np.float32))
-    assert trainer.predict(x, lambda m, b: m.weight).dtype == jnp.bfloat16  # fn sees the cast model
+    assert trainer.predict(x, lambda m, b: jnp.zeros(len(b), m.weight.dtype)).dtype == jnp.bfloat16  # fn sees the cast model
     loss = trainer.evaluate(ft.train.batches((x, y), 32, shuffle=False))["loss"]
     np.testing.assert_allclose(loss, float(ft.losses.softmax_cross_entropy(hand, jnp.asarray(y))),
                                rtol=0, atol=1e-6)
@@ -76,6 +76,27 @@ def test_predict_of_a_function_without_an_example_axis_names_the_output():
     trainer = ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b.sum())
     with pytest.raises(ValueError, match=r"(?s)returned f32\[\] at \['total'\].*right:  jnp\.sum\(trainer\.predict"):
         trainer.predict(np.ones((5, 2), np.float32), lambda m, b: {"total": jnp.sum(b), "rows": b}, batch_size=2)
+
+
+def test_predict_of_a_function_whose_first_axis_is_not_the_examples_names_the_output():
+    """A per-minibatch mean (2 columns, minibatches of 3) was concatenated silently: 4 rows for
+    5 examples; a transposed output was JAX's "Cannot concatenate arrays" at the short last one."""
+    import pytest
+
+    from functree.train._evaluation import PREDICT_NOT_PER_EXAMPLE
+
+    trainer = ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b.sum())
+    x = np.ones((5, 2), np.float32)
+
+    def col_mean(m, b):
+        return {"rows": b, "mean": jnp.mean(b, axis=0)}
+
+    with pytest.raises(ValueError) as info:
+        trainer.predict(x, col_mean, batch_size=3)
+    assert str(info.value).endswith(PREDICT_NOT_PER_EXAMPLE.format(
+        fn="col_mean", output="f32[2]", path="['mean']", rows=3, sizes="3"))
+    with pytest.raises(ValueError, match=r"returned f32\[2,3\] at its root"):
+        trainer.predict(x, lambda m, b: b.T, batch_size=3)
 
 
 def test_every_mean_over_a_short_last_minibatch_is_the_whole_datas():

@@ -230,8 +230,9 @@ def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: C
     outputs = []
     for i, given, first in _numbered(data):
         with _located("predict", i, given, first):
-            outputs.append(program(model, step.shard_batch(to_arrays(given)), fn,
-                                   None if key is None else jax.random.fold_in(key, i)))
+            batch = step.shard_batch(to_arrays(given))
+            outputs.append(program(model, batch, fn, None if key is None else jax.random.fold_in(key, i)))
+            _check_per_example(fn, outputs[-1], batch)
     if not outputs:
         raise no_eval_minibatch("predict", data)
     _check_rows(fn, outputs[0])
@@ -254,6 +255,33 @@ def _check_rows(fn: Any, output: Any) -> None:
         if np.ndim(leaf) == 0:
             raise ValueError(PREDICT_NO_ROWS.format(fn=getattr(fn, "__name__", "fn"), output=short_array(jnp.asarray(leaf)),
                                                     path=jax.tree_util.keystr(path) or "its root"))
+
+
+PREDICT_NOT_PER_EXAMPLE = """\
+trainer.predict(data, fn): fn's outputs are concatenated along their first axis, one row \
+per example, but {fn} returned {output} at {path} for a minibatch of {rows} examples: its \
+first axis is not the examples' (the minibatch's leaves have {sizes} rows). Concatenated, \
+its rows would not be the data's examples, nor its length the data's. Return one row per \
+example, and reduce or reshape after predict:
+
+    wrong:  trainer.predict(data, lambda m, b: jnp.mean(m(b[0]), axis=0))
+    right:  jnp.mean(trainer.predict(data, lambda m, b: m(b[0])), axis=0)
+       or:  trainer.predict(data, lambda m, b: m(b[0])).reshape(-1, num_classes)   # for .reshape(-1, num_classes) inside"""
+
+
+def _check_per_example(fn: Any, output: Any, batch: Any) -> None:
+    """:data:`PREDICT_NOT_PER_EXAMPLE` for an output leaf whose first axis is none of the
+    minibatch's leaves' (a per-minibatch mean, a transposed output): concatenated, a
+    minibatch of 4 gave 3 rows, or JAX's "Cannot concatenate arrays" at a short last one.
+    Scalars are :func:`_check_rows`'s; a batch with no example axis leaves any output."""
+    sizes = sorted({np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x) >= 1})
+    if not sizes:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(output)[0]:
+        if np.ndim(leaf) >= 1 and np.shape(leaf)[0] not in sizes:
+            raise ValueError(PREDICT_NOT_PER_EXAMPLE.format(
+                fn=getattr(fn.fn if isinstance(fn, InDtype) else fn, "__name__", "fn"), output=short_array(leaf), path=jax.tree_util.keystr(path) or "its root",
+                rows=max(sizes), sizes=" or ".join(map(str, sizes))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +392,9 @@ class Evaluation:
 
     def predict(self, data: Any, fn: Callable[[Any, Any], Any] | None = None, *,
                 batch_size: int | None = None) -> Any:
-        """``fn(model, batch)`` over ``data`` (inference mode), concatenated along axis 0.
+        """``fn(model, batch)`` over ``data`` (inference mode), concatenated along axis 0:
+        every output leaf holds one row per example, in the data's order (a leaf whose first
+        axis is not the minibatch's examples, a per-minibatch mean, is refused: reduce after).
 
         ``fn`` defaults to ``model(inputs)`` with inputs ``batch[0]`` (tuples),
         ``batch["x"]`` (dicts) or the batch itself (arrays). An ``fn`` that takes ``key=``

@@ -263,17 +263,13 @@ def test_only_the_naming_module_matches_names_with_globs():
     assert globbing == ["functree._naming"]
 
 
-def test_import_functree_loads_no_checkpoint_or_porting_library():
+def test_import_functree_loads_no_checkpoint_or_porting_library(fresh):
     """``import functree`` (time to the first result, issue 47) imports neither orbax (0.3-0.4 s
     on the 2-core CI machine: loaded on the first checkpoint save or load) nor transformers,
     torch, safetensors or peft (loaded only where a Hugging Face object or torch tensor is
-    given). A fresh process: this one has imported them already."""
-    import subprocess
-
-    code = ("import sys, functree; print(sorted(m for m in ('orbax', 'transformers', 'torch', 'safetensors', 'peft') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    given). A fresh process (this one has imported them already): the one of
+    test_import_functree_imports_the_core_alone, read right after its ``import functree``."""
+    assert fresh["heavy"] == [], f"import functree imported {fresh['heavy']}"
 
 
 # What ``import functree`` leaves unimported: every subpackage (imported on its first read:
@@ -281,6 +277,8 @@ def test_import_functree_loads_no_checkpoint_or_porting_library():
 # ``ft.optim``) and ``jax.extend`` (it imports Pallas: with ``ft.nn``, or the first jaxpr
 # a diagnostic walks).
 LAZY = (*(f"functree.{p}" for p in SUBPACKAGES), "optax", "jax.extend")
+# ... nor a checkpoint or porting library (the test above).
+HEAVY = ("orbax", "transformers", "torch", "safetensors", "peft")
 
 # The subprocess of the test below: what ``import functree`` loaded; the readers of foreign
 # names once ``ft.nn.from_hf`` is read (``functree.hf`` registers Hugging Face's as it is
@@ -291,6 +289,7 @@ LAZY = (*(f"functree.{p}" for p in SUBPACKAGES), "optax", "jax.extend")
 FRESH = f"""
 import sys, tempfile, functree as ft
 loaded = sorted(m for m in {LAZY!r} if m in sys.modules)
+heavy = sorted(m for m in {HEAVY!r} if m in sys.modules)
 ft.nn.from_hf
 from functree import _naming
 foreign = [read.__module__ for read in _naming.FOREIGN_NAMES]
@@ -311,13 +310,20 @@ with tempfile.TemporaryDirectory() as directory:
     save(directory + "/c", (model, state))
     loaded_model, loaded_state = ft.train.load(directory + "/c")
 from functree.train.checkpoint import _registry
-report(dict(loaded=loaded, foreign=foreign, missing=missing, same_step=DataParallelStep is defined,
+report(dict(loaded=loaded, heavy=heavy, foreign=foreign, missing=missing, same_step=DataParallelStep is defined,
             types=[type(loaded_model).__name__, type(loaded_state).__name__],
             names=[_registry.type_name(type(model)), _registry.type_name(type(state))]))
 """
 
 
-def test_import_functree_imports_the_core_alone():
+@pytest.fixture(scope="module")
+def fresh():
+    """What :data:`FRESH` reported: one fresh process for the two tests that read it (a
+    process of its own per test was ~1.5 CPU-s more: Python, JAX and functree's imports)."""
+    return _devices.run(FRESH, devices=1)
+
+
+def test_import_functree_imports_the_core_alone(fresh):
     """``import functree`` (time to the first result: every test subprocess and notebook
     kernel pays it) runs the core alone: 0.035 CPU-s over ``import jax`` with bytecode
     cached, against 0.24 s over ``import jax, optax`` when it imported every subpackage.
@@ -325,7 +331,7 @@ def test_import_functree_imports_the_core_alone():
     ``__all__`` resolves and is in ``dir``, a checkpoint stores the public type names and
     rebuilds the types without a template. A fresh process (this one has imported them all)
     whose XLA_FLAGS append to the inherited ones (``_devices``)."""
-    got = _devices.run(FRESH, devices=1)
+    got = fresh
     assert got["loaded"] == [], f"import functree imported {got['loaded']}: read them on first use"
     assert got["foreign"] == ["functree.hf._names"]  # registered with from_hf: ft.nn.lora reads HF names
     assert got["missing"] == []

@@ -716,11 +716,13 @@ def test_radam_rho_has_float64s_value_at_every_step_and_beta():
 def test_gemma_norm_weights_get_no_weight_decay_as_in_hf_trainer():
     """Gemma's RMSNorm names its parameter ``weight`` (not ``scale``), which the default mask
     decayed: 40 elements more than HF Trainer's groups on a tiny Gemma, 3.5e-4 from torch's
-    AdamW after 3 steps. It is declared ``decay=False``, as every functree norm is."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GemmaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    model = ft.nn.from_hf(transformers.GemmaForCausalLM(config))
+    AdamW after 3 steps. It is declared ``decay=False``, as every functree norm is. The mask
+    reads the tree's names and fields alone: the port's shapes (``jax.eval_shape``, no
+    weights drawn, no torch model built) are the tree of ``from_hf(GemmaForCausalLM(config))``."""
+    config = {"model_type": "gemma", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8}
+    model = jax.eval_shape(lambda: ft.nn.from_hf(config, key=jax.random.key(0)))
+    assert type(model.model.norm).__name__ == "GemmaRMSNorm"
     decayed = {k for k, v in ft.to_flat_dict(ft.optim.decay_mask(model)).items() if v}
     assert not any("norm" in k for k in decayed)
     assert "model.layers.layers.mlp.up_proj.weight" in decayed

@@ -216,8 +216,8 @@ def test_a_metric_returning_a_weighted_mean_has_the_whole_datas_token_mean():
 
 def test_a_weighted_mean_in_aux_named_to_ft_train_mean_is_refused_with_the_fix():
     """``ft.train.mean("tok")`` of an aux ``WeightedMean`` (a plain mean: no columns for
-    its parts) names the fix, a function returning it, which gives the token mean
-    (unjitted steps: nothing compiled)."""
+    its parts) names the fix, a function returning it, which gives the token mean, as a
+    ``compute_metrics`` override returning it does (unjitted or abstract steps: nothing compiled)."""
     def loss_fn(m, b):
         logits = m(b[0])
         return ft.losses.softmax_cross_entropy(logits, b[1]), {"tok": ft.losses.softmax_cross_entropy(
@@ -230,6 +230,14 @@ def test_a_weighted_mean_in_aux_named_to_ft_train_mean_is_refused_with_the_fix()
     token_mean = float(_token_mean(_model(), IDS, LABELS))
     np.testing.assert_allclose(float(right["tok"]), token_mean, rtol=0, atol=1e-6 * token_mean)
     assert float(right["tok#count"]) * B == np.sum(LABELS != -100)  # its parts: the kept tokens
+
+    class Step(ft.train.TrainStep):  # an override's WeightedMean gets its parts too (was "needs a scalar")
+        def compute_metrics(self, out):
+            return {**super().compute_metrics(out), "tok": out.aux["tok"]}
+
+    step = Step(loss_fn, ft.optim.sgd(0.0))
+    metrics = jax.eval_shape(step.step, _model(), step.optimizer.init(_model()), (IDS, LABELS))[2]
+    assert {"tok", "tok#sum", "tok#count"} <= set(metrics)  # the means' parts: Σ total / Σ count
 
 
 def test_a_weighted_mean_where_a_scalar_is_needed_is_refused_by_name():

@@ -527,6 +527,14 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
     return values
 
 
+def _values(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """A step's metrics, a ``WeightedMean`` among them (a ``compute_metrics`` override's)
+    as its value noted with its parts (:func:`_weighted`), in the order given: the real run
+    and :func:`measured`'s probe trace note them alike."""
+    dtype = metric_dtype()
+    return {k: _weighted(v, dtype) if isinstance(v, WeightedMean) else v for k, v in metrics.items()}
+
+
 def _weighted(metric: WeightedMean, dtype: Any) -> jax.Array:
     """A metric's ``WeightedMean(total, count)`` as its value ``total / count``, noted with
     its parts (in ``dtype``: a bfloat16 total's parts divided in float32), so that its means
@@ -737,7 +745,7 @@ def _probe_jaxpr(run: Callable[[], Mapping[str, Any]], calls: int, names: Sequen
 
     def traced(*counting: jax.Array) -> list[jax.Array]:
         with _framed(_Frame(counting)) as frame:
-            values = run()
+            values = _values(run())
         if len(frame.calls) != calls:
             return []
         present[:] = [n for n in names if n in values and jnp.shape(values[n]) == ()]
@@ -863,7 +871,7 @@ def measured(run: Callable[[], Mapping[str, Any]], metrics: Mapping[str, Any], o
       {'pct': 100.0, 'pct#sum': 100.0, 'pct#count': 1.0}
     """
     with _framed(_Frame()) as frame:
-        values = dict(run())
+        values = _values(run())
     scalars = [n for n, v in values.items() if not _is_part(n) and jnp.shape(v) == () and n + PART_SUM not in values]
     how: dict[str, Any] = {}
     for name in scalars:

@@ -99,6 +99,23 @@ def test_predict_of_a_function_whose_first_axis_is_not_the_examples_names_the_ou
         trainer.predict(x, lambda m, b: b.T, batch_size=3)
 
 
+def test_evaluating_sharded_batches_whose_last_minibatch_the_shares_cannot_split_names_the_cut():
+    """Training batches (drop_last=True, shard=) whose dropped last minibatch of 5 does not
+    split into 2 shares: evaluate/predict/validation (which read it) raised the shard error
+    "use ... drop_last=True", which the batches had. Now named, with the cut that splits."""
+    import pytest
+
+    from functree.train._data import IN_ORDER_SHARD_TAIL
+
+    data = (np.arange(29.0, dtype=np.float32), np.arange(29, dtype=np.int32))
+    trainer = ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b[0].sum())
+    with pytest.raises(ValueError) as info:
+        trainer.evaluate(ft.train.batches(data, 8, drop_last=True, shard=(1, 2)))
+    assert str(info.value) == IN_ORDER_SHARD_TAIL.format(tail=5, n=29, size=8, count=2, cut=28, left=1)
+    right = ft.train.batches(jax.tree.map(lambda a: a[:28], data), 8, shuffle=False, shard=(1, 2))  # the fix shown
+    assert [b[1].tolist() for b in right.in_order()] == [[4, 5, 6, 7], [12, 13, 14, 15], [20, 21, 22, 23], [26, 27]]
+
+
 def test_every_mean_over_a_short_last_minibatch_is_the_whole_datas():
     """100 examples in minibatches of 7 (a last one of 2) at learning rate 0, with
     steps_per_call=3 (a remainder of 2 single steps an epoch): the epoch means, validation,

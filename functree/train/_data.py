@@ -72,6 +72,18 @@ got shard={shard!r}{why}.
     right:  ft.train.batches(data, 64, shard=(jax.process_index(), jax.process_count()))"""
 
 
+IN_ORDER_SHARD_TAIL = """\
+trainer.evaluate, trainer.predict and fit's validation_data read every example once, the \
+last partial minibatch too (drop_last=True drops it from training alone), but these \
+batches' last {tail} examples ({n} in minibatches of {size}) do not split into the {count} \
+processes' shares of shard=. Evaluate the first {cut} examples, whose last minibatch splits \
+evenly (the other {left} left out), or a batch size whose last minibatch is a multiple of \
+{count}:
+
+    wrong:  trainer.evaluate(ft.train.batches(data, {size}, drop_last=True, shard=shard))
+    right:  trainer.evaluate(ft.train.batches(jax.tree.map(lambda a: a[:{cut}], data), {size}, shuffle=False, shard=shard))"""
+
+
 def _check_shard(shard: Any) -> tuple[int, int]:
     ok = isinstance(shard, tuple) and len(shard) == 2 and all(isinstance(v, (int, np.integer)) for v in shard)
     if not ok or not 0 <= shard[0] < shard[1]:
@@ -246,6 +258,12 @@ class Batches:
           >>> [b.tolist() for b in data.in_order()]
           [[0, 1], [2, 3], [4]]
         """
+        if self.shard is not None and isinstance(self.batch_size, int):
+            tail = self.num_examples % self.batch_size
+            if tail % self.shard[1]:
+                raise ValueError(IN_ORDER_SHARD_TAIL.format(
+                    tail=tail, n=self.num_examples, size=self.batch_size, count=self.shard[1],
+                    cut=self.num_examples - tail % self.shard[1], left=tail % self.shard[1]))
         return Batches(self.arrays, self.batch_size, shuffle=False, key=self.key, drop_last=False, shard=self.shard)
 
     def __repr__(self) -> str:

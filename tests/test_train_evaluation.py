@@ -112,6 +112,10 @@ def test_evaluating_sharded_batches_whose_last_minibatch_the_shares_cannot_split
     with pytest.raises(ValueError) as info:
         trainer.evaluate(ft.train.batches(data, 8, drop_last=True, shard=(1, 2)))
     assert str(info.value) == IN_ORDER_SHARD_TAIL.format(tail=5, n=29, size=8, count=2, cut=28, left=1)
+    with pytest.raises(ValueError) as info:  # as validation data: before the first step
+        trainer.fit(data, validation_data=ft.train.batches(data, 8, drop_last=True, shard=(1, 2)), progress=False)
+    assert str(info.value) == IN_ORDER_SHARD_TAIL.format(tail=5, n=29, size=8, count=2, cut=28, left=1)
+    assert trainer.history.steps["step"] == []
     right = ft.train.batches(jax.tree.map(lambda a: a[:28], data), 8, shuffle=False, shard=(1, 2))  # the fix shown
     assert [b[1].tolist() for b in right.in_order()] == [[4, 5, 6, 7], [12, 13, 14, 15], [20, 21, 22, 23], [26, 27]]
 

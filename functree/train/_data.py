@@ -247,6 +247,17 @@ class Batches:
         self._epochs_started += 1
         return self.iterate(epoch)
 
+    def check_in_order(self) -> None:
+        """:data:`IN_ORDER_SHARD_TAIL` where :meth:`in_order`'s last minibatch (one that
+        ``drop_last=True`` drops from training) does not split into ``shard=``'s shares (fit
+        checks its validation data so, before the first epoch)."""
+        if self.shard is not None and isinstance(self.batch_size, int):
+            tail = self.num_examples % self.batch_size
+            if tail % self.shard[1]:
+                raise ValueError(IN_ORDER_SHARD_TAIL.format(
+                    tail=tail, n=self.num_examples, size=self.batch_size, count=self.shard[1],
+                    cut=self.num_examples - tail % self.shard[1], left=tail % self.shard[1]))
+
     def in_order(self) -> Batches:
         """These minibatches unshuffled and with the last partial one kept: what
         ``Trainer.evaluate`` and ``predict`` read (every example once, in order; the
@@ -258,12 +269,7 @@ class Batches:
           >>> [b.tolist() for b in data.in_order()]
           [[0, 1], [2, 3], [4]]
         """
-        if self.shard is not None and isinstance(self.batch_size, int):
-            tail = self.num_examples % self.batch_size
-            if tail % self.shard[1]:
-                raise ValueError(IN_ORDER_SHARD_TAIL.format(
-                    tail=tail, n=self.num_examples, size=self.batch_size, count=self.shard[1],
-                    cut=self.num_examples - tail % self.shard[1], left=tail % self.shard[1]))
+        self.check_in_order()
         return Batches(self.arrays, self.batch_size, shuffle=False, key=self.key, drop_last=False, shard=self.shard)
 
     def __repr__(self) -> str:

@@ -373,9 +373,12 @@ class Epochs:
         ends; a restored job mid-epoch continues only on data of the length it was trained
         on; under ``accumulate=k``, ``ft.train.batches`` of a fixed size must cut
         minibatches of multiples of ``k`` (refused here, not at the epoch's last step);
-        validation data that is ``[x, y]`` is refused before the first epoch, not at its end."""
+        validation data that is ``[x, y]``, or sharded batches whose last minibatch the shares
+        cannot split, is refused before the first epoch, not at its end."""
         self.accumulate = accumulate
         check_list_of_arrays(validation_data, VALIDATION)
+        if isinstance(validation_data, Batches):  # its last minibatch, read at the epoch's end
+            validation_data.check_in_order()
         if isinstance(validation_data, Iterator) and _epoch_ends(data, epochs, steps, job) > 1:
             count = f"steps={steps}" if steps is not None else f"epochs={epochs}"
             raise ValueError(ONE_SHOT_VALIDATION.format(count=count, kind=type(validation_data).__name__))

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _devices import free_port, results, start
 
 import functree as ft
 from functree.hf import _save as _hf_save
@@ -243,45 +242,6 @@ def _hf_models_llama():
     # its shapes alone (save_hf refuses it before reading a weight; eagerly, its initializers
     # compiled ~30 programs)
     return jax.eval_shape(lambda: LlamaForCausalLM(40, 16, 4, 2, 32, 1, key=jax.random.key(0)))
-
-
-TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 32, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False}
-
-TWO_PROCESS_SAVE = f"TINY_LLAMA = {TINY_LLAMA!r}\n" + """
-import os, sys
-process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
-                           initialization_timeout=120)
-import functree as ft
-model = ft.shard(lambda: ft.nn.from_hf(TINY_LLAMA, key=jax.random.key(0)), jax.make_mesh((4,), ("data",)), "fsdp")
-spread = sum(not w.is_fully_addressable for w in jax.tree.leaves(model))
-ft.nn.save_hf(model, out + "/hf")
-try:
-    ft.nn.save_hf(model, out + "/hf")  # process 0 finds the directory taken: every process raises
-    again = None
-except Exception as e:
-    again = f"{type(e).__name__}: {e}"
-report({"spread": spread, "again": again, "written": sorted(os.listdir(out + "/hf"))})
-"""
-
-
-@pytest.mark.slow
-def test_a_model_sharded_over_two_processes_is_saved_by_process_0(tmp_path):
-    # D8: in a 2-process FSDP job save_hf raised JAX's "spans non-addressable devices"
-    # (the state dict read every leaf with np.asarray); now the tensors are gathered and
-    # process 0 writes the files every process returns after
-    port = free_port()
-    outs = results([start(TWO_PROCESS_SAVE, devices=2, args=(str(i), str(port), str(tmp_path))) for i in range(2)])
-    assert all(o["spread"] > 0 for o in outs)  # some leaves split over both processes' devices
-    assert all(o["written"] == ["config.json", "model.safetensors"] for o in outs)
-    assert outs[0]["again"].startswith("ValueError: ft.nn.save_hf:") and "already holds" in outs[0]["again"]
-    assert outs[1]["again"].startswith("RuntimeError: ft.nn.save_hf: process 0, which writes the files of this "
-                                       "multi-process job, failed: ValueError: ft.nn.save_hf:")
-    ft.nn.save_hf(ft.nn.from_hf(TINY_LLAMA, key=jax.random.key(0)), tmp_path / "one")  # one process, one device
-    for name in ("config.json", "model.safetensors"):
-        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
 
 
 def test_a_model_read_from_other_paths_or_versions_compiles_once_and_saves_as_transformers_does(tmp_path):

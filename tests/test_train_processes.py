@@ -5,12 +5,13 @@ the directory's lock, each process writes and checksums its shards. The checkpoi
 restores in one process (equal to a one-process run) and resumes on two processes to the
 uninterrupted result. A second job on the same directory is refused on every process.
 
-Two more claims of a 2-process job run in the same two worker processes (each process's
+Three more claims of a 2-process job run in the same two worker processes (each process's
 start-up, JAX import and ``jax.distributed`` connection cost ~4 CPU-s, paid once here): a
 checkpoint saves what each process made and refuses text on every process (from
-tests/test_checkpoint_portable.py), and generate on a model sharded over both processes
-returns tokens each process reads (from tests/test_generation.py). Each runs in its own copy
-of the worker's globals and is reported to its own test.
+tests/test_checkpoint_portable.py), generate on a model sharded over both processes
+returns tokens each process reads (from tests/test_generation.py), and ``save_hf`` of a
+model sharded over both processes is written by process 0 (from tests/test_hf_save.py).
+Each runs in its own copy of the worker's globals and is reported to its own test.
 """
 
 import json
@@ -99,7 +100,7 @@ def claim(source):  # what source leaves in `got`, run in a copy of these global
 
 
 report({"params": gathered(trainer.model), "refused": refused, "steps": trainer.steps_run, "files": files,
-        "resumed": again, "portable": claim(PORTABLE), "generate": claim(GENERATE)})
+        "resumed": again, "portable": claim(PORTABLE), "generate": claim(GENERATE), "save_hf": claim(SAVE_HF)})
 """
 
 
@@ -160,10 +161,28 @@ got = {"local": sorted(d.id for d in jax.local_devices()), "mesh": sorted(d.id f
        "tokens": np.asarray(tokens).tolist(), "scores": np.asarray(scores).tolist()}
 """
 
+# save_hf of a Llama port sharded (FSDP) over both processes' 4 devices (from
+# tests/test_hf_save.py): process 0 writes the files, every process returns after them
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 32, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False}
+SAVE_HF = f"TINY_LLAMA = {TINY_LLAMA!r}\n" + """
+out = out + "/save_hf"
+model = ft.shard(lambda: ft.nn.from_hf(TINY_LLAMA, key=jax.random.key(0)), mesh, "fsdp")
+spread = sum(not w.is_fully_addressable for w in jax.tree.leaves(model))
+ft.nn.save_hf(model, out + "/hf")
+try:
+    ft.nn.save_hf(model, out + "/hf")  # process 0 finds the directory taken: every process raises
+    again = None
+except Exception as e:
+    again = f"{type(e).__name__}: {e}"
+got = {"spread": spread, "again": again, "written": sorted(os.listdir(out + "/hf"))}
+"""
+
 
 def run_job(out):
     port = free_port()
-    source = f"PORTABLE, GENERATE = {PORTABLE!r}, {GENERATE!r}\n" + WORKER
+    source = f"PORTABLE, GENERATE, SAVE_HF = {PORTABLE!r}, {GENERATE!r}, {SAVE_HF!r}\n" + WORKER
     return results([start(source, devices=2, args=(str(i), str(port), str(out))) for i in range(2)])
 
 
@@ -279,3 +298,19 @@ def test_a_model_sharded_over_two_processes_returns_tokens_each_process_reads(jo
         assert out["tokens_on"] == out["scores_on"] == out["mesh"] and set(out["local"]) < set(out["mesh"])
         np.testing.assert_array_equal(out["tokens"], tokens)
         np.testing.assert_allclose(out["scores"], scores, rtol=0, atol=1e-5)  # magnitude 2.4: measured 9.5e-7
+
+
+@pytest.mark.slow
+def test_a_model_sharded_over_two_processes_is_saved_by_process_0(job, tmp_path):
+    # D8: in a 2-process FSDP job save_hf raised JAX's "spans non-addressable devices"
+    # (the state dict read every leaf with np.asarray); now the tensors are gathered and
+    # process 0 writes the files every process returns after
+    outs = claimed(job[1], "save_hf")
+    assert all(o["spread"] > 0 for o in outs)  # some leaves split over both processes' devices
+    assert all(o["written"] == ["config.json", "model.safetensors"] for o in outs)
+    assert outs[0]["again"].startswith("ValueError: ft.nn.save_hf:") and "already holds" in outs[0]["again"]
+    assert outs[1]["again"].startswith("RuntimeError: ft.nn.save_hf: process 0, which writes the files of this "
+                                       "multi-process job, failed: ValueError: ft.nn.save_hf:")
+    ft.nn.save_hf(ft.nn.from_hf(TINY_LLAMA, key=jax.random.key(0)), tmp_path / "one")  # one process, one device
+    for name in ("config.json", "model.safetensors"):
+        assert (job[0] / "save_hf" / "hf" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name

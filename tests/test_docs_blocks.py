@@ -1,5 +1,6 @@
 """Every ```python block of README.md and docs/ runs as a reader pastes it: page by page, in
-order, cumulatively, in a fresh Python process.
+order, cumulatively, in a fresh Python process (forked from one that imported NumPy, JAX and
+functree: see SERVER).
 
 A page's blocks run one after the other in one namespace (the ``>>>`` blocks too, as the
 source a reader types). Each block is compiled under the page's name and line numbers, so a
@@ -201,8 +202,93 @@ def test_every_python_block_compiles(page):
                                      f"({e.msg}); a fragment that is not Python is a ```text block") from None
 
 
+# Each page's process is forked from a server process that has imported what every page
+# imports first (NumPy, JAX and functree's packages; JAX's backend is not started there), one
+# server per environment (a page's simulated devices are read as JAX starts, so pages of 8
+# devices have a server of their own). A forked process is a fresh interpreter for the page:
+# its namespace is empty, its backend starts with the page's XLA_FLAGS, its working
+# directory and environment are the page's; only the imports are paid once, not per page
+# (~1.5 CPU-s each: 11 pages). The server's environment is the page's (block_environment),
+# so JAX's configuration read at import (JAX_PLATFORMS, the compilation cache) is the page's.
+SERVER = """\
+import json, os, sys, traceback
+import numpy, jax, jax.numpy, functree, functree.nn, functree.optim, functree.train
+runner = compile(open(sys.argv[1]).read(), sys.argv[1], "exec")
+for request in sys.stdin:
+    page, blocks, cwd, errors = json.loads(request)
+    pid = os.fork()
+    if pid == 0:  # the page's process
+        code = 1
+        try:
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests are the server's
+            os.chdir(cwd)
+            sys.path[0] = cwd  # a script's directory: the page's run.py was there
+            log = os.open(errors, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            sys.argv = [os.path.join(cwd, "run.py"), page, blocks]
+            exec(runner, {"__name__": "__main__"})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(json.dumps(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])), flush=True)
+"""
+
+
+class PageServer:
+    """A :data:`SERVER` process of one environment; :meth:`run` runs one page's blocks."""
+
+    def __init__(self, directory, devices):
+        (directory / "run.py").write_text(RUNNER)
+        (directory / "server.py").write_text(SERVER)
+        self.runner = directory / "run.py"
+        self.process = subprocess.Popen([sys.executable, str(directory / "server.py"), str(self.runner)],
+                                        cwd=directory, env=block_environment(devices), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def run(self, page, blocks, cwd, timeout=600):
+        """(exit code, what the page's process printed)."""
+        import json
+        import select
+
+        errors = cwd / "output.txt"
+        self.process.stdin.write(json.dumps([str(page), str(blocks), str(cwd), str(errors)]) + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:  # timed out, or the server itself failed
+            self.process.kill()
+            _, err = self.process.communicate()
+            raise AssertionError(f"the page server stopped: {err[-3000:]}")
+        return json.loads(line), errors.read_text() if errors.exists() else ""
+
+    def close(self):
+        self.process.communicate(timeout=60)  # end of input: the server returns
+
+
+@pytest.fixture(scope="module")
+def page_servers(tmp_path_factory):
+    """{devices: PageServer}, each started when a page of its environment first asks."""
+    servers = {}
+
+    def server(devices):
+        if devices not in servers or servers[devices].process.poll() is not None:
+            servers[devices] = PageServer(tmp_path_factory.mktemp("server"), devices)
+        return servers[devices]
+
+    yield server
+    for each in servers.values():
+        each.close()
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if plain_blocks_run(p)], ids=page_id)
-def test_every_python_block_runs(page, tmp_path):
+def test_every_python_block_runs(page, tmp_path, page_servers):
     import json
 
     spec = run_spec(page)
@@ -210,11 +296,8 @@ def test_every_python_block_runs(page, tmp_path):
     if missing:
         pytest.skip(f"{page_id(page)}'s blocks import {', '.join(missing)}, not installed here")
     (tmp_path / "blocks.json").write_text(json.dumps(spec))
-    (tmp_path / "run.py").write_text(RUNNER)
-    result = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(page), str(tmp_path / "blocks.json")],
-                            cwd=tmp_path, capture_output=True, text=True, env=block_environment(page_devices(page)),
-                            timeout=600)
-    assert result.returncode == 0, f"{page_id(page)}: a block fails as pasted\n{result.stderr[-6000:]}"
+    code, output = page_servers(page_devices(page)).run(page, tmp_path / "blocks.json", tmp_path)
+    assert code == 0, f"{page_id(page)}: a block fails as pasted\n{output[-6000:]}"
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,10 @@ start-up, JAX import and ``jax.distributed`` connection cost ~4 CPU-s, paid once
 checkpoint saves what each process made and refuses text on every process (from
 tests/test_checkpoint_portable.py), generate on a model sharded over both processes
 returns tokens each process reads (from tests/test_generation.py), and ``save_hf`` of a
-model sharded over both processes is written by process 0 (from tests/test_hf_save.py).
-Each runs in its own copy of the worker's globals and is reported to its own test.
+model sharded over both processes is written by process 0 (from tests/test_hf_save.py);
+so do two jobs of tests/test_parallel_multiprocess.py: a DataParallelStep and a Trainer fit
+over both processes train as one process does. Each runs in its own copy of the worker's
+globals and is reported to its own test.
 """
 
 import json
@@ -21,10 +23,12 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _devices import free_port, results, start
 from _digits import digits, loss_fn, mlp
+from _tolerance import assert_close_trained
 
 import functree as ft
 from functree.train.checkpoint._checkpoint import metadata_digest
@@ -100,7 +104,8 @@ def claim(source):  # what source leaves in `got`, run in a copy of these global
 
 
 report({"params": gathered(trainer.model), "refused": refused, "steps": trainer.steps_run, "files": files,
-        "resumed": again, "portable": claim(PORTABLE), "generate": claim(GENERATE), "save_hf": claim(SAVE_HF)})
+        "resumed": again, "portable": claim(PORTABLE), "generate": claim(GENERATE), "save_hf": claim(SAVE_HF),
+        "step": claim(STEP), "trainer": claim(TRAINER)})
 """
 
 
@@ -179,11 +184,52 @@ except Exception as e:
 got = {"spread": spread, "again": again, "written": sorted(os.listdir(out + "/hf"))}
 """
 
+# A DataParallelStep with FSDP over both processes' 4 devices, each process its share of
+# every batch (batches(shard=)): one global step (from tests/test_parallel_multiprocess.py)
+STEP = """
+rng = np.random.default_rng(1)
+x, y = rng.normal(size=(256, 16)).astype(np.float32), rng.integers(0, 4, 256).astype(np.int32)
+k = jax.random.split(jax.random.key(0), 2)
+model = ft.nn.Sequential(ft.nn.Dense(16, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 4, key=k[1]))
+
+def loss_fn(model, batch):
+    x, y = batch
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+
+opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+step = ft.parallel.DataParallelStep(loss_fn, opt, mesh=mesh, sharding="fsdp")
+state = opt.init(model)
+data = ft.train.batches((x, y), 32, key=jax.random.key(3), shard=(jax.process_index(), jax.process_count()))
+for epoch in range(2):
+    for batch in data:
+        model, state, metrics = step(model, state, batch)
+got = {"process": jax.process_index(), "devices": jax.device_count(), "local": jax.local_device_count(),
+       "params": gathered(model), "sharded": [not w.sharding.is_fully_replicated for w in jax.tree.leaves(model)],
+       "samples": int(ft.optim.context(state).samples_seen)}
+"""
+
+# Trainer(mesh=...).fit over both processes, its progress bar and history file process 0's
+# (from tests/test_parallel_multiprocess.py): 1024 digits, written by the test's process
+TRAINER = """
+with np.load(out + "/digits1024.npz") as arrays:
+    x, y = arrays["x"], arrays["y"]
+trainer = ft.train.Trainer(mlp(), ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9)), loss_fn, mesh=mesh,
+                           sharding="fsdp")
+data = ft.train.batches((x, y), 64, key=jax.random.key(3), shard=(jax.process_index(), jax.process_count()))
+trainer.fit(data, epochs=2, callbacks=[ft.train.HistoryLogger(out + "/history.jsonl")])
+got = {"params": gathered(trainer.model)}
+"""
+
 
 def run_job(out):
     port = free_port()
-    source = f"PORTABLE, GENERATE, SAVE_HF = {PORTABLE!r}, {GENERATE!r}, {SAVE_HF!r}\n" + WORKER
-    return results([start(source, devices=2, args=(str(i), str(port), str(out))) for i in range(2)])
+    claims = {"PORTABLE": PORTABLE, "GENERATE": GENERATE, "SAVE_HF": SAVE_HF, "STEP": STEP, "TRAINER": TRAINER}
+    source = "".join(f"{name} = {text!r}\n" for name, text in claims.items()) + WORKER
+    procs = [start(source, devices=2, args=(str(i), str(port), str(out))) for i in range(2)]
+    outs = results(procs)
+    for o, p in zip(outs, procs):  # what each worker printed (the Trainer's progress bars)
+        o["stderr"] = p.stderr_text
+    return outs
 
 
 def claimed(outs, name):
@@ -209,6 +255,8 @@ def job(tmp_path_factory):
     # the workers read the digits from a file: importing scikit-learn costs each ~2 CPU-s
     x, y = digits(512)
     np.savez(out / "digits.npz", x=x, y=y)
+    x, y = digits(1024)
+    np.savez(out / "digits1024.npz", x=x, y=y)
     (out / "ckpt").mkdir()
     (out / "ckpt" / LOCK_NAME).write_text(json.dumps(
         {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": "other job"}))
@@ -314,3 +362,54 @@ def test_a_model_sharded_over_two_processes_is_saved_by_process_0(job, tmp_path)
     ft.nn.save_hf(ft.nn.from_hf(TINY_LLAMA, key=jax.random.key(0)), tmp_path / "one")  # one process, one device
     for name in ("config.json", "model.safetensors"):
         assert (job[0] / "save_hf" / "hf" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def multiprocess_data():
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(256, 16)).astype(np.float32), rng.integers(0, 4, 256).astype(np.int32)
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(job):
+    outs = claimed(job[1], "step")
+    assert [o["process"] for o in outs] == [0, 1]
+    assert all(o["devices"] == 4 and o["local"] == 2 for o in outs)
+    assert outs[0]["sharded"] == [True, False, False, False]  # the 16x128 weight is split over 4
+    assert all(o["samples"] == 2 * 256 for o in outs)  # the global batches were counted
+    for a, b in zip(outs[0]["params"], outs[1]["params"]):
+        np.testing.assert_array_equal(a, b)  # identical in both processes
+
+    # one process, one device, the whole batches
+    x, y = multiprocess_data()
+    k = jax.random.split(jax.random.key(0), 2)
+    model = ft.nn.Sequential(ft.nn.Dense(16, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 4, key=k[1]))
+
+    def loss(model, batch):
+        x, y = batch
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
+
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    step, state = ft.train.train_step(loss, opt), opt.init(model)
+    data_ = ft.train.batches((x, y), 32, key=jax.random.key(3))
+    for _ in range(2):
+        for batch in data_:
+            model, state, _ = step(model, state, batch)
+    assert_close_trained([np.float32(a) for a in outs[0]["params"]], jax.tree.leaves(model),
+                         spread=5e-7)  # 2 processes vs 1: measured max 3.4e-7
+
+
+@pytest.mark.slow
+def test_two_processes_trainer_fit_like_one_process(job):
+    outs = claimed(job[1], "trainer")
+    bars = [o["stderr"].count("epoch 2") > 0 for o in job[1]]
+    assert bars == [True, False]  # one progress bar: process 0's
+    history = job[0] / "history.jsonl"
+    assert len(history.read_text().splitlines()) == 2  # one history file, 2 epochs
+    for a, b in zip(outs[0]["params"], outs[1]["params"]):
+        np.testing.assert_array_equal(a, b)
+
+    x, y = digits(1024)
+    trainer = ft.train.Trainer(mlp(), ft.optim.Optimizer(ft.optim.sgd(0.1, momentum=0.9)), loss_fn)
+    trainer.fit(ft.train.batches((x, y), 64, key=jax.random.key(3)), epochs=2, progress=False)
+    assert_close_trained([np.float32(a) for a in outs[0]["params"]], jax.tree.leaves(trainer.model),
+                         spread=5e-7)  # measured max 3.4e-7

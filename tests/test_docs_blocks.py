@@ -301,15 +301,20 @@ def test_every_python_block_runs(page, tmp_path, page_servers):
 
 
 @pytest.fixture(scope="module")
-def blocks_process(tmp_path_factory):
-    """(functree's file, the device count) in a process with a page's environment of 8 CPU
-    devices: one process start (python + jax + functree, ~2 CPU-s) serves both tests below,
-    the PYTHONPATH (functree from the checkout) and the device count being one environment's."""
-    found = subprocess.run([sys.executable, "-c", "import functree, jax; print(functree.__file__); "
-                            "print(jax.device_count())"], cwd=tmp_path_factory.mktemp("blocks"),
-                           env=block_environment(8), capture_output=True, text=True, timeout=300)
-    assert found.returncode == 0, found.stderr[-3000:]
-    functree_file, device_count = found.stdout.splitlines()
+def blocks_process(tmp_path_factory, page_servers):
+    """(functree's file, the device count) in a page's process of 8 CPU devices: a block
+    run as the pages' are (the server of the 8-device pages, which serves both tests below
+    and those pages: the PYTHONPATH, functree from the checkout, and the device count being
+    one environment's), not a process of its own (python + jax + functree, ~2 CPU-s)."""
+    import json
+
+    directory = tmp_path_factory.mktemp("blocks")
+    page = directory / "page.md"
+    page.write_text("```python\nimport functree, jax\nprint(functree.__file__)\nprint(jax.device_count())\n```\n")
+    (directory / "blocks.json").write_text(json.dumps(run_spec(page)))
+    code, output = page_servers(8).run(page, directory / "blocks.json", directory)
+    assert code == 0, output[-3000:]
+    functree_file, device_count = output.splitlines()
     return functree_file, device_count
 
 

@@ -9,6 +9,7 @@ oldest, the test extra's and the newest jaxlib).
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -23,9 +24,16 @@ UNKNOWN = "Unknown flag in XLA_FLAGS"
 
 def _start_xla(extra: str) -> subprocess.CompletedProcess:
     """A fresh process that starts XLA's CPU backend with ``extra`` appended to the inherited
-    XLA_FLAGS (this process's: the inherited ones plus conftest's)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {extra}".strip()
+    XLA_FLAGS (this process's: the inherited ones plus conftest's). A flag those hold already
+    (conftest appended it: the jaxlib knows it, or no process of the suite starts) appends
+    nothing: the process of the inherited flags, started once for the tests that ask."""
+    inherited = os.environ.get("XLA_FLAGS", "")
+    return _started_with(inherited if extra in inherited.split() else f"{inherited} {extra}".strip())
+
+
+@functools.cache
+def _started_with(flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     return subprocess.run([sys.executable, "-c", "import jax; print(jax.devices())"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 

@@ -482,31 +482,6 @@ class _FlattensInCall(ft.Module):
         return self.fc(h.reshape(h.shape[0], -1))  # torchvision VGG's torch.flatten(x, 1)
 
 
-def test_a_dense_after_conv_maps_its_call_flattens_by_hand_must_be_named():
-    # No ft.nn.Flatten to see: torch's rows [C, L] loaded as ft's [L, C], silently (0.73 of
-    # the outputs off on VGG-style Conv2d maps: notes/audit21/interop/flatten.py). A Dense of
-    # a multiple (> 1) of the Conv's channels after it in field order is refused; None says
-    # its inputs are no flattened maps; and the export refuses alike.
-    conv = nn.Conv1d(2, 3, 2)
-    torch_model = nn.Module()
-    torch_model.block, torch_model.fc = nn.Module(), nn.Linear(12, 2)
-    torch_model.block.conv = conv
-    model = build(lambda: _FlattensInCall(_ConvBlock(ft.nn.Conv1D(2, 3, 2, padding="VALID", key=K[0])),
-                                          ft.nn.Dense(12, 2, key=K[1])))
-    x, x_ft = nchw((2, 2, 5))
-    with torch.no_grad():
-        expected = torch_model.fc(torch.relu(conv(torch.from_numpy(x))).flatten(1)).numpy()
-    for call in (lambda **kw: ft.nn.load_torch_state_dict(model, torch_model.state_dict(), **kw),
-                 lambda **kw: ft.nn.torch_state_dict(model, numpy=True, **kw)):
-        with pytest.raises(ValueError, match=r"(?s)fc \(ft: fc\) is a Dense layer of 12 inputs, 4 x the 3 channels of "
-                                             r"the Conv block.conv before it.*flattened=\{'fc': \(3, length\)\}"):
-            call()
-    loaded = ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": (3, 4)})
-    close(loaded(jnp.asarray(x_ft)), expected)
-    as_is = ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": None})
-    np.testing.assert_array_equal(as_is.fc.weight, torch_model.fc.weight.detach().numpy().T)
-
-
 class _FieldsOutOfCallOrder(ft.Module):
     fc: ft.nn.Dense  # declared first, called last
     block: _ConvBlock
@@ -516,31 +491,41 @@ class _FieldsOutOfCallOrder(ft.Module):
         return self.fc(h.reshape(h.shape[0], -1))
 
 
-def test_a_dense_declared_before_the_conv_its_call_flattens_must_be_named_too():
-    # Field order is not the call's: the Dense came first, so no Conv preceded it and torch's
-    # rows [C, L] loaded as ft's [L, C], silently (outputs of 0.14 off by 0.069 here). Refused by
-    # both directions; the fixes the message shows load torch's model exactly.
+@pytest.mark.parametrize("fc_first", [False, True], ids=["in_call_order", "fc_declared_first"])
+def test_a_dense_after_conv_maps_its_call_flattens_by_hand_must_be_named(fc_first):
+    # No ft.nn.Flatten to see: torch's rows [C, L] loaded as ft's [L, C], silently (0.73 of
+    # the outputs off on VGG-style Conv2d maps: notes/audit21/interop/flatten.py). A Dense of
+    # a multiple (> 1) of the Conv's channels after it in field order is refused; None says
+    # its inputs are no flattened maps; and the export refuses alike. Field order is not the
+    # call's: a Dense declared before the Conv (fc_first) was not seen, its rows loaded as they
+    # are (outputs of 0.14 off by 0.069 here); refused alike.
+    def make(inputs):
+        conv, fc = _ConvBlock(ft.nn.Conv1D(2, 3, 2, padding="VALID", key=K[0])), ft.nn.Dense(inputs, 2, key=K[1])
+        return build(lambda: _FieldsOutOfCallOrder(fc, conv) if fc_first else _FlattensInCall(conv, fc))
+
     conv = nn.Conv1d(2, 3, 2)
     torch_model = nn.Module()
-    torch_model.fc, torch_model.block = nn.Linear(12, 2), nn.Module()
+    if fc_first:
+        torch_model.fc, torch_model.block = nn.Linear(12, 2), nn.Module()
+    else:
+        torch_model.block, torch_model.fc = nn.Module(), nn.Linear(12, 2)
     torch_model.block.conv = conv
-    model = build(lambda: _FieldsOutOfCallOrder(ft.nn.Dense(12, 2, key=K[1]),
-                                                _ConvBlock(ft.nn.Conv1D(2, 3, 2, padding="VALID", key=K[0]))))
+    model = make(12)
     x, x_ft = nchw((2, 2, 5))
     with torch.no_grad():
         expected = torch_model.fc(torch.relu(conv(torch.from_numpy(x))).flatten(1)).numpy()
+    where = "after it in field order" if fc_first else "before it"
     for call in (lambda **kw: ft.nn.load_torch_state_dict(model, torch_model.state_dict(), **kw),
                  lambda **kw: ft.nn.torch_state_dict(model, numpy=True, **kw)):
         with pytest.raises(ValueError, match=r"(?s)fc \(ft: fc\) is a Dense layer of 12 inputs, 4 x the 3 channels of "
-                                             r"the Conv block.conv after it in field order.*flattened=\{'fc': \(3, length\)\}"):
+                                             rf"the Conv block.conv {where}.*flattened=\{{'fc': \(3, length\)\}}"):
             call()
-    close(ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": (3, 4)})(jnp.asarray(x_ft)),
-          expected)
-    ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": None})
+    loaded = ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": (3, 4)})
+    close(loaded(jnp.asarray(x_ft)), expected)
+    as_is = ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": None})
+    np.testing.assert_array_equal(as_is.fc.weight, torch_model.fc.weight.detach().numpy().T)
     # a Dense of inputs no multiple of the Conv's channels is no flattened map: taken as it is
-    small = build(lambda: _FieldsOutOfCallOrder(ft.nn.Dense(4, 2, key=K[1]),
-                                                _ConvBlock(ft.nn.Conv1D(2, 3, 2, padding="VALID", key=K[0]))))
-    assert set(ft.nn.torch_state_dict(small, numpy=True)) == {"fc.weight", "fc.bias", "block.conv.weight", "block.conv.bias"}
+    assert set(ft.nn.torch_state_dict(make(4), numpy=True)) == {"fc.weight", "fc.bias", "block.conv.weight", "block.conv.bias"}
 
 
 def test_torch_state_dict_without_torch_names_the_fix(monkeypatch):

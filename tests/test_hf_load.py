@@ -765,8 +765,8 @@ INIT_CONFIGS = {
 @pytest.mark.parametrize("family", INIT_CONFIGS)
 def test_from_config_initializes_as_hf(family):
     """Tensor by tensor against HF's from_config: the zeros (biases, the padding row), the
-    ones (norms) and the constants equal; each random tensor's standard deviation within 30%
-    of HF's (5 sigma of the two estimates' ratio where that is more: 64 draws; GPT-2's
+    ones (norms) and the constants equal; each random tensor's standard deviation within 5
+    sigma of the two estimates' ratio of HF's (at most 30%: 16% for a 32x32 matrix; GPT-2's
     residual projections are at half the std of the rest, Gemma's norms 0) and its mean
     near 0. main initialized embeddings with std 1.0 (HF: 0.02): a random GPT-2 put 0.997 of
     its next-token probability on one token at step 0 (HF: 0.02, of 64). Llama's
@@ -790,8 +790,10 @@ def test_from_config_initializes_as_hf(family):
         rows = np.all(theirs == 0, axis=-1)  # the padding id's embedding row
         np.testing.assert_array_equal(np.all(mine == 0, axis=-1), rows, err_msg=name)
         drawn, reference = mine[~rows], theirs[~rows]
-        spread = 5 / np.sqrt(drawn.size)  # 5 sigma of the two estimates' ratio
-        assert abs(drawn.std() / reference.std() - 1) < max(0.3, spread), (name, drawn.std(), reference.std())
+        # 5 sigma of the two estimates' ratio (sigma ~ 1/sqrt(n): 16% for a 32x32 matrix, 10%
+        # for GPT-2's position table; the largest seen over the families: 2.7 sigma), at most 30%
+        spread = min(0.3, 5 / np.sqrt(drawn.size))
+        assert abs(drawn.std() / reference.std() - 1) < spread, (name, drawn.std(), reference.std())
         assert abs(drawn.mean()) < 5 * reference.std() / np.sqrt(drawn.size), name
         checked += 1
     assert checked >= 8

@@ -186,7 +186,8 @@ got = {"spread": spread, "again": again, "written": sorted(os.listdir(out + "/hf
 
 # A DataParallelStep with FSDP over both processes' 4 devices, each process its share of
 # every batch (batches(shard=)): one global step (from tests/test_parallel_multiprocess.py)
-STEP = """
+# Its data, model, loss and optimizer: run here too, for the one-process reference.
+STEP_SETUP = """
 rng = np.random.default_rng(1)
 x, y = rng.normal(size=(256, 16)).astype(np.float32), rng.integers(0, 4, 256).astype(np.int32)
 k = jax.random.split(jax.random.key(0), 2)
@@ -197,6 +198,9 @@ def loss_fn(model, batch):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
 
 opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+"""
+
+STEP = STEP_SETUP + """
 step = ft.parallel.DataParallelStep(loss_fn, opt, mesh=mesh, sharding="fsdp")
 state = opt.init(model)
 data = ft.train.batches((x, y), 32, key=jax.random.key(3), shard=(jax.process_index(), jax.process_count()))
@@ -364,11 +368,6 @@ def test_a_model_sharded_over_two_processes_is_saved_by_process_0(job, tmp_path)
         assert (job[0] / "save_hf" / "hf" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
 
 
-def multiprocess_data():
-    rng = np.random.default_rng(1)
-    return rng.normal(size=(256, 16)).astype(np.float32), rng.integers(0, 4, 256).astype(np.int32)
-
-
 @pytest.mark.slow
 def test_two_processes_train_like_one(job):
     outs = claimed(job[1], "step")
@@ -379,18 +378,12 @@ def test_two_processes_train_like_one(job):
     for a, b in zip(outs[0]["params"], outs[1]["params"]):
         np.testing.assert_array_equal(a, b)  # identical in both processes
 
-    # one process, one device, the whole batches
-    x, y = multiprocess_data()
-    k = jax.random.split(jax.random.key(0), 2)
-    model = ft.nn.Sequential(ft.nn.Dense(16, 128, jax.nn.relu, key=k[0]), ft.nn.Dense(128, 4, key=k[1]))
-
-    def loss(model, batch):
-        x, y = batch
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(model(x)), y[:, None], axis=1))
-
-    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
-    step, state = ft.train.train_step(loss, opt), opt.init(model)
-    data_ = ft.train.batches((x, y), 32, key=jax.random.key(3))
+    # one process, one device, the whole batches: the claim's own setup
+    setup = {"np": np, "jax": jax, "jnp": jnp, "ft": ft}
+    exec(STEP_SETUP, setup)
+    model, opt = setup["model"], setup["opt"]
+    step, state = ft.train.train_step(setup["loss_fn"], opt), opt.init(model)
+    data_ = ft.train.batches((setup["x"], setup["y"]), 32, key=jax.random.key(3))
     for _ in range(2):
         for batch in data_:
             model, state, _ = step(model, state, batch)

@@ -37,6 +37,7 @@ import optax
 from functree._alias import check_stale
 from functree._tree import is_none, register_record
 from functree.optim._lookahead import SlowState
+from functree.optim._multisteps import multisteps_in
 from functree.optim._skip import applied_in, select
 
 __all__ = ["AverageState", "ema", "uniform_average", "averaged", "keeps_average", "with_average",
@@ -272,16 +273,11 @@ def with_average(transform: Any, average: Any) -> Any:
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
 
 
-def _is_multisteps(x: Any) -> bool:
-    return isinstance(x, optax.MultiStepsState)
-
-
 def _updated(old: Any, new: Any) -> jax.Array | None:
     """Whether every ``optax.MultiSteps`` in the state updated the parameters at this step
     (its ``gradient_step`` advanced; a micro-step only sums the gradients); None where
     there is none."""
-    before = [x for x in jax.tree.leaves(old, is_leaf=_is_multisteps) if _is_multisteps(x)]
-    after = [x for x in jax.tree.leaves(new, is_leaf=_is_multisteps) if _is_multisteps(x)]
+    before, after = multisteps_in(old), multisteps_in(new)
     if not after or len(before) != len(after):
         return None
     flags = [a.gradient_step != b.gradient_step for b, a in zip(before, after)]
@@ -339,7 +335,7 @@ def _check_chain(chain: tuple[Any, ...]) -> None:
                 raise ValueError(AVERAGE_AFTER_MULTISTEPS.format(name=name))
             if index != len(chain) - 1:
                 raise ValueError(AVERAGE_NOT_LAST.format(name=name, index=index, length=len(chain)))
-        accumulating = accumulating or any(isinstance(x, optax.MultiStepsState) for x in _nodes(element))
+        accumulating = accumulating or bool(multisteps_in(element))
 
 
 def _averages(state: Any) -> list[Any]:

@@ -27,6 +27,7 @@ import optax
 
 from functree._tree import is_none, register_record
 from functree.optim._hyper import HyperState
+from functree.optim._multisteps import multisteps_in
 
 __all__ = ["SlowState", "lookahead", "from_optax"]
 
@@ -103,10 +104,6 @@ class SlowState:
 register_record(SlowState, ["inner", "slow"])
 
 
-def _is_multisteps(x: Any) -> bool:
-    return isinstance(x, optax.MultiStepsState)
-
-
 def _is_hyper(x: Any) -> bool:
     return isinstance(x, HyperState)
 
@@ -158,7 +155,7 @@ def lookahead(fast_optimizer: optax.GradientTransformation, sync_period: int, sl
             raise ValueError(LOOKAHEAD_PARAMS_MODEL)
         inner = optax.lookahead(fast, sync_period, slow_step_size, reset_state)
         state: Any = inner.init(optax.LookaheadParams(params, params))
-        if any(_is_multisteps(x) for x in jax.tree.leaves(state.fast_state, is_leaf=_is_multisteps)):
+        if multisteps_in(state.fast_state):
             raise ValueError(LOOKAHEAD_MULTISTEPS)
         return SlowState(state, params)
 

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import optax
 
-__all__ = ["check_multisteps", "unapplied_microsteps", "warn_unapplied", "UnappliedGradientsWarning",
+__all__ = ["check_multisteps", "multisteps_in", "unapplied_microsteps", "warn_unapplied", "UnappliedGradientsWarning",
            "UNAPPLIED_GRADIENTS"]
 
 FUNCTREE_IN_MULTISTEPS = """\
@@ -82,6 +82,20 @@ def _is_multisteps(x: Any) -> bool:
     return isinstance(x, optax.MultiStepsState)
 
 
+def multisteps_in(state: Any) -> list[Any]:
+    """Every ``optax.MultiSteps`` state in ``state`` (a chain's member, inside a wrapper's
+    state), outermost first: what the average, the lookahead and ``Trainer.fit`` read of it.
+
+    Example:
+      >>> import optax, jax.numpy as jnp
+      >>> from functree.optim._multisteps import multisteps_in
+      >>> state = optax.chain(optax.clip(1.0), optax.MultiSteps(optax.sgd(0.1), 2)).init({"w": jnp.ones(2)})
+      >>> [int(s.mini_step) for s in multisteps_in(state)], multisteps_in(optax.sgd(0.1).init({"w": jnp.ones(2)}))
+      ([0], [])
+    """
+    return [n for n in jax.tree.leaves(state, is_leaf=_is_multisteps) if _is_multisteps(n)]
+
+
 def unapplied_microsteps(state: Any) -> int:
     """The most micro-steps an ``optax.MultiSteps`` in ``state`` has summed and not yet
     applied (its ``mini_step``; 0 where there is none). Reads the device.
@@ -98,8 +112,7 @@ def unapplied_microsteps(state: Any) -> int:
       >>> unapplied_microsteps(state), unapplied_microsteps(optax.sgd(0.1).init(params))
       (2, 0)
     """
-    nodes = [n for n in jax.tree.leaves(state, is_leaf=_is_multisteps) if _is_multisteps(n)]
-    return max((int(n.mini_step) for n in nodes), default=0)
+    return max((int(n.mini_step) for n in multisteps_in(state)), default=0)
 
 
 def warn_unapplied(state: Any, step: int, stacklevel: int = 3) -> None:

@@ -496,13 +496,14 @@ def metric_dtype() -> np.dtype:
     return jax.dtypes.canonicalize_dtype(np.float64)
 
 
-def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOutput) -> dict[str, jax.Array]:
+def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOutput) -> dict[str, Any]:
     """Every metric on one minibatch, as scalars of :func:`metric_dtype` (checked at trace
     time). Inside :func:`measured`, each value is remembered as plain (its metric called no
     counting metric) or as the counting value it returned (cast): no probe needed for them.
-    A metric returning ``ft.losses.WeightedMean`` gives its value with its parts, as such a
-    loss does: its means are ``Σ total / Σ count``."""
+    A metric returning ``ft.losses.WeightedMean`` is passed on as it is: :func:`measured`
+    notes its value with its parts, as such a loss's, so its means are ``Σ total / Σ count``."""
     dtype, frame = metric_dtype(), _frame()
+    values: dict[str, Any]
     if out.parts is None:
         values = {"loss": _known(jnp.asarray(out.loss).astype(dtype), None, frame)}
     else:  # a WeightedMean loss: its means over minibatches are Σ total / Σ count (parts as accuracy's)
@@ -510,8 +511,8 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
     for name, fn in fns.items():
         before = len(frame.calls) if frame is not None else 0
         raw = fn(out)
-        if isinstance(raw, WeightedMean):  # a token-level metric: Σ total / Σ count, as such a loss
-            values[name] = _weighted(raw, dtype)
+        if isinstance(raw, WeightedMean):  # a token-level metric: measured() notes its parts (_values)
+            values[name] = raw
             continue
         value = jnp.asarray(raw)
         if value.shape != ():
@@ -528,9 +529,9 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
 
 
 def _values(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """A step's metrics, a ``WeightedMean`` among them (a ``compute_metrics`` override's)
-    as its value noted with its parts (:func:`_weighted`), in the order given: the real run
-    and :func:`measured`'s probe trace note them alike."""
+    """A step's metrics, a ``WeightedMean`` among them (a metric's, or a ``compute_metrics``
+    override's) as its value noted with its parts (:func:`_weighted`), in the order given:
+    the real run and :func:`measured`'s probe trace note them alike."""
     dtype = metric_dtype()
     return {k: _weighted(v, dtype) if isinstance(v, WeightedMean) else v for k, v in metrics.items()}
 

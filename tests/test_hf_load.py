@@ -10,6 +10,7 @@ each port is one line: ``ft.nn.from_hf(hf)``.
 """
 
 import functools
+import json
 import os
 import re
 import sys
@@ -797,6 +798,36 @@ def test_from_config_initializes_as_hf(family):
         assert abs(drawn.mean()) < 5 * reference.std() / np.sqrt(drawn.size), name
         checked += 1
     assert checked >= 8
+
+
+@pytest.mark.parametrize("family", INIT_CONFIGS)
+def test_a_pad_id_outside_the_vocabulary_is_refused_where_hf_refuses_it(family, tmp_path):
+    """``pad_token_id == vocab_size``: HF builds Llama's (and the families built like it),
+    OPT's and BERT's token embedding with ``padding_idx = pad_token_id`` and refuses the
+    config (from_config and from_pretrained: torch's assertion); functree built those
+    models without a padding row (from a config and key, and from a directory's weights).
+    GPT-2 and GPT-NeoX build no padding row: HF and functree take the config."""
+    config = INIT_CONFIGS[family]()
+    config.pad_token_id = VOCAB
+    builder = transformers.BertModel if family == "bert" else transformers.AutoModelForCausalLM.from_config
+    if _hf.FAMILIES[config.model_type].hf_padded is None:
+        hf = builder(config)
+        model = ft.nn.from_hf(config, {k: v.numpy() for k, v in hf.state_dict().items()})  # the weights: no compile
+        assert model.hf_config["pad_token_id"] == VOCAB
+        return
+    with pytest.raises(AssertionError, match="Padding_idx must be within num_embeddings"):
+        builder(config)
+    refused = (rf"(?s)^ft\.nn\.from_hf: the config's pad_token_id is {VOCAB}, outside its vocabulary "
+               rf"\(vocab_size {VOCAB}: ids 0 to {VOCAB - 1}.*{_hf.COVERED[config.model_type]} builds its token embedding "
+               rf'with padding_idx=pad_token_id.*"pad_token_id": null.*"vocab_size": {VOCAB + 1}, "pad_token_id": {VOCAB}')
+    with pytest.raises(ValueError, match=refused):
+        ft.nn.from_hf(config, key=jax.random.key(0))
+    if family == "llama":  # a save_pretrained directory whose config.json says so
+        ft.nn.save_hf(llama_from_config(), tmp_path)
+        written = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**written, "pad_token_id": VOCAB}))
+        with pytest.raises(ValueError, match=refused):
+            ft.nn.from_hf(tmp_path)
 
 
 @pytest.mark.parametrize("family", INIT_CONFIGS)

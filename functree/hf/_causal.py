@@ -176,7 +176,8 @@ def padding_row(model: Any, vocab: int) -> int | None:
 def padding_index(pad: Any, vocab: int) -> int | None:
     """The row torch's ``nn.Embedding(vocab, d, padding_idx=pad)`` holds at zero: ``pad``
     wrapped as torch wraps a negative index (older Llama configs' ``pad_token_id: -1`` is
-    the last row), or None (no pad id, or one outside the table, which torch refuses)."""
+    the last row), or None (no pad id, or one outside the table, which torch refuses:
+    ``from_hf`` refuses such a config for the padded families, PAD_OUTSIDE_VOCABULARY)."""
     if not isinstance(pad, int) or isinstance(pad, bool) or not -vocab <= pad < vocab:
         return None
     return pad % vocab

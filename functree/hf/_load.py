@@ -20,7 +20,7 @@ import os
 import re
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +133,18 @@ weights unread. Say which one you mean:
     right:  ft.nn.from_hf({source!r})                                  # its weights
        or:  ft.nn.from_hf({source!r}, dropout=True, key=key)           # its weights, HF's dropout
        or:  ft.nn.from_hf(ft.nn.from_hf({source!r}).hf_config.to_dict(), key=key)   # a fresh model
+"""
+
+PAD_OUTSIDE_VOCABULARY = """\
+ft.nn.from_hf: the config's pad_token_id is {pad}, outside its vocabulary (vocab_size {vocab}: \
+ids 0 to {last}, or -{vocab} to -1 counted from the end). {hf_class} builds its token \
+embedding with padding_idx=pad_token_id, and Hugging Face refuses this config too (its \
+from_config and from_pretrained: torch's "Padding_idx must be within num_embeddings").
+
+    wrong:  "vocab_size": {vocab}, "pad_token_id": {pad}
+    right:  "vocab_size": {vocab}, "pad_token_id": null    # no padding row (pass generate a pad_token_id)
+       or:  "vocab_size": {vocab}, "pad_token_id": {inside}    # an id in the table (the eos token's, or 0)
+       or:  "vocab_size": {grown}, "pad_token_id": {pad}    # a row for it (a fresh model; weights need it too)
 """
 
 # The files a save_pretrained directory holds its weights in (read_weights reads them).
@@ -440,7 +452,9 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     Hugging Face's initialization, as ``AutoModelForCausalLM.from_config(config)`` does (to
     train from scratch): weight matrices and embeddings ``normal(0, initializer_range)``,
     GPT-2's residual projections scaled by ``1 / sqrt(2 * n_layer)``, biases zero, the
-    padding id's embedding row zero, norms the identity. ``attention`` ("auto",
+    padding id's embedding row zero, norms the identity (a ``pad_token_id`` outside the
+    vocabulary is refused where HF refuses it: the families whose embedding has a padding
+    row, all but GPT-2 and GPT-NeoX). ``attention`` ("auto",
     "xla" or "cudnn") is the ``implementation`` of every ``ft.nn.MultiheadAttention`` built.
     ``dropout=True`` (with ``key=``, the masks' keys) applies Hugging Face's dropout at the
     config's rates where HF's modules do, in training mode only (``functree.hf._dropout``);
@@ -495,6 +509,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}", covered=_covered()))
     family = FAMILIES[model_type]
     refuse_quantized(config)  # quantized weights read as floats would be another model
+    _check_pad_token(family, config)
     carried = hf_config_of(config, source)
     if weights is None:
         if key is None:
@@ -516,6 +531,26 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
         raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
     return with_dropout(model.replace(hf_config=carried), config, dropout, key)
+
+
+def _an_int(value: Any) -> TypeGuard[int]:
+    """An int that is not a bool (a config's token id or size as JSON gives it)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_pad_token(family: type[HFModel], config: Any) -> None:
+    """Raise :data:`PAD_OUTSIDE_VOCABULARY` where ``family`` builds its token embedding with
+    ``padding_idx = pad_token_id`` (``hf_padded``) and the id is outside ``-vocab <= pad <
+    vocab``, as torch's ``nn.Embedding`` refuses it (HF's ``from_config`` and
+    ``from_pretrained`` fail on it; GPT-2 and GPT-NeoX build no padding row and accept any id)."""
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if family.hf_padded is None or not _an_int(pad) or not _an_int(vocab):
+        return
+    if padding_index(pad, vocab) is None:  # an int outside the table
+        eos = getattr(config, "eos_token_id", None)
+        inside = eos if _an_int(eos) and 0 <= eos < vocab else 0
+        raise ValueError(PAD_OUTSIDE_VOCABULARY.format(pad=pad, vocab=vocab, last=vocab - 1, hf_class=family.hf_class,
+                                                       inside=inside, grown=pad + 1 if pad >= 0 else -pad))
 
 
 def _layers_not_in_weights(short: ShortStack, config: Any) -> ValueError:

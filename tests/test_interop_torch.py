@@ -528,6 +528,67 @@ def test_a_dense_after_conv_maps_its_call_flattens_by_hand_must_be_named(fc_firs
     assert set(ft.nn.torch_state_dict(make(4), numpy=True)) == {"fc.weight", "fc.bias", "block.conv.weight", "block.conv.bias"}
 
 
+class _TwoDenseCall(ft.Module):
+    """block -> fc (the Conv's maps flattened) -> out, whatever the fields' order."""
+
+    def __call__(self, x):
+        h = self.block(x)
+        return self.out(jax.nn.relu(self.fc(h.reshape(h.shape[0], -1))))
+
+
+class _OutFcBlock(_TwoDenseCall):
+    out: ft.nn.Dense  # declared first, called last
+    fc: ft.nn.Dense
+    block: _ConvBlock
+
+
+class _BlockOutFc(_TwoDenseCall):
+    block: _ConvBlock
+    out: ft.nn.Dense  # declared right after the Conv, called last
+    fc: ft.nn.Dense
+
+
+class _BlockFcOut(_TwoDenseCall):  # fields in call order
+    block: _ConvBlock
+    fc: ft.nn.Dense
+    out: ft.nn.Dense
+
+
+@pytest.mark.parametrize("cls, where", [
+    (_OutFcBlock, "after it in field order \\(which need not be the call's: the Dense out before it gives 2 outputs"),
+    (_BlockOutFc, "before it in field order \\(which need not be the call's: the Dense out between them gives 2"),
+    (_BlockFcOut, "before it, in a model"),
+], ids=["out_fc_block", "block_out_fc", "block_fc_out"])
+def test_the_dense_a_call_applies_to_flattened_maps_is_found_after_another_dense(cls, where):
+    # The Dense applied to the flattened maps (fc) came after another Dense (out) in field
+    # order: the check read out as fc's input and let torch's [C, L] rows load as ft's [L, C],
+    # silently (outputs of 0.12 and 0.30 off by 0.062 and 0.088 here). A Dense before it whose
+    # outputs are not its inputs cannot feed it: checked against the Conv as the in-order case.
+    names = list(cls.__dataclass_fields__)
+    torch_model = nn.Module()
+    for name, part in zip(names, [{"out": nn.Linear(8, 2), "fc": nn.Linear(12, 8), "block": nn.Module()}[n]
+                                  for n in names]):
+        setattr(torch_model, name, part)
+    torch_model.block.conv = nn.Conv1d(2, 3, 2)
+    parts = {"out": ft.nn.Dense(8, 2, key=K[1]), "fc": ft.nn.Dense(12, 8, key=K[2]),
+             "block": _ConvBlock(ft.nn.Conv1D(2, 3, 2, padding="VALID", key=K[0]))}
+    model = build(lambda: cls(**{n: parts[n] for n in names}))
+    x, x_ft = nchw((2, 2, 5))
+    with torch.no_grad():
+        t = torch_model
+        expected = t.out(torch.relu(t.fc(torch.relu(t.block.conv(torch.from_numpy(x))).flatten(1)))).numpy()
+    for call in (lambda **kw: ft.nn.load_torch_state_dict(model, torch_model.state_dict(), **kw),
+                 lambda **kw: ft.nn.torch_state_dict(model, numpy=True, **kw)):
+        with pytest.raises(ValueError, match=r"(?s)^ft\.nn: fc \(ft: fc\) is a Dense layer of 12 inputs, 4 x the 3 "
+                                             rf"channels of the Conv block.conv {where}.*flattened=\{{'fc': \(3, length\)\}}"):
+            call()
+    loaded = ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": (3, 4)})
+    close(loaded(jnp.asarray(x_ft)), expected)
+    if cls is _BlockFcOut:  # a Dense fed by the Dense before it (6 outputs, 6 inputs: 2 x 3 channels) is no map
+        fed = build(lambda: _BlockFcOut(parts["block"], ft.nn.Dense(12, 6, key=K[2]), ft.nn.Dense(6, 2, key=K[1])))
+        assert len(ft.nn.torch_state_dict(fed, numpy=True, flattened={"fc": (3, 4)})) == 6
+
+
 def test_torch_state_dict_without_torch_names_the_fix(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torch", None)
     with pytest.raises(ImportError, match="numpy=True"):

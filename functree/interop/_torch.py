@@ -444,9 +444,11 @@ def _check_unflattened(steps: list[tuple[str, str, Any]], ft: str, torch: str, o
     field order, a ``Conv`` and then a ``Dense`` whose inputs are a multiple (> 1) of the
     Conv's channels: its ``__call__`` most likely flattens the maps by hand (torchvision's
     VGG, AlexNet), and torch's rows are then ``[C, *S]`` where ft's are ``[*S, C]``. Another
-    layout (two pooled branches joined) says so with ``flattened={name: None}``. A Dense
-    that no weighted field precedes, with a ``Conv`` in a later field, is refused alike:
-    field order need not be the call's (``fc`` declared before ``features``)."""
+    layout (two pooled branches joined) says so with ``flattened={name: None}``. Field order
+    need not be the call's, so a Dense is checked alike against the nearest Conv before it
+    (else the first after it) where the weighted field before it cannot feed it: none
+    precedes it (``fc`` declared before ``features``), or a Dense whose outputs are not its
+    inputs does (``out`` declared before ``fc``, called after it)."""
     weighted = [(k, *found) for k, (_, _, layer) in enumerate(steps) for found in [_last_weighted(layer)]
                 if found is not None]
     for k, (_, _, layer) in enumerate(steps):
@@ -454,13 +456,32 @@ def _check_unflattened(steps: list[tuple[str, str, Any]], ft: str, torch: str, o
         if first is None or not isinstance(first[2], Dense):
             continue
         before = [w for w in weighted if w[0] < k]
-        # The weighted layer before it in field order; a Dense that no layer precedes there
-        # may still be called after a Conv declared later (fields out of call order): the
-        # first such Conv after it.
-        last = before[-1] if before else next((w for w in weighted if w[0] > k and isinstance(w[2], Conv)), None)
-        if last is not None and isinstance(last[2], Conv):
-            _refuse_unseen(steps, k, first, last, ft, torch, options, loading=loading,
-                           where="before it" if before else "after it in field order (which need not be the call's)")
+        if before and isinstance(before[-1][2], Conv):  # in field order, right after the Conv
+            _refuse_unseen(steps, k, first, before[-1], ft, torch, options, loading=loading, where="before it")
+            continue
+        inputs = int(first[2].weight.shape[0])
+        if before and int(before[-1][2].weight.shape[-1]) == inputs:  # the Dense before it feeds it: in call order
+            continue
+        # No weighted field precedes it, or a Dense that cannot feed it: fields out of call
+        # order (or inputs joined), so it may be the one applied to a Conv's flattened maps.
+        conv = next((w for w in reversed(before) if isinstance(w[2], Conv)), None)
+        conv = conv or next((w for w in weighted if w[0] > k and isinstance(w[2], Conv)), None)
+        if conv is not None:
+            _refuse_unseen(steps, k, first, conv, ft, torch, options, loading=loading,
+                           where=_out_of_order(steps, torch, conv[0] < k, before[-1] if before else None, inputs))
+
+
+def _out_of_order(steps: list[tuple[str, str, Any]], torch: str, conv_before: bool, previous: Any,
+                  inputs: int) -> str:
+    """Where :data:`FLATTENED_UNSEEN`'s Conv is for a Dense that field order does not put
+    right after it, with the Dense before it (``previous``) that cannot feed it."""
+    order = "before" if conv_before else "after"
+    if previous is None:
+        return f"{order} it in field order (which need not be the call's)"
+    j, inner, dense = previous
+    name, outputs = join_names(torch, join_names(steps[j][0], inner)), int(dense.weight.shape[-1])
+    return (f"{order} it in field order (which need not be the call's: the Dense {name} "
+            f"{'between them' if conv_before else 'before it'} gives {outputs} outputs, not its {inputs} inputs)")
 
 
 def _refuse_unseen(steps: list[tuple[str, str, Any]], k: int, first: tuple[str, str, Any],
@@ -680,8 +701,9 @@ def load_torch_state_dict(
     must be named (:data:`FLATTENED_UNNAMED`; ``None``: torch's rows are channels-last too).
     A model without an ``ft.nn.Flatten`` whose fields hold a ``Conv`` and then a ``Dense`` of a
     multiple (> 1) of its channels (a ``__call__`` that flattens by hand) is refused too
-    (:data:`FLATTENED_UNSEEN`), and so is one declared before the ``Conv`` that nothing
-    precedes (fields in another order than the call's).
+    (:data:`FLATTENED_UNSEEN`), and so is one the field before it cannot feed (nothing, or a
+    ``Dense`` of other outputs: fields in another order than the call's) with a ``Conv`` in
+    another field.
 
     A model of :func:`ft.nn.from_hf`, at the root or held anywhere inside the model
     (``Classifier(bert=ft.nn.from_hf(...), head=Dense)``), reads Hugging Face's names under

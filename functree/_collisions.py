@@ -59,7 +59,7 @@ def refuse_collisions(tree: Any, names: Sequence[Sequence[str]], what: str) -> N
         for name in own:
             if owner.setdefault(name, j) != j:
                 _raise_collision(tree, what, owner[name], j, name, name, name)
-    nodes: dict[str, tuple[int, str]] = {}  # every dotted prefix -> a leaf under it, and its name
+    nodes: dict[str, dict[int, str]] = {}  # every dotted prefix -> the leaves under it, a name of each
     for name, j in owner.items():
         parts = name.split(".")
         for end in range(1, len(parts) + 1):
@@ -67,11 +67,16 @@ def refuse_collisions(tree: Any, names: Sequence[Sequence[str]], what: str) -> N
             k = owner.get(prefix, j) if end < len(parts) else j
             if k != j:
                 _raise_collision(tree, what, k, j, prefix, name, prefix)
-            nodes.setdefault(prefix, (j, name))
-    for prefix, (j, name) in nodes.items():
-        k, other = nodes.get("." + prefix, (j, name))
-        if k != j:
-            _raise_collision(tree, what, j, k, name, other, "." + prefix)
+            nodes.setdefault(prefix, {}).setdefault(j, name)
+    for prefix, under in nodes.items():
+        # The pattern "." + prefix names both this node and the node "." + prefix (the key
+        # ""): one selection only where the two hold the same leaves ({"": {"": x, "a": y}}:
+        # "." is the leaf x and the node holding x and y).
+        dotted = nodes.get("." + prefix, under)
+        if dotted.keys() != under.keys():
+            j = next((i for i in under if i not in dotted), next(iter(under)))
+            k = next((i for i in dotted if i not in under and i != j), next(i for i in dotted if i != j))
+            _raise_collision(tree, what, j, k, under[j], dotted[k], "." + prefix)
     if key is not None and str_keys_only(tree):
         bounded_put(_COLLISIONS, key, True)
 

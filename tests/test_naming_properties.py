@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from _hypothesis import examples
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import functree as ft
@@ -84,6 +84,7 @@ def ambiguous(names):
 
 @settings(max_examples=examples(100), deadline=None)
 @given(st.dictionaries(KEYS, node(), min_size=1, max_size=3))
+@example({"": {"": jnp.zeros(2), "a": jnp.zeros(2)}})  # "." names a leaf and the node over it and ".a"
 def test_every_leaf_keeps_its_name_and_a_pattern_selects_it_alone_or_the_tree_is_refused(tree):
     leaves = jax.tree.leaves(tree)
     try:
@@ -109,6 +110,15 @@ def test_every_leaf_keeps_its_name_and_a_pattern_selects_it_alone_or_the_tree_is
     for name in members:
         picked = ft.to_flat_dict(ft.select(_stacked.expand(tree), name))
         assert [k for k, v in picked.items() if v] == [name]
+
+
+def test_the_leaf_named_dot_beside_a_sibling_under_the_key_empty_is_refused():
+    # "." is the leaf [""][""] and, written with its leading dot, the node [""] over both
+    # leaves: ft.select(tree, ".") picked the sibling too (freezing or decaying a leaf not named).
+    tree = {"": {"": jnp.zeros(2), "a": jnp.ones(2)}}
+    with pytest.raises(ValueError, match=r"named '\.a' and the leaf at \[''\]\[''\] is named '\.'.*'\.' selects both"):
+        ft.select(tree, ".")
+    ft.select({"": {"": jnp.zeros(2)}}, ".")  # alone under the key "", "." is that one leaf either way
 
 
 def test_a_stack_under_the_key_empty_keeps_its_leaves_and_member_names():

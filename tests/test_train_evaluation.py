@@ -94,7 +94,7 @@ def test_predict_of_a_function_whose_first_axis_is_not_the_examples_names_the_ou
     with pytest.raises(ValueError) as info:
         trainer.predict(x, col_mean, batch_size=3)
     assert str(info.value).endswith(PREDICT_NOT_PER_EXAMPLE.format(
-        fn="col_mean", output="f32[2]", path="['mean']", rows=3, sizes="3"))
+        fn="col_mean", output="f32[2]", path="['mean']", rows=3, where="the leading axis its leaves share"))
     with pytest.raises(ValueError, match=r"returned f32\[2,3\] at its root"):
         trainer.predict(x, lambda m, b: b.T, batch_size=3)
 
@@ -118,6 +118,39 @@ def test_evaluating_sharded_batches_whose_last_minibatch_the_shares_cannot_split
     assert trainer.history.steps["step"] == []
     right = ft.train.batches(jax.tree.map(lambda a: a[:28], data), 8, shuffle=False, shard=(1, 2))  # the fix shown
     assert [b[1].tolist() for b in right.in_order()] == [[4, 5, 6, 7], [12, 13, 14, 15], [20, 21, 22, 23], [26, 27]]
+
+
+def test_predict_reads_the_examples_from_the_inputs_where_the_batchs_leaves_differ():
+    """A per-minibatch mean of as many columns (2) as another leaf's rows (``prototypes``,
+    one per class) passed the check, which took any leaf's leading axis: 4 rows for 5
+    examples, silently. The examples are the axis the leaves share, else the inputs'
+    (``batch["x"]``, ``batch[0]``); a batch that says neither is refused before running fn."""
+    import pytest
+
+    from functree.train._evaluation import PREDICT_EXAMPLES_UNKNOWN, PREDICT_NOT_PER_EXAMPLE
+
+    trainer = ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b.sum())
+    x, prototypes = np.arange(10, dtype=np.float32).reshape(5, 2), np.ones((2, 2), np.float32)
+    data = [{"x": x[:3], "prototypes": prototypes}, {"x": x[3:], "prototypes": prototypes}]
+
+    def col_mean(m, b):
+        return jnp.mean(b["x"] if isinstance(b, dict) else b[0], axis=0)
+
+    for given, where in [(data, "['x']"), ([(b["x"], b["prototypes"]) for b in data], "[0]")]:
+        with pytest.raises(ValueError) as info:
+            trainer.predict(given, col_mean)
+        assert str(info.value).endswith(PREDICT_NOT_PER_EXAMPLE.format(
+            fn="col_mean", output="f32[2]", path="its root", rows=3, where=f"the leading axis of its inputs, batch{where}"))
+    # one row per example: concatenated as before
+    np.testing.assert_array_equal(trainer.predict(data, lambda m, b: b["x"] @ b["prototypes"]), x @ prototypes)
+
+    def ids(m, b):
+        raise AssertionError("fn ran")
+
+    with pytest.raises(ValueError) as info:
+        trainer.predict([{"ids": x[:3], "prototypes": prototypes}], ids)
+    assert str(info.value).endswith(PREDICT_EXAMPLES_UNKNOWN.format(first="['ids']", rows=3, other="['prototypes']",
+                                                                    given=2))
 
 
 def test_every_mean_over_a_short_last_minibatch_is_the_whole_datas():

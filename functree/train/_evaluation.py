@@ -231,8 +231,9 @@ def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: C
     for i, given, first in _numbered(data):
         with _located("predict", i, given, first):
             batch = step.shard_batch(to_arrays(given))
+            rows = _predict_examples(batch)  # (an ambiguous batch is refused before its program runs)
             outputs.append(program(model, batch, fn, None if key is None else jax.random.fold_in(key, i)))
-            _check_per_example(fn, outputs[-1], batch)
+            _check_per_example(fn, outputs[-1], rows)
     if not outputs:
         raise no_eval_minibatch("predict", data)
     _check_rows(fn, outputs[0])
@@ -259,29 +260,62 @@ def _check_rows(fn: Any, output: Any) -> None:
 
 PREDICT_NOT_PER_EXAMPLE = """\
 trainer.predict(data, fn): fn's outputs are concatenated along their first axis, one row \
-per example, but {fn} returned {output} at {path} for a minibatch of {rows} examples: its \
-first axis is not the examples' (the minibatch's leaves have {sizes} rows). Concatenated, \
-its rows would not be the data's examples, nor its length the data's. Return one row per \
-example, and reduce or reshape after predict:
+per example, but {fn} returned {output} at {path} for a minibatch of {rows} examples \
+({where}): its first axis is not the examples'. Concatenated, its rows would not be the \
+data's examples, nor its length the data's. Return one row per example, and reduce or \
+reshape after predict:
 
     wrong:  trainer.predict(data, lambda m, b: jnp.mean(m(b[0]), axis=0))
     right:  jnp.mean(trainer.predict(data, lambda m, b: m(b[0])), axis=0)
        or:  trainer.predict(data, lambda m, b: m(b[0])).reshape(-1, num_classes)   # for .reshape(-1, num_classes) inside"""
 
+PREDICT_EXAMPLES_UNKNOWN = """\
+trainer.predict(data, fn): fn's outputs are concatenated along their first axis, one row \
+per example, and the minibatch's examples are ambiguous: its leaves do not share one \
+leading axis ({first} has {rows} rows, {other} has {given}), and no inputs entry of one \
+leading axis says which is the examples' (batch[0] of a tuple; batch["x"], "inputs", \
+"input", "image", "images" or "features" of a dict). Keep values that are not per example \
+out of the batch (in fn's closure), or name the examples' entry:
 
-def _check_per_example(fn: Any, output: Any, batch: Any) -> None:
-    """:data:`PREDICT_NOT_PER_EXAMPLE` for an output leaf whose first axis is none of the
-    minibatch's leaves' (a per-minibatch mean, a transposed output): concatenated, a
-    minibatch of 4 gave 3 rows, or JAX's "Cannot concatenate arrays" at a short last one.
-    Scalars are :func:`_check_rows`'s; a batch with no example axis leaves any output."""
-    sizes = sorted({np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x) >= 1})
-    if not sizes:
+    wrong:  batch = {{"ids": ids, "class_weights": w}}                 # w: one per class
+    right:  trainer.predict(data, functools.partial(fn, class_weights=w))   # batch = {{"ids": ids}}
+       or:  batch = {{"x": ids, "class_weights": w}}                   # the examples: batch["x"]'s rows"""
+
+
+def _predict_examples(batch: Any) -> tuple[int, str] | None:
+    """The minibatch's examples for :func:`_check_per_example`, ``(rows, where they are
+    read)``: the leading axis every array leaf shares, else (leaves of several sizes: a
+    per-minibatch ``prototypes`` beside ``x``) that of the model inputs (:func:`inputs`:
+    ``batch[0]``, ``batch["x"]``) where its leaves share one; None for a batch without
+    arrays. Neither: :data:`PREDICT_EXAMPLES_UNKNOWN` (any leaf's size taken, a
+    per-minibatch mean of as many columns as another leaf's rows passed)."""
+    leaves = [(jax.tree_util.keystr(path) or "the batch", int(np.shape(x)[0]))
+              for path, x in jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(x) >= 1]
+    sizes = {n for _, n in leaves}
+    if len(sizes) <= 1:
+        return None if not sizes else (sizes.pop(), "the leading axis its leaves share")
+    entry = _inputs_entry(batch)  # (a dict without an inputs key: None)
+    shared = set() if entry is None else {int(np.shape(x)[0]) for x in jax.tree.leaves(entry[1]) if np.ndim(x) >= 1}
+    if entry is not None and entry[0] and len(shared) == 1:
+        return shared.pop(), f"the leading axis of its inputs, batch{entry[0]}"
+    (first, rows), (other, size) = leaves[0], next(leaf for leaf in leaves if leaf[1] != leaves[0][1])
+    raise ValueError(PREDICT_EXAMPLES_UNKNOWN.format(first=first, rows=rows, other=other, given=size))
+
+
+def _check_per_example(fn: Any, output: Any, examples: tuple[int, str] | None) -> None:
+    """:data:`PREDICT_NOT_PER_EXAMPLE` for an output leaf whose first axis is not the
+    minibatch's examples (``examples``, :func:`_predict_examples`'s; a per-minibatch mean, a
+    transposed output): concatenated, a minibatch of 4 gave 3 rows, or JAX's "Cannot
+    concatenate arrays" at a short last one. Scalars are :func:`_check_rows`'s; a batch with
+    no example axis (None) leaves any output."""
+    if examples is None:
         return
+    rows, where = examples
     for path, leaf in jax.tree_util.tree_flatten_with_path(output)[0]:
-        if np.ndim(leaf) >= 1 and np.shape(leaf)[0] not in sizes:
+        if np.ndim(leaf) >= 1 and np.shape(leaf)[0] != rows:
             raise ValueError(PREDICT_NOT_PER_EXAMPLE.format(
-                fn=getattr(fn.fn if isinstance(fn, InDtype) else fn, "__name__", "fn"), output=short_array(leaf), path=jax.tree_util.keystr(path) or "its root",
-                rows=max(sizes), sizes=" or ".join(map(str, sizes))))
+                fn=getattr(fn.fn if isinstance(fn, InDtype) else fn, "__name__", "fn"), output=short_array(leaf),
+                path=jax.tree_util.keystr(path) or "its root", rows=rows, where=where))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,14 +333,21 @@ class InDtype:
 
 def inputs(batch: Any) -> Any:
     """The model inputs of a batch: ``batch[0]``, ``batch["x"]``-like, or the batch."""
-    if isinstance(batch, (tuple, list)):
-        return batch[0]
-    if isinstance(batch, Mapping):
-        for name in ("x", "inputs", "input", "image", "images", "features"):
-            if name in batch:
-                return batch[name]
+    entry = _inputs_entry(batch)
+    if entry is None:
         raise ValueError(NO_INPUTS.format(keys=sorted(map(str, batch))))
-    return batch
+    return entry[1]
+
+
+def _inputs_entry(batch: Any) -> tuple[str, Any] | None:
+    """:func:`inputs` with where it is read (``"[0]"``, ``"['x']"``; ``""``: the batch
+    itself), or None for a dict without an inputs key."""
+    if isinstance(batch, (tuple, list)):
+        return "[0]", batch[0]
+    if isinstance(batch, Mapping):
+        name = next((n for n in ("x", "inputs", "input", "image", "images", "features") if n in batch), None)
+        return None if name is None else (f"[{name!r}]", batch[name])
+    return "", batch
 
 
 NO_INPUTS = """\
@@ -395,6 +436,9 @@ class Evaluation:
         """``fn(model, batch)`` over ``data`` (inference mode), concatenated along axis 0:
         every output leaf holds one row per example, in the data's order (a leaf whose first
         axis is not the minibatch's examples, a per-minibatch mean, is refused: reduce after).
+        A minibatch's examples are the leading axis its array leaves share; where they differ
+        (a per-minibatch ``prototypes`` beside ``x``), that of its inputs (``batch[0]``,
+        ``batch["x"]``), and a minibatch that names neither is refused.
 
         ``fn`` defaults to ``model(inputs)`` with inputs ``batch[0]`` (tuples),
         ``batch["x"]`` (dicts) or the batch itself (arrays). An ``fn`` that takes ``key=``

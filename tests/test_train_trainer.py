@@ -301,6 +301,45 @@ def test_other_metrics_mid_epoch_are_refused_and_added_at_an_epoch_end_mean_thei
     assert first.metrics["mae"] == new.history.steps["mae"][4]  # step 5's alone: Σ n·v / n, exact
 
 
+class _MaeStep(ft.train.TrainStep):
+    def compute_metrics(self, out):
+        return {**super().compute_metrics(out), "mae": jnp.mean(jnp.abs(out.model(out.batch[0]) - out.batch[1]))}
+
+
+class _RmseStep(ft.train.TrainStep):
+    def compute_metrics(self, out):
+        return {**super().compute_metrics(out), "rmse": jnp.sqrt(jnp.mean((out.model(out.batch[0]) - out.batch[1]) ** 2))}
+
+
+def test_an_overridden_compute_metrics_of_other_names_mid_epoch_is_refused_when_it_traces(tmp_path):
+    # Its names are known only when the step traces, so the restore's check let it pass:
+    # epoch 1's rmse was the mean of its last 2 of 4 steps (2.67), mae of its first 2, both
+    # reported as the epoch's. Refused at fit's first minibatch, before any step runs (the
+    # restore forgets the names an earlier fit read). The same names continue the epoch.
+    def make(step):
+        opt = adam()
+        return Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), opt, regress, train_step=step(regress, opt))
+
+    def data():
+        return ft.train.batches((X, Y), 16, key=jax.random.key(1))  # 4 steps an epoch
+
+    old = make(_MaeStep)
+    old.fit(data(), steps=2, progress=False)
+    old.save(tmp_path / "ck")
+    changed = (r"(?s)^The checkpoint at step 2 .* inside epoch 1: .* for \['loss', 'mae'\], but this trainer records "
+               r"\['loss', 'rmse'\] \(added \['rmse'\], removed \['mae'\]\); the step's compute_metrics .*"
+               r"wrong:  Trainer\(model, opt, loss_fn, train_step=OtherStep\(\.\.\.\)\)\.restore\(path\)\.fit\(data\)"
+               r".*right:  trainer\.restore\(path, step=")
+    new = make(_RmseStep).restore(tmp_path / "ck")
+    for _ in range(2):  # and again: nothing ran
+        with pytest.raises(ft.train.CheckpointError, match=changed):
+            new.fit(data(), epochs=1, progress=False)
+        assert new.steps_run == 2 and new.history.steps["step"] == [1, 2]
+    old.restore(tmp_path / "ck").fit(data(), epochs=1, progress=False)  # its step traced again: the same names
+    mae = old.history.steps["mae"]
+    assert len(mae) == 4 and old.history.epochs["mae"][0] == pytest.approx(np.mean(mae), abs=1e-6 * max(mae))
+
+
 def test_progress_bar(capsys):
     trainer = Trainer(mlp(), adam(), classify, metrics={"acc": ft.train.accuracy})
     trainer.fit((X, LABELS), epochs=2, batch_size=16, log_every=2, progress=True, validation_data=(X, LABELS))

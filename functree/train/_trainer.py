@@ -56,8 +56,8 @@ from functree.train._job import (
     save_job,
 )
 from functree.train._means import Means
-from functree.train._metrics import counting_names, describe_batch, resolve_metrics
-from functree.train._nonfinite import NonFiniteError
+from functree.train._metrics import counting_names, describe_batch, part_names, resolve_metrics
+from functree.train._nonfinite import NONFINITE, NonFiniteError
 from functree.train._progress import Progress
 from functree.train._reader import Reader, reads_model
 from functree.train._scan import check_steps_per_call, stack_batches
@@ -93,15 +93,23 @@ The mean of the steps before step {step} cannot be made exact, and continuing it
 
 METRICS_CHANGED = """\
 The checkpoint at step {step} ({where}) is inside epoch {epoch}: its running means hold the \
-epoch's steps so far for {saved}, but this trainer records {ours} ({change}). The epoch's mean \
-of an added metric would cover the steps after step {step} alone (one removed, those before), \
-reported, ranked and monitored as the whole epoch's.
+epoch's steps so far for {saved}, but this trainer records {ours} ({change}){known}. The epoch's \
+mean of an added metric would cover the steps after step {step} alone (one removed, those \
+before), reported, ranked and monitored as the whole epoch's.
 
-    wrong:  Trainer(model, opt, loss_fn, metrics={{...}}).restore(path)   # other metrics, mid-epoch
+    wrong:  Trainer(model, opt, loss_fn, {given}).restore(path){then}   # other metrics, mid-epoch
     right:  trainer.restore(path, step=<a step at an epoch's end>)        # its epoch means are empty
-       or:  old = Trainer(model, opt, loss_fn, metrics=<the saved ones>).restore(path)
+       or:  old = Trainer(model, opt, loss_fn, {saved_given}).restore(path)
             old.fit(data, epochs=old.epoch + 1); old.save(path)          # finish the epoch, then
             trainer.restore(path)                                         # change the metrics"""
+
+# METRICS_CHANGED's words for a step built from metrics= (its names known at the restore) and
+# for one whose compute_metrics or step() is overridden (known when it traces: fit's first step).
+_CHANGED_BY = {False: {"known": "", "given": "metrics={...}", "then": "", "saved_given": "metrics=<the saved ones>"},
+               True: {"known": "; the step's compute_metrics (or step()) is its own: its names are read when it "
+                               "traces, at a fit's first minibatch (refused before any step ran)",
+                      "given": "train_step=OtherStep(...)", "then": ".fit(data)",
+                      "saved_given": "train_step=<the step that saved it>"}}
 
 _LOG = logging.getLogger("functree.train")
 _KEEP: Any = object()  # Trainer.save(extra=) not given: the job's extra is saved
@@ -444,6 +452,7 @@ class Trainer(Evaluation):
         self.nan_report: Any = None  # ft.NaNReport of the first stopped or skipped step
         self.preempted = False  # the last fit stopped at a SIGTERM
         self.checkpoint: Checkpoint | None = None  # the Checkpoint the last restore read
+        self._names_unchecked: str | None = None  # a mid-epoch restore's path: its means' names checked at the next trace
         self._reader = Reader(self)  # the device buffer of per-step metrics, read into the job
         self._epochs = Epochs()  # the data iterator and its position
         self._guard = Interrupts()  # SIGINT / SIGTERM inside fit
@@ -641,7 +650,11 @@ class Trainer(Evaluation):
             size = self._epochs.minibatch_size(batch, self._job, len(group))
             if log.names is None:
                 self._epochs.first_shapes = describe_batch(batch)
-                log.names = self._reader.metric_names(batch)
+                names = self._reader.metric_names(batch)
+                if self._names_unchecked is not None:  # a mid-epoch restore: its means' names, now known
+                    self._check_names(self._job, self._names_unchecked, names, traced=True)
+                    self._names_unchecked = None
+                log.names = names
             if log.buffer is None:
                 log.open(self.opt_state, self._place_log)
             if k == 1:  # the plain loop, kept lean
@@ -817,6 +830,7 @@ class Trainer(Evaluation):
         job = self._job  # its arrays (PLACED) on the model's devices, whatever the reader placed them by
         self._job = job._replace(**dict(zip(PLACED, put(tuple(getattr(job, name) for name in PLACED), self._where))))
         self._reader.log.drop()
+        self._reader.log.names = None  # read again when the step next traces: checked against the restored means
         self._epochs.forget(restored=True)
         return self
 
@@ -824,22 +838,39 @@ class Trainer(Evaluation):
         """Refuse running means of a counting metric stored without its parts (an older
         functree's, mid-epoch): read on, the epoch's accuracy would silently mix two means;
         and an epoch's means of other metrics than this trainer's (:data:`METRICS_CHANGED`).
-        (A step that renames its metrics, known when it traces, and a log window: each
-        name's mean covers the steps that recorded it, :class:`Means`.)"""
+        A step whose ``compute_metrics`` or ``step()`` is overridden names its metrics when
+        it traces: checked then, at the next fit's first minibatch (:meth:`_check_names`;
+        :meth:`restore` forgets the names an earlier fit read). (A log window spanning the
+        restore: each name's mean covers the steps that recorded it, :class:`Means`.)"""
         cls = type(self.train_step)
-        if job.epoch_means.weight and cls.compute_metrics is TrainStep.compute_metrics and cls.step is TrainStep.step:
-            saved, ours = job.epoch_means.names(), {"loss", *self.train_step.metrics}
-            if saved != ours:
-                change = ", ".join(f"{what} {sorted(names)}" for what, names in (
-                    ("added", ours - saved), ("removed", saved - ours)) if names)
-                raise CheckpointError(METRICS_CHANGED.format(step=job.steps_run, where=where, epoch=job.epoch + 1,
-                                                             saved=sorted(saved), ours=sorted(ours), change=change))
+        self._names_unchecked = None
+        if job.epoch_means.weight:
+            if cls.compute_metrics is TrainStep.compute_metrics and cls.step is TrainStep.step:
+                self._check_names(job, where, ["loss", *self.train_step.metrics], traced=False)
+            else:
+                self._names_unchecked = where
         counting = counting_names(self.train_step.metrics)
         for which, means in (("epoch's", job.epoch_means), ("log window's", job.window)):
             names = means.inexact(counting)
             if names:
                 raise CheckpointError(INEXACT_MEANS.format(step=job.steps_run, where=where,
                                                            which=which, names=", ".join(map(repr, names))))
+
+    @staticmethod
+    def _check_names(job: JobState, where: str, names: list[str], *, traced: bool) -> None:
+        """:data:`METRICS_CHANGED` where the restored epoch's running means (not empty) hold
+        other metrics than the step's ``names`` records (its parts and ``nonfinite`` aside):
+        each name's mean would cover part of the epoch, reported as the epoch's. ``traced``:
+        the names were read by tracing an overridden step (a Trainer of other
+        ``compute_metrics`` restored mid-epoch reported rmse over the epoch's last 2 of 4
+        steps, mae over its first 2)."""
+        saved, ours = job.epoch_means.names(), set(names) - part_names(names) - {NONFINITE}
+        if saved != ours:
+            change = ", ".join(f"{what} {sorted(differ)}" for what, differ in (
+                ("added", ours - saved), ("removed", saved - ours)) if differ)
+            raise CheckpointError(METRICS_CHANGED.format(step=job.steps_run, where=where, epoch=job.epoch + 1,
+                                                         saved=sorted(saved), ours=sorted(ours), change=change,
+                                                         **_CHANGED_BY[traced]))
 
     def evaluate(self, data: Any = _NO_DATA, *, batch_size: int | None = None, averaged: bool = False,
                  **unknown: Any) -> dict[str, float]:

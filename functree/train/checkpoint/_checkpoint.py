@@ -24,6 +24,7 @@ import math
 import os
 import re
 import shutil
+import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -588,6 +589,16 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
 
 # --- the manager ------------------------------------------------------------------------------
 
+# Orbax numbers each save with a process-wide operation id (``OperationIdGenerator``: a class
+# attribute, incremented at the start of a save and read back later in the same call to name
+# the signals its background thread waits for). Two asynchronous managers saving at once from
+# two threads interleave them: one save then waits for another's signals and hangs for orbax's
+# timeout (300 s) before a TimeoutError. One asynchronous save's start at a time in the
+# process: the writes themselves still run in the background, side by side. (Synchronous
+# saves from two threads do not interleave there, and one may take long: no lock.)
+_ORBAX_SAVE = threading.Lock()
+
+
 class CheckpointManager:
     """Save checkpoints at steps; keep the last ``max_to_keep`` and the best by a metric.
 
@@ -663,7 +674,12 @@ class CheckpointManager:
         args = save_args(arrays, spec, step=step, metrics=metrics, config=_json_value(dict(config or {})), **base)
         try:
             agreed(lambda: self._begin(step))
-            self._mngr.save(step, args=args, force=True)
+            if self._asynchronous:  # its start under the lock, after this manager's previous writes
+                self._mngr.wait_until_finished()
+                with _ORBAX_SAVE:
+                    self._mngr.save(step, args=args, force=True)
+            else:  # (its writes may take long; two in threads did not mix orbax's ids)
+                self._mngr.save(step, args=args, force=True)
             self._metrics[step] = metrics
             self._prune(step)
         except BaseException:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import functree as ft
 from functree.train.checkpoint import _checkpoint
@@ -26,7 +28,7 @@ def in_threads(*targets):
         except BaseException as e:  # (handed back to the test)
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(t,)) for t in targets]
+    threads = [threading.Thread(target=run, args=(t,), name=t.__name__) for t in targets]
     for t in threads:
         t.start()
     for t in threads:
@@ -102,3 +104,84 @@ def test_two_async_managers_saving_from_two_threads_at_once_both_complete(tmp_pa
     for i, manager in enumerate(managers):
         assert manager.all_steps() == [1]
         np.testing.assert_array_equal(manager.restore(1).model["w"], np.full(3, 10.0 * (i + 1)))
+
+
+def squares(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+OPT = ft.optim.Optimizer(ft.optim.adam(1e-2))
+
+
+def job(seed):
+    """A model, its optimizer state and a minibatch of their own."""
+    model = ft.nn.Dense(4, 2, key=jax.random.key(seed))
+    return model, OPT.init(model), (jax.random.normal(jax.random.key(10 + seed), (3, 4)), jnp.ones((3, 2)))
+
+
+def leaves(*trees):
+    return [np.asarray(x) for x in jax.tree.leaves(trees)]
+
+
+def same(a, b):
+    """Every leaf of ``a`` equal to ``b``'s, bit for bit."""
+    return all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(b), strict=True))
+
+
+def test_one_stop_step_called_from_two_threads_at_once_names_the_fix():
+    """A step with on_nan="stop" keeps one stop log, donated and replaced by each call: a
+    second thread's call given the log the first one's had just consumed failed with XLA's
+    "Buffer has been deleted or donated" (argument 10). Forced here: the second thread reads
+    the log before the first call returns, and runs after it."""
+    step = ft.train.train_step(squares, OPT)
+    model, state, batch = job(0)
+    model, state, _ = step(model, state, batch)  # the loop's direct call is set
+    direct = step._direct
+    first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def held(*args):
+        if threading.current_thread().name == "first":
+            first_in.set()
+            assert second_in.wait(WAIT)
+            try:
+                return direct(*args)
+            finally:
+                first_done.set()
+        second_in.set()
+        assert first_done.wait(WAIT)
+        return direct(*args)
+
+    step._direct = held
+    got = {}
+    other = job(1)
+
+    def first():
+        got["first"] = step(model, state, batch)
+
+    def second():
+        assert first_in.wait(WAIT)
+        got["second"] = step(*other)
+
+    with pytest.raises(RuntimeError, match="called from two threads at once") as caught:
+        in_threads(first, second)
+    assert "second" not in got and "right:" in str(caught.value)
+    alone = ft.train.train_step(squares, OPT)  # the fix: a step of its own (its inputs intact)
+    expected = alone(*alone(*job(0))[:2], batch)
+    assert same(got["first"], expected)
+    own = ft.train.train_step(squares, OPT)
+    assert same(own(*other), alone(*job(1)))
+
+
+def test_a_stop_check_reading_a_log_another_thread_consumed_names_the_fix():
+    """The same misuse met where a call looks at the stop log (every 16 calls, and
+    ``step.check()``): the log it read was donated by another thread's call since. Forced
+    by handing the check the log a call has consumed (JAX said "Array has been deleted")."""
+    step = ft.train.train_step(squares, OPT)
+    model, state, batch = job(0)
+    model, state, _ = step(model, state, batch)
+    read = step._halt  # what a thread's check read ...
+    model, state, _ = step(model, state, batch)  # ... before another thread's call donated it
+    step._halt = read
+    with pytest.raises(RuntimeError, match="called from two threads at once"):
+        step.check()

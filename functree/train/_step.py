@@ -116,6 +116,19 @@ given an optax transformation wraps it in ft.optim.Optimizer, reachable as step.
 NO_DONATION = "ft.train.train_step(loss_fn, optimizer, donate=False)    # the inputs stay valid (more memory)"
 
 
+SHARED_STOP_LOG = """\
+One ft.train.train_step was called from two threads at once. With on_nan="stop" (the \
+default) a step keeps one stop log for all its calls (a stop gates every later call), which \
+each call donates and replaces: this call was given the log another thread's call had just \
+consumed. Its model and optimizer state were not donated: they are still valid. A step with \
+on_nan="stop" is one training run; give each thread its own (steps of one configuration share \
+their compiled programs: nothing compiles again), or share a step that keeps no log:
+
+    wrong:  step = ft.train.train_step(loss_fn, opt)       # one step, called by every thread
+    right:  step = ft.train.train_step(loss_fn, opt)       # made in each thread: its own
+       or:  step = ft.train.train_step(loss_fn, opt, on_nan="skip")    # no stop log: one for all"""
+
+
 STEP_WITHOUT_PARTS = """\
 {cls}.step returned the counting metric {name!r} without its parts ({name}#sum, {name}#count: \
 its hits and counted labels), so the Trainer's means of it would weigh each minibatch's \
@@ -239,7 +252,10 @@ class TrainStep:
         your own ``jax.jit``/``jax.vmap``/``lax.scan`` runs the same program without the
         stop's bookkeeping (which keeps concrete values across calls): the numbers of a
         plain call, but "stop" there skips a non-finite step (``metrics["nonfinite"]``
-        reports it) and raises nothing later; later calls are unaffected.
+        reports it) and raises nothing later; later calls are unaffected. A step under
+        "stop" is one training run (one stop log: a stop gates all its later calls), so two
+        threads training at once each make their own step (steps of one configuration share
+        their compiled programs); "skip" and "ignore" keep no state and may be shared.
       donate: donate the model and optimizer state buffers (default True): the arrays
         passed in are invalid afterwards; use the returned ones.
       mesh: a ``jax.sharding.Mesh``: the same step over its ``data_axis``. The batch is
@@ -692,7 +708,12 @@ class TrainStep:
 
     def _explain(self, error: Exception, args: tuple, kwargs: dict[str, Any]) -> Exception | None:
         """Name a deleted array of the model or state the caller owns (checked only now), or
-        the arguments committed to other devices than the model's."""
+        the arguments committed to other devices than the model's; a stop log another
+        thread's call consumed (:data:`SHARED_STOP_LOG`)."""
+        log = next(iter(args[4:]), None)  # (the step's log argument)
+        if log is not None and "halt" in log and "rows" not in log and (  # (the Trainer's log: its own)
+                is_deletion_error(error) and log["halt"].is_deleted()):
+            return RuntimeError(SHARED_STOP_LOG)
         if self._owned_call and is_deletion_error(error):
             self._check_donated(args[0], args[1])
         key = args[3] if len(args) > 3 else None
@@ -762,9 +783,14 @@ class TrainStep:
 
     def _check(self, model: Any, opt_state: Any, block: bool) -> None:
         halt = self._halt["halt"]
-        if not (block or halt.is_ready()):
-            return
-        count, stopped, index = (int(v) for v in np.asarray(halt))
+        try:
+            if not (block or halt.is_ready()):
+                return
+            count, stopped, index = (int(v) for v in np.asarray(halt))
+        except RuntimeError:
+            if halt.is_deleted():  # another thread's call donated it since this one read it
+                raise RuntimeError(SHARED_STOP_LOG) from None
+            raise
         k = self.steps_per_call
         if stopped < 0:  # the first `count` steps are done: drop their inputs (held in call order)
             del self._inflight[:bisect.bisect_right(self._inflight, count - k, key=_FIRST)]

@@ -316,7 +316,9 @@ def _split_empty(arrays: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list
 
 def _with_empty(arrays: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     """The restored arrays with the zero-size ones of the metadata (``jnp.zeros``: committed
-    to no device, so they join any placement) and without the placeholder."""
+    to no device, so they join any placement; a 64-bit one without ``jax_enable_x64`` on the
+    host, ``np.zeros``, as a 64-bit array of any size comes back: ``jnp.zeros`` gave int32 for
+    int64, float32 for float64) and without the placeholder."""
     arrays.pop(NOTHING, None)
     empty = meta.get("empty", {})
     if not isinstance(empty, dict):
@@ -330,7 +332,8 @@ def _with_empty(arrays: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
             dtype = jnp.dtype(entry[1])
         except TypeError:
             raise _Damage(f"has damaged metadata: the zero-size array {key!r} has dtype {entry[1]!r}") from None
-        arrays[key] = jnp.zeros(tuple(shape), dtype)
+        held = jax.dtypes.canonicalize_dtype(dtype) == dtype  # (without x64 jax holds no 64-bit dtype)
+        arrays[key] = jnp.zeros(tuple(shape), dtype) if held else np.zeros(tuple(shape), dtype)
     return arrays
 
 

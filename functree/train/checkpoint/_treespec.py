@@ -29,6 +29,8 @@ import dataclasses
 import enum
 import functools
 import itertools
+import json
+import math
 import re
 from typing import Any
 
@@ -344,10 +346,35 @@ def _static_fields_differ(spec: dict[str, Any], template: Any, path: str,
         elif "module" in code and "module" in mine:  # a leafless Module may hold a partial's text, addresses and all
             differ = not _same_text(code, mine)
         else:
-            differ = code != mine and not _stored_before(code, mine, value)
+            differ = not same_code(code, mine) and not _stored_before(code, mine, value)
         if differ:
             out.append((child_name(path, name), _shown(code), _shown(mine)))
     return out
+
+
+def same_code(saved: Any, mine: Any) -> bool:
+    """Whether a stored static value (read from JSON) is the template's (encoded): one JSON
+    type at every level and one value, floats by sign too. ``==`` took ``1`` for ``True``
+    and for ``1.0`` and ``0.0`` for ``-0.0`` (the template's value replaced the saved one,
+    and ``int_array * 1.0`` is a float array), and a saved NaN for no NaN (every template
+    refused)."""
+    try:
+        mine = json.loads(json.dumps(mine, allow_nan=True))  # as stored: a tuple is a list
+    except (TypeError, ValueError):
+        return saved == mine
+    return _same_json(saved, mine)
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same_json, a, b))
+    if isinstance(a, float):  # x == x fails for a NaN alone (JSON keeps no NaN's sign or payload)
+        return (a != a and b != b) or (a == b and math.copysign(1.0, a) == math.copysign(1.0, b))
+    return a == b
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a repr's memory address: another in every process

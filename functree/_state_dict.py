@@ -374,7 +374,10 @@ def _template_dtype(old: Any) -> np.dtype | None:
     if isinstance(old, float):
         return np.dtype(np.float64)  # a Python float leaf: any floating value, kept a float
     dtype = getattr(old, "dtype", None)
-    return None if dtype is None else np.dtype(dtype)
+    try:
+        return None if dtype is None else np.dtype(dtype)
+    except TypeError:  # an extended dtype (a PRNG key's, key<fry>): no NumPy dtype, no cast
+        return None
 
 
 def _cast(old: Any, new: Any) -> Any:

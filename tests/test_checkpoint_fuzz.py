@@ -176,3 +176,17 @@ def test_a_nan_static_value_reads_into_its_own_template(tmp_path):
     ft.train.save(tmp_path / "t", tree)
     back = ft.train.load(tmp_path / "t", Cell(jnp.ones(2), jnp.zeros(1), rate=math.nan, option=(math.nan, -0.0)))
     assert math.isnan(back.rate) and math.isnan(back.option[0]) and math.copysign(1.0, back.option[1]) == -1.0
+
+
+@pytest.mark.parametrize("saved, template", [
+    (jax.random.key(0), jax.random.key(0, impl="rbg")),  # another PRNG implementation
+    (jax.random.PRNGKey(0), jax.random.key(0)),  # a raw uint32 key into a typed key
+    (jax.random.key(0), jax.random.split(jax.random.key(0), 2)),  # one key into two
+], ids=["rbg", "raw", "split"])
+def test_a_prng_key_template_of_another_kind_is_refused_naming_the_leaf(tmp_path, saved, template):
+    """A typed PRNG key's template crashed in the mismatch report's hint (``np.dtype('key<fry>')``:
+    TypeError "Cannot interpret 'key<fry>' as a data type")."""
+    ft.train.save(tmp_path / "k", {"key": saved})
+    with pytest.raises(CheckpointError, match="does not fit the template") as info:
+        ft.train.load(tmp_path / "k", {"key": template})
+    assert f"key: expected shape {template.shape} dtype {template.dtype}" in str(info.value)

@@ -185,3 +185,54 @@ def test_a_stop_check_reading_a_log_another_thread_consumed_names_the_fix():
     step._halt = read
     with pytest.raises(RuntimeError, match="called from two threads at once"):
         step.check()
+
+
+def test_an_error_inside_fit_lets_the_asynchronous_checkpoint_under_way_finish(tmp_path, monkeypatch):
+    """An exception from the data (or a Ctrl-C) ending fit while an asynchronous checkpoint
+    was being written left it unwritten when the process then ended: orbax's writer thread,
+    cut off at interpreter exit ("cannot schedule new futures after interpreter shutdown"),
+    left step 3 a temporary directory. fit now waits for it before the error leaves. Forced:
+    step 3's write is held until someone waits for it."""
+    from orbax.checkpoint._src.path import atomicity
+
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+    started, release = threading.Event(), threading.Event()
+
+    async def held(self, *args, **kwargs):
+        if self.get_final().name == "3":
+            assert release.wait(WAIT)
+        return await finalize(self, *args, **kwargs)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", held)
+    manager = ft.train.CheckpointManager(tmp_path / "run", max_to_keep=None, asynchronous=True)
+    save, wait = manager.save, manager._mngr.wait_until_finished
+
+    def saving(step, *args, **kwargs):
+        save(step, *args, **kwargs)
+        if step == 3:
+            started.set()
+
+    def waiting():
+        if started.is_set():
+            release.set()
+        return wait()
+
+    monkeypatch.setattr(manager, "save", saving)
+    monkeypatch.setattr(manager._mngr, "wait_until_finished", waiting)
+    model, _, (x, y) = job(0)
+
+    def data():
+        for i in range(6):
+            if i == 3:
+                raise OSError("the data's disk is gone")
+            yield x, y
+
+    trainer = ft.train.Trainer(model, OPT, squares)
+    try:
+        with pytest.raises(OSError, match="disk is gone"):
+            trainer.fit(data(), steps=6, callbacks=[ft.train.ModelCheckpoint(manager, every_steps=1)], progress=False)
+        assert manager.all_steps() == [1, 2, 3]  # written before the error left fit
+    finally:
+        release.set()
+        manager.wait_until_finished()
+    assert same(manager.restore(3).model, trainer.model)

@@ -14,6 +14,7 @@ patience, ModelCheckpoint's last save, ...) is part of every checkpoint the Trai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -716,6 +717,20 @@ class ModelCheckpoint(Callback):
 
     def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         self.manager.wait_until_finished()
+
+
+def finish_saves(callbacks: list[Callback]) -> None:
+    """Wait for the asynchronous checkpoints ``callbacks`` are writing (``fit`` ended by an
+    exception or a Ctrl-C: the process may end with it, and orbax's writer thread, cut off
+    at interpreter exit, would leave the step a temporary directory). A write that failed
+    is left to the manager's next save: the error that ended ``fit`` is the one raised. One
+    process only: in a job of several, waiting is a collective the others may never join."""
+    if jax.process_count() != 1:
+        return
+    for cb in callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.manager._asynchronous:
+            with contextlib.suppress(Exception):
+                cb.manager.wait_until_finished()
 
 
 def _same_run(trainer: TrainerView, manager: CheckpointManager, step: int) -> bool:

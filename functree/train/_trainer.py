@@ -29,7 +29,13 @@ from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._multisteps import warn_unapplied
 from functree.optim._skip import DEFAULT_ON_NAN
-from functree.train._callbacks import Callback, ModelCheckpoint, TrainingContext, as_callback
+from functree.train._callbacks import (
+    Callback,
+    ModelCheckpoint,
+    TrainingContext,
+    as_callback,
+    finish_saves,
+)
 from functree.train._data import Batches, checked_key, to_arrays
 from functree.train._dispatch import end_epoch, finish_pending
 from functree.train._epochs import (
@@ -579,6 +585,7 @@ class Trainer(Evaluation):
         except BaseException:
             if not isinstance(data, Iterator):
                 self._epochs.forget()  # the next epoch iterator skips to the position instead
+            finish_saves(cbs)  # a checkpoint being written: done before the process may end
             raise
         finally:  # the last line (no terminal) holds the means of the steps after the last epoch end
             means = self._job.epoch_means

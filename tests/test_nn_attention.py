@@ -500,3 +500,11 @@ def test_a_query_with_every_key_masked_is_what_the_docstring_says(key):
     expected, _ = module(*(torch.tensor(a) for a in (q, kv, kv)), need_weights=False,
                          attn_mask=torch.tensor(~mask).repeat_interleave(2, 0).reshape(4, 5, 5))
     np.testing.assert_allclose(as_torch, expected.detach().numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [0, -2])
+def test_num_heads_that_are_not_a_positive_int_are_refused_when_built(heads):
+    """num_heads=0 raised ZeroDivisionError (``query_size % num_heads``); torch and now
+    functree refuse it naming the setting."""
+    with pytest.raises(ValueError, match=rf"num_heads must be an int >= 1, got {heads}(.|\n)*right:  ft.nn.Multihead"):
+        ft.nn.MultiheadAttention(8, heads, key=jax.random.key(0))

@@ -291,3 +291,14 @@ def test_a_bfloat16_bias_gradient_is_summed_in_float32():
     grad, = jax.jit(lambda m, dy: jax.vjp(lambda m: m(x), m)[1](dy))(conv, dy)
     assert grad.bias.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(grad.bias.astype(jnp.float32)), exact, rtol=0, atol=10 * spread)
+
+
+@pytest.mark.parametrize("cls", [ft.nn.Conv1D, ft.nn.Conv2D, ft.nn.Conv1DTranspose])
+@pytest.mark.parametrize("groups", [0, -1, 2.0])
+def test_groups_that_are_not_a_positive_int_are_refused_when_built(cls, groups):
+    """groups=0 raised ZeroDivisionError and groups=-1 an MLIRError from inside XLA at the
+    first call (torch: "groups must be a positive integer"); now a ValueError naming it."""
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: groups must be an int >= 1 .*got {groups!r}") as info:
+        jax.eval_shape(lambda x: cls(4, 8, 3, groups=groups, key=jax.random.key(0))(x),
+                       jax.ShapeDtypeStruct((1, *(5,) * cls._rank, 4), jnp.float32))
+    assert "right:" in str(info.value)

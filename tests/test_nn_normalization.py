@@ -221,3 +221,22 @@ def test_a_channels_first_batch_gets_the_move_for_batch_and_group_norm():
                                rtol=0, atol=1e-5)
     with pytest.raises(ft.nn.LayerInputError, match=r"build the layer for the size you have \(last axis 5\)"):
         gn(np.ones((2, 7, 5), np.float32))  # channels last, just another count: the old fix stands
+
+
+@pytest.mark.parametrize("axis", [-5, 4])
+def test_a_batch_norm_axis_outside_the_input_is_refused_not_wrapped(axis):
+    """axis=-5 on a 4-axis input was read as axis 3 (``-5 % 4``), silently normalizing the
+    last axis when its size matched; now refused as the positive axis 4 already was, naming
+    the axes there are."""
+    x = np.ones((2, 3, 5, 4), np.float32)
+    with pytest.raises(ft.nn.LayerInputError, match=rf"Its axis {axis} is outside an input of 4 axes \(axes -4 \.\. 3"
+                       r"(.|\n)*right:  ft.nn.BatchNorm\(4, axis=3\)"):
+        ft.nn.training(ft.nn.BatchNorm(4, axis=axis))(x)
+    assert ft.nn.BatchNorm(2, axis=-4)(np.ones((2, 3, 5, 4), np.float32)).shape == (2, 3, 5, 4)
+
+
+@pytest.mark.parametrize("make", [ft.nn.LayerNorm, ft.nn.RMSNorm])
+def test_a_numpy_int_normalized_shape_is_taken_as_torchs_is(make):
+    """``LayerNorm(np.int64(4))`` raised "'numpy.int64' object is not iterable" (torch takes it)."""
+    assert make(np.int64(4)).shape == (4,) and make([np.int64(2), 4]).shape == (2, 4)
+    assert type(make(np.int64(4)).shape[0]) is int

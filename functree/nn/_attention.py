@@ -25,6 +25,7 @@ from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
 from functree.nn._rotary import RopeScaling, apply_rotary
+from functree.nn._window import is_int
 
 __all__ = ["MultiheadAttention", "KVCache"]
 
@@ -34,6 +35,13 @@ qk_size= and vo_size= (the per-head sizes) explicitly.
 
     wrong:  ft.nn.MultiheadAttention({size}, {heads}, key=k)
     right:  ft.nn.MultiheadAttention({size}, {heads}, qk_size=16, vo_size=16, key=k)
+"""
+
+BAD_NUM_HEADS = """\
+MultiheadAttention: num_heads must be an int >= 1, got {heads!r}.
+
+    wrong:  ft.nn.MultiheadAttention({size}, {heads!r}, key=k)
+    right:  ft.nn.MultiheadAttention({size}, 1, key=k)   # one head of size {size}
 """
 
 BAD_KV_HEADS = """\
@@ -243,6 +251,8 @@ class MultiheadAttention(Layer):
     ):
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ValueError(BAD_WINDOW.format(given=window))
+        if not is_int(num_heads) or num_heads < 1:  # 0: ZeroDivisionError
+            raise ValueError(BAD_NUM_HEADS.format(heads=num_heads, size=query_size))
         if (qk_size is None or vo_size is None) and query_size % num_heads:
             raise ValueError(BAD_HEADS.format(size=query_size, heads=num_heads))
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads

@@ -33,6 +33,13 @@ BAD_GROUPS = """\
     right:  {cls}(4, 8, 3, groups=2, key=k)
 """
 
+GROUPS_NOT_POSITIVE = """\
+{cls}: groups must be an int >= 1 (the number of channel groups, as torch's groups=), got {groups!r}.
+
+    wrong:  {cls}(4, 8, 3, groups={groups!r}, key=k)
+    right:  {cls}(4, 8, 3, groups=2, key=k)     # or groups=1: one group, an ordinary convolution
+"""
+
 TRANSPOSE_GROUPS = """\
 {cls} does not support groups (lax.conv_transpose has no feature groups).
 
@@ -153,6 +160,8 @@ class Conv(Layer):
         bias_initializer: Initializer = jax.nn.initializers.zeros,
     ):
         n = self._rank
+        if not window.is_int(groups) or groups < 1:  # 0 raised ZeroDivisionError, -1 an MLIRError inside XLA
+            raise ValueError(GROUPS_NOT_POSITIVE.format(cls=type(self).__name__, groups=groups))
         if self._transpose and groups != 1:
             raise ValueError(TRANSPOSE_GROUPS.format(cls=type(self).__name__))
         if in_channels % groups or out_channels % groups:

@@ -25,6 +25,7 @@ from functree.nn._conv import _channels_first
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
 from functree.nn._state import record_state
+from functree.nn._window import is_int
 
 __all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"]
 
@@ -42,12 +43,25 @@ feature: {given} gives {count} at axis {axis}, and the unbiased variance divides
     wrong:  ft.nn.training(bn)(x)          # x: {given}
     right:  ft.nn.training(bn)(x_batch)    # several rows (or positions) per feature"""
 
+BN_AXIS_OUTSIDE = """\
+Its axis {axis} is outside an input of {ndim} axes (axes -{ndim} .. {last}; a negative axis \
+counts from the end). Name the features' axis of this input.
+
+    wrong:  ft.nn.BatchNorm({features}, axis={axis})(x)     # x: {given}
+    right:  ft.nn.BatchNorm({features}, axis={right})(x)"""
+
 BAD_GROUPS = """\
 GroupNorm: channels ({channels}) must be divisible by groups ({groups}).
 
     wrong:  ft.nn.GroupNorm({groups}, {channels})
     right:  ft.nn.GroupNorm({suggestion}, {channels})
 """
+
+
+def _normalized_shape(shape: Any) -> tuple[int, ...]:
+    """An int (NumPy's too, as torch takes ``np.int64``) or a sequence of them, as a tuple of ints
+    (``LayerNorm(np.int64(4))`` raised "'numpy.int64' object is not iterable")."""
+    return (operator.index(shape),) if is_int(shape) else tuple(operator.index(v) for v in shape)
 
 
 def _scale_and_shift(
@@ -90,7 +104,7 @@ class LayerNorm(Layer):
         *,
         dtype: Any = jnp.float32,
     ):
-        self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.shape = _normalized_shape(shape)
         self.scale = jnp.ones(self.shape, dtype) if use_scale else None
         self.offset = jnp.zeros(self.shape, dtype) if use_offset else None
         self.epsilon = float(epsilon)
@@ -133,7 +147,7 @@ class RMSNorm(Layer):
         *,
         dtype: Any = jnp.float32,
     ):
-        self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.shape = _normalized_shape(shape)
         self.scale = jnp.ones(self.shape, dtype) if use_scale else None
         self.epsilon = float(epsilon)
 
@@ -285,11 +299,19 @@ class BatchNorm(Layer):
         except LayerInputError as e:  # torch's [N, C, *spatial]: move the channels, or say where they are
             raise _channels_first(e, x, jnp.ndim(x) - 2, features, "ft.nn.BatchNorm takes",
                                   f", or normalize that axis: ft.nn.BatchNorm({features}, axis=1)") from None
-        axis = self.axis % max(x.ndim, 1)
-        if self.axis != -1 and (x.ndim <= self.axis or x.shape[axis] != features):
+        if not -x.ndim <= self.axis < x.ndim:  # -5 on 4 axes silently normalized axis 3
+            matching = [i for i, size in enumerate(x.shape) if size == features]
             raise LayerInputError(
                 self, f"with {features} features at axis {self.axis} (float)", short_array(x),
-                f"Build the layer for this size: ft.nn.BatchNorm({x.shape[axis] if x.ndim > axis else '...'}, axis={self.axis}).",
+                BN_AXIS_OUTSIDE.format(axis=self.axis, ndim=x.ndim, last=x.ndim - 1,
+                                       features=features, given=short_array(x),
+                                       right=matching[-1] if matching else x.ndim - 1),
+            )
+        axis = self.axis % x.ndim
+        if self.axis != -1 and x.shape[axis] != features:
+            raise LayerInputError(
+                self, f"with {features} features at axis {self.axis} (float)", short_array(x),
+                f"Build the layer for this size: ft.nn.BatchNorm({x.shape[axis]}, axis={self.axis}).",
             )
         shape = [1] * x.ndim
         shape[axis] = features

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["sizes", "padding", "BAD_WINDOW"]
+__all__ = ["sizes", "padding", "is_int", "BAD_WINDOW"]
 
 BAD_WINDOW = """\
 {cls}: {name}={given!r} does not fit {n} spatial {axes}: {what}.
@@ -31,7 +31,8 @@ BAD_WINDOW = """\
 PADDINGS = ("SAME", "VALID")
 
 
-def _int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """A Python or NumPy int, not a bool."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
@@ -42,8 +43,8 @@ def _error(cls: str, name: str, given: Any, n: int, what: str, right: Any) -> Va
 
 def sizes(cls: str, name: str, value: Any, n: int) -> tuple[int, ...]:
     """``value`` (an int, or ``n`` ints) as ``n`` positive ints."""
-    entries = (value,) * n if _int(value) else tuple(value) if isinstance(value, Sequence) else None
-    if entries is None or len(entries) != n or not all(_int(v) and v >= 1 for v in entries):
+    entries = (value,) * n if is_int(value) else tuple(value) if isinstance(value, Sequence) else None
+    if entries is None or len(entries) != n or not all(is_int(v) and v >= 1 for v in entries):
         example = 2 if n == 1 else (2, 2)
         raise _error(cls, name, value, n, f"an int >= 1, or {n} of them (one per axis)", example)
     return tuple(int(v) for v in entries)
@@ -58,13 +59,13 @@ def padding(cls: str, value: Any, n: int, strings_only: bool = False) -> str | t
         raise _error(cls, "padding", value, n, f"a padding string is one of {PADDINGS}", '"SAME"')
     if strings_only:
         raise _error(cls, "padding", value, n, f"pooling pads by name, one of {PADDINGS}", '"SAME"')
-    if _int(value) and value >= 0:
+    if is_int(value) and value >= 0:
         return ((int(value), int(value)),) * n
 
     def pair(p: Any) -> tuple[int, int] | None:
-        if _int(p) and p >= 0:
+        if is_int(p) and p >= 0:
             return (int(p), int(p))
-        if isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 and all(_int(v) and v >= 0 for v in p):
+        if isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 and all(is_int(v) and v >= 0 for v in p):
             return (int(p[0]), int(p[1]))
         return None
 

@@ -236,3 +236,22 @@ def test_an_error_inside_fit_lets_the_asynchronous_checkpoint_under_way_finish(t
         release.set()
         manager.wait_until_finished()
     assert same(manager.restore(3).model, trainer.model)
+
+
+def test_a_model_another_thread_donates_after_the_check_is_named():
+    """Two threads starting from one model: the second thread's call checked its model (not
+    yet donated), then the first thread's call donated it before the second one ran, and JAX
+    said only "Array has been deleted with shape=float32[3,2]". Forced: the other call runs
+    right after this call's check."""
+    step, other = (ft.train.train_step(squares, OPT, on_nan="skip") for _ in range(2))
+    model, state, batch = job(0)
+    check = step._before
+
+    def checked_then_donated(args, kwargs):
+        out = check(args, kwargs)
+        other(model, state, batch)  # the other thread's call, on the same model
+        return out
+
+    step._before = checked_then_donated
+    with pytest.raises(ValueError, match="'model' holds a deleted array at weight"):
+        step(model, state, batch)

@@ -707,15 +707,16 @@ class TrainStep:
         return (model, opt_state, *rest), kwargs
 
     def _explain(self, error: Exception, args: tuple, kwargs: dict[str, Any]) -> Exception | None:
-        """Name a deleted array of the model or state the caller owns (checked only now), or
-        the arguments committed to other devices than the model's; a stop log another
-        thread's call consumed (:data:`SHARED_STOP_LOG`)."""
+        """Name a deleted array of the model or state (the caller's own are checked only now;
+        another thread's call may have donated the others since :meth:`_before`), or the
+        arguments committed to other devices than the model's; a stop log another thread's
+        call consumed (:data:`SHARED_STOP_LOG`)."""
         log = next(iter(args[4:]), None)  # (the step's log argument)
         if log is not None and "halt" in log and "rows" not in log and (  # (the Trainer's log: its own)
                 is_deletion_error(error) and log["halt"].is_deleted()):
             return RuntimeError(SHARED_STOP_LOG)
-        if self._owned_call and is_deletion_error(error):
-            self._check_donated(args[0], args[1])
+        if is_deletion_error(error):  # the owner's arrays (checked only now), or a call in another
+            self._check_donated(args[0], args[1])  # thread donated them after this one's check
         key = args[3] if len(args) > 3 else None
         if key is not None and not _is_key(key):  # step(model, state, x, y): y taken as the key
             return TypeError(NOT_A_KEY.format(given=describe_batch(key)))

@@ -335,7 +335,10 @@ SMALL = {
     "gpt_neox": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 32,
                  "max_position_embeddings": 32},
     **{f: {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "intermediate_size": 32} for f in ("llama", "qwen2", "mistral", "phi3")},
+           "intermediate_size": 32} for f in ("llama", "qwen2", "mistral")},
+    # Phi-3's default pad_token_id, 32000, is outside this vocabulary: HF refuses it (and from_hf)
+    "phi3": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 32, "pad_token_id": 0},
     "gemma": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 32, "head_dim": 8},
 }

@@ -822,6 +822,9 @@ def test_a_pad_id_outside_the_vocabulary_is_refused_where_hf_refuses_it(family, 
                rf'with padding_idx=pad_token_id.*"pad_token_id": null.*"vocab_size": {VOCAB + 1}, "pad_token_id": {VOCAB}')
     with pytest.raises(ValueError, match=refused):
         ft.nn.from_hf(config, key=jax.random.key(0))
+    if family == "phi3":  # a config.json without the key: Phi-3's default, 32000 (HF refuses it too)
+        with pytest.raises(ValueError, match=r"pad_token_id is 32000 \(phi3's default: a config without the key"):
+            ft.nn.from_hf({"model_type": "phi3", "vocab_size": VOCAB}, key=jax.random.key(0))
     if family == "llama":  # a save_pretrained directory whose config.json says so
         ft.nn.save_hf(llama_from_config(), tmp_path)
         written = json.loads((tmp_path / "config.json").read_text())

@@ -38,6 +38,7 @@ from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
 from functree.hf._files import (
     ALIASES,
+    DEFAULTS,
     Config,
     missing_tensors,
     read_config,
@@ -136,7 +137,7 @@ weights unread. Say which one you mean:
 """
 
 PAD_OUTSIDE_VOCABULARY = """\
-ft.nn.from_hf: the config's pad_token_id is {pad}, outside its vocabulary (vocab_size {vocab}: \
+ft.nn.from_hf: the config's pad_token_id is {pad}{default}, outside its vocabulary (vocab_size {vocab}: \
 ids 0 to {last}, or -{vocab} to -1 counted from the end). {hf_class} builds its token \
 embedding with padding_idx=pad_token_id, and Hugging Face refuses this config too (its \
 from_config and from_pretrained: torch's "Padding_idx must be within num_embeddings").
@@ -549,8 +550,11 @@ def _check_pad_token(family: type[HFModel], config: Any) -> None:
     if padding_index(pad, vocab) is None:  # an int outside the table
         eos = getattr(config, "eos_token_id", None)
         inside = eos if _an_int(eos) and 0 <= eos < vocab else 0
-        raise ValueError(PAD_OUTSIDE_VOCABULARY.format(pad=pad, vocab=vocab, last=vocab - 1, hf_class=family.hf_class,
-                                                       inside=inside, grown=pad + 1 if pad >= 0 else -pad))
+        default = DEFAULTS.get(str(family.model_type), {}).get("pad_token_id") == pad  # (Phi-3's 32000)
+        raise ValueError(PAD_OUTSIDE_VOCABULARY.format(
+            pad=pad, vocab=vocab, last=vocab - 1, hf_class=family.hf_class, inside=inside,
+            grown=pad + 1 if pad >= 0 else -pad,
+            default=f" ({family.model_type}'s default: a config without the key takes it)" if default else ""))
 
 
 def _layers_not_in_weights(short: ShortStack, config: Any) -> ValueError:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree import nn
+from functree._alias import is_deletion_error, is_stale_error, stale_error
 from functree._repr import short_array
 from functree._tree import is_array_value
 from functree._where import devices_error, placement_of, put
@@ -175,6 +176,8 @@ def _located(what: str, index: int, batch: Any, first: Any) -> Iterator[None]:
     try:
         yield
     except (ValueError, TypeError) as e:
+        if is_stale_error(e):  # the model's (donated meanwhile), not the minibatch's
+            raise
         before = f"; the first minibatch had {describe_batch(first)}" if index else ""
         raise with_location(e, MALFORMED_EVAL_MINIBATCH.format(
             what=what, index=index, shapes=describe_batch(batch), first=before, error=e)) from e.__cause__
@@ -195,8 +198,10 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
             _check_not_empty(what, i, batch)
             try:
                 sums = _summed(step, summing, model, sums, batch, key)
-            except ValueError as e:  # the model and the minibatch apart: name their key paths
-                better = devices_error(what, e, [("model", model), ("batch", batch)])
+            except (RuntimeError, ValueError) as e:  # the model and the minibatch apart, or the model
+                # donated since the evaluation began (a training thread's step): name their key paths
+                named = [("model", model), ("batch", batch)]
+                better = stale_error(named) if is_deletion_error(e) else devices_error(what, e, named)
                 if better is None:
                     raise
                 raise better from None

@@ -459,16 +459,23 @@ def _check_unflattened(steps: list[tuple[str, str, Any]], ft: str, torch: str, o
         if before and isinstance(before[-1][2], Conv):  # in field order, right after the Conv
             _refuse_unseen(steps, k, first, before[-1], ft, torch, options, loading=loading, where="before it")
             continue
-        inputs = int(first[2].weight.shape[0])
-        if before and int(before[-1][2].weight.shape[-1]) == inputs:  # the Dense before it feeds it: in call order
-            continue
-        # No weighted field precedes it, or a Dense that cannot feed it: fields out of call
-        # order (or inputs joined), so it may be the one applied to a Conv's flattened maps.
         conv = next((w for w in reversed(before) if isinstance(w[2], Conv)), None)
         conv = conv or next((w for w in weighted if w[0] > k and isinstance(w[2], Conv)), None)
-        if conv is not None:
-            _refuse_unseen(steps, k, first, conv, ft, torch, options, loading=loading,
-                           where=_out_of_order(steps, torch, conv[0] < k, before[-1] if before else None, inputs))
+        inputs = _features(first[2], 0)
+        if conv is None or inputs is None or (before and _features(before[-1][2], -1) in (inputs, None)):
+            continue  # no Conv here; a partial model's Dense; or the Dense before it feeds it: in call order
+        # No weighted field precedes it, or a Dense that cannot feed it: fields out of call
+        # order (or inputs joined), so it may be the one applied to a Conv's flattened maps.
+        _refuse_unseen(steps, k, first, conv, ft, torch, options, loading=loading,
+                       where=_out_of_order(steps, torch, conv[0] < k, before[-1] if before else None, inputs))
+
+
+def _features(layer: Any, axis: int) -> int | None:
+    """A ``Dense``'s inputs (``axis`` 0) or a ``Dense``'s or ``Conv``'s outputs (-1); None
+    without a weight (a partial model's, ``to_hf_state_dict`` of a ``jax.tree.map`` that
+    dropped leaves)."""
+    shape = getattr(layer.weight, "shape", None)
+    return None if shape is None else int(shape[axis])
 
 
 def _out_of_order(steps: list[tuple[str, str, Any]], torch: str, conv_before: bool, previous: Any,
@@ -492,7 +499,9 @@ def _refuse_unseen(steps: list[tuple[str, str, Any]], k: int, first: tuple[str, 
     names is in ``flattened=``."""
     j, inner, conv = last
     torch_inner, ft_inner, dense = first
-    channels, inputs = int(conv.weight.shape[-1]), int(dense.weight.shape[0])
+    channels, inputs = _features(conv, -1), _features(dense, 0)
+    if channels is None or inputs is None:  # a partial model's layer: no rows to permute
+        return
     name = join_names(torch, join_names(steps[k][0], torch_inner))
     path = join_names(ft, join_names(steps[k][1], ft_inner))
     if inputs > channels and not inputs % channels and name not in options.flattened \

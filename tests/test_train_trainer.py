@@ -315,29 +315,34 @@ def test_an_overridden_compute_metrics_of_other_names_mid_epoch_is_refused_when_
     # Its names are known only when the step traces, so the restore's check let it pass:
     # epoch 1's rmse was the mean of its last 2 of 4 steps (2.67), mae of its first 2, both
     # reported as the epoch's. Refused at fit's first minibatch, before any step runs (the
-    # restore forgets the names an earlier fit read). The same names continue the epoch.
+    # restore forgets the names an earlier fit read). The same names continue the epoch; an
+    # epoch that ends before the step traces (a loader without len()) has nothing to mix.
     def make(step):
-        opt = adam()
+        opt = ft.optim.sgd(0.01)
         return Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), opt, regress, train_step=step(regress, opt))
 
-    def data():
-        return ft.train.batches((X, Y), 16, key=jax.random.key(1))  # 4 steps an epoch
+    class Loader:  # no len(): its epoch ends when its iterator does
+        def __iter__(self):
+            return iter(list(ft.train.batches((X, Y), 16, key=jax.random.key(1))))  # 4 steps an epoch
 
     old = make(_MaeStep)
-    old.fit(data(), steps=2, progress=False)
-    old.save(tmp_path / "ck")
+    for steps in (2, 4):
+        old.fit(Loader(), steps=steps, progress=False)
+        old.save(tmp_path / "ck")  # steps 2 and 4 (its epoch end not yet met)
     changed = (r"(?s)^The checkpoint at step 2 .* inside epoch 1: .* for \['loss', 'mae'\], but this trainer records "
                r"\['loss', 'rmse'\] \(added \['rmse'\], removed \['mae'\]\); the step's compute_metrics .*"
                r"wrong:  Trainer\(model, opt, loss_fn, train_step=OtherStep\(\.\.\.\)\)\.restore\(path\)\.fit\(data\)"
                r".*right:  trainer\.restore\(path, step=")
-    new = make(_RmseStep).restore(tmp_path / "ck")
+    new = make(_RmseStep).restore(tmp_path / "ck", 2)
     for _ in range(2):  # and again: nothing ran
         with pytest.raises(ft.train.CheckpointError, match=changed):
-            new.fit(data(), epochs=1, progress=False)
+            new.fit(Loader(), epochs=1, progress=False)
         assert new.steps_run == 2 and new.history.steps["step"] == [1, 2]
-    old.restore(tmp_path / "ck").fit(data(), epochs=1, progress=False)  # its step traced again: the same names
+    old.restore(tmp_path / "ck", 2).fit(Loader(), epochs=1, progress=False)  # traced again: the same names
     mae = old.history.steps["mae"]
     assert len(mae) == 4 and old.history.epochs["mae"][0] == pytest.approx(np.mean(mae), abs=1e-6 * max(mae))
+    new.restore(tmp_path / "ck", 4).fit(Loader(), epochs=2, progress=False)
+    assert new.history.epochs["mae"] == [old.history.epochs["mae"][0], None] and new.history.epochs["rmse"][0] is None
 
 
 def test_progress_bar(capsys):

@@ -89,6 +89,16 @@ with ft.train.CheckpointManager(OUT + "/mgr_mesh") as m:
     m.save(1, model, extra={"e": jnp.arange(2.0)})
 report({"spec": str(model.weight.sharding.spec), "model": values(model)})
 """,
+    "zero-size": """
+mesh = jax.make_mesh((8,), ("data",))
+tree = {"w": jnp.arange(8.0), "empty": jnp.zeros((0, 8)), "ids": np.zeros((8, 0), np.int32)}
+ft.train.save(OUT + "/zero", tree)
+on5 = ft.train.load(OUT + "/zero", jax.device_put(tree, D[5]))
+split = {k: NamedSharding(mesh, P(None, "data") if k == "empty" else P()) for k in tree}
+spread = ft.train.load(OUT + "/zero", jax.device_put(tree, split))
+report({"on5": {k: on(x) for k, x in on5.items()}, "spread": str(getattr(spread["empty"].sharding, "spec", None)),
+        "spread_on": len(on(spread["empty"]))})
+""",
 }
 
 
@@ -121,6 +131,19 @@ def test_device_5_of_8_reads_on_one_device_by_every_reader(written_on_eight):
     assert _values(trainer.model) == wrote["job"]
     trainer.fit(ft.train.batches((job.X, job.Y), 10, key=jax.random.key(3)), steps=5, progress=False)
     assert trainer.steps_run == 5 and _devices(trainer.state) == here  # it continues here
+
+
+@pytest.mark.slow
+def test_a_zero_size_array_goes_where_the_template_places_it(written_on_eight):
+    """A zero-size array (stored as its shape and dtype alone) came back on the default
+    device (jnp.zeros) whatever the template's device or sharding; it goes where a stored
+    array would, and one written on 8 devices reads here."""
+    out, got = written_on_eight
+    wrote = part(got, "zero-size")
+    assert all(on in (["TFRT_CPU_5"], ["cpu:5"]) for on in wrote["on5"].values()), wrote["on5"]
+    assert "None, 'data'" in wrote["spread"] and wrote["spread_on"] == 8, wrote
+    back = ft.train.load(out / "zero")
+    assert _devices(back) == [str(jax.devices()[0])] and back["empty"].shape == (0, 8) and back["ids"].dtype == np.int32
 
 
 @pytest.mark.slow

@@ -314,27 +314,30 @@ def _split_empty(arrays: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list
     return kept, empty
 
 
-def _with_empty(arrays: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """The restored arrays with the zero-size ones of the metadata (``jnp.zeros``: committed
-    to no device, so they join any placement; a 64-bit one without ``jax_enable_x64`` on the
-    host, ``np.zeros``, as a 64-bit array of any size comes back: ``jnp.zeros`` gave int32 for
-    int64, float32 for float64) and without the placeholder."""
+def _with_empty(arrays: dict[str, Any], meta: dict[str, Any], target: Any) -> dict[str, Any]:
+    """The restored arrays with the zero-size ones of the metadata, placed by ``target`` as
+    a stored array would be (the template's sharding or device, ``sharding=``, a mesh's
+    rules; a 64-bit one without ``jax_enable_x64`` on the host), and without the placeholder.
+    (``jnp.zeros`` put them all on the default device and gave float32 for float64.)"""
     arrays.pop(NOTHING, None)
     empty = meta.get("empty", {})
     if not isinstance(empty, dict):
         raise _Damage("has damaged metadata: its zero-size arrays are not a mapping")
+    described = {}
     for key, entry in empty.items():
         shape = entry[0] if isinstance(entry, list) and len(entry) == 2 else None
         if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
                 and 0 in shape and isinstance(entry[1], str)) or key in arrays:
             raise _Damage(f"has damaged metadata: the zero-size array {key!r} is described as {entry!r}")
         try:
-            dtype = jnp.dtype(entry[1])
+            described[key] = (tuple(shape), jnp.dtype(entry[1]), False)  # (not on the host: as a jax array)
         except TypeError:
             raise _Damage(f"has damaged metadata: the zero-size array {key!r} has dtype {entry[1]!r}") from None
-        held = jax.dtypes.canonicalize_dtype(dtype) == dtype  # (without x64 jax holds no 64-bit dtype)
-        arrays[key] = jnp.zeros(tuple(shape), dtype) if held else np.zeros(tuple(shape), dtype)
-    return arrays
+    wanted = target(described, meta) if described else {}
+    placed = {k: x for k, x in wanted.items() if isinstance(x, jax.ShapeDtypeStruct)}
+    arrays.update({k: x for k, x in wanted.items() if k not in placed})  # NumPy zeros, on the host
+    return put({**arrays, **{k: np.zeros(x.shape, x.dtype) for k, x in placed.items()}},
+               {k: x.sharding for k, x in placed.items()})
 
 
 def save_args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
@@ -405,7 +408,7 @@ def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool 
     bad = verify(meta.get("checksums"), arrays)  # before anything goes to a device
     if bad:
         raise _Damage(f"is corrupted: the array {bad[0]!r} {bad[1]}", files=True)
-    return _with_empty(put(arrays, moves), meta), meta
+    return _with_empty(put(arrays, moves), meta, target), meta
 
 
 def _step_directories(path: Path) -> list[int]:

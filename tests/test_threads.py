@@ -257,20 +257,22 @@ def test_a_model_another_thread_donates_after_the_check_is_named():
         step(model, state, batch)
 
 
-def test_an_evaluation_whose_model_a_training_thread_donates_midway_names_it():
-    """``trainer.evaluate`` in one thread while ``trainer.fit`` runs in another: a step
-    donated the model between two of the evaluation's minibatches, and the error blamed the
-    minibatch ("evaluate: minibatch 1 (counted from 0) failed. Its shapes: ... Buffer has
-    been deleted or donated"). Forced: the data runs the other thread's step after its
-    first minibatch."""
+@pytest.mark.parametrize("method", ["evaluate", "predict"])
+def test_an_evaluation_whose_model_a_training_thread_donates_midway_names_it(method):
+    """``trainer.evaluate`` (or ``predict``) in one thread while ``trainer.fit`` runs in
+    another: a step donated the model between two of the evaluation's minibatches, and the
+    error blamed the minibatch ("evaluate: minibatch 1 (counted from 0) failed. Its shapes:
+    ... Buffer has been deleted or donated"). Forced: the data runs the other thread's step
+    after its first minibatch."""
     model, _, (x, y) = job(0)
     trainer = ft.train.Trainer(model, OPT, squares)
+    given = (x, y) if method == "evaluate" else x
 
     def data():
-        yield x, y
+        yield given
         trainer.train_step(trainer.model, trainer.opt_state, (x, y))  # the training thread's step
-        yield x, y
+        yield given
 
-    with pytest.raises(ValueError, match="deleted array at model.weight") as caught:
-        trainer.evaluate(data())
+    with pytest.raises(ValueError, match=r"deleted array at model\.weight") as caught:
+        getattr(trainer, method)(data())
     assert "minibatch" not in str(caught.value)

@@ -237,7 +237,12 @@ def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: C
         with _located("predict", i, given, first):
             batch = step.shard_batch(to_arrays(given))
             rows = _predict_examples(batch)  # (an ambiguous batch is refused before its program runs)
-            outputs.append(program(model, batch, fn, None if key is None else jax.random.fold_in(key, i)))
+            try:
+                outputs.append(program(model, batch, fn, None if key is None else jax.random.fold_in(key, i)))
+            except (RuntimeError, ValueError) as e:  # the model donated since predict began: named
+                if not is_deletion_error(e):
+                    raise
+                raise stale_error([("model", model), ("batch", batch)]) or e from None
             _check_per_example(fn, outputs[-1], rows)
     if not outputs:
         raise no_eval_minibatch("predict", data)

@@ -190,3 +190,23 @@ def test_a_prng_key_template_of_another_kind_is_refused_naming_the_leaf(tmp_path
     with pytest.raises(CheckpointError, match="does not fit the template") as info:
         ft.train.load(tmp_path / "k", {"key": template})
     assert f"key: expected shape {template.shape} dtype {template.dtype}" in str(info.value)
+
+
+def test_a_dict_keyed_by_empty_text_reads_into_its_own_template(tmp_path):
+    """The leaf at key path "" is stored as "value" (no name orbax takes); read against a
+    template it was looked for by its stored name: "missing keys: [''], unexpected keys: ['value']"."""
+    tree = {"": jnp.arange(2.0), "b": {"": jnp.ones(1, jnp.int8)}}
+    ft.train.save(tmp_path / "t", tree)
+    assert_identical(tree, ft.train.load(tmp_path / "t", tree))
+    with ft.train.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, tree)
+        assert_identical(tree, manager.restore(template=tree).model)
+
+
+def test_a_dict_key_that_is_no_unicode_is_refused_before_anything_is_written(tmp_path):
+    """A key with a lone surrogate (bytes decoded with surrogateescape) crashed orbax's writer
+    thread: RuntimeError "Unable to cast Python instance of type <class 'str'> to C++ type"."""
+    with pytest.raises(CheckpointError, match=r"(?s)The dict at 'model' has the key 'caf\\udce9', text that is no "
+                                              r"Unicode.*Nothing was written.*right:  \{'caf\?': value\}"):
+        ft.train.save(tmp_path / "t", {"model": {"caf\udce9": jnp.ones(1)}})
+    assert not any(tmp_path.iterdir())

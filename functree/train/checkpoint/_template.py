@@ -194,7 +194,10 @@ def _template_names(spec: Any, part: str) -> dict[str, dict[str, Any]]:
     if isinstance(spec, dict) and spec.get("kind") in ("leaf", "function") and isinstance(spec.get("key"), str):
         return {"": spec}
     prefix = part + "." if part else ""
-    return {s["key"][len(prefix):]: s for _, s in leaf_specs(spec, part) if s["key"].startswith(prefix)}
+    # the stored key, but "" for the leaf whose key path is "" (a dict's "" key at the root),
+    # stored as "value" (no name orbax takes); positional paths name an old file's leaves
+    return {"" if at == "" else s["key"][len(prefix):]: s for at, s in leaf_specs(spec, part)
+            if s["key"].startswith(prefix)}
 
 
 def _loader_hints(report: FlatDictReport, part: str, restore: str) -> FlatDictReport:

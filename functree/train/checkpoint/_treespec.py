@@ -61,7 +61,7 @@ from functree.train.checkpoint._registry import (
 
 # decode, check_names, CheckpointError and SpecError: imported from here by other modules.
 __all__ = ["encode", "decode", "same_classes", "check_names", "static_differences", "template_chooses",
-           "CheckpointError", "SpecError"]
+           "CheckpointError", "SpecError", "UNENCODABLE_KEY"]
 
 STATIC_DROPPED = """\
 The checkpoint's {cls} at {path!r} was saved with the static field {field} = {saved}, and the \
@@ -81,6 +81,16 @@ rebuilt. Nothing was written. Key the dict by text or integers (or hold the valu
 
     wrong:  {{{key!r}: value}}
     right:  {{"{key_text}": value}}"""
+
+
+UNENCODABLE_KEY = """\
+The dict at {path} has the key {key!r}, text that is no Unicode (a lone surrogate, {char!r}: \
+bytes decoded with errors="surrogateescape", or half of a UTF-16 pair): a checkpoint names \
+each array by its key path in UTF-8 files, which cannot hold it. Nothing was written. \
+Decode the key's bytes as what they are, or key the dict by its text without them:
+
+    wrong:  {{{key!r}: value}}
+    right:  {{{fixed!r}: value}}    # key.encode("utf-8", "replace").decode()"""
 
 
 def _encode_static(value: Any) -> dict[str, Any]:
@@ -163,6 +173,11 @@ def _module_code(value: Module) -> dict[str, Any] | None:
 def _dict_key(key: Any, path: str) -> list[str]:
     """A dict key as ``[type, text]``; :class:`CheckpointError` for a key the reader could
     not rebuild exactly (a tuple, float, Enum member, object)."""
+    if type(key) is str and not key.isascii():
+        bad = next((c for c in key if 0xD800 <= ord(c) <= 0xDFFF), None)
+        if bad is not None:  # orbax's writer crashed in a thread: "Unable to cast Python instance of type str"
+            raise CheckpointError(UNENCODABLE_KEY.format(path=repr(path) if path else "the root", key=key, char=bad,
+                                                         fixed=key.encode("utf-8", "replace").decode()))
     if type(key) in (str, int, bool):
         return [type(key).__name__, str(key)]
     if isinstance(key, np.integer) and np.dtype(type(key)).name in NUMPY_INT_KEYS:

@@ -5,7 +5,7 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
     torch                                    ft.nn
     Linear  weight [out, in], bias           Dense  weight [in, out] (transposed), bias
     Conv{1,2}d  weight [out, in/g, *k]       Conv{1,2}D  weight [*k, in/g, out]
-    ConvTranspose{1,2}d  weight [in, out, *k]  Conv{1,2}DTranspose  weight [*k, in, out]
+    ConvTranspose{1,2}d  weight [in, out/g, *k]  Conv{1,2}DTranspose  weight [*k, in, out/g]
     LayerNorm, GroupNorm, RMSNorm  weight, bias  scale, offset
     BatchNorm{1,2}d  weight, bias, running_mean, running_var (num_batches_tracked dropped)
                                              BatchNorm  scale, offset, running_mean, running_variance
@@ -423,7 +423,7 @@ def _check_flattened(steps: list[tuple[str, str, Any]], ft: str, torch: str, opt
         if not isinstance(conv, Conv) or first is None:
             continue
         torch_inner, ft_inner, layer = first
-        channels = int(conv.weight.shape[-1])
+        channels = int(conv.out_channels)
         inputs = (int(layer.weight.shape[0]) if isinstance(layer, Dense)
                   else max(int(np.prod(np.shape(a))) for a in jax.tree.leaves(layer)))
         name = join_names(torch, join_names(steps[after][0], torch_inner))
@@ -475,6 +475,8 @@ def _features(layer: Any, axis: int) -> int | None:
     without a weight (a partial model's, ``to_hf_state_dict`` of a ``jax.tree.map`` that
     dropped leaves)."""
     shape = getattr(layer.weight, "shape", None)
+    if shape is not None and axis == -1 and isinstance(layer, Conv):
+        return int(layer.out_channels)  # a grouped transpose's weight holds out // groups
     return None if shape is None else int(shape[axis])
 
 

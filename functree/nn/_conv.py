@@ -24,7 +24,7 @@ from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Initializer, add_bias, glorot_uniform
 from functree.nn._mode import Layer
 
-__all__ = ["Conv1D", "Conv2D", "Conv1DTranspose", "Conv2DTranspose", "check_window_fits"]
+__all__ = ["Conv1D", "Conv2D", "Conv1DTranspose", "Conv2DTranspose", "check_window_fits", "transpose_padding"]
 
 BAD_GROUPS = """\
 {cls}: in_channels ({cin}) and out_channels ({cout}) must be divisible by groups ({groups}).
@@ -38,13 +38,6 @@ GROUPS_NOT_POSITIVE = """\
 
     wrong:  {cls}(4, 8, 3, groups={groups!r}, key=k)
     right:  {cls}(4, 8, 3, groups=2, key=k)     # or groups=1: one group, an ordinary convolution
-"""
-
-TRANSPOSE_GROUPS = """\
-{cls} does not support groups (lax.conv_transpose has no feature groups).
-
-    wrong:  {cls}(4, 8, 3, groups=2, key=k)
-    right:  {cls}(4, 8, 3, key=k)
 """
 
 Padding = str | int | Sequence[int] | Sequence[tuple[int, int]]
@@ -162,8 +155,6 @@ class Conv(Layer):
         n = self._rank
         if not window.is_int(groups) or groups < 1:  # 0 raised ZeroDivisionError, -1 an MLIRError inside XLA
             raise ValueError(GROUPS_NOT_POSITIVE.format(cls=type(self).__name__, groups=groups))
-        if self._transpose and groups != 1:
-            raise ValueError(TRANSPOSE_GROUPS.format(cls=type(self).__name__))
         if in_channels % groups or out_channels % groups:
             raise ValueError(
                 BAD_GROUPS.format(cls=type(self).__name__, cin=in_channels, cout=out_channels, groups=groups)
@@ -172,7 +163,9 @@ class Conv(Layer):
         kernel, self.strides, self.dilation = (window.sizes(name, setting, value, n) for setting, value in (
             ("kernel_size", kernel_size), ("strides", strides), ("dilation", dilation)))
         self.padding = window.padding(name, padding, n)
-        shape = (*kernel, in_channels // groups, out_channels)
+        # A transpose's is torch's [in, out // groups, *k] moved: each input channel feeds its group's outputs.
+        shape = (*kernel, in_channels, out_channels // groups) if self._transpose else (
+            *kernel, in_channels // groups, out_channels)
         self.weight = initialized(weight_initializer, key, shape, dtype)  # the key's draws (functree/_random.py)
         bias_key = jax.random.fold_in(key, 1)
         self.bias = bias_initializer(bias_key, (out_channels,), dtype) if use_bias else None
@@ -181,7 +174,11 @@ class Conv(Layer):
 
     @property
     def in_channels(self) -> int:
-        return self.weight.shape[-2] * self.groups
+        return self.weight.shape[-2] * (1 if self._transpose else self.groups)
+
+    @property
+    def out_channels(self) -> int:
+        return self.weight.shape[-1] * (self.groups if self._transpose else 1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         n = self._rank
@@ -216,16 +213,44 @@ class ConvTranspose(Conv):
     _transpose: ClassVar[bool] = True
 
     def _convolve(self, x: jax.Array) -> jax.Array:
-        # Flipped so that y[i*stride + k] += x[i] @ weight[k] (the adjoint of Conv, as in
-        # Keras and PyTorch); lax.conv_transpose without transpose_kernel flips it back.
-        return jax.lax.conv_transpose(
-            x,
-            jnp.flip(self.weight, axis=tuple(range(self._rank))),
-            strides=self.strides,
-            padding=self.padding,
-            rhs_dilation=self.dilation,
-            dimension_numbers=_SPEC[self._rank],
+        """The adjoint of a strided convolution, ``y[i*stride + k] += x[i] @ weight[k]``: the
+        input dilated by the strides (``lhs_dilation``), padded, and correlated with the
+        spatially flipped filter. With ``groups`` the filter ``[*k, in, out // g]`` becomes
+        ``[*k, in // g, out]`` (group ``j``'s outputs read its inputs only), as
+        ``feature_group_count`` takes it (``lax.conv_transpose`` has no groups)."""
+        n = self._rank
+        kernel = self.weight.shape[:n]
+        w = jnp.flip(self.weight, axis=tuple(range(n)))
+        if self.groups > 1:
+            cin, per_group = self.weight.shape[n:]
+            w = w.reshape((*kernel, self.groups, cin // self.groups, per_group))
+            w = jnp.swapaxes(w, n, n + 1).reshape((*kernel, cin // self.groups, self.groups * per_group))
+        return jax.lax.conv_general_dilated(
+            x, w, window_strides=(1,) * n, padding=transpose_padding(kernel, self.strides, self.dilation, self.padding),
+            lhs_dilation=self.strides, rhs_dilation=self.dilation, dimension_numbers=_SPEC[n],
+            feature_group_count=self.groups,
         )
+
+
+def transpose_padding(kernel: Sequence[int], strides: Sequence[int], dilation: Sequence[int],
+                      padding: Any) -> tuple[tuple[int, int], ...]:
+    """A transpose's ``(low, high)`` padding of the stride-dilated input, as
+    ``lax.conv_transpose`` reads ``padding`` (pairs as given).
+
+    With the window spanning ``e = d (k - 1) + 1``: ``"VALID"`` pads ``e - 1`` low and
+    ``e - 1 + max(e - s, 0) + s - e`` high, an output of ``(L - 1) s + max(e, s)``; ``"SAME"``
+    pads ``e + s - 2`` in all, ``e - 1`` low where ``s > e - 1`` and half (rounded up) else,
+    an output of ``L s``.
+    """
+    if not isinstance(padding, str):
+        return tuple(padding)
+    pads = []
+    for k, s, d in zip(kernel, strides, dilation):
+        span = d * (k - 1) + 1
+        total = span + s - 2 + (max(span - s, 0) if padding == "VALID" else 0)
+        low = span - 1 if padding == "VALID" or s > span - 1 else -(-total // 2)
+        pads.append((low, total - low))
+    return tuple(pads)
 
 
 _DOC = """{what} over ``[..., {spatial}, in_channels]`` inputs (channels last).
@@ -236,7 +261,7 @@ _DOC = """{what} over ``[..., {spatial}, in_channels]`` inputs (channels last).
     ``"VALID"``, an int or per-axis ``(low, high)`` pairs){groups_arg}, ``dilation=1``,
     ``activation=identity, use_bias=True``; keyword-only ``key``, ``dtype``,
     ``weight_initializer``, ``bias_initializer``. ``weight`` is ``[{kernel}, in_channels{per_group},
-    out_channels]``.
+    out_channels{out_per_group}]``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -267,7 +292,7 @@ class Conv1D(Conv):
     _rank: ClassVar[int] = 1
     __doc__ = _DOC.format(
         what="A 1-D convolution", spatial="length", math=_CONV_MATH, kernel="width",
-        groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups",
+        groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups", out_per_group="",
         name="Conv1D", ks=3, stride_arg="", wshape="(3, 3, 8)", xshape=10, yshape="(2, 10, 8)",
     )
 
@@ -276,7 +301,7 @@ class Conv2D(Conv):
     _rank: ClassVar[int] = 2
     __doc__ = _DOC.format(
         what="A 2-D convolution", spatial="height, width", math=_CONV_MATH, kernel="height, width",
-        groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups",
+        groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups", out_per_group="",
         name="Conv2D", ks="(3, 3)", stride_arg="strides=2, ", wshape="(3, 3, 3, 8)",
         xshape="10, 10", yshape="(2, 5, 5, 8)",
     )
@@ -286,7 +311,8 @@ class Conv1DTranspose(ConvTranspose):
     _rank: ClassVar[int] = 1
     __doc__ = _DOC.format(
         what="A 1-D transposed convolution", spatial="length", math=_TRANSPOSE_MATH, kernel="width",
-        groups_arg="", per_group="", name="Conv1DTranspose", ks=3, stride_arg="strides=2, ",
+        groups_arg=", ``groups=1`` (torch's grouped transpose)", per_group="", out_per_group=" // groups",
+        name="Conv1DTranspose", ks=3, stride_arg="strides=2, ",
         wshape="(3, 3, 8)", xshape=10, yshape="(2, 20, 8)",
     )
 
@@ -295,6 +321,7 @@ class Conv2DTranspose(ConvTranspose):
     _rank: ClassVar[int] = 2
     __doc__ = _DOC.format(
         what="A 2-D transposed convolution", spatial="height, width", math=_TRANSPOSE_MATH,
-        kernel="height, width", groups_arg="", per_group="", name="Conv2DTranspose", ks="(3, 3)",
+        kernel="height, width", groups_arg=", ``groups=1`` (torch's grouped transpose)", per_group="",
+        out_per_group=" // groups", name="Conv2DTranspose", ks="(3, 3)",
         stride_arg="strides=2, ", wshape="(3, 3, 3, 8)", xshape="5, 5", yshape="(2, 10, 10, 8)",
     )

@@ -1,0 +1,234 @@
+"""ft.nn layers against torch's over hyperparameters hypothesis draws (the audit's fuzz, cut down).
+
+Each test draws a layer's settings as a user would pass them to torch, builds both layers,
+copies torch's weights in with ``ft.nn.load_torch_state_dict`` and compares the output and the
+gradients with respect to the input and every parameter (``torch_state_dict(...,
+gradient=True)`` gives ours in torch's names and layouts). float32; shapes stay small so a
+draw costs a few compiles. The exploration behind them drew 200-300 examples a layer in
+float64 (notes: audit24/layers).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _hypothesis import examples
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import functree as ft
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def _per_axis(draw, n, low, high):
+    """An int (every axis) or one per axis, as torch takes them."""
+    if draw(st.booleans()):
+        return draw(st.integers(low, high))
+    return tuple(draw(st.integers(low, high)) for _ in range(n))
+
+
+def _both(v, n):
+    return v if isinstance(v, tuple) else (v,) * n
+
+
+def _compare(layer, module, x, torch_call, *, channels_first=True, call=lambda m, x: m(x)):
+    """Forward and gradients (input and parameters) of ``layer`` and ``module`` on ``x`` [B, *S, C]."""
+    layer = ft.nn.load_torch_state_dict(layer, module.state_dict())
+    move, back = ((lambda a: np.moveaxis(a, -1, 1)), (lambda a: np.moveaxis(a, 1, -1))) if channels_first else (
+        (lambda a: a), (lambda a: a))
+    xt = torch.tensor(move(x), requires_grad=True)
+    yt = torch_call(module, xt)
+    y, vjp = jax.vjp(call, layer, jnp.asarray(x))
+    expected = back(yt.detach().numpy())
+    assert y.shape == expected.shape
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=0, atol=1e-5 * scale)
+    g = np.random.default_rng(1).normal(size=y.shape).astype(np.float32)
+    yt.backward(torch.tensor(move(g)))
+    grad_layer, grad_x = vjp(jnp.asarray(g))
+    ours = {"input": np.asarray(grad_x), **ft.nn.torch_state_dict(grad_layer, gradient=True, numpy=True)}
+    theirs = {"input": back(xt.grad.numpy()), **{n: p.grad.numpy() for n, p in module.named_parameters()}}
+    assert set(theirs) <= set(ours)  # ours also holds BatchNorm's running statistics (no gradient)
+    for name, expected in theirs.items():
+        scale = max(1.0, float(np.abs(expected).max()))
+        np.testing.assert_allclose(ours[name], expected, rtol=0, atol=1e-5 * scale, err_msg=name)
+
+
+@st.composite
+def _convolutions(draw):
+    n, groups = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    padding = draw(st.sampled_from(["int", "per axis", "valid", "same", "pairs"]))
+    strides = 1 if padding == "same" else _per_axis(draw, n, 1, 2)
+    if padding == "int":
+        padding = draw(st.integers(0, 2))
+    elif padding == "per axis":
+        padding = tuple(draw(st.integers(0, 2)) for _ in range(n))
+    elif padding == "pairs":
+        padding = tuple((draw(st.integers(0, 2)), draw(st.integers(0, 2))) for _ in range(n))
+    return (n, groups, _per_axis(draw, n, 1, 3), strides, padding, _per_axis(draw, n, 1, 2), draw(st.booleans()))
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(_convolutions())
+def test_convolutions_match_torchs_over_drawn_settings(case):
+    """Conv1d/2d with int, per-axis, "valid", "same" and (by F.pad) asymmetric padding,
+    strides, dilation, groups and bias: 151 drawn settings matched in float64; torch's
+    refusals (a window longer than the padded input) were refused alike."""
+    n, groups, k, s, p, d, bias = case
+    pairs = isinstance(p, tuple) and isinstance(p[0], tuple)
+    torch.manual_seed(0)
+    module = (torch.nn.Conv1d, torch.nn.Conv2d)[n - 1](2 * groups, 3 * groups, k, stride=s, padding=0 if pairs else p,
+                                                        dilation=d, groups=groups, bias=bias)
+    layer = (ft.nn.Conv1D, ft.nn.Conv2D)[n - 1](2 * groups, 3 * groups, k, strides=s, dilation=d, groups=groups,
+                                                padding=p.upper() if isinstance(p, str) else p, use_bias=bias,
+                                                key=jax.random.key(0))
+    flat = [v for pair in reversed(p) for v in pair] if pairs else []
+    x = np.random.default_rng(0).normal(size=(2, *(7,) * n, 2 * groups)).astype(np.float32)
+    _compare(layer, module, x, lambda m, x: m(F.pad(x, flat) if flat else x))
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2),
+       st.integers(0, 2), st.integers(1, 2), st.booleans())
+@example(n=1, groups=2, k=3, s=2, p=1, op=1, d=1, bias=True)  # grouped, as a depthwise upsampling layer
+def test_transposed_convolutions_match_torchs_by_the_documented_padding(n, groups, k, s, p, op, d, bias):
+    """ConvTranspose1d/2d(padding=p, output_padding=op, groups=g) is padding=((d*(k-1)-p,
+    d*(k-1)-p+op),) per axis here; groups were refused ("lax.conv_transpose has no feature
+    groups") and are torch's now (73 drawn grouped settings matched in float64)."""
+    p, op = min(p, d * (k - 1)), min(op, max(s, d) - 1)  # torch's own limits (a negative pad crops: not taken)
+    torch.manual_seed(0)
+    module = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d)[n - 1](
+        2 * groups, 2 * groups, k, stride=s, padding=p, output_padding=op, groups=groups, bias=bias, dilation=d)
+    low = d * (k - 1) - p
+    layer = (ft.nn.Conv1DTranspose, ft.nn.Conv2DTranspose)[n - 1](
+        2 * groups, 2 * groups, k, strides=s, dilation=d, groups=groups, padding=((low, low + op),) * n,
+        use_bias=bias, key=jax.random.key(0))
+    assert layer.in_channels == layer.out_channels == 2 * groups
+    x = np.random.default_rng(0).normal(size=(2, *(3,) * n, 2 * groups)).astype(np.float32)
+    _compare(layer, module, x, lambda m, x: m(x))
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+def test_a_transposes_named_padding_is_lax_conv_transposes(padding):
+    """The grouped path pads by name itself (``transpose_padding``): groups=1 gives
+    ``lax.conv_transpose``'s numbers, as before, over strides, dilations and kernels."""
+    x = np.random.default_rng(0).normal(size=(1, 5, 4, 2)).astype(np.float32)
+    for k, s, d in [((1, 4), (3, 1), (1, 2)), ((3, 2), (2, 2), (2, 1)), ((2, 5), (1, 3), (1, 1))]:
+        layer = ft.nn.Conv2DTranspose(2, 3, k, strides=s, dilation=d, padding=padding, key=jax.random.key(0))
+        expected = jax.lax.conv_transpose(x, jnp.flip(layer.weight, (0, 1)), s, padding, rhs_dilation=d,
+                                          dimension_numbers=("NHWC", "HWIO", "NHWC")) + layer.bias
+        np.testing.assert_allclose(layer(x), expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from(["max", "avg"]), st.integers(1, 3), st.none() | st.integers(1, 3),
+       st.sampled_from(["SAME", "VALID"]), st.integers(1, 6))
+def test_pooling_matches_torchs_over_drawn_settings(n, op, k, s, padding, length):
+    """MaxPool/AvgPool 1d/2d against torch's on the padding "SAME" stands for (-inf for max;
+    the mean of the real elements, torch's count_include_pad=False): 261 drawn settings
+    matched in float64, gradients too; inputs too short for the window refused alike."""
+    strides = k if s is None else s
+    pads = [(0, 0)] * n
+    if padding == "SAME":
+        total = max((math.ceil(length / strides) - 1) * strides + k - length, 0)
+        pads = [(total // 2, total - total // 2)] * n
+    flat = [v for pair in reversed(pads) for v in pair]
+    pool = getattr(F, f"{op}_pool{n}d")
+
+    def torch_pool(x):
+        if op == "max":
+            return pool(F.pad(x, flat, value=-math.inf), k, strides)
+        return pool(F.pad(x, flat), k, strides) / pool(F.pad(torch.ones_like(x), flat), k, strides)
+
+    layer = getattr(ft.nn, f"{op.capitalize()}Pool{n}D")(k, s, padding)
+    x = np.random.default_rng(0).normal(size=(2, *(length,) * n, 3)).astype(np.float32)
+    if length < k and padding == "VALID":
+        with pytest.raises(RuntimeError):
+            torch_pool(torch.tensor(np.moveaxis(x, -1, 1)))
+        with pytest.raises(ft.nn.LayerInputError, match="is shorter than the window needs"):
+            layer(x)
+        return
+    _compare(layer, torch.nn.Identity(), x, lambda m, x: torch_pool(x))
+
+
+@settings(max_examples=examples(5), deadline=None)
+@given(st.sampled_from(["layer", "rms", "group", "batch_train", "batch_eval"]), st.sampled_from([1e-5, 0.1]),
+       st.booleans(), st.sampled_from([2, 4]), st.integers(0, 2))
+def test_normalizations_match_torchs_over_drawn_settings(kind, eps, affine, channels, spatial):
+    """LayerNorm/RMSNorm over 1 or 2 trailing axes, GroupNorm (groups dividing the channels;
+    channels groups is torch's InstanceNorm), BatchNorm in training (with torch's momentum
+    and unbiased running variance) and in eval: 151 drawn settings matched in float64."""
+    x = (np.random.default_rng(0).normal(size=(3, *(3,) * spatial, channels)) * 10 + 5).astype(np.float32)
+    torch.manual_seed(0)
+    if kind in ("layer", "rms"):
+        shape = x.shape[-1 - (spatial > 0):]
+        module = (torch.nn.LayerNorm if kind == "layer" else torch.nn.RMSNorm)(shape, eps=eps, elementwise_affine=affine)
+        layer = (ft.nn.LayerNorm(shape, eps, affine, affine) if kind == "layer" else ft.nn.RMSNorm(shape, eps, affine))
+        first = False
+    elif kind == "group":
+        groups = channels // 2 if affine else channels
+        module, layer = torch.nn.GroupNorm(groups, channels, eps=eps, affine=affine), ft.nn.GroupNorm(
+            groups, channels, eps, affine, affine)
+        first = True
+    else:
+        module = torch.nn.BatchNorm1d(channels, eps=eps, momentum=0.3).train(kind == "batch_train")
+        layer = ft.nn.BatchNorm(channels, momentum=0.7, epsilon=eps, unbiased_running_variance=True,
+                                training=kind == "batch_train")
+        first = True
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.is_floating_point():
+                tensor.add_(torch.rand(tensor.shape))  # off the ones and zeros they start at
+    call = (lambda m, x: m(x.reshape(3, channels, -1)).reshape(x.shape)) if kind.startswith("batch") else (
+        lambda m, x: m(x))
+    loaded = ft.nn.load_torch_state_dict(layer, module.state_dict())
+    _compare(layer, module, x, call, channels_first=first,  # training records running statistics: collected
+             call=lambda m, x: ft.nn.collect_state(lambda m: m(x), m)[0])
+    if kind == "batch_train":  # the running statistics after torch's one step
+        _, state = ft.nn.collect_state(lambda m: m(x), loaded)
+        stepped = ft.nn.apply_state(loaded, state)
+        np.testing.assert_allclose(stepped.running_mean, module.running_mean.numpy(), rtol=0, atol=1e-5 * 10)
+        np.testing.assert_allclose(stepped.running_variance, module.running_var.numpy(), rtol=0, atol=1e-5 * 100)
+
+
+@st.composite
+def _attentions(draw):
+    heads = draw(st.integers(1, 2))
+    other = draw(st.booleans())  # kdim/vdim other than the embedding (torch's separate q/k/v weights)
+    return (heads, 2 * heads, (3, 5) if other else (None, None), draw(st.booleans()), draw(st.sampled_from([1, 2])),
+            draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 3])), draw(st.sets(st.sampled_from(["mask", "padding",
+                                                                                          "causal"]))))
+
+
+@settings(max_examples=examples(3), deadline=None)
+@given(_attentions())
+def test_multihead_attention_matches_torchs_over_drawn_masks(case):
+    """torch's MultiheadAttention (dropout 0, batch_first) with kdim/vdim, bias, a boolean
+    attn_mask (True = masked: ours is its negation), a key_padding_mask and a causal mask,
+    batch 1 or 2: 114 drawn settings matched in float64 (rows with every key masked left
+    out: documented to differ)."""
+    heads, embed, (kdim, vdim), bias, batch, t, s, masks = case
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(embed, heads, bias=bias, kdim=kdim, vdim=vdim, batch_first=True)
+    allowed = np.ones((batch, 1, t, s), bool)
+    if "mask" in masks:
+        allowed &= rng.random((t, s)) < 0.7
+    if "padding" in masks:
+        allowed &= (rng.random((batch, s)) < 0.8)[:, None, None, :]
+    if "causal" in masks:
+        allowed &= np.tril(np.ones((t, s), bool))
+    allowed[..., 0] = True  # every query keeps a key
+    layer = ft.nn.MultiheadAttention(embed, heads, key_size=kdim, value_size=vdim, use_bias=bias,
+                                     key=jax.random.key(0))
+    q = rng.normal(size=(batch, t, embed)).astype(np.float32)
+    k = rng.normal(size=(batch, s, kdim or embed)).astype(np.float32)
+    v = rng.normal(size=(batch, s, vdim or embed)).astype(np.float32)
+    masked = torch.tensor(~allowed[:, 0]).repeat_interleave(heads, 0)  # torch's [batch * heads, T, S], True = masked
+    _compare(layer, module, q, lambda m, q: m(q, torch.tensor(k), torch.tensor(v), need_weights=False,
+                                              attn_mask=masked)[0],
+             channels_first=False, call=lambda m, q: m(q, k, v, mask=allowed))

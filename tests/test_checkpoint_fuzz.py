@@ -210,3 +210,20 @@ def test_a_dict_key_that_is_no_unicode_is_refused_before_anything_is_written(tmp
                                               r"Unicode.*Nothing was written.*right:  \{'caf\?': value\}"):
         ft.train.save(tmp_path / "t", {"model": {"caf\udce9": jnp.ones(1)}})
     assert not any(tmp_path.iterdir())
+
+
+class Scaled(ft.Module):
+    scale: jax.Array = ft.field(no_derivative=True)
+
+    def __call__(self, x):
+        return x * self.scale
+
+
+def test_a_weakly_typed_array_is_read_back_weakly_typed(tmp_path):
+    """``jnp.asarray(0.5)`` (a Python number's array, weakly typed) came back strong: the
+    restored model's ``bfloat16_x * scale`` was a float32 array, the saved one's bfloat16."""
+    model = Scaled(jnp.asarray(0.5))
+    ft.train.save(tmp_path / "m", model)
+    x = jnp.ones(2, jnp.bfloat16)
+    for back in (ft.train.load(tmp_path / "m"), ft.train.load(tmp_path / "m", model)):
+        assert back.scale.weak_type and back(x).dtype == jnp.bfloat16

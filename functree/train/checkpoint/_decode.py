@@ -340,7 +340,18 @@ def decode_leaf(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") ->
         return jax.random.wrap_key_data(jnp.asarray(x), impl=spec["prng"])
     if spec.get("numpy_scalar"):
         return np.asarray(x)[()]
+    if spec.get("weak") is True and isinstance(x, jax.Array):
+        return _weakly_typed(x)
     return x
+
+
+def _weakly_typed(x: jax.Array) -> Any:
+    """``x`` weakly typed, as it was saved (``jnp.asarray(0.5)``, a Python number's array):
+    read back strong, ``bfloat16_x * scale`` became a float32 array after a restore. (JAX
+    has no public call that makes an array weakly typed; this one has served since 2021.)"""
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, weak_type=True)
 
 
 def _one_class(found: list[Any], name: str, path: str, what: str, ambiguous: str, missing: str) -> Any:

@@ -223,6 +223,8 @@ class _Encoder:
         elif isinstance(x, np.generic):
             spec["numpy_scalar"] = True
             x = np.asarray(x)
+        elif isinstance(x, jax.Array) and x.weak_type:  # jnp.asarray(0.5): promotes as a Python number does
+            spec["weak"] = True
         self.arrays[name] = x
         return spec
 

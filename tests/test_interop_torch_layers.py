@@ -100,11 +100,13 @@ def test_convolutions_match_torchs_over_drawn_settings(case):
 @given(st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2),
        st.integers(0, 2), st.integers(1, 2), st.booleans())
 @example(n=1, groups=2, k=3, s=2, p=1, op=1, d=1, bias=True)  # grouped, as a depthwise upsampling layer
+@example(n=2, groups=1, k=1, s=2, p=1, op=1, d=1, bias=False)  # p > d*(k-1): a negative pad, cropping
 def test_transposed_convolutions_match_torchs_by_the_documented_padding(n, groups, k, s, p, op, d, bias):
     """ConvTranspose1d/2d(padding=p, output_padding=op, groups=g) is padding=((d*(k-1)-p,
     d*(k-1)-p+op),) per axis here; groups were refused ("lax.conv_transpose has no feature
-    groups") and are torch's now (73 drawn grouped settings matched in float64)."""
-    p, op = min(p, d * (k - 1)), min(op, max(s, d) - 1)  # torch's own limits (a negative pad crops: not taken)
+    groups") and so was p > d*(k-1) (its negative pad): both are torch's now (73 drawn
+    grouped settings matched in float64)."""
+    op = min(op, max(s, d) - 1)  # torch's limit
     torch.manual_seed(0)
     module = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d)[n - 1](
         2 * groups, 2 * groups, k, stride=s, padding=p, output_padding=op, groups=groups, bias=bias, dilation=d)
@@ -114,6 +116,12 @@ def test_transposed_convolutions_match_torchs_by_the_documented_padding(n, group
         use_bias=bias, key=jax.random.key(0))
     assert layer.in_channels == layer.out_channels == 2 * groups
     x = np.random.default_rng(0).normal(size=(2, *(3,) * n, 2 * groups)).astype(np.float32)
+    if (3 - 1) * s - 2 * p + d * (k - 1) + op + 1 < 1:  # cropped away: torch refuses, and so do we
+        with pytest.raises(RuntimeError, match="Output size is too small"):
+            module(torch.tensor(np.moveaxis(x, -1, 1)))
+        with pytest.raises(ft.nn.LayerInputError, match="is shorter than the window needs"):
+            layer(x)
+        return
     _compare(layer, module, x, lambda m, x: m(x))
 
 

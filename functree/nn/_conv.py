@@ -162,7 +162,7 @@ class Conv(Layer):
         name = type(self).__name__
         kernel, self.strides, self.dilation = (window.sizes(name, setting, value, n) for setting, value in (
             ("kernel_size", kernel_size), ("strides", strides), ("dilation", dilation)))
-        self.padding = window.padding(name, padding, n)
+        self.padding = window.padding(name, padding, n, signed=self._transpose)  # a transpose's negative pads crop
         # A transpose's is torch's [in, out // groups, *k] moved: each input channel feeds its group's outputs.
         shape = (*kernel, in_channels, out_channels // groups) if self._transpose else (
             *kernel, in_channels // groups, out_channels)
@@ -283,7 +283,8 @@ _TRANSPOSE_MATH = (
     "    An int or ``(low, high)`` padding pads the stride-dilated input, as "
     "``lax.conv_transpose`` reads it, not torch's ``ConvTranspose`` ``padding=p, "
     "output_padding=op``, which is ``padding=((d*(k-1) - p, d*(k-1) - p + op),)`` per axis "
-    "here (``k`` the kernel size, ``d`` the dilation); the two can give one output shape "
+    "here (``k`` the kernel size, ``d`` the dilation; negative where ``p > d*(k-1)``: it crops); "
+    "the two can give one output shape "
     "with other numbers, so port torch's by that formula."
 )
 

@@ -50,9 +50,12 @@ def sizes(cls: str, name: str, value: Any, n: int) -> tuple[int, ...]:
     return tuple(int(v) for v in entries)
 
 
-def padding(cls: str, value: Any, n: int, strings_only: bool = False) -> str | tuple[tuple[int, int], ...]:
+def padding(cls: str, value: Any, n: int, strings_only: bool = False,
+            signed: bool = False) -> str | tuple[tuple[int, int], ...]:
     """``"SAME"``/``"VALID"`` (any case), or (unless ``strings_only``) an int >= 0 or ``n``
-    entries, each an int >= 0 or a ``(low, high)`` pair of them, as ``n`` pairs."""
+    entries, each an int >= 0 or a ``(low, high)`` pair of them, as ``n`` pairs. ``signed`` (a
+    transposed convolution's pads of its stride-dilated input) takes negative pair entries too:
+    they crop, as torch's ``ConvTranspose`` ``padding`` above ``d (k - 1)`` does."""
     if isinstance(value, str):
         if value.upper() in PADDINGS:
             return value.upper()
@@ -65,7 +68,8 @@ def padding(cls: str, value: Any, n: int, strings_only: bool = False) -> str | t
     def pair(p: Any) -> tuple[int, int] | None:
         if is_int(p) and p >= 0:
             return (int(p), int(p))
-        if isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 and all(is_int(v) and v >= 0 for v in p):
+        if isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 and all(
+                is_int(v) and (signed or v >= 0) for v in p):
             return (int(p[0]), int(p[1]))
         return None
 
@@ -73,5 +77,5 @@ def padding(cls: str, value: Any, n: int, strings_only: bool = False) -> str | t
     if len(pairs) != n or any(p is None for p in pairs):
         right = "((1, 2),)" if n == 1 else "((1, 1), (0, 2))"
         raise _error(cls, "padding", value, n, f'"SAME", "VALID", an int >= 0, or {n} entries (one per axis), each '
-                     f"an int >= 0 or a (low, high) pair", right)
+                     f"an int >= 0 or a (low, high) pair" + (" (negative: cropped)" if signed else " of ints >= 0"), right)
     return tuple(p for p in pairs if p is not None)

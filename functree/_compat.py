@@ -134,6 +134,22 @@ def traced_for(trace: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def weakly_typed(x: jax.Array) -> Any:
+    """``x`` weakly typed (as ``jnp.asarray(0.5)`` is): it promotes as a Python number does.
+    JAX has no public call for it; ``convert_element_type``'s private form, with
+    ``weak_type``, has one signature across the declared range.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from functree import _compat
+        >>> _compat.weakly_typed(jnp.ones(2)).weak_type
+        True
+    """
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, weak_type=True)
+
+
 class UnsupportedJaxError(RuntimeError):
     """A jaxpr equation whose parameters have a form functree does not know."""
 

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import functree as ft
@@ -67,6 +68,14 @@ def test_jax_version_is_integers():
     v = compat.jax_version()
     assert len(v) == 3 and all(isinstance(p, int) for p in v)
     assert v >= (0, 9, 2), "below the declared floor (pyproject.toml: jax>=0.9.2)"
+
+
+def test_weakly_typed_promotes_as_a_python_number_and_keeps_values():
+    # (the checkpoint reader's: a restored jnp.asarray(0.5) must not turn bfloat16 * it into float32)
+    x = compat.weakly_typed(jnp.asarray([0.5, -2.0], jnp.float32))
+    assert x.weak_type and x.dtype == jnp.float32
+    np.testing.assert_array_equal(x, [0.5, -2.0])
+    assert (jnp.ones(2, jnp.bfloat16) * x).dtype == jnp.bfloat16
 
 
 def test_nan_provenance_and_diagnostics_enter_a_scan():

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._compat import weakly_typed
 from functree._module import Module, added_static, check_static, derive_added
 from functree._paths import KeyPath
 from functree._tree import child_name
@@ -341,17 +342,10 @@ def decode_leaf(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") ->
     if spec.get("numpy_scalar"):
         return np.asarray(x)[()]
     if spec.get("weak") is True and isinstance(x, jax.Array):
-        return _weakly_typed(x)
+        return weakly_typed(x)  # (jnp.asarray(0.5): read back strong, bfloat16_x * scale became float32)
     return x
 
 
-def _weakly_typed(x: jax.Array) -> Any:
-    """``x`` weakly typed, as it was saved (``jnp.asarray(0.5)``, a Python number's array):
-    read back strong, ``bfloat16_x * scale`` became a float32 array after a restore. (JAX
-    has no public call that makes an array weakly typed; this one has served since 2021.)"""
-    from jax._src.lax import lax as lax_internal
-
-    return lax_internal._convert_element_type(x, weak_type=True)
 
 
 def _one_class(found: list[Any], name: str, path: str, what: str, ambiguous: str, missing: str) -> Any:

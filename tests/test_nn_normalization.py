@@ -240,3 +240,15 @@ def test_a_numpy_int_normalized_shape_is_taken_as_torchs_is(make):
     """``LayerNorm(np.int64(4))`` raised "'numpy.int64' object is not iterable" (torch takes it)."""
     assert make(np.int64(4)).shape == (4,) and make([np.int64(2), 4]).shape == (2, 4)
     assert type(make(np.int64(4)).shape[0]) is int
+
+
+def test_rms_norm_epsilon_none_is_torchs_eps_none():
+    """torch's RMSNorm(eps=None), its default, adds the input dtype's machine epsilon;
+    ``epsilon=None`` raised "float() argument must be ... not 'NoneType'". On inputs of rms
+    1e-4 (mean square 1e-8, under float32's 1.19e-7) the epsilon decides the output."""
+    torch = pytest.importorskip("torch")
+    x = (_normal(0, (3, 4)) * 1e-4).astype(np.float32)
+    expected = torch.nn.RMSNorm(4, elementwise_affine=False)(torch.tensor(x)).numpy()
+    actual = np.asarray(ft.nn.RMSNorm(4, epsilon=None, use_scale=False)(x))
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-6 * float(np.abs(expected).max()))
+    assert np.abs(np.asarray(ft.nn.RMSNorm(4, use_scale=False)(x)) - expected).max() > 0.1  # 1e-6 is another layer

@@ -48,8 +48,8 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
   tensor of the state dict → ``jnp.pad(x, pads, mode="reflect" / "wrap" / "edge")`` and
   ``padding="VALID"``.
 * ``RMSNorm``: ``epsilon=1e-6``; torch's ``RMSNorm(eps=None)`` uses the input dtype's machine
-  epsilon (``torch.finfo(x.dtype).eps``: 1.19e-7 for float32) →
-  ``ft.nn.RMSNorm(n, epsilon=float(jnp.finfo(jnp.float32).eps))`` (or torch's ``eps=`` where set).
+  epsilon (``torch.finfo(x.dtype).eps``: 1.19e-7 for float32) → ``ft.nn.RMSNorm(n, epsilon=None)``
+  (or torch's ``eps=`` where set).
 * ``RNN`` is batch-first (torch's ``batch_first=True``).
 """
 

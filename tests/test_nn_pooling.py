@@ -136,3 +136,14 @@ def test_a_bfloat16_average_sums_and_counts_in_float32(layer, size, window, padd
     y = layer(jnp.moveaxis(jnp.asarray(x.float().numpy()), 1, -1).astype(jnp.bfloat16))
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.moveaxis(np.asarray(y.astype(jnp.float32)), -1, 1), exact, rtol=0, atol=10 * spread)
+
+
+@pytest.mark.parametrize("layer,shape,axis", [(ft.nn.GlobalMaxPool1D(), (2, 0, 3), "length"),
+                                              (ft.nn.GlobalMaxPool2D(), (2, 4, 0, 3), "width")])
+def test_a_global_max_over_an_empty_axis_is_refused_naming_the_layer(layer, shape, axis):
+    """jnp.max raised "zero-size array to reduction operation max which has no identity",
+    naming no layer; torch's AdaptiveMaxPool refuses too."""
+    with pytest.raises(ft.nn.LayerInputError, match=rf"{type(layer).__name__} expects .* with {axis} >= 1(.|\n)*"
+                       rf"Its {axis} is empty"):
+        layer(np.ones(shape, np.float32))
+    assert layer(np.ones((2, *(1,) * (len(shape) - 2), 3), np.float32)).shape == (2, 3)

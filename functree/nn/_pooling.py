@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
+from functree._repr import short_array
 from functree.nn import _window as window
-from functree.nn._check import check_input
+from functree.nn._check import LayerInputError, check_input
 from functree.nn._conv import check_window_fits
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
@@ -40,6 +41,14 @@ __all__ = [
     "GlobalAvgPool2D",
     "Flatten",
 ]
+
+
+EMPTY_MAX = """\
+Its {axis} is empty: a maximum over no values has none (torch's AdaptiveMaxPool raises here \
+too; a global average is NaN in both).
+
+    wrong:  ft.nn.{cls}()(x)     # x: {given}
+    right:  ft.nn.{cls}()(x)     # x with {axis} >= 1 (the layer before keeps an axis: padding="SAME")"""
 
 
 def _spatial(n: int) -> tuple[str, ...]:
@@ -143,6 +152,11 @@ class _GlobalPool(Layer):
     def __call__(self, x: jax.Array) -> jax.Array:
         check_input(self, x, _spatial(self._rank))
         axes = tuple(range(x.ndim - self._rank - 1, x.ndim - 1))
+        empty = [name for name, a in zip(_spatial(self._rank), axes) if x.shape[a] == 0]
+        if self._max and empty:  # jnp.max raised "zero-size array to reduction operation max", naming no layer
+            pattern = "[..., " + ", ".join(_spatial(self._rank)) + "]"
+            raise LayerInputError(self, f"{pattern} (float) with {empty[0]} >= 1", short_array(x),
+                                  EMPTY_MAX.format(axis=empty[0], cls=type(self).__name__, given=short_array(x)))
         return jnp.max(x, axis=axes) if self._max else jnp.mean(x, axis=axes)
 
 

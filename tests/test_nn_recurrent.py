@@ -10,6 +10,7 @@ from _tolerance import needs_float16_conversions
 from jax.test_util import check_grads
 
 import functree as ft
+from functree import _compat as compat
 
 
 def _sigmoid(v):
@@ -394,10 +395,17 @@ def test_bfloat16_leaves_gradients_are_summed_in_a_float32_carry(cell_cls, rever
     shapes = {leaf.shape for leaf in jax.tree.leaves(cell) if leaf.dtype == jnp.bfloat16}
     assert shapes, "the cell has bfloat16 leaves"
     carried = [v.aval for eqn in _scans(jaxpr) if eqn.params["reverse"] != reverse
-               for v in eqn.invars[eqn.params["num_consts"]:eqn.params["num_consts"] + eqn.params["num_carry"]]]
+               for v in _carry_inputs(eqn)]
     for shape in shapes:
         dtypes = sorted({a.dtype.name for a in carried if a.shape == shape})
         assert dtypes == ["float32"], (shape, dtypes)
+
+
+def _carry_inputs(eqn):
+    """A scan equation's carry inputs (its parameters name the counts otherwise from jax 0.11:
+    functree's _compat reads both forms)."""
+    consts, carry = compat.scan_counts(eqn.params)
+    return eqn.invars[consts:consts + carry]
 
 
 @pytest.mark.parametrize("cell_cls", [ft.nn.GRUCell, ft.nn.LSTMCell])

@@ -832,12 +832,19 @@ def notebook():
 
 
 def _eager_matches_unrolled(ns):
-    """The eager Stack call and its gradient against the members called one by one."""
+    """The eager Stack call and its gradient against the members called one by one. XLA may
+    round the scan otherwise than the calls one by one (jax 0.12's CPU: 2e-5 of the gradient
+    at most, and a saturated tanh's derivative 0 called alone against 2.8e-4 in the scan,
+    where the loss's scale 2 |y| |x| is 12), so each atol is 10x that spread of its scale;
+    a stale program (0.575 off, its gradient 10.4 off) is far outside."""
     stack, x = ns["stack"], ns["x"]
-    np.testing.assert_allclose(stack(x), stack.unstack()(x), rtol=0, atol=1e-6)
-    grad = jax.grad(lambda s: jnp.sum(s(x) ** 2))(stack)
-    unrolled = jax.grad(lambda s: jnp.sum(s.unstack()(x) ** 2))(stack)
-    np.testing.assert_allclose(grad.layers.lin.weight, unrolled.layers.lin.weight, rtol=0, atol=1e-5)
+    y, y_unrolled = stack(x), stack.unstack()(x)
+    scale = max(1.0, float(jnp.max(jnp.abs(y_unrolled))))
+    np.testing.assert_allclose(y, y_unrolled, rtol=0, atol=1e-5 * scale)
+    grad = jax.grad(lambda s: jnp.sum(s(x) ** 2))(stack).layers.lin.weight
+    unrolled = jax.grad(lambda s: jnp.sum(s.unstack()(x) ** 2))(stack).layers.lin.weight
+    grad_scale = max(float(jnp.max(jnp.abs(unrolled))), 2 * scale * float(jnp.max(jnp.abs(x))))
+    np.testing.assert_allclose(grad, unrolled, rtol=0, atol=2e-4 * grad_scale)
 
 
 def test_an_eager_stack_reads_the_notebook_globals_and_methods_its_block_reads_now():

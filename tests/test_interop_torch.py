@@ -514,18 +514,24 @@ def test_a_dense_after_conv_maps_its_call_flattens_by_hand_must_be_named(fc_firs
     x, x_ft = nchw((2, 2, 5))
     with torch.no_grad():
         expected = torch_model.fc(torch.relu(conv(torch.from_numpy(x))).flatten(1)).numpy()
-    where = "after it in field order" if fc_first else "before it"
-    for call in (lambda **kw: ft.nn.load_torch_state_dict(model, torch_model.state_dict(), **kw),
-                 lambda **kw: ft.nn.torch_state_dict(model, numpy=True, **kw)):
-        with pytest.raises(ValueError, match=r"(?s)fc \(ft: fc\) is a Dense layer of 12 inputs, 4 x the 3 channels of "
-                                             rf"the Conv block.conv {where}.*flattened=\{{'fc': \(3, length\)\}}"):
-            call()
-    loaded = ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": (3, 4)})
-    close(loaded(jnp.asarray(x_ft)), expected)
+    _refused_unless_flattened(model, torch_model, "after it in field order" if fc_first else "before it", x_ft, expected)
     as_is = ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": None})
     np.testing.assert_array_equal(as_is.fc.weight, torch_model.fc.weight.detach().numpy().T)
     # a Dense of inputs no multiple of the Conv's channels is no flattened map: taken as it is
     assert set(ft.nn.torch_state_dict(make(4), numpy=True)) == {"fc.weight", "fc.bias", "block.conv.weight", "block.conv.bias"}
+
+
+def _refused_unless_flattened(model, torch_model, where, x_ft, expected):
+    """Loading and exporting ``model`` (a Conv ``block.conv`` of 3 channels, its maps
+    flattened into the Dense ``fc`` of 12 inputs) are refused naming ``flattened=``; with
+    it, the loaded model computes torch's ``expected``."""
+    for call in (lambda **kw: ft.nn.load_torch_state_dict(model, torch_model.state_dict(), **kw),
+                 lambda **kw: ft.nn.torch_state_dict(model, numpy=True, **kw)):
+        with pytest.raises(ValueError, match=r"(?s)^ft\.nn: fc \(ft: fc\) is a Dense layer of 12 inputs, 4 x the 3 "
+                                             rf"channels of the Conv block.conv {where}.*flattened=\{{'fc': \(3, length\)\}}"):
+            call()
+    loaded = ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": (3, 4)})
+    close(loaded(jnp.asarray(x_ft)), expected)
 
 
 class _TwoDenseCall(ft.Module):
@@ -577,13 +583,7 @@ def test_the_dense_a_call_applies_to_flattened_maps_is_found_after_another_dense
     with torch.no_grad():
         t = torch_model
         expected = t.out(torch.relu(t.fc(torch.relu(t.block.conv(torch.from_numpy(x))).flatten(1)))).numpy()
-    for call in (lambda **kw: ft.nn.load_torch_state_dict(model, torch_model.state_dict(), **kw),
-                 lambda **kw: ft.nn.torch_state_dict(model, numpy=True, **kw)):
-        with pytest.raises(ValueError, match=r"(?s)^ft\.nn: fc \(ft: fc\) is a Dense layer of 12 inputs, 4 x the 3 "
-                                             rf"channels of the Conv block.conv {where}.*flattened=\{{'fc': \(3, length\)\}}"):
-            call()
-    loaded = ft.nn.load_torch_state_dict(model, torch_model.state_dict(), flattened={"fc": (3, 4)})
-    close(loaded(jnp.asarray(x_ft)), expected)
+    _refused_unless_flattened(model, torch_model, where, x_ft, expected)
     if cls is _BlockFcOut:  # a Dense fed by the Dense before it (6 outputs, 6 inputs: 2 x 3 channels) is no map
         fed = build(lambda: _BlockFcOut(parts["block"], ft.nn.Dense(12, 6, key=K[2]), ft.nn.Dense(6, 2, key=K[1])))
         assert len(ft.nn.torch_state_dict(fed, numpy=True, flattened={"fc": (3, 4)})) == 6

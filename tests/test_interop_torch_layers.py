@@ -77,6 +77,7 @@ def _convolutions(draw):
     return (n, groups, _per_axis(draw, n, 1, 3), strides, padding, _per_axis(draw, n, 1, 2), draw(st.booleans()))
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths:UserWarning")  # torch's, on speed
 @settings(max_examples=examples(6), deadline=None)
 @given(_convolutions())
 def test_convolutions_match_torchs_over_drawn_settings(case):
@@ -116,9 +117,11 @@ def test_transposed_convolutions_match_torchs_by_the_documented_padding(n, group
         use_bias=bias, key=jax.random.key(0))
     assert layer.in_channels == layer.out_channels == 2 * groups
     x = np.random.default_rng(0).normal(size=(2, *(3,) * n, 2 * groups)).astype(np.float32)
-    if (3 - 1) * s - 2 * p + d * (k - 1) + op + 1 < 1:  # cropped away: torch refuses, and so do we
-        with pytest.raises(RuntimeError, match="Output size is too small"):
-            module(torch.tensor(np.moveaxis(x, -1, 1)))
+    if (3 - 1) * s - 2 * p + d * (k - 1) + op + 1 < 1:  # cropped away: refused (torch: an error or empty maps)
+        try:
+            assert module(torch.tensor(np.moveaxis(x, -1, 1))).numel() == 0
+        except RuntimeError as e:
+            assert "Output size is too small" in str(e) or "overflow" in str(e), e
         with pytest.raises(ft.nn.LayerInputError, match="is shorter than the window needs"):
             layer(x)
         return
@@ -137,14 +140,16 @@ def test_a_transposes_named_padding_is_lax_conv_transposes(padding):
         np.testing.assert_allclose(layer(x), expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
 
 
-@settings(max_examples=examples(8), deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(st.sampled_from([1, 2]), st.sampled_from(["max", "avg"]), st.integers(1, 3), st.none() | st.integers(1, 3),
-       st.sampled_from(["SAME", "VALID"]), st.integers(1, 6))
-def test_pooling_matches_torchs_over_drawn_settings(n, op, k, s, padding, length):
-    """MaxPool/AvgPool 1d/2d against torch's on the padding "SAME" stands for (-inf for max;
-    the mean of the real elements, torch's count_include_pad=False): 261 drawn settings
-    matched in float64, gradients too; inputs too short for the window refused alike."""
+       st.sampled_from(["SAME", "VALID", 0, 1]), st.booleans(), st.integers(1, 6))
+def test_pooling_matches_torchs_over_drawn_settings(n, op, k, s, padding, count_pad, length):
+    """MaxPool/AvgPool 1d/2d against torch's: torch's padding=p (at most k // 2, torch's limit;
+    count_include_pad either way), and the padding "SAME" stands for (-inf for max; the mean
+    of the real elements): 261 drawn named settings matched in float64, gradients too;
+    inputs too short for the window refused alike."""
     strides = k if s is None else s
+    padding = min(padding, k // 2) if isinstance(padding, int) else padding
     pads = [(0, 0)] * n
     if padding == "SAME":
         total = max((math.ceil(length / strides) - 1) * strides + k - length, 0)
@@ -153,13 +158,17 @@ def test_pooling_matches_torchs_over_drawn_settings(n, op, k, s, padding, length
     pool = getattr(F, f"{op}_pool{n}d")
 
     def torch_pool(x):
+        if isinstance(padding, int):
+            return pool(x, k, strides, padding) if op == "max" else pool(x, k, strides, padding,
+                                                                         count_include_pad=count_pad)
         if op == "max":
             return pool(F.pad(x, flat, value=-math.inf), k, strides)
         return pool(F.pad(x, flat), k, strides) / pool(F.pad(torch.ones_like(x), flat), k, strides)
 
-    layer = getattr(ft.nn, f"{op.capitalize()}Pool{n}D")(k, s, padding)
+    cls = getattr(ft.nn, f"{op.capitalize()}Pool{n}D")
+    layer = cls(k, s, padding) if op == "max" else cls(k, s, padding, count_include_pad=count_pad)
     x = np.random.default_rng(0).normal(size=(2, *(length,) * n, 3)).astype(np.float32)
-    if length < k and padding == "VALID":
+    if length + 2 * (padding if isinstance(padding, int) else 0) < k and padding != "SAME":
         with pytest.raises(RuntimeError):
             torch_pool(torch.tensor(np.moveaxis(x, -1, 1)))
         with pytest.raises(ft.nn.LayerInputError, match="is shorter than the window needs"):

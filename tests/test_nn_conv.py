@@ -138,7 +138,7 @@ def test_bad_groups_are_errors(key):
     (lambda k: ft.nn.Conv2D(2, 3, 3, strides=(1, 2, 3), key=k), "strides=(1, 2, 3) does not fit 2 spatial axes"),
     (lambda k: ft.nn.Conv2D(2, 3, (3,), key=k), "kernel_size=(3,) does not fit 2 spatial axes"),
     (lambda k: ft.nn.Conv2D(2, 3, 3, dilation=0, key=k), "dilation=0 does not fit"),
-    (lambda k: ft.nn.MaxPool2D(3, 1, padding=1), "MaxPool2D: padding=1 does not fit 2 spatial axes: pooling pads by name"),
+    (lambda k: ft.nn.MaxPool2D(3, 1, padding=(1, 2, 3)), "MaxPool2D: padding=(1, 2, 3) does not fit 2 spatial axes"),
     (lambda k: ft.nn.AvgPool2D((2, 2, 2)), "AvgPool2D: pool_size=(2, 2, 2) does not fit 2 spatial axes"),
 ])
 def test_window_settings_that_do_not_fit_the_axes_are_refused_when_built(build, shown):

@@ -147,3 +147,32 @@ def test_a_global_max_over_an_empty_axis_is_refused_naming_the_layer(layer, shap
                        rf"Its {axis} is empty"):
         layer(np.ones(shape, np.float32))
     assert layer(np.ones((2, *(1,) * (len(shape) - 2), 3), np.float32)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("make,torch_make", [
+    (lambda: ft.nn.MaxPool2D(3, 2, 1), lambda nn: nn.MaxPool2d(3, 2, 1)),  # ResNet's stem
+    (lambda: ft.nn.AvgPool2D(3, 2, 1), lambda nn: nn.AvgPool2d(3, 2, 1)),
+    (lambda: ft.nn.AvgPool2D(3, 2, 1, count_include_pad=False), lambda nn: nn.AvgPool2d(3, 2, 1, count_include_pad=False)),
+    (lambda: ft.nn.MaxPool1D(4, 3, ((2, 1),)), lambda nn: lambda x: nn.MaxPool1d(4, 3)(
+        nn.functional.pad(x, (2, 1), value=-float("inf")))),
+])
+def test_int_padding_is_torchs_padding(make, torch_make):
+    """Pooling padded by name only ("pooling pads by name"): torch's MaxPool2d(3, 2, padding=1)
+    had no port but jnp.pad, and "SAME" pads (0, 1) at stride 2 on an even size (other windows,
+    0.8 off here). An int or pairs pad now as torch's: -inf for max, zeros counted in the mean
+    unless count_include_pad=False."""
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
+    layer = make()
+    if layer._rank == 1:
+        x = x[:, 0]
+    expected = np.moveaxis(torch_make(torch.nn)(torch.tensor(np.moveaxis(x, -1, 1))).numpy(), 1, -1)
+    np.testing.assert_allclose(layer(x), expected, rtol=0, atol=1e-6 * float(np.abs(expected).max()))
+
+
+def test_a_pad_over_half_the_pool_is_refused_as_torch_does():
+    """A window could lie wholly in it (-inf, 0 or NaN); torch: "pad should be at most half"."""
+    with pytest.raises(ValueError, match=r"MaxPool2D: padding=2 is more than half the pool \(3\)(.|\n)*"
+                       r"right:  MaxPool2D\(3, padding=1\)"):
+        ft.nn.MaxPool2D(3, 1, 2)
+    assert ft.nn.AvgPool1D(4, 1, ((2, 2),)).padding == ((2, 2),)

@@ -7,10 +7,11 @@ every spatial axis. Average pooling with ``"SAME"`` padding divides by the numbe
 real (unpadded) elements in each window; it sums and counts in float32 for bfloat16 and
 float16 inputs (``statistics_dtype``), the output keeps the input's dtype.
 
-torch's ``AvgPool2d(k, s, padding=p)`` counts the padded zeros by default
-(``count_include_pad=True``): its border windows are ``"SAME"``'s times the real count over
-``k * k``. Port it with ``jnp.pad`` and ``"VALID"``; ``count_include_pad=False`` with odd
-``k``, ``s=1``, ``p=(k-1)//2`` is ``"SAME"``.
+An int or per-axis ``(low, high)`` ``padding`` is torch's ``padding=p``: max pooling pads with
+``-inf``, average pooling with zeros that count in the mean (``count_include_pad=True``,
+torch's default; ``False`` divides by the real elements, as ``"SAME"`` always does). torch's
+``MaxPool2d(3, 2, padding=1)`` (ResNet's stem) is ``padding=1`` here, not ``"SAME"``, which
+pads ``(0, 1)`` at stride 2 on an even size: same shape, other windows.
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ too; a global average is NaN in both).
     right:  ft.nn.{cls}()(x)     # x with {axis} >= 1 (the layer before keeps an axis: padding="SAME")"""
 
 
+POOL_PAD_TOO_LARGE = """\
+{cls}: padding={padding!r} is more than half the pool ({size}): a window could lie wholly in the \
+padding (torch's "pad should be at most half of effective kernel size").
+
+    wrong:  {cls}({size}, padding={padding!r})
+    right:  {cls}({size}, padding={most!r})     # or padding="SAME"
+"""
+
+
+def _show(values: tuple[int, ...]) -> Any:
+    """Sizes as a user writes them: one int where every axis has it."""
+    return values[0] if len(set(values)) == 1 else values
+
+
 def _spatial(n: int) -> tuple[str, ...]:
     return ("length", "channels") if n == 1 else ("height", "width", "channels")
 
@@ -58,7 +73,7 @@ def _spatial(n: int) -> tuple[str, ...]:
 class _Pool(Layer):
     pool_size: tuple[int, ...] = field(static=True, default=(2,))
     strides: tuple[int, ...] = field(static=True, default=(2,))
-    padding: str = field(static=True, default="VALID")
+    padding: Any = field(static=True, default="VALID")
 
     _rank: ClassVar[int] = 1
 
@@ -66,12 +81,16 @@ class _Pool(Layer):
         self,
         pool_size: int | Sequence[int] = 2,
         strides: int | Sequence[int] | None = None,
-        padding: str = "VALID",
+        padding: Any = "VALID",
     ):
         name = type(self).__name__
         self.pool_size = window.sizes(name, "pool_size", pool_size, self._rank)
         self.strides = self.pool_size if strides is None else window.sizes(name, "strides", strides, self._rank)
-        self.padding = window.padding(name, padding, self._rank, strings_only=True)  # type: ignore[assignment]
+        self.padding = window.padding(name, padding, self._rank)  # a name, or torch's padding=p as (low, high) pairs
+        if not isinstance(self.padding, str) and any(max(pair) > k // 2 for pair, k in zip(self.padding, self.pool_size)):
+            # a window wholly in the padding: -inf (max), 0 or NaN (average); torch refuses it too
+            raise ValueError(POOL_PAD_TOO_LARGE.format(cls=name, padding=padding, size=_show(self.pool_size),
+                                                       most=_show(tuple(k // 2 for k in self.pool_size))))
 
     def _window(self, x: jax.Array, init: Any, op: Any) -> jax.Array:
         check_input(self, x, _spatial(self._rank))
@@ -80,7 +99,8 @@ class _Pool(Layer):
         lead = x.ndim - self._rank - 1
         dims = (1,) * lead + self.pool_size + (1,)
         strides = (1,) * lead + self.strides + (1,)
-        return jax.lax.reduce_window(x, init, op, dims, strides, self.padding)
+        pads = self.padding if isinstance(self.padding, str) else ((0, 0),) * lead + self.padding + ((0, 0),)
+        return jax.lax.reduce_window(x, init, op, dims, strides, pads)  # padded with init: -inf for max, 0 for sums
 
 
 class _MaxPool(_Pool):
@@ -89,15 +109,28 @@ class _MaxPool(_Pool):
 
 
 class _AvgPool(_Pool):
+    count_include_pad: bool = field(static=True, default=True)
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("count_include_pad",)  # files written before it: True
+
+    def __init__(
+        self,
+        pool_size: int | Sequence[int] = 2,
+        strides: int | Sequence[int] | None = None,
+        padding: Any = "VALID",
+        count_include_pad: bool = True,
+    ):
+        super().__init__(pool_size, strides, padding)
+        self.count_include_pad = bool(count_include_pad)  # torch's; read for int / pair padding ("SAME": real counts)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         """``sum(window) / count`` with both in ``statistics_dtype`` (float32 for bfloat16 and
         float16: a bfloat16 sum of 32x32 ones stalls at 256, a mean of 0.25), cast back."""
         check_input(self, x, _spatial(self._rank))  # before the cast hides an integer input
         wide = statistics_dtype(x.dtype)
         total = self._window(x.astype(wide), 0.0, jax.lax.add)
-        if self.padding == "VALID":
+        if self.padding == "VALID" or (not isinstance(self.padding, str) and self.count_include_pad):
             return (total / jnp.array(math.prod(self.pool_size), wide)).astype(x.dtype)
-        # "SAME": the number of real elements in each window, counted in the same dtype.
+        # "SAME" (or count_include_pad=False): the real elements in each window, counted in the same dtype.
         counts = self._window(jnp.ones(x.shape[-self._rank - 1:], wide), 0.0, jax.lax.add)
         return (total / counts).astype(x.dtype)
 

@@ -50,9 +50,8 @@ def sizes(cls: str, name: str, value: Any, n: int) -> tuple[int, ...]:
     return tuple(int(v) for v in entries)
 
 
-def padding(cls: str, value: Any, n: int, strings_only: bool = False,
-            signed: bool = False) -> str | tuple[tuple[int, int], ...]:
-    """``"SAME"``/``"VALID"`` (any case), or (unless ``strings_only``) an int >= 0 or ``n``
+def padding(cls: str, value: Any, n: int, signed: bool = False) -> str | tuple[tuple[int, int], ...]:
+    """``"SAME"``/``"VALID"`` (any case), or an int >= 0 or ``n``
     entries, each an int >= 0 or a ``(low, high)`` pair of them, as ``n`` pairs. ``signed`` (a
     transposed convolution's pads of its stride-dilated input) takes negative pair entries too:
     they crop, as torch's ``ConvTranspose`` ``padding`` above ``d (k - 1)`` does."""
@@ -60,8 +59,6 @@ def padding(cls: str, value: Any, n: int, strings_only: bool = False,
         if value.upper() in PADDINGS:
             return value.upper()
         raise _error(cls, "padding", value, n, f"a padding string is one of {PADDINGS}", '"SAME"')
-    if strings_only:
-        raise _error(cls, "padding", value, n, f"pooling pads by name, one of {PADDINGS}", '"SAME"')
     if is_int(value) and value >= 0:
         return ((int(value), int(value)),) * n
 

@@ -179,7 +179,7 @@ def register(obj: Any, name: str | None = None) -> Any:
       >>> path = tempfile.mkdtemp() + "/c"
       >>> ft.train.save(path, Counter(jnp.array(3)))
       >>> ft.train.load(path)
-      Counter(count=Array(3, dtype=int32))
+      Counter(count=Array(3, dtype=int32, weak_type=True))
     """
     _load_builtins()
     is_class = isinstance(obj, type)

@@ -94,6 +94,21 @@ def test_model_checkpoint_keeps_best_and_history_logger(tmp_path):
     assert records[-1]["samples_seen"] == 144
 
 
+def test_model_checkpoint_from_a_path_writes_asynchronously_and_every_step_restores(tmp_path):
+    # ModelCheckpoint(path, asynchronous=True) was a TypeError: an asynchronous manager had to
+    # be built by hand. Each checkpoint, written while the next steps ran, holds its own step.
+    save = ft.train.ModelCheckpoint(tmp_path / "ckpt", every_steps=2, max_to_keep=None, asynchronous=True)
+    make().fit(data(), epochs=2, progress=False, callbacks=[save])
+    save.manager.wait_until_finished()
+    assert save.manager._asynchronous and save.manager.all_steps() == [2, 4, 6]
+    for step in (2, 4, 6):  # the same job run to that step alone
+        alone = make()
+        alone.fit(data(), steps=step, progress=False)
+        np.testing.assert_array_equal(save.manager.restore(step).model.weight, alone.model.weight)
+    with pytest.raises(ValueError, match=r"(?s)manager given writes synchronously.*CheckpointManager\(path, asynchronous=True\)"):
+        ft.train.ModelCheckpoint(ft.train.CheckpointManager(tmp_path / "sync"), asynchronous=True)
+
+
 def test_every_steps_ranked_by_val_loss_saves_the_epoch_ends_among_its_steps(tmp_path):
     # The step save point ran before validation: val_loss was missing and every step was
     # skipped; the epoch end's was not used with every_steps: the directory stayed empty.

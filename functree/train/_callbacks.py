@@ -579,6 +579,15 @@ class ReduceLROnPlateau(Callback):
         return names
 
 
+ASYNCHRONOUS_OF_MANAGER = """\
+ft.train.ModelCheckpoint(manager, asynchronous=True): the manager given writes synchronously; \
+how a manager writes is set where it is built.
+
+    wrong:  ft.train.ModelCheckpoint(ft.train.CheckpointManager(path), asynchronous=True)
+    right:  ft.train.ModelCheckpoint(ft.train.CheckpointManager(path, asynchronous=True))
+       or:  ft.train.ModelCheckpoint(path, asynchronous=True)"""
+
+
 class ModelCheckpoint(Callback):
     """Save the trainer (model, optimizer state with its learning context, layer state,
     PRNG key, position in the data, history, the callbacks' states and ``extra``) through
@@ -605,8 +614,8 @@ class ModelCheckpoint(Callback):
     back as ``trainer.extra`` after ``trainer.restore``.
 
     ``directory`` is a path or a :class:`CheckpointManager`; ``max_to_keep`` (a positive
-    int, or None to keep all), ``best_metric`` and ``mode`` configure a manager built from
-    a path. In a multi-process job every process runs it (each writes its shards; the
+    int, or None to keep all), ``best_metric``, ``mode`` and ``asynchronous`` (write in the
+    background while training goes on) configure a manager built from a path. In a multi-process job every process runs it (each writes its shards; the
     primary process holds the directory's lock); another job writing the same directory
     gets a CheckpointError.
 
@@ -620,14 +629,17 @@ class ModelCheckpoint(Callback):
     def __init__(self, directory: str | os.PathLike[str] | CheckpointManager, *,
                  every_steps: int | None = None, max_to_keep: int | None = 3,
                  best_metric: str | None = None, mode: str = "min",
-                 extra: Callable[[TrainerView], Any] | None = None, every_epochs: int = 1):
+                 extra: Callable[[TrainerView], Any] | None = None, every_epochs: int = 1,
+                 asynchronous: bool = False):
         for what, value in (("every_steps", every_steps), ("every_epochs", every_epochs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(BAD_EVERY.format(what=what, value=value))
         if isinstance(directory, CheckpointManager):
+            if asynchronous and not directory._asynchronous:
+                raise ValueError(ASYNCHRONOUS_OF_MANAGER)
             self.manager = directory
         else:
-            self.manager = CheckpointManager(directory, max_to_keep, best_metric, mode)
+            self.manager = CheckpointManager(directory, max_to_keep, best_metric, mode, asynchronous=asynchronous)
         self.every_steps, self.every_epochs = every_steps, every_epochs
         self.extra = extra
         self._last_saved: int | None = None

@@ -615,9 +615,10 @@ class ModelCheckpoint(Callback):
 
     ``directory`` is a path or a :class:`CheckpointManager`; ``max_to_keep`` (a positive
     int, or None to keep all), ``best_metric``, ``mode`` and ``asynchronous`` (write in the
-    background while training goes on) configure a manager built from a path. In a multi-process job every process runs it (each writes its shards; the
-    primary process holds the directory's lock); another job writing the same directory
-    gets a CheckpointError.
+    background while training goes on) configure a manager built from a path. In a
+    multi-process job every process runs it (each writes its shards; the primary process
+    holds the directory's lock); another job writing the same directory gets a
+    CheckpointError.
 
     Example:
       >>> import functree as ft, tempfile

@@ -198,10 +198,8 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
             _check_not_empty(what, i, batch)
             try:
                 sums = _summed(step, summing, model, sums, batch, key)
-            except (RuntimeError, ValueError) as e:  # the model and the minibatch apart, or the model
-                # donated since the evaluation began (a training thread's step): name their key paths
-                named = [("model", model), ("batch", batch)]
-                better = stale_error(named) if is_deletion_error(e) else devices_error(what, e, named)
+            except (RuntimeError, ValueError) as e:
+                better = _explained(what, e, model, batch)
                 if better is None:
                     raise
                 raise better from None
@@ -209,6 +207,14 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
         raise no_eval_minibatch(which, data)
     host = jax.device_get(sums)
     return combine_parts({k: float(v) / float(host["weight"]) for k, v in host["values"].items()})
+
+
+def _explained(what: str, error: Exception, model: Any, batch: Any) -> Exception | None:
+    """A minibatch program's ``error`` named by key path: the model donated since the call
+    began (a training thread's step: the stale-array error), or the model and the minibatch
+    on other devices; None for another error (raised as it is)."""
+    named = [("model", model), ("batch", batch)]
+    return stale_error(named) if is_deletion_error(error) else devices_error(what, error, named)
 
 
 def _summed(step: Any, summing: Callable[..., Any], model: Any, sums: Any, batch: Any, key: Any) -> Any:
@@ -239,10 +245,11 @@ def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: C
             rows = _predict_examples(batch)  # (an ambiguous batch is refused before its program runs)
             try:
                 outputs.append(program(model, batch, fn, None if key is None else jax.random.fold_in(key, i)))
-            except (RuntimeError, ValueError) as e:  # the model donated since predict began: named
-                if not is_deletion_error(e):
+            except (RuntimeError, ValueError) as e:
+                better = _explained("predict", e, model, batch)
+                if better is None:
                     raise
-                raise stale_error([("model", model), ("batch", batch)]) or e from None
+                raise better from None
             _check_per_example(fn, outputs[-1], rows)
     if not outputs:
         raise no_eval_minibatch("predict", data)

@@ -363,6 +363,38 @@ def test_asynchronous_save(tmp_path):
         assert manager.restore(1, include=("extra",)).model is None
 
 
+UNWAITED_SAVES = textwrap.dedent("""
+    import sys
+    import jax.numpy as jnp
+    from functree.train import CheckpointManager
+    kept = CheckpointManager(sys.argv[1], asynchronous=True)
+    kept.save(1, {"w": jnp.arange(300_000.0)})
+    CheckpointManager(sys.argv[2], asynchronous=True).save(1, {"w": jnp.ones(3)})  # dropped at once
+    failing = CheckpointManager(sys.argv[3], asynchronous=True)
+    failing.save(1, {"w": jnp.ones(3)})
+    written = failing._mngr.wait_until_finished
+    def disk_full():  # orbax's wait raises once its background write has failed
+        written()
+        raise OSError("No space left on device")
+    failing._mngr.wait_until_finished = disk_full
+    print("STARTED", flush=True)      # and the script ends without waiting for any of them
+""")
+
+
+def test_an_asynchronous_save_not_waited_for_is_written_when_the_script_ends(tmp_path):
+    # It was lost: Python stopped orbax's thread pools before atexit ran, the step stayed a
+    # temporary directory and orbax printed "cannot schedule new futures after shutdown".
+    dirs = [tmp_path / name for name in ("kept", "dropped", "failing")]
+    out = subprocess.run([sys.executable, "-c", UNWAITED_SAVES, *map(str, dirs)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "STARTED" in out.stdout, out.stderr
+    np.testing.assert_array_equal(CheckpointManager(dirs[0]).restore(1).model["w"], np.arange(300_000.0))
+    np.testing.assert_array_equal(CheckpointManager(dirs[1]).restore(1).model["w"], np.ones(3))
+    assert "cannot schedule new futures" not in out.stderr
+    assert f"CheckpointManager({str(dirs[2])!r}): the asynchronous save under way when the script ended failed: " \
+           "No space left on device" in out.stderr and "manager.wait_until_finished()" in out.stderr
+
+
 def test_sigkill_at_a_random_moment_keeps_the_last_acknowledged_and_the_best(killed_process):
     _, directory, acked = killed_process
     manager = CheckpointManager(directory, max_to_keep=2, best_metric="loss")

@@ -24,6 +24,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -604,6 +605,38 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
 # saves from two threads do not interleave there, and one may take long: no lock.)
 _ORBAX_SAVE = threading.Lock()
 
+# An asynchronous save the script never waited for was lost when the script ended: Python
+# stops the thread pools orbax's background writes run on (concurrent.futures' own exit hook)
+# before ``atexit`` functions run, and the step stayed a temporary directory. Managers with a
+# save under way are finished from threading's exit hooks instead, which run before those
+# pools stop (last registered, first run: ours is registered after orbax imported the pools).
+_UNDER_WAY: set[CheckpointManager] = set()  # strong references: a manager dropped at once still writes
+_HOOKED: list[bool] = []
+
+UNFINISHED_AT_EXIT = """\
+CheckpointManager({path!r}): the asynchronous save under way when the script ended failed: \
+{error}
+Its step was not written. Wait for a save where the script can handle the error:
+    wrong: manager.save(step, model)                                   # the script ends here
+    right: manager.save(step, model); manager.wait_until_finished()    # or: with CheckpointManager(...) as manager:
+"""
+
+
+def _finish_under_way() -> None:
+    """At the end of the script: wait for every asynchronous save still being written."""
+    for manager in list(_UNDER_WAY):
+        try:
+            manager.wait_until_finished()
+        except BaseException as e:  # nothing left to raise to: say which step was lost
+            print(UNFINISHED_AT_EXIT.format(path=str(manager.directory), error=e), file=sys.stderr)
+
+
+def _hook_exit() -> None:
+    if not _HOOKED:
+        # threading's exit hooks: the documented order concurrent.futures itself relies on.
+        threading._register_atexit(_finish_under_way)  # pyright: ignore[reportAttributeAccessIssue]
+        _HOOKED.append(True)
+
 
 class CheckpointManager:
     """Save checkpoints at steps; keep the last ``max_to_keep`` and the best by a metric.
@@ -620,6 +653,11 @@ class CheckpointManager:
     positive int, or None to keep all). One job writes a directory at a time: every
     process of a multi-process job calls ``save``; its primary process holds the lock.
     A failed save leaves nothing behind: the same manager saves the next step.
+
+    With ``asynchronous=True``, ``save`` returns once orbax holds the arrays and writes them in
+    the background; the next ``save``, ``wait_until_finished()``, ``close()`` (or the end of a
+    ``with`` block) and the end of the script wait for the write. A write that fails at the
+    end of the script is reported on stderr: wait where the script can handle the error.
 
     Example:
       >>> import functree as ft, jax, tempfile
@@ -683,7 +721,9 @@ class CheckpointManager:
             if self._asynchronous:  # its start under the lock, after this manager's previous writes
                 self._mngr.wait_until_finished()
                 with _ORBAX_SAVE:
+                    _hook_exit()
                     self._mngr.save(step, args=args, force=True)
+                    _UNDER_WAY.add(self)
             else:  # (its writes may take long; two in threads did not mix orbax's ids)
                 self._mngr.save(step, args=args, force=True)
             self._metrics[step] = metrics
@@ -713,6 +753,7 @@ class CheckpointManager:
             failed = True
             raise
         finally:
+            _UNDER_WAY.discard(self)
             if failed:  # no collective here: the other processes may not have failed
                 if self._lock.token is not None:
                     policy.remove_leftovers(self.directory)
@@ -857,6 +898,7 @@ class CheckpointManager:
         try:
             self._mngr.close()
         finally:
+            _UNDER_WAY.discard(self)
             self._lock.release()
 
     def __enter__(self) -> CheckpointManager:

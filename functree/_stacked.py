@@ -10,6 +10,8 @@ a member index (``blocks.3.up.weight``, shape ``(...)``), which JAX never sees:
   reverse);
 * :func:`expand` / :func:`restack`: every stack as a tuple of its members and back
   (``ft.to_flat_dict(unstack=True)`` and ``ft.from_flat_dict`` of per-member names);
+  :func:`members_like`: the same expansion of a tree shaped like a template (an optimizer's
+  moments of it, ``ft.optim.per_member``);
 * :func:`stack_depths`: how many leading stack axes each leaf has (sharding rules);
 * :func:`outermost`: the dotted names of the outermost stacks (``ft.summary``).
 
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from functree._naming import refuse_batched_members
 from functree._tree import dotted_name, join_names
 
-__all__ = ["is_stacked", "expand", "restack", "stack_depths", "outermost", "wants_members"]
+__all__ = ["is_stacked", "expand", "restack", "members_like", "stack_depths", "outermost", "wants_members"]
 
 def is_stacked(x: Any) -> bool:
     """Whether ``x`` is a stacked node (an ``ft.nn.Stack``)."""
@@ -70,6 +72,33 @@ def restack(template: Any, expanded: Any) -> Any:
         return t._with_layers(leaves)
 
     return jax.tree.map(one, template, expanded, is_leaf=_is_stack)
+
+
+def members_like(template: Any, tree: Any) -> Any:
+    """``tree``, shaped like ``template`` down to its leaves (each leaf of ``template`` may
+    be any subtree of ``tree``: an optimizer's moments, ``optax.MaskedNode``), with every
+    stack replaced by the tuple of its members, as :func:`expand` replaces ``template``'s.
+
+    Member ``i`` of a stack in ``tree`` is ``leaf[i]`` of each of its leaves, whatever their
+    rank: a moment need not have its parameter's (adafactor's factored rows, one norm per
+    tensor), which ``expand``'s ensemble check reads from the parameters' ranks.
+    ``restack(template, members_like(template, tree))`` is ``tree``.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> from functree._stacked import members_like
+      >>> stack = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 3, key=jax.random.key(0))
+      >>> norms = jax.tree.map(lambda a: jnp.linalg.norm(a, axis=tuple(range(1, a.ndim))), stack)
+      >>> [m.weight.shape for m in members_like(stack, norms)]   # one norm per member
+      [(), (), ()]
+    """
+    def one(t: Any, x: Any) -> Any:
+        if not is_stacked(t):
+            return x
+        block = t._member(0)
+        return tuple(members_like(block, jax.tree.map(lambda a, i=i: a[i], x.layers)) for i in range(len(t)))
+
+    return jax.tree.map(one, template, tree, is_leaf=_is_stack)
 
 
 def stack_depths(tree: Any) -> list[int]:

@@ -50,6 +50,7 @@ from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState
 from functree.optim._masked import masked
 from functree.optim._multisteps import UnappliedGradientsWarning
 from functree.optim._optimizer import Optimizer, OptimizerWrapper, StepResult
+from functree.optim._per_member import PerMemberState, WholeStackState, per_member, whole_stack
 from functree.optim._schedules import (
     constant,
     cosine_decay,
@@ -121,6 +122,11 @@ __all__ = [
     "reduce_on_plateau",
     "groups",
     "masked",
+    # per-tensor statistics on an ft.nn.Stack: each member's, or the stacked leaf's
+    "per_member",
+    "whole_stack",
+    "PerMemberState",
+    "WholeStackState",
     # weight averaging and lookahead (averaged parameters kept by the optimizer)
     "ema",
     "uniform_average",

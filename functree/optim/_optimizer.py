@@ -79,6 +79,7 @@ from functree.optim._hyper import SIZE_NOT_GIVEN, HyperState, minibatch_size_sou
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._multisteps import check_multisteps
+from functree.optim._per_tensor import check_stack_statistics
 from functree.optim._replicas import (
     all_varying,
     as_varying,
@@ -384,8 +385,11 @@ class Optimizer:
         """The :class:`OptimizerState` for ``model`` (a Module or pytree; its parameter view is used).
 
         It holds one learning context; the functree transforms inside hold none of their
-        own. No leaf shares a buffer with the model or another leaf, so a step may donate
-        both. The state does not depend on the model's mode: one made before
+        own. A known per-tensor optax transform (LAMB, LARS, Adafactor, clip_by_block_rms
+        ...) on parameters holding an ``ft.nn.Stack`` is refused
+        (:data:`~functree.optim._per_tensor.PER_TENSOR_ON_STACK`) unless wrapped in
+        :func:`~functree.optim.per_member` or :func:`~functree.optim.whole_stack`. No leaf
+        shares a buffer with the model or another leaf, so a step may donate both. The state does not depend on the model's mode: one made before
         ``ft.nn.training(model)`` (NNX's order) serves the model in training mode too.
         """
         params = mode_free(trained_view(model, self.wrt))
@@ -394,6 +398,7 @@ class Optimizer:
         check_multisteps(inner, HyperState)
         check_average_placement(inner, self._averaged)
         check_context_reaches(self._raw_transform, inner)
+        check_stack_statistics(self._raw_transform, inner, params)  # LAMB, Adafactor ... over a Stack's members
         _check_nested_skip(inner)
         state = OptimizerState(initial_context(), release_contexts(_strongly_typed(inner)))
         # A transform may keep the parameters themselves (an EMA, lookahead): fresh buffers

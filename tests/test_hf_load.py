@@ -318,8 +318,9 @@ def test_uncovered_config_options():
         _hf_options.rope(types.SimpleNamespace(rope_parameters={"rope_type": "mrope"}, max_position_embeddings=8))
     with pytest.raises(ValueError, match=r"sets scale_attn_by_inverse_layer_idx=True"):
         ft.nn.from_hf(gpt2_config(scale_attn_by_inverse_layer_idx=True), {})
-    with pytest.raises(ValueError, match=r"activation 'quick_gelu' is not covered; covered: gelu_new"):
-        ft.nn.from_hf(gpt2_config(activation_function="quick_gelu"), {})
+    with pytest.raises(ValueError, match=r"the gpt2 config sets activation_function='laplace', an activation functree "
+                                         r"does not port .*covered: gelu_new.*\n\n    wrong:  \"activation_function\": \"laplace\""):
+        ft.nn.from_hf(gpt2_config(activation_function="laplace"), {})
     with pytest.raises(ValueError, match=r"rope type 'ntk' is not covered"):
         ft.nn.RopeScaling("ntk")
     with pytest.raises(ValueError, match=r"RopeScaling\('llama3'\) needs original_max_positions"):

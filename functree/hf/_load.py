@@ -32,7 +32,7 @@ from functree._random import flat_key
 from functree._state_dict import FlatDictReport, to_numpy
 from functree._tree import dotted_name, join_names, written_dtype
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
-from functree.hf._causal import padding_index
+from functree.hf._causal import CausalLM, padding_index
 from functree.hf._config import HFConfig, hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
@@ -45,6 +45,7 @@ from functree.hf._files import (
     read_weights,
     refuse_quantized,
 )
+from functree.hf._options import causal
 from functree.interop._ports import PORTS, Port
 from functree.interop._safetensors import INDEX_NAME, SINGLE_NAME
 from functree.interop._torch import ShortStack, as_tensors, load_by_rules, state_dict_by_rules
@@ -510,6 +511,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}", covered=_covered()))
     family = FAMILIES[model_type]
     refuse_quantized(config)  # quantized weights read as floats would be another model
+    if issubclass(family, CausalLM):  # a config that makes HF's masks bidirectional
+        causal(config, family.hf_class)
     _check_pad_token(family, config)
     carried = hf_config_of(config, source)
     if weights is None:

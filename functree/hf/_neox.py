@@ -123,7 +123,7 @@ class GPTNeoXForCausalLM(CausalLM):
         if getattr(c, "head_dim", None) is not None:
             require(c, "head_dim", c.hidden_size // c.num_attention_heads, None)
         return cls(c.vocab_size, c.hidden_size, c.num_attention_heads, c.intermediate_size, c.num_hidden_layers,
-                   activation=activation(c, "hidden_act"), epsilon=c.layer_norm_eps, rotary=rope(c),
+                   activation=activation(c, "hidden_act"), epsilon=c.layer_norm_eps, rotary=rope(c, None, cls.hf_class),
                    use_bias=bool(getattr(c, "attention_bias", True)), parallel=bool(c.use_parallel_residual),
                    tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype, attention=attention)
 

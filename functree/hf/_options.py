@@ -4,12 +4,13 @@ windows, options functree does not cover)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from functree import _activations as act
 from functree.nn._rotary import ROPE_TYPES, RopeScaling
 
-__all__ = ["activation", "require", "rope", "window"]
+__all__ = ["activation", "causal", "require", "rope", "window"]
 
 UNCOVERED_OPTION = """\
 ft.nn.from_hf: the {model_type} config sets {option}={value!r}; functree's {model_type} covers \
@@ -60,22 +61,94 @@ ft.nn.from_hf: config.{source}["factor"] is {factor!r} with rope_type {kind!r}; 
     right:  config.{source}["factor"] = 1.0 or more   # the factor the model was trained with
 """
 
+ODD_ROTARY = """\
+ft.nn.from_hf: the {model_type} config's partial_rotary_factor {partial} (GPT-NeoX's rotary_pct) \
+rotates int({head} * {partial}) = {rotated} features of each head of {head}, an odd count. \
+Hugging Face's {hf_class} then draws {pairs} frequencies over {rotated} and rotates the first \
+{even} features with them, a rotation functree's RopeScaling (features in pairs) does not \
+compute, so the model is not built.
+
+    wrong:  "partial_rotary_factor": {partial}
+    right:  a factor whose head_size * factor is even, e.g. "partial_rotary_factor": {fix}
+"""
+
+LONGROPE_FACTORS = """\
+ft.nn.from_hf: config.{source}'s short_factor and long_factor hold {short} and {long} factors; \
+rope_type 'longrope' takes one per pair of rotated features: {pairs} for the {rotated} rotated \
+features of a head of {head} (Hugging Face's config checks them against hidden_size / \
+num_attention_heads alone, then broadcasts its factors over the head_dim it rotates).
+
+    wrong:  config.{source}["short_factor"] = {short_list}
+    right:  config.{source}["short_factor"] = [...]   # {pairs} factors, as for long_factor: the checkpoint's own
+"""
+
 UNKNOWN_ACTIVATION = """\
-ft.nn.from_hf: the {model_type} config's activation {given!r} is not covered; covered: {known}."""
+ft.nn.from_hf: the {model_type} config sets {key}={given!r}, an activation functree does not \
+port (Hugging Face's ACT2FN name); covered: {known}. A model built with another activation \
+would compute other logits, so none was built.
+
+    wrong:  "{key}": {given_json}
+    right:  "{key}": "gelu"        # only if the checkpoint was trained with that activation
+       or:  port this model by hand from ft.nn layers (docs/guides/huggingface.md), its activation yours
+"""
+
+BIDIRECTIONAL = """\
+ft.nn.from_hf: the {model_type} config sets is_causal={given!r}: Hugging Face's masks \
+(transformers.masking_utils) then let every token attend to the tokens after it too, and \
+functree's {hf_class} is a causal language model (each token sees itself and the tokens \
+before it). Loading it would give other logits, so it is not built.
+
+    wrong:  "is_causal": {given_json}
+    right:  "is_causal": true     # or no is_causal key: the causal model the checkpoint is
+"""
 
 
-# gelu_fast (GPT-NeoX-20B) is gelu_new's tanh formula written another way (5.8e-7 apart on [-8, 8]).
-_ACTIVATIONS = {"gelu_new": act.gelu, "gelu_pytorch_tanh": act.gelu, "gelu_fast": act.gelu, "gelu": act.gelu_exact, "relu": act.relu,
-                "silu": act.silu, "swish": act.silu, "tanh": act.tanh}
+def quick_gelu(x: Any) -> Any:
+    """HF's ``quick_gelu``: ``x * sigmoid(1.702 x)``."""
+    import jax
+
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
+def relu2(x: Any) -> Any:
+    """HF's ``relu2``: ``relu(x)^2``."""
+    return act.relu(x) ** 2
+
+
+def gelu_10(x: Any) -> Any:
+    """HF's ``gelu_10``: the exact GELU clipped to ``[-10, 10]``."""
+    import jax.numpy as jnp
+
+    return jnp.clip(act.gelu_exact(x), -10.0, 10.0)
+
+
+# gelu_fast (GPT-NeoX-20B) is gelu_new's tanh formula written another way (5.8e-7 apart on [-8, 8]);
+# gelu_accurate and gelu_python_tanh are that formula too, gelu_python the exact (erf) GELU.
+_ACTIVATIONS = {"gelu_new": act.gelu, "gelu_pytorch_tanh": act.gelu, "gelu_fast": act.gelu, "gelu_accurate": act.gelu,
+                "gelu_python_tanh": act.gelu, "gelu": act.gelu_exact, "gelu_python": act.gelu_exact, "gelu_10": gelu_10,
+                "quick_gelu": quick_gelu, "relu": act.relu, "relu2": relu2, "relu6": act.relu6,
+                "leaky_relu": act.leaky_relu, "silu": act.silu, "swish": act.silu, "mish": act.mish, "tanh": act.tanh,
+                "sigmoid": act.sigmoid, "linear": act.identity}
 
 
 def activation(config: Any, name: str) -> Any:
-    """The ft.nn activation the config's ``name`` attribute names (HF's ``ACT2FN`` key)."""
+    """The ft.nn activation the config's ``name`` attribute names (HF's ``ACT2FN`` key;
+    another name is :data:`UNKNOWN_ACTIVATION`, naming the key)."""
     given = getattr(config, name)
-    if given not in _ACTIVATIONS:
-        raise ValueError(UNKNOWN_ACTIVATION.format(model_type=config.model_type, given=given,
+    if not isinstance(given, str) or given not in _ACTIVATIONS:
+        raise ValueError(UNKNOWN_ACTIVATION.format(model_type=config.model_type, key=name, given=given,
+                                                   given_json=json.dumps(given, default=str),
                                                    known=", ".join(_ACTIVATIONS)))
     return _ACTIVATIONS[given]
+
+
+def causal(config: Any, hf_class: str) -> None:
+    """Raise :data:`BIDIRECTIONAL` where the config's ``is_causal`` is false (HF's masks then
+    attend both ways: ``masking_utils.create_causal_mask``'s "power feature")."""
+    given = getattr(config, "is_causal", True)
+    if given is not None and not given:
+        raise ValueError(BIDIRECTIONAL.format(model_type=config.model_type, given=given, hf_class=hf_class,
+                                              given_json=json.dumps(given, default=str)))
 
 
 def require(config: Any, option: str, covered: Any, default: Any) -> None:
@@ -127,11 +200,15 @@ def rope(config: Any, head_dim: int | None = None, hf_class: str = "") -> RopeSc
                 model_type=config.model_type, partial=partial, kind=kind, hf_class=hf_class,
                 rotated=int(head_dim * partial) // 2, head_dim=head_dim))
         partial = 1.0  # as HF's default rope: the factor is not read
+    if head_dim is None:  # the partial families (GPT-NeoX, Phi-3): pairs of features only
+        _check_rotated_pairs(config, partial, hf_class)
     base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     original = params.get("original_max_position_embeddings")
     if kind == "dynamic":  # HF's dynamic NTK scales past max_position_embeddings
         original = config.max_position_embeddings
     factor = params.get("factor")
+    if kind == "longrope":
+        _check_longrope_factors(config, params, head_dim, partial, source)
     if kind == "longrope":  # Phi-3: the factor from the two lengths when not given
         original = original or getattr(config, "original_max_position_embeddings", None)
         params = {**params, "short_factor": tuple(map(float, params.get("short_factor") or ())),
@@ -144,6 +221,38 @@ def rope(config: Any, head_dim: int | None = None, hf_class: str = "") -> RopeSc
                if params.get(k) is not None and not (k.startswith("beta_") and not params[k])}  # HF: `or 32`
     return RopeScaling(kind, base=base, factor=1.0 if factor is None else float(factor),
                        original_max_positions=None if original is None else int(original), partial=partial, **options)
+
+
+def _head_size(config: Any) -> int | None:
+    """The head size Hugging Face's rotary reads: ``head_dim``, else ``hidden_size // heads``."""
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    return getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+
+
+def _check_longrope_factors(config: Any, params: dict[str, Any], head_dim: int | None, partial: float,
+                            source: str) -> None:
+    """Raise :data:`LONGROPE_FACTORS` unless each factor list holds one factor per rotated pair."""
+    head = head_dim or _head_size(config)
+    if not head:
+        return
+    rotated = int(head * partial)
+    short, long = (list(params.get(k) or ()) for k in ("short_factor", "long_factor"))
+    if len(short) != rotated // 2 or len(long) != rotated // 2:
+        raise ValueError(LONGROPE_FACTORS.format(source=source, short=len(short), long=len(long), pairs=rotated // 2,
+                                                 rotated=rotated, head=head, short_list=short))
+
+
+def _check_rotated_pairs(config: Any, partial: float, hf_class: str) -> None:
+    """Raise :data:`ODD_ROTARY` where ``int(head_size * partial)`` is odd (HF's rotary then
+    rotates one feature more than it draws frequencies for: ``arange(0, n, 2) / n``)."""
+    head = _head_size(config)
+    if not head:
+        return
+    rotated = int(head * partial)
+    if rotated % 2:
+        raise ValueError(ODD_ROTARY.format(model_type=config.model_type, partial=partial, head=head, rotated=rotated,
+                                           hf_class=hf_class or config.model_type, pairs=(rotated + 1) // 2,
+                                           even=rotated + 1, fix=(rotated - 1 if rotated > 1 else 2) / head))
 
 
 def window(config: Any, layer_types: bool = False) -> int | None:

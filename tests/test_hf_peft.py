@@ -437,6 +437,38 @@ def test_a_layer_selection_beside_a_regex_target_is_refused_as_peft_refuses_it(b
         ft.nn.load_lora(base, tmp_path)
 
 
+def test_layers_pattern_without_layers_to_transform_is_refused_as_peft_refuses_it(base, tmp_path):
+    """layers_pattern alone selects no layer numbers: PEFT's LoraConfig refuses it; load_lora
+    read past it and put the adapters on every layer."""
+    peft_adapter(llama, tmp_path, r=2, target_modules=["q_proj"])
+    edit_config(tmp_path, layers_pattern="layers")
+    with pytest.raises(ValueError, match="`layers_to_transform` must also be specified"):
+        peft.LoraConfig.from_pretrained(str(tmp_path))  # the reference
+    with pytest.raises(ValueError, match=r"(?s)sets layers_pattern='layers': .*layers_to_transform is null.*"
+                                         r"right:  \"layers_to_transform\": \[0, 1\]"):
+        ft.nn.load_lora(base, tmp_path)
+
+
+def test_a_field_of_a_newer_peft_is_refused_by_name_unless_it_is_off(base, tmp_path):
+    """A field PEFT 0.21's LoraConfig lacks (a newer PEFT's LoRA variant, an old one's
+    enable_lora) set: UNKNOWN_OPTION naming it and its value; load_lora read past it, as PEFT
+    0.21 does with a warning, and gave plain LoRA's logits for what may be another model.
+    Null, false or empty, it is off and loads."""
+    peft_adapter(llama, tmp_path, r=2, target_modules=["q_proj"])
+    plain = ft.nn.load_lora(base, tmp_path)
+    for value in (None, False, [], {}):
+        edit_config(tmp_path, use_newer_variant=value)
+        assert jax.tree.structure(ft.nn.load_lora(base, tmp_path)) == jax.tree.structure(plain)
+    for option, value in (("use_newer_variant", True), ("enable_lora", [True, False, True]), ("newer_config", {"k": 2})):
+        edit_config(tmp_path, **{"use_newer_variant": None, option: value})
+        with pytest.raises(ValueError, match=rf"(?s)sets {option}={re.escape(repr(value))}, a field PEFT 0.21's "
+                                             rf"LoraConfig does not have.*wrong:  \"{option}\": "
+                                             rf"{re.escape(json.dumps(value))}\n    right:  \"{option}\": null.*"
+                                             r"merge_and_unload"):
+            ft.nn.load_lora(base, tmp_path)
+        edit_config(tmp_path, **{option: None})
+
+
 def test_integer_and_damaged_adapter_files_are_refused(tmp_path, base):
     peft_adapter(llama, tmp_path, r=2, target_modules=["q_proj"])
     path = tmp_path / "adapter_model.safetensors"

@@ -327,6 +327,26 @@ MUTATING_INITS = {"pissa": "W - scale * B0 A0 of W's principal singular vectors"
 # (Any other value is refused as another kind of adapter: "mica", say, freezes lora_B to W's
 # minor singular vectors, computed again at load.)
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha default
+# Every field PEFT 0.21's LoraConfig writes to adapter_config.json (dataclasses.fields): a file
+# setting another one comes from a newer PEFT (or was edited), and is refused (UNKNOWN_OPTION).
+KNOWN_FIELDS = frozenset((
+    "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+    "inference_mode", "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out",
+    "bias", "use_rslora", "modules_to_save", "init_lora_weights", "layers_to_transform", "layers_pattern",
+    "rank_pattern", "alpha_pattern", "megatron_config", "megatron_core", "trainable_token_indices",
+    "loftq_config", "eva_config", "corda_config", "lora_ga_config", "use_dora", "velora_config",
+    "alora_invocation_tokens", "use_qalora", "qalora_group_size", "monteclora_config", "layer_replication",
+    "runtime_config", "lora_bias", "target_parameters", "use_bdlora", "arrow_config", "kasa_config",
+    "ensure_weight_tying"))
+
+UNKNOWN_OPTION = """\
+ft.nn.load_lora: adapter_config.json in {directory!r} sets {option}={value!r}, a field PEFT 0.21's \
+LoraConfig does not have: a newer PEFT wrote it (PEFT 0.21 drops it with a warning), or the file \
+was edited. ft.nn.load_lora cannot tell what it changes, and skipping it could load a different \
+model than the one trained.
+    wrong:  "{option}": {given}
+    right:  "{option}": null     # only where it is off in the PEFT that wrote the file; else merge it there:
+            model = ft.nn.from_hf(peft.PeftModel.from_pretrained(hf_model, directory).merge_and_unload())"""
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> tuple[Any, str | None]:
@@ -580,11 +600,22 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
                                                  covered=", ".join(f"{o}={c!r}" for o, c in COVERED),
                                                  right=MERGED_ROUTE if option in MERGEABLE else ""))
     _check_init(config.get("init_lora_weights", True))
+    _check_known(config, directory)
     tensors = load_file(weights_path, caller="ft.nn.load_lora")  # every rule of the format checked
     metadata = read_header(weights_path, os.path.getsize(weights_path))[1].get("__metadata__") or {}
     if RECORD in metadata:
         _check_record(directory, config, metadata[RECORD])
     return config, tensors, read_blocks(metadata.get(BLOCKS))
+
+
+def _check_known(config: dict[str, Any], directory: str) -> None:
+    """Refuse a field PEFT 0.21's LoraConfig does not have, set (:data:`UNKNOWN_OPTION`): a
+    newer PEFT's option (a LoRA variant) that this reader would skip, as PEFT 0.21 skips it
+    with a warning. Left at null, false or empty, such a field is off and is read past."""
+    for option, value in config.items():
+        if option not in KNOWN_FIELDS and value not in (None, False, "", [], {}):
+            raise ValueError(UNKNOWN_OPTION.format(directory=directory, option=option, value=value,
+                                                   given=json.dumps(value, default=str)))
 
 
 def _check_init(value: Any) -> None:
@@ -901,6 +932,11 @@ def _check_config(config: dict[str, Any], directory: str) -> None:
                       "`target_modules` is a str)",
                       '"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1]    # or a regex '
                       'naming the layers: ".*\\.1\\.self_attn\\.(q|v)_proj"')
+    if config.get("layers_pattern") and config.get("layers_to_transform") is None:  # LoraConfig refuses it next
+        raise bad("layers_pattern", config["layers_pattern"], "it names the blocks whose numbers "
+                  "layers_to_transform selects, and layers_to_transform is null (PEFT: `layers_to_transform` must "
+                  "also be specified)", '"layers_to_transform": [0, 1], "layers_pattern": "layers"    # or '
+                  '"layers_pattern": null: every layer')
 
 
 def _not_dense(targets: Any, modules: list[str], model: Any) -> ValueError:

@@ -302,3 +302,19 @@ def test_whole_stack_changes_no_number():
     want, _ = _train(optax.lamb(0.05), MODEL, grads)
     assert isinstance(state, ft.optim.WholeStackState)
     assert_close_trained(got, want, spread=0.0, margin=0.0)  # the same program
+
+
+def test_a_mask_tree_of_the_stacked_model_inside_is_refused_naming_the_fix():
+    """Inside per_member a Stack is a tuple of members: a mask tree of the stacked model does
+    not fit, and the Optimizer's own reading (a model in training mode) would mislead."""
+    inside = ft.optim.per_member(optax.masked(optax.lamb(1e-3), ft.mask(MODEL, "blocks.*")))
+    with pytest.raises(ValueError, match=r"inside ft\.optim\.per_member refused") as e:
+        ft.optim.Optimizer(inside).init(MODEL)
+    assert "training mode" not in str(e.value)
+    assert "right:  ft.optim.masked(ft.optim.per_member(tx), ft.mask(model, \"blocks.*\"))" in str(e.value)
+    by_function = ft.optim.per_member(optax.masked(optax.lamb(0.05), lambda params: ft.mask(params, "blocks.*")))
+    grads = _gradients(MODEL, steps=1)
+    got, _ = _train(by_function, MODEL, grads)
+    want, _ = _train(optax.masked(optax.lamb(0.05), {"blocks": True, "head": False}), _unrolled(MODEL),
+                     [_unrolled(g) for g in grads])
+    assert_close_trained(got, _restacked(want), spread=0.0)  # measured 0: one float32 rounding

@@ -79,6 +79,7 @@ from functree.optim._hyper import SIZE_NOT_GIVEN, HyperState, minibatch_size_sou
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._multisteps import check_multisteps
+from functree.optim._per_member import MembersViewError
 from functree.optim._per_tensor import check_stack_statistics
 from functree.optim._replicas import (
     all_varying,
@@ -244,7 +245,7 @@ def _mask_structure() -> Iterator[None]:
     try:
         yield
     except ValueError as e:
-        if "pytree" not in str(e).lower():
+        if isinstance(e, MembersViewError) or "pytree" not in str(e).lower():  # (per_member's names its own)
             raise
         raise ValueError(MASK_IN_TRAINING_MODE.format(error=str(e)[:1500])) from e
 

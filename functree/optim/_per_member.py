@@ -21,7 +21,8 @@ neither (:mod:`functree.optim._per_tensor`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +30,8 @@ import optax
 
 from functree._stacked import expand, is_stacked, members_like, outermost, restack
 
-__all__ = ["per_member", "whole_stack", "PerMemberState", "WholeStackState", "STACK_CHOICE", "ENSEMBLE_MEMBERS"]
+__all__ = ["per_member", "whole_stack", "PerMemberState", "WholeStackState", "STACK_CHOICE", "ENSEMBLE_MEMBERS",
+           "MASK_INSIDE", "MembersViewError"]
 
 STACK_CHOICE = "__ft_stack_statistics__"
 """The attribute :func:`per_member` and :func:`whole_stack` set on their ``update``
@@ -44,6 +46,36 @@ jax.vmap over the ensemble, one model at a time:
     wrong:  state = opt.init(ensemble)
     right:  state = jax.vmap(opt.init)(ensemble)
             ensemble, state, loss = jax.vmap(lambda m, s: opt.minimize(loss_fn, m, s, x, y))(ensemble, state)"""
+
+
+MASK_INSIDE = """\
+The transform inside ft.optim.per_member refused the parameters' structure: inside, every \
+ft.nn.Stack is a tuple of its members (blocks.0, blocks.1, ...), so a mask or label tree made \
+from the stacked model (ft.mask(model, ...), a tree for optax.masked, adamw(mask=...) or \
+multi_transform) does not fit it. Put the mask outside per_member (member patterns work there), \
+or give a function of the parameters, which gets the members' view (JAX's error is below):
+
+    wrong:  ft.optim.per_member(optax.masked(tx, ft.mask(model, "blocks.*")))
+    right:  ft.optim.masked(ft.optim.per_member(tx), ft.mask(model, "blocks.*"))
+       or:  ft.optim.per_member(optax.masked(tx, lambda params: ft.mask(params, "blocks.*")))
+
+JAX: {error}"""
+
+
+class MembersViewError(ValueError):
+    """:data:`MASK_INSIDE`, raised as it is through the Optimizer's own reading of structure errors."""
+
+
+@contextlib.contextmanager
+def _members_view() -> Iterator[None]:
+    """:data:`MASK_INSIDE` for a structure error of the transform on the expanded view (optax's
+    names neither per_member nor the fix; the Optimizer's would blame training mode)."""
+    try:
+        yield
+    except ValueError as e:
+        if isinstance(e, MembersViewError) or "pytree" not in str(e).lower():
+            raise
+        raise MembersViewError(MASK_INSIDE.format(error=str(e)[:1500])) from e
 
 
 class PerMemberState(NamedTuple):
@@ -143,7 +175,7 @@ def per_member(transform: optax.GradientTransformation) -> optax.GradientTransfo
     ``blocks.3.up.weight``: a mask or label *function* (``optax.masked(tx, fn)``) is given
     that view; to mask by the stacked model's names, put the mask outside
     (``ft.optim.masked(ft.optim.per_member(tx), ft.mask(params, "blocks.*"))``, member
-    patterns included). Parameters without a Stack go to ``transform`` as they are (no
+    patterns included); a mask tree of the stacked model inside is refused (:data:`MASK_INSIDE`). Parameters without a Stack go to ``transform`` as they are (no
     cost). A batch of models made with ``jax.vmap`` is trained inside ``jax.vmap`` over the
     ensemble (refused outside: :data:`ENSEMBLE_MEMBERS`). Extra arguments pass through.
 
@@ -172,7 +204,9 @@ def per_member(transform: optax.GradientTransformation) -> optax.GradientTransfo
             return PerMemberState(inner.init(params))
         _refuse_ensembles(params)
         expanded = expand(params)
-        return PerMemberState(_restacked(inner.init(expanded), params, expanded))
+        with _members_view():
+            state = inner.init(expanded)
+        return PerMemberState(_restacked(state, params, expanded))
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, PerMemberState]:
         if not _has_stack(updates):
@@ -184,8 +218,9 @@ def per_member(transform: optax.GradientTransformation) -> optax.GradientTransfo
         # The state mirrors what init was given: the parameters (a None gradient's moment is
         # an array), or the updates where none are passed.
         template, view = (updates, expanded) if params is None else (params, expanded_params)
-        new, inner_state = inner.update(expanded, _expanded_state(state.inner, template), expanded_params,
-                                        **_expanded_extras(extra, updates))
+        with _members_view():
+            new, inner_state = inner.update(expanded, _expanded_state(state.inner, template), expanded_params,
+                                            **_expanded_extras(extra, updates))
         return restack(updates, new), PerMemberState(_restacked(inner_state, template, view))
 
     setattr(update, STACK_CHOICE, "per_member")

@@ -39,6 +39,16 @@ projection passes the bound, so it is not built.
        or:  ft.nn.from_hf(an OLMo checkpoint whose config.json has "clip_qkv": null)
 """
 
+KV_HEADS = """\
+ft.nn.from_hf: the {model_type} config has num_attention_heads={heads} and \
+num_key_value_heads={kv} (the config's, or the family's default where it gives none): each key/value head serves num_attention_heads / \
+num_key_value_heads query heads, so the second must divide the first (Hugging Face's \
+{hf_class} fails on this config too).
+
+    wrong:  "num_attention_heads": {heads}, "num_key_value_heads": {kv}
+    right:  "num_key_value_heads": {fix}     # a divisor of {heads}: the checkpoint's own (1: multi-query)
+"""
+
 _LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 _ROTARY_BUFFER = re.compile(r".*\.rotary_emb\.inv_freq|.*\.attention\.(bias|masked_bias)")
 
@@ -223,6 +233,10 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
         c = config
+        kv = c.num_key_value_heads or c.num_attention_heads
+        if kv <= 0 or c.num_attention_heads % kv:
+            raise ValueError(KV_HEADS.format(model_type=c.model_type, heads=c.num_attention_heads, kv=kv,
+                                             hf_class=cls.hf_class, fix=c.num_attention_heads))
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         biases = {name: name in cls.hf_biases and bool(getattr(c, name, False)) for name in ("attention_bias", "mlp_bias")}
         options = {**biases, **cls.hf_options(c)}
@@ -230,7 +244,7 @@ class LlamaForCausalLM(CausalLM):
             options["rotary"] = rope(c, head_dim, cls.hf_class)
         if "epsilon" not in options:  # a family whose config has no rms_norm_eps gives its own (OLMo)
             options["epsilon"] = c.rms_norm_eps
-        return cls(c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
+        return cls(c.vocab_size, c.hidden_size, c.num_attention_heads, kv,
                    c.intermediate_size, c.num_hidden_layers, head_dim=head_dim, activation=activation(c, "hidden_act"),
                    tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype, attention=attention,
                    **options)

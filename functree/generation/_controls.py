@@ -115,6 +115,19 @@ none), got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, {name}={example}, key=key)"""
 
+BAD_MIN_LENGTH = """\
+generate: min_length must be an int >= 0 (the EOS ids are held back while the row, prompt \
+included with its left padding, is shorter: Hugging Face's min_length), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, eos_token_id=eos, min_length=input_ids.shape[1] + 4)"""
+
+NEEDS_EOS = """\
+generate: {name}={given!r} holds eos_token_id back, but no eos_token_id is given (nothing to \
+hold back).
+
+    wrong:  ft.nn.generate(model, input_ids, 8, {name}={given!r})
+    right:  ft.nn.generate(model, input_ids, 8, {name}={given!r}, eos_token_id=eos)"""
+
 BAD_DECAY = """\
 generate: exponential_decay_length_penalty must be a pair (start, factor): an int start >= 0 \
 (new tokens before the penalty) and a finite number factor > 0 (the EOS scores grow by \
@@ -128,6 +141,13 @@ new tokens, but no eos_token_id is given (nothing to raise).
 
     wrong:  ft.nn.generate(model, input_ids, 32, exponential_decay_length_penalty={given!r})
     right:  ft.nn.generate(model, input_ids, 32, exponential_decay_length_penalty={given!r}, eos_token_id=eos)"""
+
+BAD_RENORMALIZE = """\
+generate: renormalize_logits must be True or False (True: the processed scores are \
+log-softmaxed again after every control, as Hugging Face's LogitNormalization; it changes which \
+beams win when a control removes tokens), got {given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, num_beams=4, renormalize_logits=True)"""
 
 # Hugging Face's global defaults of the sampling options (GenerationConfig's): what its greedy
 # generate is given when nobody sets them, so a greedy call may pass them (they change nothing).
@@ -168,8 +188,8 @@ def _distribution(scores: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 class Loop(NamedTuple):
     """What a control's ``init`` and ``apply`` may read of the running loop: the prompt ``ids``
     and ``prompt_mask`` ``[batch, W]`` (bucket-padded), its real length ``prompt`` (traced),
-    the bucket's ``new`` tokens, the vocabulary size, and the ``beams`` per prompt (rows =
-    batch * beams)."""
+    the bucket's ``new`` tokens, the vocabulary size, the ``beams`` per prompt (rows =
+    batch * beams) and ``limit``, the call's ``max_new_tokens`` (traced)."""
 
     ids: jax.Array
     prompt_mask: jax.Array
@@ -177,6 +197,7 @@ class Loop(NamedTuple):
     new: int
     vocab: int
     beams: int = 1
+    limit: Any = None
 
 
 class Now(NamedTuple):
@@ -339,6 +360,83 @@ class MinNewTokens(Control):
         return _removed(is_eos & (now.t < self.n), scores)
 
 
+@record("n", "eos_ids")
+@dataclass(frozen=True)
+class MinLength(Control):
+    """``min_length=m`` (HF's ``MinLengthLogitsProcessor``): the EOS ids are removed while the
+    row, its whole prompt included (left padding too, as HF counts ``input_ids``), holds fewer
+    than ``m`` tokens: at new token ``t`` while ``prompt + t < m``. With ``min_new_tokens`` set
+    (0 too, the caller's or the checkpoint's) it is not applied: HF's ``generate`` then
+    overwrites ``min_length`` with ``prompt + min_new_tokens``."""
+
+    n: Any
+    eos_ids: Any
+    keywords = ("min_length",)
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        value = o.given["min_length"]
+        if value is None:
+            return None
+        if not is_int(value) or value < 0:
+            raise ValueError(BAD_MIN_LENGTH.format(given=value))
+        if o.given["min_new_tokens"] is not None:  # HF: min_new_tokens wins
+            return None
+        if value > 0 and not o.eos:
+            raise ValueError(NEEDS_EOS.format(name="min_length", given=value))
+        return cls(np.int32(min(int(value), np.iinfo(np.int32).max)), np.asarray(o.eos, np.int32)) if value else None
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        is_eos = jnp.isin(jnp.arange(scores.shape[-1]), self.eos_ids)
+        return _removed(is_eos & (now.loop.prompt + now.t < self.n), scores)
+
+
+def _only(ids: Any, scores: jax.Array, now: jax.Array) -> jax.Array:
+    """``scores`` where ``now`` is False; where True, 0 at ``ids`` and removed elsewhere (HF's
+    forced tokens)."""
+    forced = jnp.where(jnp.isin(jnp.arange(scores.shape[-1]), ids), jnp.float32(0.0), jnp.float32(LOWEST))
+    return jnp.where(now, forced, scores)
+
+
+@record()
+@dataclass(frozen=True)
+class ForcedBOS(Control):
+    """``forced_bos_token_id=b`` (HF's ``ForcedBOSTokenLogitsProcessor``): when the row holds one
+    token (a one-token prompt, at its first new token) every id but ``b`` is removed (``b``
+    scores 0)."""
+
+    id: int
+    keywords = ("forced_bos_token_id",)
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        ids = token_ids(o.given["forced_bos_token_id"], "forced_bos_token_id", single=True)
+        return cls(ids[0]) if ids else None
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        check_in_vocabulary("forced_bos_token_id", (self.id,), scores.shape[-1])
+        return _only(np.asarray([self.id]), scores, (now.loop.prompt + now.t) == 1)
+
+
+@record()
+@dataclass(frozen=True)
+class ForcedEOS(Control):
+    """``forced_eos_token_id`` (an id or a list; HF's ``ForcedEOSTokenLogitsProcessor``): at the
+    last new token (``t = max_new_tokens - 1``) every id but these is removed (they score 0)."""
+
+    ids: tuple[int, ...]
+    keywords = ("forced_eos_token_id",)
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        ids = token_ids(o.given["forced_eos_token_id"], "forced_eos_token_id")
+        return cls(ids) if ids else None
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        check_in_vocabulary("forced_eos_token_id", self.ids, scores.shape[-1])
+        return _only(np.asarray(self.ids), scores, now.t == now.loop.limit - 1)
+
+
 @record("start", "factor", "eos_ids")
 @dataclass(frozen=True)
 class ExponentialDecayLengthPenalty(Control):
@@ -393,6 +491,30 @@ class SuppressTokens(Control):
         check_in_vocabulary("suppress_tokens", self.ids, vocab)  # known once traced
         suppressed = jnp.zeros((vocab,), bool).at[np.asarray(self.ids)].set(True)
         return _removed(suppressed, scores)
+
+
+@record()
+@dataclass(frozen=True)
+class BeginSuppressTokens(Control):
+    """``begin_suppress_tokens`` (an id or a list; HF's ``SuppressTokensAtBeginLogitsProcessor``):
+    these ids are removed at the first new token (the second after a one-token prompt when
+    ``forced_bos_token_id`` is set, as HF moves it)."""
+
+    ids: tuple[int, ...]
+    after_bos: bool
+    keywords = ("begin_suppress_tokens",)
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        ids = token_ids(o.given["begin_suppress_tokens"], "begin_suppress_tokens")
+        return cls(ids, o.given["forced_bos_token_id"] is not None) if ids else None
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        vocab = scores.shape[-1]
+        check_in_vocabulary("begin_suppress_tokens", self.ids, vocab)
+        suppressed = jnp.zeros((vocab,), bool).at[np.asarray(self.ids)].set(True)
+        begin = jnp.where((now.loop.prompt == 1) & self.after_bos, 1, 0)
+        return _removed(suppressed & (now.t == begin), scores)
 
 
 @record("temperature")
@@ -582,11 +704,37 @@ class EtaCutoff(Control):
         return _below(logp, cutoff, scores)  # a removed token (log p = 0) stays removed
 
 
+@record()
+@dataclass(frozen=True)
+class Renormalize(Control):
+    """``renormalize_logits=True`` (HF's ``LogitNormalization``, always last): the scores become
+    ``log_softmax`` over the tokens still kept (a removed token stays removed). Greedy and
+    sampled tokens and their scores are unchanged (``log_softmax`` is a shift per row); beam
+    search sums these scores across beams, so a beam whose controls removed probability mass
+    is raised back by ``-log(kept mass)``, and other beams may win."""
+
+    keywords = ("renormalize_logits",)
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        value = o.given["renormalize_logits"]
+        if value is None or value is False or (isinstance(value, np.bool_) and not value):
+            return None
+        if not (value is True or isinstance(value, np.bool_)):
+            raise ValueError(BAD_RENORMALIZE.format(given=value))
+        return cls()
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        return jnp.where(scores > LOWEST, _distribution(scores)[1], LOWEST)
+
+
 # Every control, in the order its scores pass them (HF's ``_get_logits_processor``: the
-# processors, then the warpers, which run only when sampling).
-CONTROLS: tuple[type[Control], ...] = (RepetitionPenalty, NoRepeatNGram, BadWords, MinNewTokens,
-                                       ExponentialDecayLengthPenalty, SuppressTokens,
-                                       Temperature, TopK, TopP, MinP, TypicalP, EpsilonCutoff, EtaCutoff)
+# processors, then the warpers, which run only when sampling; then LogitNormalization, last).
+CONTROLS: tuple[type[Control], ...] = (RepetitionPenalty, NoRepeatNGram, BadWords, MinLength, MinNewTokens,
+                                       ForcedBOS, ForcedEOS, ExponentialDecayLengthPenalty, SuppressTokens,
+                                       BeginSuppressTokens,
+                                       Temperature, TopK, TopP, MinP, TypicalP, EpsilonCutoff, EtaCutoff,
+                                       Renormalize)
 
 
 def keywords(warper: bool | None = None) -> tuple[str, ...]:

@@ -111,7 +111,7 @@ def generate_loop(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     logits, cache = _call(model, ids, am, positions, cache)
     last = jax.lax.dynamic_index_in_dim(logits, prompt - 1, axis=1, keepdims=False)  # the last real slot's
-    loop = Loop(ids, prompt_mask, prompt, new, logits.shape[-1])
+    loop = Loop(ids, prompt_mask, prompt, new, logits.shape[-1], limit=limit)
     stopping = stop_ids.shape[0] > 0
 
     def choose(logits: jax.Array, state: dict[str, Any], t: Any) -> tuple[jax.Array, Any]:
@@ -221,7 +221,7 @@ def beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.A
     logits = jax.lax.dynamic_slice_in_dim(logits, prompt - 1, 1, axis=1)  # the last real slot's
     cache = _on_axes(cache, axes, lambda leaf, ax: jnp.repeat(leaf, beams, axis=ax))  # row b * beams + k: prompt b
     vocab = logits.shape[-1]
-    loop = Loop(ids, prompt_mask, prompt, new, vocab, beams)
+    loop = Loop(ids, prompt_mask, prompt, new, vocab, beams, limit=limit)
     keep = max(2, 1 + eos_count) * beams  # HF's candidates per prompt: enough for `beams` that do not end
     stopping = stop_ids.shape[0] > 0
     first_k = jnp.arange(keep) < beams

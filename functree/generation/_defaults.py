@@ -43,7 +43,13 @@ HF_OPTIONS = {"min_length": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cut
               "forced_bos_token_id": None, "forced_eos_token_id": None, "begin_suppress_tokens": None,
               "exponential_decay_length_penalty": None, "sequence_bias": None, "num_beam_groups": 1,
               "diversity_penalty": 0.0, "penalty_alpha": None, "encoder_repetition_penalty": 1.0,
-              "guidance_scale": None, "stop_strings": None, "top_h": None}
+              "encoder_no_repeat_ngram_size": 0,  # (HF applies both encoder_* to a decoder-only prompt)
+              "guidance_scale": None, "stop_strings": None, "top_h": None,
+              # HF runs these through remote code or a tokenizer (watermarking biases the logits;
+              # constraints, force_words_ids and dola_layers pick another decoding method;
+              # token_healing rewrites the prompt's last token): a checkpoint's value is named too
+              "watermarking_config": None, "constraints": None, "force_words_ids": None, "dola_layers": None,
+              "token_healing": False}
 
 # Those ft.nn.generate does not have (named in a warning when a checkpoint sets them): derived,
 # so that a control's record, once in CONTROLS, is never named here as unapplied.
@@ -169,7 +175,6 @@ HF_SPELLINGS = {
     "return_dict_in_generate": (_CALL.format("return_scores=True"), "returns (tokens, scores), not a dict"),
     "output_logits": (_CALL.format("return_scores=True"), "the chosen tokens' log-probabilities"),
     "max_length": ("ft.nn.generate(model, input_ids, max_length - input_ids.shape[1])", "new tokens, not the total"),
-    "min_length": (_CALL.format("min_new_tokens=min_length - input_ids.shape[1]"), "new tokens, not the total"),
     "generation_config": (_CALL.format("top_k=..., top_p=..."), "the checkpoint's generation config applies already"),
     "use_cache": ("ft.nn.generate(model, input_ids, max_new_tokens)", "generate always runs with its KV cache"),
 }

@@ -259,8 +259,13 @@ def generate(
     no_repeat_ngram_size: int | None = None,
     bad_words_ids: Sequence[Sequence[int]] | None = None,
     min_new_tokens: int | None = None,
+    min_length: int | None = None,
+    forced_bos_token_id: int | None = None,
+    forced_eos_token_id: int | Sequence[int] | None = None,
     suppress_tokens: int | Sequence[int] | None = None,
+    begin_suppress_tokens: int | Sequence[int] | None = None,
     exponential_decay_length_penalty: tuple[int, float] | None = None,
+    renormalize_logits: bool | None = None,
     stop: Sequence[Sequence[int]] | None = None,
     num_beams: int | None = None,
     num_return_sequences: int | None = None,
@@ -307,10 +312,17 @@ def generate(
     - ``bad_words_ids`` (token-id sequences, e.g. ``[[13], [7, 8]]``): the last token of a
       sequence is ``-inf`` wherever the row ends with the tokens before it (a one-token
       sequence: always); a sequence that is just an EOS id is ignored, as HF does;
+    - ``min_length=m``: the EOS ids' logits are ``-inf`` while the row (the whole prompt, its
+      left padding included, as HF counts ``input_ids``) holds fewer than ``m`` tokens;
     - ``min_new_tokens=m``: the EOS ids' logits are ``-inf`` for the first ``m`` new tokens;
+    - ``forced_bos_token_id=b``: after a one-token prompt the first new token is ``b`` (every
+      other logit ``-inf``); ``forced_eos_token_id`` (an id or a list): the last new token is
+      one of these;
     - ``exponential_decay_length_penalty=(start, factor)``: at new token ``t > start`` the
       EOS ids' logits ``l`` become ``l + |l| * (factor ** (t - start) - 1)`` (needs EOS);
     - ``suppress_tokens`` (an id or a list): these ids' logits are ``-inf`` at every step;
+    - ``begin_suppress_tokens`` (an id or a list): these ids' logits are ``-inf`` at the first new
+      token (the second after a one-token prompt with ``forced_bos_token_id``, as HF);
     - then the warpers (sampling only; with greedy decoding or beams each is refused, but
       for Hugging Face's defaults ``top_k=50`` and ``top_p=1.0``, taken and ignored as HF's
       greedy ``generate`` ignores them):
@@ -319,6 +331,9 @@ def generate(
       whose surprisal ``-log p`` lies closest to the entropy with probability ``>= m``),
       ``epsilon_cutoff=e`` (drops the tokens of probability ``< e``) and ``eta_cutoff=e``
       (drops those below ``min(e, sqrt(e) * exp(-entropy))``), the most likely token always kept.
+    - ``renormalize_logits=True`` (last, HF's ``LogitNormalization``): the processed scores are
+      ``log_softmax``-ed again; it changes only beam search (each beam's kept mass is raised
+      back to 1 before the beams are compared), as in HF.
 
     ``stop`` (a list of token-id sequences, e.g. ``[[13, 198], [50256]]``) ends a row right
     after it emits any of them in full (the last tokens of the row, real prompt tokens included,

@@ -18,8 +18,12 @@ must either give PEFT's logits (and, merged, ``merge_and_unload``'s; saved again
 options the draw set away from its default. Anything else (other logits, another error)
 fails. Exploring (``--hypothesis-profile=explore``) draws ten times as many.
 
-Tolerance: the largest difference over 400 explored draws was 1.2e-6 of the logits'
-magnitude (float32 rounding of the low-rank update); atol is 10x that.
+Tolerance: over 790 explored draws of this generator (260 matched, 3 comparisons each) the
+largest difference was 2.34e-6 of the logits' magnitude (float32 rounding, in PEFT's order
+and in functree's); atol is 10x that, rounded up to test_nn_lora's 2.5e-5. Each matched
+draw's adapter moves PEFT's logits by more than 100x the atol, so a skipped option shows.
+(Adapters moved by 0.3 randn with alpha 16, r = 1 made models so sensitive that PEFT's own
+float32 logits were 4e-5 off its float64 ones: the draws move them by 0.1 randn.)
 """
 
 from __future__ import annotations

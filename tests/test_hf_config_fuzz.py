@@ -41,8 +41,6 @@ import functree as ft  # noqa: E402
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
-pytestmark = pytest.mark.hypothesis
-
 VOCAB, T = 48, 8
 ATOL = 1.2e-5  # times 1 + max|HF|: measured 1.11e-6 (module docstring)
 

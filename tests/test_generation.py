@@ -815,8 +815,8 @@ def test_a_checkpoints_generation_defaults_are_hf_generates(llama, tmp_path):
         with pytest.raises(ValueError, match=r"hf_config \(config.json / generation_config.json\) gives "
                                              r"eos_token_id=-3(.|\n)*an explicit argument wins"):
             ft.nn.generate(bad, ids, 4, attention_mask=mask)
-        forced = WithConfig(model, Config({}, {"sequence_bias": [[[3], 2.0]], "eos_token_id": 0}))
-        with pytest.warns(UserWarning, match=r"sets sequence_bias=\[\[\[3\], 2.0\]\], which Hugging Face's generate "
+        forced = WithConfig(model, Config({}, {"encoder_repetition_penalty": 2.0, "eos_token_id": 0}))
+        with pytest.warns(UserWarning, match=r"sets encoder_repetition_penalty=2.0, which Hugging Face's generate "
                                              r"applies"):
             ft.nn.generate(forced, ids, 4, attention_mask=mask)
     finally:
@@ -1069,7 +1069,7 @@ def test_hugging_faces_spellings_and_typos_name_the_keyword_to_write(tiny):
                           r"key=jax.random.key\(0\)\)",
              "max_length": r"right:  ft.nn.generate\(model, input_ids, max_length - input_ids.shape\[1\]\)",
              "top_kk": r"\(did you mean 'top_k'\?\).*right:  ft.nn.generate\(model, input_ids, max_new_tokens, top_k=",
-             "sequence_bias": r"Hugging Face's generate applies it; ft.nn.generate does not have it"}
+             "encoder_repetition_penalty": r"Hugging Face's generate applies it; ft.nn.generate does not have it"}
     for name, pattern in cases.items():
         with pytest.raises(TypeError, match=rf"(?s)^ft.nn.generate\(\) got an unexpected keyword argument "
                                             rf"'{name}'.*{pattern}"):

@@ -421,7 +421,7 @@ def test_a_records_keyword_is_a_checkpoint_option_never_warned_about():
     assert not set(_defaults.UNSUPPORTED) & set(_defaults.SUPPORTED)
     assert {"typical_p", "epsilon_cutoff", "eta_cutoff", "exponential_decay_length_penalty"} <= set(
         _defaults.HF_OPTIONS) - set(_defaults.UNSUPPORTED)
-    assert "sequence_bias" in _defaults.UNSUPPORTED  # what HF applies and generate does not: still named
+    assert "encoder_repetition_penalty" in _defaults.UNSUPPORTED  # what HF applies and generate does not: still named
 
 
 def test_filtered_applies_every_warper_it_is_given():

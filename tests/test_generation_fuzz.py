@@ -94,6 +94,9 @@ def processors(draw, new, beams=False):
     has_eos = eos != "none"
     if draw(st.booleans()):
         o["pad_token_id"] = draw(TOKEN)
+    if draw(st.booleans()):  # (HF's list form: [ids, float] pairs)
+        o["sequence_bias"] = [[draw(st.lists(TOKEN, min_size=1, max_size=3)), draw(st.floats(-4.0, 4.0))]
+                              for _ in range(draw(st.integers(1, 3)))]
     if draw(st.booleans()):
         o["repetition_penalty"] = draw(st.floats(0.5, 2.5))
     if draw(st.booleans()):
@@ -128,9 +131,9 @@ def alone(options, mask):
     return options if mask.all() else {k: v for k, v in options.items() if k not in WIDTH_SENSITIVE}
 
 
-# HF counts the left padding's ids as tokens of an n-gram or a bad word's prefix; functree does
-# not (docs/guides/generation.md): with these and padded rows, HF runs each row unpadded.
-PADDING_SENSITIVE = ("no_repeat_ngram_size", "bad_words_ids")
+# HF counts the left padding's ids as tokens of an n-gram or a bad word's (or biased
+# sequence's) prefix; functree does not (docs/guides/generation.md): with these and padded rows, HF runs each row unpadded.
+PADDING_SENSITIVE = ("no_repeat_ngram_size", "bad_words_ids", "sequence_bias")
 
 
 def hf_generate(hf, ids, mask, new, **options):
@@ -427,18 +430,22 @@ LENGTH_CASES = [  # (prompt rows, options, with beams): HF's tokens, each contro
     ("padded", dict(min_length=9, eos_token_id=[26, 7]), False),  # EOS held back while P + t < 9 (padding counted)
     ("padded", dict(min_length=9, min_new_tokens=0, eos_token_id=[26, 7]), False),  # HF: min_new_tokens wins
     ("padded", dict(forced_eos_token_id=9, begin_suppress_tokens=[26, 34, 36]), True),  # (beams: the last step)
-    ("one", dict(forced_bos_token_id=11, begin_suppress_tokens=[6]), False),  # 6 (after BOS 11) suppressed at the 2nd
+    ("one", dict(forced_bos_token_id=11, begin_suppress_tokens=[6]), False),
+    ("full", dict(sequence_bias={(36,): -5.0, (42, 3): -5.0, (9, 13, 40): 9.0}), True),  # one, two, three tokens  # 6 (after BOS 11) suppressed at the 2nd
 ]
 
 
 @pytest.mark.parametrize(("prompt", "options", "beams"), LENGTH_CASES)
-def test_min_length_forced_ids_and_begin_suppress_equal_hf(prompt, options, beams):
-    """min_length, forced_bos_token_id, forced_eos_token_id and begin_suppress_tokens were
-    refused (or, from a checkpoint, warned about and not applied); they are HF's processors now,
+def test_min_length_forced_ids_begin_suppress_and_sequence_bias_equal_hf(prompt, options, beams):
+    """min_length, forced_bos_token_id, forced_eos_token_id, begin_suppress_tokens and
+    sequence_bias were refused (or, from a checkpoint, warned about and not applied); they are
+    HF's processors now,
     greedy and with beams, tokens and scores. (Two forced EOS ids tie at 0: either order is HF's.)"""
     hf = lm("llama")[0]
     if prompt == "padded":
         ids = np.array([[0, 0, 36, 9, 13, 7], [5, 9, 13, 7, 21, 34]])
+    elif prompt == "full":
+        ids = np.array([[40, 9, 13, 7, 21, 34], [5, 9, 13, 7, 21, 34]])
     else:
         ids = np.array([[36], [5]])
     mask = (ids != 0).astype(np.int64)

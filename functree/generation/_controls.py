@@ -47,6 +47,7 @@ from functree.generation._logits import (
     ngram_completions,
     prompt_tokens,
     real_before,
+    word_matches,
 )
 
 BAD_TOP_K = """\
@@ -114,6 +115,15 @@ generate: {name} must be a number in [0, 1) (tokens less likely than the cutoff 
 none), got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, {name}={example}, key=key)"""
+
+BAD_SEQUENCE_BIAS = """\
+generate: sequence_bias must map token-id sequences to a number added to their last token's \
+score where the row ends with the others (Hugging Face's {{(ids...): bias}} or [[ids, bias], ...]), \
+each sequence a non-empty list of token ids (ints >= 0) and each bias a number (not NaN), got \
+{given!r}.
+
+    right:  ft.nn.generate(model, input_ids, 8, sequence_bias={{(13,): -2.0, (7, 8): 1.5}})
+    right:  ft.nn.generate(model, input_ids, 8, sequence_bias=[[[13], -2.0], [[7, 8], 1.5]])"""
 
 BAD_MIN_LENGTH = """\
 generate: min_length must be an int >= 0 (the EOS ids are held back while the row, prompt \
@@ -263,6 +273,52 @@ class Control:
 
     def update(self, state: Any, token: jax.Array, now: Now) -> Any:
         return state
+
+
+@record("biases")
+@dataclass(frozen=True)
+class SequenceBias(Control):
+    """``sequence_bias`` (HF's ``SequenceBiasLogitsProcessor``, first of all): each sequence's
+    bias is added to its last token's score where the row's real tokens end with the others (a
+    one-token sequence: always); biases of sequences ending in one token add up, and a sequence
+    given twice keeps its last bias (HF's dict)."""
+
+    words: tuple[tuple[int, ...], ...]
+    biases: Any  # float32 [words]
+    keywords = ("sequence_bias",)
+
+    @classmethod
+    def build(cls, o: Options) -> Control | None:
+        value = o.given["sequence_bias"]
+        if value is None:
+            return None
+        pairs = _bias_pairs(value)
+        if pairs is None:
+            raise ValueError(BAD_SEQUENCE_BIAS.format(given=value))
+        table = dict(pairs)  # a sequence given twice: its last bias, as HF's dict
+        return cls(tuple(table), np.asarray(list(table.values()), np.float32))
+
+    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
+        check_in_vocabulary("sequence_bias", [i for word in self.words for i in word], scores.shape[-1], nested=True)
+        match = word_matches(now.tokens, now.real(), now.loop.prompt + now.t, self.words)  # [rows, words]
+        last = np.asarray([word[-1] for word in self.words])
+        added = jnp.where(match, self.biases, jnp.float32(0.0))
+        return scores + jnp.zeros_like(scores).at[:, last].add(added)
+
+
+def _bias_pairs(value: Any) -> list[tuple[tuple[int, ...], float]] | None:
+    """HF's two forms of ``sequence_bias`` as ``(ids, bias)`` pairs; None when malformed."""
+    try:
+        items = list(value.items()) if isinstance(value, Mapping) else [tuple(p) for p in value]
+        pairs = []
+        for ids, bias in items:
+            ids = tuple(ids)
+            if not ids or not all(is_int(i) and i >= 0 for i in ids) or not is_number(bias) or bias != bias:
+                return None
+            pairs.append((tuple(int(i) for i in ids), float(bias)))
+    except (TypeError, ValueError):
+        return None
+    return pairs or None
 
 
 @record("penalty")
@@ -730,7 +786,7 @@ class Renormalize(Control):
 
 # Every control, in the order its scores pass them (HF's ``_get_logits_processor``: the
 # processors, then the warpers, which run only when sampling; then LogitNormalization, last).
-CONTROLS: tuple[type[Control], ...] = (RepetitionPenalty, NoRepeatNGram, BadWords, MinLength, MinNewTokens,
+CONTROLS: tuple[type[Control], ...] = (SequenceBias, RepetitionPenalty, NoRepeatNGram, BadWords, MinLength, MinNewTokens,
                                        ForcedBOS, ForcedEOS, ExponentialDecayLengthPenalty, SuppressTokens,
                                        BeginSuppressTokens,
                                        Temperature, TopK, TopP, MinP, TypicalP, EpsilonCutoff, EtaCutoff,

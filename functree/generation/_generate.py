@@ -255,6 +255,7 @@ def generate(
     eta_cutoff: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
+    sequence_bias: Any = None,
     repetition_penalty: float | None = None,
     no_repeat_ngram_size: int | None = None,
     bad_words_ids: Sequence[Sequence[int]] | None = None,
@@ -303,6 +304,9 @@ def generate(
 
     Before choosing, the logits pass Hugging Face's processors in its order:
 
+    - ``sequence_bias`` (HF's ``{(ids...): bias}`` or ``[[ids, bias], ...]``): each bias is added to
+      its sequence's last token wherever the row's real tokens end with the others (a one-token
+      sequence: always);
     - ``repetition_penalty=r``: the logit ``l`` of every token already in the row (the real
       prompt tokens, left padding excluded, and the tokens generated so far) becomes ``l / r``
       if ``l > 0``, else ``l * r`` (``r > 1`` discourages repeats);

@@ -18,24 +18,29 @@ generate: {name} {ids} are not ids of this model's vocabulary ({vocab} tokens: 0
 
 
 def bad_word_ends(tokens: jax.Array, real: jax.Array, length: Any, bad: tuple[tuple[int, ...], ...],
-               vocab: int) -> jax.Array:
+                  vocab: int) -> jax.Array:
     """bool ``[rows, vocab]``: the last token of each ``bad`` sequence whose other tokens end
     the first ``length`` real tokens of the row (HF's ``bad_words_ids``)."""
     check_in_vocabulary("bad_words_ids", [i for word in bad for i in word], vocab, nested=True)
-    rows = tokens.shape[0]
-    width = max(len(word) for word in bad) - 1
-    prefixes = np.full((len(bad), max(width, 1)), -1, np.int32)  # right-aligned, -1: any token
-    for row, word in zip(prefixes, bad):
-        if len(word) > 1:
-            row[prefixes.shape[1] - (len(word) - 1):] = word[:-1]
-    if width == 0:
-        match = jnp.ones((rows, len(bad)), bool)
-    else:
-        tail = _last(tokens, real, length, width)
-        match = jnp.all((tail[:, None, :] == prefixes) | (prefixes < 0), axis=-1)  # [rows, words]
+    match = word_matches(tokens, real, length, bad)
     last = np.asarray([word[-1] for word in bad])
-    counts = jnp.zeros((rows, vocab), jnp.int32).at[:, last].add(match.astype(jnp.int32))
+    counts = jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[:, last].add(match.astype(jnp.int32))
     return counts > 0
+
+
+def word_matches(tokens: jax.Array, real: jax.Array, length: Any, words: tuple[tuple[int, ...], ...]) -> jax.Array:
+    """bool ``[rows, words]``: whether each sequence's tokens but its last end the first
+    ``length`` real tokens of the row (a one-token sequence: always)."""
+    rows = tokens.shape[0]
+    width = max(len(word) for word in words) - 1
+    if width == 0:
+        return jnp.ones((rows, len(words)), bool)
+    prefixes = np.full((len(words), width), -1, np.int32)  # right-aligned, -1: any token
+    for row, word in zip(prefixes, words):
+        if len(word) > 1:
+            row[width - (len(word) - 1):] = word[:-1]
+    tail = _last(tokens, real, length, width)
+    return jnp.all((tail[:, None, :] == prefixes) | (prefixes < 0), axis=-1)
 
 
 def real_before(prompt_mask: jax.Array, new: int, prompt: Any, t: Any) -> jax.Array:

@@ -31,7 +31,7 @@ from jax.nn import (
     softplus,
     swish,
 )
-from jax.numpy import tanh
+from jax.numpy import clip, tanh
 
 __all__ = [
     "identity",
@@ -43,6 +43,9 @@ __all__ = [
     "selu",
     "gelu",
     "gelu_exact",
+    "gelu_10",
+    "quick_gelu",
+    "relu2",
     "glu",
     "sigmoid",
     "log_sigmoid",
@@ -82,3 +85,36 @@ def gelu_exact(x: Any) -> Any:
       [-0.1587, 0.0, 0.8413]
     """
     return gelu(x, approximate=False)
+
+
+def gelu_10(x: Any) -> Any:
+    """The exact GELU clipped to ``[-10, 10]``: Hugging Face's ``gelu_10`` activation.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> [round(v, 4) for v in ft.nn.gelu_10(jnp.array([-1.0, 20.0])).tolist()]
+      [-0.1587, 10.0]
+    """
+    return clip(gelu_exact(x), -10.0, 10.0)
+
+
+def quick_gelu(x: Any) -> Any:
+    """``x * sigmoid(1.702 x)``: CLIP's and Hugging Face's ``quick_gelu``, a cheaper GELU.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> [round(v, 4) for v in ft.nn.quick_gelu(jnp.array([-1.0, 0.0, 1.0])).tolist()]
+      [-0.1542, 0.0, 0.8458]
+    """
+    return x * sigmoid(1.702 * x)
+
+
+def relu2(x: Any) -> Any:
+    """``relu(x)²``: Primer's squared ReLU, Hugging Face's ``relu2``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.nn.relu2(jnp.array([-2.0, 3.0])).tolist()
+      [0.0, 9.0]
+    """
+    return relu(x) ** 2

@@ -392,6 +392,18 @@ def test_hf_activations_ported_and_the_others_named():
         _options.activation(types.SimpleNamespace(model_type="bert", hidden_act="xielu"), "hidden_act")
 
 
+def test_every_ported_activation_is_stored_by_name():
+    """A model from_hf builds holds its activation as static data: a checkpoint restores it
+    without a template, and a pickle names it, only if it is in the core's table of functions
+    (quick_gelu, relu2 and gelu_10 were private functions of functree.hf: a checkpoint of such a
+    model was refused without a template, as an unregistered function)."""
+    from functree._functions import builtin_name
+    from functree.hf import _options
+
+    unnamed = sorted(k for k, fn in _options._ACTIVATIONS.items() if builtin_name(fn) is None)
+    assert unnamed == [], unnamed
+
+
 def test_key_value_heads_not_dividing_the_heads_named_by_key():
     """Gemma's default num_key_value_heads is 16 whatever the heads: a Gemma config.json of 2
     heads without the key raised MultiheadAttention's own error (its arguments, not the

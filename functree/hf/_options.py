@@ -103,30 +103,11 @@ before it). Loading it would give other logits, so it is not built.
 """
 
 
-def quick_gelu(x: Any) -> Any:
-    """HF's ``quick_gelu``: ``x * sigmoid(1.702 x)``."""
-    import jax
-
-    return x * jax.nn.sigmoid(1.702 * x)
-
-
-def relu2(x: Any) -> Any:
-    """HF's ``relu2``: ``relu(x)^2``."""
-    return act.relu(x) ** 2
-
-
-def gelu_10(x: Any) -> Any:
-    """HF's ``gelu_10``: the exact GELU clipped to ``[-10, 10]``."""
-    import jax.numpy as jnp
-
-    return jnp.clip(act.gelu_exact(x), -10.0, 10.0)
-
-
 # gelu_fast (GPT-NeoX-20B) is gelu_new's tanh formula written another way (5.8e-7 apart on [-8, 8]);
 # gelu_accurate and gelu_python_tanh are that formula too, gelu_python the exact (erf) GELU.
 _ACTIVATIONS = {"gelu_new": act.gelu, "gelu_pytorch_tanh": act.gelu, "gelu_fast": act.gelu, "gelu_accurate": act.gelu,
-                "gelu_python_tanh": act.gelu, "gelu": act.gelu_exact, "gelu_python": act.gelu_exact, "gelu_10": gelu_10,
-                "quick_gelu": quick_gelu, "relu": act.relu, "relu2": relu2, "relu6": act.relu6,
+                "gelu_python_tanh": act.gelu, "gelu": act.gelu_exact, "gelu_python": act.gelu_exact, "gelu_10": act.gelu_10,
+                "quick_gelu": act.quick_gelu, "relu": act.relu, "relu2": act.relu2, "relu6": act.relu6,
                 "leaky_relu": act.leaky_relu, "silu": act.silu, "swish": act.silu, "mish": act.mish, "tanh": act.tanh,
                 "sigmoid": act.sigmoid, "linear": act.identity}
 

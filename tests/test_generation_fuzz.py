@@ -179,9 +179,15 @@ def eos_ids(options):
 def compared_greedy(family, ids, mask, new, options):
     """Our greedy tokens and scores against HF's; the number of (row, step) pairs compared."""
     hf, model = lm(family)
+    try:
+        found = references(hf, ids, mask, new, options)
+    except ValueError:  # a combination HF refuses (a forced id that is suppressed): refused here too
+        with pytest.raises(ValueError):
+            ours(model, ids, mask, new, **options)
+        return 0
     tokens, scores = ours(model, ids, mask, new, **options)
     compared = 0
-    for rows, hf_tokens, hf_scores in references(hf, ids, mask, new, options):
+    for rows, hf_tokens, hf_scores in found:
         compared += _compared(tokens[rows], scores[rows], hf_tokens, hf_scores, new, options)
     return compared
 
@@ -265,6 +271,12 @@ def compared_sampled(family, ids, mask, new, options, seed):
     row alone); a step where HF's processors keep another set on our own logits than on HF's
     (a token at a threshold, numerics) ends that row's comparison. The (row, step) pairs compared."""
     hf, model = lm(family)
+    try:
+        hf_processors(hf, torch.from_numpy(ids[:1]), new, options)
+    except ValueError:  # a combination HF refuses (a forced id that is suppressed): refused here too
+        with pytest.raises(ValueError):
+            ours(model, ids, mask, new, key=jax.random.key(seed), **options)
+        return 0
     tokens, scores = ours(model, ids, mask, new, key=jax.random.key(seed), **options)
     full, full_mask = np.zeros((len(ids), WIDTH + 6), np.int32), np.zeros((len(ids), WIDTH + 6), np.int32)  # one shape
     rows = [np.concatenate([ids[r, mask[r] == 1], tokens[r]]) for r in range(len(ids))]
@@ -320,6 +332,12 @@ def compared_beams(family, ids, mask, new, options):
     scores must agree within the tie allowance (two beams numerics could order either way).
     The number of sequences compared."""
     hf, model = lm(family)
+    try:
+        hf_generate(hf, ids[:1], mask[:1], 1, **options)
+    except ValueError:  # a combination HF refuses (a forced id that is suppressed): refused here too
+        with pytest.raises(ValueError):
+            ours(model, ids, mask, new, **options)
+        return 0
     tokens, scores = ours(model, ids, mask, new, **options)
     compared = 0
     for rows, rows_ids, rows_mask in splits(ids, mask, options):
@@ -337,6 +355,13 @@ def compared_beams(family, ids, mask, new, options):
         made = lengths(tokens[picked], options)
         ours_scores = scores[picked].sum(1) / made ** options.get("length_penalty", 1.0)
         theirs = out.sequences_scores.numpy()
+        # fewer real continuations than beams (forced tokens leave one): HF returns a beam of its
+        # "no score" -1e9 start; which junk beam fills the slot is arbitrary, so it is not compared
+        real = theirs > -1e8
+        picked, expected, length, made, ours_scores, theirs = (
+            x[real] for x in (picked, expected, length, made, ours_scores, theirs))
+        if not real.any():
+            continue
         atol = TIE * new * max(1.0, float(np.abs(theirs).max()))
         cut = np.arange(new)[None] < length[:, None]
         if not (np.array_equal(made, length) and np.array_equal(np.where(cut, tokens[picked], -1),
@@ -457,6 +482,19 @@ def test_min_length_forced_ids_begin_suppress_and_sequence_bias_equal_hf(prompt,
             assert same == (name == "min_length" and "min_new_tokens" in options), name
     if beams:
         assert compared_beams("llama", ids, mask, 5, dict(options, num_beams=2, num_return_sequences=2)) == 2 * len(ids)
+
+
+def test_a_forced_id_that_is_suppressed_is_refused_as_hf_refuses():
+    """forced_bos_token_id / forced_eos_token_id all in suppress_tokens leave the forced step no
+    token (every score -inf, NaN scores, token 0): HF's GenerationConfig refuses it; so does
+    generate now (found by the fuzz: it ran on)."""
+    model = lm("llama")[1]
+    ids = np.array([[5]], np.int32)
+    for name, value in (("forced_bos_token_id", 0), ("forced_eos_token_id", [0, 3])):
+        with pytest.raises(ValueError, match=rf"every id of {name} \(\[0(, 3)?\]\) is also in suppress_tokens"):
+            ft.nn.generate(model, ids, 2, suppress_tokens=[3, 0], **{name: value})
+        with pytest.raises(ValueError, match="is also in `suppress_tokens`"):  # HF's own check
+            transformers.GenerationConfig(suppress_tokens=[3, 0], **{name: value})
 
 @pytest.fixture(scope="module", autouse=True)
 def _counts():

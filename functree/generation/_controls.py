@@ -125,6 +125,13 @@ each sequence a non-empty list of token ids (ints >= 0) and each bias a number (
     right:  ft.nn.generate(model, input_ids, 8, sequence_bias={{(13,): -2.0, (7, 8): 1.5}})
     right:  ft.nn.generate(model, input_ids, 8, sequence_bias=[[[13], -2.0], [[7, 8], 1.5]])"""
 
+FORCED_SUPPRESSED = """\
+generate: every id of {name} ({ids}) is also in suppress_tokens: the forced step would have no \
+token left (every score -inf; Hugging Face's generate refuses this too).
+
+    wrong:  ft.nn.generate(model, input_ids, 8, {name}={example}, suppress_tokens=[{first}])
+    right:  ft.nn.generate(model, input_ids, 8, {name}={example})     # or suppress other ids"""
+
 BAD_MIN_LENGTH = """\
 generate: min_length must be an int >= 0 (the EOS ids are held back while the row, prompt \
 included with its left padding, is shorter: Hugging Face's min_length), got {given!r}.
@@ -447,6 +454,16 @@ class MinLength(Control):
         return _removed(is_eos & (now.loop.prompt + now.t < self.n), scores)
 
 
+def _forced(o: Options, name: str, single: bool) -> tuple[int, ...]:
+    """Option ``name``'s forced ids, or :data:`FORCED_SUPPRESSED` where ``suppress_tokens``
+    holds all of them (HF's GenerationConfig check)."""
+    ids = token_ids(o.given[name], name, single=single)
+    if ids and set(ids) <= set(token_ids(o.given["suppress_tokens"], "suppress_tokens")):
+        raise ValueError(FORCED_SUPPRESSED.format(name=name, ids=sorted(set(ids)), example=o.given[name],
+                                                  first=ids[0]))
+    return ids
+
+
 def _only(ids: Any, scores: jax.Array, now: jax.Array) -> jax.Array:
     """``scores`` where ``now`` is False; where True, 0 at ``ids`` and removed elsewhere (HF's
     forced tokens)."""
@@ -466,7 +483,7 @@ class ForcedBOS(Control):
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
-        ids = token_ids(o.given["forced_bos_token_id"], "forced_bos_token_id", single=True)
+        ids = _forced(o, "forced_bos_token_id", single=True)
         return cls(ids[0]) if ids else None
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
@@ -485,7 +502,7 @@ class ForcedEOS(Control):
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
-        ids = token_ids(o.given["forced_eos_token_id"], "forced_eos_token_id")
+        ids = _forced(o, "forced_eos_token_id", single=False)
         return cls(ids) if ids else None
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:

@@ -201,6 +201,7 @@ def _compared(tokens, scores, hf_tokens, hf_scores, new, options):
     for t in range(steps):
         alive = ~done
         if (gap[alive, t] < TIE).any():  # a near-tie: HF's choice there is numerics, and all after it
+            DRAWS["greedy near-ties"] += 1
             return compared
         np.testing.assert_array_equal(tokens[alive, t], hf_tokens[alive, t], err_msg=f"step {t}")
         expected = log_softmax(hf_scores[:, t])[np.arange(len(tokens)), hf_tokens[:, t]][alive]
@@ -214,7 +215,8 @@ def _compared(tokens, scores, hf_tokens, hf_scores, new, options):
     return compared
 
 
-DRAWS = {"greedy": 0, "greedy pairs": 0, "sampled": 0, "sampled pairs": 0, "beams": 0, "beam sequences": 0}
+DRAWS = {"greedy": 0, "greedy pairs": 0, "greedy near-ties": 0, "sampled": 0, "sampled pairs": 0,
+         "sampled at a threshold": 0, "beams": 0, "beam sequences": 0, "beam ties": 0}
 
 
 @fuzz(3)
@@ -294,6 +296,7 @@ def compared_sampled(family, ids, mask, new, options, seed):
             expected = processors(before, theirs[:, P + t - 1].clone())
             at = full.shape[1] - new + t - 1
             if not torch.equal(torch.isfinite(expected), torch.isfinite(processors(before, mine[r:r + 1, at].clone()))):
+                DRAWS["sampled at a threshold"] += 1
                 break  # a token at a threshold: which side is numerics
             token = int(row[P + t])
             assert bool(torch.isfinite(expected[0, token])), f"step {t}: token {token} outside HF's kept set"
@@ -367,6 +370,7 @@ def compared_beams(family, ids, mask, new, options):
         if not (np.array_equal(made, length) and np.array_equal(np.where(cut, tokens[picked], -1),
                                                                 np.where(cut, expected, -1))):
             np.testing.assert_allclose(ours_scores, theirs, rtol=0, atol=atol, err_msg="other beams, other scores")
+            DRAWS["beam ties"] += 1
             continue  # a tie between beams: the order is numerics
         np.testing.assert_array_equal(np.where(cut, PAD, tokens[picked]), PAD if "pad_token_id" not in options
                                       else np.where(cut, PAD, options["pad_token_id"]))

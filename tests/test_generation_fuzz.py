@@ -121,6 +121,14 @@ def processors(draw, new, beams=False):
         o["forced_eos_token_id"] = draw(st.one_of(TOKEN, st.lists(TOKEN, min_size=1, max_size=2)))
     if draw(st.booleans()):
         o["begin_suppress_tokens"] = draw(st.lists(TOKEN, min_size=1, max_size=4))
+        forced = o.get("forced_eos_token_id", [])
+        forced = {forced} if isinstance(forced, int) else set(forced)
+        if forced and forced <= set(o["begin_suppress_tokens"]):
+            # every forced EOS suppressed at the first step: with max_new_tokens=1 no token is left
+            # (HF's sampling crashes, its greedy picks id 0): not drawn (the audit's report)
+            o["begin_suppress_tokens"] = [i for i in o["begin_suppress_tokens"] if i not in forced]
+            if not o["begin_suppress_tokens"]:
+                del o["begin_suppress_tokens"]
     return o
 
 

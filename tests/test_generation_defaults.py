@@ -90,6 +90,23 @@ def test_without_generation_config_json_config_jsons_eos_and_pad_apply(saved, tm
     _same_tokens(ft.nn.generate(model, PROMPT, NEW, attention_mask=jnp.asarray(PROMPT != 0, jnp.int32)), hf, pad=0)
 
 
+def test_without_generation_config_json_config_jsons_generation_options_apply(saved, tmp_path):
+    """An older config.json's no_repeat_ngram_size and repetition_penalty (no
+    generation_config.json beside it) were dropped with HF's config class's other generation
+    keys, where HF's from_pretrained reads config.json as the generation config: other tokens,
+    no warning."""
+    directory = _checkpoint(saved, tmp_path, {"no_repeat_ngram_size": 1, "repetition_penalty": 1.5,
+                                              "num_beam_groups": 1}, {})
+    os.remove(directory / "generation_config.json")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert hf_model.generation_config.no_repeat_ngram_size == 1
+    hf = _hf_generate(hf_model)
+    assert (hf != saved[1]).any()  # the options change HF's tokens
+    model = ft.nn.from_hf(directory)
+    assert model.hf_config.generation["no_repeat_ngram_size"] == 1 and model.hf_config.generation["pad_token_id"] == 0
+    _same_tokens(ft.nn.generate(model, PROMPT, NEW, attention_mask=jnp.asarray(PROMPT != 0, jnp.int32)), hf, pad=0)
+
+
 @pytest.mark.parametrize("generation", [{}, {"transformers_version": "4.51.0"}], ids=["empty", "provenance only"])
 def test_an_empty_generation_config_json_is_read_alone_too(saved, tmp_path, generation):
     """A file of ``{}`` (or of provenance keys only, which functree does not keep) counted as

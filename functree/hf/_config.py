@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from functree.hf._files import read_generation
+from functree.hf._files import read_generation, read_legacy_generation
 
 __all__ = ["HFConfig", "hf_config_of"]
 
@@ -166,6 +166,8 @@ def hf_config_of(config: Any, source: Any) -> HFConfig:
     given = getattr(source, "generation_config", None)
     if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
         generation = read_generation(source)  # a damaged file is an error naming it
+        if generation is None:  # an older config.json's options, which HF's from_pretrained applies
+            generation = read_legacy_generation(source)
     elif given is not None and hasattr(source, "state_dict"):
         generation = _json_config(given)
     return HFConfig(_json_config(config), generation)

@@ -11,7 +11,9 @@ each class's field defaults, then its ``__post_init__``: a ``head_dim`` or
 from older files' ``rope_scaling``, ``rope_theta``, ``partial_rotary_factor``, GPT-NeoX's
 ``rotary_emb_base`` / ``rotary_pct`` and a top-level ``original_max_position_embeddings``:
 Phi-3's field, or any file's); the
-generation options older files kept in config.json are dropped, as HF drops them.
+generation options older files kept in config.json are dropped, as HF drops them (without
+a generation_config.json beside it they are the model's generation config, as HF's
+``from_pretrained`` reads them: :func:`read_legacy_generation`).
 ``tests/test_hf_files.py`` checks every attribute the builders read against
 ``transformers.AutoConfig`` for each covered model type.
 """
@@ -147,6 +149,23 @@ def read_generation(directory: Any) -> dict[str, Any] | None:
     if not os.path.isfile(path):
         return None
     return _json_object(path, BAD_GENERATION_JSON)
+
+
+# The token ids HF's generation config also reads from a config.json (GenerationConfig fields).
+GENERATION_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def read_legacy_generation(directory: Any) -> dict[str, Any] | None:
+    """The generation options an older ``config.json`` holds (``no_repeat_ngram_size``,
+    ``repetition_penalty`` ...), with its token ids; None when it holds none. For a directory
+    without generation_config.json, where HF's ``from_pretrained`` reads config.json as the
+    generation config (``GenerationConfig.from_pretrained(directory,
+    config_file_name="config.json")``), though its config class drops those keys."""
+    values = _read_json(directory)
+    if not any(values.get(k) is not None for k in GENERATION_OPTIONS):
+        return None
+    return {k: copy.deepcopy(v) for k, v in values.items()
+            if (k in GENERATION_OPTIONS or k in GENERATION_TOKEN_IDS) and v is not None}
 
 
 def _json_object(path: str, error: str) -> dict[str, Any]:

@@ -512,6 +512,18 @@ def test_a_forced_id_that_is_suppressed_is_refused_as_hf_refuses():
         with pytest.raises(ValueError, match="is also in `suppress_tokens`"):  # HF's own check
             transformers.GenerationConfig(suppress_tokens=[3, 0], **{name: value})
 
+def test_a_forced_eos_suppressed_at_the_first_and_last_step_is_refused():
+    """With max_new_tokens=1 the forced EOS step is the first, where begin_suppress_tokens
+    removes ids: all of them there left no token (token 0, a NaN score, no error)."""
+    model = lm("llama")[1]
+    ids = np.array([[5, 6]], np.int32)
+    with pytest.raises(ValueError, match=r"every id of forced_eos_token_id \(\[3\]\) is in begin_suppress_tokens, and "
+                                         r"with max_new_tokens=1"):
+        ft.nn.generate(model, ids, 1, forced_eos_token_id=3, begin_suppress_tokens=[3, 4])
+    out = ft.nn.generate(model, ids, 2, forced_eos_token_id=3, begin_suppress_tokens=[3, 4], pad_token_id=0)
+    assert int(out[0, -1]) == 3  # two new tokens: suppressed first, forced last
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _counts():
     """The draws and (row, step) pairs compared, printed when the module ends (the audit's counts)."""

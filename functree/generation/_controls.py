@@ -132,6 +132,14 @@ token left (every score -inf; Hugging Face's generate refuses this too).
     wrong:  ft.nn.generate(model, input_ids, 8, {name}={example}, suppress_tokens=[{first}])
     right:  ft.nn.generate(model, input_ids, 8, {name}={example})     # or suppress other ids"""
 
+FORCED_AT_BEGIN_SUPPRESSED = """\
+generate: every id of forced_eos_token_id ({ids}) is in begin_suppress_tokens, and with \
+max_new_tokens=1 the forced last token is the first, where those ids are removed: no token is \
+left (every score -inf: Hugging Face's greedy returns id 0 with a NaN score, its sampling fails).
+
+    wrong:  ft.nn.generate(model, input_ids, 1, forced_eos_token_id={example}, begin_suppress_tokens=[{first}])
+    right:  ft.nn.generate(model, input_ids, 2, forced_eos_token_id={example}, begin_suppress_tokens=[{first}])"""
+
 BAD_MIN_LENGTH = """\
 generate: min_length must be an int >= 0 (the EOS ids are held back while the row, prompt \
 included with its left padding, is shorter: Hugging Face's min_length), got {given!r}.
@@ -503,6 +511,9 @@ class ForcedEOS(Control):
     @classmethod
     def build(cls, o: Options) -> Control | None:
         ids = _forced(o, "forced_eos_token_id", single=False)
+        if ids and o.new == 1 and set(ids) <= set(token_ids(o.given["begin_suppress_tokens"], "begin_suppress_tokens")):
+            raise ValueError(FORCED_AT_BEGIN_SUPPRESSED.format(ids=sorted(set(ids)), example=o.given["forced_eos_token_id"],
+                                                               first=ids[0]))
         return cls(ids) if ids else None
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:

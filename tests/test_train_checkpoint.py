@@ -383,16 +383,25 @@ UNWAITED_SAVES = textwrap.dedent("""
 
 def test_an_asynchronous_save_not_waited_for_is_written_when_the_script_ends(tmp_path):
     # It was lost: Python stopped orbax's thread pools before atexit ran, the step stayed a
-    # temporary directory and orbax printed "cannot schedule new futures after shutdown".
+    # temporary directory and orbax printed "cannot schedule new futures after shutdown". From
+    # Python 3.12 no thread starts after the main thread ends: a write still under way then
+    # cannot finish, and is named as lost (waiting for it hung the script).
     dirs = [tmp_path / name for name in ("kept", "dropped", "failing")]
     out = subprocess.run([sys.executable, "-c", UNWAITED_SAVES, *map(str, dirs)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "STARTED" in out.stdout, out.stderr
-    np.testing.assert_array_equal(CheckpointManager(dirs[0]).restore(1).model["w"], np.arange(300_000.0))
-    np.testing.assert_array_equal(CheckpointManager(dirs[1]).restore(1).model["w"], np.ones(3))
-    assert "cannot schedule new futures" not in out.stderr
-    assert f"CheckpointManager({str(dirs[2])!r}): the asynchronous save under way when the script ended failed: " \
-           "No space left on device" in out.stderr and "manager.wait_until_finished()" in out.stderr
+    lost = "an asynchronous save was still being written when the script ended, and this Python (3.12 or later)"
+    for directory, values in zip(dirs, (np.arange(300_000.0), np.ones(3))):
+        named = f"CheckpointManager({str(directory)!r}): {lost}"
+        if sys.version_info < (3, 12) or named not in out.stderr:
+            np.testing.assert_array_equal(CheckpointManager(directory).restore(1).model["w"], values)
+        else:
+            assert "manager.wait_until_finished()" in out.stderr
+    if sys.version_info < (3, 12):
+        assert "cannot schedule new futures" not in out.stderr and lost not in out.stderr
+    failed = f"CheckpointManager({str(dirs[2])!r}): the asynchronous save under way when the script ended failed: " \
+             "No space left on device"
+    assert failed in out.stderr or f"CheckpointManager({str(dirs[2])!r}): {lost}" in out.stderr
 
 
 def test_sigkill_at_a_random_moment_keeps_the_last_acknowledged_and_the_best(killed_process):

@@ -610,6 +610,9 @@ _ORBAX_SAVE = threading.Lock()
 # before ``atexit`` functions run, and the step stayed a temporary directory. Managers with a
 # save under way are finished from threading's exit hooks instead, which run before those
 # pools stop (last registered, first run: ours is registered after orbax imported the pools).
+# From Python 3.12 no thread starts once the main thread has ended, and orbax's write starts
+# threads: a write still under way then cannot finish (waiting for it would hang), and is
+# reported as lost instead.
 _UNDER_WAY: set[CheckpointManager] = set()  # strong references: a manager dropped at once still writes
 _HOOKED: list[bool] = []
 
@@ -621,10 +624,35 @@ Its step was not written. Wait for a save where the script can handle the error:
     right: manager.save(step, model); manager.wait_until_finished()    # or: with CheckpointManager(...) as manager:
 """
 
+LOST_AT_EXIT = """\
+CheckpointManager({path!r}): an asynchronous save was still being written when the script \
+ended, and this Python (3.12 or later) starts no thread after the main thread ends, which \
+orbax's write needs: its step was not written. Wait for the save before the script ends:
+    wrong: manager.save(step, model)                                   # the script ends here
+    right: manager.save(step, model); manager.wait_until_finished()    # or: with CheckpointManager(...) as manager:
+"""
+
+
+def _threads_start() -> bool:
+    """Whether a thread can still start (not after the main thread has ended, from 3.12)."""
+    try:
+        thread = threading.Thread(target=lambda: None)
+        thread.start()
+    except RuntimeError:
+        return False
+    thread.join()
+    return True
+
 
 def _finish_under_way() -> None:
-    """At the end of the script: wait for every asynchronous save still being written."""
+    """At the end of the script: wait for every asynchronous save still being written (or, where
+    no thread starts any more, name the ones that cannot finish)."""
+    starts = _threads_start()
     for manager in list(_UNDER_WAY):
+        if not starts and manager._mngr.is_saving_in_progress():
+            _UNDER_WAY.discard(manager)
+            print(LOST_AT_EXIT.format(path=str(manager.directory)), file=sys.stderr)
+            continue
         try:
             manager.wait_until_finished()
         except BaseException as e:  # nothing left to raise to: say which step was lost
@@ -657,7 +685,9 @@ class CheckpointManager:
     With ``asynchronous=True``, ``save`` returns once orbax holds the arrays and writes them in
     the background; the next ``save``, ``wait_until_finished()``, ``close()`` (or the end of a
     ``with`` block) and the end of the script wait for the write. A write that fails at the
-    end of the script is reported on stderr: wait where the script can handle the error.
+    end of the script is reported on stderr: wait where the script can handle the error. From
+    Python 3.12 no thread starts after the main thread ends, and orbax's write needs some: a
+    write still under way when the script ends is then named on stderr as lost.
 
     Example:
       >>> import functree as ft, jax, tempfile

@@ -426,22 +426,25 @@ class MinNewTokens(Control):
             raise ValueError(MIN_NEEDS_EOS.format(given=value))
         return cls(np.int32(value), np.asarray(o.eos, np.int32)) if value else None
 
+    def length(self, now: Any) -> Any:
+        """The count held against ``n``: the new tokens so far."""
+        return now.t
+
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         is_eos = jnp.isin(jnp.arange(scores.shape[-1]), self.eos_ids)
-        return _removed(is_eos & (now.t < self.n), scores)
+        return _removed(is_eos & (self.length(now) < self.n), scores)
 
 
 @record("n", "eos_ids")
 @dataclass(frozen=True)
-class MinLength(Control):
+class MinLength(MinNewTokens):
     """``min_length=m`` (HF's ``MinLengthLogitsProcessor``): the EOS ids are removed while the
     row, its whole prompt included (left padding too, as HF counts ``input_ids``), holds fewer
     than ``m`` tokens: at new token ``t`` while ``prompt + t < m``. With ``min_new_tokens`` set
     (0 too, the caller's or the checkpoint's) it is not applied: HF's ``generate`` then
-    overwrites ``min_length`` with ``prompt + min_new_tokens``."""
+    overwrites ``min_length`` with ``prompt + min_new_tokens``. Its fields and step are
+    :class:`MinNewTokens`'; only the length counted differs."""
 
-    n: Any
-    eos_ids: Any
     keywords = ("min_length",)
 
     @classmethod
@@ -457,9 +460,9 @@ class MinLength(Control):
             raise ValueError(NEEDS_EOS.format(name="min_length", given=value))
         return cls(np.int32(min(int(value), np.iinfo(np.int32).max)), np.asarray(o.eos, np.int32)) if value else None
 
-    def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        is_eos = jnp.isin(jnp.arange(scores.shape[-1]), self.eos_ids)
-        return _removed(is_eos & (now.loop.prompt + now.t < self.n), scores)
+    def length(self, now: Any) -> Any:
+        """The count held against ``n``: the whole row, the prompt's width included."""
+        return now.loop.prompt + now.t
 
 
 def _forced(o: Options, name: str, single: bool) -> tuple[int, ...]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -15,9 +16,26 @@ from functree._parameters import first_difference
 from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
 from functree.optim._complex import RealPair
 
-__all__ = ["GRADIENT_DTYPE", "check_gradients", "checked_gradients", "check_state_fits", "check_redefined", "keep_unchanged", "descent_direction",
+__all__ = ["StructureError", "named_structure_errors", "GRADIENT_DTYPE", "check_gradients", "checked_gradients", "check_state_fits", "check_redefined", "keep_unchanged", "descent_direction",
            "STATE_MISMATCH", "STATE_WITHOUT_MOMENT", "STATE_FOR_ALL_PARAMETERS", "STATE_OF_ANOTHER_OPTIMIZER",
            "STATE_CLASS_REDEFINED"]
+
+class StructureError(ValueError):
+    """A transform's tree-structure error named by functree (an outer naming lets it through)."""
+
+
+@contextlib.contextmanager
+def named_structure_errors(message: str) -> Iterator[None]:
+    """Raise :class:`StructureError` with ``message`` (formatted with JAX's ``error``) for a
+    tree-structure error inside: JAX's own names neither the tree at fault nor the fix. The
+    innermost naming wins (``ft.optim.per_member``'s inside the Optimizer's)."""
+    try:
+        yield
+    except ValueError as e:
+        if isinstance(e, StructureError) or "pytree" not in str(e).lower():
+            raise
+        raise StructureError(message.format(error=str(e)[:1500])) from e
+
 
 GRADIENT_MISMATCH = """\
 The gradient does not fit the model's parameters at {path}: {detail}.

@@ -29,7 +29,7 @@ import contextlib
 import copy
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -54,6 +54,7 @@ from functree.optim._checks import (
     checked_gradients,
     descent_direction,
     keep_unchanged,
+    named_structure_errors,
 )
 from functree.optim._complex import real_pairs
 from functree.optim._context import advance, current, initial_context
@@ -79,7 +80,6 @@ from functree.optim._hyper import SIZE_NOT_GIVEN, HyperState, minibatch_size_sou
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._multisteps import check_multisteps
-from functree.optim._per_member import MembersViewError
 from functree.optim._per_tensor import check_stack_statistics
 from functree.optim._replicas import (
     all_varying,
@@ -237,19 +237,6 @@ def _strongly_typed(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x, x.dtype) if getattr(x, "weak_type", False) else x, tree)
 
 
-@contextlib.contextmanager
-def _mask_structure() -> Iterator[None]:
-    """Name a transform's tree-structure error at ``init`` (a mask or label tree of another
-    structure than the parameters it is given: most often built in training mode): JAX's
-    own message names neither the mask nor the fix."""
-    try:
-        yield
-    except ValueError as e:
-        if isinstance(e, MembersViewError) or "pytree" not in str(e).lower():  # (per_member's names its own)
-            raise
-        raise ValueError(MASK_IN_TRAINING_MODE.format(error=str(e)[:1500])) from e
-
-
 class Optimizer:
     """An optimizer with TF RFC 234's overridable ``minimize`` hooks, over an optax transform.
 
@@ -394,7 +381,7 @@ class Optimizer:
         ``ft.nn.training(model)`` (NNX's order) serves the model in training mode too.
         """
         params = mode_free(trained_view(model, self.wrt))
-        with jax.numpy_dtype_promotion("standard"), _mask_structure():  # optax mixes floats and ints
+        with jax.numpy_dtype_promotion("standard"), named_structure_errors(MASK_IN_TRAINING_MODE):  # optax mixes floats and ints
             inner = self._transform.init(params)
         check_multisteps(inner, HyperState)
         check_average_placement(inner, self._averaged)

@@ -21,17 +21,17 @@ neither (:mod:`functree.optim._per_tensor`).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import optax
 
 from functree._stacked import expand, is_stacked, members_like, outermost, restack
+from functree.optim._checks import named_structure_errors
 
 __all__ = ["per_member", "whole_stack", "PerMemberState", "WholeStackState", "STACK_CHOICE", "ENSEMBLE_MEMBERS",
-           "MASK_INSIDE", "MembersViewError"]
+           "MASK_INSIDE"]
 
 STACK_CHOICE = "__ft_stack_statistics__"
 """The attribute :func:`per_member` and :func:`whole_stack` set on their ``update``
@@ -60,22 +60,6 @@ or give a function of the parameters, which gets the members' view (JAX's error 
        or:  ft.optim.per_member(optax.masked(tx, lambda params: ft.mask(params, "blocks.*")))
 
 JAX: {error}"""
-
-
-class MembersViewError(ValueError):
-    """:data:`MASK_INSIDE`, raised as it is through the Optimizer's own reading of structure errors."""
-
-
-@contextlib.contextmanager
-def _members_view() -> Iterator[None]:
-    """:data:`MASK_INSIDE` for a structure error of the transform on the expanded view (optax's
-    names neither per_member nor the fix; the Optimizer's would blame training mode)."""
-    try:
-        yield
-    except ValueError as e:
-        if isinstance(e, MembersViewError) or "pytree" not in str(e).lower():
-            raise
-        raise MembersViewError(MASK_INSIDE.format(error=str(e)[:1500])) from e
 
 
 class PerMemberState(NamedTuple):
@@ -204,7 +188,7 @@ def per_member(transform: optax.GradientTransformation) -> optax.GradientTransfo
             return PerMemberState(inner.init(params))
         _refuse_ensembles(params)
         expanded = expand(params)
-        with _members_view():
+        with named_structure_errors(MASK_INSIDE):  # a mask of the stacked model inside
             state = inner.init(expanded)
         return PerMemberState(_restacked(state, params, expanded))
 
@@ -218,7 +202,7 @@ def per_member(transform: optax.GradientTransformation) -> optax.GradientTransfo
         # The state mirrors what init was given: the parameters (a None gradient's moment is
         # an array), or the updates where none are passed.
         template, view = (updates, expanded) if params is None else (params, expanded_params)
-        with _members_view():
+        with named_structure_errors(MASK_INSIDE):  # a mask of the stacked model inside
             new, inner_state = inner.update(expanded, _expanded_state(state.inner, template), expanded_params,
                                             **_expanded_extras(extra, updates))
         return restack(updates, new), PerMemberState(_restacked(inner_state, template, view))

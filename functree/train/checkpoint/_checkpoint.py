@@ -19,6 +19,7 @@ never onto the writer's devices, which the metadata keeps as information (``writ
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -614,8 +615,6 @@ _ORBAX_SAVE = threading.Lock()
 # threads: a write still under way then cannot finish (waiting for it would hang), and is
 # reported as lost instead.
 _UNDER_WAY: set[CheckpointManager] = set()  # strong references: a manager dropped at once still writes
-_HOOKED: list[bool] = []
-
 UNFINISHED_AT_EXIT = """\
 CheckpointManager({path!r}): the asynchronous save under way when the script ended failed: \
 {error}
@@ -659,11 +658,10 @@ def _finish_under_way() -> None:
             print(UNFINISHED_AT_EXIT.format(path=str(manager.directory), error=e), file=sys.stderr)
 
 
+@functools.cache  # once per process, at the first asynchronous save (orbax's pools imported by then)
 def _hook_exit() -> None:
-    if not _HOOKED:
-        # threading's exit hooks: the documented order concurrent.futures itself relies on.
-        threading._register_atexit(_finish_under_way)  # pyright: ignore[reportAttributeAccessIssue]
-        _HOOKED.append(True)
+    # threading's exit hooks: the order concurrent.futures itself relies on.
+    threading._register_atexit(_finish_under_way)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 class CheckpointManager:

@@ -381,6 +381,8 @@ UNWAITED_SAVES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="from 3.12 no thread starts after the main thread ends: "
+                    "functree never waits there, and orbax's own unfinished threads may hold the exit (seen 2 in 9)")
 def test_an_asynchronous_save_not_waited_for_is_written_when_the_script_ends(tmp_path):
     # It was lost: Python stopped orbax's thread pools before atexit ran, the step stayed a
     # temporary directory and orbax printed "cannot schedule new futures after shutdown". From

@@ -648,9 +648,10 @@ def _finish_under_way() -> None:
     no thread starts any more, name the ones that cannot finish)."""
     starts = _threads_start()
     for manager in list(_UNDER_WAY):
-        if not starts and manager._mngr.is_saving_in_progress():
+        if not starts:  # never wait here: orbax's finishing threads cannot start, and a wait may hang
             _UNDER_WAY.discard(manager)
-            print(LOST_AT_EXIT.format(path=str(manager.directory)), file=sys.stderr)
+            if not (manager.directory / str(manager._writing)).exists():  # renamed from its tmp name when done
+                print(LOST_AT_EXIT.format(path=str(manager.directory)), file=sys.stderr)
             continue
         try:
             manager.wait_until_finished()
@@ -717,6 +718,7 @@ class CheckpointManager:
         self._metrics: dict[int, dict[str, Any]] = {}
         self._lock = policy.WriterLock(self.directory)
         self._asynchronous = asynchronous
+        self._writing: int | None = None  # the asynchronous save's step, until it is waited for
         # Retention (last k plus the best) is applied here, from the metrics stored in
         # each checkpoint and the steps on disk, so it holds across managers. Orbax's
         # temporary-directory cleanup is off: it would delete another writer's in-flight
@@ -751,6 +753,7 @@ class CheckpointManager:
                 with _ORBAX_SAVE:
                     _hook_exit()
                     self._mngr.save(step, args=args, force=True)
+                    self._writing = step
                     _UNDER_WAY.add(self)
             else:  # (its writes may take long; two in threads did not mix orbax's ids)
                 self._mngr.save(step, args=args, force=True)

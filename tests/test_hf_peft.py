@@ -496,7 +496,7 @@ def test_modules_to_save_lm_head_loads_and_saves_as_peft(tmp_path, base):
     expected = hf_logits(peft_model, ids)
     model = ft.nn.load_lora(base, tmp_path / "peft")
     assert_close(logits(model, ids), expected)
-    ft.nn.save_lora(model, tmp_path / "ft", modules_to_save="lm_head")  # a str, as PEFT takes it
+    ft.nn.save_lora(model, tmp_path / "ft", modules_to_save="lm_head")  # a str: one module's name, written as a one-item list
     assert json.loads((tmp_path / "ft" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
     again = peft.PeftModel.from_pretrained(llama(), str(tmp_path / "ft")).eval()
     assert_close(hf_logits(again, ids), expected)
@@ -848,7 +848,8 @@ def test_adapter_config_fields_of_another_json_type_are_named(base, tmp_path):
     """A field of another JSON type than PEFT's LoraConfig takes is BAD_CONFIG_TYPE naming
     the field, the value and its type: target_modules=5 and layers_to_transform="x" were a
     bare TypeError inside the matching (PEFT's own loader fails there too), use_rslora="false"
-    a truthy string (alpha / sqrt(r), another scale)."""
+    a truthy string (alpha / sqrt(r), another scale), modules_to_save="lm_head" a one-item
+    list where PEFT wraps every module whose name ends in one of its characters."""
     peft_adapter(llama, tmp_path, r=2, target_modules=["q_proj"])
     original = json.loads((tmp_path / "adapter_config.json").read_text())
     edit_config(tmp_path, target_modules=5)
@@ -859,7 +860,10 @@ def test_adapter_config_fields_of_another_json_type_are_named(base, tmp_path):
              ("layers_to_transform", "x", r"a layer number \(int\) or a list of them \(list of int\)"),
              ("layers_to_transform", [0, True], r"list of int"),
              ("layers_pattern", 1, r"list of str"), ("exclude_modules", {"a": 1}, r"list of str"),
-             ("modules_to_save", 7, r"list of str"), ("rank_pattern", ["q_proj"], r"an object"),
+             ("modules_to_save", 7, r"list of str"),
+             # PEFT's own matching iterates over a string: every module ending in l, m, _, h, e, a or d
+             ("modules_to_save", "lm_head", r"list of str; PEFT reads a bare string one character at a time"),
+             ("rank_pattern", ["q_proj"], r"an object"),
              ("alpha_pattern", 2, r"an object"), ("use_rslora", "false", r"true or false"),
              ("fan_in_fan_out", 0, r"true or false"), ("bias", 0, r"\"none\"")]
     for option, value, accepted in cases:

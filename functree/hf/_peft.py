@@ -136,6 +136,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
 def _ints(value: Any) -> bool:
     return _is_int(value) or (isinstance(value, list) and all(_is_int(x) for x in value))
 
@@ -160,7 +164,10 @@ FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "exclude_modules": (_strs, "a regular expression (str) or a list of module names (list of str)", '["lm_head"]'),
     "layers_to_transform": (_ints, "a layer number (int) or a list of them (list of int)", "[0, 1]"),
     "layers_pattern": (_strs, "a module name (str) or a list of them (list of str)", '"layers"'),
-    "modules_to_save": (_strs, "a list of module names (list of str)", '["lm_head"]'),
+    # A bare string is not a one-item list there: PEFT's matching iterates over it, so
+    # "lm_head" saves every module whose name ends in l, m, _, h, e, a or d (the whole model).
+    "modules_to_save": (_str_list, "a list of module names (list of str; PEFT reads a bare string one "
+                        "character at a time, saving every module whose name ends in one of them)", '["lm_head"]'),
     "rank_pattern": (_object, "an object {module regex: rank (int)}", '{"q_proj": 16}'),
     "alpha_pattern": (_object, "an object {module regex: alpha (number)}", '{"q_proj": 32}'),
     "use_rslora": (_bool, "true or false", "false"),
@@ -489,7 +496,7 @@ def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str]
     ``modules_to_save`` names (``_set_trainable``: a module whose name ends with one). An
     entry naming no module is an error for save_lora's argument; in a file's config PEFT
     skips it (its SEQ_CLS adapters list both "classifier" and "score"), and so does load_lora."""
-    if isinstance(modules_to_save, str):  # as PEFT takes it
+    if isinstance(modules_to_save, str):  # save_lora's argument: one module's name
         modules_to_save = [modules_to_save]
     layers = {m: (layer, i) for layer in dense_layers(model) for i, m in enumerate(member_layer_names(layer))}
     out: dict[str, tuple[DenseLayer, int]] = {}

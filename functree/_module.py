@@ -43,6 +43,7 @@ import jax
 from functree import _functions
 from functree._field_checks import check_dict_keys, refuse_kw_only_marker
 from functree._fields import NO_DERIVATIVE, PARAMETER, STATIC, field, field_kind, is_missing
+from functree._foreign_methods import missing_attribute
 from functree._labels import label_calls
 from functree._module_flatten import pytree_functions
 from functree._parameter_warnings import (
@@ -304,6 +305,14 @@ class Module:
             self.__dict__[name] = value
             return
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for a name normal lookup did not find: another library's method (model.apply,
+        # model.eval) names functree's equivalent (functree/_foreign_methods.py). A property
+        # whose own code raised AttributeError lands here too: run it again to raise its error.
+        if any(name in k.__dict__ for k in type(self).__mro__):
+            return object.__getattribute__(self, name)
+        raise missing_attribute(self, name)
 
     def __delattr__(self, name: str) -> None:
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))

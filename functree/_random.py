@@ -45,6 +45,26 @@ FLAT_THREEFRY = jax_random.define_prng_impl(
 )
 
 
+NOT_A_KEY = """\
+A PRNG key was expected, got {given}: functree's layers, initializers and Dropout take keys \
+made by jax.random (as Equinox's do), not integer seeds (torch's manual_seed, Flax's \
+nnx.Rngs(0)).
+
+    wrong:  ft.nn.Dense(4, 3, key=0)                   # or model(x, key=step)
+    right:  ft.nn.Dense(4, 3, key=jax.random.key(0))   # split it for several layers
+       or:  model(x, key=jax.random.fold_in(jax.random.key(0), step))   # a fresh key every step"""
+
+
+def _check_key(key: Any) -> None:
+    """Refuse what no jax.random function reads as a key (a Python or NumPy integer, a float
+    array): JAX's own error for it names no key (``'int' object has no attribute 'dtype'``)."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32):
+        given = f"{type(key).__name__} {key!r}" if dtype is None or not getattr(key, "shape", ()) else (
+            f"an array of {dtype}{list(key.shape)}")
+        raise TypeError(NOT_A_KEY.format(given=given))
+
+
 def _is_typed(key: Any) -> bool:
     return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
 
@@ -60,7 +80,10 @@ def flat_key(key: jax.Array) -> jax.Array:
       >>> key = jax.random.key(0)
       >>> bool((jax.random.normal(flat_key(key), (2, 3, 4)) == jax.random.normal(key, (2, 3, 4))).all())
       True
+
+    Anything else than a key (an integer seed) raises :data:`NOT_A_KEY`.
     """
+    _check_key(key)
     if _is_typed(key):
         if str(jax.random.key_impl(key)) != _THREEFRY.name:
             return key  # another generator's key, or one flat already

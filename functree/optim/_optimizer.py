@@ -148,6 +148,18 @@ got {given}.
        or:  ft.optim.Optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
 """
 
+# Flax NNX's nnx.Optimizer(model, tx, wrt=nnx.Param) takes the model first and keeps the state
+# inside; here the transform alone, and the state is init's.
+MODEL_FIRST = """ft.optim.Optimizer takes the transformation alone, got {count} positional arguments ({given}): \
+Flax NNX's nnx.Optimizer(model, tx) holds the model and its state; here the state is \
+optimizer.init(model)'s, passed to and returned by each step.
+
+    wrong:  optimizer = ft.optim.Optimizer(model, optax.adam(1e-3))
+    right:  optimizer = ft.optim.Optimizer(optax.adam(1e-3))
+            opt_state = optimizer.init(model)
+            updates, opt_state = optimizer.update(grads, opt_state, model)   # or a train step
+"""
+
 
 NESTED_SKIP = """\
 ft.optim.skip_non_finite sits inside {inside} (state {path}): on a non-finite gradient it \
@@ -308,7 +320,7 @@ class Optimizer:
     def __init__(
         self,
         transform: optax.GradientTransformation,
-        *,
+        *misplaced: Any,
         transform_loss: Callable[[Any], Any] | None = None,
         get_gradients: Callable[..., Any] | None = None,
         transform_unaggregated_gradients: Any = (),
@@ -320,6 +332,9 @@ class Optimizer:
         average: Any = None,
         wrt: Any = None,
     ):
+        if misplaced:  # nnx.Optimizer(model, tx): Python's "takes 2 positional arguments" named
+            given = ", ".join(type(a).__name__ for a in (transform, *misplaced))
+            raise TypeError(MODEL_FIRST.format(count=1 + len(misplaced), given=given))
         if not (hasattr(transform, "init") and hasattr(transform, "update")):
             raise TypeError(NOT_A_TRANSFORM.format(given=type(transform).__name__))
         if not isinstance(accumulate, int) or accumulate < 1:

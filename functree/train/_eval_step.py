@@ -7,6 +7,7 @@ the loss stage it shares with :class:`functree.train._step.TrainStep`
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,7 +34,15 @@ from functree.train._metrics import (
 )
 from functree.train._programs import program_key, shared, trampoline
 
-__all__ = ["EvalStep", "loss_and_aux", "placement_of_step"]
+__all__ = ["EvalStep", "loss_and_aux", "placement_of_step", "check_batch_argument", "LOSS_UNPACKS_BATCH"]
+
+LOSS_UNPACKS_BATCH = """\
+The step calls loss_fn(model, batch) with the minibatch as one argument (the tuple (x, y) \
+for arrays), but the loss function {name}{signature} takes {count} required positional \
+arguments, as in Equinox's and optax's examples (loss(model, x, y)). Unpack the batch:
+
+    wrong:  {wrong}   # loss_fn(model, x, y)
+    right:  {right}"""
 
 
 LOSS_NOT_SCALAR = """\
@@ -51,6 +60,29 @@ def _split_output(out: Any) -> tuple[Any, Any]:
     if not isinstance(loss, WeightedMean) and jnp.shape(loss) != ():  # a WeightedMean's parts are scalars
         raise ValueError(LOSS_NOT_SCALAR.format(shape=jnp.shape(loss)))
     return loss, aux
+
+
+def check_batch_argument(loss_fn: Callable[..., Any], call: str) -> None:
+    """Refuse a loss that takes the batch unpacked (``loss(model, x, y)``): called as
+    ``loss_fn(model, batch)`` it fails at the first step with Python's "missing 1 required
+    positional argument: 'y'", wrapped in the step's context (:data:`LOSS_UNPACKS_BATCH`).
+    ``call``: the caller's spelling, ``{loss}`` where the loss goes (the error's lines)."""
+    try:
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # no signature to read: the call tells
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.default is p.empty and p.name != "key"]
+    if len(required) <= 2:
+        return
+    takes_key = any(p.name == "key" for p in params)
+    unpacked = ("lambda model, batch, *, key: loss_fn(model, *batch, key=key)" if takes_key
+                else "lambda model, batch: loss_fn(model, *batch)")
+    raise TypeError(LOSS_UNPACKS_BATCH.format(
+        name=getattr(loss_fn, "__name__", "loss_fn"), signature=inspect.signature(loss_fn), count=len(required),
+        wrong=call.format(loss="loss_fn"), right=call.format(loss=unpacked)))
 
 
 def loss_and_aux(loss_fn: Callable[..., Any], compute_dtype: Any, model: Any, batch: Any,

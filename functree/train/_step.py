@@ -67,7 +67,12 @@ from functree.parallel._step_specs import (
     stack_devices,
     without_axis,
 )
-from functree.train._eval_step import EvalStep, loss_and_aux, placement_of_step
+from functree.train._eval_step import (
+    EvalStep,
+    check_batch_argument,
+    loss_and_aux,
+    placement_of_step,
+)
 from functree.train._halt import new_halt_log, placed_as
 from functree.train._metrics import (
     PART_COUNT,
@@ -357,6 +362,8 @@ class TrainStep:
         self._scanned: Any = None  # the k-steps program (_scan.py), built on first use
         self.placement = placement_of_step(mesh, data_axis, sharding, "ft.train.train_step")
         self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)
+        if type(self).compute_loss is TrainStep.compute_loss:  # an override calls loss_fn its own way
+            check_batch_argument(loss_fn, "ft.train.train_step({loss}, optimizer)")
         self.loss_fn = loss_fn
         self.optimizer = as_optimizer(optimizer)
         self.metrics = resolve_metrics(metrics)

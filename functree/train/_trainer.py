@@ -46,6 +46,7 @@ from functree.train._epochs import (
     epoch_length,
     no_minibatch,
 )
+from functree.train._eval_step import check_batch_argument
 from functree.train._evaluation import Evaluation, call_predict
 from functree.train._history import History
 from functree.train._interrupts import Interrupts
@@ -432,6 +433,9 @@ class Trainer(Evaluation):
         # (A counting metric's parts, for its exact means, are the steps' own: a step given
         # ready-made computes them as one built here does.)
         metrics = resolve_metrics(metrics)
+        if train_step is None:  # (a given step calls loss_fn its own way)
+            check_batch_argument(loss_fn, "ft.train.Trainer(model, optimizer, {loss}%s)"
+                                 % (", key=key" if key is not None else ""))
         self.train_step = make_step(train_step, loss_fn, optimizer, metrics, on_nan, wrt, parallel)
         self.optimizer = self.train_step.optimizer
         self.eval_step = eval_step(loss_fn, metrics=self.train_step.metrics, **parallel)

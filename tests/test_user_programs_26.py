@@ -1,0 +1,117 @@
+"""The twenty-sixth session's migration audit: six programs written as Equinox / Flax NNX /
+optax users would (notes/user/twentysixth/) ran and matched raw JAX + optax; the mistakes a
+migrating user makes along the way each raise an error naming the fix. Pinned here: the
+ones that raised Python's bare errors before (model.apply / model.eval on a model,
+nnx.Optimizer's argument order, an integer seed as a key, a loss taking the batch unpacked)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import functree as ft
+from functree._foreign_methods import FOREIGN_METHODS
+from functree._random import NOT_A_KEY
+from functree.optim._optimizer import MODEL_FIRST
+from functree.train._eval_step import LOSS_UNPACKS_BATCH
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return ft.nn.Dense(2, 3, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("name, right", [
+    ("apply", "model(x)"), ("init", "ft.parameters(model)"), ("train", "ft.nn.training(model)"),
+    ("eval", "ft.nn.inference(model)"), ("parameters", "ft.parameters(model)"),
+    ("state_dict", "ft.to_flat_dict(model)"),
+])
+def test_other_libraries_methods_name_the_fix(dense, name, right):
+    """Flax's model.apply(params, x) / model.init, NNX's and torch's model.train() /
+    model.eval(), torch's parameters() / state_dict() raised Python's bare "'Dense' object
+    has no attribute 'apply'"; each names functree's way now."""
+    with pytest.raises(AttributeError, match=f"no attribute '{name}': ") as info:
+        getattr(dense, name)
+    assert FOREIGN_METHODS[name][0] in str(info.value)
+    assert right in str(info.value)
+    assert info.value.name == name and info.value.obj is dense  # Python's "Did you mean" reads them
+
+
+def test_other_attributes_keep_python_errors(dense):
+    """Another missing name keeps Python's message; a property whose own code raised
+    AttributeError raises its own error, not "no attribute <the property>"."""
+    with pytest.raises(AttributeError, match=r"^'Dense' object has no attribute 'weigth'$"):
+        dense.weigth  # noqa: B018
+
+    class Broken(ft.Module):
+        w: jax.Array
+
+        @property
+        def width(self):
+            return self.w.shapee
+
+    with pytest.raises(AttributeError, match="shapee"):
+        Broken(jnp.ones(2)).width  # noqa: B018
+    assert not hasattr(dense, "init_cache") and hasattr(dense, "weight")
+
+
+def test_optimizer_in_nnx_argument_order(dense):
+    """nnx.Optimizer(model, tx) written as ft.optim.Optimizer(model, tx) raised Python's
+    "takes 2 positional arguments but 3 were given"."""
+    with pytest.raises(TypeError) as info:
+        ft.optim.Optimizer(dense, optax.adam(1e-3))
+    assert str(info.value) == MODEL_FIRST.format(count=2, given="Dense, GradientTransformationExtraArgs")
+    assert "opt_state = optimizer.init(model)" in str(info.value)
+
+
+@pytest.mark.parametrize("seed, given", [(0, "int 0"), (jnp.arange(2.0), "an array of float32[2]")])
+def test_integer_seed_as_key(seed, given):
+    """ft.nn.Dense(4, 3, key=0) (torch's seed habit) and Dropout(x, key=5) raised
+    "'int' object has no attribute 'dtype'" from deep inside the draw."""
+    expected = NOT_A_KEY.format(given=given)
+    with pytest.raises(TypeError) as info:
+        ft.nn.Dense(4, 3, key=seed)
+    assert str(info.value) == expected
+    with pytest.raises(TypeError) as info:
+        ft.nn.training(ft.nn.Dropout(0.5))(jnp.ones(3), key=seed)
+    assert str(info.value) == expected
+
+
+def test_legacy_keys_still_accepted():
+    """jax.random.PRNGKey's raw uint32 keys are keys: the check refuses only non-keys."""
+    a = ft.nn.Dense(4, 3, key=jax.random.PRNGKey(0)).weight
+    b = ft.nn.Dense(4, 3, key=jax.random.wrap_key_data(jax.random.PRNGKey(0))).weight
+    assert bool((a == b).all())
+
+
+def test_loss_taking_the_batch_unpacked(dense):
+    """Equinox's loss(model, x, y) given to the Trainer or train_step failed at the first
+    step with "<lambda>() missing 1 required positional argument: 'y'"; refused at
+    construction, naming the unpacking lambda."""
+    def loss(model, x, y):
+        return ft.losses.softmax_cross_entropy(model(x), y)
+
+    def keyed(model, x, y, *, key):
+        return loss(model, x, y)
+
+    common = dict(name="loss", count=3)
+    with pytest.raises(TypeError) as info:
+        ft.train.Trainer(dense, optax.adam(1e-3), loss)
+    assert str(info.value) == LOSS_UNPACKS_BATCH.format(
+        signature="(model, x, y)", wrong="ft.train.Trainer(model, optimizer, loss_fn)",
+        right="ft.train.Trainer(model, optimizer, lambda model, batch: loss_fn(model, *batch))", **common)
+    with pytest.raises(TypeError) as info:
+        ft.train.Trainer(dense, optax.adam(1e-3), keyed, key=jax.random.key(0))
+    assert "lambda model, batch, *, key: loss_fn(model, *batch, key=key), key=key)" in str(info.value)
+    with pytest.raises(TypeError) as info:
+        ft.train.train_step(loss, optax.adam(1e-3))
+    assert "ft.train.train_step(lambda model, batch: loss_fn(model, *batch), optimizer)" in str(info.value)
+    # the fix trains; a loss with *batch, a default third argument or a key is accepted as before
+    x, y = jnp.ones((4, 2)), jnp.array([0, 1, 2, 0])
+    step = ft.train.train_step(lambda m, b: loss(m, *b), optax.sgd(0.1), donate=False)
+    _, _, metrics = step(dense, step.optimizer.init(dense), (x, y))
+    assert metrics["loss"].shape == ()
+    for fine in (lambda m, *b: 0.0, lambda m, b, scale=1.0: 0.0, lambda m, b, key=None: 0.0):
+        ft.train.train_step(fine, optax.sgd(0.1))

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FOREIGN_METHOD", "FOREIGN_METHODS", "missing_attribute"]
+__all__ = ["FOREIGN_METHOD", "FOREIGN_METHODS", "FOREIGN_FUNCTION", "FOREIGN_FUNCTIONS", "missing_attribute",
+           "missing_module_attribute"]
 
 FOREIGN_METHOD = """\
 '{cls}' object has no attribute {name!r}: {why}
@@ -51,6 +52,82 @@ FOREIGN_METHODS: dict[str, tuple[str, str, str]] = {
                    "model.state_dict()",
                    "ft.to_flat_dict(model)                     # or ft.nn.torch_state_dict(model) in torch's layout"),
 }
+
+
+FOREIGN_FUNCTION = """\
+module {package!r} has no attribute {name!r}: {what}
+
+    right:  {right}"""
+
+# package -> name -> (what the name is in Equinox / Flax NNX, functree's way): the functions
+# and classes a migrating user reaches for (ft.filter_jit, ft.nn.Linear), read by the
+# packages' module __getattr__ (functree/_lazy.py).
+FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
+    "functree": {
+        "filter_jit": ("Equinox's eqx.filter_jit is ft.jit here (a module's configuration is static "
+                       "already; Python flags and sizes as arguments are static_argnames)",
+                       "ft.jit(step)                               # ft.jit(step, static_leaves=True) for function leaves"),
+        "filter_grad": ("Equinox's eqx.filter_grad is ft.gradient here (only parameters are differentiated)",
+                        "grads = ft.gradient(loss_fn, at=model)     # or ft.gradient(loss_fn)(model, x, y)"),
+        "filter_value_and_grad": ("Equinox's eqx.filter_value_and_grad is ft.value_with_gradient here",
+                                  "loss, grads = ft.value_with_gradient(loss_fn)(model, x, y)"),
+        "apply_updates": ("Equinox's eqx.apply_updates (optax.apply_updates) is ft.move here: it keeps "
+                          "the non-parameters (BatchNorm statistics) the updates hold None for",
+                          "model = ft.move(model, along=updates)"),
+        "partition": ("Equinox's eqx.partition splits out the trained part; here the parameter view is "
+                      "ft.parameters(model), and a part is trained by name with wrt=",
+                      "ft.optim.Optimizer(ft.optim.adam(1e-3), wrt=\"head.*\")   # or ft.gradient(f, at=model, wrt=...)"),
+        "combine": ("Equinox's eqx.combine puts a partition back together; here parameters go into a "
+                    "model with ft.with_parameters",
+                    "model = ft.with_parameters(model, params)"),
+        "filter": ("Equinox's eqx.filter(model, eqx.is_array) is the parameter view here",
+                   "params = ft.parameters(model)"),
+        "tree_at": ("Equinox's eqx.tree_at replaces a leaf; here by key path (eqx.tree_at works too)",
+                    "model = ft.set(model, \"head.weight\", w)     # or model.replace(head=...)"),
+        "value_and_grad": ("Flax NNX's nnx.value_and_grad is ft.value_with_gradient here",
+                           "loss, grads = ft.value_with_gradient(loss_fn, at=model)"),
+        "grad": ("Flax NNX's nnx.grad is ft.gradient here", "grads = ft.gradient(loss_fn, at=model)"),
+        "split": ("Flax NNX's nnx.split is not needed: the model is the pytree; its parameter view is "
+                  "ft.parameters(model)", "params = ft.parameters(model)"),
+        "merge": ("Flax NNX's nnx.merge is ft.with_parameters here", "model = ft.with_parameters(model, params)"),
+        "state": ("Flax NNX's nnx.state is the flat dict by name here", "ft.to_flat_dict(model)"),
+    },
+    "functree.nn": {
+        "Linear": ("Equinox's eqx.nn.Linear and NNX's nnx.Linear are ft.nn.Dense here (weight [in, out], "
+                   "any leading batch axes)", "ft.nn.Dense(in_size, out_size, key=jax.random.key(0))"),
+        "inference_mode": ("Equinox's eqx.nn.inference_mode is ft.nn.inference here",
+                           "model = ft.nn.inference(model)             # ft.nn.training(model) the other way"),
+        "make_with_state": ("Equinox's eqx.nn.make_with_state is not needed: layer state (BatchNorm) lives in "
+                            "the model and train_step / the Trainer collect it",
+                            "model = MyModel(..., key=key)              # by hand: ft.nn.value_with_gradient_and_state"),
+        "Conv": ("Flax's nnx.Conv is ft.nn.Conv1D / ft.nn.Conv2D here (channels last)",
+                 "ft.nn.Conv2D(in_channels, out_channels, 3, key=jax.random.key(0))"),
+        "Conv2d": ("Equinox's eqx.nn.Conv2d is ft.nn.Conv2D here (channels last: [..., H, W, C])",
+                   "ft.nn.Conv2D(in_channels, out_channels, 3, key=jax.random.key(0))"),
+        "MultiHeadAttention": ("Flax NNX's nnx.MultiHeadAttention is ft.nn.MultiheadAttention here",
+                               "ft.nn.MultiheadAttention(query_size, num_heads, key=jax.random.key(0))"),
+        "Rngs": ("Flax NNX's nnx.Rngs is not needed: layers take key= at construction, and Dropout a key per call",
+                 "ft.nn.Dense(4, 3, key=jax.random.key(0));  model(x, key=jax.random.fold_in(key, step))"),
+    },
+}
+
+
+def missing_module_attribute(package: str, name: str) -> AttributeError:
+    """The error for ``ft.<name>`` (``ft.nn.<name>``) that the package lacks: another
+    library's name (:data:`FOREIGN_FUNCTIONS`) with functree's way, else Python's own message.
+
+    Example:
+      >>> import functree as ft
+      >>> ft.filter_jit
+      Traceback (most recent call last):
+      ...
+      AttributeError: module 'functree' has no attribute 'filter_jit': Equinox's eqx.filter_jit is ft.jit here ...
+    """
+    found = FOREIGN_FUNCTIONS.get(package, {}).get(name)
+    if found is None:
+        return AttributeError(f"module {package!r} has no attribute {name!r}")
+    what, right = found
+    return AttributeError(FOREIGN_FUNCTION.format(package=package, name=name, what=what, right=right))
 
 
 def missing_attribute(obj: Any, name: str) -> AttributeError:

@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from functree._foreign_methods import missing_module_attribute
+
 __all__ = ["lazy_names"]
 
 
@@ -27,8 +29,8 @@ def lazy_names(package: str, table: Mapping[str, str]) -> tuple[Callable[[str], 
 
     def __getattr__(name: str) -> Any:
         home = table.get(name)
-        if home is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if home is None:  # another library's name (ft.filter_jit, ft.nn.Linear) names functree's
+            raise missing_module_attribute(package, name)
         module = importlib.import_module(home)
         value = module if home == f"{package}.{name}" else getattr(module, name)
         vars(sys.modules[package])[name] = value  # found once: later reads are plain attributes

@@ -6,13 +6,15 @@ nnx.Optimizer's argument order, an integer seed as a key, a loss taking the batc
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
 import functree as ft
-from functree._foreign_methods import FOREIGN_METHODS
+from functree._foreign_methods import FOREIGN_FUNCTION, FOREIGN_FUNCTIONS, FOREIGN_METHODS
 from functree._random import NOT_A_KEY
 from functree.optim._optimizer import MODEL_FIRST
 from functree.train._eval_step import LOSS_UNPACKS_BATCH
@@ -115,3 +117,22 @@ def test_loss_taking_the_batch_unpacked(dense):
     assert metrics["loss"].shape == ()
     for fine in (lambda m, *b: 0.0, lambda m, b, scale=1.0: 0.0, lambda m, b, key=None: 0.0):
         ft.train.train_step(fine, optax.sgd(0.1))
+
+
+@pytest.mark.parametrize("package, name, right", [
+    ("functree", "filter_jit", "ft.jit(step)"), ("functree", "filter_value_and_grad", "ft.value_with_gradient"),
+    ("functree", "apply_updates", "ft.move(model, along=updates)"), ("functree", "tree_at", "ft.set(model"),
+    ("functree.nn", "Linear", "ft.nn.Dense(in_size, out_size"), ("functree.nn", "inference_mode", "ft.nn.inference"),
+])
+def test_other_libraries_functions_name_the_fix(package, name, right):
+    """ft.filter_jit, ft.apply_updates, ft.nn.Linear, ft.nn.inference_mode (Equinox's and
+    NNX's names) raised "module 'functree' has no attribute 'filter_jit'"; each names
+    functree's way now, and another missing name keeps Python's message."""
+    module = importlib.import_module(package)
+    what, fix = FOREIGN_FUNCTIONS[package][name]
+    with pytest.raises(AttributeError) as info:
+        getattr(module, name)
+    assert str(info.value) == FOREIGN_FUNCTION.format(package=package, name=name, what=what, right=fix)
+    assert right in fix
+    with pytest.raises(AttributeError, match=rf"^module '{package}' has no attribute 'nothing_here'$"):
+        module.nothing_here  # noqa: B018

@@ -91,6 +91,23 @@ A function (or another object) kept as a leaf of a model, such as Equinox's \
 
 ft.train.train_step and ft.train.Trainer do this on their own."""
 
+# Flax NNX's `@nnx.jit def train_step(model, optimizer, x, y)` passes the nnx.Optimizer, which
+# holds the state; here the optimizer is configuration and its state the array argument.
+OPTIMIZER_ARGUMENT = """\
+ft.jit({fn}): the argument {path} is an optimizer ({type}), not an array: JAX cannot trace \
+it. Flax NNX's nnx.jit takes the nnx.Optimizer, which holds its state; a functree (or optax) \
+optimizer is configuration and its state is the argument: close over the optimizer and pass \
+the state.
+
+    wrong:  step(model, optimizer, batch)
+    right:  opt_state = optimizer.init(model)
+            @ft.jit
+            def step(model, opt_state, batch):          # optimizer from the enclosing scope
+                grads = ft.gradient(lambda m: loss_fn(m, batch), at=model)
+                updates, opt_state = optimizer.update(grads, opt_state, model)
+                return ft.move(model, along=updates), opt_state
+       or:  step = ft.train.train_step(loss_fn, optimizer)   # the whole step, compiled"""
+
 _INTERNAL = ("/jax/", "/jaxlib/", "functree/_jit.py")
 
 
@@ -198,8 +215,9 @@ def jit(
 
 def _explained(f: Callable[..., Any], error: Exception, args: Sequence[Any], kwargs: dict[str, Any]) -> Exception | None:
     """The error to raise instead of JAX's ``error`` from calling ``f``'s jitted function, or
-    None: a deleted (donated) array named by its key path, or :data:`UNTRACEABLE_LEAF`
-    for a function kept as a leaf (its key path and ``static_leaves=True``)."""
+    None: a deleted (donated) array named by its key path, :data:`OPTIMIZER_ARGUMENT` for an
+    optimizer passed as an argument (NNX's habit), or :data:`UNTRACEABLE_LEAF` for a function
+    kept as a leaf (its key path and ``static_leaves=True``)."""
     if isinstance(error, (RuntimeError, ValueError)):  # a donated array passed again, or devices apart
         if is_deletion_error(error):
             return stale_error(named_arguments(f, args, kwargs))
@@ -208,8 +226,22 @@ def _explained(f: Callable[..., Any], error: Exception, args: Sequence[Any], kwa
         found = untraceable_leaf(f, args, kwargs)
         if found is not None:
             path, leaf = found
+            optimizer = _optimizer_argument(f, args, kwargs)
+            if optimizer is not None:
+                name, given = optimizer
+                return TypeError(OPTIMIZER_ARGUMENT.format(fn=getattr(f, "__name__", "f"), path=name,
+                                                           type=type(given).__name__))
             return TypeError(UNTRACEABLE_LEAF.format(fn=getattr(f, "__name__", "f"), path=path,
                                                      type=type(leaf).__name__))
+    return None
+
+
+def _optimizer_argument(f: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, Any] | None:
+    """The first argument that is an optimizer (``init`` and ``update`` functions: an
+    ``ft.optim.Optimizer``, an optax transformation), by name; None if none is."""
+    for name, value in named_arguments(f, args, kwargs):
+        if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
+            return name, value
     return None
 
 

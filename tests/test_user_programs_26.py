@@ -15,6 +15,7 @@ import pytest
 
 import functree as ft
 from functree._foreign_methods import FOREIGN_FUNCTION, FOREIGN_FUNCTIONS, FOREIGN_METHODS
+from functree._jit import OPTIMIZER_ARGUMENT
 from functree._random import NOT_A_KEY
 from functree.optim._optimizer import MODEL_FIRST
 from functree.train._eval_step import LOSS_UNPACKS_BATCH
@@ -136,3 +137,21 @@ def test_other_libraries_functions_name_the_fix(package, name, right):
     assert right in fix
     with pytest.raises(AttributeError, match=rf"^module '{package}' has no attribute 'nothing_here'$"):
         module.nothing_here  # noqa: B018
+
+
+@pytest.mark.parametrize("make", [lambda: ft.optim.Optimizer(ft.optim.adam(1e-3)), lambda: optax.adam(1e-3)],
+                         ids=["Optimizer", "optax"])
+def test_optimizer_passed_into_jit(dense, make):
+    """NNX's `@nnx.jit def train_step(model, optimizer, batch)` written with ft.jit: the
+    error told to make the optimizer static (static_leaves=True) or, for an optax
+    transformation, named its `init` function as a model's leaf; it names the optimizer and
+    shows the step that closes over it and takes its state."""
+    optimizer = make()
+
+    @ft.jit
+    def step(model, optimizer, x):
+        return model(x)
+
+    with pytest.raises(TypeError) as info:
+        step(dense, optimizer, jnp.ones((1, 2)))
+    assert str(info.value) == OPTIMIZER_ARGUMENT.format(fn="step", path="optimizer", type=type(optimizer).__name__)

@@ -176,3 +176,98 @@ def test_a_pad_over_half_the_pool_is_refused_as_torch_does():
                        r"right:  MaxPool2D\(3, padding=1\)"):
         ft.nn.MaxPool2D(3, 1, 2)
     assert ft.nn.AvgPool1D(4, 1, ((2, 2),)).padding == ((2, 2),)
+
+
+def _against_torch(layer, torch_pool, x, atol):
+    """``layer`` on channels-last ``x`` and ``torch_pool`` on it channels-first: outputs and input
+    gradients (of one random cotangent), float32, within ``atol`` times their magnitude."""
+    torch = pytest.importorskip("torch")
+    xt = torch.tensor(np.moveaxis(x, -1, 1), requires_grad=True)
+    yt = torch_pool(xt)
+    expected = np.moveaxis(yt.detach().numpy(), 1, -1)
+    g = np.random.default_rng(2).normal(size=expected.shape).astype(np.float32)
+    y, vjp = jax.vjp(jax.jit(layer), jnp.asarray(x))
+    (grad,) = vjp(jnp.asarray(g))
+    yt.backward(torch.tensor(np.moveaxis(g, -1, 1)))
+    assert y.shape == expected.shape
+    np.testing.assert_allclose(y, expected, rtol=0, atol=atol * max(1.0, float(np.abs(expected).max())))
+    expected_grad = np.moveaxis(xt.grad.numpy(), 1, -1)
+    np.testing.assert_allclose(grad, expected_grad, rtol=0, atol=atol * max(1.0, float(np.abs(expected_grad).max())))
+
+
+# Each case's last window is partial: kept (torch's ceil_mode) or dropped by torch's rule that it
+# start inside the input or its left padding (length 7, pool 2, stride 2, padding 1: 4 starts,
+# the 4th at 6 + 1 - 1 = 6, in the right padding: dropped).
+CEIL_CASES = [
+    (lambda: ft.nn.MaxPool1D(3, 2, ceil_mode=True), lambda F, x: F.max_pool1d(x, 3, 2, ceil_mode=True), (2, 8, 3)),
+    (lambda: ft.nn.MaxPool1D(2, 2, 1, ceil_mode=True), lambda F, x: F.max_pool1d(x, 2, 2, 1, ceil_mode=True), (2, 7, 3)),
+    (lambda: ft.nn.AvgPool1D(3, 2, ceil_mode=True), lambda F, x: F.avg_pool1d(x, 3, 2, ceil_mode=True), (2, 6, 3)),
+    (lambda: ft.nn.AvgPool2D(3, 2, 1, ceil_mode=True),
+     lambda F, x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), (2, 6, 5, 3)),
+    (lambda: ft.nn.AvgPool2D(3, 2, 1, ceil_mode=True, count_include_pad=False),
+     lambda F, x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), (2, 6, 5, 3)),
+    (lambda: ft.nn.MaxPool2D(2, (1, 2), 1, dilation=(2, 3)),
+     lambda F, x: F.max_pool2d(x, 2, (1, 2), 1, (2, 3)), (2, 6, 7, 3)),
+    (lambda: ft.nn.MaxPool2D(3, 2, 1, ceil_mode=True, dilation=2),
+     lambda F, x: F.max_pool2d(x, 3, 2, 1, 2, ceil_mode=True), (2, 8, 7, 3)),
+]
+
+
+@pytest.mark.parametrize("make,torch_pool,shape", CEIL_CASES)
+def test_ceil_mode_and_dilation_match_torch(make, torch_pool, shape):
+    """torch's ceil_mode (and max pooling's dilation) had no counterpart: MaxPool2d(3, 2,
+    ceil_mode=True) on 8 x 8 maps gives 4 x 4, ft.nn's 3 x 3 (its last windows dropped), and
+    a ceil-mode average divides a partial window by its positions inside the padding, not by
+    the pool. Swept against torch in float64 (1386 settings: lengths 1-8, pools 1-4, strides
+    1-3, every padding torch allows, dilation 1-2): 4.4e-16 apart, refusals alike; float32
+    values here, 7.2e-8 of the values apart measured (outputs and input gradients, every case
+    here; the mean's rounding): atol 10 times it, rounded up."""
+    x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    torch = pytest.importorskip("torch")
+    _against_torch(make(), lambda xt: torch_pool(torch.nn.functional, xt), x, 1e-6)
+
+
+ADAPTIVE_CASES = [  # uneven and overlapping windows, an output longer than the input, None entries
+    (lambda: ft.nn.AdaptiveAvgPool1D(3), lambda nn: nn.AdaptiveAvgPool1d(3), (2, 7, 3)),
+    (lambda: ft.nn.AdaptiveMaxPool1D(5), lambda nn: nn.AdaptiveMaxPool1d(5), (2, 7, 3)),
+    (lambda: ft.nn.AdaptiveAvgPool2D((4, None)), lambda nn: nn.AdaptiveAvgPool2d((4, None)), (2, 6, 5, 3)),
+    (lambda: ft.nn.AdaptiveMaxPool2D((3, 7)), lambda nn: nn.AdaptiveMaxPool2d((3, 7)), (2, 5, 4, 3)),
+    (lambda: ft.nn.AdaptiveAvgPool3D((2, None, 3)), lambda nn: nn.AdaptiveAvgPool3d((2, None, 3)), (2, 3, 4, 5, 2)),
+    (lambda: ft.nn.AdaptiveMaxPool3D(2), lambda nn: nn.AdaptiveMaxPool3d(2), (2, 3, 4, 5, 2)),
+]
+
+
+@pytest.mark.parametrize("make,torch_make,shape", ADAPTIVE_CASES)
+def test_adaptive_pooling_matches_torch(make, torch_make, shape):
+    """torch's windows [floor(i L / o), ceil((i + 1) L / o)): 560 settings (lengths 1-7,
+    outputs 1-8, 1-3 axes, None entries) 4.4e-16 apart in float64; float32 here."""
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    _against_torch(make(), torch_make(torch.nn), x, 1e-6)
+
+
+def test_adaptive_windows_and_gradient():
+    assert ft.nn._pooling.adaptive_windows(7, 3) == ((0, 3), (2, 5), (4, 7))
+    assert ft.nn._pooling.adaptive_windows(2, 3) == ((0, 1), (0, 2), (1, 2))
+    with jax.enable_x64(True):
+        x = jax.random.permutation(jax.random.key(1), jnp.arange(1.0, 1.0 + 5 * 4 * 2, dtype=jnp.float64))
+        check_grads(jax.jit(ft.nn.AdaptiveAvgPool2D((3, None))), (x.reshape(5, 4, 2) / 7.0,), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("given", [0, (2, 0), "2", (2,), (2, 2, 2), 1.5])
+def test_a_bad_output_size_is_refused(given):
+    with pytest.raises(ValueError, match=r"(?s)AdaptiveAvgPool2D: output_size=.* does not fit 2 spatial axes: an int "
+                       r">= 1 .* or None .*right:  AdaptiveAvgPool2D\(\(2, None\)\)"):
+        ft.nn.AdaptiveAvgPool2D(given)
+
+
+def test_adaptive_pooling_of_an_empty_axis_is_refused():
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)AdaptiveMaxPool2D expects .* with height >= 1, got "
+                       r"f32\[1,0,5,2\].*Its height is empty"):
+        ft.nn.AdaptiveMaxPool2D(2)(np.ones((1, 0, 5, 2), np.float32))
+
+
+def test_ceil_mode_with_same_padding_is_refused():
+    with pytest.raises(ValueError, match=r'(?s)MaxPool2D: ceil_mode=True with padding="SAME".*'
+                       r"right:  MaxPool2D\(3, 2, padding=1, ceil_mode=True\)"):
+        ft.nn.MaxPool2D(3, 2, "SAME", ceil_mode=True)

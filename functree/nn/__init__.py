@@ -55,6 +55,12 @@ from functree.nn._mlp import MLP
 from functree.nn._mode import Layer, inference, inferring, is_training, training
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._pooling import (
+    AdaptiveAvgPool1D,
+    AdaptiveAvgPool2D,
+    AdaptiveAvgPool3D,
+    AdaptiveMaxPool1D,
+    AdaptiveMaxPool2D,
+    AdaptiveMaxPool3D,
     AvgPool1D,
     AvgPool2D,
     Flatten,
@@ -136,6 +142,12 @@ __all__ = [
     "GlobalMaxPool2D",
     "GlobalAvgPool1D",
     "GlobalAvgPool2D",
+    "AdaptiveAvgPool1D",
+    "AdaptiveAvgPool2D",
+    "AdaptiveAvgPool3D",
+    "AdaptiveMaxPool1D",
+    "AdaptiveMaxPool2D",
+    "AdaptiveMaxPool3D",
     "Flatten",
     "Dropout",
     "LayerNorm",

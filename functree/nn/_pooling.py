@@ -16,12 +16,14 @@ pads ``(0, 1)`` at stride 2 on an even size: same shape, other windows.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._module import field
 from functree._repr import short_array
@@ -40,6 +42,14 @@ __all__ = [
     "GlobalMaxPool2D",
     "GlobalAvgPool1D",
     "GlobalAvgPool2D",
+    "AdaptiveAvgPool1D",
+    "AdaptiveAvgPool2D",
+    "AdaptiveAvgPool3D",
+    "AdaptiveMaxPool1D",
+    "AdaptiveMaxPool2D",
+    "AdaptiveMaxPool3D",
+    "adaptive_windows",
+    "overhang",
     "Flatten",
 ]
 
@@ -50,6 +60,15 @@ too; a global average is NaN in both).
 
     wrong:  ft.nn.{cls}()(x)     # x: {given}
     right:  ft.nn.{cls}()(x)     # x with {axis} >= 1 (the layer before keeps an axis: padding="SAME")"""
+
+
+CEIL_MODE_SAME = """\
+{cls}: ceil_mode=True with padding="SAME": "SAME" already keeps every partial window \
+(ceil(length / strides) outputs); ceil_mode is torch's, for an int padding or "VALID".
+
+    wrong:  {cls}(3, 2, padding="SAME", ceil_mode=True)
+    right:  {cls}(3, 2, padding=1, ceil_mode=True)     # torch's MaxPool(3, 2, padding=1, ceil_mode=True)
+"""
 
 
 POOL_PAD_TOO_LARGE = """\
@@ -67,13 +86,34 @@ def _show(values: tuple[int, ...]) -> Any:
 
 
 def _spatial(n: int) -> tuple[str, ...]:
-    return ("length", "channels") if n == 1 else ("height", "width", "channels")
+    return (("length",), ("height", "width"), ("depth", "height", "width"))[n - 1] + ("channels",)
+
+
+def overhang(length: int, low: int, high: int, size: int, stride: int, dilation: int = 1) -> int:
+    """The padding torch's ``ceil_mode=True`` adds after an axis's ``(low, high)`` padding
+    for its last, partial window.
+
+    With the window spanning ``e = d (k - 1) + 1`` over ``P = L + low + high`` positions there are
+    ``ceil((P - e) / s) + 1`` windows, less one where the last would start at or past
+    ``L + low`` (in the right padding: torch's rule, every window starts inside the input or
+    its left padding); the last ends ``(n - 1) s + e - P`` past the padding (0 if none).
+    ``floor`` division rounds toward minus infinity, as torch's ``div_rtn``: an axis shorter
+    than the window still gets one window where ``P - e > -s``.
+    """
+    span = dilation * (size - 1) + 1
+    padded = length + low + high
+    count = (padded - span + stride - 1) // stride + 1
+    if count >= 1 and (count - 1) * stride >= length + low:
+        count -= 1
+    return max(0, (count - 1) * stride + span - padded) if count >= 1 else 0
 
 
 class _Pool(Layer):
     pool_size: tuple[int, ...] = field(static=True, default=(2,))
     strides: tuple[int, ...] = field(static=True, default=(2,))
     padding: Any = field(static=True, default="VALID")
+    ceil_mode: bool = field(static=True, default=False)
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("ceil_mode",)  # files written before it: False
 
     _rank: ClassVar[int] = 1
 
@@ -82,6 +122,7 @@ class _Pool(Layer):
         pool_size: int | Sequence[int] = 2,
         strides: int | Sequence[int] | None = None,
         padding: Any = "VALID",
+        ceil_mode: bool = False,
     ):
         name = type(self).__name__
         self.pool_size = window.sizes(name, "pool_size", pool_size, self._rank)
@@ -91,26 +132,93 @@ class _Pool(Layer):
             # a window wholly in the padding: -inf (max), 0 or NaN (average); torch refuses it too
             raise ValueError(POOL_PAD_TOO_LARGE.format(cls=name, padding=padding, size=_show(self.pool_size),
                                                        most=_show(tuple(k // 2 for k in self.pool_size))))
+        if ceil_mode and self.padding == "SAME":
+            raise ValueError(CEIL_MODE_SAME.format(cls=name))
+        self.ceil_mode = bool(ceil_mode)
 
-    def _window(self, x: jax.Array, init: Any, op: Any) -> jax.Array:
+    @property
+    def _dilation(self) -> tuple[int, ...]:
+        return (1,) * self._rank
+
+    def _pads(self, x: jax.Array) -> Any:
+        """The padding the window reads: ``padding``, and with ``ceil_mode`` each axis's
+        :func:`overhang` after it (filled as the padding is: ``-inf`` for max, uncounted 0 for
+        average)."""
+        if not self.ceil_mode:
+            return self.padding
+        n = self._rank
+        pads = ((0, 0),) * n if self.padding == "VALID" else self.padding
+        lengths = x.shape[x.ndim - n - 1:-1]
+        return tuple((lo, hi + overhang(length, lo, hi, k, s, d)) for (lo, hi), length, k, s, d in
+                     zip(pads, lengths, self.pool_size, self.strides, self._dilation))
+
+    def _window(self, x: jax.Array, init: Any, op: Any, pads: Any) -> jax.Array:
         check_input(self, x, _spatial(self._rank))
-        check_window_fits(self, x, _spatial(self._rank)[:-1], self.pool_size, self.strides, (1,) * self._rank,
-                          self.padding, kernel_name="pool_size")
+        check_window_fits(self, x, _spatial(self._rank)[:-1], self.pool_size, self.strides, self._dilation,
+                          pads, kernel_name="pool_size")
         lead = x.ndim - self._rank - 1
         dims = (1,) * lead + self.pool_size + (1,)
         strides = (1,) * lead + self.strides + (1,)
-        pads = self.padding if isinstance(self.padding, str) else ((0, 0),) * lead + self.padding + ((0, 0),)
-        return jax.lax.reduce_window(x, init, op, dims, strides, pads)  # padded with init: -inf for max, 0 for sums
+        dilation = (1,) * lead + self._dilation + (1,)
+        pads = pads if isinstance(pads, str) else ((0, 0),) * lead + tuple(pads) + ((0, 0),)
+        # padded with init: -inf for max, 0 for sums
+        return jax.lax.reduce_window(x, init, op, dims, strides, pads, window_dilation=dilation)
 
 
 class _MaxPool(_Pool):
+    dilation: tuple[int, ...] = field(static=True, default=(1,))
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("ceil_mode", "dilation")  # older files: 1s, False
+
+    def __init__(
+        self,
+        pool_size: int | Sequence[int] = 2,
+        strides: int | Sequence[int] | None = None,
+        padding: Any = "VALID",
+        ceil_mode: bool = False,
+        dilation: int | Sequence[int] = 1,
+    ):
+        super().__init__(pool_size, strides, padding, ceil_mode)
+        self.dilation = window.sizes(type(self).__name__, "dilation", dilation, self._rank)
+
+    @property
+    def _dilation(self) -> tuple[int, ...]:
+        # a file written before the field read it as (1,): one per axis
+        return self.dilation if len(self.dilation) == self._rank else (1,) * self._rank
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self._window(x, -jnp.inf, jax.lax.max)  # a Python scalar: lax sees the monoid
+        if self._dilation == (1,) * self._rank:
+            return self._window(x, -jnp.inf, jax.lax.max, self._pads(x))  # a Python scalar: lax sees the monoid
+        return self._dilated(x, self._pads(x))
+
+    def _dilated(self, x: jax.Array, pads: Any) -> jax.Array:
+        """A dilated window's max as the max of its ``prod(pool_size)`` strided slices of the
+        ``-inf``-padded input, ``y[i] = max_j x[i s + j d]``: JAX has no gradient of a
+        dilated ``reduce_window`` max ("VJP not implemented for select_and_gather")."""
+        n = self._rank
+        check_input(self, x, _spatial(n))
+        check_window_fits(self, x, _spatial(n)[:-1], self.pool_size, self.strides, self._dilation, pads,
+                          kernel_name="pool_size")
+        lead = x.ndim - n - 1
+        spans = [d * (k - 1) + 1 for k, d in zip(self.pool_size, self._dilation)]
+        if isinstance(pads, str):
+            pads = jax.lax.padtype_to_pads(x.shape[lead:-1], spans, self.strides, pads)
+        padded = jnp.pad(x, ((0, 0),) * lead + tuple(pads) + ((0, 0),), constant_values=-jnp.inf)
+        counts = [(length - span) // s + 1 for length, span, s in zip(padded.shape[lead:-1], spans, self.strides)]
+        y = None
+        for offset in itertools.product(*(range(k) for k in self.pool_size)):
+            starts = [j * d for j, d in zip(offset, self._dilation)]
+            part = jax.lax.slice(padded, (0,) * lead + tuple(starts) + (0,),
+                                 padded.shape[:lead] + tuple(b + (c - 1) * s + 1 for b, c, s in
+                                                              zip(starts, counts, self.strides)) + padded.shape[-1:],
+                                 (1,) * lead + self.strides + (1,))
+            y = part if y is None else jnp.maximum(y, part)
+        assert y is not None  # pool sizes are >= 1
+        return y
 
 
 class _AvgPool(_Pool):
     count_include_pad: bool = field(static=True, default=True)
-    __ft_added_static__: ClassVar[tuple[str, ...]] = ("count_include_pad",)  # files written before it: True
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("count_include_pad", "ceil_mode")  # older files: True, False
 
     def __init__(
         self,
@@ -118,20 +226,34 @@ class _AvgPool(_Pool):
         strides: int | Sequence[int] | None = None,
         padding: Any = "VALID",
         count_include_pad: bool = True,
+        ceil_mode: bool = False,
     ):
-        super().__init__(pool_size, strides, padding)
+        super().__init__(pool_size, strides, padding, ceil_mode)
         self.count_include_pad = bool(count_include_pad)  # torch's; read for int / pair padding ("SAME": real counts)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``sum(window) / count`` with both in ``statistics_dtype`` (float32 for bfloat16 and
-        float16: a bfloat16 sum of 32x32 ones stalls at 256, a mean of 0.25), cast back."""
+        float16: a bfloat16 sum of 32x32 ones stalls at 256, a mean of 0.25), cast back.
+
+        ``count`` is the pool's size, or (``"SAME"``, ``count_include_pad=False``) the real
+        elements in the window; with ``ceil_mode`` the positions past the padding never count
+        (torch: ``min(start + k, L + pad) - start``), the padding counts as
+        ``count_include_pad`` says."""
         check_input(self, x, _spatial(self._rank))  # before the cast hides an integer input
         wide = statistics_dtype(x.dtype)
-        total = self._window(x.astype(wide), 0.0, jax.lax.add)
-        if self.padding == "VALID" or (not isinstance(self.padding, str) and self.count_include_pad):
+        pads = self._pads(x)
+        total = self._window(x.astype(wide), 0.0, jax.lax.add, pads)
+        counted = not isinstance(self.padding, str) and self.count_include_pad
+        if not self.ceil_mode and (self.padding == "VALID" or counted):
             return (total / jnp.array(math.prod(self.pool_size), wide)).astype(x.dtype)
-        # "SAME" (or count_include_pad=False): the real elements in each window, counted in the same dtype.
-        counts = self._window(jnp.ones(x.shape[-self._rank - 1:], wide), 0.0, jax.lax.add)
+        # The elements each window counts, summed by the same window in the same dtype.
+        n = self._rank
+        ones = jnp.ones(x.shape[-n - 1:], wide)
+        if counted:  # the padding counts, the overhang does not: ones padded by ones, the window then pads 0s
+            own: tuple[tuple[int, int], ...] = self.padding  # pyright: ignore[reportAssignmentType]  # pairs: counted
+            ones = jnp.pad(ones, [*own, (0, 0)], constant_values=1)
+            pads = tuple((0, hi - pad_hi) for (_, hi), (_, pad_hi) in zip(pads, own))
+        counts = self._window(ones, 0.0, jax.lax.add, pads)
         return (total / counts).astype(x.dtype)
 
 
@@ -139,18 +261,28 @@ _POOL_DOC = """{op} pooling over ``[..., {spatial}, channels]`` (``pool_size=2``
 
     ``y[..., i, c] = {formula}`` over the window ``x[..., i*stride : i*stride + pool_size, c]``.
 
+    Args: ``pool_size=2, strides=pool_size, padding="VALID"`` (``"SAME"``, or torch's int /
+    per-axis ``(low, high)`` padding){extra_args}, ``ceil_mode=False``: torch's, the last
+    partial window kept when it starts inside the input or its left padding
+    (``ceil((L + 2p - e) / s) + 1`` outputs, ``e`` the window's span; :func:`overhang`).
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> x = jnp.arange({n}.0).reshape({shape})
       >>> ft.nn.{name}({size})(x){out}
     """
 
+_MAX_ARGS = (", ``dilation=1`` (torch's: the window reads every ``d``-th element, spanning "
+             "``d (k - 1) + 1``; the padding is at most half the pool, as torch's)")
+_AVG_ARGS = (", ``count_include_pad=True`` (torch's: int / pair padding's zeros count in the mean; "
+             '``"SAME"`` counts the real elements)')
+
 
 class MaxPool1D(_MaxPool):
     _rank: ClassVar[int] = 1
     __doc__ = _POOL_DOC.format(
         op="1-D max", spatial="length", formula="max(window)", n=4, shape="1, 4, 1",
-        name="MaxPool1D", size=2, out=".ravel()\n      Array([1., 3.], dtype=float32)",
+        extra_args=_MAX_ARGS, name="MaxPool1D", size=2, out=".ravel()\n      Array([1., 3.], dtype=float32)",
     )
 
 
@@ -158,7 +290,7 @@ class MaxPool2D(_MaxPool):
     _rank: ClassVar[int] = 2
     __doc__ = _POOL_DOC.format(
         op="2-D max", spatial="height, width", formula="max(window)", n=16, shape="1, 4, 4, 1",
-        name="MaxPool2D", size="(2, 2)", out=".ravel()\n      Array([ 5.,  7., 13., 15.], dtype=float32)",
+        extra_args=_MAX_ARGS, name="MaxPool2D", size="(2, 2)", out=".ravel()\n      Array([ 5.,  7., 13., 15.], dtype=float32)",
     )
 
 
@@ -166,7 +298,7 @@ class AvgPool1D(_AvgPool):
     _rank: ClassVar[int] = 1
     __doc__ = _POOL_DOC.format(
         op="1-D average", spatial="length", formula="mean(window)", n=4, shape="1, 4, 1",
-        name="AvgPool1D", size=2, out=".ravel()\n      Array([0.5, 2.5], dtype=float32)",
+        extra_args=_AVG_ARGS, name="AvgPool1D", size=2, out=".ravel()\n      Array([0.5, 2.5], dtype=float32)",
     )
 
 
@@ -174,7 +306,7 @@ class AvgPool2D(_AvgPool):
     _rank: ClassVar[int] = 2
     __doc__ = _POOL_DOC.format(
         op="2-D average", spatial="height, width", formula="mean(window)", n=16, shape="1, 4, 4, 1",
-        name="AvgPool2D", size="(2, 2)", out=".ravel()\n      Array([ 2.5,  4.5, 10.5, 12.5], dtype=float32)",
+        extra_args=_AVG_ARGS, name="AvgPool2D", size="(2, 2)", out=".ravel()\n      Array([ 2.5,  4.5, 10.5, 12.5], dtype=float32)",
     )
 
 
@@ -234,6 +366,151 @@ class GlobalAvgPool2D(_GlobalPool):
         op="average", spatial="height, width", name="GlobalAvgPool2D", n=8, shape="1, 2, 2, 2",
         out="Array([[3., 4.]], dtype=float32)",
     )
+
+
+BAD_OUTPUT_SIZE = """\
+{cls}: output_size={given!r} does not fit {n} spatial {axes}: an int >= 1 (every axis), or {n} \
+entries (one per axis), each an int >= 1 or None (that axis keeps its input size).
+
+    wrong:  {cls}({given!r})
+    right:  {cls}({right})"""
+
+
+def adaptive_windows(length: int, size: int) -> tuple[tuple[int, int], ...]:
+    """torch's adaptive windows: output ``i`` of ``size`` reads ``[floor(i L / size),
+    ceil((i + 1) L / size))`` of an axis of length ``L`` (uneven where ``size`` does not
+    divide ``L``; overlapping, or repeated where ``size > L``).
+
+    Example:
+      >>> adaptive_windows(5, 3)
+      ((0, 2), (1, 4), (3, 5))
+    """
+    return tuple((i * length // size, -(-(i + 1) * length // size)) for i in range(size))
+
+
+def _adaptive_axis(x: jax.Array, axis: int, size: int, is_max: bool) -> jax.Array:
+    """``x`` with ``axis`` reduced to ``size`` windows (:func:`adaptive_windows`): each
+    window's elements gathered into a new axis (padded to the widest window by the last
+    index, masked out) and reduced, max or sum / count. A box's max or mean is its axes' in
+    turn: the windows are products of one window per axis."""
+    length = x.shape[axis]
+    bounds = adaptive_windows(length, size)
+    if bounds == tuple((i, i + 1) for i in range(length)):
+        return x  # one element a window: the identity
+    width = max(end - start for start, end in bounds)
+    index = np.array([[min(start + j, length - 1) for j in range(width)] for start, _ in bounds])
+    real = np.array([[start + j < end for j in range(width)] for start, end in bounds])
+    gathered = jnp.take(x, jnp.asarray(index), axis=axis)  # [..., size, width, ...]
+    mask = jnp.asarray(real).reshape(real.shape + (1,) * (x.ndim - axis - 1))
+    if is_max:
+        return jnp.max(jnp.where(mask, gathered, -jnp.inf), axis=axis + 1)
+    counts = np.array([end - start for start, end in bounds]).reshape((size,) + (1,) * (x.ndim - axis - 1))
+    return jnp.sum(jnp.where(mask, gathered, 0), axis=axis + 1) / jnp.asarray(counts, x.dtype)
+
+
+class _AdaptivePool(Layer):
+    output_size: tuple[int | None, ...] = field(static=True, default=(1,))
+
+    _rank: ClassVar[int] = 1
+    _max: ClassVar[bool] = False
+
+    def __init__(self, output_size: int | Sequence[int | None] | None):
+        n, name = self._rank, type(self).__name__
+        given: Any = output_size
+        entries: tuple[Any, ...] | None = (given,) * n if given is None or window.is_int(given) else (
+            tuple(given) if isinstance(given, Sequence) and not isinstance(given, str) else None)
+        if entries is None or len(entries) != n or not all(e is None or (window.is_int(e) and e >= 1) for e in entries):
+            right = 2 if n == 1 else (2,) * (n - 1) + (None,)
+            raise ValueError(BAD_OUTPUT_SIZE.format(cls=name, given=output_size, n=n,
+                                                    axes="axis" if n == 1 else "axes", right=right))
+        self.output_size = tuple(None if e is None else int(e) for e in entries)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        names = _spatial(self._rank)
+        check_input(self, x, names)
+        axes = range(x.ndim - self._rank - 1, x.ndim - 1)
+        empty = [name for name, a in zip(names, axes) if x.shape[a] == 0]
+        if empty:  # windows of no elements: a max of none, a mean 0 / 0 (torch raises too)
+            pattern = "[..., " + ", ".join(names) + "]"
+            raise LayerInputError(self, f"{pattern} (float) with {empty[0]} >= 1", short_array(x),
+                                  EMPTY_ADAPTIVE.format(axis=empty[0], cls=type(self).__name__,
+                                                        size=_show_size(self.output_size), given=short_array(x)))
+        wide = statistics_dtype(x.dtype)  # sums of bfloat16 / float16 in float32, as AvgPool's
+        y = x if self._max else x.astype(wide)
+        for a, size in zip(axes, self.output_size):
+            y = _adaptive_axis(y, a, x.shape[a] if size is None else size, self._max)
+        return y.astype(x.dtype)
+
+
+def _show_size(size: tuple[int | None, ...]) -> Any:
+    return size[0] if len(size) == 1 else size
+
+
+EMPTY_ADAPTIVE = """\
+Its {axis} is empty: an adaptive window of it holds no values (a max of none, a mean \
+NaN); torch raises here too.
+
+    wrong:  ft.nn.{cls}({size})(x)     # x: {given}
+    right:  ft.nn.{cls}({size})(x)     # x with {axis} >= 1"""
+
+
+_ADAPTIVE_DOC = """Adaptive {op} pooling to ``output_size``: ``[..., {spatial}, channels] -> [..., {out}, channels]``.
+
+    torch's ``Adaptive{Op}Pool{n}d``: output ``i`` of ``o`` along an axis of length ``L``
+    is the {op} of ``x[floor(i L / o) : ceil((i + 1) L / o)]`` (:func:`adaptive_windows`;
+    uneven, overlapping windows where ``o`` does not divide ``L``). ``output_size`` is an int
+    (every axis) or one entry per axis, None keeping that axis's length.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> x = jnp.arange(5.0).reshape({shape})
+      >>> ft.nn.{name}({size})(x).ravel()
+      {result}
+    """
+
+
+class AdaptiveAvgPool1D(_AdaptivePool):
+    _rank: ClassVar[int] = 1
+    __doc__ = _ADAPTIVE_DOC.format(op="average", Op="Avg", n=1, spatial="length", out="o", shape="1, 5, 1",
+                                   name="AdaptiveAvgPool1D", size=3,
+                                   result="Array([0.5, 2. , 3.5], dtype=float32)")
+
+
+class AdaptiveAvgPool2D(_AdaptivePool):
+    _rank: ClassVar[int] = 2
+    __doc__ = _ADAPTIVE_DOC.format(op="average", Op="Avg", n=2, spatial="height, width", out="o_h, o_w",
+                                   shape="1, 5, 1, 1", name="AdaptiveAvgPool2D", size="(3, None)",
+                                   result="Array([0.5, 2. , 3.5], dtype=float32)")
+
+
+class AdaptiveMaxPool1D(_AdaptivePool):
+    _rank: ClassVar[int] = 1
+    _max: ClassVar[bool] = True
+    __doc__ = _ADAPTIVE_DOC.format(op="max", Op="Max", n=1, spatial="length", out="o", shape="1, 5, 1",
+                                   name="AdaptiveMaxPool1D", size=3, result="Array([1., 3., 4.], dtype=float32)")
+
+
+class AdaptiveMaxPool2D(_AdaptivePool):
+    _rank: ClassVar[int] = 2
+    _max: ClassVar[bool] = True
+    __doc__ = _ADAPTIVE_DOC.format(op="max", Op="Max", n=2, spatial="height, width", out="o_h, o_w",
+                                   shape="1, 5, 1, 1", name="AdaptiveMaxPool2D", size="(3, 1)",
+                                   result="Array([1., 3., 4.], dtype=float32)")
+
+
+class AdaptiveAvgPool3D(_AdaptivePool):
+    _rank: ClassVar[int] = 3
+    __doc__ = _ADAPTIVE_DOC.format(op="average", Op="Avg", n=3, spatial="depth, height, width",
+                                   out="o_d, o_h, o_w", shape="1, 1, 5, 1, 1", name="AdaptiveAvgPool3D",
+                                   size="(None, 3, 1)", result="Array([0.5, 2. , 3.5], dtype=float32)")
+
+
+class AdaptiveMaxPool3D(_AdaptivePool):
+    _rank: ClassVar[int] = 3
+    _max: ClassVar[bool] = True
+    __doc__ = _ADAPTIVE_DOC.format(op="max", Op="Max", n=3, spatial="depth, height, width",
+                                   out="o_d, o_h, o_w", shape="1, 1, 5, 1, 1", name="AdaptiveMaxPool3D",
+                                   size="(1, 3, None)", result="Array([1., 3., 4.], dtype=float32)")
 
 
 class Flatten(Layer):

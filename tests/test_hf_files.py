@@ -25,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 # level, GPT-NeoX's rotary_pct, GPT-2's standard names, nulls for derived sizes ...).
 CONFIGS = {
     "gpt2": [{}, {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "n_inner": 96,
-                  "activation_function": "gelu", "tie_word_embeddings": False, "pad_token_id": 5}],
+                  "activation_function": "gelu", "tie_word_embeddings": False, "pad_token_id": 5},
+             {"scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": True, "reorder_and_upcast_attn": True}],
     "llama": [{}, {"hidden_size": 64, "num_attention_heads": 4, "head_dim": None, "num_key_value_heads": None,
                    "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
               {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -38,7 +39,7 @@ CONFIGS = {
               {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
                "original_max_position_embeddings": 2048, "max_position_embeddings": 16384}],
     "qwen2": [{}, {"use_sliding_window": True, "max_window_layers": 0, "sliding_window": 64},
-              {"use_sliding_window": True, "num_hidden_layers": 4, "max_window_layers": 2, "rope_theta": 1e6},  # refused
+              {"use_sliding_window": True, "num_hidden_layers": 4, "max_window_layers": 2, "rope_theta": 1e6},  # mixed
               {"num_key_value_heads": None, "head_dim": 32, "tie_word_embeddings": True},
               {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
                "original_max_position_embeddings": 4096}],  # the top-level value (was: max_position_embeddings)
@@ -50,11 +51,13 @@ CONFIGS = {
     "gpt_neox": [{}, {"rotary_pct": 0.5, "rotary_emb_base": 20000.0, "use_parallel_residual": False,
                       "attention_bias": False, "hidden_act": "gelu_fast"},
                  {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_theta": 1234.0}],
-    "opt": [{}, {"word_embed_proj_dim": None, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "enable_bias": False}],
+    "opt": [{}, {"word_embed_proj_dim": None, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "enable_bias": False},
+            {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "hidden_size": 64, "num_attention_heads": 4},  # OPT-350m's
+            {"_remove_final_layer_norm": True, "word_embed_proj_dim": 64}],
     "bert": [{}, {"hidden_act": "relu", "type_vocab_size": 1}],
     "olmo": [{}, {"num_key_value_heads": None, "hidden_size": 64, "num_attention_heads": 4, "attention_bias": True,
                   "tie_word_embeddings": True, "rope_theta": 5e5},
-             {"clip_qkv": 8.0}],  # refused
+             {"clip_qkv": 8.0}],
 }
 CASES = [(model_type, i) for model_type, configs in CONFIGS.items() for i in range(len(configs))]
 

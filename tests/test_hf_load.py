@@ -316,8 +316,8 @@ def test_every_covered_activation_is_transformers_own():
 def test_uncovered_config_options():
     with pytest.raises(ValueError, match=r"rope_type 'mrope' .* covered: default, linear, dynamic, yarn, llama3"):
         _hf_options.rope(types.SimpleNamespace(rope_parameters={"rope_type": "mrope"}, max_position_embeddings=8))
-    with pytest.raises(ValueError, match=r"sets scale_attn_by_inverse_layer_idx=True"):
-        ft.nn.from_hf(gpt2_config(scale_attn_by_inverse_layer_idx=True), {})
+    with pytest.raises(ValueError, match=r"sets add_cross_attention=True"):  # (GPT-2's attention scalings: ported)
+        ft.nn.from_hf(gpt2_config(add_cross_attention=True), {})
     with pytest.raises(ValueError, match=r"the gpt2 config sets activation_function='laplace', an activation functree "
                                          r"does not port .*covered: gelu_new.*\n\n    wrong:  \"activation_function\": \"laplace\""):
         ft.nn.from_hf(gpt2_config(activation_function="laplace"), {})
@@ -635,13 +635,8 @@ def test_refused_families_and_options_say_what_works():
     with pytest.raises(ValueError, match=r"model_type 't5' is not covered; covered: .*qwen2 \(Qwen2ForCausalLM\)") as e:
         ft.nn.from_hf(types.SimpleNamespace(model_type="t5"), {})
     assert "LlamaForCausalLM(config)" not in str(e.value) and "load_torch_state_dict" in str(e.value)
-    mixed = transformers.Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    with pytest.raises(ValueError, match=r"mixes sliding-window and full-attention layers"):
-        ft.nn.from_hf(mixed, key=jax.random.key(0))
-    post_norm = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=D, num_attention_heads=4, ffn_dim=2 * D,
-                                       do_layer_norm_before=False)
-    with pytest.raises(ValueError, match=r"sets do_layer_norm_before=False"):
-        ft.nn.from_hf(post_norm, key=jax.random.key(0))
+    # Qwen2's mixed window layers and OPT-350m's do_layer_norm_before=False are ported since
+    # (tests/test_hf_options.py)
 
 
 def test_phi3_longrope_short_and_long_and_the_cache_that_would_cross():

@@ -11,7 +11,6 @@ import json
 import os
 import re
 
-import jax
 import numpy as np
 import pytest
 
@@ -52,13 +51,19 @@ def test_olmo_loads_from_every_source_with_hf_logits(hf, tmp_path):
     transformers.OlmoForCausalLM(olmo_config()).load_state_dict(sd, strict=True)
 
 
-def test_olmo_clip_qkv_is_refused_naming_it():
-    hf = transformers.OlmoForCausalLM(olmo_config(clip_qkv=8.0))
-    with pytest.raises(ValueError, match=r"(?s)the olmo config sets clip_qkv=8.0: Hugging Face's OLMo clamps the "
-                                         r"query, key and value.*right:  olmo_with_clip_qkv\(input_ids\)"):
-        ft.nn.from_hf(hf)
-    with pytest.raises(ValueError, match=r"clip_qkv=8.0"):
-        ft.nn.from_hf({"model_type": "olmo", "clip_qkv": 8.0}, key=jax.random.key(0))
+def test_olmo_clip_qkv_clamps_as_hf():
+    """``clip_qkv`` (refused by name before): HF clamps the q, k, v projections' outputs;
+    the port's attention clamps them too (its static ``clip``), HF's logits at a bound that
+    clamps (the model without the clamp is far from them). Greedy tokens, training and
+    save-back: tests/test_hf_options.py."""
+    hf = hf_model(olmo_config(clip_qkv=0.5))
+    model = ft.nn.from_hf(hf)
+    assert model.model.layers.layers.self_attn.clip == 0.5
+    assert_equal_at_tokens(model, hf, length=12)
+    unclamped = model.replace(model=model.model.replace(layers=model.model.layers.replace(
+        layers=model.model.layers.layers.replace(self_attn=model.model.layers.layers.self_attn.replace(clip=None)))))
+    ids = np.random.default_rng(0).integers(0, 40, size=(1, 12)).astype(np.int32)
+    assert not np.allclose(np.asarray(unclamped(ids)), np.asarray(model(ids)), atol=1e-2)
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's, on transformers 5

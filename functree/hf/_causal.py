@@ -40,9 +40,10 @@ from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding, without_padding_gradient
 from functree.nn._linear import Dense
 from functree.nn._rotary import RopeScaling
-from functree.nn._stack import Stack
+from functree.nn._stack import Stack, member_ranks
 
-__all__ = ["CausalLM", "Block", "check_token_ids", "padding_index", "padding_row"]
+__all__ = ["CausalLM", "Block", "check_token_ids", "padding_index", "padding_row", "post_norm",
+           "with_member_values"]
 
 BAD_INPUT_IDS = """\
 {model}: input_ids must be integer token ids [batch, T], got {given}.
@@ -313,6 +314,37 @@ def _pre_norm(x: jax.Array, norm1: Any, attention: MultiheadAttention, norm2: An
         x = x + h
         x = x + drop(mlp(norm2(x)), rates[2], keys[2])
     return x if cache is None else (x, cache)
+
+
+def post_norm(x: jax.Array, norm1: Any, attention: MultiheadAttention, norm2: Any, mlp: Any, mask: Any,
+              cache: Any, positions: Any, key: jax.Array | None = None) -> Any:
+    """One post-norm block (OPT-350m's ``do_layer_norm_before: false``): ``x = norm1(x +
+    attention(x))``, then ``norm2(x + mlp(x))``; with a cache, ``(x, cache)``. With HF's
+    dropout (training mode) the attention weights, its output and the MLP's output are
+    dropped before their residual sums, as :func:`_pre_norm`."""
+    keys = block_keys(attention, key) if cache is None else None  # decoding with a cache never drops
+    if keys is None:
+        attention = decoding(attention) if cache is not None else attention
+        out = attention(x, mask=mask, cache=cache, positions=positions)
+        h, cache = (out, None) if cache is None else out
+        x = norm1(x + h)
+        x = norm2(x + mlp(x))
+        return x if cache is None else (x, cache)
+    rates = attention.rates  # type: ignore[attr-defined]  # a DropoutAttention (block_keys checked)
+    h = attention(x, mask=mask, cache=None, positions=positions, key=keys[0])
+    x = norm1(x + drop(h, rates[1], keys[1]))
+    return norm2(x + drop(mlp(x), rates[2], keys[2]))
+
+
+def with_member_values(stack: Stack, attention: str, **values: Any) -> Stack:
+    """``stack`` with its blocks' attention (field ``attention``) given per-member values:
+    each of ``values`` (a ``MultiheadAttention`` data field: ``logit_scale``,
+    ``member_window``) one entry per member, e.g. GPT-2's scale by layer index (the Stack
+    builds its members alike)."""
+    block = stack.layers
+    attn = getattr(block, attention).replace(**values)
+    block = block.replace(**{attention: attn})
+    return stack.replace(layers=block, ranks=None if stack.ranks is None else member_ranks(block))
 
 
 def _ties(x: jax.Array, embeddings: jax.Array) -> jax.Array:

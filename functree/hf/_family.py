@@ -15,7 +15,7 @@ builds with ``padding_idx`` (``hf_padded``), the layers HF initializes scaled by
 
         @classmethod
         def hf_options(cls, config):
-            return {"attention_bias": True, "output_bias": False, "window": window(config, layer_types=True)}
+            return {"attention_bias": True, "output_bias": False}
 
 :data:`FAMILIES` (model type -> its class) and :data:`COVERED` (model type -> HF class
 name) are the registered classes themselves, so every reader (``from_hf``,
@@ -119,6 +119,13 @@ class HFModel(Module):
         """This family's model for an HF ``config`` (``names``: the checkpoint's weight
         names, for parts a file may lack, as BERT's pooler), parameters in ``dtype``."""
         raise NotImplementedError(f"{cls.__name__}.from_config")
+
+    @classmethod
+    def hf_values(cls, model: Any, config: Any) -> Any:
+        """``model`` with the values ``config`` decides that are no weights (a layer's own
+        attention options, one per Stack member: GPT-2's logit scales, Qwen2's windows),
+        set again after weights were loaded into a template built without values (from_hf)."""
+        return model
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
-from functree.hf._causal import Block, CausalLM, lookup_rows
+from functree.hf._causal import Block, CausalLM, lookup_rows, with_member_values
 from functree.hf._config import HFConfig
 from functree.hf._dropout import rate
 from functree.hf._options import activation, require
@@ -19,7 +19,7 @@ from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
 from functree.nn._stack import Stack
 
-__all__ = ["GPT2LMHeadModel", "GPT2Model", "GPT2Block", "GPT2MLP"]
+__all__ = ["GPT2LMHeadModel", "GPT2Model", "GPT2Block", "GPT2MLP", "attention_scales"]
 
 _GPT2_BUFFER = re.compile(r"(transformer\.)?h\.[0-9]+\.attn\.(bias|masked_bias)")
 
@@ -60,7 +60,9 @@ class GPT2Block(Block):
 
 
 class GPT2Model(Module):
-    """GPT-2's body: token and position embeddings, the blocks ``h``, the final norm ``ln_f``."""
+    """GPT-2's body: token and position embeddings, the blocks ``h``, the final norm ``ln_f``
+    (``scales``: each block's attention logit factor, its ``attn.logit_scale``; None: ``1 /
+    sqrt(head size)``)."""
 
     wte: Embedding
     wpe: Embedding
@@ -68,13 +70,31 @@ class GPT2Model(Module):
     ln_f: LayerNorm
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, layers: int, hidden: int, activation: Any,
-                 epsilon: float, *, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto"):
+                 epsilon: float, *, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto",
+                 scales: tuple[float, ...] | None = None):
         k1, k2, k3 = jax.random.split(key, 3)
         self.wte = Embedding(vocab, d, key=k1, dtype=dtype)
         self.wpe = Embedding(positions, d, key=k2, dtype=dtype)
-        self.h = Stack(lambda k: GPT2Block(d, heads, hidden, activation, epsilon, key=k, dtype=dtype,
-                                           attention=attention), layers, key=k3)
+        h = Stack(lambda k: GPT2Block(d, heads, hidden, activation, epsilon, key=k, dtype=dtype,
+                                      attention=attention), layers, key=k3)
+        if scales is not None:  # each member its own factor (a no_derivative leaf: no weight)
+            h = with_member_values(h, "attn", logit_scale=jnp.asarray(scales, jnp.float32))
+        self.h = h
         self.ln_f = LayerNorm(d, epsilon=epsilon, dtype=dtype)
+
+
+def attention_scales(config: Any) -> tuple[float, ...] | None:
+    """Each layer's attention logit factor as HF's ``GPT2Attention.scaling``: ``1 /
+    sqrt(head size)`` (1 with ``scale_attn_weights: false``), divided by ``layer_idx + 1``
+    with ``scale_attn_by_inverse_layer_idx: true``; None where both are HF's defaults (the
+    attention's own ``1 / sqrt(head size)``: no leaf, today's program). ``reorder_and_upcast_attn``
+    computes the same logits in float32, as functree's attention always does."""
+    weights = bool(getattr(config, "scale_attn_weights", True))
+    by_layer = bool(getattr(config, "scale_attn_by_inverse_layer_idx", False))
+    if weights and not by_layer:
+        return None
+    base = (config.n_embd // config.n_head) ** -0.5 if weights else 1.0
+    return tuple(base / (i + 1) if by_layer else base for i in range(config.n_layer))
 
 
 class GPT2LMHeadModel(CausalLM):
@@ -85,6 +105,9 @@ class GPT2LMHeadModel(CausalLM):
     mask (left padding as HF's ``generate``), else ``0..T-1``; more than ``n_positions``
     tokens raise (a position past the table under a cache reads NaN). Parameters keep HF's
     names under ``transformer`` (:mod:`functree.hf._causal` for the layers' own).
+    ``attention_scales``: one logit factor per layer (None: ``1 / sqrt(head size)``), from
+    the config's ``scale_attn_weights`` and ``scale_attn_by_inverse_layer_idx``
+    (:func:`attention_scales`).
     """
 
     transformer: GPT2Model
@@ -98,13 +121,14 @@ class GPT2LMHeadModel(CausalLM):
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, layers: int, *, hidden: int | None = None,
                  activation: Any = None, epsilon: float = 1e-5, tied: bool = True, key: jax.Array,
-                 dtype: Any = jnp.float32, attention: Any = "auto"):
+                 dtype: Any = jnp.float32, attention: Any = "auto",
+                 attention_scales: tuple[float, ...] | None = None):
         from functree._activations import gelu
 
         k1, k2 = jax.random.split(key)
         self.transformer = GPT2Model(vocab, positions, d, heads, layers, 4 * d if hidden is None else hidden,
                                      gelu if activation is None else activation, epsilon, key=k1, dtype=dtype,
-                                     attention=attention)
+                                     attention=attention, scales=attention_scales)
         self.lm_head = None if tied else Dense(d, vocab, use_bias=False, key=k2, dtype=dtype)
 
     @property
@@ -131,12 +155,21 @@ class GPT2LMHeadModel(CausalLM):
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
         c = config
-        require(c, "scale_attn_weights", True, True)
-        require(c, "scale_attn_by_inverse_layer_idx", False, False)
         require(c, "add_cross_attention", False, False)
         return cls(c.vocab_size, c.n_positions, c.n_embd, c.n_head, c.n_layer, hidden=c.n_inner,
                    activation=activation(c, "activation_function"), epsilon=c.layer_norm_epsilon,
-                   tied=bool(getattr(c, "tie_word_embeddings", True)), key=key, dtype=dtype, attention=attention)
+                   tied=bool(getattr(c, "tie_word_embeddings", True)), key=key, dtype=dtype, attention=attention,
+                   attention_scales=attention_scales(c))
+
+    @classmethod
+    def hf_values(cls, model: Any, config: Any) -> Any:
+        """Each layer's attention logit factor (:func:`attention_scales`), where the config
+        sets one."""
+        scales = attention_scales(config)
+        if scales is None:
+            return model
+        h = with_member_values(model.transformer.h, "attn", logit_scale=jnp.asarray(scales, jnp.float32))
+        return model.replace(transformer=model.transformer.replace(h=h))
 
     @classmethod
     def hf_dropout(cls, config: Any) -> dict[str, float] | None:

@@ -13,7 +13,14 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
-from functree.hf._causal import Block, CausalLM, check_longrope, longrope_crossing, lookup_rows
+from functree.hf._causal import (
+    Block,
+    CausalLM,
+    check_longrope,
+    longrope_crossing,
+    lookup_rows,
+    with_member_values,
+)
 from functree.hf._config import HFConfig
 from functree.hf._dropout import rate
 from functree.hf._family import renamed
@@ -27,17 +34,6 @@ from functree.nn._stack import Stack
 
 __all__ = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM",
            "OlmoForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names"]
-
-CLIP_QKV = """\
-ft.nn.from_hf: the olmo config sets clip_qkv={value!r}: Hugging Face's OLMo clamps the query, \
-key and value projections' outputs to [-{value}, {value}], which functree's OlmoForCausalLM \
-does not port. The model built without the clamp would compute other logits wherever a \
-projection passes the bound, so it is not built.
-
-    wrong:  ft.nn.from_hf(olmo_with_clip_qkv)
-    right:  olmo_with_clip_qkv(input_ids)          # run this checkpoint in transformers
-       or:  ft.nn.from_hf(an OLMo checkpoint whose config.json has "clip_qkv": null)
-"""
 
 KV_HEADS = """\
 ft.nn.from_hf: the {model_type} config has num_attention_heads={heads} and \
@@ -166,6 +162,18 @@ class LlamaModel(Module):
 
 
 
+def _with_layer_options(model: LlamaModel, windows: tuple[int, ...] | None, clip: float | None) -> LlamaModel:
+    """``model`` with its layers' attention options: one window per layer (``member_window``,
+    int32, 0: full attention) and the ``clip`` of every layer; none given: ``model`` itself."""
+    layers = model.layers
+    if windows is not None:
+        layers = with_member_values(layers, "self_attn", member_window=jnp.asarray(windows, jnp.int32))
+    if clip is not None:
+        block = layers.layers
+        layers = layers.replace(layers=block.replace(self_attn=block.self_attn.replace(clip=float(clip))))
+    return model if layers is model.layers else model.replace(layers=layers)
+
+
 class LlamaForCausalLM(CausalLM):
     """Hugging Face's ``LlamaForCausalLM`` as a functree model (built by :func:`ft.nn.from_hf`).
 
@@ -176,7 +184,9 @@ class LlamaForCausalLM(CausalLM):
     own). The options cover the families built like Llama: ``output_bias`` (Qwen2's biased
     q/k/v and unbiased o_proj), ``window`` (sliding-window attention: Mistral, Qwen2, Phi-3),
     ``norm`` and ``embed_scale`` (Gemma), ``mlp`` (Phi-3's fused ``gate_up_proj``),
-    ``epsilon`` (the norms'; the config's ``rms_norm_eps`` unless ``hf_options`` gives it).
+    ``epsilon`` (the norms'; the config's ``rms_norm_eps`` unless ``hf_options`` gives it),
+    ``windows`` (one sliding window per layer, 0 for full attention: Qwen2's mixed layers,
+    each attention's ``member_window``), ``clip`` (OLMo's ``clip_qkv``: the attention's ``clip``).
     """
 
     model: LlamaModel
@@ -195,7 +205,8 @@ class LlamaForCausalLM(CausalLM):
                  rotary: RopeScaling | None = None, attention_bias: bool = False, mlp_bias: bool = False,
                  tied: bool = False, key: jax.Array, dtype: Any = jnp.float32, output_bias: bool | None = None,
                  window: int | None = None, norm: Any = RMSNorm, mlp: Any = LlamaMLP,
-                 embed_scale: float | None = None, attention: Any = "auto"):
+                 embed_scale: float | None = None, attention: Any = "auto", windows: tuple[int, ...] | None = None,
+                 clip: float | None = None):
         from functree._activations import silu
 
         k1, k2 = jax.random.split(key)
@@ -208,8 +219,8 @@ class LlamaForCausalLM(CausalLM):
                                      mlp_bias, key=k, dtype=dtype, output_bias=output_bias, window=window, norm=norm,
                                      mlp=mlp, attention=attention)
 
-        self.model = LlamaModel(vocab, d, layers, make, epsilon, key=k1, dtype=dtype, norm=norm,
-                                embed_scale=embed_scale)
+        model = LlamaModel(vocab, d, layers, make, epsilon, key=k1, dtype=dtype, norm=norm, embed_scale=embed_scale)
+        self.model = _with_layer_options(model, windows, clip)
         self.lm_head = None if tied else Dense(d, vocab, use_bias=False, key=k2, dtype=dtype)
 
     def _tokens(self) -> Embedding:
@@ -250,6 +261,12 @@ class LlamaForCausalLM(CausalLM):
                    **options)
 
     @classmethod
+    def hf_values(cls, model: Any, config: Any) -> Any:
+        """Each layer's sliding window where the config's layers differ (Qwen2's ``windows``)."""
+        windows = cls.hf_options(config).get("windows")
+        return model if windows is None else model.replace(model=_with_layer_options(model.model, windows, None))
+
+    @classmethod
     def hf_dropout(cls, config: Any) -> dict[str, float] | None:
         """``attention_dropout`` on the attention weights, the only dropout of Llama, Mistral,
         Qwen2 and Gemma (their ``modeling_*.py``)."""
@@ -269,15 +286,19 @@ class LlamaForCausalLM(CausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Hugging Face's ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5): Llama with biased q/k/v projections
-    (an unbiased ``o_proj``), sliding windows where the config's ``layer_types`` set them on
-    every layer."""
+    (an unbiased ``o_proj``), sliding windows where the config's ``layer_types`` set them: the
+    attention's static ``window`` where every layer slides, one window per layer where they
+    mix (``use_sliding_window`` with ``max_window_layers`` above 0: the first layers full),
+    held as each member's ``member_window``."""
 
     model_type = "qwen2"
     hf_biases = ()
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
-        return {"attention_bias": True, "output_bias": False, "window": window(config, layer_types=True)}
+        sizes = window(config, layer_types=True)
+        windows = {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
+        return {"attention_bias": True, "output_bias": False, **windows}
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -344,8 +365,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 class OlmoForCausalLM(LlamaForCausalLM):
     """Hugging Face's ``OlmoForCausalLM`` (OLMo): Llama with a parameter-free LayerNorm,
     ``(x - mean(x)) / sqrt(var(x) + 1e-5)`` in float32 (HF's ``OlmoLayerNorm``: no weight, no
-    bias, its epsilon fixed: the config has no norm epsilon). ``clip_qkv`` (HF clamps the
-    q, k, v projections' outputs) is refused."""
+    bias, its epsilon fixed: the config has no norm epsilon); ``clip_qkv`` clamps the q, k, v
+    projections' outputs to ``[-clip_qkv, clip_qkv]`` before the rotation, as HF's
+    ``OlmoAttention`` (the attention's static ``clip``)."""
 
     model_type = "olmo"
     hf_biases = ("attention_bias",)
@@ -353,6 +375,5 @@ class OlmoForCausalLM(LlamaForCausalLM):
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
         clip = getattr(config, "clip_qkv", None)
-        if clip is not None:
-            raise ValueError(CLIP_QKV.format(value=clip))
-        return {"norm": functools.partial(LayerNorm, use_scale=False, use_offset=False), "epsilon": 1e-5}
+        return {"norm": functools.partial(LayerNorm, use_scale=False, use_offset=False), "epsilon": 1e-5,
+                **({} if clip is None else {"clip": float(clip)})}

@@ -534,6 +534,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
         explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
         raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
+    model = family.hf_values(model, config)  # the template's non-weight leaves (abstract) set from the config
     return with_dropout(model.replace(hf_config=carried), config, dropout, key)
 
 

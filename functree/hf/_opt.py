@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
-from functree.hf._causal import Block, CausalLM, lookup_rows
+from functree.hf._causal import Block, CausalLM, lookup_rows, post_norm
 from functree.hf._config import HFConfig
 from functree.hf._dropout import check_layerdrop, rate
 from functree.hf._options import activation, require
@@ -23,16 +23,22 @@ __all__ = ["OPTForCausalLM", "OPTModel", "OPTDecoder", "OPTDecoderLayer", "OPT_O
 
 class OPTDecoderLayer(Block):
     """Pre-norm block: ``x + self_attn(self_attn_layer_norm(x))``, then
-    ``x + fc2(relu(fc1(final_layer_norm(x))))``."""
+    ``x + fc2(relu(fc1(final_layer_norm(x))))``; with ``do_layer_norm_before=False``
+    (OPT-350m) post-norm: ``self_attn_layer_norm(x + self_attn(x))``, then
+    ``final_layer_norm(x + fc2(relu(fc1(x))))``."""
+
+    # A static field added after checkpoints were written without it: read at its default.
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("do_layer_norm_before",)
 
     self_attn: MultiheadAttention
     self_attn_layer_norm: LayerNorm
     fc1: Dense
     fc2: Dense
     final_layer_norm: LayerNorm
+    do_layer_norm_before: bool = field(static=True, default=True)
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
-                 dtype: Any = jnp.float32, attention: Any = "auto"):
+                 dtype: Any = jnp.float32, attention: Any = "auto", pre_norm: bool = True):
         k1, k2, k3 = jax.random.split(key, 3)
         self.self_attn = MultiheadAttention(d, heads, causal=True, use_bias=use_bias, implementation=attention,
                                             key=k1, dtype=dtype)
@@ -40,27 +46,49 @@ class OPTDecoderLayer(Block):
         self.fc1 = Dense(d, hidden, activation, use_bias=use_bias, key=k2, dtype=dtype)
         self.fc2 = Dense(hidden, d, use_bias=use_bias, key=k3, dtype=dtype)
         self.final_layer_norm = LayerNorm(d, dtype=dtype)
+        self.do_layer_norm_before = bool(pre_norm)
 
     def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
         return self.self_attn_layer_norm, self.self_attn, self.final_layer_norm, lambda x: self.fc2(self.fc1(x))
 
+    def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None,
+                 rotary_positions: Any = None, key: jax.Array | None = None) -> Any:
+        if self.do_layer_norm_before:
+            return super().__call__(x, mask=mask, cache=cache, positions=positions, rotary_positions=rotary_positions,
+                                    key=key)
+        return post_norm(x, *self._parts(), mask, cache, positions, key)
+
 
 class OPTDecoder(Module):
     """OPT's body: ``embed_tokens``, ``embed_positions`` (position ``p`` at row ``p + 2``), the
-    blocks ``layers``, ``final_layer_norm``."""
+    blocks ``layers``, ``final_layer_norm`` (None: a post-norm OPT, or
+    ``_remove_final_layer_norm``). Where ``word_embed_proj_dim`` (``e``) is not
+    ``hidden_size`` (OPT-350m: 512 and 1024) the token embedding is ``[vocab, e]``,
+    ``project_in`` maps it to ``hidden_size`` before the positions are added and
+    ``project_out`` maps the blocks' output back to ``e`` for the head (both without bias;
+    None otherwise)."""
+
+    # Data fields added after checkpoints were written without them: read as None.
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("project_out", "project_in")
 
     embed_tokens: Embedding
     embed_positions: Embedding
     layers: Stack
-    final_layer_norm: LayerNorm
+    final_layer_norm: LayerNorm | None
+    project_out: Dense | None = None
+    project_in: Dense | None = None
 
     def __init__(self, vocab: int, positions: int, d: int, layers: int, make: Any, *, key: jax.Array,
-                 dtype: Any = jnp.float32):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.embed_tokens = Embedding(vocab, d, key=k1, dtype=dtype)
+                 dtype: Any = jnp.float32, projection: int | None = None, final_norm: bool = True):
+        k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+        e = d if projection is None else projection
+        self.embed_tokens = Embedding(vocab, e, key=k1, dtype=dtype)
         self.embed_positions = Embedding(positions + OPT_OFFSET, d, key=k2, dtype=dtype)
         self.layers = Stack(make, layers, key=k3)
-        self.final_layer_norm = LayerNorm(d, dtype=dtype)
+        self.final_layer_norm = LayerNorm(d, dtype=dtype) if final_norm else None
+        projected = e != d
+        self.project_out = Dense(d, e, use_bias=False, key=k4, dtype=dtype) if projected else None
+        self.project_in = Dense(e, d, use_bias=False, key=k5, dtype=dtype) if projected else None
 
 
 class OPTModel(Module):
@@ -79,8 +107,11 @@ class OPTForCausalLM(CausalLM):
     """Hugging Face's ``OPTForCausalLM`` as a functree model (built by :func:`ft.nn.from_hf`).
 
     Learned positions (``cumsum(attention_mask) - 1``, row ``p + 2``; more than
-    ``max_position_embeddings`` tokens raise), pre-norm blocks (:class:`OPTDecoderLayer`),
-    a head tied to ``embed_tokens`` (``lm_head`` None) or not.
+    ``max_position_embeddings`` tokens raise), pre-norm blocks (:class:`OPTDecoderLayer`;
+    post-norm with ``pre_norm=False``: ``do_layer_norm_before: false``, OPT-350m, which has no
+    final layer norm), a head tied to ``embed_tokens`` (``lm_head`` None) or not;
+    ``projection`` (``word_embed_proj_dim``) other than ``d``: the embedding's width, with
+    ``project_in`` / ``project_out`` (:class:`OPTDecoder`).
     """
 
     model: OPTModel
@@ -95,14 +126,18 @@ class OPTForCausalLM(CausalLM):
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *,
                  activation: Any, use_bias: bool = True, tied: bool = True, key: jax.Array, dtype: Any = jnp.float32,
-                 attention: Any = "auto"):
+                 attention: Any = "auto", pre_norm: bool = True, final_norm: bool = True,
+                 projection: int | None = None):
         k1, k2 = jax.random.split(key)
 
         def make(k: jax.Array) -> OPTDecoderLayer:
-            return OPTDecoderLayer(d, heads, hidden, activation, use_bias, key=k, dtype=dtype, attention=attention)
+            return OPTDecoderLayer(d, heads, hidden, activation, use_bias, key=k, dtype=dtype, attention=attention,
+                                   pre_norm=pre_norm)
 
-        self.model = OPTModel(OPTDecoder(vocab, positions, d, layers, make, key=k1, dtype=dtype))
-        self.lm_head = None if tied else Dense(d, vocab, use_bias=False, key=k2, dtype=dtype)
+        self.model = OPTModel(OPTDecoder(vocab, positions, d, layers, make, key=k1, dtype=dtype,
+                                         projection=projection, final_norm=pre_norm and final_norm))
+        e = d if projection is None else projection
+        self.lm_head = None if tied else Dense(e, vocab, use_bias=False, key=k2, dtype=dtype)
 
     @property
     def max_positions(self) -> int:
@@ -116,11 +151,15 @@ class OPTForCausalLM(CausalLM):
         return self.model.decoder.layers
 
     def _final_norm(self, x: jax.Array) -> jax.Array:
-        return self.model.decoder.final_layer_norm(x)
+        m = self.model.decoder
+        x = x if m.final_layer_norm is None else m.final_layer_norm(x)
+        return x if m.project_out is None else m.project_out(x)
 
     def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
         m = self.model.decoder
-        return lookup_rows(m.embed_tokens, ids, self._padding()) + lookup_rows(m.embed_positions, real + OPT_OFFSET)
+        tokens = lookup_rows(m.embed_tokens, ids, self._padding())
+        tokens = tokens if m.project_in is None else m.project_in(tokens)
+        return tokens + lookup_rows(m.embed_positions, real + OPT_OFFSET)
 
     def _limit(self) -> tuple[int, str] | None:
         return self.max_positions, "max_position_embeddings"
@@ -128,14 +167,13 @@ class OPTForCausalLM(CausalLM):
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
         c = config
-        require(c, "do_layer_norm_before", True, True)
-        require(c, "word_embed_proj_dim", c.hidden_size, c.hidden_size)
         require(c, "layer_norm_elementwise_affine", True, True)
-        require(c, "_remove_final_layer_norm", False, False)
+        projection = getattr(c, "word_embed_proj_dim", None) or c.hidden_size
         return cls(c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads, c.ffn_dim,
                    c.num_hidden_layers, activation=activation(c, "activation_function"),
                    use_bias=bool(getattr(c, "enable_bias", True)), tied=bool(getattr(c, "tie_word_embeddings", True)),
-                   key=key, dtype=dtype, attention=attention)
+                   key=key, dtype=dtype, attention=attention, pre_norm=bool(getattr(c, "do_layer_norm_before", True)),
+                   final_norm=not getattr(c, "_remove_final_layer_norm", False), projection=int(projection))
 
     @classmethod
     def hf_dropout(cls, config: Any) -> dict[str, float] | None:

@@ -19,14 +19,6 @@ ft.nn.from_hf: the {model_type} config sets {option}={value!r}; functree's {mode
     right:  a config with {option}={covered_value}
 """
 
-MIXED_WINDOWS = """\
-ft.nn.from_hf: the {model_type} config mixes sliding-window and full-attention layers \
-(layer_types {types}); functree's {model_type} takes one kind for every layer (its blocks are \
-one ft.nn.Stack).
-
-    right:  a config with use_sliding_window=False, or sliding windows on every layer
-"""
-
 UNKNOWN_ROPE_TYPE = """\
 ft.nn.from_hf: rope_type {kind!r} (config.rope_parameters) is not covered; covered: {known}.
 
@@ -236,17 +228,18 @@ def _check_rotated_pairs(config: Any, partial: float, hf_class: str) -> None:
                                            even=rotated + 1, fix=(rotated - 1 if rotated > 1 else 2) / head))
 
 
-def window(config: Any, layer_types: bool = False) -> int | None:
+def window(config: Any, layer_types: bool = False) -> int | tuple[int, ...] | None:
     """The sliding window of every layer (None: full attention): ``sliding_window``
-    (Mistral, Phi-3); with ``layer_types=True`` (Qwen2) only where the config's
-    ``layer_types`` make every layer ``sliding_attention``."""
+    (Mistral, Phi-3); with ``layer_types=True`` (Qwen2) where the config's ``layer_types``
+    make every layer ``sliding_attention``; where they mix sliding and full layers, one
+    window per layer (0: full attention), as HF's Qwen2 gives each layer its type's mask."""
     size = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types is not None and layer_types:
         kinds = set(types)
-        if len(kinds) > 1:
-            raise ValueError(MIXED_WINDOWS.format(model_type=config.model_type, types=list(types)))
-        return size if kinds == {"sliding_attention"} else None
+        if len(kinds) > 1 and size is not None:
+            return tuple(int(size) if t == "sliding_attention" else 0 for t in types)
+        return None if size is None or kinds != {"sliding_attention"} else int(size)
     return None if size is None else int(size)
 
 

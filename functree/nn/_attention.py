@@ -200,6 +200,18 @@ class MultiheadAttention(Layer):
     ``positions=`` rotates self-attention's queries and keys by the given positions instead
     of ``0 .. T-1``.
 
+    Options of the Hugging Face ports, None by default (none of them; set with
+    ``attn.replace(...)``): ``logit_scale`` (a ``no_derivative`` float32 scalar, one per
+    ``Stack`` member) gives the logits ``s q k^T`` in place of ``q k^T / sqrt(qk_size)``
+    (GPT-2's ``scale_attn_weights`` and ``scale_attn_by_inverse_layer_idx``; in the float32
+    logits, except on cuDNN's kernel, which takes a Python float: there ``s`` is folded into
+    the queries, in their dtype); ``member_window`` (a ``no_derivative`` int32 scalar per
+    member) is a sliding window held as data, in place of ``window``, so that a Stack's
+    members differ (Qwen2's mixed sliding and full layers; below 1: no window);
+    ``clip=c`` (static) clamps the query, key and value projections' outputs to
+    ``[-c, c]`` before the rotation (OLMo's ``clip_qkv``). None of them is a weight: a torch
+    state dict has none.
+
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> mha = ft.nn.MultiheadAttention(8, num_heads=2, causal=True, key=jax.random.key(0))
@@ -226,7 +238,12 @@ class MultiheadAttention(Layer):
     dropout: float = field(static=True, default=0.0)
     implementation: Literal["auto", "xla", "cudnn"] | None = field(static=True, default="auto")
     training: bool = field(static=True, default=False)
+    logit_scale: jax.Array | None = field(no_derivative=True, default=None)
+    member_window: jax.Array | None = field(no_derivative=True, default=None)
+    clip: float | None = field(static=True, default=None)
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "implementation")  # a restore's template decides them (how it trains, its kernel)
+    # Fields added after checkpoints and pickles were written without them: read at their default (None).
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("logit_scale", "member_window", "clip")
 
     def __init__(
         self,
@@ -307,6 +324,8 @@ class MultiheadAttention(Layer):
         q = self._heads(self.query_projection(query), self.num_heads)
         k = self._heads(self.key_projection(keys), self.num_kv_heads)
         v = self._heads(self.value_projection(values), self.num_kv_heads)
+        if self.clip is not None:
+            q, k, v = _clipped((q, k, v), self.clip)
         if self.rotary is not None:
             at = jnp.arange(q.shape[-3])[:, None] if positions is None else positions[..., None]
             q, k = (apply_rotary(a, at, base=self.rotary) for a in (q, k))
@@ -314,7 +333,10 @@ class MultiheadAttention(Layer):
         q, k, v = (jnp.broadcast_to(a, (*lead, *a.shape[-3:])) for a in (q, k, v))
         if mask is not None:
             self._check_mask(mask, (*lead, self.num_heads, q.shape[-3], k.shape[-3]))
-        if self.window is not None:  # keys j > i - window (indices in the sequence)
+        if self.member_window is not None:  # a window held as data (a Stack member's own)
+            band = _band(jnp.arange(k.shape[-3]), jnp.arange(q.shape[-3])[:, None], self.member_window)
+            mask = band if mask is None else mask & band
+        elif self.window is not None:  # keys j > i - window (indices in the sequence)
             band = jnp.arange(k.shape[-3]) > jnp.arange(q.shape[-3])[:, None] - self.window
             mask = band if mask is None else mask & band
         return self._attend(q, k, v, mask, self.causal, key)
@@ -332,10 +354,10 @@ class MultiheadAttention(Layer):
                        "float64 inputs" if q.dtype == jnp.float64 else "the value size differs from the query size")
                 raise ValueError(CUDNN_DOES_NOT_APPLY.format(reason=why))
             out = attention_weights_times_values(
-                q, k, v, mask, causal, self.dropout if dropping else 0.0, key
+                q, k, v, mask, causal, self.dropout if dropping else 0.0, key, self.logit_scale
             )
         else:
-            out = _fused_attention(q, k, v, mask, causal, self.implementation)
+            out = _fused_attention(q, k, v, mask, causal, self.implementation, self.logit_scale)
         return self.output_projection(out.reshape((*out.shape[:-2], -1)))
 
     def _cached(
@@ -358,12 +380,16 @@ class MultiheadAttention(Layer):
         q = self._heads(self.query_projection(query), self.num_heads)
         k = self._heads(self.key_projection(query), self.num_kv_heads)
         v = self._heads(self.value_projection(query), self.num_kv_heads)
+        if self.clip is not None:
+            q, k, v = _clipped((q, k, v), self.clip)
         if self.rotary is not None:
             at = positions if rotary_positions is None else self._positions(rotary_positions, (batch, t))
             q, k = (apply_rotary(a, at[..., None], base=self.rotary) for a in (q, k))
         cache = KVCache(_write(cache.keys, k, positions), _write(cache.values, v, positions))
         allowed = jnp.arange(length, dtype=positions.dtype) <= positions[..., None]  # [batch, T, slots]
-        if self.window is not None:
+        if self.member_window is not None:  # a window held as data (a Stack member's own)
+            allowed = allowed & _band(jnp.arange(length, dtype=positions.dtype), positions[..., None], self.member_window)
+        elif self.window is not None:
             allowed = allowed & (jnp.arange(length, dtype=positions.dtype) > positions[..., None] - self.window)
         if mask is not None:
             allowed = allowed & self._slot_mask(mask, batch, length)[:, None, :]
@@ -433,6 +459,19 @@ class MultiheadAttention(Layer):
             )
 
 
+def _clipped(arrays: tuple[jax.Array, ...], clip: float) -> tuple[jax.Array, ...]:
+    """Each array clamped to ``[-clip, clip]`` (OLMo's ``clip_qkv``: torch's ``clamp_``)."""
+    return tuple(jnp.clip(a, -jnp.asarray(clip, a.dtype), jnp.asarray(clip, a.dtype)) for a in arrays)
+
+
+def _band(keys: jax.Array, queries: jax.Array, window: Any) -> jax.Array:
+    """Keys ``j > i - window`` of query ``i`` (``window`` an int32 array: a Stack member's);
+    a window below 1 allows every key (a full-attention member of a Stack whose other members
+    slide)."""
+    window = jnp.asarray(window, queries.dtype)
+    return (keys > queries - window) | (window < 1)
+
+
 def _write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """``buffer [batch, slots, ...]`` with ``new [batch, T, ...]`` written at slots ``positions``."""
     rows = jnp.arange(buffer.shape[0])[:, None]
@@ -441,9 +480,10 @@ def _write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array
 
 def _fused_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
-    implementation: Any,
+    implementation: Any, scale: Any = None,
 ) -> jax.Array:
-    """``jax.nn.dot_product_attention`` on ``[..., T, N, H]`` heads (leading axes folded)."""
+    """``jax.nn.dot_product_attention`` on ``[..., T, N, H]`` heads (leading axes folded);
+    ``scale``: the logits' factor (None: ``1 / sqrt(H)``)."""
     lead, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
     batch = math.prod(lead)
     q4, k4, v4 = (a.reshape((batch, *a.shape[-3:])) for a in (q, k, v))
@@ -454,26 +494,32 @@ def _fused_attention(
         # XLA's CPU dot has no F16_F16_F32 algorithm (what JAX asks for float16): products of
         # float16 values are exact in float32, so float32 inputs compute the same logits.
         out = _fused_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask, causal,
-                               "xla")
+                               "xla", scale)
         return out.astype(q.dtype)
+    if scale is not None and not is_int(scale) and not isinstance(scale, float) and chosen == "cudnn":
+        # cuDNN's kernel takes a Python float: a traced scale goes into the queries (their dtype)
+        q4, scale = (q4.astype(jnp.float32) * scale).astype(q4.dtype), 1.0
     # JAX promotes to float32 logits internally; allow that under the strict promotion
     # users may set (bfloat16 and float64 inputs would fail there otherwise).
     with jax.numpy_dtype_promotion("standard"):
         try:
-            out = jax.nn.dot_product_attention(q4, k4, v4, mask=mask, is_causal=causal, implementation=chosen)
+            out = jax.nn.dot_product_attention(q4, k4, v4, mask=mask, is_causal=causal, implementation=chosen,
+                                               scale=scale)
         except (NotImplementedError, ValueError, RuntimeError):
             if implementation != "auto" or chosen != "cudnn":
                 raise
             # cuDNN refused while tracing (its version, a GPU rule not checked above): XLA.
-            out = jax.nn.dot_product_attention(q4, k4, v4, mask=mask, is_causal=causal, implementation="xla")
+            out = jax.nn.dot_product_attention(q4, k4, v4, mask=mask, is_causal=causal, implementation="xla",
+                                               scale=scale)
     return out.reshape((*lead, t, n, v.shape[-1]))
 
 
 def attention_weights_times_values(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
-    dropout: float = 0.0, key: jax.Array | None = None,
+    dropout: float = 0.0, key: jax.Array | None = None, scale: Any = None,
 ) -> jax.Array:
-    """The explicit computation ``softmax(q k^T / sqrt(d), masked) v`` on ``[..., T, N, H]``.
+    """The explicit computation ``softmax(q k^T / sqrt(d), masked) v`` on ``[..., T, N, H]``
+    (``scale``: ``softmax(scale q k^T)``).
 
     With ``dropout > 0`` the attention weights are dropped (probability ``dropout``) and
     the rest scaled by ``1 / (1 - dropout)``. Masked logits get the logits dtype's lowest
@@ -492,7 +538,10 @@ def attention_weights_times_values(
         k, v = (jnp.repeat(a, q.shape[-2] // a.shape[-2], axis=-2) for a in (k, v))
     wide = statistics_dtype(q.dtype)  # float32, or float64 for float64
     logits = jnp.einsum("...qhd,...khd->...hqk", q, k, preferred_element_type=wide)
-    logits = logits / jnp.sqrt(jnp.asarray(q.shape[-1], logits.dtype))
+    if scale is None:
+        logits = logits / jnp.sqrt(jnp.asarray(q.shape[-1], logits.dtype))
+    else:
+        logits = logits * jnp.asarray(scale, logits.dtype)
     allowed = None if mask is None else mask
     if causal:
         tril = jnp.tril(jnp.ones(logits.shape[-2:], bool))

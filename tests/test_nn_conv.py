@@ -302,3 +302,84 @@ def test_groups_that_are_not_a_positive_int_are_refused_when_built(cls, groups):
         jax.eval_shape(lambda x: cls(4, 8, 3, groups=groups, key=jax.random.key(0))(x),
                        jax.ShapeDtypeStruct((1, *(5,) * cls._rank, 4), jnp.float32))
     assert "right:" in str(info.value)
+
+
+def _against_torch(layer, module, x, call_torch, atol):
+    """``layer`` loaded from ``module``'s state dict (the torch port) on channels-last ``x``
+    and ``call_torch(module, x)`` on it channels-first: outputs, and the gradients of one random
+    cotangent with respect to the input and every parameter (in torch's names), float32, within
+    ``atol`` times each one's magnitude."""
+    torch = pytest.importorskip("torch")
+    layer = ft.nn.load_torch_state_dict(layer, module.state_dict())
+    xt = torch.tensor(np.moveaxis(x, -1, 1), requires_grad=True)
+    yt = call_torch(module, xt)
+    expected = np.moveaxis(yt.detach().numpy(), 1, -1)
+    g = _normal(2, expected.shape)
+    y, vjp = jax.vjp(jax.jit(lambda m, x: m(x)), layer, jnp.asarray(x))
+    grad_layer, grad_x = vjp(jnp.asarray(g))
+    yt.backward(torch.tensor(np.moveaxis(g, -1, 1)))
+    assert y.shape == expected.shape
+    ours = {"output": np.asarray(y), "input": np.asarray(grad_x),
+            **ft.nn.torch_state_dict(grad_layer, gradient=True, numpy=True)}
+    theirs = {"output": expected, "input": np.moveaxis(xt.grad.numpy(), 1, -1),
+              **{n: p.grad.numpy() for n, p in module.named_parameters()}}
+    assert set(theirs) == set(ours)
+    for name, want in theirs.items():
+        np.testing.assert_allclose(ours[name], want, rtol=0, atol=atol * max(1.0, float(np.abs(want).max())),
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("padding", [1, (0, 2, 1), ((1, 0), (2, 1), (0, 1)), "same", "valid"])
+def test_conv3d_matches_torch_through_the_port(padding):
+    """Conv3d had no counterpart (Conv1D/2D only). Grouped, dilated, strided where torch allows
+    (its "same" takes stride 1), every padding form (pairs by F.pad); float32, the port's
+    layout [out, in/g, *k] -> [*k, in/g, out]. Measured 6.8e-7 of the values apart at most
+    (the sums' order): atol 10 times it, rounded up."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    pairs = isinstance(padding, tuple) and isinstance(padding[0], tuple)
+    strides = 1 if isinstance(padding, str) else (1, 2, 1)
+    torch.manual_seed(0)
+    module = torch.nn.Conv3d(4, 6, (3, 2, 3), stride=strides, padding=0 if pairs else padding, dilation=(1, 2, 1),
+                             groups=2)
+    layer = ft.nn.Conv3D(4, 6, (3, 2, 3), strides=strides, padding=padding, dilation=(1, 2, 1), groups=2,
+                         key=jax.random.key(0))
+    flat = [v for pair in reversed(padding) for v in pair] if pairs else []
+    _against_torch(layer, module, _normal(0, (2, 5, 6, 5, 4)), lambda m, x: m(F.pad(x, flat) if flat else x), 7e-6)
+
+
+def test_conv3d_transpose_matches_torch_by_the_documented_padding():
+    """ConvTranspose3d(padding=p, output_padding=op, groups, dilation) is padding=((d*(k-1)-p,
+    d*(k-1)-p+op),) per axis here, as in 1-D and 2-D."""
+    torch = pytest.importorskip("torch")
+    k, s, p, op, d = (3, 2, 2), (2, 1, 2), (1, 0, 1), (1, 0, 0), (1, 1, 2)
+    torch.manual_seed(0)
+    module = torch.nn.ConvTranspose3d(4, 6, k, stride=s, padding=p, output_padding=op, groups=2, dilation=d)
+    pads = tuple((di * (ki - 1) - pi, di * (ki - 1) - pi + oi) for ki, pi, oi, di in zip(k, p, op, d))
+    layer = ft.nn.Conv3DTranspose(4, 6, k, strides=s, padding=pads, dilation=d, groups=2, key=jax.random.key(0))
+    _against_torch(layer, module, _normal(0, (2, 3, 4, 3, 4)), lambda m, x: m(x), 7e-6)
+
+
+@pytest.mark.parametrize("make,torch_make", [
+    (lambda: ft.nn.MaxPool3D((2, 3, 2), (1, 2, 2), 1, ceil_mode=True, dilation=(1, 1, 2)),
+     lambda nn: nn.MaxPool3d((2, 3, 2), (1, 2, 2), 1, (1, 1, 2), ceil_mode=True)),
+    (lambda: ft.nn.AvgPool3D(3, 2, 1, count_include_pad=False), lambda nn: nn.AvgPool3d(3, 2, 1, count_include_pad=False)),
+    (lambda: ft.nn.GlobalMaxPool3D(), lambda nn: lambda x: nn.AdaptiveMaxPool3d(1)(x)[..., 0, 0, 0, None, None, None]),
+    (lambda: ft.nn.GlobalAvgPool3D(), lambda nn: lambda x: nn.AdaptiveAvgPool3d(1)(x)[..., 0, 0, 0, None, None, None]),
+])
+def test_3d_pooling_matches_torch(make, torch_make):
+    torch = pytest.importorskip("torch")
+    x = _normal(0, (2, 4, 5, 6, 3))
+    expected = np.moveaxis(torch_make(torch.nn)(torch.tensor(np.moveaxis(x, -1, 1))).numpy(), 1, -1)
+    y = np.asarray(make()(x))
+    np.testing.assert_allclose(y, expected.reshape(y.shape), rtol=0, atol=1e-6 * float(np.abs(expected).max()))
+
+
+def test_conv3d_gradient_and_axis_names(key):
+    conv = ft.nn.Conv3D(2, 3, 2, strides=(1, 2, 1), padding="VALID", key=key)
+    with jax.enable_x64(True):
+        check_grads(jax.jit(lambda c, x: c(x)), (_x64(conv), _normal(1, (1, 3, 4, 3, 2), np.float64)), order=1,
+                    modes=["rev"])
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)Conv3D expects inputs \[\.\.\., depth, height, width, 2\].*"
+                       r"channels \(2\) are on axis -4: a channels-first batch \(torch's NCDHW\)"):
+        conv(jnp.ones((1, 2, 4, 4, 5)))

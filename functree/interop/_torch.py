@@ -4,8 +4,8 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
 
     torch                                    ft.nn
     Linear  weight [out, in], bias           Dense  weight [in, out] (transposed), bias
-    Conv{1,2}d  weight [out, in/g, *k]       Conv{1,2}D  weight [*k, in/g, out]
-    ConvTranspose{1,2}d  weight [in, out/g, *k]  Conv{1,2}DTranspose  weight [*k, in, out/g]
+    Conv{1,2,3}d  weight [out, in/g, *k]     Conv{1,2,3}D  weight [*k, in/g, out]
+    ConvTranspose{1,2,3}d  weight [in, out/g, *k]  Conv{1,2,3}DTranspose  weight [*k, in, out/g]
     LayerNorm, GroupNorm, RMSNorm  weight, bias  scale, offset
     BatchNorm{1,2}d  weight, bias, running_mean, running_var (num_batches_tracked dropped)
                                              BatchNorm  scale, offset, running_mean, running_variance

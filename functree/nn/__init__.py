@@ -46,7 +46,14 @@ from functree._lazy import lazy_names
 from functree.nn import initializers
 from functree.nn._attention import KVCache, MultiheadAttention
 from functree.nn._check import LayerInputError
-from functree.nn._conv import Conv1D, Conv1DTranspose, Conv2D, Conv2DTranspose
+from functree.nn._conv import (
+    Conv1D,
+    Conv1DTranspose,
+    Conv2D,
+    Conv2DTranspose,
+    Conv3D,
+    Conv3DTranspose,
+)
 from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
@@ -63,13 +70,17 @@ from functree.nn._pooling import (
     AdaptiveMaxPool3D,
     AvgPool1D,
     AvgPool2D,
+    AvgPool3D,
     Flatten,
     GlobalAvgPool1D,
     GlobalAvgPool2D,
+    GlobalAvgPool3D,
     GlobalMaxPool1D,
     GlobalMaxPool2D,
+    GlobalMaxPool3D,
     MaxPool1D,
     MaxPool2D,
+    MaxPool3D,
 )
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState
 from functree.nn._remat import Remat
@@ -132,16 +143,22 @@ __all__ = [
     "Remat",
     "Conv1D",
     "Conv2D",
+    "Conv3D",
     "Conv1DTranspose",
     "Conv2DTranspose",
+    "Conv3DTranspose",
     "MaxPool1D",
     "MaxPool2D",
+    "MaxPool3D",
     "AvgPool1D",
     "AvgPool2D",
+    "AvgPool3D",
     "GlobalMaxPool1D",
     "GlobalMaxPool2D",
+    "GlobalMaxPool3D",
     "GlobalAvgPool1D",
     "GlobalAvgPool2D",
+    "GlobalAvgPool3D",
     "AdaptiveAvgPool1D",
     "AdaptiveAvgPool2D",
     "AdaptiveAvgPool3D",

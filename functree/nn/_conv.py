@@ -1,8 +1,8 @@
-"""Convolutions over channels-last inputs: ``Conv1D``, ``Conv2D`` and their transposes.
+"""Convolutions over channels-last inputs: ``Conv1D``, ``Conv2D``, ``Conv3D`` and their transposes.
 
-Inputs are ``[..., *spatial, in_channels]`` (swift-apis' NWC / NHWC) with any number of
+Inputs are ``[..., *spatial, in_channels]`` (swift-apis' NWC / NHWC / NDHWC) with any number of
 leading batch axes (none included); filters are ``[*kernel_size, in_channels // groups,
-out_channels]`` (WIO / HWIO), glorot-uniform, biases zero. In bfloat16 and float16 the bias
+out_channels]`` (WIO / HWIO / DHWIO), glorot-uniform, biases zero. In bfloat16 and float16 the bias
 is added in float32 (``_linear.add_bias``: its gradient sums every position).
 """
 
@@ -24,7 +24,8 @@ from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Initializer, add_bias, glorot_uniform
 from functree.nn._mode import Layer
 
-__all__ = ["Conv1D", "Conv2D", "Conv1DTranspose", "Conv2DTranspose", "check_window_fits", "transpose_padding"]
+__all__ = ["Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose", "check_window_fits",
+           "transpose_padding", "SPATIAL"]
 
 BAD_GROUPS = """\
 {cls}: in_channels ({cin}) and out_channels ({cout}) must be divisible by groups ({groups}).
@@ -42,7 +43,8 @@ GROUPS_NOT_POSITIVE = """\
 
 Padding = str | int | Sequence[int] | Sequence[tuple[int, int]]
 
-_SPEC = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
+_SPEC = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}
+SPATIAL = {1: ("length",), 2: ("height", "width"), 3: ("depth", "height", "width")}  # the axes' names in errors
 
 
 CHANNELS_FIRST = """\
@@ -182,7 +184,7 @@ class Conv(Layer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         n = self._rank
-        spatial = ("length",) if n == 1 else ("height", "width")
+        spatial = SPATIAL[n]
         try:
             check_input(self, x, (*spatial, self.in_channels), leading="...")
         except LayerInputError as e:
@@ -308,6 +310,16 @@ class Conv2D(Conv):
     )
 
 
+class Conv3D(Conv):
+    _rank: ClassVar[int] = 3
+    __doc__ = _DOC.format(
+        what="A 3-D convolution (video, volumes)", spatial="depth, height, width", math=_CONV_MATH,
+        kernel="depth, height, width", groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups",
+        out_per_group="", name="Conv3D", ks="(3, 3, 3)", stride_arg="strides=(1, 2, 2), ",
+        wshape="(3, 3, 3, 3, 8)", xshape="4, 10, 10", yshape="(2, 4, 5, 5, 8)",
+    )
+
+
 class Conv1DTranspose(ConvTranspose):
     _rank: ClassVar[int] = 1
     __doc__ = _DOC.format(
@@ -325,4 +337,14 @@ class Conv2DTranspose(ConvTranspose):
         kernel="height, width", groups_arg=", ``groups=1`` (torch's grouped transpose)", per_group="",
         out_per_group=" // groups", name="Conv2DTranspose", ks="(3, 3)",
         stride_arg="strides=2, ", wshape="(3, 3, 3, 8)", xshape="5, 5", yshape="(2, 10, 10, 8)",
+    )
+
+
+class Conv3DTranspose(ConvTranspose):
+    _rank: ClassVar[int] = 3
+    __doc__ = _DOC.format(
+        what="A 3-D transposed convolution", spatial="depth, height, width", math=_TRANSPOSE_MATH,
+        kernel="depth, height, width", groups_arg=", ``groups=1`` (torch's grouped transpose)", per_group="",
+        out_per_group=" // groups", name="Conv3DTranspose", ks="(3, 3, 3)",
+        stride_arg="strides=2, ", wshape="(3, 3, 3, 3, 8)", xshape="2, 5, 5", yshape="(2, 4, 10, 10, 8)",
     )

@@ -36,12 +36,16 @@ from functree.nn._normalization import statistics_dtype
 __all__ = [
     "MaxPool1D",
     "MaxPool2D",
+    "MaxPool3D",
     "AvgPool1D",
     "AvgPool2D",
+    "AvgPool3D",
     "GlobalMaxPool1D",
     "GlobalMaxPool2D",
+    "GlobalMaxPool3D",
     "GlobalAvgPool1D",
     "GlobalAvgPool2D",
+    "GlobalAvgPool3D",
     "AdaptiveAvgPool1D",
     "AdaptiveAvgPool2D",
     "AdaptiveAvgPool3D",
@@ -310,6 +314,24 @@ class AvgPool2D(_AvgPool):
     )
 
 
+class MaxPool3D(_MaxPool):
+    _rank: ClassVar[int] = 3
+    __doc__ = _POOL_DOC.format(
+        op="3-D max", spatial="depth, height, width", formula="max(window)", n=32, shape="1, 2, 4, 4, 1",
+        extra_args=_MAX_ARGS, name="MaxPool3D", size="(2, 2, 2)",
+        out=".ravel()\n      Array([21., 23., 29., 31.], dtype=float32)",
+    )
+
+
+class AvgPool3D(_AvgPool):
+    _rank: ClassVar[int] = 3
+    __doc__ = _POOL_DOC.format(
+        op="3-D average", spatial="depth, height, width", formula="mean(window)", n=32, shape="1, 2, 4, 4, 1",
+        extra_args=_AVG_ARGS, name="AvgPool3D", size="(2, 2, 2)",
+        out=".ravel()\n      Array([10.5, 12.5, 18.5, 20.5], dtype=float32)",
+    )
+
+
 class _GlobalPool(Layer):
     _rank: ClassVar[int] = 1
     _max: ClassVar[bool] = False
@@ -511,6 +533,23 @@ class AdaptiveMaxPool3D(_AdaptivePool):
     __doc__ = _ADAPTIVE_DOC.format(op="max", Op="Max", n=3, spatial="depth, height, width",
                                    out="o_d, o_h, o_w", shape="1, 1, 5, 1, 1", name="AdaptiveMaxPool3D",
                                    size="(1, 3, None)", result="Array([1., 3., 4.], dtype=float32)")
+
+
+class GlobalMaxPool3D(_GlobalPool):
+    _rank: ClassVar[int] = 3
+    _max: ClassVar[bool] = True
+    __doc__ = _GLOBAL_DOC.format(
+        op="max", spatial="depth, height, width", name="GlobalMaxPool3D", n=16, shape="1, 2, 2, 2, 2",
+        out="Array([[14., 15.]], dtype=float32)",
+    )
+
+
+class GlobalAvgPool3D(_GlobalPool):
+    _rank: ClassVar[int] = 3
+    __doc__ = _GLOBAL_DOC.format(
+        op="average", spatial="depth, height, width", name="GlobalAvgPool3D", n=16, shape="1, 2, 2, 2, 2",
+        out="Array([[7., 8.]], dtype=float32)",
+    )
 
 
 class Flatten(Layer):

@@ -243,7 +243,7 @@ def test_gpt2_each_attention_scaling_matches_hf(changes):
 def test_gpt2_default_scaling_holds_no_leaf_and_a_fresh_port_has_the_scales():
     """HF's default scaling is the attention's own (no leaf: today's tree and program); a port
     built from the config alone (no weights) has the factors too."""
-    plain = ft.nn.from_hf(gpt2_config(), key=jax.random.key(0))
+    plain = jax.eval_shape(lambda: ft.nn.from_hf(gpt2_config(), key=jax.random.key(0)))  # the structure alone
     assert plain.transformer.h.layers.attn.logit_scale is None
     fresh = ft.nn.from_hf(gpt2_config(scale_attn_by_inverse_layer_idx=True), key=jax.random.key(0))
     np.testing.assert_allclose(np.asarray(fresh.transformer.h.layers.attn.logit_scale), 0.5 / np.arange(1, 4), rtol=1e-7)
@@ -289,8 +289,8 @@ def test_qwen2_layer_types_in_any_order_match_hf():
 
 def test_qwen2_windows_on_every_layer_or_none_keep_the_static_window():
     """Every layer sliding (or none): the attention's static ``window`` as before, no leaf."""
-    every = ft.nn.from_hf(transformers.Qwen2Config(**QWEN2, use_sliding_window=True, sliding_window=2,
-                                                   max_window_layers=0), key=jax.random.key(0))
+    config = transformers.Qwen2Config(**QWEN2, use_sliding_window=True, sliding_window=2, max_window_layers=0)
+    every = jax.eval_shape(lambda: ft.nn.from_hf(config, key=jax.random.key(0)))  # the structure alone
     attention = every.model.layers.layers.self_attn
     assert attention.window == 2 and attention.member_window is None
 

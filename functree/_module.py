@@ -306,13 +306,15 @@ class Module:
             return
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))
 
-    def __getattr__(self, name: str) -> Any:
-        # Only for a name normal lookup did not find: another library's method (model.apply,
-        # model.eval) names functree's equivalent (functree/_foreign_methods.py). A property
-        # whose own code raised AttributeError lands here too: run it again to raise its error.
-        if any(name in k.__dict__ for k in type(self).__mro__):
-            return object.__getattribute__(self, name)
-        raise missing_attribute(self, name)
+    if not typing.TYPE_CHECKING:  # hidden from type checkers: `model.weigth` stays an error there
+
+        def __getattr__(self, name: str) -> Any:
+            # Only for a name normal lookup did not find: another library's method (model.apply,
+            # model.eval) names functree's equivalent (functree/_foreign_methods.py). A property
+            # whose own code raised AttributeError lands here too: run it again to raise its error.
+            if any(name in k.__dict__ for k in type(self).__mro__):
+                return object.__getattribute__(self, name)
+            raise missing_attribute(self, name)
 
     def __delattr__(self, name: str) -> None:
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))

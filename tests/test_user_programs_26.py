@@ -155,3 +155,22 @@ def test_optimizer_passed_into_jit(dense, make):
     with pytest.raises(TypeError) as info:
         step(dense, optimizer, jnp.ones((1, 2)))
     assert str(info.value) == OPTIMIZER_ARGUMENT.format(fn="step", path="optimizer", type=type(optimizer).__name__)
+
+
+def test_module_getattr_hidden_from_type_checkers():
+    """Module.__getattr__ is defined only when not type checking: a class-level __getattr__
+    tells pyright and mypy that every attribute exists (typed Any), and `model.weigth`
+    (pyright: "Cannot access attribute") was accepted silently. Read from the source: the
+    suite runs no type checker."""
+    import ast
+    import inspect
+
+    from functree import _module
+
+    module_class = next(node for node in ast.parse(inspect.getsource(_module)).body
+                        if isinstance(node, ast.ClassDef) and node.name == "Module")
+    direct = [n.name for n in module_class.body if isinstance(n, ast.FunctionDef)]
+    guarded = [n.name for branch in module_class.body if isinstance(branch, ast.If)
+               and ast.unparse(branch.test) == "not typing.TYPE_CHECKING"
+               for n in branch.body if isinstance(n, ast.FunctionDef)]
+    assert "__getattr__" not in direct and guarded == ["__getattr__"]

@@ -43,10 +43,9 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
   ``"SAME"`` by default (torch's ``padding=0`` is ``"VALID"``, its ``padding=p`` is
   ``padding=p``: ``"SAME"`` at stride 2 on an even size pads the end alone, torch's
   ``padding=1`` both sides, same shapes, other numbers); a ``Linear`` after
-  ``Flatten`` of NCHW feature maps needs ``flattened={name: (C, H, W)}`` (below). They pad
-  with zeros: torch's ``padding_mode="reflect"`` / ``"circular"`` / ``"replicate"`` is no
-  tensor of the state dict → ``jnp.pad(x, pads, mode="reflect" / "wrap" / "edge")`` and
-  ``padding="VALID"``.
+  ``Flatten`` of NCHW feature maps needs ``flattened={name: (C, H, W)}`` (below). torch's
+  ``padding_mode="reflect"`` / ``"circular"`` / ``"replicate"`` is no tensor of the state
+  dict: give it, ``Conv2D(..., padding=p, padding_mode="reflect")``.
 * ``RMSNorm``: ``epsilon=1e-6``; torch's ``RMSNorm(eps=None)`` uses the input dtype's machine
   epsilon (``torch.finfo(x.dtype).eps``: 1.19e-7 for float32) → ``ft.nn.RMSNorm(n, epsilon=None)``
   (or torch's ``eps=`` where set).

@@ -43,6 +43,40 @@ GROUPS_NOT_POSITIVE = """\
 
 Padding = str | int | Sequence[int] | Sequence[tuple[int, int]]
 
+PADDING_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}  # -> jnp.pad's
+
+BAD_PADDING_MODE = """\
+{cls}: padding_mode={given!r} is not one of torch's {modes}.
+
+    wrong:  {cls}(4, 8, 3, padding=1, padding_mode={given!r}, key=k)
+    right:  {cls}(4, 8, 3, padding=1, padding_mode="reflect", key=k)
+"""
+
+TRANSPOSE_PADDING_MODE = """\
+{cls}: padding_mode={given!r}; a transposed convolution pads with zeros only (torch: 'Only "zeros" \
+padding mode is supported for ConvTranspose'): its padding pads the stride-dilated input.
+
+    wrong:  {cls}(4, 8, 3, strides=2, padding_mode={given!r}, key=k)
+    right:  {cls}(4, 8, 3, strides=2, key=k)     # padding_mode="zeros"
+"""
+
+PAD_TOO_LARGE_FOR_MODE = """\
+Its {axis} ({size}) is too short for {mode} padding {pads} ({lo} before, {hi} after): {why} \
+(torch raises here too).
+
+    wrong:  {cls}(..., padding={padding}, padding_mode="{mode}")(x)     # x's {axis}: {size}
+    right:  {cls}(..., padding={padding}, padding_mode="replicate")(x)     # or an input whose {axis} is >= {need}"""
+
+_MODE_LIMITS = {  # a mode's need of an axis of length L, for pads (lo, hi): (fits, L needed, why)
+    "reflect": (lambda length, lo, hi: max(lo, hi) < length, lambda lo, hi: max(lo, hi) + 1,
+                "a reflection reads each side's pad from the axis without its edge, so each pad must be "
+                "less than the length"),
+    "circular": (lambda length, lo, hi: max(lo, hi) <= length, lambda lo, hi: max(lo, hi),
+                 "each side's pad wraps the axis around at most once"),
+    "replicate": (lambda length, lo, hi: length > 0 or lo + hi == 0, lambda lo, hi: 1,
+                  "an empty axis has no edge to repeat"),
+}
+
 _SPEC = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}
 SPATIAL = {1: ("length",), 2: ("height", "width"), 3: ("depth", "height", "width")}  # the axes' names in errors
 
@@ -81,6 +115,13 @@ def _channels_first(
 def _show(values: tuple[int, ...]) -> Any:
     """One axis's settings as the int a user writes, several as the tuple."""
     return values[0] if len(values) == 1 else values
+
+
+def _shown_padding(padding: Any) -> str:
+    """``padding`` as a user writes it: ``"SAME"``, ``3`` (every side of every axis), or the pairs."""
+    if isinstance(padding, str):
+        return f'"{padding}"'
+    return str(padding[0][0]) if len({v for pair in padding for v in pair}) == 1 else repr(padding)
 
 
 def check_window_fits(
@@ -133,6 +174,8 @@ class Conv(Layer):
     dilation: tuple[int, ...] = field(static=True, default=(1,))
     groups: int = field(static=True, default=1)
     activation: Callable[[Any], Any] = field(static=True, default=identity)
+    padding_mode: str = field(static=True, default="zeros")
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("padding_mode",)  # files written before it: "zeros"
 
     _rank: ClassVar[int] = 1
     _transpose: ClassVar[bool] = False
@@ -153,8 +196,15 @@ class Conv(Layer):
         dtype: Any = jnp.float32,
         weight_initializer: Initializer = glorot_uniform,
         bias_initializer: Initializer = jax.nn.initializers.zeros,
+        padding_mode: str = "zeros",
     ):
         n = self._rank
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(BAD_PADDING_MODE.format(cls=type(self).__name__, given=padding_mode,
+                                                     modes=tuple(PADDING_MODES)))
+        if self._transpose and padding_mode != "zeros":
+            raise ValueError(TRANSPOSE_PADDING_MODE.format(cls=type(self).__name__, given=padding_mode))
+        self.padding_mode = padding_mode
         if not window.is_int(groups) or groups < 1:  # 0 raised ZeroDivisionError, -1 an MLIRError inside XLA
             raise ValueError(GROUPS_NOT_POSITIVE.format(cls=type(self).__name__, groups=groups))
         if in_channels % groups or out_channels % groups:
@@ -189,22 +239,48 @@ class Conv(Layer):
             check_input(self, x, (*spatial, self.in_channels), leading="...")
         except LayerInputError as e:
             raise _channels_first(e, x, n, self.in_channels) from None
-        check_window_fits(self, x, spatial, self.weight.shape[:n], self.strides, self.dilation, self.padding,
+        padding = self.padding
+        if self.padding_mode != "zeros":
+            x, padding = self._padded(x, spatial), "VALID"
+        check_window_fits(self, x, spatial, self.weight.shape[:n], self.strides, self.dilation, padding,
                           transpose=self._transpose)
         batch = x.shape[: x.ndim - n - 1]
         # The batch's size, not -1: reshape cannot infer it when an axis is empty.
         flat = x.reshape((math.prod(batch), *x.shape[x.ndim - n - 1:]))
-        y = self._convolve(flat)
+        y = self._convolve(flat, padding)
         if self.bias is not None:
             y = add_bias(y, self.bias)  # float32 for bfloat16: its gradient sums over every position
         return self.activation(y.reshape((*batch, *y.shape[1:])))
 
-    def _convolve(self, x: jax.Array) -> jax.Array:
+    def _padded(self, x: jax.Array, spatial: Sequence[str]) -> jax.Array:
+        """``x`` padded as torch's ``padding_mode`` pads (``jnp.pad``'s ``reflect``, ``edge``,
+        ``wrap``), by ``padding``'s pairs (``"SAME"``: lax's, ``d (k - 1) + 1 - s`` in all
+        at stride ``s``, the smaller half first, as torch's ``padding="same"``); refused where
+        an axis is too short for the mode (:data:`PAD_TOO_LARGE_FOR_MODE`)."""
+        n = self._rank
+        lengths = x.shape[x.ndim - n - 1:-1]
+        spans = [d * (k - 1) + 1 for k, d in zip(self.weight.shape[:n], self.dilation)]
+        pads = (((0, 0),) * n if self.padding == "VALID" else
+                tuple(jax.lax.padtype_to_pads(lengths, spans, self.strides, "SAME")) if self.padding == "SAME"
+                else self.padding)
+        fits, need, why = _MODE_LIMITS[self.padding_mode]
+        for name, length, (lo, hi) in zip(spatial, lengths, pads):
+            if not fits(length, lo, hi):
+                shown = _shown_padding(self.padding)
+                fix = PAD_TOO_LARGE_FOR_MODE.format(axis=name, size=length, mode=self.padding_mode, pads=(lo, hi),
+                                                    lo=lo, hi=hi, why=why, cls=type(self).__name__, padding=shown,
+                                                    need=need(lo, hi))
+                pattern = "[..., " + ", ".join(spatial) + f", {self.in_channels}]"
+                raise LayerInputError(self, f"{pattern} (float) with {name} >= {need(lo, hi)}", short_array(x), fix)
+        lead = x.ndim - n - 1
+        return jnp.pad(x, ((0, 0),) * lead + tuple(pads) + ((0, 0),), mode=PADDING_MODES[self.padding_mode])
+
+    def _convolve(self, x: jax.Array, padding: Any) -> jax.Array:
         return jax.lax.conv_general_dilated(
             x,
             self.weight,
             window_strides=self.strides,
-            padding=self.padding,
+            padding=padding,
             rhs_dilation=self.dilation,
             dimension_numbers=_SPEC[self._rank],
             feature_group_count=self.groups,
@@ -214,7 +290,7 @@ class Conv(Layer):
 class ConvTranspose(Conv):
     _transpose: ClassVar[bool] = True
 
-    def _convolve(self, x: jax.Array) -> jax.Array:
+    def _convolve(self, x: jax.Array, padding: Any) -> jax.Array:
         """The adjoint of a strided convolution, ``y[i*stride + k] += x[i] @ weight[k]``: the
         input dilated by the strides (``lhs_dilation``), padded, and correlated with the
         spatially flipped filter. With ``groups`` the filter ``[*k, in, out // g]`` becomes
@@ -228,7 +304,7 @@ class ConvTranspose(Conv):
             w = w.reshape((*kernel, self.groups, cin // self.groups, per_group))
             w = jnp.swapaxes(w, n, n + 1).reshape((*kernel, cin // self.groups, self.groups * per_group))
         return jax.lax.conv_general_dilated(
-            x, w, window_strides=(1,) * n, padding=transpose_padding(kernel, self.strides, self.dilation, self.padding),
+            x, w, window_strides=(1,) * n, padding=transpose_padding(kernel, self.strides, self.dilation, padding),
             lhs_dilation=self.strides, rhs_dilation=self.dilation, dimension_numbers=_SPEC[n],
             feature_group_count=self.groups,
         )
@@ -262,7 +338,7 @@ _DOC = """{what} over ``[..., {spatial}, in_channels]`` inputs (channels last).
     Args: ``in_channels, out_channels, kernel_size, strides=1, padding="SAME"`` (``"SAME"``,
     ``"VALID"``, an int or per-axis ``(low, high)`` pairs){groups_arg}, ``dilation=1``,
     ``activation=identity, use_bias=True``; keyword-only ``key``, ``dtype``,
-    ``weight_initializer``, ``bias_initializer``. ``weight`` is ``[{kernel}, in_channels{per_group},
+    ``weight_initializer``, ``bias_initializer``{mode_arg}. ``weight`` is ``[{kernel}, in_channels{per_group},
     out_channels{out_per_group}]``.
 
     Example:
@@ -273,6 +349,10 @@ _DOC = """{what} over ``[..., {spatial}, in_channels]`` inputs (channels last).
       >>> conv(jnp.ones((2, {xshape}, 3))).shape
       {yshape}
     """
+
+_MODE_ARG = (', ``padding_mode="zeros"`` (torch\'s; ``"reflect"``, ``"replicate"`` and ``"circular"`` '
+             "pad the input by ``padding``'s amounts, mirrored without the edge, the edge repeated or wrapped "
+             "around, before the convolution)")
 
 _CONV_MATH = (
     "``y[b, i, o] = activation(bias[o] + sum_{k, c} x[b, i*stride + k*dilation - pad, c] "
@@ -295,7 +375,7 @@ class Conv1D(Conv):
     _rank: ClassVar[int] = 1
     __doc__ = _DOC.format(
         what="A 1-D convolution", spatial="length", math=_CONV_MATH, kernel="width",
-        groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups", out_per_group="",
+        groups_arg=", ``groups=1`` (grouped / depthwise)", mode_arg=_MODE_ARG, per_group=" // groups", out_per_group="",
         name="Conv1D", ks=3, stride_arg="", wshape="(3, 3, 8)", xshape=10, yshape="(2, 10, 8)",
     )
 
@@ -304,7 +384,7 @@ class Conv2D(Conv):
     _rank: ClassVar[int] = 2
     __doc__ = _DOC.format(
         what="A 2-D convolution", spatial="height, width", math=_CONV_MATH, kernel="height, width",
-        groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups", out_per_group="",
+        groups_arg=", ``groups=1`` (grouped / depthwise)", mode_arg=_MODE_ARG, per_group=" // groups", out_per_group="",
         name="Conv2D", ks="(3, 3)", stride_arg="strides=2, ", wshape="(3, 3, 3, 8)",
         xshape="10, 10", yshape="(2, 5, 5, 8)",
     )
@@ -314,7 +394,7 @@ class Conv3D(Conv):
     _rank: ClassVar[int] = 3
     __doc__ = _DOC.format(
         what="A 3-D convolution (video, volumes)", spatial="depth, height, width", math=_CONV_MATH,
-        kernel="depth, height, width", groups_arg=", ``groups=1`` (grouped / depthwise)", per_group=" // groups",
+        kernel="depth, height, width", groups_arg=", ``groups=1`` (grouped / depthwise)", mode_arg=_MODE_ARG, per_group=" // groups",
         out_per_group="", name="Conv3D", ks="(3, 3, 3)", stride_arg="strides=(1, 2, 2), ",
         wshape="(3, 3, 3, 3, 8)", xshape="4, 10, 10", yshape="(2, 4, 5, 5, 8)",
     )
@@ -324,7 +404,7 @@ class Conv1DTranspose(ConvTranspose):
     _rank: ClassVar[int] = 1
     __doc__ = _DOC.format(
         what="A 1-D transposed convolution", spatial="length", math=_TRANSPOSE_MATH, kernel="width",
-        groups_arg=", ``groups=1`` (torch's grouped transpose)", per_group="", out_per_group=" // groups",
+        groups_arg=", ``groups=1`` (torch's grouped transpose)", mode_arg="", per_group="", out_per_group=" // groups",
         name="Conv1DTranspose", ks=3, stride_arg="strides=2, ",
         wshape="(3, 3, 8)", xshape=10, yshape="(2, 20, 8)",
     )
@@ -334,7 +414,7 @@ class Conv2DTranspose(ConvTranspose):
     _rank: ClassVar[int] = 2
     __doc__ = _DOC.format(
         what="A 2-D transposed convolution", spatial="height, width", math=_TRANSPOSE_MATH,
-        kernel="height, width", groups_arg=", ``groups=1`` (torch's grouped transpose)", per_group="",
+        kernel="height, width", groups_arg=", ``groups=1`` (torch's grouped transpose)", mode_arg="", per_group="",
         out_per_group=" // groups", name="Conv2DTranspose", ks="(3, 3)",
         stride_arg="strides=2, ", wshape="(3, 3, 3, 8)", xshape="5, 5", yshape="(2, 10, 10, 8)",
     )
@@ -344,7 +424,7 @@ class Conv3DTranspose(ConvTranspose):
     _rank: ClassVar[int] = 3
     __doc__ = _DOC.format(
         what="A 3-D transposed convolution", spatial="depth, height, width", math=_TRANSPOSE_MATH,
-        kernel="depth, height, width", groups_arg=", ``groups=1`` (torch's grouped transpose)", per_group="",
+        kernel="depth, height, width", groups_arg=", ``groups=1`` (torch's grouped transpose)", mode_arg="", per_group="",
         out_per_group=" // groups", name="Conv3DTranspose", ks="(3, 3, 3)",
         stride_arg="strides=2, ", wshape="(3, 3, 3, 3, 8)", xshape="2, 5, 5", yshape="(2, 4, 10, 10, 8)",
     )

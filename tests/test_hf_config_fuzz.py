@@ -189,7 +189,7 @@ def opt(draw):
          "activation_function": _act(draw), "tie_word_embeddings": draw(st.booleans()),
          "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": draw(st.sampled_from((None, 1)))}
     for name, values, often in (("do_layer_norm_before", (True, False), 1), ("enable_bias", (True, False), 3),
-                                ("layer_norm_elementwise_affine", (True, False), 3),
+                                ("layer_norm_elementwise_affine", (True, False), 1),
                                 ("_remove_final_layer_norm", (False, True), 1),
                                 ("word_embed_proj_dim", (d, 8 if d != 8 else 4, 12), 1)):
         if draw(st.integers(0, often)) == 0:
@@ -248,7 +248,8 @@ def _hf_outputs(hf, model_type, ids, mask):
 NOT_PORTED = "ft.nn.from_hf"
 # Options refused by name until the twenty-sixth session, ported since: a refusal naming one of
 # them as the option it does not cover is a regression (tests/test_hf_options.py).
-PORTED_SINCE = ("do_layer_norm_before", "word_embed_proj_dim", "_remove_final_layer_norm", "scale_attn_weights",
+PORTED_SINCE = ("do_layer_norm_before", "word_embed_proj_dim", "_remove_final_layer_norm",
+                "layer_norm_elementwise_affine", "scale_attn_weights",
                 "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "clip_qkv", "max_window_layers",
                 "layer_types", "use_sliding_window")
 REFUSED: list[str] = []  # the refusals' first lines (read when exploring)

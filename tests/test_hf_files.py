@@ -53,7 +53,7 @@ CONFIGS = {
                  {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_theta": 1234.0}],
     "opt": [{}, {"word_embed_proj_dim": None, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "enable_bias": False},
             {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "hidden_size": 64, "num_attention_heads": 4},  # OPT-350m's
-            {"_remove_final_layer_norm": True, "word_embed_proj_dim": 64}],
+            {"_remove_final_layer_norm": True, "word_embed_proj_dim": 64, "layer_norm_elementwise_affine": False}],
     "bert": [{}, {"hidden_act": "relu", "type_vocab_size": 1}],
     "olmo": [{}, {"num_key_value_heads": None, "hidden_size": 64, "num_attention_heads": 4, "attention_bias": True,
                   "tie_word_embeddings": True, "rope_theta": 5e5},

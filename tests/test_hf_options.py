@@ -3,7 +3,7 @@ against transformers' own model of a tiny config with random weights (no downloa
 
 * OPT-350m's layout: ``do_layer_norm_before: false`` (post-norm blocks, no final layer norm),
   ``word_embed_proj_dim`` other than ``hidden_size`` (``project_in`` / ``project_out``),
-  ``_remove_final_layer_norm``;
+  ``_remove_final_layer_norm``, ``layer_norm_elementwise_affine: false``;
 * GPT-2's ``scale_attn_weights: false`` and ``scale_attn_by_inverse_layer_idx: true`` (each
   layer's logit factor: its attention's ``logit_scale``), ``reorder_and_upcast_attn``;
 * Qwen2's mixed sliding-window and full-attention layers (``max_window_layers``,
@@ -156,10 +156,13 @@ def test_opt_350m_layout_matches_hf():
 
 
 @pytest.mark.parametrize("changes", [{"word_embed_proj_dim": 8, "tie_word_embeddings": False},
-                                     {"_remove_final_layer_norm": True}], ids=["projected", "no_final_norm"])
+                                     {"_remove_final_layer_norm": True},
+                                     {"layer_norm_elementwise_affine": False, "do_layer_norm_before": False}],
+                         ids=["projected", "no_final_norm", "not_affine"])
 def test_opt_projection_and_final_norm_options_match_hf(changes):
-    """The two options apart, on pre-norm blocks: an untied head of the projected width, a
-    pre-norm OPT without its final layer norm (checkpoints fine-tuned before transformers 4.20)."""
+    """The options apart: an untied head of the projected width on pre-norm blocks, a
+    pre-norm OPT without its final layer norm (checkpoints fine-tuned before transformers 4.20),
+    layer norms without weight or bias (``layer_norm_elementwise_affine: false``: none exported)."""
     hf = hf_of(opt_config(**changes))
     model = ported(hf)
     assert_logits_equal(model, hf)

@@ -11,7 +11,7 @@ from functree._module import Module, field
 from functree.hf._causal import Block, CausalLM, lookup_rows, post_norm
 from functree.hf._config import HFConfig
 from functree.hf._dropout import check_layerdrop, rate
-from functree.hf._options import activation, require
+from functree.hf._options import activation
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
@@ -19,6 +19,12 @@ from functree.nn._normalization import LayerNorm
 from functree.nn._stack import Stack
 
 __all__ = ["OPTForCausalLM", "OPTModel", "OPTDecoder", "OPTDecoderLayer", "OPT_OFFSET"]
+
+
+def _norm(d: int, affine: bool, dtype: Any) -> LayerNorm:
+    """torch's ``nn.LayerNorm(d)``; ``affine=False`` (``layer_norm_elementwise_affine: false``)
+    without weight or bias, as ``elementwise_affine=False``."""
+    return LayerNorm(d, dtype=dtype) if affine else LayerNorm(d, use_scale=False, use_offset=False, dtype=dtype)
 
 
 class OPTDecoderLayer(Block):
@@ -38,14 +44,14 @@ class OPTDecoderLayer(Block):
     do_layer_norm_before: bool = field(static=True, default=True)
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
-                 dtype: Any = jnp.float32, attention: Any = "auto", pre_norm: bool = True):
+                 dtype: Any = jnp.float32, attention: Any = "auto", pre_norm: bool = True, affine: bool = True):
         k1, k2, k3 = jax.random.split(key, 3)
         self.self_attn = MultiheadAttention(d, heads, causal=True, use_bias=use_bias, implementation=attention,
                                             key=k1, dtype=dtype)
-        self.self_attn_layer_norm = LayerNorm(d, dtype=dtype)
+        self.self_attn_layer_norm = _norm(d, affine, dtype)
         self.fc1 = Dense(d, hidden, activation, use_bias=use_bias, key=k2, dtype=dtype)
         self.fc2 = Dense(hidden, d, use_bias=use_bias, key=k3, dtype=dtype)
-        self.final_layer_norm = LayerNorm(d, dtype=dtype)
+        self.final_layer_norm = _norm(d, affine, dtype)
         self.do_layer_norm_before = bool(pre_norm)
 
     def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
@@ -79,13 +85,14 @@ class OPTDecoder(Module):
     project_in: Dense | None = None
 
     def __init__(self, vocab: int, positions: int, d: int, layers: int, make: Any, *, key: jax.Array,
-                 dtype: Any = jnp.float32, projection: int | None = None, final_norm: bool = True):
+                 dtype: Any = jnp.float32, projection: int | None = None, final_norm: bool = True,
+                 affine: bool = True):
         k1, k2, k3, k4, k5 = jax.random.split(key, 5)
         e = d if projection is None else projection
         self.embed_tokens = Embedding(vocab, e, key=k1, dtype=dtype)
         self.embed_positions = Embedding(positions + OPT_OFFSET, d, key=k2, dtype=dtype)
         self.layers = Stack(make, layers, key=k3)
-        self.final_layer_norm = LayerNorm(d, dtype=dtype) if final_norm else None
+        self.final_layer_norm = _norm(d, affine, dtype) if final_norm else None
         projected = e != d
         self.project_out = Dense(d, e, use_bias=False, key=k4, dtype=dtype) if projected else None
         self.project_in = Dense(e, d, use_bias=False, key=k5, dtype=dtype) if projected else None
@@ -111,7 +118,8 @@ class OPTForCausalLM(CausalLM):
     post-norm with ``pre_norm=False``: ``do_layer_norm_before: false``, OPT-350m, which has no
     final layer norm), a head tied to ``embed_tokens`` (``lm_head`` None) or not;
     ``projection`` (``word_embed_proj_dim``) other than ``d``: the embedding's width, with
-    ``project_in`` / ``project_out`` (:class:`OPTDecoder`).
+    ``project_in`` / ``project_out`` (:class:`OPTDecoder`); ``affine=False``
+    (``layer_norm_elementwise_affine: false``): layer norms without weight or bias.
     """
 
     model: OPTModel
@@ -127,15 +135,15 @@ class OPTForCausalLM(CausalLM):
     def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *,
                  activation: Any, use_bias: bool = True, tied: bool = True, key: jax.Array, dtype: Any = jnp.float32,
                  attention: Any = "auto", pre_norm: bool = True, final_norm: bool = True,
-                 projection: int | None = None):
+                 projection: int | None = None, affine: bool = True):
         k1, k2 = jax.random.split(key)
 
         def make(k: jax.Array) -> OPTDecoderLayer:
             return OPTDecoderLayer(d, heads, hidden, activation, use_bias, key=k, dtype=dtype, attention=attention,
-                                   pre_norm=pre_norm)
+                                   pre_norm=pre_norm, affine=affine)
 
         self.model = OPTModel(OPTDecoder(vocab, positions, d, layers, make, key=k1, dtype=dtype,
-                                         projection=projection, final_norm=pre_norm and final_norm))
+                                         projection=projection, final_norm=pre_norm and final_norm, affine=affine))
         e = d if projection is None else projection
         self.lm_head = None if tied else Dense(e, vocab, use_bias=False, key=k2, dtype=dtype)
 
@@ -167,13 +175,13 @@ class OPTForCausalLM(CausalLM):
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
         c = config
-        require(c, "layer_norm_elementwise_affine", True, True)
         projection = getattr(c, "word_embed_proj_dim", None) or c.hidden_size
         return cls(c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads, c.ffn_dim,
                    c.num_hidden_layers, activation=activation(c, "activation_function"),
                    use_bias=bool(getattr(c, "enable_bias", True)), tied=bool(getattr(c, "tie_word_embeddings", True)),
                    key=key, dtype=dtype, attention=attention, pre_norm=bool(getattr(c, "do_layer_norm_before", True)),
-                   final_norm=not getattr(c, "_remove_final_layer_norm", False), projection=int(projection))
+                   final_norm=not getattr(c, "_remove_final_layer_norm", False), projection=int(projection),
+                   affine=bool(getattr(c, "layer_norm_elementwise_affine", True)))
 
     @classmethod
     def hf_dropout(cls, config: Any) -> dict[str, float] | None:

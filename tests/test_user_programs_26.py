@@ -174,3 +174,13 @@ def test_module_getattr_hidden_from_type_checkers():
                and ast.unparse(branch.test) == "not typing.TYPE_CHECKING"
                for n in branch.body if isinstance(n, ast.FunctionDef)]
     assert "__getattr__" not in direct and guarded == ["__getattr__"]
+
+
+def test_overridden_stage_calls_the_loss_its_own_way(dense):
+    """A TrainStep subclass overriding step (or apply, compute_loss) may call loss_fn(model,
+    *batch): its three-argument loss is not refused."""
+    class Unpacking(ft.train.TrainStep):
+        def step(self, model, opt_state, batch, key=None, enabled=None):
+            return super().step(model, opt_state, batch, key, enabled)
+
+    Unpacking(lambda m, x, y: 0.0, optax.sgd(0.1))

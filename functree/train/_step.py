@@ -362,7 +362,8 @@ class TrainStep:
         self._scanned: Any = None  # the k-steps program (_scan.py), built on first use
         self.placement = placement_of_step(mesh, data_axis, sharding, "ft.train.train_step")
         self.compute_dtype = None if compute_dtype is None else check_compute_dtype(compute_dtype)
-        if type(self).compute_loss is TrainStep.compute_loss:  # an override calls loss_fn its own way
+        cls = type(self)  # a stage overridden may call loss_fn its own way (loss_fn(model, *batch))
+        if cls.compute_loss is TrainStep.compute_loss and cls.apply is TrainStep.apply and cls.step is TrainStep.step:
             check_batch_argument(loss_fn, "ft.train.train_step({loss}, optimizer)")
         self.loss_fn = loss_fn
         self.optimizer = as_optimizer(optimizer)

@@ -443,3 +443,74 @@ def test_bfloat16_weight_gradients_sum_the_steps_in_float32(cell_cls):
     for got, expected in zip(mine, (ref.weight_hh_l0.grad.numpy(), ref.bias_ih_l0.grad.numpy())):
         scale = np.max(np.abs(expected))
         np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=0, atol=0.02 * scale)
+
+
+class _Bidirectional(ft.Module):
+    """torch's bidirectional=True layer: the two directions' outputs concatenated."""
+
+    forward: ft.nn.RNN
+    backward: ft.nn.RNN
+
+    def __call__(self, xs):
+        return jnp.concatenate([self.forward(xs), self.backward(xs)], axis=-1)
+
+
+@pytest.mark.parametrize("nonlinearity,bidirectional", [("tanh", False), ("relu", True)])
+def test_simple_rnn_matches_torchs_rnn_through_the_port(nonlinearity, bidirectional):
+    """torch's nn.RNN (Elman: tanh or relu, two biases) had no cell. One layer batch-first,
+    and bidirectional as two RNNs (the second reverse=True, torch's _l0_reverse): outputs and
+    the gradients of the input and every torch parameter 1.8e-15 apart in float64 (tanh and
+    relu, one and two directions); float32 here, 2.5e-7 of the values apart measured (every
+    case): atol 10 times it, rounded up."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    module = torch.nn.RNN(3, 5, nonlinearity=nonlinearity, batch_first=True, bidirectional=bidirectional)
+    activation = {"tanh": ft.nn.tanh, "relu": ft.nn.relu}[nonlinearity]
+    rnn = lambda reverse: ft.nn.RNN(ft.nn.SimpleRNNCell(3, 5, key=jax.random.key(0), activation=activation),  # noqa: E731
+                                    reverse=reverse)
+    if bidirectional:  # torch's names, each direction under its field
+        model = _Bidirectional(rnn(False), rnn(True))
+        given = {("backward." if n.endswith("_reverse") else "forward.") + n: v for n, v in module.state_dict().items()}
+    else:
+        model, given = rnn(False), module.state_dict()
+    model = ft.nn.load_torch_state_dict(model, given)
+    x = np.random.default_rng(0).normal(size=(2, 6, 3)).astype(np.float32)
+    xt = torch.tensor(x, requires_grad=True)
+    yt, _ = module(xt)
+    g = np.random.default_rng(1).normal(size=yt.shape).astype(np.float32)
+    yt.backward(torch.tensor(g))
+    y, vjp = jax.vjp(jax.jit(lambda m, x: m(x)), model, jnp.asarray(x))
+    grad_model, grad_x = vjp(jnp.asarray(g))
+    ours = {"output": np.asarray(y), "input": np.asarray(grad_x),
+            **{n.removeprefix("forward.").removeprefix("backward."): v
+               for n, v in ft.nn.torch_state_dict(grad_model, gradient=True, numpy=True).items()}}
+    theirs = {"output": yt.detach().numpy(), "input": xt.grad.numpy(),
+              **{n: p.grad.numpy() for n, p in module.named_parameters()}}
+    assert set(ours) == set(theirs)
+    for name, want in theirs.items():
+        np.testing.assert_allclose(ours[name], want, rtol=0, atol=3e-6 * max(1.0, float(np.abs(want).max())),
+                                   err_msg=name)
+
+
+def test_simple_rnn_cell_is_torchs_rnn_cell_and_has_gradients(key):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    module = torch.nn.RNNCell(3, 4)
+    cell = ft.nn.load_torch_state_dict(ft.nn.SimpleRNNCell(3, 4, key=key), module.state_dict())
+    x, h = (np.random.default_rng(s).normal(size=(2, n)).astype(np.float32) for s, n in ((0, 3), (1, 4)))
+    expected = module(torch.tensor(x), torch.tensor(h)).detach().numpy()
+    new, y = cell(jnp.asarray(h), jnp.asarray(x))
+    assert new is y
+    np.testing.assert_allclose(y, expected, rtol=0, atol=2e-6)  # |y| <= 1 (tanh): 10 float32 roundings
+    with jax.enable_x64(True):
+        cell64 = jax.tree.map(lambda a: a.astype(jnp.float64), cell)
+        check_grads(jax.jit(lambda c, h, x: c(h, x)[0]), (cell64, h.astype(np.float64), x.astype(np.float64)),
+                    order=1, modes=["rev"])
+
+
+def test_simple_rnn_cell_takes_the_activation_function_not_its_name(key):
+    with pytest.raises(ValueError, match=r"(?s)SimpleRNNCell: activation='relu' is a name.*"
+                       r"right:  ft.nn.SimpleRNNCell\(3, 5, activation=ft.nn.relu, key=k\)"):
+        ft.nn.SimpleRNNCell(3, 5, activation="relu", key=key)
+    with pytest.raises(ft.nn.LayerInputError, match=r"SimpleRNNCell expects inputs \[\.\.\., 3\] \(float\), got f32\[2,4\]"):
+        ft.nn.SimpleRNNCell(3, 5, key=key)(jnp.zeros((2, 5)), jnp.ones((2, 4)))

@@ -25,7 +25,7 @@ from functree.nn._conv import Conv, ConvTranspose
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
-from functree.nn._recurrent import RNN, GRUCell, LSTMCell
+from functree.nn._recurrent import RNN, GRUCell, LSTMCell, SimpleRNNCell
 
 FLATTENED_SIZE = """\
 ft.nn: flattened={{{name!r}: {shape}}} has {size} values per example; the Dense layer takes \
@@ -196,9 +196,9 @@ def _split_columns(sizes: tuple[int, ...]) -> tuple[Callable[..., Any], Callable
     return (lambda w: tuple(np.split(w, cuts, axis=1))), (lambda *ps: (_xp(ps[0]).concatenate(ps, axis=1),))
 
 
-def _cell(layer: GRUCell | LSTMCell, suffix: str = "", ft: str = "") -> list[Local]:
+def _cell(layer: SimpleRNNCell | GRUCell | LSTMCell, suffix: str = "", ft: str = "") -> list[Local]:
     rules = [_permuted("weight_ih", "input_weight", (1, 0)), _permuted("weight_hh", "hidden_weight", (1, 0))]
-    if isinstance(layer, GRUCell):
+    if isinstance(layer, (SimpleRNNCell, GRUCell)):  # torch's two biases, held as they are
         rules += [same("bias_ih", "input_bias"), same("bias_hh", "hidden_bias")]
     else:  # torch adds two biases where the LSTM has one: loaded summed, saved as (bias, 0)
         rules.append((("bias_ih", "bias_hh"), ("bias",), _summed, _with_zeros))
@@ -240,7 +240,7 @@ def _rnn(layer: RNN) -> list[Local] | None:  # another cell: None, walked into, 
     """torch's first layer's tensors: ``_l0`` forward; ``reverse=True`` reads the sequence from
     its end as a bidirectional layer's second direction does, whose tensors are ``_l0_reverse``
     (a forward layer's names would load it into a layer computing another function)."""
-    if not isinstance(layer.cell, (GRUCell, LSTMCell)):
+    if not isinstance(layer.cell, (SimpleRNNCell, GRUCell, LSTMCell)):
         return None
     return _cell(layer.cell, suffix="_l0_reverse" if layer.reverse else "_l0", ft="cell")
 
@@ -249,7 +249,7 @@ _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None
     (Conv, _conv),
     ((LayerNorm, GroupNorm, RMSNorm, BatchNorm), _norm),
     (Embedding, lambda layer: [same("weight", "embeddings")]),
-    ((GRUCell, LSTMCell), _cell),
+    ((SimpleRNNCell, GRUCell, LSTMCell), _cell),
     (RNN, _rnn),
 )
 

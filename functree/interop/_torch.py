@@ -15,6 +15,8 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
     GRUCell, GRU  weight_ih[_l0], weight_hh[_l0], bias_ih[_l0], bias_hh[_l0]
                                              GRUCell / RNN(GRUCell)  input_weight, hidden_weight,
                                              input_bias, hidden_bias (transposed weights)
+    RNNCell, RNN  the same four              SimpleRNNCell / RNN(SimpleRNNCell), as GRU's
+                                             (nonlinearity="relu" → activation=ft.nn.relu)
     LSTMCell, LSTM  the same four            LSTMCell / RNN(LSTMCell)  input_weight, hidden_weight,
                                              bias = bias_ih + bias_hh
 
@@ -26,7 +28,7 @@ slice of every stacked leaf converted as its layer is. A ``Shared`` tie's value 
 tensor under each of its names (torch's tied parameters). ``rename=`` maps torch name
 prefixes onto the model's where they differ; ``layouts=`` reads Hugging Face's ``Conv1D``
 and attention held as separate ``Linear`` layers. ``RNN(cell)`` is a single-layer ``GRU`` /
-``LSTM`` (``_l0``); ``RNN(cell, reverse=True)`` is a bidirectional layer's reverse direction
+``LSTM`` / ``RNN`` (``_l0``); ``RNN(cell, reverse=True)`` is a bidirectional layer's reverse direction
 (``_l0_reverse``: torch has no reverse-only layer; two RNNs, their outputs concatenated, are
 its ``bidirectional=True`` layer). torch's further layers stay unmatched, reported.
 

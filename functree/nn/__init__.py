@@ -82,7 +82,7 @@ from functree.nn._pooling import (
     MaxPool2D,
     MaxPool3D,
 )
-from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState
+from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState, SimpleRNNCell
 from functree.nn._remat import Remat
 from functree.nn._rotary import RopeScaling, RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
@@ -172,6 +172,7 @@ __all__ = [
     "RMSNorm",
     "GroupNorm",
     "Embedding",
+    "SimpleRNNCell",
     "GRUCell",
     "LSTMCell",
     "LSTMState",

@@ -1,4 +1,4 @@
-"""Recurrent cells (``GRUCell``, ``LSTMCell``) and ``RNN``, a ``lax.scan`` over time.
+"""Recurrent cells (``SimpleRNNCell``, ``GRUCell``, ``LSTMCell``) and ``RNN``, a ``lax.scan`` over time.
 
 A cell maps ``(state, x) -> (new_state, output)`` — the signature of a ``lax.scan`` body —
 for inputs ``[..., input_size]`` with any leading batch axes; ``cell.zero_state(batch_shape)``
@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from functree._activations import tanh
 from functree._module import field
 from functree._paths import ATTR, Entry, KeyPath
 from functree._random import flat_key
@@ -26,7 +27,7 @@ from functree.nn._remat import call_collecting, collecting, record_under
 from functree.nn._sequential import takes_key
 from functree.nn._state import apply_state, floating_state
 
-__all__ = ["GRUCell", "LSTMCell", "LSTMState", "RNN"]
+__all__ = ["SimpleRNNCell", "GRUCell", "LSTMCell", "LSTMState", "RNN"]
 
 _glorot = jax.nn.initializers.glorot_uniform()
 _orthogonal = jax.nn.initializers.orthogonal()
@@ -84,6 +85,72 @@ def _weights(key: jax.Array, n_in: int, n_hidden: int, gates: int, dtype: Any,
         [hidden_init(flat_key(k), (n_hidden, n_hidden), drawn) for k in jax.random.split(k_h, gates)], axis=1
     )
     return w_in.astype(dtype), w_h.astype(dtype)
+
+
+ACTIVATION_NAME = """\
+SimpleRNNCell: activation={given!r} is a name; it takes the function (torch's nonlinearity= \
+names it, a state dict does not carry it).
+
+    wrong:  ft.nn.SimpleRNNCell(3, 5, activation={given!r}, key=k)
+    right:  ft.nn.SimpleRNNCell(3, 5, activation=ft.nn.{name}, key=k)
+"""
+
+
+class SimpleRNNCell(Layer):
+    """A plain (Elman) recurrent cell, torch's ``nn.RNNCell`` / one layer of ``nn.RNN``::
+
+        h' = activation(x W_ih + b_ih + h W_hh + b_hh)
+
+    ``activation`` is ``ft.nn.tanh`` (default) or ``ft.nn.relu`` for torch's
+    ``nonlinearity="relu"`` (a state dict does not carry it: give it when porting), or any
+    elementwise function. ``input_weight`` is ``[input_size, hidden_size]`` (glorot-uniform),
+    ``hidden_weight`` ``[hidden_size, hidden_size]`` (orthogonal), the two biases torch holds
+    zero (added in float32 in bfloat16 and float16, as ``Dense`` adds its). ``cell(h, x)``
+    returns ``(h', h')``; ``ft.nn.RNN(cell)`` runs it over a sequence (torch's ``weight_ih_l0``...).
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> cell = ft.nn.SimpleRNNCell(3, 5, key=jax.random.key(0), activation=ft.nn.relu)
+      >>> h, y = cell(cell.zero_state((2,)), jnp.ones((2, 3)))
+      >>> h.shape, bool((h >= 0).all())
+      ((2, 5), True)
+      >>> ft.nn.RNN(cell)(jnp.ones((2, 7, 3))).shape
+      (2, 7, 5)
+    """
+
+    input_weight: jax.Array
+    hidden_weight: jax.Array
+    input_bias: jax.Array = field(decay=False)
+    hidden_bias: jax.Array = field(decay=False)
+    activation: Callable[[Any], Any] = field(static=True, default=tanh)
+
+    def __init__(self, input_size: int, hidden_size: int, *, key: jax.Array, dtype: Any = jnp.float32,
+                 activation: Callable[[Any], Any] = tanh, input_initializer: Initializer = _glorot,
+                 hidden_initializer: Initializer = _orthogonal):
+        if isinstance(activation, str):  # torch's nonlinearity="relu": called at the first step, "str is not callable"
+            name = activation if activation in ("tanh", "relu") else "tanh"
+            raise ValueError(ACTIVATION_NAME.format(given=activation, name=name))
+        self.input_weight, self.hidden_weight = _weights(
+            key, input_size, hidden_size, 1, dtype, input_initializer, hidden_initializer
+        )
+        self.input_bias = jnp.zeros((hidden_size,), dtype)
+        self.hidden_bias = jnp.zeros((hidden_size,), dtype)
+        self.activation = activation
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden_weight.shape[0]
+
+    def zero_state(self, batch_shape: tuple[int, ...] = ()) -> jax.Array:
+        """Zeros ``[*batch_shape, hidden_size]``."""
+        return jnp.zeros((*batch_shape, self.hidden_size), self.hidden_weight.dtype)
+
+    def __call__(self, state: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        check_input(self, x, (self.input_weight.shape[0],))
+        # biases added in float32 below float32 (add_bias): their gradients sum every batch row
+        pre = add_bias(x @ self.input_weight, self.input_bias) + add_bias(state @ self.hidden_weight, self.hidden_bias)
+        h = self.activation(pre)
+        return h, h
 
 
 class GRUCell(Layer):
@@ -236,7 +303,7 @@ class RNN(Layer):
       (2, 7, 5)
     """
 
-    cell: Any  # a GRUCell, LSTMCell or any Module with __call__(state, x) and zero_state
+    cell: Any  # a SimpleRNNCell, GRUCell, LSTMCell or any Module with __call__(state, x) and zero_state
     time_axis: int = field(static=True, default=-2)
     reverse: bool = field(static=True, default=False)
 

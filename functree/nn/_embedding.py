@@ -18,6 +18,18 @@ __all__ = ["Embedding"]
 
 _standard_normal = jax.nn.initializers.normal(1.0)
 
+MAX_NORM = """\
+ft.nn.Embedding: max_norm={max_norm!r} is torch's in-place side effect: each forward of torch's \
+Embedding(..., max_norm=m) rescales the rows it looks up inside the weight itself (under \
+no_grad), and the optimizer then steps from the rescaled rows. A layer whose forward only \
+scaled its output would give torch's first output and gradient and drift from it after the \
+first step (its table never rescaled). Make the change explicit, before each step:
+
+    wrong:  emb = ft.nn.Embedding(n, d, key=key, max_norm={max_norm!r})
+    right:  emb = ft.nn.Embedding(n, d, key=key)
+            emb = emb.renormalized(tokens, {max_norm!r})   # torch's renorm of the rows tokens look up
+            loss, grads = ...(emb, tokens)                 # then the step, from the renormalized table"""
+
 PADDING_INDEX = """\
 ft.nn.Embedding: padding_index={index} is outside the vocabulary of {size} rows.
     right:  ft.nn.Embedding({size}, d, key=key, padding_index=0)"""
@@ -33,6 +45,9 @@ class Embedding(Layer):
     ``padding_index=p`` is torch's ``padding_idx``: row ``p`` starts at zeros and gets no
     gradient (it is looked up as stored). A torch state dict does not carry it: give it
     when porting a torch ``Embedding(..., padding_idx=p)``, or the padding row trains.
+    torch's ``max_norm=m`` (an in-place change of the weight at each forward) is
+    :meth:`renormalized`, called before each step; ``max_norm=`` here is refused
+    (:data:`MAX_NORM`).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -58,7 +73,10 @@ class Embedding(Layer):
         dtype: Any = jnp.float32,
         initializer: Initializer = _standard_normal,
         padding_index: int | None = None,
+        max_norm: None = None,
     ):
+        if max_norm is not None:  # torch's argument: no counterpart in a forward (MAX_NORM says why)
+            raise ValueError(MAX_NORM.format(max_norm=max_norm))
         self.embeddings = initialized(initializer, key, (vocabulary_size, embedding_size), dtype)
         if padding_index is not None:
             padding_index = operator.index(padding_index)
@@ -72,6 +90,39 @@ class Embedding(Layer):
         check_input(self, indices, (), kind="int")
         read = jnp.clip(indices, 0, self.embeddings.shape[0] - 1)  # the rows jnp.take's "clip" reads
         return without_padding_gradient(jnp.take(self.embeddings, read, axis=0), read, self.padding_index)
+
+    def renormalized(self, indices: jax.Array, max_norm: float, norm_type: float = 2.0) -> Embedding:
+        """This layer with torch's ``max_norm`` renormalization of the rows ``indices`` look up
+        (``torch.embedding_renorm_``, which torch's ``Embedding(..., max_norm=m)`` applies to its
+        weight in place at every forward)::
+
+            w[r] <- w[r] * m / (||w[r]||_p + 1e-7)   for each distinct row r looked up with ||w[r]||_p > m
+
+        Other rows are unchanged. torch rescales under ``no_grad``: the rescaling passes
+        gradients through unscaled (``w - stop_gradient(w) + stop_gradient(w')``), so a gradient taken through
+        this call is torch's ``weight.grad``. torch's training is matched step for step by calling it
+        on the batch before each step and stepping from the model it returns (torch's
+        optimizer steps from the rescaled rows); scaling only a forward's output would drift
+        after the first step.
+
+        Example:
+          >>> import functree as ft, jax, jax.numpy as jnp
+          >>> emb = ft.nn.Embedding(4, 2, key=jax.random.key(0), initializer=jax.nn.initializers.constant(3.0))
+          >>> tokens = jnp.array([1, 1, 2])
+          >>> emb = emb.renormalized(tokens, max_norm=1.0)   # rows 1 and 2 to norm 1, rows 0 and 3 kept
+          >>> jnp.linalg.norm(emb.embeddings, axis=-1).round(4)
+          Array([4.2426, 1.    , 1.    , 4.2426], dtype=float32)
+        """
+        check_input(self, indices, (), kind="int")
+        w = self.embeddings
+        read = jnp.clip(indices, 0, w.shape[0] - 1).ravel()  # the rows a lookup reads
+        looked = jnp.zeros(w.shape[0], bool).at[read].set(True)
+        norms = jnp.linalg.norm(w, ord=norm_type, axis=-1)
+        scale = jnp.where(looked & (norms > max_norm), max_norm / (norms + 1e-7), 1.0).astype(w.dtype)
+        rescaled = w * scale[:, None]
+        # torch's no_grad: the value rescaled exactly (w - w is 0), the gradient passed through unscaled
+        stop = jax.lax.stop_gradient
+        return self.replace(embeddings=w - stop(w) + stop(rescaled))
 
 
 def without_padding_gradient(rows: jax.Array, indices: jax.Array, padding: int | None) -> jax.Array:

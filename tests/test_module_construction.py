@@ -286,15 +286,22 @@ LAYER_CALLS: dict[type, tuple[Callable[[], ft.Module], Callable[[], ft.Module]]]
             lambda cls=cls: cls(2, 4, 3, 1, "VALID", key=K),
             lambda cls=cls: cls(in_channels=2, out_channels=4, kernel_size=3, strides=1, padding="VALID", key=K),
         )
-        for cls in (ft.nn.Conv1D, ft.nn.Conv2D, ft.nn.Conv1DTranspose, ft.nn.Conv2DTranspose)
+        for cls in (ft.nn.Conv1D, ft.nn.Conv2D, ft.nn.Conv3D, ft.nn.Conv1DTranspose, ft.nn.Conv2DTranspose,
+                    ft.nn.Conv3DTranspose)
     },
     **{
         cls: (lambda cls=cls: cls(3, 1, "same"), lambda cls=cls: cls(pool_size=3, strides=1, padding="same"))
-        for cls in (ft.nn.MaxPool1D, ft.nn.MaxPool2D, ft.nn.AvgPool1D, ft.nn.AvgPool2D)
+        for cls in (ft.nn.MaxPool1D, ft.nn.MaxPool2D, ft.nn.MaxPool3D, ft.nn.AvgPool1D, ft.nn.AvgPool2D, ft.nn.AvgPool3D)
+    },
+    **{
+        cls: (lambda cls=cls: cls(2), lambda cls=cls: cls(output_size=2))
+        for cls in (ft.nn.AdaptiveAvgPool1D, ft.nn.AdaptiveAvgPool2D, ft.nn.AdaptiveAvgPool3D, ft.nn.AdaptiveMaxPool1D,
+                    ft.nn.AdaptiveMaxPool2D, ft.nn.AdaptiveMaxPool3D)
     },
     **{
         cls: (cls, cls)
-        for cls in (ft.nn.GlobalMaxPool1D, ft.nn.GlobalMaxPool2D, ft.nn.GlobalAvgPool1D, ft.nn.GlobalAvgPool2D)
+        for cls in (ft.nn.GlobalMaxPool1D, ft.nn.GlobalMaxPool2D, ft.nn.GlobalMaxPool3D, ft.nn.GlobalAvgPool1D,
+                    ft.nn.GlobalAvgPool2D, ft.nn.GlobalAvgPool3D)
     },
     ft.nn.Flatten: (lambda: ft.nn.Flatten(2), lambda: ft.nn.Flatten(batch_dims=2)),
     ft.nn.Dropout: (
@@ -311,6 +318,10 @@ LAYER_CALLS: dict[type, tuple[Callable[[], ft.Module], Callable[[], ft.Module]]]
         lambda: ft.nn.Embedding(vocabulary_size=5, embedding_size=3, key=K),
     ),
     ft.nn.GRUCell: (_cell, lambda: ft.nn.GRUCell(input_size=2, hidden_size=3, key=K)),
+    ft.nn.SimpleRNNCell: (
+        lambda: ft.nn.SimpleRNNCell(2, 3, key=K, activation=jax.nn.relu),
+        lambda: ft.nn.SimpleRNNCell(input_size=2, hidden_size=3, key=K, activation=jax.nn.relu),
+    ),
     ft.nn.LSTMCell: (
         lambda: ft.nn.LSTMCell(2, 3, key=K),
         lambda: ft.nn.LSTMCell(input_size=2, hidden_size=3, key=K),

@@ -7,6 +7,7 @@ nnx.Optimizer's argument order, an integer seed as a key, a loss taking the batc
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -184,3 +185,38 @@ def test_overridden_stage_calls_the_loss_its_own_way(dense):
             return super().step(model, opt_state, batch, key, enabled)
 
     Unpacking(lambda m, x, y: 0.0, optax.sgd(0.1))
+
+
+@pytest.fixture(scope="module")
+def dropout_net():
+    return ft.nn.Sequential(ft.nn.Dense(2, 4, key=jax.random.key(0)), ft.nn.BatchNorm(4), ft.nn.Dropout(0.5),
+                            ft.nn.Dense(4, 1, key=jax.random.key(1)))
+
+
+def _dropout_loss(m, b, *, key=None):
+    return jnp.mean((m(b[0], key=key) - b[1]) ** 2)
+
+
+def test_train_step_on_a_fresh_model_given_a_key_warns(dropout_net):
+    """An Equinox/NNX/torch habit: a fresh model (functree's start in inference mode) trained
+    by train_step with a key trained silently with Dropout off and BatchNorm frozen (the
+    running mean stayed 0); the first call warns, naming the layers and ft.nn.training."""
+    from functree.train._setup import STEP_IN_INFERENCE
+
+    batch = (jnp.ones((8, 2)), jnp.ones((8, 1)))
+    step = ft.train.train_step(_dropout_loss, optax.sgd(0.1), donate=False)
+    state = step.optimizer.init(dropout_net)
+    with pytest.warns(ft.train.TrainingModeWarning) as record:
+        step(dropout_net, state, batch, key=jax.random.key(0))
+    assert str(record[0].message) == STEP_IN_INFERENCE.format(
+        paths="layers.1 (BatchNorm), layers.2 (Dropout)", run="run")
+    assert record[0].filename == __file__  # the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(dropout_net, state, batch, key=jax.random.key(1))             # once per step
+        for model, key in ((ft.nn.training(dropout_net), jax.random.key(0)), (dropout_net, None)):
+            fresh = ft.train.train_step(_dropout_loss, optax.sgd(0.1), donate=False)
+            fresh(model, state, batch, key=key)                              # training mode, or no key
+        trainer = ft.train.Trainer(dropout_net, optax.sgd(0.1), _dropout_loss, key=jax.random.key(0))
+        trainer.fit([batch], epochs=1, progress=False)                      # the Trainer switches it
+    assert bool((trainer.model.layers[1].running_mean != 0).all())

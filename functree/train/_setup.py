@@ -23,7 +23,7 @@ from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
 
 __all__ = ["make_step", "check_key", "job_field", "check_arguments", "MISSING", "in_training_mode",
-           "warn_frozen_state", "FrozenStateWarning",
+           "warn_frozen_state", "FrozenStateWarning", "warn_step_in_inference", "STEP_IN_INFERENCE",
            "TrainingModeWarning"]
 
 WRT_WITH_STEP = """\
@@ -376,13 +376,29 @@ tell whether you put {them} there; say which you mean:
 
 SHOWN = 3  # layers named in a warning before "and N more"
 
+# train_step keeps the modes it is given (the Trainer switches a fresh model): a user from
+# Equinox, NNX or torch, whose layers start in training mode, trains a fresh functree model
+# with Dropout off and BatchNorm frozen, the key given changing nothing.
+STEP_IN_INFERENCE = """\
+train_step was called with a key, but the model is wholly in inference mode: {paths} \
+{run} as at inference (Dropout off, BatchNorm normalising with its fixed running statistics), \
+so the step trains another model than one in training mode, and the key changes nothing there. \
+functree's layers start in inference mode (Equinox's, NNX's and torch's start in training); \
+the Trainer switches a fresh model, train_step keeps the modes it is given:
+
+    wrong:  model, opt_state, metrics = step(model, opt_state, batch, key=key)   # a fresh model
+    right:  model = ft.nn.training(model)                                         # once, before the loop
+       or:  step(model, opt_state, batch)      # no key: inference mode meant (frozen statistics, no dropout)"""
+
 
 class TrainingModeWarning(UserWarning):
     """``Trainer(training=None)`` had to guess the modes a model trains in, and the guess
     may not be the user's: a model mixing modes (kept as given, :data:`MIXED_MODES`; a
     fresh head's Dropout stays off), or one wholly in inference switched to training whose
     BatchNorm holds trained or loaded statistics (:data:`LOADED_STATE_SWITCHED`). Passing
-    ``training=True`` or ``training=False`` says which and silences it."""
+    ``training=True`` or ``training=False`` says which and silences it. Also a
+    ``train_step`` given a key and a model wholly in inference mode (:data:`STEP_IN_INFERENCE`:
+    ``ft.nn.training(model)``, or no key, says which)."""
 
 
 class FrozenStateWarning(TrainingModeWarning):
@@ -530,6 +546,20 @@ def _mode_layers(model: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[A
 
 def _has_mode(x: Any) -> bool:
     return isinstance(x, Module) and "training" in type(x).__ft_static__  # type: ignore[attr-defined]
+
+
+def warn_step_in_inference(model: Any) -> None:
+    """:data:`STEP_IN_INFERENCE` (a :class:`TrainingModeWarning`) when ``model`` has layers
+    that train otherwise than they infer (a BatchNorm, a Dropout of a rate above 0) and no
+    functree layer in training mode; a train step's first call given a key."""
+    layers = _mode_layers(model)
+    if not layers or any(layer.training for _, layer in layers):
+        return
+    acting = [(path, layer) for path, layer in layers if isinstance(layer, nn.BatchNorm)
+              or float(getattr(layer, "rate", 0.0) or getattr(layer, "dropout", 0.0) or 0.0) > 0]
+    if acting:
+        warnings.warn(STEP_IN_INFERENCE.format(paths=_named(acting), run="run" if len(acting) > 1 else "runs"),
+                      TrainingModeWarning, stacklevel=4)
 
 
 def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:

@@ -371,6 +371,7 @@ class TrainStep:
         self._compiled: Any = None
         self._donate = donate
         self._guard = DonationGuard("the train step")
+        self._modes_checked = False  # STEP_IN_INFERENCE looked for (first call; the Trainer chooses modes itself)
         self._halt: Any = None  # on_nan="stop": [calls, call that stopped (-1), its nonfinite]
         self._calls = 0
         self._owned_call = False  # run(owned=...) of the call running
@@ -664,6 +665,11 @@ class TrainStep:
         call runs (default ``steps_per_call``); above 1, ``batch`` holds that many
         minibatches stacked along its leading axis."""
         batch = private_arrays(batch)  # (a plain call's copies pass as they are)
+        if not self._modes_checked:  # the first call: a fresh (inference-mode) model given a key
+            self._modes_checked = True
+            if key is not None:  # (imported here: _setup imports this module)
+                from functree.train._setup import warn_step_in_inference
+                warn_step_in_inference(model)
         steps = self.steps_per_call if steps is None else steps
         if steps == 1:
             program = self._compiled or self._program(model)

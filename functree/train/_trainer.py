@@ -437,6 +437,7 @@ class Trainer(Evaluation):
             check_batch_argument(loss_fn, "ft.train.Trainer(model, optimizer, {loss}%s)"
                                  % (", key=key" if key is not None else ""))
         self.train_step = make_step(train_step, loss_fn, optimizer, metrics, on_nan, wrt, parallel)
+        self.train_step._modes_checked = True  # modes are the Trainer's choice (in_training_mode, its warnings)
         self.optimizer = self.train_step.optimizer
         self.eval_step = eval_step(loss_fn, metrics=self.train_step.metrics, **parallel)
         self.on_nan = self.train_step.on_nan

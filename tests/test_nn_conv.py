@@ -427,3 +427,12 @@ def test_a_bad_padding_mode_is_refused_when_built():
                        r"with zeros only"):
         ft.nn.Conv1DTranspose(4, 8, 3, padding_mode="reflect", key=jax.random.key(0))
 
+
+
+def test_a_window_longer_than_a_mode_padded_input_names_the_input_as_given():
+    """The window check read the input after padding_mode's padding: "Its length (5)" for
+    an input of length 3."""
+    conv = ft.nn.Conv1D(1, 1, 7, padding=1, padding_mode="replicate", key=jax.random.key(0))
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)with length >= 5, got f32\[1,3,1\].*Its length \(3\) is "
+                       r"shorter than the window needs: kernel_size 7, padding \(\(1, 1\),\) adds 2"):
+        conv(jnp.ones((1, 3, 1)))

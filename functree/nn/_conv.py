@@ -239,11 +239,11 @@ class Conv(Layer):
             check_input(self, x, (*spatial, self.in_channels), leading="...")
         except LayerInputError as e:
             raise _channels_first(e, x, n, self.in_channels) from None
+        check_window_fits(self, x, spatial, self.weight.shape[:n], self.strides, self.dilation, self.padding,
+                          transpose=self._transpose)  # on the input as given: its lengths are the error's
         padding = self.padding
         if self.padding_mode != "zeros":
             x, padding = self._padded(x, spatial), "VALID"
-        check_window_fits(self, x, spatial, self.weight.shape[:n], self.strides, self.dilation, padding,
-                          transpose=self._transpose)
         batch = x.shape[: x.ndim - n - 1]
         # The batch's size, not -1: reshape cannot infer it when an axis is empty.
         flat = x.reshape((math.prod(batch), *x.shape[x.ndim - n - 1:]))

@@ -3,9 +3,10 @@ functree's own uncached forward, for the nine causal families ``ft.nn.from_hf`` 
 
 Each family is one tiny HF model (two layers, 48 tokens, weights moved off HF's
 initialization and its head sharpened, ``torch.manual_seed(0)``; Mistral and Qwen2 with a
-sliding window of 3, shorter than the prompts drawn), ported by ``ft.nn.from_hf``. Hypothesis
-draws a batch of left-padded prompts (1 to 3 rows of 1 to 6 real tokens), ``max_new_tokens``
-and whether rows end at EOS, and checks that greedy tokens
+sliding window of 3, shorter than most prompts drawn), ported by ``ft.nn.from_hf``. Hypothesis
+draws a batch of left-padded prompts (1 to 3 rows of 1 to 6 real tokens; 11 in the bucket
+test: a longer cache), ``max_new_tokens`` and whether rows end at EOS, and checks that greedy
+tokens
 
 - equal HF's ``generate(use_cache=True)`` (its DynamicCache; its sliding layers' cache),
 - equal the argmax loop of functree's own uncached call (each step the whole sequence
@@ -19,6 +20,10 @@ and whether rows end at EOS, and checks that greedy tokens
 Near-ties: a step where HF's top-2 logits (or the uncached loop's) are closer than
 :data:`TIE` ``* (1 + max|logits|)`` is where either choice is numerics; the row comparison ends
 there (counted in :data:`DRAWS`). ``--hypothesis-profile=explore`` draws ten times as many.
+
+Not drawn: a Llama config with a ``sliding_window`` key. HF 5's DynamicCache then keeps only
+the window's keys while LlamaAttention attends the whole prefix, so HF's cached generate
+differs from HF's own forward (functree follows the forward).
 """
 
 from __future__ import annotations

@@ -748,6 +748,24 @@ def test_dynamic_rope_decodes_as_hf_past_the_context_with_padding():
     np.testing.assert_array_equal(ft.nn.generate(model, ids, new, attention_mask=mask, eos_token_id=0, pad_token_id=0), tokens)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_cache_slots_outside_the_cache_are_refused(model_type):
+    """Positions past the cache's end were dropped by its scatter and a negative one wrapped to
+    the last slot: the logits then attended to other tokens, without a word (0.019 off on a
+    tiny Llama). Both are POSITIONS_OUTSIDE_CACHE; positions that fit give the uncached logits."""
+    config = {"model_type": model_type, "vocab_size": 48, "num_hidden_layers": 1}
+    config |= ({"hidden_size": 16, "intermediate_size": 16, "num_attention_heads": 2} if model_type == "llama"
+               else {"n_embd": 16, "n_head": 2, "n_positions": 16})
+    model, ids = ft.nn.from_hf(config, key=jax.random.key(0)), np.arange(3, 9, dtype=np.int32)[None]
+    with pytest.raises(ValueError, match=r"(?s)run from 0 to 5, but the cache has 4 slots \(0 to 3\)\. Keys and values "
+                                         r"written outside it are dropped.*right:  cache = model.init_cache\(1, 6\)"):
+        model(ids, np.ones((1, 4), np.int32), positions=np.arange(6)[None], cache=model.init_cache(1, 4))
+    with pytest.raises(ValueError, match=r"(?s)run from -1 to -1, but the cache has 6 slots.*cache slots, counted from 0"):
+        model(ids[:, :1], np.ones((1, 6), np.int32), positions=np.array([[-1]]), cache=model.init_cache(1, 6))
+    logits, _ = model(ids, np.ones((1, 6), np.int32), positions=np.arange(6)[None], cache=model.init_cache(1, 6))
+    np.testing.assert_allclose(logits, model(ids), rtol=0, atol=1e-5 * float(np.abs(logits).max()))
+
+
 # ---- from_hf(config, key): Hugging Face's initialization, to train from scratch ---------------
 
 INIT_CONFIGS = {

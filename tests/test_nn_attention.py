@@ -298,6 +298,14 @@ def test_cache_errors(key):
         mha(x, x, positions=pos)
     with pytest.raises(ft.nn.LayerInputError, match=r"positions \[2, 3\] \(int\), got f32\[3\]"):
         mha(x, positions=jnp.ones(3))
+    # slots outside the cache: its scatter dropped the write (a negative slot wrapped), silently
+    with pytest.raises(ValueError, match=r"(?s)run from 6 to 8, but the cache has 8 slots \(0 to 7\).*"
+                                         r"right:  cache = model.init_cache\(2, 9\)"):
+        mha(x, cache=cache, positions=pos + 6 + jnp.arange(3))
+    with pytest.raises(ValueError, match=r"(?s)run from -1 to 1, but the cache has 8 slots.*counted from 0"):
+        mha(x, cache=cache, positions=jnp.broadcast_to(jnp.arange(3) - 1, (2, 3)))
+    out, _ = jax.jit(lambda p: mha(x, cache=cache, positions=p))(pos + 6 + jnp.arange(3))  # traced: not checked (generate sizes it)
+    assert out.shape == (2, 3, 8)
 
 
 # ----------------------------------------------------------------------------- the kernel choice

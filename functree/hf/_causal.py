@@ -36,7 +36,7 @@ from functree._module import Module
 from functree._repr import short_array
 from functree.hf._dropout import block_keys, decoding, drop, top_keys
 from functree.hf._family import HFModel
-from functree.nn._attention import MultiheadAttention
+from functree.nn._attention import KVCache, MultiheadAttention, check_cache_positions
 from functree.nn._embedding import Embedding, without_padding_gradient
 from functree.nn._linear import Dense
 from functree.nn._rotary import RopeScaling
@@ -267,6 +267,9 @@ def _run(model: Any, input_ids: Any, attention_mask: Any, positions: Any, cache:
         pos = real = None  # 0..T-1: the attention's own
     else:
         pos = _positions(model, ids, mask, positions, cached)
+        length = cache_length(cache) if cached else None
+        if length is not None:
+            check_cache_positions(type(model).__name__, pos, length)
         real = _real_positions(pos, mask, cached)
     x = embed(ids, jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape) if real is None else real)
     kwargs: dict[str, Any] = {"mask": _attention_mask(mask, cached)}
@@ -354,6 +357,15 @@ def _ties(x: jax.Array, embeddings: jax.Array) -> jax.Array:
 
 def _head(x: jax.Array, lm_head: Dense | None, embedding: Embedding) -> jax.Array:
     return _ties(x, embedding.embeddings) if lm_head is None else lm_head(x)
+
+
+def cache_length(cache: Any) -> int | None:
+    """The slots of a model's cache (its first ``KVCache``'s keys ``[..., batch, slots,
+    heads, size]``), or None for no cache of that form (its own checks name it)."""
+    found = [c for c in jax.tree.leaves(cache, is_leaf=lambda c: isinstance(c, KVCache)) if isinstance(c, KVCache)]
+    keys = getattr(found[0], "keys", None) if found else None
+    shape = getattr(keys, "shape", ())
+    return shape[-3] if len(shape) >= 3 else None
 
 
 def _cache(blocks: Stack, batch_size: int, max_length: int, dtype: Any) -> Any:

@@ -14,7 +14,9 @@ import math
 from typing import Any, ClassVar, Literal
 
 import jax
+import jax.core
 import jax.numpy as jnp
+import numpy as np
 
 from functree._module import Module, field
 from functree._random import flat_key
@@ -100,6 +102,40 @@ token of x; its keys and values are written into the cache at those slots).
     wrong:  out, cache = attn(x, cache=cache)
     right:  out, cache = attn(x, cache=cache, positions=jnp.broadcast_to(jnp.arange(T), (batch, T)))
 """
+
+POSITIONS_OUTSIDE_CACHE = """\
+{who}: the positions given run from {low} to {high}, but the cache has {length} slots (0 to \
+{last}). Keys and values written outside it are dropped (a negative position wraps to the \
+last slots), so the output would attend to other tokens than those given.
+
+{fix}"""
+
+_LONGER_CACHE = """\
+Make the cache long enough for the last position (ft.nn.generate sizes its own):
+    wrong:  cache = model.init_cache({batch}, {length})      # positions up to {high}
+    right:  cache = model.init_cache({batch}, {needed})"""
+
+_SLOTS_FROM_ZERO = """\
+Positions are cache slots, counted from 0 (the first token of a prompt at slot 0):
+    wrong:  positions = jnp.arange(T) - 1
+    right:  positions = jnp.broadcast_to(jnp.arange(T), (batch, T))      # the next call's from T on"""
+
+
+def check_cache_positions(who: str, positions: jax.Array, length: int) -> None:
+    """Refuse cache slots ``positions [batch, T]`` outside ``0 .. length - 1``
+    (:data:`POSITIONS_OUTSIDE_CACHE`): the cache's scatter drops a write past its end and
+    wraps a negative slot, silently. Concrete positions only: under a trace the values are
+    unknown (``generate`` sizes its cache from the prompt and ``max_new_tokens``)."""
+    if isinstance(positions, jax.core.Tracer) or positions.size == 0:
+        return
+    given = np.asarray(positions)  # (NumPy's min: under another function's trace jnp's would be traced)
+    low, high = int(given.min()), int(given.max())
+    if low < 0 or high >= length:
+        fix = _SLOTS_FROM_ZERO if low < 0 else _LONGER_CACHE.format(batch=positions.shape[0], length=length,
+                                                                    high=high, needed=high + 1)
+        raise ValueError(POSITIONS_OUTSIDE_CACHE.format(who=who, low=low, high=high, length=length,
+                                                        last=length - 1, fix=fix))
+
 
 BAD_CACHE_INPUT = "With cache=, pass x as [batch, T, {size}] (one batch axis: the cache's)."
 
@@ -377,6 +413,7 @@ class MultiheadAttention(Layer):
         if positions is None:
             raise ValueError(NEEDS_POSITIONS)
         positions = self._positions(positions, (batch, t))
+        check_cache_positions(type(self).__name__, positions, length)
         q = self._heads(self.query_projection(query), self.num_heads)
         k = self._heads(self.key_projection(query), self.num_kv_heads)
         v = self._heads(self.value_projection(query), self.num_kv_heads)

@@ -87,6 +87,20 @@ def _weights(key: jax.Array, n_in: int, n_hidden: int, gates: int, dtype: Any,
     return w_in.astype(dtype), w_h.astype(dtype)
 
 
+class _Cell(Layer):
+    """What the cells share: ``hidden_size`` (``hidden_weight [hidden_size, gates * hidden_size]``)
+    and a zero state ``[*batch_shape, hidden_size]`` (the LSTM's: a pair of them). No field
+    of its own: each cell's fields keep their order (its leaves', its checkpoints')."""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden_weight.shape[0]  # type: ignore[attr-defined]  # each cell's field
+
+    def zero_state(self, batch_shape: tuple[int, ...] = ()) -> Any:
+        """Zeros ``[*batch_shape, hidden_size]``."""
+        return jnp.zeros((*batch_shape, self.hidden_size), self.hidden_weight.dtype)  # type: ignore[attr-defined]
+
+
 ACTIVATION_NAME = """\
 SimpleRNNCell: activation={given!r} is a name; it takes the function (torch's nonlinearity= \
 names it, a state dict does not carry it).
@@ -96,7 +110,7 @@ names it, a state dict does not carry it).
 """
 
 
-class SimpleRNNCell(Layer):
+class SimpleRNNCell(_Cell):
     """A plain (Elman) recurrent cell, torch's ``nn.RNNCell`` / one layer of ``nn.RNN``::
 
         h' = activation(x W_ih + b_ih + h W_hh + b_hh)
@@ -137,14 +151,6 @@ class SimpleRNNCell(Layer):
         self.hidden_bias = jnp.zeros((hidden_size,), dtype)
         self.activation = activation
 
-    @property
-    def hidden_size(self) -> int:
-        return self.hidden_weight.shape[0]
-
-    def zero_state(self, batch_shape: tuple[int, ...] = ()) -> jax.Array:
-        """Zeros ``[*batch_shape, hidden_size]``."""
-        return jnp.zeros((*batch_shape, self.hidden_size), self.hidden_weight.dtype)
-
     def __call__(self, state: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         check_input(self, x, (self.input_weight.shape[0],))
         # biases added in float32 below float32 (add_bias): their gradients sum every batch row
@@ -153,7 +159,7 @@ class SimpleRNNCell(Layer):
         return h, h
 
 
-class GRUCell(Layer):
+class GRUCell(_Cell):
     """A gated recurrent unit (Cho et al. 2014, the cuDNN / PyTorch variant).
 
     With ``[r, z, n]`` blocks of the weights::
@@ -191,14 +197,6 @@ class GRUCell(Layer):
         self.input_bias = jnp.zeros((3 * hidden_size,), dtype)
         self.hidden_bias = jnp.zeros((3 * hidden_size,), dtype)
 
-    @property
-    def hidden_size(self) -> int:
-        return self.hidden_weight.shape[0]
-
-    def zero_state(self, batch_shape: tuple[int, ...] = ()) -> jax.Array:
-        """Zeros ``[*batch_shape, hidden_size]``."""
-        return jnp.zeros((*batch_shape, self.hidden_size), self.hidden_weight.dtype)
-
     def __call__(self, state: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         check_input(self, x, (self.input_weight.shape[0],))
         # biases added in float32 below float32 (add_bias): their gradients sum every batch row
@@ -213,7 +211,7 @@ class GRUCell(Layer):
         return h, h
 
 
-class LSTMCell(Layer):
+class LSTMCell(_Cell):
     """A long short-term memory cell (Hochreiter & Schmidhuber 1997).
 
     With ``[i, f, g, o]`` blocks of ``x W_i + h W_h + b``::
@@ -245,10 +243,6 @@ class LSTMCell(Layer):
             key, input_size, hidden_size, 4, dtype, input_initializer, hidden_initializer
         )
         self.bias = jnp.zeros((4 * hidden_size,), dtype).at[hidden_size:2 * hidden_size].set(forget_bias)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.hidden_weight.shape[0]
 
     def zero_state(self, batch_shape: tuple[int, ...] = ()) -> LSTMState:
         """Zero hidden and cell states ``[*batch_shape, hidden_size]``."""

@@ -19,6 +19,14 @@ from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.optim._subset import trained_view
 from functree.train._evaluation import key_parameter, signature
+from functree.train._modes import (
+    SHOWN,
+    STEP_IN_INFERENCE,
+    TrainingModeWarning,
+    mode_layers,
+    named_layers,
+    warn_step_in_inference,
+)
 from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
 
@@ -374,33 +382,6 @@ tell whether you put {them} there; say which you mean:
     the modes as given (torch's model.train(); then .eval() on those layers), silencing this:
             ft.train.Trainer(model, opt, loss_fn{wrt_arg}, training=False)"""
 
-SHOWN = 3  # layers named in a warning before "and N more"
-
-# train_step keeps the modes it is given (the Trainer switches a fresh model): a user from
-# Equinox, NNX or torch, whose layers start in training mode, trains a fresh functree model
-# with Dropout off and BatchNorm frozen, the key given changing nothing.
-STEP_IN_INFERENCE = """\
-train_step was called with a key, but the model is wholly in inference mode: {paths} \
-{run} as at inference (Dropout off, BatchNorm normalising with its fixed running statistics), \
-so the step trains another model than one in training mode, and the key changes nothing there. \
-functree's layers start in inference mode (Equinox's, NNX's and torch's start in training); \
-the Trainer switches a fresh model, train_step keeps the modes it is given:
-
-    wrong:  model, opt_state, metrics = step(model, opt_state, batch, key=key)   # a fresh model
-    right:  model = ft.nn.training(model)                                         # once, before the loop
-       or:  step(model, opt_state, batch)      # no key: inference mode meant (frozen statistics, no dropout)"""
-
-
-class TrainingModeWarning(UserWarning):
-    """``Trainer(training=None)`` had to guess the modes a model trains in, and the guess
-    may not be the user's: a model mixing modes (kept as given, :data:`MIXED_MODES`; a
-    fresh head's Dropout stays off), or one wholly in inference switched to training whose
-    BatchNorm holds trained or loaded statistics (:data:`LOADED_STATE_SWITCHED`). Passing
-    ``training=True`` or ``training=False`` says which and silences it. Also a
-    ``train_step`` given a key and a model wholly in inference mode (:data:`STEP_IN_INFERENCE`:
-    ``ft.nn.training(model)``, or no key, says which)."""
-
-
 class FrozenStateWarning(TrainingModeWarning):
     """The Trainer switched a model wholly in inference mode to training, and a layer that
     records state in training mode (BatchNorm's running statistics) has no trained
@@ -420,7 +401,7 @@ def in_training_mode(model: Any, training: bool | None = None) -> Any:
         raise TypeError(BAD_TRAINING.format(given=training))
     if training is not None:
         return nn.training(model) if training else model
-    flags = [layer.training for _, layer in _mode_layers(model)]
+    flags = [layer.training for _, layer in mode_layers(model)]
     chosen = any(flags) if flags else nn.is_training(model)
     return model if chosen else nn.training(model)
 
@@ -441,9 +422,9 @@ def warn_frozen_state(given: Any, trained: Any, wrt: tuple[str, ...] | None, tra
         return
     wrt_arg = "" if wrt is None else f", wrt={wrt[0] if len(wrt) == 1 else list(wrt)!r}"
     if trained is given:  # kept as given: some layer in training mode
-        left = [(path, layer) for path, layer in _mode_layers(given) if not layer.training]
+        left = [(path, layer) for path, layer in mode_layers(given) if not layer.training]
         if left:
-            warnings.warn(MIXED_MODES.format(paths=_named(left), are="are" if len(left) > 1 else "is",
+            warnings.warn(MIXED_MODES.format(paths=named_layers(left), are="are" if len(left) > 1 else "is",
                                              them="them" if len(left) > 1 else "it", wrt_arg=wrt_arg),
                           TrainingModeWarning, stacklevel=3)
         return
@@ -451,24 +432,17 @@ def warn_frozen_state(given: Any, trained: Any, wrt: tuple[str, ...] | None, tra
     if frozen and wrt is not None:
         parts = _frozen_parts(given, wrt, [path for path, _ in frozen])
         warnings.warn(FROZEN_STATE_SWITCHED.format(
-            paths=_named(frozen), its="their" if len(frozen) > 1 else "its", wrt=wrt[0] if len(wrt) == 1 else list(wrt),
+            paths=named_layers(frozen), its="their" if len(frozen) > 1 else "its", wrt=wrt[0] if len(wrt) == 1 else list(wrt),
             parts=", ".join(parts), torch_eval=_torch_eval(parts), keep=_keep(parts, wrt_arg), wrt_arg=wrt_arg),
             FrozenStateWarning, stacklevel=3)
     said = {path for path, _ in frozen}  # a frozen layer's loaded statistics: named above
-    loaded = [(path, layer) for path, layer in _mode_layers(given) if path not in said and _holds_statistics(layer)]
+    loaded = [(path, layer) for path, layer in mode_layers(given) if path not in said and _holds_statistics(layer)]
     if loaded:
         paths, many = [dotted_name(path) for path, _ in loaded], len(loaded) > 1
         warnings.warn(LOADED_STATE_SWITCHED.format(
-            paths=_named(loaded), hold="hold" if many else "holds", its="their" if many else "its",
+            paths=named_layers(loaded), hold="hold" if many else "holds", its="their" if many else "its",
             these="those layers" if many else paths[0], torch_eval=_torch_eval(paths), keep=_keep(paths, wrt_arg),
             wrt_arg=wrt_arg), TrainingModeWarning, stacklevel=3)
-
-
-def _named(layers: list[tuple[Any, Any]]) -> str:
-    """``backbone.layers.1 (BatchNorm), ...`` for the first :data:`SHOWN`, then a count."""
-    names = [f"{dotted_name(path) or 'the model'} ({type(layer).__name__})" for path, layer in layers]
-    more = len(names) - SHOWN
-    return ", ".join(names[:SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
 def _keep(paths: list[str], wrt_arg: str) -> str:
@@ -530,36 +504,6 @@ def _frozen_stateful(model: Any, wrt: tuple[str, ...]) -> list[tuple[Any, Any]]:
     chosen = jax.tree.leaves(trained_view(model, wrt), is_leaf=stop)
     return [(path, layer) for (path, layer), selected in zip(every, chosen)
             if _records_state(layer) and jax.tree.leaves(layer) and not jax.tree.leaves(selected)]
-
-
-def _mode_layers(model: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
-    """The functree layers in ``model`` with a static ``training`` flag, with their key
-    paths, outer before inner (an Attention and the Dropout inside it)."""
-    found: list[tuple[tuple[Any, ...], Any]] = [(prefix, model)] if not prefix and _has_mode(model) else []
-    inner = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is not model and _has_mode(x))[0]
-    for path, node in inner:
-        if _has_mode(node):
-            found.append((prefix + path, node))
-            found += _mode_layers(node, prefix + path)
-    return found
-
-
-def _has_mode(x: Any) -> bool:
-    return isinstance(x, Module) and "training" in type(x).__ft_static__  # type: ignore[attr-defined]
-
-
-def warn_step_in_inference(model: Any) -> None:
-    """:data:`STEP_IN_INFERENCE` (a :class:`TrainingModeWarning`) when ``model`` has layers
-    that train otherwise than they infer (a BatchNorm, a Dropout of a rate above 0) and no
-    functree layer in training mode; a train step's first call given a key."""
-    layers = _mode_layers(model)
-    if not layers or any(layer.training for _, layer in layers):
-        return
-    acting = [(path, layer) for path, layer in layers if isinstance(layer, nn.BatchNorm)
-              or float(getattr(layer, "rate", 0.0) or getattr(layer, "dropout", 0.0) or 0.0) > 0]
-    if acting:
-        warnings.warn(STEP_IN_INFERENCE.format(paths=_named(acting), run="run" if len(acting) > 1 else "runs"),
-                      TrainingModeWarning, stacklevel=4)
 
 
 def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:

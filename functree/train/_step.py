@@ -86,6 +86,7 @@ from functree.train._metrics import (
     resolve_metrics,
     without_parts,
 )
+from functree.train._modes import warn_step_in_inference
 from functree.train._nonfinite import NONFINITE, nonfinite_error
 from functree.train._programs import program_key, shared, trampoline
 from functree.train._scan import (
@@ -667,8 +668,7 @@ class TrainStep:
         batch = private_arrays(batch)  # (a plain call's copies pass as they are)
         if not self._modes_checked:  # the first call: a fresh (inference-mode) model given a key
             self._modes_checked = True
-            if key is not None:  # (imported here: _setup imports this module)
-                from functree.train._setup import warn_step_in_inference
+            if key is not None:
                 warn_step_in_inference(model)
         steps = self.steps_per_call if steps is None else steps
         if steps == 1:

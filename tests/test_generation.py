@@ -601,6 +601,40 @@ def test_a_prompt_longer_than_max_positions_is_refused_with_a_call_that_runs(tin
         ft.nn.generate(model, ids[:, :33], 8)
 
 
+def test_left_padding_takes_no_learned_position_where_the_model_counts_real_tokens(gpt2):
+    """The issue (audit26 bf16gen D2): max_positions was checked against the prompt's width,
+    left padding included, but from_hf's GPT-2 (``positions_count_real_tokens``) indexes its
+    table by each row's real tokens (HF's ``cumsum(mask) - 1``): rows of 64 and 63 real tokens
+    in 66 columns (n_positions = 64) were refused while HF runs them. Now: HF's token, with the
+    mask given or inferred from the pad id; a row that does overrun is refused by name (HF:
+    IndexError). A model that does not declare its rule (by_hand: its positions could be
+    cache slots), or a traced mask, still counts the width."""
+    hf, by_hand, ported = gpt2
+    ids = np.random.default_rng(2).integers(1, VOCAB, (2, 66)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, :2] = mask[1, :3] = 0
+    ids[mask == 0] = 0
+    with torch.no_grad():
+        expected = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                               max_new_tokens=1, do_sample=False, pad_token_id=0, eos_token_id=None).numpy()
+    np.testing.assert_array_equal(ft.nn.generate(ported, ids, 1, attention_mask=mask, eos_token_id=[]), expected)
+    np.testing.assert_array_equal(ft.nn.generate(ported, ids, 1, pad_token_id=0, eos_token_id=[]), expected)
+    real = r"64 real tokens in row 0, its longest; left padding takes no position"
+    with pytest.raises(ValueError, match=rf"prompt \({real}\) plus max_new_tokens \(2\) feeds the model 65 "
+                                         r"positions(.|\n)*max_positions = 64(.|\n)*generate\(model, input_ids, 1\)"):
+        ft.nn.generate(ported, ids, 2, attention_mask=mask)
+    over = mask.copy()
+    over[1, 1:] = 1  # row 1: 65 real tokens
+    with pytest.raises(ValueError, match=r"prompt \(65 real tokens in row 1, its longest(.|\n)*alone is longer than "
+                                         r"(.|\n)*input_ids \[batch, 66\](.|\n)*input_ids\[:, -64:\], 1\)"):
+        ft.nn.generate(ported, ids, 1, attention_mask=over)
+    with pytest.raises(ValueError, match=r"prompt \(66 tokens\) alone is longer than the model's max_positions = 64"):
+        ft.nn.generate(by_hand, ids, 1, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"prompt \(66 tokens, left padding included: a traced attention_mask's "
+                                         r"real tokens are not counted\) alone"):
+        jax.jit(lambda m: ft.nn.generate(ported, ids, 1, attention_mask=m))(mask)
+
+
 def test_eos_and_stop_ids_outside_the_vocabulary_are_refused(tiny):
     """The issue: eos_token_id=200 with a vocabulary of 11 ran and never stopped. The pad id
     stays unchecked (HF fills with pad_token_id=vocab_size on purpose). A caller's list with

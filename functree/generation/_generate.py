@@ -12,7 +12,12 @@ padding and everything generated so far, the current tokens included) and ``logi
 ``[batch, T, vocab]``. A model may define ``max_positions`` (an int: the longest sequence
 it takes, e.g. the size of a learned position embedding); ``generate`` then refuses to feed
 it more (the prompt and every new token but the last, which is never fed back: a prompt of
-``max_positions`` tokens gets one new token, as in Hugging Face's ``generate``). A model may define ``check_generation(prompt_length, new_tokens)``: ``generate``
+``max_positions`` tokens gets one new token, as in Hugging Face's ``generate``). The prompt's
+positions are its width, left padding included (a model's positions may be its cache slots),
+unless the model sets ``positions_count_real_tokens = True`` (its positions count each row's
+real tokens, HF's ``cumsum(mask) - 1``, as ``from_hf``'s GPT-2 and OPT): then the longest
+row's real tokens, where the attention mask is concrete (a traced one's width: its values are
+not known). A model may define ``check_generation(prompt_length, new_tokens)``: ``generate``
 calls it with the exact sizes before compiling anything, and it raises for sizes the model
 cannot generate as its reference does (Phi-3's longrope switch point: a bucket or a
 one-token prefill hides it from the model's own call).
@@ -98,7 +103,7 @@ generate: max_new_tokens must be an int >= 1, got {given!r}.
     right:  ft.nn.generate(model, input_ids, 32)"""
 
 TOO_LONG = """\
-generate: the prompt ({prompt} tokens) plus max_new_tokens ({new}) feeds the model {fed} \
+generate: the prompt ({what}) plus max_new_tokens ({new}) feeds the model {fed} \
 positions (every token but the last new one, which is never fed back), but it takes at most \
 max_positions = {limit}.
 
@@ -106,10 +111,10 @@ max_positions = {limit}.
     right:  ft.nn.generate(model, input_ids, {fit})      # or a shorter prompt"""
 
 PROMPT_TOO_LONG = """\
-generate: the prompt ({prompt} tokens) alone is longer than the model's max_positions = {limit}, \
+generate: the prompt ({what}) alone is longer than the model's max_positions = {limit}, \
 whatever max_new_tokens ({new}) is.
 
-    wrong:  ft.nn.generate(model, input_ids, {new})                 # input_ids [batch, {prompt}]
+    wrong:  ft.nn.generate(model, input_ids, {new})                 # input_ids [batch, {width}]
     right:  ft.nn.generate(model, input_ids[:, -{keep}:], {fit})    # the prompt's last {keep} tokens \
 (and attention_mask[:, -{keep}:] if given)"""
 
@@ -379,7 +384,9 @@ def generate(
     prompt is one call (prefill), then one token per step in a ``lax.while_loop``, all in one
     compiled function: the same shapes and options compile once. The prompt length and
     ``max_new_tokens`` are compiled as buckets (each rounded up to a power of two, at least 8;
-    exact where that would pass ``model.max_positions``): the prompt is padded after its last
+    exact where the rounded sizes would pass ``model.max_positions``; sizes past it are
+    refused: the prompt's width, or its longest row's real tokens where the model sets
+    ``positions_count_real_tokens``, plus ``max_new_tokens - 1``): the prompt is padded after its last
     token (slots the new tokens overwrite; no real token ever sees them) and the loop stops
     after ``max_new_tokens``, so a next prompt of another length in the same bucket reuses the
     program, with the tokens of exact sizes. The result is cut back on the host (it is ready
@@ -442,8 +449,6 @@ def generate(
         raise ValueError(BAD_NEW_TOKENS.format(given=max_new_tokens))
     new, prompt = int(max_new_tokens), ids.shape[1]
     limit = getattr(inner, "max_positions", None)
-    if isinstance(limit, int) and prompt + new - 1 > limit:  # (the last new token is never fed: HF's bound)
-        _too_long(prompt, new, limit)
     check = getattr(inner, "check_token_ids", None)
     if callable(check):  # the prompt's ids against the vocabulary, once, here where they are concrete
         check(ids)
@@ -454,6 +459,8 @@ def generate(
     options, sourced = _with_defaults(given, checkpoint, key)
     if attention_mask is None and checkpoint is not None:  # HF's mask from the pad id
         attention_mask = inferred_mask(ids, options["pad_token_id"], options["eos_token_id"])
+    if isinstance(limit, int):
+        _check_positions(inner, ids, new, attention_mask, limit)
     plan = partial(_plan, model, ids, new, attention_mask, key, options, stop, return_scores, streamer, limit,
                    eos_default="eos_token_id" in sourced)
     exact = (type(inner), prompt, new) in _EXACT
@@ -655,16 +662,43 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     return cropped
 
 
-def _too_long(prompt: int, new: int, limit: int) -> None:
-    """Raise :data:`TOO_LONG` (fewer new tokens fit) or :data:`PROMPT_TOO_LONG` (none does:
-    keep the last ``limit + 1 - fit`` prompt tokens, ``fit = min(new, limit)``). The model is
-    fed ``prompt + new - 1`` positions: the last new token is never fed back (HF's
+def _check_positions(model: Any, ids: Any, new: int, mask: Any, limit: int) -> None:
+    """Raise :data:`TOO_LONG` or :data:`PROMPT_TOO_LONG` where the model would be fed a
+    position past ``max_positions = limit``: ``P + new - 1 > limit`` for the prompt's ``P``
+    positions (:func:`_prompt_positions`); the last new token is never fed back (HF's
     ``generate`` makes a prompt of ``max_positions`` tokens one more)."""
+    prompt, what = _prompt_positions(model, ids, mask)
+    if prompt + new - 1 > limit:
+        _too_long(prompt, what, ids.shape[1], new, limit)
+
+
+def _prompt_positions(model: Any, ids: Any, mask: Any) -> tuple[int, str]:
+    """The positions a prompt takes and their description. A model whose positions count
+    each row's real tokens (``positions_count_real_tokens = True``: HF's ``cumsum(mask) - 1``,
+    as ``from_hf``'s GPT-2 and OPT) is fed ``max_r sum(mask[r])``: its left padding takes
+    none. Any other model (its positions may be cache slots), or a traced mask (its real
+    tokens are not known here), counts the prompt's width ``P``, left padding included."""
+    width = ids.shape[1]
+    if getattr(model, "positions_count_real_tokens", False) is not True or mask is None:
+        return width, f"{width} tokens"
+    host = _attention_mask(mask, ids.shape)  # checked: shape, dtype, no right padding
+    if isinstance(host, Tracer):
+        return width, f"{width} tokens, left padding included: a traced attention_mask's real tokens are not counted"
+    counts = host.sum(axis=1)
+    row = int(np.argmax(counts))
+    return int(counts[row]), f"{int(counts[row])} real tokens in row {row}, its longest; left padding takes no position"
+
+
+def _too_long(prompt: int, what: str, width: int, new: int, limit: int) -> None:
+    """Raise :data:`TOO_LONG` (fewer new tokens fit) or :data:`PROMPT_TOO_LONG` (none does:
+    keep the last ``limit + 1 - fit`` columns of a prompt of ``width``, ``fit = min(new,
+    limit)``) for a prompt that takes ``prompt`` positions (``what``)."""
     if prompt <= limit:
-        raise ValueError(TOO_LONG.format(prompt=prompt, new=new, fed=prompt + new - 1, limit=limit,
+        raise ValueError(TOO_LONG.format(what=what, new=new, fed=prompt + new - 1, limit=limit,
                                          fit=limit + 1 - prompt))
     fit = min(new, limit)
-    raise ValueError(PROMPT_TOO_LONG.format(prompt=prompt, new=new, limit=limit, keep=limit + 1 - fit, fit=fit))
+    raise ValueError(PROMPT_TOO_LONG.format(what=what, width=width, new=new, limit=limit, keep=limit + 1 - fit,
+                                            fit=fit))
 
 
 def _check_stops(model: Any, stops: tuple[tuple[int, ...], ...]) -> None:

@@ -411,6 +411,9 @@ class CausalLM(HFModel):
     """
 
     rotates: ClassVar[bool] = True  # the blocks rotate queries and keys by the real positions
+    # generate's protocol: the positions (learned ones: max_positions) count each row's real
+    # tokens, so a left-padded prompt's padding takes none of the table (HF's cumsum(mask) - 1)
+    positions_count_real_tokens: ClassVar[bool] = True
 
     def _tokens(self) -> Embedding:
         """The token embedding (the vocabulary; a tied head's weight)."""

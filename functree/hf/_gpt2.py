@@ -134,7 +134,8 @@ class GPT2LMHeadModel(CausalLM):
     @property
     def max_positions(self) -> int:
         """The longest sequence the learned position embedding covers (``n_positions``):
-        ``ft.nn.generate`` refuses a longer prompt plus ``max_new_tokens``."""
+        ``ft.nn.generate`` refuses a prompt whose longest row's real tokens plus
+        ``max_new_tokens`` pass it (left padding takes no position: HF's ``cumsum(mask) - 1``)."""
         return int(self.transformer.wpe.embeddings.shape[0])
 
     def _tokens(self) -> Embedding:

@@ -149,7 +149,8 @@ class OPTForCausalLM(CausalLM):
 
     @property
     def max_positions(self) -> int:
-        """``max_position_embeddings`` (``ft.nn.generate`` refuses to go past it)."""
+        """``max_position_embeddings`` (``ft.nn.generate`` refuses to go past it, counting each
+        row's real tokens: left padding takes no position, HF's ``cumsum(mask) - 1``)."""
         return int(self.model.decoder.embed_positions.embeddings.shape[0]) - OPT_OFFSET
 
     def _tokens(self) -> Embedding:

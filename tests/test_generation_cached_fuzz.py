@@ -17,6 +17,11 @@ tokens
 - equal the loop compiled at the exact sizes (no bucket: the prompt is not padded after its
   last token and the loop's cache has ``P + N`` slots).
 
+GPT-2 and OPT are also built with a position table of 16 and drawn left-padded prompts near
+it (wider than it or not): their positions count each row's real tokens, so ``generate`` runs
+(HF's tokens) wherever every row's real tokens plus ``max_new_tokens - 1`` fit, and refuses
+by name where HF raises IndexError.
+
 Near-ties: a step where HF's top-2 logits (or the uncached loop's) are closer than
 :data:`TIE` ``* (1 + max|logits|)`` is where either choice is numerics; the row comparison ends
 there (counted in :data:`DRAWS`). ``--hypothesis-profile=explore`` draws ten times as many.
@@ -75,10 +80,14 @@ WINDOWED = ("mistral", "qwen2")
 
 
 @functools.cache
-def lm(family):
-    """The family's HF model (eager attention) and its port."""
+def lm(family, table=None):
+    """The family's HF model (eager attention) and its port; ``table``: its learned position
+    table's length instead (GPT-2's ``n_positions``, OPT's ``max_position_embeddings``)."""
+    sizes = dict(CONFIGS[family])
+    if table is not None:
+        sizes["n_positions" if family == "gpt2" else "max_position_embeddings"] = table
     config = transformers.AutoConfig.for_model(family, vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS,
-                                               bos_token_id=1, **CONFIGS[family])
+                                               bos_token_id=1, **sizes)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -179,7 +188,8 @@ def assert_equal_up_to(got, expected, upto, what):
         DRAWS["tokens"] += int(n)
 
 
-DRAWS = {"draws": 0, "tokens": 0, "near-ties": 0, "continued": 0, "exact": 0}
+DRAWS = {"draws": 0, "tokens": 0, "near-ties": 0, "continued": 0, "exact": 0, "near the table": 0,
+         "refused there": 0}
 
 
 def fuzz(n):
@@ -256,3 +266,49 @@ def test_sliding_window_prompts_longer_than_the_window(family):
     assert (trusted(logits, expected, []) == NEW).all()  # no near-tie: every token compared
     np.testing.assert_array_equal(tokens, expected)
     np.testing.assert_array_equal(tokens, uncached(family, ids, mask, NEW, [])[0])
+
+
+TABLE = 16  # the near-limit models' learned position table
+LEARNED = ("gpt2", "opt")  # positions from a table, counted over each row's real tokens
+
+
+@st.composite
+def near_the_table(draw):
+    """``(ids, mask, new)``: 1 to 3 left-padded rows in ``TABLE - 11`` to ``TABLE + 3`` columns
+    (wider than the table or not; the widest in a bucket past it), each row's real tokens up
+    to ``TABLE + 1``, and ``new`` such that the longest row's real tokens plus ``new - 1``
+    land one short of, on, or one past ``TABLE`` (at least one new token)."""
+    rows, width = draw(st.integers(1, 3)), draw(st.sampled_from((TABLE - 11, TABLE - 8, TABLE - 1, TABLE + 1,
+                                                                  TABLE + 3)))
+    lengths = [draw(st.integers(1, min(width, TABLE + 1))) for _ in range(rows)]
+    ids = np.full((rows, width), PAD, np.int64)
+    for r, n in enumerate(lengths):
+        ids[r, width - n:] = draw(st.lists(st.integers(3, VOCAB - 1), min_size=n, max_size=n))
+    mask = (np.arange(width)[None] >= width - np.array(lengths)[:, None]).astype(np.int64)
+    new = max(1, TABLE + 1 - max(lengths) + draw(st.integers(-1, 1)))
+    return ids, mask, new
+
+
+@fuzz(3)
+@given(family=st.sampled_from(LEARNED), drawn=near_the_table(), eos=st.sampled_from([[], [EOS]]))
+def test_learned_positions_near_the_table_count_real_tokens(family, drawn, eos):
+    """GPT-2 and OPT with a table of 16 positions, left-padded prompts near it (wider than it
+    or not): where every row's real tokens plus ``new - 1`` fit, HF's cached generate runs and
+    functree's tokens equal it; where a row overruns, HF raises IndexError and functree refuses
+    naming the row's real tokens. (Near the table the loop runs at its exact sizes: a bucket is
+    taken only where the rounded width plus new tokens fit the table, and its padding, after
+    the prompt and masked, takes no real position.)"""
+    ids, mask, new = drawn
+    hf, model = lm(family, TABLE)
+    DRAWS["near the table"] += 1
+    if mask.sum(1).max() + new - 1 > TABLE:
+        with pytest.raises(IndexError):
+            hf_generate(hf, ids, mask, new, eos)
+        with pytest.raises(ValueError, match=rf"{mask.sum(1).max()} real tokens in row \d+, its longest(.|\n)*"
+                                             rf"max_positions = {TABLE}"):
+            ours(model, ids, mask, new, eos)
+        DRAWS["refused there"] += 1
+        return
+    expected, logits = hf_generate(hf, ids, mask, new, eos)
+    assert_equal_up_to(ours(model, ids, mask, new, eos), expected, trusted(logits, expected, eos),
+                       f"{family}: HF's cached generate near the table")

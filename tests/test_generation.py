@@ -601,6 +601,15 @@ def test_a_prompt_longer_than_max_positions_is_refused_with_a_call_that_runs(tin
         ft.nn.generate(model, ids[:, :33], 8)
 
 
+def wider_than_the_table():
+    """A left-padded batch ``[2, 66]`` (GPT-2's n_positions is 64) of 64 and 63 real tokens."""
+    ids = np.random.default_rng(2).integers(1, VOCAB, (2, 66)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, :2] = mask[1, :3] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
 def test_left_padding_takes_no_learned_position_where_the_model_counts_real_tokens(gpt2):
     """The issue (audit26 bf16gen D2): max_positions was checked against the prompt's width,
     left padding included, but from_hf's GPT-2 (``positions_count_real_tokens``) indexes its
@@ -610,10 +619,7 @@ def test_left_padding_takes_no_learned_position_where_the_model_counts_real_toke
     IndexError). A model that does not declare its rule (by_hand: its positions could be
     cache slots), or a traced mask, still counts the width."""
     hf, by_hand, ported = gpt2
-    ids = np.random.default_rng(2).integers(1, VOCAB, (2, 66)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[0, :2] = mask[1, :3] = 0
-    ids[mask == 0] = 0
+    ids, mask = wider_than_the_table()
     with torch.no_grad():
         expected = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
                                max_new_tokens=1, do_sample=False, pad_token_id=0, eos_token_id=None).numpy()
@@ -633,6 +639,35 @@ def test_left_padding_takes_no_learned_position_where_the_model_counts_real_toke
     with pytest.raises(ValueError, match=r"prompt \(66 tokens, left padding included: a traced attention_mask's "
                                          r"real tokens are not counted\) alone"):
         jax.jit(lambda m: ft.nn.generate(ported, ids, 1, attention_mask=m))(mask)
+
+
+def test_from_hf_learned_positions_are_checked_where_the_table_is_indexed(gpt2):
+    """from_hf's GPT-2 call checks the positions its table is indexed by. The issue: a
+    left-padded batch of 66 columns whose rows hold 64 and 63 real tokens (n_positions = 64)
+    was refused by its width, though its positions (cumsum(mask) - 1) fit: its logits now
+    equal HF's given those positions (measured spread 6.6e-7 of max|logits|). A row past the
+    table, positions given past it, and a cached call past it (its lookup gave NaN logits,
+    no error) are refused naming the row (HF: IndexError); a traced mask counts the width."""
+    hf, _, ported = gpt2
+    ids, mask = wider_than_the_table()
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                  position_ids=torch.from_numpy(positions).long()).logits.numpy()
+    got = np.asarray(ported(ids, mask))
+    np.testing.assert_allclose(got[mask == 1], want[mask == 1], rtol=0, atol=7e-6 * max(1.0, np.abs(want).max()))
+    over = mask.copy()
+    over[1, 1:] = 1
+    past = r"but the learned position embedding has 64 \(n_positions = 64: positions 0 to 63\)"
+    with pytest.raises(ValueError, match=rf"row 1 reaches position 64 \(its 65 real tokens; left padding takes no "
+                                         rf"position\), {past}(.|\n)*attention_mask\[:, -64:\]"):
+        ported(ids, over)
+    with pytest.raises(ValueError, match=rf"row 0 reaches position 65 \(the positions given\), {past}"):
+        ported(ids[:, -4:], positions=np.arange(62, 66)[None])  # 4 tokens: NaN logits, no error
+    with pytest.raises(ValueError, match=rf"row 0 reaches position 64 \(its real tokens in the cache(.|\n)*{past}"):
+        ported(ids[:1, :65], np.ones((1, 66), np.int32), positions=np.arange(65)[None], cache=ported.init_cache(1, 66))
+    with pytest.raises(ValueError, match=r"66 positions, but the learned position embedding has 64"):
+        jax.jit(lambda m: ported(ids, m))(mask)
 
 
 def test_eos_and_stop_ids_outside_the_vocabulary_are_refused(tiny):

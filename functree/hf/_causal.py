@@ -93,6 +93,12 @@ TOO_MANY_POSITIONS = """\
     right:  model(input_ids[:, -{limit}:])      # at most {limit} tokens
 """
 
+POSITION_PAST_TABLE = """{model}: row {row} reaches position {high} ({why}), but the learned position embedding has \
+{limit} ({name} = {limit}: positions 0 to {last}); Hugging Face raises here too (IndexError).
+
+    right:  {right}
+"""
+
 
 LONGROPE_CROSSING = """\
 {model}: longrope switches from its short to its long factors past original_max_positions \
@@ -198,6 +204,42 @@ def check_length(model: Any, length: int, limit: int, name: str) -> None:
         raise ValueError(TOO_MANY_POSITIONS.format(model=type(model).__name__, given=length, limit=limit, name=name))
 
 
+def check_table(model: Any, width: int, real: jax.Array | None, cached: bool, given: bool, limit: int,
+                name: str) -> None:
+    """Refuse a position past a learned table of ``limit`` rows (HF: IndexError; the lookup
+    would give NaN). The table is indexed by ``real`` (each row's real tokens, ``cumsum(mask)
+    - 1``, or the ``given`` positions): checked where concrete (:data:`POSITION_PAST_TABLE`),
+    so a left-padded batch wider than the table whose rows fit runs. Without a mask or
+    positions (``real`` None), or traced, an uncached call counts its ``width`` (its positions
+    are below it; a traced mask's real tokens are not known); a traced cached call is
+    ``ft.nn.generate``'s, which checks its sizes before it runs."""
+    if real is None or not (cached or given or width > limit):  # positions 0 .. width - 1 at most
+        check_length(model, width, limit, name)
+        return
+    host = _concrete(real)
+    if host is None:
+        if not cached:
+            check_length(model, width, limit, name)
+        return
+    if host.size == 0 or host.max() < limit:
+        return
+    row = int(np.argmax(host.max(axis=1)))
+    high = int(host[row].max())
+    last = limit - 1
+    if given and not cached:
+        why, right = "the positions given", f"positions from 0 to {last}"
+    elif cached:
+        why = "its real tokens in the cache, the current ones included"
+        right = (f"at most {limit} real tokens a row in the cache (ft.nn.generate checks its sizes before "
+                 "it runs)")
+    else:
+        why = f"its {high + 1} real tokens; left padding takes no position"
+        right = (f"model(input_ids[:, -{limit}:], attention_mask[:, -{limit}:])     # at most {limit} real "
+                 "tokens a row")
+    raise ValueError(POSITION_PAST_TABLE.format(model=type(model).__name__, row=row, high=high, why=why,
+                                                limit=limit, name=name, last=last, right=right))
+
+
 def padding_mask(model: Any, ids: jax.Array, attention_mask: Any, cached: bool) -> jax.Array | None:
     """The mask as bool ``[batch, T]`` (``[batch, max_length]`` with a cache), checked."""
     if attention_mask is None:
@@ -260,8 +302,6 @@ def _run(model: Any, input_ids: Any, attention_mask: Any, positions: Any, cache:
     gives the blocks their keys (:mod:`functree.hf._dropout`)."""
     ids = check_ids(model, input_ids, vocab)
     cached = cache is not None
-    if limit is not None and not cached:
-        check_length(model, ids.shape[1], *limit)
     mask = padding_mask(model, ids, attention_mask, cached)
     if not cached and mask is None and positions is None:
         pos = real = None  # 0..T-1: the attention's own
@@ -271,6 +311,8 @@ def _run(model: Any, input_ids: Any, attention_mask: Any, positions: Any, cache:
         if length is not None:
             check_cache_positions(type(model).__name__, pos, length)
         real = _real_positions(pos, mask, cached)
+    if limit is not None:  # a learned table, indexed by the real positions
+        check_table(model, ids.shape[1], real, cached, positions is not None, *limit)
     x = embed(ids, jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape) if real is None else real)
     kwargs: dict[str, Any] = {"mask": _attention_mask(mask, cached)}
     dropping = None if cached else top_keys(blocks, key)

@@ -38,6 +38,9 @@ takes a comma-separated list of these names):
                     imports, build, trace (and the differentiation
                     check's), lowering, compiles; fresh processes,
                     both orders, family 15's Llama
+    eager       18. first eager call of ft.nn layers at a new   ≤ 1.2× raw jnp
+                    length vs raw jnp (fresh processes), with
+                    the programs compiled and run
 
 ``benchmarks/gate_pipeline.py`` is the accelerator check of the NaN gate: whether a gated
 step keeps the asynchronous pipeline full (raw JAX ungated, cond- and select-gated, and
@@ -63,6 +66,7 @@ from _async import asynchronous
 from _depth import depth
 from _diagnostics import diagnostics
 from _donation import donation
+from _eager import eager
 from _first_step import first_step
 from _generate import generation
 from _harness import machine
@@ -94,6 +98,7 @@ FAMILIES = {
     "lm": language_model,
     "startup": startup,
     "first_step": first_step,
+    "eager": eager,
 }
 
 UNKNOWN = "--only: unknown benchmark {name!r}; the names are {names}.\n    right:  --only dispatch,compute"

@@ -10,6 +10,7 @@ finite-difference gradient check at 1.3e-5 relative).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, ClassVar, Literal
 
@@ -21,6 +22,7 @@ import numpy as np
 from functree._module import Module, field
 from functree._random import flat_key
 from functree._repr import short_array
+from functree._traces import staged
 from functree.nn._attention_kernel import CUDNN_DOES_NOT_APPLY, check_implementation, choose
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Dense
@@ -520,7 +522,33 @@ def _fused_attention(
     implementation: Any, scale: Any = None,
 ) -> jax.Array:
     """``jax.nn.dot_product_attention`` on ``[..., T, N, H]`` heads (leading axes folded);
-    ``scale``: the logits' factor (None: ``1 / sqrt(H)``)."""
+    ``scale``: the logits' factor (None: ``1 / sqrt(H)``).
+
+    Called eagerly (no jaxpr built around: a notebook cell, an eager ``jax.grad``), its ~20
+    operations were as many programs, each compiled again at every new length: there it
+    runs as one compiled program per shapes and options (:func:`_fused_compiled`). Inside a
+    caller's trace the operations are traced in place (the caller's program unchanged).
+    cuDNN's kernel stays eager: a refusal while it compiles falls back to XLA's below."""
+    if not staged() and choose(implementation, q, k, v, mask) != "cudnn":
+        python_scale = scale is None or is_int(scale) or isinstance(scale, float)
+        return _fused_compiled(q, k, v, mask, None if python_scale else scale, causal=causal,
+                               implementation=implementation, python_scale=scale if python_scale else None)
+    return _fused_traced(q, k, v, mask, causal, implementation, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "implementation", "python_scale"))
+def _fused_compiled(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: Any, *, causal: bool,
+                    implementation: Any, python_scale: Any) -> jax.Array:
+    """:func:`_fused_traced` as one program per shapes (a Python ``scale`` compiled in, as
+    the traced path sees it; an array one passed in)."""
+    return _fused_traced(q, k, v, mask, causal, implementation, python_scale if scale is None else scale)
+
+
+def _fused_traced(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
+    implementation: Any, scale: Any = None,
+) -> jax.Array:
+    """The operations of :func:`_fused_attention`, traced (or run) where they are called."""
     lead, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
     batch = math.prod(lead)
     q4, k4, v4 = (a.reshape((batch, *a.shape[-3:])) for a in (q, k, v))
@@ -530,8 +558,8 @@ def _fused_attention(
     if q4.dtype == jnp.float16 and chosen != "cudnn" and jax.default_backend() == "cpu":
         # XLA's CPU dot has no F16_F16_F32 algorithm (what JAX asks for float16): products of
         # float16 values are exact in float32, so float32 inputs compute the same logits.
-        out = _fused_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask, causal,
-                               "xla", scale)
+        out = _fused_traced(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask, causal,
+                            "xla", scale)
         return out.astype(q.dtype)
     if scale is not None and not is_int(scale) and not isinstance(scale, float) and chosen == "cudnn":
         # cuDNN's kernel takes a Python float: a traced scale goes into the queries (their dtype)

@@ -15,6 +15,7 @@ extension: Llama 3's, YaRN, linear and dynamic NTK), as Hugging Face computes th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -24,9 +25,11 @@ import numpy as np
 
 from functree._module import field
 from functree._repr import short_array
+from functree._traces import staged
 from functree.nn._check import check_input
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
+from functree.nn._window import is_int
 
 __all__ = ["apply_rotary", "RotaryEmbedding", "RopeScaling"]
 
@@ -263,6 +266,21 @@ def apply_rotary(x: Any, positions: Any, *, base: float | RopeScaling = 10000.0)
                                              size=rotated, even=max(rotated - 1, 0)))
         head = apply_rotary(x[..., :rotated], positions, base=dataclasses.replace(base, partial=1.0))
         return jnp.concatenate([head, x[..., rotated:]], axis=-1)
+    if not staged() and (isinstance(base, RopeScaling) or is_int(base) or isinstance(base, float)):
+        return _rotated_compiled(x, positions, base=base)
+    return _rotated(x, positions, base)
+
+
+@functools.partial(jax.jit, static_argnames=("base",))
+def _rotated_compiled(x: jax.Array, positions: jax.Array, *, base: float | RopeScaling) -> jax.Array:
+    """:func:`_rotated` as one program per shapes and ``base``: called eagerly, its ~15
+    operations were as many programs, each compiled again at every new length."""
+    return _rotated(x, positions, base)
+
+
+def _rotated(x: jax.Array, positions: jax.Array, base: Any) -> jax.Array:
+    """The rotation of checked inputs, traced (or run) where it is called."""
+    size = x.shape[-1]
     dtype = statistics_dtype(x.dtype)
     half = size // 2
     if isinstance(base, RopeScaling):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _hypothesis import examples
-from hypothesis import example, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 import functree as ft
@@ -65,7 +65,7 @@ def _compare(layer, module, x, torch_call, *, channels_first=True, call=lambda m
 
 @st.composite
 def _convolutions(draw):
-    n, groups = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    n, groups = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2]))
     padding = draw(st.sampled_from(["int", "per axis", "valid", "same", "pairs"]))
     strides = 1 if padding == "same" else _per_axis(draw, n, 1, 2)
     if padding == "int":
@@ -74,50 +74,86 @@ def _convolutions(draw):
         padding = tuple(draw(st.integers(0, 2)) for _ in range(n))
     elif padding == "pairs":
         padding = tuple((draw(st.integers(0, 2)), draw(st.integers(0, 2))) for _ in range(n))
-    return (n, groups, _per_axis(draw, n, 1, 3), strides, padding, _per_axis(draw, n, 1, 2), draw(st.booleans()))
+    mode = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
+    lengths = tuple(draw(st.sampled_from([1, 2, 3, 5])) for _ in range(n)) if n == 3 else (
+        tuple(draw(st.sampled_from([1, 2, 3, 7])) for _ in range(n)))
+    return (n, groups, _per_axis(draw, n, 1, 3), strides, padding, _per_axis(draw, n, 1, 2), draw(st.booleans()),
+            mode, lengths)
+
+
+_TORCH_PAD_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
 
 
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths:UserWarning")  # torch's, on speed
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(_convolutions())
+@example((3, 2, (1, 2, 3), 1, "same", (1, 2, 1), True, "reflect", (3, 5, 2)))  # 3-D, grouped, reflected "same"
+@example((2, 1, 3, 1, 2, 1, False, "circular", (1, 7)))  # circular wraps a pad of 2 round a length of 1: refused
 def test_convolutions_match_torchs_over_drawn_settings(case):
-    """Conv1d/2d with int, per-axis, "valid", "same" and (by F.pad) asymmetric padding,
-    strides, dilation, groups and bias: 151 drawn settings matched in float64; torch's
-    refusals (a window longer than the padded input) were refused alike."""
-    n, groups, k, s, p, d, bias = case
+    """Conv1d/2d/3d with int, per-axis, "valid", "same" and (by F.pad) asymmetric padding,
+    strides, dilation, groups, bias and padding_mode (zeros, reflect, replicate, circular)
+    over lengths down to 1: 151 drawn settings (1-D/2-D, zeros) matched in float64; torch's
+    refusals (a window longer than the padded input, a reflect pad not shorter than the
+    axis, a circular one longer) are refused alike, by name."""
+    n, groups, k, s, p, d, bias, mode, lengths = case
     pairs = isinstance(p, tuple) and isinstance(p[0], tuple)
     torch.manual_seed(0)
-    module = (torch.nn.Conv1d, torch.nn.Conv2d)[n - 1](2 * groups, 3 * groups, k, stride=s, padding=0 if pairs else p,
-                                                        dilation=d, groups=groups, bias=bias)
-    layer = (ft.nn.Conv1D, ft.nn.Conv2D)[n - 1](2 * groups, 3 * groups, k, strides=s, dilation=d, groups=groups,
-                                                padding=p.upper() if isinstance(p, str) else p, use_bias=bias,
-                                                key=jax.random.key(0))
+    module = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)[n - 1](
+        2 * groups, 3 * groups, k, stride=s, padding=0 if pairs else p, dilation=d, groups=groups, bias=bias,
+        padding_mode=mode)
+    layer = (ft.nn.Conv1D, ft.nn.Conv2D, ft.nn.Conv3D)[n - 1](
+        2 * groups, 3 * groups, k, strides=s, dilation=d, groups=groups, padding=p.upper() if isinstance(p, str) else p,
+        use_bias=bias, padding_mode=mode, key=jax.random.key(0))
     flat = [v for pair in reversed(p) for v in pair] if pairs else []
-    x = np.random.default_rng(0).normal(size=(2, *(7,) * n, 2 * groups)).astype(np.float32)
-    _compare(layer, module, x, lambda m, x: m(F.pad(x, flat) if flat else x))
+    x = np.random.default_rng(0).normal(size=(2, *lengths, 2 * groups)).astype(np.float32)
+
+    def torch_call(m, x):
+        return m(F.pad(x, flat, mode=_TORCH_PAD_MODES[mode]) if flat else x)
+
+    try:
+        torch_call(module, torch.tensor(np.moveaxis(x, -1, 1)))
+    except RuntimeError:  # torch's refusal: ours is named
+        event(f"{n}-D {mode}: refused")  # the draw counts --hypothesis-show-statistics reports
+        with pytest.raises(ft.nn.LayerInputError, match=r"is shorter than the window needs|is too short for"):
+            layer(x)
+        return
+    event(f"{n}-D {mode}: matched")
+    _compare(layer, module, x, torch_call)
 
 
-@settings(max_examples=examples(6), deadline=None)
-@given(st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2),
-       st.integers(0, 2), st.integers(1, 2), st.booleans())
-@example(n=1, groups=2, k=3, s=2, p=1, op=1, d=1, bias=True)  # grouped, as a depthwise upsampling layer
-@example(n=2, groups=1, k=1, s=2, p=1, op=1, d=1, bias=False)  # p > d*(k-1): a negative pad, cropping
-def test_transposed_convolutions_match_torchs_by_the_documented_padding(n, groups, k, s, p, op, d, bias):
-    """ConvTranspose1d/2d(padding=p, output_padding=op, groups=g) is padding=((d*(k-1)-p,
+@settings(max_examples=examples(8), deadline=None)
+@given(st.sampled_from([1, 2, 3]), st.sampled_from([1, 2, 3]), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2),
+       st.integers(0, 2), st.integers(1, 2), st.booleans(),
+       st.sampled_from(["zeros"] * 3 + ["reflect", "replicate", "circular"]))  # zeros mostly: the others are refused
+@example(n=1, groups=2, k=3, s=2, p=1, op=1, d=1, bias=True, mode="zeros")  # grouped, as a depthwise upsampling layer
+@example(n=2, groups=1, k=1, s=2, p=1, op=1, d=1, bias=False, mode="zeros")  # p > d*(k-1): a negative pad, cropping
+@example(n=3, groups=3, k=2, s=2, p=0, op=1, d=2, bias=True, mode="zeros")  # 3-D: grouped, dilated, output_padding
+def test_transposed_convolutions_match_torchs_by_the_documented_padding(n, groups, k, s, p, op, d, bias, mode):
+    """ConvTranspose1d/2d/3d(padding=p, output_padding=op, groups=g) is padding=((d*(k-1)-p,
     d*(k-1)-p+op),) per axis here; groups were refused ("lax.conv_transpose has no feature
     groups") and so was p > d*(k-1) (its negative pad): both are torch's now (73 drawn
-    grouped settings matched in float64)."""
+    grouped settings matched in float64). A padding_mode other than zeros is refused as
+    torch refuses it (TRANSPOSE_PADDING_MODE)."""
     op = min(op, max(s, d) - 1)  # torch's limit
+    torch_class = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)[n - 1]
+    ft_class = (ft.nn.Conv1DTranspose, ft.nn.Conv2DTranspose, ft.nn.Conv3DTranspose)[n - 1]
+    if mode != "zeros":
+        event(f"{n}-D padding_mode {mode}: refused")
+        with pytest.raises(ValueError, match='Only "zeros" padding mode is supported'):
+            torch_class(2, 2, k, stride=s, padding_mode=mode)
+        with pytest.raises(ValueError, match="a transposed convolution pads with zeros only"):
+            ft_class(2, 2, k, strides=s, padding_mode=mode, key=jax.random.key(0))
+        return
     torch.manual_seed(0)
-    module = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d)[n - 1](
-        2 * groups, 2 * groups, k, stride=s, padding=p, output_padding=op, groups=groups, bias=bias, dilation=d)
+    module = torch_class(2 * groups, 2 * groups, k, stride=s, padding=p, output_padding=op, groups=groups, bias=bias,
+                         dilation=d)
     low = d * (k - 1) - p
-    layer = (ft.nn.Conv1DTranspose, ft.nn.Conv2DTranspose)[n - 1](
-        2 * groups, 2 * groups, k, strides=s, dilation=d, groups=groups, padding=((low, low + op),) * n,
-        use_bias=bias, key=jax.random.key(0))
+    layer = ft_class(2 * groups, 2 * groups, k, strides=s, dilation=d, groups=groups, padding=((low, low + op),) * n,
+                     use_bias=bias, key=jax.random.key(0))
     assert layer.in_channels == layer.out_channels == 2 * groups
     x = np.random.default_rng(0).normal(size=(2, *(3,) * n, 2 * groups)).astype(np.float32)
     if (3 - 1) * s - 2 * p + d * (k - 1) + op + 1 < 1:  # cropped away: refused (torch: an error or empty maps)
+        event(f"{n}-D: cropped away, refused")
         try:
             assert module(torch.tensor(np.moveaxis(x, -1, 1))).numel() == 0
         except RuntimeError as e:
@@ -125,6 +161,7 @@ def test_transposed_convolutions_match_torchs_by_the_documented_padding(n, group
         with pytest.raises(ft.nn.LayerInputError, match="is shorter than the window needs"):
             layer(x)
         return
+    event(f"{n}-D: matched")
     _compare(layer, module, x, lambda m, x: m(x))
 
 
@@ -140,40 +177,76 @@ def test_a_transposes_named_padding_is_lax_conv_transposes(padding):
         np.testing.assert_allclose(layer(x), expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
 
 
-@settings(max_examples=examples(10), deadline=None)
-@given(st.sampled_from([1, 2]), st.sampled_from(["max", "avg"]), st.integers(1, 3), st.none() | st.integers(1, 3),
-       st.sampled_from(["SAME", "VALID", 0, 1]), st.booleans(), st.integers(1, 6))
-def test_pooling_matches_torchs_over_drawn_settings(n, op, k, s, padding, count_pad, length):
-    """MaxPool/AvgPool 1d/2d against torch's: torch's padding=p (at most k // 2, torch's limit;
-    count_include_pad either way), and the padding "SAME" stands for (-inf for max; the mean
-    of the real elements): 261 drawn named settings matched in float64, gradients too;
-    inputs too short for the window refused alike."""
+@st.composite
+def _pools(draw):
+    n, op = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from(["max", "avg"]))
+    k, s = draw(st.integers(1, 3)), draw(st.none() | st.integers(1, 3))
+    padding, count_pad = draw(st.sampled_from(["SAME", "VALID", 0, 1, 2])), draw(st.booleans())
+    ceil_mode = draw(st.booleans()) and padding != "SAME"  # refused with "SAME" (CEIL_MODE_SAME): torch has no "SAME"
+    dilation = draw(st.integers(1, 3)) if op == "max" else 1  # torch's avg_pool has none
+    lengths = tuple(draw(st.integers(1, 5 if n == 3 else 6)) for _ in range(n))
+    return n, op, k, s, padding, count_pad, ceil_mode, dilation, lengths
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(_pools())
+@example((3, "max", 2, 1, 1, True, True, 2, (4, 2, 5)))  # 3-D, dilated, ceil_mode, a window in the padding's end
+@example((2, "avg", 3, 2, 1, False, True, 1, (4, 5)))  # ceil_mode's overhang uncounted, the padding not counted
+@example((1, "max", 2, None, 1, False, False, 3, (2,)))  # reads -1 and 2 of a length 2: -inf, refused (was silent)
+def test_pooling_matches_torchs_over_drawn_settings(case):
+    """MaxPool/AvgPool 1d/2d/3d against torch's: torch's padding=p (above k // 2 refused alike),
+    count_include_pad either way, ceil_mode, max pooling's dilation, and the padding "SAME"
+    stands for (-inf for max; the mean of the real elements): 261 drawn 1-D/2-D settings
+    matched in float64, gradients too; inputs too short for the window refused alike."""
+    n, op, k, s, padding, count_pad, ceil_mode, d, lengths = case
     strides = k if s is None else s
-    padding = min(padding, k // 2) if isinstance(padding, int) else padding
+    span = d * (k - 1) + 1
+    pool = getattr(F, f"{op}_pool{n}d")
+    cls = getattr(ft.nn, f"{op.capitalize()}Pool{n}D")
+    settings = {"dilation": d} if op == "max" else {"count_include_pad": count_pad}
+    if isinstance(padding, int) and padding > k // 2:  # torch: "pad should be at most half of ... kernel size"
+        event(f"{n}-D {op}: padding over half the pool, refused")
+        with pytest.raises(RuntimeError, match=r"half of (effective )?kernel size"):
+            pool(torch.zeros((1, 1, *(8,) * n)), k, strides, padding, ceil_mode=ceil_mode, **settings)
+        with pytest.raises(ValueError, match="is more than half the pool"):
+            cls(k, s, padding, ceil_mode=ceil_mode, **settings)
+        return
     pads = [(0, 0)] * n
     if padding == "SAME":
-        total = max((math.ceil(length / strides) - 1) * strides + k - length, 0)
-        pads = [(total // 2, total - total // 2)] * n
+        pads = [(total // 2, total - total // 2) for total in (max((math.ceil(length / strides) - 1) * strides + span
+                                                                    - length, 0) for length in lengths)]
     flat = [v for pair in reversed(pads) for v in pair]
-    pool = getattr(F, f"{op}_pool{n}d")
 
     def torch_pool(x):
-        if isinstance(padding, int):
-            return pool(x, k, strides, padding) if op == "max" else pool(x, k, strides, padding,
-                                                                         count_include_pad=count_pad)
+        if isinstance(padding, int) or padding == "VALID":
+            return pool(x, k, strides, padding if isinstance(padding, int) else 0, ceil_mode=ceil_mode, **settings)
         if op == "max":
-            return pool(F.pad(x, flat, value=-math.inf), k, strides)
+            return pool(F.pad(x, flat, value=-math.inf), k, strides, dilation=d)
         return pool(F.pad(x, flat), k, strides) / pool(F.pad(torch.ones_like(x), flat), k, strides)
 
-    cls = getattr(ft.nn, f"{op.capitalize()}Pool{n}D")
-    layer = cls(k, s, padding) if op == "max" else cls(k, s, padding, count_include_pad=count_pad)
-    x = np.random.default_rng(0).normal(size=(2, *(length,) * n, 3)).astype(np.float32)
-    if length + 2 * (padding if isinstance(padding, int) else 0) < k and padding != "SAME":
-        with pytest.raises(RuntimeError):
-            torch_pool(torch.tensor(np.moveaxis(x, -1, 1)))
+    layer = cls(k, s, padding, ceil_mode=ceil_mode, **settings)
+    x = np.random.default_rng(0).normal(size=(2, *lengths, 3)).astype(np.float32)
+    kind = f"{n}-D {op}" + (", ceil_mode" if ceil_mode else "") + (", dilated" if d > 1 else "")
+    try:
+        with torch.no_grad():
+            forward = torch_pool(torch.tensor(np.moveaxis(x, -1, 1)))
+    except RuntimeError as e:  # torch's refusal: ours is named
+        if "smaller than kernel size" in str(e) and n == 3 and op == "avg":
+            # torch's avg_pool3d alone checks the unpadded input against the kernel (its 1-D/2-D and
+            # max_pool3d pool such an input's padded windows): ours pools it as the 1-D/2-D layers do
+            event(f"{kind}: torch's avg_pool3d refuses the unpadded input, ours pools it")
+            assert np.isfinite(np.asarray(layer(x))).all()
+            return
+        event(f"{kind}: refused")
         with pytest.raises(ft.nn.LayerInputError, match="is shorter than the window needs"):
             layer(x)
         return
+    if torch.isinf(forward).any():  # a dilated window wholly in the padding: torch's -inf, its backward out of bounds
+        event(f"{kind}: a window in the padding, refused")
+        with pytest.raises(ft.nn.LayerInputError, match="reading only padding"):
+            layer(x)
+        return
+    event(f"{kind}: matched")
     _compare(layer, torch.nn.Identity(), x, lambda m, x: torch_pool(x))
 
 
@@ -257,16 +330,22 @@ def test_multihead_attention_matches_torchs_over_drawn_masks(case):
 
 
 @settings(max_examples=examples(4), deadline=None)
-@given(st.sampled_from(["GRU", "LSTM"]), st.integers(1, 3), st.integers(1, 4), st.sampled_from([1, 2, 4]),
-       st.sampled_from([(), (1,), (2,)]), st.booleans())
+@given(st.sampled_from(["GRU", "LSTM", "RNN tanh", "RNN relu"]), st.integers(1, 3), st.integers(1, 4),
+       st.sampled_from([1, 2, 4]), st.sampled_from([(), (1,), (2,)]), st.booleans())
+@example(kind="RNN relu", inputs=2, hidden=3, steps=4, batch=(2,), reverse=True)  # SimpleRNNCell, relu, reversed
 def test_recurrent_layers_match_torchs_over_drawn_sizes(kind, inputs, hidden, steps, batch, reverse):
-    """RNN(GRUCell / LSTMCell) against torch's one-layer GRU / LSTM (batch_first, or unbatched),
-    one step or several; reverse=True against a bidirectional layer's second half. The
-    exploration drew 60 stacks of 1-3 layers, bidirectional or not, time-major or batch-first,
-    with initial states: outputs, final states and every gradient matched in float64."""
+    """RNN(GRUCell / LSTMCell / SimpleRNNCell) against torch's one-layer GRU / LSTM / RNN
+    (nonlinearity tanh or relu; batch_first, or unbatched), one step or several; reverse=True
+    against a bidirectional layer's second half. The exploration drew 60 stacks of 1-3 layers,
+    bidirectional or not, time-major or batch-first, with initial states: outputs, final
+    states and every gradient matched in float64."""
     torch.manual_seed(0)
-    module = getattr(torch.nn, kind)(inputs, hidden, batch_first=True, bidirectional=reverse)
-    cell = getattr(ft.nn, f"{kind}Cell")(inputs, hidden, key=jax.random.key(0))
+    kind, _, nonlinearity = kind.partition(" ")
+    options = {"nonlinearity": nonlinearity} if nonlinearity else {}
+    module = getattr(torch.nn, kind)(inputs, hidden, batch_first=True, bidirectional=reverse, **options)
+    cell = (ft.nn.SimpleRNNCell(inputs, hidden, key=jax.random.key(0), activation=getattr(ft.nn, nonlinearity))
+            if kind == "RNN" else getattr(ft.nn, f"{kind}Cell")(inputs, hidden, key=jax.random.key(0)))
+    event(f"{kind} {nonlinearity}".strip())
     layer = ft.nn.RNN(cell, reverse=reverse)
     x = np.random.default_rng(0).normal(size=(*batch, steps, inputs)).astype(np.float32)
     half = slice(hidden, None) if reverse else slice(None)  # a bidirectional output's reverse half
@@ -285,3 +364,20 @@ class _Direction(torch.nn.Module):
 
     def named_parameters(self, *args, **kwargs):
         return ((k, v) for k, v in self.module.named_parameters() if k.endswith("_reverse") == self.reverse)
+
+
+def test_a_dilated_max_window_wholly_in_the_padding_is_refused():
+    """torch's pad check reads the pool size, not the dilated span: MaxPool1d(2, padding=1,
+    dilation=3) on a length 2 reads positions -1 and 2, both padding, and gives -inf (its
+    backward then writes the gradient at index 2, past the input). Ours gave -inf without a
+    word; now WINDOW_IN_PADDING, with "SAME" too. A length that puts an element in every window
+    pools as before."""
+    from functree.nn._pooling import WINDOW_IN_PADDING
+
+    assert "reading only padding" in WINDOW_IN_PADDING
+    x = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    with pytest.raises(ft.nn.LayerInputError, match=r"leaves window 0 reading only padding: .* positions \[0, 3\]"):
+        ft.nn.MaxPool1D(2, None, 1, dilation=3)(x)
+    with pytest.raises(ft.nn.LayerInputError, match="reading only padding"):
+        ft.nn.MaxPool1D(2, 1, "SAME", dilation=3)(x[:, :1])
+    np.testing.assert_array_equal(ft.nn.MaxPool1D(2, None, 1, dilation=3)(np.concatenate([x, x], 1))[0, 0], x[0, 0])

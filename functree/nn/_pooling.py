@@ -84,6 +84,15 @@ padding (torch's "pad should be at most half of effective kernel size").
 """
 
 
+WINDOW_IN_PADDING = """\
+Its {axis} ({size}) leaves window {index} reading only padding: pool_size {k} with dilation {d} \
+reads positions {positions} of the padded axis ({lo} padding before), none of them the input's, \
+so its max is -inf (torch's too, its backward writing the gradient at an index past the input).
+
+    wrong:  {cls}({settings})(x)     # x's {axis}: {size}
+    right:  {cls}({fixed})(x)     # or an input whose {axis} puts an element in every window"""
+
+
 def _show(values: tuple[int, ...]) -> Any:
     """Sizes as a user writes them: one int where every axis has it."""
     return values[0] if len(set(values)) == 1 else values
@@ -206,6 +215,7 @@ class _MaxPool(_Pool):
         spans = [d * (k - 1) + 1 for k, d in zip(self.pool_size, self._dilation)]
         if isinstance(pads, str):
             pads = jax.lax.padtype_to_pads(x.shape[lead:-1], spans, self.strides, pads)
+        self._check_windows_read_input(x, pads)
         padded = jnp.pad(x, ((0, 0),) * lead + tuple(pads) + ((0, 0),), constant_values=-jnp.inf)
         counts = [(length - span) // s + 1 for length, span, s in zip(padded.shape[lead:-1], spans, self.strides)]
         y = None
@@ -218,6 +228,28 @@ class _MaxPool(_Pool):
             y = part if y is None else jnp.maximum(y, part)
         assert y is not None  # pool sizes are >= 1
         return y
+
+    def _check_windows_read_input(self, x: jax.Array, pads: Any) -> None:
+        """Refuse a window all of whose ``k`` positions ``i s - lo + j d`` fall in the padding
+        (only dilation lets one: ``lo <= k // 2`` keeps a contiguous window on the input):
+        :data:`WINDOW_IN_PADDING`. Static shapes only."""
+        n = self._rank
+        names = _spatial(n)[:-1]
+        for axis, length, (lo, hi), k, s, d in zip(names, x.shape[x.ndim - n - 1:-1], pads, self.pool_size,
+                                                  self.strides, self._dilation):
+            span = d * (k - 1) + 1
+            for i in range((length + lo + hi - span) // s + 1):
+                positions = [i * s + j * d for j in range(k)]
+                if all(not lo <= p < lo + length for p in positions):
+                    given = self.padding if isinstance(self.padding, str) else (
+                        self.padding[0][0] if len({v for pair in self.padding for v in pair}) == 1 else self.padding)
+                    settings = f"{_show(self.pool_size)}, padding={given!r}, dilation={_show(self._dilation)}"
+                    fixed = f"{_show(self.pool_size)}, padding=0, dilation={_show(self._dilation)}"
+                    fix = WINDOW_IN_PADDING.format(axis=axis, size=length, index=i, k=k, d=d, positions=positions,
+                                                   lo=lo, cls=type(self).__name__, settings=settings, fixed=fixed)
+                    pattern = "[..., " + ", ".join(names) + f", {x.shape[-1]}]"
+                    raise LayerInputError(self, f"{pattern} (float) with every window on the input", short_array(x),
+                                          fix)
 
 
 class _AvgPool(_Pool):

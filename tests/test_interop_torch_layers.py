@@ -193,6 +193,9 @@ def _pools(draw):
 @example((3, "max", 2, 1, 1, True, True, 2, (4, 2, 5)))  # 3-D, dilated, ceil_mode, a window in the padding's end
 @example((2, "avg", 3, 2, 1, False, True, 1, (4, 5)))  # ceil_mode's overhang uncounted, the padding not counted
 @example((1, "max", 2, None, 1, False, False, 3, (2,)))  # reads -1 and 2 of a length 2: -inf, refused (was silent)
+@example((3, "avg", 2, None, "VALID", False, False, 1, (1, 1, 1)))  # too short: refused by both
+@example((3, "avg", 2, None, 1, False, False, 1, (1, 1, 1)))  # torch's avg_pool3d refuses before padding; ours pools
+@example((3, "avg", 2, None, "VALID", False, True, 1, (1, 1, 1)))  # ... and before ceil_mode's window: ours pools
 def test_pooling_matches_torchs_over_drawn_settings(case):
     """MaxPool/AvgPool 1d/2d/3d against torch's: torch's padding=p (above k // 2 refused alike),
     count_include_pad either way, ceil_mode, max pooling's dilation, and the padding "SAME"
@@ -231,12 +234,20 @@ def test_pooling_matches_torchs_over_drawn_settings(case):
         with torch.no_grad():
             forward = torch_pool(torch.tensor(np.moveaxis(x, -1, 1)))
     except RuntimeError as e:  # torch's refusal: ours is named
-        if "smaller than kernel size" in str(e) and n == 3 and op == "avg":
-            # torch's avg_pool3d alone checks the unpadded input against the kernel (its 1-D/2-D and
-            # max_pool3d pool such an input's padded windows): ours pools it as the 1-D/2-D layers do
-            event(f"{kind}: torch's avg_pool3d refuses the unpadded input, ours pools it")
-            assert np.isfinite(np.asarray(layer(x))).all()
-            return
+        if "smaller than kernel size" in str(e):
+            # torch's avg_pool3d alone checks the unpadded input against the kernel; its max_pool3d
+            # (and avg_pool1d/2d) pool such an input's padded windows, as ours do: their shape
+            try:
+                with torch.no_grad():
+                    shape = F.max_pool3d(torch.tensor(np.moveaxis(x, -1, 1)), k, strides, padding if isinstance(
+                        padding, int) else 0, ceil_mode=ceil_mode).shape
+            except RuntimeError:
+                pass
+            else:
+                event(f"{kind}: torch's avg_pool3d refuses the unpadded input, ours pools it")
+                y = np.asarray(layer(x))
+                assert np.moveaxis(y, -1, 1).shape == shape and np.isfinite(y).all()
+                return
         event(f"{kind}: refused")
         with pytest.raises(ft.nn.LayerInputError, match="is shorter than the window needs"):
             layer(x)
@@ -381,3 +392,50 @@ def test_a_dilated_max_window_wholly_in_the_padding_is_refused():
     with pytest.raises(ft.nn.LayerInputError, match="reading only padding"):
         ft.nn.MaxPool1D(2, 1, "SAME", dilation=3)(x[:, :1])
     np.testing.assert_array_equal(ft.nn.MaxPool1D(2, None, 1, dilation=3)(np.concatenate([x, x], 1))[0, 0], x[0, 0])
+
+
+@st.composite
+def _adaptive_pools(draw):
+    n, op = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from(["max", "avg"]))
+    lengths = tuple(draw(st.integers(0, 4 if n == 3 else 7)) for _ in range(n))
+    size = draw(st.just("global") | st.integers(1, 5) | st.tuples(*(st.none() | st.integers(1, 5) for _ in range(n))))
+    return n, op, lengths, size
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(_adaptive_pools())
+@example((2, "max", (7, 3), (3, None)))  # uneven, overlapping windows; None keeps the width
+@example((3, "avg", (2, 3, 4), "global"))  # GlobalAvgPool3D: torch's AdaptiveAvgPool3d(1), flattened
+@example((1, "avg", (0,), 1))  # torch: NaN; ours refused
+def test_adaptive_pools_match_torchs_over_drawn_sizes(case):
+    """AdaptiveAvg/MaxPool1D/2D/3D against torch's (output sizes above, below and equal to the
+    input's, None entries) and GlobalAvg/MaxPool3D against AdaptiveAvg/MaxPool3d(1); an empty
+    axis is refused (EMPTY_ADAPTIVE, EMPTY_MAX) where torch raises or (an average to an int
+    size) gives NaN; a global average is NaN in both."""
+    n, op, lengths, size = case
+    x = np.random.default_rng(0).normal(size=(2, *lengths, 3)).astype(np.float32)
+    # torch's 1-D takes no None (2-D/3-D keep that axis's size): the length it stands for
+    shown = size if n > 1 or not isinstance(size, tuple) or size[0] is not None else (lengths[0],)
+    module = getattr(torch.nn, f"Adaptive{op.capitalize()}Pool{n}d")(1 if size == "global" else shown)
+    if size == "global":
+        layer, call = getattr(ft.nn, f"Global{op.capitalize()}Pool{n}D")(), lambda m, x: m(x).flatten(1)
+    else:
+        layer, call = getattr(ft.nn, f"Adaptive{op.capitalize()}Pool{n}D")(size), lambda m, x: m(x)
+    kind = f"{n}-D {op} " + ("global" if size == "global" else "adaptive")
+    if 0 in lengths:
+        event(f"{kind}: an empty axis")
+        if size == "global" and op == "avg":  # NaN in both
+            with torch.no_grad():
+                assert torch.isnan(call(module, torch.tensor(np.moveaxis(x, -1, 1)))).all()
+            assert np.isnan(np.asarray(layer(x))).all()
+            return
+        try:  # torch's max raises; its average raises, or gives NaN for an int size
+            with torch.no_grad():
+                assert torch.isnan(call(module, torch.tensor(np.moveaxis(x, -1, 1)))).all() and op == "avg"
+        except RuntimeError:
+            pass
+        with pytest.raises(ft.nn.LayerInputError, match="is empty"):
+            layer(x)
+        return
+    event(f"{kind}: matched")
+    _compare(layer, module, x, call)  # a global pool's [B, C]: moving axis 1 to the end leaves it

@@ -502,7 +502,7 @@ def _show_size(size: tuple[int | None, ...]) -> Any:
 
 EMPTY_ADAPTIVE = """\
 Its {axis} is empty: an adaptive window of it holds no values (a max of none, a mean \
-NaN); torch raises here too.
+NaN); torch's max pool raises here too, its average to an int size gives NaN.
 
     wrong:  ft.nn.{cls}({size})(x)     # x: {given}
     right:  ft.nn.{cls}({size})(x)     # x with {axis} >= 1"""

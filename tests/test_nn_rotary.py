@@ -101,6 +101,21 @@ def test_longrope_needs_one_short_and_one_long_factor_per_pair():
         ft.nn.RopeScaling("longrope", original_max_positions=4)
 
 
+def test_longrope_factors_given_as_lists_are_held_as_tuples():
+    """Lists (as config.json holds them) made the scaling unhashable: a static field refused
+    it, and an eager apply_rotary (one compiled program per base) raised JAX's bare
+    "unhashable type: 'list'"; held as tuples, the scaling equals the tuple-built one."""
+    given = ft.nn.RopeScaling("longrope", short_factor=[1.0, 2.0], long_factor=[4.0, 8.0], original_max_positions=4)
+    assert given == ft.nn.RopeScaling("longrope", short_factor=(1.0, 2.0), long_factor=(4.0, 8.0),
+                                      original_max_positions=4)
+    assert given.short_factor == (1.0, 2.0) and hash(given) is not None
+    x, at = jnp.ones((1, 3, 1, 4)), jnp.arange(3)[:, None]
+    np.testing.assert_array_equal(ft.nn.apply_rotary(x, at, base=given),
+                                  jax.jit(lambda x: ft.nn.apply_rotary(x, at, base=given))(x))
+    attn = ft.nn.MultiheadAttention(8, 2, causal=True, rotary=given, key=jax.random.key(0))
+    assert attn(jnp.ones((1, 3, 8))).shape == (1, 3, 8)
+
+
 @pytest.mark.parametrize("size,even", [(5, 4), (1, 2), (0, 2)])
 def test_an_odd_rotary_layer_size_gets_a_fix_for_the_constructor(size, even):
     """RotaryEmbedding(5) raised apply_rotary's message, whose right: line was

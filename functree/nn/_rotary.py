@@ -145,6 +145,10 @@ class RopeScaling:
     long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):  # a list (as config.json holds them): a tuple, so
+            value = getattr(self, name)                # the scaling is hashable (static, a compile's key)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
         if not (isinstance(self.partial, (int, float)) and 0 < self.partial <= 1):
             raise ValueError(ROPE_NEEDS.format(kind=self.kind, needs="0 < partial <= 1", given=f"partial={self.partial!r}",
                                                example="partial=0.25"))

@@ -459,6 +459,7 @@ def generate(
     options, sourced = _with_defaults(given, checkpoint, key)
     if attention_mask is None and checkpoint is not None:  # HF's mask from the pad id
         attention_mask = inferred_mask(ids, options["pad_token_id"], options["eos_token_id"])
+    attention_mask = _attention_mask(attention_mask, ids.shape)  # checked once: the limit's and the loop's
     if isinstance(limit, int):
         _check_positions(inner, ids, new, attention_mask, limit)
     plan = partial(_plan, model, ids, new, attention_mask, key, options, stop, return_scores, streamer, limit,
@@ -616,7 +617,7 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     """Check the options and return the call that runs the compiled loop (and crops its
     bucket back to the prompt and ``new``; ``exact``: no buckets), with ``.exact`` (whether
     its sizes are the exact ones); ``eos_default``: the EOS ids are the checkpoint's."""
-    mask = _attention_mask(attention_mask, ids.shape)
+    mask = attention_mask  # checked by generate (_attention_mask)
     greedy = _greedy(o["temperature"])
     given_eos = token_ids(o["eos_token_id"], "eos_token_id")
     stops = token_sequences(stop)
@@ -679,9 +680,9 @@ def _prompt_positions(model: Any, ids: Any, mask: Any) -> tuple[int, str]:
     none. Any other model (its positions may be cache slots), or a traced mask (its real
     tokens are not known here), counts the prompt's width ``P``, left padding included."""
     width = ids.shape[1]
-    if getattr(model, "positions_count_real_tokens", False) is not True or mask is None:
+    if getattr(model, "positions_count_real_tokens", False) is not True:
         return width, f"{width} tokens"
-    host = _attention_mask(mask, ids.shape)  # checked: shape, dtype, no right padding
+    host = mask  # checked (_attention_mask): int32 0/1, NumPy where concrete
     if isinstance(host, Tracer):
         return width, f"{width} tokens, left padding included: a traced attention_mask's real tokens are not counted"
     counts = host.sum(axis=1)

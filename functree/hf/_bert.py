@@ -12,7 +12,6 @@ import numpy as np
 from functree._module import Module, field
 from functree._repr import short_array
 from functree.hf._causal import (
-    _concrete,
     check_ids,
     check_length,
     lookup_rows,
@@ -24,6 +23,7 @@ from functree.hf._dropout import block_keys, drop, rate, top_keys
 from functree.hf._family import HFModel, renamed
 from functree.hf._options import activation, require
 from functree.nn._attention import MultiheadAttention
+from functree.nn._check import concrete as concrete_values
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
@@ -218,7 +218,7 @@ def _token_types(model: Any, ids: jax.Array, token_type_ids: Any, types: int) ->
         shape_ok = False
     if not shape_ok or not jnp.issubdtype(given.dtype, jnp.integer):
         raise bad(short_array(given))
-    concrete = _concrete(token_type_ids)
+    concrete = concrete_values(token_type_ids)
     if concrete is not None and concrete.size:
         outside = (concrete < 0) | (concrete >= types)
         if outside.any():

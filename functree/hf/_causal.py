@@ -37,6 +37,7 @@ from functree._repr import short_array
 from functree.hf._dropout import block_keys, decoding, drop, top_keys
 from functree.hf._family import HFModel
 from functree.nn._attention import KVCache, MultiheadAttention, check_cache_positions
+from functree.nn._check import concrete
 from functree.nn._embedding import Embedding, without_padding_gradient
 from functree.nn._linear import Dense
 from functree.nn._rotary import RopeScaling
@@ -138,18 +139,10 @@ def check_longrope(model: Any, attention: MultiheadAttention, ids: Any, cache: A
         longrope_crossing(model, attention.rotary, prompt, jax.tree.leaves(cache)[0].shape[2])
 
 
-def _concrete(x: Any) -> np.ndarray | None:
-    """``x`` as a NumPy array, or None when it is traced (under ``jax.jit``)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def check_token_ids(model: Any, input_ids: Any, vocab: int) -> None:
     """Raise :data:`OUT_OF_VOCABULARY` if concrete ``input_ids`` hold an id outside ``[0, vocab)``
     (traced ids are not checked here: the embedding lookup makes their rows NaN instead)."""
-    ids = _concrete(input_ids)
+    ids = concrete(input_ids)
     if ids is None or ids.size == 0:
         return
     bad = (ids < 0) | (ids >= vocab)
@@ -216,7 +209,7 @@ def check_table(model: Any, width: int, real: jax.Array | None, cached: bool, gi
     if real is None or not (cached or given or width > limit):  # positions 0 .. width - 1 at most
         check_length(model, width, limit, name)
         return
-    host = _concrete(real)
+    host = concrete(real)
     if host is None:
         if not cached:
             check_length(model, width, limit, name)

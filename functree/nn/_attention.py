@@ -17,14 +17,13 @@ from typing import Any, ClassVar, Literal
 import jax
 import jax.core
 import jax.numpy as jnp
-import numpy as np
 
 from functree._module import Module, field
 from functree._random import flat_key
 from functree._repr import short_array
 from functree._traces import staged
 from functree.nn._attention_kernel import CUDNN_DOES_NOT_APPLY, check_implementation, choose
-from functree.nn._check import LayerInputError, check_input
+from functree.nn._check import LayerInputError, check_input, concrete
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
@@ -128,9 +127,9 @@ def check_cache_positions(who: str, positions: jax.Array, length: int) -> None:
     (:data:`POSITIONS_OUTSIDE_CACHE`): the cache's scatter drops a write past its end and
     wraps a negative slot, silently. Concrete positions only: under a trace the values are
     unknown (``generate`` sizes its cache from the prompt and ``max_new_tokens``)."""
-    if isinstance(positions, jax.core.Tracer) or positions.size == 0:
+    given = concrete(positions)  # (NumPy's min: under another function's trace jnp's would be traced)
+    if given is None or given.size == 0:
         return
-    given = np.asarray(positions)  # (NumPy's min: under another function's trace jnp's would be traced)
     low, high = int(given.min()), int(given.max())
     if low < 0 or high >= length:
         fix = _SLOTS_FROM_ZERO if low < 0 else _LONGER_CACHE.format(batch=positions.shape[0], length=length,

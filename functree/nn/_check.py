@@ -5,12 +5,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._paths import KeyPath, walk
 from functree._repr import short_array
 
-__all__ = ["LayerInputError", "check_input"]
+__all__ = ["LayerInputError", "check_input", "concrete"]
+
+
+def concrete(x: Any) -> np.ndarray | None:
+    """``x`` as a NumPy array, or None when it is traced (under ``jax.jit``): what a check of
+    an input's values (token ids, cache positions) reads, eagerly only."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
 
 WRONG_INPUT = """\
 {layer}{where} expects inputs {expected}, got {given}.

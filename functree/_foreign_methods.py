@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FOREIGN_METHOD", "FOREIGN_METHODS", "FOREIGN_FUNCTION", "FOREIGN_FUNCTIONS", "missing_attribute",
+__all__ = ["FOREIGN_METHOD", "FOREIGN_METHODS", "OPTIMIZER_METHODS", "FOREIGN_FUNCTION", "FOREIGN_FUNCTIONS", "missing_attribute",
            "missing_module_attribute"]
 
 FOREIGN_METHOD = """\
@@ -51,6 +51,94 @@ FOREIGN_METHODS: dict[str, tuple[str, str, str]] = {
                    "the model.",
                    "model.state_dict()",
                    "ft.to_flat_dict(model)                     # or ft.nn.torch_state_dict(model) in torch's layout"),
+    # torch's nn.Module habits
+    "named_parameters": ("torch's model.named_parameters() pairs names and tensors; here the parameter "
+                         "view is flattened by dotted key path.",
+                         "for name, p in model.named_parameters(): ...",
+                         "for name, p in ft.to_flat_dict(ft.parameters(model)).items(): ..."),
+    "load_state_dict": ("torch's model.load_state_dict(sd) fills the model in place; a functree model is "
+                        "immutable: the load returns a new model.",
+                        "model.load_state_dict(sd)",
+                        "model = ft.from_flat_dict(model, sd)       # a torch state_dict: ft.nn.load_torch_state_dict(model, sd)"),
+    "to": ("torch's model.to(device) / .to(dtype) moves or casts in place; JAX places arrays on the "
+           "default device (the accelerator) already, and a cast returns a new model.",
+           "model.to(device)",
+           "model = jax.device_put(model, jax.devices()[0])   # a dtype: model = ft.cast(model, jnp.bfloat16)"),
+    "cuda": ("torch's model.cuda() moves the tensors to the GPU; JAX puts new arrays on the default "
+             "device, which is the GPU when there is one: nothing to move.",
+             "model.cuda()",
+             "model = jax.device_put(model, jax.devices(\"gpu\")[0])   # only to choose a device"),
+    "cpu": ("torch's model.cpu() moves the tensors to host memory; here a placement returns a new model.",
+            "model.cpu()",
+            "model = jax.device_put(model, jax.devices(\"cpu\")[0])   # NumPy arrays: jax.device_get(model)"),
+    "half": ("torch's model.half() casts in place; ft.cast returns a new model with its floating "
+             "parameters cast.", "model.half()", "model = ft.cast(model, jnp.float16)"),
+    "bfloat16": ("torch's model.bfloat16() casts in place; ft.cast returns a new model with its floating "
+                 "parameters cast.", "model.bfloat16()", "model = ft.cast(model, jnp.bfloat16)"),
+    "zero_grad": ("torch accumulates gradients in .grad until zeroed; ft.gradient returns fresh gradients "
+                  "each call, so there is nothing to zero.",
+                  "model.zero_grad()",
+                  "grads = ft.gradient(loss_fn, at=model)     # delete the zero_grad() line"),
+    "forward": ("torch's model.forward(x) is the call itself here (a functree model's __call__).",
+                "model.forward(x)", "model(x)"),
+    "requires_grad_": ("torch's requires_grad_(False) freezes tensors in place; here the trained part is "
+                       "chosen by key-path patterns where the gradient is taken.",
+                       "model.backbone.requires_grad_(False)",
+                       "ft.optim.Optimizer(ft.optim.adam(1e-3), wrt=\"head.*\")   # or ft.gradient(f, at=model, wrt=...)"),
+    # Keras's Model habits
+    "compile": ("Keras's model.compile(optimizer, loss, metrics) configures training on the model; here "
+                "a Trainer holds the model, the optimizer and loss_fn(model, batch).",
+                "model.compile(optimizer=\"adam\", loss=\"sparse_categorical_crossentropy\", metrics=[\"accuracy\"])",
+                "trainer = ft.train.Trainer(model, ft.optim.adam(1e-3), loss_fn, metrics=[\"accuracy\"])"),
+    "fit": ("Keras's model.fit trains the model in place; here the Trainer trains (and holds) it.",
+            "model.fit(x, y, epochs=5, validation_data=(x_val, y_val))",
+            "trainer.fit((x, y), epochs=5, validation_data=(x_val, y_val));  model = trainer.model"),
+    "evaluate": ("Keras's model.evaluate(x, y) is the Trainer's here.",
+                 "model.evaluate(x, y)", "trainer.evaluate((x, y))"),
+    "predict": ("Keras's model.predict(x) is the call itself here (a fresh model is in inference mode), "
+                "or the Trainer's predict in minibatches.",
+                "model.predict(x)", "model(x)                                   # or trainer.predict(x, batch_size=256)"),
+    "summary": ("Keras's model.summary() prints the layers; ft.summary(model) is the table of its leaves "
+                "by key path, with parameter totals.", "model.summary()", "print(ft.summary(model))"),
+    "count_params": ("Keras's model.count_params() is the summary's total here.",
+                     "model.count_params()", "ft.summary(model).parameter_count"),
+    "trainable_variables": ("Keras's model.trainable_variables lists the trained tensors; here the "
+                            "parameter view is a function of the model.",
+                            "model.trainable_variables", "ft.parameters(model)"),
+    "save_weights": ("Keras's model.save_weights(path) is ft.train.save here (any tree: a model, an "
+                     "optimizer state).", "model.save_weights(path)", "ft.train.save(path, model)"),
+    "load_weights": ("Keras's model.load_weights(path) fills the model in place; ft.train.load returns the "
+                     "tree, checked leaf by leaf against the template.",
+                     "model.load_weights(path)", "model = ft.train.load(path, model)"),
+    "float": ("torch's model.float() casts in place; ft.cast returns a new model with its floating "
+              "parameters cast.", "model.float()", "model = ft.cast(model, jnp.float32)"),
+    "double": ("torch's model.double() casts in place; ft.cast returns a new model with its floating "
+               "parameters cast (float64 needs jax.config.update(\"jax_enable_x64\", True)).",
+               "model.double()", "model = ft.cast(model, jnp.float64)"),
+    "save": ("Keras's model.save(path) is ft.train.save here (any tree: a model, an optimizer state).",
+             "model.save(path)", "ft.train.save(path, model)"),
+    # Flax linen's bound-module habits
+    "variables": ("Flax's model.variables (and nnx.state) is the flat dict by name here.",
+                  "model.variables", "ft.to_flat_dict(model)                     # parameters only: ft.parameters(model)"),
+}
+
+# name -> (why, wrong, right): torch's optimizer methods on ft.optim.Optimizer (its state is a
+# value passed in and returned, the gradients are values: nothing is held to zero or step).
+OPTIMIZER_METHODS: dict[str, tuple[str, str, str]] = {
+    "zero_grad": ("torch accumulates gradients in the parameters' .grad until zeroed; here gradients "
+                  "are values each call returns, so there is nothing to zero.",
+                  "optimizer.zero_grad()",
+                  "grads = ft.gradient(loss_fn, at=model)     # delete the zero_grad() line"),
+    "param_groups": ("torch's param_groups hold per-group hyperparameters; here they live in the optimizer "
+                     "state, and groups are chosen by key path.",
+                     "optimizer.param_groups[0][\"lr\"] = 1e-4",
+                     "ft.optim.hyperparameters(opt_state)[\"learning_rate\"]   # groups: ft.optim.groups({...})"),
+    "state_dict": ("torch's optimizer.state_dict() is its state; here the state is the value optimizer.init "
+                   "returned and each step passes on: save that.",
+                   "torch.save(optimizer.state_dict(), path)", "ft.train.save(path, opt_state)"),
+    "load_state_dict": ("torch's optimizer.load_state_dict(sd) fills the optimizer in place; here the state "
+                        "is a value: load it.",
+                        "optimizer.load_state_dict(sd)", "opt_state = ft.train.load(path, optimizer.init(model))"),
 }
 
 
@@ -91,6 +179,18 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
                   "ft.parameters(model)", "params = ft.parameters(model)"),
         "merge": ("Flax NNX's nnx.merge is ft.with_parameters here", "model = ft.with_parameters(model, params)"),
         "state": ("Flax NNX's nnx.state is the flat dict by name here", "ft.to_flat_dict(model)"),
+        "no_grad": ("torch.no_grad() switches off a gradient tape; JAX records none: code outside "
+                    "ft.gradient computes no derivative, and ft.without_derivative(at=x) stops one "
+                    "through x inside it", "out = model(x)                            # no context needed"),
+        "inference_mode": ("torch.inference_mode() is no_grad here (JAX records no tape); the model's "
+                           "inference mode (Dropout off, BatchNorm's running statistics) is ft.nn.inference",
+                           "out = ft.nn.inference(model)(x)"),
+        "manual_seed": ("torch.manual_seed(seed) sets a global generator; JAX's keys are values passed "
+                        "where randomness is drawn", "key = jax.random.key(seed);  model = MyModel(..., key=key)"),
+        "save": ("torch.save(obj, path) is ft.train.save here (any tree: a model, an optimizer state; the "
+                 "path first)", "ft.train.save(path, model)"),
+        "load": ("torch.load(path) is ft.train.load here (with the model as template, checked leaf by leaf)",
+                 "model = ft.train.load(path, model)"),
     },
     "functree.nn": {
         "Linear": ("Equinox's eqx.nn.Linear and NNX's nnx.Linear are ft.nn.Dense here (weight [in, out], "
@@ -106,8 +206,48 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
                    "ft.nn.Conv2D(in_channels, out_channels, 3, key=jax.random.key(0))"),
         "MultiHeadAttention": ("Flax NNX's nnx.MultiHeadAttention is ft.nn.MultiheadAttention here",
                                "ft.nn.MultiheadAttention(query_size, num_heads, key=jax.random.key(0))"),
+        "Module": ("torch's nn.Module and Flax's nn.Module are ft.Module here (a frozen dataclass: fields "
+                   "are declared on the class, set in __init__)",
+                   "class Net(ft.Module):  layer: ft.nn.Dense;  def __call__(self, x): ..."),
+        "ReLU": ("torch's and Keras's activation layers are functions here; Sequential takes them as layers",
+                 "ft.nn.Sequential(ft.nn.Dense(4, 8, key=k), ft.nn.relu, ...)   # or ft.nn.relu(x)"),
+        "BatchNorm1d": ("torch's nn.BatchNorm1d is ft.nn.BatchNorm here (features on the last axis; "
+                        "torch's momentum m is 1 - m here)", "ft.nn.BatchNorm(num_features, momentum=0.9, epsilon=1e-5)   # torch's defaults"),
+        "BatchNorm2d": ("torch's nn.BatchNorm2d is ft.nn.BatchNorm here (channels last: [..., H, W, C]; "
+                        "torch's momentum m is 1 - m here)", "ft.nn.BatchNorm(num_channels, momentum=0.9, epsilon=1e-5)   # torch's defaults"),
+        "CrossEntropyLoss": ("torch's nn.CrossEntropyLoss is a function in ft.losses, (predicted, expected)",
+                             "loss = ft.losses.softmax_cross_entropy(logits, labels)"),
+        "MSELoss": ("torch's nn.MSELoss is a function in ft.losses, (predicted, expected)",
+                    "loss = ft.losses.mean_squared_error(predicted, expected)"),
+        "BCEWithLogitsLoss": ("torch's nn.BCEWithLogitsLoss is a function in ft.losses, (predicted, expected)",
+                              "loss = ft.losses.sigmoid_cross_entropy(logits, labels)"),
+        "functional": ("torch.nn.functional's activations are ft.nn's functions, its losses ft.losses'",
+                       "ft.nn.relu(x);  ft.losses.softmax_cross_entropy(logits, labels)"),
+        "utils": ("torch.nn.utils.clip_grad_norm_ clips in place after backward(); here clipping is a "
+                  "transformation chained before the optimizer",
+                  "optax.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adam(1e-3))"),
+        "clip_grad_norm_": ("torch's clip_grad_norm_ clips in place after backward(); here clipping is a "
+                            "transformation chained before the optimizer",
+                            "optax.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adam(1e-3))"),
         "Rngs": ("Flax NNX's nnx.Rngs is not needed: layers take key= at construction, and Dropout a key per call",
                  "ft.nn.Dense(4, 3, key=jax.random.key(0));  model(x, key=jax.random.fold_in(key, step))"),
+    },
+    "functree.optim": {
+        "Adam": ("torch's torch.optim.Adam(model.parameters(), lr) holds the parameters; ft.optim.adam takes "
+                 "the hyperparameters alone, and its state is made from the model",
+                 "tx = ft.optim.adam(1e-3);  opt_state = tx.init(ft.parameters(model))"),
+        "AdamW": ("torch's torch.optim.AdamW(model.parameters(), lr) holds the parameters; ft.optim.adamw "
+                  "takes the hyperparameters alone (weight_decay=0.01 as torch's default)",
+                  "tx = ft.optim.adamw(1e-3);  opt_state = tx.init(ft.parameters(model))"),
+        "SGD": ("torch's torch.optim.SGD(model.parameters(), lr, momentum) holds the parameters; "
+                "ft.optim.sgd takes the hyperparameters alone",
+                "tx = ft.optim.sgd(0.1, momentum=0.9);  opt_state = tx.init(ft.parameters(model))"),
+        "lr_scheduler": ("torch's lr_scheduler objects are stepped by hand; here a schedule is given as the "
+                         "learning rate and the optimizer's state counts the steps",
+                         "ft.optim.adam(ft.optim.schedule(optax.cosine_decay_schedule(1e-3, 1000), unit=\"steps\"))"),
+        "clip_grad_norm_": ("torch's clip_grad_norm_ clips in place after backward(); here clipping is a "
+                            "transformation chained before the optimizer",
+                            "optax.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adam(1e-3))"),
     },
 }
 
@@ -130,7 +270,7 @@ def missing_module_attribute(package: str, name: str) -> AttributeError:
     return AttributeError(FOREIGN_FUNCTION.format(package=package, name=name, what=what, right=right))
 
 
-def missing_attribute(obj: Any, name: str) -> AttributeError:
+def missing_attribute(obj: Any, name: str, table: dict[str, tuple[str, str, str]] = FOREIGN_METHODS) -> AttributeError:
     """The error for ``model.<name>`` that the class lacks: another library's method
     (:data:`FOREIGN_METHODS`) with functree's equivalent, else Python's own message.
 
@@ -145,8 +285,8 @@ def missing_attribute(obj: Any, name: str) -> AttributeError:
           right:  model = ft.nn.inference(model)             # or ft.nn.inferring(model, x) for one call
     """
     cls = type(obj)
-    if name in FOREIGN_METHODS:
-        why, wrong, right = FOREIGN_METHODS[name]
+    if name in table:  # (an optimizer's table: OPTIMIZER_METHODS)
+        why, wrong, right = table[name]
         text = FOREIGN_METHOD.format(cls=cls.__name__, name=name, why=why, wrong=wrong, right=right)
     else:
         text = f"'{cls.__name__}' object has no attribute {name!r}"

@@ -129,6 +129,20 @@ its arguments differ from the one you know).
     wrong:  ft.losses.{name}(predicted, expected)
     right:  {right}"""
 
+# torch's and Keras's loss classes (nn.CrossEntropyLoss(), keras.losses.SparseCategoricalCrossentropy())
+# -> their functional names above: a class's instance computes what its function does (Keras's
+# classes default to from_logits=False too).
+CLASS_NAMES = {
+    "CrossEntropyLoss": "cross_entropy", "NLLLoss": "nll_loss", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits",
+    "BCELoss": "binary_cross_entropy", "MSELoss": "mse_loss", "L1Loss": "l1_loss", "SmoothL1Loss": "smooth_l1_loss",
+    "HuberLoss": "huber_loss", "KLDivLoss": "kl_div", "PoissonNLLLoss": "poisson_nll_loss",
+    "SparseCategoricalCrossentropy": "sparse_categorical_crossentropy",
+    "CategoricalCrossentropy": "categorical_crossentropy", "BinaryCrossentropy": "binary_crossentropy",
+    "MeanSquaredError": "mse", "MeanAbsoluteError": "mae", "Huber": "huber_loss",
+    "KLDivergence": "kld",
+}
+OTHER_NAMES.update({cls: OTHER_NAMES[fn] for cls, fn in CLASS_NAMES.items()})
+
 
 def __getattr__(name: str):
     """An error naming the equivalent of another library's loss name (torch's, Keras's, optax's)."""
@@ -141,7 +155,7 @@ def __getattr__(name: str):
             raise AttributeError(_no_equivalent(name, close[0] if close else None))
         hint = f"; did you mean ft.losses.{close[0]}?" if close else ""
         raise AttributeError(f"module 'functree.losses' has no attribute {name!r}{hint}")
-    right = OTHER_CALLS.get(name, f"ft.losses.{ours}(predicted, expected)")
+    right = OTHER_CALLS.get(CLASS_NAMES.get(name, name), f"ft.losses.{ours}(predicted, expected)")
     raise AttributeError(OTHER_NAME.format(name=name, ours=ours, right=right))
 
 

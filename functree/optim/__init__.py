@@ -160,3 +160,11 @@ __all__ = [
     "warmup_cosine_decay",
     "inverse_time_decay",
 ]
+
+
+def __getattr__(name: str):
+    """Another library's name (torch's ``torch.optim.Adam``, ``lr_scheduler``) names
+    functree's way (:data:`functree._foreign_methods.FOREIGN_FUNCTIONS`); else Python's error."""
+    from functree._foreign_methods import missing_module_attribute
+
+    raise missing_module_attribute(__name__, name)

@@ -29,6 +29,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import optax
 
 from functree._alias import copy_aliases
+from functree._foreign_methods import OPTIMIZER_METHODS, missing_attribute
 from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
@@ -159,6 +161,21 @@ optimizer.init(model)'s, passed to and returned by each step.
             opt_state = optimizer.init(model)
             updates, opt_state = optimizer.update(grads, opt_state, model)   # or a train step
 """
+
+# torch's loop: loss.backward() leaves gradients in the parameters, optimizer.step() applies them.
+TORCH_STEP = """\
+Optimizer.step takes the loss function, the model, the state and the batch, got {given}: \
+torch's optimizer.step() applies the gradients that loss.backward() left in the parameters; \
+here gradients are values, and one call computes them and returns the new model and state.
+
+    wrong:  loss.backward();  optimizer.step()
+    right:  model, opt_state, loss = optimizer.minimize(loss_fn, model, opt_state, x, y)
+       or:  grads = ft.gradient(loss_fn, at=model)
+            updates, opt_state = optimizer.update(grads, opt_state, model)
+            model = ft.move(model, along=updates)
+"""
+
+_NOT_GIVEN: Any = object()  # step's arguments, refused by name when missing (torch's step())
 
 
 NESTED_SKIP = """\
@@ -366,6 +383,14 @@ class Optimizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._raw_transform!r})"
+
+    if not typing.TYPE_CHECKING:  # (a class-level __getattr__ would type every attribute Any)
+        def __getattr__(self, name: str) -> Any:
+            # Only for a name normal lookup did not find: torch's zero_grad(), param_groups ...
+            # A property whose own code raised AttributeError lands here too: run it again.
+            if any(name in k.__dict__ for k in type(self).__mro__):
+                return object.__getattribute__(self, name)
+            raise missing_attribute(self, name, OPTIMIZER_METHODS)
 
     # --- configuration, read by the orchestration (wrappers delegate these) ---------------
     @property
@@ -631,7 +656,8 @@ class Optimizer:
         out = result.out  # a WeightedMean loss comes back as its value
         return result.model, result.state, ((loss_value(out[0]), *out[1:]) if has_aux else loss_value(out))
 
-    def step(self, loss_fn: Callable[..., Any], model: Any, state: Any, batch: tuple, *, has_aux: bool = False,
+    def step(self, loss_fn: Callable[..., Any] = _NOT_GIVEN, model: Any = _NOT_GIVEN, state: Any = _NOT_GIVEN,
+             batch: tuple = _NOT_GIVEN, *, has_aux: bool = False,
              minibatch_size: Any = None, on_nan: str = "ignore", enabled: Any = None,
              skip_non_finite: bool = False, replicas: Callable[..., Gradients] | None = None,
              key: Any = None) -> StepResult:
@@ -647,8 +673,14 @@ class Optimizer:
         data-parallel replica and returns their aggregate (``ft.train.TrainStep(mesh=)``
         passes one; the update then runs once, on the placed parameters). With a ``key``,
         ``loss_fn`` takes it as ``loss_fn(model, *batch, key=...)``, one key per microbatch
-        (see :meth:`compute_gradients`).
+        (see :meth:`compute_gradients`). Called with none of them (torch's
+        ``optimizer.step()``), it raises :data:`TORCH_STEP`.
         """
+        missing = [n for n, v in zip(("loss_fn", "model", "state", "batch"), (loss_fn, model, state, batch))
+                   if v is _NOT_GIVEN]
+        if missing:
+            given = f"{4 - len(missing)} of them" if len(missing) < 4 else "none"
+            raise TypeError(TORCH_STEP.format(given=f"{given} (missing {', '.join(missing)})"))
         on_nan = check_on_nan(on_nan)
         if skip_non_finite and on_nan == "ignore":
             on_nan = "skip"

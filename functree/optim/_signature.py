@@ -16,14 +16,14 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Annotated, Any, ParamSpec
 
 import optax
 
 from functree.optim._hyper import inject
 
-__all__ = ["Hyper", "optimizer"]
+__all__ = ["Hyper", "optimizer", "PARAMETERS_GIVEN"]
 
 P = ParamSpec("P")
 
@@ -56,6 +56,17 @@ Other libraries' names are functree's here: {pairs}.
 
     wrong:  {where}({wrong})
     right:  {where}({right})"""
+
+# torch's torch.optim.Adam(model.parameters(), lr=1e-3): the parameters first. A model is
+# callable, so it would pass for a learning-rate schedule and fail at init, far from here.
+PARAMETERS_GIVEN = """\
+{where}: got {given} as its first argument ({first}): torch's optimizers take the parameters \
+first; here the optimizer takes its hyperparameters alone, and its state is made from the \
+model by init.
+
+    wrong:  opt = {where}(model.parameters(), lr=1e-3)
+    right:  tx = {where}(1e-3);  opt_state = tx.init(ft.parameters(model))
+       or:  optimizer = ft.optim.Optimizer({where}(1e-3));  opt_state = optimizer.init(model)"""
 
 UNKNOWN_OFF_AT_ZERO = """\
 {where}: off_at_zero names {names}, which are not hyperparameters of its signature ({known}).
@@ -104,6 +115,14 @@ def _renamed(ours: tuple[str, ...], value: Any, signature: inspect.Signature) ->
     return ", ".join(f"{n}={v!r}" for n, v in zip(ours, values))
 
 
+def _parameters_given(value: Any) -> bool:
+    """A model, a parameter dict or torch's ``model.parameters()`` generator: no
+    hyperparameter (a number, a schedule, a piecewise list, a rate with a unit) is one."""
+    from functree._module import Module
+
+    return isinstance(value, (Module, Mapping, Iterator))
+
+
 def _is_zero(value: Any) -> bool:
     return isinstance(value, (int, float)) and value == 0
 
@@ -147,6 +166,9 @@ def optimizer(
 
         @functools.wraps(body)
         def public(*args: P.args, **kwargs: P.kwargs) -> optax.GradientTransformationExtraArgs:
+            if args and _parameters_given(args[0]):
+                first = next(iter(signature.parameters))
+                raise TypeError(PARAMETERS_GIVEN.format(where=where, given=type(args[0]).__name__, first=first))
             try:
                 bound = signature.bind(*args, **kwargs)
             except TypeError as e:

@@ -15,12 +15,14 @@ everything first; a save writes the record (``_job.py``). Evaluation and predict
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
+import numpy as np
 
 from functree._alias import warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
@@ -39,6 +41,7 @@ from functree.train._callbacks import (
 from functree.train._data import Batches, checked_key, to_arrays
 from functree.train._dispatch import end_epoch, finish_pending
 from functree.train._epochs import (
+    KERAS_POSITIONAL,
     Epochs,
     as_data,
     batch_signature,
@@ -247,6 +250,68 @@ def no_attribute(name: str, owner: type) -> AttributeError:
     return AttributeError(f"'{owner.__name__}' object has no attribute {name!r}{hint}")
 
 
+# Keras's compile(loss="...") / a loss of (predictions, labels) given where loss_fn(model,
+# batch) goes: accepted before, it failed at the first step ("'str' object is not callable",
+# "logits must be a floating array, got object[3]": the model taken for the logits).
+LOSS_FN_NOT_A_FUNCTION = """\
+ft.train.Trainer's loss_fn must be a function loss_fn(model, batch) -> a scalar loss, got \
+{given}{why}.
+
+    wrong:  ft.train.Trainer(model, optimizer, {wrong})
+    right:  ft.train.Trainer(model, optimizer, lambda model, batch: {right})"""
+
+_LOSS_MODULES = ("functree.losses", "optax.losses", "optax._src.loss")  # (predicted, expected) losses
+
+# Keras's evaluate(x, y): here the data is one argument (Python's "takes from 1 to 2
+# positional arguments but 3 were given" before).
+KERAS_EVALUATE = """\
+trainer.{method} takes the data as one argument, got {count} positional arguments: Keras's \
+{method}(x, y) is {method}((x, y)) here (a tuple of arrays, a loader, an iterator).
+
+    wrong:  trainer.{method}(x, y)
+    right:  trainer.{method}((x, y))"""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def keras_positional(method: _F) -> _F:
+    """``method`` (``fit``, ``evaluate``) refusing Keras's ``(x, y)`` as two positional
+    arguments by name (:data:`KERAS_POSITIONAL`, :data:`KERAS_EVALUATE`) before Python's
+    "got multiple values for argument 'epochs'" / "takes from 1 to 2 positional arguments"."""
+    fit = method.__name__ == "fit"
+
+    @functools.wraps(method)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) >= 2 and (not fit or (np.ndim(args[1]) >= 1 and (len(args) > 2 or "epochs" in kwargs))):
+            if fit:
+                raise ValueError(KERAS_POSITIONAL.format(shape=np.shape(args[1])))
+            raise TypeError(KERAS_EVALUATE.format(method=method.__name__, count=len(args)))
+        return method(self, *args, **kwargs)
+
+    return checked  # type: ignore[return-value]
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """:data:`LOSS_FN_NOT_A_FUNCTION` for a Keras loss name (a string) or a loss of
+    ``(predicted, expected)`` from ``ft.losses`` / optax given as ``loss_fn``."""
+    ours = getattr(loss_fn, "__name__", "loss")
+    if isinstance(loss_fn, str):
+        given, why, wrong = repr(loss_fn), " (a Keras loss name)", repr(loss_fn)
+    elif callable(loss_fn) and str(getattr(loss_fn, "__module__", "")).startswith(_LOSS_MODULES):
+        module = "ft.losses" if loss_fn.__module__.startswith("functree") else "optax"
+        given, wrong = f"{module}.{ours}", f"{module}.{ours}"
+        why = " (a loss of predictions and labels: it would get the model and the batch)"
+    elif loss_fn is not MISSING and not callable(loss_fn):
+        given, why, wrong = type(loss_fn).__name__, "", "loss_fn"
+    else:
+        return
+    module = "optax" if wrong.startswith("optax") else "ft.losses"
+    fn = ours if callable(loss_fn) else "softmax_cross_entropy"
+    right = f"{module}.{fn}(model(batch[0]), batch[1])" + (".mean()" if module == "optax" else "")
+    raise TypeError(LOSS_FN_NOT_A_FUNCTION.format(given=given, why=why, wrong=wrong, right=right))
+
+
 _CALLS = {"Trainer": "ft.train.Trainer(model, optimizer, loss_fn, {})", "fit": "trainer.fit({})",
           "evaluate": "trainer.evaluate({})", "predict": "trainer.predict({})"}
 
@@ -425,6 +490,7 @@ class Trainer(Evaluation):
                  sharding: Any = None, compute_dtype: Any = None, wrt: Any = None, steps_per_call: int | None = None,
                  training: bool | None = None, **unknown: Any):
         check_arguments(optimizer, loss_fn, unknown)  # Keras's loss=, Hugging Face's Trainer(model, args)
+        check_loss_fn(loss_fn)  # Keras's loss name, a loss of (predicted, expected)
         if unknown:  # other libraries' names (max_epochs=, compute_metrics=) and typos, named with the fix
             raise unknown_keyword("Trainer", unknown, Trainer.__init__)
         parallel: dict[str, Any] = {}
@@ -485,6 +551,7 @@ class Trainer(Evaluation):
         return list(self._job.skipped)
 
     # --- fit -----------------------------------------------------------------------------
+    @keras_positional
     def fit(self, data: Any = _NO_DATA, epochs: int | None = None, *, steps: int | None = None,
             validation_data: Any = None, callbacks: Sequence[Callback | Callable[[TrainingContext], Any]] = (),
             progress: bool = True, log_every: int = 50, batch_size: int | None = None,
@@ -884,6 +951,7 @@ class Trainer(Evaluation):
                                                          saved=sorted(saved), ours=sorted(ours), change=change,
                                                          **_CHANGED_BY[traced]))
 
+    @keras_positional
     def evaluate(self, data: Any = _NO_DATA, *, batch_size: int | None = None, averaged: bool = False,
                  **unknown: Any) -> dict[str, float]:
         """The loss and metrics of the model (inference mode) over ``data``

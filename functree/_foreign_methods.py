@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FOREIGN_METHOD", "FOREIGN_METHODS", "OPTIMIZER_METHODS", "FOREIGN_FUNCTION", "FOREIGN_FUNCTIONS", "missing_attribute",
+__all__ = ["FOREIGN_METHOD", "FOREIGN_METHODS", "OPTIMIZER_METHODS", "LINEN_SETUP", "FOREIGN_FUNCTION", "FOREIGN_FUNCTIONS", "missing_attribute",
            "missing_module_attribute"]
 
 FOREIGN_METHOD = """\
@@ -118,6 +118,25 @@ FOREIGN_METHODS: dict[str, tuple[str, str, str]] = {
     "save": ("Keras's model.save(path) is ft.train.save here (any tree: a model, an optimizer state).",
              "model.save(path)", "ft.train.save(path, model)"),
     # Flax linen's bound-module habits
+    "bind": ("Flax linen's model.bind(variables) makes a module holding a parameter tree; a functree "
+             "model holds its parameters, and other parameters go in with ft.with_parameters.",
+             "bound = model.bind({\"params\": params})",
+             "model = ft.with_parameters(model, params)"),
+    "unbind": ("Flax linen's model.unbind() splits a bound module from its variables; a functree model "
+               "is its parameters' tree, and the parameter view is ft.parameters(model).",
+               "module, variables = model.unbind()", "params = ft.parameters(model)"),
+    "init_with_output": ("Flax linen's init_with_output draws the parameters apart from the model and "
+                         "runs it; a functree model is built with them, by its constructor's key.",
+                         "out, variables = model.init_with_output(key, x)",
+                         "model = MyModel(..., key=key);  out = model(x)"),
+    "make_rng": ("Flax linen's self.make_rng(\"dropout\") draws from keys given to apply; here a layer "
+                 "takes its key as an argument of the call.",
+                 "key = self.make_rng(\"dropout\")",
+                 "def __call__(self, x, *, key=None): ...   # model(x, key=jax.random.fold_in(key, step))"),
+    "sow": ("Flax linen's self.sow stores intermediates in a collection; here the call returns them "
+            "(the Trainer and ft.value_with_gradient take (loss, aux)).",
+            "self.sow(\"intermediates\", \"h\", h)",
+            "return out, {\"h\": h}                       # has_aux=True where it is differentiated"),
     "variables": ("Flax's model.variables (and nnx.state) is the flat dict by name here.",
                   "model.variables", "ft.to_flat_dict(model)                     # parameters only: ft.parameters(model)"),
 }
@@ -140,6 +159,16 @@ OPTIMIZER_METHODS: dict[str, tuple[str, str, str]] = {
                         "is a value: load it.",
                         "optimizer.load_state_dict(sd)", "opt_state = ft.train.load(path, optimizer.init(model))"),
 }
+
+# A Flax linen port: submodules made in setup(), which linen calls lazily and functree never
+# does; the first read of one found no attribute.
+LINEN_SETUP = """\
+'{cls}' object has no attribute {name!r}: {cls} defines setup(), where Flax linen makes its \
+submodules; functree never calls it. Declare the fields on the class and set them in __init__:
+
+    wrong:  def setup(self): self.{name} = ft.nn.Dense(4, 3, key=key)
+    right:  {name}: ft.nn.Dense                  # a field of the class
+            def __init__(self, *, key): self.{name} = ft.nn.Dense(4, 3, key=key)"""
 
 
 FOREIGN_FUNCTION = """\
@@ -288,6 +317,8 @@ def missing_attribute(obj: Any, name: str, table: dict[str, tuple[str, str, str]
     if name in table:  # (an optimizer's table: OPTIMIZER_METHODS)
         why, wrong, right = table[name]
         text = FOREIGN_METHOD.format(cls=cls.__name__, name=name, why=why, wrong=wrong, right=right)
+    elif any("setup" in vars(k) for k in cls.__mro__[:-1] if k.__module__.split(".")[0] != "functree"):
+        text = LINEN_SETUP.format(cls=cls.__name__, name=name)
     else:
         text = f"'{cls.__name__}' object has no attribute {name!r}"
     return AttributeError(text, name=name, obj=obj)  # name, obj: Python's "Did you mean" hint

@@ -24,12 +24,13 @@ from functree._foreign_methods import (
     FOREIGN_FUNCTION,
     FOREIGN_FUNCTIONS,
     FOREIGN_METHODS,
+    LINEN_SETUP,
     OPTIMIZER_METHODS,
 )
-from functree.optim._optimizer import TORCH_STEP
+from functree.optim._optimizer import NNX_UPDATE, NOT_OPTIMIZER_STATE, TORCH_STEP
 from functree.optim._signature import PARAMETERS_GIVEN
 from functree.train._epochs import KERAS_POSITIONAL
-from functree.train._trainer import KERAS_EVALUATE, LOSS_FN_NOT_A_FUNCTION
+from functree.train._trainer import KERAS_EVALUATE, LOSS_FN_NOT_A_FUNCTION, PREDICT_FN
 
 # |ft - raw| on losses of about 1: the SGD and AdamW programs measured 0 (ATOL: ten float32
 # ulps of 1.0); Adam's with injected hyperparameters (runtime arrays, where the raw program
@@ -152,13 +153,14 @@ def test_torch_optimizer_habits_name_the_fix(mlp):
     ("zero_grad", "ft.gradient(loss_fn, at=model)"), ("forward", "model(x)"),
     ("compile", "ft.train.Trainer(model"), ("fit", "trainer.fit((x, y)"), ("summary", "ft.summary(model)"),
     ("predict", "model(x)"), ("evaluate", "trainer.evaluate((x, y))"), ("save_weights", "ft.train.save(path"),
-    ("variables", "ft.to_flat_dict(model)"),
+    ("variables", "ft.to_flat_dict(model)"), ("bind", "ft.with_parameters(model, params)"),
+    ("make_rng", "key=None"), ("sow", "return out, {"),
 ])
 def test_torch_and_keras_model_methods_name_the_fix(mlp, name, right):
     """torch's model.to(device) / .cuda() / .half() / .named_parameters() /
     .load_state_dict(sd) / .zero_grad() / .forward(x), Keras's model.compile / fit /
-    summary / predict / evaluate / save_weights, Flax's model.variables raised Python's
-    bare "'Sequential' object has no attribute ..."."""
+    summary / predict / evaluate / save_weights, Flax linen's model.variables / bind /
+    make_rng / sow raised Python's bare "'Sequential' object has no attribute ..."."""
     with pytest.raises(AttributeError, match=f"no attribute '{name}': ") as info:
         getattr(mlp, name)
     assert FOREIGN_METHODS[name][0] in str(info.value) and right in FOREIGN_METHODS[name][2]
@@ -348,3 +350,56 @@ def test_flax_checkpoint_restore_continue(mlp, data, tmp_path):
     raw, params = _raw_losses(raw_tx, _raw(mlp), batches)
     np.testing.assert_allclose(whole, raw, rtol=0, atol=ATOL_ADAM)
     np.testing.assert_allclose(model.layers[0].weight, params["w0"], rtol=0, atol=ATOL_ADAM)
+
+
+def test_flax_linen_setup_names_the_fields():
+    """A Flax linen port that makes its submodules in setup() (never called here) failed
+    at the first call with Python's bare "'Net' object has no attribute 'dense'"; a class
+    without setup keeps Python's message."""
+    class Net(ft.Module):
+        def setup(self):
+            self.dense = ft.nn.Dense(2, 3, key=jax.random.key(0))
+
+        def __call__(self, x):
+            return self.dense(x)
+
+    with pytest.raises(AttributeError) as info:
+        Net()(jnp.ones(2))
+    assert str(info.value) == LINEN_SETUP.format(cls="Net", name="dense")
+
+    class Plain(ft.Module):
+        def __call__(self, x):
+            return self.dense(x)
+
+    with pytest.raises(AttributeError, match=r"^'Plain' object has no attribute 'dense'$"):
+        Plain()(jnp.ones(2))
+
+
+def test_nnx_optimizer_update_orders(mlp):
+    """Flax NNX's optimizer.update(model, grads) was refused as "needs the state that
+    Optimizer.init made ... got Sequential" (which named the wrong cause) and the older
+    optimizer.update(grads) raised Python's "missing 1 required positional argument:
+    'state'"; both name the (grads, state, model) order and ft.move."""
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    state = opt.init(mlp)
+    grads = ft.gradient(lambda m: m(jnp.ones((1, 4))).sum(), at=mlp)
+    for args, given in (((mlp, grads), "(model, grads)"), ((grads,), "(grads)")):
+        with pytest.raises(TypeError) as info:
+            opt.update(*args)
+        assert str(info.value) == NNX_UPDATE.format(given=given)
+    with pytest.raises(TypeError) as info:  # another library's state keeps its own message
+        opt.update(grads, optax.sgd(0.1).init(ft.parameters(mlp)), mlp)
+    assert str(info.value) == NOT_OPTIMIZER_STATE.format(given="tuple")
+    updates, _ = opt.update(grads, state, mlp)
+    assert ft.move(mlp, along=updates).layers[0].weight.shape == (4, 8)
+
+
+def test_predict_given_the_labels(mlp, data):
+    """trainer.predict(x, y) took the labels for fn and failed deep inside with "The truth
+    value of an array with more than one element is ambiguous"."""
+    x, y = data
+    trainer = ft.train.Trainer(mlp, ft.optim.sgd(0.1), _loss)
+    with pytest.raises(TypeError) as info:
+        trainer.predict(x, y)
+    assert str(info.value) == PREDICT_FN.format(given="an array of shape (48,)")
+    assert trainer.predict(x[:4]).shape == (4, 3)

@@ -222,6 +222,17 @@ got {given}:
     right:  state = opt.init(model);              opt.update(grads, state, model)
 """
 
+# Flax NNX's optimizer.update(model, grads) (0.11; update(grads) before) updates in place.
+NNX_UPDATE = """\
+Optimizer.update takes (grads, state, model) and returns (updates, state), got {given}: \
+Flax NNX's optimizer.update(model, grads) updates the model and its state in place; here \
+both are values, passed in and returned.
+
+    wrong:  optimizer.update(model, grads)
+    right:  updates, opt_state = optimizer.update(grads, opt_state, model)
+            model = ft.move(model, along=updates)
+"""
+
 
 class StepResult(NamedTuple):
     """What :meth:`Optimizer.step` returns: the new model and state, the loss function's
@@ -436,7 +447,7 @@ class Optimizer:
         where = placement_of(model)
         return state if where is None else put(state, where)
 
-    def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
+    def update(self, grads: Any, state: Any = _NOT_GIVEN, model: Any = None, *, minibatch_size: Any = None,
                loss: Any = None, apply_if: Any = None, finite: Any = None, **extra: Any) -> tuple[Any, Any]:
         """``(updates, state)`` for ``grads`` (the parameter view's structure).
 
@@ -458,6 +469,9 @@ class Optimizer:
         to these gradients.
         """
         if not isinstance(state, OptimizerState):
+            if state is _NOT_GIVEN or (isinstance(grads, Module) and isinstance(state, Module)):
+                given = "(grads)" if state is _NOT_GIVEN else "(model, grads)"  # NNX's orders
+                raise TypeError(NNX_UPDATE.format(given=given))
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
         # The state is kept mode-free (Optimizer.init): the training flag, static, is taken
         # out of the trees optax sees and put back into the updates.
@@ -925,7 +939,7 @@ class OptimizerWrapper(Optimizer):
     def init(self, model: Any) -> Any:
         return self.inner.init(model)
 
-    def update(self, grads: Any, state: Any, model: Any = None, *, minibatch_size: Any = None,
+    def update(self, grads: Any, state: Any = _NOT_GIVEN, model: Any = None, *, minibatch_size: Any = None,
                loss: Any = None, apply_if: Any = None, finite: Any = None, **extra: Any) -> tuple[Any, Any]:
         return self.inner.update(grads, state, model, minibatch_size=minibatch_size, loss=loss,
                                  apply_if=apply_if, finite=finite, **extra)

@@ -291,6 +291,15 @@ def keras_positional(method: _F) -> _F:
 
     return checked  # type: ignore[return-value]
 
+# trainer.predict(x, y): the labels taken for fn ("The truth value of an array ... is
+# ambiguous" before, from deep inside).
+PREDICT_FN = """\
+trainer.predict's second argument is fn(model, batch), got {given}: predict takes the inputs \
+alone (Keras's predict(x)); its output is the model's on them.
+
+    wrong:  trainer.predict(x, y)
+    right:  trainer.predict(x)                 # or trainer.predict(data, lambda model, batch: ...)"""
+
 
 def check_loss_fn(loss_fn: Any) -> None:
     """:data:`LOSS_FN_NOT_A_FUNCTION` for a Keras loss name (a string) or a loss of
@@ -970,6 +979,9 @@ class Trainer(Evaluation):
         if unknown:  # (the docstring is Evaluation.predict's, below)
             raise unknown_keyword("predict", unknown, Trainer.predict, data)
         _check_data("predict", data)
+        if fn is not None and not callable(fn):
+            given = f"an array of shape {np.shape(fn)}" if hasattr(fn, "shape") else type(fn).__name__
+            raise TypeError(PREDICT_FN.format(given=given))
         return super().predict(data, fn, batch_size=batch_size)
 
     predict.__doc__ = f"""{Evaluation.predict.__doc__}

@@ -514,3 +514,95 @@ def test_simple_rnn_cell_takes_the_activation_function_not_its_name(key):
         ft.nn.SimpleRNNCell(3, 5, activation="relu", key=key)
     with pytest.raises(ft.nn.LayerInputError, match=r"SimpleRNNCell expects inputs \[\.\.\., 3\] \(float\), got f32\[2,4\]"):
         ft.nn.SimpleRNNCell(3, 5, key=key)(jnp.zeros((2, 5)), jnp.ones((2, 4)))
+
+
+def test_stacked_bidirectional_gradients_finite_differences():
+    """A 2-layer bidirectional GRU (tiny, float64): reverse-mode gradients of the outputs and
+    the final states with respect to the weights, the input and the initial state agree with
+    finite differences (jax.test_util.check_grads)."""
+    with jax.enable_x64(True):
+        gru = ft.nn.GRU(2, 2, num_layers=2, bidirectional=True, dtype=jnp.float64, key=jax.random.key(0))
+        gru = jax.tree.map(lambda a: a + 0.1, gru)  # nonzero biases
+        x = np.random.default_rng(0).normal(size=(1, 3, 2))
+        h0 = np.random.default_rng(1).normal(size=(4, 1, 2))
+        check_grads(jax.jit(lambda m, x, h0: m(x, h0, return_state=True)), (gru, x, h0), order=1, modes=["rev"])
+
+
+def test_stacked_rnn_dropout_between_layers_only_in_training():
+    """torch's dropout= drops every layer's outputs but the last's, in training only: a 1-layer
+    stack trains as it infers, a 2-layer one in inference is its layers composed, and in
+    training is layer 0, dropout (key split(key, 4)[3]), layer 1; with no key, Dropout's NO_KEY."""
+    from functree.nn._dropout import NO_KEY
+
+    x, key = jnp.ones((2, 3, 2)), jax.random.key(5)
+    one = ft.nn.LSTM(2, 3, dropout=0.5, key=jax.random.key(0))
+    np.testing.assert_array_equal(ft.nn.training(one)(x, key=key), one(x))
+    two = ft.nn.LSTM(2, 3, num_layers=2, dropout=0.5, key=jax.random.key(0))
+    first, second = two.layers
+    np.testing.assert_array_equal(two(x), second(first(x)))
+    trained = ft.nn.training(two)
+    assert trained.dropout.training and not two.dropout.training
+    dropped = ft.nn.Dropout(0.5, training=True)(first(x), key=jax.random.split(key, 4)[3])
+    assert not np.array_equal(dropped, first(x))
+    np.testing.assert_array_equal(trained(x, key=key), second(dropped))
+    assert "needs a PRNG key" in NO_KEY
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        trained(x)
+
+
+def test_stacked_rnn_states_in_torchs_order_and_time_major():
+    """The final state is layer 0 forward, layer 0 backward, layer 1 ...; the initial state is
+    taken as that tuple or stacked (torch's h_0); batch_first=False reads [time, batch, features]."""
+    lstm = ft.nn.LSTM(2, 3, num_layers=2, bidirectional=True, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 4, 2))
+    ys, final = lstm(x, return_state=True)
+    bi = lstm.layers[1]
+    mid = lstm.layers[0](x)
+    _, (h_f, h_b) = bi(mid, return_state=True)
+    np.testing.assert_array_equal(final[2].hidden, h_f.hidden)
+    np.testing.assert_array_equal(final[3].cell, h_b.cell)
+    h0 = ft.nn.LSTMState(*(jax.random.normal(k, (4, 2, 3)) for k in jax.random.split(jax.random.key(2))))
+    stacked = lstm(x, h0)
+    as_tuple = lstm(x, tuple(ft.nn.LSTMState(h0.hidden[i], h0.cell[i]) for i in range(4)))
+    np.testing.assert_array_equal(stacked, as_tuple)
+    time_major = ft.nn.LSTM(2, 3, num_layers=2, bidirectional=True, batch_first=False, key=jax.random.key(0))
+    np.testing.assert_allclose(time_major(jnp.swapaxes(x, 0, 1)), jnp.swapaxes(ys, 0, 1), rtol=0, atol=1e-6)
+
+
+def test_stacked_rnn_errors_name_the_fix():
+    from functree.nn import _recurrent_layers as R
+
+    key = jax.random.key(0)
+    cell = ft.nn.GRUCell(2, 3, key=key)
+    with pytest.raises(ValueError, match=r"(?s)the backward RNN has reverse=False.*reverse=True\)\)"):
+        ft.nn.Bidirectional(ft.nn.RNN(cell), ft.nn.RNN(cell))
+    with pytest.raises(ValueError, match=r"(?s)forward RNN reads time on axis -2, the backward one on axis 0"):
+        ft.nn.Bidirectional(ft.nn.RNN(cell), ft.nn.RNN(cell, reverse=True, time_axis=0))
+    with pytest.raises(ValueError, match=r"(?s)layer 1 reads 2 features, but layer 0 gives 6 \(hidden_size 3 x 2"
+                                         r".*ft.nn.GRUCell\(6, hidden_size"):
+        ft.nn.StackedRNN([ft.nn.Bidirectional(ft.nn.RNN(cell), ft.nn.RNN(cell, reverse=True)), ft.nn.RNN(cell)])
+    with pytest.raises(ValueError, match=r"proj_size=2 .* is not implemented"):
+        ft.nn.LSTM(2, 3, proj_size=2, key=key)
+    with pytest.raises(ValueError, match=r"nonlinearity='sigmoid'; torch's nn.RNN takes"):
+        ft.nn.SimpleRNN(2, 3, nonlinearity="sigmoid", key=key)
+    with pytest.raises(ValueError, match=r"num_layers=0; a recurrent stack has at least one layer"):
+        ft.nn.GRU(2, 3, num_layers=0, key=key)
+    gru = ft.nn.GRU(2, 3, num_layers=2, bidirectional=True, key=key)
+    x = jnp.ones((5, 4, 2))
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)GRU expects inputs initial_state of 4 cell states.*got f32\[2,5,3\]"):
+        gru(x, jnp.zeros((2, 5, 3)))  # a 1-layer torch h_0
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)RNN at \.layers\[1\]\.backward expects inputs initial_state f32\[5,3\]"):
+        gru(x, (jnp.zeros((5, 3)),) * 3 + (jnp.zeros((5, 4)),))
+    assert "torch's order" in R.STATE_COUNT and "h0 [4, *batch, hidden]" in R.FIX_STATE_COUNT.format(count=4)
+    assert "ft.nn.LSTM(n_in, n_hidden, num_layers=" in ft.nn._recurrent.FIX_TORCH_AXIS
+
+
+def test_cells_without_bias(key):
+    """use_bias=False (torch's bias=False): no bias leaves, the biased cell with zero biases."""
+    for cls in (ft.nn.SimpleRNNCell, ft.nn.GRUCell, ft.nn.LSTMCell):
+        plain = cls(2, 3, key=key, use_bias=False)
+        assert not [k for k in ft.to_flat_dict(plain) if "bias" in k]
+        zeroed = jax.tree.map(jnp.zeros_like, cls(2, 3, key=key))
+        zeroed = zeroed.replace(input_weight=plain.input_weight, hidden_weight=plain.hidden_weight)
+        h = plain.zero_state((2,))
+        np.testing.assert_array_equal(plain(h, jnp.ones((2, 2)))[1], zeroed(h, jnp.ones((2, 2)))[1])

@@ -26,6 +26,7 @@ from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, SimpleRNNCell
+from functree.nn._recurrent_layers import Bidirectional, StackedRNN
 
 FLATTENED_SIZE = """\
 ft.nn: flattened={{{name!r}: {shape}}} has {size} values per example; the Dense layer takes \
@@ -131,6 +132,14 @@ def _split(sizes: tuple[int, ...], transpose: bool) -> tuple[Callable[..., Any],
 
 
 def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
+    """The projections' rules in ``layout``, and the query/key norms' (Qwen3's and OLMo2's
+    ``q_norm`` / ``k_norm``: under their own names, as HF's attention holds them)."""
+    norms = [_prefixed(rule, name, name) for name in ("q_norm", "k_norm") if getattr(layer, name, None) is not None
+             for rule in _norm(getattr(layer, name))]
+    return _projections(layer, layout) + norms
+
+
+def _projections(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     projections = (layer.query_projection, layer.key_projection, layer.value_projection)
     names = ("query_projection", "key_projection", "value_projection")
     # A partial tree (a gradient with wrt=) may lack the projections' weights: a fused
@@ -199,8 +208,11 @@ def _split_columns(sizes: tuple[int, ...]) -> tuple[Callable[..., Any], Callable
 def _cell(layer: SimpleRNNCell | GRUCell | LSTMCell, suffix: str = "", ft: str = "") -> list[Local]:
     rules = [_permuted("weight_ih", "input_weight", (1, 0)), _permuted("weight_hh", "hidden_weight", (1, 0))]
     if isinstance(layer, (SimpleRNNCell, GRUCell)):  # torch's two biases, held as they are
-        rules += [same("bias_ih", "input_bias"), same("bias_hh", "hidden_bias")]
-    else:  # torch adds two biases where the LSTM has one: loaded summed, saved as (bias, 0)
+        if layer.input_bias is not None:  # use_bias=False: torch's bias=False, no bias tensors
+            rules.append(same("bias_ih", "input_bias"))
+        if layer.hidden_bias is not None:
+            rules.append(same("bias_hh", "hidden_bias"))
+    elif layer.bias is not None:  # torch adds two biases where the LSTM has one: loaded summed, saved as (bias, 0)
         rules.append((("bias_ih", "bias_hh"), ("bias",), _summed, _with_zeros))
     return [(tuple(n + suffix for n in t), tuple(f"{ft}.{n}" if ft else n for n in f), a, b) for t, f, a, b in rules]
 
@@ -245,12 +257,48 @@ def _rnn(layer: RNN) -> list[Local] | None:  # another cell: None, walked into, 
     return _cell(layer.cell, suffix="_l0_reverse" if layer.reverse else "_l0", ft="cell")
 
 
+_CELLS = (SimpleRNNCell, GRUCell, LSTMCell)
+
+
+def _directions(layer: Any, k: int, ft: str) -> list[tuple[Any, str, str]] | None:
+    """Layer ``k`` of torch's stack: its cells with their torch suffixes (``_l{k}``,
+    ``_l{k}_reverse``) and ft names; None where a cell is not functree's."""
+    if isinstance(layer, Bidirectional):
+        pairs = [(layer.forward, "forward."), (layer.backward, "backward.")]
+    else:
+        pairs = [(layer, "")]
+    found = []
+    for rnn, name in pairs:
+        if not isinstance(rnn, RNN) or not isinstance(rnn.cell, _CELLS):
+            return None
+        found.append((rnn.cell, f"_l{k}_reverse" if rnn.reverse else f"_l{k}", f"{ft}{name}cell"))
+    return found
+
+
+def _stacked(layer: StackedRNN | Bidirectional) -> list[Local] | None:
+    """torch's ``nn.LSTM/GRU/RNN(num_layers=n, bidirectional=...)``: layer ``k``'s tensors
+    ``weight_ih_l{k}`` (forward) and ``weight_ih_l{k}_reverse`` (backward); a Bidirectional
+    alone is torch's one-layer bidirectional module (``_l0``, ``_l0_reverse``). A user's cell
+    anywhere: None (walked into, its leaves matched by key path)."""
+    layers = [(layer, "")] if isinstance(layer, Bidirectional) else [
+        (sub, f"layers.{k}.") for k, sub in enumerate(layer.layers)]
+    rules: list[Local] = []
+    for k, (sub, ft) in enumerate(layers):
+        found = _directions(sub, k, ft)
+        if found is None:
+            return None
+        for cell, suffix, name in found:
+            rules += _cell(cell, suffix=suffix, ft=name)
+    return rules
+
+
 _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None]], ...] = (
     (Conv, _conv),
     ((LayerNorm, GroupNorm, RMSNorm, BatchNorm), _norm),
     (Embedding, lambda layer: [same("weight", "embeddings")]),
     ((SimpleRNNCell, GRUCell, LSTMCell), _cell),
     (RNN, _rnn),
+    ((StackedRNN, Bidirectional), _stacked),
 )
 
 

@@ -241,8 +241,8 @@ def _under(stored: str | None, name: str) -> str | None:
 
 
 def _get(node: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        node = getattr(node, part)
+    for part in dotted.split("."):  # a tuple's member by number (a StackedRNN's layers.0)
+        node = node[int(part)] if isinstance(node, (tuple, list)) else getattr(node, part)
     return node
 
 

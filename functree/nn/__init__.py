@@ -83,6 +83,7 @@ from functree.nn._pooling import (
     MaxPool3D,
 )
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState, SimpleRNNCell
+from functree.nn._recurrent_layers import GRU, LSTM, Bidirectional, SimpleRNN, StackedRNN
 from functree.nn._remat import Remat
 from functree.nn._rotary import RopeScaling, RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
@@ -177,6 +178,11 @@ __all__ = [
     "LSTMCell",
     "LSTMState",
     "RNN",
+    "Bidirectional",
+    "StackedRNN",
+    "LSTM",
+    "GRU",
+    "SimpleRNN",
     "MultiheadAttention",
     "KVCache",
     "RotaryEmbedding",

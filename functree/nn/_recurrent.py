@@ -43,7 +43,8 @@ FIX_TORCH_AXIS = """\
 torch's initial state has a leading (num_layers * num_directions) axis; ft.nn.RNN is one \
 layer, one direction, and takes [*batch, hidden]:
     wrong:  rnn(xs, h0)           # h0 [1, batch, hidden], as torch.nn.GRU/LSTM take it
-    right:  rnn(xs, h0[0])        # an LSTM: rnn(xs, ft.nn.LSTMState(h0[0], c0[0]))"""
+    right:  rnn(xs, h0[0])        # an LSTM: rnn(xs, ft.nn.LSTMState(h0[0], c0[0]))
+       or:  ft.nn.LSTM(n_in, n_hidden, num_layers=..., bidirectional=..., key=k)(xs, h0)   # torch's layout (or ft.nn.GRU, ft.nn.SimpleRNN)"""
 
 FIX_STATE = """\
 Pass the structure and shapes of the cell's zero state (batch axes {batch}, the axes of xs \
@@ -87,6 +88,11 @@ def _weights(key: jax.Array, n_in: int, n_hidden: int, gates: int, dtype: Any,
     return w_in.astype(dtype), w_h.astype(dtype)
 
 
+def _plus(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """``y + bias`` (:func:`add_bias`), or ``y`` for a cell built with ``use_bias=False``."""
+    return y if bias is None else add_bias(y, bias)
+
+
 class _Cell(Layer):
     """What the cells share: ``hidden_size`` (``hidden_weight [hidden_size, gates * hidden_size]``)
     and a zero state ``[*batch_shape, hidden_size]`` (the LSTM's: a pair of them). No field
@@ -119,7 +125,8 @@ class SimpleRNNCell(_Cell):
     ``nonlinearity="relu"`` (a state dict does not carry it: give it when porting), or any
     elementwise function. ``input_weight`` is ``[input_size, hidden_size]`` (glorot-uniform),
     ``hidden_weight`` ``[hidden_size, hidden_size]`` (orthogonal), the two biases torch holds
-    zero (added in float32 in bfloat16 and float16, as ``Dense`` adds its). ``cell(h, x)``
+    zero (added in float32 in bfloat16 and float16, as ``Dense`` adds its; ``use_bias=False``:
+    none, torch's ``bias=False``). ``cell(h, x)``
     returns ``(h', h')``; ``ft.nn.RNN(cell)`` runs it over a sequence (torch's ``weight_ih_l0``...).
 
     Example:
@@ -134,27 +141,27 @@ class SimpleRNNCell(_Cell):
 
     input_weight: jax.Array
     hidden_weight: jax.Array
-    input_bias: jax.Array = field(decay=False)
-    hidden_bias: jax.Array = field(decay=False)
+    input_bias: jax.Array | None = field(decay=False)
+    hidden_bias: jax.Array | None = field(decay=False)
     activation: Callable[[Any], Any] = field(static=True, default=tanh)
 
     def __init__(self, input_size: int, hidden_size: int, *, key: jax.Array, dtype: Any = jnp.float32,
                  activation: Callable[[Any], Any] = tanh, input_initializer: Initializer = _glorot,
-                 hidden_initializer: Initializer = _orthogonal):
+                 hidden_initializer: Initializer = _orthogonal, use_bias: bool = True):
         if isinstance(activation, str):  # torch's nonlinearity="relu": called at the first step, "str is not callable"
             name = activation if activation in ("tanh", "relu") else "tanh"
             raise ValueError(ACTIVATION_NAME.format(given=activation, name=name))
         self.input_weight, self.hidden_weight = _weights(
             key, input_size, hidden_size, 1, dtype, input_initializer, hidden_initializer
         )
-        self.input_bias = jnp.zeros((hidden_size,), dtype)
-        self.hidden_bias = jnp.zeros((hidden_size,), dtype)
+        self.input_bias = jnp.zeros((hidden_size,), dtype) if use_bias else None
+        self.hidden_bias = jnp.zeros((hidden_size,), dtype) if use_bias else None
         self.activation = activation
 
     def __call__(self, state: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         check_input(self, x, (self.input_weight.shape[0],))
         # biases added in float32 below float32 (add_bias): their gradients sum every batch row
-        pre = add_bias(x @ self.input_weight, self.input_bias) + add_bias(state @ self.hidden_weight, self.hidden_bias)
+        pre = _plus(x @ self.input_weight, self.input_bias) + _plus(state @ self.hidden_weight, self.hidden_bias)
         h = self.activation(pre)
         return h, h
 
@@ -171,6 +178,7 @@ class GRUCell(_Cell):
 
     ``input_weight`` is ``[input_size, 3 * hidden_size]`` (glorot-uniform),
     ``hidden_weight`` ``[hidden_size, 3 * hidden_size]`` (orthogonal blocks), biases zero
+    (none with ``use_bias=False``, torch's ``bias=False``)
     (added in float32 in bfloat16 and float16, as ``Dense`` adds its: their gradients sum every row).
     ``cell(h, x)`` returns ``(h', h')``.
 
@@ -185,23 +193,23 @@ class GRUCell(_Cell):
 
     input_weight: jax.Array
     hidden_weight: jax.Array
-    input_bias: jax.Array = field(decay=False)
-    hidden_bias: jax.Array = field(decay=False)
+    input_bias: jax.Array | None = field(decay=False)
+    hidden_bias: jax.Array | None = field(decay=False)
 
     def __init__(self, input_size: int, hidden_size: int, *, key: jax.Array,
                  dtype: Any = jnp.float32, input_initializer: Initializer = _glorot,
-                 hidden_initializer: Initializer = _orthogonal):
+                 hidden_initializer: Initializer = _orthogonal, use_bias: bool = True):
         self.input_weight, self.hidden_weight = _weights(
             key, input_size, hidden_size, 3, dtype, input_initializer, hidden_initializer
         )
-        self.input_bias = jnp.zeros((3 * hidden_size,), dtype)
-        self.hidden_bias = jnp.zeros((3 * hidden_size,), dtype)
+        self.input_bias = jnp.zeros((3 * hidden_size,), dtype) if use_bias else None
+        self.hidden_bias = jnp.zeros((3 * hidden_size,), dtype) if use_bias else None
 
     def __call__(self, state: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         check_input(self, x, (self.input_weight.shape[0],))
         # biases added in float32 below float32 (add_bias): their gradients sum every batch row
-        xi = add_bias(x @ self.input_weight, self.input_bias)
-        hh = add_bias(state @ self.hidden_weight, self.hidden_bias)
+        xi = _plus(x @ self.input_weight, self.input_bias)
+        hh = _plus(state @ self.hidden_weight, self.hidden_bias)
         x_r, x_z, x_n = jnp.split(xi, 3, axis=-1)
         h_r, h_z, h_n = jnp.split(hh, 3, axis=-1)
         r = jax.nn.sigmoid(x_r + h_r)
@@ -219,7 +227,8 @@ class LSTMCell(_Cell):
         i, f, o = sigmoid(.), sigmoid(.), sigmoid(.);  g = tanh(.)
         c' = f * c + i * g;   h' = o * tanh(c')
 
-    ``bias`` starts at zero except the forget block at ``forget_bias`` (default 1,
+    ``bias`` (None with ``use_bias=False``, torch's ``bias=False``) starts at zero except the
+    forget block at ``forget_bias`` (default 1,
     Jozefowicz et al. 2015), added in float32 in bfloat16 and float16 (as ``Dense``: its gradient
     sums every row). ``cell(LSTMState(h, c), x)`` returns ``(LSTMState(h', c'), h')``.
 
@@ -233,16 +242,17 @@ class LSTMCell(_Cell):
 
     input_weight: jax.Array
     hidden_weight: jax.Array
-    bias: jax.Array = field(decay=False)
+    bias: jax.Array | None = field(decay=False)
 
     def __init__(self, input_size: int, hidden_size: int, *, key: jax.Array,
                  dtype: Any = jnp.float32, forget_bias: float = 1.0,
                  input_initializer: Initializer = _glorot,
-                 hidden_initializer: Initializer = _orthogonal):
+                 hidden_initializer: Initializer = _orthogonal, use_bias: bool = True):
         self.input_weight, self.hidden_weight = _weights(
             key, input_size, hidden_size, 4, dtype, input_initializer, hidden_initializer
         )
-        self.bias = jnp.zeros((4 * hidden_size,), dtype).at[hidden_size:2 * hidden_size].set(forget_bias)
+        self.bias = (jnp.zeros((4 * hidden_size,), dtype).at[hidden_size:2 * hidden_size].set(forget_bias)
+                     if use_bias else None)
 
     def zero_state(self, batch_shape: tuple[int, ...] = ()) -> LSTMState:
         """Zero hidden and cell states ``[*batch_shape, hidden_size]``."""
@@ -252,7 +262,7 @@ class LSTMCell(_Cell):
     def __call__(self, state: LSTMState, x: jax.Array) -> tuple[LSTMState, jax.Array]:
         check_input(self, x, (self.input_weight.shape[0],))
         h, c = state
-        gates = add_bias(x @ self.input_weight + h @ self.hidden_weight, self.bias)  # float32 below float32, as Dense
+        gates = _plus(x @ self.input_weight + h @ self.hidden_weight, self.bias)  # float32 below float32, as Dense
         i, f, g, o = jnp.split(gates, 4, axis=-1)
         c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
         h = jax.nn.sigmoid(o) * jnp.tanh(c)

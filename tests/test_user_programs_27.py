@@ -403,3 +403,35 @@ def test_predict_given_the_labels(mlp, data):
         trainer.predict(x, y)
     assert str(info.value) == PREDICT_FN.format(given="an array of shape (48,)")
     assert trainer.predict(x[:4]).shape == (4, 3)
+
+
+def test_jax_grad_moves_running_statistics_ft_gradient_does_not():
+    """The migration pages' caution, pinned: jax.grad differentiates BatchNorm's running
+    statistics (in inference mode, the default, they get a real gradient), optax.adamw
+    trains them and optax.apply_updates(model, updates) applies it: silently wrong.
+    ft.gradient holds None there, and ft.move keeps them bit for bit."""
+    net = ft.nn.Sequential(ft.nn.Dense(2, 4, key=jax.random.key(0)), ft.nn.BatchNorm(4))
+    net = ft.set(net, "layers.1.running_variance", jnp.full(4, 2.0))
+    tx, x = optax.adamw(0.1, weight_decay=0.1), jnp.arange(6.0).reshape(3, 2)
+
+    def loss(m):
+        return m(x).sum()
+
+    @jax.jit
+    def raw_step(m, s):
+        u, s = tx.update(jax.grad(loss)(m), s, m)
+        return optax.apply_updates(m, u), s
+
+    @ft.jit
+    def our_step(m, s):
+        u, s = tx.update(ft.gradient(loss, at=m), s, ft.parameters(m))
+        return ft.move(m, along=u), s
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's adamw, as _raw_losses
+        raw, state, ours, our_state = net, tx.init(net), net, tx.init(ft.parameters(net))
+        for _ in range(5):
+            raw, state = raw_step(raw, state)
+            ours, our_state = our_step(ours, our_state)
+    assert float(jnp.abs(raw.layers[1].running_variance - 2.0).max()) > 0.3  # trained as a parameter
+    assert bool((ours.layers[1].running_variance == 2.0).all())
+    assert not bool((ours.layers[0].weight == net.layers[0].weight).all())  # the parameters trained

@@ -30,7 +30,13 @@ from functree._foreign_methods import (
 from functree.optim._optimizer import NNX_UPDATE, NOT_OPTIMIZER_STATE, TORCH_STEP
 from functree.optim._signature import PARAMETERS_GIVEN
 from functree.train._epochs import KERAS_POSITIONAL
-from functree.train._trainer import KERAS_EVALUATE, LOSS_FN_NOT_A_FUNCTION, PREDICT_FN
+from functree.train._trainer import (
+    KERAS_EVALUATE,
+    KERAS_OPTIMIZER,
+    KERAS_OPTIMIZERS,
+    LOSS_FN_NOT_A_FUNCTION,
+    PREDICT_FN,
+)
 
 # |ft - raw| on losses of about 1: the SGD and AdamW programs measured 0 (ATOL: ten float32
 # ulps of 1.0); Adam's with injected hyperparameters (runtime arrays, where the raw program
@@ -435,3 +441,19 @@ def test_jax_grad_moves_running_statistics_ft_gradient_does_not():
     assert float(jnp.abs(raw.layers[1].running_variance - 2.0).max()) > 0.3  # trained as a parameter
     assert bool((ours.layers[1].running_variance == 2.0).all())
     assert not bool((ours.layers[0].weight == net.layers[0].weight).all())  # the parameters trained
+
+
+def test_keras_optimizer_name():
+    """Keras's compile(optimizer="adam") carried over as ft.train.Trainer(model, "adam",
+    loss_fn) raised "train_step needs a ft.optim.Optimizer ..., got 'adam'" with a
+    train_step call as its fix; it names the optimizer with Keras's defaults, each of which
+    builds."""
+    model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+    with pytest.raises(TypeError) as info:
+        ft.train.Trainer(model, "adam", _loss)
+    assert str(info.value) == KERAS_OPTIMIZER.format(given="adam", right="ft.optim.adam(1e-3, epsilon=1e-7)",
+                                                     note="   # Keras's defaults")
+    with pytest.raises(TypeError, match=r"right:  ft\.train\.Trainer\(model, ft\.optim\.adam\(1e-3\), loss_fn\)$"):
+        ft.train.Trainer(model, "nadam", _loss)  # no entry: the message's generic line
+    for right in KERAS_OPTIMIZERS.values():
+        eval(right, {"ft": ft})  # the `right:` lines build

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -70,6 +71,57 @@ build another model.
 
     wrong:  "{key}": {given}
     right:  "{key}": {right}        # {why}, in config.json's JSON
+"""
+
+NULL_VALUE = """\
+ft.nn.from_hf: the {model_type} config's {key!r} is null; Hugging Face's {model_type} config \
+takes {expected} there, never null (transformers refuses this config.json: "Field '{key}' \
+expected ..."). Read as false, as 0 or as some default, the null would build another model.
+
+    wrong:  "{key}": null
+    right:  "{key}": {right}        # Hugging Face's default (or leave the key out: the same)
+"""
+
+NOT_FINITE = """\
+ft.nn.from_hf: the {model_type} config's {key} is {value} (config.json's {literal}); no \
+Hugging Face model is trained with a NaN or infinite setting, and the model built from it \
+would compute NaNs or another model (transformers reads the file and computes them silently).
+
+    wrong:  {wrong}
+    right:  the value the checkpoint was trained with (the file as save_pretrained wrote it: download it again)
+"""
+
+MISTRAL_LAYER_TYPES = """\
+ft.nn.from_hf: the mistral config gives layer_types {types}: transformers reads a mistral \
+config.json with layer_types as a Ministral one (AutoConfig: "treating as ministral"), whose \
+layers each take their type's mask, the sliding window ({window}) only on "sliding_attention" \
+layers. functree's MistralForCausalLM gives every layer {uniform}, which is another model for \
+these layer types, so none was built.
+
+    wrong:  "model_type": "mistral", "layer_types": {types_json}
+    right:  "layer_types": [{uniform_json}, ...]     # only if every layer is trained so
+       or:  leave out "layer_types" where every layer {uniform_does} (the Mistral model)
+"""
+
+SLIDING_WITHOUT_WINDOW = """\
+ft.nn.from_hf: the {model_type} config's layer_types make layer {layer} "sliding_attention", \
+but its sliding window is null{why}: a sliding layer without a window size, which \
+Hugging Face's {model_type} fails on ("'NoneType' object cannot be interpreted as an integer"); \
+read as full attention it would be another model, so none was built.
+
+    wrong:  {wrong}
+    right:  {right}
+"""
+
+PHI3_ROPE_TYPE = """\
+ft.nn.from_hf: the phi3 config's rope type is {kind!r}; Hugging Face's Phi3Config takes \
+"default" or "longrope" ("su" and "yarn" read as longrope) and refuses this config.json \
+("`rope_parameters`'s type field must be one of ['longrope']"): no Phi-3 computes it, and \
+functree's {kind} rotation would be a model nobody trained.
+
+    wrong:  "rope_scaling": {{"type": {kind_json}, ...}}
+    right:  "rope_scaling": {{"type": "longrope", "short_factor": [...], "long_factor": [...]}}   # the checkpoint's own
+       or:  no rope_scaling (the default rotation)
 """
 
 NO_DEFAULTS = """\
@@ -417,6 +469,8 @@ class Config:
         values = {**defaults, **extra}
         _check_types(model_type, values)
         _post_init(model_type, values, extra)
+        _check_finite(model_type, "rope_parameters", values.get("rope_parameters"))  # older files' keys gathered
+        _check_windows(model_type, values, extra)
         return cls(values)
 
     def __getattr__(self, name: str) -> Any:
@@ -462,12 +516,28 @@ NULLABLE: dict[str, type] = {"num_key_value_heads": int, "head_dim": int, "n_inn
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+# The fields HF's config classes type ``X | None`` though their default is not None (every
+# other field with a default refuses null: transformers' strict dataclass validation).
+NULL_ALLOWED: dict[str, frozenset[str]] = {"llama": frozenset({"pretraining_tp", "attention_dropout"}),
+                                           "qwen2": frozenset({"sliding_window"}),
+                                           "mistral": frozenset({"sliding_window"}),
+                                           "qwen3": frozenset({"sliding_window"})}
+
+
 def _check_types(model_type: str, values: Mapping[str, Any]) -> None:
     """Each field's value of its default's JSON type (:data:`NULLABLE`'s where the default is
-    None), or null (token ids may be lists); ``layer_types`` one known type per layer."""
+    None), or null where HF's config class takes null (a None default, a Derived field,
+    :data:`NULL_ALLOWED`; token ids may be lists), and finite (:data:`NOT_FINITE`);
+    ``layer_types`` one known type per layer."""
     for key, default in DEFAULTS[model_type].items():
-        value = values[key]
-        default = default.default if isinstance(default, Derived) else default
+        value, derived = values[key], isinstance(default, Derived)
+        default = default.default if derived else default
+        _check_finite(model_type, key, value)
+        if value is None and default is not None and not derived and not key.endswith("_token_id") \
+                and key not in NULL_ALLOWED.get(model_type, ()):
+            expected = next(e for t, e, _ in _TYPES if isinstance(default, t))
+            raise ValueError(NULL_VALUE.format(model_type=model_type, key=key, expected=expected,
+                                               right=json.dumps(default)))
         if value is None or key.endswith("_token_id") or (default is None and key not in NULLABLE):
             continue
         typed = NULLABLE[key] if default is None else type(default)
@@ -475,6 +545,61 @@ def _check_types(model_type: str, values: Mapping[str, Any]) -> None:
         if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
             raise _bad_value(model_type, key, value, expected, default)
     _check_layer_types(model_type, values)
+
+
+# transformers writes a NaN or an infinity into config.json as {"__float__": "NaN"} and reads it back
+_FLOAT_TAGS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def _check_finite(model_type: str, key: str, value: Any) -> None:
+    """Raise :data:`NOT_FINITE` where ``value`` (a field the builders read: a number, or numbers
+    nested in lists and objects, as ``rope_parameters``) holds a NaN or an infinity, as a JSON
+    literal (``NaN``, ``Infinity``) or as transformers' tag ``{"__float__": "NaN"}``."""
+    stack: list[tuple[str, Any]] = [(key, value)]
+    while stack:
+        where, item = stack.pop()
+        tagged = isinstance(item, dict) and set(item) == {"__float__"} and item["__float__"] in _FLOAT_TAGS
+        number = _FLOAT_TAGS[item["__float__"]] if tagged else item
+        if isinstance(number, float) and not math.isfinite(number):
+            literal = json.dumps(item) if tagged else json.dumps(number)
+            raise ValueError(NOT_FINITE.format(model_type=model_type, key=where, value=number, literal=literal,
+                                               wrong=f'"{key}": {json.dumps(value)}' if len(json.dumps(value)) < 80
+                                               else f'"{key}": ... {literal} ...'))
+        if isinstance(item, dict) and not tagged:
+            stack.extend((f"{where}[{k!r}]", v) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(item))
+
+
+def _check_windows(model_type: str, values: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """The layer types agree with the sliding window the model reads: a mistral config with
+    layer_types is HF's Ministral (:data:`MISTRAL_LAYER_TYPES`, unless they give every layer
+    Mistral's one mask); a "sliding_attention" layer needs a window
+    (:data:`SLIDING_WITHOUT_WINDOW`: Qwen2's ``use_sliding_window`` false makes it null)."""
+    types, size = values.get("layer_types"), values.get("sliding_window")
+    if not isinstance(types, list):
+        if model_type == "mistral" and types is not None:  # HF's AutoConfig switches on the key alone
+            raise _bad_value(model_type, "layer_types", types, "a list of layer types", None)
+        return
+    if model_type == "mistral":
+        uniform = "sliding_attention" if size is not None else "full_attention"
+        if any(t != uniform for t in types):
+            raise ValueError(MISTRAL_LAYER_TYPES.format(
+                types=types if len(types) <= 4 else f"{types[:4]} ...", window=size, uniform=f'"{uniform}"',
+                types_json=json.dumps(types[:2] + (["..."] if len(types) > 2 else [])), uniform_json=json.dumps(uniform),
+                uniform_does="slides" if size is not None else "attends to every earlier token"))
+        return
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding and size is None:
+        off = "use_sliding_window" in values and not values["use_sliding_window"] and given.get("sliding_window")
+        why = (f' (use_sliding_window is false, which makes Hugging Face\'s sliding_window {given["sliding_window"]} '
+               "null)") if off else ""
+        wrong = '"use_sliding_window": false, "layer_types": [..., "sliding_attention", ...]' if off else \
+            '"sliding_window": null, "layer_types": [..., "sliding_attention", ...]'
+        right = '"use_sliding_window": true       # the window on the sliding layers' if off else \
+            '"sliding_window": 4096             # the window the checkpoint was trained with'
+        raise ValueError(SLIDING_WITHOUT_WINDOW.format(model_type=model_type, layer=sliding[0], why=why, wrong=wrong,
+                                                       right=right))
 
 
 def _check_layer_types(model_type: str, values: Mapping[str, Any]) -> None:
@@ -566,4 +691,6 @@ def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, A
             params.setdefault("original_max_position_embeddings", values.get("max_position_embeddings"))
     if model_type == "phi3" and params["rope_type"] in ("su", "yarn"):
         params["rope_type"] = "longrope"
+    if model_type == "phi3" and params["rope_type"] not in ("default", "longrope"):
+        raise ValueError(PHI3_ROPE_TYPE.format(kind=params["rope_type"], kind_json=json.dumps(params["rope_type"])))
     values["rope_parameters"] = params

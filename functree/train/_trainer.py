@@ -300,6 +300,31 @@ alone (Keras's predict(x)); its output is the model's on them.
     wrong:  trainer.predict(x, y)
     right:  trainer.predict(x)                 # or trainer.predict(data, lambda model, batch: ...)"""
 
+# Keras's compile(optimizer="adam"): the name with Keras's defaults (docs/migration/defaults.md).
+KERAS_OPTIMIZERS = {
+    "adam": "ft.optim.adam(1e-3, epsilon=1e-7)", "sgd": "ft.optim.sgd(0.01)",
+    "rmsprop": "ft.optim.rmsprop(1e-3, rho=0.9, epsilon=1e-7)",
+    "adamw": "ft.optim.adamw(1e-3, weight_decay=0.004, epsilon=1e-7, exclude=())",
+    "adagrad": "ft.optim.adagrad(1e-3, initial_accumulator_value=0.1, epsilon=1e-7)",
+    "adadelta": "ft.optim.adadelta(1e-3, rho=0.95, epsilon=1e-7)", "adamax": "ft.optim.adamax(1e-3, epsilon=1e-7)",
+    "lion": "ft.optim.lion(1e-3)",
+}
+
+KERAS_OPTIMIZER = """\
+ft.train.Trainer's optimizer is an optimizer, got the name {given!r}: Keras's \
+compile(optimizer={given!r}) names one; here it is built, with its learning rate.
+
+    wrong:  ft.train.Trainer(model, {given!r}, loss_fn)
+    right:  ft.train.Trainer(model, {right}, loss_fn){note}"""
+
+
+def check_optimizer_name(optimizer: Any) -> None:
+    """:data:`KERAS_OPTIMIZER` for an optimizer given by name (Keras's ``"adam"``)."""
+    if isinstance(optimizer, str):
+        right = KERAS_OPTIMIZERS.get(optimizer.lower(), "ft.optim.adam(1e-3)")
+        note = "   # Keras's defaults" if optimizer.lower() in KERAS_OPTIMIZERS else ""
+        raise TypeError(KERAS_OPTIMIZER.format(given=optimizer, right=right, note=note))
+
 
 def check_loss_fn(loss_fn: Any) -> None:
     """:data:`LOSS_FN_NOT_A_FUNCTION` for a Keras loss name (a string) or a loss of
@@ -499,6 +524,7 @@ class Trainer(Evaluation):
                  sharding: Any = None, compute_dtype: Any = None, wrt: Any = None, steps_per_call: int | None = None,
                  training: bool | None = None, **unknown: Any):
         check_arguments(optimizer, loss_fn, unknown)  # Keras's loss=, Hugging Face's Trainer(model, args)
+        check_optimizer_name(optimizer)  # Keras's optimizer="adam"
         check_loss_fn(loss_fn)  # Keras's loss name, a loss of (predicted, expected)
         if unknown:  # other libraries' names (max_epochs=, compute_metrics=) and typos, named with the fix
             raise unknown_keyword("Trainer", unknown, Trainer.__init__)

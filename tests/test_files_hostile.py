@@ -1,0 +1,124 @@
+"""Files written by Hugging Face, PEFT, torch or a stranger: read right or refused by name.
+
+Each case here was read before its fix (a silently different model, or a bare Python error),
+and each file is built byte by byte or edited from a ``save_pretrained`` directory."""
+
+import json
+import re
+
+import jax
+import pytest
+
+import functree as ft
+from functree.hf import _files as _hf_files
+from functree.hf._files import DEFAULTS, NULL_ALLOWED, Derived
+
+SIZES = {"gpt2": {"vocab_size": 61, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 32},
+         "opt": {"vocab_size": 61, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "max_position_embeddings": 32, "word_embed_proj_dim": 16}}
+LLAMA_LIKE = {"vocab_size": 61, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "pad_token_id": 0}
+
+
+def _config(model_type, **changes):
+    return {"model_type": model_type, **SIZES.get(model_type, LLAMA_LIKE), **changes}
+
+
+def _non_null_fields():
+    """Every field of every DEFAULTS row whose default is a value (not None, not a token id, not
+    Derived: null derives it, as transformers v4 did for Mistral's num_key_value_heads too)."""
+    return [(model_type, key) for model_type, row in DEFAULTS.items() for key, default in row.items()
+            if not isinstance(default, Derived) and default is not None and not key.endswith("_token_id")]
+
+
+@pytest.mark.parametrize("model_type", sorted(DEFAULTS))
+def test_null_is_refused_exactly_where_transformers_refuses_it(model_type):
+    """A null where HF's config class takes no null (its strict validation refuses the file)
+    was read as false, 0 or ft.nn.RMSNorm's epsilon=None (the dtype's machine epsilon):
+    gpt_neox "use_parallel_residual": null built the sequential block, opt
+    "do_layer_norm_before": null the post-norm one, llama "rms_norm_eps": null another
+    epsilon, "hidden_size": null a bare TypeError; HF's nullable fields still read."""
+    transformers = pytest.importorskip("transformers")
+    for key in [k for t, k in _non_null_fields() if t == model_type]:
+        given = _config(model_type, **{key: None})
+        try:
+            transformers.AutoConfig.for_model(**given)
+            theirs = False
+        except Exception as e:  # transformers' StrictDataclassFieldValidationError
+            theirs = key in str(e)
+        try:
+            _hf_files.Config.of(given)
+            ours = False
+        except ValueError as e:
+            ours = re.search(rf"(?s)the {model_type} config's '{key}' is null; Hugging Face's {model_type} config "
+                             rf"takes (an integer|a number|a boolean|a string|an object|a list) there.*wrong:  "
+                             rf"\"{key}\": null\n    right:  \"{key}\": ", str(e)) is not None
+        assert ours == theirs == (key not in NULL_ALLOWED.get(model_type, ())), (model_type, key, ours, theirs)
+
+
+@pytest.mark.parametrize("model_type, key", [("gpt_neox", "use_parallel_residual"), ("opt", "do_layer_norm_before"),
+                                             ("llama", "rms_norm_eps"), ("llama", "hidden_size")])
+def test_a_null_that_built_another_model_is_refused_by_from_hf(model_type, key):
+    with pytest.raises(ValueError, match=rf"config's '{key}' is null"):
+        ft.nn.from_hf(_config(model_type, **{key: None}), key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("text, key, literal", [
+    ('"rms_norm_eps": NaN', "rms_norm_eps", "NaN"),
+    ('"rms_norm_eps": {"__float__": "Infinity"}', "rms_norm_eps", '{"__float__": "Infinity"}'),
+    ('"rope_theta": -Infinity', r"rope_parameters\['rope_theta'\]", "-Infinity"),
+    ('"rope_scaling": {"type": "linear", "factor": NaN}', r"rope_parameters\['factor'\]", "NaN"),
+])
+def test_a_nan_or_infinity_in_a_config_json_is_refused_naming_the_field(tmp_path, text, key, literal):
+    """Python's JSON reader takes NaN and Infinity literals (and transformers its
+    {"__float__": ...} tag): an RMSNorm epsilon of NaN made every logit NaN, silently."""
+    config = json.dumps(_config("llama"))[:-1] + ", " + text + "}"
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ValueError, match=rf"(?s)the llama config's {key} is -?(nan|inf) \(config.json's "
+                                         rf"{re.escape(literal)}\); no Hugging Face model.*wrong:  .*{re.escape(literal)}"):
+        _hf_files.read_config(tmp_path)
+
+
+def test_a_mistral_config_with_mixed_layer_types_is_refused_as_the_ministral_transformers_reads(tmp_path):
+    """transformers' AutoConfig reads a mistral config.json with layer_types as Ministral's
+    (each layer its type's mask); functree built Mistral, every layer sliding: logits 0.13 of
+    their scale off for a window of 3 (a differential sweep against transformers). Layer types that give
+    every layer Mistral's own mask still read."""
+    transformers = pytest.importorskip("transformers")
+    given = _config("mistral", sliding_window=3, layer_types=["sliding_attention", "full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(given))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).model_type == "ministral"
+    with pytest.raises(ValueError, match=r"(?s)the mistral config gives layer_types \['sliding_attention', "
+                                         r"'full_attention'\]: transformers reads .* as a Ministral one.*gives every "
+                                         r"layer \"sliding_attention\".*wrong:  \"model_type\": \"mistral\""):
+        ft.nn.from_hf(given, key=jax.random.key(0))
+    for types, window in [(["sliding_attention"] * 2, 3), (["full_attention"] * 2, None)]:
+        model = ft.nn.from_hf(_config("mistral", sliding_window=window, layer_types=types), key=jax.random.key(0))
+        assert model.model.layers.layers.self_attn.window == window
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"sliding_window": 3}, r"null \(use_sliding_window is false, which makes Hugging Face's sliding_window 3 null\)"),
+    ({"sliding_window": None, "use_sliding_window": True}, r"null: a sliding layer"),
+])
+def test_a_sliding_layer_without_a_window_is_refused_naming_the_layer(changes, words):
+    """Qwen2 layer types naming a sliding layer while the window is null: HF's forward fails
+    on it (a bare TypeError); functree read every layer as full attention."""
+    given = _config("qwen2", layer_types=["full_attention", "sliding_attention"], **changes)
+    with pytest.raises(ValueError, match=rf"(?s)the qwen2 config's layer_types make layer 1 \"sliding_attention\", "
+                                         rf"but its sliding window is {words}.*wrong:  .*right:  "):
+        ft.nn.from_hf(given, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("rope", [{"type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}])
+def test_a_phi3_rope_type_transformers_refuses_is_refused_by_name(rope):
+    """Phi3Config takes default or longrope rotations only; functree built a linearly scaled Phi-3."""
+    transformers = pytest.importorskip("transformers")
+    given = _config("phi3", rope_scaling=rope)
+    with pytest.raises(Exception, match=r"type field must be one of \['longrope'\]"):
+        transformers.AutoConfig.for_model(**given)
+    kind = rope.get("type", rope.get("rope_type"))
+    with pytest.raises(ValueError, match=rf"(?s)the phi3 config's rope type is '{kind}'; Hugging Face's Phi3Config "
+                                         rf"takes \"default\" or \"longrope\".*wrong:  \"rope_scaling\": \{{\"type\": "
+                                         rf"\"{kind}\""):
+        ft.nn.from_hf(given, key=jax.random.key(0))

@@ -122,3 +122,17 @@ def test_a_phi3_rope_type_transformers_refuses_is_refused_by_name(rope):
                                          rf"takes \"default\" or \"longrope\".*wrong:  \"rope_scaling\": \{{\"type\": "
                                          rf"\"{kind}\""):
         ft.nn.from_hf(given, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("standard, own", [("num_attention_heads", "n_head"), ("num_hidden_layers", "n_layer"),
+                                           ("hidden_size", "n_embd"), ("max_position_embeddings", "n_positions")])
+@pytest.mark.parametrize("standard_first", [True, False])
+def test_gpt2s_standard_name_beside_its_own_reads_as_transformers_reads_it(standard, own, standard_first):
+    """GPT2Config sets a standard name (num_attention_heads) after its own (n_head), whatever
+    the file's order; functree kept the file's last: {"num_attention_heads": 2, "n_head": 4}
+    built 4 heads of the same weights' shapes, HF 2."""
+    transformers = pytest.importorskip("transformers")
+    values = {standard: 8, own: 4} if standard_first else {own: 4, standard: 8}
+    given = {"model_type": "gpt2", **values}
+    theirs = getattr(transformers.AutoConfig.for_model(**given), own)
+    assert getattr(_hf_files.Config.of(given), own) == getattr(_hf_files.Config.of(given), standard) == theirs == 8

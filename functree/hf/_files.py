@@ -463,8 +463,11 @@ class Config:
         if model_type not in DEFAULTS:  # not covered: from_hf says so, naming the model type
             return cls(copy.deepcopy(dict(given)))
         aliases, fields = ALIASES.get(model_type, {}), DEFAULTS[model_type]
-        extra = {aliases.get(k, k): copy.deepcopy(v) for k, v in given.items()
-                 if k in fields or k not in GENERATION_OPTIONS}
+        kept = [(k, v) for k, v in given.items() if k in fields or k not in GENERATION_OPTIONS]
+        # a standard name (hidden_size) over its model's own (n_embd) given beside it, in either
+        # order: HF's config sets it last, through the class's attribute_map
+        extra = {k: copy.deepcopy(v) for k, v in kept if k not in aliases}
+        extra.update((aliases[k], copy.deepcopy(v)) for k, v in kept if k in aliases)
         defaults = {k: v.default if isinstance(v, Derived) else copy.deepcopy(v) for k, v in fields.items()}
         values = {**defaults, **extra}
         _check_types(model_type, values)

@@ -1,9 +1,10 @@
 """``ft.nn.generate``'s key-value cache, drawn at random, against HF's cached ``generate`` and
-functree's own uncached forward, for the nine causal families ``ft.nn.from_hf`` ports.
+functree's own uncached forward, for the eleven causal families ``ft.nn.from_hf`` ports.
 
 Each family is one tiny HF model (two layers, 48 tokens, weights moved off HF's
 initialization and its head sharpened, ``torch.manual_seed(0)``; Mistral and Qwen2 with a
-sliding window of 3, shorter than most prompts drawn), ported by ``ft.nn.from_hf``. Hypothesis
+sliding window of 3, shorter than most prompts drawn; Qwen3 with it on its second layer
+only), ported by ``ft.nn.from_hf``. Hypothesis
 draws a batch of left-padded prompts (1 to 3 rows of 1 to 6 real tokens; 11 in the bucket
 test: a longer cache), ``max_new_tokens`` and whether rows end at EOS, and checks that greedy
 tokens
@@ -67,6 +68,10 @@ CONFIGS = {
     "gemma": {**LLAMA_LIKE, "head_dim": 8, "num_key_value_heads": 1},
     "phi3": {**LLAMA_LIKE, "num_key_value_heads": 4},
     "olmo": LLAMA_LIKE,
+    # layer 0 full, layer 1 sliding (each member's window); head_dim other than hidden / heads
+    "qwen3": {**LLAMA_LIKE, "head_dim": 16, "use_sliding_window": True, "sliding_window": WINDOW,
+              "max_window_layers": 1},
+    "olmo2": LLAMA_LIKE,
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
     "gpt_neox": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "rotary_pct": 0.5, "max_position_embeddings": 64},
@@ -76,7 +81,7 @@ CONFIGS = {
 FAMILIES = sorted(CONFIGS)
 LONG = 2 * WIDTH - 1  # a prompt width in the next bucket (16): a longer cache
 LONGEST = LONG + 2 * NEW  # the uncached loop's one width
-WINDOWED = ("mistral", "qwen2")
+WINDOWED = ("mistral", "qwen2", "qwen3")
 
 
 @functools.cache
@@ -255,7 +260,7 @@ def test_bucketed_sizes_give_the_exact_sizes_tokens(family, prompt, new, eos):
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_sliding_window_prompts_longer_than_the_window(family):
-    """Mistral and Qwen2 (every layer) attend the last 3 positions: prompts
+    """Mistral and Qwen2 (every layer) and Qwen3 (its second layer) attend the last 3 positions: prompts
     of 6 and 4 real tokens (one left-padded) and 6 new tokens, cached, equal HF's cached
     generate (its sliding-window cache layers) and functree's uncached loop."""
     hf, model = lm(family)

@@ -3,7 +3,8 @@
 For each covered family a tiny config is drawn over the options its HF config class and
 modeling code read (sizes, grouped-query heads, ``head_dim`` other than ``d / heads``, biases,
 tied heads, activations, norm epsilons, rope types and their fields, partial rotary,
-sliding windows and layer types (mixed sliding and full layers too), OLMo's ``clip_qkv``, GPT-2's
+sliding windows and layer types (mixed sliding and full layers too: Qwen2, Qwen3), OLMo's ``clip_qkv``,
+Qwen3's and OLMo2's q/k norms (built by every draw of theirs), GPT-2's
 attention scalings, OPT's projections and post-norm blocks, BERT's
 segments, pad ids, the file's dtype). HF's model is built from it (``torch.manual_seed``,
 weights moved off HF's small initialization so biases and norms are not zeros and ones),
@@ -90,7 +91,7 @@ def _rope(draw, head_dim, max_positions, kinds=ROPE_KINDS):
 
 @st.composite
 def llama_like(draw, model_type):
-    """A Llama-family config: llama, qwen2, mistral, gemma, phi3, olmo."""
+    """A Llama-family config: llama, qwen2, mistral, gemma, phi3, olmo, qwen3, olmo2."""
     heads = draw(st.sampled_from((1, 2, 4)))
     kv = draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
     d = draw(st.sampled_from((8, 16, 24, 32)))
@@ -123,9 +124,9 @@ def llama_like(draw, model_type):
             c["rope_parameters"] = rope
     if draw(st.booleans()):
         c["partial_rotary_factor"] = draw(st.sampled_from((0.5, 1.0)))
-    if model_type in ("mistral", "phi3", "qwen2", "llama") and draw(st.booleans()):
+    if model_type in ("mistral", "phi3", "qwen2", "llama", "qwen3") and draw(st.booleans()):
         c["sliding_window"] = draw(st.sampled_from((2, 3, 5, 64)))
-    if model_type == "qwen2" and draw(st.booleans()):
+    if model_type in ("qwen2", "qwen3") and draw(st.booleans()):
         c["use_sliding_window"] = True
         c["sliding_window"] = c.get("sliding_window", 3)
         c["num_hidden_layers"] = draw(st.integers(1, 3))  # mixed sliding and full layers: ported since
@@ -318,7 +319,8 @@ def _port(directory, values):
 
 
 STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "opt": opt, "bert": bert,
-              **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo")}}
+              **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
+                                                          "olmo2")}}
 
 
 # One HF build, one save, one from_hf and one call per draw (about 1.5 CPU-s): 6 draws in CI,

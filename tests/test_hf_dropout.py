@@ -39,7 +39,8 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attenti
 
 # The families of configs(), written out: collection reads no transformers config class (building
 # them all imported each family's module at collection, ~3.4 s in every xdist worker).
-FAMILIES = ["gpt2", "bert", "opt", "gpt_neox", "gpt_neox_sequential", "llama", "qwen2", "mistral", "gemma", "phi3"]
+FAMILIES = ["gpt2", "bert", "opt", "gpt_neox", "gpt_neox_sequential", "llama", "qwen2", "mistral", "gemma", "phi3",
+            "qwen3", "olmo2"]
 
 
 def configs(on=True):
@@ -70,6 +71,8 @@ def configs(on=True):
         "gemma": transformers.GemmaConfig(**DECODER, head_dim=8, attention_dropout=r(0.2)),
         "phi3": transformers.Phi3Config(**DECODER, attention_dropout=r(0.1), resid_pdrop=r(0.2),
                                         embd_pdrop=r(0.3)),  # HF's Phi-3 does not apply embd_pdrop
+        "qwen3": transformers.Qwen3Config(**DECODER, head_dim=8, attention_dropout=r(0.2)),
+        "olmo2": transformers.Olmo2Config(**DECODER, attention_dropout=r(0.2)),  # its norms after the sublayers
     }
     assert list(built) == FAMILIES, (list(built), FAMILIES)
     return built
@@ -164,7 +167,7 @@ def same_masks(monkeypatch):
 # HF's dropout calls per forward of the 2-layer configs above: (rate, count)
 HF_CALLS = {"gpt2": {0.1: 1, 0.2: 2, 0.3: 4}, "bert": {0.15: 5, 0.25: 2}, "opt": {0.1: 2, 0.2: 4},
             "gpt_neox": {0.2: 5, 0.1: 2}, "gpt_neox_sequential": {0.2: 5, 0.1: 2}, "llama": {0.2: 2},
-            "phi3": {0.1: 2, 0.2: 4}}
+            "phi3": {0.1: 2, 0.2: 4}, "olmo2": {0.2: 2}}
 
 
 @pytest.mark.parametrize("family", list(HF_CALLS))
@@ -326,9 +329,11 @@ def test_the_kernel_runs_except_for_attention_dropout_in_training(monkeypatch):
 # session the tree definitions hold MultiheadAttention's logit_scale, member_window and clip and
 # OPT's do_layer_norm_before, project_out and project_in (None or their default in these ports:
 # the leaves, their dtypes and shapes, are the ones before, each family's leaves hash unchanged).
-TODAY = {"gpt2": "bbe00fa8d18d02cc", "bert": "3e6cd178517d9cc5", "opt": "837b763eff8f8a61",
-         "gpt_neox": "6be750165298c360", "llama": "c6729801160406ac", "qwen2": "ed2a0dc74004d631",
-         "mistral": "0957bd8c9f05b6cb", "gemma": "499b1b69cc5b21c7", "phi3": "a0e7a628c2d4ad07"}
+# Since the twenty-seventh they hold its q_norm and k_norm (None) and qk_norm_per_head (Qwen3's
+# and OLMo2's q/k norms; the leaves' hashes unchanged again, checked against the tree before).
+TODAY = {"gpt2": "4c3f2e576c05c871", "bert": "a5e72ff7619a8e62", "opt": "5c231f5ba62de81f",
+         "gpt_neox": "14183c0f68d1b9bd", "llama": "d88499caf6a71790", "qwen2": "5821c608e1cf86b7",
+         "mistral": "7bb409998e2f4c97", "gemma": "a823fd49f497b5d9", "phi3": "a7cf210f33c58b2f"}
 SMALL = {
     "gpt2": {"n_positions": 32, "n_embd": 16, "n_layer": 2, "n_head": 4},
     "bert": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 32,
@@ -487,7 +492,7 @@ def test_a_rate_for_a_source_of_unknown_family_lists_each_family_s_fields(tmp_pa
                                          r"model's family reads") as info:
         ft.nn.from_hf(tmp_path, dropout=0.05, key=jax.random.key(0))  # pyright: ignore[reportArgumentType]  # refused
     message = str(info.value)
-    assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, gemma, olmo\n", message)
+    assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, gemma, olmo, qwen3, olmo2\n", message)
     assert re.search(r"config\.hidden_dropout_prob = config\.attention_probs_dropout_prob = 0\.05 +# bert", message)
     config = configs(on=False)["llama"]  # the llama line and the call, as written
     code = [line for line in _or_lines(info.value).splitlines() if line in ("config.attention_dropout = 0.05",)

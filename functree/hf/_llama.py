@@ -1,7 +1,8 @@
 """Llama and the families built like it, each a subclass overriding its difference
 (:meth:`LlamaForCausalLM.hf_options`): Qwen2 (biases, windows by layer type), Mistral (sliding
 window), Gemma (norm, embedding scale), Phi-3 (fused projections, partial rotary), OLMo
-(parameter-free LayerNorm)."""
+(parameter-free LayerNorm), Qwen3 (Qwen2's windows, RMSNorm over each head's queries and
+keys), OLMo2 (norms after the sublayers, RMSNorm over the whole q and k projections)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from functree.hf._causal import (
     with_member_values,
 )
 from functree.hf._config import HFConfig
-from functree.hf._dropout import rate
+from functree.hf._dropout import block_keys, decoding, drop, rate
 from functree.hf._family import renamed
+from functree.hf._files import DEFAULTS, Derived
+from functree.hf._files import KV_HEADS as DERIVED_KV_HEADS
 from functree.hf._options import activation, require, rope, window
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
@@ -33,7 +36,8 @@ from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack
 
 __all__ = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM",
-           "OlmoForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names"]
+           "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "LlamaModel", "LlamaDecoderLayer",
+           "Olmo2DecoderLayer", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names", "normed_outputs"]
 
 KV_HEADS = """\
 ft.nn.from_hf: the {model_type} config has num_attention_heads={heads} and \
@@ -111,6 +115,27 @@ class GemmaRMSNorm(Module):
         return (y * (1.0 + self.weight.astype(jnp.float32))).astype(x.dtype)
 
 
+def _self_attention(d: int, heads: int, kv_heads: int, head_dim: int, epsilon: float, rotary: RopeScaling,
+                    attention_bias: bool, *, key: jax.Array, output_key: jax.Array, dtype: Any,
+                    output_bias: bool | None, window: int | None, norm: Any, attention: Any,
+                    qk_norm: str | None) -> MultiheadAttention:
+    """A Llama-like block's ``self_attn``: rotary grouped-query attention, biased as the
+    family's config says; ``qk_norm`` ("head": Qwen3, "projection": OLMo2) adds ``norm``
+    layers over the queries and keys (:class:`~functree.nn.MultiheadAttention`'s ``q_norm``)."""
+    attn = MultiheadAttention(d, heads, num_kv_heads=kv_heads, qk_size=head_dim, vo_size=head_dim, rotary=rotary,
+                              causal=True, use_bias=attention_bias, window=window, implementation=attention,
+                              key=key, dtype=dtype)
+    if output_bias is not None and output_bias != attention_bias:  # Qwen2: biased q, k, v; o_proj without
+        attn = attn.replace(output_projection=Dense(heads * head_dim, d, use_bias=output_bias, key=output_key,
+                                                    dtype=dtype))
+    if qk_norm is not None:
+        per_head = qk_norm == "head"
+        q_size, k_size = (head_dim, head_dim) if per_head else (heads * head_dim, kv_heads * head_dim)
+        attn = attn.replace(q_norm=norm(q_size, epsilon=epsilon, dtype=dtype),
+                            k_norm=norm(k_size, epsilon=epsilon, dtype=dtype), qk_norm_per_head=per_head)
+    return attn
+
+
 class LlamaDecoderLayer(Block):
     """Pre-norm block with RMSNorm, rotary grouped-query attention and a SwiGLU MLP."""
 
@@ -122,20 +147,69 @@ class LlamaDecoderLayer(Block):
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any,
                  epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
-                 norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto"):
+                 norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
         k1, k2, k3 = jax.random.split(key, 3)
         self.input_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
-        attn = MultiheadAttention(d, heads, num_kv_heads=kv_heads, qk_size=head_dim, vo_size=head_dim, rotary=rotary,
-                                  causal=True, use_bias=attention_bias, window=window, implementation=attention,
-                                  key=k1, dtype=dtype)
-        if output_bias is not None and output_bias != attention_bias:  # Qwen2: biased q, k, v; o_proj without
-            attn = attn.replace(output_projection=Dense(heads * head_dim, d, use_bias=output_bias, key=k3, dtype=dtype))
-        self.self_attn = attn
+        self.self_attn = _self_attention(d, heads, kv_heads, head_dim, epsilon, rotary, attention_bias,
+                                         key=k1, output_key=k3, dtype=dtype, output_bias=output_bias,
+                                         window=window, norm=norm, attention=attention, qk_norm=qk_norm)
         self.post_attention_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
         self.mlp = mlp(d, hidden, activation, mlp_bias, key=k2, dtype=dtype)
 
     def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
         return self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
+
+
+class Olmo2DecoderLayer(Block):
+    """OLMo2's block: no input norm; each sublayer's output normalized before its residual
+    sum, ``x = x + post_attention_layernorm(self_attn(x))``, then ``x = x +
+    post_feedforward_layernorm(mlp(x))`` (HF's ``Olmo2DecoderLayer``); the attention's
+    queries and keys RMS-normalized over their whole projections (``qk_norm="projection"``)."""
+
+    self_attn: MultiheadAttention
+    mlp: Any
+    post_attention_layernorm: Any
+    post_feedforward_layernorm: Any
+
+    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any,
+                 epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
+                 dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
+                 norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.self_attn = _self_attention(d, heads, kv_heads, head_dim, epsilon, rotary, attention_bias,
+                                         key=k1, output_key=k3, dtype=dtype, output_bias=output_bias,
+                                         window=window, norm=norm, attention=attention, qk_norm=qk_norm)
+        self.mlp = mlp(d, hidden, activation, mlp_bias, key=k2, dtype=dtype)
+        self.post_attention_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
+        self.post_feedforward_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
+
+    def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
+        return self.post_attention_layernorm, self.self_attn, self.post_feedforward_layernorm, self.mlp
+
+    def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None,
+                 rotary_positions: Any = None, key: jax.Array | None = None) -> Any:
+        return normed_outputs(x, *self._parts(), mask, cache, positions, rotary_positions, key)
+
+
+def normed_outputs(x: jax.Array, norm1: Any, attention: MultiheadAttention, norm2: Any, mlp: Any, mask: Any,
+                   cache: Any, positions: Any, rotary_positions: Any = None, key: jax.Array | None = None) -> Any:
+    """One block whose sublayers' outputs are normalized before the residual sums (OLMo2):
+    ``x + norm1(attention(x))``, then ``x + norm2(mlp(x))``; with a cache, ``(x, cache)``.
+    With HF's dropout (a port built with ``dropout=True``, in training mode) the attention
+    weights drop as HF's; the sublayers' outputs drop at their block's rates (OLMo2's are 0)."""
+    extra = {} if rotary_positions is None else {"rotary_positions": rotary_positions}
+    keys = block_keys(attention, key) if cache is None else None  # decoding with a cache never drops
+    if keys is None:
+        attention = decoding(attention) if cache is not None else attention
+        out = attention(x, mask=mask, cache=cache, positions=positions, **extra)
+        h, cache = (out, None) if cache is None else out
+        x = x + norm1(h)
+        x = x + norm2(mlp(x))
+        return x if cache is None else (x, cache)
+    rates = attention.rates  # type: ignore[attr-defined]  # a DropoutAttention (block_keys checked)
+    h = attention(x, mask=mask, cache=None, positions=positions, key=keys[0], **extra)
+    x = x + drop(norm1(h), rates[1], keys[1])
+    return x + drop(norm2(mlp(x)), rates[2], keys[2])
 
 
 class LlamaModel(Module):
@@ -186,7 +260,10 @@ class LlamaForCausalLM(CausalLM):
     ``norm`` and ``embed_scale`` (Gemma), ``mlp`` (Phi-3's fused ``gate_up_proj``),
     ``epsilon`` (the norms'; the config's ``rms_norm_eps`` unless ``hf_options`` gives it),
     ``windows`` (one sliding window per layer, 0 for full attention: Qwen2's mixed layers,
-    each attention's ``member_window``), ``clip`` (OLMo's ``clip_qkv``: the attention's ``clip``).
+    each attention's ``member_window``), ``clip`` (OLMo's ``clip_qkv``: the attention's ``clip``),
+    ``qk_norm`` (RMSNorm over each head's queries and keys, ``"head"``: Qwen3; over the whole
+    q and k projections, ``"projection"``: OLMo2), ``layer`` (the block's class: OLMo2's
+    :class:`Olmo2DecoderLayer`, its norms after the sublayers).
     """
 
     model: LlamaModel
@@ -206,7 +283,7 @@ class LlamaForCausalLM(CausalLM):
                  tied: bool = False, key: jax.Array, dtype: Any = jnp.float32, output_bias: bool | None = None,
                  window: int | None = None, norm: Any = RMSNorm, mlp: Any = LlamaMLP,
                  embed_scale: float | None = None, attention: Any = "auto", windows: tuple[int, ...] | None = None,
-                 clip: float | None = None):
+                 clip: float | None = None, qk_norm: str | None = None, layer: Any = LlamaDecoderLayer):
         from functree._activations import silu
 
         k1, k2 = jax.random.split(key)
@@ -214,10 +291,10 @@ class LlamaForCausalLM(CausalLM):
         rotary = RopeScaling() if rotary is None else rotary
         act = silu if activation is None else activation
 
-        def make(k: jax.Array) -> LlamaDecoderLayer:
-            return LlamaDecoderLayer(d, heads, kv_heads, head_dim, hidden, act, epsilon, rotary, attention_bias,
-                                     mlp_bias, key=k, dtype=dtype, output_bias=output_bias, window=window, norm=norm,
-                                     mlp=mlp, attention=attention)
+        def make(k: jax.Array) -> Any:
+            return layer(d, heads, kv_heads, head_dim, hidden, act, epsilon, rotary, attention_bias, mlp_bias, key=k,
+                         dtype=dtype, output_bias=output_bias, window=window, norm=norm, mlp=mlp, attention=attention,
+                         qk_norm=qk_norm)
 
         model = LlamaModel(vocab, d, layers, make, epsilon, key=k1, dtype=dtype, norm=norm, embed_scale=embed_scale)
         self.model = _with_layer_options(model, windows, clip)
@@ -377,3 +454,67 @@ class OlmoForCausalLM(LlamaForCausalLM):
         clip = getattr(config, "clip_qkv", None)
         return {"norm": functools.partial(LayerNorm, use_scale=False, use_offset=False), "epsilon": 1e-5,
                 **({} if clip is None else {"clip": float(clip)})}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Hugging Face's ``Qwen3ForCausalLM``: Llama with an RMSNorm over each head's queries and
+    keys (``self_attn.q_norm`` / ``k_norm``, of size ``head_dim``, before the rotation), every
+    attention projection biased or none (``attention_bias``: ``o_proj`` too, unlike Qwen2) and
+    Qwen2's sliding windows (``use_sliding_window``; one window per layer where
+    ``layer_types`` mix: each member's ``member_window``)."""
+
+    model_type = "qwen3"
+    hf_biases = ("attention_bias",)
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        # HF's Qwen3Config drops sliding_window unless use_sliding_window: read here first (a
+        # config.json read without transformers keeps the file's sliding_window).
+        sizes = window(config, layer_types=True) if getattr(config, "use_sliding_window", False) else None
+        windows = {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
+        return {"qk_norm": "head", **windows}
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """Hugging Face's ``Olmo2ForCausalLM`` (OLMo 2): Llama whose blocks normalize their
+    sublayers' outputs instead of their inputs (:class:`Olmo2DecoderLayer`: no
+    ``input_layernorm``; ``post_attention_layernorm`` and ``post_feedforward_layernorm``
+    applied before the residual sums), with an RMSNorm over the whole query and key
+    projections (``q_norm`` of size heads * head_dim, ``k_norm`` kv_heads * head_dim) before
+    they are split into heads and rotated; every attention projection biased or none."""
+
+    model_type = "olmo2"
+    hf_biases = ("attention_bias",)
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        return {"qk_norm": "projection", "layer": Olmo2DecoderLayer}
+
+
+def _qwen3_layer_types(values: Any) -> list[str] | None:
+    """Qwen3Config's ``layer_types`` when none is given: sliding from layer
+    ``max_window_layers`` on where ``use_sliding_window`` keeps a ``sliding_window``."""
+    layers, first = values.get("num_hidden_layers"), values.get("max_window_layers")
+    size = values.get("sliding_window") if values.get("use_sliding_window") else None
+    if not isinstance(layers, int) or not isinstance(first, int):
+        return None
+    return ["sliding_attention" if size is not None and i >= first else "full_attention" for i in range(layers)]
+
+
+# Hugging Face's defaults of the fields a config.json of these families leaves out (transformers
+# v5's Qwen3Config and Olmo2Config), as functree/hf/_files.py's DEFAULTS rows of the families
+# defined before them (registered here, with their classes: that table is the files' module's).
+DEFAULTS.setdefault("qwen3", {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": Derived(32, lambda v: v.get("num_attention_heads")),
+    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768, "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False, "rope_parameters": None,
+    "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+    "layer_types": Derived(None, _qwen3_layer_types), "attention_dropout": 0.0, "pad_token_id": None,
+    "bos_token_id": None, "eos_token_id": None})
+DEFAULTS.setdefault("olmo2", {
+    "vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": DERIVED_KV_HEADS, "hidden_act": "silu", "max_position_embeddings": 2048,
+    "initializer_range": 0.02, "use_cache": True, "pad_token_id": 1, "bos_token_id": None, "eos_token_id": 50279,
+    "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
+    "rms_norm_eps": 1e-5})

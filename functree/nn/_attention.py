@@ -247,7 +247,12 @@ class MultiheadAttention(Layer):
     members differ (Qwen2's mixed sliding and full layers; below 1: no window);
     ``clip=c`` (static) clamps the query, key and value projections' outputs to
     ``[-c, c]`` before the rotation (OLMo's ``clip_qkv``). None of them is a weight: a torch
-    state dict has none.
+    state dict has none. ``q_norm`` and ``k_norm`` (layers, e.g. ``ft.nn.RMSNorm``; weights,
+    HF's ``self_attn.q_norm`` / ``k_norm``) normalize the queries and the keys after their
+    projection, before the rotation: each head's ``qk_size`` features where
+    ``qk_norm_per_head`` (the default: Qwen3, ``RMSNorm(qk_size)``), else the whole
+    projection before it is split into heads (OLMo2, ``RMSNorm(num_heads * qk_size)`` and
+    ``RMSNorm(num_kv_heads * qk_size)``); the values are not normalized.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -278,9 +283,13 @@ class MultiheadAttention(Layer):
     logit_scale: jax.Array | None = field(no_derivative=True, default=None)
     member_window: jax.Array | None = field(no_derivative=True, default=None)
     clip: float | None = field(static=True, default=None)
+    q_norm: Any = None
+    k_norm: Any = None
+    qk_norm_per_head: bool = field(static=True, default=True)
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "implementation")  # a restore's template decides them (how it trains, its kernel)
     # Fields added after checkpoints and pickles were written without them: read at their default (None).
-    __ft_added_static__: ClassVar[tuple[str, ...]] = ("logit_scale", "member_window", "clip")
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("logit_scale", "member_window", "clip", "q_norm", "k_norm",
+                                                      "qk_norm_per_head")
 
     def __init__(
         self,
@@ -358,8 +367,8 @@ class MultiheadAttention(Layer):
             if not self_attention:
                 raise ValueError(POSITIONS_SELF_ONLY)
             positions = self._positions(positions, query.shape[:-1])
-        q = self._heads(self.query_projection(query), self.num_heads)
-        k = self._heads(self.key_projection(keys), self.num_kv_heads)
+        q = self._project(query, self.query_projection, self.num_heads, self.q_norm)
+        k = self._project(keys, self.key_projection, self.num_kv_heads, self.k_norm)
         v = self._heads(self.value_projection(values), self.num_kv_heads)
         if self.clip is not None:
             q, k, v = _clipped((q, k, v), self.clip)
@@ -415,8 +424,8 @@ class MultiheadAttention(Layer):
             raise ValueError(NEEDS_POSITIONS)
         positions = self._positions(positions, (batch, t))
         check_cache_positions(type(self).__name__, positions, length)
-        q = self._heads(self.query_projection(query), self.num_heads)
-        k = self._heads(self.key_projection(query), self.num_kv_heads)
+        q = self._project(query, self.query_projection, self.num_heads, self.q_norm)
+        k = self._project(query, self.key_projection, self.num_kv_heads, self.k_norm)
         v = self._heads(self.value_projection(query), self.num_kv_heads)
         if self.clip is not None:
             q, k, v = _clipped((q, k, v), self.clip)
@@ -482,6 +491,17 @@ class MultiheadAttention(Layer):
         if not ok:
             raise LayerInputError(self, f"mask [{batch}, {length}] (bool)", short_array(mask), BAD_CACHE_MASK)
         return jnp.broadcast_to(mask if mask.dtype == jnp.bool_ else mask != 0, (batch, length))
+
+    def _project(self, x: jax.Array, projection: Any, heads: int, norm: Any) -> jax.Array:
+        """``projection(x)`` split into ``heads`` heads, ``norm`` applied (where not None)
+        before the split or to each head (``qk_norm_per_head``); without a norm, the split alone."""
+        y = projection(x)
+        if norm is not None and not self.qk_norm_per_head:  # OLMo2: over the whole projection
+            y = norm(y)
+        y = self._heads(y, heads)
+        if norm is not None and self.qk_norm_per_head:  # Qwen3: over each head's features
+            y = norm(y)
+        return y
 
     def _heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
         return x.reshape((*x.shape[:-1], self.num_heads if heads is None else heads, -1))

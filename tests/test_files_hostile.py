@@ -7,6 +7,7 @@ import json
 import re
 
 import jax
+import numpy as np
 import pytest
 
 import functree as ft
@@ -136,3 +137,45 @@ def test_gpt2s_standard_name_beside_its_own_reads_as_transformers_reads_it(stand
     given = {"model_type": "gpt2", **values}
     theirs = getattr(transformers.AutoConfig.for_model(**given), own)
     assert getattr(_hf_files.Config.of(given), own) == getattr(_hf_files.Config.of(given), standard) == theirs == 8
+
+
+def _sharded(tmp_path, shards, weight_map, metadata=None):
+    """A sharded checkpoint written byte by byte: {shard: {name: array}} and its index."""
+    from functree.interop._safetensors import save_file
+
+    for shard, tensors in shards.items():
+        save_file(str(tmp_path / shard), tensors, {"format": "pt"})
+    index = {"metadata": metadata or {}, "weight_map": weight_map}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tmp_path
+
+
+A, B, C = (np.full((2, 2), v, np.float32) for v in (1.0, 2.0, 3.0))
+
+
+def test_an_index_moving_a_tensor_to_a_shard_without_it_is_refused_naming_both(tmp_path):
+    """The shard read first held the tensor the index puts in a later shard: the duplicate
+    check looked it up there, a bare KeyError."""
+    from functree.interop import _safetensors
+
+    path = _sharded(tmp_path, {"s1.safetensors": {"a": A, "b": B}, "s2.safetensors": {"c": C}},
+                    {"b": "s1.safetensors", "a": "s2.safetensors", "c": "s2.safetensors"})
+    with pytest.raises(ValueError, match=r"(?s)index .*model.safetensors.index.json puts 'a' in the shard "
+                                         r".*s2.safetensors, whose header does not hold it \(it holds 1 tensors, "
+                                         r"e.g. 'c'\)"):
+        _safetensors.load_checkpoint(path, "ft.nn.from_hf")
+
+
+def test_the_index_metadata_never_replaces_a_tensor_a_shard_holds(tmp_path):
+    """huggingface_hub's index metadata names the ties it dropped ({"b": "a"}); a name a
+    shard holds is its own tensor (transformers reads it), which the metadata replaced
+    silently with another's values when the index left it out."""
+    from functree.interop import _safetensors
+
+    (tmp_path / "held").mkdir(), (tmp_path / "tied").mkdir()
+    path = _sharded(tmp_path / "held", {"s1.safetensors": {"a": A, "b": B}},
+                    {"a": "s1.safetensors"}, {"b": "a"})
+    assert sorted(_safetensors.load_checkpoint(path, "ft.nn.from_hf")) == ["a"]  # b: missing, then named
+    assert _safetensors.unlisted(str(path / "model.safetensors.index.json")) == {"b": "s1.safetensors"}
+    tied = _sharded(tmp_path / "tied", {"s1.safetensors": {"a": A}}, {"a": "s1.safetensors"}, {"b": "a"})
+    np.testing.assert_array_equal(_safetensors.load_checkpoint(tied, "ft.nn.from_hf")["b"], A)  # a tie still reads

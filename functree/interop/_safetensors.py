@@ -332,13 +332,15 @@ def _confined(shard: str) -> bool:
 
 def load_index(index: str, caller: str) -> dict[str, np.ndarray]:
     """A sharded checkpoint: each shard its index names (confined to the index's
-    directory), read lazily; every tensor checked to be in the shard the index puts it in,
-    and in no other shard the index names (:data:`SHARD_DUPLICATE`)."""
+    directory), read lazily; every tensor checked to be in the shard the index puts it in
+    (:data:`SHARD_LACKS`, every shard's header first), then in no other shard the index names
+    (:data:`SHARD_DUPLICATE`); the index's metadata names a tie only for a name no shard holds."""
     weight_map, metadata = _read_index(index, caller)
     folder = os.path.dirname(index)
     tensors: dict[str, np.ndarray] = {}
+    shards: dict[str, dict[str, np.ndarray]] = {}
     for shard, names in _by_shard(index, weight_map, caller).items():
-        held = load_file(_shard_path(index, folder, shard, names, caller), caller)
+        held = shards[shard] = load_file(_shard_path(index, folder, shard, names, caller), caller)
         for name in names:
             if name not in held:
                 example = f", e.g. {next(iter(held))!r}" if held else ""
@@ -346,8 +348,11 @@ def load_index(index: str, caller: str) -> dict[str, np.ndarray]:
                                                     shard=os.path.join(folder, shard), count=len(held),
                                                     example=example))
             tensors[name] = held[name]
-        _no_second_copy(index, weight_map, shard, held, folder, caller)
-    return tensors | _aliases(metadata, tensors)
+    for shard, held in shards.items():
+        _no_second_copy(index, weight_map, shard, held, shards, caller)
+    # a name a shard holds is that tensor (transformers reads it), never a tie the metadata names
+    unheld = {alias: name for alias, name in metadata.items() if not any(alias in held for held in shards.values())}
+    return tensors | _aliases(unheld, tensors)
 
 
 def _by_shard(index: str, weight_map: dict[str, str], caller: str) -> dict[str, list[str]]:
@@ -371,17 +376,18 @@ def _shard_path(index: str, folder: str, shard: str, names: list[str], caller: s
     return path
 
 
-def _no_second_copy(index: str, weight_map: dict[str, str], shard: str, held: dict[str, np.ndarray], folder: str,
-                    caller: str) -> None:
+def _no_second_copy(index: str, weight_map: dict[str, str], shard: str, held: dict[str, np.ndarray],
+                    shards: dict[str, dict[str, np.ndarray]], caller: str) -> None:
     """Refuse a tensor of ``shard`` that the index puts in another shard, with other values:
     transformers loads every tensor of every shard the index names, in sorted order, the
     last copy kept; this reads the index's, so the two would read different weights (an
-    equal copy reads the same)."""
+    equal copy reads the same). ``shards``: every shard's tensors, each holding what the
+    index puts in it (checked before)."""
     for name, value in held.items():
         listed = weight_map.get(name, shard)
         if listed == shard:
             continue
-        other = load_file(os.path.join(folder, listed), caller)[name]
+        other = shards[listed][name]
         if value.shape == other.shape and value.dtype == other.dtype and value.tobytes() == other.tobytes():
             continue  # the same bytes (NaNs too): either copy reads the same
         values = " (other values)" if value.shape == other.shape else \

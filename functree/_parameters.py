@@ -39,6 +39,16 @@ its gradient or optimizer moments). Build them from the same model, e.g. \
 `ft.gradient(loss, at=model)` or `ft.parameters(model)`."""
 
 
+VIEW_CALLED = """\
+{layer}.{field} is None: this {layer} belongs to a parameter view (ft.parameters(model) holds \
+None at the running statistics and every other non-parameter), not to a model. The view is \
+what optimizers and gradients take; call the model, with the new parameters written back:
+
+    wrong:  params = optax.apply_updates(ft.parameters(model), updates); params(x)
+    right:  model = ft.with_parameters(model, optax.apply_updates(ft.parameters(model), updates)); model(x)
+       or:  model = ft.move(model, along=updates); model(x)"""
+
+
 def is_parameter_leaf(x: Any) -> bool:
     """Whether a leaf of a model is a parameter: a floating (or complex) array.
 

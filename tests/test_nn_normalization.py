@@ -252,3 +252,24 @@ def test_rms_norm_epsilon_none_is_torchs_eps_none():
     actual = np.asarray(ft.nn.RMSNorm(4, epsilon=None, use_scale=False)(x))
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-6 * float(np.abs(expected).max()))
     assert np.abs(np.asarray(ft.nn.RMSNorm(4, use_scale=False)(x)) - expected).max() > 0.1  # 1e-6 is another layer
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_parameter_view_called_as_a_model_names_the_fix(training):
+    # audit 27: ft.parameters(net)(x) (what optax.apply_updates(ft.parameters(net), u) kept as
+    # the model gives) failed inside BatchNorm with "'NoneType' object has no attribute 'astype'"
+    from functree._parameters import VIEW_CALLED
+
+    net = ft.nn.Sequential(ft.nn.Dense(2, 3, key=jax.random.key(0)), ft.nn.BatchNorm(3, training=training))
+    x = jnp.asarray(_normal(0, (4, 2)))
+    with pytest.raises(TypeError) as e:
+        ft.parameters(net)(x)
+    assert str(e.value) == VIEW_CALLED.format(layer="BatchNorm", field="running_mean")
+    # the right lines run and give the model's own output
+    import optax
+    updates = jax.tree.map(jnp.zeros_like, ft.parameters(net))
+    model = ft.with_parameters(net, optax.apply_updates(ft.parameters(net), updates))
+    moved = ft.move(net, along=updates)
+    if not training:
+        np.testing.assert_array_equal(model(x), net(x))
+        np.testing.assert_array_equal(moved(x), net(x))

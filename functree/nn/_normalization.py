@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
+from functree._parameters import VIEW_CALLED
 from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._conv import _channels_first
@@ -296,6 +297,9 @@ class BatchNorm(Layer):
         self.unbiased_running_variance = bool(unbiased_running_variance)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        for name in ("running_mean", "running_variance"):  # None only in ft.parameters(model): not a model
+            if getattr(self, name) is None:
+                raise TypeError(VIEW_CALLED.format(layer=type(self).__name__, field=name))
         features = self.scale.shape[0]
         try:
             check_input(self, x, (features,) if self.axis == -1 else ())

@@ -824,16 +824,46 @@ def _tangent_view(primal: Any, tangent: Any) -> Any:
     return jax.tree.map(lambda p, t: None if p is None else t, view, tangent, is_leaf=is_none)
 
 
-def without_derivative(at: Any) -> Any:
+NOT_A_CONTEXT_MANAGER = """\
+ft.without_derivative takes a value (Swift's withoutDerivative(at:)) and returns it with a \
+zero derivative; it is not a context manager (torch's `with torch.no_grad():`). Nothing is \
+recorded outside ft.gradient, so evaluation code needs nothing; inside a differentiated \
+function, mark the value itself:
+
+    wrong:  with ft.without_derivative(): y = model(x)
+    right:  y = model(x)                               # outside ft.gradient: nothing is recorded
+       or:  y = ft.without_derivative(model(x))        # inside a differentiated function: a constant
+       or:  y = jax.lax.stop_gradient(model(x))        # the same, in JAX's words"""
+
+FUNCTION_GIVEN = """\
+ft.without_derivative({name}) got a function: it takes a value, and a function has no \
+derivative to remove, so {name} would come back unchanged and its results would still be \
+differentiated (torch's `@torch.no_grad()` decorator habit). Mark what it returns:
+
+    wrong:  @ft.without_derivative
+            def {name}(...): ...
+    right:  y = ft.without_derivative({name}(x))
+       or:  {name}_constant = lambda *args: ft.without_derivative({name}(*args))"""
+
+
+def without_derivative(at: Any = _MISSING) -> Any:
     """Swift's ``withoutDerivative(at:)``: ``at`` unchanged, with a zero derivative.
 
     Marks an intentional zero derivative, so the differentiation diagnostics stay quiet.
+    ``at`` is a value (an array, a model, any pytree): called with nothing (torch's
+    ``with torch.no_grad():``) it raises :data:`NOT_A_CONTEXT_MANAGER`, and given a plain
+    function (torch's ``@torch.no_grad()``; the function would come back unchanged, its
+    results still differentiated) :data:`FUNCTION_GIVEN`.
 
     Example:
       >>> import functree as ft
       >>> ft.gradient(lambda x: x * ft.without_derivative(at=x), at=3.0)
       Array(3., dtype=float32, weak_type=True)
     """
+    if at is _MISSING:
+        raise TypeError(NOT_A_CONTEXT_MANAGER)
+    if callable(at) and not is_parameter_leaf(at) and jax.tree.leaves(at) == [at]:  # a function, not a model
+        raise TypeError(FUNCTION_GIVEN.format(name=getattr(at, "__name__", "f").replace("<lambda>", "f")))
     # The named scope marks the stop_gradient in the jaxpr as intentional; a constant (no
     # tracer, so no equation) is reported to the analysis directly.
     with jax.named_scope(SCOPE):

@@ -184,6 +184,35 @@ def test_derivative_without_of_or_f_is_an_error():
         ft.derivative()
 
 
+def test_without_derivative_as_torch_no_grad_is_refused_by_name():
+    # audit 27: `with ft.without_derivative():` raised "missing 1 required positional argument:
+    # 'at'", and `@ft.without_derivative` over a function returned it unchanged: its results
+    # were still differentiated (a gradient of 2x where torch's @no_grad gives none), silently
+    from functree._derivative import FUNCTION_GIVEN, NOT_A_CONTEXT_MANAGER
+
+    with pytest.raises(TypeError) as e, ft.without_derivative():
+        pass
+    assert str(e.value) == NOT_A_CONTEXT_MANAGER
+    with pytest.raises(TypeError) as e:
+        @ft.without_derivative
+        def square(x):
+            return x * x
+    assert str(e.value) == FUNCTION_GIVEN.format(name="square")
+    with pytest.raises(TypeError, match=r"without_derivative\(f\) got a function"):
+        ft.without_derivative(lambda x: x)
+
+    # the right lines: a marked result has a zero derivative; JAX's stop_gradient is the same
+    def square(x):
+        return x * x
+    square_constant = lambda *args: ft.without_derivative(square(*args))  # noqa: E731
+    assert float(ft.gradient(lambda x: square_constant(x) + x, at=3.0)) == 1.0
+    assert float(ft.gradient(lambda x: jax.lax.stop_gradient(square(x)) + x, at=3.0)) == 1.0
+    # a model is a value, callable or not: still taken
+    dense = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    stopped = ft.without_derivative(dense)
+    assert type(stopped) is ft.nn.Dense and bool(jnp.all(stopped.weight == dense.weight))
+
+
 def test_without_derivative_stops_the_derivative():
     g = ft.gradient(lambda x: x * ft.without_derivative(at=x), at=3.0)
     assert float(g) == 3.0

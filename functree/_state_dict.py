@@ -342,8 +342,11 @@ def tensor_to_numpy(x: Any) -> np.ndarray:
     """A torch tensor as NumPy, without importing torch: bfloat16, which torch hands NumPy
     no dtype for, as its bits in ml_dtypes' bfloat16 (exact); complex32 widened to
     complex64 (``.float()`` would drop the imaginary parts); other dtypes NumPy lacks
-    (float8) widened to float32."""
+    (float8) widened to float32. A lazy conjugate or negation (``c.conj()``, ``c.conj().imag``:
+    a bit on the tensor, which ``.numpy()`` refuses) is applied first."""
     tensor = x.detach().cpu()
+    if hasattr(tensor, "resolve_conj"):  # torch >= 1.10
+        tensor = tensor.resolve_conj().resolve_neg()
     try:
         return np.asarray(tensor.numpy())
     except TypeError:

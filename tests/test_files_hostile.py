@@ -179,3 +179,15 @@ def test_the_index_metadata_never_replaces_a_tensor_a_shard_holds(tmp_path):
     assert _safetensors.unlisted(str(path / "model.safetensors.index.json")) == {"b": "s1.safetensors"}
     tied = _sharded(tmp_path / "tied", {"s1.safetensors": {"a": A}}, {"a": "s1.safetensors"}, {"b": "a"})
     np.testing.assert_array_equal(_safetensors.load_checkpoint(tied, "ft.nn.from_hf")["b"], A)  # a tie still reads
+
+
+def test_a_torch_tensor_with_a_lazy_negation_reads_its_values():
+    """``c.conj().imag`` is a real tensor with torch's negative bit (a lazy negation):
+    ``.numpy()`` refuses it, a bare RuntimeError from load_torch_state_dict."""
+    torch = pytest.importorskip("torch")
+    c = torch.tensor([[1 + 1j, 2 + 2j, 3 - 3j], [4 + 4j, 5 - 5j, 6 + 6j]], dtype=torch.complex64)
+    weight = c.conj().imag
+    assert weight.is_neg()
+    model = ft.nn.Sequential(ft.nn.Dense(3, 2, key=jax.random.key(0)))
+    loaded = ft.nn.load_torch_state_dict(model, {"0.weight": weight, "0.bias": torch.zeros(2)})
+    np.testing.assert_array_equal(np.asarray(loaded.layers[0].weight).T, [[-1, -2, 3], [-4, 5, -6]])

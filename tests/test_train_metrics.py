@@ -947,3 +947,52 @@ def test_callbacks_in_compute_metrics_run_once_a_step_on_the_steps_values():
     np.testing.assert_allclose(sorted(step.seen), sorted(accs), rtol=0, atol=_ATOL)
     np.testing.assert_allclose(t.history.epochs["acc100"][0], 100 * _per_token(logits, labels), rtol=0, atol=100 * _ATOL)
     np.testing.assert_allclose(t.history.epochs["host"][0], _weighted(logits, labels, _EVEN), rtol=0, atol=_ATOL)
+
+
+def test_keras_metric_names_name_functrees_metric():
+    # audit 27: metrics=["accuracy"] (Keras's) reads aux["accuracy"] here, and its error only
+    # suggested returning {'accuracy': value} from the loss function, not ft.train.accuracy
+    from functree.train._metrics import KERAS_METRICS
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(16, 7)).astype(np.float32))
+    ids = jnp.asarray(rng.integers(0, 7, 16).astype(np.int32))
+    one_hot = jax.nn.one_hot(ids, 7)
+    targets = jnp.asarray(rng.normal(size=(16, 7)).astype(np.float32))
+    binary = (targets > 0).astype(jnp.float32)
+    n_logits, n_ids, n_targets = np.asarray(logits), np.asarray(ids), np.asarray(targets)
+    top5 = np.argsort(-n_logits, axis=-1)[:, :5]
+    expected = {  # name -> (aux, labels, value by NumPy)
+        "accuracy": (logits, ids, np.mean(n_logits.argmax(-1) == n_ids)),
+        "categorical_accuracy": (logits, one_hot, np.mean(n_logits.argmax(-1) == n_ids)),
+        "binary_accuracy": (logits, binary, np.mean((n_logits > 0) == (n_targets > 0))),
+        "mae": (logits, targets, np.mean(np.abs(n_logits - n_targets))),
+        "mse": (logits, targets, np.mean(np.square(n_logits - n_targets))),
+        "top_k_accuracy": (logits, ids, np.mean((top5 == n_ids[:, None]).any(-1))),
+        "top_k_categorical_accuracy": (logits, one_hot, np.mean((top5 == n_ids[:, None]).any(-1))),
+    }
+    same = {"acc": "accuracy", "sparse_categorical_accuracy": "accuracy", "mean_absolute_error": "mae",
+            "mean_squared_error": "mse", "sparse_top_k_categorical_accuracy": "top_k_accuracy"}
+    assert set(KERAS_METRICS) == set(expected) | set(same)
+    for name, (right, _, _) in KERAS_METRICS.items():
+        with pytest.raises(ValueError) as e:
+            resolve_metrics([name])[name](out(None, (None, ids)))
+        assert f"wrong:  metrics=[{name!r}]\n    right:  metrics={right}   # " in str(e.value)
+        # the right line runs and gives Keras's number (class ids or one-hot labels as Keras's)
+        aux, labels, value = expected[same.get(name, name)]
+        (fn,) = resolve_metrics(eval(right, {"ft": ft, "jax": jax, "jnp": jnp})).values()
+        np.testing.assert_allclose(fn(out(aux, (None, labels))), value, rtol=0, atol=1e-6)
+        # a loss function returning the name as its aux key keeps it (the name is a key here)
+        assert float(resolve_metrics([name])[name](out({name: jnp.arange(4.0)}, None))) == 1.5
+    with pytest.raises(ValueError) as e:  # a name Keras does not use: the aux key's message alone
+        resolve_metrics(["f1"])["f1"](out(None, None))
+    assert "Keras" not in str(e.value)
+
+
+def test_keras_accuracy_name_through_the_trainer():
+    model = ft.nn.Dense(3, 4, key=jax.random.key(0))
+    x, y = np.ones((4, 3), np.float32), np.arange(4)
+    loss_fn = lambda m, b: ft.losses.softmax_cross_entropy(m(b[0]), b[1])  # noqa: E731
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics=["acc"])
+    with pytest.raises(ValueError, match=r"right:  metrics=\[ft\.train\.accuracy\]   # the loss function returns"):
+        trainer.fit(ft.train.batches((x, y), 4), epochs=1, progress=False)

@@ -119,6 +119,47 @@ MISSING_AUX_KEY = """\
 ft.train.mean({key!r}) reads aux[{key!r}], but the loss function's aux is {aux}.
     right:  def loss_fn(model, batch): ...; return loss, {{{key!r}: value}}"""
 
+KERAS_METRIC_NAME = """
+{key!r} is Keras's metric name, but a name in metrics is a key of the loss function's aux \
+here (ft.train.mean({key!r})). functree's {what}:
+
+    wrong:  metrics=[{key!r}]
+    right:  metrics={right}   # {needs}"""
+
+_ACCURACY = ("[ft.train.accuracy]", "accuracy", "the loss function returns (loss, logits)")
+_TOP_K = "jnp.any(jax.lax.top_k(out.aux, 5)[1] == {labels}[..., None], axis=-1)"  # Keras's k=5
+KERAS_METRICS: dict[str, tuple[str, str, str]] = {
+    # Keras's metric name: (functree's metrics=, what it is, what it needs). The one that is
+    # said depends only on the name, so a loss returning {"accuracy": ...} as aux keeps working.
+    "accuracy": _ACCURACY, "acc": _ACCURACY,
+    "sparse_categorical_accuracy": _ACCURACY,
+    "categorical_accuracy": _ACCURACY,  # ft.train.accuracy reads one-hot labels too
+    "binary_accuracy": ("[ft.train.binary_accuracy]", "binary accuracy",
+                        "the loss function returns (loss, logits)"),
+    **dict.fromkeys(("mae", "mean_absolute_error"), (
+        '{"mae": ft.train.mean(lambda out: jnp.abs(out.aux - out.batch[-1]))}', "mean absolute error",
+        "the loss function returns (loss, predictions)")),
+    **dict.fromkeys(("mse", "mean_squared_error"), (
+        '{"mse": ft.train.mean(lambda out: jnp.square(out.aux - out.batch[-1]))}', "mean squared error",
+        "the loss function returns (loss, predictions)")),
+    **dict.fromkeys(("top_k_accuracy", "sparse_top_k_categorical_accuracy"), (
+        '{"top_5_accuracy": ft.train.mean(lambda out: ' + _TOP_K.format(labels="out.batch[-1]") + ")}",
+        "top-5 accuracy", "the loss function returns (loss, logits); labels: class ids")),
+    "top_k_categorical_accuracy": (
+        '{"top_5_accuracy": ft.train.mean(lambda out: ' + _TOP_K.format(labels="out.batch[-1].argmax(-1)") + ")}",
+        "top-5 accuracy", "the loss function returns (loss, logits); labels: one-hot"),
+}
+
+
+def _missing_aux_key(key: str, aux: Any) -> str:
+    """:data:`MISSING_AUX_KEY`, with :data:`KERAS_METRIC_NAME` for a name Keras users write."""
+    message = MISSING_AUX_KEY.format(key=key, aux=_describe(aux))
+    if key.lower() in KERAS_METRICS:
+        right, what, needs = KERAS_METRICS[key.lower()]
+        message += KERAS_METRIC_NAME.format(key=key, right=right, what=what, needs=needs)
+    return message
+
+
 AUX_WEIGHTED_MEAN = """\
 ft.train.mean({key!r}) averages the array aux[{key!r}], but it is a ft.losses.WeightedMean \
 (total, count): a mean already, whose means over minibatches are Σ total / Σ count when a \
@@ -431,7 +472,7 @@ def mean(source: str | Callable[[StepOutput], Any]) -> Callable[[StepOutput], ja
 
         def from_aux(out: StepOutput) -> jax.Array:
             if not isinstance(out.aux, Mapping) or key not in out.aux:
-                raise ValueError(MISSING_AUX_KEY.format(key=key, aux=_describe(out.aux)))
+                raise ValueError(_missing_aux_key(key, out.aux))
             if isinstance(out.aux[key], WeightedMean):  # its parts need the columns a plain mean has not
                 raise TypeError(AUX_WEIGHTED_MEAN.format(key=key))
             return jnp.mean(jnp.asarray(out.aux[key]).astype(metric_dtype()))

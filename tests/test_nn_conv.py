@@ -436,3 +436,19 @@ def test_a_window_longer_than_a_mode_padded_input_names_the_input_as_given():
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)with length >= 5, got f32\[1,3,1\].*Its length \(3\) is "
                        r"shorter than the window needs: kernel_size 7, padding \(\(1, 1\),\) adds 2"):
         conv(jnp.ones((1, 3, 1)))
+
+
+def test_transpose_output_size_is_checked_and_picks_the_high_padding():
+    from functree.nn._conv import OUTPUT_SIZE
+
+    assert "output_padding" in OUTPUT_SIZE
+    conv = ft.nn.Conv2DTranspose(2, 3, 3, strides=2, padding=1, key=jax.random.key(0))  # torch's p = 1
+    x = jnp.ones((1, 4, 3, 2))
+    assert conv(x).shape == (1, 7, 5, 3)  # (L - 1) 2 + 2 - 3 + 1 + 1... the layer's own padding
+    assert conv(x, output_size=(8, 6)).shape == (1, 8, 6, 3)
+    wider = ft.nn.Conv2DTranspose(2, 3, 3, strides=2, padding=((1, 2), (1, 2)), key=jax.random.key(0))
+    np.testing.assert_array_equal(conv(x, output_size=(8, 6)), wider(x))
+    with pytest.raises(ValueError, match=r"output_size=\(9, 6\) does not fit: .* are \(7, 5\) .* 7\.\.8, 5\.\.6"):
+        conv(x, output_size=(9, 6))
+    with pytest.raises(ValueError, match=r"not torch's \[N, C, \.\.\.\]"):
+        conv(x, output_size=(1, 3, 8, 6))

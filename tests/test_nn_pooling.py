@@ -271,3 +271,62 @@ def test_ceil_mode_with_same_padding_is_refused():
     with pytest.raises(ValueError, match=r'(?s)MaxPool2D: ceil_mode=True with padding="SAME".*'
                        r"right:  MaxPool2D\(3, 2, padding=1, ceil_mode=True\)"):
         ft.nn.MaxPool2D(3, 2, "SAME", ceil_mode=True)
+
+
+def test_unpool_gradient_is_the_derivative_where_two_windows_pick_one_element():
+    """Overlapping windows (pool 3, stride 1) pick one element twice: unpooling writes it once
+    and its gradient reaches one copy, the derivative (check_grads), where torch's gathers it
+    for each (2 g through pool then unpool). Pooling then unpooling passes each picked
+    element's gradient once."""
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, 4, 1)))
+        pool, unpool = ft.nn.MaxPool2D(3, 1, 1, return_indices=True), ft.nn.MaxUnpool2D(3, 1, 1)
+        _, i = pool(x)
+        assert len(set(np.asarray(i).ravel())) < i.size  # an element picked twice
+        round_trip = jax.jit(lambda x: unpool(*pool(x)))
+        check_grads(round_trip, (x,), order=1, modes=["rev"])
+        g = jax.grad(lambda x: round_trip(x).sum())(x)
+        np.testing.assert_array_equal(g, (round_trip(x) != 0).astype(g.dtype))  # 1 where kept, once
+
+
+def test_unpool_and_divisor_errors_name_the_fix():
+    from functree.nn._pooling import (
+        BAD_DIVISOR,
+        UNPOOL_INDEX_RANGE,
+        UNPOOL_INDICES,
+        UNPOOL_OUTPUT_SIZE,
+    )
+
+    assert "nonzero int" in BAD_DIVISOR and "Found an invalid max index" in UNPOOL_INDEX_RANGE
+    assert "return_indices=True" in UNPOOL_INDICES and "exclusive" in UNPOOL_OUTPUT_SIZE
+    with pytest.raises(ValueError, match=r"divisor_override=0; torch's is a nonzero int"):
+        ft.nn.AvgPool2D(2, divisor_override=0)
+    with pytest.raises(ValueError, match=r"divisor_override=2.5"):
+        ft.nn.AvgPool2D(2, divisor_override=2.5)
+    x = jnp.arange(30.0).reshape(1, 5, 6, 1)
+    y, i = ft.nn.MaxPool2D(3, 2, 1, return_indices=True)(x)
+    unpool = ft.nn.MaxUnpool2D(3, 2, 1)
+    with pytest.raises(ValueError, match=r"(?s)index 25 .* outside the unpooled plane of 25 positions \(5, 5\).*"
+                                         r"MaxUnpool2D\(3, 2, 1\)\(y, indices, output_size=x.shape\[-3:-1\]\)"):
+        unpool(y, i)  # torch's default size, (3 - 1) 2 + 3 - 2 = 5 by 5: too small for indices of 5 x 6
+    np.testing.assert_array_equal(unpool(y, i, output_size=(5, 6))[0, 4, 5], 29.0)
+    assert jax.jit(lambda y, i: unpool(y, i))(y, i).shape == (1, 5, 5, 1)  # traced: such an index writes nothing
+    with pytest.raises(ValueError, match=r"output_size=\(8, 6\) does not fit: .* are \(5, 5\) .* 4\.\.6, 4\.\.6"):
+        unpool(y, i, output_size=(8, 6))
+    with pytest.raises(ft.nn.LayerInputError, match=r"indices f32\[1,3,3,1\]; they are the indices"):
+        unpool(y, y)
+    with pytest.raises(ValueError, match=r"padding=\(\(0, 1\),\) does not fit"):
+        ft.nn.MaxUnpool1D(2, padding=((0, 1),))
+
+
+def test_indexed_max_pool_values_are_the_plain_pools():
+    """return_indices=True gives the same maxima as the plain pool (reduce_window), dilated or not."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 6, 5, 3)).astype(np.float32))
+    for settings in [dict(pool_size=2), dict(pool_size=3, strides=2, padding=1, ceil_mode=True),
+                     dict(pool_size=2, strides=1, dilation=2)]:
+        (y, i), plain = jax.jit(lambda x, s=settings: (ft.nn.MaxPool2D(**s, return_indices=True)(x),
+                                                       ft.nn.MaxPool2D(**s)(x)))(x)  # one program each
+        np.testing.assert_array_equal(y, plain)
+        assert i.dtype == jnp.int32 and i.shape == y.shape
+        plane = np.asarray(x).reshape(2, -1, 3)
+        np.testing.assert_array_equal(np.take_along_axis(plane, np.asarray(i).reshape(2, -1, 3), 1).reshape(y.shape), y)

@@ -81,6 +81,9 @@ from functree.nn._pooling import (
     MaxPool1D,
     MaxPool2D,
     MaxPool3D,
+    MaxUnpool1D,
+    MaxUnpool2D,
+    MaxUnpool3D,
 )
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState, SimpleRNNCell
 from functree.nn._recurrent_layers import GRU, LSTM, Bidirectional, SimpleRNN, StackedRNN
@@ -166,6 +169,9 @@ __all__ = [
     "AdaptiveMaxPool1D",
     "AdaptiveMaxPool2D",
     "AdaptiveMaxPool3D",
+    "MaxUnpool1D",
+    "MaxUnpool2D",
+    "MaxUnpool3D",
     "Flatten",
     "Dropout",
     "LayerNorm",

@@ -81,6 +81,15 @@ _SPEC = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DH
 SPATIAL = {1: ("length",), 2: ("height", "width"), 3: ("depth", "height", "width")}  # the axes' names in errors
 
 
+OUTPUT_SIZE = """\
+{cls}: output_size={given!r} does not fit: from {axes} {lengths} at kernel {k}, strides {s}, \
+dilation {d} and padding {padding} the outputs are {low} (torch's (L - 1) s - 2 p + d (k - 1) + 1) \
+and torch's output_size picks each between that and that plus the stride minus 1 (its \
+output_padding): {ranges}. Give the spatial sizes, one per axis (not torch's [N, C, ...]).
+
+    wrong:  conv(x, output_size={given!r})
+    right:  conv(x, output_size={low!r})"""
+
 CHANNELS_FIRST = """\
 Its channels ({channels}) are on axis {axis}: a channels-first batch (torch's {layout}). \
 {takes} channels last: jnp.moveaxis(x, {axis}, -1){also}."""
@@ -233,15 +242,17 @@ class Conv(Layer):
         return self.weight.shape[-1] * (self.groups if self._transpose else 1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return self._apply(x, self.padding)
+
+    def _apply(self, x: jax.Array, padding: Any) -> jax.Array:
         n = self._rank
         spatial = SPATIAL[n]
         try:
             check_input(self, x, (*spatial, self.in_channels), leading="...")
         except LayerInputError as e:
             raise _channels_first(e, x, n, self.in_channels) from None
-        check_window_fits(self, x, spatial, self.weight.shape[:n], self.strides, self.dilation, self.padding,
+        check_window_fits(self, x, spatial, self.weight.shape[:n], self.strides, self.dilation, padding,
                           transpose=self._transpose)  # on the input as given: its lengths are the error's
-        padding = self.padding
         if self.padding_mode != "zeros":
             x, padding = self._padded(x, spatial), "VALID"
         batch = x.shape[: x.ndim - n - 1]
@@ -289,6 +300,35 @@ class Conv(Layer):
 
 class ConvTranspose(Conv):
     _transpose: ClassVar[bool] = True
+
+    def __call__(self, x: jax.Array, output_size: int | Sequence[int] | None = None) -> jax.Array:
+        """``output_size=`` (torch's ``forward(x, output_size)``): the spatial sizes, each
+        between the size of padding ``(lo, lo)`` and that plus ``strides - 1``; it picks the
+        high padding ``lo + output_padding`` (``lo`` the padding's low side, torch's
+        ``d (k - 1) - p``), whatever high side the layer was built with, as torch's
+        ignores its ``output_padding``."""
+        if output_size is None:
+            return self._apply(x, self.padding)
+        check_input(self, x, (*SPATIAL[self._rank], self.in_channels), leading="...")
+        return self._apply(x, self._picked(x, output_size))
+
+    def _picked(self, x: jax.Array, output_size: int | Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """The padding whose outputs are ``output_size`` (:data:`OUTPUT_SIZE` where none is)."""
+        n = self._rank
+        kernel = self.weight.shape[:n]
+        lengths = x.shape[x.ndim - n - 1:-1]
+        pads = transpose_padding(kernel, self.strides, self.dilation, self.padding)
+        low = tuple((length - 1) * s + 2 * lo - d * (k - 1) + 1 for length, s, (lo, _), d, k in
+                    zip(lengths, self.strides, pads, self.dilation, kernel))
+        given: Any = (output_size,) if window.is_int(output_size) else (
+            tuple(output_size) if isinstance(output_size, Sequence) else None)
+        if (given is None or len(given) != n or not all(window.is_int(v) for v in given)
+                or not all(m <= v < m + s for v, m, s in zip(given, low, self.strides))):
+            raise ValueError(OUTPUT_SIZE.format(
+                cls=type(self).__name__, given=output_size, axes="length" if n == 1 else "sizes", lengths=lengths,
+                k=_show(kernel), s=_show(self.strides), d=_show(self.dilation), padding=_shown_padding(self.padding),
+                low=low, ranges=", ".join(f"{m}..{m + s - 1}" for m, s in zip(low, self.strides))))
+        return tuple((lo, lo + int(v) - m) for (lo, _), v, m in zip(pads, given, low))
 
     def _convolve(self, x: jax.Array, padding: Any) -> jax.Array:
         """The adjoint of a strided convolution, ``y[i*stride + k] += x[i] @ weight[k]``: the

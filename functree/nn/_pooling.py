@@ -28,7 +28,7 @@ import numpy as np
 from functree._module import field
 from functree._repr import short_array
 from functree.nn import _window as window
-from functree.nn._check import LayerInputError, check_input
+from functree.nn._check import LayerInputError, check_input, concrete
 from functree.nn._conv import check_window_fits
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
@@ -52,6 +52,9 @@ __all__ = [
     "AdaptiveMaxPool1D",
     "AdaptiveMaxPool2D",
     "AdaptiveMaxPool3D",
+    "MaxUnpool1D",
+    "MaxUnpool2D",
+    "MaxUnpool3D",
     "adaptive_windows",
     "overhang",
     "Flatten",
@@ -91,6 +94,14 @@ so its max is -inf (torch's too, its backward writing the gradient at an index p
 
     wrong:  {cls}({settings})(x)     # x's {axis}: {size}
     right:  {cls}({fixed})(x)     # or an input whose {axis} puts an element in every window"""
+
+
+BAD_DIVISOR = """\
+{cls}: divisor_override={given!r}; torch's is a nonzero int that divides every window's sum \
+(None: the window's count).
+
+    wrong:  {cls}(2, divisor_override={given!r})
+    right:  {cls}(2, divisor_override=3)"""
 
 
 def _show(values: tuple[int, ...]) -> Any:
@@ -180,7 +191,9 @@ class _Pool(Layer):
 
 class _MaxPool(_Pool):
     dilation: tuple[int, ...] = field(static=True, default=(1,))
-    __ft_added_static__: ClassVar[tuple[str, ...]] = ("ceil_mode", "dilation")  # older files: 1s, False
+    return_indices: bool = field(static=True, default=False)
+    # older files: 1s, False, False
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("ceil_mode", "dilation", "return_indices")
 
     def __init__(
         self,
@@ -189,24 +202,34 @@ class _MaxPool(_Pool):
         padding: Any = "VALID",
         ceil_mode: bool = False,
         dilation: int | Sequence[int] = 1,
+        return_indices: bool = False,
     ):
         super().__init__(pool_size, strides, padding, ceil_mode)
         self.dilation = window.sizes(type(self).__name__, "dilation", dilation, self._rank)
+        self.return_indices = bool(return_indices)
 
     @property
     def _dilation(self) -> tuple[int, ...]:
         # a file written before the field read it as (1,): one per axis
         return self.dilation if len(self.dilation) == self._rank else (1,) * self._rank
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> Any:
+        if self.return_indices:
+            return self._dilated(x, self._pads(x), indexed=True)
         if self._dilation == (1,) * self._rank:
             return self._window(x, -jnp.inf, jax.lax.max, self._pads(x))  # a Python scalar: lax sees the monoid
         return self._dilated(x, self._pads(x))
 
-    def _dilated(self, x: jax.Array, pads: Any) -> jax.Array:
+    def _dilated(self, x: jax.Array, pads: Any, indexed: bool = False) -> Any:
         """A dilated window's max as the max of its ``prod(pool_size)`` strided slices of the
         ``-inf``-padded input, ``y[i] = max_j x[i s + j d]``: JAX has no gradient of a
-        dilated ``reduce_window`` max ("VJP not implemented for select_and_gather")."""
+        dilated ``reduce_window`` max ("VJP not implemented for select_and_gather").
+
+        ``indexed``: ``(y, indices)``, torch's ``return_indices=True``: each maximum's flat
+        index in its channel's unpadded plane (``h W + w`` in 2-D; int32), found as torch's
+        loop finds it, the window read in order, an element taken where it is greater than
+        the maximum so far or NaN (the first of equal maxima, the last NaN) and the first
+        element on the input taken over the padding; the gradient reaches that element."""
         n = self._rank
         check_input(self, x, _spatial(n))
         check_window_fits(self, x, _spatial(n)[:-1], self.pool_size, self.strides, self._dilation, pads,
@@ -218,16 +241,28 @@ class _MaxPool(_Pool):
         self._check_windows_read_input(x, pads)
         padded = jnp.pad(x, ((0, 0),) * lead + tuple(pads) + ((0, 0),), constant_values=-jnp.inf)
         counts = [(length - span) // s + 1 for length, span, s in zip(padded.shape[lead:-1], spans, self.strides)]
-        y = None
+        plane = x.shape[lead:-1]
+        # each position's flat index in the unpadded plane; -1 in the padding
+        flat = jnp.pad(jnp.arange(math.prod(plane), dtype=jnp.int32).reshape((*plane, 1)), (*pads, (0, 0)),
+                       constant_values=-1)
+        y = index = None
         for offset in itertools.product(*(range(k) for k in self.pool_size)):
             starts = [j * d for j, d in zip(offset, self._dilation)]
+            ends = [b + (c - 1) * s + 1 for b, c, s in zip(starts, counts, self.strides)]
             part = jax.lax.slice(padded, (0,) * lead + tuple(starts) + (0,),
-                                 padded.shape[:lead] + tuple(b + (c - 1) * s + 1 for b, c, s in
-                                                              zip(starts, counts, self.strides)) + padded.shape[-1:],
+                                 padded.shape[:lead] + tuple(ends) + padded.shape[-1:],
                                  (1,) * lead + self.strides + (1,))
-            y = part if y is None else jnp.maximum(y, part)
+            if not indexed:
+                y = part if y is None else jnp.maximum(y, part)
+                continue
+            at = jax.lax.slice(flat, (*starts, 0), (*ends, 1), (*self.strides, 1))
+            if y is None or index is None:
+                y, index = part, jnp.broadcast_to(at, part.shape)
+                continue
+            take = (part > y) | jnp.isnan(part) | ((index < 0) & (at >= 0))  # torch's loop (above)
+            y, index = jnp.where(take, part, y), jnp.where(take, at, index)
         assert y is not None  # pool sizes are >= 1
-        return y
+        return (y, index) if indexed else y
 
     def _check_windows_read_input(self, x: jax.Array, pads: Any) -> None:
         """Refuse a window all of whose ``k`` positions ``i s - lo + j d`` fall in the padding
@@ -254,7 +289,9 @@ class _MaxPool(_Pool):
 
 class _AvgPool(_Pool):
     count_include_pad: bool = field(static=True, default=True)
-    __ft_added_static__: ClassVar[tuple[str, ...]] = ("count_include_pad", "ceil_mode")  # older files: True, False
+    divisor_override: int | None = field(static=True, default=None)
+    # older files: True, False, None
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("count_include_pad", "ceil_mode", "divisor_override")
 
     def __init__(
         self,
@@ -263,9 +300,14 @@ class _AvgPool(_Pool):
         padding: Any = "VALID",
         count_include_pad: bool = True,
         ceil_mode: bool = False,
+        divisor_override: int | None = None,
     ):
         super().__init__(pool_size, strides, padding, ceil_mode)
         self.count_include_pad = bool(count_include_pad)  # torch's; read for int / pair padding ("SAME": real counts)
+        if divisor_override is not None and (not window.is_int(divisor_override) or divisor_override == 0):
+            # torch: "divisor must be not zero"; a float divides by what it rounds to
+            raise ValueError(BAD_DIVISOR.format(cls=type(self).__name__, given=divisor_override))
+        self.divisor_override = None if divisor_override is None else int(divisor_override)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``sum(window) / count`` with both in ``statistics_dtype`` (float32 for bfloat16 and
@@ -274,11 +316,14 @@ class _AvgPool(_Pool):
         ``count`` is the pool's size, or (``"SAME"``, ``count_include_pad=False``) the real
         elements in the window; with ``ceil_mode`` the positions past the padding never count
         (torch: ``min(start + k, L + pad) - start``), the padding counts as
-        ``count_include_pad`` says."""
+        ``count_include_pad`` says. ``divisor_override`` replaces ``count`` (torch's: every
+        window divided by it, whatever its padding)."""
         check_input(self, x, _spatial(self._rank))  # before the cast hides an integer input
         wide = statistics_dtype(x.dtype)
         pads = self._pads(x)
         total = self._window(x.astype(wide), 0.0, jax.lax.add, pads)
+        if self.divisor_override is not None:
+            return (total / jnp.array(self.divisor_override, wide)).astype(x.dtype)
         counted = not isinstance(self.padding, str) and self.count_include_pad
         if not self.ceil_mode and (self.padding == "VALID" or counted):
             return (total / jnp.array(math.prod(self.pool_size), wide)).astype(x.dtype)
@@ -311,7 +356,8 @@ _POOL_DOC = """{op} pooling over ``[..., {spatial}, channels]`` (``pool_size=2``
 _MAX_ARGS = (", ``dilation=1`` (torch's: the window reads every ``d``-th element, spanning "
              "``d (k - 1) + 1``; the padding is at most half the pool, as torch's)")
 _AVG_ARGS = (", ``count_include_pad=True`` (torch's: int / pair padding's zeros count in the mean; "
-             '``"SAME"`` counts the real elements)')
+             '``"SAME"`` counts the real elements), ``divisor_override=None`` (torch\'s: an int that divides '
+             "every window's sum instead)")
 
 
 class MaxPool1D(_MaxPool):
@@ -362,6 +408,158 @@ class AvgPool3D(_AvgPool):
         extra_args=_AVG_ARGS, name="AvgPool3D", size="(2, 2, 2)",
         out=".ravel()\n      Array([10.5, 12.5, 18.5, 20.5], dtype=float32)",
     )
+
+
+UNPOOL_INDICES = """\
+{cls}: indices {given}; they are the indices {pool}(..., return_indices=True) returns \
+beside x, integers of x's shape {shape}.
+
+    right:  y, indices = ft.nn.{pool}(2, return_indices=True)(x)
+            ft.nn.{cls}(2)(y, indices)"""
+
+UNPOOL_OUTPUT_SIZE = """\
+{cls}: output_size={given!r} does not fit: from {axes} {lengths} at pool_size {k}, strides {s}, padding \
+{p} the unpooled {axes} are {default} (torch's (L - 1) s + k - 2 p), and torch's output_size picks \
+each between that minus the stride and that plus it, exclusive: {ranges}.
+
+    wrong:  ft.nn.{cls}({settings})(x, indices, output_size={given!r})
+    right:  ft.nn.{cls}({settings})(x, indices, output_size={right!r})   # the pooled input's spatial shape"""
+
+UNPOOL_INDEX_RANGE = """\
+{cls}: index {index} (at {where}) is outside the unpooled plane of {size} positions {shape}; \
+torch raises too ("Found an invalid max index"). Unpool with the output_size the indices were \
+taken on (the pooled input's spatial shape), or the indices of a MaxPool of the same settings:
+
+    right:  ft.nn.{cls}({settings})(y, indices, output_size=x.shape[-{n1}:-1])"""
+
+
+class _MaxUnpool(Layer):
+    """torch's ``MaxUnpool{n}d``: each input value written at its index in a zero plane."""
+
+    pool_size: tuple[int, ...] = field(static=True, default=(2,))
+    strides: tuple[int, ...] = field(static=True, default=(2,))
+    padding: tuple[int, ...] = field(static=True, default=(0,))
+
+    _rank: ClassVar[int] = 1
+
+    def __init__(self, pool_size: int | Sequence[int] = 2, strides: int | Sequence[int] | None = None,
+                 padding: int | Sequence[int] = 0):
+        name, n = type(self).__name__, self._rank
+        self.pool_size = window.sizes(name, "pool_size", pool_size, n)
+        self.strides = self.pool_size if strides is None else window.sizes(name, "strides", strides, n)
+        pairs = window.padding(name, padding, n)
+        if isinstance(pairs, str) or any(lo != hi for lo, hi in pairs):
+            raise ValueError(window.BAD_WINDOW.format(cls=name, name="padding", given=padding, n=n,
+                                                      axes="axis" if n == 1 else "axes",
+                                                      what=f"an int >= 0, or {n} of them (torch's padding=p)",
+                                                      right=1 if n == 1 else (1,) * n))
+        self.padding = tuple(lo for lo, _ in pairs)
+
+    def __call__(self, x: jax.Array, indices: jax.Array, output_size: Sequence[int] | None = None) -> jax.Array:
+        """``y[..., p, c] = x[..., i, c]`` where ``indices[..., i, c] = p`` (``p`` flat in the
+        unpooled plane), 0 elsewhere. The gradient of ``x[i]`` is ``dy[indices[i]]``, torch's;
+        where two inputs share an index (overlapping pool windows) only one gets it, the
+        derivative of the function (torch gives it to each: :func:`_unpooled`)."""
+        n, name = self._rank, type(self).__name__
+        spatial = _spatial(n)
+        check_input(self, x, spatial)
+        if jnp.shape(indices) != x.shape or not jnp.issubdtype(jnp.result_type(indices), jnp.integer):
+            raise LayerInputError(self, f"indices of x's shape {short_array(x)} (integer)", short_array(indices),
+                                  UNPOOL_INDICES.format(cls=name, given=short_array(indices), shape=x.shape, pool=f"MaxPool{n}D"))
+        lead = x.ndim - n - 1
+        out = self._output_size(x.shape[lead:-1], output_size)
+        size = math.prod(out)
+        self._check_range(indices, size, out)
+        rows, channels = math.prod(x.shape[:lead]), x.shape[-1]
+        values = x.reshape((rows, -1, channels))
+        at = jnp.asarray(indices).reshape((rows, -1, channels))
+        at = jnp.where(at < 0, size, at)  # past the end, dropped (a negative index would wrap)
+        return _unpooled(values, at, size).reshape((*x.shape[:lead], *out, channels))
+
+    def _output_size(self, lengths: tuple[int, ...], output_size: Sequence[int] | None) -> tuple[int, ...]:
+        n = self._rank
+        default = tuple((length - 1) * s + k - 2 * p for length, s, k, p in
+                        zip(lengths, self.strides, self.pool_size, self.padding))
+        if output_size is None:
+            return default
+        given = tuple(output_size)[-n:] if isinstance(output_size, Sequence) else None
+        if (given is None or len(tuple(output_size)) not in (n, n + 2) or not all(window.is_int(v) for v in given)
+                or not all(d - s < v < d + s for v, d, s in zip(given, default, self.strides))):
+            name = type(self).__name__
+            ranges = ", ".join(f"{d - s + 1}..{d + s - 1}" for d, s in zip(default, self.strides))
+            settings = self._settings()
+            raise ValueError(UNPOOL_OUTPUT_SIZE.format(
+                cls=name, given=output_size, axes="length" if n == 1 else "sizes", lengths=lengths,
+                k=_show(self.pool_size), s=_show(self.strides), p=_show(self.padding), default=default,
+                ranges=ranges, settings=settings, right=default))
+        return tuple(int(v) for v in given)
+
+    def _check_range(self, indices: jax.Array, size: int, out: tuple[int, ...]) -> None:
+        """:data:`UNPOOL_INDEX_RANGE` for an index outside ``[0, size)``, eagerly (traced:
+        such an index writes nothing)."""
+        held = concrete(indices)
+        if held is None or held.size == 0:
+            return
+        bad = np.argwhere((held < 0) | (held >= size))
+        if len(bad):
+            where = tuple(int(i) for i in bad[0])
+            raise ValueError(UNPOOL_INDEX_RANGE.format(
+                cls=type(self).__name__, index=int(held[where]), where=list(where), size=size, shape=out,
+                settings=self._settings(), n1=self._rank + 1))
+
+    def _settings(self) -> str:
+        return f"{_show(self.pool_size)}, {_show(self.strides)}, {_show(self.padding)}"
+
+
+def _unpooled(values: jax.Array, at: jax.Array, size: int) -> jax.Array:
+    """``values [rows, n, channels]`` written at ``at`` (flat positions, ``size`` past the
+    end: dropped) of zeros ``[rows, size, channels]``. Two values at one index (overlapping
+    windows picked one element twice: equal values) write it once, and its gradient reaches
+    one of them: the derivative of this function, so pooling then unpooling passes an
+    element's gradient once. torch's backward gathers the gradient for each, and twice
+    through the pool (2 g where the element appears once in the output)."""
+    row = jnp.arange(values.shape[0])[:, None, None]
+    channel = jnp.arange(values.shape[2])[None, None, :]
+    zeros = jnp.zeros((values.shape[0], size, values.shape[2]), values.dtype)
+    return zeros.at[row, at, channel].set(values, mode="drop")
+
+
+_UNPOOL_DOC = """The inverse of ``MaxPool{n}D(..., return_indices=True)`` (torch's ``MaxUnpool{n}d``):
+    ``[..., {spatial}, channels]`` values and their indices into a zero plane of
+    ``(L - 1) strides + pool_size - 2 padding`` per axis (or ``output_size=``, the pooled
+    input's spatial shape, between that minus and plus the strides, as torch's).
+
+    Each value goes to its flat index in its channel's plane; a gradient of an input is the
+    output's gradient at its index. Args: ``pool_size``, ``strides=pool_size``,
+    ``padding=0`` (torch's ``padding=p``: an int or one per axis).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> x = jnp.array([1., 3., 2., 0.]).reshape({shape})
+      >>> y, indices = ft.nn.{pool}({size}, return_indices=True)(x)
+      >>> indices.ravel()
+      Array([1, 2], dtype=int32)
+      >>> ft.nn.{unpool}({size})(y, indices).ravel()
+      Array([0., 3., 2., 0.], dtype=float32)
+    """
+
+
+class MaxUnpool1D(_MaxUnpool):
+    _rank: ClassVar[int] = 1
+    __doc__ = _UNPOOL_DOC.format(n=1, pool="MaxPool1D", unpool="MaxUnpool1D", spatial="length", shape="1, 4, 1",
+                                 size=2)
+
+
+class MaxUnpool2D(_MaxUnpool):
+    _rank: ClassVar[int] = 2
+    __doc__ = _UNPOOL_DOC.format(n=2, pool="MaxPool2D", unpool="MaxUnpool2D", spatial="height, width",
+                                 shape="1, 1, 4, 1", size="(1, 2)")
+
+
+class MaxUnpool3D(_MaxUnpool):
+    _rank: ClassVar[int] = 3
+    __doc__ = _UNPOOL_DOC.format(n=3, pool="MaxPool3D", unpool="MaxUnpool3D", spatial="depth, height, width",
+                                 shape="1, 1, 1, 4, 1", size="(1, 1, 2)")
 
 
 class _GlobalPool(Layer):
@@ -480,6 +678,15 @@ class _AdaptivePool(Layer):
         self.output_size = tuple(None if e is None else int(e) for e in entries)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        self._check(x)
+        axes = range(x.ndim - self._rank - 1, x.ndim - 1)
+        wide = statistics_dtype(x.dtype)  # sums of bfloat16 / float16 in float32, as AvgPool's
+        y = x if self._max else x.astype(wide)
+        for a, size in zip(axes, self.output_size):
+            y = _adaptive_axis(y, a, x.shape[a] if size is None else size, self._max)
+        return y.astype(x.dtype)
+
+    def _check(self, x: jax.Array) -> None:
         names = _spatial(self._rank)
         check_input(self, x, names)
         axes = range(x.ndim - self._rank - 1, x.ndim - 1)
@@ -489,11 +696,28 @@ class _AdaptivePool(Layer):
             raise LayerInputError(self, f"{pattern} (float) with {empty[0]} >= 1", short_array(x),
                                   EMPTY_ADAPTIVE.format(axis=empty[0], cls=type(self).__name__,
                                                         size=_show_size(self.output_size), given=short_array(x)))
-        wide = statistics_dtype(x.dtype)  # sums of bfloat16 / float16 in float32, as AvgPool's
-        y = x if self._max else x.astype(wide)
-        for a, size in zip(axes, self.output_size):
-            y = _adaptive_axis(y, a, x.shape[a] if size is None else size, self._max)
-        return y.astype(x.dtype)
+
+
+def _adaptive_axis_indexed(x: jax.Array, index: jax.Array, axis: int, size: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`_adaptive_axis`'s max with each maximum's ``index`` carried along: each window
+    read in order, an element taken where it is greater than the maximum so far or NaN, as
+    torch's loop takes it (the first of equal maxima, the last NaN)."""
+    length = x.shape[axis]
+    bounds = adaptive_windows(length, size)
+    if bounds == tuple((i, i + 1) for i in range(length)):
+        return x, index
+    y = at = None
+    for j in range(max(end - start for start, end in bounds)):
+        picks = np.array([min(start + j, end - 1) for start, end in bounds])
+        part, part_at = jnp.take(x, jnp.asarray(picks), axis=axis), jnp.take(index, jnp.asarray(picks), axis=axis)
+        if y is None or at is None:
+            y, at = part, part_at
+            continue
+        real = np.array([start + j < end for start, end in bounds]).reshape((size,) + (1,) * (x.ndim - axis - 1))
+        take = jnp.asarray(real) & ((part > y) | jnp.isnan(part))
+        y, at = jnp.where(take, part, y), jnp.where(take, part_at, at)
+    assert y is not None and at is not None  # windows hold one element at least
+    return y, at
 
 
 def _show_size(size: tuple[int | None, ...]) -> Any:
@@ -513,7 +737,7 @@ _ADAPTIVE_DOC = """Adaptive {op} pooling to ``output_size``: ``[..., {spatial}, 
     torch's ``Adaptive{Op}Pool{n}d``: output ``i`` of ``o`` along an axis of length ``L``
     is the {op} of ``x[floor(i L / o) : ceil((i + 1) L / o)]`` (:func:`adaptive_windows`;
     uneven, overlapping windows where ``o`` does not divide ``L``). ``output_size`` is an int
-    (every axis) or one entry per axis, None keeping that axis's length.
+    (every axis) or one entry per axis, None keeping that axis's length.{indices}
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -523,46 +747,79 @@ _ADAPTIVE_DOC = """Adaptive {op} pooling to ``output_size``: ``[..., {spatial}, 
     """
 
 
+_MAX_INDICES = """ ``return_indices=True``
+    (torch's) returns ``(maxima, indices)``, each maximum's flat index in its channel's plane
+    (``h W + w`` in 2-D, int32; the first of equal maxima), which ``MaxUnpool*`` takes."""
+
+
 class AdaptiveAvgPool1D(_AdaptivePool):
     _rank: ClassVar[int] = 1
-    __doc__ = _ADAPTIVE_DOC.format(op="average", Op="Avg", n=1, spatial="length", out="o", shape="1, 5, 1",
+    __doc__ = _ADAPTIVE_DOC.format(op="average", indices="", Op="Avg", n=1, spatial="length", out="o", shape="1, 5, 1",
                                    name="AdaptiveAvgPool1D", size=3,
                                    result="Array([0.5, 2. , 3.5], dtype=float32)")
 
 
 class AdaptiveAvgPool2D(_AdaptivePool):
     _rank: ClassVar[int] = 2
-    __doc__ = _ADAPTIVE_DOC.format(op="average", Op="Avg", n=2, spatial="height, width", out="o_h, o_w",
+    __doc__ = _ADAPTIVE_DOC.format(op="average", indices="", Op="Avg", n=2, spatial="height, width", out="o_h, o_w",
                                    shape="1, 5, 1, 1", name="AdaptiveAvgPool2D", size="(3, None)",
                                    result="Array([0.5, 2. , 3.5], dtype=float32)")
 
 
-class AdaptiveMaxPool1D(_AdaptivePool):
+class _AdaptiveMaxPool(_AdaptivePool):
+    return_indices: bool = field(static=True, default=False)
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("return_indices",)  # files written before it: False
+
+    _max: ClassVar[bool] = True
+
+    def __init__(self, output_size: int | Sequence[int | None] | None, return_indices: bool = False):
+        super().__init__(output_size)
+        self.return_indices = bool(return_indices)
+
+    def __call__(self, x: jax.Array) -> Any:
+        """The maxima, and with ``return_indices`` their flat indices in each channel's
+        plane (``h W + w`` in 2-D; int32), torch's: the last spatial axis reduced first, so
+        equal maxima give the first in row-major order and NaNs the last, as torch's loop
+        over each window."""
+        if not self.return_indices:
+            return super().__call__(x)
+        self._check(x)
+        n = self._rank
+        lead = x.ndim - n - 1
+        plane = x.shape[lead:-1]
+        index = jnp.broadcast_to(jnp.arange(math.prod(plane), dtype=jnp.int32).reshape((*plane, 1)), x.shape)
+        values = x
+        for a, size in reversed(list(zip(range(lead, lead + n), self.output_size))):
+            values, index = _adaptive_axis_indexed(values, index, a, x.shape[a] if size is None else size)
+        return values, index
+
+
+class AdaptiveMaxPool1D(_AdaptiveMaxPool):
     _rank: ClassVar[int] = 1
     _max: ClassVar[bool] = True
-    __doc__ = _ADAPTIVE_DOC.format(op="max", Op="Max", n=1, spatial="length", out="o", shape="1, 5, 1",
+    __doc__ = _ADAPTIVE_DOC.format(op="max", indices=_MAX_INDICES, Op="Max", n=1, spatial="length", out="o", shape="1, 5, 1",
                                    name="AdaptiveMaxPool1D", size=3, result="Array([1., 3., 4.], dtype=float32)")
 
 
-class AdaptiveMaxPool2D(_AdaptivePool):
+class AdaptiveMaxPool2D(_AdaptiveMaxPool):
     _rank: ClassVar[int] = 2
     _max: ClassVar[bool] = True
-    __doc__ = _ADAPTIVE_DOC.format(op="max", Op="Max", n=2, spatial="height, width", out="o_h, o_w",
+    __doc__ = _ADAPTIVE_DOC.format(op="max", indices=_MAX_INDICES, Op="Max", n=2, spatial="height, width", out="o_h, o_w",
                                    shape="1, 5, 1, 1", name="AdaptiveMaxPool2D", size="(3, 1)",
                                    result="Array([1., 3., 4.], dtype=float32)")
 
 
 class AdaptiveAvgPool3D(_AdaptivePool):
     _rank: ClassVar[int] = 3
-    __doc__ = _ADAPTIVE_DOC.format(op="average", Op="Avg", n=3, spatial="depth, height, width",
+    __doc__ = _ADAPTIVE_DOC.format(op="average", indices="", Op="Avg", n=3, spatial="depth, height, width",
                                    out="o_d, o_h, o_w", shape="1, 1, 5, 1, 1", name="AdaptiveAvgPool3D",
                                    size="(None, 3, 1)", result="Array([0.5, 2. , 3.5], dtype=float32)")
 
 
-class AdaptiveMaxPool3D(_AdaptivePool):
+class AdaptiveMaxPool3D(_AdaptiveMaxPool):
     _rank: ClassVar[int] = 3
     _max: ClassVar[bool] = True
-    __doc__ = _ADAPTIVE_DOC.format(op="max", Op="Max", n=3, spatial="depth, height, width",
+    __doc__ = _ADAPTIVE_DOC.format(op="max", indices=_MAX_INDICES, Op="Max", n=3, spatial="depth, height, width",
                                    out="o_d, o_h, o_w", shape="1, 1, 5, 1, 1", name="AdaptiveMaxPool3D",
                                    size="(1, 3, None)", result="Array([1., 3., 4.], dtype=float32)")
 

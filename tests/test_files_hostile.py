@@ -191,3 +191,23 @@ def test_a_torch_tensor_with_a_lazy_negation_reads_its_values():
     model = ft.nn.Sequential(ft.nn.Dense(3, 2, key=jax.random.key(0)))
     loaded = ft.nn.load_torch_state_dict(model, {"0.weight": weight, "0.bias": torch.zeros(2)})
     np.testing.assert_array_equal(np.asarray(loaded.layers[0].weight).T, [[-1, -2, 3], [-4, 5, -6]])
+
+
+@pytest.mark.parametrize("file", ["generation_config.json", "config.json"])
+@pytest.mark.parametrize("given, meant", [("false", "greedy decoding"), (1, "sampling")])
+def test_a_do_sample_that_is_no_boolean_is_refused_naming_the_file(tmp_path, file, given, meant):
+    """A "do_sample": "false" is truthy: generate sampled where the file seems to say greedy
+    (transformers' does too). An older config.json's generation options are read when the
+    directory has no generation_config.json."""
+    from functree.interop._safetensors import save_file
+
+    model = ft.nn.from_hf(_config("llama"), key=jax.random.key(0))
+    save_file(str(tmp_path / "model.safetensors"), ft.nn.to_hf_state_dict(model, numpy=True), {"format": "pt"})
+    config = _config("llama") if file == "generation_config.json" else _config("llama", do_sample=given)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if file == "generation_config.json":
+        (tmp_path / file).write_text(json.dumps({"do_sample": given}))
+    with pytest.raises(ValueError, match=rf"(?s){re.escape(str(tmp_path / file))}' sets \"do_sample\": "
+                                         rf"{re.escape(json.dumps(given))} \(a {type(given).__name__}\), not true or "
+                                         rf"false.*seems to mean {meant}.*right:  \"do_sample\": "):
+        ft.nn.from_hf(tmp_path)

@@ -64,6 +64,15 @@ save_pretrained directory's generation_config.json is one JSON object {{"eos_tok
        or:  delete it (generation then reads eos and pad ids from config.json)
 """
 
+SAMPLING_SWITCH = """\
+ft.nn.from_hf: {path!r} sets "do_sample": {given} (a {kind}), not true or false. Any value \
+but false, 0, null or an empty one switches sampling on (Hugging Face's generate samples with \
+it too), though the file seems to mean {meant}; no model was built.
+
+    wrong:  "do_sample": {given}
+    right:  "do_sample": {right}        # JSON's boolean
+"""
+
 BAD_CONFIG_VALUE = """\
 ft.nn.from_hf: the {model_type} config's {key!r} is {value!r} (a {kind}); Hugging Face's \
 {model_type} config takes {expected} there (or null). Building from it would fail later, or \
@@ -200,7 +209,20 @@ def read_generation(directory: Any) -> dict[str, Any] | None:
     path = os.path.join(os.fspath(directory), "generation_config.json")
     if not os.path.isfile(path):
         return None
-    return _json_object(path, BAD_GENERATION_JSON)
+    return _sampling_switch(_json_object(path, BAD_GENERATION_JSON), path)
+
+
+def _sampling_switch(values: dict[str, Any], path: str) -> dict[str, Any]:
+    """``values`` (a generation config's), refused where ``do_sample`` is not a boolean
+    (:data:`SAMPLING_SWITCH`): a string ``"false"`` is truthy, so Hugging Face's generate and
+    this one would sample where the file seems to say greedy."""
+    given = values.get("do_sample")
+    if given is not None and not isinstance(given, bool):
+        off = str(given).strip().lower() in ("false", "0", "no", "off", "")
+        raise ValueError(SAMPLING_SWITCH.format(path=path, given=json.dumps(given), kind=type(given).__name__,
+                                                meant="greedy decoding" if off else "sampling",
+                                                right="false" if off else "true"))
+    return values
 
 
 # The token ids HF's generation config also reads from a config.json (GenerationConfig fields).
@@ -216,6 +238,7 @@ def read_legacy_generation(directory: Any) -> dict[str, Any] | None:
     values = _read_json(directory)
     if not any(values.get(k) is not None for k in GENERATION_OPTIONS):
         return None
+    _sampling_switch(values, os.path.join(os.fspath(directory), "config.json"))
     return {k: copy.deepcopy(v) for k, v in values.items()
             if (k in GENERATION_OPTIONS or k in GENERATION_TOKEN_IDS) and v is not None}
 

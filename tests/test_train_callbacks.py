@@ -226,6 +226,52 @@ def test_restart_recipe_ends_with_the_best_model(tmp_path, patience):
         np.testing.assert_array_equal(a, b)
 
 
+def _leaves_equal(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_restore_best_weights_is_keras_rule():
+    # audit 27: EarlyStopping(restore_best_weights=True) was Python's unexpected-keyword error
+    best = make(lr=1.5)  # too large: the loss grows after the first epoch
+    best.fit(data(), epochs=1, progress=False)  # the run stopped at epoch 1 by hand
+    stop = ft.train.EarlyStopping(monitor="loss", patience=1, restore_best_weights=True)
+    trainer = make(lr=1.5)
+    trainer.fit(data(), epochs=4, progress=False, callbacks=[stop])
+    assert (stop.stopped_epoch, stop.best_epoch, trainer.epoch) == (2, 1, 2)
+    assert _leaves_equal(trainer.model, best.model)  # epoch 1's model, bit for bit
+    # Keras's rule: a run that used all its epochs keeps its last model (restore_best restores)
+    last = make(lr=1.5)
+    last.fit(data(), epochs=3, progress=False)
+    runs = {}
+    for keyword in ("restore_best_weights", "restore_best"):
+        stop = ft.train.EarlyStopping(monitor="loss", patience=10, **{keyword: True})
+        runs[keyword] = make(lr=1.5)
+        runs[keyword].fit(data(), epochs=3, progress=False, callbacks=[stop])
+        assert stop.stopped_epoch is None and stop.best_epoch == 1
+    assert _leaves_equal(runs["restore_best_weights"].model, last.model)
+    assert _leaves_equal(runs["restore_best"].model, best.model)
+
+
+@pytest.mark.parametrize("patience", [1, 10])  # stopped early; all epochs used
+def test_restore_best_weights_restart_recipe_ends_as_the_job(tmp_path, patience):
+    def run(trainer, directory):
+        stop = ft.train.EarlyStopping(monitor="loss", patience=patience, restore_best_weights=True)
+        trainer.fit(data(), epochs=4, progress=False,
+                    callbacks=[stop, ft.train.ModelCheckpoint(directory, max_to_keep=None)])
+        return stop
+
+    job = make(lr=1.5)
+    stop = run(job, tmp_path / "run")
+    assert stop.best_epoch == 1 and stop.stopped_epoch == (2 if patience == 1 else None)
+    # restarted after its end (a fit with nothing to train), and from its first epoch's
+    # checkpoint (writing elsewhere: the directory holds that run's later steps)
+    for step, directory in ((job.steps_run, tmp_path / "run"), (3, tmp_path / "again")):
+        rerun = make(lr=1.5).restore(tmp_path / "run", step=step)
+        again = run(rerun, directory)
+        assert rerun.steps_run == job.steps_run and again.stopped_epoch == stop.stopped_epoch
+        assert _leaves_equal(rerun.model, job.model)
+
+
 def test_tied_values_keep_the_first_epoch_to_reach_the_best():
     trainer = types.SimpleNamespace(stop_training=False, model=None, opt_state=None)
     stop = ft.train.EarlyStopping(monitor="m", patience=9)

@@ -414,6 +414,11 @@ class EarlyStopping(Callback):
     model's BatchNorm statistics of one epoch, as validated then), not the last step's
     average over the best epoch's statistics.
 
+    ``restore_best_weights=True`` is Keras's rule, for a Keras program that should end as it
+    did there: the best epoch's model (and averaged parameters) is set back at the end of
+    ``fit`` only once this callback has stopped the run (``stopped_epoch`` set, in this
+    ``fit`` or before a restart), and a run that used all its epochs keeps its last model.
+
     As Keras's, it never stops at the first epoch: a first value that is NaN (no best
     yet) with ``patience`` 0 or 1 waits for the next.
 
@@ -433,9 +438,10 @@ class EarlyStopping(Callback):
     """
 
     def __init__(self, monitor: str = "val_loss", patience: int = 5, *, mode: str = "min",
-                 min_delta: float = 0.0, restore_best: bool = False):
+                 min_delta: float = 0.0, restore_best: bool = False, restore_best_weights: bool = False):
         self._monitor = _Monitor("EarlyStopping", monitor, mode, min_delta)
         self.patience, self.restore_best = patience, restore_best
+        self.restore_best_weights = restore_best_weights  # Keras's: restored only once it stopped the run
         self.best_model: Any = None
         self.best_average: Any = None  # the best epoch's averaged parameters (restore_best, an averaging optimizer)
         self.best_epoch: int | None = None
@@ -460,7 +466,7 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         if self._monitor.improved(self._monitor.value(context)):
             self.best_epoch = context.sweep
-            if self.restore_best:
+            if self.restore_best or self.restore_best_weights:
                 self.best_model = own_copy(trainer.model)
                 self.best_average = own_copy(average_of(trainer.opt_state))
         elif self._monitor.wait >= self.patience and context.sweep > 1:  # Keras's `epoch > 0`
@@ -468,7 +474,8 @@ class EarlyStopping(Callback):
             self.stopped_epoch = context.sweep
 
     def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
-        if self.restore_best and self.best_model is not None:
+        restores = self.restore_best or (self.restore_best_weights and self.stopped_epoch is not None)
+        if restores and self.best_model is not None:
             trainer.model = own_copy(self.best_model)  # a copy: the next fit's steps donate it
             if self.best_average is not None:  # the averaged model of the same epoch
                 trainer.opt_state = with_average_of(trainer.opt_state, own_copy(self.best_average))

@@ -93,9 +93,10 @@ def test_a_mistral_config_with_mixed_layer_types_is_refused_as_the_ministral_tra
                                          r"'full_attention'\]: transformers reads .* as a Ministral one.*gives every "
                                          r"layer \"sliding_attention\".*wrong:  \"model_type\": \"mistral\""):
         ft.nn.from_hf(given, key=jax.random.key(0))
-    for types, window in [(["sliding_attention"] * 2, 3), (["full_attention"] * 2, None)]:
-        model = ft.nn.from_hf(_config("mistral", sliding_window=window, layer_types=types), key=jax.random.key(0))
-        assert model.model.layers.layers.self_attn.window == window
+    model = ft.nn.from_hf(_config("mistral", sliding_window=3, layer_types=["sliding_attention"] * 2),
+                          key=jax.random.key(0))
+    assert model.model.layers.layers.self_attn.window == 3
+    _hf_files.Config.of(_config("mistral", sliding_window=None, layer_types=["full_attention"] * 2))
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -211,3 +212,14 @@ def test_a_do_sample_that_is_no_boolean_is_refused_naming_the_file(tmp_path, fil
                                          rf"{re.escape(json.dumps(given))} \(a {type(given).__name__}\), not true or "
                                          rf"false.*seems to mean {meant}.*right:  \"do_sample\": "):
         ft.nn.from_hf(tmp_path)
+
+
+def test_a_git_lfs_pointer_is_named_as_one(tmp_path):
+    """A clone without git lfs holds ~130-byte pointers where the weights should be: it read
+    as a damaged file ("header size is 2336927755350992246 bytes, over the format's bound")."""
+    path = tmp_path / "model.safetensors"
+    path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "ab" * 32 + "\nsize 26843545600\n")
+    with pytest.raises(ValueError, match=rf"(?s)ft.nn.load_torch_state_dict: '{re.escape(str(path))}' is a Git LFS "
+                                         r"pointer \(the pointer of a 26.8 GB file\), not the .safetensors file.*"
+                                         r"git lfs pull"):
+        ft.nn.load_torch_state_dict(ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0))), path)

@@ -543,11 +543,14 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 # The fields HF's config classes type ``X | None`` though their default is not None (every
-# other field with a default refuses null: transformers' strict dataclass validation).
+# other field with a default refuses null: transformers' strict dataclass validation). A new
+# family's row goes here too: tests/test_files_hostile.py compares each field with transformers.
 NULL_ALLOWED: dict[str, frozenset[str]] = {"llama": frozenset({"pretraining_tp", "attention_dropout"}),
                                            "qwen2": frozenset({"sliding_window"}),
                                            "mistral": frozenset({"sliding_window"}),
-                                           "qwen3": frozenset({"sliding_window"})}
+                                           "qwen3": frozenset({"sliding_window"}),
+                                           "gemma2": frozenset({"attention_dropout", "sliding_window",
+                                                                "final_logit_softcapping", "attn_logit_softcapping"})}
 
 
 def _check_types(model_type: str, values: Mapping[str, Any]) -> None:

@@ -62,6 +62,15 @@ restricted loader and pass the state dict.
     right:  {caller}(..., torch.load("pytorch_model.bin", weights_only=True))"""
 
 
+LFS_POINTER = """\
+{caller}: {path!r} is a Git LFS pointer ({size}), not the .safetensors file it \
+stands for: the repository was cloned or copied without its large files (git lfs not \
+installed, or GIT_LFS_SKIP_SMUDGE set). Nothing of it was loaded.
+
+    right:  git lfs install && git lfs pull                  # in the clone
+       or:  huggingface_hub.snapshot_download(repo_id, local_dir=...)   # the files themselves"""
+
+
 SHARD_MISSING = """\
 {caller}: the sharded checkpoint's index {index} puts {tensor!r}{more} in the shard {shard!r}, \
 which is not there ({found}). A sharded checkpoint is the index and every shard it names, in \
@@ -243,6 +252,18 @@ def _torch_file(path: str) -> str | None:
     return None
 
 
+def _lfs_pointer(path: str) -> str | None:
+    """The size a Git LFS pointer file records ("the pointer of a 25.0 GB file"), or None
+    for any other file: its text starts ``version https://git-lfs.github.com/spec/``."""
+    with open(path, "rb") as f:
+        start = f.read(1024)
+    if not start.startswith(b"version https://git-lfs.github.com/spec/"):
+        return None
+    size = next((line.split()[1] for line in start.split(b"\n") if line.startswith(b"size ")
+                 and len(line.split()) == 2 and line.split()[1].isdigit()), None)
+    return f"the pointer of a {int(size) / 1e9:.1f} GB file" if size is not None else "a pointer"
+
+
 def load_file(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[str, np.ndarray]:
     """The tensors of a ``.safetensors`` file as read-only NumPy views of a memory map, the
     whole header checked first (module docstring)."""
@@ -255,6 +276,9 @@ def load_file(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[st
         entries = {name: _entry(name, info) for name, info in header.items()}
         _tiled(entries, total - 8 - size)
     except _Invalid as e:
+        pointer = _lfs_pointer(where)
+        if pointer is not None:
+            raise ValueError(LFS_POINTER.format(caller=caller, path=where, size=pointer)) from None
         kind = _torch_file(where)  # not safetensors: a torch file is named as one, not as damage
         if kind is not None:
             raise ValueError(PICKLED_FILE.format(caller=caller, path=where, kind=kind)) from None

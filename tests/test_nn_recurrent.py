@@ -606,3 +606,33 @@ def test_cells_without_bias(key):
         zeroed = zeroed.replace(input_weight=plain.input_weight, hidden_weight=plain.hidden_weight)
         h = plain.zero_state((2,))
         np.testing.assert_array_equal(plain(h, jnp.ones((2, 2)))[1], zeroed(h, jnp.ones((2, 2)))[1])
+
+
+def test_a_torch_stack_loaded_into_one_rnn_names_the_constructor():
+    """torch's 2-layer bidirectional LSTM loaded into one ft.nn.RNN left 12 tensors
+    unexpected with no word of what to build; RNN_STACK_HINT reads the module off the names
+    and shapes (gates 4: an LSTM; a 3-layer RNN without biases under 'enc')."""
+    torch = pytest.importorskip("torch")
+    from functree.interop._recurrent_hint import RNN_STACK_HINT
+
+    assert "an ft.nn.RNN is one layer, one direction" in RNN_STACK_HINT
+    rnn = ft.nn.RNN(ft.nn.LSTMCell(3, 4, key=jax.random.key(0)))
+    with pytest.raises(ValueError, match=r"(?s)torch's 2-layer bidirectional nn.LSTM \(weight_ih_l0 \.\.\. "
+                                         r"weight_ih_l1_reverse\).*ft.nn.LSTM\(3, 4, num_layers=2, bidirectional=True, key=k\)"):
+        ft.nn.load_torch_state_dict(rnn, torch.nn.LSTM(3, 4, num_layers=2, bidirectional=True).state_dict())
+    sd = {f"enc.{k}": v for k, v in torch.nn.RNN(3, 5, 3, bias=False).state_dict().items()}
+    with pytest.raises(ValueError, match=r"(?s)3-layer nn.RNN under 'enc'.*ft.nn.SimpleRNN\(3, 5, num_layers=3, bias=False"):
+        ft.nn.load_torch_state_dict({"enc": ft.nn.GRU(3, 5, key=jax.random.key(0))}, sd)
+
+
+def test_a_bidirectional_layer_alone_is_torchs_one_layer_bidirectional_module():
+    """ft.nn.Bidirectional outside a stack reads and writes _l0 and _l0_reverse."""
+    torch = pytest.importorskip("torch")
+    module = torch.nn.GRU(2, 3, bidirectional=True)
+    cells = [ft.nn.GRUCell(2, 3, key=k) for k in jax.random.split(jax.random.key(0))]
+    bi = ft.nn.Bidirectional(ft.nn.RNN(cells[0]), ft.nn.RNN(cells[1], reverse=True))
+    bi = ft.nn.load_torch_state_dict(bi, module.state_dict())
+    written = ft.nn.torch_state_dict(bi, numpy=True)
+    assert set(written) == set(module.state_dict())
+    for name, value in module.state_dict().items():
+        np.testing.assert_array_equal(written[name], value.numpy(), err_msg=name)

@@ -29,8 +29,10 @@ tensor under each of its names (torch's tied parameters). ``rename=`` maps torch
 prefixes onto the model's where they differ; ``layouts=`` reads Hugging Face's ``Conv1D``
 and attention held as separate ``Linear`` layers. ``RNN(cell)`` is a single-layer ``GRU`` /
 ``LSTM`` / ``RNN`` (``_l0``); ``RNN(cell, reverse=True)`` is a bidirectional layer's reverse direction
-(``_l0_reverse``: torch has no reverse-only layer; two RNNs, their outputs concatenated, are
-its ``bidirectional=True`` layer). torch's further layers stay unmatched, reported.
+(``_l0_reverse``: torch has no reverse-only layer); ``Bidirectional`` is torch's one-layer
+``bidirectional=True`` module, and ``StackedRNN`` (``ft.nn.LSTM`` / ``GRU`` / ``SimpleRNN``) its
+``num_layers=`` ones, layer ``k``'s tensors ``_l{k}`` and ``_l{k}_reverse``. torch's further
+layers loaded into one RNN stay unmatched, reported with the constructor that fits them.
 
 Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argument away:
 
@@ -97,6 +99,7 @@ from functree.interop._ports import (
     unused_layouts,
 )
 from functree.interop._processes import host_array
+from functree.interop._recurrent_hint import recurrent_hint
 from functree.interop._safetensors import load_checkpoint
 from functree.nn._conv import Conv
 from functree.nn._linear import Dense
@@ -778,7 +781,7 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     if given_names:
         report = _as_given(report, state_dict, rename)
     if strict and not report.ok:
-        raise mismatch_error(plan.rules, plan.attentions, report, hint(plan.ports))
+        raise mismatch_error(plan.rules, plan.attentions, report, recurrent_hint(report, given) + hint(plan.ports))
     return tree if strict else (tree, report)
 
 

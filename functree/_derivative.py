@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import jax
 import jax.core
@@ -20,7 +20,7 @@ from functree._activity import SCOPE
 from functree._diagnostics import UncoveredDerivativeError
 from functree._module import DifferentiationWarning
 from functree._parameters import is_parameter_leaf, parameters
-from functree._remat_policy import jax_policy, remat_policy
+from functree._remat_policy import jax_policy, policy_names, remat_policy
 from functree._tree import is_none
 
 __all__ = [
@@ -268,8 +268,14 @@ def _uncached_signature(fn: Callable[..., Any]) -> inspect.Signature | None:
         return None
 
 
-def differentiable(fn: Callable[..., Any]) -> DifferentiableFunction:
+@overload
+def differentiable(fn: Callable[..., Any]) -> DifferentiableFunction: ...
+@overload
+def differentiable() -> Callable[[Callable[..., Any]], DifferentiableFunction]: ...
+def differentiable(fn: Callable[..., Any] = _MISSING) -> Any:
     """Declare ``fn`` differentiable so that :func:`derivative` can register derivatives.
+
+    ``@ft.differentiable()``, with parentheses, is the same decorator.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -282,6 +288,8 @@ def differentiable(fn: Callable[..., Any]) -> DifferentiableFunction:
       >>> ft.gradient(cube, at=2.0)
       Array(12., dtype=float32, weak_type=True)
     """
+    if fn is _MISSING:
+        return differentiable
     if isinstance(fn, DifferentiableFunction):
         return fn
     return DifferentiableFunction(fn)
@@ -879,10 +887,31 @@ _RECOMPUTATION_USAGE = (
 )
 
 
+NOT_A_FUNCTION_TO_RECOMPUTE = """\
+ft.with_recomputation_in_pullbacks takes the function to recompute first, got {given}: a \
+policy is the keyword policy= (jax.checkpoint's order: the function, then the policy).
+
+    wrong:  ft.with_recomputation_in_pullbacks({given})
+    right:  ft.with_recomputation_in_pullbacks(f, policy={given})
+       or:  @ft.with_recomputation_in_pullbacks(policy={given})   # over def f"""
+
+
+def _policy_text(f: Any) -> str | None:
+    """How ``f`` is written when it is a policy given where the function goes (a name, a flag,
+    one of ``jax.checkpoint_policies``), else None."""
+    if isinstance(f, (str, bool)) or f is None:
+        return repr(f)
+    named = [n for n in policy_names() if getattr(jax.checkpoint_policies, n) is f]
+    return f"jax.checkpoint_policies.{named[0]}" if named else None
+
+
 def with_recomputation_in_pullbacks(
-    f: Callable[..., Any], policy: Callable[..., Any] | str | bool | None = None
+    f: Callable[..., Any] = _MISSING, policy: Callable[..., Any] | str | bool | None = None
 ) -> Callable[..., Any]:
     """Checkpointing: ``f`` whose pullback recomputes its intermediate values.
+
+    Without ``f`` it is a decorator (``@ft.with_recomputation_in_pullbacks(policy=...)``); a
+    policy where ``f`` goes is :data:`NOT_A_FUNCTION_TO_RECOMPUTE`.
 
     ``policy`` chooses what may be saved instead: ``None`` or ``True`` (nothing but the
     inputs), the name of a policy in ``jax.checkpoint_policies``
@@ -900,7 +929,12 @@ def with_recomputation_in_pullbacks(
       >>> round(float(ft.gradient(f, at=0.5)), 4)
       0.7786
     """
+    given = _policy_text(f)
+    if given is not None:  # a policy first (jax.checkpoint takes the function first too)
+        raise TypeError(NOT_A_FUNCTION_TO_RECOMPUTE.format(given=given))
     checked = remat_policy(policy, arg="policy", usage=_RECOMPUTATION_USAGE)
+    if f is _MISSING:  # @ft.with_recomputation_in_pullbacks(policy=...): the policy checked now
+        return functools.partial(with_recomputation_in_pullbacks, policy=policy)
     if checked is False:
         return f
     policy = jax_policy(checked)

@@ -516,13 +516,19 @@ def test_simple_rnn_cell_takes_the_activation_function_not_its_name(key):
         ft.nn.SimpleRNNCell(3, 5, key=key)(jnp.zeros((2, 5)), jnp.ones((2, 4)))
 
 
+def _drawn(make, dtype=np.float32):
+    """The layer ``make()`` builds, its leaves N(0, 0.5^2) by NumPy: no eager initializers
+    (an orthogonal draw is a QR per cell), abstract until filled."""
+    return _randomize(jax.eval_shape(make)) if dtype == np.float32 else jax.tree.map(
+        lambda a: jnp.asarray(a, dtype), _randomize(jax.eval_shape(make)))
+
+
 def test_stacked_bidirectional_gradients_finite_differences():
     """A 2-layer bidirectional GRU (tiny, float64): reverse-mode gradients of the outputs and
     the final states with respect to the weights, the input and the initial state agree with
     finite differences (jax.test_util.check_grads)."""
     with jax.enable_x64(True):
-        gru = ft.nn.GRU(2, 2, num_layers=2, bidirectional=True, dtype=jnp.float64, key=jax.random.key(0))
-        gru = jax.tree.map(lambda a: a + 0.1, gru)  # nonzero biases
+        gru = _drawn(lambda: ft.nn.GRU(2, 2, num_layers=2, bidirectional=True, key=jax.random.key(0)), np.float64)
         x = np.random.default_rng(0).normal(size=(1, 3, 2))
         h0 = np.random.default_rng(1).normal(size=(4, 1, 2))
         check_grads(jax.jit(lambda m, x, h0: m(x, h0, return_state=True)), (gru, x, h0), order=1, modes=["rev"])
@@ -535,9 +541,9 @@ def test_stacked_rnn_dropout_between_layers_only_in_training():
     from functree.nn._dropout import NO_KEY
 
     x, key = jnp.ones((2, 3, 2)), jax.random.key(5)
-    one = ft.nn.LSTM(2, 3, dropout=0.5, key=jax.random.key(0))
+    one = _drawn(lambda: ft.nn.LSTM(2, 3, dropout=0.5, key=jax.random.key(0)))
     np.testing.assert_array_equal(ft.nn.training(one)(x, key=key), one(x))
-    two = ft.nn.LSTM(2, 3, num_layers=2, dropout=0.5, key=jax.random.key(0))
+    two = _drawn(lambda: ft.nn.LSTM(2, 3, num_layers=2, dropout=0.5, key=jax.random.key(0)))
     first, second = two.layers
     np.testing.assert_array_equal(two(x), second(first(x)))
     trained = ft.nn.training(two)
@@ -553,19 +559,22 @@ def test_stacked_rnn_dropout_between_layers_only_in_training():
 def test_stacked_rnn_states_in_torchs_order_and_time_major():
     """The final state is layer 0 forward, layer 0 backward, layer 1 ...; the initial state is
     taken as that tuple or stacked (torch's h_0); batch_first=False reads [time, batch, features]."""
-    lstm = ft.nn.LSTM(2, 3, num_layers=2, bidirectional=True, key=jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (2, 4, 2))
+    lstm = _drawn(lambda: ft.nn.LSTM(2, 3, num_layers=2, bidirectional=True, key=jax.random.key(0)))
+    x = jnp.asarray(_normal((2, 4, 2), 1))
     ys, final = lstm(x, return_state=True)
     bi = lstm.layers[1]
     mid = lstm.layers[0](x)
     _, (h_f, h_b) = bi(mid, return_state=True)
     np.testing.assert_array_equal(final[2].hidden, h_f.hidden)
     np.testing.assert_array_equal(final[3].cell, h_b.cell)
-    h0 = ft.nn.LSTMState(*(jax.random.normal(k, (4, 2, 3)) for k in jax.random.split(jax.random.key(2))))
+    h0 = ft.nn.LSTMState(jnp.asarray(_normal((4, 2, 3), 2)), jnp.asarray(_normal((4, 2, 3), 3)))
     stacked = lstm(x, h0)
     as_tuple = lstm(x, tuple(ft.nn.LSTMState(h0.hidden[i], h0.cell[i]) for i in range(4)))
     np.testing.assert_array_equal(stacked, as_tuple)
-    time_major = ft.nn.LSTM(2, 3, num_layers=2, bidirectional=True, batch_first=False, key=jax.random.key(0))
+    built = jax.eval_shape(lambda: ft.nn.LSTM(2, 3, num_layers=2, bidirectional=True, batch_first=False,
+                                              key=jax.random.key(0)))
+    assert {r.time_axis for layer in built.layers for r in (layer.forward, layer.backward)} == {0}
+    time_major = _time_major(lstm)
     np.testing.assert_allclose(time_major(jnp.swapaxes(x, 0, 1)), jnp.swapaxes(ys, 0, 1), rtol=0, atol=1e-6)
 
 
@@ -573,7 +582,7 @@ def test_stacked_rnn_errors_name_the_fix():
     from functree.nn import _recurrent_layers as R
 
     key = jax.random.key(0)
-    cell = ft.nn.GRUCell(2, 3, key=key)
+    cell = _drawn(lambda: ft.nn.GRUCell(2, 3, key=key))
     with pytest.raises(ValueError, match=r"(?s)the backward RNN has reverse=False.*reverse=True\)\)"):
         ft.nn.Bidirectional(ft.nn.RNN(cell), ft.nn.RNN(cell))
     with pytest.raises(ValueError, match=r"(?s)forward RNN reads time on axis -2, the backward one on axis 0"):
@@ -587,12 +596,12 @@ def test_stacked_rnn_errors_name_the_fix():
         ft.nn.SimpleRNN(2, 3, nonlinearity="sigmoid", key=key)
     with pytest.raises(ValueError, match=r"num_layers=0; a recurrent stack has at least one layer"):
         ft.nn.GRU(2, 3, num_layers=0, key=key)
-    gru = ft.nn.GRU(2, 3, num_layers=2, bidirectional=True, key=key)
+    gru = _drawn(lambda: ft.nn.GRU(2, 3, num_layers=2, bidirectional=True, key=key))
     x = jnp.ones((5, 4, 2))
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)GRU expects inputs initial_state of 4 cell states.*got f32\[2,5,3\]"):
         gru(x, jnp.zeros((2, 5, 3)))  # a 1-layer torch h_0
-    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)RNN at \.layers\[1\]\.backward expects inputs initial_state f32\[5,3\]"):
-        gru(x, (jnp.zeros((5, 3)),) * 3 + (jnp.zeros((5, 4)),))
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)RNN at \.layers\[0\]\.backward expects inputs initial_state f32\[5,3\]"):
+        gru(x, (jnp.zeros((5, 3)), jnp.zeros((5, 4))) + (jnp.zeros((5, 3)),) * 2)
     assert "torch's order" in R.STATE_COUNT and "h0 [4, *batch, hidden]" in R.FIX_STATE_COUNT.format(count=4)
     assert "ft.nn.LSTM(n_in, n_hidden, num_layers=" in ft.nn._recurrent.FIX_TORCH_AXIS
 
@@ -600,12 +609,13 @@ def test_stacked_rnn_errors_name_the_fix():
 def test_cells_without_bias(key):
     """use_bias=False (torch's bias=False): no bias leaves, the biased cell with zero biases."""
     for cls in (ft.nn.SimpleRNNCell, ft.nn.GRUCell, ft.nn.LSTMCell):
-        plain = cls(2, 3, key=key, use_bias=False)
+        plain = _drawn(lambda cls=cls: cls(2, 3, key=key, use_bias=False))
         assert not [k for k in ft.to_flat_dict(plain) if "bias" in k]
-        zeroed = jax.tree.map(jnp.zeros_like, cls(2, 3, key=key))
+        zeroed = jax.tree.map(jnp.zeros_like, _drawn(lambda cls=cls: cls(2, 3, key=key)))
         zeroed = zeroed.replace(input_weight=plain.input_weight, hidden_weight=plain.hidden_weight)
         h = plain.zero_state((2,))
-        np.testing.assert_array_equal(plain(h, jnp.ones((2, 2)))[1], zeroed(h, jnp.ones((2, 2)))[1])
+        same = jax.jit(lambda a, b, h, x: (a(h, x)[1], b(h, x)[1]))(plain, zeroed, h, jnp.ones((2, 2)))
+        np.testing.assert_array_equal(*same)
 
 
 def test_a_torch_stack_loaded_into_one_rnn_names_the_constructor():
@@ -616,13 +626,13 @@ def test_a_torch_stack_loaded_into_one_rnn_names_the_constructor():
     from functree.interop._recurrent_hint import RNN_STACK_HINT
 
     assert "an ft.nn.RNN is one layer, one direction" in RNN_STACK_HINT
-    rnn = ft.nn.RNN(ft.nn.LSTMCell(3, 4, key=jax.random.key(0)))
+    rnn = jax.eval_shape(lambda: ft.nn.RNN(ft.nn.LSTMCell(3, 4, key=jax.random.key(0))))
     with pytest.raises(ValueError, match=r"(?s)torch's 2-layer bidirectional nn.LSTM \(weight_ih_l0 \.\.\. "
                                          r"weight_ih_l1_reverse\).*ft.nn.LSTM\(3, 4, num_layers=2, bidirectional=True, key=k\)"):
         ft.nn.load_torch_state_dict(rnn, torch.nn.LSTM(3, 4, num_layers=2, bidirectional=True).state_dict())
     sd = {f"enc.{k}": v for k, v in torch.nn.RNN(3, 5, 3, bias=False).state_dict().items()}
     with pytest.raises(ValueError, match=r"(?s)3-layer nn.RNN under 'enc'.*ft.nn.SimpleRNN\(3, 5, num_layers=3, bias=False"):
-        ft.nn.load_torch_state_dict({"enc": ft.nn.GRU(3, 5, key=jax.random.key(0))}, sd)
+        ft.nn.load_torch_state_dict({"enc": jax.eval_shape(lambda: ft.nn.GRU(3, 5, key=jax.random.key(0)))}, sd)
 
 
 def test_a_bidirectional_layer_alone_is_torchs_one_layer_bidirectional_module():
@@ -636,3 +646,12 @@ def test_a_bidirectional_layer_alone_is_torchs_one_layer_bidirectional_module():
     assert set(written) == set(module.state_dict())
     for name, value in module.state_dict().items():
         np.testing.assert_array_equal(written[name], value.numpy(), err_msg=name)
+
+
+def _time_major(stack):
+    """``stack`` reading time on axis 0 (torch's batch_first=False), its weights kept."""
+    def moved(rnn):
+        return rnn.replace(time_axis=0)
+    layers = tuple(ft.nn.Bidirectional(moved(layer.forward), moved(layer.backward))
+                   if isinstance(layer, ft.nn.Bidirectional) else moved(layer) for layer in stack.layers)
+    return ft.nn.StackedRNN(layers, stack.dropout)

@@ -361,6 +361,13 @@ _NEWER: dict[str, tuple[Callable[[type], ft.Module], Callable[[type], ft.Module]
     ),
     "Stack": (lambda c: c(_dense, 3, key=K, remat=True), lambda c: c(make=_dense, n=3, key=K, remat=True)),
     "Remat": (lambda c: c(_tied(), policy="dots_saveable"), lambda c: c(layer=_tied(), policy="dots_saveable")),
+    "Bidirectional": (lambda c: c(ft.nn.RNN(_cell()), ft.nn.RNN(_cell(), reverse=True)),
+                      lambda c: c(forward=ft.nn.RNN(_cell()), backward=ft.nn.RNN(_cell(), reverse=True))),
+    "StackedRNN": (lambda c: c([ft.nn.RNN(_cell())], 0.1), lambda c: c(layers=[ft.nn.RNN(_cell())], dropout=0.1)),
+    **{name: (lambda c: c(2, 3, 2, key=K, bidirectional=True),
+              lambda c: c(input_size=2, hidden_size=3, num_layers=2, key=K, bidirectional=True))
+       for name in ("LSTM", "GRU", "SimpleRNN")},
+    **{f"MaxUnpool{n}D": (lambda c: c(2, 2, 0), lambda c: c(pool_size=2, strides=2, padding=0)) for n in (1, 2, 3)},
 }
 for _name, (_positional, _keywords) in _NEWER.items():
     if hasattr(ft.nn, _name):

@@ -602,7 +602,13 @@ def test_stacked_rnn_errors_name_the_fix():
         gru(x, jnp.zeros((2, 5, 3)))  # a 1-layer torch h_0
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)RNN at \.layers\[0\]\.backward expects inputs initial_state f32\[5,3\]"):
         gru(x, (jnp.zeros((5, 3)), jnp.zeros((5, 4))) + (jnp.zeros((5, 3)),) * 2)
+    lstm = _drawn(lambda: ft.nn.LSTM(2, 3, bidirectional=True, key=key))
+    h0 = jnp.zeros((2, 5, 3))  # torch's (h_0, c_0) as a plain pair: read as two directions' states, before
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)LSTM expects inputs initial_state of 2 cell states.*"
+                                                    r"right:  lstm\(xs, ft.nn.LSTMState\(h0, c0\)\)"):
+        lstm(x, (h0, h0))
     assert "torch's order" in R.STATE_COUNT and "h0 [4, *batch, hidden]" in R.FIX_STATE_COUNT.format(count=4)
+    assert "not a plain pair" in R.FIX_LSTM_PAIR
     assert "ft.nn.LSTM(n_in, n_hidden, num_layers=" in ft.nn._recurrent.FIX_TORCH_AXIS
 
 

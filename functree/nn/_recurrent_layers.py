@@ -57,6 +57,11 @@ Give one state per layer and direction (layer 0 forward, layer 0 backward, layer
        or:  stack(xs, ft.nn.LSTMState(h0, c0))  # an LSTM's (h_0, c_0), each [{count}, *batch, hidden]
        or:  stack(xs, tuple(states))           # {count} states, each as cell.zero_state(batch) gives"""
 
+FIX_LSTM_PAIR = """\
+An LSTM's (h_0, c_0) is an ft.nn.LSTMState, not a plain pair (read as one state per layer and direction):
+    wrong:  lstm(xs, (h0, c0))
+    right:  lstm(xs, ft.nn.LSTMState(h0, c0))   # each [{count}, *batch, hidden], as torch takes them"""
+
 PROJ_SIZE = """\
 ft.nn.LSTM: proj_size={given} (torch's LSTM with projections, Sak et al. 2014: h_t = W_hr \
 (o_t * tanh(c_t)), a hidden state of proj_size) is not implemented; ft.nn.LSTMCell's hidden \
@@ -197,6 +202,9 @@ class StackedRNN(Layer):
         if state is None:
             return [None] * len(self.layers)
         count = self.num_states
+        if type(state) in (tuple, list) and len(state) == 2 and _lstm(self.layers) and all(
+                hasattr(s, "shape") for s in state):  # torch's (h_0, c_0): a pair of arrays, no LSTMState
+            raise LayerInputError(self, STATE_COUNT.format(count=count), _show(state), FIX_LSTM_PAIR.format(count=count))
         if type(state) in (tuple, list) and len(state) == count:
             flat = list(state)
         else:  # torch's form: every leaf stacked on a leading axis of num_layers * num_directions
@@ -212,6 +220,12 @@ class StackedRNN(Layer):
             grouped.append(tuple(flat[i:i + d]) if d == 2 else flat[i])
             i += d
         return grouped
+
+
+def _lstm(layers: tuple[Any, ...]) -> bool:
+    """Whether the first layer's cell is an LSTMCell (its state an LSTMState)."""
+    first = layers[0].forward if layers and isinstance(layers[0], Bidirectional) else (layers[0] if layers else None)
+    return isinstance(getattr(first, "cell", None), LSTMCell)
 
 
 def _directions(layer: Any) -> int:

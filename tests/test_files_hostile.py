@@ -223,3 +223,29 @@ def test_a_git_lfs_pointer_is_named_as_one(tmp_path):
                                          r"pointer \(the pointer of a 26.8 GB file\), not the .safetensors file.*"
                                          r"git lfs pull"):
         ft.nn.load_torch_state_dict(ft.nn.Sequential(ft.nn.Dense(2, 2, key=jax.random.key(0))), path)
+
+
+@pytest.mark.parametrize("model_type, changes, key", [
+    ("llama", {"rope_theta": None}, "rope_theta"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": None}}, "rope_theta"),
+    ("gpt_neox", {"rotary_pct": None}, "partial_rotary_factor"),
+    ("phi3", {"partial_rotary_factor": None}, "partial_rotary_factor"),
+])
+def test_a_null_rope_number_is_refused_naming_it(model_type, changes, key):
+    """Read into the rotation, a null rope_theta or factor was a bare TypeError ("float()
+    argument must be ... not 'NoneType'"); Hugging Face's model fails on it too (llama:
+    "unsupported operand type(s) for ** or pow()" building the rotary embedding)."""
+    given = _config(model_type, **changes)
+    with pytest.raises(ValueError, match=rf"(?s)the {model_type} config's {key} \(at its top level.*is null; a rotary "
+                                         rf"embedding needs a number there.*wrong:  \"{key}\": null\n    right:  "
+                                         rf"\"{key}\": "):
+        _hf_files.Config.of(given)
+
+
+def test_a_null_partial_rotary_factor_is_no_factor_as_transformers_reads_it():
+    """HF's standardize_rope_params skips a null partial_rotary_factor (the whole head
+    rotates); it was a bare TypeError."""
+    transformers = pytest.importorskip("transformers")
+    given = _config("llama", partial_rotary_factor=None)
+    assert "partial_rotary_factor" not in transformers.AutoConfig.for_model(**given).rope_parameters
+    assert _hf_files.Config.of(given).rope_parameters == _hf_files.Config.of(_config("llama")).rope_parameters

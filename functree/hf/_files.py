@@ -133,6 +133,16 @@ functree's {kind} rotation would be a model nobody trained.
        or:  no rope_scaling (the default rotation)
 """
 
+NULL_ROPE = """\
+ft.nn.from_hf: the {model_type} config's {key} (at its top level or in rope_parameters / \
+rope_scaling, GPT-NeoX's rotary_emb_base / rotary_pct) is null; a rotary embedding needs a \
+number there (Hugging Face's model fails on it: "unsupported operand type(s)"), and a number \
+made up here would build another model.
+
+    wrong:  "{key}": null
+    right:  "{key}": {right}        # the checkpoint's own (Hugging Face's default: leave the key out)
+"""
+
 NO_DEFAULTS = """\
 ft.nn.from_hf: the {model_type} config has no {name!r}, and functree/hf/_files.py's \
 DEFAULTS has no {model_type!r} row (Hugging Face's defaults of the fields a config.json \
@@ -460,6 +470,9 @@ GENERATION_OPTIONS = frozenset((
     "return_dict_in_generate", "suppress_tokens", "target_lookbehind", "temperature", "top_k", "top_p", "typical_p",
     "use_cache"))
 _DEFAULT_THETA = 10_000.0
+# each rope key's value where the file gives none (the model type's, else every model type's)
+_ROPE_DEFAULTS: dict[Any, float] = {"rope_theta": _DEFAULT_THETA, "partial_rotary_factor": 1.0,
+                                    ("gpt_neox", "partial_rotary_factor"): 0.25}
 _SCALED_ROPES = ("llama3", "yarn", "longrope")  # the rope types that keep the pretraining length
 
 
@@ -708,8 +721,10 @@ def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, A
         params.setdefault("partial_rotary_factor", given.get("partial_rotary_factor", 1.0))
     else:
         params.setdefault("rope_theta", values.pop("rope_theta", _DEFAULT_THETA))
-        if "partial_rotary_factor" in given:
-            params.setdefault("partial_rotary_factor", values.pop("partial_rotary_factor"))
+        if "partial_rotary_factor" in given:  # a null one is no factor, as HF's standardize_rope_params reads it
+            factor = values.pop("partial_rotary_factor")
+            if factor is not None:
+                params.setdefault("partial_rotary_factor", factor)
     params.setdefault("rope_type", params.get("type", "default"))
     if params["rope_type"] in _SCALED_ROPES:
         # a top-level value wins over the rope dict's own: Phi-3's field, and any config.json
@@ -722,4 +737,8 @@ def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, A
         params["rope_type"] = "longrope"
     if model_type == "phi3" and params["rope_type"] not in ("default", "longrope"):
         raise ValueError(PHI3_ROPE_TYPE.format(kind=params["rope_type"], kind_json=json.dumps(params["rope_type"])))
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in params and params[key] is None:
+            raise ValueError(NULL_ROPE.format(model_type=model_type, key=key, right=_ROPE_DEFAULTS[model_type, key]
+                                              if (model_type, key) in _ROPE_DEFAULTS else _ROPE_DEFAULTS[key]))
     values["rope_parameters"] = params

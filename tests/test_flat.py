@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree._flat import CHANGED_OUTPUT, builder, flat_jit
+from functree._flat import CHANGED_OUTPUT, PAUSE_NODES, builder, flat_jit
 
 Pair = collections.namedtuple("Pair", ["a", "b"])
 
@@ -367,3 +367,70 @@ def test_a_collector_the_caller_turned_off_stays_off():
     finally:
         gc.enable()
     assert seen == [False]
+
+
+def _collections_inside(step, w, calls):
+    """``(w, generations)``: two loop calls of ``step`` (compiled, the fast path set), then
+    ``calls`` more and the collections of the cyclic collector that started inside them (its
+    first generation collecting after 100 net allocations of tracked objects, so that any call
+    allocating more collects). The caller's ``w`` is the first input (held throughout)."""
+    for _ in range(2):
+        w, _ = step(w, 1.0)
+    inside, calling = [], [False]
+
+    def record(phase, info):
+        if phase == "start" and calling[0]:
+            inside.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.collect()  # (its count of allocations from zero: a few a call stay, until the next collection)
+    gc.callbacks.append(record)
+    gc.set_threshold(100, *threshold[1:])
+    try:
+        for _ in range(calls):
+            calling[0] = True
+            w, _ = step(w, 1.0)
+            calling[0] = False
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(record)
+    return w, inside
+
+
+def _shifted(t, x):
+    return tuple(a + x for a in t), x  # the first result passed back, donated
+
+
+def test_a_loop_call_with_many_results_runs_no_collection_inside():
+    # Each node of the results is a tracked allocation (an array JAX returns, an object the
+    # builder makes): results of hundreds of nodes made the collector run inside every loop
+    # call, promoting the live model and state (then walking the whole heap now and then).
+    step = ft.jit(_shifted, donate=(0,))  # (its guard frees the inputs of two calls ago inside the call)
+    w, inside = _collections_inside(step, tuple(jnp.full((), float(i)) for i in range(PAUSE_NODES)), calls=3)
+    assert step._last[0].loop == (0,) and step._last[0].pause
+    assert inside == [] and gc.isenabled()
+    np.testing.assert_array_equal(np.stack(w), np.arange(PAUSE_NODES) + 5.0)
+
+
+def test_a_loop_call_with_few_results_leaves_the_collector_alone():
+    step = ft.jit(_shifted, donate=(0,))
+    w, _ = _collections_inside(step, (jnp.zeros(()), jnp.ones(())), calls=2)
+    assert step._last[0].loop == (0,) and not step._last[0].pause  # (the fast path as before)
+    np.testing.assert_array_equal(np.stack(w), [4.0, 5.0])
+
+
+def test_the_collector_is_on_again_after_a_paused_call_fails_and_stays_off_if_the_caller_turned_it_off():
+    step = ft.jit(_shifted, donate=(0,))
+    w = tuple(jnp.full((), float(i)) for i in range(PAUSE_NODES))
+    for _ in range(2):
+        w, _ = step(w, 1.0)
+    gc.disable()
+    try:
+        w, _ = step(w, 1.0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    w[0].delete()  # the fast path's program call fails
+    with pytest.raises(ValueError, match=r"deleted array at t\.0"):
+        step(w, 1.0)
+    assert gc.isenabled()

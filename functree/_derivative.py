@@ -19,6 +19,7 @@ from functree import _diagnostics, _operators, _warnings
 from functree._activity import SCOPE
 from functree._diagnostics import UncoveredDerivativeError
 from functree._module import DifferentiationWarning
+from functree._operator_habits import named_keywords
 from functree._parameters import is_parameter_leaf, parameters
 from functree._remat_policy import jax_policy, policy_names, remat_policy
 from functree._tree import is_none
@@ -303,6 +304,7 @@ def _normalize_wrt(wrt: Any) -> tuple[int, ...] | None:
     return tuple(wrt)
 
 
+@named_keywords  # JAX's argnums / has_aux / holomorphic named with functree's way
 def derivative(
     f: Callable[..., Any] | None = None,
     at: Any = _MISSING,

@@ -201,9 +201,43 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
                    "params = ft.parameters(model)"),
         "tree_at": ("Equinox's eqx.tree_at replaces a leaf; here by key path (eqx.tree_at works too)",
                     "model = ft.set(model, \"head.weight\", w)     # or model.replace(head=...)"),
-        "value_and_grad": ("Flax NNX's nnx.value_and_grad is ft.value_with_gradient here",
+        "value_and_grad": ("JAX's jax.value_and_grad and Flax NNX's nnx.value_and_grad are ft.value_with_gradient "
+                           "here (argnums is wrt=)",
                            "loss, grads = ft.value_with_gradient(loss_fn, at=model)"),
-        "grad": ("Flax NNX's nnx.grad is ft.gradient here", "grads = ft.gradient(loss_fn, at=model)"),
+        "grad": ("JAX's jax.grad and Flax NNX's nnx.grad are ft.gradient here (argnums is wrt=)",
+                 "grads = ft.gradient(loss_fn, at=model)"),
+        # JAX's and torch's differentiation names: Swift's names here (functree's operators)
+        "stop_gradient": ("JAX's jax.lax.stop_gradient is ft.without_derivative here (jax.lax.stop_gradient "
+                          "works too)", "y = ft.without_derivative(x)"),
+        "detach": ("torch's x.detach() is ft.without_derivative(x) here", "y = ft.without_derivative(x)"),
+        "vjp": ("JAX's jax.vjp(f, x) is ft.value_with_pullback here (the pullback is vjp's function)",
+                "y, pb = ft.value_with_pullback(f, at=x);  dx = pb(jnp.ones_like(y))"),
+        "jvp": ("JAX's jax.jvp(f, (x,), (t,)) is ft.value_with_differential here: the differential "
+                "pushes any tangent forward", "y, df = ft.value_with_differential(f, at=x);  dy = df(t)"),
+        "linearize": ("JAX's jax.linearize(f, x) is ft.value_with_differential here",
+                      "y, df = ft.value_with_differential(f, at=x);  dy = df(t)"),
+        "jacrev": ("JAX's jax.jacrev is ft.jacobian here (reverse mode is its default)", "J = ft.jacobian(f, at=x)"),
+        "jacfwd": ("JAX's jax.jacfwd is ft.jacobian(mode=\"forward\") here",
+                   "J = ft.jacobian(f, at=x, mode=\"forward\")"),
+        "checkpoint": ("JAX's jax.checkpoint (jax.remat) is ft.with_recomputation_in_pullbacks here "
+                       "(Swift's name; policy= takes jax.checkpoint_policies' names)",
+                       "g = ft.with_recomputation_in_pullbacks(f)   # or @ft.with_recomputation_in_pullbacks(policy=...)"),
+        "remat": ("JAX's jax.remat (jax.checkpoint) is ft.with_recomputation_in_pullbacks here (Swift's name)",
+                  "g = ft.with_recomputation_in_pullbacks(f)   # or @ft.with_recomputation_in_pullbacks(policy=...)"),
+        "custom_vjp": ("JAX's jax.custom_vjp with f.defvjp(fwd, bwd) is Swift's @ft.derivative(of=f) here: one "
+                       "rule returns (value, pullback)",
+                       "f = ft.derivative(of=f)(rule)   # def rule(x): return f(x), lambda v: v * dfdx"),
+        "custom_jvp": ("JAX's jax.custom_jvp with f.defjvp(rule) is @ft.derivative(of=f, mode=\"forward\") here: "
+                       "one rule returns (value, differential)",
+                       "f = ft.derivative(of=f, mode=\"forward\")(rule)   # def rule(x): return f(x), lambda t: dfdx * t"),
+        "enable_grad": ("torch.enable_grad() switches a gradient tape back on; JAX records none: every "
+                        "function is differentiated where an operator takes it", "grads = ft.gradient(loss_fn, at=model)   # no context needed"),
+        "set_grad_enabled": ("torch.set_grad_enabled(mode) switches a gradient tape; JAX records none: code "
+                             "outside ft.gradient computes no derivative",
+                             "grads = ft.gradient(loss_fn, at=model)   # no context needed"),
+        "autograd": ("torch.autograd.grad(loss, params) differentiates a value a tape recorded; here the "
+                     "function is differentiated",
+                     "grads = ft.gradient(loss_fn, at=model)     # loss_fn(model) returns the loss"),
         "split": ("Flax NNX's nnx.split is not needed: the model is the pytree; its parameter view is "
                   "ft.parameters(model)", "params = ft.parameters(model)"),
         "merge": ("Flax NNX's nnx.merge is ft.with_parameters here", "model = ft.with_parameters(model, params)"),

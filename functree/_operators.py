@@ -36,6 +36,7 @@ import numpy as np
 
 from functree import _compat as compat
 from functree import _diagnostics
+from functree._operator_habits import aux_pair, check_function, named_keywords
 from functree._parameters import is_parameter_leaf, parameters
 from functree._plan import Plan
 from functree._plan import fn_name as _fn_name
@@ -60,8 +61,8 @@ NON_SCALAR_RESULT = """\
 {op} needs a scalar result, but {fn} returned shape {shape} ({dtype}).
 Reduce it first, or ask for the operator that takes non-scalar results:
 
-    wrong:  ft.gradient(f, at=x)                  # f returns shape {shape}
-    right:  ft.gradient(lambda x: f(x).sum(), at=x)
+    wrong:  {op}(f, at=x)                  # f returns shape {shape}
+    right:  {op}(lambda x: f(x).sum(), at=x)
        or:  value, pb = ft.value_with_pullback(f, at=x)   # then pb(cotangent)
        or:  ft.jacobian(f, at=x)
 """
@@ -250,15 +251,22 @@ RESULT_WITH_AUX = """\
 {op} needs a scalar result, but {fn} returned a {kind}: a loss with an aux output is
 differentiated with has_aux=True (the first item is the loss, the rest comes back as is):
     wrong:  {op}(loss_fn, at=model)              # loss_fn returns (loss, aux)
-    right:  {op}(loss_fn, at=model, has_aux=True)
+    right:  {right}
 """
+
+# ft.hessian has no has_aux: the loss alone is differentiated twice.
+_WITH_AUX_RIGHT = "{op}(loss_fn, at=model, has_aux=True)"
+_HESSIAN_WITH_AUX_RIGHT = "ft.hessian(lambda m: loss_fn(m)[0], at=model);  aux = loss_fn(model)[1]"
 
 
 def _check_scalar(op: str, f: Callable[..., Any], has_aux: bool) -> Callable[[Any], Any]:
+    paired = aux_pair(op.removeprefix("ft."), f, has_aux)
+
     def pack(out: Any) -> Any:
-        value = out[0] if has_aux else out
+        value = paired(out)[0] if has_aux else out
         if isinstance(value, (tuple, list, dict)):  # (loss, aux) without has_aux: a crash in JAX's conversion
-            raise TypeError(RESULT_WITH_AUX.format(op=op, fn=_fn_name(f), kind=type(value).__name__))
+            right = (_HESSIAN_WITH_AUX_RIGHT if op == "ft.hessian" else _WITH_AUX_RIGHT).format(op=op)
+            raise TypeError(RESULT_WITH_AUX.format(op=op, fn=_fn_name(f), kind=type(value).__name__, right=right))
         shape = jnp.shape(value)
         if shape != ():
             raise TypeError(
@@ -273,6 +281,7 @@ def _check_scalar(op: str, f: Callable[..., Any], has_aux: bool) -> Callable[[An
 
 def _operator(op: str, f: Callable[..., Any], at: Any, impl: Callable[..., Any]) -> Any:
     """Return the derivative function, or its value at ``at`` when given."""
+    check_function(op, f, at, _MISSING)
 
     @functools.wraps(f)
     def derived(*args: Any, **kwargs: Any) -> Any:
@@ -283,6 +292,7 @@ def _operator(op: str, f: Callable[..., Any], at: Any, impl: Callable[..., Any])
     return derived if at is _MISSING else derived(at)
 
 
+@named_keywords
 def value_with_gradient(
     f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, has_aux: bool = False,
     holomorphic: bool = False,
@@ -314,6 +324,7 @@ def _value_and_grad(
     return grad(*plan.primals)
 
 
+@named_keywords
 def gradient(
     f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, has_aux: bool = False,
     holomorphic: bool = False,
@@ -352,6 +363,7 @@ def gradient(
     return _operator("gradient", f, at, impl)
 
 
+@named_keywords
 def value_with_pullback(
     f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, has_aux: bool = False
 ) -> Any:
@@ -374,7 +386,7 @@ def value_with_pullback(
 
 def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
     plan = Plan(op, fn, args, wrt)
-    g = plan.wrap()
+    g = plan.wrap(aux_pair(op, fn, has_aux))
     g = _diagnostics.check("pullback", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
     out = jax.vjp(g, *plan.primals, has_aux=has_aux)
 
@@ -384,6 +396,7 @@ def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) 
     return (out[0], pullback_fn, *out[2:])  # out[2:] is (aux,) when has_aux
 
 
+@named_keywords
 def pullback(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     """The pullback ``v ↦ vᵀ J_f(x)`` at ``at`` (or a function of the point giving it).
 
@@ -400,6 +413,7 @@ def pullback(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     return _operator("pullback", f, at, impl)
 
 
+@named_keywords
 def value_with_differential(
     f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, has_aux: bool = False
 ) -> Any:
@@ -422,7 +436,7 @@ def value_with_differential(
 
 def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) -> Any:
     plan = Plan(op, fn, args, wrt)
-    g = plan.wrap()
+    g = plan.wrap(aux_pair(op, fn, has_aux))
     with _forward_mode():
         g = _diagnostics.check("differential", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
         _refuse_reverse_only(op, fn, g, plan.primals)  # reads the replayed trace: no Python run again
@@ -443,6 +457,7 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
     return (out[0], differential_fn, *out[2:])  # out[2:] is (aux,) when has_aux
 
 
+@named_keywords
 def differential(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     """The differential ``t ↦ J_f(x) t`` at ``at`` (forward mode).
 
@@ -459,6 +474,7 @@ def differential(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> 
     return _operator("differential", f, at, impl)
 
 
+@named_keywords
 def derivative(f: Callable[..., Any], at: Any = _MISSING, *, wrt: int = 0) -> Any:
     """``df/dx`` for a scalar argument ``x`` (the result may have any shape), by forward mode.
 
@@ -480,6 +496,7 @@ def derivative(f: Callable[..., Any], at: Any = _MISSING, *, wrt: int = 0) -> An
     return _operator("derivative", f, at, impl)
 
 
+@named_keywords
 def jacobian(
     f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0, mode: str = "reverse", has_aux: bool = False,
     holomorphic: bool = False,
@@ -507,7 +524,8 @@ def jacobian(
         forward = mode == "forward"
         # Reverse mode pulls back the result's parameter view: an integer leaf (no row) is
         # None there, as forward mode's float0 columns become None below.
-        g = plan.wrap() if forward else plan.wrap(_result_view(has_aux))
+        paired = aux_pair("jacobian", fn, has_aux)
+        g = plan.wrap(paired) if forward else plan.wrap(lambda out: _result_view(has_aux)(paired(out)))
         with _forward_mode() if forward else contextlib.nullcontext():
             g = _diagnostics.check("pullback", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
             if forward:
@@ -552,6 +570,7 @@ def _refuse_complex(fn: Callable[..., Any], plan: Plan) -> None:
                 raise TypeError(COMPLEX_HESSIAN.format(fn=_fn_name(fn), where=where, dtype=jnp.result_type(leaf)))
 
 
+@named_keywords
 def hessian(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
     """The Hessian ``∇²f(x)`` of a scalar function (forward-over-reverse).
 

@@ -528,7 +528,7 @@ def test_stacked_bidirectional_gradients_finite_differences():
     the final states with respect to the weights, the input and the initial state agree with
     finite differences (jax.test_util.check_grads)."""
     with jax.enable_x64(True):
-        gru = _drawn(lambda: ft.nn.GRU(2, 2, num_layers=2, bidirectional=True, key=jax.random.key(0)), np.float64)
+        gru = _drawn(lambda: ft.nn.GRU(2, 2, num_layers=2, bidirectional=True, batch_first=True, key=jax.random.key(0)), np.float64)
         x = np.random.default_rng(0).normal(size=(1, 3, 2))
         h0 = np.random.default_rng(1).normal(size=(4, 1, 2))
         check_grads(jax.jit(lambda m, x, h0: m(x, h0, return_state=True)), (gru, x, h0), order=1, modes=["rev"])
@@ -541,9 +541,9 @@ def test_stacked_rnn_dropout_between_layers_only_in_training():
     from functree.nn._dropout import NO_KEY
 
     x, key = jnp.ones((2, 3, 2)), jax.random.key(5)
-    one = _drawn(lambda: ft.nn.LSTM(2, 3, dropout=0.5, key=jax.random.key(0)))
+    one = _drawn(lambda: ft.nn.LSTM(2, 3, dropout=0.5, batch_first=True, key=jax.random.key(0)))
     np.testing.assert_array_equal(ft.nn.training(one)(x, key=key), one(x))
-    two = _drawn(lambda: ft.nn.LSTM(2, 3, num_layers=2, dropout=0.5, key=jax.random.key(0)))
+    two = _drawn(lambda: ft.nn.LSTM(2, 3, num_layers=2, dropout=0.5, batch_first=True, key=jax.random.key(0)))
     first, second = two.layers
     np.testing.assert_array_equal(two(x), second(first(x)))
     trained = ft.nn.training(two)
@@ -559,7 +559,7 @@ def test_stacked_rnn_dropout_between_layers_only_in_training():
 def test_stacked_rnn_states_in_torchs_order_and_time_major():
     """The final state is layer 0 forward, layer 0 backward, layer 1 ...; the initial state is
     taken as that tuple or stacked (torch's h_0); batch_first=False reads [time, batch, features]."""
-    lstm = _drawn(lambda: ft.nn.LSTM(2, 3, num_layers=2, bidirectional=True, key=jax.random.key(0)))
+    lstm = _drawn(lambda: ft.nn.LSTM(2, 3, num_layers=2, bidirectional=True, batch_first=True, key=jax.random.key(0)))
     x = jnp.asarray(_normal((2, 4, 2), 1))
     ys, final = lstm(x, return_state=True)
     bi = lstm.layers[1]
@@ -591,18 +591,18 @@ def test_stacked_rnn_errors_name_the_fix():
                                          r".*ft.nn.GRUCell\(6, hidden_size"):
         ft.nn.StackedRNN([ft.nn.Bidirectional(ft.nn.RNN(cell), ft.nn.RNN(cell, reverse=True)), ft.nn.RNN(cell)])
     with pytest.raises(ValueError, match=r"proj_size=2 .* is not implemented"):
-        ft.nn.LSTM(2, 3, proj_size=2, key=key)
+        ft.nn.LSTM(2, 3, proj_size=2, batch_first=True, key=key)
     with pytest.raises(ValueError, match=r"nonlinearity='sigmoid'; torch's nn.RNN takes"):
-        ft.nn.SimpleRNN(2, 3, nonlinearity="sigmoid", key=key)
+        ft.nn.SimpleRNN(2, 3, nonlinearity="sigmoid", batch_first=True, key=key)
     with pytest.raises(ValueError, match=r"num_layers=0; a recurrent stack has at least one layer"):
-        ft.nn.GRU(2, 3, num_layers=0, key=key)
-    gru = _drawn(lambda: ft.nn.GRU(2, 3, num_layers=2, bidirectional=True, key=key))
+        ft.nn.GRU(2, 3, num_layers=0, batch_first=True, key=key)
+    gru = _drawn(lambda: ft.nn.GRU(2, 3, num_layers=2, bidirectional=True, batch_first=True, key=key))
     x = jnp.ones((5, 4, 2))
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)GRU expects inputs initial_state of 4 cell states.*got f32\[2,5,3\]"):
         gru(x, jnp.zeros((2, 5, 3)))  # a 1-layer torch h_0
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)RNN at \.layers\[0\]\.backward expects inputs initial_state f32\[5,3\]"):
         gru(x, (jnp.zeros((5, 3)), jnp.zeros((5, 4))) + (jnp.zeros((5, 3)),) * 2)
-    lstm = _drawn(lambda: ft.nn.LSTM(2, 3, bidirectional=True, key=key))
+    lstm = _drawn(lambda: ft.nn.LSTM(2, 3, bidirectional=True, batch_first=True, key=key))
     h0 = jnp.zeros((2, 5, 3))  # torch's (h_0, c_0) as a plain pair: read as two directions' states, before
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)LSTM expects inputs initial_state of 2 cell states.*"
                                                     r"right:  lstm\(xs, ft.nn.LSTMState\(h0, c0\)\)"):
@@ -634,11 +634,11 @@ def test_a_torch_stack_loaded_into_one_rnn_names_the_constructor():
     assert "an ft.nn.RNN is one layer, one direction" in RNN_STACK_HINT
     rnn = jax.eval_shape(lambda: ft.nn.RNN(ft.nn.LSTMCell(3, 4, key=jax.random.key(0))))
     with pytest.raises(ValueError, match=r"(?s)torch's 2-layer bidirectional nn.LSTM \(weight_ih_l0 \.\.\. "
-                                         r"weight_ih_l1_reverse\).*ft.nn.LSTM\(3, 4, num_layers=2, bidirectional=True, key=k\)"):
+                                         r"weight_ih_l1_reverse\).*ft.nn.LSTM\(3, 4, num_layers=2, bidirectional=True, batch_first=False, key=k\)"):
         ft.nn.load_torch_state_dict(rnn, torch.nn.LSTM(3, 4, num_layers=2, bidirectional=True).state_dict())
     sd = {f"enc.{k}": v for k, v in torch.nn.RNN(3, 5, 3, bias=False).state_dict().items()}
     with pytest.raises(ValueError, match=r"(?s)3-layer nn.RNN under 'enc'.*ft.nn.SimpleRNN\(3, 5, num_layers=3, bias=False"):
-        ft.nn.load_torch_state_dict({"enc": jax.eval_shape(lambda: ft.nn.GRU(3, 5, key=jax.random.key(0)))}, sd)
+        ft.nn.load_torch_state_dict({"enc": jax.eval_shape(lambda: ft.nn.GRU(3, 5, batch_first=True, key=jax.random.key(0)))}, sd)
 
 
 def test_a_bidirectional_layer_alone_is_torchs_one_layer_bidirectional_module():
@@ -661,3 +661,21 @@ def _time_major(stack):
     layers = tuple(ft.nn.Bidirectional(moved(layer.forward), moved(layer.backward))
                    if isinstance(layer, ft.nn.Bidirectional) else moved(layer) for layer in stack.layers)
     return ft.nn.StackedRNN(layers, stack.dropout)
+
+
+@pytest.mark.parametrize("cls", ["LSTM", "GRU", "SimpleRNN"])
+def test_torch_style_stacks_take_batch_first_explicitly(cls):
+    """torch's nn.LSTM reads [time, batch, features] by default, ft's layers [batch, time,
+    features]; with either default a port fed the other layout ran with the axes swapped and
+    no error (the shapes fit). batch_first is required (BATCH_FIRST); both settings build."""
+    from functree.nn._recurrent_layers import BATCH_FIRST
+
+    with pytest.raises(ValueError, match=rf"(?s)ft.nn.{cls}: batch_first=None.*torch's nn.{'RNN' if cls == 'SimpleRNN' else cls} "
+                                         r"reads \[time, batch, features\]"):
+        getattr(ft.nn, cls)(2, 3, num_layers=2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"batch_first=1;"):
+        getattr(ft.nn, cls)(2, 3, batch_first=1, key=jax.random.key(0))
+    assert "batch_first=False, key=k)   # xs [time, batch, features]" in BATCH_FIRST
+    for batch_first, axis in ((True, -2), (False, 0)):
+        built = jax.eval_shape(lambda b=batch_first: getattr(ft.nn, cls)(2, 3, batch_first=b, key=jax.random.key(0)))
+        assert built.layers[0].time_axis == axis

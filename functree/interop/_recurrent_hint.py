@@ -16,9 +16,9 @@ __all__ = ["RNN_STACK_HINT", "recurrent_hint"]
 RNN_STACK_HINT = """
 The state dict holds torch's {layers}-layer{bidirectional} {torch_kind}{where} ({names}), which is \
 ft.nn.{kind} with those settings (an ft.nn.RNN is one layer, one direction); build it so \
-(batch_first=False for torch's default [time, batch, features]{relu}):
+(batch_first as torch's module had it: False is torch's default, [time, batch, features]{relu}):
 
-    right:  ft.nn.{kind}({inputs}, {hidden}{options}, key=k)"""
+    right:  ft.nn.{kind}({inputs}, {hidden}{options}, batch_first=False, key=k)"""
 
 _KINDS = {4: ("LSTM", "nn.LSTM"), 3: ("GRU", "nn.GRU"), 1: ("SimpleRNN", "nn.RNN")}
 _LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?)weight_ih_l(?P<k>\d+)(?P<reverse>_reverse)?$")

@@ -44,7 +44,7 @@ torch's initial state has a leading (num_layers * num_directions) axis; ft.nn.RN
 layer, one direction, and takes [*batch, hidden]:
     wrong:  rnn(xs, h0)           # h0 [1, batch, hidden], as torch.nn.GRU/LSTM take it
     right:  rnn(xs, h0[0])        # an LSTM: rnn(xs, ft.nn.LSTMState(h0[0], c0[0]))
-       or:  ft.nn.LSTM(n_in, n_hidden, num_layers=..., bidirectional=..., key=k)(xs, h0)   # torch's layout (or ft.nn.GRU, ft.nn.SimpleRNN)"""
+       or:  ft.nn.LSTM(n_in, n_hidden, num_layers=..., bidirectional=..., batch_first=True, key=k)(xs, h0)   # torch's layout (or ft.nn.GRU, ft.nn.SimpleRNN)"""
 
 FIX_STATE = """\
 Pass the structure and shapes of the cell's zero state (batch axes {batch}, the axes of xs \

@@ -68,18 +68,28 @@ ft.nn.LSTM: proj_size={given} (torch's LSTM with projections, Sak et al. 2014: h
 state is its cell's size. Project each layer's outputs yourself, or leave it out:
 
     wrong:  ft.nn.LSTM(n_in, n_hidden, proj_size={given}, key=k)
-    right:  ft.nn.LSTM(n_in, n_hidden, key=k)   # proj_size=0, torch's default"""
+    right:  ft.nn.LSTM(n_in, n_hidden, batch_first=True, key=k)   # proj_size=0, torch's default"""
 
 NONLINEARITY = """\
 ft.nn.SimpleRNN: nonlinearity={given!r}; torch's nn.RNN takes "tanh" or "relu".
 
-    right:  ft.nn.SimpleRNN(n_in, n_hidden, nonlinearity="relu", key=k)
+    right:  ft.nn.SimpleRNN(n_in, n_hidden, nonlinearity="relu", batch_first=True, key=k)
        or:  ft.nn.StackedRNN([ft.nn.RNN(ft.nn.SimpleRNNCell(n_in, n_hidden, activation=f, key=k))])   # another f"""
+
+BATCH_FIRST = """\
+ft.nn.{cls}: batch_first={given!r}; say where time is, True or False. torch's nn.{torch} reads \
+[time, batch, features] unless batch_first=True, ft's layers read [*batch, time, features]: \
+either default would read the other's inputs with their batch and time axes swapped, the \
+shapes accepted and the numbers wrong.
+
+    wrong:  ft.nn.{cls}(n_in, n_hidden, num_layers=2, key=k)
+    right:  ft.nn.{cls}(n_in, n_hidden, num_layers=2, batch_first=True, key=k)    # xs [batch, time, features]
+       or:  ft.nn.{cls}(n_in, n_hidden, num_layers=2, batch_first=False, key=k)   # xs [time, batch, features], torch's default"""
 
 BAD_NUM_LAYERS = """\
 ft.nn.{cls}: num_layers={given}; a recurrent stack has at least one layer.
 
-    right:  ft.nn.{cls}(n_in, n_hidden, num_layers=1, key=k)"""
+    right:  ft.nn.{cls}(n_in, n_hidden, num_layers=1, batch_first=True, key=k)"""
 
 
 class Bidirectional(Layer):
@@ -157,7 +167,7 @@ class StackedRNN(Layer):
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
-      >>> lstm = ft.nn.LSTM(3, 5, num_layers=2, bidirectional=True, key=jax.random.key(0))
+      >>> lstm = ft.nn.LSTM(3, 5, num_layers=2, bidirectional=True, batch_first=True, key=jax.random.key(0))
       >>> ys, final = lstm(jnp.ones((4, 7, 3)), return_state=True)   # batch 4, 7 steps
       >>> ys.shape, len(final)
       ((4, 7, 10), 4)
@@ -270,6 +280,13 @@ def _built(make: Callable[..., Any], input_size: int, hidden_size: int, num_laye
     return tuple(layers)
 
 
+def _check_batch_first(cls: str, batch_first: Any) -> bool:
+    """``batch_first``, or :data:`BATCH_FIRST` unless it is given as a bool: no default is safe here."""
+    if not isinstance(batch_first, bool):
+        raise ValueError(BATCH_FIRST.format(cls=cls, given=batch_first, torch="RNN" if cls == "SimpleRNN" else cls))
+    return batch_first
+
+
 def _check_layers(cls: str, num_layers: int) -> None:
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(BAD_NUM_LAYERS.format(cls=cls, given=num_layers))
@@ -279,8 +296,9 @@ class LSTM(StackedRNN):
     """torch's ``nn.LSTM``: ``num_layers`` of ``ft.nn.LSTMCell``, ``bidirectional``, ``dropout``
     between layers in training (:class:`StackedRNN`).
 
-    ``batch_first=True`` (the default, ft's: inputs ``[*batch, time, features]``; torch's
-    default is ``False``: pass ``batch_first=False`` for its ``[time, *batch, features]``).
+    ``batch_first`` is required (:data:`BATCH_FIRST`): ``True`` reads ``[*batch, time,
+    features]`` (ft's layers), ``False`` ``[time, *batch, features]`` (torch's default, which
+    a default here would misread with no error: the shapes fit either way).
     ``bias=False`` builds the cells without biases. ``proj_size`` is refused
     (:data:`PROJ_SIZE`). The cells start as ``LSTMCell``'s do (glorot / orthogonal, forget
     bias 1), not as torch's uniform draws; ``ft.nn.load_torch_state_dict`` takes torch's
@@ -288,17 +306,18 @@ class LSTM(StackedRNN):
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
-      >>> lstm = ft.nn.LSTM(3, 5, num_layers=3, key=jax.random.key(0))
+      >>> lstm = ft.nn.LSTM(3, 5, num_layers=3, batch_first=True, key=jax.random.key(0))
       >>> lstm(jnp.ones((2, 7, 3))).shape
       (2, 7, 5)
     """
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, *, key: jax.Array,
-                 bias: bool = True, batch_first: bool = True, dropout: float = 0.0, bidirectional: bool = False,
+                 bias: bool = True, batch_first: bool | None = None, dropout: float = 0.0, bidirectional: bool = False,
                  proj_size: int = 0, dtype: Any = jnp.float32, forget_bias: float = 1.0):
         if proj_size:
             raise ValueError(PROJ_SIZE.format(given=proj_size))
         _check_layers("LSTM", num_layers)
+        batch_first = _check_batch_first("LSTM", batch_first)
         def make(n_in: int, n_hidden: int, key: jax.Array) -> LSTMCell:
             return LSTMCell(n_in, n_hidden, key=key, dtype=dtype, forget_bias=forget_bias, use_bias=bias)
         super().__init__(_built(make, input_size, hidden_size, num_layers, key, bidirectional, batch_first), dropout)
@@ -310,16 +329,17 @@ class GRU(StackedRNN):
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
-      >>> gru = ft.nn.GRU(3, 5, num_layers=2, bidirectional=True, key=jax.random.key(0))
+      >>> gru = ft.nn.GRU(3, 5, num_layers=2, bidirectional=True, batch_first=True, key=jax.random.key(0))
       >>> ys, final = gru(jnp.ones((2, 7, 3)), return_state=True)
       >>> ys.shape, jnp.stack(final).shape   # torch's h_n: [num_layers * 2, batch, hidden]
       ((2, 7, 10), (4, 2, 5))
     """
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, *, key: jax.Array,
-                 bias: bool = True, batch_first: bool = True, dropout: float = 0.0, bidirectional: bool = False,
+                 bias: bool = True, batch_first: bool | None = None, dropout: float = 0.0, bidirectional: bool = False,
                  dtype: Any = jnp.float32):
         _check_layers("GRU", num_layers)
+        batch_first = _check_batch_first("GRU", batch_first)
         def make(n_in: int, n_hidden: int, key: jax.Array) -> GRUCell:
             return GRUCell(n_in, n_hidden, key=key, dtype=dtype, use_bias=bias)
         super().__init__(_built(make, input_size, hidden_size, num_layers, key, bidirectional, batch_first), dropout)
@@ -333,17 +353,18 @@ class SimpleRNN(StackedRNN):
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
-      >>> rnn = ft.nn.SimpleRNN(3, 5, num_layers=2, nonlinearity="relu", key=jax.random.key(0))
+      >>> rnn = ft.nn.SimpleRNN(3, 5, num_layers=2, nonlinearity="relu", batch_first=True, key=jax.random.key(0))
       >>> rnn(jnp.ones((2, 7, 3))).shape
       (2, 7, 5)
     """
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, *, key: jax.Array,
-                 nonlinearity: str = "tanh", bias: bool = True, batch_first: bool = True, dropout: float = 0.0,
+                 nonlinearity: str = "tanh", bias: bool = True, batch_first: bool | None = None, dropout: float = 0.0,
                  bidirectional: bool = False, dtype: Any = jnp.float32):
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(NONLINEARITY.format(given=nonlinearity))
         _check_layers("SimpleRNN", num_layers)
+        batch_first = _check_batch_first("SimpleRNN", batch_first)
         activation = tanh if nonlinearity == "tanh" else relu
         def make(n_in: int, n_hidden: int, key: jax.Array) -> SimpleRNNCell:
             return SimpleRNNCell(n_in, n_hidden, key=key, dtype=dtype, activation=activation, use_bias=bias)

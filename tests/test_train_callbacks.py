@@ -239,17 +239,15 @@ def test_restore_best_weights_is_keras_rule():
     trainer.fit(data(), epochs=4, progress=False, callbacks=[stop])
     assert (stop.stopped_epoch, stop.best_epoch, trainer.epoch) == (2, 1, 2)
     assert _leaves_equal(trainer.model, best.model)  # epoch 1's model, bit for bit
-    # Keras's rule: a run that used all its epochs keeps its last model (restore_best restores)
-    last = make(lr=1.5)
-    last.fit(data(), epochs=3, progress=False)
-    runs = {}
+    # Keras 3's rule (its on_train_end; tf-keras 2.16's): a run that used all its epochs is
+    # restored too. Audit 27 (operators): this kept the last model, Keras 2's rule, where a
+    # Keras 3 program ends with the best epoch's.
     for keyword in ("restore_best_weights", "restore_best"):
         stop = ft.train.EarlyStopping(monitor="loss", patience=10, **{keyword: True})
-        runs[keyword] = make(lr=1.5)
-        runs[keyword].fit(data(), epochs=3, progress=False, callbacks=[stop])
+        run = make(lr=1.5)
+        run.fit(data(), epochs=3, progress=False, callbacks=[stop])
         assert stop.stopped_epoch is None and stop.best_epoch == 1
-    assert _leaves_equal(runs["restore_best_weights"].model, last.model)
-    assert _leaves_equal(runs["restore_best"].model, best.model)
+        assert _leaves_equal(run.model, best.model)
 
 
 @pytest.mark.parametrize("patience", [1, 10])  # stopped early; all epochs used
@@ -630,3 +628,52 @@ def test_the_end_of_fit_sees_the_last_epochs_metrics_whatever_log_every():
     history = make().fit(minibatches, steps=5, progress=False, log_every=1, callbacks=[end])
     steps = history.steps["loss"]  # epoch 2: a minibatch of 16, then one of 8
     np.testing.assert_allclose(end.metrics["loss"], (16 * steps[3] + 8 * steps[4]) / 24, rtol=0, atol=1e-7)
+
+
+def _stops(values, **keywords):
+    """(stopped_epoch, best_epoch) of an EarlyStopping fed ``values`` as epochs 1, 2, ..."""
+    trainer = types.SimpleNamespace(stop_training=False, model=None, opt_state=None)
+    stop = ft.train.EarlyStopping(monitor="m", **keywords)
+    for epoch, value in enumerate(values, start=1):
+        stop.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
+        if trainer.stop_training:
+            break
+    return stop.stopped_epoch, stop.best_epoch
+
+
+def test_keras_baseline_and_start_from_epoch():
+    # audit 27: Keras's baseline= and start_from_epoch= were Python's unexpected-keyword
+    # error. Stopping epochs computed by hand with Keras's on_epoch_end (its epochs from 0):
+    # - baseline 0.5, patience 2: epochs 1-2 improve the best (1.0, 0.9) without beating the
+    #   baseline, so the wait is not restarted (1, 2); epoch 3 does not improve and the wait
+    #   (3) is past the patience: stop at 3, best 2. Without the baseline epoch 2 restarts the
+    #   wait, and the run stops at 4.
+    assert _stops([1.0, 0.9, 0.95, 0.97, 0.99], patience=2, baseline=0.5) == (3, 2)
+    assert _stops([1.0, 0.9, 0.95, 0.97, 0.99], patience=2) == (4, 2)
+    # - improving every epoch never stops, baseline or not (Keras returns on an improvement);
+    #   epoch 6 beats the baseline (0.5 < 0.55) and restarts the wait.
+    assert _stops([1.0, 0.9, 0.8, 0.7, 0.6, 0.5], patience=2, baseline=0.55) == (None, 6)
+    # - mode="max", baseline 0.9 (values exact in binary): epoch 3's 1.0 beats it and
+    #   restarts the wait, the run stops at 5; with min_delta 0.125 it must beat 1.025, does
+    #   not, and the run stops at 4 (waits 1, 2, 3, 4).
+    values = [0.5, 0.75, 1.0, 0.875, 0.8125]
+    assert _stops(values, patience=2, mode="max", baseline=0.9) == (5, 3)
+    assert _stops(values, patience=2, mode="max", min_delta=0.125, baseline=0.9) == (4, 3)
+    # - start_from_epoch 3, patience 1: epochs 1-3 (Keras's 0-2) are not monitored; epoch 4
+    #   is the first best (3.5, though epoch 3's 3.0 was lower), epoch 5 stops. Without it:
+    #   best 3 (3.0), stop at 4.
+    assert _stops([5.0, 4.0, 3.0, 3.5, 3.6, 3.7, 2.0], patience=1, start_from_epoch=3) == (5, 4)
+    assert _stops([5.0, 4.0, 3.0, 3.5, 3.6, 3.7, 2.0], patience=1) == (4, 3)
+
+
+def test_keras_verbose_prints_keras_lines(capsys):
+    # audit 27: verbose=1 was Python's unexpected-keyword error; it prints Keras's two lines
+    stop = ft.train.EarlyStopping(monitor="loss", patience=1, restore_best_weights=True, verbose=1)
+    make(lr=1.5).fit(data(), epochs=4, progress=False, callbacks=[stop])
+    assert capsys.readouterr().err == ("Epoch 2: early stopping\n"
+                                       "Restoring model weights from the end of the best epoch: 1.\n")
+    quiet = ft.train.EarlyStopping(monitor="loss", patience=1, restore_best_weights=True)  # verbose=0
+    quiet.load_state_dict(stop.state_dict())  # stopped at 2, best 1: the same end of fit, silent
+    trainer = types.SimpleNamespace(model=None, opt_state=None)
+    quiet.on_train_end(trainer, ft.train.TrainingContext("end", 6, 2, 0, 1, None, {}))
+    assert capsys.readouterr().err == "" and trainer.model is not None

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -386,11 +387,15 @@ class _Monitor:
             )
         return context.metrics[self.monitor]
 
+    def beats(self, value: float, reference: float) -> bool:
+        """Whether ``value`` beats ``reference`` by more than ``min_delta`` (NaN never does)."""
+        if self.mode == "min":
+            return value < reference - self.min_delta
+        return value > reference + self.min_delta
+
     def improved(self, value: float) -> bool:
         """Record ``value``; True when it beats the best by more than ``min_delta``."""
-        better = (value < self.best - self.min_delta) if self.mode == "min" else (
-            value > self.best + self.min_delta
-        )
+        better = self.beats(value, self.best)
         if better:
             self.best, self.wait = value, 0
         else:
@@ -406,21 +411,36 @@ class EarlyStopping(Callback):
 
     With ``restore_best=True`` the model of the best epoch is kept (a copy) and set back
     as ``trainer.model`` at the end of every ``fit``, whether it stopped early or ran all
-    its epochs (Keras's ``restore_best_weights`` restores only when it stops early, so a
-    run that uses all its epochs keeps the last model there). The optimizer state is the
+    its epochs. The optimizer state is the
     last step's, but for the averaged parameters it keeps (``Optimizer(average=)``,
     lookahead's slow weights): those are the best epoch's too, so that
     ``trainer.averaged_model`` is the best epoch's averaged model (its parameters and the
     model's BatchNorm statistics of one epoch, as validated then), not the last step's
     average over the best epoch's statistics.
 
-    ``restore_best_weights=True`` is Keras's rule, for a Keras program that should end as it
-    did there: the best epoch's model (and averaged parameters) is set back at the end of
-    ``fit`` only once this callback has stopped the run (``stopped_epoch`` set, in this
-    ``fit`` or before a restart), and a run that used all its epochs keeps its last model.
+    ``restore_best_weights=True`` is Keras's name for it, with Keras 3's rule (and tf-keras
+    2.16's): ``on_train_end`` restores the best weights whether or not the callback stopped
+    the run. Keras 2 (up to 2.15) restored them only when it stopped the run, so a Keras 2
+    run that used all its epochs kept its last weights; there, check ``stop.stopped_epoch``
+    (None: it did not stop the run) and keep the last model by leaving the keyword out.
 
     As Keras's, it never stops at the first epoch: a first value that is NaN (no best
     yet) with ``patience`` 0 or 1 waits for the next.
+
+    Keras's other keywords, with Keras's rules:
+
+    - ``baseline``: an epoch that improves on the best but not on ``baseline`` (by more
+      than ``min_delta``) is still the best epoch (its model is the one restored), but it
+      does not restart the wait: a run that never beats the baseline stops after
+      ``patience`` epochs (at the first epoch that does not improve on the best once they
+      have passed; an improving epoch never stops the run).
+    - ``start_from_epoch``: the first ``start_from_epoch`` epochs are not monitored (a
+      warm-up: no best, no wait, no stop). Keras's ``epoch < start_from_epoch`` with its
+      epochs counted from 0, so ``start_from_epoch=2`` first monitors the 3rd epoch.
+    - ``verbose=1``: at the end of ``fit`` it prints Keras's lines, "Epoch N: early
+      stopping" when it stopped the run and "Restoring model weights from the end of the
+      best epoch: N." when it sets the best model back (to standard error, where the
+      progress line goes); 0 (the default) is silent.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, numpy as np
@@ -438,10 +458,12 @@ class EarlyStopping(Callback):
     """
 
     def __init__(self, monitor: str = "val_loss", patience: int = 5, *, mode: str = "min",
-                 min_delta: float = 0.0, restore_best: bool = False, restore_best_weights: bool = False):
+                 min_delta: float = 0.0, restore_best: bool = False, restore_best_weights: bool = False,
+                 baseline: float | None = None, start_from_epoch: int = 0, verbose: int = 0):
         self._monitor = _Monitor("EarlyStopping", monitor, mode, min_delta)
         self.patience, self.restore_best = patience, restore_best
-        self.restore_best_weights = restore_best_weights  # Keras's: restored only once it stopped the run
+        self.baseline, self.start_from_epoch, self.verbose = baseline, start_from_epoch, verbose
+        self.restore_best_weights = restore_best_weights  # Keras's name for restore_best (Keras 3's rule)
         self.best_model: Any = None
         self.best_average: Any = None  # the best epoch's averaged parameters (restore_best, an averaging optimizer)
         self.best_epoch: int | None = None
@@ -464,18 +486,29 @@ class EarlyStopping(Callback):
         self.best_average = state["best_average"]
 
     def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
-        if self._monitor.improved(self._monitor.value(context)):
+        value = self._monitor.value(context)  # read first: a missing monitor is named at once
+        if context.sweep <= self.start_from_epoch:  # Keras's `epoch < start_from_epoch`, from 0
+            return
+        waited = self._monitor.wait
+        if self._monitor.improved(value):
             self.best_epoch = context.sweep
             if self.restore_best or self.restore_best_weights:
                 self.best_model = own_copy(trainer.model)
                 self.best_average = own_copy(average_of(trainer.opt_state))
+            if self.baseline is not None and not self._monitor.beats(value, self.baseline):
+                self._monitor.wait = waited + 1  # Keras: the wait restarts only past the baseline too
         elif self._monitor.wait >= self.patience and context.sweep > 1:  # Keras's `epoch > 0`
             trainer.stop_training = True
             self.stopped_epoch = context.sweep
 
     def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
-        restores = self.restore_best or (self.restore_best_weights and self.stopped_epoch is not None)
+        if self.verbose and self.stopped_epoch is not None:
+            print(f"Epoch {self.stopped_epoch}: early stopping", file=sys.stderr, flush=True)
+        restores = self.restore_best or self.restore_best_weights  # Keras 3: whether or not it stopped the run
         if restores and self.best_model is not None:
+            if self.verbose:
+                print(f"Restoring model weights from the end of the best epoch: {self.best_epoch}.",
+                      file=sys.stderr, flush=True)
             trainer.model = own_copy(self.best_model)  # a copy: the next fit's steps donate it
             if self.best_average is not None:  # the averaged model of the same epoch
                 trainer.opt_state = with_average_of(trainer.opt_state, own_copy(self.best_average))

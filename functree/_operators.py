@@ -248,15 +248,16 @@ def _explain_reverse_only(
 
 
 RESULT_WITH_AUX = """\
-{op} needs a scalar result, but {fn} returned a {kind}: a loss with an aux output is
-differentiated with has_aux=True (the first item is the loss, the rest comes back as is):
+{op} needs a scalar result, but {fn} returned a {kind}: {how}
     wrong:  {op}(loss_fn, at=model)              # loss_fn returns (loss, aux)
     right:  {right}
 """
 
-# ft.hessian has no has_aux: the loss alone is differentiated twice.
-_WITH_AUX_RIGHT = "{op}(loss_fn, at=model, has_aux=True)"
-_HESSIAN_WITH_AUX_RIGHT = "ft.hessian(lambda m: loss_fn(m)[0], at=model);  aux = loss_fn(model)[1]"
+# (how, right): ft.hessian has no has_aux, the loss alone is differentiated twice.
+_WITH_AUX = ("a loss with an aux output is\ndifferentiated with has_aux=True (the first item is the loss, the rest "
+             "comes back as is):", "{op}(loss_fn, at=model, has_aux=True)")
+_HESSIAN_WITH_AUX = ("ft.hessian takes no aux output:\ndifferentiate the loss alone and compute the aux apart:",
+                     "ft.hessian(lambda m: loss_fn(m)[0], at=model);  aux = loss_fn(model)[1]")
 
 
 def _check_scalar(op: str, f: Callable[..., Any], has_aux: bool) -> Callable[[Any], Any]:
@@ -265,8 +266,9 @@ def _check_scalar(op: str, f: Callable[..., Any], has_aux: bool) -> Callable[[An
     def pack(out: Any) -> Any:
         value = paired(out)[0] if has_aux else out
         if isinstance(value, (tuple, list, dict)):  # (loss, aux) without has_aux: a crash in JAX's conversion
-            right = (_HESSIAN_WITH_AUX_RIGHT if op == "ft.hessian" else _WITH_AUX_RIGHT).format(op=op)
-            raise TypeError(RESULT_WITH_AUX.format(op=op, fn=_fn_name(f), kind=type(value).__name__, right=right))
+            how, right = _HESSIAN_WITH_AUX if op == "ft.hessian" else _WITH_AUX
+            raise TypeError(RESULT_WITH_AUX.format(op=op, fn=_fn_name(f), kind=type(value).__name__, how=how,
+                                                   right=right.format(op=op)))
         shape = jnp.shape(value)
         if shape != ():
             raise TypeError(

@@ -179,7 +179,9 @@ def test_hessian_of_a_loss_with_aux_names_a_line_that_runs():
     with pytest.raises(TypeError) as info:
         ft.hessian(loss_fn, at=model)
     right = "ft.hessian(lambda m: loss_fn(m)[0], at=model);  aux = loss_fn(model)[1]"
-    assert str(info.value) == RESULT_WITH_AUX.format(op="ft.hessian", fn=fn_name(loss_fn), kind="tuple", right=right)
+    how = "ft.hessian takes no aux output:\ndifferentiate the loss alone and compute the aux apart:"
+    assert str(info.value) == RESULT_WITH_AUX.format(op="ft.hessian", fn=fn_name(loss_fn), kind="tuple", how=how,
+                                                     right=right)
     assert f"right:  {right}\n" in str(info.value)
     scope = _run("h = " + right, loss_fn=loss_fn, model=model)
     np.testing.assert_allclose(scope["h"], np.diag([6.0, 12.0]), rtol=0, atol=ATOL)

@@ -253,11 +253,16 @@ RESULT_WITH_AUX = """\
     right:  {right}
 """
 
-# (how, right): ft.hessian has no has_aux, the loss alone is differentiated twice.
+# (how, right): ft.hessian has no has_aux, the loss alone is differentiated twice; a dict of
+# outputs is no (loss, aux) pair: the loss is picked by its key.
 _WITH_AUX = ("a loss with an aux output is\ndifferentiated with has_aux=True (the first item is the loss, the rest "
              "comes back as is):", "{op}(loss_fn, at=model, has_aux=True)")
 _HESSIAN_WITH_AUX = ("ft.hessian takes no aux output:\ndifferentiate the loss alone and compute the aux apart:",
                      "ft.hessian(lambda m: loss_fn(m)[0], at=model);  aux = loss_fn(model)[1]")
+_DICT_WITH_AUX = ("a dict of outputs is\nnot a loss: pick the loss by its key, and keep the dict as the aux output "
+                  "(has_aux=True takes a pair):", "{op}(lambda m: (loss_fn(m)[\"loss\"], loss_fn(m)), at=model, has_aux=True)")
+_HESSIAN_DICT = ("ft.hessian takes no aux output:\ndifferentiate the loss alone, picked by its key:",
+                 "ft.hessian(lambda m: loss_fn(m)[\"loss\"], at=model)")
 
 
 def _check_scalar(op: str, f: Callable[..., Any], has_aux: bool) -> Callable[[Any], Any]:
@@ -266,7 +271,9 @@ def _check_scalar(op: str, f: Callable[..., Any], has_aux: bool) -> Callable[[An
     def pack(out: Any) -> Any:
         value = paired(out)[0] if has_aux else out
         if isinstance(value, (tuple, list, dict)):  # (loss, aux) without has_aux: a crash in JAX's conversion
-            how, right = _HESSIAN_WITH_AUX if op == "ft.hessian" else _WITH_AUX
+            hessian, named = op == "ft.hessian", isinstance(value, dict)
+            how, right = (_HESSIAN_DICT if named else _HESSIAN_WITH_AUX) if hessian else (
+                _DICT_WITH_AUX if named else _WITH_AUX)
             raise TypeError(RESULT_WITH_AUX.format(op=op, fn=_fn_name(f), kind=type(value).__name__, how=how,
                                                    right=right.format(op=op)))
         shape = jnp.shape(value)

@@ -238,3 +238,18 @@ def test_jax_and_torch_names_on_ft_name_swifts(name, dense):
 @pytest.fixture(scope="module")
 def dense():
     return ft.nn.Dense(2, 1, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("op", ["gradient", "value_with_gradient", "hessian"])
+def test_a_dict_of_outputs_names_the_loss_by_key(op):
+    """A loss returning {"loss": ..., "acc": ...} was told to add has_aux=True, which then
+    refused the dict (no pair); the right line picks the loss by key and runs."""
+    loss_fn = lambda m: {"loss": jnp.sum(m ** 3), "acc": m[0]}  # noqa: E731
+    model = jnp.array([1.0, 2.0])
+    with pytest.raises(TypeError) as info:
+        getattr(ft, op)(loss_fn, at=model)
+    right = next(line for line in str(info.value).splitlines() if "right:" in line).split("right:", 1)[1].strip()
+    assert 'loss_fn(m)["loss"]' in right
+    out = _run("out = " + right, loss_fn=loss_fn, model=model)["out"]
+    grads = out if op == "hessian" else out[1] if op == "value_with_gradient" else out[0]
+    np.testing.assert_allclose(grads, np.diag([6.0, 12.0]) if op == "hessian" else [3.0, 12.0], rtol=0, atol=ATOL)

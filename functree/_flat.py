@@ -90,7 +90,7 @@ few hundred calls. Measured on an MLP of 200 parameter leaves with Adam (921 res
 work (up to 15% of raw JAX's whole step; raw's own 20k); 0.2 per 100 with the pause, as raw. The call's own allocations are
 freed by the next call (the donation guard drops the inputs of two calls ago), so the count
 is back under the threshold when the collector is on again. Smaller results (the dispatch
-family's step: 48 nodes) never pause: their fast path is the same as before."""
+family's step: 48 nodes) never pause: their fast path tests this flag only."""
 
 PENDING = "__ft_pending__"
 """Instance-dict key of a field built on first read: ``(build, leaves)`` (see ``__ft_lazy__``)."""

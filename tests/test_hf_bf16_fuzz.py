@@ -1,5 +1,5 @@
 """``ft.nn.from_hf(directory, dtype=bfloat16 / float16)`` against transformers' own model
-loaded in that dtype, for the twelve families, from drawn configs with random weights.
+loaded in that dtype, for the thirteen families, from drawn configs with random weights.
 
 16-bit logits cannot be compared at float32's tolerance: each library rounds its own sums.
 Both are measured against the float32 reference (HF's float32 model of the same file; the

@@ -4,7 +4,8 @@ For each covered family a tiny config is drawn over the options its HF config cl
 modeling code read (sizes, grouped-query heads, ``head_dim`` other than ``d / heads``, biases,
 tied heads, activations, norm epsilons, rope types and their fields, partial rotary,
 sliding windows and layer types (mixed sliding and full layers too: Qwen2, Qwen3), OLMo's ``clip_qkv``,
-Qwen3's and OLMo2's q/k norms (built by every draw of theirs), GPT-2's
+Qwen3's and OLMo2's q/k norms (built by every draw of theirs), Gemma 2's soft-caps, query scalar and
+sandwich norms, GPT-2's
 attention scalings, OPT's projections and post-norm blocks, BERT's
 segments, pad ids, the file's dtype). HF's model is built from it (``torch.manual_seed``,
 weights moved off HF's small initialization so biases and norms are not zeros and ones),
@@ -91,7 +92,7 @@ def _rope(draw, head_dim, max_positions, kinds=ROPE_KINDS):
 
 @st.composite
 def llama_like(draw, model_type):
-    """A Llama-family config: llama, qwen2, mistral, gemma, phi3, olmo, qwen3, olmo2."""
+    """A Llama-family config: llama, qwen2, mistral, gemma, phi3, olmo, qwen3, olmo2, gemma2."""
     heads = draw(st.sampled_from((1, 2, 4)))
     kv = draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
     d = draw(st.sampled_from((8, 16, 24, 32)))
@@ -142,6 +143,16 @@ def llama_like(draw, model_type):
         c["hidden_activation"] = draw(st.sampled_from((None, "gelu_pytorch_tanh", "gelu")))
     if model_type == "llama" and draw(st.integers(0, 5)) == 0:
         c["pretraining_tp"] = 2
+    if model_type == "gemma2":  # its activation's key; soft-caps (None: uncapped), the query scalar, windows
+        c["hidden_activation"] = c.pop("hidden_act")
+        c["attn_logit_softcapping"] = draw(st.sampled_from((None, 0.5, 2.0, 50.0)))
+        c["final_logit_softcapping"] = draw(st.sampled_from((None, 1.0, 30.0)))
+        c["query_pre_attn_scalar"] = draw(st.sampled_from((rotary_dim, 3, 16, 256)))
+        c["num_hidden_layers"] = draw(st.integers(1, 3))  # HF's default layer_types: the even layers slide
+        c["sliding_window"] = draw(st.sampled_from((2, 3, 5, 64)))
+        if draw(st.booleans()):
+            c["layer_types"] = [draw(st.sampled_from(("full_attention", "sliding_attention")))
+                                for _ in range(c["num_hidden_layers"])]
     if draw(st.integers(0, 12)) == 0:
         c["is_causal"] = draw(st.booleans())
     return c
@@ -320,7 +331,7 @@ def _port(directory, values):
 
 STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "opt": opt, "bert": bert,
               **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
-                                                          "olmo2")}}
+                                                          "olmo2", "gemma2")}}
 
 
 # One HF build, one save, one from_hf and one call per draw (about 1.5 CPU-s): 6 draws in CI,

@@ -40,7 +40,7 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attenti
 # The families of configs(), written out: collection reads no transformers config class (building
 # them all imported each family's module at collection, ~3.4 s in every xdist worker).
 FAMILIES = ["gpt2", "bert", "opt", "gpt_neox", "gpt_neox_sequential", "llama", "qwen2", "mistral", "gemma", "phi3",
-            "qwen3", "olmo2"]
+            "qwen3", "olmo2", "gemma2"]
 
 
 def configs(on=True):
@@ -73,6 +73,7 @@ def configs(on=True):
                                         embd_pdrop=r(0.3)),  # HF's Phi-3 does not apply embd_pdrop
         "qwen3": transformers.Qwen3Config(**DECODER, head_dim=8, attention_dropout=r(0.2)),
         "olmo2": transformers.Olmo2Config(**DECODER, attention_dropout=r(0.2)),  # its norms after the sublayers
+        "gemma2": transformers.Gemma2Config(**DECODER, head_dim=8, attention_dropout=r(0.2)),  # sandwich norms, caps
     }
     assert list(built) == FAMILIES, (list(built), FAMILIES)
     return built
@@ -331,9 +332,10 @@ def test_the_kernel_runs_except_for_attention_dropout_in_training(monkeypatch):
 # the leaves, their dtypes and shapes, are the ones before, each family's leaves hash unchanged).
 # Since the twenty-seventh they hold its q_norm and k_norm (None) and qk_norm_per_head (Qwen3's
 # and OLMo2's q/k norms; the leaves' hashes unchanged again, checked against the tree before).
-TODAY = {"gpt2": "4c3f2e576c05c871", "bert": "a5e72ff7619a8e62", "opt": "5c231f5ba62de81f",
-         "gpt_neox": "14183c0f68d1b9bd", "llama": "d88499caf6a71790", "qwen2": "5821c608e1cf86b7",
-         "mistral": "7bb409998e2f4c97", "gemma": "a823fd49f497b5d9", "phi3": "a7cf210f33c58b2f"}
+# Then its logit_softcap (None; Gemma 2's attention soft-cap): the leaves' hashes unchanged again.
+TODAY = {"gpt2": "9a6cdd71630809f9", "bert": "09ec00882d7149ca", "opt": "07ab9dc1224e4d5c",
+         "gpt_neox": "fe009b4b4e4e340a", "llama": "309c7219f3130857", "qwen2": "16ba76b0a065805a",
+         "mistral": "27967ae2cdb462be", "gemma": "a00ca4e6a82cb3b0", "phi3": "0f9f95f0fc93742e"}
 SMALL = {
     "gpt2": {"n_positions": 32, "n_embd": 16, "n_layer": 2, "n_head": 4},
     "bert": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 32,
@@ -492,7 +494,7 @@ def test_a_rate_for_a_source_of_unknown_family_lists_each_family_s_fields(tmp_pa
                                          r"model's family reads") as info:
         ft.nn.from_hf(tmp_path, dropout=0.05, key=jax.random.key(0))  # pyright: ignore[reportArgumentType]  # refused
     message = str(info.value)
-    assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, gemma, olmo, qwen3, olmo2\n", message)
+    assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, gemma, olmo, qwen3, olmo2, gemma2\n", message)
     assert re.search(r"config\.hidden_dropout_prob = config\.attention_probs_dropout_prob = 0\.05 +# bert", message)
     config = configs(on=False)["llama"]  # the llama line and the call, as written
     code = [line for line in _or_lines(info.value).splitlines() if line in ("config.attention_dropout = 0.05",)

@@ -63,6 +63,9 @@ CONFIGS = {
               {"num_key_value_heads": 8, "head_dim": 32, "attention_bias": True, "rope_theta": 1e6}],
     "olmo2": [{}, {"num_key_value_heads": None, "hidden_size": 64, "num_attention_heads": 4, "attention_bias": True,
                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True}],
+    "gemma2": [{}, {"num_hidden_layers": 3, "sliding_window": 64, "query_pre_attn_scalar": 144,
+                    "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 128},
+               {"layer_types": ["full_attention"] * 26, "hidden_activation": "gelu", "tie_word_embeddings": False}],
 }
 CASES = [(model_type, i) for model_type, configs in CONFIGS.items() for i in range(len(configs))]
 

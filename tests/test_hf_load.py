@@ -506,6 +506,9 @@ FAMILIES = {
     "qwen3": lambda: transformers.Qwen3Config(**DECODER, head_dim=8, use_sliding_window=True, sliding_window=WINDOW,
                                               max_window_layers=1),
     "olmo2": lambda: transformers.Olmo2Config(**DECODER, attention_bias=True),
+    # layer 0 sliding, layer 1 full; query_pre_attn_scalar other than head_dim; soft-caps near the logits' size
+    "gemma2": lambda: transformers.Gemma2Config(**DECODER, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=6,
+                                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * D,
         max_position_embeddings=32, rotary_pct=0.5, bos_token_id=0, eos_token_id=0),
@@ -591,7 +594,7 @@ def test_a_llama_like_family_is_one_subclass(llama_variant):
 def test_every_family_is_its_class():
     """FAMILIES maps each model type to its class (a class's name is its HF class's), in the order defined."""
     assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3", "olmo2",
-                                  "gpt_neox", "opt", "bert"]
+                                  "gemma2", "gpt_neox", "opt", "bert"]
     for model_type, family in _hf.FAMILIES.items():  # a class added after the split keeps its module's name
         home = "functree.nn._hf_models" if family in _hf_models.RECORDED else "functree.hf._llama"
         assert issubclass(family, _hf_family.HFModel) and family.__module__ == home
@@ -1009,7 +1012,9 @@ def test_float16_runs_on_a_cpu_as_torch_float16(family):
     config = ({"gpt2": gpt2_config, "llama": llama_config}.get(family) or FAMILIES[family])()
     hf = hf_model(config)
     model = ft.nn.from_hf(hf, dtype=jnp.float16)
-    floats = {leaf.dtype for leaf in jax.tree.leaves(model) if leaf.dtype != jnp.int32}  # (Qwen3's windows: int32)
+    # (Qwen3's windows: int32; Gemma 2's logit factors: float32, GPT-2's dtype for them)
+    floats = {leaf.dtype for path, leaf in jax.tree_util.tree_leaves_with_path(model)
+              if leaf.dtype != jnp.int32 and "logit_scale" not in jax.tree_util.keystr(path)}
     assert floats == {jnp.dtype(jnp.float16)}
     ids, mask = batch(12)
     expected = hf_output(hf.half(), ids, mask).astype(np.float32)

@@ -43,9 +43,10 @@ def tuned(model):
     """Every parameter moved: a fine-tuned model (a loaded copy of the original would differ).
     The moves are NumPy's, put on the device (eager jax.random/add and jnp.asarray compile a
     program per leaf shape; device_put none)."""
-    leaves = jax.tree.leaves(model)
-    moved = [jax.device_put(np.asarray(x) + (0.05 * np.random.default_rng(i).standard_normal(x.shape)).astype(x.dtype))
-             for i, x in enumerate(leaves)]
+    leaves = jax.tree_util.tree_leaves_with_path(model)
+    moved = [x if "logit_scale" in jax.tree_util.keystr(path) else  # the config's (Gemma 2's), no weight
+             jax.device_put(np.asarray(x) + (0.05 * np.random.default_rng(i).standard_normal(x.shape)).astype(x.dtype))
+             for i, (path, x) in enumerate(leaves)]
     return jax.tree.unflatten(jax.tree.structure(model), moved)
 
 

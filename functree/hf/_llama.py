@@ -2,11 +2,14 @@
 (:meth:`LlamaForCausalLM.hf_options`): Qwen2 (biases, windows by layer type), Mistral (sliding
 window), Gemma (norm, embedding scale), Phi-3 (fused projections, partial rotary), OLMo
 (parameter-free LayerNorm), Qwen3 (Qwen2's windows, RMSNorm over each head's queries and
-keys), OLMo2 (norms after the sublayers, RMSNorm over the whole q and k projections)."""
+keys), OLMo2 (norms after the sublayers, RMSNorm over the whole q and k projections), Gemma 2
+(Gemma's with sandwich norms, soft-capped attention and final logits, alternating windows)."""
 
 from __future__ import annotations
 
 import functools
+import json
+import math
 import re
 from typing import Any, ClassVar
 
@@ -31,13 +34,13 @@ from functree.hf._options import activation, require, rope, window
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
-from functree.nn._normalization import LayerNorm, RMSNorm
+from functree.nn._normalization import LayerNorm, RMSNorm, statistics_dtype
 from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack
 
 __all__ = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM",
-           "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "LlamaModel", "LlamaDecoderLayer",
-           "Olmo2DecoderLayer", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names", "normed_outputs"]
+           "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "LlamaModel",
+           "LlamaDecoderLayer", "Olmo2DecoderLayer", "Gemma2DecoderLayer", "soft_cap", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names", "normed_outputs"]
 
 KV_HEADS = """\
 ft.nn.from_hf: the {model_type} config has num_attention_heads={heads} and \
@@ -47,6 +50,24 @@ num_key_value_heads query heads, so the second must divide the first (Hugging Fa
 
     wrong:  "num_attention_heads": {heads}, "num_key_value_heads": {kv}
     right:  "num_key_value_heads": {fix}     # a divisor of {heads}: the checkpoint's own (1: multi-query)
+"""
+
+SOFTCAP = """\
+ft.nn.from_hf: the {model_type} config sets {option}={value!r}; a soft-cap c maps logits l to \
+c * tanh(l / c), so c must be a positive finite number (or null: no cap). Hugging Face's \
+{hf_class} would compute {outcome} with this value.
+
+    wrong:  "{option}": {value_json}
+    right:  "{option}": {example}     # the checkpoint's own (null: uncapped)
+"""
+
+QUERY_SCALAR = """\
+ft.nn.from_hf: the {model_type} config sets query_pre_attn_scalar={value!r}; the attention \
+logits are scaled by query_pre_attn_scalar ** -0.5, so it must be a positive finite number \
+(Hugging Face's {hf_class} would compute {outcome}).
+
+    wrong:  "query_pre_attn_scalar": {value_json}
+    right:  "query_pre_attn_scalar": {example}     # the checkpoint's own: its head_dim for Gemma 2's 2B and 9B
 """
 
 _LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
@@ -212,6 +233,72 @@ def normed_outputs(x: jax.Array, norm1: Any, attention: MultiheadAttention, norm
     return x + drop(norm2(mlp(x)), rates[2], keys[2])
 
 
+class Gemma2DecoderLayer(Block):
+    """Gemma 2's block, "sandwich" norms: each sublayer's input and output normalized,
+    ``x = x + post_attention_layernorm(self_attn(input_layernorm(x)))``, then ``x = x +
+    post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`` (HF's ``Gemma2DecoderLayer``;
+    fields in its order)."""
+
+    self_attn: MultiheadAttention
+    mlp: Any
+    input_layernorm: Any
+    post_attention_layernorm: Any
+    pre_feedforward_layernorm: Any
+    post_feedforward_layernorm: Any
+
+    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any,
+                 epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
+                 dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
+                 norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.self_attn = _self_attention(d, heads, kv_heads, head_dim, epsilon, rotary, attention_bias,
+                                         key=k1, output_key=k3, dtype=dtype, output_bias=output_bias,
+                                         window=window, norm=norm, attention=attention, qk_norm=qk_norm)
+        self.mlp = mlp(d, hidden, activation, mlp_bias, key=k2, dtype=dtype)
+        self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm, \
+            self.post_feedforward_layernorm = (norm(d, epsilon=epsilon, dtype=dtype) for _ in range(4))
+
+    def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
+        return self.input_layernorm, self.self_attn, self.pre_feedforward_layernorm, self.mlp
+
+    def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None,
+                 rotary_positions: Any = None, key: jax.Array | None = None) -> Any:
+        sandwich = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                    self.post_feedforward_layernorm)
+        return sandwich_outputs(x, sandwich, self.self_attn, self.mlp, mask, cache, positions, rotary_positions, key)
+
+
+def sandwich_outputs(x: jax.Array, norms: tuple[Any, Any, Any, Any], attention: MultiheadAttention, mlp: Any,
+                     mask: Any, cache: Any, positions: Any, rotary_positions: Any = None,
+                     key: jax.Array | None = None) -> Any:
+    """One block whose sublayers' inputs and outputs are normalized (Gemma 2): with ``norms``
+    ``(n1, n2, n3, n4)``, ``x + n2(attention(n1(x)))``, then ``x + n4(mlp(n3(x)))``; with a
+    cache, ``(x, cache)``. With HF's dropout (``dropout=True``, training mode) the attention
+    weights drop as HF's; the sublayers' outputs at their block's rates (Gemma 2's are 0)."""
+    n1, n2, n3, n4 = norms
+    extra = {} if rotary_positions is None else {"rotary_positions": rotary_positions}
+    keys = block_keys(attention, key) if cache is None else None  # decoding with a cache never drops
+    if keys is None:
+        attention = decoding(attention) if cache is not None else attention
+        out = attention(n1(x), mask=mask, cache=cache, positions=positions, **extra)
+        h, cache = (out, None) if cache is None else out
+        x = x + n2(h)
+        x = x + n4(mlp(n3(x)))
+        return x if cache is None else (x, cache)
+    rates = attention.rates  # type: ignore[attr-defined]  # a DropoutAttention (block_keys checked)
+    h = attention(n1(x), mask=mask, cache=None, positions=positions, key=keys[0], **extra)
+    x = x + drop(n2(h), rates[1], keys[1])
+    return x + drop(n4(mlp(n3(x))), rates[2], keys[2])
+
+
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """``cap * tanh(x / cap)`` computed in float32 (or wider), in ``x``'s dtype: a smooth
+    clamp to ``(-cap, cap)``, slope 1 at 0 (Gemma 2's final logits)."""
+    wide = statistics_dtype(x.dtype)  # float32, float64 for float64 (strict promotion allows no promote_types)
+    c = jnp.asarray(cap, wide)
+    return (c * jnp.tanh(x.astype(wide) / c)).astype(x.dtype)
+
+
 class LlamaModel(Module):
     """Llama's body: ``embed_tokens``, the blocks ``layers``, the final ``norm`` (Gemma: the
     embedding times ``embed_scale``, sqrt(hidden_size) in the embedding's dtype)."""
@@ -236,15 +323,22 @@ class LlamaModel(Module):
 
 
 
-def _with_layer_options(model: LlamaModel, windows: tuple[int, ...] | None, clip: float | None) -> LlamaModel:
+def _with_layer_options(model: LlamaModel, windows: tuple[int, ...] | None, clip: float | None,
+                        query_scale: float | None = None, softcap: float | None = None) -> LlamaModel:
     """``model`` with its layers' attention options: one window per layer (``member_window``,
-    int32, 0: full attention) and the ``clip`` of every layer; none given: ``model`` itself."""
+    int32, 0: full attention), one logit factor per layer (``logit_scale``, float32: Gemma 2's
+    ``query_pre_attn_scalar ** -0.5``), the ``clip`` and the logit ``softcap`` of every layer;
+    none given: ``model`` itself."""
     layers = model.layers
     if windows is not None:
         layers = with_member_values(layers, "self_attn", member_window=jnp.asarray(windows, jnp.int32))
-    if clip is not None:
+    if query_scale is not None:
+        layers = with_member_values(layers, "self_attn", logit_scale=jnp.full((layers.n,), query_scale, jnp.float32))
+    if clip is not None or softcap is not None:
         block = layers.layers
-        layers = layers.replace(layers=block.replace(self_attn=block.self_attn.replace(clip=float(clip))))
+        static = {"clip": None if clip is None else float(clip), "logit_softcap": None if softcap is None else float(softcap)}
+        attention = block.self_attn.replace(**{k: v for k, v in static.items() if v is not None})
+        layers = layers.replace(layers=block.replace(self_attn=attention))
     return model if layers is model.layers else model.replace(layers=layers)
 
 
@@ -263,7 +357,10 @@ class LlamaForCausalLM(CausalLM):
     each attention's ``member_window``), ``clip`` (OLMo's ``clip_qkv``: the attention's ``clip``),
     ``qk_norm`` (RMSNorm over each head's queries and keys, ``"head"``: Qwen3; over the whole
     q and k projections, ``"projection"``: OLMo2), ``layer`` (the block's class: OLMo2's
-    :class:`Olmo2DecoderLayer`, its norms after the sublayers).
+    :class:`Olmo2DecoderLayer`, its norms after the sublayers; Gemma 2's
+    :class:`Gemma2DecoderLayer`), ``query_scale`` (the attention logits' factor in place of
+    ``1 / sqrt(head_dim)``: each attention's ``logit_scale``), ``attention_softcap`` (the
+    attention's ``logit_softcap``: ``c * tanh(l / c)`` on its logits).
     """
 
     model: LlamaModel
@@ -283,7 +380,8 @@ class LlamaForCausalLM(CausalLM):
                  tied: bool = False, key: jax.Array, dtype: Any = jnp.float32, output_bias: bool | None = None,
                  window: int | None = None, norm: Any = RMSNorm, mlp: Any = LlamaMLP,
                  embed_scale: float | None = None, attention: Any = "auto", windows: tuple[int, ...] | None = None,
-                 clip: float | None = None, qk_norm: str | None = None, layer: Any = LlamaDecoderLayer):
+                 clip: float | None = None, qk_norm: str | None = None, layer: Any = LlamaDecoderLayer,
+                 query_scale: float | None = None, attention_softcap: float | None = None):
         from functree._activations import silu
 
         k1, k2 = jax.random.split(key)
@@ -297,7 +395,7 @@ class LlamaForCausalLM(CausalLM):
                          qk_norm=qk_norm)
 
         model = LlamaModel(vocab, d, layers, make, epsilon, key=k1, dtype=dtype, norm=norm, embed_scale=embed_scale)
-        self.model = _with_layer_options(model, windows, clip)
+        self.model = _with_layer_options(model, windows, clip, query_scale, attention_softcap)
         self.lm_head = None if tied else Dense(d, vocab, use_bias=False, key=k2, dtype=dtype)
 
     def _tokens(self) -> Embedding:
@@ -332,16 +430,22 @@ class LlamaForCausalLM(CausalLM):
             options["rotary"] = rope(c, head_dim, cls.hf_class)
         if "epsilon" not in options:  # a family whose config has no rms_norm_eps gives its own (OLMo)
             options["epsilon"] = c.rms_norm_eps
+        if "activation" not in options:  # a family whose config names it otherwise gives it (Gemma 2)
+            options["activation"] = activation(c, "hidden_act")
         return cls(c.vocab_size, c.hidden_size, c.num_attention_heads, kv,
-                   c.intermediate_size, c.num_hidden_layers, head_dim=head_dim, activation=activation(c, "hidden_act"),
+                   c.intermediate_size, c.num_hidden_layers, head_dim=head_dim,
                    tied=bool(getattr(c, "tie_word_embeddings", False)), key=key, dtype=dtype, attention=attention,
                    **options)
 
     @classmethod
     def hf_values(cls, model: Any, config: Any) -> Any:
-        """Each layer's sliding window where the config's layers differ (Qwen2's ``windows``)."""
-        windows = cls.hf_options(config).get("windows")
-        return model if windows is None else model.replace(model=_with_layer_options(model.model, windows, None))
+        """Each layer's sliding window where the config's layers differ (Qwen2's ``windows``)
+        and logit factor (Gemma 2's ``query_scale``): the data fields a state dict has none of."""
+        options = cls.hf_options(config)
+        windows, scale = options.get("windows"), options.get("query_scale")
+        if windows is None and scale is None:
+            return model
+        return model.replace(model=_with_layer_options(model.model, windows, None, scale))
 
     @classmethod
     def hf_dropout(cls, config: Any) -> dict[str, float] | None:
@@ -491,6 +595,85 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         return {"qk_norm": "projection", "layer": Olmo2DecoderLayer}
 
 
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    """Hugging Face's ``Gemma2ForCausalLM`` (Gemma 2): Gemma (``1 + weight`` RMSNorm, the
+    embedding scaled by sqrt(hidden_size), GeGLU from ``hidden_activation``, a tied head) with
+
+    * sandwich norms (:class:`Gemma2DecoderLayer`: ``pre_feedforward_layernorm``,
+      ``post_attention_layernorm`` and ``post_feedforward_layernorm`` on the sublayers'
+      outputs and the MLP's input);
+    * attention logits ``l = q k^T / sqrt(query_pre_attn_scalar)`` (each attention's
+      ``logit_scale`` where the scalar is not ``head_dim``) soft-capped to
+      ``c * tanh(l / c)`` before the mask, ``c = attn_logit_softcapping`` (the attention's
+      ``logit_softcap``: the explicit softmax path, no fused kernel has the cap);
+    * sliding-window and full layers as ``layer_types`` say (HF's default: the even layers
+      slide), each member's ``member_window``;
+    * the logits soft-capped the same way by ``final_logit_softcapping``
+      (``final_logit_softcapping``, a static field; None: uncapped), in float32.
+    """
+
+    final_logit_softcapping: float | None = field(static=True, default=None)
+    model_type = "gemma2"
+
+    def __init__(self, *args: Any, final_softcap: float | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.final_logit_softcapping = None if final_softcap is None else float(final_softcap)
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None,
+                 key: jax.Array | None = None) -> Any:
+        out = super().__call__(input_ids, attention_mask, positions=positions, cache=cache, key=key)
+        cap = self.final_logit_softcapping
+        if cap is None:
+            return out
+        return soft_cap(out, cap) if cache is None else (soft_cap(out[0], cap), out[1])
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        options = super().hf_options(config)  # Gemma's norm and embedding scale; its bidirectional refusal
+        attention_cap = _cap(config, "attn_logit_softcapping", cls.hf_class)
+        final_cap = _cap(config, "final_logit_softcapping", cls.hf_class)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        scalar = _query_scalar(config, cls.hf_class)
+        sizes = window(config, layer_types=True)
+        windows = {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
+        scale = None if scalar == head_dim else float(scalar) ** -0.5  # head_dim: the attention's own 1/sqrt
+        return {**options, "layer": Gemma2DecoderLayer, "activation": activation(config, "hidden_activation"),
+                "attention_softcap": attention_cap, "final_softcap": final_cap, "query_scale": scale, **windows}
+
+
+def _cap(config: Any, option: str, hf_class: str) -> float | None:
+    """The config's soft-cap ``option``: None or a positive finite float (else :data:`SOFTCAP`)."""
+    value = getattr(config, option, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        outcome = "NaN logits (0 / 0)" if value == 0 else "logits capped with the sign flipped" if (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0) else "no model"
+        raise ValueError(SOFTCAP.format(model_type=config.model_type, option=option, value=value, hf_class=hf_class,
+                                        outcome=outcome, value_json=json.dumps(value, default=str),
+                                        example={"attn_logit_softcapping": 50.0}.get(option, 30.0)))
+    return float(value)
+
+
+def _query_scalar(config: Any, hf_class: str) -> float:
+    """The config's ``query_pre_attn_scalar``: a positive finite number (else :data:`QUERY_SCALAR`)."""
+    value = getattr(config, "query_pre_attn_scalar", None)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    if not ok:
+        outcome = "infinite or NaN logits" if isinstance(value, (int, float)) and not isinstance(value, bool) else "no model"
+        raise ValueError(QUERY_SCALAR.format(model_type=config.model_type, value=value, hf_class=hf_class,
+                                             outcome=outcome, value_json=json.dumps(value, default=str), example=256))
+    return float(value)  # type: ignore[arg-type]  # checked above
+
+
+def _gemma2_layer_types(values: Any) -> list[str] | None:
+    """Gemma2Config's ``layer_types`` when none is given: the even layers slide, the odd are full."""
+    layers = values.get("num_hidden_layers")
+    if not isinstance(layers, int):
+        return None
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+
+
 def _qwen3_layer_types(values: Any) -> list[str] | None:
     """Qwen3Config's ``layer_types`` when none is given: sliding from layer
     ``max_window_layers`` on where ``use_sliding_window`` keeps a ``sliding_window``."""
@@ -518,3 +701,12 @@ DEFAULTS.setdefault("olmo2", {
     "initializer_range": 0.02, "use_cache": True, "pad_token_id": 1, "bos_token_id": None, "eos_token_id": 50279,
     "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
     "rms_norm_eps": 1e-5})
+# transformers v5's Gemma2Config (as the rows above).
+DEFAULTS.setdefault("gemma2", {
+    "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "rope_parameters": None,
+    "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "layer_types": Derived(None, _gemma2_layer_types), "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0, "use_bidirectional_attention": None})

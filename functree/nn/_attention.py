@@ -252,7 +252,11 @@ class MultiheadAttention(Layer):
     projection, before the rotation: each head's ``qk_size`` features where
     ``qk_norm_per_head`` (the default: Qwen3, ``RMSNorm(qk_size)``), else the whole
     projection before it is split into heads (OLMo2, ``RMSNorm(num_heads * qk_size)`` and
-    ``RMSNorm(num_kv_heads * qk_size)``); the values are not normalized.
+    ``RMSNorm(num_kv_heads * qk_size)``); the values are not normalized. ``logit_softcap=c``
+    (static; Gemma 2's ``attn_logit_softcapping``) caps the scaled logits ``l`` smoothly,
+    ``c * tanh(l / c)``, before the mask: ``jax.nn.dot_product_attention`` (XLA's and
+    cuDNN's kernels) has no soft-cap, so a capped attention always runs the explicit softmax
+    (``implementation="cudnn"`` is refused there, never run without the cap).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -286,10 +290,11 @@ class MultiheadAttention(Layer):
     q_norm: Any = None
     k_norm: Any = None
     qk_norm_per_head: bool = field(static=True, default=True)
+    logit_softcap: float | None = field(static=True, default=None)
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "implementation")  # a restore's template decides them (how it trains, its kernel)
     # Fields added after checkpoints and pickles were written without them: read at their default (None).
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("logit_scale", "member_window", "clip", "q_norm", "k_norm",
-                                                      "qk_norm_per_head")
+                                                      "qk_norm_per_head", "logit_softcap")
 
     def __init__(
         self,
@@ -394,13 +399,15 @@ class MultiheadAttention(Layer):
         dropping = self.training and self.dropout > 0.0
         if dropping and key is None:
             raise ValueError(NO_KEY.format(rate=self.dropout))
-        if dropping or q.shape[-1] != v.shape[-1] or q.dtype == jnp.float64:
+        capped = self.logit_softcap is not None  # no kernel caps its logits: the explicit softmax
+        if dropping or capped or q.shape[-1] != v.shape[-1] or q.dtype == jnp.float64:
             if self.implementation == "cudnn":
-                why = ("attention dropout in training" if dropping else
-                       "float64 inputs" if q.dtype == jnp.float64 else "the value size differs from the query size")
+                why = ("attention dropout in training" if dropping else "a logit soft-cap (logit_softcap)" if capped
+                       else "float64 inputs" if q.dtype == jnp.float64 else "the value size differs from the query size")
                 raise ValueError(CUDNN_DOES_NOT_APPLY.format(reason=why))
             out = attention_weights_times_values(
-                q, k, v, mask, causal, self.dropout if dropping else 0.0, key, self.logit_scale
+                q, k, v, mask, causal, self.dropout if dropping else 0.0, key, self.logit_scale,
+                **({"softcap": self.logit_softcap} if capped else {}),
             )
         else:
             out = _fused_attention(q, k, v, mask, causal, self.implementation, self.logit_scale)
@@ -600,10 +607,11 @@ def _fused_traced(
 
 def attention_weights_times_values(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
-    dropout: float = 0.0, key: jax.Array | None = None, scale: Any = None,
+    dropout: float = 0.0, key: jax.Array | None = None, scale: Any = None, softcap: float | None = None,
 ) -> jax.Array:
     """The explicit computation ``softmax(q k^T / sqrt(d), masked) v`` on ``[..., T, N, H]``
-    (``scale``: ``softmax(scale q k^T)``).
+    (``scale``: ``softmax(scale q k^T)``; ``softcap=c``: the scaled logits ``l`` capped to
+    ``c * tanh(l / c)`` in float32 before the mask, Gemma 2's ``attn_logit_softcapping``).
 
     With ``dropout > 0`` the attention weights are dropped (probability ``dropout``) and
     the rest scaled by ``1 / (1 - dropout)``. Masked logits get the logits dtype's lowest
@@ -626,6 +634,9 @@ def attention_weights_times_values(
         logits = logits / jnp.sqrt(jnp.asarray(q.shape[-1], logits.dtype))
     else:
         logits = logits * jnp.asarray(scale, logits.dtype)
+    if softcap is not None:  # smooth cap: |logits| < c, unchanged near 0 (slope 1)
+        cap = jnp.asarray(softcap, logits.dtype)
+        logits = cap * jnp.tanh(logits / cap)
     allowed = None if mask is None else mask
     if causal:
         tril = jnp.tril(jnp.ones(logits.shape[-2:], bool))

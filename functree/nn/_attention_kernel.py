@@ -18,8 +18,9 @@ error naming the one that failed:
   KV cache) stays on XLA, which fuses it into the step; a flash kernel has no query tile to
   fill there (``"cudnn"`` still runs it).
 
-Attention dropout in training, query/key sizes that differ from the value size, and float64
-run the explicit ``softmax(q k^T) v`` in every mode (:mod:`functree.nn._attention`); asking
+Attention dropout in training, query/key sizes that differ from the value size, float64 and
+a logit soft-cap (``logit_softcap``, Gemma 2's: neither kernel caps its logits) run the
+explicit ``softmax(q k^T) v`` in every mode (:mod:`functree.nn._attention`); asking
 for ``"cudnn"`` there is an error too.
 On TPU, XLA's attention is used: no TPU run here showed a faster kernel.
 

@@ -364,8 +364,8 @@ _NEWER: dict[str, tuple[Callable[[type], ft.Module], Callable[[type], ft.Module]
     "Bidirectional": (lambda c: c(ft.nn.RNN(_cell()), ft.nn.RNN(_cell(), reverse=True)),
                       lambda c: c(forward=ft.nn.RNN(_cell()), backward=ft.nn.RNN(_cell(), reverse=True))),
     "StackedRNN": (lambda c: c([ft.nn.RNN(_cell())], 0.1), lambda c: c(layers=[ft.nn.RNN(_cell())], dropout=0.1)),
-    **{name: (lambda c: c(2, 3, 2, key=K, bidirectional=True),
-              lambda c: c(input_size=2, hidden_size=3, num_layers=2, key=K, bidirectional=True))
+    **{name: (lambda c: c(2, 3, 2, key=K, bidirectional=True, batch_first=True),
+              lambda c: c(input_size=2, hidden_size=3, num_layers=2, key=K, bidirectional=True, batch_first=True))
        for name in ("LSTM", "GRU", "SimpleRNN")},
     **{f"MaxUnpool{n}D": (lambda c: c(2, 2, 0), lambda c: c(pool_size=2, strides=2, padding=0)) for n in (1, 2, 3)},
 }

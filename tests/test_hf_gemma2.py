@@ -7,8 +7,9 @@ sliding (window 3, shorter than the 12 tokens) and full layers alternating; gree
 tokens equal HF's ``generate`` (its sliding-window cache layers); a training step's
 gradients equal torch's; PEFT's LoRA adapters load with PEFT's logits.
 
-Logits at the real tokens of a left-padded batch within 1e-5 of their magnitude: over the
-three seeds below the largest difference measured was 1.1e-6 of it (spread times 10).
+Logits at the real tokens of a left-padded batch within 1.1e-5 of their magnitude: over the
+three seeds below the largest difference measured was 6.8e-7 of it, 1.1e-6 with caps 1.5 and
+2.0 over three layers (spread times 10).
 ``save_hf`` -> ``from_pretrained``, HF's initialization and the float16 run with the other
 families (``test_hf_load.py``'s and ``test_hf_save.py``'s ``FAMILIES``); drawn configs in
 ``test_hf_config_fuzz.py``, ``test_generation_cached_fuzz.py`` and ``test_hf_bf16_fuzz.py``."""
@@ -31,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from test_hf_load import DECODER, batch, forward, hf_model, hf_output  # noqa: E402
 
-ATOL = 1e-5  # times max|HF|: measured 1.1e-6 (module docstring)
+ATOL = 1.1e-5  # times max|HF|: measured 1.1e-6 (module docstring)
 
 
 def config(**changes):
@@ -100,8 +101,8 @@ def test_generates_hf_s_greedy_tokens_past_the_window():
 def test_a_training_step_s_gradients_equal_torch_s():
     """The gradient of the mean next-token cross-entropy of a left-padded batch (predictions
     at real tokens), tensor by tensor against torch's ``.grad``, the four norms of each block
-    included (finite, nonzero), within 3e-5 of each tensor's largest gradient (measured:
-    2.1e-6, times 10)."""
+    included (finite, nonzero), within 1.1e-5 of each tensor's largest gradient (measured:
+    1.1e-6, times 10)."""
     hf = hf_model(config())
     model = ft.nn.from_hf(hf)
     ids, mask = batch(12)
@@ -122,7 +123,7 @@ def test_a_training_step_s_gradients_equal_torch_s():
     assert set(theirs) <= set(grads) and any(".pre_feedforward_layernorm." in n for n in theirs)
     for name, expected in theirs.items():
         assert np.isfinite(grads[name]).all() and np.abs(expected).max() > 0, name
-        np.testing.assert_allclose(grads[name], expected, rtol=0, atol=3e-5 * float(np.abs(expected).max()),
+        np.testing.assert_allclose(grads[name], expected, rtol=0, atol=1.1e-5 * float(np.abs(expected).max()),
                                    err_msg=name)
 
 

@@ -168,7 +168,7 @@ def same_masks(monkeypatch):
 # HF's dropout calls per forward of the 2-layer configs above: (rate, count)
 HF_CALLS = {"gpt2": {0.1: 1, 0.2: 2, 0.3: 4}, "bert": {0.15: 5, 0.25: 2}, "opt": {0.1: 2, 0.2: 4},
             "gpt_neox": {0.2: 5, 0.1: 2}, "gpt_neox_sequential": {0.2: 5, 0.1: 2}, "llama": {0.2: 2},
-            "phi3": {0.1: 2, 0.2: 4}, "olmo2": {0.2: 2}}
+            "phi3": {0.1: 2, 0.2: 4}, "olmo2": {0.2: 2}, "gemma2": {0.2: 2}}
 
 
 @pytest.mark.parametrize("family", list(HF_CALLS))

@@ -393,6 +393,24 @@ _LLAMA = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, 
           "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
           "mlp_bias": False, "head_dim": HEAD_DIM}
 
+def _gemma2_layer_types(values: Mapping[str, Any]) -> list[str] | None:
+    """Gemma2Config's ``layer_types`` when none is given: the even layers slide, the odd are full."""
+    layers = values.get("num_hidden_layers")
+    if not isinstance(layers, int):
+        return None
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+
+
+def _qwen3_layer_types(values: Mapping[str, Any]) -> list[str] | None:
+    """Qwen3Config's ``layer_types`` when none is given: sliding from layer
+    ``max_window_layers`` on where ``use_sliding_window`` keeps a ``sliding_window``."""
+    layers, first = values.get("num_hidden_layers"), values.get("max_window_layers")
+    size = values.get("sliding_window") if values.get("use_sliding_window") else None
+    if not isinstance(layers, int) or not isinstance(first, int):
+        return None
+    return ["sliding_attention" if size is not None and i >= first else "full_attention" for i in range(layers)]
+
+
 # Each covered model type's config class fields and their defaults (transformers v5); a
 # Derived value: the field HF's __post_init__ derives when it is None (its rule).
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -452,6 +470,28 @@ DEFAULTS: dict[str, dict[str, Any]] = {
              "summary_first_dropout": 0.1, "scale_attn_weights": True, "use_cache": True, "bos_token_id": 50256,
              "eos_token_id": 50256, "pad_token_id": None, "scale_attn_by_inverse_layer_idx": False,
              "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True},
+    "qwen3": {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": Derived(32, _heads),
+        "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768, "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False, "rope_parameters": None,
+        "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+        "layer_types": Derived(None, _qwen3_layer_types), "attention_dropout": 0.0, "pad_token_id": None,
+        "bos_token_id": None, "eos_token_id": None},
+    "olmo2": {
+        "vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": KV_HEADS, "hidden_act": "silu", "max_position_embeddings": 2048,
+        "initializer_range": 0.02, "use_cache": True, "pad_token_id": 1, "bos_token_id": None, "eos_token_id": 50279,
+        "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
+        "rms_norm_eps": 1e-5},
+    "gemma2": {
+        "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "rope_parameters": None,
+        "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "layer_types": Derived(None, _gemma2_layer_types), "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0, "use_bidirectional_attention": None},
 }
 # GPT-2's standard names for its own fields (its config class's attribute_map).
 ALIASES: dict[str, dict[str, str]] = {

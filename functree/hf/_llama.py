@@ -28,8 +28,6 @@ from functree.hf._causal import (
 from functree.hf._config import HFConfig
 from functree.hf._dropout import block_keys, decoding, drop, rate
 from functree.hf._family import renamed
-from functree.hf._files import DEFAULTS, Derived
-from functree.hf._files import KV_HEADS as DERIVED_KV_HEADS
 from functree.hf._options import activation, require, rope, window
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
@@ -665,48 +663,3 @@ def _query_scalar(config: Any, hf_class: str) -> float:
                                              outcome=outcome, value_json=json.dumps(value, default=str), example=256))
     return float(value)  # type: ignore[arg-type]  # checked above
 
-
-def _gemma2_layer_types(values: Any) -> list[str] | None:
-    """Gemma2Config's ``layer_types`` when none is given: the even layers slide, the odd are full."""
-    layers = values.get("num_hidden_layers")
-    if not isinstance(layers, int):
-        return None
-    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-
-
-def _qwen3_layer_types(values: Any) -> list[str] | None:
-    """Qwen3Config's ``layer_types`` when none is given: sliding from layer
-    ``max_window_layers`` on where ``use_sliding_window`` keeps a ``sliding_window``."""
-    layers, first = values.get("num_hidden_layers"), values.get("max_window_layers")
-    size = values.get("sliding_window") if values.get("use_sliding_window") else None
-    if not isinstance(layers, int) or not isinstance(first, int):
-        return None
-    return ["sliding_attention" if size is not None and i >= first else "full_attention" for i in range(layers)]
-
-
-# Hugging Face's defaults of the fields a config.json of these families leaves out (transformers
-# v5's Qwen3Config and Olmo2Config), as functree/hf/_files.py's DEFAULTS rows of the families
-# defined before them (registered here, with their classes: that table is the files' module's).
-DEFAULTS.setdefault("qwen3", {
-    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": Derived(32, lambda v: v.get("num_attention_heads")),
-    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768, "initializer_range": 0.02,
-    "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False, "rope_parameters": None,
-    "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
-    "layer_types": Derived(None, _qwen3_layer_types), "attention_dropout": 0.0, "pad_token_id": None,
-    "bos_token_id": None, "eos_token_id": None})
-DEFAULTS.setdefault("olmo2", {
-    "vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": DERIVED_KV_HEADS, "hidden_act": "silu", "max_position_embeddings": 2048,
-    "initializer_range": 0.02, "use_cache": True, "pad_token_id": 1, "bos_token_id": None, "eos_token_id": 50279,
-    "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
-    "rms_norm_eps": 1e-5})
-# transformers v5's Gemma2Config (as the rows above).
-DEFAULTS.setdefault("gemma2", {
-    "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 8192, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
-    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "rope_parameters": None,
-    "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-    "layer_types": Derived(None, _gemma2_layer_types), "final_logit_softcapping": 30.0,
-    "attn_logit_softcapping": 50.0, "use_bidirectional_attention": None})

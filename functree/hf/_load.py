@@ -432,7 +432,10 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     ``yarn``, ``llama3``: :class:`ft.nn.RopeScaling`) and the families built like it,
     ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5), ``MistralForCausalLM`` (sliding-window attention),
     ``GemmaForCausalLM``, ``Phi3ForCausalLM`` (fused ``qkv_proj`` / ``gate_up_proj``) and
-    ``OlmoForCausalLM`` (LayerNorm without weight or bias);
+    ``OlmoForCausalLM`` (LayerNorm without weight or bias), ``Qwen3ForCausalLM`` (RMSNorm over
+    each head's queries and keys), ``Olmo2ForCausalLM`` (norms after the sublayers, RMSNorm
+    over the whole query and key projections) and ``Gemma2ForCausalLM`` (attention and final
+    logit soft-caps, alternating sliding and full layers, norms around each sublayer);
     ``GPTNeoXForCausalLM`` (Pythia: parallel residual, partial rotary); ``OPTForCausalLM``;
     ``BertModel``. ``from_hf(directory)`` reads a ``save_pretrained`` directory
     (``config.json`` and ``model.safetensors`` or a sharded ``model.safetensors.index.json``);

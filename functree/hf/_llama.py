@@ -38,7 +38,7 @@ from functree.nn._stack import Stack
 
 __all__ = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM",
            "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "LlamaModel",
-           "LlamaDecoderLayer", "Olmo2DecoderLayer", "Gemma2DecoderLayer", "soft_cap", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names", "normed_outputs"]
+           "LlamaDecoderLayer", "Olmo2DecoderLayer", "Gemma2DecoderLayer", "soft_cap", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names", "sandwich_outputs"]
 
 KV_HEADS = """\
 ft.nn.from_hf: the {model_type} config has num_attention_heads={heads} and \
@@ -207,28 +207,13 @@ class Olmo2DecoderLayer(Block):
 
     def __call__(self, x: jax.Array, *, mask: Any = None, cache: Any = None, positions: Any = None,
                  rotary_positions: Any = None, key: jax.Array | None = None) -> Any:
-        return normed_outputs(x, *self._parts(), mask, cache, positions, rotary_positions, key)
+        norms = (_as_is, self.post_attention_layernorm, _as_is, self.post_feedforward_layernorm)  # outputs only
+        return sandwich_outputs(x, norms, self.self_attn, self.mlp, mask, cache, positions, rotary_positions, key)
 
 
-def normed_outputs(x: jax.Array, norm1: Any, attention: MultiheadAttention, norm2: Any, mlp: Any, mask: Any,
-                   cache: Any, positions: Any, rotary_positions: Any = None, key: jax.Array | None = None) -> Any:
-    """One block whose sublayers' outputs are normalized before the residual sums (OLMo2):
-    ``x + norm1(attention(x))``, then ``x + norm2(mlp(x))``; with a cache, ``(x, cache)``.
-    With HF's dropout (a port built with ``dropout=True``, in training mode) the attention
-    weights drop as HF's; the sublayers' outputs drop at their block's rates (OLMo2's are 0)."""
-    extra = {} if rotary_positions is None else {"rotary_positions": rotary_positions}
-    keys = block_keys(attention, key) if cache is None else None  # decoding with a cache never drops
-    if keys is None:
-        attention = decoding(attention) if cache is not None else attention
-        out = attention(x, mask=mask, cache=cache, positions=positions, **extra)
-        h, cache = (out, None) if cache is None else out
-        x = x + norm1(h)
-        x = x + norm2(mlp(x))
-        return x if cache is None else (x, cache)
-    rates = attention.rates  # type: ignore[attr-defined]  # a DropoutAttention (block_keys checked)
-    h = attention(x, mask=mask, cache=None, positions=positions, key=keys[0], **extra)
-    x = x + drop(norm1(h), rates[1], keys[1])
-    return x + drop(norm2(mlp(x)), rates[2], keys[2])
+def _as_is(x: jax.Array) -> jax.Array:
+    """No norm: OLMo2's sublayers read their inputs as they are (:func:`sandwich_outputs`)."""
+    return x
 
 
 class Gemma2DecoderLayer(Block):
@@ -269,10 +254,11 @@ class Gemma2DecoderLayer(Block):
 def sandwich_outputs(x: jax.Array, norms: tuple[Any, Any, Any, Any], attention: MultiheadAttention, mlp: Any,
                      mask: Any, cache: Any, positions: Any, rotary_positions: Any = None,
                      key: jax.Array | None = None) -> Any:
-    """One block whose sublayers' inputs and outputs are normalized (Gemma 2): with ``norms``
-    ``(n1, n2, n3, n4)``, ``x + n2(attention(n1(x)))``, then ``x + n4(mlp(n3(x)))``; with a
-    cache, ``(x, cache)``. With HF's dropout (``dropout=True``, training mode) the attention
-    weights drop as HF's; the sublayers' outputs at their block's rates (Gemma 2's are 0)."""
+    """One block whose sublayers' inputs and outputs are normalized (Gemma 2; OLMo2 its outputs
+    only, ``n1`` and ``n3`` the identity): with ``norms`` ``(n1, n2, n3, n4)``, ``x +
+    n2(attention(n1(x)))``, then ``x + n4(mlp(n3(x)))``; with a cache, ``(x, cache)``. With
+    HF's dropout (``dropout=True``, training mode) the attention weights drop as HF's; the
+    sublayers' outputs at their block's rates (OLMo2's and Gemma 2's are 0)."""
     n1, n2, n3, n4 = norms
     extra = {} if rotary_positions is None else {"rotary_positions": rotary_positions}
     keys = block_keys(attention, key) if cache is None else None  # decoding with a cache never drops

@@ -80,23 +80,25 @@ def test_a_nan_or_infinity_in_a_config_json_is_refused_naming_the_field(tmp_path
         _hf_files.read_config(tmp_path)
 
 
-def test_a_mistral_config_with_mixed_layer_types_is_refused_as_the_ministral_transformers_reads(tmp_path):
+def test_a_mistral_config_with_layer_types_is_read_as_the_ministral_transformers_reads(tmp_path):
     """transformers' AutoConfig reads a mistral config.json with layer_types as Ministral's
     (each layer its type's mask); functree built Mistral, every layer sliding: logits 0.13 of
-    their scale off for a window of 3 (a differential sweep against transformers). Layer types that give
-    every layer Mistral's own mask still read."""
+    their scale off for a window of 3 (a differential sweep against transformers), then refused
+    them (MISTRAL_LAYER_TYPES). Now each layer takes its type's window, "full_attention" none
+    even where sliding_window is set (HF's logits: tests/test_hf_ministral.py)."""
     transformers = pytest.importorskip("transformers")
     given = _config("mistral", sliding_window=3, layer_types=["sliding_attention", "full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(given))
     assert transformers.AutoConfig.from_pretrained(tmp_path).model_type == "ministral"
-    with pytest.raises(ValueError, match=r"(?s)the mistral config gives layer_types \['sliding_attention', "
-                                         r"'full_attention'\]: transformers reads .* as a Ministral one.*gives every "
-                                         r"layer \"sliding_attention\".*wrong:  \"model_type\": \"mistral\""):
-        ft.nn.from_hf(given, key=jax.random.key(0))
+    attention = ft.nn.from_hf(given, key=jax.random.key(0)).model.layers.layers.self_attn
+    assert attention.window is None and np.asarray(attention.member_window).tolist() == [3, 0]
+    full = _config("mistral", sliding_window=3, layer_types=["full_attention"] * 2)
+    assert ft.nn.from_hf(full, key=jax.random.key(0)).model.layers.layers.self_attn.window is None
     model = ft.nn.from_hf(_config("mistral", sliding_window=3, layer_types=["sliding_attention"] * 2),
                           key=jax.random.key(0))
     assert model.model.layers.layers.self_attn.window == 3
-    _hf_files.Config.of(_config("mistral", sliding_window=None, layer_types=["full_attention"] * 2))
+    with pytest.raises(ValueError, match=r"the mistral config's 'layer_types' is \['sliding_attention'\]"):
+        ft.nn.from_hf(_config("mistral", sliding_window=3, layer_types=["sliding_attention"]), key=jax.random.key(0))
 
 
 @pytest.mark.parametrize("changes, words", [

@@ -100,18 +100,6 @@ would compute NaNs or another model (transformers reads the file and computes th
     right:  the value the checkpoint was trained with (the file as save_pretrained wrote it: download it again)
 """
 
-MISTRAL_LAYER_TYPES = """\
-ft.nn.from_hf: the mistral config gives layer_types {types}: transformers reads a mistral \
-config.json with layer_types as a Ministral one (AutoConfig: "treating as ministral"), whose \
-layers each take their type's mask, the sliding window ({window}) only on "sliding_attention" \
-layers. functree's MistralForCausalLM gives every layer {uniform}, which is another model for \
-these layer types, so none was built.
-
-    wrong:  "model_type": "mistral", "layer_types": {types_json}
-    right:  "layer_types": [{uniform_json}, ...]     # only if every layer is trained so
-       or:  leave out "layer_types" where every layer {uniform_does} (the Mistral model)
-"""
-
 SLIDING_WITHOUT_WINDOW = """\
 ft.nn.from_hf: the {model_type} config's layer_types make layer {layer} "sliding_attention", \
 but its sliding window is null{why}: a sliding layer without a window size, which \
@@ -654,22 +642,14 @@ def _check_finite(model_type: str, key: str, value: Any) -> None:
 
 
 def _check_windows(model_type: str, values: Mapping[str, Any], given: Mapping[str, Any]) -> None:
-    """The layer types agree with the sliding window the model reads: a mistral config with
-    layer_types is HF's Ministral (:data:`MISTRAL_LAYER_TYPES`, unless they give every layer
-    Mistral's one mask); a "sliding_attention" layer needs a window
-    (:data:`SLIDING_WITHOUT_WINDOW`: Qwen2's ``use_sliding_window`` false makes it null)."""
+    """The layer types agree with the sliding window the model reads: a "sliding_attention"
+    layer needs a window (:data:`SLIDING_WITHOUT_WINDOW`: Qwen2's ``use_sliding_window`` false
+    makes it null). A mistral config's layer types are HF's Ministral's, each layer its type's
+    mask (``MistralForCausalLM.hf_options``); any value of the key switches HF to Ministral."""
     types, size = values.get("layer_types"), values.get("sliding_window")
     if not isinstance(types, list):
         if model_type == "mistral" and types is not None:  # HF's AutoConfig switches on the key alone
             raise _bad_value(model_type, "layer_types", types, "a list of layer types", None)
-        return
-    if model_type == "mistral":
-        uniform = "sliding_attention" if size is not None else "full_attention"
-        if any(t != uniform for t in types):
-            raise ValueError(MISTRAL_LAYER_TYPES.format(
-                types=types if len(types) <= 4 else f"{types[:4]} ...", window=size, uniform=f'"{uniform}"',
-                types_json=json.dumps(types[:2] + (["..."] if len(types) > 2 else [])), uniform_json=json.dumps(uniform),
-                uniform_does="slides" if size is not None else "attends to every earlier token"))
         return
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if sliding and size is None:
@@ -689,7 +669,8 @@ def _check_layer_types(model_type: str, values: Mapping[str, Any]) -> None:
     ``num_hidden_layers`` layers (HF refuses another length: the layers would read other
     layers' types)."""
     given, layers = values.get("layer_types"), values.get("num_hidden_layers")
-    if given is None or "layer_types" not in DEFAULTS[model_type] or not isinstance(layers, int):
+    ministral = model_type == "mistral"  # a mistral config's layer_types: HF's Ministral's (MinistralConfig's field)
+    if given is None or ("layer_types" not in DEFAULTS[model_type] and not ministral) or not isinstance(layers, int):
         return
     if len(given) != layers or not all(isinstance(t, str) and t in LAYER_TYPES for t in given):
         raise _bad_value(model_type, "layer_types", given, f"a list of num_hidden_layers ({layers}) layer types, "

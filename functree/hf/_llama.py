@@ -468,14 +468,24 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Hugging Face's ``MistralForCausalLM``: Llama with sliding-window attention (``window``:
-    the config's ``sliding_window``, in the forward and in the KV cache's mask)."""
+    the config's ``sliding_window``, in the forward and in the KV cache's mask).
+
+    A ``config.json`` (or its dict) with ``layer_types`` is read as transformers'
+    ``AutoConfig`` reads it: as Ministral's, each layer its type's mask (HF's
+    ``MinistralForCausalLM``: the same weights, the window on ``"sliding_attention"`` layers
+    only; where the types mix, one window per layer, each member's ``member_window``, as
+    Qwen2's). HF's own ``MistralConfig`` object keeps the key but its ``MistralForCausalLM``
+    ignores it (every layer slides), so that config builds Mistral's one window."""
 
     model_type = "mistral"
     hf_biases = ()
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
-        return {"window": window(config)}
+        if type(config).__name__ == "MistralConfig" or getattr(config, "layer_types", None) is None:
+            return {"window": window(config)}
+        sizes = window(config, layer_types=True)  # AutoConfig: "treating as ministral"
+        return {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -170,4 +170,9 @@ def hf_config_of(config: Any, source: Any) -> HFConfig:
             generation = read_legacy_generation(source)
     elif given is not None and hasattr(source, "state_dict"):
         generation = _json_config(given)
-    return HFConfig(_json_config(config), generation)
+    values = _json_config(config)
+    if type(config).__name__ == "MistralConfig":
+        # HF's MistralForCausalLM ignores layer_types (every layer slides), but AutoConfig reads
+        # a mistral file that keeps them as Ministral (each layer its type's mask): another model.
+        values.pop("layer_types", None)
+    return HFConfig(values, generation)

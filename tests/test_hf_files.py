@@ -44,6 +44,10 @@ CONFIGS = {
               {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
                "original_max_position_embeddings": 4096}],  # the top-level value (was: max_position_embeddings)
     "mistral": [{}, {"sliding_window": None, "head_dim": None, "hidden_size": 256, "num_attention_heads": 8}],
+    # MinistralConfig: layer_types from sliding_window when absent; head_dim stays null (not derived)
+    "ministral": [{}, {"sliding_window": None, "head_dim": None, "hidden_size": 256, "num_attention_heads": 8},
+                  {"num_hidden_layers": 3, "sliding_window": 64, "head_dim": 32,
+                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}],
     "gemma": [{}, {"hidden_act": "gelu", "num_key_value_heads": 1, "head_dim": 32}],
     "phi3": [{}, {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
                   "original_max_position_embeddings": 2048, "max_position_embeddings": 8192, "sliding_window": 64},

@@ -498,6 +498,9 @@ FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=WINDOW,
                                               max_window_layers=0),
     "mistral": lambda: transformers.MistralConfig(**DECODER, sliding_window=WINDOW),
+    # layer 0 sliding, layer 1 full; head_dim given (HF's Ministral reads no other)
+    "ministral": lambda: transformers.MinistralConfig(**DECODER, head_dim=4, sliding_window=WINDOW,
+                                                      layer_types=["sliding_attention", "full_attention"]),
     "gemma": lambda: transformers.GemmaConfig(**DECODER, head_dim=8),
     "phi3": lambda: transformers.Phi3Config(**DECODER, sliding_window=WINDOW, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
@@ -593,8 +596,8 @@ def test_a_llama_like_family_is_one_subclass(llama_variant):
 
 def test_every_family_is_its_class():
     """FAMILIES maps each model type to its class (a class's name is its HF class's), in the order defined."""
-    assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3", "olmo2",
-                                  "gemma2", "gpt_neox", "opt", "bert"]
+    assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "ministral", "gemma", "phi3", "olmo", "qwen3",
+                                  "olmo2", "gemma2", "gpt_neox", "opt", "bert"]
     for model_type, family in _hf.FAMILIES.items():  # a class added after the split keeps its module's name
         home = "functree.nn._hf_models" if family in _hf_models.RECORDED else "functree.hf._llama"
         assert issubclass(family, _hf_family.HFModel) and family.__module__ == home

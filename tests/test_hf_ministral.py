@@ -3,7 +3,9 @@
 take their type's mask (the window on "sliding_attention" layers only). functree's
 ``MistralForCausalLM`` then holds one window per layer (``member_window``); HF's own
 ``MistralConfig`` object keeps the key but its ``MistralForCausalLM`` ignores it (every
-layer slides), and so does ``from_hf`` of that model.
+layer slides), and so does ``from_hf`` of that model. ``model_type: "ministral"`` (HF's
+``MinistralForCausalLM``, its config, a saved directory) is a family of its own:
+``MinistralForCausalLM``, whose layers always take their types' masks.
 
 Tiny config, random weights (no download), window 3 shorter than the 12 tokens. Logits at the
 real tokens of a left-padded batch within 5e-6 of max|HF|: over three seeds of weights drawn
@@ -99,3 +101,41 @@ def test_save_hf_of_hf_s_mistral_model_with_layer_types_writes_the_mistral_it_ra
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="eager")
     assert type(back).__name__ == "MistralForCausalLM"
     assert_logits_equal(ft.nn.from_hf(tmp_path / "saved"), hf)
+
+
+def test_model_type_ministral_is_hf_s_ministral_from_its_model_directory_and_dict(tmp_path):
+    """``model_type: "ministral"`` (was refused: "not covered"): HF's MinistralForCausalLM, its
+    save_pretrained directory, and that config.json's dict with the weights each give HF's
+    logits and greedy cached tokens; save_hf writes "ministral" back, which from_pretrained
+    reads as the same model (the same tensors)."""
+    hf = hf_model(transformers.MinistralConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"}))
+    assert type(hf).__name__ == "MinistralForCausalLM"
+    hf.save_pretrained(tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["model_type"] == "ministral"
+    weights = {k: v.numpy() for k, v in hf.state_dict().items()}
+    for model in (ft.nn.from_hf(hf), ft.nn.from_hf(tmp_path / "hf"), ft.nn.from_hf(written, weights)):
+        attention = model.model.layers.layers.self_attn
+        assert type(model).__name__ == "MinistralForCausalLM"
+        assert attention.window is None and np.asarray(attention.member_window).tolist() == [3, 0]
+        assert_logits_equal(model, hf)
+    assert_generates_as_hf(model, hf, length=12)
+    ft.nn.save_hf(model, tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "ministral"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="eager")
+    assert type(back).__name__ == "MinistralForCausalLM" and back.config.layer_types == CONFIG["layer_types"]
+    assert back.state_dict().keys() == hf.state_dict().keys()
+    for name, tensor in back.state_dict().items():
+        np.testing.assert_array_equal(tensor.numpy(), weights[name], err_msg=name)
+
+
+@pytest.mark.parametrize("window, expected", [(3, 3), (None, None)])
+def test_a_ministral_config_without_layer_types_gets_ministral_s_default(window, expected):
+    """MinistralConfig's default layer types: every layer sliding, or every layer full where
+    the window is null (one static window, or none)."""
+    given = {**{k: v for k, v in CONFIG.items() if k != "layer_types"}, "model_type": "ministral",
+             "sliding_window": window}
+    assert transformers.AutoConfig.for_model(**given).layer_types == [
+        "sliding_attention" if window else "full_attention"] * 2
+    attention = jax.eval_shape(lambda: ft.nn.from_hf(given, key=jax.random.key(0))).model.layers.layers.self_attn
+    assert attention.window == expected and attention.member_window is None

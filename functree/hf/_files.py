@@ -399,6 +399,15 @@ def _qwen3_layer_types(values: Mapping[str, Any]) -> list[str] | None:
     return ["sliding_attention" if size is not None and i >= first else "full_attention" for i in range(layers)]
 
 
+def _ministral_layer_types(values: Mapping[str, Any]) -> list[str] | None:
+    """MinistralConfig's ``layer_types`` when none is given: every layer sliding where
+    ``sliding_window`` is set, every layer full where it is null."""
+    layers = values.get("num_hidden_layers")
+    if not isinstance(layers, int):
+        return None
+    return ["sliding_attention" if values.get("sliding_window") is not None else "full_attention"] * layers
+
+
 # Each covered model type's config class fields and their defaults (transformers v5); a
 # Derived value: the field HF's __post_init__ derives when it is None (its rule).
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -416,6 +425,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                 "use_cache": True, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
                 "tie_word_embeddings": False, "rope_parameters": None, "sliding_window": 4096,
                 "attention_dropout": 0.0},
+    # MinistralConfig: Mistral's fields and layer_types; its head_dim stays null (HF's model then fails)
+    "ministral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None,  # (HF refuses null kv)
+                  "hidden_act": "silu", "max_position_embeddings": 4096 * 32, "initializer_range": 0.02,
+                  "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": None, "bos_token_id": 1,
+                  "eos_token_id": 2, "tie_word_embeddings": False, "rope_parameters": None, "sliding_window": 4096,
+                  "attention_dropout": 0.0, "layer_types": Derived(None, _ministral_layer_types)},
     "gemma": {"vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
               "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256,
               "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "initializer_range": 0.02,
@@ -589,6 +605,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 NULL_ALLOWED: dict[str, frozenset[str]] = {"llama": frozenset({"pretraining_tp", "attention_dropout"}),
                                            "qwen2": frozenset({"sliding_window"}),
                                            "mistral": frozenset({"sliding_window"}),
+                                           "ministral": frozenset({"sliding_window"}),
                                            "qwen3": frozenset({"sliding_window"}),
                                            "gemma2": frozenset({"attention_dropout", "sliding_window",
                                                                 "final_logit_softcapping", "attn_logit_softcapping"})}

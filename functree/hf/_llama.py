@@ -488,6 +488,21 @@ class MistralForCausalLM(LlamaForCausalLM):
         return {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
 
 
+class MinistralForCausalLM(MistralForCausalLM):
+    """Hugging Face's ``MinistralForCausalLM`` (``model_type: "ministral"``): Mistral's
+    weights, each layer its ``layer_types`` entry's mask, always (``MinistralConfig``
+    defaults them from ``sliding_window``: every layer sliding, or every layer full where the
+    window is null). Where the types mix, one window per layer (each member's
+    ``member_window``); ``save_hf`` writes ``"model_type": "ministral"`` back."""
+
+    model_type = "ministral"
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        sizes = window(config, layer_types=True)
+        return {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
+
+
 class GemmaForCausalLM(LlamaForCausalLM):
     """Hugging Face's ``GemmaForCausalLM``: Llama with ``GemmaRMSNorm`` (``1 + weight``), the
     embedding scaled by sqrt(hidden_size), GeGLU (the config's tanh GELU) and a tied head."""

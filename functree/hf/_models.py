@@ -1,6 +1,6 @@
 """The model classes :func:`ft.hf.from_hf` builds out of ``ft.nn`` layers, one module per
 architecture: GPT-2 (:mod:`._gpt2`), Llama and the families built like it, Qwen2,
-Mistral, Gemma, Phi-3, OLMo, Qwen3, OLMo2 and Gemma 2 (:mod:`._llama`), GPT-NeoX (:mod:`._neox`), OPT
+Mistral, Ministral, Gemma, Phi-3, OLMo, Qwen3, OLMo2 and Gemma 2 (:mod:`._llama`), GPT-NeoX (:mod:`._neox`), OPT
 (:mod:`._opt`) and BERT (:mod:`._bert`); what they share is :mod:`._causal` (the
 calls) and :mod:`._family` (a family as one class, and the table of families).
 
@@ -28,6 +28,7 @@ from functree.hf._llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    MinistralForCausalLM,
     MistralForCausalLM,
     Olmo2ForCausalLM,
     OlmoForCausalLM,
@@ -42,9 +43,9 @@ from functree.hf._bert import BERT_RENAME, BertEmbeddings, BertEncoder, BertLaye
 from functree.hf._causal import check_token_ids
 # isort: on
 
-__all__ = ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM",
-           "Phi3ForCausalLM", "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM",
-           "GPTNeoXForCausalLM", "OPTForCausalLM", "BertModel",
+__all__ = ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "MinistralForCausalLM",
+           "GemmaForCausalLM", "Phi3ForCausalLM", "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
+           "Gemma2ForCausalLM", "GPTNeoXForCausalLM", "OPTForCausalLM", "BertModel",
            "GPT2Model", "GPT2Block", "GPT2MLP", "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP",
            "GemmaRMSNorm", "GPTNeoXModel", "GPTNeoXLayer", "GPTNeoXMLP", "OPTModel", "OPTDecoder",
            "OPTDecoderLayer", "OPT_OFFSET", "BertEmbeddings", "BertLayer", "BertEncoder", "BERT_RENAME",

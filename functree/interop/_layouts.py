@@ -214,6 +214,8 @@ def _cell(layer: SimpleRNNCell | GRUCell | LSTMCell, suffix: str = "", ft: str =
             rules.append(same("bias_hh", "hidden_bias"))
     elif layer.bias is not None:  # torch adds two biases where the LSTM has one: loaded summed, saved as (bias, 0)
         rules.append((("bias_ih", "bias_hh"), ("bias",), _summed, _with_zeros))
+    if isinstance(layer, LSTMCell) and layer.projection is not None:  # proj_size: torch's weight_hr [p, hidden]
+        rules.append(_permuted("weight_hr", "projection", (1, 0)))
     return [(tuple(n + suffix for n in t), tuple(f"{ft}.{n}" if ft else n for n in f), a, b) for t, f, a, b in rules]
 
 

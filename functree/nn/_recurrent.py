@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,16 +74,24 @@ class LSTMState(NamedTuple):
     cell: jax.Array
 
 
+def _drawn(dtype: Any) -> Any:
+    """The dtype a cell's weights of ``dtype`` are drawn in: float32 below 32 bits (see :func:`_weights`)."""
+    return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32 else dtype
+
+
 def _weights(key: jax.Array, n_in: int, n_hidden: int, gates: int, dtype: Any,
-             input_init: Initializer, hidden_init: Initializer) -> tuple[jax.Array, jax.Array]:
+             input_init: Initializer, hidden_init: Initializer, n_state: int = 0) -> tuple[jax.Array, jax.Array]:
+    """``input_weight [n_in, gates * n_hidden]`` and ``hidden_weight [n_state, gates * n_hidden]``
+    (``n_state`` 0: ``n_hidden``; an LSTM with projections reads a state of ``proj_size``)."""
     # Narrow floats (bfloat16, float16) are drawn in float32 and rounded: the orthogonal
     # initializer's QR has no LAPACK kernel below float32, and a bfloat16 cell is then the
     # float32 cell of the same key, rounded. float32 and float64 draw as they always did.
-    drawn = jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32 else dtype
+    drawn = _drawn(dtype)
     k_in, k_h = jax.random.split(key)
     w_in = initialized(input_init, k_in, (n_in, gates * n_hidden), drawn)  # the keys' draws (functree/_random.py)
     w_h = jnp.concatenate(
-        [hidden_init(flat_key(k), (n_hidden, n_hidden), drawn) for k in jax.random.split(k_h, gates)], axis=1
+        [hidden_init(flat_key(k), (n_state or n_hidden, n_hidden), drawn) for k in jax.random.split(k_h, gates)],
+        axis=1
     )
     return w_in.astype(dtype), w_h.astype(dtype)
 
@@ -101,6 +109,11 @@ class _Cell(Layer):
     @property
     def hidden_size(self) -> int:
         return self.hidden_weight.shape[0]  # type: ignore[attr-defined]  # each cell's field
+
+    @property
+    def output_size(self) -> int:
+        """The features of each step's output (an LSTM with projections: its ``proj_size``)."""
+        return self.hidden_size
 
     def zero_state(self, batch_shape: tuple[int, ...] = ()) -> Any:
         """Zeros ``[*batch_shape, hidden_size]``."""
@@ -219,6 +232,13 @@ class GRUCell(_Cell):
         return h, h
 
 
+BAD_PROJ_SIZE = """\
+ft.nn.LSTMCell: proj_size={given}; torch's LSTM with projections projects the hidden state \
+to fewer features, 0 < proj_size < hidden_size ({hidden}), and proj_size=0 (the default) has none.
+
+    right:  ft.nn.LSTMCell(n_in, {hidden}, proj_size={fix}, key=k)"""
+
+
 class LSTMCell(_Cell):
     """A long short-term memory cell (Hochreiter & Schmidhuber 1997).
 
@@ -232,32 +252,67 @@ class LSTMCell(_Cell):
     Jozefowicz et al. 2015), added in float32 in bfloat16 and float16 (as ``Dense``: its gradient
     sums every row). ``cell(LSTMState(h, c), x)`` returns ``(LSTMState(h', c'), h')``.
 
+    ``proj_size=p`` (``0 < p < hidden_size``) is torch's LSTM with projections (Sak et al.
+    2014): ``h' = (o * tanh(c')) W_hr`` with ``projection`` ``W_hr [hidden_size, p]``
+    (glorot-uniform; torch's ``weight_hr_l0`` transposed), so ``h`` and the output have ``p``
+    features, ``c`` keeps ``hidden_size``, and ``hidden_weight`` is ``[p, 4 * hidden_size]``.
+    Without it ``projection`` is None (no leaf: the cell computes what it always did).
+
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> cell = ft.nn.LSTMCell(3, 5, key=jax.random.key(0))
       >>> state, y = cell(cell.zero_state((2,)), jnp.ones((2, 3)))
       >>> state.cell.shape, y.shape
       ((2, 5), (2, 5))
+      >>> cell = ft.nn.LSTMCell(3, 5, proj_size=2, key=jax.random.key(0))
+      >>> state, y = cell(cell.zero_state((2,)), jnp.ones((2, 3)))
+      >>> state.cell.shape, y.shape
+      ((2, 5), (2, 2))
     """
 
     input_weight: jax.Array
     hidden_weight: jax.Array
     bias: jax.Array | None = field(decay=False)
+    projection: jax.Array | None = None  # [hidden_size, proj_size]; None: no projection
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("projection",)  # files written before it: None
 
     def __init__(self, input_size: int, hidden_size: int, *, key: jax.Array,
                  dtype: Any = jnp.float32, forget_bias: float = 1.0,
                  input_initializer: Initializer = _glorot,
-                 hidden_initializer: Initializer = _orthogonal, use_bias: bool = True):
+                 hidden_initializer: Initializer = _orthogonal, use_bias: bool = True, proj_size: int = 0):
+        if not isinstance(proj_size, int) or isinstance(proj_size, bool) or not 0 <= proj_size < hidden_size:
+            fix = max(1, hidden_size // 2) if hidden_size > 1 else 0
+            raise ValueError(BAD_PROJ_SIZE.format(given=proj_size, hidden=hidden_size, fix=fix))
         self.input_weight, self.hidden_weight = _weights(
-            key, input_size, hidden_size, 4, dtype, input_initializer, hidden_initializer
+            key, input_size, hidden_size, 4, dtype, input_initializer, hidden_initializer, n_state=proj_size
         )
         self.bias = (jnp.zeros((4 * hidden_size,), dtype).at[hidden_size:2 * hidden_size].set(forget_bias)
                      if use_bias else None)
+        # its own key (folded, not split): the other leaves draw as a cell without projection's
+        self.projection = initialized(_glorot, jax.random.fold_in(key, 1), (hidden_size, proj_size),
+                                      _drawn(dtype)).astype(dtype) if proj_size else None
+
+    @property
+    def hidden_size(self) -> int:
+        """The cell state's features (``c``); ``hidden_weight``'s rows are ``h``'s, ``output_size``."""
+        return self.input_weight.shape[1] // 4
+
+    @property
+    def proj_size(self) -> int:
+        """torch's ``proj_size``: ``projection``'s columns, 0 without one."""
+        return 0 if self.projection is None else self.projection.shape[1]
+
+    @property
+    def output_size(self) -> int:
+        """``h``'s features: ``proj_size``, or ``hidden_size`` without a projection."""
+        return self.proj_size or self.hidden_size
 
     def zero_state(self, batch_shape: tuple[int, ...] = ()) -> LSTMState:
-        """Zero hidden and cell states ``[*batch_shape, hidden_size]``."""
-        zeros = jnp.zeros((*batch_shape, self.hidden_size), self.hidden_weight.dtype)
-        return LSTMState(zeros, zeros)
+        """Zero hidden ``[*batch_shape, output_size]`` and cell states ``[*batch_shape, hidden_size]``."""
+        dtype = self.hidden_weight.dtype
+        cell = jnp.zeros((*batch_shape, self.hidden_size), dtype)
+        hidden = cell if self.projection is None else jnp.zeros((*batch_shape, self.proj_size), dtype)
+        return LSTMState(hidden, cell)
 
     def __call__(self, state: LSTMState, x: jax.Array) -> tuple[LSTMState, jax.Array]:
         check_input(self, x, (self.input_weight.shape[0],))
@@ -266,6 +321,8 @@ class LSTMCell(_Cell):
         i, f, g, o = jnp.split(gates, 4, axis=-1)
         c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
         h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        if self.projection is not None:  # Sak et al. 2014, torch's weight_hr: h' = (o * tanh(c')) W_hr
+            h = h @ self.projection
         return LSTMState(h, c), h
 
 

@@ -62,14 +62,6 @@ An LSTM's (h_0, c_0) is an ft.nn.LSTMState, not a plain pair (read as one state 
     wrong:  lstm(xs, (h0, c0))
     right:  lstm(xs, ft.nn.LSTMState(h0, c0))   # each [{count}, *batch, hidden], as torch takes them"""
 
-PROJ_SIZE = """\
-ft.nn.LSTM: proj_size={given} (torch's LSTM with projections, Sak et al. 2014: h_t = W_hr \
-(o_t * tanh(c_t)), a hidden state of proj_size) is not implemented; ft.nn.LSTMCell's hidden \
-state is its cell's size. Project each layer's outputs yourself, or leave it out:
-
-    wrong:  ft.nn.LSTM(n_in, n_hidden, proj_size={given}, key=k)
-    right:  ft.nn.LSTM(n_in, n_hidden, batch_first=True, key=k)   # proj_size=0, torch's default"""
-
 NONLINEARITY = """\
 ft.nn.SimpleRNN: nonlinearity={given!r}; torch's nn.RNN takes "tanh" or "relu".
 
@@ -249,7 +241,7 @@ def _sizes(layer: Any) -> tuple[int | None, int | None, str]:
     if not all(isinstance(c, (SimpleRNNCell, GRUCell, LSTMCell)) for c in cells):
         return None, None, ""
     inputs = int(cells[0].input_weight.shape[0])  # type: ignore[union-attr]
-    return inputs, sum(int(c.hidden_size) for c in cells), type(cells[0]).__name__  # type: ignore[union-attr]
+    return inputs, sum(int(c.output_size) for c in cells), type(cells[0]).__name__  # type: ignore[union-attr]
 
 
 def _check_sizes(layers: tuple[Any, ...]) -> None:
@@ -264,14 +256,16 @@ def _check_sizes(layers: tuple[Any, ...]) -> None:
 
 
 def _built(make: Callable[..., Any], input_size: int, hidden_size: int, num_layers: int, key: jax.Array,
-           bidirectional: bool, batch_first: bool) -> tuple[Any, ...]:
-    """torch's layers: layer ``k``'s cells (forward, then backward) from ``split(key, 2 * num_layers)``."""
+           bidirectional: bool, batch_first: bool, output_size: int = 0) -> tuple[Any, ...]:
+    """torch's layers: layer ``k``'s cells (forward, then backward) from ``split(key, 2 * num_layers)``;
+    layer ``k > 0`` reads ``num_directions * output_size`` features (0: ``hidden_size``; an
+    LSTM with projections: its ``proj_size``)."""
     keys = jax.random.split(key, 2 * num_layers)
     time_axis = -2 if batch_first else 0
     rnn: Any = RNN  # its dataclass __init__ (cell, time_axis, reverse), which pyright does not see
     layers = []
     for k in range(num_layers):
-        n_in = input_size if k == 0 else hidden_size * (2 if bidirectional else 1)
+        n_in = input_size if k == 0 else (output_size or hidden_size) * (2 if bidirectional else 1)
         forward = rnn(make(n_in, hidden_size, key=keys[2 * k]), time_axis=time_axis)
         if bidirectional:
             forward = Bidirectional(forward, rnn(make(n_in, hidden_size, key=keys[2 * k + 1]), time_axis=time_axis,
@@ -299,8 +293,10 @@ class LSTM(StackedRNN):
     ``batch_first`` is required (:data:`BATCH_FIRST`): ``True`` reads ``[*batch, time,
     features]`` (ft's layers), ``False`` ``[time, *batch, features]`` (torch's default, which
     a default here would misread with no error: the shapes fit either way).
-    ``bias=False`` builds the cells without biases. ``proj_size`` is refused
-    (:data:`PROJ_SIZE`). The cells start as ``LSTMCell``'s do (glorot / orthogonal, forget
+    ``bias=False`` builds the cells without biases. ``proj_size=p`` (Sak et al. 2014) gives
+    each cell a ``projection`` (``LSTMCell(..., proj_size=p)``: ``h`` and the outputs have
+    ``p`` features per direction, ``c`` ``hidden_size``; layer ``k > 0`` reads ``p *
+    num_directions``), torch's ``h_n`` ``[layers * dirs, batch, p]``. The cells start as ``LSTMCell``'s do (glorot / orthogonal, forget
     bias 1), not as torch's uniform draws; ``ft.nn.load_torch_state_dict`` takes torch's
     ``weight_ih_l1_reverse``... tensors.
 
@@ -314,13 +310,13 @@ class LSTM(StackedRNN):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, *, key: jax.Array,
                  bias: bool = True, batch_first: bool | None = None, dropout: float = 0.0, bidirectional: bool = False,
                  proj_size: int = 0, dtype: Any = jnp.float32, forget_bias: float = 1.0):
-        if proj_size:
-            raise ValueError(PROJ_SIZE.format(given=proj_size))
         _check_layers("LSTM", num_layers)
         batch_first = _check_batch_first("LSTM", batch_first)
         def make(n_in: int, n_hidden: int, key: jax.Array) -> LSTMCell:
-            return LSTMCell(n_in, n_hidden, key=key, dtype=dtype, forget_bias=forget_bias, use_bias=bias)
-        super().__init__(_built(make, input_size, hidden_size, num_layers, key, bidirectional, batch_first), dropout)
+            return LSTMCell(n_in, n_hidden, key=key, dtype=dtype, forget_bias=forget_bias, use_bias=bias,
+                            proj_size=proj_size)
+        super().__init__(_built(make, input_size, hidden_size, num_layers, key, bidirectional, batch_first,
+                                proj_size), dropout)
 
 
 class GRU(StackedRNN):

@@ -40,7 +40,7 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attenti
 # The families of configs(), written out: collection reads no transformers config class (building
 # them all imported each family's module at collection, ~3.4 s in every xdist worker).
 FAMILIES = ["gpt2", "bert", "opt", "gpt_neox", "gpt_neox_sequential", "llama", "qwen2", "mistral", "gemma", "phi3",
-            "qwen3", "olmo2", "gemma2"]
+            "qwen3", "olmo2", "gemma2", "ministral"]
 
 
 def configs(on=True):
@@ -74,6 +74,7 @@ def configs(on=True):
         "qwen3": transformers.Qwen3Config(**DECODER, head_dim=8, attention_dropout=r(0.2)),
         "olmo2": transformers.Olmo2Config(**DECODER, attention_dropout=r(0.2)),  # its norms after the sublayers
         "gemma2": transformers.Gemma2Config(**DECODER, head_dim=8, attention_dropout=r(0.2)),  # sandwich norms, caps
+        "ministral": transformers.MinistralConfig(**DECODER, head_dim=4, attention_dropout=r(0.2)),  # layer_types
     }
     assert list(built) == FAMILIES, (list(built), FAMILIES)
     return built

@@ -749,3 +749,13 @@ def test_lstm_cell_with_projection_shapes_gradients_and_older_files():
         x = np.random.default_rng(0).normal(size=(1, 3, 2))
         h0 = ft.nn.LSTMState(*(np.random.default_rng(s).normal(size=(2, 1, n)) for s, n in ((1, 1), (2, 3))))
         check_grads(jax.jit(lambda m, x, h0: m(x, h0, return_state=True)), (lstm, x, h0), order=1, modes=["rev"])
+
+
+def test_the_stack_hint_reads_torchs_projections():
+    """A torch LSTM with proj_size (weight_hr_l0; weight_hh [4H, p]) loaded into one ft.nn.RNN
+    got no hint (4H / p named no cell); RNN_STACK_HINT now names proj_size and the hidden size."""
+    torch = pytest.importorskip("torch")
+    rnn = jax.eval_shape(lambda: ft.nn.RNN(ft.nn.LSTMCell(3, 8, key=jax.random.key(0))))
+    with pytest.raises(ValueError, match=r"ft.nn.LSTM\(3, 6, num_layers=2, bidirectional=True, proj_size=2, "
+                                         r"batch_first=False, key=k\)"):
+        ft.nn.load_torch_state_dict(rnn, torch.nn.LSTM(3, 6, num_layers=2, bidirectional=True, proj_size=2).state_dict())

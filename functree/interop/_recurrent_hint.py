@@ -35,7 +35,10 @@ def recurrent_hint(report: FlatDictReport, given: Mapping[str, Any]) -> str:
         first, hidden = given.get(f"{prefix}weight_ih_l0"), given.get(f"{prefix}weight_hh_l0")
         if first is None or hidden is None or len(first.shape) != 2 or len(hidden.shape) != 2 or not hidden.shape[1]:
             continue
-        kinds = _KINDS.get(int(first.shape[0]) // int(hidden.shape[1]))
+        projection = given.get(f"{prefix}weight_hr_l0")  # torch's LSTM with proj_size: weight_hh [4H, p]
+        size = int(projection.shape[1]) if projection is not None and len(projection.shape) == 2 \
+            else int(hidden.shape[1])
+        kinds = _KINDS.get(int(first.shape[0]) // size) if size else None
         if kinds is None:
             continue
         layers = [m for m in map(_LAYER.match, given) if m is not None and m["prefix"] == prefix]
@@ -43,10 +46,11 @@ def recurrent_hint(report: FlatDictReport, given: Mapping[str, Any]) -> str:
         bidirectional = any(m["reverse"] for m in layers)
         options = (f", num_layers={count}" if count > 1 else "") + (", bidirectional=True" if bidirectional else "")
         options += "" if f"{prefix}bias_ih_l0" in given else ", bias=False"
+        options += f", proj_size={int(projection.shape[0])}" if projection is not None and size != int(hidden.shape[1]) else ""
         return RNN_STACK_HINT.format(
             layers=count, bidirectional=" bidirectional" if bidirectional else "", torch_kind=kinds[1],
             where=f" under {prefix[:-1]!r}" if prefix else "",
             names=f"{prefix}weight_ih_l0 ... {prefix}weight_ih_l{count - 1}" + ("_reverse" if bidirectional else ""),
-            kind=kinds[0], inputs=int(first.shape[1]), hidden=int(hidden.shape[1]), options=options,
+            kind=kinds[0], inputs=int(first.shape[1]), hidden=size, options=options,
             relu="; nonlinearity=\"relu\" if torch's had it" if kinds[0] == "SimpleRNN" else "")
     return ""

@@ -677,3 +677,47 @@ def test_keras_verbose_prints_keras_lines(capsys):
     trainer = types.SimpleNamespace(model=None, opt_state=None)
     quiet.on_train_end(trainer, ft.train.TrainingContext("end", 6, 2, 0, 1, None, {}))
     assert capsys.readouterr().err == "" and trainer.model is not None
+
+
+class _KeepModels(ft.train.Callback):
+    """Keeps a copy of the model at each epoch's end (before the callbacks after it)."""
+
+    def __init__(self):
+        self.models = []
+
+    def on_epoch_end(self, trainer, context):
+        self.models.append(jax.tree.map(np.asarray, trainer.model))
+
+
+@pytest.mark.parametrize("start_from_epoch", [0, 2])
+def test_restore_best_weights_when_no_epoch_improves_is_keras_3(start_from_epoch):
+    # audit 27 (keras3): every monitored value NaN, no epoch ever improves; Keras 3's
+    # on_epoch_end keeps the first monitored epoch's weights ("if best weights were never
+    # set, then the current weights are the best") and restores them. functree restored
+    # nothing: the run ended with the last epoch's model.
+    keep = _KeepModels()
+    stop = ft.train.EarlyStopping(monitor="nan", patience=10, restore_best_weights=True,
+                                  start_from_epoch=start_from_epoch)
+    trainer = Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.Optimizer(ft.optim.sgd(0.05)), loss_fn,
+                      metrics={"nan": lambda out: out.loss * jnp.nan})
+    history = trainer.fit(data(), epochs=4, progress=False, callbacks=[keep, stop])
+    assert all(np.isnan(history["nan"])) and stop.stopped_epoch is None
+    first = start_from_epoch + 1  # Keras's `epoch < start_from_epoch`, from 0
+    assert stop.best_epoch == first and not _leaves_equal(keep.models[first - 1], keep.models[-1])
+    assert _leaves_equal(trainer.model, keep.models[first - 1])  # bit for bit
+
+
+def test_keras_verbose_prints_the_stop_in_the_fit_it_ended_only(capsys):
+    # audit 27 (keras3): the state outlives fit (the restart recipe), and a later fit's end
+    # printed "Epoch 2: early stopping" again; Keras's on_train_begin resets stopped_epoch.
+    stop = ft.train.EarlyStopping(monitor="loss", patience=0, verbose=1)
+    stop.load_state_dict({**stop.state_dict(), "stopped_epoch": 2, "best_epoch": 1})  # an earlier fit stopped
+    trainer = types.SimpleNamespace(model=None, opt_state=None)
+    stop.on_train_end(trainer, ft.train.TrainingContext("end", 6, 2, 0, 1, None, {}))
+    assert capsys.readouterr().err == "" and stop.stopped_epoch == 2  # kept for the restart recipe
+    for epoch, value in enumerate([1.0, 2.0], start=3):  # this fit stops at 4
+        stop.on_epoch_end(types.SimpleNamespace(stop_training=False, model=None, opt_state=None),
+                          ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"loss": value}))
+    stop.on_train_end(trainer, ft.train.TrainingContext("end", 12, 4, 0, 1, None, {}))
+    stop.on_train_end(trainer, ft.train.TrainingContext("end", 12, 4, 0, 1, None, {}))  # a later fit, no epoch
+    assert capsys.readouterr().err == "Epoch 4: early stopping\n" and stop.stopped_epoch == 4

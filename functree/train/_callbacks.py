@@ -423,6 +423,11 @@ class EarlyStopping(Callback):
     the run. Keras 2 (up to 2.15) restored them only when it stopped the run, so a Keras 2
     run that used all its epochs kept its last weights; there, check ``stop.stopped_epoch``
     (None: it did not stop the run) and keep the last model by leaving the keyword out.
+    As Keras 3's, when no monitored epoch improves (every value NaN) the first monitored
+    epoch (past ``start_from_epoch``) counts as the best: its model is the one restored.
+    Keras resets the kept weights at each ``fit``; here all state lasts across ``fit``
+    calls (the restart recipe), so a later ``fit`` that never improves restores the
+    earlier best.
 
     As Keras's, it never stops at the first epoch: a first value that is NaN (no best
     yet) with ``patience`` 0 or 1 waits for the next.
@@ -440,7 +445,9 @@ class EarlyStopping(Callback):
     - ``verbose=1``: at the end of ``fit`` it prints Keras's lines, "Epoch N: early
       stopping" when it stopped the run and "Restoring model weights from the end of the
       best epoch: N." when it sets the best model back (to standard error, where the
-      progress line goes); 0 (the default) is silent.
+      progress line goes); 0 (the default) is silent. The stop is printed by the ``fit``
+      it ended only, as Keras's (whose ``on_train_begin`` resets ``stopped_epoch``), though
+      ``stopped_epoch`` itself is kept for the restart recipe.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, numpy as np
@@ -468,6 +475,7 @@ class EarlyStopping(Callback):
         self.best_average: Any = None  # the best epoch's averaged parameters (restore_best, an averaging optimizer)
         self.best_epoch: int | None = None
         self.stopped_epoch: int | None = None
+        self._stopped_now: int | None = None  # the epoch this fit stopped at (verbose's line), not saved
 
     def state_dict(self) -> dict[str, Any]:
         """The best value, the epochs waited, the stopping epoch and (``restore_best``)
@@ -490,20 +498,30 @@ class EarlyStopping(Callback):
         if context.sweep <= self.start_from_epoch:  # Keras's `epoch < start_from_epoch`, from 0
             return
         waited = self._monitor.wait
+        restores = self.restore_best or self.restore_best_weights
         if self._monitor.improved(value):
             self.best_epoch = context.sweep
-            if self.restore_best or self.restore_best_weights:
-                self.best_model = own_copy(trainer.model)
-                self.best_average = own_copy(average_of(trainer.opt_state))
+            if restores:
+                self._keep(trainer)
             if self.baseline is not None and not self._monitor.beats(value, self.baseline):
                 self._monitor.wait = waited + 1  # Keras: the wait restarts only past the baseline too
-        elif self._monitor.wait >= self.patience and context.sweep > 1:  # Keras's `epoch > 0`
-            trainer.stop_training = True
-            self.stopped_epoch = context.sweep
+        else:
+            if restores and self.best_model is None:  # Keras 3: never improved (NaN), the first monitored epoch's
+                self.best_epoch = context.sweep
+                self._keep(trainer)
+            if self._monitor.wait >= self.patience and context.sweep > 1:  # Keras's `epoch > 0`
+                trainer.stop_training = True
+                self.stopped_epoch = self._stopped_now = context.sweep
+
+    def _keep(self, trainer: TrainerView) -> None:
+        """Keep copies of the model and its averaged parameters, to restore at the end."""
+        self.best_model = own_copy(trainer.model)
+        self.best_average = own_copy(average_of(trainer.opt_state))
 
     def on_train_end(self, trainer: TrainerView, context: TrainingContext) -> None:
-        if self.verbose and self.stopped_epoch is not None:
-            print(f"Epoch {self.stopped_epoch}: early stopping", file=sys.stderr, flush=True)
+        stopped_now, self._stopped_now = self._stopped_now, None  # printed once: the state outlives the fit
+        if self.verbose and stopped_now is not None:
+            print(f"Epoch {stopped_now}: early stopping", file=sys.stderr, flush=True)
         restores = self.restore_best or self.restore_best_weights  # Keras 3: whether or not it stopped the run
         if restores and self.best_model is not None:
             if self.verbose:

@@ -277,6 +277,7 @@ def test_keras_habits_on_the_trainer(mlp, data):
     assert trainer.steps_run == 0  # refused before anything ran
     cases = [("sparse_categorical_crossentropy", "'sparse_categorical_crossentropy' (a Keras loss name)",
               "'sparse_categorical_crossentropy'", "ft.losses.softmax_cross_entropy(model(batch[0]), batch[1])"),
+             ("mse", "'mse' (a Keras loss name)", "'mse'", "ft.losses.mean_squared_error(model(batch[0]), batch[1])"),
              (ft.losses.mean_squared_error, "ft.losses.mean_squared_error (a loss of predictions and labels: it "
               "would get the model and the batch)", "ft.losses.mean_squared_error",
               "ft.losses.mean_squared_error(model(batch[0]), batch[1])"),

@@ -155,6 +155,19 @@ def _self_attention(d: int, heads: int, kv_heads: int, head_dim: int, epsilon: f
     return attn
 
 
+def _sublayers(d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any, epsilon: float,
+               rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, key: jax.Array, dtype: Any,
+               output_bias: bool | None, window: int | None, norm: Any, mlp: Any, attention: Any,
+               qk_norm: str | None) -> tuple[MultiheadAttention, Any]:
+    """A decoder block's attention and MLP (every block class of this module builds them alike;
+    the key split is the checkpoints' and HF initialization's: attention, MLP, output projection)."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    attn = _self_attention(d, heads, kv_heads, head_dim, epsilon, rotary, attention_bias, key=k1, output_key=k3,
+                           dtype=dtype, output_bias=output_bias, window=window, norm=norm, attention=attention,
+                           qk_norm=qk_norm)
+    return attn, mlp(d, hidden, activation, mlp_bias, key=k2, dtype=dtype)
+
+
 class LlamaDecoderLayer(Block):
     """Pre-norm block with RMSNorm, rotary grouped-query attention and a SwiGLU MLP."""
 
@@ -167,13 +180,11 @@ class LlamaDecoderLayer(Block):
                  epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
                  norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
-        k1, k2, k3 = jax.random.split(key, 3)
         self.input_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
-        self.self_attn = _self_attention(d, heads, kv_heads, head_dim, epsilon, rotary, attention_bias,
-                                         key=k1, output_key=k3, dtype=dtype, output_bias=output_bias,
-                                         window=window, norm=norm, attention=attention, qk_norm=qk_norm)
+        self.self_attn, self.mlp = _sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
+                                              attention_bias, mlp_bias, key, dtype, output_bias, window, norm, mlp,
+                                              attention, qk_norm)
         self.post_attention_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
-        self.mlp = mlp(d, hidden, activation, mlp_bias, key=k2, dtype=dtype)
 
     def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
         return self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
@@ -194,11 +205,9 @@ class Olmo2DecoderLayer(Block):
                  epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
                  norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.self_attn = _self_attention(d, heads, kv_heads, head_dim, epsilon, rotary, attention_bias,
-                                         key=k1, output_key=k3, dtype=dtype, output_bias=output_bias,
-                                         window=window, norm=norm, attention=attention, qk_norm=qk_norm)
-        self.mlp = mlp(d, hidden, activation, mlp_bias, key=k2, dtype=dtype)
+        self.self_attn, self.mlp = _sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
+                                              attention_bias, mlp_bias, key, dtype, output_bias, window, norm, mlp,
+                                              attention, qk_norm)
         self.post_attention_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
         self.post_feedforward_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
 
@@ -233,11 +242,9 @@ class Gemma2DecoderLayer(Block):
                  epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
                  norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.self_attn = _self_attention(d, heads, kv_heads, head_dim, epsilon, rotary, attention_bias,
-                                         key=k1, output_key=k3, dtype=dtype, output_bias=output_bias,
-                                         window=window, norm=norm, attention=attention, qk_norm=qk_norm)
-        self.mlp = mlp(d, hidden, activation, mlp_bias, key=k2, dtype=dtype)
+        self.self_attn, self.mlp = _sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
+                                              attention_bias, mlp_bias, key, dtype, output_bias, window, norm, mlp,
+                                              attention, qk_norm)
         self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm, \
             self.post_feedforward_layernorm = (norm(d, epsilon=epsilon, dtype=dtype) for _ in range(4))
 

@@ -27,6 +27,7 @@ import numpy as np
 from functree._alias import warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._where import placement_of, put
+from functree.losses import OTHER_NAMES
 from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._multisteps import warn_unapplied
@@ -341,7 +342,8 @@ def check_loss_fn(loss_fn: Any) -> None:
     else:
         return
     module = "optax" if wrong.startswith("optax") else "ft.losses"
-    fn = ours if callable(loss_fn) else "softmax_cross_entropy"
+    # a name: the loss ft.losses names for it (Keras's "mse" is mean_squared_error)
+    fn = ours if callable(loss_fn) else OTHER_NAMES.get(loss_fn, "softmax_cross_entropy")
     right = f"{module}.{fn}(model(batch[0]), batch[1])" + (".mean()" if module == "optax" else "")
     raise TypeError(LOSS_FN_NOT_A_FUNCTION.format(given=given, why=why, wrong=wrong, right=right))
 

@@ -40,7 +40,7 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attenti
 # The families of configs(), written out: collection reads no transformers config class (building
 # them all imported each family's module at collection, ~3.4 s in every xdist worker).
 FAMILIES = ["gpt2", "bert", "opt", "gpt_neox", "gpt_neox_sequential", "llama", "qwen2", "mistral", "gemma", "phi3",
-            "qwen3", "olmo2", "gemma2", "ministral"]
+            "qwen3", "olmo2", "gemma2", "ministral", "gemma3_text"]
 
 
 def configs(on=True):
@@ -75,6 +75,9 @@ def configs(on=True):
         "olmo2": transformers.Olmo2Config(**DECODER, attention_dropout=r(0.2)),  # its norms after the sublayers
         "gemma2": transformers.Gemma2Config(**DECODER, head_dim=8, attention_dropout=r(0.2)),  # sandwich norms, caps
         "ministral": transformers.MinistralConfig(**DECODER, head_dim=4, attention_dropout=r(0.2)),  # layer_types
+        # layers sliding and full, each its own rope (member_rope under dropout)
+        "gemma3_text": transformers.Gemma3TextConfig(**DECODER, head_dim=8, sliding_window_pattern=2,
+                                                     attention_dropout=r(0.2)),
     }
     assert list(built) == FAMILIES, (list(built), FAMILIES)
     return built
@@ -169,7 +172,7 @@ def same_masks(monkeypatch):
 # HF's dropout calls per forward of the 2-layer configs above: (rate, count)
 HF_CALLS = {"gpt2": {0.1: 1, 0.2: 2, 0.3: 4}, "bert": {0.15: 5, 0.25: 2}, "opt": {0.1: 2, 0.2: 4},
             "gpt_neox": {0.2: 5, 0.1: 2}, "gpt_neox_sequential": {0.2: 5, 0.1: 2}, "llama": {0.2: 2},
-            "phi3": {0.1: 2, 0.2: 4}, "olmo2": {0.2: 2}, "gemma2": {0.2: 2}}
+            "phi3": {0.1: 2, 0.2: 4}, "olmo2": {0.2: 2}, "gemma2": {0.2: 2}, "gemma3_text": {0.2: 2}}
 
 
 @pytest.mark.parametrize("family", list(HF_CALLS))
@@ -334,9 +337,11 @@ def test_the_kernel_runs_except_for_attention_dropout_in_training(monkeypatch):
 # Since the twenty-seventh they hold its q_norm and k_norm (None) and qk_norm_per_head (Qwen3's
 # and OLMo2's q/k norms; the leaves' hashes unchanged again, checked against the tree before).
 # Then its logit_softcap (None; Gemma 2's attention soft-cap): the leaves' hashes unchanged again.
-TODAY = {"gpt2": "9a6cdd71630809f9", "bert": "09ec00882d7149ca", "opt": "07ab9dc1224e4d5c",
-         "gpt_neox": "fe009b4b4e4e340a", "llama": "309c7219f3130857", "qwen2": "16ba76b0a065805a",
-         "mistral": "27967ae2cdb462be", "gemma": "a00ca4e6a82cb3b0", "phi3": "0f9f95f0fc93742e"}
+# The twenty-eighth added its member_rope (None; Gemma 3's rope per layer type): the leaves' hashes
+# unchanged again (checked against the tree before, each family).
+TODAY = {"gpt2": "f3773af3dc99c1c4", "bert": "37761506eb0e2d6d", "opt": "238a522bc3adf3f3",
+         "gpt_neox": "651f751867c54bec", "llama": "baa86a05442330f9", "qwen2": "b1b0c390f8e1a69a",
+         "mistral": "f887643dcc761962", "gemma": "18f84b6364c363f7", "phi3": "49627245b1f95e1c"}
 SMALL = {
     "gpt2": {"n_positions": 32, "n_embd": 16, "n_layer": 2, "n_head": 4},
     "bert": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 32,
@@ -495,7 +500,7 @@ def test_a_rate_for_a_source_of_unknown_family_lists_each_family_s_fields(tmp_pa
                                          r"model's family reads") as info:
         ft.nn.from_hf(tmp_path, dropout=0.05, key=jax.random.key(0))  # pyright: ignore[reportArgumentType]  # refused
     message = str(info.value)
-    assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, ministral, gemma, olmo, qwen3, olmo2, gemma2\n", message)
+    assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, ministral, gemma, olmo, qwen3, olmo2, gemma2, gemma3_text\n", message)
     assert re.search(r"config\.hidden_dropout_prob = config\.attention_probs_dropout_prob = 0\.05 +# bert", message)
     config = configs(on=False)["llama"]  # the llama line and the call, as written
     code = [line for line in _or_lines(info.value).splitlines() if line in ("config.attention_dropout = 0.05",)

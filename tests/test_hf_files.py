@@ -70,6 +70,15 @@ CONFIGS = {
     "gemma2": [{}, {"num_hidden_layers": 3, "sliding_window": 64, "query_pre_attn_scalar": 144,
                     "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 128},
                {"layer_types": ["full_attention"] * 26, "hidden_activation": "gelu", "tie_word_embeddings": False}],
+    # Gemma 3: an older file's rope keys (the 4B's linear factor 8 on the full layers, its
+    # local base and pattern), the nested rope_parameters of transformers 5, a scaled type
+    "gemma3_text": [{}, {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_theta": 1e6,
+                         "rope_local_base_freq": 1e4, "sliding_window_pattern": 6, "num_hidden_layers": 34,
+                         "query_pre_attn_scalar": 168, "sliding_window": 1024, "final_logit_softcapping": 30.0},
+                    {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+                     "attention_bias": True, "attn_logit_softcapping": 50.0, "sliding_window_pattern": 2}],
 }
 CASES = [(model_type, i) for model_type, configs in CONFIGS.items() for i in range(len(configs))]
 

@@ -512,6 +512,10 @@ FAMILIES = {
     # layer 0 sliding, layer 1 full; query_pre_attn_scalar other than head_dim; soft-caps near the logits' size
     "gemma2": lambda: transformers.Gemma2Config(**DECODER, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=6,
                                                 attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    # layer 0 sliding, layer 1 full, each its own rope (base 10^4; 10^6 scaled linearly by 4); q/k norms
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**DECODER, head_dim=8, sliding_window=WINDOW,
+                                                         sliding_window_pattern=2, query_pre_attn_scalar=6,
+                                                         rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * D,
         max_position_embeddings=32, rotary_pct=0.5, bos_token_id=0, eos_token_id=0),
@@ -597,7 +601,7 @@ def test_a_llama_like_family_is_one_subclass(llama_variant):
 def test_every_family_is_its_class():
     """FAMILIES maps each model type to its class (a class's name is its HF class's), in the order defined."""
     assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "ministral", "gemma", "phi3", "olmo", "qwen3",
-                                  "olmo2", "gemma2", "gpt_neox", "opt", "bert"]
+                                  "olmo2", "gemma2", "gemma3_text", "gpt_neox", "opt", "bert"]
     for model_type, family in _hf.FAMILIES.items():  # a class added after the split keeps its module's name
         home = "functree.nn._hf_models" if family in _hf_models.RECORDED else "functree.hf._llama"
         assert issubclass(family, _hf_family.HFModel) and family.__module__ == home

@@ -408,6 +408,15 @@ def _ministral_layer_types(values: Mapping[str, Any]) -> list[str] | None:
     return ["sliding_attention" if values.get("sliding_window") is not None else "full_attention"] * layers
 
 
+def _gemma3_layer_types(values: Mapping[str, Any]) -> list[str] | None:
+    """Gemma3TextConfig's ``layer_types`` when none is given: every ``sliding_window_pattern``-th
+    layer full (an older file's key, 6 where it is absent), the others sliding."""
+    layers, pattern = values.get("num_hidden_layers"), values.get("sliding_window_pattern", 6)
+    if not isinstance(layers, int) or not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+        return None
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
 # Each covered model type's config class fields and their defaults (transformers v5); a
 # Derived value: the field HF's __post_init__ derives when it is None (its rule).
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -496,6 +505,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
         "layer_types": Derived(None, _gemma2_layer_types), "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0, "use_bidirectional_attention": None},
+    "gemma3_text": {
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "rope_parameters": None,
+        "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "layer_types": Derived(None, _gemma3_layer_types), "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "use_bidirectional_attention": False},
 }
 # GPT-2's standard names for its own fields (its config class's attribute_map).
 ALIASES: dict[str, dict[str, str]] = {
@@ -608,7 +625,9 @@ NULL_ALLOWED: dict[str, frozenset[str]] = {"llama": frozenset({"pretraining_tp",
                                            "ministral": frozenset({"sliding_window"}),
                                            "qwen3": frozenset({"sliding_window"}),
                                            "gemma2": frozenset({"attention_dropout", "sliding_window",
-                                                                "final_logit_softcapping", "attn_logit_softcapping"})}
+                                                                "final_logit_softcapping", "attn_logit_softcapping"}),
+                                           "gemma3_text": frozenset({"attention_dropout", "sliding_window",
+                                                                     "use_bidirectional_attention"})}
 
 
 def _check_types(model_type: str, values: Mapping[str, Any]) -> None:
@@ -750,6 +769,9 @@ def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, A
     ``max_position_embeddings`` (as HF's model: its rope init standardizes the config again,
     the file's top-level key then an attribute, which wins; HF's config object alone keeps the
     rope dict's). The keys HF consumes are not attributes afterwards."""
+    if model_type == "gemma3_text":
+        values["rope_parameters"] = _gemma3_rope_parameters(values)
+        return
     params = dict(values.pop("rope_scaling", None) or values.get("rope_parameters") or {})
     if model_type == "gpt_neox":
         params.setdefault("rope_theta", values.pop("rotary_emb_base", _DEFAULT_THETA))
@@ -780,3 +802,42 @@ def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, A
             raise ValueError(NULL_ROPE.format(model_type=model_type, key=key, right=_ROPE_DEFAULTS[model_type, key]
                                               if (model_type, key) in _ROPE_DEFAULTS else _ROPE_DEFAULTS[key]))
     values["rope_parameters"] = params
+
+
+# Gemma3TextConfig's rope per layer type where the file gives none, and the older files' key of each.
+_GEMMA3_THETA = {"full_attention": ("rope_theta", 1_000_000.0), "sliding_attention": ("rope_local_base_freq", 10_000.0)}
+
+
+def _gemma3_rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's ``rope_parameters``, one dict per layer type, as ``Gemma3TextConfig`` builds
+    them: the file's (or ``{"rope_type": "default"}`` each), an older file's ``rope_scaling``
+    merged into the full layers' (Gemma 3 4B's linear factor 8), ``rope_theta`` (1e6) the
+    full layers' base and ``rope_local_base_freq`` (1e4) the sliding layers', where the dict
+    gives none (both keys consumed); then standardized as HF's ``standardize_rope_params``
+    does for the types ``layer_types`` use (``rope_type`` from an older ``type``, a top-level
+    ``partial_rotary_factor``, the pretraining length of the scaled types)."""
+    given = values.get("rope_parameters")
+    params: dict[str, Any] = copy.deepcopy(dict(given)) if isinstance(given, Mapping) else {
+        "sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "default"}}
+    scaling = values.pop("rope_scaling", None)
+    if isinstance(scaling, Mapping):
+        params.setdefault("full_attention", {"rope_type": "default"})
+        params["full_attention"] = {**(params["full_attention"] or {"rope_type": "default"}), **scaling}
+    thetas = {kind: values.pop(key, default) for kind, (key, default) in _GEMMA3_THETA.items()}
+    for kind, theta in thetas.items():
+        if not isinstance(params.get(kind), Mapping):
+            params[kind] = {"rope_type": "default"}
+        params[kind].setdefault("rope_theta", theta)
+    partial = values.get("partial_rotary_factor")
+    for kind in (k for k in params if k in (values.get("layer_types") or ())):
+        entry = params[kind]
+        entry.setdefault("rope_type", entry.get("type", "default"))
+        if partial is not None:
+            entry.setdefault("partial_rotary_factor", partial)
+        if entry["rope_type"] in _SCALED_ROPES:
+            entry.setdefault("original_max_position_embeddings", values.get("max_position_embeddings"))
+        if entry.get("rope_theta") is None:
+            raise ValueError(NULL_ROPE.format(model_type="gemma3_text", key=f"rope_parameters[{kind!r}]['rope_theta']",
+                                              right=json.dumps(_GEMMA3_THETA[kind][1]) if kind in _GEMMA3_THETA
+                                              else _DEFAULT_THETA))
+    return params

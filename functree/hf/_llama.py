@@ -3,7 +3,8 @@
 window), Gemma (norm, embedding scale), Phi-3 (fused projections, partial rotary), OLMo
 (parameter-free LayerNorm), Qwen3 (Qwen2's windows, RMSNorm over each head's queries and
 keys), OLMo2 (norms after the sublayers, RMSNorm over the whole q and k projections), Gemma 2
-(Gemma's with sandwich norms, soft-capped attention and final logits, alternating windows)."""
+(Gemma's with sandwich norms, soft-capped attention and final logits, alternating windows),
+Gemma 3 (Gemma 2's blocks, Qwen3's per-head q/k norms, each layer type its own rope)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from functree.hf._causal import (
 from functree.hf._config import HFConfig
 from functree.hf._dropout import block_keys, decoding, drop, rate
 from functree.hf._family import renamed
-from functree.hf._options import activation, require, rope, window
+from functree.hf._options import activation, layer_type_ropes, require, rope, window
 from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
@@ -37,7 +38,8 @@ from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack
 
 __all__ = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM",
-           "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "LlamaModel",
+           "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+           "LlamaModel",
            "LlamaDecoderLayer", "Olmo2DecoderLayer", "Gemma2DecoderLayer", "soft_cap", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names", "sandwich_outputs"]
 
 KV_HEADS = """\
@@ -69,6 +71,7 @@ logits are scaled by query_pre_attn_scalar ** -0.5, so it must be a positive fin
 """
 
 _LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
+Rotary = RopeScaling | tuple[RopeScaling, ...]  # one rope, or one per layer type (each member's member_rope picks)
 _ROTARY_BUFFER = re.compile(r".*\.rotary_emb\.inv_freq|.*\.attention\.(bias|masked_bias)")
 
 
@@ -134,7 +137,7 @@ class GemmaRMSNorm(Module):
         return (y * (1.0 + self.weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def _self_attention(d: int, heads: int, kv_heads: int, head_dim: int, epsilon: float, rotary: RopeScaling,
+def _self_attention(d: int, heads: int, kv_heads: int, head_dim: int, epsilon: float, rotary: Rotary,
                     attention_bias: bool, *, key: jax.Array, output_key: jax.Array, dtype: Any,
                     output_bias: bool | None, window: int | None, norm: Any, attention: Any,
                     qk_norm: str | None) -> MultiheadAttention:
@@ -156,7 +159,7 @@ def _self_attention(d: int, heads: int, kv_heads: int, head_dim: int, epsilon: f
 
 
 def _sublayers(d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any, epsilon: float,
-               rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, key: jax.Array, dtype: Any,
+               rotary: Rotary, attention_bias: bool, mlp_bias: bool, key: jax.Array, dtype: Any,
                output_bias: bool | None, window: int | None, norm: Any, mlp: Any, attention: Any,
                qk_norm: str | None) -> tuple[MultiheadAttention, Any]:
     """A decoder block's attention and MLP (every block class of this module builds them alike;
@@ -177,7 +180,7 @@ class LlamaDecoderLayer(Block):
     mlp: Any
 
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any,
-                 epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
+                 epsilon: float, rotary: Rotary, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
                  norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
         self.input_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
@@ -202,7 +205,7 @@ class Olmo2DecoderLayer(Block):
     post_feedforward_layernorm: Any
 
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any,
-                 epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
+                 epsilon: float, rotary: Rotary, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
                  norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
         self.self_attn, self.mlp = _sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
@@ -239,7 +242,7 @@ class Gemma2DecoderLayer(Block):
     post_feedforward_layernorm: Any
 
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any,
-                 epsilon: float, rotary: RopeScaling, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
+                 epsilon: float, rotary: Rotary, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
                  norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
         self.self_attn, self.mlp = _sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
@@ -315,14 +318,18 @@ class LlamaModel(Module):
 
 
 def _with_layer_options(model: LlamaModel, windows: tuple[int, ...] | None, clip: float | None,
-                        query_scale: float | None = None, softcap: float | None = None) -> LlamaModel:
+                        query_scale: float | None = None, softcap: float | None = None,
+                        ropes: tuple[int, ...] | None = None) -> LlamaModel:
     """``model`` with its layers' attention options: one window per layer (``member_window``,
     int32, 0: full attention), one logit factor per layer (``logit_scale``, float32: Gemma 2's
-    ``query_pre_attn_scalar ** -0.5``), the ``clip`` and the logit ``softcap`` of every layer;
-    none given: ``model`` itself."""
+    ``query_pre_attn_scalar ** -0.5``), one rope per layer (``member_rope``, int32: the entry
+    of the attention's tuple ``rotary``, Gemma 3's), the ``clip`` and the logit ``softcap`` of
+    every layer; none given: ``model`` itself."""
     layers = model.layers
     if windows is not None:
         layers = with_member_values(layers, "self_attn", member_window=jnp.asarray(windows, jnp.int32))
+    if ropes is not None:
+        layers = with_member_values(layers, "self_attn", member_rope=jnp.asarray(ropes, jnp.int32))
     if query_scale is not None:
         layers = with_member_values(layers, "self_attn", logit_scale=jnp.full((layers.n,), query_scale, jnp.float32))
     if clip is not None or softcap is not None:
@@ -351,7 +358,8 @@ class LlamaForCausalLM(CausalLM):
     :class:`Olmo2DecoderLayer`, its norms after the sublayers; Gemma 2's
     :class:`Gemma2DecoderLayer`), ``query_scale`` (the attention logits' factor in place of
     ``1 / sqrt(head_dim)``: each attention's ``logit_scale``), ``attention_softcap`` (the
-    attention's ``logit_softcap``: ``c * tanh(l / c)`` on its logits).
+    attention's ``logit_softcap``: ``c * tanh(l / c)`` on its logits), ``ropes`` (with a
+    tuple ``rotary``, each layer's entry of it: Gemma 3's, each attention's ``member_rope``).
     """
 
     model: LlamaModel
@@ -367,12 +375,13 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, vocab: int, d: int, heads: int, kv_heads: int, hidden: int, layers: int, *,
                  head_dim: int | None = None, activation: Any = None, epsilon: float = 1e-6,
-                 rotary: RopeScaling | None = None, attention_bias: bool = False, mlp_bias: bool = False,
+                 rotary: Rotary | None = None, attention_bias: bool = False, mlp_bias: bool = False,
                  tied: bool = False, key: jax.Array, dtype: Any = jnp.float32, output_bias: bool | None = None,
                  window: int | None = None, norm: Any = RMSNorm, mlp: Any = LlamaMLP,
                  embed_scale: float | None = None, attention: Any = "auto", windows: tuple[int, ...] | None = None,
                  clip: float | None = None, qk_norm: str | None = None, layer: Any = LlamaDecoderLayer,
-                 query_scale: float | None = None, attention_softcap: float | None = None):
+                 query_scale: float | None = None, attention_softcap: float | None = None,
+                 ropes: tuple[int, ...] | None = None):
         from functree._activations import silu
 
         k1, k2 = jax.random.split(key)
@@ -386,7 +395,7 @@ class LlamaForCausalLM(CausalLM):
                          qk_norm=qk_norm)
 
         model = LlamaModel(vocab, d, layers, make, epsilon, key=k1, dtype=dtype, norm=norm, embed_scale=embed_scale)
-        self.model = _with_layer_options(model, windows, clip, query_scale, attention_softcap)
+        self.model = _with_layer_options(model, windows, clip, query_scale, attention_softcap, ropes)
         self.lm_head = None if tied else Dense(d, vocab, use_bias=False, key=k2, dtype=dtype)
 
     def _tokens(self) -> Embedding:
@@ -430,13 +439,14 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def hf_values(cls, model: Any, config: Any) -> Any:
-        """Each layer's sliding window where the config's layers differ (Qwen2's ``windows``)
-        and logit factor (Gemma 2's ``query_scale``): the data fields a state dict has none of."""
+        """Each layer's sliding window where the config's layers differ (Qwen2's ``windows``),
+        logit factor (Gemma 2's ``query_scale``) and rope (Gemma 3's ``ropes``): the data
+        fields a state dict has none of."""
         options = cls.hf_options(config)
-        windows, scale = options.get("windows"), options.get("query_scale")
-        if windows is None and scale is None:
+        windows, scale, ropes = options.get("windows"), options.get("query_scale"), options.get("ropes")
+        if windows is None and scale is None and ropes is None:
             return model
-        return model.replace(model=_with_layer_options(model.model, windows, None, scale))
+        return model.replace(model=_with_layer_options(model.model, windows, None, scale, ropes=ropes))
 
     @classmethod
     def hf_dropout(cls, config: Any) -> dict[str, float] | None:
@@ -655,6 +665,40 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         scale = None if scalar == head_dim else float(scalar) ** -0.5  # head_dim: the attention's own 1/sqrt
         return {**options, "layer": Gemma2DecoderLayer, "activation": activation(config, "hidden_activation"),
                 "attention_softcap": attention_cap, "final_softcap": final_cap, "query_scale": scale, **windows}
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Hugging Face's ``Gemma3ForCausalLM`` (Gemma 3's text model, ``model_type:
+    "gemma3_text"``): Gemma 2's blocks (sandwich norms, GeGLU, ``1 + weight`` RMSNorm, the
+    embedding times sqrt(hidden_size) in the parameters' dtype, a tied head, logits scaled by
+    ``query_pre_attn_scalar ** -0.5``, sliding and full layers as ``layer_types`` say: HF's
+    default slides every layer but each sixth, ``sliding_window_pattern``; the final logits
+    soft-capped where ``final_logit_softcapping`` is set) with
+
+    * an RMSNorm (Gemma's) over each head's queries and keys before the rotation
+      (``self_attn.q_norm`` / ``k_norm``, of size ``head_dim``, as Qwen3's);
+    * each layer type its own rope: ``rope_parameters`` nested by layer type (older files:
+      ``rope_local_base_freq`` for the sliding layers, ``rope_theta`` and ``rope_scaling``
+      for the full ones, e.g. linear with factor 8), the attention's tuple ``rotary`` and
+      each member's ``member_rope`` (:func:`~functree.hf._options.layer_type_ropes`);
+    * no attention soft-cap: HF's ``Gemma3Attention`` passes no ``softcap`` to its attention
+      (``attn_logit_softcapping`` is kept in the config and computes nothing), nor does this.
+    """
+
+    model_type = "gemma3_text"
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        options = GemmaForCausalLM.hf_options(config)  # Gemma's norm and embedding scale; its bidirectional refusal
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        scalar = _query_scalar(config, cls.hf_class)
+        sizes = window(config, layer_types=True)
+        windows = {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
+        rotary, ropes = layer_type_ropes(config, head_dim, cls.hf_class)
+        return {**options, "layer": Gemma2DecoderLayer, "activation": activation(config, "hidden_activation"),
+                "qk_norm": "head", "final_softcap": _cap(config, "final_logit_softcapping", cls.hf_class),
+                "query_scale": None if scalar == head_dim else float(scalar) ** -0.5, "rotary": rotary,
+                "ropes": ropes, **windows}
 
 
 def _cap(config: Any, option: str, hf_class: str) -> float | None:

@@ -63,6 +63,21 @@ Port other models by hand from ft.nn layers and ft.nn.load_torch_state_dict (doc
             model = ft.nn.load_torch_state_dict(model, hf_model.state_dict(), rename=..., layouts=...)
 """
 
+GEMMA3_MULTIMODAL = """\
+ft.nn.from_hf: {given} is Gemma 3's image-and-text model (Hugging Face's \
+Gemma3ForConditionalGeneration: a SigLIP vision tower, a projector and Gemma 3's text model); \
+functree ports the text model alone (model_type 'gemma3_text', Gemma3ForCausalLM). Its \
+weights are the checkpoint's model.language_model.* (the head tied to their embedding), its \
+config the config's text_config; the image-and-text model applies no final_logit_softcapping, \
+so it is dropped to give its logits for text without images.
+
+    wrong:  ft.nn.from_hf(hf_model)          # Gemma3ForConditionalGeneration, its directory or its config
+    right:  text = {{k.replace("model.language_model.", "model.", 1): v
+                    for k, v in hf_model.state_dict().items() if k.startswith("model.language_model.")}}
+            config = {{**hf_model.config.text_config.to_dict(), "final_logit_softcapping": None}}
+            model = ft.nn.from_hf(config, text)    # Gemma3ForCausalLM
+"""
+
 UNCOVERED_CLASS = """\
 ft.nn.from_hf: {given} is not covered; of its model type functree covers {covered} (all \
 covered: {all}). A task model's body is covered where its class is (BertModel inside \
@@ -510,6 +525,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         if weights is source:  # the directory's own weights: its config.json names their class
             _check_architectures(config, source)
     model_type = getattr(config, "model_type", None)
+    if model_type == "gemma3":  # the text model inside it is covered: named, with the way to it
+        raise ValueError(GEMMA3_MULTIMODAL.format(given="model_type 'gemma3'"))
     if model_type not in FAMILIES:
         raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}", covered=_covered()))
     family = FAMILIES[model_type]

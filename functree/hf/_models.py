@@ -1,6 +1,6 @@
 """The model classes :func:`ft.hf.from_hf` builds out of ``ft.nn`` layers, one module per
 architecture: GPT-2 (:mod:`._gpt2`), Llama and the families built like it, Qwen2,
-Mistral, Ministral, Gemma, Phi-3, OLMo, Qwen3, OLMo2 and Gemma 2 (:mod:`._llama`), GPT-NeoX (:mod:`._neox`), OPT
+Mistral, Ministral, Gemma, Phi-3, OLMo, Qwen3, OLMo2, Gemma 2 and Gemma 3 (:mod:`._llama`), GPT-NeoX (:mod:`._neox`), OPT
 (:mod:`._opt`) and BERT (:mod:`._bert`); what they share is :mod:`._causal` (the
 calls) and :mod:`._family` (a family as one class, and the table of families).
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 from functree.hf._gpt2 import GPT2Block, GPT2LMHeadModel, GPT2MLP, GPT2Model
 from functree.hf._llama import (
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
     GemmaForCausalLM,
     GemmaRMSNorm,
     LlamaDecoderLayer,
@@ -45,7 +46,7 @@ from functree.hf._causal import check_token_ids
 
 __all__ = ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "MinistralForCausalLM",
            "GemmaForCausalLM", "Phi3ForCausalLM", "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
-           "Gemma2ForCausalLM", "GPTNeoXForCausalLM", "OPTForCausalLM", "BertModel",
+           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPTNeoXForCausalLM", "OPTForCausalLM", "BertModel",
            "GPT2Model", "GPT2Block", "GPT2MLP", "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP",
            "GemmaRMSNorm", "GPTNeoXModel", "GPTNeoXLayer", "GPTNeoXMLP", "OPTModel", "OPTDecoder",
            "OPTDecoderLayer", "OPT_OFFSET", "BertEmbeddings", "BertLayer", "BertEncoder", "BERT_RENAME",

@@ -5,12 +5,13 @@ windows, options functree does not cover)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from functree import _activations as act
 from functree.nn._rotary import ROPE_TYPES, RopeScaling
 
-__all__ = ["activation", "causal", "require", "rope", "window"]
+__all__ = ["activation", "causal", "layer_type_ropes", "require", "rope", "window"]
 
 UNCOVERED_OPTION = """\
 ft.nn.from_hf: the {model_type} config sets {option}={value!r}; functree's {model_type} covers \
@@ -94,6 +95,16 @@ before it). Loading it would give other logits, so it is not built.
     right:  "is_causal": true     # or no is_causal key: the causal model the checkpoint is
 """
 
+NO_LAYER_ROPE = """\
+ft.nn.from_hf: the {model_type} config's rope_parameters hold no rope for layer type {kind!r} \
+(given: {given}); each layer type of layer_types rotates with its own entry (Hugging Face's \
+{hf_class} builds no frequencies for it and fails), and a rope made up here would load \
+another model.
+
+    wrong:  "rope_parameters": {given}
+    right:  "rope_parameters": {{"sliding_attention": {{"rope_type": "default", "rope_theta": 10000.0}}, \
+"full_attention": {{"rope_type": "default", "rope_theta": 1000000.0}}}}     # the checkpoint's own
+"""
 
 # gelu_fast (GPT-NeoX-20B) is gelu_new's tanh formula written another way (5.8e-7 apart on [-8, 8]);
 # gelu_accurate and gelu_python_tanh are that formula too, gelu_python the exact (erf) GELU.
@@ -194,6 +205,44 @@ def rope(config: Any, head_dim: int | None = None, hf_class: str = "") -> RopeSc
                if params.get(k) is not None and not (k.startswith("beta_") and not params[k])}  # HF: `or 32`
     return RopeScaling(kind, base=base, factor=1.0 if factor is None else float(factor),
                        original_max_positions=None if original is None else int(original), partial=partial, **options)
+
+
+class _OneLayerType:
+    """``config`` with one layer type's rope dict as its ``rope_parameters`` (what :func:`rope` reads)."""
+
+    def __init__(self, config: Any, params: Mapping[str, Any]):
+        self._config, self.rope_parameters = config, dict(params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def layer_type_ropes(config: Any, head_dim: int, hf_class: str) -> tuple[Any, tuple[int, ...] | None]:
+    """The rotary embeddings of a config whose ``rope_parameters`` are nested by layer type
+    (Gemma 3's ``{"sliding_attention": {...}, "full_attention": {...}}``, each read as
+    :func:`rope` reads a flat one): ``(rope, None)`` where every layer's is the same, else
+    ``(ropes, index)``, the distinct ropes in order of first use and each layer's index into
+    them (the attention's tuple ``rotary`` and each member's ``member_rope``). A layer type
+    without its entry is :data:`NO_LAYER_ROPE`."""
+    nested = getattr(config, "rope_parameters", None)
+    built: dict[str, RopeScaling] = {}
+    for kind in config.layer_types:
+        if kind in built:
+            continue
+        params = nested.get(kind) if isinstance(nested, Mapping) else None
+        if not isinstance(params, Mapping):
+            raise ValueError(NO_LAYER_ROPE.format(model_type=config.model_type, kind=kind, hf_class=hf_class,
+                                                  given=json.dumps(_plain(nested), default=str)))
+        built[kind] = rope(_OneLayerType(config, params), head_dim, hf_class)
+    distinct = list(dict.fromkeys(built.values()))
+    if len(distinct) == 1:
+        return distinct[0], None
+    return tuple(distinct), tuple(distinct.index(built[kind]) for kind in config.layer_types)
+
+
+def _plain(value: Any) -> Any:
+    """A config's nested mappings (HFConfig, a transformers dict) as plain dicts, for a message."""
+    return {k: _plain(v) for k, v in value.items()} if isinstance(value, Mapping) else value
 
 
 def _head_size(config: Any) -> int | None:

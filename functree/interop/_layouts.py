@@ -133,10 +133,17 @@ def _split(sizes: tuple[int, ...], transpose: bool) -> tuple[Callable[..., Any],
 
 def _attention(layer: MultiheadAttention, layout: Any = None) -> list[Local]:
     """The projections' rules in ``layout``, and the query/key norms' (Qwen3's and OLMo2's
-    ``q_norm`` / ``k_norm``: under their own names, as HF's attention holds them)."""
+    ``q_norm`` / ``k_norm``: under their own names, as HF's attention holds them; a port's own
+    norm, Gemma 3's ``GemmaRMSNorm``, its ``weight`` as it is)."""
     norms = [_prefixed(rule, name, name) for name in ("q_norm", "k_norm") if getattr(layer, name, None) is not None
-             for rule in _norm(getattr(layer, name))]
+             for rule in _qk_norm(getattr(layer, name))]
     return _projections(layer, layout) + norms
+
+
+def _qk_norm(layer: Any) -> list[Local]:
+    if isinstance(layer, (LayerNorm, GroupNorm, RMSNorm, BatchNorm)):
+        return _norm(layer)
+    return [same("weight", "weight")] if getattr(layer, "weight", None) is not None else []
 
 
 def _projections(layer: MultiheadAttention, layout: Any = None) -> list[Local]:

@@ -201,7 +201,10 @@ class MultiheadAttention(Layer):
     order). The default ``K = num_heads`` is ordinary multi-head attention.
     ``rotary=base`` (``True``: 10000) rotates each head's queries and keys by their
     positions ``0 .. T-1`` (:func:`ft.nn.apply_rotary`, the LLaMA / GPT-NeoX layout);
-    ``rotary=ft.nn.RopeScaling(...)`` with scaled frequencies (Llama 3, YaRN, ...).
+    ``rotary=ft.nn.RopeScaling(...)`` with scaled frequencies (Llama 3, YaRN, ...);
+    ``rotary=(rope_0, rope_1, ...)`` (a tuple of RopeScalings) with the one each ``Stack``
+    member's ``member_rope`` (a ``no_derivative`` int32 index, one per member) picks: Gemma
+    3's local and global layers, each its own base and scaling.
 
     ``causal=True`` lets query ``i`` attend to keys ``j <= i`` only (combined with
     ``mask``). ``window=W`` (sliding-window attention, Mistral's) also drops keys ``j <= i - W``
@@ -278,7 +281,7 @@ class MultiheadAttention(Layer):
     output_projection: Dense
     num_heads: int = field(static=True, default=1)
     num_kv_heads: int = field(static=True, default=1)
-    rotary: float | RopeScaling | None = field(static=True, default=None)
+    rotary: float | RopeScaling | tuple[RopeScaling, ...] | None = field(static=True, default=None)
     causal: bool = field(static=True, default=False)
     window: int | None = field(static=True, default=None)
     dropout: float = field(static=True, default=0.0)
@@ -286,6 +289,7 @@ class MultiheadAttention(Layer):
     training: bool = field(static=True, default=False)
     logit_scale: jax.Array | None = field(no_derivative=True, default=None)
     member_window: jax.Array | None = field(no_derivative=True, default=None)
+    member_rope: jax.Array | None = field(no_derivative=True, default=None)
     clip: float | None = field(static=True, default=None)
     q_norm: Any = None
     k_norm: Any = None
@@ -294,7 +298,7 @@ class MultiheadAttention(Layer):
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "implementation")  # a restore's template decides them (how it trains, its kernel)
     # Fields added after checkpoints and pickles were written without them: read at their default (None).
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("logit_scale", "member_window", "clip", "q_norm", "k_norm",
-                                                      "qk_norm_per_head", "logit_softcap")
+                                                      "qk_norm_per_head", "logit_softcap", "member_rope")
 
     def __init__(
         self,
@@ -302,7 +306,7 @@ class MultiheadAttention(Layer):
         num_heads: int,
         *,
         num_kv_heads: int | None = None,
-        rotary: float | bool | RopeScaling | None = None,
+        rotary: float | bool | RopeScaling | tuple[RopeScaling, ...] | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
         output_size: int | None = None,
@@ -342,6 +346,7 @@ class MultiheadAttention(Layer):
         self.output_projection = Dense(num_heads * vo, output_size, use_bias=use_bias, key=ko, dtype=dtype)
         self.num_heads, self.num_kv_heads = num_heads, kv_heads
         self.rotary = 10000.0 if rotary is True else (None if rotary is None or rotary is False else
+                                                      tuple(rotary) if isinstance(rotary, (tuple, list)) else
                                                       rotary if isinstance(rotary, RopeScaling) else float(rotary))
         self.causal, self.dropout = bool(causal), float(dropout)
         self.implementation = check_implementation(implementation)
@@ -379,7 +384,7 @@ class MultiheadAttention(Layer):
             q, k, v = _clipped((q, k, v), self.clip)
         if self.rotary is not None:
             at = jnp.arange(q.shape[-3])[:, None] if positions is None else positions[..., None]
-            q, k = (apply_rotary(a, at, base=self.rotary) for a in (q, k))
+            q, k = (apply_rotary(a, at, base=self.rotary, choice=self.member_rope) for a in (q, k))
         lead = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         q, k, v = (jnp.broadcast_to(a, (*lead, *a.shape[-3:])) for a in (q, k, v))
         if mask is not None:
@@ -438,7 +443,7 @@ class MultiheadAttention(Layer):
             q, k, v = _clipped((q, k, v), self.clip)
         if self.rotary is not None:
             at = positions if rotary_positions is None else self._positions(rotary_positions, (batch, t))
-            q, k = (apply_rotary(a, at[..., None], base=self.rotary) for a in (q, k))
+            q, k = (apply_rotary(a, at[..., None], base=self.rotary, choice=self.member_rope) for a in (q, k))
         cache = KVCache(_write(cache.keys, k, positions), _write(cache.values, v, positions))
         allowed = jnp.arange(length, dtype=positions.dtype) <= positions[..., None]  # [batch, T, slots]
         if self.member_window is not None:  # a window held as data (a Stack member's own)

@@ -80,6 +80,16 @@ ft.nn.RopeScaling({kind!r}) needs {needs}; given {given}.
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
+ROPE_CHOICE = """\
+apply_rotary: base={given} is a tuple of rotary embeddings (one per layer type: Gemma 3's local \
+and global layers), so choice= must pick one ({why}); each is an ft.nn.RopeScaling, all \
+rotating the same part of the head (one partial).
+
+    wrong:  ft.nn.apply_rotary(x, positions, base=(local, scaled))
+    right:  ft.nn.apply_rotary(x, positions, base=(local, scaled), choice=1)        # an int32 index
+       or:  attn.replace(rotary=(local, scaled), member_rope=jnp.asarray([0, 0, 1], jnp.int32))   # a Stack's, one per member
+"""
+
 LONGROPE_FACTORS = """\
 ft.nn.RopeScaling('longrope') has {given} short and long factors for a rotated size of {size}; \
 it takes one per pair of features ({pairs}), as Phi-3's config.rope_parameters lists them.
@@ -237,13 +247,17 @@ class RopeScaling:
         return theta / self.factor * (1 - keep) + theta * keep
 
 
-def apply_rotary(x: Any, positions: Any, *, base: float | RopeScaling = 10000.0) -> jax.Array:
+def apply_rotary(x: Any, positions: Any, *, base: float | RopeScaling | tuple[RopeScaling, ...] = 10000.0,
+                 choice: Any = None) -> jax.Array:
     """Rotate ``x [..., size]`` by the rotary embedding of ``positions`` (see the module).
 
     ``positions`` (integers or floats) broadcast against ``x.shape[:-1]``: one position per
     feature vector. For per-head queries ``[batch, T, heads, head_size]`` pass
     ``jnp.arange(T)[:, None]``. ``base`` is the base of ``theta_i``, or a
-    :class:`RopeScaling` (scaled frequencies).
+    :class:`RopeScaling` (scaled frequencies), or a tuple of RopeScalings of which the
+    integer (array) ``choice`` picks one, ``theta = stack(theta^(0), theta^(1), ...)[choice]``
+    (a traced index: each member of an ``ft.nn.Stack`` its own rope, Gemma 3's local and
+    global layers; :data:`ROPE_CHOICE` where it is missing).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -263,38 +277,66 @@ def apply_rotary(x: Any, positions: Any, *, base: float | RopeScaling = 10000.0)
         jnp.broadcast_shapes(positions.shape, x.shape[:-1])
     except ValueError:
         raise ValueError(BAD_POSITIONS.format(given=short_array(positions), lead=list(x.shape[:-1]))) from None
-    if isinstance(base, RopeScaling) and int(size * base.partial) < size:  # the first features only
-        rotated = int(size * base.partial)
+    if isinstance(base, (tuple, list)):
+        base = _choices(base, choice)
+    partial = base[0].partial if isinstance(base, tuple) else base.partial if isinstance(base, RopeScaling) else 1.0
+    if int(size * partial) < size:  # the first features only
+        rotated = int(size * partial)
         if rotated % 2:
-            raise ValueError(ODD_SIZE.format(given=f"{short_array(x)} (partial={base.partial}: {rotated} rotated)",
+            raise ValueError(ODD_SIZE.format(given=f"{short_array(x)} (partial={partial}: {rotated} rotated)",
                                              size=rotated, even=max(rotated - 1, 0)))
-        head = apply_rotary(x[..., :rotated], positions, base=dataclasses.replace(base, partial=1.0))
+        whole = tuple(dataclasses.replace(b, partial=1.0) for b in base) if isinstance(base, tuple) else \
+            dataclasses.replace(base, partial=1.0)  # type: ignore[type-var]  # a RopeScaling (partial < 1)
+        head = apply_rotary(x[..., :rotated], positions, base=whole, choice=choice)
         return jnp.concatenate([head, x[..., rotated:]], axis=-1)
-    if not staged() and (isinstance(base, RopeScaling) or is_int(base) or isinstance(base, float)):
-        return _rotated_compiled(x, positions, base=base)
-    return _rotated(x, positions, base)
+    picked = None if not isinstance(base, tuple) else jnp.asarray(choice)
+    if not staged() and (isinstance(base, (RopeScaling, tuple)) or is_int(base) or isinstance(base, float)):
+        return _rotated_compiled(x, positions, picked, base=base)
+    return _rotated(x, positions, base, picked)
+
+
+def _choices(base: Any, choice: Any) -> tuple[RopeScaling, ...]:
+    """``base`` as a tuple of RopeScalings of one ``partial`` with a ``choice``, else :data:`ROPE_CHOICE`."""
+    why = "none was given" if choice is None else ""
+    if not base or not all(isinstance(b, RopeScaling) for b in base):
+        why = "an empty tuple" if not base else "not every entry is a RopeScaling"
+    elif len({b.partial for b in base}) > 1:
+        why = f"partials {[b.partial for b in base]} differ"
+    elif choice is not None and not jnp.issubdtype(jnp.asarray(choice).dtype, jnp.integer):
+        why = f"choice {short_array(jnp.asarray(choice))} is not an integer"
+    if why:
+        raise ValueError(ROPE_CHOICE.format(given=f"a tuple of {len(base)}", why=why))
+    return tuple(base)
 
 
 @functools.partial(jax.jit, static_argnames=("base",))
-def _rotated_compiled(x: jax.Array, positions: jax.Array, *, base: float | RopeScaling) -> jax.Array:
+def _rotated_compiled(x: jax.Array, positions: jax.Array, choice: Any, *,
+                      base: float | RopeScaling | tuple[RopeScaling, ...]) -> jax.Array:
     """:func:`_rotated` as one program per shapes and ``base``: called eagerly, its ~15
     operations were as many programs, each compiled again at every new length."""
-    return _rotated(x, positions, base)
+    return _rotated(x, positions, base, choice)
 
 
-def _rotated(x: jax.Array, positions: jax.Array, base: Any) -> jax.Array:
-    """The rotation of checked inputs, traced (or run) where it is called."""
+def _rotated(x: jax.Array, positions: jax.Array, base: Any, choice: Any = None) -> jax.Array:
+    """The rotation of checked inputs, traced (or run) where it is called (``choice``: the
+    entry of a tuple ``base``, an integer array)."""
     size = x.shape[-1]
     dtype = statistics_dtype(x.dtype)
     half = size // 2
-    if isinstance(base, RopeScaling):
+    scale = None
+    if isinstance(base, tuple):  # one rope per Stack member: every entry's theta, the member's picked
+        theta = jnp.stack([b.inverse_frequencies(size, positions).astype(dtype) for b in base])[choice]
+        if any(b.scale != 1.0 for b in base):
+            scale = jnp.asarray([b.scale for b in base], dtype)[choice]
+    elif isinstance(base, RopeScaling):
         theta = base.inverse_frequencies(size, positions).astype(dtype)
+        scale = None if base.scale == 1.0 else jnp.asarray(base.scale, dtype)
     else:
         theta = jnp.asarray(base, dtype) ** (-jnp.arange(half, dtype=dtype) * 2 / size)
     angle = positions.astype(dtype)[..., None] * theta
     cos, sin = jnp.cos(angle), jnp.sin(angle)
-    if isinstance(base, RopeScaling) and base.scale != 1.0:
-        cos, sin = cos * jnp.asarray(base.scale, dtype), sin * jnp.asarray(base.scale, dtype)
+    if scale is not None:
+        cos, sin = cos * scale, sin * scale
     xs = x.astype(dtype)
     first, second = xs[..., :half], xs[..., half:]
     y = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)

@@ -292,6 +292,28 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
         "clip_grad_norm_": ("torch's clip_grad_norm_ clips in place after backward(); here clipping is a "
                             "transformation chained before the optimizer",
                             "optax.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adam(1e-3))"),
+        # torch's 1d/2d/3d image and sequence layers: ft.nn's 1D/2D/3D, channels last
+        **{f"{base}{n}d": (f"torch's nn.{base}{n}d is ft.nn.{base}{n}D here (channels last: [..., "
+                           f"{('length', 'height, width', 'depth, height, width')[n - 1]}, channels]{note})",
+                           f"ft.nn.{base}{n}D({args})")
+           for base, (args, note) in {
+               "ZeroPad": ("1", "; pads per axis in the input's order, ((top, bottom), (left, right)), "
+                           "not torch's flat (left, right, top, bottom)"),
+               "ConstantPad": ("1, 0.5", "; pads per axis in the input's order"),
+               "ReflectionPad": ("1", "; pads per axis in the input's order"),
+               "ReplicationPad": ("1", "; pads per axis in the input's order"),
+               "CircularPad": ("1", "; pads per axis in the input's order"),
+               "InstanceNorm": ("4, affine=True", "; torch's momentum m is momentum=1 - m here"),
+               "Dropout": ("0.5", ""),
+               "LPPool": ("2, 3", "; norm_type, pool_size, strides"),
+           }.items() for n in (1, 2, 3)},
+        "Upsample": ("torch's nn.Upsample is ft.nn.Upsample1D / Upsample2D / Upsample3D here (one per number of "
+                     "spatial axes, channels last; modes linear / bilinear, bicubic / trilinear)",
+                     'ft.nn.Upsample2D(scale_factor=2, mode="bilinear")'),
+        "UpsamplingNearest2d": ("torch's nn.UpsamplingNearest2d is ft.nn.UpsamplingNearest2D here (channels last)",
+                                "ft.nn.UpsamplingNearest2D(scale_factor=2)"),
+        "UpsamplingBilinear2d": ("torch's nn.UpsamplingBilinear2d is ft.nn.UpsamplingBilinear2D here (channels "
+                                 "last; align_corners=True, as torch's)", "ft.nn.UpsamplingBilinear2D(scale_factor=2)"),
         "Rngs": ("Flax NNX's nnx.Rngs is not needed: layers take key= at construction, and Dropout a key per call",
                  "ft.nn.Dense(4, 3, key=jax.random.key(0));  model(x, key=jax.random.fold_in(key, step))"),
     },

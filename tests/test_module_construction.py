@@ -368,6 +368,26 @@ _NEWER: dict[str, tuple[Callable[[type], ft.Module], Callable[[type], ft.Module]
               lambda c: c(input_size=2, hidden_size=3, num_layers=2, key=K, bidirectional=True, batch_first=True))
        for name in ("LSTM", "GRU", "SimpleRNN")},
     **{f"MaxUnpool{n}D": (lambda c: c(2, 2, 0), lambda c: c(pool_size=2, strides=2, padding=0)) for n in (1, 2, 3)},
+    # torch's padding, resampling, instance-norm, channel-dropout and LP pooling layers (session 28)
+    **{f"{kind}Pad{n}D": (lambda c: c(((1, 2),) * c._rank), lambda c: c(padding=((1, 2),) * c._rank))
+       for kind in ("Zero", "Reflection", "Replication", "Circular") for n in (1, 2, 3)},
+    **{f"ConstantPad{n}D": (lambda c: c(1, 0.5), lambda c: c(padding=1, value=0.5)) for n in (1, 2, 3)},
+    **{f"Upsample{n}D": (lambda c: c(None, 2.0, "nearest-exact"),
+                         lambda c: c(size=None, scale_factor=2.0, mode="nearest-exact")) for n in (1, 2, 3)},
+    "UpsamplingNearest2D": (lambda c: c(4), lambda c: c(size=4)),
+    "UpsamplingBilinear2D": (lambda c: c(None, 2), lambda c: c(size=None, scale_factor=2)),
+    "PixelShuffle": (lambda c: c(2), lambda c: c(factor=2)),
+    "PixelUnshuffle": (lambda c: c(2), lambda c: c(factor=2)),
+    "ChannelShuffle": (lambda c: c(3), lambda c: c(groups=3)),
+    "Unflatten": (lambda c: c(1, (2, -1)), lambda c: c(axis=1, shape=(2, -1))),
+    "Unfold": (lambda c: c(2, 1, 1, 2), lambda c: c(kernel_size=2, dilation=1, padding=1, strides=2)),
+    "Fold": (lambda c: c(4, 2, 1, 1, 2), lambda c: c(output_size=4, kernel_size=2, dilation=1, padding=1, strides=2)),
+    **{f"LPPool{n}D": (lambda c: c(2, 3, 2, True), lambda c: c(norm_type=2, pool_size=3, strides=2, ceil_mode=True))
+       for n in (1, 2, 3)},
+    **{f"InstanceNorm{n}D": (lambda c: c(4, 1e-3), lambda c: c(channels=4, epsilon=1e-3)) for n in (1, 2, 3)},
+    "LocalResponseNorm": (lambda c: c(3, 1e-3, 0.5, 2.0), lambda c: c(size=3, alpha=1e-3, beta=0.5, k=2.0)),
+    **{name: (lambda c: c(0.2), lambda c: c(rate=0.2))
+       for name in ("Dropout1D", "Dropout2D", "Dropout3D", "AlphaDropout", "FeatureAlphaDropout")},
 }
 for _name, (_positional, _keywords) in _NEWER.items():
     if hasattr(ft.nn, _name):

@@ -5,7 +5,7 @@ import dataclasses
 import functree as ft
 from functree._module import PARAMETER, field_kind
 
-NORMALIZATION = (ft.nn.LayerNorm, ft.nn.BatchNorm, ft.nn.RMSNorm, ft.nn.GroupNorm)
+NORMALIZATION = (ft.nn.LayerNorm, ft.nn.BatchNorm, ft.nn.RMSNorm, ft.nn.GroupNorm, ft.nn.InstanceNorm2D.__base__)
 
 
 def _layer_classes():

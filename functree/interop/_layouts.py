@@ -24,7 +24,7 @@ from functree.nn._attention import MultiheadAttention
 from functree.nn._conv import Conv, ConvTranspose
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
-from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
+from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm, _InstanceNorm
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, SimpleRNNCell
 from functree.nn._recurrent_layers import Bidirectional, StackedRNN
 
@@ -113,11 +113,11 @@ def _conv(layer: Conv) -> list[Local]:
     return [_permuted("weight", "weight", perm)] + ([same("bias", "bias")] if layer.bias is not None else [])
 
 
-def _norm(layer: LayerNorm | GroupNorm | RMSNorm | BatchNorm) -> list[Local]:
+def _norm(layer: LayerNorm | GroupNorm | RMSNorm | BatchNorm | _InstanceNorm) -> list[Local]:
     rules = [] if layer.scale is None else [same("weight", "scale")]
     if getattr(layer, "offset", None) is not None:
         rules.append(same("bias", "offset"))
-    if isinstance(layer, BatchNorm):
+    if isinstance(layer, BatchNorm) or (isinstance(layer, _InstanceNorm) and layer.track_running_stats):
         rules += [same("running_mean", "running_mean"), same("running_var", "running_variance")]
     return rules
 
@@ -303,7 +303,7 @@ def _stacked(layer: StackedRNN | Bidirectional) -> list[Local] | None:
 
 _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None]], ...] = (
     (Conv, _conv),
-    ((LayerNorm, GroupNorm, RMSNorm, BatchNorm), _norm),
+    ((LayerNorm, GroupNorm, RMSNorm, BatchNorm, _InstanceNorm), _norm),
     (Embedding, lambda layer: [same("weight", "embeddings")]),
     ((SimpleRNNCell, GRUCell, LSTMCell), _cell),
     (RNN, _rnn),

@@ -9,6 +9,8 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
     LayerNorm, GroupNorm, RMSNorm  weight, bias  scale, offset
     BatchNorm{1,2}d  weight, bias, running_mean, running_var (num_batches_tracked dropped)
                                              BatchNorm  scale, offset, running_mean, running_variance
+    InstanceNorm{1,2,3}d  weight, bias (affine=True), running_mean, running_var (track_running_stats=True)
+                                             InstanceNorm{1,2,3}D  scale, offset, running_mean, running_variance
     Embedding  weight                        Embedding  embeddings
     MultiheadAttention  in_proj_weight [3E, E] (or q/k/v_proj_weight), in_proj_bias, out_proj
                                              query/key/value/output_projection (split, transposed)
@@ -54,6 +56,20 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
   epsilon (``torch.finfo(x.dtype).eps``: 1.19e-7 for float32) → ``ft.nn.RMSNorm(n, epsilon=None)``
   (or torch's ``eps=`` where set).
 * ``RNN`` is batch-first (torch's ``batch_first=True``).
+* ``InstanceNorm{1,2,3}d``: the defaults are torch's (``affine=False``, ``epsilon=1e-5``); its
+  ``momentum=m`` is ``momentum=1 - m`` here (a keyword; default 0.9, torch's 0.1).
+* Layers without tensors, channels last, one class per rank (the rank is the layer's: the
+  input's leading axes are any): torch's ``ZeroPad2d((left, right, top, bottom))`` (and the
+  other pads) is ``ZeroPad2D(((top, bottom), (left, right)))``, pairs in the input's axis order
+  (torch's flat tuple is refused, a 1-D pad takes ``(left, right)``); ``nn.Upsample(scale_factor=2,
+  mode="bilinear")`` on ``[N, C, H, W]`` is ``Upsample2D(scale_factor=2, mode="bilinear")``
+  (``Upsample1D`` / ``Upsample3D``: ``"linear"`` / ``"trilinear"``; torch's ``recompute_scale_factor``
+  and ``antialias`` are not taken); ``Unfold``'s ``[N, C kh kw, L]`` is ``[..., L, C kh kw]``
+  (``Fold`` the same way back) and ``stride=`` is ``strides=``; ``Dropout1d/2d/3d``,
+  ``PixelShuffle``, ``ChannelShuffle``, ``LPPool*d``, ``LocalResponseNorm``, ``AlphaDropout``
+  take torch's arguments (``LPPool``'s ``kernel_size, stride`` are ``pool_size, strides``).
+  ``Unflatten(1, (C, H, W))`` after a ported ``Linear`` orders the features channel first:
+  ``ft.nn.Unflatten(-1, (C, H, W))`` then ``jnp.moveaxis(x, -3, -1)``.
 """
 
 from __future__ import annotations

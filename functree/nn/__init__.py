@@ -54,13 +54,48 @@ from functree.nn._conv import (
     Conv3D,
     Conv3DTranspose,
 )
-from functree.nn._dropout import Dropout
+from functree.nn._dropout import (
+    AlphaDropout,
+    Dropout,
+    Dropout1D,
+    Dropout2D,
+    Dropout3D,
+    FeatureAlphaDropout,
+)
 from functree.nn._embedding import Embedding
+from functree.nn._fold import Fold, Unfold
 from functree.nn._linear import Dense
 from functree.nn._lora import LoraDense, lora, merge_lora
+from functree.nn._lp_pool import LPPool1D, LPPool2D, LPPool3D
 from functree.nn._mlp import MLP
 from functree.nn._mode import Layer, inference, inferring, is_training, training
-from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
+from functree.nn._normalization import (
+    BatchNorm,
+    GroupNorm,
+    InstanceNorm1D,
+    InstanceNorm2D,
+    InstanceNorm3D,
+    LayerNorm,
+    LocalResponseNorm,
+    RMSNorm,
+)
+from functree.nn._padding import (
+    CircularPad1D,
+    CircularPad2D,
+    CircularPad3D,
+    ConstantPad1D,
+    ConstantPad2D,
+    ConstantPad3D,
+    ReflectionPad1D,
+    ReflectionPad2D,
+    ReflectionPad3D,
+    ReplicationPad1D,
+    ReplicationPad2D,
+    ReplicationPad3D,
+    ZeroPad1D,
+    ZeroPad2D,
+    ZeroPad3D,
+)
 from functree.nn._pooling import (
     AdaptiveAvgPool1D,
     AdaptiveAvgPool2D,
@@ -88,9 +123,17 @@ from functree.nn._pooling import (
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState, SimpleRNNCell
 from functree.nn._recurrent_layers import GRU, LSTM, Bidirectional, SimpleRNN, StackedRNN
 from functree.nn._remat import Remat
+from functree.nn._resample import (
+    Upsample1D,
+    Upsample2D,
+    Upsample3D,
+    UpsamplingBilinear2D,
+    UpsamplingNearest2D,
+)
 from functree.nn._rotary import RopeScaling, RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
 from functree.nn._shared import Shared
+from functree.nn._shuffle import ChannelShuffle, PixelShuffle, PixelUnshuffle, Unflatten
 from functree.nn._stack import Stack
 from functree.nn._state import (
     UncollectedStateWarning,
@@ -173,11 +216,49 @@ __all__ = [
     "MaxUnpool2D",
     "MaxUnpool3D",
     "Flatten",
+    "Unflatten",
+    "LPPool1D",
+    "LPPool2D",
+    "LPPool3D",
+    "ZeroPad1D",
+    "ZeroPad2D",
+    "ZeroPad3D",
+    "ConstantPad1D",
+    "ConstantPad2D",
+    "ConstantPad3D",
+    "ReflectionPad1D",
+    "ReflectionPad2D",
+    "ReflectionPad3D",
+    "ReplicationPad1D",
+    "ReplicationPad2D",
+    "ReplicationPad3D",
+    "CircularPad1D",
+    "CircularPad2D",
+    "CircularPad3D",
+    "Upsample1D",
+    "Upsample2D",
+    "Upsample3D",
+    "UpsamplingNearest2D",
+    "UpsamplingBilinear2D",
+    "PixelShuffle",
+    "PixelUnshuffle",
+    "ChannelShuffle",
+    "Fold",
+    "Unfold",
     "Dropout",
+    "Dropout1D",
+    "Dropout2D",
+    "Dropout3D",
+    "AlphaDropout",
+    "FeatureAlphaDropout",
     "LayerNorm",
     "BatchNorm",
     "RMSNorm",
     "GroupNorm",
+    "InstanceNorm1D",
+    "InstanceNorm2D",
+    "InstanceNorm3D",
+    "LocalResponseNorm",
     "Embedding",
     "SimpleRNNCell",
     "GRUCell",

@@ -1,4 +1,5 @@
-"""Normalization layers: ``LayerNorm``, ``RMSNorm``, ``GroupNorm`` and ``BatchNorm``.
+"""Normalization layers: ``LayerNorm``, ``RMSNorm``, ``GroupNorm``, ``BatchNorm``,
+``InstanceNorm1D/2D/3D`` and ``LocalResponseNorm``.
 
 Statistics are computed in float32 (or the input's dtype when wider) whatever the input
 dtype: bfloat16 has 8 bits of mantissa, so ``mean(x)`` and ``x - mean`` lose the signal
@@ -11,6 +12,7 @@ optimizers is torch's L2 term over every parameter, these included (as torch's).
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -28,7 +30,8 @@ from functree.nn._precision import statistics_dtype
 from functree.nn._state import record_state
 from functree.nn._window import is_int
 
-__all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"]
+__all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm", "InstanceNorm1D", "InstanceNorm2D", "InstanceNorm3D",
+           "LocalResponseNorm"]
 
 BN_AXIS = """\
 ft.nn.BatchNorm: axis must be an int, got {axis!r}. The arguments after the feature count are
@@ -344,3 +347,167 @@ class BatchNorm(Layer):
         inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype)) * self.scale.astype(xs.dtype)
         y = (xs - mean.reshape(shape)) * inv.reshape(shape) + self.offset.astype(xs.dtype).reshape(shape)
         return y.astype(x.dtype)
+
+
+INSTANCE_ONE = """\
+{cls} normalizes each channel over its {spatial} positions, and {given} has one: its \
+variance is 0 and every output the offset (torch raises "Expected more than 1 spatial \
+element when training").
+
+    wrong:  ft.nn.{cls}({channels})(x)     # x: {given}
+    right:  ft.nn.{cls}({channels})(x)     # x with more than one position per channel"""
+
+_INSTANCE_AXES = {1: ("length",), 2: ("height", "width"), 3: ("depth", "height", "width")}
+
+
+class _InstanceNorm(Layer):
+    scale: jax.Array | None = field(decay=False)
+    offset: jax.Array | None = field(decay=False)
+    running_mean: jax.Array | None = field(no_derivative=True)
+    running_variance: jax.Array | None = field(no_derivative=True)
+    channels: int = field(static=True, default=1)
+    epsilon: float = field(static=True, default=1e-5)
+    momentum: float = field(static=True, default=0.9)
+    track_running_stats: bool = field(static=True, default=False)
+    training: bool = field(static=True, default=False)
+    __ft_template_static__: ClassVar[tuple[str, ...]] = ("momentum",)  # a restore's template decides it
+
+    _rank: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        channels: int,
+        epsilon: float = 1e-5,
+        *,
+        momentum: float = 0.9,
+        affine: bool = False,
+        track_running_stats: bool = False,
+        dtype: Any = jnp.float32,
+        training: bool = False,
+    ):
+        self.channels = operator.index(channels)
+        self.scale = jnp.ones((channels,), dtype) if affine else None
+        self.offset = jnp.zeros((channels,), dtype) if affine else None
+        self.running_mean = jnp.zeros((channels,), dtype) if track_running_stats else None
+        self.running_variance = jnp.ones((channels,), dtype) if track_running_stats else None
+        self.epsilon, self.momentum = float(epsilon), float(momentum)
+        self.track_running_stats, self.training = bool(track_running_stats), training
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n, cls = self._rank, type(self).__name__
+        spatial = _INSTANCE_AXES[n]
+        if self.track_running_stats:
+            for name in ("running_mean", "running_variance"):  # None only in ft.parameters(model): not a model
+                if getattr(self, name) is None:
+                    raise TypeError(VIEW_CALLED.format(layer=cls, field=name))
+        try:
+            check_input(self, x, (*spatial, self.channels))
+        except LayerInputError as e:  # torch's [N, C, *spatial]: move the channels
+            raise _channels_first(e, x, n, self.channels, f"ft.nn.{cls} takes") from None
+        axes = tuple(range(x.ndim - n - 1, x.ndim - 1))
+        count = math.prod(x.shape[a] for a in axes)
+        xs = x.astype(statistics_dtype(x.dtype))
+        if self.training or not self.track_running_stats:
+            if count < 2:
+                raise LayerInputError(self, f"[..., {', '.join(spatial)}, {self.channels}] with 2 positions or more",
+                                      short_array(x), INSTANCE_ONE.format(cls=cls, spatial=" x ".join(spatial),
+                                                                          given=short_array(x), channels=self.channels))
+            mean = jnp.mean(xs, axis=axes, keepdims=True)
+            var = jnp.mean(jnp.square(xs - mean), axis=axes, keepdims=True)
+            if self.training and self.track_running_stats:
+                assert self.running_mean is not None and self.running_variance is not None
+                batch = tuple(range(x.ndim - n - 1))  # torch: the instances' statistics averaged over the batch
+                new_mean = jnp.mean(mean, axis=(*batch, *axes))
+                new_var = jnp.mean(var, axis=(*batch, *axes)) * jnp.asarray(count / (count - 1), var.dtype)
+                m = self.momentum
+                record_state(
+                    self,
+                    running_mean=m * self.running_mean + (1 - m) * new_mean.astype(self.running_mean.dtype),
+                    running_variance=m * self.running_variance + (1 - m) * new_var.astype(self.running_variance.dtype),
+                )
+        else:
+            assert self.running_mean is not None and self.running_variance is not None
+            mean, var = self.running_mean.astype(xs.dtype), self.running_variance.astype(xs.dtype)
+        y = (xs - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype))
+        return _scale_and_shift(y, self.scale, self.offset, x.dtype)
+
+
+_INSTANCE_DOC = """Instance normalization (Ulyanov et al. 2016) of ``[..., {spatial}, channels]`` (torch's ``InstanceNorm{n}d``, channels last).
+
+    Each channel of each example (every leading index) is normalized over its {n}-D map:
+    ``y = (x - mean) / sqrt(var + epsilon) * scale + offset``, mean and biased variance over
+    the {spatial} axes, in float32 for bfloat16/float16 inputs. Defaults are torch's:
+    ``epsilon=1e-5``, ``affine=False`` (``affine=True``: a per-channel ``scale`` of ones and
+    ``offset`` of zeros, torch's ``weight`` and ``bias``), ``track_running_stats=False``.
+
+    ``track_running_stats=True`` keeps ``running_mean`` / ``running_variance`` as ``BatchNorm``
+    does (``no_derivative`` fields; ``ft.nn.collect_state``): training records
+    ``momentum * running + (1 - momentum) * stat``, ``stat`` the instances' means and
+    unbiased variances averaged over the batch (torch's), and inference normalizes with them.
+    ``momentum`` (keyword) weighs the old statistics, torch's ``momentum=m`` is ``1 - m`` here
+    (default 0.9: torch's 0.1). Without it both modes use each instance's own statistics.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> x = jnp.array([1., 10., 3., 30.]).reshape({shape})   # two positions of two channels
+      >>> ft.nn.{name}(2)(x).ravel().round(3)
+      Array([-1., -1.,  1.,  1.], dtype=float32)
+    """
+
+
+class InstanceNorm1D(_InstanceNorm):
+    _rank: ClassVar[int] = 1
+    __doc__ = _INSTANCE_DOC.format(n=1, name="InstanceNorm1D", spatial="length", shape="1, 2, 2")
+
+
+class InstanceNorm2D(_InstanceNorm):
+    _rank: ClassVar[int] = 2
+    __doc__ = _INSTANCE_DOC.format(n=2, name="InstanceNorm2D", spatial="height, width", shape="1, 1, 2, 2")
+
+
+class InstanceNorm3D(_InstanceNorm):
+    _rank: ClassVar[int] = 3
+    __doc__ = _INSTANCE_DOC.format(n=3, name="InstanceNorm3D", spatial="depth, height, width", shape="1, 1, 1, 2, 2")
+
+
+BAD_LRN = """\
+LocalResponseNorm: size={given!r}; it is an int >= 1, the number of neighbouring channels summed.
+
+    wrong:  ft.nn.LocalResponseNorm({given!r})
+    right:  ft.nn.LocalResponseNorm(5)     # AlexNet's"""
+
+
+class LocalResponseNorm(Layer):
+    """Local response normalization across channels (Krizhevsky et al. 2012; torch's
+    ``nn.LocalResponseNorm``, channels last).
+
+    ``y_c = x_c / (k + alpha / size * sum_{c'} x_{c'}^2)^beta`` over the ``size`` channels
+    ``c - size // 2 <= c' <= c + (size - 1) // 2`` (zeros past the ends, still divided by
+    ``size``), on the last axis of ``[..., channels]``, in float32 for bfloat16/float16.
+    Defaults torch's: ``alpha=1e-4, beta=0.75, k=1``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.nn.LocalResponseNorm(2, alpha=1.0, beta=1.0, k=0.0)(jnp.array([1., 1.]))
+      Array([2., 1.], dtype=float32)
+    """
+
+    size: int = field(static=True, default=5)
+    alpha: float = field(static=True, default=1e-4)
+    beta: float = field(static=True, default=0.75)
+    k: float = field(static=True, default=1.0)
+
+    def __init__(self, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0):
+        if not is_int(size) or size < 1:
+            raise ValueError(BAD_LRN.format(given=size))
+        self.size, self.alpha, self.beta, self.k = int(size), float(alpha), float(beta), float(k)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        check_input(self, x, ("channels",))
+        xs = x.astype(statistics_dtype(x.dtype))
+        window = (1,) * (x.ndim - 1) + (self.size,)
+        pads = ((0, 0),) * (x.ndim - 1) + ((self.size // 2, (self.size - 1) // 2),)
+        sums = jax.lax.reduce_window(jnp.square(xs), 0.0, jax.lax.add, window, (1,) * x.ndim, pads)
+        c = jnp.asarray(self.alpha / self.size, xs.dtype)
+        return (xs / jnp.power(jnp.asarray(self.k, xs.dtype) + c * sums, jnp.asarray(self.beta, xs.dtype))).astype(
+            x.dtype)

@@ -284,6 +284,23 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
                     "loss = ft.losses.mean_squared_error(predicted, expected)"),
         "BCEWithLogitsLoss": ("torch's nn.BCEWithLogitsLoss is a function in ft.losses, (predicted, expected)",
                               "loss = ft.losses.sigmoid_cross_entropy(logits, labels)"),
+        # torch's other loss classes: each its function in ft.losses (torch's numbers, classes last)
+        **{cls: (f"torch's nn.{cls} is the function ft.losses.{call.partition('(')[0]} here (torch's numbers; "
+                 "classes and vectors on the last axis, the batch first)", f"loss = ft.losses.{call}")
+           for cls, call in {
+               "NLLLoss": "nll(log_probs, labels)", "BCELoss": "binary_cross_entropy(probs, labels)",
+               "L1Loss": "l1(predicted, expected)", "SmoothL1Loss": "smooth_l1(predicted, expected, beta=1.0)",
+               "HuberLoss": "huber(predicted, expected, delta=1.0)", "KLDivLoss": "kl_divergence(jnp.exp(log_q), p)",
+               "GaussianNLLLoss": "gaussian_nll(mean, target, variance)",
+               "PoissonNLLLoss": "poisson_nll(log_rate, target)",
+               "CTCLoss": "ctc(logits, labels, input_lengths, label_lengths)   # batch first: [B, T, C]",
+               "CosineEmbeddingLoss": "cosine_embedding(x1, x2, y)", "MarginRankingLoss": "margin_ranking(x1, x2, y)",
+               "TripletMarginLoss": "triplet_margin(anchor, positive, negative)",
+               "TripletMarginWithDistanceLoss": "triplet_margin_with_distance(anchor, positive, negative, distance=d)",
+               "HingeEmbeddingLoss": "hinge_embedding(distances, labels)", "SoftMarginLoss": "soft_margin(scores, labels)",
+               "MultiLabelSoftMarginLoss": "multilabel_soft_margin(logits, labels)",
+               "MultiMarginLoss": "multi_margin(scores, labels)", "MultiLabelMarginLoss": "multilabel_margin(scores, labels)",
+           }.items()},
         "functional": ("torch.nn.functional's activations are ft.nn's functions, its losses ft.losses'",
                        "ft.nn.relu(x);  ft.losses.softmax_cross_entropy(logits, labels)"),
         "utils": ("torch.nn.utils.clip_grad_norm_ clips in place after backward(); here clipping is a "

@@ -445,6 +445,8 @@ def test_other_names_right_calls_compute_torchs_numbers():
     log_rate, target = rng.normal(size=6).astype(np.float32), rng.poisson(2.0, size=6).astype(np.float32)
     p01, y01 = rng.uniform(0.05, 0.95, size=6).astype(np.float32), rng.integers(0, 2, 6).astype(np.float32)
     predicted, expected, beta = rng.normal(size=8).astype(np.float32) * 2, np.zeros(8, np.float32), 0.5
+    ctc_log_probs = np.log(rng.dirichlet(np.ones(4), size=(6, 2))).astype(np.float32)  # torch's [T, B, C]
+    ctc_labels, ctc_lengths = np.array([[1, 2, 3], [3, 3, 1]]), np.array([6, 5])
     cases = {
         "nll_loss": (dict(log_probs=log_probs, labels=labels), F.nll_loss(torch.tensor(log_probs), torch.tensor(labels))),
         "categorical_crossentropy": (dict(probs=probs, labels=onehot),
@@ -452,13 +454,15 @@ def test_other_names_right_calls_compute_torchs_numbers():
         "sparse_categorical_crossentropy": (dict(probs=probs, labels=labels),
                                             F.nll_loss(torch.log(torch.tensor(probs)), torch.tensor(labels))),
         "binary_crossentropy": (dict(probs=p01, labels=y01), F.binary_cross_entropy(torch.tensor(p01), torch.tensor(y01))),
-        "binary_cross_entropy": (dict(probs=p01, labels=y01), F.binary_cross_entropy(torch.tensor(p01), torch.tensor(y01))),
         "kl_div": (dict(log_q=log_probs, p=probs[::-1].copy()),
                    F.kl_div(torch.tensor(log_probs), torch.tensor(probs[::-1].copy()), reduction="batchmean")),
         "poisson_nll_loss": (dict(log_rate=log_rate, target=target),
                              F.poisson_nll_loss(torch.tensor(log_rate), torch.tensor(target))),
         "smooth_l1_loss": (dict(predicted=predicted, expected=expected, beta=beta),
                            F.smooth_l1_loss(torch.tensor(predicted), torch.tensor(expected), beta=beta)),
+        "ctc_loss": (dict(log_probs=ctc_log_probs, labels=ctc_labels, input_lengths=ctc_lengths, label_lengths=ctc_lengths // 2),
+                     F.ctc_loss(torch.tensor(ctc_log_probs), torch.tensor(ctc_labels), torch.tensor(ctc_lengths),
+                                torch.tensor(ctc_lengths // 2))),
     }
     assert set(cases) == set(ft.losses.OTHER_CALLS)
     for name, (values, reference) in cases.items():
@@ -472,23 +476,26 @@ def test_other_names_right_calls_compute_torchs_numbers():
                                    err_msg=name)
 
 
-def test_binary_cross_entropy_names_the_call_that_gives_torchs_number():
-    """`ft.losses.binary_cross_entropy` hinted `did you mean ft.losses.softmax_cross_entropy?`,
-    which on torch's probabilities [0.9, 0.2, 0.6] with labels [1, 0, 0] gives 0.805 where
-    F.binary_cross_entropy gives 0.415. It now names sigmoid_cross_entropy of the logits
-    (checked against torch in test_other_names_right_calls_compute_torchs_numbers)."""
-    with pytest.raises(AttributeError, match=r"(?s)'binary_cross_entropy': its equivalent here is "
-                                             r"ft.losses.sigmoid_cross_entropy.*right: +ft.losses.sigmoid_cross_entropy"
-                                             r"\(jax.scipy.special.logit\(jnp.clip\(probs, 1e-7, 1 - 1e-7\)\), labels\)"):
-        ft.losses.binary_cross_entropy  # noqa: B018
+def test_binary_cross_entropy_is_torchs_and_bce_loss_names_it():
+    """`ft.losses.binary_cross_entropy` hinted `did you mean ft.losses.softmax_cross_entropy?`
+    (0.805 for torch's 0.415 on probabilities [0.9, 0.2, 0.6], labels [1, 0, 0]); then it named
+    sigmoid_cross_entropy of the logits. It is torch's own loss now (tests/test_losses_torch.py
+    checks its numbers), and torch's class name BCELoss names it."""
+    torch = pytest.importorskip("torch")
+    probs, labels = np.array([0.9, 0.2, 0.6], np.float32), np.array([1.0, 0.0, 0.0], np.float32)
+    want = torch.nn.functional.binary_cross_entropy(torch.tensor(probs), torch.tensor(labels)).item()
+    np.testing.assert_allclose(float(ft.losses.binary_cross_entropy(probs, labels)), want, rtol=1e-6)
+    with pytest.raises(AttributeError, match=r"(?s)'BCELoss': its equivalent here is ft.losses.binary_cross_entropy "
+                                             r".*right:  ft.losses.binary_cross_entropy\(predicted, expected\)"):
+        ft.losses.BCELoss  # noqa: B018
 
 
 @pytest.mark.parametrize("name,alike,optax_name", [("sigmoid_focal_loss", "sigmoid_cross_entropy", "sigmoid_focal_loss"),
-                                                   ("binary_focal_crossentropy", "softmax_cross_entropy",
+                                                   ("binary_focal_crossentropy", "binary_cross_entropy",
                                                     "sigmoid_focal_loss"),
-                                                   ("ctc_loss", None, "ctc_loss"),
-                                                   ("triplet_margin_loss", None, "triplet_margin_loss"),
-                                                   ("margin_ranking_loss", None, None)])
+                                                   ("dice_loss", None, "dice_loss"),
+                                                   ("ntxent", None, "ntxent"),
+                                                   ("triplet_semihard_loss", "triplet_margin", None)])
 def test_a_loss_with_no_equivalent_says_so_instead_of_guessing_another(name, alike, optax_name):
     """`ft.losses.sigmoid_focal_loss` hinted `did you mean ft.losses.sigmoid_cross_entropy?`:
     another loss. Names with no equivalent say there is none (and name the look-alike as
@@ -583,13 +590,17 @@ def test_huber_refuses_a_delta_that_is_not_positive_as_torch(delta):
 
 
 def test_smooth_l1_message_names_the_l1_loss_for_beta_zero():
-    """The `right:` line huber(delta=beta) / beta divides by zero at torch's valid beta=0; the
-    message names the L1 loss for it, and that call is torch's number."""
+    """The `right:` line huber(delta=beta) / beta divided by zero at torch's valid beta=0; the
+    message named the L1 loss for it. It names ft.losses.smooth_l1 now, whose beta=0 is the L1
+    loss and torch's number."""
     torch = pytest.importorskip("torch")
-    with pytest.raises(AttributeError, match=r"beta=0 is the L1 loss: ft.losses.l1\(predicted, expected\)"):
+    with pytest.raises(AttributeError, match=r"right:  ft.losses.smooth_l1\(predicted, expected, beta=beta\)  "
+                                             r"# torch's beta \(0: the L1 loss\)"):
         ft.losses.smooth_l1_loss  # noqa: B018
     predicted = np.random.default_rng(2).normal(size=8).astype(np.float32) * 2
     expected = torch.nn.functional.smooth_l1_loss(torch.from_numpy(predicted), torch.zeros(8), beta=0.0).item()
+    np.testing.assert_allclose(ft.losses.smooth_l1(predicted, np.zeros(8, np.float32), beta=0.0), expected, rtol=0,
+                               atol=1e-6)
     np.testing.assert_allclose(ft.losses.l1(predicted, np.zeros(8, np.float32)), expected, rtol=0, atol=1e-6)
 
 

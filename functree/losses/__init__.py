@@ -1,4 +1,8 @@
-"""Losses with swift-apis' names and ``(predicted, expected)`` argument order.
+"""Losses with swift-apis' names and ``(predicted, expected)`` argument order, and torch's
+losses that swift-apis lacks (``nll``, ``binary_cross_entropy``, ``smooth_l1``, ``gaussian_nll``,
+``poisson_nll``, ``ctc``, the margin and embedding losses) with torch's numbers: its clamps,
+eps and weighted means, the classes on the last axis and the batch first. torch's names
+(``ft.losses.nll_loss``, ``ft.losses.NLLLoss``) name the equivalent here (:data:`OTHER_NAMES`).
 
 Every loss takes ``reduction="mean" | "sum" | "none" | "weighted"`` and defaults to the
 mean (over examples for the per-example losses: cross entropies, ``kl_divergence``,
@@ -22,6 +26,16 @@ from functree.losses._classification import (
     softmax_cross_entropy,
     squared_hinge,
 )
+from functree.losses._distance import cosine_embedding, triplet_margin, triplet_margin_with_distance
+from functree.losses._likelihood import binary_cross_entropy, gaussian_nll, nll, poisson_nll
+from functree.losses._margin import (
+    hinge_embedding,
+    margin_ranking,
+    multi_margin,
+    multilabel_margin,
+    multilabel_soft_margin,
+    soft_margin,
+)
 from functree.losses._reduction import REDUCTIONS
 from functree.losses._regression import (
     huber,
@@ -33,7 +47,9 @@ from functree.losses._regression import (
     mean_squared_error,
     mean_squared_logarithmic_error,
     poisson,
+    smooth_l1,
 )
+from functree.losses._sequence import ctc
 from functree.losses._weighted import WeightedMean
 
 __all__ = [
@@ -52,13 +68,29 @@ __all__ = [
     "hinge",
     "squared_hinge",
     "categorical_hinge",
+    # torch's losses that swift-apis lacks, with torch's numbers
+    "nll",
+    "binary_cross_entropy",
+    "smooth_l1",
+    "gaussian_nll",
+    "poisson_nll",
+    "ctc",
+    "cosine_embedding",
+    "margin_ranking",
+    "triplet_margin",
+    "triplet_margin_with_distance",
+    "hinge_embedding",
+    "soft_margin",
+    "multilabel_soft_margin",
+    "multi_margin",
+    "multilabel_margin",
     "REDUCTIONS",
     "WeightedMean",
 ]
 
 # Other libraries' names for these losses: ``ft.losses.cross_entropy`` names its equivalent.
 OTHER_NAMES = {
-    "cross_entropy": "softmax_cross_entropy", "nll_loss": "softmax_cross_entropy",
+    "cross_entropy": "softmax_cross_entropy", "nll_loss": "nll",
     "categorical_crossentropy": "softmax_cross_entropy",
     "sparse_categorical_crossentropy": "softmax_cross_entropy",
     "softmax_cross_entropy_with_integer_labels": "softmax_cross_entropy",
@@ -66,8 +98,13 @@ OTHER_NAMES = {
     "sigmoid_binary_cross_entropy": "sigmoid_cross_entropy", "bce_with_logits": "sigmoid_cross_entropy",
     "mse_loss": "mean_squared_error", "mse": "mean_squared_error", "squared_error": "mean_squared_error",
     "l1_loss": "mean_absolute_error", "mae": "mean_absolute_error", "absolute_error": "mean_absolute_error",
-    "huber_loss": "huber", "smooth_l1_loss": "huber", "kl_div": "kl_divergence", "kld": "kl_divergence",
-    "poisson_nll_loss": "poisson", "hinge_loss": "hinge", "binary_cross_entropy": "sigmoid_cross_entropy",
+    "huber_loss": "huber", "smooth_l1_loss": "smooth_l1", "kl_div": "kl_divergence", "kld": "kl_divergence",
+    "poisson_nll_loss": "poisson_nll", "hinge_loss": "hinge",
+    "gaussian_nll_loss": "gaussian_nll", "ctc_loss": "ctc", "cosine_embedding_loss": "cosine_embedding",
+    "margin_ranking_loss": "margin_ranking", "triplet_margin_loss": "triplet_margin", "triplet_loss": "triplet_margin",
+    "triplet_margin_with_distance_loss": "triplet_margin_with_distance", "hinge_embedding_loss": "hinge_embedding",
+    "soft_margin_loss": "soft_margin", "multilabel_soft_margin_loss": "multilabel_soft_margin",
+    "multi_margin_loss": "multi_margin", "multilabel_margin_loss": "multilabel_margin",
 }
 
 # Keras's default from_logits=False takes probabilities and clips them to [1e-7, 1 - 1e-7] (its
@@ -80,23 +117,20 @@ KERAS_PROBS = ("Keras's default from_logits=False takes probabilities, clipped a
 # Where the other library's loss takes other inputs (log-space, probabilities for logits, a
 # scale), the call that computes its number here: the `right:` line of the error.
 OTHER_CALLS = {
-    "nll_loss": "ft.losses.softmax_cross_entropy(log_probs, labels)  # torch's input: log-probabilities "
-                "(log_softmax of them is themselves)",
+    "nll_loss": "ft.losses.nll(log_probs, labels)  # torch's [N, C, d1, ...] takes the classes last here: "
+                "jnp.moveaxis(log_probs, 1, -1)",
     "categorical_crossentropy": f"ft.losses.softmax_cross_entropy(jnp.log({KERAS_CLIP}), labels)  # {KERAS_PROBS}",
     "sparse_categorical_crossentropy": f"ft.losses.softmax_cross_entropy(jnp.log({KERAS_CLIP}), labels)  "
                                        f"# {KERAS_PROBS}",
     "binary_crossentropy": f"ft.losses.sigmoid_cross_entropy(jax.scipy.special.logit({KERAS_CLIP}), labels)  "
                            f"# {KERAS_PROBS}",
-    # torch clamps each log at -100 instead: the two agree for probabilities in [1e-7, 1 - 1e-7]
-    "binary_cross_entropy": f"ft.losses.sigmoid_cross_entropy(jax.scipy.special.logit({KERAS_CLIP}), labels)  "
-                            "# torch's F.binary_cross_entropy takes probabilities (with logits: "
-                            "binary_cross_entropy_with_logits, sigmoid_cross_entropy(logits, labels))",
     "kl_div": "ft.losses.kl_divergence(jnp.exp(log_q), p, reduction='sum') / log_q.shape[0]  # torch's input "
               "is log q; reduction='batchmean' divides the sum by the batch size alone: for [B, C] that is "
               "kl_divergence's default mean, for [B, T, C] it is T times that mean",
-    "poisson_nll_loss": "ft.losses.poisson(jnp.exp(log_rate), target)  # torch's default log_input=True",
-    "smooth_l1_loss": "ft.losses.huber(predicted, expected, delta=beta) / beta  # torch's beta > 0 (1: huber "
-                      "itself); beta=0 is the L1 loss: ft.losses.l1(predicted, expected)",
+    "poisson_nll_loss": "ft.losses.poisson_nll(log_rate, target)  # torch's log_input=True, full, eps",
+    "smooth_l1_loss": "ft.losses.smooth_l1(predicted, expected, beta=beta)  # torch's beta (0: the L1 loss)",
+    "ctc_loss": "ft.losses.ctc(jnp.swapaxes(log_probs, 0, 1), labels, input_lengths, label_lengths)  # batch first "
+                "here (torch's log_probs are [T, B, C]); labels padded [B, S], not concatenated",
 }
 
 # Other libraries' losses with no equivalent here: a spelling guess would name another loss
@@ -105,13 +139,9 @@ OTHER_CALLS = {
 NO_EQUIVALENT = {
     "sigmoid_focal_loss": "optax.losses.sigmoid_focal_loss", "focal_loss": "optax.losses.sigmoid_focal_loss",
     "binary_focal_crossentropy": "optax.losses.sigmoid_focal_loss", "categorical_focal_crossentropy": None,
-    "ctc_loss": "optax.losses.ctc_loss", "ctc": "optax.losses.ctc_loss",
-    "triplet_margin_loss": "optax.losses.triplet_margin_loss", "triplet_loss": "optax.losses.triplet_margin_loss",
-    "triplet_semihard_loss": None, "triplet_margin_with_distance_loss": None,
+    "triplet_semihard_loss": None,
     "cosine_similarity": "optax.losses.cosine_similarity", "cosine_distance": "optax.losses.cosine_distance",
-    "cosine_embedding_loss": None, "margin_ranking_loss": None, "hinge_embedding_loss": None,
-    "multilabel_margin_loss": None, "multi_margin_loss": None, "multilabel_soft_margin_loss": None,
-    "soft_margin_loss": None, "gaussian_nll_loss": None, "dice_loss": "optax.losses.dice_loss",
+    "dice_loss": "optax.losses.dice_loss",
     "ntxent": "optax.losses.ntxent",
 }
 
@@ -139,9 +169,15 @@ CLASS_NAMES = {
     "SparseCategoricalCrossentropy": "sparse_categorical_crossentropy",
     "CategoricalCrossentropy": "categorical_crossentropy", "BinaryCrossentropy": "binary_crossentropy",
     "MeanSquaredError": "mse", "MeanAbsoluteError": "mae", "Huber": "huber_loss",
-    "KLDivergence": "kld",
+    "KLDivergence": "kld", "GaussianNLLLoss": "gaussian_nll_loss", "CTCLoss": "ctc_loss",
+    "CosineEmbeddingLoss": "cosine_embedding_loss", "MarginRankingLoss": "margin_ranking_loss",
+    "TripletMarginLoss": "triplet_margin_loss", "TripletMarginWithDistanceLoss": "triplet_margin_with_distance_loss",
+    "HingeEmbeddingLoss": "hinge_embedding_loss", "SoftMarginLoss": "soft_margin_loss",
+    "MultiLabelSoftMarginLoss": "multilabel_soft_margin_loss", "MultiMarginLoss": "multi_margin_loss",
+    "MultiLabelMarginLoss": "multilabel_margin_loss",
 }
-OTHER_NAMES.update({cls: OTHER_NAMES[fn] for cls, fn in CLASS_NAMES.items()})
+# (torch's BCELoss is binary_cross_entropy, which is ours: the class names it directly)
+OTHER_NAMES.update({cls: OTHER_NAMES.get(fn, fn) for cls, fn in CLASS_NAMES.items()})
 
 
 def __getattr__(name: str):

@@ -25,6 +25,7 @@ __all__ = [
     "l1",
     "l2",
     "huber",
+    "smooth_l1",
     "log_cosh",
     "poisson",
 ]
@@ -135,6 +136,37 @@ def _check_delta(delta: Any) -> None:
         raise ValueError(BAD_DELTA.format(given=delta))
 
 
+BAD_BETA = """\
+smooth_l1: beta must be a non-negative Python number (the error below which the loss is \
+quadratic), got {given!r} (torch refuses a negative beta too).
+
+    wrong:  ft.losses.smooth_l1(predicted, expected, beta={given!r})
+    right:  ft.losses.smooth_l1(predicted, expected, beta=1.0)      # beta=0: the L1 loss
+"""
+
+
+def smooth_l1(predicted: Any, expected: Any, *, beta: float = 1.0, reduction: str = "mean") -> jax.Array:
+    """torch's ``smooth_l1_loss``: with ``e = |predicted - expected|``, ``e^2 / (2 beta)`` if
+    ``e < beta`` else ``e - beta / 2``, averaged. It is ``huber(delta=beta) / beta`` for
+    ``beta > 0`` and the L1 loss for ``beta = 0`` (torch's gradient there: ``sign(e)``, 0 at
+    ``e = 0``). ``beta`` is a Python number (static), refused below 0 (:data:`BAD_BETA`).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.losses.smooth_l1(jnp.array([0.5, 3.0]), jnp.array([0.0, 0.0]))
+      Array(1.3125, dtype=float32)
+      >>> ft.losses.smooth_l1(jnp.array([0.5, 3.0]), jnp.array([0.0, 0.0]), beta=2.0)
+      Array(1.03125, dtype=float32)
+    """
+    if isinstance(beta, (bool, np.bool_)) or not isinstance(beta, (int, float, np.integer, np.floating)) \
+            or not beta >= 0:
+        raise ValueError(BAD_BETA.format(given=beta))
+    predicted, expected = check_same_shape("smooth_l1", predicted, expected)
+    if not beta:
+        return reduced("smooth_l1", _signed_absolute, reduction, predicted, expected)
+    return reduced("smooth_l1", _smooth_l1, reduction, predicted, expected, float(beta))
+
+
 def mean_squared_logarithmic_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
     """``mean((log(1 + max(predicted, 0)) - log(1 + max(expected, 0)))^2)``.
 
@@ -197,6 +229,17 @@ def _absolute_error(predicted: jax.Array, expected: jax.Array) -> jax.Array:
 
 def _huber(predicted: jax.Array, expected: jax.Array, delta: Any) -> jax.Array:
     return optax.huber_loss(predicted, expected, delta=delta)
+
+
+def _signed_absolute(predicted: jax.Array, expected: jax.Array) -> jax.Array:
+    error = predicted - expected
+    return error * jnp.sign(error)  # |e| with torch's gradient sign(e): 0 at e = 0
+
+
+def _smooth_l1(predicted: jax.Array, expected: jax.Array, beta: Any) -> jax.Array:
+    error = predicted - expected
+    absolute = _signed_absolute(predicted, expected)
+    return jnp.where(absolute < beta, 0.5 * jnp.square(error) / beta, absolute - 0.5 * beta)
 
 
 def _squared_log_error(predicted: jax.Array, expected: jax.Array) -> jax.Array:

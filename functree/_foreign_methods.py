@@ -331,6 +331,11 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
                                 "ft.nn.UpsamplingNearest2D(scale_factor=2)"),
         "UpsamplingBilinear2d": ("torch's nn.UpsamplingBilinear2d is ft.nn.UpsamplingBilinear2D here (channels "
                                  "last; align_corners=True, as torch's)", "ft.nn.UpsamplingBilinear2D(scale_factor=2)"),
+        "CosineSimilarity": ("torch's nn.CosineSimilarity is the function ft.nn.cosine_similarity here (over the "
+                             "last axis by default: torch's dim=1 is axis=1)",
+                             "ft.nn.cosine_similarity(x1, x2, axis=-1, eps=1e-8)"),
+        "PairwiseDistance": ("torch's nn.PairwiseDistance is the function ft.nn.pairwise_distance here",
+                             "ft.nn.pairwise_distance(x1, x2, p=2.0, eps=1e-6)"),
         "Rngs": ("Flax NNX's nnx.Rngs is not needed: layers take key= at construction, and Dropout a key per call",
                  "ft.nn.Dense(4, 3, key=jax.random.key(0));  model(x, key=jax.random.fold_in(key, step))"),
     },

@@ -21,10 +21,13 @@ import numpy as np
 
 from functree._naming import matches
 from functree.nn._attention import MultiheadAttention
+from functree.nn._bilinear import Bilinear
 from functree.nn._conv import Conv, ConvTranspose
 from functree.nn._embedding import Embedding
+from functree.nn._embedding_bag import EmbeddingBag
 from functree.nn._linear import Dense
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm, _InstanceNorm
+from functree.nn._prelu import PReLU
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, SimpleRNNCell
 from functree.nn._recurrent_layers import Bidirectional, StackedRNN
 
@@ -304,7 +307,10 @@ def _stacked(layer: StackedRNN | Bidirectional) -> list[Local] | None:
 _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None]], ...] = (
     (Conv, _conv),
     ((LayerNorm, GroupNorm, RMSNorm, BatchNorm, _InstanceNorm), _norm),
-    (Embedding, lambda layer: [same("weight", "embeddings")]),
+    ((Embedding, EmbeddingBag), lambda layer: [same("weight", "embeddings")]),
+    (PReLU, lambda layer: [same("weight", "slope")]),
+    (Bilinear, lambda layer: [_permuted("weight", "weight", (1, 2, 0))]  # torch [out, in1, in2]
+     + ([same("bias", "bias")] if layer.bias is not None else [])),
     ((SimpleRNNCell, GRUCell, LSTMCell), _cell),
     (RNN, _rnn),
     ((StackedRNN, Bidirectional), _stacked),

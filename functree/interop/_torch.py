@@ -11,9 +11,13 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
                                              BatchNorm  scale, offset, running_mean, running_variance
     InstanceNorm{1,2,3}d  weight, bias (affine=True), running_mean, running_var (track_running_stats=True)
                                              InstanceNorm{1,2,3}D  scale, offset, running_mean, running_variance
-    Embedding  weight                        Embedding  embeddings
+    Embedding, EmbeddingBag  weight          Embedding, EmbeddingBag  embeddings
+    PReLU  weight                            PReLU  slope
+    Bilinear  weight [out, in1, in2], bias   Bilinear  weight [in1, in2, out], bias
     MultiheadAttention  in_proj_weight [3E, E] (or q/k/v_proj_weight), in_proj_bias, out_proj
                                              query/key/value/output_projection (split, transposed)
+    Transformer, TransformerEncoder/Decoder(Layer)  torch's names (layers.0.self_attn, linear1, norm1,
+                                             the stacks' norm): the fields carry them
     GRUCell, GRU  weight_ih[_l0], weight_hh[_l0], bias_ih[_l0], bias_hh[_l0]
                                              GRUCell / RNN(GRUCell)  input_weight, hidden_weight,
                                              input_bias, hidden_bias (transposed weights)

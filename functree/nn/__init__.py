@@ -45,6 +45,7 @@ from functree._activations import (
 from functree._lazy import lazy_names
 from functree.nn import initializers
 from functree.nn._attention import KVCache, MultiheadAttention
+from functree.nn._bilinear import Bilinear
 from functree.nn._check import LayerInputError
 from functree.nn._conv import (
     Conv1D,
@@ -63,6 +64,7 @@ from functree.nn._dropout import (
     FeatureAlphaDropout,
 )
 from functree.nn._embedding import Embedding
+from functree.nn._embedding_bag import EmbeddingBag
 from functree.nn._fold import Fold, Unfold
 from functree.nn._linear import Dense
 from functree.nn._lora import LoraDense, lora, merge_lora
@@ -120,6 +122,7 @@ from functree.nn._pooling import (
     MaxUnpool2D,
     MaxUnpool3D,
 )
+from functree.nn._prelu import PReLU
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, LSTMState, SimpleRNNCell
 from functree.nn._recurrent_layers import GRU, LSTM, Bidirectional, SimpleRNN, StackedRNN
 from functree.nn._remat import Remat
@@ -134,6 +137,7 @@ from functree.nn._rotary import RopeScaling, RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
 from functree.nn._shared import Shared
 from functree.nn._shuffle import ChannelShuffle, PixelShuffle, PixelUnshuffle, Unflatten
+from functree.nn._similarity import cosine_similarity, pairwise_distance
 from functree.nn._stack import Stack
 from functree.nn._state import (
     UncollectedStateWarning,
@@ -141,6 +145,13 @@ from functree.nn._state import (
     collect_state,
     record_state,
     value_with_gradient_and_state,
+)
+from functree.nn._transformer import (
+    Transformer,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
 )
 
 if TYPE_CHECKING:  # what ELSEWHERE's names are, for type checkers and editors
@@ -260,6 +271,9 @@ __all__ = [
     "InstanceNorm3D",
     "LocalResponseNorm",
     "Embedding",
+    "EmbeddingBag",
+    "Bilinear",
+    "PReLU",
     "SimpleRNNCell",
     "GRUCell",
     "LSTMCell",
@@ -272,6 +286,11 @@ __all__ = [
     "SimpleRNN",
     "MultiheadAttention",
     "KVCache",
+    "TransformerEncoderLayer",
+    "TransformerDecoderLayer",
+    "TransformerEncoder",
+    "TransformerDecoder",
+    "Transformer",
     "RotaryEmbedding",
     "RopeScaling",
     "apply_rotary",
@@ -315,5 +334,7 @@ __all__ = [
     "softmax",
     "log_softmax",
     "tanh",
+    "cosine_similarity",
+    "pairwise_distance",
     "initializers",
 ]

@@ -64,6 +64,17 @@ keys up to its own position) or None, got {given!r}.
 
 BAD_MASK = "Pass a boolean mask broadcastable to [..., num_heads, queries, keys] (True = attend)."
 
+BAD_BIAS = ("Pass a floating bias broadcastable to [..., num_heads, queries, keys], added to the scaled logits "
+            "(-inf: never attend).")
+
+BIAS_WITH_CACHE = """\
+MultiheadAttention: bias= (an additive bias on the logits) is not taken with cache=: the cache's \
+logits are over its slots, not over the given keys.
+
+    wrong:  out, cache = attn(x, cache=cache, positions=pos, bias=b)
+    right:  out = attn(x, bias=b)        # without a cache; or a boolean mask= over the cache's slots
+"""
+
 POSITIONS_SELF_ONLY = """\
 MultiheadAttention: positions= (without a cache) rotates self-attention's queries and keys; \
 with keys= or values= the keys' positions are unknown.
@@ -193,7 +204,9 @@ class MultiheadAttention(Layer):
     not ``-inf``: see below), and the result is ``concat_h(A_h V_h) W_o``. ``query`` is ``[..., queries, query_size]``,
     ``keys`` ``[..., keys, key_size]`` and ``values`` ``[..., keys, value_size]`` (both
     default to ``query``: self-attention). ``mask`` is boolean, broadcastable to
-    ``[..., num_heads, queries, keys]``, True where attention is allowed.
+    ``[..., num_heads, queries, keys]``, True where attention is allowed; ``bias`` (floating,
+    broadcastable to the same shape) is added to the scaled logits (torch's float ``attn_mask``:
+    ``-inf`` never attends; computed with the explicit softmax, in float32 or wider).
 
     ``num_kv_heads=K`` (grouped-query attention, Ainslie et al. 2023; ``K = 1`` is
     multi-query attention) projects keys and values to ``K`` heads only; query head ``h``
@@ -364,8 +377,11 @@ class MultiheadAttention(Layer):
         cache: KVCache | None = None,
         positions: jax.Array | None = None,
         rotary_positions: jax.Array | None = None,
+        bias: jax.Array | None = None,
     ) -> Any:
         if cache is not None:
+            if bias is not None:
+                raise ValueError(BIAS_WITH_CACHE)
             return self._cached(query, keys, values, mask, key, cache, positions, rotary_positions)
         self_attention = keys is None and values is None
         keys = query if keys is None else keys
@@ -389,30 +405,34 @@ class MultiheadAttention(Layer):
         q, k, v = (jnp.broadcast_to(a, (*lead, *a.shape[-3:])) for a in (q, k, v))
         if mask is not None:
             self._check_mask(mask, (*lead, self.num_heads, q.shape[-3], k.shape[-3]))
+        if bias is not None:
+            self._check_mask(bias, (*lead, self.num_heads, q.shape[-3], k.shape[-3]), additive=True)
         if self.member_window is not None:  # a window held as data (a Stack member's own)
             band = _band(jnp.arange(k.shape[-3]), jnp.arange(q.shape[-3])[:, None], self.member_window)
             mask = band if mask is None else mask & band
         elif self.window is not None:  # keys j > i - window (indices in the sequence)
             band = jnp.arange(k.shape[-3]) > jnp.arange(q.shape[-3])[:, None] - self.window
             mask = band if mask is None else mask & band
-        return self._attend(q, k, v, mask, self.causal, key)
+        return self._attend(q, k, v, mask, self.causal, key, bias)
 
     def _attend(
         self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
-        key: jax.Array | None,
+        key: jax.Array | None, bias: jax.Array | None = None,
     ) -> jax.Array:
         dropping = self.training and self.dropout > 0.0
         if dropping and key is None:
             raise ValueError(NO_KEY.format(rate=self.dropout))
         capped = self.logit_softcap is not None  # no kernel caps its logits: the explicit softmax
-        if dropping or capped or q.shape[-1] != v.shape[-1] or q.dtype == jnp.float64:
+        biased = bias is not None  # the explicit softmax adds it in the logits' float32 (or float64)
+        if dropping or capped or biased or q.shape[-1] != v.shape[-1] or q.dtype == jnp.float64:
             if self.implementation == "cudnn":
                 why = ("attention dropout in training" if dropping else "a logit soft-cap (logit_softcap)" if capped
+                       else "an additive bias (bias=)" if biased
                        else "float64 inputs" if q.dtype == jnp.float64 else "the value size differs from the query size")
                 raise ValueError(CUDNN_DOES_NOT_APPLY.format(reason=why))
             out = attention_weights_times_values(
                 q, k, v, mask, causal, self.dropout if dropping else 0.0, key, self.logit_scale,
-                **({"softcap": self.logit_softcap} if capped else {}),
+                bias=bias, **({"softcap": self.logit_softcap} if capped else {}),
             )
         else:
             out = _fused_attention(q, k, v, mask, causal, self.implementation, self.logit_scale)
@@ -518,15 +538,18 @@ class MultiheadAttention(Layer):
     def _heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
         return x.reshape((*x.shape[:-1], self.num_heads if heads is None else heads, -1))
 
-    def _check_mask(self, mask: jax.Array, shape: tuple[int, ...]) -> None:
+    def _check_mask(self, mask: jax.Array, shape: tuple[int, ...], additive: bool = False) -> None:
+        """A boolean ``mask`` (or, ``additive``, a floating ``bias``) broadcastable to ``shape``."""
+        mask = jnp.asarray(mask)
+        kind = jnp.floating if additive else jnp.bool_
         try:
-            ok = jnp.issubdtype(mask.dtype, jnp.bool_) and jnp.broadcast_shapes(mask.shape, shape) == shape
+            ok = jnp.issubdtype(mask.dtype, kind) and jnp.broadcast_shapes(mask.shape, shape) == shape
         except ValueError:
             ok = False
         if not ok:
-            raise LayerInputError(
-                self, f"mask broadcastable to {list(shape)} (bool)", short_array(mask), BAD_MASK
-            )
+            name, dtype = ("bias", "float") if additive else ("mask", "bool")
+            raise LayerInputError(self, f"{name} broadcastable to {list(shape)} ({dtype})", short_array(mask),
+                                  BAD_BIAS if additive else BAD_MASK)
 
 
 def _clipped(arrays: tuple[jax.Array, ...], clip: float) -> tuple[jax.Array, ...]:
@@ -613,10 +636,13 @@ def _fused_traced(
 def attention_weights_times_values(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
     dropout: float = 0.0, key: jax.Array | None = None, scale: Any = None, softcap: float | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """The explicit computation ``softmax(q k^T / sqrt(d), masked) v`` on ``[..., T, N, H]``
     (``scale``: ``softmax(scale q k^T)``; ``softcap=c``: the scaled logits ``l`` capped to
-    ``c * tanh(l / c)`` in float32 before the mask, Gemma 2's ``attn_logit_softcapping``).
+    ``c * tanh(l / c)`` in float32 before the mask, Gemma 2's ``attn_logit_softcapping``;
+    ``bias``: added to the scaled (capped) logits, broadcast to ``[..., heads, queries, keys]``:
+    torch's float ``attn_mask``).
 
     With ``dropout > 0`` the attention weights are dropped (probability ``dropout``) and
     the rest scaled by ``1 / (1 - dropout)``. Masked logits get the logits dtype's lowest
@@ -642,6 +668,8 @@ def attention_weights_times_values(
     if softcap is not None:  # smooth cap: |logits| < c, unchanged near 0 (slope 1)
         cap = jnp.asarray(softcap, logits.dtype)
         logits = cap * jnp.tanh(logits / cap)
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)
     allowed = None if mask is None else mask
     if causal:
         tril = jnp.tril(jnp.ones(logits.shape[-2:], bool))

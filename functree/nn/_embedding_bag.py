@@ -1,0 +1,149 @@
+"""EmbeddingBag: each bag of indices reduced to one vector (torch's ``nn.EmbeddingBag``)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree._module import field
+from functree._repr import short_array
+from functree.nn._abstract import initialized
+from functree.nn._check import LayerInputError, check_input, concrete
+from functree.nn._embedding import PADDING_INDEX
+from functree.nn._linear import Initializer
+from functree.nn._mode import Layer
+
+__all__ = ["EmbeddingBag"]
+
+_standard_normal = jax.nn.initializers.normal(1.0)
+
+BAD_MODE = """\
+ft.nn.EmbeddingBag: mode must be "sum", "mean" or "max", got {mode!r}.
+
+    right:  ft.nn.EmbeddingBag(n, d, mode="mean", key=key)   # torch's default"""
+
+BAGS = """\
+ft.nn.EmbeddingBag: {why}
+
+    right:  bag(indices_2d)                        # [B, N]: each row a bag of N indices
+       or:  bag(indices_1d, offsets)               # [n] and int [B]: bag b is indices[offsets[b]:offsets[b + 1]]"""
+
+NEEDS_OFFSETS = "1-D indices need offsets= (where each bag starts); a [B, N] array needs none."
+OFFSETS_WITH_2D = "offsets= is for 1-D indices; the rows of a 2-D [B, N] array are its bags already."
+BAD_OFFSETS = ("offsets must be 1-D integers starting at 0, nondecreasing, at most len(indices) = {n} "
+               "(with include_last_offset=True: ending at {n}; torch's rule), got {given}.")
+
+SUM_ONLY = """\
+ft.nn.EmbeddingBag: per_sample_weights= weighs each index's row in a sum; mode={mode!r} takes none \
+(torch's rule).
+
+    wrong:  ft.nn.EmbeddingBag(n, d, mode={mode!r}, key=key)(indices, offsets, per_sample_weights=w)
+    right:  ft.nn.EmbeddingBag(n, d, mode="sum", key=key)(indices, offsets, per_sample_weights=w)"""
+
+BAD_WEIGHTS = "Pass per_sample_weights of the indices' shape {shape}, floating: one weight per index."
+
+
+class EmbeddingBag(Layer):
+    """Each bag of indices as the ``"sum"``, ``"mean"`` (the default) or ``"max"`` of its rows.
+
+    ``bag(indices)`` with ``[B, N]`` integer indices: row ``b`` is a bag. ``bag(indices,
+    offsets)`` with 1-D indices and ``offsets [B]``: bag ``b`` is ``indices[offsets[b]:
+    offsets[b + 1]]`` (the last to the end; ``include_last_offset=True``: ``offsets`` has
+    ``B + 1`` entries, the last equal to ``len(indices)``). Returns ``[B, embedding_size]``; an
+    empty bag is zeros. ``per_sample_weights`` (the indices' shape; ``"sum"`` only) weighs each
+    row. ``padding_index=p`` (torch's ``padding_idx``): row ``p`` starts at zeros, and its
+    entries are left out of their bags (not counted by the mean, never the max) and get no
+    gradient. ``embeddings`` is torch's ``weight``. As ``ft.nn.Embedding``, out-of-range indices
+    are clamped; offsets are checked eagerly (under ``jax.jit`` their values are unknown).
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> bag = ft.nn.EmbeddingBag(10, 3, mode="sum", key=jax.random.key(0))
+      >>> out = bag(jnp.array([1, 2, 4, 5, 4]), jnp.array([0, 2]))     # bags [1, 2] and [4, 5, 4]
+      >>> bool(jnp.allclose(out[1], bag.embeddings[jnp.array([4, 5, 4])].sum(0)))
+      True
+    """
+
+    embeddings: jax.Array
+    mode: str = field(static=True, default="mean")
+    padding_index: int | None = field(static=True, default=None)
+    include_last_offset: bool = field(static=True, default=False)
+
+    def __init__(
+        self, vocabulary_size: int, embedding_size: int, mode: str = "mean", *, key: jax.Array,
+        dtype: Any = jnp.float32, initializer: Initializer = _standard_normal, padding_index: int | None = None,
+        include_last_offset: bool = False,
+    ):
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(BAD_MODE.format(mode=mode))
+        self.embeddings = initialized(initializer, key, (vocabulary_size, embedding_size), dtype)
+        if padding_index is not None:
+            padding_index = operator.index(padding_index)
+            if not -vocabulary_size <= padding_index < vocabulary_size:
+                raise ValueError(PADDING_INDEX.format(index=padding_index, size=vocabulary_size))
+            padding_index %= vocabulary_size
+            self.embeddings = self.embeddings.at[padding_index].set(0)  # torch's padding row
+        self.mode, self.padding_index, self.include_last_offset = mode, padding_index, bool(include_last_offset)
+
+    def __call__(self, indices: Any, offsets: Any = None, per_sample_weights: Any = None) -> jax.Array:
+        indices = jnp.asarray(indices)
+        check_input(self, indices, (), kind="int")
+        if indices.ndim == 2 and offsets is not None:
+            raise ValueError(BAGS.format(why=OFFSETS_WITH_2D))
+        if indices.ndim == 1 and offsets is None:
+            raise ValueError(BAGS.format(why=NEEDS_OFFSETS))
+        if indices.ndim not in (1, 2):
+            raise LayerInputError(self, "indices [B, N] or [n] with offsets (int)", short_array(indices),
+                                  BAGS.format(why=NEEDS_OFFSETS))
+        weights = self._weights(indices, per_sample_weights)
+        if indices.ndim == 2:  # each row a bag
+            bags, n = jnp.broadcast_to(jnp.arange(indices.shape[0])[:, None], indices.shape), indices.shape[0]
+        else:
+            bags, n = self._bags(indices, offsets)
+        return self._reduce(indices.ravel(), bags.ravel(), n, None if weights is None else weights.ravel())
+
+    def _weights(self, indices: jax.Array, weights: Any) -> jax.Array | None:
+        if weights is None:
+            return None
+        if self.mode != "sum":
+            raise ValueError(SUM_ONLY.format(mode=self.mode))
+        weights = jnp.asarray(weights)
+        if weights.shape != indices.shape or not jnp.issubdtype(weights.dtype, jnp.floating):
+            raise LayerInputError(self, f"per_sample_weights {list(indices.shape)} (float)", short_array(weights),
+                                  BAD_WEIGHTS.format(shape=list(indices.shape)))
+        return weights
+
+    def _bags(self, indices: jax.Array, offsets: Any) -> tuple[jax.Array, int]:
+        """Each index's bag number (``len(offsets)`` or beyond: dropped) and the number of bags."""
+        offsets = jnp.asarray(offsets)
+        n = indices.shape[0]
+        given = concrete(offsets)
+        ok = offsets.ndim == 1 and jnp.issubdtype(offsets.dtype, jnp.integer) and offsets.shape[0] >= 1
+        if ok and given is not None:
+            ok = int(given[0]) == 0 and bool(np.all(np.diff(given) >= 0)) and int(given[-1]) <= n
+            ok = ok and (not self.include_last_offset or int(given[-1]) == n)
+        if not ok:
+            raise ValueError(BAGS.format(why=BAD_OFFSETS.format(n=n, given=short_array(offsets) if given is None
+                                                                 else given.tolist())))
+        count = offsets.shape[0] - (1 if self.include_last_offset else 0)
+        bags = jnp.searchsorted(offsets, jnp.arange(n, dtype=offsets.dtype), side="right") - 1
+        return bags, count
+
+    def _reduce(self, indices: jax.Array, bags: jax.Array, n: int, weights: jax.Array | None) -> jax.Array:
+        w = self.embeddings
+        rows = jnp.take(w, jnp.clip(indices, 0, w.shape[0] - 1), axis=0)
+        kept = jnp.ones(indices.shape, bool) if self.padding_index is None else indices != self.padding_index
+        if self.mode == "max":
+            lowest = jnp.asarray(-jnp.inf, rows.dtype)
+            found = jax.ops.segment_max(jnp.where(kept[:, None], rows, lowest), bags, n)
+            return jnp.where(jnp.isneginf(found), jnp.zeros((), rows.dtype), found)  # an empty bag: zeros
+        scale = kept.astype(rows.dtype) if weights is None else jnp.where(kept, weights.astype(rows.dtype), 0)
+        total = jax.ops.segment_sum(rows * scale[:, None], bags, n)
+        if self.mode == "sum":
+            return total
+        count = jax.ops.segment_sum(kept.astype(rows.dtype), bags, n)
+        return total / jnp.maximum(count, 1)[:, None]

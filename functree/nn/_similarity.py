@@ -1,0 +1,48 @@
+"""torch's ``nn.CosineSimilarity`` and ``nn.PairwiseDistance``, as functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["cosine_similarity", "pairwise_distance"]
+
+
+def cosine_similarity(x1: Any, x2: Any, axis: int = -1, eps: float = 1e-8) -> jax.Array:
+    """``x1 . x2 / (max(||x1||, eps) * max(||x2||, eps))`` along ``axis`` (torch's
+    ``F.cosine_similarity``; its default ``dim=1`` is the last axis of ``[N, D]``, here the
+    last axis whatever the rank). The inputs broadcast; ``axis`` is dropped.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.nn.cosine_similarity(jnp.array([[1.0, 0.0], [1.0, 1.0]]), jnp.array([1.0, 1.0])).round(4)
+      Array([0.7071, 1.    ], dtype=float32)
+    """
+    x1, x2 = jnp.broadcast_arrays(jnp.asarray(x1), jnp.asarray(x2))
+    eps_ = jnp.asarray(eps, x1.dtype)
+    n1 = jnp.maximum(_norm(x1, axis), eps_)
+    n2 = jnp.maximum(_norm(x2, axis), eps_)
+    return jnp.sum((x1 / n1) * (x2 / n2), axis=axis)
+
+
+def _norm(x: jax.Array, axis: int) -> jax.Array:
+    """``||x||_2`` along ``axis`` (kept), its gradient 0 at a zero vector (torch's: NaN otherwise)."""
+    square = jnp.sum(x * x, axis=axis, keepdims=True)
+    positive = square > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, square, 1)), 0)
+
+
+def pairwise_distance(x1: Any, x2: Any, p: float = 2.0, eps: float = 1e-6, keepdims: bool = False) -> jax.Array:
+    """``||x1 - x2 + eps||_p`` over the last axis (torch's ``F.pairwise_distance`` /
+    ``nn.PairwiseDistance``; ``eps`` keeps the norm's gradient finite at ``x1 == x2``).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.nn.pairwise_distance(jnp.array([[0.0, 0.0]]), jnp.array([[3.0, 4.0]]), eps=0.0)
+      Array([5.], dtype=float32)
+    """
+    x1, x2 = jnp.asarray(x1), jnp.asarray(x2)
+    diff = x1 - x2 + jnp.asarray(eps, jnp.result_type(x1, x2))
+    return jnp.linalg.norm(diff, ord=p, axis=-1, keepdims=keepdims)

@@ -1,0 +1,66 @@
+"""ft.nn.EmbeddingBag against torch's nn.EmbeddingBag in float64: sum, mean and max over 2-D
+bags and 1-D indices with offsets (include_last_offset, an empty bag), per_sample_weights,
+padding_idx; outputs and the weight's gradient; the refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+
+torch = pytest.importorskip("torch")
+
+VOCAB, DIM = 7, 3
+INDICES = np.array([1, 2, 4, 5, 4, 3, 2, 6, 0, 1])
+OFFSETS = np.array([0, 2, 2, 5])  # bag 1 empty
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("layout", ["2d", "offsets", "last_offset"])
+@pytest.mark.parametrize("padding", [None, 2])
+def test_embedding_bag_matches_torchs_in_float64(mode, layout, padding):
+    torch.manual_seed(0)
+    last = layout == "last_offset"
+    module = torch.nn.EmbeddingBag(VOCAB, DIM, mode=mode, include_last_offset=last, padding_idx=padding,
+                                   dtype=torch.float64)
+    if layout == "2d":
+        indices, offsets = INDICES.reshape(2, 5), None
+    else:
+        indices, offsets = INDICES, (np.append(OFFSETS, INDICES.size) if last else OFFSETS)
+    weights = np.linspace(-1.0, 2.0, INDICES.size).reshape(indices.shape) if mode == "sum" else None
+    tensors = [torch.from_numpy(a) if a is not None else None for a in (indices, offsets, weights)]
+    out = module(*tensors)
+    out.backward(torch.from_numpy(np.cos(out.detach().numpy())))
+    with jax.enable_x64(True):
+        layer = ft.nn.EmbeddingBag(VOCAB, DIM, mode, key=jax.random.key(0), dtype=jnp.float64, padding_index=padding,
+                                   include_last_offset=last)
+        np.testing.assert_array_equal(layer.embeddings[padding or 0] == 0, padding is not None)
+        layer = ft.nn.load_torch_state_dict(layer, module.state_dict())
+        ours, pull = jax.vjp(lambda m: m(indices, offsets, weights), layer)
+        (grad,) = pull(jnp.cos(ours))
+    np.testing.assert_allclose(ours, out.detach().numpy(), rtol=0, atol=1e-15)
+    np.testing.assert_allclose(grad.embeddings, module.weight.grad.numpy(), rtol=0, atol=1e-14)
+    assert set(ft.nn.torch_state_dict(layer, numpy=True)) == {"weight"}
+
+
+def test_embedding_bag_refusals():
+    bag = ft.nn.EmbeddingBag(VOCAB, DIM, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"mode must be \"sum\", \"mean\" or \"max\", got 'avg'"):
+        ft.nn.EmbeddingBag(VOCAB, DIM, "avg", key=jax.random.key(0))
+    with pytest.raises(ValueError, match="1-D indices need offsets="):
+        bag(jnp.array([1, 2]))
+    with pytest.raises(ValueError, match="offsets= is for 1-D indices"):
+        bag(jnp.array([[1, 2]]), jnp.array([0]))
+    with pytest.raises(ValueError, match=r"starting at 0, nondecreasing, at most len\(indices\) = 3 .*, got \[1, 2\]"):
+        bag(jnp.array([1, 2, 3]), jnp.array([1, 2]))
+    closed = ft.nn.EmbeddingBag(VOCAB, DIM, key=jax.random.key(0), include_last_offset=True)
+    with pytest.raises(ValueError, match=r"ending at 3; torch's rule\), got \[0, 2\]"):
+        closed(jnp.array([1, 2, 3]), jnp.array([0, 2]))  # torch reads the last bag to the end regardless
+    with pytest.raises(ValueError, match=r"mode='mean' takes none"):
+        bag(jnp.array([[1, 2]]), per_sample_weights=jnp.ones((1, 2)))
+    summed = ft.nn.EmbeddingBag(VOCAB, DIM, "sum", key=jax.random.key(0))
+    with pytest.raises(ft.nn.LayerInputError, match=r"per_sample_weights \[1, 2\] \(float\), got f32\[2\]"):
+        summed(jnp.array([[1, 2]]), per_sample_weights=jnp.ones(2))
+    with pytest.raises(ValueError, match="padding_index=9 is outside the vocabulary of 7 rows"):
+        ft.nn.EmbeddingBag(VOCAB, DIM, key=jax.random.key(0), padding_index=9)

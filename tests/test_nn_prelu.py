@@ -1,0 +1,47 @@
+"""ft.nn.PReLU against torch's nn.PReLU: outputs and gradients (input and slope) in float64,
+one slope or one per channel (channels last, or torch's axis 1), the state dict both ways."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("num_parameters, shape, channel_axis, to_torch", [
+    (1, (4, 3, 5), -1, None),
+    (3, (4, 3), -1, None),                    # [N, C]: the last axis is torch's axis 1
+    (5, (4, 3, 5), -1, (0, 2, 1)),            # channels last; torch's input channels first
+    (3, (4, 3, 2, 2), 1, None),               # channel_axis=1: torch's layout
+])
+def test_prelu_matches_torchs_in_float64(num_parameters, shape, channel_axis, to_torch):
+    rng = np.random.default_rng(num_parameters)
+    module = torch.nn.PReLU(num_parameters, dtype=torch.float64)
+    with torch.no_grad():
+        module.weight.copy_(torch.from_numpy(rng.uniform(-0.5, 0.5, num_parameters)))
+    x = rng.standard_normal(shape)
+    x.flat[0] = 0.0  # torch's gradient at 0 is the slope's
+    xt = torch.from_numpy(x if to_torch is None else x.transpose(to_torch)).requires_grad_()
+    yt = module(xt)
+    yt.backward(torch.from_numpy(np.cos(yt.detach().numpy())))
+    with jax.enable_x64(True):
+        layer = ft.nn.load_torch_state_dict(ft.nn.PReLU(num_parameters, channel_axis=channel_axis,
+                                                        dtype=jnp.float64), module.state_dict())
+        y, pull = jax.vjp(lambda m, x: m(x), layer, jnp.asarray(x))
+        back = tuple(to_torch) if to_torch is not None else None
+        expected = yt.detach().numpy() if back is None else yt.detach().numpy().transpose(np.argsort(back))
+        np.testing.assert_allclose(y, expected, rtol=0, atol=1e-15)
+        grad_layer, grad_x = pull(jnp.cos(y))
+    gx = xt.grad.numpy() if back is None else xt.grad.numpy().transpose(np.argsort(back))
+    np.testing.assert_allclose(grad_x, gx, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(grad_layer.slope, module.weight.grad.numpy(), rtol=1e-12, atol=1e-13)
+    assert set(ft.nn.torch_state_dict(layer, numpy=True)) == {"weight"}
+
+
+def test_prelu_refuses_other_channel_counts():
+    with pytest.raises(ft.nn.LayerInputError, match=r"\[\.\.\., 3\] on axis -1 \(float\), got f32\[2,4\]"):
+        ft.nn.PReLU(3)(jnp.ones((2, 4)))
+    np.testing.assert_array_equal(ft.nn.PReLU()(jnp.array([-4.0, 2.0])), [-1.0, 2.0])  # init 0.25

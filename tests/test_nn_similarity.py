@@ -1,0 +1,43 @@
+"""ft.nn.cosine_similarity and pairwise_distance against torch's functions in float64,
+broadcasting, zero vectors (eps) and p norms included, gradients too."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def test_cosine_similarity_and_pairwise_distance_match_torchs_in_float64():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((4, 3, 5)), rng.standard_normal((3, 5))
+    a[0, 0] = 0.0  # a zero vector: eps keeps it finite
+    ta, tb = (torch.from_numpy(x).requires_grad_() for x in (a, b))
+    with jax.enable_x64(True):
+        cos, pull = jax.vjp(ft.nn.cosine_similarity, jnp.asarray(a), jnp.asarray(b))
+        ga, gb = pull(jnp.ones_like(cos))
+        np.testing.assert_allclose(ft.nn.cosine_similarity(a, b, axis=0, eps=1e-3),
+                                   F.cosine_similarity(torch.from_numpy(a), torch.from_numpy(b), dim=0,
+                                                       eps=1e-3).numpy(), rtol=0, atol=1e-15)
+        distances = {p: np.asarray(ft.nn.pairwise_distance(a, b, p=p)) for p in (1.0, 2.0, 3.0, np.inf)}
+        kept = ft.nn.pairwise_distance(a, b, keepdims=True)
+    expected = F.cosine_similarity(ta, tb, dim=-1)
+    expected.sum().backward()
+    np.testing.assert_allclose(cos, expected.detach().numpy(), rtol=0, atol=1e-15)
+    np.testing.assert_allclose(ga, ta.grad.numpy(), rtol=1e-14, atol=1e-14)  # the zero vector: 1e8 / eps scale
+    np.testing.assert_allclose(gb, tb.grad.numpy(), rtol=0, atol=1e-14)
+    for p, ours in distances.items():
+        theirs = F.pairwise_distance(torch.from_numpy(a), torch.from_numpy(b), p=p).numpy()
+        np.testing.assert_allclose(ours, theirs, rtol=1e-14, atol=0)
+    assert kept.shape == (4, 3, 1)
+
+
+@pytest.mark.parametrize("name, function", [("CosineSimilarity", "cosine_similarity"),
+                                            ("PairwiseDistance", "pairwise_distance")])
+def test_torchs_class_names_point_to_the_functions(name, function):
+    with pytest.raises(AttributeError, match=rf"torch's nn.{name} is the function ft.nn.{function} here"):
+        getattr(ft.nn, name)

@@ -1,0 +1,225 @@
+"""ft.nn's torch Transformer layers against torch's: outputs with torch's weights ported, the
+state dict both ways, masks (bool and float, key padding, causal), gradients, dropout's
+statistics, and the refusals. Tiny sizes (d_model 8, 2 heads, 1-2 layers), one compile a case."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import functree as ft
+from functree.nn import _transformer
+
+torch = pytest.importorskip("torch")
+# torch's TransformerEncoder notes that its nested-tensor fast path is off (batch_first=False)
+pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")
+
+E, HEADS, FF, N, S, L = 8, 2, 12, 3, 6, 5
+
+
+def _inputs(rng, batch_first, dtype):
+    src, tgt = rng.standard_normal((N, S, E)), rng.standard_normal((N, L, E))
+    if not batch_first:
+        src, tgt = src.swapaxes(0, 1), tgt.swapaxes(0, 1)
+    return src.astype(dtype), tgt.astype(dtype)
+
+
+def _masks(rng, float_masks, dtype):
+    """torch's masks: src_mask with key 0 allowed, key padding leaving each row a key,
+    tgt_mask causal; bool (True: masked) or float (-inf and finite biases)."""
+    src_mask = rng.random((S, S)) < 0.3
+    src_mask[:, 0] = False  # key 0 (never padding) open to every query: no row wholly masked (torch: NaN)
+    lengths = np.array([S, S - 2, 2])
+    src_pad = np.arange(S)[None] >= lengths[:, None]
+    tgt_pad = np.arange(L)[None] >= np.array([L, L - 1, 3])[:, None]
+    tgt_mask = np.triu(np.ones((L, L), bool), 1)
+    masks = dict(src_mask=src_mask, tgt_mask=tgt_mask, src_key_padding_mask=src_pad,
+                 tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+    if float_masks:  # -inf where masked, plus finite biases (torch adds them to the logits)
+        masks = {k: np.where(m, -np.inf, 0.0).astype(dtype) for k, m in masks.items()}
+        masks["src_mask"] = masks["src_mask"] + rng.standard_normal((S, S)).astype(dtype)
+    return masks
+
+
+def _torch_out(module, args, masks, **flags):
+    """torch's output in eval mode (no dropout), gradients on: its reference path (the
+    inference fast path, taken without them, gives zeros at padded positions)."""
+    tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in masks.items()}
+    module.train(False)
+    return module(*(torch.from_numpy(a) for a in args), **tensors, **flags).detach().numpy()
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_transformer_matches_torchs_in_float64(norm_first, activation, batch_first):
+    """nn.Transformer (1 encoder layer, 2 decoder layers, final norms) with every mask, bool
+    masks where batch_first, float ones (-inf and finite biases) otherwise: torch's weights
+    loaded, outputs within 1e-12 of max|out| (measured: 1.5e-15 over the eight cases; float32 3.0e-7)."""
+    rng = np.random.default_rng([norm_first, activation == "gelu", batch_first])
+    torch.manual_seed(0)
+    module = torch.nn.Transformer(E, HEADS, 1, 2, FF, dropout=0.1, activation=activation, batch_first=batch_first,
+                                  norm_first=norm_first, dtype=torch.float64)
+    with jax.enable_x64(True):
+        model = ft.nn.Transformer(E, HEADS, 1, 2, FF, activation=activation, batch_first=batch_first,
+                                  norm_first=norm_first, key=jax.random.key(0), dtype=jnp.float64)
+        model = ft.nn.load_torch_state_dict(model, module.state_dict())
+        args = _inputs(rng, batch_first, np.float64)
+        masks = _masks(rng, not batch_first, np.float64)
+        ours = np.asarray(jax.jit(lambda m, a, k: m(*a, **k))(model, args, masks))
+    expected = _torch_out(module, args, masks)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+
+
+def test_state_dict_written_loads_into_torch_strictly_and_computes_the_same():
+    """ft's own draws written with torch_state_dict: torch loads them strictly (no name
+    missing or extra), and its outputs equal ours in float32 (bias=False: no biases, no
+    LayerNorm offsets, as torch's; gelu; encoder causal via is_causal)."""
+    model = ft.nn.Transformer(E, HEADS, 2, 1, FF, activation="gelu", bias=False, norm_first=True,
+                              key=jax.random.key(1))
+    module = torch.nn.Transformer(E, HEADS, 2, 1, FF, activation="gelu", bias=False, norm_first=True)
+    module.load_state_dict(ft.nn.torch_state_dict(model), strict=True)
+    rng = np.random.default_rng(1)
+    src, tgt = _inputs(rng, False, np.float32)
+    causal = np.triu(np.ones((S, S), bool), 1)
+    ours = np.asarray(jax.jit(lambda m, src, tgt: m(src, tgt, src_mask=causal, src_is_causal=True, tgt_is_causal=True,
+                                                   tgt_mask=np.triu(np.ones((L, L), bool), 1)))(model, src, tgt))
+    expected = _torch_out(module, (src, tgt), dict(src_mask=causal, tgt_mask=np.triu(np.ones((L, L), bool), 1)),
+                          src_is_causal=True, tgt_is_causal=True)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+
+
+def test_encoder_layer_per_head_masks_unbatched_and_decoder_memory_mask():
+    """The per-head mask [N * nhead, S, S] (float), an unbatched [S, E] input with a [S]
+    key padding mask, and a decoder layer's memory_mask: against torch's layers in float64."""
+    rng = np.random.default_rng(2)
+    torch.manual_seed(2)
+    enc = torch.nn.TransformerEncoderLayer(E, HEADS, FF, batch_first=True, dtype=torch.float64)
+    dec = torch.nn.TransformerDecoderLayer(E, HEADS, FF, norm_first=True, dtype=torch.float64)
+    with jax.enable_x64(True):
+        ours_enc = ft.nn.load_torch_state_dict(ft.nn.TransformerEncoderLayer(
+            E, HEADS, FF, batch_first=True, key=jax.random.key(0), dtype=jnp.float64), enc.state_dict())
+        ours_dec = ft.nn.load_torch_state_dict(ft.nn.TransformerDecoderLayer(
+            E, HEADS, FF, norm_first=True, key=jax.random.key(0), dtype=jnp.float64), dec.state_dict())
+        x = rng.standard_normal((N, S, E))
+        per_head = rng.standard_normal((N * HEADS, S, S))
+        memory_mask = rng.random((L, S)) < 0.4
+
+        @jax.jit  # one compile for the three calls
+        def run(enc, dec, x, per_head, memory_mask):
+            return [enc(x, src_mask=per_head),
+                    enc(x[0], src_key_padding_mask=jnp.arange(S) >= 4),
+                    dec(x[:, :L].swapaxes(0, 1), x.swapaxes(0, 1), memory_mask=memory_mask,
+                        memory_key_padding_mask=jnp.arange(S)[None] >= jnp.array([[S], [S], [3]]))]
+
+        got = run(ours_enc, ours_dec, x, per_head, memory_mask)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((N, S, E))
+    per_head = rng.standard_normal((N * HEADS, S, S))
+    expected = [_torch_out(enc, (x,), dict(src_mask=per_head)),
+                _torch_out(enc, (x[0],), dict(src_key_padding_mask=np.arange(S) >= 4)),
+                _torch_out(dec, (np.ascontiguousarray(x[:, :L].swapaxes(0, 1)), np.ascontiguousarray(x.swapaxes(0, 1))),
+                           dict(memory_mask=rng.random((L, S)) < 0.4,
+                                memory_key_padding_mask=np.arange(S)[None] >= np.array([[S], [S], [3]])))]
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-12 * np.abs(b).max())
+
+
+def test_gradients_check_in_float64():
+    """check_grads (reverse, order 1) of a pre-norm encoder layer through its parameters and
+    input, with a float mask and a bool key padding mask."""
+    with jax.enable_x64(True):
+        layer = ft.nn.TransformerEncoderLayer(4, 2, 6, activation="gelu", norm_first=True, batch_first=True,
+                                              key=jax.random.key(3), dtype=jnp.float64)
+        x = jax.random.normal(jax.random.key(4), (2, 3, 4), jnp.float64)
+        bias = jnp.array([[0.0, -1.0, -jnp.inf], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+        pad = jnp.array([[False, False, True], [False, False, False]])
+        # eps 1e-6: the central difference's error (eps**2: 5.8e-6 at 1e-4, 5.8e-8 at 1e-5) well below 1e-7
+        check_grads(jax.jit(lambda m, x: m(x, src_mask=bias, src_key_padding_mask=pad)), (layer, x), order=1,
+                    modes=["rev"], atol=1e-7, rtol=1e-7, eps=1e-6)
+
+
+def test_dropout_in_training_is_unbiased_and_drops_at_its_rate():
+    """Training mode, rate 0.25, 4000 keys: with the feed-forward branch zero (linear2 zero),
+    the pre-norm layer's output is linear in the attention-dropout and dropout1 masks, so its
+    mean over keys is the inference output (within 5 standard errors); with linear2's bias
+    one, dropout2 zeroes a fraction 0.25 of the branch. Inference ignores the key."""
+    layer = ft.nn.TransformerEncoderLayer(E, HEADS, FF, dropout=0.25, norm_first=True, batch_first=True,
+                                          key=jax.random.key(5))
+    layer = ft.set(layer, "linear2.weight", jnp.zeros((FF, E)))
+    x = jax.random.normal(jax.random.key(6), (2, S, E))
+    keys = jax.random.split(jax.random.key(7), 4000)
+    trained = ft.nn.training(layer)
+
+    @jax.jit
+    def draws(model):
+        return jax.vmap(lambda k: model(x, key=k))(keys)
+
+    outs = draws(trained)
+    spread = outs.std(0) / np.sqrt(len(keys))
+    np.testing.assert_array_less(np.abs(outs.mean(0) - layer(x)), 5 * spread + 1e-6)
+    assert float(spread.max()) > 1e-3  # the masks do vary the output
+    branch = draws(ft.set(trained, "linear2.bias", jnp.ones(E))) - draws(trained)  # dropout2(ones)
+    kept = np.asarray(branch)[np.asarray(branch) != 0]
+    np.testing.assert_allclose(kept, 1 / 0.75, rtol=1e-5)  # the kept ones scaled by 1 / (1 - rate)
+    assert abs(1 - kept.size / branch.size - 0.25) < 0.01   # 4000 * 2 * 6 * 8 draws: std 0.002
+    np.testing.assert_array_equal(layer(x, key=keys[0]), layer(x))
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        trained(x)
+
+
+def test_generate_square_subsequent_mask_is_torchs():
+    np.testing.assert_array_equal(ft.nn.Transformer.generate_square_subsequent_mask(4),
+                                  torch.nn.Transformer.generate_square_subsequent_mask(4).numpy())
+
+
+def test_encoder_of_a_layer_clones_it_and_a_function_needs_a_key():
+    layer = ft.nn.TransformerEncoderLayer(E, HEADS, FF, key=jax.random.key(0))
+    encoder = ft.nn.TransformerEncoder(layer, 3)
+    assert encoder.num_layers == 3
+    np.testing.assert_array_equal(encoder.layers[2].linear1.weight, layer.linear1.weight)  # torch's clones
+    with pytest.raises(ValueError, match="needs key="):
+        ft.nn.TransformerEncoder(lambda k: ft.nn.TransformerEncoderLayer(E, HEADS, key=k), 2)
+    drawn = ft.nn.TransformerDecoder(lambda k: ft.nn.TransformerDecoderLayer(E, HEADS, FF, key=k), 2,
+                                     key=jax.random.key(0))
+    assert not np.array_equal(drawn.layers[0].linear1.weight, drawn.layers[1].linear1.weight)
+
+
+def test_refusals_name_the_argument():
+    layer = ft.nn.TransformerEncoderLayer(E, HEADS, FF, batch_first=True, key=jax.random.key(0))
+    x = jnp.ones((N, S, E))
+    with pytest.raises(ValueError, match=r"d_model \(8\) must be divisible by nhead \(3\)[\s\S]*nhead=2"):
+        ft.nn.Transformer(E, 3, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"activation must be \"relu\", \"gelu\""):
+        ft.nn.TransformerDecoderLayer(E, HEADS, activation="swish", key=jax.random.key(0))
+    with pytest.raises(ft.nn.LayerInputError, match=r"src_mask \[6, 6\] or \[6, 6, 6\] \(bool or float\), got bool\[5,5\]"):
+        layer(x, src_mask=jnp.zeros((5, 5), bool))
+    with pytest.raises(ft.nn.LayerInputError, match=r"src_mask .*got i32\[6,6\]"):
+        layer(x, src_mask=jnp.zeros((S, S), jnp.int32))
+    with pytest.raises(ft.nn.LayerInputError, match=r"src_key_padding_mask \[3, 6\] \(bool or float\), got bool\[6,3\]"):
+        layer(x, src_key_padding_mask=jnp.zeros((S, N), bool))
+    with pytest.raises(ft.nn.LayerInputError, match=r"expects inputs \[N, L, 8\] or \[L, 8\] \(float\), got f32\[3,6,4\]"):
+        layer(jnp.ones((N, S, 4)))
+    model = ft.nn.Transformer(E, HEADS, 1, 1, FF, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"batch of src \(3\) differs from that of tgt \(2\)"):
+        model(jnp.ones((S, 3, E)), jnp.ones((L, 2, E)))
+    dec = ft.nn.TransformerDecoderLayer(E, HEADS, FF, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"batch of tgt \(3\) differs from that of memory \(2\)"):
+        dec(jnp.ones((L, 3, E)), jnp.ones((S, 2, E)))
+
+
+def test_attention_bias_refusals():
+    """MultiheadAttention's bias= (what the float masks use): a non-float bias and one with a
+    cache are refused by name."""
+    attn = ft.nn.MultiheadAttention(E, HEADS, key=jax.random.key(0))
+    x = jnp.ones((1, S, E))
+    with pytest.raises(ft.nn.LayerInputError, match=r"bias broadcastable to \[1, 2, 6, 6\] \(float\), got bool"):
+        attn(x, bias=jnp.zeros((S, S), bool))
+    with pytest.raises(ValueError, match=r"bias= .* is not taken with cache="):
+        attn(x, bias=jnp.zeros((S, S)), cache=attn.init_cache(1, 8), positions=jnp.arange(S)[None])
+    np.testing.assert_allclose(attn(x, bias=jnp.zeros((S, S))), attn(x), atol=1e-6)
+
+
+def test_module_names_its_public_layers():
+    assert set(_transformer.__all__) - {"generate_square_subsequent_mask"} <= set(ft.nn.__all__)

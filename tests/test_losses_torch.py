@@ -283,6 +283,11 @@ def test_torch_names_name_the_new_losses():
             getattr(ft.losses, name)
     with pytest.raises(AttributeError, match=r"jnp.swapaxes\(log_probs, 0, 1\)"):
         ft.losses.ctc_loss  # noqa: B018
+    for name in ("cosine_similarity", "pairwise_distance"):  # not losses: ft.nn's functions
+        with pytest.raises(AttributeError, match=rf"(?s)torch's F.{name} is not a loss; it is ft.nn.{name} here.*"
+                                                 rf"right:  ft.nn.{name}\(x1, x2\)"):
+            getattr(ft.losses, name)
+        assert callable(getattr(ft.nn, name))
     for cls, call in (("NLLLoss", "ft.losses.nll(log_probs, labels)"), ("BCELoss", "ft.losses.binary_cross_entropy("),
                       ("CTCLoss", "ft.losses.ctc(logits, labels, input_lengths, label_lengths)"),
                       ("MultiMarginLoss", "ft.losses.multi_margin(scores, labels)")):

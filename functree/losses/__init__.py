@@ -140,10 +140,20 @@ NO_EQUIVALENT = {
     "sigmoid_focal_loss": "optax.losses.sigmoid_focal_loss", "focal_loss": "optax.losses.sigmoid_focal_loss",
     "binary_focal_crossentropy": "optax.losses.sigmoid_focal_loss", "categorical_focal_crossentropy": None,
     "triplet_semihard_loss": None,
-    "cosine_similarity": "optax.losses.cosine_similarity", "cosine_distance": "optax.losses.cosine_distance",
+    "cosine_distance": "optax.losses.cosine_distance",
     "dice_loss": "optax.losses.dice_loss",
     "ntxent": "optax.losses.ntxent",
 }
+
+# torch.nn.functional's distances that are not losses: ft.nn's functions (torch's numbers).
+IN_NN = {"cosine_similarity": "ft.nn.cosine_similarity(x1, x2)", "pairwise_distance": "ft.nn.pairwise_distance(x1, x2)"}
+
+NOT_A_LOSS = """\
+module 'functree.losses' has no attribute {name!r}: torch's F.{name} is not a loss; it is \
+ft.nn.{name} here (over the last axis, torch's eps).
+
+    wrong:  ft.losses.{name}(x1, x2)
+    right:  {right}"""
 
 NO_EQUIVALENT_LOSS = """\
 module 'functree.losses' has no attribute {name!r}, and no loss here computes it{alike}. \
@@ -183,6 +193,8 @@ OTHER_NAMES.update({cls: OTHER_NAMES.get(fn, fn) for cls, fn in CLASS_NAMES.item
 def __getattr__(name: str):
     """An error naming the equivalent of another library's loss name (torch's, Keras's, optax's)."""
     ours = OTHER_NAMES.get(name)
+    if name in IN_NN:
+        raise AttributeError(NOT_A_LOSS.format(name=name, right=IN_NN[name]))
     if ours is None:
         import difflib
 

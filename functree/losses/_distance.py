@@ -100,7 +100,7 @@ def _check_triplet(loss: str, anchor: Any, positive: Any, negative: Any) -> tupl
 def triplet_margin(anchor: Any, positive: Any, negative: Any, *, margin: float = 1.0, p: float = 2.0,
                    eps: float = 1e-6, swap: bool = False, reduction: str = "mean") -> Any:
     """torch's ``triplet_margin_loss``: ``max(0, d(a, p) - d(a, n) + margin)`` per triplet of
-    vectors (last axis), ``d`` torch's ``pairwise_distance`` ``||x1 - x2 + eps||_p``;
+    vectors (last axis), ``d`` torch's ``pairwise_distance`` ``||x1 - x2 + eps||_p`` (``ft.nn.pairwise_distance``);
     ``swap=True`` takes ``min(d(a, n), d(p, n))`` as the negative's distance (Balntas et al. 2016).
 
     Example:

@@ -43,6 +43,12 @@ def test_fold_refuses_blocks_that_do_not_fit():
         ft.nn.Fold(3, 2)(jnp.ones((1, 4, 6)))
 
 
+def test_fold_refuses_an_output_no_block_fits():
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)output_size=\(2, 2\) holds no block.*spans \(3, 3\).*"
+                                                    r"padding=1"):
+        ft.nn.Fold(2, 3)(jnp.ones((1, 1, 9)))
+
+
 def test_unfold_refuses_a_window_larger_than_the_image():
     with pytest.raises(ft.nn.LayerInputError, match=r"height >= 3"):
         ft.nn.Unfold(3)(jnp.ones((1, 2, 5, 1)))

@@ -35,6 +35,14 @@ C * {kk} features ({features_note}).
     wrong:  ft.nn.Fold({size}, {k})(x)     # x: {given}
     right:  ft.nn.Fold({size}, {k})(x)     # x: [..., {blocks}, C * {kk}], Unfold({k})'s output of a [..., {h}, {w}, C] image"""
 
+FOLD_NO_BLOCKS = """\
+Fold: output_size={size} holds no block: kernel_size {k} with dilation {d} spans {spans}, \
+more than the padded output {padded} (torch: "calculated shape of the array of sliding \
+blocks ... must be at least one").
+
+    wrong:  ft.nn.Fold({size}, {k})
+    right:  ft.nn.Fold({size}, {k}, padding={pad})     # or an output_size of at least the span"""
+
 
 class _Blocks(Layer):
     kernel_size: tuple[int, ...] = field(static=True, default=(1, 1))
@@ -119,9 +127,16 @@ class Fold(_Blocks):
         except TypeError:  # a window larger than the padded output: no block
             blocks = 0
         kk = math.prod(self.kernel_size)
-        if x.shape[-2] != blocks or blocks == 0 or x.shape[-1] % kk:
+        if blocks == 0:
+            spans = tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation))
+            pads = ((0, 0), (0, 0)) if isinstance(self.padding, str) else self.padding
+            padded = tuple(n + lo + hi for n, (lo, hi) in zip(self.output_size, pads))
+            pad = max(max(0, -(-(s - n) // 2)) for s, n in zip(spans, self.output_size))
+            raise LayerInputError(self, f"[..., L, C * {kk}] (float)", short_array(x), FOLD_NO_BLOCKS.format(
+                size=self.output_size, k=self.kernel_size, d=self.dilation, spans=spans, padded=padded, pad=pad))
+        if x.shape[-2] != blocks or x.shape[-1] % kk:
             pads = self.padding if isinstance(self.padding, str) else tuple(self.padding)
-            grid = "none" if blocks == 0 else f"{blocks} positions"
+            grid = f"{blocks} positions"
             fix = FOLD_BLOCKS.format(given_blocks=x.shape[-2], given_features=x.shape[-1], size=self.output_size,
                                      k=self.kernel_size, s=self.strides, d=self.dilation, p=pads, blocks=blocks,
                                      grid=grid, kk=kk, features_note=f"{x.shape[-1]} is not a multiple of {kk}"

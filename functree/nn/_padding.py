@@ -78,6 +78,13 @@ BAD_VALUE = """\
     wrong:  ft.nn.{cls}(1, {given!r})
     right:  ft.nn.{cls}(1, 0.5)"""
 
+MISSING_AXES = """\
+{cls} pads {n} spatial {axes_word} before the channels, [..., {axes}, channels]: an input of {need} \
+axes or more, got {given}.
+
+    wrong:  ft.nn.{cls}(1)(x)     # x: {given}
+    right:  ft.nn.{cls}(1)(x[..., None])     # one channel on a last axis of its own"""
+
 _AXES = {1: ("length",), 2: ("height", "width"), 3: ("depth", "height", "width")}
 _TORCH_SIDES = {2: "left, right, top, bottom", 3: "left, right, top, bottom, front, back"}
 
@@ -155,8 +162,9 @@ class _Pad(Layer):
         names = _AXES[n]
         pattern = "[..., " + ", ".join(names) + ", channels]"
         if jnp.ndim(x) < n + 1:
-            raise LayerInputError(self, pattern, short_array(x) if hasattr(x, "shape") else repr(x),
-                                  f"Pass {n} spatial axes and the channels last (a single channel: x[..., None]).")
+            given = short_array(x) if hasattr(x, "shape") else repr(x)
+            raise LayerInputError(self, pattern, given, MISSING_AXES.format(
+                cls=name, n=n, axes_word="axis" if n == 1 else "axes", axes=", ".join(names), need=n + 1, given=given))
         lengths = jnp.shape(x)[jnp.ndim(x) - n - 1:-1]
         for axis, length, (lo, hi) in zip(names, lengths, self.padding):
             if self._mode == "constant":

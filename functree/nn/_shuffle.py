@@ -42,6 +42,12 @@ torch's unflattened_size.
     wrong:  ft.nn.Unflatten(-1, {given!r})
     right:  ft.nn.Unflatten(-1, (4, 8))"""
 
+UNFLATTEN_AXIS = """\
+Unflatten: axis {axis} is outside an input of {ndim} axes (axes -{ndim} .. {last}).
+
+    wrong:  ft.nn.Unflatten({axis}, {shape})(x)     # x: {given}
+    right:  ft.nn.Unflatten(-1, {shape})(x)     # the last axis"""
+
 UNFLATTEN_SIZE = """\
 Its axis {axis} ({size}) does not split into {shape}: {why}.
 
@@ -173,8 +179,8 @@ class Unflatten(Layer):
     def __call__(self, x: jax.Array) -> jax.Array:
         ndim = jax.numpy.ndim(x)
         if not -ndim <= self.axis < ndim:
-            raise LayerInputError(self, f"an array with axis {self.axis}", short_array(x),
-                                  f"Unflatten's axis {self.axis} is outside an input of {ndim} axes.")
+            raise LayerInputError(self, f"an array with axis {self.axis}", short_array(x), UNFLATTEN_AXIS.format(
+                axis=self.axis, ndim=ndim, last=ndim - 1, shape=self.shape, given=short_array(x)))
         axis = self.axis % ndim
         size, known = x.shape[axis], math.prod(v for v in self.shape if v != -1)
         fits = size % known == 0 if -1 in self.shape and known else size == known or (known == 0 and size == 0)

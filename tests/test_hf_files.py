@@ -170,8 +170,8 @@ def test_a_config_value_of_the_wrong_type_is_refused_naming_it(key, value, expec
         ft.nn.from_hf({"model_type": "llama", key: value}, {})
     with pytest.raises(ValueError, match=rf"the llama config's '{key}' is null"):  # transformers refuses it too
         _hf_files.Config.of({"model_type": "llama", key: None})
-    config = _hf_files.Config.of({"model_type": "llama", "rms_norm_eps": 1, "pad_token_id": [0, 1]})
-    assert config.rms_norm_eps == 1 and config.pad_token_id == [0, 1]
+    config = _hf_files.Config.of({"model_type": "llama", "rms_norm_eps": 1, "eos_token_id": [0, 1]})
+    assert config.rms_norm_eps == 1 and config.eos_token_id == [0, 1]
 
 
 @functools.cache

@@ -25,7 +25,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from functree.hf._family import FAMILIES
 from functree.interop._safetensors import index_omits, load_checkpoint
@@ -129,6 +129,26 @@ made up here would build another model.
 
     wrong:  "{key}": null
     right:  "{key}": {right}        # the checkpoint's own (Hugging Face's default: leave the key out)
+"""
+
+BAD_SIZE = """\
+ft.nn.from_hf: the {model_type} config's {key!r} is {value}{times}; a size of the model's \
+weights is a positive integer, below 2**60 (its weights' dimensions, a few sizes' products, \
+fit an array's shape). Built from it, the model would fail deep inside JAX (a negative or \
+unrepresentable dimension) or divide by zero, and no checkpoint has such weights.
+
+    wrong:  "{key}": {value}
+    right:  "{key}": {right}        # the checkpoint's own ({why}: leave the key out)
+"""
+
+ROPE_VALUE = """\
+ft.nn.from_hf: the {model_type} config's {key} (at its top level or in rope_parameters / \
+rope_scaling{where}) is {value!r} (a {kind}); a rotary embedding reads {expected} there. Read \
+as it is, it would fail deep inside the build, or be read as another value (true as 1, 4096.5 \
+as 4096), so no model was built.
+
+    wrong:  "{name}": {given}
+    right:  "{name}": {right}        # {why}
 """
 
 NO_DEFAULTS = """\
@@ -568,8 +588,10 @@ class Config:
         defaults = {k: v.default if isinstance(v, Derived) else copy.deepcopy(v) for k, v in fields.items()}
         values = {**defaults, **extra}
         _check_types(model_type, values)
+        _check_rope_scaling(model_type, values)
         _post_init(model_type, values, extra)
         _check_finite(model_type, "rope_parameters", values.get("rope_parameters"))  # older files' keys gathered
+        _check_rope_types(model_type, values.get("rope_parameters"))
         _check_windows(model_type, values, extra)
         return cls(values)
 
@@ -633,12 +655,16 @@ NULL_ALLOWED: dict[str, frozenset[str]] = {"llama": frozenset({"pretraining_tp",
 def _check_types(model_type: str, values: Mapping[str, Any]) -> None:
     """Each field's value of its default's JSON type (:data:`NULLABLE`'s where the default is
     None), or null where HF's config class takes null (a None default, a Derived field,
-    :data:`NULL_ALLOWED`; token ids may be lists), and finite (:data:`NOT_FINITE`);
-    ``layer_types`` one known type per layer."""
+    :data:`NULL_ALLOWED`), and finite (:data:`NOT_FINITE`); token ids integers (``eos_token_id``
+    a list of them too) or null; sizes positive (:data:`SIZES`); ``layer_types`` one known type
+    per layer."""
     for key, default in DEFAULTS[model_type].items():
         value, derived = values[key], isinstance(default, Derived)
         default = default.default if derived else default
         _check_finite(model_type, key, value)
+        if key.endswith("_token_id") and not _token_id(key, value):  # HF's int | None (eos: | list[int])
+            raise _bad_value(model_type, key, value, "an integer" + " or a list of integers" * (key == "eos_token_id"),
+                             default)
         if value is None and default is not None and not derived and not key.endswith("_token_id") \
                 and key not in NULL_ALLOWED.get(model_type, ()):
             expected = next(e for t, e, _ in _TYPES if isinstance(default, t))
@@ -650,7 +676,57 @@ def _check_types(model_type: str, values: Mapping[str, Any]) -> None:
         kind, expected, accepted = next((t, e, a) for t, e, a in _TYPES if issubclass(typed, t))
         if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
             raise _bad_value(model_type, key, value, expected, default)
+    _check_sizes(model_type, values)
     _check_layer_types(model_type, values)
+
+
+def _an_integer(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_id(key: str, value: Any) -> bool:
+    """A token id as HF's config classes type it: an int or null; ``eos_token_id`` a list of ints too."""
+    return value is None or _an_integer(value) or (key == "eos_token_id" and isinstance(value, list)
+                                                   and all(_an_integer(v) for v in value))
+
+
+# The sizes of the weights' shapes (and of the learned position tables): positive where given.
+# ``head_dim`` 0 is no size: HF's attention derives it (``config.head_dim or hidden // heads``).
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "n_embd", "n_layer", "n_head", "n_inner", "ffn_dim", "word_embed_proj_dim",
+         "n_positions", "max_position_embeddings", "type_vocab_size", "head_dim")
+
+
+def _check_sizes(model_type: str, values: Mapping[str, Any]) -> None:
+    """Each of :data:`SIZES` the config gives: an integer (``head_dim`` of any rotary family:
+    HF's attention reads it where its config class has no such field) and positive
+    (:data:`BAD_SIZE`): a negative one was a bare TypeError deep inside JAX, no heads a
+    ZeroDivisionError."""
+    for key in SIZES:
+        value = values.get(key)
+        head = key == "head_dim"  # read by the rotary families' HF attention, ignored by the others'
+        if value is None or (head and ((value == 0 and _an_integer(value)) or "rope_parameters" not in DEFAULTS[model_type])):
+            continue
+        if not _an_integer(value):
+            raise _bad_value(model_type, key, value, "an integer", None)
+        if not 1 <= value < _LARGEST:
+            raise _bad_size(model_type, key, value)
+    head = values.get("head_dim")
+    for key in ("num_attention_heads", "num_key_value_heads"):  # the projections' widths
+        count = values.get(key)
+        if _an_integer(count) and _an_integer(head) and count * head >= _LARGEST:
+            raise _bad_size(model_type, "head_dim", head, f" (times {key} {count}: {count * head} features)")
+
+
+_LARGEST = 2**60  # a size's bound: a weight's dimension is at most a few sizes' product (GPT-2's 4 * n_embd)
+
+
+def _bad_size(model_type: str, key: str, value: int, times: str = "") -> ValueError:
+    default = DEFAULTS[model_type].get(key)
+    right = json.dumps(default) if _an_integer(default) else "null"
+    return ValueError(BAD_SIZE.format(model_type=model_type, key=key, value=value, times=times, right=right,
+                                      why="Hugging Face's default" if right != "null" else
+                                      "derived from the other sizes, as Hugging Face derives it"))
 
 
 # transformers writes a NaN or an infinity into config.json as {"__float__": "NaN"} and reads it back
@@ -664,7 +740,8 @@ def _check_finite(model_type: str, key: str, value: Any) -> None:
     stack: list[tuple[str, Any]] = [(key, value)]
     while stack:
         where, item = stack.pop()
-        tagged = isinstance(item, dict) and set(item) == {"__float__"} and item["__float__"] in _FLOAT_TAGS
+        tagged = isinstance(item, dict) and set(item) == {"__float__"} and isinstance(item["__float__"], str) \
+            and item["__float__"] in _FLOAT_TAGS  # (a list there was a bare "unhashable type")
         number = _FLOAT_TAGS[item["__float__"]] if tagged else item
         if isinstance(number, float) and not math.isfinite(number):
             literal = json.dumps(item) if tagged else json.dumps(number)
@@ -675,6 +752,62 @@ def _check_finite(model_type: str, key: str, value: Any) -> None:
             stack.extend((f"{where}[{k!r}]", v) for k, v in item.items())
         elif isinstance(item, list):
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(item))
+
+
+# The JSON type of each rope_parameters key the rotary embedding reads (functree.hf._options.rope):
+# numbers (an int or a float, not a boolean), the pretraining length (an int, or a float with an
+# integer's value), longrope's factor lists, YaRN's truncate switch, the type's name.
+ROPE_TYPES_OF = {**dict.fromkeys(("rope_theta", "factor", "partial_rotary_factor", "low_freq_factor",
+                                  "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
+                                  "mscale_all_dim"), "a number"),
+                 "original_max_position_embeddings": "an integer", "short_factor": "a list of numbers",
+                 "long_factor": "a list of numbers", "truncate": "a boolean", "rope_type": "a string",
+                 "type": "a string"}
+
+
+def _check_rope_scaling(model_type: str, values: Mapping[str, Any]) -> None:
+    """An older file's ``rope_scaling``: an object or null, as ``rope_parameters`` (a list was a
+    bare TypeError, a string a bare ValueError, gathering it into the rope parameters)."""
+    value = values.get("rope_scaling")
+    if value is not None and not isinstance(value, dict):
+        raise _bad_value(model_type, "rope_scaling", value, "an object", None)
+
+
+def _rope_typed(value: Any, expected: str) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected == "a number":
+        return number
+    if expected == "an integer":  # 4096.0 reads as 4096; 4096.5 would be cut to it
+        return number and (isinstance(value, int) or float(value).is_integer())
+    if expected == "a list of numbers":
+        return isinstance(value, list) and all(_rope_typed(v, "a number") for v in value)
+    return isinstance(value, bool if expected == "a boolean" else str)
+
+
+def _check_rope_types(model_type: str, params: Any) -> None:
+    """Each key of ``rope_parameters`` (standardized: a file's older keys gathered) the rotary
+    embedding reads of its JSON type (:data:`ROPE_TYPES_OF`), null left to the rope's own checks:
+    ``"rope_theta": []`` was a bare TypeError, ``"factor": true`` a factor of 1. Gemma 3's
+    dicts per layer type are each checked."""
+    if not isinstance(params, Mapping):
+        return
+    nested = [(f"[{k!r}]", v) for k, v in params.items() if k in LAYER_TYPES and isinstance(v, Mapping)]
+    for where, entry in nested or [("", params)]:
+        for key, expected in ROPE_TYPES_OF.items():
+            value = entry.get(key)
+            if value is None or _rope_typed(value, expected):
+                continue
+            meant = _meant(value, expected)
+            right, why = (meant, "the value meant, typed") if meant is not None else \
+                (_ROPE_EXAMPLES.get(key, 1.0), "the checkpoint's own value, e.g.")
+            raise ValueError(ROPE_VALUE.format(
+                model_type=model_type, key=f"rope_parameters{where}[{key!r}]", value=value, kind=type(value).__name__,
+                where=", GPT-NeoX's rotary_emb_base / rotary_pct" if model_type == "gpt_neox" else "",
+                expected=expected, name=key, given=json.dumps(value, default=str), right=json.dumps(right), why=why))
+
+
+_ROPE_EXAMPLES = {"rope_theta": 10000.0, "original_max_position_embeddings": 4096, "short_factor": [1.0, 1.0],
+                  "long_factor": [1.0, 1.0], "truncate": True, "rope_type": "default", "type": "default"}
 
 
 def _check_windows(model_type: str, values: Mapping[str, Any], given: Mapping[str, Any]) -> None:
@@ -708,7 +841,8 @@ def _check_layer_types(model_type: str, values: Mapping[str, Any]) -> None:
     ministral = model_type == "mistral"  # a mistral config's layer_types: HF's Ministral's (MinistralConfig's field)
     if given is None or ("layer_types" not in DEFAULTS[model_type] and not ministral) or not isinstance(layers, int):
         return
-    if len(given) != layers or not all(isinstance(t, str) and t in LAYER_TYPES for t in given):
+    if not isinstance(given, list) or len(given) != layers or not all(isinstance(t, str) and t in LAYER_TYPES
+                                                                      for t in given):  # (a mistral's 0: len() failed)
         raise _bad_value(model_type, "layer_types", given, f"a list of num_hidden_layers ({layers}) layer types, "
                          f"each {' or '.join(map(repr, LAYER_TYPES))},", None)
 

@@ -128,6 +128,17 @@ the adapter would fail deep inside the loader or select other layers.
     wrong:  "{option}": {given}
     right:  "{option}": {right}"""
 
+BAD_PATTERN = """\
+ft.nn.load_lora: adapter_config.json in {directory!r} sets {option}={value!r}, and {pattern!r} \
+is not a regular expression ({error}). PEFT matches module names against it (as {form}) and \
+fails there too (re.error); the file was written by hand or altered.
+
+    wrong:  "{option}": {given}
+    right:  "{option}": {right}        # module names, or a regular expression that compiles"""
+
+NESTED_JSON = "nested deeper than Python's JSON reader follows"
+
+
 def _strs(value: Any) -> bool:
     return isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value))
 
@@ -176,6 +187,41 @@ FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "lora_bias": (_bool, "true or false", "false"),
     "bias": (_str, '"none", "all" or "lora_only" (str)', '"none"'),
 }
+
+
+# How PEFT reads each option's strings as regular expressions (the module name matched
+# against the pattern each string makes): the check below and the matching use the same forms.
+REGEX_FORMS: dict[str, str] = {
+    "target_modules": "{}",  # a str (a list names modules, matched by their ends)
+    "exclude_modules": "{}",
+    "rank_pattern": r"(.*\.)?({})$",  # each key
+    "alpha_pattern": r"(.*\.)?({})$",
+    "layers_pattern": r"(?:^|.*?\.){}\.(?P<idx>\d+)\.",  # a str or each of a list
+    "modules_to_save": r"(^|.*\.){}($|\..*)",  # each of the list
+}
+
+
+def _regex(option: str, text: str) -> str:
+    """The regular expression PEFT makes of ``text``, one of ``option``'s strings."""
+    return REGEX_FORMS[option].replace("{}", text)
+
+
+def _check_patterns(config: dict[str, Any], directory: str) -> None:
+    """Each string read as a regular expression compiles (:data:`BAD_PATTERN`): an unbalanced
+    ``"q_proj(["`` was a bare ``re.error`` from deep inside the matching."""
+    for option in REGEX_FORMS:
+        value = config.get(option)
+        if option in ("target_modules", "exclude_modules"):
+            texts = [value] if isinstance(value, str) else []
+        else:
+            texts = [value] if isinstance(value, str) else list(value or ())  # a dict: its keys
+        for text in texts:
+            try:
+                re.compile(_regex(option, text))
+            except re.error as e:
+                raise ValueError(BAD_PATTERN.format(directory=directory, option=option, value=value, pattern=text,
+                                                    error=e, form=repr(_regex(option, "...")),
+                                                    given=json.dumps(value), right=FIELD_TYPES[option][2])) from None
 
 
 def _check_types(config: dict[str, Any], directory: str) -> None:
@@ -360,7 +406,7 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> tuple
     """PEFT's rank_pattern / alpha_pattern lookup (``get_pattern_key``): the value of the first
     key matching the end of the module's name, and that key (None: the default)."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if re.match(_regex("rank_pattern", key), module):  # (alpha_pattern's form is the same)
             return value, key
     return default, None
 
@@ -591,14 +637,17 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
         if not os.path.isfile(path):
             raise ValueError(NOT_PEFT.format(directory=directory, problem=f"no {os.path.basename(path)}"))
     try:
-        with open(config_path) as f:
+        with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{CONFIG_FILE} is not JSON ({e})")) from e
+    except RecursionError:  # json recurses per level: a damaged file, named
+        raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{CONFIG_FILE} is {NESTED_JSON}")) from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         given = config.get("peft_type") if isinstance(config, dict) else config
         raise ValueError(NOT_PEFT.format(directory=directory, problem=f"peft_type is {given!r}, not 'LORA'"))
     _check_types(config, directory)
+    _check_patterns(config, directory)
     for option, covered in COVERED:
         value = config.get(option)
         if value is None or value == covered or (covered in (None, False) and not value):
@@ -642,9 +691,14 @@ def _check_init(value: Any) -> None:
 def _check_record(directory: str, config: dict[str, Any], text: str) -> None:
     try:
         recorded = json.loads(text)
+        why = None if isinstance(recorded, dict) else f"a JSON {type(recorded).__name__}, not an object"
     except ValueError as e:
+        why = f"not JSON ({e})"
+    except RecursionError:
+        why = NESTED_JSON
+    if why is not None:  # save_lora writes an object {option: value}: the file was altered
         raise ValueError(NOT_PEFT.format(directory=directory, problem=f"{WEIGHTS_FILE}'s record of its config "
-                                                                      f"is not JSON ({e})")) from e
+                                                                      f"({RECORD!r} in its metadata) is {why}"))
     for option in RECORDED:
         if option in recorded and not _same_setting(option, recorded[option], config.get(option)):
             raise ValueError(STALE_CONFIG.format(directory=directory, option=option, given=config.get(option),
@@ -766,7 +820,7 @@ def _layer_index(config: dict[str, Any], module: str) -> int | None:
     else:
         match = None
         for pattern in [patterns] if isinstance(patterns, str) else patterns:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            match = re.match(_regex("layers_pattern", pattern), module)
             if match is not None:
                 break
     return int(match["idx"]) if match else None
@@ -779,7 +833,7 @@ def _targets(config: dict[str, Any], module: str) -> bool:
                     else module in exclude or any(module.endswith(f".{e}") for e in exclude)):
         return False
     saved = config.get("modules_to_save") or ()
-    if any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in saved):
+    if any(re.match(_regex("modules_to_save", m), module) for m in saved):
         return False
     targets = config.get("target_modules")
     if targets is None:
@@ -926,7 +980,7 @@ def _check_config(config: dict[str, Any], directory: str) -> None:
     alphas = {"lora_alpha": config.get("lora_alpha", PEFT_DEFAULT_ALPHA),
               **{f"alpha_pattern[{k!r}]": v for k, v in (config.get("alpha_pattern") or {}).items()}}
     for option, alpha in alphas.items():
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _finite(alpha):
             raise bad(option, alpha, "the adapters' scale is alpha / r, a finite number", '"lora_alpha": 16')
     dropout = config.get("lora_dropout") or 0.0
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
@@ -944,6 +998,14 @@ def _check_config(config: dict[str, Any], directory: str) -> None:
                   "layers_to_transform selects, and layers_to_transform is null (PEFT: `layers_to_transform` must "
                   "also be specified)", '"layers_to_transform": [0, 1], "layers_pattern": "layers"    # or '
                   '"layers_pattern": null: every layer')
+
+
+def _finite(number: float) -> bool:
+    """A finite float: an int too large for one (JSON's 1e400 written out) is not."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def _not_dense(targets: Any, modules: list[str], model: Any) -> ValueError:

@@ -25,7 +25,7 @@ def read_blocks(text: Any) -> dict[str, Any]:
     its shape (a hint only: :func:`member_columns` uses it where the tensors agree)."""
     try:
         value = json.loads(text) if isinstance(text, str) else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the JSON reader's depth: a damaged hint)
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -44,7 +44,7 @@ def _recorded_columns(recorded: Any, rows: dict[str, np.ndarray]) -> dict[str, n
     width = next(iter(rows.values())).shape[1]
     try:
         spans = {str(m): (int(start), int(stop)) for m, start, stop in recorded}
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an Infinity, which JSON's reader takes)
         return None
     if set(spans) != set(rows) or sorted(spans.values())[0][0] != 0:
         return None

@@ -28,6 +28,7 @@ every tensor: a view of the memory map is read from disk only when it is used.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any
@@ -145,6 +146,12 @@ read rather than perhaps the stale ones.
 INDEX_NAME, SINGLE_NAME = "model.safetensors.index.json", "model.safetensors"
 
 
+# An empty tensor's other sizes: the library reads [0, 2**62] (no bytes), NumPy makes no such
+# array (its sizes other than 0, times the item size, must fit in int64).
+EMPTY_TOO_BIG = ("its entry for {name!r} has shape {shape}: empty, but its other sizes times the {itemsize}-byte "
+                 "item pass 2**63 - 1 bytes: NumPy makes no array of that shape")
+
+
 NESTED = "values nested deeper than a JSON parser follows (its entries nest {depth} deep)"
 
 
@@ -211,8 +218,11 @@ def _entry(name: str, info: Any) -> tuple[Any, tuple[int, ...], int, int]:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
             and offsets[0] <= offsets[1]):
         raise _Invalid(f"its entry for {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    if 0 in shape and math.prod(d for d in shape if d) * itemsize > _INT64:  # NumPy's bound counts a 0's neighbours
+        raise _Invalid(EMPTY_TOO_BIG.format(name=name, shape=shape, itemsize=itemsize))
     begin, end = offsets
-    expected = elements * np.dtype(DTYPES[dtype]).itemsize
+    expected = elements * itemsize
     if end - begin != expected:
         raise _Invalid(f"its entry for {name!r} holds {end - begin} bytes; its shape {shape} and dtype {dtype} "
                        f"take {expected}")

@@ -325,8 +325,8 @@ def decode_leaf(spec: dict[str, Any], arrays: dict[str, Any], path: str = "") ->
     if not isinstance(key, str) or key not in arrays:
         raise SpecError(MALFORMED.format(path=path, why=f"no stored array named {key!r}"))
     x = arrays[key]
-    if "python" in spec:
-        cast = _PYTHON_SCALARS.get(spec["python"])
+    if "python" in spec:  # (a list or an object there was a bare "unhashable type")
+        cast = _PYTHON_SCALARS.get(spec["python"]) if isinstance(spec["python"], str) else None
         if cast is None or np.ndim(x) != 0:
             why = f"a Python {spec['python']!r} scalar stored as shape {np.shape(x)}"
             raise SpecError(MALFORMED.format(path=path, why=why))

@@ -51,7 +51,7 @@ from functree.train.checkpoint._decode import (
     numpy_scalar,
     safe_dtype,
 )
-from functree.train.checkpoint._errors import CheckpointError, SpecError
+from functree.train.checkpoint._errors import MALFORMED, CheckpointError, SpecError
 from functree.train.checkpoint._registry import (
     default_name,
     function_name,
@@ -347,6 +347,9 @@ def _static_fields_differ(spec: dict[str, Any], template: Any, path: str,
     static, out = spec.get("static"), []
     chooses = template_chooses(type(template)) | _saved_chooses(spec.get("class"))
     for name, code in (static.items() if isinstance(static, dict) else ()):
+        if not isinstance(code, dict) or len(code) != 1:  # as the reader without a template refuses it
+            why = f"static value {code!r} is not encoded"  # ("repr" in 1 was a bare TypeError)
+            raise SpecError(MALFORMED.format(path=child_name(path, name), why=why[:300]))
         if name in chooses:
             continue
         found, value = _template_child(template, name)

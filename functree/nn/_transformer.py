@@ -398,7 +398,10 @@ class TransformerEncoder(Layer):
     ``num_layers`` times, as torch clones it (equal initial weights); a function
     ``make(key)`` with ``key=`` draws each member apart instead. ``layers`` is an
     ``ft.nn.Stack`` (torch's ``layers.0``, ``layers.1`` ...). The call is torch's
-    ``encoder(src, mask, src_key_padding_mask, is_causal)``; ``key=`` for dropout.
+    ``encoder(src, mask, src_key_padding_mask, is_causal)``; ``key=`` for dropout (one key
+    per member, split from it). Padded positions' outputs are computed as torch's reference
+    path computes them; torch's inference fast path (eval mode without gradients, nested
+    tensors) returns zeros there instead: positions no loss should read.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp

@@ -50,6 +50,8 @@ def test_embedding_bag_refusals():
         ft.nn.EmbeddingBag(VOCAB, DIM, "avg", key=jax.random.key(0))
     with pytest.raises(ValueError, match="1-D indices need offsets="):
         bag(jnp.array([1, 2]))
+    with pytest.raises(ft.nn.LayerInputError, match=r"indices \[B, N\] or \[n\] with offsets \(int\), got i32\[1,1,2\]"):
+        bag(jnp.array([[[1, 2]]]))
     with pytest.raises(ValueError, match="offsets= is for 1-D indices"):
         bag(jnp.array([[1, 2]]), jnp.array([0]))
     with pytest.raises(ValueError, match=r"starting at 0, nondecreasing, at most len\(indices\) = 3 .*, got \[1, 2\]"):

@@ -422,16 +422,17 @@ def test_an_index_that_omits_a_tensor_its_shard_holds_is_named_not_the_config(tm
 
 
 @pytest.mark.parametrize(("task", "config_class", "covered", "body"), [
-    ("Qwen2ForSequenceClassification", "Qwen2Config", "Qwen2ForCausalLM", "model"),
-    ("BertForTokenClassification", "BertConfig", "BertModel", "bert")])
+    ("MistralForQuestionAnswering", "MistralConfig", "MistralForCausalLM", "model"),
+    ("BertForQuestionAnswering", "BertConfig", "BertModel", "bert")])
 def test_a_task_class_directory_is_refused_naming_its_body_as_the_portable_part(tmp_path, task, config_class,
                                                                               covered, body):
-    """A classification checkpoint's directory: from_hf's fix dropped its head tensors, which
+    """A task checkpoint's directory of a head functree does not cover (classification heads
+    are covered: tests/test_hf_heads.py): from_hf's fix dropped its head tensors, which
     built a causal LM (the head tied to the embedding) or a BERT named as the checkpoint.
     config.json's architectures names the uncovered class now; the fix's body is the
     checkpoint's, hidden states equal to transformers' body of the task model."""
     torch.manual_seed(0)
-    heads = {"num_key_value_heads": 2} if config_class == "Qwen2Config" else {}  # Qwen2's default: 32
+    heads = {"num_key_value_heads": 2} if config_class == "MistralConfig" else {}  # Mistral's default: 8
     hf_model = getattr(transformers, task)(getattr(transformers, config_class)(**TINY, **heads, num_labels=3)).eval()
     hf_model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=rf"(?s)^ft.nn.from_hf: {task} is not covered; of its model type functree "

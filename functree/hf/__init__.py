@@ -8,14 +8,17 @@
   names (``save_hf`` writes a directory ``from_pretrained`` reads).
 * :func:`load_lora` and :func:`save_lora` read and write PEFT's adapter files for the
   adapters of ``ft.nn.lora``.
+* :func:`task_loss` is Hugging Face's ``labels=`` loss of a task model ``from_hf`` builds
+  (``LlamaForSequenceClassification``, ``BertForMaskedLM``: :mod:`functree.hf._heads`).
 
-Each is also ``ft.nn.<name>``, where it was first documented. A family is one class
+Each but :func:`task_loss` is also ``ft.nn.<name>``, where it was first documented. A family is one class
 (``functree/hf/_family.py``; one module per architecture: ``_llama.py``, ``_gpt2.py``,
 ``_neox.py``, ``_opt.py``, ``_bert.py``); see docs/development/layout.md, "How to add".
 """
 
+from functree.hf._heads import task_loss
 from functree.hf._load import from_hf, to_hf_state_dict
 from functree.hf._peft import load_lora, save_lora
 from functree.hf._save import save_hf
 
-__all__ = ["from_hf", "to_hf_state_dict", "save_hf", "load_lora", "save_lora"]
+__all__ = ["from_hf", "to_hf_state_dict", "save_hf", "load_lora", "save_lora", "task_loss"]

@@ -32,7 +32,7 @@ import numpy as np
 from functree._module import Module
 from functree._state_dict import to_numpy
 
-__all__ = ["FAMILIES", "COVERED", "HFModel", "family_of", "renamed"]
+__all__ = ["FAMILIES", "COVERED", "TASKS", "HFModel", "family_of", "renamed"]
 
 FAMILY_TAKEN = """\
 {new}: model_type {model_type!r} is already covered by {old}; a model type is one family \
@@ -57,6 +57,9 @@ which one is the model's is not in the file, so neither was read.
 
 # model type -> its class, filled by HFModel subclasses that declare a model_type (in the order defined).
 FAMILIES: dict[str, type[HFModel]] = {}
+# HF class name -> a family's task model (LlamaForSequenceClassification): the classes
+# functree.hf._heads makes from its heads and these families (one class per pair, none written out).
+TASKS: dict[str, type[HFModel]] = {}
 
 
 class _Covered(Mapping[str, str]):
@@ -79,9 +82,13 @@ COVERED: Mapping[str, str] = _Covered()
 
 
 def family_of(model: Any) -> type[HFModel] | None:
-    """The family whose class ``model`` is (exactly: a subclass is a family of its own), or None."""
+    """The family whose class ``model`` is (exactly: a subclass is a family of its own), or
+    the task class of :data:`TASKS` it is, or None."""
     family = FAMILIES.get(getattr(type(model), "model_type", None) or "")
-    return family if family is not None and type(model) is family else None
+    if family is not None and type(model) is family:
+        return family
+    task = TASKS.get(getattr(type(model), "hf_class", None) or "")
+    return task if task is not None and type(model) is task else None
 
 
 class HFModel(Module):
@@ -101,6 +108,7 @@ class HFModel(Module):
     model_type: ClassVar[str | None] = None  # the config's model_type this class covers (None: a base)
     hf_class: ClassVar[str] = ""  # the HF class it equals; "" = the class's own name
     hf_head: ClassVar[tuple[str, str] | None] = None  # a tied head's (head, embedding) weight names
+    hf_ties: ClassVar[tuple[tuple[str, str], ...]] = ()  # other tied (copy, tensor) names: state_dict() holds both
     hf_padded: ClassVar[str | None] = None  # the embedding HF builds with padding_idx (its row zeroed at init)
     hf_residual: ClassVar[tuple[str, ...]] = ()  # the layers HF initializes at std / sqrt(2 * n_layer)
     hf_layouts: ClassVar[dict[str, Any]] = {}  # ft.nn.load_torch_state_dict's layouts=

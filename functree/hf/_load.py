@@ -35,7 +35,7 @@ from functree.hf import _models  # noqa: F401  (defines every covered family: FA
 from functree.hf._causal import CausalLM, padding_index
 from functree.hf._config import HFConfig, hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
-from functree.hf._family import COVERED, FAMILIES, HFModel, family_of
+from functree.hf._family import COVERED, FAMILIES, TASKS, HFModel, family_of
 from functree.hf._files import (
     ALIASES,
     DEFAULTS,
@@ -45,6 +45,7 @@ from functree.hf._files import (
     read_weights,
     refuse_quantized,
 )
+from functree.hf._heads import check_head_tensors, with_head_dropout  # (defines the task classes: TASKS)
 from functree.hf._options import causal
 from functree.interop._ports import PORTS, Port
 from functree.interop._safetensors import INDEX_NAME, SINGLE_NAME
@@ -298,6 +299,25 @@ def _refuse_peft_layers(weights: Mapping[str, Any], given: str, wrong: str, hf_c
         raise ValueError(PEFT_LAYERS.format(given=given, names=", ".join(names[:2]), hf_class=hf_class, wrong=wrong))
 
 
+def _task_of(config: Any, named: str | None, family: type[HFModel]) -> type[HFModel]:
+    """The class from_hf builds: the HF model's own where it is a task class of the family
+    (``named``: its class name), else a task class the config's ``architectures`` name
+    where they do not name the family's own class (a ``save_pretrained`` directory's), else
+    the family (:mod:`functree.hf._heads`)."""
+    listed = getattr(config, "architectures", None)
+    if named is not None:
+        names = [named]
+    elif isinstance(listed, (list, tuple)) and family.hf_class not in listed:
+        names = list(listed)
+    else:
+        names = []
+    for name in names:
+        task = TASKS.get(name) if isinstance(name, str) else None
+        if task is not None and task.model_type == family.model_type:
+            return task
+    return family
+
+
 def _normalized(model_type: str, weights: Mapping[str, Any]) -> dict[str, Any]:
     """Checkpoint names as the covered class's ``state_dict`` has them, as HF's loader reads
     older files (each family's ``names``)."""
@@ -511,13 +531,16 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         raise ValueError(BAD_ATTENTION.format(given=attention))
     _check_dtype(dtype)
     check_dropout_call(source, weights, dropout, key)
+    named = None  # the HF model's class, where from_hf is given one
     if weights is None and hasattr(source, "config") and hasattr(source, "state_dict"):
         config, weights = source.config, source.state_dict()
         model_type = getattr(config, "model_type", None)
         if isinstance(model_type, str) and model_type in COVERED:  # a PeftModel, or the model inside it: PEFT's layers, not a covered class's
             _refuse_peft_layers(weights, f"the {type(source).__name__} given", "hf_model", COVERED[model_type])
-        if isinstance(model_type, str) and model_type in COVERED and type(source).__name__ != COVERED[model_type]:
+        if isinstance(model_type, str) and model_type in COVERED and type(source).__name__ != COVERED[model_type] \
+                and type(source).__name__ not in TASKS:  # a task class of its own (LlamaForSequenceClassification)
             raise _uncovered_class(source, COVERED[model_type])
+        named = type(source).__name__
     else:
         if weights is None and _holds_weights(source, key, dropout):
             weights = source  # a save_pretrained directory: its config and its weights
@@ -529,19 +552,19 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         raise ValueError(GEMMA3_MULTIMODAL.format(given="model_type 'gemma3'"))
     if model_type not in FAMILIES:
         raise ValueError(UNCOVERED_ARCHITECTURE.format(given=f"model_type {model_type!r}", covered=_covered()))
-    family = FAMILIES[model_type]
+    family = _task_of(config, named, FAMILIES[model_type])
     refuse_quantized(config)  # quantized weights read as floats would be another model
-    if issubclass(family, CausalLM):  # a config that makes HF's masks bidirectional
+    if issubclass(getattr(family, "body_class", family), CausalLM):  # a config that makes HF's masks bidirectional
         causal(config, family.hf_class)
     _check_pad_token(family, config)
     carried = hf_config_of(config, source)
     if weights is None:
         if key is None:
             raise ValueError(NEEDS_WEIGHTS_OR_KEY.format(model_type=model_type))
-        return with_dropout(_from_config(family, config, carried, dtype, key, attention).replace(hf_config=carried), config,
-                            dropout, key)
+        built = _from_config(family, config, carried, dtype, key, attention).replace(hf_config=carried)
+        return with_head_dropout(with_dropout(built, config, dropout, key), config, dropout)
     given = weights
-    weights = _normalized(model_type, read_weights(weights))
+    weights = family.hf_names(dict(read_weights(weights)))  # older names as the class's state_dict has them
     template = _template(family, config, set(weights), dtype, attention)
     weights = _untie(family, template, weights)
     cls = type(template)
@@ -552,10 +575,11 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         raise _layers_not_in_weights(e, config) from None
     if not report.ok:  # the fixes from_hf's caller has (load_torch_state_dict's rename= and strict= it has not)
         _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
+        check_head_tensors(family, config, report.unexpected)  # a task model's weights, its class not named
         explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
         raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
     model = family.hf_values(model, config)  # the template's non-weight leaves (abstract) set from the config
-    return with_dropout(model.replace(hf_config=carried), config, dropout, key)
+    return with_head_dropout(with_dropout(model.replace(hf_config=carried), config, dropout, key), config, dropout)
 
 
 def _an_int(value: Any) -> TypeGuard[int]:
@@ -619,6 +643,9 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
     tied = tied_head(family, model)
     if tied is not None and tied[1] in out:  # (a partial gradient without the embedding: neither)
         out[tied[0]] = out[tied[1]]
+    for tie, source in family.hf_ties:  # (BERT's masked LM decoder: the word embedding and the bias)
+        if source in out:
+            out[tie] = out[source]
     if numpy:
         return out
     return as_tensors(out)
@@ -664,8 +691,8 @@ def _check_architectures(config: Any, directory: Any) -> None:
             or not listed:
         return
     covered = COVERED[model_type]
-    task = [a for a in listed if isinstance(a, str) and a != covered and ("For" in a or a.endswith("HeadModel")
-                                                                          or a.endswith("HeadsModel"))]
+    task = [a for a in listed if isinstance(a, str) and a != covered and a not in TASKS
+            and ("For" in a or a.endswith("HeadModel") or a.endswith("HeadsModel"))]
     if len(task) < len(listed):  # the covered class, or a base model (its directory loads)
         return
     prefix = _BODY_PREFIX.get(model_type, "model")

@@ -428,7 +428,8 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     ``alpha_pattern``: each Stack member's own rank, zero padding trimmed, and scale; the
     first adapter's dropout),
     ``bias="none"``; ``task_type`` ``"auto"`` is ``"CAUSAL_LM"`` for a model with an
-    ``lm_head`` (GPT-2, Llama), else none.
+    ``lm_head`` (GPT-2, Llama), ``"SEQ_CLS"`` / ``"TOKEN_CLS"`` for a task model of
+    :mod:`functree.hf._heads` (its head goes in ``modules_to_save``: PEFT's way), else none.
 
     Adapters on the members of a fused projection (GPT-2's ``c_attn`` holds q, k and v) are
     written as PEFT's one adapter on it: ``lora_B``'s rows in the weight's layout; the
@@ -492,7 +493,8 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     modules = list(ranks)
     r, alpha = _most_common(ranks), _most_common(alphas)  # the others in rank_pattern / alpha_pattern
     if task_type == "auto":
-        task_type = "CAUSAL_LM" if getattr(model, "lm_head", False) is not False and names.is_hf else None
+        task_type = "CAUSAL_LM" if getattr(model, "lm_head", False) is not False and names.is_hf else \
+            _TASK_TYPES.get(getattr(family_of(model), "suffix", ""))  # a task model's: SEQ_CLS, TOKEN_CLS
     config = {
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
         "r": r, "lora_alpha": alpha, "lora_dropout": dropouts[0], "target_modules": sorted(modules),
@@ -505,6 +507,10 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         "exclude_modules": None,
     }
     _write(str(directory), tensors, config, blocks)
+
+
+# PEFT's task_type of functree.hf._heads' task models (PEFT has none for a masked LM).
+_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS"}
 
 
 def _most_common(values: dict[str, Any]) -> Any:

@@ -317,6 +317,8 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
     tied = tied_head(family, model)
     if tied is not None:
         del weights[tied[0]]  # tied: stored once, under the embedding's name (HF's save_pretrained)
+    for copy, _ in family.hf_ties:  # (BERT's masked LM: its decoder's weight and bias, stored once too)
+        weights.pop(copy, None)
     on_primary(lambda: _write_directory(directory, model, family, weights, limit), "ft.nn.save_hf")
 
 

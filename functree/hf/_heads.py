@@ -1,0 +1,752 @@
+"""Hugging Face's task models: a family's body with a task head, each head one record.
+
+transformers writes each task head once (``GenericForSequenceClassification``,
+``GenericForTokenClassification``) and gives every family a class of it
+(``LlamaForSequenceClassification``). So does functree: a head is one class here, a
+:class:`TaskModel` that wraps the family's body in its field ``body`` (a decoder family's
+causal LM without its ``lm_head``, whose calls are written once in
+:mod:`functree.hf._causal`; BERT's :class:`BertModel`), and :data:`HEADS` says which heads
+each model type has in transformers 5.24 (HF class suffix -> the head). At import, each
+pair gets its class, made from the two records and named as HF names it
+(``functree.hf._heads.Qwen2ForSequenceClassification``): its HF names, layouts, renames and
+initialization derived from the family's (``body.`` before the family's key paths; BERT's
+body under ``bert.``, as HF's ``base_model_prefix``), registered in
+:data:`functree.hf._family.TASKS`, which ``from_hf``, ``to_hf_state_dict``, ``save_hf`` and
+PEFT's names read as they read :data:`~functree.hf._family.FAMILIES`. A family is still one
+record, and adds no class for its heads; a head for every family is one class and one
+column of :data:`HEADS`.
+
+The heads (``h`` the body's last hidden state ``[batch, T, d]``):
+
+* :class:`LastTokenClassifier`, a decoder's ``ForSequenceClassification``:
+  ``score(h[b, last_b])``, ``score`` without bias, ``last_b`` the row's rightmost token that
+  is not ``pad_token_id`` (left or right padding; a row of pads: 0); no ``pad_token_id``:
+  the last token, and a batch of more than one row is refused, as HF refuses it;
+* :class:`TokenClassifier` (``ForTokenClassification``): ``classifier(dropout(h))`` at every
+  token (HF's module is ``score`` for the generic class, ``classifier`` for GPT-2, GPT-NeoX
+  and BERT);
+* :class:`PooledClassifier` (BERT's ``ForSequenceClassification``):
+  ``classifier(dropout(pooler(h[:, 0])))``;
+* :class:`MaskedLM` (BERT's ``ForMaskedLM``): ``LayerNorm(act(dense(h))) E^T + bias``, the
+  decoder tied to the word embedding and its bias to ``cls.predictions.bias``.
+
+Their loss is :func:`task_loss` (also ``model.loss(logits, labels)``): HF's ``labels=``
+loss exactly, ``problem_type`` as HF infers it. The dropout before a classifier applies in a
+port built with ``dropout=True`` in training mode (HF's ``classifier_dropout``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree._module import Module, field
+from functree._repr import short_array
+from functree.hf import _models  # noqa: F401  (defines every family first)
+from functree.hf._bert import BertModel
+from functree.hf._causal import CausalLM, _run, check_ids
+from functree.hf._config import HFConfig
+from functree.hf._dropout import _dropping, drop, dropout_attention
+from functree.hf._family import FAMILIES, TASKS, HFModel
+from functree.nn._check import concrete
+from functree.nn._linear import Dense
+from functree.nn._normalization import LayerNorm
+from functree.nn._stack import Stack
+from functree.nn._state import salted
+
+__all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "MaskedLM", "HEADS",
+           "task_loss", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES"]
+
+NO_PAD_TOKEN = """\
+{model}: the config has no pad_token_id, so the last token of each row is its class token, \
+and a batch of {batch} rows cannot say where each row ends (Hugging Face raises "Cannot \
+handle batch sizes > 1 if no padding token is defined").
+
+    wrong:  model(input_ids)                                  # [{batch}, T], pad_token_id null
+    right:  model = ft.nn.from_hf({{**config, "pad_token_id": tokenizer.pad_token_id}}, weights)
+       or:  [model(row[None]) for row in input_ids]           # one row at a time
+"""
+
+LABELS_DIFFER = """\
+ft.nn.from_hf: the config's {a} has {n} entries but its {b} {m}; Hugging Face's config reads \
+the number of labels from id2label, so the two describe different heads.
+
+    wrong:  {wrong}
+    right:  "id2label": {{"0": "NEGATIVE", "1": "POSITIVE"}}, "label2id": {{"NEGATIVE": 0, "POSITIVE": 1}}   # one entry per label
+"""
+
+BAD_ID2LABEL = """\
+ft.nn.from_hf: the config's id2label keys are label ids (strings of integers in config.json, \
+as Hugging Face writes them: "0", "1", ...), got {given!r}.
+
+    right:  "id2label": {{"0": "NEGATIVE", "1": "POSITIVE"}}
+"""
+
+BAD_PROBLEM_TYPE = """\
+ft.nn.from_hf: problem_type is one of {types} (or null: inferred from num_labels and the \
+labels' dtype, as Hugging Face does), got {given!r}{why}.
+
+    wrong:  "problem_type": {given_json}
+    right:  "problem_type": "single_label_classification"      # num_labels > 1, integer labels
+       or:  "problem_type": "regression"                       # num_labels = 1: a single-output head
+"""
+
+MLM_UNTIED = """\
+ft.nn.from_hf: the BERT config sets tie_word_embeddings=false, so HF's BertForMaskedLM keeps \
+a decoder of its own; functree's port ties the decoder to the word embedding (the \
+checkpoints' way) and has no place for another.
+
+    right:  "tie_word_embeddings": true     # the decoder is the word embedding (BERT's checkpoints)
+"""
+
+TIED_COPY_DIFFERS = """\
+ft.nn.from_hf: the weights' {copy!r} differs from {source!r} (by up to {difference:.3g}); \
+{hf_class} ties them (one tensor), so the file holds two different models' values and \
+neither is the model's.
+
+    right:  del weights[{copy!r}]    # the tied tensor {source!r} for both, as save_pretrained writes it
+"""
+
+BAD_LABELS = """\
+{model}.loss: labels for {problem} are {expected}; got {given} for logits {logits}.
+
+    wrong:  {wrong}
+    right:  {right}
+"""
+
+NOT_A_TASK_MODEL = """\
+ft.hf.task_loss takes a task model of ft.nn.from_hf ({covered}), got {given}. A causal LM's \
+loss is the next token's cross-entropy:
+
+    wrong:  ft.hf.task_loss(causal_lm, logits, labels)
+    right:  ft.losses.softmax_cross_entropy(logits[:, :-1], labels[:, 1:])
+"""
+
+DECODER_TOKEN_TYPES = """\
+{model}: token_type_ids are BERT's segment ids; a decoder's body takes none (HF's {model} \
+has no such input).
+
+    wrong:  model(input_ids, attention_mask, token_type_ids)
+    right:  model(input_ids, attention_mask)
+"""
+
+HEAD_TENSORS = """\
+ft.nn.from_hf: the weights hold a task head's tensors ({extra}) beside the body, and the \
+config names no task class (architectures: {listed}), so from_hf built the family's \
+{hf_class}, which has no place for them. Name the class the weights are ({tasks}); an HF \
+config object made in Python names none until it is saved.
+
+    wrong:  ft.nn.from_hf(hf_model.config, hf_model.state_dict())
+    right:  ft.nn.from_hf(hf_model)                                                # the model, its class
+       or:  ft.nn.from_hf({{**hf_model.config.to_dict(), "architectures": [{task!r}]}}, weights)
+"""
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+_HEAD_STREAM = 2  # folded into the first member's dropout key: the head's mask without a call key (1: the embedding's)
+IGNORE_INDEX = -100  # torch's CrossEntropyLoss default: HF's collators' label for tokens not scored
+
+
+class TaskModel(HFModel):
+    """A family's body with a task head (module docstring); its classes are made per family
+    (:func:`task_class`), their class variables read from the family's."""
+
+    body_class: ClassVar[type[HFModel]]  # the family whose body this wraps
+    suffix: ClassVar[str] = ""  # HF's class name suffix: "ForSequenceClassification"
+    body_prefix: ClassVar[str] = ""  # HF's names of the body: "" (a causal LM's own) or "bert."
+    head_roots: ClassVar[tuple[str, ...]] = ()  # HF's top-level modules of the head ("score", "cls")
+    head_rename: ClassVar[dict[str, str]] = {}  # HF's head names -> this class's key paths, where they differ
+    pooled: ClassVar[bool] = False  # BERT's body keeps its pooler
+
+    @classmethod
+    def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
+        k1, k2 = jax.random.split(key)
+        body = cls.body_class.from_config(config, {"pooler.dense.weight"} if cls.pooled else set(), dtype, k1,
+                                          attention)
+        if isinstance(body, CausalLM):
+            body = body.replace(lm_head=None)  # the head is this class's
+        width = int(_tokens(body).embeddings.shape[1])  # OPT: word_embed_proj_dim, the blocks' output after project_out
+        return cls.build(body, width, config, dtype, k2)
+
+    @classmethod
+    def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def hf_values(cls, model: Any, config: Any) -> Any:
+        return model.replace(body=cls.body_class.hf_values(model.body, config))
+
+    @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        return cls.body_class.hf_dropout(config)
+
+    @classmethod
+    def head_dropout(cls, config: Any) -> float:
+        """The rate of the dropout before the classifier (0: none), as HF's class reads it."""
+        return 0.0
+
+    @classmethod
+    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
+        """The body's older names as its family reads them (BERT's under ``bert.``); the head's
+        tensors as given (:class:`MaskedLM`: its tied copies checked and dropped)."""
+        own = {k: v for k, v in weights.items() if k.split(".")[0] in cls.head_roots}
+        rest = {k: v for k, v in weights.items() if k not in own}
+        prefix = cls.body_prefix
+        if prefix:
+            rest = {k.removeprefix(prefix): v for k, v in rest.items()}
+        body = cls.body_class.hf_names(rest)
+        return {**{prefix + k: v for k, v in body.items()}, **own}
+
+    def _body(self) -> Any:
+        """The body carrying this model's config (its padding row and pad id read it)."""
+        return self.body.replace(hf_config=self.hf_config)  # type: ignore[attr-defined]
+
+    def _hidden(self, input_ids: Any, attention_mask: Any, token_type_ids: Any, key: jax.Array | None) -> jax.Array:
+        """The body's last hidden state ``[batch, T, d]``."""
+        body = self._body()
+        if isinstance(body, BertModel):
+            return body(input_ids, attention_mask, token_type_ids, key=key)
+        if token_type_ids is not None:
+            raise TypeError(DECODER_TOKEN_TYPES.format(model=type(self).__name__))
+        body._check_call(input_ids, None)
+        ids = check_ids(self, input_ids)
+        # HF's forward without position_ids: 0..T-1 in every row, left padding too (GPT-2's
+        # learned table reads them; OPT's alone counts each row's real tokens, as _run does)
+        positions = None if self.body_class.model_type in _COUNTED_POSITIONS else \
+            jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        tokens = body._tokens()
+        return _run(body, ids, attention_mask, positions, None, vocab=tokens.embeddings.shape[0],
+                    blocks=body._blocks(), embed=body._embed, head=body._final_norm, rotary=body.rotates,
+                    limit=body._limit(), key=key)
+
+    def _keys(self, key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+        """(the body's key, the head dropout's key): the head's only where it drops."""
+        rate = float(getattr(self, "dropout", 0.0))
+        attention = dropout_attention(_blocks(self.body).layers)  # type: ignore[attr-defined]
+        if rate == 0.0 or attention is None or not _dropping(attention):
+            return key, None
+        if key is None:  # the body's members draw from their own keys; the head from the first's, folded
+            if attention.dropout_key is None:
+                return None, None  # (the body's call names the missing key: NO_DROPOUT_KEY)
+            first = jax.random.wrap_key_data(attention.dropout_key[0])
+            return None, salted(jax.random.fold_in(first, _HEAD_STREAM))
+        body, head = jax.random.split(key)
+        return body, head
+
+    def loss(self, logits: Any, labels: Any) -> jax.Array:
+        """Hugging Face's ``outputs.loss`` for ``labels`` (:func:`task_loss`)."""
+        return task_loss(self, logits, labels)
+
+    def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+
+def _tokens(body: Any) -> Any:
+    return body.embeddings.word_embeddings if isinstance(body, BertModel) else body._tokens()
+
+
+def _blocks(body: Any) -> Stack:
+    return body.encoder.layer if isinstance(body, BertModel) else body._blocks()
+
+
+def _classifier_rate(config: Any, *names: str, default: float) -> float:
+    """The first of ``names`` the config sets (not null), else ``default`` (HF's order)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return float(value)
+    return default
+
+
+class LastTokenClassifier(TaskModel):
+    """A decoder's ``ForSequenceClassification``: ``score(h[b, last_b])`` (module docstring).
+
+    ``model(input_ids, attention_mask=None, *, key=None)`` is ``[batch, num_labels]``.
+    """
+
+    body: Any
+    score: Dense
+    hf_config: HFConfig | None = field(static=True, default=None)
+    suffix = "ForSequenceClassification"
+    head_roots = ("score",)
+
+    @classmethod
+    def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
+        return cls(body, Dense(width, num_labels(config), use_bias=False, key=key, dtype=dtype))
+
+    def __init__(self, body: Any, score: Dense, hf_config: HFConfig | None = None):
+        self.body, self.score, self.hf_config = body, score, hf_config
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, *, key: jax.Array | None = None) -> jax.Array:
+        ids = check_ids(self, input_ids)
+        h = self._hidden(ids, attention_mask, None, key)
+        last = last_tokens(self, ids)
+        return self.score(h[jnp.arange(ids.shape[0]), last])
+
+    def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+        return _sequence_loss(self, logits, labels)
+
+
+def last_tokens(model: Any, ids: jax.Array) -> jax.Array:
+    """Each row's class token as HF finds it: the rightmost token that is not ``pad_token_id``
+    (``argmax(arange(T) * (ids != pad))``: 0 for a row of pads); without a pad id the last
+    token, a batch of one row only (:data:`NO_PAD_TOKEN`)."""
+    config = model.hf_config
+    pad = None if config is None else config.get("pad_token_id")
+    if pad is None:
+        if ids.shape[0] != 1:
+            raise ValueError(NO_PAD_TOKEN.format(model=type(model).__name__, batch=ids.shape[0]))
+        return jnp.full((1,), ids.shape[1] - 1, jnp.int32)
+    real = (ids != pad).astype(jnp.int32)
+    return jnp.argmax(jnp.arange(ids.shape[1], dtype=jnp.int32) * real, axis=-1)
+
+
+class TokenClassifier(TaskModel):
+    """``ForTokenClassification``: ``classifier(dropout(h))`` at every token, ``[batch, T,
+    num_labels]`` (HF's module ``score`` or ``classifier``: module docstring)."""
+
+    body: Any
+    classifier: Dense
+    hf_config: HFConfig | None = field(static=True, default=None)
+    dropout: float = field(static=True, default=0.0)
+    suffix = "ForTokenClassification"
+    head_roots = ("score",)
+    head_rename: ClassVar[dict[str, str]] = {"score": "classifier"}
+
+    @classmethod
+    def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
+        bias = "classifier" in cls.head_roots or bool(getattr(config, "token_classification_bias", True))
+        return cls(body, Dense(width, num_labels(config), use_bias=bias, key=key, dtype=dtype))
+
+    @classmethod
+    def head_dropout(cls, config: Any) -> float:
+        """BERT: ``classifier_dropout`` or ``hidden_dropout_prob``; GPT-NeoX: its
+        ``classifier_dropout``; the others ``classifier_dropout``, ``hidden_dropout`` or 0.1."""
+        if issubclass(cls.body_class, BertModel):
+            return _classifier_rate(config, "classifier_dropout", "hidden_dropout_prob", default=0.1)
+        if cls.body_class.model_type == "gpt_neox":
+            return _classifier_rate(config, "classifier_dropout", default=0.1)
+        return _classifier_rate(config, "classifier_dropout", "hidden_dropout", default=0.1)
+
+    def __init__(self, body: Any, classifier: Dense, hf_config: HFConfig | None = None, dropout: float = 0.0):
+        self.body, self.classifier, self.hf_config, self.dropout = body, classifier, hf_config, dropout
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None, *,
+                 key: jax.Array | None = None) -> jax.Array:
+        body_key, head_key = self._keys(key)
+        h = self._hidden(input_ids, attention_mask, token_type_ids, body_key)
+        return self.classifier(drop(h, self.dropout, head_key) if head_key is not None else h)
+
+    def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+        return _token_loss(self, logits, labels)
+
+
+class PooledClassifier(TaskModel):
+    """BERT's ``ForSequenceClassification``: ``classifier(dropout(pooler(h[:, 0])))``,
+    ``[batch, num_labels]``; the pooler is the body's (``body.pooler``)."""
+
+    body: Any
+    classifier: Dense
+    hf_config: HFConfig | None = field(static=True, default=None)
+    dropout: float = field(static=True, default=0.0)
+    suffix = "ForSequenceClassification"
+    head_roots = ("classifier",)
+    pooled = True
+
+    @classmethod
+    def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
+        return cls(body, Dense(width, num_labels(config), key=key, dtype=dtype))
+
+    @classmethod
+    def head_dropout(cls, config: Any) -> float:
+        return _classifier_rate(config, "classifier_dropout", "hidden_dropout_prob", default=0.1)
+
+    def __init__(self, body: Any, classifier: Dense, hf_config: HFConfig | None = None, dropout: float = 0.0):
+        self.body, self.classifier, self.hf_config, self.dropout = body, classifier, hf_config, dropout
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None, *,
+                 key: jax.Array | None = None) -> jax.Array:
+        body_key, head_key = self._keys(key)
+        h = self._hidden(input_ids, attention_mask, token_type_ids, body_key)
+        pooled = self.body.pooler(h[:, 0])
+        return self.classifier(drop(pooled, self.dropout, head_key) if head_key is not None else pooled)
+
+    def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+        return _sequence_loss(self, logits, labels)
+
+
+class BertPredictionHeadTransform(Module):
+    """``LayerNorm(act(dense(h)))`` (HF's names)."""
+
+    dense: Dense
+    LayerNorm: LayerNorm
+
+    def __init__(self, dense: Dense, norm: LayerNorm):
+        self.dense, self.LayerNorm = dense, norm
+
+
+class BertLMPredictionHead(Module):
+    """The transform and the output bias; the decoder is the word embedding (tied)."""
+
+    transform: BertPredictionHeadTransform
+    bias: jax.Array
+
+    def __init__(self, transform: BertPredictionHeadTransform, bias: jax.Array):
+        self.transform, self.bias = transform, bias
+
+
+class BertOnlyMLMHead(Module):
+    """HF's ``cls``: the prediction head."""
+
+    predictions: BertLMPredictionHead
+
+    def __init__(self, predictions: BertLMPredictionHead):
+        self.predictions = predictions
+
+
+class MaskedLM(TaskModel):
+    """BERT's ``ForMaskedLM``: ``transform(h) E^T + bias`` at every token, ``[batch, T,
+    vocab]``; ``E`` the body's word embedding (HF ties ``cls.predictions.decoder`` to it)."""
+
+    body: Any
+    cls: BertOnlyMLMHead
+    hf_config: HFConfig | None = field(static=True, default=None)
+    suffix = "ForMaskedLM"
+    head_roots = ("cls",)
+    hf_ties = (("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"),
+               ("cls.predictions.decoder.bias", "cls.predictions.bias"))
+
+    @classmethod
+    def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
+        from functree.hf._options import activation
+
+        if not getattr(config, "tie_word_embeddings", True):
+            raise ValueError(MLM_UNTIED)
+        vocab = int(_tokens(body).embeddings.shape[0])
+        transform = BertPredictionHeadTransform(Dense(width, width, activation(config, "hidden_act"), key=key,
+                                                      dtype=dtype),
+                                                LayerNorm(width, epsilon=config.layer_norm_eps, dtype=dtype))
+        return cls(body, BertOnlyMLMHead(BertLMPredictionHead(transform, jnp.zeros((vocab,), dtype))))
+
+    def __init__(self, body: Any, cls: BertOnlyMLMHead, hf_config: HFConfig | None = None):
+        self.body, self.cls, self.hf_config = body, cls, hf_config
+
+    @classmethod
+    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`TaskModel.hf_names`, the tied copies (``state_dict()`` holds them, a
+        ``save_pretrained`` file does not) checked equal to their tensor and dropped."""
+        weights = super().hf_names(weights)
+        for copy, source in cls.hf_ties:
+            if copy not in weights:
+                continue
+            value = weights.pop(copy)
+            if source not in weights:
+                weights[source] = value
+                continue
+            a, b = _numpy(value), _numpy(weights[source])
+            if a.shape != b.shape or not np.array_equal(a, b):
+                difference = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) \
+                    if a.shape == b.shape else float("inf")
+                raise ValueError(TIED_COPY_DIFFERS.format(copy=copy, source=source, difference=difference,
+                                                          hf_class=cls.hf_class))
+        return weights
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None, *,
+                 key: jax.Array | None = None) -> jax.Array:
+        h = self._hidden(input_ids, attention_mask, token_type_ids, key)
+        head = self.cls.predictions
+        x = head.transform.LayerNorm(head.transform.dense(h))
+        table = self.body.embeddings.word_embeddings.embeddings
+        return x @ table.T.astype(x.dtype) + head.bias.astype(x.dtype)
+
+    def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+        return _token_loss(self, logits, labels)
+
+
+def _numpy(x: Any) -> np.ndarray:
+    from functree._state_dict import to_numpy
+
+    converted = to_numpy(x)
+    return np.asarray(x) if converted is None else converted
+
+
+# ---- labels: the config's num_labels, id2label and problem_type, read as HF's config reads them
+
+
+def num_labels(config: Any) -> int:
+    """HF's ``config.num_labels``: ``len(id2label)`` where the config has one (config.json's
+    keys are strings: ``int(key)``), else ``num_labels`` (2 where absent); a ``num_labels`` or
+    a ``label2id`` of another length is refused (:data:`LABELS_DIFFER`; HF warns and keeps
+    id2label's), and so is a ``problem_type`` HF refuses (:data:`BAD_PROBLEM_TYPE`)."""
+    id2label = getattr(config, "id2label", None)
+    given = _given_num_labels(config)
+    if id2label is None:
+        count = 2 if given is None else given
+    else:
+        if not isinstance(id2label, dict) or not all(_label_id(k) for k in id2label):
+            raise ValueError(BAD_ID2LABEL.format(given=id2label))
+        count = len(id2label)
+        if given is not None and given != count:
+            raise ValueError(LABELS_DIFFER.format(a="id2label", n=count, b="num_labels", m=f"is {given}",
+                                                  wrong=f'"num_labels": {given}, "id2label": {{{count} entries}}'))
+    label2id = getattr(config, "label2id", None)
+    if isinstance(label2id, dict) and id2label is not None and len(label2id) != count:
+        raise ValueError(LABELS_DIFFER.format(a="id2label", n=count, b="label2id", m=f"has {len(label2id)}",
+                                              wrong=f'"id2label": {{{count} entries}}, "label2id": '
+                                                    f'{{{len(label2id)} entries}}'))
+    problem = getattr(config, "problem_type", None)
+    if problem is not None and problem not in PROBLEM_TYPES:
+        raise ValueError(BAD_PROBLEM_TYPE.format(types=", ".join(PROBLEM_TYPES), given=problem, why="",
+                                                 given_json=_json(problem)))
+    if problem == "single_label_classification" and count == 1:
+        raise ValueError(BAD_PROBLEM_TYPE.format(types=", ".join(PROBLEM_TYPES), given=problem, given_json=_json(problem),
+                                                 why=" with num_labels 1 (HF refuses it: a softmax over one label)"))
+    return count
+
+
+def _given_num_labels(config: Any) -> int | None:
+    """``num_labels`` as the config was given it: a config.json's key (HF's object derives it
+    from id2label: None there)."""
+    if hasattr(config, "to_dict") and not hasattr(config, "to_json_string"):  # functree's Config of a dict
+        value = config.to_dict().get("num_labels")
+        return None if value is None else int(value)
+    return None
+
+
+def _label_id(key: Any) -> bool:
+    if isinstance(key, bool):
+        return False
+    if isinstance(key, int):
+        return True
+    try:
+        int(key)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, default=str)
+
+
+# ---- the losses: HF's labels= loss
+
+
+def task_loss(model: Any, logits: Any, labels: Any) -> jax.Array:
+    """Hugging Face's ``outputs.loss`` of a task model's ``logits`` for ``labels``.
+
+    Sequence classification (``problem_type`` the config's, else inferred as HF infers it:
+    ``num_labels == 1`` regression; integer labels single-label; else multi-label):
+
+    * ``"regression"``: mean squared error (one label: both squeezed, as HF);
+    * ``"single_label_classification"``: softmax cross-entropy over ``[batch, num_labels]``,
+      the mean over labels not ``-100``;
+    * ``"multi_label_classification"``: sigmoid binary cross-entropy (float labels
+      ``[batch, num_labels]``), the mean.
+
+    Token classification and masked LM: softmax cross-entropy at every token in float32,
+    the mean over labels not ``-100`` (torch's ``ignore_index``: padding, the unmasked
+    tokens). ``model.loss(logits, labels)`` is the same. (HF records the inferred problem
+    type on its config at the first call; this infers it at each call.)
+
+    Example:
+      >>> import functree as ft, jax, numpy as np
+      >>> config = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "vocab_size": 11,
+      ...           "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+      ...           "pad_token_id": 0, "num_labels": 3}
+      >>> model = ft.nn.from_hf(config, key=jax.random.key(0))
+      >>> ids = np.array([[5, 6, 7, 0], [3, 4, 0, 0]], np.int32)       # right padding with pad id 0
+      >>> logits = model(ids, ids != 0)
+      >>> logits.shape, float(ft.hf.task_loss(model, logits, np.array([2, 0]))) > 0
+      ((2, 3), True)
+    """
+    if not isinstance(model, TaskModel):
+        raise TypeError(NOT_A_TASK_MODEL.format(covered=", ".join(TASKS), given=type(model).__name__))
+    return model._loss(jnp.asarray(logits), jnp.asarray(labels))
+
+
+def _bad(model: Any, problem: str, expected: str, labels: jax.Array, logits: jax.Array, wrong: str,
+         right: str) -> ValueError:
+    return ValueError(BAD_LABELS.format(model=type(model).__name__, problem=problem, expected=expected,
+                                        given=short_array(labels), logits=short_array(logits), wrong=wrong,
+                                        right=right))
+
+
+def problem_type(model: Any, logits: jax.Array, labels: jax.Array) -> str:
+    """The config's ``problem_type``, else HF's inference from ``num_labels`` and the labels' dtype."""
+    config = model.hf_config
+    given = None if config is None else config.get("problem_type")
+    if given is not None:
+        return str(given)
+    count = logits.shape[-1]
+    if count == 1:
+        return "regression"
+    return "single_label_classification" if jnp.issubdtype(labels.dtype, jnp.integer) else "multi_label_classification"
+
+
+def _sequence_loss(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Array:
+    problem = problem_type(model, logits, labels)
+    count = logits.shape[-1]
+    if problem == "regression":
+        if not jnp.issubdtype(labels.dtype, jnp.floating):
+            raise _bad(model, problem, "floating targets (torch's MSELoss refuses integer ones)", labels, logits,
+                       "model.loss(logits, jnp.array([1, 0]))", "model.loss(logits, jnp.array([1.0, 0.0]))")
+        wide = jnp.promote_types(logits.dtype, jnp.float32)
+        x, y = logits.astype(wide), labels.astype(wide)
+        if count == 1:
+            x, y = jnp.squeeze(x), jnp.squeeze(y)
+        if x.shape != y.shape:
+            raise _bad(model, problem, f"shaped like the logits {list(logits.shape)}", labels, logits,
+                       "model.loss(logits, targets[:, None, None])", "model.loss(logits, targets)   # [batch] or [batch, 1]")
+        return jnp.mean(jnp.square(x - y))
+    if problem == "single_label_classification":
+        flat = labels.reshape(-1)
+        if not jnp.issubdtype(labels.dtype, jnp.integer) or flat.shape[0] * count != logits.size:
+            raise _bad(model, problem, f"integer class ids [batch] (-100: ignored), one per row of {list(logits.shape)}",
+                       labels, logits, "model.loss(logits, jax.nn.one_hot(classes, num_labels))",
+                       "model.loss(logits, classes)      # int [batch]")
+        return _cross_entropy(model, logits.reshape(-1, count), flat)
+    if labels.shape != logits.shape or not jnp.issubdtype(labels.dtype, jnp.floating):
+        raise _bad(model, problem, f"floating 0/1 targets shaped like the logits {list(logits.shape)}", labels, logits,
+                   "model.loss(logits, classes)", "model.loss(logits, targets.astype(jnp.float32))   # [batch, num_labels]")
+    wide = jnp.promote_types(logits.dtype, jnp.float32)
+    x, y = logits.astype(wide), labels.astype(wide)
+    return jnp.mean(jnp.maximum(x, 0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x))))
+
+
+def _token_loss(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Array:
+    if labels.shape != logits.shape[:-1] or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise _bad(model, "token classification", f"integer ids {list(logits.shape[:-1])} (-100: ignored)", labels,
+                   logits, "model.loss(logits, labels[:, 1:])   # shifted, as a causal LM's",
+                   "model.loss(logits, labels)           # one label per token")
+    return _cross_entropy(model, logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _cross_entropy(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """torch's ``cross_entropy(logits, labels, ignore_index=-100)`` in float32 (or wider):
+    the mean over the labels kept (NaN where none is, as torch)."""
+    count = logits.shape[-1]
+    values = concrete(labels)
+    if values is not None:
+        outside = (values != IGNORE_INDEX) & ((values < 0) | (values >= count))
+        if outside.any():
+            at = int(np.argwhere(outside)[0][0])
+            raise _bad(model, "cross-entropy", f"class ids in [0, {count}) or -100 (ignored)", labels, logits,
+                       f"labels holding {int(values[at])}", "labels in range (torch raises on the others)")
+    wide = jnp.promote_types(logits.dtype, jnp.float32)
+    x = logits.astype(wide)
+    kept = labels != IGNORE_INDEX
+    picked = jnp.take_along_axis(x, jnp.where(kept, labels, 0)[:, None], axis=-1)[:, 0]
+    nll = jax.nn.logsumexp(x, axis=-1) - picked
+    return jnp.sum(jnp.where(kept, nll, 0)) / jnp.sum(kept).astype(wide)
+
+
+def check_head_tensors(family: type[HFModel], config: Any, unexpected: Any) -> None:
+    """Raise :data:`HEAD_TENSORS` where the tensors a family's model left over are all a task
+    head's of that family (``score.*``, ``classifier.*``, ``cls.*``): the weights are that task
+    model's, and the config (an HF object's, without ``architectures``) did not say so."""
+    if not unexpected or family.__name__ in TASKS:
+        return
+    roots = {str(n).split(".")[0] for n in unexpected}
+    tasks = [name for name, task in TASKS.items()
+             if getattr(task, "body_class", None) is family and roots <= set(getattr(task, "head_roots", ()))]
+    if tasks:
+        raise ValueError(HEAD_TENSORS.format(extra=sorted(unexpected)[:3], listed=getattr(config, "architectures", None),
+                                             hf_class=family.hf_class, tasks=" or ".join(tasks), task=tasks[0]))
+
+
+def with_head_dropout(model: Any, config: Any, dropout: bool) -> Any:
+    """``model`` with its classifier's dropout rate (HF's ``classifier_dropout``) where
+    ``from_hf`` was asked for HF's dropout; any other model as it is."""
+    if not dropout or not isinstance(model, TaskModel) or "dropout" not in type(model).__ft_fields__:
+        return model
+    return model.replace(dropout=type(model).head_dropout(config))
+
+
+# ---- the table: which heads each model type has in transformers 5.24, and their classes
+
+_DECODER: Mapping[str, type[TaskModel]] = {"ForSequenceClassification": LastTokenClassifier, "ForTokenClassification": TokenClassifier}
+_SEQUENCE_ONLY: Mapping[str, type[TaskModel]] = {"ForSequenceClassification": LastTokenClassifier}
+
+# model type -> HF class suffix -> the head. A family not listed has none yet (one row adds them).
+HEADS: dict[str, Mapping[str, type[TaskModel]]] = {
+    "gpt2": _DECODER, "llama": _DECODER, "qwen2": _DECODER, "mistral": _DECODER, "ministral": _DECODER,
+    "gemma": _DECODER, "phi3": _DECODER, "olmo": _SEQUENCE_ONLY, "qwen3": _DECODER, "olmo2": _SEQUENCE_ONLY,
+    "gemma2": _DECODER, "gemma3_text": _SEQUENCE_ONLY, "gpt_neox": _DECODER, "opt": _SEQUENCE_ONLY,
+    "bert": {"ForSequenceClassification": PooledClassifier, "ForTokenClassification": TokenClassifier,
+             "ForMaskedLM": MaskedLM},
+}
+# HF's module name of a token classifier where it is not the generic class's "score".
+_CLASSIFIER_NAMED = ("gpt2", "gpt_neox", "bert")
+# The families whose HF forward counts each row's real tokens for positions (OPT's
+# cumsum(attention_mask) - 1); the others take 0..T-1 whatever the mask.
+_COUNTED_POSITIONS = ("opt",)
+# HF's base_model_prefix of an encoder family (a decoder's causal LM names its body already).
+_BODY_PREFIX = {"bert": "bert."}
+
+
+# HF's name of a family's task classes where it is not its causal LM's (Gemma3ForSequenceClassification
+# is Gemma 3's image-and-text model's).
+_TASK_NAMES = {"gemma3_text": "Gemma3Text"}
+
+
+def _family_name(family: type[HFModel]) -> str:
+    if family.model_type in _TASK_NAMES:
+        return _TASK_NAMES[family.model_type]
+    name = family.hf_class
+    for suffix in ("ForCausalLM", "LMHeadModel", "Model"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def task_class(head: type[TaskModel], family: type[HFModel]) -> type[TaskModel]:
+    """The class of ``head`` on ``family``'s body, named as HF names it, its class variables
+    the family's under the field ``body``: layouts, renames (HF's body names: the causal LM's
+    own, or BERT's under ``bert.``), the padded embedding and residual projections of the
+    initialization."""
+    name = _family_name(family) + head.suffix
+    assert family.model_type is not None
+    prefix = _BODY_PREFIX.get(family.model_type, "")
+    roots = head.head_roots
+    rename = dict(head.head_rename)
+    if head is TokenClassifier and family.model_type in _CLASSIFIER_NAMED:
+        roots, rename = ("classifier",), {}
+    if prefix:
+        rename[prefix[:-1]] = "body"
+    else:  # the causal LM's own modules (model, transformer, gpt_neox) under body
+        rename.update({f: f"body.{f}" for f in family.__ft_fields__
+                       if f not in ("lm_head", "hf_config") and f not in family.__ft_static__})
+    rename.update({prefix + k: f"body.{v}" for k, v in family.hf_rename.items()})
+    namespace = {
+        "__module__": __name__, "__qualname__": name, "hf_class": name, "body_class": family,
+        "body_prefix": prefix, "head_roots": roots, "hf_rename": rename,
+        "hf_layouts": {f"body.{k}": v for k, v in family.hf_layouts.items()},
+        "hf_padded": None if family.hf_padded is None else f"body.{family.hf_padded}",
+        "hf_residual": family.hf_residual,
+        "__doc__": f"Hugging Face's ``{name}``: :class:`{head.__name__}` on ``{family.__name__}``'s body.",
+    }
+    cls = type(name, (head,), namespace)
+    cls.model_type = family.model_type  # set after: a task class joins TASKS, never FAMILIES
+    return cls  # type: ignore[return-value]
+
+
+def _register_all() -> None:
+    module = sys.modules[__name__]
+    for model_type, heads in HEADS.items():
+        family = FAMILIES.get(model_type)
+        if family is None:
+            continue
+        for head in heads.values():
+            cls = task_class(head, family)
+            TASKS[cls.hf_class] = cls
+            setattr(module, cls.__name__, cls)  # pickles and checkpoints name it here
+
+
+_register_all()

@@ -469,8 +469,10 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     ``GemmaForCausalLM``, ``Phi3ForCausalLM`` (fused ``qkv_proj`` / ``gate_up_proj``) and
     ``OlmoForCausalLM`` (LayerNorm without weight or bias), ``Qwen3ForCausalLM`` (RMSNorm over
     each head's queries and keys), ``Olmo2ForCausalLM`` (norms after the sublayers, RMSNorm
-    over the whole query and key projections) and ``Gemma2ForCausalLM`` (attention and final
-    logit soft-caps, alternating sliding and full layers, norms around each sublayer);
+    over the whole query and key projections), ``Gemma2ForCausalLM`` (attention and final
+    logit soft-caps, alternating sliding and full layers, norms around each sublayer) and
+    ``Gemma3ForCausalLM`` (Gemma 3's text model: Gemma 2's blocks, per-head q/k norms, each
+    layer type its own rope);
     ``GPTNeoXForCausalLM`` (Pythia: parallel residual, partial rotary); ``OPTForCausalLM``;
     ``BertModel``. ``from_hf(directory)`` reads a ``save_pretrained`` directory
     (``config.json`` and ``model.safetensors`` or a sharded ``model.safetensors.index.json``);

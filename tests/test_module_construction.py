@@ -388,6 +388,27 @@ _NEWER: dict[str, tuple[Callable[[type], ft.Module], Callable[[type], ft.Module]
     "LocalResponseNorm": (lambda c: c(3, 1e-3, 0.5, 2.0), lambda c: c(size=3, alpha=1e-3, beta=0.5, k=2.0)),
     **{name: (lambda c: c(0.2), lambda c: c(rate=0.2))
        for name in ("Dropout1D", "Dropout2D", "Dropout3D", "AlphaDropout", "FeatureAlphaDropout")},
+    # torch's Transformer family, PReLU, Bilinear and EmbeddingBag (session 28)
+    **{name: (lambda c: c(4, 2, 8, 0.1, "gelu", 1e-5, True, True, False, key=K),
+              lambda c: c(d_model=4, nhead=2, dim_feedforward=8, dropout=0.1, activation="gelu", layer_norm_eps=1e-5,
+                          batch_first=True, norm_first=True, bias=False, key=K))
+       for name in ("TransformerEncoderLayer", "TransformerDecoderLayer")},
+    "TransformerEncoder": (
+        lambda c: c(ft.nn.TransformerEncoderLayer(4, 2, 8, key=K), 2, ft.nn.LayerNorm(4), key=K),
+        lambda c: c(encoder_layer=ft.nn.TransformerEncoderLayer(4, 2, 8, key=K), num_layers=2,
+                    norm=ft.nn.LayerNorm(4), key=K)),
+    "TransformerDecoder": (
+        lambda c: c(ft.nn.TransformerDecoderLayer(4, 2, 8, key=K), 2, ft.nn.LayerNorm(4), key=K),
+        lambda c: c(decoder_layer=ft.nn.TransformerDecoderLayer(4, 2, 8, key=K), num_layers=2,
+                    norm=ft.nn.LayerNorm(4), key=K)),
+    "Transformer": (
+        lambda c: c(4, 2, 1, 1, 8, 0.0, "relu", key=K),
+        lambda c: c(d_model=4, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=8, dropout=0.0,
+                    activation="relu", key=K)),
+    "PReLU": (lambda c: c(3, 0.1), lambda c: c(num_parameters=3, init=0.1)),
+    "Bilinear": (lambda c: c(2, 3, 4, False, key=K), lambda c: c(in1_features=2, in2_features=3, out_features=4,
+                                                               bias=False, key=K)),
+    "EmbeddingBag": (lambda c: c(5, 3, "sum", key=K), lambda c: c(vocabulary_size=5, embedding_size=3, mode="sum", key=K)),
 }
 for _name, (_positional, _keywords) in _NEWER.items():
     if hasattr(ft.nn, _name):

@@ -6,6 +6,9 @@ import functree as ft
 from functree._module import PARAMETER, field_kind
 
 NORMALIZATION = (ft.nn.LayerNorm, ft.nn.BatchNorm, ft.nn.RMSNorm, ft.nn.GroupNorm, ft.nn.InstanceNorm2D.__base__)
+# Parameters exempt by their layer's design: PReLU's learned slope (torch's docs: "weight decay
+# should not be used when learning a for good performance").
+EXEMPT = {"PReLU.slope"}
 
 
 def _layer_classes():
@@ -22,12 +25,12 @@ def test_every_bias_and_normalization_parameter_is_excluded_from_decay():
         for f in dataclasses.fields(cls):
             if field_kind(f) != PARAMETER:
                 continue
-            exempt = "bias" in f.name or issubclass(cls, NORMALIZATION)
+            exempt = "bias" in f.name or issubclass(cls, NORMALIZATION) or f"{cls.__name__}.{f.name}" in EXEMPT
             assert f.metadata.get("decay", True) is (not exempt), f"{cls.__name__}.{f.name}"
             checked.append(f"{cls.__name__}.{f.name}")
     for name in ("Dense.bias", "Conv2D.bias", "Conv1DTranspose.bias", "GRUCell.input_bias", "GRUCell.hidden_bias",
                  "LSTMCell.bias", "LayerNorm.offset", "BatchNorm.scale", "RMSNorm.scale", "GroupNorm.offset",
-                 "Dense.weight", "Embedding.embeddings"):
+                 "Dense.weight", "Embedding.embeddings", "PReLU.slope", "Bilinear.weight", "EmbeddingBag.embeddings"):
         assert name in checked, name
 
 

@@ -104,3 +104,24 @@ def test_torch_class_names_point_to_the_layers():
             getattr(ft.nn, name)
         _, right = FOREIGN_FUNCTIONS["functree.nn"][name]
         assert isinstance(eval(right, {"ft": ft}), ft.nn.Layer)
+
+
+@pytest.mark.parametrize("value, dtype, shown", [(0.5, jnp.int32, "it would pad with 0"),
+                                                 (300.0, jnp.uint8, "it would pad with 44"),
+                                                 (-1.0, jnp.uint8, "it would pad with 255"),
+                                                 (float("inf"), jnp.int32, "no such value"),
+                                                 (2.0, jnp.bool_, "it would pad with True")])
+def test_a_fill_the_integer_input_cannot_hold_is_refused(value, dtype, shown):
+    # torch's F.pad(int_tensor, value=0.5) pads with 0 without a word.
+    x = jnp.arange(3).reshape(3, 1).astype(dtype)
+    with pytest.raises(ValueError, match="does not fit the input's dtype") as info:
+        ft.nn.ConstantPad1D(1, value)(x)
+    assert shown in str(info.value)
+    assert f"right:  ft.nn.ConstantPad1D(1, {value!r})(x.astype(jnp.float32))" in str(info.value)
+
+
+def test_a_fill_the_integer_input_holds_pads_exactly():
+    x = jnp.arange(3, dtype=jnp.int32).reshape(3, 1)
+    out = ft.nn.ConstantPad1D((1, 2), -7.0)(x)
+    assert out.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(out).ravel(), [-7, 0, 1, 2, -7, -7])

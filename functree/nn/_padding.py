@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._module import field
 from functree._repr import short_array
@@ -77,6 +78,13 @@ BAD_VALUE = """\
 
     wrong:  ft.nn.{cls}(1, {given!r})
     right:  ft.nn.{cls}(1, 0.5)"""
+
+FILL_NOT_REPRESENTABLE = """\
+{cls}: value={value!r} does not fit the input's dtype {dtype} ({cast}); torch truncates a \
+fraction without a word and refuses an out-of-range fill.
+
+    wrong:  ft.nn.{cls}(1, {value!r})(x)                        # x: {dtype}
+    right:  ft.nn.{cls}(1, {value!r})(x.astype(jnp.float32))    # or a fill that {dtype} holds"""
 
 MISSING_AXES = """\
 {cls} pads {n} spatial {axes_word} before the channels, [..., {axes}, channels]: an input of {need} \
@@ -208,7 +216,8 @@ _ORDER = {1: "; torch's ``(left, right)`` too", 2: " (torch's flat ``(left, righ
           "``((top, bottom), (left, right))``)", 3: " (torch's flat six ints, last axis first, are refused)"}
 _RULES = {
     "zero": "``y`` is ``x`` with zeros around it; a negative pad crops.",
-    "constant": "``y`` is ``x`` with ``value`` around it (torch's ``value=``, static); a negative pad crops.",
+    "constant": "``y`` is ``x`` with ``value`` around it (torch's ``value=``, static); a negative pad crops. "
+                "A fill an integer or bool input cannot hold (0.5, 300 for uint8) is refused, where torch truncates.",
     "reflect": "Each pad mirrors the axis without its edge, ``x[lo], ..., x[1], x[0], x[1], ...`` (each pad < the axis).",
     "replicate": "Each pad repeats the edge element, ``x[0], ..., x[0], x[0], x[1], ...``.",
     "circular": "Each pad wraps around, ``x[L - lo], ..., x[L - 1], x[0], ...`` (each pad <= the axis).",
@@ -248,6 +257,19 @@ class _ConstantPad(_Pad):
     @property
     def _fill(self) -> float:
         return self.value
+
+    def _check(self, x: Any) -> None:
+        super()._check(x)
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
+            return
+        with np.errstate(invalid="ignore", over="ignore"):
+            cast = np.asarray(self.value).astype(dtype) if np.isfinite(self.value) else None
+        if cast is None or float(cast) != self.value:  # a fraction, out of range, inf or NaN
+            raise ValueError(FILL_NOT_REPRESENTABLE.format(cls=type(self).__name__, value=self.value,
+                                                           dtype=dtype.name,
+                                                           cast="no such value" if cast is None
+                                                           else f"it would pad with {cast.item()!r}"))
 
 
 class ZeroPad1D(_Pad):

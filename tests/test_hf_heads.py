@@ -44,9 +44,12 @@ CONFIGS = {
                                                  "pad_token_id": PAD, "num_labels": 3, "max_position_embeddings": 16,
                                                  **k}),
     "Bert": lambda **k: transformers.BertConfig(**{**SMALL, "max_position_embeddings": 16, **k}),
+    "Gemma3Text": lambda **k: transformers.Gemma3TextConfig(**{**SMALL, "num_key_value_heads": 2, "head_dim": 4,
+                                                               "sliding_window": 4, **k}),
 }
 CLASSES = ["LlamaForSequenceClassification", "LlamaForTokenClassification", "GPT2ForSequenceClassification", "GPT2ForTokenClassification", "OPTForSequenceClassification",
-           "BertForSequenceClassification", "BertForTokenClassification", "BertForMaskedLM"]
+           "BertForSequenceClassification", "BertForTokenClassification", "BertForMaskedLM",
+           "Gemma3TextForSequenceClassification"]  # (named apart from its family's Gemma3ForCausalLM)
 
 
 def hf_model(name, **config):
@@ -337,3 +340,28 @@ def test_a_task_models_weights_under_a_config_naming_no_task_are_refused_naming_
     fixed = ft.nn.from_hf({**hf.config.to_dict(), "architectures": ["LlamaForSequenceClassification"]},
                           hf.state_dict())  # the message's fix
     close(fixed(IDS, MASK), np.asarray(model(IDS, MASK)))
+
+
+def test_a_task_model_inside_a_model_of_yours_writes_and_reads_hfs_names_under_its_attribute(ported):
+    """torch_state_dict / load_torch_state_dict of a model holding a task model: HF's names
+    (the masked LM's tied decoder copies too) under its attribute, as torch's state_dict();
+    ft.nn.lora's patterns read HF's names."""
+    _, mlm = ported["BertForMaskedLM"]
+
+    class Holder(ft.Module):
+        mlm: object
+        extra: object
+
+        def __init__(self, mlm, extra):
+            self.mlm, self.extra = mlm, extra
+
+    held = Holder(mlm, ft.nn.Dense(2, 2, key=jax.random.key(1)))
+    weights = ft.nn.torch_state_dict(held, numpy=True)
+    assert {"mlm.cls.predictions.decoder.weight", "mlm.bert.embeddings.word_embeddings.weight",
+            "extra.weight"} <= set(weights)
+    loaded = ft.nn.load_torch_state_dict(Holder(mlm.replace(cls=jax.tree.map(jnp.zeros_like, mlm.cls)),
+                                                ft.nn.Dense(2, 2, key=jax.random.key(2))), weights)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(held)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    adapted = ft.nn.lora(mlm, "*.query", rank=2, key=jax.random.key(3))
+    assert type(adapted.body.encoder.layer.layers.attention.query_projection).__name__ == "LoraDense"

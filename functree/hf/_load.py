@@ -45,7 +45,7 @@ from functree.hf._files import (
     read_weights,
     refuse_quantized,
 )
-from functree.hf._heads import check_head_tensors, with_head_dropout  # (defines the task classes: TASKS)
+from functree.hf._heads import check_head_tensors, with_head_dropout  # (defines TASKS)
 from functree.hf._options import causal
 from functree.interop._ports import PORTS, Port
 from functree.interop._safetensors import INDEX_NAME, SINGLE_NAME

@@ -309,6 +309,11 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
         "clip_grad_norm_": ("torch's clip_grad_norm_ clips in place after backward(); here clipping is a "
                             "transformation chained before the optimizer",
                             "optax.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adam(1e-3))"),
+        "CosineSimilarity": ("torch's nn.CosineSimilarity is the function ft.nn.cosine_similarity here (over the "
+                             "last axis by default: torch's dim=1 is axis=1)",
+                             "ft.nn.cosine_similarity(x1, x2, axis=-1, eps=1e-8)"),
+        "PairwiseDistance": ("torch's nn.PairwiseDistance is the function ft.nn.pairwise_distance here",
+                             "ft.nn.pairwise_distance(x1, x2, p=2.0, eps=1e-6)"),
         # torch's 1d/2d/3d image and sequence layers: ft.nn's 1D/2D/3D, channels last
         **{f"{base}{n}d": (f"torch's nn.{base}{n}d is ft.nn.{base}{n}D here (channels last: [..., "
                            f"{('length', 'height, width', 'depth, height, width')[n - 1]}, channels]{note})",
@@ -336,11 +341,6 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
                         'ft.nn.Upsample2D(size=(8, 8), mode="bilinear")'),
         "pad": ("torch's F.pad is jnp.pad here (or a layer: ft.nn.ZeroPad2D, ReflectionPad2D... pairs per axis in "
                 "the input's order)", "ft.nn.ReflectionPad2D(((1, 1), (2, 2)))"),
-        "CosineSimilarity": ("torch's nn.CosineSimilarity is the function ft.nn.cosine_similarity here (over the "
-                             "last axis by default: torch's dim=1 is axis=1)",
-                             "ft.nn.cosine_similarity(x1, x2, axis=-1, eps=1e-8)"),
-        "PairwiseDistance": ("torch's nn.PairwiseDistance is the function ft.nn.pairwise_distance here",
-                             "ft.nn.pairwise_distance(x1, x2, p=2.0, eps=1e-6)"),
         "Rngs": ("Flax NNX's nnx.Rngs is not needed: layers take key= at construction, and Dropout a key per call",
                  "ft.nn.Dense(4, 3, key=jax.random.key(0));  model(x, key=jax.random.fold_in(key, step))"),
     },
@@ -366,7 +366,8 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
 
 def missing_module_attribute(package: str, name: str) -> AttributeError:
     """The error for ``ft.<name>`` (``ft.nn.<name>``) that the package lacks: another
-    library's name (:data:`FOREIGN_FUNCTIONS`) with functree's way, else Python's own message.
+    library's name (:data:`FOREIGN_FUNCTIONS`) with functree's way, else Python's own message
+    with up to three public names like it (``ft.paths``: ``ft.all_key_paths``, ...).
 
     Example:
       >>> import functree as ft
@@ -376,10 +377,49 @@ def missing_module_attribute(package: str, name: str) -> AttributeError:
       AttributeError: module 'functree' has no attribute 'filter_jit': Equinox's eqx.filter_jit is ft.jit here ...
     """
     found = FOREIGN_FUNCTIONS.get(package, {}).get(name)
-    if found is None:
+    if found is None and name.startswith("_"):  # a probe (__wrapped__, _repr_html_): Python's own message
         return AttributeError(f"module {package!r} has no attribute {name!r}")
+    if found is None:
+        public = _public_names(package)
+        close = _close_names(name, public)
+        short = {"functree": "ft"}.get(package, package.replace("functree.", "ft."))
+        hint = "" if not close else ": did you mean " + ", ".join(f"{short}.{n}" for n in close) + "?"
+        error = AttributeError(f"module {package!r} has no attribute {name!r}{hint}")
+        # Python's own "Did you mean" reads dir(obj): the package's public names only, never
+        # a private module (ft.paths suggested functree._paths, the module of key paths).
+        error.name, error.obj = name, _PublicNames(public)
+        return error
     what, right = found
     return AttributeError(FOREIGN_FUNCTION.format(package=package, name=name, what=what, right=right))
+
+
+class _PublicNames:
+    """An object whose ``dir()`` is a package's public names (Python's suggestions read it)."""
+
+    def __init__(self, names: list[str]):
+        self._names = names
+
+    def __dir__(self) -> list[str]:
+        return list(self._names)
+
+
+def _public_names(package: str) -> list[str]:
+    import sys
+
+    module = sys.modules.get(package)
+    names = getattr(module, "__all__", None)
+    return sorted(str(n) for n in names) if names is not None else []
+
+
+def _close_names(name: str, public: list[str]) -> list[str]:
+    """Up to three public names like ``name``: those containing it (``paths`` ->
+    ``all_key_paths``), then the closest spellings."""
+    import difflib
+
+    lowered = name.lower().strip("_")
+    within = [n for n in public if len(lowered) >= 3 and lowered in n.lower()]
+    spelled = difflib.get_close_matches(name, public, n=3, cutoff=0.75)
+    return list(dict.fromkeys([*within[:3], *spelled]))[:3]
 
 
 def missing_attribute(obj: Any, name: str, table: dict[str, tuple[str, str, str]] = FOREIGN_METHODS) -> AttributeError:

@@ -455,6 +455,7 @@ def small_weights():
 
 @settings(max_examples=examples(8), deadline=None, suppress_health_check=FIXTURES)
 @given(config=configs(["llama", "gpt2"]))
+@example(config={k: v for k, v in _small("gpt2").items() if k != "n_head"})  # HF's 12 heads do not divide 16
 def test_a_mutated_config_json_builds_from_its_weights_or_is_refused_by_name(small_weights, config):
     """Beyond reading: the config read and the model built from the tiny model's weights
     (``"rope_theta": []`` read, then a bare TypeError in the build; a negative size one from
@@ -520,6 +521,22 @@ def test_a_size_that_is_not_positive_or_past_any_shape_is_refused_naming_it(mode
     with pytest.raises(ValueError, match=r"the llama config's 'head_dim' is 288230376151711744 \(times "
                                          r"num_attention_heads 4: 1152921504606846976 features\); a size"):
         Config.of({**_small("llama"), "head_dim": 2**58})  # each size below the bound, their product past it
+
+
+@pytest.mark.parametrize("model_type", sorted(SMALL))
+def test_heads_that_do_not_divide_the_hidden_size_are_refused_naming_both(model_type):
+    """GPT-2, OPT, BERT and GPT-NeoX split the hidden size into equal heads (HF refuses
+    another count): 12 heads (GPT-2's default, the key left out) of 16 features was
+    ft.nn.MultiheadAttention's error, naming neither key and offering its own fix."""
+    from functree.hf._files import ALIASES, Config, read_config
+
+    heads = ALIASES.get(model_type, {}).get("num_attention_heads", "num_attention_heads")
+    hidden = ALIASES.get(model_type, {}).get("hidden_size", "hidden_size")
+    with pytest.raises(ValueError, match=rf"(?s)^ft.nn.from_hf: the {model_type} config's '{hidden}' \(16\) is not a "
+                                         rf"multiple of its '{heads}' \(12\).*wrong:  \"{hidden}\": 16, \"{heads}\": 12\n"
+                                         rf"    right:  \"{heads}\": 8 "):
+        read_config({**_small(model_type), heads: 12})
+    assert Config.of({**_small(model_type), heads: 12})  # HF's config class takes it; its attention does not
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "gpt_neox"])

@@ -141,6 +141,18 @@ unrepresentable dimension) or divide by zero, and no checkpoint has such weights
     right:  "{key}": {right}        # the checkpoint's own ({why}: leave the key out)
 """
 
+HEADS_DO_NOT_DIVIDE = """\
+ft.nn.from_hf: the {model_type} config's {hidden!r} ({size}) is not a multiple of its {heads!r} \
+({count}): Hugging Face's {model_type} attention splits the hidden size into equal heads and \
+refuses this config ("embed_dim must be divisible by num_heads"), so no checkpoint has its weights.
+
+    wrong:  "{hidden}": {size}, "{heads}": {count}
+    right:  "{heads}": {right}        # the checkpoint's own: a divisor of {size}
+"""
+
+# The families whose HF attention splits the hidden size into equal heads (no head_dim of its own).
+EQUAL_HEADS = ("gpt2", "opt", "bert", "gpt_neox")
+
 ROPE_VALUE = """\
 ft.nn.from_hf: the {model_type} config's {key} (at its top level or in rope_parameters / \
 rope_scaling{where}) is {value!r} (a {kind}); a rotary embedding reads {expected} there. Read \
@@ -187,9 +199,9 @@ def read_config(source: Any) -> Any:
     if isinstance(source, Mapping):
         if "model_type" not in source:
             raise ValueError(BAD_CONFIG.format(given=f"a dict without 'model_type' (keys {sorted(source)[:6]})"))
-        return Config.of(source)
+        return _buildable(Config.of(source))
     if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
-        return Config.of(_read_json(source))
+        return _buildable(Config.of(_read_json(source)))
     if not hasattr(source, "model_type"):
         raise ValueError(BAD_CONFIG.format(given=type(source).__name__ if not isinstance(source, (str, os.PathLike))
                                            else f"{os.fspath(source)!r}, not a directory"))
@@ -716,6 +728,24 @@ def _check_sizes(model_type: str, values: Mapping[str, Any]) -> None:
         count = values.get(key)
         if _an_integer(count) and _an_integer(head) and count * head >= _LARGEST:
             raise _bad_size(model_type, "head_dim", head, f" (times {key} {count}: {count * head} features)")
+
+
+def _buildable(config: Config) -> Config:
+    """``config``, refused (:data:`HEADS_DO_NOT_DIVIDE`) where it is a family of :data:`EQUAL_HEADS`
+    whose heads do not divide its hidden size: HF's config class takes it, its attention
+    refuses it (was ft.nn.MultiheadAttention's error, naming neither key, its fix not the config's)."""
+    values = config.to_dict()
+    model_type = values.get("model_type")
+    if model_type not in EQUAL_HEADS:
+        return config
+    names = ALIASES.get(model_type, {})
+    hidden, heads = names.get("hidden_size", "hidden_size"), names.get("num_attention_heads", "num_attention_heads")
+    size, count = values.get(hidden), values.get(heads)
+    if _an_integer(size) and _an_integer(count) and count > 0 and size % count:
+        right = next((k for k in range(min(count, size), 0, -1) if size % k == 0), 1) if count <= 4096 else 1
+        raise ValueError(HEADS_DO_NOT_DIVIDE.format(model_type=model_type, hidden=hidden, heads=heads, size=size,
+                                                    count=count, right=right))
+    return config
 
 
 _LARGEST = 2**60  # a size's bound: a weight's dimension is at most a few sizes' product (GPT-2's 4 * n_embd)

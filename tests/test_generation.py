@@ -743,10 +743,16 @@ def test_errors(tiny):
     for top_k in (-1, 1.5, True):
         with pytest.raises(ValueError, match=rf"top_k must be an int >= 0 (.|\n)*got {top_k}"):
             generate(model, prompt, 4, temperature=1.0, top_k=top_k, key=key)
-    with pytest.raises(ValueError, match=r"eos_token_id must be a token id \(an int >= 0\) or a list of them, got -1"):
+    token = r"must be a token id \(an int from 0 to 2\*\*31 - 1: the tokens are int32\)"
+    with pytest.raises(ValueError, match=rf"eos_token_id {token} or a list of them, got -1"):
         generate(model, prompt, 4, eos_token_id=-1)
-    with pytest.raises(ValueError, match=r"pad_token_id must be a token id \(an int >= 0\), got \[1\]"):
+    with pytest.raises(ValueError, match=rf"pad_token_id {token}, got \[1\]"):
         generate(model, prompt, 4, eos_token_id=2, pad_token_id=[1])  # pyright: ignore[reportArgumentType]
+    # An id past int32 (a generation_config.json's pad id): was a bare OverflowError at the loop's set-up.
+    with pytest.raises(ValueError, match=rf"pad_token_id {token}, got 2147483648"):
+        generate(model, prompt, 4, pad_token_id=2**31)
+    with pytest.raises(ValueError, match=rf"eos_token_id {token} or a list of them, got \[2, 4294967296\]"):
+        generate(model, prompt, 4, eos_token_id=[2, 2**32])
 
     with pytest.raises(ValueError, match=r"repetition_penalty must be a number > 0 \(1.0: none(.|\n)*got 0"):
         generate(model, prompt, 4, repetition_penalty=0)
@@ -754,7 +760,7 @@ def test_errors(tiny):
         generate(model, prompt, 4, eos_token_id=1, min_new_tokens=5)
     with pytest.raises(ValueError, match=r"min_new_tokens=2 keeps eos_token_id(.|\n)*but no eos_token_id is given"):
         generate(model, prompt, 4, min_new_tokens=2)
-    bad_stops: list[Any] = [[13, 198], [[]], [[1, -1]], "ab"]
+    bad_stops: list[Any] = [[13, 198], [[]], [[1, -1]], "ab", [[2**31]]]
     for stop in bad_stops:
         with pytest.raises(ValueError, match=r"stop must be a list of token-id sequences(.|\n)*stop=\[\[13, 198\]\]"):
             generate(model, prompt, 4, stop=stop, pad_token_id=0)

@@ -63,7 +63,8 @@ none), got {given!r}.
     right:  ft.nn.generate(model, input_ids, 8, no_repeat_ngram_size=3)"""
 
 BAD_TOKEN_ID = """\
-generate: {name} must be a token id (an int >= 0){plural}, got {given!r}.
+generate: {name} must be a token id (an int from 0 to 2**31 - 1: the tokens are int32){plural}, \
+got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, {name}={example})"""
 
@@ -87,7 +88,7 @@ new tokens, but no eos_token_id is given (nothing to hold back).
 
 BAD_STOP = """\
 generate: {name} must be a list of token-id sequences, each a non-empty list of token ids (ints \
->= 0), got {given!r}.
+from 0 to 2**31 - 1), got {given!r}.
 
     wrong:  ft.nn.generate(model, input_ids, 8, {name}=[13, 198])      # one sequence or two?
     right:  ft.nn.generate(model, input_ids, 8, {name}=[[13, 198]])    # the pair 13, 198
@@ -890,13 +891,18 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
 
 
+def _is_token(v: Any) -> bool:
+    """An int id an int32 token array holds (2**31 or more overflowed deep in the loop's set-up)."""
+    return is_int(v) and 0 <= v < 2**31
+
+
 def token_ids(value: Any, name: str, single: bool = False) -> tuple[int, ...]:
     """``value`` (an id or a list of ids; None: none) as a tuple, or :data:`BAD_TOKEN_ID`."""
     if value is None:
         return ()
     values = [value] if single or isinstance(value, (int, np.integer)) else value
     try:
-        ok = (len(values) >= 1 or not single) and all(is_int(v) and v >= 0 for v in values)
+        ok = (len(values) >= 1 or not single) and all(_is_token(v) for v in values)
     except TypeError:
         ok = False
     if not ok:
@@ -911,7 +917,7 @@ def token_sequences(value: Any, name: str = "stop") -> tuple[tuple[int, ...], ..
         return ()
     try:
         ok = not isinstance(value, (str, bytes)) and len(value) >= 1 and all(
-            not isinstance(s, (str, bytes)) and len(s) >= 1 and all(is_int(i) and i >= 0 for i in s) for s in value
+            not isinstance(s, (str, bytes)) and len(s) >= 1 and all(_is_token(i) for i in s) for s in value
         )
     except TypeError:  # an int where a sequence belongs
         ok = False
